@@ -1,0 +1,30 @@
+# Two commands: `make demo` and `make test`. Both create .venv on first use and reuse it after.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: demo test lint clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# Prefer a CPU build of torch on a machine without an NVIDIA GPU (the wheel is ~10x smaller).
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install "torch>=2.11,<2.15"; \
+	  else $(BIN)/pip install "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu --retries 0 --timeout 10 \
+	       || $(BIN)/pip install "torch==2.13.0"; fi; fi
+	$(BIN)/pip install -e ".[test]"
+	@rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(STAMP)
+	$(BIN)/reinforge demo
+
+# pytest exits 5 when it collects nothing; that is not a failure of the code under test.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check reinforge tests benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,3 @@
+from reinforge.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Load a run's configuration: dataclass defaults, then a YAML file, then ``a.b=c`` overrides.
+
+OmegaConf does the merging and type coercion. Before merging, every key is checked against
+the schema so a typo fails with the closest valid key ("did you mean actor.optim.lr?"), and
+a value of the wrong type names the key, the value, where it came from, and the type the
+schema expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from reinforge.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration a person must fix; the message says what and how."""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {field.name: hints[field.name] for field in dataclasses.fields(cls)}
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema mapped to its annotation (sections included)."""
+    keys: dict[str, Any] = {}
+    for name, annotation in _field_types(cls).items():
+        dotted = f"{prefix}{name}"
+        keys[dotted] = annotation
+        inner = _unwrap_optional(annotation)
+        if dataclasses.is_dataclass(inner):
+            keys.update(schema_keys(inner, prefix=f"{dotted}."))
+    return keys
+
+
+def _type_name(annotation: Any) -> str:
+    inner = _unwrap_optional(annotation)
+    name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
+    if typing.get_origin(inner) is list:
+        name = f"list[{_type_name(typing.get_args(inner)[0])}]"
+    elif typing.get_origin(inner) is dict:
+        name = "mapping"
+    return f"{name} or null" if inner is not annotation else name
+
+
+def suggest_key(unknown: str, known: Iterable[str]) -> str | None:
+    """The valid key a person most likely meant: same section first, initials (learning_rate -> lr) too."""
+    known = list(known)
+    section, _, leaf = unknown.rpartition(".")
+    siblings = {key.rpartition(".")[2]: key for key in known if key.rpartition(".")[0] == section}
+    initials = "".join(part[0] for part in leaf.split("_") if part)
+    if len(leaf.split("_")) > 1 and initials in siblings:
+        return siblings[initials]
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return siblings[close[0]]
+    close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], prefix: str = "") -> None:
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if dotted not in known:
+            close = suggest_key(dotted, known)
+            hint = f"; did you mean {close}?" if close else "; the valid keys are in reinforge/config/defaults.yaml"
+            raise ConfigError(f"unknown key {dotted} ({source}){hint}")
+        annotation = known[dotted]
+        inner = _unwrap_optional(annotation)
+        if dataclasses.is_dataclass(inner):
+            if isinstance(value, Mapping):
+                _check_keys(value, source, known, prefix=f"{dotted}.")
+            elif value is not None:
+                raise ConfigError(f"{dotted}={value!r} ({source}) is a section; set its keys, e.g. {dotted}.<key>=...")
+
+
+def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. actor.optim.lr=1e-6")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("+")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} (command line) sets a key below a value")
+        node[parts[-1]] = value
+    return tree
+
+
+def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[str, Any]) -> Any:
+    _check_keys(tree, source, known)
+    for dotted, value in _flatten(tree):
+        try:
+            OmegaConf.update(base, dotted, value, merge=True)
+        except OmegaConfBaseException as error:
+            expected = _type_name(known[dotted]) if dotted in known else "another type"
+            raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}") from error
+    return base
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    known = schema_keys()
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        annotation = known.get(dotted)
+        is_section = annotation is not None and dataclasses.is_dataclass(_unwrap_optional(annotation))
+        if isinstance(value, Mapping) and is_section:
+            yield from _flatten(value, prefix=f"{dotted}.")
+        else:
+            yield dotted, value
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True) -> Config:
+    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``a.b=c`` strings)."""
+    known = schema_keys()
+    merged = OmegaConf.structured(Config)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
+        with open(path) as handle:
+            try:
+                tree = yaml.safe_load(handle) or {}
+            except yaml.YAMLError as error:
+                raise ConfigError(f"{path} is not valid YAML: {error}") from error
+        if not isinstance(tree, Mapping):
+            raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), not {type(tree).__name__}")
+        merged = _merge_layer(merged, tree, f"from {path.name}", known)
+    overrides = list(overrides)
+    if overrides:
+        merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known)
+    config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if validate:
+        from reinforge.config.validate import validate_config
+
+        validate_config(config)
+    return config
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (what a run records)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(path.suffix + ".tmp")
+    temporary.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    temporary.replace(path)

@@ -1,0 +1,253 @@
+"""The typed configuration schema: the one place where every default lives.
+
+Each section is a dataclass; the docstring under a field says what it does. YAML files and
+``a.b=c`` overrides only state what differs (see ``reinforge.config.loader``). Cross-field
+rules live in ``reinforge.config.validate`` and run before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet or JSONL files, or folders saved with ``datasets.save_to_disk``; rows in verl's schema."""
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    train_batch_size: int = 8
+    """Prompts per step. Each is sampled rollout.n times."""
+    val_batch_size: Optional[int] = None
+    """Prompts per validation generation call; None takes the whole validation set at once."""
+    max_prompt_length: int = 512
+    """Prompt tokens after the chat template."""
+    max_response_length: int = 256
+    """Generated tokens per sample."""
+    filter_overlong_prompts: bool = True
+    """Drop prompts longer than max_prompt_length (and report how many) instead of truncating."""
+    truncation: str = "error"
+    """What to do with an overlong prompt that was not filtered: error, left or right."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template that overrides the tokenizer's own."""
+    apply_chat_template: bool = True
+    """False feeds string prompts to the tokenizer as they are."""
+    shuffle: bool = True
+    seed: int = 1
+    """Seed of the data order (reproducible and resumable)."""
+    max_train_samples: Optional[int] = None
+    max_val_samples: Optional[int] = None
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local folder or hub id of an AutoModelForCausalLM."""
+    tokenizer_path: Optional[str] = None
+    """Defaults to model.path."""
+    dtype: str = "auto"
+    """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Linear warmup from 0 over this many optimizer steps."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of all optimizer steps; used when warmup_steps is 0."""
+    schedule: str = "constant"
+    """constant or cosine (after warmup)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of lr."""
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """A name in reinforge.algorithms.POLICY_LOSSES (vanilla, gspo, gpg, clip_cov, kl_cov, geo_mean, cispo, sapo)."""
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    """Defaults to clip_ratio."""
+    clip_ratio_high: Optional[float] = None
+    """Defaults to clip_ratio; DAPO's clip-higher uses 0.28."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (> 1)."""
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
+    tau_pos: float = 1.0
+    """SAPO gate temperature for positive advantages."""
+    tau_neg: float = 1.05
+    """SAPO gate temperature for negative advantages."""
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    ppo_epochs: int = 1
+    mini_batch_size: Optional[int] = None
+    """Prompts per optimizer step; None is the whole batch (one on-policy step per training step)."""
+    max_tokens_per_micro_batch: int = 16384
+    """Token budget of one forward/backward; micro-batches are formed from it."""
+    grad_clip: float = 1.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    shuffle: bool = False
+    """Shuffle samples between mini-batches."""
+
+
+@dataclass
+class ValSamplingConfig:
+    n: int = 1
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"
+    """Engine backend: hf (transformers generate) or native."""
+    n: int = 8
+    """Samples per prompt. Group estimators (grpo, rloo, ...) need n >= 2."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra stop tokens; the tokenizer's EOS always stops."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of free device memory the native engine may use for its KV cache."""
+    val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+
+
+@dataclass
+class RefConfig:
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Defaults to actor.max_tokens_per_micro_batch."""
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None
+    """None enables the critic exactly when algorithm.adv_estimator is gae."""
+    model_path: Optional[str] = None
+    """Defaults to model.path (a value head is added)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    ppo_epochs: Optional[int] = None
+    """Defaults to actor.ppo_epochs."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Defaults to actor.max_tokens_per_micro_batch."""
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    """Steps that train only the critic before the actor starts updating."""
+
+
+@dataclass
+class RewardConfig:
+    custom_function: Optional[str] = None
+    """path/to/file.py:function, called for every sample instead of the built-in scorer."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the scorer."""
+    fallback_score: float = 0.0
+    """Score of a sample whose scorer raised or timed out."""
+    timeout_s: float = 10.0
+    num_workers: int = 4
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """fixed or adaptive."""
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str] = None
+    """None, token or sequence: truncated importance weights rollout -> training policy."""
+    rollout_is_threshold: float = 2.0
+    rollout_rs: Optional[str] = None
+    """Comma list of rejection rules (token_k1, seq_mean_k3, ...); None disables."""
+    rollout_rs_threshold: float = 2.0
+    bypass_mode: bool = False
+    """Use the rollout log-probs as old log-probs (skip the recomputation)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """A name in reinforge.algorithms.ADVANTAGE_ESTIMATORS."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+    """GRPO divides by the group std; False gives Dr. GRPO."""
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "runs/default"
+    """The run folder: resolved config, metrics.jsonl, checkpoints, samples, plots."""
+    total_epochs: int = 1
+    total_steps: Optional[int] = None
+    """Stop after this many steps; None runs total_epochs over the data."""
+    seed: int = 1
+    device: str = "auto"
+    """auto (cuda when available), cuda or cpu."""
+    backend: str = "local"
+    """local (workers in this process) or ray."""
+    val_before_train: bool = True
+    test_every: int = 0
+    """Validate every this many steps (and at the end); 0 validates only before and after."""
+    save_every: int = 0
+    """Checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints to keep."""
+    resume: str = "auto"
+    """auto (latest checkpoint in output_dir), never, or a checkpoint path."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Any of console, jsonl, tensorboard, wandb, mlflow."""
+    project_name: str = "reinforge"
+    experiment_name: str = "default"
+    num_logged_samples: int = 4
+    """Generations written to samples.jsonl per step."""
+    call_timeout_s: float = 3600.0
+    """Deadline of one worker-group call."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,101 @@
+"""One update of a model over a batch: epochs x mini-batches x token-budget micro-batches.
+
+Shared by the actor, the critic and the SFT trainer. The loss of each micro-batch is
+normalised by the *global* counts of its mini-batch (tokens and sequences across all
+micro-batches and data-parallel ranks), so that summing micro-batch gradients gives exactly
+the mini-batch gradient whatever the split. A step whose gradient norm is not finite is
+skipped (and counted), never applied.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from reinforge.algorithms import LossNormalizer
+from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.protocol import Batch
+
+MicroLossFn = Callable[[Batch, LossNormalizer], tuple[Tensor, dict[str, float]]]
+"""(micro-batch, normaliser of its mini-batch) -> (loss to backpropagate, metrics of the micro-batch).
+
+Metrics whose name ends in ``_loss`` are already normalised by the mini-batch's global counts:
+they are summed over its micro-batches (giving the mini-batch's loss), then averaged over
+optimizer steps. Other metrics are averaged with weights equal to each micro-batch's tokens.
+"""
+
+
+@dataclass
+class UpdateSettings:
+    num_mini_batches: int = 1
+    epochs: int = 1
+    max_tokens_per_micro_batch: int = 16384
+    grad_clip: float = 1.0
+    shuffle: bool = False
+    seed: int = 0
+    mask_key: str = "response_mask"
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def mini_batch_normalizer(mini_batch: Batch, mask_key: str, device: torch.device) -> LossNormalizer:
+    mask = mini_batch[mask_key]
+    num_tokens, num_sequences = _all_reduce_sum(
+        [float(mask.sum()), float((mask.sum(-1) > 0).sum())], device)
+    return LossNormalizer(num_tokens=num_tokens, num_sequences=num_sequences, max_response_length=mask.shape[1])
+
+
+def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               batch: Batch, loss_fn: MicroLossFn, settings: UpdateSettings, device: torch.device) -> dict[str, float]:
+    """Run the optimizer steps of one training step; returns metrics averaged over them."""
+    sums: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    loss_sums: dict[str, float] = defaultdict(float)
+    num_steps = 0
+    grad_norms: list[float] = []
+    num_skipped = 0
+    generator = torch.Generator().manual_seed(settings.seed)
+    for _ in range(settings.epochs):
+        order = torch.randperm(len(batch), generator=generator) if settings.shuffle else torch.arange(len(batch))
+        for mini_rows in order.chunk(settings.num_mini_batches):
+            mini_batch = batch.index(mini_rows)
+            normalizer = mini_batch_normalizer(mini_batch, settings.mask_key, device)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in split_by_token_budget(mini_batch, settings.max_tokens_per_micro_batch):
+                micro = micro.to(device)
+                loss, metrics = loss_fn(micro, normalizer)
+                loss.backward()
+                weight = float(micro[settings.mask_key].sum())
+                for key, value in metrics.items():
+                    if key.endswith("_loss"):
+                        loss_sums[key] += float(value)
+                    else:
+                        sums[key] += float(value) * weight
+                        weights[key] += weight
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                num_skipped += 1
+            scheduler.step()
+            grad_norms.append(float(grad_norm))
+            num_steps += 1
+    optimizer.zero_grad(set_to_none=True)
+    result = {key: sums[key] / max(weights[key], 1e-12) for key in sums}
+    result |= {key: value / max(num_steps, 1) for key, value in loss_sums.items()}
+    finite = [g for g in grad_norms if g == g and g != float("inf")]
+    result["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+    result["num_skipped_steps"] = float(num_skipped)
+    result["lr"] = scheduler.get_last_lr()[0]
+    return result

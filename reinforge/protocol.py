@@ -1,0 +1,224 @@
+"""Batch: the unit of data that flows between the controller and the workers.
+
+A Batch holds tensors that share a first (batch) dimension, non-tensor columns
+(numpy object arrays such as uids, ground truths or data sources) aligned with
+them, and a free-form ``meta`` dict for values that describe the whole batch
+(temperature, global token counts, ...).
+
+We keep a small class of our own rather than TensorDict: the operations we need
+(split with padding, interleaved repeat, union, mask) are a few lines each, and
+a plain dict of tensors pickles efficiently (torch shares storage in pickles).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def _as_object_array(values: Any) -> np.ndarray:
+    if isinstance(values, np.ndarray) and values.dtype == object:
+        return values
+    array = np.empty(len(values), dtype=object)
+    for index, value in enumerate(values):
+        array[index] = value
+    return array
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.non_tensors = {key: _as_object_array(value) for key, value in self.non_tensors.items()}
+        self._check_lengths()
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def from_dict(
+        cls,
+        tensors: Mapping[str, Tensor] | None = None,
+        non_tensors: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Batch:
+        return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta or {}))
+
+    def _check_lengths(self) -> None:
+        lengths = {key: value.shape[0] for key, value in self.tensors.items()}
+        lengths |= {key: len(value) for key, value in self.non_tensors.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"Batch columns disagree on the batch size: {lengths}")
+
+    # ---- basic access --------------------------------------------------------------
+    def __len__(self) -> int:
+        for value in self.tensors.values():
+            return value.shape[0]
+        for value in self.non_tensors.values():
+            return len(value)
+        return 0
+
+    def keys(self) -> list[str]:
+        return [*self.tensors, *self.non_tensors]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.non_tensors
+
+    def __getitem__(self, item: str | Tensor | slice | Sequence[int]) -> Any:
+        if isinstance(item, str):
+            if item in self.tensors:
+                return self.tensors[item]
+            if item in self.non_tensors:
+                return self.non_tensors[item]
+            raise KeyError(f"Batch has no column {item!r}; it has {sorted(self.keys())}")
+        return self.index(item)
+
+    def __setitem__(self, key: str, value: Tensor | Sequence[Any] | np.ndarray) -> None:
+        if len(self.keys()) > 0 and len(value) != len(self):
+            raise ValueError(f"column {key!r} has {len(value)} rows but the batch has {len(self)}")
+        if isinstance(value, Tensor):
+            self.non_tensors.pop(key, None)
+            self.tensors[key] = value
+        else:
+            self.tensors.pop(key, None)
+            self.non_tensors[key] = _as_object_array(value)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    # ---- row operations ----------------------------------------------------------------
+    def index(self, rows: Tensor | slice | Sequence[int]) -> Batch:
+        """Rows picked by a boolean mask, an index tensor/list, or a slice."""
+        if isinstance(rows, slice):
+            tensor_rows: Any = rows
+            numpy_rows: Any = rows
+        else:
+            rows_tensor = torch.as_tensor(rows)
+            if rows_tensor.dtype == torch.bool:
+                if rows_tensor.shape[0] != len(self):
+                    raise ValueError(f"mask has {rows_tensor.shape[0]} rows but the batch has {len(self)}")
+                rows_tensor = rows_tensor.nonzero(as_tuple=True)[0]
+            tensor_rows = rows_tensor.long()
+            numpy_rows = tensor_rows.cpu().numpy()
+        return Batch(
+            {key: value[tensor_rows.to(value.device) if isinstance(tensor_rows, Tensor) else tensor_rows]
+             for key, value in self.tensors.items()},
+            {key: value[numpy_rows] for key, value in self.non_tensors.items()},
+            dict(self.meta),
+        )
+
+    def select(self, keys: Iterable[str], meta_keys: Iterable[str] | None = None) -> Batch:
+        keys = list(keys)
+        missing = [key for key in keys if key not in self]
+        if missing:
+            raise KeyError(f"Batch has no column(s) {missing}; it has {sorted(self.keys())}")
+        meta = self.meta if meta_keys is None else {key: self.meta[key] for key in meta_keys}
+        return Batch(
+            {key: self.tensors[key] for key in keys if key in self.tensors},
+            {key: self.non_tensors[key] for key in keys if key in self.non_tensors},
+            dict(meta),
+        )
+
+    def pop(self, keys: Iterable[str]) -> Batch:
+        """Remove the columns and return them as their own batch."""
+        popped = self.select(keys, meta_keys=[])
+        for key in popped.keys():
+            self.tensors.pop(key, None)
+            self.non_tensors.pop(key, None)
+        return popped
+
+    def union(self, other: Batch) -> Batch:
+        """Columns of both; a column present in both must hold the same values."""
+        if len(self.keys()) and len(other.keys()) and len(self) != len(other):
+            raise ValueError(f"cannot union batches of {len(self)} and {len(other)} rows")
+        tensors = dict(self.tensors)
+        for key, value in other.tensors.items():
+            if key in tensors and not (tensors[key].shape == value.shape and torch.equal(tensors[key], value)):
+                raise ValueError(f"union: column {key!r} differs between the two batches")
+            tensors[key] = value
+        non_tensors = dict(self.non_tensors)
+        for key, value in other.non_tensors.items():
+            if key in non_tensors and not np.array_equal(non_tensors[key], value):
+                raise ValueError(f"union: column {key!r} differs between the two batches")
+            non_tensors[key] = value
+        return Batch(tensors, non_tensors, {**self.meta, **other.meta})
+
+    def __or__(self, other: Batch) -> Batch:
+        return self.union(other)
+
+    def repeat(self, times: int, interleave: bool = True) -> Batch:
+        """Each row ``times`` times: interleaved (a a b b) or tiled (a b a b)."""
+        if interleave:
+            tensors = {key: value.repeat_interleave(times, dim=0) for key, value in self.tensors.items()}
+            non_tensors = {key: np.repeat(value, times, axis=0) for key, value in self.non_tensors.items()}
+        else:
+            tensors = {key: value.repeat(times, *([1] * (value.dim() - 1))) for key, value in self.tensors.items()}
+            non_tensors = {key: np.tile(value, times) for key, value in self.non_tensors.items()}
+        return Batch(tensors, non_tensors, dict(self.meta))
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """Rows of all batches in order; meta comes from the first."""
+        if not batches:
+            raise ValueError("cannot concatenate an empty list of batches")
+        first = batches[0]
+        for other in batches[1:]:
+            if set(other.keys()) != set(first.keys()):
+                raise ValueError(f"cannot concatenate batches with columns {sorted(first.keys())} "
+                                 f"and {sorted(other.keys())}")
+        return Batch(
+            {key: torch.cat([b.tensors[key] for b in batches]) for key in first.tensors},
+            {key: np.concatenate([b.non_tensors[key] for b in batches]) for key in first.non_tensors},
+            dict(first.meta),
+        )
+
+    def split(self, num_chunks: int) -> list[Batch]:
+        """``num_chunks`` batches of equal size, padding with copies of the first rows.
+
+        The number of padding rows is kept in each chunk's ``meta['num_padding']`` (on the last
+        chunks) so that ``Batch.concat_unpadded`` can remove it after the workers answer.
+        """
+        if num_chunks < 1:
+            raise ValueError(f"cannot split into {num_chunks} chunks")
+        size = len(self)
+        chunk_size = -(-size // num_chunks)
+        num_padding = chunk_size * num_chunks - size
+        padded = self
+        if num_padding:
+            if size == 0:
+                raise ValueError("cannot pad an empty batch")
+            padding_rows = torch.arange(num_padding) % size
+            padded = Batch.concat([self, self.index(padding_rows)])
+        chunks = [padded.index(slice(i * chunk_size, (i + 1) * chunk_size)) for i in range(num_chunks)]
+        for chunk in chunks:
+            chunk.meta["num_padding"] = num_padding
+        return chunks
+
+    @staticmethod
+    def concat_unpadded(chunks: Sequence[Batch]) -> Batch:
+        """Inverse of ``split``: concatenate, then drop the padding rows added there."""
+        merged = Batch.concat(chunks)
+        num_padding = int(chunks[0].meta.get("num_padding", 0))
+        merged.meta.pop("num_padding", None)
+        if num_padding:
+            merged = merged.index(slice(0, len(merged) - num_padding))
+        return merged
+
+    def chunk_by_size(self, chunk_size: int) -> list[Batch]:
+        """Consecutive pieces of at most ``chunk_size`` rows (the last one may be smaller)."""
+        return [self.index(slice(start, start + chunk_size)) for start in range(0, len(self), chunk_size)]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch({key: value.to(device) for key, value in self.tensors.items()},
+                     dict(self.non_tensors), dict(self.meta))
+
+    def __repr__(self) -> str:
+        columns = [f"{key}: {tuple(value.shape)} {value.dtype}" for key, value in self.tensors.items()]
+        columns += [f"{key}: ({len(value)},) object" for key, value in self.non_tensors.items()]
+        return f"Batch({len(self)} rows; " + ", ".join(columns) + f"; meta={sorted(self.meta)})"

@@ -1,0 +1,78 @@
+"""The rollout-engine interface: token ids in, token ids and log-probs out.
+
+Every backend (``hf`` wrapping transformers' ``generate``, ``native`` with its paged KV
+cache) implements :class:`RolloutEngine`. Text never crosses this boundary: callers
+tokenize once, and the engine returns exactly the ids it sampled together with the
+log-probability of each sampled token under the distribution it sampled from (after
+temperature, before top-p/top-k truncation), so the trainer can measure the
+rollout/training mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    """Upper bound on generated tokens per sample."""
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) disables top-k."""
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation ends after any of these (the stop token is kept in the output)."""
+    ignore_eos: bool = False
+    """Keep generating past stop tokens until max_tokens (benchmarks)."""
+    n: int = 1
+    """Samples per request; they share the prompt's prefill where the backend can."""
+    seed: int | None = None
+    """Per-request seed: the same seed and prompt give the same samples."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerationRequest:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+
+@dataclass
+class Completion:
+    """One sample: the generated ids and the log-prob of each under the sampling distribution."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    """'stop' (a stop token was produced) or 'length' (max_tokens reached)."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the actor-rollout worker needs from a generation backend."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Completions for each request (``request.sampling.n`` of them), in request order."""
+        ...
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Make the engine generate with the current parameters of ``model``."""
+        ...
+
+    def wake_up(self) -> None:
+        """Allocate generation memory (KV cache) before a rollout."""
+        ...
+
+    def sleep(self) -> None:
+        """Free generation memory after a rollout so training gets it back."""
+        ...

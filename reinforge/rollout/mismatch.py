@@ -1,0 +1,27 @@
+"""How far the rollout engine's token probabilities are from the trainer's recomputed ones.
+
+Engines and trainers compute the same distribution with different kernels and precisions;
+the gap biases the policy gradient (see rollout correction in reinforge.algorithms).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rollout_mismatch_metrics(training_log_probs: Tensor, rollout_log_probs: Tensor,
+                             response_mask: Tensor) -> dict[str, float]:
+    """Mean/max |p_rollout - p_train| over valid tokens, and the Pearson correlation of the two."""
+    valid = response_mask.bool()
+    if not valid.any():
+        return {}
+    train_probs = training_log_probs.float()[valid].exp()
+    rollout_probs = rollout_log_probs.float()[valid].exp()
+    difference = (train_probs - rollout_probs).abs()
+    metrics = {"training/rollout_probs_diff_mean": float(difference.mean()),
+               "training/rollout_probs_diff_max": float(difference.max())}
+    if train_probs.numel() > 1 and train_probs.std() > 0 and rollout_probs.std() > 0:
+        stacked = torch.stack([train_probs, rollout_probs])
+        metrics["training/rollout_actor_probs_pearson_corr"] = float(torch.corrcoef(stacked)[0, 1])
+    return metrics

@@ -1,0 +1,299 @@
+"""The RL trainer: the loop of DESIGN.md on worker groups, plus validation, metrics and checkpoints.
+
+``train_step`` reads like the algorithm: generate n samples per prompt, score them, compute
+old/reference log-probs and values where needed, KL-in-reward, advantages on the controller,
+then critic and actor updates. Everything heavy happens inside worker-group calls; the
+controller holds only the Batch and pure functions from ``reinforge.algorithms``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reinforge.algorithms import (
+    apply_kl_penalty,
+    build_kl_controller,
+    compute_advantages,
+    compute_rollout_correction,
+)
+from reinforge.config import Config, config_to_dict, save_config
+from reinforge.config.validate import critic_enabled, reference_needed
+from reinforge.controller import WorkerGroup
+from reinforge.data import PromptLoader, RLDataset
+from reinforge.engine.device import peak_memory_gb, resolve_device
+from reinforge.models import load_tokenizer
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
+from reinforge.tracking import Tracker
+from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
+from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
+from reinforge.trainer.validation import summarize_validation
+from reinforge.workers.actor_rollout import ActorRolloutWorker
+from reinforge.workers.critic import CriticWorker
+from reinforge.workers.reference import ReferenceWorker
+from reinforge.workers.reward import RewardWorker
+
+logger = logging.getLogger(__name__)
+
+
+class RLTrainer:
+    def __init__(self, config: Config):
+        self.config = config
+        self.run_dir = Path(config.trainer.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, self.run_dir / "config.yaml")
+        torch.manual_seed(config.trainer.seed)
+        np.random.seed(config.trainer.seed)
+        self.device = resolve_device(config.trainer.device)
+
+        tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                                   trust_remote_code=config.model.trust_remote_code)
+        self.tokenizer = tokenizer
+        train_set = RLDataset.from_config(config.data, tokenizer, split="train")
+        self.train_loader = PromptLoader.for_training(train_set, config.data, tokenizer.pad_token_id)
+        self.val_loader = None
+        if config.data.val_files:
+            val_set = RLDataset.from_config(config.data, tokenizer, split="val")
+            self.val_loader = PromptLoader.for_validation(val_set, config.data, tokenizer.pad_token_id)
+        steps_per_epoch = len(self.train_loader)
+        self.total_steps = steps_per_epoch * config.trainer.total_epochs
+        if config.trainer.total_steps is not None:
+            self.total_steps = min(self.total_steps, config.trainer.total_steps) \
+                if config.trainer.total_epochs > 0 else config.trainer.total_steps
+
+        timeout = config.trainer.call_timeout_s
+        self.actor_rollout = WorkerGroup(ActorRolloutWorker, config, self.total_steps, name="actor_rollout",
+                                         timeout_s=timeout)
+        self.reference = (WorkerGroup(ReferenceWorker, config, name="ref", timeout_s=timeout)
+                          if reference_needed(config) else None)
+        self.critic = (WorkerGroup(CriticWorker, config, self.total_steps, name="critic", timeout_s=timeout)
+                       if critic_enabled(config) else None)
+        self.reward = WorkerGroup(RewardWorker, config, name="reward", timeout_s=timeout)
+        self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
+        self.checkpoints = CheckpointManager(self.run_dir, config.trainer.keep_last)
+        self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
+                               project=config.trainer.project_name, experiment=config.trainer.experiment_name)
+        self.step = 0
+
+    # ---- the step ---------------------------------------------------------------------
+    def sampling(self, validation: bool = False) -> SamplingParams:
+        rollout = self.config.rollout
+        source = rollout.val_kwargs if validation else rollout
+        return SamplingParams(max_tokens=self.config.data.max_response_length, temperature=source.temperature,
+                              top_p=source.top_p, top_k=source.top_k,
+                              min_p=0.0 if validation else rollout.min_p,
+                              stop_token_ids=tuple(rollout.stop_token_ids))
+
+    def on_policy(self) -> bool:
+        """One epoch over one mini-batch: the policy that sampled is the policy being updated."""
+        actor, correction = self.config.actor, self.config.algorithm.rollout_correction
+        single_step = actor.ppo_epochs == 1 and actor.mini_batch_size in (None, self.config.data.train_batch_size)
+        return single_step and correction.rollout_is is None and correction.rollout_rs is None
+
+    def train_step(self, prompts: Batch) -> dict[str, float]:
+        config, algorithm = self.config, self.config.algorithm
+        timing: dict[str, float] = {}
+        step_start = time.perf_counter()
+        batch = prompts.repeat(config.rollout.n, interleave=True)
+        batch.meta |= {"sampling": self.sampling(), "seed": config.trainer.seed * 1_000_003 + self.step,
+                       "temperature": config.rollout.temperature}
+
+        with _timer(timing, "gen"):
+            batch = _without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
+        if algorithm.adv_estimator == "remax":
+            with _timer(timing, "gen_max"):
+                batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
+        with _timer(timing, "reward"):
+            batch = batch | self.reward.score(batch)
+        if algorithm.rollout_correction.bypass_mode:
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif not self.on_policy():
+            with _timer(timing, "old_log_prob"):
+                batch = batch | self.actor_rollout.compute_log_prob(batch)
+        if self.reference is not None:
+            with _timer(timing, "ref"):
+                batch = batch | self.reference.compute_ref_log_prob(batch)
+        if self.critic is not None:
+            with _timer(timing, "values"):
+                batch = batch | self.critic.compute_values(batch)
+
+        metrics: dict[str, float] = {}
+        with _timer(timing, "adv"):
+            if algorithm.use_kl_in_reward:
+                old = batch.get("old_log_probs", batch["rollout_log_probs"])
+                rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], old, batch["ref_log_probs"],
+                                                       batch["response_mask"], self.kl_controller, algorithm.kl_penalty)
+                batch["token_level_rewards"] = rewards
+                metrics |= kl_metrics
+            else:
+                batch["token_level_rewards"] = batch["token_level_scores"]
+            if "old_log_probs" in batch and (algorithm.rollout_correction.rollout_is or
+                                             algorithm.rollout_correction.rollout_rs):
+                weights, keep, correction_metrics = compute_rollout_correction(
+                    batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
+                    algorithm.rollout_correction)
+                if weights is not None:
+                    batch["rollout_is_weights"] = weights
+                batch["response_mask"] = batch["response_mask"] * keep
+                metrics |= correction_metrics
+            advantages, returns = compute_advantages(
+                algorithm.adv_estimator, token_level_rewards=batch["token_level_rewards"],
+                response_mask=batch["response_mask"], group_ids=_group_ids(batch["uid"]), config=algorithm,
+                values=batch.get("values"), reward_baselines=batch.get("reward_baselines"))
+            batch["advantages"], batch["returns"] = advantages, returns
+
+        if self.critic is not None:
+            with _timer(timing, "update_critic"):
+                metrics |= self.critic.update_critic(batch)
+        if self.step >= config.critic.warmup_steps or self.critic is None:
+            with _timer(timing, "update_actor"):
+                metrics |= self.actor_rollout.update_actor(batch)
+        timing["step"] = time.perf_counter() - step_start
+
+        metrics |= compute_data_metrics(batch, config.data.max_response_length)
+        metrics |= mean_of_extras(batch.meta.get("reward_extras", {}))
+        metrics |= batch.meta.get("reward_metrics", {})
+        metrics |= batch.meta.get("mismatch_metrics", {})
+        metrics |= {f"timing_s/{key}": value for key, value in timing.items()}
+        metrics |= compute_throughput_metrics(batch, timing["step"])
+        rollout_metrics = batch.meta.get("rollout_metrics", {})
+        metrics |= rollout_metrics
+        if "gen" in timing:
+            generated = float(batch["response_mask"].sum())
+            metrics.setdefault("rollout/tokens_per_s", generated / max(timing["gen"], 1e-9))
+        metrics |= peak_memory_gb(self.device)
+        self._log_samples(batch)
+        return metrics
+
+    def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
+        """ReMax's baseline: the score of each prompt's greedy response, broadcast to its samples."""
+        greedy = prompts.index(slice(None))
+        greedy.meta |= {"sampling": SamplingParams(**{**self.sampling().__dict__, "temperature": 0.0}),
+                        "seed": 0, "temperature": 1.0}
+        greedy = _without_prompt_tensors(greedy) | self.actor_rollout.generate(greedy)
+        scores = self.reward.score(greedy)["token_level_scores"].sum(-1)
+        return scores.repeat_interleave(self.config.rollout.n)
+
+    def _log_samples(self, batch: Batch) -> None:
+        count = min(self.config.trainer.num_logged_samples, len(batch))
+        if count == 0:
+            return
+        rows = []
+        for index in range(count):
+            length = int(batch["response_mask"][index].sum())
+            rows.append({"prompt": self.tokenizer.decode(batch["prompts"][index][batch["attention_mask"][index][
+                :batch["prompts"].shape[1]].bool()]),
+                "response": self.tokenizer.decode(batch["responses"][index][:length]),
+                "score": float(batch["token_level_scores"][index].sum()),
+                "ground_truth": str(batch["ground_truth"][index])})
+        self.tracker.log_samples(self.step, rows)
+
+    # ---- validation -------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        if self.val_loader is None:
+            return {}
+        val = self.config.rollout.val_kwargs
+        sampling = self.sampling(validation=True)
+        records: list[dict[str, Any]] = []
+        for prompts in self.val_loader:
+            batch = prompts.repeat(val.n, interleave=True)
+            batch.meta |= {"sampling": sampling, "seed": self.config.trainer.seed + 7,
+                           "temperature": 1.0 if val.temperature == 0 else val.temperature}
+            batch = _without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
+            batch = batch | self.reward.score(batch)
+            scores = batch["token_level_scores"].sum(-1)
+            extras = batch.meta.get("reward_extras", {})
+            for row in range(len(batch)):
+                record = {"data_source": batch["data_source"][row], "uid": batch["uid"][row],
+                          "reward": float(scores[row])}
+                for key, values in extras.items():
+                    record[key] = values[row]
+                records.append(record)
+        return summarize_validation(records, val.n)
+
+    # ---- the run ------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "loader": self.train_loader.state_dict(),
+                "kl_controller": self.kl_controller.state_dict(), "rng": rng_state()}
+
+    def save(self) -> Path:
+        def write(folder: Path) -> None:
+            self.actor_rollout.save_checkpoint(str(folder))
+            if self.critic is not None:
+                self.critic.save_checkpoint(str(folder))
+
+        folder = self.checkpoints.save(self.step, write, self.state())
+        logger.info("saved checkpoint %s", folder)
+        return folder
+
+    def resume(self) -> None:
+        folder = self.checkpoints.resolve(self.config.trainer.resume)
+        if folder is None:
+            return
+        state = load_trainer_state(folder)
+        self.actor_rollout.load_checkpoint(str(folder))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(folder))
+        self.train_loader.load_state_dict(state["loader"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.tracker.truncate_after(self.step)
+        logger.info("resumed from %s at step %d", folder, self.step)
+
+    def fit(self) -> dict[str, float]:
+        self.resume()
+        config = self.config.trainer
+        last_metrics: dict[str, float] = {}
+        if self.step == 0 and config.val_before_train:
+            last_metrics = self.validate()
+            if last_metrics:
+                self.tracker.log(last_metrics, step=0)
+        batches = iter(self.train_loader)
+        with self.tracker.progress(self.total_steps, initial=self.step) as progress:
+            while self.step < self.total_steps:
+                prompts = next(batches)
+                metrics = self.train_step(prompts)
+                self.step += 1
+                metrics["training/global_step"] = self.step
+                metrics["training/epoch"] = self.train_loader.epoch
+                is_last = self.step == self.total_steps
+                if config.test_every > 0 and self.step % config.test_every == 0 or is_last:
+                    metrics |= self.validate()
+                self.tracker.log(metrics, step=self.step)
+                progress.advance(metrics)
+                if config.save_every > 0 and self.step % config.save_every == 0 or is_last:
+                    self.save()
+                last_metrics = metrics
+        self.tracker.close()
+        return last_metrics
+
+
+class _timer:
+    def __init__(self, timing: dict[str, float], name: str):
+        self.timing, self.name = timing, name
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self.start
+
+
+def _without_prompt_tensors(batch: Batch) -> Batch:
+    """The batch minus the prompt-only tensors that generation replaces with whole sequences."""
+    kept = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+    kept.tensors.pop("input_ids", None)
+    kept.tensors.pop("attention_mask", None)
+    return kept
+
+
+def _group_ids(uids: np.ndarray) -> torch.Tensor:
+    mapping: dict[str, int] = {}
+    return torch.tensor([mapping.setdefault(str(uid), len(mapping)) for uid in uids], dtype=torch.long)

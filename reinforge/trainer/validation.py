@@ -1,0 +1,46 @@
+"""Validation metrics: mean@N, best@N and maj@N per data source.
+
+Each prompt is answered N times. ``mean@N`` averages every sample, ``best@N`` takes each
+prompt's best sample, ``maj@N`` scores the answer most samples agree on (the scorer's
+``pred`` extra; the response text when the scorer gives none). Metrics cover the score
+("reward") and every numeric extra the scorer returns (such as ``acc``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float, bool)) and not isinstance(value, str)
+
+
+def summarize_validation(records: list[dict[str, Any]], num_samples: int) -> dict[str, float]:
+    """records: one per sample with ``data_source``, ``uid``, ``reward``, optional ``pred`` and extras."""
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for record in records:
+        groups[record["data_source"]][record["uid"]].append(record)
+    metrics: dict[str, float] = {}
+    for source, prompts in groups.items():
+        first = next(iter(prompts.values()))[0]
+        metric_names = [key for key, value in first.items()
+                        if key not in ("data_source", "uid", "pred", "response") and _numeric(value)]
+        for name in metric_names:
+            per_prompt = [[float(sample[name]) for sample in samples if _numeric(sample.get(name))]
+                          for samples in prompts.values()]
+            per_prompt = [values for values in per_prompt if values]
+            if not per_prompt:
+                continue
+            prefix = f"val-core/{source}/{name}"
+            metrics[f"{prefix}/mean@{num_samples}"] = sum(sum(v) / len(v) for v in per_prompt) / len(per_prompt)
+            if num_samples > 1:
+                metrics[f"{prefix}/best@{num_samples}"] = sum(max(v) for v in per_prompt) / len(per_prompt)
+                majority = []
+                for samples in prompts.values():
+                    votes = Counter(str(sample.get("pred", sample.get("response"))) for sample in samples)
+                    winner = votes.most_common(1)[0][0]
+                    chosen = next(s for s in samples if str(s.get("pred", s.get("response"))) == winner)
+                    majority.append(float(chosen[name]))
+                metrics[f"{prefix}/maj@{num_samples}"] = sum(majority) / len(majority)
+    return metrics

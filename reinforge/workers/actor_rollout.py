@@ -1,0 +1,217 @@
+"""The hybrid actor-rollout worker: one policy that generates, scores its own tokens, and trains.
+
+The rollout engine generates with the training parameters themselves (the hf backend calls
+``generate`` on the training module; the native engine reads the same storage), so the
+"weight sync" after an update costs nothing on one device. Generation runs under no_grad
+with the engine awake; training runs with the engine asleep.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from reinforge.algorithms import (
+    aggregate_loss,
+    compute_policy_loss,
+    kl_penalty,
+)
+from reinforge.config.schema import Config
+from reinforge.controller import Dispatch, Worker, register
+from reinforge.engine.device import autocast_context, resolve_device
+from reinforge.engine.forward import build_position_ids, response_log_probs
+from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.optim import build_optimizer, build_scheduler
+from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
+from reinforge.protocol import Batch
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.mismatch import rollout_mismatch_metrics
+from reinforge.workers.checkpointing import load_training_state, save_training_state
+
+
+def _seed_for(base_seed: int, uid: str) -> int:
+    digest = hashlib.sha256(f"{base_seed}:{uid}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+class ActorRolloutWorker(Worker):
+    def __init__(self, config: Config, total_training_steps: int):
+        super().__init__()
+        self.config = config
+        self.device = resolve_device(config.trainer.device)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                                        trust_remote_code=config.model.trust_remote_code)
+        self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
+                                    trust_remote_code=config.model.trust_remote_code,
+                                    attn_implementation=config.model.attn_implementation,
+                                    gradient_checkpointing=config.model.gradient_checkpointing)
+        self.model.train()
+        num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
+        self.update_settings = UpdateSettings(
+            num_mini_batches=num_mini_batches, epochs=config.actor.ppo_epochs,
+            max_tokens_per_micro_batch=config.actor.max_tokens_per_micro_batch,
+            grad_clip=config.actor.grad_clip, shuffle=config.actor.shuffle, seed=config.trainer.seed)
+        self.optimizer = build_optimizer(self.model, config.actor.optim)
+        self.scheduler = build_scheduler(self.optimizer, total_training_steps * num_mini_batches * config.actor.ppo_epochs,
+                                         config.actor.optim)
+        self.engine = self._build_engine()
+
+    # ---- rollout ------------------------------------------------------------------
+    def _build_engine(self):
+        eos_ids = self.stop_token_ids()
+        if self.config.rollout.name == "native":
+            from reinforge.rollout.native import NativeEngine, supports_model
+
+            if supports_model(self.model):
+                return NativeEngine(self.model, eos_token_ids=eos_ids,
+                                    max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
+                                    gpu_memory_utilization=self.config.rollout.gpu_memory_utilization)
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "rollout.name=native does not support %s; using the hf backend", type(self.model).__name__)
+        from reinforge.rollout.hf import HFEngine
+
+        return HFEngine(self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_ids)
+
+    def stop_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id, *self.config.rollout.stop_token_ids}
+        generation_config = getattr(self.model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return sorted(i for i in ids if i is not None)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def generate(self, batch: Batch) -> Batch:
+        """Sample one response per row. Rows sharing a uid form one request with n samples.
+
+        meta: ``sampling`` (a SamplingParams with n=1), ``seed``.
+        Adds prompts, responses, response_mask, input_ids/attention_mask/position_ids of the
+        whole sequence, and rollout_log_probs.
+        """
+        sampling: SamplingParams = batch.meta["sampling"]
+        max_response_length = sampling.max_tokens
+        prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
+        requests, group_sizes = [], []
+        start = 0
+        uids = batch["uid"]
+        while start < len(batch):
+            stop = start + 1
+            while stop < len(batch) and uids[stop] == uids[start]:
+                stop += 1
+            tokens = prompt_ids[start][prompt_mask[start].bool()].tolist()
+            params = SamplingParams(**{**sampling.__dict__, "n": stop - start,
+                                       "seed": _seed_for(batch.meta.get("seed", 0), str(uids[start]))})
+            requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
+            group_sizes.append(stop - start)
+            start = stop
+        self.engine.wake_up()
+        try:
+            with autocast_context(self.device, self.config.model.dtype):
+                completions = self.engine.generate(requests)
+        finally:
+            self.engine.sleep()
+        pad_id = self.tokenizer.pad_token_id
+        responses = torch.full((len(batch), max_response_length), pad_id, dtype=torch.long)
+        response_mask = torch.zeros((len(batch), max_response_length), dtype=torch.float32)
+        rollout_log_probs = torch.zeros((len(batch), max_response_length), dtype=torch.float32)
+        finish_stop = torch.zeros(len(batch), dtype=torch.bool)
+        row = 0
+        for samples in completions:
+            for completion in samples:
+                length = len(completion.token_ids)
+                responses[row, :length] = torch.tensor(completion.token_ids, dtype=torch.long)
+                response_mask[row, :length] = 1.0
+                rollout_log_probs[row, :length] = torch.tensor(completion.log_probs, dtype=torch.float32)
+                finish_stop[row] = completion.finish_reason == "stop"
+                row += 1
+        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+        output = Batch.from_dict(
+            tensors={"prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
+                     "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
+                     "position_ids": build_position_ids(attention_mask), "rollout_log_probs": rollout_log_probs,
+                     "finished_by_stop": finish_stop},
+            meta={"rollout_metrics": dict(getattr(self.engine, "last_metrics", {}))},
+        )
+        return output
+
+    # ---- scoring ------------------------------------------------------------------
+    @torch.no_grad()
+    def _log_probs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        temperature = batch.meta.get("temperature", 1.0)
+        log_probs, entropies = [], []
+        self.model.eval()
+        for micro in split_by_token_budget(batch, self.config.actor.max_tokens_per_micro_batch):
+            width = micro["responses"].shape[1]
+            with autocast_context(self.device, self.config.model.dtype):
+                lp, ent = response_log_probs(self.model, micro.to(self.device), temperature, with_entropy)
+            pad = batch["responses"].shape[1] - width
+            log_probs.append(torch.nn.functional.pad(lp.cpu(), (0, pad)))
+            if ent is not None:
+                entropies.append(torch.nn.functional.pad(ent.cpu(), (0, pad)))
+        self.model.train()
+        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """old_log_probs and entropy (B, R) under the current parameters."""
+        log_probs, entropy = self._log_probs(batch, with_entropy=True)
+        output = Batch.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
+        if "rollout_log_probs" in batch:
+            output.meta["mismatch_metrics"] = rollout_mismatch_metrics(
+                log_probs, batch["rollout_log_probs"], batch["response_mask"])
+        return output
+
+    # ---- training -----------------------------------------------------------------
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """Policy-gradient update over the batch; returns ``actor/*`` metrics."""
+        actor = self.config.actor
+        temperature = batch.meta.get("temperature", 1.0)
+        on_policy = "old_log_probs" not in batch
+        mismatch: dict[str, float] = {}
+
+        def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
+            mask = micro["response_mask"]
+            with autocast_context(self.device, self.config.model.dtype):
+                log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
+            old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
+            if on_policy and "rollout_log_probs" in micro and not mismatch:
+                mismatch.update(rollout_mismatch_metrics(log_probs.detach().cpu(), micro["rollout_log_probs"].cpu(),
+                                                         mask.cpu()))
+            pg_loss, pg_metrics = compute_policy_loss(
+                actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
+                advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
+                config=actor.policy_loss, importance_weights=micro.get("rollout_is_weights"), normalizer=normalizer)
+            entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
+            loss = pg_loss - actor.entropy_coeff * entropy_loss
+            metrics = {"pg_loss": float(pg_loss), "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))}
+            metrics |= {key: float(value) for key, value in pg_metrics.items()}
+            if actor.use_kl_loss:
+                kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
+                kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
+                loss = loss + actor.kl_loss_coef * kl_loss
+                metrics["kl_loss"] = float(kl_loss)
+                metrics["kl_coef"] = actor.kl_loss_coef
+            return loss, metrics
+
+        settings = UpdateSettings(**{**self.update_settings.__dict__, "seed": self.update_settings.seed + self.scheduler.last_epoch})
+        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, settings, self.device)
+        self.engine.sync_weights(self.model)
+        result = {f"actor/{key}": value for key, value in metrics.items()}
+        result |= mismatch
+        return result
+
+    # ---- state ----------------------------------------------------------------------
+    @register(dispatch=Dispatch.RANK_ZERO)
+    def save_checkpoint(self, folder: str) -> None:
+        save_training_state(Path(folder), self.model, self.optimizer, self.scheduler)
+        save_hf_folder(self.model, self.tokenizer, Path(folder) / "hf")
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, folder: str) -> None:
+        load_training_state(Path(folder), self.model, self.optimizer, self.scheduler, self.device)
+        self.engine.sync_weights(self.model)

@@ -1,0 +1,111 @@
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from reinforge.protocol import Batch
+
+
+def make_batch(rows: int = 5) -> Batch:
+    return Batch.from_dict(
+        tensors={"input_ids": torch.arange(rows * 3).reshape(rows, 3), "score": torch.arange(rows).float()},
+        non_tensors={"uid": [f"u{i}" for i in range(rows)], "extra": [{"i": i} for i in range(rows)]},
+        meta={"temperature": 0.7},
+    )
+
+
+def test_length_and_columns():
+    batch = make_batch()
+    assert len(batch) == 5
+    assert batch["uid"][2] == "u2"
+    assert batch["extra"][1] == {"i": 1}
+    assert set(batch.keys()) == {"input_ids", "score", "uid", "extra"}
+
+
+def test_misaligned_columns_are_rejected():
+    with pytest.raises(ValueError, match="disagree"):
+        Batch.from_dict(tensors={"a": torch.zeros(3)}, non_tensors={"b": [1, 2]})
+
+
+def test_split_pads_and_concat_unpadded_restores_order():
+    batch = make_batch(5)
+    chunks = batch.split(2)
+    assert [len(chunk) for chunk in chunks] == [3, 3]
+    restored = Batch.concat_unpadded(chunks)
+    assert torch.equal(restored["input_ids"], batch["input_ids"])
+    assert list(restored["uid"]) == list(batch["uid"])
+    assert "num_padding" not in restored.meta
+    assert restored.meta["temperature"] == 0.7
+
+
+def test_split_even_has_no_padding():
+    chunks = make_batch(4).split(4)
+    assert all(len(chunk) == 1 for chunk in chunks)
+    assert chunks[0].meta["num_padding"] == 0
+
+
+def test_repeat_interleaved_and_tiled():
+    batch = make_batch(2)
+    interleaved = batch.repeat(3, interleave=True)
+    assert list(interleaved["uid"]) == ["u0", "u0", "u0", "u1", "u1", "u1"]
+    assert torch.equal(interleaved["score"], torch.tensor([0.0, 0, 0, 1, 1, 1]))
+    tiled = batch.repeat(2, interleave=False)
+    assert list(tiled["uid"]) == ["u0", "u1", "u0", "u1"]
+    assert tiled["input_ids"].shape == (4, 3)
+
+
+def test_select_union_and_conflicts():
+    batch = make_batch(3)
+    left = batch.select(["input_ids", "uid"])
+    right = Batch.from_dict(tensors={"values": torch.ones(3, 2)}, meta={"a": 1})
+    merged = left | right
+    assert set(merged.keys()) == {"input_ids", "uid", "values"}
+    assert merged.meta == {"temperature": 0.7, "a": 1}
+    clash = Batch.from_dict(tensors={"input_ids": torch.zeros(3, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="input_ids"):
+        left | clash
+    with pytest.raises(KeyError, match="nope"):
+        batch.select(["nope"])
+
+
+def test_boolean_mask_and_index_list():
+    batch = make_batch(4)
+    picked = batch[torch.tensor([True, False, True, False])]
+    assert list(picked["uid"]) == ["u0", "u2"]
+    assert torch.equal(picked["score"], torch.tensor([0.0, 2.0]))
+    reordered = batch.index([3, 0])
+    assert list(reordered["uid"]) == ["u3", "u0"]
+    with pytest.raises(ValueError, match="mask"):
+        batch[torch.tensor([True, False])]
+
+
+def test_concat_rejects_different_columns():
+    with pytest.raises(ValueError, match="columns"):
+        Batch.concat([make_batch(2), make_batch(2).select(["uid"])])
+
+
+def test_setitem_pop_and_to():
+    batch = make_batch(3)
+    batch["advantages"] = torch.zeros(3, 4)
+    batch["names"] = ["a", "b", "c"]
+    assert isinstance(batch["names"], np.ndarray)
+    with pytest.raises(ValueError, match="rows"):
+        batch["bad"] = torch.zeros(2)
+    popped = batch.pop(["advantages"])
+    assert "advantages" not in batch and "advantages" in popped
+    moved = batch.to("cpu")
+    assert moved["input_ids"].device.type == "cpu"
+
+
+def test_pickle_round_trip_keeps_everything():
+    batch = make_batch(4)
+    restored = pickle.loads(pickle.dumps(batch))
+    assert torch.equal(restored["input_ids"], batch["input_ids"])
+    assert list(restored["extra"]) == list(batch["extra"])
+    assert restored.meta == batch.meta
+
+
+def test_chunk_by_size():
+    pieces = make_batch(5).chunk_by_size(2)
+    assert [len(piece) for piece in pieces] == [2, 2, 1]
