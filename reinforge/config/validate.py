@@ -27,15 +27,17 @@ def reference_needed(config: Config) -> bool:
 
 def validate_config(config: Config) -> None:
     """Raise ConfigError with the fix in the message when fields disagree."""
-    from reinforge.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+    from reinforge.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATOR_ALIASES, KL_ESTIMATORS, POLICY_LOSSES
 
     data, actor, rollout, algorithm, trainer = config.data, config.actor, config.rollout, config.algorithm, config.trainer
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
     _choice("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
     _choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     _choice("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES)
-    _choice("actor.kl_loss_type", actor.kl_loss_type, sorted(KL_ESTIMATORS))
-    _choice("algorithm.kl_penalty", algorithm.kl_penalty, sorted(KL_ESTIMATORS))
+    kl_names = sorted({*KL_ESTIMATORS, *KL_ESTIMATOR_ALIASES})
+    kl_names += [f"{name}+" for name in kl_names]
+    _choice("actor.kl_loss_type", actor.kl_loss_type, kl_names)
+    _choice("algorithm.kl_penalty", algorithm.kl_penalty, kl_names)
     _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
     _choice("data.truncation", data.truncation, ("error", "left", "right"))
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
@@ -83,5 +85,5 @@ def validate_config(config: Config) -> None:
         raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
     if trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
-    if algorithm.rollout_correction.rollout_is not None:
+    if algorithm.rollout_correction.rollout_is is not None:
         _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ("token", "sequence"))

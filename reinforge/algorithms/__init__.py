@@ -1,0 +1,66 @@
+"""Pure RL algorithm functions: advantages, policy and value losses, KL, aggregation, rollout correction.
+
+Nothing here does I/O or talks to other processes; every function maps tensors to tensors.
+"""
+
+from reinforge.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    group_statistics,
+    register_advantage,
+)
+from reinforge.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
+from reinforge.algorithms.kl import (
+    KL_ESTIMATOR_ALIASES,
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl_penalty,
+    register_kl_estimator,
+)
+from reinforge.algorithms.logits import entropy_from_logits, entropy_from_logits_chunked, log_probs_from_logits
+from reinforge.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from reinforge.algorithms.policy_losses import POLICY_LOSSES, clip_bounds, compute_policy_loss, register_policy_loss
+from reinforge.algorithms.rollout_correction import (
+    ROLLOUT_RS_RULES,
+    compute_importance_weights,
+    compute_rejection,
+    compute_rollout_correction,
+)
+from reinforge.algorithms.value_loss import compute_value_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "KL_ESTIMATOR_ALIASES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "ROLLOUT_RS_RULES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LossNormalizer",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "build_kl_controller",
+    "clip_bounds",
+    "compute_advantages",
+    "compute_importance_weights",
+    "compute_policy_loss",
+    "compute_rejection",
+    "compute_rollout_correction",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "entropy_from_logits_chunked",
+    "group_statistics",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_advantage",
+    "register_kl_estimator",
+    "register_policy_loss",
+]

@@ -1,0 +1,241 @@
+"""Advantage estimators: how much better each sampled response (or token) was than expected.
+
+Every estimator returns ``(advantages, returns)``, both (batch, response_len) and 0 at masked
+positions. A sequence's score is the sum of its row of token_level_rewards; samples of one
+prompt share a group id. The formulas follow verl, including its edge cases (GRPO: Bessel
+std, 1e-6 added outside the sqrt, a group of one has mean 0 and std 1). Departures:
+
+- REINFORCE++ carries the running return across masked (tool) tokens, as GAE does, instead
+  of resetting it there; for single-turn right-padded responses both are identical.
+- Masked positions of advantages and returns are 0 for every estimator (verl leaves GAE's
+  and ReMax's non-zero there; no loss reads them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from reinforge.algorithms.masked import masked_whiten
+from reinforge.config.schema import AlgorithmConfig
+
+AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
+"""fn(*, token_level_rewards, response_mask, group_ids, config, values, reward_baselines)."""
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+GRPO_EPSILON = 1e-6
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def add(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+def compute_advantages(
+    name: str,
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_ids: Tensor,
+    config: AlgorithmConfig,
+    values: Tensor | None = None,
+    reward_baselines: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Run the estimator registered as name. Returns (advantages, returns), each (batch, response_len).
+
+    token_level_rewards, response_mask, values: (batch, response_len); group_ids,
+    reward_baselines: (batch,).
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"unknown advantage estimator {name!r} (algorithm.adv_estimator); use one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}"
+        )
+    if group_ids.shape != token_level_rewards.shape[:1]:
+        raise ValueError(
+            f"group_ids has shape {tuple(group_ids.shape)} but the batch has {token_level_rewards.shape[0]} rows; pass one id per row"
+        )
+    return ADVANTAGE_ESTIMATORS[name](
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        group_ids=group_ids,
+        config=config,
+        values=values,
+        reward_baselines=reward_baselines,
+    )
+
+
+def group_statistics(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each sample's group mean, Bessel-corrected group std and group size, all (batch,).
+
+    A group of one has std 0 here; callers decide what that means.
+    """
+    _, group_index = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(group_index.max().item()) + 1 if group_index.numel() else 0
+    counts = scores.new_zeros(num_groups).index_add_(0, group_index, torch.ones_like(scores))
+    means = scores.new_zeros(num_groups).index_add_(0, group_index, scores) / counts
+    centered = scores - means[group_index]
+    squares = scores.new_zeros(num_groups).index_add_(0, group_index, centered.square())
+    stds = torch.sqrt(squares / (counts - 1).clamp_min(1))
+    return means[group_index], stds[group_index], counts[group_index]
+
+
+def _broadcast(per_sequence: Tensor, response_mask: Tensor) -> Tensor:
+    """(batch,) -> (batch, response_len), 0 at masked positions."""
+    return per_sequence.unsqueeze(-1) * response_mask.to(per_sequence.dtype)
+
+
+@register_advantage("gae")
+def compute_gae_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, config: AlgorithmConfig, values: Tensor | None, **_
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation; advantages whitened over the batch's valid tokens.
+
+    Walks backwards; a masked (tool) token neither adds a TD error nor breaks the chain, so the
+    next valid token's value bootstraps across it. returns = raw advantages + values.
+    """
+    if values is None:
+        raise ValueError("adv_estimator=gae needs critic values; enable the critic or pick a critic-free estimator")
+    gamma, lam = config.gamma, config.lam
+    mask = response_mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    running_advantage = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * running_advantage
+        running_advantage = mask[:, t] * candidate + (1 - mask[:, t]) * running_advantage
+        next_value = mask[:, t] * values[:, t] + (1 - mask[:, t]) * next_value
+        advantages[:, t] = running_advantage
+    returns = (advantages + values) * mask
+    return masked_whiten(advantages, response_mask), returns
+
+
+@register_advantage("grpo")
+def compute_grpo_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig, **_
+) -> tuple[Tensor, Tensor]:
+    """(score - group mean) / (group std + 1e-6); norm_adv_by_std=False drops the std (Dr. GRPO)."""
+    scores = token_level_rewards.sum(dim=-1)
+    means, stds, counts = group_statistics(scores, group_ids)
+    singleton = counts == 1
+    means = torch.where(singleton, torch.zeros_like(means), means)
+    stds = torch.where(singleton, torch.ones_like(stds), stds)
+    centered = scores - means
+    per_sequence = centered / (stds + GRPO_EPSILON) if config.norm_adv_by_std else centered
+    advantages = _broadcast(per_sequence, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("grpo_passk")
+def compute_grpo_passk_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig, **_
+) -> tuple[Tensor, Tensor]:
+    """Pass@k: only each group's best sample learns, from (best - second best) [/ (std + 1e-6)]."""
+    scores = token_level_rewards.sum(dim=-1)
+    per_sequence = torch.zeros_like(scores)
+    for group_id in torch.unique(group_ids):
+        members = torch.nonzero(group_ids == group_id).squeeze(-1)
+        if members.numel() < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per prompt, group {group_id.item()} has 1; set rollout.n >= 2"
+            )
+        group_scores = scores[members]
+        top_two, top_index = torch.topk(group_scores, 2)
+        advantage = top_two[0] - top_two[1]
+        if config.norm_adv_by_std:
+            advantage = advantage / (group_scores.std() + GRPO_EPSILON)
+        per_sequence[members[top_index[0]]] = advantage
+    advantages = _broadcast(per_sequence, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("rloo")
+def compute_rloo_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, **_
+) -> tuple[Tensor, Tensor]:
+    """Leave-one-out baseline: n/(n-1) * (score - group mean); a group of one keeps its score."""
+    scores = token_level_rewards.sum(dim=-1)
+    means, _, counts = group_statistics(scores, group_ids)
+    scale = counts / (counts - 1).clamp_min(1)
+    per_sequence = torch.where(counts > 1, scale * (scores - means), scores)
+    advantages = _broadcast(per_sequence, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("reinforce_plus_plus")
+def compute_reinforce_plus_plus_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, config: AlgorithmConfig, **_
+) -> tuple[Tensor, Tensor]:
+    """Discounted return-to-go per token, whitened over all valid tokens of the batch."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    running_return = torch.zeros_like(token_level_rewards[:, 0])
+    returns = torch.zeros_like(token_level_rewards)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        candidate = token_level_rewards[:, t] + config.gamma * running_return
+        running_return = mask[:, t] * candidate + (1 - mask[:, t]) * running_return
+        returns[:, t] = running_return * mask[:, t]
+    return masked_whiten(returns, response_mask), returns
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_advantages(
+    *, token_level_rewards, response_mask, group_ids, **_
+) -> tuple[Tensor, Tensor]:
+    """Score minus group mean (0 for a group of one) on every token, then whitened over the batch."""
+    scores = token_level_rewards.sum(dim=-1)
+    means, _, counts = group_statistics(scores, group_ids)
+    means = torch.where(counts == 1, torch.zeros_like(means), means)
+    advantages = masked_whiten(_broadcast(scores - means, response_mask), response_mask)
+    return advantages, advantages
+
+
+@register_advantage("remax")
+def compute_remax_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, reward_baselines: Tensor | None, **_
+) -> tuple[Tensor, Tensor]:
+    """Undiscounted return-to-go minus the greedy sample's score (reward_baselines, (batch,))."""
+    if reward_baselines is None:
+        raise ValueError("adv_estimator=remax needs reward_baselines, the score of a greedy sample per prompt")
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask
+    advantages = returns - _broadcast(reward_baselines.to(returns.dtype), response_mask)
+    return advantages, returns
+
+
+@register_advantage("opo")
+def compute_opo_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, **_
+) -> tuple[Tensor, Tensor]:
+    """Score minus the length-weighted group mean sum(len * score) / sum(len); 0 baseline alone."""
+    scores = token_level_rewards.sum(dim=-1)
+    lengths = response_mask.to(scores.dtype).sum(dim=-1)
+    _, group_index = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(group_index.max().item()) + 1
+    weighted = scores.new_zeros(num_groups).index_add_(0, group_index, lengths * scores)
+    total_lengths = scores.new_zeros(num_groups).index_add_(0, group_index, lengths)
+    counts = scores.new_zeros(num_groups).index_add_(0, group_index, torch.ones_like(scores))
+    baselines = weighted / total_lengths.clamp_min(1e-8)
+    baselines = torch.where(counts > 1, baselines, torch.zeros_like(baselines))[group_index]
+    advantages = _broadcast(scores - baselines, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("gpg")
+def compute_gpg_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, **_
+) -> tuple[Tensor, Tensor]:
+    """alpha * (score - group mean), alpha = batch size / number of non-zero scores (at least 1)."""
+    scores = token_level_rewards.sum(dim=-1)
+    means, _, counts = group_statistics(scores, group_ids)
+    means = torch.where(counts == 1, torch.zeros_like(means), means)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp_min(1)
+    advantages = _broadcast(alpha * (scores - means), response_mask)
+    return advantages, advantages

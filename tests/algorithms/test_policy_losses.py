@@ -1,0 +1,256 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reinforge.algorithms import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    LossNormalizer,
+    compute_policy_loss,
+    log_probs_from_logits,
+)
+from reinforge.config.schema import PolicyLossConfig
+
+
+def policy_loss(name, log_ratio, advantages, mask=None, mode="token-mean", config=None, **kwargs):
+    """Loss with old log-probs -1 and new ones -1 + log_ratio; returns (loss, metrics, grad wrt log_probs)."""
+    log_ratio = torch.as_tensor(log_ratio, dtype=torch.float64)
+    old_log_probs = torch.full_like(log_ratio, -1.0)
+    log_probs = (old_log_probs + log_ratio).requires_grad_()
+    advantages = torch.as_tensor(advantages, dtype=torch.float64)
+    mask = torch.ones_like(log_ratio) if mask is None else torch.as_tensor(mask, dtype=torch.float64)
+    loss, metrics = compute_policy_loss(
+        name,
+        old_log_probs=old_log_probs,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=mask,
+        loss_agg_mode=mode,
+        config=config or PolicyLossConfig(),
+        **kwargs,
+    )
+    loss.backward()
+    return loss.item(), {key: float(value) for key, value in metrics.items()}, log_probs.grad
+
+
+def test_vanilla_by_hand():
+    # A=1 and r=e^0.5 clips at 1.2; A=-1 and r=e^-0.5 clips at 0.8; A=-1 and r=e^2 hits the dual clip 3
+    loss, metrics, grad = policy_loss("vanilla", [[0.5, -0.5, 2.0, 0.1]], [[1.0, -1.0, -1.0, 1.0]])
+    expected_losses = [-1.2, 0.8, 3.0, -math.exp(0.1)]
+    assert loss == pytest.approx(sum(expected_losses) / 4)
+    # the dual-clipped token is not PPO-clipped (its unclipped loss is the larger one)
+    assert metrics["pg_clipfrac"] == pytest.approx(2 / 4)
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 4)
+    assert metrics["ppo_kl"] == pytest.approx(-(0.5 - 0.5 + 2.0 + 0.1) / 4)
+    # only the unclipped token has a gradient: d(-A r)/d log pi = -A r, over 4 tokens
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.0, 0.0, -math.exp(0.1) / 4]], dtype=torch.float64))
+
+
+def test_vanilla_asymmetric_clip_higher():
+    config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, metrics, _ = policy_loss("vanilla", [[math.log(1.25), math.log(1.3)]], [[1.0, 1.0]], config=config)
+    assert loss == pytest.approx(-(1.25 + 1.28) / 2)
+    assert metrics["pg_clipfrac"] == pytest.approx(0.5)
+
+
+def test_vanilla_clamps_the_log_ratio():
+    loss, _, grad = policy_loss("vanilla", [[50.0]], [[-1.0]], config=PolicyLossConfig(clip_ratio_c=1e12))
+    assert loss == pytest.approx(math.exp(20.0))
+    assert torch.isfinite(grad).all()
+
+
+def test_vanilla_rejects_a_small_dual_clip():
+    with pytest.raises(ValueError, match="clip_ratio_c=0.5"):
+        policy_loss("vanilla", [[0.0]], [[1.0]], config=PolicyLossConfig(clip_ratio_c=0.5))
+
+
+def test_importance_weights_scale_each_token():
+    weights = torch.tensor([[2.0, 0.5]], dtype=torch.float64)
+    loss, _, _ = policy_loss("vanilla", [[0.0, 0.0]], [[1.0, 1.0]], importance_weights=weights)
+    assert loss == pytest.approx(-(2.0 + 0.5) / 2)
+    with pytest.raises(ValueError, match="one weight per token"):
+        policy_loss("vanilla", [[0.0, 0.0]], [[1.0, 1.0]], importance_weights=torch.ones(2))
+
+
+def test_gspo_value_and_per_token_gradient():
+    log_ratio = torch.tensor([[0.1, -0.3, 0.5], [0.2, 0.4, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages = torch.tensor([[1.0] * 3, [-2.0] * 3], dtype=torch.float64)
+    loss, metrics, grad = policy_loss(
+        "gspo", log_ratio, advantages, mask, mode="seq-mean-token-mean", config=PolicyLossConfig(clip_ratio=10.0)
+    )
+    sequence_ratio = torch.tensor([math.exp(0.3 / 3), math.exp(0.6 / 2)], dtype=torch.float64)
+    assert loss == pytest.approx(((-1.0 * sequence_ratio[0]) + (2.0 * sequence_ratio[1])).item() / 2)
+    # each token: -A_i * sg(s_i) * d log pi / d log pi, averaged over its n_i tokens and 2 sequences
+    expected = torch.stack(
+        [-1.0 * sequence_ratio[0] / 3 / 2 * torch.ones(3), 2.0 * sequence_ratio[1] / 2 / 2 * torch.ones(3)]
+    )
+    torch.testing.assert_close(grad, (expected * mask).double())
+    assert metrics["pg_clipfrac"] == 0.0
+
+
+def test_gspo_clips_whole_sequences():
+    loss, metrics, grad = policy_loss("gspo", [[0.5, 0.5]], [[1.0, 1.0]], config=PolicyLossConfig(clip_ratio=0.2))
+    assert loss == pytest.approx(-1.2)
+    assert metrics["pg_clipfrac"] == 1.0
+    assert (grad == 0).all()
+
+
+def test_gpg_by_hand():
+    loss, _, grad = policy_loss("gpg", [[0.0, 0.0]], [[2.0, -1.0]])
+    assert loss == pytest.approx(-(2.0 * -1.0 + -1.0 * -1.0) / 2)
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, 0.5]], dtype=torch.float64))
+
+
+def test_geo_mean_by_hand():
+    # A > 0 clips the log-ratio from above at 0.2: mean(0.1, 0.2) = 0.15
+    loss, metrics, _ = policy_loss("geo_mean", [[0.1, 0.3]], [[1.0, 1.0]], config=PolicyLossConfig(clip_ratio=0.2))
+    assert loss == pytest.approx(-math.exp(0.15))
+    assert metrics["pg_clipfrac"] == 0.5 and metrics["pg_clipfrac_lower"] == 0.0
+    # A < 0 clips from below at -0.2 and keeps the large ratio
+    loss, metrics, _ = policy_loss("geo_mean", [[-0.3, 0.3]], [[-1.0, -1.0]], config=PolicyLossConfig(clip_ratio=0.2))
+    assert loss == pytest.approx(math.exp(0.05))
+    # as in verl, a token counts as clipped when its log-ratio leaves the band, on either side
+    assert metrics["pg_clipfrac_lower"] == 1.0
+
+
+def test_cispo_keeps_gradients_of_clipped_tokens():
+    loss, metrics, grad = policy_loss("cispo", [[0.5, -0.5]], [[1.0, 1.0]])
+    assert loss == pytest.approx(-(1.2 * -0.5 + 0.8 * -1.5) / 2)
+    assert metrics["pg_clipfrac"] == 0.5 and metrics["pg_clipfrac_lower"] == 0.5
+    torch.testing.assert_close(grad, torch.tensor([[-0.6, -0.4]], dtype=torch.float64))
+
+
+def test_sapo_is_policy_gradient_at_ratio_one():
+    config = PolicyLossConfig(tau_pos=1.0, tau_neg=2.0)
+    loss, _, grad = policy_loss("sapo", [[0.0, 0.0]], [[1.0, -1.0]], config=config)
+    assert loss == pytest.approx((-2.0 + 1.0) / 2)  # gate at r = 1 is 2 / tau
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, 0.5]], dtype=torch.float64))
+    _, _, far_grad = policy_loss("sapo", [[3.0]], [[1.0]], config=config)
+    assert 0 < -far_grad.item() < 0.5  # the gate fades far from r = 1
+    with pytest.raises(ValueError, match="tau_pos"):
+        policy_loss("sapo", [[0.0]], [[1.0]], config=PolicyLossConfig(tau_neg=0.0))
+
+
+def test_clip_cov_detaches_a_share_of_tokens():
+    config = PolicyLossConfig(clip_cov_ratio=0.5, clip_cov_lb=-100.0, clip_cov_ub=100.0)
+    torch.manual_seed(0)
+    _, metrics, grad = policy_loss("clip_cov", [[0.0, 0.01, 0.02, 0.03]], [[1.0, -1.0, 2.0, 0.5]], config=config)
+    assert metrics["pg_clipcov_frac"] == 0.5
+    assert (grad == 0).sum() == 2
+
+
+def test_kl_cov_penalises_the_highest_covariance_token():
+    config = PolicyLossConfig(kl_cov_ratio=0.25, ppo_kl_coef=1.0)
+    log_ratio = torch.tensor([[0.0, 0.0, 0.0, 0.1]], dtype=torch.float64)
+    # log pi = -1 + log_ratio; covariance peaks at the last token (largest A and largest log pi)
+    advantages = torch.tensor([[-1.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    loss, metrics, _ = policy_loss("kl_cov", log_ratio, advantages, config=config)
+    assert loss == pytest.approx((1.0 - math.exp(0.1) + 0.1) / 4)
+    assert metrics["pg_klcov_frac"] == 0.25
+
+
+def test_unknown_loss_lists_known_ones():
+    with pytest.raises(ValueError, match="cispo, clip_cov, geo_mean"):
+        policy_loss("ppo", [[0.0]], [[1.0]])
+
+
+MICRO_BATCH_SAFE = ["vanilla", "gspo", "gpg", "geo_mean", "cispo", "sapo"]
+
+
+@pytest.mark.parametrize("name", MICRO_BATCH_SAFE)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_micro_batch_gradients_equal_full_batch(name, mode, seed):
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = 5, 4
+    mask = (torch.rand(batch, length, generator=generator) > 0.3).double()
+    old_log_probs = -torch.rand(batch, length, generator=generator, dtype=torch.float64)
+    log_probs = (
+        old_log_probs + 0.3 * torch.randn(batch, length, generator=generator, dtype=torch.float64)
+    ).requires_grad_()
+    advantages = torch.randn(batch, 1, generator=generator, dtype=torch.float64).expand(batch, length)
+    config = PolicyLossConfig()
+
+    def loss_of(rows, normalizer=None):
+        loss, _ = compute_policy_loss(
+            name,
+            old_log_probs=old_log_probs[rows],
+            log_probs=log_probs[rows],
+            advantages=advantages[rows],
+            response_mask=mask[rows],
+            loss_agg_mode=mode,
+            config=config,
+            normalizer=normalizer,
+        )
+        return loss
+
+    (full_grad,) = torch.autograd.grad(loss_of(slice(None)), log_probs)
+    normalizer = LossNormalizer.from_mask(mask)
+    micro_loss = loss_of(slice(0, 2), normalizer) + loss_of(slice(2, batch), normalizer)
+    (micro_grad,) = torch.autograd.grad(micro_loss, log_probs)
+    torch.testing.assert_close(micro_grad, full_grad)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_masked_positions_never_matter(name):
+    generator = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    old_log_probs = -torch.rand(2, 3, generator=generator)
+    log_probs = old_log_probs + 0.1 * torch.randn(2, 3, generator=generator)
+    advantages = torch.randn(2, 3, generator=generator)
+    results = []
+    for fill in (0.0, 1e3):
+        torch.manual_seed(0)
+        noisy_log_probs = torch.where(mask.bool(), log_probs, torch.full_like(log_probs, -fill)).requires_grad_()
+        loss, metrics = compute_policy_loss(
+            name,
+            old_log_probs=old_log_probs,
+            log_probs=noisy_log_probs,
+            advantages=torch.where(mask.bool(), advantages, torch.full_like(advantages, fill)),
+            response_mask=mask,
+            loss_agg_mode="token-mean",
+            config=PolicyLossConfig(),
+        )
+        loss.backward()
+        results.append((loss.detach(), noisy_log_probs.grad * mask, metrics))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+    for key in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
+        torch.testing.assert_close(results[0][2][key], results[1][2][key])
+        assert not results[0][2][key].requires_grad
+
+
+def test_gspo_token_gradient_is_sequence_ratio_times_own_log_prob_gradient():
+    """Through a tiny softmax policy: d loss / d theta = sum_t -A s_i / (n_i N) * d log pi_t / d theta."""
+    generator = torch.Generator().manual_seed(7)
+    theta = torch.randn(2, 3, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (2, 3), generator=generator)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    advantages = torch.tensor([[0.7], [-1.3]], dtype=torch.float64).expand(2, 3)
+    old_log_probs = log_probs_from_logits(theta.detach() + 0.1, labels)
+    log_probs = log_probs_from_logits(theta, labels)
+    loss, _ = compute_policy_loss(
+        "gspo",
+        old_log_probs=old_log_probs,
+        log_probs=log_probs,
+        advantages=advantages,
+        response_mask=mask,
+        loss_agg_mode="seq-mean-token-mean",
+        config=PolicyLossConfig(clip_ratio=10.0),
+    )
+    (grad,) = torch.autograd.grad(loss, theta, retain_graph=True)
+
+    lengths = mask.sum(dim=-1)
+    sequence_ratio = torch.exp(((log_probs - old_log_probs) * mask).sum(dim=-1) / lengths).detach()
+    expected = torch.zeros_like(theta)
+    for row in range(2):
+        for t in range(3):
+            if mask[row, t]:
+                (token_grad,) = torch.autograd.grad(log_probs[row, t], theta, retain_graph=True)
+                expected += -advantages[row, t] * sequence_ratio[row] / lengths[row] / 2 * token_grad
+    torch.testing.assert_close(grad, expected)
