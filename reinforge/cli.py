@@ -60,7 +60,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _data(argv: list[str]) -> int:
-    from reinforge.data.cli import data_main
+    from reinforge.data.commands import data_main
 
     return data_main(argv)
 

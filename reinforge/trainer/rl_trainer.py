@@ -157,7 +157,7 @@ class RLTrainer:
         timing["step"] = time.perf_counter() - step_start
 
         metrics |= compute_data_metrics(batch, config.data.max_response_length)
-        metrics |= mean_of_extras(batch.meta.get("reward_extras", {}))
+        metrics |= mean_of_extras(_reward_extras(batch))
         metrics |= batch.meta.get("reward_metrics", {})
         metrics |= batch.meta.get("mismatch_metrics", {})
         metrics |= {f"timing_s/{key}": value for key, value in timing.items()}
@@ -208,7 +208,7 @@ class RLTrainer:
             batch = _without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
             batch = batch | self.reward.score(batch)
             scores = batch["token_level_scores"].sum(-1)
-            extras = batch.meta.get("reward_extras", {})
+            extras = _reward_extras(batch)
             for row in range(len(batch)):
                 record = {"data_source": batch["data_source"][row], "uid": batch["uid"][row],
                           "reward": float(scores[row])}
@@ -292,6 +292,12 @@ def _without_prompt_tensors(batch: Batch) -> Batch:
     kept.tensors.pop("input_ids", None)
     kept.tensors.pop("attention_mask", None)
     return kept
+
+
+def _reward_extras(batch: Batch) -> dict[str, list]:
+    """The scorer's per-sample extras (acc, pred, ...) from the reward_<key> columns."""
+    return {key.removeprefix("reward_"): list(values) for key, values in batch.non_tensors.items()
+            if key.startswith("reward_")}
 
 
 def _group_ids(uids: np.ndarray) -> torch.Tensor:

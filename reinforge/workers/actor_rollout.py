@@ -188,13 +188,13 @@ class ActorRolloutWorker(Worker):
                 config=actor.policy_loss, importance_weights=micro.get("rollout_is_weights"), normalizer=normalizer)
             entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
             loss = pg_loss - actor.entropy_coeff * entropy_loss
-            metrics = {"pg_loss": float(pg_loss), "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))}
+            metrics = {"pg_loss": float(pg_loss.detach()), "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))}
             metrics |= {key: float(value) for key, value in pg_metrics.items()}
             if actor.use_kl_loss:
                 kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
                 loss = loss + actor.kl_loss_coef * kl_loss
-                metrics["kl_loss"] = float(kl_loss)
+                metrics["kl_loss"] = float(kl_loss.detach())
                 metrics["kl_coef"] = actor.kl_loss_coef
             return loss, metrics
 

@@ -62,7 +62,7 @@ class CriticWorker(Worker):
                                                 critic.cliprange_value, critic.loss_agg_mode, normalizer)
             mask = micro["response_mask"]
             vpred_mean = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
-            return loss, {"vf_loss": float(loss), "vf_clipfrac": float(clipfrac), "vpred_mean": vpred_mean}
+            return loss, {"vf_loss": float(loss.detach()), "vf_clipfrac": float(clipfrac), "vpred_mean": vpred_mean}
 
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings, self.device)
         return {f"critic/{key}": value for key, value in metrics.items()}

@@ -1,0 +1,140 @@
+"""What each dispatch mode does with the controller's arguments and the members' results.
+
+``plan_member_calls`` turns one group call into the arguments of each member it runs on;
+``collect_results`` turns the members' results (in rank order) into the group's result.
+
+DP_COMPUTE gathers member results by type:
+  - ``Batch``: concatenated in rank order with the split's padding rows removed; the meta comes
+    from rank 0, so per-row values belong in columns, not in meta;
+  - ``dict`` (metrics): numeric values are averaged over the members (each member saw an equal
+    share of rows, padding included), other values come from rank 0;
+  - ``tuple``: gathered position by position with these same rules;
+  - ``None`` from every member: ``None``; anything else: the list of results.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from reinforge.controller.register import Dispatch, MethodSpec
+from reinforge.protocol import Batch
+
+Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class CallPlan:
+    member_arguments: list[Arguments]
+    """Arguments of member 0, 1, ... of the members that run (only member 0 for rank-zero calls)."""
+    num_padding: int = 0
+    """DP_COMPUTE: rows of padding added to split the batch evenly."""
+    chunk_size: int = 0
+    """DP_COMPUTE: rows per member."""
+
+
+def plan_member_calls(spec: MethodSpec, method_name: str, num_members: int,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan:
+    if spec.runs_on_rank_zero_only:
+        return CallPlan([(args, kwargs)])
+    if spec.dispatch is Dispatch.ONE_TO_ALL:
+        return CallPlan([(args, kwargs)] * num_members)
+    if spec.dispatch is Dispatch.ALL_TO_ALL:
+        return _plan_all_to_all(method_name, num_members, args, kwargs)
+    if spec.dispatch is Dispatch.DP_COMPUTE:
+        return _plan_dp_compute(method_name, num_members, args, kwargs)
+    raise AssertionError(f"unhandled dispatch mode {spec.dispatch}")
+
+
+def _plan_all_to_all(method_name: str, num_members: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan:
+    named = {**{f"argument {index}": value for index, value in enumerate(args)}, **kwargs}
+    for name, value in named.items():
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != num_members:
+            raise ValueError(f"{method_name} is ALL_TO_ALL: {name} must be a list with one element per member "
+                             f"({num_members}), got {type(value).__name__}"
+                             + (f" of length {len(value)}" if isinstance(value, Sequence) else ""))
+    return CallPlan([(tuple(value[rank] for value in args), {key: value[rank] for key, value in kwargs.items()})
+                     for rank in range(num_members)])
+
+
+def _plan_dp_compute(method_name: str, num_members: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallPlan:
+    batch_lengths = {name: len(value) for name, value in
+                     [*((f"argument {index}", value) for index, value in enumerate(args)), *kwargs.items()]
+                     if isinstance(value, Batch)}
+    if not batch_lengths:
+        raise TypeError(f"{method_name} is DP_COMPUTE but got no Batch argument to split across the members; "
+                        f"pass a Batch or register it with Dispatch.ONE_TO_ALL")
+    if len(set(batch_lengths.values())) > 1:
+        raise ValueError(f"{method_name} is DP_COMPUTE and its Batch arguments differ in rows: {batch_lengths}; "
+                         f"they are split row by row, so they must have the same number of rows")
+
+    def split(value: Any) -> list[Any]:
+        return value.split(num_members) if isinstance(value, Batch) else [value] * num_members
+
+    split_args = [split(value) for value in args]
+    split_kwargs = {key: split(value) for key, value in kwargs.items()}
+    num_rows = next(iter(batch_lengths.values()))
+    chunk_size = -(-num_rows // num_members)
+    return CallPlan(
+        [(tuple(chunks[rank] for chunks in split_args), {key: chunks[rank] for key, chunks in split_kwargs.items()})
+         for rank in range(num_members)],
+        num_padding=chunk_size * num_members - num_rows, chunk_size=chunk_size)
+
+
+def collect_results(spec: MethodSpec, plan: CallPlan, method_name: str, results: list[Any]) -> Any:
+    if spec.runs_on_rank_zero_only:
+        return results[0]
+    if spec.dispatch is Dispatch.DP_COMPUTE:
+        return _gather_dp(results, plan, method_name)
+    return results
+
+
+def _gather_dp(results: list[Any], plan: CallPlan, method_name: str) -> Any:
+    if all(isinstance(result, Batch) for result in results):
+        return _gather_batches(results, plan, method_name)
+    if all(isinstance(result, Mapping) for result in results):
+        return average_metrics(results)
+    if all(isinstance(result, tuple) for result in results) and len({len(result) for result in results}) == 1:
+        return tuple(_gather_dp(list(position), plan, method_name) for position in zip(*results, strict=True))
+    if all(result is None for result in results):
+        return None
+    return list(results)
+
+
+def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Batch:
+    for rank, chunk in enumerate(chunks):
+        if chunk.keys() and len(chunk) != plan.chunk_size:
+            raise ValueError(f"{method_name} is DP_COMPUTE but rank {rank} returned a Batch of {len(chunk)} rows "
+                             f"for its {plan.chunk_size} input rows; DP_COMPUTE outputs must match inputs row for "
+                             f"row so that the padding can be removed")
+    marked = [Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": plan.num_padding})
+              for chunk in chunks]
+    return Batch.concat_unpadded(marked)
+
+
+def average_metrics(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean over members of each numeric value (members lacking a key are left out); rank 0 for the rest."""
+    merged: dict[str, Any] = {}
+    for key in dict.fromkeys(key for metrics in per_member for key in metrics):
+        values = [metrics[key] for metrics in per_member if key in metrics]
+        numbers_only = [_as_number(value) for value in values]
+        if all(number is not None for number in numbers_only):
+            merged[key] = float(np.mean(numbers_only)) if len(values) > 1 else values[0]
+        else:
+            merged[key] = values[0]
+    return merged
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real | np.number):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    return None

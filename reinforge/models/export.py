@@ -1,0 +1,125 @@
+"""Writing a model and its tokenizer as a Hugging Face folder, atomically.
+
+A reader (a resumed run, an eval job, vLLM) must never see a half-written folder, so we write
+into ``<out_dir>.tmp-<pid>``, fsync every file, and only then rename it into place. An
+existing folder is first renamed aside to ``<out_dir>.old-<pid>`` and deleted once the new one
+is in; a crash in between leaves either the old or the new folder complete under one of the
+two names. The exported config has ``use_cache`` back on: the folder is for inference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def fsync_folder(folder: Path) -> None:
+    """Flush every file under ``folder``, then the folder entries themselves, to disk."""
+    for path in sorted(folder.rglob("*"), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as file:
+                os.fsync(file.fileno())
+        elif path.is_dir():
+            fsync_directory_entry(path)
+    fsync_directory_entry(folder)
+
+
+def fsync_directory_entry(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextmanager
+def atomic_folder(out_dir: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary folder; on success it replaces ``out_dir``, on error it is removed."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"cannot save a model folder to {out_dir}: a file of that name exists; remove it "
+                              "or choose another folder")
+    staging = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        fsync_folder(staging)
+        if out_dir.exists():
+            previous = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+            if previous.exists():
+                shutil.rmtree(previous)
+            os.rename(out_dir, previous)
+            try:
+                os.rename(staging, out_dir)
+            except OSError:
+                os.rename(previous, out_dir)
+                raise
+            fsync_directory_entry(out_dir.parent)
+            shutil.rmtree(previous)
+        else:
+            os.rename(staging, out_dir)
+            fsync_directory_entry(out_dir.parent)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def state_dict_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The model's state dict with floating-point tensors cast to ``dtype``.
+
+    Tensors that share storage (tied embeddings) still share it after the cast, which is how
+    save_pretrained recognises them and writes the weight once.
+    """
+    cast: dict[tuple, Tensor] = {}
+    result: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point():
+            result[name] = tensor
+            continue
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if identity not in cast:
+            cast[identity] = tensor.detach().to(dtype)
+        result[name] = cast[identity]
+    return result
+
+
+def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, *,
+                   dtype: torch.dtype | None = None) -> Path:
+    """Save ``model`` (safetensors, in ``dtype`` or its own) and ``tokenizer`` into ``out_dir``, atomically.
+
+    Writes config.json, generation_config.json (for models that generate), the weights and the
+    tokenizer files. Call it from one process only. Returns ``out_dir``.
+    """
+    out_dir = Path(out_dir)
+    state_dict = state_dict_in_dtype(model, dtype) if dtype is not None else None
+    with atomic_folder(out_dir) as staging:
+        training_use_cache = getattr(model.config, "use_cache", None)
+        model.config.use_cache = True
+        try:
+            model.save_pretrained(staging, state_dict=state_dict)
+        finally:
+            model.config.use_cache = training_use_cache
+        if dtype is not None:
+            record_dtype(staging / "config.json", dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+    return out_dir
+
+
+def record_dtype(config_path: Path, dtype: torch.dtype) -> None:
+    """Make config.json name the dtype the weights were saved in (the key is dtype or torch_dtype by version)."""
+    config = json.loads(config_path.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = str(dtype).removeprefix("torch.")
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,136 @@
+"""Loading a causal LM and its tokenizer from a local folder or a hub id.
+
+Before transformers sees a local folder we check it ourselves, so a wrong path, a folder
+without weights or a checkpoint that was cut off mid-write fails with one line naming the
+path and what is missing, instead of a long traceback from deep inside from_pretrained.
+The model comes back with ``use_cache`` off (training never reuses the KV cache; generation
+reads its own ``generation_config``); train or eval mode is left to the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+INCOMPLETE_SUFFIXES = (".tmp", ".incomplete", ".partial")
+UNFINISHED_FOLDER = re.compile(r"\.(tmp|old)-\d+$")
+"""The names export.save_hf_folder gives a folder while it is being written or replaced."""
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """The torch dtype for a config name; ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def is_local_path(path: str) -> bool:
+    """Whether ``path`` names a local folder rather than a hub id such as ``Qwen/Qwen2.5-0.5B``."""
+    return Path(path).expanduser().exists() or not HUB_ID.match(path)
+
+
+def check_model_folder(path: str | Path) -> None:
+    """Raise FileNotFoundError with one line if ``path`` is not a complete, loadable model folder."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"model folder {folder} does not exist; check model.path")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model path {folder} is a file; point model.path at the folder that holds config.json")
+    if UNFINISHED_FOLDER.search(folder.name):
+        raise FileNotFoundError(f"model folder {folder} is a temporary folder of an unfinished save; "
+                                f"use the folder without the {folder.name.rsplit('.', 1)[-1]!r} suffix")
+    leftovers = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(INCOMPLETE_SUFFIXES))
+    if leftovers:
+        raise FileNotFoundError(f"model folder {folder} looks half-written (found {', '.join(leftovers)}); "
+                                "wait for the save to finish or save it again")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {folder} has no config.json; is it a Hugging Face model folder?")
+    weights = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not weights:
+        raise FileNotFoundError(f"model folder {folder} has config.json but no weights (expected one of "
+                                f"{', '.join(WEIGHT_FILES)}); the save may have been cut off")
+    for index_name in (name for name in weights if name.endswith(".index.json")):
+        shards = set(json.loads((folder / index_name).read_text())["weight_map"].values())
+        missing = sorted(shard for shard in shards if not (folder / shard).is_file())
+        if missing:
+            raise FileNotFoundError(f"model folder {folder} is half-written: {index_name} lists {len(missing)} "
+                                    f"missing shard(s), first {missing[0]}")
+
+
+@contextmanager
+def hub_errors_explained(path: str) -> Iterator[None]:
+    """Turn a failed hub download for a path that is not a local folder into one line."""
+    try:
+        yield
+    except OSError as error:
+        if Path(path).exists():
+            raise
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise OSError(f"{path!r} is not a local folder and could not be loaded from the hub ({first_line}); "
+                      "check the path, or download the model first") from error
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute activations in backward; non-reentrant, so frozen inputs need no requires_grad trick."""
+    kwargs = {"use_reentrant": False}
+    # transformers renamed the method; the old name warns from 5.x on but is the only one in 4.x
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,
+                   attn_implementation: str = "sdpa", gradient_checkpointing: bool = False) -> PreTrainedModel:
+    """An AutoModelForCausalLM from a local folder or hub id, in ``dtype`` on ``device``, use_cache off."""
+    if is_local_path(path):
+        check_model_folder(path)
+        path = str(Path(path).expanduser())
+    with hub_errors_explained(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     attn_implementation=attn_implementation)
+    model.to(device)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """An AutoTokenizer padding on the left, with a pad token (its EOS token if it has none)."""
+    if is_local_path(path):
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"tokenizer folder {folder} does not exist; check model.tokenizer_path "
+                                    "(or model.path when that is unset)")
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise FileNotFoundError(f"tokenizer folder {folder} has no tokenizer files (expected one of "
+                                    f"{', '.join(TOKENIZER_FILES)}); set model.tokenizer_path to the folder that has them")
+        path = str(folder)
+    with hub_errors_explained(path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer {path} has neither a pad token nor an EOS token; add a pad token to its "
+                             "tokenizer_config.json")
+        logger.info("tokenizer %s has no pad token; padding with its EOS token %r", path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer

@@ -1,0 +1,124 @@
+"""Tiny models of standard transformers architectures and a character tokenizer, built in code.
+
+Tests and the CPU demo need a real Qwen2 or Llama model and a real chat tokenizer, but no hub
+download. The tokenizer is byte-level BPE with no merges: every ASCII character (letters,
+digits, punctuation, space, newline) is one token, any other character is its UTF-8 bytes,
+and ``decode(encode(text))`` gives ``text`` back exactly. Its special tokens follow Qwen's ChatML:
+
+- ``<|endoftext|>`` is the pad token;
+- ``<|im_start|>`` opens a turn, ``<|im_end|>`` closes it and is the EOS token, so generation
+  stops where the assistant's turn ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+PAD_TOKEN = "<|endoftext|>"
+TURN_START_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, TURN_START_TOKEN, EOS_TOKEN)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
+
+ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def byte_symbols() -> list[str]:
+    """The printable character that stands for each byte value in a byte-level BPE vocab (GPT-2's mapping).
+
+    Printable ASCII and Latin-1 bytes stand for themselves; the others (space, newline, control
+    bytes) are moved to code points from 256 on, so that space is "Ġ" and newline "Ċ".
+    """
+    stands_for_itself = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols: dict[int, str] = {byte: chr(byte) for byte in stands_for_itself}
+    moved = (byte for byte in range(256) if byte not in symbols)
+    for offset, byte in enumerate(moved):
+        symbols[byte] = chr(256 + offset)
+    return [symbols[byte] for byte in range(256)]
+
+
+def build_char_tokenizer(extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level ChatML tokenizer without merges: one token per ASCII character, per byte otherwise.
+
+    Ids: the three special tokens 0-2, then byte b at id 3 + b (so "a" is 100), then ``extra_tokens``
+    (e.g. ``<think>``), one id each.
+    """
+    vocab = {token: token_id for token_id, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in byte_symbols():
+        vocab[symbol] = len(vocab)
+    # Byte-level rather than a plain character vocab: transformers 5 loads a folder whose config says
+    # qwen2 with its Qwen2Tokenizer, which rebuilds a byte-level pipeline around our vocab.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in extra_tokens])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+                                   padding_side="left", chat_template=CHAT_TEMPLATE)
+
+
+def build_tiny_causal_lm(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                         num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                         max_position_embeddings: int = 512, tie_word_embeddings: bool = True,
+                         seed: int = 0, pad_token_id: int | None = None,
+                         eos_token_id: int | None = None) -> PreTrainedModel:
+    """A randomly initialised float32 Qwen2ForCausalLM or LlamaForCausalLM; the global RNG is left untouched."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    config_class, model_class = ARCHITECTURES[arch]
+    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                          intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                          tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id,
+                          bos_token_id=None, eos_token_id=eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    if eos_token_id is not None:
+        model.generation_config.eos_token_id = eos_token_id
+        model.generation_config.pad_token_id = pad_token_id
+    return model.float()
+
+
+def save_tiny_model(out_dir: str | Path, arch: str = "qwen2", extra_tokens: Sequence[str] = (), seed: int = 0,
+                    **model_kwargs) -> Path:
+    """Save a tiny model and the char tokenizer into ``out_dir``, loadable by the Auto classes; returns the folder.
+
+    ``model_kwargs`` go to build_tiny_causal_lm; the vocab size is always the tokenizer's.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = build_char_tokenizer(extra_tokens)
+    model = build_tiny_causal_lm(arch, vocab_size=len(tokenizer), seed=seed, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id, **model_kwargs)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    use_portable_tokenizer_class(out_dir)
+    return out_dir
+
+
+def use_portable_tokenizer_class(folder: Path) -> None:
+    """Name the tokenizer class so that transformers 4.x loads it too (5.x writes its new TokenizersBackend)."""
+    config_path = folder / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")

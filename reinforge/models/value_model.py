@@ -1,0 +1,89 @@
+"""The PPO critic: a causal LM's transformer body with a scalar value head on every position.
+
+The body is the LM without its vocabulary projection (``AutoModel``), so a critic starts from
+the same weights as the actor. The head is a float32 Linear(hidden, 1) with small random
+weights (not zeros, so the body gets gradient from the first step) drawn from a fixed seed,
+so every rank builds the same head. A saved critic is an HF folder of the body plus
+``value_head.safetensors``; from_pretrained reads either that or a plain causal LM folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import AutoModel, PreTrainedModel
+
+from reinforge.models.export import atomic_folder
+from reinforge.models.loading import (
+    check_model_folder,
+    enable_gradient_checkpointing,
+    hub_errors_explained,
+    is_local_path,
+)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def build_value_head(hidden_size: int, seed: int = 0) -> nn.Linear:
+    """Linear(hidden_size, 1) in float32, weights ~ N(0, 1/(hidden_size + 1)), bias 0."""
+    head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.normal_(0.0, (hidden_size + 1) ** -0.5, generator=generator)
+        head.bias.zero_()
+    return head
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: PreTrainedModel, value_head: nn.Linear | None = None, seed: int = 0):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = value_head if value_head is not None else build_value_head(backbone.config.hidden_size, seed)
+
+    @property
+    def config(self):
+        return self.backbone.config
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None) -> Tensor:
+        """Values, float32 (batch, seq_len), for input_ids (batch, seq_len): one per position."""
+        outputs = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False)
+        hidden_states = outputs.last_hidden_state.to(self.value_head.weight.dtype)
+        return self.value_head(hidden_states).squeeze(-1).float()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu", trust_remote_code: bool = False,
+                        attn_implementation: str = "sdpa", gradient_checkpointing: bool = False,
+                        seed: int = 0) -> ValueModel:
+        """A critic from a causal LM folder (new head) or a folder written by save_pretrained (its head)."""
+        path = str(path)
+        head_path = None
+        if is_local_path(path):
+            check_model_folder(path)
+            path = str(Path(path).expanduser())
+            if (Path(path) / VALUE_HEAD_FILE).is_file():
+                head_path = Path(path) / VALUE_HEAD_FILE
+        with hub_errors_explained(path):
+            backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation)
+        backbone.config.use_cache = False
+        value_head = build_value_head(backbone.config.hidden_size, seed)
+        if head_path is not None:
+            value_head.load_state_dict(load_file(head_path))
+        model = cls(backbone, value_head).to(device)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(backbone)
+        return model
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write the body as an HF folder and the head as value_head.safetensors, atomically; returns out_dir."""
+        with atomic_folder(out_dir) as staging:
+            self.backbone.save_pretrained(staging)
+            head_state = {name: tensor.detach().cpu().contiguous() for name, tensor in self.value_head.state_dict().items()}
+            save_file(head_state, staging / VALUE_HEAD_FILE, metadata={"format": "pt"})
+        return Path(out_dir)

@@ -1,0 +1,100 @@
+"""JSON-lines files of a run: ``metrics.jsonl`` (one object per step) and ``samples.jsonl``.
+
+Every line is flushed and fsynced as it is written, so a killed run loses at most the line it
+was writing; readers skip such a half-written line. On resume, lines of steps after the
+checkpoint are dropped so that the files stay exact (a resumed step is logged again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import IO, Any
+
+from reinforge.tracking.backends import RunInfo, TrackingBackend, register_tracking_backend
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+
+
+def append_json_line(handle: IO[str], record: dict[str, Any]) -> None:
+    handle.write(json.dumps(record, default=str) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file; malformed lines (a half-written last one) are skipped with a warning."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}: skipping malformed line {number} (a run killed while writing it?)",
+                              stacklevel=2)
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def truncate_after_step(path: Path, step: int) -> int:
+    """Rewrite ``path`` without the records whose ``step`` is greater than ``step``; returns how many went.
+
+    Malformed lines go too. The file is replaced atomically, so a crash here leaves the old or the new one.
+    """
+    if not path.exists():
+        return 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        records = read_json_lines(path)
+    kept = [record for record in records if int(record.get("step", 0)) <= step]
+    with open(path, encoding="utf-8") as handle:
+        num_lines = sum(1 for line in handle if line.strip())
+    if len(kept) == num_lines:
+        return 0
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        for record in kept:
+            handle.write(json.dumps(record, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    return num_lines - len(kept)
+
+
+@register_tracking_backend("jsonl")
+class JsonlBackend(TrackingBackend):
+    """``RUN_DIR/metrics.jsonl``: {"step": 3, "critic/score/mean": 0.5, ...} per line; samples in ``samples.jsonl``."""
+
+    def __init__(self, run: RunInfo):
+        self.metrics_path = run.run_dir / METRICS_FILE
+        self.samples_path = run.run_dir / SAMPLES_FILE
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole run
+        self._samples: IO[str] | None = None
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        append_json_line(self._metrics, {"step": step, **metrics})
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if self._samples is None:
+            self._samples = open(self.samples_path, "a", encoding="utf-8")  # noqa: SIM115
+        for row in rows:
+            append_json_line(self._samples, {"step": step, **row})
+
+    def truncate_after(self, step: int) -> None:
+        self.close()
+        truncate_after_step(self.metrics_path, step)
+        truncate_after_step(self.samples_path, step)
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._metrics.close()
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None

@@ -1,0 +1,149 @@
+"""PNG charts of one or more runs' ``metrics.jsonl``: ``reinforge plot RUN_DIR [RUN_DIR ...]``.
+
+One chart per metric key: each run's raw points drawn faint, with an exponential moving
+average over them (TensorBoard's debiased smoothing, so the line starts at the first point
+rather than at zero). Several runs share each chart, named in the legend by their folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
+
+DEFAULT_KEYS = [
+    "critic/score/mean",
+    "actor/kl_loss",
+    "actor/reward_kl_penalty",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "response_length/mean",
+]
+"""Plotted when they exist (reward, the KL terms, entropy, length), with every validation key."""
+
+VALIDATION_PREFIXES = ("val-core/", "val/")
+
+
+def load_run_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Key -> (step, value) pairs sorted by step; a step logged twice keeps its last value."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no {METRICS_FILE}; is it a reinforge run folder with the jsonl logger on?")
+    by_key: dict[str, dict[int, float]] = {}
+    for record in read_json_lines(path):
+        if "step" not in record:
+            continue
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                by_key.setdefault(key, {})[step] = float(value)
+    return {key: sorted(points.items()) for key, points in by_key.items()}
+
+
+def smooth(values: list[float], smoothing: float) -> list[float]:
+    """Debiased exponential moving average; ``smoothing`` in [0, 1), 0 leaves the values as they are."""
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing={smoothing} must be in [0, 1); 0.6 is a good start, 0 turns it off")
+    smoothed, average, weight = [], 0.0, 0.0
+    for value in values:
+        if value != value:  # NaN: keep the average as it is
+            smoothed.append(float("nan"))
+            continue
+        average = smoothing * average + (1 - smoothing) * value
+        weight = smoothing * weight + (1 - smoothing)
+        smoothed.append(average / weight)
+    return smoothed
+
+
+def default_keys(available: list[str]) -> list[str]:
+    keys = [key for key in DEFAULT_KEYS if key in available]
+    return keys + sorted(key for key in available if key.startswith(VALIDATION_PREFIXES))
+
+
+def _run_labels(run_dirs: list[Path]) -> list[str]:
+    names = [path.resolve().name for path in run_dirs]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{path.resolve().parent.name}/{path.resolve().name}" for path in run_dirs]
+
+
+def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str] | None = None,
+              smoothing: float = 0.6) -> list[Path]:
+    """Write one PNG per metric key and return their paths.
+
+    ``out_dir`` defaults to ``RUN_DIR/plots`` for one run, and to a ``plots`` folder next to the
+    first run for several. Files are named after the key with slashes as underscores.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dirs = [Path(path) for path in run_dirs]
+    if not run_dirs:
+        raise ValueError("plot_runs needs at least one run folder")
+    smooth([], smoothing)  # validates smoothing before any work
+    runs = [load_run_metrics(path) for path in run_dirs]
+    available = list(dict.fromkeys(key for run in runs for key in run))
+    if keys is None:
+        keys = default_keys(available)
+    else:
+        missing = [key for key in keys if key not in available]
+        if missing:
+            warnings.warn(f"no run has {missing}; skipping them (keys present: {', '.join(sorted(available))})",
+                          stacklevel=2)
+        keys = [key for key in keys if key in available]
+    if out_dir is None:
+        out_dir = run_dirs[0] / "plots" if len(run_dirs) == 1 else run_dirs[0].resolve().parent / "plots"
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    written = []
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key in keys:
+        figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+        for index, (label, run) in enumerate(zip(_run_labels(run_dirs), runs, strict=True)):
+            if key not in run:
+                continue
+            steps = [step for step, _ in run[key]]
+            values = [value for _, value in run[key]]
+            color = colors[index % len(colors)]
+            axes.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+            axes.plot(steps, smooth(values, smoothing), color=color, linewidth=2, label=label)
+        axes.set_title(key)
+        axes.set_xlabel("step")
+        axes.grid(alpha=0.3)
+        axes.legend(loc="best", fontsize="small")
+        figure.tight_layout()
+        path = out_dir / (key.replace("/", "_") + ".png")
+        figure.savefig(path)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def plot_main(argv: list[str]) -> int:
+    """``reinforge plot RUN_DIR [RUN_DIR ...] [--out DIR] [--keys k1,k2] [--smoothing 0.6]``."""
+    parser = argparse.ArgumentParser(prog="reinforge plot", description="Draw PNG charts from runs' metrics.jsonl.")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the PNGs (default: RUN_DIR/plots, or plots/ next to the first run)")
+    parser.add_argument("--keys", default=None, help="comma-separated metric keys (default: reward, val, KL, "
+                                                     "entropy and response length, where present)")
+    parser.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1); 0 turns it off")
+    args = parser.parse_args(argv)
+    keys = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None
+    try:
+        written = plot_runs(args.run_dirs, args.out, keys, args.smoothing)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"reinforge plot: {error}", file=sys.stderr)
+        return 1
+    if not written:
+        print("reinforge plot: nothing to plot; pass --keys with keys from metrics.jsonl", file=sys.stderr)
+        return 1
+    for path in written:
+        print(path)
+    return 0

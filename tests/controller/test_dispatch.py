@@ -1,0 +1,55 @@
+import pytest
+import torch
+
+from reinforge.controller.dispatch import average_metrics, collect_results, plan_member_calls
+from reinforge.controller.register import Dispatch, Execute, MethodSpec
+from reinforge.protocol import Batch
+
+DP = MethodSpec(Dispatch.DP_COMPUTE, Execute.ALL)
+
+
+def test_dp_plan_splits_batches_and_broadcasts_the_rest():
+    batch = Batch.from_dict({"x": torch.arange(5)})
+    plan = plan_member_calls(DP, "f", 2, (batch, 0.5), {"flag": True})
+    assert plan.num_padding == 1 and plan.chunk_size == 3
+    (args0, kwargs0), (args1, kwargs1) = plan.member_arguments
+    assert args0[0]["x"].tolist() == [0, 1, 2] and args1[0]["x"].tolist() == [3, 4, 0]
+    assert args0[1] == args1[1] == 0.5 and kwargs0 == kwargs1 == {"flag": True}
+
+
+def test_dp_plan_needs_a_batch_and_equal_rows():
+    with pytest.raises(TypeError, match="got no Batch argument"):
+        plan_member_calls(DP, "f", 2, (1,), {})
+    a, b = Batch.from_dict({"x": torch.arange(4)}), Batch.from_dict({"x": torch.arange(3)})
+    with pytest.raises(ValueError, match="differ in rows"):
+        plan_member_calls(DP, "f", 2, (a,), {"other": b})
+
+
+def test_dp_gather_of_tuples_concatenates_batches_and_averages_metrics():
+    batch = Batch.from_dict({"x": torch.arange(3)})
+    plan = plan_member_calls(DP, "f", 2, (batch,), {})
+    results = [(Batch.from_dict({"y": torch.tensor([0, 1])}, meta={"from": 0}), {"loss": 1.0, "name": "a"}),
+               (Batch.from_dict({"y": torch.tensor([2, 0])}, meta={"from": 1}), {"loss": torch.tensor(3.0)})]
+    merged_batch, merged_metrics = collect_results(DP, plan, "f", results)
+    assert merged_batch["y"].tolist() == [0, 1, 2]
+    assert merged_batch.meta == {"from": 0}
+    assert merged_metrics == {"loss": 2.0, "name": "a"}
+
+
+def test_dp_gather_rejects_outputs_that_do_not_match_inputs_row_for_row():
+    plan = plan_member_calls(DP, "f", 2, (Batch.from_dict({"x": torch.arange(3)}),), {})
+    results = [Batch.from_dict({"y": torch.arange(2)}), Batch.from_dict({"y": torch.arange(1)})]
+    with pytest.raises(ValueError, match="rank 1 returned a Batch of 1 rows for its 2 input rows"):
+        collect_results(DP, plan, "f", results)
+
+
+def test_all_to_all_needs_one_element_per_member():
+    spec = MethodSpec(Dispatch.ALL_TO_ALL, Execute.ALL)
+    plan = plan_member_calls(spec, "f", 2, ([1, 2],), {"tag": ["a", "b"]})
+    assert plan.member_arguments == [((1,), {"tag": "a"}), ((2,), {"tag": "b"})]
+    with pytest.raises(ValueError, match="argument 0 must be a list with one element per member"):
+        plan_member_calls(spec, "f", 2, ([1, 2, 3],), {})
+
+
+def test_average_metrics_keeps_keys_of_some_members():
+    assert average_metrics([{"a": 1, "b": 2.0}, {"a": 3}]) == {"a": 2.0, "b": 2.0}

@@ -1,0 +1,106 @@
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from reinforge.models import check_model_folder, load_causal_lm, load_tokenizer, loading, resolve_dtype, save_tiny_model
+from reinforge.models.tiny import build_tiny_causal_lm
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'; use auto, float32, bfloat16, float16"):
+        resolve_dtype("fp8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_causal_lm(tiny_model_dir, dtype):
+    model = load_causal_lm(str(tiny_model_dir), dtype=dtype, device="cpu")
+    assert next(model.parameters()).dtype == dtype
+    assert model.config.use_cache is False
+    assert model.generation_config.use_cache is True
+
+
+def test_load_causal_lm_with_gradient_checkpointing(tiny_model_dir):
+    model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device="cpu", gradient_checkpointing=True)
+    model.train()
+    num_layer_calls = []
+    model.model.layers[0].mlp.register_forward_hook(lambda *args: num_layer_calls.append(1))
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    assert len(num_layer_calls) == 2, "the checkpointed layer runs its mlp again in backward"
+    assert model.get_input_embeddings().weight.grad is not None
+
+
+def test_load_tokenizer_pads_left(tiny_model_dir):
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_load_tokenizer_falls_back_to_eos_for_padding(tmp_path, caplog):
+    # llama: transformers 5 loads a qwen2 folder with Qwen2Tokenizer, whose pad token defaults to <|endoftext|>
+    folder = save_tiny_model(tmp_path / "no-pad", arch="llama")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("pad_token")
+    config["padding_side"] = "right"
+    config_path.write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="reinforge.models.loading"):
+        tokenizer = load_tokenizer(str(folder))
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.padding_side == "left"
+    assert "no pad token; padding with its EOS token '<|im_end|>'" in caplog.text
+
+
+def test_missing_folder_is_one_clear_line(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"model folder {missing} does not exist"):
+        load_causal_lm(str(missing), dtype=torch.float32, device="cpu")
+    with pytest.raises(FileNotFoundError, match=f"tokenizer folder {missing} does not exist"):
+        load_tokenizer(str(missing))
+
+
+def test_folder_without_config_or_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        check_model_folder(tmp_path)
+    build_tiny_causal_lm("qwen2", vocab_size=20).config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="has config.json but no weights"):
+        check_model_folder(tmp_path)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer files"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_half_written_folders_are_refused(tiny_model_dir, tmp_path):
+    with_marker = shutil.copytree(tiny_model_dir, tmp_path / "marker")
+    (with_marker / "model.safetensors.incomplete").touch()
+    with pytest.raises(FileNotFoundError, match="looks half-written \\(found model.safetensors.incomplete\\)"):
+        check_model_folder(with_marker)
+
+    sharded = shutil.copytree(tiny_model_dir, tmp_path / "sharded")
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FileNotFoundError, match="1 missing shard\\(s\\), first model-00002-of-00002.safetensors"):
+        check_model_folder(sharded)
+
+    staging = shutil.copytree(tiny_model_dir, tmp_path / "model.tmp-1234")
+    with pytest.raises(FileNotFoundError, match="temporary folder of an unfinished save"):
+        check_model_folder(staging)
+
+    check_model_folder(tiny_model_dir)
+
+
+def test_unreachable_hub_id_is_one_line(monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
+
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(OSError, match="^'no-such-org/no-such-model' is not a local folder and could not be loaded "
+                                      "from the hub \\(We couldn't connect to 'https://huggingface.co' to load the files.\\);"):
+        load_tokenizer("no-such-org/no-such-model")

@@ -1,0 +1,52 @@
+import json
+
+import pytest
+
+from reinforge.tracking.plots import plot_main, plot_runs, smooth
+
+
+def write_run(folder, num_steps, offset=0.0, tail=""):
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"step": step, "critic/score/mean": offset + step / num_steps, "actor/entropy": 1.0 / step,
+                         "val-core/gsm8k/reward/mean@1": offset, "timing_s/step": 1.0})
+             for step in range(1, num_steps + 1)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n" + tail)
+    return folder
+
+
+def is_png(path):
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_run_writes_default_keys_into_run_plots(tmp_path):
+    run = write_run(tmp_path / "run_a", 12, tail='{"step": 13, "critic/sc')
+    with pytest.warns(UserWarning, match="skipping malformed line 13"):
+        written = plot_runs([run])
+    assert sorted(path.name for path in written) == [
+        "actor_entropy.png", "critic_score_mean.png", "val-core_gsm8k_reward_mean@1.png"]
+    assert all(path.parent == run / "plots" and is_png(path) for path in written)
+
+
+def test_two_runs_share_charts_and_keys_can_be_chosen(tmp_path):
+    runs = [write_run(tmp_path / "a", 8), write_run(tmp_path / "b", 5, offset=0.5)]
+    written = plot_runs(runs, out_dir=tmp_path / "compare", keys=["timing_s/step"], smoothing=0.0)
+    assert written == [tmp_path / "compare" / "timing_s_step.png"] and is_png(written[0])
+
+
+def test_plot_main_reports_a_missing_metrics_file(tmp_path, capsys):
+    (tmp_path / "empty_run").mkdir()
+    assert plot_main([str(tmp_path / "empty_run")]) == 1
+    assert f"{tmp_path / 'empty_run'} has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_plot_main_writes_and_prints_paths(tmp_path, capsys):
+    run = write_run(tmp_path / "run", 4)
+    assert plot_main([str(run), "--keys", "actor/entropy", "--smoothing", "0.9"]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "plots" / "actor_entropy.png")
+
+
+def test_smoothing_is_debiased_and_validated():
+    assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert smooth([0.0, 1.0], 0.5) == pytest.approx([0.0, 2 / 3])
+    with pytest.raises(ValueError, match="smoothing=1.0 must be in"):
+        smooth([1.0], 1.0)

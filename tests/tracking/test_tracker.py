@@ -1,0 +1,95 @@
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+from reinforge.tracking import Tracker, to_float, truncate_after_step
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def quiet_console():
+    return Console(file=io.StringIO(), width=200)
+
+
+def test_jsonl_appends_one_line_per_step_with_plain_floats(tmp_path):
+    with Tracker(tmp_path, ["jsonl"]) as tracker:
+        tracker.log({"critic/score/mean": torch.tensor(0.5), "actor/entropy": np.float32(1.25), "count": 3}, step=1)
+        # each line is on disk before the tracker closes
+        assert read_lines(tmp_path / "metrics.jsonl") == [
+            {"step": 1, "critic/score/mean": 0.5, "actor/entropy": 1.25, "count": 3.0}]
+        tracker.log({"critic/score/mean": 0.75}, step=2)
+    assert [line["step"] for line in read_lines(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_truncate_after_resume_drops_later_steps_and_keeps_appending(tmp_path):
+    with Tracker(tmp_path, ["jsonl"]) as tracker:
+        for step in range(1, 6):
+            tracker.log({"loss": step}, step=step)
+            tracker.log_samples(step, [{"prompt": "p", "response": f"r{step}"}])
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 6, "lo')  # a run killed mid-line
+    with Tracker(tmp_path, ["jsonl"]) as tracker:
+        tracker.truncate_after(3)
+        tracker.log({"loss": 40}, step=4)
+    assert [(line["step"], line["loss"]) for line in read_lines(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert [line["response"] for line in read_lines(tmp_path / "samples.jsonl")] == ["r1", "r2", "r3"]
+
+
+def test_truncate_after_step_reports_removed_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step}) + "\n" for step in range(4)))
+    assert truncate_after_step(path, 1) == 2
+    assert truncate_after_step(path, 1) == 0
+    assert truncate_after_step(tmp_path / "absent.jsonl", 1) == 0
+
+
+def test_console_backend_and_progress_print_key_metrics(tmp_path):
+    console = quiet_console()
+    tracker = Tracker(tmp_path, ["console"], console=console)
+    with tracker.progress(3, initial=1) as progress:
+        for step in (2, 3):
+            metrics = {"critic/score/mean": 0.25 * step, "val-core/gsm8k/reward/mean@4": 0.5, "other": 1.0}
+            tracker.log(metrics, step=step)
+            progress.advance(metrics)
+    tracker.log({"only/unknown": 7}, step=4)
+    tracker.close()
+    text = console.file.getvalue()
+    assert "step 2 │ score 0.5 │ gsm8k/reward/mean@4 0.5" in text
+    assert "only/unknown 7" in text
+    assert progress.completed == 3
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_progress_without_console_backend_only_counts(tmp_path):
+    console = quiet_console()
+    with Tracker(tmp_path, ["jsonl"], console=console) as tracker, tracker.progress(2) as progress:
+        progress.advance()
+    assert progress.completed == 1 and console.file.getvalue() == ""
+
+
+def test_unknown_backend_lists_known_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown tracking backend\(s\) \['neptune'\].*known backends: \[.*'jsonl'"):
+        Tracker(tmp_path, ["jsonl", "neptune"])
+
+
+@pytest.mark.parametrize("backend", ["wandb", "mlflow", "tensorboard"])
+def test_missing_package_names_the_extra(tmp_path, monkeypatch, backend):
+    for module in ("wandb", "mlflow", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, module, None)  # import of a None entry raises ImportError
+    with pytest.raises(ImportError, match=rf"'{backend}' needs the .* pip install 'reinforge\[tracking\]'"):
+        Tracker(tmp_path, ["jsonl", backend])
+
+
+def test_non_scalar_metric_names_its_key():
+    with pytest.raises(ValueError, match="metric 'actor/loss' is a tensor of shape"):
+        to_float("actor/loss", torch.ones(3))
+    with pytest.raises(ValueError, match="metric 'name' has a str value"):
+        to_float("name", "gsm8k")
