@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return command(argv[1:])
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as error:
+        # Mistakes in configs, data and paths are reported as one line; REINFORGE_DEBUG=1 shows the traceback.
+        if os.environ.get("REINFORGE_DEBUG"):
+            raise
+        message = " ".join(str(error).split())
+        print(f"error: {message}", file=sys.stderr)
         return 2

@@ -215,7 +215,7 @@ class TrainerConfig:
     """The run folder: resolved config, metrics.jsonl, checkpoints, samples, plots."""
     total_epochs: int = 1
     total_steps: Optional[int] = None
-    """Stop after this many steps; None runs total_epochs over the data."""
+    """Steps to run (epochs repeat as needed); None runs total_epochs over the data."""
     seed: int = 1
     device: str = "auto"
     """auto (cuda when available), cuda or cpu."""

@@ -25,7 +25,7 @@ from reinforge.algorithms import (
 from reinforge.config import Config, config_to_dict, save_config
 from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import WorkerGroup
-from reinforge.data import PromptLoader, RLDataset
+from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
 from reinforge.engine.device import peak_memory_gb, resolve_device
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
@@ -56,16 +56,12 @@ class RLTrainer:
                                    trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = tokenizer
         train_set = RLDataset.from_config(config.data, tokenizer, split="train")
-        self.train_loader = PromptLoader.for_training(train_set, config.data, tokenizer.pad_token_id)
+        self.train_loader = PromptLoader.for_training(train_set, config.data, get_pad_token_id(tokenizer))
         self.val_loader = None
         if config.data.val_files:
             val_set = RLDataset.from_config(config.data, tokenizer, split="val")
-            self.val_loader = PromptLoader.for_validation(val_set, config.data, tokenizer.pad_token_id)
-        steps_per_epoch = len(self.train_loader)
-        self.total_steps = steps_per_epoch * config.trainer.total_epochs
-        if config.trainer.total_steps is not None:
-            self.total_steps = min(self.total_steps, config.trainer.total_steps) \
-                if config.trainer.total_epochs > 0 else config.trainer.total_steps
+            self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
+        self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
 
         timeout = config.trainer.call_timeout_s
         self.actor_rollout = WorkerGroup(ActorRolloutWorker, config, self.total_steps, name="actor_rollout",

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from reinforge.config import Config, ConfigError, config_to_dict, load_config, save_config
-from reinforge.config.loader import suggest_key, schema_keys
+from reinforge.config.loader import schema_keys, suggest_key
 
 DEFAULTS_YAML = Path(__file__).parents[2] / "reinforge" / "config" / "defaults.yaml"
 

@@ -1,0 +1,55 @@
+"""The ``reinforge data ...`` commands: prepare datasets in the RL schema.
+
+    reinforge data gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+    reinforge data arithmetic --out data/arithmetic --num-train 2000 --max-digits 3
+
+``add_data_subcommands`` adds these to the CLI's ``data`` parser; ``data_main`` runs them
+on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from reinforge.data.gsm8k import convert_gsm8k
+from reinforge.data.tasks.arithmetic import OPERATORS, write_arithmetic_dataset
+
+
+def add_data_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``gsm8k`` and ``arithmetic``; each sets ``handler(args) -> int`` as a default."""
+    gsm8k = subparsers.add_parser("gsm8k", help="convert GSM8K JSONL into train/test parquet files")
+    gsm8k.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl")
+    gsm8k.add_argument("--out", required=True, help="folder to write train.parquet and test.parquet")
+    gsm8k.set_defaults(handler=_run_gsm8k)
+
+    arithmetic = subparsers.add_parser("arithmetic", help="generate the built-in addition/subtraction task")
+    arithmetic.add_argument("--out", required=True, help="folder to write train/test/sft_train parquet files")
+    arithmetic.add_argument("--num-train", type=int, default=2000)
+    arithmetic.add_argument("--num-test", type=int, default=200)
+    arithmetic.add_argument("--seed", type=int, default=0)
+    arithmetic.add_argument("--min-digits", type=int, default=1)
+    arithmetic.add_argument("--max-digits", type=int, default=3)
+    arithmetic.add_argument("--operators", default="".join(OPERATORS), help="any of '+-' (default: both)")
+    arithmetic.set_defaults(handler=_run_arithmetic)
+
+
+def data_main(argv: list[str]) -> int:
+    """Run ``reinforge data <command> ...`` from ``argv`` (without the leading 'data')."""
+    parser = argparse.ArgumentParser(prog="reinforge data", description="prepare datasets in the RL schema")
+    add_data_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def _run_gsm8k(args: argparse.Namespace) -> int:
+    for split, path in convert_gsm8k(args.src, args.out).items():
+        print(f"wrote {split} rows to {path}")
+    return 0
+
+
+def _run_arithmetic(args: argparse.Namespace) -> int:
+    written = write_arithmetic_dataset(args.out, args.num_train, args.num_test, args.seed, args.min_digits,
+                                       args.max_digits, tuple(args.operators))
+    for name, path in written.items():
+        print(f"wrote {name} rows to {path}")
+    return 0

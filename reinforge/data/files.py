@@ -1,0 +1,76 @@
+"""Reading dataset rows from disk: parquet, JSONL (or a JSON list), and ``datasets`` folders.
+
+Every reader returns plain Python rows (dicts of str, int, float, list, dict, None), never
+numpy arrays, so that a row looks the same whichever format it came from and pickles cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    """All rows of one parquet file, JSONL file, JSON file holding a list, or ``save_to_disk`` folder."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"data file {str(path)!r} does not exist (looked in {path.resolve()}); "
+                                "check data.train_files / data.val_files")
+    if path.is_dir():
+        return _read_datasets_folder(path)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    if suffix in (".jsonl", ".ndjson"):
+        return _read_jsonl(path)
+    if suffix == ".json":
+        return _read_json(path)
+    raise ValueError(f"cannot read {str(path)!r}: expected a .parquet, .jsonl or .json file, "
+                     "or a folder written by datasets.Dataset.save_to_disk")
+
+
+def _read_parquet(path: Path) -> list[Row]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _read_jsonl(path: Path) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"line {line_number} of {path} is not valid JSON ({error.msg} at column "
+                                 f"{error.colno}); each line of a .jsonl file holds one JSON object") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"line {line_number} of {path} holds a {type(row).__name__}, not a JSON object; "
+                                 "each line of a .jsonl file holds one row as an object")
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[Row]:
+    content = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(content, list) or not all(isinstance(row, dict) for row in content):
+        raise ValueError(f"{path} must hold a JSON list of row objects; for one object per line use .jsonl")
+    return content
+
+
+def _read_datasets_folder(path: Path) -> list[Row]:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"reading the folder {path} needs the 'datasets' package; "
+                          "pip install 'reinforge[data]'") from None
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = ", ".join(str(path / split) for split in loaded)
+        raise ValueError(f"{path} holds several splits ({', '.join(loaded)}); point the config at one of them: {splits}")
+    return loaded.to_list()

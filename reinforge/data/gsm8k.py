@@ -1,0 +1,75 @@
+"""GSM8K (grade-school math) as RL rows: ``reinforge data gsm8k --src DIR --out DIR``.
+
+The source is openai/grade-school-math's ``train.jsonl`` and ``test.jsonl`` (fields
+``question`` and ``answer``; the answer's last line is ``#### N``). Each question becomes one
+user message asking for step-by-step reasoning with the final answer after ``####``, which is
+the format the ``openai/gsm8k`` scorer checks in strict mode.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+DATA_SOURCE = "openai/gsm8k"
+INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+SPLITS = ("train", "test")
+
+_FINAL_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*$")
+
+
+def extract_final_answer(answer: str) -> str:
+    """The number after ``####`` at the end of a GSM8K solution, without thousands separators."""
+    match = _FINAL_ANSWER.search(answer.strip())
+    if match is None:
+        raise ValueError(f"GSM8K answer does not end with '#### <number>': ...{answer[-80:]!r}")
+    return match.group(1).replace(",", "")
+
+
+def make_gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[str, Any]:
+    """One row in the RL schema."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": extract_final_answer(answer)},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+    }
+
+
+def read_gsm8k_split(path: str | Path, split: str) -> list[dict[str, Any]]:
+    rows = []
+    with Path(path).open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "question" not in record or "answer" not in record:
+                raise ValueError(f"line {line_number} of {path} has no 'question' and 'answer'; "
+                                 "is this GSM8K's JSONL from openai/grade-school-math?")
+            try:
+                rows.append(make_gsm8k_row(record["question"], record["answer"], split, len(rows)))
+            except ValueError as error:
+                raise ValueError(f"line {line_number} of {path}: {error}") from None
+    return rows
+
+
+def convert_gsm8k(src_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns the paths by split."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    missing = [str(src_dir / f"{split}.jsonl") for split in SPLITS if not (src_dir / f"{split}.jsonl").exists()]
+    if missing:
+        raise FileNotFoundError(f"GSM8K source files not found: {', '.join(missing)}; --src must be the folder "
+                                "holding train.jsonl and test.jsonl from openai/grade-school-math")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for split in SPLITS:
+        rows = read_gsm8k_split(src_dir / f"{split}.jsonl", split)
+        written[split] = out_dir / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), written[split])
+    return written

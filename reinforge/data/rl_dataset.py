@@ -1,0 +1,171 @@
+"""The RL prompt dataset: rows in verl's schema, tokenized once, overlong prompts filtered.
+
+A row holds ``data_source`` (which picks the reward scorer), ``prompt`` (chat messages or a
+string; ``data.prompt_key`` names the column), ``ability``, ``reward_model`` (a dict with
+``ground_truth`` and maybe ``style``) and ``extra_info`` (a dict). Rows come from parquet,
+JSONL or ``datasets`` folders (see ``files.py``).
+
+Every prompt is rendered with the chat template and tokenized when the dataset is built, so
+that overlong prompts can be dropped (and counted) before training starts rather than
+discovered in the middle of a step. A malformed row raises one line naming the file, the row
+(0-based) and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reinforge.config.schema import DataConfig
+from reinforge.data.chat_template import encode_prompt
+from reinforge.data.files import Row, read_rows
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    index: int
+    """Row number across the dataset's files in order, before filtering (stable across runs)."""
+    prompt_ids: list[int]
+    raw_prompt: list[dict[str, Any]] | str
+    data_source: str | None
+    ground_truth: Any
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    ability: str | None = None
+
+
+class RLDataset:
+    """Tokenized prompts of one split, in file order.
+
+    ``num_filtered`` counts prompts dropped for being longer than ``max_prompt_length``;
+    ``num_rows_read`` counts the rows looked at (all of them unless ``max_samples`` stopped early).
+    """
+
+    def __init__(self, files: Sequence[str | Path] | str | Path, tokenizer: Any, config: DataConfig,
+                 max_samples: int | None = None, name: str = "train") -> None:
+        files = [files] if isinstance(files, str | Path) else list(files)
+        if not files:
+            raise ValueError(f"no {name} files given; set data.{name}_files to parquet, JSONL or datasets folders")
+        if config.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={config.truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
+        if max_samples is not None and max_samples < 1:
+            raise ValueError(f"max_samples={max_samples} for the {name} split must be at least 1, or None for all rows")
+        self.name = name
+        self.examples: list[PromptExample] = []
+        self.num_filtered = 0
+        self.num_rows_read = 0
+        self._build(files, tokenizer, config, max_samples)
+
+    @classmethod
+    def from_config(cls, config: DataConfig, tokenizer: Any, split: str = "train") -> RLDataset:
+        """The train split (``data.train_files``) or the validation split (``data.val_files``)."""
+        if split == "train":
+            return cls(config.train_files, tokenizer, config, config.max_train_samples, name="train")
+        if split == "val":
+            return cls(config.val_files, tokenizer, config, config.max_val_samples, name="val")
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'val'")
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, position: int) -> PromptExample:
+        return self.examples[position]
+
+    def _build(self, files: list[str | Path], tokenizer: Any, config: DataConfig, max_samples: int | None) -> None:
+        first_index = 0
+        for path in files:
+            rows = read_rows(path)
+            for row_number, row in enumerate(rows):
+                self.num_rows_read += 1
+                fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config)
+                if fields is None:
+                    self.num_filtered += 1
+                    continue
+                self.examples.append(PromptExample(index=first_index + row_number, **fields))
+                if max_samples is not None and len(self.examples) == max_samples:
+                    self._report(config)
+                    return
+            first_index += len(rows)
+        self._report(config)
+
+    def _report(self, config: DataConfig) -> None:
+        if self.num_rows_read == 0:
+            raise ValueError(f"the {self.name} files hold no rows; check data.{self.name}_files")
+        if not self.examples:
+            raise ValueError(f"no {self.name} prompt is left: all {self.num_rows_read} are longer than "
+                             f"data.max_prompt_length={config.max_prompt_length} tokens; raise max_prompt_length")
+        logger.info("%s data: %d prompts from %d rows; %d filtered for being longer than "
+                    "data.max_prompt_length=%d tokens", self.name, len(self.examples), self.num_rows_read,
+                    self.num_filtered, config.max_prompt_length)
+
+
+def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any]] | str:
+    if prompt_key not in row or row[prompt_key] is None:
+        columns = ", ".join(sorted(row)) or "none"
+        raise ValueError(f"{where} has no {prompt_key!r}; each row needs its prompt as a list of chat messages or "
+                         f"a string (data.prompt_key names the column; this row has: {columns})")
+    prompt = row[prompt_key]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and not prompt:
+        raise ValueError(f"{where} has an empty {prompt_key!r}; give at least one chat message or a string")
+    if not isinstance(prompt, list):
+        raise ValueError(f"{where} has a {prompt_key!r} of type {type(prompt).__name__}; expected a list of "
+                         "{'role': ..., 'content': ...} messages or a string")
+    for number, message in enumerate(prompt):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"message {number} of the {prompt_key!r} in {where} is {message!r}; each message "
+                             "is a dict with a 'role' string and a 'content'")
+    return prompt
+
+
+def _checked_dict(row: Row, key: str, where: str) -> dict[str, Any]:
+    value = row.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} has a {key!r} of type {type(value).__name__}; expected a dict (or no {key!r})")
+    return value
+
+
+def _checked_optional_str(row: Row, key: str, where: str) -> str | None:
+    value = row.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where} has a {key!r} of type {type(value).__name__}; expected a string")
+    return value
+
+
+def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig) -> dict[str, Any] | None:
+    """The PromptExample fields of one row (all but ``index``), or None when it is filtered as overlong."""
+    prompt = _checked_prompt(row, config.prompt_key, where)
+    try:
+        prompt_ids = encode_prompt(tokenizer, prompt, config.apply_chat_template, config.chat_template)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    limit = config.max_prompt_length
+    if len(prompt_ids) > limit:
+        if config.filter_overlong_prompts:
+            return None
+        if config.truncation == "left":
+            prompt_ids = prompt_ids[-limit:]
+        elif config.truncation == "right":
+            prompt_ids = prompt_ids[:limit]
+        else:
+            raise ValueError(f"{where} has a prompt of {len(prompt_ids)} tokens, more than "
+                             f"data.max_prompt_length={limit}; raise max_prompt_length, set "
+                             "data.filter_overlong_prompts=true to drop such prompts, or data.truncation=left|right")
+    reward_model = _checked_dict(row, "reward_model", where)
+    return {
+        "prompt_ids": prompt_ids,
+        "raw_prompt": prompt,
+        "data_source": _checked_optional_str(row, "data_source", where),
+        "ground_truth": reward_model.get("ground_truth"),
+        "extra_info": _checked_dict(row, "extra_info", where),
+        "ability": _checked_optional_str(row, "ability", where),
+    }

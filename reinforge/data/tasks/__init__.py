@@ -1,0 +1,1 @@
+"""Built-in tasks that generate their own data (no download needed)."""

@@ -1,0 +1,211 @@
+"""The reward manager: responses in, token-level scores out.
+
+For each sample it decodes the generated tokens (``response_mask == 1``, special tokens
+skipped), picks the scorer by ``data_source`` (or ``reward.custom_function``), scores all
+samples in worker processes with a per-sample time limit, and puts each score on the
+sample's last generated token. A scorer that raises or times out gives
+``reward.fallback_score``; it is counted in the metrics and the first traceback is logged,
+but it never stops the run. ``reward.num_workers=0`` scores in this process, without time
+limits, which is handy under a debugger.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from reinforge.config.schema import RewardConfig
+from reinforge.protocol import Batch
+from reinforge.reward.registry import SCORERS, Scorer, get_scorer
+from reinforge.reward.scorer_calls import (
+    SAMPLE_ARGUMENTS,
+    accepted_keywords,
+    build_call_kwargs,
+    check_scorer_signature,
+    load_custom_scorer,
+)
+from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool, run_job
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardOutput:
+    token_level_scores: Tensor
+    """(batch, response_len) float32: each sample's score on its last generated token, 0 elsewhere."""
+    scores: Tensor
+    """(batch,) float32: the score of each sample (fallback_score for failed ones)."""
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    """Extra values of dict scores (acc, pred, ...), one per sample; None where a sample lacks the key."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """reward/errors and reward/timeouts: counts of samples that got the fallback score."""
+
+    def to_batch(self) -> Batch:
+        """``token_level_scores`` plus one ``reward_<key>`` column per extra, to merge with ``batch |= ...``."""
+        return Batch.from_dict(tensors={"token_level_scores": self.token_level_scores},
+                               non_tensors={f"reward_{key}": values for key, values in self.extras.items()})
+
+
+class RewardManager:
+    """Scores batches of responses; keeps its worker processes between calls (``close()`` ends them)."""
+
+    def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
+        if config.num_workers < 0:
+            raise ValueError(f"reward.num_workers={config.num_workers} must be 0 (score in this process) or more")
+        if config.timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={config.timeout_s} must be positive")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.options = dict(config.kwargs)
+        self.custom_scorer: Scorer | None = None
+        if config.custom_function:
+            self.custom_scorer = load_custom_scorer(config.custom_function)
+            check_scorer_signature(self.custom_scorer, config.custom_function, self.options)
+        self._check_options()
+        self._accepted: dict[Scorer, frozenset[str] | None] = {}
+        self._pool: ScoringPool | None = None
+        self._logged_error = False
+        self._logged_timeout = False
+
+    def _check_options(self) -> None:
+        clashing = sorted(set(self.options) & set(SAMPLE_ARGUMENTS))
+        if clashing:
+            raise ValueError(f"reward.kwargs sets {', '.join(clashing)}, which the reward manager passes for "
+                             "each sample; remove them from reward.kwargs")
+        scorers = [self.custom_scorer] if self.custom_scorer is not None else list(set(SCORERS.values()))
+        accepted = [accepted_keywords(scorer) for scorer in scorers]
+        if any(names is None for names in accepted):
+            return
+        known = set().union(*accepted) - set(SAMPLE_ARGUMENTS)
+        unknown = sorted(set(self.options) - known)
+        if unknown:
+            raise ValueError(f"reward.kwargs has {', '.join(unknown)}, which no scorer accepts; "
+                             f"the scorers' options are: {', '.join(sorted(known)) or 'none'}")
+
+    def close(self) -> None:
+        """Stop the scorer processes (they also stop when the manager is garbage-collected)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def score(self, batch: Batch) -> RewardOutput:
+        """Score every sample of ``batch``.
+
+        Needs tensors ``responses`` (B, T) right-padded token ids and ``response_mask`` (B, T),
+        and non-tensors ``ground_truth``, ``data_source`` (unless a custom function scores
+        everything) and, optionally, ``extra_info``.
+        """
+        responses, response_mask = batch["responses"].cpu(), batch["response_mask"].cpu().bool()
+        num_samples = len(batch)
+        nothing = np.full(num_samples, None, dtype=object)
+        data_sources, extra_infos = batch.get("data_source", nothing), batch.get("extra_info", nothing)
+        texts = self.tokenizer.batch_decode(
+            [row[mask].tolist() for row, mask in zip(responses, response_mask, strict=True)], skip_special_tokens=True)
+        jobs = [self._job(*sample) for sample in
+                zip(texts, batch["ground_truth"], extra_infos, data_sources, strict=True)]
+        results = self._run(jobs)
+
+        scores = torch.full((num_samples,), float(self.config.fallback_score), dtype=torch.float32)
+        per_sample_extras: list[dict[str, Any]] = [{} for _ in range(num_samples)]
+        num_errors = num_timeouts = 0
+        for index, result in enumerate(results):
+            if result.timed_out:
+                num_timeouts += 1
+                self._log_timeout_once(data_sources[index])
+                continue
+            try:
+                scores[index], per_sample_extras[index] = _unpack_score(result)
+            except Exception as error:
+                num_errors += 1
+                self._log_error_once(data_sources[index], result.error or f"{type(error).__name__}: {error}")
+
+        keys = sorted({key for extras in per_sample_extras for key in extras})
+        return RewardOutput(
+            token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
+            scores=scores,
+            extras={key: [extras.get(key) for extras in per_sample_extras] for key in keys},
+            metrics={"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts)},
+        )
+
+    def _job(self, text: str, ground_truth: Any, extra_info: Any, data_source: str | None) -> ScoringJob:
+        scorer = self.custom_scorer if self.custom_scorer is not None else get_scorer(data_source)
+        if scorer not in self._accepted:
+            self._accepted[scorer] = accepted_keywords(scorer)
+        kwargs = build_call_kwargs(self._accepted[scorer], text, ground_truth, extra_info, data_source, self.options)
+        if self.custom_scorer is not None and self.config.num_workers > 0:
+            return ScoringJob(self.config.custom_function, kwargs)  # a file-loaded function cannot be pickled
+        return ScoringJob(scorer, kwargs)
+
+    def _run(self, jobs: list[ScoringJob]) -> list[JobResult]:
+        if self.config.num_workers == 0:
+            return [_run_here(job) for job in jobs]
+        if self._pool is None:
+            self._pool = ScoringPool(self.config.num_workers, self.config.timeout_s, self.config.custom_function)
+        return self._pool.run(jobs)
+
+    def _log_error_once(self, data_source: str | None, details: str) -> None:
+        if not self._logged_error:
+            self._logged_error = True
+            logger.warning("a scorer failed on a sample of data_source %r; it gets reward.fallback_score=%s. "
+                           "Later failures are only counted in reward/errors.\n%s",
+                           data_source, self.config.fallback_score, details)
+
+    def _log_timeout_once(self, data_source: str | None) -> None:
+        if not self._logged_timeout:
+            self._logged_timeout = True
+            logger.warning("a scorer ran past reward.timeout_s=%s on a sample of data_source %r and was stopped; "
+                           "it gets reward.fallback_score=%s. Later timeouts are only counted in reward/timeouts.",
+                           self.config.timeout_s, data_source, self.config.fallback_score)
+
+
+def place_on_last_token(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Each row's score on its last masked position; rows without one stay all zero.
+
+    scores: (batch,); response_mask: (batch, response_len) bool. Returns (batch, response_len) float32.
+    """
+    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last_positions = response_mask.shape[1] - 1 - response_mask.flip(dims=[1]).int().argmax(dim=1)
+    rows = torch.nonzero(response_mask.any(dim=1), as_tuple=True)[0]
+    token_level_scores[rows, last_positions[rows]] = scores[rows].float()
+    return token_level_scores
+
+
+def _run_here(job: ScoringJob) -> JobResult:
+    try:
+        return JobResult(value=run_job(job))
+    except Exception:
+        return JobResult(error=traceback.format_exc())
+
+
+def _unpack_score(result: JobResult) -> tuple[float, dict[str, Any]]:
+    """The score and extras of a scorer's return value; raises when it failed or returned a non-score."""
+    if result.error is not None:
+        raise RuntimeError(result.error)
+    value = result.value
+    extras: dict[str, Any] = {}
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"the scorer returned a dict without 'score' (keys: {sorted(value)}); "
+                             "return a float or a dict with a 'score'")
+        extras = {key: item for key, item in value.items() if key != "score"}
+        value = value["score"]
+    if isinstance(value, bool | int | float | np.number) or (isinstance(value, Tensor) and value.numel() == 1):
+        score = float(value)
+    else:
+        raise TypeError(f"the scorer returned a {type(value).__name__}; return a float or a dict with a 'score'")
+    if not math.isfinite(score):
+        raise ValueError(f"the scorer returned a non-finite score {score}")
+    return score, extras

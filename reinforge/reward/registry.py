@@ -1,0 +1,44 @@
+"""The scorer registry: which function scores the responses of each ``data_source``.
+
+A scorer is a plain function
+
+    fn(solution_str: str, ground_truth, extra_info: dict | None = None, **options) -> float | dict
+
+returning the score, or a dict with ``score`` and extras such as ``acc`` and ``pred``. Its
+keyword options (e.g. gsm8k's ``method``) are filled from ``reward.kwargs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Scorer = Callable[..., float | dict[str, Any]]
+
+SCORERS: dict[str, Scorer] = {}
+
+
+def register_scorer(*data_sources: str) -> Callable[[Scorer], Scorer]:
+    """Register the decorated function as the scorer of each of ``data_sources``."""
+    if not data_sources:
+        raise ValueError("register_scorer needs at least one data source name")
+
+    def add(fn: Scorer) -> Scorer:
+        for data_source in data_sources:
+            if data_source in SCORERS:
+                raise ValueError(f"a scorer for data source {data_source!r} is registered twice")
+            SCORERS[data_source] = fn
+        return fn
+    return add
+
+
+def get_scorer(data_source: str | None) -> Scorer:
+    """The scorer registered for ``data_source``; an unknown name lists the known ones."""
+    if data_source in SCORERS:
+        return SCORERS[data_source]
+    known = ", ".join(sorted(SCORERS))
+    if data_source is None:
+        raise ValueError(f"a sample has no data_source, which picks its scorer; add data_source to the rows "
+                       f"(one of: {known}) or set reward.custom_function")
+    raise ValueError(f"no scorer for data_source {data_source!r}; known data sources: {known}. "
+                   "Register one with @register_scorer or set reward.custom_function=path/to/file.py:function")

@@ -1,0 +1,201 @@
+"""Scoring in worker processes with a hard per-sample time limit.
+
+A scorer is user code: it may loop forever (a regex that backtracks, a sympy call that never
+returns) or crash its interpreter. Threads cannot be stopped, so each worker is a process of
+its own with a private pipe. The pool hands one job at a time to an idle worker and notes its
+deadline; a worker still busy at the deadline is killed and replaced, and its job reported as
+timed out. Because every worker has its own pipe, killing one never corrupts a shared queue.
+
+Workers start with ``forkserver`` (``spawn`` where that is missing), never plain ``fork``: the
+trainer may hold CUDA state and threads that a forked child must not inherit. As with any
+spawned worker, a script that starts training must keep its top level behind
+``if __name__ == "__main__":``. A worker imports only ``reinforge.reward`` (no torch), and
+its time limit starts when it reports ready, so start-up never counts against a job.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+_STARTUP_TIMEOUT_S = 120.0
+_STOP_TIMEOUT_S = 1.0
+
+
+@dataclass
+class ScoringJob:
+    scorer: Callable[..., Any] | str
+    """A scorer function (sent to the worker by its import path) or a 'path/to/file.py:function' spec."""
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class JobResult:
+    value: Any = None
+    error: str | None = None
+    """The traceback (or reason) when the scorer raised or its process died."""
+    timed_out: bool = False
+
+
+_loaded_custom_scorers: dict[str, Callable[..., Any]] = {}
+
+
+def run_job(job: ScoringJob) -> Any:
+    """Call the job's scorer; a custom-function spec is loaded once per process."""
+    scorer = job.scorer
+    if isinstance(scorer, str):
+        if scorer not in _loaded_custom_scorers:
+            from reinforge.reward.scorer_calls import load_custom_scorer
+
+            _loaded_custom_scorers[scorer] = load_custom_scorer(scorer)
+        scorer = _loaded_custom_scorers[scorer]
+    return scorer(**job.kwargs)
+
+
+def _worker_loop(connection: Connection, custom_function: str | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us via close().
+    import reinforge.reward  # noqa: F401  (registers the built-in scorers before we report ready)
+
+    if custom_function is not None:
+        try:
+            run_job(ScoringJob(custom_function, {}))
+        except Exception:
+            pass  # loading is all we wanted; a broken file reports its error on every job
+    connection.send(("ready", None))
+    while True:
+        try:
+            job = connection.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        try:
+            reply = ("ok", run_job(job))
+        except BaseException:  # noqa: B036  (a scorer calling sys.exit must not kill the worker silently)
+            reply = ("error", traceback.format_exc())
+        try:
+            connection.send(reply)
+        except Exception:
+            connection.send(("error", f"the scorer's result could not be sent back:\n{traceback.format_exc()}"))
+
+
+class _Worker:
+    def __init__(self, context: Any, custom_function: str | None) -> None:
+        self.connection, child_connection = context.Pipe(duplex=True)
+        self.process = context.Process(target=_worker_loop, args=(child_connection, custom_function), daemon=True,
+                                       name="reinforge-scorer")
+        self.process.start()
+        child_connection.close()
+        self.ready = False
+        self.job_index: int | None = None
+        self.deadline = 0.0
+        self.started_at = time.monotonic()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(_STOP_TIMEOUT_S)
+        self.connection.close()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        try:
+            worker.connection.send(None)
+        except (OSError, ValueError):
+            pass
+    for worker in workers:
+        worker.process.join(_STOP_TIMEOUT_S)
+        worker.kill()
+
+
+class ScoringPool:
+    """``num_workers`` scorer processes; ``run`` gives each job at most ``timeout_s`` seconds."""
+
+    def __init__(self, num_workers: int, timeout_s: float, custom_function: str | None = None) -> None:
+        if num_workers < 1:
+            raise ValueError(f"a scoring pool needs at least one worker, got reward.num_workers={num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={timeout_s} must be positive")
+        methods = multiprocessing.get_all_start_methods()
+        self._context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        self.timeout_s = timeout_s
+        self.custom_function = custom_function
+        self._workers = [_Worker(self._context, custom_function) for _ in range(num_workers)]
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def run(self, jobs: list[ScoringJob]) -> list[JobResult]:
+        """One result per job, in order; never raises for a scorer's error or timeout."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this ScoringPool is closed")
+        results: list[JobResult | None] = [None] * len(jobs)
+        pending = deque(range(len(jobs)))
+        while pending or any(worker.job_index is not None for worker in self._workers):
+            for worker in self._workers:
+                if worker.ready and worker.job_index is None and pending:
+                    self._dispatch(worker, pending.popleft(), jobs, results)
+            busy = [worker for worker in self._workers if worker.job_index is not None]
+            starting = [worker for worker in self._workers if not worker.ready]
+            if not busy and not starting:
+                continue
+            wait_s = max(0.0, min(worker.deadline for worker in busy) - time.monotonic()) if busy else None
+            by_connection = {worker.connection: worker for worker in busy + starting}
+            for connection in wait(list(by_connection), timeout=wait_s if wait_s is not None else 1.0):
+                self._receive(by_connection[connection], results)
+            self._enforce_deadlines(results)
+        return [result if result is not None else JobResult(error="no result") for result in results]
+
+    def _dispatch(self, worker: _Worker, job_index: int, jobs: list[ScoringJob], results: list) -> None:
+        try:
+            worker.connection.send(jobs[job_index])
+        except Exception:
+            results[job_index] = JobResult(error="the job could not be sent to a scorer process; a scorer must be "
+                                                 "a module-level function (not a lambda or closure) and its inputs "
+                                                 f"picklable:\n{traceback.format_exc()}")
+            return
+        worker.job_index = job_index
+        worker.deadline = time.monotonic() + self.timeout_s
+
+    def _receive(self, worker: _Worker, results: list) -> None:
+        try:
+            status, payload = worker.connection.recv()
+        except (EOFError, OSError):
+            worker.process.join(_STOP_TIMEOUT_S)
+            reason = f"the scorer process died (exit code {worker.process.exitcode})"
+            if worker.job_index is not None:
+                results[worker.job_index] = JobResult(error=reason)
+            elif not worker.ready:
+                raise RuntimeError(f"a scorer process failed to start ({reason}); run a scorer by hand to see why") from None
+            self._replace(worker)
+            return
+        if status == "ready":
+            worker.ready = True
+            return
+        assert worker.job_index is not None, f"a scorer process answered {status!r} without a job"
+        results[worker.job_index] = JobResult(value=payload) if status == "ok" else JobResult(error=payload)
+        worker.job_index = None
+
+    def _enforce_deadlines(self, results: list) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.job_index is not None and now >= worker.deadline:
+                results[worker.job_index] = JobResult(timed_out=True)
+                self._replace(worker)
+            elif not worker.ready and now - worker.started_at > _STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"a scorer process did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        position = self._workers.index(worker)
+        self._workers[position] = _Worker(self._context, self.custom_function)

@@ -1,0 +1,13 @@
+"""reinforge's native rollout engine: paged KV cache, continuous batching, CUDA graphs.
+
+Modules, one job each: ``sequence`` (one sample's state), ``block_manager`` (KV blocks and
+their reference counts), ``scheduler`` (which sequences run each step), ``model`` (the
+decoder forward over HF modules), ``attention`` and ``triton_kernels`` (the kernels),
+``model_runner`` (cache, step inputs, CUDA graphs), ``sampling`` and ``engine`` (the
+entry points).
+"""
+
+from reinforge.rollout.native.engine import NativeEngine
+from reinforge.rollout.native.model import supports_model
+
+__all__ = ["NativeEngine", "supports_model"]

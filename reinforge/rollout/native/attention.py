@@ -1,0 +1,85 @@
+"""Attention over a paged KV cache: what one forward needs to know, and the PyTorch path.
+
+Tokens of a step are packed (no padding between sequences). A prefill step attends causally
+within each sequence's own tokens (the n samples of a prompt are forked after its prefill, so
+a prefill never reads the cache); a decode step attends from one new token per sequence to
+all of that sequence's cached tokens through its block table. The PyTorch functions here run
+everywhere and are the reference; on CUDA the engine uses the Triton kernels instead
+(``triton_kernels.py``), which compute the same thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's keys and values go, and what each query may see.
+
+    slot_mapping: (tokens,) cache slot (block * block_size + offset) of each token's k and v.
+    Prefill: seq_lens lists the packed sequences' lengths; batch_index, token_index (tokens,)
+    place each packed token in a (num_seqs, max_seq_len) grid.
+    Decode: block_tables (batch, max_blocks) and context_lens (batch,), one token per sequence.
+    """
+
+    slot_mapping: Tensor
+    is_prefill: bool
+    seq_lens: list[int] | None = None
+    batch_index: Tensor | None = None
+    token_index: Tensor | None = None
+    block_tables: Tensor | None = None
+    context_lens: Tensor | None = None
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x*cos + rotate_half(x)*sin, as transformers computes it. x: (tokens, heads, dim); cos, sin: (tokens, dim)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """k, v: (tokens, kv_heads, dim) into caches of shape (num_blocks, block_size, kv_heads, dim)."""
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Causal attention within each packed sequence. q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)."""
+    assert meta.seq_lens is not None and meta.batch_index is not None and meta.token_index is not None
+    num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
+    group = q.shape[1] // k.shape[1]
+
+    def to_grid(x: Tensor) -> Tensor:
+        grid = x.new_zeros(num_seqs, max_len, *x.shape[1:])
+        grid[meta.batch_index, meta.token_index] = x
+        return grid.transpose(1, 2)
+
+    # right padding: with a causal mask a real query only ever sees real keys
+    out = F.scaled_dot_product_attention(
+        to_grid(q), to_grid(k).repeat_interleave(group, dim=1), to_grid(v).repeat_interleave(group, dim=1),
+        is_causal=True, scale=scale)
+    return out.transpose(1, 2)[meta.batch_index, meta.token_index]
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """One query per sequence against its cached tokens. q: (batch, heads, dim). Gathers blocks; not graph-safe."""
+    assert meta.block_tables is not None and meta.context_lens is not None
+    batch, num_heads, _ = q.shape
+    group = num_heads // k_cache.shape[2]
+    max_context = int(meta.context_lens.max())
+    block_tables = meta.block_tables[:, : -(-max_context // k_cache.shape[1])].long()
+
+    def gather(cache: Tensor) -> Tensor:
+        tokens = cache[block_tables].flatten(1, 2)[:, :max_context]  # (batch, context, kv_heads, dim)
+        return tokens.transpose(1, 2).repeat_interleave(group, dim=1)
+
+    visible = torch.arange(max_context, device=q.device)[None, :] < meta.context_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache),
+                                         attn_mask=visible[:, None, None, :], scale=scale)
+    return out[:, :, 0, :]

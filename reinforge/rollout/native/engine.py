@@ -1,0 +1,296 @@
+"""NativeEngine: reinforge's own rollout engine for Qwen2/Qwen2.5/Qwen3 and Llama models.
+
+Token ids in, token ids and per-token log-probs out. One scheduler serves two entry points:
+``generate(requests)`` steps it until a batch is done, and ``await generate_async(request)``
+adds one request and lets a background task step the scheduler (in a worker thread) while
+anything is pending, so agent loops submit requests one at a time and none waits for
+another. Hybrid engine: the engine runs the trainer's model modules in place, so
+``sync_weights`` is only a pointer refresh (a no-op for the same model updated in place; the
+CUDA graphs are recaptured if the parameters' storage moved). ``wake_up`` allocates the KV
+cache from a fraction of device memory; ``sleep`` frees it, with the CUDA graphs, and
+returns the memory to the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from reinforge.rollout.base import Completion, GenerationRequest
+from reinforge.rollout.native.block_manager import BlockManager
+from reinforge.rollout.native.model import supports_model, unsupported_reason
+from reinforge.rollout.native.model_runner import ModelRunner
+from reinforge.rollout.native.sampling import Sampler, SamplingTensors
+from reinforge.rollout.native.scheduler import ScheduledStep, Scheduler
+from reinforge.rollout.native.sequence import Sequence
+
+__all__ = ["NativeEngine", "supports_model"]
+
+DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _RequestState:
+    """Collects the n completions of one request and reports when all are done."""
+
+    def __init__(self, request: GenerationRequest, seed: int, on_done: Callable[[list[Completion]], None] | None,
+                 on_error: Callable[[BaseException], None] | None):
+        self.request = request
+        self.on_error = on_error
+        self.seed = seed
+        self.completions: list[Completion | None] = [None] * request.sampling.n
+        self.num_pending = request.sampling.n
+        self.on_done = on_done
+
+    def finish_sample(self, seq: Sequence) -> bool:
+        self.completions[seq.sample_index] = Completion(seq.token_ids[seq.num_prompt_tokens:], list(seq.log_probs),
+                                                        seq.finish_reason)
+        self.num_pending -= 1
+        return self.num_pending == 0
+
+
+class NativeEngine:
+    def __init__(self, model: nn.Module, *, eos_token_ids: list[int], max_model_len: int,
+                 gpu_memory_utilization: float = 0.5, block_size: int = 16, max_num_seqs: int = 512,
+                 max_num_batched_tokens: int = 16384, num_kv_blocks: int | None = None,
+                 cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
+                 enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0):
+        """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
+
+        gpu_memory_utilization: fraction of the device's total memory the process may hold while the
+        KV cache is allocated (the cache gets what weights, optimizer state and a step's activations
+        leave of it). num_kv_blocks overrides that sizing (and is needed on the CPU to go beyond
+        max_num_seqs full-length sequences). use_triton defaults to True on CUDA when Triton is
+        installed; enforce_eager turns CUDA graphs off.
+        """
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"NativeEngine cannot run this model: {reason}; use the hf rollout backend for it")
+        device = next(model.parameters()).device
+        if use_triton is None:
+            use_triton = device.type == "cuda" and _triton_available()
+        use_graphs = device.type == "cuda" and use_triton and not enforce_eager
+        self.model = model
+        self.device = device
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.num_kv_blocks = num_kv_blocks
+        self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len, use_triton=use_triton,
+                                  cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [])
+        self.sampler = Sampler(use_triton)
+        self.scheduler: Scheduler | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._seed_generator = np.random.default_rng(seed)
+        self._incoming: queue.SimpleQueue[_RequestState] = queue.SimpleQueue()
+        self._requests: dict[int, _RequestState] = {}
+        self._next_request_key = 0
+        self._step_lock = threading.Lock()
+        self._driver: asyncio.Task | None = None
+        self._num_generated_tokens = 0
+        self._peak_blocks_used = 0
+
+    # ---- hybrid-engine lifecycle -------------------------------------------------------------
+
+    @property
+    def is_awake(self) -> bool:
+        return self.scheduler is not None
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache (and, at the first decode, capture CUDA graphs)."""
+        if self.is_awake:
+            return
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.scheduler = Scheduler(BlockManager(num_blocks, self.block_size), self.max_num_seqs,
+                                   self.max_num_batched_tokens)
+
+    def sleep(self) -> None:
+        """Free the KV cache and CUDA graphs; the memory goes back to the device for training."""
+        if self.scheduler is not None and self.scheduler.has_unfinished:
+            raise RuntimeError("sleep() was called while requests are still generating; await them first")
+        self.scheduler = None
+        self.runner.free_kv_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Generate with ``model``'s current parameters: a pointer refresh, nothing is copied."""
+        self.model = model
+        self.runner.set_model(model)
+
+    def _num_kv_blocks(self) -> int:
+        useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.device.type != "cuda":
+            return useful
+        free, total = torch.cuda.mem_get_info(self.device)
+        config = self.model.config
+        element_size = self.runner.decoder.dtype.itemsize
+        activations = (self.max_num_batched_tokens * (4 * config.intermediate_size + 8 * config.hidden_size)
+                       * element_size + self.max_num_seqs * config.vocab_size * 16 + (256 << 20))
+        budget = total * self.gpu_memory_utilization - (total - free) - activations
+        num_blocks = int(budget // self.runner.kv_bytes_per_block())
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for the KV cache "
+                f"({(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB already in use); raise it")
+        return min(num_blocks, useful)
+
+    # ---- entry points -----------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        """Completions for each request (``request.sampling.n`` of them), in request order."""
+        self.wake_up()
+        states = [self._submit(request) for request in requests]
+        start = self._start_metrics()
+        while any(state.num_pending for state in states):
+            if not self._step():
+                raise RuntimeError("the scheduler ran dry with requests still pending")
+        self._finish_metrics(start)
+        return [list(state.completions) for state in states]
+
+    async def generate_async(self, request: GenerationRequest) -> list[Completion]:
+        """The request's n completions; requests submitted concurrently are batched together."""
+        self.wake_up()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Completion]] = loop.create_future()
+
+        def deliver(completions: list[Completion]) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(completions))
+
+        def fail(error: BaseException) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+
+        self._submit(request, on_done=deliver, on_error=fail)
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        return await future
+
+    async def _drive(self) -> None:
+        start = self._start_metrics()
+        try:
+            while self._has_work():
+                await asyncio.to_thread(self._step)
+        except BaseException as error:
+            pending, self._requests = self._requests, {}
+            for state in pending.values():
+                if state.on_error is not None:
+                    state.on_error(error)
+            raise
+        self._finish_metrics(start)
+
+    def _has_work(self) -> bool:
+        return not self._incoming.empty() or (self.scheduler is not None and self.scheduler.has_unfinished)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def _submit(self, request: GenerationRequest,
+                on_done: Callable[[list[Completion]], None] | None = None,
+                on_error: Callable[[BaseException], None] | None = None) -> _RequestState:
+        sampling = request.sampling
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} has a prompt of {len(request.prompt_token_ids)} "
+                             f"tokens, not shorter than max_model_len={self.max_model_len}; raise max_model_len")
+        if sampling.n < 1 or sampling.max_tokens < 1:
+            raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
+                             f"max_tokens={sampling.max_tokens}; both must be at least 1")
+        seed = sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
+        state = _RequestState(request, seed, on_done, on_error)
+        self._incoming.put(state)
+        return state
+
+    def _admit_incoming(self) -> None:
+        while not self._incoming.empty():
+            state = self._incoming.get()
+            key = self._next_request_key
+            self._next_request_key += 1
+            self._requests[key] = state
+            request, sampling = state.request, state.request.sampling
+            stops = frozenset() if sampling.ignore_eos else self.eos_token_ids | frozenset(sampling.stop_token_ids)
+            self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, request.prompt_token_ids, sampling,
+                                        state.seed, stops, self.max_model_len, num_samples=sampling.n))
+
+    def _step(self) -> bool:
+        """Run one prefill or decode step; False when there was nothing to run."""
+        with self._step_lock:
+            self._admit_incoming()
+            step = self.scheduler.schedule()
+            if step is None:
+                return False
+            samples = self._run(step)
+            self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
+            finished = []
+            for seq, (token, log_prob) in samples:
+                if seq.append(token, log_prob):
+                    finished.append(seq)
+            self._num_generated_tokens += len(samples)
+            self.scheduler.finish(finished)
+            for seq in finished:
+                state = self._requests[seq.request_key]
+                if state.finish_sample(seq):
+                    del self._requests[seq.request_key]
+                    if state.on_done is not None:
+                        state.on_done(list(state.completions))
+            return True
+
+    def _run(self, step: ScheduledStep) -> list[tuple[Sequence, tuple[int, float]]]:
+        if step.is_prefill:
+            logits = self.runner.prefill(step.seqs)
+            self.runner.copy_blocks(step.block_copies)
+            sample_seqs = [seq for group in step.samples for seq in group]
+            rows = [index for index, group in enumerate(step.samples) for _ in group]
+            if len(rows) != len(step.seqs):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+        else:
+            logits = self.runner.decode(step.seqs)
+            sample_seqs = step.seqs
+        params = SamplingTensors.from_sequences(sample_seqs, logits.device)
+        tokens, log_probs = self.sampler(logits, params)
+        return list(zip(sample_seqs, zip(tokens.tolist(), log_probs.tolist(), strict=True), strict=True))
+
+    # ---- metrics ----------------------------------------------------------------------------
+
+    def _start_metrics(self) -> tuple[float, int, int]:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak_blocks_used = 0
+        return time.perf_counter(), self._num_generated_tokens, self.scheduler.num_preempted
+
+    def _finish_metrics(self, start: tuple[float, int, int]) -> None:
+        start_time, start_tokens, start_preempted = start
+        elapsed = time.perf_counter() - start_time
+        num_tokens = self._num_generated_tokens - start_tokens
+        scheduler = self.scheduler
+        metrics = {
+            "rollout/tokens_per_s": num_tokens / elapsed if elapsed > 0 else 0.0,
+            "rollout/num_generated_tokens": float(num_tokens),
+            "rollout/time_s": elapsed,
+            "rollout/num_preempted": float(scheduler.num_preempted - start_preempted),
+            "rollout/kv_blocks_total": float(scheduler.block_manager.num_blocks),
+            "rollout/kv_blocks_used_peak": float(self._peak_blocks_used),
+        }
+        if self.device.type == "cuda":
+            metrics["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.last_metrics = metrics

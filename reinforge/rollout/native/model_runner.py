@@ -1,0 +1,174 @@
+"""Runs the decoder for a scheduled step: the KV cache, step inputs and CUDA graphs.
+
+The runner owns the KV cache (allocated by ``allocate_kv_cache`` at wake-up, freed at sleep),
+turns sequences into packed input tensors (token ids, positions, cache slots, block tables)
+and returns logits. Block tables live in a host array with one row per running sequence,
+updated only when a sequence gains blocks, so a decode step copies rows instead of
+rebuilding lists. Decode steps replay CUDA graphs captured for a set of batch sizes (padded
+up to the next captured size; padding rows write to a spare block nobody reads).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from reinforge.rollout.native.attention import AttentionMetadata
+from reinforge.rollout.native.model import PagedDecoder
+from reinforge.rollout.native.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
+                 use_triton: bool, cuda_graph_batch_sizes: list[int]):
+        self.decoder = PagedDecoder(model, max_model_len, use_triton)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.device = self.decoder.device
+        self.cuda_graph_batch_sizes = sorted(size for size in cuda_graph_batch_sizes if size <= max_num_seqs)
+        self.kv_cache: Tensor | None = None
+        self.spare_block = -1
+        self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self._row_owner = np.full(max_num_seqs, -1, dtype=np.int64)
+        self._row_num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._graph_inputs: dict[str, Tensor] = {}
+        self._graph_logits: dict[int, Tensor] = {}
+        self._graph_parameter_pointers: tuple[int, ...] = ()
+
+    def set_model(self, model: nn.Module) -> None:
+        """Generate with ``model`` from now on; captured graphs are dropped if its storage moved."""
+        if model is not self.decoder.model:
+            self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton)
+        if self.decoder.parameter_pointers() != self._graph_parameter_pointers:
+            self.drop_cuda_graphs()
+
+    def kv_bytes_per_block(self) -> int:
+        decoder = self.decoder
+        element_size = torch.empty(0, dtype=decoder.dtype).element_size()
+        return 2 * decoder.num_layers * self.block_size * decoder.num_kv_heads * decoder.head_dim * element_size
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(layers, 2, num_blocks + 1, block_size, kv_heads, head_dim); the extra block takes graph padding."""
+        decoder = self.decoder
+        self.spare_block = num_blocks
+        self.kv_cache = torch.zeros(decoder.num_layers, 2, num_blocks + 1, self.block_size, decoder.num_kv_heads,
+                                    decoder.head_dim, dtype=decoder.dtype, device=self.device)
+
+    def free_kv_cache(self) -> None:
+        self.drop_cuda_graphs()
+        self.kv_cache = None
+
+    def drop_cuda_graphs(self) -> None:
+        self._graphs.clear()
+        self._graph_inputs.clear()
+        self._graph_logits.clear()
+        self._graph_pool = None
+        self._graph_parameter_pointers = ()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        source = torch.tensor([copy[0] for copy in copies], device=self.device)
+        destination = torch.tensor([copy[1] for copy in copies], device=self.device)
+        self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
+
+    def _to_device(self, array: np.ndarray) -> Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    @torch.no_grad()
+    def prefill(self, seqs: list[Sequence]) -> Tensor:
+        """Logits (len(seqs), vocab) at each sequence's last token, after writing all their keys and values."""
+        seq_lens = [seq.num_tokens for seq in seqs]
+        token_ids = np.concatenate([np.asarray(seq.token_ids, dtype=np.int64) for seq in seqs])
+        token_index = np.concatenate([np.arange(length) for length in seq_lens])
+        batch_index = np.repeat(np.arange(len(seqs)), seq_lens)
+        slots = np.concatenate([
+            np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
+            + np.arange(length) % self.block_size for seq, length in zip(seqs, seq_lens, strict=True)])
+        last_index = np.cumsum(seq_lens) - 1
+        token_index_tensor = self._to_device(token_index)
+        meta = AttentionMetadata(slot_mapping=self._to_device(slots), is_prefill=True, seq_lens=seq_lens,
+                                 batch_index=self._to_device(batch_index), token_index=token_index_tensor)
+        return self.decoder.forward(self._to_device(token_ids), token_index_tensor, self.kv_cache, meta,
+                                    logits_indices=self._to_device(last_index))
+
+    def _decode_inputs(self, seqs: list[Sequence]) -> dict[str, np.ndarray]:
+        for seq in seqs:
+            if self._row_owner[seq.row] != seq.seq_id or self._row_num_blocks[seq.row] != len(seq.block_table):
+                self.block_table_host[seq.row, :len(seq.block_table)] = seq.block_table
+                self._row_owner[seq.row] = seq.seq_id
+                self._row_num_blocks[seq.row] = len(seq.block_table)
+        rows = np.fromiter((seq.row for seq in seqs), dtype=np.int64, count=len(seqs))
+        context_lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int32, count=len(seqs))
+        positions = context_lens.astype(np.int64) - 1
+        block_tables = self.block_table_host[rows]
+        blocks = block_tables[np.arange(len(seqs)), positions // self.block_size].astype(np.int64)
+        return {
+            "input_ids": np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs)),
+            "positions": positions,
+            "slot_mapping": blocks * self.block_size + positions % self.block_size,
+            "context_lens": context_lens,
+            "block_tables": block_tables,
+        }
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence]) -> Tensor:
+        """Logits (len(seqs), vocab) for the last token of each sequence."""
+        inputs = self._decode_inputs(seqs)
+        batch = len(seqs)
+        graph_size = next((size for size in self.cuda_graph_batch_sizes if size >= batch), None)
+        if graph_size is None or not self.cuda_graph_batch_sizes:
+            tensors = {name: self._to_device(array) for name, array in inputs.items()}
+            return self._decode_forward(tensors)
+        if not self._graphs:
+            self.capture_cuda_graphs()
+        static = self._graph_inputs
+        self._fill_padding(graph_size)
+        for name, array in inputs.items():
+            static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+        self._graphs[graph_size].replay()
+        return self._graph_logits[graph_size][:batch]
+
+    def _decode_forward(self, tensors: dict[str, Tensor]) -> Tensor:
+        meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], is_prefill=False,
+                                 block_tables=tensors["block_tables"], context_lens=tensors["context_lens"])
+        return self.decoder.forward(tensors["input_ids"], tensors["positions"], self.kv_cache, meta)
+
+    def _fill_padding(self, size: int) -> None:
+        static = self._graph_inputs
+        static["input_ids"][:size].zero_()
+        static["positions"][:size].zero_()
+        static["slot_mapping"][:size].fill_(self.spare_block * self.block_size)
+        static["context_lens"][:size].fill_(1)
+        static["block_tables"][:size].fill_(self.spare_block)
+
+    @torch.no_grad()
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode forward for each batch size, largest first so all share one memory pool."""
+        largest = self.cuda_graph_batch_sizes[-1]
+        self._graph_inputs = {
+            "input_ids": torch.zeros(largest, dtype=torch.int64, device=self.device),
+            "positions": torch.zeros(largest, dtype=torch.int64, device=self.device),
+            "slot_mapping": torch.zeros(largest, dtype=torch.int64, device=self.device),
+            "context_lens": torch.ones(largest, dtype=torch.int32, device=self.device),
+            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
+        }
+        self._fill_padding(largest)
+        self._graph_pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.cuda_graph_batch_sizes):
+            views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
+            self._decode_forward(views)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                self._graph_logits[size] = self._decode_forward(views)
+            self._graphs[size] = graph
+        self._graph_parameter_pointers = self.decoder.parameter_pointers()
+        torch.cuda.synchronize()

@@ -1,0 +1,121 @@
+"""Sampling on the device: greedy, temperature, top-k, top-p, min-p, one seed per sample.
+
+Every row samples by Gumbel-max: argmax of logits/temperature plus Gumbel noise, over the
+tokens at or above the row's truncation threshold. Top-k and top-p become that threshold (the
+k-th largest tempered logit, and the smallest logit inside the top-p mass of what top-k
+kept); min-p adds max + log(min_p). Ties at a threshold keep every tied token. The noise of
+each row comes from a counter-based RNG keyed by (sample seed, position), so a seed
+reproduces its samples whatever else shares the batch. The returned log-prob is that of
+the sampled token under softmax(logits/temperature), before truncation (raw log-softmax for
+greedy rows), computed from the same logits that were sampled. On CUDA one Triton kernel
+does all of it; elsewhere a PyTorch path draws its noise from a generator per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from reinforge.rollout.native.sequence import Sequence, step_seeds
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device; all (rows,)."""
+
+    inv_temperatures: Tensor
+    greedy: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    log_min_p: Tensor
+    seeds: Tensor
+    needs_truncation: bool
+    """Some row uses top-k or top-p (the sort or top-k pass runs only then)."""
+
+    @classmethod
+    def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> SamplingTensors:
+        """Parameters for sampling each sequence's next token (at position ``seq.num_tokens``)."""
+        temperatures = np.fromiter((seq.sampling.temperature for seq in seqs), dtype=np.float32, count=len(seqs))
+        greedy = temperatures == 0.0
+        top_k = np.fromiter((seq.sampling.top_k for seq in seqs), dtype=np.int64, count=len(seqs))
+        top_p = np.fromiter((seq.sampling.top_p for seq in seqs), dtype=np.float32, count=len(seqs))
+        min_p = np.fromiter((seq.sampling.min_p for seq in seqs), dtype=np.float32, count=len(seqs))
+        top_k = np.where(greedy | (top_k < 0), 0, top_k)
+        top_p = np.where(greedy, 1.0, top_p).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            log_min_p = np.where(greedy | (min_p <= 0), -np.inf, np.log(np.maximum(min_p, 1e-30))).astype(np.float32)
+            inv_temperatures = np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, temperatures)).astype(np.float32)
+        sample_seeds = np.fromiter((seq.sample_seed for seq in seqs), dtype=np.uint64, count=len(seqs))
+        positions = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
+        seeds = step_seeds(sample_seeds, positions)
+        packed = np.stack([inv_temperatures, top_p, log_min_p]).astype(np.float32)
+        integers = np.stack([greedy.astype(np.int64), top_k, seeds])
+        packed_tensor = torch.from_numpy(packed).to(device, non_blocking=True)
+        integer_tensor = torch.from_numpy(integers).to(device, non_blocking=True)
+        return cls(inv_temperatures=packed_tensor[0], greedy=integer_tensor[0].to(torch.int32), top_k=integer_tensor[1],
+                   top_p=packed_tensor[1], log_min_p=packed_tensor[2], seeds=integer_tensor[2],
+                   needs_truncation=bool((top_k > 0).any() or (top_p < 1.0).any()))
+
+
+def truncation_thresholds(scaled_logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Smallest tempered logit kept by top-k then top-p, per row (-inf keeps all).
+
+    scaled_logits: (rows, vocab) float32; top_k: (rows,) (0 = off); top_p: (rows,). Returns (rows,).
+    """
+    rows, vocab_size = scaled_logits.shape
+    thresholds = torch.full((rows,), float("-inf"), device=scaled_logits.device)
+    if bool((top_p < 1.0).any()):
+        sorted_logits = scaled_logits.sort(dim=-1, descending=True).values
+    else:
+        sorted_logits = scaled_logits.topk(int(top_k.max()), dim=-1).values
+    width = sorted_logits.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=width), width)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])[:, 0]
+    thresholds = torch.where(top_k > 0, kth, thresholds)
+    if bool((top_p < 1.0).any()):
+        kept = torch.arange(width, device=scaled_logits.device)[None, :] < k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(~kept, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        num_kept = ((mass_before < top_p[:, None]) & kept).sum(dim=-1).clamp(min=1)
+        nucleus = sorted_logits.gather(1, (num_kept - 1)[:, None])[:, 0]
+        thresholds = torch.where(top_p < 1.0, torch.maximum(thresholds, nucleus), thresholds)
+    return thresholds
+
+
+class Sampler:
+    def __init__(self, use_triton: bool):
+        self.use_triton = use_triton
+
+    def __call__(self, logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor]:
+        """Sampled token ids (rows,) int64 and their log-probs (rows,) float32. logits: (rows, vocab)."""
+        rows = logits.shape[0]
+        thresholds = torch.full((rows,), float("-inf"), device=logits.device)
+        if params.needs_truncation:
+            thresholds = truncation_thresholds(logits.float() * params.inv_temperatures[:, None], params.top_k,
+                                               params.top_p)
+        if self.use_triton:
+            from reinforge.rollout.native import triton_kernels
+
+            return triton_kernels.sample(logits, params.inv_temperatures, params.greedy, thresholds,
+                                         params.log_min_p, params.seeds)
+        return self._sample_torch(logits, params, thresholds)
+
+    @staticmethod
+    def _sample_torch(logits: Tensor, params: SamplingTensors, thresholds: Tensor) -> tuple[Tensor, Tensor]:
+        scaled = logits.float() * params.inv_temperatures[:, None]
+        log_probs = torch.log_softmax(scaled, dim=-1)
+        thresholds = torch.maximum(thresholds, scaled.max(dim=-1).values + params.log_min_p)
+        gumbel = torch.stack([_gumbel_noise(int(seed), scaled.shape[1]) for seed in params.seeds.tolist()])
+        sampled_scores = torch.where(scaled >= thresholds[:, None], scaled + gumbel.to(scaled.device), float("-inf"))
+        scores = torch.where(params.greedy.bool()[:, None], scaled, sampled_scores)
+        tokens = scores.argmax(dim=-1)
+        return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+
+
+def _gumbel_noise(seed: int, size: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    uniform = torch.rand(size, generator=generator)
+    return -torch.log(-torch.log(uniform))

@@ -1,0 +1,150 @@
+"""Continuous batching: which sequences run in the next step, prefill or decode.
+
+Each step is either a prefill of waiting sequences (first come, first served, while KV blocks,
+sequence slots and the token budget allow) or one decode token for every running sequence.
+A waiting request with n samples is prefilled once and forked into n sequences that share
+its prompt blocks. When a decode step needs a block and none is free, the most recently
+admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
+prompt and generated tokens prefilled again), so the others keep going. Finished sequences
+leave after the step that finished them, and waiting ones join at the next prefill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from reinforge.rollout.native.block_manager import BlockManager
+from reinforge.rollout.native.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    """What the next forward runs.
+
+    Prefill: ``seqs`` are the sequences to prefill and ``samples[i]`` the sequences that sample
+    from ``seqs[i]``'s last logits (itself and its forks); ``block_copies`` lists the
+    (source, destination) blocks to copy once the prefill has written the cache.
+    Decode: ``seqs`` each sample one token.
+    """
+
+    is_prefill: bool
+    seqs: list[Sequence]
+    samples: list[list[Sequence]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.num_preempted = 0
+        self._next_seq_id = 0
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_samples > self.max_num_seqs:
+            raise ValueError(f"a request asks for n={seq.num_samples} samples but max_num_seqs={self.max_num_seqs}; "
+                             "raise max_num_seqs or lower n")
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_to_admit(self, seq: Sequence) -> int:
+        num_copies = seq.num_samples - 1 if seq.num_tokens % self.block_manager.block_size else 0
+        return self.block_manager.num_blocks_for(seq.num_tokens) + num_copies
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None when nothing is left to run."""
+        step = self._schedule_prefill()
+        if step is not None:
+            return step
+        return self._schedule_decode() if self.running else None
+
+    def _schedule_prefill(self) -> ScheduledStep | None:
+        step = ScheduledStep(is_prefill=True, seqs=[])
+        num_tokens = 0
+        num_running = len(self.running)
+        while self.waiting:
+            seq = self.waiting[0]
+            if num_running + seq.num_samples > self.max_num_seqs:
+                break
+            if step.seqs and num_tokens + seq.num_tokens > self.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(self._blocks_to_admit(seq)):
+                if not self.running and not step.seqs:
+                    raise RuntimeError(
+                        f"a prompt of {seq.num_tokens} tokens with n={seq.num_samples} needs "
+                        f"{self._blocks_to_admit(seq)} KV blocks but the cache has {self.block_manager.num_blocks}; "
+                        "raise gpu_memory_utilization (or num_kv_blocks) or shorten the prompt")
+                break
+            self.waiting.popleft()
+            num_tokens += seq.num_tokens
+            num_running += seq.num_samples
+            seq.block_table = self.block_manager.allocate(seq.num_tokens)
+            group = [seq]
+            for sample_index in range(1, seq.num_samples):
+                child = seq.fork(self.new_seq_id(), sample_index)
+                child.block_table, copy = self.block_manager.fork(seq.block_table, seq.num_tokens)
+                if copy is not None:
+                    step.block_copies.append(copy)
+                group.append(child)
+            seq.num_samples = 1
+            for member in group:
+                self._start_running(member)
+            step.seqs.append(seq)
+            step.samples.append(group)
+        return step if step.seqs else None
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        seq.row = self.free_rows.pop()
+        self.running.append(seq)
+
+    def _schedule_decode(self) -> ScheduledStep:
+        scheduled: list[Sequence] = []
+        queue = deque(self.running)
+        while queue:
+            seq = queue.popleft()
+            while self.block_manager.needs_block(seq.block_table, seq.num_tokens) and \
+                    not self.block_manager.can_allocate(1):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                if self.block_manager.needs_block(seq.block_table, seq.num_tokens):
+                    self.block_manager.append_block(seq.block_table)
+                scheduled.append(seq)
+        self.running = scheduled
+        return ScheduledStep(is_prefill=False, seqs=scheduled)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.block_table)
+        self.free_rows.append(seq.row)
+        seq.row = -1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preempted += 1
+
+    def finish(self, finished: list[Sequence]) -> None:
+        """Remove sequences that produced their last token this step and free their blocks."""
+        if not finished:
+            return
+        for seq in finished:
+            seq.status = SequenceStatus.FINISHED
+            self._release(seq)
+        done = {seq.seq_id for seq in finished}
+        self.running = [seq for seq in self.running if seq.seq_id not in done]

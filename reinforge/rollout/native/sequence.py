@@ -1,0 +1,83 @@
+"""One sample being generated: its tokens, log-probs, KV blocks and stop rules.
+
+A request with n samples enters the scheduler as one waiting sequence standing for all n
+(``num_samples``); its prefill runs once and then it forks into n running sequences.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import numpy as np
+
+from reinforge.rollout.base import SamplingParams
+
+_SEED_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
+_POSITION_MULTIPLIER = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A 63-bit seed derived from (seed, index), stable across runs and machines."""
+    value = (seed * int(_SEED_MULTIPLIER) + index * int(_POSITION_MULTIPLIER)) & 0xFFFFFFFFFFFFFFFF
+    value ^= value >> 31
+    return value & 0x7FFFFFFFFFFFFFFF
+
+
+def step_seeds(sample_seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Per-row seeds (int64) for sampling the token at ``positions``: (rows,) uint64 and (rows,) ints."""
+    value = sample_seeds.astype(np.uint64) * _SEED_MULTIPLIER + positions.astype(np.uint64) * _POSITION_MULTIPLIER
+    value ^= value >> np.uint64(29)
+    return (value & np.uint64(0x7FFFFFFFFFFFFFFF)).astype(np.int64)
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_key: int, sample_index: int, prompt_token_ids: list[int],
+                 sampling: SamplingParams, request_seed: int, stop_token_ids: frozenset[int], max_model_len: int,
+                 num_samples: int = 1):
+        self.seq_id = seq_id
+        self.request_key = request_key
+        self.sample_index = sample_index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.log_probs: list[float] = []
+        self.sampling = sampling
+        self.request_seed = request_seed
+        self.sample_seed = mix_seed(request_seed, sample_index)
+        self.stop_token_ids = stop_token_ids
+        self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + sampling.max_tokens)
+        self.num_samples = num_samples
+        """Samples this waiting sequence stands for: n before its first prefill, 1 after."""
+        self.block_table: list[int] = []
+        self.row = -1
+        """Row of this sequence in the runner's block-table array while it runs."""
+        self.status = SequenceStatus.WAITING
+        self.finish_reason = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def fork(self, seq_id: int, sample_index: int) -> Sequence:
+        """Another sample of the same prompt, not yet holding blocks."""
+        return Sequence(seq_id, self.request_key, sample_index, self.token_ids, self.sampling, self.request_seed,
+                        self.stop_token_ids, self.max_num_tokens, num_samples=1)
+
+    def append(self, token_id: int, log_prob: float) -> bool:
+        """Add a sampled token; True when the sequence is now finished."""
+        self.token_ids.append(token_id)
+        self.log_probs.append(log_prob)
+        if token_id in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.token_ids) >= self.max_num_tokens:
+            self.finish_reason = "length"
+        return bool(self.finish_reason)

@@ -1,0 +1,252 @@
+"""Triton kernels of the native engine's GPU path, each with its launcher.
+
+Fused residual-add + RMSNorm, rotary embedding fused with the KV-cache write, SiLU-and-mul,
+paged decode attention (one program per sequence and KV head, online softmax over the
+sequence's blocks) and the sampler (temperature, min-p and a per-row threshold, Gumbel-max
+with a counter-based RNG seeded per row, log-prob of the sampled token). The elementwise
+kernels round intermediates to the model dtype where transformers does, so greedy decoding
+stays close to ``generate`` in bf16. Importing this module needs Triton; the engine imports it
+only on CUDA (or under ``TRITON_INTERPRET=1`` in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, num_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    variance = tl.sum(x32 * x32, axis=0) / num_cols
+    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """RMSNorm of ``x`` (or of ``x + residual``, stored back into ``residual``) over the last dim.
+
+    x: (rows, dim) or (rows, heads, dim) contiguous; residual like x (updated in place).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty_like(x2)
+    residual2 = residual.view(-1, shape[-1]) if residual is not None else x2
+    num_cols = shape[-1]
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, residual2, weight, out, x2.stride(0), residual2.stride(0), out.stride(0), num_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(num_cols), num_warps=4)
+    return out.view(shape)
+
+
+@triton.jit
+def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+                           stride_q, stride_k, stride_v, stride_cos, stride_cache,
+                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                           KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+    token = tl.program_id(0)
+    position = tl.load(positions_ptr + token)
+    half = tl.arange(0, HALF)
+    cos1 = tl.load(cos_ptr + position * stride_cos + half)
+    cos2 = tl.load(cos_ptr + position * stride_cos + HALF + half)
+    sin1 = tl.load(sin_ptr + position * stride_cos + half)
+    sin2 = tl.load(sin_ptr + position * stride_cos + HALF + half)
+
+    heads = tl.arange(0, HEADS_PAD)
+    q_mask = (heads < NUM_HEADS)[:, None]
+    q_base = q_ptr + token * stride_q + heads[:, None] * (2 * HALF) + half[None, :]
+    q1 = tl.load(q_base, mask=q_mask, other=0.0)
+    q2 = tl.load(q_base + HALF, mask=q_mask, other=0.0)
+    dtype = q1.dtype
+    # transformers computes q*cos + rotate_half(q)*sin with each product rounded to the model dtype
+    out1 = (q1 * cos1[None, :]).to(dtype).to(tl.float32) + (-(q2 * sin1[None, :])).to(dtype).to(tl.float32)
+    out2 = (q2 * cos2[None, :]).to(dtype).to(tl.float32) + (q1 * sin2[None, :]).to(dtype).to(tl.float32)
+    tl.store(q_base, out1.to(dtype), mask=q_mask)
+    tl.store(q_base + HALF, out2.to(dtype), mask=q_mask)
+
+    kv_heads = tl.arange(0, KV_HEADS_PAD)
+    kv_mask = (kv_heads < NUM_KV_HEADS)[:, None]
+    k_base = k_ptr + token * stride_k + kv_heads[:, None] * (2 * HALF) + half[None, :]
+    k1 = tl.load(k_base, mask=kv_mask, other=0.0)
+    k2 = tl.load(k_base + HALF, mask=kv_mask, other=0.0)
+    k_out1 = (k1 * cos1[None, :]).to(dtype).to(tl.float32) + (-(k2 * sin1[None, :])).to(dtype).to(tl.float32)
+    k_out2 = (k2 * cos2[None, :]).to(dtype).to(tl.float32) + (k1 * sin2[None, :]).to(dtype).to(tl.float32)
+    tl.store(k_base, k_out1.to(dtype), mask=kv_mask)
+    tl.store(k_base + HALF, k_out2.to(dtype), mask=kv_mask)
+
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    cache_base = slot * stride_cache + kv_heads[:, None] * (2 * HALF) + half[None, :]
+    tl.store(k_cache_ptr + cache_base, k_out1.to(dtype), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_base + HALF, k_out2.to(dtype), mask=kv_mask)
+    v_base = v_ptr + token * stride_v + kv_heads[:, None] * (2 * HALF) + half[None, :]
+    tl.store(v_cache_ptr + cache_base, tl.load(v_base, mask=kv_mask, other=0.0), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_base + HALF, tl.load(v_base + HALF, mask=kv_mask, other=0.0), mask=kv_mask)
+
+
+def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                         slot_mapping: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """Rotate q and k in place and write k, v into the paged cache at ``slot_mapping``.
+
+    q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim), last two dims contiguous;
+    cos, sin: (max_positions, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _rope_and_cache_kernel[(num_tokens,)](
+        q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), num_kv_heads * head_dim,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, num_warps=4)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_in, stride_out, num_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    gate = tl.load(gate_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    gate32 = gate.to(tl.float32)
+    activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
+    out = activated.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, each rounded to the input dtype as transformers does. gate, up: (rows, dim)."""
+    rows, num_cols = gate.shape
+    out = torch.empty_like(gate)
+    block = 1024
+    _silu_and_mul_kernel[(rows, triton.cdiv(num_cols, block))](
+        gate, up, out, gate.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+                                   scale, stride_q, stride_o, stride_table, stride_cache,
+                                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                   NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    group_mask = (group < GROUP)[:, None]
+    heads = kv_head * GROUP + group
+    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=group_mask, other=0.0)
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(0, context_len, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        valid = positions < context_len
+        block_ids = tl.load(block_tables_ptr + seq * stride_table + positions // PAGE, mask=valid, other=0)
+        slots = block_ids.to(tl.int64) * PAGE + positions % PAGE
+        offsets = slots[:, None] * stride_cache + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        probs = tl.exp(scores - new_max[:, None])
+        correction = tl.exp(running_max - new_max)
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=group_mask)
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+                           scale: float) -> Tensor:
+    """One query token per sequence against its paged keys and values.
+
+    q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
+    block_tables: (batch, max_blocks) int32; context_lens: (batch,) int32. Returns (batch, heads, head_dim).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    _paged_decode_attention_kernel[(batch, num_kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(64, page), IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2)
+    return out
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures_ptr, greedy_ptr, thresholds_ptr,
+                   log_min_p_ptr, seeds_ptr, tokens_ptr, log_probs_ptr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
+    inv_temperature = tl.load(inv_temperatures_ptr + row)
+    greedy = tl.load(greedy_ptr + row) != 0
+    seed = tl.load(seeds_ptr + row)
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32) * inv_temperature
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+    log_normalizer = running_max + tl.log(running_sum)
+    threshold = tl.maximum(tl.load(thresholds_ptr + row), running_max + tl.load(log_min_p_ptr + row))
+    best_score = float("-inf")
+    best_index = 0
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        in_vocab = cols < vocab_size
+        x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_temperature
+        uniform = tl.rand(seed, cols)
+        gumbel = -tl.log(-tl.log(uniform))
+        sampled = tl.where((x >= threshold) & in_vocab, x + gumbel, float("-inf"))
+        score = tl.where(greedy, x, sampled)
+        block_best = tl.max(score, axis=0)
+        block_index = start + tl.argmax(score, axis=0)
+        better = block_best > best_score
+        best_index = tl.where(better, block_index, best_index)
+        best_score = tl.where(better, block_best, best_score)
+    chosen = tl.load(row_ptr + best_index).to(tl.float32) * inv_temperature
+    tl.store(tokens_ptr + row, best_index.to(tl.int64))
+    tl.store(log_probs_ptr + row, chosen - log_normalizer)
+
+
+def sample(logits: Tensor, inv_temperatures: Tensor, greedy: Tensor, thresholds: Tensor, log_min_p: Tensor,
+           seeds: Tensor) -> tuple[Tensor, Tensor]:
+    """Gumbel-max sample of each row of ``logits * inv_temperature`` above its threshold.
+
+    logits: (batch, vocab) any float dtype; the other inputs (batch,). Returns token ids (batch,)
+    int64 and their log-probs (batch,) float32 under the untruncated tempered distribution.
+    """
+    batch, vocab_size = logits.shape
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _sample_kernel[(batch,)](logits, logits.stride(0), vocab_size, inv_temperatures, greedy, thresholds, log_min_p,
+                             seeds, tokens, log_probs, BLOCK_V=min(4096, triton.next_power_of_2(vocab_size)),
+                             num_warps=8)
+    return tokens, log_probs

@@ -1,0 +1,67 @@
+import pyarrow.parquet as pq
+import pytest
+
+from reinforge.data.commands import data_main
+from reinforge.data.tasks.arithmetic import (
+    ArithmeticProblem,
+    generate_problems,
+    make_rl_rows,
+    make_sft_rows,
+    split_of,
+)
+
+
+def test_problem_text_and_answer():
+    problem = ArithmeticProblem(47, "+", 385)
+    assert problem.question == "What is 47 + 385? Answer with the number only."
+    assert problem.answer == 432
+    assert ArithmeticProblem(385, "-", 47).answer == 338
+
+
+def test_train_and_test_problems_never_overlap():
+    train = generate_problems(2000, "train", seed=0, max_digits=2)
+    test = generate_problems(300, "test", seed=1, max_digits=2)
+    assert not set(train) & set(test)
+    assert all(split_of(problem) == "train" for problem in train)
+    assert all(split_of(problem) == "test" for problem in test)
+    assert len(set(train)) == 2000
+
+
+def test_split_depends_only_on_the_problem():
+    problems = [ArithmeticProblem(left, "+", right) for left in range(30) for right in range(30)]
+    test_share = sum(split_of(problem) == "test" for problem in problems) / len(problems)
+    assert 0.05 < test_share < 0.15
+    assert [split_of(problem) for problem in problems] == [split_of(problem) for problem in problems]
+
+
+def test_generation_is_seeded_and_respects_the_knobs():
+    assert generate_problems(50, "train", seed=3) == generate_problems(50, "train", seed=3)
+    assert generate_problems(50, "train", seed=3) != generate_problems(50, "train", seed=4)
+    problems = generate_problems(200, "train", min_digits=3, max_digits=3, operators=("-",))
+    assert all(100 <= problem.left <= 999 and 100 <= problem.right <= 999 for problem in problems)
+    assert all(problem.operator == "-" and problem.answer >= 0 for problem in problems)
+
+
+def test_asking_for_more_problems_than_exist_is_an_error():
+    with pytest.raises(ValueError, match="found only .* distinct train problems"):
+        generate_problems(500, "train", max_digits=1, operators=("+",))
+    with pytest.raises(ValueError, match="operators"):
+        generate_problems(5, "train", operators=("*",))
+
+
+def test_rl_and_sft_rows():
+    problems = [ArithmeticProblem(47, "+", 385)]
+    (row,) = make_rl_rows(problems, "train")
+    assert row["data_source"] == "arithmetic"
+    assert row["prompt"] == [{"role": "user", "content": "What is 47 + 385? Answer with the number only."}]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "432"}
+    assert row["extra_info"] == {"split": "train", "index": 0, "expression": "47 + 385"}
+    (sft,) = make_sft_rows(problems)
+    assert sft["messages"][1] == {"role": "assistant", "content": "432"}
+
+
+def test_cli_writes_the_three_files(tmp_path):
+    assert data_main(["arithmetic", "--out", str(tmp_path), "--num-train", "30", "--num-test", "10"]) == 0
+    assert pq.read_table(tmp_path / "train.parquet").num_rows == 30
+    assert pq.read_table(tmp_path / "test.parquet").num_rows == 10
+    assert pq.read_table(tmp_path / "sft_train.parquet").column_names == ["messages"]

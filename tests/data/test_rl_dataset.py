@@ -1,0 +1,185 @@
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from reinforge.config.schema import DataConfig
+from reinforge.data.files import read_rows
+from reinforge.data.rl_dataset import RLDataset
+
+# With the tiny tokenizer, a user message of k ASCII characters becomes k + 3 prompt tokens:
+# <|user|> ... <eos> <|assistant|>.
+ROWS = [
+    {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"split": "train", "index": 0}},
+    {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "12+30?"}], "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"split": "train", "index": 1}},
+    {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "100+200+300?"}], "ability": "math",
+     "reward_model": {"style": "rule", "ground_truth": "600"}, "extra_info": {"split": "train", "index": 2}},
+]
+
+
+def write_parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def config(**overrides):
+    return DataConfig(**{"max_prompt_length": 64, **overrides})
+
+
+def test_parquet_jsonl_and_datasets_folder_give_the_same_examples(tmp_path, tiny_tokenizer):
+    import datasets
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(folder))
+    sources = [write_parquet(tmp_path / "train.parquet", ROWS), write_jsonl(tmp_path / "train.jsonl", ROWS),
+               str(folder)]
+    loaded = [RLDataset(source, tiny_tokenizer, config()).examples for source in sources]
+    assert loaded[0] == loaded[1] == loaded[2]
+    first = loaded[0][0]
+    assert first.prompt_ids == tiny_tokenizer("<|user|>1+1?<eos><|assistant|>", add_special_tokens=False)["input_ids"]
+    assert len(first.prompt_ids) == 4 + 3
+    assert (first.data_source, first.ground_truth, first.ability) == ("arithmetic", "2", "math")
+    assert first.extra_info == {"split": "train", "index": 0}
+    assert first.raw_prompt == [{"role": "user", "content": "1+1?"}]
+    assert [example.index for example in loaded[0]] == [0, 1, 2]
+
+
+def test_row_indices_continue_across_files(tmp_path, tiny_tokenizer):
+    files = [write_jsonl(tmp_path / "a.jsonl", ROWS[:2]), write_jsonl(tmp_path / "b.jsonl", ROWS)]
+    dataset = RLDataset(files, tiny_tokenizer, config())
+    assert [example.index for example in dataset] == [0, 1, 2, 3, 4]
+
+
+def test_config_chat_template_overrides_the_tokenizers(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:1])
+    dataset = RLDataset(path, tiny_tokenizer, config(chat_template="Q: {{ messages[-1]['content'] }} A:"))
+    assert tiny_tokenizer.decode(dataset[0].prompt_ids) == "Q: 1+1? A:"
+
+
+def test_string_prompt_is_one_user_message_or_raw_text(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"data_source": "x", "prompt": "hello"}])
+    templated = RLDataset(path, tiny_tokenizer, config())
+    assert tiny_tokenizer.decode(templated[0].prompt_ids) == "<|user|>hello<eos><|assistant|>"
+    raw = RLDataset(path, tiny_tokenizer, config(apply_chat_template=False))
+    assert tiny_tokenizer.decode(raw[0].prompt_ids) == "hello"
+    assert raw[0].ground_truth is None and raw[0].extra_info == {}
+
+
+def test_prompt_key_names_the_column(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"question": "hi", "data_source": "x"}])
+    assert tiny_tokenizer.decode(RLDataset(path, tiny_tokenizer, config(prompt_key="question"))[0].prompt_ids) \
+        == "<|user|>hi<eos><|assistant|>"
+
+
+def test_overlong_prompts_are_filtered_counted_and_logged(tmp_path, tiny_tokenizer, caplog):
+    path = write_parquet(tmp_path / "train.parquet", ROWS)  # prompt lengths 7, 9, 15
+    with caplog.at_level(logging.INFO, logger="reinforge.data.rl_dataset"):
+        dataset = RLDataset(path, tiny_tokenizer, config(max_prompt_length=9))
+    assert [example.ground_truth for example in dataset] == ["2", "42"]
+    assert dataset.num_filtered == 1 and dataset.num_rows_read == 3
+    assert "1 filtered" in caplog.text and "max_prompt_length=9" in caplog.text
+
+
+def test_truncation_modes_when_not_filtering(tmp_path, tiny_tokenizer):
+    path = write_parquet(tmp_path / "train.parquet", ROWS[2:])  # 15 tokens
+    full = RLDataset(path, tiny_tokenizer, config())[0].prompt_ids
+    left = RLDataset(path, tiny_tokenizer, config(max_prompt_length=5, filter_overlong_prompts=False,
+                                                  truncation="left"))[0].prompt_ids
+    right = RLDataset(path, tiny_tokenizer, config(max_prompt_length=5, filter_overlong_prompts=False,
+                                                   truncation="right"))[0].prompt_ids
+    assert left == full[-5:] and right == full[:5]
+    with pytest.raises(ValueError, match=r"row 0 of .*train.parquet has a prompt of 15 tokens, more than "
+                                         r"data.max_prompt_length=5"):
+        RLDataset(path, tiny_tokenizer, config(max_prompt_length=5, filter_overlong_prompts=False))
+    with pytest.raises(ValueError, match="data.truncation='middle'"):
+        RLDataset(path, tiny_tokenizer, config(truncation="middle"))
+
+
+def test_all_prompts_filtered_is_an_error(tmp_path, tiny_tokenizer):
+    path = write_parquet(tmp_path / "train.parquet", ROWS)
+    with pytest.raises(ValueError, match="no train prompt is left"):
+        RLDataset(path, tiny_tokenizer, config(max_prompt_length=2))
+
+
+def test_max_samples_keeps_the_first_prompts_that_fit(tmp_path, tiny_tokenizer):
+    path = write_parquet(tmp_path / "train.parquet", [ROWS[2], *ROWS])
+    dataset = RLDataset(path, tiny_tokenizer, config(max_prompt_length=9), max_samples=2)
+    assert [example.index for example in dataset] == [1, 2]
+    assert dataset.num_filtered == 1
+
+
+def test_from_config_reads_train_and_val_files(tmp_path, tiny_tokenizer):
+    train = write_parquet(tmp_path / "train.parquet", ROWS)
+    val = write_jsonl(tmp_path / "val.jsonl", ROWS[:1])
+    data_config = config(train_files=[train], val_files=[val], max_train_samples=2)
+    assert len(RLDataset.from_config(data_config, tiny_tokenizer, "train")) == 2
+    assert RLDataset.from_config(data_config, tiny_tokenizer, "val").name == "val"
+    with pytest.raises(ValueError, match="set data.val_files"):
+        RLDataset.from_config(config(), tiny_tokenizer, "val")
+
+
+@pytest.mark.parametrize(("bad_row", "message"), [
+    ({"data_source": "x"}, r"row 1 of .*train.jsonl has no 'prompt'; .*this row has: data_source"),
+    ({"data_source": "x", "prompt": []}, r"row 1 of .*train.jsonl has an empty 'prompt'"),
+    ({"data_source": "x", "prompt": {"role": "user"}}, r"row 1 of .*train.jsonl has a 'prompt' of type dict"),
+    ({"data_source": "x", "prompt": [{"content": "hi"}]}, r"message 0 of the 'prompt' in row 1 of .*train.jsonl"),
+])
+def test_malformed_row_names_file_row_and_fix(tmp_path, tiny_tokenizer, bad_row, message):
+    path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], bad_row])
+    with pytest.raises(ValueError, match=message):
+        RLDataset(path, tiny_tokenizer, config())
+
+
+def test_wrong_prompt_type_in_parquet(tmp_path, tiny_tokenizer):
+    path = write_parquet(tmp_path / "train.parquet", [{"data_source": "x", "prompt": 41}, {"data_source": "x",
+                                                                                          "prompt": 42}])
+    with pytest.raises(ValueError, match=r"row 0 of .*train.parquet has a 'prompt' of type int"):
+        RLDataset(path, tiny_tokenizer, config())
+
+
+def test_reward_model_must_be_a_dict(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "hi", "reward_model": "42"}])
+    with pytest.raises(ValueError, match="row 0 of .*train.jsonl has a 'reward_model' of type str; expected a dict"):
+        RLDataset(path, tiny_tokenizer, config())
+
+
+def test_tokenizer_without_chat_template_says_what_to_set(tmp_path, make_tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:1])
+    with pytest.raises(ValueError, match="row 0 of .*has no chat template; set data.chat_template"):
+        RLDataset(path, make_tiny_tokenizer(chat_template=None), config())
+
+
+def test_messages_without_chat_template_application_are_refused(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:1])
+    with pytest.raises(ValueError, match="data.apply_chat_template is false"):
+        RLDataset(path, tiny_tokenizer, config(apply_chat_template=False))
+
+
+def test_reader_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_rows(tmp_path / "missing.parquet")
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="expected a .parquet, .jsonl or .json file"):
+        read_rows(tmp_path / "rows.csv")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match="line 2 of .*broken.jsonl is not valid JSON"):
+        read_rows(tmp_path / "broken.jsonl")
+    (tmp_path / "list.json").write_text(json.dumps(ROWS))
+    assert read_rows(tmp_path / "list.json") == ROWS
+
+
+def test_datasets_folder_with_splits_asks_for_one(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "all"))
+    with pytest.raises(ValueError, match="holds several splits .*train"):
+        read_rows(tmp_path / "all")

@@ -1,0 +1,95 @@
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from reinforge.models import atomic_folder, build_char_tokenizer, build_tiny_causal_lm, load_causal_lm, save_hf_folder
+
+
+def tiny_pair(arch="qwen2", tie_word_embeddings=True, seed=0):
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(arch, vocab_size=len(tokenizer), tie_word_embeddings=tie_word_embeddings, seed=seed,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return model, tokenizer
+
+
+@pytest.mark.parametrize("arch, tie_word_embeddings", [("qwen2", True), ("llama", False)])
+def test_export_loads_back_with_auto_classes(tmp_path, arch, tie_word_embeddings):
+    model, tokenizer = tiny_pair(arch, tie_word_embeddings)
+    model.config.use_cache = False
+    out_dir = save_hf_folder(model, tokenizer, tmp_path / "hf")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+    names = {path.name for path in out_dir.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= names
+    assert json.loads((out_dir / "config.json").read_text())["use_cache"] is True
+    assert model.config.use_cache is False, "the training model keeps use_cache off"
+
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    input_ids = torch.randint(0, len(tokenizer), (2, 6))
+    torch.testing.assert_close(loaded(input_ids=input_ids).logits, model(input_ids=input_ids).logits)
+    assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == tie_word_embeddings
+    assert loaded_tokenizer.decode(loaded_tokenizer("a b\n3")["input_ids"]) == "a b\n3"
+    assert loaded_tokenizer.eos_token == "<|im_end|>"
+
+
+def test_export_in_bfloat16_writes_tied_weight_once(tmp_path):
+    model, tokenizer = tiny_pair("qwen2")
+    out_dir = save_hf_folder(model, tokenizer, tmp_path / "hf", dtype=torch.bfloat16)
+    with safe_open(out_dir / "model.safetensors", framework="pt") as weights:
+        keys = list(weights.keys())
+        assert all(weights.get_tensor(key).dtype == torch.bfloat16 for key in keys)
+    assert "lm_head.weight" not in keys
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert next(model.parameters()).dtype == torch.float32, "the model itself is not cast"
+
+    loaded = load_causal_lm(str(out_dir), dtype=torch.float32, device="cpu")
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float())
+
+
+def test_export_replaces_an_existing_folder(tmp_path):
+    out_dir = tmp_path / "hf"
+    save_hf_folder(*tiny_pair(seed=1), out_dir)
+    (out_dir / "stale.txt").write_text("from the old save")
+    model, tokenizer = tiny_pair(seed=2)
+    save_hf_folder(model, tokenizer, out_dir)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+    assert not (out_dir / "stale.txt").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_failed_save_keeps_the_old_folder_and_cleans_up(tmp_path):
+    out_dir = tmp_path / "hf"
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="disk full"), atomic_folder(out_dir) as staging:
+        assert staging.name == f"hf.tmp-{os.getpid()}"
+        (staging / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("disk full")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hf"]
+    assert sorted(path.name for path in out_dir.iterdir()) == ["config.json"]
+
+
+def test_export_refuses_to_overwrite_a_file(tmp_path):
+    (tmp_path / "hf").write_text("not a folder")
+    with pytest.raises(FileExistsError, match="a file of that name exists"):
+        save_hf_folder(*tiny_pair(), tmp_path / "hf")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_model_loads_in_auto_dtype_and_exports(tiny_model_dir, tmp_path):
+    from reinforge.models import resolve_dtype
+
+    device = torch.device("cuda")
+    model = load_causal_lm(str(tiny_model_dir), dtype=resolve_dtype("auto", device), device=device)
+    assert next(model.parameters()).dtype == torch.bfloat16 and next(model.parameters()).is_cuda
+    out_dir = save_hf_folder(model, AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "hf", dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(out_dir)
+    torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight.float().cpu())

@@ -1,0 +1,84 @@
+import pytest
+import torch
+from transformers import LlamaModel, Qwen2Model
+
+from reinforge.models import ValueModel
+from reinforge.models.value_model import VALUE_HEAD_FILE
+
+
+def test_value_model_from_causal_lm_folder(tiny_model_dir):
+    critic = ValueModel.from_pretrained(tiny_model_dir)
+    assert isinstance(critic.backbone, (Qwen2Model, LlamaModel))
+    assert critic.value_head.weight.dtype == torch.float32
+    assert critic.value_head.weight.abs().sum() > 0, "small random head, so the body gets gradient at once"
+    assert torch.count_nonzero(critic.value_head.bias) == 0
+
+    input_ids = torch.randint(3, 100, (2, 6))
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    values = critic(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    assert values.shape == (2, 6)
+    assert values.dtype == torch.float32
+
+    # a left-padded row gives the same values on its tokens as the unpadded row
+    unpadded = critic(input_ids[:1, 2:])
+    torch.testing.assert_close(values[0, 2:], unpadded[0], atol=1e-5, rtol=1e-5)
+
+
+def test_backbone_weights_come_from_the_causal_lm(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    causal_lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    critic = ValueModel.from_pretrained(tiny_model_dir)
+    torch.testing.assert_close(critic.backbone.get_input_embeddings().weight, causal_lm.get_input_embeddings().weight)
+    torch.testing.assert_close(critic.backbone.layers[0].mlp.up_proj.weight, causal_lm.model.layers[0].mlp.up_proj.weight)
+
+
+def test_gradient_reaches_head_and_backbone(tiny_model_dir):
+    critic = ValueModel.from_pretrained(tiny_model_dir, gradient_checkpointing=True)
+    critic.train()
+    values = critic(torch.randint(3, 100, (2, 5)))
+    (values - 1.0).pow(2).mean().backward()
+    assert critic.value_head.weight.grad.abs().sum() > 0
+    assert critic.backbone.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert critic.backbone.get_input_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_save_and_load_round_trip(tiny_model_dir, tmp_path):
+    critic = ValueModel.from_pretrained(tiny_model_dir, seed=3)
+    with torch.no_grad():
+        critic.value_head.bias.fill_(0.5)
+    out_dir = critic.save_pretrained(tmp_path / "critic")
+    assert (out_dir / VALUE_HEAD_FILE).is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["critic"]
+
+    reloaded = ValueModel.from_pretrained(out_dir, seed=99)
+    input_ids = torch.randint(3, 100, (3, 4))
+    torch.testing.assert_close(reloaded(input_ids), critic(input_ids))
+
+
+def test_same_seed_same_head_in_bfloat16(tiny_model_dir):
+    first = ValueModel.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, seed=5)
+    second = ValueModel.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, seed=5)
+    assert torch.equal(first.value_head.weight, second.value_head.weight)
+    assert first.backbone.get_input_embeddings().weight.dtype == torch.bfloat16
+    values = first(torch.randint(3, 100, (1, 4)))
+    assert values.dtype == torch.float32 and values.shape == (1, 4)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ValueModel.from_pretrained(tmp_path / "nope")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_critic_on_cuda_in_bfloat16(tiny_model_dir, tmp_path):
+    critic = ValueModel.from_pretrained(tiny_model_dir, dtype=torch.bfloat16, device="cuda", gradient_checkpointing=True)
+    critic.train()
+    values = critic(torch.randint(3, 100, (2, 8), device="cuda"))
+    assert values.dtype == torch.float32 and values.device.type == "cuda"
+    values.sum().backward()
+    assert critic.backbone.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    reloaded = ValueModel.from_pretrained(critic.save_pretrained(tmp_path / "critic"), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(reloaded.value_head.weight, critic.value_head.weight)

@@ -1,0 +1,183 @@
+import logging
+import time
+
+import pytest
+import torch
+
+from reinforge.config.schema import RewardConfig
+from reinforge.protocol import Batch
+from reinforge.reward.manager import RewardManager
+
+PAD, EOS = 0, 1
+
+CUSTOM_SCORERS = '''
+import os
+import time
+
+
+def exact(solution_str, ground_truth, extra_info=None):
+    if solution_str == "raise":
+        raise RuntimeError("scorer exploded")
+    if solution_str == "half":
+        return 0.5
+    return {"score": float(solution_str == ground_truth), "pred": solution_str}
+
+
+def slow(solution_str, ground_truth, extra_info=None):
+    if solution_str == "sleep":
+        time.sleep(60)
+    if solution_str == "spin":
+        while True:
+            pass
+    if solution_str == "crash":
+        os._exit(3)
+    return 1.0
+
+
+def with_source(solution_str, ground_truth, data_source, extra_info=None, bonus=0.0):
+    return {"score": 1.0 + bonus, "source": data_source, "tag": extra_info["tag"]}
+
+
+def not_a_score(solution_str, ground_truth):
+    return "high"
+'''
+
+
+@pytest.fixture
+def scorer_path(tmp_path):
+    path = tmp_path / "custom_scorers.py"
+    path.write_text(CUSTOM_SCORERS)
+    return path
+
+
+def make_batch(tokenizer, texts, ground_truths, data_sources, response_len=12, eos=True, extra_infos=None):
+    """Right-padded responses; each text is followed by EOS (inside the mask) when it fits."""
+    responses = torch.full((len(texts), response_len), PAD, dtype=torch.long)
+    response_mask = torch.zeros((len(texts), response_len), dtype=torch.long)
+    for row, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + ([EOS] if eos else [])
+        ids = ids[:response_len]
+        responses[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[row, :len(ids)] = 1
+    return Batch.from_dict(
+        tensors={"responses": responses, "response_mask": response_mask},
+        non_tensors={"data_source": data_sources, "ground_truth": ground_truths,
+                     "extra_info": extra_infos or [{} for _ in texts]},
+    )
+
+
+def inline_manager(tokenizer, **overrides):
+    return RewardManager(RewardConfig(**{"num_workers": 0, **overrides}), tokenizer)
+
+
+def test_score_sits_on_the_last_response_token(byte_tokenizer):
+    batch = make_batch(byte_tokenizer, ["#### 72", "#### 5", "", "#### 3"], ["72", "72", "1", "3"],
+                       ["openai/gsm8k"] * 4, response_len=8)
+    batch["response_mask"][2] = 0  # a row with no generated token
+    output = inline_manager(byte_tokenizer).score(batch)
+    expected = torch.zeros(4, 8)
+    expected[0, 7] = 1.0  # "#### 72" is 7 tokens, then EOS at position 7
+    expected[3, 6] = 1.0
+    assert torch.equal(output.token_level_scores, expected)
+    assert output.token_level_scores.dtype == torch.float32
+    assert output.scores.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert output.extras["acc"] == [True, False, False, True]
+    assert output.extras["pred"][:2] == ["72", "5"]
+    assert output.metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+
+
+def test_decoding_skips_special_and_unmasked_tokens(byte_tokenizer, scorer_path):
+    batch = make_batch(byte_tokenizer, ["4xy2"], ["42"], ["x"])  # 4 x y 2 <eos>, all in the mask
+    batch["response_mask"][0, 1:3] = 0  # "xy": tool output inserted into the response
+    output = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:exact").score(batch)
+    assert output.extras["pred"] == ["42"]
+    assert output.token_level_scores[0].tolist() == [0.0] * 4 + [1.0] + [0.0] * 7
+
+
+def test_each_data_source_gets_its_scorer(byte_tokenizer):
+    batch = make_batch(byte_tokenizer, ["432", "<answer>3*8</answer>", "the answer is 5"],
+                       ["432", {"target": 24, "numbers": [3, 8]}, "5"],
+                       ["arithmetic", "countdown", "openai/gsm8k"], response_len=24)
+    output = inline_manager(byte_tokenizer).score(batch)
+    assert output.scores.tolist() == [1.0, 1.0, 0.0]
+    flexible = inline_manager(byte_tokenizer, kwargs={"method": "flexible"}).score(batch)
+    assert flexible.scores.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_unknown_data_source_and_option_are_refused(byte_tokenizer):
+    batch = make_batch(byte_tokenizer, ["1"], ["1"], ["my/task"])
+    with pytest.raises(ValueError, match="no scorer for data_source 'my/task'; known data sources: .*arithmetic, countdown"):
+        inline_manager(byte_tokenizer).score(batch)
+    with pytest.raises(ValueError, match="reward.kwargs has methd, which no scorer accepts; .*method"):
+        inline_manager(byte_tokenizer, kwargs={"methd": "flexible"})
+    with pytest.raises(ValueError, match="reward.kwargs sets ground_truth"):
+        inline_manager(byte_tokenizer, kwargs={"ground_truth": 1})
+
+
+def test_raising_scorer_gets_the_fallback_and_is_logged_once(byte_tokenizer, scorer_path, caplog):
+    batch = make_batch(byte_tokenizer, ["raise", "7", "raise", "half"], ["7"] * 4, ["x"] * 4)
+    manager = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:exact", fallback_score=-1.0)
+    with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        output = manager.score(batch)
+        manager.score(batch)
+    assert output.scores.tolist() == [-1.0, 1.0, -1.0, 0.5]
+    assert output.metrics["reward/errors"] == 2.0
+    assert output.extras["pred"] == [None, "7", None, None]
+    warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "scorer exploded" in warnings[0].getMessage() and "Traceback" in warnings[0].getMessage()
+
+
+def test_a_non_score_counts_as_an_error(byte_tokenizer, scorer_path):
+    batch = make_batch(byte_tokenizer, ["1"], ["1"], ["x"])
+    output = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:not_a_score").score(batch)
+    assert output.metrics["reward/errors"] == 1.0 and output.scores.tolist() == [0.0]
+
+
+def test_custom_function_receives_data_source_extra_info_and_options(byte_tokenizer, scorer_path):
+    batch = make_batch(byte_tokenizer, ["a", "b"], ["a", "b"], ["src/one", "src/two"],
+                       extra_infos=[{"tag": 1}, {"tag": 2}])
+    output = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:with_source",
+                            kwargs={"bonus": 0.5}).score(batch)
+    assert output.scores.tolist() == [1.5, 1.5]
+    assert output.extras == {"source": ["src/one", "src/two"], "tag": [1, 2]}
+    merged = batch | output.to_batch()
+    assert merged["token_level_scores"].shape == (2, 12)
+    assert list(merged["reward_tag"]) == [1, 2]
+
+
+def test_missing_custom_file_or_function(byte_tokenizer, scorer_path, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        inline_manager(byte_tokenizer, custom_function=f"{tmp_path / 'nope.py'}:exact")
+    with pytest.raises(AttributeError, match="has no function 'nope'"):
+        inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:nope")
+
+
+def test_worker_processes_score_built_in_and_custom_scorers(byte_tokenizer, scorer_path):
+    batch = make_batch(byte_tokenizer, ["#### 72", "#### 5", "432"], ["72", "72", "432"],
+                       ["openai/gsm8k", "openai/gsm8k", "arithmetic"])
+    with RewardManager(RewardConfig(num_workers=2, timeout_s=30), byte_tokenizer) as manager:
+        assert manager.score(batch).scores.tolist() == [1.0, 0.0, 1.0]
+    custom = make_batch(byte_tokenizer, ["7", "raise"], ["7", "7"], ["x", "x"])
+    config = RewardConfig(num_workers=2, timeout_s=30, custom_function=f"{scorer_path}:exact")
+    with RewardManager(config, byte_tokenizer) as manager:
+        output = manager.score(custom)
+    assert output.scores.tolist() == [1.0, 0.0] and output.metrics["reward/errors"] == 1.0
+
+
+def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, scorer_path, caplog):
+    texts = ["sleep", "ok", "spin", "crash", "ok", "ok"]
+    batch = make_batch(byte_tokenizer, texts, ["x"] * 6, ["x"] * 6)
+    config = RewardConfig(num_workers=2, timeout_s=1.0, fallback_score=-1.0, custom_function=f"{scorer_path}:slow")
+    with RewardManager(config, byte_tokenizer) as manager:
+        manager.score(make_batch(byte_tokenizer, ["ok"], ["x"], ["x"]))  # workers started
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+            output = manager.score(batch)
+        elapsed = time.monotonic() - started
+        assert output.scores.tolist() == [-1.0, 1.0, -1.0, -1.0, 1.0, 1.0]
+        assert output.metrics == {"reward/errors": 1.0, "reward/timeouts": 2.0}
+        assert elapsed < 6.0
+        assert "timeout_s=1.0" in caplog.text and "scorer process died (exit code 3)" in caplog.text
+        again = manager.score(make_batch(byte_tokenizer, ["ok", "ok"], ["x"] * 2, ["x"] * 2))
+        assert again.scores.tolist() == [1.0, 1.0]

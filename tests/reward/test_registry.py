@@ -1,0 +1,34 @@
+import pytest
+
+from reinforge.reward import SCORERS, get_scorer, register_scorer
+from reinforge.reward.scorers.countdown import score_countdown
+from reinforge.reward.scorers.gsm8k import score_gsm8k
+from reinforge.reward.scorers.math_answer import score_math
+
+
+def test_built_in_data_sources():
+    assert get_scorer("openai/gsm8k") is score_gsm8k
+    assert get_scorer("lighteval/MATH") is get_scorer("HuggingFaceH4/MATH-500") is get_scorer("math") is score_math
+    assert get_scorer("countdown") is score_countdown
+    assert "arithmetic" in SCORERS
+
+
+def test_unknown_data_source_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"no scorer for data_source 'nope'; known data sources: .*arithmetic, "
+                                         r"countdown.*openai/gsm8k"):
+        get_scorer("nope")
+    with pytest.raises(ValueError, match="a sample has no data_source"):
+        get_scorer(None)
+
+
+def test_register_and_refuse_duplicates():
+    @register_scorer("test/echo")
+    def score_echo(solution_str, ground_truth, extra_info=None):
+        return float(solution_str == ground_truth)
+
+    try:
+        assert get_scorer("test/echo") is score_echo
+        with pytest.raises(ValueError, match="'test/echo' is registered twice"):
+            register_scorer("test/echo")(score_echo)
+    finally:
+        SCORERS.pop("test/echo")

@@ -1,0 +1,99 @@
+import pytest
+
+from reinforge.reward.scorers.arithmetic import score_arithmetic
+from reinforge.reward.scorers.countdown import evaluate_equation, score_countdown
+from reinforge.reward.scorers.gsm8k import extract_gsm8k_answer, score_gsm8k
+from reinforge.reward.scorers.math_answer import score_math
+
+
+@pytest.mark.parametrize(("response", "strict", "flexible"), [
+    ("48 / 2 = 24, 48 + 24 = 72.\n#### 72", "72", "72"),
+    ("The total is $1,234.\n#### $1,234", "1234", "1234"),
+    ("#### 5 then I changed my mind #### 7", "7", "7"),
+    ("The answer is 72.", None, "72"),
+    ("I do not know.", None, None),
+    ("#### -3.5", "-3.5", "-3.5"),
+])
+def test_gsm8k_extraction(response, strict, flexible):
+    assert extract_gsm8k_answer(response, "strict") == strict
+    assert extract_gsm8k_answer(response, "flexible") == flexible
+
+
+def test_gsm8k_scores():
+    assert score_gsm8k("so #### 72", "72") == {"score": 1.0, "acc": True, "pred": "72"}
+    assert score_gsm8k("so #### 72.0", "72")["score"] == 1.0
+    assert score_gsm8k("so #### 1,234", "1234")["score"] == 1.0
+    assert score_gsm8k("so #### 71", "72") == {"score": 0.0, "acc": False, "pred": "71"}
+    assert score_gsm8k("so #### 71", "72", format_score=0.1)["score"] == 0.1
+    assert score_gsm8k("the answer is 72", "72")["score"] == 0.0
+    assert score_gsm8k("the answer is 72", "72", method="flexible")["score"] == 1.0
+    assert score_gsm8k("72, or maybe 73", "72", method="flexible")["score"] == 0.0
+    with pytest.raises(ValueError, match="not a gsm8k method"):
+        score_gsm8k("#### 1", "1", method="lenient")
+
+
+@pytest.mark.parametrize(("response", "ground_truth", "expected"), [
+    ("so the answer is $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", 1.0),
+    ("so the answer is $\\boxed{0.5}$", "\\frac{1}{2}", 1.0),
+    ("The final answer is $\\boxed{2\\sqrt{2}}$.", "\\sqrt{8}", 1.0),
+    ("We get $\\boxed{x^2 + 2x + 1}$", "(x+1)^2", 1.0),
+    ("so the answer is $\\boxed{3}$", "\\frac{1}{2}", 0.0),
+    ("I give up.", "5", 0.0),
+])
+def test_math_uses_math_verify_equivalence(response, ground_truth, expected):
+    result = score_math(response, ground_truth)
+    assert result["score"] == expected and result["acc"] == (expected == 1.0)
+
+
+COUNTDOWN = {"target": 24, "numbers": [3, 5, 8]}
+
+
+@pytest.mark.parametrize(("response", "score"), [
+    ("<think>3*8=24 but 5?</think><answer>(5 - 3) * 8 + 8</answer>", 0.1),  # 8 used twice
+    ("<answer>(8 - 5) * 3</answer>", 0.1),  # 9, not 24
+    ("<answer>3 * 8</answer>", 0.1),  # 5 unused
+    ("<answer>(5 - 3 + 1) * 8</answer>", 0.1),  # 1 is not given
+    ("<answer>8 * (5 - 3 / 3)</answer>", 0.1),
+    ("<answer>__import__('os').system('true')</answer>", 0.1),
+    ("<answer>3 / (5 - 5) + 8</answer>", 0.1),
+    ("no answer tags: 8 * 3 = 24", 0.0),
+    ("<answer>8 * 3 * (5 / 5)</answer>", 0.1),
+    ("<answer>wrong</answer> then <answer>8 * (5 - 3) + 8</answer>", 0.1),
+])
+def test_countdown_misses(response, score):
+    assert score_countdown(response, COUNTDOWN)["score"] == score
+
+
+def test_countdown_hits():
+    assert score_countdown("<answer>8 * 3 * 5 / 5</answer>", {"target": 24, "numbers": [3, 5, 5, 8]})["score"] == 1.0
+    assert score_countdown("<answer>(8 - 5) * 8 = 24</answer>", {"target": 24, "nums": [8, 5, 8]}) == \
+        {"score": 1.0, "acc": True, "pred": "(8 - 5) * 8"}
+    assert score_countdown("<answer>3 * 8 - 5 + 5</answer>", {"target": 24, "numbers": [5, 8, 5, 3]})["score"] == 1.0
+    assert score_countdown("<answer>(3 + 5) / 8</answer>", {"target": 1, "numbers": [3, 5, 8]})["score"] == 1.0
+
+
+def test_countdown_evaluates_exactly_without_eval():
+    value, used = evaluate_equation("(1 + 2) / 3 * 7")
+    assert value == 7 and used == [1, 2, 3, 7]
+    for not_an_equation in ["2 ** 10", "abs(3)", "3 if 1 else 2", "1.5 + 2", "-3 + 4", "[1, 2]", "(" * 300]:
+        with pytest.raises(ValueError):
+            evaluate_equation(not_an_equation)
+
+
+def test_countdown_needs_a_target_and_numbers():
+    with pytest.raises(ValueError, match="'target' and 'numbers'"):
+        score_countdown("<answer>1</answer>", "24")
+
+
+@pytest.mark.parametrize(("response", "ground_truth", "score"), [
+    ("432", "432", 1.0),
+    (" 432.\n", "432", 1.0),
+    ("47 + 385 = 432", "432", 1.0),
+    ("1,432", "1432", 1.0),
+    ("-12", "-12", 1.0),
+    ("433", "432", 0.0),
+    ("432 and then 5", "432", 0.0),
+    ("I think it is four hundred", "432", 0.0),
+])
+def test_arithmetic_exact_integer(response, ground_truth, score):
+    assert score_arithmetic(response, ground_truth)["score"] == score

@@ -1,0 +1,181 @@
+"""The RL trainer end to end on a tiny model, through the CLI as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reinforge.cli import main
+
+CONTAINS_SEVEN = '''
+def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
+    return 1.0 if "7" in solution_str else 0.0
+'''
+
+RAISES = '''
+def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
+    if "3" in solution_str:
+        raise ZeroDivisionError("scorer bug")
+    return 0.5
+'''
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def base_args(model: Path, data: Path, run_dir: Path, **overrides: object) -> list[str]:
+    settings = {
+        "model.path": model, "data.train_files": f"[{data / 'train.parquet'}]", "data.train_batch_size": 4,
+        "data.max_prompt_length": 64, "data.max_response_length": 8, "rollout.n": 4,
+        "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]", "trainer.total_steps": 2,
+        "trainer.val_before_train": False, "actor.optim.lr": 2e-3,
+    }
+    settings.update(overrides)
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_mean_reward_rises_on_a_learnable_reward(tiny_model_dir, arithmetic_data_dir, tmp_path, estimator):
+    reward_file = tmp_path / "seven.py"
+    reward_file.write_text(CONTAINS_SEVEN)
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "trainer.total_steps": 40, "rollout.n": 8, "algorithm.adv_estimator": estimator,
+        "critic.optim.lr": 1e-3, "reward.custom_function": f"{reward_file}:compute_score"})
+    assert main(["train", *args]) == 0
+    scores = [row["critic/score/mean"] for row in read_metrics(run_dir) if "critic/score/mean" in row]
+    assert len(scores) == 40
+    start, end = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert start < 0.25
+    assert end > 0.6, scores
+
+
+ESTIMATOR_AND_LOSS = [
+    ("grpo", "vanilla"), ("grpo_passk", "gspo"), ("rloo", "gpg"), ("reinforce_plus_plus", "clip_cov"),
+    ("reinforce_plus_plus_baseline", "kl_cov"), ("remax", "geo_mean"), ("opo", "cispo"), ("gpg", "sapo"),
+    ("gae", "vanilla"),
+]
+
+
+@pytest.mark.parametrize("estimator, loss_mode", ESTIMATOR_AND_LOSS)
+def test_every_estimator_and_policy_loss_trains(tiny_model_dir, arithmetic_data_dir, tmp_path, estimator, loss_mode):
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "algorithm.adv_estimator": estimator, "actor.policy_loss.loss_mode": loss_mode, "trainer.total_steps": 1,
+        "data.train_batch_size": 2, "rollout.n": 2, "actor.mini_batch_size": 1, "actor.ppo_epochs": 2})
+    assert main(["train", *args]) == 0
+    [row] = read_metrics(run_dir)
+    assert row["actor/grad_norm"] == row["actor/grad_norm"]  # not NaN
+    assert "timing_s/old_log_prob" in row  # two epochs over two mini-batches is off-policy
+    if estimator == "remax":
+        assert "timing_s/gen_max" in row
+    if estimator == "gae":
+        assert "critic/vf_loss" in row and "critic/values/mean" in row
+
+
+def test_kl_loss_kl_in_reward_and_validation(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "actor.use_kl_loss": True, "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive",
+        "data.val_files": f"[{arithmetic_data_dir / 'test.parquet'}]", "trainer.val_before_train": True,
+        "rollout.val_kwargs.n": 2, "rollout.val_kwargs.temperature": 1.0})
+    assert main(["train", *args]) == 0
+    rows = read_metrics(run_dir)
+    assert rows[0]["step"] == 0 and "val-core/arithmetic/acc/mean@2" in rows[0]
+    assert "val-core/arithmetic/acc/maj@2" in rows[0] and "val-core/arithmetic/acc/best@2" in rows[0]
+    last = rows[-1]
+    assert "actor/kl_loss" in last and "actor/reward_kl_penalty" in last and "timing_s/ref" in last
+    assert "val-core/arithmetic/acc/mean@2" in last  # validation after the last step
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "samples.jsonl").is_file()
+
+
+def test_checkpoint_loads_with_auto_classes_and_export(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = tmp_path / "run"
+    assert main(["train", *base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.keep_last": 1,
+                                                                                      "trainer.save_every": 1})]) == 0
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert [path.name for path in checkpoints] == ["step_000002"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    AutoModelForCausalLM.from_pretrained(checkpoints[0] / "hf")
+    AutoTokenizer.from_pretrained(checkpoints[0] / "hf")
+    assert main(["export", str(run_dir), str(tmp_path / "exported")]) == 0
+    AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+
+
+def test_a_raising_reward_function_costs_a_fallback_not_the_run(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    reward_file = tmp_path / "buggy.py"
+    reward_file.write_text(RAISES)
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "reward.custom_function": f"{reward_file}:compute_score", "reward.fallback_score": -1.0,
+        "rollout.n": 8, "data.max_response_length": 16})
+    assert main(["train", *args]) == 0
+    rows = read_metrics(run_dir)
+    assert len(rows) == 2
+    assert sum(row["reward/errors"] for row in rows) > 0
+    assert min(row["critic/score/min"] for row in rows) == -1.0
+
+
+def test_unknown_config_key_is_one_clear_line(capsys):
+    assert main(["train", "actor.optim.learning_rate=1e-6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: unknown key actor.optim.learning_rate (command line); did you mean actor.optim.lr?"
+
+
+def test_row_without_prompt_is_one_clear_line(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"data_source": "arithmetic", "reward_model": {"ground_truth": "1"}}) + "\n")
+    args = [f"model.path={tiny_model_dir}", f"data.train_files=[{bad}]", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 0" in err[0] and "prompt" in err[0] and "bad.jsonl" in err[0]
+
+
+COMPARED_PREFIXES = ("timing_s/", "perf/", "rollout/tokens_per_s")
+
+
+def _train_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "reinforge", "train", *args]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    common = {"trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3,
+              "data.val_files": f"[{arithmetic_data_dir / 'test.parquet'}]", "trainer.test_every": 3,
+              "actor.mini_batch_size": 2, "actor.shuffle": True, "algorithm.adv_estimator": "gae",
+              "actor.use_kl_loss": True, "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive"}
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    reference_dir = tmp_path / "reference"
+    subprocess.run(_train_command(base_args(tiny_model_dir, arithmetic_data_dir, reference_dir, **common)),
+                   check=True, env=env, capture_output=True)
+
+    killed_dir = tmp_path / "killed"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, killed_dir, **common)
+    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics_file = killed_dir / "metrics.jsonl"
+        if metrics_file.is_file() and any(json.loads(line).get("step") == 3
+                                          for line in metrics_file.read_text().splitlines() if line.strip()):
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert (killed_dir / "checkpoints" / "latest").read_text().strip() in ("step_000002", "step_000004")
+    subprocess.run(_train_command(args), check=True, env=env, capture_output=True)
+
+    def comparable(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in row.items() if not k.startswith(COMPARED_PREFIXES)} for row in rows]
+
+    assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(reference_dir))
