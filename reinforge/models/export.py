@@ -103,23 +103,34 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
     out_dir = Path(out_dir)
     state_dict = state_dict_in_dtype(model, dtype) if dtype is not None else None
     with atomic_folder(out_dir) as staging:
-        training_use_cache = getattr(model.config, "use_cache", None)
-        model.config.use_cache = True
-        try:
-            model.save_pretrained(staging, state_dict=state_dict)
-        finally:
-            model.config.use_cache = training_use_cache
-        if dtype is not None:
-            record_dtype(staging / "config.json", dtype)
+        model.save_pretrained(staging, state_dict=state_dict)
+        prepare_config_for_inference(staging / "config.json", dtype)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+            use_portable_tokenizer_class(staging)
     return out_dir
 
 
-def record_dtype(config_path: Path, dtype: torch.dtype) -> None:
-    """Make config.json name the dtype the weights were saved in (the key is dtype or torch_dtype by version)."""
+def prepare_config_for_inference(config_path: Path, dtype: torch.dtype | None) -> None:
+    """Turn use_cache back on and name the dtype the weights were saved in (dtype or torch_dtype by version)."""
     config = json.loads(config_path.read_text())
+    if "use_cache" in config:
+        config["use_cache"] = True
     for key in ("dtype", "torch_dtype"):
-        if key in config:
+        if key in config and dtype is not None:
             config[key] = str(dtype).removeprefix("torch.")
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def use_portable_tokenizer_class(folder: Path) -> None:
+    """Write the generic tokenizer class as PreTrainedTokenizerFast, which transformers 4.x knows too.
+
+    transformers 5 names it TokenizersBackend; both versions load PreTrainedTokenizerFast.
+    """
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return
+    tokenizer_config = json.loads(config_path.read_text())
+    if tokenizer_config.get("tokenizer_class") == "TokenizersBackend":
+        tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")

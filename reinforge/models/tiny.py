@@ -12,7 +12,6 @@ and ``decode(encode(text))`` gives ``text`` back exactly. Its special tokens fol
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from reinforge.models.export import save_hf_folder
 
 PAD_TOKEN = "<|endoftext|>"
 TURN_START_TOKEN = "<|im_start|>"
@@ -106,19 +107,8 @@ def save_tiny_model(out_dir: str | Path, arch: str = "qwen2", extra_tokens: Sequ
 
     ``model_kwargs`` go to build_tiny_causal_lm; the vocab size is always the tokenizer's.
     """
-    out_dir = Path(out_dir)
     tokenizer = build_char_tokenizer(extra_tokens)
     model = build_tiny_causal_lm(arch, vocab_size=len(tokenizer), seed=seed, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id, **model_kwargs)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    use_portable_tokenizer_class(out_dir)
-    return out_dir
+    return save_hf_folder(model, tokenizer, out_dir)
 
-
-def use_portable_tokenizer_class(folder: Path) -> None:
-    """Name the tokenizer class so that transformers 4.x loads it too (5.x writes its new TokenizersBackend)."""
-    config_path = folder / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")

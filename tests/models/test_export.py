@@ -35,6 +35,8 @@ def test_export_loads_back_with_auto_classes(tmp_path, arch, tie_word_embeddings
     assert (loaded.lm_head.weight is loaded.get_input_embeddings().weight) == tie_word_embeddings
     assert loaded_tokenizer.decode(loaded_tokenizer("a b\n3")["input_ids"]) == "a b\n3"
     assert loaded_tokenizer.eos_token == "<|im_end|>"
+    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast", "a class transformers 4.x knows too"
 
 
 def test_export_in_bfloat16_writes_tied_weight_once(tmp_path):
