@@ -36,6 +36,42 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _sft(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="reinforge sft",
+                                     description="Supervised fine-tuning on chat conversations (loss on assistant tokens).")
+    parser.add_argument("config", nargs="?", help="a YAML config file (data:, model:, optim:, trainer: sections)")
+    parser.add_argument("overrides", nargs="*", help="a.b=c overrides, e.g. optim.lr=1e-5 data.packing=true")
+    args = parser.parse_args(argv)
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path is not None and "=" in config_path:
+        config_path, overrides = None, [config_path, *overrides]
+
+    from reinforge.trainer.sft_config import load_sft_config
+
+    config = load_sft_config(config_path, overrides)
+    if not config.model.path:
+        raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
+    if not config.data.train_files:
+        raise SystemExit("data.train_files is empty; pass data.train_files=[path/to/train.jsonl] (rows with messages)")
+
+    from reinforge.trainer.sft_trainer import SFTTrainer
+
+    SFTTrainer(config).fit()
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    from reinforge.trainer.evaluate import eval_main
+
+    return eval_main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from reinforge.demo.runner import demo_main
+
+    return demo_main(argv)
+
+
 def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="reinforge export",
                                      description="Write a Hugging Face model folder from a checkpoint.")
@@ -68,6 +104,9 @@ def _data(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
+    "sft": (_sft, "supervised fine-tuning on chat data (loss on assistant tokens)"),
+    "eval": (_eval, "accuracy of a model on a dataset of verifiable prompts (greedy by default)"),
+    "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
     "export": (_export, "write an HF model folder from a checkpoint"),
     "plot": (_plot, "render PNG plots of one or more runs' metrics.jsonl"),
     "bench": (_bench, "measure rollout and training speed on the standard workload"),

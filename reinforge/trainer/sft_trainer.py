@@ -1,0 +1,181 @@
+"""The SFT trainer: next-token loss on the assistant's tokens of chat conversations.
+
+Each step takes ``data.batch_size`` conversations (or packed rows), splits them into
+micro-batches by ``trainer.max_tokens_per_micro_batch`` and takes one optimizer step on the
+token-mean loss over every trained token of the batch (the engine's ``run_update``, shared
+with RL). The run folder is an RL run's: ``config.yaml``, ``metrics.jsonl`` and atomic
+``checkpoints/step_N/`` with ``actor_state.pt``, ``trainer_state.pt`` and an ``hf/`` folder;
+a run resumes from its latest checkpoint by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from omegaconf import OmegaConf
+from torch import Tensor
+
+from reinforge.algorithms import LossNormalizer, aggregate_loss, log_probs_from_logits
+from reinforge.data.chat_template import get_pad_token_id
+from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
+from reinforge.engine.device import autocast_context, resolve_device
+from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.optim import build_optimizer, build_scheduler
+from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
+from reinforge.protocol import Batch
+from reinforge.tracking import Tracker
+from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
+from reinforge.trainer.sft_config import SFTConfig
+from reinforge.workers.checkpointing import load_training_state, save_training_state
+
+logger = logging.getLogger(__name__)
+
+
+def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
+    """Log-prob (B, R) of each response token; a packed micro-batch lets the position ids separate conversations."""
+    responses = micro["responses"]
+    # Without an attention mask, transformers reads sequence boundaries from restarting position ids.
+    attention_mask = None if micro.meta.get("packed") else micro["attention_mask"]
+    logits = model(input_ids=micro["input_ids"], attention_mask=attention_mask, position_ids=micro["position_ids"],
+                   use_cache=False).logits
+    return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
+
+
+class SFTTrainer:
+    def __init__(self, config: SFTConfig):
+        self.config = config
+        data, trainer = config.data, config.trainer
+        self.run_dir = Path(trainer.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_tree = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_tree, sort_keys=False))
+        torch.manual_seed(trainer.seed)
+        np.random.seed(trainer.seed)
+        self.device = resolve_device(trainer.device)
+
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                                        trust_remote_code=config.model.trust_remote_code)
+        pad_token_id = get_pad_token_id(self.tokenizer)
+        self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
+                                      data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,
+                                      seed=data.seed)
+        self.val_loader = None
+        if data.val_files:
+            self.val_loader = SFTLoader(self._rows(data.val_files, "val", data.max_val_samples), data.val_batch_size,
+                                        pad_token_id, packed=data.packing, shuffle=False)
+        self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
+
+        self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
+                                    trust_remote_code=config.model.trust_remote_code,
+                                    attn_implementation=config.model.attn_implementation,
+                                    gradient_checkpointing=config.model.gradient_checkpointing)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
+        self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
+                                              grad_clip=trainer.grad_clip, seed=trainer.seed, mask_key="loss_mask")
+        self.checkpoints = CheckpointManager(self.run_dir, trainer.keep_last)
+        self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_tree, project=trainer.project_name,
+                               experiment=trainer.experiment_name)
+        self.step = 0
+
+    def _rows(self, files: list[str], split: str, max_samples: int | None) -> list:
+        data = self.config.data
+        dataset = SFTDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
+                             messages_key=data.messages_key, chat_template=data.chat_template,
+                             max_samples=max_samples, name=split)
+        return pack_examples(dataset.examples, data.max_length) if data.packing else dataset.examples
+
+    # ---- the step ---------------------------------------------------------------------
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        def loss_fn(micro: Batch, normalizer: LossNormalizer) -> tuple[Tensor, dict[str, float]]:
+            with autocast_context(self.device, self.config.model.dtype):
+                log_probs = token_log_probs(self.model, micro)
+            loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", normalizer)
+            return loss, {"nll_loss": float(loss.detach())}
+
+        start = time.perf_counter()
+        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
+                             self.device)
+        elapsed = time.perf_counter() - start
+        num_tokens = float(batch["attention_mask"].sum())
+        return {"train/loss": metrics["nll_loss"], "train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
+                "train/num_loss_tokens": float(batch["loss_mask"].sum()),
+                "timing_s/step": elapsed, "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9)}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Token-mean loss over every trained token of the validation set."""
+        if self.val_loader is None:
+            return {}
+        self.model.eval()
+        total_loss, total_tokens = 0.0, 0.0
+        budget = self.config.trainer.max_tokens_per_micro_batch
+        for batch in self.val_loader.batches_of_one_pass():
+            for micro in split_by_token_budget(batch, budget):
+                micro = micro.to(self.device)
+                with autocast_context(self.device, self.config.model.dtype):
+                    log_probs = token_log_probs(self.model, micro)
+                total_loss += float(-(log_probs * micro["loss_mask"]).sum())
+                total_tokens += float(micro["loss_mask"].sum())
+        self.model.train()
+        return {"val/loss": total_loss / max(total_tokens, 1.0)}
+
+    # ---- the run ------------------------------------------------------------------------
+    def save(self) -> Path:
+        def write(folder: Path) -> None:
+            save_training_state(folder, self.model, self.optimizer, self.scheduler)
+            save_hf_folder(self.model, self.tokenizer, folder / "hf")
+
+        state = {"step": self.step, "loader": self.train_loader.state_dict(), "rng": rng_state()}
+        folder = self.checkpoints.save(self.step, write, state)
+        logger.info("saved checkpoint %s", folder)
+        return folder
+
+    def resume(self) -> None:
+        folder = self.checkpoints.resolve(self.config.trainer.resume)
+        if folder is None:
+            return
+        state = load_trainer_state(folder)
+        load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
+        self.train_loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+        self.tracker.truncate_after(self.step)
+        logger.info("resumed from %s at step %d", folder, self.step)
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``total_steps``; returns the last step's metrics (with the final validation loss)."""
+        self.resume()
+        trainer = self.config.trainer
+        last_metrics: dict[str, float] = {}
+        if self.step == 0 and self.val_loader is not None:
+            self.tracker.log(self.validate(), step=0)
+        with self.tracker.progress(self.total_steps, initial=self.step) as progress:
+            while self.step < self.total_steps:
+                metrics = self.train_step(self.train_loader.next_batch())
+                self.step += 1
+                metrics["training/global_step"] = self.step
+                metrics["training/epoch"] = self.train_loader.epoch
+                is_last = self.step == self.total_steps
+                if trainer.test_every > 0 and self.step % trainer.test_every == 0 or is_last:
+                    metrics |= self.validate()
+                self.tracker.log(metrics, step=self.step)
+                progress.advance(metrics)
+                if trainer.save_every > 0 and self.step % trainer.save_every == 0 or is_last:
+                    self.save()
+                last_metrics = metrics
+        self.tracker.close()
+        return last_metrics
+
+    def final_model_dir(self) -> Path | None:
+        """The ``hf/`` folder of the latest checkpoint."""
+        latest = self.checkpoints.latest()
+        return latest / "hf" if latest is not None else None

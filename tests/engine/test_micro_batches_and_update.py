@@ -1,0 +1,116 @@
+import copy
+
+import pytest
+import torch
+
+from reinforge.algorithms import compute_policy_loss
+from reinforge.config.schema import OptimConfig, PolicyLossConfig
+from reinforge.engine.forward import build_position_ids, response_log_probs
+from reinforge.engine.micro_batches import split_by_token_budget, trim_padding
+from reinforge.engine.optim import build_optimizer, build_scheduler, lr_multiplier
+from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.models import build_tiny_causal_lm
+from reinforge.protocol import Batch
+
+
+def make_rollout_batch(rows: int = 6, prompt_width: int = 5, response_width: int = 4, seed: int = 0) -> Batch:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 60, (rows, prompt_width), generator=generator)
+    responses = torch.randint(3, 60, (rows, response_width), generator=generator)
+    prompt_mask = torch.ones(rows, prompt_width, dtype=torch.long)
+    response_mask = torch.ones(rows, response_width)
+    for row in range(rows):
+        prompt_mask[row, : row % 3] = 0  # left padding
+        response_mask[row, response_width - row % 2 - 1:] = 0 if row % 2 else 1  # right padding
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    return Batch.from_dict(tensors={
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+        "position_ids": build_position_ids(attention_mask),
+        "advantages": torch.randn(rows, response_width, generator=generator) * response_mask,
+    })
+
+
+def test_micro_batches_keep_order_and_budget():
+    batch = make_rollout_batch()
+    pieces = split_by_token_budget(batch, max_tokens=20)
+    assert sum(len(piece) for piece in pieces) == len(batch)
+    for piece in pieces:
+        assert len(piece) == 1 or piece["input_ids"].numel() <= 20
+    assert torch.equal(torch.cat([p["advantages"][:, :1] for p in pieces]), batch["advantages"][:, :1])
+    assert len(split_by_token_budget(batch, max_tokens=10_000)) == 1
+
+
+def test_trim_padding_drops_only_shared_padding():
+    batch = make_rollout_batch().index([0, 3])  # row 0 and row 3 both have a full prompt
+    trimmed = trim_padding(batch)
+    assert trimmed["prompts"].shape[1] == 5
+    assert trimmed["input_ids"].shape[1] == trimmed["prompts"].shape[1] + trimmed["responses"].shape[1]
+
+
+def test_trimmed_forward_matches_padded_forward():
+    model = build_tiny_causal_lm(vocab_size=64, seed=1).eval()
+    batch = make_rollout_batch()
+    full, _ = response_log_probs(model, batch)
+    pieces = split_by_token_budget(batch, max_tokens=20)
+    parts = [response_log_probs(model, piece)[0] for piece in pieces]
+    mask = batch["response_mask"].bool()
+    rebuilt = torch.cat([torch.nn.functional.pad(p, (0, full.shape[1] - p.shape[1])) for p in parts])
+    torch.testing.assert_close(rebuilt[mask], full[mask], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_update_is_the_same_whatever_the_micro_batch_split(loss_agg_mode):
+    base = build_tiny_causal_lm(vocab_size=64, seed=2)
+    batch = make_rollout_batch(rows=6)
+    results = []
+    for budget in (10_000, 9):
+        model = copy.deepcopy(base).train()
+        # plain SGD: the parameter change is the gradient itself (Adam would amplify rounding noise)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
+
+        def loss_fn(micro, normalizer, model=model):
+            log_probs, _ = response_log_probs(model, micro)
+            loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
+                                          advantages=micro["advantages"], response_mask=micro["response_mask"],
+                                          loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(),
+                                          normalizer=normalizer)
+            return loss, {"pg_loss": float(loss.detach())}
+
+        settings = UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1e9)
+        metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"))
+        results.append((model, metrics))
+    (model_a, metrics_a), (model_b, metrics_b) = results
+    assert metrics_a["grad_norm"] == pytest.approx(metrics_b["grad_norm"], rel=1e-4)
+    for p_a, p_b in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(next(model_a.parameters()), next(base.parameters()))
+
+
+def test_non_finite_gradient_skips_the_step():
+    model = build_tiny_causal_lm(vocab_size=64, seed=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+    scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
+
+    def loss_fn(micro, normalizer):
+        log_probs, _ = response_log_probs(model, micro)
+        return log_probs.sum() * float("nan"), {}
+
+    metrics = run_update(model, optimizer, scheduler, make_rollout_batch(), loss_fn, UpdateSettings(),
+                         torch.device("cpu"))
+    assert metrics["num_skipped_steps"] == 1
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.equal(old, new)
+
+
+def test_learning_rate_schedules():
+    constant = OptimConfig(lr=1.0, warmup_steps=2)
+    assert [lr_multiplier(s, 10, constant) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = OptimConfig(lr=1.0, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_multiplier(0, 10, cosine) == pytest.approx(1.0)
+    assert lr_multiplier(10, 10, cosine) == pytest.approx(0.1)
+    assert lr_multiplier(5, 10, cosine) == pytest.approx(0.55)
+    ratio = OptimConfig(lr=1.0, warmup_ratio=0.5)
+    assert lr_multiplier(0, 4, ratio) == pytest.approx(0.5)
