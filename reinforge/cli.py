@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         return command(argv[1:])
     except (ConfigError, ValueError, FileNotFoundError, OSError) as error:
         # Mistakes in configs, data and paths are reported as one line; REINFORGE_DEBUG=1 shows the traceback.
-        if os.environ.get("REINFORGE_DEBUG"):
-            raise
+        if os.environ.get("REINFORGE_DEBUG") or isinstance(error, TimeoutError):
+            raise  # a worker deadline's message carries the member's log lines: keep them as they are
         message = " ".join(str(error).split())
         print(f"error: {message}", file=sys.stderr)
         return 2

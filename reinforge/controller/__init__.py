@@ -2,6 +2,7 @@
 
 The trainer builds one ``WorkerGroup`` per role and calls its methods like plain functions on
 ``Batch`` objects; ``@register`` on the worker says how each call is spread over the members.
+The Ray backend (``RayWorkerGroup`` in ``ray_backend``) is imported on first use, as Ray is optional.
 """
 
 from reinforge.controller.backends import BACKENDS, Backend, LocalBackend, register_backend

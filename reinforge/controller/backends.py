@@ -8,6 +8,9 @@ dispatching and waits on the futures with a deadline, so every backend behaves t
 builds the worker and then runs its calls one after the other, as a Ray actor would: calls to
 different members overlap, and a hung member cannot block the controller past its deadline.
 The threads are daemons, so a member stuck in a call does not keep the process alive.
+
+``ray`` (``ray_backend.py``, imported on first use) runs each member as a Ray actor process on
+its own device; ``RayWorkerGroup`` adds the member's node and log lines to errors.
 """
 
 from __future__ import annotations
@@ -53,9 +56,20 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
 
 
 def build_backend(name: str, role: str, num_members: int, resource_pool: ResourcePool | None) -> Backend:
+    if name == "ray" and name not in BACKENDS:
+        _register_ray_backend(role)
     if name not in BACKENDS:
         raise ValueError(f"unknown controller backend {name!r} for role {role!r}; known backends: {sorted(BACKENDS)}")
     return BACKENDS[name](role, num_members, resource_pool)
+
+
+def _register_ray_backend(role: str) -> None:
+    """Import the ray backend on first use, so that Ray stays an optional dependency."""
+    try:
+        import reinforge.controller.ray_backend  # noqa: F401 - registers "ray"
+    except ImportError as error:
+        raise ImportError(f"role {role!r} asks for the ray backend (trainer.backend=ray), but Ray does not import "
+                          f"({error}); install it with pip install 'reinforge[ray]'") from error
 
 
 class _MemberThread:

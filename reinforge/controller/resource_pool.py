@@ -1,8 +1,9 @@
 """Resource pools: which devices a worker group may use, and which pool each role runs on.
 
 The local backend runs a group inside the controller's process and lets each worker pick its
-own device, so it only reads a pool's size (one device by default). The Ray backend will place
-one actor per device of the pool, node by node, and colocate the roles that share a pool.
+own device, so it only reads a pool's size (one device by default). The Ray backend places
+one member process per device of the pool, node by node (a STRICT_PACK placement group per
+node), and builds the workers of every role that shares the pool inside those same processes.
 """
 
 from __future__ import annotations

@@ -168,8 +168,8 @@ def test_group_refuses_method_names_it_uses_itself():
 
 
 def test_unknown_backend_lists_known_ones():
-    with pytest.raises(ValueError, match=r"unknown controller backend 'ray' .* known backends: .*'local'"):
-        WorkerGroup(ToyWorker, 0, backend="ray")
+    with pytest.raises(ValueError, match=r"unknown controller backend 'slurm' .* known backends: .*'local'"):
+        WorkerGroup(ToyWorker, 0, backend="slurm")
 
 
 def test_resource_pool_sets_the_group_size_and_roles_map_to_pools():

@@ -4,7 +4,8 @@ Token ids in, token ids and per-token log-probs out. One scheduler serves two en
 ``generate(requests)`` steps it until a batch is done, and ``await generate_async(request)``
 adds one request and lets a background task step the scheduler (in a worker thread) while
 anything is pending, so agent loops submit requests one at a time and none waits for
-another. Hybrid engine: the engine runs the trainer's model modules in place, so
+another. Decode steps overlap: the next one is launched before the last one's tokens are read
+back (``_step``). Hybrid engine: the engine runs the trainer's model modules in place, so
 ``sync_weights`` is only a pointer refresh (a no-op for the same model updated in place; the
 CUDA graphs are recaptured if the parameters' storage moved). ``wake_up`` allocates the KV
 cache from a fraction of device memory; ``sleep`` frees it, with the CUDA graphs, and
@@ -18,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,7 +31,7 @@ from reinforge.rollout.native.model import supports_model, unsupported_reason
 from reinforge.rollout.native.model_runner import ModelRunner
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors
 from reinforge.rollout.native.scheduler import ScheduledStep, Scheduler
-from reinforge.rollout.native.sequence import Sequence
+from reinforge.rollout.native.sequence import Sequence, SequenceStatus
 
 __all__ = ["NativeEngine", "supports_model"]
 
@@ -50,17 +52,52 @@ class _RequestState:
     def __init__(self, request: GenerationRequest, seed: int, on_done: Callable[[list[Completion]], None] | None,
                  on_error: Callable[[BaseException], None] | None):
         self.request = request
-        self.on_error = on_error
         self.seed = seed
         self.completions: list[Completion | None] = [None] * request.sampling.n
         self.num_pending = request.sampling.n
         self.on_done = on_done
+        self.on_error = on_error
 
     def finish_sample(self, seq: Sequence) -> bool:
         self.completions[seq.sample_index] = Completion(seq.token_ids[seq.num_prompt_tokens:], list(seq.log_probs),
                                                         seq.finish_reason)
         self.num_pending -= 1
         return self.num_pending == 0
+
+
+@dataclass
+class _LaunchedStep:
+    """A step whose tokens were sampled on the device but not yet read back.
+
+    tokens, log_probs: (rows,) on the device. On CUDA they are also copied, as soon as they are
+    sampled, into pinned host buffers; ``ready`` fires when that copy is done, so reading them does
+    not wait for a step launched later on the same stream.
+    """
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    host_tokens: torch.Tensor | None = None
+    host_log_probs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def sampled(cls, seqs: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor) -> _LaunchedStep:
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens, log_probs)
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_log_probs = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_log_probs.copy_(log_probs, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, tokens, log_probs, host_tokens, host_log_probs, ready)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.ready is None:
+            return self.tokens.tolist(), self.log_probs.tolist()
+        self.ready.synchronize()
+        return self.host_tokens.tolist(), self.host_log_probs.tolist()
 
 
 class NativeEngine:
@@ -107,6 +144,8 @@ class NativeEngine:
         self._driver: asyncio.Task | None = None
         self._num_generated_tokens = 0
         self._peak_blocks_used = 0
+        self._decode_sampling: tuple[int, SamplingTensors] | None = None
+        self._in_flight: _LaunchedStep | None = None
 
     # ---- hybrid-engine lifecycle -------------------------------------------------------------
 
@@ -127,6 +166,10 @@ class NativeEngine:
         """Free the KV cache and CUDA graphs; the memory goes back to the device for training."""
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
+        with self._step_lock:
+            if self._in_flight is not None:  # a look-ahead step of sequences that have all finished
+                self._process(self._in_flight)
+                self._in_flight = None
         self.scheduler = None
         self.runner.free_kv_cache()
         if self.device.type == "cuda":
@@ -191,16 +234,19 @@ class NativeEngine:
         try:
             while self._has_work():
                 await asyncio.to_thread(self._step)
-        except BaseException as error:
+        except Exception as error:
             pending, self._requests = self._requests, {}
             for state in pending.values():
                 if state.on_error is not None:
                     state.on_error(error)
             raise
-        self._finish_metrics(start)
+        finally:  # also when the event loop cancels this task on its way out
+            if self.scheduler is not None:
+                self._finish_metrics(start)
 
     def _has_work(self) -> bool:
-        return not self._incoming.empty() or (self.scheduler is not None and self.scheduler.has_unfinished)
+        return (not self._incoming.empty() or self._in_flight is not None
+                or (self.scheduler is not None and self.scheduler.has_unfinished))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -233,42 +279,78 @@ class NativeEngine:
                                         state.seed, stops, self.max_model_len, num_samples=sampling.n))
 
     def _step(self) -> bool:
-        """Run one prefill or decode step; False when there was nothing to run."""
+        """Run one prefill or decode step; False when there was nothing to run.
+
+        A decode step is launched and left in flight: the next call launches the following decode
+        step on the device (its input ids are the sampled tokens, still on the device) before it reads
+        the first one's tokens back, so the host's bookkeeping overlaps the GPU's work. A sequence that
+        finished in the step being read also ran in the one launched after it; that token is dropped.
+        """
         with self._step_lock:
             self._admit_incoming()
+            if self._in_flight is not None:
+                launched, self._in_flight = self._in_flight, None
+                if self._can_look_ahead(launched.seqs):
+                    self._in_flight = self._launch_decode(launched.seqs, next_input_ids=launched.tokens)
+                self._process(launched)
+                return True
             step = self.scheduler.schedule()
             if step is None:
                 return False
-            samples = self._run(step)
-            self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
-            finished = []
-            for seq, (token, log_prob) in samples:
-                if seq.append(token, log_prob):
-                    finished.append(seq)
-            self._num_generated_tokens += len(samples)
-            self.scheduler.finish(finished)
-            for seq in finished:
-                state = self._requests[seq.request_key]
-                if state.finish_sample(seq):
-                    del self._requests[seq.request_key]
-                    if state.on_done is not None:
-                        state.on_done(list(state.completions))
+            if step.is_prefill:
+                self._process(self._run_prefill(step))
+            else:
+                self._in_flight = self._launch_decode(step.seqs)
             return True
 
-    def _run(self, step: ScheduledStep) -> list[tuple[Sequence, tuple[int, float]]]:
-        if step.is_prefill:
-            logits = self.runner.prefill(step.seqs)
-            self.runner.copy_blocks(step.block_copies)
-            sample_seqs = [seq for group in step.samples for seq in group]
-            rows = [index for index, group in enumerate(step.samples) for _ in group]
-            if len(rows) != len(step.seqs):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-        else:
-            logits = self.runner.decode(step.seqs)
-            sample_seqs = step.seqs
+    def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
+        if self.scheduler.waiting or not self._incoming.empty():
+            return False  # let the waiting requests join at the next step instead
+        if any(seq.status is not SequenceStatus.RUNNING for seq in seqs):
+            return False
+        if all(seq.num_tokens + 1 >= seq.max_num_tokens for seq in seqs):
+            return False  # every sequence ends with the step in flight
+        return self.scheduler.reserve_lookahead(seqs)
+
+    def _run_prefill(self, step: ScheduledStep) -> _LaunchedStep:
+        logits = self.runner.prefill(step.seqs)
+        self.runner.copy_blocks(step.block_copies)
+        sample_seqs = [seq for group in step.samples for seq in group]
+        rows = [index for index, group in enumerate(step.samples) for _ in group]
+        if len(rows) != len(step.seqs):
+            logits = logits[torch.tensor(rows, device=logits.device)]
         params = SamplingTensors.from_sequences(sample_seqs, logits.device)
-        tokens, log_probs = self.sampler(logits, params)
-        return list(zip(sample_seqs, zip(tokens.tolist(), log_probs.tolist(), strict=True), strict=True))
+        positions = [seq.num_tokens for seq in sample_seqs]
+        params.positions = torch.tensor(positions, dtype=torch.int64).to(logits.device)
+        return _LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params))
+
+    def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> _LaunchedStep:
+        logits = self.runner.decode(seqs, next_input_ids)
+        version = self.scheduler.version
+        if self._decode_sampling is None or self._decode_sampling[0] != version:
+            self._decode_sampling = (version, SamplingTensors.from_sequences(seqs, logits.device))
+        params = self._decode_sampling[1]
+        params.positions = self.runner.last_decode_positions + 1
+        return _LaunchedStep.sampled(seqs, *self.sampler(logits, params))
+
+    def _process(self, launched: _LaunchedStep) -> None:
+        """Read a step's sampled tokens back, append them, and retire the sequences that finished."""
+        finished = []
+        tokens, log_probs = launched.read()
+        for seq, token, log_prob in zip(launched.seqs, tokens, log_probs, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self._num_generated_tokens += 1
+            if seq.append(token, log_prob):
+                finished.append(seq)
+        self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
+        self.scheduler.finish(finished)
+        for seq in finished:
+            state = self._requests[seq.request_key]
+            if state.finish_sample(seq):
+                del self._requests[seq.request_key]
+                if state.on_done is not None:
+                    state.on_done(list(state.completions))
 
     # ---- metrics ----------------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ class ModelRunner:
         self._graph_inputs: dict[str, Tensor] = {}
         self._graph_logits: dict[int, Tensor] = {}
         self._graph_parameter_pointers: tuple[int, ...] = ()
+        self.last_decode_positions: Tensor | None = None
+        """(batch,) positions of the last decode step's input tokens, on the device."""
 
     def set_model(self, model: nn.Module) -> None:
         """Generate with ``model`` from now on; captured graphs are dropped if its storage moved."""
@@ -99,33 +101,42 @@ class ModelRunner:
         return self.decoder.forward(self._to_device(token_ids), token_index_tensor, self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index))
 
-    def _decode_inputs(self, seqs: list[Sequence]) -> dict[str, np.ndarray]:
+    def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
         for seq in seqs:
             if self._row_owner[seq.row] != seq.seq_id or self._row_num_blocks[seq.row] != len(seq.block_table):
                 self.block_table_host[seq.row, :len(seq.block_table)] = seq.block_table
                 self._row_owner[seq.row] = seq.seq_id
                 self._row_num_blocks[seq.row] = len(seq.block_table)
         rows = np.fromiter((seq.row for seq in seqs), dtype=np.int64, count=len(seqs))
-        context_lens = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int32, count=len(seqs))
+        context_lens = np.fromiter((seq.num_tokens + lookahead for seq in seqs), dtype=np.int32, count=len(seqs))
         positions = context_lens.astype(np.int64) - 1
         block_tables = self.block_table_host[rows]
         blocks = block_tables[np.arange(len(seqs)), positions // self.block_size].astype(np.int64)
-        return {
-            "input_ids": np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs)),
+        inputs = {
             "positions": positions,
             "slot_mapping": blocks * self.block_size + positions % self.block_size,
             "context_lens": context_lens,
             "block_tables": block_tables,
         }
+        if not lookahead:
+            inputs["input_ids"] = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))
+        return inputs
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence]) -> Tensor:
-        """Logits (len(seqs), vocab) for the last token of each sequence."""
-        inputs = self._decode_inputs(seqs)
+    def decode(self, seqs: list[Sequence], next_input_ids: Tensor | None = None) -> Tensor:
+        """Logits (len(seqs), vocab) for the last token of each sequence.
+
+        next_input_ids: (len(seqs),) tokens sampled on the device but not yet appended to the
+        sequences; when given, the step decodes them (one position further than the host state).
+        """
+        inputs = self._decode_inputs(seqs, lookahead=0 if next_input_ids is None else 1)
         batch = len(seqs)
         graph_size = next((size for size in self.cuda_graph_batch_sizes if size >= batch), None)
         if graph_size is None or not self.cuda_graph_batch_sizes:
             tensors = {name: self._to_device(array) for name, array in inputs.items()}
+            if next_input_ids is not None:
+                tensors["input_ids"] = next_input_ids
+            self.last_decode_positions = tensors["positions"]
             return self._decode_forward(tensors)
         if not self._graphs:
             self.capture_cuda_graphs()
@@ -133,7 +144,10 @@ class ModelRunner:
         self._fill_padding(graph_size)
         for name, array in inputs.items():
             static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+        if next_input_ids is not None:
+            static["input_ids"][:batch].copy_(next_input_ids)
         self._graphs[graph_size].replay()
+        self.last_decode_positions = static["positions"][:batch]
         return self._graph_logits[graph_size][:batch]
 
     def _decode_forward(self, tensors: dict[str, Tensor]) -> Tensor:

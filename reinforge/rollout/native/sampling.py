@@ -19,25 +19,27 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reinforge.rollout.native.sequence import Sequence, step_seeds
+from reinforge.rollout.native.sequence import Sequence
 
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters on the device; all (rows,)."""
+    """Per-row sampling parameters on the device; all (rows,). Only ``positions`` changes between decode steps."""
 
     inv_temperatures: Tensor
     greedy: Tensor
     top_k: Tensor
     top_p: Tensor
     log_min_p: Tensor
-    seeds: Tensor
+    sample_seeds: Tensor
     needs_truncation: bool
     """Some row uses top-k or top-p (the sort or top-k pass runs only then)."""
+    positions: Tensor | None = None
+    """Position of the token each row samples; with the sample seed it keys the row's noise."""
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> SamplingTensors:
-        """Parameters for sampling each sequence's next token (at position ``seq.num_tokens``)."""
+        """Parameters for sampling each sequence's next tokens (set ``positions`` before use)."""
         temperatures = np.fromiter((seq.sampling.temperature for seq in seqs), dtype=np.float32, count=len(seqs))
         greedy = temperatures == 0.0
         top_k = np.fromiter((seq.sampling.top_k for seq in seqs), dtype=np.int64, count=len(seqs))
@@ -48,15 +50,11 @@ class SamplingTensors:
         with np.errstate(divide="ignore"):
             log_min_p = np.where(greedy | (min_p <= 0), -np.inf, np.log(np.maximum(min_p, 1e-30))).astype(np.float32)
             inv_temperatures = np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, temperatures)).astype(np.float32)
-        sample_seeds = np.fromiter((seq.sample_seed for seq in seqs), dtype=np.uint64, count=len(seqs))
-        positions = np.fromiter((seq.num_tokens for seq in seqs), dtype=np.int64, count=len(seqs))
-        seeds = step_seeds(sample_seeds, positions)
-        packed = np.stack([inv_temperatures, top_p, log_min_p]).astype(np.float32)
-        integers = np.stack([greedy.astype(np.int64), top_k, seeds])
-        packed_tensor = torch.from_numpy(packed).to(device, non_blocking=True)
-        integer_tensor = torch.from_numpy(integers).to(device, non_blocking=True)
-        return cls(inv_temperatures=packed_tensor[0], greedy=integer_tensor[0].to(torch.int32), top_k=integer_tensor[1],
-                   top_p=packed_tensor[1], log_min_p=packed_tensor[2], seeds=integer_tensor[2],
+        sample_seeds = np.fromiter((seq.sample_seed for seq in seqs), dtype=np.int64, count=len(seqs))
+        floats = torch.from_numpy(np.stack([inv_temperatures, top_p, log_min_p])).to(device)
+        integers = torch.from_numpy(np.stack([greedy.astype(np.int64), top_k, sample_seeds])).to(device)
+        return cls(inv_temperatures=floats[0], greedy=integers[0].to(torch.int32), top_k=integers[1],
+                   top_p=floats[1], log_min_p=floats[2], sample_seeds=integers[2],
                    needs_truncation=bool((top_k > 0).any() or (top_p < 1.0).any()))
 
 
@@ -100,7 +98,7 @@ class Sampler:
             from reinforge.rollout.native import triton_kernels
 
             return triton_kernels.sample(logits, params.inv_temperatures, params.greedy, thresholds,
-                                         params.log_min_p, params.seeds)
+                                         params.log_min_p, params.sample_seeds, params.positions)
         return self._sample_torch(logits, params, thresholds)
 
     @staticmethod
@@ -108,11 +106,16 @@ class Sampler:
         scaled = logits.float() * params.inv_temperatures[:, None]
         log_probs = torch.log_softmax(scaled, dim=-1)
         thresholds = torch.maximum(thresholds, scaled.max(dim=-1).values + params.log_min_p)
-        gumbel = torch.stack([_gumbel_noise(int(seed), scaled.shape[1]) for seed in params.seeds.tolist()])
+        keys = [(seed + position * _POSITION_MULTIPLIER) & 0xFFFFFFFFFFFFFFFF
+                for seed, position in zip(params.sample_seeds.tolist(), params.positions.tolist(), strict=True)]
+        gumbel = torch.stack([_gumbel_noise(key, scaled.shape[1]) for key in keys])
         sampled_scores = torch.where(scaled >= thresholds[:, None], scaled + gumbel.to(scaled.device), float("-inf"))
         scores = torch.where(params.greedy.bool()[:, None], scaled, sampled_scores)
         tokens = scores.argmax(dim=-1)
         return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+
+
+_POSITION_MULTIPLIER = 0x5851F42D4C957F2D
 
 
 def _gumbel_noise(seed: int, size: int) -> Tensor:

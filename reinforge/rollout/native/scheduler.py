@@ -7,6 +7,8 @@ its prompt blocks. When a decode step needs a block and none is free, the most r
 admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
 prompt and generated tokens prefilled again), so the others keep going. Finished sequences
 leave after the step that finished them, and waiting ones join at the next prefill.
+``reserve_lookahead`` lets the engine launch a decode step before it has read the previous
+one (see engine.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.num_preempted = 0
+        self.version = 0
+        """Changes whenever the running set or its order does (lets the engine reuse per-batch tensors)."""
         self._next_seq_id = 0
 
     def new_seq_id(self) -> int:
@@ -106,11 +110,18 @@ class Scheduler:
         return step if step.seqs else None
 
     def _start_running(self, seq: Sequence) -> None:
+        self.version += 1
         seq.status = SequenceStatus.RUNNING
         seq.row = self.free_rows.pop()
         self.running.append(seq)
 
     def _schedule_decode(self) -> ScheduledStep:
+        block_size = self.block_manager.block_size
+        growing = [seq for seq in self.running if len(seq.block_table) * block_size < seq.num_tokens]
+        if self.block_manager.can_allocate(len(growing)):
+            for seq in growing:
+                self.block_manager.append_block(seq.block_table)
+            return ScheduledStep(is_prefill=False, seqs=list(self.running))
         scheduled: list[Sequence] = []
         queue = deque(self.running)
         while queue:
@@ -128,12 +139,24 @@ class Scheduler:
         self.running = scheduled
         return ScheduledStep(is_prefill=False, seqs=scheduled)
 
+    def reserve_lookahead(self, seqs: list[Sequence]) -> bool:
+        """Grow each sequence to hold one token more than it has, for a decode step launched before the
+        previous one's tokens are read; False (nothing allocated) when the free blocks do not suffice."""
+        block_size = self.block_manager.block_size
+        growing = [seq for seq in seqs if len(seq.block_table) * block_size < seq.num_tokens + 1]
+        if not self.block_manager.can_allocate(len(growing)):
+            return False
+        for seq in growing:
+            self.block_manager.append_block(seq.block_table)
+        return True
+
     def _release(self, seq: Sequence) -> None:
         self.block_manager.free(seq.block_table)
         self.free_rows.append(seq.row)
         seq.row = -1
 
     def _preempt(self, seq: Sequence) -> None:
+        self.version += 1
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -143,6 +166,7 @@ class Scheduler:
         """Remove sequences that produced their last token this step and free their blocks."""
         if not finished:
             return
+        self.version += 1
         for seq in finished:
             seq.status = SequenceStatus.FINISHED
             self._release(seq)

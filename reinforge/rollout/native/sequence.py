@@ -8,26 +8,17 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-import numpy as np
-
 from reinforge.rollout.base import SamplingParams
 
-_SEED_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
-_POSITION_MULTIPLIER = np.uint64(0xBF58476D1CE4E5B9)
+_SEED_MULTIPLIER = 0x9E3779B97F4A7C15
+_INDEX_MULTIPLIER = 0xBF58476D1CE4E5B9
 
 
 def mix_seed(seed: int, index: int) -> int:
     """A 63-bit seed derived from (seed, index), stable across runs and machines."""
-    value = (seed * int(_SEED_MULTIPLIER) + index * int(_POSITION_MULTIPLIER)) & 0xFFFFFFFFFFFFFFFF
+    value = (seed * _SEED_MULTIPLIER + index * _INDEX_MULTIPLIER) & 0xFFFFFFFFFFFFFFFF
     value ^= value >> 31
     return value & 0x7FFFFFFFFFFFFFFF
-
-
-def step_seeds(sample_seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Per-row seeds (int64) for sampling the token at ``positions``: (rows,) uint64 and (rows,) ints."""
-    value = sample_seeds.astype(np.uint64) * _SEED_MULTIPLIER + positions.astype(np.uint64) * _POSITION_MULTIPLIER
-    value ^= value >> np.uint64(29)
-    return (value & np.uint64(0x7FFFFFFFFFFFFFFF)).astype(np.int64)
 
 
 class SequenceStatus(Enum):

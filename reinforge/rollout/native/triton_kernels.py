@@ -3,7 +3,7 @@
 Fused residual-add + RMSNorm, rotary embedding fused with the KV-cache write, SiLU-and-mul,
 paged decode attention (one program per sequence and KV head, online softmax over the
 sequence's blocks) and the sampler (temperature, min-p and a per-row threshold, Gumbel-max
-with a counter-based RNG seeded per row, log-prob of the sampled token). The elementwise
+with noise from an integer hash of (row key, column), log-prob of the sampled token). The elementwise
 kernels round intermediates to the model dtype where transformers does, so greedy decoding
 stays close to ``generate`` in bf16. Importing this module needs Triton; the engine imports it
 only on CUDA (or under ``TRITON_INTERPRET=1`` in tests).
@@ -179,7 +179,7 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                           scale: float) -> Tensor:
+                           scale: float, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
     q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
@@ -193,60 +193,88 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(64, page), IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2)
+        NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(block_n, page), IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 @triton.jit
+def _hash_uniform_key(key):
+    key = key ^ (key >> 16)
+    key = key * 0x7FEB352D
+    key = key ^ (key >> 15)
+    key = key * 0x846CA68B
+    return key ^ (key >> 16)
+
+
+@triton.jit
+def _hash_uniform(cols, key):
+    """Uniforms in (0, 1) from a 32-bit integer hash (lowbias32) of each column under the row's key."""
+    h = cols.to(tl.uint32) * 0x9E3779B1 ^ key
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    h = h ^ (h >> 16)
+    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures_ptr, greedy_ptr, thresholds_ptr,
-                   log_min_p_ptr, seeds_ptr, tokens_ptr, log_probs_ptr, BLOCK_V: tl.constexpr):
+                   log_min_p_ptr, sample_seeds_ptr, positions_ptr, tokens_ptr, log_probs_ptr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     inv_temperature = tl.load(inv_temperatures_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
-    seed = tl.load(seeds_ptr + row)
-    running_max = float("-inf")
-    running_sum = 0.0
+    # the noise of a row depends only on its sample's seed and the position being sampled
+    mixed = tl.load(sample_seeds_ptr + row) + tl.load(positions_ptr + row) * 0x5851F42D4C957F2D
+    key = (mixed ^ (mixed >> 32)).to(tl.uint32)
+    key = _hash_uniform_key(key)
+    lanes = tl.arange(0, BLOCK_V)
+    # pass 1: the row maximum (kept per lane, reduced once)
+    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+        cols = start + lanes
         x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32) * inv_temperature
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        running_max = new_max
-    log_normalizer = running_max + tl.log(running_sum)
-    threshold = tl.maximum(tl.load(thresholds_ptr + row), running_max + tl.load(log_min_p_ptr + row))
-    best_score = float("-inf")
-    best_index = 0
+        lane_max = tl.maximum(lane_max, x)
+    row_max = tl.max(lane_max, axis=0)
+    threshold = tl.maximum(tl.load(thresholds_ptr + row), row_max + tl.load(log_min_p_ptr + row))
+    # pass 2: the normalizer and the Gumbel-max winner, per lane; columns only grow, so a strict
+    # comparison keeps each lane's first maximum and the final reduction picks the first overall
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    lane_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_index = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+        cols = start + lanes
         in_vocab = cols < vocab_size
         x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_temperature
-        uniform = tl.rand(seed, cols)
-        gumbel = -tl.log(-tl.log(uniform))
+        lane_sum += tl.exp(x - row_max)
+        gumbel = -tl.log(-tl.log(_hash_uniform(cols, key)))
         sampled = tl.where((x >= threshold) & in_vocab, x + gumbel, float("-inf"))
         score = tl.where(greedy, x, sampled)
-        block_best = tl.max(score, axis=0)
-        block_index = start + tl.argmax(score, axis=0)
-        better = block_best > best_score
-        best_index = tl.where(better, block_index, best_index)
-        best_score = tl.where(better, block_best, best_score)
+        better = score > lane_best
+        lane_best = tl.where(better, score, lane_best)
+        lane_index = tl.where(better, cols, lane_index)
+    best = tl.max(lane_best, axis=0)
+    best_index = tl.min(tl.where(lane_best == best, lane_index, vocab_size), axis=0)
+    log_normalizer = row_max + tl.log(tl.sum(lane_sum, axis=0))
     chosen = tl.load(row_ptr + best_index).to(tl.float32) * inv_temperature
     tl.store(tokens_ptr + row, best_index.to(tl.int64))
     tl.store(log_probs_ptr + row, chosen - log_normalizer)
 
 
 def sample(logits: Tensor, inv_temperatures: Tensor, greedy: Tensor, thresholds: Tensor, log_min_p: Tensor,
-           seeds: Tensor) -> tuple[Tensor, Tensor]:
+           sample_seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
     """Gumbel-max sample of each row of ``logits * inv_temperature`` above its threshold.
 
-    logits: (batch, vocab) any float dtype; the other inputs (batch,). Returns token ids (batch,)
-    int64 and their log-probs (batch,) float32 under the untruncated tempered distribution.
+    logits: (batch, vocab) any float dtype; the other inputs (batch,); positions are those of the
+    tokens being sampled. Returns token ids (batch,) int64 and their log-probs (batch,) float32 under
+    the untruncated tempered distribution.
     """
     batch, vocab_size = logits.shape
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _sample_kernel[(batch,)](logits, logits.stride(0), vocab_size, inv_temperatures, greedy, thresholds, log_min_p,
-                             seeds, tokens, log_probs, BLOCK_V=min(4096, triton.next_power_of_2(vocab_size)),
-                             num_warps=8)
+                             sample_seeds, positions, tokens, log_probs,
+                             BLOCK_V=min(2048, max(64, triton.next_power_of_2(vocab_size))), num_warps=8)
     return tokens, log_probs

@@ -1,0 +1,117 @@
+"""Where a native-engine rollout step spends its time, on the standard bench workload (GPU only).
+
+Times the real run, then each phase of a second run synchronized around every phase (prefill,
+decode input preparation + graph replay, sampling, reading tokens back and bookkeeping) and,
+separately, the pieces on the device alone: the
+captured decode graph at the largest batch, the paged-attention kernel, the sampler kernel
+and the LM-head matrix product. Writes JSON to the path given as the first argument.
+
+    PYTHONPATH=. python3 benchmarks/profile_native.py /tmp/profile.json [--sweep]
+
+``--sweep`` also times the paged-attention kernel over tile sizes, warps and pipeline stages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import triton.testing
+
+from reinforge.bench import QWEN25_05B, build_model, random_prompts
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.native import NativeEngine, triton_kernels
+
+
+def timed(store: dict[str, list[float]], name: str, function):
+    def wrapper(*args, **kwargs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        torch.cuda.synchronize()
+        store[name].append(time.perf_counter() - start)
+        return result
+    return wrapper
+
+
+def main(out_path: str) -> None:
+    device = torch.device("cuda")
+    model = build_model(QWEN25_05B, torch.bfloat16, device)
+    engine = NativeEngine(model, eos_token_ids=[0], max_model_len=656, max_num_seqs=512)
+    prompts = random_prompts(64, [128], QWEN25_05B["vocab_size"], seed=2)
+    sampling = SamplingParams(max_tokens=512, temperature=1.0, n=8, ignore_eos=True)
+    requests = [GenerationRequest(prompt, sampling) for prompt in prompts]
+    engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])
+
+    untimed_start = time.perf_counter()
+    engine.generate(requests)
+    untimed_s = time.perf_counter() - untimed_start
+
+    phases: dict[str, list[float]] = defaultdict(list)
+    runner = engine.runner
+    original = (runner.prefill, runner.decode, engine.sampler, engine._process, engine._step)
+    runner.prefill = timed(phases, "prefill", runner.prefill)
+    runner.decode = timed(phases, "decode_forward", runner.decode)
+    engine.sampler = timed(phases, "sample", engine.sampler)
+    engine._process = timed(phases, "process_tokens", engine._process)
+    engine._step = timed(phases, "step", engine._step)
+    engine.generate(requests)  # synchronized around each phase: no overlap, so slower than the untimed run
+    runner.prefill, runner.decode, engine.sampler, engine._process, engine._step = original
+    result = {"untimed_generate_s": untimed_s, "untimed_tokens_per_s": 512 * 512 / untimed_s,
+              "phases_total_s": {name: sum(values) for name, values in phases.items()},
+              "phases_count": {name: len(values) for name, values in phases.items()}}
+
+    graph = runner._graphs[512]
+    result["graph_replay_512_ms"] = triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    static = runner._graph_inputs
+    result["graph_context_len_mean"] = float(static["context_lens"][:512].float().mean())
+
+    decoder = runner.decoder
+    batch, context = 512, 384
+    q = torch.randn(batch, decoder.num_heads, decoder.head_dim, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]
+    blocks_per_seq = context // engine.block_size
+    block_tables = torch.randperm(k_cache.shape[0] - 1, device=device)[: batch * blocks_per_seq]
+    block_tables = block_tables.view(batch, blocks_per_seq).to(torch.int32)
+    context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    result["attention_kernel_ms_b512_ctx384_one_layer"] = triton.testing.do_bench(
+        lambda: triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, 0.125),
+        return_mode="median")
+    sweep = {}
+    for block_n in (32, 64, 128) if "--sweep" in sys.argv else ():
+        for num_warps in (2, 4, 8):
+            for num_stages in (1, 2, 3):
+                try:
+                    sweep[f"block_n={block_n},warps={num_warps},stages={num_stages}"] = triton.testing.do_bench(
+                        lambda b=block_n, w=num_warps, s=num_stages: triton_kernels.paged_decode_attention(
+                            q, k_cache, v_cache, block_tables, context_lens,
+                            0.125, b, w, s),
+                        return_mode="median")
+                except Exception as error:  # a configuration that does not compile is just skipped
+                    sweep[f"block_n={block_n},warps={num_warps},stages={num_stages}"] = repr(error)[:80]
+    result["attention_kernel_sweep_ms"] = sweep
+    logits = torch.randn(batch, QWEN25_05B["vocab_size"], device=device, dtype=torch.bfloat16)
+    ones = torch.ones(batch, device=device)
+    zeros_int = torch.zeros(batch, dtype=torch.int32, device=device)
+    minus_inf = torch.full((batch,), float("-inf"), device=device)
+    seeds = torch.arange(batch, device=device, dtype=torch.int64)
+    result["sampler_kernel_ms_b512"] = triton.testing.do_bench(
+        lambda: triton_kernels.sample(logits, ones, zeros_int, minus_inf, minus_inf, seeds, seeds), return_mode="median")
+    hidden = torch.randn(batch, QWEN25_05B["hidden_size"], device=device, dtype=torch.bfloat16)
+    result["lm_head_ms_b512"] = triton.testing.do_bench(lambda: model.lm_head(hidden), return_mode="median")
+    layer = model.model.layers[0]
+    result["mlp_one_layer_ms_b512"] = triton.testing.do_bench(
+        lambda: layer.mlp.down_proj(triton_kernels.silu_and_mul(layer.mlp.gate_proj(hidden), layer.mlp.up_proj(hidden))),
+        return_mode="median")
+    engine.sleep()
+    with open(out_path, "w") as file:
+        json.dump(result, file, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    paths = [argument for argument in sys.argv[1:] if not argument.startswith("--")]
+    main(paths[0] if paths else "profile.json")

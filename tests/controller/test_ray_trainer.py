@@ -1,0 +1,117 @@
+"""GRPO through the Ray backend gives the local backend's metrics, and survives a killed member.
+
+The local run of one config is the reference for both tests; the Ray runs share the session's
+Ray instance (``ray_cluster``). Every member holds one of its four CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from reinforge.cli import main  # noqa: E402
+from reinforge.config import load_config  # noqa: E402
+from reinforge.controller import ResourcePool, RolePlacement, WorkerCallError  # noqa: E402
+from reinforge.controller.ray_pool import _PLACED, release_all_pools  # noqa: E402
+from reinforge.trainer.rl_trainer import RLTrainer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s")
+
+
+def grpo_args(model: Path, data: Path, run_dir: Path, **overrides: object) -> list[str]:
+    """GRPO with a KL loss (so a reference policy) and a critic that trains alongside (critic/* metrics)."""
+    settings = {
+        "model.path": model, "data.train_files": f"[{data / 'train.parquet'}]", "data.train_batch_size": 2,
+        "data.max_prompt_length": 64, "data.max_response_length": 8, "rollout.n": 2,
+        "algorithm.adv_estimator": "grpo", "actor.use_kl_loss": True, "critic.enable": True,
+        "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]", "trainer.total_steps": 3,
+        "trainer.save_every": 1, "trainer.val_before_train": False, "trainer.call_timeout_s": 120,
+        "actor.optim.lr": 2e-3, "critic.optim.lr": 1e-3,
+    }
+    settings.update(overrides)
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{key: value for key, value in row.items() if not key.startswith(NOT_COMPARED)} for row in rows]
+
+
+def assert_same_metrics(actual: list[dict], expected: list[dict]) -> None:
+    assert [row["step"] for row in actual] == [row["step"] for row in expected]
+    for got, want in zip(actual, expected, strict=True):
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == (pytest.approx(value, rel=1e-4, abs=1e-5) if isinstance(value, float) else value), key
+
+
+@pytest.fixture(scope="module")
+def local_metrics(tiny_model_dir, arithmetic_data_dir, tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("local") / "run"
+    assert main(["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir)]) == 0
+    return read_metrics(run_dir)
+
+
+def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_critic_pool(
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path, local_metrics):
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run",
+                                         **{"trainer.backend": "ray"}))
+    actor_pool, critic_pool = ResourcePool("actor", [2]), ResourcePool("critic", [2])
+    placement = RolePlacement({"actor": actor_pool, "critic": critic_pool},
+                              {"actor_rollout": "actor", "ref": "actor", "reward": "actor", "critic": "critic"})
+    trainer = RLTrainer(config, placement)
+    try:
+        assert sorted(_PLACED["actor"].roles) == ["actor_rollout", "ref", "reward"]
+        assert sorted(_PLACED["critic"].roles) == ["critic"]
+        trainer.fit()
+    finally:
+        release_all_pools()
+    assert_same_metrics(read_metrics(tmp_path / "run"), local_metrics)
+    assert sorted(path.name for path in (tmp_path / "run" / "logs").iterdir()) == ["actor_rank0.log", "actor_rank1.log",
+    "critic_rank0.log", "critic_rank1.log"]
+
+
+def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path, local_metrics):
+    run_dir = tmp_path / "run"
+    args = ["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.backend": "ray"})]
+    failure: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            main(args)
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            failure.append(error)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.monotonic() + 120
+    while not (latest.is_file() and latest.read_text().strip() == "step_000001") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert latest.is_file(), "the Ray run did not reach its first checkpoint"
+    os.kill(_PLACED["global"].members[0].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and time.monotonic() - killed_at < 30
+    [error] = failure
+    assert isinstance(error, WorkerCallError)
+    message = str(error)
+    assert "rank 0 of 1 raised in" in message and "MemberDiedError: the member process died" in message
+    assert "runs on node" in message and "global_rank0.log" in message and "building" in message
+    assert latest.read_text().strip() == "step_000001"
+    release_all_pools()
+
+    assert main(args) == 0
+    release_all_pools()
+    assert_same_metrics(read_metrics(run_dir), local_metrics)

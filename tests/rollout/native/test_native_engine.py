@@ -1,0 +1,167 @@
+"""NativeEngine on the CPU against transformers: greedy equality, log-probs, batching, the entry points."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import transformers
+
+from reinforge.rollout.base import GenerationRequest, RolloutEngine, SamplingParams
+from reinforge.rollout.native import NativeEngine, supports_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+LENGTHS = [3, 17, 16, 40, 9]
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny):
+    return tiny.build("qwen2")
+
+
+def make_engine(model, **kwargs) -> NativeEngine:
+    return NativeEngine(model, eos_token_ids=kwargs.pop("eos_token_ids", []), max_model_len=128, block_size=8,
+                        **{"max_num_seqs": 16, **kwargs})
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama"])
+def test_greedy_matches_generate_and_log_probs_match_a_forward(architecture, tiny):
+    model = tiny.build(architecture)
+    prompts = tiny.prompts(LENGTHS)
+    engine = make_engine(model)
+    assert isinstance(engine, RolloutEngine) and supports_model(model)
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=12, temperature=0.0, n=2))
+                                   for p in prompts])
+    for prompt, samples in zip(prompts, completions, strict=True):
+        reference = tiny.hf_greedy(model, prompt, 12)
+        assert [sample.token_ids for sample in samples] == [reference, reference]
+        assert samples[0].finish_reason == "length"
+        expected = tiny.recomputed_log_probs(model, prompt, reference)
+        torch.testing.assert_close(torch.tensor(samples[0].log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_sampled_log_probs_are_under_the_tempered_distribution(qwen2, tiny):
+    prompts = tiny.prompts([5, 20])
+    sampling = SamplingParams(max_tokens=10, temperature=0.7, top_p=0.9, n=3, seed=0)
+    completions = make_engine(qwen2).generate([GenerationRequest(p, sampling) for p in prompts])
+    for prompt, samples in zip(prompts, completions, strict=True):
+        assert len({tuple(sample.token_ids) for sample in samples}) > 1
+        for sample in samples:
+            expected = tiny.recomputed_log_probs(qwen2, prompt, sample.token_ids, temperature=0.7)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_more_sequences_than_slots_and_preemption_keep_greedy_results(qwen2, tiny):
+    prompts = tiny.prompts([5, 30, 12, 7, 22, 3])
+    references = [tiny.hf_greedy(qwen2, prompt, 20) for prompt in prompts]
+    sampling = SamplingParams(max_tokens=20, temperature=0.0)
+    few_slots = make_engine(qwen2, max_num_seqs=2)
+    assert [c[0].token_ids for c in few_slots.generate([GenerationRequest(p, sampling) for p in prompts])] == references
+    few_blocks = make_engine(qwen2, num_kv_blocks=10)  # 80 token slots for 6 sequences of up to 50 tokens
+    completions = few_blocks.generate([GenerationRequest(p, sampling) for p in prompts])
+    assert [c[0].token_ids for c in completions] == references
+    assert few_blocks.last_metrics["rollout/num_preempted"] > 0
+    assert few_blocks.scheduler.block_manager.num_free_blocks == 10
+
+
+def test_top_k_one_is_greedy_and_seeds_reproduce(qwen2, tiny):
+    prompts = tiny.prompts([4, 11])
+    engine = make_engine(qwen2)
+    greedy = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    top1 = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=12, top_k=1, seed=1)) for p in prompts])
+    assert [c[0].token_ids for c in top1] == [c[0].token_ids for c in greedy]
+
+    def sample(seed, order):
+        sampling = SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=seed)
+        return engine.generate([GenerationRequest(prompts[i], sampling) for i in order])
+
+    first, again, reordered, other = sample(5, [0, 1]), sample(5, [0, 1]), sample(5, [1, 0]), sample(6, [0, 1])
+    tokens = [[c.token_ids for c in samples] for samples in first]
+    assert tokens == [[c.token_ids for c in samples] for samples in again]
+    assert tokens == [[c.token_ids for c in samples] for samples in reversed(reordered)]
+    assert tokens != [[c.token_ids for c in samples] for samples in other]
+
+
+def test_stop_tokens_max_tokens_and_ignore_eos(qwen2, tiny):
+    prompt = tiny.prompts([6])[0]
+    reference = tiny.hf_greedy(qwen2, prompt, 12)
+    stop = reference[4]
+    first_stop = reference.index(stop)
+    engine = make_engine(qwen2, eos_token_ids=[stop])
+    eos_stopped = engine.generate([GenerationRequest(prompt, GREEDY)])[0][0]
+    assert eos_stopped.token_ids == reference[:first_stop + 1] and eos_stopped.finish_reason == "stop"
+    assert len(eos_stopped.log_probs) == len(eos_stopped.token_ids)
+    ignored = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                        ignore_eos=True))])[0][0]
+    assert ignored.token_ids == reference and ignored.finish_reason == "length"
+    plain = make_engine(qwen2)
+    stopped = plain.generate([GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                       stop_token_ids=(stop,)))])[0][0]
+    assert stopped.token_ids == eos_stopped.token_ids and stopped.finish_reason == "stop"
+    short = plain.generate([GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.0))])[0][0]
+    assert short.token_ids == reference[:3] and short.finish_reason == "length"
+    metrics = plain.last_metrics
+    assert metrics["rollout/num_generated_tokens"] == 3 and metrics["rollout/tokens_per_s"] > 0
+
+
+def test_async_requests_join_mid_flight(qwen2, tiny):
+    prompts = tiny.prompts([8, 15, 5])
+    engine = make_engine(qwen2)
+    finished: list[str] = []
+
+    async def one(name: str, prompt: list[int], max_tokens: int) -> list[int]:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        samples = await engine.generate_async(GenerationRequest(prompt, sampling))
+        finished.append(name)
+        return samples[0].token_ids
+
+    async def after_long_started(name: str, prompt: list[int], max_tokens: int) -> tuple[int, list[int]]:
+        while not (engine.scheduler and engine.scheduler.running and engine.scheduler.running[0].num_generated >= 2):
+            await asyncio.sleep(0.001)
+        long_progress = engine.scheduler.running[0].num_generated
+        return long_progress, await one(name, prompt, max_tokens)
+
+    async def main():
+        return await asyncio.gather(one("long", prompts[0], 100), after_long_started("short", prompts[1], 3),
+                                    after_long_started("medium", prompts[2], 10))
+
+    long_tokens, (progress, short_tokens), (_, medium_tokens) = asyncio.run(main())
+    assert long_tokens == tiny.hf_greedy(qwen2, prompts[0], 100)
+    assert short_tokens == tiny.hf_greedy(qwen2, prompts[1], 3)
+    assert medium_tokens == tiny.hf_greedy(qwen2, prompts[2], 10)
+    assert 2 <= progress < 100 - 10  # they joined while the long one was generating ...
+    assert finished[-1] == "long"  # ... and did not wait for it
+    assert not engine.scheduler.has_unfinished
+    assert engine.last_metrics["rollout/num_generated_tokens"] == 113
+
+
+def test_sleep_frees_the_cache_and_sync_weights_sees_updates(tiny):
+    model = tiny.build("qwen2", seed=3)
+    prompt = tiny.prompts([10])[0]
+    engine = make_engine(model)
+    engine.wake_up()
+    assert engine.runner.kv_cache is not None
+    before = engine.generate([GenerationRequest(prompt, GREEDY)])[0][0].token_ids
+    engine.sleep()
+    assert engine.runner.kv_cache is None and not engine.is_awake
+    with torch.no_grad():  # an optimizer step, in place
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    engine.sync_weights(model)
+    after = engine.generate([GenerationRequest(prompt, GREEDY)])[0][0].token_ids
+    assert after == tiny.hf_greedy(model, prompt, 12) and after != before
+
+
+def test_unsupported_models_are_refused():
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    assert not supports_model(model)
+    with pytest.raises(ValueError, match="hf rollout backend"):
+        NativeEngine(model, eos_token_ids=[0], max_model_len=64)
+
+
+def test_requests_longer_than_the_model_length_are_refused(qwen2):
+    engine = make_engine(qwen2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([GenerationRequest(list(range(128)), GREEDY)])

@@ -1,0 +1,73 @@
+"""Continuous batching without a model: admission, forks, finishing and preemption."""
+
+from __future__ import annotations
+
+from reinforge.rollout.base import SamplingParams
+from reinforge.rollout.native.block_manager import BlockManager
+from reinforge.rollout.native.scheduler import Scheduler
+from reinforge.rollout.native.sequence import Sequence, SequenceStatus
+
+
+def make_seq(scheduler: Scheduler, prompt_len: int, max_tokens: int = 4, n: int = 1) -> Sequence:
+    return Sequence(scheduler.new_seq_id(), 0, 0, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, n=n),
+                    request_seed=1, stop_token_ids=frozenset(), max_model_len=64, num_samples=n)
+
+
+def sample_all(seqs: list[Sequence]) -> list[Sequence]:
+    """Append one token to each sequence; return the finished ones."""
+    return [seq for seq in seqs if seq.append(7, -1.0)]
+
+
+def test_waiting_sequences_join_when_slots_free_up():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    short, long_, late = make_seq(scheduler, 3, max_tokens=1), make_seq(scheduler, 5, max_tokens=3), make_seq(scheduler, 2)
+    for seq in (short, long_, late):
+        scheduler.add(seq)
+    step = scheduler.schedule()
+    assert step.is_prefill and step.seqs == [short, long_]  # only two slots
+    scheduler.finish(sample_all(step.seqs))
+    assert short.status is SequenceStatus.FINISHED and short.finish_reason == "length"
+    step = scheduler.schedule()
+    assert step.is_prefill and step.seqs == [late]  # joins as soon as a slot is free
+    scheduler.finish(sample_all(step.seqs))
+    step = scheduler.schedule()
+    assert not step.is_prefill and step.seqs == [long_, late]
+    while step is not None:
+        scheduler.finish(sample_all(step.seqs))
+        step = scheduler.schedule()
+    assert long_.num_generated == 3 and late.num_generated == 4
+    assert scheduler.block_manager.num_free_blocks == 64 and not scheduler.has_unfinished
+
+
+def test_n_samples_fork_after_one_prefill():
+    scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    scheduler.add(make_seq(scheduler, 6, n=3))
+    step = scheduler.schedule()
+    assert len(step.seqs) == 1 and len(step.samples[0]) == 3
+    assert [seq.sample_index for seq in step.samples[0]] == [0, 1, 2]
+    assert len(step.block_copies) == 2  # the half-full second block is copied for each fork
+    first_blocks = {seq.block_table[0] for seq in step.samples[0]}
+    assert len(first_blocks) == 1 and scheduler.block_manager.ref_counts[first_blocks.pop()] == 3
+    assert scheduler.block_manager.num_used_blocks == 2 + 2
+
+
+def test_preemption_frees_blocks_and_recomputes_later():
+    scheduler = Scheduler(BlockManager(4, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    first, second = make_seq(scheduler, 4, max_tokens=6), make_seq(scheduler, 4, max_tokens=6)
+    scheduler.add(first)
+    scheduler.add(second)
+    step = scheduler.schedule()
+    assert step.seqs == [first, second]
+    scheduler.finish(sample_all(step.seqs))
+    step = scheduler.schedule()  # each needs a second block: 2 used + 2 free
+    scheduler.finish(sample_all(step.seqs))
+    for _ in range(3):
+        scheduler.finish(sample_all(scheduler.schedule().seqs))
+    step = scheduler.schedule()  # both need a third block, none is free: the later one is preempted
+    assert step.seqs == [first] and scheduler.num_preempted == 1
+    assert second.status is SequenceStatus.WAITING and second.block_table == []
+    while scheduler.has_unfinished:
+        step = scheduler.schedule()
+        scheduler.finish(sample_all(step.seqs))
+    assert first.num_generated == 6 and second.num_generated == 6
+    assert scheduler.block_manager.num_free_blocks == 4
