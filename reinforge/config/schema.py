@@ -109,6 +109,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
+    param_offload: bool = False
+    """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there)."""
 
 
 @dataclass
@@ -141,6 +143,8 @@ class RolloutConfig:
 class RefConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     """Defaults to actor.max_tokens_per_micro_batch."""
+    offload: bool = False
+    """Keep the reference weights on the CPU and copy each layer's to the device for its forward."""
 
 
 @dataclass
@@ -159,6 +163,8 @@ class CriticConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     """Steps that train only the critic before the actor starts updating."""
+    param_offload: bool = False
+    """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there)."""
 
 
 @dataclass
@@ -220,7 +226,13 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda when available), cuda or cpu."""
     backend: str = "local"
-    """local (workers in this process) or ray."""
+    """local (workers in this process, one device) or ray (one process per device; see docs/ray.md)."""
+    nnodes: int = 1
+    """Machines of the run (ray backend): every role is placed on nnodes x devices_per_node devices."""
+    devices_per_node: int = 1
+    """GPUs per machine (CPU slots with trainer.device=cpu) used by the run; one worker process each."""
+    ray_address: Optional[str] = None
+    """Ray cluster to join (e.g. 10.0.0.1:6379); None uses RAY_ADDRESS, or starts a local Ray instance."""
     val_before_train: bool = True
     test_every: int = 0
     """Validate every this many steps (and at the end); 0 validates only before and after."""

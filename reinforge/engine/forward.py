@@ -1,9 +1,13 @@
-"""Forward passes over ``[prompt | response]`` rows: response log-probs, entropy, values.
+"""Forward passes over packed micro-batches: response log-probs, entropy, values.
 
-Position ``t`` of the response is predicted by the logits at the token before it, so the
-slice we need is ``logits[:, -response_length - 1 : -1]``. Logits are divided by the rollout
-temperature: the sampler drew from ``softmax(logits / T)``, and the policy ratio must compare
-like with like.
+Every pass packs the micro-batch's attended tokens into one row (``engine.packing``) and runs
+the model with varlen attention (``engine.attention``), so no FLOP goes to padding. The
+causal LM is called through its own ``forward`` (FSDP's hooks live there) with an empty
+``logits_to_keep``, and its last hidden state is caught on the way out; the log-probs of the
+response tokens then come from the fused, chunked projection of ``engine.log_probs``.
+Position ``t`` of a response is predicted by the hidden state of the token before it. Logits
+are divided by the rollout temperature: the sampler drew from ``softmax(logits / T)``, and
+the policy ratio must compare like with like.
 """
 
 from __future__ import annotations
@@ -11,32 +15,57 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from reinforge.algorithms import entropy_from_logits, log_probs_from_logits
+from reinforge.engine.attention import NAME as ATTENTION_NAME
+from reinforge.engine.log_probs import linear_log_probs
+from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
 from reinforge.protocol import Batch
 
+_NO_MASK = {"full_attention": None, "sliding_attention": None}
+"""Precomputed masks for every layer type: none, the varlen kernel keeps sequences apart."""
 
-def model_inputs(micro: Batch) -> dict[str, Tensor]:
-    return {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"],
-            "position_ids": micro["position_ids"]}
+
+def _check_varlen(config) -> None:
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        raise ValueError(f"the model uses attn_implementation={config._attn_implementation!r}, which would attend "
+                         "across packed sequences; call reinforge.engine.attention.use_varlen_attention(model) first")
+
+
+def packed_hidden_states(model: nn.Module, packed: PackedRows) -> Tensor:
+    """Last hidden state (1, tokens, hidden) of a causal LM over a packed row."""
+    _check_varlen(model.config)
+    captured: list[Tensor] = []
+    hook = model.get_decoder().register_forward_hook(
+        lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=dict(_NO_MASK),
+              use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.input_ids.device),
+              **packed.attention_kwargs())
+    finally:
+        hook.remove()
+    return captured[-1]
 
 
 def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each response token (B, R) and, if asked, the entropy at each position."""
-    responses = micro["responses"]
-    logits = model(**model_inputs(micro), use_cache=False).logits
-    logits = logits[:, -responses.shape[1] - 1:-1].float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    log_probs = log_probs_from_logits(logits, responses)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+    """Log-prob of each response token (B, R) and, if asked, the entropy at each position; float32."""
+    packed = pack_rows(micro)
+    hidden = packed_hidden_states(model, packed)[0, packed.predictor_index]
+    weight = model.get_output_embeddings().weight
+    log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature)
+    return (unpack_responses(log_probs, packed),
+            unpack_responses(entropy, packed) if with_entropy else None)
 
 
 def response_values(model: nn.Module, micro: Batch) -> Tensor:
-    """Value of the state before each response token (B, R), float32."""
-    values = model(**model_inputs(micro))
-    return values[:, -micro["responses"].shape[1] - 1:-1].float()
+    """Value of the state before each response token (B, R), float32; ``model`` is a ValueModel."""
+    _check_varlen(model.backbone.config)
+    packed = pack_rows(micro)
+    outputs = model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                             attention_mask=dict(_NO_MASK), use_cache=False, **packed.attention_kwargs())
+    hidden = outputs.last_hidden_state[0, packed.predictor_index]
+    head = model.value_head
+    values = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
+    return unpack_responses(values, packed)
 
 
 def build_position_ids(attention_mask: Tensor) -> Tensor:

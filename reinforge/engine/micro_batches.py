@@ -1,6 +1,13 @@
-"""Forming micro-batches from a token budget, and trimming padding inside each.
+"""Forming micro-batches from a token budget.
 
-Sequences are laid out as ``[left-padded prompt | right-padded response]``. A micro-batch
+``balanced_micro_batches`` (the RL workers, whose forwards pack rows without padding) counts
+real tokens only: it takes the fewest micro-batches that fit the budget, the same number on
+every data-parallel rank (FSDP runs one collective per layer per forward, so ranks must run
+the same number of forwards), and spreads the rows over them longest first so that their
+token counts are even. The update does not depend on the split: losses are normalised by
+the mini-batch's global counts.
+
+``split_by_token_budget`` (the SFT trainer, whose forward sees padded rows): sequences are laid out as ``[left-padded prompt | right-padded response]``. A micro-batch
 costs ``rows x (longest prompt + longest response)`` tokens once the padding columns shared
 by all its rows are trimmed; we cut micro-batches greedily, in order, so that cost stays
 within the budget. Keeping the order makes the result independent of the budget, which is
@@ -9,9 +16,66 @@ what lets gradient accumulation give the same update whatever the split.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from reinforge.engine.distributed import all_reduce
 from reinforge.protocol import Batch
+
+
+def balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "response_mask") -> list[Batch]:
+    """Micro-batches of at most ``max_tokens`` attended tokens (a longer row goes alone), equal in count on all ranks.
+
+    A rank with fewer rows than micro-batches fills the rest with a copy of its first row whose
+    ``mask_key`` is all zeros: it runs the forward and backward and adds nothing to the loss.
+    """
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    num_micro = _fewest_bins(lengths, max_tokens)
+    num_micro = int(all_reduce([float(num_micro)], torch.device("cpu"), op="max")[0])
+    bins = _longest_first(lengths, num_micro)
+    pieces = []
+    for rows in bins:
+        if rows:
+            piece = trim_padding(batch.index(sorted(rows)))
+            piece.meta["rows"] = sorted(rows)
+        else:
+            piece = batch.index([0])
+            piece[mask_key] = torch.zeros_like(piece[mask_key])
+            piece.meta["rows"] = [-1]
+        pieces.append(piece)
+    return pieces
+
+
+def rows_in_batch_order(pieces: list[Batch], outputs: list[Tensor], num_rows: int, width: int) -> Tensor:
+    """Per-micro-batch outputs (rows, <= width) put back at their batch rows, right-padded with zeros to width."""
+    out = torch.zeros((num_rows, width), dtype=outputs[0].dtype)
+    for piece, values in zip(pieces, outputs, strict=True):
+        rows = piece.meta["rows"]
+        if rows != [-1]:
+            out[rows, :values.shape[1]] = values.cpu()
+    return out
+
+
+def _longest_first(lengths: list[int], num_bins: int) -> list[list[int]]:
+    loads = [0] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for row in sorted(range(len(lengths)), key=lambda row: -lengths[row]):
+        target = min(range(num_bins), key=loads.__getitem__)
+        bins[target].append(row)
+        loads[target] += lengths[row]
+    return bins
+
+
+def _fewest_bins(lengths: list[int], max_tokens: int) -> int:
+    if not lengths:
+        return 1
+    num_bins = max(1, -(-sum(lengths) // max_tokens))
+    while num_bins < len(lengths):
+        loads = [sum(lengths[row] for row in rows) for rows in _longest_first(lengths, num_bins)]
+        if max(loads) <= max(max_tokens, max(lengths)):
+            break
+        num_bins += 1
+    return min(num_bins, len(lengths))
 
 
 def sequence_extents(batch: Batch) -> tuple[Tensor, Tensor]:

@@ -3,8 +3,10 @@
 Shared by the actor, the critic and the SFT trainer. The loss of each micro-batch is
 normalised by the *global* counts of its mini-batch (tokens and sequences across all
 micro-batches and data-parallel ranks), so that summing micro-batch gradients gives exactly
-the mini-batch gradient whatever the split. A step whose gradient norm is not finite is
-skipped (and counted), never applied.
+the mini-batch gradient whatever the split. FSDP averages gradients over the ranks while
+globally normalised losses must be summed, so each backward is scaled by the world size.
+The gradient norm is clipped over the sharded gradients of all ranks. A step whose gradient
+norm is not finite is skipped (and counted), never applied.
 """
 
 from __future__ import annotations
@@ -14,19 +16,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from reinforge.algorithms import LossNormalizer
+from reinforge.engine.distributed import all_reduce, world_size
+from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.protocol import Batch
+
+MicroBatchFn = Callable[[Batch, int, str], list[Batch]]
+"""(mini-batch, token budget, mask key) -> its micro-batches."""
 
 MicroLossFn = Callable[[Batch, LossNormalizer], tuple[Tensor, dict[str, float]]]
 """(micro-batch, normaliser of its mini-batch) -> (loss to backpropagate, metrics of the micro-batch).
 
 Metrics whose name ends in ``_loss`` are already normalised by the mini-batch's global counts:
-they are summed over its micro-batches (giving the mini-batch's loss), then averaged over
-optimizer steps. Other metrics are averaged with weights equal to each micro-batch's tokens.
+they are summed over its micro-batches and the data-parallel ranks (giving the mini-batch's
+loss), then averaged over optimizer steps. Other metrics are averaged with weights equal to each
+micro-batch's tokens, over all ranks; every rank returns the same values.
 """
 
 
@@ -41,24 +48,35 @@ class UpdateSettings:
     mask_key: str = "response_mask"
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+def _padded_split(batch: Batch, max_tokens: int, mask_key: str) -> list[Batch]:
+    return split_by_token_budget(batch, max_tokens)
+
+
+def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
+    """Each rank's loss shares and weighted sums become the whole data-parallel batch's, in place."""
+    if world_size() == 1:
+        return
+    keys = [(index, key) for index, tally in enumerate(tallies) for key in sorted(tally)]
+    totals = all_reduce([tallies[index][key] for index, key in keys], device)
+    for (index, key), total in zip(keys, totals, strict=True):
+        tallies[index][key] = total
 
 
 def mini_batch_normalizer(mini_batch: Batch, mask_key: str, device: torch.device) -> LossNormalizer:
     mask = mini_batch[mask_key]
-    num_tokens, num_sequences = _all_reduce_sum(
+    num_tokens, num_sequences = all_reduce(
         [float(mask.sum()), float((mask.sum(-1) > 0).sum())], device)
     return LossNormalizer(num_tokens=num_tokens, num_sequences=num_sequences, max_response_length=mask.shape[1])
 
 
 def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               batch: Batch, loss_fn: MicroLossFn, settings: UpdateSettings, device: torch.device) -> dict[str, float]:
-    """Run the optimizer steps of one training step; returns metrics averaged over them."""
+               batch: Batch, loss_fn: MicroLossFn, settings: UpdateSettings, device: torch.device,
+               micro_batches: MicroBatchFn = _padded_split) -> dict[str, float]:
+    """Run the optimizer steps of one training step; returns metrics averaged over them.
+
+    ``micro_batches`` cuts each mini-batch; the default keeps the padded layout (trimmed).
+    """
+    loss_scale = float(world_size()) if fsdp_units(model) else 1.0
     sums: dict[str, float] = defaultdict(float)
     weights: dict[str, float] = defaultdict(float)
     loss_sums: dict[str, float] = defaultdict(float)
@@ -72,10 +90,10 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
             mini_batch = batch.index(mini_rows)
             normalizer = mini_batch_normalizer(mini_batch, settings.mask_key, device)
             optimizer.zero_grad(set_to_none=True)
-            for micro in split_by_token_budget(mini_batch, settings.max_tokens_per_micro_batch):
+            for micro in micro_batches(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
                 micro = micro.to(device)
                 loss, metrics = loss_fn(micro, normalizer)
-                loss.backward()
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
                 weight = float(micro[settings.mask_key].sum())
                 for key, value in metrics.items():
                     if key.endswith("_loss"):
@@ -83,7 +101,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
                     else:
                         sums[key] += float(value) * weight
                         weights[key] += weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+            grad_norm = clip_grad_norm_(model.parameters(), settings.grad_clip)
             if torch.isfinite(grad_norm):
                 optimizer.step()
             else:
@@ -92,6 +110,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
             grad_norms.append(float(grad_norm))
             num_steps += 1
     optimizer.zero_grad(set_to_none=True)
+    _sum_over_ranks(sums, weights, loss_sums, device=device)
     result = {key: sums[key] / max(weights[key], 1e-12) for key in sums}
     result |= {key: value / max(num_steps, 1) for key, value in loss_sums.items()}
     finite = [g for g in grad_norms if g == g and g != float("inf")]

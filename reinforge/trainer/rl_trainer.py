@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from reinforge.algorithms import (
 )
 from reinforge.config import Config, config_to_dict, save_config
 from reinforge.config.validate import critic_enabled, reference_needed
-from reinforge.controller import WorkerGroup
+from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
 from reinforge.engine.device import peak_memory_gb, resolve_device
 from reinforge.models import load_tokenizer
@@ -43,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 
 class RLTrainer:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, placement: RolePlacement | None = None):
+        """``placement`` maps each role to a resource pool; by default every role shares one pool."""
         self.config = config
         self.run_dir = Path(config.trainer.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -63,14 +65,12 @@ class RLTrainer:
             self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
 
-        timeout = config.trainer.call_timeout_s
-        self.actor_rollout = WorkerGroup(ActorRolloutWorker, config, self.total_steps, name="actor_rollout",
-                                         timeout_s=timeout)
-        self.reference = (WorkerGroup(ReferenceWorker, config, name="ref", timeout_s=timeout)
-                          if reference_needed(config) else None)
-        self.critic = (WorkerGroup(CriticWorker, config, self.total_steps, name="critic", timeout_s=timeout)
+        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs")
+        self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
+        self.reference = build_group(ReferenceWorker, config, role="ref") if reference_needed(config) else None
+        self.critic = (build_group(CriticWorker, config, self.total_steps, role="critic")
                        if critic_enabled(config) else None)
-        self.reward = WorkerGroup(RewardWorker, config, name="reward", timeout_s=timeout)
+        self.reward = build_group(RewardWorker, config, role="reward")
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.checkpoints = CheckpointManager(self.run_dir, config.trainer.keep_last)
         self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
@@ -269,6 +269,38 @@ class RLTrainer:
                 last_metrics = metrics
         self.tracker.close()
         return last_metrics
+
+
+ROLES = ("actor_rollout", "ref", "critic", "reward")
+
+
+def default_placement(config: Config) -> RolePlacement:
+    """Every role on one pool of trainer.nnodes x trainer.devices_per_node devices: the hybrid-engine layout."""
+    trainer = config.trainer
+    return RolePlacement.colocated(ROLES, ResourcePool("global", [trainer.devices_per_node] * trainer.nnodes))
+
+
+def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> Callable[..., WorkerGroup]:
+    """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend."""
+    trainer = config.trainer
+    group_class: type[WorkerGroup] = WorkerGroup
+    if trainer.backend == "ray":
+        from reinforge.controller.ray_backend import RayWorkerGroup, connect_ray
+
+        connect_ray(trainer.ray_address, log_dir=log_dir, device=trainer.device)
+        group_class = RayWorkerGroup
+    else:
+        too_big = {name: pool.devices_per_node for name, pool in placement.pools.items() if pool.world_size > 1}
+        if too_big:
+            raise ValueError(f"trainer.backend={trainer.backend} runs every role in this process on one device, but "
+                             f"the resource pools ask for {too_big} (trainer.nnodes={trainer.nnodes}, "
+                             f"trainer.devices_per_node={trainer.devices_per_node}); set trainer.backend=ray")
+
+    def build(worker_cls: type, *init_args: Any, role: str) -> WorkerGroup:
+        return group_class(worker_cls, *init_args, name=role, backend=trainer.backend,
+                           resource_pool=placement.pool_for(role), timeout_s=trainer.call_timeout_s)
+
+    return build
 
 
 class _timer:

@@ -1,14 +1,17 @@
 """The hybrid actor-rollout worker: one policy that generates, scores its own tokens, and trains.
 
-The rollout engine generates with the training parameters themselves (the hf backend calls
-``generate`` on the training module; the native engine reads the same storage), so the
-"weight sync" after an update costs nothing on one device. Generation runs under no_grad
-with the engine awake; training runs with the engine asleep.
+The policy is sharded with FSDP2 (``engine.fsdp``; a group of one on a single device).
+Generation gathers the full parameters in the compute dtype for its duration and the rollout
+engine runs the training modules themselves on them (the hf backend calls ``generate`` on
+the training module; the native engine reads the same storage), so there is no separate
+weight copy to keep in sync. Generation runs under no_grad with the engine awake; training
+runs with the engine asleep and the parameters sharded again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import torch
@@ -20,16 +23,19 @@ from reinforge.algorithms import (
 )
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.device import autocast_context, resolve_device
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
 from reinforge.engine.forward import build_position_ids, response_log_probs
-from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.fsdp import reshard, shard_model, unsharded
+from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
+from reinforge.engine.perf import update_perf_metrics
 from reinforge.engine.train_step import UpdateSettings, run_update
-from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
+from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
-from reinforge.workers.checkpointing import load_training_state, save_training_state
+from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
 
 
 def _seed_for(base_seed: int, uid: str) -> int:
@@ -44,10 +50,15 @@ class ActorRolloutWorker(Worker):
         self.device = resolve_device(config.trainer.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
+        offload = config.actor.param_offload
         self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation,
                                     gradient_checkpointing=config.model.gradient_checkpointing)
+        use_varlen_attention(self.model)
+        self.model_class = type(self.model)
+        self.engine = self._build_engine_in_compute_dtype()
+        shard_model(self.model, self.device, config.model.dtype, offload=offload)
         self.model.train()
         num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
         self.update_settings = UpdateSettings(
@@ -57,9 +68,24 @@ class ActorRolloutWorker(Worker):
         self.optimizer = build_optimizer(self.model, config.actor.optim)
         self.scheduler = build_scheduler(self.optimizer, total_training_steps * num_mini_batches * config.actor.ppo_epochs,
                                          config.actor.optim)
-        self.engine = self._build_engine()
 
     # ---- rollout ------------------------------------------------------------------
+    def _build_engine_in_compute_dtype(self):
+        """The rollout engine, built before sharding (it checks the model class) in the dtype it will run in.
+
+        Generation later runs on the FSDP-gathered parameters, which are in the compute dtype; the
+        engine sizes its KV cache and rotary tables from the dtype it sees here. The float32
+        master weights are put back untouched.
+        """
+        dtype = compute_dtype(self.device, self.config.model.dtype)
+        masters = [parameter.data for parameter in self.model.parameters()]
+        self.model.to(dtype)
+        try:
+            return self._build_engine()
+        finally:
+            for parameter, master in zip(self.model.parameters(), masters, strict=True):
+                parameter.data = master
+
     def _build_engine(self):
         eos_ids = self.stop_token_ids()
         if self.config.rollout.name == "native":
@@ -108,12 +134,14 @@ class ActorRolloutWorker(Worker):
             requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
             group_sizes.append(stop - start)
             start = stop
-        self.engine.wake_up()
-        try:
-            with autocast_context(self.device, self.config.model.dtype):
-                completions = self.engine.generate(requests)
-        finally:
-            self.engine.sleep()
+        with unsharded(self.model):
+            self.engine.sync_weights(self.model)
+            self.engine.wake_up()
+            try:
+                with autocast_context(self.device, self.config.model.dtype):
+                    completions = self.engine.generate(requests)
+            finally:
+                self.engine.sleep()
         pad_id = self.tokenizer.pad_token_id
         responses = torch.full((len(batch), max_response_length), pad_id, dtype=torch.long)
         response_mask = torch.zeros((len(batch), max_response_length), dtype=torch.float32)
@@ -142,18 +170,18 @@ class ActorRolloutWorker(Worker):
     @torch.no_grad()
     def _log_probs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         temperature = batch.meta.get("temperature", 1.0)
+        width = batch["responses"].shape[1]
+        pieces = balanced_micro_batches(batch, self.config.actor.max_tokens_per_micro_batch)
         log_probs, entropies = [], []
         self.model.eval()
-        for micro in split_by_token_budget(batch, self.config.actor.max_tokens_per_micro_batch):
-            width = micro["responses"].shape[1]
-            with autocast_context(self.device, self.config.model.dtype):
-                lp, ent = response_log_probs(self.model, micro.to(self.device), temperature, with_entropy)
-            pad = batch["responses"].shape[1] - width
-            log_probs.append(torch.nn.functional.pad(lp.cpu(), (0, pad)))
-            if ent is not None:
-                entropies.append(torch.nn.functional.pad(ent.cpu(), (0, pad)))
+        for micro in pieces:
+            lp, ent = response_log_probs(self.model, micro.to(self.device), temperature, with_entropy)
+            log_probs.append(lp)
+            entropies.append(ent)
         self.model.train()
-        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+        reshard(self.model)
+        return (rows_in_batch_order(pieces, log_probs, len(batch), width),
+                rows_in_batch_order(pieces, entropies, len(batch), width) if with_entropy else None)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -176,8 +204,7 @@ class ActorRolloutWorker(Worker):
 
         def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro["response_mask"]
-            with autocast_context(self.device, self.config.model.dtype):
-                log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
+            log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
             old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
             if on_policy and "rollout_log_probs" in micro and not mismatch:
                 mismatch.update(rollout_mismatch_metrics(log_probs.detach().cpu(), micro["rollout_log_probs"].cpu(),
@@ -199,19 +226,27 @@ class ActorRolloutWorker(Worker):
             return loss, metrics
 
         settings = UpdateSettings(**{**self.update_settings.__dict__, "seed": self.update_settings.seed + self.scheduler.last_epoch})
-        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, settings, self.device)
-        self.engine.sync_weights(self.model)
+        start = time.perf_counter()
+        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, settings, self.device,
+                             micro_batches=balanced_micro_batches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
         result = {f"actor/{key}": value for key, value in metrics.items()}
         result |= mismatch
+        num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
+        result |= update_perf_metrics("actor", self.model, num_tokens, seconds, self.device)
+        result["timing_s/update_actor_compute"] = seconds
         return result
 
     # ---- state ----------------------------------------------------------------------
-    @register(dispatch=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:
+        """Collective: every rank gathers its shards; rank 0 writes actor_state.pt and hf/."""
         save_training_state(Path(folder), self.model, self.optimizer, self.scheduler)
-        save_hf_folder(self.model, self.tokenizer, Path(folder) / "hf")
+        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, Path(folder) / "hf")
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:
         load_training_state(Path(folder), self.model, self.optimizer, self.scheduler, self.device)
-        self.engine.sync_weights(self.model)
+

@@ -1,7 +1,10 @@
 """Saving and loading a worker's training state: parameters, optimizer, LR schedule.
 
 Files are written into the checkpoint's temporary folder; the trainer makes the folder
-visible atomically (see reinforge.trainer.checkpoint), so these writes need no renames.
+visible atomically (see reinforge.trainer.checkpoint), so these writes need no renames. For a
+model sharded with FSDP both calls are collective: every rank gathers (or loads) the full
+state, only rank 0 writes, and every rank reads the same file back, so a checkpoint does not
+depend on the number of ranks that wrote it.
 """
 
 from __future__ import annotations
@@ -11,12 +14,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from reinforge.engine.distributed import barrier, rank
+from reinforge.engine.fsdp import fsdp_units, full_model_state, full_training_state, load_full_training_state
+from reinforge.models import save_hf_folder
+
 
 def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, prefix: str = "actor") -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict()}, folder / f"{prefix}_state.pt")
+    if fsdp_units(model):
+        state = full_training_state(model, optimizer)
+    else:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    if rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({**state, "scheduler": scheduler.state_dict()}, folder / f"{prefix}_state.pt")
+    barrier()
 
 
 def load_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -26,7 +38,24 @@ def load_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.O
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {folder} has no {path.name}; it was not written by this trainer "
                                 "or is incomplete; pass another trainer.resume path or trainer.resume=never")
-    state = torch.load(path, map_location=device, weights_only=True)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if fsdp_units(model):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        load_full_training_state(model, optimizer, state)
+    else:
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+
+
+def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path) -> None:
+    """The HF folder of an FSDP-sharded causal LM: gathered collectively, written by rank 0."""
+    state = full_model_state(model)
+    if rank() == 0:
+        with torch.device("meta"):
+            plain = model_class(model.config)
+        plain.load_state_dict(state, assign=True, strict=False)
+        plain.tie_weights()
+        plain.generation_config = model.generation_config
+        save_hf_folder(plain, tokenizer, out_dir)
+    barrier()

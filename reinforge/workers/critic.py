@@ -1,7 +1,12 @@
-"""The critic: an HF model with a scalar value head, trained with the clipped value loss."""
+"""The critic: an HF model with a scalar value head, trained with the clipped value loss.
+
+Sharded like the actor (FSDP2, one unit per decoder layer); the backbone and the value head
+are the two root units, since the packed forward calls them one after the other.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -9,10 +14,13 @@ import torch
 from reinforge.algorithms import compute_value_loss
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.device import autocast_context, resolve_device
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_values
-from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
+from reinforge.engine.perf import update_perf_metrics
 from reinforge.engine.train_step import UpdateSettings, run_update
 from reinforge.models import ValueModel
 from reinforge.protocol import Batch
@@ -26,7 +34,11 @@ class CriticWorker(Worker):
         critic = config.critic
         self.device = resolve_device(config.trainer.device)
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
-                                                device=self.device)
+                                                device="cpu" if critic.param_offload else self.device,
+                                                gradient_checkpointing=config.model.gradient_checkpointing)
+        use_varlen_attention(self.model.backbone)
+        shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
+                    roots=[self.model.backbone, self.model.value_head])
         self.model.train()
         num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
         epochs = critic.ppo_epochs or config.actor.ppo_epochs
@@ -41,33 +53,37 @@ class CriticWorker(Worker):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """values (B, R): the critic's estimate before each response token."""
-        width = batch["responses"].shape[1]
-        pieces = []
+        pieces = balanced_micro_batches(batch, self.max_tokens)
         self.model.eval()
-        for micro in split_by_token_budget(batch, self.max_tokens):
-            with autocast_context(self.device, self.config.model.dtype):
-                values = response_values(self.model, micro.to(self.device))
-            pieces.append(torch.nn.functional.pad(values.cpu(), (0, width - values.shape[1])))
+        values = [response_values(self.model, micro.to(self.device)) for micro in pieces]
         self.model.train()
-        return Batch.from_dict(tensors={"values": torch.cat(pieces)})
+        reshard(self.model)
+        return Batch.from_dict(tensors={"values": rows_in_batch_order(pieces, values, len(batch),
+                                                                      batch["responses"].shape[1])})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         critic = self.config.critic
 
         def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
-            with autocast_context(self.device, self.config.model.dtype):
-                values = response_values(self.model, micro)
+            values = response_values(self.model, micro)
             loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
                                                 critic.cliprange_value, critic.loss_agg_mode, normalizer)
             mask = micro["response_mask"]
             vpred_mean = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
             return loss, {"vf_loss": float(loss.detach()), "vf_clipfrac": float(clipfrac), "vpred_mean": vpred_mean}
 
-        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings, self.device)
-        return {f"critic/{key}": value for key, value in metrics.items()}
+        start = time.perf_counter()
+        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
+                             self.device, micro_batches=balanced_micro_batches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        result = {f"critic/{key}": value for key, value in metrics.items()}
+        num_tokens = float(batch["attention_mask"].sum()) * self.update_settings.epochs
+        return result | update_perf_metrics("critic", self.model, num_tokens, seconds, self.device)
 
-    @register(dispatch=Dispatch.RANK_ZERO)
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:
         save_training_state(Path(folder), self.model, self.optimizer, self.scheduler, prefix="critic")
 

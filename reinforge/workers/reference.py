@@ -1,4 +1,9 @@
-"""The reference policy: a frozen copy of the starting model, for KL terms only."""
+"""The reference policy: a frozen copy of the starting model, for KL terms only.
+
+Sharded with FSDP2 like the actor. With ``ref.offload`` its weights stay on the CPU and each
+layer's are copied to the device just before that layer runs, so the reference costs almost
+no device memory between calls.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import torch
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.device import autocast_context, resolve_device
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_log_probs
-from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 
@@ -18,10 +25,13 @@ class ReferenceWorker(Worker):
         super().__init__()
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
+        self.model = load_causal_lm(config.model.path, dtype=torch.float32,
+                                    device="cpu" if config.ref.offload else self.device,
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
+        use_varlen_attention(self.model)
+        shard_model(self.model, self.device, config.model.dtype, offload=config.ref.offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -29,10 +39,8 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """ref_log_probs (B, R) of the response tokens under the frozen reference policy."""
         temperature = batch.meta.get("temperature", 1.0)
-        width = batch["responses"].shape[1]
-        pieces = []
-        for micro in split_by_token_budget(batch, self.max_tokens):
-            with autocast_context(self.device, self.config.model.dtype):
-                log_probs, _ = response_log_probs(self.model, micro.to(self.device), temperature)
-            pieces.append(torch.nn.functional.pad(log_probs.cpu(), (0, width - log_probs.shape[1])))
-        return Batch.from_dict(tensors={"ref_log_probs": torch.cat(pieces)})
+        pieces = balanced_micro_batches(batch, self.max_tokens)
+        log_probs = [response_log_probs(self.model, micro.to(self.device), temperature)[0] for micro in pieces]
+        reshard(self.model)
+        return Batch.from_dict(tensors={"ref_log_probs": rows_in_batch_order(pieces, log_probs, len(batch),
+                                                                             batch["responses"].shape[1])})

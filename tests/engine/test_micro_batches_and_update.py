@@ -3,14 +3,26 @@ import copy
 import pytest
 import torch
 
-from reinforge.algorithms import compute_policy_loss
+from reinforge.algorithms import compute_policy_loss, log_probs_from_logits
 from reinforge.config.schema import OptimConfig, PolicyLossConfig
+from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.forward import build_position_ids, response_log_probs
-from reinforge.engine.micro_batches import split_by_token_budget, trim_padding
+from reinforge.engine.micro_batches import (
+    balanced_micro_batches,
+    rows_in_batch_order,
+    split_by_token_budget,
+    trim_padding,
+)
 from reinforge.engine.optim import build_optimizer, build_scheduler, lr_multiplier
 from reinforge.engine.train_step import UpdateSettings, run_update
 from reinforge.models import build_tiny_causal_lm
 from reinforge.protocol import Batch
+
+
+def varlen_lm(seed: int):
+    model = build_tiny_causal_lm(vocab_size=64, seed=seed)
+    use_varlen_attention(model)
+    return model
 
 
 def make_rollout_batch(rows: int = 6, prompt_width: int = 5, response_width: int = 4, seed: int = 0) -> Batch:
@@ -48,20 +60,37 @@ def test_trim_padding_drops_only_shared_padding():
     assert trimmed["input_ids"].shape[1] == trimmed["prompts"].shape[1] + trimmed["responses"].shape[1]
 
 
-def test_trimmed_forward_matches_padded_forward():
-    model = build_tiny_causal_lm(vocab_size=64, seed=1).eval()
+def test_balanced_micro_batches_cover_every_row_once_within_budget():
+    batch = make_rollout_batch(rows=7)
+    lengths = batch["attention_mask"].sum(-1)
+    pieces = balanced_micro_batches(batch, max_tokens=20)
+    rows = sorted(row for piece in pieces for row in piece.meta["rows"])
+    assert rows == list(range(7))
+    for piece in pieces:
+        assert int(piece["attention_mask"].sum()) <= max(20, int(lengths.max()))
+    loads = [int(piece["attention_mask"].sum()) for piece in pieces]
+    assert max(loads) - min(loads) <= int(lengths.max())
+    assert len(balanced_micro_batches(batch, max_tokens=10_000)) == 1
+
+
+def test_packed_forward_matches_padded_forward():
+    model = varlen_lm(seed=1).eval()
     batch = make_rollout_batch()
-    full, _ = response_log_probs(model, batch)
-    pieces = split_by_token_budget(batch, max_tokens=20)
+    width = batch["responses"].shape[1]
+    # the padded reference: SDPA with the attention mask over [left-padded prompt | response]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, -width - 1:-1]
+    expected = log_probs_from_logits(logits, batch["responses"])
+    pieces = balanced_micro_batches(batch, max_tokens=20)
     parts = [response_log_probs(model, piece)[0] for piece in pieces]
+    rebuilt = rows_in_batch_order(pieces, parts, len(batch), width)
     mask = batch["response_mask"].bool()
-    rebuilt = torch.cat([torch.nn.functional.pad(p, (0, full.shape[1] - p.shape[1])) for p in parts])
-    torch.testing.assert_close(rebuilt[mask], full[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rebuilt[mask], expected[mask], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_is_the_same_whatever_the_micro_batch_split(loss_agg_mode):
-    base = build_tiny_causal_lm(vocab_size=64, seed=2)
+    base = varlen_lm(seed=2)
     batch = make_rollout_batch(rows=6)
     results = []
     for budget in (10_000, 9):
@@ -79,7 +108,8 @@ def test_update_is_the_same_whatever_the_micro_batch_split(loss_agg_mode):
             return loss, {"pg_loss": float(loss.detach())}
 
         settings = UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1e9)
-        metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"))
+        metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"),
+                             micro_batches=balanced_micro_batches)
         results.append((model, metrics))
     (model_a, metrics_a), (model_b, metrics_b) = results
     assert metrics_a["grad_norm"] == pytest.approx(metrics_b["grad_norm"], rel=1e-4)
@@ -89,7 +119,7 @@ def test_update_is_the_same_whatever_the_micro_batch_split(loss_agg_mode):
 
 
 def test_non_finite_gradient_skips_the_step():
-    model = build_tiny_causal_lm(vocab_size=64, seed=3)
+    model = varlen_lm(seed=3)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))

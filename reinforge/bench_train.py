@@ -1,0 +1,205 @@
+"""``reinforge bench train``: full GRPO steps on the standard workload, timed phase by phase.
+
+The workload: the Qwen2.5-0.5B architecture with random weights (saved once as an HF folder
+so the workers load it as they would any model), 64 prompts of 128 random tokens, n=8 samples
+each, exactly 512 generated tokens (EOS ignored). A step is what the RL trainer does: rollout,
+a cheap rule reward on token ids, GRPO advantages, one on-policy optimizer step (beta = 0,
+AdamW lr 1e-6, grad clip 1, token-mean). ``--variant kl`` adds the reference model and a
+low-variance KL loss; ``--variant ppo`` adds the critic (values, GAE, critic update). Reported:
+the median of steps 2.. (the first compiles and warms up) of step, rollout and update time,
+update tokens/s, MFU (6 x parameters x tokens / time against 799 TFLOP/s, measured on an
+H200) and peak memory. ``--cpu`` runs a tiny model as a smoke test (no timing claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def write_model(folder: Path, tiny: bool) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from reinforge.models import build_char_tokenizer, save_tiny_model
+
+    if tiny:
+        return save_tiny_model(folder / "model")
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(**QWEN25_05B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    del model
+    return folder / "model"
+
+
+def build_config(model_dir: Path, args: argparse.Namespace):
+    from reinforge.config.schema import Config
+
+    config = Config()
+    config.model.path = str(model_dir)
+    config.model.gradient_checkpointing = args.checkpointing
+    config.data.train_batch_size = args.prompts
+    config.data.max_prompt_length = args.prompt_tokens
+    config.data.max_response_length = args.response_tokens
+    config.rollout.name = args.rollout
+    config.rollout.n = args.n
+    config.actor.max_tokens_per_micro_batch = args.micro_tokens
+    config.actor.optim.lr = 1e-6
+    config.actor.grad_clip = 1.0
+    config.actor.loss_agg_mode = "token-mean"
+    config.trainer.device = "cpu" if args.cpu else "cuda"
+    if args.variant == "kl":
+        config.actor.use_kl_loss = True
+        config.ref.offload = args.ref_offload
+    if args.variant == "ppo":
+        config.algorithm.adv_estimator = "gae"
+        config.algorithm.lam = 0.95
+    return config
+
+
+def prompt_batch(args: argparse.Namespace, vocab_size: int, step: int):
+    import numpy as np
+
+    from reinforge.protocol import Batch
+    from reinforge.rollout.base import SamplingParams
+
+    generator = torch.Generator().manual_seed(1000 + step)
+    input_ids = torch.randint(0, vocab_size, (args.prompts, args.prompt_tokens), generator=generator)
+    batch = Batch.from_dict(tensors={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)},
+                            non_tensors={"uid": np.array([f"{step}-{i}" for i in range(args.prompts)], dtype=object)})
+    batch = batch.repeat(args.n, interleave=True)
+    batch.meta |= {"sampling": SamplingParams(max_tokens=args.response_tokens, temperature=1.0, ignore_eos=True),
+                   "seed": step, "temperature": 1.0}
+    return batch
+
+
+def rule_reward(batch) -> torch.Tensor:
+    """Fraction of even token ids in the response, placed on its last token."""
+    mask = batch["response_mask"]
+    score = ((batch["responses"] % 2 == 0).float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    scores = torch.zeros_like(mask)
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    scores[torch.arange(len(mask)), last] = score
+    return scores
+
+
+def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
+    from reinforge.algorithms import compute_advantages
+    from reinforge.workers.actor_rollout import ActorRolloutWorker
+    from reinforge.workers.critic import CriticWorker
+    from reinforge.workers.reference import ReferenceWorker
+
+    config = build_config(model_dir, args)
+    actor = ActorRolloutWorker(config, args.steps)
+    reference = ReferenceWorker(config) if args.variant == "kl" else None
+    critic = CriticWorker(config, args.steps) if args.variant == "ppo" else None
+    device = actor.device
+    vocab_size = actor.model.config.vocab_size
+    rows = []
+    for step in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        timing: dict[str, float] = {}
+
+        def timed(name, fn, *fn_args, timing=timing):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            result = fn(*fn_args)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timing[name] = time.perf_counter() - start
+            return result
+
+        step_start = time.perf_counter()
+        batch = prompt_batch(args, vocab_size, step)
+        batch.tensors.pop("input_ids")
+        batch.tensors.pop("attention_mask")
+        prompts = prompt_batch(args, vocab_size, step)
+        batch = batch | timed("rollout", actor.generate, prompts)
+        batch["token_level_scores"] = rule_reward(batch)
+        if reference is not None:
+            batch = batch | timed("ref", reference.compute_ref_log_prob, batch)
+        if critic is not None:
+            batch = batch | timed("values", critic.compute_values, batch)
+        group_ids = torch.arange(args.prompts).repeat_interleave(args.n)
+        batch["advantages"], batch["returns"] = compute_advantages(
+            config.algorithm.adv_estimator, token_level_rewards=batch["token_level_scores"],
+            response_mask=batch["response_mask"], group_ids=group_ids, config=config.algorithm,
+            values=batch.get("values"))
+        if critic is not None:
+            critic_metrics = timed("update_critic", critic.update_critic, batch)
+        metrics = timed("update_actor", actor.update_actor, batch)
+        step_time = time.perf_counter() - step_start
+        tokens = float(batch["attention_mask"].sum())
+        row = {"step": step + 1, "step_s": step_time, **{f"{k}_s": v for k, v in timing.items()},
+               "update_tokens": tokens, "update_tokens_per_s": tokens / timing["update_actor"],
+               "mfu": metrics.get("perf/mfu/actor"), "response_tokens": float(batch["response_mask"].sum()),
+               "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
+               "kl_loss": metrics.get("actor/kl_loss")}
+        if critic is not None:
+            row["vf_loss"] = critic_metrics.get("critic/vf_loss")
+        if device.type == "cuda":
+            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        rows.append(row)
+        print(json.dumps({"variant": args.variant, **row}), flush=True)
+    measured = rows[1:] or rows
+    summary = {key: statistics.median(r[key] for r in measured) for key in rows[0]
+               if all(isinstance(r.get(key), float) for r in measured)}
+    summary["peak_memory_gb"] = max((r.get("peak_memory_gb") or 0.0) for r in rows)
+    return {"variant": args.variant, "steps": rows, "median": summary}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="reinforge bench train", description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", choices=["grpo", "kl", "ppo"], default="grpo")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch")
+    parser.add_argument("--rollout", choices=["native", "hf"], default="native")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU, a smoke test")
+    args = parser.parse_args(argv)
+    if args.cpu:
+        args.prompts, args.n, args.prompt_tokens, args.response_tokens = 2, 2, 8, 8
+        args.rollout, args.steps = "hf", min(args.steps, 2)
+    return args
+
+
+def bench_train_main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        print("reinforge bench train needs a CUDA device; pass --cpu for a smoke test on a tiny model")
+        return 2
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = args.model_dir or write_model(Path(scratch), tiny=args.cpu)
+        result = run_variant(args, model_dir)
+    result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
+    result["torch"] = torch.__version__
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    median = result["median"]
+    print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
+          f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
+          f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB")
+    return 0

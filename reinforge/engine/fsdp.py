@@ -1,0 +1,169 @@
+"""FSDP2 for every trained or frozen model: sharding, mixed precision, offload, clipping, state.
+
+Each decoder layer is one ``fully_shard`` unit (all-gathered just before its forward and
+backward, freed after), and the module that owns the embeddings and the head is the root unit.
+The same code runs on one device (a process group of one: sharding is then a no-op copy) and
+on N. Master weights, gradients after reduction and optimizer state are float32; on CUDA the
+forward and backward compute in bfloat16 (``MixedPrecisionPolicy``). With ``offload`` the
+sharded parameters, their gradients and the optimizer step live on the CPU and each layer's
+parameters are copied to the device for its forward, which is how the reference policy is
+"streamed in per layer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from reinforge.engine.device import compute_dtype
+from reinforge.engine.distributed import init_distributed
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of an HF model: the first ModuleList named ``layers`` (or ``h``)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(module) > 0:
+            return list(module)
+    raise ValueError(f"{type(model).__name__} has no ModuleList named 'layers' or 'h'; "
+                     "the engine shards one decoder layer per FSDP unit and cannot find them")
+
+
+def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto", offload: bool = False,
+                roots: Iterable[nn.Module] | None = None) -> nn.Module:
+    """Apply FSDP2 in place: one unit per decoder layer, then each of ``roots`` (default: the model).
+
+    Parameters must be float32 (the master weights). Returns ``model``.
+    """
+    init_distributed(device_type=device.type)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    dtype = compute_dtype(device, dtype_name)
+    mp_policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+                 if dtype != torch.float32 else MixedPrecisionPolicy())
+    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for root in list(roots) if roots is not None else [model]:
+        fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    return model
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module) -> Iterator[nn.Module]:
+    """Every unit's full parameters (in the compute dtype) stay gathered inside the block.
+
+    The rollout engine reads the modules directly, outside FSDP's hooks, so it needs this.
+    """
+    units = fsdp_units(model)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered parameter (the root unit keeps its own gathered after a forward)."""
+    for unit in fsdp_units(model):
+        unit.reshard()
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """False keeps gradients unreduced across micro-batches (accumulation); True reduces at the next backward."""
+    for unit in fsdp_units(model):
+        unit.set_requires_gradient_sync(enabled, recurse=False)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
+    """Clip the global L2 norm of the gradients to ``max_norm``; returns the norm before clipping.
+
+    Sharded gradients (DTensor) contribute the squares of their local shard, summed over the
+    ranks; replicated gradients count once.
+    """
+    sharded, replicated, group = [], [], None
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            sharded.append(grad.to_local())
+            group = grad.device_mesh.get_group()
+        else:
+            replicated.append(grad)
+    local = sharded + replicated
+    if not local:
+        return torch.tensor(0.0)
+    device = local[0].device
+    sharded_square = _sum_of_squares(sharded, device)
+    if group is not None and dist.get_world_size(group) > 1:
+        reduce_device = device if dist.get_backend(group) != "nccl" else torch.device("cuda", torch.cuda.current_device())
+        sharded_square = sharded_square.to(reduce_device)
+        dist.all_reduce(sharded_square, group=group)
+        sharded_square = sharded_square.to(device)
+    total_norm = (sharded_square + _sum_of_squares(replicated, device)).sqrt()
+    clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if torch.isfinite(total_norm):
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for grad in local:
+            by_device.setdefault(grad.device, []).append(grad)
+        for device_grads in by_device.values():
+            torch._foreach_mul_(device_grads, clip_coef.to(device_grads[0].device))
+    return total_norm
+
+
+def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor)
+    for device_tensors in by_device.values():
+        norms = torch._foreach_norm(device_tensors)
+        total = total + torch.stack(norms).float().square().sum().to(device)
+    return total
+
+
+# ---- state: full (unsharded) tensors on the CPU, gathered collectively -----------------------------
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: nn.Module) -> dict[str, Tensor]:
+    """The whole model's float32 state dict on the CPU. Collective: every rank must call it."""
+    reshard(model)
+    return get_model_state_dict(model, options=_FULL)
+
+
+def full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    """Model and optimizer state as full tensors on the CPU. Collective."""
+    reshard(model)
+    return {"model": get_model_state_dict(model, options=_FULL),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=_FULL)}
+
+
+def load_full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+    """Inverse of ``full_training_state``; every rank passes the same full state. Collective."""
+    options = StateDictOptions(full_state_dict=True)
+    reshard(model)
+    set_model_state_dict(model, state["model"], options=options)
+    if optimizer is not None and "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)

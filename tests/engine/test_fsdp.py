@@ -1,0 +1,103 @@
+"""FSDP2 on the CPU: a group of one in this process, and two gloo processes against one."""
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from reinforge.engine.forward import response_log_probs
+from reinforge.engine.fsdp import clip_grad_norm_, shard_model
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_micro_batches_and_update import make_rollout_batch, varlen_lm  # noqa: E402
+
+UPDATE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_micro_batches_and_update import make_rollout_batch, varlen_lm
+    from reinforge.algorithms import compute_policy_loss
+    from reinforge.config.schema import OptimConfig, PolicyLossConfig
+    from reinforge.engine.fsdp import full_model_state, shard_model
+    from reinforge.engine.forward import response_log_probs
+    from reinforge.engine.micro_batches import balanced_micro_batches
+    from reinforge.engine.optim import build_scheduler
+    from reinforge.engine.train_step import UpdateSettings, run_update
+    from reinforge.engine.distributed import init_distributed
+
+    def update(rows, budget):
+        model = varlen_lm(seed=4).train()
+        shard_model(model, torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
+
+        def loss_fn(micro, normalizer):
+            log_probs, _ = response_log_probs(model, micro)
+            loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
+                                          advantages=micro["advantages"], response_mask=micro["response_mask"],
+                                          loss_agg_mode="token-mean", config=PolicyLossConfig(), normalizer=normalizer)
+            return loss, {{}}
+
+        batch = make_rollout_batch(rows=8, seed=5).index(rows)
+        metrics = run_update(model, optimizer, scheduler, batch, loss_fn,
+                             UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05), torch.device("cpu"),
+                             micro_batches=balanced_micro_batches)
+        return full_model_state(model), metrics["grad_norm"]
+""")
+
+RANK_MAIN = textwrap.dedent("""
+    rank, world_size = init_distributed("gloo")
+    state, grad_norm = update(list(range(rank * 4, rank * 4 + 4)), budget=12)
+    if rank == 0:
+        torch.save({"state": state, "grad_norm": grad_norm}, sys.argv[1])
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sharded_model_gives_the_plain_model_gradients_and_clipping():
+    plain = varlen_lm(seed=6).train()
+    sharded = shard_model(copy.deepcopy(plain), torch.device("cpu"))
+    batch = make_rollout_batch(rows=5, seed=7)
+    for model in (plain, sharded):
+        log_probs, entropy = response_log_probs(model, batch, temperature=0.9, with_entropy=True)
+        (log_probs * batch["advantages"] + 0.1 * entropy).sum().backward()
+    plain_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+    sharded_norm = clip_grad_norm_(sharded.parameters(), 0.01)
+    torch.testing.assert_close(sharded_norm, plain_norm, atol=1e-5, rtol=1e-5)
+    for (name, p_plain), p_sharded in zip(plain.named_parameters(), sharded.parameters(), strict=True):
+        torch.testing.assert_close(p_sharded.grad.full_tensor(), p_plain.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_two_gloo_processes_update_like_one(tmp_path):
+    script = tmp_path / "update.py"
+    script.write_text(UPDATE.format(tests=str(REPO / "tests" / "engine")) + RANK_MAIN)
+    port = _free_port()
+    processes = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "two.pt")], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for process in processes:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+
+    namespace: dict = {}
+    exec(UPDATE.format(tests=str(REPO / "tests" / "engine")), namespace)
+    one_state, one_grad_norm = namespace["update"](list(range(8)), budget=10_000)
+    assert abs(two["grad_norm"] - one_grad_norm) < 1e-5 * max(1.0, one_grad_norm)
+    for name, tensor in one_state.items():
+        torch.testing.assert_close(two["state"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    initial = namespace["varlen_lm"](seed=4).state_dict()
+    assert any(not torch.equal(initial[name], tensor) for name, tensor in one_state.items())
