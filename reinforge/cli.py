@@ -91,9 +91,14 @@ def _plot(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    """``reinforge bench [rollout] ...`` measures generation; ``reinforge bench train ...`` full RL steps."""
+    if argv and argv[0] == "train":
+        from reinforge.bench_train import bench_train_main
+
+        return bench_train_main(argv[1:])
     from reinforge.bench import bench_main
 
-    return bench_main(argv)
+    return bench_main(argv[1:] if argv and argv[0] == "rollout" else argv)
 
 
 def _data(argv: list[str]) -> int:
@@ -109,7 +114,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
     "export": (_export, "write an HF model folder from a checkpoint"),
     "plot": (_plot, "render PNG plots of one or more runs' metrics.jsonl"),
-    "bench": (_bench, "measure rollout and training speed on the standard workload"),
+    "bench": (_bench, "speed on the standard workload: rollout (default) or train (full GRPO/PPO steps)"),
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
 }
 

@@ -83,6 +83,10 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
     if trainer.resume not in ("auto", "never") and not trainer.resume:
         raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
+    num_devices = trainer.nnodes * trainer.devices_per_node
+    if trainer.backend == "local" and num_devices > 1:
+        raise ConfigError(f"trainer.backend=local runs every worker in this process on one device, but "
+                          f"trainer.nnodes x trainer.devices_per_node = {num_devices}; set trainer.backend=ray")
     if trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
     if algorithm.rollout_correction.rollout_is is not None:

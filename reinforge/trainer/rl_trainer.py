@@ -27,7 +27,6 @@ from reinforge.config import Config, config_to_dict, save_config
 from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
-from reinforge.engine.device import peak_memory_gb, resolve_device
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
@@ -52,7 +51,6 @@ class RLTrainer:
         save_config(config, self.run_dir / "config.yaml")
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)
-        self.device = resolve_device(config.trainer.device)
 
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                    trust_remote_code=config.model.trust_remote_code)
@@ -163,7 +161,6 @@ class RLTrainer:
         if "gen" in timing:
             generated = float(batch["response_mask"].sum())
             metrics.setdefault("rollout/tokens_per_s", generated / max(timing["gen"], 1e-9))
-        metrics |= peak_memory_gb(self.device)
         self._log_samples(batch)
         return metrics
 
@@ -252,23 +249,31 @@ class RLTrainer:
             if last_metrics:
                 self.tracker.log(last_metrics, step=0)
         batches = iter(self.train_loader)
-        with self.tracker.progress(self.total_steps, initial=self.step) as progress:
-            while self.step < self.total_steps:
-                prompts = next(batches)
-                metrics = self.train_step(prompts)
-                self.step += 1
-                metrics["training/global_step"] = self.step
-                metrics["training/epoch"] = self.train_loader.epoch
-                is_last = self.step == self.total_steps
-                if config.test_every > 0 and self.step % config.test_every == 0 or is_last:
-                    metrics |= self.validate()
-                self.tracker.log(metrics, step=self.step)
-                progress.advance(metrics)
-                if config.save_every > 0 and self.step % config.save_every == 0 or is_last:
-                    self.save()
-                last_metrics = metrics
-        self.tracker.close()
+        try:
+            with self.tracker.progress(self.total_steps, initial=self.step) as progress:
+                while self.step < self.total_steps:
+                    metrics = self.train_step(next(batches))
+                    self.step += 1
+                    metrics["training/global_step"] = self.step
+                    metrics["training/epoch"] = self.train_loader.epoch
+                    is_last = self.step == self.total_steps
+                    if config.test_every > 0 and self.step % config.test_every == 0 or is_last:
+                        metrics |= self.validate()
+                    self.tracker.log(metrics, step=self.step)
+                    progress.advance(metrics)
+                    if config.save_every > 0 and self.step % config.save_every == 0 or is_last:
+                        self.save()
+                    last_metrics = metrics
+        finally:
+            self.close()
         return last_metrics
+
+    def close(self) -> None:
+        """Stop the worker groups (their processes, on Ray) and flush the trackers."""
+        for group in (self.actor_rollout, self.reference, self.critic, self.reward):
+            if group is not None:
+                group.shutdown()
+        self.tracker.close()
 
 
 ROLES = ("actor_rollout", "ref", "critic", "reward")

@@ -24,7 +24,7 @@ from reinforge.algorithms import (
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.attention import use_varlen_attention
-from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
+from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
 from reinforge.engine.forward import build_position_ids, response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model, unsharded
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
@@ -234,6 +234,7 @@ class ActorRolloutWorker(Worker):
         seconds = time.perf_counter() - start
         result = {f"actor/{key}": value for key, value in metrics.items()}
         result |= mismatch
+        result |= peak_memory_gb(self.device)
         num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
         result |= update_perf_metrics("actor", self.model, num_tokens, seconds, self.device)
         result["timing_s/update_actor_compute"] = seconds

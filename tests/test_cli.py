@@ -1,0 +1,28 @@
+"""The command line: help, unknown commands, and the CPU smoke mode of both benches."""
+
+import json
+
+import pytest
+
+from reinforge.cli import COMMANDS, main
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert f"  {name}" in out
+
+
+def test_unknown_command_is_refused(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["grpo", "ppo"])
+def test_bench_train_cpu_smoke(tmp_path, variant):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "train", "--cpu", "--steps", "2", "--variant", variant, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["variant"] == variant and len(results["steps"]) == 2
+    assert results["median"]["step_s"] > 0 and results["median"]["update_tokens"] > 0
