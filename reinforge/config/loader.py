@@ -14,13 +14,15 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from reinforge.config.schema import Config
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -113,7 +115,7 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
 
 def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[str, Any]) -> Any:
     _check_keys(tree, source, known)
-    for dotted, value in _flatten(tree):
+    for dotted, value in _flatten(tree, known):
         try:
             OmegaConf.update(base, dotted, value, merge=True)
         except OmegaConfBaseException as error:
@@ -122,22 +124,21 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
     return base
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
-    known = schema_keys()
+def _flatten(tree: Mapping[str, Any], known: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         annotation = known.get(dotted)
         is_section = annotation is not None and dataclasses.is_dataclass(_unwrap_optional(annotation))
         if isinstance(value, Mapping) and is_section:
-            yield from _flatten(value, prefix=f"{dotted}.")
+            yield from _flatten(value, known, prefix=f"{dotted}.")
         else:
             yield dotted, value
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True) -> Config:
-    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``a.b=c`` strings)."""
-    known = schema_keys()
-    merged = OmegaConf.structured(Config)
+def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
+    """An instance of the dataclass ``schema``: its defaults, then the YAML at ``path``, then ``a.b=c`` overrides."""
+    known = schema_keys(schema)
+    merged = OmegaConf.structured(schema)
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -153,7 +154,12 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), v
     overrides = list(overrides)
     if overrides:
         merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known)
-    config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True) -> Config:
+    """The RL run's config: defaults, then the YAML file at ``path`` (if any), then ``overrides``."""
+    config = load_structured(Config, path, overrides)
     if validate:
         from reinforge.config.validate import validate_config
 
@@ -161,11 +167,11 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), v
     return config
 
 
-def config_to_dict(config: Config) -> dict[str, Any]:
+def config_to_dict(config: Any) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]
 
 
-def save_config(config: Config, path: str | Path) -> None:
+def save_config(config: Any, path: str | Path) -> None:
     """Write the resolved config as YAML (what a run records)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
