@@ -179,3 +179,15 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, arith
         return [{k: v for k, v in row.items() if not k.startswith(COMPARED_PREFIXES)} for row in rows]
 
     assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(reference_dir))
+
+
+def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"rollout.name": "native", "rollout.n": 4})
+    assert main(["train", *args]) == 0
+    rows = read_metrics(run_dir)
+    assert len(rows) == 2
+    for row in rows:
+        # float32 on the CPU: the engine's probabilities are the trainer's, up to rounding
+        assert row["training/rollout_probs_diff_max"] < 1e-3
+        assert row["rollout/tokens_per_s"] > 0
