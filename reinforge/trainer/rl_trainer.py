@@ -8,9 +8,10 @@ controller holds only the Batch and pure functions from ``reinforge.algorithms``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,27 +99,27 @@ class RLTrainer:
         batch.meta |= {"sampling": self.sampling(), "seed": config.trainer.seed * 1_000_003 + self.step,
                        "temperature": config.rollout.temperature}
 
-        with _timer(timing, "gen"):
+        with _timed(timing, "gen"):
             batch = _without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
         if algorithm.adv_estimator == "remax":
-            with _timer(timing, "gen_max"):
+            with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
-        with _timer(timing, "reward"):
+        with _timed(timing, "reward"):
             batch = batch | self.reward.score(batch)
         if algorithm.rollout_correction.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif not self.on_policy():
-            with _timer(timing, "old_log_prob"):
+            with _timed(timing, "old_log_prob"):
                 batch = batch | self.actor_rollout.compute_log_prob(batch)
         if self.reference is not None:
-            with _timer(timing, "ref"):
+            with _timed(timing, "ref"):
                 batch = batch | self.reference.compute_ref_log_prob(batch)
         if self.critic is not None:
-            with _timer(timing, "values"):
+            with _timed(timing, "values"):
                 batch = batch | self.critic.compute_values(batch)
 
         metrics: dict[str, float] = {}
-        with _timer(timing, "adv"):
+        with _timed(timing, "adv"):
             if algorithm.use_kl_in_reward:
                 old = batch.get("old_log_probs", batch["rollout_log_probs"])
                 rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], old, batch["ref_log_probs"],
@@ -143,10 +144,10 @@ class RLTrainer:
             batch["advantages"], batch["returns"] = advantages, returns
 
         if self.critic is not None:
-            with _timer(timing, "update_critic"):
+            with _timed(timing, "update_critic"):
                 metrics |= self.critic.update_critic(batch)
         if self.step >= config.critic.warmup_steps or self.critic is None:
-            with _timer(timing, "update_actor"):
+            with _timed(timing, "update_actor"):
                 metrics |= self.actor_rollout.update_actor(batch)
         timing["step"] = time.perf_counter() - step_start
 
@@ -308,15 +309,14 @@ def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> C
     return build
 
 
-class _timer:
-    def __init__(self, timing: dict[str, float], name: str):
-        self.timing, self.name = timing, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self.start
+@contextlib.contextmanager
+def _timed(timing: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time to ``timing[name]`` (reported as ``timing_s/<name>``)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 
 
 def _without_prompt_tensors(batch: Batch) -> Batch:
