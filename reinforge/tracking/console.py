@@ -17,6 +17,7 @@ from reinforge.tracking.backends import RunInfo, TrackingBackend, register_track
 
 CONSOLE_KEYS: dict[str, str] = {
     "critic/score/mean": "score",
+    "train/loss": "loss",
     "actor/pg_loss": "pg_loss",
     "actor/kl_loss": "kl_loss",
     "actor/reward_kl_penalty": "reward_kl",

@@ -7,16 +7,12 @@ Unknown keys fail with the closest valid one, as ``reinforge train`` does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from reinforge.config.loader import ConfigError, schema_keys, suggest_key
+from reinforge.config.loader import ConfigError, load_structured
 from reinforge.config.schema import ModelConfig, OptimConfig
 
 TRUNCATION_MODES = ("drop", "right", "error")
@@ -82,23 +78,7 @@ class SFTConfig:
 
 def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> SFTConfig:
     """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``a.b=c`` strings), then checks."""
-    merged = OmegaConf.structured(SFTConfig)
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a YAML file with data:, model:, optim:, "
-                              "trainer: sections, or only a.b=c overrides")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ConfigError(f"{path} is not valid YAML: {error}") from error
-        if not isinstance(tree, Mapping):
-            raise ConfigError(f"{path} must hold a mapping of sections (data:, model:, ...), not {type(tree).__name__}")
-        merged = _merge(merged, tree, f"from {path.name}")
-    overrides = list(overrides)
-    if overrides:
-        merged = _merge(merged, _overrides_to_tree(overrides), "command line")
-    config: SFTConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    config = load_structured(SFTConfig, path, overrides)
     validate_sft_config(config)
     return config
 
@@ -118,43 +98,3 @@ def validate_sft_config(config: SFTConfig) -> None:
         raise ConfigError("trainer.total_epochs must be at least 1 when trainer.total_steps is unset")
     if config.optim.schedule not in ("constant", "cosine"):
         raise ConfigError(f"optim.schedule={config.optim.schedule!r} is not one of constant, cosine")
-
-
-def _merge(base: Any, tree: Mapping[str, Any], source: str) -> Any:
-    known = schema_keys(SFTConfig)
-    _check_keys(tree, source, known)
-    try:
-        return OmegaConf.merge(base, tree)
-    except OmegaConfBaseException as error:
-        key = getattr(error, "full_key", None) or "a value"
-        raise ConfigError(f"{key} ({source}) has a value of the wrong type: {error.msg}") from error
-
-
-def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], prefix: str = "") -> None:
-    sections = {key for key in known if any(other.startswith(key + ".") for other in known)}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if dotted not in known:
-            close = suggest_key(dotted, known)
-            hint = f"; did you mean {close}?" if close else "; see reinforge/trainer/sft_config.py for the keys"
-            raise ConfigError(f"unknown key {dotted} ({source}){hint}")
-        if dotted in sections:
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{dotted}={value!r} ({source}) is a section; set its keys, e.g. {dotted}.<key>=...")
-            _check_keys(value, source, known, prefix=f"{dotted}.")
-
-
-def _overrides_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. optim.lr=1e-5")
-        key, raw = item.split("=", 1)
-        node = tree
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} (command line) sets a key below a value")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return tree

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from reinforge.algorithms import LossNormalizer, aggregate_loss, log_probs_from_logits
+from reinforge.config import config_to_dict, save_config
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, resolve_device
@@ -54,8 +53,7 @@ class SFTTrainer:
         data, trainer = config.data, config.trainer
         self.run_dir = Path(trainer.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        config_tree = OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_tree, sort_keys=False))
+        save_config(config, self.run_dir / "config.yaml")  # type: ignore[arg-type]  # any config dataclass
         torch.manual_seed(trainer.seed)
         np.random.seed(trainer.seed)
         self.device = resolve_device(trainer.device)
@@ -82,7 +80,7 @@ class SFTTrainer:
         self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                               grad_clip=trainer.grad_clip, seed=trainer.seed, mask_key="loss_mask")
         self.checkpoints = CheckpointManager(self.run_dir, trainer.keep_last)
-        self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_tree, project=trainer.project_name,
+        self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config), project=trainer.project_name,
                                experiment=trainer.experiment_name)
         self.step = 0
 

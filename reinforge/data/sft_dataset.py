@@ -1,0 +1,245 @@
+"""The SFT dataset: chat conversations tokenized with a loss mask on the assistant's tokens.
+
+A row holds ``messages``: any number of turns with roles system, user, assistant and tool.
+The chat template renders the whole conversation once. The characters of assistant message
+``i`` start where the rendering of ``messages[:i]`` with the generation prompt ends (so the
+``<|im_start|>assistant\\n`` header is not trained) and end where the rendering of
+``messages[:i + 1]`` ends; within that span, training stops after the end-of-turn (EOS) token,
+so the newline ChatML writes after ``<|im_end|>`` is not trained either. Tokens are assigned
+to spans by their character offsets in the one tokenization of the whole text, which keeps
+the tokens exactly those the model sees at inference, merges at turn boundaries included.
+
+This needs a template that renders a conversation's first messages as a prefix of the whole
+(true of ChatML, Llama 3 and most others); one that rewrites earlier turns fails with a
+clear error. Rows then become ``[prompt | response]`` batches, the layout the engine's
+micro-batching uses for RL: the "prompt" is everything before the first trained token and the
+loss mask covers the rest. With packing, several conversations share a row and the position
+ids restart at each one, which keeps attention within each conversation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reinforge.data.files import read_rows
+from reinforge.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+TRAINED_ROLES = ("assistant",)
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    input_ids: list[int]
+    loss_mask: list[int]
+    """1 where the token is a target of the loss (assistant content and its end-of-turn token)."""
+    position_ids: list[int]
+    """0.. per conversation; a packed row restarts them at each conversation."""
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], template: str) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character span of each assistant message."""
+    text = _render(tokenizer, messages, template, add_generation_prompt=False)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] not in TRAINED_ROLES:
+            continue
+        before = _render(tokenizer, messages[:index], template, add_generation_prompt=True)
+        through = _render(tokenizer, messages[:index + 1], template, add_generation_prompt=False)
+        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+            raise ValueError(f"the chat template does not render message {index} as a continuation of the earlier "
+                             "messages (it rewrites past turns), so assistant tokens cannot be located; set "
+                             "data.chat_template to a template that renders turns in order")
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None) -> SFTExample:
+    """Token ids of the rendered conversation and the mask of its trained (assistant) tokens."""
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the tokenizer has no chat template; set data.chat_template to a Jinja template")
+    text, spans = assistant_char_spans(tokenizer, messages, template)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; SFT needs a fast "
+                         "tokenizer (tokenizer.json)")
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoded["input_ids"])
+    loss_mask = [0] * len(input_ids)
+    eos_id = tokenizer.eos_token_id
+    for start, end in spans:
+        inside = [position for position, (first, _) in enumerate(encoded["offset_mapping"]) if start <= first < end]
+        ends_of_turn = [position for position in inside if input_ids[position] == eos_id]
+        if ends_of_turn:
+            inside = [position for position in inside if position <= ends_of_turn[-1]]
+        for position in inside:
+            loss_mask[position] = 1
+    loss_mask[0] = 0  # the first token has nothing before it to predict it from
+    return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
+
+
+class SFTDataset:
+    """Tokenized conversations of one split, in file order; overlong ones dropped, cut or refused."""
+
+    def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
+                 messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
+                 name: str = "train"):
+        if not files:
+            raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
+        self.name = name
+        self.examples: list[SFTExample] = []
+        self.num_dropped = 0
+        self.num_without_assistant = 0
+        num_rows = 0
+        for path in files:
+            for row_number, row in enumerate(read_rows(path)):
+                if max_samples is not None and len(self.examples) == max_samples:
+                    break
+                num_rows += 1
+                where = f"row {row_number} of {path}"
+                messages = _checked_messages(row, messages_key, where)
+                try:
+                    example = tokenize_conversation(tokenizer, messages, chat_template)
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+                if not any(example.loss_mask):
+                    self.num_without_assistant += 1
+                    continue
+                if len(example.input_ids) > max_length:
+                    if truncation == "drop":
+                        self.num_dropped += 1
+                        continue
+                    if truncation == "error":
+                        raise ValueError(f"{where} has {len(example.input_ids)} tokens, more than data.max_length="
+                                         f"{max_length}; raise max_length or set data.truncation=drop|right")
+                    example = SFTExample(example.input_ids[:max_length], example.loss_mask[:max_length],
+                                         example.position_ids[:max_length])
+                    if not any(example.loss_mask):
+                        self.num_dropped += 1
+                        continue
+                self.examples.append(example)
+        if not self.examples:
+            raise ValueError(f"no {name} conversation is left of {num_rows} rows ({self.num_dropped} longer than "
+                             f"data.max_length={max_length}, {self.num_without_assistant} without an assistant "
+                             "message); check the files and data.max_length")
+        logger.info("%s data: %d conversations from %d rows; %d dropped for being longer than %d tokens, %d without "
+                    "an assistant message", name, len(self.examples), num_rows, self.num_dropped, max_length,
+                    self.num_without_assistant)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def _checked_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
+    messages = row.get(key)
+    if not isinstance(messages, list) or not messages:
+        columns = ", ".join(sorted(row)) or "none"
+        raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
+                         "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column)")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"message {number} of {where} is {message!r}; each message is a dict with a 'role' "
+                             "string and a 'content'")
+    return messages
+
+
+def pack_examples(examples: Sequence[SFTExample], max_length: int) -> list[SFTExample]:
+    """Consecutive conversations concatenated, greedily, into rows of at most ``max_length`` tokens."""
+    rows: list[SFTExample] = []
+    ids: list[int] = []
+    mask: list[int] = []
+    positions: list[int] = []
+    for example in examples:
+        if ids and len(ids) + len(example.input_ids) > max_length:
+            rows.append(SFTExample(ids, mask, positions))
+            ids, mask, positions = [], [], []
+        ids, mask, positions = ids + example.input_ids, mask + example.loss_mask, positions + example.position_ids
+    if ids:
+        rows.append(SFTExample(ids, mask, positions))
+    return rows
+
+
+def collate_sft(rows: Sequence[SFTExample], pad_token_id: int, packed: bool = False) -> Batch:
+    """Rows as ``[left-padded prompt | right-padded response]``; the prompt ends before the first trained token.
+
+    tensors: prompts (B, P), responses (B, R), input_ids / attention_mask / position_ids (B, P + R),
+    loss_mask (B, R) float. meta: ``packed``.
+    """
+    splits = [example.loss_mask.index(1) for example in rows]
+    prompt_width = max(splits)
+    response_width = max(len(example.input_ids) - split for example, split in zip(rows, splits, strict=True))
+    width = prompt_width + response_width
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    for row, (example, split) in enumerate(zip(rows, splits, strict=True)):
+        start = prompt_width - split
+        stop = start + len(example.input_ids)
+        input_ids[row, start:stop] = torch.tensor(example.input_ids)
+        attention_mask[row, start:stop] = 1
+        position_ids[row, start:stop] = torch.tensor(example.position_ids)
+        loss_mask[row, start:stop] = torch.tensor(example.loss_mask, dtype=torch.float32)
+    return Batch.from_dict(
+        tensors={"prompts": input_ids[:, :prompt_width], "responses": input_ids[:, prompt_width:],
+                 "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                 "loss_mask": loss_mask[:, prompt_width:]},
+        meta={"packed": packed})
+
+
+class SFTLoader:
+    """Batches of ``batch_size`` rows; a seeded permutation per epoch, resumable from ``state_dict()``.
+
+    Training iterates forever (epoch after epoch, the last batch of an epoch may be smaller);
+    ``len()`` is the number of batches per epoch.
+    """
+
+    def __init__(self, rows: Sequence[SFTExample], batch_size: int, pad_token_id: int, *, packed: bool = False,
+                 shuffle: bool = True, seed: int = 1):
+        self.rows = list(rows)
+        self.batch_size = batch_size
+        self.pad_token_id = pad_token_id
+        self.packed = packed
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        return -(-len(self.rows) // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def next_batch(self) -> Batch:
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
+        self.position += 1
+        return collate_sft([self.rows[index] for index in order], self.pad_token_id, self.packed)
+
+    def batches_of_one_pass(self) -> list[Batch]:
+        """Every row once, in order (for validation)."""
+        return [collate_sft(self.rows[start:start + self.batch_size], self.pad_token_id, self.packed)
+                for start in range(0, len(self.rows), self.batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

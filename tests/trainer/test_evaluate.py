@@ -1,0 +1,22 @@
+"""reinforge eval: greedy accuracy of a model on RL-schema prompts, in the validation metrics' names."""
+
+from __future__ import annotations
+
+import json
+
+from reinforge.config import load_config
+from reinforge.trainer.evaluate import eval_main, evaluate
+
+
+def test_evaluate_reports_mean_accuracy(tiny_model_dir, arithmetic_data_dir):
+    config = load_config(None, [f"model.path={tiny_model_dir}", f"data.val_files=[{arithmetic_data_dir / 'test.parquet'}]",
+                                "data.max_response_length=4", "trainer.device=cpu", "reward.num_workers=0"])
+    metrics = evaluate(config)
+    assert 0.0 <= metrics["val-core/arithmetic/acc/mean@1"] <= 1.0
+
+
+def test_eval_command_prints_json(tiny_model_dir, arithmetic_data_dir, capsys):
+    assert eval_main([str(tiny_model_dir), str(arithmetic_data_dir / "test.parquet"), "data.max_response_length=4",
+                      "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=1.0", "reward.num_workers=0"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert "val-core/arithmetic/acc/best@2" in metrics

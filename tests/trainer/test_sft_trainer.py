@@ -1,0 +1,143 @@
+"""The SFT trainer: assistant-only loss masks, packing, micro-batching, the run folder and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from reinforge.config import ConfigError
+from reinforge.data.sft_dataset import collate_sft, pack_examples, tokenize_conversation
+from reinforge.models import build_char_tokenizer, build_tiny_causal_lm
+from reinforge.trainer.sft_config import load_sft_config
+from reinforge.trainer.sft_trainer import SFTTrainer, token_log_probs
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 1 + 2?"},
+    {"role": "assistant", "content": "3"},
+    {"role": "tool", "content": "ok"},
+    {"role": "user", "content": "And 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def trained_text(tokenizer, example) -> list[str]:
+    """Decoded runs of consecutive trained tokens."""
+    runs, current = [], []
+    for token_id, trained in zip(example.input_ids, example.loss_mask, strict=True):
+        if trained:
+            current.append(token_id)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def test_only_assistant_tokens_and_their_end_of_turn_are_trained(tokenizer):
+    example = tokenize_conversation(tokenizer, CONVERSATION)
+    assert trained_text(tokenizer, example) == ["3<|im_end|>", "4<|im_end|>"]
+    assert tokenizer.decode(example.input_ids) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+
+
+def test_single_turn_masks_header_and_trailing_newline(tokenizer):
+    example = tokenize_conversation(tokenizer, CONVERSATION[1:3])
+    prompt = tokenizer.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True)
+    assert sum(example.loss_mask) == 2  # "3" and <|im_end|>
+    assert example.loss_mask.index(1) == len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert example.loss_mask[-1] == 0  # the "\n" after <|im_end|>
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+    template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    with pytest.raises(ValueError, match="continuation of the earlier"):
+        tokenize_conversation(tokenizer, CONVERSATION, template)
+
+
+def test_packed_rows_give_each_conversation_its_unpacked_log_probs(tokenizer):
+    model = build_tiny_causal_lm(vocab_size=len(tokenizer), seed=0).eval()
+    examples = [tokenize_conversation(tokenizer, CONVERSATION[1:3]),
+                tokenize_conversation(tokenizer, CONVERSATION),
+                tokenize_conversation(tokenizer, CONVERSATION[4:6])]
+    pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        unpacked = collate_sft(examples, pad)
+        expected = (token_log_probs(model, unpacked) * unpacked["loss_mask"]).sum()
+        packed_rows = pack_examples(examples, max_length=1000)
+        assert len(packed_rows) == 1
+        packed = collate_sft(packed_rows, pad, packed=True)
+        got = (token_log_probs(model, packed) * packed["loss_mask"]).sum()
+    assert packed["loss_mask"].sum() == unpacked["loss_mask"].sum()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def write_chat_rows(path, count: int) -> str:
+    with open(path, "w") as handle:
+        for index in range(count):
+            left, right = index % 7, (3 * index) % 5
+            handle.write(json.dumps({"messages": [{"role": "user", "content": f"{left}+{right}?"},
+                                                  {"role": "assistant", "content": str(left + right)}]}) + "\n")
+    return str(path)
+
+
+def sft_config(tmp_path, model_dir, *extra: str):
+    train = write_chat_rows(tmp_path / "train.jsonl", 32)
+    val = write_chat_rows(tmp_path / "val.jsonl", 8)
+    return load_sft_config(None, [f"model.path={model_dir}", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                                  "data.batch_size=8", "data.max_length=64", "trainer.total_steps=6", "optim.lr=3e-3",
+                                  "optim.warmup_steps=0", "trainer.device=cpu", "trainer.loggers=[jsonl]",
+                                  f"trainer.output_dir={tmp_path / 'run'}", *extra])
+
+
+def test_sft_run_lowers_the_loss_and_leaves_an_rl_style_run_folder(tmp_path, tiny_model_dir):
+    trainer = SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.save_every=3"))
+    last = trainer.fit()
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0 and records[-1]["val/loss"] < records[0]["val/loss"]
+    assert last["train/loss"] > 0
+    assert (run / "config.yaml").is_file()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000006"
+    final = trainer.final_model_dir()
+    assert {"actor_state.pt", "trainer_state.pt", "hf"} <= {path.name for path in final.parent.iterdir()}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(final)
+    assert AutoTokenizer.from_pretrained(final).chat_template
+
+
+def test_resume_continues_from_the_latest_checkpoint(tmp_path, tiny_model_dir):
+    SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=3")).fit()
+    resumed = SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=5"))
+    resumed.fit()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5]
+
+
+def test_micro_batch_budget_does_not_change_the_update(tmp_path, tiny_model_dir):
+    weights = []
+    for budget in (64, 100000):
+        folder = tmp_path / str(budget)
+        folder.mkdir()
+        trainer = SFTTrainer(sft_config(folder, tiny_model_dir, "trainer.total_steps=1",
+                                        f"trainer.max_tokens_per_micro_batch={budget}", "data.packing=true"))
+        trainer.train_step(trainer.train_loader.next_batch())
+        weights.append(next(trainer.model.parameters()).detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
+
+
+def test_config_errors_name_the_key_and_the_fix():
+    with pytest.raises(ConfigError, match="did you mean optim.lr"):
+        load_sft_config(None, ["optim.learning_rate=1e-5"])
+    with pytest.raises(ConfigError, match="data.truncation"):
+        load_sft_config(None, ["data.truncation=left"])
+    with pytest.raises(ConfigError, match="trainer.total_steps"):
+        load_sft_config(None, ["trainer.total_steps=many"])
