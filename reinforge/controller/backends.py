@@ -85,8 +85,15 @@ class _MemberThread:
         self._queue.put((future, function))
         return future
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float | None = 60.0) -> None:
+        """Finish the queued calls, then end the thread (waiting at most ``timeout_s`` for it).
+
+        Joining matters: a thread that ran torch code and is still alive when the interpreter
+        exits can abort the process during teardown.
+        """
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:

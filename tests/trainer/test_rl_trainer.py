@@ -191,3 +191,12 @@ def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, 
         # float32 on the CPU: the engine's probabilities are the trainer's, up to rounding
         assert row["training/rollout_probs_diff_max"] < 1e-3
         assert row["rollout/tokens_per_s"] > 0
+
+
+def test_the_command_exits_cleanly(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    """Worker threads that ran torch code are joined before exit; a live one used to abort teardown."""
+    args = base_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
+        "trainer.total_steps": 1, "reward.num_workers": 0})
+    finished = subprocess.run(_train_command(args), capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert "terminate called" not in finished.stderr
