@@ -1,0 +1,107 @@
+"""Rebuild the demo model from scratch: ``python -m reinforge.demo.build [--out DIR]``.
+
+A randomly initialised small Qwen2 with the character tokenizer is fine-tuned by the SFT
+trainer on the arithmetic task's training conversations for a fixed, short budget: enough that
+it answers in the right format and gets part of the held-out problems right, little enough
+that RL has room to improve it. Everything is seeded, so a rebuild on the CPU reproduces the
+committed model's accuracy within a few points. Takes about ten minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from reinforge.demo.task import MODEL, MODEL_CARD, MODEL_DIR, TASK, DemoModel, DemoTask
+
+BUILD_COMMAND = "python -m reinforge.demo.build"
+ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
+
+
+@dataclass(frozen=True)
+class SFTBudget:
+    steps: int = 2300
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    seed: int = 1
+
+
+SFT = SFTBudget()
+
+
+def held_out_accuracy(model_dir: Path, test_file: str, task: DemoTask = TASK, device: str = "cpu") -> float:
+    """Greedy accuracy of the model on the held-out problems."""
+    from reinforge.config import load_config
+    from reinforge.trainer.evaluate import evaluate
+
+    config = load_config(None, [f"model.path={model_dir}", f"data.val_files=[{test_file}]",
+                                f"data.max_prompt_length={task.max_prompt_length}",
+                                f"data.max_response_length={task.max_response_length}", f"trainer.device={device}",
+                                "reward.num_workers=0"])
+    return evaluate(config)[ACCURACY_KEY]
+
+
+def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, model: DemoModel = MODEL,
+                     budget: SFTBudget = SFT, work_dir: str | Path | None = None, device: str = "cpu",
+                     loggers: tuple[str, ...] = ("console", "jsonl")) -> dict:
+    """Initialise, fine-tune and measure the demo model; write it to ``out_dir`` atomically. Returns its card."""
+    from reinforge.models import atomic_folder, save_tiny_model
+    from reinforge.trainer.sft_config import load_sft_config
+    from reinforge.trainer.sft_trainer import SFTTrainer
+
+    started = time.perf_counter()
+    temporary = None
+    if work_dir is None:
+        temporary = tempfile.TemporaryDirectory(prefix="reinforge-demo-build-")
+        work_dir = temporary.name
+    work = Path(work_dir)
+    try:
+        files = task.write(work / "data")
+        init_dir = save_tiny_model(work / "init", **asdict(model))
+        config = load_sft_config(None, [
+            f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=128",
+            f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
+            f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", "optim.schedule=constant",
+            f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={work / 'sft'}",
+            "trainer.resume=never", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]"])
+        trainer = SFTTrainer(config)
+        last = trainer.fit()
+        sft_model = trainer.final_model_dir()
+        accuracy = held_out_accuracy(sft_model, files["test"], task, device)
+        card = {"held_out_accuracy": accuracy, "sft_steps": budget.steps, "sft_final_loss": last.get("train/loss"),
+                "task": asdict(task), "model": asdict(model), "sft": asdict(budget),
+                "build_seconds": round(time.perf_counter() - started, 1), "rebuild_command": BUILD_COMMAND}
+        with atomic_folder(out_dir) as staging:
+            for path in sft_model.iterdir():
+                shutil.copy2(path, staging / path.name)
+            (staging / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
+        return card
+    finally:
+        if temporary is not None:
+            temporary.cleanup()
+
+
+def build_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=BUILD_COMMAND, description="Rebuild the demo model from scratch by SFT.")
+    parser.add_argument("--out", type=Path, default=MODEL_DIR, help=f"the model folder to write (default: {MODEL_DIR})")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the data and the SFT run here")
+    parser.add_argument("--device", default="cpu", help="cpu (reproduces the committed model) or cuda")
+    args = parser.parse_args(argv)
+    card = build_demo_model(args.out, work_dir=args.work_dir, device=args.device)
+    print(f"demo model written to {args.out}: held-out accuracy {100 * card['held_out_accuracy']:.1f}% "
+          f"after {card['sft_steps']} SFT steps ({card['build_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    sys.exit(build_main(sys.argv[1:]))
