@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from reinforge.config import Config, load_config
 from reinforge.config.loader import ConfigError
@@ -20,7 +19,7 @@ def evaluate(config: Config) -> dict[str, float]:
     """Validation metrics of ``config.model.path`` on ``config.data.val_files``."""
     from reinforge.data import PromptLoader, RLDataset
     from reinforge.rollout.base import SamplingParams
-    from reinforge.trainer.validation import summarize_validation
+    from reinforge.trainer.validation import run_validation
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.reward import RewardWorker
 
@@ -31,24 +30,7 @@ def evaluate(config: Config) -> dict[str, float]:
     val = config.rollout.val_kwargs
     sampling = SamplingParams(max_tokens=config.data.max_response_length, temperature=val.temperature,
                               top_p=val.top_p, top_k=val.top_k, stop_token_ids=tuple(config.rollout.stop_token_ids))
-    records: list[dict[str, Any]] = []
-    for prompts in loader:
-        batch = prompts.repeat(val.n, interleave=True)
-        batch.meta |= {"sampling": sampling, "seed": config.trainer.seed + 7,
-                       "temperature": 1.0 if val.temperature == 0 else val.temperature}
-        generated = actor.generate(batch)
-        for key in ("input_ids", "attention_mask"):  # generation returns the whole sequences
-            batch.tensors.pop(key)
-        batch = batch | generated
-        batch = batch | reward.score(batch)
-        scores = batch["token_level_scores"].sum(-1)
-        extras = {key.removeprefix("reward_"): values for key, values in batch.non_tensors.items()
-                  if key.startswith("reward_")}
-        for row in range(len(batch)):
-            record = {"data_source": batch["data_source"][row], "uid": batch["uid"][row], "reward": float(scores[row])}
-            record |= {key: values[row] for key, values in extras.items()}
-            records.append(record)
-    return summarize_validation(records, val.n)
+    return run_validation(loader, val.n, sampling, config.trainer.seed + 7, actor.generate, reward.score)
 
 
 def eval_main(argv: list[str]) -> int:

@@ -34,7 +34,7 @@ from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
-from reinforge.trainer.validation import summarize_validation
+from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
 from reinforge.workers.reference import ReferenceWorker
@@ -100,7 +100,7 @@ class RLTrainer:
                        "temperature": config.rollout.temperature}
 
         with _timed(timing, "gen"):
-            batch = _without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
+            batch = without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
@@ -152,7 +152,7 @@ class RLTrainer:
         timing["step"] = time.perf_counter() - step_start
 
         metrics |= compute_data_metrics(batch, config.data.max_response_length)
-        metrics |= mean_of_extras(_reward_extras(batch))
+        metrics |= mean_of_extras(reward_extras(batch))
         metrics |= batch.meta.get("reward_metrics", {})
         metrics |= batch.meta.get("mismatch_metrics", {})
         metrics |= {f"timing_s/{key}": value for key, value in timing.items()}
@@ -170,7 +170,7 @@ class RLTrainer:
         greedy = prompts.index(slice(None))
         greedy.meta |= {"sampling": SamplingParams(**{**self.sampling().__dict__, "temperature": 0.0}),
                         "seed": 0, "temperature": 1.0}
-        greedy = _without_prompt_tensors(greedy) | self.actor_rollout.generate(greedy)
+        greedy = without_prompt_tensors(greedy) | self.actor_rollout.generate(greedy)
         scores = self.reward.score(greedy)["token_level_scores"].sum(-1)
         return scores.repeat_interleave(self.config.rollout.n)
 
@@ -192,24 +192,8 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         if self.val_loader is None:
             return {}
-        val = self.config.rollout.val_kwargs
-        sampling = self.sampling(validation=True)
-        records: list[dict[str, Any]] = []
-        for prompts in self.val_loader:
-            batch = prompts.repeat(val.n, interleave=True)
-            batch.meta |= {"sampling": sampling, "seed": self.config.trainer.seed + 7,
-                           "temperature": 1.0 if val.temperature == 0 else val.temperature}
-            batch = _without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
-            batch = batch | self.reward.score(batch)
-            scores = batch["token_level_scores"].sum(-1)
-            extras = _reward_extras(batch)
-            for row in range(len(batch)):
-                record = {"data_source": batch["data_source"][row], "uid": batch["uid"][row],
-                          "reward": float(scores[row])}
-                for key, values in extras.items():
-                    record[key] = values[row]
-                records.append(record)
-        return summarize_validation(records, val.n)
+        return run_validation(self.val_loader, self.config.rollout.val_kwargs.n, self.sampling(validation=True),
+                              self.config.trainer.seed + 7, self.actor_rollout.generate, self.reward.score)
 
     # ---- the run ------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -317,20 +301,6 @@ def _timed(timing: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
-
-
-def _without_prompt_tensors(batch: Batch) -> Batch:
-    """The batch minus the prompt-only tensors that generation replaces with whole sequences."""
-    kept = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
-    kept.tensors.pop("input_ids", None)
-    kept.tensors.pop("attention_mask", None)
-    return kept
-
-
-def _reward_extras(batch: Batch) -> dict[str, list]:
-    """The scorer's per-sample extras (acc, pred, ...) from the reward_<key> columns."""
-    return {key.removeprefix("reward_"): list(values) for key, values in batch.non_tensors.items()
-            if key.startswith("reward_")}
 
 
 def _group_ids(uids: np.ndarray) -> torch.Tensor:

@@ -9,7 +9,11 @@ prompt's best sample, ``maj@N`` scores the answer most samples agree on (the sco
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
 
 
 def _numeric(value: Any) -> bool:
@@ -44,3 +48,36 @@ def summarize_validation(records: list[dict[str, Any]], num_samples: int) -> dic
                     majority.append(float(chosen[name]))
                 metrics[f"{prefix}/maj@{num_samples}"] = sum(majority) / len(majority)
     return metrics
+
+
+def without_prompt_tensors(batch: Batch) -> Batch:
+    """The batch minus the prompt-only tensors that generation replaces with whole sequences."""
+    kept = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
+    kept.tensors.pop("input_ids", None)
+    kept.tensors.pop("attention_mask", None)
+    return kept
+
+
+def reward_extras(batch: Batch) -> dict[str, list]:
+    """The scorer's per-sample extras (acc, pred, ...) from the reward_<key> columns."""
+    return {key.removeprefix("reward_"): list(values) for key, values in batch.non_tensors.items()
+            if key.startswith("reward_")}
+
+
+def run_validation(prompt_batches: Iterable[Batch], num_samples: int, sampling: SamplingParams, seed: int,
+                   generate: Callable[[Batch], Batch], score: Callable[[Batch], Batch]) -> dict[str, float]:
+    """Answer every prompt ``num_samples`` times with ``generate``, score with ``score``, summarise."""
+    temperature = 1.0 if sampling.temperature == 0 else sampling.temperature
+    records: list[dict[str, Any]] = []
+    for prompts in prompt_batches:
+        batch = prompts.repeat(num_samples, interleave=True)
+        batch.meta |= {"sampling": sampling, "seed": seed, "temperature": temperature}
+        batch = without_prompt_tensors(batch) | generate(batch)
+        batch = batch | score(batch)
+        scores = batch["token_level_scores"].sum(-1)
+        extras = reward_extras(batch)
+        for row in range(len(batch)):
+            record = {"data_source": batch["data_source"][row], "uid": batch["uid"][row], "reward": float(scores[row])}
+            record |= {key: values[row] for key, values in extras.items()}
+            records.append(record)
+    return summarize_validation(records, num_samples)
