@@ -13,14 +13,23 @@ import sys
 from collections.abc import Callable
 
 
-def _train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="reinforge train", description="Run RL training (GRPO, PPO, ...).")
-    parser.add_argument("config", nargs="?", help="a YAML config file (only the keys that differ from defaults)")
-    parser.add_argument("overrides", nargs="*", help="a.b=c overrides, e.g. actor.optim.lr=1e-6 rollout.n=8")
+def _config_arguments(argv: list[str], *, prog: str, description: str, config_help: str,
+                      example: str) -> tuple[str | None, list[str]]:
+    """``[config.yaml] a.b=c ...`` -> (config path or None, overrides); the file may be left out."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("config", nargs="?", help=config_help)
+    parser.add_argument("overrides", nargs="*", help=f"a.b=c overrides, e.g. {example}")
     args = parser.parse_args(argv)
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path is not None and "=" in config_path:
-        config_path, overrides = None, [config_path, *overrides]
+    if args.config is not None and "=" in args.config:
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
+def _train(argv: list[str]) -> int:
+    config_path, overrides = _config_arguments(
+        argv, prog="reinforge train", description="Run RL training (GRPO, PPO, ...).",
+        config_help="a YAML config file (only the keys that differ from defaults)",
+        example="actor.optim.lr=1e-6 rollout.n=8")
 
     from reinforge.config import load_config
 
@@ -37,14 +46,10 @@ def _train(argv: list[str]) -> int:
 
 
 def _sft(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="reinforge sft",
-                                     description="Supervised fine-tuning on chat conversations (loss on assistant tokens).")
-    parser.add_argument("config", nargs="?", help="a YAML config file (data:, model:, optim:, trainer: sections)")
-    parser.add_argument("overrides", nargs="*", help="a.b=c overrides, e.g. optim.lr=1e-5 data.packing=true")
-    args = parser.parse_args(argv)
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path is not None and "=" in config_path:
-        config_path, overrides = None, [config_path, *overrides]
+    config_path, overrides = _config_arguments(
+        argv, prog="reinforge sft", description="Supervised fine-tuning on chat conversations (loss on assistant tokens).",
+        config_help="a YAML config file (data:, model:, optim:, trainer: sections)",
+        example="optim.lr=1e-5 data.packing=true")
 
     from reinforge.trainer.sft_config import load_sft_config
 

@@ -20,6 +20,13 @@ from reinforge.data.rl_dataset import PromptExample, RLDataset
 from reinforge.protocol import Batch
 
 
+def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Row positions in the order epoch ``epoch`` visits them: a permutation drawn from (seed, epoch) alone."""
+    if not shuffle:
+        return np.arange(num_rows)
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
 def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: Sequence[str]) -> Batch:
     """Prompts left-padded to the longest one, with their reward inputs.
 
@@ -96,9 +103,7 @@ class PromptLoader:
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Dataset positions in the order epoch ``epoch`` visits them."""
-        if not self.shuffle:
-            return np.arange(len(self.dataset))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+        return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
 
     def __iter__(self) -> Iterator[Batch]:
         if not self.repeat:

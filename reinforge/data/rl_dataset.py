@@ -118,11 +118,16 @@ def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any
     if not isinstance(prompt, list):
         raise ValueError(f"{where} has a {prompt_key!r} of type {type(prompt).__name__}; expected a list of "
                          "{'role': ..., 'content': ...} messages or a string")
-    for number, message in enumerate(prompt):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(f"message {number} of the {prompt_key!r} in {where} is {message!r}; each message "
-                             "is a dict with a 'role' string and a 'content'")
+    check_chat_messages(prompt, f"the {prompt_key!r} in {where}")
     return prompt
+
+
+def check_chat_messages(messages: list[Any], where: str) -> None:
+    """Raise one clear line when a message is not a dict with a 'role' string and a 'content'."""
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ValueError(f"message {number} of {where} is {message!r}; each message is a dict with a 'role' "
+                             "string and a 'content'")
 
 
 def _checked_dict(row: Row, key: str, where: str) -> dict[str, Any]:

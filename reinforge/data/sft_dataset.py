@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from reinforge.data.files import read_rows
+from reinforge.data.prompt_loader import epoch_order
+from reinforge.data.rl_dataset import check_chat_messages
 from reinforge.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -149,10 +151,7 @@ def _checked_messages(row: dict[str, Any], key: str, where: str) -> list[dict[st
         columns = ", ".join(sorted(row)) or "none"
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column)")
-    for number, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise ValueError(f"message {number} of {where} is {message!r}; each message is a dict with a 'role' "
-                             "string and a 'content'")
+    check_chat_messages(messages, where)
     return messages
 
 
@@ -222,9 +221,7 @@ class SFTLoader:
         return -(-len(self.rows) // self.batch_size)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.rows))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        return epoch_order(len(self.rows), self.seed, epoch, self.shuffle)
 
     def next_batch(self) -> Batch:
         if self.position >= len(self):
