@@ -37,6 +37,7 @@ def log_probs_microbench() -> dict:
     weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.05).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     result = {}
+    default = module.COMPILE_ON_CUDA
     for compiled in (False, True):
         module.COMPILE_ON_CUDA = compiled
         times = []
@@ -49,15 +50,15 @@ def log_probs_microbench() -> dict:
             times.append(time.perf_counter() - start)
         result["compiled" if compiled else "eager"] = min(times[1:])
         result["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    module.COMPILE_ON_CUDA = False
+    module.COMPILE_ON_CUDA = default
     print("log_probs", json.dumps(result), flush=True)
     return result
 
 
-def bench(model_dir: Path, variant: str, steps: int, extra: list[str]) -> dict:
+def bench(model_dir: Path, variant: str, steps: int, extra: list[str], name: str | None = None) -> dict:
     from reinforge.bench_train import bench_train_main
 
-    path = OUT / f"{variant}.json"
+    path = OUT / f"{name or variant}.json"
     bench_train_main(["--variant", variant, "--steps", str(steps), "--model-dir", str(model_dir), "--json", str(path),
                       *extra])
     gc.collect()
@@ -86,7 +87,7 @@ def check_cli(folder: Path) -> dict:
         last = lines[-1]
         finite = all(math.isfinite(v) for k, v in last.items() if isinstance(v, float) and k.startswith("actor/"))
         outcome[name] = {"exit": code, "steps": len(lines), "finite": finite,
-                         "hf_saved": (run_dir / "checkpoints" / "step_2" / "hf" / "config.json").is_file(),
+                         "hf_saved": any((run_dir / "checkpoints").glob("step_*2/hf/config.json")),
                          "pg_loss": last.get("actor/pg_loss"), "grad_norm": last.get("actor/grad_norm")}
     print("check", json.dumps(outcome), flush=True)
     return outcome
@@ -103,6 +104,7 @@ def main() -> int:
         steps = [("log_probs", log_probs_microbench),
                  ("grpo", lambda: bench(model_dir, "grpo", grpo_steps, [])),
                   ("check", lambda: check_cli(scratch / "check")),
+                  ("grpo_unfused", lambda: bench(model_dir, "grpo", 3, ["--no-fused-kernels"], "grpo_unfused")),
                   ("kl", lambda: bench(model_dir, "kl", 3, [])),
                   ("ppo", lambda: bench(model_dir, "ppo", 3, []))]
         wanted = sys.argv[1:] or [name for name, _ in steps]
@@ -116,7 +118,7 @@ def main() -> int:
                 RESULTS[name] = {"error": traceback.format_exc(limit=3)[-600:]}
             (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n| what | step s | rollout s | update s | update tok/s | MFU | peak GiB |")
-    for name in ("grpo", "kl", "ppo"):
+    for name in ("grpo", "grpo_unfused", "kl", "ppo"):
         m = RESULTS.get(name, {})
         if "step_s" in m:
             print(f"| {name} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['update_actor_s']:.2f} | "

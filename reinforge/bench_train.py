@@ -51,6 +51,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config = Config()
     config.model.path = str(model_dir)
     config.model.gradient_checkpointing = args.checkpointing
+    config.model.fused_kernels = args.fused_kernels
     config.data.train_batch_size = args.prompts
     config.data.max_prompt_length = args.prompt_tokens
     config.data.max_response_length = args.response_tokens
@@ -174,6 +175,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
+                        help="train with the eager RMSNorm and MLP (model.fused_kernels=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

@@ -51,6 +51,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    fused_kernels: bool = True
+    """On CUDA, train with RMSNorm and the gated MLP compiled into fused kernels (engine.fused)."""
 
 
 @dataclass

@@ -53,8 +53,9 @@ def _use_compiled(tensor: Tensor) -> bool:
     return tensor.is_cuda and COMPILE_ON_CUDA
 
 
-COMPILE_ON_CUDA = False
-"""torch.compile the per-chunk math on CUDA; off until benchmarks/train_step.py (log_probs) shows it pays."""
+COMPILE_ON_CUDA = True
+"""torch.compile the per-chunk math on CUDA: 3.2x faster forward + backward than eager for 16k rows
+x 151936 vocab on an H200 (0.044 s vs 0.144 s, benchmarks/train_step.py log_probs, 2026-11-29)."""
 
 
 class _LinearLogProbs(torch.autograd.Function):

@@ -27,8 +27,11 @@ from reinforge.protocol import Batch
 MicroBatchFn = Callable[[Batch, int, str], list[Batch]]
 """(mini-batch, token budget, mask key) -> its micro-batches."""
 
-MicroLossFn = Callable[[Batch, LossNormalizer], tuple[Tensor, dict[str, float]]]
+MicroLossFn = Callable[[Batch, LossNormalizer], tuple[Tensor, dict[str, float | Tensor]]]
 """(micro-batch, normaliser of its mini-batch) -> (loss to backpropagate, metrics of the micro-batch).
+
+Metrics may be scalar device tensors: they are read back once, after the last optimizer step,
+so the host never waits for the device between micro-batches.
 
 Metrics whose name ends in ``_loss`` are already normalised by the mini-batch's global counts:
 they are summed over its micro-batches and the data-parallel ranks (giving the mini-batch's
@@ -91,15 +94,16 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
             normalizer = mini_batch_normalizer(mini_batch, settings.mask_key, device)
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
-                micro = micro.to(device)
+                weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
+                micro = micro.to(device, non_blocking=True)
                 loss, metrics = loss_fn(micro, normalizer)
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-                weight = float(micro[settings.mask_key].sum())
-                for key, value in metrics.items():
+                for key, value in metrics.items():  # device tensors stay there until the step ends
+                    value = value.detach().float() if isinstance(value, Tensor) else float(value)
                     if key.endswith("_loss"):
-                        loss_sums[key] += float(value)
+                        loss_sums[key] = loss_sums[key] + value
                     else:
-                        sums[key] += float(value) * weight
+                        sums[key] = sums[key] + value * weight
                         weights[key] += weight
             grad_norm = clip_grad_norm_(model.parameters(), settings.grad_clip)
             if torch.isfinite(grad_norm):
@@ -110,6 +114,8 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
             grad_norms.append(float(grad_norm))
             num_steps += 1
     optimizer.zero_grad(set_to_none=True)
+    sums = {key: float(value) for key, value in sums.items()}
+    loss_sums = {key: float(value) for key, value in loss_sums.items()}
     _sum_over_ranks(sums, weights, loss_sums, device=device)
     result = {key: sums[key] / max(weights[key], 1e-12) for key in sums}
     result |= {key: value / max(num_steps, 1) for key, value in loss_sums.items()}

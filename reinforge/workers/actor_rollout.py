@@ -27,6 +27,7 @@ from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
 from reinforge.engine.forward import build_position_ids, response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model, unsharded
+from reinforge.engine.fused import fuse_elementwise
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.perf import update_perf_metrics
@@ -56,6 +57,8 @@ class ActorRolloutWorker(Worker):
                                     attn_implementation=config.model.attn_implementation,
                                     gradient_checkpointing=config.model.gradient_checkpointing)
         use_varlen_attention(self.model)
+        if config.model.fused_kernels and self.device.type == "cuda":
+            fuse_elementwise(self.model)
         self.model_class = type(self.model)
         self.engine = self._build_engine_in_compute_dtype()
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
@@ -215,13 +218,13 @@ class ActorRolloutWorker(Worker):
                 config=actor.policy_loss, importance_weights=micro.get("rollout_is_weights"), normalizer=normalizer)
             entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
             loss = pg_loss - actor.entropy_coeff * entropy_loss
-            metrics = {"pg_loss": float(pg_loss.detach()), "entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))}
-            metrics |= {key: float(value) for key, value in pg_metrics.items()}
+            metrics = {"pg_loss": pg_loss, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1),
+                       **pg_metrics}
             if actor.use_kl_loss:
                 kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
                 loss = loss + actor.kl_loss_coef * kl_loss
-                metrics["kl_loss"] = float(kl_loss.detach())
+                metrics["kl_loss"] = kl_loss
                 metrics["kl_coef"] = actor.kl_loss_coef
             return loss, metrics
 

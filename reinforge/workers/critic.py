@@ -18,6 +18,7 @@ from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_values
 from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.fused import fuse_elementwise
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.perf import update_perf_metrics
@@ -37,6 +38,8 @@ class CriticWorker(Worker):
                                                 device="cpu" if critic.param_offload else self.device,
                                                 gradient_checkpointing=config.model.gradient_checkpointing)
         use_varlen_attention(self.model.backbone)
+        if config.model.fused_kernels and self.device.type == "cuda":
+            fuse_elementwise(self.model.backbone)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])
         self.model.train()
@@ -70,8 +73,8 @@ class CriticWorker(Worker):
             loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
                                                 critic.cliprange_value, critic.loss_agg_mode, normalizer)
             mask = micro["response_mask"]
-            vpred_mean = float((values.detach() * mask).sum() / mask.sum().clamp(min=1))
-            return loss, {"vf_loss": float(loss.detach()), "vf_clipfrac": float(clipfrac), "vpred_mean": vpred_mean}
+            vpred_mean = (values.detach() * mask).sum() / mask.sum().clamp(min=1)
+            return loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}
 
         start = time.perf_counter()
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,

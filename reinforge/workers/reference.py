@@ -15,6 +15,7 @@ from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.fused import fuse_elementwise
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
@@ -31,6 +32,8 @@ class ReferenceWorker(Worker):
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
         use_varlen_attention(self.model)
+        if config.model.fused_kernels and self.device.type == "cuda":
+            fuse_elementwise(self.model)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 

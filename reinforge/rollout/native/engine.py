@@ -186,6 +186,7 @@ class NativeEngine:
             return self.num_kv_blocks
         if self.device.type != "cuda":
             return useful
+        torch.cuda.empty_cache()  # blocks the training step's allocator keeps cached are free memory here
         free, total = torch.cuda.mem_get_info(self.device)
         config = self.model.config
         element_size = self.runner.decoder.dtype.itemsize

@@ -138,8 +138,8 @@ class ModelRunner:
                 tensors["input_ids"] = next_input_ids
             self.last_decode_positions = tensors["positions"]
             return self._decode_forward(tensors)
-        if not self._graphs:
-            self.capture_cuda_graphs()
+        if graph_size not in self._graphs:
+            self.capture_cuda_graph(graph_size)
         static = self._graph_inputs
         self._fill_padding(graph_size)
         for name, array in inputs.items():
@@ -164,25 +164,30 @@ class ModelRunner:
         static["block_tables"][:size].fill_(self.spare_block)
 
     @torch.no_grad()
-    def capture_cuda_graphs(self) -> None:
-        """Capture the decode forward for each batch size, largest first so all share one memory pool."""
-        largest = self.cuda_graph_batch_sizes[-1]
-        self._graph_inputs = {
-            "input_ids": torch.zeros(largest, dtype=torch.int64, device=self.device),
-            "positions": torch.zeros(largest, dtype=torch.int64, device=self.device),
-            "slot_mapping": torch.zeros(largest, dtype=torch.int64, device=self.device),
-            "context_lens": torch.ones(largest, dtype=torch.int32, device=self.device),
-            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
-        }
-        self._fill_padding(largest)
-        self._graph_pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.cuda_graph_batch_sizes):
-            views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
-            self._decode_forward(views)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                self._graph_logits[size] = self._decode_forward(views)
-            self._graphs[size] = graph
-        self._graph_parameter_pointers = self.decoder.parameter_pointers()
+    def capture_cuda_graph(self, size: int) -> None:
+        """Capture the decode forward for batch ``size`` when a step first needs it.
+
+        Capturing lazily matters for the hybrid engine: every wake-up gathers the weights anew,
+        so graphs rarely outlive a rollout, and a rollout of equal-length samples uses one or
+        two sizes of the whole set. All graphs share one memory pool.
+        """
+        if not self._graph_inputs:
+            largest = self.cuda_graph_batch_sizes[-1]
+            self._graph_inputs = {
+                "input_ids": torch.zeros(largest, dtype=torch.int64, device=self.device),
+                "positions": torch.zeros(largest, dtype=torch.int64, device=self.device),
+                "slot_mapping": torch.zeros(largest, dtype=torch.int64, device=self.device),
+                "context_lens": torch.ones(largest, dtype=torch.int32, device=self.device),
+                "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
+            }
+            self._graph_pool = torch.cuda.graph_pool_handle()
+            self._graph_parameter_pointers = self.decoder.parameter_pointers()
+        self._fill_padding(size)
+        views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
+        self._decode_forward(views)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._graph_logits[size] = self._decode_forward(views)
+        self._graphs[size] = graph
         torch.cuda.synchronize()

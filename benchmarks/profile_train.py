@@ -1,0 +1,88 @@
+"""Where a GRPO step of the training bench spends its time (GPU only).
+
+Runs the standard workload through the actor worker (as ``reinforge bench train``): step 1
+warms up, step 2 is timed phase by phase (weights gathered, KV cache allocated, generation,
+sleep, batch assembly; update), step 3's update runs under ``torch.profiler``. Writes
+``$OUT/profile_train.json`` (phases) and ``$OUT/profile_train.txt`` (the kernel table).
+
+    PYTHONPATH=. python3 benchmarks/profile_train.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from reinforge.bench_train import build_config, parse_args, prompt_batch, rule_reward, write_model
+
+OUT = Path(os.environ.get("OUT", "bench_out"))
+OUT.mkdir(parents=True, exist_ok=True)
+
+
+def synced(fn, *args):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn(*args)
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - start
+
+
+def main() -> None:
+    from reinforge.algorithms import compute_advantages
+    from reinforge.engine.fsdp import fsdp_units, reshard, unsharded
+    from reinforge.workers.actor_rollout import ActorRolloutWorker
+
+    args = parse_args([])
+    phases: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = write_model(Path(scratch), tiny=False)
+        config = build_config(model_dir, args)
+        actor = ActorRolloutWorker(config, 4)
+        vocab_size = actor.model.config.vocab_size
+        engine = actor.engine
+        for step in range(3):
+            prompts = prompt_batch(args, vocab_size, step)
+            if step == 1:  # the rollout's pieces, each synchronized
+                with unsharded(actor.model):
+                    _, phases["rollout_sync_weights"] = synced(engine.sync_weights, actor.model)
+                    _, phases["rollout_wake_up"] = synced(engine.wake_up)
+                    _, phases["rollout_sleep_then_wake"] = synced(lambda: (engine.sleep(), engine.wake_up()))
+                    engine.sleep()
+                _, phases["rollout_unshard"] = synced(lambda: [unit.unshard() for unit in fsdp_units(actor.model)])
+                reshard(actor.model)
+            rollout, seconds = synced(actor.generate, prompts)
+            phases[f"step{step + 1}_rollout"] = seconds
+            phases[f"step{step + 1}_engine_metrics"] = dict(getattr(engine, "last_metrics", {}))
+            batch = prompt_batch(args, vocab_size, step)
+            batch.tensors.pop("input_ids")
+            batch.tensors.pop("attention_mask")
+            batch = batch | rollout
+            batch["token_level_scores"] = rule_reward(batch)
+            group_ids = torch.arange(args.prompts).repeat_interleave(args.n)
+            batch["advantages"], batch["returns"] = compute_advantages(
+                "grpo", token_level_rewards=batch["token_level_scores"], response_mask=batch["response_mask"],
+                group_ids=group_ids, config=config.algorithm)
+            if step == 2:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    _, seconds = synced(actor.update_actor, batch)
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
+                (OUT / "profile_train.txt").write_text(table)
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
+            else:
+                _, seconds = synced(actor.update_actor, batch)
+            phases[f"step{step + 1}_update"] = seconds
+            print(step + 1, json.dumps({k: v for k, v in phases.items() if not isinstance(v, dict)}), flush=True)
+    phases["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    (OUT / "profile_train.json").write_text(json.dumps(phases, indent=1, default=str))
+    print(json.dumps(phases, default=str))
+
+
+if __name__ == "__main__":
+    main()

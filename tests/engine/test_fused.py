@@ -1,0 +1,58 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from reinforge.engine.fused import fuse_elementwise
+
+SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("config_class,model_class,expected", [
+    (Qwen2Config, Qwen2ForCausalLM, 2 * 3 + 1),  # per layer: 2 norms + 1 MLP; then the final norm
+    (Qwen3Config, Qwen3ForCausalLM, 2 * 5 + 1),  # Qwen3 adds the q/k norms
+    (LlamaConfig, LlamaForCausalLM, 2 * 3 + 1),
+])
+def test_fused_forwards_match_the_transformers_modules(config_class, model_class, expected):
+    torch.manual_seed(0)
+    reference = model_class(config_class(**SIZES))
+    with torch.no_grad():  # non-trivial norm weights, so a wrong weight placement would show
+        for name, parameter in reference.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    fused = model_class(config_class(**SIZES))
+    fused.load_state_dict(reference.state_dict())
+    assert fuse_elementwise(fused, compile=False) == expected
+    input_ids = torch.randint(0, SIZES["vocab_size"], (2, 11))
+    out_reference = reference(input_ids=input_ids).logits
+    out_fused = fused(input_ids=input_ids).logits
+    torch.testing.assert_close(out_fused, out_reference, rtol=1e-5, atol=1e-5)
+    out_reference.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, a), (_, b) in zip(reference.named_parameters(), fused.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bfloat16_norm_casts_back_before_the_weight():
+    torch.manual_seed(0)
+    reference = Qwen2ForCausalLM(Qwen2Config(**SIZES)).to(torch.bfloat16)
+    norm = reference.model.norm
+    hidden = torch.randn(3, 5, SIZES["hidden_size"], dtype=torch.bfloat16)
+    expected = norm(hidden)
+    fuse_elementwise(reference, compile=False)
+    assert torch.equal(norm(hidden), expected)
+
+
+def test_unknown_modules_keep_their_forward():
+    class OtherRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * (1 + self.weight)
+
+    model = torch.nn.Sequential(OtherRMSNorm())
+    assert fuse_elementwise(model, compile=False) == 0
+    assert "forward" not in vars(model[0])
