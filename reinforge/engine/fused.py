@@ -37,10 +37,24 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+RECOMPILE_LIMIT = 64
+"""Each (grad mode, dtype, epsilon, device) a function meets is one compiled variant: a process
+that trains, scores without grad and runs a reference or critic model of another config needs
+more than dynamo's default of 8, after which it would silently fall back to eager."""
+
+
+def raise_recompile_limit() -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+
+
 @functools.cache
 def _functions(compiled: bool):
     if not compiled:
         return rms_norm, silu_mul
+    raise_recompile_limit()
     return torch.compile(rms_norm, dynamic=True), torch.compile(silu_mul, dynamic=True)
 
 

@@ -46,6 +46,9 @@ def _kernels(compiled: bool):
     if not compiled:
         return _chunk_forward, _chunk_grad
     # One fused pass over each chunk instead of six or so elementwise passes over its float32 logits.
+    from reinforge.engine.fused import raise_recompile_limit
+
+    raise_recompile_limit()
     return (torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
 
 
