@@ -172,7 +172,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--response-tokens", type=int, default=512)
-    parser.add_argument("--micro-tokens", type=int, default=32768, help="token budget of one micro-batch")
+    parser.add_argument("--micro-tokens", type=int, default=65536, help="token budget of one micro-batch")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
