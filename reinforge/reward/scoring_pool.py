@@ -62,7 +62,11 @@ def run_job(job: ScoringJob) -> Any:
 
 def _worker_loop(connection: Connection, custom_function: str | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us via close().
-    import reinforge.reward  # noqa: F401  (registers the built-in scorers before we report ready)
+    try:
+        import reinforge.reward  # noqa: F401  (registers the built-in scorers before we report ready)
+    except BaseException:  # noqa: B036  (the trainer must learn why, not only that we died)
+        connection.send(("startup_error", traceback.format_exc()))
+        return
 
     if custom_function is not None:
         try:
@@ -176,12 +180,22 @@ class ScoringPool:
             if worker.job_index is not None:
                 results[worker.job_index] = JobResult(error=reason)
             elif not worker.ready:
-                raise RuntimeError(f"a scorer process failed to start ({reason}); run a scorer by hand to see why") from None
+                raise RuntimeError(
+                    f"a scorer process failed to start ({reason}); its traceback is on stderr above. Scorer "
+                    "processes are fresh interpreters that re-import the main script: a script that starts "
+                    "training must keep that code under `if __name__ == \"__main__\":`; or set "
+                    "reward.num_workers=0 to score in the trainer's process") from None
             self._replace(worker)
             return
         if status == "ready":
             worker.ready = True
             return
+        if status == "startup_error":
+            last_line = payload.strip().splitlines()[-1]
+            raise RuntimeError(f"a scorer process failed to start: {last_line}; scorer processes are fresh Python "
+                               "interpreters that import reinforge.reward, so it must import there too (check the "
+                               "environment: PYTHONPATH, installed packages), or set reward.num_workers=0 to score "
+                               "in the trainer's process")
         assert worker.job_index is not None, f"a scorer process answered {status!r} without a job"
         results[worker.job_index] = JobResult(value=payload) if status == "ok" else JobResult(error=payload)
         worker.job_index = None

@@ -181,3 +181,18 @@ def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, score
         assert "timeout_s=1.0" in caplog.text and "scorer process died (exit code 3)" in caplog.text
         again = manager.score(make_batch(byte_tokenizer, ["ok", "ok"], ["x"] * 2, ["x"] * 2))
         assert again.scores.tolist() == [1.0, 1.0]
+
+
+def test_a_script_without_main_guard_gets_a_clear_startup_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_without_guard.py"
+    script.write_text("from reinforge.reward.scoring_pool import ScoringPool, ScoringJob\n"
+                      "pool = ScoringPool(num_workers=1, timeout_s=5.0)\n"
+                      "print(pool.run([ScoringJob('math:sqrt', {})]))\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode != 0
+    assert "a scorer process failed to start" in result.stderr
+    assert 'if __name__ == "__main__":' in result.stderr
