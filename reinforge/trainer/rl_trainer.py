@@ -32,6 +32,7 @@ from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
+from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
@@ -229,6 +230,9 @@ class RLTrainer:
         self.resume()
         config = self.config.trainer
         last_metrics: dict[str, float] = {}
+        if self.step >= self.total_steps:  # resumed at the end: report what that step logged
+            logger.info("the run is already at its final step %d; nothing to train", self.step)
+            last_metrics = self._logged_metrics(self.step)
         if self.step == 0 and config.val_before_train:
             last_metrics = self.validate()
             if last_metrics:
@@ -252,6 +256,15 @@ class RLTrainer:
         finally:
             self.close()
         return last_metrics
+
+    def _logged_metrics(self, step: int) -> dict[str, float]:
+        path = self.run_dir / METRICS_FILE
+        records = read_json_lines(path) if path.is_file() else []
+        merged: dict[str, float] = {}
+        for record in records:
+            if record.get("step") == step:
+                merged |= {key: value for key, value in record.items() if key != "step"}
+        return merged
 
     def close(self) -> None:
         """Stop the worker groups (their processes, on Ray) and flush the trackers."""

@@ -113,6 +113,20 @@ def test_checkpoint_loads_with_auto_classes_and_export(tiny_model_dir, arithmeti
     AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
 
 
+def test_fit_resumed_at_the_final_step_reports_that_steps_metrics(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    from reinforge.config import load_config
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.total_steps": 1})
+    assert main(["train", *args]) == 0
+    logged = read_metrics(run_dir)[-1]
+    metrics = RLTrainer(load_config(None, args)).fit()
+    assert logged.pop("step") == 1
+    assert metrics == logged
+    assert len(read_metrics(run_dir)) == 1  # nothing trained or logged again
+
+
 def test_a_raising_reward_function_costs_a_fallback_not_the_run(tiny_model_dir, arithmetic_data_dir, tmp_path):
     reward_file = tmp_path / "buggy.py"
     reward_file.write_text(RAISES)
