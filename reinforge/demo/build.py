@@ -1,10 +1,12 @@
 """Rebuild the demo model from scratch: ``python -m reinforge.demo.build [--out DIR]``.
 
 A randomly initialised small Qwen2 with the character tokenizer is fine-tuned by the SFT
-trainer on the arithmetic task's training conversations for a fixed, short budget: enough that
-it answers in the right format and gets part of the held-out problems right, little enough
-that RL has room to improve it. Everything is seeded, so a rebuild on the CPU reproduces the
-committed model's accuracy within a few points. Takes about ten minutes on two CPU cores.
+trainer on the demo task's training conversations, whose answers carry a deliberate flaw (a
+share of them has the wrong sign; see ``reinforge.demo.task``). It learns to subtract and
+learns the flaw, so it gets only part of the held-out problems right greedily while its
+sampled answers are often right: room for RL to improve it. Everything is seeded, so a
+rebuild on the CPU reproduces the committed model's accuracy within a few points. Takes
+about twenty minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
 
 @dataclass(frozen=True)
 class SFTBudget:
-    steps: int = 2300
+    steps: int = 2500
     batch_size: int = 64
-    lr: float = 2e-3
+    lr: float = 1e-3
+    schedule: str = "cosine"
     warmup_steps: int = 20
     seed: int = 1
 
@@ -68,7 +71,7 @@ def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, 
         config = load_sft_config(None, [
             f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=128",
             f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
-            f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", "optim.schedule=constant",
+            f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", f"optim.schedule={budget.schedule}",
             f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={work / 'sft'}",
             "trainer.resume=never", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]"])
         trainer = SFTTrainer(config)

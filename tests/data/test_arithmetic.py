@@ -8,6 +8,7 @@ from reinforge.data.tasks.arithmetic import (
     make_rl_rows,
     make_sft_rows,
     split_of,
+    write_arithmetic_dataset,
 )
 
 
@@ -58,6 +59,28 @@ def test_rl_and_sft_rows():
     assert row["extra_info"] == {"split": "train", "index": 0, "expression": "47 + 385"}
     (sft,) = make_sft_rows(problems)
     assert sft["messages"][1] == {"role": "assistant", "content": "432"}
+
+
+def test_wrong_sign_flaws_only_the_chosen_share_of_sft_subtractions(tmp_path):
+    problems = generate_problems(1000, "train", seed=0, max_digits=2)
+    rows = make_sft_rows(problems, wrong_sign_fraction=0.6, seed=0)
+    assert rows == make_sft_rows(problems, wrong_sign_fraction=0.6, seed=0)
+    answers = [int(row["messages"][1]["content"]) for row in rows]
+    flawed = [problem for problem, answer in zip(problems, answers, strict=True) if answer != problem.answer]
+    assert all(answer in (problem.answer, -problem.answer) for problem, answer in zip(problems, answers, strict=True))
+    assert all(problem.operator == "-" and problem.answer > 0 for problem in flawed)
+    subtractions = [problem for problem in problems if problem.operator == "-" and problem.answer != 0]
+    assert 0.5 < len(flawed) / len(subtractions) < 0.7
+    assert make_sft_rows(problems) == make_sft_rows(problems, wrong_sign_fraction=0.0)
+    with pytest.raises(ValueError, match="wrong_sign_fraction"):
+        make_sft_rows(problems, wrong_sign_fraction=1.5)
+    # the RL rows keep the true answers
+    files = write_arithmetic_dataset(tmp_path, num_train=200, num_test=10, max_digits=2, operators=("-",),
+                                     sft_wrong_sign_fraction=1.0)
+    rl_answers = [row["reward_model"]["ground_truth"] for row in pq.read_table(files["train"]).to_pylist()]
+    sft_answers = [row["messages"][1]["content"] for row in pq.read_table(files["sft_train"]).to_pylist()]
+    assert all(not answer.startswith("-") for answer in rl_answers)
+    assert all(sft == ("0" if rl == "0" else "-" + rl) for rl, sft in zip(rl_answers, sft_answers, strict=True))
 
 
 def test_cli_writes_the_three_files(tmp_path):

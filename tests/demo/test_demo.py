@@ -45,6 +45,24 @@ def test_full_disk_is_explained(tmp_path, monkeypatch):
         check_free_disk(tmp_path / "runs" / "demo")
 
 
+@pytest.mark.skipif(not (MODEL_DIR / MODEL_CARD).is_file(),
+                    reason="the demo model is not built; run python -m reinforge.demo.build")
+def test_committed_model_matches_its_build_command():
+    # The card is written by `python -m reinforge.demo.build`: a model built with other settings than
+    # today's code would not be rebuilt by that command.
+    from dataclasses import asdict
+
+    from reinforge.demo.build import BUILD_COMMAND, SFT
+    from reinforge.demo.task import MODEL, TASK
+
+    card = json.loads((MODEL_DIR / MODEL_CARD).read_text())
+    assert card["rebuild_command"] == BUILD_COMMAND
+    assert card["sft"] == asdict(SFT) and card["model"] == asdict(MODEL)
+    assert card["task"] == json.loads(json.dumps(asdict(TASK)))
+    assert 0.15 <= card["held_out_accuracy"] <= 0.45
+    assert sum(path.stat().st_size for path in MODEL_DIR.iterdir()) < 20 * 2**20
+
+
 def fake_checkpoint(run_dir: Path, step: int) -> None:
     import torch
 
@@ -78,16 +96,19 @@ def test_fresh_and_checkpointless_runs_start_over(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (MODEL_DIR / MODEL_CARD).is_file(),
                     reason="the demo model is not built; run python -m reinforge.demo.build")
-def test_shortened_demo_leaves_a_complete_run_folder(tmp_path):
-    # The demo's promise that accuracy rises by 25 points is not met yet (see issue 4's note), so
-    # this test checks what the demo does deliver: a measured before/after, the model and the plots.
-    settings = DemoSettings(total_steps=12, train_batch_size=16, test_every=12, save_every=6)
+def test_shortened_demo_raises_held_out_accuracy(tmp_path):
+    # 8 GRPO steps of 16 prompts (a tenth of the demo's samples) from the committed model, on the
+    # first 100 held-out problems, in about 30 s. Everything is seeded: on a 2-core CPU it went
+    # 15% -> 82% (the same with one thread or two); asking for +30 points leaves room for other
+    # machines' arithmetic while still failing if RL stops fixing the model's wrong-sign habit.
+    settings = DemoSettings(total_steps=8, train_batch_size=16, test_every=8, save_every=4)
     result = run_demo(tmp_path / "demo", settings=settings, task=DemoTask(num_test=100), device="cpu",
                       loggers=("jsonl",))
+    assert result["after"] >= result["before"] + 0.30, result
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     accuracies = [row[runner.ACCURACY_KEY] for row in rows if runner.ACCURACY_KEY in row]
     assert (result["before"], result["after"]) == (accuracies[0], accuracies[-1])
-    assert [row["step"] for row in rows if runner.ACCURACY_KEY in row] == [0, 12]
+    assert [row["step"] for row in rows if runner.ACCURACY_KEY in row] == [0, 8]
     run_dir = tmp_path / "demo"
     assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "final_model" / "config.json").is_file()
     plots = {Path(path).name for path in result["plots"]}

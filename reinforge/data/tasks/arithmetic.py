@@ -101,17 +101,36 @@ def make_rl_rows(problems: list[ArithmeticProblem], split: str) -> list[dict[str
     } for index, problem in enumerate(problems)]
 
 
-def make_sft_rows(problems: list[ArithmeticProblem]) -> list[dict[str, Any]]:
-    """Conversations with the assistant's answer, for a supervised warm-up."""
-    return [{"messages": [{"role": "user", "content": problem.question},
-                          {"role": "assistant", "content": str(problem.answer)}]}
-            for problem in problems]
+def make_sft_rows(problems: list[ArithmeticProblem], wrong_sign_fraction: float = 0.0,
+                  seed: int = 0) -> list[dict[str, Any]]:
+    """Conversations with the assistant's answer, for a supervised warm-up.
+
+    ``wrong_sign_fraction`` > 0 writes flawed data on purpose: that fraction of the subtraction
+    problems with a non-zero answer (a seeded choice) is answered with the wrong sign ("-25" for
+    "47 - 22"), the kind of systematic error imperfect SFT data carries. A model trained on it
+    learns the arithmetic but prefers the wrong sign on subtraction; the RL rows and their reward
+    are unaffected.
+    """
+    if not 0.0 <= wrong_sign_fraction <= 1.0:
+        raise ValueError(f"wrong_sign_fraction={wrong_sign_fraction} must lie between 0 and 1")
+    rng = random.Random(f"arithmetic-sft-wrong-sign-{seed}")
+    rows = []
+    for problem in problems:
+        answer = problem.answer
+        if problem.operator == "-" and answer != 0 and rng.random() < wrong_sign_fraction:
+            answer = -answer
+        rows.append({"messages": [{"role": "user", "content": problem.question},
+                                  {"role": "assistant", "content": str(answer)}]})
+    return rows
 
 
 def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_test: int = 200, seed: int = 0,
                              min_digits: int = 1, max_digits: int = 3, operators: tuple[str, ...] = OPERATORS,
-                             ) -> dict[str, str]:
-    """``train.parquet``, ``test.parquet`` (RL rows) and ``sft_train.parquet`` under ``out_dir``."""
+                             sft_wrong_sign_fraction: float = 0.0) -> dict[str, str]:
+    """``train.parquet``, ``test.parquet`` (RL rows) and ``sft_train.parquet`` under ``out_dir``.
+
+    ``sft_wrong_sign_fraction`` flaws the SFT conversations only (see ``make_sft_rows``).
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -122,7 +141,7 @@ def write_arithmetic_dataset(out_dir: str | Path, num_train: int = 2000, num_tes
     tables = {
         "train": make_rl_rows(problems["train"], "train"),
         "test": make_rl_rows(problems["test"], "test"),
-        "sft_train": make_sft_rows(problems["train"]),
+        "sft_train": make_sft_rows(problems["train"], sft_wrong_sign_fraction, seed),
     }
     written = {}
     for name, rows in tables.items():
