@@ -3,10 +3,10 @@
 A randomly initialised small Qwen2 with the character tokenizer is fine-tuned by the SFT
 trainer on the demo task's training conversations, whose answers carry a deliberate flaw (a
 share of them has the wrong sign; see ``reinforge.demo.task``). It learns to subtract and
-learns the flaw, so it gets only part of the held-out problems right greedily while its
-sampled answers are often right: room for RL to improve it. Everything is seeded, so a
-rebuild on the CPU reproduces the committed model's accuracy within a few points. Takes
-about twenty minutes on two CPU cores.
+learns the flaw, so it gets only part of the held-out problems right greedily while its sampled
+answers are often right: room for RL to improve it. Everything is seeded, so a rebuild on the
+CPU reproduces the committed model's accuracy within a few points (on the same machine and
+torch build, byte for byte). Takes about fifteen minutes on two CPU cores.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def check_model(model_dir: Path) -> None:
     from reinforge.models import check_model_folder
 
     fix = ("restore the committed files with `git checkout -- reinforge/demo/assets` or rebuild the model with "
-           "`reinforge demo --rebuild-model` (about 20 minutes on two CPU cores)")
+           "`reinforge demo --rebuild-model` (about 15 minutes on two CPU cores)")
     try:
         check_model_folder(model_dir)
         if not (model_dir / "tokenizer.json").is_file():
@@ -204,7 +204,7 @@ def demo_main(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     parser.add_argument("--fresh", action="store_true", help="start over instead of resuming an interrupted run")
     parser.add_argument("--rebuild-model", action="store_true",
-                        help="first rebuild the demo model from scratch by SFT (about 20 minutes on two CPU cores), "
+                        help="first rebuild the demo model from scratch by SFT (about 15 minutes on two CPU cores), "
                              "then run the demo")
     args = parser.parse_args(argv)
     try:
