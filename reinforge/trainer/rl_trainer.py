@@ -32,9 +32,9 @@ from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
-from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
-from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
+from reinforge.trainer.checkpoint import CheckpointManager, rng_state
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
+from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
@@ -44,7 +44,7 @@ from reinforge.workers.reward import RewardWorker
 logger = logging.getLogger(__name__)
 
 
-class RLTrainer:
+class RLTrainer(TrainingRun):
     def __init__(self, config: Config, placement: RolePlacement | None = None):
         """``placement`` maps each role to a resource pool; by default every role shares one pool."""
         self.config = config
@@ -211,60 +211,22 @@ class RLTrainer:
         logger.info("saved checkpoint %s", folder)
         return folder
 
-    def resume(self) -> None:
-        folder = self.checkpoints.resolve(self.config.trainer.resume)
-        if folder is None:
-            return
-        state = load_trainer_state(folder)
+    def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         self.actor_rollout.load_checkpoint(str(folder))
         if self.critic is not None:
             self.critic.load_checkpoint(str(folder))
-        self.train_loader.load_state_dict(state["loader"])
         self.kl_controller.load_state_dict(state["kl_controller"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.tracker.truncate_after(self.step)
-        logger.info("resumed from %s at step %d", folder, self.step)
 
     def fit(self) -> dict[str, float]:
-        self.resume()
+        """Train to ``total_steps`` (resuming by ``trainer.resume``); returns the last step's metrics."""
         config = self.config.trainer
-        last_metrics: dict[str, float] = {}
-        if self.step >= self.total_steps:  # resumed at the end: report what that step logged
-            logger.info("the run is already at its final step %d; nothing to train", self.step)
-            last_metrics = self._logged_metrics(self.step)
-        if self.step == 0 and config.val_before_train:
-            last_metrics = self.validate()
-            if last_metrics:
-                self.tracker.log(last_metrics, step=0)
-        batches = iter(self.train_loader)
         try:
-            with self.tracker.progress(self.total_steps, initial=self.step) as progress:
-                while self.step < self.total_steps:
-                    metrics = self.train_step(next(batches))
-                    self.step += 1
-                    metrics["training/global_step"] = self.step
-                    metrics["training/epoch"] = self.train_loader.epoch
-                    is_last = self.step == self.total_steps
-                    if config.test_every > 0 and self.step % config.test_every == 0 or is_last:
-                        metrics |= self.validate()
-                    self.tracker.log(metrics, step=self.step)
-                    progress.advance(metrics)
-                    if config.save_every > 0 and self.step % config.save_every == 0 or is_last:
-                        self.save()
-                    last_metrics = metrics
+            self.resume(config.resume)
+            batches = iter(self.train_loader)
+            return self.run_steps(lambda: next(batches), test_every=config.test_every, save_every=config.save_every,
+                                  validate_first=config.val_before_train)
         finally:
             self.close()
-        return last_metrics
-
-    def _logged_metrics(self, step: int) -> dict[str, float]:
-        path = self.run_dir / METRICS_FILE
-        records = read_json_lines(path) if path.is_file() else []
-        merged: dict[str, float] = {}
-        for record in records:
-            if record.get("step") == step:
-                merged |= {key: value for key, value in record.items() if key != "step"}
-        return merged
 
     def close(self) -> None:
         """Stop the worker groups (their processes, on Ray) and flush the trackers."""

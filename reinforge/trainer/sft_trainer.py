@@ -30,7 +30,8 @@ from reinforge.engine.train_step import UpdateSettings, run_update
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
-from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
+from reinforge.trainer.checkpoint import CheckpointManager, rng_state
+from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.sft_config import SFTConfig
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
@@ -47,7 +48,7 @@ def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
     return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
 
 
-class SFTTrainer:
+class SFTTrainer(TrainingRun):
     def __init__(self, config: SFTConfig):
         self.config = config
         data, trainer = config.data, config.trainer
@@ -137,41 +138,18 @@ class SFTTrainer:
         logger.info("saved checkpoint %s", folder)
         return folder
 
-    def resume(self) -> None:
-        folder = self.checkpoints.resolve(self.config.trainer.resume)
-        if folder is None:
-            return
-        state = load_trainer_state(folder)
+    def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
-        self.train_loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.tracker.truncate_after(self.step)
-        logger.info("resumed from %s at step %d", folder, self.step)
 
     def fit(self) -> dict[str, Any]:
         """Train to ``total_steps``; returns the last step's metrics (with the final validation loss)."""
-        self.resume()
         trainer = self.config.trainer
-        last_metrics: dict[str, float] = {}
-        if self.step == 0 and self.val_loader is not None:
-            self.tracker.log(self.validate(), step=0)
-        with self.tracker.progress(self.total_steps, initial=self.step) as progress:
-            while self.step < self.total_steps:
-                metrics = self.train_step(self.train_loader.next_batch())
-                self.step += 1
-                metrics["training/global_step"] = self.step
-                metrics["training/epoch"] = self.train_loader.epoch
-                is_last = self.step == self.total_steps
-                if trainer.test_every > 0 and self.step % trainer.test_every == 0 or is_last:
-                    metrics |= self.validate()
-                self.tracker.log(metrics, step=self.step)
-                progress.advance(metrics)
-                if trainer.save_every > 0 and self.step % trainer.save_every == 0 or is_last:
-                    self.save()
-                last_metrics = metrics
-        self.tracker.close()
-        return last_metrics
+        try:
+            self.resume(trainer.resume)
+            return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
+                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
+        finally:
+            self.tracker.close()
 
     def final_model_dir(self) -> Path | None:
         """The ``hf/`` folder of the latest checkpoint."""

@@ -120,6 +120,11 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path, tiny_model_dir):
     resumed.fit()
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4, 5]
+    # Resumed at its last step: nothing trains, and fit() reports what that step logged.
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    again = SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=5")).fit()
+    assert logged.pop("step") == 5 and again == logged
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 6
 
 
 def test_micro_batch_budget_does_not_change_the_update(tmp_path, tiny_model_dir):
