@@ -218,7 +218,9 @@ class AlgorithmConfig:
 
 
 @dataclass
-class TrainerConfig:
+class RunConfig:
+    """What every run (RL or SFT) is told about its folder, length, cadence and logging."""
+
     output_dir: str = "runs/default"
     """The run folder: resolved config, metrics.jsonl, checkpoints, samples, plots."""
     total_epochs: int = 1
@@ -227,15 +229,6 @@ class TrainerConfig:
     seed: int = 1
     device: str = "auto"
     """auto (cuda when available), cuda or cpu."""
-    backend: str = "local"
-    """local (workers in this process, one device) or ray (one process per device; see docs/ray.md)."""
-    nnodes: int = 1
-    """Machines of the run (ray backend): every role is placed on nnodes x devices_per_node devices."""
-    devices_per_node: int = 1
-    """GPUs per machine (CPU slots with trainer.device=cpu) used by the run; one worker process each."""
-    ray_address: Optional[str] = None
-    """Ray cluster to join (e.g. 10.0.0.1:6379); None uses RAY_ADDRESS, or starts a local Ray instance."""
-    val_before_train: bool = True
     test_every: int = 0
     """Validate every this many steps (and at the end); 0 validates only before and after."""
     save_every: int = 0
@@ -248,6 +241,19 @@ class TrainerConfig:
     """Any of console, jsonl, tensorboard, wandb, mlflow."""
     project_name: str = "reinforge"
     experiment_name: str = "default"
+
+
+@dataclass
+class TrainerConfig(RunConfig):
+    backend: str = "local"
+    """local (workers in this process, one device) or ray (one process per device; see docs/ray.md)."""
+    nnodes: int = 1
+    """Machines of the run (ray backend): every role is placed on nnodes x devices_per_node devices."""
+    devices_per_node: int = 1
+    """GPUs per machine (CPU slots with trainer.device=cpu) used by the run; one worker process each."""
+    ray_address: Optional[str] = None
+    """Ray cluster to join (e.g. 10.0.0.1:6379); None uses RAY_ADDRESS, or starts a local Ray instance."""
+    val_before_train: bool = True
     num_logged_samples: int = 4
     """Generations written to samples.jsonl per step."""
     call_timeout_s: float = 3600.0

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from reinforge.config.loader import ConfigError, load_structured
-from reinforge.config.schema import ModelConfig, OptimConfig
+from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig
 
 TRUNCATION_MODES = ("drop", "right", "error")
 
@@ -44,28 +44,15 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTTrainerConfig:
+class SFTTrainerConfig(RunConfig):
+    """The shared run settings (``RunConfig``: folder, steps, cadence, resume, loggers) and SFT's own."""
+
     output_dir: str = "runs/sft"
     """The run folder: config.yaml, metrics.jsonl, checkpoints/step_N/{actor_state.pt, hf/}."""
-    total_epochs: int = 1
-    total_steps: Optional[int] = None
-    """Stop after this many optimizer steps; None runs total_epochs over the data."""
+    experiment_name: str = "sft"
     max_tokens_per_micro_batch: int = 16384
     """Token budget of one forward/backward; gradients are accumulated over micro-batches."""
     grad_clip: float = 1.0
-    seed: int = 1
-    device: str = "auto"
-    """auto (cuda when available), cuda or cpu."""
-    test_every: int = 0
-    """Validation loss every this many steps (and before and after training); 0: before and after only."""
-    save_every: int = 0
-    """Checkpoint every this many steps (and at the end); 0 saves only at the end."""
-    keep_last: int = 2
-    resume: str = "auto"
-    """auto (latest checkpoint in output_dir), never, or a checkpoint path."""
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    project_name: str = "reinforge"
-    experiment_name: str = "sft"
 
 
 @dataclass
