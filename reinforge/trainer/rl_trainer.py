@@ -9,7 +9,6 @@ controller holds only the Batch and pure functions from ``reinforge.algorithms``
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
-from reinforge.trainer.checkpoint import CheckpointManager, rng_state
+from reinforge.trainer.checkpoint import CheckpointManager
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
@@ -40,8 +39,6 @@ from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
 from reinforge.workers.reference import ReferenceWorker
 from reinforge.workers.reward import RewardWorker
-
-logger = logging.getLogger(__name__)
 
 
 class RLTrainer(TrainingRun):
@@ -197,19 +194,13 @@ class RLTrainer(TrainingRun):
                               self.config.trainer.seed + 7, self.actor_rollout.generate, self.reward.score)
 
     # ---- the run ------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {"step": self.step, "loader": self.train_loader.state_dict(),
-                "kl_controller": self.kl_controller.state_dict(), "rng": rng_state()}
+    def checkpoint_extras(self) -> dict[str, Any]:
+        return {"kl_controller": self.kl_controller.state_dict()}
 
-    def save(self) -> Path:
-        def write(folder: Path) -> None:
-            self.actor_rollout.save_checkpoint(str(folder))
-            if self.critic is not None:
-                self.critic.save_checkpoint(str(folder))
-
-        folder = self.checkpoints.save(self.step, write, self.state())
-        logger.info("saved checkpoint %s", folder)
-        return folder
+    def write_checkpoint(self, folder: Path) -> None:
+        self.actor_rollout.save_checkpoint(str(folder))
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(folder))
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         self.actor_rollout.load_checkpoint(str(folder))

@@ -1,9 +1,10 @@
 """What the RL and SFT trainers share: resuming a run folder and the step loop around ``train_step``.
 
-A trainer subclasses ``TrainingRun`` and provides ``train_step``, ``validate``, ``save`` and
-``load_checkpoint_state`` (its models and optimizers, plus anything else its checkpoint
-holds). ``resume`` restores the rest (data loader position, RNG, step) and drops metrics logged
-after the checkpoint; ``run_steps`` trains to ``total_steps``, validating and saving on the
+A trainer subclasses ``TrainingRun`` and provides ``train_step``, ``validate``,
+``write_checkpoint`` and ``load_checkpoint_state`` (its models and optimizers, plus anything
+else its checkpoint holds, declared by ``checkpoint_extras``). ``save`` and ``resume`` handle
+the rest (data loader position, RNG, step); ``resume`` also drops metrics logged after the
+checkpoint; ``run_steps`` trains to ``total_steps``, validating and saving on the
 configured cadence and always at the last step. A run resumed at its last step trains nothing
 and reports the metrics that step logged.
 """
@@ -18,7 +19,7 @@ from typing import Any
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
-from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, set_rng_state
+from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,25 @@ class TrainingRun:
     def validate(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def save(self) -> Path:
+    def write_checkpoint(self, folder: Path) -> None:
+        """Write this trainer's own parts of a checkpoint (models, optimizers) into ``folder``."""
         raise NotImplementedError
+
+    def checkpoint_extras(self) -> dict[str, Any]:
+        """What this trainer adds to trainer_state.pt besides the step, the loader and the RNG."""
+        return {}
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         """Restore this trainer's own parts of the checkpoint in ``folder`` (``state``: trainer_state.pt)."""
         raise NotImplementedError
+
+    def save(self) -> Path:
+        """An atomic checkpoint of the current step; returns its folder."""
+        state = {"step": self.step, "loader": self.train_loader.state_dict(), **self.checkpoint_extras(),
+                 "rng": rng_state()}
+        folder = self.checkpoints.save(self.step, self.write_checkpoint, state)
+        logger.info("saved checkpoint %s", folder)
+        return folder
 
     def resume(self, spec: str) -> None:
         """Continue from the checkpoint ``spec`` names (auto, never or a path), if there is one."""

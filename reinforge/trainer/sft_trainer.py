@@ -10,7 +10,6 @@ a run resumes from its latest checkpoint by default.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,10 @@ from reinforge.engine.train_step import UpdateSettings, run_update
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
-from reinforge.trainer.checkpoint import CheckpointManager, rng_state
+from reinforge.trainer.checkpoint import CheckpointManager
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.sft_config import SFTConfig
 from reinforge.workers.checkpointing import load_training_state, save_training_state
-
-logger = logging.getLogger(__name__)
 
 
 def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
@@ -94,11 +91,11 @@ class SFTTrainer(TrainingRun):
 
     # ---- the step ---------------------------------------------------------------------
     def train_step(self, batch: Batch) -> dict[str, float]:
-        def loss_fn(micro: Batch, normalizer: LossNormalizer) -> tuple[Tensor, dict[str, float]]:
+        def loss_fn(micro: Batch, normalizer: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
             with autocast_context(self.device, self.config.model.dtype):
                 log_probs = token_log_probs(self.model, micro)
             loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", normalizer)
-            return loss, {"nll_loss": float(loss.detach())}
+            return loss, {"nll_loss": loss}
 
         start = time.perf_counter()
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
@@ -128,15 +125,9 @@ class SFTTrainer(TrainingRun):
         return {"val/loss": total_loss / max(total_tokens, 1.0)}
 
     # ---- the run ------------------------------------------------------------------------
-    def save(self) -> Path:
-        def write(folder: Path) -> None:
-            save_training_state(folder, self.model, self.optimizer, self.scheduler)
-            save_hf_folder(self.model, self.tokenizer, folder / "hf")
-
-        state = {"step": self.step, "loader": self.train_loader.state_dict(), "rng": rng_state()}
-        folder = self.checkpoints.save(self.step, write, state)
-        logger.info("saved checkpoint %s", folder)
-        return folder
+    def write_checkpoint(self, folder: Path) -> None:
+        save_training_state(folder, self.model, self.optimizer, self.scheduler)
+        save_hf_folder(self.model, self.tokenizer, folder / "hf")
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
