@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from reinforge.engine.attention import use_varlen_attention
+
 RMS_NORM_CLASSES = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm"})
 GATED_MLP_CLASSES = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
 
@@ -87,3 +89,13 @@ def fuse_elementwise(model: nn.Module, compile: bool = True) -> int:
             module.forward = types.MethodType(_mlp_forward, module)
             count += 1
     return count
+
+
+def prepare_for_training(model: nn.Module, device: torch.device, fused_kernels: bool) -> None:
+    """Route attention through the packed varlen path and, on CUDA, fuse the elementwise pieces.
+
+    What every worker does to the HF model it trains or scores (``model.fused_kernels``).
+    """
+    use_varlen_attention(model)
+    if fused_kernels and device.type == "cuda":
+        fuse_elementwise(model)

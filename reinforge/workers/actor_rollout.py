@@ -23,11 +23,10 @@ from reinforge.algorithms import (
 )
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
 from reinforge.engine.forward import build_position_ids, response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model, unsharded
-from reinforge.engine.fused import fuse_elementwise
+from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.perf import update_perf_metrics
@@ -56,9 +55,7 @@ class ActorRolloutWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation,
                                     gradient_checkpointing=config.model.gradient_checkpointing)
-        use_varlen_attention(self.model)
-        if config.model.fused_kernels and self.device.type == "cuda":
-            fuse_elementwise(self.model)
+        prepare_for_training(self.model, self.device, config.model.fused_kernels)
         self.model_class = type(self.model)
         self.engine = self._build_engine_in_compute_dtype()
         shard_model(self.model, self.device, config.model.dtype, offload=offload)

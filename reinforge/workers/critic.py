@@ -14,11 +14,10 @@ import torch
 from reinforge.algorithms import compute_value_loss
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_values
 from reinforge.engine.fsdp import reshard, shard_model
-from reinforge.engine.fused import fuse_elementwise
+from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.perf import update_perf_metrics
@@ -37,9 +36,7 @@ class CriticWorker(Worker):
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
                                                 device="cpu" if critic.param_offload else self.device,
                                                 gradient_checkpointing=config.model.gradient_checkpointing)
-        use_varlen_attention(self.model.backbone)
-        if config.model.fused_kernels and self.device.type == "cuda":
-            fuse_elementwise(self.model.backbone)
+        prepare_for_training(self.model.backbone, self.device, config.model.fused_kernels)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])
         self.model.train()

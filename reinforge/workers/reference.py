@@ -11,11 +11,10 @@ import torch
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model
-from reinforge.engine.fused import fuse_elementwise
+from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
@@ -31,9 +30,7 @@ class ReferenceWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
-        use_varlen_attention(self.model)
-        if config.model.fused_kernels and self.device.type == "cuda":
-            fuse_elementwise(self.model)
+        prepare_for_training(self.model, self.device, config.model.fused_kernels)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 
