@@ -103,6 +103,9 @@ def main() -> int:
         grpo_steps = int(os.environ.get("GRPO_STEPS", "5"))
         steps = [("log_probs", log_probs_microbench),
                  ("grpo", lambda: bench(model_dir, "grpo", grpo_steps, [])),
+                 ("grpo_compiled", lambda: bench(model_dir, "grpo", grpo_steps, ["--compile-layers"], "grpo_compiled")),
+                 ("grpo_unshared", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-share-prompts"],
+                                                 "grpo_unshared")),
                   ("check", lambda: check_cli(scratch / "check")),
                   ("grpo_unfused", lambda: bench(model_dir, "grpo", 3, ["--no-fused-kernels"], "grpo_unfused")),
                   ("kl", lambda: bench(model_dir, "kl", 3, [])),
@@ -117,12 +120,13 @@ def main() -> int:
                 traceback.print_exc()
                 RESULTS[name] = {"error": traceback.format_exc(limit=3)[-600:]}
             (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1))
-    print("\n| what | step s | rollout s | update s | update tok/s | MFU | peak GiB |")
-    for name in ("grpo", "grpo_unfused", "kl", "ppo"):
+    print("\n| what | step s | rollout s | update s | update tok/s | MFU | MFU (workload tokens) | peak GiB |")
+    for name in ("grpo", "grpo_compiled", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
         m = RESULTS.get(name, {})
         if "step_s" in m:
             print(f"| {name} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['update_actor_s']:.2f} | "
-                  f"{m['update_tokens_per_s']:.0f} | {m.get('mfu') or 0:.3f} | {m['peak_memory_gb']:.1f} |")
+                  f"{m['update_tokens_per_s']:.0f} | {m.get('mfu') or 0:.3f} | {m.get('mfu_workload_tokens') or 0:.3f} "
+                  f"| {m['peak_memory_gb']:.1f} |")
         else:
             print(f"| {name} | {m.get('error', 'not run')[-200:]} |")
     print("log_probs", RESULTS.get("log_probs"), "check", RESULTS.get("check"))

@@ -8,7 +8,8 @@ AdamW lr 1e-6, grad clip 1, token-mean). ``--variant kl`` adds the reference mod
 low-variance KL loss; ``--variant ppo`` adds the critic (values, GAE, critic update). Reported:
 the median of steps 2.. (the first compiles and warms up) of step, rollout and update time,
 update tokens/s, MFU (6 x parameters x tokens / time against 799 TFLOP/s, measured on an
-H200) and peak memory. ``--cpu`` runs a tiny model as a smoke test (no timing claims).
+H200; ``mfu`` counts the tokens the model ran, ``mfu_workload_tokens`` all 512 x 640 of the
+workload, which differ when prompts are shared) and peak memory. ``--cpu`` runs a tiny model as a smoke test (no timing claims).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.model.path = str(model_dir)
     config.model.gradient_checkpointing = args.checkpointing
     config.model.fused_kernels = args.fused_kernels
+    config.model.share_prompts = args.share_prompts
+    config.model.compile_layers = args.compile_layers
     config.data.train_batch_size = args.prompts
     config.data.max_prompt_length = args.prompt_tokens
     config.data.max_response_length = args.response_tokens
@@ -146,9 +149,13 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         metrics = timed("update_actor", actor.update_actor, batch)
         step_time = time.perf_counter() - step_start
         tokens = float(batch["attention_mask"].sum())
+        computed = metrics.get("perf/computed_tokens/actor", tokens)
+        mfu = metrics.get("perf/mfu/actor")
         row = {"step": step + 1, "step_s": step_time, **{f"{k}_s": v for k, v in timing.items()},
-               "update_tokens": tokens, "update_tokens_per_s": tokens / timing["update_actor"],
-               "mfu": metrics.get("perf/mfu/actor"), "response_tokens": float(batch["response_mask"].sum()),
+               "update_tokens": tokens, "computed_tokens": computed,
+               "update_tokens_per_s": tokens / timing["update_actor"], "mfu": mfu,
+               "mfu_workload_tokens": mfu * tokens / computed if mfu is not None else None,
+               "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
                "kl_loss": metrics.get("actor/kl_loss")}
         if critic is not None:
@@ -177,6 +184,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
                         help="train with the eager RMSNorm and MLP (model.fused_kernels=false)")
+    parser.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
+                        help="run each sample's prompt separately in the update (model.share_prompts=false)")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="torch.compile each decoder layer for the update (model.compile_layers=true)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

@@ -53,6 +53,10 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     fused_kernels: bool = True
     """On CUDA, train with RMSNorm and the gated MLP compiled into fused kernels (engine.fused)."""
+    compile_layers: bool = False
+    """On CUDA, torch.compile each decoder layer's forward for training and scoring passes (engine.fused)."""
+    share_prompts: bool = True
+    """Training and scoring passes run a prompt shared by several samples once (engine.packing)."""
 
 
 @dataclass

@@ -4,7 +4,12 @@ We register one attention implementation with transformers, ``reinforge_varlen``
 ``packed_cu_seqlens`` (the engine's packed forwards pass it through the model's kwargs, which
 activation checkpointing replays), it runs causal attention inside each sequence: on CUDA in
 bf16/fp16 with PyTorch's flash varlen kernel (no padding, no mask), elsewhere with one masked
-SDPA call over the sequences unpacked into a padded batch. Without it (``generate`` with padding masks, a KV cache) it is plain SDPA,
+SDPA call over the sequences unpacked into a padded batch. With shared prompts
+(``engine.packing``) the key side of each segment is gathered by ``packed_kv_index`` and may be
+longer than its query side; the causal mask is then aligned to the end of the keys (query i
+of a segment with q queries and k keys sees keys up to i + k - q), which is how the flash
+kernel aligns it; ``flash_runs_shared_segments`` checks that once per device, and segments fall
+back to masked SDPA if it does not. Without it (``generate`` with padding masks, a KV cache) it is plain SDPA,
 with SDPA's masks, so the same model serves rollout and training.
 """
 
@@ -49,29 +54,41 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
         raise ValueError(f"packed attention takes one row of packed sequences, got {query.shape[0]} rows")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, dim)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_kernel() is not None:
-        out = _flash_varlen(q, k, v, cu_seqlens, int(kwargs["packed_max_length"]), scale)
-    else:
-        out = _padded_sdpa(q, k, v, kwargs["packed_lengths"], scale)
+    kv_index = kwargs.get("packed_kv_index")
+    cu_seqlens_k, max_key_length = cu_seqlens, kwargs["packed_max_length"]
+    if kv_index is not None:
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        cu_seqlens_k, max_key_length = kwargs["packed_cu_seqlens_k"], kwargs["packed_max_length_k"]
+    if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _VARLEN_KERNEL is not None
+            and (kv_index is None or kwargs.get("packed_flash_shared", False))):
+        out = _flash_varlen(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
+                            int(max_key_length), scale)
+    else:  # the length lists are read only here (from the cumulative lengths if they were left out)
+        query_lengths = kwargs.get("packed_lengths") or _lengths(cu_seqlens)
+        key_lengths = query_lengths if kv_index is None else kwargs.get("packed_key_lengths") or _lengths(cu_seqlens_k)
+        out = _padded_sdpa(q, k, v, query_lengths, key_lengths, scale)
     return out.unsqueeze(0), None
 
 
-@cache
-def _varlen_kernel():
+def _lengths(cu_seqlens: Tensor) -> list[int]:
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+
+
+def _load_varlen_kernel():
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-@cache
-def _varlen_parameters() -> frozenset[str]:
-    return frozenset(inspect.signature(_varlen_kernel()).parameters)
+# resolved at import, not on first call: a compiled decoder layer traces the attention function
+_VARLEN_KERNEL, _VARLEN_PARAMETERS = _load_varlen_kernel()
 
 
-def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_length: int, scale: float) -> Tensor:
-    parameters = _varlen_parameters()
+def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, max_length: int,
+                  max_key_length: int, scale: float) -> Tensor:
+    parameters = _VARLEN_PARAMETERS
     options = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
@@ -87,31 +104,66 @@ def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_lengt
         options["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         q = q * (scale * q.shape[-1] ** 0.5)
-    cu_seqlens = cu_seqlens.to(torch.int32)
-    return _varlen_kernel()(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+    return _VARLEN_KERNEL(q, k, v, cu_seqlens.to(torch.int32), cu_seqlens_k.to(torch.int32), max_length,
+                            max_key_length, **options)
 
 
-def _padded_sdpa(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], scale: float) -> Tensor:
-    """Unpack into a (sequences, longest) batch, one masked SDPA call, pack again.
+def flash_applies(device: torch.device, dtype: torch.dtype, shared: bool) -> bool:
+    """Whether packed attention on ``device`` in ``dtype`` runs the flash varlen kernel."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and _VARLEN_KERNEL is not None
+            and (not shared or flash_runs_shared_segments(device)))
+
+
+@cache
+def flash_runs_shared_segments(device: torch.device) -> bool:
+    """Whether the flash kernel aligns causal masks to the end of the keys on ``device``.
+
+    Probed once per device, outside any compiled region: the one query of a (1 query, 2 keys)
+    segment must see both keys. The packed forwards pass the answer as ``packed_flash_shared``.
+    """
+    if device.type != "cuda" or _VARLEN_KERNEL is None:
+        return False
+    dtype = torch.bfloat16
+    q = torch.zeros(1, 1, 64, device=device, dtype=dtype)
+    k = torch.zeros(2, 1, 64, device=device, dtype=dtype)  # equal scores: both keys seen -> 0.5, one -> 0
+    v = torch.stack([torch.zeros(1, 64), torch.ones(1, 64)]).to(device, dtype)
+    cu_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    out = _flash_varlen(q, k, v, cu_q, cu_k, 1, 2, 1.0)
+    aligned = abs(float(out.float().mean()) - 0.5) < 1e-2
+    if not aligned:
+        import warnings
+
+        warnings.warn("the flash varlen kernel aligns causal masks to the start; shared-prompt segments fall back "
+                      "to masked SDPA (slow); set model.share_prompts=false", stacklevel=2)
+    return aligned
+
+
+def _padded_sdpa(q: Tensor, k: Tensor, v: Tensor, query_lengths: list[int], key_lengths: list[int],
+                 scale: float) -> Tensor:
+    """Unpack into a (segments, longest) batch, one masked SDPA call, pack again.
 
     Padding costs FLOPs here, but one call beats a Python loop of one call per sequence by far
     on the CPU, where rollout batches hold hundreds of short sequences.
     """
     groups = q.shape[1] // k.shape[1]
-    sizes = torch.tensor(lengths, device=q.device)
-    longest = int(sizes.max())
-    positions = torch.arange(longest, device=q.device)
-    valid = positions[None, :] < sizes[:, None]  # (sequences, longest); row-major order is the packed order
+    q_sizes = torch.tensor(query_lengths, device=q.device)
+    k_sizes = torch.tensor(key_lengths, device=q.device)
+    q_valid = torch.arange(max(query_lengths), device=q.device)[None, :] < q_sizes[:, None]
+    k_valid = torch.arange(max(key_lengths), device=q.device)[None, :] < k_sizes[:, None]
 
-    def padded(tensor: Tensor) -> Tensor:
-        out = tensor.new_zeros(len(lengths), longest, *tensor.shape[1:])
+    def padded(tensor: Tensor, valid: Tensor) -> Tensor:  # row-major order of ``valid`` is the packed order
+        out = tensor.new_zeros(*valid.shape, *tensor.shape[1:])
         out[valid] = tensor
-        return out.transpose(1, 2)  # (sequences, heads, longest, dim)
+        return out.transpose(1, 2)  # (segments, heads, longest, dim)
 
-    qp, kp, vp = padded(q), padded(k), padded(v)
+    qp, kp, vp = padded(q, q_valid), padded(k, k_valid), padded(v, k_valid)
     if groups > 1:
         kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
-    causal = torch.ones(longest, longest, dtype=torch.bool, device=q.device).tril()
-    mask = causal[None, None] & valid[:, None, None, :]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)[valid]
+    # query i sees key j <= i + (keys - queries): causal, aligned to the end of the segment's keys
+    offsets = (k_sizes - q_sizes)[:, None, None]
+    rows = torch.arange(q_valid.shape[1], device=q.device)[None, :, None]
+    columns = torch.arange(k_valid.shape[1], device=q.device)[None, None, :]
+    mask = (columns <= rows + offsets) & k_valid[:, None, :]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
+    return out.transpose(1, 2)[q_valid]

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.engine.attention import NAME as ATTENTION_NAME
+from reinforge.engine.attention import flash_applies, flash_runs_shared_segments
+from reinforge.engine.fsdp import layer_compute_dtype
 from reinforge.engine.log_probs import linear_log_probs
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
 from reinforge.protocol import Batch
@@ -30,6 +32,16 @@ def _check_varlen(config) -> None:
                          "across packed sequences; call reinforge.engine.attention.use_varlen_attention(model) first")
 
 
+def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype) -> dict:
+    """Decided here, outside the (possibly compiled) decoder layers: flash or masked SDPA."""
+    device = packed.input_ids.device
+    kwargs = packed.attention_kwargs(with_lengths=not flash_applies(device, compute_dtype, packed.kv_index is not None))
+    if packed.kv_index is not None:
+        kwargs["packed_flash_shared"] = flash_runs_shared_segments(device)
+    return kwargs
+
+
+
 def packed_hidden_states(model: nn.Module, packed: PackedRows) -> Tensor:
     """Last hidden state (1, tokens, hidden) of a causal LM over a packed row."""
     _check_varlen(model.config)
@@ -39,7 +51,7 @@ def packed_hidden_states(model: nn.Module, packed: PackedRows) -> Tensor:
     try:
         model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=dict(_NO_MASK),
               use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.input_ids.device),
-              **packed.attention_kwargs())
+              **_attention_kwargs(packed, layer_compute_dtype(model)))
     finally:
         hook.remove()
     return captured[-1]
@@ -61,7 +73,8 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     _check_varlen(model.backbone.config)
     packed = pack_rows(micro)
     outputs = model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                             attention_mask=dict(_NO_MASK), use_cache=False, **packed.attention_kwargs())
+                             attention_mask=dict(_NO_MASK), use_cache=False,
+                             **_attention_kwargs(packed, layer_compute_dtype(model.backbone)))
     hidden = outputs.last_hidden_state[0, packed.predictor_index]
     head = model.value_head
     values = head(hidden.to(head.weight.dtype)).squeeze(-1).float()

@@ -56,9 +56,17 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        layer.reinforge_compute_dtype = dtype
     for root in list(roots) if roots is not None else [model]:
         fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     return model
+
+
+def layer_compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the decoder layers compute in: FSDP's parameter dtype if sharded, else their weights'."""
+    layer = decoder_layers(model)[0]
+    dtype = getattr(layer, "reinforge_compute_dtype", None)
+    return dtype if dtype is not None else next(layer.parameters()).dtype
 
 
 def fsdp_units(model: nn.Module) -> list[FSDPModule]:

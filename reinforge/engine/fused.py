@@ -91,11 +91,39 @@ def fuse_elementwise(model: nn.Module, compile: bool = True) -> int:
     return count
 
 
-def prepare_for_training(model: nn.Module, device: torch.device, fused_kernels: bool) -> None:
+def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
+    """``torch.compile`` the forward of each decoder layer for packed passes; returns how many.
+
+    One compiled graph then covers a whole layer (norms, rotary embedding, residual adds, the
+    casts between them) instead of only the norm and MLP pieces. Only packed passes (those
+    carrying ``packed_cu_seqlens``) take the compiled forward; generation with a KV cache keeps
+    the eager one. FSDP's hooks stay outside: they run around ``forward``, which is what is
+    swapped. Must run before ``shard_model``, on a model without activation checkpointing.
+    """
+    from reinforge.engine.fsdp import decoder_layers
+
+    raise_recompile_limit()
+    layers = decoder_layers(model)
+    for layer in layers:
+        eager = layer.forward
+        compiled = torch.compile(eager, backend=backend, dynamic=True)
+
+        def forward(*args, _eager=eager, _compiled=compiled, **kwargs):
+            return (_compiled if kwargs.get("packed_cu_seqlens") is not None else _eager)(*args, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
+
+
+def prepare_for_training(model: nn.Module, device: torch.device, fused_kernels: bool,
+                         compile_layers: bool = False) -> None:
     """Route attention through the packed varlen path and, on CUDA, fuse the elementwise pieces.
 
-    What every worker does to the HF model it trains or scores (``model.fused_kernels``).
+    What every worker does to the HF model it trains or scores (``model.fused_kernels``,
+    ``model.compile_layers``).
     """
     use_varlen_attention(model)
     if fused_kernels and device.type == "cuda":
         fuse_elementwise(model)
+    if compile_layers and device.type == "cuda" and not getattr(model, "is_gradient_checkpointing", False):
+        compile_decoder_layers(model)

@@ -4,8 +4,10 @@
 real tokens only: it takes the fewest micro-batches that fit the budget, the same number on
 every data-parallel rank (FSDP runs one collective per layer per forward, so ranks must run
 the same number of forwards), and spreads the rows over them longest first so that their
-token counts are even. The update does not depend on the split: losses are normalised by
-the mini-batch's global counts.
+token counts are even. With ``share_prompts`` the rows of one prompt stay together (their
+prompt is computed once, ``engine.packing``) and a group costs its prompt once plus its
+responses. Each micro-batch carries its packing plan, made here on the CPU. The update does
+not depend on the split: losses are normalised by the mini-batch's global counts.
 
 ``split_by_token_budget`` (the SFT trainer, whose forward sees padded rows): sequences are laid out as ``[left-padded prompt | right-padded response]``. A micro-batch
 costs ``rows x (longest prompt + longest response)`` tokens once the padding columns shared
@@ -20,30 +22,58 @@ import torch
 from torch import Tensor
 
 from reinforge.engine.distributed import all_reduce
+from reinforge.engine.packing import attach_plan, prompt_groups
 from reinforge.protocol import Batch
 
 
-def balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "response_mask") -> list[Batch]:
-    """Micro-batches of at most ``max_tokens`` attended tokens (a longer row goes alone), equal in count on all ranks.
+def balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "response_mask",
+                           share_prompts: bool = False) -> list[Batch]:
+    """Micro-batches of at most ``max_tokens`` computed tokens (a longer item goes alone), equal in count on all ranks.
 
-    A rank with fewer rows than micro-batches fills the rest with a copy of its first row whose
-    ``mask_key`` is all zeros: it runs the forward and backward and adds nothing to the loss.
+    An item is a row, or with ``share_prompts`` the rows of one prompt (cut into several items
+    when they exceed the budget together). A rank with fewer items than micro-batches fills the
+    rest with a copy of its first row whose ``mask_key`` is all zeros: it runs the forward and
+    backward and adds nothing to the loss.
     """
-    lengths = batch["attention_mask"].sum(-1).tolist()
-    num_micro = _fewest_bins(lengths, max_tokens)
+    items, costs = _items(batch, max_tokens, share_prompts)
+    num_micro = _fewest_bins(costs, max_tokens)
     num_micro = int(all_reduce([float(num_micro)], torch.device("cpu"), op="max")[0])
-    bins = _longest_first(lengths, num_micro)
     pieces = []
-    for rows in bins:
+    for item_ids in _longest_first(costs, num_micro):
+        rows = sorted(row for item in item_ids for row in items[item])
         if rows:
-            piece = trim_padding(batch.index(sorted(rows)))
-            piece.meta["rows"] = sorted(rows)
+            piece = trim_padding(batch.index(rows))
+            piece.meta["rows"] = rows
         else:
             piece = batch.index([0])
             piece[mask_key] = torch.zeros_like(piece[mask_key])
             piece.meta["rows"] = [-1]
-        pieces.append(piece)
+        pieces.append(attach_plan(piece, share_prompts))
     return pieces
+
+
+def _items(batch: Batch, max_tokens: int, share_prompts: bool) -> tuple[list[list[int]], list[int]]:
+    """Units of micro-batching and the tokens each puts through the model."""
+    attention = batch["attention_mask"]
+    lengths = attention.sum(-1).tolist()
+    if not share_prompts:
+        return [[row] for row in range(len(lengths))], lengths
+    prompt_lengths = attention[:, :batch["prompts"].shape[1]].sum(-1).tolist()
+    items, costs = [], []
+    for rows in prompt_groups(batch):
+        prompt = prompt_lengths[rows[0]]
+        item, cost = [], prompt
+        for row in rows:
+            response = lengths[row] - prompt
+            if item and cost + response > max_tokens:
+                items.append(item)
+                costs.append(cost)
+                item, cost = [], prompt
+            item.append(row)
+            cost += response
+        items.append(item)
+        costs.append(cost)
+    return items, costs
 
 
 def rows_in_batch_order(pieces: list[Batch], outputs: list[Tensor], num_rows: int, width: int) -> Tensor:

@@ -6,69 +6,204 @@ position ids restarting at 0 for each, and records which packed positions predic
 token: the hidden state before response token t of row b. Results computed at those
 positions (log-probs, entropy, values) go back to (B, R) with ``unpack_responses``, zeros at
 padding, so the losses of ``reinforge.algorithms`` see the layout they always see.
+
+Shared prompts. The n samples of a GRPO group repeat the same prompt; run separately, its
+tokens go through the model n times with the same result each time (a token's hidden state
+depends only on the tokens before it). With ``share_prompts`` a group's rows become one
+prompt segment followed by one segment per response: the prompt is computed once, and each
+response's queries attend to the prompt's keys and values and then causally to their own
+(the key side of a response segment is ``[prompt | response]``, gathered by ``kv_index``; the
+query side is the response alone, aligned to the end of its keys). The results are those of
+the unshared layout up to float rounding; 128-token prompts with 8 samples of 512 tokens
+leave 17.5% fewer tokens to run through the model.
+
+The plan (which token goes where) is built on the CPU from the attention mask, so packing a
+micro-batch that is already on the device does not wait for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from reinforge.protocol import Batch
 
+PLAN_KEY = "packing_plan"
+"""``Batch.meta`` key under which ``attach_plan`` stores a micro-batch's packing plan."""
+
+
+@dataclass
+class PackingPlan:
+    """Where each token of a micro-batch goes in its packed row; CPU tensors."""
+
+    source_index: Tensor
+    """(tokens,): flat index into the (B, P + R) input ids of each packed token."""
+    position_ids: Tensor
+    """(tokens,): each token's position inside its sequence."""
+    query_lengths: list[int]
+    """Length of each attention segment on the query side (packed order)."""
+    key_lengths: list[int]
+    """Length of each segment on the key side: the query side itself, or [prompt | response] when shared."""
+    kv_index: Tensor | None
+    """(key tokens,): packed positions that form the key side, or None when it is the packed row itself."""
+    predictor_index: Tensor
+    """(response tokens,): packed position whose hidden state predicts each response token."""
+    response_index: Tensor
+    """(response tokens,): flat index into (B, R) of each real response token, row-major."""
+    response_shape: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.source_index.numel())
+
 
 @dataclass
 class PackedRows:
     input_ids: Tensor
-    """(1, tokens): every attended token of every sequence, in row order."""
+    """(1, tokens): every computed token, in packed order."""
     position_ids: Tensor
     """(1, tokens): 0, 1, ... within each sequence."""
     cu_seqlens: Tensor
-    """(sequences + 1,) int32: where each sequence starts in the row, then the total."""
+    """(segments + 1,) int32: where each query segment starts in the row, then the total."""
+    cu_seqlens_k: Tensor
+    """(segments + 1,) int32: the same on the key side (equal to ``cu_seqlens`` without sharing)."""
+    kv_index: Tensor | None
     lengths: list[int]
+    key_lengths: list[int]
     max_length: int
+    max_key_length: int
     predictor_index: Tensor
     """(response tokens,): packed position whose hidden state predicts each response token."""
     response_targets: Tensor
     """(response tokens,): the response token ids themselves."""
-    response_valid: Tensor
-    """(B, R) bool: which response slots are real tokens."""
+    response_index: Tensor
+    response_shape: tuple[int, int]
 
-    def attention_kwargs(self) -> dict:
-        """Keyword arguments of an HF forward that route attention through the varlen path."""
-        return {"packed_cu_seqlens": self.cu_seqlens, "packed_max_length": self.max_length,
-                "packed_lengths": self.lengths}
+    def attention_kwargs(self, with_lengths: bool = True) -> dict:
+        """Keyword arguments of an HF forward that route attention through the varlen path.
+
+        The segment lengths as Python lists serve the masked-SDPA path only; a compiled layer
+        would guard on (and recompile for) every new list, so the flash path leaves them out.
+        """
+        kwargs = {"packed_cu_seqlens": self.cu_seqlens, "packed_max_length": self.max_length,
+                  "packed_cu_seqlens_k": self.cu_seqlens_k, "packed_max_length_k": self.max_key_length,
+                  "packed_kv_index": self.kv_index}
+        if with_lengths:
+            kwargs |= {"packed_lengths": self.lengths, "packed_key_lengths": self.key_lengths}
+        return kwargs
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
 
+def prompt_groups(batch: Batch) -> list[list[int]]:
+    """Rows with identical prompts (ignoring padding), each group in row order, groups by first row."""
+    prompts = batch["prompts"].cpu().numpy()
+    valid = batch["attention_mask"][:, :prompts.shape[1]].cpu().numpy().astype(bool)
+    groups: dict[bytes, list[int]] = {}
+    for row in range(prompts.shape[0]):
+        groups.setdefault(prompts[row][valid[row]].tobytes(), []).append(row)
+    return list(groups.values())
+
+
+def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
+    """The packed layout of ``batch`` (any device; its attention mask is read on the CPU)."""
+    attention = batch["attention_mask"].cpu().numpy().astype(bool)
+    num_rows, width = attention.shape
+    response_width = batch["responses"].shape[1]
+    prompt_width = width - response_width
+    flat = np.arange(num_rows * width).reshape(num_rows, width)
+    prompt_at = [flat[row, :prompt_width][attention[row, :prompt_width]] for row in range(num_rows)]
+    response_at = [flat[row, prompt_width:][attention[row, prompt_width:]] for row in range(num_rows)]
+    for row in range(num_rows):
+        if len(prompt_at[row]) == 0:
+            raise ValueError(f"row {row} of the micro-batch has no prompt token; every sample needs a prompt "
+                             "(its first response token is predicted from the last prompt token)")
+    groups = prompt_groups(batch) if share_prompts else [[row] for row in range(num_rows)]
+    shared = any(len(rows) > 1 for rows in groups)
+    sources, positions, kv_parts = [], [], []
+    query_lengths, key_lengths = [], []
+    predictors: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_rows
+    cursor = 0
+    for rows in groups:
+        prompt_tokens = len(prompt_at[rows[0]])
+        if not shared:  # one segment per sequence: prompt then response
+            row = rows[0]
+            response_tokens = len(response_at[row])
+            sources += [prompt_at[row], response_at[row]]
+            positions.append(np.arange(prompt_tokens + response_tokens))
+            query_lengths.append(prompt_tokens + response_tokens)
+            predictors[row] = np.arange(cursor + prompt_tokens - 1, cursor + prompt_tokens + response_tokens - 1)
+            cursor += prompt_tokens + response_tokens
+            continue
+        prompt_span = np.arange(cursor, cursor + prompt_tokens)
+        sources.append(prompt_at[rows[0]])
+        positions.append(np.arange(prompt_tokens))
+        query_lengths.append(prompt_tokens)
+        key_lengths.append(prompt_tokens)
+        kv_parts.append(prompt_span)
+        cursor += prompt_tokens
+        for row in rows:
+            response_tokens = len(response_at[row])
+            if response_tokens == 0:
+                continue
+            response_span = np.arange(cursor, cursor + response_tokens)
+            sources.append(response_at[row])
+            positions.append(np.arange(prompt_tokens, prompt_tokens + response_tokens))
+            query_lengths.append(response_tokens)
+            key_lengths.append(prompt_tokens + response_tokens)
+            kv_parts += [prompt_span, response_span]
+            predictors[row] = np.concatenate([prompt_span[-1:], response_span[:-1]])
+            cursor += response_tokens
+    response_flat = np.arange(num_rows * response_width).reshape(num_rows, response_width)
+    return PackingPlan(
+        source_index=torch.from_numpy(np.concatenate(sources).astype(np.int64)),
+        position_ids=torch.from_numpy(np.concatenate(positions).astype(np.int64)),
+        query_lengths=query_lengths, key_lengths=key_lengths if shared else list(query_lengths),
+        kv_index=torch.from_numpy(np.concatenate(kv_parts).astype(np.int64)) if shared else None,
+        predictor_index=torch.from_numpy(np.concatenate(predictors).astype(np.int64)),
+        response_index=torch.from_numpy(response_flat[attention[:, prompt_width:]].astype(np.int64)),
+        response_shape=(num_rows, response_width))
+
+
+def attach_plan(batch: Batch, share_prompts: bool = False) -> Batch:
+    """Store the packing plan in ``batch.meta`` (done on the CPU, before the batch moves to the device)."""
+    batch.meta[PLAN_KEY] = plan_packing(batch, share_prompts)
+    return batch
+
+
+def _cu_seqlens(lengths: list[int], device: torch.device) -> Tensor:
+    return torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32).to(device, non_blocking=True)
+
+
 def pack_rows(micro: Batch) -> PackedRows:
-    """Pack the attended tokens of ``micro`` (on any device) into one row."""
-    attention = micro["attention_mask"].bool()
-    input_ids = micro["input_ids"]
-    response_width = micro["responses"].shape[1]
-    lengths_tensor = attention.sum(-1)
-    lengths = lengths_tensor.tolist()
-    if min(lengths) < 1:
-        raise ValueError("a row of the micro-batch has no attended token; every sample needs a prompt")
-    packed_index = (attention.flatten().cumsum(0) - 1).view_as(attention)
-    positions = (torch.cumsum(attention.long(), dim=-1) - 1)[attention]
-    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=input_ids.device)
-    cu_seqlens[1:] = torch.cumsum(lengths_tensor, 0)
-    response_valid = attention[:, -response_width:]
-    # The token before a response token is in the same sequence: every row has at least one prompt token.
-    predictor_index = (packed_index[:, -response_width:] - 1)[response_valid]
-    return PackedRows(input_ids=input_ids[attention].unsqueeze(0), position_ids=positions.unsqueeze(0),
-                      cu_seqlens=cu_seqlens, lengths=lengths, max_length=max(lengths),
-                      predictor_index=predictor_index, response_targets=micro["responses"][response_valid],
-                      response_valid=response_valid)
+    """Pack the attended tokens of ``micro`` (on any device) into one row, by its attached plan if any."""
+    plan = micro.meta.get(PLAN_KEY)
+    if plan is None or plan.response_shape != tuple(micro["responses"].shape):
+        plan = plan_packing(micro)  # none attached, or attached to another batch this one was cut from
+    device = micro["input_ids"].device
+
+    def moved(tensor: Tensor) -> Tensor:
+        return tensor.to(device, non_blocking=True)
+
+    cu_seqlens = _cu_seqlens(plan.query_lengths, device)
+    cu_seqlens_k = cu_seqlens if plan.kv_index is None else _cu_seqlens(plan.key_lengths, device)
+    return PackedRows(
+        input_ids=micro["input_ids"].reshape(-1)[moved(plan.source_index)].unsqueeze(0),
+        position_ids=moved(plan.position_ids).unsqueeze(0), cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k,
+        kv_index=None if plan.kv_index is None else moved(plan.kv_index),
+        lengths=plan.query_lengths, key_lengths=plan.key_lengths, max_length=max(plan.query_lengths),
+        max_key_length=max(plan.key_lengths), predictor_index=moved(plan.predictor_index),
+        response_targets=micro["responses"].reshape(-1)[moved(plan.response_index)],
+        response_index=moved(plan.response_index), response_shape=plan.response_shape)
 
 
 def unpack_responses(values: Tensor, packed: PackedRows) -> Tensor:
     """(response tokens,) -> (B, R) with zeros at padding."""
-    out = values.new_zeros(packed.response_valid.shape)
-    out[packed.response_valid] = values
-    return out
+    rows, width = packed.response_shape
+    out = values.new_zeros(rows * width)
+    return out.index_put((packed.response_index,), values).view(rows, width)

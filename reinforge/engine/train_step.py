@@ -22,6 +22,7 @@ from reinforge.algorithms import LossNormalizer
 from reinforge.engine.distributed import all_reduce, world_size
 from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
 from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.packing import PLAN_KEY
 from reinforge.protocol import Batch
 
 MicroBatchFn = Callable[[Batch, int, str], list[Batch]]
@@ -77,6 +78,9 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
                micro_batches: MicroBatchFn = _padded_split) -> dict[str, float]:
     """Run the optimizer steps of one training step; returns metrics averaged over them.
 
+    Also ``computed_tokens``: the tokens this rank ran through the model (packed: its plans'
+    tokens; padded: rows x width), summed over all micro-batches.
+
     ``micro_batches`` cuts each mini-batch; the default keeps the padded layout (trimmed).
     """
     loss_scale = float(world_size()) if fsdp_units(model) else 1.0
@@ -86,6 +90,7 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
     num_steps = 0
     grad_norms: list[float] = []
     num_skipped = 0
+    computed_tokens = 0
     generator = torch.Generator().manual_seed(settings.seed)
     for _ in range(settings.epochs):
         order = torch.randperm(len(batch), generator=generator) if settings.shuffle else torch.arange(len(batch))
@@ -95,6 +100,8 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
                 weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
+                plan = micro.meta.get(PLAN_KEY)
+                computed_tokens += plan.num_tokens if plan is not None else micro["attention_mask"].numel()
                 micro = micro.to(device, non_blocking=True)
                 loss, metrics = loss_fn(micro, normalizer)
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
@@ -123,4 +130,5 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
     result["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
     result["num_skipped_steps"] = float(num_skipped)
     result["lr"] = scheduler.get_last_lr()[0]
+    result["computed_tokens"] = float(computed_tokens)
     return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,7 +56,8 @@ class ActorRolloutWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation,
                                     gradient_checkpointing=config.model.gradient_checkpointing)
-        prepare_for_training(self.model, self.device, config.model.fused_kernels)
+        prepare_for_training(self.model, self.device, config.model.fused_kernels,
+                             config.model.compile_layers)
         self.model_class = type(self.model)
         self.engine = self._build_engine_in_compute_dtype()
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
@@ -171,7 +173,8 @@ class ActorRolloutWorker(Worker):
     def _log_probs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         temperature = batch.meta.get("temperature", 1.0)
         width = batch["responses"].shape[1]
-        pieces = balanced_micro_batches(batch, self.config.actor.max_tokens_per_micro_batch)
+        pieces = balanced_micro_batches(batch, self.config.actor.max_tokens_per_micro_batch,
+                                        share_prompts=self.config.model.share_prompts)
         log_probs, entropies = [], []
         self.model.eval()
         for micro in pieces:
@@ -228,15 +231,17 @@ class ActorRolloutWorker(Worker):
         settings = UpdateSettings(**{**self.update_settings.__dict__, "seed": self.update_settings.seed + self.scheduler.last_epoch})
         start = time.perf_counter()
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, settings, self.device,
-                             micro_batches=balanced_micro_batches)
+                             micro_batches=partial(balanced_micro_batches,
+                                                   share_prompts=self.config.model.share_prompts))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        computed = metrics.pop("computed_tokens")
         result = {f"actor/{key}": value for key, value in metrics.items()}
         result |= mismatch
         result |= peak_memory_gb(self.device)
         num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
-        result |= update_perf_metrics("actor", self.model, num_tokens, seconds, self.device)
+        result |= update_perf_metrics("actor", self.model, num_tokens, seconds, self.device, computed)
         result["timing_s/update_actor_compute"] = seconds
         return result
 

@@ -7,6 +7,7 @@ are the two root units, since the packed forward calls them one after the other.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +37,8 @@ class CriticWorker(Worker):
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
                                                 device="cpu" if critic.param_offload else self.device,
                                                 gradient_checkpointing=config.model.gradient_checkpointing)
-        prepare_for_training(self.model.backbone, self.device, config.model.fused_kernels)
+        prepare_for_training(self.model.backbone, self.device, config.model.fused_kernels,
+                             config.model.compile_layers)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])
         self.model.train()
@@ -53,7 +55,7 @@ class CriticWorker(Worker):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """values (B, R): the critic's estimate before each response token."""
-        pieces = balanced_micro_batches(batch, self.max_tokens)
+        pieces = balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts)
         self.model.eval()
         values = [response_values(self.model, micro.to(self.device)) for micro in pieces]
         self.model.train()
@@ -75,13 +77,15 @@ class CriticWorker(Worker):
 
         start = time.perf_counter()
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
-                             self.device, micro_batches=balanced_micro_batches)
+                             self.device, micro_batches=partial(balanced_micro_batches,
+                                                   share_prompts=self.config.model.share_prompts))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        computed = metrics.pop("computed_tokens")
         result = {f"critic/{key}": value for key, value in metrics.items()}
         num_tokens = float(batch["attention_mask"].sum()) * self.update_settings.epochs
-        return result | update_perf_metrics("critic", self.model, num_tokens, seconds, self.device)
+        return result | update_perf_metrics("critic", self.model, num_tokens, seconds, self.device, computed)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:

@@ -30,7 +30,8 @@ class ReferenceWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
-        prepare_for_training(self.model, self.device, config.model.fused_kernels)
+        prepare_for_training(self.model, self.device, config.model.fused_kernels,
+                             config.model.compile_layers)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 
@@ -39,7 +40,7 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """ref_log_probs (B, R) of the response tokens under the frozen reference policy."""
         temperature = batch.meta.get("temperature", 1.0)
-        pieces = balanced_micro_batches(batch, self.max_tokens)
+        pieces = balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts)
         log_probs = [response_log_probs(self.model, micro.to(self.device), temperature)[0] for micro in pieces]
         reshard(self.model)
         return Batch.from_dict(tensors={"ref_log_probs": rows_in_batch_order(pieces, log_probs, len(batch),

@@ -56,3 +56,44 @@ def test_unknown_modules_keep_their_forward():
     model = torch.nn.Sequential(OtherRMSNorm())
     assert fuse_elementwise(model, compile=False) == 0
     assert "forward" not in vars(model[0])
+
+
+
+def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generation_eager():
+    import copy
+
+    import torch._dynamo
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.forward import build_position_ids, response_log_probs
+    from reinforge.engine.fused import compile_decoder_layers
+    from reinforge.protocol import Batch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+    use_varlen_attention(eager)
+    compiled = copy.deepcopy(eager)
+    # aot_eager: the same tracing and autograd split as inductor, runnable without a GPU
+    assert compile_decoder_layers(compiled, backend="aot_eager") == SIZES["num_hidden_layers"]
+    prompts = torch.randint(1, 90, (4, 5))
+    responses = torch.randint(1, 90, (4, 6))
+    attention_mask = torch.ones(4, 11, dtype=torch.long)
+    attention_mask[1, :2] = 0
+    attention_mask[2, -3:] = 0
+    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
+        [prompts, responses], 1), "attention_mask": attention_mask, "position_ids": build_position_ids(attention_mask)})
+    outputs = []
+    for model in (eager, compiled):
+        log_probs, _ = response_log_probs(model, batch)
+        log_probs.sum().backward()
+        outputs.append((log_probs.detach(), [parameter.grad for parameter in model.parameters()]))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-5, atol=1e-5)
+    for grad_compiled, grad_eager in zip(outputs[1][1], outputs[0][1], strict=True):
+        torch.testing.assert_close(grad_compiled, grad_eager, rtol=1e-4, atol=1e-6)
+    counters = dict(torch._dynamo.utils.counters["frames"])
+    assert counters.get("ok", 0) >= 1
+    # generation (a KV cache, no packed rows) runs the eager forward: nothing new is compiled
+    with torch.no_grad():
+        compiled.generate(prompts, max_new_tokens=3, do_sample=False)
+    assert dict(torch._dynamo.utils.counters["frames"]) == counters

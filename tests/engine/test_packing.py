@@ -1,0 +1,186 @@
+import copy
+from functools import partial
+
+import pytest
+import torch
+
+from reinforge.algorithms import compute_policy_loss
+from reinforge.config.schema import OptimConfig, PolicyLossConfig
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.forward import build_position_ids, response_log_probs, response_values
+from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
+from reinforge.engine.optim import build_scheduler
+from reinforge.engine.packing import attach_plan, plan_packing
+from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.models import ValueModel, build_tiny_causal_lm
+from reinforge.protocol import Batch
+
+
+def grouped_batch(num_prompts: int = 3, samples: int = 4, prompt_width: int = 6, response_width: int = 7,
+                  seed: int = 0) -> Batch:
+    """GRPO-like rows: each prompt repeated ``samples`` times, responses of different lengths (one empty)."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts, prompt_masks = [], []
+    for index in range(num_prompts):
+        length = prompt_width - index  # left padding grows with the index
+        tokens = torch.randint(3, 60, (prompt_width,), generator=generator)
+        mask = torch.zeros(prompt_width, dtype=torch.long)
+        mask[prompt_width - length:] = 1
+        for _ in range(samples):
+            prompts.append(tokens * mask)
+            prompt_masks.append(mask)
+    rows = num_prompts * samples
+    prompts, prompt_mask = torch.stack(prompts), torch.stack(prompt_masks)
+    responses = torch.randint(3, 60, (rows, response_width), generator=generator)
+    response_mask = torch.zeros(rows, response_width)
+    for row in range(rows):
+        response_mask[row, : (row * 5) % (response_width + 1)] = 1  # row 0 has an empty response
+    responses = responses * response_mask.long()
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+    # interleave the groups, as a shuffled or DP-split batch would
+    order = torch.randperm(rows, generator=generator)
+    batch = Batch.from_dict(tensors={
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+        "position_ids": build_position_ids(attention_mask),
+        "advantages": torch.randn(rows, response_width, generator=generator) * response_mask,
+    })
+    return batch.index(order)
+
+
+def varlen_lm(seed: int):
+    model = build_tiny_causal_lm(vocab_size=64, seed=seed)
+    use_varlen_attention(model)
+    return model
+
+
+def test_the_plan_runs_each_prompt_once_and_keeps_every_response_token():
+    batch = grouped_batch()
+    unshared, shared = plan_packing(batch), plan_packing(batch, share_prompts=True)
+    prompt_tokens = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1)
+    response_tokens = int(batch["response_mask"].sum())
+    assert unshared.num_tokens == int(batch["attention_mask"].sum())
+    assert shared.num_tokens == response_tokens + sum(int(prompt_tokens[rows].unique()) for rows in
+                                                      _rows_by_prompt(batch))
+    assert unshared.kv_index is None and shared.kv_index is not None
+    assert int(shared.kv_index.numel()) == sum(shared.key_lengths)
+    assert torch.equal(shared.response_index, unshared.response_index)
+    assert shared.predictor_index.numel() == unshared.predictor_index.numel() == response_tokens
+
+
+def _rows_by_prompt(batch: Batch) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for row in range(len(batch)):
+        groups.setdefault(tuple(batch["prompts"][row].tolist()), []).append(row)
+    return list(groups.values())
+
+
+def test_shared_prompts_give_the_unshared_log_probs_entropy_and_gradients():
+    model = varlen_lm(seed=3)
+    batch = grouped_batch()
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=share)
+        log_probs, entropy = response_log_probs(model, micro, temperature=0.7, with_entropy=True)
+        ((log_probs * batch["advantages"]).sum() + entropy.sum()).backward()
+        results.append((log_probs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp_a, ent_a, grads_a), (lp_b, ent_b, grads_b) = results
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-5)
+    padding = batch["response_mask"] == 0
+    assert bool((lp_a[padding] == 0).all()) and bool((lp_b[padding] == 0).all())
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(grad_b, grad_a, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_give_the_unshared_values():
+    critic = ValueModel(build_tiny_causal_lm(vocab_size=64, seed=4).model)
+    use_varlen_attention(critic.backbone)
+    batch = grouped_batch(seed=1)
+    unshared = response_values(critic, attach_plan(batch.index(list(range(len(batch)))), share_prompts=False))
+    shared = response_values(critic, attach_plan(batch.index(list(range(len(batch)))), share_prompts=True))
+    torch.testing.assert_close(shared, unshared, atol=1e-5, rtol=1e-5)
+
+
+def test_micro_batches_keep_each_prompt_group_together_within_budget():
+    batch = grouped_batch(num_prompts=4, samples=4)
+    pieces = balanced_micro_batches(batch, max_tokens=40, share_prompts=True)
+    rows = sorted(row for piece in pieces for row in piece.meta["rows"])
+    assert rows == list(range(len(batch)))
+    groups = _rows_by_prompt(batch)
+    for piece in pieces:
+        plan = piece.meta["packing_plan"]
+        assert plan.num_tokens <= 40 or len(piece) == 1
+        present = set(piece.meta["rows"])
+        # a group is split only where it exceeds the budget on its own
+        for group in groups:
+            if present & set(group) and not set(group) <= present:
+                prompt = int(batch["attention_mask"][group[0], :batch["prompts"].shape[1]].sum())
+                assert prompt + int(batch["response_mask"][group].sum()) > 40
+    # shared pieces run fewer tokens than the same rows unshared
+    total_shared = sum(piece.meta["packing_plan"].num_tokens for piece in pieces)
+    assert total_shared < int(batch["attention_mask"].sum())
+
+
+def test_scoring_by_micro_batches_with_shared_prompts_matches_unshared():
+    model = varlen_lm(seed=5).eval()
+    batch = grouped_batch(num_prompts=4, samples=3, seed=2)
+    width = batch["responses"].shape[1]
+    out = []
+    for share in (False, True):
+        pieces = balanced_micro_batches(batch, max_tokens=30, share_prompts=share)
+        with torch.no_grad():
+            parts = [response_log_probs(model, piece)[0] for piece in pieces]
+        out.append(rows_in_batch_order(pieces, parts, len(batch), width))
+    torch.testing.assert_close(out[1], out[0], atol=1e-5, rtol=1e-5)
+
+
+def test_update_with_shared_prompts_equals_the_unshared_update():
+    base = varlen_lm(seed=6)
+    batch = grouped_batch(num_prompts=3, samples=4, seed=3)
+    models = []
+    for share in (False, True):
+        model = copy.deepcopy(base).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
+
+        def loss_fn(micro, normalizer, model=model):
+            log_probs, _ = response_log_probs(model, micro)
+            loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
+                                          advantages=micro["advantages"], response_mask=micro["response_mask"],
+                                          loss_agg_mode="token-mean", config=PolicyLossConfig(), normalizer=normalizer)
+            return loss, {}
+
+        settings = UpdateSettings(max_tokens_per_micro_batch=35, grad_clip=1e9)
+        run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"),
+                   micro_batches=partial(balanced_micro_batches, share_prompts=share))
+        models.append(model)
+    for p_a, p_b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p_b, p_a, atol=1e-6, rtol=1e-5)
+    assert not torch.equal(next(models[0].parameters()), next(base.parameters()))
+
+
+def test_a_row_without_prompt_tokens_is_refused_with_its_index():
+    batch = grouped_batch()
+    batch["attention_mask"][2, :batch["prompts"].shape[1]] = 0
+    with pytest.raises(ValueError, match="row 2 .* no prompt token"):
+        plan_packing(batch)
+
+
+@pytest.mark.gpu
+def test_flash_kernel_runs_shared_segments_like_the_unshared_layout_on_the_gpu():
+    from reinforge.engine.attention import flash_runs_shared_segments
+
+    device = torch.device("cuda")
+    assert flash_runs_shared_segments(device)
+    model = varlen_lm(seed=7).to(device, torch.bfloat16)
+    batch = grouped_batch(num_prompts=4, samples=8, prompt_width=40, response_width=90).to(device)
+    out = []
+    for share in (False, True):
+        with torch.no_grad():
+            micro = Batch(dict(batch.tensors), {}, {})
+            micro.meta["packing_plan"] = plan_packing(batch, share_prompts=share)
+            out.append(response_log_probs(model, micro)[0])
+    # bf16: the shared layout changes only the order of some reductions
+    torch.testing.assert_close(out[1], out[0], atol=2e-2, rtol=2e-2)
