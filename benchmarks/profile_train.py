@@ -5,7 +5,7 @@ warms up, step 2 is timed phase by phase (weights gathered, KV cache allocated, 
 sleep, batch assembly; update), step 3's update runs under ``torch.profiler``. Writes
 ``$OUT/profile_train.json`` (phases) and ``$OUT/profile_train.txt`` (the kernel table).
 
-    PYTHONPATH=. python3 benchmarks/profile_train.py
+    PYTHONPATH=. python3 benchmarks/profile_train.py        (PROFILE_ARGS="--compile-layers" adds bench flags)
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     from reinforge.engine.fsdp import fsdp_units, reshard, unsharded
     from reinforge.workers.actor_rollout import ActorRolloutWorker
 
-    args = parse_args([])
+    args = parse_args(os.environ.get("PROFILE_ARGS", "").split())
     phases: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = write_model(Path(scratch), tiny=False)
@@ -74,7 +74,9 @@ def main() -> None:
                     _, seconds = synced(actor.update_actor, batch)
                 table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60)
                 (OUT / "profile_train.txt").write_text(table)
-                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
+                by_self = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=90)
+                (OUT / "profile_train_self.txt").write_text(by_self)
+                print(by_self, flush=True)
             else:
                 _, seconds = synced(actor.update_actor, batch)
             phases[f"step{step + 1}_update"] = seconds

@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/train_step.py [log_probs grpo check kl ppo]   # $OUT/*.json, a table last
 
-1. ``log_probs``: the fused chunked log-prob/entropy (16k rows x 151936 vocab), eager vs
-   torch.compile'd chunk math, forward + backward.
+1. ``log_probs``: the fused log-prob/entropy (16k rows x 151936 vocab), forward + backward:
+   PyTorch chunk math, the Triton row kernels chunked, and with the logits kept for the backward.
 2. ``bench``: ``reinforge.bench_train`` on the standard workload: grpo (6 steps), then kl and
    ppo (4 steps each); medians of steps 2.. .
 3. ``check``: ``reinforge train`` through the CLI on a tiny model on CUDA, 2 GRPO steps with
@@ -37,9 +37,10 @@ def log_probs_microbench() -> dict:
     weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.05).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     result = {}
-    default = module.COMPILE_ON_CUDA
-    for compiled in (False, True):
-        module.COMPILE_ON_CUDA = compiled
+    defaults = module.TRITON_ON_CUDA, module.STORE_LOGITS_BYTES
+    for name, triton_on, store in (("pytorch_chunked", False, 0), ("triton_chunked", True, 0),
+                                   ("triton_stored", True, defaults[1])):
+        module.TRITON_ON_CUDA, module.STORE_LOGITS_BYTES = triton_on, store
         times = []
         for _ in range(4):
             torch.cuda.synchronize()
@@ -48,9 +49,10 @@ def log_probs_microbench() -> dict:
             (lp.sum() + ent.sum()).backward()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        result["compiled" if compiled else "eager"] = min(times[1:])
-        result["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    module.COMPILE_ON_CUDA = default
+        result[name] = min(times[1:])
+        result[f"{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    module.TRITON_ON_CUDA, module.STORE_LOGITS_BYTES = defaults
     print("log_probs", json.dumps(result), flush=True)
     return result
 

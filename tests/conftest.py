@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (engine.log_prob_kernels, the native rollout engine's) run in Triton's interpreter on
+    # the CPU; Triton reads this when it is first imported, so it is set before any test imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

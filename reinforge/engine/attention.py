@@ -86,6 +86,13 @@ def _load_varlen_kernel():
 _VARLEN_KERNEL, _VARLEN_PARAMETERS = _load_varlen_kernel()
 
 
+NATIVE_GQA_FALLBACK = True
+"""Where ``varlen_attn`` has no ``enable_gqa`` (torch < 2.12), call the flash op under it with the
+unexpanded key/value heads (the kernel shares each KV head across its query heads; its autograd
+formula sums their gradients) instead of repeating key and value for every query head, which
+cost a copy forward and a reduction backward in every layer."""
+
+
 def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, max_length: int,
                   max_key_length: int, scale: float) -> Tensor:
     parameters = _VARLEN_PARAMETERS
@@ -93,6 +100,10 @@ def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlen
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in parameters:
             options["enable_gqa"] = True
+        elif NATIVE_GQA_FALLBACK:
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, cu_seqlens.to(torch.int32), cu_seqlens_k.to(torch.int32), max_length, max_key_length, 0.0,
+                True, False, scale=scale)[0]
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)

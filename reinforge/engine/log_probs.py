@@ -1,20 +1,21 @@
 """Log-probs and entropy of target tokens, fused with the output projection, chunk by chunk.
 
-Full-vocabulary float32 logits for a micro-batch would take tokens x vocab x 4 bytes (16k
-tokens x 152k vocab = 10 GB). ``linear_log_probs`` computes ``hidden @ weight.T`` for
-``chunk_size`` rows at a time, reduces each chunk to a log-prob, an entropy and a
-log-sum-exp in float32, and keeps only those. Backward recomputes each chunk's logits and
-turns them straight into the gradient of the logits (one chunk alive at a time), from
+Full-vocabulary float32 logits are never materialised: ``linear_log_probs`` computes
+``hidden @ weight.T`` in the compute dtype and reduces each row to a log-prob, an entropy and
+a log-sum-exp in float32 (on CUDA with the one-pass Triton kernels of
+``engine.log_prob_kernels``). When a gradient is needed and the logits fit in
+``STORE_LOGITS_BYTES`` they are kept for the backward, which overwrites them with their
+gradient and runs one product for each input; otherwise (and without grad) the rows go
+``chunk_size`` at a time and the backward recomputes each chunk's logits. The gradient is
 
     d log p_y / dz = onehot(y) - p        d H / dz = -p * (log p + H)
 
-with z = logits / temperature. ``compute_log_prob`` (no grad) and the training pass run
-the same function, so old and new log-probs share their numerics exactly.
+with z = logits / temperature. ``compute_log_prob`` (no grad) and the training pass reduce
+their logits with the same kernels, so old and new log-probs differ only by the rounding of
+the matrix product (chunked rows there, all rows here).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor
@@ -41,63 +42,97 @@ def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g
     return (grad * inv_temperature).to(logits.dtype)
 
 
-@functools.cache
-def _kernels(compiled: bool):
-    if not compiled:
-        return _chunk_forward, _chunk_grad
-    # One fused pass over each chunk instead of six or so elementwise passes over its float32 logits.
-    from reinforge.engine.fused import raise_recompile_limit
+TRITON_ON_CUDA = True
+"""Run the per-row math with the Triton kernels of ``engine.log_prob_kernels`` on CUDA (one read
+of the logits forward, one read and one write backward); False uses the PyTorch functions above."""
 
-    raise_recompile_limit()
-    return (torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_grad, dynamic=True))
-
-
-def _use_compiled(tensor: Tensor) -> bool:
-    return tensor.is_cuda and COMPILE_ON_CUDA
+STORE_LOGITS_BYTES = 24 * 2**30
+"""When gradients are needed and a micro-batch's logits (rows x vocab in the compute dtype) fit
+in this many bytes, the forward keeps them for the backward: one matrix product each way
+instead of one per chunk, no recomputation, and the backward writes the logits' gradient over
+them. 52k response rows x 151,936 vocabulary in bf16 take 16 GB. Larger ones are chunked."""
 
 
-COMPILE_ON_CUDA = True
-"""torch.compile the per-chunk math on CUDA: 3.2x faster forward + backward than eager for 16k rows
-x 151936 vocab on an H200 (0.044 s vs 0.144 s, benchmarks/train_step.py log_probs, 2026-11-29)."""
+def _row_math(tensor: Tensor):
+    """(stats, grads) for rows of logits: Triton on CUDA, else the PyTorch functions chunk by chunk."""
+    if tensor.is_cuda and TRITON_ON_CUDA:
+        from reinforge.engine import log_prob_kernels
+
+        return log_prob_kernels.row_stats, log_prob_kernels.row_grads
+
+    def stats(logits: Tensor, targets: Tensor, inv_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+        parts = [_chunk_forward(logits[start:start + DEFAULT_CHUNK_SIZE], targets[start:start + DEFAULT_CHUNK_SIZE],
+                                inv_temperature) for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE)]
+        return tuple(torch.cat(values) for values in zip(*parts, strict=True)) if parts else \
+            tuple(logits.new_empty(0, dtype=torch.float32) for _ in range(3))
+
+    def grads(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_log_probs: Tensor,
+              grad_entropy: Tensor, inv_temperature: float, out: Tensor | None = None) -> Tensor:
+        out = torch.empty_like(logits) if out is None else out
+        for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE):
+            rows = slice(start, start + DEFAULT_CHUNK_SIZE)
+            out[rows] = _chunk_grad(logits[rows], targets[rows], lse[rows], entropy[rows],
+                                    grad_log_probs[rows].float(), grad_entropy[rows].float(), inv_temperature)
+        return out
+
+    return stats, grads
 
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
                 chunk_size: int) -> tuple[Tensor, Tensor]:
-        chunk_forward, _ = _kernels(_use_compiled(hidden))
+        stats, _ = _row_math(hidden)
         inv_temperature = 1.0 / temperature
         num_rows = hidden.shape[0]
-        log_probs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty_like(log_probs)
-        lse = torch.empty_like(log_probs)
-        for start in range(0, num_rows, chunk_size):
-            stop = min(start + chunk_size, num_rows)
-            logits = hidden[start:stop] @ weight.t()
-            log_probs[start:stop], entropy[start:stop], lse[start:stop] = chunk_forward(
-                logits, targets[start:stop], inv_temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.inv_temperature, ctx.chunk_size = inv_temperature, chunk_size
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        store = needs_grad and num_rows * weight.shape[0] * hidden.element_size() <= STORE_LOGITS_BYTES
+        if store:
+            logits = hidden @ weight.t()
+            log_probs, entropy, lse = stats(logits, targets, inv_temperature)
+            ctx.save_for_backward(hidden, weight, targets, lse, entropy, logits)
+        else:
+            log_probs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+            entropy = torch.empty_like(log_probs)
+            lse = torch.empty_like(log_probs)
+            for start in range(0, num_rows, chunk_size):
+                stop = min(start + chunk_size, num_rows)
+                log_probs[start:stop], entropy[start:stop], lse[start:stop] = stats(
+                    hidden[start:stop] @ weight.t(), targets[start:stop], inv_temperature)
+            ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.inv_temperature, ctx.chunk_size, ctx.consumed = inv_temperature, chunk_size, False
         ctx.mark_non_differentiable(lse)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs: Tensor | None, grad_entropy: Tensor | None):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        _, chunk_grad = _kernels(_use_compiled(hidden))
+        if ctx.consumed:
+            raise RuntimeError("linear_log_probs wrote its logits' gradient over the stored logits: its graph "
+                               "cannot be backpropagated twice (retain_graph); run the forward again")
+        saved = ctx.saved_tensors
+        hidden, weight, targets, lse, entropy = saved[:5]
+        _, grads = _row_math(hidden)
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
         if grad_entropy is None:
             grad_entropy = torch.zeros_like(lse)
+        if len(saved) == 6:  # the forward kept the logits: whole-batch products, gradient over the logits
+            logits = saved[5]
+            ctx.consumed = True
+            grad_logits = grads(logits, targets, lse, entropy, grad_log_probs, grad_entropy, ctx.inv_temperature,
+                                out=logits)
+            grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+            grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+            return grad_hidden, grad_weight, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             stop = min(start + ctx.chunk_size, hidden.shape[0])
             chunk = hidden[start:stop]
-            grad_logits = chunk_grad(chunk @ weight.t(), targets[start:stop], lse[start:stop], entropy[start:stop],
-                                     grad_log_probs[start:stop].float(), grad_entropy[start:stop].float(),
-                                     ctx.inv_temperature)
+            logits = chunk @ weight.t()
+            grad_logits = grads(logits, targets[start:stop], lse[start:stop], entropy[start:stop],
+                                grad_log_probs[start:stop], grad_entropy[start:stop], ctx.inv_temperature, out=logits)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grad_logits @ weight
             if grad_weight is not None:

@@ -2,11 +2,15 @@ import pytest
 import torch
 
 from reinforge.algorithms import entropy_from_logits, log_probs_from_logits
+from reinforge.engine import log_probs as log_probs_module
 from reinforge.engine.log_probs import linear_log_probs
 
 
-@pytest.mark.parametrize("temperature,chunk_size", [(1.0, 4), (0.7, 5), (1.3, 100)])
-def test_chunked_log_probs_and_entropy_match_full_logits(temperature, chunk_size):
+@pytest.mark.parametrize("temperature,chunk_size,store_logits", [(1.0, 4, True), (0.7, 5, False), (1.3, 100, False),
+                                                                 (0.7, 5, True)])
+def test_chunked_log_probs_and_entropy_match_full_logits(temperature, chunk_size, store_logits, monkeypatch):
+    if not store_logits:  # the chunked path, whose backward recomputes each chunk's logits
+        monkeypatch.setattr(log_probs_module, "STORE_LOGITS_BYTES", 0)
     generator = torch.Generator().manual_seed(0)
     hidden = (0.5 * torch.randn(13, 8, generator=generator, dtype=torch.float64)).requires_grad_()
     weight = torch.randn(31, 8, generator=generator, dtype=torch.float64, requires_grad=True)
@@ -34,3 +38,37 @@ def test_log_probs_alone_backpropagate():
     log_probs, _ = linear_log_probs(hidden, weight, torch.arange(6), chunk_size=4)
     log_probs.sum().backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
+def test_a_second_backward_through_stored_logits_is_refused():
+    hidden = torch.randn(6, 4, requires_grad=True)
+    weight = torch.randn(9, 4)
+    log_probs, _ = linear_log_probs(hidden, weight, torch.arange(6))
+    log_probs.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        log_probs.sum().backward()
+
+
+@pytest.mark.parametrize("vocab_size", [37, 5000])
+def test_triton_row_kernels_match_the_pytorch_math(vocab_size):
+    """Under TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU) the kernels run on the CPU."""
+    pytest.importorskip("triton")
+    from reinforge.engine import log_prob_kernels
+
+    generator = torch.Generator().manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = (3 * torch.randn(5, vocab_size, generator=generator)).to(device)
+    logits[1, : vocab_size // 2] = -1e4  # a row whose mass sits in its second half
+    targets = torch.randint(0, vocab_size, (5,), generator=generator).to(device)
+    log_probs, entropy, lse = log_prob_kernels.row_stats(logits, targets, 1 / 0.7)
+    expected = log_probs_module._chunk_forward(logits, targets, 1 / 0.7)
+    for value, reference in zip((log_probs, entropy, lse), expected, strict=True):
+        torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-4)
+    grad_lp = torch.randn(5, generator=generator).to(device)
+    grad_ent = torch.randn(5, generator=generator).to(device)
+    grads = log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7)
+    reference = log_probs_module._chunk_grad(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7)
+    torch.testing.assert_close(grads, reference, atol=1e-5, rtol=1e-4)
+    # written over the logits themselves, as the backward does with stored logits
+    log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7, out=logits)
+    torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)

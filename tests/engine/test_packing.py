@@ -184,3 +184,25 @@ def test_flash_kernel_runs_shared_segments_like_the_unshared_layout_on_the_gpu()
             out.append(response_log_probs(model, micro)[0])
     # bf16: the shared layout changes only the order of some reductions
     torch.testing.assert_close(out[1], out[0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native_gqa", [True, False])
+def test_flash_varlen_with_grouped_heads_matches_sdpa_per_segment_on_the_gpu(native_gqa, monkeypatch):
+    from reinforge.engine import attention
+
+    monkeypatch.setattr(attention, "NATIVE_GQA_FALLBACK", native_gqa)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    query_lengths, key_lengths = [5, 7, 3], [5, 12, 10]  # a prompt segment, then two end-aligned responses
+    q = torch.randn(sum(query_lengths), 14, 64, device="cuda", generator=generator).bfloat16().requires_grad_()
+    k = torch.randn(sum(key_lengths), 2, 64, device="cuda", generator=generator).bfloat16().requires_grad_()
+    v = torch.randn(sum(key_lengths), 2, 64, device="cuda", generator=generator).bfloat16().requires_grad_()
+    cu_q = torch.tensor([0, 5, 12, 15], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 5, 17, 27], dtype=torch.int32, device="cuda")
+    out = attention._flash_varlen(q, k, v, cu_q, cu_k, 7, 12, 0.125)
+    expected = attention._padded_sdpa(q.float(), k.float(), v.float(), query_lengths, key_lengths, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad.float(), expected_grad.float(), atol=5e-2, rtol=5e-2)
