@@ -105,7 +105,8 @@ def main() -> int:
         grpo_steps = int(os.environ.get("GRPO_STEPS", "5"))
         steps = [("log_probs", log_probs_microbench),
                  ("grpo", lambda: bench(model_dir, "grpo", grpo_steps, [])),
-                 ("grpo_compiled", lambda: bench(model_dir, "grpo", grpo_steps, ["--compile-layers"], "grpo_compiled")),
+                 ("grpo_eager_layers", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-compile-layers"],
+                                                     "grpo_eager_layers")),
                  ("grpo_unshared", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-share-prompts"],
                                                  "grpo_unshared")),
                   ("check", lambda: check_cli(scratch / "check")),
@@ -123,7 +124,7 @@ def main() -> int:
                 RESULTS[name] = {"error": traceback.format_exc(limit=3)[-600:]}
             (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n| what | step s | rollout s | update s | update tok/s | MFU | MFU (workload tokens) | peak GiB |")
-    for name in ("grpo", "grpo_compiled", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
+    for name in ("grpo", "grpo_eager_layers", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
         m = RESULTS.get(name, {})
         if "step_s" in m:
             print(f"| {name} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['update_actor_s']:.2f} | "

@@ -186,8 +186,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="train with the eager RMSNorm and MLP (model.fused_kernels=false)")
     parser.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
                         help="run each sample's prompt separately in the update (model.share_prompts=false)")
-    parser.add_argument("--compile-layers", action="store_true",
-                        help="torch.compile each decoder layer for the update (model.compile_layers=true)")
+    parser.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
+                        help="run the decoder layers eagerly in the update (model.compile_layers=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
