@@ -2,13 +2,17 @@
 
 Times the real run, then each phase of a second run synchronized around every phase (prefill,
 decode input preparation + graph replay, sampling, reading tokens back and bookkeeping) and,
-separately, the pieces on the device alone: the
-captured decode graph at the largest batch, the paged-attention kernel, the sampler kernel
-and the LM-head matrix product. Writes JSON to the path given as the first argument.
+separately, the pieces on the device alone: the captured decode graph at the largest batch,
+that graph followed by the sampler, the paged-attention kernel, the sampler kernels on bf16
+logits (512 x vocab; alone, and through the Sampler with min-p rows, whose thresholds take
+the row maxima first), the fused q|k|v and gate|up matrix products next to the separate ones
+they replace, one layer's MLP and the LM-head matrix product. Writes JSON to the path given
+as the first argument.
 
     PYTHONPATH=. python3 benchmarks/profile_native.py /tmp/profile.json [--sweep]
 
-``--sweep`` also times the paged-attention kernel over tile sizes, warps and pipeline stages.
+``--sweep`` also times the paged-attention kernel over tile sizes, warps and pipeline stages,
+and the sampler over block widths, blocks per split and warps.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import triton.testing
 from reinforge.bench import QWEN25_05B, build_model, random_prompts
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, triton_kernels
+from reinforge.rollout.native.sampling import SamplingTensors
 
 
 def timed(store: dict[str, list[float]], name: str, function):
@@ -99,12 +104,44 @@ def main(out_path: str) -> None:
     minus_inf = torch.full((batch,), float("-inf"), device=device)
     seeds = torch.arange(batch, device=device, dtype=torch.int64)
     result["sampler_kernel_ms_b512"] = triton.testing.do_bench(
-        lambda: triton_kernels.sample(logits, ones, zeros_int, minus_inf, minus_inf, seeds, seeds), return_mode="median")
+        lambda: triton_kernels.sample(logits, ones, zeros_int, minus_inf, seeds, seeds), return_mode="median")
+    min_p_params = SamplingTensors(inv_temperatures=ones, greedy=zeros_int, top_k=zeros_int.long(), top_p=ones,
+                                   log_min_p=torch.full((batch,), -3.0, device=device), sample_seeds=seeds,
+                                   needs_truncation=False, needs_min_p=True, positions=seeds)
+    result["sampler_with_min_p_ms_b512"] = triton.testing.do_bench(
+        lambda: engine.sampler(logits, min_p_params), return_mode="median")
+    graph_logits = runner._graph_logits[512]
+    result["graph_replay_then_sampler_kernel_ms_b512"] = triton.testing.do_bench(
+        lambda: (graph.replay(), triton_kernels.sample(graph_logits, ones, zeros_int, minus_inf, seeds, seeds)),
+        warmup=50, rep=300, return_mode="median")
+    sampler_sweep = {}
+    for block_v in (512, 1024, 2048) if "--sweep" in sys.argv else ():
+        for blocks_per_split in (2, 4, 8, 16, 32):
+            for num_warps in (4, 8):
+                name = f"block_v={block_v},blocks_per_split={blocks_per_split},warps={num_warps}"
+                try:
+                    sampler_sweep[name] = triton.testing.do_bench(
+                        lambda b=block_v, s=blocks_per_split, w=num_warps: triton_kernels.sample(
+                            logits, ones, zeros_int, minus_inf, seeds, seeds, b, s, w),
+                        return_mode="median")
+                except Exception as error:  # a configuration that does not compile is just skipped
+                    sampler_sweep[name] = repr(error)[:80]
+    result["sampler_kernel_sweep_ms"] = sampler_sweep
     hidden = torch.randn(batch, QWEN25_05B["hidden_size"], device=device, dtype=torch.bfloat16)
     result["lm_head_ms_b512"] = triton.testing.do_bench(lambda: model.lm_head(hidden), return_mode="median")
-    layer = model.model.layers[0]
+    layer, fused = model.model.layers[0], decoder.fused[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    result["qkv_separate_ms_b512"] = triton.testing.do_bench(
+        lambda: (attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), return_mode="median")
+    result["qkv_fused_ms_b512"] = triton.testing.do_bench(
+        lambda: torch.nn.functional.linear(hidden, fused.qkv_weight, fused.qkv_bias), return_mode="median")
+    result["gate_up_separate_ms_b512"] = triton.testing.do_bench(
+        lambda: (mlp.gate_proj(hidden), mlp.up_proj(hidden)), return_mode="median")
+    result["gate_up_fused_ms_b512"] = triton.testing.do_bench(
+        lambda: torch.nn.functional.linear(hidden, fused.gate_up_weight, fused.gate_up_bias), return_mode="median")
     result["mlp_one_layer_ms_b512"] = triton.testing.do_bench(
-        lambda: layer.mlp.down_proj(triton_kernels.silu_and_mul(layer.mlp.gate_proj(hidden), layer.mlp.up_proj(hidden))),
+        lambda: mlp.down_proj(triton_kernels.silu_and_mul(
+            torch.nn.functional.linear(hidden, fused.gate_up_weight, fused.gate_up_bias))),
         return_mode="median")
     engine.sleep()
     with open(out_path, "w") as file:

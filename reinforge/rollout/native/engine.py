@@ -5,11 +5,12 @@ Token ids in, token ids and per-token log-probs out. One scheduler serves two en
 adds one request and lets a background task step the scheduler (in a worker thread) while
 anything is pending, so agent loops submit requests one at a time and none waits for
 another. Decode steps overlap: the next one is launched before the last one's tokens are read
-back (``_step``). Hybrid engine: the engine runs the trainer's model modules in place, so
-``sync_weights`` is only a pointer refresh (a no-op for the same model updated in place; the
-CUDA graphs are recaptured if the parameters' storage moved). ``wake_up`` allocates the KV
-cache from a fraction of device memory; ``sleep`` frees it, with the CUDA graphs, and
-returns the memory to the device.
+back (``_step``). Hybrid engine: the engine runs the trainer's model modules in place, except
+for each layer's q|k|v and gate|up projections, which run on concatenated copies (one matrix
+product each; see ``model.py``). ``wake_up`` makes those copies and allocates the KV cache
+from a fraction of device memory; ``sync_weights`` refreshes the copies in place when awake
+(and recaptures the CUDA graphs if the parameters' storage moved); ``sleep`` frees the copies,
+the KV cache and the CUDA graphs, and returns the memory to the device.
 """
 
 from __future__ import annotations
@@ -154,16 +155,17 @@ class NativeEngine:
         return self.scheduler is not None
 
     def wake_up(self) -> None:
-        """Allocate the KV cache (and, at the first decode, capture CUDA graphs)."""
+        """Copy the fused projections, allocate the KV cache (and, at the first decode, capture CUDA graphs)."""
         if self.is_awake:
             return
+        self.runner.load_weights()  # first: the KV cache is sized from the memory left after it
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.scheduler = Scheduler(BlockManager(num_blocks, self.block_size), self.max_num_seqs,
                                    self.max_num_batched_tokens)
 
     def sleep(self) -> None:
-        """Free the KV cache and CUDA graphs; the memory goes back to the device for training."""
+        """Free the KV cache, the fused projections and the CUDA graphs; the memory goes back to the device."""
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
         with self._step_lock:
@@ -172,11 +174,16 @@ class NativeEngine:
                 self._in_flight = None
         self.scheduler = None
         self.runner.free_kv_cache()
+        self.runner.free_weights()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Generate with ``model``'s current parameters: a pointer refresh, nothing is copied."""
+        """Generate with ``model``'s current parameters.
+
+        Awake, the fused q|k|v and gate|up copies are overwritten in place; asleep, ``wake_up`` makes them.
+        Every other parameter is read in place.
+        """
         self.model = model
         self.runner.set_model(model)
 

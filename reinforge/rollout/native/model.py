@@ -2,15 +2,23 @@
 
 Qwen2, Qwen2.5, Qwen3 and Llama share one layout (RMSNorm, rotary attention with grouped
 KV heads, gated SiLU MLP); this module runs that layout over packed tokens with a paged KV
-cache, calling the HF model's projection and norm modules directly, so the engine reads
-the trainer's parameters in place: nothing is copied and an optimizer step is seen at once.
+cache. It reads the trainer's parameters in place, with one exception: each layer's q, k and
+v projections, and its gate and up projections, run as one matrix product each over weights
+concatenated into buffers of the decoder's own (``FusedProjections``; about a third of the
+model's weights). Those copies exist while the engine is awake and are refreshed with
+``copy_`` (their storage never moves, so captured CUDA graphs stay valid) when the engine
+syncs weights; every other parameter, and so an in-place optimizer step to it, is read as is.
 On the Triton path the norms, rotary embedding, cache write and SiLU-and-mul are fused
-kernels that round as transformers does; the PyTorch path calls the HF modules themselves.
+kernels that round as transformers does; the PyTorch path calls the HF norm and activation
+modules themselves.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reinforge.rollout.native.attention import (
@@ -49,8 +57,58 @@ def supports_model(model: nn.Module) -> bool:
     return unsupported_reason(model) is None
 
 
+@dataclass
+class FusedProjections:
+    """One layer's projections that read the same input, concatenated along the output dim.
+
+    qkv_weight: (heads * head_dim + 2 * kv_heads * head_dim, hidden), q then k then v rows;
+    gate_up_weight: (2 * intermediate, hidden), gate then up rows. A bias is None when none
+    of its projections has one (a projection without a bias contributes zeros).
+    """
+
+    qkv_weight: Tensor
+    qkv_bias: Tensor | None
+    gate_up_weight: Tensor
+    gate_up_bias: Tensor | None
+
+    @classmethod
+    def concatenated(cls, layer: nn.Module) -> FusedProjections:
+        return cls(*(None if parts is None else torch.cat(parts) for parts in _fused_parts(layer)))
+
+    def copy_from(self, layer: nn.Module) -> None:
+        """Overwrite the buffers in place with the layer's current weights."""
+        for destination, parts in zip(self._fields(), _fused_parts(layer), strict=True):
+            start = 0
+            for part in parts or ():
+                destination[start:start + part.shape[0]].copy_(part)
+                start += part.shape[0]
+
+    def tensors(self) -> list[Tensor]:
+        return [tensor for tensor in self._fields() if tensor is not None]
+
+    def _fields(self) -> tuple[Tensor | None, ...]:
+        return self.qkv_weight, self.qkv_bias, self.gate_up_weight, self.gate_up_bias
+
+
+def _fused_parts(layer: nn.Module) -> list[list[Tensor] | None]:
+    """The pieces of qkv_weight, qkv_bias, gate_up_weight and gate_up_bias, in that order (None: no bias)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = []
+    for linears in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        parts.append([linear.weight for linear in linears])
+        if all(linear.bias is None for linear in linears):
+            parts.append(None)
+        else:
+            parts.append([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+                          for linear in linears])
+    return parts
+
+
 class PagedDecoder:
-    """Embedding, decoder layers and LM head of an HF causal LM over a paged KV cache."""
+    """Embedding, decoder layers and LM head of an HF causal LM over a paged KV cache.
+
+    ``load_fused_projections`` must run before ``forward`` (the engine does it at wake-up).
+    """
 
     def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool):
         reason = unsupported_reason(model)
@@ -70,7 +128,11 @@ class PagedDecoder:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
         self.has_qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
         self.cos, self.sin = self._rotary_tables()
+        self.fused: list[FusedProjections] | None = None
+        """Per layer, while loaded; see ``load_fused_projections``."""
 
     def _rotary_tables(self) -> tuple[Tensor, Tensor]:
         """cos, sin: (max_model_len, head_dim) in the model dtype, from the model's own rotary module."""
@@ -80,8 +142,26 @@ class PagedDecoder:
             cos, sin = self.model.model.rotary_emb(probe, positions)
         return cos[0].contiguous(), sin[0].contiguous()
 
+    @torch.no_grad()
+    def load_fused_projections(self) -> None:
+        """Copy each layer's q|k|v and gate|up weights into the fused buffers, allocating them if freed.
+
+        Once allocated, the buffers are overwritten in place, so graphs that read them stay valid.
+        """
+        layers = self.model.model.layers
+        if self.fused is None:
+            self.fused = [FusedProjections.concatenated(layer) for layer in layers]
+            return
+        for fused, layer in zip(self.fused, layers, strict=True):
+            fused.copy_from(layer)
+
+    def free_fused_projections(self) -> None:
+        self.fused = None
+
     def parameter_pointers(self) -> tuple[int, ...]:
-        return tuple(parameter.data_ptr() for parameter in self.model.parameters())
+        """Storage addresses of everything a forward reads in place (what a captured graph depends on)."""
+        fused = [tensor for layer in self.fused or () for tensor in layer.tensors()]
+        return tuple(tensor.data_ptr() for tensor in [*self.model.parameters(), *fused])
 
     def _norm(self, module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """RMSNorm of x (or of x + residual, written back into residual) with the module's weight."""
@@ -94,19 +174,23 @@ class PagedDecoder:
             x = residual
         return module(x)
 
-    def _mlp(self, mlp: nn.Module, x: Tensor) -> Tensor:
+    def _mlp(self, mlp: nn.Module, fused: FusedProjections, x: Tensor) -> Tensor:
+        gate_up = F.linear(x, fused.gate_up_weight, fused.gate_up_bias)
         if self.use_triton:
             from reinforge.rollout.native import triton_kernels
 
-            return mlp.down_proj(triton_kernels.silu_and_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        return mlp(x)
+            return mlp.down_proj(triton_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
-    def _attention(self, attn: nn.Module, x: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   meta: AttentionMetadata) -> Tensor:
+    def _attention(self, attn: nn.Module, fused: FusedProjections, x: Tensor, positions: Tensor, k_cache: Tensor,
+                   v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
-        q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q = self._norm(attn.q_norm, q.contiguous())
             k = self._norm(attn.k_norm, k.contiguous())
@@ -136,18 +220,20 @@ class PagedDecoder:
 
         input_ids, positions: (tokens,); kv_cache: (layers, 2, num_blocks, block_size, kv_heads, head_dim).
         """
+        assert self.fused is not None, "load_fused_projections() runs before the first forward"
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids)
         residual = hidden
-        for index, layer in enumerate(inner.layers):
+        for index, (layer, fused) in enumerate(zip(inner.layers, self.fused, strict=True)):
             if index == 0:
                 residual = hidden.clone()
                 normed = self._norm(layer.input_layernorm, hidden)
             else:
                 normed = self._norm(layer.input_layernorm, hidden, residual)
-            hidden = self._attention(layer.self_attn, normed, positions, kv_cache[index, 0], kv_cache[index, 1], meta)
+            hidden = self._attention(layer.self_attn, fused, normed, positions, kv_cache[index, 0], kv_cache[index, 1],
+                                     meta)
             normed = self._norm(layer.post_attention_layernorm, hidden, residual)
-            hidden = self._mlp(layer.mlp, normed)
+            hidden = self._mlp(layer.mlp, fused, normed)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
         return self.model.lm_head(self._norm(inner.norm, hidden, residual))

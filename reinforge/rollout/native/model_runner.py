@@ -1,11 +1,13 @@
 """Runs the decoder for a scheduled step: the KV cache, step inputs and CUDA graphs.
 
-The runner owns the KV cache (allocated by ``allocate_kv_cache`` at wake-up, freed at sleep),
-turns sequences into packed input tensors (token ids, positions, cache slots, block tables)
-and returns logits. Block tables live in a host array with one row per running sequence,
-updated only when a sequence gains blocks, so a decode step copies rows instead of
-rebuilding lists. Decode steps replay CUDA graphs captured for a set of batch sizes (padded
-up to the next captured size; padding rows write to a spare block nobody reads).
+The runner owns the KV cache (allocated by ``allocate_kv_cache`` at wake-up, freed at sleep)
+and, through its decoder, the fused projection weights (``load_weights`` at wake-up and at a
+weight sync while awake, ``free_weights`` at sleep). It turns sequences into packed input
+tensors (token ids, positions, cache slots, block tables) and returns logits. Block tables
+live in a host array with one row per running sequence, updated only when a sequence gains
+blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
+graphs captured for a set of batch sizes (padded up to the next captured size; padding rows
+write to a spare block nobody reads).
 """
 
 from __future__ import annotations
@@ -42,11 +44,27 @@ class ModelRunner:
         """(batch,) positions of the last decode step's input tokens, on the device."""
 
     def set_model(self, model: nn.Module) -> None:
-        """Generate with ``model`` from now on; captured graphs are dropped if its storage moved."""
+        """Generate with ``model``'s current weights from now on.
+
+        Loaded fused projections are refreshed in place; captured graphs are dropped if any storage moved.
+        """
+        loaded = self.decoder.fused is not None
         if model is not self.decoder.model:
+            self.decoder.free_fused_projections()
             self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton)
+        if loaded:
+            self.decoder.load_fused_projections()
         if self.decoder.parameter_pointers() != self._graph_parameter_pointers:
             self.drop_cuda_graphs()
+
+    def load_weights(self) -> None:
+        """Copy the model's q|k|v and gate|up weights into the decoder's fused buffers (allocated if freed)."""
+        self.decoder.load_fused_projections()
+
+    def free_weights(self) -> None:
+        """Free the fused projection buffers (and the graphs that read them)."""
+        self.drop_cuda_graphs()
+        self.decoder.free_fused_projections()
 
     def kv_bytes_per_block(self) -> int:
         decoder = self.decoder

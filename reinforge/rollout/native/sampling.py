@@ -3,12 +3,14 @@
 Every row samples by Gumbel-max: argmax of logits/temperature plus Gumbel noise, over the
 tokens at or above the row's truncation threshold. Top-k and top-p become that threshold (the
 k-th largest tempered logit, and the smallest logit inside the top-p mass of what top-k
-kept); min-p adds max + log(min_p). Ties at a threshold keep every tied token. The noise of
-each row comes from a counter-based RNG keyed by (sample seed, position), so a seed
+kept); min-p raises it to max + log(min_p). Ties at a threshold keep every tied token. The
+noise of each row comes from a counter-based RNG keyed by (sample seed, position), so a seed
 reproduces its samples whatever else shares the batch. The returned log-prob is that of
 the sampled token under softmax(logits/temperature), before truncation (raw log-softmax for
-greedy rows), computed from the same logits that were sampled. On CUDA one Triton kernel
-does all of it; elsewhere a PyTorch path draws its noise from a generator per row.
+greedy rows), computed from the same logits that were sampled. The thresholds are formed
+here, with PyTorch and only for the rows' options in use; on CUDA two Triton kernels do the
+rest (one reads each slice of the vocabulary once, one merges a row's slices), elsewhere a
+PyTorch path draws its noise from a generator per row.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class SamplingTensors:
     sample_seeds: Tensor
     needs_truncation: bool
     """Some row uses top-k or top-p (the sort or top-k pass runs only then)."""
+    needs_min_p: bool
+    """Some row uses min-p (the row maxima are taken only then)."""
     positions: Tensor | None = None
     """Position of the token each row samples; with the sample seed it keys the row's noise."""
 
@@ -55,7 +59,8 @@ class SamplingTensors:
         integers = torch.from_numpy(np.stack([greedy.astype(np.int64), top_k, sample_seeds])).to(device)
         return cls(inv_temperatures=floats[0], greedy=integers[0].to(torch.int32), top_k=integers[1],
                    top_p=floats[1], log_min_p=floats[2], sample_seeds=integers[2],
-                   needs_truncation=bool((top_k > 0).any() or (top_p < 1.0).any()))
+                   needs_truncation=bool((top_k > 0).any() or (top_p < 1.0).any()),
+                   needs_min_p=bool(np.isfinite(log_min_p).any()))
 
 
 def truncation_thresholds(scaled_logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -94,18 +99,21 @@ class Sampler:
         if params.needs_truncation:
             thresholds = truncation_thresholds(logits.float() * params.inv_temperatures[:, None], params.top_k,
                                                params.top_p)
+        if params.needs_min_p:
+            # scaling by a positive float keeps the order, so this is exactly the max of the tempered logits
+            row_max = logits.max(dim=-1).values.float() * params.inv_temperatures
+            thresholds = torch.maximum(thresholds, row_max + params.log_min_p)
         if self.use_triton:
             from reinforge.rollout.native import triton_kernels
 
             return triton_kernels.sample(logits, params.inv_temperatures, params.greedy, thresholds,
-                                         params.log_min_p, params.sample_seeds, params.positions)
+                                         params.sample_seeds, params.positions)
         return self._sample_torch(logits, params, thresholds)
 
     @staticmethod
     def _sample_torch(logits: Tensor, params: SamplingTensors, thresholds: Tensor) -> tuple[Tensor, Tensor]:
         scaled = logits.float() * params.inv_temperatures[:, None]
         log_probs = torch.log_softmax(scaled, dim=-1)
-        thresholds = torch.maximum(thresholds, scaled.max(dim=-1).values + params.log_min_p)
         keys = [(seed + position * _POSITION_MULTIPLIER) & 0xFFFFFFFFFFFFFFFF
                 for seed, position in zip(params.sample_seeds.tolist(), params.positions.tolist(), strict=True)]
         gumbel = torch.stack([_gumbel_noise(key, scaled.shape[1]) for key in keys])

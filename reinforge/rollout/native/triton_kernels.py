@@ -1,12 +1,15 @@
 """Triton kernels of the native engine's GPU path, each with its launcher.
 
-Fused residual-add + RMSNorm, rotary embedding fused with the KV-cache write, SiLU-and-mul,
-paged decode attention (one program per sequence and KV head, online softmax over the
-sequence's blocks) and the sampler (temperature, min-p and a per-row threshold, Gumbel-max
-with noise from an integer hash of (row key, column), log-prob of the sampled token). The elementwise
-kernels round intermediates to the model dtype where transformers does, so greedy decoding
-stays close to ``generate`` in bf16. Importing this module needs Triton; the engine imports it
-only on CUDA (or under ``TRITON_INTERPRET=1`` in tests).
+Fused residual-add + RMSNorm, rotary embedding fused with the KV-cache write, SiLU-and-mul
+(of one gate|up tensor), paged decode attention (one program per sequence and KV head, online
+softmax over the sequence's blocks) and the sampler (temperature and a per-row threshold,
+Gumbel-max with noise from an integer hash of (row key, column), log-prob of the sampled
+token). The sampler splits each row's vocabulary across programs that read their slice once,
+keeping an online max and sum-exp and the best score with its first column; a small kernel
+merges each row's slices. The elementwise kernels round intermediates to the model dtype where
+transformers does, so greedy decoding stays close to ``generate`` in bf16. Importing this
+module needs Triton; the engine imports it only on CUDA (tests also run it under
+``TRITON_INTERPRET=1`` on the CPU).
 """
 
 from __future__ import annotations
@@ -113,25 +116,28 @@ def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tens
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_in, stride_out, num_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
-    gate = tl.load(gate_ptr + row * stride_in + cols, mask=mask, other=0.0)
-    up = tl.load(up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_in + num_cols + cols, mask=mask, other=0.0)
     gate32 = gate.to(tl.float32)
     activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
     out = activated.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up, each rounded to the input dtype as transformers does. gate, up: (rows, dim)."""
-    rows, num_cols = gate.shape
-    out = torch.empty_like(gate)
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up, each rounded to the input dtype as transformers does.
+
+    gate_up: (rows, 2 * dim), gate then up along the last dim (contiguous). Returns (rows, dim).
+    """
+    rows, num_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, num_cols, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_and_mul_kernel[(rows, triton.cdiv(num_cols, block))](
-        gate, up, out, gate.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
+        gate_up, out, gate_up.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
     return out
 
 
@@ -188,7 +194,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
     _paged_decode_attention_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
@@ -220,61 +226,105 @@ def _hash_uniform(cols, key):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures_ptr, greedy_ptr, thresholds_ptr,
-                   log_min_p_ptr, sample_seeds_ptr, positions_ptr, tokens_ptr, log_probs_ptr, BLOCK_V: tl.constexpr):
+def _finite_or_zero(maximum):
+    """A maximum to subtract before exp: 0 where it is -inf (nothing seen yet; every sum there is 0)."""
+    return tl.where(maximum == float("-inf"), 0.0, maximum)
+
+
+@triton.jit
+def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures_ptr, greedy_ptr, thresholds_ptr,
+                         sample_seeds_ptr, positions_ptr, split_max_ptr, split_sum_ptr, split_best_ptr, split_index_ptr,
+                         BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr):
     row = tl.program_id(0)
+    split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
     inv_temperature = tl.load(inv_temperatures_ptr + row)
     greedy = tl.load(greedy_ptr + row) != 0
+    threshold = tl.load(thresholds_ptr + row)
     # the noise of a row depends only on its sample's seed and the position being sampled
     mixed = tl.load(sample_seeds_ptr + row) + tl.load(positions_ptr + row) * 0x5851F42D4C957F2D
     key = (mixed ^ (mixed >> 32)).to(tl.uint32)
     key = _hash_uniform_key(key)
     lanes = tl.arange(0, BLOCK_V)
-    # pass 1: the row maximum (kept per lane, reduced once)
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + lanes
-        x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32) * inv_temperature
-        lane_max = tl.maximum(lane_max, x)
-    row_max = tl.max(lane_max, axis=0)
-    threshold = tl.maximum(tl.load(thresholds_ptr + row), row_max + tl.load(log_min_p_ptr + row))
-    # pass 2: the normalizer and the Gumbel-max winner, per lane; columns only grow, so a strict
-    # comparison keeps each lane's first maximum and the final reduction picks the first overall
     lane_sum = tl.zeros([BLOCK_V], tl.float32)
     lane_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_index = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + lanes
+    for block in range(BLOCKS_PER_SPLIT):  # the last split's blocks past the vocabulary are all masked
+        cols = (split * BLOCKS_PER_SPLIT + block) * BLOCK_V + lanes
         in_vocab = cols < vocab_size
         x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_temperature
-        lane_sum += tl.exp(x - row_max)
+        # online softmax with one exp per logit: exp(smaller - larger) either scales the lane's sum
+        # down to a new maximum or is the new term (zero while the lane has seen only -inf)
+        new_max = tl.maximum(lane_max, x)
+        ratio = tl.exp(tl.minimum(lane_max, x) - _finite_or_zero(new_max))
+        lane_sum = tl.where(x > lane_max, lane_sum * ratio + 1.0, lane_sum + ratio)
+        lane_max = new_max
+        # Gumbel-max; columns only grow, so a strict comparison keeps each lane's first maximum
         gumbel = -tl.log(-tl.log(_hash_uniform(cols, key)))
         sampled = tl.where((x >= threshold) & in_vocab, x + gumbel, float("-inf"))
         score = tl.where(greedy, x, sampled)
         better = score > lane_best
         lane_best = tl.where(better, score, lane_best)
         lane_index = tl.where(better, cols, lane_index)
+    split_max = tl.max(lane_max, axis=0)
+    split_sum = tl.sum(lane_sum * tl.exp(lane_max - _finite_or_zero(split_max)), axis=0)
     best = tl.max(lane_best, axis=0)
     best_index = tl.min(tl.where(lane_best == best, lane_index, vocab_size), axis=0)
-    log_normalizer = row_max + tl.log(tl.sum(lane_sum, axis=0))
-    chosen = tl.load(row_ptr + best_index).to(tl.float32) * inv_temperature
-    tl.store(tokens_ptr + row, best_index.to(tl.int64))
-    tl.store(log_probs_ptr + row, chosen - log_normalizer)
+    out = row * tl.num_programs(1) + split
+    tl.store(split_max_ptr + out, split_max)
+    tl.store(split_sum_ptr + out, split_sum)
+    tl.store(split_best_ptr + out, best)
+    tl.store(split_index_ptr + out, best_index)
 
 
-def sample(logits: Tensor, inv_temperatures: Tensor, greedy: Tensor, thresholds: Tensor, log_min_p: Tensor,
-           sample_seeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """Gumbel-max sample of each row of ``logits * inv_temperature`` above its threshold.
+@triton.jit
+def _sample_combine_kernel(logits_ptr, stride_logits, vocab_size, num_splits, inv_temperatures_ptr, split_max_ptr,
+                           split_sum_ptr, split_best_ptr, split_index_ptr, tokens_ptr, log_probs_ptr,
+                           SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_PAD)
+    valid = splits < num_splits
+    offsets = row * num_splits + splits
+    split_max = tl.load(split_max_ptr + offsets, mask=valid, other=float("-inf"))
+    split_sum = tl.load(split_sum_ptr + offsets, mask=valid, other=0.0)
+    split_best = tl.load(split_best_ptr + offsets, mask=valid, other=float("-inf"))
+    split_index = tl.load(split_index_ptr + offsets, mask=valid, other=vocab_size)
+    row_max = tl.max(split_max, axis=0)
+    total = tl.sum(split_sum * tl.exp(split_max - _finite_or_zero(row_max)), axis=0)
+    # splits cover increasing columns, so the smallest index among the best keeps the first maximum
+    best = tl.max(split_best, axis=0)
+    token = tl.min(tl.where(split_best == best, split_index, vocab_size), axis=0)
+    chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + token).to(tl.float32)
+    chosen = chosen * tl.load(inv_temperatures_ptr + row)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(log_probs_ptr + row, chosen - (row_max + tl.log(total)))
 
-    logits: (batch, vocab) any float dtype; the other inputs (batch,); positions are those of the
-    tokens being sampled. Returns token ids (batch,) int64 and their log-probs (batch,) float32 under
+
+def sample(logits: Tensor, inv_temperatures: Tensor, greedy: Tensor, thresholds: Tensor, sample_seeds: Tensor,
+           positions: Tensor, block_v: int = 1024, blocks_per_split: int = 8,
+           num_warps: int = 4) -> tuple[Tensor, Tensor]:
+    """Gumbel-max sample of each row of ``logits * inv_temperature`` at or above its threshold.
+
+    logits: (batch, vocab) any float dtype, rows contiguous; the other inputs (batch,); positions
+    are those of the tokens being sampled. Each row's vocabulary is cut into splits of
+    ``block_v * blocks_per_split`` columns, read once by one program each; a second kernel merges
+    a row's splits. Returns token ids (batch,) int64 and their log-probs (batch,) float32 under
     the untruncated tempered distribution.
     """
     batch, vocab_size = logits.shape
+    block_v = min(block_v, max(64, triton.next_power_of_2(vocab_size)))
+    num_splits = triton.cdiv(vocab_size, block_v * blocks_per_split)
+    partials = torch.empty(3, batch, num_splits, dtype=torch.float32, device=logits.device)
+    split_max, split_sum, split_best = partials
+    split_index = torch.empty(batch, num_splits, dtype=torch.int32, device=logits.device)
+    _sample_split_kernel[(batch, num_splits)](
+        logits, logits.stride(0), vocab_size, inv_temperatures, greedy, thresholds, sample_seeds, positions,
+        split_max, split_sum, split_best, split_index, BLOCK_V=block_v, BLOCKS_PER_SPLIT=blocks_per_split,
+        num_warps=num_warps)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(batch,)](logits, logits.stride(0), vocab_size, inv_temperatures, greedy, thresholds, log_min_p,
-                             sample_seeds, positions, tokens, log_probs,
-                             BLOCK_V=min(2048, max(64, triton.next_power_of_2(vocab_size))), num_warps=8)
+    _sample_combine_kernel[(batch,)](
+        logits, logits.stride(0), vocab_size, num_splits, inv_temperatures, split_max, split_sum, split_best,
+        split_index, tokens, log_probs, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
     return tokens, log_probs

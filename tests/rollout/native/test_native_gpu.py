@@ -53,15 +53,15 @@ def test_triton_sampler_follows_the_distribution_and_thresholds():
     minus_inf = torch.full((rows,), float("-inf"), device="cuda")
     seeds = torch.arange(rows, device="cuda", dtype=torch.int64)
     positions = torch.full((rows,), 7, device="cuda", dtype=torch.int64)
-    tokens, log_probs = triton_kernels.sample(logits, ones, no_greedy, minus_inf, minus_inf, seeds, positions)
+    tokens, log_probs = triton_kernels.sample(logits, ones, no_greedy, minus_inf, seeds, positions)
     expected = torch.softmax(logits[0].float() * 2.0, 0)
     frequencies = torch.bincount(tokens, minlength=vocab_size).float() / rows
     assert (frequencies - expected).abs().max() < 0.02
     torch.testing.assert_close(log_probs, torch.log_softmax(logits[0].float() * 2.0, 0)[tokens])
-    again, _ = triton_kernels.sample(logits, ones, no_greedy, minus_inf, minus_inf, seeds, positions)
+    again, _ = triton_kernels.sample(logits, ones, no_greedy, minus_inf, seeds, positions)
     assert torch.equal(tokens, again)
     kth = (logits[0].float() * 2.0).topk(5).values[-1]
-    top5, _ = triton_kernels.sample(logits, ones, no_greedy, kth.repeat(rows), minus_inf, seeds, positions)
+    top5, _ = triton_kernels.sample(logits, ones, no_greedy, kth.repeat(rows), seeds, positions)
     assert set(top5.tolist()) == set((logits[0].float() * 2.0).topk(5).indices.tolist())
-    greedy, _ = triton_kernels.sample(logits, ones, torch.ones_like(no_greedy), minus_inf, minus_inf, seeds, positions)
+    greedy, _ = triton_kernels.sample(logits, ones, torch.ones_like(no_greedy), minus_inf, seeds, positions)
     assert (greedy == logits[0].float().argmax()).all()

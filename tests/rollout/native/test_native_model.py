@@ -1,0 +1,86 @@
+"""PagedDecoder: the fused q|k|v and gate|up projections give the model's own logits and follow weight syncs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.native import NativeEngine
+from reinforge.rollout.native.attention import AttentionMetadata
+from reinforge.rollout.native.model import PagedDecoder
+
+
+def llama_with_biases() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, attention_bias=True,
+                                      mlp_bias=True)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def prefill_logits(decoder: PagedDecoder, token_ids: list[int]) -> torch.Tensor:
+    """Logits (tokens, vocab) of one sequence prefilled into a fresh cache of 8-token blocks."""
+    num_tokens = len(token_ids)
+    kv_cache = torch.zeros(decoder.num_layers, 2, -(-num_tokens // 8), 8, decoder.num_kv_heads, decoder.head_dim,
+                           dtype=decoder.dtype)
+    positions = torch.arange(num_tokens)
+    meta = AttentionMetadata(slot_mapping=positions, is_prefill=True, seq_lens=[num_tokens],
+                             batch_index=torch.zeros(num_tokens, dtype=torch.int64), token_index=positions)
+    with torch.no_grad():
+        return decoder.forward(torch.tensor(token_ids), positions, kv_cache, meta)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "llama_with_biases"])
+def test_fused_projections_give_the_models_logits(architecture, use_triton, tiny):
+    if use_triton:
+        pytest.importorskip("triton")
+    model = llama_with_biases() if architecture == "llama_with_biases" else tiny.build(architecture)
+    decoder = PagedDecoder(model, max_model_len=64, use_triton=use_triton)
+    decoder.load_fused_projections()
+    prompt = tiny.prompts([19])[0]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(decoder, prompt), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_projections_are_refreshed_in_place_and_freed(tiny):
+    model = tiny.build("qwen2", seed=5)
+    decoder = PagedDecoder(model, max_model_len=64, use_triton=False)
+    decoder.load_fused_projections()
+    first = decoder.fused[1]
+    pointers = decoder.parameter_pointers()
+    assert first.qkv_weight.data_ptr() in pointers and first.qkv_bias.shape == (64 + 2 * 32,)
+    assert first.gate_up_bias is None
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    decoder.load_fused_projections()
+    assert decoder.fused[1] is first and decoder.parameter_pointers() == pointers
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert torch.equal(first.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(first.qkv_bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(first.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    decoder.free_fused_projections()
+    assert decoder.fused is None
+
+
+def test_sync_weights_while_awake_refreshes_the_copies(tiny):
+    model = tiny.build("llama", seed=4)
+    prompt = tiny.prompts([10])[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4)
+    assert engine.runner.decoder.fused is None  # nothing is copied until wake-up
+    before = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
+    pointers = engine.runner.decoder.parameter_pointers()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    engine.sync_weights(model)
+    assert engine.is_awake and engine.runner.decoder.parameter_pointers() == pointers
+    after = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
+    assert after == tiny.hf_greedy(model, prompt, 8) and after != before
+    engine.sleep()
+    assert engine.runner.decoder.fused is None and engine.runner.kv_cache is None

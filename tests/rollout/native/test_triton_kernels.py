@@ -1,0 +1,171 @@
+"""The Triton kernels against PyTorch references: compiled on a GPU, else in Triton's interpreter on the CPU.
+
+tests/conftest.py sets TRITON_INTERPRET=1 without a GPU; the module is skipped without Triton.
+
+The sampler's reference recomputes the kernels' noise (lowbias32 of each column under a key from
+the sample seed and position), so these tests also pin that noise: changing it changes samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from reinforge.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
+from reinforge.rollout.native import NativeEngine, triton_kernels  # noqa: E402
+from reinforge.rollout.native.sampling import Sampler, SamplingTensors, truncation_thresholds  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPLIT_LAYOUTS = [dict(), dict(block_v=64, blocks_per_split=3), dict(block_v=128, blocks_per_split=1)]
+"""The default layout (one split at these vocabulary sizes), several splits with a ragged last one, one block each."""
+
+_MASK = np.uint64(0xFFFFFFFF)
+
+
+def _lowbias32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(0x7FEB352D)) & _MASK
+    h = h ^ (h >> np.uint64(15))
+    h = (h * np.uint64(0x846CA68B)) & _MASK
+    return h ^ (h >> np.uint64(16))
+
+
+def reference_gumbel(sample_seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The kernels' Gumbel noise (rows, vocab) float32, from integer hashes of (seed, position) and column."""
+    mixed = (sample_seeds.cpu().numpy().astype(np.uint64)
+             + positions.cpu().numpy().astype(np.uint64) * np.uint64(0x5851F42D4C957F2D))
+    keys = _lowbias32((mixed ^ (mixed >> np.uint64(32))) & _MASK)
+    columns = np.arange(vocab_size, dtype=np.uint64)
+    hashes = _lowbias32(((columns[None, :] * np.uint64(0x9E3779B1)) & _MASK) ^ keys[:, None])
+    uniform = (torch.from_numpy((hashes >> np.uint64(8)).astype(np.float32)) + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(uniform))
+
+
+def reference_sample(logits: torch.Tensor, inv_temperatures: torch.Tensor, greedy: torch.Tensor,
+                     thresholds: torch.Tensor, sample_seeds: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scaled = logits.float().cpu() * inv_temperatures.cpu()[:, None]
+    gumbel = reference_gumbel(sample_seeds, positions, logits.shape[1])
+    sampled = torch.where(scaled >= thresholds.cpu()[:, None], scaled + gumbel, float("-inf"))
+    tokens = torch.where(greedy.cpu().bool()[:, None], scaled, sampled).argmax(dim=-1)  # ties: the first column
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def random_sampling_inputs(rows: int, vocab_size: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Logits, temperatures, a quarter of rows greedy, top-k thresholds on some rows; all on DEVICE."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab_size, generator=generator) * 3).to(dtype)
+    greedy = torch.rand(rows, generator=generator) < 0.25
+    inv_temperatures = torch.where(greedy, 1.0, 0.3 + 2 * torch.rand(rows, generator=generator))
+    top_k = torch.where(torch.rand(rows, generator=generator) < 0.4, 20, 0)
+    kth = (logits.float() * inv_temperatures[:, None]).topk(20, dim=-1).values[:, -1]
+    inputs = dict(logits=logits, inv_temperatures=inv_temperatures, greedy=greedy.to(torch.int32),
+                  thresholds=torch.where(top_k > 0, kth, float("-inf")),
+                  sample_seeds=torch.randint(0, 2**62, (rows,), generator=generator),
+                  positions=torch.randint(0, 4096, (rows,), generator=generator))
+    return {name: tensor.to(DEVICE) for name, tensor in inputs.items()}
+
+
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+@pytest.mark.parametrize(("vocab_size", "dtype"), [(1000, torch.float32), (2053, torch.bfloat16)])
+def test_sampler_kernel_matches_the_reference(layout, vocab_size, dtype):
+    inputs = random_sampling_inputs(8, vocab_size, dtype, seed=vocab_size)
+    tokens, log_probs = triton_kernels.sample(*inputs.values(), **layout)
+    expected_tokens, expected_log_probs = reference_sample(*inputs.values())
+    assert tokens.dtype == torch.int64 and log_probs.dtype == torch.float32
+    assert tokens.cpu().tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(log_probs.cpu(), expected_log_probs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+def test_sampler_kernel_ties_pick_the_first_column(layout):
+    inputs = random_sampling_inputs(4, 700, torch.float32, seed=3)
+    logits = inputs["logits"]
+    logits[:, [650, 5, 300]] = logits.max() + 1.0  # equal maxima in different blocks and splits
+    inputs["greedy"].fill_(1)
+    inputs["inv_temperatures"].fill_(1.0)
+    tokens, _ = triton_kernels.sample(*inputs.values(), **layout)
+    assert tokens.cpu().tolist() == [5, 5, 5, 5]
+    inputs["greedy"].zero_()
+    inputs["thresholds"].fill_(float(logits.max()))  # only the three tied columns qualify
+    tokens, _ = triton_kernels.sample(*inputs.values(), **layout)
+    assert set(tokens.cpu().tolist()) <= {5, 300, 650}
+    assert tokens.cpu().tolist() == reference_sample(*inputs.values())[0].tolist()
+
+
+def test_sampler_forms_min_p_and_top_p_thresholds_before_the_kernel():
+    rows, vocab_size = 16, 1500
+    inputs = random_sampling_inputs(rows, vocab_size, torch.bfloat16, seed=9)
+    generator = torch.Generator().manual_seed(4)
+    uses_min_p = (torch.rand(rows, generator=generator) < 0.5) & ~inputs["greedy"].cpu().bool()
+    log_min_p = torch.where(uses_min_p, torch.log(0.02 + 0.3 * torch.rand(rows, generator=generator)), float("-inf"))
+    params = SamplingTensors(
+        inv_temperatures=inputs["inv_temperatures"], greedy=inputs["greedy"],
+        top_k=torch.where(torch.arange(rows) % 3 == 0, 40, 0).to(DEVICE),
+        top_p=torch.where(torch.arange(rows) % 4 == 1, 0.8, 1.0).to(DEVICE),
+        log_min_p=log_min_p.to(DEVICE), sample_seeds=inputs["sample_seeds"],
+        needs_truncation=True, needs_min_p=True, positions=inputs["positions"])
+    tokens, log_probs = Sampler(use_triton=True)(inputs["logits"], params)
+    scaled = inputs["logits"].float().cpu() * params.inv_temperatures.cpu()[:, None]
+    thresholds = torch.maximum(truncation_thresholds(scaled, params.top_k.cpu(), params.top_p.cpu()),
+                               scaled.max(dim=-1).values + params.log_min_p.cpu())
+    expected_tokens, expected_log_probs = reference_sample(
+        inputs["logits"], params.inv_temperatures, params.greedy, thresholds, params.sample_seeds, params.positions)
+    assert tokens.cpu().tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(log_probs.cpu(), expected_log_probs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_reads_gate_then_up(dtype):
+    gate_up = torch.randn(5, 2 * 1100, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = triton_kernels.silu_and_mul(gate_up)
+    assert out.shape == (5, 1100)
+    torch.testing.assert_close(out, F.silu(gate) * up)  # transformers' Qwen2/Llama MLP, rounded alike
+
+
+@triton.jit
+def _count_to_a_loaded_bound(bound_ptr, count_ptr):
+    count = 0
+    for _ in range(0, tl.load(bound_ptr)):
+        count += 1
+    tl.store(count_ptr, count)
+
+
+def runs_loops_to_loaded_bounds() -> bool:
+    """False for Triton interpreters that cannot (3.6 with NumPy 2 turns a 1-element array into an int)."""
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    try:
+        _count_to_a_loaded_bound[(1,)](torch.full((1,), 3, dtype=torch.int32, device=DEVICE), count)
+    except Exception:
+        return False
+    return int(count) == 3
+
+
+@pytest.mark.skipif(not runs_loops_to_loaded_bounds(),
+                    reason="the paged-attention kernel loops to a bound it loads, which this Triton interpreter cannot")
+def test_engine_on_the_triton_path_matches_generate(tiny):
+    """Fused projections as strided q/k/v views (Qwen2: with biases) through the rotary, cache and attention kernels."""
+    model = tiny.build("qwen2", device=DEVICE)
+    prompts = tiny.prompts([3, 17])
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4, use_triton=True)
+    greedy = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in prompts])
+    sampled = engine.generate([GenerationRequest(prompts[1], SamplingParams(max_tokens=6, temperature=0.8, seed=2))])
+    for prompt, samples in zip(prompts, greedy, strict=True):
+        assert samples[0].token_ids == tiny.hf_greedy(model, prompt, 6)
+    expected = tiny.recomputed_log_probs(model, prompts[1], sampled[0][0].token_ids, temperature=0.8)
+    torch.testing.assert_close(torch.tensor(sampled[0][0].log_probs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+def test_sampler_kernel_matches_the_reference_at_qwen_vocab_size():
+    inputs = random_sampling_inputs(64, 151936, torch.bfloat16, seed=1)
+    tokens, log_probs = triton_kernels.sample(*inputs.values())
+    expected_tokens, expected_log_probs = reference_sample(*inputs.values())
+    assert tokens.cpu().tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(log_probs.cpu(), expected_log_probs, atol=1e-4, rtol=1e-5)
