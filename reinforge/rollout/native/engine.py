@@ -106,14 +106,18 @@ class NativeEngine:
                  gpu_memory_utilization: float = 0.5, block_size: int = 16, max_num_seqs: int = 512,
                  max_num_batched_tokens: int = 16384, num_kv_blocks: int | None = None,
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
-                 enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0):
+                 enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
+                 empty_cache_on_sleep: bool = False):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
         KV cache is allocated (the cache gets what weights, optimizer state and a step's activations
         leave of it). num_kv_blocks overrides that sizing (and is needed on the CPU to go beyond
         max_num_seqs full-length sequences). use_triton defaults to True on CUDA when Triton is
-        installed; enforce_eager turns CUDA graphs off.
+        installed; enforce_eager turns CUDA graphs off. ``sleep`` hands the cache's memory back to
+        PyTorch's caching allocator, where the training step of the same process reuses it without
+        new device allocations; empty_cache_on_sleep also returns it to the device (for other
+        processes sharing the GPU).
         """
         reason = unsupported_reason(model)
         if reason is not None:
@@ -131,6 +135,7 @@ class NativeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_kv_blocks = num_kv_blocks
+        self.empty_cache_on_sleep = empty_cache_on_sleep
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [])
@@ -165,7 +170,7 @@ class NativeEngine:
                                    self.max_num_batched_tokens)
 
     def sleep(self) -> None:
-        """Free the KV cache, the fused projections and the CUDA graphs; the memory goes back to the device."""
+        """Free the KV cache, the fused projections and the CUDA graphs (to the caching allocator, see ``__init__``)."""
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
         with self._step_lock:
@@ -175,7 +180,7 @@ class NativeEngine:
         self.scheduler = None
         self.runner.free_kv_cache()
         self.runner.free_weights()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.empty_cache_on_sleep:
             torch.cuda.empty_cache()
 
     def sync_weights(self, model: nn.Module) -> None:
@@ -193,8 +198,10 @@ class NativeEngine:
             return self.num_kv_blocks
         if self.device.type != "cuda":
             return useful
-        torch.cuda.empty_cache()  # blocks the training step's allocator keeps cached are free memory here
         free, total = torch.cuda.mem_get_info(self.device)
+        # blocks the caching allocator holds but no tensor uses (the training step's) are free here too: the
+        # cache is allocated from them, or, failing that, the allocator releases them and asks the device
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         config = self.model.config
         element_size = self.runner.decoder.dtype.itemsize
         activations = (self.max_num_batched_tokens * (4 * config.intermediate_size + 8 * config.hidden_size)
