@@ -10,9 +10,9 @@ gradient and runs one product for each input; otherwise (and without grad) the r
 
     d log p_y / dz = onehot(y) - p        d H / dz = -p * (log p + H)
 
-with z = logits / temperature. ``compute_log_prob`` (no grad) and the training pass reduce
-their logits with the same kernels, so old and new log-probs differ only by the rounding of
-the matrix product (chunked rows there, all rows here).
+with z = logits / temperature. ``compute_log_prob`` (no grad) and the training pass run the
+same product and kernels here: given the same hidden states they give the same log-probs bit
+for bit (the layers before may still round differently with and without grad once compiled).
 """
 
 from __future__ import annotations
@@ -47,10 +47,20 @@ TRITON_ON_CUDA = True
 of the logits forward, one read and one write backward); False uses the PyTorch functions above."""
 
 STORE_LOGITS_BYTES = 24 * 2**30
-"""When gradients are needed and a micro-batch's logits (rows x vocab in the compute dtype) fit
-in this many bytes, the forward keeps them for the backward: one matrix product each way
-instead of one per chunk, no recomputation, and the backward writes the logits' gradient over
-them. 52k response rows x 151,936 vocabulary in bf16 take 16 GB. Larger ones are chunked."""
+"""When a micro-batch's logits (rows x vocab in the compute dtype) fit in this many bytes (and
+in a fifth of the GPU's memory), they come from one matrix product, and when gradients are
+needed the forward keeps them for the backward: one product each way instead of one per chunk,
+no recomputation, and the backward writes the logits' gradient over them. 52k response rows x
+151,936 vocabulary in bf16 take 16 GB. Larger ones are chunked. Scoring without gradients
+takes the same one product, so its log-probs are those of the training pass bit for bit.
+"""
+
+
+def _fits_at_once(hidden: Tensor, vocab_size: int) -> bool:
+    budget = STORE_LOGITS_BYTES
+    if hidden.is_cuda:
+        budget = min(budget, torch.cuda.get_device_properties(hidden.device).total_memory // 5)
+    return hidden.shape[0] * vocab_size * hidden.element_size() <= budget
 
 
 def _row_math(tensor: Tensor):
@@ -81,16 +91,17 @@ def _row_math(tensor: Tensor):
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                chunk_size: int) -> tuple[Tensor, Tensor]:
+                chunk_size: int, needs_grad: bool) -> tuple[Tensor, Tensor]:
         stats, _ = _row_math(hidden)
         inv_temperature = 1.0 / temperature
         num_rows = hidden.shape[0]
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        store = needs_grad and num_rows * weight.shape[0] * hidden.element_size() <= STORE_LOGITS_BYTES
-        if store:
+        if _fits_at_once(hidden, weight.shape[0]):
             logits = hidden @ weight.t()
             log_probs, entropy, lse = stats(logits, targets, inv_temperature)
-            ctx.save_for_backward(hidden, weight, targets, lse, entropy, logits)
+            if needs_grad:
+                ctx.save_for_backward(hidden, weight, targets, lse, entropy, logits)
+            else:
+                del logits
         else:
             log_probs = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
             entropy = torch.empty_like(log_probs)
@@ -123,7 +134,7 @@ class _LinearLogProbs(torch.autograd.Function):
                                 out=logits)
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
             grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-            return grad_hidden, grad_weight, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -139,7 +150,7 @@ class _LinearLogProbs(torch.autograd.Function):
                 grad_weight += grad_logits.t() @ chunk
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
@@ -150,4 +161,5 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatur
     """
     if temperature <= 0:
         temperature = 1.0
-    return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size))
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size), needs_grad)

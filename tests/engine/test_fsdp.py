@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from reinforge.engine.forward import response_log_probs
@@ -29,6 +30,20 @@ UPDATE = textwrap.dedent("""
     from reinforge.engine.optim import build_scheduler
     from reinforge.engine.train_step import UpdateSettings, run_update
     from reinforge.engine.distributed import init_distributed
+    from functools import partial
+
+    SHARE = {share!r}
+
+    def rollout_batch():
+        batch = make_rollout_batch(rows=8, seed=5)
+        if SHARE:  # rows 2k and 2k + 1 are two samples of one prompt, as GRPO makes them
+            width = batch["prompts"].shape[1]
+            for row in range(1, 8, 2):
+                for key in ("prompts",):
+                    batch[key][row] = batch[key][row - 1]
+                for key in ("input_ids", "attention_mask", "position_ids"):
+                    batch[key][row, :width] = batch[key][row - 1, :width]
+        return batch
 
     def update(rows, budget):
         model = varlen_lm(seed=4).train()
@@ -43,10 +58,10 @@ UPDATE = textwrap.dedent("""
                                           loss_agg_mode="token-mean", config=PolicyLossConfig(), normalizer=normalizer)
             return loss, {{}}
 
-        batch = make_rollout_batch(rows=8, seed=5).index(rows)
+        batch = rollout_batch().index(rows)
         metrics = run_update(model, optimizer, scheduler, batch, loss_fn,
                              UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05), torch.device("cpu"),
-                             micro_batches=balanced_micro_batches)
+                             micro_batches=partial(balanced_micro_batches, share_prompts=SHARE))
         return full_model_state(model), metrics["grad_norm"]
 """)
 
@@ -78,9 +93,11 @@ def test_sharded_model_gives_the_plain_model_gradients_and_clipping():
         torch.testing.assert_close(p_sharded.grad.full_tensor(), p_plain.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_two_gloo_processes_update_like_one(tmp_path):
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_two_gloo_processes_update_like_one(tmp_path, share_prompts):
+    source = UPDATE.format(tests=str(REPO / "tests" / "engine"), share=share_prompts)
     script = tmp_path / "update.py"
-    script.write_text(UPDATE.format(tests=str(REPO / "tests" / "engine")) + RANK_MAIN)
+    script.write_text(source + RANK_MAIN)
     port = _free_port()
     processes = []
     for rank in range(2):
@@ -94,7 +111,7 @@ def test_two_gloo_processes_update_like_one(tmp_path):
     two = torch.load(tmp_path / "two.pt", weights_only=True)
 
     namespace: dict = {}
-    exec(UPDATE.format(tests=str(REPO / "tests" / "engine")), namespace)
+    exec(source, namespace)
     one_state, one_grad_norm = namespace["update"](list(range(8)), budget=10_000)
     assert abs(two["grad_norm"] - one_grad_norm) < 1e-5 * max(1.0, one_grad_norm)
     for name, tensor in one_state.items():

@@ -72,3 +72,14 @@ def test_triton_row_kernels_match_the_pytorch_math(vocab_size):
     # written over the logits themselves, as the backward does with stored logits
     log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7, out=logits)
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_scoring_without_grad_gives_the_training_pass_log_probs_bit_for_bit():
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(40, 16, generator=generator, requires_grad=True)
+    weight = torch.randn(50, 16, generator=generator, requires_grad=True)
+    targets = torch.randint(0, 50, (40,), generator=generator)
+    with torch.no_grad():
+        scored, scored_entropy = linear_log_probs(hidden, weight, targets, 0.8, chunk_size=7)
+    trained, trained_entropy = linear_log_probs(hidden, weight, targets, 0.8, chunk_size=7)
+    assert torch.equal(scored, trained.detach()) and torch.equal(scored_entropy, trained_entropy.detach())
