@@ -1,6 +1,8 @@
 """One device call: the trainer's CUDA path checked end to end, then the training-step bench.
 
-    PYTHONPATH=. python3 benchmarks/train_step.py [log_probs grpo check kl ppo]   # $OUT/*.json, a table last
+    PYTHONPATH=. python3 benchmarks/train_step.py [log_probs grpo check kl ppo ...]   # $OUT/*.json, a table last
+
+Steps per variant: GRPO_STEPS (grpo*, default 5) and KL_PPO_STEPS (kl, ppo, default 3); medians are of steps 2.. .
 
 1. ``log_probs``: the fused log-prob/entropy (16k rows x 151936 vocab), forward + backward:
    PyTorch chunk math, the Triton row kernels chunked, and with the logits kept for the backward.
@@ -103,16 +105,18 @@ def main() -> int:
         scratch = Path(scratch)
         model_dir = write_model(scratch, tiny=False)
         grpo_steps = int(os.environ.get("GRPO_STEPS", "5"))
+        other_steps = int(os.environ.get("KL_PPO_STEPS", "3"))
         steps = [("log_probs", log_probs_microbench),
                  ("grpo", lambda: bench(model_dir, "grpo", grpo_steps, [])),
                  ("grpo_eager_layers", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-compile-layers"],
                                                      "grpo_eager_layers")),
                  ("grpo_unshared", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-share-prompts"],
                                                  "grpo_unshared")),
+                 ("grpo_96k", lambda: bench(model_dir, "grpo", grpo_steps, ["--micro-tokens", "98304"], "grpo_96k")),
                   ("check", lambda: check_cli(scratch / "check")),
                   ("grpo_unfused", lambda: bench(model_dir, "grpo", 3, ["--no-fused-kernels"], "grpo_unfused")),
-                  ("kl", lambda: bench(model_dir, "kl", 3, [])),
-                  ("ppo", lambda: bench(model_dir, "ppo", 3, []))]
+                  ("kl", lambda: bench(model_dir, "kl", other_steps, [])),
+                  ("ppo", lambda: bench(model_dir, "ppo", other_steps, []))]
         wanted = sys.argv[1:] or [name for name, _ in steps]
         for name, fn in steps:
             if name not in wanted:
@@ -124,7 +128,7 @@ def main() -> int:
                 RESULTS[name] = {"error": traceback.format_exc(limit=3)[-600:]}
             (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n| what | step s | rollout s | update s | update tok/s | MFU | MFU (workload tokens) | peak GiB |")
-    for name in ("grpo", "grpo_eager_layers", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
+    for name in ("grpo", "grpo_96k", "grpo_eager_layers", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
         m = RESULTS.get(name, {})
         if "step_s" in m:
             print(f"| {name} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['update_actor_s']:.2f} | "

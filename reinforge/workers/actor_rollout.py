@@ -203,15 +203,15 @@ class ActorRolloutWorker(Worker):
         actor = self.config.actor
         temperature = batch.meta.get("temperature", 1.0)
         on_policy = "old_log_probs" not in batch
-        mismatch: dict[str, float] = {}
+        first_micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
         def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro["response_mask"]
             log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
             old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
-            if on_policy and "rollout_log_probs" in micro and not mismatch:
-                mismatch.update(rollout_mismatch_metrics(log_probs.detach().cpu(), micro["rollout_log_probs"].cpu(),
-                                                         mask.cpu()))
+            if on_policy and "rollout_log_probs" in micro and not first_micro:
+                # compared after the update: reading it back here would stall the device mid-update
+                first_micro.append((log_probs.detach(), micro["rollout_log_probs"], mask))
             pg_loss, pg_metrics = compute_policy_loss(
                 actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
                 advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
@@ -238,7 +238,8 @@ class ActorRolloutWorker(Worker):
         seconds = time.perf_counter() - start
         computed = metrics.pop("computed_tokens")
         result = {f"actor/{key}": value for key, value in metrics.items()}
-        result |= mismatch
+        if first_micro:
+            result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro[0]))
         result |= peak_memory_gb(self.device)
         num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
         result |= update_perf_metrics("actor", self.model, num_tokens, seconds, self.device, computed)
