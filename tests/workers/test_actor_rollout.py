@@ -1,5 +1,6 @@
 """The actor worker on the CPU: FSDP (a group of one), packed scoring, collective checkpoints."""
 
+import pytest
 import torch
 
 from reinforge.config.schema import Config
@@ -49,3 +50,18 @@ def test_log_probs_do_not_depend_on_the_micro_batch_budget_and_checkpoint_round_
     assert not torch.allclose(changed, whole)
     worker.load_checkpoint(str(tmp_path / "step"))
     torch.testing.assert_close(worker.compute_log_prob(batch)["old_log_probs"], whole)
+
+
+def test_response_tensors_pad_each_completion_and_keep_its_finish_reason():
+    from types import SimpleNamespace
+
+    from reinforge.workers.actor_rollout import _response_tensors
+
+    completions = [SimpleNamespace(token_ids=[5, 6, 7], log_probs=[-0.1, -0.2, -0.3], finish_reason="stop"),
+                   SimpleNamespace(token_ids=[], log_probs=[], finish_reason="length"),
+                   SimpleNamespace(token_ids=[9, 9, 9, 9], log_probs=[-1.0] * 4, finish_reason="length")]
+    responses, mask, log_probs, stop = _response_tensors(completions, width=4, pad_id=0)
+    assert responses.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0], [9, 9, 9, 9]]
+    assert mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert log_probs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
+    assert stop.tolist() == [True, False, False] and responses.dtype == torch.long and mask.dtype == torch.float32
