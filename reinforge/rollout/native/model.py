@@ -35,9 +35,10 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the native engine cannot run ``model``, or None when it can."""
-    name = type(model).__name__
-    if name not in SUPPORTED_ARCHITECTURES:
-        return f"architecture {name} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    # a subclass of a supported class (a wrapper adding methods) has the same modules
+    name = next((cls.__name__ for cls in type(model).__mro__ if cls.__name__ in SUPPORTED_ARCHITECTURES), None)
+    if name is None:
+        return f"architecture {type(model).__name__} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
     config = model.config
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         return f"{name} uses sliding-window attention (use_sliding_window=True)"

@@ -153,6 +153,16 @@ def test_sleep_frees_the_cache_and_sync_weights_sees_updates(tiny):
     assert after == tiny.hf_greedy(model, prompt, 12) and after != before
 
 
+def test_subclasses_of_supported_models_are_supported(tiny):
+    class MyQwen2(transformers.Qwen2ForCausalLM):
+        def describe(self) -> str:
+            return "a wrapper adding methods"
+
+    base = tiny.build("qwen2")
+    model = MyQwen2(base.config)
+    assert supports_model(model)
+
+
 def test_unsupported_models_are_refused():
     config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)
     model = transformers.GPT2LMHeadModel(config)
