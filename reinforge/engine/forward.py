@@ -1,7 +1,8 @@
 """Forward passes over packed micro-batches: response log-probs, entropy, values.
 
-Every pass packs the micro-batch's attended tokens into one row (``engine.packing``) and runs
-the model with varlen attention (``engine.attention``), so no FLOP goes to padding. The
+Every pass packs the micro-batch's attended tokens into one row (``engine.packing``; a prompt
+shared by several samples once, when the micro-batch's plan says so) and runs the model with
+varlen attention (``engine.attention``), so no FLOP goes to padding or to repeated prompts. The
 causal LM is called through its own ``forward`` (FSDP's hooks live there) with an empty
 ``logits_to_keep``, and its last hidden state is caught on the way out; the log-probs of the
 response tokens then come from the fused, chunked projection of ``engine.log_probs``.
