@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device call for a session: the rollout bench, then the training-step bench and CLI check.
-#   bash benchmarks/gpu_session.sh        (on the GPU machine; full logs and JSON under $OUT)
+# One device call for a session: GPU tests, the rollout bench, the training-step bench.
+#   OUT=... bash benchmarks/gpu_session.sh        (on the GPU machine; full logs and JSON under $OUT)
+# Env: TRAIN_PARTS (default "grpo kl ppo"), GRPO_STEPS / KL_PPO_STEPS (default 6: medians of steps 2-6),
+# SKIP_TESTS, SKIP_ROLLOUT, PROFILE_NATIVE=1 (adds the sampler/graph profile with its layout sweep),
+# and time limits TEST_LIMIT, ROLLOUT_LIMIT, TRAIN_LIMIT (seconds).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; export OUT PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
@@ -23,7 +26,16 @@ if [ -d .whl ] && [ -n "${missing:-}" ]; then
   export PYTHONPATH=.:/tmp/gpu_site
 fi
 python3 -c "import omegaconf; print('omegaconf', omegaconf.__version__)"
+if [ -z "${SKIP_TESTS:-}" ]; then
+  timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/models tests/rollout/native >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
+fi
 [ -n "${SKIP_ROLLOUT:-}" ] || timeout "${ROLLOUT_LIMIT:-200}" python3 -m reinforge.bench --out "$OUT/bench.json" >"$OUT/rollout.log" 2>&1
-echo "rollout bench exit $?"; tail -n 25 "$OUT/rollout.log"
-timeout "${TRAIN_LIMIT:-360}" python3 benchmarks/train_step.py ${TRAIN_PARTS:-log_probs grpo check kl ppo} >"$OUT/train.log" 2>&1
-echo "train bench exit $?"; grep -v -e "it/s]" -e "s/it]" "$OUT/train.log" | tail -n 40
+echo "rollout bench exit $?"; tail -n 14 "$OUT/rollout.log"
+if [ -n "${PROFILE_NATIVE:-}" ]; then
+  timeout 200 python3 benchmarks/profile_native.py "$OUT/profile_native.json" --sweep >"$OUT/profile_native.log" 2>&1
+  echo "profile_native exit $?"; tail -n 8 "$OUT/profile_native.log"
+fi
+GRPO_STEPS=${GRPO_STEPS:-6} KL_PPO_STEPS=${KL_PPO_STEPS:-6} timeout "${TRAIN_LIMIT:-400}" \
+  python3 benchmarks/train_step.py ${TRAIN_PARTS:-grpo kl ppo} >"$OUT/train.log" 2>&1
+echo "train bench exit $?"; grep -v -e "it/s]" -e "s/it]" -e '^{"variant"' "$OUT/train.log" | tail -n 12
