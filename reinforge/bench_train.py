@@ -55,6 +55,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.model.fused_kernels = args.fused_kernels
     config.model.share_prompts = args.share_prompts
     config.model.compile_layers = args.compile_layers
+    config.model.packed_attention_layout = args.packed_attention_layout
     config.data.train_batch_size = args.prompts
     config.data.max_prompt_length = args.prompt_tokens
     config.data.max_response_length = args.response_tokens
@@ -188,6 +189,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="run each sample's prompt separately in the update (model.share_prompts=false)")
     parser.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
                         help="run the decoder layers eagerly in the update (model.compile_layers=false)")
+    parser.add_argument("--packed-attention-layout", action="store_true",
+                        help="q/k/v in the flash layout through the rotary embedding (model.packed_attention_layout)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

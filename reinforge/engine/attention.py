@@ -54,6 +54,16 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
         raise ValueError(f"packed attention takes one row of packed sequences, got {query.shape[0]} rows")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, dim)
+    out = packed_attention(q, k, v, scale, kwargs)
+    return out.unsqueeze(0), None
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict) -> Tensor:
+    """Causal attention inside each packed segment: q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> like q.
+
+    ``kwargs`` are the packed forward's (``packed_cu_seqlens`` and the rest, see the module docstring).
+    """
+    cu_seqlens = kwargs["packed_cu_seqlens"]
     kv_index = kwargs.get("packed_kv_index")
     cu_seqlens_k, max_key_length = cu_seqlens, kwargs["packed_max_length"]
     if kv_index is not None:
@@ -61,13 +71,12 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
         cu_seqlens_k, max_key_length = kwargs["packed_cu_seqlens_k"], kwargs["packed_max_length_k"]
     if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _VARLEN_KERNEL is not None
             and (kv_index is None or kwargs.get("packed_flash_shared", False))):
-        out = _flash_varlen(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
-                            int(max_key_length), scale)
-    else:  # the length lists are read only here (from the cumulative lengths if they were left out)
-        query_lengths = kwargs.get("packed_lengths") or _lengths(cu_seqlens)
-        key_lengths = query_lengths if kv_index is None else kwargs.get("packed_key_lengths") or _lengths(cu_seqlens_k)
-        out = _padded_sdpa(q, k, v, query_lengths, key_lengths, scale)
-    return out.unsqueeze(0), None
+        return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
+                             int(max_key_length), scale)
+    # the length lists are read only here (from the cumulative lengths if they were left out)
+    query_lengths = kwargs.get("packed_lengths") or _lengths(cu_seqlens)
+    key_lengths = query_lengths if kv_index is None else kwargs.get("packed_key_lengths") or _lengths(cu_seqlens_k)
+    return _padded_sdpa(q, k, v, query_lengths, key_lengths, scale)
 
 
 def _lengths(cu_seqlens: Tensor) -> list[int]:

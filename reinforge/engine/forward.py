@@ -27,6 +27,19 @@ _NO_MASK = {"full_attention": None, "sliding_attention": None}
 """Precomputed masks for every layer type: none, the varlen kernel keeps sequences apart."""
 
 
+def _no_mask(config, device: torch.device):
+    """What stands for the attention mask of a packed row: the varlen kernel needs none.
+
+    Models with per-layer-type masks (Qwen2, Qwen3) take a precomputed mapping; the others
+    (Llama, Mistral) take a 4D tensor as precomputed, which transformers passes through
+    untouched (here a 1-element placeholder that the varlen attention ignores); given no mask
+    at all they would build a tokens x tokens one.
+    """
+    if getattr(config, "layer_types", None) is not None:
+        return dict(_NO_MASK)
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+
 def _check_varlen(config) -> None:
     if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
         raise ValueError(f"the model uses attn_implementation={config._attn_implementation!r}, which would attend "
@@ -42,7 +55,6 @@ def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype) -> dict:
     return kwargs
 
 
-
 def packed_hidden_states(model: nn.Module, packed: PackedRows) -> Tensor:
     """Last hidden state (1, tokens, hidden) of a causal LM over a packed row."""
     _check_varlen(model.config)
@@ -50,7 +62,8 @@ def packed_hidden_states(model: nn.Module, packed: PackedRows) -> Tensor:
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
     try:
-        model(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=dict(_NO_MASK),
+        model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+              attention_mask=_no_mask(model.config, packed.input_ids.device),
               use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.input_ids.device),
               **_attention_kwargs(packed, layer_compute_dtype(model)))
     finally:
@@ -74,7 +87,7 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     _check_varlen(model.backbone.config)
     packed = pack_rows(micro)
     outputs = model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                             attention_mask=dict(_NO_MASK), use_cache=False,
+                             attention_mask=_no_mask(model.backbone.config, packed.input_ids.device), use_cache=False,
                              **_attention_kwargs(packed, layer_compute_dtype(model.backbone)))
     hidden = outputs.last_hidden_state[0, packed.predictor_index]
     head = model.value_head

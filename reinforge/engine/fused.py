@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.attention import packed_attention, use_varlen_attention
 
+ATTENTION_CLASSES = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "MistralAttention"})
 RMS_NORM_CLASSES = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm"})
 GATED_MLP_CLASSES = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
 
@@ -91,6 +92,45 @@ def fuse_elementwise(model: nn.Module, compile: bool = True) -> int:
     return count
 
 
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The rotary embedding as transformers applies it, ``x * cos + rotate_half(x) * sin``."""
+    first, second = x.chunk(2, dim=-1)
+    return (x * cos) + (torch.cat((-second, first), dim=-1) * sin)
+
+
+def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
+                              **kwargs):
+    """Attention of a packed row in the flash kernel's (tokens, heads, dim) layout, else the module's own forward.
+
+    transformers transposes q, k and v to (1, heads, tokens, dim) before the rotary embedding,
+    and the packed path transposes them back; here they stay as the projections leave them.
+    """
+    if kwargs.get("packed_cu_seqlens") is None:
+        return self._transformers_forward(hidden_states, position_embeddings=position_embeddings,
+                                          attention_mask=attention_mask, **kwargs)
+    tokens = hidden_states.shape[1]
+    q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
+    k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
+    v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
+    if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = (table[0].unsqueeze(1) for table in position_embeddings)  # (tokens, 1, dim)
+    out = packed_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, self.scaling, kwargs)
+    return self.o_proj(out.reshape(1, tokens, -1)), None
+
+
+def use_packed_attention_layout(model: nn.Module) -> int:
+    """Swap the forward of every known attention module for ``_packed_attention_forward``; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in ATTENTION_CLASSES and all(
+                isinstance(getattr(module, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            module._transformers_forward = module.forward
+            module.forward = types.MethodType(_packed_attention_forward, module)
+            count += 1
+    return count
+
+
 def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     """``torch.compile`` the forward of each decoder layer for packed passes; returns how many.
 
@@ -116,14 +156,16 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
 
 
 def prepare_for_training(model: nn.Module, device: torch.device, fused_kernels: bool,
-                         compile_layers: bool = False) -> None:
+                         compile_layers: bool = False, packed_attention_layout: bool = False) -> None:
     """Route attention through the packed varlen path and, on CUDA, fuse the elementwise pieces.
 
     What every worker does to the HF model it trains or scores (``model.fused_kernels``,
-    ``model.compile_layers``).
+    ``model.compile_layers``, ``model.packed_attention_layout``).
     """
     use_varlen_attention(model)
     if fused_kernels and device.type == "cuda":
         fuse_elementwise(model)
+    if packed_attention_layout and device.type == "cuda":
+        use_packed_attention_layout(model)
     if compile_layers and device.type == "cuda" and not getattr(model, "is_gradient_checkpointing", False):
         compile_decoder_layers(model)

@@ -38,7 +38,7 @@ class CriticWorker(Worker):
                                                 device="cpu" if critic.param_offload else self.device,
                                                 gradient_checkpointing=config.model.gradient_checkpointing)
         prepare_for_training(self.model.backbone, self.device, config.model.fused_kernels,
-                             config.model.compile_layers)
+                             config.model.compile_layers, config.model.packed_attention_layout)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])
         self.model.train()

@@ -31,7 +31,7 @@ class ReferenceWorker(Worker):
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
         prepare_for_training(self.model, self.device, config.model.fused_kernels,
-                             config.model.compile_layers)
+                             config.model.compile_layers, config.model.packed_attention_layout)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 

@@ -97,3 +97,66 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
     with torch.no_grad():
         compiled.generate(prompts, max_new_tokens=3, do_sample=False)
     assert dict(torch._dynamo.utils.counters["frames"]) == counters
+
+
+@pytest.mark.parametrize("config_class,model_class", [(Qwen2Config, Qwen2ForCausalLM), (Qwen3Config, Qwen3ForCausalLM),
+                                                      (LlamaConfig, LlamaForCausalLM)])
+def test_packed_attention_layout_matches_transformers_and_leaves_generation_alone(config_class, model_class):
+    import copy
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.forward import build_position_ids, response_log_probs
+    from reinforge.engine.fused import use_packed_attention_layout
+    from reinforge.protocol import Batch
+
+    torch.manual_seed(0)
+    reference = model_class(config_class(**SIZES, attention_bias=model_class is not Qwen3ForCausalLM))
+    with torch.no_grad():  # non-trivial q/k norm weights (Qwen3)
+        for name, parameter in reference.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    use_varlen_attention(reference)
+    swapped = copy.deepcopy(reference)
+    assert use_packed_attention_layout(swapped) == SIZES["num_hidden_layers"]
+    prompts = torch.randint(1, 90, (3, 5))
+    responses = torch.randint(1, 90, (3, 6))
+    attention_mask = torch.ones(3, 11, dtype=torch.long)
+    attention_mask[1, :2] = 0
+    attention_mask[2, -2:] = 0
+    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
+        [prompts, responses], 1), "attention_mask": attention_mask, "position_ids": build_position_ids(attention_mask)})
+    outputs = []
+    for model in (reference, swapped):
+        log_probs, entropy = response_log_probs(model, batch, temperature=0.8, with_entropy=True)
+        (log_probs.sum() + 0.3 * entropy.sum()).backward()
+        outputs.append((log_probs.detach(), [parameter.grad for parameter in model.parameters()]))
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-6, atol=1e-6)
+    for grad_swapped, grad_reference in zip(outputs[1][1], outputs[0][1], strict=True):
+        torch.testing.assert_close(grad_swapped, grad_reference, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # generation (a KV cache, no packed row) takes transformers' own forward
+        expected = reference.generate(prompts, max_new_tokens=4, do_sample=False)
+        assert torch.equal(swapped.generate(prompts, max_new_tokens=4, do_sample=False), expected)
+
+
+@pytest.mark.gpu
+def test_packed_attention_layout_on_the_gpu_matches_the_transposed_path():
+    import copy
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.forward import build_position_ids, response_log_probs
+    from reinforge.engine.fused import use_packed_attention_layout
+    from reinforge.protocol import Batch
+
+    torch.manual_seed(0)
+    reference = Qwen2ForCausalLM(Qwen2Config(**SIZES)).to("cuda", torch.bfloat16)
+    use_varlen_attention(reference)
+    swapped = copy.deepcopy(reference)
+    use_packed_attention_layout(swapped)
+    prompts, responses = torch.randint(1, 90, (4, 7)), torch.randint(1, 90, (4, 9))
+    attention_mask = torch.ones(4, 16, dtype=torch.long)
+    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
+        [prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": build_position_ids(attention_mask)}).to("cuda")
+    with torch.no_grad():
+        expected, got = (response_log_probs(model, batch)[0] for model in (reference, swapped))
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

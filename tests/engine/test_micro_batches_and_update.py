@@ -73,8 +73,10 @@ def test_balanced_micro_batches_cover_every_row_once_within_budget():
     assert len(balanced_micro_batches(batch, max_tokens=10_000)) == 1
 
 
-def test_packed_forward_matches_padded_forward():
-    model = varlen_lm(seed=1).eval()
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_forward_matches_padded_forward(arch):
+    model = build_tiny_causal_lm(arch=arch, vocab_size=64, seed=1).eval()
+    use_varlen_attention(model)
     batch = make_rollout_batch()
     width = batch["responses"].shape[1]
     # the padded reference: SDPA with the attention mask over [left-padded prompt | response]
