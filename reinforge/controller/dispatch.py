@@ -4,10 +4,13 @@
 ``collect_results`` turns the members' results (in rank order) into the group's result.
 
 DP_COMPUTE gathers member results by type:
-  - ``Batch``: concatenated in rank order with the split's padding rows removed; the meta comes
-    from rank 0, so per-row values belong in columns, not in meta;
+  - ``Batch``: concatenated in rank order with the split's padding rows removed; a meta value
+    that is a dict of metrics on every member (``rollout_metrics``, ``mismatch_metrics``) is
+    merged like the metrics below, any other meta value comes from rank 0, so per-row values
+    belong in columns, not in meta;
   - ``dict`` (metrics): numeric values are averaged over the members (each member saw an equal
-    share of rows, padding included), other values come from rank 0;
+    share of rows, padding included; names with the word ``max`` or ``peak`` take the largest,
+    with ``min`` the smallest), other values come from rank 0;
   - ``tuple``: gathered position by position with these same rules;
   - ``None`` from every member: ``None``; anything else: the list of results.
 """
@@ -15,6 +18,7 @@ DP_COMPUTE gathers member results by type:
 from __future__ import annotations
 
 import numbers
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,17 +118,27 @@ def _gather_batches(chunks: list[Batch], plan: CallPlan, method_name: str) -> Ba
                              f"row so that the padding can be removed")
     marked = [Batch(chunk.tensors, chunk.non_tensors, {**chunk.meta, "num_padding": plan.num_padding})
               for chunk in chunks]
-    return Batch.concat_unpadded(marked)
+    merged = Batch.concat_unpadded(marked)
+    for key, value in chunks[0].meta.items():
+        values = [chunk.meta.get(key) for chunk in chunks]
+        if isinstance(value, Mapping) and all(isinstance(each, Mapping) for each in values):
+            merged.meta[key] = average_metrics(values)
+    return merged
 
 
 def average_metrics(per_member: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Mean over members of each numeric value (members lacking a key are left out); rank 0 for the rest."""
+    """Mean over members of each numeric value (largest for ``max``/``peak`` names, smallest for ``min``).
+
+    Members lacking a key are left out; non-numeric values come from the first member that has them.
+    """
     merged: dict[str, Any] = {}
     for key in dict.fromkeys(key for metrics in per_member for key in metrics):
         values = [metrics[key] for metrics in per_member if key in metrics]
         numbers_only = [_as_number(value) for value in values]
-        if all(number is not None for number in numbers_only):
-            merged[key] = float(np.mean(numbers_only)) if len(values) > 1 else values[0]
+        if all(number is not None for number in numbers_only) and len(values) > 1:
+            words = set(re.split(r"[/_.\s]+", key.lower()))
+            reduce = max if words & {"max", "peak"} else min if "min" in words else np.mean
+            merged[key] = float(reduce(numbers_only))
         else:
             merged[key] = values[0]
     return merged

@@ -28,12 +28,15 @@ def test_dp_plan_needs_a_batch_and_equal_rows():
 def test_dp_gather_of_tuples_concatenates_batches_and_averages_metrics():
     batch = Batch.from_dict({"x": torch.arange(3)})
     plan = plan_member_calls(DP, "f", 2, (batch,), {})
-    results = [(Batch.from_dict({"y": torch.tensor([0, 1])}, meta={"from": 0}), {"loss": 1.0, "name": "a"}),
-               (Batch.from_dict({"y": torch.tensor([2, 0])}, meta={"from": 1}), {"loss": torch.tensor(3.0)})]
+    results = [(Batch.from_dict({"y": torch.tensor([0, 1])}, meta={"from": 0, "rollout_metrics": {
+                    "tokens_per_s": 10.0, "peak_memory_gb": 3.0}}), {"loss": 1.0, "name": "a", "grad_max": 1.0}),
+               (Batch.from_dict({"y": torch.tensor([2, 0])}, meta={"from": 1, "rollout_metrics": {
+                    "tokens_per_s": 30.0, "peak_memory_gb": 5.0}}), {"loss": torch.tensor(3.0), "grad_max": 4.0})]
     merged_batch, merged_metrics = collect_results(DP, plan, "f", results)
     assert merged_batch["y"].tolist() == [0, 1, 2]
-    assert merged_batch.meta == {"from": 0}
-    assert merged_metrics == {"loss": 2.0, "name": "a"}
+    # a dict of metrics in meta is merged over the members; other meta values come from rank 0
+    assert merged_batch.meta == {"from": 0, "rollout_metrics": {"tokens_per_s": 20.0, "peak_memory_gb": 5.0}}
+    assert merged_metrics == {"loss": 2.0, "name": "a", "grad_max": 4.0}
 
 
 def test_dp_gather_rejects_outputs_that_do_not_match_inputs_row_for_row():
