@@ -2,18 +2,70 @@
 
 It works for any causal LM transformers can load and is the fallback where the native engine
 does not support an architecture. It generates with the training model itself (same
-parameters, nothing to copy), so ``sync_weights`` has nothing to do. Requests with equal
-sampling parameters are batched together, prompts left-padded.
+parameters, nothing to copy), so ``sync_weights`` has nothing to do. Requests whose sampling
+parameters differ only in their seed are batched together, prompts left-padded.
+
+Seeded requests sample by Gumbel-max inside ``generate``'s greedy search: a logits processor
+tempers and truncates (top-k, top-p, min-p) each row's logits and adds Gumbel noise drawn from
+an integer hash of (request seed, sample index, step, token), so a request's samples depend
+on its seed alone, not on what shares its batch. Requests without a seed use transformers'
+own sampling.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import defaultdict
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (lowbias32) of each element of an int64 tensor holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_gumbel(keys: Tensor, step: int, vocab_size: int) -> Tensor:
+    """Gumbel noise (rows, vocab) float32, a pure function of each row's key, the step and the token."""
+    row_keys = _mix32((keys * 0x9E3779B1 + step * 0x85EBCA77) & _MASK32)
+    columns = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    bits = _mix32((columns[None, :] * 0xC2B2AE3D & _MASK32) ^ row_keys[:, None])
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(uniform))
+
+
+class _SeededSampler(LogitsProcessor):
+    """Turns greedy search into seeded sampling: tempered, truncated logits plus per-row Gumbel noise."""
+
+    def __init__(self, keys: Tensor, sampling: SamplingParams, prompt_length: int):
+        self.keys, self.sampling, self.prompt_length = keys, sampling, prompt_length
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        from reinforge.rollout.native.sampling import truncation_thresholds
+
+        sampling = self.sampling
+        scaled = scores.float() / sampling.temperature
+        rows = scaled.shape[0]
+        threshold = torch.full((rows,), -math.inf, device=scaled.device)
+        if sampling.top_k > 0 or sampling.top_p < 1.0:
+            top_k = torch.full((rows,), max(sampling.top_k, 0), dtype=torch.long, device=scaled.device)
+            top_p = torch.full((rows,), sampling.top_p, device=scaled.device)
+            threshold = truncation_thresholds(scaled, top_k, top_p)
+        if sampling.min_p > 0:
+            threshold = torch.maximum(threshold, scaled.max(-1).values + math.log(sampling.min_p))
+        noise = seeded_gumbel(self.keys.to(scaled.device), input_ids.shape[1] - self.prompt_length, scaled.shape[1])
+        return torch.where(scaled >= threshold[:, None], scaled + noise, -math.inf)
 
 
 class HFEngine:
@@ -35,20 +87,24 @@ class HFEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         results: list[list[Completion] | None] = [None] * len(requests)
-        groups: dict[SamplingParams, list[int]] = defaultdict(list)
+        groups: dict[tuple[SamplingParams, bool], list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
-            groups[request.sampling].append(index)
-        for sampling, indices in groups.items():
+            seeded = request.sampling.seed is not None and not request.sampling.greedy
+            groups[(dataclasses.replace(request.sampling, seed=None), seeded)].append(index)
+        for (sampling, seeded), indices in groups.items():
             per_call = max(1, self.max_batch_size // sampling.n)
             for start in range(0, len(indices), per_call):
                 chunk = indices[start:start + per_call]
-                completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling)
+                seeds = [requests[i].sampling.seed for i in chunk] if seeded else None
+                completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling,
+                                                         seeds)
                 for index, samples in zip(chunk, completions, strict=True):
                     results[index] = samples
         return [samples for samples in results if samples is not None]
 
     @torch.no_grad()
-    def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams,
+                              seeds: list[int] | None = None) -> list[list[Completion]]:
         device = next(self.model.parameters()).device
         longest = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
@@ -69,7 +125,15 @@ class HFEngine:
         )
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
-        if not sampling.greedy:
+        if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
+            keys = torch.tensor([(seed * 0x2545F491 + sample) & _MASK32 for seed in seeds for sample in range(sampling.n)],
+                                dtype=torch.int64)
+            # greedy search returns one sequence per input row: the n samples of a prompt are n rows
+            input_ids = input_ids.repeat_interleave(sampling.n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(sampling.n, dim=0)
+            kwargs.update(do_sample=False, num_return_sequences=1, temperature=None, top_p=None, top_k=None,
+                          logits_processor=LogitsProcessorList([_SeededSampler(keys, sampling, longest)]))
+        elif not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else None,
                           min_p=sampling.min_p if sampling.min_p > 0 else None)
@@ -79,8 +143,6 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                if sampling.seed is not None:
-                    torch.manual_seed(sampling.seed)
                 output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                              **kwargs)
         finally:
