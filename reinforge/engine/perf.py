@@ -4,8 +4,9 @@ MFU counts 6 x parameters x tokens (forward and backward of every parameter, att
 recomputation left out) over the time the update took, against the device's bf16 matrix
 rate. The tokens are those the model actually ran: with shared prompts (``engine.packing``)
 a prompt counts once for its group, so MFU measures the hardware, while the tokens/s figure
-counts every sequence's tokens, as the workload defines them. The H100/H200 figure is the one measured on this project's H200 (an 8192^3 bf16
-product through PyTorch), not the datasheet's 989 TFLOP/s.
+counts every sequence's tokens, as the workload defines them. The H100/H200 figure is the
+one measured on this project's H200 (an 8192^3 bf16 product through PyTorch), not the
+datasheet's 989 TFLOP/s.
 """
 
 from __future__ import annotations
