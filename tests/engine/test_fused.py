@@ -2,7 +2,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from reinforge.engine.fused import fuse_elementwise
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.forward import build_position_ids, response_log_probs
+from reinforge.engine.fused import compile_decoder_layers, fuse_elementwise, use_packed_attention_layout
+from reinforge.protocol import Batch
 
 SIZES = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
@@ -59,15 +62,32 @@ def test_unknown_modules_keep_their_forward():
 
 
 
+
+def rollout_rows(rows: int, prompt_width: int, response_width: int, left_padding: dict[int, int] | None = None,
+                 right_padding: dict[int, int] | None = None) -> Batch:
+    """Random [prompt | response] rows; ``left_padding``/``right_padding``: row -> padded columns."""
+    prompts = torch.randint(1, 90, (rows, prompt_width))
+    responses = torch.randint(1, 90, (rows, response_width))
+    attention_mask = torch.ones(rows, prompt_width + response_width, dtype=torch.long)
+    for row, width in (left_padding or {}).items():
+        attention_mask[row, :width] = 0
+    for row, width in (right_padding or {}).items():
+        attention_mask[row, -width:] = 0
+    return Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
+        [prompts, responses], 1), "attention_mask": attention_mask, "position_ids": build_position_ids(attention_mask)})
+
+
+def log_probs_and_grads(model, batch: Batch, temperature: float = 1.0, entropy_weight: float = 0.0):
+    """Packed response log-probs of ``model`` and the gradients of their sum (plus weighted entropy)."""
+    log_probs, entropy = response_log_probs(model, batch, temperature=temperature, with_entropy=True)
+    (log_probs.sum() + entropy_weight * entropy.sum()).backward()
+    return log_probs.detach(), [parameter.grad for parameter in model.parameters()]
+
+
 def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generation_eager():
     import copy
 
     import torch._dynamo
-
-    from reinforge.engine.attention import use_varlen_attention
-    from reinforge.engine.forward import build_position_ids, response_log_probs
-    from reinforge.engine.fused import compile_decoder_layers
-    from reinforge.protocol import Batch
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -76,18 +96,8 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
     compiled = copy.deepcopy(eager)
     # aot_eager: the same tracing and autograd split as inductor, runnable without a GPU
     assert compile_decoder_layers(compiled, backend="aot_eager") == SIZES["num_hidden_layers"]
-    prompts = torch.randint(1, 90, (4, 5))
-    responses = torch.randint(1, 90, (4, 6))
-    attention_mask = torch.ones(4, 11, dtype=torch.long)
-    attention_mask[1, :2] = 0
-    attention_mask[2, -3:] = 0
-    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
-        [prompts, responses], 1), "attention_mask": attention_mask, "position_ids": build_position_ids(attention_mask)})
-    outputs = []
-    for model in (eager, compiled):
-        log_probs, _ = response_log_probs(model, batch)
-        log_probs.sum().backward()
-        outputs.append((log_probs.detach(), [parameter.grad for parameter in model.parameters()]))
+    batch = rollout_rows(4, 5, 6, left_padding={1: 2}, right_padding={2: 3})
+    outputs = [log_probs_and_grads(model, batch) for model in (eager, compiled)]
     torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-5, atol=1e-5)
     for grad_compiled, grad_eager in zip(outputs[1][1], outputs[0][1], strict=True):
         torch.testing.assert_close(grad_compiled, grad_eager, rtol=1e-4, atol=1e-6)
@@ -95,7 +105,7 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
     assert counters.get("ok", 0) >= 1
     # generation (a KV cache, no packed rows) runs the eager forward: nothing new is compiled
     with torch.no_grad():
-        compiled.generate(prompts, max_new_tokens=3, do_sample=False)
+        compiled.generate(batch["prompts"], max_new_tokens=3, do_sample=False)
     assert dict(torch._dynamo.utils.counters["frames"]) == counters
 
 
@@ -103,11 +113,6 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
                                                       (LlamaConfig, LlamaForCausalLM)])
 def test_packed_attention_layout_matches_transformers_and_leaves_generation_alone(config_class, model_class):
     import copy
-
-    from reinforge.engine.attention import use_varlen_attention
-    from reinforge.engine.forward import build_position_ids, response_log_probs
-    from reinforge.engine.fused import use_packed_attention_layout
-    from reinforge.protocol import Batch
 
     torch.manual_seed(0)
     reference = model_class(config_class(**SIZES, attention_bias=model_class is not Qwen3ForCausalLM))
@@ -118,45 +123,26 @@ def test_packed_attention_layout_matches_transformers_and_leaves_generation_alon
     use_varlen_attention(reference)
     swapped = copy.deepcopy(reference)
     assert use_packed_attention_layout(swapped) == SIZES["num_hidden_layers"]
-    prompts = torch.randint(1, 90, (3, 5))
-    responses = torch.randint(1, 90, (3, 6))
-    attention_mask = torch.ones(3, 11, dtype=torch.long)
-    attention_mask[1, :2] = 0
-    attention_mask[2, -2:] = 0
-    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
-        [prompts, responses], 1), "attention_mask": attention_mask, "position_ids": build_position_ids(attention_mask)})
-    outputs = []
-    for model in (reference, swapped):
-        log_probs, entropy = response_log_probs(model, batch, temperature=0.8, with_entropy=True)
-        (log_probs.sum() + 0.3 * entropy.sum()).backward()
-        outputs.append((log_probs.detach(), [parameter.grad for parameter in model.parameters()]))
+    batch = rollout_rows(3, 5, 6, left_padding={1: 2}, right_padding={2: 2})
+    outputs = [log_probs_and_grads(model, batch, temperature=0.8, entropy_weight=0.3) for model in (reference, swapped)]
     torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-6, atol=1e-6)
     for grad_swapped, grad_reference in zip(outputs[1][1], outputs[0][1], strict=True):
         torch.testing.assert_close(grad_swapped, grad_reference, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # generation (a KV cache, no packed row) takes transformers' own forward
-        expected = reference.generate(prompts, max_new_tokens=4, do_sample=False)
-        assert torch.equal(swapped.generate(prompts, max_new_tokens=4, do_sample=False), expected)
+        expected = reference.generate(batch["prompts"], max_new_tokens=4, do_sample=False)
+        assert torch.equal(swapped.generate(batch["prompts"], max_new_tokens=4, do_sample=False), expected)
 
 
 @pytest.mark.gpu
 def test_packed_attention_layout_on_the_gpu_matches_the_transposed_path():
     import copy
 
-    from reinforge.engine.attention import use_varlen_attention
-    from reinforge.engine.forward import build_position_ids, response_log_probs
-    from reinforge.engine.fused import use_packed_attention_layout
-    from reinforge.protocol import Batch
-
     torch.manual_seed(0)
     reference = Qwen2ForCausalLM(Qwen2Config(**SIZES)).to("cuda", torch.bfloat16)
     use_varlen_attention(reference)
     swapped = copy.deepcopy(reference)
     use_packed_attention_layout(swapped)
-    prompts, responses = torch.randint(1, 90, (4, 7)), torch.randint(1, 90, (4, 9))
-    attention_mask = torch.ones(4, 16, dtype=torch.long)
-    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "input_ids": torch.cat(
-        [prompts, responses], 1), "attention_mask": attention_mask,
-        "position_ids": build_position_ids(attention_mask)}).to("cuda")
+    batch = rollout_rows(4, 7, 9).to("cuda")
     with torch.no_grad():
         expected, got = (response_log_probs(model, batch)[0] for model in (reference, swapped))
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

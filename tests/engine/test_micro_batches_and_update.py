@@ -90,30 +90,35 @@ def test_packed_forward_matches_padded_forward(arch):
     torch.testing.assert_close(rebuilt[mask], expected[mask], atol=1e-5, rtol=1e-5)
 
 
+def sgd_policy_update(base, batch: Batch, budget: int, micro_batches=balanced_micro_batches,
+                      loss_agg_mode: str = "token-mean"):
+    """A copy of ``base`` after one on-policy vanilla policy-gradient update by ``run_update``; (model, metrics).
+
+    Plain SGD at lr 1: the parameter change is the gradient itself (Adam would amplify rounding noise).
+    """
+    model = copy.deepcopy(base).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
+
+    def loss_fn(micro, normalizer):
+        log_probs, _ = response_log_probs(model, micro)
+        loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
+                                      advantages=micro["advantages"], response_mask=micro["response_mask"],
+                                      loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(), normalizer=normalizer)
+        return loss, {"pg_loss": float(loss.detach())}
+
+    settings = UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1e9)
+    metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"),
+                         micro_batches=micro_batches)
+    return model, metrics
+
+
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_update_is_the_same_whatever_the_micro_batch_split(loss_agg_mode):
     base = varlen_lm(seed=2)
     batch = make_rollout_batch(rows=6)
-    results = []
-    for budget in (10_000, 9):
-        model = copy.deepcopy(base).train()
-        # plain SGD: the parameter change is the gradient itself (Adam would amplify rounding noise)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
-
-        def loss_fn(micro, normalizer, model=model):
-            log_probs, _ = response_log_probs(model, micro)
-            loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
-                                          advantages=micro["advantages"], response_mask=micro["response_mask"],
-                                          loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(),
-                                          normalizer=normalizer)
-            return loss, {"pg_loss": float(loss.detach())}
-
-        settings = UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1e9)
-        metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"),
-                             micro_batches=balanced_micro_batches)
-        results.append((model, metrics))
-    (model_a, metrics_a), (model_b, metrics_b) = results
+    (model_a, metrics_a), (model_b, metrics_b) = (sgd_policy_update(base, batch, budget, loss_agg_mode=loss_agg_mode)
+                                                  for budget in (10_000, 9))
     assert metrics_a["grad_norm"] == pytest.approx(metrics_b["grad_norm"], rel=1e-4)
     for p_a, p_b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)

@@ -1,19 +1,19 @@
-import copy
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
-from reinforge.algorithms import compute_policy_loss
-from reinforge.config.schema import OptimConfig, PolicyLossConfig
 from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.forward import build_position_ids, response_log_probs, response_values
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
-from reinforge.engine.optim import build_scheduler
 from reinforge.engine.packing import attach_plan, plan_packing
-from reinforge.engine.train_step import UpdateSettings, run_update
 from reinforge.models import ValueModel, build_tiny_causal_lm
 from reinforge.protocol import Batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_micro_batches_and_update import sgd_policy_update, varlen_lm  # noqa: E402
 
 
 def grouped_batch(num_prompts: int = 3, samples: int = 4, prompt_width: int = 6, response_width: int = 7,
@@ -46,12 +46,6 @@ def grouped_batch(num_prompts: int = 3, samples: int = 4, prompt_width: int = 6,
         "advantages": torch.randn(rows, response_width, generator=generator) * response_mask,
     })
     return batch.index(order)
-
-
-def varlen_lm(seed: int):
-    model = build_tiny_causal_lm(vocab_size=64, seed=seed)
-    use_varlen_attention(model)
-    return model
 
 
 def test_the_plan_runs_each_prompt_once_and_keeps_every_response_token():
@@ -139,23 +133,8 @@ def test_scoring_by_micro_batches_with_shared_prompts_matches_unshared():
 def test_update_with_shared_prompts_equals_the_unshared_update():
     base = varlen_lm(seed=6)
     batch = grouped_batch(num_prompts=3, samples=4, seed=3)
-    models = []
-    for share in (False, True):
-        model = copy.deepcopy(base).train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
-
-        def loss_fn(micro, normalizer, model=model):
-            log_probs, _ = response_log_probs(model, micro)
-            loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
-                                          advantages=micro["advantages"], response_mask=micro["response_mask"],
-                                          loss_agg_mode="token-mean", config=PolicyLossConfig(), normalizer=normalizer)
-            return loss, {}
-
-        settings = UpdateSettings(max_tokens_per_micro_batch=35, grad_clip=1e9)
-        run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"),
-                   micro_batches=partial(balanced_micro_batches, share_prompts=share))
-        models.append(model)
+    models = [sgd_policy_update(base, batch, 35, micro_batches=partial(balanced_micro_batches, share_prompts=share))[0]
+              for share in (False, True)]
     for p_a, p_b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(p_b, p_a, atol=1e-6, rtol=1e-5)
     assert not torch.equal(next(models[0].parameters()), next(base.parameters()))
