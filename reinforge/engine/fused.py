@@ -1,13 +1,17 @@
-"""Fused elementwise pieces of the decoder layers for training on CUDA.
+"""What the engine does to a transformers model's modules for training passes on CUDA.
 
-Over a packed micro-batch of 32k tokens the matrix products of a 0.5B model run near the
-GPU's peak, and what is left is elementwise work that eager PyTorch does one pass per op:
-RMSNorm (cast to float32, square, mean, rsqrt, two products, cast back) and the gated MLP's
-``silu(gate) * up``, in the forward and again in the backward. ``fuse_elementwise`` swaps the
-``forward`` of those modules for the same math written as one function, which
-``torch.compile`` turns into one kernel for the forward and one for the backward. The math is
-the one of the transformers modules it replaces (float32 statistics, the result cast back
-before the weight multiplies it), so the numerics match up to the order of a reduction.
+Over a packed micro-batch the matrix products of a 0.5B model run near the GPU's peak, and
+what is left is elementwise work that eager PyTorch does one pass per op.
+
+- ``fuse_elementwise`` swaps the ``forward`` of RMSNorm (cast to float32, square, mean, rsqrt,
+  two products, cast back) and of the gated MLP's ``silu(gate) * up`` for the same math
+  written as one function, which ``torch.compile`` turns into one kernel each way. The math is
+  the one of the transformers modules it replaces (float32 statistics, the result cast back
+  before the weight multiplies it), so the numerics match up to the order of a reduction.
+- ``compile_decoder_layers`` compiles each decoder layer's forward for packed passes
+  (``model.compile_layers``), so residual adds, rotary embedding and casts fuse too.
+- ``use_packed_attention_layout`` keeps q, k and v in the flash kernel's (tokens, heads, dim)
+  layout through the rotary embedding (``model.packed_attention_layout``).
 
 Only modules known to compute exactly this are swapped (by class name and attributes);
 anything else keeps its own forward. Without ``compile`` the swapped forwards run eagerly,

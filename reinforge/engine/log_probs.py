@@ -63,29 +63,33 @@ def _fits_at_once(hidden: Tensor, vocab_size: int) -> bool:
     return hidden.shape[0] * vocab_size * hidden.element_size() <= budget
 
 
+def _torch_row_stats(logits: Tensor, targets: Tensor, inv_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``_chunk_forward`` over the rows, ``DEFAULT_CHUNK_SIZE`` at a time (bounded float32 temporaries)."""
+    parts = [_chunk_forward(logits[start:start + DEFAULT_CHUNK_SIZE], targets[start:start + DEFAULT_CHUNK_SIZE],
+                            inv_temperature) for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE)]
+    if not parts:
+        return tuple(logits.new_empty(0, dtype=torch.float32) for _ in range(3))
+    return tuple(torch.cat(values) for values in zip(*parts, strict=True))
+
+
+def _torch_row_grads(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_log_probs: Tensor,
+                     grad_entropy: Tensor, inv_temperature: float, out: Tensor | None = None) -> Tensor:
+    """``_chunk_grad`` over the rows, ``DEFAULT_CHUNK_SIZE`` at a time; ``out`` may be ``logits``."""
+    out = torch.empty_like(logits) if out is None else out
+    for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE):
+        rows = slice(start, start + DEFAULT_CHUNK_SIZE)
+        out[rows] = _chunk_grad(logits[rows], targets[rows], lse[rows], entropy[rows],
+                                grad_log_probs[rows].float(), grad_entropy[rows].float(), inv_temperature)
+    return out
+
+
 def _row_math(tensor: Tensor):
-    """(stats, grads) for rows of logits: Triton on CUDA, else the PyTorch functions chunk by chunk."""
+    """(stats, grads) for rows of logits: the Triton kernels on CUDA, else the PyTorch functions."""
     if tensor.is_cuda and TRITON_ON_CUDA:
         from reinforge.engine import log_prob_kernels
 
         return log_prob_kernels.row_stats, log_prob_kernels.row_grads
-
-    def stats(logits: Tensor, targets: Tensor, inv_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-        parts = [_chunk_forward(logits[start:start + DEFAULT_CHUNK_SIZE], targets[start:start + DEFAULT_CHUNK_SIZE],
-                                inv_temperature) for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE)]
-        return tuple(torch.cat(values) for values in zip(*parts, strict=True)) if parts else \
-            tuple(logits.new_empty(0, dtype=torch.float32) for _ in range(3))
-
-    def grads(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_log_probs: Tensor,
-              grad_entropy: Tensor, inv_temperature: float, out: Tensor | None = None) -> Tensor:
-        out = torch.empty_like(logits) if out is None else out
-        for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE):
-            rows = slice(start, start + DEFAULT_CHUNK_SIZE)
-            out[rows] = _chunk_grad(logits[rows], targets[rows], lse[rows], entropy[rows],
-                                    grad_log_probs[rows].float(), grad_entropy[rows].float(), inv_temperature)
-        return out
-
-    return stats, grads
+    return _torch_row_stats, _torch_row_grads
 
 
 class _LinearLogProbs(torch.autograd.Function):

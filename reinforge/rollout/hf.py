@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+from reinforge.rollout.native.sampling import truncation_thresholds
 
 _MASK32 = 0xFFFFFFFF
 
@@ -52,8 +53,6 @@ class _SeededSampler(LogitsProcessor):
         self.keys, self.sampling, self.prompt_length = keys, sampling, prompt_length
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        from reinforge.rollout.native.sampling import truncation_thresholds
-
         sampling = self.sampling
         scaled = scores.float() / sampling.temperature
         rows = scaled.shape[0]
