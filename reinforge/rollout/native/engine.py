@@ -10,7 +10,8 @@ for each layer's q|k|v and gate|up projections, which run on concatenated copies
 product each; see ``model.py``). ``wake_up`` makes those copies and allocates the KV cache
 from a fraction of device memory; ``sync_weights`` refreshes the copies in place when awake
 (and recaptures the CUDA graphs if the parameters' storage moved); ``sleep`` frees the copies,
-the KV cache and the CUDA graphs, and returns the memory to the device.
+the KV cache and the CUDA graphs into PyTorch's caching allocator, where the training step
+reuses the memory (``empty_cache_on_sleep`` also returns it to the device).
 """
 
 from __future__ import annotations
