@@ -134,7 +134,11 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         batch.tensors.pop("input_ids")
         batch.tensors.pop("attention_mask")
         prompts = prompt_batch(args, vocab_size, step)
-        batch = batch | timed("rollout", actor.generate, prompts)
+        generated = timed("rollout", actor.generate, prompts)
+        rollout_phases = {key.removeprefix("timing_s/gen/"): value
+                          for key, value in generated.meta.get("rollout_metrics", {}).items()
+                          if key.startswith("timing_s/gen/") or key == "rollout/cuda_graph_capture_s"}
+        batch = batch | generated
         batch["token_level_scores"] = rule_reward(batch)
         if reference is not None:
             batch = batch | timed("ref", reference.compute_ref_log_prob, batch)
@@ -158,7 +162,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                "mfu_workload_tokens": mfu * tokens / computed if mfu is not None else None,
                "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
-               "kl_loss": metrics.get("actor/kl_loss")}
+               "kl_loss": metrics.get("actor/kl_loss"),
+               **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}}
         if critic is not None:
             row["vf_loss"] = critic_metrics.get("critic/vf_loss")
         if device.type == "cuda":

@@ -58,6 +58,25 @@ def _response_tensors(completions: list, width: int, pad_id: int) -> tuple[torch
             torch.from_numpy(finish_stop))
 
 
+class _PhaseTimer:
+    """Wall time of consecutive phases; on CUDA each lap waits for the device, so it counts its kernels too."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.times[name] = self.times.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {prefix + name: seconds for name, seconds in self.times.items()}
+
+
 def _seed_for(base_seed: int, uid: str) -> int:
     digest = hashlib.sha256(f"{base_seed}:{uid}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
@@ -139,6 +158,7 @@ class ActorRolloutWorker(Worker):
         Adds prompts, responses, response_mask, input_ids/attention_mask/position_ids of the
         whole sequence, and rollout_log_probs.
         """
+        phases = _PhaseTimer(self.device)
         sampling: SamplingParams = batch.meta["sampling"]
         max_response_length = sampling.max_tokens
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
@@ -155,14 +175,19 @@ class ActorRolloutWorker(Worker):
             requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
             group_sizes.append(stop - start)
             start = stop
+        phases.lap("requests")
         with unsharded(self.model):
+            phases.lap("gather_weights")
             self.engine.sync_weights(self.model)
             self.engine.wake_up()
+            phases.lap("wake_up")
             try:
                 with autocast_context(self.device, self.config.model.dtype):
                     completions = self.engine.generate(requests)
+                phases.lap("engine")
             finally:
                 self.engine.sleep()
+        phases.lap("sleep")
         responses, response_mask, rollout_log_probs, finish_stop = _response_tensors(
             [completion for samples in completions for completion in samples], max_response_length,
             self.tokenizer.pad_token_id)
@@ -174,6 +199,8 @@ class ActorRolloutWorker(Worker):
                      "finished_by_stop": finish_stop},
             meta={"rollout_metrics": dict(getattr(self.engine, "last_metrics", {}))},
         )
+        phases.lap("assemble")
+        output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         return output
 
     # ---- scoring ------------------------------------------------------------------

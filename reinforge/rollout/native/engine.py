@@ -370,14 +370,15 @@ class NativeEngine:
 
     # ---- metrics ----------------------------------------------------------------------------
 
-    def _start_metrics(self) -> tuple[float, int, int]:
+    def _start_metrics(self) -> tuple[float, int, int, float]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak_blocks_used = 0
-        return time.perf_counter(), self._num_generated_tokens, self.scheduler.num_preempted
+        return (time.perf_counter(), self._num_generated_tokens, self.scheduler.num_preempted,
+                self.runner.capture_seconds)
 
-    def _finish_metrics(self, start: tuple[float, int, int]) -> None:
-        start_time, start_tokens, start_preempted = start
+    def _finish_metrics(self, start: tuple[float, int, int, float]) -> None:
+        start_time, start_tokens, start_preempted, start_capture = start
         elapsed = time.perf_counter() - start_time
         num_tokens = self._num_generated_tokens - start_tokens
         scheduler = self.scheduler
@@ -388,6 +389,7 @@ class NativeEngine:
             "rollout/num_preempted": float(scheduler.num_preempted - start_preempted),
             "rollout/kv_blocks_total": float(scheduler.block_manager.num_blocks),
             "rollout/kv_blocks_used_peak": float(self._peak_blocks_used),
+            "rollout/cuda_graph_capture_s": self.runner.capture_seconds - start_capture,
         }
         if self.device.type == "cuda":
             metrics["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -12,6 +12,8 @@ write to a spare block nobody reads).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -40,6 +42,8 @@ class ModelRunner:
         self._graph_inputs: dict[str, Tensor] = {}
         self._graph_logits: dict[int, Tensor] = {}
         self._graph_parameter_pointers: tuple[int, ...] = ()
+        self.capture_seconds = 0.0
+        """Time spent capturing CUDA graphs (warm-up forward included), summed over the runner's life."""
         self.last_decode_positions: Tensor | None = None
         """(batch,) positions of the last decode step's input tokens, on the device."""
 
@@ -189,6 +193,7 @@ class ModelRunner:
         so graphs rarely outlive a rollout, and a rollout of equal-length samples uses one or
         two sizes of the whole set. All graphs share one memory pool.
         """
+        start = time.perf_counter()
         if not self._graph_inputs:
             largest = self.cuda_graph_batch_sizes[-1]
             self._graph_inputs = {
@@ -209,3 +214,4 @@ class ModelRunner:
             self._graph_logits[size] = self._decode_forward(views)
         self._graphs[size] = graph
         torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - start
