@@ -167,6 +167,7 @@ class NativeEngine:
         self.runner.load_weights()  # first: the KV cache is sized from the memory left after it
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.forget_block_tables()
         self.scheduler = Scheduler(BlockManager(num_blocks, self.block_size), self.max_num_seqs,
                                    self.max_num_batched_tokens)
 

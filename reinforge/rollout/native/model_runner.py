@@ -82,6 +82,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(decoder.num_layers, 2, num_blocks + 1, self.block_size, decoder.num_kv_heads,
                                     decoder.head_dim, dtype=decoder.dtype, device=self.device)
 
+    def forget_block_tables(self) -> None:
+        """Drop the cached block-table rows: a new scheduler numbers its sequences from 1 again, so a row's
+        recorded owner could match a different sequence of the same id (and block count) and keep its stale blocks."""
+        self._row_owner.fill(-1)
+        self._row_num_blocks.fill(0)
+
     def free_kv_cache(self) -> None:
         self.drop_cuda_graphs()
         self.kv_cache = None

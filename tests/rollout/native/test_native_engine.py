@@ -153,6 +153,17 @@ def test_sleep_frees_the_cache_and_sync_weights_sees_updates(tiny):
     assert after == tiny.hf_greedy(model, prompt, 12) and after != before
 
 
+def test_a_later_round_with_other_prompts_uses_its_own_block_tables(tiny):
+    # the scheduler of each wake-up numbers sequences from 1: in round 2, sequence 1 has as many blocks
+    # as round 1's sequence 1 ended with (4), but other ones; the runner must not reuse the old row
+    model = tiny.build("qwen2", seed=3)
+    engine = make_engine(model)
+    engine.generate([GenerationRequest(p, GREEDY) for p in tiny.prompts([20, 20], seed=1)])
+    engine.sleep()
+    second = tiny.prompts([25], seed=2)
+    assert engine.generate([GenerationRequest(second[0], GREEDY)])[0][0].token_ids == tiny.hf_greedy(model, second[0], 12)
+
+
 def test_subclasses_of_supported_models_are_supported(tiny):
     class MyQwen2(transformers.Qwen2ForCausalLM):
         def describe(self) -> str:
