@@ -28,6 +28,7 @@ import triton.testing
 from reinforge.bench import QWEN25_05B, build_model, random_prompts
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, triton_kernels
+from reinforge.rollout.native import engine as engine_module
 from reinforge.rollout.native.sampling import SamplingTensors
 
 
@@ -51,9 +52,23 @@ def main(out_path: str) -> None:
     requests = [GenerationRequest(prompt, sampling) for prompt in prompts]
     engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])
 
+    # the real run; the host's waits for sampled tokens are summed: when they are near zero, the
+    # host's bookkeeping, not the device, sets the pace
+    waits: list[float] = []
+    read = engine_module._LaunchedStep.read
+
+    def timed_read(launched):
+        if launched.ready is not None:
+            start = time.perf_counter()
+            launched.ready.synchronize()
+            waits.append(time.perf_counter() - start)
+        return read(launched)
+
+    engine_module._LaunchedStep.read = timed_read
     untimed_start = time.perf_counter()
     engine.generate(requests)
     untimed_s = time.perf_counter() - untimed_start
+    engine_module._LaunchedStep.read = read
 
     phases: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
@@ -66,6 +81,7 @@ def main(out_path: str) -> None:
     engine.generate(requests)  # synchronized around each phase: no overlap, so slower than the untimed run
     runner.prefill, runner.decode, engine.sampler, engine._process, engine._step = original
     result = {"untimed_generate_s": untimed_s, "untimed_tokens_per_s": 512 * 512 / untimed_s,
+              "untimed_host_waits_s": sum(waits), "untimed_steps": len(waits),
               "phases_total_s": {name: sum(values) for name, values in phases.items()},
               "phases_count": {name: len(values) for name, values in phases.items()}}
 
@@ -129,7 +145,7 @@ def main(out_path: str) -> None:
     result["sampler_kernel_sweep_ms"] = sampler_sweep
     hidden = torch.randn(batch, QWEN25_05B["hidden_size"], device=device, dtype=torch.bfloat16)
     result["lm_head_ms_b512"] = triton.testing.do_bench(lambda: model.lm_head(hidden), return_mode="median")
-    layer, fused = model.model.layers[0], decoder.fused[0]
+    layer, fused = model.model.layers[0], decoder.weights.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     result["qkv_separate_ms_b512"] = triton.testing.do_bench(
         lambda: (attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), return_mode="median")

@@ -61,6 +61,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.data.max_response_length = args.response_tokens
     config.rollout.name = args.rollout
     config.rollout.n = args.n
+    config.rollout.free_cache_engine = not args.keep_rollout_memory
     config.actor.max_tokens_per_micro_batch = args.micro_tokens
     config.actor.optim.lr = 1e-6
     config.actor.grad_clip = 1.0
@@ -196,6 +197,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="run the decoder layers eagerly in the update (model.compile_layers=false)")
     parser.add_argument("--packed-attention-layout", action="store_true",
                         help="q/k/v in the flash layout through the rotary embedding (model.packed_attention_layout)")
+    parser.add_argument("--keep-rollout-memory", action="store_true",
+                        help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
+                             "(rollout.free_cache_engine=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

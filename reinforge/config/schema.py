@@ -146,6 +146,9 @@ class RolloutConfig:
     """Extra stop tokens; the tokenizer's EOS always stops."""
     gpu_memory_utilization: float = 0.5
     """Fraction of free device memory the native engine may use for its KV cache."""
+    free_cache_engine: bool = True
+    """Native engine: free its KV cache, weight copy and CUDA graphs after each rollout, for the update.
+    false keeps them (the update has that much less memory; the next rollout captures no graphs)."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
 
 

@@ -61,6 +61,10 @@ class Completion:
 class RolloutEngine(Protocol):
     """What the actor-rollout worker needs from a generation backend."""
 
+    reads_model_in_place: bool
+    """True when generation reads the model's parameters (they must stay gathered while it runs);
+    False when ``sync_weights``/``wake_up`` copy them, after which the trainer may free its gathered copy."""
+
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         """Completions for each request (``request.sampling.n`` of them), in request order."""
         ...

@@ -68,6 +68,9 @@ class _SeededSampler(LogitsProcessor):
 
 
 class HFEngine:
+    reads_model_in_place = True
+    """``generate`` runs on the training module itself."""
+
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], max_batch_size: int = 256):
         self.model = model
         self.pad_token_id = pad_token_id

@@ -1,11 +1,11 @@
 """The hybrid actor-rollout worker: one policy that generates, scores its own tokens, and trains.
 
 The policy is sharded with FSDP2 (``engine.fsdp``; a group of one on a single device).
-Generation gathers the full parameters in the compute dtype for its duration and the rollout
-engine runs the training modules themselves on them (the hf backend calls ``generate`` on
-the training module; the native engine reads the same storage), so there is no separate
-weight copy to keep in sync. Generation runs under no_grad with the engine awake; training
-runs with the engine asleep and the parameters sharded again.
+Generation gathers the full parameters in the compute dtype: the hf backend calls ``generate``
+on the training module itself, with the parameters gathered for its duration; the native
+engine copies them into its own buffers at wake-up, after which they are sharded again before
+the first token. Generation runs under no_grad with the engine awake; training runs with the
+engine asleep and the parameters sharded.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ class ActorRolloutWorker(Worker):
             if supports_model(self.model):
                 return NativeEngine(self.model, eos_token_ids=eos_ids,
                                     max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
-                                    gpu_memory_utilization=self.config.rollout.gpu_memory_utilization)
+                                    gpu_memory_utilization=self.config.rollout.gpu_memory_utilization,
+                                    free_on_sleep=self.config.rollout.free_cache_engine)
             import logging
 
             logging.getLogger(__name__).warning(
@@ -181,13 +182,10 @@ class ActorRolloutWorker(Worker):
             self.engine.sync_weights(self.model)
             self.engine.wake_up()
             phases.lap("wake_up")
-            try:
-                with autocast_context(self.device, self.config.model.dtype):
-                    completions = self.engine.generate(requests)
-                phases.lap("engine")
-            finally:
-                self.engine.sleep()
-        phases.lap("sleep")
+            if self.engine.reads_model_in_place:
+                completions = self._generate_awake(requests, phases)
+        if not self.engine.reads_model_in_place:  # the engine has its copy: the gathered parameters are freed
+            completions = self._generate_awake(requests, phases)
         responses, response_mask, rollout_log_probs, finish_stop = _response_tensors(
             [completion for samples in completions for completion in samples], max_response_length,
             self.tokenizer.pad_token_id)
@@ -202,6 +200,16 @@ class ActorRolloutWorker(Worker):
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         return output
+
+    def _generate_awake(self, requests: list[GenerationRequest], phases: _PhaseTimer) -> list:
+        try:
+            with autocast_context(self.device, self.config.model.dtype):
+                completions = self.engine.generate(requests)
+            phases.lap("engine")
+        finally:
+            self.engine.sleep()
+        phases.lap("sleep")
+        return completions
 
     # ---- scoring ------------------------------------------------------------------
     @torch.no_grad()

@@ -195,9 +195,11 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, arith
     assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(reference_dir))
 
 
-def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, tmp_path):
+@pytest.mark.parametrize("free_cache_engine", [True, False])
+def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, tmp_path, free_cache_engine):
     run_dir = tmp_path / "run"
-    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"rollout.name": "native", "rollout.n": 4})
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "rollout.name": "native", "rollout.n": 4, "rollout.free_cache_engine": str(free_cache_engine).lower()})
     assert main(["train", *args]) == 0
     rows = read_metrics(run_dir)
     assert len(rows) == 2

@@ -5,13 +5,13 @@ Token ids in, token ids and per-token log-probs out. One scheduler serves two en
 adds one request and lets a background task step the scheduler (in a worker thread) while
 anything is pending, so agent loops submit requests one at a time and none waits for
 another. Decode steps overlap: the next one is launched before the last one's tokens are read
-back (``_step``). Hybrid engine: the engine runs the trainer's model modules in place, except
-for each layer's q|k|v and gate|up projections, which run on concatenated copies (one matrix
-product each; see ``model.py``). ``wake_up`` makes those copies and allocates the KV cache
-from a fraction of device memory; ``sync_weights`` refreshes the copies in place when awake
-(and recaptures the CUDA graphs if the parameters' storage moved); ``sleep`` frees the copies,
-the KV cache and the CUDA graphs into PyTorch's caching allocator, where the training step
-reuses the memory (``empty_cache_on_sleep`` also returns it to the device).
+back (``_step``). Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
+gate|up concatenated, one matrix product each; see ``model.py``). ``wake_up`` makes the copy
+(or refreshes it in place) and allocates the KV cache from a fraction of device memory;
+``sync_weights`` refreshes the copy in place when it exists; ``sleep`` frees the copy, the KV
+cache and the CUDA graphs into PyTorch's caching allocator, where the training step reuses the
+memory (``empty_cache_on_sleep`` also returns it to the device), or, with
+``free_on_sleep=False``, keeps them all, so graphs captured once serve every later rollout.
 """
 
 from __future__ import annotations
@@ -108,17 +108,19 @@ class NativeEngine:
                  max_num_batched_tokens: int = 16384, num_kv_blocks: int | None = None,
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
-                 empty_cache_on_sleep: bool = False):
+                 free_on_sleep: bool = True, empty_cache_on_sleep: bool = False):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
         KV cache is allocated (the cache gets what weights, optimizer state and a step's activations
         leave of it). num_kv_blocks overrides that sizing (and is needed on the CPU to go beyond
         max_num_seqs full-length sequences). use_triton defaults to True on CUDA when Triton is
-        installed; enforce_eager turns CUDA graphs off. ``sleep`` hands the cache's memory back to
-        PyTorch's caching allocator, where the training step of the same process reuses it without
-        new device allocations; empty_cache_on_sleep also returns it to the device (for other
-        processes sharing the GPU).
+        installed; enforce_eager turns CUDA graphs off. ``sleep`` hands the memory of the KV cache,
+        the weight copies and the graphs back to PyTorch's caching allocator, where the training
+        step of the same process reuses it without new device allocations; empty_cache_on_sleep also
+        returns it to the device (for other processes sharing the GPU). With free_on_sleep=False,
+        ``sleep`` keeps all three, so the next wake-up only refreshes the weight copies and no graph
+        is captured again (the training step then has that much less memory).
         """
         reason = unsupported_reason(model)
         if reason is not None:
@@ -136,6 +138,7 @@ class NativeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_kv_blocks = num_kv_blocks
+        self.free_on_sleep = free_on_sleep
         self.empty_cache_on_sleep = empty_cache_on_sleep
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
@@ -160,19 +163,22 @@ class NativeEngine:
     def is_awake(self) -> bool:
         return self.scheduler is not None
 
+    reads_model_in_place = False
+    """Generation reads the engine's own weight copies: the model may be resharded once ``wake_up`` returns."""
+
     def wake_up(self) -> None:
-        """Copy the fused projections, allocate the KV cache (and, at the first decode, capture CUDA graphs)."""
+        """Copy the weights, allocate the KV cache if it was freed (and, at the first decode, capture CUDA graphs)."""
         if self.is_awake:
             return
         self.runner.load_weights()  # first: the KV cache is sized from the memory left after it
-        num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.kv_cache is None:
+            self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.runner.forget_block_tables()
-        self.scheduler = Scheduler(BlockManager(num_blocks, self.block_size), self.max_num_seqs,
+        self.scheduler = Scheduler(BlockManager(self.runner.num_kv_blocks, self.block_size), self.max_num_seqs,
                                    self.max_num_batched_tokens)
 
     def sleep(self) -> None:
-        """Free the KV cache, the fused projections and the CUDA graphs (to the caching allocator, see ``__init__``)."""
+        """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``)."""
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
         with self._step_lock:
@@ -180,6 +186,8 @@ class NativeEngine:
                 self._process(self._in_flight)
                 self._in_flight = None
         self.scheduler = None
+        if not self.free_on_sleep:
+            return
         self.runner.free_kv_cache()
         self.runner.free_weights()
         if self.device.type == "cuda" and self.empty_cache_on_sleep:
@@ -188,8 +196,8 @@ class NativeEngine:
     def sync_weights(self, model: nn.Module) -> None:
         """Generate with ``model``'s current parameters.
 
-        Awake, the fused q|k|v and gate|up copies are overwritten in place; asleep, ``wake_up`` makes them.
-        Every other parameter is read in place.
+        Loaded weight copies (awake, or asleep with ``free_on_sleep=False``) are overwritten in place now;
+        freed ones are made by ``wake_up``. Either way the engine reads ``model`` only while copying.
         """
         self.model = model
         self.runner.set_model(model)

@@ -1,20 +1,20 @@
-"""The decoder forward of the native engine, run with the transformers model's own modules.
+"""The decoder forward of the native engine for transformers' Qwen2/Qwen3/Llama models.
 
 Qwen2, Qwen2.5, Qwen3 and Llama share one layout (RMSNorm, rotary attention with grouped
 KV heads, gated SiLU MLP); this module runs that layout over packed tokens with a paged KV
-cache. It reads the trainer's parameters in place, with one exception: each layer's q, k and
-v projections, and its gate and up projections, run as one matrix product each over weights
-concatenated into buffers of the decoder's own (``FusedProjections``; about a third of the
-model's weights). Those copies exist while the engine is awake and are refreshed with
-``copy_`` (their storage never moves, so captured CUDA graphs stay valid) when the engine
-syncs weights; every other parameter, and so an in-place optimizer step to it, is read as is.
-On the Triton path the norms, rotary embedding, cache write and SiLU-and-mul are fused
-kernels that round as transformers does; the PyTorch path calls the HF norm and activation
-modules themselves.
+cache. It reads its own copy of the weights (``ModelWeights``), made from the model's
+parameters at wake-up and refreshed in place with ``copy_`` at each weight sync, so the
+storage a captured CUDA graph reads never moves: graphs outlive the trainer's parameters
+being resharded, freed or moved, and the trainer may free its gathered parameters as soon as
+the copy is made. Each layer's q, k and v projections, and its gate and up projections, are
+concatenated in the copy so that each group runs as one matrix product. On the Triton path
+the norms, rotary embedding, cache write and SiLU-and-mul are fused kernels that round as
+transformers does; the PyTorch path writes transformers' own math.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,56 +59,111 @@ def supports_model(model: nn.Module) -> bool:
 
 
 @dataclass
-class FusedProjections:
-    """One layer's projections that read the same input, concatenated along the output dim.
+class LayerWeights:
+    """The decoder's own copy of one layer's weights.
 
     qkv_weight: (heads * head_dim + 2 * kv_heads * head_dim, hidden), q then k then v rows;
-    gate_up_weight: (2 * intermediate, hidden), gate then up rows. A bias is None when none
-    of its projections has one (a projection without a bias contributes zeros).
+    gate_up_weight: (2 * intermediate, hidden), gate then up rows: the projections that read the
+    same input are concatenated, so each runs as one matrix product. A concatenated bias is None
+    when none of its projections has one (a projection without a bias contributes zeros); the
+    q/k norms are None for models without them (all but Qwen3).
     """
 
+    input_norm: Tensor
     qkv_weight: Tensor
     qkv_bias: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    o_weight: Tensor
+    o_bias: Tensor | None
+    post_norm: Tensor
     gate_up_weight: Tensor
     gate_up_bias: Tensor | None
+    down_weight: Tensor
+    down_bias: Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    """The decoder's own copy of every weight its forward reads (``lm_head`` is ``embed`` when tied)."""
+
+    embed: Tensor
+    layers: list[LayerWeights]
+    final_norm: Tensor
+    lm_head: Tensor
 
     @classmethod
-    def concatenated(cls, layer: nn.Module) -> FusedProjections:
-        return cls(*(None if parts is None else torch.cat(parts) for parts in _fused_parts(layer)))
+    def copied(cls, model: nn.Module) -> ModelWeights:
+        def build(parts: list[Tensor] | None) -> Tensor | None:
+            return None if parts is None else torch.cat([part.detach() for part in parts])
 
-    def copy_from(self, layer: nn.Module) -> None:
-        """Overwrite the buffers in place with the layer's current weights."""
-        for destination, parts in zip(self._fields(), _fused_parts(layer), strict=True):
+        inner = model.model
+        embed = build([inner.embed_tokens.weight])
+        layers = [LayerWeights(*(build(parts) for parts in _layer_parts(layer))) for layer in inner.layers]
+        lm_head = embed if _tied(model) else build([model.lm_head.weight])
+        return cls(embed, layers, build([inner.norm.weight]), lm_head)
+
+    @torch.no_grad()
+    def copy_from(self, model: nn.Module) -> None:
+        """Overwrite every copy in place with the model's current weights."""
+        inner = model.model
+        pairs = [(self.embed, [inner.embed_tokens.weight]), (self.final_norm, [inner.norm.weight])]
+        if self.lm_head is not self.embed:
+            pairs.append((self.lm_head, [model.lm_head.weight]))
+        for weights, layer in zip(self.layers, inner.layers, strict=True):
+            pairs.extend(zip(_fields(weights), _layer_parts(layer), strict=True))
+        for destination, parts in pairs:
             start = 0
             for part in parts or ():
                 destination[start:start + part.shape[0]].copy_(part)
                 start += part.shape[0]
 
     def tensors(self) -> list[Tensor]:
-        return [tensor for tensor in self._fields() if tensor is not None]
-
-    def _fields(self) -> tuple[Tensor | None, ...]:
-        return self.qkv_weight, self.qkv_bias, self.gate_up_weight, self.gate_up_bias
+        layer_tensors = [tensor for layer in self.layers for tensor in _fields(layer) if tensor is not None]
+        return [self.embed, self.final_norm, self.lm_head, *layer_tensors]
 
 
-def _fused_parts(layer: nn.Module) -> list[list[Tensor] | None]:
-    """The pieces of qkv_weight, qkv_bias, gate_up_weight and gate_up_bias, in that order (None: no bias)."""
+def _fields(weights: LayerWeights) -> list[Tensor | None]:
+    return [getattr(weights, field.name) for field in dataclasses.fields(weights)]
+
+
+def _tied(model: nn.Module) -> bool:
+    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    return lm_head is embed or lm_head.data_ptr() == embed.data_ptr()
+
+
+def _layer_parts(layer: nn.Module) -> list[list[Tensor] | None]:
+    """The source tensors of each ``LayerWeights`` field, in field order (None: the field is None)."""
     attn, mlp = layer.self_attn, layer.mlp
-    parts = []
-    for linears in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
-        parts.append([linear.weight for linear in linears])
+
+    def concatenated(linears: tuple[nn.Linear, ...]) -> list[list[Tensor] | None]:
+        weights = [linear.weight for linear in linears]
         if all(linear.bias is None for linear in linears):
-            parts.append(None)
-        else:
-            parts.append([linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
-                          for linear in linears])
-    return parts
+            return [weights, None]
+        return [weights, [linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+                          for linear in linears]]
+
+    def single(linear: nn.Linear) -> list[list[Tensor] | None]:
+        return [[linear.weight], None if linear.bias is None else [linear.bias]]
+
+    q_norm = [attn.q_norm.weight] if hasattr(attn, "q_norm") else None
+    k_norm = [attn.k_norm.weight] if hasattr(attn, "k_norm") else None
+    return [[layer.input_layernorm.weight], *concatenated((attn.q_proj, attn.k_proj, attn.v_proj)), q_norm, k_norm,
+            *single(attn.o_proj), [layer.post_attention_layernorm.weight],
+            *concatenated((mlp.gate_proj, mlp.up_proj)), *single(mlp.down_proj)]
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' RMSNorm (Qwen2, Qwen3, Llama): float32 statistics, cast back, then the weight."""
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(x.dtype)
 
 
 class PagedDecoder:
     """Embedding, decoder layers and LM head of an HF causal LM over a paged KV cache.
 
-    ``load_fused_projections`` must run before ``forward`` (the engine does it at wake-up).
+    ``load_weights`` must run before ``forward`` (the engine does it at wake-up).
     """
 
     def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool):
@@ -132,8 +187,8 @@ class PagedDecoder:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.cos, self.sin = self._rotary_tables()
-        self.fused: list[FusedProjections] | None = None
-        """Per layer, while loaded; see ``load_fused_projections``."""
+        self.weights: ModelWeights | None = None
+        """The copies the forward reads, while loaded; see ``load_weights``."""
 
     def _rotary_tables(self) -> tuple[Tensor, Tensor]:
         """cos, sin: (max_model_len, head_dim) in the model dtype, from the model's own rotary module."""
@@ -144,57 +199,57 @@ class PagedDecoder:
         return cos[0].contiguous(), sin[0].contiguous()
 
     @torch.no_grad()
-    def load_fused_projections(self) -> None:
-        """Copy each layer's q|k|v and gate|up weights into the fused buffers, allocating them if freed.
+    def load_weights(self) -> None:
+        """Copy the model's weights into the decoder's own buffers, allocating them if freed.
 
-        Once allocated, the buffers are overwritten in place, so graphs that read them stay valid.
+        Once allocated, the buffers are overwritten in place, so graphs that read them stay valid
+        and the model's storage may move or be freed (FSDP reshards it) after the copy.
         """
-        layers = self.model.model.layers
-        if self.fused is None:
-            self.fused = [FusedProjections.concatenated(layer) for layer in layers]
-            return
-        for fused, layer in zip(self.fused, layers, strict=True):
-            fused.copy_from(layer)
+        if self.weights is None:
+            self.weights = ModelWeights.copied(self.model)
+        else:
+            self.weights.copy_from(self.model)
 
-    def free_fused_projections(self) -> None:
-        self.fused = None
+    def free_weights(self) -> None:
+        self.weights = None
 
     def parameter_pointers(self) -> tuple[int, ...]:
-        """Storage addresses of everything a forward reads in place (what a captured graph depends on)."""
-        fused = [tensor for layer in self.fused or () for tensor in layer.tensors()]
-        return tuple(tensor.data_ptr() for tensor in [*self.model.parameters(), *fused])
+        """Storage addresses of everything a forward reads (what a captured graph depends on)."""
+        return tuple(tensor.data_ptr() for tensor in (self.weights.tensors() if self.weights else ()))
 
-    def _norm(self, module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """RMSNorm of x (or of x + residual, written back into residual) with the module's weight."""
+    def _norm(self, weight: Tensor, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """RMSNorm of x (or of x + residual, written back into residual) with ``weight``."""
         if self.use_triton:
             from reinforge.rollout.native import triton_kernels
 
-            return triton_kernels.rms_norm(x, module.weight, module.variance_epsilon, residual)
+            return triton_kernels.rms_norm(x, weight, self.eps, residual)
         if residual is not None:
             residual.copy_(residual + x)
             x = residual
-        return module(x)
+        return _rms_norm(x, weight, self.eps)
 
-    def _mlp(self, mlp: nn.Module, fused: FusedProjections, x: Tensor) -> Tensor:
-        gate_up = F.linear(x, fused.gate_up_weight, fused.gate_up_bias)
+    def _mlp(self, weights: LayerWeights, x: Tensor) -> Tensor:
+        gate_up = F.linear(x, weights.gate_up_weight, weights.gate_up_bias)
         if self.use_triton:
             from reinforge.rollout.native import triton_kernels
 
-            return mlp.down_proj(triton_kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+            activated = triton_kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        return F.linear(activated, weights.down_weight, weights.down_bias)
 
-    def _attention(self, attn: nn.Module, fused: FusedProjections, x: Tensor, positions: Tensor, k_cache: Tensor,
-                   v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    def _attention(self, weights: LayerWeights, x: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   meta: AttentionMetadata) -> Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, fused.qkv_weight, fused.qkv_bias)
+        qkv = F.linear(x, weights.qkv_weight, weights.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
-            q = self._norm(attn.q_norm, q.contiguous())
-            k = self._norm(attn.k_norm, k.contiguous())
+            q = self._norm(weights.q_norm, q.contiguous())
+            k = self._norm(weights.k_norm, k.contiguous())
         if self.use_triton:
             from reinforge.rollout.native import triton_kernels
 
@@ -213,7 +268,7 @@ class PagedDecoder:
                                                         self.scale)
         else:
             out = decode_attention(q, k_cache, v_cache, meta, self.scale)
-        return attn.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return F.linear(out.reshape(num_tokens, self.num_heads * self.head_dim), weights.o_weight, weights.o_bias)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                 logits_indices: Tensor | None = None) -> Tensor:
@@ -221,20 +276,19 @@ class PagedDecoder:
 
         input_ids, positions: (tokens,); kv_cache: (layers, 2, num_blocks, block_size, kv_heads, head_dim).
         """
-        assert self.fused is not None, "load_fused_projections() runs before the first forward"
-        inner = self.model.model
-        hidden = inner.embed_tokens(input_ids)
+        assert self.weights is not None, "load_weights() runs before the first forward"
+        model_weights = self.weights
+        hidden = F.embedding(input_ids, model_weights.embed)
         residual = hidden
-        for index, (layer, fused) in enumerate(zip(inner.layers, self.fused, strict=True)):
+        for index, weights in enumerate(model_weights.layers):
             if index == 0:
                 residual = hidden.clone()
-                normed = self._norm(layer.input_layernorm, hidden)
+                normed = self._norm(weights.input_norm, hidden)
             else:
-                normed = self._norm(layer.input_layernorm, hidden, residual)
-            hidden = self._attention(layer.self_attn, fused, normed, positions, kv_cache[index, 0], kv_cache[index, 1],
-                                     meta)
-            normed = self._norm(layer.post_attention_layernorm, hidden, residual)
-            hidden = self._mlp(layer.mlp, fused, normed)
+                normed = self._norm(weights.input_norm, hidden, residual)
+            hidden = self._attention(weights, normed, positions, kv_cache[index, 0], kv_cache[index, 1], meta)
+            normed = self._norm(weights.post_norm, hidden, residual)
+            hidden = self._mlp(weights, normed)
         if logits_indices is not None:
             hidden, residual = hidden[logits_indices], residual[logits_indices]
-        return self.model.lm_head(self._norm(inner.norm, hidden, residual))
+        return F.linear(self._norm(model_weights.final_norm, hidden, residual), model_weights.lm_head)

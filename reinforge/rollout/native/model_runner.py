@@ -1,8 +1,8 @@
 """Runs the decoder for a scheduled step: the KV cache, step inputs and CUDA graphs.
 
 The runner owns the KV cache (allocated by ``allocate_kv_cache`` at wake-up, freed at sleep)
-and, through its decoder, the fused projection weights (``load_weights`` at wake-up and at a
-weight sync while awake, ``free_weights`` at sleep). It turns sequences into packed input
+and, through its decoder, the copy of the weights (``load_weights`` at wake-up and at a weight
+sync while loaded, ``free_weights`` at sleep). It turns sequences into packed input
 tensors (token ids, positions, cache slots, block tables) and returns logits. Block tables
 live in a host array with one row per running sequence, updated only when a sequence gains
 blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
@@ -50,25 +50,26 @@ class ModelRunner:
     def set_model(self, model: nn.Module) -> None:
         """Generate with ``model``'s current weights from now on.
 
-        Loaded fused projections are refreshed in place; captured graphs are dropped if any storage moved.
+        Loaded weight copies are refreshed in place; captured graphs are dropped if their storage moved
+        (only when ``model`` is another module than before).
         """
-        loaded = self.decoder.fused is not None
+        loaded = self.decoder.weights is not None
         if model is not self.decoder.model:
-            self.decoder.free_fused_projections()
+            self.decoder.free_weights()
             self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton)
         if loaded:
-            self.decoder.load_fused_projections()
+            self.decoder.load_weights()
         if self.decoder.parameter_pointers() != self._graph_parameter_pointers:
             self.drop_cuda_graphs()
 
     def load_weights(self) -> None:
-        """Copy the model's q|k|v and gate|up weights into the decoder's fused buffers (allocated if freed)."""
-        self.decoder.load_fused_projections()
+        """Copy the model's weights into the decoder's own buffers (allocated if freed, else in place)."""
+        self.decoder.load_weights()
 
     def free_weights(self) -> None:
-        """Free the fused projection buffers (and the graphs that read them)."""
+        """Free the decoder's weight copies (and the graphs that read them)."""
         self.drop_cuda_graphs()
-        self.decoder.free_fused_projections()
+        self.decoder.free_weights()
 
     def kv_bytes_per_block(self) -> int:
         decoder = self.decoder
@@ -87,6 +88,11 @@ class ModelRunner:
         recorded owner could match a different sequence of the same id (and block count) and keep its stale blocks."""
         self._row_owner.fill(-1)
         self._row_num_blocks.fill(0)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks the scheduler may hand out (the cache's spare block excluded)."""
+        return self.kv_cache.shape[2] - 1
 
     def free_kv_cache(self) -> None:
         self.drop_cuda_graphs()

@@ -36,14 +36,14 @@ def prefill_logits(decoder: PagedDecoder, token_ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("use_triton", [False, True])
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "llama", "llama_with_biases"])
-def test_fused_projections_give_the_models_logits(architecture, use_triton, tiny):
+def test_the_weight_copies_give_the_models_logits(architecture, use_triton, tiny):
     if use_triton:
         pytest.importorskip("triton")
     model = llama_with_biases() if architecture == "llama_with_biases" else tiny.build(architecture)
     on_gpu = use_triton and torch.cuda.is_available()  # Triton runs interpreted on the CPU only without a GPU
     model = model.to("cuda" if on_gpu else "cpu")
     decoder = PagedDecoder(model, max_model_len=64, use_triton=use_triton)
-    decoder.load_fused_projections()
+    decoder.load_weights()
     prompt = tiny.prompts([19])[0]
     with torch.no_grad():
         expected = model(torch.tensor([prompt], device=model.device)).logits[0]
@@ -51,25 +51,35 @@ def test_fused_projections_give_the_models_logits(architecture, use_triton, tiny
     torch.testing.assert_close(prefill_logits(decoder, prompt), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_fused_projections_are_refreshed_in_place_and_freed(tiny):
+def test_weight_copies_are_refreshed_in_place_and_freed(tiny):
     model = tiny.build("qwen2", seed=5)
     decoder = PagedDecoder(model, max_model_len=64, use_triton=False)
-    decoder.load_fused_projections()
-    first = decoder.fused[1]
+    decoder.load_weights()
+    weights = decoder.weights
+    first = weights.layers[1]
     pointers = decoder.parameter_pointers()
     assert first.qkv_weight.data_ptr() in pointers and first.qkv_bias.shape == (64 + 2 * 32,)
-    assert first.gate_up_bias is None
+    assert first.gate_up_bias is None and first.q_norm is None
+    assert not any(tensor.data_ptr() == parameter.data_ptr()  # copies, never the parameters themselves
+                   for tensor in weights.tensors() for parameter in model.parameters())
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(0.5)
-    decoder.load_fused_projections()
-    assert decoder.fused[1] is first and decoder.parameter_pointers() == pointers
-    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    decoder.load_weights()
+    assert decoder.weights.layers[1] is first and decoder.parameter_pointers() == pointers
+    layer = model.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
     assert torch.equal(first.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert torch.equal(first.qkv_bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
     assert torch.equal(first.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-    decoder.free_fused_projections()
-    assert decoder.fused is None
+    assert torch.equal(first.o_weight, attn.o_proj.weight) and torch.equal(first.down_weight, mlp.down_proj.weight)
+    assert torch.equal(first.input_norm, layer.input_layernorm.weight)
+    assert torch.equal(weights.embed, model.model.embed_tokens.weight)
+    assert torch.equal(weights.final_norm, model.model.norm.weight)
+    assert (weights.lm_head is weights.embed) == model.config.tie_word_embeddings
+    assert torch.equal(weights.lm_head, model.lm_head.weight)
+    decoder.free_weights()
+    assert decoder.weights is None
 
 
 def test_sync_weights_while_awake_refreshes_the_copies(tiny):
@@ -77,7 +87,7 @@ def test_sync_weights_while_awake_refreshes_the_copies(tiny):
     prompt = tiny.prompts([10])[0]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4)
-    assert engine.runner.decoder.fused is None  # nothing is copied until wake-up
+    assert engine.runner.decoder.weights is None  # nothing is copied until wake-up
     before = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
     pointers = engine.runner.decoder.parameter_pointers()
     with torch.no_grad():
@@ -88,4 +98,22 @@ def test_sync_weights_while_awake_refreshes_the_copies(tiny):
     after = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
     assert after == tiny.hf_greedy(model, prompt, 8) and after != before
     engine.sleep()
-    assert engine.runner.decoder.fused is None and engine.runner.kv_cache is None
+    assert engine.runner.decoder.weights is None and engine.runner.kv_cache is None
+
+
+def test_kept_on_sleep_the_copies_and_cache_stay_and_follow_the_model(tiny):
+    model = tiny.build("qwen2", seed=6)
+    prompt = tiny.prompts([12])[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4, free_on_sleep=False)
+    before = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
+    engine.sleep()
+    kv_cache, pointers = engine.runner.kv_cache, engine.runner.decoder.parameter_pointers()
+    assert not engine.is_awake and kv_cache is not None and pointers
+    with torch.no_grad():  # an optimizer step, and the parameters' storage moving (FSDP regathers it elsewhere)
+        for parameter in model.parameters():
+            parameter.data = parameter.data + torch.randn_like(parameter) * 0.05
+    engine.sync_weights(model)
+    after = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
+    assert after == tiny.hf_greedy(model, prompt, 8) and after != before
+    assert engine.runner.kv_cache is kv_cache and engine.runner.decoder.parameter_pointers() == pointers
