@@ -11,7 +11,9 @@ what is left is elementwise work that eager PyTorch does one pass per op.
 - ``compile_decoder_layers`` compiles each decoder layer's forward for packed passes
   (``model.compile_layers``), so residual adds, rotary embedding and casts fuse too.
 - ``use_packed_attention_layout`` keeps q, k and v in the flash kernel's (tokens, heads, dim)
-  layout through the rotary embedding (``model.packed_attention_layout``).
+  layout and applies the rotary embedding with one opaque op (``engine.rotary``: a Triton
+  kernel on CUDA, read and written once), which the compiled layer calls instead of inductor's
+  kernels for transformers' expression (``model.packed_attention_layout``).
 
 Only modules known to compute exactly this are swapped (by class name and attributes);
 anything else keeps its own forward. Without ``compile`` the swapped forwards run eagerly,
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reinforge.engine.attention import packed_attention, use_varlen_attention
+from reinforge.engine.rotary import apply_rotary
 
 ATTENTION_CLASSES = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "MistralAttention"})
 RMS_NORM_CLASSES = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm"})
@@ -96,12 +99,6 @@ def fuse_elementwise(model: nn.Module, compile: bool = True) -> int:
     return count
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The rotary embedding as transformers applies it, ``x * cos + rotate_half(x) * sin``."""
-    first, second = x.chunk(2, dim=-1)
-    return (x * cos) + (torch.cat((-second, first), dim=-1) * sin)
-
-
 def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
                               **kwargs):
     """Attention of a packed row in the flash kernel's (tokens, heads, dim) layout, else the module's own forward.
@@ -118,8 +115,9 @@ def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_e
     v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
         q, k = self.q_norm(q), self.k_norm(k)
-    cos, sin = (table[0].unsqueeze(1) for table in position_embeddings)  # (tokens, 1, dim)
-    out = packed_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, self.scaling, kwargs)
+    cos, sin = (table[0] for table in position_embeddings)  # (tokens, dim)
+    q, k = apply_rotary(q, k, cos, sin)
+    out = packed_attention(q, k, v, self.scaling, kwargs)
     return self.o_proj(out.reshape(1, tokens, -1)), None
 
 

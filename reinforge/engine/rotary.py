@@ -1,8 +1,8 @@
 """The rotary position embedding of q and k as one opaque op, read and written once each way.
 
 Inside a compiled decoder layer, inductor lowers transformers' ``x * cos + rotate_half(x) * sin``
-to kernels several times slower than memory bandwidth allows (the halves, the concatenation
-and the broadcast of cos/sin over heads do not tile well). ``apply_rotary`` is a
+to kernels about seven times slower than memory bandwidth allows (0.14 s of a GRPO step of
+Qwen2.5-0.5B on an H200, forward and backward). ``apply_rotary`` is a
 ``torch.library`` custom op (``reinforge::rotary_embedding``, its backward
 ``reinforge::rotary_embedding_backward``) that the compiler keeps as one call: on CUDA one
 Triton launch reads q, k, cos and sin once and writes the rotated q and k once; elsewhere (or
