@@ -112,12 +112,12 @@ def main() -> int:
                                                      "grpo_eager_layers")),
                  ("grpo_unshared", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-share-prompts"],
                                                  "grpo_unshared")),
-                 ("grpo_attention_layout", lambda: bench(model_dir, "grpo", grpo_steps, ["--packed-attention-layout"],
-                                                         "grpo_attention_layout")),
+                 ("grpo_transformers_layout", lambda: bench(model_dir, "grpo", grpo_steps,
+                                                            ["--transformers-attention-layout"],
+                                                            "grpo_transformers_layout")),
                  ("grpo_kept", lambda: bench(model_dir, "grpo", grpo_steps, ["--keep-rollout-memory"], "grpo_kept")),
-                 ("grpo_kept_layout", lambda: bench(model_dir, "grpo", grpo_steps,
-                                                    ["--keep-rollout-memory", "--packed-attention-layout"],
-                                                    "grpo_kept_layout")),
+                 ("kl_kept", lambda: bench(model_dir, "kl", other_steps, ["--keep-rollout-memory"], "kl_kept")),
+                 ("ppo_kept", lambda: bench(model_dir, "ppo", other_steps, ["--keep-rollout-memory"], "ppo_kept")),
                  ("grpo_96k", lambda: bench(model_dir, "grpo", grpo_steps, ["--micro-tokens", "98304"], "grpo_96k")),
                   ("check", lambda: check_cli(scratch / "check")),
                   ("grpo_unfused", lambda: bench(model_dir, "grpo", 3, ["--no-fused-kernels"], "grpo_unfused")),
@@ -134,7 +134,7 @@ def main() -> int:
                 RESULTS[name] = {"error": traceback.format_exc(limit=3)[-600:]}
             (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n| what | step s | rollout s | update s | update tok/s | MFU | MFU (workload tokens) | peak GiB |")
-    for name in ("grpo", "grpo_kept", "grpo_kept_layout", "grpo_attention_layout", "grpo_96k", "grpo_eager_layers", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
+    for name in ("grpo", "grpo_kept", "kl_kept", "ppo_kept", "grpo_transformers_layout", "grpo_96k", "grpo_eager_layers", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
         m = RESULTS.get(name, {})
         if "step_s" in m:
             print(f"| {name} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['update_actor_s']:.2f} | "

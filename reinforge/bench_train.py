@@ -104,6 +104,7 @@ def rule_reward(batch) -> torch.Tensor:
 
 def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.algorithms import compute_advantages
+    from reinforge.controller.worker import freeze_long_lived_objects
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.critic import CriticWorker
     from reinforge.workers.reference import ReferenceWorker
@@ -112,6 +113,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     actor = ActorRolloutWorker(config, args.steps)
     reference = ReferenceWorker(config) if args.variant == "kl" else None
     critic = CriticWorker(config, args.steps) if args.variant == "ppo" else None
+    freeze_long_lived_objects()  # as the trainer's worker construction does
     device = actor.device
     vocab_size = actor.model.config.vocab_size
     rows = []
@@ -195,8 +197,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="run each sample's prompt separately in the update (model.share_prompts=false)")
     parser.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
                         help="run the decoder layers eagerly in the update (model.compile_layers=false)")
-    parser.add_argument("--packed-attention-layout", action="store_true",
-                        help="q/k/v in the flash layout through the rotary embedding (model.packed_attention_layout)")
+    parser.add_argument("--transformers-attention-layout", dest="packed_attention_layout", action="store_false",
+                        help="transformers' attention layout and rotary expression in the update "
+                             "(model.packed_attention_layout=false)")
     parser.add_argument("--keep-rollout-memory", action="store_true",
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")

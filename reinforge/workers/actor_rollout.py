@@ -10,6 +10,7 @@ engine asleep and the parameters sharded.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import time
@@ -59,12 +60,23 @@ def _response_tensors(completions: list, width: int, pad_id: int) -> tuple[torch
 
 
 class _PhaseTimer:
-    """Wall time of consecutive phases; on CUDA each lap waits for the device, so it counts its kernels too."""
+    """Wall time of consecutive phases; on CUDA each lap waits for the device, so it counts its kernels too.
+
+    Also the time Python's garbage collector ran meanwhile (``gc``), which no phase owns.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.times: dict[str, float] = {}
+        self.times: dict[str, float] = {"gc": 0.0}
+        self._gc_start = 0.0
+        gc.callbacks.append(self._on_gc)
         self.last = time.perf_counter()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.times["gc"] += time.perf_counter() - self._gc_start
 
     def lap(self, name: str) -> None:
         if self.device.type == "cuda":
@@ -72,6 +84,10 @@ class _PhaseTimer:
         now = time.perf_counter()
         self.times[name] = self.times.get(name, 0.0) + now - self.last
         self.last = now
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def metrics(self, prefix: str) -> dict[str, float]:
         return {prefix + name: seconds for name, seconds in self.times.items()}
@@ -160,6 +176,12 @@ class ActorRolloutWorker(Worker):
         whole sequence, and rollout_log_probs.
         """
         phases = _PhaseTimer(self.device)
+        try:
+            return self._generate(batch, phases)
+        finally:
+            phases.close()
+
+    def _generate(self, batch: Batch, phases: _PhaseTimer) -> Batch:
         sampling: SamplingParams = batch.meta["sampling"]
         max_response_length = sampling.max_tokens
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]

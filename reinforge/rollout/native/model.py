@@ -112,11 +112,14 @@ class ModelWeights:
             pairs.append((self.lm_head, [model.lm_head.weight]))
         for weights, layer in zip(self.layers, inner.layers, strict=True):
             pairs.extend(zip(_fields(weights), _layer_parts(layer), strict=True))
+        destinations, sources = [], []
         for destination, parts in pairs:
             start = 0
             for part in parts or ():
-                destination[start:start + part.shape[0]].copy_(part)
+                destinations.append(destination[start:start + part.shape[0]])
+                sources.append(part)
                 start += part.shape[0]
+        torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
 
     def tensors(self) -> list[Tensor]:
         layer_tensors = [tensor for layer in self.layers for tensor in _fields(layer) if tensor is not None]
