@@ -17,6 +17,7 @@ memory (``empty_cache_on_sleep`` also returns it to the device), or, with
 from __future__ import annotations
 
 import asyncio
+import gc
 import queue
 import threading
 import time
@@ -227,13 +228,23 @@ class NativeEngine:
     # ---- entry points -----------------------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
-        """Completions for each request (``request.sampling.n`` of them), in request order."""
+        """Completions for each request (``request.sampling.n`` of them), in request order.
+
+        Python's garbage collector is paused meanwhile: the host's time per decode step is the step's
+        budget, and a collection walking the sequences' lists would leave the device idle.
+        """
         self.wake_up()
         states = [self._submit(request) for request in requests]
         start = self._start_metrics()
-        while any(state.num_pending for state in states):
-            if not self._step():
-                raise RuntimeError("the scheduler ran dry with requests still pending")
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            while any(state.num_pending for state in states):
+                if not self._step():
+                    raise RuntimeError("the scheduler ran dry with requests still pending")
+        finally:
+            if collecting:
+                gc.enable()
         self._finish_metrics(start)
         return [list(state.completions) for state in states]
 
@@ -329,13 +340,18 @@ class NativeEngine:
             return True
 
     def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
+        # the loops here and in _process run over every sequence at every decode step, on the host, while
+        # the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
         if self.scheduler.waiting or not self._incoming.empty():
             return False  # let the waiting requests join at the next step instead
-        if any(seq.status is not SequenceStatus.RUNNING for seq in seqs):
-            return False
-        if all(seq.num_tokens + 1 >= seq.max_num_tokens for seq in seqs):
-            return False  # every sequence ends with the step in flight
-        return self.scheduler.reserve_lookahead(seqs)
+        running = SequenceStatus.RUNNING
+        all_end = True  # every sequence ends with the step in flight
+        for seq in seqs:
+            if seq.status is not running:
+                return False
+            if all_end and len(seq.token_ids) + 1 < seq.max_num_tokens:
+                all_end = False
+        return not all_end and self.scheduler.reserve_lookahead(seqs)
 
     def _run_prefill(self, step: ScheduledStep) -> _LaunchedStep:
         logits = self.runner.prefill(step.seqs)
@@ -362,12 +378,23 @@ class NativeEngine:
         """Read a step's sampled tokens back, append them, and retire the sequences that finished."""
         finished = []
         tokens, log_probs = launched.read()
+        running = SequenceStatus.RUNNING
+        appended = 0
         for seq, token, log_prob in zip(launched.seqs, tokens, log_probs, strict=True):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
-            self._num_generated_tokens += 1
-            if seq.append(token, log_prob):
+            appended += 1
+            # Sequence.append, inlined: this loop runs for every sequence at every step
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            seq.log_probs.append(log_prob)
+            if token in seq.stop_token_ids:
+                seq.finish_reason = "stop"
                 finished.append(seq)
+            elif len(token_ids) >= seq.max_num_tokens:
+                seq.finish_reason = "length"
+                finished.append(seq)
+        self._num_generated_tokens += appended
         self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
         self.scheduler.finish(finished)
         for seq in finished:

@@ -35,8 +35,8 @@ class ModelRunner:
         self.kv_cache: Tensor | None = None
         self.spare_block = -1
         self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self._row_owner = np.full(max_num_seqs, -1, dtype=np.int64)
-        self._row_num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self._row_owner = [-1] * max_num_seqs
+        self._row_num_blocks = [0] * max_num_seqs
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._graph_inputs: dict[str, Tensor] = {}
@@ -86,8 +86,8 @@ class ModelRunner:
     def forget_block_tables(self) -> None:
         """Drop the cached block-table rows: a new scheduler numbers its sequences from 1 again, so a row's
         recorded owner could match a different sequence of the same id (and block count) and keep its stale blocks."""
-        self._row_owner.fill(-1)
-        self._row_num_blocks.fill(0)
+        self._row_owner = [-1] * self.max_num_seqs
+        self._row_num_blocks = [0] * self.max_num_seqs
 
     @property
     def num_kv_blocks(self) -> int:
@@ -136,13 +136,29 @@ class ModelRunner:
                                     logits_indices=self._to_device(last_index))
 
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
+        # runs at every decode step on the host while the device works: Python lists for the per-row
+        # bookkeeping (a numpy scalar read costs several list reads) and one pass over the sequences
+        owners, num_blocks = self._row_owner, self._row_num_blocks
+        rows, lengths = [], []
+        grown_rows, grown_columns, grown_blocks = [], [], []  # blocks gained since the last step, written at once
         for seq in seqs:
-            if self._row_owner[seq.row] != seq.seq_id or self._row_num_blocks[seq.row] != len(seq.block_table):
-                self.block_table_host[seq.row, :len(seq.block_table)] = seq.block_table
-                self._row_owner[seq.row] = seq.seq_id
-                self._row_num_blocks[seq.row] = len(seq.block_table)
-        rows = np.fromiter((seq.row for seq in seqs), dtype=np.int64, count=len(seqs))
-        context_lens = np.fromiter((seq.num_tokens + lookahead for seq in seqs), dtype=np.int32, count=len(seqs))
+            row, table = seq.row, seq.block_table
+            if owners[row] != seq.seq_id:
+                self.block_table_host[row, :len(table)] = table
+                owners[row] = seq.seq_id
+                num_blocks[row] = len(table)
+            elif num_blocks[row] != len(table):
+                for column in range(num_blocks[row], len(table)):
+                    grown_rows.append(row)
+                    grown_columns.append(column)
+                    grown_blocks.append(table[column])
+                num_blocks[row] = len(table)
+            rows.append(row)
+            lengths.append(len(seq.token_ids))
+        if grown_rows:
+            self.block_table_host[grown_rows, grown_columns] = grown_blocks
+        rows = np.array(rows, dtype=np.int64)
+        context_lens = np.array(lengths, dtype=np.int32) + np.int32(lookahead)
         positions = context_lens.astype(np.int64) - 1
         block_tables = self.block_table_host[rows]
         blocks = block_tables[np.arange(len(seqs)), positions // self.block_size].astype(np.int64)
@@ -175,7 +191,8 @@ class ModelRunner:
         if graph_size not in self._graphs:
             self.capture_cuda_graph(graph_size)
         static = self._graph_inputs
-        self._fill_padding(graph_size)
+        if batch < graph_size:
+            self._fill_padding(batch, graph_size)
         for name, array in inputs.items():
             static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
         if next_input_ids is not None:
@@ -189,13 +206,14 @@ class ModelRunner:
                                  block_tables=tensors["block_tables"], context_lens=tensors["context_lens"])
         return self.decoder.forward(tensors["input_ids"], tensors["positions"], self.kv_cache, meta)
 
-    def _fill_padding(self, size: int) -> None:
+    def _fill_padding(self, start: int, stop: int) -> None:
+        """Rows start..stop of the graph inputs become padding: one token, written to the spare block."""
         static = self._graph_inputs
-        static["input_ids"][:size].zero_()
-        static["positions"][:size].zero_()
-        static["slot_mapping"][:size].fill_(self.spare_block * self.block_size)
-        static["context_lens"][:size].fill_(1)
-        static["block_tables"][:size].fill_(self.spare_block)
+        static["input_ids"][start:stop].zero_()
+        static["positions"][start:stop].zero_()
+        static["slot_mapping"][start:stop].fill_(self.spare_block * self.block_size)
+        static["context_lens"][start:stop].fill_(1)
+        static["block_tables"][start:stop].fill_(self.spare_block)
 
     @torch.no_grad()
     def capture_cuda_graph(self, size: int) -> None:
@@ -217,7 +235,7 @@ class ModelRunner:
             }
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
-        self._fill_padding(size)
+        self._fill_padding(0, size)
         views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
         self._decode_forward(views)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()

@@ -143,7 +143,7 @@ class Scheduler:
         """Grow each sequence to hold one token more than it has, for a decode step launched before the
         previous one's tokens are read; False (nothing allocated) when the free blocks do not suffice."""
         block_size = self.block_manager.block_size
-        growing = [seq for seq in seqs if len(seq.block_table) * block_size < seq.num_tokens + 1]
+        growing = [seq for seq in seqs if len(seq.block_table) * block_size <= len(seq.token_ids)]  # every step
         if not self.block_manager.can_allocate(len(growing)):
             return False
         for seq in growing:
