@@ -6,10 +6,10 @@ parameters, nothing to copy), so ``sync_weights`` has nothing to do. Requests wh
 parameters differ only in their seed are batched together, prompts left-padded.
 
 Seeded requests sample by Gumbel-max inside ``generate``'s greedy search: a logits processor
-tempers and truncates (top-k, top-p, min-p) each row's logits and adds Gumbel noise drawn from
-an integer hash of (request seed, sample index, step, token), so a request's samples depend
-on its seed alone, not on what shares its batch. Requests without a seed use transformers'
-own sampling.
+tempers and truncates (top-k, top-p, min-p) each row's logits and adds the Gumbel noise of
+``rollout.noise`` (a hash of the sample's seed, the token's position and the column), so a
+request's samples depend on its seed alone, not on what shares its batch, and are the native
+engine's samples for the same logits. Requests without a seed use transformers' own sampling.
 """
 
 from __future__ import annotations
@@ -24,33 +24,19 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.native.sampling import truncation_thresholds
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (lowbias32) of each element of an int64 tensor holding 32-bit values."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def seeded_gumbel(keys: Tensor, step: int, vocab_size: int) -> Tensor:
-    """Gumbel noise (rows, vocab) float32, a pure function of each row's key, the step and the token."""
-    row_keys = _mix32((keys * 0x9E3779B1 + step * 0x85EBCA77) & _MASK32)
-    columns = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    bits = _mix32((columns[None, :] * 0xC2B2AE3D & _MASK32) ^ row_keys[:, None])
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / 16777216.0)
-    return -torch.log(-torch.log(uniform))
+from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
 
 
 class _SeededSampler(LogitsProcessor):
-    """Turns greedy search into seeded sampling: tempered, truncated logits plus per-row Gumbel noise."""
+    """Turns greedy search into seeded sampling: tempered, truncated logits plus per-row Gumbel noise.
 
-    def __init__(self, keys: Tensor, sampling: SamplingParams, prompt_length: int):
-        self.keys, self.sampling, self.prompt_length = keys, sampling, prompt_length
+    sample_seeds and prompt_lengths: per row; padded_length: the rows' common (left-padded) prompt length.
+    """
+
+    def __init__(self, sample_seeds: list[int], prompt_lengths: list[int], padded_length: int,
+                 sampling: SamplingParams):
+        self.sample_seeds, self.prompt_lengths = sample_seeds, prompt_lengths
+        self.padded_length, self.sampling = padded_length, sampling
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         sampling = self.sampling
@@ -63,8 +49,9 @@ class _SeededSampler(LogitsProcessor):
             threshold = truncation_thresholds(scaled, top_k, top_p)
         if sampling.min_p > 0:
             threshold = torch.maximum(threshold, scaled.max(-1).values + math.log(sampling.min_p))
-        noise = seeded_gumbel(self.keys.to(scaled.device), input_ids.shape[1] - self.prompt_length, scaled.shape[1])
-        return torch.where(scaled >= threshold[:, None], scaled + noise, -math.inf)
+        step = input_ids.shape[1] - self.padded_length
+        keys = noise_keys(self.sample_seeds, [length + step for length in self.prompt_lengths], scaled.device)
+        return torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(keys, scaled.shape[1]), -math.inf)
 
 
 class HFEngine:
@@ -128,13 +115,14 @@ class HFEngine:
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
         if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
-            keys = torch.tensor([(seed * 0x2545F491 + sample) & _MASK32 for seed in seeds for sample in range(sampling.n)],
-                                dtype=torch.int64)
+            sample_seeds = [sample_seed(seed, sample) for seed in seeds for sample in range(sampling.n)]
+            prompt_lengths = [len(prompt) for prompt in prompts for _ in range(sampling.n)]
             # greedy search returns one sequence per input row: the n samples of a prompt are n rows
             input_ids = input_ids.repeat_interleave(sampling.n, dim=0)
             attention_mask = attention_mask.repeat_interleave(sampling.n, dim=0)
+            sampler = _SeededSampler(sample_seeds, prompt_lengths, longest, sampling)
             kwargs.update(do_sample=False, num_return_sequences=1, temperature=None, top_p=None, top_k=None,
-                          logits_processor=LogitsProcessorList([_SeededSampler(keys, sampling, longest)]))
+                          logits_processor=LogitsProcessorList([sampler]))
         elif not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else None,

@@ -4,13 +4,13 @@ Every row samples by Gumbel-max: argmax of logits/temperature plus Gumbel noise,
 tokens at or above the row's truncation threshold. Top-k and top-p become that threshold (the
 k-th largest tempered logit, and the smallest logit inside the top-p mass of what top-k
 kept); min-p raises it to max + log(min_p). Ties at a threshold keep every tied token. The
-noise of each row comes from a counter-based RNG keyed by (sample seed, position), so a seed
+noise of each row is a hash of (sample seed, position, column) (``rollout.noise``), so a seed
 reproduces its samples whatever else shares the batch. The returned log-prob is that of
 the sampled token under softmax(logits/temperature), before truncation (raw log-softmax for
 greedy rows), computed from the same logits that were sampled. The thresholds are formed
 here, with PyTorch and only for the rows' options in use; on CUDA two Triton kernels do the
 rest (one reads each slice of the vocabulary once, one merges a row's slices), elsewhere a
-PyTorch path draws its noise from a generator per row.
+PyTorch path computes the same noise.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from reinforge.rollout.native.sequence import Sequence
+from reinforge.rollout.noise import gumbel_noise, noise_keys
 
 
 @dataclass
@@ -114,19 +115,9 @@ class Sampler:
     def _sample_torch(logits: Tensor, params: SamplingTensors, thresholds: Tensor) -> tuple[Tensor, Tensor]:
         scaled = logits.float() * params.inv_temperatures[:, None]
         log_probs = torch.log_softmax(scaled, dim=-1)
-        keys = [(seed + position * _POSITION_MULTIPLIER) & 0xFFFFFFFFFFFFFFFF
-                for seed, position in zip(params.sample_seeds.tolist(), params.positions.tolist(), strict=True)]
-        gumbel = torch.stack([_gumbel_noise(key, scaled.shape[1]) for key in keys])
-        sampled_scores = torch.where(scaled >= thresholds[:, None], scaled + gumbel.to(scaled.device), float("-inf"))
+        keys = noise_keys(params.sample_seeds.tolist(), params.positions.tolist(), scaled.device)
+        sampled_scores = torch.where(scaled >= thresholds[:, None], scaled + gumbel_noise(keys, scaled.shape[1]),
+                                     float("-inf"))
         scores = torch.where(params.greedy.bool()[:, None], scaled, sampled_scores)
         tokens = scores.argmax(dim=-1)
         return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
-
-
-_POSITION_MULTIPLIER = 0x5851F42D4C957F2D
-
-
-def _gumbel_noise(seed: int, size: int) -> Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    uniform = torch.rand(size, generator=generator)
-    return -torch.log(-torch.log(uniform))

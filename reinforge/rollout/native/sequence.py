@@ -9,16 +9,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from reinforge.rollout.base import SamplingParams
-
-_SEED_MULTIPLIER = 0x9E3779B97F4A7C15
-_INDEX_MULTIPLIER = 0xBF58476D1CE4E5B9
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """A 63-bit seed derived from (seed, index), stable across runs and machines."""
-    value = (seed * _SEED_MULTIPLIER + index * _INDEX_MULTIPLIER) & 0xFFFFFFFFFFFFFFFF
-    value ^= value >> 31
-    return value & 0x7FFFFFFFFFFFFFFF
+from reinforge.rollout.noise import sample_seed
 
 
 class SequenceStatus(Enum):
@@ -39,7 +30,7 @@ class Sequence:
         self.log_probs: list[float] = []
         self.sampling = sampling
         self.request_seed = request_seed
-        self.sample_seed = mix_seed(request_seed, sample_index)
+        self.sample_seed = sample_seed(request_seed, sample_index)
         self.stop_token_ids = stop_token_ids
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + sampling.max_tokens)
         self.num_samples = num_samples

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -186,3 +187,20 @@ def test_requests_longer_than_the_model_length_are_refused(qwen2):
     engine = make_engine(qwen2)
     with pytest.raises(ValueError, match="max_model_len"):
         engine.generate([GenerationRequest(list(range(128)), GREEDY)])
+
+
+def test_seeded_samples_are_the_hf_backends(qwen2, tiny):
+    # both backends draw with rollout.noise: the same seed gives the same tokens (float32, the same logits
+    # up to rounding), for prompts of several lengths (the hf backend pads them to the left)
+    from reinforge.rollout.hf import HFEngine
+
+    prompts = tiny.prompts([5, 19, 11])
+    sampling = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, n=3, seed=1234, ignore_eos=True)
+    requests = [GenerationRequest(p, dataclasses.replace(sampling, seed=1234 + i)) for i, p in enumerate(prompts)]
+    native = make_engine(qwen2).generate(requests)
+    hf = HFEngine(qwen2, pad_token_id=0, eos_token_ids=[]).generate(requests)
+    assert [[s.token_ids for s in samples] for samples in native] == [[s.token_ids for s in samples] for samples in hf]
+    assert len({tuple(s.token_ids) for s in native[0]}) > 1
+    for native_samples, hf_samples in zip(native, hf, strict=True):
+        for a, b in zip(native_samples, hf_samples, strict=True):
+            torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)

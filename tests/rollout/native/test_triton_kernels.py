@@ -19,6 +19,7 @@ import triton.language as tl  # noqa: E402
 from reinforge.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
 from reinforge.rollout.native import NativeEngine, triton_kernels  # noqa: E402
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors, truncation_thresholds  # noqa: E402
+from reinforge.rollout.noise import gumbel_noise, noise_keys  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLIT_LAYOUTS = [dict(), dict(block_v=64, blocks_per_split=3), dict(block_v=128, blocks_per_split=1)]
@@ -96,6 +97,22 @@ def test_sampler_kernel_ties_pick_the_first_column(layout):
     tokens, _ = triton_kernels.sample(*inputs.values(), **layout)
     assert set(tokens.cpu().tolist()) <= {5, 300, 650}
     assert tokens.cpu().tolist() == reference_sample(*inputs.values())[0].tolist()
+
+
+def test_the_pytorch_noise_is_the_kernels_noise_and_both_sampler_paths_agree():
+    inputs = random_sampling_inputs(16, 1000, torch.float32, seed=21)
+    seeds, positions = inputs["sample_seeds"], inputs["positions"]
+    keys = noise_keys(seeds.cpu().tolist(), positions.cpu().tolist())
+    assert torch.equal(gumbel_noise(keys, 1000), reference_gumbel(seeds, positions, 1000))
+    params = SamplingTensors(
+        inv_temperatures=inputs["inv_temperatures"], greedy=inputs["greedy"],
+        top_k=torch.zeros(16, dtype=torch.int64, device=DEVICE), top_p=torch.ones(16, device=DEVICE),
+        log_min_p=torch.full((16,), float("-inf"), device=DEVICE), sample_seeds=seeds,
+        needs_truncation=False, needs_min_p=False, positions=positions)
+    triton_tokens, triton_log_probs = Sampler(use_triton=True)(inputs["logits"], params)
+    torch_tokens, torch_log_probs = Sampler(use_triton=False)(inputs["logits"], params)
+    assert triton_tokens.tolist() == torch_tokens.tolist()
+    torch.testing.assert_close(triton_log_probs, torch_log_probs, atol=1e-5, rtol=1e-5)
 
 
 def test_sampler_forms_min_p_and_top_p_thresholds_before_the_kernel():
