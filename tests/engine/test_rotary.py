@@ -1,3 +1,7 @@
+"""engine.rotary: the rotary op against transformers, its gradients, under compile, and its Triton kernel."""
+
+from __future__ import annotations
+
 import pytest
 import torch
 from transformers import Qwen2Config
