@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a session: GPU tests, the rollout bench, the training-step bench.
 #   OUT=... bash benchmarks/gpu_session.sh        (on the GPU machine; full logs and JSON under $OUT)
-# Env: TRAIN_PARTS (default "grpo kl ppo"), GRPO_STEPS / KL_PPO_STEPS (default 6: medians of steps 2-6),
+# Env: TRAIN_PARTS (default "grpo_kept grpo kl_kept ppo_kept", the v4 table), GRPO_STEPS / KL_PPO_STEPS (default 6: medians of steps 2-6),
 # SKIP_TESTS, SKIP_ROLLOUT, PROFILE_NATIVE=1 (adds the sampler/graph profile with its layout sweep),
 # and time limits TEST_LIMIT, ROLLOUT_LIMIT, TRAIN_LIMIT (seconds).
 set -u
@@ -37,5 +37,5 @@ if [ -n "${PROFILE_NATIVE:-}" ]; then
   echo "profile_native exit $?"; tail -n 8 "$OUT/profile_native.log"
 fi
 GRPO_STEPS=${GRPO_STEPS:-6} KL_PPO_STEPS=${KL_PPO_STEPS:-6} timeout "${TRAIN_LIMIT:-400}" \
-  python3 benchmarks/train_step.py ${TRAIN_PARTS:-grpo kl ppo} >"$OUT/train.log" 2>&1
+  python3 benchmarks/train_step.py ${TRAIN_PARTS:-grpo_kept grpo kl_kept ppo_kept} >"$OUT/train.log" 2>&1
 echo "train bench exit $?"; grep -v -e "it/s]" -e "s/it]" -e '^{"variant"' "$OUT/train.log" | tail -n 12

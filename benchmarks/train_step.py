@@ -1,15 +1,17 @@
 """One device call: the trainer's CUDA path checked end to end, then the training-step bench.
 
-    PYTHONPATH=. python3 benchmarks/train_step.py [log_probs grpo check kl ppo ...]   # $OUT/*.json, a table last
+    PYTHONPATH=. python3 benchmarks/train_step.py [log_probs grpo grpo_kept kl_kept ppo_kept check ...]
+    # $OUT/*.json, a table last
 
-Steps per variant: GRPO_STEPS (grpo*, default 5) and KL_PPO_STEPS (kl, ppo, default 3); medians are of steps 2.. .
-
-1. ``log_probs``: the fused log-prob/entropy (16k rows x 151936 vocab), forward + backward:
-   PyTorch chunk math, the Triton row kernels chunked, and with the logits kept for the backward.
-2. ``bench``: ``reinforge.bench_train`` on the standard workload: grpo (6 steps), then kl and
-   ppo (4 steps each); medians of steps 2.. .
-3. ``check``: ``reinforge train`` through the CLI on a tiny model on CUDA, 2 GRPO steps with
-   the native rollout and 2 GAE steps with a KL loss and the hf rollout; metrics must be finite.
+Steps per variant: GRPO_STEPS (grpo*, default 5) and KL_PPO_STEPS (kl*, ppo*, default 3); medians
+are of steps 2.. . Variants: ``grpo``, ``kl``, ``ppo`` run ``reinforge.bench_train`` with the
+default configuration; ``*_kept`` add ``--keep-rollout-memory`` (``rollout.free_cache_engine=false``);
+``grpo_transformers_layout``, ``grpo_eager_layers``, ``grpo_unshared``, ``grpo_unfused`` and
+``grpo_96k`` switch one engine feature off (or the micro-batch budget up) to measure it.
+``log_probs`` times the fused log-prob/entropy (16k rows x 151936 vocab, forward + backward:
+PyTorch chunks, the Triton row kernels chunked, and with the logits kept for the backward).
+``check`` runs ``reinforge train`` through the CLI on a tiny model on CUDA, 2 GRPO steps with the
+native rollout and 2 GAE steps with a KL loss and the hf rollout; metrics must be finite.
 """
 
 from __future__ import annotations
