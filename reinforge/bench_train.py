@@ -231,4 +231,8 @@ def bench_train_main(argv: list[str]) -> int:
     print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
           f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB")
+    phases = {key.removeprefix("rollout_"): value for key, value in median.items()
+              if key.startswith("rollout_") and key != "rollout_s"}
+    if phases:
+        print("  rollout phases (medians, s): " + ", ".join(f"{name} {value:.3f}" for name, value in phases.items()))
     return 0
