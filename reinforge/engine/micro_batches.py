@@ -1,6 +1,7 @@
 """Forming micro-batches from a token budget.
 
-``balanced_micro_batches`` (the RL workers, whose forwards pack rows without padding) counts
+``balanced_micro_batches`` (the RL workers, whose forwards pack rows without padding; they
+iterate ``iter_balanced_micro_batches``, which builds each when it is needed) counts
 real tokens only: it takes the fewest micro-batches that fit the budget, the same number on
 every data-parallel rank (FSDP runs one collective per layer per forward, so ranks must run
 the same number of forwards), and spreads the rows over them longest first so that their
@@ -17,6 +18,8 @@ what lets gradient accumulation give the same update whatever the split.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -35,10 +38,21 @@ def balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "respo
     rest with a copy of its first row whose ``mask_key`` is all zeros: it runs the forward and
     backward and adds nothing to the loss.
     """
+    return list(iter_balanced_micro_batches(batch, max_tokens, mask_key, share_prompts))
+
+
+def iter_balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "response_mask",
+                                share_prompts: bool = False) -> Iterator[Batch]:
+    """``balanced_micro_batches``, each built when the loop asks for it.
+
+    Forwards and backwards are queued on the device without waiting for them, so the host
+    builds micro-batch k+1 (its rows and packing plan, most of the CPU work here) while the
+    device runs micro-batch k, instead of building them all before the device gets its first.
+    The split is decided up front (and agreed over the ranks at the first ``next``).
+    """
     items, costs = _items(batch, max_tokens, share_prompts)
     num_micro = _fewest_bins(costs, max_tokens)
     num_micro = int(all_reduce([float(num_micro)], torch.device("cpu"), op="max")[0])
-    pieces = []
     for item_ids in _longest_first(costs, num_micro):
         rows = sorted(row for item in item_ids for row in items[item])
         if rows:
@@ -48,8 +62,7 @@ def balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "respo
             piece = batch.index([0])
             piece[mask_key] = torch.zeros_like(piece[mask_key])
             piece.meta["rows"] = [-1]
-        pieces.append(attach_plan(piece, share_prompts))
-    return pieces
+        yield attach_plan(piece, share_prompts)
 
 
 def _items(batch: Batch, max_tokens: int, share_prompts: bool) -> tuple[list[list[int]], list[int]]:

@@ -12,7 +12,7 @@ norm is not finite is skipped (and counted), never applied.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.packing import PLAN_KEY
 from reinforge.protocol import Batch
 
-MicroBatchFn = Callable[[Batch, int, str], list[Batch]]
+MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
 """(mini-batch, token budget, mask key) -> its micro-batches."""
 
 MicroLossFn = Callable[[Batch, LossNormalizer], tuple[Tensor, dict[str, float | Tensor]]]

@@ -31,7 +31,7 @@ from reinforge.engine.device import autocast_context, compute_dtype, peak_memory
 from reinforge.engine.forward import build_position_ids, response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.perf import update_perf_metrics
 from reinforge.engine.train_step import UpdateSettings, run_update
@@ -238,11 +238,11 @@ class ActorRolloutWorker(Worker):
     def _log_probs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         temperature = batch.meta.get("temperature", 1.0)
         width = batch["responses"].shape[1]
-        pieces = balanced_micro_batches(batch, self.config.actor.max_tokens_per_micro_batch,
-                                        share_prompts=self.config.model.share_prompts)
-        log_probs, entropies = [], []
+        pieces, log_probs, entropies = [], [], []
         self.model.eval()
-        for micro in pieces:
+        for micro in iter_balanced_micro_batches(batch, self.config.actor.max_tokens_per_micro_batch,
+                                                 share_prompts=self.config.model.share_prompts):
+            pieces.append(micro)
             lp, ent = response_log_probs(self.model, micro.to(self.device), temperature, with_entropy)
             log_probs.append(lp)
             entropies.append(ent)
@@ -296,7 +296,7 @@ class ActorRolloutWorker(Worker):
         settings = UpdateSettings(**{**self.update_settings.__dict__, "seed": self.update_settings.seed + self.scheduler.last_epoch})
         start = time.perf_counter()
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, settings, self.device,
-                             micro_batches=partial(balanced_micro_batches,
+                             micro_batches=partial(iter_balanced_micro_batches,
                                                    share_prompts=self.config.model.share_prompts))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

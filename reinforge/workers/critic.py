@@ -19,7 +19,7 @@ from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_values
 from reinforge.engine.fsdp import reshard, shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.perf import update_perf_metrics
 from reinforge.engine.train_step import UpdateSettings, run_update
@@ -55,9 +55,11 @@ class CriticWorker(Worker):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """values (B, R): the critic's estimate before each response token."""
-        pieces = balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts)
+        pieces, values = [], []
         self.model.eval()
-        values = [response_values(self.model, micro.to(self.device)) for micro in pieces]
+        for micro in iter_balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts):
+            pieces.append(micro)
+            values.append(response_values(self.model, micro.to(self.device)))
         self.model.train()
         reshard(self.model)
         return Batch.from_dict(tensors={"values": rows_in_batch_order(pieces, values, len(batch),
@@ -77,7 +79,7 @@ class CriticWorker(Worker):
 
         start = time.perf_counter()
         metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
-                             self.device, micro_batches=partial(balanced_micro_batches,
+                             self.device, micro_batches=partial(iter_balanced_micro_batches,
                                                    share_prompts=self.config.model.share_prompts))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -15,7 +15,7 @@ from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import reshard, shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 
@@ -40,8 +40,10 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """ref_log_probs (B, R) of the response tokens under the frozen reference policy."""
         temperature = batch.meta.get("temperature", 1.0)
-        pieces = balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts)
-        log_probs = [response_log_probs(self.model, micro.to(self.device), temperature)[0] for micro in pieces]
+        pieces, log_probs = [], []
+        for micro in iter_balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts):
+            pieces.append(micro)
+            log_probs.append(response_log_probs(self.model, micro.to(self.device), temperature)[0])
         reshard(self.model)
         return Batch.from_dict(tensors={"ref_log_probs": rows_in_batch_order(pieces, log_probs, len(batch),
                                                                              batch["responses"].shape[1])})

@@ -73,6 +73,22 @@ def test_balanced_micro_batches_cover_every_row_once_within_budget():
     assert len(balanced_micro_batches(batch, max_tokens=10_000)) == 1
 
 
+def test_micro_batches_are_built_when_the_loop_asks_for_them(monkeypatch):
+    from reinforge.engine import micro_batches
+
+    batch = make_rollout_batch(rows=7)
+    built = []
+    attach = micro_batches.attach_plan
+    monkeypatch.setattr(micro_batches, "attach_plan", lambda piece, share: built.append(piece) or attach(piece, share))
+    lazy = micro_batches.iter_balanced_micro_batches(batch, max_tokens=20)
+    first = next(lazy)
+    assert len(built) == 1  # the others are built while the device runs this one
+    pieces = [first, *lazy]
+    assert len(built) == len(pieces) > 1
+    assert [piece.meta["rows"] for piece in pieces] == [
+        piece.meta["rows"] for piece in micro_batches.balanced_micro_batches(batch, max_tokens=20)]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_forward_matches_padded_forward(arch):
     model = build_tiny_causal_lm(arch=arch, vocab_size=64, seed=1).eval()
