@@ -95,7 +95,8 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
     for _ in range(settings.epochs):
         order = torch.randperm(len(batch), generator=generator) if settings.shuffle else torch.arange(len(batch))
         for mini_rows in order.chunk(settings.num_mini_batches):
-            mini_batch = batch.index(mini_rows)
+            whole = settings.num_mini_batches == 1 and not settings.shuffle  # rows in order: no copy needed
+            mini_batch = batch if whole else batch.index(mini_rows)
             normalizer = mini_batch_normalizer(mini_batch, settings.mask_key, device)
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
