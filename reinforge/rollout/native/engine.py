@@ -384,15 +384,7 @@ class NativeEngine:
             if seq.status is not running:
                 continue
             appended += 1
-            # Sequence.append, inlined: this loop runs for every sequence at every step
-            token_ids = seq.token_ids
-            token_ids.append(token)
-            seq.log_probs.append(log_prob)
-            if token in seq.stop_token_ids:
-                seq.finish_reason = "stop"
-                finished.append(seq)
-            elif len(token_ids) >= seq.max_num_tokens:
-                seq.finish_reason = "length"
+            if seq.append(token, log_prob):
                 finished.append(seq)
         self._num_generated_tokens += appended
         self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
