@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reinforge.bench_train import build_config, parse_args, prompt_batch, rule_reward, write_model
+from reinforge.bench_train import add_advantages, build_config, parse_args, prompt_batch, scored_batch, write_model
 
 OUT = Path(os.environ.get("OUT", "bench_out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -49,7 +49,6 @@ def host_microbench() -> str:
 
 
 def main() -> None:
-    from reinforge.algorithms import compute_advantages
     from reinforge.controller.worker import freeze_long_lived_objects
     from reinforge.workers.actor_rollout import ActorRolloutWorker
 
@@ -74,15 +73,8 @@ def main() -> None:
             phases = {k.removeprefix("timing_s/gen/"): round(v, 4) for k, v in rollout.meta["rollout_metrics"].items()
                       if k.startswith("timing_s/gen/")}
             report.append(f"step {step + 1}: rollout {seconds:.3f} s {phases}")
-            batch = prompt_batch(args, vocab_size, step)
-            batch.tensors.pop("input_ids")
-            batch.tensors.pop("attention_mask")
-            batch = batch | rollout
-            batch["token_level_scores"] = rule_reward(batch)
-            group_ids = torch.arange(args.prompts).repeat_interleave(args.n)
-            batch["advantages"], batch["returns"] = compute_advantages(
-                "grpo", token_level_rewards=batch["token_level_scores"], response_mask=batch["response_mask"],
-                group_ids=group_ids, config=config.algorithm)
+            batch = scored_batch(args, vocab_size, step, rollout)
+            add_advantages(batch, args, config)
             actor.update_actor(batch)
         stream = io.StringIO()
         pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(35)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from reinforge.bench_train import build_config, parse_args, prompt_batch, rule_reward, write_model
+from reinforge.bench_train import add_advantages, build_config, parse_args, prompt_batch, scored_batch, write_model
 
 OUT = Path(os.environ.get("OUT", "bench_out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -33,7 +33,6 @@ def synced(fn, *args):
 
 
 def main() -> None:
-    from reinforge.algorithms import compute_advantages
     from reinforge.engine.fsdp import fsdp_units, reshard, unsharded
     from reinforge.workers.actor_rollout import ActorRolloutWorker
 
@@ -58,15 +57,8 @@ def main() -> None:
             rollout, seconds = synced(actor.generate, prompts)
             phases[f"step{step + 1}_rollout"] = seconds
             phases[f"step{step + 1}_engine_metrics"] = dict(getattr(engine, "last_metrics", {}))
-            batch = prompt_batch(args, vocab_size, step)
-            batch.tensors.pop("input_ids")
-            batch.tensors.pop("attention_mask")
-            batch = batch | rollout
-            batch["token_level_scores"] = rule_reward(batch)
-            group_ids = torch.arange(args.prompts).repeat_interleave(args.n)
-            batch["advantages"], batch["returns"] = compute_advantages(
-                "grpo", token_level_rewards=batch["token_level_scores"], response_mask=batch["response_mask"],
-                group_ids=group_ids, config=config.algorithm)
+            batch = scored_batch(args, vocab_size, step, rollout)
+            add_advantages(batch, args, config)
             if step == 2:
                 from torch.profiler import ProfilerActivity, profile
 

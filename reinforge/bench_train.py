@@ -102,8 +102,28 @@ def rule_reward(batch) -> torch.Tensor:
     return scores
 
 
-def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
+def scored_batch(args: argparse.Namespace, vocab_size: int, step: int, rollout):
+    """A step's rollout with its prompts' uids and the rule reward (``token_level_scores``)."""
+    batch = prompt_batch(args, vocab_size, step)
+    batch.tensors.pop("input_ids")
+    batch.tensors.pop("attention_mask")
+    batch = batch | rollout
+    batch["token_level_scores"] = rule_reward(batch)
+    return batch
+
+
+def add_advantages(batch, args: argparse.Namespace, config) -> None:
+    """``advantages`` and ``returns`` of the config's estimator (groups of n samples; values if present)."""
     from reinforge.algorithms import compute_advantages
+
+    group_ids = torch.arange(args.prompts).repeat_interleave(args.n)
+    batch["advantages"], batch["returns"] = compute_advantages(
+        config.algorithm.adv_estimator, token_level_rewards=batch["token_level_scores"],
+        response_mask=batch["response_mask"], group_ids=group_ids, config=config.algorithm,
+        values=batch.get("values"))
+
+
+def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.controller.worker import freeze_long_lived_objects
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.critic import CriticWorker
@@ -133,25 +153,16 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             return result
 
         step_start = time.perf_counter()
-        batch = prompt_batch(args, vocab_size, step)
-        batch.tensors.pop("input_ids")
-        batch.tensors.pop("attention_mask")
-        prompts = prompt_batch(args, vocab_size, step)
-        generated = timed("rollout", actor.generate, prompts)
+        generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step))
         rollout_phases = {key.removeprefix("timing_s/gen/"): value
                           for key, value in generated.meta.get("rollout_metrics", {}).items()
                           if key.startswith("timing_s/gen/") or key == "rollout/cuda_graph_capture_s"}
-        batch = batch | generated
-        batch["token_level_scores"] = rule_reward(batch)
+        batch = scored_batch(args, vocab_size, step, generated)
         if reference is not None:
             batch = batch | timed("ref", reference.compute_ref_log_prob, batch)
         if critic is not None:
             batch = batch | timed("values", critic.compute_values, batch)
-        group_ids = torch.arange(args.prompts).repeat_interleave(args.n)
-        batch["advantages"], batch["returns"] = compute_advantages(
-            config.algorithm.adv_estimator, token_level_rewards=batch["token_level_scores"],
-            response_mask=batch["response_mask"], group_ids=group_ids, config=config.algorithm,
-            values=batch.get("values"))
+        add_advantages(batch, args, config)
         if critic is not None:
             critic_metrics = timed("update_critic", critic.update_critic, batch)
         metrics = timed("update_actor", actor.update_actor, batch)
