@@ -21,11 +21,9 @@ from test_micro_batches_and_update import make_rollout_batch, varlen_lm  # noqa:
 UPDATE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_micro_batches_and_update import make_rollout_batch, varlen_lm
-    from reinforge.algorithms import compute_policy_loss
-    from reinforge.config.schema import OptimConfig, PolicyLossConfig
+    from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm
+    from reinforge.config.schema import OptimConfig
     from reinforge.engine.fsdp import full_model_state, shard_model
-    from reinforge.engine.forward import response_log_probs
     from reinforge.engine.micro_batches import balanced_micro_batches
     from reinforge.engine.optim import build_scheduler
     from reinforge.engine.train_step import UpdateSettings, run_update
@@ -50,16 +48,8 @@ UPDATE = textwrap.dedent("""
         shard_model(model, torch.device("cpu"))
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
-
-        def loss_fn(micro, normalizer):
-            log_probs, _ = response_log_probs(model, micro)
-            loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
-                                          advantages=micro["advantages"], response_mask=micro["response_mask"],
-                                          loss_agg_mode="token-mean", config=PolicyLossConfig(), normalizer=normalizer)
-            return loss, {{}}
-
         batch = rollout_batch().index(rows)
-        metrics = run_update(model, optimizer, scheduler, batch, loss_fn,
+        metrics = run_update(model, optimizer, scheduler, batch, on_policy_loss(model),
                              UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05), torch.device("cpu"),
                              micro_batches=partial(balanced_micro_batches, share_prompts=SHARE))
         return full_model_state(model), metrics["grad_norm"]

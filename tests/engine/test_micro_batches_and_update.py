@@ -106,6 +106,19 @@ def test_packed_forward_matches_padded_forward(arch):
     torch.testing.assert_close(rebuilt[mask], expected[mask], atol=1e-5, rtol=1e-5)
 
 
+def on_policy_loss(model, loss_agg_mode: str = "token-mean"):
+    """run_update's loss function for an on-policy vanilla policy-gradient step of ``model``."""
+
+    def loss_fn(micro, normalizer):
+        log_probs, _ = response_log_probs(model, micro)
+        loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
+                                      advantages=micro["advantages"], response_mask=micro["response_mask"],
+                                      loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(), normalizer=normalizer)
+        return loss, {"pg_loss": float(loss.detach())}
+
+    return loss_fn
+
+
 def sgd_policy_update(base, batch: Batch, budget: int, micro_batches=balanced_micro_batches,
                       loss_agg_mode: str = "token-mean"):
     """A copy of ``base`` after one on-policy vanilla policy-gradient update by ``run_update``; (model, metrics).
@@ -115,16 +128,9 @@ def sgd_policy_update(base, batch: Batch, budget: int, micro_batches=balanced_mi
     model = copy.deepcopy(base).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
-
-    def loss_fn(micro, normalizer):
-        log_probs, _ = response_log_probs(model, micro)
-        loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
-                                      advantages=micro["advantages"], response_mask=micro["response_mask"],
-                                      loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(), normalizer=normalizer)
-        return loss, {"pg_loss": float(loss.detach())}
-
     settings = UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1e9)
-    metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, torch.device("cpu"),
+    metrics = run_update(model, optimizer, scheduler, batch, on_policy_loss(model, loss_agg_mode), settings,
+                         torch.device("cpu"),
                          micro_batches=micro_batches)
     return model, metrics
 
