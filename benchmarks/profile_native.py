@@ -25,7 +25,7 @@ from collections import defaultdict
 import torch
 import triton.testing
 
-from reinforge.bench import QWEN25_05B, build_model, random_prompts
+from reinforge.bench.rollout import QWEN25_05B, build_model, random_prompts
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, triton_kernels
 from reinforge.rollout.native import engine as engine_module

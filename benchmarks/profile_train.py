@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from reinforge.bench_train import add_advantages, build_config, parse_args, prompt_batch, scored_batch, write_model
+from reinforge.bench.train import add_advantages, build_config, parse_args, prompt_batch, scored_batch, write_model
 
 OUT = Path(os.environ.get("OUT", "bench_out"))
 OUT.mkdir(parents=True, exist_ok=True)

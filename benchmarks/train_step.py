@@ -4,7 +4,7 @@
     # $OUT/*.json, a table last
 
 Steps per variant: GRPO_STEPS (grpo*, default 5) and KL_PPO_STEPS (kl*, ppo*, default 3); medians
-are of steps 2.. . Variants: ``grpo``, ``kl``, ``ppo`` run ``reinforge.bench_train`` with the
+are of steps 2.. . Variants: ``grpo``, ``kl``, ``ppo`` run ``reinforge.bench.train`` with the
 default configuration; ``*_kept`` add ``--keep-rollout-memory`` (``rollout.free_cache_engine=false``);
 ``grpo_transformers_layout``, ``grpo_eager_layers``, ``grpo_unshared``, ``grpo_unfused`` and
 ``grpo_96k`` switch one engine feature off (or the micro-batch budget up) to measure it.
@@ -62,7 +62,7 @@ def log_probs_microbench() -> dict:
 
 
 def bench(model_dir: Path, variant: str, steps: int, extra: list[str], name: str | None = None) -> dict:
-    from reinforge.bench_train import bench_train_main
+    from reinforge.bench.train import bench_train_main
 
     path = OUT / f"{name or variant}.json"
     bench_train_main(["--variant", variant, "--steps", str(steps), "--model-dir", str(model_dir), "--json", str(path),
@@ -100,7 +100,7 @@ def check_cli(folder: Path) -> dict:
 
 
 def main() -> int:
-    from reinforge.bench_train import write_model
+    from reinforge.bench.train import write_model
 
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     with tempfile.TemporaryDirectory() as scratch:

@@ -98,10 +98,10 @@ def _plot(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     """``reinforge bench [rollout] ...`` measures generation; ``reinforge bench train ...`` full RL steps."""
     if argv and argv[0] == "train":
-        from reinforge.bench_train import bench_train_main
+        from reinforge.bench.train import bench_train_main
 
         return bench_train_main(argv[1:])
-    from reinforge.bench import bench_main
+    from reinforge.bench.rollout import bench_main
 
     return bench_main(argv[1:] if argv and argv[0] == "rollout" else argv)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from reinforge.bench import bench_main
+from reinforge.bench.rollout import bench_main
 
 
 def test_bench_cpu_smoke(tmp_path, capsys):
