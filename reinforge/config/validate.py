@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from reinforge.config.loader import ConfigError
-from reinforge.config.schema import Config
+from reinforge.config.schema import Config, OptimConfig, RunConfig
 
 GROUP_ESTIMATORS = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"}
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -13,6 +13,46 @@ ROLLOUT_BACKENDS = ("hf", "native")
 def _choice(key: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _in_range(key: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{key}={value} is out of range; it must be between {low:g} and {high:g}")
+
+
+def validate_optim(prefix: str, optim: OptimConfig) -> None:
+    """Learning rate, warmup and schedule of the optimizer section at ``prefix`` (actor.optim, optim, ...)."""
+    if optim.lr < 0:
+        raise ConfigError(f"{prefix}.lr={optim.lr} is negative; a learning rate is >= 0 (e.g. 1e-6)")
+    if optim.warmup_steps < 0:
+        raise ConfigError(f"{prefix}.warmup_steps={optim.warmup_steps} must be >= 0")
+    _in_range(f"{prefix}.warmup_ratio", optim.warmup_ratio, 0.0, 1.0)
+    _in_range(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
+    _choice(f"{prefix}.schedule", optim.schedule, ("constant", "cosine"))
+
+
+def validate_run(trainer: RunConfig) -> None:
+    """The run-folder settings that RL and SFT share: length, device, cadence, resume."""
+    if trainer.total_steps is not None and trainer.total_steps < 1:
+        raise ConfigError(f"trainer.total_steps={trainer.total_steps} trains nothing; set it to 1 or more, or "
+                          "leave it unset (null) to train trainer.total_epochs over the data")
+    if trainer.total_steps is None and trainer.total_epochs < 1:
+        raise ConfigError(f"trainer.total_epochs={trainer.total_epochs} must be at least 1 when trainer.total_steps "
+                          "is unset")
+    _choice("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
+    if trainer.device == "cuda" and getattr(trainer, "backend", "local") == "local":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but this machine has no visible CUDA device; "
+                              "use trainer.device=auto or trainer.device=cpu")
+    if trainer.save_every < 0 or trainer.test_every < 0:
+        raise ConfigError(f"trainer.save_every={trainer.save_every} and trainer.test_every={trainer.test_every} "
+                          "must be >= 0 (0: only at the end)")
+    if trainer.keep_last < 1:
+        raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
+    if trainer.resume not in ("auto", "never") and not trainer.resume:
+        raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
 
 
 def critic_enabled(config: Config) -> bool:
@@ -42,9 +82,9 @@ def validate_config(config: Config) -> None:
     _choice("data.truncation", data.truncation, ("error", "left", "right"))
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
     _choice("trainer.backend", trainer.backend, ("local", "ray"))
-    _choice("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
-    _choice("actor.optim.schedule", actor.optim.schedule, ("constant", "cosine"))
-    _choice("critic.optim.schedule", config.critic.optim.schedule, ("constant", "cosine"))
+    validate_run(trainer)
+    validate_optim("actor.optim", actor.optim)
+    validate_optim("critic.optim", config.critic.optim)
 
     if rollout.n < 1:
         raise ConfigError(f"rollout.n={rollout.n} must be at least 1")
@@ -66,6 +106,10 @@ def validate_config(config: Config) -> None:
             )
     if actor.ppo_epochs < 1:
         raise ConfigError(f"actor.ppo_epochs={actor.ppo_epochs} must be at least 1")
+    for key, length in (("data.max_prompt_length", data.max_prompt_length),
+                        ("data.max_response_length", data.max_response_length)):
+        if length < 1:
+            raise ConfigError(f"{key}={length} must be at least 1 (tokens)")
     longest = data.max_prompt_length + data.max_response_length
     if actor.max_tokens_per_micro_batch < longest:
         raise ConfigError(
@@ -73,21 +117,30 @@ def validate_config(config: Config) -> None:
             f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it to at least {longest}"
         )
     clip = actor.policy_loss
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        value = getattr(clip, name)
+        # a ratio bound 1 - low below 0 means nothing; geo_mean clips the log-ratio, where any positive bound is valid
+        upper = float("inf") if name == "clip_ratio_high" or clip.loss_mode == "geo_mean" else 1.0
+        if value is not None and not 0.0 < value <= upper:
+            raise ConfigError(f"actor.policy_loss.{name}={value} is out of range; it must be in (0, {upper:g}] "
+                              f"(the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; 0.2 is usual)")
+    _in_range("algorithm.gamma", algorithm.gamma, 0.0, 1.0)
+    _in_range("algorithm.lam", algorithm.lam, 0.0, 1.0)
     if clip.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor.policy_loss.clip_ratio_c={clip.clip_ratio_c} must be greater than 1 (dual clip)")
     if rollout.temperature < 0 or rollout.val_kwargs.temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_kwargs.temperature must be >= 0 (0 is greedy)")
+    for prefix, sampling in (("rollout", rollout), ("rollout.val_kwargs", rollout.val_kwargs)):
+        if sampling.temperature == 0 and sampling.n > 1:
+            raise ConfigError(f"{prefix}.temperature=0 is greedy sampling, so the {prefix}.n={sampling.n} samples of a "
+                              f"prompt would all be the same; set {prefix}.temperature > 0 (e.g. 1.0) or {prefix}.n=1")
     if not 0.0 < rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p={rollout.top_p} must be in (0, 1]")
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
-    if trainer.resume not in ("auto", "never") and not trainer.resume:
-        raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
     num_devices = trainer.nnodes * trainer.devices_per_node
     if trainer.backend == "local" and num_devices > 1:
         raise ConfigError(f"trainer.backend=local runs every worker in this process on one device, but "
                           f"trainer.nnodes x trainer.devices_per_node = {num_devices}; set trainer.backend=ray")
-    if trainer.keep_last < 1:
-        raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
     if algorithm.rollout_correction.rollout_is is not None:
         _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ("token", "sequence"))

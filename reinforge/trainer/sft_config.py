@@ -14,6 +14,7 @@ from typing import Optional
 
 from reinforge.config.loader import ConfigError, load_structured
 from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig
+from reinforge.config.validate import validate_optim, validate_run
 
 TRUNCATION_MODES = ("drop", "right", "error")
 
@@ -81,7 +82,5 @@ def validate_sft_config(config: SFTConfig) -> None:
     if trainer.max_tokens_per_micro_batch < data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
-    if trainer.total_steps is None and trainer.total_epochs < 1:
-        raise ConfigError("trainer.total_epochs must be at least 1 when trainer.total_steps is unset")
-    if config.optim.schedule not in ("constant", "cosine"):
-        raise ConfigError(f"optim.schedule={config.optim.schedule!r} is not one of constant, cosine")
+    validate_run(trainer)
+    validate_optim("optim", config.optim)

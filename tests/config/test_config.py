@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from reinforge.config import Config, ConfigError, config_to_dict, load_config, save_config
@@ -76,6 +77,20 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["actor.loss_agg_mode=mean"], "not one of"),
     (["rollout.name=vllm"], "not one of hf, native"),
     (["actor.policy_loss.clip_ratio_c=0.5"], "greater than 1"),
+    (["rollout.temperature=0", "rollout.n=4"], r"rollout.temperature=0 is greedy.*rollout.n=4"),
+    (["rollout.val_kwargs.n=4"], r"rollout.val_kwargs.temperature=0 is greedy.*rollout.val_kwargs.n=4"),
+    (["data.max_response_length=0"], "data.max_response_length=0 must be at least 1"),
+    (["data.max_response_length=-8"], "data.max_response_length=-8 must be at least 1"),
+    (["actor.optim.lr=-1e-6"], r"actor.optim.lr=-1e-06 is negative"),
+    (["critic.optim.lr=-1"], r"critic.optim.lr=-1.0 is negative"),
+    (["actor.policy_loss.clip_ratio=-0.2"], r"clip_ratio=-0.2 is out of range"),
+    (["actor.policy_loss.clip_ratio_low=1.5"], r"clip_ratio_low=1.5 is out of range.*\(0, 1\]"),
+    (["actor.policy_loss.clip_ratio_high=0"], r"clip_ratio_high=0.0 is out of range"),
+    (["algorithm.gamma=1.5"], r"algorithm.gamma=1.5 is out of range; it must be between 0 and 1"),
+    (["algorithm.lam=-0.1"], r"algorithm.lam=-0.1 is out of range"),
+    (["actor.optim.warmup_ratio=1.5"], r"actor.optim.warmup_ratio=1.5 is out of range"),
+    (["trainer.total_steps=0"], r"trainer.total_steps=0 trains nothing"),
+    (["trainer.total_steps=null", "trainer.total_epochs=0"], r"trainer.total_epochs=0 must be at least 1"),
 ])
 def test_cross_field_rules_fail_before_any_model_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -93,3 +108,26 @@ def test_saved_config_reloads_identically(tmp_path):
     config = load_config(None, ["rollout.n=3", "actor.optim.lr=3e-6"])
     save_config(config, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml") == config
+
+
+def test_greedy_with_one_sample_and_log_space_clip_bounds_are_fine():
+    load_config(None, ["rollout.temperature=0", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
+    load_config(None, ["actor.policy_loss.loss_mode=geo_mean", "actor.policy_loss.clip_ratio_low=1.5"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_a_gpu_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="trainer.device=cuda but this machine has no visible CUDA device"):
+        load_config(None, ["trainer.device=cuda"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lr=-1e-5"], "optim.lr=-1e-05 is negative"),
+    (["optim.warmup_ratio=-0.1"], "optim.warmup_ratio=-0.1 is out of range"),
+    (["trainer.total_steps=0"], "trainer.total_steps=0 trains nothing"),
+])
+def test_sft_config_rejects_the_same_run_settings(overrides, message):
+    from reinforge.trainer.sft_config import load_sft_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_sft_config(None, overrides)
