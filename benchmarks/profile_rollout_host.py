@@ -23,7 +23,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reinforge.bench.train import add_advantages, build_config, parse_args, prompt_batch, scored_batch, write_model
+from reinforge.bench.train import (
+    add_advantages,
+    build_config,
+    parse_args,
+    prompt_batch,
+    rollout_sampling,
+    scored_batch,
+    write_model,
+)
 
 OUT = Path(os.environ.get("OUT", "bench_out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -66,7 +74,7 @@ def main() -> None:
             if step == 2:
                 profiler = cProfile.Profile()
                 profiler.enable()
-            rollout = actor.generate(prompts)
+            rollout = actor.generate(prompts, rollout_sampling(args), step)
             if step == 2:
                 profiler.disable()
             seconds = time.perf_counter() - start

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import torch
 
-from reinforge.bench.train import add_advantages, build_config, parse_args, prompt_batch, scored_batch, write_model
+from reinforge.bench.train import (
+    add_advantages,
+    build_config,
+    parse_args,
+    prompt_batch,
+    rollout_sampling,
+    scored_batch,
+    write_model,
+)
 
 OUT = Path(os.environ.get("OUT", "bench_out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -54,7 +62,7 @@ def main() -> None:
                     engine.sleep()
                 _, phases["rollout_unshard"] = synced(lambda: [unit.unshard() for unit in fsdp_units(actor.model)])
                 reshard(actor.model)
-            rollout, seconds = synced(actor.generate, prompts)
+            rollout, seconds = synced(actor.generate, prompts, rollout_sampling(args), step)
             phases[f"step{step + 1}_rollout"] = seconds
             phases[f"step{step + 1}_engine_metrics"] = dict(getattr(engine, "last_metrics", {}))
             batch = scored_batch(args, vocab_size, step, rollout)

@@ -2,8 +2,10 @@
 
 A Batch holds tensors that share a first (batch) dimension, non-tensor columns
 (numpy object arrays such as uids, ground truths or data sources) aligned with
-them, and a free-form ``meta`` dict for values that describe the whole batch
-(temperature, global token counts, ...).
+them, and a ``meta`` dict for data about the batch itself: a worker's metrics
+(``rollout_metrics``, ``reward_metrics``), a micro-batch's packing plan or rows.
+Settings (sampling parameters, seeds, temperatures) reach a worker as arguments
+of its method, never through ``meta``.
 
 We keep a small class of our own rather than TensorDict: the operations we need
 (split with padding, interleaved repeat, union, mask) are a few lines each, and

@@ -11,7 +11,7 @@ def make_batch(rows: int = 5) -> Batch:
     return Batch.from_dict(
         tensors={"input_ids": torch.arange(rows * 3).reshape(rows, 3), "score": torch.arange(rows).float()},
         non_tensors={"uid": [f"u{i}" for i in range(rows)], "extra": [{"i": i} for i in range(rows)]},
-        meta={"temperature": 0.7},
+        meta={"reward_metrics": {"acc": 0.7}},
     )
 
 
@@ -36,7 +36,7 @@ def test_split_pads_and_concat_unpadded_restores_order():
     assert torch.equal(restored["input_ids"], batch["input_ids"])
     assert list(restored["uid"]) == list(batch["uid"])
     assert "num_padding" not in restored.meta
-    assert restored.meta["temperature"] == 0.7
+    assert restored.meta["reward_metrics"] == {"acc": 0.7}
 
 
 def test_split_even_has_no_padding():
@@ -61,7 +61,7 @@ def test_select_union_and_conflicts():
     right = Batch.from_dict(tensors={"values": torch.ones(3, 2)}, meta={"a": 1})
     merged = left | right
     assert set(merged.keys()) == {"input_ids", "uid", "values"}
-    assert merged.meta == {"temperature": 0.7, "a": 1}
+    assert merged.meta == {"reward_metrics": {"acc": 0.7}, "a": 1}
     clash = Batch.from_dict(tensors={"input_ids": torch.zeros(3, 3, dtype=torch.long)})
     with pytest.raises(ValueError, match="input_ids"):
         left | clash

@@ -80,16 +80,19 @@ def prompt_batch(args: argparse.Namespace, vocab_size: int, step: int):
     import numpy as np
 
     from reinforge.protocol import Batch
-    from reinforge.rollout.base import SamplingParams
 
     generator = torch.Generator().manual_seed(1000 + step)
     input_ids = torch.randint(0, vocab_size, (args.prompts, args.prompt_tokens), generator=generator)
     batch = Batch.from_dict(tensors={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)},
                             non_tensors={"uid": np.array([f"{step}-{i}" for i in range(args.prompts)], dtype=object)})
-    batch = batch.repeat(args.n, interleave=True)
-    batch.meta |= {"sampling": SamplingParams(max_tokens=args.response_tokens, temperature=1.0, ignore_eos=True),
-                   "seed": step, "temperature": 1.0}
-    return batch
+    return batch.repeat(args.n, interleave=True)
+
+
+def rollout_sampling(args: argparse.Namespace):
+    """One sample's parameters: temperature 1 (the config's rollout.temperature), exactly response_tokens tokens."""
+    from reinforge.rollout.base import SamplingParams
+
+    return SamplingParams(max_tokens=args.response_tokens, temperature=1.0, ignore_eos=True)
 
 
 def rule_reward(batch) -> torch.Tensor:
@@ -153,7 +156,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             return result
 
         step_start = time.perf_counter()
-        generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step))
+        generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step), rollout_sampling(args), step)
         rollout_phases = {key.removeprefix("timing_s/gen/"): value
                           for key, value in generated.meta.get("rollout_metrics", {}).items()
                           if key.startswith("timing_s/gen/") or key == "rollout/cuda_graph_capture_s"}

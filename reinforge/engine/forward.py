@@ -13,13 +13,16 @@ the policy ratio must compare like with like.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from reinforge.engine.attention import NAME as ATTENTION_NAME
 from reinforge.engine.attention import flash_applies, flash_runs_shared_segments
-from reinforge.engine.fsdp import layer_compute_dtype
+from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.log_probs import linear_log_probs
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
 from reinforge.protocol import Batch
 
@@ -55,27 +58,27 @@ def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype) -> dict:
     return kwargs
 
 
-def packed_hidden_states(model: nn.Module, packed: PackedRows) -> Tensor:
-    """Last hidden state (1, tokens, hidden) of a causal LM over a packed row."""
+def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
+                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of each response token (B, R) and, if asked, the entropy at each position; float32.
+
+    ``model`` is a causal LM; its last hidden state over the packed row is caught by a hook on
+    its decoder, and the output projection runs fused with the log-softmax.
+    """
     _check_varlen(model.config)
+    packed = pack_rows(micro)
+    device = packed.input_ids.device
     captured: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
     try:
         model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-              attention_mask=_no_mask(model.config, packed.input_ids.device),
-              use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=packed.input_ids.device),
+              attention_mask=_no_mask(model.config, device), use_cache=False,
+              logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
               **_attention_kwargs(packed, layer_compute_dtype(model)))
     finally:
         hook.remove()
-    return captured[-1]
-
-
-def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
-                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-prob of each response token (B, R) and, if asked, the entropy at each position; float32."""
-    packed = pack_rows(micro)
-    hidden = packed_hidden_states(model, packed)[0, packed.predictor_index]
+    hidden = captured[-1][0, packed.predictor_index]
     weight = model.get_output_embeddings().weight
     log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature)
     return (unpack_responses(log_probs, packed),
@@ -93,6 +96,27 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     head = model.value_head
     values = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
     return unpack_responses(values, packed)
+
+
+@torch.no_grad()
+def score_in_micro_batches(model: nn.Module, batch: Batch, max_tokens: int, device: torch.device,
+                           forward: Callable[[nn.Module, Batch], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    """``forward`` over the token-balanced micro-batches of ``batch``, in eval mode, without grad.
+
+    Each output of ``forward`` (rows, <= R) comes back as one (B, R) tensor in batch order; the
+    parameters are resharded afterwards. The scoring loop of the actor, the reference and the critic.
+    """
+    pieces: list[Batch] = []
+    outputs: list[tuple[Tensor, ...]] = []
+    was_training = model.training
+    model.eval()
+    for micro in iter_balanced_micro_batches(batch, max_tokens, share_prompts=True):
+        pieces.append(micro)
+        outputs.append(forward(model, micro.to(device)))
+    model.train(was_training)
+    reshard(model)
+    width = batch["responses"].shape[1]
+    return tuple(rows_in_batch_order(pieces, list(column), len(batch), width) for column in zip(*outputs, strict=True))
 
 
 def build_position_ids(attention_mask: Tensor) -> Tensor:

@@ -11,9 +11,11 @@ norm is not finite is skipped (and counted), never applied.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -21,8 +23,9 @@ from torch import Tensor, nn
 from reinforge.algorithms import LossNormalizer
 from reinforge.engine.distributed import all_reduce, world_size
 from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
-from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, split_by_token_budget
 from reinforge.engine.packing import PLAN_KEY
+from reinforge.engine.perf import update_perf_metrics
 from reinforge.protocol import Batch
 
 MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
@@ -132,4 +135,26 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
     result["num_skipped_steps"] = float(num_skipped)
     result["lr"] = scheduler.get_last_lr()[0]
     result["computed_tokens"] = float(computed_tokens)
+    return result
+
+
+def run_timed_update(role: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     scheduler: torch.optim.lr_scheduler.LRScheduler, batch: Batch, loss_fn: MicroLossFn,
+                     settings: UpdateSettings, device: torch.device) -> dict[str, float]:
+    """``run_update`` over packed, token-balanced micro-batches (prompts shared), timed to the device's end.
+
+    Returns ``<role>/*`` metrics, ``perf/*/<role>`` (``engine.perf``) and
+    ``timing_s/update_<role>_compute``. The update of the actor and of the critic.
+    """
+    start = time.perf_counter()
+    metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, device,
+                         micro_batches=partial(iter_balanced_micro_batches, share_prompts=True))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    computed = metrics.pop("computed_tokens")
+    result = {f"{role}/{key}": value for key, value in metrics.items()}
+    num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
+    result |= update_perf_metrics(role, model, num_tokens, seconds, device, computed)
+    result[f"timing_s/update_{role}_compute"] = seconds
     return result

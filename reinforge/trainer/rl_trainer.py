@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +95,9 @@ class RLTrainer(TrainingRun):
         timing: dict[str, float] = {}
         step_start = time.perf_counter()
         batch = prompts.repeat(config.rollout.n, interleave=True)
-        batch.meta |= {"sampling": self.sampling(), "seed": config.trainer.seed * 1_000_003 + self.step,
-                       "temperature": config.rollout.temperature}
-
         with _timed(timing, "gen"):
-            batch = without_prompt_tensors(batch) | self.actor_rollout.generate(batch)
+            batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
+                batch, self.sampling(), config.trainer.seed * 1_000_003 + self.step)
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
@@ -165,10 +164,8 @@ class RLTrainer(TrainingRun):
 
     def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of each prompt's greedy response, broadcast to its samples."""
-        greedy = prompts.index(slice(None))
-        greedy.meta |= {"sampling": SamplingParams(**{**self.sampling().__dict__, "temperature": 0.0}),
-                        "seed": 0, "temperature": 1.0}
-        greedy = without_prompt_tensors(greedy) | self.actor_rollout.generate(greedy)
+        greedy_sampling = replace(self.sampling(), temperature=0.0)
+        greedy = without_prompt_tensors(prompts) | self.actor_rollout.generate(prompts, greedy_sampling, 0)
         scores = self.reward.score(greedy)["token_level_scores"].sum(-1)
         return scores.repeat_interleave(self.config.rollout.n)
 

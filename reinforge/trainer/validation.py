@@ -65,14 +65,13 @@ def reward_extras(batch: Batch) -> dict[str, list]:
 
 
 def run_validation(prompt_batches: Iterable[Batch], num_samples: int, sampling: SamplingParams, seed: int,
-                   generate: Callable[[Batch], Batch], score: Callable[[Batch], Batch]) -> dict[str, float]:
-    """Answer every prompt ``num_samples`` times with ``generate``, score with ``score``, summarise."""
-    temperature = 1.0 if sampling.temperature == 0 else sampling.temperature
+                   generate: Callable[[Batch, SamplingParams, int], Batch],
+                   score: Callable[[Batch], Batch]) -> dict[str, float]:
+    """Answer every prompt ``num_samples`` times with ``generate(batch, sampling, seed)``, score with ``score``, summarise."""
     records: list[dict[str, Any]] = []
     for prompts in prompt_batches:
         batch = prompts.repeat(num_samples, interleave=True)
-        batch.meta |= {"sampling": sampling, "seed": seed, "temperature": temperature}
-        batch = without_prompt_tensors(batch) | generate(batch)
+        batch = without_prompt_tensors(batch) | generate(batch, sampling, seed)
         batch = batch | score(batch)
         scores = batch["token_level_scores"].sum(-1)
         extras = reward_extras(batch)

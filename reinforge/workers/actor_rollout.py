@@ -14,6 +14,7 @@ import gc
 import hashlib
 import itertools
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -28,13 +29,11 @@ from reinforge.algorithms import (
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
-from reinforge.engine.forward import build_position_ids, response_log_probs
-from reinforge.engine.fsdp import reshard, shard_model, unsharded
+from reinforge.engine.forward import build_position_ids, response_log_probs, score_in_micro_batches
+from reinforge.engine.fsdp import shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
-from reinforge.engine.perf import update_perf_metrics
-from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.engine.train_step import UpdateSettings, run_timed_update
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
@@ -168,21 +167,20 @@ class ActorRolloutWorker(Worker):
         return sorted(i for i in ids if i is not None)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def generate(self, batch: Batch) -> Batch:
+    def generate(self, batch: Batch, sampling: SamplingParams, seed: int = 0) -> Batch:
         """Sample one response per row. Rows sharing a uid form one request with n samples.
 
-        meta: ``sampling`` (a SamplingParams with n=1), ``seed``.
-        Adds prompts, responses, response_mask, input_ids/attention_mask/position_ids of the
+        ``sampling``: the parameters of one sample (its n is ignored); each request's seed comes
+        from ``seed`` and its uid. Adds prompts, responses, response_mask, input_ids/attention_mask/position_ids of the
         whole sequence, and rollout_log_probs.
         """
         phases = _PhaseTimer(self.device)
         try:
-            return self._generate(batch, phases)
+            return self._generate(batch, sampling, seed, phases)
         finally:
             phases.close()
 
-    def _generate(self, batch: Batch, phases: _PhaseTimer) -> Batch:
-        sampling: SamplingParams = batch.meta["sampling"]
+    def _generate(self, batch: Batch, sampling: SamplingParams, seed: int, phases: _PhaseTimer) -> Batch:
         max_response_length = sampling.max_tokens
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         requests, group_sizes = [], []
@@ -194,7 +192,7 @@ class ActorRolloutWorker(Worker):
                 stop += 1
             tokens = prompt_ids[start][prompt_mask[start].bool()].tolist()
             params = SamplingParams(**{**sampling.__dict__, "n": stop - start,
-                                       "seed": _seed_for(batch.meta.get("seed", 0), str(uids[start]))})
+                                       "seed": _seed_for(seed, str(uids[start]))})
             requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
             group_sizes.append(stop - start)
             start = stop
@@ -234,27 +232,12 @@ class ActorRolloutWorker(Worker):
         return completions
 
     # ---- scoring ------------------------------------------------------------------
-    @torch.no_grad()
-    def _log_probs(self, batch: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        temperature = batch.meta.get("temperature", 1.0)
-        width = batch["responses"].shape[1]
-        pieces, log_probs, entropies = [], [], []
-        self.model.eval()
-        for micro in iter_balanced_micro_batches(batch, self.config.actor.max_tokens_per_micro_batch,
-                                                 share_prompts=self.config.model.share_prompts):
-            pieces.append(micro)
-            lp, ent = response_log_probs(self.model, micro.to(self.device), temperature, with_entropy)
-            log_probs.append(lp)
-            entropies.append(ent)
-        self.model.train()
-        reshard(self.model)
-        return (rows_in_batch_order(pieces, log_probs, len(batch), width),
-                rows_in_batch_order(pieces, entropies, len(batch), width) if with_entropy else None)
-
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """old_log_probs and entropy (B, R) under the current parameters."""
-        log_probs, entropy = self._log_probs(batch, with_entropy=True)
+        """old_log_probs and entropy (B, R) under the current parameters, at the rollout temperature."""
+        log_probs, entropy = score_in_micro_batches(
+            self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device,
+            partial(response_log_probs, temperature=self.config.rollout.temperature, with_entropy=True))
         output = Batch.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
         if "rollout_log_probs" in batch:
             output.meta["mismatch_metrics"] = rollout_mismatch_metrics(
@@ -266,7 +249,7 @@ class ActorRolloutWorker(Worker):
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """Policy-gradient update over the batch; returns ``actor/*`` metrics."""
         actor = self.config.actor
-        temperature = batch.meta.get("temperature", 1.0)
+        temperature = self.config.rollout.temperature
         on_policy = "old_log_probs" not in batch
         first_micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -293,23 +276,12 @@ class ActorRolloutWorker(Worker):
                 metrics["kl_coef"] = actor.kl_loss_coef
             return loss, metrics
 
-        settings = UpdateSettings(**{**self.update_settings.__dict__, "seed": self.update_settings.seed + self.scheduler.last_epoch})
-        start = time.perf_counter()
-        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, settings, self.device,
-                             micro_batches=partial(iter_balanced_micro_batches,
-                                                   share_prompts=self.config.model.share_prompts))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        computed = metrics.pop("computed_tokens")
-        result = {f"actor/{key}": value for key, value in metrics.items()}
+        settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
+        result = run_timed_update("actor", self.model, self.optimizer, self.scheduler, batch, loss_fn, settings,
+                                  self.device)
         if first_micro:
             result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro[0]))
-        result |= peak_memory_gb(self.device)
-        num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
-        result |= update_perf_metrics("actor", self.model, num_tokens, seconds, self.device, computed)
-        result["timing_s/update_actor_compute"] = seconds
-        return result
+        return result | peak_memory_gb(self.device)
 
     # ---- state ----------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)

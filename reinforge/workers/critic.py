@@ -6,8 +6,6 @@ are the two root units, since the packed forward calls them one after the other.
 
 from __future__ import annotations
 
-import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,13 +14,11 @@ from reinforge.algorithms import compute_value_loss
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import resolve_device
-from reinforge.engine.forward import response_values
-from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.forward import response_values, score_in_micro_batches
+from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.optim import build_optimizer, build_scheduler
-from reinforge.engine.perf import update_perf_metrics
-from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.engine.train_step import UpdateSettings, run_timed_update
 from reinforge.models import ValueModel
 from reinforge.protocol import Batch
 from reinforge.workers.checkpointing import load_training_state, save_training_state
@@ -52,18 +48,11 @@ class CriticWorker(Worker):
         self.scheduler = build_scheduler(self.optimizer, total_training_steps * num_mini_batches * epochs, critic.optim)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
         """values (B, R): the critic's estimate before each response token."""
-        pieces, values = [], []
-        self.model.eval()
-        for micro in iter_balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts):
-            pieces.append(micro)
-            values.append(response_values(self.model, micro.to(self.device)))
-        self.model.train()
-        reshard(self.model)
-        return Batch.from_dict(tensors={"values": rows_in_batch_order(pieces, values, len(batch),
-                                                                      batch["responses"].shape[1])})
+        (values,) = score_in_micro_batches(self.model, batch, self.max_tokens, self.device,
+                                           lambda model, micro: (response_values(model, micro),))
+        return Batch.from_dict(tensors={"values": values})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -77,17 +66,8 @@ class CriticWorker(Worker):
             vpred_mean = (values.detach() * mask).sum() / mask.sum().clamp(min=1)
             return loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}
 
-        start = time.perf_counter()
-        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
-                             self.device, micro_batches=partial(iter_balanced_micro_batches,
-                                                   share_prompts=self.config.model.share_prompts))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        computed = metrics.pop("computed_tokens")
-        result = {f"critic/{key}": value for key, value in metrics.items()}
-        num_tokens = float(batch["attention_mask"].sum()) * self.update_settings.epochs
-        return result | update_perf_metrics("critic", self.model, num_tokens, seconds, self.device, computed)
+        return run_timed_update("critic", self.model, self.optimizer, self.scheduler, batch, loss_fn,
+                                self.update_settings, self.device)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:

@@ -12,10 +12,9 @@ import torch
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import resolve_device
-from reinforge.engine.forward import response_log_probs
-from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.forward import response_log_probs, score_in_micro_batches
+from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 
@@ -36,14 +35,10 @@ class ReferenceWorker(Worker):
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """ref_log_probs (B, R) of the response tokens under the frozen reference policy."""
-        temperature = batch.meta.get("temperature", 1.0)
-        pieces, log_probs = [], []
-        for micro in iter_balanced_micro_batches(batch, self.max_tokens, share_prompts=self.config.model.share_prompts):
-            pieces.append(micro)
-            log_probs.append(response_log_probs(self.model, micro.to(self.device), temperature)[0])
-        reshard(self.model)
-        return Batch.from_dict(tensors={"ref_log_probs": rows_in_batch_order(pieces, log_probs, len(batch),
-                                                                             batch["responses"].shape[1])})
+        """ref_log_probs (B, R) of the response tokens under the frozen reference policy, at the rollout temperature."""
+        temperature = self.config.rollout.temperature
+        (log_probs,) = score_in_micro_batches(
+            self.model, batch, self.max_tokens, self.device,
+            lambda model, micro: response_log_probs(model, micro, temperature)[:1])
+        return Batch.from_dict(tensors={"ref_log_probs": log_probs})
