@@ -3,6 +3,7 @@
 Nothing here does I/O or talks to other processes; every function maps tensors to tensors.
 """
 
+from reinforge.algorithms import covariance_policy_losses, sequence_policy_losses  # noqa: F401  (they register)
 from reinforge.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,

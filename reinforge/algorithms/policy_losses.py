@@ -3,23 +3,35 @@
 Every loss builds a (batch, response_len) matrix of per-token losses from the log-ratio
 log_probs - old_log_probs, multiplies it by the optional (detached) rollout importance
 weights and reduces it with ``aggregate_loss``. Metrics are detached scalar tensors:
-``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (the token-mean of old - new log-prob).
+``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (the token-mean of old - new log-prob),
+plus extras some losses add. This module holds the registry and the token-level losses;
+``sequence_policy_losses`` (gspo, geo_mean) and ``covariance_policy_losses`` (clip_cov,
+kl_cov) register the others.
 
-The formulas follow verl. Departures, each because verl's choice breaks micro-batching or
-hides the user's setting:
+The formulas follow verl 0.9.1, including where it bounds the log-ratio to +-20 before exp
+(vanilla, dppo_tv, dppo_kl, cispo, sapo) and where it does not (gspo, clip_cov, kl_cov,
+geo_mean, gpg, dro): there a token with a log-ratio of 25 keeps verl's large gradient. Where
+exp of an unbounded log-ratio could overflow we cap its argument at the largest value whose
+exp is finite in the tensor's dtype, which changes no finite result (verl gives inf or nan
+there). Departures, each because verl's choice breaks micro-batching, hides the user's
+setting or hides information:
 
-- every loss honours ``loss_agg_mode`` (verl forces seq-mean-token-mean on gspo, and a plain
+- every loss honours ``loss_agg_mode`` (verl forces seq-mean-token-mean on sapo, and a plain
   sequence mean on geo_mean); pick ``seq-mean-token-mean`` to reproduce those papers. A
   sequence-level loss (geo_mean) is placed on each valid token of its row.
-- log-ratios are clamped to +-20 before exp in every loss (verl: vanilla, geo_mean, cispo, sapo).
+- ``ppo_kl`` always comes from the unbounded log-ratio (verl reports the bounded one in the
+  losses that bound it; the two differ only when a token's |log-ratio| exceeds 20).
+- every loss reports the three common metrics (verl's gpg reports none and dro only ppo_kl).
 - clip_cov and kl_cov report the fraction of tokens they selected as ``pg_clipcov_frac`` /
-  ``pg_klcov_frac``; ``pg_clipfrac`` keeps its PPO meaning, and ``ppo_kl`` is never |kl|.
+  ``pg_klcov_frac``; their ``pg_clipfrac`` keeps its PPO meaning, and ``ppo_kl`` is never |kl|.
 - clip_cov and kl_cov choose tokens by covariance within the tensors they are given, so
   their loss depends on how a mini-batch is split (inherent to the method).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -36,7 +48,7 @@ importance_weights, normalizer) -> (loss, metrics)."""
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 LOG_RATIO_BOUND = 20.0
-"""exp(20) ~ 5e8: far beyond any useful ratio, far below float32 overflow."""
+"""exp(20) ~ 5e8: far beyond any useful ratio, far below float32 overflow (verl's bound)."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -93,30 +105,63 @@ def clip_bounds(config: PolicyLossConfig) -> tuple[float, float]:
     return low, high
 
 
-def _log_ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+def bounded_log_ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    """log_probs - old_log_probs clamped to +-LOG_RATIO_BOUND (no gradient beyond it), as verl's PPO does."""
     return (log_probs - old_log_probs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
-def _reduce(
+@functools.cache
+def _largest_finite_exp_argument(dtype: torch.dtype) -> float:
+    x = torch.tensor(math.log(torch.finfo(dtype).max), dtype=dtype)
+    while torch.isinf(torch.exp(x)):
+        x = torch.nextafter(x, torch.tensor(-math.inf, dtype=dtype))
+    return x.item()
+
+
+def overflow_safe_exp(x: Tensor) -> Tensor:
+    """exp(x) wherever that is finite in x's dtype; beyond, the largest finite value, with no gradient.
+
+    Unlike a fixed bound, this changes no finite result: only arguments whose exp would be inf
+    (and whose gradient inf or nan) are capped.
+    """
+    return torch.exp(x.clamp(max=_largest_finite_exp_argument(x.dtype)))
+
+
+def reduce_losses(
     loss_matrix: Tensor,
     response_mask: Tensor,
     loss_agg_mode: str,
     importance_weights: Tensor | None,
     normalizer: LossNormalizer | None,
 ) -> Tensor:
+    """Weight a (batch, response_len) loss matrix by the detached importance weights, then aggregate."""
     if importance_weights is not None:
         loss_matrix = loss_matrix * importance_weights.detach()
     return aggregate_loss(loss_matrix, response_mask, loss_agg_mode, normalizer)
 
 
-def _metrics(
-    log_ratio: Tensor, response_mask: Tensor, clipfrac: Tensor | None = None, clipfrac_lower: Tensor | None = None
+def common_metrics(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    response_mask: Tensor,
+    clipfrac: Tensor | None = None,
+    clipfrac_lower: Tensor | None = None,
 ) -> dict[str, Tensor]:
+    """pg_clipfrac, pg_clipfrac_lower (0 when not given) and ppo_kl from the unbounded log-ratio."""
+    log_ratio = (log_probs - old_log_probs).detach()
     zero = log_ratio.new_zeros(())
     return {
         "pg_clipfrac": (zero if clipfrac is None else clipfrac).detach(),
         "pg_clipfrac_lower": (zero if clipfrac_lower is None else clipfrac_lower).detach(),
-        "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, response_mask),
+    }
+
+
+def _ratio_band_metrics(ratio: Tensor, response_mask: Tensor, low: float, high: float) -> dict[str, Tensor]:
+    """Shares of tokens whose ratio lies above 1 + high and below 1 - low."""
+    return {
+        "pg_ratio_above_frac": masked_mean((ratio > 1.0 + high).float(), response_mask).detach(),
+        "pg_ratio_below_frac": masked_mean((ratio < 1.0 - low).float(), response_mask).detach(),
     }
 
 
@@ -126,15 +171,14 @@ def compute_vanilla_policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clip with bounds [1 - low, 1 + high], plus dual clip at clip_ratio_c for A < 0.
 
-    loss = max(-A r, -A clip(r)); for A < 0 additionally min(that, -A c).
+    loss = max(-A r, -A clip(r)); for A < 0 additionally min(that, -A c). log r is bounded to +-20.
     """
     if config.clip_ratio_c <= 1.0:
         raise ValueError(
             f"actor.policy_loss.clip_ratio_c={config.clip_ratio_c} must be greater than 1 (dual clip); 3.0 is usual"
         )
     low, high = clip_bounds(config)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(bounded_log_ratio(log_probs, old_log_probs))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     clipped_loss = torch.maximum(unclipped, clipped)
@@ -144,35 +188,65 @@ def compute_vanilla_policy_loss(
 
     clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
     clipfrac_lower = masked_mean(((clipped_loss > dual_clip_bound) & negative_advantage).float(), response_mask)
-    loss = _reduce(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    return loss, _metrics(log_ratio, response_mask, clipfrac, clipfrac_lower)
+    loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
+    return loss, common_metrics(log_probs, old_log_probs, response_mask, clipfrac, clipfrac_lower)
 
 
-@register_policy_loss("gspo")
-def compute_gspo_policy_loss(
+def _dppo_loss(
+    keep: Tensor, ratio: Tensor, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, response_mask: Tensor,
+    loss_agg_mode: str, config: PolicyLossConfig, importance_weights: Tensor | None,
+    normalizer: LossNormalizer | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """-A * sg(min(r, clip_ratio_c)) * log pi on the tokens DPPO keeps (its trust region)."""
+    keep = keep.detach().to(log_probs.dtype)
+    truncated_ratio = torch.clamp(ratio, max=config.clip_ratio_c).detach()
+    loss_matrix = -advantages * truncated_ratio * log_probs * keep
+    loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
+    clipfrac = masked_mean(1.0 - keep, response_mask)
+    truncated_fraction = masked_mean((ratio > config.clip_ratio_c).to(keep.dtype) * keep, response_mask)
+    return loss, common_metrics(log_probs, old_log_probs, response_mask, clipfrac, truncated_fraction)
+
+
+@register_policy_loss("dppo_tv")
+def compute_dppo_tv_policy_loss(
     *, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config, importance_weights, normalizer
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO: PPO clip on the sequence's geometric-mean ratio s_i = exp(mean_t log r_t).
+    """DPPO-Binary-TV (arXiv 2602.04879): a trust region on pi - pi_old instead of on the ratio.
 
-    Token t uses s_it = sg(s_i) * pi(t) / sg(pi(t)): its value is s_i, its gradient
-    sg(s_i) * grad log pi(t), so each token keeps its own direction. The log of s_it is
-    clamped at 10. Use loss_agg_mode=seq-mean-token-mean for the paper's objective.
+    A token learns, from -A sg(min(r, clip_ratio_c)) log pi, unless it already moved too far
+    in its advantage's direction: pi - pi_old > clip_ratio_high for A > 0, or < -clip_ratio_low
+    otherwise (clip_ratio_* are probability differences here). pg_clipfrac is the share of
+    tokens dropped; pg_clipfrac_lower the share kept whose ratio was truncated at clip_ratio_c.
     """
     low, high = clip_bounds(config)
-    raw_log_ratio = log_probs - old_log_probs
-    valid = response_mask.to(raw_log_ratio.dtype)
-    lengths = valid.sum(dim=-1).clamp_min(1)
-    sequence_log_ratio = (raw_log_ratio * valid).sum(dim=-1) / lengths
-    # Adding the detached sequence term last keeps its precision (verl PR 2775).
-    token_log_ratio = log_probs - log_probs.detach() + sequence_log_ratio.detach().unsqueeze(-1)
-    ratio = torch.exp(token_log_ratio.clamp(max=10.0))
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    loss_matrix = torch.maximum(unclipped, clipped)
+    ratio = torch.exp(bounded_log_ratio(log_probs, old_log_probs))
+    difference = torch.exp(log_probs) - torch.exp(old_log_probs)
+    keep = torch.where(advantages > 0, difference <= high, difference >= -low)
+    return _dppo_loss(keep, ratio, log_probs, old_log_probs, advantages, response_mask, loss_agg_mode, config,
+                      importance_weights, normalizer)
 
-    clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
-    loss = _reduce(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    return loss, _metrics(_log_ratio(log_probs, old_log_probs), response_mask, clipfrac)
+
+@register_policy_loss("dppo_kl")
+def compute_dppo_kl_policy_loss(
+    *, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config, importance_weights, normalizer
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO-Binary-KL: as dppo_tv, with the binary KL between Bernoulli(pi_old) and Bernoulli(pi).
+
+    KL = pi_old log(pi_old / pi) + (1 - pi_old) log((1 - pi_old + 1e-8) / (1 - pi + 1e-8)).
+    A token is dropped when KL exceeds clip_ratio_high while pi rose (A > 0), or clip_ratio_low
+    while pi fell (A <= 0).
+    """
+    low, high = clip_bounds(config)
+    ratio = torch.exp(bounded_log_ratio(log_probs, old_log_probs))
+    probs, old_probs = torch.exp(log_probs), torch.exp(old_log_probs)
+    binary_kl = old_probs * (old_log_probs - log_probs) + (1.0 - old_probs) * torch.log(
+        (1.0 - old_probs + 1e-8) / (1.0 - probs + 1e-8)
+    )
+    keep_if_positive = (binary_kl <= high) | (probs <= old_probs)
+    keep_if_negative = (binary_kl <= low) | (probs >= old_probs)
+    keep = torch.where(advantages > 0, keep_if_positive, keep_if_negative)
+    return _dppo_loss(keep, ratio, log_probs, old_log_probs, advantages, response_mask, loss_agg_mode, config,
+                      importance_weights, normalizer)
 
 
 @register_policy_loss("gpg")
@@ -180,101 +254,26 @@ def compute_gpg_policy_loss(
     *, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config, importance_weights, normalizer
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG: plain policy gradient, loss = -A * log pi (no ratio, no clip)."""
-    loss = _reduce(-advantages * log_probs, response_mask, loss_agg_mode, importance_weights, normalizer)
-    return loss, _metrics(_log_ratio(log_probs, old_log_probs), response_mask)
+    loss = reduce_losses(-advantages * log_probs, response_mask, loss_agg_mode, importance_weights, normalizer)
+    return loss, common_metrics(log_probs, old_log_probs, response_mask)
 
 
-@register_policy_loss("clip_cov")
-def compute_clip_cov_policy_loss(
+@register_policy_loss("dro")
+def compute_dro_policy_loss(
     *, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config, importance_weights, normalizer
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clip-Cov: PPO clip, then detach a random clip_cov_ratio share of the tokens whose
-    covariance (A - mean A)(log pi - mean log pi) lies in (clip_cov_lb, clip_cov_ub).
+    """DRO: policy gradient with a quadratic log-ratio penalty, loss = -(A log pi - beta/2 (log r)^2).
 
-    Tokens already clipped by PPO are not candidates. Uses torch's global RNG.
+    beta is dro_beta (required, > 0); the penalty pulls log pi back towards log pi_old.
     """
-    low, high = clip_bounds(config)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
-    valid = response_mask.bool()
-    ppo_clipped = (clipped > unclipped) & valid
-
-    with torch.no_grad():
-        covariance = (advantages - masked_mean(advantages, valid)) * (log_probs - masked_mean(log_probs, valid))
-        candidates = valid & ~ppo_clipped & (covariance > config.clip_cov_lb) & (covariance < config.clip_cov_ub)
-        candidate_index = torch.nonzero(candidates.reshape(-1)).squeeze(-1)
-        num_selected = min(max(int(config.clip_cov_ratio * int(valid.sum().item())), 1), candidate_index.numel())
-        chosen = candidate_index[torch.randperm(candidate_index.numel(), device=candidate_index.device)[:num_selected]]
-        selected = torch.zeros_like(valid).reshape(-1)
-        selected[chosen] = True
-        selected = selected.reshape(valid.shape)
-
-    loss_matrix = torch.where(selected, torch.zeros_like(unclipped), torch.maximum(unclipped, clipped))
-    loss = _reduce(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    metrics = _metrics(log_ratio, response_mask, masked_mean(ppo_clipped.float(), valid))
-    metrics["pg_clipcov_frac"] = masked_mean(selected.float(), valid).detach()
-    return loss, metrics
-
-
-@register_policy_loss("kl_cov")
-def compute_kl_cov_policy_loss(
-    *, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config, importance_weights, normalizer
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """KL-Cov: unclipped -A r, plus ppo_kl_coef * |log r| on the top kl_cov_ratio share of
-    valid tokens by covariance (A - mean A)(log pi - mean log pi) (at least one token)."""
-    log_ratio = _log_ratio(log_probs, old_log_probs)
-    ratio = torch.exp(log_ratio)
-    valid = response_mask.bool()
-    num_valid = int(valid.sum().item())
-
-    with torch.no_grad():
-        covariance = (advantages - masked_mean(advantages, valid)) * (log_probs - masked_mean(log_probs, valid))
-        covariance = torch.where(valid, covariance, torch.full_like(covariance, -torch.inf))
-        selected = torch.zeros_like(valid).reshape(-1)
-        if num_valid > 0:
-            num_selected = max(int(num_valid * config.kl_cov_ratio), 1)
-            selected[torch.topk(covariance.reshape(-1), num_selected).indices] = True
-        selected = selected.reshape(valid.shape)
-
-    loss_matrix = -advantages * ratio + selected * config.ppo_kl_coef * log_ratio.abs()
-    loss = _reduce(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    metrics = _metrics(log_ratio, response_mask)
-    metrics["pg_klcov_frac"] = masked_mean(selected.float(), valid).detach()
-    return loss, metrics
-
-
-@register_policy_loss("geo_mean")
-def compute_geo_mean_policy_loss(
-    *, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config, importance_weights, normalizer
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GMPO: loss_i = -mean_t(A) * exp(mean_t clipped log r_t), one value per sequence.
-
-    The log-ratio is clipped to [-clip_ratio_low, clip_ratio_high] in LOG space (the paper's
-    e^-0.4..e^0.4 is low = high = 0.4), pessimistically by the sign of A. Importance weights
-    are averaged over the row. The sequence loss is placed on each valid token before
-    aggregation, so seq-mean-token-mean gives the paper's mean over sequences.
-    """
-    low, high = clip_bounds(config)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
-    sign = torch.sign(advantages)
-    clamped_log_ratio = torch.clamp(log_ratio, -low, high)
-    pessimistic_log_ratio = sign * torch.minimum(sign * log_ratio, sign * clamped_log_ratio)
-    valid = response_mask.to(log_ratio.dtype)
-    lengths = valid.sum(dim=-1) + 1e-8
-    sequence_ratio = torch.exp((pessimistic_log_ratio * valid).sum(dim=-1) / lengths)
-    sequence_advantage = (advantages * valid).sum(dim=-1) / lengths
-    sequence_loss = -sequence_advantage * sequence_ratio
-    if importance_weights is not None:
-        sequence_loss = sequence_loss * (importance_weights.detach() * valid).sum(dim=-1) / lengths
-    loss_matrix = sequence_loss.unsqueeze(-1).expand_as(log_ratio)
-    loss = aggregate_loss(loss_matrix, response_mask, loss_agg_mode, normalizer)
-
-    clipped = log_ratio != clamped_log_ratio
-    clipfrac = masked_mean((clipped & (advantages > 0)).float(), response_mask)
-    clipfrac_lower = masked_mean((clipped & (advantages < 0)).float(), response_mask)
-    return loss, _metrics(log_ratio, response_mask, clipfrac, clipfrac_lower)
+    if config.dro_beta is None or config.dro_beta <= 0:
+        raise ValueError(
+            f"actor.policy_loss.dro_beta={config.dro_beta} must be a positive number for loss_mode=dro, e.g. 0.1"
+        )
+    log_ratio = log_probs - old_log_probs
+    loss_matrix = -(log_probs * advantages - 0.5 * config.dro_beta * log_ratio.square())
+    loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
+    return loss, common_metrics(log_probs, old_log_probs, response_mask)
 
 
 @register_policy_loss("cispo")
@@ -283,17 +282,17 @@ def compute_cispo_policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: loss = -sg(clip(r, 1 - low, 1 + high)) * A * log pi; clipped tokens keep a gradient.
 
-    pg_clipfrac counts weights cut at the top, pg_clipfrac_lower those cut at the bottom.
+    As in verl, pg_clipfrac counts weights cut on either side and pg_clipfrac_lower is 0;
+    pg_ratio_above_frac / pg_ratio_below_frac split the cut ones by side.
     """
     low, high = clip_bounds(config)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
-    ratio = torch.exp(log_ratio)
-    weight = torch.clamp(ratio, 1.0 - low, 1.0 + high).detach()
-    loss_matrix = -weight * advantages * log_probs
-    loss = _reduce(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    clipfrac = masked_mean((ratio > 1.0 + high).float(), response_mask)
-    clipfrac_lower = masked_mean((ratio < 1.0 - low).float(), response_mask)
-    return loss, _metrics(log_ratio, response_mask, clipfrac, clipfrac_lower)
+    ratio = torch.exp(bounded_log_ratio(log_probs, old_log_probs))
+    clipped_ratio = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    loss_matrix = -clipped_ratio.detach() * advantages * log_probs
+    loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
+    clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
+    metrics = common_metrics(log_probs, old_log_probs, response_mask, clipfrac)
+    return loss, metrics | _ratio_band_metrics(ratio, response_mask, low, high)
 
 
 @register_policy_loss("sapo")
@@ -304,18 +303,17 @@ def compute_sapo_policy_loss(
 
     tau = tau_pos where A > 0, else tau_neg. At r = 1 the gradient equals plain policy
     gradient's; it fades smoothly as r leaves 1. The paper aggregates seq-mean-token-mean.
-    pg_clipfrac / pg_clipfrac_lower report ratios outside [1 - low, 1 + high] (no clipping).
+    Nothing is clipped, so pg_clipfrac and pg_clipfrac_lower are 0 (as in verl);
+    pg_ratio_above_frac / pg_ratio_below_frac count ratios outside [1 - low, 1 + high].
     """
     if config.tau_pos <= 0 or config.tau_neg <= 0:
         raise ValueError(
             f"actor.policy_loss.tau_pos={config.tau_pos} and tau_neg={config.tau_neg} must both be positive"
         )
     low, high = clip_bounds(config)
-    log_ratio = _log_ratio(log_probs, old_log_probs)
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(bounded_log_ratio(log_probs, old_log_probs))
     tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    loss = _reduce(-gate * advantages, response_mask, loss_agg_mode, importance_weights, normalizer)
-    clipfrac = masked_mean((ratio > 1.0 + high).float(), response_mask)
-    clipfrac_lower = masked_mean((ratio < 1.0 - low).float(), response_mask)
-    return loss, _metrics(log_ratio, response_mask, clipfrac, clipfrac_lower)
+    loss = reduce_losses(-gate * advantages, response_mask, loss_agg_mode, importance_weights, normalizer)
+    metrics = common_metrics(log_probs, old_log_probs, response_mask)
+    return loss, metrics | _ratio_band_metrics(ratio, response_mask, low, high)

@@ -83,14 +83,17 @@ class OptimConfig:
 @dataclass
 class PolicyLossConfig:
     loss_mode: str = "vanilla"
-    """A name in reinforge.algorithms.POLICY_LOSSES (vanilla, gspo, gpg, clip_cov, kl_cov, geo_mean, cispo, sapo)."""
+    """A name in reinforge.algorithms.POLICY_LOSSES (vanilla, dppo_tv, dppo_kl, gspo, gpg, clip_cov, kl_cov,
+    geo_mean, cispo, sapo, dro)."""
     clip_ratio: float = 0.2
+    """PPO's clip range of the ratio; for dppo_tv a bound on pi - pi_old, for dppo_kl on the binary KL."""
     clip_ratio_low: Optional[float] = None
     """Defaults to clip_ratio."""
     clip_ratio_high: Optional[float] = None
     """Defaults to clip_ratio; DAPO's clip-higher uses 0.28."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (> 1)."""
+    """Dual-clip bound for negative advantages (> 1); dppo_* truncate the ratio there (the DPPO paper
+    suggests a large value, e.g. 20)."""
     clip_cov_ratio: float = 0.0002
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -100,6 +103,8 @@ class PolicyLossConfig:
     """SAPO gate temperature for positive advantages."""
     tau_neg: float = 1.05
     """SAPO gate temperature for negative advantages."""
+    dro_beta: Optional[float] = None
+    """DRO's weight of the quadratic log-ratio penalty; required (> 0) for loss_mode=dro."""
 
 
 @dataclass

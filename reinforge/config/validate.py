@@ -128,6 +128,9 @@ def validate_config(config: Config) -> None:
     _in_range("algorithm.lam", algorithm.lam, 0.0, 1.0)
     if clip.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor.policy_loss.clip_ratio_c={clip.clip_ratio_c} must be greater than 1 (dual clip)")
+    if clip.loss_mode == "dro" and (clip.dro_beta is None or clip.dro_beta <= 0):
+        raise ConfigError(f"actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (it is {clip.dro_beta}); "
+                          "set e.g. actor.policy_loss.dro_beta=0.1")
     if rollout.temperature < 0 or rollout.val_kwargs.temperature < 0:
         raise ConfigError("rollout.temperature and rollout.val_kwargs.temperature must be >= 0 (0 is greedy)")
     for prefix, sampling in (("rollout", rollout), ("rollout.val_kwargs", rollout.val_kwargs)):

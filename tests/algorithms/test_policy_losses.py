@@ -12,6 +12,7 @@ from reinforge.algorithms import (
     compute_policy_loss,
     log_probs_from_logits,
 )
+from reinforge.algorithms.policy_losses import overflow_safe_exp
 from reinforge.config.schema import PolicyLossConfig
 
 
@@ -56,10 +57,11 @@ def test_vanilla_asymmetric_clip_higher():
     assert metrics["pg_clipfrac"] == pytest.approx(0.5)
 
 
-def test_vanilla_clamps_the_log_ratio():
-    loss, _, grad = policy_loss("vanilla", [[50.0]], [[-1.0]], config=PolicyLossConfig(clip_ratio_c=1e12))
+def test_vanilla_clamps_the_log_ratio_but_ppo_kl_does_not():
+    loss, metrics, grad = policy_loss("vanilla", [[50.0]], [[-1.0]], config=PolicyLossConfig(clip_ratio_c=1e12))
     assert loss == pytest.approx(math.exp(20.0))
-    assert torch.isfinite(grad).all()
+    assert (grad == 0).all()
+    assert metrics["ppo_kl"] == pytest.approx(-50.0)
 
 
 def test_vanilla_rejects_a_small_dual_clip():
@@ -118,10 +120,13 @@ def test_geo_mean_by_hand():
 
 
 def test_cispo_keeps_gradients_of_clipped_tokens():
-    loss, metrics, grad = policy_loss("cispo", [[0.5, -0.5]], [[1.0, 1.0]])
-    assert loss == pytest.approx(-(1.2 * -0.5 + 0.8 * -1.5) / 2)
-    assert metrics["pg_clipfrac"] == 0.5 and metrics["pg_clipfrac_lower"] == 0.5
-    torch.testing.assert_close(grad, torch.tensor([[-0.6, -0.4]], dtype=torch.float64))
+    loss, metrics, grad = policy_loss("cispo", [[0.5, -0.5, 0.1]], [[1.0, 1.0, 1.0]])
+    assert loss == pytest.approx(-(1.2 * -0.5 + 0.8 * -1.5 + math.exp(0.1) * -0.9) / 3)
+    # as in verl: pg_clipfrac counts both sides, pg_clipfrac_lower is 0; the sides apart under other names
+    assert metrics["pg_clipfrac"] == pytest.approx(2 / 3) and metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["pg_ratio_above_frac"] == pytest.approx(1 / 3)
+    assert metrics["pg_ratio_below_frac"] == pytest.approx(1 / 3)
+    torch.testing.assert_close(grad, torch.tensor([[-0.4, -0.8 / 3, -math.exp(0.1) / 3]], dtype=torch.float64))
 
 
 def test_sapo_is_policy_gradient_at_ratio_one():
@@ -131,6 +136,11 @@ def test_sapo_is_policy_gradient_at_ratio_one():
     torch.testing.assert_close(grad, torch.tensor([[-0.5, 0.5]], dtype=torch.float64))
     _, _, far_grad = policy_loss("sapo", [[3.0]], [[1.0]], config=config)
     assert 0 < -far_grad.item() < 0.5  # the gate fades far from r = 1
+    # nothing is clipped (verl reports 0); the ratios outside [0.8, 1.2] have their own names
+    _, metrics, _ = policy_loss("sapo", [[0.5, -0.5, 0.0, 0.1]], [[1.0, 1.0, -1.0, 1.0]], config=config)
+    assert metrics["pg_clipfrac"] == 0.0 and metrics["pg_clipfrac_lower"] == 0.0
+    assert metrics["pg_ratio_above_frac"] == pytest.approx(0.25)
+    assert metrics["pg_ratio_below_frac"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="tau_pos"):
         policy_loss("sapo", [[0.0]], [[1.0]], config=PolicyLossConfig(tau_neg=0.0))
 
@@ -154,11 +164,11 @@ def test_kl_cov_penalises_the_highest_covariance_token():
 
 
 def test_unknown_loss_lists_known_ones():
-    with pytest.raises(ValueError, match="cispo, clip_cov, geo_mean"):
+    with pytest.raises(ValueError, match="cispo, clip_cov, dppo_kl, dppo_tv, dro, geo_mean"):
         policy_loss("ppo", [[0.0]], [[1.0]])
 
 
-MICRO_BATCH_SAFE = ["vanilla", "gspo", "gpg", "geo_mean", "cispo", "sapo"]
+MICRO_BATCH_SAFE = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "gpg", "geo_mean", "cispo", "sapo", "dro"]
 
 
 @pytest.mark.parametrize("name", MICRO_BATCH_SAFE)
@@ -174,7 +184,7 @@ def test_micro_batch_gradients_equal_full_batch(name, mode, seed):
         old_log_probs + 0.3 * torch.randn(batch, length, generator=generator, dtype=torch.float64)
     ).requires_grad_()
     advantages = torch.randn(batch, 1, generator=generator, dtype=torch.float64).expand(batch, length)
-    config = PolicyLossConfig()
+    config = PolicyLossConfig(dro_beta=0.1)
 
     def loss_of(rows, normalizer=None):
         loss, _ = compute_policy_loss(
@@ -214,7 +224,7 @@ def test_masked_positions_never_matter(name):
             advantages=torch.where(mask.bool(), advantages, torch.full_like(advantages, fill)),
             response_mask=mask,
             loss_agg_mode="token-mean",
-            config=PolicyLossConfig(),
+            config=PolicyLossConfig(dro_beta=0.1),
         )
         loss.backward()
         results.append((loss.detach(), noisy_log_probs.grad * mask, metrics))
@@ -254,3 +264,114 @@ def test_gspo_token_gradient_is_sequence_ratio_times_own_log_prob_gradient():
                 (token_grad,) = torch.autograd.grad(log_probs[row, t], theta, retain_graph=True)
                 expected += -advantages[row, t] * sequence_ratio[row] / lengths[row] / 2 * token_grad
     torch.testing.assert_close(grad, expected)
+
+
+def token_loss(name, log_probs, old_log_probs, advantages, config=None, **kwargs):
+    """Like policy_loss, but with the log-probs given (a ratio of e^25 needs an old log-prob below -25)."""
+    log_probs = torch.tensor(log_probs, dtype=torch.float64, requires_grad=True)
+    old_log_probs = torch.tensor(old_log_probs, dtype=torch.float64)
+    advantages = torch.tensor(advantages, dtype=torch.float64)
+    loss, metrics = compute_policy_loss(
+        name, old_log_probs=old_log_probs, log_probs=log_probs, advantages=advantages,
+        response_mask=torch.ones_like(log_probs), loss_agg_mode="token-mean",
+        config=config or PolicyLossConfig(dro_beta=0.1), **kwargs)
+    loss.backward()
+    return loss.item(), {key: float(value) for key, value in metrics.items()}, log_probs.grad
+
+
+E25, E20 = math.exp(25.0), math.exp(20.0)
+
+
+@pytest.mark.parametrize(("name", "advantage", "expected_loss", "expected_grad"), [
+    # bounded to +-20 as in verl: the dual clip caps the loss at -A c = 3; no gradient
+    ("vanilla", -1.0, 3.0, 0.0),
+    ("vanilla", 1.0, -1.2, 0.0),
+    # bounded ratio e^20 truncated at clip_ratio_c = 3: -A 3 log pi with log pi = -1; pi rose by 0.37,
+    # beyond 0.2, which drops the token for A > 0 and keeps it for A < 0
+    ("dppo_tv", -1.0, -3.0, 3.0),
+    ("dppo_tv", 1.0, 0.0, 0.0),
+    ("dppo_kl", -1.0, -3.0, 3.0),
+    ("dppo_kl", 1.0, 0.0, 0.0),
+    # no bound in verl: exp(25) itself, and the gradient of -A r is -A r
+    ("clip_cov", -1.0, E25, E25),
+    # the one token is the top-covariance token: + 0.1 |log r|, whose gradient is 0.1
+    ("kl_cov", -1.0, E25 + 2.5, E25 + 0.1),
+    # pessimistic for A < 0 keeps 25 (not clipped to 0.2): -mean A exp(mean log r)
+    ("geo_mean", -1.0, E25, E25),
+    ("geo_mean", 1.0, -math.exp(0.2), 0.0),
+    # the weight sg(clip(e^20)) = 1.2 times -A log pi
+    ("cispo", -1.0, -1.2, 1.2),
+    # sigmoid saturated at 1: -A 4 / tau_neg, no gradient
+    ("sapo", -1.0, 4.0 / 1.05, 0.0),
+    # no ratio at all: -A log pi, and DRO adds beta/2 (log r)^2 = 0.05 * 625
+    ("gpg", -1.0, -1.0, 1.0),
+    ("dro", -1.0, -1.0 + 31.25, 1.0 + 2.5),
+])
+def test_a_token_with_log_ratio_25(name, advantage, expected_loss, expected_grad):
+    """log pi = -1, log pi_old = -26. Only vanilla, dppo_*, cispo and sapo bound the log-ratio (as verl)."""
+    loss, metrics, grad = token_loss(name, [[-1.0]], [[-26.0]], [[advantage]])
+    assert loss == pytest.approx(expected_loss, rel=1e-6)
+    assert grad.item() == pytest.approx(expected_grad, rel=1e-6)
+    assert metrics["ppo_kl"] == pytest.approx(-25.0)  # from the unbounded log-ratio
+
+
+def test_gspo_with_a_log_ratio_25_token():
+    # the sequence's mean log-ratio is 25 / 4 (under gspo's own bound of 10): s = e^6.25, and with
+    # A = -1 the unclipped -A s wins; each token's gradient is -A s / 4 (token-mean over 4 tokens)
+    loss, metrics, grad = token_loss("gspo", [[-1.0, -2.0, -2.0, -2.0]], [[-26.0, -2.0, -2.0, -2.0]], [[-1.0] * 4])
+    assert loss == pytest.approx(math.exp(6.25))
+    torch.testing.assert_close(grad, torch.full((1, 4), math.exp(6.25) / 4, dtype=torch.float64))
+    assert metrics["ppo_kl"] == pytest.approx(-25.0 / 4)
+
+
+def test_dppo_drops_tokens_outside_the_trust_region():
+    # pi_old = 0.5; pi = 0.8 (moved +0.3), 0.6 (+0.1), 0.2 (-0.3), 0.45 (-0.05); clip_ratio 0.2
+    log_probs = [[math.log(0.8), math.log(0.6), math.log(0.2), math.log(0.45)]]
+    old = [[math.log(0.5)] * 4]
+    loss, metrics, grad = token_loss("dppo_tv", log_probs, old, [[1.0, 1.0, -1.0, -1.0]])
+    # kept: the second (A > 0, +0.1 <= 0.2) and the fourth (A < 0, -0.05 >= -0.2); ratios 1.2 and 0.9
+    assert loss == pytest.approx((-1.2 * math.log(0.6) + 0.9 * math.log(0.45)) / 4)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -1.2 / 4, 0.0, 0.9 / 4]], dtype=torch.float64))
+    assert metrics["pg_clipfrac"] == 0.5 and metrics["pg_clipfrac_lower"] == 0.0
+    # binary KL of 0.5 -> 0.8 is 0.5 log(0.5 / 0.8) + 0.5 log(0.5 / 0.2) = 0.223 > 0.2; of 0.5 -> 0.6 is 0.020
+    _, metrics, grad = token_loss("dppo_kl", log_probs, old, [[1.0, 1.0, -1.0, -1.0]])
+    assert metrics["pg_clipfrac"] == 0.5  # 0.5 -> 0.2 is 0.223 as well
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -1.2 / 4, 0.0, 0.9 / 4]], dtype=torch.float64))
+    # a token that moved against its advantage is always kept; the ratio is truncated at clip_ratio_c
+    _, metrics, grad = token_loss("dppo_kl", [[math.log(0.9)]], [[math.log(0.1)]], [[-1.0]])
+    assert grad.item() == pytest.approx(3.0) and metrics["pg_clipfrac_lower"] == 1.0
+
+
+def test_dro_by_hand_and_needs_its_beta():
+    loss, _, grad = token_loss("dro", [[-1.0, -2.0]], [[-1.5, -1.0]], [[2.0, -1.0]],
+                               config=PolicyLossConfig(dro_beta=0.4))
+    # -(A log pi - 0.2 (log r)^2): -(-2 - 0.05) and -(2 - 0.2)
+    assert loss == pytest.approx((2.05 - 1.8) / 2)
+    # -A + beta log r
+    torch.testing.assert_close(grad, torch.tensor([[(-2.0 + 0.2) / 2, (1.0 - 0.4) / 2]], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"dro_beta=None must be a positive number"):
+        token_loss("dro", [[-1.0]], [[-1.0]], [[1.0]], config=PolicyLossConfig())
+
+
+def test_geo_mean_takes_the_geometric_mean_of_importance_weights():
+    weights = torch.tensor([[4.0, 1.0]], dtype=torch.float64)
+    loss, _, _ = policy_loss("geo_mean", [[0.0, 0.0]], [[1.0, 1.0]], importance_weights=weights)
+    assert loss == pytest.approx(-2.0)  # sqrt(4 * 1), not (4 + 1) / 2
+    # a zero weight (rejected by IcePop) zeroes the row without a nan
+    loss, _, grad = policy_loss("geo_mean", [[0.0, 0.0]], [[1.0, 1.0]],
+                                importance_weights=torch.tensor([[0.0, 1.0]], dtype=torch.float64))
+    assert abs(loss) < 1e-4 and torch.isfinite(grad).all()
+
+
+def test_overflow_is_guarded_without_changing_finite_results():
+    for log_ratio in (80.0, 88.0):
+        ratio = overflow_safe_exp(torch.tensor(log_ratio, requires_grad=True))
+        assert ratio.item() == torch.exp(torch.tensor(log_ratio)).item()
+    # exp(100) overflows float32: verl's clip_cov gives an infinite loss and a nan gradient
+    log_probs = torch.tensor([[-1.0]], requires_grad=True)
+    loss, _ = compute_policy_loss(
+        "clip_cov", old_log_probs=torch.tensor([[-101.0]]), log_probs=log_probs, advantages=torch.tensor([[-1.0]]),
+        response_mask=torch.ones(1, 1), loss_agg_mode="token-mean", config=PolicyLossConfig())
+    loss.backward()
+    assert torch.isfinite(loss) and loss.item() > 1e38
+    assert log_probs.grad.item() == 0.0

@@ -91,6 +91,7 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["actor.optim.warmup_ratio=1.5"], r"actor.optim.warmup_ratio=1.5 is out of range"),
     (["trainer.total_steps=0"], r"trainer.total_steps=0 trains nothing"),
     (["trainer.total_steps=null", "trainer.total_epochs=0"], r"trainer.total_epochs=0 must be at least 1"),
+    (["actor.policy_loss.loss_mode=dro"], r"needs actor.policy_loss.dro_beta > 0 \(it is None\)"),
 ])
 def test_cross_field_rules_fail_before_any_model_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
