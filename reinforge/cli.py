@@ -1,4 +1,4 @@
-"""``reinforge <command>``: train, export, plot, bench, data (sft, eval and demo join as they land).
+"""``reinforge <command>``: train, sft, eval, demo, export, plot, bench, data, config.
 
 Configuration is parsed and validated before torch or any model is imported, so a typo in a
 key fails in a second with one line, not after a minute of loading.
@@ -26,14 +26,20 @@ def _config_arguments(argv: list[str], *, prog: str, description: str, config_he
 
 
 def _train(argv: list[str]) -> int:
-    config_path, overrides = _config_arguments(
-        argv, prog="reinforge train", description="Run RL training (GRPO, PPO, ...).",
-        config_help="a YAML config file (only the keys that differ from defaults)",
-        example="actor.optim.lr=1e-6 rollout.n=8")
+    if argv and argv[0] == "--from-verl":  # verl's overrides, translated (reinforge.config.commands)
+        from reinforge.config.commands import load_from_verl
 
-    from reinforge.config import load_config
+        config = load_from_verl(argv[1:])
+    else:
+        config_path, overrides = _config_arguments(
+            argv, prog="reinforge train", description="Run RL training (GRPO, PPO, ...); "
+            "`reinforge train --from-verl KEY=VALUE ... [-- a.b=c ...]` runs a verl command line.",
+            config_help="a YAML config file (only the keys that differ from defaults)",
+            example="actor.optim.lr=1e-6 rollout.n=8")
 
-    config = load_config(config_path, overrides)
+        from reinforge.config import load_config
+
+        config = load_config(config_path, overrides)
     if not config.model.path:
         raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
     if not config.data.train_files:
@@ -106,6 +112,12 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv[1:] if argv and argv[0] == "rollout" else argv)
 
 
+def _config(argv: list[str]) -> int:
+    from reinforge.config.commands import config_main
+
+    return config_main(argv)
+
+
 def _data(argv: list[str]) -> int:
     from reinforge.data.commands import data_main
 
@@ -121,6 +133,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "plot": (_plot, "render PNG plots of one or more runs' metrics.jsonl"),
     "bench": (_bench, "speed on the standard workload: rollout (default) or train (full GRPO/PPO steps)"),
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
+    "config": (_config, "translate a verl command line into a reinforge YAML (config from-verl KEY=VALUE ...)"),
 }
 
 

@@ -83,9 +83,17 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if dotted not in known:
-            close = suggest_key(dotted, known)
-            hint = f"; did you mean {close}?" if close else "; the valid keys are in reinforge/config/defaults.yaml"
-            raise ConfigError(f"unknown key {dotted} ({source}){hint}")
+            from reinforge.config.verl_keys import verl_hint
+
+            while isinstance(value, Mapping) and len(value) == 1:  # a.b=c from the command line: name all of it
+                inner, value = next(iter(value.items()))
+                dotted = f"{dotted}.{inner}"
+
+            hint = verl_hint(dotted, value)
+            if hint is None:
+                close = suggest_key(dotted, known)
+                hint = f"did you mean {close}?" if close else "the valid keys are in reinforge/config/defaults.yaml"
+            raise ConfigError(f"unknown key {dotted} ({source}); {hint}")
         annotation = known[dotted]
         inner = _unwrap_optional(annotation)
         if dataclasses.is_dataclass(inner):
@@ -135,8 +143,10 @@ def _flatten(tree: Mapping[str, Any], known: dict[str, Any], prefix: str = "") -
             yield dotted, value
 
 
-def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
-    """An instance of the dataclass ``schema``: its defaults, then the YAML at ``path``, then ``a.b=c`` overrides."""
+def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
+                    tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> T:
+    """An instance of the dataclass ``schema``: its defaults, then the YAML at ``path``, then the nested
+    sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides."""
     known = schema_keys(schema)
     merged = OmegaConf.structured(schema)
     if path is not None:
@@ -145,21 +155,25 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
             raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
         with open(path) as handle:
             try:
-                tree = yaml.safe_load(handle) or {}
+                file_tree = yaml.safe_load(handle) or {}
             except yaml.YAMLError as error:
                 raise ConfigError(f"{path} is not valid YAML: {error}") from error
-        if not isinstance(tree, Mapping):
-            raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), not {type(tree).__name__}")
-        merged = _merge_layer(merged, tree, f"from {path.name}", known)
+        if not isinstance(file_tree, Mapping):
+            raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), "
+                              f"not {type(file_tree).__name__}")
+        merged = _merge_layer(merged, file_tree, f"from {path.name}", known)
+    if tree:
+        merged = _merge_layer(merged, tree, tree_source, known)
     overrides = list(overrides)
     if overrides:
         merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known)
     return OmegaConf.to_object(merged)  # type: ignore[return-value]
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True) -> Config:
-    """The RL run's config: defaults, then the YAML file at ``path`` (if any), then ``overrides``."""
-    config = load_structured(Config, path, overrides)
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True,
+                tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> Config:
+    """The RL run's config: defaults, then the YAML file at ``path`` (if any), ``tree``, then ``overrides``."""
+    config = load_structured(Config, path, overrides, tree, tree_source)
     if validate:
         from reinforge.config.validate import validate_config
 

@@ -1,0 +1,74 @@
+"""``reinforge config from-verl`` and ``reinforge train --from-verl``: run a verl command line here.
+
+    reinforge config from-verl data.train_files=~/data/gsm8k/train.parquet actor_rollout_ref.rollout.n=5 ... -o run.yaml
+    reinforge train --from-verl python3 -m verl.trainer.main_ppo data.train_files=... -- rollout.name=hf
+
+Both print the mapping (each verl key, what it became or why it has none) on stderr. The first
+writes our YAML (only what differs from our defaults) to ``-o`` or stdout; the second trains,
+with our own ``a.b=c`` overrides after ``--``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from reinforge.config.from_verl import VerlTranslation, translate_verl
+from reinforge.config.loader import ConfigError, load_config
+from reinforge.config.schema import Config
+
+USAGE = ("usage: reinforge config from-verl VERL_KEY=VALUE ... [-o out.yaml]\n\n"
+         "Translates a verl PPO command line (the words after python3 -m verl.trainer.main_ppo) into a reinforge\n"
+         "YAML config, printing what each verl key became and why the others have no equivalent.")
+
+
+def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in arguments:
+        position = arguments.index("--")
+        return arguments[:position], arguments[position + 1:]
+    return arguments, []
+
+
+def _report(translation: VerlTranslation) -> None:
+    print(translation.report(), file=sys.stderr)
+
+
+def load_from_verl(arguments: list[str]) -> Config:
+    """``VERL_KEY=VALUE ... [-- our.key=value ...]``: the translated, validated config; prints the mapping."""
+    verl_arguments, overrides = _split_at_double_dash(arguments)
+    if not verl_arguments:
+        raise ConfigError("--from-verl needs verl's key=value overrides, e.g. reinforge train --from-verl "
+                          "data.train_files=/data/train.parquet actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B")
+    translation = translate_verl(verl_arguments)
+    _report(translation)
+    return load_config(None, overrides, tree=translation.tree)
+
+
+def config_main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] != "from-verl":
+        print(f"unknown config command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    arguments, output = list(argv[1:]), None
+    for flag in ("-o", "--output"):
+        if flag in arguments:
+            position = arguments.index(flag)
+            if position + 1 >= len(arguments):
+                raise ConfigError(f"{flag} (command line) needs a file name, e.g. {flag} run.yaml")
+            output = Path(arguments[position + 1])
+            del arguments[position:position + 2]
+    if not arguments:
+        raise ConfigError("reinforge config from-verl needs verl's key=value overrides, "
+                          "e.g. data.train_files=/data/train.parquet actor_rollout_ref.rollout.n=5")
+    translation = translate_verl(arguments)
+    _report(translation)
+    load_config(None, tree=translation.tree)  # the translation must load and validate
+    if output is None:
+        print(translation.to_yaml(), end="")
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(translation.to_yaml())
+        print(f"wrote {output}; run it with: reinforge train {output}", file=sys.stderr)
+    return 0

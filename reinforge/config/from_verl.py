@@ -1,0 +1,214 @@
+"""Translate a verl command line (``python3 -m verl.trainer.main_ppo a.b=c ...``) into our config.
+
+``translate_verl(arguments)`` reads verl's Hydra overrides (``data.train_files=/x.parquet``,
+``trainer.logger='["console","wandb"]'``, ``+custom_reward_function.reward_kwargs.k=v``), looks
+each key up in ``verl_keys.VERL_KEYS`` and returns our config as a nested tree of the keys that
+differ from our defaults, with one report line per verl key: what it became, or why it has no
+equivalent. A verl default that differs from ours in a way that changes the run (GAE, 1024
+prompts a step, one sample per prompt, ...) is carried over when the command leaves the key out,
+so the translated run computes what the verl command would. A key verl does not have fails with
+the closest one it does have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from reinforge.config.loader import ConfigError
+from reinforge.config.schema import Config
+from reinforge.config.verl_keys import (
+    UNSET,
+    VERL_KEYS,
+    VERL_SECTIONS,
+    NoEquivalent,
+    NoEquivalentValue,
+    Rename,
+    SameAsOurs,
+    implied_settings,
+    lookup,
+    our_key,
+)
+
+LAUNCHER_WORDS = ("python", "python3", "-m", "verl.trainer.main_ppo")
+"""Words of verl's launch command that may be pasted along with its overrides; they are skipped."""
+
+
+@dataclass(frozen=True)
+class KeyLine:
+    """What one verl key became."""
+
+    verl_key: str
+    verl_value: Any
+    our_key: str | None = None
+    our_value: Any = None
+    reason: str = ""
+    """Why there is nothing to set: no equivalent, or reinforge already behaves so."""
+    from_verl_default: bool = False
+    implied: bool = False
+    """Set by no single verl key: ``verl_key`` then says why."""
+    our_default: bool = False
+    """The translated value is our default too, so the YAML leaves it out."""
+
+    def render(self) -> str:
+        if self.implied:
+            return f"  ({self.verl_key})  ->  {self.our_key}={_show(self.our_value)}"
+        given = f"{self.verl_key}={_show(self.verl_value)}"
+        if self.from_verl_default:
+            given = f"{given} (verl's default)"
+        if self.our_key is not None:
+            note = " (our default too)" if self.our_default else ""
+            return f"  {given}  ->  {self.our_key}={_show(self.our_value)}{note}"
+        return f"  {given}: {self.reason}"
+
+
+@dataclass
+class VerlTranslation:
+    tree: dict[str, Any] = field(default_factory=dict)
+    """Our config as nested sections, only the keys the verl command changes."""
+    translated: list[KeyLine] = field(default_factory=list)
+    already_ours: list[KeyLine] = field(default_factory=list)
+    no_equivalent: list[KeyLine] = field(default_factory=list)
+
+    def report(self) -> str:
+        """The mapping, for a person: one line per verl key, grouped by what happened to it."""
+        parts = []
+        for title, lines in (("translated", self.translated),
+                             ("nothing to set (reinforge already does this)", self.already_ours),
+                             ("no equivalent in reinforge (left out)", self.no_equivalent)):
+            if lines:
+                parts.append(f"{title}:\n" + "\n".join(line.render() for line in lines))
+        return "\n".join(parts)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.tree, sort_keys=False)
+
+
+def _show(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+
+def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
+    """verl's ``key=value`` words as a flat dict of dotted keys, in order; values parsed as YAML like Hydra's."""
+    given: dict[str, Any] = {}
+    for word in arguments:
+        if word in LAUNCHER_WORDS:
+            continue
+        if word.startswith("~"):
+            raise ConfigError(f"{word!r} (verl command line) deletes a key, which has no meaning here; leave it out")
+        if "=" not in word:
+            raise ConfigError(f"{word!r} (verl command line) is not of the form key=value, e.g. "
+                              "actor_rollout_ref.rollout.n=5")
+        key, raw = word.split("=", 1)
+        key = key.strip().lstrip("+")
+        _add(given, key, _parse_value(raw))
+    return given
+
+
+def _parse_value(raw: str) -> Any:
+    """A value as Hydra reads it: YAML, except that 1e-6 is a float (YAML 1.1 wants 1.0e-6)."""
+    if not raw.strip():
+        return ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value) if any(mark in value.lower() for mark in ("e", ".")) else value
+        except ValueError:
+            return value
+    return value
+
+
+def _add(given: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key``; a mapping value under a section of many keys is spread over them (a.b={c: 1} is a.b.c=1)."""
+    if isinstance(value, Mapping) and value and key not in VERL_KEYS:
+        for inner, item in value.items():
+            _add(given, f"{key}.{inner}", item)
+    else:
+        given[key] = value
+
+
+def _default_of(dotted: str) -> Any:
+    node: Any = Config()
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(node) or not hasattr(node, part):
+            return UNSET
+        node = getattr(node, part)
+    return node
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def _unknown_key(key: str) -> ConfigError:
+    exact = [name for name in VERL_KEYS if not name.endswith(".*")]
+    close = difflib.get_close_matches(key, exact, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else "; check the key against verl's ppo_trainer.yaml"
+    if key.split(".")[0] not in VERL_SECTIONS:
+        return ConfigError(f"{key} (verl command line) is not a key of verl's PPO trainer{hint}")
+    return ConfigError(f"{key} (verl command line) is not a verl key reinforge knows{hint}")
+
+
+def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslation:
+    """Our config tree and the per-key report for a verl command line (or an already parsed flat dict)."""
+    given = dict(arguments) if isinstance(arguments, Mapping) else parse_verl_overrides(arguments)
+    result = VerlTranslation()
+    sources: dict[str, tuple[str, Any]] = {}
+
+    def apply(verl_key: str, value: Any, from_default: bool) -> None:
+        found = lookup(verl_key)
+        if found is None:
+            raise _unknown_key(verl_key)
+        pattern, entry = found
+        if isinstance(entry, NoEquivalent):
+            result.no_equivalent.append(KeyLine(verl_key, value, reason=entry.reason))
+            return
+        if isinstance(entry, SameAsOurs):
+            target = result.already_ours if value in entry.values else result.no_equivalent
+            target.append(KeyLine(verl_key, value, reason=entry.reason))
+            return
+        assert isinstance(entry, Rename)
+        try:
+            ours = entry.convert(value, given)
+        except NoEquivalentValue as reason:
+            result.no_equivalent.append(KeyLine(verl_key, value, reason=str(reason)))
+            return
+        target_key = our_key(pattern, entry, verl_key)
+        if ours is UNSET:
+            result.already_ours.append(KeyLine(verl_key, value, reason=f"{target_key} keeps its default"))
+            return
+        if from_default and ours == _default_of(target_key):
+            return
+        is_our_default = ours == _default_of(target_key)
+        if target_key in sources and sources[target_key][1] != ours:
+            other_key, other_value = sources[target_key]
+            raise ConfigError(f"{verl_key}={_show(value)} and {other_key} (verl command line) both set "
+                              f"{target_key}, to {_show(ours)} and {_show(other_value)}; keep one of them")
+        sources[target_key] = (verl_key, ours)
+        if not is_our_default:
+            _set(result.tree, target_key, ours)
+        result.translated.append(KeyLine(verl_key, value, target_key, ours, from_verl_default=from_default,
+                                         our_default=is_our_default))
+
+    for verl_key, value in given.items():
+        apply(verl_key, value, from_default=False)
+    for verl_key, entry in VERL_KEYS.items():
+        if isinstance(entry, Rename) and entry.has_verl_default and verl_key not in given:
+            apply(verl_key, entry.verl_default, from_default=True)
+    for target_key, value, reason in implied_settings(given):
+        if target_key not in sources and value != _default_of(target_key):
+            _set(result.tree, target_key, value)
+            result.translated.append(KeyLine(reason, None, target_key, value, implied=True))
+    return result

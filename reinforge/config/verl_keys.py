@@ -1,0 +1,554 @@
+"""verl's configuration keys and what each becomes in reinforge: the one table of the translation.
+
+``VERL_KEYS`` maps a key of verl's ``ppo_trainer.yaml`` (as written on its Hydra command line)
+to a ``Rename`` (our key, a value conversion, and verl's default where it differs from ours in a
+way that changes the run) or to a ``NoEquivalent`` with the reason. A key ending in ``.*`` covers
+every key below it; the exact key wins over a covering one. ``reinforge.config.from_verl`` reads
+this table; the "did you mean" of ``reinforge.config.loader`` reads it too.
+
+A conversion gets the value and every verl key given (for keys that only mean something
+together); it returns our value, ``UNSET`` when the value leaves our default alone, or raises
+``NoEquivalentValue`` when this value (not the key) has no counterpart. ``SameAsOurs`` marks a
+setting whose usual values are what reinforge always does (strategy=fsdp, lora_rank=0).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+UNSET = object()
+"""A conversion's answer when the verl value means "use the default" (-1, None, fsdp, ...)."""
+
+_MISSING = object()
+
+
+class NoEquivalentValue(Exception):
+    """This value of a verl key has no counterpart here; the message says why."""
+
+
+def _same(value: Any, given: Mapping[str, Any]) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Rename:
+    ours: str
+    """Our dotted key; a trailing ``.*`` takes the rest of the verl key along (reward.kwargs.*)."""
+    convert: Callable[[Any, Mapping[str, Any]], Any] = _same
+    verl_default: Any = _MISSING
+    """verl's default, carried over when a command leaves the key out and it differs from ours."""
+
+    @property
+    def has_verl_default(self) -> bool:
+        return self.verl_default is not _MISSING
+
+
+@dataclass(frozen=True)
+class NoEquivalent:
+    reason: str
+
+
+@dataclass(frozen=True)
+class SameAsOurs:
+    """A verl setting whose ``values`` are what reinforge always does; any other value has no equivalent."""
+    values: tuple[Any, ...]
+    reason: str
+
+
+Translation = Rename | NoEquivalent | SameAsOurs
+
+# ---- value conversions ------------------------------------------------------------------
+
+
+def _unset_if(*defaults: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """The value as it is, unless it is one of verl's "not set" markers (-1, None, ...)."""
+    def convert(value: Any, given: Mapping[str, Any]) -> Any:
+        return UNSET if value in defaults else value
+    return convert
+
+
+def _only_if_true(value: Any, given: Mapping[str, Any]) -> Any:
+    return True if value is True else UNSET
+
+
+def _path(value: Any, given: Mapping[str, Any]) -> Any:
+    """A path with ``~`` expanded, as verl does (its defaults start with ~/)."""
+    if value is None:
+        return UNSET
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
+def _file_list(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl takes one path or a list; ours is always a list."""
+    if value is None:
+        return UNSET
+    return [_path(path, given) for path in ([value] if isinstance(value, str) else value)]
+
+
+def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
+    if value in ("vllm", "sglang", "trtllm"):
+        return "native"
+    if value == "hf":
+        return "hf"
+    raise NoEquivalentValue(f"rollout engine {value!r} is not one of verl's vllm, sglang, trtllm or hf")
+
+
+def _schedule(value: Any, given: Mapping[str, Any]) -> Any:
+    if value is None:
+        return UNSET
+    if value in ("constant", "cosine"):
+        return value
+    raise NoEquivalentValue(f"the {value!r} schedule is not here; reinforge has constant and cosine")
+
+
+
+def _truncation(value: Any, given: Mapping[str, Any]) -> Any:
+    if value in ("error", "left", "right"):
+        return value
+    raise NoEquivalentValue(f"truncation {value!r} is not here; use error, left or right")
+
+
+def _resume_mode(value: Any, given: Mapping[str, Any]) -> Any:
+    if value == "auto":
+        return "auto"
+    if value == "disable":
+        return "never"
+    if value == "resume_path":
+        return UNSET  # trainer.resume_from_path gives the path
+    raise NoEquivalentValue(f"resume_mode {value!r} is not one of verl's auto, disable, resume_path")
+
+
+def _resume_path(value: Any, given: Mapping[str, Any]) -> Any:
+    if value is None:
+        return UNSET
+    if given.get("trainer.resume_mode") != "resume_path":
+        raise NoEquivalentValue("verl reads it only with trainer.resume_mode=resume_path")
+    return value
+
+
+def _custom_function(value: Any, given: Mapping[str, Any]) -> Any:
+    if value is None:
+        return UNSET
+    return f"{_path(value, given)}:{given.get('custom_reward_function.name') or 'compute_score'}"
+
+
+def _custom_function_name(value: Any, given: Mapping[str, Any]) -> Any:
+    if given.get("custom_reward_function.path") is None:
+        raise NoEquivalentValue("without custom_reward_function.path verl ignores it too")
+    return UNSET  # joined to the path: reward.custom_function=path:name
+
+
+TRACKERS = {"console": "console", "file": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb",
+            "mlflow": "mlflow"}
+
+
+def _loggers(value: Any, given: Mapping[str, Any]) -> Any:
+    names = [value] if isinstance(value, str) else list(value)
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise NoEquivalentValue(f"reinforge cannot log to {', '.join(unknown)}; it logs to "
+                                "console, jsonl (verl's file), tensorboard, wandb and mlflow")
+    ours = [TRACKERS[name] for name in names]
+    return ours if "jsonl" in ours else [*ours, "jsonl"]  # the run folder always keeps metrics.jsonl
+
+
+
+
+
+
+# ---- reasons shared by many keys --------------------------------------------------------
+
+TOKEN_BUDGET = NoEquivalent("micro-batches are formed from the token budget actor.max_tokens_per_micro_batch "
+                            "(verl's ppo_max_token_len_per_gpu), and the update does not depend on the split")
+DYNAMIC_BSZ = NoEquivalent("micro-batches are always balanced by tokens under actor.max_tokens_per_micro_batch, "
+                           "which ppo_max_token_len_per_gpu becomes")
+LOG_PROB_BUDGET = NoEquivalent("the actor's log-prob pass uses actor.max_tokens_per_micro_batch, the reference's "
+                               "ref.max_tokens_per_micro_batch")
+ENGINE_KNOB = NoEquivalent("a setting of vLLM/SGLang; reinforge's rollout engine (rollout.name=native) runs on "
+                           "each training device and sizes its batches itself")
+PARALLELISM = NoEquivalent("reinforge shards every model with FSDP2 over all devices of its role and has no "
+                           "tensor, sequence, expert or pipeline parallelism")
+FSDP_DETAIL = NoEquivalent("an FSDP detail reinforge fixes: FSDP2, float32 master weights, bf16 compute on CUDA")
+PROFILING = NoEquivalent("reinforge logs timing_s/* each step; for traces run `reinforge bench train` under "
+                         "PyTorch's profiler")
+MULTI_TURN = NoEquivalent("multi-turn rollouts, tools and agent loops are not part of reinforge's trainer")
+MULTIMODAL = NoEquivalent("reinforge trains text-only models")
+REWARD_MODEL = NoEquivalent("reinforge scores with rule-based functions (a data_source scorer or "
+                            "reward.custom_function), not reward models")
+CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
+                                 "folder, in trainer.output_dir/checkpoints")
+ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
+COMPILE = NoEquivalent("on CUDA reinforge compiles decoder layers when model.compile_layers is true")
+FROM_DATA = NoEquivalent("taken from data.max_prompt_length / data.max_response_length")
+RAY_DETAIL = NoEquivalent("a detail of verl's Ray setup; see trainer.backend=ray and trainer.ray_address")
+OWN_DATA_PIPELINE = NoEquivalent("reinforge's dataset reads verl-schema rows itself (parquet, JSONL, datasets "
+                                 "folders) and keeps the raw chat with every prompt")
+OPTIMIZER = NoEquivalent("reinforge's optimizer is torch's AdamW")
+TOTAL_STEPS = NoEquivalent("the schedule's length follows trainer.total_steps / total_epochs")
+FSDP2 = SameAsOurs(("fsdp", "fsdp2"), "reinforge trains with FSDP2 only")
+SEEDS = NoEquivalent("reinforge seeds everything from trainer.seed and data.seed")
+
+
+def _optim(section: str, ours: str) -> dict[str, Translation]:
+    """The optimizer keys of verl's actor or critic (``section``) onto ours (``ours``)."""
+    return {
+        f"{section}.optim.lr": Rename(f"{ours}.optim.lr"),
+        f"{section}.optim.weight_decay": Rename(f"{ours}.optim.weight_decay"),
+        f"{section}.optim.betas": Rename(f"{ours}.optim.betas"),
+        f"{section}.optim.lr_warmup_steps": Rename(f"{ours}.optim.warmup_steps", _unset_if(-1, None)),
+        f"{section}.optim.lr_warmup_steps_ratio": Rename(f"{ours}.optim.warmup_ratio"),
+        f"{section}.optim.min_lr_ratio": Rename(f"{ours}.optim.min_lr_ratio", _unset_if(None)),
+        f"{section}.optim.lr_scheduler_type": Rename(f"{ours}.optim.schedule", _schedule),
+        f"{section}.optim.warmup_style": Rename(f"{ours}.optim.schedule", _schedule),
+        f"{section}.optim.num_cycles": SameAsOurs((0.5,), "reinforge's cosine schedule is the half cycle (0.5) only"),
+        f"{section}.optim.clip_grad": Rename(f"{ours}.grad_clip"),
+        f"{section}.optim.optimizer": OPTIMIZER,
+        f"{section}.optim.optimizer_impl": OPTIMIZER,
+        f"{section}.optim.override_optimizer_config": OPTIMIZER,
+        f"{section}.optim.total_training_steps": TOTAL_STEPS,
+        f"{section}.optim.weight_decay_incr_ratio": OPTIMIZER,
+    }
+
+
+_ACTOR = "actor_rollout_ref.actor"
+_ROLLOUT = "actor_rollout_ref.rollout"
+_REF = "actor_rollout_ref.ref"
+_MODEL = "actor_rollout_ref.model"
+
+VERL_KEYS: dict[str, Translation] = {
+    # ---- data
+    "data.train_files": Rename("data.train_files", _file_list),
+    "data.val_files": Rename("data.val_files", _file_list),
+    "data.prompt_key": Rename("data.prompt_key"),
+    "data.train_batch_size": Rename("data.train_batch_size", verl_default=1024),
+    "data.val_batch_size": Rename("data.val_batch_size"),
+    "data.max_prompt_length": Rename("data.max_prompt_length"),
+    "data.max_response_length": Rename("data.max_response_length", verl_default=512),
+    "data.filter_overlong_prompts": Rename("data.filter_overlong_prompts", verl_default=False),
+    "data.truncation": Rename("data.truncation", _truncation),
+    "data.shuffle": Rename("data.shuffle"),
+    "data.seed": Rename("data.seed", _unset_if(None)),
+    "data.train_max_samples": Rename("data.max_train_samples", _unset_if(-1, None)),
+    "data.val_max_samples": Rename("data.max_val_samples", _unset_if(-1, None)),
+    "data.reward_fn_key": SameAsOurs(("data_source",), "reinforge picks the scorer by the data_source column; "
+                                                       "rename your column to it"),
+    "data.validation_shuffle": NoEquivalent("validation goes over the prompts in file order"),
+    "data.tokenizer": NoEquivalent("the tokenizer is model.tokenizer_path (actor_rollout_ref.model.tokenizer_path)"),
+    "data.trust_remote_code": NoEquivalent("see model.trust_remote_code (actor_rollout_ref.model.trust_remote_code)"),
+    "data.use_shm": OWN_DATA_PIPELINE,
+    "data.return_raw_input_ids": OWN_DATA_PIPELINE,
+    "data.return_raw_chat": OWN_DATA_PIPELINE,
+    "data.return_full_prompt": OWN_DATA_PIPELINE,
+    "data.dataloader_num_workers": OWN_DATA_PIPELINE,
+    "data.filter_overlong_prompts_workers": OWN_DATA_PIPELINE,
+    "data.custom_cls.*": OWN_DATA_PIPELINE,
+    "data.sampler.*": NoEquivalent("prompts are drawn in a seeded shuffled order (data.shuffle, data.seed); "
+                                   "there are no curriculum samplers"),
+    "data.datagen.*": NoEquivalent("reinforge has no dynamic data generation"),
+    "data.apply_chat_template_kwargs": NoEquivalent("set data.chat_template to a template instead"),
+    "data.tool_config_path": MULTI_TURN,
+    "data.image_key": MULTIMODAL,
+    "data.video_key": MULTIMODAL,
+    "data.image_patch_size": MULTIMODAL,
+    "data.return_multi_modal_inputs": MULTIMODAL,
+    "data.gen_batch_size": NoEquivalent("dynamic sampling (DAPO's filter_groups) is not in reinforge's trainer"),
+    # ---- model
+    f"{_MODEL}.path": Rename("model.path", _path),
+    f"{_MODEL}.tokenizer_path": Rename("model.tokenizer_path", _path),
+    f"{_MODEL}.trust_remote_code": Rename("model.trust_remote_code"),
+    f"{_MODEL}.custom_chat_template": Rename("data.chat_template"),
+    f"{_MODEL}.enable_gradient_checkpointing": Rename("model.gradient_checkpointing", verl_default=True),
+    f"{_MODEL}.use_remove_padding": ALWAYS_PADDING_FREE,
+    f"{_MODEL}.use_fused_kernels": NoEquivalent("log-probs are always fused with the output projection; "
+                                                "model.fused_kernels is about RMSNorm and the MLP"),
+    f"{_MODEL}.fused_kernel_options.*": NoEquivalent("log-probs are always fused with the output projection"),
+    f"{_MODEL}.use_liger": NoEquivalent("reinforge has its own fused kernels (model.fused_kernels)"),
+    f"{_MODEL}.lora_rank": SameAsOurs((0, None), "reinforge has no LoRA: this run would train every parameter"),
+    f"{_MODEL}.lora_alpha": NoEquivalent("reinforge has no LoRA"),
+    f"{_MODEL}.target_modules": NoEquivalent("reinforge has no LoRA"),
+    f"{_MODEL}.exclude_modules": NoEquivalent("reinforge has no LoRA"),
+    f"{_MODEL}.lora_adapter_path": NoEquivalent("reinforge has no LoRA"),
+    f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
+    f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
+    f"{_MODEL}.external_lib": NoEquivalent("import your model's package in a sitecustomize or register it "
+                                           "with transformers' Auto classes"),
+    f"{_MODEL}.use_shm": NoEquivalent("models load from model.path directly"),
+    f"{_MODEL}.enable_activation_offload": NoEquivalent("use model.gradient_checkpointing to save activation memory"),
+    f"{_MODEL}.tiled_mlp.*": NoEquivalent("use model.gradient_checkpointing to save activation memory"),
+    f"{_MODEL}.mtp.*": NoEquivalent("reinforge has no multi-token prediction or speculative decoding"),
+    "actor_rollout_ref.hybrid_engine": NoEquivalent("reinforge's actor and rollout always share one weight copy "
+                                                    "per device (the hybrid engine)"),
+    "actor_rollout_ref.nccl_timeout": NoEquivalent("worker calls have trainer.call_timeout_s"),
+    # ---- actor
+    **_optim(_ACTOR, "actor"),
+    f"{_ACTOR}.ppo_mini_batch_size": Rename("actor.mini_batch_size", verl_default=256),
+    f"{_ACTOR}.ppo_micro_batch_size": TOKEN_BUDGET,
+    f"{_ACTOR}.ppo_micro_batch_size_per_gpu": TOKEN_BUDGET,
+    f"{_ACTOR}.use_dynamic_bsz": DYNAMIC_BSZ,
+    f"{_ACTOR}.ppo_max_token_len_per_gpu": Rename("actor.max_tokens_per_micro_batch"),
+    f"{_ACTOR}.ppo_epochs": Rename("actor.ppo_epochs"),
+    f"{_ACTOR}.shuffle": Rename("actor.shuffle"),
+    f"{_ACTOR}.grad_clip": Rename("actor.grad_clip"),
+    f"{_ACTOR}.loss_agg_mode": Rename("actor.loss_agg_mode"),
+    f"{_ACTOR}.entropy_coeff": Rename("actor.entropy_coeff"),
+    f"{_ACTOR}.use_kl_loss": Rename("actor.use_kl_loss"),
+    f"{_ACTOR}.kl_loss_coef": Rename("actor.kl_loss_coef"),
+    f"{_ACTOR}.kl_loss_type": Rename("actor.kl_loss_type"),
+    f"{_ACTOR}.clip_ratio": Rename("actor.policy_loss.clip_ratio"),
+    f"{_ACTOR}.clip_ratio_low": Rename("actor.policy_loss.clip_ratio_low"),
+    f"{_ACTOR}.clip_ratio_high": Rename("actor.policy_loss.clip_ratio_high"),
+    f"{_ACTOR}.clip_ratio_c": Rename("actor.policy_loss.clip_ratio_c"),
+    f"{_ACTOR}.tau_pos": Rename("actor.policy_loss.tau_pos"),
+    f"{_ACTOR}.tau_neg": Rename("actor.policy_loss.tau_neg"),
+    f"{_ACTOR}.policy_loss.loss_mode": Rename("actor.policy_loss.loss_mode"),
+    f"{_ACTOR}.policy_loss.clip_cov_ratio": Rename("actor.policy_loss.clip_cov_ratio"),
+    f"{_ACTOR}.policy_loss.clip_cov_lb": Rename("actor.policy_loss.clip_cov_lb"),
+    f"{_ACTOR}.policy_loss.clip_cov_ub": Rename("actor.policy_loss.clip_cov_ub"),
+    f"{_ACTOR}.policy_loss.kl_cov_ratio": Rename("actor.policy_loss.kl_cov_ratio"),
+    f"{_ACTOR}.policy_loss.ppo_kl_coef": Rename("actor.policy_loss.ppo_kl_coef"),
+    f"{_ACTOR}.fsdp_config.param_offload": Rename("actor.param_offload", _only_if_true),
+    f"{_ACTOR}.fsdp_config.optimizer_offload": Rename("actor.param_offload", _only_if_true),
+    f"{_ACTOR}.fsdp_config.offload_policy": Rename("actor.param_offload", _only_if_true),
+    f"{_ACTOR}.fsdp_config.*": FSDP_DETAIL,
+    f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
+    f"{_ACTOR}.strategy": FSDP2,
+    f"{_ACTOR}.ulysses_sequence_parallel_size": PARALLELISM,
+    f"{_ACTOR}.loss_scale_factor": NoEquivalent("seq-mean-token-sum-norm divides by the longest response "
+                                                "(data.max_response_length)"),
+    f"{_ACTOR}.calculate_entropy": NoEquivalent("the entropy is always computed and logged (actor/entropy)"),
+    f"{_ACTOR}.entropy_from_logits_with_chunking": NoEquivalent("entropy is computed with the fused log-prob pass"),
+    f"{_ACTOR}.entropy_checkpointing": NoEquivalent("entropy is computed with the fused log-prob pass"),
+    f"{_ACTOR}.calculate_sum_pi_squared": NoEquivalent("no estimator here needs it"),
+    f"{_ACTOR}.sum_pi_squared_checkpointing": NoEquivalent("no estimator here needs it"),
+    f"{_ACTOR}.use_torch_compile": COMPILE,
+    f"{_ACTOR}.use_fused_kernels": NoEquivalent("log-probs are always fused with the output projection"),
+    f"{_ACTOR}.use_remove_padding": ALWAYS_PADDING_FREE,
+    f"{_ACTOR}.use_prefix_grouper": NoEquivalent("model.share_prompts runs a prompt shared by its samples once"),
+    f"{_ACTOR}.rollout_n": FROM_DATA,
+    f"{_ACTOR}.data_loader_seed": SEEDS,
+    f"{_ACTOR}.checkpoint.*": CHECKPOINT_FORMAT,
+    f"{_ACTOR}.router_replay.*": NoEquivalent("reinforge has no mixture-of-experts routing replay"),
+    f"{_ACTOR}.freeze_vision_tower": MULTIMODAL,
+    f"{_ACTOR}.profiler.*": PROFILING,
+    f"{_ACTOR}.tis_imp_ratio_cap": NoEquivalent("use algorithm.rollout_correction.rollout_is=token with "
+                                                "rollout_is_threshold"),
+    # ---- reference
+    f"{_REF}.fsdp_config.param_offload": Rename("ref.offload", _only_if_true),
+    f"{_REF}.fsdp_config.*": FSDP_DETAIL,
+    f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch", _unset_if(None)),
+    f"{_REF}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
+    f"{_REF}.log_prob_micro_batch_size_per_gpu": LOG_PROB_BUDGET,
+    f"{_REF}.log_prob_use_dynamic_bsz": LOG_PROB_BUDGET,
+    f"{_REF}.ulysses_sequence_parallel_size": PARALLELISM,
+    f"{_REF}.strategy": FSDP2,
+    f"{_REF}.use_torch_compile": COMPILE,
+    f"{_REF}.entropy_from_logits_with_chunking": NoEquivalent("the reference computes log-probs only"),
+    f"{_REF}.entropy_checkpointing": NoEquivalent("the reference computes log-probs only"),
+    f"{_REF}.rollout_n": FROM_DATA,
+    f"{_REF}.router_replay.*": NoEquivalent("reinforge has no mixture-of-experts routing replay"),
+    f"{_REF}.profiler.*": PROFILING,
+    # ---- rollout
+    f"{_ROLLOUT}.name": Rename("rollout.name", _rollout_engine),
+    f"{_ROLLOUT}.n": Rename("rollout.n", verl_default=1),
+    f"{_ROLLOUT}.temperature": Rename("rollout.temperature"),
+    f"{_ROLLOUT}.top_p": Rename("rollout.top_p"),
+    f"{_ROLLOUT}.top_k": Rename("rollout.top_k"),
+    f"{_ROLLOUT}.gpu_memory_utilization": Rename("rollout.gpu_memory_utilization"),
+    f"{_ROLLOUT}.free_cache_engine": Rename("rollout.free_cache_engine"),
+    f"{_ROLLOUT}.val_kwargs.n": Rename("rollout.val_kwargs.n"),
+    f"{_ROLLOUT}.val_kwargs.temperature": Rename("rollout.val_kwargs.temperature"),
+    f"{_ROLLOUT}.val_kwargs.top_p": Rename("rollout.val_kwargs.top_p"),
+    f"{_ROLLOUT}.val_kwargs.top_k": Rename("rollout.val_kwargs.top_k"),
+    f"{_ROLLOUT}.val_kwargs.do_sample": NoEquivalent("rollout.val_kwargs.temperature=0 is greedy, above 0 samples"),
+    f"{_ROLLOUT}.do_sample": NoEquivalent("rollout.temperature=0 is greedy, above 0 samples"),
+    f"{_ROLLOUT}.calculate_log_probs": NoEquivalent("the rollout always returns its log-probs (rollout_log_probs)"),
+    f"{_ROLLOUT}.prompt_length": FROM_DATA,
+    f"{_ROLLOUT}.response_length": FROM_DATA,
+    f"{_ROLLOUT}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
+    f"{_ROLLOUT}.log_prob_micro_batch_size_per_gpu": LOG_PROB_BUDGET,
+    f"{_ROLLOUT}.log_prob_use_dynamic_bsz": LOG_PROB_BUDGET,
+    f"{_ROLLOUT}.log_prob_max_token_len_per_gpu": LOG_PROB_BUDGET,
+    f"{_ROLLOUT}.tensor_model_parallel_size": PARALLELISM,
+    f"{_ROLLOUT}.data_parallel_size": PARALLELISM,
+    f"{_ROLLOUT}.expert_parallel_size": PARALLELISM,
+    f"{_ROLLOUT}.pipeline_model_parallel_size": PARALLELISM,
+    f"{_ROLLOUT}.multi_turn.*": MULTI_TURN,
+    f"{_ROLLOUT}.agent.*": MULTI_TURN,
+    f"{_ROLLOUT}.trace.*": MULTI_TURN,
+    f"{_ROLLOUT}.interaction_config_path": MULTI_TURN,
+    f"{_ROLLOUT}.profiler.*": PROFILING,
+    f"{_ROLLOUT}.prometheus.*": PROFILING,
+    f"{_ROLLOUT}.disable_log_stats": PROFILING,
+    f"{_ROLLOUT}.*": ENGINE_KNOB,
+    # ---- critic
+    **_optim("critic", "critic"),
+    "critic.enable": Rename("critic.enable"),
+    "critic.model.path": Rename("critic.model_path", _path),
+    "critic.model.fsdp_config.param_offload": Rename("critic.param_offload", _only_if_true),
+    "critic.model.fsdp_config.optimizer_offload": Rename("critic.param_offload", _only_if_true),
+    "critic.model.fsdp_config.offload_policy": Rename("critic.param_offload", _only_if_true),
+    "critic.model.fsdp_config.*": FSDP_DETAIL,
+    "critic.model.lora_rank": SameAsOurs((0, None), "reinforge has no LoRA: this run would train every parameter"),
+    "critic.model.*": NoEquivalent("the critic shares the model.* settings (gradient checkpointing, dtype, "
+                                   "remote code) and tokenizer of the actor"),
+    "critic.cliprange_value": Rename("critic.cliprange_value"),
+    "critic.loss_agg_mode": Rename("critic.loss_agg_mode"),
+    "critic.ppo_epochs": Rename("critic.ppo_epochs"),
+    "critic.grad_clip": Rename("critic.grad_clip"),
+    "critic.ppo_max_token_len_per_gpu": Rename("critic.max_tokens_per_micro_batch"),
+    "critic.forward_max_token_len_per_gpu": NoEquivalent("the critic's value pass uses "
+                                                         "critic.max_tokens_per_micro_batch too"),
+    "critic.ppo_mini_batch_size": NoEquivalent("the critic updates on actor.mini_batch_size"),
+    "critic.ppo_micro_batch_size": TOKEN_BUDGET,
+    "critic.ppo_micro_batch_size_per_gpu": TOKEN_BUDGET,
+    "critic.forward_micro_batch_size": TOKEN_BUDGET,
+    "critic.forward_micro_batch_size_per_gpu": TOKEN_BUDGET,
+    "critic.use_dynamic_bsz": DYNAMIC_BSZ,
+    "critic.shuffle": NoEquivalent("the critic's mini-batches follow actor.shuffle"),
+    "critic.strategy": FSDP2,
+    "critic.ulysses_sequence_parallel_size": PARALLELISM,
+    "critic.rollout_n": FROM_DATA,
+    "critic.data_loader_seed": SEEDS,
+    "critic.checkpoint.*": CHECKPOINT_FORMAT,
+    "critic.profiler.*": PROFILING,
+    # ---- reward
+    "custom_reward_function.path": Rename("reward.custom_function", _custom_function),
+    "custom_reward_function.name": Rename("reward.custom_function", _custom_function_name),
+    "custom_reward_function.reward_kwargs": Rename("reward.kwargs"),
+    "custom_reward_function.reward_kwargs.*": Rename("reward.kwargs.*"),
+    "reward_model.enable": SameAsOurs((False, None), REWARD_MODEL.reason),
+    "reward_model.reward_manager": NoEquivalent("one reward manager scores every sample in worker processes "
+                                                "with reward.timeout_s and reward.num_workers"),
+    "reward_model.reward_kwargs.*": NoEquivalent("DAPO's overlong-buffer penalty is not in reinforge's reward "
+                                                 "manager; pass a scorer's options with reward.kwargs"),
+    "reward_model.*": REWARD_MODEL,
+    "reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes"),
+    # ---- algorithm
+    "algorithm.adv_estimator": Rename("algorithm.adv_estimator", verl_default="gae"),
+    "algorithm.gamma": Rename("algorithm.gamma"),
+    "algorithm.lam": Rename("algorithm.lam"),
+    "algorithm.norm_adv_by_std_in_grpo": Rename("algorithm.norm_adv_by_std"),
+    "algorithm.use_kl_in_reward": Rename("algorithm.use_kl_in_reward"),
+    "algorithm.kl_penalty": Rename("algorithm.kl_penalty"),
+    "algorithm.kl_ctrl.type": Rename("algorithm.kl_ctrl.type"),
+    "algorithm.kl_ctrl.kl_coef": Rename("algorithm.kl_ctrl.kl_coef"),
+    "algorithm.kl_ctrl.target_kl": Rename("algorithm.kl_ctrl.target_kl"),
+    "algorithm.kl_ctrl.horizon": Rename("algorithm.kl_ctrl.horizon"),
+    "algorithm.rollout_correction.rollout_is": Rename("algorithm.rollout_correction.rollout_is"),
+    "algorithm.rollout_correction.rollout_is_threshold": Rename("algorithm.rollout_correction.rollout_is_threshold"),
+    "algorithm.rollout_correction.rollout_rs": Rename("algorithm.rollout_correction.rollout_rs"),
+    "algorithm.rollout_correction.rollout_rs_threshold": Rename("algorithm.rollout_correction.rollout_rs_threshold",
+                                                                _unset_if(None)),
+    "algorithm.rollout_correction.bypass_mode": Rename("algorithm.rollout_correction.bypass_mode"),
+    "algorithm.rollout_correction.loss_type": NoEquivalent("bypass mode here keeps the configured policy loss"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": NoEquivalent("importance weights are truncated, "
+                                                                            "not normalised over the batch"),
+    "algorithm.use_pf_ppo": SameAsOurs((False,), "reinforge has no PF-PPO resampling"),
+    "algorithm.pf_ppo.*": NoEquivalent("reinforge has no PF-PPO resampling"),
+    "algorithm.filter_groups.*": NoEquivalent("dynamic sampling (DAPO's filter_groups) is not in reinforge's "
+                                              "trainer"),
+    # ---- trainer
+    "trainer.total_epochs": Rename("trainer.total_epochs", verl_default=30),
+    "trainer.total_training_steps": Rename("trainer.total_steps", _unset_if(None)),
+    "trainer.project_name": Rename("trainer.project_name"),
+    "trainer.experiment_name": Rename("trainer.experiment_name"),
+    "trainer.logger": Rename("trainer.loggers", _loggers),
+    "trainer.nnodes": Rename("trainer.nnodes"),
+    "trainer.n_gpus_per_node": Rename("trainer.devices_per_node"),
+    "trainer.device": Rename("trainer.device"),
+    "trainer.save_freq": Rename("trainer.save_every", _unset_if(-1, 0, None)),
+    "trainer.test_freq": Rename("trainer.test_every", _unset_if(-1, 0, None)),
+    "trainer.val_before_train": Rename("trainer.val_before_train"),
+    "trainer.critic_warmup": Rename("critic.warmup_steps"),
+    "trainer.default_local_dir": Rename("trainer.output_dir", _path),
+    "trainer.resume_mode": Rename("trainer.resume", _resume_mode),
+    "trainer.resume_from_path": Rename("trainer.resume", _resume_path),
+    "trainer.max_actor_ckpt_to_keep": Rename("trainer.keep_last", _unset_if(None)),
+    "trainer.max_critic_ckpt_to_keep": NoEquivalent("actor and critic checkpoints are kept together "
+                                                    "(trainer.keep_last)"),
+    "trainer.log_val_generations": NoEquivalent("samples.jsonl holds trainer.num_logged_samples generations "
+                                                "of every step"),
+    "trainer.rollout_data_dir": NoEquivalent("samples.jsonl in the run folder holds logged generations"),
+    "trainer.validation_data_dir": NoEquivalent("samples.jsonl in the run folder holds logged generations"),
+    "trainer.balance_batch": NoEquivalent("micro-batches are always balanced by tokens"),
+    "trainer.val_only": NoEquivalent("use `reinforge eval MODEL DATA` to validate a model"),
+    "trainer.default_hdfs_dir": NoEquivalent("checkpoints go to trainer.output_dir"),
+    "trainer.del_local_ckpt_after_load": NoEquivalent("trainer.keep_last bounds the checkpoints on disk"),
+    "trainer.esi_redundant_time": NoEquivalent("checkpoint with trainer.save_every"),
+    "trainer.ray_wait_register_center_timeout": RAY_DETAIL,
+    "trainer.use_legacy_worker_impl": NoEquivalent("reinforge has one worker implementation"),
+    # ---- the rest of verl's config
+    "global_profiler.*": PROFILING,
+    "ray_kwargs.*": RAY_DETAIL,
+    "transfer_queue.*": NoEquivalent("batches go straight from the controller to the workers"),
+}
+
+
+def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
+    """Our keys that a verl command implies without naming them: (key, value, why)."""
+    implied = []
+    num_devices = given.get("trainer.nnodes", 1) * given.get("trainer.n_gpus_per_node", 1)
+    if isinstance(num_devices, int) and num_devices > 1:
+        implied.append(("trainer.backend", "ray", f"verl runs on Ray; {num_devices} devices need trainer.backend=ray"))
+    return implied
+
+
+def lookup(verl_key: str) -> tuple[str, Translation] | None:
+    """The entry that covers ``verl_key`` (its own, else the nearest ``a.b.*`` above it) with its pattern."""
+    if verl_key in VERL_KEYS:
+        return verl_key, VERL_KEYS[verl_key]
+    parts = verl_key.split(".")
+    for length in range(len(parts) - 1, 0, -1):
+        pattern = ".".join(parts[:length]) + ".*"
+        if pattern in VERL_KEYS:
+            return pattern, VERL_KEYS[pattern]
+    return None
+
+
+def our_key(pattern: str, rename: Rename, verl_key: str) -> str:
+    """``rename.ours`` with a trailing ``.*`` replaced by the part of ``verl_key`` below ``pattern``."""
+    if not rename.ours.endswith(".*"):
+        return rename.ours
+    return rename.ours[:-1] + verl_key[len(pattern) - 1:]
+
+
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "global_profiler",
+                 "ray_kwargs", "reward_manager", "reward_model", "trainer", "transfer_queue")
+"""verl's top-level sections; a key under one of them that the table lacks is not a verl key we know."""
+
+
+def _leaves(key: str, value: Any) -> list[str]:
+    if isinstance(value, Mapping) and value:
+        return [leaf for inner, item in value.items() for leaf in _leaves(f"{key}.{inner}", item)]
+    return [key]
+
+
+def verl_hint(key: str, value: Any = None) -> str | None:
+    """For an unknown key of our config that is verl's: what it is called here, or why it has no equivalent.
+
+    ``value`` is what the key was given; for a whole verl section (``actor_rollout_ref: {...}`` in a
+    YAML file) the hint names the translation of one of its keys. None when the key is not verl's.
+    """
+    leaves = [(leaf, lookup(leaf)) for leaf in _leaves(key, value)]
+    known = [(leaf, found) for leaf, found in leaves if found is not None]
+    if not known:
+        if key in VERL_SECTIONS or any(name.startswith(f"{key}.") for name in VERL_KEYS):
+            return ("it is a section of verl's config; translate a verl command with "
+                    "`reinforge config from-verl KEY=VALUE ...` or run it with `reinforge train --from-verl ...`")
+        return None
+    renamed = [(leaf, pattern, entry) for leaf, (pattern, entry) in known if isinstance(entry, Rename)]
+    if len(leaves) > 1 or key != leaves[0][0]:
+        example = ""
+        if renamed:
+            leaf, pattern, entry = renamed[0]
+            example = f" (e.g. {leaf} is {our_key(pattern, entry, leaf)} here)"
+        return ("it is verl's; translate it with `reinforge config from-verl KEY=VALUE ...` "
+                f"or `reinforge train --from-verl ...`{example}")
+    pattern, entry = known[0][1]
+    if isinstance(entry, Rename):
+        return (f"it is verl's key; reinforge calls it {our_key(pattern, entry, key)} "
+                "(`reinforge train --from-verl ...` translates a whole verl command)")
+    return f"it is verl's key and has no equivalent here: {entry.reason}; remove it"
