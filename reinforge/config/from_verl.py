@@ -212,3 +212,37 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
             _set(result.tree, target_key, value)
             result.translated.append(KeyLine(reason, None, target_key, value, implied=True))
     return result
+
+
+def _leaves(key: str, value: Any) -> list[str]:
+    if isinstance(value, Mapping) and value:
+        return [leaf for inner, item in value.items() for leaf in _leaves(f"{key}.{inner}", item)]
+    return [key]
+
+
+def verl_hint(key: str, value: Any = None) -> str | None:
+    """For an unknown key of our config that is verl's: what it is called here, or why it has no equivalent.
+
+    ``value`` is what the key was given; for a whole verl section (``actor_rollout_ref: {...}`` in a
+    YAML file) the hint names the translation of one of its keys. None when the key is not verl's.
+    """
+    leaves = [(leaf, lookup(leaf)) for leaf in _leaves(key, value)]
+    known = [(leaf, found) for leaf, found in leaves if found is not None]
+    if not known:
+        if key in VERL_SECTIONS or any(name.startswith(f"{key}.") for name in VERL_KEYS):
+            return ("it is a section of verl's config; translate a verl command with "
+                    "`reinforge config from-verl KEY=VALUE ...` or run it with `reinforge train --from-verl ...`")
+        return None
+    renamed = [(leaf, pattern, entry) for leaf, (pattern, entry) in known if isinstance(entry, Rename)]
+    if len(leaves) > 1 or key != leaves[0][0]:
+        example = ""
+        if renamed:
+            leaf, pattern, entry = renamed[0]
+            example = f" (e.g. {leaf} is {our_key(pattern, entry, leaf)} here)"
+        return ("it is verl's; translate it with `reinforge config from-verl KEY=VALUE ...` "
+                f"or `reinforge train --from-verl ...`{example}")
+    pattern, entry = known[0][1]
+    if isinstance(entry, Rename):
+        return (f"it is verl's key; reinforge calls it {our_key(pattern, entry, key)} "
+                "(`reinforge train --from-verl ...` translates a whole verl command)")
+    return f"it is verl's key and has no equivalent here: {entry.reason}; remove it"

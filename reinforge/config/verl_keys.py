@@ -4,7 +4,7 @@
 to a ``Rename`` (our key, a value conversion, and verl's default where it differs from ours in a
 way that changes the run) or to a ``NoEquivalent`` with the reason. A key ending in ``.*`` covers
 every key below it; the exact key wins over a covering one. ``reinforge.config.from_verl`` reads
-this table; the "did you mean" of ``reinforge.config.loader`` reads it too.
+this table, and so does the "did you mean" of ``reinforge.config.loader`` (through ``from_verl.verl_hint``).
 
 A conversion gets the value and every verl key given (for keys that only mean something
 together); it returns our value, ``UNSET`` when the value leaves our default alone, or raises
@@ -192,6 +192,21 @@ FSDP2 = SameAsOurs(("fsdp", "fsdp2"), "reinforge trains with FSDP2 only")
 SEEDS = NoEquivalent("reinforge seeds everything from trainer.seed and data.seed")
 
 
+def _each(prefix: str, names: str, entry: Translation) -> dict[str, Translation]:
+    """``entry`` for each of the space-separated ``names`` under ``prefix``: explicit keys, so a typo is caught."""
+    return {f"{prefix}.{name}": entry for name in names.split()}
+
+
+FSDP_DETAILS = ("wrap_policy.min_num_params reshard_after_forward fsdp_size forward_prefetch model_dtype "
+                "use_orig_params seed full_determinism entropy_from_logits_with_chunking use_torch_compile "
+                "entropy_checkpointing forward_only strategy dtype wrap_policy.transformer_layer_cls_to_wrap")
+ENGINE_KNOBS = ("mode dtype ignore_eos enforce_eager cudagraph_capture_sizes max_num_batched_tokens max_model_len "
+                "max_num_seqs enable_chunked_prefill enable_prefix_caching logprobs_mode scheduling_policy load_format "
+                "over_sample_rate multi_stage_wake_up skip_rollout skip_dump_dir skip_tokenizer_init "
+                "enable_rollout_routing_replay quantization quantization_config_file mtp layered_summon "
+                "update_weights_bucket_megabytes max_loras max_lora_rank repetition_penalty")
+
+
 def _optim(section: str, ours: str) -> dict[str, Translation]:
     """The optimizer keys of verl's actor or critic (``section``) onto ours (``ours``)."""
     return {
@@ -312,7 +327,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.fsdp_config.param_offload": Rename("actor.param_offload", _only_if_true),
     f"{_ACTOR}.fsdp_config.optimizer_offload": Rename("actor.param_offload", _only_if_true),
     f"{_ACTOR}.fsdp_config.offload_policy": Rename("actor.param_offload", _only_if_true),
-    f"{_ACTOR}.fsdp_config.*": FSDP_DETAIL,
+    **_each(f"{_ACTOR}.fsdp_config", FSDP_DETAILS, FSDP_DETAIL),
     f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
     f"{_ACTOR}.strategy": FSDP2,
     f"{_ACTOR}.ulysses_sequence_parallel_size": PARALLELISM,
@@ -337,7 +352,8 @@ VERL_KEYS: dict[str, Translation] = {
                                                 "rollout_is_threshold"),
     # ---- reference
     f"{_REF}.fsdp_config.param_offload": Rename("ref.offload", _only_if_true),
-    f"{_REF}.fsdp_config.*": FSDP_DETAIL,
+    **_each(f"{_REF}.fsdp_config", FSDP_DETAILS + " optimizer_offload offload_policy", FSDP_DETAIL),
+    f"{_REF}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
     f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch", _unset_if(None)),
     f"{_REF}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
     f"{_REF}.log_prob_micro_batch_size_per_gpu": LOG_PROB_BUDGET,
@@ -382,7 +398,9 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.profiler.*": PROFILING,
     f"{_ROLLOUT}.prometheus.*": PROFILING,
     f"{_ROLLOUT}.disable_log_stats": PROFILING,
-    f"{_ROLLOUT}.*": ENGINE_KNOB,
+    **_each(_ROLLOUT, ENGINE_KNOBS, ENGINE_KNOB),
+    f"{_ROLLOUT}.engine_kwargs.*": ENGINE_KNOB,
+    f"{_ROLLOUT}.checkpoint_engine.*": ENGINE_KNOB,
     # ---- critic
     **_optim("critic", "critic"),
     "critic.enable": Rename("critic.enable"),
@@ -390,10 +408,14 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.model.fsdp_config.param_offload": Rename("critic.param_offload", _only_if_true),
     "critic.model.fsdp_config.optimizer_offload": Rename("critic.param_offload", _only_if_true),
     "critic.model.fsdp_config.offload_policy": Rename("critic.param_offload", _only_if_true),
-    "critic.model.fsdp_config.*": FSDP_DETAIL,
+    **_each("critic.model.fsdp_config", FSDP_DETAILS, FSDP_DETAIL),
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
     "critic.model.lora_rank": SameAsOurs((0, None), "reinforge has no LoRA: this run would train every parameter"),
-    "critic.model.*": NoEquivalent("the critic shares the model.* settings (gradient checkpointing, dtype, "
-                                   "remote code) and tokenizer of the actor"),
+    **_each("critic.model", "tokenizer_path override_config external_lib trust_remote_code use_shm "
+            "enable_gradient_checkpointing enable_activation_offload use_remove_padding lora_alpha target_modules",
+            NoEquivalent("the critic shares the model.* settings (gradient checkpointing, remote code) and the "
+                         "tokenizer of the actor")),
+    "critic.model.tiled_mlp.*": NoEquivalent("use model.gradient_checkpointing to save activation memory"),
     "critic.cliprange_value": Rename("critic.cliprange_value"),
     "critic.loss_agg_mode": Rename("critic.loss_agg_mode"),
     "critic.ppo_epochs": Rename("critic.ppo_epochs"),
@@ -519,36 +541,3 @@ VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_func
                  "ray_kwargs", "reward_manager", "reward_model", "trainer", "transfer_queue")
 """verl's top-level sections; a key under one of them that the table lacks is not a verl key we know."""
 
-
-def _leaves(key: str, value: Any) -> list[str]:
-    if isinstance(value, Mapping) and value:
-        return [leaf for inner, item in value.items() for leaf in _leaves(f"{key}.{inner}", item)]
-    return [key]
-
-
-def verl_hint(key: str, value: Any = None) -> str | None:
-    """For an unknown key of our config that is verl's: what it is called here, or why it has no equivalent.
-
-    ``value`` is what the key was given; for a whole verl section (``actor_rollout_ref: {...}`` in a
-    YAML file) the hint names the translation of one of its keys. None when the key is not verl's.
-    """
-    leaves = [(leaf, lookup(leaf)) for leaf in _leaves(key, value)]
-    known = [(leaf, found) for leaf, found in leaves if found is not None]
-    if not known:
-        if key in VERL_SECTIONS or any(name.startswith(f"{key}.") for name in VERL_KEYS):
-            return ("it is a section of verl's config; translate a verl command with "
-                    "`reinforge config from-verl KEY=VALUE ...` or run it with `reinforge train --from-verl ...`")
-        return None
-    renamed = [(leaf, pattern, entry) for leaf, (pattern, entry) in known if isinstance(entry, Rename)]
-    if len(leaves) > 1 or key != leaves[0][0]:
-        example = ""
-        if renamed:
-            leaf, pattern, entry = renamed[0]
-            example = f" (e.g. {leaf} is {our_key(pattern, entry, leaf)} here)"
-        return ("it is verl's; translate it with `reinforge config from-verl KEY=VALUE ...` "
-                f"or `reinforge train --from-verl ...`{example}")
-    pattern, entry = known[0][1]
-    if isinstance(entry, Rename):
-        return (f"it is verl's key; reinforge calls it {our_key(pattern, entry, key)} "
-                "(`reinforge train --from-verl ...` translates a whole verl command)")
-    return f"it is verl's key and has no equivalent here: {entry.reason}; remove it"

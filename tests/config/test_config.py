@@ -132,3 +132,29 @@ def test_sft_config_rejects_the_same_run_settings(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         load_sft_config(None, overrides)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.kl_loss_coef=0.01",
+     "unknown key actor_rollout_ref.actor.kl_loss_coef (command line); it is verl's key; reinforge calls it "
+     "actor.kl_loss_coef (`reinforge train --from-verl ...` translates a whole verl command)"),
+    ("trainer.save_freq=5", "unknown key trainer.save_freq (command line); it is verl's key; reinforge calls it "
+                            "trainer.save_every"),
+    ("actor_rollout_ref.actor.use_dynamic_bsz=true",
+     "unknown key actor_rollout_ref.actor.use_dynamic_bsz (command line); it is verl's key and has no equivalent "
+     "here: micro-batches are always balanced by tokens under actor.max_tokens_per_micro_batch"),
+    ("actor_rollout_ref=1", "unknown key actor_rollout_ref (command line); it is a section of verl's config"),
+])
+def test_a_verl_key_names_its_translation_not_a_neighbour(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert str(error.value).startswith(message)
+
+
+def test_a_verl_section_in_yaml_names_a_translation(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    kl_loss_coef: 0.01\n    ppo_epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown key actor_rollout_ref.actor \(from run.yaml\); it is verl's; translate "
+                                          r"it with `reinforge config from-verl KEY=VALUE ...` .*\(e.g. "
+                                          r"actor_rollout_ref.actor.kl_loss_coef is actor.kl_loss_coef here\)"):
+        load_config(path)

@@ -1,0 +1,206 @@
+"""Translating verl command lines: verl's own GSM8K GRPO examples load and validate, and every key is accounted for."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reinforge.cli import main
+from reinforge.config import ConfigError, load_config, schema_keys
+from reinforge.config.from_verl import parse_verl_overrides, translate_verl
+from reinforge.config.verl_keys import VERL_KEYS, NoEquivalent, Rename, SameAsOurs, lookup
+
+# verl's examples/grpo_trainer/run_qwen2-7b.sh (the GSM8K GRPO example), its overrides as the shell passes them.
+VERL_GSM8K_GRPO = [
+    "python3", "-m", "verl.trainer.main_ppo",
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=/home/user/data/gsm8k/train.parquet",
+    "data.val_files=/home/user/data/gsm8k/test.parquet",
+    "data.train_batch_size=1024",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    'trainer.logger=["console","wandb"]',
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_7b_function_rm",
+    "trainer.n_gpus_per_node=8",
+    "trainer.nnodes=1",
+    "trainer.save_freq=20",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
+
+# The keys of verl's examples/grpo_trainer/run_qwen2-7b_seq_balance.sh that differ from the one above.
+VERL_GSM8K_GRPO_SEQ_BALANCE = [
+    "data.return_raw_chat=True",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000",
+    "actor_rollout_ref.rollout.mode=async",
+    "actor_rollout_ref.rollout.multi_turn.format=hermes",
+    "trainer.val_before_train=False",
+]
+
+VERL_KEY_NAMES = (Path(__file__).parent / "verl_ppo_trainer_keys.txt").read_text().split()
+"""Every key of verl's ppo_trainer.yaml (its generated flat copy, at the commit the table was written from)."""
+
+
+def test_verl_gsm8k_grpo_example_translates_loads_and_validates(capsys):
+    translation = translate_verl(VERL_GSM8K_GRPO)
+    config = load_config(None, tree=translation.tree)
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.data.train_files == ["/home/user/data/gsm8k/train.parquet"]
+    assert config.data.val_files == ["/home/user/data/gsm8k/test.parquet"]
+    assert (config.data.train_batch_size, config.data.max_response_length) == (1024, 1024)
+    assert config.model.path == "Qwen/Qwen2-7B-Instruct" and config.model.gradient_checkpointing
+    assert config.actor.optim.lr == pytest.approx(1e-6)
+    assert config.actor.mini_batch_size == 256
+    assert config.actor.use_kl_loss and config.actor.kl_loss_coef == pytest.approx(0.001)
+    assert config.actor.param_offload is False and config.ref.offload is True
+    assert (config.rollout.name, config.rollout.n, config.rollout.gpu_memory_utilization) == ("native", 5, 0.6)
+    assert config.trainer.loggers == ["console", "wandb", "jsonl"]
+    assert (config.trainer.devices_per_node, config.trainer.backend) == (8, "ray")
+    assert (config.trainer.save_every, config.trainer.test_every, config.trainer.total_epochs) == (20, 5, 15)
+    assert config.trainer.project_name == "verl_grpo_example_gsm8k"
+
+    report = translation.report()
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size=256  ->  actor.mini_batch_size=256" in report
+    for dropped in ("ppo_micro_batch_size_per_gpu=40: micro-batches are formed from the token budget "
+                    "actor.max_tokens_per_micro_batch",
+                    "tensor_model_parallel_size=2: reinforge shards every model with FSDP2",
+                    "use_remove_padding=true: reinforge's passes are always padding-free"):
+        assert dropped in report
+    reported = {line.verl_key for line in translation.translated + translation.already_ours
+                + translation.no_equivalent}
+    assert reported >= {word.split("=")[0] for word in VERL_GSM8K_GRPO if "=" in word}
+
+
+def test_dynamic_batch_size_becomes_the_token_budget():
+    translation = translate_verl(VERL_GSM8K_GRPO + VERL_GSM8K_GRPO_SEQ_BALANCE)
+    config = load_config(None, tree=translation.tree)
+    assert config.actor.max_tokens_per_micro_batch == 24000
+    assert config.trainer.val_before_train is False
+    reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
+    assert "actor.max_tokens_per_micro_batch" in reasons["actor_rollout_ref.actor.use_dynamic_bsz"]
+    assert "multi-turn" in reasons["actor_rollout_ref.rollout.multi_turn.format"]
+
+
+@pytest.mark.parametrize("word, files", [
+    ("data.train_files=/x.parquet", ["/x.parquet"]),
+    ("data.train_files=[/a.parquet,/b.parquet]", ["/a.parquet", "/b.parquet"]),
+    ("data.train_files=['/a.parquet', '/b.parquet']", ["/a.parquet", "/b.parquet"]),
+    ("+data.train_files=~/x.parquet", [str(Path.home() / "x.parquet")]),
+])
+def test_train_files_in_verl_string_and_list_forms(word, files):
+    assert translate_verl([word]).tree["data"]["train_files"] == files
+
+
+def test_verl_defaults_that_change_the_run_are_carried_over():
+    """A command that leaves out adv_estimator, rollout.n, ... runs what verl runs: GAE, one sample, 1024 prompts."""
+    config = load_config(None, tree=translate_verl(["actor_rollout_ref.model.path=m"]).tree)
+    assert config.algorithm.adv_estimator == "gae" and config.rollout.n == 1
+    assert (config.data.train_batch_size, config.actor.mini_batch_size, config.trainer.total_epochs) == (1024, 256, 30)
+    assert config.data.filter_overlong_prompts is False
+
+
+def test_values_converted():
+    translation = translate_verl([
+        "custom_reward_function.path=/r/score.py", "+custom_reward_function.reward_kwargs.mode=flexible",
+        "trainer.save_freq=-1", "data.train_max_samples=100", "data.val_max_samples=-1",
+        "trainer.resume_mode=disable", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "trainer.logger=tensorboard",
+        "algorithm.norm_adv_by_std_in_grpo=False", "critic.model.path=/c", "trainer.critic_warmup=3",
+    ])
+    tree = translation.tree
+    assert tree["reward"] == {"custom_function": "/r/score.py:compute_score", "kwargs": {"mode": "flexible"}}
+    assert tree["trainer"]["resume"] == "never" and tree["trainer"]["loggers"] == ["tensorboard", "jsonl"]
+    assert "save_every" not in tree["trainer"] and tree["data"]["max_train_samples"] == 100
+    assert "max_val_samples" not in tree["data"] and "warmup_steps" not in tree["actor"]["optim"]
+    assert tree["actor"]["optim"]["warmup_ratio"] == 0.1 and tree["algorithm"]["norm_adv_by_std"] is False
+    assert tree["critic"] == {"model_path": "/c", "warmup_steps": 3}
+    named = translate_verl(["custom_reward_function.path=s.py", "custom_reward_function.name=my_score"]).tree
+    assert named["reward"]["custom_function"] == "s.py:my_score"
+    resumed = translate_verl(["trainer.resume_mode=resume_path", "trainer.resume_from_path=/run/step_5"]).tree
+    assert resumed["trainer"]["resume"] == "/run/step_5"
+
+
+def test_values_without_equivalent_are_reported_not_translated():
+    translation = translate_verl(["actor_rollout_ref.model.lora_rank=32", "data.truncation=middle",
+                                  "actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=[console,swanlab]"])
+    assert translation.tree == {"data": {"train_batch_size": 1024, "max_response_length": 512,
+                                         "filter_overlong_prompts": False},
+                                "model": {"gradient_checkpointing": True}, "actor": {"mini_batch_size": 256},
+                                "trainer": {"total_epochs": 30}, "algorithm": {"adv_estimator": "gae"},
+                                "rollout": {"n": 1}}
+    reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
+    assert "no LoRA" in reasons["actor_rollout_ref.model.lora_rank"]
+    assert "truncation 'middle' is not here" in reasons["data.truncation"]
+    assert "cannot log to swanlab" in reasons["trainer.logger"]
+    assert [line.verl_key for line in translation.already_ours] == ["actor_rollout_ref.actor.strategy"]
+
+
+def test_unknown_and_conflicting_verl_keys_fail_in_one_line():
+    with pytest.raises(ConfigError, match=r"^data.train_filez \(verl command line\) is not a verl key reinforge "
+                                          r"knows; did you mean data.train_files\?$"):
+        translate_verl(["data.train_filez=/x"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.optim.clip_grad=0.5 and "
+                                          r"actor_rollout_ref.actor.grad_clip \(verl command line\) both set "
+                                          r"actor.grad_clip, to 0.5 and 2.0; keep one of them"):
+        translate_verl(["actor_rollout_ref.actor.grad_clip=2.0", "actor_rollout_ref.actor.optim.clip_grad=0.5"])
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        parse_verl_overrides(["data.train_files"])
+
+
+def test_every_key_of_verl_ppo_trainer_is_translated_or_explained():
+    assert len(VERL_KEY_NAMES) > 400
+    unexplained = [key for key in VERL_KEY_NAMES if lookup(key) is None]
+    assert unexplained == []
+
+
+def test_every_translation_names_a_key_of_our_schema():
+    ours = schema_keys()
+    for verl_key, entry in VERL_KEYS.items():
+        assert isinstance(entry, Rename | NoEquivalent | SameAsOurs)
+        if isinstance(entry, Rename):
+            target = entry.ours.removesuffix(".*")
+            assert target in ours, f"{verl_key} -> {entry.ours}, which our schema lacks"
+
+
+def test_config_from_verl_command_writes_yaml_that_trains_as_translated(tmp_path, capsys):
+    out = tmp_path / "run.yaml"
+    assert main(["config", "from-verl", *VERL_GSM8K_GRPO, "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "actor_rollout_ref.rollout.n=5  ->  rollout.n=5" in err and f"wrote {out}" in err
+    assert load_config(out) == load_config(None, tree=translate_verl(VERL_GSM8K_GRPO).tree)
+    assert yaml.safe_load(out.read_text())["rollout"] == {"name": "native", "gpu_memory_utilization": 0.6, "n": 5}
+
+
+def test_train_from_verl_applies_our_overrides_after_double_dash(capsys):
+    # No model.path: training stops before loading anything, after the translation printed its mapping.
+    with pytest.raises(SystemExit, match="model.path is not set"):
+        main(["train", "--from-verl", "data.train_files=/x.parquet", "actor_rollout_ref.rollout.n=4", "--",
+              "rollout.n=6"])
+    assert "actor_rollout_ref.rollout.n=4  ->  rollout.n=4" in capsys.readouterr().err
+    assert main(["train", "--from-verl", "actor_rollout_ref.rollout.nn=4"]) == 2
+    assert "did you mean actor_rollout_ref.rollout.n?" in capsys.readouterr().err
