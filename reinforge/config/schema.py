@@ -139,6 +139,26 @@ class ValSamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn agent loops (reinforge.agent); used by rows whose agent_name is not single_turn."""
+
+    tool_config_path: Optional[str] = None
+    """YAML tool config (a 'tools' list of class_name / config / tool_schema, as verl's); needed by tool_agent rows."""
+    format: str = "hermes"
+    """Tool-call format the parser reads (a name in reinforge.agent.TOOL_PARSERS)."""
+    max_assistant_turns: Optional[int] = None
+    """Stop a trajectory after this many assistant turns; None: no limit but the response budget."""
+    max_user_turns: Optional[int] = None
+    """Stop a trajectory after this many tool (user) turns; None: no limit."""
+    max_parallel_calls: int = 1
+    """Tool calls of one assistant turn that run (concurrently); later ones are answered 'not run' and counted."""
+    max_tool_response_length: int = 256
+    """Tool output is cut to this many tokens (verl counts characters)."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of an overlong tool output goes: middle (keep both ends), left (keep the end), right (keep the start)."""
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"
     """Engine backend: hf (transformers generate) or native."""
@@ -156,6 +176,7 @@ class RolloutConfig:
     """Native engine: free its KV cache, weight copy and CUDA graphs after each rollout, for the update.
     false keeps them (the update has that much less memory; the next rollout captures no graphs)."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -196,6 +217,9 @@ class RewardConfig:
     """Score of a sample whose scorer raised or timed out."""
     timeout_s: float = 10.0
     num_workers: int = 4
+    retool_wrong_answer: bool = False
+    """ReTool's shaping for tool use: a wrong answer (acc false, or a score <= 0 without acc) scores
+    min(-0.6, -1 + 0.05 * (num_turns - 2)), so each tool call (two turns) adds 0.1 up to -0.6."""
 
 
 @dataclass

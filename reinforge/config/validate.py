@@ -86,6 +86,18 @@ def validate_config(config: Config) -> None:
     validate_optim("actor.optim", actor.optim)
     validate_optim("critic.optim", config.critic.optim)
 
+    multi_turn = rollout.multi_turn
+    _choice("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,
+            ("middle", "left", "right"))
+    if multi_turn.max_parallel_calls < 1:
+        raise ConfigError(f"rollout.multi_turn.max_parallel_calls={multi_turn.max_parallel_calls} must be at least 1")
+    if multi_turn.max_tool_response_length < 1:
+        raise ConfigError(f"rollout.multi_turn.max_tool_response_length={multi_turn.max_tool_response_length} "
+                          "must be at least 1 token")
+    for key in ("max_assistant_turns", "max_user_turns"):
+        value = getattr(multi_turn, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"rollout.multi_turn.{key}={value} must be at least 1, or null for no limit")
     if rollout.n < 1:
         raise ConfigError(f"rollout.n={rollout.n} must be at least 1")
     if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:

@@ -41,6 +41,40 @@ CHAT_TEMPLATE = (
 )
 """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message."""
 
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '"
+    " '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": '"
+    " '<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{ '<|im_start|>assistant' }}{% if message.content %}{{ '\\n' + message.content }}{% endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{ call.function.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML with Hermes tool calls, shaped like Qwen2.5's template: tool schemas in the system turn,
+calls as ``<tool_call>`` JSON in the assistant turn, consecutive tool messages in one user turn
+of ``<tool_response>`` blocks."""
+
 ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 
 
@@ -58,7 +92,7 @@ def byte_symbols() -> list[str]:
     return [symbols[byte] for byte in range(256)]
 
 
-def build_char_tokenizer(extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(extra_tokens: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A byte-level ChatML tokenizer without merges: one token per ASCII character, per byte otherwise.
 
     Ids: the three special tokens 0-2, then byte b at id 3 + b (so "a" is 100), then ``extra_tokens``
@@ -75,7 +109,7 @@ def build_char_tokenizer(extra_tokens: Sequence[str] = ()) -> PreTrainedTokenize
     backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
     backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in extra_tokens])
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                   padding_side="left", chat_template=CHAT_TEMPLATE)
+                                   padding_side="left", chat_template=chat_template)
 
 
 def build_tiny_causal_lm(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,

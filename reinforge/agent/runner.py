@@ -1,0 +1,154 @@
+"""Running many trajectories at once: one asyncio task per row, over one engine.
+
+``AgentRunner.run`` starts every row's loop together. Each loop awaits the engine for its
+turns and its tools for their results; while one trajectory waits for a tool, the others
+keep the engine busy. Two clients connect the loops to an engine:
+
+- ``AsyncEngineClient`` (the native engine's ``generate_async``): each turn joins the engine's
+  running batch as soon as it is submitted (continuous batching across trajectories);
+- ``BatchingClient`` (any engine with a batch ``generate``, such as ``hf``): the turns submitted
+  while the previous call ran are generated together in the next call, so the hf backend
+  works too, at the pace of its slowest turn per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from reinforge.agent.loop import AgentContext, AgentLoopOutput, TokenClient, agent_name_of, get_agent_loop
+from reinforge.config.schema import MultiTurnConfig
+from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+
+
+class AsyncEngineClient:
+    """Turns of all trajectories join one continuously batched engine (``engine.generate_async``)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+        return (await self.engine.generate_async(GenerationRequest(prompt_ids, sampling, request_id)))[0]
+
+
+class BatchingClient:
+    """Turns submitted while a call runs are generated together by the next ``engine.generate`` call.
+
+    ``call_context`` wraps each call (in its worker thread), e.g. the device's autocast. The calls
+    ask for the batch's longest budget and cut each completion to its own, so requests that differ
+    only in their remaining budget share a call (seeded sampling makes the cut sample the same).
+    """
+
+    def __init__(self, engine: Any, call_context: Callable[[], Any] = contextlib.nullcontext):
+        self.engine = engine
+        self.call_context = call_context
+        self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
+        self.num_calls = 0
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((GenerationRequest(prompt_ids, sampling, request_id), future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await future
+
+    async def _flush(self) -> None:
+        while self._pending:
+            for _ in range(4):  # let every trajectory that is ready submit its turn before the call starts
+                await asyncio.sleep(0)
+            batch, self._pending = self._pending, []
+            try:
+                results = await asyncio.to_thread(self._generate, [request for request, _ in batch])
+            except BaseException as error:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), completion in zip(batch, results, strict=True):
+                if not future.done():
+                    future.set_result(completion)
+
+    def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        longest = max(request.sampling.max_tokens for request in requests)
+        shared = [GenerationRequest(request.prompt_token_ids, dataclasses.replace(request.sampling, max_tokens=longest),
+                                    request.request_id) for request in requests]
+        with self.call_context():
+            samples = self.engine.generate(shared)
+        self.num_calls += 1
+        completions = []
+        for request, (completion, *_) in zip(requests, samples, strict=True):
+            limit = request.sampling.max_tokens
+            if len(completion.token_ids) > limit:
+                completion = Completion(completion.token_ids[:limit], completion.log_probs[:limit], "length")
+            completions.append(completion)
+        return completions
+
+
+class AgentRunner:
+    """Builds each row's loop and runs them all concurrently; ``metrics`` summarises the last run."""
+
+    def __init__(self, tokenizer: Any, config: MultiTurnConfig, tools: dict[str, Any] | None = None,
+                 chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tools = dict(tools or {})
+        self.chat_template = chat_template
+        self._renderer = None
+
+    def run(self, rows: list[dict[str, Any]], samplings: list[SamplingParams],
+            client: TokenClient) -> list[AgentLoopOutput]:
+        """Every row's trajectory, in row order. A row needs ``prompt_ids``; ``agent_name`` picks its loop."""
+        return asyncio.run(self.run_async(rows, samplings, client))
+
+    async def run_async(self, rows: list[dict[str, Any]], samplings: list[SamplingParams],
+                        client: TokenClient) -> list[AgentLoopOutput]:
+        context = AgentContext(self.tokenizer, client, self.config, self.tools, self.chat_template, self._renderer)
+        tasks = []
+        for row, sampling in zip(rows, samplings, strict=True):
+            loop = get_agent_loop(agent_name_of(row.get("agent_name")))(context)
+            tasks.append(asyncio.ensure_future(loop.run(sampling, **row)))
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        finally:
+            self._renderer = context.renderer
+        return list(outputs)
+
+
+def _stats(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {f"{prefix}/min": min(values), f"{prefix}/max": max(values), f"{prefix}/mean": sum(values) / len(values)}
+
+
+def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
+    """A rollout's agent metrics, with verl's names where it has them.
+
+    num_turns/{min,max,mean}; timing_s/agent_loop/{generate_sequences,tool_calls}/{min,max,mean} and
+    timing_s/agent_loop/slowest/* (the trajectory that took longest); agent/num_tool_calls/{min,max,mean}
+    per trajectory, and the rollout's totals of tool errors, calls cut by max_parallel_calls, truncated
+    tool responses, trajectories ended by a tool turn overflowing the budget, or by the budget itself.
+    """
+    if not outputs:
+        return {}
+    metrics = _stats("num_turns", [float(output.num_turns) for output in outputs])
+    for name in ("generate_sequences", "tool_calls"):
+        metrics |= _stats(f"timing_s/agent_loop/{name}", [output.metrics.get(name, 0.0) for output in outputs])
+    slowest = max(outputs, key=lambda output: output.metrics.get("generate_sequences", 0.0)
+                  + output.metrics.get("tool_calls", 0.0))
+    metrics |= {"timing_s/agent_loop/slowest/generate_sequences": slowest.metrics.get("generate_sequences", 0.0),
+                "timing_s/agent_loop/slowest/tool_calls": slowest.metrics.get("tool_calls", 0.0),
+                "timing_s/agent_loop/slowest/prompt_length": float(len(slowest.prompt_ids)),
+                "timing_s/agent_loop/slowest/response_length": float(len(slowest.response_ids))}
+    metrics |= _stats("agent/num_tool_calls", [output.metrics.get("num_tool_calls", 0.0) for output in outputs])
+    for name in ("tool_errors", "tool_calls_cut", "tool_response_truncated", "tool_overflow"):
+        metrics[f"agent/{name}"] = sum(output.metrics.get(name, 0.0) for output in outputs)
+    metrics["agent/budget_spent"] = float(sum(output.finish_reason == "length" for output in outputs))
+    return metrics

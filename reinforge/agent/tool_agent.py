@@ -1,0 +1,181 @@
+"""``tool_agent``: generate, run the tool calls, append their results, repeat.
+
+States: GENERATING -> PROCESSING_TOOLS -> GENERATING ... -> TERMINATED. After each assistant
+turn the loop stops when the response budget is spent, at ``max_assistant_turns`` or
+``max_user_turns``, or when the turn holds no tool call. Otherwise it runs the first
+``max_parallel_calls`` calls concurrently; the calls past that are answered with a message
+saying they were not run and counted in ``tool_calls_cut`` (verl drops them silently). A
+malformed call, an unknown tool or a tool that raises becomes a tool message explaining the
+problem, with reward 0; the loop goes on. Tool output is cut to ``max_tool_response_length``
+tokens (verl cuts characters). One ``max_tokens`` budget covers all sampled and tool tokens of
+the trajectory; a tool turn that would overflow it ends the trajectory (``tool_overflow``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from enum import Enum, auto
+from typing import Any
+
+from reinforge.agent.loop import AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
+from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
+from reinforge.agent.tools import BaseTool, ToolResult
+from reinforge.agent.turn_tokens import ToolTurnRenderer, truncate_tokens
+from reinforge.rollout.base import SamplingParams
+from reinforge.rollout.noise import sample_seed
+
+
+class AgentState(Enum):
+    GENERATING = auto()
+    PROCESSING_TOOLS = auto()
+    TERMINATED = auto()
+
+
+TRUNCATION_NOTE = "...(truncated)..."
+
+
+@register_agent_loop("tool_agent")
+class ToolAgentLoop(AgentLoop):
+    uses_tools = True
+
+    def __init__(self, context: AgentContext):
+        super().__init__(context)
+        self.parser = get_tool_parser(context.config.format)
+        if context.renderer is None:  # built once per context: it renders the template's fixed parts up front
+            context.renderer = ToolTurnRenderer(context.tokenizer, context.chat_template)
+        self.renderer = context.renderer
+
+    async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
+        client = self.context.client
+        prompt_ids = list(row["prompt_ids"])
+        budget = sampling.max_tokens
+        tools_kwargs = (row.get("extra_info") or {}).get("tools_kwargs") or {}
+        trajectory = _Trajectory(prompt_ids)
+        instances: dict[str, str] = {}
+        state, turn = AgentState.GENERATING, 0
+        calls: list[ToolCall] = []
+        try:
+            while state is not AgentState.TERMINATED:
+                if state is AgentState.GENERATING:
+                    remaining = budget - len(trajectory.response_ids)
+                    turn_sampling = dataclasses.replace(
+                        sampling, max_tokens=remaining, n=1,
+                        seed=None if sampling.seed is None else sample_seed(sampling.seed, turn))
+                    start = time.perf_counter()
+                    completion = await client.generate(prompt_ids + trajectory.response_ids, turn_sampling,
+                                                       f"{row.get('request_id', '')}/{turn}")
+                    trajectory.metrics["generate_sequences"] += time.perf_counter() - start
+                    trajectory.append(completion.token_ids, completion.log_probs, sampled=True)
+                    trajectory.assistant_turns += 1
+                    turn += 1
+                    calls = self.parser.parse(self.context.tokenizer.decode(completion.token_ids))
+                    state, trajectory.finish_reason = self._after_generation(trajectory, calls, budget,
+                                                                             completion.finish_reason)
+                else:
+                    start = time.perf_counter()
+                    results = await self._run_calls(calls, tools_kwargs, instances, trajectory)
+                    trajectory.metrics["tool_calls"] += time.perf_counter() - start
+                    increment = self.renderer.increment([{"role": "tool", "content": result.text}
+                                                         for result in results])
+                    if len(trajectory.response_ids) + len(increment) >= budget:
+                        trajectory.metrics["tool_overflow"] = 1.0
+                        state, trajectory.finish_reason = AgentState.TERMINATED, "tool_overflow"
+                        continue
+                    trajectory.append(increment, [0.0] * len(increment), sampled=False)
+                    trajectory.user_turns += 1
+                    state = AgentState.GENERATING
+        finally:
+            await asyncio.gather(*(self.context.tools[name].release(instance)
+                                   for name, instance in instances.items()), return_exceptions=True)
+        return trajectory.output()
+
+    def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,
+                          finish_reason: str) -> tuple[AgentState, str]:
+        config = self.context.config
+        if len(trajectory.response_ids) >= budget:
+            return AgentState.TERMINATED, "length"
+        if config.max_assistant_turns is not None and trajectory.assistant_turns >= config.max_assistant_turns:
+            return AgentState.TERMINATED, "max_turns" if calls else finish_reason
+        if config.max_user_turns is not None and trajectory.user_turns >= config.max_user_turns:
+            return AgentState.TERMINATED, "max_turns" if calls else finish_reason
+        if not calls:
+            return AgentState.TERMINATED, finish_reason
+        return AgentState.PROCESSING_TOOLS, finish_reason
+
+    async def _run_calls(self, calls: list[ToolCall], tools_kwargs: dict[str, Any], instances: dict[str, str],
+                         trajectory: _Trajectory) -> list[ToolResult]:
+        limit = self.context.config.max_parallel_calls
+        run, cut = calls[:limit], calls[limit:]
+        results = list(await asyncio.gather(*(self._call(call, tools_kwargs, instances) for call in run)))
+        results += [ToolResult(f"Not run: at most {limit} tool call(s) per turn are executed.", 0.0) for _ in cut]
+        metrics = trajectory.metrics
+        metrics["num_tool_calls"] += len(run)
+        metrics["tool_calls_cut"] += len(cut)
+        truncated = []
+        for result in results:
+            if result.metrics.get("tool_error"):
+                metrics["tool_errors"] += 1
+            if result.reward is not None:
+                trajectory.tool_rewards.append(float(result.reward))
+            text, was_cut = self._truncate(result.text)
+            metrics["tool_response_truncated"] += was_cut
+            truncated.append(ToolResult(text, result.reward, result.metrics))
+        return truncated
+
+    async def _call(self, call: ToolCall, tools_kwargs: dict[str, Any], instances: dict[str, str]) -> ToolResult:
+        tools: dict[str, BaseTool] = self.context.tools
+        if call.error is not None:
+            return ToolResult(call.error, 0.0, {"tool_error": 1.0})
+        tool = tools.get(call.name)
+        if tool is None:
+            return ToolResult(f"Unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools))}.", 0.0,
+                              {"tool_error": 1.0})
+        kwargs = tools_kwargs.get(call.name) or {}
+        try:
+            if call.name not in instances:
+                instances[call.name] = await tool.create(**(kwargs.get("create_kwargs") or {}))
+            result = await tool.execute(instances[call.name], call.arguments, **(kwargs.get("execute_kwargs") or {}))
+        except Exception as error:
+            return ToolResult(f"Error running tool {call.name!r}: {type(error).__name__}: {error}", 0.0,
+                              {"tool_error": 1.0})
+        return result
+
+    def _truncate(self, text: str) -> tuple[str, bool]:
+        config = self.context.config
+        tokens = self.renderer.encode(text)
+        kept, was_cut = truncate_tokens(tokens, config.max_tool_response_length, config.tool_response_truncate_side)
+        if not was_cut:
+            return text, False
+        decode = self.context.tokenizer.decode
+        if config.tool_response_truncate_side == "middle":
+            head = (config.max_tool_response_length + 1) // 2
+            return decode(kept[:head]) + TRUNCATION_NOTE + decode(kept[head:]), True
+        return decode(kept), True
+
+
+class _Trajectory:
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = prompt_ids
+        self.response_ids: list[int] = []
+        self.response_mask: list[int] = []
+        self.log_probs: list[float] = []
+        self.assistant_turns = 0
+        self.user_turns = 0
+        self.tool_rewards: list[float] = []
+        self.finish_reason = "stop"
+        self.metrics: dict[str, float] = {"generate_sequences": 0.0, "tool_calls": 0.0, "num_tool_calls": 0.0,
+                                          "tool_errors": 0.0, "tool_calls_cut": 0.0, "tool_response_truncated": 0.0,
+                                          "tool_overflow": 0.0}
+
+    def append(self, token_ids: list[int], log_probs: list[float], sampled: bool) -> None:
+        self.response_ids += token_ids
+        self.response_mask += [1 if sampled else 0] * len(token_ids)
+        self.log_probs += list(log_probs) if sampled else [0.0] * len(token_ids)
+
+    def output(self) -> AgentLoopOutput:
+        return AgentLoopOutput(
+            prompt_ids=self.prompt_ids, response_ids=self.response_ids, response_mask=self.response_mask,
+            response_log_probs=self.log_probs, num_turns=self.user_turns + self.assistant_turns + 1,
+            finish_reason=self.finish_reason, metrics=self.metrics, extra={"tool_rewards": self.tool_rewards})

@@ -1,0 +1,82 @@
+"""The YAML tool config (``rollout.multi_turn.tool_config_path``), in verl's shape.
+
+```yaml
+tools:
+  - class_name: my_package.tools.Calculator     # a BaseTool subclass ...
+    config: {timeout_s: 5}
+    tool_schema:
+      type: function
+      function: {name: calculator, description: ..., parameters: {type: object, properties: {...}, required: [...]}}
+  - class_name: my_package.tools.multiply       # ... or a typed function (schema from its docstring)
+  - class_name: path/to/tools.py:lookup         # a file path works too
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from reinforge.agent.tools import BaseTool, FunctionTool
+
+
+def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
+    """The tools of a YAML tool config by name; every error names the file, the entry and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"rollout.multi_turn.tool_config_path={str(path)!r} does not exist; point it at a YAML "
+                         "file with a 'tools' list")
+    document = yaml.safe_load(path.read_text()) or {}
+    entries = document.get("tools") if isinstance(document, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"the tool config {path} has no 'tools' list; write tools: [{{class_name: ..., "
+                         "tool_schema: ...}}]")
+    tools: dict[str, BaseTool] = {}
+    for number, entry in enumerate(entries):
+        where = f"tool {number} of {path}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
+            raise ValueError(f"{where} is {entry!r}; each tool needs a 'class_name' (package.module.Name or "
+                             "file.py:Name)")
+        target = import_object(entry["class_name"], where)
+        config, schema = entry.get("config") or {}, entry.get("tool_schema")
+        if isinstance(target, type) and issubclass(target, BaseTool):
+            tool = target(config, schema)
+        elif callable(target) and not isinstance(target, type):
+            tool = FunctionTool(target, config, schema)
+        else:
+            raise ValueError(f"{where}: {entry['class_name']} is neither a BaseTool subclass nor a function")
+        if tool.name in tools:
+            raise ValueError(f"{where} is named {tool.name!r}, like an earlier tool; tool names must be unique")
+        tools[tool.name] = tool
+    return tools
+
+
+def import_object(spec: str, where: str) -> Any:
+    """``package.module.Name`` or ``path/to/file.py:Name``."""
+    if ":" in spec:
+        file, _, name = spec.rpartition(":")
+        if not Path(file).is_file():
+            raise ValueError(f"{where}: the file {file!r} of {spec!r} does not exist")
+        module_name = f"reinforge_tools_{abs(hash(str(Path(file).resolve())))}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+    else:
+        module_path, _, name = spec.rpartition(".")
+        if not module_path:
+            raise ValueError(f"{where}: {spec!r} is not a dotted path (package.module.Name) or file.py:Name")
+        try:
+            module = importlib.import_module(module_path)
+        except ImportError as error:
+            raise ValueError(f"{where}: cannot import {module_path!r} for {spec!r} ({error})") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{where}: {spec!r} names nothing; the module has no {name!r}")
+    return getattr(module, name)

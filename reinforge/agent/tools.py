@@ -1,0 +1,119 @@
+"""Tools an agent loop can call: a class interface, and plain typed Python functions as tools.
+
+A tool has an OpenAI function schema (what the chat template shows the model) and a lifecycle
+per trajectory: ``create`` an instance (with the row's ``extra_info.tools_kwargs[name].create_kwargs``),
+``execute`` calls on it, each returning ``ToolResult(text, reward, metrics)``, then ``release``
+it. A typed function with a Google-style docstring is a tool too (``FunctionTool``): its schema
+comes from ``transformers.utils.get_json_schema``; synchronous functions run in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+class ToolResult(NamedTuple):
+    text: str
+    """What the model reads in the tool message."""
+    reward: float | None = None
+    """Optional reward of this call; the rewards of a trajectory's calls are summed into its score."""
+    metrics: dict[str, float] = {}
+
+
+class BaseTool:
+    """Subclass and override ``execute`` (and ``create``/``release`` for per-trajectory state).
+
+    config: the ``config`` mapping of the tool's YAML entry; schema: an OpenAI function schema
+    ``{"type": "function", "function": {"name", "description", "parameters"}}``.
+    """
+
+    def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
+        self.config = dict(config or {})
+        if schema is None:
+            raise ValueError(f"tool {type(self).__name__} has no tool_schema; give one in its YAML entry "
+                             "(type: function, function: {name, description, parameters})")
+        self.schema = check_schema(schema, type(self).__name__)
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+    async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
+        """Start a per-trajectory instance; returns its id."""
+        return instance_id or uuid.uuid4().hex
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
+        raise NotImplementedError(f"{type(self).__name__} does not implement execute")
+
+    async def release(self, instance_id: str) -> None:
+        """End the instance; free what ``create`` made."""
+
+
+def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
+    function = schema.get("function") if isinstance(schema, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+        raise ValueError(f"the tool schema of {where} is {schema!r}; expected an OpenAI function schema "
+                         '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}')
+    return {"type": schema.get("type", "function"), "function": function}
+
+
+def as_tool_result(value: Any) -> ToolResult:
+    """A tool's return value as a ToolResult: text, (text, reward), (text, reward, metrics), a dict or a number."""
+    if isinstance(value, ToolResult):
+        return value
+    if isinstance(value, tuple) and 1 <= len(value) <= 3:
+        text, reward, metrics = (*value, None, None)[:3]
+        return ToolResult(_as_text(text), None if reward is None else float(reward), dict(metrics or {}))
+    return ToolResult(_as_text(value))
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return str(value)
+
+
+class FunctionTool(BaseTool):
+    """A plain typed function as a tool: ``FunctionTool(multiply)``.
+
+    The function needs type hints and a Google-style docstring with an ``Args:`` section (for the
+    schema); it may be async. It returns text, ``(text, reward)``, ``(text, reward, metrics)`` or
+    anything ``str()`` renders. Per-row ``execute_kwargs`` are passed as extra keyword arguments.
+    """
+
+    def __init__(self, function: Callable[..., Any], config: dict[str, Any] | None = None,
+                 schema: dict[str, Any] | None = None):
+        if schema is None:
+            from transformers.utils import get_json_schema
+
+            try:
+                schema = get_json_schema(function)
+            except Exception as error:
+                raise ValueError(f"cannot build a tool schema from {getattr(function, '__qualname__', function)!r}: "
+                                 f"{error}; give it type hints and a Google-style docstring with an Args: section"
+                                 ) from None
+        super().__init__(config, schema)
+        self.function = function
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
+        if inspect.iscoroutinefunction(self.function):
+            value = await self.function(**arguments, **execute_kwargs)
+        else:
+            value = await asyncio.to_thread(self.function, **arguments, **execute_kwargs)
+        return as_tool_result(value)
+
+
+def as_tool(item: BaseTool | Callable[..., Any]) -> BaseTool:
+    """A BaseTool as it is; a function wrapped in FunctionTool."""
+    if isinstance(item, BaseTool):
+        return item
+    if callable(item):
+        return FunctionTool(item)
+    raise TypeError(f"{item!r} is neither a BaseTool nor a function")

@@ -1,0 +1,84 @@
+"""Token in, token out: the tokens of a tool turn, rendered as an increment of the model's chat template.
+
+A trajectory's tokens are the prompt's, then what the engine sampled, then the tool turns we
+append, and so on; history is never decoded and tokenized again (a model may sample a
+non-canonical split of a text, which re-tokenizing would silently replace). A tool turn is the
+text the chat template adds to a conversation when tool messages follow an assistant turn:
+
+    separator + render(base + tools, generation prompt)[len(render(base)):]
+
+where ``base`` ends with an assistant message. The model stops at its end-of-turn token
+(``<|im_end|>``, ``<|eot_id|>``); ``separator`` is what the template writes after that token
+and before the next turn (``\\n`` for ChatML, nothing for Llama 3), which the model never
+generates: leaving it out (as verl did until v0.9, #6501) shifts every later turn by a token.
+
+The boundary: the stream equals ``apply_chat_template`` of the whole conversation when the
+model's tokens are the canonical tokenization of its text and the template renders earlier
+turns the same whatever follows (true of ChatML/Qwen2.5 and Llama 3; not of templates that
+drop earlier reasoning, such as Qwen3's); ``increment`` raises if the second fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MARKER = "\u2063reinforge-assistant-marker\u2063"
+
+
+class ToolTurnRenderer:
+    """Renders tool messages as token increments for one tokenizer and chat template.
+
+    eos_text: the end-of-turn token the model stops at (defaults to the tokenizer's EOS).
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, eos_text: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not self.chat_template:
+            raise ValueError("the tokenizer has no chat template to render tool turns with; set data.chat_template")
+        self.eos_text = eos_text or tokenizer.eos_token
+        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
+        base_text = self._render(self._base, add_generation_prompt=False)
+        after = base_text[base_text.index(_MARKER) + len(_MARKER):]
+        if not after.startswith(self.eos_text):
+            raise ValueError(f"the chat template does not close an assistant turn with {self.eos_text!r} (it writes "
+                             f"{after[:40]!r}); tool turns cannot be appended token for token")
+        self.separator = after[len(self.eos_text):]
+        """Template text after the assistant's end-of-turn token, before the next turn."""
+        self._base_text = base_text
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def increment_text(self, tool_messages: list[dict[str, Any]]) -> str:
+        """The text that follows the model's end-of-turn token: separator, tool turn(s), next assistant header."""
+        full = self._render(self._base + tool_messages, add_generation_prompt=True)
+        if not full.startswith(self._base_text):
+            raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
+                             "it, so a trajectory's tokens cannot stay as sampled; use a template that keeps "
+                             "earlier turns as they are")
+        return self.separator + full[len(self._base_text):]
+
+    def increment(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        return list(self.tokenizer(self.increment_text(tool_messages), add_special_tokens=False)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def truncate_tokens(token_ids: list[int], limit: int, side: str) -> tuple[list[int], bool]:
+    """At most ``limit`` tokens: side=right keeps the start, left keeps the end, middle keeps both ends.
+
+    Returns the tokens and whether any were cut.
+    """
+    if len(token_ids) <= limit:
+        return token_ids, False
+    if side == "right":
+        return token_ids[:limit], True
+    if side == "left":
+        return token_ids[len(token_ids) - limit:], True
+    if side == "middle":
+        head = (limit + 1) // 2
+        return token_ids[:head] + token_ids[len(token_ids) - (limit - head):], True
+    raise ValueError(f"rollout.multi_turn.tool_response_truncate_side={side!r}; use left, right or middle")

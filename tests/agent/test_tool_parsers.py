@@ -1,0 +1,50 @@
+"""Hermes tool calls: well-formed calls are read, malformed ones come back with an explanation."""
+
+from __future__ import annotations
+
+import pytest
+
+from reinforge.agent import TOOL_PARSERS, get_tool_parser, register_tool_parser
+
+
+def test_reads_calls_in_order_with_object_or_string_arguments():
+    text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*34"}}\n</tool_call>\n'
+            '<tool_call>{"name": "lookup", "arguments": "{\\"key\\": \\"a\\"}"}</tool_call>')
+    calls = get_tool_parser("hermes").parse(text)
+    assert [(call.name, call.arguments, call.error) for call in calls] == [
+        ("calculator", {"expression": "12*34"}, None), ("lookup", {"key": "a"}, None)]
+
+
+def test_text_without_calls_has_none():
+    assert get_tool_parser("hermes").parse("The answer is 408.") == []
+    assert get_tool_parser("hermes").parse("<tool_call>{unclosed") == []
+
+
+@pytest.mark.parametrize("body, message", [
+    ('{"name": "calculator", "arguments": {"expression": }', "Invalid JSON in tool call"),
+    ('{"arguments": {}}', 'needs a "name"'),
+    ('{"name": "calculator", "arguments": [1, 2]}', "must be a JSON object"),
+    ('{"name": "calculator", "arguments": "{bad"}', "Invalid JSON in arguments for 'calculator'"),
+])
+def test_malformed_calls_carry_an_error(body, message):
+    (call,) = get_tool_parser("hermes").parse(f"<tool_call>{body}</tool_call>")
+    assert call.error is not None and message in call.error
+
+
+def test_unknown_format_lists_the_known_ones():
+    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: hermes"):
+        get_tool_parser("xml")
+
+
+def test_parsers_are_pluggable():
+    @register_tool_parser("test_upper")
+    class Upper:
+        def parse(self, text):
+            from reinforge.agent import ToolCall
+
+            return [ToolCall(word.lower()) for word in text.split() if word.isupper()]
+
+    try:
+        assert [call.name for call in get_tool_parser("test_upper").parse("call SEARCH now")] == ["search"]
+    finally:
+        del TOOL_PARSERS["test_upper"]

@@ -1,0 +1,120 @@
+"""Tools: the class interface, typed functions with schemas from their docstrings, and the YAML config."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from reinforge.agent import FunctionTool, ToolResult, load_tool_config
+
+
+def multiply(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return str(a * b)
+
+
+async def scored_lookup(key: str, table: dict | None = None) -> tuple[str, float]:
+    """Look a key up.
+
+    Args:
+        key: The key.
+        table: The table (given per row through tools_kwargs).
+    """
+    return (table or {}).get(key, "missing"), 0.25
+
+
+COUNTER_SOURCE = '''
+class Counter(BaseTool):
+    """A tool with per-trajectory state: counts its calls per instance."""
+
+    def __init__(self, config, schema):
+        super().__init__(config, schema)
+        self.counts: dict[str, int] = {}
+        self.released: list[str] = []
+
+    async def create(self, instance_id=None, start: int = 0, **kwargs):
+        instance_id = await super().create(instance_id)
+        self.counts[instance_id] = start
+        return instance_id
+
+    async def execute(self, instance_id, arguments, **kwargs):
+        self.counts[instance_id] += self.config.get("step", 1)
+        return ToolResult(str(self.counts[instance_id]), None, {"count": float(self.counts[instance_id])})
+
+    async def release(self, instance_id):
+        self.released.append(instance_id)
+'''
+
+
+def test_function_tool_schema_comes_from_type_hints_and_docstring():
+    tool = FunctionTool(multiply)
+    assert tool.name == "multiply"
+    function = tool.schema["function"]
+    assert function["description"] == "Multiply two integers."
+    assert function["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first factor."}
+    assert function["parameters"]["required"] == ["a", "b"]
+    assert asyncio.run(tool.execute("x", {"a": 12, "b": 34})) == ToolResult("408")
+
+
+def test_function_tool_returns_text_and_reward_and_takes_row_kwargs():
+    tool = FunctionTool(scored_lookup)
+    result = asyncio.run(tool.execute("x", {"key": "k"}, table={"k": "v"}))
+    assert result == ToolResult("v", 0.25, {})
+
+
+def test_function_without_docstring_is_explained():
+    def bare(a: int) -> int:
+        return a
+
+    with pytest.raises(ValueError, match="cannot build a tool schema from .*bare.*Google-style docstring"):
+        FunctionTool(bare)
+
+
+def test_yaml_config_loads_classes_and_functions(tmp_path):
+    module = tmp_path / "my_tools.py"
+    module.write_text(
+        "from reinforge.agent import BaseTool, ToolResult\n\n"
+        + COUNTER_SOURCE +
+        "def add(a: int, b: int) -> str:\n"
+        "    \"\"\"Add.\n\n    Args:\n        a: first\n        b: second\n    \"\"\"\n"
+        "    return str(a + b)\n")
+    config = tmp_path / "tools.yaml"
+    config.write_text(
+        "tools:\n"
+        f"  - class_name: {module}:Counter\n"
+        "    config: {step: 2}\n"
+        "    tool_schema:\n"
+        "      type: function\n"
+        "      function: {name: counter, description: counts, parameters: {type: object, properties: {}}}\n"
+        f"  - class_name: {module}:add\n")
+    tools = load_tool_config(config)
+    assert sorted(tools) == ["add", "counter"]
+    counter = tools["counter"]
+    instance = asyncio.run(counter.create(start=5))
+    assert asyncio.run(counter.execute(instance, {})).text == "7"
+    assert asyncio.run(tools["add"].execute("x", {"a": 2, "b": 3})).text == "5"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tools: []\n", "has no 'tools' list"),
+    ("tools:\n  - config: {}\n", "needs a 'class_name'"),
+    ("tools:\n  - class_name: no_such_module_xyz.Tool\n", "cannot import 'no_such_module_xyz'"),
+    ("tools:\n  - class_name: reinforge.agent.BaseTool\n", "has no tool_schema"),
+    ("tools:\n  - class_name: reinforge.agent.nothing_here\n", "names nothing"),
+])
+def test_bad_yaml_config_is_explained(tmp_path, text, message):
+    config = tmp_path / "tools.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_tool_config(config)
+
+
+def test_missing_config_file_is_explained(tmp_path):
+    with pytest.raises(ValueError, match="tool_config_path=.*does not exist"):
+        load_tool_config(tmp_path / "nope.yaml")

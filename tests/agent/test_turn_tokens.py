@@ -1,0 +1,134 @@
+"""Token in, token out: a scripted multi-turn trajectory equals the chat template of the whole conversation.
+
+For a ChatML template in Qwen2.5's shape and a Llama-3 template, the loop's prompt plus response
+tokens must be ``apply_chat_template`` of the conversation, token for token, up to the model's
+last end-of-turn token (the template's separator after it, ``\\n`` for ChatML, is written only
+when another turn follows). Each turn's prompt must be exactly the tokens before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from reinforge.agent import AgentContext, FunctionTool, ToolTurnRenderer, get_agent_loop
+from reinforge.config.schema import MultiTurnConfig
+from reinforge.models.tiny import build_char_tokenizer
+from reinforge.rollout.base import SamplingParams
+
+LLAMA3_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'ipython' if message.role == 'tool' else message.role %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- for call in message.tool_calls %}"
+    "{{ '<tool_call>{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{ call.function.arguments | tojson }}{{ '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- else %}{{ message.content }}{% endif %}"
+    "{{ '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: Digits and + - * / ( ).
+    """
+    if set(expression) - set("0123456789+-*/() "):
+        raise ValueError("only digits and + - * / ( ) are allowed")
+    return str(eval(expression))  # the characters are checked above
+
+
+def llama3_tokenizer():
+    tokenizer = build_char_tokenizer(
+        extra_tokens=("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        chat_template=LLAMA3_TEMPLATE)
+    tokenizer.eos_token = "<|eot_id|>"
+    return tokenizer
+
+
+def _call(name: str, arguments: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _conversation_and_script(call_text):
+    """The whole conversation (with tool results) and the assistant texts the 'model' samples."""
+    first = [_call("calculator", {"expression": "12*34"})]
+    second = [_call("calculator", {"expression": "408+1"}), _call("calculator", {"expression": "2*(3+4)"})]
+    final = "12*34 = 408, so the answers are 409 and 14."
+    conversation = [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": "What is 12*34+1, and 2*(3+4)?"},
+        {"role": "assistant", "content": "", "tool_calls": first},
+        {"role": "tool", "content": "408"},
+        {"role": "assistant", "content": "", "tool_calls": second},
+        {"role": "tool", "content": "409"},
+        {"role": "tool", "content": "14"},
+        {"role": "assistant", "content": final},
+    ]
+    script = [call_text(first), call_text(second), final]
+    return conversation, script
+
+
+def _hermes_chatml(calls):
+    return "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                     + "\n</tool_call>" for c in calls)
+
+
+def _hermes_llama(calls):
+    return "".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                   + "</tool_call>" for c in calls)
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+def test_scripted_trajectory_equals_the_template_of_the_whole_conversation(template, chatml_tokenizer,
+                                                                          scripted_client):
+    tokenizer = chatml_tokenizer if template == "chatml" else llama3_tokenizer()
+    conversation, script = _conversation_and_script(_hermes_chatml if template == "chatml" else _hermes_llama)
+    tool = FunctionTool(calculator)
+    prompt_ids = tokenizer.apply_chat_template(conversation[:2], tools=[tool.schema], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    client = scripted_client(tokenizer, script)
+    context = AgentContext(tokenizer, client, MultiTurnConfig(max_parallel_calls=2), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+
+    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    stream = output.prompt_ids + output.response_ids
+    separator = ToolTurnRenderer(tokenizer).separator
+    assert separator == ("\n" if template == "chatml" else "")
+    assert stream == expected[:len(stream)]
+    assert tokenizer.decode(expected[len(stream):]) == separator
+    assert output.num_turns == 6 and output.finish_reason == "stop"
+    # every turn continued the tokens before it, as they were
+    for prompt in client.prompts:
+        assert prompt == stream[:len(prompt)]
+    # mask 1 exactly on what the model sampled, with its log-probs; 0 and log-prob 0 elsewhere
+    sampled = [token for index, token in enumerate(output.response_ids) if output.response_mask[index]]
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    assert sampled == [token for text in script for token in tokenizer(text, add_special_tokens=False)["input_ids"]
+                       + [eos]]
+    assert all(lp == (-0.5 if mask else 0.0) for lp, mask in zip(output.response_log_probs, output.response_mask,
+                                                                  strict=True))
+
+
+def test_separator_is_the_text_after_the_end_of_turn_token(chatml_tokenizer):
+    renderer = ToolTurnRenderer(chatml_tokenizer)
+    assert renderer.increment_text([{"role": "tool", "content": "7"}]) == (
+        "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(chatml_tokenizer):
+    template = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}<|im_start|>assistant\n"
+                "(hidden)<|im_end|>\n{% else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    renderer = ToolTurnRenderer(chatml_tokenizer, chat_template=template)
+    with pytest.raises(ValueError, match="renders an assistant turn differently once tool messages follow"):
+        renderer.increment([{"role": "tool", "content": "7"}])
