@@ -1,9 +1,11 @@
 """The reward manager: responses in, token-level scores out.
 
-For each sample it decodes the generated tokens (``response_mask == 1``, special tokens
-skipped), picks the scorer by ``data_source`` (or ``reward.custom_function``), scores all
-samples in worker processes with a per-sample time limit, and puts each score on the
-sample's last generated token. A scorer that raises or times out gives
+For each sample it decodes the whole response (every token after the prompt, tool output of a
+multi-turn trajectory included; special tokens skipped), picks the scorer by ``data_source``
+(or ``reward.custom_function``), scores all samples in worker processes with a per-sample
+time limit, and puts each score on the sample's last generated token (``response_mask == 1``).
+A trajectory's per-call tool rewards (the ``tool_rewards`` column) are added to its score, and
+``reward.retool_wrong_answer`` gives a wrong answer ReTool's ``min(-0.6, -1 + 0.05 * (num_turns - 2))``. A scorer that raises or times out gives
 ``reward.fallback_score``; it is counted in the metrics and the first traceback is logged,
 but it never stops the run. ``reward.num_workers=0`` scores in this process, without time
 limits, which is handy under a debugger.
@@ -106,14 +108,19 @@ class RewardManager:
 
         Needs tensors ``responses`` (B, T) right-padded token ids and ``response_mask`` (B, T),
         and non-tensors ``ground_truth``, ``data_source`` (unless a custom function scores
-        everything) and, optionally, ``extra_info``.
+        everything) and, optionally, ``extra_info``, ``tool_rewards`` and ``num_turns``. The
+        response's length is read from ``attention_mask`` (its last T columns) when the batch has
+        it, since tool tokens have response_mask 0.
         """
         responses, response_mask = batch["responses"].cpu(), batch["response_mask"].cpu().bool()
+        width = responses.shape[1]
+        in_response = (batch["attention_mask"][:, -width:].cpu().bool() if "attention_mask" in batch
+                       else response_mask)
         num_samples = len(batch)
         nothing = np.full(num_samples, None, dtype=object)
         data_sources, extra_infos = batch.get("data_source", nothing), batch.get("extra_info", nothing)
         texts = self.tokenizer.batch_decode(
-            [row[mask].tolist() for row, mask in zip(responses, response_mask, strict=True)], skip_special_tokens=True)
+            [row[mask].tolist() for row, mask in zip(responses, in_response, strict=True)], skip_special_tokens=True)
         jobs = [self._job(*sample) for sample in
                 zip(texts, batch["ground_truth"], extra_infos, data_sources, strict=True)]
         results = self._run(jobs)
@@ -132,6 +139,10 @@ class RewardManager:
                 num_errors += 1
                 self._log_error_once(data_sources[index], result.error or f"{type(error).__name__}: {error}")
 
+        if self.config.retool_wrong_answer:
+            scores = retool_scores(scores, per_sample_extras, batch.get("num_turns", np.full(num_samples, 2)))
+        if "tool_rewards" in batch:
+            scores = scores + torch.tensor([float(sum(rewards or ())) for rewards in batch["tool_rewards"]])
         keys = sorted({key for extras in per_sample_extras for key in extras})
         return RewardOutput(
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
@@ -169,6 +180,19 @@ class RewardManager:
             logger.warning("a scorer ran past reward.timeout_s=%s on a sample of data_source %r and was stopped; "
                            "it gets reward.fallback_score=%s. Later timeouts are only counted in reward/timeouts.",
                            self.config.timeout_s, data_source, self.config.fallback_score)
+
+
+def retool_scores(scores: Tensor, extras: list[dict[str, Any]], num_turns: Any) -> Tensor:
+    """ReTool's outcome reward: a wrong answer scores min(-0.6, -1 + 0.05 * (num_turns - 2)), a right one keeps its score.
+
+    A sample is wrong when its scorer's ``acc`` extra is false, or, without ``acc``, when its score is <= 0.
+    """
+    shaped = scores.clone()
+    for index, sample_extras in enumerate(extras):
+        wrong = not sample_extras["acc"] if "acc" in sample_extras else float(scores[index]) <= 0
+        if wrong:
+            shaped[index] = min(-0.6, -1.0 + 0.05 * (int(num_turns[index]) - 2))
+    return shaped
 
 
 def place_on_last_token(scores: Tensor, response_mask: Tensor) -> Tensor:

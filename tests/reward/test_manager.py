@@ -196,3 +196,32 @@ def test_a_script_without_main_guard_gets_a_clear_startup_error(tmp_path):
     assert result.returncode != 0
     assert "a scorer process failed to start" in result.stderr
     assert 'if __name__ == "__main__":' in result.stderr
+
+
+def test_multi_turn_response_is_scored_whole_with_tool_rewards_and_retool_shaping():
+    from reinforge.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    # a response of 'ab' (sampled) + '12' (tool) + 'c' (sampled), padded; the scorer must see all of 'ab12c'
+    ids = tokenizer("ab12c", add_special_tokens=False)["input_ids"]
+    responses = torch.tensor([ids + [0], ids + [0]])
+    response_mask = torch.tensor([[1, 1, 0, 0, 1, 0]] * 2, dtype=torch.float32)
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]] * 2)  # one prompt token, five response tokens
+    seen = []
+
+    def scorer(solution_str, ground_truth):
+        seen.append(solution_str)
+        return {"score": 1.0 if solution_str == ground_truth else 0.0, "acc": solution_str == ground_truth}
+
+    batch = Batch.from_dict(
+        tensors={"responses": responses, "response_mask": response_mask, "attention_mask": attention_mask},
+        non_tensors={"ground_truth": ["ab12c", "nope"], "data_source": ["x", "x"],
+                     "tool_rewards": [[0.25, 0.5], []], "num_turns": [6, 10]})
+    manager = RewardManager(RewardConfig(num_workers=0, retool_wrong_answer=True), tokenizer)
+    manager.custom_scorer = scorer
+    output = manager.score(batch)
+    assert seen == ["ab12c", "ab12c"]
+    assert output.scores.tolist() == pytest.approx([1.75, -0.6])  # right + tool rewards; wrong: min(-0.6, -0.6)
+    assert output.token_level_scores[0].nonzero().flatten().tolist() == [4]  # the last sampled token
+    batch["num_turns"] = [6, 4]
+    assert manager.score(batch).scores.tolist() == pytest.approx([1.75, -0.9])
