@@ -82,7 +82,7 @@ def check_cli(folder: Path) -> dict:
     outcome = {}
     for name, extra in {"grpo_native": ["rollout.name=native"],
                         "gae_kl_hf": ["rollout.name=hf", "algorithm.adv_estimator=gae", "actor.use_kl_loss=true",
-                                      "ref.offload=true"]}.items():
+                                      "ref.param_offload=true"]}.items():
         run_dir = folder / name
         code = main(["train", f"model.path={model}", f"data.train_files=[{folder / 'data' / 'train.parquet'}]",
                      "data.train_batch_size=4", "data.max_prompt_length=64", "data.max_response_length=16",

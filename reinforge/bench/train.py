@@ -69,7 +69,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.trainer.device = "cpu" if args.cpu else "cuda"
     if args.variant == "kl":
         config.actor.use_kl_loss = True
-        config.ref.offload = args.ref_offload
+        config.ref.param_offload = args.ref_offload
     if args.variant == "ppo":
         config.algorithm.adv_estimator = "gae"
         config.algorithm.lam = 0.95

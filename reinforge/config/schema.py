@@ -41,6 +41,21 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """Rank of the actor's LoRA adapters (peft); 0 trains every parameter. With LoRA only the adapters train,
+    the reference policy is the same model with its adapters off (no second copy), and checkpoints hold the
+    adapters. Small models need rank 32 or more; use about 10x the full fine-tuning actor.optim.lr."""
+    alpha: float = 64.0
+    """Scale of the adapter's output: W + (alpha / rank) * B A."""
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Names of the linear layers that get an adapter."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0 keeps the update deterministic)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = ""
     """Local folder or hub id of an AutoModelForCausalLM."""
@@ -62,6 +77,7 @@ class ModelConfig:
     transposed layout and expression; false restores those."""
     share_prompts: bool = True
     """Training and scoring passes run a prompt shared by several samples once (engine.packing)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -126,7 +142,13 @@ class ActorConfig:
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
     param_offload: bool = False
-    """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there)."""
+    """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there); each
+    layer's parameters are copied to the device for its forward and backward. Needs about 16 bytes of host
+    memory per parameter (a 7B model does not fit 128 GB); optimizer_offload needs 12."""
+    optimizer_offload: bool = False
+    """Keep the AdamW moments and a float32 master copy on the CPU, where the step runs (engine.offload), while
+    parameters and gradients stay on the device: 12 bytes per parameter leave the device for 12 of host memory.
+    Implied by param_offload."""
 
 
 @dataclass
@@ -183,7 +205,7 @@ class RolloutConfig:
 class RefConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     """Defaults to actor.max_tokens_per_micro_batch."""
-    offload: bool = False
+    param_offload: bool = False
     """Keep the reference weights on the CPU and copy each layer's to the device for its forward."""
 
 
@@ -205,6 +227,8 @@ class CriticConfig:
     """Steps that train only the critic before the actor starts updating."""
     param_offload: bool = False
     """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there)."""
+    optimizer_offload: bool = False
+    """Keep the AdamW moments and a float32 master copy on the CPU, where the step runs (as actor.optimizer_offload)."""
 
 
 @dataclass

@@ -157,5 +157,13 @@ def validate_config(config: Config) -> None:
     if trainer.backend == "local" and num_devices > 1:
         raise ConfigError(f"trainer.backend=local runs every worker in this process on one device, but "
                           f"trainer.nnodes x trainer.devices_per_node = {num_devices}; set trainer.backend=ray")
+    lora = config.model.lora
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank} must be 0 (off) or a positive adapter rank such as 32")
+    if lora.rank > 0 and not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty; name the linear layers that get adapters, "
+                          "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
     if algorithm.rollout_correction.rollout_is is not None:
         _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ("token", "sequence"))

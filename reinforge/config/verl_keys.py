@@ -325,7 +325,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.policy_loss.kl_cov_ratio": Rename("actor.policy_loss.kl_cov_ratio"),
     f"{_ACTOR}.policy_loss.ppo_kl_coef": Rename("actor.policy_loss.ppo_kl_coef"),
     f"{_ACTOR}.fsdp_config.param_offload": Rename("actor.param_offload", _only_if_true),
-    f"{_ACTOR}.fsdp_config.optimizer_offload": Rename("actor.param_offload", _only_if_true),
+    f"{_ACTOR}.fsdp_config.optimizer_offload": Rename("actor.optimizer_offload", _only_if_true),
     f"{_ACTOR}.fsdp_config.offload_policy": Rename("actor.param_offload", _only_if_true),
     **_each(f"{_ACTOR}.fsdp_config", FSDP_DETAILS, FSDP_DETAIL),
     f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
@@ -351,7 +351,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.tis_imp_ratio_cap": NoEquivalent("use algorithm.rollout_correction.rollout_is=token with "
                                                 "rollout_is_threshold"),
     # ---- reference
-    f"{_REF}.fsdp_config.param_offload": Rename("ref.offload", _only_if_true),
+    f"{_REF}.fsdp_config.param_offload": Rename("ref.param_offload", _only_if_true),
     **_each(f"{_REF}.fsdp_config", FSDP_DETAILS + " optimizer_offload offload_policy", FSDP_DETAIL),
     f"{_REF}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
     f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch", _unset_if(None)),
@@ -406,7 +406,7 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.enable": Rename("critic.enable"),
     "critic.model.path": Rename("critic.model_path", _path),
     "critic.model.fsdp_config.param_offload": Rename("critic.param_offload", _only_if_true),
-    "critic.model.fsdp_config.optimizer_offload": Rename("critic.param_offload", _only_if_true),
+    "critic.model.fsdp_config.optimizer_offload": Rename("critic.optimizer_offload", _only_if_true),
     "critic.model.fsdp_config.offload_policy": Rename("critic.param_offload", _only_if_true),
     **_each("critic.model.fsdp_config", FSDP_DETAILS, FSDP_DETAIL),
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,

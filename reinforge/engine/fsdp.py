@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import init_distributed
+from reinforge.engine.offload import HostOffloadedAdamW
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -162,10 +163,25 @@ def full_model_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-    """Model and optimizer state as full tensors on the CPU. Collective."""
+    """Model and optimizer state as full tensors on the CPU. Collective.
+
+    With an offloaded optimizer the trained parameters come from its host master copy (in a
+    group of one, the buffers themselves: saving a 7B model then needs no second host copy; write
+    the state before the next step changes them).
+    """
     reshard(model)
+    if isinstance(optimizer, HostOffloadedAdamW):
+        masters = optimizer.full_master_state()
+        model_state = {name: masters[id(tensor)] if id(tensor) in masters else _full_on_cpu(tensor)
+                       for name, tensor in model.state_dict(keep_vars=True).items()}
+        return {"model": model_state, "optimizer": optimizer.full_state_dict()}
     return {"model": get_model_state_dict(model, options=_FULL),
             "optimizer": get_optimizer_state_dict(model, optimizer, options=_FULL)}
+
+
+def _full_on_cpu(tensor: Tensor) -> Tensor:
+    tensor = tensor.detach()
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
 
 
 def load_full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
@@ -173,5 +189,9 @@ def load_full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
     options = StateDictOptions(full_state_dict=True)
     reshard(model)
     set_model_state_dict(model, state["model"], options=options)
-    if optimizer is not None and "optimizer" in state:
+    if isinstance(optimizer, HostOffloadedAdamW):
+        optimizer.pull_parameters()
+        if "optimizer" in state:
+            optimizer.load_full_state_dict(state["optimizer"])
+    elif optimizer is not None and "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)

@@ -8,9 +8,15 @@ import torch
 from torch import nn
 
 from reinforge.config.schema import OptimConfig
+from reinforge.engine.offload import HostOffloadedAdamW
 
 
-def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, config: OptimConfig, offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; ``offload`` keeps its state and step on the host (engine.offload)."""
+    if offload:
+        return HostOffloadedAdamW(((name, p) for name, p in model.named_parameters() if p.requires_grad),
+                                  lr=config.lr, betas=tuple(config.betas), eps=config.eps,
+                                  weight_decay=config.weight_decay)
     parameters = [p for p in model.parameters() if p.requires_grad]
     # fused AdamW is faster on CUDA; foreach is the portable default elsewhere.
     fused = all(p.is_cuda for p in parameters)

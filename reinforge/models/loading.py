@@ -99,13 +99,20 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,
                    attn_implementation: str = "sdpa", gradient_checkpointing: bool = False) -> PreTrainedModel:
-    """An AutoModelForCausalLM from a local folder or hub id, in ``dtype`` on ``device``, use_cache off."""
+    """An AutoModelForCausalLM from a local folder or hub id, in ``dtype`` on ``device``, use_cache off.
+
+    On an accelerator the weights go straight from the (memory-mapped) files to the device, one
+    tensor at a time, cast on the way: host memory never holds the whole model (loading a 7B model
+    in float32 through the CPU first took 30 GB of host RAM, a second copy while moving it).
+    """
     if is_local_path(path):
         check_model_folder(path)
         path = str(Path(path).expanduser())
+    device = torch.device(device)
+    placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     with hub_errors_explained(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation)
+                                                     attn_implementation=attn_implementation, **placement)
     model.to(device)
     model.config.use_cache = False
     if gradient_checkpointing:

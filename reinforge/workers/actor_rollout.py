@@ -120,7 +120,8 @@ class ActorRolloutWorker(Worker):
             num_mini_batches=num_mini_batches, epochs=config.actor.ppo_epochs,
             max_tokens_per_micro_batch=config.actor.max_tokens_per_micro_batch,
             grad_clip=config.actor.grad_clip, shuffle=config.actor.shuffle, seed=config.trainer.seed)
-        self.optimizer = build_optimizer(self.model, config.actor.optim)
+        self.optimizer = build_optimizer(self.model, config.actor.optim,
+                                         offload=config.actor.optimizer_offload and not config.actor.param_offload)
         self.scheduler = build_scheduler(self.optimizer, total_training_steps * num_mini_batches * config.actor.ppo_epochs,
                                          config.actor.optim)
 

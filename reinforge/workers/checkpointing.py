@@ -16,12 +16,13 @@ from torch import nn
 
 from reinforge.engine.distributed import barrier, rank
 from reinforge.engine.fsdp import fsdp_units, full_model_state, full_training_state, load_full_training_state
+from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
 
 
 def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, prefix: str = "actor") -> None:
-    if fsdp_units(model):
+    if fsdp_units(model) or isinstance(optimizer, HostOffloadedAdamW):
         state = full_training_state(model, optimizer)
     else:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -38,7 +39,7 @@ def load_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.O
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {folder} has no {path.name}; it was not written by this trainer "
                                 "or is incomplete; pass another trainer.resume path or trainer.resume=never")
-    if fsdp_units(model):
+    if fsdp_units(model) or isinstance(optimizer, HostOffloadedAdamW):
         state = torch.load(path, map_location="cpu", weights_only=True)
         load_full_training_state(model, optimizer, state)
     else:

@@ -44,7 +44,8 @@ class CriticWorker(Worker):
         self.update_settings = UpdateSettings(num_mini_batches=num_mini_batches, epochs=epochs,
                                               max_tokens_per_micro_batch=self.max_tokens, grad_clip=critic.grad_clip,
                                               shuffle=config.actor.shuffle, seed=config.trainer.seed)
-        self.optimizer = build_optimizer(self.model, critic.optim)
+        self.optimizer = build_optimizer(self.model, critic.optim,
+                                         offload=critic.optimizer_offload and not critic.param_offload)
         self.scheduler = build_scheduler(self.optimizer, total_training_steps * num_mini_batches * epochs, critic.optim)
 
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -1,17 +1,15 @@
 """The reference policy: a frozen copy of the starting model, for KL terms only.
 
-Sharded with FSDP2 like the actor. With ``ref.offload`` its weights stay on the CPU and each
+Sharded with FSDP2 like the actor. With ``ref.param_offload`` its weights stay on the CPU and each
 layer's are copied to the device just before that layer runs, so the reference costs almost
 no device memory between calls.
 """
 
 from __future__ import annotations
 
-import torch
-
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.engine.device import resolve_device
+from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import response_log_probs, score_in_micro_batches
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
@@ -24,14 +22,15 @@ class ReferenceWorker(Worker):
         super().__init__()
         self.config = config
         self.device = resolve_device(config.trainer.device)
-        self.model = load_causal_lm(config.model.path, dtype=torch.float32,
-                                    device="cpu" if config.ref.offload else self.device,
+        # frozen: no float32 master copy, the weights are loaded in the dtype the layers compute in
+        self.model = load_causal_lm(config.model.path, dtype=compute_dtype(self.device, config.model.dtype),
+                                    device="cpu" if config.ref.param_offload else self.device,
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
         prepare_for_training(self.model, self.device, config.model.fused_kernels,
                              config.model.compile_layers, config.model.packed_attention_layout)
-        shard_model(self.model, self.device, config.model.dtype, offload=config.ref.offload)
+        shard_model(self.model, self.device, config.model.dtype, offload=config.ref.param_offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 
     @register(dispatch=Dispatch.DP_COMPUTE)

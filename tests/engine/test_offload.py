@@ -1,0 +1,154 @@
+"""Optimizer offload (engine.offload): the update and the saved state equal on-device AdamW's.
+
+On the CPU the "device" parameters and the host master copy are both in host memory, but they
+are separate buffers: the step still copies gradients into the staging buffer, runs AdamW on the
+master copy and copies the result back, which is the path a GPU run takes (minus pinning and
+streams). The tests prove that path computes AdamW exactly, walks its buckets correctly, keeps
+the two copies in step and saves/loads its state; they cannot show the copies overlap on a GPU.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.config.schema import OptimConfig
+from reinforge.engine.fsdp import full_training_state, load_full_training_state, shard_model
+from reinforge.engine.offload import HostOffloadedAdamW
+from reinforge.engine.optim import build_scheduler
+from reinforge.engine.train_step import UpdateSettings, run_update
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fsdp import _free_port  # noqa: E402
+from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm  # noqa: E402
+
+CONFIG = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
+SETTINGS = UpdateSettings(max_tokens_per_micro_batch=12, grad_clip=0.5)
+
+
+def offloaded(model, bucket_numel=1500):
+    return HostOffloadedAdamW(model.named_parameters(), lr=CONFIG.lr, betas=tuple(CONFIG.betas), eps=CONFIG.eps,
+                              weight_decay=CONFIG.weight_decay, bucket_numel=bucket_numel)
+
+
+def on_device(model):
+    return torch.optim.AdamW(model.parameters(), lr=CONFIG.lr, betas=tuple(CONFIG.betas), eps=CONFIG.eps,
+                             weight_decay=CONFIG.weight_decay, fused=True)
+
+
+def train(model, optimizer, scheduler, steps, seed=0):
+    for step in range(steps):
+        run_update(model, optimizer, scheduler, make_rollout_batch(rows=6, seed=seed + step), on_policy_loss(model),
+                   SETTINGS, torch.device("cpu"))
+
+
+def sharded_pair():
+    base = varlen_lm(seed=3).train()
+    return shard_model(copy.deepcopy(base), torch.device("cpu")), shard_model(copy.deepcopy(base), torch.device("cpu"))
+
+
+def test_offloaded_adamw_gives_the_on_device_update_bitwise():
+    reference, model = sharded_pair()
+    reference_optimizer, optimizer = on_device(reference), offloaded(model)
+    assert len(optimizer.buckets) > 3  # the pipeline over buckets and both staging buffers are used
+    masters = {id(p): m for b in optimizer.buckets for i, m in zip(b.indices, b.masters, strict=True)
+               for p in [optimizer.param_groups[0]["params"][i]]}
+    assert all(m.data_ptr() != p.to_local().data_ptr() for p in model.parameters() for m in [masters[id(p)]])
+    train(reference, reference_optimizer, build_scheduler(reference_optimizer, 10, CONFIG), steps=3)
+    train(model, optimizer, build_scheduler(optimizer, 10, CONFIG), steps=3)
+    initial = varlen_lm(seed=3).state_dict()
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert not torch.equal(expected.full_tensor(), initial[name]), name
+        assert torch.equal(actual.full_tensor(), expected.full_tensor()), name
+        assert torch.equal(masters[id(actual)], actual.to_local()), name
+
+
+def test_offloaded_state_resumes_exactly_and_moves_to_an_on_device_optimizer(tmp_path):
+    reference, model = sharded_pair()
+    optimizer = offloaded(model)
+    scheduler = build_scheduler(optimizer, 10, CONFIG)
+    train(model, optimizer, scheduler, steps=2)
+    # in a group of one the state holds the live host buffers (no copy): written at once, as a checkpoint does
+    torch.save(full_training_state(model, optimizer) | {"scheduler": scheduler.state_dict()}, tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert set(state["optimizer"]["state"]) == {name for name, _ in model.named_parameters()}
+    train(model, optimizer, scheduler, steps=1, seed=9)
+
+    resumed = shard_model(varlen_lm(seed=11).train(), torch.device("cpu"))  # other weights: the load must set them
+    resumed_optimizer = offloaded(resumed, bucket_numel=4000)
+    train(resumed, resumed_optimizer, _resumed_scheduler(resumed, resumed_optimizer, state), steps=1, seed=9)
+
+    plain_optimizer = on_device(reference)
+    train(reference, plain_optimizer, _resumed_scheduler(reference, plain_optimizer, state), steps=1, seed=9)
+    for (name, expected), other, plain in zip(model.named_parameters(), resumed.parameters(), reference.parameters(),
+                                              strict=True):
+        assert torch.equal(other.full_tensor(), expected.full_tensor()), name
+        assert torch.equal(plain.full_tensor(), expected.full_tensor()), name
+
+
+def _resumed_scheduler(model, optimizer, state):
+    """What workers.checkpointing.load_training_state does: schedule built first, then the state loaded."""
+    scheduler = build_scheduler(optimizer, 10, CONFIG)
+    load_full_training_state(model, optimizer, state)
+    scheduler.load_state_dict(state["scheduler"])
+    return scheduler
+
+
+TWO_RANKS = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_offload import offloaded, train, CONFIG
+    from test_micro_batches_and_update import varlen_lm
+    from reinforge.engine.distributed import init_distributed
+    from reinforge.engine.fsdp import full_training_state, load_full_training_state, shard_model
+    from reinforge.engine.optim import build_scheduler
+
+    rank, _ = init_distributed("gloo")
+    model = shard_model(varlen_lm(seed=3).train(), torch.device("cpu"))
+    optimizer = offloaded(model)
+    train(model, optimizer, build_scheduler(optimizer, 10, CONFIG), steps=2, seed=rank * 10)
+    state = full_training_state(model, optimizer)
+    if rank == 0:
+        torch.save(state, sys.argv[1])
+    torch.distributed.barrier()
+    again = shard_model(varlen_lm(seed=5).train(), torch.device("cpu"))
+    again_optimizer = offloaded(again)
+    load_full_training_state(again, again_optimizer, torch.load(sys.argv[1], weights_only=True))
+    if rank == 0:
+        torch.save(full_training_state(again, again_optimizer), sys.argv[1] + ".reloaded")
+    else:
+        full_training_state(again, again_optimizer)
+""")
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_save_and_load_whole_offloaded_state(tmp_path):
+    """Two ranks hold half of every tensor each: the saved state is whole, and loading it shards it back."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS.format(tests=str(REPO / "tests" / "engine")))
+    port, processes = _free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "state.pt")], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for process in processes:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output
+    saved = torch.load(tmp_path / "state.pt", weights_only=True)
+    reloaded = torch.load(str(tmp_path / "state.pt") + ".reloaded", weights_only=True)
+    shapes = {name: tensor.shape for name, tensor in varlen_lm(seed=3).state_dict().items()}
+    for name, moments in saved["optimizer"]["state"].items():
+        assert moments["exp_avg"].shape == shapes[name]
+        assert moments["exp_avg_sq"].abs().sum() > 0
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(reloaded["optimizer"]["state"][name][key], moments[key]), (name, key)
+    for name, tensor in saved["model"].items():
+        assert tensor.shape == shapes[name]
+        assert torch.equal(reloaded["model"][name], tensor), name
