@@ -38,6 +38,9 @@ class DataConfig:
     """Seed of the data order (reproducible and resumable)."""
     max_train_samples: Optional[int] = None
     max_val_samples: Optional[int] = None
+    gen_batch_size: Optional[int] = None
+    """Prompts per generation batch under algorithm.filter_groups (DAPO's dynamic sampling); None is
+    train_batch_size. The data loader hands out batches of this size."""
 
 
 @dataclass
@@ -232,6 +235,17 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO's soft overlong punishment: add min(-(L - (max_len - len)) / len * penalty_factor, 0) to the
+    score of a response of L tokens (max_len = data.max_response_length)."""
+    len: int = 0
+    """The buffer: the penalty grows linearly over the last this many tokens of data.max_response_length."""
+    penalty_factor: float = 1.0
+    """The penalty of a response that fills data.max_response_length."""
+
+
+@dataclass
 class RewardConfig:
     custom_function: Optional[str] = None
     """path/to/file.py:function, called for every sample instead of the built-in scorer."""
@@ -244,6 +258,7 @@ class RewardConfig:
     retool_wrong_answer: bool = False
     """ReTool's shaping for tool use: a wrong answer (acc false, or a score <= 0 without acc) scores
     min(-0.6, -1 + 0.05 * (num_turns - 2)), so each tool call (two turns) adds 0.1 up to -0.6."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -268,6 +283,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO's dynamic sampling: keep only prompt groups whose metric varies across their samples, generating
+    batches of data.gen_batch_size prompts until data.train_batch_size groups are kept."""
+    metric: str = "acc"
+    """acc (the scorer's acc extra), score (the scorer's score), seq_reward (score plus overlong shaping) or
+    seq_final_reward (seq_reward minus the in-reward KL penalty)."""
+    max_num_gen_batches: int = 10
+    """Generation batches one step may use before it fails; 0 means no limit."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """A name in reinforge.algorithms.ADVANTAGE_ESTIMATORS."""
@@ -280,6 +307,7 @@ class AlgorithmConfig:
     """KL estimator of the in-reward penalty."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

@@ -167,3 +167,24 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
     if algorithm.rollout_correction.rollout_is is not None:
         _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ("token", "sequence"))
+    _check_dapo(config)
+
+
+def _check_dapo(config: Config) -> None:
+    data, filter_groups, buffer = config.data, config.algorithm.filter_groups, config.reward.overlong_buffer
+    _choice("algorithm.filter_groups.metric", filter_groups.metric, ("acc", "score", "seq_reward", "seq_final_reward"))
+    if filter_groups.max_num_gen_batches < 0:
+        raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches={filter_groups.max_num_gen_batches} "
+                          "must be 0 (no limit) or more")
+    if data.gen_batch_size is not None:
+        if not filter_groups.enable:
+            raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} only applies to dynamic sampling; set "
+                              "algorithm.filter_groups.enable=true or remove data.gen_batch_size")
+        if data.gen_batch_size < 1:
+            raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} must be at least 1")
+    if buffer.enable:
+        if not 0 < buffer.len <= data.max_response_length:
+            raise ConfigError(f"reward.overlong_buffer.len={buffer.len} must be in 1..data.max_response_length="
+                              f"{data.max_response_length} when reward.overlong_buffer.enable=true")
+        if buffer.penalty_factor < 0:
+            raise ConfigError(f"reward.overlong_buffer.penalty_factor={buffer.penalty_factor} must be >= 0")

@@ -87,8 +87,9 @@ class PromptLoader:
 
     @classmethod
     def for_training(cls, dataset: RLDataset, config: DataConfig, pad_token_id: int) -> PromptLoader:
-        return cls(dataset, config.train_batch_size, pad_token_id, shuffle=config.shuffle, seed=config.seed,
-                   drop_last=True, repeat=True)
+        """Batches of data.gen_batch_size prompts (dynamic sampling), else data.train_batch_size."""
+        return cls(dataset, config.gen_batch_size or config.train_batch_size, pad_token_id,
+                   shuffle=config.shuffle, seed=config.seed, drop_last=True, repeat=True)
 
     @classmethod
     def for_validation(cls, dataset: RLDataset, config: DataConfig, pad_token_id: int) -> PromptLoader:

@@ -8,7 +8,9 @@ A trajectory's per-call tool rewards (the ``tool_rewards`` column) are added to 
 ``reward.retool_wrong_answer`` gives a wrong answer ReTool's ``min(-0.6, -1 + 0.05 * (num_turns - 2))``. A scorer that raises or times out gives
 ``reward.fallback_score``; it is counted in the metrics and the first traceback is logged,
 but it never stops the run. ``reward.num_workers=0`` scores in this process, without time
-limits, which is handy under a debugger.
+limits, which is handy under a debugger. With ``reward.overlong_buffer.enable`` each score
+gets DAPO's overlong penalty (``reward.overlong``), kept per sample as the ``overlong_penalty``
+extra and counted in ``reward/overlong/*``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from reinforge.config.schema import RewardConfig
 from reinforge.protocol import Batch
+from reinforge.reward.overlong import overlong_penalty
 from reinforge.reward.registry import SCORERS, Scorer, get_scorer
 from reinforge.reward.scorer_calls import (
     SAMPLE_ARGUMENTS,
@@ -43,7 +46,7 @@ class RewardOutput:
     token_level_scores: Tensor
     """(batch, response_len) float32: each sample's score on its last generated token, 0 elsewhere."""
     scores: Tensor
-    """(batch,) float32: the score of each sample (fallback_score for failed ones)."""
+    """(batch,) float32: the score of each sample (fallback_score for failed ones), overlong penalty included."""
     extras: dict[str, list[Any]] = field(default_factory=dict)
     """Extra values of dict scores (acc, pred, ...), one per sample; None where a sample lacks the key."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -58,13 +61,19 @@ class RewardOutput:
 class RewardManager:
     """Scores batches of responses; keeps its worker processes between calls (``close()`` ends them)."""
 
-    def __init__(self, config: RewardConfig, tokenizer: Any) -> None:
+    def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int | None = None) -> None:
+        """``max_response_length`` (data.max_response_length) is needed by reward.overlong_buffer."""
         if config.num_workers < 0:
             raise ValueError(f"reward.num_workers={config.num_workers} must be 0 (score in this process) or more")
         if config.timeout_s <= 0:
             raise ValueError(f"reward.timeout_s={config.timeout_s} must be positive")
+        buffer = config.overlong_buffer
+        if buffer.enable and (max_response_length is None or not 0 < buffer.len <= max_response_length):
+            raise ValueError(f"reward.overlong_buffer.len={buffer.len} must be in 1..data.max_response_length="
+                             f"{max_response_length}")
         self.config = config
         self.tokenizer = tokenizer
+        self.max_response_length = max_response_length
         self.options = dict(config.kwargs)
         self.custom_scorer: Scorer | None = None
         if config.custom_function:
@@ -144,12 +153,21 @@ class RewardManager:
         if "tool_rewards" in batch:
             scores = scores + torch.tensor([float(sum(rewards or ())) for rewards in batch["tool_rewards"]])
         keys = sorted({key for extras in per_sample_extras for key in extras})
+        extras = {key: [extras.get(key) for extras in per_sample_extras] for key in keys}
+        metrics = {"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts)}
+        buffer = self.config.overlong_buffer
+        if buffer.enable:
+            assert self.max_response_length is not None  # checked in __init__
+            penalties = overlong_penalty(in_response.sum(-1), self.max_response_length, buffer.len,
+                                         buffer.penalty_factor)
+            scores = scores + penalties
+            extras["overlong_penalty"] = penalties.tolist()
+            shaped = penalties < 0
+            metrics |= {"reward/overlong/count": float(shaped.sum()),
+                        "reward/overlong/fraction": float(shaped.float().mean()) if num_samples else 0.0}
         return RewardOutput(
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
-            scores=scores,
-            extras={key: [extras.get(key) for extras in per_sample_extras] for key in keys},
-            metrics={"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts)},
-        )
+            scores=scores, extras=extras, metrics=metrics)
 
     def _job(self, text: str, ground_truth: Any, extra_info: Any, data_source: str | None) -> ScoringJob:
         scorer = self.custom_scorer if self.custom_scorer is not None else get_scorer(data_source)

@@ -33,6 +33,7 @@ from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.checkpoint import CheckpointManager
+from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
@@ -56,7 +57,9 @@ class RLTrainer(TrainingRun):
                                    trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = tokenizer
         train_set = RLDataset.from_config(config.data, tokenizer, split="train")
-        self.train_loader = PromptLoader.for_training(train_set, config.data, get_pad_token_id(tokenizer))
+        self.pad_token_id = get_pad_token_id(tokenizer)
+        self.train_loader = PromptLoader.for_training(train_set, config.data, self.pad_token_id)
+        self._prompt_batches: Iterator[Batch] | None = None
         self.val_loader = None
         if config.data.val_files:
             val_set = RLDataset.from_config(config.data, tokenizer, split="val")
@@ -93,38 +96,19 @@ class RLTrainer(TrainingRun):
     def train_step(self, prompts: Batch) -> dict[str, float]:
         config, algorithm = self.config, self.config.algorithm
         timing: dict[str, float] = {}
-        step_start = time.perf_counter()
-        batch = prompts.repeat(config.rollout.n, interleave=True)
-        with _timed(timing, "gen"):
-            batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
-                batch, self.sampling(), config.trainer.seed * 1_000_003 + self.step)
-        if algorithm.adv_estimator == "remax":
-            with _timed(timing, "gen_max"):
-                batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
-        with _timed(timing, "reward"):
-            batch = batch | self.reward.score(batch)
-        if algorithm.rollout_correction.bypass_mode:
-            batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif not self.on_policy():
-            with _timed(timing, "old_log_prob"):
-                batch = batch | self.actor_rollout.compute_log_prob(batch)
-        if self.reference is not None:
-            with _timed(timing, "ref"):
-                batch = batch | self.reference.compute_ref_log_prob(batch)
-        if self.critic is not None:
-            with _timed(timing, "values"):
-                batch = batch | self.critic.compute_values(batch)
-
         metrics: dict[str, float] = {}
+        step_start = time.perf_counter()
+        if algorithm.filter_groups.enable:
+            batch, filter_metrics = collect_kept_groups(
+                prompts, self.next_prompts, lambda gen_prompts: self._generate_scored(gen_prompts, timing, metrics),
+                algorithm.filter_groups, config.data.train_batch_size, self.pad_token_id)
+            metrics |= filter_metrics
+        else:
+            batch = self._generate_scored(prompts, timing, metrics)
+        batch = self._add_log_probs(batch, timing)
+
         with _timed(timing, "adv"):
-            if algorithm.use_kl_in_reward:
-                old = batch.get("old_log_probs", batch["rollout_log_probs"])
-                rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], old, batch["ref_log_probs"],
-                                                       batch["response_mask"], self.kl_controller, algorithm.kl_penalty)
-                batch["token_level_rewards"] = rewards
-                metrics |= kl_metrics
-            else:
-                batch["token_level_rewards"] = batch["token_level_scores"]
+            self._add_rewards(batch, metrics)
             if "old_log_probs" in batch and (algorithm.rollout_correction.rollout_is or
                                              algorithm.rollout_correction.rollout_rs):
                 weights, keep, correction_metrics = compute_rollout_correction(
@@ -161,6 +145,60 @@ class RLTrainer(TrainingRun):
             metrics.setdefault("rollout/tokens_per_s", generated / max(timing["gen"], 1e-9))
         self._log_samples(batch)
         return metrics
+
+    def next_prompts(self) -> Batch:
+        """The loader's next batch of prompts (``fit`` and dynamic sampling draw from one iterator)."""
+        if self._prompt_batches is None:
+            self._prompt_batches = iter(self.train_loader)
+        return next(self._prompt_batches)
+
+    def _generate_scored(self, prompts: Batch, timing: dict[str, float], metrics: dict[str, float]) -> Batch:
+        """n samples per prompt, generated and scored (with the KL-in-reward rewards when dynamic sampling
+        filters on them)."""
+        config, algorithm = self.config, self.config.algorithm
+        batch = prompts.repeat(config.rollout.n, interleave=True)
+        with _timed(timing, "gen"):
+            batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
+                batch, self.sampling(), config.trainer.seed * 1_000_003 + self.step)
+        if algorithm.adv_estimator == "remax":
+            with _timed(timing, "gen_max"):
+                batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
+        with _timed(timing, "reward"):
+            batch = batch | self.reward.score(batch)
+        if algorithm.filter_groups.enable and algorithm.filter_groups.metric == "seq_final_reward":
+            batch = self._add_log_probs(batch, timing)
+            self._add_rewards(batch, metrics)
+        return batch
+
+    def _add_log_probs(self, batch: Batch, timing: dict[str, float]) -> Batch:
+        """Old and reference log-probs and values, where the step needs them and the batch lacks them."""
+        algorithm = self.config.algorithm
+        if algorithm.rollout_correction.bypass_mode:
+            batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif not self.on_policy() and "old_log_probs" not in batch:
+            with _timed(timing, "old_log_prob"):
+                batch = batch | self.actor_rollout.compute_log_prob(batch)
+        if self.reference is not None and "ref_log_probs" not in batch:
+            with _timed(timing, "ref"):
+                batch = batch | self.reference.compute_ref_log_prob(batch)
+        if self.critic is not None and "values" not in batch:
+            with _timed(timing, "values"):
+                batch = batch | self.critic.compute_values(batch)
+        return batch
+
+    def _add_rewards(self, batch: Batch, metrics: dict[str, float]) -> None:
+        """token_level_rewards: the scores, minus the KL penalty with algorithm.use_kl_in_reward."""
+        algorithm = self.config.algorithm
+        if "token_level_rewards" in batch:
+            return
+        if algorithm.use_kl_in_reward:
+            old = batch.get("old_log_probs", batch["rollout_log_probs"])
+            rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], old, batch["ref_log_probs"],
+                                                   batch["response_mask"], self.kl_controller, algorithm.kl_penalty)
+            batch["token_level_rewards"] = rewards
+            metrics |= kl_metrics
+        else:
+            batch["token_level_rewards"] = batch["token_level_scores"]
 
     def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of each prompt's greedy response, broadcast to its samples."""
@@ -210,8 +248,8 @@ class RLTrainer(TrainingRun):
         config = self.config.trainer
         try:
             self.resume(config.resume)
-            batches = iter(self.train_loader)
-            return self.run_steps(lambda: next(batches), test_every=config.test_every, save_every=config.save_every,
+            self._prompt_batches = None  # a fresh iterator from the (restored) loader position
+            return self.run_steps(self.next_prompts, test_every=config.test_every, save_every=config.save_every,
                                   validate_first=config.val_before_train)
         finally:
             self.close()

@@ -14,7 +14,7 @@ class RewardWorker(Worker):
         super().__init__()
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                    trust_remote_code=config.model.trust_remote_code)
-        self.manager = RewardManager(config.reward, tokenizer)
+        self.manager = RewardManager(config.reward, tokenizer, config.data.max_response_length)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def score(self, batch: Batch) -> Batch:

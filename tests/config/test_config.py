@@ -158,3 +158,18 @@ def test_a_verl_section_in_yaml_names_a_translation(tmp_path):
                                           r"it with `reinforge config from-verl KEY=VALUE ...` .*\(e.g. "
                                           r"actor_rollout_ref.actor.kl_loss_coef is actor.kl_loss_coef here\)"):
         load_config(path)
+
+
+def test_dapo_settings_are_checked_before_a_model_loads():
+    from reinforge.config import load_config
+
+    with pytest.raises(ConfigError, match=r"data.gen_batch_size=16 only applies to dynamic sampling; set "
+                                          r"algorithm.filter_groups.enable=true"):
+        load_config(None, ["data.gen_batch_size=16"])
+    with pytest.raises(ConfigError, match=r"algorithm.filter_groups.metric='accuracy' is not one of acc, score"):
+        load_config(None, ["algorithm.filter_groups.metric=accuracy"])
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer.len=0 must be in 1..data.max_response_length=256"):
+        load_config(None, ["reward.overlong_buffer.enable=true"])
+    config = load_config(None, ["algorithm.filter_groups.enable=true", "data.gen_batch_size=16",
+                                "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=256"])
+    assert config.data.gen_batch_size == 16

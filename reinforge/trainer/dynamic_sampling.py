@@ -1,0 +1,137 @@
+"""DAPO's dynamic sampling: generate until ``train_batch_size`` prompt groups carry a learning signal.
+
+A group (the samples of one prompt, one ``uid``) whose metric is the same for every sample
+has zero advantage under group estimators and teaches nothing, so it is dropped. Generation
+batches of ``data.gen_batch_size`` prompts are drawn, generated and scored until enough groups
+are kept; the kept groups are then truncated, in the order they came, to exactly
+``data.train_batch_size`` groups. The loader's position moves by whole generation batches, so a
+resumed run draws the same prompts as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from reinforge.config.schema import FilterGroupsConfig
+from reinforge.engine.forward import build_position_ids
+from reinforge.protocol import Batch
+
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+PROMPT_COLUMNS = ("prompts",)
+"""Tensors left-padded to the prompt width."""
+SEQUENCE_COLUMNS = ("input_ids", "attention_mask")
+"""Tensors over prompt + response, left-padded on the prompt side (position_ids is rebuilt)."""
+
+
+def group_metric(batch: Batch, metric: str) -> np.ndarray:
+    """The per-sample value whose spread within a group decides whether the group is kept."""
+    if metric == "acc":
+        if "reward_acc" not in batch:
+            raise ValueError("algorithm.filter_groups.metric=acc but the scorer returns no 'acc'; "
+                             "use metric=score or return {'score': ..., 'acc': ...} from the scorer")
+        return np.array([float(value) if value is not None else np.nan for value in batch["reward_acc"]])
+    if metric == "score":
+        scores = batch["token_level_scores"].sum(-1)
+        if "reward_overlong_penalty" in batch:
+            scores = scores - torch.tensor([float(value) for value in batch["reward_overlong_penalty"]])
+        return scores.double().numpy()
+    if metric == "seq_reward":
+        return batch["token_level_scores"].sum(-1).double().numpy()
+    if metric == "seq_final_reward":
+        return batch["token_level_rewards"].sum(-1).double().numpy()
+    raise ValueError(f"algorithm.filter_groups.metric={metric!r} is not one of {', '.join(FILTER_METRICS)}")
+
+
+def kept_group_rows(uids: np.ndarray, values: np.ndarray) -> tuple[list[int], int, int]:
+    """Rows of the groups whose values vary (a group of one is kept); returns (rows, kept, groups)."""
+    members: dict[str, list[int]] = {}
+    for row, uid in enumerate(uids):
+        members.setdefault(str(uid), []).append(row)
+    rows: list[int] = []
+    kept = 0
+    for group in members.values():
+        if len(group) == 1 or np.std(values[group]) > 0:
+            rows.extend(group)
+            kept += 1
+    return rows, kept, len(members)
+
+
+def first_groups(batch: Batch, num_groups: int) -> Batch:
+    """The rows of the first ``num_groups`` distinct uids, in order."""
+    chosen: set[str] = set()
+    rows = []
+    for row, uid in enumerate(batch["uid"]):
+        if str(uid) not in chosen and len(chosen) < num_groups:
+            chosen.add(str(uid))
+        if str(uid) in chosen:
+            rows.append(row)
+    return batch.index(rows)
+
+
+def concat_generated(batches: list[Batch], pad_token_id: int) -> Batch:
+    """Generated batches whose prompts were padded to different widths, as one batch.
+
+    Prompt-side tensors are left-padded to the widest prompt, position ids rebuilt; response-side
+    tensors already share data.max_response_length. Non-tensor columns a batch lacks become None.
+    """
+    width = max(batch["prompts"].shape[1] for batch in batches)
+    padded = []
+    for batch in batches:
+        missing = width - batch["prompts"].shape[1]
+        tensors = dict(batch.tensors)
+        if missing:
+            for key in PROMPT_COLUMNS + SEQUENCE_COLUMNS:
+                if key in tensors:
+                    value = pad_token_id if key in ("prompts", "input_ids") else 0
+                    tensors[key] = torch.nn.functional.pad(tensors[key], (missing, 0), value=value)
+            if "position_ids" in tensors:
+                tensors["position_ids"] = build_position_ids(tensors["attention_mask"])
+        padded.append(Batch(tensors, dict(batch.non_tensors), dict(batch.meta)))
+    keys = sorted({key for batch in padded for key in batch.non_tensors})
+    for batch in padded:
+        for key in keys:
+            if key not in batch.non_tensors:
+                batch.non_tensors[key] = np.full(len(batch), None, dtype=object)
+    return Batch.concat(padded)
+
+
+def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generate_scored: Callable[[Batch], Batch],
+                        config: FilterGroupsConfig, num_groups: int,
+                        pad_token_id: int) -> tuple[Batch, dict[str, float]]:
+    """Generate and score batches of prompts (``first``, then ``next_prompts()``) until ``num_groups``
+    groups pass the filter; returns the rows of the first ``num_groups`` kept groups and the metrics ``train/num_gen_batches``, ``train/kept_group_fraction`` and ``train/num_kept_groups``.
+    """
+    kept: list[Batch] = []
+    reward_metrics: dict[str, float] = {}
+    num_kept = num_generated = num_gen_batches = num_samples = 0
+    prompts = first
+    while True:
+        num_gen_batches += 1
+        scored = generate_scored(prompts)
+        rows, kept_here, groups_here = kept_group_rows(scored["uid"], group_metric(scored, config.metric))
+        num_generated += groups_here
+        num_kept += kept_here
+        for key, value in scored.meta.get("reward_metrics", {}).items():
+            reward_metrics[key] = reward_metrics.get(key, 0.0) + value
+        num_samples += len(scored)
+        kept.append(scored.index(rows))
+        if num_kept >= num_groups:
+            break
+        if 0 < config.max_num_gen_batches <= num_gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling kept {num_kept} of the data.train_batch_size={num_groups} prompt groups it needs "
+                f"after algorithm.filter_groups.max_num_gen_batches={config.max_num_gen_batches} generation batches "
+                f"(the metric {config.metric} was the same for every sample of the others); raise "
+                "max_num_gen_batches (0 means no limit) or data.gen_batch_size, or use easier or harder data")
+        prompts = next_prompts()
+    merged = first_groups(concat_generated(kept, pad_token_id), num_groups)
+    if "reward/overlong/count" in reward_metrics:  # over every sample generated, like the counts
+        reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(num_samples, 1)
+    merged.meta["reward_metrics"] = reward_metrics
+    metrics = {"train/num_gen_batches": float(num_gen_batches), "train/num_kept_groups": float(num_kept),
+               "train/kept_group_fraction": num_kept / max(num_generated, 1)}
+    return merged, metrics
+

@@ -1,0 +1,61 @@
+"""DAPO in the trainer: dynamic sampling and overlong shaping end to end, and an exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from reinforge.cli import main
+
+from .test_rl_trainer import COMPARED_PREFIXES, base_args, read_metrics
+
+ODD_SUM = '''
+def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
+    score = float(sum(map(ord, solution_str)) % 2)
+    return {"score": score, "acc": score > 0}
+'''
+
+
+def dapo_args(model: Path, data: Path, run_dir: Path, reward_file: Path, **overrides: object) -> list[str]:
+    return base_args(model, data, run_dir, **{
+        "reward.custom_function": f"{reward_file}:compute_score", "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.max_num_gen_batches": 0, "data.gen_batch_size": 3, "rollout.n": 2,
+        "reward.overlong_buffer.enable": True, "reward.overlong_buffer.len": 4, "trainer.total_steps": 3,
+        "trainer.num_logged_samples": 4, **overrides})
+
+
+def prompts_logged(run_dir: Path) -> list[tuple[int, str]]:
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return [(row["step"], row["prompt"]) for row in rows]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_overlong_shaping_train_and_resume_exactly(tiny_model_dir, arithmetic_data_dir,
+                                                                        tmp_path):
+    reward_file = tmp_path / "odd.py"
+    reward_file.write_text(ODD_SUM)
+    reference = tmp_path / "reference"
+    assert main(["train", *dapo_args(tiny_model_dir, arithmetic_data_dir, reference, reward_file)]) == 0
+    rows = read_metrics(reference)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["train/num_gen_batches"] >= 2  # 4 groups needed, at most 3 per generation batch
+        assert 0 < row["train/kept_group_fraction"] <= 1
+        assert row["train/num_kept_groups"] >= 4
+        assert "reward/overlong/count" in row and "reward/overlong_penalty/mean" in row
+        assert row["critic/score/mean"] == row["critic/score/mean"]
+    assert any(row["train/kept_group_fraction"] < 1 for row in rows)  # some groups were dropped
+
+    resumed = tmp_path / "resumed"
+    args = dapo_args(tiny_model_dir, arithmetic_data_dir, resumed, reward_file)
+    assert main(["train", *args, "trainer.total_steps=1", "trainer.save_every=1"]) == 0
+    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert main(["train", *args]) == 0
+
+    def comparable(run_rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in row.items() if not k.startswith(COMPARED_PREFIXES)} for row in run_rows]
+
+    assert comparable(read_metrics(resumed)) == comparable(rows)
+    assert prompts_logged(resumed) == prompts_logged(reference)

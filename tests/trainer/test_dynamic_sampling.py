@@ -1,0 +1,113 @@
+"""Dynamic sampling (DAPO) on batches built by hand: which groups are kept, truncation, the limit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reinforge.config.schema import FilterGroupsConfig
+from reinforge.protocol import Batch
+from reinforge.trainer.dynamic_sampling import collect_kept_groups, concat_generated, group_metric, kept_group_rows
+
+PAD = 0
+RESPONSE = 3
+
+
+def scored_batch(groups: dict[str, list[float]], prompt_width: int) -> Batch:
+    """A generated and scored batch: one uid per group, each sample's score on its last of 2 response tokens."""
+    uids = [uid for uid, scores in groups.items() for _ in scores]
+    scores = torch.tensor([score for values in groups.values() for score in values])
+    rows = len(uids)
+    prompts = torch.arange(1, rows * prompt_width + 1).reshape(rows, prompt_width)
+    responses = torch.full((rows, RESPONSE), 7)
+    response_mask = torch.tensor([[1, 1, 0]] * rows)
+    attention_mask = torch.cat([torch.ones(rows, prompt_width, dtype=torch.long), response_mask], dim=1)
+    token_level_scores = torch.zeros(rows, RESPONSE)
+    token_level_scores[:, 1] = scores
+    return Batch.from_dict(
+        tensors={"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                 "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+                 "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask,
+                 "token_level_scores": token_level_scores},
+        non_tensors={"uid": uids, "reward_acc": [score > 0 for score in scores.tolist()]},
+        meta={"reward_metrics": {"reward/errors": 1.0}})
+
+
+def test_only_groups_whose_metric_varies_are_kept_and_a_group_of_one_always():
+    batch = scored_batch({"a": [1, 1, 1], "b": [0, 1, 0], "c": [0, 0, 0], "d": [0.5], "e": [0, 0.2, 0]}, 2)
+    rows, kept, groups = kept_group_rows(batch["uid"], group_metric(batch, "score"))
+    assert (kept, groups) == (3, 5)
+    assert [batch["uid"][row] for row in rows] == ["b"] * 3 + ["d"] + ["e"] * 3
+    # on acc, e's samples are all wrong but for the one scored 0.2 > 0: still varies; d (one sample) kept
+    rows, kept, _ = kept_group_rows(batch["uid"], group_metric(batch, "acc"))
+    assert kept == 3
+    batch["token_level_rewards"] = batch["token_level_scores"] * 0  # seq_final_reward: nothing varies
+    assert kept_group_rows(batch["uid"], group_metric(batch, "seq_final_reward"))[1] == 1  # only d
+
+
+def test_score_is_the_scorer_score_before_overlong_shaping():
+    batch = scored_batch({"a": [1.0, 0.5]}, 2)
+    batch.non_tensors["reward_overlong_penalty"] = np.array([0.0, -0.5], dtype=object)
+    assert group_metric(batch, "seq_reward").tolist() == [1.0, 0.5]
+    assert group_metric(batch, "score").tolist() == [1.0, 1.0]
+
+
+def test_acc_without_an_acc_extra_says_what_to_use():
+    batch = scored_batch({"a": [1.0, 0.0]}, 2)
+    del batch.non_tensors["reward_acc"]
+    with pytest.raises(ValueError, match="metric=acc but the scorer returns no 'acc'; use metric=score"):
+        group_metric(batch, "acc")
+
+
+def test_kept_groups_accumulate_over_generation_batches_and_are_cut_to_exactly_the_batch():
+    generation_batches = [
+        scored_batch({"p0": [0, 0], "p1": [0, 1]}, prompt_width=2),  # keeps p1
+        scored_batch({"p2": [1, 1], "p3": [1, 1]}, prompt_width=4),  # keeps none
+        scored_batch({"p4": [1, 0], "p5": [0, 1]}, prompt_width=3),  # keeps p4, p5: one too many
+    ]
+    drawn = iter(generation_batches[1:])
+    seen: list[Batch] = []
+
+    def generate_scored(prompts: Batch) -> Batch:
+        seen.append(prompts)
+        return prompts
+
+    batch, metrics = collect_kept_groups(generation_batches[0], lambda: next(drawn), generate_scored,
+                                         FilterGroupsConfig(enable=True, metric="score"), num_groups=2,
+                                         pad_token_id=PAD)
+    assert len(seen) == 3
+    assert list(batch["uid"]) == ["p1", "p1", "p4", "p4"]  # p5 was kept but is past train_batch_size
+    assert metrics == {"train/num_gen_batches": 3.0, "train/num_kept_groups": 3.0,
+                       "train/kept_group_fraction": 0.5}
+    assert batch.meta["reward_metrics"]["reward/errors"] == 3.0  # counted over every generation batch
+    # the prompts of different widths are left-padded to the widest (4), the sequences with them
+    assert batch["prompts"].shape == (4, 4) and batch["input_ids"].shape == (4, 4 + RESPONSE)
+    assert batch["prompts"][0].tolist() == [PAD, PAD, 5, 6]  # p1: rows 2-3 of the first batch
+    assert batch["attention_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 0]
+    assert batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 0]
+    assert batch["prompts"][2].tolist() == [PAD, 1, 2, 3]
+
+
+def test_too_many_generation_batches_fail_with_the_fix_and_zero_means_no_limit():
+    def all_equal() -> Batch:
+        return scored_batch({f"p{next(counter)}": [1, 1]}, 2)
+
+    counter = iter(range(100))
+    config = FilterGroupsConfig(enable=True, metric="score", max_num_gen_batches=3)
+    with pytest.raises(RuntimeError, match=r"kept 0 of the data.train_batch_size=1 prompt groups it needs after "
+                                           r"algorithm.filter_groups.max_num_gen_batches=3 generation batches.*"
+                                           r"\(0 means no limit\)"):
+        collect_kept_groups(all_equal(), all_equal, lambda prompts: prompts, config, num_groups=1, pad_token_id=PAD)
+    calls = iter([scored_batch({"x": [1, 1]}, 2)] * 20 + [scored_batch({"y": [0, 1]}, 2)])
+    unlimited = FilterGroupsConfig(enable=True, metric="score", max_num_gen_batches=0)
+    batch, metrics = collect_kept_groups(next(calls), lambda: next(calls), lambda prompts: prompts, unlimited,
+                                         num_groups=1, pad_token_id=PAD)
+    assert metrics["train/num_gen_batches"] == 21.0 and list(batch["uid"]) == ["y", "y"]
+
+
+def test_concat_fills_missing_extras_with_none():
+    first, second = scored_batch({"a": [0, 1]}, 2), scored_batch({"b": [0, 1]}, 2)
+    second.non_tensors["reward_pred"] = np.array(["1", "2"], dtype=object)
+    merged = concat_generated([first, second], PAD)
+    assert list(merged["reward_pred"]) == [None, None, "1", "2"]
