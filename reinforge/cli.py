@@ -1,4 +1,4 @@
-"""``reinforge <command>``: train, sft, eval, demo, export, plot, bench, data, config.
+"""``reinforge <command>``: train, sft, eval, demo, export, plot, bench, data, config, sandbox.
 
 Configuration is parsed and validated before torch or any model is imported, so a typo in a
 key fails in a second with one line, not after a minute of loading.
@@ -124,6 +124,12 @@ def _data(argv: list[str]) -> int:
     return data_main(argv)
 
 
+def _sandbox(argv: list[str]) -> int:
+    from reinforge.sandbox.server import sandbox_main
+
+    return sandbox_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
     "sft": (_sft, "supervised fine-tuning on chat data (loss on assistant tokens)"),
@@ -134,6 +140,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "bench": (_bench, "speed on the standard workload: rollout (default) or train (full GRPO/PPO steps)"),
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
     "config": (_config, "translate a verl command line into a reinforge YAML (config from-verl KEY=VALUE ...)"),
+    "sandbox": (_sandbox, "serve a code sandbox for tool-using agents (reinforge sandbox serve --port 8080)"),
 }
 
 

@@ -37,3 +37,12 @@ def arithmetic_data_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("arithmetic")
     write_arithmetic_dataset(folder, num_train=64, num_test=8, max_digits=2)
     return folder
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The sandbox attack suite's tally (tests/sandbox/test_attacks.py); an attack is contained when its test passed."""
+    attacks = [report for outcome in ("passed", "failed") for report in terminalreporter.stats.get(outcome, [])
+               if report.when == "call" and any(key == "sandbox_attack" for key, _ in report.user_properties)]
+    if attacks:
+        contained = sum(report.passed for report in attacks)
+        terminalreporter.write_line(f"sandbox attack suite: {len(attacks)} attacks, {contained} contained")

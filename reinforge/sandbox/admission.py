@@ -1,0 +1,76 @@
+"""Load control in front of the runner: a token-bucket rate limit, then a bounded queue for slots.
+
+A request first takes a token (none left: 429 with the seconds until the next one), then a
+slot, one of ``max_concurrent``; while all are busy it waits in a queue of at most
+``max_queued`` requests (full: 503 at once; waited too long: 503). verl's own sandbox tool
+only bounds concurrency with a semaphore, which lets a burst of requests pile up without limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class TokenBucket:
+    """``rate`` tokens per second refill a bucket of ``capacity``; each admitted request takes one."""
+
+    def __init__(self, rate: float, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0 or capacity < 1:
+            raise ValueError(f"a token bucket needs rate > 0 and capacity >= 1, got rate={rate}, capacity={capacity}")
+        self.rate, self.capacity, self._clock = rate, float(capacity), clock
+        self._tokens, self._updated = float(capacity), clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        """0.0 if a token was taken, else the seconds until one will be there (nothing is taken)."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.capacity, self._tokens + (now - self._updated) * self.rate)
+            self._updated = now
+            if self._tokens >= 1.0:
+                self._tokens -= 1.0
+                return 0.0
+            return (1.0 - self._tokens) / self.rate
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue holds ``max_queued`` requests already."""
+
+
+class QueueTimeout(Exception):
+    """A queued request did not get a slot in time."""
+
+
+class SlotPool:
+    """``num_slots`` numbered slots handed out one per running program, with a bounded wait queue."""
+
+    def __init__(self, num_slots: int, max_queued: int) -> None:
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._max_queued = max_queued
+        self._waiting = 0
+        self._condition = threading.Condition()
+
+    def acquire(self, timeout_s: float) -> int:
+        """A free slot's number; QueueFull or QueueTimeout when there is none to have."""
+        with self._condition:
+            if not self._free:
+                if self._waiting >= self._max_queued:
+                    raise QueueFull()
+                self._waiting += 1
+                try:
+                    if not self._condition.wait_for(lambda: bool(self._free), timeout=timeout_s):
+                        raise QueueTimeout()
+                finally:
+                    self._waiting -= 1
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._condition:
+            self._free.append(slot)
+            self._condition.notify()
+
+    def stats(self) -> dict[str, int]:
+        with self._condition:
+            return {"free_slots": len(self._free), "queued": self._waiting}

@@ -1,0 +1,108 @@
+"""A client for ``POST /run_code``: ours or a SandboxFusion deployment, with retries and a deadline.
+
+``run_code`` never raises for the sandbox's sake and never waits past its deadline: a refused
+connection, a reset, 429, 502, 503 and 504 are retried with exponential backoff (and the
+server's Retry-After) until ``timeout_s`` is spent; anything that still fails comes back as a
+``SandboxError`` response whose message says what happened, ready to show the model.
+
+    client = SandboxClient("http://127.0.0.1:8080")
+    response = client.run_code("print(6 * 7)")
+    response.run_result.stdout   # '42\\n'
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+
+from reinforge.sandbox.protocol import SANDBOX_ERROR, RunCodeRequest, RunCodeResponse
+
+RETRY_STATUSES = (429, 502, 503, 504)
+
+
+def _url(base_url: str, path: str) -> str:
+    """SandboxFusion's tools are often given the full ``.../run_code`` URL; accept both forms."""
+    base = base_url.rstrip("/")
+    return base.removesuffix("/run_code") + path
+
+
+class SandboxClient:
+    def __init__(self, url: str, *, max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 timeout_slack_s: float = 30.0) -> None:
+        """``timeout_slack_s``: time allowed beyond the program's own timeouts, for queueing and retries."""
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"sandbox url {url!r} must start with http:// or https://, e.g. http://127.0.0.1:8080")
+        self.url, self.max_retries = url, max_retries
+        self.backoff_s, self.max_backoff_s, self.timeout_slack_s = backoff_s, max_backoff_s, timeout_slack_s
+
+    def run_code(self, code: str, language: str = "python", *, run_timeout: float = 10.0,
+                 compile_timeout: float = 10.0, memory_limit_mb: int = -1, stdin: str | None = None,
+                 files: dict[str, bytes] | None = None, timeout_s: float | None = None) -> RunCodeResponse:
+        """Run ``code`` remotely; by ``timeout_s`` (default: both timeouts + slack) there is an answer."""
+        request = RunCodeRequest(code=code, language=language, compile_timeout=compile_timeout,
+                                 run_timeout=run_timeout, memory_limit_MB=memory_limit_mb, stdin=stdin,
+                                 files={path: base64.b64encode(data).decode() for path, data in (files or {}).items()})
+        return self.send(request, timeout_s)
+
+    def send(self, request: RunCodeRequest, timeout_s: float | None = None) -> RunCodeResponse:
+        if timeout_s is None:
+            timeout_s = request.run_timeout + request.compile_timeout + self.timeout_slack_s
+        deadline = time.monotonic() + timeout_s
+        payload = json.dumps(request.to_json()).encode()
+        last_problem = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            retry_after_s = 0.0
+            try:
+                http_request = urllib.request.Request(_url(self.url, "/run_code"), data=payload, method="POST",
+                                                      headers={"Content-Type": "application/json",
+                                                               "Accept": "application/json"})
+                with urllib.request.urlopen(http_request, timeout=remaining) as answer:
+                    return RunCodeResponse.from_json(json.loads(answer.read()))
+            except urllib.error.HTTPError as error:
+                detail = error.read()[:300].decode(errors="replace")
+                last_problem = f"HTTP {error.code} from {self.url}: {detail}"
+                if error.code not in RETRY_STATUSES:
+                    return self._error(f"the sandbox rejected the request: {last_problem}")
+                retry_after_s = float(error.headers.get("Retry-After") or 0)
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError,
+                    socket.timeout) as error:
+                reason = getattr(error, "reason", error)
+                if isinstance(reason, TimeoutError | socket.timeout):
+                    last_problem = f"no answer within {timeout_s:.1f}s"
+                    break
+                last_problem = f"{type(reason).__name__}: {reason}"
+            except ValueError as error:  # a body that is not a /run_code response
+                return self._error(f"the sandbox at {self.url} answered something unreadable: {error}")
+            if attempt == self.max_retries:
+                break
+            backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
+            time.sleep(max(0.0, min(max(backoff, retry_after_s), deadline - time.monotonic())))
+        return self._error(f"the code sandbox at {self.url} gave no result ({last_problem})")
+
+    def _error(self, message: str) -> RunCodeResponse:
+        return RunCodeResponse(status=SANDBOX_ERROR, message=message)
+
+    def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(_url(self.url, "/"), timeout=timeout_s) as answer:
+                return answer.status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def wait_until_healthy(self, timeout_s: float = 30.0) -> None:
+        """Return once ``GET /`` answers 200; TimeoutError naming the URL after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_healthy():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the sandbox at {self.url} did not answer GET / within {timeout_s}s; "
+                                   "is `reinforge sandbox serve` running there?")
+            time.sleep(0.2)

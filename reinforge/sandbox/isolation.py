@@ -1,0 +1,170 @@
+"""What walls a program runs behind: the bubblewrap command line, rlimits and user ids.
+
+A program runs as ``bwrap`` builds it: new user, PID, network, IPC, UTS and cgroup
+namespaces (the network one holds only a loopback of its own), a root that is an empty tmpfs
+holding read-only binds of /usr and the loader's folders and then remounted read-only, a
+private size-limited tmpfs at /tmp as its working folder, /proc of its own PID namespace, a
+minimal /dev, no further user namespaces, its own session, and death with its parent. The program is
+the PID namespace's init itself (``--as-pid-1``): bwrap's own init would exit without being
+reaped by bwrap, leaving a zombie on the host's PID 1 after every run (forever, where that is
+this server in a container). As init, a signal the program sends itself without a handler is
+ignored. Code
+and files are copied in from in-memory files (memfd), so nothing of the host's disk is
+writable or even visible beyond those binds. The server's files, the project and /etc are not
+there at all.
+
+rlimits cap address space, CPU seconds, processes, file size and open files. When the server
+runs as root each concurrency slot has its own user id, so one program's fork bomb cannot use
+up another's process limit and no program can signal or read another's processes.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from reinforge.sandbox.settings import SandboxSettings
+
+SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+"""Host folders a program needs to start an interpreter; on a merged-/usr system all but /usr are links."""
+ETC_ENTRIES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
+SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+               "PYTHONPATH": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
+CODE_FOLDER = "/code"
+SHM_MB = 64
+"""Size of /dev/shm (multiprocessing's locks live there); the rest of /dev is read-only."""
+WORK_FOLDER = "/tmp"
+
+
+class IsolationError(RuntimeError):
+    """The sandbox cannot isolate programs on this machine; the server refuses to start."""
+
+
+def find_bwrap() -> str:
+    """Path of ``bwrap``, or an IsolationError saying how to install it or what the unsafe flag gives up."""
+    path = shutil.which("bwrap")
+    if path is None:
+        raise IsolationError(
+            "bubblewrap (bwrap) is not installed, so model-written code cannot be isolated; install it "
+            "(Debian/Ubuntu: apt-get install -y bubblewrap) or pass --unsafe-no-isolation to run code with "
+            "this machine's files and network in reach")
+    return path
+
+
+def default_python() -> str:
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("python3")
+    if found is None:
+        raise IsolationError("no python3 found for sandboxed programs; pass --python /path/to/python3")
+    return found
+
+
+def _mount_arguments(extra_read_only: list[str]) -> list[str]:
+    arguments: list[str] = []
+    for folder in SYSTEM_FOLDERS:
+        path = Path(folder)
+        if path.is_symlink():
+            arguments += ["--symlink", os.readlink(path), folder]
+        elif path.is_dir():
+            arguments += ["--ro-bind", folder, folder]
+    for entry in ETC_ENTRIES:
+        arguments += ["--ro-bind-try", entry, entry]
+    for folder in extra_read_only:
+        arguments += ["--ro-bind", folder, folder]
+    return arguments
+
+
+def bwrap_command(bwrap: str, settings: SandboxSettings, program: list[str], file_fds: list[tuple[int, str]],
+                  status_fd: int) -> list[str]:
+    """The full argv: bwrap's options, then ``program``; each (fd, path) is copied to that sandbox path.
+
+    bwrap writes JSON lines to ``status_fd``: the child's pid, then ``{"exit-code": N}`` once
+    the program ends (absent when bwrap itself failed to set up the sandbox).
+    """
+    arguments = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+                 "--new-session", "--as-pid-1", "--json-status-fd", str(status_fd), *_mount_arguments(settings.read_only_paths),
+                 "--dev", "/dev", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                 "--proc", "/proc", "--size", str(settings.tmp_size_mb << 20), "--tmpfs", WORK_FOLDER,
+                 "--dir", CODE_FOLDER]
+    made = {WORK_FOLDER, CODE_FOLDER}
+    for fd, path in file_fds:
+        parent = os.path.dirname(path)
+        missing = []
+        while parent not in made and parent != "/":
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for folder in reversed(missing):
+            arguments += ["--dir", folder]
+            made.add(folder)
+        arguments += ["--file", str(fd), path]
+    return [*arguments, "--remount-ro", "/", "--chdir", WORK_FOLDER, *program]
+
+
+def slot_identity(slot: int, settings: SandboxSettings) -> tuple[int, int] | None:
+    """(uid, gid) a slot's programs run as: uid_base + slot as root, None (the server's own) otherwise."""
+    if os.geteuid() != 0:
+        return None
+    return settings.uid_base + slot, settings.uid_base + slot
+
+
+def processes_of_user(uid: int) -> list[int]:
+    """PIDs (as the host sees them) of every process whose real user id is ``uid``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                for line in status:
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry))
+                        break
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def kill_user_processes(uid: int) -> int:
+    """SIGKILL every process of a slot's dedicated user id (left over after its sandbox ended); returns the count."""
+    killed = 0
+    for pid in processes_of_user(uid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def limits_setter(memory_mb: int, cpu_seconds: int, settings: SandboxSettings,
+                  dedicated_user: bool) -> Callable[[], None]:
+    """A ``preexec_fn`` that lowers the child's rlimits before it execs bwrap (the program inherits them).
+
+    Without a dedicated user id (server not root) RLIMIT_NPROC counts this user's other
+    processes too, so the cap is set that many above them.
+    """
+    max_processes = settings.max_processes
+    if not dedicated_user:
+        max_processes += len(processes_of_user(os.getuid()))
+    limits = [
+        (resource.RLIMIT_AS, memory_mb << 20),
+        (resource.RLIMIT_CPU, cpu_seconds),
+        (resource.RLIMIT_NPROC, max_processes),
+        (resource.RLIMIT_FSIZE, settings.max_file_mb << 20),
+        (resource.RLIMIT_NOFILE, 1024),
+        (resource.RLIMIT_CORE, 0),
+    ]
+
+    def set_limits() -> None:
+        for kind, value in limits:
+            # one CPU second of grace between SIGXCPU (soft) and SIGKILL (hard)
+            resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))
+
+    return set_limits

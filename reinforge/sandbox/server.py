@@ -1,0 +1,178 @@
+"""``reinforge sandbox serve``: SandboxFusion's HTTP contract on a thread-per-request server.
+
+    GET  /           health: 200 and a JSON summary (scripts wait for it)
+    GET  /v1/ping    "pong", as SandboxFusion answers
+    POST /run_code   run a program; 400 bad request, 413 too large, 429 rate limited,
+                     503 queue full or queue wait over (429 and 503 carry Retry-After)
+
+The server refuses to start when bubblewrap cannot isolate a test program, unless it is
+started with ``--unsafe-no-isolation``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from reinforge.sandbox.admission import QueueFull, QueueTimeout, SlotPool, TokenBucket
+from reinforge.sandbox.isolation import IsolationError
+from reinforge.sandbox.protocol import RequestError, RunCodeRequest
+from reinforge.sandbox.runner import check_isolation, run_request
+from reinforge.sandbox.settings import SandboxSettings
+
+logger = logging.getLogger(__name__)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("%s %s", self.address_string(), format % args)
+
+    def _answer(self, code: int, body: Any, retry_after_s: float | None = None) -> None:
+        payload = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        if retry_after_s is not None:
+            self.send_header("Retry-After", str(max(1, math.ceil(retry_after_s))))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_GET(self) -> None:
+        sandbox = self.server.sandbox
+        if self.path == "/":
+            self._answer(200, {"status": "ok", "isolation": sandbox.settings.isolation,
+                               "slots": sandbox.settings.num_slots, **sandbox.slots.stats()})
+        elif self.path == "/v1/ping":
+            self._answer(200, "pong")
+        else:
+            self._answer(404, {"detail": f"no such path {self.path}; use GET / or POST /run_code"})
+
+    def do_POST(self) -> None:
+        sandbox = self.server.sandbox
+        if self.path != "/run_code":
+            self._answer(404, {"detail": f"no such path {self.path}; use POST /run_code"})
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > sandbox.settings.max_request_bytes:
+            self.close_connection = True
+            self._answer(413, {"detail": f"request of {length} bytes is over the limit of "
+                                         f"{sandbox.settings.max_request_bytes}"})
+            return
+        try:
+            request = RunCodeRequest.from_json(json.loads(self.rfile.read(length) or b"null"))
+            request.decoded_files()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self._answer(400, {"detail": "the body is not JSON"})
+            return
+        except RequestError as error:
+            self._answer(400, {"detail": str(error)})
+            return
+        code, body, retry_after_s = sandbox.handle(request)
+        self._answer(code, body, retry_after_s)
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
+    sandbox: SandboxServer
+
+
+class SandboxServer:
+    """The HTTP server with its rate limit and slots; ``start()`` serves from a thread (tests), ``serve_forever()``."""
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        self.settings = settings
+        check_isolation(settings)
+        self.bucket = TokenBucket(settings.rate_per_s, settings.burst) if settings.rate_per_s > 0 else None
+        self.slots = SlotPool(settings.num_slots, settings.max_queued)
+        self._http = _HTTPServer((settings.host, settings.port), _Handler)
+        self._http.sandbox = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def handle(self, request: RunCodeRequest) -> tuple[int, dict[str, Any], float | None]:
+        """(HTTP code, body, Retry-After seconds) for a valid request."""
+        if self.bucket is not None:
+            wait_s = self.bucket.take()
+            if wait_s > 0:
+                return 429, {"detail": f"rate limit of {self.settings.rate_per_s}/s reached; retry later"}, wait_s
+        try:
+            slot = self.slots.acquire(self.settings.queue_timeout_s)
+        except QueueFull:
+            return 503, {"detail": f"all {self.settings.num_slots} slots busy and {self.settings.max_queued} "
+                                   "requests queued; retry later"}, 1.0
+        except QueueTimeout:
+            return 503, {"detail": f"no slot free within {self.settings.queue_timeout_s}s; retry later"}, 1.0
+        try:
+            return 200, run_request(request, self.settings, slot).to_json(), None
+        finally:
+            self.slots.release(slot)
+
+    def serve_forever(self) -> None:
+        self._http.serve_forever()
+
+    def start(self) -> SandboxServer:
+        self._thread = threading.Thread(target=self._http.serve_forever, name="sandbox-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def sandbox_main(argv: list[str]) -> int:
+    """``reinforge sandbox serve [--host H] [--port P] ...``."""
+    defaults = SandboxSettings()
+    parser = argparse.ArgumentParser(prog="reinforge sandbox", description="a local code sandbox (SandboxFusion API)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve POST /run_code; programs run under bubblewrap")
+    serve.add_argument("--host", default=defaults.host)
+    serve.add_argument("--port", type=int, default=defaults.port)
+    serve.add_argument("--max-concurrent", type=int, default=defaults.max_concurrent,
+                       help="programs running at once (default 0: one per CPU)")
+    serve.add_argument("--max-queued", type=int, default=defaults.max_queued)
+    serve.add_argument("--rate", type=float, default=defaults.rate_per_s, help="requests per second (0: no limit)")
+    serve.add_argument("--burst", type=int, default=defaults.burst)
+    serve.add_argument("--python", default=defaults.python, help="interpreter inside the sandbox")
+    serve.add_argument("--read-only-path", action="append", default=[], dest="read_only_paths",
+                       help="a host folder to show read-only inside the sandbox (repeatable)")
+    serve.add_argument("--uid-base", type=int, default=defaults.uid_base,
+                       help="as root, slot i runs as user uid_base + i; give each server on a host its own range")
+    serve.add_argument("--unsafe-no-isolation", action="store_true",
+                       help="run without bubblewrap: programs see this machine's files and network and can "
+                            "signal processes of their user (this server's, or a per-slot id when run as root); "
+                            "only rlimits and timeouts apply")
+    args = parser.parse_args(argv)
+    settings = SandboxSettings(host=args.host, port=args.port, max_concurrent=args.max_concurrent,
+                               max_queued=args.max_queued, rate_per_s=args.rate, burst=args.burst, python=args.python,
+                               read_only_paths=args.read_only_paths, uid_base=args.uid_base,
+                               isolation="none" if args.unsafe_no_isolation else "bubblewrap")
+    try:
+        server = SandboxServer(settings)
+    except IsolationError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if settings.isolation == "none":
+        logger.warning("UNSAFE: programs run without isolation, with this machine's files and network")
+    logger.info("sandbox serving on %s (%s, %d slots)", server.url, settings.isolation, settings.num_slots)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,245 @@
+"""The attack suite: programs that try to get out of the sandbox, each one contained.
+
+Each test is one attack run through the real server (bubblewrap) and asserts, from outside,
+that it did no harm: nothing reached the host listener, no host file changed, no process
+outlived its run, the server still answers. tests/conftest.py counts these tests
+("sandbox attack suite: N attacks, N contained") from their ``sandbox_attack`` property.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import reinforge
+from reinforge.sandbox.isolation import processes_of_user
+
+REPO = Path(reinforge.__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _count_attack(request, record_property):
+    record_property("sandbox_attack", request.node.name)
+
+
+def _no_processes_left(server) -> None:
+    settings = server.settings
+    for slot in range(settings.num_slots):
+        left = processes_of_user(settings.uid_base + slot)
+        states = [Path(f"/proc/{pid}/stat").read_text()[:80] for pid in left if Path(f"/proc/{pid}/stat").exists()]
+        assert left == [], f"slot {slot} has processes after its run: {states}"
+
+
+def _still_serving(client) -> None:
+    started = time.monotonic()
+    response = client.run_code("print('alive')", run_timeout=5)
+    assert response.run_result.stdout == "alive\n" and time.monotonic() - started < 3
+
+
+def test_connect_to_host_listener(client):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    code = f"""
+import socket
+for address in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)]:
+    try:
+        socket.create_connection(address, timeout=1).close()
+        print("CONNECTED", address)
+    except OSError as error:
+        print("BLOCKED", address, error)
+"""
+    response = client.run_code(code, run_timeout=5)
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nothing ever connected
+    listener.close()
+    assert response.run_result.stdout.count("BLOCKED") == 3, response
+    assert "CONNECTED" not in response.run_result.stdout
+
+
+def test_read_project_files_and_shadow(client):
+    targets = [REPO / "pyproject.toml", REPO / "reinforge" / "cli.py", Path("/etc/shadow"), Path("/etc/passwd"),
+               Path("/root"), Path.home() / ".bash_history", Path("/proc/1/root/etc/shadow")]
+    assert (REPO / "pyproject.toml").exists()
+    code = f"""
+import os
+for path in {[str(target) for target in targets]!r}:
+    try:
+        content = os.listdir(path) if os.path.isdir(path) else open(path, "rb").read(100)
+        print("READ", path, content)
+    except OSError as error:
+        print("DENIED", path, type(error).__name__)
+"""
+    response = client.run_code(code)
+    assert response.run_result.stdout.count("DENIED") == len(targets), response.run_result.stdout
+
+
+def test_write_outside_tmp(client, tmp_path):
+    host_targets = [tmp_path / "escaped.txt", REPO / f"escaped-{uuid.uuid4().hex}.txt"]
+    sandbox_only = ["/escaped.txt", "/usr/escaped.txt", "/etc/escaped.txt", "/code/main.py", "/dev/escaped"]
+    code = f"""
+import os
+for path in {sandbox_only!r}:
+    try:
+        open(path, "w").write("pwned")
+        print("WROTE", path)
+    except OSError as error:
+        print("DENIED", path, type(error).__name__)
+for path in {[str(target) for target in host_targets]!r}:
+    try:  # the host's /tmp path exists only inside the private /tmp, if at all
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").write("pwned")
+        print("WROTE-PRIVATE", path)
+    except OSError as error:
+        print("DENIED", path, type(error).__name__)
+"""
+    response = client.run_code(code)
+    assert response.run_result.stdout.count("DENIED") >= len(sandbox_only), response.run_result.stdout
+    assert "WROTE " not in response.run_result.stdout
+    for target in host_targets:
+        assert not target.exists(), f"{target} was written from inside the sandbox"
+
+
+def test_fork_bomb(sandbox_server, client):
+    code = """
+import os, time
+children = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        children += 1
+except OSError:
+    print("LIMIT", children, flush=True)
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+    started = time.monotonic()
+    response = client.run_code(code, run_timeout=2)
+    assert response.run_result.status == "TimeLimitExceeded", response
+    assert time.monotonic() - started < 6
+    children = int(response.run_result.stdout.split()[1])
+    assert children < sandbox_server.settings.max_processes
+    _no_processes_left(sandbox_server)
+    _still_serving(client)
+
+
+def test_memory_bomb(client):
+    code = """
+chunks = []
+try:
+    while True:
+        chunks.append(bytearray(64 << 20))
+except MemoryError:
+    print("HEAP-LIMIT", len(chunks) * 64, "MB", flush=True)
+chunks.clear()
+try:  # /tmp is a tmpfs, memory outside the address-space limit: its size and the file-size limit hold it
+    with open("/tmp/big", "wb") as big:
+        for _ in range(1024):
+            big.write(b"x" * (1 << 20))
+    print("TMPFS-UNBOUNDED")
+except OSError as error:
+    print("TMPFS-LIMIT", type(error).__name__)
+"""
+    response = client.run_code(code, memory_limit_mb=256, run_timeout=10)
+    lines = response.run_result.stdout.split("\n")
+    assert lines[0].startswith("HEAP-LIMIT") and int(lines[0].split()[1]) <= 256, response
+    assert lines[1].startswith("TMPFS-LIMIT"), response
+
+
+def test_infinite_loop_with_detached_child(sandbox_server, client):
+    code = """
+import os, signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        while True:
+            pass
+    os._exit(0)
+while True:
+    pass
+"""
+    started = time.monotonic()
+    response = client.run_code(code, run_timeout=1)
+    elapsed = time.monotonic() - started
+    assert response.status == "Failed" and response.run_result.status == "TimeLimitExceeded", response
+    assert elapsed < 4, f"a 1 s timeout took {elapsed:.1f}s to answer"
+    _no_processes_left(sandbox_server)
+
+
+def test_hundred_megabytes_of_output(sandbox_server, client):
+    code = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))\n"
+    started = time.monotonic()
+    response = client.run_code(code, run_timeout=20)
+    assert time.monotonic() - started < 5
+    assert len(response.run_result.stdout) == sandbox_server.settings.max_output_bytes
+    assert "was stopped" in response.run_result.stderr and response.status == "Failed"
+    _no_processes_left(sandbox_server)
+
+
+def test_signal_the_server(client):
+    code = f"""
+import os, signal
+for target in ({os.getpid()}, -1, 1):
+    try:
+        os.kill(target, signal.SIGKILL)
+        print("SENT", target)
+    except OSError as error:
+        print("DENIED", target, type(error).__name__)
+print("visible processes:", [p for p in os.listdir("/proc") if p.isdigit()])
+"""
+    client.run_code(code)
+    assert os.getpid() > 0  # this test process runs the server: we are still here
+    _still_serving(client)
+
+
+def test_read_another_sandboxes_files(client):
+    token = uuid.uuid4().hex
+    writer_code = f"open('/tmp/secret.txt', 'w').write('{token}')\nimport time\nprint('WRITTEN', flush=True)\ntime.sleep(3)\n"
+    reader_code = f"""
+import os
+found = []
+for root, folders, files in os.walk("/"):
+    if root.startswith(("/proc", "/dev", "/usr")):
+        folders[:] = []
+        continue
+    for name in files:
+        try:
+            if "{token[::-1]}"[::-1] in open(os.path.join(root, name), errors="ignore").read(4096):
+                found.append(os.path.join(root, name))
+        except OSError:
+            pass
+for pid in [entry for entry in os.listdir("/proc") if entry.isdigit()]:
+    try:
+        found += [pid + ":" + name for name in os.listdir(f"/proc/{{pid}}/root/tmp") if name == "secret.txt"]
+    except OSError:
+        pass
+print("FOUND" if found else "NOTHING", found)
+"""
+    finished: dict[str, float] = {}
+
+    def run_writer():
+        client.run_code(writer_code, run_timeout=10)
+        finished["writer"] = time.monotonic()
+
+    writer = threading.Thread(target=run_writer)
+    writer.start()
+    time.sleep(1.0)
+    reader = client.run_code(reader_code, run_timeout=10)
+    finished["reader"] = time.monotonic()
+    writer.join()
+    assert finished["reader"] < finished["writer"], "the two sandboxes did not run at the same time"
+    assert reader.run_result.stdout.startswith("NOTHING"), reader.run_result.stdout
