@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint clean-venv
+.PHONY: demo test lint clean-venv sandbox-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,8 +19,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/reinforge demo
 
+# The code sandbox (reinforge/sandbox, tests/sandbox) isolates programs with bubblewrap: install it where
+# missing when we can (root on Debian/Ubuntu); otherwise say so, and tests/sandbox skips.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	  else echo "note: bubblewrap (bwrap) is missing, tests/sandbox will be skipped; install it: sudo apt-get install -y bubblewrap"; fi; }
+
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
-test: $(STAMP)
+test: $(STAMP) sandbox-deps
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)

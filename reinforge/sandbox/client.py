@@ -16,7 +16,6 @@ import base64
 import http.client
 import json
 import random
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -73,10 +72,9 @@ class SandboxClient:
                 if error.code not in RETRY_STATUSES:
                     return self._error(f"the sandbox rejected the request: {last_problem}")
                 retry_after_s = float(error.headers.get("Retry-After") or 0)
-            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError,
-                    socket.timeout) as error:
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError) as error:
                 reason = getattr(error, "reason", error)
-                if isinstance(reason, TimeoutError | socket.timeout):
+                if isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError since 3.10
                     last_problem = f"no answer within {timeout_s:.1f}s"
                     break
                 last_problem = f"{type(reason).__name__}: {reason}"

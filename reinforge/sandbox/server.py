@@ -125,7 +125,8 @@ class SandboxServer:
         self._http.serve_forever()
 
     def start(self) -> SandboxServer:
-        self._thread = threading.Thread(target=self._http.serve_forever, name="sandbox-server", daemon=True)
+        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), name="sandbox-server",
+                                        daemon=True)
         self._thread.start()
         return self
 

@@ -1,4 +1,4 @@
-"""A real sandbox server per test module (bubblewrap isolation), on a free port, with its own user ids."""
+"""Real sandbox servers (bubblewrap isolation) on free ports, each test process with user ids of its own."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from reinforge.sandbox import SandboxClient, SandboxSettings
 from reinforge.sandbox.server import SandboxServer
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (apt-get install -y bubblewrap; make test does it as root)")
+NO_BWRAP = "bubblewrap is not installed (apt-get install -y bubblewrap; make test installs it when run as root)"
 
 
 def sandbox_settings(**overrides) -> SandboxSettings:
@@ -23,7 +22,7 @@ def sandbox_settings(**overrides) -> SandboxSettings:
 @pytest.fixture(scope="module")
 def sandbox_server():
     if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap; make test does it as root)")
+        pytest.skip(NO_BWRAP)
     server = SandboxServer(sandbox_settings()).start()
     yield server
     server.close()
@@ -32,3 +31,19 @@ def sandbox_server():
 @pytest.fixture()
 def client(sandbox_server) -> SandboxClient:
     return SandboxClient(sandbox_server.url, backoff_s=0.05)
+
+
+@pytest.fixture()
+def start_server():
+    """``start_server(**settings)`` -> a running SandboxServer (bubblewrap unless isolation='none'), closed after."""
+    servers = []
+
+    def start(**overrides) -> SandboxServer:
+        if overrides.get("isolation", "bubblewrap") == "bubblewrap" and shutil.which("bwrap") is None:
+            pytest.skip(NO_BWRAP)
+        servers.append(SandboxServer(sandbox_settings(**overrides)).start())
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

@@ -1,0 +1,57 @@
+"""The client: retries with backoff on transient errors, a clear answer instead of a hang, both URL forms."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from reinforge.sandbox import SandboxClient
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_accepts_the_run_code_url_as_verl_configs_give_it(client):
+    full = SandboxClient(client.url + "/run_code")
+    assert full.run_code("print('via full url')").run_result.stdout == "via full url\n"
+
+
+def test_retries_through_429_until_the_bucket_refills(start_server):
+    server = start_server(rate_per_s=4.0, burst=1)
+    client = SandboxClient(server.url, backoff_s=0.05, max_retries=8)
+    started = time.monotonic()
+    outputs = [client.run_code(f"print({index})").run_result.stdout for index in range(3)]
+    assert outputs == ["0\n", "1\n", "2\n"]
+    assert time.monotonic() - started >= 0.4  # two refills of 0.25 s each were waited for, not failed
+
+
+def test_retries_a_refused_connection_until_the_server_is_up(start_server):
+    port = _free_port()
+    threading.Timer(0.6, lambda: start_server(port=port)).start()
+    response = SandboxClient(f"http://127.0.0.1:{port}", backoff_s=0.1).run_code("print('late server')")
+    assert response.status == "Success" and response.run_result.stdout == "late server\n"
+
+
+def test_gives_up_with_a_clear_message_when_nothing_listens():
+    client = SandboxClient(f"http://127.0.0.1:{_free_port()}", max_retries=2, backoff_s=0.01)
+    response = client.run_code("print(1)")
+    assert response.status == "SandboxError" and response.run_result is None
+    assert "gave no result (ConnectionRefusedError" in response.message
+
+
+def test_a_call_past_its_deadline_returns_instead_of_hanging(client):
+    started = time.monotonic()
+    response = client.run_code("import time; time.sleep(30)", run_timeout=30, timeout_s=1.0)
+    assert time.monotonic() - started < 2.0
+    assert response.status == "SandboxError" and "no answer within 1.0s" in response.message
+
+
+def test_a_rejected_request_is_not_retried(client):
+    started = time.monotonic()
+    response = client.run_code("x", language="cobol")
+    assert time.monotonic() - started < 1.0
+    assert response.status == "SandboxError" and "HTTP 400" in response.message

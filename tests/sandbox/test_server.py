@@ -1,0 +1,119 @@
+"""The HTTP contract (SandboxFusion's /run_code), back-pressure, and refusing to start without isolation."""
+
+from __future__ import annotations
+
+import base64
+import json
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from reinforge.cli import main
+from reinforge.sandbox import SandboxSettings
+from reinforge.sandbox.isolation import IsolationError
+from reinforge.sandbox.server import SandboxServer
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict, dict]:
+    request = urllib.request.Request(url + "/run_code", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read()), dict(answer.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), dict(error.headers)
+
+
+def test_health_and_ping(sandbox_server):
+    with urllib.request.urlopen(sandbox_server.url + "/", timeout=5) as answer:
+        health = json.loads(answer.read())
+    assert answer.status == 200 and health["isolation"] == "bubblewrap" and health["slots"] == 2
+    with urllib.request.urlopen(sandbox_server.url + "/v1/ping", timeout=5) as answer:
+        assert json.loads(answer.read()) == "pong"
+
+
+def test_run_code_answers_in_sandboxfusions_shape(sandbox_server):
+    files = {"data/numbers.txt": base64.b64encode(b"3 4").decode(), "helper.py": base64.b64encode(b"K = 10").decode()}
+    code = "import sys, helper\na, b = map(int, open('data/numbers.txt').read().split())\nprint(a * b + helper.K, sys.stdin.read())"
+    status, body, _ = _post(sandbox_server.url, json.dumps({
+        "code": code, "language": "python", "stdin": "from stdin", "files": files, "compile_timeout": 10,
+        "run_timeout": 5, "memory_limit_MB": 512, "fetch_files": []}).encode())
+    assert status == 200
+    assert set(body) == {"status", "message", "compile_result", "run_result", "files"}
+    assert body["status"] == "Success" and body["compile_result"] is None
+    run = body["run_result"]
+    assert set(run) == {"status", "execution_time", "return_code", "stdout", "stderr"}
+    assert (run["status"], run["return_code"], run["stdout"]) == ("Finished", 0, "22 from stdin\n")
+
+
+@pytest.mark.parametrize(("code", "language", "status", "run_status", "return_code"), [
+    ("raise ValueError('no')", "python", "Failed", "Finished", 1),
+    ("echo $((6 * 7)); exit 3", "bash", "Failed", "Finished", 3),
+    ("import time; time.sleep(10)", "python", "Failed", "TimeLimitExceeded", None),
+])
+def test_failures_follow_sandboxfusions_status_rules(client, code, language, status, run_status, return_code):
+    response = client.run_code(code, language, run_timeout=1)
+    assert (response.status, response.run_result.status, response.run_result.return_code) == (
+        status, run_status, return_code)
+
+
+@pytest.mark.parametrize(("body", "detail"), [
+    (b"not json", "not JSON"),
+    (b'{"language": "python"}', "'code' is missing"),
+    (b'{"code": "x", "language": "cobol"}', "language='cobol' is not supported"),
+    (b'{"code": "x", "language": "python", "files": {"/etc/cron.d/x": "eA=="}}', "leaves the working folder"),
+    (b'{"code": "x", "language": "python", "files": {"../x": "eA=="}}', "leaves the working folder"),
+    (b'{"code": "x", "language": "python", "files": {"x": "%%%"}}', "not valid base64"),
+    (b'{"code": "x", "language": "python", "run_timeout": "10"}', "run_timeout='10' is not a number"),
+])
+def test_bad_requests_are_400_with_a_reason(sandbox_server, body, detail):
+    status, answer, _ = _post(sandbox_server.url, body)
+    assert status == 400 and detail in answer["detail"]
+
+
+def test_rate_limit_answers_429_with_retry_after(start_server):
+    server = start_server(rate_per_s=0.5, burst=2)
+    body = json.dumps({"code": "print(1)", "language": "python"}).encode()
+    codes = [_post(server.url, body) for _ in range(3)]
+    assert [code for code, _, _ in codes] == [200, 200, 429]
+    assert codes[2][2]["Retry-After"] == "2" and "rate limit" in codes[2][1]["detail"]
+
+
+def test_full_queue_answers_503_at_once(start_server):
+    server = start_server(max_concurrent=1, max_queued=1)
+    body = json.dumps({"code": "import time; time.sleep(1.5)", "language": "python"}).encode()
+    answers: list[int] = []
+    threads = [threading.Thread(target=lambda: answers.append(_post(server.url, body)[0])) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    # one runs, one waits in the queue: a third finds the queue full
+    while server.slots.stats() != {"free_slots": 0, "queued": 1}:
+        threading.Event().wait(0.01)
+    status, answer, headers = _post(server.url, body)
+    for thread in threads:
+        thread.join()
+    assert status == 503 and "queued" in answer["detail"] and headers["Retry-After"] == "1"
+    assert answers == [200, 200]
+
+
+def test_refuses_to_start_without_bwrap(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(IsolationError, match="apt-get install -y bubblewrap.*--unsafe-no-isolation"):
+        SandboxServer(SandboxSettings(port=0))
+    assert main(["sandbox", "serve", "--port", "0"]) == 2
+    assert "bubblewrap (bwrap) is not installed" in capsys.readouterr().err
+
+
+def test_unsafe_mode_runs_code_without_isolation(monkeypatch, start_server):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap: the flag is what lets it start
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder:  # readable by the slot's user id
+        Path(folder).chmod(0o755)
+        (Path(folder) / "visible.txt").write_text("host file")
+        server = start_server(isolation="none")
+        status, body, _ = _post(server.url, json.dumps(
+            {"code": f"print(open({folder + '/visible.txt'!r}).read())", "language": "python"}).encode())
+    assert status == 200 and body["run_result"]["stdout"] == "host file\n"
