@@ -5,7 +5,7 @@ warms up, step 2 is timed phase by phase (weights gathered, KV cache allocated, 
 sleep, batch assembly; update), step 3's update runs under ``torch.profiler``. Writes
 ``$OUT/profile_train.json`` (phases) and ``$OUT/profile_train.txt`` (the kernel table).
 
-    PYTHONPATH=. python3 benchmarks/profile_train.py        (PROFILE_ARGS="--no-compile-layers" passes bench flags)
+    PYTHONPATH=. python3 benchmarks/profile_train.py        (PROFILE_ARGS="--micro-tokens 98304" passes bench flags)
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@
 Steps per variant: GRPO_STEPS (grpo*, default 5) and KL_PPO_STEPS (kl*, ppo*, default 3); medians
 are of steps 2.. . Variants: ``grpo``, ``kl``, ``ppo`` run ``reinforge.bench.train`` with the
 default configuration; ``*_kept`` add ``--keep-rollout-memory`` (``rollout.free_cache_engine=false``);
-``grpo_transformers_layout``, ``grpo_eager_layers``, ``grpo_unshared``, ``grpo_unfused`` and
-``grpo_96k`` switch one engine feature off (or the micro-batch budget up) to measure it.
+``grpo_96k`` raises the micro-batch budget to 96k tokens.
 ``log_probs`` times the fused log-prob/entropy (16k rows x 151936 vocab, forward + backward:
-PyTorch chunks, the Triton row kernels chunked, and with the logits kept for the backward).
+the Triton row kernels chunked, and with the logits kept for the backward).
 ``check`` runs ``reinforge train`` through the CLI on a tiny model on CUDA, 2 GRPO steps with the
 native rollout and 2 GAE steps with a KL loss and the hf rollout; metrics must be finite.
 """
@@ -41,22 +40,18 @@ def log_probs_microbench() -> dict:
     weight = (torch.randn(vocab, hidden_size, device="cuda") * 0.05).bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device="cuda")
     result = {}
-    defaults = module.TRITON_ON_CUDA, module.STORE_LOGITS_BYTES
-    for name, triton_on, store in (("pytorch_chunked", False, 0), ("triton_chunked", True, 0),
-                                   ("triton_stored", True, defaults[1])):
-        module.TRITON_ON_CUDA, module.STORE_LOGITS_BYTES = triton_on, store
+    for name, max_logits_bytes in (("triton_chunked", 0), ("triton_stored", module.MAX_LOGITS_BYTES)):
         times = []
         for _ in range(4):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            lp, ent = module.linear_log_probs(hidden, weight, targets, 1.0)
+            lp, ent = module.linear_log_probs(hidden, weight, targets, 1.0, max_logits_bytes=max_logits_bytes)
             (lp.sum() + ent.sum()).backward()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         result[name] = min(times[1:])
         result[f"{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
-    module.TRITON_ON_CUDA, module.STORE_LOGITS_BYTES = defaults
     print("log_probs", json.dumps(result), flush=True)
     return result
 
@@ -110,19 +105,11 @@ def main() -> int:
         other_steps = int(os.environ.get("KL_PPO_STEPS", "3"))
         steps = [("log_probs", log_probs_microbench),
                  ("grpo", lambda: bench(model_dir, "grpo", grpo_steps, [])),
-                 ("grpo_eager_layers", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-compile-layers"],
-                                                     "grpo_eager_layers")),
-                 ("grpo_unshared", lambda: bench(model_dir, "grpo", grpo_steps, ["--no-share-prompts"],
-                                                 "grpo_unshared")),
-                 ("grpo_transformers_layout", lambda: bench(model_dir, "grpo", grpo_steps,
-                                                            ["--transformers-attention-layout"],
-                                                            "grpo_transformers_layout")),
                  ("grpo_kept", lambda: bench(model_dir, "grpo", grpo_steps, ["--keep-rollout-memory"], "grpo_kept")),
                  ("kl_kept", lambda: bench(model_dir, "kl", other_steps, ["--keep-rollout-memory"], "kl_kept")),
                  ("ppo_kept", lambda: bench(model_dir, "ppo", other_steps, ["--keep-rollout-memory"], "ppo_kept")),
                  ("grpo_96k", lambda: bench(model_dir, "grpo", grpo_steps, ["--micro-tokens", "98304"], "grpo_96k")),
                   ("check", lambda: check_cli(scratch / "check")),
-                  ("grpo_unfused", lambda: bench(model_dir, "grpo", 3, ["--no-fused-kernels"], "grpo_unfused")),
                   ("kl", lambda: bench(model_dir, "kl", other_steps, [])),
                   ("ppo", lambda: bench(model_dir, "ppo", other_steps, []))]
         wanted = sys.argv[1:] or [name for name, _ in steps]
@@ -136,7 +123,7 @@ def main() -> int:
                 RESULTS[name] = {"error": traceback.format_exc(limit=3)[-600:]}
             (OUT / "results.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n| what | step s | rollout s | update s | update tok/s | MFU | MFU (workload tokens) | peak GiB |")
-    for name in ("grpo", "grpo_kept", "kl_kept", "ppo_kept", "grpo_transformers_layout", "grpo_96k", "grpo_eager_layers", "grpo_unshared", "grpo_unfused", "kl", "ppo"):
+    for name in ("grpo", "grpo_kept", "kl_kept", "ppo_kept", "grpo_96k", "kl", "ppo"):
         m = RESULTS.get(name, {})
         if "step_s" in m:
             print(f"| {name} | {m['step_s']:.2f} | {m['rollout_s']:.2f} | {m['update_actor_s']:.2f} | "

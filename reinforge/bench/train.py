@@ -52,10 +52,6 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config = Config()
     config.model.path = str(model_dir)
     config.model.gradient_checkpointing = args.checkpointing
-    config.model.fused_kernels = args.fused_kernels
-    config.model.share_prompts = args.share_prompts
-    config.model.compile_layers = args.compile_layers
-    config.model.packed_attention_layout = args.packed_attention_layout
     config.data.train_batch_size = args.prompts
     config.data.max_prompt_length = args.prompt_tokens
     config.data.max_response_length = args.response_tokens
@@ -205,15 +201,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--micro-tokens", type=int, default=65536, help="token budget of one micro-batch")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
-    parser.add_argument("--no-fused-kernels", dest="fused_kernels", action="store_false",
-                        help="train with the eager RMSNorm and MLP (model.fused_kernels=false)")
-    parser.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
-                        help="run each sample's prompt separately in the update (model.share_prompts=false)")
-    parser.add_argument("--no-compile-layers", dest="compile_layers", action="store_false",
-                        help="run the decoder layers eagerly in the update (model.compile_layers=false)")
-    parser.add_argument("--transformers-attention-layout", dest="packed_attention_layout", action="store_false",
-                        help="transformers' attention layout and rotary expression in the update "
-                             "(model.packed_attention_layout=false)")
     parser.add_argument("--keep-rollout-memory", action="store_true",
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")

@@ -69,17 +69,6 @@ class ModelConfig:
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
-    fused_kernels: bool = True
-    """On CUDA, train with RMSNorm and the gated MLP compiled into fused kernels (engine.fused)."""
-    compile_layers: bool = True
-    """On CUDA, torch.compile each decoder layer's forward for training and scoring passes (engine.fused);
-    the first step pays the compilation (about 15 s for a 0.5B model on an H200)."""
-    packed_attention_layout: bool = True
-    """On CUDA, packed passes keep q, k and v in the flash kernel's (tokens, heads, dim) layout and apply
-    the rotary embedding with one Triton op (engine.fused, engine.rotary) instead of transformers'
-    transposed layout and expression; false restores those."""
-    share_prompts: bool = True
-    """Training and scoring passes run a prompt shared by several samples once (engine.packing)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 

@@ -181,7 +181,7 @@ REWARD_MODEL = NoEquivalent("reinforge scores with rule-based functions (a data_
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
-COMPILE = NoEquivalent("on CUDA reinforge compiles decoder layers when model.compile_layers is true")
+COMPILE = NoEquivalent("on CUDA reinforge always compiles its decoder layers (not with gradient checkpointing)")
 FROM_DATA = NoEquivalent("taken from data.max_prompt_length / data.max_response_length")
 RAY_DETAIL = NoEquivalent("a detail of verl's Ray setup; see trainer.backend=ray and trainer.ray_address")
 OWN_DATA_PIPELINE = NoEquivalent("reinforge's dataset reads verl-schema rows itself (parquet, JSONL, datasets "
@@ -277,10 +277,10 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.custom_chat_template": Rename("data.chat_template"),
     f"{_MODEL}.enable_gradient_checkpointing": Rename("model.gradient_checkpointing", verl_default=True),
     f"{_MODEL}.use_remove_padding": ALWAYS_PADDING_FREE,
-    f"{_MODEL}.use_fused_kernels": NoEquivalent("log-probs are always fused with the output projection; "
-                                                "model.fused_kernels is about RMSNorm and the MLP"),
+    f"{_MODEL}.use_fused_kernels": NoEquivalent("log-probs are always fused with the output projection, and "
+                                                "on CUDA RMSNorm and the MLP too"),
     f"{_MODEL}.fused_kernel_options.*": NoEquivalent("log-probs are always fused with the output projection"),
-    f"{_MODEL}.use_liger": NoEquivalent("reinforge has its own fused kernels (model.fused_kernels)"),
+    f"{_MODEL}.use_liger": NoEquivalent("reinforge has its own fused kernels, always on with CUDA"),
     f"{_MODEL}.lora_rank": SameAsOurs((0, None), "reinforge has no LoRA: this run would train every parameter"),
     f"{_MODEL}.lora_alpha": NoEquivalent("reinforge has no LoRA"),
     f"{_MODEL}.target_modules": NoEquivalent("reinforge has no LoRA"),
@@ -341,7 +341,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.use_torch_compile": COMPILE,
     f"{_ACTOR}.use_fused_kernels": NoEquivalent("log-probs are always fused with the output projection"),
     f"{_ACTOR}.use_remove_padding": ALWAYS_PADDING_FREE,
-    f"{_ACTOR}.use_prefix_grouper": NoEquivalent("model.share_prompts runs a prompt shared by its samples once"),
+    f"{_ACTOR}.use_prefix_grouper": NoEquivalent("reinforge always runs a prompt shared by its samples once"),
     f"{_ACTOR}.rollout_n": FROM_DATA,
     f"{_ACTOR}.data_loader_seed": SEEDS,
     f"{_ACTOR}.checkpoint.*": CHECKPOINT_FORMAT,

@@ -155,7 +155,7 @@ def flash_runs_shared_segments(device: torch.device) -> bool:
         import warnings
 
         warnings.warn("the flash varlen kernel aligns causal masks to the start; shared-prompt segments fall back "
-                      "to masked SDPA (slow); set model.share_prompts=false", stacklevel=2)
+                      "to masked SDPA, which is correct but slow", stacklevel=2)
     return aligned
 
 

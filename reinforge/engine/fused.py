@@ -8,12 +8,11 @@ what is left is elementwise work that eager PyTorch does one pass per op.
   written as one function, which ``torch.compile`` turns into one kernel each way. The math is
   the one of the transformers modules it replaces (float32 statistics, the result cast back
   before the weight multiplies it), so the numerics match up to the order of a reduction.
-- ``compile_decoder_layers`` compiles each decoder layer's forward for packed passes
-  (``model.compile_layers``), so residual adds, rotary embedding and casts fuse too.
+- ``compile_decoder_layers`` compiles each decoder layer's forward for packed passes, so residual adds, rotary embedding and casts fuse too.
 - ``use_packed_attention_layout`` keeps q, k and v in the flash kernel's (tokens, heads, dim)
   layout and applies the rotary embedding with one opaque op (``engine.rotary``: a Triton
   kernel on CUDA, read and written once), which the compiled layer calls instead of inductor's
-  kernels for transformers' expression (``model.packed_attention_layout``).
+  kernels for transformers' expression.
 
 Only modules known to compute exactly this are swapped (by class name and attributes);
 anything else keeps its own forward. Without ``compile`` the swapped forwards run eagerly,
@@ -157,17 +156,18 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     return len(layers)
 
 
-def prepare_for_training(model: nn.Module, device: torch.device, fused_kernels: bool,
-                         compile_layers: bool = False, packed_attention_layout: bool = False) -> None:
-    """Route attention through the packed varlen path and, on CUDA, fuse the elementwise pieces.
+def prepare_for_training(model: nn.Module, device: torch.device) -> None:
+    """Route attention through the packed varlen path and, on CUDA, take the fast path for packed passes.
 
-    What every worker does to the HF model it trains or scores (``model.fused_kernels``,
-    ``model.compile_layers``, ``model.packed_attention_layout``).
+    What every worker does to the HF model it trains or scores. On CUDA: fused RMSNorm and
+    gated MLP, q/k/v in the flash layout with the rotary embedding as one op, and each decoder
+    layer compiled (not with activation checkpointing, whose recomputation runs the layer
+    outside the compiled graph). On the CPU the modules keep transformers' forwards.
     """
     use_varlen_attention(model)
-    if fused_kernels and device.type == "cuda":
-        fuse_elementwise(model)
-    if packed_attention_layout and device.type == "cuda":
-        use_packed_attention_layout(model)
-    if compile_layers and device.type == "cuda" and not getattr(model, "is_gradient_checkpointing", False):
+    if device.type != "cuda":
+        return
+    fuse_elementwise(model)
+    use_packed_attention_layout(model)
+    if not getattr(model, "is_gradient_checkpointing", False):
         compile_decoder_layers(model)

@@ -3,8 +3,8 @@
 Full-vocabulary float32 logits are never materialised: ``linear_log_probs`` computes
 ``hidden @ weight.T`` in the compute dtype and reduces each row to a log-prob, an entropy and
 a log-sum-exp in float32 (on CUDA with the one-pass Triton kernels of
-``engine.log_prob_kernels``). When a gradient is needed and the logits fit in
-``STORE_LOGITS_BYTES`` they are kept for the backward, which overwrites them with their
+``engine.log_prob_kernels``; elsewhere with the PyTorch functions here). When a gradient is
+needed and the logits fit in ``max_logits_bytes`` they are kept for the backward, which overwrites them with their
 gradient and runs one product for each input; otherwise (and without grad) the rows go
 ``chunk_size`` at a time and the backward recomputes each chunk's logits. The gradient is
 
@@ -42,22 +42,19 @@ def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, g
     return (grad * inv_temperature).to(logits.dtype)
 
 
-TRITON_ON_CUDA = True
-"""Run the per-row math with the Triton kernels of ``engine.log_prob_kernels`` on CUDA (one read
-of the logits forward, one read and one write backward); False uses the PyTorch functions above."""
-
-STORE_LOGITS_BYTES = 24 * 2**30
-"""When a micro-batch's logits (rows x vocab in the compute dtype) fit in this many bytes (and
-in a fifth of the GPU's memory), they come from one matrix product, and when gradients are
-needed the forward keeps them for the backward: one product each way instead of one per chunk,
-no recomputation, and the backward writes the logits' gradient over them. 52k response rows x
-151,936 vocabulary in bf16 take 16 GB. Larger ones are chunked. Scoring without gradients
-takes the same one product, so its log-probs are those of the training pass bit for bit.
+MAX_LOGITS_BYTES = 24 * 2**30
+"""Default of ``max_logits_bytes``: when a micro-batch's logits (rows x vocab in the compute dtype)
+fit in this many bytes (and in a fifth of the GPU's memory), they come from one matrix product,
+and when gradients are needed the forward keeps them for the backward: one product each way
+instead of one per chunk, no recomputation, and the backward writes the logits' gradient over
+them. 52k response rows x 151,936 vocabulary in bf16 take 16 GB. Larger ones are chunked.
+Scoring without gradients takes the same one product, so its log-probs are those of the
+training pass bit for bit.
 """
 
 
-def _fits_at_once(hidden: Tensor, vocab_size: int) -> bool:
-    budget = STORE_LOGITS_BYTES
+def _fits_at_once(hidden: Tensor, vocab_size: int, max_logits_bytes: int) -> bool:
+    budget = max_logits_bytes
     if hidden.is_cuda:
         budget = min(budget, torch.cuda.get_device_properties(hidden.device).total_memory // 5)
     return hidden.shape[0] * vocab_size * hidden.element_size() <= budget
@@ -84,8 +81,9 @@ def _torch_row_grads(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tens
 
 
 def _row_math(tensor: Tensor):
-    """(stats, grads) for rows of logits: the Triton kernels on CUDA, else the PyTorch functions."""
-    if tensor.is_cuda and TRITON_ON_CUDA:
+    """(stats, grads) for rows of logits: the Triton kernels on CUDA (one read of the logits forward,
+    one read and one write backward), else the PyTorch functions."""
+    if tensor.is_cuda:
         from reinforge.engine import log_prob_kernels
 
         return log_prob_kernels.row_stats, log_prob_kernels.row_grads
@@ -95,11 +93,11 @@ def _row_math(tensor: Tensor):
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                chunk_size: int, needs_grad: bool) -> tuple[Tensor, Tensor]:
+                chunk_size: int, needs_grad: bool, max_logits_bytes: int) -> tuple[Tensor, Tensor]:
         stats, _ = _row_math(hidden)
         inv_temperature = 1.0 / temperature
         num_rows = hidden.shape[0]
-        if _fits_at_once(hidden, weight.shape[0]):
+        if _fits_at_once(hidden, weight.shape[0], max_logits_bytes):
             logits = hidden @ weight.t()
             log_probs, entropy, lse = stats(logits, targets, inv_temperature)
             if needs_grad:
@@ -138,7 +136,7 @@ class _LinearLogProbs(torch.autograd.Function):
                                 out=logits)
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
             grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-            return grad_hidden, grad_weight, None, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -154,16 +152,19 @@ class _LinearLogProbs(torch.autograd.Function):
                 grad_weight += grad_logits.t() @ chunk
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[Tensor, Tensor]:
+                     chunk_size: int = DEFAULT_CHUNK_SIZE,
+                     max_logits_bytes: int = MAX_LOGITS_BYTES) -> tuple[Tensor, Tensor]:
     """log softmax(hidden @ weight.T / temperature)[target] and the entropy, both float32 (N,).
 
     hidden: (N, hidden_size); weight: (vocab, hidden_size) in the same dtype; targets: (N,).
+    Logits larger than ``max_logits_bytes`` go ``chunk_size`` rows at a time.
     """
     if temperature <= 0:
         temperature = 1.0
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size), needs_grad)
+    return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size), needs_grad,
+                                 int(max_logits_bytes))

@@ -27,9 +27,6 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch path alone
     triton = None
 
-TRITON_ON_CUDA = True
-"""Run the op with the Triton kernel on CUDA; False uses the PyTorch function ``_rotary_torch``."""
-
 TILE_ELEMENTS = 4096
 """Elements of one half of q's tile (tokens x heads x half the head dim, heads and dim padded to
 powers of two) per program, which sets the token block (8 tokens for 14 heads of dim 64): each
@@ -134,7 +131,7 @@ def _rotary_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: boo
 
 
 def _rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backward: bool) -> tuple[Tensor, Tensor]:
-    if q.is_cuda and TRITON_ON_CUDA and triton is not None:
+    if q.is_cuda and triton is not None:
         return _rotary_triton(q, k, cos, sin, backward)
     return _rotary_torch(q, k, cos, sin, backward)
 

@@ -109,8 +109,7 @@ class ActorRolloutWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation,
                                     gradient_checkpointing=config.model.gradient_checkpointing)
-        prepare_for_training(self.model, self.device, config.model.fused_kernels,
-                             config.model.compile_layers, config.model.packed_attention_layout)
+        prepare_for_training(self.model, self.device)
         self.model_class = type(self.model)
         self.engine = self._build_engine_in_compute_dtype()
         shard_model(self.model, self.device, config.model.dtype, offload=offload)

@@ -33,8 +33,7 @@ class CriticWorker(Worker):
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
                                                 device="cpu" if critic.param_offload else self.device,
                                                 gradient_checkpointing=config.model.gradient_checkpointing)
-        prepare_for_training(self.model.backbone, self.device, config.model.fused_kernels,
-                             config.model.compile_layers, config.model.packed_attention_layout)
+        prepare_for_training(self.model.backbone, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])
         self.model.train()

@@ -28,8 +28,7 @@ class ReferenceWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
-        prepare_for_training(self.model, self.device, config.model.fused_kernels,
-                             config.model.compile_layers, config.model.packed_attention_layout)
+        prepare_for_training(self.model, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.param_offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
 

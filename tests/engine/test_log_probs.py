@@ -8,16 +8,16 @@ from reinforge.engine.log_probs import linear_log_probs
 
 @pytest.mark.parametrize("temperature,chunk_size,store_logits", [(1.0, 4, True), (0.7, 5, False), (1.3, 100, False),
                                                                  (0.7, 5, True)])
-def test_chunked_log_probs_and_entropy_match_full_logits(temperature, chunk_size, store_logits, monkeypatch):
-    if not store_logits:  # the chunked path, whose backward recomputes each chunk's logits
-        monkeypatch.setattr(log_probs_module, "STORE_LOGITS_BYTES", 0)
+def test_chunked_log_probs_and_entropy_match_full_logits(temperature, chunk_size, store_logits):
+    # without stored logits: the chunked path, whose backward recomputes each chunk's logits
+    max_logits_bytes = {} if store_logits else {"max_logits_bytes": 0}
     generator = torch.Generator().manual_seed(0)
     hidden = (0.5 * torch.randn(13, 8, generator=generator, dtype=torch.float64)).requires_grad_()
     weight = torch.randn(31, 8, generator=generator, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 31, (13,), generator=generator)
     grad_lp, grad_ent = torch.randn(13, generator=generator), torch.randn(13, generator=generator)
 
-    log_probs, entropy = linear_log_probs(hidden, weight, targets, temperature, chunk_size)
+    log_probs, entropy = linear_log_probs(hidden, weight, targets, temperature, chunk_size, **max_logits_bytes)
     ((log_probs * grad_lp).sum() + (entropy * grad_ent).sum()).backward()
     fused_grads = hidden.grad.clone(), weight.grad.clone()
     hidden.grad, weight.grad = None, None
