@@ -1,7 +1,8 @@
-"""``reinforge <command>``: train, sft, eval, demo, export, plot, bench, data, config, sandbox.
+"""``reinforge <command>`` (or ``python -m reinforge``): train, sft, eval, demo, export, plot, bench, data,
+config, sandbox.
 
-Configuration is parsed and validated before torch or any model is imported, so a typo in a
-key fails in a second with one line, not after a minute of loading.
+A command parses and validates its configuration before any model, tokenizer or dataset
+loads, so a typo in a key fails in seconds with one line, not after a minute of loading.
 """
 
 from __future__ import annotations
@@ -168,3 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(error).split())
         print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":  # python -m reinforge.cli, like python -m reinforge
+    raise SystemExit(main())

@@ -212,10 +212,6 @@ class Batch:
             merged = merged.index(slice(0, len(merged) - num_padding))
         return merged
 
-    def chunk_by_size(self, chunk_size: int) -> list[Batch]:
-        """Consecutive pieces of at most ``chunk_size`` rows (the last one may be smaller)."""
-        return [self.index(slice(start, start + chunk_size)) for start in range(0, len(self), chunk_size)]
-
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch({key: value.to(device, non_blocking=non_blocking) for key, value in self.tensors.items()},
                      dict(self.non_tensors), dict(self.meta))

@@ -26,3 +26,12 @@ def test_bench_train_cpu_smoke(tmp_path, variant):
     results = json.loads(out.read_text())
     assert results["variant"] == variant and len(results["steps"]) == 2
     assert results["median"]["step_s"] > 0 and results["median"]["update_tokens"] > 0
+
+
+@pytest.mark.parametrize("module", ["reinforge", "reinforge.cli"])
+def test_python_dash_m_prints_the_usage(module):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "usage: reinforge <command>" in result.stdout, result.stderr

@@ -104,8 +104,3 @@ def test_pickle_round_trip_keeps_everything():
     assert torch.equal(restored["input_ids"], batch["input_ids"])
     assert list(restored["extra"]) == list(batch["extra"])
     assert restored.meta == batch.meta
-
-
-def test_chunk_by_size():
-    pieces = make_batch(5).chunk_by_size(2)
-    assert [len(piece) for piece in pieces] == [2, 2, 1]

@@ -21,7 +21,7 @@ from reinforge.algorithms.kl import (
     kl_penalty,
     register_kl_estimator,
 )
-from reinforge.algorithms.logits import entropy_from_logits, entropy_from_logits_chunked, log_probs_from_logits
+from reinforge.algorithms.logits import entropy_from_logits, log_probs_from_logits
 from reinforge.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from reinforge.algorithms.policy_losses import POLICY_LOSSES, clip_bounds, compute_policy_loss, register_policy_loss
 from reinforge.algorithms.rollout_correction import (
@@ -53,7 +53,6 @@ __all__ = [
     "compute_rollout_correction",
     "compute_value_loss",
     "entropy_from_logits",
-    "entropy_from_logits_chunked",
     "group_statistics",
     "kl_penalty",
     "log_probs_from_logits",

@@ -1,9 +1,11 @@
 """Per-token log-probabilities and entropies from a model's logits.
 
-log_softmax over a large vocabulary is the biggest tensor of an RL step, so both functions
-avoid materialising a float32 copy of bfloat16/float16 logits: they work a slice of rows at a
-time. Results are float32 for low-precision logits (a bfloat16 log-prob has only about three
-significant digits, too few for a PPO ratio); verl returns the logits' dtype.
+log_softmax over a large vocabulary is the biggest tensor of an RL step, so
+``log_probs_from_logits`` avoids materialising a float32 copy of bfloat16/float16 logits: it
+works a slice of rows at a time. Results are float32 for low-precision logits (a bfloat16
+log-prob has only about three significant digits, too few for a PPO ratio); verl returns the
+logits' dtype. ``entropy_from_logits`` is the plain formula, the reference that the fused
+pass of ``engine.log_probs`` is tested against.
 """
 
 from __future__ import annotations
@@ -40,20 +42,3 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     """
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-
-
-def entropy_from_logits_chunked(logits: Tensor, chunk_size: int = 2048) -> Tensor:
-    """entropy_from_logits on chunk_size rows at a time, in float32; peak memory is one chunk.
-
-    logits: (..., vocab). Returns (...) float32.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be at least 1")
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    pieces = [
-        entropy_from_logits(flat_logits[start : start + chunk_size].float())
-        for start in range(0, flat_logits.shape[0], chunk_size)
-    ]
-    if not pieces:
-        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    return torch.cat(pieces).reshape(logits.shape[:-1])

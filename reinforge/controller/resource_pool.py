@@ -28,10 +28,6 @@ class ResourcePool:
         """Members of a group placed on this pool: one per device."""
         return sum(self.devices_per_node)
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self.devices_per_node)
-
 
 LOCAL_POOL = ResourcePool("local", [1])
 

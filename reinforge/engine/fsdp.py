@@ -96,12 +96,6 @@ def reshard(model: nn.Module) -> None:
         unit.reshard()
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """False keeps gradients unreduced across micro-batches (accumulation); True reduces at the next backward."""
-    for unit in fsdp_units(model):
-        unit.set_requires_gradient_sync(enabled, recurse=False)
-
-
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
     """Clip the global L2 norm of the gradients to ``max_norm``; returns the norm before clipping.

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from reinforge.algorithms import entropy_from_logits, entropy_from_logits_chunked, log_probs_from_logits
+from reinforge.algorithms import entropy_from_logits, log_probs_from_logits
 
 
 def test_log_probs_by_hand():
@@ -33,13 +33,3 @@ def test_entropy_by_hand():
     assert entropy_from_logits(torch.zeros(4, 8)).allclose(torch.full((4,), math.log(8)))
     peaked = torch.tensor([[100.0, 0.0, 0.0]])
     assert entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-6)
-
-
-def test_chunked_entropy_matches_and_has_gradients():
-    logits = torch.randn(3, 7, 13, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    chunked = entropy_from_logits_chunked(logits, chunk_size=4)
-    torch.testing.assert_close(chunked, entropy_from_logits(logits))
-    chunked.sum().backward()
-    assert logits.grad is not None and torch.isfinite(logits.grad).all()
-    with pytest.raises(ValueError, match="chunk_size"):
-        entropy_from_logits_chunked(logits, chunk_size=0)
