@@ -38,10 +38,19 @@ def _read_parquet(path: Path) -> list[Row]:
     return pq.read_table(path).to_pylist()
 
 
+def _decoded(raw: bytes, path: Path, line_number: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"line {line_number} of {path} has a byte that is not UTF-8 (0x{raw[error.start]:02x} at "
+                         f"byte {error.start + 1} of the line); save the file as UTF-8") from None
+
+
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            line = _decoded(raw, path, line_number)
             if not line.strip():
                 continue
             try:
@@ -57,7 +66,20 @@ def _read_jsonl(path: Path) -> list[Row]:
 
 
 def _read_json(path: Path) -> list[Row]:
-    content = json.loads(path.read_text(encoding="utf-8"))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_start = raw.rfind(b"\n", 0, error.start) + 1
+        line_end = raw.find(b"\n", error.start)
+        line = raw[line_start:line_end if line_end >= 0 else len(raw)]
+        _decoded(line, path, raw.count(b"\n", 0, error.start) + 1)  # raises, naming the line
+        raise
+    try:
+        content = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
+                         "it must hold a JSON list of row objects") from None
     if not isinstance(content, list) or not all(isinstance(row, dict) for row in content):
         raise ValueError(f"{path} must hold a JSON list of row objects; for one object per line use .jsonl")
     return content

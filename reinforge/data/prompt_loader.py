@@ -32,8 +32,9 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
 
     tensors: ``input_ids`` (B, P) int64 padded on the left with ``pad_token_id``,
     ``attention_mask`` (B, P) int64 (1 on prompt tokens).
-    non_tensors: ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``raw_prompt``
-    (messages or string), ``index`` (row number in the files), ``uid`` (one per prompt).
+    non_tensors: ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``columns`` (dict of
+    the row's other columns, for the reward function), ``raw_prompt`` (messages or string),
+    ``index`` (row number in the files), ``uid`` (one per prompt).
     """
     longest = max(len(example.prompt_ids) for example in examples)
     input_ids = torch.full((len(examples), longest), pad_token_id, dtype=torch.long)
@@ -49,6 +50,7 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
             "data_source": [example.data_source for example in examples],
             "ground_truth": [example.ground_truth for example in examples],
             "extra_info": [example.extra_info for example in examples],
+            "columns": [example.columns for example in examples],
             "raw_prompt": [example.raw_prompt for example in examples],
             "index": [example.index for example in examples],
             "uid": list(uids),

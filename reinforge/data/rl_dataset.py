@@ -2,8 +2,9 @@
 
 A row holds ``data_source`` (which picks the reward scorer), ``prompt`` (chat messages or a
 string; ``data.prompt_key`` names the column), ``ability``, ``reward_model`` (a dict with
-``ground_truth`` and maybe ``style``) and ``extra_info`` (a dict). Rows come from parquet,
-JSONL or ``datasets`` folders (see ``files.py``).
+``ground_truth`` and maybe ``style``) and ``extra_info`` (a dict). Any other column is kept
+in ``columns`` and reaches the reward function by keyword (TRL's way of passing a dataset's
+answers). Rows come from parquet, JSONL or ``datasets`` folders (see ``files.py``).
 
 Every prompt is rendered with the chat template and tokenized when the dataset is built, so
 that overlong prompts can be dropped (and counted) before training starts rather than
@@ -13,6 +14,7 @@ discovered in the middle of a step. A malformed row raises one line naming the f
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +28,8 @@ from reinforge.data.files import Row, read_rows
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
+SCHEMA_COLUMNS = ("data_source", "ability", "reward_model", "extra_info")
+"""verl's columns beside the prompt; any other column of a row is kept in ``PromptExample.columns``."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class PromptExample:
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
     ability: str | None = None
+    columns: dict[str, Any] = field(default_factory=dict)
+    """The row's columns beside the verl schema's (prompt, data_source, ability, reward_model, extra_info)."""
 
 
 class RLDataset:
@@ -60,6 +66,8 @@ class RLDataset:
         self.examples: list[PromptExample] = []
         self.num_filtered = 0
         self.num_rows_read = 0
+        self._file_starts: list[tuple[int, str]] = []
+        """(index of the file's first row, file) for each file read, in order."""
         self._build(files, tokenizer, config, max_samples)
 
     @classmethod
@@ -81,6 +89,7 @@ class RLDataset:
         first_index = 0
         for path in files:
             rows = read_rows(path)
+            self._file_starts.append((first_index, str(path)))
             for row_number, row in enumerate(rows):
                 self.num_rows_read += 1
                 fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config)
@@ -93,6 +102,12 @@ class RLDataset:
                     return
             first_index += len(rows)
         self._report(config)
+
+    def where(self, example: PromptExample) -> str:
+        """Where ``example`` came from, for messages: 'row 3 of data/train.parquet'."""
+        position = bisect.bisect_right([start for start, _ in self._file_starts], example.index) - 1
+        first_index, path = self._file_starts[position]
+        return f"row {example.index - first_index} of {path}"
 
     def _report(self, config: DataConfig) -> None:
         if self.num_rows_read == 0:
@@ -118,16 +133,22 @@ def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any
     if not isinstance(prompt, list):
         raise ValueError(f"{where} has a {prompt_key!r} of type {type(prompt).__name__}; expected a list of "
                          "{'role': ..., 'content': ...} messages or a string")
-    check_chat_messages(prompt, f"the {prompt_key!r} in {where}")
+    check_chat_messages(prompt, f"the {prompt_key!r} in {where}", allow_null_content=False)
     return prompt
 
 
-def check_chat_messages(messages: list[Any], where: str) -> None:
-    """Raise one clear line when a message is not a dict with a 'role' string and a 'content'."""
+def check_chat_messages(messages: list[Any], where: str, allow_null_content: bool = True) -> None:
+    """Raise one clear line when a message is not a dict with a 'role' string and a 'content'.
+
+    ``allow_null_content=False`` refuses ``content: null`` too (a prompt has nothing to render for it).
+    """
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
             raise ValueError(f"message {number} of {where} is {message!r}; each message is a dict with a 'role' "
                              "string and a 'content'")
+        if message["content"] is None and not allow_null_content:
+            raise ValueError(f"message {number} ({message['role']}) of {where} has content null; give it a string "
+                             "('' for an empty message) or drop the message")
 
 
 def _checked_dict(row: Row, key: str, where: str) -> dict[str, Any]:
@@ -173,4 +194,5 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig) -> dic
         "ground_truth": reward_model.get("ground_truth"),
         "extra_info": _checked_dict(row, "extra_info", where),
         "ability": _checked_optional_str(row, "ability", where),
+        "columns": {key: value for key, value in row.items() if key not in (config.prompt_key, *SCHEMA_COLUMNS)},
     }

@@ -30,11 +30,11 @@ from reinforge.protocol import Batch
 from reinforge.reward.overlong import overlong_penalty
 from reinforge.reward.registry import SCORERS, Scorer, get_scorer
 from reinforge.reward.scorer_calls import (
-    SAMPLE_ARGUMENTS,
     accepted_keywords,
     build_call_kwargs,
-    check_scorer_signature,
+    check_reward_options,
     load_custom_scorer,
+    takes_completions,
 )
 from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool, run_job
 
@@ -78,27 +78,12 @@ class RewardManager:
         self.custom_scorer: Scorer | None = None
         if config.custom_function:
             self.custom_scorer = load_custom_scorer(config.custom_function)
-            check_scorer_signature(self.custom_scorer, config.custom_function, self.options)
-        self._check_options()
-        self._accepted: dict[Scorer, frozenset[str] | None] = {}
+        check_reward_options(self.options, [self.custom_scorer] if self.custom_scorer is not None
+                             else list(set(SCORERS.values())))
+        self._accepted: dict[Scorer, tuple[frozenset[str] | None, bool]] = {}
         self._pool: ScoringPool | None = None
         self._logged_error = False
         self._logged_timeout = False
-
-    def _check_options(self) -> None:
-        clashing = sorted(set(self.options) & set(SAMPLE_ARGUMENTS))
-        if clashing:
-            raise ValueError(f"reward.kwargs sets {', '.join(clashing)}, which the reward manager passes for "
-                             "each sample; remove them from reward.kwargs")
-        scorers = [self.custom_scorer] if self.custom_scorer is not None else list(set(SCORERS.values()))
-        accepted = [accepted_keywords(scorer) for scorer in scorers]
-        if any(names is None for names in accepted):
-            return
-        known = set().union(*accepted) - set(SAMPLE_ARGUMENTS)
-        unknown = sorted(set(self.options) - known)
-        if unknown:
-            raise ValueError(f"reward.kwargs has {', '.join(unknown)}, which no scorer accepts; "
-                             f"the scorers' options are: {', '.join(sorted(known)) or 'none'}")
 
     def close(self) -> None:
         """Stop the scorer processes (they also stop when the manager is garbage-collected)."""
@@ -117,9 +102,10 @@ class RewardManager:
 
         Needs tensors ``responses`` (B, T) right-padded token ids and ``response_mask`` (B, T),
         and non-tensors ``ground_truth``, ``data_source`` (unless a custom function scores
-        everything) and, optionally, ``extra_info``, ``tool_rewards`` and ``num_turns``. The
-        response's length is read from ``attention_mask`` (its last T columns) when the batch has
-        it, since tool tokens have response_mask 0.
+        everything) and, optionally, ``extra_info``, ``columns`` (a dict of the row's extra
+        columns), ``raw_prompt``, ``tool_rewards`` and ``num_turns``. The response's length is
+        read from ``attention_mask`` (its last T columns) when the batch has it, since tool
+        tokens have response_mask 0.
         """
         responses, response_mask = batch["responses"].cpu(), batch["response_mask"].cpu().bool()
         width = responses.shape[1]
@@ -128,10 +114,11 @@ class RewardManager:
         num_samples = len(batch)
         nothing = np.full(num_samples, None, dtype=object)
         data_sources, extra_infos = batch.get("data_source", nothing), batch.get("extra_info", nothing)
+        columns, prompts = batch.get("columns", nothing), batch.get("raw_prompt", nothing)
         texts = self.tokenizer.batch_decode(
             [row[mask].tolist() for row, mask in zip(responses, in_response, strict=True)], skip_special_tokens=True)
         jobs = [self._job(*sample) for sample in
-                zip(texts, batch["ground_truth"], extra_infos, data_sources, strict=True)]
+                zip(texts, batch["ground_truth"], extra_infos, data_sources, columns, prompts, strict=True)]
         results = self._run(jobs)
 
         scores = torch.full((num_samples,), float(self.config.fallback_score), dtype=torch.float32)
@@ -169,14 +156,18 @@ class RewardManager:
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
             scores=scores, extras=extras, metrics=metrics)
 
-    def _job(self, text: str, ground_truth: Any, extra_info: Any, data_source: str | None) -> ScoringJob:
+    def _job(self, text: str, ground_truth: Any, extra_info: Any, data_source: str | None,
+             columns: dict[str, Any] | None, prompt: Any) -> ScoringJob:
         scorer = self.custom_scorer if self.custom_scorer is not None else get_scorer(data_source)
         if scorer not in self._accepted:
-            self._accepted[scorer] = accepted_keywords(scorer)
-        kwargs = build_call_kwargs(self._accepted[scorer], text, ground_truth, extra_info, data_source, self.options)
+            self._accepted[scorer] = accepted_keywords(scorer), takes_completions(scorer)
+        accepted, trl = self._accepted[scorer]
+        kwargs = build_call_kwargs(accepted, text, ground_truth, extra_info, data_source, self.options,
+                                   columns=columns, prompt=prompt, trl=trl)
         if self.custom_scorer is not None and self.config.num_workers > 0:
-            return ScoringJob(self.config.custom_function, kwargs)  # a file-loaded function cannot be pickled
-        return ScoringJob(scorer, kwargs)
+            # a file-loaded function cannot be pickled: the worker loads it from its spec
+            return ScoringJob(self.config.custom_function, kwargs, returns_list=trl)
+        return ScoringJob(scorer, kwargs, returns_list=trl)
 
     def _run(self, jobs: list[ScoringJob]) -> list[JobResult]:
         if self.config.num_workers == 0:

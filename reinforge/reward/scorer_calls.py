@@ -1,9 +1,20 @@
-"""Loading a user's scorer from ``path/to/file.py:function`` and building the keyword arguments of a call.
+"""Loading a user's scorer from ``path/to/file.py[:function]`` and building the keyword arguments of a call.
 
-Scorers are called by keyword, so both our order ``(solution_str, ground_truth, extra_info)``
-and verl's ``(data_source, solution_str, ground_truth, extra_info)`` work. A scorer receives
-``data_source`` and ``extra_info`` only if it names them (or takes ``**kwargs``), and each
-option of ``reward.kwargs`` only if it accepts that name.
+Two kinds of scorer are called, both by keyword:
+
+- verl's kind, ``fn(data_source, solution_str, ground_truth, extra_info)`` (or ours,
+  ``fn(solution_str, ground_truth, extra_info=None)``), called once per sample. It receives
+  ``data_source``, ``extra_info``, each option of ``reward.kwargs`` and each extra column of the
+  row (beside verl's prompt, data_source, ability, reward_model and extra_info) only if it names
+  them or takes ``**kwargs``.
+- TRL's kind, ``fn(completions, **columns) -> list[float]``, recognised by its ``completions``
+  argument. It is called once per sample too (so each sample keeps its own time limit), with
+  lists of one: ``completions`` (the response as a string, or as ``[{"role": "assistant",
+  "content": ...}]`` for a chat prompt), ``prompts``, ``ground_truth``, ``data_source``,
+  ``extra_info`` and each extra column; ``reward.kwargs`` options come as they are. It returns a
+  list of one score.
+
+Which arguments a row must supply is checked when the data loads (``reward.data_checks``).
 """
 
 from __future__ import annotations
@@ -17,13 +28,25 @@ from typing import Any
 from reinforge.reward.registry import Scorer
 
 SAMPLE_ARGUMENTS = ("solution_str", "ground_truth", "extra_info", "data_source")
+TRL_ARGUMENTS = ("completions", "prompts")
+DEFAULT_FUNCTION_NAME = "compute_score"
+"""The function of ``reward.custom_function=path.py`` without ``:name``, as in verl."""
+
+
+def parse_custom_function(spec: str) -> tuple[str, str]:
+    """``path/to/file.py:function`` -> (path, function); a bare path names ``compute_score``."""
+    path_text, separator, function_name = spec.rpartition(":")
+    if not separator or not function_name.isidentifier():
+        path_text, function_name = spec, DEFAULT_FUNCTION_NAME
+    if not path_text:
+        raise ValueError(f"reward.custom_function={spec!r} must look like path/to/file.py or "
+                         "path/to/file.py:function_name")
+    return path_text, function_name
 
 
 def load_custom_scorer(spec: str) -> Scorer:
-    """The function named by ``reward.custom_function='path/to/file.py:function'``."""
-    path_text, separator, function_name = spec.rpartition(":")
-    if not separator or not path_text or not function_name:
-        raise ValueError(f"reward.custom_function={spec!r} must look like path/to/file.py:function_name")
+    """The function named by ``reward.custom_function='path/to/file.py[:function]'``, signature checked."""
+    path_text, function_name = parse_custom_function(spec)
     path = Path(path_text)
     if not path.is_file():
         raise FileNotFoundError(f"reward.custom_function: file {path_text!r} does not exist (looked for "
@@ -33,7 +56,11 @@ def load_custom_scorer(spec: str) -> Scorer:
     if module_spec is None or module_spec.loader is None:
         raise ValueError(f"reward.custom_function: {path_text!r} is not a Python file; give a path to a .py file")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:
+        raise ImportError(f"reward.custom_function: importing {path_text} failed: {type(error).__name__}: "
+                          f"{error}") from error
     fn = getattr(module, function_name, None)
     if fn is None:
         defined = sorted(name for name, value in vars(module).items()
@@ -47,6 +74,34 @@ def load_custom_scorer(spec: str) -> Scorer:
     return fn
 
 
+def check_reward_options(options: dict[str, Any], scorers: list[Scorer]) -> None:
+    """Raise when ``reward.kwargs`` sets an argument we pass per sample or one that none of ``scorers`` takes."""
+    clashing = sorted(set(options) & {*SAMPLE_ARGUMENTS, *TRL_ARGUMENTS})
+    if clashing:
+        raise ValueError(f"reward.kwargs sets {', '.join(clashing)}, which the reward manager passes for "
+                         "each sample; remove them from reward.kwargs")
+    accepted = [accepted_keywords(scorer) for scorer in scorers]
+    if any(names is None for names in accepted):
+        return
+    known = set().union(*accepted) - {*SAMPLE_ARGUMENTS, *TRL_ARGUMENTS}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"reward.kwargs has {', '.join(unknown)}, which no scorer accepts; "
+                         f"the scorers' options are: {', '.join(sorted(known)) or 'none'}")
+
+
+def takes_completions(fn: Scorer) -> bool:
+    """Whether ``fn`` is TRL's kind of reward function (it names ``completions``)."""
+    return "completions" in inspect.signature(fn).parameters
+
+
+def required_arguments(fn: Scorer) -> frozenset[str]:
+    """Names ``fn`` cannot be called without (keyword parameters with no default)."""
+    return frozenset(parameter.name for parameter in inspect.signature(fn).parameters.values()
+                     if parameter.default is inspect.Parameter.empty
+                     and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
 def accepted_keywords(fn: Scorer) -> frozenset[str] | None:
     """Names ``fn`` accepts as keyword arguments; None when it takes ``**kwargs`` (any name)."""
     parameters = inspect.signature(fn).parameters.values()
@@ -56,29 +111,41 @@ def accepted_keywords(fn: Scorer) -> frozenset[str] | None:
                      if parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
-def check_scorer_signature(fn: Scorer, name: str, options: dict[str, Any] | None = None) -> None:
-    """Raise unless every call we make can fill ``fn``'s required parameters."""
-    parameters = inspect.signature(fn).parameters.values()
-    fillable = {*SAMPLE_ARGUMENTS, *(options or {})}
-    for parameter in parameters:
-        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY or (
-                parameter.default is inspect.Parameter.empty and parameter.name not in fillable
-                and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)):
-            raise TypeError(f"scorer {name} takes an argument {parameter.name!r} that reinforge cannot pass; "
-                            f"it passes {', '.join(SAMPLE_ARGUMENTS)} and reward.kwargs by keyword, so write "
-                            "fn(solution_str, ground_truth, extra_info=None, **kwargs)")
+def check_scorer_signature(fn: Scorer, name: str) -> None:
+    """Raise unless ``fn`` is one of the two kinds we call; the arguments a row supplies are checked with the data."""
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise TypeError(f"scorer {name} takes {parameter.name!r} by position only; reinforge passes every "
+                            "argument by keyword, so remove the '/' from its signature")
+    if takes_completions(fn):
+        return
     accepted = accepted_keywords(fn)
-    if accepted is not None and not {"solution_str", "ground_truth"} <= accepted:
-        raise TypeError(f"scorer {name} must accept 'solution_str' and 'ground_truth' "
-                        "(fn(solution_str, ground_truth, extra_info=None, **kwargs))")
+    if accepted is not None and "solution_str" not in accepted:
+        raise TypeError(f"scorer {name} takes neither 'solution_str' (verl's fn(data_source, solution_str, "
+                        "ground_truth, extra_info)) nor 'completions' (TRL's fn(completions, **kwargs)); name the "
+                        "argument that receives the response one of these")
+
+
+def completion_of(text: str, prompt: Any) -> Any:
+    """A response as TRL passes it: the text, or one assistant message when the prompt is a chat."""
+    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
 def build_call_kwargs(accepted: frozenset[str] | None, solution_str: str, ground_truth: Any,
                       extra_info: dict[str, Any] | None, data_source: str | None,
-                      options: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments for one call of a scorer that accepts ``accepted`` (None: anything)."""
-    arguments = {"solution_str": solution_str, "ground_truth": ground_truth, "extra_info": extra_info,
-                 "data_source": data_source, **options}
+                      options: dict[str, Any], *, columns: dict[str, Any] | None = None, prompt: Any = None,
+                      trl: bool = False) -> dict[str, Any]:
+    """The keyword arguments for one call of a scorer that accepts ``accepted`` (None: anything).
+
+    ``columns`` are the row's extra columns; ``trl`` builds the lists of one of TRL's kind.
+    """
+    per_sample = {"ground_truth": ground_truth, "extra_info": extra_info, "data_source": data_source,
+                  **(columns or {})}
+    if trl:
+        arguments = {"completions": [completion_of(solution_str, prompt)], "prompts": [prompt],
+                     **{key: [value] for key, value in per_sample.items()}, **options}
+    else:
+        arguments = {"solution_str": solution_str, **per_sample, **options}
     if accepted is None:
         return arguments
     return {name: value for name, value in arguments.items() if name in accepted}

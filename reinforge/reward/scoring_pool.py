@@ -35,6 +35,8 @@ class ScoringJob:
     scorer: Callable[..., Any] | str
     """A scorer function (sent to the worker by its import path) or a 'path/to/file.py:function' spec."""
     kwargs: dict[str, Any]
+    returns_list: bool = False
+    """TRL's kind of scorer: it returns a list holding the one score."""
 
 
 @dataclass
@@ -57,7 +59,13 @@ def run_job(job: ScoringJob) -> Any:
 
             _loaded_custom_scorers[scorer] = load_custom_scorer(scorer)
         scorer = _loaded_custom_scorers[scorer]
-    return scorer(**job.kwargs)
+    value = scorer(**job.kwargs)
+    if job.returns_list:
+        if not isinstance(value, list | tuple) or len(value) != 1:
+            raise TypeError(f"a scorer taking 'completions' (TRL's kind) returned {value!r}; return a list with "
+                            "one score per completion")
+        value = value[0]
+    return value
 
 
 def _worker_loop(connection: Connection, custom_function: str | None) -> None:

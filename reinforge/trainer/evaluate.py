@@ -18,14 +18,20 @@ from reinforge.config.loader import ConfigError
 def evaluate(config: Config) -> dict[str, float]:
     """Validation metrics of ``config.model.path`` on ``config.data.val_files``."""
     from reinforge.data import PromptLoader, RLDataset
+    from reinforge.models import load_tokenizer
+    from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
     from reinforge.rollout.base import SamplingParams
     from reinforge.trainer.validation import run_validation
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.reward import RewardWorker
 
+    custom_scorer = load_reward_function(config.reward)
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                               trust_remote_code=config.model.trust_remote_code)
+    dataset = RLDataset.from_config(config.data, tokenizer, split="val")
+    check_rows_can_be_scored(dataset, config.reward, custom_scorer)
     actor = ActorRolloutWorker(config, total_training_steps=1)
     reward = RewardWorker(config)
-    dataset = RLDataset.from_config(config.data, actor.tokenizer, split="val")
     loader = PromptLoader.for_validation(dataset, config.data, actor.tokenizer.pad_token_id)
     val = config.rollout.val_kwargs
     sampling = SamplingParams(max_tokens=config.data.max_response_length, temperature=val.temperature,

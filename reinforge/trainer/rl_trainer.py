@@ -30,6 +30,7 @@ from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
+from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.checkpoint import CheckpointManager
@@ -47,6 +48,7 @@ class RLTrainer(TrainingRun):
     def __init__(self, config: Config, placement: RolePlacement | None = None):
         """``placement`` maps each role to a resource pool; by default every role shares one pool."""
         self.config = config
+        custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
         self.run_dir = Path(config.trainer.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, self.run_dir / "config.yaml")
@@ -57,12 +59,14 @@ class RLTrainer(TrainingRun):
                                    trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = tokenizer
         train_set = RLDataset.from_config(config.data, tokenizer, split="train")
+        check_rows_can_be_scored(train_set, config.reward, custom_scorer)
         self.pad_token_id = get_pad_token_id(tokenizer)
         self.train_loader = PromptLoader.for_training(train_set, config.data, self.pad_token_id)
         self._prompt_batches: Iterator[Batch] | None = None
         self.val_loader = None
         if config.data.val_files:
             val_set = RLDataset.from_config(config.data, tokenizer, split="val")
+            check_rows_can_be_scored(val_set, config.reward, custom_scorer)
             self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
 

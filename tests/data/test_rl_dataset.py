@@ -183,3 +183,40 @@ def test_datasets_folder_with_splits_asks_for_one(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "all"))
     with pytest.raises(ValueError, match="holds several splits .*train"):
         read_rows(tmp_path / "all")
+
+
+def test_extra_columns_are_kept_for_the_scorer_and_rows_are_located(tmp_path, tiny_tokenizer):
+    rows = [{**row, "answer": str(index), "difficulty": index} for index, row in enumerate(ROWS)]
+    first = write_parquet(tmp_path / "a.parquet", rows[:1])
+    second = write_jsonl(tmp_path / "b.jsonl", rows[1:])
+    dataset = RLDataset([first, second], tiny_tokenizer, config())
+    assert [example.columns for example in dataset.examples] == [{"answer": "0", "difficulty": 0},
+                                                                 {"answer": "1", "difficulty": 1},
+                                                                 {"answer": "2", "difficulty": 2}]
+    assert dataset.where(dataset[0]) == f"row 0 of {first}"
+    assert dataset.where(dataset[2]) == f"row 1 of {second}"
+    from reinforge.data.prompt_loader import collate_prompts
+
+    batch = collate_prompts(dataset.examples[:2], 0, ["a", "b"])
+    assert list(batch["columns"]) == [{"answer": "0", "difficulty": 0}, {"answer": "1", "difficulty": 1}]
+
+
+def test_message_with_null_content_names_the_row(tmp_path, tiny_tokenizer):
+    rows = [ROWS[0], {**ROWS[1], "prompt": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]}]
+    path = write_parquet(tmp_path / "train.parquet", rows)
+    with pytest.raises(ValueError) as error:
+        RLDataset(path, tiny_tokenizer, config())
+    assert str(error.value) == (f"message 0 (system) of the 'prompt' in row 1 of {path} has content null; give it a "
+                                "string ('' for an empty message) or drop the message")
+
+
+def test_non_utf8_byte_names_the_file_and_line(tmp_path):
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_bytes(json.dumps(ROWS[0]).encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"^line 2 of {jsonl} has a byte that is not UTF-8 \(0xe9 at byte 16 of the "
+                                         r"line\); save the file as UTF-8$"):
+        read_rows(jsonl)
+    listed = tmp_path / "train.json"
+    listed.write_bytes(b'[\n{"prompt": "ok"},\n{"prompt": "caf\xe9"}\n]\n')
+    with pytest.raises(ValueError, match=rf"^line 3 of {listed} has a byte that is not UTF-8 \(0xe9"):
+        read_rows(listed)

@@ -1,6 +1,13 @@
 import pytest
 
-from reinforge.reward.scorer_calls import accepted_keywords, build_call_kwargs, load_custom_scorer
+from reinforge.reward.scorer_calls import (
+    accepted_keywords,
+    build_call_kwargs,
+    load_custom_scorer,
+    parse_custom_function,
+    takes_completions,
+)
+from reinforge.reward.scoring_pool import ScoringJob, run_job
 
 SCORER_FILE = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -12,6 +19,12 @@ def helper(x):
 NOT_A_FUNCTION = 3
 
 def needs_more(solution_str, ground_truth, tokenizer):
+    return 0.0
+
+def by_position(solution_str, ground_truth, /):
+    return 0.0
+
+def no_response(ground_truth):
     return 0.0
 '''
 
@@ -29,17 +42,31 @@ def test_load_and_call_a_verl_style_function(scorer_file):
     assert fn(**kwargs) == {"score": 1.0, "source": "my/source"}
 
 
+def test_a_file_without_function_name_means_compute_score(scorer_file):
+    """As in verl: reward.custom_function=path.py is path.py:compute_score."""
+    assert load_custom_scorer(str(scorer_file)).__name__ == "compute_score"
+    assert parse_custom_function("dir/my_reward.py") == ("dir/my_reward.py", "compute_score")
+    assert parse_custom_function("dir/my_reward.py:score") == ("dir/my_reward.py", "score")
+    assert parse_custom_function("C:/rewards/my_reward.py") == ("C:/rewards/my_reward.py", "compute_score")
+    with pytest.raises(ValueError, match=r"reward.custom_function=':score' must look like path/to/file.py or "):
+        parse_custom_function(":score")
+
+
 def test_load_errors_are_clear(scorer_file, tmp_path):
-    with pytest.raises(ValueError, match="must look like path/to/file.py:function_name"):
-        load_custom_scorer(str(scorer_file))
     with pytest.raises(FileNotFoundError, match="file '.*missing.py' does not exist"):
         load_custom_scorer(f"{tmp_path / 'missing.py'}:compute_score")
-    with pytest.raises(AttributeError, match="has no function 'score'; it defines: compute_score, helper, needs_more"):
+    with pytest.raises(AttributeError, match="has no function 'score'; it defines: by_position, compute_score, helper, "
+                                             "needs_more, no_response"):
         load_custom_scorer(f"{scorer_file}:score")
     with pytest.raises(TypeError, match="'NOT_A_FUNCTION' .* is a int, not a function"):
         load_custom_scorer(f"{scorer_file}:NOT_A_FUNCTION")
-    with pytest.raises(TypeError, match="takes an argument 'tokenizer' that reinforge cannot pass"):
-        load_custom_scorer(f"{scorer_file}:needs_more")
+    with pytest.raises(TypeError, match="takes 'solution_str' by position only; reinforge passes every argument by "
+                                        "keyword, so remove the '/'"):
+        load_custom_scorer(f"{scorer_file}:by_position")
+    with pytest.raises(TypeError, match="takes neither 'solution_str' .* nor 'completions'"):
+        load_custom_scorer(f"{scorer_file}:no_response")
+    # an argument we do not pass may be a dataset column: the rows are checked against it when the data loads
+    assert load_custom_scorer(f"{scorer_file}:needs_more").__name__ == "needs_more"
 
 
 def test_arguments_follow_the_signature():
@@ -59,3 +86,30 @@ def test_arguments_follow_the_signature():
         {"solution_str": "s", "ground_truth": "g", "extra_info": {}, "method": "flexible"}
     assert build_call_kwargs(accepted_keywords(anything), "s", "g", None, "d", options) == \
         {"solution_str": "s", "ground_truth": "g", "extra_info": None, "data_source": "d", "method": "flexible"}
+
+
+def test_trl_kind_gets_lists_of_one_and_the_columns():
+    def trl_reward(completions, answer, **kwargs):
+        return [float(completion[0]["content"] == answer_) for completion, answer_ in zip(completions, answer, strict=True)]
+
+    assert takes_completions(trl_reward)
+    prompt = [{"role": "user", "content": "2+2?"}]
+    kwargs = build_call_kwargs(accepted_keywords(trl_reward), "4", None, {"i": 0}, "math", {"scale": 2},
+                               columns={"answer": "4"}, prompt=prompt, trl=True)
+    assert kwargs == {"completions": [[{"role": "assistant", "content": "4"}]], "prompts": [prompt],
+                      "ground_truth": [None], "extra_info": [{"i": 0}], "data_source": ["math"], "answer": ["4"],
+                      "scale": 2}
+    assert run_job(ScoringJob(trl_reward, kwargs, returns_list=True)) == 1.0
+    string_prompt = build_call_kwargs(None, "4", None, None, None, {}, prompt="2+2=", trl=True)
+    assert string_prompt["completions"] == ["4"]
+    with pytest.raises(TypeError, match="returned 1.0; return a list with one score per completion"):
+        run_job(ScoringJob(lambda completions, **kwargs: 1.0, kwargs, returns_list=True))
+
+
+def test_verl_kind_gets_the_columns_it_names():
+    def by_column(solution_str, answer, data_source=None):
+        return float(solution_str == answer)
+
+    kwargs = build_call_kwargs(accepted_keywords(by_column), "7", None, None, "d", {},
+                               columns={"answer": "7", "unused": 1})
+    assert kwargs == {"solution_str": "7", "answer": "7", "data_source": "d"}

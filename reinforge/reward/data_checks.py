@@ -1,0 +1,77 @@
+"""The reward setup checked before any model loads: the user's function, then every row against its scorer.
+
+``load_reward_function`` imports ``reward.custom_function`` and checks its signature and
+``reward.kwargs``; ``check_rows_can_be_scored`` then makes sure every row of a dataset has a
+scorer (its ``data_source`` is registered, or a custom function scores everything) and supplies
+each argument that scorer cannot do without: ``reward_model.ground_truth`` when it takes a
+``ground_truth`` without a default, a column for any other such argument. Without these checks a
+row that cannot be scored would only show up as a fallback score of 0 in the middle of a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reinforge.config.schema import RewardConfig
+from reinforge.data.rl_dataset import RLDataset
+from reinforge.reward.registry import SCORERS, Scorer
+from reinforge.reward.scorer_calls import (
+    SAMPLE_ARGUMENTS,
+    TRL_ARGUMENTS,
+    check_reward_options,
+    load_custom_scorer,
+    parse_custom_function,
+    required_arguments,
+    takes_completions,
+)
+
+
+def load_reward_function(config: RewardConfig) -> Scorer | None:
+    """The custom scorer of ``reward.custom_function`` (None without one), imported and checked with reward.kwargs."""
+    try:
+        scorer = load_custom_scorer(config.custom_function) if config.custom_function else None
+    except (AttributeError, TypeError, ImportError) as error:
+        raise ValueError(str(error)) from error  # a setting to fix, reported in one line like the others
+    check_reward_options(dict(config.kwargs), [scorer] if scorer is not None else list(set(SCORERS.values())))
+    return scorer
+
+
+def _scorer_name(config: RewardConfig, data_source: str | None) -> str:
+    if config.custom_function:
+        path, function = parse_custom_function(config.custom_function)
+        return f"reward.custom_function {function} in {path}"
+    return f"the {data_source!r} scorer"
+
+
+def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer | None) -> None:
+    """Raise one line naming the first row that no scorer can score, and why."""
+    options = set(config.kwargs)
+    needs: dict[Any, frozenset[str]] = {}
+    for example in dataset.examples:
+        scorer = custom_scorer if custom_scorer is not None else SCORERS.get(example.data_source)
+        where = dataset.where(example)
+        if scorer is None:
+            known = ", ".join(sorted(SCORERS))
+            source = "no data_source" if example.data_source is None else f"data_source {example.data_source!r}"
+            raise ValueError(f"{where} has {source}, which has no scorer (known: {known}); set "
+                             "reward.custom_function=path/to/file.py[:function] or register a scorer for it")
+        clashing = sorted(set(example.columns) & {*SAMPLE_ARGUMENTS, *TRL_ARGUMENTS, *options})
+        if clashing:
+            raise ValueError(f"{where} has a column {clashing[0]!r}, a name reinforge already passes to the scorer "
+                             f"({'from reward.kwargs' if clashing[0] in options else 'for every sample'}); rename "
+                             "the column (a ground truth belongs in reward_model.ground_truth)")
+        if scorer not in needs:
+            needs[scorer] = required_arguments(scorer) - options - {*TRL_ARGUMENTS, "solution_str", "extra_info",
+                                                                     "data_source"}
+        given = {name for name, value in example.columns.items() if value is not None}  # parquet fills gaps with null
+        if example.ground_truth is not None:
+            given.add("ground_truth")
+        missing = sorted(needs[scorer] - given)
+        if "ground_truth" in missing:
+            raise ValueError(f"{where} has no reward_model.ground_truth, which {_scorer_name(config, example.data_source)} "
+                             "needs; add reward_model: {ground_truth: ...} to the row, or give the function's "
+                             "ground_truth a default if it can score without one")
+        if missing:
+            kind = "TRL's kind: columns are passed by name" if takes_completions(scorer) else "columns are passed by name"
+            raise ValueError(f"{where} has no column {missing[0]!r} (or it is null), which {_scorer_name(config, example.data_source)} "
+                             f"takes ({kind}); the row's extra columns are: {', '.join(sorted(given - {'ground_truth'})) or 'none'}")

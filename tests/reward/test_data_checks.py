@@ -1,0 +1,120 @@
+"""Rows checked against their scorers when the data loads; extra columns reach verl's and TRL's kinds of scorer."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from reinforge.config.schema import DataConfig, RewardConfig
+from reinforge.data.prompt_loader import collate_prompts
+from reinforge.data.rl_dataset import RLDataset
+from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
+from reinforge.reward.manager import RewardManager
+
+REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    """verl's signature."""
+    return float(solution_str.strip() == ground_truth) + (0.5 if extra_info.get("bonus") else 0.0)
+
+
+def trl_reward(completions, answer, **kwargs):
+    """TRL's signature: the dataset's 'answer' column comes as a keyword argument."""
+    return [float(completion == expected) for completion, expected in zip(completions, answer)]
+
+
+def by_column(solution_str, answer):
+    return float(solution_str == answer)
+
+
+def by_position(solution_str, ground_truth, /):
+    return 0.0
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def dataset_of(tmp_path, tokenizer, rows, name="train.parquet"):
+    path = tmp_path / name
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return RLDataset(str(path), tokenizer, DataConfig(max_prompt_length=64, apply_chat_template=False)), path
+
+
+def row(prompt="1+1=", data_source="arithmetic", ground_truth="2", **columns):
+    reward_model = {"ground_truth": ground_truth} if ground_truth is not None else None
+    return {"prompt": prompt, "data_source": data_source, "reward_model": reward_model, "extra_info": {"bonus": 0},
+            **columns}
+
+
+def check(tmp_path, tokenizer, rows, custom_function=None):
+    config = RewardConfig(custom_function=custom_function, num_workers=0)
+    dataset, path = dataset_of(tmp_path, tokenizer, rows)
+    check_rows_can_be_scored(dataset, config, load_reward_function(config))
+    return path
+
+
+def test_every_row_needs_a_scorer(tmp_path, byte_tokenizer, rewards_file):
+    with pytest.raises(ValueError) as error:
+        check(tmp_path, byte_tokenizer, [row(), row(data_source="my/task")])
+    assert str(error.value).startswith(f"row 1 of {tmp_path / 'train.parquet'} has data_source 'my/task', which has "
+                                       "no scorer (known: ")
+    assert str(error.value).endswith("set reward.custom_function=path/to/file.py[:function] or register a scorer "
+                                     "for it")
+    with pytest.raises(ValueError, match="row 0 of .* has no data_source, which has no scorer"):
+        check(tmp_path, byte_tokenizer, [row(data_source=None)])
+    check(tmp_path, byte_tokenizer, [row(data_source=None), row(data_source="my/task")], str(rewards_file))
+
+
+def test_every_row_needs_a_ground_truth_unless_the_function_takes_none(tmp_path, byte_tokenizer, rewards_file):
+    with pytest.raises(ValueError) as error:
+        check(tmp_path, byte_tokenizer, [row(), row(ground_truth=None)])
+    assert str(error.value) == (f"row 1 of {tmp_path / 'train.parquet'} has no reward_model.ground_truth, which the "
+                                "'arithmetic' scorer needs; add reward_model: {ground_truth: ...} to the row, or give "
+                                "the function's ground_truth a default if it can score without one")
+    with pytest.raises(ValueError, match=r"which reward.custom_function compute_score in .*rewards.py needs"):
+        check(tmp_path, byte_tokenizer, [row(ground_truth=None)], str(rewards_file))
+    check(tmp_path, byte_tokenizer, [row(ground_truth=None, answer="2")], f"{rewards_file}:trl_reward")
+
+
+def test_columns_a_function_takes_must_be_in_every_row(tmp_path, byte_tokenizer, rewards_file):
+    with pytest.raises(ValueError, match=r"row 1 of .* has no column 'answer' \(or it is null\), which "
+                                         r"reward.custom_function trl_reward in .* takes \(TRL's kind: columns are passed by name\); the "
+                                         r"row's extra columns are: hint"):
+        check(tmp_path, byte_tokenizer, [row(answer="2", hint="h"), row(hint="h")], f"{rewards_file}:trl_reward")
+    with pytest.raises(ValueError, match="row 0 of .* has a column 'ground_truth', a name reinforge already passes "
+                                         "to the scorer"):
+        check(tmp_path, byte_tokenizer, [{**row(ground_truth=None), "ground_truth": "2"}], str(rewards_file))
+
+
+def test_a_broken_reward_function_is_one_line(rewards_file, tmp_path):
+    with pytest.raises(ValueError, match="takes 'solution_str' by position only"):
+        load_reward_function(RewardConfig(custom_function=f"{rewards_file}:by_position"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(ValueError, match=r"importing .*broken.py failed: ModuleNotFoundError: No module named "
+                                         r"'not_a_module_anywhere'"):
+        load_reward_function(RewardConfig(custom_function=str(broken)))
+
+
+@pytest.mark.parametrize("function, num_workers", [("compute_score", 0), ("trl_reward", 0), ("by_column", 0),
+                                                   ("trl_reward", 1)])
+def test_extra_columns_reach_the_scorer(tmp_path, byte_tokenizer, rewards_file, function, num_workers):
+    """From the file to the score: the 'answer' column decides the reward of TRL's kind and of by_column."""
+    rows = [row(prompt="1+1=", ground_truth="2", answer="2"), row(prompt="2+2=", ground_truth="4", answer="4")]
+    dataset, _ = dataset_of(tmp_path, byte_tokenizer, rows)
+    config = RewardConfig(custom_function=f"{rewards_file}:{function}", num_workers=num_workers)
+    check_rows_can_be_scored(dataset, config, load_reward_function(config))
+    batch = collate_prompts(dataset.examples, 0, ["u0", "u1"]).repeat(2, interleave=True)
+    texts = ["2", "5", "4", "4"]  # sample 1 of the first prompt is wrong
+    responses = torch.zeros((4, 3), dtype=torch.long)
+    for index, text in enumerate(texts):
+        responses[index, :len(text)] = torch.tensor(byte_tokenizer(text, add_special_tokens=False)["input_ids"])
+    batch["responses"], batch["response_mask"] = responses, (responses != 0).long()
+    with RewardManager(config, byte_tokenizer) as manager:
+        output = manager.score(batch)
+    assert output.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert output.metrics["reward/errors"] == 0.0
