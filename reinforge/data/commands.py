@@ -1,6 +1,7 @@
 """The ``reinforge data ...`` commands: prepare datasets in the RL schema.
 
     reinforge data gsm8k --src ../shared/data/gsm8k --out data/gsm8k
+    reinforge data retool --src ../shared/data/gsm8k --out data/retool_gsm8k
     reinforge data arithmetic --out data/arithmetic --num-train 2000 --max-digits 3
 
 ``add_data_subcommands`` adds these to the CLI's ``data`` parser; ``data_main`` runs them
@@ -12,15 +13,22 @@ from __future__ import annotations
 import argparse
 
 from reinforge.data.gsm8k import convert_gsm8k
+from reinforge.data.retool import convert_retool
 from reinforge.data.tasks.arithmetic import OPERATORS, write_arithmetic_dataset
 
 
 def add_data_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``gsm8k`` and ``arithmetic``; each sets ``handler(args) -> int`` as a default."""
+    """Add ``gsm8k``, ``retool`` and ``arithmetic``; each sets ``handler(args) -> int`` as a default."""
     gsm8k = subparsers.add_parser("gsm8k", help="convert GSM8K JSONL into train/test parquet files")
     gsm8k.add_argument("--src", required=True, help="folder with train.jsonl and test.jsonl")
     gsm8k.add_argument("--out", required=True, help="folder to write train.parquet and test.parquet")
     gsm8k.set_defaults(handler=_run_gsm8k)
+
+    retool = subparsers.add_parser("retool", help="GSM8K JSONL as tool_agent rows asking for a \\boxed{} answer "
+                                                  "(the ReTool recipe, examples/retool.yaml)")
+    retool.add_argument("--src", required=True, help="folder with GSM8K's train.jsonl and test.jsonl")
+    retool.add_argument("--out", required=True, help="folder to write train.parquet and test.parquet")
+    retool.set_defaults(handler=_run_retool)
 
     arithmetic = subparsers.add_parser("arithmetic", help="generate the built-in addition/subtraction task")
     arithmetic.add_argument("--out", required=True, help="folder to write train/test/sft_train parquet files")
@@ -43,6 +51,12 @@ def data_main(argv: list[str]) -> int:
 
 def _run_gsm8k(args: argparse.Namespace) -> int:
     for split, path in convert_gsm8k(args.src, args.out).items():
+        print(f"wrote {split} rows to {path}")
+    return 0
+
+
+def _run_retool(args: argparse.Namespace) -> int:
+    for split, path in convert_retool(args.src, args.out).items():
         print(f"wrote {split} rows to {path}")
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,11 @@ def make_gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[s
     }
 
 
-def read_gsm8k_split(path: str | Path, split: str) -> list[dict[str, Any]]:
+RowMaker = Callable[[str, str, str, int], dict[str, Any]]
+"""make_row(question, answer, split, index) -> one RL row; make_gsm8k_row, or the ReTool recipe's."""
+
+
+def read_gsm8k_split(path: str | Path, split: str, make_row: RowMaker = make_gsm8k_row) -> list[dict[str, Any]]:
     rows = []
     with Path(path).open(encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
@@ -50,13 +55,13 @@ def read_gsm8k_split(path: str | Path, split: str) -> list[dict[str, Any]]:
                 raise ValueError(f"line {line_number} of {path} has no 'question' and 'answer'; "
                                  "is this GSM8K's JSONL from openai/grade-school-math?")
             try:
-                rows.append(make_gsm8k_row(record["question"], record["answer"], split, len(rows)))
+                rows.append(make_row(record["question"], record["answer"], split, len(rows)))
             except ValueError as error:
                 raise ValueError(f"line {line_number} of {path}: {error}") from None
     return rows
 
 
-def convert_gsm8k(src_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
+def convert_gsm8k(src_dir: str | Path, out_dir: str | Path, make_row: RowMaker = make_gsm8k_row) -> dict[str, Path]:
     """Write ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns the paths by split."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -69,7 +74,7 @@ def convert_gsm8k(src_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for split in SPLITS:
-        rows = read_gsm8k_split(src_dir / f"{split}.jsonl", split)
+        rows = read_gsm8k_split(src_dir / f"{split}.jsonl", split, make_row)
         written[split] = out_dir / f"{split}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), written[split])
     return written

@@ -106,7 +106,7 @@ def test_each_data_source_gets_its_scorer(byte_tokenizer):
 
 def test_unknown_data_source_and_option_are_refused(byte_tokenizer):
     batch = make_batch(byte_tokenizer, ["1"], ["1"], ["my/task"])
-    with pytest.raises(ValueError, match="no scorer for data_source 'my/task'; known data sources: .*arithmetic, countdown"):
+    with pytest.raises(ValueError, match="no scorer for data_source 'my/task'; known data sources: .*arithmetic, boxed, countdown"):
         inline_manager(byte_tokenizer).score(batch)
     with pytest.raises(ValueError, match="reward.kwargs has methd, which no scorer accepts; .*method"):
         inline_manager(byte_tokenizer, kwargs={"methd": "flexible"})

@@ -14,7 +14,7 @@ def test_built_in_data_sources():
 
 
 def test_unknown_data_source_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"no scorer for data_source 'nope'; known data sources: .*arithmetic, "
+    with pytest.raises(ValueError, match=r"no scorer for data_source 'nope'; known data sources: .*arithmetic, boxed, "
                                          r"countdown.*openai/gsm8k"):
         get_scorer("nope")
     with pytest.raises(ValueError, match="a sample has no data_source"):

@@ -97,3 +97,15 @@ def test_countdown_needs_a_target_and_numbers():
 ])
 def test_arithmetic_exact_integer(response, ground_truth, score):
     assert score_arithmetic(response, ground_truth)["score"] == score
+
+
+def test_boxed_scorer_reads_the_last_complete_box():
+    from reinforge.reward.scorers.boxed import last_boxed, score_boxed
+
+    assert last_boxed("\\boxed{1} then \\boxed{\\frac{1}{2}} and \\boxed{3") == "\\frac{1}{2}"
+    assert last_boxed("no box") is None
+    assert score_boxed("first \\boxed{5}, corrected: \\boxed{1,000}.", "1000") == {
+        "score": 1.0, "acc": True, "pred": "1000"}
+    assert score_boxed("\\boxed{$72.00$}", 72)["acc"] is True
+    assert score_boxed("\\boxed{71}", "72") == {"score": 0.0, "acc": False, "pred": "71"}
+    assert score_boxed("the answer is 72", "72") == {"score": 0.0, "acc": False, "pred": None}
