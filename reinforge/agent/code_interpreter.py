@@ -1,0 +1,89 @@
+"""``code_interpreter(code)``: the ReTool recipe's tool, running Python in the code sandbox.
+
+The tool sends the code to a sandbox (``reinforge sandbox serve`` or a SandboxFusion
+deployment) through ``SandboxClient`` and shows the model what a terminal would: stdout, then
+stderr (a traceback), or a line saying the run was stopped at its time limit. A sandbox that
+cannot be reached, after the client's retries, gives a tool message saying so (counted as a
+tool error), never an exception or a hang: the client's deadline bounds every call.
+
+Tool config entry (``rollout.multi_turn.tool_config_path``):
+
+```yaml
+tools:
+  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool
+    config: {sandbox_url: http://127.0.0.1:8080, run_timeout_s: 10, memory_limit_mb: 1024}
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from reinforge.agent.tools import BaseTool, ToolResult
+from reinforge.sandbox import RunCodeResponse, SandboxClient
+
+SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "code_interpreter",
+        "description": "Run Python code and see what it prints (stdout, then stderr). Each call starts a fresh "
+                       "interpreter; print every value you want to see.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "The Python code to run."}},
+            "required": ["code"],
+        },
+    },
+}
+_FENCED = re.compile(r"^\s*```(?:python|py)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
+
+
+def strip_code_fence(code: str) -> str:
+    """The code inside a Markdown fence (```python ... ```), as models often send it; other code as it is."""
+    match = _FENCED.match(code)
+    return match.group(1) if match else code
+
+
+def format_run(response: RunCodeResponse) -> tuple[str, dict[str, float]]:
+    """What the model reads for a sandbox response, and the call's metrics."""
+    run = response.run_result
+    if response.status == "SandboxError" or run is None:
+        return f"The code was not run: {response.message or 'the sandbox failed'}", {"tool_error": 1.0,
+                                                                                       "sandbox_error": 1.0}
+    parts = [text for text in (run.stdout, run.stderr) if text]
+    if run.status == "TimeLimitExceeded":
+        parts.append(f"Time limit exceeded: the code was stopped after {run.execution_time or 0:.1f} s.")
+    elif run.return_code not in (0, None) and not run.stderr:
+        parts.append(f"The process exited with code {run.return_code}.")
+    metrics = {"timeout": float(run.status == "TimeLimitExceeded"), "failed": float(response.status == "Failed")}
+    return ("\n".join(part.rstrip("\n") for part in parts) if parts else "(no output)"), metrics
+
+
+class CodeInterpreterTool(BaseTool):
+    """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (1024), max_retries (5),
+    max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories)."""
+
+    def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
+        super().__init__(config, schema or SCHEMA)
+        url = self.config.get("sandbox_url")
+        if not url:
+            raise ValueError("the code_interpreter tool needs config.sandbox_url, e.g. http://127.0.0.1:8080 "
+                             "(start one with `reinforge sandbox serve`)")
+        self.client = SandboxClient(str(url), max_retries=int(self.config.get("max_retries", 5)))
+        self.run_timeout_s = float(self.config.get("run_timeout_s", 10.0))
+        self.memory_limit_mb = int(self.config.get("memory_limit_mb", 1024))
+        self._executor = ThreadPoolExecutor(int(self.config.get("max_concurrent_calls", 64)),
+                                            thread_name_prefix="code-interpreter")
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
+        code = arguments.get("code")
+        if not isinstance(code, str) or not code.strip():
+            return ToolResult("code_interpreter needs a non-empty 'code' string argument.", 0.0, {"tool_error": 1.0})
+        response = await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: self.client.run_code(strip_code_fence(code), run_timeout=self.run_timeout_s,
+                                                         memory_limit_mb=self.memory_limit_mb))
+        text, metrics = format_run(response)
+        return ToolResult(text, None, metrics)

@@ -1,0 +1,63 @@
+"""code_interpreter through the real sandbox: output as the model reads it, errors and time limits as text."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import pytest
+
+from reinforge.agent import load_tool_config
+from reinforge.agent.code_interpreter import CodeInterpreterTool, strip_code_fence
+from reinforge.sandbox import SandboxSettings
+from reinforge.sandbox.server import SandboxServer
+
+
+@pytest.fixture(scope="module")
+def sandbox_url():
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (apt-get install -y bubblewrap)")
+    server = SandboxServer(SandboxSettings(port=0, max_concurrent=2,
+                                           uid_base=62000 + (os.getpid() % 2000) * 16)).start()
+    yield server.url
+    server.close()
+
+
+def _run(tool: CodeInterpreterTool, code: str):
+    return asyncio.run(tool.execute("instance", {"code": code}))
+
+
+def test_loaded_from_a_tool_config_and_runs_code(sandbox_url, tmp_path):
+    (tmp_path / "tools.yaml").write_text(
+        "tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n"
+        f"    config: {{sandbox_url: {sandbox_url}, run_timeout_s: 1}}\n")
+    tool = load_tool_config(tmp_path / "tools.yaml")["code_interpreter"]
+    assert tool.schema["function"]["parameters"]["required"] == ["code"]
+    result = _run(tool, "```python\nprint(sum(range(101)))\n```")
+    assert result.text == "5050" and result.metrics == {"timeout": 0.0, "failed": 0.0}
+
+
+def test_errors_and_time_limits_read_as_text(sandbox_url):
+    tool = CodeInterpreterTool({"sandbox_url": sandbox_url, "run_timeout_s": 1})
+    failed = _run(tool, "print('before')\n1 / 0")
+    assert failed.text.startswith("before\nTraceback") and "ZeroDivisionError" in failed.text
+    assert failed.metrics["failed"] == 1.0
+    slow = _run(tool, "import time\nprint('started', flush=True)\ntime.sleep(5)")
+    assert slow.text.startswith("started\nTime limit exceeded: the code was stopped after 1.0 s")
+    assert _run(tool, "x = 1").text == "(no output)"
+    assert _run(tool, "import sys; sys.exit(3)").text == "The process exited with code 3."
+
+
+def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
+    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "max_retries": 1})
+    result = _run(tool, "print(1)")
+    assert result.text.startswith("The code was not run: the code sandbox at http://127.0.0.1:9 gave no result")
+    assert result.metrics == {"tool_error": 1.0, "sandbox_error": 1.0}
+    with pytest.raises(ValueError, match="needs config.sandbox_url"):
+        CodeInterpreterTool({})
+
+
+def test_code_fences_are_stripped_only_when_they_wrap_the_code():
+    assert strip_code_fence("```py\nx = 1\n```") == "x = 1"
+    assert strip_code_fence("x = '```'") == "x = '```'"
