@@ -72,8 +72,24 @@ MLFLOW_PARAM_LIMIT = 500
 """MLflow refuses parameter values longer than this (characters)."""
 
 
+def mlflow_metric_name(key: str) -> str:
+    """The name a metric gets in MLflow: ``timing_s/gen/gc`` -> ``timing_s/gen.gc``, ``acc/mean@4`` -> ``acc/mean_at_4``.
+
+    MLflow's file store keeps each metric in a file named by the metric, so ``timing_s/gen`` (a
+    file) and ``timing_s/gen/gc`` (a file in a folder ``timing_s/gen``) cannot both be logged: the
+    second crashes the run. The first ``/`` is kept, since MLflow's UI groups charts by it, and
+    later ones become ``.``; a section is then one folder of files and no name is another's folder
+    (our only metric without a ``/`` is none of the sections). The same names go to every MLflow
+    store. Characters MLflow refuses become ``_`` ('@' becomes '_at_').
+    """
+    section, slash, rest = key.replace("@", "_at_").partition("/")
+    return re.sub(r"[^\w\-./ ]", "_", section + slash + rest.replace("/", "."))
+
+
 @register_tracking_backend("mlflow")
 class MlflowBackend(TrackingBackend):
+    """Metrics under ``mlflow_metric_name``'s names (see there why), the config as parameters."""
+
     def __init__(self, run: RunInfo):
         self._mlflow = import_optional("mlflow", "mlflow", "mlflow")
         self._mlflow.set_experiment(run.project)
@@ -83,9 +99,7 @@ class MlflowBackend(TrackingBackend):
             self._mlflow.log_params(params)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        # MLflow metric names allow letters, digits, _ - . / and spaces; '@' (as in mean@4) becomes '_at_'.
-        named = {re.sub(r"[^\w\-./ ]", "_", key.replace("@", "_at_")): value for key, value in metrics.items()}
-        self._mlflow.log_metrics(named, step=step)
+        self._mlflow.log_metrics({mlflow_metric_name(key): value for key, value in metrics.items()}, step=step)
 
     def close(self) -> None:
         self._mlflow.end_run()
