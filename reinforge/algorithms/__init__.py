@@ -12,6 +12,7 @@ from reinforge.algorithms.advantages import (
 )
 from reinforge.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
 from reinforge.algorithms.kl import (
+    KL_CONTROLLERS,
     KL_ESTIMATOR_ALIASES,
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -25,6 +26,7 @@ from reinforge.algorithms.logits import entropy_from_logits, log_probs_from_logi
 from reinforge.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from reinforge.algorithms.policy_losses import POLICY_LOSSES, clip_bounds, compute_policy_loss, register_policy_loss
 from reinforge.algorithms.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
     ROLLOUT_RS_RULES,
     compute_importance_weights,
     compute_rejection,
@@ -34,10 +36,12 @@ from reinforge.algorithms.value_loss import compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "KL_ESTIMATOR_ALIASES",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
     "ROLLOUT_RS_RULES",
     "AdaptiveKLController",
     "FixedKLController",

@@ -14,26 +14,41 @@ std, 1e-6 added outside the sqrt, a group of one has mean 0 and std 1). Departur
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from reinforge.algorithms.masked import masked_whiten
-from reinforge.config.schema import AlgorithmConfig
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import AlgorithmConfig
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
 """fn(*, token_level_rewards, response_mask, group_ids, config, values, reward_baselines)."""
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    compute: AdvantageFn
+    needs_groups: bool = False
+    """Compares the samples of one prompt, so rollout.n must be 2 or more."""
+    needs_critic: bool = False
+    """Reads the critic's values, so the critic runs (critic.enable cannot be false)."""
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 GRPO_EPSILON = 1e-6
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(name: str, *, needs_groups: bool = False,
+                       needs_critic: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
     def add(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ADVANTAGE_ESTIMATORS[name] = fn
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_groups=needs_groups, needs_critic=needs_critic)
         return fn
 
     return add
@@ -62,7 +77,7 @@ def compute_advantages(
         raise ValueError(
             f"group_ids has shape {tuple(group_ids.shape)} but the batch has {token_level_rewards.shape[0]} rows; pass one id per row"
         )
-    return ADVANTAGE_ESTIMATORS[name](
+    return ADVANTAGE_ESTIMATORS[name].compute(
         token_level_rewards=token_level_rewards,
         response_mask=response_mask,
         group_ids=group_ids,
@@ -92,7 +107,7 @@ def _broadcast(per_sequence: Tensor, response_mask: Tensor) -> Tensor:
     return per_sequence.unsqueeze(-1) * response_mask.to(per_sequence.dtype)
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True)
 def compute_gae_advantages(
     *, token_level_rewards: Tensor, response_mask: Tensor, config: AlgorithmConfig, values: Tensor | None, **_
 ) -> tuple[Tensor, Tensor]:
@@ -118,7 +133,7 @@ def compute_gae_advantages(
     return masked_whiten(advantages, response_mask), returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_groups=True)
 def compute_grpo_advantages(
     *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig, **_
 ) -> tuple[Tensor, Tensor]:
@@ -134,7 +149,7 @@ def compute_grpo_advantages(
     return advantages, advantages
 
 
-@register_advantage("grpo_passk")
+@register_advantage("grpo_passk", needs_groups=True)
 def compute_grpo_passk_advantages(
     *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig, **_
 ) -> tuple[Tensor, Tensor]:
@@ -157,7 +172,7 @@ def compute_grpo_passk_advantages(
     return advantages, advantages
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs_groups=True)
 def compute_rloo_advantages(
     *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, **_
 ) -> tuple[Tensor, Tensor]:
@@ -185,7 +200,7 @@ def compute_reinforce_plus_plus_advantages(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", needs_groups=True)
 def compute_reinforce_plus_plus_baseline_advantages(
     *, token_level_rewards, response_mask, group_ids, **_
 ) -> tuple[Tensor, Tensor]:
@@ -210,7 +225,7 @@ def compute_remax_advantages(
     return advantages, returns
 
 
-@register_advantage("opo")
+@register_advantage("opo", needs_groups=True)
 def compute_opo_advantages(
     *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, **_
 ) -> tuple[Tensor, Tensor]:
@@ -228,7 +243,7 @@ def compute_opo_advantages(
     return advantages, advantages
 
 
-@register_advantage("gpg")
+@register_advantage("gpg", needs_groups=True)
 def compute_gpg_advantages(
     *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, **_
 ) -> tuple[Tensor, Tensor]:

@@ -16,13 +16,15 @@ The adaptive controller is Ziegler et al. (2019), as in verl.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from reinforge.algorithms.masked import masked_mean
-from reinforge.config.schema import KLControlConfig
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import KLControlConfig
 
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 
@@ -127,13 +129,18 @@ class AdaptiveKLController:
 KLController = FixedKLController | AdaptiveKLController
 
 
+KL_CONTROLLERS: dict[str, Callable[[KLControlConfig], KLController]] = {
+    "fixed": lambda config: FixedKLController(config.kl_coef),
+    "adaptive": lambda config: AdaptiveKLController(config.kl_coef, config.target_kl, config.horizon),
+}
+"""algorithm.kl_ctrl.type -> the controller built from algorithm.kl_ctrl."""
+
+
 def build_kl_controller(config: KLControlConfig) -> KLController:
-    """The controller named by config.type (fixed or adaptive)."""
-    if config.type == "fixed":
-        return FixedKLController(config.kl_coef)
-    if config.type == "adaptive":
-        return AdaptiveKLController(config.kl_coef, config.target_kl, config.horizon)
-    raise ValueError(f"unknown algorithm.kl_ctrl.type {config.type!r}; use fixed or adaptive")
+    """The controller named by config.type (a key of KL_CONTROLLERS)."""
+    if config.type not in KL_CONTROLLERS:
+        raise ValueError(f"unknown algorithm.kl_ctrl.type {config.type!r}; use one of {', '.join(KL_CONTROLLERS)}")
+    return KL_CONTROLLERS[config.type](config)
 
 
 def apply_kl_penalty(

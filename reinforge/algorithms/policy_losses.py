@@ -33,13 +33,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from reinforge.algorithms.aggregation import LossNormalizer, aggregate_loss
 from reinforge.algorithms.masked import masked_mean
-from reinforge.config.schema import PolicyLossConfig
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import PolicyLossConfig
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 """fn(*, old_log_probs, log_probs, advantages, response_mask, loss_agg_mode, config,

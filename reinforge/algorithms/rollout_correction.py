@@ -19,12 +19,15 @@ and "lower_upper" strings), since our config holds a single float. Bypass mode (
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from reinforge.algorithms.masked import masked_mean
-from reinforge.config.schema import RolloutCorrectionConfig
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import RolloutCorrectionConfig
 
 LOG_WEIGHT_BOUND = 20.0
 ROLLOUT_IS_LEVELS = ("token", "sequence")

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from reinforge.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_CONTROLLERS,
+    KL_ESTIMATOR_ALIASES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+)
 from reinforge.config.loader import ConfigError
 from reinforge.config.schema import Config, OptimConfig, RunConfig
+from reinforge.engine.optim import LR_SCHEDULES
 
-GROUP_ESTIMATORS = {"grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"}
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ROLLOUT_BACKENDS = ("hf", "native")
 
 
@@ -28,7 +36,7 @@ def validate_optim(prefix: str, optim: OptimConfig) -> None:
         raise ConfigError(f"{prefix}.warmup_steps={optim.warmup_steps} must be >= 0")
     _in_range(f"{prefix}.warmup_ratio", optim.warmup_ratio, 0.0, 1.0)
     _in_range(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
-    _choice(f"{prefix}.schedule", optim.schedule, ("constant", "cosine"))
+    _choice(f"{prefix}.schedule", optim.schedule, list(LR_SCHEDULES))
 
 
 def validate_run(trainer: RunConfig) -> None:
@@ -56,8 +64,9 @@ def validate_run(trainer: RunConfig) -> None:
 
 
 def critic_enabled(config: Config) -> bool:
+    """critic.enable, or by default whether the advantage estimator reads values."""
     if config.critic.enable is None:
-        return config.algorithm.adv_estimator == "gae"
+        return ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
     return config.critic.enable
 
 
@@ -67,8 +76,6 @@ def reference_needed(config: Config) -> bool:
 
 def validate_config(config: Config) -> None:
     """Raise ConfigError with the fix in the message when fields disagree."""
-    from reinforge.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATOR_ALIASES, KL_ESTIMATORS, POLICY_LOSSES
-
     data, actor, rollout, algorithm, trainer = config.data, config.actor, config.rollout, config.algorithm, config.trainer
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
     _choice("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
@@ -78,7 +85,7 @@ def validate_config(config: Config) -> None:
     kl_names += [f"{name}+" for name in kl_names]
     _choice("actor.kl_loss_type", actor.kl_loss_type, kl_names)
     _choice("algorithm.kl_penalty", algorithm.kl_penalty, kl_names)
-    _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, ("fixed", "adaptive"))
+    _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, list(KL_CONTROLLERS))
     _choice("data.truncation", data.truncation, ("error", "left", "right"))
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
     _choice("trainer.backend", trainer.backend, ("local", "ray"))
@@ -100,13 +107,14 @@ def validate_config(config: Config) -> None:
             raise ConfigError(f"rollout.multi_turn.{key}={value} must be at least 1, or null for no limit")
     if rollout.n < 1:
         raise ConfigError(f"rollout.n={rollout.n} must be at least 1")
-    if algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+    estimator = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]
+    if estimator.needs_groups and rollout.n < 2:
         raise ConfigError(
             f"rollout.n={rollout.n} is too small for algorithm.adv_estimator={algorithm.adv_estimator}, "
             "which compares samples of one prompt; set rollout.n to 2 or more"
         )
-    if algorithm.adv_estimator == "gae" and config.critic.enable is False:
-        raise ConfigError("algorithm.adv_estimator=gae needs a critic but critic.enable=false; "
+    if estimator.needs_critic and config.critic.enable is False:
+        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs a critic but critic.enable=false; "
                           "remove critic.enable or choose a critic-free estimator such as grpo")
     if data.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size={data.train_batch_size} must be at least 1")
@@ -166,7 +174,7 @@ def validate_config(config: Config) -> None:
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
     if algorithm.rollout_correction.rollout_is is not None:
-        _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ("token", "sequence"))
+        _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ROLLOUT_IS_LEVELS)
     _check_dapo(config)
 
 

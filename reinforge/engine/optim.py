@@ -1,14 +1,18 @@
-"""AdamW with a warmup-then-constant or warmup-then-cosine learning-rate schedule."""
+"""AdamW with a linear warmup, then one of the learning-rate schedules of ``LR_SCHEDULES``."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from reinforge.config.schema import OptimConfig
 from reinforge.engine.offload import HostOffloadedAdamW
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import OptimConfig
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig, offload: bool = False) -> torch.optim.Optimizer:
@@ -24,16 +28,24 @@ def build_optimizer(model: nn.Module, config: OptimConfig, offload: bool = False
                              weight_decay=config.weight_decay, fused=fused or None)
 
 
+def _cosine(progress: float, config: OptimConfig) -> float:
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+LR_SCHEDULES: dict[str, Callable[[float, OptimConfig], float]] = {
+    "constant": lambda progress, config: 1.0,
+    "cosine": _cosine,
+}
+"""optim.schedule -> the lr factor after warmup, given the fraction of post-warmup steps done (0..1)."""
+
+
 def lr_multiplier(step: int, total_steps: int, config: OptimConfig) -> float:
     """Factor on the base lr after ``step`` optimizer steps."""
     warmup = config.warmup_steps or int(config.warmup_ratio * total_steps)
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    if config.schedule == "constant":
-        return 1.0
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+    return LR_SCHEDULES[config.schedule](progress, config)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,

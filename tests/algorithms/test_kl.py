@@ -65,7 +65,7 @@ def test_build_kl_controller():
     fixed.update(current_kl=5.0, num_steps=10)
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.3
     assert isinstance(build_kl_controller(KLControlConfig(type="adaptive")), AdaptiveKLController)
-    with pytest.raises(ValueError, match="fixed or adaptive"):
+    with pytest.raises(ValueError, match="use one of fixed, adaptive"):
         build_kl_controller(KLControlConfig(type="pid"))
 
 
