@@ -52,6 +52,44 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    """``reinforge plan [CONFIG] [a.b=c ...] [--gpu-memory-gib N] [--host-memory-gib M]``: the memory plan."""
+    sizes = argparse.ArgumentParser(add_help=False)
+    sizes.add_argument("--gpu-memory-gib", type=float, default=None)
+    sizes.add_argument("--host-memory-gib", type=float, default=None)
+    known, rest = sizes.parse_known_args(argv)
+    config_path, overrides = _config_arguments(
+        rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M]",
+        description="Print the memory plan of a run (reads only the model's config.json); exit 1 if it cannot fit.",
+        config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
+
+    from reinforge.config import load_config
+
+    config = load_config(config_path, overrides)
+    if not config.model.path:
+        raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
+    if known.gpu_memory_gib is not None:
+        config.trainer.gpu_memory_gib = known.gpu_memory_gib
+    if known.host_memory_gib is not None:
+        config.trainer.host_memory_gib = known.host_memory_gib
+
+    import torch
+
+    from reinforge.engine.memory_plan import MemoryPlanError
+    from reinforge.engine.memory_settings import memory_plan
+
+    if config.trainer.gpu_memory_gib is None and config.trainer.device != "cpu" and not torch.cuda.is_available():
+        raise SystemExit("this machine has no GPU; pass --gpu-memory-gib N to plan for a card of N GiB "
+                         "(or trainer.device=cpu)")
+    try:
+        plan = memory_plan(config)
+    except MemoryPlanError as error:
+        print(f"reinforge plan: {error}", file=sys.stderr)
+        return 1
+    print(plan.table())
+    return 0
+
+
 def _sft(argv: list[str]) -> int:
     config_path, overrides = _config_arguments(
         argv, prog="reinforge sft", description="Supervised fine-tuning on chat conversations (loss on assistant tokens).",
@@ -133,6 +171,7 @@ def _sandbox(argv: list[str]) -> int:
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
+    "plan": (_plan, "the memory plan of a run on a GPU of any size (fits or not, and why)"),
     "sft": (_sft, "supervised fine-tuning on chat data (loss on assistant tokens)"),
     "eval": (_eval, "accuracy of a model on a dataset of verifiable prompts (greedy by default)"),
     "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
@@ -169,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(error).split())
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except Exception as error:  # an out-of-memory error becomes one line with the plan and the peak
+        from reinforge.engine.memory_settings import describe_out_of_memory
+
+        message = describe_out_of_memory(error)
+        if message is None or os.environ.get("REINFORGE_DEBUG"):
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # python -m reinforge.cli, like python -m reinforge

@@ -23,12 +23,22 @@ from pathlib import Path
 
 import torch
 
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=32768, rope_theta=1000000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+_QWEN25 = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+QWEN25_SHAPES = {
+    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, tie_word_embeddings=True, **_QWEN25),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True, **_QWEN25),
+    "3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               intermediate_size=11008, tie_word_embeddings=True, **_QWEN25),
+    "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, tie_word_embeddings=False, **_QWEN25),
+}
+"""The Qwen2.5 architectures (random weights): what ``--model`` builds."""
+QWEN25_05B = QWEN25_SHAPES["0.5b"]
 
 
-def write_model(folder: Path, tiny: bool) -> Path:
+def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from reinforge.models import build_char_tokenizer, save_tiny_model
@@ -37,9 +47,14 @@ def write_model(folder: Path, tiny: bool) -> Path:
         return save_tiny_model(folder / "model")
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(**QWEN25_05B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(**QWEN25_SHAPES[size], pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = Qwen2ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     del model
@@ -51,21 +66,32 @@ def build_config(model_dir: Path, args: argparse.Namespace):
 
     config = Config()
     config.model.path = str(model_dir)
-    config.model.gradient_checkpointing = args.checkpointing
+    if args.checkpointing is not None:
+        config.model.gradient_checkpointing = args.checkpointing
     config.data.train_batch_size = args.prompts
     config.data.max_prompt_length = args.prompt_tokens
     config.data.max_response_length = args.response_tokens
     config.rollout.name = args.rollout
     config.rollout.n = args.n
-    config.rollout.free_cache_engine = not args.keep_rollout_memory
-    config.actor.max_tokens_per_micro_batch = args.micro_tokens
+    if args.keep_rollout_memory is not None:
+        config.rollout.free_cache_engine = not args.keep_rollout_memory
+    if args.micro_tokens is not None:
+        config.actor.max_tokens_per_micro_batch = args.micro_tokens
+    if args.optimizer_offload is not None:
+        config.actor.optimizer_offload = args.optimizer_offload
+    config.trainer.gpu_memory_gib = args.gpu_memory_gib
+    if args.lora:
+        config.model.lora.rank = args.lora
+        config.model.lora.alpha = 2 * args.lora
+        config.actor.optim.lr = 1e-5
     config.actor.optim.lr = 1e-6
     config.actor.grad_clip = 1.0
     config.actor.loss_agg_mode = "token-mean"
     config.trainer.device = "cpu" if args.cpu else "cuda"
     if args.variant == "kl":
         config.actor.use_kl_loss = True
-        config.ref.param_offload = args.ref_offload
+        if args.ref_offload:
+            config.ref.param_offload = True
     if args.variant == "ppo":
         config.algorithm.adv_estimator = "gae"
         config.algorithm.lam = 0.95
@@ -124,11 +150,15 @@ def add_advantages(batch, args: argparse.Namespace, config) -> None:
 
 def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.controller.worker import freeze_long_lived_objects
+    from reinforge.engine.memory_settings import apply_memory_plan
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.critic import CriticWorker
     from reinforge.workers.reference import ReferenceWorker
 
     config = build_config(model_dir, args)
+    plan = apply_memory_plan(config)  # as the trainer does, before any weight loads
+    if plan is not None:
+        print(plan.table(), flush=True)
     actor = ActorRolloutWorker(config, args.steps)
     reference = ReferenceWorker(config) if args.variant == "kl" else None
     critic = CriticWorker(config, args.steps) if args.variant == "ppo" else None
@@ -153,6 +183,10 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
 
         step_start = time.perf_counter()
         generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step), rollout_sampling(args), step)
+        phase_peaks = {}
+        if device.type == "cuda":
+            phase_peaks["rollout_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
         rollout_phases = {key.removeprefix("timing_s/gen/"): value
                           for key, value in generated.meta.get("rollout_metrics", {}).items()
                           if key.startswith("timing_s/gen/") or key == "rollout/cuda_graph_capture_s"}
@@ -180,14 +214,23 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         if critic is not None:
             row["vf_loss"] = critic_metrics.get("critic/vf_loss")
         if device.type == "cuda":
-            row["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            phase_peaks["update_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row |= phase_peaks
+            row["peak_memory_gb"] = max(phase_peaks.values())
         rows.append(row)
         print(json.dumps({"variant": args.variant, **row}), flush=True)
     measured = rows[1:] or rows
     summary = {key: statistics.median(r[key] for r in measured) for key in rows[0]
                if all(isinstance(r.get(key), float) for r in measured)}
-    summary["peak_memory_gb"] = max((r.get("peak_memory_gb") or 0.0) for r in rows)
-    return {"variant": args.variant, "steps": rows, "median": summary}
+    for key in ("peak_memory_gb", "rollout_peak_gb", "update_peak_gb"):
+        summary[key] = max((r.get(key) or 0.0) for r in rows)
+    result = {"variant": args.variant, "steps": rows, "median": summary}
+    if plan is not None:
+        result["plan"] = {"table": plan.table(), "settings": vars(plan.settings),
+                          "estimated_gb": {phase: sum(items.values()) / 2**30 for phase, items in plan.phases.items()},
+                          "consumers_gb": {phase: {k: v / 2**30 for k, v in items.items()}
+                                           for phase, items in plan.phases.items()}}
+    return result
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -198,10 +241,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--response-tokens", type=int, default=512)
-    parser.add_argument("--micro-tokens", type=int, default=65536, help="token budget of one micro-batch")
+    parser.add_argument("--model", choices=sorted(QWEN25_SHAPES), default="0.5b", help="Qwen2.5 shape, random weights")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train a LoRA adapter of this rank")
+    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+                        help="plan for and cap the process at this much GPU memory (stands in for smaller cards)")
+    parser.add_argument("--micro-tokens", type=int, default=None,
+                        help="token budget of one micro-batch (default: the memory planner's)")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
-    parser.add_argument("--keep-rollout-memory", action="store_true",
+    parser.add_argument("--checkpointing", type=_checkpointing, default=None, metavar="all|none|K",
+                        help="activation checkpointing of all, none or the first K layers (default: the planner's)")
+    parser.add_argument("--optimizer-offload", type=_flag, default=None, metavar="true|false",
+                        help="optimizer state on the CPU (default: the planner's)")
+    parser.add_argument("--keep-rollout-memory", type=_flag, default=None, metavar="true|false",
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
@@ -215,13 +266,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _flag(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return text.lower() == "true"
+
+
+def _checkpointing(text: str) -> bool | int:
+    if text in ("all", "none"):
+        return text == "all"
+    return int(text)
+
+
 def bench_train_main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("reinforge bench train needs a CUDA device; pass --cpu for a smoke test on a tiny model")
         return 2
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = args.model_dir or write_model(Path(scratch), tiny=args.cpu)
+        model_dir = args.model_dir or write_model(Path(scratch), tiny=args.cpu, size=args.model)
         result = run_variant(args, model_dir)
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"

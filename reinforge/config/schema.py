@@ -8,7 +8,7 @@ rules live in ``reinforge.config.validate`` and run before any model is loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -67,7 +67,9 @@ class ModelConfig:
     dtype: str = "auto"
     """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
     trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Union[bool, int, str] = "auto"
+    """Recompute activations in the backward: true (every decoder layer), false, a number of layers (the
+    first k), or auto (the memory planner checkpoints only as many layers as memory requires)."""
     attn_implementation: str = "sdpa"
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -124,8 +126,13 @@ class ActorConfig:
     ppo_epochs: int = 1
     mini_batch_size: Optional[int] = None
     """Prompts per optimizer step; None is the whole batch (one on-policy step per training step)."""
-    max_tokens_per_micro_batch: int = 16384
-    """Token budget of one forward/backward; micro-batches are formed from it."""
+    max_tokens_per_micro_batch: Union[int, str] = "auto"
+    """Token budget of one forward/backward; micro-batches are formed from it. auto: the largest budget
+    (up to 65536) that the memory planner fits on the device."""
+    logits_buffer_gib: Union[float, str] = "auto"
+    """A micro-batch's logits (response tokens x vocabulary) are kept for the backward when they take at
+    most this many GiB, which saves recomputing them; larger ones are computed in chunks. 0 always chunks.
+    auto: the memory planner's choice (24 GiB when memory allows)."""
     grad_clip: float = 1.0
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -133,14 +140,15 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
-    param_offload: bool = False
+    param_offload: Union[bool, str] = "auto"
     """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there); each
     layer's parameters are copied to the device for its forward and backward. Needs about 16 bytes of host
-    memory per parameter (a 7B model does not fit 128 GB); optimizer_offload needs 12."""
-    optimizer_offload: bool = False
+    memory per parameter (a 7B model does not fit 128 GB); optimizer_offload needs 12. auto: only when the
+    memory planner finds no plan that fits without it."""
+    optimizer_offload: Union[bool, str] = "auto"
     """Keep the AdamW moments and a float32 master copy on the CPU, where the step runs (engine.offload), while
     parameters and gradients stay on the device: 12 bytes per parameter leave the device for 12 of host memory.
-    Implied by param_offload."""
+    Implied by param_offload. auto: only when the memory planner needs the room."""
 
 
 @dataclass
@@ -184,11 +192,16 @@ class RolloutConfig:
     min_p: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra stop tokens; the tokenizer's EOS always stops."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of free device memory the native engine may use for its KV cache."""
-    free_cache_engine: bool = True
+    gpu_memory_utilization: Optional[float] = None
+    """Native engine: size the KV cache so the process holds at most this fraction of the device's memory
+    (verl's key). None lets the memory planner size it (rollout.kv_cache_gib)."""
+    kv_cache_gib: Union[float, str] = "auto"
+    """Native engine: KV cache size in GiB. auto: room for every sequence of a step at full length, or
+    less when memory is short (the memory planner)."""
+    free_cache_engine: Union[bool, str] = "auto"
     """Native engine: free its KV cache, weight copy and CUDA graphs after each rollout, for the update.
-    false keeps them (the update has that much less memory; the next rollout captures no graphs)."""
+    false keeps them (the update has that much less memory; the next rollout captures no graphs).
+    auto: keep them when the memory planner finds room (faster)."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
@@ -197,8 +210,9 @@ class RolloutConfig:
 class RefConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     """Defaults to actor.max_tokens_per_micro_batch."""
-    param_offload: bool = False
-    """Keep the reference weights on the CPU and copy each layer's to the device for its forward."""
+    param_offload: Union[bool, str] = "auto"
+    """Keep the reference weights on the CPU and copy each layer's to the device for its forward.
+    auto: only when the memory planner needs the room."""
 
 
 @dataclass
@@ -340,6 +354,11 @@ class TrainerConfig(RunConfig):
     """Generations written to samples.jsonl per step."""
     call_timeout_s: float = 3600.0
     """Deadline of one worker-group call."""
+    gpu_memory_gib: Optional[float] = None
+    """Plan for, and cap each process at, this much device memory (e.g. 80 or 40 to stand in for smaller
+    cards); None uses the whole device."""
+    host_memory_gib: Optional[float] = None
+    """Plan for this much host memory; None reads what the machine has available."""
 
 
 @dataclass

@@ -131,7 +131,8 @@ def validate_config(config: Config) -> None:
         if length < 1:
             raise ConfigError(f"{key}={length} must be at least 1 (tokens)")
     longest = data.max_prompt_length + data.max_response_length
-    if actor.max_tokens_per_micro_batch < longest:
+    _check_memory_settings(config)
+    if actor.max_tokens_per_micro_batch != "auto" and actor.max_tokens_per_micro_batch < longest:
         raise ConfigError(
             f"actor.max_tokens_per_micro_batch={actor.max_tokens_per_micro_batch} cannot hold one sequence of "
             f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it to at least {longest}"
@@ -196,3 +197,29 @@ def _check_dapo(config: Config) -> None:
                               f"{data.max_response_length} when reward.overlong_buffer.enable=true")
         if buffer.penalty_factor < 0:
             raise ConfigError(f"reward.overlong_buffer.penalty_factor={buffer.penalty_factor} must be >= 0")
+
+
+def _check_memory_settings(config: Config) -> None:
+    """Each memory setting is auto or a value of its type (the planner fills in the auto ones)."""
+    kinds = {
+        "actor.max_tokens_per_micro_batch": (config.actor.max_tokens_per_micro_batch, (int,), "a token count"),
+        "actor.logits_buffer_gib": (config.actor.logits_buffer_gib, (int, float), "a size in GiB"),
+        "rollout.kv_cache_gib": (config.rollout.kv_cache_gib, (int, float), "a size in GiB"),
+        "model.gradient_checkpointing": (config.model.gradient_checkpointing, (bool, int), "true, false or a layer count"),
+        "rollout.free_cache_engine": (config.rollout.free_cache_engine, (bool,), "true or false"),
+        "actor.optimizer_offload": (config.actor.optimizer_offload, (bool,), "true or false"),
+        "actor.param_offload": (config.actor.param_offload, (bool,), "true or false"),
+        "ref.param_offload": (config.ref.param_offload, (bool,), "true or false"),
+    }
+    for key, (value, types, what) in kinds.items():
+        if value == "auto":
+            continue
+        wrong_bool = isinstance(value, bool) and bool not in types
+        if wrong_bool or not isinstance(value, types) or (not isinstance(value, bool) and value < 0):
+            raise ConfigError(f"{key}={value!r} must be auto or {what}")
+    fraction = config.rollout.gpu_memory_utilization
+    if fraction is not None and not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"rollout.gpu_memory_utilization={fraction} must be in (0, 1], or null to let the "
+                          "memory planner size the KV cache")
+    if config.trainer.gpu_memory_gib is not None and config.trainer.gpu_memory_gib <= 0:
+        raise ConfigError(f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib} must be positive (or null)")

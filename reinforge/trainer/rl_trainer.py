@@ -28,6 +28,7 @@ from reinforge.config import Config, config_to_dict, save_config
 from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
+from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
@@ -50,6 +51,7 @@ class RLTrainer(TrainingRun):
         self.config = config
         custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
         self.run_dir = Path(config.trainer.output_dir)
+        apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, self.run_dir / "config.yaml")
         torch.manual_seed(config.trainer.seed)

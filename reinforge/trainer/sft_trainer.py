@@ -71,7 +71,8 @@ class SFTTrainer(TrainingRun):
         self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation,
-                                    gradient_checkpointing=config.model.gradient_checkpointing)
+                                    # SFT has no memory planner yet: auto means off
+                                    gradient_checkpointing=config.model.gradient_checkpointing not in ("auto", False, 0))
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)

@@ -30,9 +30,12 @@ from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
 from reinforge.engine.forward import build_position_ids, response_log_probs, score_in_micro_batches
-from reinforge.engine.fsdp import shard_model, unsharded
+from reinforge.engine.fsdp import decoder_layers, shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.memory_plan import GiB
+from reinforge.engine.memory_settings import apply_memory_plan, cap_device_memory
 from reinforge.engine.optim import build_optimizer, build_scheduler
+from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import UpdateSettings, run_timed_update
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
@@ -102,14 +105,17 @@ class ActorRolloutWorker(Worker):
         super().__init__()
         self.config = config
         self.device = resolve_device(config.trainer.device)
+        apply_memory_plan(config)  # settings still auto (a worker process of its own); a no-op after the trainer's
+        cap_device_memory(config, self.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
         offload = config.actor.param_offload
         self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
                                     trust_remote_code=config.model.trust_remote_code,
-                                    attn_implementation=config.model.attn_implementation,
-                                    gradient_checkpointing=config.model.gradient_checkpointing)
+                                    attn_implementation=config.model.attn_implementation)
         prepare_for_training(self.model, self.device)
+        checkpointed = config.model.gradient_checkpointing
+        checkpoint_decoder_layers(self.model, len(decoder_layers(self.model)) if checkpointed is True else int(checkpointed))
         self.model_class = type(self.model)
         self.engine = self._build_engine_in_compute_dtype()
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
@@ -147,10 +153,14 @@ class ActorRolloutWorker(Worker):
             from reinforge.rollout.native import NativeEngine, supports_model
 
             if supports_model(self.model):
-                return NativeEngine(self.model, eos_token_ids=eos_ids,
-                                    max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
-                                    gpu_memory_utilization=self.config.rollout.gpu_memory_utilization,
-                                    free_on_sleep=self.config.rollout.free_cache_engine)
+                rollout = self.config.rollout
+                engine = NativeEngine(self.model, eos_token_ids=eos_ids,
+                                      max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
+                                      gpu_memory_utilization=rollout.gpu_memory_utilization or 0.5,
+                                      free_on_sleep=rollout.free_cache_engine)
+                if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
+                    engine.num_kv_blocks = max(int(rollout.kv_cache_gib * GiB // engine.runner.kv_bytes_per_block()), 1)
+                return engine
             import logging
 
             logging.getLogger(__name__).warning(

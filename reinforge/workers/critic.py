@@ -17,6 +17,7 @@ from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_values, score_in_micro_batches
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import UpdateSettings, run_timed_update
 from reinforge.models import ValueModel
@@ -30,9 +31,10 @@ class CriticWorker(Worker):
         self.config = config
         critic = config.critic
         self.device = resolve_device(config.trainer.device)
+        apply_memory_plan(config)  # a no-op when the trainer or this process planned already
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
                                                 device="cpu" if critic.param_offload else self.device,
-                                                gradient_checkpointing=config.model.gradient_checkpointing)
+                                                gradient_checkpointing=bool(config.model.gradient_checkpointing))
         prepare_for_training(self.model.backbone, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])

@@ -13,6 +13,7 @@ from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import response_log_probs, score_in_micro_batches
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 
@@ -22,6 +23,7 @@ class ReferenceWorker(Worker):
         super().__init__()
         self.config = config
         self.device = resolve_device(config.trainer.device)
+        apply_memory_plan(config)  # a no-op when the trainer or this process planned already
         # frozen: no float32 master copy, the weights are loaded in the dtype the layers compute in
         self.model = load_causal_lm(config.model.path, dtype=compute_dtype(self.device, config.model.dtype),
                                     device="cpu" if config.ref.param_offload else self.device,

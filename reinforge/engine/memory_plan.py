@@ -1,0 +1,382 @@
+"""The memory planner: every consumer of device and host memory, estimated before a weight loads.
+
+From the model's ``config.json``, the run's shapes (prompts x n, prompt and response lengths,
+devices) and the memory of the device and the host, ``plan_memory`` estimates what each phase
+of a step holds (``estimate``) and picks, for every setting left at ``auto``, the fastest value
+that fits (``SEARCH_ORDER``); settings a user gave are kept as given. The plan is a small table
+(``MemoryPlan.table``); a plan that cannot fit raises ``MemoryPlanError`` with one line naming the
+largest consumers and the settings that would make it fit.
+
+Estimates are per device (FSDP shards master weights, gradients and optimizer state over the
+devices of a role). Phases:
+
+- ``rollout``: master weights and optimizer state, the engine's compute-dtype weight copy, the
+  parameters gathered while that copy is made, the KV cache and the engine's activations;
+- ``update``: master weights, gradients, optimizer state, the gathered parameters of the root
+  and two decoder layers, the activations of one micro-batch (with checkpointed layers keeping
+  only their input) and the logits kept for the backward (or one chunk of them), plus the
+  engine's memory when it stays allocated between rollouts.
+
+The per-token activation constants were fitted to the allocator's peaks on an H200
+(``reinforge bench train``, BENCHMARKS.md); ``OVERHEAD_BYTES`` covers the CUDA context, the
+allocator's fragmentation and compiled kernels' workspaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+OVERHEAD_BYTES = 3 * GiB
+"""CUDA context, cuBLAS/compile workspaces, allocator fragmentation (on top of every estimate)."""
+HEADROOM = 0.94
+"""Plans use at most this fraction of the device (and of the host's available memory)."""
+MICRO_BATCH_CANDIDATES = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 4096, 2048, 1024)
+LOGITS_CHUNK_ROWS = 4096
+ENGINE_MAX_NUM_SEQS = 512
+ENGINE_MAX_BATCHED_TOKENS = 16384
+# bytes saved per token per decoder layer for the backward, in units of the compute dtype's size:
+# ACT_HIDDEN x hidden + ACT_KV x (k and v width) + ACT_MLP x intermediate
+ACT_HIDDEN, ACT_KV, ACT_MLP = 10, 2, 3
+
+
+class MemoryPlanError(ValueError):
+    """The run cannot fit; the message names the largest consumers and what would make it fit."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that memory depends on (read from its config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        text = config.get("text_config") or config
+        try:
+            hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+            return cls(vocab_size=int(text["vocab_size"]), hidden_size=hidden,
+                       num_layers=int(text["num_hidden_layers"]), num_heads=heads,
+                       num_kv_heads=int(text.get("num_key_value_heads") or heads),
+                       head_dim=int(text.get("head_dim") or hidden // heads),
+                       intermediate_size=int(text["intermediate_size"]),
+                       tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
+        except KeyError as error:
+            raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
+                                  "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
+                                  "intermediate_size, vocab_size)") from None
+
+    @classmethod
+    def from_model_path(cls, path: str) -> ModelShape:
+        file = Path(path).expanduser() / "config.json"
+        if not file.is_file():
+            raise MemoryPlanError(f"{file} does not exist; the memory planner reads the model's config.json "
+                                  "(model.path must be a local model folder)")
+        return cls.from_hf_config(json.loads(file.read_text()))
+
+    @property
+    def layer_params(self) -> int:
+        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        return attention + biases + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, the output head (unless tied) and the final norm."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.layer_params + self.root_params
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def activation_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Saved for the backward by one decoder layer that is not checkpointed."""
+        kv_width = 2 * self.num_kv_heads * self.head_dim
+        return dtype_bytes * (ACT_HIDDEN * self.hidden_size + ACT_KV * kv_width + ACT_MLP * self.intermediate_size)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a step processes, per the config (prompt and response lengths are maxima)."""
+
+    prompts: int
+    samples_per_prompt: int
+    prompt_length: int
+    response_length: int
+    num_mini_batches: int = 1
+    num_devices: int = 1
+    dtype_bytes: int = 2
+    """Bytes of the compute dtype: 2 (bf16) on a GPU, 4 on the CPU."""
+    reference: bool = False
+    critic: bool = False
+    lora_rank: int = 0
+    lora_targets: int = 7
+    """Projections per layer that carry an adapter (q, k, v, o, gate, up, down)."""
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.samples_per_prompt
+
+    @property
+    def mini_batch_tokens(self) -> int:
+        """Tokens computed for one mini-batch: each prompt once, each response."""
+        prompts = self.prompts // max(self.num_mini_batches, 1)
+        return prompts * (self.prompt_length + self.samples_per_prompt * self.response_length) // self.num_devices
+
+    @property
+    def response_fraction(self) -> float:
+        per_sample_prompt = self.prompt_length / self.samples_per_prompt
+        return self.response_length / (self.response_length + per_sample_prompt)
+
+
+@dataclass
+class Settings:
+    """The settings the planner chooses (or is given). Their config keys are in ``SETTING_KEYS``."""
+
+    micro_batch_tokens: int = 65536
+    checkpoint_layers: int = 0
+    """Decoder layers (from the first) whose activations are recomputed in the backward."""
+    logits_buffer_gib: float = 24.0
+    """A micro-batch's logits are kept for the backward when they take at most this; otherwise chunked."""
+    kv_cache_gib: float = 0.0
+    """0 sizes the cache for every sequence of a step at full length."""
+    keep_rollout_memory: bool = True
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    ref_offload: bool = False
+
+
+SETTING_KEYS = {
+    "micro_batch_tokens": "actor.max_tokens_per_micro_batch",
+    "checkpoint_layers": "model.gradient_checkpointing",
+    "logits_buffer_gib": "actor.logits_buffer_gib",
+    "kv_cache_gib": "rollout.kv_cache_gib",
+    "keep_rollout_memory": "rollout.free_cache_engine",
+    "optimizer_offload": "actor.optimizer_offload",
+    "param_offload": "actor.param_offload",
+    "ref_offload": "ref.param_offload",
+}
+
+
+def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
+    """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length."""
+    sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
+    return sequences * (run.prompt_length + run.response_length) * shape.kv_bytes_per_token(run.dtype_bytes) / GiB
+
+
+def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Bytes per consumer: ``({"rollout": {...}, "update": {...}}, host)``, per device."""
+    devices, dtype_bytes, params = run.num_devices, run.dtype_bytes, shape.num_params
+    trainable = (run.lora_rank * run.lora_targets * shape.num_layers
+                 * (shape.hidden_size + max(shape.hidden_size, shape.intermediate_size))) if run.lora_rank else params
+    host: dict[str, float] = {}
+    resident: dict[str, float] = {}
+    masters = 4 * params / devices if not run.lora_rank else dtype_bytes * params / devices + 4 * trainable / devices
+    (host if settings.param_offload else resident)["master weights"] = masters
+    gradients = 4 * trainable / devices
+    optimizer = 8 * trainable / devices
+    (host if settings.param_offload or settings.optimizer_offload else resident)["optimizer state"] = optimizer
+    if settings.optimizer_offload and not settings.param_offload:
+        host["gradients (host copy)"] = gradients
+    if run.reference and not run.lora_rank:
+        (host if settings.ref_offload else resident)["reference"] = run.dtype_bytes * params / devices
+    if run.critic:
+        resident["critic"] = 16 * params / devices
+    gathered = dtype_bytes * (shape.root_params + 2 * shape.layer_params)
+    engine_weights = dtype_bytes * params
+    kv_cache = (settings.kv_cache_gib or needed_kv_gib(shape, run)) * GiB
+    engine_activations = (ENGINE_MAX_BATCHED_TOKENS * (4 * shape.intermediate_size + 8 * shape.hidden_size) * dtype_bytes
+                          + ENGINE_MAX_NUM_SEQS * shape.vocab_size * 16 + (256 << 20))
+
+    rollout = dict(resident)
+    rollout["rollout weight copy"] = engine_weights
+    rollout["gathered parameters"] = dtype_bytes * params
+    rollout["kv cache"] = kv_cache
+    rollout["rollout activations"] = engine_activations
+
+    update = dict(resident)
+    update["gradients"] = 0.0 if settings.param_offload else gradients
+    update["gathered parameters"] = gathered
+    tokens = max(settings.micro_batch_tokens, run.prompt_length + run.response_length)
+    tokens = min(tokens, max(run.mini_batch_tokens, run.prompt_length + run.response_length))
+    plain = shape.num_layers - settings.checkpoint_layers
+    update["activations"] = tokens * (plain * shape.activation_bytes_per_token(dtype_bytes)
+                                      + settings.checkpoint_layers * 2 * shape.hidden_size * dtype_bytes
+                                      + (shape.activation_bytes_per_token(dtype_bytes) if settings.checkpoint_layers else 0)
+                                      + 4 * shape.hidden_size * dtype_bytes)
+    rows = tokens * run.response_fraction
+    logits = rows * shape.vocab_size * dtype_bytes
+    update["logits"] = logits if logits <= settings.logits_buffer_gib * GiB else (
+        LOGITS_CHUNK_ROWS * shape.vocab_size * (2 * dtype_bytes + 8))
+    if not settings.optimizer_offload and not settings.param_offload:
+        update["optimizer step"] = 0.0  # fused AdamW updates in place
+    if settings.keep_rollout_memory:
+        update["rollout weight copy"] = engine_weights
+        update["kv cache"] = kv_cache
+    return {"rollout": rollout, "update": update}, host
+
+
+def peak_bytes(phases: dict[str, dict[str, float]]) -> tuple[str, float]:
+    name = max(phases, key=lambda phase: sum(phases[phase].values()))
+    return name, sum(phases[name].values()) + OVERHEAD_BYTES
+
+
+def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tuple[Any, float]]]:
+    """Each setting's values, fastest first, with the cost of each: the step-time fraction it roughly adds
+    (recomputing a layer's forward is about a third of its forward and backward; an optimizer step on the
+    CPU or parameters streamed from it cost more than any other choice)."""
+    longest = run.prompt_length + run.response_length
+    sizes = [size for size in MICRO_BATCH_CANDIDATES if size >= longest] or [longest]
+    micro = [(size, 0.02 * index + 0.05 * max(0, index - 2)) for index, size in enumerate(sizes)]
+    quarter = max(shape.num_layers // 4, 1)
+    layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
+    needed = needed_kv_gib(shape, run)
+    return {
+        "keep_rollout_memory": [(True, 0.0), (False, 0.03)],
+        "micro_batch_tokens": micro,
+        "logits_buffer_gib": [(24.0, 0.0), (0.0, 0.04)],
+        "checkpoint_layers": [(count, 0.3 * count / shape.num_layers) for count in layers],
+        "kv_cache_gib": [(0.0, 0.0)] + [(round(needed / factor, 3), cost) for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))],
+        "ref_offload": [(False, 0.0)] if lora else [(False, 0.0), (True, 0.2)],
+        "optimizer_offload": [(False, 0.0), (True, 1.0)],
+        "param_offload": [(False, 0.0), (True, 3.0)],
+    }
+
+
+@dataclass
+class MemoryPlan:
+    settings: Settings
+    given: set[str]
+    """Settings the user set (not auto)."""
+    phases: dict[str, dict[str, float]]
+    host: dict[str, float]
+    gpu_budget: float
+    host_budget: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> tuple[str, float]:
+        return peak_bytes(self.phases)
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak[1] <= self.gpu_budget and self.host_total <= self.host_budget
+
+    def largest_consumers(self, count: int = 3) -> str:
+        phase, _ = self.peak
+        items = sorted(self.phases[phase].items(), key=lambda item: -item[1])[:count]
+        return ", ".join(f"{name} {value / GiB:.1f} GiB" for name, value in items)
+
+    def table(self) -> str:
+        phase, peak = self.peak
+        lines = [f"memory plan: peak {peak / GiB:.1f} of {self.gpu_budget / GiB:.1f} GiB on the device ({phase}), "
+                 f"host {self.host_total / GiB:.1f} of {self.host_budget / GiB:.1f} GiB"]
+        for name, key in SETTING_KEYS.items():
+            value = getattr(self.settings, name)
+            shown = _config_value(name, value)
+            lines.append(f"  {key:<36} {shown!s:<10} {'(set)' if name in self.given else '(auto)'}")
+        consumers = sorted(self.phases[phase].items(), key=lambda item: -item[1])
+        lines.append("  device, " + phase + ": " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in consumers if v > 0)
+                     + f", overhead {OVERHEAD_BYTES / GiB:.1f} GiB")
+        if self.host:
+            lines.append("  host: " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in self.host.items()) + " GiB")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _config_value(name: str, value: Any) -> Any:
+    """How a setting reads in the config (free_cache_engine is the negation of keeping the memory)."""
+    if name == "keep_rollout_memory":
+        return not value
+    if name == "checkpoint_layers":
+        return value
+    if name == "kv_cache_gib" and not value:
+        return "all seqs"
+    return value
+
+
+def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float,
+                host_bytes: float) -> MemoryPlan:
+    """The fastest settings that fit; ``given`` holds the settings a user set (by ``Settings`` field name).
+
+    Every combination of the ``auto`` settings' values is estimated (a few thousand sums) and the one
+    with the smallest cost that fits wins; on a tie, the larger micro-batch.
+    """
+    options = _options(shape, run, lora=bool(run.lora_rank))
+    choices = {name: ([(given[name], 0.0)] if name in given else values) for name, values in options.items()}
+    best: tuple[float, int, MemoryPlan] | None = None
+    closest: MemoryPlan | None = None
+    for combination in itertools.product(*choices.values()):
+        cost = sum(value_cost for _, value_cost in combination)
+        if best is not None and cost >= best[0]:
+            continue
+        settings = Settings(**{name: value for name, (value, _) in zip(choices, combination, strict=True)})
+        plan = _make(shape, run, settings, given, gpu_bytes, host_bytes)
+        if plan.fits:
+            best = (cost, -settings.micro_batch_tokens, plan)
+        elif closest is None or plan.peak[1] + plan.host_total < closest.peak[1] + closest.host_total:
+            closest = plan
+    if best is not None:
+        return best[2]
+    assert closest is not None
+    raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes))
+
+
+def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str, Any], gpu_bytes: float,
+          host_bytes: float) -> MemoryPlan:
+    phases, host = estimate(shape, run, settings)
+    return MemoryPlan(dataclasses.replace(settings), set(given), phases, host, gpu_bytes * HEADROOM,
+                      host_bytes * HEADROOM)
+
+
+def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str, Any], gpu_bytes: float,
+             host_bytes: float) -> str:
+    phase, peak = plan.peak
+    if peak > plan.gpu_budget:
+        where = (f"needs {peak / GiB:.1f} GiB per device at its {phase} peak but {plan.gpu_budget / GiB:.1f} GiB "
+                 f"are usable ({plan.largest_consumers()})")
+    else:
+        host_items = ", ".join(f"{n} {v / GiB:.1f} GiB" for n, v in sorted(plan.host.items(), key=lambda i: -i[1])[:3])
+        where = (f"needs {plan.host_total / GiB:.1f} GiB of host memory but {plan.host_budget / GiB:.1f} GiB are "
+                 f"usable ({host_items})")
+    fixes = []
+    if given and _fits(shape, run, {}, gpu_bytes, host_bytes):
+        fixes.append("set " + ", ".join(f"{SETTING_KEYS[name]}=auto" for name in given))
+    if not fixes:
+        options = [("model.lora.rank=32", dataclasses.replace(run, lora_rank=32)),
+                   (f"data.max_response_length={run.response_length // 2}",
+                    dataclasses.replace(run, response_length=run.response_length // 2)),
+                   (f"data.train_batch_size={max(run.prompts // 2, 1)}",
+                    dataclasses.replace(run, prompts=max(run.prompts // 2, 1))),
+                   (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
+                    dataclasses.replace(run, num_devices=run.num_devices * 2))]
+        fixes = [text for text, option in options if option != run and _fits(shape, option, given, gpu_bytes, host_bytes)]
+    advice = " or ".join(fixes[:3]) if fixes else "a larger device or a smaller model"
+    return f"the run does not fit: it {where}; it would fit with {advice}"
+
+
+def _fits(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float, host_bytes: float) -> bool:
+    try:
+        plan_memory(shape, run, given, gpu_bytes, host_bytes)
+    except MemoryPlanError:
+        return False
+    return True

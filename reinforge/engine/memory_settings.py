@@ -1,0 +1,172 @@
+"""The config side of the memory planner: which settings are ``auto``, the machine's memory, the plan applied.
+
+``apply_memory_plan(config)`` runs before any weight is loaded (``RLTrainer``, ``reinforge bench
+train``, and each worker for settings still ``auto``, e.g. under Ray where only the workers see
+their devices). It replaces every ``auto`` memory setting by the planner's choice, keeps the ones
+a user set, logs the plan as a short table, and raises ``MemoryPlanError`` when nothing fits.
+``reinforge plan`` prints the same plan for any device size, on a machine without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from reinforge.config.schema import Config
+from reinforge.engine.memory_plan import GiB, MemoryPlan, ModelShape, RunShape, needed_kv_gib, plan_memory
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+_last_plan: MemoryPlan | None = None
+"""The plan this process made last: an out-of-memory message quotes it."""
+
+
+def host_memory_bytes() -> float:
+    """Memory the host can give this run: MemAvailable (Linux), else the physical total."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def device_memory_bytes(config: Config) -> float | None:
+    """The device memory one process plans for; None when this process cannot see the run's device."""
+    if config.trainer.gpu_memory_gib:
+        return config.trainer.gpu_memory_gib * GiB
+    wants_cuda = config.trainer.device == "cuda" or (config.trainer.device == "auto" and torch.cuda.is_available())
+    if wants_cuda:
+        return float(torch.cuda.mem_get_info()[1]) if torch.cuda.is_available() else None
+    return host_memory_bytes()
+
+
+def run_shape(config: Config) -> RunShape:
+    from reinforge.config.validate import critic_enabled, reference_needed
+
+    on_gpu = config.trainer.device == "cuda" or config.trainer.gpu_memory_gib is not None or (
+        config.trainer.device == "auto" and torch.cuda.is_available())
+    dtype_bytes = 4 if config.model.dtype == "float32" or not on_gpu else 2
+    mini_batch = config.actor.mini_batch_size or config.data.train_batch_size
+    lora = getattr(config.model, "lora", None)
+    return RunShape(prompts=config.data.train_batch_size, samples_per_prompt=config.rollout.n,
+                    prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
+                    num_mini_batches=max(config.data.train_batch_size // mini_batch, 1),
+                    num_devices=config.trainer.nnodes * config.trainer.devices_per_node, dtype_bytes=dtype_bytes,
+                    reference=reference_needed(config), critic=critic_enabled(config),
+                    lora_rank=int(getattr(lora, "rank", 0) or 0))
+
+
+def given_settings(config: Config, num_layers: int) -> dict[str, Any]:
+    """The memory settings a user set, by ``Settings`` field name (``auto`` ones are absent)."""
+    given: dict[str, Any] = {}
+    values = {
+        "micro_batch_tokens": config.actor.max_tokens_per_micro_batch,
+        "checkpoint_layers": config.model.gradient_checkpointing,
+        "logits_buffer_gib": config.actor.logits_buffer_gib,
+        "kv_cache_gib": config.rollout.kv_cache_gib,
+        "keep_rollout_memory": config.rollout.free_cache_engine,
+        "optimizer_offload": config.actor.optimizer_offload,
+        "param_offload": config.actor.param_offload,
+        "ref_offload": config.ref.param_offload,
+    }
+    for name, value in values.items():
+        if value == AUTO:
+            continue
+        if name == "checkpoint_layers":
+            value = num_layers if value is True else 0 if value is False else min(int(value), num_layers)
+        elif name == "keep_rollout_memory":
+            value = not value
+        given[name] = value
+    if config.rollout.name != "native":
+        given.setdefault("keep_rollout_memory", False)  # only the native engine keeps memory between rollouts
+    return given
+
+
+def memory_plan(config: Config, gpu_bytes: float | None = None, host_bytes: float | None = None) -> MemoryPlan:
+    """The plan for ``config`` on a device of ``gpu_bytes`` (default: this machine's) without changing it."""
+    shape = ModelShape.from_model_path(config.model.path)
+    gpu_bytes = gpu_bytes if gpu_bytes is not None else device_memory_bytes(config)
+    if gpu_bytes is None:
+        raise ValueError("no device to plan for; pass its size (trainer.gpu_memory_gib)")
+    if host_bytes is None:
+        host_bytes = config.trainer.host_memory_gib * GiB if config.trainer.host_memory_gib else host_memory_bytes()
+    return plan_memory(shape, run_shape(config), given_settings(config, shape.num_layers), gpu_bytes, host_bytes)
+
+
+def has_auto_settings(config: Config) -> bool:
+    return AUTO in (config.actor.max_tokens_per_micro_batch, config.model.gradient_checkpointing,
+                    config.actor.logits_buffer_gib, config.rollout.kv_cache_gib, config.rollout.free_cache_engine,
+                    config.actor.optimizer_offload, config.actor.param_offload, config.ref.param_offload)
+
+
+def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
+    """Replace every ``auto`` memory setting of ``config`` (in place) by the plan's; None when this process
+    cannot see the run's device (the workers plan then). Raises ``MemoryPlanError`` when nothing fits."""
+    if not has_auto_settings(config):
+        return None
+    if device_memory_bytes(config) is None:
+        return None
+    plan = memory_plan(config)
+    shape = ModelShape.from_model_path(config.model.path)
+    settings, num_layers = plan.settings, shape.num_layers
+    checkpointed = settings.checkpoint_layers
+    resolved = {
+        ("actor", "max_tokens_per_micro_batch"): settings.micro_batch_tokens,
+        ("model", "gradient_checkpointing"): (True if checkpointed >= num_layers else False if checkpointed == 0
+                                              else checkpointed),
+        ("actor", "logits_buffer_gib"): settings.logits_buffer_gib,
+        ("rollout", "kv_cache_gib"): round(settings.kv_cache_gib or needed_kv_gib(shape, run_shape(config)), 2),
+        ("rollout", "free_cache_engine"): not settings.keep_rollout_memory,
+        ("actor", "optimizer_offload"): settings.optimizer_offload,
+        ("actor", "param_offload"): settings.param_offload,
+        ("ref", "param_offload"): settings.ref_offload,
+    }
+    for (section, key), value in resolved.items():
+        if getattr(getattr(config, section), key) == AUTO:
+            setattr(getattr(config, section), key, value)
+    if log:
+        logger.info("%s", plan.table())
+    global _last_plan
+    _last_plan = plan
+    return plan
+
+
+def cap_device_memory(config: Config, device: torch.device) -> None:
+    """With ``trainer.gpu_memory_gib``, make the caching allocator refuse more than that (a smaller card)."""
+    if device.type != "cuda" or not config.trainer.gpu_memory_gib:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(config.trainer.gpu_memory_gib * GiB / total, 1.0), device)
+
+
+def describe_out_of_memory(error: BaseException) -> str | None:
+    """One line for an out-of-memory error anywhere in ``error``'s chain (a worker's too), else None."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    oom = next((item for item in chain if isinstance(item, torch.OutOfMemoryError)
+                or "out of memory" in str(item).lower()), None)
+    if oom is None:
+        return None
+    first_line = (str(oom).strip().splitlines() or [type(oom).__name__])[0]
+    where = f"in a worker ({first_line[:160]})" if not isinstance(oom, torch.OutOfMemoryError) else "on the device"
+    measured = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        measured = f"; measured peak {torch.cuda.max_memory_allocated() / GiB:.1f} GiB"
+    plan = ""
+    if _last_plan is not None:
+        phase, peak = _last_plan.peak
+        settings = _last_plan.settings
+        plan = (f"; the plan estimated {peak / GiB:.1f} GiB ({phase}) with max_tokens_per_micro_batch="
+                f"{settings.micro_batch_tokens}, gradient_checkpointing={settings.checkpoint_layers} layers, "
+                f"free_cache_engine={not settings.keep_rollout_memory}")
+    return (f"out of memory {where}{measured}{plan}; set lower actor.max_tokens_per_micro_batch or "
+            "model.gradient_checkpointing=true, or leave them auto; REINFORGE_DEBUG=1 shows the full traceback")
