@@ -321,10 +321,19 @@ def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_byt
     Every combination of the ``auto`` settings' values is estimated (a few thousand sums) and the one
     with the smallest cost that fits wins; on a tie, the larger micro-batch.
     """
+    best, closest = _search(shape, run, given, gpu_bytes, host_bytes)
+    if best is not None:
+        return best
+    raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes))
+
+
+def _search(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float,
+            host_bytes: float) -> tuple[MemoryPlan | None, MemoryPlan]:
+    """(the cheapest plan that fits or None, the smallest plan tried)."""
     options = _options(shape, run, lora=bool(run.lora_rank))
     choices = {name: ([(given[name], 0.0)] if name in given else values) for name, values in options.items()}
-    best: tuple[float, int, MemoryPlan] | None = None
-    closest: MemoryPlan | None = None
+    best: tuple[float, MemoryPlan] | None = None
+    closest: tuple[float, MemoryPlan] | None = None
     for combination in itertools.product(*choices.values()):
         cost = sum(value_cost for _, value_cost in combination)
         if best is not None and cost >= best[0]:
@@ -332,13 +341,13 @@ def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_byt
         settings = Settings(**{name: value for name, (value, _) in zip(choices, combination, strict=True)})
         plan = _make(shape, run, settings, given, gpu_bytes, host_bytes)
         if plan.fits:
-            best = (cost, -settings.micro_batch_tokens, plan)
-        elif closest is None or plan.peak[1] + plan.host_total < closest.peak[1] + closest.host_total:
-            closest = plan
-    if best is not None:
-        return best[2]
-    assert closest is not None
-    raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes))
+            best = (cost, plan)
+        else:
+            size = plan.peak[1] / max(plan.gpu_budget, 1) + plan.host_total / max(plan.host_budget, 1)
+            if closest is None or size < closest[0]:
+                closest = (size, plan)
+    assert best is not None or closest is not None
+    return (best[1] if best else None), (closest[1] if closest else best[1])  # type: ignore[index]
 
 
 def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str, Any], gpu_bytes: float,
@@ -375,8 +384,4 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
 
 
 def _fits(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float, host_bytes: float) -> bool:
-    try:
-        plan_memory(shape, run, given, gpu_bytes, host_bytes)
-    except MemoryPlanError:
-        return False
-    return True
+    return _search(shape, run, given, gpu_bytes, host_bytes)[0] is not None

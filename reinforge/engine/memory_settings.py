@@ -122,7 +122,7 @@ def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
         ("model", "gradient_checkpointing"): (True if checkpointed >= num_layers else False if checkpointed == 0
                                               else checkpointed),
         ("actor", "logits_buffer_gib"): settings.logits_buffer_gib,
-        ("rollout", "kv_cache_gib"): round(settings.kv_cache_gib or needed_kv_gib(shape, run_shape(config)), 2),
+        ("rollout", "kv_cache_gib"): float(f"{settings.kv_cache_gib or needed_kv_gib(shape, run_shape(config)):.4g}"),
         ("rollout", "free_cache_engine"): not settings.keep_rollout_memory,
         ("actor", "optimizer_offload"): settings.optimizer_offload,
         ("actor", "param_offload"): settings.param_offload,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import itertools
+import math
 import time
 from dataclasses import replace
 from functools import partial
@@ -159,7 +160,7 @@ class ActorRolloutWorker(Worker):
                                       gpu_memory_utilization=rollout.gpu_memory_utilization or 0.5,
                                       free_on_sleep=rollout.free_cache_engine)
                 if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
-                    engine.num_kv_blocks = max(int(rollout.kv_cache_gib * GiB // engine.runner.kv_bytes_per_block()), 1)
+                    engine.num_kv_blocks = max(math.ceil(rollout.kv_cache_gib * GiB / engine.runner.kv_bytes_per_block()), 1)
                 return engine
             import logging
 

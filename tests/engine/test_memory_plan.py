@@ -1,0 +1,211 @@
+"""The memory planner: estimates computed by hand, choices, refusals, and the config and CLI around it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from reinforge.engine.memory_plan import (
+    GiB,
+    OVERHEAD_BYTES,
+    MemoryPlanError,
+    ModelShape,
+    RunShape,
+    Settings,
+    estimate,
+    plan_memory,
+)
+
+QWEN25 = {
+    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True),
+    "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
+}
+STANDARD = RunShape(prompts=64, samples_per_prompt=8, prompt_length=128, response_length=512)
+
+
+def shape(size: str) -> ModelShape:
+    return ModelShape.from_hf_config(QWEN25[size])
+
+
+def test_parameter_count_and_kv_bytes_by_hand():
+    small = shape("0.5b")
+    # per layer: q,k,v,o (896 x 64 x (2*14 + 2*2)), biases 64 x (14 + 2*2), MLP 3 x 896 x 4864, two norms
+    layer = 896 * 64 * 32 + 64 * 18 + 3 * 896 * 4864 + 2 * 896
+    assert small.layer_params == layer == 14_912_384
+    assert small.root_params == 151936 * 896 + 896  # tied head
+    assert small.num_params == 494_032_768  # Qwen2.5-0.5B's published count
+    assert small.kv_bytes_per_token(2) == 2 * 24 * 2 * 64 * 2
+    big = shape("7b")
+    assert big.root_params == 2 * 152064 * 3584 + 3584  # untied head
+    assert 7.6e9 < big.num_params < 7.63e9
+
+
+def test_update_estimate_by_hand():
+    small = shape("0.5b")
+    settings = Settings(micro_batch_tokens=16384, checkpoint_layers=0, logits_buffer_gib=24.0,
+                        keep_rollout_memory=False)
+    phases, host = estimate(small, STANDARD, settings)
+    update, params = phases["update"], small.num_params
+    assert host == {}
+    assert update["master weights"] == 4 * params
+    assert update["gradients"] == 4 * params
+    assert update["optimizer state"] == 8 * params
+    per_layer = 2 * (10 * 896 + 2 * 256 + 3 * 4864)  # bf16: 10 x hidden, k and v, 3 x intermediate
+    assert update["activations"] == 16384 * (24 * per_layer + 4 * 896 * 2)
+    response_rows = 16384 * 512 / (512 + 128 / 8)
+    assert update["logits"] == pytest.approx(response_rows * 151936 * 2)
+    assert "kv cache" not in update  # freed between rollouts
+
+
+def test_checkpointing_keeps_only_layer_inputs():
+    small = shape("0.5b")
+    plain = estimate(small, STANDARD, Settings(micro_batch_tokens=8192))[0]["update"]["activations"]
+    half = estimate(small, STANDARD, Settings(micro_batch_tokens=8192, checkpoint_layers=12))[0]["update"]["activations"]
+    per_layer = small.activation_bytes_per_token(2)
+    # 12 layers drop their activations, keep their bf16 input, and one layer's activations are live in recompute
+    assert plain - half == 8192 * (12 * per_layer - 12 * 2 * 896 * 2 - per_layer)
+
+
+def test_kept_rollout_memory_counts_in_the_update():
+    small = shape("0.5b")
+    kept = estimate(small, STANDARD, Settings(keep_rollout_memory=True))[0]["update"]
+    kv = 512 * 640 * small.kv_bytes_per_token(2)  # every sequence of the step at full length
+    assert kept["kv cache"] == kv
+    assert kept["rollout weight copy"] == 2 * small.num_params
+
+
+def test_fastest_settings_on_a_large_device_and_smaller_ones_on_smaller_devices():
+    small = shape("0.5b")
+    roomy = plan_memory(small, STANDARD, {}, 139 * GiB, 128 * GiB)
+    assert roomy.settings == Settings(micro_batch_tokens=65536, checkpoint_layers=0, logits_buffer_gib=24.0,
+                                      kv_cache_gib=0.0, keep_rollout_memory=True)
+    tight = plan_memory(small, STANDARD, {}, 40 * GiB, 128 * GiB)
+    assert tight.fits and tight.peak[1] <= 40 * GiB
+    assert tight.settings.micro_batch_tokens < 65536 or tight.settings.checkpoint_layers > 0
+    assert "(auto)" in tight.table() and "actor.max_tokens_per_micro_batch" in tight.table()
+
+
+def test_seven_billion_full_parameters_needs_the_host_on_a_40gb_card_and_refuses_with_the_fix():
+    big = shape("7b")
+    on_h200 = plan_memory(big, STANDARD, {}, 139 * GiB, 128 * GiB)
+    assert on_h200.fits
+    with pytest.raises(MemoryPlanError) as refused:
+        plan_memory(big, STANDARD, {}, 40 * GiB, 128 * GiB)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("the run does not fit")
+    assert "GiB" in message and "would fit with" in message
+    lora = plan_memory(big, RunShape(64, 8, 128, 512, lora_rank=32), {}, 80 * GiB, 128 * GiB)
+    assert lora.fits and "reference" not in lora.phases["update"]
+
+
+def test_explicit_settings_win_and_a_refusal_names_them():
+    small = shape("0.5b")
+    plan = plan_memory(small, STANDARD, {"micro_batch_tokens": 4096, "checkpoint_layers": 24}, 139 * GiB, 128 * GiB)
+    assert plan.settings.micro_batch_tokens == 4096 and plan.settings.checkpoint_layers == 24
+    assert plan.given == {"micro_batch_tokens", "checkpoint_layers"}
+    with pytest.raises(MemoryPlanError, match=r"actor.max_tokens_per_micro_batch=auto"):
+        plan_memory(small, STANDARD, {"micro_batch_tokens": 65536, "checkpoint_layers": 0,
+                                      "keep_rollout_memory": True}, 40 * GiB, 128 * GiB)
+
+
+def test_host_memory_limits_offload():
+    big = shape("7b")
+    with pytest.raises(MemoryPlanError, match="host memory"):
+        plan_memory(big, STANDARD, {"param_offload": True}, 139 * GiB, 64 * GiB)
+
+
+def test_never_more_than_the_device_minus_overhead():
+    small = shape("0.5b")
+    for gib in (24, 40, 80, 139):
+        plan = plan_memory(small, STANDARD, {}, gib * GiB, 128 * GiB)
+        phase, peak = plan.peak
+        assert peak == sum(plan.phases[phase].values()) + OVERHEAD_BYTES <= gib * GiB
+
+
+# ---- the config and command-line side -------------------------------------------------------------
+
+@pytest.fixture()
+def seven_b_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25["7b"]))  # only config.json: no weights
+    return tmp_path
+
+
+def test_reinforge_plan_on_a_machine_without_the_gpu(seven_b_folder, capsys):
+    from reinforge.cli import main
+
+    assert main(["plan", f"model.path={seven_b_folder}", "data.train_batch_size=64", "data.max_prompt_length=128",
+                 "data.max_response_length=512", "--gpu-memory-gib", "139", "--host-memory-gib", "128"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan: peak") and "of 130.7 GiB" in out
+    assert main(["plan", f"model.path={seven_b_folder}", "data.train_batch_size=64", "--gpu-memory-gib", "16",
+                 "--host-memory-gib", "128"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reinforge plan: the run does not fit") and "\n" not in err
+
+
+def test_a_run_that_cannot_fit_fails_before_loading_weights(tiny_model_dir, arithmetic_data_dir, tmp_path,
+                                                            monkeypatch, capsys):
+    import reinforge.models.loading as loading
+    from reinforge.cli import main
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_loading)
+    code = main(["train", f"model.path={tiny_model_dir}", f"data.train_files=[{arithmetic_data_dir}/train.parquet]",
+                 f"trainer.output_dir={tmp_path / 'run'}", "trainer.gpu_memory_gib=1", "trainer.device=cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "the run does not fit" in err and "overhead" not in err.splitlines()[-1][:10]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_auto_settings_are_resolved_and_recorded(tiny_model_dir):
+    from reinforge.config.schema import Config
+    from reinforge.engine.memory_settings import apply_memory_plan, has_auto_settings
+
+    config = Config()
+    config.model.path = str(tiny_model_dir)
+    config.trainer.device = "cpu"
+    config.actor.max_tokens_per_micro_batch = 4096
+    plan = apply_memory_plan(config, log=False)
+    assert plan is not None and not has_auto_settings(config)
+    assert config.actor.max_tokens_per_micro_batch == 4096  # explicit wins
+    assert config.model.gradient_checkpointing is False and config.rollout.kv_cache_gib > 0
+    assert apply_memory_plan(config) is None  # nothing left to plan
+
+
+def test_out_of_memory_becomes_one_line():
+    from reinforge.controller.worker_group import WorkerCallError
+    from reinforge.engine.memory_settings import describe_out_of_memory
+
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nlots of detail")
+        except torch.OutOfMemoryError as inner:
+            raise WorkerCallError("actor_rollout.update_actor failed") from inner
+    except WorkerCallError as error:
+        message = describe_out_of_memory(error)
+    assert message is not None and "\n" not in message
+    assert "REINFORGE_DEBUG=1" in message and "max_tokens_per_micro_batch" in message
+    assert describe_out_of_memory(ValueError("bad value")) is None
+
+
+def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):
+    from reinforge.engine.recompute import checkpoint_decoder_layers
+    from reinforge.models import load_causal_lm
+
+    def gradients(num_checkpointed: int) -> list[torch.Tensor]:
+        model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device="cpu")
+        model.train()
+        assert checkpoint_decoder_layers(model, num_checkpointed) == num_checkpointed
+        ids = torch.arange(24).reshape(2, 12) % model.config.vocab_size
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [parameter.grad.clone() for parameter in model.parameters()]
+
+    plain, checkpointed = gradients(0), gradients(1)
+    for a, b in zip(plain, checkpointed, strict=True):
+        torch.testing.assert_close(a, b)
