@@ -191,8 +191,11 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     gradients = 4 * trainable / devices
     optimizer = 8 * trainable / devices
     (host if settings.param_offload or settings.optimizer_offload else resident)["optimizer state"] = optimizer
-    if settings.optimizer_offload and not settings.param_offload:
-        host["gradients (host copy)"] = gradients
+    if settings.param_offload:
+        host["gradients"] = gradients
+    elif settings.optimizer_offload:  # engine.offload: a float32 master copy beside the moments, two staging buckets
+        host["master copy"] = 4 * trainable / devices
+        host["staging buffers"] = 2 * 4 * (1 << 26)
     if run.reference and not run.lora_rank:
         (host if settings.ref_offload else resident)["reference"] = run.dtype_bytes * params / devices
     if run.critic:

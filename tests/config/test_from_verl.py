@@ -77,7 +77,8 @@ def test_verl_gsm8k_grpo_example_translates_loads_and_validates(capsys):
     assert config.actor.optim.lr == pytest.approx(1e-6)
     assert config.actor.mini_batch_size == 256
     assert config.actor.use_kl_loss and config.actor.kl_loss_coef == pytest.approx(0.001)
-    assert config.actor.param_offload is False and config.ref.param_offload is True
+    # verl's default (false) is left to our memory planner (auto); an explicit true is kept
+    assert config.actor.param_offload == "auto" and config.ref.param_offload is True
     assert (config.rollout.name, config.rollout.n, config.rollout.gpu_memory_utilization) == ("native", 5, 0.6)
     assert config.trainer.loggers == ["console", "wandb", "jsonl"]
     assert (config.trainer.devices_per_node, config.trainer.backend) == (8, "ray")
