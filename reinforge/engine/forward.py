@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from reinforge.engine.attention import NAME as ATTENTION_NAME
 from reinforge.engine.attention import flash_applies, flash_runs_shared_segments
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
-from reinforge.engine.log_probs import linear_log_probs
+from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
 from reinforge.protocol import Batch
@@ -58,9 +58,12 @@ def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype) -> dict:
     return kwargs
 
 
-def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
-                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0, with_entropy: bool = False,
+                       max_logits_bytes: int = MAX_LOGITS_BYTES) -> tuple[Tensor, Tensor | None]:
     """Log-prob of each response token (B, R) and, if asked, the entropy at each position; float32.
+
+    Logits of at most ``max_logits_bytes`` are kept for the backward (``engine.log_probs``; the memory
+    planner's ``actor.logits_buffer_gib``), larger ones are recomputed chunk by chunk.
 
     ``model`` is a causal LM; its last hidden state over the packed row is caught by a hook on
     its decoder, and the output projection runs fused with the log-softmax.
@@ -80,7 +83,8 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
         hook.remove()
     hidden = captured[-1][0, packed.predictor_index]
     weight = model.get_output_embeddings().weight
-    log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature)
+    log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature,
+                                          max_logits_bytes=max_logits_bytes)
     return (unpack_responses(log_probs, packed),
             unpack_responses(entropy, packed) if with_entropy else None)
 

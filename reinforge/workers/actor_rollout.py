@@ -118,6 +118,7 @@ class ActorRolloutWorker(Worker):
         checkpointed = config.model.gradient_checkpointing
         checkpoint_decoder_layers(self.model, len(decoder_layers(self.model)) if checkpointed is True else int(checkpointed))
         self.model_class = type(self.model)
+        self.max_logits_bytes = int(config.actor.logits_buffer_gib * GiB)  # the same in scoring and training passes
         self.engine = self._build_engine_in_compute_dtype()
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
         self.model.train()
@@ -248,7 +249,8 @@ class ActorRolloutWorker(Worker):
         """old_log_probs and entropy (B, R) under the current parameters, at the rollout temperature."""
         log_probs, entropy = score_in_micro_batches(
             self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device,
-            partial(response_log_probs, temperature=self.config.rollout.temperature, with_entropy=True))
+            partial(response_log_probs, temperature=self.config.rollout.temperature, with_entropy=True,
+                    max_logits_bytes=self.max_logits_bytes))
         output = Batch.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
         if "rollout_log_probs" in batch:
             output.meta["mismatch_metrics"] = rollout_mismatch_metrics(
@@ -266,7 +268,8 @@ class ActorRolloutWorker(Worker):
 
         def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
             mask = micro["response_mask"]
-            log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True)
+            log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True,
+                                                    max_logits_bytes=self.max_logits_bytes)
             old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
