@@ -54,6 +54,7 @@ class KeyLine:
     """Set by no single verl key: ``verl_key`` then says why."""
     our_default: bool = False
     """The translated value is our default too, so the YAML leaves it out."""
+    note: str = ""
 
     def render(self) -> str:
         if self.implied:
@@ -62,7 +63,8 @@ class KeyLine:
         if self.from_verl_default:
             given = f"{given} (verl's default)"
         if self.our_key is not None:
-            note = " (our default too)" if self.our_default else ""
+            notes = [*(["our default too"] if self.our_default else []), *([self.note] if self.note else [])]
+            note = f" ({'; '.join(notes)})" if notes else ""
             return f"  {given}  ->  {self.our_key}={_show(self.our_value)}{note}"
         return f"  {given}: {self.reason}"
 
@@ -200,7 +202,7 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
         if not is_our_default:
             _set(result.tree, target_key, ours)
         result.translated.append(KeyLine(verl_key, value, target_key, ours, from_verl_default=from_default,
-                                         our_default=is_our_default))
+                                         our_default=is_our_default, note=entry.note))
 
     for verl_key, value in given.items():
         apply(verl_key, value, from_default=False)

@@ -40,6 +40,8 @@ class Rename:
     convert: Callable[[Any, Mapping[str, Any]], Any] = _same
     verl_default: Any = _MISSING
     """verl's default, carried over when a command leaves the key out and it differs from ours."""
+    note: str = ""
+    """Printed beside the translation when the meaning differs in a detail."""
 
     @property
     def has_verl_default(self) -> bool:
@@ -86,6 +88,13 @@ def _file_list(value: Any, given: Mapping[str, Any]) -> Any:
     if value is None:
         return UNSET
     return [_path(path, given) for path in ([value] if isinstance(value, str) else value)]
+
+
+def _lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's all-linear is our default list (every linear layer of a decoder block)."""
+    if value in ("all-linear", None):
+        return UNSET
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
@@ -174,7 +183,8 @@ PARALLELISM = NoEquivalent("reinforge shards every model with FSDP2 over all dev
 FSDP_DETAIL = NoEquivalent("an FSDP detail reinforge fixes: FSDP2, float32 master weights, bf16 compute on CUDA")
 PROFILING = NoEquivalent("reinforge logs timing_s/* each step; for traces run `reinforge bench train` under "
                          "PyTorch's profiler")
-MULTI_TURN = NoEquivalent("multi-turn rollouts, tools and agent loops are not part of reinforge's trainer")
+MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a row's agent_name column picks its "
+                          "loop, rollout.multi_turn.* configures them)")
 MULTIMODAL = NoEquivalent("reinforge trains text-only models")
 REWARD_MODEL = NoEquivalent("reinforge scores with rule-based functions (a data_source scorer or "
                             "reward.custom_function), not reward models")
@@ -264,12 +274,12 @@ VERL_KEYS: dict[str, Translation] = {
                                    "there are no curriculum samplers"),
     "data.datagen.*": NoEquivalent("reinforge has no dynamic data generation"),
     "data.apply_chat_template_kwargs": NoEquivalent("set data.chat_template to a template instead"),
-    "data.tool_config_path": MULTI_TURN,
+    "data.tool_config_path": Rename("rollout.multi_turn.tool_config_path", _unset_if(None)),
     "data.image_key": MULTIMODAL,
     "data.video_key": MULTIMODAL,
     "data.image_patch_size": MULTIMODAL,
     "data.return_multi_modal_inputs": MULTIMODAL,
-    "data.gen_batch_size": NoEquivalent("dynamic sampling (DAPO's filter_groups) is not in reinforge's trainer"),
+    "data.gen_batch_size": Rename("data.gen_batch_size"),
     # ---- model
     f"{_MODEL}.path": Rename("model.path", _path),
     f"{_MODEL}.tokenizer_path": Rename("model.tokenizer_path", _path),
@@ -281,11 +291,11 @@ VERL_KEYS: dict[str, Translation] = {
                                                 "on CUDA RMSNorm and the MLP too"),
     f"{_MODEL}.fused_kernel_options.*": NoEquivalent("log-probs are always fused with the output projection"),
     f"{_MODEL}.use_liger": NoEquivalent("reinforge has its own fused kernels, always on with CUDA"),
-    f"{_MODEL}.lora_rank": SameAsOurs((0, None), "reinforge has no LoRA: this run would train every parameter"),
-    f"{_MODEL}.lora_alpha": NoEquivalent("reinforge has no LoRA"),
-    f"{_MODEL}.target_modules": NoEquivalent("reinforge has no LoRA"),
-    f"{_MODEL}.exclude_modules": NoEquivalent("reinforge has no LoRA"),
-    f"{_MODEL}.lora_adapter_path": NoEquivalent("reinforge has no LoRA"),
+    f"{_MODEL}.lora_rank": Rename("model.lora.rank", _unset_if(None)),
+    f"{_MODEL}.lora_alpha": Rename("model.lora.alpha"),
+    f"{_MODEL}.target_modules": Rename("model.lora.target_modules", _lora_targets),
+    f"{_MODEL}.exclude_modules": NoEquivalent("list the layers that get adapters in model.lora.target_modules"),
+    f"{_MODEL}.lora_adapter_path": NoEquivalent("reinforge's LoRA starts from fresh adapters"),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
     f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
     f"{_MODEL}.external_lib": NoEquivalent("import your model's package in a sitecustomize or register it "
@@ -367,7 +377,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_REF}.router_replay.*": NoEquivalent("reinforge has no mixture-of-experts routing replay"),
     f"{_REF}.profiler.*": PROFILING,
     # ---- rollout
-    f"{_ROLLOUT}.name": Rename("rollout.name", _rollout_engine),
+    f"{_ROLLOUT}.name": Rename("rollout.name", _rollout_engine, note="reinforge's own paged engine"),
     f"{_ROLLOUT}.n": Rename("rollout.n", verl_default=1),
     f"{_ROLLOUT}.temperature": Rename("rollout.temperature"),
     f"{_ROLLOUT}.top_p": Rename("rollout.top_p"),
@@ -391,8 +401,18 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.data_parallel_size": PARALLELISM,
     f"{_ROLLOUT}.expert_parallel_size": PARALLELISM,
     f"{_ROLLOUT}.pipeline_model_parallel_size": PARALLELISM,
+    **{f"{_ROLLOUT}.multi_turn.{name}": Rename(f"rollout.multi_turn.{name}")
+       for name in ("tool_config_path", "format", "max_assistant_turns", "max_user_turns", "max_parallel_calls",
+                    "tool_response_truncate_side")},
+    f"{_ROLLOUT}.multi_turn.max_tool_response_length": Rename("rollout.multi_turn.max_tool_response_length",
+                                                              note="verl counts characters, reinforge tokens"),
+    f"{_ROLLOUT}.multi_turn.enable": NoEquivalent("a row runs the agent loop its agent_name column names "
+                                                  "(single_turn without one)"),
     f"{_ROLLOUT}.multi_turn.*": MULTI_TURN,
-    f"{_ROLLOUT}.agent.*": MULTI_TURN,
+    f"{_ROLLOUT}.agent.default_agent_loop": NoEquivalent("a row's agent_name column picks its loop "
+                                                         "(single_turn without one)"),
+    f"{_ROLLOUT}.agent.*": NoEquivalent("reinforge runs every trajectory of a batch concurrently over one engine "
+                                        "(reinforge.agent.AgentRunner)"),
     f"{_ROLLOUT}.trace.*": MULTI_TURN,
     f"{_ROLLOUT}.interaction_config_path": MULTI_TURN,
     f"{_ROLLOUT}.profiler.*": PROFILING,
@@ -410,7 +430,8 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.model.fsdp_config.offload_policy": Rename("critic.param_offload", _only_if_true),
     **_each("critic.model.fsdp_config", FSDP_DETAILS, FSDP_DETAIL),
     "critic.model.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
-    "critic.model.lora_rank": SameAsOurs((0, None), "reinforge has no LoRA: this run would train every parameter"),
+    "critic.model.lora_rank": SameAsOurs((0, None), "reinforge's LoRA is the actor's; the critic trains every "
+                                                    "parameter"),
     **_each("critic.model", "tokenizer_path override_config external_lib trust_remote_code use_shm "
             "enable_gradient_checkpointing enable_activation_offload use_remove_padding lora_alpha target_modules",
             NoEquivalent("the critic shares the model.* settings (gradient checkpointing, remote code) and the "
@@ -444,8 +465,14 @@ VERL_KEYS: dict[str, Translation] = {
     "reward_model.enable": SameAsOurs((False, None), REWARD_MODEL.reason),
     "reward_model.reward_manager": NoEquivalent("one reward manager scores every sample in worker processes "
                                                 "with reward.timeout_s and reward.num_workers"),
-    "reward_model.reward_kwargs.*": NoEquivalent("DAPO's overlong-buffer penalty is not in reinforge's reward "
-                                                 "manager; pass a scorer's options with reward.kwargs"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": Rename("reward.overlong_buffer.enable"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": Rename("reward.overlong_buffer.len"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": NoEquivalent("reward/overlong/* is always logged when "
+                                                                       "the buffer is on"),
+    "reward_model.reward_kwargs.max_resp_len": NoEquivalent("the overlong buffer ends at data.max_response_length"),
+    "reward_model.reward_kwargs.*": NoEquivalent("pass a scorer's options with reward.kwargs "
+                                                 "(verl's custom_reward_function.reward_kwargs)"),
     "reward_model.*": REWARD_MODEL,
     "reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes"),
     # ---- algorithm
@@ -470,8 +497,9 @@ VERL_KEYS: dict[str, Translation] = {
                                                                             "not normalised over the batch"),
     "algorithm.use_pf_ppo": SameAsOurs((False,), "reinforge has no PF-PPO resampling"),
     "algorithm.pf_ppo.*": NoEquivalent("reinforge has no PF-PPO resampling"),
-    "algorithm.filter_groups.*": NoEquivalent("dynamic sampling (DAPO's filter_groups) is not in reinforge's "
-                                              "trainer"),
+    "algorithm.filter_groups.enable": Rename("algorithm.filter_groups.enable"),
+    "algorithm.filter_groups.metric": Rename("algorithm.filter_groups.metric"),
+    "algorithm.filter_groups.max_num_gen_batches": Rename("algorithm.filter_groups.max_num_gen_batches"),
     # ---- trainer
     "trainer.total_epochs": Rename("trainer.total_epochs", verl_default=30),
     "trainer.total_training_steps": Rename("trainer.total_steps", _unset_if(None)),
@@ -481,8 +509,10 @@ VERL_KEYS: dict[str, Translation] = {
     "trainer.nnodes": Rename("trainer.nnodes"),
     "trainer.n_gpus_per_node": Rename("trainer.devices_per_node"),
     "trainer.device": Rename("trainer.device"),
-    "trainer.save_freq": Rename("trainer.save_every", _unset_if(-1, 0, None)),
-    "trainer.test_freq": Rename("trainer.test_every", _unset_if(-1, 0, None)),
+    "trainer.save_freq": Rename("trainer.save_every", _unset_if(-1, 0, None),
+                                note="reinforge also saves at the end"),
+    "trainer.test_freq": Rename("trainer.test_every", _unset_if(-1, 0, None),
+                                note="reinforge also validates at the end when data.val_files is set"),
     "trainer.val_before_train": Rename("trainer.val_before_train"),
     "trainer.critic_warmup": Rename("critic.warmup_steps"),
     "trainer.default_local_dir": Rename("trainer.output_dir", _path),
@@ -515,6 +545,8 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     num_devices = given.get("trainer.nnodes", 1) * given.get("trainer.n_gpus_per_node", 1)
     if isinstance(num_devices, int) and num_devices > 1:
         implied.append(("trainer.backend", "ray", f"verl runs on Ray; {num_devices} devices need trainer.backend=ray"))
+    if given.get(f"{_MODEL}.lora_rank") and f"{_MODEL}.lora_alpha" not in given:
+        implied.append(("model.lora.alpha", 16.0, "verl's lora_alpha is 16 when the command leaves it out"))
     return implied
 
 
@@ -524,9 +556,11 @@ def lookup(verl_key: str) -> tuple[str, Translation] | None:
         return verl_key, VERL_KEYS[verl_key]
     parts = verl_key.split(".")
     for length in range(len(parts) - 1, 0, -1):
-        pattern = ".".join(parts[:length]) + ".*"
-        if pattern in VERL_KEYS:
-            return pattern, VERL_KEYS[pattern]
+        parent = ".".join(parts[:length])
+        if f"{parent}.*" in VERL_KEYS:
+            return f"{parent}.*", VERL_KEYS[f"{parent}.*"]
+        if isinstance(VERL_KEYS.get(parent), NoEquivalent):  # a key of a mapping with no equivalent (override_config.x)
+            return parent, VERL_KEYS[parent]
     return None
 
 

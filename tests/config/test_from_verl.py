@@ -104,7 +104,8 @@ def test_dynamic_batch_size_becomes_the_token_budget():
     assert config.trainer.val_before_train is False
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
     assert "actor.max_tokens_per_micro_batch" in reasons["actor_rollout_ref.actor.use_dynamic_bsz"]
-    assert "multi-turn" in reasons["actor_rollout_ref.rollout.multi_turn.format"]
+    assert "vLLM/SGLang" in reasons["actor_rollout_ref.rollout.mode"]
+    assert config.rollout.multi_turn.format == "hermes"
 
 
 @pytest.mark.parametrize("word, files", [
@@ -147,7 +148,7 @@ def test_values_converted():
 
 
 def test_values_without_equivalent_are_reported_not_translated():
-    translation = translate_verl(["actor_rollout_ref.model.lora_rank=32", "data.truncation=middle",
+    translation = translate_verl(["actor_rollout_ref.actor.optim.lr_scheduler_type=wsd", "data.truncation=middle",
                                   "actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=[console,swanlab]"])
     assert translation.tree == {"data": {"train_batch_size": 1024, "max_response_length": 512,
                                          "filter_overlong_prompts": False},
@@ -155,7 +156,7 @@ def test_values_without_equivalent_are_reported_not_translated():
                                 "trainer": {"total_epochs": 30}, "algorithm": {"adv_estimator": "gae"},
                                 "rollout": {"n": 1}}
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
-    assert "no LoRA" in reasons["actor_rollout_ref.model.lora_rank"]
+    assert "the 'wsd' schedule is not here" in reasons["actor_rollout_ref.actor.optim.lr_scheduler_type"]
     assert "truncation 'middle' is not here" in reasons["data.truncation"]
     assert "cannot log to swanlab" in reasons["trainer.logger"]
     assert [line.verl_key for line in translation.already_ours] == ["actor_rollout_ref.actor.strategy"]
@@ -205,3 +206,81 @@ def test_train_from_verl_applies_our_overrides_after_double_dash(capsys):
     assert "actor_rollout_ref.rollout.n=4  ->  rollout.n=4" in capsys.readouterr().err
     assert main(["train", "--from-verl", "actor_rollout_ref.rollout.nn=4"]) == 2
     assert "did you mean actor_rollout_ref.rollout.n?" in capsys.readouterr().err
+
+
+# verl's examples/gmpo_trainer/test_dapo_7b_math.sh (DAPO with geo_mean), its shell variables substituted.
+VERL_DAPO_GEO_MEAN = [
+    "data.train_files=/verl/data/dapo-math-17k.parquet", "data.val_files=/verl/data/aime-2024.parquet",
+    "data.prompt_key=prompt", "data.truncation=left", "data.max_prompt_length=2048", "data.max_response_length=8192",
+    "data.train_batch_size=512", "actor_rollout_ref.rollout.n=16", "algorithm.adv_estimator=grpo",
+    "algorithm.use_kl_in_reward=False", "algorithm.kl_ctrl.kl_coef=0.0", "actor_rollout_ref.actor.use_kl_loss=False",
+    "actor_rollout_ref.actor.kl_loss_coef=0.0", "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+    "actor_rollout_ref.actor.clip_ratio_low=0.4", "actor_rollout_ref.actor.clip_ratio_high=0.4",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "+actor_rollout_ref.model.override_config.max_position_embeddings=32768",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.model.path=/verl/models/Qwen2.5-Math-7B",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True", "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps=10", "actor_rollout_ref.actor.optim.weight_decay=0.1",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True", "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.grad_clip=1.0", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4", "actor_rollout_ref.rollout.gpu_memory_utilization=0.80",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "actor_rollout_ref.rollout.enable_chunked_prefill=True",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=10240", "actor_rollout_ref.rollout.temperature=1.0",
+    "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.top_p=0.7",
+    "actor_rollout_ref.rollout.val_kwargs.top_k=-1", "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+    "actor_rollout_ref.rollout.val_kwargs.n=1", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4", "actor_rollout_ref.actor.fsdp_config.fsdp_size=32",
+    "actor_rollout_ref.actor.checkpoint.save_contents=['model', 'optimizer', 'extra']",
+    "reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False", "+reward_model.reward_kwargs.max_resp_len=8192",
+    'trainer.logger=["console","wandb"]', "trainer.project_name=DAPO", "trainer.experiment_name=DAPO-Qwen2.5-7b-MATH",
+    "trainer.n_gpus_per_node=8", "trainer.nnodes=8", "trainer.val_before_train=True", "trainer.test_freq=10",
+]
+
+
+def test_verl_dapo_example_with_overlong_buffer_translates():
+    translation = translate_verl(VERL_DAPO_GEO_MEAN)
+    config = load_config(None, tree=translation.tree)
+    assert config.reward.overlong_buffer.enable and config.reward.overlong_buffer.len == 4096
+    assert config.actor.policy_loss.loss_mode == "geo_mean" and config.actor.policy_loss.clip_ratio_high == 0.4
+    assert (config.actor.param_offload, config.actor.optimizer_offload, config.ref.param_offload) == (True, True, True)
+    assert config.ref.max_tokens_per_micro_batch == 30720 and config.actor.max_tokens_per_micro_batch == 20480
+    assert (config.trainer.nnodes, config.trainer.devices_per_node, config.trainer.backend) == (8, 8, "ray")
+    assert config.data.truncation == "left" and config.actor.optim.warmup_steps == 10
+    reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
+    assert "override_config" in " ".join(reasons)
+    assert "data.max_response_length" in reasons["reward_model.reward_kwargs.max_resp_len"]
+
+
+def test_verl_lora_example_translates():
+    """verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh, its LoRA keys."""
+    tree = translate_verl(["actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_alpha=32",
+                           "actor_rollout_ref.rollout.load_format=safetensors",
+                           "actor_rollout_ref.rollout.layered_summon=True"]).tree
+    assert tree["model"]["lora"] == {"rank": 64, "alpha": 32}
+    assert translate_verl(["actor_rollout_ref.model.lora_rank=8"]).tree["model"]["lora"] == {"rank": 8, "alpha": 16.0}
+    assert "lora" not in translate_verl(["actor_rollout_ref.model.target_modules=all-linear"]).tree.get("model", {})
+
+
+def test_no_verl_key_is_left_untranslated_when_our_schema_has_its_name():
+    """A guard for new features: when our schema gains verl's key under the same name, the table must map it."""
+    ours = schema_keys()
+    prefixes = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout.",
+                "actor_rollout_ref.model.": "model.", "actor_rollout_ref.ref.": "ref."}
+    stale = []
+    for key in {*VERL_KEY_NAMES, *(name for name in VERL_KEYS if not name.endswith(".*"))}:
+        _, entry = lookup(key)
+        if isinstance(entry, NoEquivalent | SameAsOurs):
+            renamed = next((ours_prefix + key[len(prefix):] for prefix, ours_prefix in prefixes.items()
+                            if key.startswith(prefix)), key)
+            if renamed in ours:
+                stale.append(f"{key} -> {renamed}")
+    assert stale == []
