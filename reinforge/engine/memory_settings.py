@@ -59,6 +59,7 @@ def run_shape(config: Config) -> RunShape:
                     prompt_length=config.data.max_prompt_length, response_length=config.data.max_response_length,
                     num_mini_batches=max(config.data.train_batch_size // mini_batch, 1),
                     num_devices=config.trainer.nnodes * config.trainer.devices_per_node, dtype_bytes=dtype_bytes,
+                    eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0))
 

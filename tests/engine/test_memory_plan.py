@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from reinforge.engine.memory_plan import (
-    GiB,
     OVERHEAD_BYTES,
+    GiB,
     MemoryPlanError,
     ModelShape,
     RunShape,
@@ -54,7 +54,7 @@ def test_update_estimate_by_hand():
     assert update["master weights"] == 4 * params
     assert update["gradients"] == 4 * params
     assert update["optimizer state"] == 8 * params
-    per_layer = 2 * (10 * 896 + 2 * 256 + 3 * 4864)  # bf16: 10 x hidden, k and v, 3 x intermediate
+    per_layer = 2 * (8 * 896 + 2 * 256 + 2 * 4864)  # bf16: 8 x hidden, 2 x (k and v), 2 x intermediate
     assert update["activations"] == 16384 * (24 * per_layer + 4 * 896 * 2)
     response_rows = 16384 * 512 / (512 + 128 / 8)
     assert update["logits"] == pytest.approx(response_rows * 151936 * 2)
@@ -67,7 +67,7 @@ def test_checkpointing_keeps_only_layer_inputs():
     half = estimate(small, STANDARD, Settings(micro_batch_tokens=8192, checkpoint_layers=12))[0]["update"]["activations"]
     per_layer = small.activation_bytes_per_token(2)
     # 12 layers drop their activations, keep their bf16 input, and one layer's activations are live in recompute
-    assert plain - half == 8192 * (12 * per_layer - 12 * 2 * 896 * 2 - per_layer)
+    assert plain - half == 8192 * (12 * per_layer - 12 * 896 * 2 - per_layer)
 
 
 def test_kept_rollout_memory_counts_in_the_update():
@@ -209,3 +209,4 @@ def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):
     plain, checkpointed = gradients(0), gradients(1)
     for a, b in zip(plain, checkpointed, strict=True):
         torch.testing.assert_close(a, b)
+
