@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from reinforge.config.loader import ConfigError
+from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
 from reinforge.config.verl_keys import (
     UNSET,

@@ -20,13 +20,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A configuration a person must fix; the message says what and how."""
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from reinforge.algorithms import (
     POLICY_LOSSES,
     ROLLOUT_IS_LEVELS,
 )
-from reinforge.config.loader import ConfigError
+from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config, OptimConfig, RunConfig
 from reinforge.engine.optim import LR_SCHEDULES
 

@@ -9,8 +9,10 @@ builds the worker and then runs its calls one after the other, as a Ray actor wo
 different members overlap, and a hung member cannot block the controller past its deadline.
 The threads are daemons, so a member stuck in a call does not keep the process alive.
 
-``ray`` (``ray_backend.py``, imported on first use) runs each member as a Ray actor process on
-its own device; ``RayWorkerGroup`` adds the member's node and log lines to errors.
+``ray`` (``ray_backend.py``, which registers it when imported; its ``RayWorkerGroup`` is the
+group to use) runs each member as a Ray actor process on its own device and adds the member's
+node and log lines to errors. This module never imports it: Ray stays optional, and imports
+point one way (ray_backend -> worker_group -> backends).
 """
 
 from __future__ import annotations
@@ -56,20 +58,11 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
 
 
 def build_backend(name: str, role: str, num_members: int, resource_pool: ResourcePool | None) -> Backend:
-    if name == "ray" and name not in BACKENDS:
-        _register_ray_backend(role)
     if name not in BACKENDS:
-        raise ValueError(f"unknown controller backend {name!r} for role {role!r}; known backends: {sorted(BACKENDS)}")
+        hint = "; build the group with reinforge.controller.ray_backend.RayWorkerGroup" if name == "ray" else ""
+        raise ValueError(f"unknown controller backend {name!r} for role {role!r}; known backends: "
+                         f"{sorted(BACKENDS)}{hint}")
     return BACKENDS[name](role, num_members, resource_pool)
-
-
-def _register_ray_backend(role: str) -> None:
-    """Import the ray backend on first use, so that Ray stays an optional dependency."""
-    try:
-        import reinforge.controller.ray_backend  # noqa: F401 - registers "ray"
-    except ImportError as error:
-        raise ImportError(f"role {role!r} asks for the ray backend (trainer.backend=ray), but Ray does not import "
-                          f"({error}); install it with pip install 'reinforge[ray]'") from error
 
 
 class _MemberThread:

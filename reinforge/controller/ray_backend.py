@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
+try:
+    import ray
+except ImportError as error:  # Ray is an optional dependency
+    raise ImportError(f"trainer.backend=ray needs Ray, which does not import ({error}); "
+                      "install it with pip install 'reinforge[ray]'") from error
 
 from reinforge.controller.backends import register_backend
 from reinforge.controller.dispatch import Arguments

@@ -20,7 +20,6 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from reinforge.algorithms import LossNormalizer
 from reinforge.engine.distributed import all_reduce, world_size
 from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, split_by_token_budget
@@ -31,8 +30,26 @@ from reinforge.protocol import Batch
 MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
 """(mini-batch, token budget, mask key) -> its micro-batches."""
 
-MicroLossFn = Callable[[Batch, LossNormalizer], tuple[Tensor, dict[str, float | Tensor]]]
-"""(micro-batch, normaliser of its mini-batch) -> (loss to backpropagate, metrics of the micro-batch).
+
+
+@dataclass(frozen=True)
+class MiniBatchCounts:
+    """Global counts of one mini-batch: over all its micro-batches and all data-parallel ranks.
+
+    The loss function turns them into its normaliser (``reinforge.algorithms.LossNormalizer``
+    has the same fields); the engine itself knows nothing of losses.
+    """
+
+    num_tokens: float
+    """Tokens of the mask (``UpdateSettings.mask_key``)."""
+    num_sequences: float
+    """Rows with at least one such token."""
+    max_response_length: int
+    """Width of the mask."""
+
+
+MicroLossFn = Callable[[Batch, MiniBatchCounts], tuple[Tensor, dict[str, float | Tensor]]]
+"""(micro-batch, counts of its mini-batch) -> (loss to backpropagate, metrics of the micro-batch).
 
 Metrics may be scalar device tensors: they are read back once, after the last optimizer step,
 so the host never waits for the device between micro-batches.
@@ -69,11 +86,11 @@ def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
         tallies[index][key] = total
 
 
-def mini_batch_normalizer(mini_batch: Batch, mask_key: str, device: torch.device) -> LossNormalizer:
+def mini_batch_counts(mini_batch: Batch, mask_key: str, device: torch.device) -> MiniBatchCounts:
     mask = mini_batch[mask_key]
     num_tokens, num_sequences = all_reduce(
         [float(mask.sum()), float((mask.sum(-1) > 0).sum())], device)
-    return LossNormalizer(num_tokens=num_tokens, num_sequences=num_sequences, max_response_length=mask.shape[1])
+    return MiniBatchCounts(num_tokens=num_tokens, num_sequences=num_sequences, max_response_length=mask.shape[1])
 
 
 def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -100,14 +117,14 @@ def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: to
         for mini_rows in order.chunk(settings.num_mini_batches):
             whole = settings.num_mini_batches == 1 and not settings.shuffle  # rows in order: no copy needed
             mini_batch = batch if whole else batch.index(mini_rows)
-            normalizer = mini_batch_normalizer(mini_batch, settings.mask_key, device)
+            counts = mini_batch_counts(mini_batch, settings.mask_key, device)
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
                 weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
                 plan = micro.meta.get(PLAN_KEY)
                 computed_tokens += plan.num_tokens if plan is not None else micro["attention_mask"].numel()
                 micro = micro.to(device, non_blocking=True)
-                loss, metrics = loss_fn(micro, normalizer)
+                loss, metrics = loss_fn(micro, counts)
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
                 for key, value in metrics.items():  # device tensors stay there until the step ends
                     value = value.detach().float() if isinstance(value, Tensor) else float(value)

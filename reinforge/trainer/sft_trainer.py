@@ -25,7 +25,7 @@ from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
-from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_update
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
@@ -92,10 +92,10 @@ class SFTTrainer(TrainingRun):
 
     # ---- the step ---------------------------------------------------------------------
     def train_step(self, batch: Batch) -> dict[str, float]:
-        def loss_fn(micro: Batch, normalizer: LossNormalizer) -> tuple[Tensor, dict[str, Tensor]]:
+        def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
             with autocast_context(self.device, self.config.model.dtype):
                 log_probs = token_log_probs(self.model, micro)
-            loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", normalizer)
+            loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer(**vars(counts)))
             return loss, {"nll_loss": loss}
 
         start = time.perf_counter()

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from reinforge.algorithms import (
+    LossNormalizer,
     aggregate_loss,
     compute_policy_loss,
     kl_penalty,
@@ -37,7 +38,7 @@ from reinforge.engine.memory_plan import GiB
 from reinforge.engine.memory_settings import apply_memory_plan, cap_device_memory
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
-from reinforge.engine.train_step import UpdateSettings, run_timed_update
+from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_timed_update
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
@@ -266,7 +267,8 @@ class ActorRolloutWorker(Worker):
         on_policy = "old_log_probs" not in batch
         first_micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-        def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
+            normalizer = LossNormalizer(**vars(counts))
             mask = micro["response_mask"]
             log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True,
                                                     max_logits_bytes=self.max_logits_bytes)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from reinforge.algorithms import compute_value_loss
+from reinforge.algorithms import LossNormalizer, compute_value_loss
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import resolve_device
@@ -19,7 +19,7 @@ from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.engine.optim import build_optimizer, build_scheduler
-from reinforge.engine.train_step import UpdateSettings, run_timed_update
+from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_timed_update
 from reinforge.models import ValueModel
 from reinforge.protocol import Batch
 from reinforge.workers.checkpointing import load_training_state, save_training_state
@@ -60,10 +60,11 @@ class CriticWorker(Worker):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         critic = self.config.critic
 
-        def loss_fn(micro: Batch, normalizer) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
             values = response_values(self.model, micro)
             loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
-                                                critic.cliprange_value, critic.loss_agg_mode, normalizer)
+                                                critic.cliprange_value, critic.loss_agg_mode,
+                                                LossNormalizer(**vars(counts)))
             mask = micro["response_mask"]
             vpred_mean = (values.detach() * mask).sum() / mask.sum().clamp(min=1)
             return loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}

@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from reinforge.algorithms import compute_policy_loss, log_probs_from_logits
+from reinforge.algorithms import LossNormalizer, compute_policy_loss, log_probs_from_logits
 from reinforge.config.schema import OptimConfig, PolicyLossConfig
 from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.forward import build_position_ids, response_log_probs
@@ -109,11 +109,12 @@ def test_packed_forward_matches_padded_forward(arch):
 def on_policy_loss(model, loss_agg_mode: str = "token-mean"):
     """run_update's loss function for an on-policy vanilla policy-gradient step of ``model``."""
 
-    def loss_fn(micro, normalizer):
+    def loss_fn(micro, counts):
         log_probs, _ = response_log_probs(model, micro)
         loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
                                       advantages=micro["advantages"], response_mask=micro["response_mask"],
-                                      loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(), normalizer=normalizer)
+                                      loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(),
+                                      normalizer=LossNormalizer(**vars(counts)))
         return loss, {"pg_loss": float(loss.detach())}
 
     return loss_fn
@@ -153,7 +154,7 @@ def test_non_finite_gradient_skips_the_step():
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
 
-    def loss_fn(micro, normalizer):
+    def loss_fn(micro, counts):
         log_probs, _ = response_log_probs(model, micro)
         return log_probs.sum() * float("nan"), {}
 
