@@ -29,7 +29,7 @@ sandbox-deps:
 
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
 test: $(STAMP) sandbox-deps
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check reinforge tests benchmarks
