@@ -126,11 +126,12 @@ def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="reinforge export",
                                      description="Write a Hugging Face model folder from a checkpoint.")
     parser.add_argument("checkpoint", help="a checkpoint folder (RUN/checkpoints/step_N) or a run folder (its latest)")
-    parser.add_argument("out", help="the HF folder to write")
+    parser.add_argument("out", help="the HF folder to write (new or empty)")
+    parser.add_argument("--force", action="store_true", help="write over a non-empty output folder")
     args = parser.parse_args(argv)
     from reinforge.trainer.export import export_checkpoint
 
-    print(export_checkpoint(args.checkpoint, args.out))
+    print(export_checkpoint(args.checkpoint, args.out, force=args.force))
     return 0
 
 
@@ -197,25 +198,45 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     command, _ = COMMANDS[argv[0]]
-    from reinforge.config import ConfigError
+    import signal
+    import threading
 
+    from reinforge.cli_errors import one_line_report
+    from reinforge.config import ConfigError
+    from reinforge.stop_signals import exit_after_stop, install_stop_handlers, stopped_message
+
+    debug = bool(os.environ.get("REINFORGE_DEBUG"))
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    install_stop_handlers()
     try:
         return command(argv[1:])
+    except KeyboardInterrupt:
+        print(stopped_message(), file=sys.stderr)
+        return exit_after_stop()
     except (ConfigError, ValueError, FileNotFoundError, OSError) as error:
         # Mistakes in configs, data and paths are reported as one line; REINFORGE_DEBUG=1 shows the traceback.
-        if os.environ.get("REINFORGE_DEBUG") or isinstance(error, TimeoutError):
-            raise  # a worker deadline's message carries the member's log lines: keep them as they are
+        if debug:
+            raise
+        if isinstance(error, TimeoutError):  # a worker deadline's message carries the member's log lines
+            print(f"error: {error}", file=sys.stderr)
+            return 1
         message = " ".join(str(error).split())
         print(f"error: {message}", file=sys.stderr)
         return 2
-    except Exception as error:  # an out-of-memory error becomes one line with the plan and the peak
+    except Exception as error:
+        # A failure inside the run (a worker's error, out of memory): its own last line, not the traceback.
+        if debug:
+            raise
         from reinforge.engine.memory_settings import describe_out_of_memory
 
-        message = describe_out_of_memory(error)
-        if message is None or os.environ.get("REINFORGE_DEBUG"):
-            raise
-        print(f"error: {message}", file=sys.stderr)
+        out_of_memory = describe_out_of_memory(error)
+        print(f"error: {out_of_memory}" if out_of_memory else one_line_report(error), file=sys.stderr)
         return 1
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for signum, handler in previous.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
 
 
 if __name__ == "__main__":  # python -m reinforge.cli, like python -m reinforge

@@ -6,9 +6,10 @@ multi-turn trajectory included; special tokens skipped), picks the scorer by ``d
 time limit, and puts each score on the sample's last generated token (``response_mask == 1``).
 A trajectory's per-call tool rewards (the ``tool_rewards`` column) are added to its score, and
 ``reward.retool_wrong_answer`` gives a wrong answer ReTool's ``min(-0.6, -1 + 0.05 * (num_turns - 2))``. A scorer that raises or times out gives
-``reward.fallback_score``; it is counted in the metrics and the first traceback is logged,
-but it never stops the run. ``reward.num_workers=0`` scores in this process, without time
-limits, which is handy under a debugger. With ``reward.overlong_buffer.enable`` each score
+``reward.fallback_score``; it is counted in the metrics and the first traceback is logged.
+A batch where every sample's scorer failed raises ``ScorerFailure`` naming the error: a run
+that scores nothing learns nothing. ``reward.num_workers=0`` scores in a thread of this
+process (handy under a debugger), still stopped at the time limit (see ``run_job_in_thread``). With ``reward.overlong_buffer.enable`` each score
 gets DAPO's overlong penalty (``reward.overlong``), kept per sample as the ``overlong_penalty``
 extra and counted in ``reward/overlong/*``.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +36,13 @@ from reinforge.reward.scorer_calls import (
     load_custom_scorer,
     takes_completions,
 )
-from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool, run_job
+from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool, run_job_in_thread
 
 logger = logging.getLogger(__name__)
+
+
+class ScorerFailure(RuntimeError):
+    """Every sample of a batch got the fallback score: the scorer is broken, not the samples."""
 
 
 @dataclass
@@ -124,6 +128,7 @@ class RewardManager:
         scores = torch.full((num_samples,), float(self.config.fallback_score), dtype=torch.float32)
         per_sample_extras: list[dict[str, Any]] = [{} for _ in range(num_samples)]
         num_errors = num_timeouts = 0
+        first_error: str | None = None
         for index, result in enumerate(results):
             if result.timed_out:
                 num_timeouts += 1
@@ -133,7 +138,11 @@ class RewardManager:
                 scores[index], per_sample_extras[index] = _unpack_score(result)
             except Exception as error:
                 num_errors += 1
-                self._log_error_once(data_sources[index], result.error or f"{type(error).__name__}: {error}")
+                details = result.error or f"{type(error).__name__}: {error}"
+                first_error = first_error or details
+                self._log_error_once(data_sources[index], details)
+        if num_samples and num_errors + num_timeouts == num_samples:
+            raise ScorerFailure(self._all_failed(num_samples, num_timeouts, first_error, data_sources[0]))
 
         if self.config.retool_wrong_answer:
             scores = retool_scores(scores, per_sample_extras, batch.get("num_turns", np.full(num_samples, 2)))
@@ -171,10 +180,21 @@ class RewardManager:
 
     def _run(self, jobs: list[ScoringJob]) -> list[JobResult]:
         if self.config.num_workers == 0:
-            return [_run_here(job) for job in jobs]
+            return [run_job_in_thread(job, self.config.timeout_s) for job in jobs]
         if self._pool is None:
             self._pool = ScoringPool(self.config.num_workers, self.config.timeout_s, self.config.custom_function)
         return self._pool.run(jobs)
+
+    def _all_failed(self, num_samples: int, num_timeouts: int, first_error: str | None, data_source: Any) -> str:
+        scorer = (f"reward.custom_function={self.config.custom_function}" if self.config.custom_function
+                  else f"the scorer of data_source {data_source!r}")
+        if first_error is None:
+            what = f"ran past reward.timeout_s={self.config.timeout_s}"
+        else:
+            what = "raised " + (first_error.strip().splitlines() or ["?"])[-1]
+        return (f"{scorer} failed on all {num_samples} samples of a batch ({num_timeouts} timed out); it {what}. "
+                "Nothing can be learned from such a step: fix the scorer (reward.num_workers=0 runs it in this "
+                "process, under a debugger)")
 
     def _log_error_once(self, data_source: str | None, details: str) -> None:
         if not self._logged_error:
@@ -214,13 +234,6 @@ def place_on_last_token(scores: Tensor, response_mask: Tensor) -> Tensor:
     rows = torch.nonzero(response_mask.any(dim=1), as_tuple=True)[0]
     token_level_scores[rows, last_positions[rows]] = scores[rows].float()
     return token_level_scores
-
-
-def _run_here(job: ScoringJob) -> JobResult:
-    try:
-        return JobResult(value=run_job(job))
-    except Exception:
-        return JobResult(error=traceback.format_exc())
 
 
 def _unpack_score(result: JobResult) -> tuple[float, dict[str, Any]]:

@@ -7,7 +7,10 @@ deadline; a worker still busy at the deadline is killed and replaced, and its jo
 timed out. Because every worker has its own pipe, killing one never corrupts a shared queue.
 
 Workers start with ``forkserver`` (``spawn`` where that is missing), never plain ``fork``: the
-trainer may hold CUDA state and threads that a forked child must not inherit. As with any
+trainer may hold CUDA state and threads that a forked child must not inherit. No worker
+outlives the trainer, even one killed with SIGKILL: the forkserver exits when the trainer's
+end of its pipe closes, and each worker asks Linux (``PR_SET_PDEATHSIG``) for a SIGKILL when
+its parent dies. As with any
 spawned worker, a script that starts training must keep its top level behind
 ``if __name__ == "__main__":``. A worker imports only ``reinforge.reward`` (no torch), and
 its time limit starts when it reports ready, so start-up never counts against a job.
@@ -15,8 +18,12 @@ its time limit starts when it reports ready, so start-up never counts against a 
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import os
 import signal
+import sys
+import threading
 import time
 import traceback
 import weakref
@@ -68,7 +75,50 @@ def run_job(job: ScoringJob) -> Any:
     return value
 
 
+def run_job_in_thread(job: ScoringJob, timeout_s: float) -> JobResult:
+    """``reward.num_workers=0``: the job in a thread of this process, stopped at ``timeout_s``.
+
+    At the deadline the job is reported as timed out and a ``TimeoutError`` is raised inside its
+    thread, which stops Python code at once; code stuck inside a C extension keeps its (daemon)
+    thread until it returns to Python.
+    """
+    outcome: list[JobResult] = []
+
+    def call() -> None:
+        try:
+            outcome.append(JobResult(value=run_job(job)))
+        except BaseException:  # noqa: B036 - the scorer's failure (or our TimeoutError) belongs to the caller
+            outcome.append(JobResult(error=traceback.format_exc()))
+
+    thread = threading.Thread(target=call, name="reinforge-scorer", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not thread.is_alive():
+        return outcome[0]
+    if thread.ident is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(TimeoutError))
+        thread.join(0.1)
+    return JobResult(timed_out=True)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this process when its parent process ends (however it ends)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def _worker_loop(connection: Connection, custom_function: str | None) -> None:
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us via close().
     try:
         import reinforge.reward  # noqa: F401  (registers the built-in scorers before we report ready)

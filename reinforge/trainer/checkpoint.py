@@ -1,17 +1,27 @@
-"""Atomic checkpoints in the run folder, the ``latest`` pointer, and resume resolution.
+"""Atomic, self-checking checkpoints in the run folder, and which one a run resumes from.
 
 Layout: ``RUN/checkpoints/step_000010/`` holds what each worker wrote (``actor_state.pt``,
-``critic_state.pt``, ``hf/`` that loads with ``from_pretrained``) and ``trainer_state.pt``
-(step, data position, KL controller, RNG states). A checkpoint is written into a hidden
-temporary folder, every file fsynced, then renamed into place; ``latest`` is rewritten
-(also by rename) only after that, so a kill at any moment leaves the previous checkpoint
-and pointer intact. Older checkpoints beyond ``keep_last`` are removed last.
+``critic_state.pt``, ``hf/`` that loads with ``from_pretrained``), ``trainer_state.pt``
+(step, data position, KL controller, RNG states, the run's config) and, written last,
+``manifest.json``: the size and SHA-256 of every other file. A checkpoint is written into a
+hidden temporary folder, every file hashed and fsynced, the manifest written, then the folder
+renamed into place; ``latest`` is rewritten (also by rename) after that. A checkpoint counts
+only when its manifest matches its files, so a kill at any moment, a truncated or deleted
+file, or a damaged ``latest`` pointer never passes for a good checkpoint: resume takes the
+newest checkpoint that validates and names the ones it skipped. Older checkpoints beyond
+``keep_last`` are removed last. A full disk while writing removes the temporary folder and
+says so in one line.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import logging
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -20,19 +30,91 @@ from typing import Any
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 STEP_PREFIX = "step_"
+MANIFEST_FILE = "manifest.json"
+_STEP_NAME = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_CHUNK = 1 << 22
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+class CheckpointError(ValueError):
+    """No usable checkpoint where the run expects one; the message says what to pass instead."""
+
+
+def _hash_and_fsync(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+        os.fsync(handle.fileno())
+    return digest.hexdigest()
+
+
+def _fsync_folder(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _data_files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST_FILE)
+
+
+def seal(folder: Path, step: int) -> dict[str, Any]:
+    """Hash and fsync every file of ``folder``, then write its manifest (last) and fsync the folder."""
+    files = {str(path.relative_to(folder)): {"size": path.stat().st_size, "sha256": _hash_and_fsync(path)}
+             for path in _data_files(folder)}
+    if "trainer_state.pt" not in files:
+        raise CheckpointError(f"checkpoint {folder} has no trainer_state.pt; it cannot be resumed")
+    manifest = {"format": 1, "step": step, "files": files}
+    with open(folder / MANIFEST_FILE, "w", encoding="utf-8") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    for sub in sorted({path.parent for path in folder.rglob("*")} | {folder}):
+        _fsync_folder(sub)
+    return manifest
+
+
+def checkpoint_problem(folder: Path, *, hashes: bool = True) -> str | None:
+    """Why ``folder`` is not a complete checkpoint (None when its files match its manifest).
+
+    Sizes are always compared; ``hashes=False`` skips reading the files.
+    """
+    manifest_path = folder / MANIFEST_FILE
+    if not folder.is_dir():
+        return "it does not exist"
+    if not manifest_path.is_file():
+        return f"it has no {MANIFEST_FILE} (its writing was interrupted, or an older reinforge wrote it)"
+    try:
+        files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"its {MANIFEST_FILE} is unreadable"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} has {size} bytes, the manifest says {expected['size']} (truncated or changed)"
+    if hashes:
+        for name, expected in files.items():
+            if _hash_and_fsync(folder / name) != expected["sha256"]:
+                return f"{name} does not match its SHA-256 in the manifest (damaged or changed)"
+    return None
+
+
+def _disk_full(error: BaseException) -> OSError | None:
+    """The ENOSPC error behind ``error`` (through causes, e.g. a worker group's WorkerCallError), if any."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def rng_state() -> dict[str, Any]:
@@ -55,52 +137,120 @@ class CheckpointManager:
         self.root = run_dir / "checkpoints"
         self.keep_last = keep_last
 
+    def step_folders(self) -> list[Path]:
+        """``step_N`` folders, newest first."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(match.group(1)), path) for path in self.root.iterdir()
+                 if path.is_dir() and (match := _STEP_NAME.match(path.name))]
+        return [path for _, path in sorted(found, reverse=True)]
+
     def save(self, step: int, write: Callable[[Path], None], trainer_state: dict[str, Any]) -> Path:
-        """``write(folder)`` lets the workers fill the folder; then it is published atomically."""
+        """``write(folder)`` lets the workers fill the folder; then it is sealed and published atomically."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"{STEP_PREFIX}{step:06d}"
         temporary = self.root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir()
-        write(temporary)
-        torch.save(trainer_state, temporary / "trainer_state.pt")
-        _fsync_tree(temporary)
+        try:
+            temporary.mkdir()
+            write(temporary)
+            torch.save(trainer_state, temporary / "trainer_state.pt")
+            seal(temporary, step)
+        except BaseException as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            full = _disk_full(error)
+            if full is not None:
+                where = full.filename or temporary
+                raise OSError(errno.ENOSPC, f"no space left on device while writing {where} (checkpoint of step "
+                                            f"{step}; its temporary folder was removed); free space in {self.root} "
+                                            "or lower trainer.keep_last, then run the same command to resume") from error
+            raise
+        problem = checkpoint_problem(temporary, hashes=False)
+        if problem is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise CheckpointError(f"the checkpoint of step {step} did not validate after writing: {problem}")
         if final.exists():
             shutil.rmtree(final)
         temporary.rename(final)
+        _fsync_folder(self.root)
         pointer = self.root / ".latest.tmp"
         pointer.write_text(final.name + "\n")
         with open(pointer, "rb") as handle:
             os.fsync(handle.fileno())
         pointer.replace(self.root / "latest")
-        self._remove_old()
+        self.remove_old()
         return final
 
-    def _remove_old(self) -> None:
-        steps = sorted(p for p in self.root.glob(f"{STEP_PREFIX}*") if p.is_dir())
-        for old in steps[:-self.keep_last]:
+    def remove_old(self) -> None:
+        """Remove checkpoints beyond ``keep_last`` and temporary folders of interrupted writes."""
+        for old in self.step_folders()[self.keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        folder = self.root / pointer.read_text().strip()
-        return folder if (folder / "trainer_state.pt").is_file() else None
+        """The newest checkpoint that validates (sizes only; ``resolve`` also checks hashes)."""
+        return next((folder for folder in self.step_folders() if checkpoint_problem(folder, hashes=False) is None),
+                    None)
 
     def resolve(self, resume: str) -> Path | None:
-        """The checkpoint to resume from for ``trainer.resume`` (auto, never or a path)."""
+        """The checkpoint to resume from for ``trainer.resume`` (auto, never or a path), checked against its manifest.
+
+        ``auto`` takes the newest checkpoint that validates and warns about newer ones it skips; when the
+        run has checkpoints and none validates, it refuses rather than start over on top of them.
+        """
         if resume == "never":
             return None
-        if resume == "auto":
-            return self.latest()
-        folder = Path(resume)
-        if not (folder / "trainer_state.pt").is_file():
-            raise FileNotFoundError(f"trainer.resume={resume} is not a checkpoint folder (no trainer_state.pt); "
-                                    f"checkpoints live in {self.root}/step_*")
-        return folder
+        if resume != "auto":
+            folder = Path(resume)
+            problem = checkpoint_problem(folder)
+            if problem is not None:
+                raise CheckpointError(f"trainer.resume={resume} is not a usable checkpoint: {problem}; "
+                                      f"checkpoints live in {self.root}/step_*")
+            return folder
+        skipped = []
+        for folder in self.step_folders():
+            problem = checkpoint_problem(folder)
+            if problem is None:
+                for bad, reason in skipped:
+                    kept = self._set_aside(bad)
+                    logger.warning("skipping checkpoint %s: %s; resuming from the older %s (the skipped one is kept "
+                                   "as %s)", bad.name, reason, folder.name, kept.name)
+                self._check_pointer(folder)
+                return folder
+            skipped.append((folder, problem))
+        if skipped:
+            reasons = "; ".join(f"{bad.name}: {reason}" for bad, reason in skipped)
+            raise CheckpointError(f"no checkpoint in {self.root} validates ({reasons}); pass trainer.resume=never to "
+                                  "start over (this replaces them) or trainer.resume=PATH for another checkpoint")
+        return None
+
+    def _set_aside(self, folder: Path) -> Path:
+        """Rename a checkpoint that failed validation so that training never writes over it."""
+        number = 0
+        while (target := folder.with_name(f"{folder.name}.invalid{'' if number == 0 else f'-{number}'}")).exists():
+            number += 1
+        folder.rename(target)
+        return target
+
+    def _check_pointer(self, chosen: Path) -> None:
+        pointer = self.root / "latest"
+        named = pointer.read_text(errors="replace").strip() if pointer.is_file() else None
+        if named != chosen.name:
+            logger.warning("checkpoints/latest %s; using %s, the newest checkpoint that validates",
+                           "is missing" if named is None else f"names {named!r}", chosen.name)
+
+    def remove_all(self) -> int:
+        """Delete every checkpoint (for ``trainer.resume=never``); returns how many there were."""
+        folders = self.step_folders()
+        for folder in folders:
+            shutil.rmtree(folder)
+        for leftover in (self.root / "latest", *self.root.glob(".tmp-*")):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif leftover.exists():
+                leftover.unlink()
+        return len(folders)
 
 
 def load_trainer_state(folder: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from reinforge.algorithms import (
     compute_advantages,
     compute_rollout_correction,
 )
-from reinforge.config import Config, config_to_dict, save_config
+from reinforge.config import Config, config_to_dict
 from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
@@ -34,7 +34,6 @@ from reinforge.protocol import Batch
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
-from reinforge.trainer.checkpoint import CheckpointManager
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.run_loop import TrainingRun
@@ -52,8 +51,7 @@ class RLTrainer(TrainingRun):
         custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
         self.run_dir = Path(config.trainer.output_dir)
         apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, self.run_dir / "config.yaml")
+        self.open_run_folder(config.trainer.resume, config.trainer.keep_last, RESUME_REFUSES)
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)
 
@@ -79,7 +77,6 @@ class RLTrainer(TrainingRun):
                        if critic_enabled(config) else None)
         self.reward = build_group(RewardWorker, config, role="reward")
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
-        self.checkpoints = CheckpointManager(self.run_dir, config.trainer.keep_last)
         self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
                                project=config.trainer.project_name, experiment=config.trainer.experiment_name)
         self.step = 0
@@ -225,7 +222,7 @@ class RLTrainer(TrainingRun):
                 "response": self.tokenizer.decode(batch["responses"][index][:length]),
                 "score": float(batch["token_level_scores"][index].sum()),
                 "ground_truth": str(batch["ground_truth"][index])})
-        self.tracker.log_samples(self.step, rows)
+        self.tracker.log_samples(self.step + 1, rows)  # the step this batch trains; the counter moves after it
 
     # ---- validation -------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -247,13 +244,14 @@ class RLTrainer(TrainingRun):
         self.actor_rollout.load_checkpoint(str(folder))
         if self.critic is not None:
             self.critic.load_checkpoint(str(folder))
-        self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.config.algorithm.kl_ctrl.type == "adaptive":  # a fixed coefficient is the config's, changed or not
+            self.kl_controller.load_state_dict(state["kl_controller"])
 
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps`` (resuming by ``trainer.resume``); returns the last step's metrics."""
         config = self.config.trainer
         try:
-            self.resume(config.resume)
+            self.resume()
             self._prompt_batches = None  # a fresh iterator from the (restored) loader position
             return self.run_steps(self.next_prompts, test_every=config.test_every, save_every=config.save_every,
                                   validate_first=config.val_before_train)
@@ -266,9 +264,14 @@ class RLTrainer(TrainingRun):
             if group is not None:
                 group.shutdown()
         self.tracker.close()
+        self.release_run_folder()
 
 
 ROLES = ("actor_rollout", "ref", "critic", "reward")
+RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "critic.enable", "algorithm.adv_estimator",
+                  "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
+                  "trainer.seed")
+"""Settings a resumed run may not change: the checkpoint's weights, data order or algorithm would not fit them."""
 
 
 def default_placement(config: Config) -> RolePlacement:

@@ -2,9 +2,12 @@
 
 A trainer subclasses ``TrainingRun`` and provides ``train_step``, ``validate``,
 ``write_checkpoint`` and ``load_checkpoint_state`` (its models and optimizers, plus anything
-else its checkpoint holds, declared by ``checkpoint_extras``). ``save`` and ``resume`` handle
-the rest (data loader position, RNG, step); ``resume`` also drops metrics logged after the
-checkpoint; ``run_steps`` trains to ``total_steps``, validating and saving on the
+else its checkpoint holds, declared by ``checkpoint_extras``). ``open_run_folder`` comes first,
+before any model loads: it locks the folder, picks the checkpoint to resume from (the newest
+that validates), refuses settings the checkpoint cannot take and writes ``config.yaml``.
+``save`` and ``resume`` handle the rest (data loader position, RNG, step); ``resume`` also
+drops what was logged after the checkpoint (everything, when the run starts at step 0), so
+``metrics.jsonl`` and ``samples.jsonl`` are exact after a kill at any point; ``run_steps`` trains to ``total_steps``, validating and saving on the
 configured cadence and always at the last step. A run resumed at its last step trains nothing
 and reports the metrics that step logged.
 """
@@ -16,15 +19,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from reinforge.config import config_to_dict, save_config
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
+from reinforge.trainer.run_folder import RunLock, check_resumed_settings
 
 logger = logging.getLogger(__name__)
 
 
 class TrainingRun:
+    config: Any
     run_dir: Path
     tracker: Tracker
     checkpoints: CheckpointManager
@@ -51,20 +57,44 @@ class TrainingRun:
         """Restore this trainer's own parts of the checkpoint in ``folder`` (``state``: trainer_state.pt)."""
         raise NotImplementedError
 
+    def open_run_folder(self, resume: str, keep_last: int, refused: tuple[str, ...]) -> None:
+        """Lock ``self.run_dir``, choose the checkpoint to resume from and write ``config.yaml``.
+
+        ``refused``: settings (keys, or prefixes ending in '.') that a resumed run may not change.
+        """
+        self.run_lock = RunLock(self.run_dir).acquire()
+        self.checkpoints = CheckpointManager(self.run_dir, keep_last)
+        self._resume_folder = self.checkpoints.resolve(resume)
+        self._resume_state: dict[str, Any] | None = None
+        if self._resume_folder is not None:
+            self._resume_state = load_trainer_state(self._resume_folder)
+            check_resumed_settings(self._resume_state.get("config"), config_to_dict(self.config), refused,
+                                   self._resume_folder)
+            self.checkpoints.remove_old()  # what a kill interrupted: a half-written checkpoint, an older one
+        elif resume == "never" and (removed := self.checkpoints.remove_all()):
+            logger.warning("trainer.resume=never: removed the %d checkpoint(s) of the earlier run in %s", removed,
+                           self.checkpoints.root)
+        save_config(self.config, self.run_dir / "config.yaml")
+
+    def release_run_folder(self) -> None:
+        lock = getattr(self, "run_lock", None)
+        if lock is not None:
+            lock.release()
+
     def save(self) -> Path:
         """An atomic checkpoint of the current step; returns its folder."""
         state = {"step": self.step, "loader": self.train_loader.state_dict(), **self.checkpoint_extras(),
-                 "rng": rng_state()}
+                 "rng": rng_state(), "config": config_to_dict(self.config)}
         folder = self.checkpoints.save(self.step, self.write_checkpoint, state)
         logger.info("saved checkpoint %s", folder)
         return folder
 
-    def resume(self, spec: str) -> None:
-        """Continue from the checkpoint ``spec`` names (auto, never or a path), if there is one."""
-        folder = self.checkpoints.resolve(spec)
-        if folder is None:
+    def resume(self) -> None:
+        """Continue from the checkpoint ``open_run_folder`` chose; without one, drop what an earlier try logged."""
+        folder, state = self._resume_folder, self._resume_state
+        if folder is None or state is None:
+            self.tracker.truncate_after(-1)
             return
-        state = load_trainer_state(folder)
         self.load_checkpoint_state(folder, state)
         self.train_loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])

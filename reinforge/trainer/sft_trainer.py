@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from reinforge.algorithms import LossNormalizer, aggregate_loss, log_probs_from_logits
-from reinforge.config import config_to_dict, save_config
+from reinforge.config import config_to_dict
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, resolve_device
@@ -29,10 +29,13 @@ from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_upd
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
-from reinforge.trainer.checkpoint import CheckpointManager
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.sft_config import SFTConfig
 from reinforge.workers.checkpointing import load_training_state, save_training_state
+
+RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.batch_size", "data.packing",
+                  "data.max_length", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed")
+"""Settings a resumed SFT run may not change: the checkpoint's weights or data order would not fit them."""
 
 
 def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
@@ -50,8 +53,7 @@ class SFTTrainer(TrainingRun):
         self.config = config
         data, trainer = config.data, config.trainer
         self.run_dir = Path(trainer.output_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, self.run_dir / "config.yaml")  # type: ignore[arg-type]  # any config dataclass
+        self.open_run_folder(trainer.resume, trainer.keep_last, RESUME_REFUSES)
         torch.manual_seed(trainer.seed)
         np.random.seed(trainer.seed)
         self.device = resolve_device(trainer.device)
@@ -78,7 +80,6 @@ class SFTTrainer(TrainingRun):
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
         self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                               grad_clip=trainer.grad_clip, seed=trainer.seed, mask_key="loss_mask")
-        self.checkpoints = CheckpointManager(self.run_dir, trainer.keep_last)
         self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config), project=trainer.project_name,
                                experiment=trainer.experiment_name)
         self.step = 0
@@ -137,11 +138,12 @@ class SFTTrainer(TrainingRun):
         """Train to ``total_steps``; returns the last step's metrics (with the final validation loss)."""
         trainer = self.config.trainer
         try:
-            self.resume(trainer.resume)
+            self.resume()
             return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
                                   save_every=trainer.save_every, validate_first=self.val_loader is not None)
         finally:
             self.tracker.close()
+            self.release_run_folder()
 
     def final_model_dir(self) -> Path | None:
         """The ``hf/`` folder of the latest checkpoint."""

@@ -35,6 +35,7 @@ def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.O
 def load_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, device: torch.device,
                         prefix: str = "actor") -> None:
+    configured = _hyperparameters(optimizer, scheduler)
     path = folder / f"{prefix}_state.pt"
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {folder} has no {path.name}; it was not written by this trainer "
@@ -47,6 +48,34 @@ def load_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.O
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    _reapply(optimizer, scheduler, configured)
+
+
+_HYPERPARAMETERS = ("weight_decay", "betas", "eps")
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """What this run's config set: base learning rates and AdamW's other settings, per parameter group."""
+    return {"base_lrs": list(scheduler.base_lrs),
+            "groups": [{key: group[key] for key in _HYPERPARAMETERS if key in group} for group in optimizer.param_groups]}
+
+
+def _reapply(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+             configured: dict) -> None:
+    """After loading a checkpoint's optimizer and schedule, use this run's settings (a resume may change them).
+
+    The loaded state keeps the moments and the step count; the learning rate follows this run's
+    ``lr`` through the schedule at the restored step.
+    """
+    scheduler.base_lrs = list(configured["base_lrs"])
+    factors = [lam(scheduler.last_epoch) for lam in scheduler.lr_lambdas] if hasattr(scheduler, "lr_lambdas") else None
+    for index, (group, settings) in enumerate(zip(optimizer.param_groups, configured["groups"], strict=True)):
+        group.update(settings)
+        group["initial_lr"] = configured["base_lrs"][index]
+        if factors is not None:
+            group["lr"] = configured["base_lrs"][index] * factors[index]
+    if factors is not None:
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
 def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path) -> None:

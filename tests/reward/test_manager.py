@@ -6,7 +6,7 @@ import torch
 
 from reinforge.config.schema import RewardConfig
 from reinforge.protocol import Batch
-from reinforge.reward.manager import RewardManager
+from reinforge.reward.manager import RewardManager, ScorerFailure
 
 PAD, EOS = 0, 1
 
@@ -129,9 +129,33 @@ def test_raising_scorer_gets_the_fallback_and_is_logged_once(byte_tokenizer, sco
 
 
 def test_a_non_score_counts_as_an_error(byte_tokenizer, scorer_path):
-    batch = make_batch(byte_tokenizer, ["1"], ["1"], ["x"])
-    output = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:not_a_score").score(batch)
-    assert output.metrics["reward/errors"] == 1.0 and output.scores.tolist() == [0.0]
+    batch = make_batch(byte_tokenizer, ["1", "2"], ["1", "2"], ["x", "x"])
+    output = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:exact").score(batch)
+    assert output.metrics["reward/errors"] == 0.0
+    with pytest.raises(ScorerFailure, match="returned a str"):
+        inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:not_a_score").score(batch)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_batch_where_every_scorer_failed_stops_with_the_scorers_error(byte_tokenizer, scorer_path, num_workers):
+    batch = make_batch(byte_tokenizer, ["raise", "raise"], ["7", "7"], ["x", "x"])
+    config = RewardConfig(num_workers=num_workers, timeout_s=30, custom_function=f"{scorer_path}:exact")
+    with RewardManager(config, byte_tokenizer) as manager, pytest.raises(ScorerFailure) as raised:
+        manager.score(batch)
+    message = str(raised.value)
+    assert "\n" not in message and "failed on all 2 samples" in message
+    assert "raised RuntimeError: scorer exploded" in message and f"{scorer_path}:exact" in message
+
+
+def test_the_time_limit_holds_when_scoring_in_this_process(byte_tokenizer, scorer_path):
+    batch = make_batch(byte_tokenizer, ["spin", "ok", "sleep"], ["x"] * 3, ["x"] * 3)
+    manager = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:slow", timeout_s=0.5,
+                             fallback_score=-1.0)
+    started = time.monotonic()
+    output = manager.score(batch)
+    assert time.monotonic() - started < 4.0
+    assert output.scores.tolist() == [-1.0, 1.0, -1.0]
+    assert output.metrics["reward/timeouts"] == 2.0
 
 
 def test_custom_function_receives_data_source_extra_info_and_options(byte_tokenizer, scorer_path):

@@ -1,0 +1,44 @@
+"""What the command line prints when a command fails: one line, the failure's own words.
+
+A failure inside a worker reaches the controller wrapped (``WorkerCallError``, a Ray task
+error with the remote traceback in its text); the user needs the worker's own last error
+line and where it happened, not 85 lines of traceback. ``REINFORGE_DEBUG=1`` re-raises
+instead, and the line says so. (Out-of-memory errors get their own line with the memory plan,
+``engine.memory_settings.describe_out_of_memory``.)
+"""
+
+from __future__ import annotations
+
+import re
+
+DEBUG_HINT = "REINFORGE_DEBUG=1 shows the full traceback"
+_WHERE = re.compile(r"^(.*? raised in \w+): ")
+
+
+def _innermost(error: BaseException) -> BaseException:
+    seen = {id(error)}
+    while error.__cause__ is not None and id(error.__cause__) not in seen:
+        error = error.__cause__
+        seen.add(id(error))
+    return error
+
+
+def _last_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    name = type(error).__name__
+    # a Ray task error's text ends with the remote "Type: message" line already
+    if not last or last.startswith(f"{name}:") or re.match(r"^[\w.]+(Error|Exception|Failure)\b.*?: ", last):
+        return last or name
+    return f"{name}: {last}"
+
+
+def one_line_report(error: BaseException) -> str:
+    """``error: <where>: <the failure's last line>; <advice>; REINFORGE_DEBUG=1 shows the full traceback``."""
+    root = _innermost(error)
+    where = _WHERE.match(str(error).strip().splitlines()[0] if str(error).strip() else "")
+    message = _last_line(root)
+    if where is not None and root is not error:
+        message = f"{where.group(1)}: {message}"
+    message = " ".join(message.split())
+    return f"error: {message} ({DEBUG_HINT})"

@@ -1,0 +1,56 @@
+"""Stopping a run from outside: SIGTERM or Ctrl-C stop it cleanly, a second one at once.
+
+The first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main thread, so the trainer's
+``finally`` blocks run (worker groups and scorer processes stopped, logs closed, the run
+folder unlocked) and the command prints one line. The latest checkpoint stays, so the same
+command resumes. A second signal ends the process at once with ``os._exit``, which skips the
+interpreter's teardown: threads still inside torch code then cannot abort it with a C++
+``terminate called`` message.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+INTERRUPTED_EXIT_CODE = 130
+stop_signal: list[str] = []
+"""The name of the signal that stopped the run (empty while none has)."""
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once\n")
+    sys.stderr.flush()
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    stop_signal.append(signal.Signals(signum).name)
+    signal.signal(signal.SIGINT, _exit_now)
+    signal.signal(signal.SIGTERM, _exit_now)
+    raise KeyboardInterrupt
+
+
+def install_stop_handlers() -> None:
+    """Route SIGINT and SIGTERM through ``_stop``; only the main thread can install signal handlers."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _stop)
+        signal.signal(signal.SIGTERM, _stop)
+
+
+def stopped_message() -> str:
+    name = stop_signal[0] if stop_signal else "SIGINT"
+    return (f"stopped by {name}: the run keeps its latest checkpoint; run the same command to resume "
+            "(a second Ctrl-C exits at once)")
+
+
+def exit_after_stop() -> int:
+    """The exit code after a stop; ends the process at once if threads that may run torch code are still alive."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(thread.name.startswith("reinforge-") and thread.is_alive() for thread in threading.enumerate()):
+        os._exit(INTERRUPTED_EXIT_CODE)
+    return INTERRUPTED_EXIT_CODE

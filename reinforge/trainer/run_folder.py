@@ -1,0 +1,122 @@
+"""Opening a run folder: one run at a time, and a resume that agrees with the settings it is given.
+
+``RunLock`` keeps a second run off a folder that a live process is using (``RUN/.lock`` holds
+its pid; a lock left by a dead process is taken over with a warning). ``config_changes`` lists
+the settings that differ between a checkpoint's run and this one: settings the trainer reads
+as it goes (sampling, loss coefficients, the optimizer's hyperparameters, which the workers
+re-apply after loading the optimizer state, the step count) take effect and are recorded in
+``config.yaml``; settings that would make the checkpoint mean something else (the model, the
+data and its order, the seed, the estimator) are refused, naming each difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+_HELD: set[Path] = set()
+"""Run folders locked by this process (a lock naming our own pid is live only if listed here)."""
+
+
+class RunFolderInUse(ValueError):
+    pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """``RUN/.lock`` while this process uses ``RUN``; released by ``release()`` or when garbage-collected."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir.resolve() / LOCK_FILE
+        self._finalizer: weakref.finalize | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(10):
+            try:
+                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(f"{os.getpid()}\n")
+            _HELD.add(self.path)
+            self._finalizer = weakref.finalize(self, _release, self.path)
+            return self
+        raise RunFolderInUse(f"could not lock {self.path.parent} ({self.path} keeps reappearing)")
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            text = self.path.read_text().strip()
+        except FileNotFoundError:
+            return
+        pid = int(text) if text.isdigit() else None
+        in_use = pid is not None and _pid_alive(pid) and (pid != os.getpid() or self.path in _HELD)
+        if in_use:
+            raise RunFolderInUse(f"run folder {self.path.parent} is in use by pid {pid} ({self.path}); wait for that "
+                                 "run to end or stop it, or pass another trainer.output_dir")
+        logger.warning("taking over %s, left by pid %s, which is no longer running", self.path, text or "?")
+        self.path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _release(path: Path) -> None:
+    _HELD.discard(path)
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, checkpoint's value, this run's value) for every setting that differs."""
+    before, after = flatten(old), flatten(new)
+    return [(key, before.get(key), after.get(key)) for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key)]
+
+
+def check_resumed_settings(old: dict[str, Any] | None, new: dict[str, Any], refused: tuple[str, ...],
+                           checkpoint: Path) -> None:
+    """Refuse changes to ``refused`` keys (or key prefixes ending in '.'); log the ones that will apply."""
+    if old is None:
+        return
+    changes = config_changes(old, new)
+    blocked = [change for change in changes
+               if any(change[0] == key or (key.endswith(".") and change[0].startswith(key)) for key in refused)]
+    if blocked:
+        listed = ", ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in blocked)
+        raise ValueError(f"resuming {checkpoint} with changed settings it cannot take: {listed}; restore them, or "
+                         "start a new run (another trainer.output_dir, or trainer.resume=never to replace this one)")
+    if changes:
+        listed = ", ".join(f"{key}: {before!r} -> {after!r}" for key, before, after in changes)
+        logger.warning("resuming %s with changed settings, which apply from here on (recorded in config.yaml): %s",
+                       checkpoint, listed)

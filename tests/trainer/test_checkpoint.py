@@ -1,0 +1,120 @@
+"""Checkpoints validate against their manifest; resume takes the newest good one; a full disk is one line."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.trainer.checkpoint import CheckpointError, CheckpointManager, checkpoint_problem
+from reinforge.trainer.run_folder import RunFolderInUse, RunLock, config_changes
+
+
+def write_weights(folder: Path) -> None:
+    torch.save({"model": {"w": torch.arange(1000.0)}}, folder / "actor_state.pt")
+    (folder / "hf").mkdir()
+    (folder / "hf" / "config.json").write_text("{}")
+
+
+def saved_run(tmp_path: Path, steps: int = 3) -> CheckpointManager:
+    manager = CheckpointManager(tmp_path, keep_last=5)
+    for step in range(1, steps + 1):
+        manager.save(step, write_weights, {"step": step})
+    return manager
+
+
+def test_a_saved_checkpoint_validates_and_lists_its_files(tmp_path):
+    manager = saved_run(tmp_path, steps=1)
+    folder = manager.root / "step_000001"
+    assert checkpoint_problem(folder) is None
+    assert (folder / "manifest.json").is_file() and not list(manager.root.glob(".tmp-*"))
+    assert manager.resolve("auto") == folder
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda folder: (folder / "trainer_state.pt").unlink(), "trainer_state.pt is missing"),
+    (lambda folder: (folder / "manifest.json").unlink(), "no manifest.json"),
+    (lambda folder: (folder / "actor_state.pt").write_bytes((folder / "actor_state.pt").read_bytes()[:100]),
+     "actor_state.pt has 100 bytes"),
+    (lambda folder: (folder / "actor_state.pt").write_bytes(b"x" * (folder / "actor_state.pt").stat().st_size),
+     "does not match its SHA-256"),
+    (lambda folder: (folder / "manifest.json").write_text("garbage"), "unreadable"),
+])
+def test_resume_skips_a_damaged_newest_checkpoint_and_keeps_it_aside(tmp_path, caplog, damage, reason):
+    manager = saved_run(tmp_path)
+    newest = manager.root / "step_000003"
+    damage(newest)
+    with caplog.at_level(logging.WARNING):
+        chosen = manager.resolve("auto")
+    assert chosen == manager.root / "step_000002"
+    assert reason in caplog.text and "skipping checkpoint step_000003" in caplog.text
+    assert not newest.exists() and (manager.root / "step_000003.invalid").is_dir()  # kept, never written over
+    with pytest.raises(CheckpointError, match=reason):
+        manager.resolve(str(manager.root / "step_000003.invalid"))
+
+
+@pytest.mark.parametrize("pointer", [None, "garbage\x00\n", "step_000009\n"])
+def test_a_missing_garbage_or_dangling_latest_pointer_does_not_matter(tmp_path, caplog, pointer):
+    manager = saved_run(tmp_path)
+    latest = manager.root / "latest"
+    if pointer is None:
+        latest.unlink()
+    else:
+        latest.write_text(pointer)
+    with caplog.at_level(logging.WARNING):
+        assert manager.resolve("auto") == manager.root / "step_000003"
+    assert "checkpoints/latest" in caplog.text
+
+
+def test_when_no_checkpoint_validates_resume_refuses_and_touches_nothing(tmp_path):
+    manager = saved_run(tmp_path, steps=2)
+    for folder in manager.step_folders():
+        (folder / "trainer_state.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* validates .*trainer.resume=never"):
+        manager.resolve("auto")
+    assert [path.name for path in manager.step_folders()] == ["step_000002", "step_000001"]
+    assert manager.resolve("never") is None
+    assert manager.remove_all() == 2 and manager.step_folders() == []
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path):
+    manager = saved_run(tmp_path, steps=1)
+
+    def full_disk(folder: Path) -> None:
+        write_weights(folder)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(folder / "actor_state.pt"))
+        except OSError as error:  # as a worker group reports it: the member's error is the cause
+            raise RuntimeError("worker group 'actor_rollout' rank 0 of 1 raised in save_checkpoint") from error
+
+    with pytest.raises(OSError, match=r"no space left on device while writing .*actor_state.pt") as raised:
+        manager.save(2, full_disk, {"step": 2})
+    assert raised.value.errno == errno.ENOSPC
+    assert not list(manager.root.glob(".tmp-*"))
+    assert manager.resolve("auto") == manager.root / "step_000001"
+
+
+def test_a_second_run_on_a_locked_folder_is_refused_and_a_dead_owner_is_taken_over(tmp_path, caplog):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read()"], stdin=subprocess.PIPE)
+    (tmp_path / ".lock").write_text(f"{holder.pid}\n")
+    with pytest.raises(RunFolderInUse, match=f"in use by pid {holder.pid}"):
+        RunLock(tmp_path).acquire()
+    holder.communicate(b"")  # the owner ends without removing its lock
+    with caplog.at_level(logging.WARNING):
+        lock = RunLock(tmp_path).acquire()
+    assert f"left by pid {holder.pid}" in caplog.text
+    with pytest.raises(RunFolderInUse, match="in use by pid"):
+        RunLock(tmp_path).acquire()  # held by this process now
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_config_changes_lists_nested_differences():
+    old = {"actor": {"optim": {"lr": 1e-3}}, "trainer": {"seed": 1}}
+    new = {"actor": {"optim": {"lr": 2e-3}}, "trainer": {"seed": 1}}
+    assert config_changes(old, new) == [("actor.optim.lr", 1e-3, 2e-3)]

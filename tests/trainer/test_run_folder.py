@@ -1,0 +1,93 @@
+"""The run folder of a real (tiny) RL run: damaged checkpoints, changed settings, locks, logs, export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from reinforge.cli import main
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_samples_carry_the_step_that_trained_on_them(rl_args, tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(run_dir, **{"trainer.num_logged_samples": 2})]) == 0
+    assert [row["step"] for row in rows(run_dir / "samples.jsonl")] == [1, 1, 2, 2]
+    assert not (run_dir / ".lock").exists()
+
+
+def test_a_truncated_newest_checkpoint_resumes_from_the_one_before(rl_args, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"trainer.save_every": 1, "trainer.keep_last": 3})
+    assert main(["train", *args]) == 0
+    reference = rows(run_dir / "metrics.jsonl")
+    state = run_dir / "checkpoints" / "step_000002" / "actor_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    first = (run_dir / "checkpoints" / "step_000001" / "manifest.json").read_text()
+    assert main(["train", *args]) == 0
+    assert "skipping checkpoint step_000002: actor_state.pt has" in caplog.text
+    assert (run_dir / "checkpoints" / "step_000002.invalid").is_dir()
+    assert (run_dir / "checkpoints" / "step_000001" / "manifest.json").read_text() == first  # not rewritten
+    again = rows(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in again] == [1, 2]
+    assert again[1]["actor/grad_norm"] == reference[1]["actor/grad_norm"]  # step 2 trained again, the same way
+
+
+def test_no_valid_checkpoint_refuses_instead_of_restarting_over_them(rl_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"trainer.total_steps": 1})
+    assert main(["train", *args]) == 0
+    (run_dir / "checkpoints" / "step_000001" / "trainer_state.pt").unlink()
+    capsys.readouterr()
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint in" in err[0] and "trainer_state.pt is missing" in err[0]
+    assert main(["train", *args, "trainer.resume=never"]) == 0  # starting over is asked for: it replaces them
+    assert [row["step"] for row in rows(run_dir / "metrics.jsonl")] == [1]
+
+
+def test_a_changed_learning_rate_applies_on_resume_and_a_changed_batch_is_refused(rl_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
+    assert rows(run_dir / "metrics.jsonl")[0]["actor/lr"] == 2e-3
+    capsys.readouterr()
+    refused = rl_args(run_dir, **{"trainer.total_steps": 2, "data.train_batch_size": 2})
+    assert main(["train", *refused]) == 2
+    err = capsys.readouterr().err
+    assert "data.train_batch_size: 4 -> 2" in err and "cannot take" in err
+    assert "train_batch_size: 4" in (run_dir / "config.yaml").read_text()  # config.yaml still tells the truth
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "actor.optim.lr": 1e-3})]) == 0
+    assert rows(run_dir / "metrics.jsonl")[1]["actor/lr"] == 1e-3
+    assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
+
+
+def test_a_second_run_on_the_same_folder_is_refused(rl_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (run_dir / ".lock").write_text(f"{holder.pid}\n")
+        assert main(["train", *rl_args(run_dir)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"is in use by pid {holder.pid}" in err[0]
+        assert not (run_dir / "config.yaml").exists()
+    finally:
+        holder.communicate(b"")
+
+
+def test_export_refuses_a_non_empty_folder_unless_forced(rl_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err and (out / "notes.txt").is_file()
+    assert main(["export", str(run_dir), str(out), "--force"]) == 0
+    assert (out / "config.json").is_file()

@@ -1,0 +1,102 @@
+"""Stopping ``reinforge train`` from outside: SIGTERM, Ctrl-C twice, SIGKILL; no child process outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid`` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] != "Z":
+                parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    living = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if state[state.rindex(")") + 2] != "Z":
+            living.add(pid)
+    return living
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def start_training(rl_args, run_dir: Path) -> subprocess.Popen:
+    args = rl_args(run_dir, **{"trainer.total_steps": 1000, "reward.num_workers": 2})
+    return subprocess.Popen([sys.executable, "-m", "reinforge", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_a_step(process: subprocess.Popen, run_dir: Path) -> set[int]:
+    metrics = run_dir / "metrics.jsonl"
+
+    def trained() -> bool:
+        return metrics.is_file() and any(json.loads(line).get("step", 0) >= 1
+                                         for line in metrics.read_text().splitlines() if line.strip())
+
+    assert wait_until(trained, 180) and process.poll() is None
+    children = children_of(process.pid)
+    assert len(children) >= 3, children  # the forkserver and two scorer processes
+    return children
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)])
+def test_sigterm_or_ctrl_c_twice_stops_at_once_with_one_line_and_no_children(rl_args, tmp_path, signals):
+    run_dir = tmp_path / "run"
+    process = start_training(rl_args, run_dir)
+    children = wait_for_a_step(process, run_dir)
+    started = time.monotonic()
+    for signum in signals:
+        process.send_signal(signum)
+        time.sleep(0.2)
+    _, stderr = process.communicate(timeout=30)
+    assert time.monotonic() - started < 10
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "terminate called" not in stderr
+    if len(signals) == 1:
+        assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM: the run keeps its latest checkpoint")
+        assert not (run_dir / ".lock").exists()
+    assert wait_until(lambda: not alive(children), 5), alive(children)
+
+
+@pytest.mark.slow
+def test_no_child_outlives_a_trainer_killed_with_sigkill(rl_args, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start_training(rl_args, run_dir)
+    children = wait_for_a_step(process, run_dir)
+    process.kill()
+    process.communicate(timeout=30)
+    assert wait_until(lambda: not alive(children), 5), alive(children)
