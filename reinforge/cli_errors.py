@@ -15,9 +15,14 @@ DEBUG_HINT = "REINFORGE_DEBUG=1 shows the full traceback"
 _WHERE = re.compile(r"^(.*? raised in \w+): ")
 
 
+_WRAPPERS = ("WorkerCallError", "RayTaskError", "RayActorError")
+
+
 def _innermost(error: BaseException) -> BaseException:
+    """The error a worker raised, unwrapped from the controller's and Ray's wrappers (not its own causes)."""
     seen = {id(error)}
-    while error.__cause__ is not None and id(error.__cause__) not in seen:
+    while (any(name in type(error).__name__ for name in _WRAPPERS) and error.__cause__ is not None
+           and id(error.__cause__) not in seen):
         error = error.__cause__
         seen.add(id(error))
     return error

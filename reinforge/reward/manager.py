@@ -127,22 +127,24 @@ class RewardManager:
 
         scores = torch.full((num_samples,), float(self.config.fallback_score), dtype=torch.float32)
         per_sample_extras: list[dict[str, Any]] = [{} for _ in range(num_samples)]
-        num_errors = num_timeouts = 0
-        first_error: str | None = None
+        errors: list[tuple[Any, str]] = []
+        timeouts: list[Any] = []
         for index, result in enumerate(results):
             if result.timed_out:
-                num_timeouts += 1
-                self._log_timeout_once(data_sources[index])
+                timeouts.append(data_sources[index])
                 continue
             try:
                 scores[index], per_sample_extras[index] = _unpack_score(result)
             except Exception as error:
-                num_errors += 1
-                details = result.error or f"{type(error).__name__}: {error}"
-                first_error = first_error or details
-                self._log_error_once(data_sources[index], details)
-        if num_samples and num_errors + num_timeouts == num_samples:
-            raise ScorerFailure(self._all_failed(num_samples, num_timeouts, first_error, data_sources[0]))
+                errors.append((data_sources[index], result.error or f"{type(error).__name__}: {error}"))
+        if num_samples and len(errors) + len(timeouts) == num_samples:
+            raise ScorerFailure(self._all_failed(num_samples, len(timeouts), errors[0][1] if errors else None,
+                                                 data_sources[0]))
+        if errors:
+            self._log_error_once(*errors[0])
+        if timeouts:
+            self._log_timeout_once(timeouts[0])
+        num_errors, num_timeouts = len(errors), len(timeouts)
 
         if self.config.retool_wrong_answer:
             scores = retool_scores(scores, per_sample_extras, batch.get("num_turns", np.full(num_samples, 2)))

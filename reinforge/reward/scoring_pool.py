@@ -8,9 +8,10 @@ timed out. Because every worker has its own pipe, killing one never corrupts a s
 
 Workers start with ``forkserver`` (``spawn`` where that is missing), never plain ``fork``: the
 trainer may hold CUDA state and threads that a forked child must not inherit. No worker
-outlives the trainer, even one killed with SIGKILL: the forkserver exits when the trainer's
-end of its pipe closes, and each worker asks Linux (``PR_SET_PDEATHSIG``) for a SIGKILL when
-its parent dies. As with any
+outlives the trainer, even one killed with SIGKILL: the forkserver exits once every copy of
+its "alive" pipe's write end is closed, so each worker closes the copy it inherits (the
+trainer's is then the last) and asks Linux (``PR_SET_PDEATHSIG``) for a SIGKILL when its
+parent, the forkserver, ends. As with any
 spawned worker, a script that starts training must keep its top level behind
 ``if __name__ == "__main__":``. A worker imports only ``reinforge.reward`` (no torch), and
 its time limit starts when it reports ready, so start-up never counts against a job.
@@ -18,6 +19,7 @@ its time limit starts when it reports ready, so start-up never counts against a 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing
 import os
@@ -105,7 +107,19 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """On Linux, have the kernel SIGKILL this process when its parent process ends (however it ends)."""
+    """On Linux, have the kernel SIGKILL this process when its parent process ends (however it ends).
+
+    A forkserver child also closes its copy of the forkserver's "alive" fd, which would otherwise keep
+    the forkserver (its parent) running after the trainer died, and so this process too.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from reinforge.cli import main
 
 
@@ -91,3 +93,26 @@ def test_export_refuses_a_non_empty_folder_unless_forced(rl_args, tmp_path, caps
     assert "not empty" in capsys.readouterr().err and (out / "notes.txt").is_file()
     assert main(["export", str(run_dir), str(out), "--force"]) == 0
     assert (out / "config.json").is_file()
+
+
+ALWAYS_RAISES = '''
+def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
+    raise ZeroDivisionError("scorer bug")
+'''
+
+
+def test_a_step_where_every_scorer_failed_stops_the_run_with_one_line(rl_args, tmp_path, capsys, monkeypatch):
+    reward_file = tmp_path / "broken.py"
+    reward_file.write_text(ALWAYS_RAISES)
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"reward.custom_function": f"{reward_file}:compute_score", "reward.num_workers": 0})
+    monkeypatch.delenv("REINFORGE_DEBUG", raising=False)
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: worker group 'reward'") and "raised ZeroDivisionError: scorer bug" in last
+    assert "failed on all 16 samples" in last and "REINFORGE_DEBUG=1" in last and "Traceback" not in err
+    assert not (run_dir / "metrics.jsonl").read_text().strip()  # nothing was logged as if it had trained
+    monkeypatch.setenv("REINFORGE_DEBUG", "1")
+    with pytest.raises(Exception, match="scorer bug"):
+        main(["train", *args])

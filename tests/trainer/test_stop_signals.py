@@ -100,3 +100,30 @@ def test_no_child_outlives_a_trainer_killed_with_sigkill(rl_args, tmp_path):
     process.kill()
     process.communicate(timeout=30)
     assert wait_until(lambda: not alive(children), 5), alive(children)
+
+
+SPINNING_SCORER = """
+def spin(solution_str, ground_truth):
+    while True:
+        pass
+"""
+
+
+def test_a_busy_scorer_process_dies_with_a_trainer_killed_by_sigkill(tmp_path):
+    scorer = tmp_path / "spin.py"
+    scorer.write_text(SPINNING_SCORER)
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "from reinforge.reward.scoring_pool import ScoringJob, ScoringPool\n"
+        "if __name__ == '__main__':\n"
+        f"    pool = ScoringPool(num_workers=1, timeout_s=600.0, custom_function='{scorer}:spin')\n"
+        "    print('scoring', flush=True)\n"
+        f"    pool.run([ScoringJob('{scorer}:spin', {{'solution_str': '', 'ground_truth': ''}})])\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert trainer.stdout.readline().strip() == "scoring"
+    assert wait_until(lambda: len(children_of(trainer.pid)) >= 2, 30)  # the forkserver and the scorer
+    time.sleep(0.5)
+    children = children_of(trainer.pid)
+    trainer.kill()
+    trainer.wait()
+    assert wait_until(lambda: not alive(children), 5), alive(children)
