@@ -23,6 +23,7 @@ def test_samples_carry_the_step_that_trained_on_them(rl_args, tmp_path):
     assert not (run_dir / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_a_truncated_newest_checkpoint_resumes_from_the_one_before(rl_args, tmp_path, caplog):
     run_dir = tmp_path / "run"
     args = rl_args(run_dir, **{"trainer.save_every": 1, "trainer.keep_last": 3})
