@@ -153,6 +153,10 @@ def test_row_without_prompt_is_one_clear_line(tiny_model_dir, tmp_path, capsys):
     assert len(err) == 1 and "row 0" in err[0] and "prompt" in err[0] and "bad.jsonl" in err[0]
 
 
+COMPARED_PREFIXES = ("timing_s/", "perf/", "rollout/tokens_per_s")
+"""Metrics that measure speed, left out when two runs are compared (resume tests: test_kill_resume.py)."""
+
+
 def _train_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "reinforge", "train", *args]
 
