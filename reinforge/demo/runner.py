@@ -166,8 +166,8 @@ def run_demo(run_dir: str | Path = "runs/demo", *, model_dir: str | Path = MODEL
 
         data = task.write(run_dir / "data")
         config = load_config(None, settings.overrides(model_dir, data, run_dir, task, device, loggers))
-        trainer = RLTrainer(config)
         try:
+            trainer = RLTrainer(config)  # picks (and validates) the checkpoint to resume from
             trainer.fit()
         except ValueError as error:
             if "checkpoint" in str(error):
