@@ -8,6 +8,7 @@ tool turns are appended as chat-template token increments (``turn_tokens``).
 """
 
 from reinforge.agent import single_turn, tool_agent  # noqa: F401  (register the built-in loops)
+from reinforge.agent.checks import check_agent_rows
 from reinforge.agent.loop import (
     AGENT_LOOPS,
     DEFAULT_AGENT,
@@ -20,7 +21,7 @@ from reinforge.agent.loop import (
     register_agent_loop,
 )
 from reinforge.agent.runner import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics
-from reinforge.agent.tool_config import load_tool_config
+from reinforge.agent.tool_config import load_tool_config, load_tools
 from reinforge.agent.tool_parsers import TOOL_PARSERS, ToolCall, get_tool_parser, register_tool_parser
 from reinforge.agent.tools import BaseTool, FunctionTool, ToolResult, as_tool
 from reinforge.agent.turn_tokens import ToolTurnRenderer
@@ -28,6 +29,6 @@ from reinforge.agent.turn_tokens import ToolTurnRenderer
 __all__ = [
     "AGENT_LOOPS", "DEFAULT_AGENT", "TOOL_PARSERS", "AgentContext", "AgentLoop", "AgentLoopOutput", "AgentRunner",
     "AsyncEngineClient", "BaseTool", "BatchingClient", "FunctionTool", "TokenClient", "ToolCall", "ToolResult",
-    "ToolTurnRenderer", "agent_metrics", "agent_name_of", "as_tool", "get_agent_loop", "get_tool_parser",
-    "load_tool_config", "register_agent_loop", "register_tool_parser",
+    "ToolTurnRenderer", "agent_metrics", "agent_name_of", "as_tool", "check_agent_rows", "get_agent_loop", "get_tool_parser",
+    "load_tool_config", "load_tools", "register_agent_loop", "register_tool_parser",
 ]

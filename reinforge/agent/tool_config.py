@@ -23,6 +23,12 @@ from typing import Any
 import yaml
 
 from reinforge.agent.tools import BaseTool, FunctionTool
+from reinforge.config.schema import MultiTurnConfig
+
+
+def load_tools(config: MultiTurnConfig) -> dict[str, BaseTool]:
+    """The tools of ``rollout.multi_turn.tool_config_path``; none when it is not set."""
+    return load_tool_config(config.tool_config_path) if config.tool_config_path else {}
 
 
 def load_tool_config(path: str | Path) -> dict[str, BaseTool]:

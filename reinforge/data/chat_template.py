@@ -13,10 +13,12 @@ from typing import Any
 Messages = list[dict[str, Any]]
 
 
-def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | None = None) -> str:
+def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | None = None,
+                  tools: list[dict[str, Any]] | None = None) -> str:
     """The text the model sees for ``prompt``, with the assistant turn opened.
 
-    A string prompt counts as one user message.
+    A string prompt counts as one user message. ``tools`` (OpenAI function schemas) go to the
+    template, which shows them to the model as it was trained to see them.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -25,14 +27,14 @@ def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | N
         raise ValueError(f"tokenizer {name!r} has no chat template; set data.chat_template to a Jinja template, "
                          "or data.apply_chat_template=false to feed string prompts as they are")
     return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, tools=tools or None)
 
 
 def encode_prompt(tokenizer: Any, prompt: Messages | str, apply_chat_template: bool = True,
-                  chat_template: str | None = None) -> list[int]:
-    """Prompt token ids: the chat template applied, or a string prompt tokenized as it is."""
+                  chat_template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Prompt token ids: the chat template applied (with ``tools``), or a string prompt tokenized as it is."""
     if apply_chat_template:
-        text = render_prompt(tokenizer, prompt, chat_template)
+        text = render_prompt(tokenizer, prompt, chat_template, tools)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not isinstance(prompt, str):
         raise ValueError("a chat-message prompt needs a chat template, but data.apply_chat_template is false; "

@@ -34,7 +34,8 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
     ``attention_mask`` (B, P) int64 (1 on prompt tokens).
     non_tensors: ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``columns`` (dict of
     the row's other columns, for the reward function), ``raw_prompt`` (messages or string),
-    ``index`` (row number in the files), ``uid`` (one per prompt).
+    ``index`` (row number in the files), ``uid`` (one per prompt), and ``agent_name`` when any
+    row names an agent loop.
     """
     longest = max(len(example.prompt_ids) for example in examples)
     input_ids = torch.full((len(examples), longest), pad_token_id, dtype=torch.long)
@@ -44,9 +45,12 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
         if length:
             input_ids[row, longest - length:] = torch.tensor(example.prompt_ids, dtype=torch.long)
             attention_mask[row, longest - length:] = 1
+    non_tensors = {}
+    if any(example.agent_name for example in examples):
+        non_tensors["agent_name"] = [example.agent_name for example in examples]
     return Batch.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask},
-        non_tensors={
+        non_tensors=non_tensors | {
             "data_source": [example.data_source for example in examples],
             "ground_truth": [example.ground_truth for example in examples],
             "extra_info": [example.extra_info for example in examples],

@@ -2,11 +2,14 @@
 
 A row holds ``data_source`` (which picks the reward scorer), ``prompt`` (chat messages or a
 string; ``data.prompt_key`` names the column), ``ability``, ``reward_model`` (a dict with
-``ground_truth`` and maybe ``style``) and ``extra_info`` (a dict). Any other column is kept
-in ``columns`` and reaches the reward function by keyword (TRL's way of passing a dataset's
-answers). Rows come from parquet, JSONL or ``datasets`` folders (see ``files.py``).
+``ground_truth`` and maybe ``style``), ``extra_info`` (a dict; ``extra_info.tools_kwargs`` gives
+per-row tool arguments) and, optionally, ``agent_name`` (the agent loop that answers the row,
+``single_turn`` when absent; see ``reinforge.agent``). Any other column is kept in ``columns``
+and reaches the reward function by keyword (TRL's way of passing a dataset's answers). Rows
+come from parquet, JSONL or ``datasets`` folders (see ``files.py``).
 
-Every prompt is rendered with the chat template and tokenized when the dataset is built, so
+Every prompt is rendered with the chat template (with the tool schemas, for rows that name an
+agent loop, when tools are given) and tokenized when the dataset is built, so
 that overlong prompts can be dropped (and counted) before training starts rather than
 discovered in the middle of a step. A malformed row raises one line naming the file, the row
 (0-based) and the fix.
@@ -28,7 +31,7 @@ from reinforge.data.files import Row, read_rows
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
-SCHEMA_COLUMNS = ("data_source", "ability", "reward_model", "extra_info")
+SCHEMA_COLUMNS = ("data_source", "ability", "reward_model", "extra_info", "agent_name")
 """verl's columns beside the prompt; any other column of a row is kept in ``PromptExample.columns``."""
 
 
@@ -43,7 +46,9 @@ class PromptExample:
     extra_info: dict[str, Any] = field(default_factory=dict)
     ability: str | None = None
     columns: dict[str, Any] = field(default_factory=dict)
-    """The row's columns beside the verl schema's (prompt, data_source, ability, reward_model, extra_info)."""
+    """The row's columns beside the verl schema's (prompt, data_source, ability, reward_model, extra_info) and agent_name."""
+    agent_name: str | None = None
+    """The agent loop of the row (None: single_turn)."""
 
 
 class RLDataset:
@@ -54,7 +59,8 @@ class RLDataset:
     """
 
     def __init__(self, files: Sequence[str | Path] | str | Path, tokenizer: Any, config: DataConfig,
-                 max_samples: int | None = None, name: str = "train") -> None:
+                 max_samples: int | None = None, name: str = "train",
+                 tool_schemas: list[dict[str, Any]] | None = None) -> None:
         files = [files] if isinstance(files, str | Path) else list(files)
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet, JSONL or datasets folders")
@@ -68,15 +74,19 @@ class RLDataset:
         self.num_rows_read = 0
         self._file_starts: list[tuple[int, str]] = []
         """(index of the file's first row, file) for each file read, in order."""
+        self.tool_schemas = tool_schemas
         self._build(files, tokenizer, config, max_samples)
 
     @classmethod
-    def from_config(cls, config: DataConfig, tokenizer: Any, split: str = "train") -> RLDataset:
+    def from_config(cls, config: DataConfig, tokenizer: Any, split: str = "train",
+                    tool_schemas: list[dict[str, Any]] | None = None) -> RLDataset:
         """The train split (``data.train_files``) or the validation split (``data.val_files``)."""
         if split == "train":
-            return cls(config.train_files, tokenizer, config, config.max_train_samples, name="train")
+            return cls(config.train_files, tokenizer, config, config.max_train_samples, name="train",
+                       tool_schemas=tool_schemas)
         if split == "val":
-            return cls(config.val_files, tokenizer, config, config.max_val_samples, name="val")
+            return cls(config.val_files, tokenizer, config, config.max_val_samples, name="val",
+                       tool_schemas=tool_schemas)
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'val'")
 
     def __len__(self) -> int:
@@ -92,7 +102,7 @@ class RLDataset:
             self._file_starts.append((first_index, str(path)))
             for row_number, row in enumerate(rows):
                 self.num_rows_read += 1
-                fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config)
+                fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config, self.tool_schemas)
                 if fields is None:
                     self.num_filtered += 1
                     continue
@@ -167,11 +177,14 @@ def _checked_optional_str(row: Row, key: str, where: str) -> str | None:
     return value
 
 
-def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig) -> dict[str, Any] | None:
+def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
+                tool_schemas: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The PromptExample fields of one row (all but ``index``), or None when it is filtered as overlong."""
     prompt = _checked_prompt(row, config.prompt_key, where)
+    agent_name = _checked_optional_str(row, "agent_name", where)
+    tools = tool_schemas if agent_name not in (None, "", "single_turn") else None
     try:
-        prompt_ids = encode_prompt(tokenizer, prompt, config.apply_chat_template, config.chat_template)
+        prompt_ids = encode_prompt(tokenizer, prompt, config.apply_chat_template, config.chat_template, tools)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     limit = config.max_prompt_length
@@ -195,4 +208,5 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig) -> dic
         "extra_info": _checked_dict(row, "extra_info", where),
         "ability": _checked_optional_str(row, "ability", where),
         "columns": {key: value for key, value in row.items() if key not in (config.prompt_key, *SCHEMA_COLUMNS)},
+        "agent_name": agent_name or None,
     }

@@ -4,7 +4,8 @@ For each sample it decodes the whole response (every token after the prompt, too
 multi-turn trajectory included; special tokens skipped), picks the scorer by ``data_source``
 (or ``reward.custom_function``), scores all samples in worker processes with a per-sample
 time limit, and puts each score on the sample's last generated token (``response_mask == 1``).
-A trajectory's per-call tool rewards (the ``tool_rewards`` column) are added to its score, and
+A trajectory's per-call tool rewards (the ``tool_rewards`` column) are added to its score, a score
+an agent loop set itself (``agent_reward_score``) replaces the scorer's, and
 ``reward.retool_wrong_answer`` gives a wrong answer ReTool's ``min(-0.6, -1 + 0.05 * (num_turns - 2))``. A scorer that raises or times out gives
 ``reward.fallback_score``; it is counted in the metrics and the first traceback is logged.
 A batch where every sample's scorer failed raises ``ScorerFailure`` naming the error: a run
@@ -150,6 +151,10 @@ class RewardManager:
             scores = retool_scores(scores, per_sample_extras, batch.get("num_turns", np.full(num_samples, 2)))
         if "tool_rewards" in batch:
             scores = scores + torch.tensor([float(sum(rewards or ())) for rewards in batch["tool_rewards"]])
+        if "agent_reward_score" in batch:  # a loop that scored its own trajectory
+            for index, own_score in enumerate(batch["agent_reward_score"]):
+                if own_score is not None:
+                    scores[index] = float(own_score)
         keys = sorted({key for extras in per_sample_extras for key in extras})
         extras = {key: [extras.get(key) for extras in per_sample_extras] for key in keys}
         metrics = {"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts)}

@@ -22,8 +22,10 @@ def _masked_stats(prefix: str, values: Tensor, mask: Tensor) -> dict[str, float]
 
 def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     mask = batch["response_mask"]
-    response_length = mask.sum(-1)
-    prompt_length = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1)
+    prompt_width = batch["prompts"].shape[1]
+    # a multi-turn response counts its tool tokens too (they share the budget); response_mask marks sampled ones
+    response_length = batch["attention_mask"][:, prompt_width:].sum(-1)
+    prompt_length = batch["attention_mask"][:, :prompt_width].sum(-1)
     metrics = _stats("critic/score", batch["token_level_scores"].sum(-1))
     metrics |= _stats("critic/rewards", batch["token_level_rewards"].sum(-1))
     metrics |= _masked_stats("critic/advantages", batch["advantages"], mask)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from reinforge.agent import check_agent_rows, load_tools
 from reinforge.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
@@ -58,15 +59,21 @@ class RLTrainer(TrainingRun):
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                    trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = tokenizer
-        train_set = RLDataset.from_config(config.data, tokenizer, split="train")
+        tools = load_tools(config.rollout.multi_turn)
+        schemas = [tool.schema for tool in tools.values()]
+        train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
         check_rows_can_be_scored(train_set, config.reward, custom_scorer)
+        check_agent_rows(((f"train row {example.index}", example.agent_name, example.extra_info)
+                          for example in train_set.examples), tools)
         self.pad_token_id = get_pad_token_id(tokenizer)
         self.train_loader = PromptLoader.for_training(train_set, config.data, self.pad_token_id)
         self._prompt_batches: Iterator[Batch] | None = None
         self.val_loader = None
         if config.data.val_files:
-            val_set = RLDataset.from_config(config.data, tokenizer, split="val")
+            val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
             check_rows_can_be_scored(val_set, config.reward, custom_scorer)
+            check_agent_rows(((f"val row {example.index}", example.agent_name, example.extra_info)
+                              for example in val_set.examples), tools)
             self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
 
@@ -215,8 +222,9 @@ class RLTrainer(TrainingRun):
         if count == 0:
             return
         rows = []
+        prompt_width = batch["prompts"].shape[1]
         for index in range(count):
-            length = int(batch["response_mask"][index].sum())
+            length = int(batch["attention_mask"][index][prompt_width:].sum())  # tool tokens of a trajectory too
             rows.append({"prompt": self.tokenizer.decode(batch["prompts"][index][batch["attention_mask"][index][
                 :batch["prompts"].shape[1]].bool()]),
                 "response": self.tokenizer.decode(batch["responses"][index][:length]),

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
 from reinforge.algorithms import (
     LossNormalizer,
     aggregate_loss,
@@ -43,6 +44,7 @@ from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
+from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
 from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
 
 
@@ -121,6 +123,8 @@ class ActorRolloutWorker(Worker):
         self.model_class = type(self.model)
         self.max_logits_bytes = int(config.actor.logits_buffer_gib * GiB)  # the same in scoring and training passes
         self.engine = self._build_engine_in_compute_dtype()
+        self.agent_runner = AgentRunner(self.tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
+                                        config.data.chat_template)
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
         self.model.train()
         num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
@@ -194,6 +198,8 @@ class ActorRolloutWorker(Worker):
             phases.close()
 
     def _generate(self, batch: Batch, sampling: SamplingParams, seed: int, phases: _PhaseTimer) -> Batch:
+        if uses_agent_loops(batch):
+            return self._generate_agents(batch, sampling, seed, phases)
         max_response_length = sampling.max_tokens
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         requests, group_sizes = [], []
@@ -230,6 +236,44 @@ class ActorRolloutWorker(Worker):
                      "finished_by_stop": finish_stop},
             meta={"rollout_metrics": dict(getattr(self.engine, "last_metrics", {}))},
         )
+        phases.lap("assemble")
+        output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
+        return output
+
+    def _generate_agents(self, batch: Batch, sampling: SamplingParams, seed: int, phases: _PhaseTimer) -> Batch:
+        """Every row's agent loop, run concurrently on the engine (see ``workers.agent_rollout``)."""
+        rows, samplings = agent_rows(batch, sampling, [_seed_for(seed, str(uid)) for uid in batch["uid"]])
+        phases.lap("requests")
+
+        def run() -> list:
+            if hasattr(self.engine, "generate_async"):
+                client = AsyncEngineClient(self.engine)
+            else:
+                client = BatchingClient(self.engine, lambda: autocast_context(self.device, self.config.model.dtype))
+            try:
+                outputs = self.agent_runner.run(rows, samplings, client)
+                phases.lap("engine")
+            finally:
+                self.engine.sleep()
+            phases.lap("sleep")
+            return outputs
+
+        with unsharded(self.model):
+            phases.lap("gather_weights")
+            self.engine.sync_weights(self.model)
+            self.engine.wake_up()
+            phases.lap("wake_up")
+            if self.engine.reads_model_in_place:
+                outputs = run()
+        if not self.engine.reads_model_in_place:
+            outputs = run()
+        output = agent_output_batch(outputs, batch["input_ids"].shape[1], sampling.max_tokens,
+                                    self.tokenizer.pad_token_id)
+        num_sampled = float(sum(sum(output.response_mask) for output in outputs))
+        engine_seconds = phases.times.get("engine", 0.0)
+        output.meta["rollout_metrics"] = agent_metrics(outputs) | {
+            "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
+            "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         return output

@@ -1,0 +1,32 @@
+"""Checks of a dataset's agent rows, run before any model loads (verl falls back to single-turn silently, #2966)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from reinforge.agent.loop import AGENT_LOOPS, agent_name_of
+
+
+def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]) -> None:
+    """Raise one line for the first row that names an unknown loop, needs tools without a tool config,
+    or passes tools_kwargs to a tool the config lacks.
+
+    rows: (where, agent_name, extra_info) per row, ``where`` naming it for a person ("train row 41").
+    """
+    for where, raw_name, extra_info in rows:
+        name = agent_name_of(raw_name)
+        loop_class = AGENT_LOOPS.get(name)
+        if loop_class is None:
+            raise ValueError(f"{where} asks for agent_name={name!r}, which is not a registered agent loop; known: "
+                             f"{', '.join(sorted(AGENT_LOOPS))}; fix the row's agent_name or register the loop")
+        if loop_class.uses_tools and not tools:
+            raise ValueError(f"{where} asks for agent_name={name!r}, which calls tools, but "
+                             "rollout.multi_turn.tool_config_path is not set; point it at a YAML tool config "
+                             "(see docs/agent.md)")
+        tools_kwargs = (extra_info or {}).get("tools_kwargs") if isinstance(extra_info, dict) else None
+        for tool_name in tools_kwargs or {}:
+            if tool_name not in tools:
+                raise ValueError(f"{where} has extra_info.tools_kwargs for {tool_name!r}, which is not in the tool "
+                                 f"config (its tools: {', '.join(sorted(tools)) or 'none'}); fix the name or add "
+                                 "the tool")

@@ -1,0 +1,155 @@
+"""The actor-rollout worker runs agent rows as multi-turn trajectories, on both engines, and trains on them.
+
+The tiny model is random, so it never writes a Hermes call: these tests register a parser
+that reads every assistant turn as a call to ``echo`` with the turn's first characters, and
+stop turns at any lowercase letter (rollout.stop_token_ids) so that they are short. The tool
+turns are then real: rendered by the chat template, appended with response_mask 0.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from reinforge.agent import TOOL_PARSERS, ToolCall, register_tool_parser
+from reinforge.config.schema import Config
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
+from reinforge.workers.actor_rollout import ActorRolloutWorker
+
+TOOLS_PY = '''
+def echo(text: str) -> str:
+    """Echo the text.
+
+    Args:
+        text: The text.
+    """
+    return "echo:" + text
+'''
+
+LETTER_IDS = [3 + byte for byte in range(ord("a"), ord("z") + 1)]
+
+
+@pytest.fixture(autouse=True)
+def every_turn_calls_echo():
+    @register_tool_parser("test_every_turn")
+    class EveryTurn:
+        def parse(self, text):
+            return [ToolCall("echo", {"text": text[:4]})]
+
+    yield
+    del TOOL_PARSERS["test_every_turn"]
+
+
+@pytest.fixture
+def tool_config(tmp_path):
+    (tmp_path / "echo_tools.py").write_text(TOOLS_PY)
+    path = tmp_path / "tools.yaml"
+    path.write_text(f"tools:\n  - class_name: {tmp_path / 'echo_tools.py'}:echo\n")
+    return path
+
+
+def agent_config(model_dir, tool_config, backend: str) -> Config:
+    config = Config()
+    config.model.path = str(model_dir)
+    config.trainer.device = "cpu"
+    config.rollout.name = backend
+    config.rollout.stop_token_ids = LETTER_IDS
+    config.data.max_prompt_length, config.data.max_response_length = 32, 160
+    config.rollout.multi_turn.tool_config_path = str(tool_config)
+    config.rollout.multi_turn.format = "test_every_turn"
+    config.rollout.multi_turn.max_assistant_turns = 3
+    return config
+
+
+def prompt_batch(tokenizer, rows: int = 4, samples: int = 2) -> Batch:
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"{i}+{i}"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for i in range(rows)]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((rows, width), tokenizer.pad_token_id)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    batch = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask},
+                            non_tensors={"uid": [f"u{i}" for i in range(rows)], "agent_name": ["tool_agent"] * rows,
+                                         "extra_info": [{}] * rows, "raw_prompt": [None] * rows})
+    return batch.repeat(samples, interleave=True)
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_agent_rows_become_trajectories_whose_log_probs_the_trainer_reproduces(tiny_model_dir, tool_config, backend):
+    worker = ActorRolloutWorker(agent_config(tiny_model_dir, tool_config, backend), total_training_steps=1)
+    batch = prompt_batch(worker.tokenizer)
+    output = worker.generate(batch, SamplingParams(max_tokens=160, temperature=1.0), seed=5)
+    mask, in_response = output["response_mask"], output["attention_mask"][:, output["prompts"].shape[1]:]
+    turns = output["num_turns"]
+    assert all(2 <= t <= 6 for t in turns) and any(t > 2 for t in turns)
+    assert torch.all(mask <= in_response)
+    assert (in_response.float() - mask).sum() > 0  # tool tokens: in the response, not sampled
+    assert torch.all(output["rollout_log_probs"][mask == 0] == 0)
+    metrics = output.meta["rollout_metrics"]
+    assert metrics["agent/num_tool_calls/mean"] > 0 and "timing_s/agent_loop/tool_calls/max" in metrics
+    assert "num_turns/mean" in metrics and metrics["rollout/tokens_per_s"] > 0
+    # every trajectory is one token stream: tool text where the mask is 0, the trainer's log-probs where it is 1
+    texts = worker.tokenizer.batch_decode([row[keep.bool()] for row, keep in
+                                           zip(output["responses"], in_response, strict=True)])
+    assert any("tool\necho:" in text for text in texts)  # the tiny tokenizer's ChatML: <|im_start|>tool\n...
+    scored = worker.compute_log_prob(output)["old_log_probs"]
+    valid = mask.bool()
+    torch.testing.assert_close(scored[valid], output["rollout_log_probs"][valid], atol=2e-4, rtol=1e-4)
+
+
+def test_same_seed_same_trajectories_on_hf(tiny_model_dir, tool_config):
+    worker = ActorRolloutWorker(agent_config(tiny_model_dir, tool_config, "hf"), total_training_steps=1)
+    batch = prompt_batch(worker.tokenizer, rows=2)
+    first = worker.generate(batch, SamplingParams(max_tokens=160), seed=3)
+    second = worker.generate(batch, SamplingParams(max_tokens=160), seed=3)
+    assert torch.equal(first["responses"], second["responses"])
+
+
+def test_training_on_tool_trajectories_end_to_end(tiny_model_dir, tool_config, tmp_path):
+    from reinforge.cli import main
+
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": f"{i}+{i}"}], "agent_name": "tool_agent",
+             "reward_model": {"ground_truth": str(2 * i)}, "extra_info": {}} for i in range(8)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(solution_str, ground_truth, **kwargs):\n"
+                      "    return float(solution_str.count('echo:'))\n")  # tool output is in what the scorer sees
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.train_batch_size=4",
+            "data.max_prompt_length=32", "data.max_response_length=160", "rollout.n=2",
+            f"rollout.stop_token_ids=[{','.join(map(str, LETTER_IDS))}]",
+            f"rollout.multi_turn.tool_config_path={tool_config}", "rollout.multi_turn.format=test_every_turn",
+            "rollout.multi_turn.max_assistant_turns=3", f"reward.custom_function={scorer}:compute_score",
+            "reward.num_workers=0", f"trainer.output_dir={run_dir}", "trainer.loggers=[jsonl]",
+            "trainer.total_steps=2", "trainer.val_before_train=false", "trainer.device=cpu"]
+    assert main(["train", *args]) == 0
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    for row in metrics:
+        assert row["num_turns/mean"] > 2 and row["agent/num_tool_calls/mean"] > 0
+        assert row["critic/score/max"] >= 1  # the scorer saw tool output
+        assert row["actor/pg_loss"] == row["actor/pg_loss"]  # not NaN
+
+
+def test_unknown_agent_and_missing_tool_config_fail_before_training(tiny_model_dir, tmp_path, capsys):
+    from reinforge.cli import main
+
+    def run_with(agent_name: str, *extra: str) -> str:
+        data = tmp_path / f"{agent_name}.jsonl"
+        data.write_text(json.dumps({"data_source": "x", "prompt": [{"role": "user", "content": "1+1"}],
+                                    "agent_name": agent_name, "reward_model": {"ground_truth": "2"}}) + "\n")
+        assert main(["train", f"model.path={tiny_model_dir}", f"data.train_files=[{data}]",
+                     "data.train_batch_size=1", "rollout.n=2", f"trainer.output_dir={tmp_path / 'run'}",
+                     "trainer.device=cpu", *extra]) != 0
+        return capsys.readouterr().err
+
+    assert ("train row 0 asks for agent_name='tool_agnt', which is not a registered agent loop; known: "
+            "single_turn, tool_agent" in run_with("tool_agnt"))
+    assert ("train row 0 asks for agent_name='tool_agent', which calls tools, but "
+            "rollout.multi_turn.tool_config_path is not set" in run_with("tool_agent"))
