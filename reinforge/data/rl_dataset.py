@@ -46,7 +46,8 @@ class PromptExample:
     extra_info: dict[str, Any] = field(default_factory=dict)
     ability: str | None = None
     columns: dict[str, Any] = field(default_factory=dict)
-    """The row's columns beside the verl schema's (prompt, data_source, ability, reward_model, extra_info) and agent_name."""
+    """The row's columns beside the verl schema's (prompt, data_source, ability, reward_model, extra_info)
+    and agent_name."""
     agent_name: str | None = None
     """The agent loop of the row (None: single_turn)."""
 

@@ -142,7 +142,7 @@ def test_unknown_agent_and_missing_tool_config_fail_before_training(tiny_model_d
 
     def run_with(agent_name: str, *extra: str) -> str:
         data = tmp_path / f"{agent_name}.jsonl"
-        data.write_text(json.dumps({"data_source": "x", "prompt": [{"role": "user", "content": "1+1"}],
+        data.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1"}],
                                     "agent_name": agent_name, "reward_model": {"ground_truth": "2"}}) + "\n")
         assert main(["train", f"model.path={tiny_model_dir}", f"data.train_files=[{data}]",
                      "data.train_batch_size=1", "rollout.n=2", f"trainer.output_dir={tmp_path / 'run'}",
