@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -237,8 +237,6 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     logits = rows * shape.vocab_size * dtype_bytes
     update["logits"] = logits if logits <= settings.logits_buffer_gib * GiB else (
         LOGITS_CHUNK_ROWS * shape.vocab_size * (2 * dtype_bytes + 8))
-    if not settings.optimizer_offload and not settings.param_offload:
-        update["optimizer step"] = 0.0  # fused AdamW updates in place
     if settings.keep_rollout_memory:
         update["rollout weight copy"] = engine_weights
         update["kv cache"] = kv_cache
@@ -281,7 +279,6 @@ class MemoryPlan:
     host: dict[str, float]
     gpu_budget: float
     host_budget: float
-    notes: list[str] = field(default_factory=list)
 
     @property
     def peak(self) -> tuple[str, float]:
@@ -302,7 +299,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         phase, peak = self.peak
-        lines = [f"memory plan: peak {peak / GiB:.1f} of {self.gpu_budget / GiB:.1f} GiB on the device ({phase}), "
+        lines = [f"memory plan: peak {peak / GiB:.1f} of {self.gpu_budget / GiB:.1f} usable GiB on the device ({phase}), "
                  f"host {self.host_total / GiB:.1f} of {self.host_budget / GiB:.1f} GiB"]
         for name, key in SETTING_KEYS.items():
             value = getattr(self.settings, name)
@@ -313,7 +310,6 @@ class MemoryPlan:
                      + f", overhead {OVERHEAD_BYTES / GiB:.1f} GiB")
         if self.host:
             lines.append("  host: " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in self.host.items()) + " GiB")
-        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -321,8 +317,6 @@ def _config_value(name: str, value: Any) -> Any:
     """How a setting reads in the config (free_cache_engine is the negation of keeping the memory)."""
     if name == "keep_rollout_memory":
         return not value
-    if name == "checkpoint_layers":
-        return value
     if name == "kv_cache_gib" and not value:
         return "all seqs"
     return value

@@ -140,7 +140,7 @@ def test_reinforge_plan_on_a_machine_without_the_gpu(seven_b_folder, capsys):
     assert main(["plan", f"model.path={seven_b_folder}", "data.train_batch_size=64", "data.max_prompt_length=128",
                  "data.max_response_length=512", "--gpu-memory-gib", "139", "--host-memory-gib", "128"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("memory plan: peak") and "of 130.7 GiB" in out
+    assert out.startswith("memory plan: peak") and "of 130.7 usable GiB" in out
     assert main(["plan", f"model.path={seven_b_folder}", "data.train_batch_size=64", "--gpu-memory-gib", "16",
                  "--host-memory-gib", "128"]) == 1
     err = capsys.readouterr().err.strip()
