@@ -14,15 +14,20 @@ what is left is elementwise work that eager PyTorch does one pass per op.
   kernel on CUDA, read and written once), which the compiled layer calls instead of inductor's
   kernels for transformers' expression.
 
-Only modules known to compute exactly this are swapped (by class name and attributes);
-anything else keeps its own forward. Without ``compile`` the swapped forwards run eagerly,
-which is how the CPU tests check them against the originals.
+Each supported architecture has one ``ArchitectureAdapter`` in ``ADAPTERS``, keyed by the HF
+config's ``model_type``: the transformers classes of its attention, RMSNorm and gated MLP, whose
+forwards are swapped (instances of exactly those classes, nothing found by name). A model of
+another architecture is refused with a clear error by ``architecture_adapter``, before any
+module is touched. Without ``compile`` the swapped forwards run eagerly, which is how the CPU
+tests check them against the originals.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +36,45 @@ from torch import Tensor, nn
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 
-ATTENTION_CLASSES = frozenset({"Qwen2Attention", "Qwen3Attention", "LlamaAttention", "MistralAttention"})
-RMS_NORM_CLASSES = frozenset({"Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm"})
-GATED_MLP_CLASSES = frozenset({"Qwen2MLP", "Qwen3MLP", "LlamaMLP", "MistralMLP"})
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    """The modules of one transformers architecture that the fast path replaces (None: kept as they are).
+
+    Names are of classes in ``transformers.models.<model_type>.modeling_<model_type>``.
+    """
+
+    rms_norm: str
+    """An RMSNorm with ``weight`` and ``variance_epsilon``: float32 statistics, cast back, then the weight."""
+    attention: str | None = None
+    """Attention with q/k/v/o projections (and Qwen3's q/k norms) taking transformers' rotary tables."""
+    gated_mlp: str | None = None
+    """down(silu(gate(x)) * up(x))."""
+
+    def classes(self, model_type: str) -> dict[str, type]:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        names = {"rms_norm": self.rms_norm, "attention": self.attention, "gated_mlp": self.gated_mlp}
+        return {role: getattr(module, name) for role, name in names.items() if name is not None}
+
+
+ADAPTERS: dict[str, ArchitectureAdapter] = {
+    "qwen2": ArchitectureAdapter("Qwen2RMSNorm", "Qwen2Attention", "Qwen2MLP"),
+    "qwen3": ArchitectureAdapter("Qwen3RMSNorm", "Qwen3Attention", "Qwen3MLP"),
+    "llama": ArchitectureAdapter("LlamaRMSNorm", "LlamaAttention", "LlamaMLP"),
+    "mistral": ArchitectureAdapter("MistralRMSNorm", "MistralAttention", "MistralMLP"),
+    "qwen3_moe": ArchitectureAdapter("Qwen3MoeRMSNorm"),
+}
+"""config.model_type -> its adapter: the architectures reinforge trains."""
+
+
+def architecture_adapter(model: nn.Module) -> dict[str, type]:
+    """The classes to swap in ``model`` (a causal LM or its backbone), by role; raises for an unsupported model."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ADAPTERS:
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) is not an architecture reinforge's "
+                         f"packed training passes support; use a model of type {', '.join(sorted(ADAPTERS))}, or "
+                         "add an ArchitectureAdapter for it to reinforge.engine.fused.ADAPTERS")
+    return ADAPTERS[model_type].classes(model_type)
 
 
 def rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -75,23 +116,27 @@ def _mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     return self.down_proj(self._fused_silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-def _is_gated_silu_mlp(module: nn.Module) -> bool:
-    act = type(getattr(module, "act_fn", None)).__name__
-    return (type(module).__name__ in GATED_MLP_CLASSES and act in ("SiLU", "SiLUActivation")
-            and all(isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")))
+def _plain_linears(module: nn.Module, *names: str) -> bool:
+    """Whether these projections are plain ``nn.Linear`` (an adapter-wrapped one keeps the module's own forward)."""
+    return all(isinstance(getattr(module, name, None), nn.Linear) for name in names)
+
+
+def _is_silu(module: nn.Module) -> bool:
+    return type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
 
 
 def fuse_elementwise(model: nn.Module, compile: bool = True) -> int:
-    """Swap the forward of every known RMSNorm and gated-SiLU MLP in ``model``; returns how many."""
+    """Swap the forward of every RMSNorm and gated-SiLU MLP of the model's architecture; returns how many."""
+    classes = architecture_adapter(model)
     norm_fn, mlp_fn = _functions(compile)
     count = 0
     for module in model.modules():
-        name = type(module).__name__
-        if name in RMS_NORM_CLASSES and hasattr(module, "variance_epsilon") and hasattr(module, "weight"):
+        if type(module) is classes["rms_norm"]:
             module._fused_rms_norm = norm_fn
             module.forward = types.MethodType(_norm_forward, module)
             count += 1
-        elif _is_gated_silu_mlp(module):
+        elif (type(module) is classes.get("gated_mlp") and _is_silu(module)
+              and _plain_linears(module, "gate_proj", "up_proj", "down_proj")):
             module._fused_silu_mul = mlp_fn
             module.forward = types.MethodType(_mlp_forward, module)
             count += 1
@@ -121,11 +166,11 @@ def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_e
 
 
 def use_packed_attention_layout(model: nn.Module) -> int:
-    """Swap the forward of every known attention module for ``_packed_attention_forward``; returns how many."""
+    """Swap the forward of every attention module of the model's architecture; returns how many."""
+    attention = architecture_adapter(model).get("attention")
     count = 0
     for module in model.modules():
-        if type(module).__name__ in ATTENTION_CLASSES and all(
-                isinstance(getattr(module, name, None), nn.Linear) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        if type(module) is attention and _plain_linears(module, "q_proj", "k_proj", "v_proj", "o_proj"):
             module._transformers_forward = module.forward
             module.forward = types.MethodType(_packed_attention_forward, module)
             count += 1
@@ -164,6 +209,7 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     layer compiled (not with activation checkpointing, whose recomputation runs the layer
     outside the compiled graph). On the CPU the modules keep transformers' forwards.
     """
+    architecture_adapter(model)  # an unsupported architecture fails here, on every device
     use_varlen_attention(model)
     if device.type != "cuda":
         return

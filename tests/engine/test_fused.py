@@ -46,19 +46,27 @@ def test_bfloat16_norm_casts_back_before_the_weight():
     assert torch.equal(norm(hidden), expected)
 
 
-def test_unknown_modules_keep_their_forward():
-    class OtherRMSNorm(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(4))
-            self.variance_epsilon = 1e-6
+def test_an_unsupported_architecture_is_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-        def forward(self, x):
-            return x * (1 + self.weight)
+    from reinforge.engine.fused import prepare_for_training
 
-    model = torch.nn.Sequential(OtherRMSNorm())
-    assert fuse_elementwise(model, compile=False) == 0
-    assert "forward" not in vars(model[0])
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*qwen2.*ArchitectureAdapter"):
+        prepare_for_training(model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        fuse_elementwise(model, compile=False)
+    assert all("forward" not in vars(module) for module in model.modules())
+
+
+def test_only_the_architectures_own_classes_are_swapped():
+    """A Qwen2 model holding a Llama RMSNorm: only the Qwen2 modules get the fused forward."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+    model.model.extra_norm = LlamaRMSNorm(SIZES["hidden_size"])
+    assert fuse_elementwise(model, compile=False) == 2 * 3 + 1
+    assert "forward" not in vars(model.model.extra_norm)
 
 
 
