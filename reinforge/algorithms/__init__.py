@@ -3,7 +3,11 @@
 Nothing here does I/O or talks to other processes; every function maps tensors to tensors.
 """
 
-from reinforge.algorithms import covariance_policy_losses, sequence_policy_losses  # noqa: F401  (they register)
+from reinforge.algorithms import (  # noqa: F401  (they register)
+    covariance_policy_losses,
+    sequence_policy_losses,
+    token_baseline_advantages,
+)
 from reinforge.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
@@ -11,6 +15,7 @@ from reinforge.algorithms.advantages import (
     register_advantage,
 )
 from reinforge.algorithms.aggregation import LOSS_AGG_MODES, LossNormalizer, aggregate_loss
+from reinforge.algorithms.bypass_policy_loss import BYPASS_LOSS_TYPES, compute_bypass_policy_loss
 from reinforge.algorithms.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATOR_ALIASES,
@@ -31,10 +36,14 @@ from reinforge.algorithms.rollout_correction import (
     compute_importance_weights,
     compute_rejection,
     compute_rollout_correction,
+    normalize_importance_weights,
+    parse_is_threshold,
+    parse_rejection_rules,
 )
 from reinforge.algorithms.value_loss import compute_value_loss
 
 __all__ = [
+    "BYPASS_LOSS_TYPES",
     "ADVANTAGE_ESTIMATORS",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
@@ -51,6 +60,7 @@ __all__ = [
     "build_kl_controller",
     "clip_bounds",
     "compute_advantages",
+    "compute_bypass_policy_loss",
     "compute_importance_weights",
     "compute_policy_loss",
     "compute_rejection",
@@ -64,6 +74,9 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "normalize_importance_weights",
+    "parse_is_threshold",
+    "parse_rejection_rules",
     "register_advantage",
     "register_kl_estimator",
     "register_policy_loss",

@@ -2,13 +2,16 @@
 
 Every estimator returns ``(advantages, returns)``, both (batch, response_len) and 0 at masked
 positions. A sequence's score is the sum of its row of token_level_rewards; samples of one
-prompt share a group id. The formulas follow verl, including its edge cases (GRPO: Bessel
-std, 1e-6 added outside the sqrt, a group of one has mean 0 and std 1). Departures:
+prompt share a group id. The formulas follow verl 0.9.1, including its edge cases (GRPO:
+Bessel std, algorithm.grpo_epsilon (1e-6) added outside the sqrt, a group of one has mean 0
+and std 1). gdpo is GRPO on each of the scorer's named rewards, weighted and summed, then
+whitened; the optimal token baselines live in ``token_baseline_advantages``. Departures:
 
 - REINFORCE++ carries the running return across masked (tool) tokens, as GAE does, instead
   of resetting it there; for single-turn right-padded responses both are identical.
 - Masked positions of advantages and returns are 0 for every estimator (verl leaves GAE's
   and ReMax's non-zero there; no loss reads them).
+- verl's epsilon is a fixed argument; here it is configurable (algorithm.grpo_epsilon).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ if TYPE_CHECKING:
     from reinforge.config.schema import AlgorithmConfig
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
-"""fn(*, token_level_rewards, response_mask, group_ids, config, values, reward_baselines)."""
+"""fn(*, token_level_rewards, response_mask, group_ids, config, values, reward_baselines, old_log_probs,
+sum_pi_squared, rollout_is_weights, reward_components) -> (advantages, returns); an estimator takes the
+keywords it needs and ignores the rest."""
 
 
 @dataclass(frozen=True)
@@ -36,19 +41,19 @@ class AdvantageEstimator:
     """Compares the samples of one prompt, so rollout.n must be 2 or more."""
     needs_critic: bool = False
     """Reads the critic's values, so the critic runs (critic.enable cannot be false)."""
+    needs_sum_pi_squared: bool = False
+    """Reads sum_v pi(v)^2 and the old log-probs, so the actor's log-prob pass runs (also on-policy) and adds it."""
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
-GRPO_EPSILON = 1e-6
-
-
-def register_advantage(name: str, *, needs_groups: bool = False,
-                       needs_critic: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(name: str, *, needs_groups: bool = False, needs_critic: bool = False,
+                       needs_sum_pi_squared: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
     def add(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_groups=needs_groups, needs_critic=needs_critic)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_groups=needs_groups, needs_critic=needs_critic,
+                                                        needs_sum_pi_squared=needs_sum_pi_squared)
         return fn
 
     return add
@@ -63,11 +68,16 @@ def compute_advantages(
     config: AlgorithmConfig,
     values: Tensor | None = None,
     reward_baselines: Tensor | None = None,
+    old_log_probs: Tensor | None = None,
+    sum_pi_squared: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+    reward_components: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run the estimator registered as name. Returns (advantages, returns), each (batch, response_len).
 
-    token_level_rewards, response_mask, values: (batch, response_len); group_ids,
-    reward_baselines: (batch,).
+    token_level_rewards, response_mask, values, old_log_probs, sum_pi_squared,
+    rollout_is_weights: (batch, response_len); group_ids, reward_baselines and each of
+    reward_components (a scorer output by name, for gdpo): (batch,).
     """
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
@@ -84,6 +94,10 @@ def compute_advantages(
         config=config,
         values=values,
         reward_baselines=reward_baselines,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        reward_components=reward_components,
     )
 
 
@@ -133,19 +147,54 @@ def compute_gae_advantages(
     return masked_whiten(advantages, response_mask), returns
 
 
-@register_advantage("grpo", needs_groups=True)
-def compute_grpo_advantages(
-    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig, **_
-) -> tuple[Tensor, Tensor]:
-    """(score - group mean) / (group std + 1e-6); norm_adv_by_std=False drops the std (Dr. GRPO)."""
-    scores = token_level_rewards.sum(dim=-1)
+def _grpo_per_sequence(scores: Tensor, group_ids: Tensor, config: AlgorithmConfig) -> Tensor:
+    """(score - group mean) / (group std + grpo_epsilon), (batch,); a group of one has mean 0 and std 1."""
     means, stds, counts = group_statistics(scores, group_ids)
     singleton = counts == 1
     means = torch.where(singleton, torch.zeros_like(means), means)
     stds = torch.where(singleton, torch.ones_like(stds), stds)
     centered = scores - means
-    per_sequence = centered / (stds + GRPO_EPSILON) if config.norm_adv_by_std else centered
+    return centered / (stds + config.grpo_epsilon) if config.norm_adv_by_std else centered
+
+
+@register_advantage("grpo", needs_groups=True)
+def compute_grpo_advantages(
+    *, token_level_rewards: Tensor, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig, **_
+) -> tuple[Tensor, Tensor]:
+    """(score - group mean) / (group std + grpo_epsilon); norm_adv_by_std=False drops the std (Dr. GRPO)."""
+    per_sequence = _grpo_per_sequence(token_level_rewards.sum(dim=-1), group_ids, config)
     advantages = _broadcast(per_sequence, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("gdpo", needs_groups=True)
+def compute_gdpo_advantages(
+    *, response_mask: Tensor, group_ids: Tensor, config: AlgorithmConfig,
+    reward_components: dict[str, Tensor] | None = None, **_
+) -> tuple[Tensor, Tensor]:
+    """GDPO: GRPO on each reward component by itself, their weighted sum, whitened over the batch's tokens.
+
+    reward_components: {name: (batch,) scores} holding every name of config.gdpo_reward_keys;
+    weights config.gdpo_reward_weights (default 1 each). As in verl, token_level_rewards (and a
+    KL penalty in them) is not used.
+    """
+    keys = list(config.gdpo_reward_keys)
+    if not keys:
+        raise ValueError("adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the names of the scorer's separate "
+                         "rewards (keys of the dict it returns), e.g. algorithm.gdpo_reward_keys=[format,acc]")
+    weights = config.gdpo_reward_weights or [1.0] * len(keys)
+    if len(weights) != len(keys):
+        raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} values for {len(keys)} "
+                         "gdpo_reward_keys; give one weight per key")
+    components = reward_components or {}
+    total = None
+    for key, weight in zip(keys, weights, strict=True):
+        if key not in components:
+            raise ValueError(f"adv_estimator=gdpo: the scorer returned no {key!r} (algorithm.gdpo_reward_keys); "
+                             f"it returned {', '.join(sorted(components)) or 'no extras'}")
+        term = weight * _grpo_per_sequence(components[key].to(torch.float32), group_ids, config)
+        total = term if total is None else total + term
+    advantages = masked_whiten(_broadcast(total, response_mask), response_mask)
     return advantages, advantages
 
 
@@ -166,7 +215,7 @@ def compute_grpo_passk_advantages(
         top_two, top_index = torch.topk(group_scores, 2)
         advantage = top_two[0] - top_two[1]
         if config.norm_adv_by_std:
-            advantage = advantage / (group_scores.std() + GRPO_EPSILON)
+            advantage = advantage / (group_scores.std() + config.grpo_epsilon)
         per_sequence[members[top_index[0]]] = advantage
     advantages = _broadcast(per_sequence, response_mask)
     return advantages, advantages

@@ -1,24 +1,31 @@
 """Rollout correction: the rollout engine's policy is not exactly the trainer's.
 
-With log rho_t = old_log_probs - rollout_log_probs (training over rollout policy, per token):
+With log rho_t = old_log_probs - rollout_log_probs (training over rollout policy, per token),
+as in verl 0.9.1:
 
-- importance weights (TIS): ``token`` uses rho_t, ``sequence`` uses prod_t rho_t on every
-  token of the row; log-weights are bounded to +-20, weights truncated above at
-  rollout_is_threshold, 0 at masked positions, detached.
+- importance weights: ``token`` uses rho_t, ``sequence`` uses prod_t rho_t (over valid tokens)
+  on every token of the row; log-weights are bounded to +-20. A threshold "hi" truncates the
+  weights above hi (TIS); "lo_hi" keeps them unchanged inside [lo, hi] and sets them to 0
+  outside (IcePop). ``rollout_is_batch_normalize`` then divides them by their mean (over valid
+  tokens, or over sequences at sequence level) so that they average 1. 0 at masked
+  positions, detached.
 - rejection (MIS-style masking), a comma list, every rule must pass to keep a token:
   ``token_kX`` judges each token, ``seq_sum_kX``/``seq_mean_kX``/``seq_max_kX`` the sum, mean
-  or max over a row and keep or drop the whole row. k1 rules bound the ratio (rho, prod rho,
-  or the geometric mean) to [1/threshold, threshold]; k2 = (log rho)^2 / 2 and
-  k3 = rho - 1 - log rho (an estimate of KL(rollout || training)) are bounded above.
+  or max over a row and keep or drop the whole row; the statistics use log rho bounded to
+  +-20. k1 = -log rho, and its bounds apply to exp(k1) (pi_rollout / pi_train, verl's
+  convention): "hi" keeps [1/hi, hi], "lo_hi" keeps [lo, hi]. k2 = (log rho)^2 / 2 and
+  k3 = rho - 1 - log rho (estimates of KL(rollout || training)) are bounded above. A
+  threshold list "0.3,0.8_1.25" gives each rule its own threshold, in order; one value serves
+  every rule.
 
-As in verl; departure: one rollout_rs_threshold serves every rule (verl accepts one per rule
-and "lower_upper" strings), since our config holds a single float. Bypass mode (old log-probs
-= rollout log-probs) is the trainer's choice; here it simply yields weights of 1.
+Bypass mode (old log-probs = rollout log-probs) corrects inside the loss instead, with the
+current log-probs: see ``bypass_policy_loss``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,6 +53,79 @@ ROLLOUT_RS_RULES = (
 )
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """An optional lower and an upper bound, both positive."""
+
+    lower: float | None
+    upper: float
+
+
+def _positive_number(text: str, key: str, spec: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise ValueError(f"{key}={spec!r} holds {text!r}, which is not a positive number; "
+                         "write a number such as 2.0, or lower_upper such as 0.5_5.0")
+    return value
+
+
+def _parse_bounds(spec: str, key: str, allow_lower: bool) -> Bounds:
+    spec = spec.strip()
+    if "_" not in spec:
+        return Bounds(None, _positive_number(spec, key, spec))
+    if not allow_lower:
+        raise ValueError(f"{key}={spec!r}: this rule takes one upper bound, not lower_upper; write e.g. 0.3")
+    lower_text, upper_text = spec.split("_", 1)
+    bounds = Bounds(_positive_number(lower_text, key, spec), _positive_number(upper_text, key, spec))
+    if bounds.lower > bounds.upper:
+        raise ValueError(f"{key}={spec!r} has its lower bound above its upper bound; write lower_upper, e.g. 0.5_5.0")
+    return bounds
+
+
+def parse_is_threshold(spec: str | float) -> Bounds:
+    """rollout_is_threshold: "2.0" (truncate above 2) or "0.5_5.0" (IcePop: zero outside [0.5, 5])."""
+    return _parse_bounds(str(spec), "algorithm.rollout_correction.rollout_is_threshold", allow_lower=True)
+
+
+def parse_rejection_rules(rollout_rs: str | None, threshold: str | float = 2.0) -> dict[str, Bounds]:
+    """'token_k1, seq_mean_k3' with '0.8_1.25,0.3' -> {rule: its bounds}; None or '' -> {}.
+
+    k1 rules get lower = 1 / upper when only the upper bound is given.
+    """
+    if not rollout_rs:
+        return {}
+    rules = list(dict.fromkeys(rule.strip() for rule in rollout_rs.split(",") if rule.strip()))
+    for rule in rules:
+        if rule not in ROLLOUT_RS_RULES:
+            raise ValueError(
+                f"algorithm.rollout_correction.rollout_rs has unknown rule {rule!r}; use any of {', '.join(ROLLOUT_RS_RULES)}"
+            )
+    specs = [part for part in str(threshold).split(",") if part.strip()]
+    if len(specs) == 1:
+        specs = specs * len(rules)
+    if len(specs) != len(rules):
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_rs_threshold={threshold!r} has {len(specs)} values for "
+            f"{len(rules)} rules ({', '.join(rules)}); give one value for all, or one per rule in the same order"
+        )
+    parsed = {}
+    for rule, spec in zip(rules, specs, strict=True):
+        is_k1 = rule.endswith("k1")
+        bounds = _parse_bounds(spec, f"algorithm.rollout_correction.rollout_rs_threshold ({rule})", allow_lower=is_k1)
+        if is_k1 and bounds.lower is None:
+            if bounds.upper < 1.0:
+                raise ValueError(
+                    f"algorithm.rollout_correction.rollout_rs_threshold={spec.strip()} must be at least 1 for {rule}, "
+                    "which keeps ratios in [1/threshold, threshold]; or write lower_upper, e.g. 0.8_1.25"
+                )
+            bounds = Bounds(1.0 / bounds.upper, bounds.upper)
+        parsed[rule] = bounds
+    return parsed
+
+
 def compute_rollout_correction(
     old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, config: RolloutCorrectionConfig
 ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
@@ -60,15 +140,20 @@ def compute_rollout_correction(
 
     weights = None
     if config.rollout_is is not None:
-        weights = compute_importance_weights(log_ratio, valid, config.rollout_is, config.rollout_is_threshold)
-        metrics.update(_weight_metrics(weights, log_ratio, valid, config))
+        bounds = parse_is_threshold(config.rollout_is_threshold)
+        weights = compute_importance_weights(log_ratio, valid, config.rollout_is, bounds)
+        metrics.update(_weight_metrics(weights, log_ratio, valid, config.rollout_is, bounds))
+        if config.rollout_is_batch_normalize:
+            weights, factor = normalize_importance_weights(weights, valid, config.rollout_is)
+            metrics["rollout_corr/rollout_is_batch_norm_factor"] = factor
 
     keep_mask = valid.clone()
-    for rule in parse_rejection_rules(config.rollout_rs):
-        rejected = compute_rejection(rule, log_ratio, valid, config.rollout_rs_threshold)
+    rules = parse_rejection_rules(config.rollout_rs, config.rollout_rs_threshold)
+    for rule, bounds in rules.items():
+        rejected = compute_rejection(rule, log_ratio, valid, bounds)
         metrics[f"rollout_corr/rollout_rs_{rule}_masked_fraction"] = masked_mean(rejected.float(), valid).item()
         keep_mask &= ~rejected
-    if config.rollout_rs:
+    if rules:
         rejected = valid & ~keep_mask
         has_tokens = valid.any(dim=-1)
         metrics["rollout_corr/rollout_rs_masked_fraction"] = masked_mean(rejected.float(), valid).item()
@@ -78,44 +163,63 @@ def compute_rollout_correction(
     return weights, keep_mask.to(old_log_probs.dtype), metrics
 
 
-def compute_importance_weights(log_ratio: Tensor, valid: Tensor, level: str, threshold: float) -> Tensor:
-    """Truncated importance weights min(rho, threshold), per token or per sequence; 0 when masked."""
+def compute_importance_weights(log_ratio: Tensor, valid: Tensor, level: str, bounds: Bounds | float) -> Tensor:
+    """Per-token or per-sequence weights exp(log rho), truncated (TIS) or zeroed outside (IcePop).
+
+    log_ratio, valid: (batch, response_len); masked log-ratios are ignored (also when summing a
+    sequence). bounds: a Bounds, or a float upper bound. Returns (batch, response_len), 0 at
+    masked positions, detached.
+    """
+    if not isinstance(bounds, Bounds):
+        bounds = Bounds(None, float(bounds))
+    valid = valid.bool()
+    log_ratio = torch.where(valid, log_ratio.detach(), torch.zeros_like(log_ratio))
     if level == "token":
         log_weights = log_ratio
     elif level == "sequence":
         log_weights = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
     else:
         raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r} is unknown; use token, sequence or null")
-    weights = torch.exp(log_weights.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)).clamp(max=threshold)
+    weights = torch.exp(log_weights.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
+    if bounds.lower is None:
+        weights = weights.clamp(max=bounds.upper)
+    else:
+        inside = (weights >= bounds.lower) & (weights <= bounds.upper)
+        weights = torch.where(inside, weights, torch.zeros_like(weights))
     return torch.where(valid, weights, torch.zeros_like(weights))
 
 
-def parse_rejection_rules(rollout_rs: str | None) -> list[str]:
-    """'token_k1, seq_mean_k3' -> ['token_k1', 'seq_mean_k3']; None or '' -> []."""
-    if not rollout_rs:
-        return []
-    rules = [rule.strip() for rule in rollout_rs.split(",") if rule.strip()]
-    for rule in rules:
-        if rule not in ROLLOUT_RS_RULES:
-            raise ValueError(
-                f"algorithm.rollout_correction.rollout_rs has unknown rule {rule!r}; use any of {', '.join(ROLLOUT_RS_RULES)}"
-            )
-    return rules
+def normalize_importance_weights(weights: Tensor, valid: Tensor, level: str) -> tuple[Tensor, float]:
+    """Weights over their mean (valid tokens, or sequences at sequence level) and that mean.
 
-
-def compute_rejection(rule: str, log_ratio: Tensor, valid: Tensor, threshold: float) -> Tensor:
-    """Bool (batch, response_len): True at valid tokens the rule rejects."""
-    level, estimator = rule.rsplit("_", 1)
-    if estimator == "k1":
-        if threshold <= 1.0:
-            raise ValueError(
-                f"rollout_rs_threshold={threshold} must exceed 1 for {rule}, which keeps ratios in [1/threshold, threshold]"
-            )
-        divergence = log_ratio
-    elif estimator == "k2":
-        divergence = 0.5 * log_ratio.square()
+    A mean of 1e-8 or less leaves the weights as they are (factor 1).
+    """
+    valid = valid.bool()
+    if level == "sequence":
+        has_tokens = valid.any(dim=-1)
+        mean = masked_mean(masked_mean(weights, valid, dim=-1), has_tokens)
     else:
-        bounded = log_ratio.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+        mean = masked_mean(weights, valid)
+    if mean.item() <= 1e-8:
+        return weights, 1.0
+    return weights / mean, mean.item()
+
+
+def compute_rejection(rule: str, log_ratio: Tensor, valid: Tensor, bounds: Bounds | float) -> Tensor:
+    """Bool (batch, response_len): True at valid tokens the rule rejects.
+
+    bounds: a Bounds (from parse_rejection_rules), or a float (k1: keeps [1/x, x]; k2, k3: upper bound).
+    """
+    level, estimator = rule.rsplit("_", 1)
+    if not isinstance(bounds, Bounds):
+        bounds = Bounds(1.0 / bounds if estimator == "k1" else None, float(bounds))
+    valid = valid.bool()
+    bounded = torch.where(valid, log_ratio, torch.zeros_like(log_ratio)).clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
+    if estimator == "k1":
+        divergence = -bounded
+    elif estimator == "k2":
+        divergence = 0.5 * bounded.square()
+    else:
         divergence = torch.exp(bounded) - 1.0 - bounded
     divergence = torch.where(valid, divergence, torch.zeros_like(divergence))
 
@@ -129,9 +233,9 @@ def compute_rejection(rule: str, log_ratio: Tensor, valid: Tensor, threshold: fl
         statistic = torch.where(valid, divergence, torch.full_like(divergence, -torch.inf)).amax(dim=-1, keepdim=True)
 
     if estimator == "k1":
-        rejected = statistic.abs() > math.log(threshold)
+        rejected = (statistic < math.log(bounds.lower)) | (statistic > math.log(bounds.upper))
     else:
-        rejected = statistic > threshold
+        rejected = statistic > bounds.upper
     return rejected.expand_as(valid) & valid
 
 
@@ -150,22 +254,25 @@ def _divergence_metrics(
     }
 
 
-def _weight_metrics(
-    weights: Tensor, log_ratio: Tensor, valid: Tensor, config: RolloutCorrectionConfig
-) -> dict[str, float]:
+def _weight_metrics(weights: Tensor, log_ratio: Tensor, valid: Tensor, level: str, bounds: Bounds) -> dict[str, float]:
+    """Statistics of the applied weights (before batch normalisation), and how many left the bounds."""
     mean = masked_mean(weights, valid)
     second_moment = masked_mean(weights.square(), valid)
     valid_weights = weights[valid]
-    if config.rollout_is == "sequence":
+    if level == "sequence":
         raw_log_weights = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
     else:
         raw_log_weights = log_ratio
-    truncated = raw_log_weights > math.log(config.rollout_is_threshold)
-    return {
+    above = raw_log_weights > math.log(bounds.upper)
+    metrics = {
         "rollout_corr/rollout_is_mean": mean.item(),
         "rollout_corr/rollout_is_max": valid_weights.max().item() if valid_weights.numel() else 0.0,
         "rollout_corr/rollout_is_min": valid_weights.min().item() if valid_weights.numel() else 0.0,
         "rollout_corr/rollout_is_std": (second_moment - mean.square()).clamp_min(0).sqrt().item(),
         "rollout_corr/rollout_is_eff_sample_size": (mean.square() / second_moment.clamp_min(1e-12)).item(),
-        "rollout_corr/rollout_is_truncated_fraction": masked_mean(truncated.float(), valid).item(),
+        "rollout_corr/rollout_is_truncated_fraction": masked_mean(above.float(), valid).item(),
     }
+    if bounds.lower is not None:
+        outside = above | (raw_log_weights < math.log(bounds.lower))
+        metrics["rollout_corr/rollout_is_oob_ratio"] = masked_mean(outside.float(), valid).item()
+    return metrics

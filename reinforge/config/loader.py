@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,23 @@ from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
 
 T = TypeVar("T")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1 reads 0.5_5 as the number 0.55 and 1_0 as 10; here a plain value with an underscore
+    stays text, so "lo_hi" thresholds (rollout_is_threshold=0.5_5) keep their meaning. A number
+    field still converts such text (1_000 -> 1000)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, re.compile(r"(?!.*_)" + regexp.pattern, regexp.flags) if tag.endswith((":int", ":float")) else regexp)
+            for tag, regexp in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _load_yaml(text: Any) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -107,7 +125,7 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. actor.optim.lr=1e-6")
         key, raw = item.split("=", 1)
         key = key.strip().lstrip("+")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml(raw) if raw.strip() else ""
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:
@@ -152,7 +170,7 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
             raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
         with open(path) as handle:
             try:
-                file_tree = yaml.safe_load(handle) or {}
+                file_tree = _load_yaml(handle) or {}
             except yaml.YAMLError as error:
                 raise ConfigError(f"{path} is not valid YAML: {error}") from error
         if not isinstance(file_tree, Mapping):

@@ -276,13 +276,23 @@ class KLControlConfig:
 @dataclass
 class RolloutCorrectionConfig:
     rollout_is: Optional[str] = None
-    """None, token or sequence: truncated importance weights rollout -> training policy."""
-    rollout_is_threshold: float = 2.0
+    """None, token or sequence: importance weights pi_train / pi_rollout per token, or their product per row."""
+    rollout_is_threshold: str = "2.0"
+    """One number truncates the weights above it (TIS); "lo_hi" (e.g. "0.5_5.0") sets weights outside
+    [lo, hi] to 0 (IcePop). A number in YAML or on the command line is read as its text."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their batch mean (over valid tokens, or over sequences at sequence level)."""
     rollout_rs: Optional[str] = None
     """Comma list of rejection rules (token_k1, seq_mean_k3, ...); None disables."""
-    rollout_rs_threshold: float = 2.0
+    rollout_rs_threshold: str = "2.0"
+    """One threshold for every rule, or one per rule in rollout_rs's order ("0.3,0.8_1.25"). k1 rules bound
+    pi_rollout / pi_train: "hi" keeps [1/hi, hi], "lo_hi" keeps [lo, hi]; k2 and k3 rules take an upper bound."""
     bypass_mode: bool = False
-    """Use the rollout log-probs as old log-probs (skip the recomputation)."""
+    """Use the rollout log-probs as old log-probs (skip the recomputation); the correction then runs inside
+    the loss, with the current log-probs (see loss_type)."""
+    loss_type: str = "ppo_clip"
+    """Loss of bypass mode: ppo_clip (PPO's clip of pi / pi_rollout, no extra weights; actor.policy_loss.loss_mode
+    must be vanilla) or reinforce (-w A log pi with w the rollout_is weights, 1 when rollout_is is null)."""
 
 
 @dataclass
@@ -305,6 +315,12 @@ class AlgorithmConfig:
     lam: float = 1.0
     norm_adv_by_std: bool = True
     """GRPO divides by the group std; False gives Dr. GRPO."""
+    grpo_epsilon: float = 1e-6
+    """Added to the group std before dividing (grpo, grpo_passk, gdpo)."""
+    gdpo_reward_keys: list[str] = field(default_factory=list)
+    """gdpo: the scorer's extra outputs (its returned dict's keys) normalised one by one, e.g. [format, acc]."""
+    gdpo_reward_weights: Optional[list[float]] = None
+    """gdpo: one weight per key of gdpo_reward_keys; None weighs them all 1."""
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     """KL estimator of the in-reward penalty."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    BYPASS_LOSS_TYPES,
     KL_CONTROLLERS,
     KL_ESTIMATOR_ALIASES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     ROLLOUT_IS_LEVELS,
+    parse_is_threshold,
+    parse_rejection_rules,
 )
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config, OptimConfig, RunConfig
@@ -174,8 +177,7 @@ def validate_config(config: Config) -> None:
                           "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
-    if algorithm.rollout_correction.rollout_is is not None:
-        _choice("algorithm.rollout_correction.rollout_is", algorithm.rollout_correction.rollout_is, ROLLOUT_IS_LEVELS)
+    _validate_algorithm(config)
     _check_dapo(config)
 
 
@@ -223,3 +225,38 @@ def _check_memory_settings(config: Config) -> None:
                           "memory planner size the KV cache")
     if config.trainer.gpu_memory_gib is not None and config.trainer.gpu_memory_gib <= 0:
         raise ConfigError(f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib} must be positive (or null)")
+
+
+def _validate_algorithm(config: Config) -> None:
+    """GRPO's epsilon, gdpo's reward keys, rollout-correction thresholds and bypass mode."""
+    algorithm, correction = config.algorithm, config.algorithm.rollout_correction
+    if not algorithm.grpo_epsilon > 0:
+        raise ConfigError(f"algorithm.grpo_epsilon={algorithm.grpo_epsilon} must be positive (it keeps a group with "
+                          "equal scores from dividing by 0); 1e-6 is usual")
+    if algorithm.adv_estimator == "gdpo":
+        if not algorithm.gdpo_reward_keys:
+            raise ConfigError("algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys, the names of the "
+                              "scorer's separate rewards (keys of the dict it returns), e.g. [format,acc]")
+        weights = algorithm.gdpo_reward_weights
+        if weights is not None and len(weights) != len(algorithm.gdpo_reward_keys):
+            raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} values for "
+                              f"{len(algorithm.gdpo_reward_keys)} gdpo_reward_keys; give one weight per key")
+    if correction.rollout_is is not None:
+        _choice("algorithm.rollout_correction.rollout_is", correction.rollout_is, ROLLOUT_IS_LEVELS)
+    _choice("algorithm.rollout_correction.loss_type", correction.loss_type, BYPASS_LOSS_TYPES)
+    try:
+        parse_is_threshold(correction.rollout_is_threshold)
+        parse_rejection_rules(correction.rollout_rs, correction.rollout_rs_threshold)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    if correction.bypass_mode:
+        if config.actor.policy_loss.loss_mode != "vanilla":
+            raise ConfigError(
+                f"algorithm.rollout_correction.bypass_mode=true computes the loss named by "
+                f"algorithm.rollout_correction.loss_type={correction.loss_type}, so "
+                f"actor.policy_loss.loss_mode={config.actor.policy_loss.loss_mode} would be ignored; "
+                "set actor.policy_loss.loss_mode=vanilla or bypass_mode=false")
+        if ADVANTAGE_ESTIMATORS[algorithm.adv_estimator].needs_sum_pi_squared:
+            raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the old policy's "
+                              "sum of pi^2 from a log-prob pass, which algorithm.rollout_correction.bypass_mode=true "
+                              "skips; set bypass_mode=false")

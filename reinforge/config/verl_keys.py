@@ -334,6 +334,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.policy_loss.clip_cov_ub": Rename("actor.policy_loss.clip_cov_ub"),
     f"{_ACTOR}.policy_loss.kl_cov_ratio": Rename("actor.policy_loss.kl_cov_ratio"),
     f"{_ACTOR}.policy_loss.ppo_kl_coef": Rename("actor.policy_loss.ppo_kl_coef"),
+    f"{_ACTOR}.policy_loss.dro_beta": Rename("actor.policy_loss.dro_beta"),
     f"{_ACTOR}.fsdp_config.param_offload": Rename("actor.param_offload", _only_if_true),
     f"{_ACTOR}.fsdp_config.optimizer_offload": Rename("actor.optimizer_offload", _only_if_true),
     f"{_ACTOR}.fsdp_config.offload_policy": Rename("actor.param_offload", _only_if_true),
@@ -346,8 +347,10 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.calculate_entropy": NoEquivalent("the entropy is always computed and logged (actor/entropy)"),
     f"{_ACTOR}.entropy_from_logits_with_chunking": NoEquivalent("entropy is computed with the fused log-prob pass"),
     f"{_ACTOR}.entropy_checkpointing": NoEquivalent("entropy is computed with the fused log-prob pass"),
-    f"{_ACTOR}.calculate_sum_pi_squared": NoEquivalent("no estimator here needs it"),
-    f"{_ACTOR}.sum_pi_squared_checkpointing": NoEquivalent("no estimator here needs it"),
+    f"{_ACTOR}.calculate_sum_pi_squared": NoEquivalent("the log-prob pass adds sum_pi_squared by itself when "
+                                                       "algorithm.adv_estimator is an optimal token baseline"),
+    f"{_ACTOR}.sum_pi_squared_checkpointing": NoEquivalent("sum_pi_squared comes from the scoring pass, which "
+                                                           "keeps no activations"),
     f"{_ACTOR}.use_torch_compile": COMPILE,
     f"{_ACTOR}.use_fused_kernels": NoEquivalent("log-probs are always fused with the output projection"),
     f"{_ACTOR}.use_remove_padding": ALWAYS_PADDING_FREE,
@@ -492,9 +495,11 @@ VERL_KEYS: dict[str, Translation] = {
     "algorithm.rollout_correction.rollout_rs_threshold": Rename("algorithm.rollout_correction.rollout_rs_threshold",
                                                                 _unset_if(None)),
     "algorithm.rollout_correction.bypass_mode": Rename("algorithm.rollout_correction.bypass_mode"),
-    "algorithm.rollout_correction.loss_type": NoEquivalent("bypass mode here keeps the configured policy loss"),
-    "algorithm.rollout_correction.rollout_is_batch_normalize": NoEquivalent("importance weights are truncated, "
-                                                                            "not normalised over the batch"),
+    "algorithm.rollout_correction.loss_type": Rename("algorithm.rollout_correction.loss_type"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": Rename(
+        "algorithm.rollout_correction.rollout_is_batch_normalize"),
+    "algorithm.gdpo_reward_keys": Rename("algorithm.gdpo_reward_keys", _unset_if(None)),
+    "algorithm.gdpo_reward_weights": Rename("algorithm.gdpo_reward_weights"),
     "algorithm.use_pf_ppo": SameAsOurs((False,), "reinforge has no PF-PPO resampling"),
     "algorithm.pf_ppo.*": NoEquivalent("reinforge has no PF-PPO resampling"),
     "algorithm.filter_groups.enable": Rename("algorithm.filter_groups.enable"),

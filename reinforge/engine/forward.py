@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from reinforge.engine.attention import NAME as ATTENTION_NAME
 from reinforge.engine.attention import flash_applies, flash_runs_shared_segments
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
-from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs
+from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
 from reinforge.protocol import Batch
@@ -59,11 +59,13 @@ def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype) -> dict:
 
 
 def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0, with_entropy: bool = False,
-                       max_logits_bytes: int = MAX_LOGITS_BYTES) -> tuple[Tensor, Tensor | None]:
+                       max_logits_bytes: int = MAX_LOGITS_BYTES,
+                       with_sum_pi_squared: bool = False) -> tuple[Tensor, ...]:
     """Log-prob of each response token (B, R) and, if asked, the entropy at each position; float32.
 
     Logits of at most ``max_logits_bytes`` are kept for the backward (``engine.log_probs``; the memory
     planner's ``actor.logits_buffer_gib``), larger ones are recomputed chunk by chunk.
+    with_sum_pi_squared (scoring only, no grad) adds a third output, sum_v pi(v)^2 at each position.
 
     ``model`` is a causal LM; its last hidden state over the packed row is caught by a hook on
     its decoder, and the output projection runs fused with the log-softmax.
@@ -83,6 +85,10 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
         hook.remove()
     hidden = captured[-1][0, packed.predictor_index]
     weight = model.get_output_embeddings().weight
+    if with_sum_pi_squared:
+        outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, packed.response_targets,
+                                                      temperature, max_logits_bytes=max_logits_bytes)
+        return tuple(unpack_responses(output, packed) for output in outputs)
     log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature,
                                           max_logits_bytes=max_logits_bytes)
     return (unpack_responses(log_probs, packed),

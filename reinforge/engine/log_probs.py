@@ -168,3 +168,51 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperatur
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size), needs_grad,
                                  int(max_logits_bytes))
+
+
+
+SUM_PI_SQUARED_CHUNK_ROWS = 1024
+"""Rows per step of ``_sum_pi_squared``: one float32 temporary of this many rows x vocab (0.6 GB at a
+151,936 vocabulary), beyond the logits the memory plan already counts."""
+
+
+def _sum_pi_squared(logits: Tensor, lse: Tensor, inv_temperature: float) -> Tensor:
+    """sum_v softmax(z)_v^2 per row, z = logits / temperature, from the row's log-sum-exp; float32 (rows,).
+
+    PyTorch on every device, ``SUM_PI_SQUARED_CHUNK_ROWS`` rows at a time, in place on one copy.
+    """
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], SUM_PI_SQUARED_CHUNK_ROWS):
+        rows = slice(start, start + SUM_PI_SQUARED_CHUNK_ROWS)
+        squared = logits[rows].to(torch.float32, copy=True)
+        squared.mul_(inv_temperature).sub_(lse[rows].unsqueeze(-1)).mul_(2.0).exp_()
+        out[rows] = squared.sum(-1)
+    return out
+
+
+@torch.no_grad()
+def linear_log_probs_and_sum_pi_squared(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                                        chunk_size: int = DEFAULT_CHUNK_SIZE,
+                                        max_logits_bytes: int = MAX_LOGITS_BYTES) -> tuple[Tensor, Tensor, Tensor]:
+    """``linear_log_probs`` without gradients, plus sum_v pi(v)^2 of each row; all float32 (N,).
+
+    For scoring only (the optimal token baseline needs the sum). The products and row kernels
+    are those of ``linear_log_probs``, so its log-probs and entropy are the same bit for bit;
+    the sum reads the same logits once more.
+    """
+    if temperature <= 0:
+        temperature = 1.0
+    stats, _ = _row_math(hidden)
+    inv_temperature = 1.0 / temperature
+    if _fits_at_once(hidden, weight.shape[0], max_logits_bytes):
+        blocks = [(0, hidden.shape[0])]
+    else:
+        blocks = [(start, min(start + chunk_size, hidden.shape[0])) for start in range(0, hidden.shape[0], chunk_size)]
+    parts = []
+    for start, stop in blocks:
+        logits = hidden[start:stop] @ weight.t() if len(blocks) > 1 else hidden @ weight.t()
+        log_probs, entropy, lse = stats(logits, targets[start:stop], inv_temperature)
+        parts.append((log_probs, entropy, _sum_pi_squared(logits, lse, inv_temperature)))
+    if not parts:
+        return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))

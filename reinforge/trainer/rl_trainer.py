@@ -20,6 +20,7 @@ import torch
 
 from reinforge.agent import check_agent_rows, load_tools
 from reinforge.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     apply_kl_penalty,
     build_kl_controller,
     compute_advantages,
@@ -119,8 +120,9 @@ class RLTrainer(TrainingRun):
 
         with _timed(timing, "adv"):
             self._add_rewards(batch, metrics)
-            if "old_log_probs" in batch and (algorithm.rollout_correction.rollout_is or
-                                             algorithm.rollout_correction.rollout_rs):
+            # bypass mode corrects inside the loss, against the current policy
+            if not algorithm.rollout_correction.bypass_mode and "old_log_probs" in batch and (
+                    algorithm.rollout_correction.rollout_is or algorithm.rollout_correction.rollout_rs):
                 weights, keep, correction_metrics = compute_rollout_correction(
                     batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
                     algorithm.rollout_correction)
@@ -131,7 +133,10 @@ class RLTrainer(TrainingRun):
             advantages, returns = compute_advantages(
                 algorithm.adv_estimator, token_level_rewards=batch["token_level_rewards"],
                 response_mask=batch["response_mask"], group_ids=_group_ids(batch["uid"]), config=algorithm,
-                values=batch.get("values"), reward_baselines=batch.get("reward_baselines"))
+                values=batch.get("values"), reward_baselines=batch.get("reward_baselines"),
+                old_log_probs=batch.get("old_log_probs"), sum_pi_squared=batch.get("sum_pi_squared"),
+                rollout_is_weights=batch.get("rollout_is_weights"),
+                reward_components=_reward_components(batch, algorithm.gdpo_reward_keys))
             batch["advantages"], batch["returns"] = advantages, returns
 
         if self.critic is not None:
@@ -185,7 +190,8 @@ class RLTrainer(TrainingRun):
         algorithm = self.config.algorithm
         if algorithm.rollout_correction.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif not self.on_policy() and "old_log_probs" not in batch:
+        elif (not self.on_policy() or ADVANTAGE_ESTIMATORS[algorithm.adv_estimator].needs_sum_pi_squared) \
+                and "old_log_probs" not in batch:
             with _timed(timing, "old_log_prob"):
                 batch = batch | self.actor_rollout.compute_log_prob(batch)
         if self.reference is not None and "ref_log_probs" not in batch:
@@ -319,6 +325,29 @@ def _timed(timing: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
+
+
+def _reward_components(batch: Batch, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The scorer's extras named in keys (its ``reward_<key>`` columns) as (B,) float tensors, for gdpo.
+
+    "score" is the scorer's score itself (as in verl, where it is one of the returned dict's keys).
+    """
+    components = {}
+    for key in keys:
+        column = batch.non_tensors.get(f"reward_{key}")
+        if column is None and key == "score":
+            components[key] = batch["token_level_scores"].sum(dim=-1)
+            continue
+        if column is None:
+            returned = sorted(name.removeprefix("reward_") for name in batch.non_tensors if name.startswith("reward_"))
+            raise ValueError(f"algorithm.gdpo_reward_keys names {key!r}, but the scorer returned no {key!r}; it "
+                             f"returned {', '.join(returned) or 'no extras (return a dict holding these keys)'}")
+        try:
+            components[key] = torch.as_tensor(np.asarray(column, dtype=np.float32))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"algorithm.gdpo_reward_keys names {key!r}, but the scorer's {key!r} values are not all "
+                             f"numbers ({error}); return a number for every sample") from error
+    return components
 
 
 def _group_ids(uids: np.ndarray) -> torch.Tensor:

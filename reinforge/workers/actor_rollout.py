@@ -24,8 +24,10 @@ import torch
 
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
 from reinforge.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     LossNormalizer,
     aggregate_loss,
+    compute_bypass_policy_loss,
     compute_policy_loss,
     kl_penalty,
 )
@@ -291,12 +293,19 @@ class ActorRolloutWorker(Worker):
     # ---- scoring ------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """old_log_probs and entropy (B, R) under the current parameters, at the rollout temperature."""
-        log_probs, entropy = score_in_micro_batches(
+        """old_log_probs and entropy (B, R) under the current parameters, at the rollout temperature.
+
+        Also sum_pi_squared (B, R), sum_v pi(v)^2 per position, when algorithm.adv_estimator needs it.
+        """
+        with_sum_pi_squared = ADVANTAGE_ESTIMATORS[self.config.algorithm.adv_estimator].needs_sum_pi_squared
+        outputs = score_in_micro_batches(
             self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device,
             partial(response_log_probs, temperature=self.config.rollout.temperature, with_entropy=True,
-                    max_logits_bytes=self.max_logits_bytes))
+                    max_logits_bytes=self.max_logits_bytes, with_sum_pi_squared=with_sum_pi_squared))
+        log_probs, entropy = outputs[:2]
         output = Batch.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
+        if with_sum_pi_squared:
+            output["sum_pi_squared"] = outputs[2]
         if "rollout_log_probs" in batch:
             output.meta["mismatch_metrics"] = rollout_mismatch_metrics(
                 log_probs, batch["rollout_log_probs"], batch["response_mask"])
@@ -306,7 +315,7 @@ class ActorRolloutWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """Policy-gradient update over the batch; returns ``actor/*`` metrics."""
-        actor = self.config.actor
+        actor, correction = self.config.actor, self.config.algorithm.rollout_correction
         temperature = self.config.rollout.temperature
         on_policy = "old_log_probs" not in batch
         first_micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -320,10 +329,17 @@ class ActorRolloutWorker(Worker):
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
                 first_micro.append((log_probs.detach(), micro["rollout_log_probs"], mask))
-            pg_loss, pg_metrics = compute_policy_loss(
-                actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
-                advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
-                config=actor.policy_loss, importance_weights=micro.get("rollout_is_weights"), normalizer=normalizer)
+            if correction.bypass_mode:
+                pg_loss, pg_metrics = compute_bypass_policy_loss(
+                    log_probs=log_probs, rollout_log_probs=micro["rollout_log_probs"], advantages=micro["advantages"],
+                    response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=actor.policy_loss,
+                    correction=correction, normalizer=normalizer)
+            else:
+                pg_loss, pg_metrics = compute_policy_loss(
+                    actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
+                    advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
+                    config=actor.policy_loss, importance_weights=micro.get("rollout_is_weights"),
+                    normalizer=normalizer)
             entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
             loss = pg_loss - actor.entropy_coeff * entropy_loss
             metrics = {"pg_loss": pg_loss, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1),

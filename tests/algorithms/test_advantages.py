@@ -49,6 +49,34 @@ def test_grpo_by_hand():
     assert returns is advantages
 
 
+def test_grpo_epsilon_is_configurable():
+    (advantages, _), _ = run("grpo", [1.0, 0.0], [0, 0], config=AlgorithmConfig(grpo_epsilon=0.5))
+    std = math.sqrt(0.5)
+    torch.testing.assert_close(per_row(advantages), torch.tensor([0.5 / (std + 0.5), -0.5 / (std + 0.5)]))
+    (advantages, _), _ = run("grpo_passk", [1.0, 3.0], [0, 0], config=AlgorithmConfig(grpo_epsilon=0.5))
+    torch.testing.assert_close(per_row(advantages), torch.tensor([0.0, 2.0 / (math.sqrt(2.0) + 0.5)]))
+
+
+def test_gdpo_normalises_each_reward_then_whitens_their_weighted_sum():
+    config = AlgorithmConfig(gdpo_reward_keys=["format", "acc"], gdpo_reward_weights=[1.0, 2.0])
+    components = {"format": torch.tensor([1.0, 0.0, 1.0, 1.0]), "acc": torch.tensor([0.0, 0.0, 2.0, 0.0])}
+    (advantages, returns), mask = run("gdpo", [9.0, 9.0, 9.0, 9.0], [0, 0, 1, 1], lengths=[2, 2, 2, 2],
+                                      config=config, reward_components=components)
+    # format: group 0 -> +-0.5 / (sqrt(0.5) + 1e-6), group 1 has std 0 -> 0; acc: group 1 -> +-1 / (sqrt(2) + 1e-6)
+    unit = 0.5 / (math.sqrt(0.5) + 1e-6)
+    acc = 1.0 / (math.sqrt(2.0) + 1e-6)
+    summed = torch.tensor([unit, -unit, 2 * acc, -2 * acc])
+    # whitened over the 8 valid tokens (two per row): mean 0, Bessel variance
+    variance = 2 * summed.square().sum() / 7
+    torch.testing.assert_close(per_row(advantages), summed / torch.sqrt(variance + 1e-8))
+    torch.testing.assert_close(advantages, per_row(advantages).unsqueeze(-1) * mask)
+    assert returns is advantages
+    with pytest.raises(ValueError, match=r"the scorer returned no 'acc' \(algorithm.gdpo_reward_keys\); it returned format"):
+        run("gdpo", [1.0, 0.0], [0, 0], config=config, reward_components={"format": torch.tensor([1.0, 0.0])})
+    with pytest.raises(ValueError, match="needs algorithm.gdpo_reward_keys"):
+        run("gdpo", [1.0, 0.0], [0, 0])
+
+
 def test_dr_grpo_skips_the_std():
     (advantages, _), _ = run("grpo", [1.0, 0.0, 4.0, 2.0], [7, 7, 3, 3], config=AlgorithmConfig(norm_adv_by_std=False))
     torch.testing.assert_close(per_row(advantages), torch.tensor([0.5, -0.5, 1.0, -1.0]))
@@ -148,7 +176,7 @@ def test_gae_by_hand_and_tool_tokens_are_skipped():
 
 
 def test_errors_name_the_fix():
-    with pytest.raises(ValueError, match="gae, gpg, grpo"):
+    with pytest.raises(ValueError, match="gae, gdpo, gpg, grpo"):
         run("ppo", [1.0], [0])
     with pytest.raises(ValueError, match="critic"):
         run("gae", [1.0], [0])
@@ -190,16 +218,24 @@ def test_masked_positions_never_change_results(name, seed):
     mask[:, 0] = 1
     rewards = torch.randn(batch, length, generator=generator, dtype=torch.float64) * mask
     values = torch.randn(batch, length, generator=generator, dtype=torch.float64)
-    noisy_values = torch.where(mask.bool(), values, torch.full_like(values, 1e6))
+    old_log_probs = -torch.rand(batch, length, generator=generator, dtype=torch.float64)
+    sum_pi_squared = torch.rand(batch, length, generator=generator, dtype=torch.float64)
+
+    def noisy(tensor):
+        return torch.where(mask.bool(), tensor, torch.full_like(tensor, 1e6))
+
     kwargs = dict(
         token_level_rewards=rewards,
         response_mask=mask,
         group_ids=torch.tensor([0, 0, 1, 1, 2, 2]),
-        config=AlgorithmConfig(gamma=0.9, lam=0.95),
+        config=AlgorithmConfig(gamma=0.9, lam=0.95, gdpo_reward_keys=["format", "acc"]),
         reward_baselines=torch.randn(batch, generator=generator, dtype=torch.float64),
+        reward_components={"format": torch.randn(batch, generator=generator), "acc": torch.randn(batch, generator=generator)},
     )
-    advantages, returns = compute_advantages(name, values=values, **kwargs)
-    noisy_advantages, noisy_returns = compute_advantages(name, values=noisy_values, **kwargs)
+    advantages, returns = compute_advantages(name, values=values, old_log_probs=old_log_probs,
+                                             sum_pi_squared=sum_pi_squared, **kwargs)
+    noisy_advantages, noisy_returns = compute_advantages(name, values=noisy(values), old_log_probs=noisy(old_log_probs),
+                                                         sum_pi_squared=noisy(sum_pi_squared), **kwargs)
     torch.testing.assert_close(advantages, noisy_advantages)
     torch.testing.assert_close(returns, noisy_returns)
     assert advantages.shape == returns.shape == (batch, length)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from reinforge.algorithms import ROLLOUT_RS_RULES, compute_rollout_correction
+from reinforge.algorithms import ROLLOUT_RS_RULES, compute_importance_weights, compute_rollout_correction
 from reinforge.config.schema import RolloutCorrectionConfig
 
 # log rho = old - rollout: row 0 = [log 3, log 0.5, 0], row 1 = [log 1.2, log 1.2, (masked) log 100]
@@ -77,7 +77,63 @@ def test_every_rule_has_a_masked_fraction_metric():
 def test_bad_settings_name_the_fix():
     with pytest.raises(ValueError, match="token_k1, token_k2"):
         correct(rollout_rs="token_k4")
-    with pytest.raises(ValueError, match="must exceed 1"):
+    with pytest.raises(ValueError, match="must be at least 1 for token_k1.*or write lower_upper"):
         correct(rollout_rs="token_k1", rollout_rs_threshold=0.5)
+    with pytest.raises(ValueError, match=r"has 3 values for 2 rules \(token_k1, seq_sum_k2\)"):
+        correct(rollout_rs="token_k1,seq_sum_k2", rollout_rs_threshold="2.0,0.5,0.7")
+    with pytest.raises(ValueError, match=r"\(seq_sum_k2\)='0.8_1.25': this rule takes one upper bound"):
+        correct(rollout_rs="seq_sum_k2", rollout_rs_threshold="0.8_1.25")
+    with pytest.raises(ValueError, match="lower bound above its upper bound"):
+        correct(rollout_is="token", rollout_is_threshold="5.0_0.5")
+    with pytest.raises(ValueError, match="holds 'x', which is not a positive number"):
+        correct(rollout_is="token", rollout_is_threshold="0.5_x")
     with pytest.raises(ValueError, match="token, sequence or null"):
         correct(rollout_is="geometric")
+
+
+def test_importance_weights_ignore_masked_log_ratios_when_called_directly():
+    log_ratio = OLD_LOG_PROBS - ROLLOUT_LOG_PROBS  # the masked token holds log 100
+    weights = compute_importance_weights(log_ratio, MASK, "sequence", 10.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5, 1.5], [1.44, 1.44, 0.0]]))
+
+
+def test_icepop_zeroes_weights_outside_the_band():
+    # token ratios 3, 0.5, 1 | 1.2, 1.2: inside [0.6, 2.5] they stay as they are (no truncation)
+    weights, keep_mask, metrics = correct(rollout_is="token", rollout_is_threshold="0.6_2.5")
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0, 1.0], [1.2, 1.2, 0.0]]))
+    torch.testing.assert_close(keep_mask, MASK)
+    assert metrics["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(2 / 5)
+    # sequence products 1.5 and 1.44 against [0.6, 1.45]
+    weights, _, _ = correct(rollout_is="sequence", rollout_is_threshold="0.6_1.45")
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0, 0.0], [1.44, 1.44, 0.0]]))
+
+
+def test_batch_normalized_weights_average_one():
+    weights, _, metrics = correct(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    mean = (2.0 + 0.5 + 1.0 + 1.2 + 1.2) / 5
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 1.0], [1.2, 1.2, 0.0]]) / mean)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(mean)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(mean)  # before normalising, as verl
+    # at sequence level the mean is over sequences, not tokens: (1.5 + 1.44) / 2
+    weights, _, _ = correct(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5, 1.5], [1.44, 1.44, 0.0]]) / 1.47)
+
+
+@pytest.mark.parametrize(("threshold", "expected_keep"), [
+    # k1 bounds pi_rollout / pi_train = 1/3, 2, 1 | 1/1.2, 1/1.2 (verl's convention)
+    ("0.8_2.5", [[0, 1, 1], [1, 1, 0]]),
+    ("0.3_0.9", [[1, 0, 0], [1, 1, 0]]),
+    ("2.0", [[0, 1, 1], [1, 1, 0]]),  # one number: [1/2, 2]
+])
+def test_asymmetric_k1_thresholds(threshold, expected_keep):
+    _, keep_mask, _ = correct(rollout_rs="token_k1", rollout_rs_threshold=threshold)
+    torch.testing.assert_close(keep_mask, torch.tensor(expected_keep, dtype=torch.float32))
+
+
+def test_each_rule_can_have_its_own_threshold():
+    # token_k2 <= 0.5 rejects log 3 (0.60); seq_mean_k1 in [0.85, 1]: exp(-mean log rho) is 1.5^(-1/3) = 0.874
+    # for row 0 and 1/1.2 = 0.833 for row 1
+    _, keep_mask, metrics = correct(rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.5,0.85_1.0")
+    torch.testing.assert_close(keep_mask, torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert metrics["rollout_corr/rollout_rs_token_k2_masked_fraction"] == pytest.approx(1 / 5)
+    assert metrics["rollout_corr/rollout_rs_seq_mean_k1_masked_fraction"] == pytest.approx(2 / 5)

@@ -92,6 +92,19 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["trainer.total_steps=0"], r"trainer.total_steps=0 trains nothing"),
     (["trainer.total_steps=null", "trainer.total_epochs=0"], r"trainer.total_epochs=0 must be at least 1"),
     (["actor.policy_loss.loss_mode=dro"], r"needs actor.policy_loss.dro_beta > 0 \(it is None\)"),
+    (["algorithm.grpo_epsilon=0"], r"algorithm.grpo_epsilon=0.0 must be positive"),
+    (["algorithm.adv_estimator=gdpo"], "needs algorithm.gdpo_reward_keys"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[format,acc]", "algorithm.gdpo_reward_weights=[1.0]"],
+     "gdpo_reward_weights has 1 values for 2 gdpo_reward_keys"),
+    (["algorithm.rollout_correction.rollout_rs=token_k1,seq_sum_k2",
+      "algorithm.rollout_correction.rollout_rs_threshold=2.0,0.8_1.25"], r"\(seq_sum_k2\)='0.8_1.25': this rule takes one"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2_1"],
+     "lower bound above its upper bound"),
+    (["algorithm.rollout_correction.loss_type=pg"], "loss_type='pg' is not one of ppo_clip, reinforce"),
+    (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
+     "actor.policy_loss.loss_mode=gspo would be ignored"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.adv_estimator=optimal_token_baseline"],
+     "which algorithm.rollout_correction.bypass_mode=true skips"),
 ])
 def test_cross_field_rules_fail_before_any_model_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -173,3 +186,16 @@ def test_dapo_settings_are_checked_before_a_model_loads():
     config = load_config(None, ["algorithm.filter_groups.enable=true", "data.gen_batch_size=16",
                                 "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=256"])
     assert config.data.gen_batch_size == 16
+
+
+def test_lower_upper_thresholds_stay_text(tmp_path):
+    # YAML 1.1 would read 0.5_5 as the number 0.55
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  rollout_correction:\n    rollout_is: token\n    rollout_is_threshold: 0.5_5\n")
+    config = load_config(path, ["algorithm.rollout_correction.rollout_rs_threshold=0.8_1"])
+    assert config.algorithm.rollout_correction.rollout_is_threshold == "0.5_5"
+    assert config.algorithm.rollout_correction.rollout_rs_threshold == "0.8_1"
+    # a number field still takes 1_000, and a plain number is its text
+    config = load_config(None, ["trainer.total_steps=1_000", "algorithm.rollout_correction.rollout_is_threshold=3"])
+    assert config.trainer.total_steps == 1000
+    assert config.algorithm.rollout_correction.rollout_is_threshold == "3"

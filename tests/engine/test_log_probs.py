@@ -3,7 +3,7 @@ import torch
 
 from reinforge.algorithms import entropy_from_logits, log_probs_from_logits
 from reinforge.engine import log_probs as log_probs_module
-from reinforge.engine.log_probs import linear_log_probs
+from reinforge.engine.log_probs import linear_log_probs, linear_log_probs_and_sum_pi_squared
 
 
 @pytest.mark.parametrize("temperature,chunk_size,store_logits", [(1.0, 4, True), (0.7, 5, False), (1.3, 100, False),
@@ -83,3 +83,46 @@ def test_scoring_without_grad_gives_the_training_pass_log_probs_bit_for_bit():
         scored, scored_entropy = linear_log_probs(hidden, weight, targets, 0.8, chunk_size=7)
     trained, trained_entropy = linear_log_probs(hidden, weight, targets, 0.8, chunk_size=7)
     assert torch.equal(scored, trained.detach()) and torch.equal(scored_entropy, trained_entropy.detach())
+
+
+def _sum_pi_squared_case(device="cpu", dtype=torch.float32):
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(23, 16, generator=generator).to(device, dtype)
+    weight = torch.randn(41, 16, generator=generator).to(device, dtype)
+    targets = torch.randint(0, 41, (23,), generator=generator).to(device)
+    probs = torch.softmax((hidden.float() @ weight.float().t()) / 0.7, dim=-1)
+    return hidden, weight, targets, probs.square().sum(-1)
+
+
+@pytest.mark.parametrize("max_logits_bytes", [2**30, 0])  # all rows at once, or 5 at a time
+def test_sum_pi_squared_comes_with_the_scoring_pass_log_probs(max_logits_bytes):
+    hidden, weight, targets, expected = _sum_pi_squared_case()
+    log_probs, entropy, sum_pi_squared = linear_log_probs_and_sum_pi_squared(
+        hidden, weight, targets, 0.7, chunk_size=5, max_logits_bytes=max_logits_bytes)
+    torch.testing.assert_close(sum_pi_squared, expected)
+    with torch.no_grad():
+        scored, scored_entropy = linear_log_probs(hidden, weight, targets, 0.7, chunk_size=5,
+                                                  max_logits_bytes=max_logits_bytes)
+    assert torch.equal(log_probs, scored) and torch.equal(entropy, scored_entropy)
+
+
+def test_sum_pi_squared_with_the_triton_row_kernels(monkeypatch):
+    """The CUDA path: the kernels' log-sum-exp feeds the PyTorch sum (interpreted on the CPU without a GPU)."""
+    pytest.importorskip("triton")
+    from reinforge.engine import log_prob_kernels
+
+    monkeypatch.setattr(log_probs_module, "_row_math", lambda tensor: (log_prob_kernels.row_stats,
+                                                                       log_prob_kernels.row_grads))
+    hidden, weight, targets, expected = _sum_pi_squared_case()
+    _, _, sum_pi_squared = linear_log_probs_and_sum_pi_squared(hidden, weight, targets, 0.7)
+    torch.testing.assert_close(sum_pi_squared, expected)
+
+
+@pytest.mark.gpu
+def test_sum_pi_squared_on_cuda_in_bfloat16():
+    hidden, weight, targets, expected = _sum_pi_squared_case("cuda", torch.bfloat16)
+    log_probs, _, sum_pi_squared = linear_log_probs_and_sum_pi_squared(hidden, weight, targets, 0.7)
+    logits = (hidden @ weight.t()).float() / 0.7
+    torch.testing.assert_close(sum_pi_squared, torch.softmax(logits, -1).square().sum(-1), atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        assert torch.equal(log_probs, linear_log_probs(hidden, weight, targets, 0.7)[0])

@@ -59,8 +59,10 @@ def test_mean_reward_rises_on_a_learnable_reward(tiny_model_dir, arithmetic_data
 ESTIMATOR_AND_LOSS = [
     ("grpo", "vanilla"), ("grpo_passk", "gspo"), ("rloo", "gpg"), ("reinforce_plus_plus", "clip_cov"),
     ("reinforce_plus_plus_baseline", "kl_cov"), ("remax", "geo_mean"), ("opo", "cispo"), ("gpg", "sapo"),
-    ("gae", "vanilla"),
+    ("gae", "vanilla"), ("tir_optimal_token_baseline", "dppo_tv"), ("gdpo", "dro"),
 ]
+EXTRA_SETTINGS = {"gdpo": {"algorithm.gdpo_reward_keys": "[acc,score]", "algorithm.gdpo_reward_weights": "[1.0,0.5]"},
+                  "dro": {"actor.policy_loss.dro_beta": 0.1}}
 
 
 @pytest.mark.parametrize("estimator, loss_mode", ESTIMATOR_AND_LOSS)
@@ -68,7 +70,8 @@ def test_every_estimator_and_policy_loss_trains(tiny_model_dir, arithmetic_data_
     run_dir = tmp_path / "run"
     args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
         "algorithm.adv_estimator": estimator, "actor.policy_loss.loss_mode": loss_mode, "trainer.total_steps": 1,
-        "data.train_batch_size": 2, "rollout.n": 2, "actor.mini_batch_size": 1, "actor.ppo_epochs": 2})
+        "data.train_batch_size": 2, "rollout.n": 2, "actor.mini_batch_size": 1, "actor.ppo_epochs": 2,
+        **EXTRA_SETTINGS.get(estimator, {}), **EXTRA_SETTINGS.get(loss_mode, {})})
     assert main(["train", *args]) == 0
     [row] = read_metrics(run_dir)
     assert row["actor/grad_norm"] == row["actor/grad_norm"]  # not NaN
@@ -77,6 +80,28 @@ def test_every_estimator_and_policy_loss_trains(tiny_model_dir, arithmetic_data_
         assert "timing_s/gen_max" in row
     if estimator == "gae":
         assert "critic/vf_loss" in row and "critic/values/mean" in row
+
+
+@pytest.mark.parametrize("overrides", [
+    # on-policy otherwise: the optimal token baseline alone makes the step run the log-prob pass (for sum pi^2)
+    {"algorithm.adv_estimator": "optimal_token_baseline", "actor.policy_loss.loss_mode": "dppo_kl"},
+    {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.loss_type": "reinforce",
+     "algorithm.rollout_correction.rollout_is": "token", "algorithm.rollout_correction.rollout_is_threshold": "0.5_2",
+     "algorithm.rollout_correction.rollout_is_batch_normalize": True,
+     "algorithm.rollout_correction.rollout_rs": "token_k1,seq_max_k3",
+     "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0,1.0"},
+])
+def test_verl_estimators_and_corrections_run_a_step(tiny_model_dir, arithmetic_data_dir, tmp_path, overrides):
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.total_steps": 1, **overrides})
+    assert main(["train", *args]) == 0
+    [row] = read_metrics(run_dir)
+    assert row["actor/grad_norm"] == row["actor/grad_norm"]
+    if "algorithm.adv_estimator" in overrides:
+        assert "timing_s/old_log_prob" in row
+    else:  # bypass mode corrects inside the loss: no log-prob pass
+        assert "timing_s/old_log_prob" not in row and "actor/rollout_corr/rollout_rs_masked_fraction" in row
+        assert "actor/rollout_corr/rollout_is_batch_norm_factor" in row and "actor/rollout_corr/rollout_is_oob_ratio" in row
 
 
 def test_kl_loss_kl_in_reward_and_validation(tiny_model_dir, arithmetic_data_dir, tmp_path):

@@ -65,3 +65,27 @@ def test_response_tensors_pad_each_completion_and_keep_its_finish_reason():
     assert mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
     assert log_probs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
     assert stop.tolist() == [True, False, False] and responses.dtype == torch.long and mask.dtype == torch.float32
+
+
+def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(tiny_model_dir)
+    config.rollout.temperature = 0.8
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    batch = scored_batch()
+    assert "sum_pi_squared" not in worker.compute_log_prob(batch)
+    worker.config.algorithm.adv_estimator = "optimal_token_baseline"
+    output = worker.compute_log_prob(batch)
+
+    # the same sums from an unpacked forward of a fresh copy of the model
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"]).logits[:, 3:-1] / 0.8
+    probs = torch.softmax(logits.float(), dim=-1)
+    mask = batch["response_mask"]
+    expected = probs.square().sum(-1) * mask
+    torch.testing.assert_close(output["sum_pi_squared"], expected, atol=1e-5, rtol=1e-4)
+    expected_log_probs = torch.log(probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)) * mask
+    torch.testing.assert_close(output["old_log_probs"], expected_log_probs, atol=1e-4, rtol=1e-4)
