@@ -1,0 +1,238 @@
+"""Multi-turn agent rollout speed: many trajectories at once on the native engine, tools sleeping meanwhile.
+
+    PYTHONPATH=. python benchmarks/agent_rollout.py --out agent_rollout.json      # CUDA, 0.5B standard model
+    PYTHONPATH=. python benchmarks/agent_rollout.py --cpu --out /tmp/agent.json   # tiny model: a smoke test
+
+Workload: the Qwen2.5-0.5B architecture with random bf16 weights (as ``reinforge bench``), 256
+trajectories, each a 128-token random prompt and 1 to 4 assistant turns of 32 to 256 sampled
+tokens (drawn per trajectory with a fixed seed; EOS ignored, so the lengths are exact), with a
+tool call between turns that sleeps 50-500 ms and returns 32 tokens (response_mask 0). The loop
+is registered here (``bench_turns``) and runs on ``reinforge.agent.AgentRunner`` exactly as a
+training rollout does, every trajectory its own asyncio task, turns joining the engine's running
+batch through ``generate_async``.
+
+Reported:
+- agent rollout: sampled tokens / wall time of the whole rollout, and the engine-busy fraction
+  (wall time inside engine steps that had work, over the rollout's wall time; the device may stay
+  busy a little longer, as decode steps are launched ahead);
+- single-turn rate: the same 256 prompts, each generating its trajectory's total sampled tokens in
+  one request, with ``engine.generate`` (the rate a single-turn rollout of these tokens gets);
+- synchronous turns: the same trajectories run turn by turn with a barrier, as a batched
+  synchronous loop does (all turn-k generations together, then all turn-k tool calls, then turn k+1);
+- serial: a few trajectories run one after another (generate, tool, generate, ...), extrapolated to
+  all 256.
+The engine re-prefills a trajectory's whole context at each turn (no prefix cache yet); the
+prefill tokens are counted in neither rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+
+from reinforge.agent import AGENT_LOOPS, AgentLoop, AgentLoopOutput, AgentRunner, AsyncEngineClient, register_agent_loop
+from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, random_prompts
+from reinforge.config.schema import MultiTurnConfig
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.native import NativeEngine
+
+
+class TimedEngine(NativeEngine):
+    """The native engine, adding up the wall time of its steps that had work."""
+
+    busy_s = 0.0
+
+    def _step(self) -> bool:
+        start = time.perf_counter()
+        ran = super()._step()
+        if ran:
+            self.busy_s += time.perf_counter() - start
+        return ran
+
+
+def plan(num_trajectories: int, seed: int, turn_range: tuple[int, int], max_turns: int,
+         sleep_range: tuple[float, float]) -> list[dict[str, Any]]:
+    """Each trajectory's turn lengths and tool sleeps, fixed by the seed."""
+    rng = random.Random(seed)
+    trajectories = []
+    for _ in range(num_trajectories):
+        num_turns = rng.randint(1, max_turns)
+        trajectories.append({"turn_tokens": [rng.randint(*turn_range) for _ in range(num_turns)],
+                             "sleeps": [rng.uniform(*sleep_range) for _ in range(num_turns - 1)]})
+    return trajectories
+
+
+def tool_tokens(vocab_size: int, count: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab_size, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def register_bench_loop(tool_output: list[int]) -> None:
+    if "bench_turns" in AGENT_LOOPS:
+        return
+
+    @register_agent_loop("bench_turns")
+    class BenchTurns(AgentLoop):
+        """Turns of planned lengths with a sleeping tool between them (the row's ``turn_tokens`` and ``sleeps``)."""
+
+        async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
+            prompt, response, mask, log_probs = list(row["prompt_ids"]), [], [], []
+            for turn, num_tokens in enumerate(row["turn_tokens"]):
+                turn_sampling = SamplingParams(max_tokens=num_tokens, temperature=1.0, ignore_eos=True,
+                                               seed=row["seed"] + turn)
+                completion = await self.context.client.generate(prompt + response, turn_sampling, "")
+                response += completion.token_ids
+                mask += [1] * len(completion.token_ids)
+                log_probs += completion.log_probs
+                if turn < len(row["sleeps"]):
+                    await asyncio.sleep(row["sleeps"][turn])
+                    response += tool_output
+                    mask += [0] * len(tool_output)
+                    log_probs += [0.0] * len(tool_output)
+            return AgentLoopOutput(prompt, response, mask, log_probs, num_turns=2 * len(row["turn_tokens"]))
+
+
+def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
+    rows = [{"prompt_ids": prompt, "agent_name": "bench_turns", "seed": 1000 * index, **trajectory}
+            for index, (prompt, trajectory) in enumerate(zip(prompts, trajectories, strict=True))]
+    runner = AgentRunner(tokenizer=None, config=MultiTurnConfig())
+    engine.busy_s = 0.0
+    start = time.perf_counter()
+    outputs = runner.run(rows, [SamplingParams()] * len(rows), AsyncEngineClient(engine))
+    elapsed = time.perf_counter() - start
+    sampled = sum(sum(output.response_mask) for output in outputs)
+    return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
+            "engine_busy_fraction": engine.busy_s / elapsed}
+
+
+def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
+    requests = [GenerationRequest(prompt, SamplingParams(max_tokens=sum(t["turn_tokens"]), ignore_eos=True, seed=i))
+                for i, (prompt, t) in enumerate(zip(prompts, trajectories, strict=True))]
+    engine.busy_s = 0.0
+    start = time.perf_counter()
+    completions = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    sampled = sum(len(samples[0].token_ids) for samples in completions)
+    return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
+            "engine_busy_fraction": engine.busy_s / elapsed}
+
+
+def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
+                          tool_output: list[int]) -> dict:
+    contexts = [list(prompt) for prompt in prompts]
+    start, sampled = time.perf_counter(), 0
+    for turn in range(max(len(t["turn_tokens"]) for t in trajectories)):
+        active = [i for i, t in enumerate(trajectories) if turn < len(t["turn_tokens"])]
+        requests = [GenerationRequest(contexts[i], SamplingParams(max_tokens=trajectories[i]["turn_tokens"][turn],
+                                                                  ignore_eos=True, seed=1000 * i + turn))
+                    for i in active]
+        for i, samples in zip(active, engine.generate(requests), strict=True):
+            contexts[i] += samples[0].token_ids
+            sampled += len(samples[0].token_ids)
+        sleeps = [trajectories[i]["sleeps"][turn] for i in active if turn < len(trajectories[i]["sleeps"])]
+        if sleeps:  # the round's tool calls run together; the round waits for the slowest
+            time.sleep(max(sleeps))
+            for i in active:
+                if turn < len(trajectories[i]["sleeps"]):
+                    contexts[i] += tool_output
+    elapsed = time.perf_counter() - start
+    return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed}
+
+
+def run_serial(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict], tool_output: list[int],
+               num_measured: int) -> dict:
+    start, sampled = time.perf_counter(), 0
+    for i in range(num_measured):
+        context = list(prompts[i])
+        for turn, num_tokens in enumerate(trajectories[i]["turn_tokens"]):
+            [samples] = engine.generate([GenerationRequest(context, SamplingParams(
+                max_tokens=num_tokens, ignore_eos=True, seed=1000 * i + turn))])
+            context += samples[0].token_ids
+            sampled += len(samples[0].token_ids)
+            if turn < len(trajectories[i]["sleeps"]):
+                time.sleep(trajectories[i]["sleeps"][turn])
+                context += tool_output
+    elapsed = time.perf_counter() - start
+    scale = len(trajectories) / num_measured
+    return {"measured_trajectories": num_measured, "measured_time_s": elapsed,
+            "time_s_extrapolated": elapsed * scale, "tokens_per_s": sampled / elapsed}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU: a smoke test, no timing claims")
+    parser.add_argument("--out", help="write the results as JSON to this path")
+    parser.add_argument("--trajectories", type=int, default=None)
+    parser.add_argument("--serial", type=int, default=None, help="trajectories timed one after another")
+    args = parser.parse_args(argv)
+    if args.cpu:
+        device, dtype, arch = torch.device("cpu"), torch.float32, TINY
+        settings = dict(trajectories=8, prompt_len=16, turn_range=(4, 16), max_turns=4, sleep_range=(0.005, 0.05),
+                        tool_tokens=32, serial=2)
+    else:
+        if not torch.cuda.is_available():
+            print("benchmarks/agent_rollout.py needs a CUDA GPU; pass --cpu for the smoke test", file=sys.stderr)
+            return 2
+        device, dtype, arch = torch.device("cuda"), torch.bfloat16, QWEN25_05B
+        settings = dict(trajectories=256, prompt_len=128, turn_range=(32, 256), max_turns=4, sleep_range=(0.05, 0.5),
+                        tool_tokens=32, serial=4)
+    settings["trajectories"] = args.trajectories or settings["trajectories"]
+    settings["serial"] = args.serial or settings["serial"]
+    trajectories = plan(settings["trajectories"], 0, settings["turn_range"], settings["max_turns"],
+                        settings["sleep_range"])
+    prompts = random_prompts(settings["trajectories"], [settings["prompt_len"]], arch["vocab_size"], seed=2)
+    tool_output = tool_tokens(arch["vocab_size"], settings["tool_tokens"], seed=3)
+    register_bench_loop(tool_output)
+    longest = settings["prompt_len"] + max(sum(t["turn_tokens"]) for t in trajectories) \
+        + settings["tool_tokens"] * settings["max_turns"] + 16
+    model = build_model(arch, dtype, device)
+    engine = TimedEngine(model, eos_token_ids=[arch["vocab_size"] - 1], max_model_len=longest,
+                         max_num_seqs=max(settings["trajectories"], 8), gpu_memory_utilization=0.5)
+    engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])  # warm-up
+    results: dict = {"environment": environment(device), "settings": settings,
+                     "num_turns_total": sum(len(t["turn_tokens"]) for t in trajectories),
+                     "tool_seconds_total": sum(sum(t["sleeps"]) for t in trajectories)}
+    results["single_turn"] = run_single_turn(engine, prompts, trajectories)
+    results["agent"] = run_agents(engine, prompts, trajectories)
+    results["synchronous_turns"] = run_synchronous_turns(engine, prompts, trajectories, tool_output)
+    results["serial"] = run_serial(engine, prompts, trajectories, tool_output, settings["serial"])
+    engine.sleep()
+    results["agent_vs_single_turn"] = results["agent"]["tokens_per_s"] / results["single_turn"]["tokens_per_s"]
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(results, file, indent=2)
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    env, settings = results["environment"], results["settings"]
+    print(f"agent rollout  {env['date']}  {env.get('gpu', env['device'])}  torch {env['torch']}")
+    print(f"workload: {settings['trajectories']} trajectories, {results['num_turns_total']} turns of "
+          f"{settings['turn_range'][0]}-{settings['turn_range'][1]} tokens, tools sleeping "
+          f"{settings['sleep_range'][0] * 1000:.0f}-{settings['sleep_range'][1] * 1000:.0f} ms "
+          f"({results['tool_seconds_total']:.1f} s in all), {settings['tool_tokens']} tool tokens per call")
+    agent, single = results["agent"], results["single_turn"]
+    rows = [
+        ("agent rollout tokens/s", f"{agent['tokens_per_s']:,.0f}  ({agent['time_s']:.2f} s)"),
+        ("single-turn engine tokens/s", f"{single['tokens_per_s']:,.0f}  ({single['time_s']:.2f} s)"),
+        ("agent / single-turn", f"{results['agent_vs_single_turn']:.0%}"),
+        ("engine-busy fraction (agent)", f"{agent['engine_busy_fraction']:.0%}"),
+        ("synchronous turns", f"{results['synchronous_turns']['time_s']:.2f} s  "
+                              f"({results['synchronous_turns']['tokens_per_s']:,.0f} tokens/s)"),
+        ("serial, extrapolated", f"{results['serial']['time_s_extrapolated']:.1f} s  (from "
+                                 f"{results['serial']['measured_trajectories']} trajectories)"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
