@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint clean-venv sandbox-deps
+.PHONY: demo demo-agent test lint clean-venv sandbox-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/reinforge demo
+
+# a small model learns by GRPO to call a calculator (multi-turn agent loop)
+demo-agent: $(STAMP)
+	$(BIN)/reinforge demo --agent
 
 # The code sandbox (reinforge/sandbox, tests/sandbox) isolates programs with bubblewrap: install it where
 # missing when we can (root on Debian/Ubuntu); otherwise say so, and tests/sandbox skips.

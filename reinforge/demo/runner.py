@@ -197,8 +197,14 @@ def run_demo(run_dir: str | Path = "runs/demo", *, model_dir: str | Path = MODEL
 
 
 def demo_main(argv: list[str]) -> int:
+    if "--agent" in argv:
+        from reinforge.demo.agent_runner import agent_demo_main
+
+        return agent_demo_main([arg for arg in argv if arg != "--agent"])
     parser = argparse.ArgumentParser(prog="reinforge demo",
                                      description="Watch a small model learn arithmetic by GRPO (CPU-friendly).")
+    parser.add_argument("--agent", action="store_true",
+                        help="the agent demo instead: a model learns to call a calculator (see --agent --help)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="the run folder (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=DemoSettings.total_steps, help="GRPO steps")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")

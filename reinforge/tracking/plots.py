@@ -21,8 +21,11 @@ DEFAULT_KEYS = [
     "actor/ppo_kl",
     "actor/entropy",
     "response_length/mean",
+    "agent/num_tool_calls/mean",
+    "num_turns/mean",
 ]
-"""Plotted when they exist (reward, the KL terms, entropy, length), with every validation key."""
+"""Plotted when they exist (reward, the KL terms, entropy, length, tool calls and turns of agent runs), with every
+validation key."""
 
 VALIDATION_PREFIXES = ("val-core/", "val/")
 

@@ -17,6 +17,7 @@ from reinforge.config.loader import ConfigError
 
 def evaluate(config: Config) -> dict[str, float]:
     """Validation metrics of ``config.model.path`` on ``config.data.val_files``."""
+    from reinforge.agent import check_agent_rows, load_tools
     from reinforge.data import PromptLoader, RLDataset
     from reinforge.models import load_tokenizer
     from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
@@ -28,8 +29,12 @@ def evaluate(config: Config) -> dict[str, float]:
     custom_scorer = load_reward_function(config.reward)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
-    dataset = RLDataset.from_config(config.data, tokenizer, split="val")
+    tools = load_tools(config.rollout.multi_turn)
+    dataset = RLDataset.from_config(config.data, tokenizer, split="val",
+                                    tool_schemas=[tool.schema for tool in tools.values()])
     check_rows_can_be_scored(dataset, config.reward, custom_scorer)
+    check_agent_rows(((f"row {example.index}", example.agent_name, example.extra_info)
+                      for example in dataset.examples), tools)
     actor = ActorRolloutWorker(config, total_training_steps=1)
     reward = RewardWorker(config)
     loader = PromptLoader.for_validation(dataset, config.data, actor.tokenizer.pad_token_id)

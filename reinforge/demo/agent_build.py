@@ -1,0 +1,119 @@
+"""Rebuild the agent demo model from scratch: ``python -m reinforge.demo.agent_build [--out DIR]``.
+
+A randomly initialised small Qwen2 with the character tokenizer (plus the call tokens of
+``agent_task``) is fine-tuned by the SFT trainer on the task's conversations, of which only 30%
+call the calculator (see ``reinforge.demo.agent_task``). It learns the call format, to copy the
+expression into the call and the result into its answer, and the habit of answering at once.
+Everything is seeded, so a rebuild on the CPU reproduces the committed model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from reinforge.demo.agent_task import AGENT_MODEL_DIR, AGENT_TASK, DATA_SOURCE, EXTRA_TOKENS, AgentDemoTask
+from reinforge.demo.task import MODEL_CARD, DemoModel
+
+BUILD_COMMAND = "python -m reinforge.demo.agent_build"
+ACCURACY_KEY = f"val-core/{DATA_SOURCE}/acc/mean@1"
+AGENT_MODEL = DemoModel(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=256)
+
+
+@dataclass(frozen=True)
+class AgentSFTBudget:
+    steps: int = 800
+    batch_size: int = 32
+    lr: float = 3e-3
+    schedule: str = "cosine"
+    warmup_steps: int = 20
+    seed: int = 1
+
+
+AGENT_SFT = AgentSFTBudget()
+
+
+def agent_overrides(model_dir: Path, files: dict[str, str], task: AgentDemoTask, device: str) -> list[str]:
+    """What evaluation and the RL run of the agent demo share: data lengths, the tool, the scorer, the engine."""
+    return [f"model.path={model_dir}", f"data.max_prompt_length={task.max_prompt_length}",
+            f"data.max_response_length={task.max_response_length}", f"trainer.device={device}",
+            f"rollout.multi_turn.tool_config_path={files['tools']}", "rollout.multi_turn.max_assistant_turns=2",
+            f"reward.custom_function={Path(__file__).with_name('agent_task.py')}:compute_score",
+            "reward.num_workers=0"]
+
+
+def held_out_accuracy(model_dir: Path, files: dict[str, str], task: AgentDemoTask = AGENT_TASK,
+                      device: str = "cpu") -> float:
+    from reinforge.config import load_config
+    from reinforge.trainer.evaluate import evaluate
+
+    config = load_config(None, [*agent_overrides(model_dir, files, task, device), f"data.val_files=[{files['test']}]"])
+    return evaluate(config)[ACCURACY_KEY]
+
+
+def build_agent_model(out_dir: str | Path = AGENT_MODEL_DIR, *, task: AgentDemoTask = AGENT_TASK,
+                      model: DemoModel = AGENT_MODEL, budget: AgentSFTBudget = AGENT_SFT,
+                      work_dir: str | Path | None = None, device: str = "cpu",
+                      loggers: tuple[str, ...] = ("console", "jsonl")) -> dict:
+    """Initialise, fine-tune and measure the agent demo model; write it to ``out_dir`` atomically. Returns its card."""
+    from reinforge.models import atomic_folder, save_tiny_model
+    from reinforge.trainer.sft_config import load_sft_config
+    from reinforge.trainer.sft_trainer import SFTTrainer
+
+    started = time.perf_counter()
+    temporary = None
+    if work_dir is None:
+        temporary = tempfile.TemporaryDirectory(prefix="reinforge-agent-build-")
+        work_dir = temporary.name
+    work = Path(work_dir)
+    try:
+        files = task.write(work / "data")
+        init_dir = save_tiny_model(work / "init", extra_tokens=EXTRA_TOKENS, **asdict(model))
+        config = load_sft_config(None, [
+            f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=96",
+            f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
+            f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", f"optim.schedule={budget.schedule}",
+            f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={work / 'sft'}",
+            "trainer.resume=never", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]"])
+        trainer = SFTTrainer(config)
+        last = trainer.fit()
+        sft_model = trainer.final_model_dir()
+        accuracy = held_out_accuracy(sft_model, files, task, device)
+        card = {"held_out_accuracy": accuracy, "sft_steps": budget.steps, "sft_final_loss": last.get("train/loss"),
+                "task": asdict(task), "model": asdict(model), "sft": asdict(budget),
+                "build_seconds": round(time.perf_counter() - started, 1), "rebuild_command": BUILD_COMMAND}
+        with atomic_folder(out_dir) as staging:
+            for path in sft_model.iterdir():
+                shutil.copy2(path, staging / path.name)
+            (staging / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
+        return card
+    finally:
+        if temporary is not None:
+            temporary.cleanup()
+
+
+def build_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=BUILD_COMMAND, description="Rebuild the agent demo model by SFT.")
+    parser.add_argument("--out", type=Path, default=AGENT_MODEL_DIR, help="the model folder to write")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the data and the SFT run here")
+    parser.add_argument("--steps", type=int, default=AGENT_SFT.steps, help="SFT steps")
+    parser.add_argument("--device", default="cpu", help="cpu (reproduces the committed model) or cuda")
+    args = parser.parse_args(argv)
+    budget = AgentSFTBudget(**{**asdict(AGENT_SFT), "steps": args.steps})
+    card = build_agent_model(args.out, work_dir=args.work_dir, device=args.device, budget=budget)
+    print(f"agent demo model written to {args.out}: held-out accuracy {100 * card['held_out_accuracy']:.1f}% "
+          f"after {card['sft_steps']} SFT steps ({card['build_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    sys.exit(build_main(sys.argv[1:]))
