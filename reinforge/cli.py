@@ -41,10 +41,9 @@ def _train(argv: list[str]) -> int:
         from reinforge.config import load_config
 
         config = load_config(config_path, overrides)
-    if not config.model.path:
-        raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
-    if not config.data.train_files:
-        raise SystemExit("data.train_files is empty; pass data.train_files=[path/to/train.parquet]")
+    from reinforge.config.validate import require_model_and_data
+
+    require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
 
     from reinforge.trainer.rl_trainer import RLTrainer
 
@@ -99,10 +98,9 @@ def _sft(argv: list[str]) -> int:
     from reinforge.trainer.sft_config import load_sft_config
 
     config = load_sft_config(config_path, overrides)
-    if not config.model.path:
-        raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
-    if not config.data.train_files:
-        raise SystemExit("data.train_files is empty; pass data.train_files=[path/to/train.jsonl] (rows with messages)")
+    from reinforge.config.validate import require_model_and_data
+
+    require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
 
     from reinforge.trainer.sft_trainer import SFTTrainer
 

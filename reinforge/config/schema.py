@@ -10,6 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+TRUNCATION_MODES = ("error", "left", "right")
+"""The values of data.truncation (RL prompts)."""
+
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
+"""The values of algorithm.filter_groups.metric."""
+
 
 @dataclass
 class DataConfig:

@@ -15,7 +15,7 @@ from reinforge.algorithms import (
     parse_rejection_rules,
 )
 from reinforge.config.errors import ConfigError
-from reinforge.config.schema import Config, OptimConfig, RunConfig
+from reinforge.config.schema import FILTER_METRICS, TRUNCATION_MODES, Config, OptimConfig, RunConfig
 from reinforge.engine.optim import LR_SCHEDULES
 
 ROLLOUT_BACKENDS = ("hf", "native")
@@ -66,6 +66,14 @@ def validate_run(trainer: RunConfig) -> None:
         raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
 
 
+def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:
+    """What a training command needs beyond a valid config: a model and training data (RL and SFT)."""
+    if not model_path:
+        raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
+    if not train_files:
+        raise ConfigError(f"data.train_files is empty; pass data.train_files=[{example_file}]")
+
+
 def critic_enabled(config: Config) -> bool:
     """critic.enable, or by default whether the advantage estimator reads values."""
     if config.critic.enable is None:
@@ -89,7 +97,7 @@ def validate_config(config: Config) -> None:
     _choice("actor.kl_loss_type", actor.kl_loss_type, kl_names)
     _choice("algorithm.kl_penalty", algorithm.kl_penalty, kl_names)
     _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, list(KL_CONTROLLERS))
-    _choice("data.truncation", data.truncation, ("error", "left", "right"))
+    _choice("data.truncation", data.truncation, TRUNCATION_MODES)
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
     _choice("trainer.backend", trainer.backend, ("local", "ray"))
     validate_run(trainer)
@@ -183,7 +191,7 @@ def validate_config(config: Config) -> None:
 
 def _check_dapo(config: Config) -> None:
     data, filter_groups, buffer = config.data, config.algorithm.filter_groups, config.reward.overlong_buffer
-    _choice("algorithm.filter_groups.metric", filter_groups.metric, ("acc", "score", "seq_reward", "seq_final_reward"))
+    _choice("algorithm.filter_groups.metric", filter_groups.metric, FILTER_METRICS)
     if filter_groups.max_num_gen_batches < 0:
         raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches={filter_groups.max_num_gen_batches} "
                           "must be 0 (no limit) or more")

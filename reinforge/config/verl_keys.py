@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reinforge.config.schema import TRUNCATION_MODES
+
 UNSET = object()
 """A conversion's answer when the verl value means "use the default" (-1, None, fsdp, ...)."""
 
@@ -115,9 +117,9 @@ def _schedule(value: Any, given: Mapping[str, Any]) -> Any:
 
 
 def _truncation(value: Any, given: Mapping[str, Any]) -> Any:
-    if value in ("error", "left", "right"):
+    if value in TRUNCATION_MODES:
         return value
-    raise NoEquivalentValue(f"truncation {value!r} is not here; use error, left or right")
+    raise NoEquivalentValue(f"truncation {value!r} is not here; use {', '.join(TRUNCATION_MODES)}")
 
 
 def _resume_mode(value: Any, given: Mapping[str, Any]) -> Any:

@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reinforge.config.schema import DataConfig
+from reinforge.config.schema import TRUNCATION_MODES, DataConfig
 from reinforge.data.chat_template import encode_prompt
 from reinforge.data.files import Row, read_rows
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right")
 SCHEMA_COLUMNS = ("data_source", "ability", "reward_model", "extra_info", "agent_name")
 """verl's columns beside the prompt; any other column of a row is kept in ``PromptExample.columns``."""
 

@@ -15,11 +15,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from reinforge.config.schema import FilterGroupsConfig
+from reinforge.config.schema import FILTER_METRICS, FilterGroupsConfig
 from reinforge.engine.forward import build_position_ids
 from reinforge.protocol import Batch
 
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 PROMPT_COLUMNS = ("prompts",)
 """Tensors left-padded to the prompt width."""
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask")
