@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -74,8 +75,11 @@ def test_every_estimator_and_policy_loss_trains(tiny_model_dir, arithmetic_data_
         **EXTRA_SETTINGS.get(estimator, {}), **EXTRA_SETTINGS.get(loss_mode, {})})
     assert main(["train", *args]) == 0
     [row] = read_metrics(run_dir)
-    assert row["actor/grad_norm"] == row["actor/grad_norm"]  # not NaN
+    # every optimizer step applied (a non-finite gradient is skipped and counted, not averaged in)
+    assert row["actor/num_skipped_steps"] == 0 and math.isfinite(row["actor/pg_loss"])
     assert "timing_s/old_log_prob" in row  # two epochs over two mini-batches is off-policy
+    # the old log-probs, scored at the rollout temperature, are the sampler's own (float32 on the CPU)
+    assert row["training/rollout_probs_diff_max"] < 1e-3
     if estimator == "remax":
         assert "timing_s/gen_max" in row
     if estimator == "gae":
@@ -197,7 +201,8 @@ def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, 
     for row in rows:
         # float32 on the CPU: the engine's probabilities are the trainer's, up to rounding
         assert row["training/rollout_probs_diff_max"] < 1e-3
-        assert row["rollout/tokens_per_s"] > 0
+        # the engine counted every sampled token of the 4 x 4 responses (EOS included, as the mask is)
+        assert row["rollout/num_generated_tokens"] == pytest.approx(row["response_length/mean"] * 16)
 
 
 def test_the_command_exits_cleanly(tiny_model_dir, arithmetic_data_dir, tmp_path):
