@@ -15,6 +15,7 @@ says so in one line.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -107,13 +108,29 @@ def checkpoint_problem(folder: Path, *, hashes: bool = True) -> str | None:
     return None
 
 
-def _disk_full(error: BaseException) -> OSError | None:
-    """The ENOSPC error behind ``error`` (through causes, e.g. a worker group's WorkerCallError), if any."""
+_FULL_DISK_WORDS = ("no space left on device", "storagefull", "file write failed")
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def _disk_full(error: BaseException, folder: Path) -> OSError | None:
+    """The full-disk error behind ``error`` (through causes, e.g. a worker group's WorkerCallError), if any.
+
+    torch.save and safetensors report a full disk in their own words (``file write failed``,
+    ``StorageFull``) rather than as ENOSPC; those count when the disk of ``folder`` is nearly full.
+    """
+    chain: list[BaseException] = []
     seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return seen
+    while seen is not None and seen not in chain:
+        chain.append(seen)
         seen = seen.__cause__ or seen.__context__
+    for item in chain:
+        if isinstance(item, OSError) and item.errno == errno.ENOSPC:
+            return item
+    for item in chain:
+        if any(words in str(item).lower() for words in _FULL_DISK_WORDS):
+            with contextlib.suppress(OSError):
+                if shutil.disk_usage(folder).free < _NEARLY_FULL_BYTES or "space" in str(item).lower():
+                    return OSError(errno.ENOSPC, str(item).strip().splitlines()[-1])
     return None
 
 
@@ -158,7 +175,7 @@ class CheckpointManager:
             seal(temporary, step)
         except BaseException as error:
             shutil.rmtree(temporary, ignore_errors=True)
-            full = _disk_full(error)
+            full = _disk_full(error, self.root)
             if full is not None:
                 where = full.filename or temporary
                 raise OSError(errno.ENOSPC, f"no space left on device while writing {where} (checkpoint of step "

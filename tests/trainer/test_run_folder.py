@@ -117,3 +117,24 @@ def test_a_step_where_every_scorer_failed_stops_the_run_with_one_line(rl_args, t
     monkeypatch.setenv("REINFORGE_DEBUG", "1")
     with pytest.raises(Exception, match="scorer bug"):
         main(["train", *args])
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_temporary_folder(rl_args, tmp_path, capsys,
+                                                                                     monkeypatch):
+    import errno
+
+    import torch
+
+    save = torch.save
+
+    def disk_fills_up(obj, path, *args, **kwargs):
+        if str(path).endswith("actor_state.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_fills_up)
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: [Errno 28] no space left on device while writing ") and "actor_state.pt" in last
+    assert not [path.name for path in (run_dir / "checkpoints").iterdir()]  # no temporary folder, no checkpoint
