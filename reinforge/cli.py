@@ -205,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
 
     debug = bool(os.environ.get("REINFORGE_DEBUG"))
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    install_stop_handlers()
+    training = argv[0] in ("train", "sft")
+    if training:  # a run stops cleanly on SIGTERM too, and resumes from its checkpoint
+        install_stop_handlers()
     try:
         return command(argv[1:])
     except KeyboardInterrupt:
-        print(stopped_message(), file=sys.stderr)
+        print(stopped_message() if training else "interrupted", file=sys.stderr)
         return exit_after_stop()
     except (ConfigError, ValueError, FileNotFoundError, OSError) as error:
         # Mistakes in configs, data and paths are reported as one line; REINFORGE_DEBUG=1 shows the traceback.
