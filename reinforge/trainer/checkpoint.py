@@ -210,11 +210,13 @@ class CheckpointManager:
         return next((folder for folder in self.step_folders() if checkpoint_problem(folder, hashes=False) is None),
                     None)
 
-    def resolve(self, resume: str) -> Path | None:
+    def resolve(self, resume: str, *, set_aside: bool = True) -> Path | None:
         """The checkpoint to resume from for ``trainer.resume`` (auto, never or a path), checked against its manifest.
 
         ``auto`` takes the newest checkpoint that validates and warns about newer ones it skips; when the
-        run has checkpoints and none validates, it refuses rather than start over on top of them.
+        run has checkpoints and none validates, it refuses rather than start over on top of them. With
+        ``set_aside`` (a run that will write checkpoints, holding the folder's lock) the skipped ones,
+        and this run's checkpoints newer than a path given, are renamed so that nothing writes over them.
         """
         if resume == "never":
             return None
@@ -224,15 +226,17 @@ class CheckpointManager:
             if problem is not None:
                 raise CheckpointError(f"trainer.resume={resume} is not a usable checkpoint: {problem}; "
                                       f"checkpoints live in {self.root}/step_*")
+            if set_aside:
+                self._set_aside_newer_than(folder)
             return folder
         skipped = []
         for folder in self.step_folders():
             problem = checkpoint_problem(folder)
             if problem is None:
                 for bad, reason in skipped:
-                    kept = self._set_aside(bad)
-                    logger.warning("skipping checkpoint %s: %s; resuming from the older %s (the skipped one is kept "
-                                   "as %s)", bad.name, reason, folder.name, kept.name)
+                    kept = self._set_aside(bad) if set_aside else bad
+                    logger.warning("skipping checkpoint %s: %s; using the older %s (the skipped one is kept as %s)",
+                                   bad.name, reason, folder.name, kept.name)
                 self._check_pointer(folder)
                 return folder
             skipped.append((folder, problem))
@@ -242,13 +246,25 @@ class CheckpointManager:
                                   "start over (this replaces them) or trainer.resume=PATH for another checkpoint")
         return None
 
-    def _set_aside(self, folder: Path) -> Path:
-        """Rename a checkpoint that failed validation so that training never writes over it."""
+    def _set_aside(self, folder: Path, suffix: str = "invalid") -> Path:
+        """Rename a checkpoint (one that failed validation, or a newer one) so that training never writes over it."""
         number = 0
-        while (target := folder.with_name(f"{folder.name}.invalid{'' if number == 0 else f'-{number}'}")).exists():
+        while (target := folder.with_name(f"{folder.name}.{suffix}{'' if number == 0 else f'-{number}'}")).exists():
             number += 1
         folder.rename(target)
         return target
+
+    def _set_aside_newer_than(self, chosen: Path) -> None:
+        """Resuming this run from an older checkpoint by path: its newer checkpoints are kept, renamed."""
+        match = _STEP_NAME.match(chosen.name)
+        if match is None or chosen.resolve().parent != self.root.resolve():
+            return
+        for folder in self.step_folders():
+            step = _STEP_NAME.match(folder.name)
+            if step is not None and int(step.group(1)) > int(match.group(1)):
+                kept = self._set_aside(folder, "superseded")
+                logger.warning("resuming from the older %s: the newer %s is kept as %s, not written over",
+                               chosen.name, folder.name, kept.name)
 
     def _check_pointer(self, chosen: Path) -> None:
         pointer = self.root / "latest"

@@ -24,7 +24,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if problem is not None:
             raise ValueError(f"checkpoint {path} is not usable: {problem}; export another checkpoint")
         return path
-    latest = CheckpointManager(path, keep_last=1).resolve("auto")
+    latest = CheckpointManager(path, keep_last=1).resolve("auto", set_aside=False)
     if latest is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint (no trainer_state.pt) nor a run folder with "
                                 "checkpoints; pass RUN_DIR or RUN_DIR/checkpoints/step_N")

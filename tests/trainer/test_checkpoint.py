@@ -118,3 +118,13 @@ def test_config_changes_lists_nested_differences():
     old = {"actor": {"optim": {"lr": 1e-3}}, "trainer": {"seed": 1}}
     new = {"actor": {"optim": {"lr": 2e-3}}, "trainer": {"seed": 1}}
     assert config_changes(old, new) == [("actor.optim.lr", 1e-3, 2e-3)]
+
+
+def test_resuming_an_older_checkpoint_by_path_keeps_the_newer_ones_aside(tmp_path, caplog):
+    manager = saved_run(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        assert manager.resolve(str(manager.root / "step_000001")) == manager.root / "step_000001"
+    assert [path.name for path in manager.step_folders()] == ["step_000001"]
+    assert sorted(path.name for path in manager.root.glob("*.superseded")) == ["step_000002.superseded",
+                                                                             "step_000003.superseded"]
+    assert "not written over" in caplog.text
