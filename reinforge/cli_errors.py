@@ -28,14 +28,17 @@ def _innermost(error: BaseException) -> BaseException:
     return error
 
 
+_EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Failure|Interrupt|Exit)\b[^:\s]*: ")
+
+
 def _last_line(error: BaseException) -> str:
+    """The error's own line: the last ``Type: message`` line of a traceback in its text (a Ray task's, a
+    member's log), else the first line of its message, prefixed with its type."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else ""
-    name = type(error).__name__
-    # a Ray task error's text ends with the remote "Type: message" line already
-    if not last or last.startswith(f"{name}:") or re.match(r"^[\w.]+(Error|Exception|Failure)\b.*?: ", last):
-        return last or name
-    return f"{name}: {last}"
+    raised = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    if raised:
+        return raised[-1]
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def one_line_report(error: BaseException) -> str:

@@ -15,7 +15,7 @@ class Failing(Worker):
         try:
             raise KeyError("inner detail")
         except KeyError as error:
-            raise ValueError("line one of the story\nthe last line: bad value 3") from error
+            raise ValueError("bad value 3 in the story\nmore about it") from error
 
 
 def failure_of(method: str) -> BaseException:
@@ -30,11 +30,17 @@ def failure_of(method: str) -> BaseException:
 
 def test_a_worker_error_is_its_own_last_line_with_where_it_happened():
     report = one_line_report(failure_of("explode"))
-    assert report == ("error: worker group 'actor_rollout' (Failing) rank 0 of 1 raised in explode: ValueError: the "
-                      "last line: bad value 3 (REINFORGE_DEBUG=1 shows the full traceback)")
+    assert report == ("error: worker group 'actor_rollout' (Failing) rank 0 of 1 raised in explode: ValueError: bad "
+                      "value 3 in the story (REINFORGE_DEBUG=1 shows the full traceback)")
 
 
 def test_a_ray_style_remote_traceback_gives_its_last_line():
     remote = RuntimeError("ray::Member.update() (pid=12, ip=10.0.0.1)\n  File \"x.py\", line 3, in update\n"
                           "    raise ZeroDivisionError('scorer bug')\nZeroDivisionError: scorer bug")
     assert one_line_report(remote) == "error: ZeroDivisionError: scorer bug (REINFORGE_DEBUG=1 shows the full traceback)"
+
+
+def test_a_died_member_gives_the_first_line_of_its_story():
+    died = RuntimeError("the member process died during generate (killed); it ran on node 10.0.0.1, pid 12; "
+                        "its log's last lines:\n| Writing model shards: 100%")
+    assert one_line_report(died).startswith("error: RuntimeError: the member process died during generate (killed)")

@@ -82,7 +82,8 @@ def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_crit
 
 
 def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
-        ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path, local_metrics):
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path, local_metrics, monkeypatch):
+    monkeypatch.setenv("REINFORGE_DEBUG", "1")  # the exception itself is inspected, not the CLI's one-line report
     run_dir = tmp_path / "run"
     args = ["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.backend": "ray"})]
     failure: list[BaseException] = []

@@ -64,12 +64,10 @@ def test_committed_model_matches_its_build_command():
 
 
 def fake_checkpoint(run_dir: Path, step: int) -> None:
-    import torch
+    """A checkpoint holding only its trainer state (sealed with a manifest, as the trainer writes them)."""
+    from reinforge.trainer.checkpoint import CheckpointManager
 
-    folder = run_dir / "checkpoints" / f"step_{step:06d}"
-    folder.mkdir(parents=True)
-    torch.save({"step": step}, folder / "trainer_state.pt")
-    (run_dir / "checkpoints" / "latest").write_text(folder.name + "\n")
+    CheckpointManager(run_dir, keep_last=5).save(step, lambda folder: None, {"step": step})
 
 
 def test_interrupted_run_is_resumed_and_finished_run_moved_aside(tmp_path):
