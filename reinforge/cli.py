@@ -95,7 +95,7 @@ def _sft(argv: list[str]) -> int:
         config_help="a YAML config file (data:, model:, optim:, trainer: sections)",
         example="optim.lr=1e-5 data.packing=true")
 
-    from reinforge.trainer.sft_config import load_sft_config
+    from reinforge.config import load_sft_config
 
     config = load_sft_config(config_path, overrides)
     from reinforge.config.validate import require_model_and_data

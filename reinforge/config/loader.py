@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
+from reinforge.config.sft_schema import SFTConfig
 
 T = TypeVar("T")
 
@@ -193,6 +194,15 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), v
         from reinforge.config.validate import validate_config
 
         validate_config(config)
+    return config
+
+
+def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> SFTConfig:
+    """The SFT run's config: defaults, then the YAML file at ``path`` (if any), then ``overrides``, then checks."""
+    from reinforge.config.validate import validate_sft_config
+
+    config = load_structured(SFTConfig, path, overrides)
+    validate_sft_config(config)
     return config
 
 

@@ -16,6 +16,7 @@ from reinforge.algorithms import (
 )
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import FILTER_METRICS, TRUNCATION_MODES, Config, OptimConfig, RunConfig
+from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig
 from reinforge.engine.optim import LR_SCHEDULES
 
 ROLLOUT_BACKENDS = ("hf", "native")
@@ -64,6 +65,21 @@ def validate_run(trainer: RunConfig) -> None:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
     if trainer.resume not in ("auto", "never") and not trainer.resume:
         raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
+
+
+def validate_sft_config(config: SFTConfig) -> None:
+    """The SFT run's checks: its data section, its token budget, then the run and optimizer checks RL shares."""
+    data, trainer = config.data, config.trainer
+    _choice("data.truncation", data.truncation, SFT_TRUNCATION_MODES)
+    for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
+                       ("data.max_length", data.max_length)):
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+    if trainer.max_tokens_per_micro_batch < data.max_length:
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
+                          f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
+    validate_run(trainer)
+    validate_optim("optim", config.optim)
 
 
 def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:

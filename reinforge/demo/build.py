@@ -55,8 +55,8 @@ def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, 
                      budget: SFTBudget = SFT, work_dir: str | Path | None = None, device: str = "cpu",
                      loggers: tuple[str, ...] = ("console", "jsonl")) -> dict:
     """Initialise, fine-tune and measure the demo model; write it to ``out_dir`` atomically. Returns its card."""
+    from reinforge.config import load_sft_config
     from reinforge.models import atomic_folder, save_tiny_model
-    from reinforge.trainer.sft_config import load_sft_config
     from reinforge.trainer.sft_trainer import SFTTrainer
 
     started = time.perf_counter()

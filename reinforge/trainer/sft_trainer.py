@@ -20,6 +20,7 @@ from torch import Tensor
 
 from reinforge.algorithms import LossNormalizer, aggregate_loss, log_probs_from_logits
 from reinforge.config import config_to_dict
+from reinforge.config.sft_schema import SFTConfig
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, resolve_device
@@ -30,7 +31,6 @@ from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.run_loop import TrainingRun
-from reinforge.trainer.sft_config import SFTConfig
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.batch_size", "data.packing",

@@ -141,7 +141,7 @@ def test_cuda_device_without_a_gpu_is_refused_before_loading():
     (["trainer.total_steps=0"], "trainer.total_steps=0 trains nothing"),
 ])
 def test_sft_config_rejects_the_same_run_settings(overrides, message):
-    from reinforge.trainer.sft_config import load_sft_config
+    from reinforge.config import load_sft_config
 
     with pytest.raises(ConfigError, match=message):
         load_sft_config(None, overrides)

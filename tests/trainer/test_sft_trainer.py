@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-from reinforge.config import ConfigError
+from reinforge.config import ConfigError, load_sft_config
 from reinforge.data.sft_dataset import collate_sft, pack_examples, tokenize_conversation
 from reinforge.models import build_char_tokenizer, build_tiny_causal_lm
-from reinforge.trainer.sft_config import load_sft_config
 from reinforge.trainer.sft_trainer import SFTTrainer, token_log_probs
 
 CONVERSATION = [

@@ -1,22 +1,20 @@
-"""The SFT run's typed configuration and its loading: defaults, then a YAML file, then ``a.b=c``.
+"""The SFT run's typed configuration: data, model, optim, trainer.
 
-SFT has its own small schema (data, model, optim, trainer) rather than sections of the RL
-``Config``; the model and optimizer sections are the RL ones, so a key means the same in both.
-Unknown keys fail with the closest valid one, as ``reinforge train`` does.
+SFT has its own small schema rather than sections of the RL ``Config``; the model and
+optimizer sections are the RL ones and the trainer section extends the shared ``RunConfig``,
+so a key means the same in both. Loaded by ``config.loader.load_sft_config`` and checked by
+``config.validate.validate_sft_config``, like the RL config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
-from reinforge.config.loader import ConfigError, load_structured
 from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig
-from reinforge.config.validate import validate_optim, validate_run
 
-TRUNCATION_MODES = ("drop", "right", "error")
+SFT_TRUNCATION_MODES = ("drop", "right", "error")
+"""The values of the SFT data.truncation."""
 
 
 @dataclass
@@ -62,25 +60,3 @@ class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.03, schedule="cosine"))
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
-
-
-def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> SFTConfig:
-    """Defaults, then the YAML file at ``path`` (if any), then ``overrides`` (``a.b=c`` strings), then checks."""
-    config = load_structured(SFTConfig, path, overrides)
-    validate_sft_config(config)
-    return config
-
-
-def validate_sft_config(config: SFTConfig) -> None:
-    data, trainer = config.data, config.trainer
-    if data.truncation not in TRUNCATION_MODES:
-        raise ConfigError(f"data.truncation={data.truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
-    for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
-                       ("data.max_length", data.max_length)):
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be at least 1")
-    if trainer.max_tokens_per_micro_batch < data.max_length:
-        raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
-                          f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
-    validate_run(trainer)
-    validate_optim("optim", config.optim)
