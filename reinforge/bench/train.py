@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -93,6 +94,11 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.actor.grad_clip = 1.0
     config.actor.loss_agg_mode = "token-mean"
     config.trainer.device = "cpu" if args.cpu else "cuda"
+    config.actor.optimizer_offload = args.optimizer_offload
+    if args.lora:
+        config.model.lora.rank = args.lora
+        config.model.lora.alpha = float(args.lora)
+        config.actor.optim.lr = 1e-5  # about 10x full fine-tuning's
     if args.variant == "kl":
         config.actor.use_kl_loss = True
         if args.ref_offload:
@@ -165,7 +171,9 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     if plan is not None:
         print(plan.table(), flush=True)
     actor = ActorRolloutWorker(config, args.steps)
-    reference = ReferenceWorker(config) if args.variant == "kl" else None
+    reference = None
+    if args.variant == "kl":  # a LoRA actor is its own reference (adapters disabled), as in the trainer
+        reference = actor if config.model.lora.rank else ReferenceWorker(config)
     critic = CriticWorker(config, args.steps) if args.variant == "ppo" else None
     freeze_long_lived_objects()  # as the trainer's worker construction does
     device = actor.device
@@ -230,6 +238,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                if all(isinstance(r.get(key), float) for r in measured)}
     for key in ("peak_memory_gb", "rollout_peak_gb", "update_peak_gb"):
         summary[key] = max((r.get(key) or 0.0) for r in rows)
+    # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
+    summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result = {"variant": args.variant, "steps": rows, "median": summary}
     if plan is not None:
         result["plan"] = {"table": plan.table(), "settings": vars(plan.settings),
@@ -262,6 +272,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank (model.lora.rank; alpha = rank, lr 1e-5)")
+    parser.add_argument("--optimizer-offload", action="store_true",
+                        help="AdamW state and step on the host (actor.optimizer_offload=true)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU, a smoke test")
@@ -300,7 +314,8 @@ def bench_train_main(argv: list[str]) -> int:
     median = result["median"]
     print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
-          f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB")
+          f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB, "
+          f"host peak {median.get('host_peak_gb', 0):.1f} GiB")
     phases = {key.removeprefix("rollout_"): value for key, value in median.items()
               if key.startswith("rollout_") and key != "rollout_s"}
     if phases:

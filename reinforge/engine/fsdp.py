@@ -148,6 +148,7 @@ def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
 # ---- state: full (unsharded) tensors on the CPU, gathered collectively -----------------------------
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_TRAINED = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
 def full_model_state(model: nn.Module) -> dict[str, Tensor]:
@@ -157,19 +158,26 @@ def full_model_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-    """Model and optimizer state as full tensors on the CPU. Collective.
+    """Trained parameters and optimizer state as full tensors on the CPU. Collective.
+
+    Frozen parameters (a LoRA actor's base) are left out: they are the model's starting weights,
+    which a resumed run loads again.
 
     With an offloaded optimizer the trained parameters come from its host master copy (in a
     group of one, the buffers themselves: saving a 7B model then needs no second host copy; write
     the state before the next step changes them).
     """
     reshard(model)
+    # by name, not by parameter: a tied head (lm_head.weight) is a second name of a frozen embedding
+    trained = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
+               if not (isinstance(tensor, nn.Parameter) and not tensor.requires_grad)}
     if isinstance(optimizer, HostOffloadedAdamW):
         masters = optimizer.full_master_state()
         model_state = {name: masters[id(tensor)] if id(tensor) in masters else _full_on_cpu(tensor)
-                       for name, tensor in model.state_dict(keep_vars=True).items()}
+                       for name, tensor in trained.items()}
         return {"model": model_state, "optimizer": optimizer.full_state_dict()}
-    return {"model": get_model_state_dict(model, options=_FULL),
+    model_state = get_model_state_dict(model, options=_TRAINED)
+    return {"model": {name: tensor for name, tensor in model_state.items() if name in trained},
             "optimizer": get_optimizer_state_dict(model, optimizer, options=_FULL)}
 
 
@@ -180,9 +188,16 @@ def _full_on_cpu(tensor: Tensor) -> Tensor:
 
 def load_full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     """Inverse of ``full_training_state``; every rank passes the same full state. Collective."""
+    frozen = {name for name, tensor in model.state_dict(keep_vars=True).items()
+              if isinstance(tensor, nn.Parameter) and not tensor.requires_grad}
     options = StateDictOptions(full_state_dict=True)
     reshard(model)
-    set_model_state_dict(model, state["model"], options=options)
+    keys = set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True,
+                                                                                 strict=not frozen))
+    missing = sorted(set(keys.missing_keys) - frozen)
+    if missing or keys.unexpected_keys:
+        raise ValueError(f"the saved model state does not fit this model: missing {missing[:3]}, unexpected "
+                         f"{sorted(keys.unexpected_keys)[:3]}; was it written with another model or model.lora?")
     if isinstance(optimizer, HostOffloadedAdamW):
         optimizer.pull_parameters()
         if "optimizer" in state:

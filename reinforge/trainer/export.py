@@ -2,17 +2,21 @@
 
 A checkpoint's ``hf/`` folder carries the architecture config and the tokenizer; the
 weights come from the trainer state (``actor_state.pt``), so export also works for a
-checkpoint whose ``hf/`` weights were removed to save space.
+checkpoint whose ``hf/`` weights were removed to save space. A LoRA checkpoint's state holds
+only the adapters: export merges them into the base model named in ``adapter/adapter_config.json``
+and writes the adapters too, in peft's format, under ``OUT/adapter``.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from reinforge.models import save_hf_folder
+from reinforge.engine.lora import merge_lora_weights, read_adapter_config
+from reinforge.models import load_causal_lm, save_hf_folder
 from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
 
 
@@ -43,8 +47,26 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     state_file = folder / "actor_state.pt"
     if not (hf_folder / "config.json").is_file() or not state_file.is_file():
         raise FileNotFoundError(f"checkpoint {folder} lacks hf/config.json or actor_state.pt; it is incomplete")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_folder))
     state = torch.load(state_file, map_location="cpu", weights_only=True)["model"]
-    model.load_state_dict(state)
     tokenizer = AutoTokenizer.from_pretrained(hf_folder)
+    adapter_folder = folder / "adapter"
+    if (adapter_folder / "adapter_config.json").is_file():
+        return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_folder))
+    model.load_state_dict(state)
     return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)
+
+
+def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokenizer, out_dir: Path,
+                 dtype: torch.dtype | None) -> Path:
+    """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters
+    alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``)."""
+    scaling, base_path = read_adapter_config(adapter_folder)
+    if not base_path:
+        raise FileNotFoundError(f"{adapter_folder}/adapter_config.json names no base model; cannot merge the adapters")
+    base = load_causal_lm(base_path, dtype=torch.float32, device="cpu")
+    state = base.state_dict() | adapters
+    base.load_state_dict(merge_lora_weights(state, scaling))
+    save_hf_folder(base, tokenizer, out_dir, dtype=dtype)
+    shutil.copytree(adapter_folder, out_dir / "adapter")  # written with actor_state.pt, from the same tensors
+    return out_dir

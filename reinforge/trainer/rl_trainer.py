@@ -80,7 +80,10 @@ class RLTrainer(TrainingRun):
 
         build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs")
         self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
-        self.reference = build_group(ReferenceWorker, config, role="ref") if reference_needed(config) else None
+        self.reference = None
+        if reference_needed(config):  # a LoRA actor is its own reference: the base with the adapters off
+            self.reference = (self.actor_rollout if config.model.lora.rank
+                              else build_group(ReferenceWorker, config, role="ref"))
         self.critic = (build_group(CriticWorker, config, self.total_steps, role="critic")
                        if critic_enabled(config) else None)
         self.reward = build_group(RewardWorker, config, role="reward")
@@ -274,7 +277,8 @@ class RLTrainer(TrainingRun):
 
     def close(self) -> None:
         """Stop the worker groups (their processes, on Ray) and flush the trackers."""
-        for group in (self.actor_rollout, self.reference, self.critic, self.reward):
+        reference = self.reference if self.reference is not self.actor_rollout else None
+        for group in (self.actor_rollout, reference, self.critic, self.reward):
             if group is not None:
                 group.shutdown()
         self.tracker.close()

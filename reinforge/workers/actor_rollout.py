@@ -10,11 +10,13 @@ engine asleep and the parameters sharded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -37,6 +39,7 @@ from reinforge.engine.device import autocast_context, compute_dtype, peak_memory
 from reinforge.engine.forward import build_position_ids, response_log_probs, score_in_micro_batches
 from reinforge.engine.fsdp import decoder_layers, shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.lora import add_lora, lora_deltas, merged_weights
 from reinforge.engine.memory_plan import GiB
 from reinforge.engine.memory_settings import apply_memory_plan, cap_device_memory
 from reinforge.engine.optim import build_optimizer, build_scheduler
@@ -116,14 +119,24 @@ class ActorRolloutWorker(Worker):
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
         offload = config.actor.param_offload
-        self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
-                                    trust_remote_code=config.model.trust_remote_code,
+        lora = config.model.lora
+        # with LoRA the base is frozen: kept in the compute dtype, only the adapters get float32 masters
+        self.model = load_causal_lm(config.model.path,
+                                    dtype=compute_dtype(self.device, config.model.dtype) if lora.rank else torch.float32,
+                                    device=self.device, trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         prepare_for_training(self.model, self.device)
         checkpointed = config.model.gradient_checkpointing
         checkpoint_decoder_layers(self.model, len(decoder_layers(self.model)) if checkpointed is True else int(checkpointed))
         self.model_class = type(self.model)
         self.max_logits_bytes = int(config.actor.logits_buffer_gib * GiB)  # the same in scoring and training passes
+        self.peft_model = None
+        """The PeftModel around self.model when model.lora.rank > 0 (engine.lora); self.model is adapted in place."""
+        if lora.rank:
+            self.peft_model = add_lora(self.model, lora, base_model_path=config.model.path)
+            for parameter in self.model.parameters():
+                if parameter.requires_grad:
+                    parameter.data = parameter.data.float()
         self.engine = self._build_engine_in_compute_dtype()
         self.agent_runner = AgentRunner(self.tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
                                         config.data.chat_template)
@@ -218,11 +231,7 @@ class ActorRolloutWorker(Worker):
             group_sizes.append(stop - start)
             start = stop
         phases.lap("requests")
-        with unsharded(self.model):
-            phases.lap("gather_weights")
-            self.engine.sync_weights(self.model)
-            self.engine.wake_up()
-            phases.lap("wake_up")
+        with self._engine_awake_on_weights(phases):
             if self.engine.reads_model_in_place:
                 completions = self._generate_awake(requests, phases)
         if not self.engine.reads_model_in_place:  # the engine has its copy: the gathered parameters are freed
@@ -260,11 +269,7 @@ class ActorRolloutWorker(Worker):
             phases.lap("sleep")
             return outputs
 
-        with unsharded(self.model):
-            phases.lap("gather_weights")
-            self.engine.sync_weights(self.model)
-            self.engine.wake_up()
-            phases.lap("wake_up")
+        with self._engine_awake_on_weights(phases):
             if self.engine.reads_model_in_place:
                 outputs = run()
         if not self.engine.reads_model_in_place:
@@ -279,6 +284,27 @@ class ActorRolloutWorker(Worker):
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         return output
+
+    @contextlib.contextmanager
+    def _engine_awake_on_weights(self, phases: _PhaseTimer) -> Iterator[None]:
+        """Gather the parameters, give them to the engine (LoRA adapters merged in) and wake it.
+
+        An engine that reads the module in place generates inside the block; on exit the gathered
+        parameters are freed. The LoRA merge is timed as ``lora_merge``.
+        """
+        with unsharded(self.model):
+            phases.lap("gather_weights")
+            in_place_lora = self.peft_model is not None and self.engine.reads_model_in_place
+            with merged_weights(self.peft_model) if in_place_lora else contextlib.nullcontext():
+                if in_place_lora:
+                    phases.lap("lora_merge")
+                self.engine.sync_weights(self.model)
+                self.engine.wake_up()
+                phases.lap("wake_up")
+                if self.peft_model is not None and not in_place_lora:
+                    self.engine.add_to_weights(lora_deltas(self.peft_model))
+                    phases.lap("lora_merge")
+                yield
 
     def _generate_awake(self, requests: list[GenerationRequest], phases: _PhaseTimer) -> list:
         try:
@@ -310,6 +336,19 @@ class ActorRolloutWorker(Worker):
             output.meta["mismatch_metrics"] = rollout_mismatch_metrics(
                 log_probs, batch["rollout_log_probs"], batch["response_mask"])
         return output
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """ref_log_probs (B, R) with LoRA: the base model is the actor with its adapters disabled (no second copy)."""
+        if self.peft_model is None:
+            raise RuntimeError("compute_ref_log_prob on the actor needs model.lora.rank > 0; without LoRA the "
+                               "reference policy is its own worker (workers.reference)")
+        with self.peft_model.disable_adapter():
+            (log_probs,) = score_in_micro_batches(
+                self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device,
+                lambda model, micro: response_log_probs(model, micro, self.config.rollout.temperature,
+                                                        max_logits_bytes=self.max_logits_bytes)[:1])
+        return Batch.from_dict(tensors={"ref_log_probs": log_probs})
 
     # ---- training -----------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -364,7 +403,9 @@ class ActorRolloutWorker(Worker):
     def save_checkpoint(self, folder: str) -> None:
         """Collective: every rank gathers its shards; rank 0 writes actor_state.pt and hf/."""
         save_training_state(Path(folder), self.model, self.optimizer, self.scheduler)
-        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, Path(folder) / "hf")
+        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, Path(folder) / "hf",
+                               lora=self.config.model.lora if self.peft_model is not None else None,
+                               base_model_path=self.config.model.path)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from reinforge.config.schema import LoraConfig
 from reinforge.engine.distributed import barrier, rank
 from reinforge.engine.fsdp import fsdp_units, full_model_state, full_training_state, load_full_training_state
+from reinforge.engine.lora import adapter_state, lora_scaling, merge_lora_weights, write_adapter_folder
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
 
@@ -78,10 +80,18 @@ def _reapply(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_schedul
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
-def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path) -> None:
-    """The HF folder of an FSDP-sharded causal LM: gathered collectively, written by rank 0."""
+def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path,
+                           lora: LoraConfig | None = None, base_model_path: str = "") -> None:
+    """The HF folder of an FSDP-sharded causal LM: gathered collectively, written by rank 0.
+
+    With ``lora`` (a LoRA actor) the folder holds the merged weights, and ``adapter/`` next to it
+    the adapters alone in peft's format.
+    """
     state = full_model_state(model)
     if rank() == 0:
+        if lora is not None:
+            write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path)
+            merge_lora_weights(state, lora_scaling(lora))
         with torch.device("meta"):
             plain = model_class(model.config)
         plain.load_state_dict(state, assign=True, strict=False)

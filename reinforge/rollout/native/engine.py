@@ -21,12 +21,12 @@ import gc
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from reinforge.rollout.base import Completion, GenerationRequest
 from reinforge.rollout.native.block_manager import BlockManager
@@ -202,6 +202,20 @@ class NativeEngine:
         """
         self.model = model
         self.runner.set_model(model)
+
+    @torch.no_grad()
+    def add_to_weights(self, deltas: Iterable[tuple[nn.Module, Tensor]]) -> None:
+        """Add each (linear layer of the synced model, float32 delta of its weight) to the engine's own copy.
+
+        For a LoRA actor after ``wake_up``: the copy then holds the merged weights W + s B A, in place
+        (graphs stay valid), while the model's own weights are never changed.
+        """
+        if self.runner.decoder.weights is None:
+            raise RuntimeError("add_to_weights() needs the engine's weight copy; call it after wake_up()")
+        slices = self.runner.decoder.weights.linear_slices(self.model)
+        for linear, delta in deltas:
+            destination = slices[id(linear)]
+            destination.copy_(destination.float().add_(delta))
 
     def _num_kv_blocks(self) -> int:
         useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)

@@ -121,6 +121,21 @@ class ModelWeights:
                 start += part.shape[0]
         torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
 
+    def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
+        """id(linear layer of ``model``) -> the rows of this copy that hold its weight (q, k, v share qkv_weight)."""
+        slices: dict[int, Tensor] = {}
+        for weights, layer in zip(self.layers, model.model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            for destination, linears in ((weights.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                         (weights.o_weight, (attn.o_proj,)),
+                                         (weights.gate_up_weight, (mlp.gate_proj, mlp.up_proj)),
+                                         (weights.down_weight, (mlp.down_proj,))):
+                start = 0
+                for linear in linears:
+                    slices[id(linear)] = destination[start:start + linear.out_features]
+                    start += linear.out_features
+        return slices
+
     def tensors(self) -> list[Tensor]:
         layer_tensors = [tensor for layer in self.layers for tensor in _fields(layer) if tensor is not None]
         return [self.embed, self.final_norm, self.lm_head, *layer_tensors]

@@ -1,0 +1,160 @@
+"""LoRA for the actor (``model.lora.rank > 0``), on peft's layers.
+
+peft injects its adapter layers into the HF model itself: ``q_proj`` becomes a LoRA layer that
+holds the frozen base ``nn.Linear`` (``q_proj.base_layer``) and the trainable ``lora_A``/``lora_B``.
+Everything else keeps working on that same HF model (FSDP2 shards it one decoder layer per unit,
+frozen and trainable parameters side by side; the packed forwards call the layers as before), and
+the ``PeftModel`` wrapper is kept only for what it adds:
+
+- ``disable_adapter()``: the reference policy is the same model with the adapters off, no copy;
+- merged weights for the rollout, W + (alpha / rank) B A, computed from the gathered parameters
+  at wake-up and written into the engine's own weight copy (native: ``lora_deltas`` added in place)
+  or into new tensors the module reads while it generates (hf: ``merged_weights``, the base layers' forwards reading merged tensors). peft's own
+  ``merge_adapter`` writes into W, which FSDP may share with the trained weights; we never do.
+
+The frozen base is kept in the compute dtype (bfloat16 on a GPU: no float32 master copy is
+needed for weights that never change), the adapters in float32.
+
+Checkpoints and exports name tensors as the adapted HF model does; ``merge_lora_weights`` folds
+the adapters into plain weights, ``write_adapter_folder`` writes peft's own format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from reinforge.config.schema import LoraConfig
+
+ADAPTER_NAME = "default"
+
+
+def _peft_config(config: LoraConfig, base_model_path: str = ""):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
+                          lora_dropout=config.dropout, bias="none", task_type="CAUSAL_LM",
+                          base_model_name_or_path=base_model_path or None)
+
+
+def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "") -> nn.Module:
+    """Inject adapters into ``model`` in place (its base parameters frozen); returns the PeftModel around it.
+
+    lora_B starts at zero, so the model computes exactly what it did before.
+    """
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, _peft_config(config, base_model_path))
+    except ValueError as error:
+        if "not found in the base model" in str(error) or "Target modules" in str(error):
+            raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "
+                             f"{type(model).__name__}; name its linear layers, e.g. q_proj, v_proj") from error
+        raise
+
+
+def lora_scaling(config: LoraConfig) -> float:
+    return config.alpha / config.rank
+
+
+def lora_layers(peft_model: nn.Module) -> list[nn.Module]:
+    """The adapted layers (peft's LoRA layers) of the model, in module order."""
+    from peft.tuners.lora import LoraLayer
+
+    return [module for module in peft_model.modules() if isinstance(module, LoraLayer)]
+
+
+def lora_deltas(peft_model: nn.Module) -> Iterator[tuple[nn.Module, Tensor]]:
+    """(adapted layer, scaling * B A in float32) one layer at a time; B and A as the module holds them (gathered)."""
+    for layer in lora_layers(peft_model):
+        lora_a, lora_b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+        yield layer, (lora_b.detach().float() @ lora_a.detach().float()) * layer.scaling[ADAPTER_NAME]
+
+
+@contextlib.contextmanager
+def merged_weights(peft_model: nn.Module) -> Iterator[None]:
+    """Inside the block each adapted layer computes with a new weight W + scaling * B A and skips its adapter.
+
+    For a rollout engine that runs the module itself (hf). The merged weights are new tensors
+    next to W, never written into it: FSDP's gathered W may share storage with the trained
+    weights (one rank, no dtype cast), and W + BA - BA is not W in floating point.
+    """
+    swapped: list[tuple[nn.Module, nn.Module]] = []
+    try:
+        for layer, delta in lora_deltas(peft_model):
+            base = layer.get_base_layer()
+            merged = (base.weight.detach().float() + delta).to(base.weight.dtype)
+            # the forward reads the merged tensor; the registered parameters stay FSDP's own
+            base.forward = functools.partial(_linear, weight=merged, bias=base.bias)
+            layer.merged_adapters.append(ADAPTER_NAME)
+            swapped.append((layer, base))
+        yield
+    finally:
+        for layer, base in swapped:
+            del base.forward
+            layer.merged_adapters.remove(ADAPTER_NAME)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return nn.functional.linear(x, weight, bias)
+
+
+def merge_lora_weights(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
+    """Plain weights from an adapted model's state dict, in place: W + scaling * B A; the adapters dropped.
+
+    Accepts the adapted names (``q_proj.base_layer.weight``) or plain base names with the adapter
+    tensors added (``q_proj.weight`` and ``q_proj.lora_A.default.weight``). Returns ``state``.
+    """
+    marker_a = f".lora_A.{ADAPTER_NAME}.weight"
+    for name in [name for name in state if ".base_layer." in name]:
+        state[name.replace(".base_layer.", ".")] = state.pop(name)
+    for name_a in [name for name in state if name.endswith(marker_a)]:
+        prefix = name_a[:-len(marker_a)]
+        lora_a = state.pop(name_a)
+        lora_b = state.pop(f"{prefix}.lora_B.{ADAPTER_NAME}.weight")
+        weight = state[f"{prefix}.weight"]
+        state[f"{prefix}.weight"] = (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+    leftover = [name for name in state if ".lora_" in name]
+    if leftover:
+        raise ValueError(f"adapter tensor {leftover[0]} has no lora_A/lora_B partner; the state is not one adapter")
+    return state
+
+
+def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter tensors of an adapted model's state dict (``...lora_A.default.weight``)."""
+    return {name: tensor for name, tensor in state.items() if ".lora_A." in name or ".lora_B." in name}
+
+
+def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: LoraConfig, base_model_path: str) -> None:
+    """peft's adapter format (adapter_config.json, adapter_model.safetensors), loadable by PeftModel.from_pretrained."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    peft_names = {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().contiguous().cpu()
+                  for name, tensor in adapters.items()}
+    save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_config = _peft_config(config, base_model_path).to_dict()
+    (folder / "adapter_config.json").write_text(json.dumps(_jsonable(peft_config), indent=2, sort_keys=True) + "\n")
+
+
+def read_adapter_config(folder: Path) -> tuple[float, str]:
+    """(scaling alpha / rank, base model path) from an adapter folder's adapter_config.json."""
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    return float(saved["lora_alpha"]) / int(saved["r"]), saved.get("base_model_name_or_path") or ""
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(item) for item in (sorted(value) if isinstance(value, set) else value)]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value.value if hasattr(value, "value") else value)

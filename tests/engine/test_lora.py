@@ -1,0 +1,149 @@
+"""LoRA (engine.lora) under FSDP2 on the CPU: reference = base, merged weights = adapter, sharding invariance."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.config.schema import LoraConfig
+from reinforge.engine.forward import response_log_probs
+from reinforge.engine.fsdp import full_model_state, shard_model, unsharded
+from reinforge.engine.lora import add_lora, lora_deltas, merge_lora_weights, merged_weights
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fsdp import _free_port  # noqa: E402
+from test_micro_batches_and_update import make_rollout_batch, varlen_lm  # noqa: E402
+
+CONFIG = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+
+
+def trained_lora_model(seed=4):
+    """A sharded tiny model whose adapters are not zero (as after some training)."""
+    model = varlen_lm(seed=seed)
+    torch.manual_seed(seed)
+    peft_model = add_lora(model, CONFIG)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.2)
+    shard_model(model, torch.device("cpu"))
+    return model, peft_model
+
+
+def test_only_adapters_train():
+    model, _ = trained_lora_model()
+    trainable = [name for name, parameter in model.named_parameters() if parameter.requires_grad]
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    assert {name.split(".")[-4] for name in trainable} == set(CONFIG.target_modules)
+
+
+def test_adapter_disabled_gives_the_separately_loaded_base_model():
+    model, peft_model = trained_lora_model()
+    base = shard_model(varlen_lm(seed=4), torch.device("cpu"))
+    batch = make_rollout_batch(rows=5, seed=2)
+    with torch.no_grad():
+        adapted = response_log_probs(model, batch)[0]
+        with peft_model.disable_adapter():
+            disabled = response_log_probs(model, batch)[0]
+        expected = response_log_probs(base, batch)[0]
+    assert torch.equal(disabled, expected)
+    assert (adapted - expected).abs().max() > 1e-2  # the adapters change the policy: the check above means something
+
+
+def test_merged_weights_give_the_adapter_outputs_and_leave_the_trained_weights_alone():
+    model, peft_model = trained_lora_model()
+    before = {name: tensor.clone() for name, tensor in full_model_state(model).items()}
+    batch = make_rollout_batch(rows=5, seed=3)
+    with torch.no_grad():
+        adapted = response_log_probs(model, batch)[0]
+        with unsharded(model), merged_weights(peft_model):  # what the hf backend generates with
+            merged = response_log_probs(model, batch)[0]
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
+    after = full_model_state(model)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    with torch.no_grad():
+        torch.testing.assert_close(response_log_probs(model, batch)[0], adapted, atol=0, rtol=0)
+
+
+def test_merge_lora_weights_folds_each_adapter_into_its_layer():
+    model, peft_model = trained_lora_model()
+    state = full_model_state(model)
+    deltas = {}
+    with unsharded(model):
+        for layer, delta in lora_deltas(peft_model):
+            name = next(n for n, m in model.named_modules() if m is layer)
+            deltas[f"{name}.weight"] = delta.clone()
+    base_weights = {name.replace(".base_layer.", "."): tensor.clone() for name, tensor in state.items()
+                    if ".base_layer.weight" in name}
+    merged = merge_lora_weights(state, CONFIG.alpha / CONFIG.rank)
+    assert not any(".lora_" in name or ".base_layer." in name for name in merged)
+    assert set(merged) == set(varlen_lm(seed=4).state_dict())
+    for name, weight in base_weights.items():
+        torch.testing.assert_close(merged[name], weight + deltas[name], atol=1e-6, rtol=0)
+
+
+UPDATE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_lora import CONFIG
+    from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm
+    from reinforge.config.schema import OptimConfig
+    from reinforge.engine.distributed import init_distributed
+    from reinforge.engine.fsdp import full_training_state, shard_model
+    from reinforge.engine.lora import add_lora
+    from reinforge.engine.optim import build_optimizer, build_scheduler
+    from reinforge.engine.train_step import UpdateSettings, run_update
+
+    def update(rows, budget):
+        model = varlen_lm(seed=4).train()
+        torch.manual_seed(0)
+        add_lora(model, CONFIG)
+        shard_model(model, torch.device("cpu"))
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
+        batch = make_rollout_batch(rows=8, seed=5).index(rows)
+        for _ in range(2):
+            run_update(model, optimizer, scheduler, batch, on_policy_loss(model),
+                       UpdateSettings(max_tokens_per_micro_batch=budget), torch.device("cpu"))
+        return full_training_state(model, optimizer)
+
+    if __name__ == "__main__":
+        rank, world_size = init_distributed("gloo")
+        state = update(list(range(rank * 4, rank * 4 + 4)), budget=12)
+        if rank == 0:
+            torch.save(state, sys.argv[1])
+""")
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_train_the_adapters_like_one(tmp_path):
+    """peft's layers under fully_shard: two ranks with half the batch each end where one rank with all of it does."""
+    source = UPDATE.format(tests=str(REPO / "tests" / "engine"))
+    script = tmp_path / "update.py"
+    script.write_text(source)
+    port, processes = _free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "two.pt")], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for process in processes:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+
+    namespace: dict = {"__name__": "one"}
+    exec(source, namespace)
+    one = namespace["update"](list(range(8)), budget=10_000)
+    assert set(two["model"]) == set(one["model"]) and all(".lora_" in name for name in one["model"])
+    for name, tensor in one["model"].items():
+        torch.testing.assert_close(two["model"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+    for name, moments in one["optimizer"]["state"].items():
+        torch.testing.assert_close(two["optimizer"]["state"][name]["exp_avg"], moments["exp_avg"], atol=1e-7,
+                                   rtol=1e-4, msg=name)
+    assert any(tensor.abs().sum() > 0 for name, tensor in one["model"].items() if "lora_B" in name)

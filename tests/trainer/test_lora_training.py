@@ -1,0 +1,100 @@
+"""LoRA in the RL loop on a tiny model: learning, the reference as the adapter-free base, resume, export."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from reinforge.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_rl_trainer import COMPARED_PREFIXES, CONTAINS_SEVEN, _train_command, base_args, read_metrics  # noqa: E402
+
+LORA = {"model.lora.rank": 32, "model.lora.alpha": 64, "actor.optim.lr": 2e-2}
+
+
+@pytest.mark.slow
+def test_reward_rises_with_lora(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    reward_file = tmp_path / "seven.py"
+    reward_file.write_text(CONTAINS_SEVEN)
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **LORA, **{
+        "trainer.total_steps": 40, "rollout.n": 8, "reward.custom_function": f"{reward_file}:compute_score"})
+    assert main(["train", *args]) == 0
+    rows = read_metrics(run_dir)
+    scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row]
+    assert len(scores) == 40
+    start, end = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert start < 0.25
+    assert end > 0.6, scores
+    assert all(row["timing_s/gen/lora_merge"] > 0 for row in rows if "timing_s/gen/lora_merge" in row)
+
+
+def test_lora_run_with_kl_checkpoint_and_export(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    """One LoRA run with a KL loss (reference = the actor without adapters), a checkpoint and both exports."""
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **LORA, **{
+        "actor.use_kl_loss": True, "actor.kl_loss_type": "k1", "rollout.name": "native"})
+    assert main(["train", *args]) == 0
+    rows = read_metrics(run_dir)
+    assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the adapters start at zero: actor == base
+    assert abs(rows[-1]["actor/kl_loss"]) > 1e-6
+    assert all("timing_s/gen/lora_merge" in row for row in rows)
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    saved = torch.load(checkpoint / "actor_state.pt", weights_only=True)
+    assert [name for name in saved["model"] if ".lora_A." not in name and ".lora_B." not in name] == []
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    adapted = PeftModel.from_pretrained(base, out / "adapter").eval()
+    tokens = torch.tensor([[5, 17, 33, 8, 60, 61, 2, 9]])
+    with torch.no_grad():
+        expected = adapted(tokens).logits
+        torch.testing.assert_close(merged(tokens).logits, expected, atol=2e-5, rtol=1e-4)
+        with adapted.disable_adapter():
+            assert (adapted(tokens).logits - expected).abs().max() > 1e-3  # the adapters did learn something
+    checkpoint_hf = AutoModelForCausalLM.from_pretrained(checkpoint / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(checkpoint_hf(tokens).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_lora_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    common = {**LORA, "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3,
+              "actor.mini_batch_size": 2, "actor.shuffle": True, "actor.use_kl_loss": True,
+              "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive"}
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    reference_dir = tmp_path / "reference"
+    subprocess.run(_train_command(base_args(tiny_model_dir, arithmetic_data_dir, reference_dir, **common)),
+                   check=True, env=env, capture_output=True)
+
+    killed_dir = tmp_path / "killed"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, killed_dir, **common)
+    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics_file = killed_dir / "metrics.jsonl"
+        if metrics_file.is_file() and any(json.loads(line).get("step") == 3
+                                          for line in metrics_file.read_text().splitlines() if line.strip()):
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    assert (killed_dir / "checkpoints" / "latest").read_text().strip() in ("step_000002", "step_000004")
+    subprocess.run(_train_command(args), check=True, env=env, capture_output=True)
+
+    def comparable(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in row.items() if not k.startswith(COMPARED_PREFIXES)} for row in rows]
+
+    assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(reference_dir))
