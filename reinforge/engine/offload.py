@@ -1,58 +1,60 @@
 """Optimizer offload: AdamW whose state and step live in host memory (``actor.optimizer_offload``).
 
 The parameters and their gradients stay on the device (FSDP shards, float32); only the float32
-master copy the step writes and the two AdamW moments (12 bytes per parameter) live on the host.
-A step walks the parameters in buckets of ``bucket_numel`` elements:
+master copy the step writes and the two AdamW moments (12 bytes per parameter) live on the host,
+each as one flat buffer of exactly the trained elements (this rank's shards laid end to end).
+A step walks that flat space in chunks of ``chunk_numel`` elements:
 
-1. the bucket's device gradients are copied into a pinned host staging buffer (non-blocking; two
-   buffers alternate, so the copy of bucket i + 1 overlaps the step of bucket i);
-2. PyTorch's fused AdamW updates the bucket's host master copy with them on the CPU;
-3. the updated master values are copied back into the device parameters (non-blocking, from
-   pinned memory; the stream orders them before the next forward and the next step's copies).
+1. the chunk's gradients are copied from the device into a pinned staging buffer (non-blocking;
+   two buffers alternate, so the copy of chunk k + 1 runs while the CPU steps chunk k);
+2. PyTorch's fused AdamW updates the chunk of the master copy on the CPU (one optimizer per
+   chunk, its state views of the flat moment buffers);
+3. the updated chunk is copied into a pinned upload buffer and from there, non-blocking, back
+   into the device parameters (the stream orders it before the next forward).
 
-The host master copy starts equal to the device parameters and only this optimizer writes either
-(``pull_parameters`` re-reads the device after a checkpoint is loaded into the model), so the
-update equals ``torch.optim.AdamW`` on the device up to the CPU kernel's rounding. On a CPU run
-the "device" and the host are the same memory; the copies still run, so the path is exercised.
+AdamW is elementwise, so stepping chunks of a flat buffer equals stepping each parameter: the
+update is ``torch.optim.AdamW``'s (the tests compare bitwise). The host master copy starts equal
+to the device parameters and only this optimizer writes either (``pull_parameters`` re-reads
+them after a checkpoint is loaded into the model). A parameter whose gradient is None is
+stepped with a zero gradient (torch's AdamW would skip it); FSDP gives every trained one a gradient.
 
-Pinned buffers are allocated in power-of-two sizes, which is what PyTorch's pinned-memory
-allocator rounds every request up to: the bucket buffers waste nothing.
+Host memory: 12 bytes per trained parameter plus four pinned chunks (1 GiB at the default
+chunk), e.g. 85 GiB for a 7.6B model. Pinned buffers are sized to powers of two, which is what
+PyTorch's pinned allocator rounds every request up to. On a CPU run "device" and host are the
+same memory; the copies still run, so the tests exercise the whole path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
-DEFAULT_BUCKET_NUMEL = 1 << 26
-"""64 Mi float32 elements (256 MiB) per bucket: large enough for the CPU kernel, small enough to pipeline."""
+DEFAULT_CHUNK_NUMEL = 1 << 26
+"""64 Mi float32 elements (256 MiB) per step chunk: large enough for the CPU kernel, small enough to pipeline."""
 
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _host_buffer(numel: int, pin: bool) -> Tensor:
-    return torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+def _flat(tensor: Tensor) -> Tensor:
+    """A 1-D view (never a copy: writes must reach the parameter)."""
+    return _local(tensor).view(-1)
 
 
-class _Bucket:
-    """Consecutive parameters whose host master copies are views of one flat host buffer."""
+@dataclass
+class _Segment:
+    """Elements [param_start, param_start + length) of parameter ``index`` sit at [chunk_start, ...) of a chunk."""
 
-    def __init__(self, indices: list[int], locals_: list[Tensor], pin: bool, config: dict):
-        self.indices = indices
-        sizes = [t.numel() for t in locals_]
-        self.numel = sum(sizes)
-        capacity = 1 << max(self.numel - 1, 1).bit_length() if pin else self.numel
-        self.flat = _host_buffer(capacity, pin)
-        self.masters = [view.view_as(t) for view, t in zip(self.flat[:self.numel].split(sizes), locals_, strict=True)]
-        for master, local in zip(self.masters, locals_, strict=True):
-            master.copy_(local.detach())
-        self.optimizer = torch.optim.AdamW(self.masters, fused=True, **config)
+    index: int
+    param_start: int
+    chunk_start: int
+    length: int
 
 
 class HostOffloadedAdamW(torch.optim.Optimizer):
@@ -66,97 +68,121 @@ class HostOffloadedAdamW(torch.optim.Optimizer):
 
     def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], *, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+                 chunk_numel: int = DEFAULT_CHUNK_NUMEL):
         named = list(named_parameters)
+        if not named:
+            raise ValueError("HostOffloadedAdamW got no parameters to train")
         self.names = [name for name, _ in named]
-        parameters = [parameter for _, parameter in named]
         config = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(parameters, dict(config))
-        locals_ = [_local(parameter) for parameter in parameters]
-        self.device = locals_[0].device if locals_ else torch.device("cpu")
-        pin = self.device.type == "cuda"
-        self.buckets: list[_Bucket] = []
-        pending: list[int] = []
+        super().__init__([parameter for _, parameter in named], dict(config))
+        locals_ = [_flat(parameter) for _, parameter in named]
+        self.device = locals_[0].device
+        self.offsets = [0]
+        for local in locals_:
+            self.offsets.append(self.offsets[-1] + local.numel())
+        total = self.offsets[-1]
+        self.master = torch.empty(total, dtype=torch.float32)
+        self.exp_avg = torch.zeros(total, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(total, dtype=torch.float32)
         for index, local in enumerate(locals_):
-            if pending and sum(locals_[i].numel() for i in pending) + local.numel() > bucket_numel:
-                self.buckets.append(_Bucket(pending, [locals_[i] for i in pending], pin, config))
-                pending = []
-            pending.append(index)
-        if pending:
-            self.buckets.append(_Bucket(pending, [locals_[i] for i in pending], pin, config))
-        largest = max((bucket.numel for bucket in self.buckets), default=1)
-        staging_numel = 1 << max(largest - 1, 1).bit_length() if pin else largest
-        self.staging = [_host_buffer(staging_numel, pin) for _ in range(2 if len(self.buckets) > 1 else 1)]
+            self.master[self.offsets[index]:self.offsets[index + 1]].copy_(local.detach())
+        self.chunks: list[tuple[int, int, list[_Segment], torch.optim.AdamW]] = []
+        for start in range(0, total, chunk_numel):
+            stop = min(start + chunk_numel, total)
+            chunk = self.master[start:stop]
+            optimizer = torch.optim.AdamW([chunk], fused=True, **config)
+            optimizer.state[chunk] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": self.exp_avg[start:stop], "exp_avg_sq": self.exp_avg_sq[start:stop]}
+            self.chunks.append((start, stop, self._segments(start, stop), optimizer))
+        pin = self.device.type == "cuda"
+        capacity = 1 << max(min(chunk_numel, total) - 1, 1).bit_length()
+        self.staging = [torch.empty(capacity, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.upload = [torch.empty(capacity, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._upload_done: list[torch.cuda.Event | None] = [None, None]
+
+    def _segments(self, start: int, stop: int) -> list[_Segment]:
+        segments = []
+        for index in range(len(self.names)):
+            low, high = max(start, self.offsets[index]), min(stop, self.offsets[index + 1])
+            if low < high:
+                segments.append(_Segment(index, low - self.offsets[index], low - start, high - low))
+        return segments
 
     def host_bytes(self) -> int:
-        """Host memory this optimizer holds once its moments exist (master copy, moments, staging)."""
-        masters = sum(bucket.flat.numel() for bucket in self.buckets) * 4
-        moments = sum(bucket.numel for bucket in self.buckets) * 8
-        return masters + moments + sum(buffer.numel() for buffer in self.staging) * 4
+        """Host memory this optimizer holds: master copy, moments, pinned staging and upload buffers."""
+        return (self.master.numel() * 3 + sum(b.numel() for b in self.staging + self.upload)) * 4
 
     # ---- the step -----------------------------------------------------------------------
     def _copy_gradients_out(self, position: int) -> torch.cuda.Event | None:
-        bucket = self.buckets[position]
-        flat = self.staging[position % len(self.staging)]
-        offset = 0
+        start, stop, segments, _ = self.chunks[position]
+        staging = self.staging[position % 2]
         parameters = self.param_groups[0]["params"]
-        for index, master in zip(bucket.indices, bucket.masters, strict=True):
-            grad = parameters[index].grad
+        for segment in segments:
+            destination = staging[segment.chunk_start:segment.chunk_start + segment.length]
+            grad = parameters[segment.index].grad
             if grad is None:
-                master.grad = None
+                destination.zero_()
             else:
-                staged = flat[offset:offset + master.numel()].view_as(master)
-                staged.copy_(_local(grad), non_blocking=True)
-                master.grad = staged
-            offset += master.numel()
+                destination.copy_(_flat(grad)[segment.param_start:segment.param_start + segment.length],
+                                  non_blocking=True)
         if self.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         event.record()
         return event
 
+    def _copy_parameters_in(self, position: int) -> None:
+        start, stop, segments, _ = self.chunks[position]
+        slot = position % 2
+        if self._upload_done[slot] is not None:
+            self._upload_done[slot].synchronize()  # its previous upload has left the buffer
+        upload = self.upload[slot][:stop - start]
+        upload.copy_(self.master[start:stop])
+        parameters = self.param_groups[0]["params"]
+        for segment in segments:
+            _flat(parameters[segment.index])[segment.param_start:segment.param_start + segment.length].copy_(
+                upload[segment.chunk_start:segment.chunk_start + segment.length], non_blocking=True)
+        if self.device.type == "cuda":
+            self._upload_done[slot] = torch.cuda.Event()
+            self._upload_done[slot].record()
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
         if closure is not None:
             raise ValueError("HostOffloadedAdamW.step takes no closure")
         group = self.param_groups[0]
-        parameters = group["params"]
-        for bucket in self.buckets:
-            host_group = bucket.optimizer.param_groups[0]
-            for key in HYPERPARAMETERS:
-                host_group[key] = group[key]
-        events = {0: self._copy_gradients_out(0)} if self.buckets else {}
-        for position, bucket in enumerate(self.buckets):
-            if position + 1 < len(self.buckets):
+        events = {0: self._copy_gradients_out(0)}
+        for position, (start, stop, _, optimizer) in enumerate(self.chunks):
+            # the other staging buffer was read by the previous chunk's step, which has returned
+            if position + 1 < len(self.chunks):
                 events[position + 1] = self._copy_gradients_out(position + 1)
             event = events.pop(position)
             if event is not None:
                 event.synchronize()
-            bucket.optimizer.step()
-            for index, master in zip(bucket.indices, bucket.masters, strict=True):
-                master.grad = None
-                if parameters[index].grad is not None:
-                    _local(parameters[index]).copy_(master, non_blocking=True)
-            # the staging buffer of this bucket is rewritten two buckets on; the copy of bucket + 1
-            # is already queued into the other one, so the CPU step above could overlap it
+            host_group = optimizer.param_groups[0]
+            for key in HYPERPARAMETERS:
+                host_group[key] = group[key]
+            chunk = host_group["params"][0]
+            chunk.grad = self.staging[position % 2][:stop - start]
+            optimizer.step()
+            chunk.grad = None
+            self._copy_parameters_in(position)
         return None
 
     @torch.no_grad()
     def pull_parameters(self) -> None:
-        """Re-read the master copies from the device parameters (after loading weights into the model)."""
-        parameters = self.param_groups[0]["params"]
-        for bucket in self.buckets:
-            for index, master in zip(bucket.indices, bucket.masters, strict=True):
-                master.copy_(_local(parameters[index]))
+        """Re-read the master copy from the device parameters (after loading weights into the model)."""
+        for index, parameter in enumerate(self.param_groups[0]["params"]):
+            self.master[self.offsets[index]:self.offsets[index + 1]].copy_(_flat(parameter))
 
     # ---- state ------------------------------------------------------------------------
-    def _entries(self) -> Iterable[tuple[int, str, Tensor, dict]]:
-        for bucket in self.buckets:
-            for index, master in zip(bucket.indices, bucket.masters, strict=True):
-                yield index, self.names[index], master, bucket.optimizer.state.get(master, {})
+    def _view(self, flat: Tensor, index: int) -> Tensor:
+        """Parameter ``index``'s part of a flat host buffer, shaped as its local shard (a view)."""
+        local = _local(self.param_groups[0]["params"][index])
+        return flat[self.offsets[index]:self.offsets[index + 1]].view(local.shape)
 
     def _full(self, index: int, host: Tensor) -> Tensor:
-        """The whole tensor of parameter ``index``'s shape from this rank's host shard ``host``. Collective."""
+        """The whole tensor of parameter ``index`` from this rank's host shard ``host``. Collective."""
         parameter = self.param_groups[0]["params"][index]
         if not isinstance(parameter, DTensor) or parameter.device_mesh.size() == 1:
             return host
@@ -170,38 +196,43 @@ class HostOffloadedAdamW(torch.optim.Optimizer):
             return full
         return distribute_tensor(full.to(self.device), parameter.device_mesh, parameter.placements).to_local()
 
+    def _step_count(self) -> Tensor:
+        return self.chunks[0][3].state[self.chunks[0][3].param_groups[0]["params"][0]]["step"]
+
     def full_master_state(self) -> dict[int, Tensor]:
         """id(device parameter) -> its whole float32 value on the host (the master copy). Collective.
 
-        In a group of one these are the master buffers themselves, not copies.
+        In a group of one these are views of the master buffer, not copies.
         """
         parameters = self.param_groups[0]["params"]
-        return {id(parameters[index]): self._full(index, master) for index, _, master, _ in self._entries()}
+        return {id(parameter): self._full(index, self._view(self.master, index))
+                for index, parameter in enumerate(parameters)}
 
     def full_state_dict(self) -> dict:
         """{"state": {name: {step, exp_avg, exp_avg_sq}}, "param_groups": [...]} with whole tensors. Collective."""
+        step = self._step_count()
         state = {}
-        for index, name, _, moments in self._entries():
-            if moments:
-                state[name] = {"step": moments["step"].clone(), "exp_avg": self._full(index, moments["exp_avg"]),
-                               "exp_avg_sq": self._full(index, moments["exp_avg_sq"])}
+        if step.item() > 0:
+            for index, name in enumerate(self.names):
+                state[name] = {"step": step.clone(), "exp_avg": self._full(index, self._view(self.exp_avg, index)),
+                               "exp_avg_sq": self._full(index, self._view(self.exp_avg_sq, index))}
         group = {key: value for key, value in self.param_groups[0].items() if key != "params"}
         return {"state": state, "param_groups": [{**group, "params": list(self.names)}]}
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
         """Inverse of ``full_state_dict``; every rank passes the same whole state. Collective."""
-        saved_group = state_dict["param_groups"][0]
-        for key, value in saved_group.items():
+        for key, value in state_dict["param_groups"][0].items():
             if key != "params":
                 self.param_groups[0][key] = value
-        for index, name, master, _ in self._entries():
-            saved = state_dict["state"].get(name)
-            bucket_optimizer = next(b.optimizer for b in self.buckets if index in b.indices)
-            if saved is None:
-                bucket_optimizer.state.pop(master, None)
-                continue
-            bucket_optimizer.state[master] = {
-                "step": saved["step"].detach().to(torch.float32).clone(),
-                "exp_avg": self._shard(index, saved["exp_avg"]).to("cpu", torch.float32).clone(),
-                "exp_avg_sq": self._shard(index, saved["exp_avg_sq"]).to("cpu", torch.float32).clone()}
+        saved = state_dict["state"]
+        missing = [name for name in self.names if name not in saved]
+        if saved and missing:
+            raise ValueError(f"the saved optimizer state has no moments for {missing[0]}; it belongs to another model")
+        step = saved[self.names[0]]["step"].detach().float() if saved else torch.zeros(())
+        for index, name in enumerate(self.names):
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = self._shard(index, saved[name][key]) if saved else 0.0
+                self._view(getattr(self, key), index).copy_(value)
+        for _, _, _, optimizer in self.chunks:
+            optimizer.state[optimizer.param_groups[0]["params"][0]]["step"].copy_(step)
