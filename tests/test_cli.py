@@ -35,7 +35,7 @@ def test_python_dash_m_prints_the_usage(module):
 
     result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage: reinforge <command>" in result.stdout, result.stderr
-@pytest.mark.parametrize("flags", [["--variant", "kl", "--lora", "8"], ["--optimizer-offload"]])
+@pytest.mark.parametrize("flags", [["--variant", "kl", "--lora", "8"], ["--optimizer-offload", "true"]])
 def test_bench_train_cpu_smoke_with_lora_and_optimizer_offload(tmp_path, flags):
     out = tmp_path / "bench.json"
     assert main(["bench", "train", "--cpu", "--steps", "2", *flags, "--json", str(out)]) == 0

@@ -86,19 +86,14 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     if args.optimizer_offload is not None:
         config.actor.optimizer_offload = args.optimizer_offload
     config.trainer.gpu_memory_gib = args.gpu_memory_gib
+    config.actor.optim.lr = 1e-6
     if args.lora:
         config.model.lora.rank = args.lora
         config.model.lora.alpha = 2 * args.lora
-        config.actor.optim.lr = 1e-5
-    config.actor.optim.lr = 1e-6
+        config.actor.optim.lr = 1e-5  # about 10x full fine-tuning's
     config.actor.grad_clip = 1.0
     config.actor.loss_agg_mode = "token-mean"
     config.trainer.device = "cpu" if args.cpu else "cuda"
-    config.actor.optimizer_offload = args.optimizer_offload
-    if args.lora:
-        config.model.lora.rank = args.lora
-        config.model.lora.alpha = float(args.lora)
-        config.actor.optim.lr = 1e-5  # about 10x full fine-tuning's
     if args.variant == "kl":
         config.actor.use_kl_loss = True
         if args.ref_offload:
@@ -272,10 +267,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
-                        help="train LoRA adapters of this rank (model.lora.rank; alpha = rank, lr 1e-5)")
-    parser.add_argument("--optimizer-offload", action="store_true",
-                        help="AdamW state and step on the host (actor.optimizer_offload=true)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU, a smoke test")

@@ -55,7 +55,7 @@ class LoraConfig:
     """Rank of the actor's LoRA adapters (peft); 0 trains every parameter. With LoRA only the adapters train,
     the reference policy is the same model with its adapters off (no second copy), and checkpoints hold the
     adapters. Small models need rank 32 or more; use about 10x the full fine-tuning actor.optim.lr."""
-    alpha: float = 32.0
+    alpha: float = 64.0
     """Scale of the adapter's output: W + (alpha / rank) * B A."""
     target_modules: list[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
