@@ -140,11 +140,17 @@ def _supervise(argv: list[str], settings: SandboxSettings, *, timeout_s: float, 
                 if len(chunk) > room and killed_at is None:
                     outcome.output_exceeded, killed_at = True, time.monotonic()
                     _stop(process, outcome, status_fd)
-        try:
-            outcome.return_code = process.wait(timeout=KILL_GRACE_S)
+        try:  # a program may close its output and run on: it still has until the deadline
+            wait_s = KILL_GRACE_S if killed_at is not None else max(deadline - time.monotonic(), 0.0)
+            outcome.return_code = process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
-            _kill_group(process)
-            outcome.return_code = process.wait()
+            outcome.timed_out = outcome.timed_out or killed_at is None
+            _stop(process, outcome, status_fd)
+            try:
+                outcome.return_code = process.wait(timeout=KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                _kill_group(process)
+                outcome.return_code = process.wait()
     finally:
         selector.close()
         process.stdout.close()

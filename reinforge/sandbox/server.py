@@ -22,7 +22,7 @@ from typing import Any
 
 from reinforge.sandbox.admission import QueueFull, QueueTimeout, SlotPool, TokenBucket
 from reinforge.sandbox.isolation import IsolationError
-from reinforge.sandbox.protocol import RequestError, RunCodeRequest
+from reinforge.sandbox.protocol import SANDBOX_ERROR, RequestError, RunCodeRequest, RunCodeResponse
 from reinforge.sandbox.runner import check_isolation, run_request
 from reinforge.sandbox.settings import SandboxSettings
 
@@ -118,6 +118,10 @@ class SandboxServer:
             return 503, {"detail": f"no slot free within {self.settings.queue_timeout_s}s; retry later"}, 1.0
         try:
             return 200, run_request(request, self.settings, slot).to_json(), None
+        except Exception as error:  # a bug of ours: the caller gets SandboxFusion's SandboxError, the log the trace
+            logger.exception("running a request failed")
+            return 200, RunCodeResponse(SANDBOX_ERROR, f"the sandbox failed: {type(error).__name__}: {error}"
+                                        ).to_json(), None
         finally:
             self.slots.release(slot)
 

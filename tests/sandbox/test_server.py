@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import urllib.error
@@ -12,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+import reinforge
 from reinforge.cli import main
-from reinforge.sandbox import SandboxSettings
+from reinforge.sandbox import SandboxClient, SandboxSettings
 from reinforge.sandbox.isolation import IsolationError
 from reinforge.sandbox.server import SandboxServer
 
@@ -117,3 +123,29 @@ def test_unsafe_mode_runs_code_without_isolation(monkeypatch, start_server):
         status, body, _ = _post(server.url, json.dumps(
             {"code": f"print(open({folder + '/visible.txt'!r}).read())", "language": "python"}).encode())
     assert status == 200 and body["run_result"]["stdout"] == "host file\n"
+
+
+def test_a_program_that_closes_its_output_still_meets_its_deadline(client):
+    code = "import os, time\nprint('before', flush=True)\nos.close(1)\nos.close(2)\ntime.sleep(30)\n"
+    response = client.run_code(code, run_timeout=1)
+    assert response.run_result.status == "TimeLimitExceeded" and response.run_result.stdout == "before\n"
+    assert response.run_result.execution_time < 3
+
+
+def test_the_serve_command_serves(tmp_path):
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(reinforge.__file__).resolve().parents[1])}
+    server = subprocess.Popen([sys.executable, "-m", "reinforge", "sandbox", "serve", "--port", str(port),
+                               "--uid-base", str(62000 + (os.getpid() % 2000) * 16)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = SandboxClient(f"http://127.0.0.1:{port}")
+        client.wait_until_healthy(timeout_s=60)
+        assert client.run_code("print('served')").run_result.stdout == "served\n"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
