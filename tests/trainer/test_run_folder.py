@@ -16,13 +16,6 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_samples_carry_the_step_that_trained_on_them(rl_args, tmp_path):
-    run_dir = tmp_path / "run"
-    assert main(["train", *rl_args(run_dir, **{"trainer.num_logged_samples": 2})]) == 0
-    assert [row["step"] for row in rows(run_dir / "samples.jsonl")] == [1, 1, 2, 2]
-    assert not (run_dir / ".lock").exists()
-
-
 @pytest.mark.slow
 def test_a_truncated_newest_checkpoint_resumes_from_the_one_before(rl_args, tmp_path, caplog):
     run_dir = tmp_path / "run"
@@ -54,7 +47,7 @@ def test_no_valid_checkpoint_refuses_instead_of_restarting_over_them(rl_args, tm
     assert [row["step"] for row in rows(run_dir / "metrics.jsonl")] == [1]
 
 
-def test_a_changed_learning_rate_applies_on_resume_and_a_changed_batch_is_refused(rl_args, tmp_path, capsys):
+def test_a_changed_learning_rate_applies_on_resume_a_changed_batch_is_refused_and_samples_carry_steps(rl_args, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
     assert rows(run_dir / "metrics.jsonl")[0]["actor/lr"] == 2e-3
@@ -67,6 +60,9 @@ def test_a_changed_learning_rate_applies_on_resume_and_a_changed_batch_is_refuse
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "actor.optim.lr": 1e-3})]) == 0
     assert rows(run_dir / "metrics.jsonl")[1]["actor/lr"] == 1e-3
     assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
+    # samples carry the step that trained on them (and a resumed step keeps its own)
+    assert [row["step"] for row in rows(run_dir / "samples.jsonl")] == [1] * 4 + [2] * 4
+    assert not (run_dir / ".lock").exists()
 
 
 def test_a_second_run_on_the_same_folder_is_refused(rl_args, tmp_path, capsys):
