@@ -43,6 +43,13 @@ class CheckpointError(ValueError):
     """No usable checkpoint where the run expects one; the message says what to pass instead."""
 
 
+class DiskFullError(OSError):
+    """ENOSPC while writing a checkpoint; reads as its message alone (no "[Errno 28]")."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def _hash_and_fsync(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -178,7 +185,7 @@ class CheckpointManager:
             full = _disk_full(error, self.root)
             if full is not None:
                 where = full.filename or temporary
-                raise OSError(errno.ENOSPC, f"no space left on device while writing {where} (checkpoint of step "
+                raise DiskFullError(errno.ENOSPC, f"no space left on device while writing {where} (checkpoint of step "
                                             f"{step}; its temporary folder was removed); free space in {self.root} "
                                             "or lower trainer.keep_last, then run the same command to resume") from error
             raise
