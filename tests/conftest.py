@@ -12,6 +12,10 @@ if not torch.cuda.is_available():
     # Triton kernels (engine.log_prob_kernels, the native rollout engine's) run in Triton's interpreter on
     # the CPU; Triton reads this when it is first imported, so it is set before any test imports it
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread per test process: `make test` runs two processes on a 2-core machine, and a
+    # second OpenMP thread per process made every small op wait at a barrier for a descheduled thread
+    # (the tiny model's generation took 2-5 s a step instead of 0.05 s; mean_reward_rises[grpo] 102 s).
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
