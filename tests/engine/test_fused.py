@@ -92,6 +92,7 @@ def log_probs_and_grads(model, batch: Batch, temperature: float = 1.0, entropy_w
     return log_probs.detach(), [parameter.grad for parameter in model.parameters()]
 
 
+@pytest.mark.slow
 def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generation_eager():
     import copy
 

@@ -205,6 +205,7 @@ def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, 
         assert row["rollout/num_generated_tokens"] == pytest.approx(row["response_length/mean"] * 16)
 
 
+@pytest.mark.slow
 def test_the_command_exits_cleanly(tiny_model_dir, arithmetic_data_dir, tmp_path):
     """Worker threads that ran torch code are joined before exit; a live one used to abort teardown."""
     args = base_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
