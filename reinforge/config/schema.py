@@ -77,6 +77,8 @@ class ModelConfig:
     """Recompute activations in the backward: true (every decoder layer), false, a number of layers (the
     first k), or auto (the memory planner checkpoints only as many layers as memory requires)."""
     attn_implementation: str = "sdpa"
+    """transformers' attention for SFT's padded forwards (e.g. eager for a model sdpa cannot run). The RL
+    workers replace it: packed passes use reinforge's varlen attention and generation sdpa."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
