@@ -210,6 +210,10 @@ class RolloutConfig:
     """Native engine: free its KV cache, weight copy and CUDA graphs after each rollout, for the update.
     false keeps them (the update has that much less memory; the next rollout captures no graphs).
     auto: keep them when the memory planner finds room (faster)."""
+    segment_tokens: Optional[int] = None
+    """trainer.mode=async: generate in segments of this many tokens (a divisor of data.max_response_length);
+    a weight sync lands between segments, where unfinished samples are interrupted and resumed under the new
+    weights (partial rollouts). None generates each sample whole, under one version."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
@@ -383,6 +387,18 @@ class TrainerConfig(RunConfig):
     cards); None uses the whole device."""
     host_memory_gib: Optional[float] = None
     """Plan for this much host memory; None reads what the machine has available."""
+    mode: str = "sync"
+    """sync (generate, then train, every step), one_step_off (batch k+1 is generated with the weights before
+    update k, overlapping it) or async (a rollouter streams samples under a staleness bound; docs/architecture.md)."""
+    max_staleness: int = 1
+    """async: how many weight versions the rollouter may run ahead of the trainer. A prompt group is admitted
+    only while admitted groups < (max_staleness + version + 1) x trigger_sync_steps x data.train_batch_size."""
+    trigger_sync_steps: int = 1
+    """async: updates between weight syncs to the rollouter (each update takes data.train_batch_size groups)."""
+    proximal: str = "recompute"
+    """one_step_off/async, on a batch with stale tokens: the proximal policy of the decoupled PPO loss is
+    recompute (log-probs under the weights before the update, one extra forward) or loglinear (interpolated
+    per token between the behaviour and the current policy by versions, no forward)."""
 
 
 @dataclass

@@ -203,6 +203,7 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
     _validate_algorithm(config)
     _check_dapo(config)
+    _check_modes(config)
 
 
 def _check_dapo(config: Config) -> None:
@@ -284,3 +285,28 @@ def _validate_algorithm(config: Config) -> None:
             raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the old policy's "
                               "sum of pi^2 from a log-prob pass, which algorithm.rollout_correction.bypass_mode=true "
                               "skips; set bypass_mode=false")
+
+
+def _check_modes(config: Config) -> None:
+    trainer, rollout = config.trainer, config.rollout
+    _choice("trainer.mode", trainer.mode, ("sync", "one_step_off", "async"))
+    _choice("trainer.proximal", trainer.proximal, ("recompute", "loglinear"))
+    if trainer.max_staleness < 0:
+        raise ConfigError(f"trainer.max_staleness={trainer.max_staleness} must be 0 (on-policy) or more")
+    if trainer.trigger_sync_steps < 1:
+        raise ConfigError(f"trainer.trigger_sync_steps={trainer.trigger_sync_steps} must be at least 1")
+    if rollout.segment_tokens is not None and (
+            rollout.segment_tokens < 1 or config.data.max_response_length % rollout.segment_tokens):
+        raise ConfigError(f"rollout.segment_tokens={rollout.segment_tokens} must divide data.max_response_length="
+                          f"{config.data.max_response_length}; pick a divisor or null (whole samples)")
+    if trainer.mode == "sync":
+        return
+    if config.algorithm.filter_groups.enable:
+        raise ConfigError(f"algorithm.filter_groups (dynamic sampling) runs with trainer.mode=sync only, not "
+                          f"trainer.mode={trainer.mode}; disable one of them")
+    if config.model.lora.rank:
+        raise ConfigError(f"trainer.mode={trainer.mode} keeps a rollout copy of the full weights, which LoRA "
+                          "(model.lora.rank > 0) does not sync yet; use trainer.mode=sync with LoRA")
+    if trainer.mode == "async" and config.algorithm.adv_estimator == "remax":
+        raise ConfigError("algorithm.adv_estimator=remax needs a greedy rollout per step, which trainer.mode=async "
+                          "does not run; use trainer.mode=sync or one_step_off, or another estimator")

@@ -34,6 +34,9 @@ class SamplingParams:
     """Samples per request; they share the prompt's prefill where the backend can."""
     seed: int | None = None
     """Per-request seed: the same seed and prompt give the same samples."""
+    first_sample: int = 0
+    """Sample j of this request is seeded as sample first_sample + j of its seed, and sampling noise is
+    keyed by absolute position: a partial sample resumed as prompt + its tokens continues as it would have."""
 
     @property
     def greedy(self) -> bool:

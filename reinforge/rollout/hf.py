@@ -79,12 +79,12 @@ class HFEngine:
         groups: dict[tuple[SamplingParams, bool], list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
             seeded = request.sampling.seed is not None and not request.sampling.greedy
-            groups[(dataclasses.replace(request.sampling, seed=None), seeded)].append(index)
+            groups[(dataclasses.replace(request.sampling, seed=None, first_sample=0), seeded)].append(index)
         for (sampling, seeded), indices in groups.items():
             per_call = max(1, self.max_batch_size // sampling.n)
             for start in range(0, len(indices), per_call):
                 chunk = indices[start:start + per_call]
-                seeds = [requests[i].sampling.seed for i in chunk] if seeded else None
+                seeds = [(requests[i].sampling.seed, requests[i].sampling.first_sample) for i in chunk] if seeded else None
                 completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling,
                                                          seeds)
                 for index, samples in zip(chunk, completions, strict=True):
@@ -93,7 +93,8 @@ class HFEngine:
 
     @torch.no_grad()
     def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams,
-                              seeds: list[int] | None = None) -> list[list[Completion]]:
+                              seeds: list[tuple[int, int]] | None = None) -> list[list[Completion]]:
+        """``seeds``: each prompt's (request seed, first sample index), or None for unseeded sampling."""
         device = next(self.model.parameters()).device
         longest = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
@@ -115,7 +116,7 @@ class HFEngine:
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
         if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
-            sample_seeds = [sample_seed(seed, sample) for seed in seeds for sample in range(sampling.n)]
+            sample_seeds = [sample_seed(seed, first + sample) for seed, first in seeds for sample in range(sampling.n)]
             prompt_lengths = [len(prompt) for prompt in prompts for _ in range(sampling.n)]
             # greedy search returns one sequence per input row: the n samples of a prompt are n rows
             input_ids = input_ids.repeat_interleave(sampling.n, dim=0)

@@ -38,6 +38,7 @@ from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
+from reinforge.trainer.modes import build_mode
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
@@ -91,6 +92,8 @@ class RLTrainer(TrainingRun):
         self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
                                project=config.trainer.project_name, experiment=config.trainer.experiment_name)
         self.step = 0
+        self.mode = build_mode(self)
+        """trainer.mode one_step_off or async (reinforge.trainer.modes); None in sync mode."""
 
     # ---- the step ---------------------------------------------------------------------
     def sampling(self, validation: bool = False) -> SamplingParams:
@@ -108,6 +111,9 @@ class RLTrainer(TrainingRun):
         return single_step and correction.rollout_is is None and correction.rollout_rs is None
 
     def train_step(self, prompts: Batch) -> dict[str, float]:
+        """A sync step on a batch of prompts; in an off-policy mode, a step on the batch its ``next_batch`` made."""
+        if self.mode is not None:
+            return self.mode.train(prompts)
         config, algorithm = self.config, self.config.algorithm
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -119,12 +125,19 @@ class RLTrainer(TrainingRun):
             metrics |= filter_metrics
         else:
             batch = self._generate_scored(prompts, timing, metrics)
-        batch = self._add_log_probs(batch, timing)
+        return self.train_on_batch(batch, timing, metrics, step_start)
 
+    def train_on_batch(self, batch: Batch, timing: dict[str, float], metrics: dict[str, float],
+                       step_start: float) -> dict[str, float]:
+        """The step after generation and scoring: log-probs, rewards, advantages, updates, metrics."""
+        config, algorithm = self.config, self.config.algorithm
+        batch = self._add_log_probs(batch, timing)
         with _timed(timing, "adv"):
             self._add_rewards(batch, metrics)
-            # bypass mode corrects inside the loss, against the current policy
-            if not algorithm.rollout_correction.bypass_mode and "old_log_probs" in batch and (
+            # bypass mode corrects inside the loss, against the current policy; an off-policy mode's stale
+            # batch arrives with its decoupled-loss weights (modes/decoupled.py)
+            if not algorithm.rollout_correction.bypass_mode and "old_log_probs" in batch and \
+                    "rollout_is_weights" not in batch and (
                     algorithm.rollout_correction.rollout_is or algorithm.rollout_correction.rollout_rs):
                 weights, keep, correction_metrics = compute_rollout_correction(
                     batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"],
@@ -191,7 +204,9 @@ class RLTrainer(TrainingRun):
     def _add_log_probs(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """Old and reference log-probs and values, where the step needs them and the batch lacks them."""
         algorithm = self.config.algorithm
-        if algorithm.rollout_correction.bypass_mode:
+        if "old_log_probs" in batch or "proximal_alpha" in batch:  # set by an off-policy mode (modes/decoupled.py)
+            pass
+        elif algorithm.rollout_correction.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]
         elif (not self.on_policy() or ADVANTAGE_ESTIMATORS[algorithm.adv_estimator].needs_sum_pi_squared) \
                 and "old_log_probs" not in batch:
@@ -250,7 +265,17 @@ class RLTrainer(TrainingRun):
 
     # ---- the run ------------------------------------------------------------------------
     def checkpoint_extras(self) -> dict[str, Any]:
-        return {"kl_controller": self.kl_controller.state_dict()}
+        extras: dict[str, Any] = {"kl_controller": self.kl_controller.state_dict()}
+        if self.mode is not None:
+            extras["mode"] = self.mode.state_dict()
+        return extras
+
+    def save(self) -> Path:
+        """A checkpoint; an off-policy mode's background work holds still meanwhile."""
+        if self.mode is None:
+            return super().save()
+        with self.mode.paused():
+            return super().save()
 
     def write_checkpoint(self, folder: Path) -> None:
         self.actor_rollout.save_checkpoint(str(folder))
@@ -263,6 +288,9 @@ class RLTrainer(TrainingRun):
             self.critic.load_checkpoint(str(folder))
         if self.config.algorithm.kl_ctrl.type == "adaptive":  # a fixed coefficient is the config's, changed or not
             self.kl_controller.load_state_dict(state["kl_controller"])
+        if self.mode is not None:
+            self.actor_rollout.sync_rollout_weights()  # the rollout starts from the restored weights
+            self.mode.load_state_dict(state["mode"], state["step"])
 
     def fit(self) -> dict[str, float]:
         """Train to ``total_steps`` (resuming by ``trainer.resume``); returns the last step's metrics."""
@@ -270,13 +298,19 @@ class RLTrainer(TrainingRun):
         try:
             self.resume()
             self._prompt_batches = None  # a fresh iterator from the (restored) loader position
-            return self.run_steps(self.next_prompts, test_every=config.test_every, save_every=config.save_every,
+            next_batch = self.next_prompts
+            if self.mode is not None and self.step < self.total_steps:
+                self.mode.start()
+                next_batch = self.mode.next_batch
+            return self.run_steps(next_batch, test_every=config.test_every, save_every=config.save_every,
                                   validate_first=config.val_before_train)
         finally:
             self.close()
 
     def close(self) -> None:
         """Stop the worker groups (their processes, on Ray) and flush the trackers."""
+        if self.mode is not None:
+            self.mode.stop()
         reference = self.reference if self.reference is not self.actor_rollout else None
         for group in (self.actor_rollout, reference, self.critic, self.reward):
             if group is not None:

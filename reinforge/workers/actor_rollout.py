@@ -11,6 +11,7 @@ engine asleep and the parameters sharded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import hashlib
 import itertools
@@ -33,6 +34,7 @@ from reinforge.algorithms import (
     compute_policy_loss,
     kl_penalty,
 )
+from reinforge.algorithms.rollout_correction import compute_importance_weights, parse_is_threshold
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
@@ -104,7 +106,7 @@ class _PhaseTimer:
         return {prefix + name: seconds for name, seconds in self.times.items()}
 
 
-def _seed_for(base_seed: int, uid: str) -> int:
+def seed_for(base_seed: int, uid: str) -> int:
     digest = hashlib.sha256(f"{base_seed}:{uid}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
@@ -125,6 +127,12 @@ class ActorRolloutWorker(Worker):
                                     dtype=compute_dtype(self.device, config.model.dtype) if lora.rank else torch.float32,
                                     device=self.device, trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
+        self.rollout_model: torch.nn.Module | None = None
+        """Off-policy modes: the rollout's own copy of the weights (compute dtype), refreshed only by
+        ``sync_rollout_weights``, so generation uses the last synced version whatever the trainer did since."""
+        if config.trainer.mode != "sync":
+            self.rollout_model = copy.deepcopy(self.model).to(compute_dtype(self.device, config.model.dtype)).eval()
+            self.rollout_model.requires_grad_(False)
         prepare_for_training(self.model, self.device)
         checkpointed = config.model.gradient_checkpointing
         checkpoint_decoder_layers(self.model, len(decoder_layers(self.model)) if checkpointed is True else int(checkpointed))
@@ -137,7 +145,8 @@ class ActorRolloutWorker(Worker):
             for parameter in self.model.parameters():
                 if parameter.requires_grad:
                     parameter.data = parameter.data.float()
-        self.engine = self._build_engine_in_compute_dtype()
+        self.engine = (self._build_engine_in_compute_dtype() if self.rollout_model is None
+                       else self._build_engine(self.rollout_model))
         self.agent_runner = AgentRunner(self.tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
                                         config.data.chat_template)
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
@@ -164,19 +173,19 @@ class ActorRolloutWorker(Worker):
         masters = [parameter.data for parameter in self.model.parameters()]
         self.model.to(dtype)
         try:
-            return self._build_engine()
+            return self._build_engine(self.model)
         finally:
             for parameter, master in zip(self.model.parameters(), masters, strict=True):
                 parameter.data = master
 
-    def _build_engine(self):
+    def _build_engine(self, model: torch.nn.Module):
         eos_ids = self.stop_token_ids()
         if self.config.rollout.name == "native":
             from reinforge.rollout.native import NativeEngine, supports_model
 
-            if supports_model(self.model):
+            if supports_model(model):
                 rollout = self.config.rollout
-                engine = NativeEngine(self.model, eos_token_ids=eos_ids,
+                engine = NativeEngine(model, eos_token_ids=eos_ids,
                                       max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
                                       gpu_memory_utilization=rollout.gpu_memory_utilization or 0.5,
                                       free_on_sleep=rollout.free_cache_engine)
@@ -186,10 +195,10 @@ class ActorRolloutWorker(Worker):
             import logging
 
             logging.getLogger(__name__).warning(
-                "rollout.name=native does not support %s; using the hf backend", type(self.model).__name__)
+                "rollout.name=native does not support %s; using the hf backend", type(model).__name__)
         from reinforge.rollout.hf import HFEngine
 
-        return HFEngine(self.model, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_ids)
+        return HFEngine(model, pad_token_id=self.tokenizer.pad_token_id, eos_token_ids=eos_ids)
 
     def stop_token_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id, *self.config.rollout.stop_token_ids}
@@ -220,13 +229,16 @@ class ActorRolloutWorker(Worker):
         requests, group_sizes = [], []
         start = 0
         uids = batch["uid"]
+        per_row = "request_seed" in batch  # resumed partial samples: one request per row, seeded as given
         while start < len(batch):
             stop = start + 1
-            while stop < len(batch) and uids[stop] == uids[start]:
+            while not per_row and stop < len(batch) and uids[stop] == uids[start]:
                 stop += 1
             tokens = prompt_ids[start][prompt_mask[start].bool()].tolist()
-            params = SamplingParams(**{**sampling.__dict__, "n": stop - start,
-                                       "seed": _seed_for(seed, str(uids[start]))})
+            row_seed = (int(batch["request_seed"][start]), int(batch["sample_index"][start])) if per_row else (
+                seed_for(seed, str(uids[start])), 0)
+            params = SamplingParams(**{**sampling.__dict__, "n": stop - start, "seed": row_seed[0],
+                                       "first_sample": row_seed[1]})
             requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
             group_sizes.append(stop - start)
             start = stop
@@ -253,7 +265,7 @@ class ActorRolloutWorker(Worker):
 
     def _generate_agents(self, batch: Batch, sampling: SamplingParams, seed: int, phases: _PhaseTimer) -> Batch:
         """Every row's agent loop, run concurrently on the engine (see ``workers.agent_rollout``)."""
-        rows, samplings = agent_rows(batch, sampling, [_seed_for(seed, str(uid)) for uid in batch["uid"]])
+        rows, samplings = agent_rows(batch, sampling, [seed_for(seed, str(uid)) for uid in batch["uid"]])
         phases.lap("requests")
 
         def run() -> list:
@@ -292,6 +304,12 @@ class ActorRolloutWorker(Worker):
         An engine that reads the module in place generates inside the block; on exit the gathered
         parameters are freed. The LoRA merge is timed as ``lora_merge``.
         """
+        if self.rollout_model is not None:  # off-policy modes: the last synced weights, whatever the trainer did since
+            self.engine.sync_weights(self.rollout_model)
+            self.engine.wake_up()
+            phases.lap("wake_up")
+            yield
+            return
         with unsharded(self.model):
             phases.lap("gather_weights")
             in_place_lora = self.peft_model is not None and self.engine.reads_model_in_place
@@ -315,6 +333,24 @@ class ActorRolloutWorker(Worker):
             self.engine.sleep()
         phases.lap("sleep")
         return completions
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> None:
+        """Off-policy modes: copy the current parameters into the rollout's weights (a new policy version)."""
+        if self.rollout_model is None:
+            raise RuntimeError("sync_rollout_weights is for trainer.mode=one_step_off or async; "
+                               "in sync mode every rollout reads the current weights")
+        targets = {name: parameter for name, parameter in self.rollout_model.named_parameters()}
+        with torch.no_grad(), unsharded(self.model):
+            for name, parameter in self.model.named_parameters():
+                key = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+                if key not in targets:
+                    raise RuntimeError(f"the rollout copy has no parameter {key!r}; the training model's "
+                                       "parameters must keep their names")
+                value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+                targets.pop(key).copy_(value.detach())
+        if targets:
+            raise RuntimeError(f"sync_rollout_weights left {sorted(targets)[:3]} of the rollout copy unset")
 
     # ---- scoring ------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE)
@@ -356,7 +392,8 @@ class ActorRolloutWorker(Worker):
         """Policy-gradient update over the batch; returns ``actor/*`` metrics."""
         actor, correction = self.config.actor, self.config.algorithm.rollout_correction
         temperature = self.config.rollout.temperature
-        on_policy = "old_log_probs" not in batch
+        on_policy = "old_log_probs" not in batch and "proximal_alpha" not in batch
+        is_bounds = parse_is_threshold(self.config.algorithm.rollout_correction.rollout_is_threshold)
         first_micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
         def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
@@ -364,11 +401,16 @@ class ActorRolloutWorker(Worker):
             mask = micro["response_mask"]
             log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True,
                                                     max_logits_bytes=self.max_logits_bytes)
-            old_log_probs = log_probs.detach() if on_policy else micro["old_log_probs"]
+            old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
+            weights = micro.get("rollout_is_weights")
+            if "proximal_alpha" in micro:  # decoupled PPO, log-linear proximal policy between behaviour and current
+                behaviour = micro["rollout_log_probs"]
+                old_log_probs = behaviour + micro["proximal_alpha"] * (log_probs.detach() - behaviour)
+                weights = compute_importance_weights(old_log_probs - behaviour, mask.bool(), "token", is_bounds)
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
                 first_micro.append((log_probs.detach(), micro["rollout_log_probs"], mask))
-            if correction.bypass_mode:
+            if correction.bypass_mode and weights is None:  # an off-policy mode's stale batch has its weights
                 pg_loss, pg_metrics = compute_bypass_policy_loss(
                     log_probs=log_probs, rollout_log_probs=micro["rollout_log_probs"], advantages=micro["advantages"],
                     response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=actor.policy_loss,
@@ -377,7 +419,7 @@ class ActorRolloutWorker(Worker):
                 pg_loss, pg_metrics = compute_policy_loss(
                     actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
                     advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
-                    config=actor.policy_loss, importance_weights=micro.get("rollout_is_weights"),
+                    config=actor.policy_loss, importance_weights=weights,
                     normalizer=normalizer)
             entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
             loss = pg_loss - actor.entropy_coeff * entropy_loss

@@ -30,7 +30,7 @@ class Sequence:
         self.log_probs: list[float] = []
         self.sampling = sampling
         self.request_seed = request_seed
-        self.sample_seed = sample_seed(request_seed, sample_index)
+        self.sample_seed = sample_seed(request_seed, sampling.first_sample + sample_index)
         self.stop_token_ids = stop_token_ids
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + sampling.max_tokens)
         self.num_samples = num_samples

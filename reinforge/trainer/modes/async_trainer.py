@@ -1,0 +1,140 @@
+"""trainer.mode=async: the trainer's side of fully asynchronous training.
+
+The ``Rollouter`` thread streams finished, scored prompt groups; each training step takes
+``data.train_batch_size`` of them (in admission order), adds the decoupled-PPO pieces when any
+token is stale (``decoupled.py``) and runs the usual step (``RLTrainer.train_on_batch``). Every
+``trainer.trigger_sync_steps`` updates the rollout's weights are synced and the version grows;
+samples in flight then continue under the new weights (partial rollouts with
+``rollout.segment_tokens``). Both sides share the one device by turns (``DeviceTurns``).
+
+Checkpoints hold every admitted group not yet trained on, with its tokens, log-probs and
+versions, so a resumed run loses none and repeats none. Which groups each step trained on is
+written to ``async_groups.jsonl`` in the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reinforge.config.schema import Config
+from reinforge.protocol import Batch
+from reinforge.trainer.dynamic_sampling import concat_generated
+from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
+from reinforge.trainer.modes.device_turns import DeviceTurns
+from reinforge.trainer.modes.rollouter import Rollouter
+from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
+from reinforge.workers.actor_rollout import seed_for
+
+if TYPE_CHECKING:
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+GROUPS_FILE = "async_groups.jsonl"
+
+
+class AsyncMode:
+    def __init__(self, trainer: RLTrainer):
+        config = trainer.config
+        self.trainer, self.config = trainer, config
+        self.batch_size = config.data.train_batch_size
+        self.turns = DeviceTurns()
+        sampling = trainer.sampling()
+        self.rollouter = Rollouter(
+            next_prompts=trainer.next_prompts,
+            generate=lambda batch, params: trainer.actor_rollout.generate(batch, params, 0),
+            score=trainer.reward.score, seed_of=lambda position, uid: request_seed(config, position, uid),
+            bound=StalenessBound(config.trainer.max_staleness, config.trainer.trigger_sync_steps * self.batch_size),
+            sampling=sampling, n=config.rollout.n,
+            segment_tokens=config.rollout.segment_tokens or config.data.max_response_length,
+            batch_size=self.batch_size, pad_token_id=trainer.pad_token_id, turns=self.turns)
+        self.updates = 0
+        self._last_step_end = time.perf_counter()
+        self._idle_mark = 0.0
+        self._tokens_mark = 0
+
+    def start(self) -> None:
+        self._last_step_end = time.perf_counter()
+        self.rollouter.start()
+
+    def stop(self) -> None:
+        self.rollouter.stop()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The rollouter is between turns (its state and the loader's are consistent) while this holds."""
+        with self.turns.trainer():
+            yield
+
+    def next_batch(self) -> Batch:
+        start = time.perf_counter()
+        taken = self.rollouter.take(self.batch_size)
+        waited = time.perf_counter() - start
+        batch = concat_generated([rows for _, rows in taken], self.trainer.pad_token_id)
+        reward_metrics: dict[str, float] = {}
+        for _, rows in taken:
+            for key, value in rows.meta.get("reward_metrics", {}).items():
+                reward_metrics[key] = reward_metrics.get(key, 0.0) + value
+        batch.meta = {"reward_metrics": reward_metrics, "wait_s": waited,
+                      "positions": [group.position for group, _ in taken]}
+        return batch
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        """One update on a batch from ``next_batch``; syncs the rollout's weights every trigger_sync_steps."""
+        trigger = self.config.trainer.trigger_sync_steps
+        step_start = time.perf_counter()
+        timing = {"wait": batch.meta.pop("wait_s")}
+        positions = batch.meta.pop("positions")
+        metrics: dict[str, float] = {}
+        with self.turns.trainer():
+            version = self.rollouter.version
+            metrics |= staleness_metrics(batch["token_versions"], batch["response_mask"], version)
+            if not is_fresh(batch, version, self.updates % trigger):
+                batch = prepare_stale_batch(self.config, batch, self.trainer.actor_rollout.compute_log_prob,
+                                            self.updates, metrics)
+            metrics |= self.trainer.train_on_batch(batch, timing, metrics, step_start)
+            self.updates += 1
+            if self.updates % trigger == 0:
+                self.trainer.actor_rollout.sync_rollout_weights()
+                self.rollouter.set_version(version + 1)
+        now = time.perf_counter()
+        window = max(now - self._last_step_end, 1e-9)
+        idle = self.rollouter.idle_s - self._idle_mark
+        metrics |= {"async/version": float(self.rollouter.version), "async/admitted": float(self.rollouter.admitted),
+                    "async/ready_groups": float(len(self.rollouter.ready)),
+                    "async/trainer_idle_fraction": min(1.0, timing["wait"] / window),
+                    "async/rollouter_idle_fraction": min(1.0, idle / window),
+                    "async/rollout_tokens": float(self.rollouter.tokens - self._tokens_mark)}
+        self._last_step_end, self._idle_mark, self._tokens_mark = now, self.rollouter.idle_s, self.rollouter.tokens
+        self._record(positions, batch)
+        return metrics
+
+    def _record(self, positions: list[int], batch: Batch) -> None:
+        uids = list(dict.fromkeys(str(uid) for uid in batch["uid"]))
+        with open(self.trainer.run_dir / GROUPS_FILE, "a") as file:
+            file.write(json.dumps({"step": self.trainer.step + 1, "positions": positions, "uids": uids}) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"updates": self.updates, "rollouter": self.rollouter.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        self.updates = state["updates"]
+        self.rollouter.load_state_dict(state["rollouter"])
+        truncate_records(self.trainer.run_dir / GROUPS_FILE, step)
+
+
+def request_seed(config: Config, position: int, uid: str) -> int:
+    """The seed sync mode gives the request of prompt ``uid``, the ``position``-th prompt drawn."""
+    step = position // config.data.train_batch_size
+    return seed_for(config.trainer.seed * 1_000_003 + step, uid)
+
+
+def truncate_records(path: Path, step: int) -> None:
+    """Drop the lines of steps after ``step`` (a resumed run writes them again)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in kept))

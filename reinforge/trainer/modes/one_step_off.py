@@ -1,0 +1,102 @@
+"""trainer.mode=one_step_off: batch k+1 is generated with the weights before update k, overlapping it.
+
+Each step submits the generation of the next batch (``generate.async_call``) before it scores
+and trains on the current one, then syncs the rollout's weights. The rollout has its own copy
+of the weights (refreshed only by ``sync_rollout_weights``), so whatever order the device runs
+the two calls in, batch k+1 comes from the weights before update k: one version stale, trained
+with the decoupled PPO loss (``decoupled.py``). On one device with the hybrid worker the
+generation and the update queue on the same worker and run one after the other; what overlaps
+is the controller's work (scoring in the reward workers, advantages, logging) with the device.
+The first batch is on-policy.
+
+A checkpoint holds the prompts whose generation was in flight; a resumed run generates them
+again (with the restored weights), so no prompt is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from reinforge.controller.worker_group import GroupFuture
+from reinforge.protocol import Batch
+from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
+from reinforge.trainer.modes.staleness import staleness_metrics
+from reinforge.trainer.validation import without_prompt_tensors
+
+if TYPE_CHECKING:
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+
+class OneStepOffMode:
+    def __init__(self, trainer: RLTrainer):
+        self.trainer, self.config = trainer, trainer.config
+        self.version = 0
+        """Weight syncs so far: the version the next submitted generation samples with."""
+        self.drawn = 0
+        """Prompt batches drawn from the loader (each one's seed is that of the sync step of its index)."""
+        self._pending: tuple[Batch, GroupFuture, int, float] | None = None
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        if self._pending is not None:
+            self._pending[1].result()  # let the worker finish before the groups shut down
+            self._pending = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def _submit(self, prompts: Batch) -> None:
+        batch = prompts.repeat(self.config.rollout.n, interleave=True)
+        seed = self.config.trainer.seed * 1_000_003 + self.drawn
+        self.drawn += 1
+        future = self.trainer.actor_rollout.generate.async_call(batch, self.trainer.sampling(), seed)
+        self._pending = (batch, future, self.version, time.perf_counter())
+
+    def next_batch(self) -> Batch:
+        if self._pending is None:
+            self._submit(self.trainer.next_prompts())
+        assert self._pending is not None
+        batch, future, version, _ = self._pending
+        start = time.perf_counter()
+        generated = without_prompt_tensors(batch) | future.result()
+        waited = time.perf_counter() - start
+        self._submit(self.trainer.next_prompts())  # batch k+1, with the weights before update k
+        generated["token_versions"] = torch.where(generated["response_mask"].bool(), version, -1).long()
+        start_reward = time.perf_counter()
+        generated = generated | self.trainer.reward.score(generated)
+        generated.meta |= {"timing": {"gen": waited, "reward": time.perf_counter() - start_reward}}
+        return generated
+
+    def train(self, batch: Batch) -> dict[str, float]:
+        step_start = time.perf_counter()
+        timing = batch.meta.pop("timing")
+        metrics = staleness_metrics(batch["token_versions"], batch["response_mask"], self.version)
+        if not is_fresh(batch, self.version, 0):
+            batch = prepare_stale_batch(self.config, batch, self.trainer.actor_rollout.compute_log_prob,
+                                        self.version, metrics)
+        metrics |= self.trainer.train_on_batch(batch, timing, metrics, step_start)
+        self.trainer.actor_rollout.sync_rollout_weights()
+        self.version += 1
+        metrics["async/version"] = float(self.version)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        pending = None if self._pending is None else self._pending[0]
+        prompts = None
+        if pending is not None:  # one row per prompt again
+            prompts = pending.index(slice(0, len(pending), self.config.rollout.n))
+        return {"version": self.version, "drawn": self.drawn - (1 if pending is not None else 0),
+                "pending_prompts": prompts}
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        self.version, self.drawn = state["version"], state["drawn"]
+        if state["pending_prompts"] is not None:
+            self._submit(state["pending_prompts"])

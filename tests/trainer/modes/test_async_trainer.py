@@ -1,0 +1,118 @@
+"""The off-policy modes end to end on the tiny model: async at max_staleness=0 is the sync trainer,
+one_step_off trains one version behind with the decoupled loss, and a killed async run resumes
+without losing or repeating an admitted prompt group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.cli import main
+
+from ..test_rl_trainer import base_args, read_metrics
+
+pytestmark = pytest.mark.slow
+
+NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/")
+ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff",)
+"""The rollout copy runs transformers' attention, the training model the packed varlen path: ~1e-10 apart."""
+
+
+def run(model: Path, data: Path, run_dir: Path, **overrides: object) -> list[dict]:
+    settings = {"reward.num_workers": 0, "trainer.total_steps": 3, "actor.use_kl_loss": True, **overrides}
+    assert main(["train", *base_args(model, data, run_dir, **settings)]) == 0
+    return read_metrics(run_dir)
+
+
+def test_async_with_max_staleness_0_and_sync_every_update_gives_the_sync_trainers_metrics(
+        tiny_model_dir, arithmetic_data_dir, tmp_path):
+    sync = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "sync")
+    asynchronous = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "async", **{
+        "trainer.mode": "async", "trainer.max_staleness": 0, "trainer.trigger_sync_steps": 1,
+        "rollout.segment_tokens": 4})
+    assert len(sync) == len(asynchronous) == 3
+    for want, got in zip(sync, asynchronous, strict=True):
+        compared = {key for key in want if not key.startswith(NOT_COMPARED)}
+        assert compared <= set(got)
+        for key in compared:
+            if key.startswith(ROLLOUT_VS_TRAINER):
+                assert got[key] == pytest.approx(want[key], abs=1e-8), key
+            else:
+                assert got[key] == want[key], key
+        assert got["async/staleness_max"] == 0.0 and "rollout_corr/kl" not in got
+
+
+def test_one_step_off_trains_one_version_behind_with_truncated_importance_weights(
+        tiny_model_dir, arithmetic_data_dir, tmp_path):
+    rows = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{"trainer.mode": "one_step_off"})
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
+    assert "rollout_corr/rollout_is_mean" not in rows[0]  # the first batch is on-policy
+    for row in rows[1:]:
+        assert 0 < row["rollout_corr/rollout_is_mean"] and row["rollout_corr/rollout_is_max"] <= 2.0
+        assert "timing_s/old_log_prob" not in row or row["timing_s/old_log_prob"] >= 0
+        assert row["actor/grad_norm"] == row["actor/grad_norm"]
+
+
+def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    rows = run(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "trainer.mode": "async", "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
+        "trainer.proximal": "loglinear", "trainer.total_steps": 5})
+    assert len(rows) == 5 and max(row["async/staleness_max"] for row in rows) >= 1.0
+    for row in rows:
+        assert row["actor/grad_norm"] == row["actor/grad_norm"]
+        assert 0 <= row["async/trainer_idle_fraction"] <= 1 and 0 <= row["async/rollouter_idle_fraction"] <= 1
+        assert "timing_s/old_log_prob" not in row  # loglinear needs no extra forward
+    records = [json.loads(line) for line in (run_dir / "async_groups.jsonl").read_text().splitlines()]
+    positions = [position for record in records for position in record["positions"]]
+    assert [record["step"] for record in records] == [1, 2, 3, 4, 5]
+    assert len(positions) == len(set(positions)) == 5 * 4
+
+
+def _train_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "reinforge", "train", *args]
+
+
+def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_group(
+        tiny_model_dir, arithmetic_data_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "reward.num_workers": 0, "trainer.mode": "async", "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
+        "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3})
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    metrics_file = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics_file.is_file() and any(json.loads(line).get("step") == 3
+                                          for line in metrics_file.read_text().splitlines() if line.strip()):
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+    checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["mode"]["rollouter"]
+    pending = {group["position"] for group in state["active"]}
+    assert pending and state["admitted"] > 0
+    finished = subprocess.run(_train_command(args), env=env, capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+
+    records = [json.loads(line) for line in (run_dir / "async_groups.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3, 4, 5, 6]
+    positions = [position for record in records for position in record["positions"]]
+    assert len(positions) == len(set(positions))  # no group trained twice across the kill
+    saved_step = int(checkpoint.name.removeprefix("step_"))
+    before = {p for record in records if record["step"] <= saved_step for p in record["positions"]}
+    after = {p for record in records if record["step"] > saved_step for p in record["positions"]}
+    assert not before & pending
+    assert pending <= after  # every group admitted and not yet trained at the checkpoint was trained later
+    assert set(range(min(positions), max(before) + 1)) <= before | after | pending
+    assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,109 @@
+"""The admission bound under random rollout delays, driven through the real Rollouter thread.
+
+The engine stand-in samples random response lengths and sleeps a random time per segment; the
+trainer stand-in takes batches at random moments and syncs every trigger_sync_steps batches.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
+from reinforge.trainer.modes.device_turns import DeviceTurns
+from reinforge.trainer.modes.rollouter import Rollouter
+from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
+
+BATCH, N, RESPONSE, SEGMENT = 3, 2, 12, 3
+
+
+def prompt_source():
+    drawn = iter(range(10**6))
+
+    def next_prompts() -> Batch:
+        ids = [next(drawn) for _ in range(BATCH)]
+        return Batch.from_dict(tensors={"input_ids": torch.tensor([[5, 6, 7]] * BATCH),
+                                        "attention_mask": torch.ones(BATCH, 3, dtype=torch.long)},
+                               non_tensors={"uid": [f"p{i}" for i in ids], "ground_truth": ["x"] * BATCH})
+    return next_prompts
+
+
+def slow_random_engine(seed: int):
+    rng = random.Random(seed)
+
+    def generate(batch: Batch, sampling: SamplingParams) -> Batch:
+        rows, width = len(batch), sampling.max_tokens
+        stopped = [rng.random() < 0.2 for _ in range(rows)]  # a sample not stopped fills its segment
+        lengths = [rng.randint(1, width) if stop else width for stop in stopped]
+        time.sleep(rng.uniform(0, 0.004))
+        mask = torch.tensor([[1.0] * length + [0.0] * (width - length) for length in lengths])
+        return Batch.from_dict(tensors={"responses": torch.full((rows, width), 9), "response_mask": mask,
+                                        "rollout_log_probs": -mask, "finished_by_stop": torch.tensor(stopped)})
+    return generate
+
+
+def score(batch: Batch) -> Batch:
+    return Batch.from_dict(tensors={"token_level_scores": torch.zeros_like(batch["response_mask"])})
+
+
+@pytest.mark.parametrize("max_staleness, trigger", [(0, 1), (1, 1), (2, 3), (0, 2)])
+def test_admission_never_exceeds_the_bound_and_every_admitted_group_is_trained_once(max_staleness, trigger):
+    bound = StalenessBound(max_staleness, trigger * BATCH)
+    rollouter = Rollouter(next_prompts=prompt_source(), generate=slow_random_engine(max_staleness * 10 + trigger),
+                          score=score, seed_of=lambda position, uid: position, bound=bound,
+                          sampling=SamplingParams(max_tokens=RESPONSE), n=N, segment_tokens=SEGMENT,
+                          batch_size=BATCH, pad_token_id=0, turns=DeviceTurns())
+    rng = random.Random(1)
+    consumed: list[int] = []
+    staleness: list[float] = []
+    partial = 0.0
+    rollouter.start()
+    try:
+        for update in range(24):
+            time.sleep(rng.uniform(0, 0.006))
+            taken = rollouter.take(BATCH)
+            with rollouter.turns.trainer():
+                version = rollouter.version
+                for group, rows in taken:
+                    consumed.append(group.position)
+                    # a group starts no earlier than max_staleness versions before its batch's version
+                    assert min(rows["token_versions"][rows["response_mask"].bool()].tolist()) >= (
+                        group.position // bound.groups_per_version - max_staleness)
+                    metrics = staleness_metrics(rows["token_versions"], rows["response_mask"], version)
+                    staleness.append(metrics["async/staleness_max"])
+                    partial = max(partial, metrics["async/partial_fraction"])
+                if (update + 1) % trigger == 0:
+                    rollouter.set_version(version + 1)
+    finally:
+        rollouter.stop()
+    assert rollouter.admission_log and all(admitted <= limit for admitted, _, limit in rollouter.admission_log)
+    assert all(limit == (max_staleness + version + 1) * trigger * BATCH for _, version, limit in rollouter.admission_log)
+    assert len(consumed) == len(set(consumed)) == 24 * BATCH  # nothing twice
+    in_flight = {group.position for group in rollouter.active} | {group.position for group, _ in rollouter.ready}
+    assert set(consumed) | in_flight == set(range(rollouter.admitted))  # nothing admitted was dropped
+    assert not set(consumed) & in_flight
+    if max_staleness == 0:  # every token sampled by the version it is trained in (on-policy when trigger is 1)
+        assert max(staleness) == 0.0
+    else:
+        assert max(staleness) >= 1.0
+    if max_staleness >= 1:
+        assert partial > 0  # samples in flight at a sync were resumed under the new weights
+
+
+def test_staleness_metrics_are_token_weighted():
+    versions = torch.tensor([[3, 3, 3, -1], [1, 2, 3, 3]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 1, 1]])
+    metrics = staleness_metrics(versions, mask, version=3)
+    assert metrics["async/staleness_mean"] == pytest.approx((0 + 0 + 0 + 2 + 1 + 0 + 0) / 7)
+    assert metrics["async/staleness_max"] == 2.0
+    assert metrics["async/partial_fraction"] == 0.5 and metrics["async/partial_span_max"] == 2.0
+
+
+def test_the_bound_is_as_areal_states_it():
+    bound = StalenessBound(max_staleness=2, groups_per_version=4)
+    assert bound.limit(0) == 12 and bound.capacity(10, 0) == 2 and bound.capacity(12, 0) == 0
+    assert bound.capacity(12, 1) == 4 and bound.capacity(20, 1) == 0
