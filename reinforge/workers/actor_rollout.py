@@ -212,7 +212,8 @@ class ActorRolloutWorker(Worker):
         """Sample one response per row. Rows sharing a uid form one request with n samples.
 
         ``sampling``: the parameters of one sample (its n is ignored); each request's seed comes
-        from ``seed`` and its uid. Adds prompts, responses, response_mask, input_ids/attention_mask/position_ids of the
+        from ``seed`` and its uid. With ``request_seed`` and ``sample_index`` columns every row is its own
+        request, seeded as given (partial samples), with an optional ``max_tokens`` column capping its length. Adds prompts, responses, response_mask, input_ids/attention_mask/position_ids of the
         whole sequence, and rollout_log_probs.
         """
         phases = _PhaseTimer(self.device)
@@ -229,7 +230,7 @@ class ActorRolloutWorker(Worker):
         requests, group_sizes = [], []
         start = 0
         uids = batch["uid"]
-        per_row = "request_seed" in batch  # resumed partial samples: one request per row, seeded as given
+        per_row = "request_seed" in batch  # partial samples: one request per row, seeded (and budgeted) as given
         while start < len(batch):
             stop = start + 1
             while not per_row and stop < len(batch) and uids[stop] == uids[start]:
@@ -239,6 +240,8 @@ class ActorRolloutWorker(Worker):
                 seed_for(seed, str(uids[start])), 0)
             params = SamplingParams(**{**sampling.__dict__, "n": stop - start, "seed": row_seed[0],
                                        "first_sample": row_seed[1]})
+            if per_row and "max_tokens" in batch:  # a per-sample length budget
+                params = replace(params, max_tokens=min(sampling.max_tokens, int(batch["max_tokens"][start])))
             requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
             group_sizes.append(stop - start)
             start = stop

@@ -30,6 +30,8 @@ class PartialSample:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     """The policy version (weight syncs so far) that sampled each token."""
+    budget: int | None = None
+    """This sample's length limit, below the sampling's max_tokens (benchmarks draw long-tailed ones)."""
     finished: bool = False
     stopped: bool = False
     """Ended by a stop token (not by the length budget)."""
@@ -65,7 +67,8 @@ class PromptGroup:
 
 def groups_from_prompts(prompts: Batch, first_position: int, n: int,
                         seed_of: Callable[[int, str], int]) -> list[PromptGroup]:
-    """One group per prompt row; ``seed_of(position, uid)`` is the request seed sync mode would use."""
+    """One group per prompt row; ``seed_of(position, uid)`` is the request seed sync mode would use. An optional
+    ``sample_max_tokens`` column gives each prompt's n per-sample length budgets."""
     agents = {str(name) for name in prompts.get("agent_name", []) if name not in (None, "", "single_turn")}
     if agents:
         raise ValueError(f"trainer.mode=async generates plain samples in segments, but rows use the agent loops "
@@ -75,8 +78,9 @@ def groups_from_prompts(prompts: Batch, first_position: int, n: int,
         ids = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
         columns = {key: values[row] for key, values in prompts.non_tensors.items()}
         position = first_position + row
+        budgets = columns.pop("sample_max_tokens", None) or [None] * n
         groups.append(PromptGroup(position, ids, columns, seed_of(position, str(columns["uid"])),
-                                  [PartialSample(index) for index in range(n)]))
+                                  [PartialSample(index, budget=budgets[index]) for index in range(n)]))
     return groups
 
 
@@ -98,18 +102,25 @@ def run_segment(generate: Callable[[Batch, SamplingParams], Batch], groups: list
         non_tensors={"uid": [f"{group.uid}#{sample.sample_index}" for group, sample in work],
                      "request_seed": [group.request_seed for group, _ in work],
                      "sample_index": [sample.sample_index for _, sample in work]})
+    if any(sample.budget is not None for _, sample in work):
+        batch.non_tensors["max_tokens"] = np.array(
+            [min(segment_tokens, limit(sample, sampling) - len(sample.tokens)) for _, sample in work], dtype=object)
     output = generate(batch, SamplingParams(**{**sampling.__dict__, "max_tokens": segment_tokens}))
     lengths = output["response_mask"].sum(-1).long().tolist()
     made = 0
     for row, (_, sample) in enumerate(work):
-        length = min(lengths[row], sampling.max_tokens - len(sample.tokens))
+        length = min(lengths[row], limit(sample, sampling) - len(sample.tokens))
         sample.tokens += output["responses"][row, :length].tolist()
         sample.log_probs += output["rollout_log_probs"][row, :length].tolist()
         sample.versions += [version] * length
         made += length
         sample.stopped = bool(output["finished_by_stop"][row])
-        sample.finished = sample.stopped or len(sample.tokens) >= sampling.max_tokens
+        sample.finished = sample.stopped or len(sample.tokens) >= limit(sample, sampling)
     return made
+
+
+def limit(sample: PartialSample, sampling: SamplingParams) -> int:
+    return sampling.max_tokens if sample.budget is None else min(sample.budget, sampling.max_tokens)
 
 
 def group_batch(group: PromptGroup, response_length: int, pad_token_id: int) -> Batch:

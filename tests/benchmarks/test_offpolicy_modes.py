@@ -1,0 +1,36 @@
+"""benchmarks/offpolicy_modes.py runs every mode end to end on a tiny model (a smoke test, no timing claims)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "offpolicy_modes.py"
+
+
+def test_the_benchmark_runs_the_three_modes_on_the_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("offpolicy_modes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--cpu", "--steps", "1", "--json", str(tmp_path / "out.json")]) == 0
+    results = {row["mode"]: row for row in json.loads((tmp_path / "out.json").read_text())["results"]}
+    assert sorted(results) == ["async", "one_step_off", "sync"]
+    assert results["sync"]["staleness_mean"] == 0.0 and results["one_step_off"]["staleness_mean"] == 1.0
+    assert all(row["samples"] == 4 and row["s_per_1000_samples"] > 0 for row in results.values())
+
+
+def test_lengths_are_long_tailed_between_the_bounds():
+    spec = importlib.util.spec_from_file_location("offpolicy_modes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import random
+
+    rng = random.Random(0)
+    lengths = sorted(module.long_tail_length(rng, 64, 4096) for _ in range(20000))
+    assert lengths[0] >= 64 and lengths[-1] <= 4096
+    assert 90 < lengths[len(lengths) // 2] < 140 and lengths[int(0.97 * len(lengths))] > 2048
