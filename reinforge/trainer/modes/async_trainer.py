@@ -57,6 +57,7 @@ class AsyncMode:
         self._tokens_mark = 0
 
     def start(self) -> None:
+        truncate_records(self.trainer.run_dir / GROUPS_FILE, self.trainer.step)  # what a killed try wrote after
         self._last_step_end = time.perf_counter()
         self.rollouter.start()
 
@@ -123,7 +124,6 @@ class AsyncMode:
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.updates = state["updates"]
         self.rollouter.load_state_dict(state["rollouter"])
-        truncate_records(self.trainer.run_dir / GROUPS_FILE, step)
 
 
 def request_seed(config: Config, position: int, uid: str) -> int:
