@@ -46,6 +46,7 @@ from reinforge.algorithms import compute_advantages  # noqa: E402
 from reinforge.bench.train import rule_reward, write_model  # noqa: E402
 from reinforge.config.schema import Config  # noqa: E402
 from reinforge.controller import WorkerGroup  # noqa: E402
+from reinforge.engine.memory_settings import apply_memory_plan  # noqa: E402
 from reinforge.protocol import Batch  # noqa: E402
 from reinforge.rollout.base import SamplingParams  # noqa: E402
 from reinforge.trainer.dynamic_sampling import concat_generated  # noqa: E402
@@ -126,6 +127,11 @@ def build_config(args: argparse.Namespace, model_dir: Path) -> Config:
     config.trainer.device = "cpu" if args.cpu else "cuda"
     config.trainer.mode = "async"  # the worker keeps a rollout copy; sync mode syncs it before every rollout
     config.trainer.max_staleness, config.rollout.segment_tokens = args.max_staleness, args.segment_tokens
+    if not args.cpu:  # async holds up to (max_staleness + 1) batches of sequences in flight
+        config.rollout.kv_cache_gib = args.kv_cache_gib
+    plan = apply_memory_plan(config)  # the remaining auto settings, as the trainer does before any weight loads
+    if plan is not None:
+        print(plan.table(), flush=True)
     return config
 
 
@@ -252,6 +258,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--segment-tokens", type=int, default=512, help="async: partial-rollout segment")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--micro-tokens", type=int, default=65536)
+    parser.add_argument("--kv-cache-gib", type=float, default=56.0, help="native engine KV cache (GPU)")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)

@@ -322,7 +322,7 @@ class RLTrainer(TrainingRun):
 ROLES = ("actor_rollout", "ref", "critic", "reward")
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "critic.enable", "algorithm.adv_estimator",
                   "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
-                  "trainer.seed")
+                  "trainer.seed", "trainer.mode")
 """Settings a resumed run may not change: the checkpoint's weights, data order or algorithm would not fit them."""
 
 
