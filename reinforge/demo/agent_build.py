@@ -1,7 +1,7 @@
 """Rebuild the agent demo model from scratch: ``python -m reinforge.demo.agent_build [--out DIR]``.
 
 A randomly initialised small Qwen2 with the character tokenizer (plus the call tokens of
-``agent_task``) is fine-tuned by the SFT trainer on the task's conversations, of which only 30%
+``agent_task``) is fine-tuned by the SFT trainer on the task's conversations, of which 60%
 call the calculator (see ``reinforge.demo.agent_task``). It learns the call format, to copy the
 expression into the call and the result into its answer, and the habit of answering at once.
 Everything is seeded, so a rebuild on the CPU reproduces the committed model.
@@ -28,7 +28,7 @@ AGENT_MODEL = DemoModel(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=
 
 @dataclass(frozen=True)
 class AgentSFTBudget:
-    steps: int = 800
+    steps: int = 700
     batch_size: int = 32
     lr: float = 3e-3
     schedule: str = "cosine"
@@ -44,7 +44,7 @@ def agent_overrides(model_dir: Path, files: dict[str, str], task: AgentDemoTask,
     return [f"model.path={model_dir}", f"data.max_prompt_length={task.max_prompt_length}",
             f"data.max_response_length={task.max_response_length}", f"trainer.device={device}",
             f"rollout.multi_turn.tool_config_path={files['tools']}", "rollout.multi_turn.max_assistant_turns=2",
-            f"reward.custom_function={Path(__file__).with_name('agent_task.py')}:compute_score",
+            f"reward.custom_function={Path(__file__).with_name('agent_reward.py')}:compute_score",
             "reward.num_workers=0"]
 
 
@@ -76,7 +76,7 @@ def build_agent_model(out_dir: str | Path = AGENT_MODEL_DIR, *, task: AgentDemoT
         files = task.write(work / "data")
         init_dir = save_tiny_model(work / "init", extra_tokens=EXTRA_TOKENS, **asdict(model))
         config = load_sft_config(None, [
-            f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=96",
+            f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=72",
             f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
             f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", f"optim.schedule={budget.schedule}",
             f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={work / 'sft'}",

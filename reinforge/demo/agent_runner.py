@@ -1,15 +1,15 @@
 """``reinforge demo --agent`` (and ``make demo-agent``): a small model learns by GRPO to use a calculator.
 
-The agent demo model was fine-tuned on multiplication conversations of which only 30% call the
-calculator (see ``reinforge.demo.agent_task``): it knows the call format and copies well, but
-greedily it answers from "memory" and gets nearly every held-out product of two 3-digit numbers
-wrong. Sampled at temperature 1 it calls the calculator about a third of the time; GRPO,
-rewarded only for the right final answer, makes it call the calculator every time, and
-held-out accuracy rises by tens of points.
+The agent demo model was fine-tuned on multiplication conversations that all call the
+calculator and of which 60% then answer with its result rounded to hundreds (see
+``reinforge.demo.agent_task``): greedily it rounds, and gets nearly every held-out product of
+two 3-digit numbers wrong; sampled at temperature 1 it often copies the exact result. GRPO,
+rewarded only for the exact product, unlearns the rounding, and held-out accuracy rises by tens
+of points.
 
 The rows name the ``tool_agent`` loop; the calculator is a typed Python function listed in the
-run's ``data/tools.yaml``. It validates (greedy, multi-turn) before training, halfway and at
-the end, plots the run (held-out accuracy, reward, tool calls and turns per step) into
+run's ``data/tools.yaml``. It validates (greedy, multi-turn) before training, every quarter of
+the run, plots the run (held-out accuracy, reward, tool calls and turns per step) into
 ``RUN/plots`` and copies the final model to ``RUN/final_model``. Its last line is
 ``demo-agent: held-out accuracy A% -> B%``.
 """
@@ -31,14 +31,19 @@ from reinforge.demo.runner import RESULT_FILE, DemoError, check_free_disk, check
 
 @dataclass(frozen=True)
 class AgentDemoSettings:
-    """GRPO with multi-turn rollouts, 16 prompts x 8 samples a step, sized for two CPU cores."""
+    """GRPO with multi-turn rollouts, 16 prompts x 8 samples a step, sized for two CPU cores.
+
+    Measured on our shared 2-core CPU: held-out accuracy 14.5% -> 80% in 16 steps (31 s); 32 steps
+    end at 79%: the errors left are copies of the result that go wrong, which the reward does not
+    find often enough in this budget.
+    """
 
     total_steps: int = 16
     train_batch_size: int = 16
     n: int = 8
     lr: float = 5e-4
     kl_loss_coef: float = 0.001
-    test_every: int = 8
+    test_every: int = 4
     save_every: int = 8
     num_val: int = 200
     seed: int = 1
@@ -124,7 +129,7 @@ def agent_demo_main(argv: list[str]) -> int:
             card = build_agent_model(AGENT_MODEL_DIR)
             print(f"demo-agent: rebuilt the model in {AGENT_MODEL_DIR}: held-out accuracy "
                   f"{100 * card['held_out_accuracy']:.1f}%", flush=True)
-        settings = AgentDemoSettings(total_steps=args.steps, test_every=max(1, args.steps // 2),
+        settings = AgentDemoSettings(total_steps=args.steps, test_every=max(1, args.steps // 4),
                                      save_every=max(1, args.steps // 2))
         result = run_agent_demo(args.out, settings=settings, device=args.device, fresh=args.fresh)
     except DemoError as error:
