@@ -153,3 +153,19 @@ def test_unknown_agent_and_missing_tool_config_fail_before_training(tiny_model_d
             "single_turn, tool_agent" in run_with("tool_agnt"))
     assert ("train row 0 asks for agent_name='tool_agent', which calls tools, but "
             "rollout.multi_turn.tool_config_path is not set" in run_with("tool_agent"))
+
+
+def test_hf_and_native_sample_the_same_trajectories(tiny_model_dir, tool_config):
+    # the same seeds draw the same tokens in both engines (rollout.noise), so the whole multi-turn
+    # trajectories agree: batching (hf: turns grouped per call, cut to their budget; native: continuous)
+    # changes nothing
+    batch = None
+    responses = {}
+    for backend in ("hf", "native"):
+        worker = ActorRolloutWorker(agent_config(tiny_model_dir, tool_config, backend), total_training_steps=1)
+        batch = batch or prompt_batch(worker.tokenizer, rows=3)
+        output = worker.generate(batch, SamplingParams(max_tokens=160), seed=11)
+        responses[backend] = (output["responses"], output["response_mask"], output["num_turns"].tolist())
+    assert torch.equal(responses["hf"][0], responses["native"][0])
+    assert torch.equal(responses["hf"][1], responses["native"][1])
+    assert responses["hf"][2] == responses["native"][2]
