@@ -46,7 +46,7 @@ from reinforge.algorithms import compute_advantages  # noqa: E402
 from reinforge.bench.train import rule_reward, write_model  # noqa: E402
 from reinforge.config.schema import Config  # noqa: E402
 from reinforge.controller import WorkerGroup  # noqa: E402
-from reinforge.engine.memory_settings import apply_memory_plan  # noqa: E402
+from reinforge.workers.memory_settings import apply_memory_plan  # noqa: E402
 from reinforge.protocol import Batch  # noqa: E402
 from reinforge.rollout.base import SamplingParams  # noqa: E402
 from reinforge.trainer.dynamic_sampling import concat_generated  # noqa: E402

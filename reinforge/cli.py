@@ -75,7 +75,7 @@ def _plan(argv: list[str]) -> int:
     import torch
 
     from reinforge.engine.memory_plan import MemoryPlanError
-    from reinforge.engine.memory_settings import memory_plan
+    from reinforge.workers.memory_settings import memory_plan
 
     if config.trainer.gpu_memory_gib is None and config.trainer.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit("this machine has no GPU; pass --gpu-memory-gib N to plan for a card of N GiB "
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         # A failure inside the run (a worker's error, out of memory): its own last line, not the traceback.
         if debug:
             raise
-        from reinforge.engine.memory_settings import describe_out_of_memory
+        from reinforge.workers.memory_settings import describe_out_of_memory
 
         out_of_memory = describe_out_of_memory(error)
         print(f"error: {out_of_memory}" if out_of_memory else one_line_report(error), file=sys.stderr)

@@ -4,7 +4,7 @@ A failure inside a worker reaches the controller wrapped (``WorkerCallError``, a
 error with the remote traceback in its text); the user needs the worker's own last error
 line and where it happened, not 85 lines of traceback. ``REINFORGE_DEBUG=1`` re-raises
 instead, and the line says so. (Out-of-memory errors get their own line with the memory plan,
-``engine.memory_settings.describe_out_of_memory``.)
+``workers.memory_settings.describe_out_of_memory``.)
 """
 
 from __future__ import annotations

@@ -156,9 +156,9 @@ def add_advantages(batch, args: argparse.Namespace, config) -> None:
 
 def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.controller.worker import freeze_long_lived_objects
-    from reinforge.engine.memory_settings import apply_memory_plan
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.critic import CriticWorker
+    from reinforge.workers.memory_settings import apply_memory_plan
     from reinforge.workers.reference import ReferenceWorker
 
     config = build_config(model_dir, args)

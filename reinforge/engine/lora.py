@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from reinforge.config.schema import LoraConfig
@@ -74,8 +75,13 @@ def lora_layers(peft_model: nn.Module) -> list[nn.Module]:
 def lora_deltas(peft_model: nn.Module) -> Iterator[tuple[nn.Module, Tensor]]:
     """(adapted layer, scaling * B A in float32) one layer at a time; B and A as the module holds them (gathered)."""
     for layer in lora_layers(peft_model):
-        lora_a, lora_b = layer.lora_A[ADAPTER_NAME].weight, layer.lora_B[ADAPTER_NAME].weight
+        lora_a, lora_b = (_whole(layer.lora_A[ADAPTER_NAME].weight), _whole(layer.lora_B[ADAPTER_NAME].weight))
         yield layer, (lora_b.detach().float() @ lora_a.detach().float()) * layer.scaling[ADAPTER_NAME]
+
+
+def _whole(weight: Tensor) -> Tensor:
+    """An adapter weight as a plain full tensor (still sharded when the rollout reads a single device's shards)."""
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
 @contextlib.contextmanager

@@ -30,7 +30,6 @@ from reinforge.config import Config, config_to_dict
 from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
-from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
@@ -43,6 +42,7 @@ from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
+from reinforge.workers.memory_settings import apply_memory_plan
 from reinforge.workers.reference import ReferenceWorker
 from reinforge.workers.reward import RewardWorker
 

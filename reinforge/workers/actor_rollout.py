@@ -38,12 +38,12 @@ from reinforge.algorithms.rollout_correction import compute_importance_weights, 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
+from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids, response_log_probs, score_in_micro_batches
 from reinforge.engine.fsdp import decoder_layers, shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.lora import add_lora, lora_deltas, merged_weights
 from reinforge.engine.memory_plan import GiB
-from reinforge.engine.memory_settings import apply_memory_plan, cap_device_memory
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_timed_update
@@ -53,6 +53,7 @@ from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
 from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
 from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
+from reinforge.workers.memory_settings import apply_memory_plan, cap_device_memory
 
 
 def _response_tensors(completions: list, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -313,7 +314,10 @@ class ActorRolloutWorker(Worker):
             phases.lap("wake_up")
             yield
             return
-        with unsharded(self.model):
+        # The native engine copies the weights; on one device it reads each parameter's local shard, which
+        # is the whole parameter, instead of gathering a second full set first (rollout.native.model.whole).
+        gather = self.engine.reads_model_in_place or world_size() > 1
+        with unsharded(self.model) if gather else contextlib.nullcontext():
             phases.lap("gather_weights")
             in_place_lora = self.peft_model is not None and self.engine.reads_model_in_place
             with merged_weights(self.peft_model) if in_place_lora else contextlib.nullcontext():

@@ -17,12 +17,12 @@ from reinforge.engine.device import resolve_device
 from reinforge.engine.forward import response_values, score_in_micro_batches
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_timed_update
 from reinforge.models import ValueModel
 from reinforge.protocol import Batch
 from reinforge.workers.checkpointing import load_training_state, save_training_state
+from reinforge.workers.memory_settings import apply_memory_plan
 
 
 class CriticWorker(Worker):

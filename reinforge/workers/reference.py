@@ -13,9 +13,9 @@ from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import response_log_probs, score_in_micro_batches
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.memory_settings import apply_memory_plan
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
+from reinforge.workers.memory_settings import apply_memory_plan
 
 
 class ReferenceWorker(Worker):

@@ -165,7 +165,7 @@ def test_a_run_that_cannot_fit_fails_before_loading_weights(tiny_model_dir, arit
 
 def test_auto_settings_are_resolved_and_recorded(tiny_model_dir):
     from reinforge.config.schema import Config
-    from reinforge.engine.memory_settings import apply_memory_plan, has_auto_settings
+    from reinforge.workers.memory_settings import apply_memory_plan, has_auto_settings
 
     config = Config()
     config.model.path = str(tiny_model_dir)
@@ -180,7 +180,7 @@ def test_auto_settings_are_resolved_and_recorded(tiny_model_dir):
 
 def test_out_of_memory_becomes_one_line():
     from reinforge.controller.worker_group import WorkerCallError
-    from reinforge.engine.memory_settings import describe_out_of_memory
+    from reinforge.workers.memory_settings import describe_out_of_memory
 
     try:
         try:

@@ -89,3 +89,32 @@ def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_m
     torch.testing.assert_close(output["sum_pi_squared"], expected, atol=1e-5, rtol=1e-4)
     expected_log_probs = torch.log(probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)) * mask
     torch.testing.assert_close(output["old_log_probs"], expected_log_probs, atol=1e-4, rtol=1e-4)
+
+
+def test_native_rollout_on_one_device_copies_the_shards_without_gathering(tiny_model_dir, monkeypatch):
+    """On one device the engine reads each FSDP parameter's local shard (the whole parameter): no unshard, and
+    the same tokens and log-probs as when the parameters are gathered first (the path of several devices)."""
+    import numpy as np
+    from torch.distributed.fsdp import FSDPModule
+
+    import reinforge.workers.actor_rollout as actor_module
+    from reinforge.rollout.base import SamplingParams
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=2)
+    worker.update_actor(scored_batch())  # weights that differ from the loaded ones
+    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
+    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
+                            non_tensors={"uid": np.array(["a", "b"], dtype=object)}).repeat(2, interleave=True)
+    sampling = SamplingParams(max_tokens=6, temperature=1.0)
+    unshards = []
+    original = FSDPModule.unshard
+    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: (unshards.append(self), original(self, *a, **k))[1])
+    direct = worker.generate(batch, sampling, 7)
+    assert unshards == []
+    monkeypatch.setattr(actor_module, "world_size", lambda: 2)  # take the gathering path on the same device
+    gathered = worker.generate(batch, sampling, 7)
+    assert unshards, "the gathering path did not gather"
+    assert torch.equal(direct["responses"], gathered["responses"])
+    torch.testing.assert_close(direct["rollout_log_probs"], gathered["rollout_log_probs"])

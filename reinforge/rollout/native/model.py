@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from reinforge.rollout.native.attention import (
     AttentionMetadata,
@@ -93,9 +94,9 @@ class ModelWeights:
     lm_head: Tensor
 
     @classmethod
-    def copied(cls, model: nn.Module) -> ModelWeights:
+    def copied(cls, model: nn.Module, dtype: torch.dtype) -> ModelWeights:
         def build(parts: list[Tensor] | None) -> Tensor | None:
-            return None if parts is None else torch.cat([part.detach() for part in parts])
+            return None if parts is None else torch.cat([whole(part).detach().to(dtype) for part in parts])
 
         inner = model.model
         embed = build([inner.embed_tokens.weight])
@@ -117,7 +118,7 @@ class ModelWeights:
             start = 0
             for part in parts or ():
                 destinations.append(destination[start:start + part.shape[0]])
-                sources.append(part)
+                sources.append(whole(part))
                 start += part.shape[0]
         torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
 
@@ -141,13 +142,27 @@ class ModelWeights:
         return [self.embed, self.final_norm, self.lm_head, *layer_tensors]
 
 
+def whole(tensor: Tensor) -> Tensor:
+    """The full tensor behind a parameter: itself, or the local tensor of a DTensor on a mesh of one.
+
+    On one device an FSDP-sharded parameter's local shard is the whole parameter, so the copy reads
+    it without gathering (no second full set of weights on the device while the copy is made). On
+    more devices the caller gathers first (``engine.fsdp.unsharded``), which makes parameters plain.
+    """
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh.size() != 1:
+            raise RuntimeError("the rollout engine reads whole weights; gather the FSDP-sharded parameters first")
+        return tensor.to_local()
+    return tensor
+
+
 def _fields(weights: LayerWeights) -> list[Tensor | None]:
     return [getattr(weights, field.name) for field in dataclasses.fields(weights)]
 
 
 def _tied(model: nn.Module) -> bool:
     embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
-    return lm_head is embed or lm_head.data_ptr() == embed.data_ptr()
+    return lm_head is embed or whole(lm_head).data_ptr() == whole(embed).data_ptr()
 
 
 def _layer_parts(layer: nn.Module) -> list[list[Tensor] | None]:
@@ -224,7 +239,7 @@ class PagedDecoder:
         and the model's storage may move or be freed (FSDP reshards it) after the copy.
         """
         if self.weights is None:
-            self.weights = ModelWeights.copied(self.model)
+            self.weights = ModelWeights.copied(self.model, self.dtype)
         else:
             self.weights.copy_from(self.model)
 
