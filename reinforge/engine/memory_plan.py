@@ -219,7 +219,8 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
 
     rollout = dict(resident)
     rollout["rollout weight copy"] = engine_weights
-    rollout["gathered parameters"] = dtype_bytes * params
+    if devices > 1:  # on one device the engine copies the local shards themselves (rollout.native.model.whole)
+        rollout["gathered parameters"] = dtype_bytes * params
     rollout["kv cache"] = kv_cache
     rollout["rollout activations"] = engine_activations
 

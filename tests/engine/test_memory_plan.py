@@ -89,12 +89,14 @@ def test_fastest_settings_on_a_large_device_and_smaller_ones_on_smaller_devices(
     assert "(auto)" in tight.table() and "actor.max_tokens_per_micro_batch" in tight.table()
 
 
-def test_seven_billion_full_parameters_needs_the_host_on_a_40gb_card_and_refuses_with_the_fix():
+def test_seven_billion_full_parameters_needs_the_host_on_small_cards_and_refuses_with_the_fix():
     big = shape("7b")
     on_h200 = plan_memory(big, STANDARD, {}, 139 * GiB, 128 * GiB)
-    assert on_h200.fits
+    assert on_h200.fits and not on_h200.settings.param_offload
+    on_40 = plan_memory(big, STANDARD, {}, 40 * GiB, 128 * GiB)  # only with everything on the host
+    assert on_40.settings.param_offload and on_40.host_total > 100 * GiB
     with pytest.raises(MemoryPlanError) as refused:
-        plan_memory(big, STANDARD, {}, 40 * GiB, 128 * GiB)
+        plan_memory(big, STANDARD, {}, 40 * GiB, 64 * GiB)
     message = str(refused.value)
     assert "\n" not in message and message.startswith("the run does not fit")
     assert "GiB" in message and "would fit with" in message
