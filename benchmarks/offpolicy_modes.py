@@ -46,7 +46,6 @@ from reinforge.algorithms import compute_advantages  # noqa: E402
 from reinforge.bench.train import rule_reward, write_model  # noqa: E402
 from reinforge.config.schema import Config  # noqa: E402
 from reinforge.controller import WorkerGroup  # noqa: E402
-from reinforge.workers.memory_settings import apply_memory_plan  # noqa: E402
 from reinforge.protocol import Batch  # noqa: E402
 from reinforge.rollout.base import SamplingParams  # noqa: E402
 from reinforge.trainer.dynamic_sampling import concat_generated  # noqa: E402
@@ -56,6 +55,7 @@ from reinforge.trainer.modes.partial import group_batch, groups_from_prompts, ru
 from reinforge.trainer.modes.rollouter import Rollouter  # noqa: E402
 from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics  # noqa: E402
 from reinforge.workers.actor_rollout import ActorRolloutWorker, seed_for  # noqa: E402
+from reinforge.workers.memory_settings import apply_memory_plan  # noqa: E402
 
 
 def long_tail_length(rng: random.Random, low: int, high: int) -> int:
