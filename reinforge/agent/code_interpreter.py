@@ -6,12 +6,16 @@ stderr (a traceback), or a line saying the run was stopped at its time limit. A 
 cannot be reached, after the client's retries, gives a tool message saying so (counted as a
 tool error), never an exception or a hang: the client's deadline bounds every call.
 
+``memory_limit_mb`` defaults to -1, the server's own default (1 GiB on ours). Leave it there for
+a SandboxFusion deployment: any limit set there also becomes the program's stack limit, so each
+thread asks for a stack that size and none can start (``import numpy`` fails).
+
 Tool config entry (``rollout.multi_turn.tool_config_path``):
 
 ```yaml
 tools:
   - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool
-    config: {sandbox_url: http://127.0.0.1:8080, run_timeout_s: 10, memory_limit_mb: 1024}
+    config: {sandbox_url: http://127.0.0.1:8080, run_timeout_s: 10}
 ```
 """
 
@@ -63,7 +67,7 @@ def format_run(response: RunCodeResponse) -> tuple[str, dict[str, float]]:
 
 
 class CodeInterpreterTool(BaseTool):
-    """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (1024), max_retries (5),
+    """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (-1: the server's default), max_retries (5),
     max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories)."""
 
     def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
@@ -74,7 +78,7 @@ class CodeInterpreterTool(BaseTool):
                              "(start one with `reinforge sandbox serve`)")
         self.client = SandboxClient(str(url), max_retries=int(self.config.get("max_retries", 5)))
         self.run_timeout_s = float(self.config.get("run_timeout_s", 10.0))
-        self.memory_limit_mb = int(self.config.get("memory_limit_mb", 1024))
+        self.memory_limit_mb = int(self.config.get("memory_limit_mb", -1))
         self._executor = ThreadPoolExecutor(int(self.config.get("max_concurrent_calls", 64)),
                                             thread_name_prefix="code-interpreter")
 

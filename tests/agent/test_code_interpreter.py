@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -61,3 +64,54 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
 def test_code_fences_are_stripped_only_when_they_wrap_the_code():
     assert strip_code_fence("```py\nx = 1\n```") == "x = 1"
     assert strip_code_fence("x = '```'") == "x = '```'"
+
+
+# Answers recorded from a real SandboxFusion server (bytedance/SandboxFusion 469de08, isolation none).
+SANDBOXFUSION_TIMEOUT = {
+    "status": "Failed", "message": "", "compile_result": None, "executor_pod_name": None, "files": {},
+    "run_result": {"status": "TimeLimitExceeded", "execution_time": 1.0003669261932373, "return_code": None,
+                   "stdout": "start\n", "stderr": ""}}
+SANDBOXFUSION_EXCEPTION = {
+    "status": "Failed", "message": "", "compile_result": None, "executor_pod_name": None, "files": {},
+    "run_result": {"status": "Finished", "execution_time": 0.23, "return_code": 1, "stdout": "before\n",
+                   "stderr": 'Traceback (most recent call last):\n  File "/tmp/tmpu8pfk5wh/tmp8bzd3l8o.py", line 2, '
+                             "in <module>\n    1/0\n    ~^~\nZeroDivisionError: division by zero\n"}}
+
+
+@pytest.fixture()
+def replaying_server():
+    """An HTTP server that answers /run_code with recorded SandboxFusion answers, in order, and keeps the requests."""
+    answers, requests = [], []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            body = json.dumps(answers.pop(0)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", answers, requests
+    server.shutdown()
+    server.server_close()
+
+
+def test_reads_sandboxfusion_answers_and_leaves_the_memory_limit_to_it(replaying_server):
+    url, answers, requests = replaying_server
+    answers += [SANDBOXFUSION_TIMEOUT, SANDBOXFUSION_EXCEPTION]
+    tool = CodeInterpreterTool({"sandbox_url": url + "/run_code", "run_timeout_s": 1})
+    slow = _run(tool, "import time\nprint('start', flush=True)\ntime.sleep(10)")
+    assert slow.text == "start\nTime limit exceeded: the code was stopped after 1.0 s."
+    assert slow.metrics == {"timeout": 1.0, "failed": 1.0}
+    failed = _run(tool, "print('before')\n1/0")
+    assert failed.text.startswith("before\nTraceback") and failed.text.endswith("ZeroDivisionError: division by zero")
+    # SandboxFusion turns a positive memory_limit_MB into the stack limit as well, so no thread could start.
+    assert [request["memory_limit_MB"] for request in requests] == [-1, -1]
+    assert requests[0]["run_timeout"] == 1.0 and requests[0]["language"] == "python"
