@@ -6,17 +6,19 @@ and 4096 tokens from a long tail (64 x 64^(u^3), u uniform: median ~110, ~6% abo
 generated with EOS ignored, so it is exactly that long. A cheap rule reward, GRPO advantages,
 one optimizer step per 64 prompts (the decoupled PPO loss with a recomputed proximal policy
 on stale batches). All three modes run the same generation code (``modes.partial.run_segment``)
-on one ActorRolloutWorker with the native engine, its memory kept between rollouts:
+with the native engine, its memory kept between rollouts. The off-policy modes generate on a
+second, optimizer-less worker with its own thread (trainer.separate_rollout; ``--shared-rollout``
+uses the training worker's rollout copy instead, taking turns), weights copied at each sync:
 
-- sync: generate a whole batch, then update;
-- one_step_off: batch k+1 is generated (in a thread, on the rollout's weight copy) while
-  batch k is scored and trained, then the weights are synced;
+- sync: the training worker generates a whole batch, then updates;
+- one_step_off: batch k+1 is generated (a thread submits it) while batch k is scored and
+  trained, then the weights are synced;
 - async: the Rollouter streams groups under max_staleness (default 1), segments of
   --segment-tokens with partial rollouts, a sync after every update.
 
-On one GPU the rollout and the update take turns on the device; whatever async gains comes from
-filling the long tail: the device does not idle at small decode batches while a few long
-samples finish. Reported per mode: wall time per 1,000 samples trained and the GPU-busy
+On one GPU the rollout and the update share the device (their kernels interleave); whatever the
+off-policy modes gain comes from filling the long tail: the device does not idle at small
+decode batches while a few long samples finish. Reported per mode: wall time per 1,000 samples trained and the GPU-busy
 fraction (``nvidia-smi`` utilization.gpu, the share of time a kernel ran, sampled every 50 ms),
 over the measured updates after --warmup ones. ``--cpu`` runs a tiny model with short
 lengths as a smoke test (no timing claims, no GPU-busy fraction).
@@ -27,6 +29,7 @@ lengths as a smoke test (no timing claims, no GPU-busy fraction).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -125,7 +128,8 @@ def build_config(args: argparse.Namespace, model_dir: Path) -> Config:
     config.actor.max_tokens_per_micro_batch = max(args.micro_tokens, args.prompt_tokens + args.max_tokens)
     config.actor.optim.lr, config.actor.loss_agg_mode = 1e-6, "token-mean"
     config.trainer.device = "cpu" if args.cpu else "cuda"
-    config.trainer.mode = "async"  # the worker keeps a rollout copy; sync mode syncs it before every rollout
+    config.trainer.mode = "async"
+    config.trainer.separate_rollout = not args.shared_rollout
     config.trainer.max_staleness, config.rollout.segment_tokens = args.max_staleness, args.segment_tokens
     if not args.cpu:  # async holds up to (max_staleness + 1) batches of sequences in flight
         config.rollout.kv_cache_gib = args.kv_cache_gib
@@ -136,20 +140,28 @@ def build_config(args: argparse.Namespace, model_dir: Path) -> Config:
 
 
 class Runner:
-    def __init__(self, args: argparse.Namespace, config: Config, actor: WorkerGroup, vocab_size: int):
-        self.args, self.config, self.actor = args, config, actor
+    def __init__(self, args: argparse.Namespace, config: Config, actor: WorkerGroup, rollout: WorkerGroup | None,
+                 vocab_size: int):
+        self.args, self.config, self.actor, self.rollout = args, config, actor, rollout
         self.sampling = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
         self.prompts = PromptSource(args, vocab_size)
 
     def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
-        return self.actor.generate(batch, sampling, 0)
+        """Off-policy modes: the rollout worker (its own thread) or the training worker's rollout copy."""
+        return (self.rollout or self.actor).generate(batch, sampling, 0)
+
+    def sync_weights(self) -> None:
+        if self.rollout is None:
+            self.actor.sync_rollout_weights()
+        else:
+            self.rollout.load_rollout_weights(self.actor.rollout_weights()[0])
 
     def groups(self, prompts: Batch, first: int):
         return groups_from_prompts(prompts, first, self.args.n, lambda position, uid: seed_for(0, uid))
 
-    def rollout(self, prompts: Batch, version: int) -> Batch:
+    def rollout_batch(self, prompts: Batch, version: int, generate=None) -> Batch:
         groups = self.groups(prompts, 0)
-        run_segment(self.generate, groups, self.sampling, self.args.max_tokens, version, 0)
+        run_segment(generate or self.generate, groups, self.sampling, self.args.max_tokens, version, 0)
         return concat_generated([group_batch(group, self.args.max_tokens, 0) for group in groups], 0)
 
     def train(self, batch: Batch, version: int, updates_since_sync: int, update_index: int) -> dict[str, float]:
@@ -169,28 +181,31 @@ class Runner:
     def sync(self, updates: int):
         out = []
         for update in range(updates):
-            self.actor.sync_rollout_weights()  # the rollout reads the current weights, as in sync mode
-            batch = self.rollout(self.prompts(), update)
+            if self.rollout is None:
+                self.actor.sync_rollout_weights()  # the copy holds the current weights, as in sync mode
+                batch = self.rollout_batch(self.prompts(), update)
+            else:  # the training worker generates with its current weights
+                batch = self.rollout_batch(self.prompts(), update, lambda b, p: self.actor.generate(b, p, 0))
             metrics = self.train(batch, update, 0, update)
             out.append((time.perf_counter(), len(batch), metrics))
         return out
 
     def one_step_off(self, updates: int):
         out, version = [], 0
-        self.actor.sync_rollout_weights()
-        pending = self._in_thread(self.rollout, self.prompts(), version)
+        self.sync_weights()
+        pending = self._in_thread(self.rollout_batch, self.prompts(), version)
         for update in range(updates):
             batch = pending()
-            pending = self._in_thread(self.rollout, self.prompts(), version)  # with the weights before this update
+            pending = self._in_thread(self.rollout_batch, self.prompts(), version)  # the weights before this update
             metrics = self.train(batch, version, 0, update)
-            self.actor.sync_rollout_weights()
+            self.sync_weights()
             version += 1
             out.append((time.perf_counter(), len(batch), metrics))
         pending()
         return out
 
     def asynchronous(self, updates: int):
-        self.actor.sync_rollout_weights()
+        self.sync_weights()
         turns = DeviceTurns()
         rollouter = Rollouter(next_prompts=self.prompts, generate=self.generate,
                               score=lambda batch: Batch.from_dict(tensors={"token_level_scores": rule_reward(batch)}),
@@ -204,10 +219,11 @@ class Runner:
             for update in range(updates):
                 taken = rollouter.take(self.args.prompts)
                 batch = concat_generated([rows for _, rows in taken], 0)
-                with turns.trainer():
-                    version = rollouter.version
+                version = rollouter.version
+                with turns.trainer() if self.rollout is None else contextlib.nullcontext():
                     metrics = self.train(batch, version, 0, update)
-                    self.actor.sync_rollout_weights()
+                with turns.trainer():
+                    self.sync_weights()
                     rollouter.set_version(version + 1)
                 out.append((time.perf_counter(), len(batch), metrics))
         finally:
@@ -258,8 +274,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--segment-tokens", type=int, default=512, help="async: partial-rollout segment")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--micro-tokens", type=int, default=65536)
-    parser.add_argument("--kv-cache-gib", type=float, default=56.0, help="native engine KV cache (GPU)")
+    parser.add_argument("--kv-cache-gib", type=float, default=16.0,
+                        help="native engine KV cache of each worker (GPU); a batch needs ~3.3 GiB at full length")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
+    parser.add_argument("--shared-rollout", action="store_true",
+                        help="off-policy modes generate on the training worker's rollout copy, taking turns with the "
+                             "update (trainer.separate_rollout=false); by default a second worker generates on its "
+                             "own thread, overlapping the update on the device")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--cpu", action="store_true", help="tiny model, short lengths: a smoke test")
@@ -282,14 +303,18 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_dir or write_model(Path(scratch), tiny=args.cpu)
         config = build_config(args, model_dir)
         actor = WorkerGroup(ActorRolloutWorker, config, 1000, name="actor_rollout", backend="local")
+        rollout = None if args.shared_rollout else WorkerGroup(
+            ActorRolloutWorker, config, 1000, name="rollout", backend="local", init_kwargs={"rollout_only": True})
         gpu = GpuBusy()
         try:
-            runner = Runner(args, config, actor, _vocab_size(model_dir))
+            runner = Runner(args, config, actor, rollout, _vocab_size(model_dir))
             for mode in args.modes.split(","):
                 results.append(measure(runner, mode, gpu, args))
         finally:
             gpu.close()
             actor.shutdown()
+            if rollout is not None:
+                rollout.shutdown()
     print(f"\n{'mode':<14}{'s / 1000 samples':>18}{'GPU busy':>10}{'staleness':>11}{'partial':>9}")
     for row in results:
         busy = "n/a" if row["gpu_busy"] is None else f"{row['gpu_busy']:.0%}"

@@ -395,6 +395,11 @@ class TrainerConfig(RunConfig):
     only while admitted groups < (max_staleness + version + 1) x trigger_sync_steps x data.train_batch_size."""
     trigger_sync_steps: int = 1
     """async: updates between weight syncs to the rollouter (each update takes data.train_batch_size groups)."""
+    separate_rollout: bool = False
+    """one_step_off/async: generate on a second worker group (role rollout, the model without optimizer)
+    instead of the training worker, so generation overlaps the update: on the local backend on its own thread
+    (the two share the device), on Ray on the pool a placement gives role rollout. Weights are copied from the
+    actor at each sync. false: the training worker generates from its rollout copy (they take turns)."""
     proximal: str = "recompute"
     """one_step_off/async, on a batch with stale tokens: the proximal policy of the decoupled PPO loss is
     recompute (log-probs under the weights before the update, one extra forward) or loglinear (interpolated

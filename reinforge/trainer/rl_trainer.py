@@ -92,6 +92,10 @@ class RLTrainer(TrainingRun):
         self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
                                project=config.trainer.project_name, experiment=config.trainer.experiment_name)
         self.step = 0
+        self.rollout = None
+        """trainer.separate_rollout: the worker group that generates in the off-policy modes."""
+        if config.trainer.mode != "sync" and config.trainer.separate_rollout:
+            self.rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="rollout", rollout_only=True)
         self.mode = build_mode(self)
         """trainer.mode one_step_off or async (reinforge.trainer.modes); None in sync mode."""
 
@@ -270,6 +274,19 @@ class RLTrainer(TrainingRun):
             extras["mode"] = self.mode.state_dict()
         return extras
 
+    @property
+    def generator(self) -> WorkerGroup:
+        """The group whose ``generate`` the off-policy modes call."""
+        return self.rollout if self.rollout is not None else self.actor_rollout
+
+    def sync_rollout_weights(self) -> None:
+        """Off-policy modes: the rollout generates with the current weights from now on (a new version)."""
+        if self.rollout is None:
+            self.actor_rollout.sync_rollout_weights()
+            return
+        weights = self.actor_rollout.rollout_weights()
+        self.rollout.load_rollout_weights(weights[0] if isinstance(weights, list) else weights)
+
     def save(self) -> Path:
         """A checkpoint; an off-policy mode's background work holds still meanwhile."""
         if self.mode is None:
@@ -289,7 +306,7 @@ class RLTrainer(TrainingRun):
         if self.config.algorithm.kl_ctrl.type == "adaptive":  # a fixed coefficient is the config's, changed or not
             self.kl_controller.load_state_dict(state["kl_controller"])
         if self.mode is not None:
-            self.actor_rollout.sync_rollout_weights()  # the rollout starts from the restored weights
+            self.sync_rollout_weights()  # the rollout starts from the restored weights
             self.mode.load_state_dict(state["mode"], state["step"])
 
     def fit(self) -> dict[str, float]:
@@ -312,14 +329,14 @@ class RLTrainer(TrainingRun):
         if self.mode is not None:
             self.mode.stop()
         reference = self.reference if self.reference is not self.actor_rollout else None
-        for group in (self.actor_rollout, reference, self.critic, self.reward):
+        for group in (self.actor_rollout, reference, self.critic, self.reward, self.rollout):
             if group is not None:
                 group.shutdown()
         self.tracker.close()
         self.release_run_folder()
 
 
-ROLES = ("actor_rollout", "ref", "critic", "reward")
+ROLES = ("actor_rollout", "ref", "critic", "reward", "rollout")
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "critic.enable", "algorithm.adv_estimator",
                   "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
                   "trainer.seed", "trainer.mode")
@@ -348,9 +365,10 @@ def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> C
                              f"the resource pools ask for {too_big} (trainer.nnodes={trainer.nnodes}, "
                              f"trainer.devices_per_node={trainer.devices_per_node}); set trainer.backend=ray")
 
-    def build(worker_cls: type, *init_args: Any, role: str) -> WorkerGroup:
+    def build(worker_cls: type, *init_args: Any, role: str, **init_kwargs: Any) -> WorkerGroup:
         return group_class(worker_cls, *init_args, name=role, backend=trainer.backend,
-                           resource_pool=placement.pool_for(role), timeout_s=trainer.call_timeout_s)
+                           resource_pool=placement.pool_for(role), timeout_s=trainer.call_timeout_s,
+                           init_kwargs=init_kwargs or None)
 
     return build
 

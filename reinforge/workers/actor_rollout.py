@@ -113,7 +113,9 @@ def seed_for(base_seed: int, uid: str) -> int:
 
 
 class ActorRolloutWorker(Worker):
-    def __init__(self, config: Config, total_training_steps: int):
+    def __init__(self, config: Config, total_training_steps: int, rollout_only: bool = False):
+        """``rollout_only``: the generating worker of trainer.separate_rollout (role rollout): the model in the
+        compute dtype, no optimizer; its weights arrive by ``load_rollout_weights``."""
         super().__init__()
         self.config = config
         self.device = resolve_device(config.trainer.device)
@@ -121,6 +123,9 @@ class ActorRolloutWorker(Worker):
         cap_device_memory(config, self.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
+        if rollout_only:
+            self._init_rollout_only(config)
+            return
         offload = config.actor.param_offload
         lora = config.model.lora
         # with LoRA the base is frozen: kept in the compute dtype, only the adapters get float32 masters
@@ -131,7 +136,7 @@ class ActorRolloutWorker(Worker):
         self.rollout_model: torch.nn.Module | None = None
         """Off-policy modes: the rollout's own copy of the weights (compute dtype), refreshed only by
         ``sync_rollout_weights``, so generation uses the last synced version whatever the trainer did since."""
-        if config.trainer.mode != "sync":
+        if config.trainer.mode != "sync" and not config.trainer.separate_rollout:
             self.rollout_model = copy.deepcopy(self.model).to(compute_dtype(self.device, config.model.dtype)).eval()
             self.rollout_model.requires_grad_(False)
         prepare_for_training(self.model, self.device)
@@ -358,6 +363,42 @@ class ActorRolloutWorker(Worker):
                 targets.pop(key).copy_(value.detach())
         if targets:
             raise RuntimeError(f"sync_rollout_weights left {sorted(targets)[:3]} of the rollout copy unset")
+
+    def _init_rollout_only(self, config: Config) -> None:
+        self.model = load_causal_lm(config.model.path, dtype=compute_dtype(self.device, config.model.dtype),
+                                    device=self.device, trust_remote_code=config.model.trust_remote_code,
+                                    attn_implementation=config.model.attn_implementation).eval()
+        self.model.requires_grad_(False)
+        self.rollout_model, self.peft_model, self.model_class = self.model, None, type(self.model)
+        self.engine = self._build_engine(self.model)
+        self.agent_runner = AgentRunner(self.tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
+                                        config.data.chat_template)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def rollout_weights(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the full parameters in the compute dtype, on the CPU, from rank 0 (None elsewhere), for
+        a separate rollout worker's ``load_rollout_weights``."""
+        dtype = compute_dtype(self.device, self.config.model.dtype)
+        weights: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), unsharded(self.model):
+            for name, parameter in self.model.named_parameters():
+                value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+                if self.rank == 0:
+                    key = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+                    weights[key] = value.detach().to("cpu", dtype, copy=True)  # the gathered storage is freed after
+        return weights if self.rank == 0 else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_rollout_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The separate rollout worker takes a new policy version (from the actor's ``rollout_weights``)."""
+        assert self.rollout_model is not None
+        targets = dict(self.rollout_model.named_parameters())
+        missing = sorted(set(targets) - set(weights))
+        if missing:
+            raise RuntimeError(f"the actor sent no weights for {missing[:3]}; the rollout and training models differ")
+        with torch.no_grad():
+            for name, parameter in targets.items():
+                parameter.copy_(weights[name])
 
     # ---- scoring ------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -5,7 +5,9 @@ The ``Rollouter`` thread streams finished, scored prompt groups; each training s
 token is stale (``decoupled.py``) and runs the usual step (``RLTrainer.train_on_batch``). Every
 ``trainer.trigger_sync_steps`` updates the rollout's weights are synced and the version grows;
 samples in flight then continue under the new weights (partial rollouts with
-``rollout.segment_tokens``). Both sides share the one device by turns (``DeviceTurns``).
+``rollout.segment_tokens``). With the hybrid worker both sides share the device by turns
+(``DeviceTurns``); with ``trainer.separate_rollout`` the rollouter's segments run during the
+updates and only a sync waits for the segment in progress.
 
 Checkpoints hold every admitted group not yet trained on, with its tokens, log-probs and
 versions, so a resumed run loses none and repeats none. Which groups each step trained on is
@@ -14,6 +16,7 @@ written to ``async_groups.jsonl`` in the run folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -45,7 +48,7 @@ class AsyncMode:
         sampling = trainer.sampling()
         self.rollouter = Rollouter(
             next_prompts=trainer.next_prompts,
-            generate=lambda batch, params: trainer.actor_rollout.generate(batch, params, 0),
+            generate=lambda batch, params: trainer.generator.generate(batch, params, 0),
             score=trainer.reward.score, seed_of=lambda position, uid: request_seed(config, position, uid),
             bound=StalenessBound(config.trainer.max_staleness, config.trainer.trigger_sync_steps * self.batch_size),
             sampling=sampling, n=config.rollout.n,
@@ -90,7 +93,9 @@ class AsyncMode:
         timing = {"wait": batch.meta.pop("wait_s")}
         positions = batch.meta.pop("positions")
         metrics: dict[str, float] = {}
-        with self.turns.trainer():
+        # the hybrid worker takes turns with the rollouter for the update; a separate rollout worker generates
+        # meanwhile and only waits for the sync (the version read here changes in this thread alone)
+        with self.turns.trainer() if self.trainer.rollout is None else contextlib.nullcontext():
             version = self.rollouter.version
             metrics |= staleness_metrics(batch["token_versions"], batch["response_mask"], version)
             if not is_fresh(batch, version, self.updates % trigger):
@@ -98,8 +103,9 @@ class AsyncMode:
                                             self.updates, metrics)
             metrics |= self.trainer.train_on_batch(batch, timing, metrics, step_start)
             self.updates += 1
-            if self.updates % trigger == 0:
-                self.trainer.actor_rollout.sync_rollout_weights()
+        if self.updates % trigger == 0:
+            with self.turns.trainer():  # between the rollouter's segments: each is sampled by one version
+                self.trainer.sync_rollout_weights()
                 self.rollouter.set_version(version + 1)
         now = time.perf_counter()
         window = max(now - self._last_step_end, 1e-9)

@@ -4,10 +4,11 @@ Each step submits the generation of the next batch (``generate.async_call``) bef
 and trains on the current one, then syncs the rollout's weights. The rollout has its own copy
 of the weights (refreshed only by ``sync_rollout_weights``), so whatever order the device runs
 the two calls in, batch k+1 comes from the weights before update k: one version stale, trained
-with the decoupled PPO loss (``decoupled.py``). On one device with the hybrid worker the
-generation and the update queue on the same worker and run one after the other; what overlaps
-is the controller's work (scoring in the reward workers, advantages, logging) with the device.
-The first batch is on-policy.
+with the decoupled PPO loss (``decoupled.py``). With the hybrid worker the generation and the
+update queue on the same worker and run one after the other, and what overlaps is the
+controller's work (scoring, advantages, logging); with ``trainer.separate_rollout`` a second
+worker group generates, on its own thread (local backend, sharing the device) or its own pool
+(Ray), so generation k+1 and update k run at the same time. The first batch is on-policy.
 
 A checkpoint holds the prompts whose generation was in flight; a resumed run generates them
 again (with the restored weights), so no prompt is lost or repeated.
@@ -57,7 +58,7 @@ class OneStepOffMode:
         batch = prompts.repeat(self.config.rollout.n, interleave=True)
         seed = self.config.trainer.seed * 1_000_003 + self.drawn
         self.drawn += 1
-        future = self.trainer.actor_rollout.generate.async_call(batch, self.trainer.sampling(), seed)
+        future = self.trainer.generator.generate.async_call(batch, self.trainer.sampling(), seed)
         self._pending = (batch, future, self.version, time.perf_counter())
 
     def next_batch(self) -> Batch:
@@ -83,7 +84,7 @@ class OneStepOffMode:
             batch = prepare_stale_batch(self.config, batch, self.trainer.actor_rollout.compute_log_prob,
                                         self.version, metrics)
         metrics |= self.trainer.train_on_batch(batch, timing, metrics, step_start)
-        self.trainer.actor_rollout.sync_rollout_weights()
+        self.trainer.sync_rollout_weights()
         self.version += 1
         metrics["async/version"] = float(self.version)
         return metrics

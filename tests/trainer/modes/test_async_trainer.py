@@ -32,12 +32,18 @@ def run(model: Path, data: Path, run_dir: Path, **overrides: object) -> list[dic
     return read_metrics(run_dir)
 
 
+@pytest.fixture(scope="module")
+def sync_metrics(tiny_model_dir, arithmetic_data_dir, tmp_path_factory) -> list[dict]:
+    return run(tiny_model_dir, arithmetic_data_dir, tmp_path_factory.mktemp("sync") / "run")
+
+
+@pytest.mark.parametrize("separate_rollout", [False, True])
 def test_async_with_max_staleness_0_and_sync_every_update_gives_the_sync_trainers_metrics(
-        tiny_model_dir, arithmetic_data_dir, tmp_path):
-    sync = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "sync")
+        tiny_model_dir, arithmetic_data_dir, tmp_path, sync_metrics, separate_rollout):
+    sync = sync_metrics
     asynchronous = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "async", **{
         "trainer.mode": "async", "trainer.max_staleness": 0, "trainer.trigger_sync_steps": 1,
-        "rollout.segment_tokens": 4})
+        "rollout.segment_tokens": 4, "trainer.separate_rollout": separate_rollout})
     assert len(sync) == len(asynchronous) == 3
     for want, got in zip(sync, asynchronous, strict=True):
         compared = {key for key in want if not key.startswith(NOT_COMPARED)}
@@ -50,9 +56,11 @@ def test_async_with_max_staleness_0_and_sync_every_update_gives_the_sync_trainer
         assert got["async/staleness_max"] == 0.0 and "rollout_corr/kl" not in got
 
 
+@pytest.mark.parametrize("separate_rollout", [False, True])
 def test_one_step_off_trains_one_version_behind_with_truncated_importance_weights(
-        tiny_model_dir, arithmetic_data_dir, tmp_path):
-    rows = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{"trainer.mode": "one_step_off"})
+        tiny_model_dir, arithmetic_data_dir, tmp_path, separate_rollout):
+    rows = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
+        "trainer.mode": "one_step_off", "trainer.separate_rollout": separate_rollout})
     assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
     assert "rollout_corr/rollout_is_mean" not in rows[0]  # the first batch is on-policy
     for row in rows[1:]:
@@ -65,7 +73,7 @@ def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_mode
     run_dir = tmp_path / "run"
     rows = run(tiny_model_dir, arithmetic_data_dir, run_dir, **{
         "trainer.mode": "async", "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
-        "trainer.proximal": "loglinear", "trainer.total_steps": 5})
+        "trainer.proximal": "loglinear", "trainer.total_steps": 5, "trainer.separate_rollout": True})
     assert len(rows) == 5 and max(row["async/staleness_max"] for row in rows) >= 1.0
     for row in rows:
         assert row["actor/grad_norm"] == row["actor/grad_norm"]
