@@ -140,3 +140,24 @@ def test_off_policy_modes_on_ray_with_two_members(ray_cluster, tiny_model_dir, a
     else:
         assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
         assert all("rollout_corr/rollout_is_mean" in row for row in rows[1:])
+
+
+def test_one_step_off_with_a_rollout_worker_on_its_own_pool(ray_cluster, tiny_model_dir, arithmetic_data_dir,
+                                                            tmp_path):
+    """trainer.separate_rollout on Ray: the rollout group has its own pool (its own process); weights reach it
+    from the actor at every sync, and the run trains one version behind as on one worker."""
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
+        "trainer.backend": "ray", "trainer.mode": "one_step_off", "trainer.separate_rollout": True}))
+    train_pool, rollout_pool = ResourcePool("train", [1]), ResourcePool("gen", [1])
+    placement = RolePlacement({"train": train_pool, "gen": rollout_pool},
+                              {"actor_rollout": "train", "ref": "train", "reward": "train", "critic": "train",
+                               "rollout": "gen"})
+    trainer = RLTrainer(config, placement)
+    try:
+        assert sorted(_PLACED["gen"].roles) == ["rollout"]
+        trainer.fit()
+    finally:
+        release_all_pools()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
+    assert all(row["actor/grad_norm"] == row["actor/grad_norm"] for row in rows)
