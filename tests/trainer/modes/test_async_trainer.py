@@ -124,3 +124,26 @@ def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_grou
     assert pending <= after  # every group admitted and not yet trained at the checkpoint was trained later
     assert set(range(min(positions), max(before) + 1)) <= before | after | pending
     assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resumed_one_step_off_run_trains_the_same_prompts_at_every_step(tiny_model_dir, arithmetic_data_dir,
+                                                                         tmp_path):
+    """The checkpoint holds the prompts whose generation was in flight; the resumed run generates them again."""
+    def prompts_by_step(run_dir: Path) -> dict[int, list[str]]:
+        rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+        steps: dict[int, list[str]] = {}
+        for row in rows:
+            steps.setdefault(row["step"], []).append(row["prompt"])
+        return steps
+
+    settings = {"trainer.mode": "one_step_off", "trainer.num_logged_samples": 16, "trainer.total_steps": 4}
+    run(tiny_model_dir, arithmetic_data_dir, tmp_path / "whole", **settings)
+    resumed = tmp_path / "resumed"
+    run(tiny_model_dir, arithmetic_data_dir, resumed, **{**settings, "trainer.total_steps": 2})
+    state = torch.load(resumed / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)["mode"]
+    assert state["pending_prompts"] is not None and len(state["pending_prompts"]) == 4
+    rows = run(tiny_model_dir, arithmetic_data_dir, resumed, **settings)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert prompts_by_step(resumed) == prompts_by_step(tmp_path / "whole")
+    assert rows[2]["async/staleness_max"] == 0.0  # regenerated after the resume: by the restored weights
+    assert rows[3]["async/staleness_max"] == 1.0
