@@ -6,10 +6,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "offpolicy_modes.py"
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from reinforge.cli import main
 
 from .test_rl_trainer import COMPARED_PREFIXES, base_args, read_metrics
@@ -31,7 +29,6 @@ def prompts_logged(run_dir: Path) -> list[tuple[int, str]]:
     return [(row["step"], row["prompt"]) for row in rows]
 
 
-@pytest.mark.slow
 def test_dynamic_sampling_and_overlong_shaping_train_and_resume_exactly(tiny_model_dir, arithmetic_data_dir,
                                                                         tmp_path):
     reward_file = tmp_path / "odd.py"

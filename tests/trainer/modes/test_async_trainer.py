@@ -19,8 +19,6 @@ from reinforge.cli import main
 
 from ..test_rl_trainer import base_args, read_metrics
 
-pytestmark = pytest.mark.slow
-
 NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/")
 ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff",)
 """The rollout copy runs transformers' attention, the training model the packed varlen path: ~1e-10 apart."""
@@ -89,6 +87,7 @@ def _train_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "reinforge", "train", *args]
 
 
+@pytest.mark.slow
 def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_group(
         tiny_model_dir, arithmetic_data_dir, tmp_path):
     run_dir = tmp_path / "run"

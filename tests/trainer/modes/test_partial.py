@@ -14,8 +14,6 @@ from reinforge.rollout.base import SamplingParams
 from reinforge.trainer.modes.partial import group_batch, groups_from_prompts, run_segment
 from reinforge.workers.actor_rollout import ActorRolloutWorker, seed_for
 
-pytestmark = pytest.mark.slow
-
 RESPONSE = 8
 
 
