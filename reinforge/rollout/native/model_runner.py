@@ -240,7 +240,9 @@ class ModelRunner:
         self._decode_forward(views)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: a training worker on another thread of this process (trainer.separate_rollout) may
+        # launch kernels and allocate while this thread captures
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             self._graph_logits[size] = self._decode_forward(views)
         self._graphs[size] = graph
         torch.cuda.synchronize()
