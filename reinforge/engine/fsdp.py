@@ -167,18 +167,24 @@ def full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     group of one, the buffers themselves: saving a 7B model then needs no second host copy; write
     the state before the next step changes them).
     """
+    if isinstance(optimizer, HostOffloadedAdamW):
+        return {"model": full_trained_state(model, optimizer), "optimizer": optimizer.full_state_dict()}
+    return {"model": full_trained_state(model, optimizer),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=_FULL)}
+
+
+def full_trained_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """The model part of ``full_training_state``. Collective."""
     reshard(model)
     # by name, not by parameter: a tied head (lm_head.weight) is a second name of a frozen embedding
     trained = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items()
                if not (isinstance(tensor, nn.Parameter) and not tensor.requires_grad)}
     if isinstance(optimizer, HostOffloadedAdamW):
         masters = optimizer.full_master_state()
-        model_state = {name: masters[id(tensor)] if id(tensor) in masters else _full_on_cpu(tensor)
-                       for name, tensor in trained.items()}
-        return {"model": model_state, "optimizer": optimizer.full_state_dict()}
+        return {name: masters[id(tensor)] if id(tensor) in masters else _full_on_cpu(tensor)
+                for name, tensor in trained.items()}
     model_state = get_model_state_dict(model, options=_TRAINED)
-    return {"model": {name: tensor for name, tensor in model_state.items() if name in trained},
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=_FULL)}
+    return {name: tensor for name, tensor in model_state.items() if name in trained}
 
 
 def _full_on_cpu(tensor: Tensor) -> Tensor:

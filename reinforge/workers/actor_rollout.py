@@ -495,7 +495,7 @@ class ActorRolloutWorker(Worker):
         save_training_state(Path(folder), self.model, self.optimizer, self.scheduler)
         save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, Path(folder) / "hf",
                                lora=self.config.model.lora if self.peft_model is not None else None,
-                               base_model_path=self.config.model.path)
+                               base_model_path=self.config.model.path, optimizer=self.optimizer)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, folder: str) -> None:

@@ -16,7 +16,13 @@ from torch import nn
 
 from reinforge.config.schema import LoraConfig
 from reinforge.engine.distributed import barrier, rank
-from reinforge.engine.fsdp import fsdp_units, full_model_state, full_training_state, load_full_training_state
+from reinforge.engine.fsdp import (
+    fsdp_units,
+    full_model_state,
+    full_trained_state,
+    full_training_state,
+    load_full_training_state,
+)
 from reinforge.engine.lora import adapter_state, lora_scaling, merge_lora_weights, write_adapter_folder
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
@@ -81,13 +87,19 @@ def _reapply(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_schedul
 
 
 def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path,
-                           lora: LoraConfig | None = None, base_model_path: str = "") -> None:
+                           lora: LoraConfig | None = None, base_model_path: str = "",
+                           optimizer: torch.optim.Optimizer | None = None) -> None:
     """The HF folder of an FSDP-sharded causal LM: gathered collectively, written by rank 0.
 
     With ``lora`` (a LoRA actor) the folder holds the merged weights, and ``adapter/`` next to it
-    the adapters alone in peft's format.
+    the adapters alone in peft's format. An offloaded optimizer that trains every parameter lends
+    its host master copy (no second float32 copy of the model in host memory: 28 GiB for 7B).
     """
-    state = full_model_state(model)
+    trains_all = all(parameter.requires_grad for parameter in model.parameters())
+    if isinstance(optimizer, HostOffloadedAdamW) and trains_all:
+        state = full_trained_state(model, optimizer)
+    else:
+        state = full_model_state(model)
     if rank() == 0:
         if lora is not None:
             write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path)
