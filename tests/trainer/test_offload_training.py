@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_rl_trainer import base_args, read_metrics  # noqa: E402
 
 
+@pytest.mark.slow
 def test_optimizer_offload_run_matches_the_on_device_run_and_saves_its_weights(tiny_model_dir, arithmetic_data_dir,
                                                                               tmp_path):
     runs = {}
