@@ -201,6 +201,11 @@ def validate_config(config: Config) -> None:
                           "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    outside = [name for name in lora.target_modules if name in ("lm_head", "embed_tokens")]
+    if lora.rank > 0 and outside:
+        raise ConfigError(f"model.lora.target_modules names {outside[0]}, outside the decoder layers: the fused "
+                          "log-prob pass reads the output projection's weight directly and would ignore its adapter; "
+                          "adapt only the layers inside the decoder blocks (q_proj ... down_proj)")
     _validate_algorithm(config)
     _check_dapo(config)
     _check_modes(config)

@@ -105,6 +105,11 @@ def test_malformed_override_and_missing_file(tmp_path):
      "actor.policy_loss.loss_mode=gspo would be ignored"),
     (["algorithm.rollout_correction.bypass_mode=true", "algorithm.adv_estimator=optimal_token_baseline"],
      "which algorithm.rollout_correction.bypass_mode=true skips"),
+    (["model.lora.rank=-1"], r"model.lora.rank=-1 must be 0 \(off\) or a positive adapter rank"),
+    (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
+    (["model.lora.dropout=1.0"], r"model.lora.dropout=1.0 must be in \[0, 1\)"),
+    (["model.lora.rank=8", "model.lora.target_modules=[q_proj,lm_head]"],
+     "names lm_head, outside the decoder layers"),
 ])
 def test_cross_field_rules_fail_before_any_model_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):
