@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from reinforge.cli import main
+from reinforge.models import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_rl_trainer import COMPARED_PREFIXES, CONTAINS_SEVEN, _train_command, base_args, read_metrics  # noqa: E402
@@ -21,16 +22,25 @@ LORA = {"model.lora.rank": 32, "model.lora.alpha": 64, "actor.optim.lr": 2e-2}
 
 
 @pytest.mark.slow
-def test_reward_rises_with_lora(tiny_model_dir, arithmetic_data_dir, tmp_path):
+def test_reward_rises_with_lora(arithmetic_data_dir, tmp_path):
+    """LoRA leaves the output projection frozen. The tiny model's tied embedding is initialised with std 0.02,
+    so no change of the hidden state can move a token's logit by more than about 1.3: too little to learn
+    "say 7" from any adapter. Scaled by 5 (logits still near uniform: entropy 5.5 nats) the base can express it."""
+    model_dir = save_tiny_model(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(5.0)
+    model.save_pretrained(model_dir)
     reward_file = tmp_path / "seven.py"
     reward_file.write_text(CONTAINS_SEVEN)
     run_dir = tmp_path / "run"
-    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **LORA, **{
-        "trainer.total_steps": 40, "rollout.n": 8, "reward.custom_function": f"{reward_file}:compute_score"})
+    args = base_args(model_dir, arithmetic_data_dir, run_dir, **LORA, **{
+        "trainer.total_steps": 30, "rollout.n": 8, "reward.num_workers": 0,
+        "reward.custom_function": f"{reward_file}:compute_score"})
     assert main(["train", *args]) == 0
     rows = read_metrics(run_dir)
     scores = [row["critic/score/mean"] for row in rows if "critic/score/mean" in row]
-    assert len(scores) == 40
+    assert len(scores) == 30
     start, end = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert start < 0.25
     assert end > 0.6, scores
