@@ -309,9 +309,6 @@ def _check_modes(config: Config) -> None:
     if config.algorithm.filter_groups.enable:
         raise ConfigError(f"algorithm.filter_groups (dynamic sampling) runs with trainer.mode=sync only, not "
                           f"trainer.mode={trainer.mode}; disable one of them")
-    if config.model.lora.rank:
-        raise ConfigError(f"trainer.mode={trainer.mode} keeps a rollout copy of the full weights, which LoRA "
-                          "(model.lora.rank > 0) does not sync yet; use trainer.mode=sync with LoRA")
     if trainer.mode == "async" and config.algorithm.adv_estimator == "remax":
         raise ConfigError("algorithm.adv_estimator=remax needs a greedy rollout per step, which trainer.mode=async "
                           "does not run; use trainer.mode=sync or one_step_off, or another estimator")

@@ -133,6 +133,23 @@ def merge_lora_weights(state: dict[str, Tensor], scaling: float) -> dict[str, Te
     return state
 
 
+def merged_by_name(state: dict[str, Tensor], scaling: float) -> Iterator[tuple[str, Tensor]]:
+    """(plain name, tensor) for an adapted model's named tensors, each adapted weight merged only when reached.
+
+    Unlike ``merge_lora_weights`` nothing is kept: one merged weight exists at a time.
+    """
+    marker = ".base_layer."
+    for name, tensor in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if marker in name and name.endswith(".weight"):
+            prefix = name[:name.index(marker)]
+            lora_a = state[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"]
+            lora_b = state[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"]
+            tensor = (tensor.float() + scaling * (lora_b.float() @ lora_a.float())).to(tensor.dtype)
+        yield name.replace(marker, "."), tensor
+
+
 def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """The adapter tensors of an adapted model's state dict (``...lora_A.default.weight``)."""
     return {name: tensor for name, tensor in state.items() if ".lora_A." in name or ".lora_B." in name}

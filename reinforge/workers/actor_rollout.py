@@ -42,7 +42,14 @@ from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids, response_log_probs, score_in_micro_batches
 from reinforge.engine.fsdp import decoder_layers, shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.lora import add_lora, lora_deltas, merged_weights
+from reinforge.engine.lora import (
+    add_lora,
+    lora_deltas,
+    lora_scaling,
+    merge_lora_weights,
+    merged_by_name,
+    merged_weights,
+)
 from reinforge.engine.memory_plan import GiB
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
@@ -354,12 +361,16 @@ class ActorRolloutWorker(Worker):
                                "in sync mode every rollout reads the current weights")
         targets = {name: parameter for name, parameter in self.rollout_model.named_parameters()}
         with torch.no_grad(), unsharded(self.model):
+            gathered = {}
             for name, parameter in self.model.named_parameters():
                 key = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+                gathered[key] = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
+            named = (merged_by_name(gathered, lora_scaling(self.config.model.lora)) if self.peft_model is not None
+                     else gathered.items())  # LoRA: the plain model's names, W + s*BA one layer at a time
+            for key, value in named:
                 if key not in targets:
                     raise RuntimeError(f"the rollout copy has no parameter {key!r}; the training model's "
                                        "parameters must keep their names")
-                value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
                 targets.pop(key).copy_(value.detach())
         if targets:
             raise RuntimeError(f"sync_rollout_weights left {sorted(targets)[:3]} of the rollout copy unset")
@@ -386,6 +397,8 @@ class ActorRolloutWorker(Worker):
                 if self.rank == 0:
                     key = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
                     weights[key] = value.detach().to("cpu", dtype, copy=True)  # the gathered storage is freed after
+        if self.peft_model is not None and self.rank == 0:
+            merge_lora_weights(weights, lora_scaling(self.config.model.lora))  # the plain model's names and weights
         return weights if self.rank == 0 else None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -12,7 +12,7 @@ import torch
 from reinforge.config.schema import LoraConfig
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import full_model_state, shard_model, unsharded
-from reinforge.engine.lora import add_lora, lora_deltas, merge_lora_weights, merged_weights
+from reinforge.engine.lora import add_lora, lora_deltas, merge_lora_weights, merged_by_name, merged_weights
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -147,3 +147,12 @@ def test_two_gloo_processes_train_the_adapters_like_one(tmp_path):
         torch.testing.assert_close(two["optimizer"]["state"][name]["exp_avg"], moments["exp_avg"], atol=1e-7,
                                    rtol=1e-4, msg=name)
     assert any(tensor.abs().sum() > 0 for name, tensor in one["model"].items() if "lora_B" in name)
+
+
+def test_merged_by_name_yields_what_merge_lora_weights_builds():
+    model, _ = trained_lora_model()
+    state = full_model_state(model)
+    streamed = dict(merged_by_name(state, CONFIG.alpha / CONFIG.rank))
+    merged = merge_lora_weights(dict(state), CONFIG.alpha / CONFIG.rank)
+    assert streamed.keys() == merged.keys()
+    assert all(torch.equal(streamed[name], tensor) for name, tensor in merged.items())

@@ -108,3 +108,16 @@ def test_lora_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, 
         return [{k: v for k, v in row.items() if not k.startswith(COMPARED_PREFIXES)} for row in rows]
 
     assert comparable(read_metrics(killed_dir)) == comparable(read_metrics(reference_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("separate_rollout", [False, True])
+def test_lora_in_one_step_off_mode(tiny_model_dir, arithmetic_data_dir, tmp_path, separate_rollout):
+    """The rollout's own weight copy (in this worker or a separate one) receives the merged weights by plain name."""
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **LORA, **{
+        "trainer.mode": "one_step_off", "trainer.separate_rollout": separate_rollout, "trainer.total_steps": 3,
+        "reward.num_workers": 0})
+    assert main(["train", *args]) == 0
+    rows = read_metrics(run_dir)
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
