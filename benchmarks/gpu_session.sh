@@ -1,41 +1,39 @@
 #!/usr/bin/env bash
-# One device call for a session: GPU tests, the rollout bench, the training-step bench.
-#   OUT=... bash benchmarks/gpu_session.sh        (on the GPU machine; full logs and JSON under $OUT)
-# Env: TRAIN_PARTS (default "grpo_kept grpo kl_kept ppo_kept", the v4 table), GRPO_STEPS / KL_PPO_STEPS (default 6: medians of steps 2-6),
-# SKIP_TESTS, SKIP_ROLLOUT, PROFILE_NATIVE=1 (adds the sampler/graph profile with its layout sweep),
-# and time limits TEST_LIMIT, ROLLOUT_LIMIT, TRAIN_LIMIT (seconds).
+# The measurements the open issues wait for, in three device calls of under 10 minutes each (in this order):
+#   PART=scale OUT=... bash benchmarks/gpu_session.sh   # issue 14: 0.5B/1.5B/3B with the planner's defaults, TRL beside them
+#   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B, 80/40 GiB caps, 7B LoRA at 40 GiB, 8k responses
+#   PART=rest  OUT=... bash benchmarks/gpu_session.sh   # GPU tests; issue 17 agent rollout; issue 19 modes; issue 15 step check
+# Pure-Python packages the GPU image lacks (omegaconf, rich; trl and datasets for TRL) travel as wheels in .whl/
+# (carry it); they are installed under /tmp/site. Full logs and JSON land under $OUT (at most 8 files come back).
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; export OUT PYTHONPATH=.
-nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || echo "wheel install failed"
+fi
+export OUT PYTHONPATH=.:/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
-# pure-Python dependencies the GPU image lacks travel as wheels in .whl/ (carry it)
-for module in omegaconf rich pandas pyarrow matplotlib yaml; do
-  python3 -c "import $module" 2>/dev/null || missing="${missing:-} $module"
-done
-echo "missing before install:${missing:-none}"
-if [ -d .whl ] && [ -n "${missing:-}" ]; then
-  for module in $missing; do
-    case $module in
-      omegaconf) wheels="omegaconf antlr4_python3_runtime" ;; rich) wheels="rich markdown_it_py mdurl pygments" ;;
-      *) wheels=$module ;;
-    esac
-    for w in $wheels; do
-      for f in .whl/${w}-*.whl; do [ -f "$f" ] && python3 -m zipfile -e "$f" /tmp/gpu_site; done
-    done
-  done
-  export PYTHONPATH=.:/tmp/gpu_site
-fi
-python3 -c "import omegaconf; print('omegaconf', omegaconf.__version__)"
-if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/models tests/rollout/native >"$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
-fi
-[ -n "${SKIP_ROLLOUT:-}" ] || timeout "${ROLLOUT_LIMIT:-200}" python3 -m reinforge.bench --out "$OUT/bench.json" >"$OUT/rollout.log" 2>&1
-echo "rollout bench exit $?"; tail -n 14 "$OUT/rollout.log"
-if [ -n "${PROFILE_NATIVE:-}" ]; then
-  timeout 200 python3 benchmarks/profile_native.py "$OUT/profile_native.json" --sweep >"$OUT/profile_native.log" 2>&1
-  echo "profile_native exit $?"; tail -n 8 "$OUT/profile_native.log"
-fi
-GRPO_STEPS=${GRPO_STEPS:-6} KL_PPO_STEPS=${KL_PPO_STEPS:-6} timeout "${TRAIN_LIMIT:-400}" \
-  python3 benchmarks/train_step.py ${TRAIN_PARTS:-grpo_kept grpo kl_kept ppo_kept} >"$OUT/train.log" 2>&1
-echo "train bench exit $?"; grep -v -e "it/s]" -e "s/it]" -e '^{"variant"' "$OUT/train.log" | tail -n 12
+free -g | head -2
+case "${PART:-scale}" in
+  scale)
+    python3 benchmarks/scale.py --deadline-s "${DEADLINE_S:-540}" \
+      0.5b:0.5b:--steps,4 1.5b:1.5b:--steps,4 3b:3b:--steps,4 trl_0.5b:0.5b:trl,--steps,3,--checkpointing,off \
+      trl_1.5b:1.5b:trl,--steps,3,--checkpointing,off trl_3b:3b:trl,--steps,3,--checkpointing,on
+    ;;
+  big)
+    python3 benchmarks/scale.py --deadline-s "${DEADLINE_S:-540}" \
+      7b:7b:--steps,3 7b_lora:7b:--lora,32,--gpu-memory-gib,40,--steps,3 1.5b_80:1.5b:--gpu-memory-gib,80,--steps,3 \
+      3b_40:3b:--gpu-memory-gib,40,--steps,3 1.5b_8k:1.5b:--prompts,16,--response-tokens,8192,--steps,3
+    ;;
+  rest)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
+    timeout 120 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" >"$OUT/agent_rollout.log" 2>&1
+    echo "agent rollout exit $?"; tail -n 12 "$OUT/agent_rollout.log"
+    timeout 240 python3 benchmarks/offpolicy_modes.py --steps 1 --json "$OUT/offpolicy.json" >"$OUT/offpolicy.log" 2>&1
+    echo "off-policy modes exit $?"; tail -n 8 "$OUT/offpolicy.log"
+    GRPO_STEPS=5 timeout 150 python3 benchmarks/train_step.py grpo >"$OUT/train_step.log" 2>&1
+    echo "train step exit $?"; grep -v -e "it/s]" -e "s/it]" -e '^{"variant"' "$OUT/train_step.log" | tail -n 6
+    ;;
+esac
