@@ -69,18 +69,31 @@ class ModelShape:
     head_dim: int
     intermediate_size: int
     tie_word_embeddings: bool
+    attention_bias: bool = True
+    """q, k and v carry biases (Qwen2 and Qwen2.5; not Llama, Mistral or Qwen3)."""
+    num_experts: int = 0
+    """Experts of each mixture-of-experts MLP; 0 for a dense MLP."""
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         text = config.get("text_config") or config
         try:
             hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+            experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
             return cls(vocab_size=int(text["vocab_size"]), hidden_size=hidden,
                        num_layers=int(text["num_hidden_layers"]), num_heads=heads,
                        num_kv_heads=int(text.get("num_key_value_heads") or heads),
                        head_dim=int(text.get("head_dim") or hidden // heads),
                        intermediate_size=int(text["intermediate_size"]),
-                       tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))))
+                       tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                       attention_bias=bool(text.get("attention_bias", text.get("model_type", "qwen2") == "qwen2")),
+                       num_experts=experts, experts_per_token=int(text.get("num_experts_per_tok") or 0) if experts else 0,
+                       expert_intermediate_size=int(text.get("moe_intermediate_size") or text["intermediate_size"])
+                       if experts else 0,
+                       shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0))
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
@@ -97,8 +110,21 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
-        return attention + biases + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.attention_bias else 0
+        if self.num_experts:  # the experts' MLPs, the router, and a shared expert with its gate where there is one
+            shared = 3 * self.hidden_size * self.shared_expert_intermediate_size
+            mlp = (self.num_experts * 3 * self.hidden_size * self.expert_intermediate_size
+                   + self.hidden_size * self.num_experts + (shared + self.hidden_size if shared else 0))
+        else:
+            mlp = 3 * self.hidden_size * self.intermediate_size
+        return attention + biases + mlp + 2 * self.hidden_size
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width one token runs through (its experts' together for a mixture of experts)."""
+        if self.num_experts:
+            return self.experts_per_token * self.expert_intermediate_size + self.shared_expert_intermediate_size
+        return self.intermediate_size
 
     @property
     def root_params(self) -> int:
@@ -115,7 +141,7 @@ class ModelShape:
     def activation_bytes_per_token(self, dtype_bytes: int, eager: bool = False) -> int:
         """Saved for the backward by one decoder layer that is not checkpointed."""
         kv_width = 2 * self.num_kv_heads * self.head_dim
-        values = ACT_HIDDEN * self.hidden_size + ACT_KV * kv_width + ACT_MLP * self.intermediate_size
+        values = ACT_HIDDEN * self.hidden_size + ACT_KV * kv_width + ACT_MLP * self.active_intermediate_size
         return int(dtype_bytes * values * (EAGER_ACTIVATION_FACTOR if eager else 1.0))
 
 

@@ -44,6 +44,23 @@ def test_parameter_count_and_kv_bytes_by_hand():
     assert 7.6e9 < big.num_params < 7.63e9
 
 
+def test_mixture_of_experts_and_bias_free_attention_by_hand():
+    # Qwen3-30B-A3B's config: 128 experts of width 768, 8 per token, no q/k/v biases, untied head
+    moe = ModelShape.from_hf_config(dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, tie_word_embeddings=False))
+    layer = 2048 * 128 * (2 * 32 + 2 * 4) + 128 * 3 * 2048 * 768 + 2048 * 128 + 2 * 2048
+    assert moe.layer_params == layer
+    assert moe.num_params == 48 * layer + 2 * 151936 * 2048 + 2048
+    assert 30.4e9 < moe.num_params < 30.6e9  # the published 30.5B
+    assert moe.active_intermediate_size == 8 * 768
+    llama = ModelShape.from_hf_config(dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                                           num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                                           tie_word_embeddings=False))
+    assert 8.02e9 < llama.num_params < 8.04e9  # Llama-3-8B: 8.03B
+
+
 def test_update_estimate_by_hand():
     small = shape("0.5b")
     settings = Settings(micro_batch_tokens=16384, checkpoint_layers=0, logits_buffer_gib=24.0,
