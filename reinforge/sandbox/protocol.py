@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import posixpath
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RequestError(f"{key}={value!r} is not a number; send seconds or megabytes as a JSON number")
+    if not math.isfinite(value):
+        raise RequestError(f"{key}={value!r} is not a finite number; send seconds or megabytes as a JSON number")
     return float(value)
 
 
@@ -74,10 +77,18 @@ class RunCodeRequest:
         files = body.get("files") or {}
         if not isinstance(files, dict) or len(files) > MAX_FILES:
             raise RequestError(f"'files' must be an object of at most {MAX_FILES} path -> base64 entries")
+        normalized = set()
         for path, content in files.items():
-            _check_file_path(path)
+            normalized.add(_check_file_path(path))
             if content is not None and not isinstance(content, str):
                 raise RequestError(f"files[{path!r}] must be a base64 string or null")
+        for path in normalized:
+            folder = posixpath.dirname(path)
+            while folder:
+                if folder in normalized:
+                    raise RequestError(f"files key {folder!r} is a file and also the folder of {path!r}; "
+                                       "rename one of them")
+                folder = posixpath.dirname(folder)
         if body.get("fetch_files"):
             raise RequestError("fetch_files is not supported by the reinforge sandbox; print what you need instead")
         return cls(code=code, language=language, compile_timeout=_number(body, "compile_timeout", 10.0),

@@ -27,11 +27,14 @@ from reinforge.sandbox.runner import check_isolation, run_request
 from reinforge.sandbox.settings import SandboxSettings
 
 logger = logging.getLogger(__name__)
+CLIENT_IDLE_S = 60.0
+"""A connection that sends nothing for this long (a half-sent body, an idle keep-alive) is closed."""
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
+    timeout = CLIENT_IDLE_S
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -45,6 +48,23 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Retry-After", str(max(1, math.ceil(retry_after_s))))
         self.end_headers()
         self.wfile.write(payload)
+
+    def _content_length(self) -> int | None:
+        """The body's length from Content-Length; None once a 400/411 has been answered (connection closed)."""
+        header = self.headers.get("Content-Length")
+        if header is None and self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            self._answer(411, {"detail": "send the body with a Content-Length header (chunked bodies are not read)"})
+            return None
+        try:
+            length = int(header or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self.close_connection = True
+            self._answer(400, {"detail": f"Content-Length {header!r} is not a byte count"})
+            return None
+        return length
 
     def do_GET(self) -> None:
         sandbox = self.server.sandbox
@@ -61,7 +81,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path != "/run_code":
             self._answer(404, {"detail": f"no such path {self.path}; use POST /run_code"})
             return
-        length = int(self.headers.get("Content-Length") or 0)
+        length = self._content_length()
+        if length is None:
+            return
         if length > sandbox.settings.max_request_bytes:
             self.close_connection = True
             self._answer(413, {"detail": f"request of {length} bytes is over the limit of "
@@ -70,8 +92,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             request = RunCodeRequest.from_json(json.loads(self.rfile.read(length) or b"null"))
             request.decoded_files()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self._answer(400, {"detail": "the body is not JSON"})
+        except TimeoutError:  # the client stopped sending mid-body
+            self.close_connection = True
+            return
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            self._answer(400, {"detail": "the body is not JSON (or is nested too deeply)"})
             return
         except RequestError as error:
             self._answer(400, {"detail": str(error)})

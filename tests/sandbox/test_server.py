@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,7 +22,7 @@ import reinforge
 from reinforge.cli import main
 from reinforge.sandbox import SandboxClient, SandboxSettings
 from reinforge.sandbox.isolation import IsolationError
-from reinforge.sandbox.server import SandboxServer
+from reinforge.sandbox.server import SandboxServer, _Handler
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict, dict]:
@@ -75,10 +76,44 @@ def test_failures_follow_sandboxfusions_status_rules(client, code, language, sta
     (b'{"code": "x", "language": "python", "files": {"../x": "eA=="}}', "leaves the working folder"),
     (b'{"code": "x", "language": "python", "files": {"x": "%%%"}}', "not valid base64"),
     (b'{"code": "x", "language": "python", "run_timeout": "10"}', "run_timeout='10' is not a number"),
+    (b'{"code": "x", "language": "python", "run_timeout": NaN}', "run_timeout=nan is not a finite number"),
+    (b'{"code": "x", "language": "python", "memory_limit_MB": Infinity}', "memory_limit_MB=inf is not a finite"),
+    (b'{"code": "x", "language": "python", "memory_limit_MB": 1e400}', "memory_limit_MB=inf is not a finite"),
+    (b'{"code": "x", "language": "python", "files": {"a": "eA==", "a/b/c": "eA=="}}', "'a' is a file and also"),
+    (b"[" * 100_000, "not JSON"),
 ])
 def test_bad_requests_are_400_with_a_reason(sandbox_server, body, detail):
     status, answer, _ = _post(sandbox_server.url, body)
     assert status == 400 and detail in answer["detail"]
+
+
+def _raw(url: str, request: bytes, timeout_s: float = 10) -> bytes:
+    """Send ``request`` as is on a fresh connection; everything the server answers before closing it."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as connection:
+        connection.sendall(request)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    (b"Content-Length: abc\r\n", b"400"), (b"Content-Length: -5\r\n", b"400"),
+    (b"Transfer-Encoding: chunked\r\n", b"411")])
+def test_bad_content_length_is_answered_and_the_connection_closed(sandbox_server, headers, status):
+    answer = _raw(sandbox_server.url, b"POST /run_code HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n{}")
+    assert answer.startswith(b"HTTP/1.1 " + status), answer
+    assert b"Content-Length" in answer.split(b"\r\n\r\n")[1] or status == b"411"
+
+
+def test_a_client_that_stops_mid_body_is_dropped(monkeypatch, sandbox_server):
+    assert _Handler.timeout is not None and 0 < _Handler.timeout <= 120  # else such a client holds a thread forever
+    monkeypatch.setattr(_Handler, "timeout", 0.5)
+    started = time.monotonic()
+    answer = _raw(sandbox_server.url, b"POST /run_code HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    assert answer == b"" and time.monotonic() - started < 5
+    assert SandboxClient(sandbox_server.url).run_code("print(1)").run_result.stdout == "1\n"
 
 
 def test_rate_limit_answers_429_with_retry_after(start_server):
