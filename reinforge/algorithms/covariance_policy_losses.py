@@ -4,9 +4,11 @@ whose log-prob moves most with their advantage.
 The covariance of a token is (A - mean A)(log pi - mean log pi) over the valid tokens of the
 tensors given, so these losses depend on how a mini-batch is split (inherent to the method).
 As in verl the ratio is exp of the unbounded log-ratio (no +-20 bound), guarded against
-overflow only. Departures: the share of tokens selected is reported as ``pg_clipcov_frac`` /
-``pg_klcov_frac`` (verl reports it as clip_cov's pg_clipfrac), ``pg_clipfrac`` keeps its PPO
-meaning and ``ppo_kl`` is the signed mean (verl's kl_cov reports mean |log r|).
+overflow only. Metrics named as verl's hold verl's value: clip_cov's ``pg_clipfrac`` is the
+share of tokens it detached (also ``pg_clipcov_frac``) and kl_cov's ``ppo_kl`` is the mean
+|log r|. The other figures get their own names: ``pg_ppo_clipfrac`` (clip_cov: the share PPO's
+clip cut), ``ppo_kl_signed`` (kl_cov: the mean of old - new log-prob) and ``pg_klcov_frac``
+(kl_cov: the share of tokens penalised).
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ def compute_clip_cov_policy_loss(
 
     loss_matrix = torch.where(selected, torch.zeros_like(unclipped), torch.maximum(unclipped, clipped))
     loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    metrics = common_metrics(log_probs, old_log_probs, response_mask, masked_mean(ppo_clipped.float(), valid))
-    metrics["pg_clipcov_frac"] = masked_mean(selected.float(), valid).detach()
+    selected_share = masked_mean(selected.float(), valid).detach()
+    metrics = common_metrics(log_probs, old_log_probs, response_mask, selected_share)
+    metrics["pg_clipcov_frac"] = selected_share
+    metrics["pg_ppo_clipfrac"] = masked_mean(ppo_clipped.float(), valid).detach()
     return loss, metrics
 
 
@@ -87,5 +91,7 @@ def compute_kl_cov_policy_loss(
     loss_matrix = -advantages * ratio + penalty
     loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
     metrics = common_metrics(log_probs, old_log_probs, response_mask)
+    metrics["ppo_kl_signed"] = metrics["ppo_kl"]
+    metrics["ppo_kl"] = masked_mean(log_ratio.detach().abs(), response_mask)
     metrics["pg_klcov_frac"] = masked_mean(selected.float(), valid).detach()
     return loss, metrics

@@ -20,10 +20,11 @@ setting or hides information:
   sequence mean on geo_mean); pick ``seq-mean-token-mean`` to reproduce those papers. A
   sequence-level loss (geo_mean) is placed on each valid token of its row.
 - ``ppo_kl`` always comes from the unbounded log-ratio (verl reports the bounded one in the
-  losses that bound it; the two differ only when a token's |log-ratio| exceeds 20).
+  losses that bound it; the two differ only when a token's |log-ratio| exceeds 20); in kl_cov
+  it is the mean |log r|, as in verl.
 - every loss reports the three common metrics (verl's gpg reports none and dro only ppo_kl).
-- clip_cov and kl_cov report the fraction of tokens they selected as ``pg_clipcov_frac`` /
-  ``pg_klcov_frac``; their ``pg_clipfrac`` keeps its PPO meaning, and ``ppo_kl`` is never |kl|.
+- clip_cov's ``pg_clipfrac`` is the share of tokens it detached (as in verl); PPO's clip share
+  is ``pg_ppo_clipfrac``. kl_cov adds ``ppo_kl_signed`` and ``pg_klcov_frac``.
 - clip_cov and kl_cov choose tokens by covariance within the tensors they are given, so
   their loss depends on how a mini-batch is split (inherent to the method).
 """

@@ -150,6 +150,8 @@ def test_clip_cov_detaches_a_share_of_tokens():
     torch.manual_seed(0)
     _, metrics, grad = policy_loss("clip_cov", [[0.0, 0.01, 0.02, 0.03]], [[1.0, -1.0, 2.0, 0.5]], config=config)
     assert metrics["pg_clipcov_frac"] == 0.5
+    assert metrics["pg_clipfrac"] == 0.5  # verl's meaning: the share detached
+    assert metrics["pg_ppo_clipfrac"] == 0.0
     assert (grad == 0).sum() == 2
 
 
@@ -161,6 +163,8 @@ def test_kl_cov_penalises_the_highest_covariance_token():
     loss, metrics, _ = policy_loss("kl_cov", log_ratio, advantages, config=config)
     assert loss == pytest.approx((1.0 - math.exp(0.1) + 0.1) / 4)
     assert metrics["pg_klcov_frac"] == 0.25
+    assert metrics["ppo_kl"] == pytest.approx(0.1 / 4)  # verl's kl_cov reports mean |log r|
+    assert metrics["ppo_kl_signed"] == pytest.approx(-0.1 / 4)
 
 
 def test_unknown_loss_lists_known_ones():
@@ -312,7 +316,8 @@ def test_a_token_with_log_ratio_25(name, advantage, expected_loss, expected_grad
     loss, metrics, grad = token_loss(name, [[-1.0]], [[-26.0]], [[advantage]])
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     assert grad.item() == pytest.approx(expected_grad, rel=1e-6)
-    assert metrics["ppo_kl"] == pytest.approx(-25.0)  # from the unbounded log-ratio
+    # from the unbounded log-ratio; kl_cov reports mean |log r| as verl does
+    assert metrics["ppo_kl"] == pytest.approx(25.0 if name == "kl_cov" else -25.0)
 
 
 def test_gspo_with_a_log_ratio_25_token():
