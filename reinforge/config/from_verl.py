@@ -38,6 +38,22 @@ from reinforge.config.verl_keys import (
 LAUNCHER_WORDS = ("python", "python3", "-m", "verl.trainer.main_ppo")
 """Words of verl's launch command that may be pasted along with its overrides; they are skipped."""
 
+HYDRA_OPTIONS = ("--config-path", "--config-dir", "--config-name", "-cp", "-cd", "-cn")
+"""Hydra's options for picking verl's config file; the file's keys are the ones translated."""
+
+VERL_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
+
+
+def _check_hydra_option(option: str, value: str) -> None:
+    """Accept the config files whose keys we translate (the Megatron one's own keys have no equivalent)."""
+    if option not in ("--config-name", "-cn"):
+        return
+    name = value.rsplit("/", 1)[-1].removesuffix(".yaml")
+    if name not in VERL_CONFIG_NAMES:
+        raise ConfigError(f"{option}={value} (verl command line) picks a config reinforge cannot translate; "
+                          f"it translates the keys of verl's {' and '.join(VERL_CONFIG_NAMES)}.yaml: "
+                          "leave the option out and pass the keys that differ from those")
+
 
 @dataclass(frozen=True)
 class KeyLine:
@@ -98,8 +114,14 @@ def _show(value: Any) -> str:
 def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
     """verl's ``key=value`` words as a flat dict of dotted keys, in order; values parsed as YAML like Hydra's."""
     given: dict[str, Any] = {}
-    for word in arguments:
-        if word in LAUNCHER_WORDS:
+    words = iter(arguments)
+    for word in words:
+        if word in LAUNCHER_WORDS or not word.strip():  # a stray `\ ` in a shell script passes " "
+            continue
+        if word.split("=", 1)[0] in HYDRA_OPTIONS:
+            option, _, value = word.partition("=")
+            value = value if "=" in word else next(words, "")
+            _check_hydra_option(option, value.strip("'\""))
             continue
         if word.startswith("~"):
             raise ConfigError(f"{word!r} (verl command line) deletes a key, which has no meaning here; leave it out")

@@ -143,11 +143,12 @@ def _resume_path(value: Any, given: Mapping[str, Any]) -> Any:
 def _custom_function(value: Any, given: Mapping[str, Any]) -> Any:
     if value is None:
         return UNSET
-    return f"{_path(value, given)}:{given.get('custom_reward_function.name') or 'compute_score'}"
+    name = given.get("custom_reward_function.name") or given.get("reward.custom_reward_function.name")
+    return f"{_path(value, given)}:{name or 'compute_score'}"
 
 
 def _custom_function_name(value: Any, given: Mapping[str, Any]) -> Any:
-    if given.get("custom_reward_function.path") is None:
+    if given.get("custom_reward_function.path") is None and given.get("reward.custom_reward_function.path") is None:
         raise NoEquivalentValue("without custom_reward_function.path verl ignores it too")
     return UNSET  # joined to the path: reward.custom_function=path:name
 
@@ -202,6 +203,25 @@ OPTIMIZER = NoEquivalent("reinforge's optimizer is torch's AdamW")
 TOTAL_STEPS = NoEquivalent("the schedule's length follows trainer.total_steps / total_epochs")
 FSDP2 = SameAsOurs(("fsdp", "fsdp2"), "reinforge trains with FSDP2 only")
 SEEDS = NoEquivalent("reinforge seeds everything from trainer.seed and data.seed")
+
+
+HYDRA_TARGET = NoEquivalent("the class Hydra builds this section with; reinforge's config is its own dataclasses")
+MEGATRON = NoEquivalent("a setting of verl's Megatron backend; reinforge shards every model with FSDP2 over all "
+                        "devices of its role (no tensor, pipeline, expert or context parallelism)")
+QAT = NoEquivalent("reinforge has no quantization-aware training")
+DISTILLATION = NoEquivalent("reinforge has no on-policy distillation from a teacher model")
+SKIP_ROLLOUT = NoEquivalent("reinforge always generates; it has no dumped-rollout replay")
+SANDBOX = NoEquivalent("set the SandboxFusion address on the code tools (rollout.multi_turn.tool_config_path)")
+TRAINER_V1 = NoEquivalent("verl's experimental v1 trainer; reinforge's modes are trainer.mode=sync, one_step_off "
+                          "or async")
+MEGATRON_LORA = NoEquivalent("a setting of verl's Megatron LoRA; reinforge's LoRA takes model.lora.rank, alpha and "
+                             "target_modules (Hugging Face module names)")
+MEGATRON_OPTIM = ("lr_decay_style lr_decay_steps lr_warmup_init min_lr weight_decay_incr_style lr_wsd_decay_style "
+                  "lr_wsd_decay_steps use_checkpoint_opt_param_scheduler use_precision_aware_optimizer "
+                  "main_grads_dtype exp_avg_dtype exp_avg_sq_dtype use_layer_wise_distributed_optimizer "
+                  "muon_momentum muon_nesterov muon_split_qkv muon_scale_mode muon_coefficient_type "
+                  "muon_num_ns_steps muon_tp_mode muon_fp32_matmul_prec muon_extra_scale_factor "
+                  "muon_scalar_optimizer muon_match_adamw_update_rms")
 
 
 def _each(prefix: str, names: str, entry: Translation) -> dict[str, Translation]:
@@ -543,6 +563,73 @@ VERL_KEYS: dict[str, Translation] = {
     "global_profiler.*": PROFILING,
     "ray_kwargs.*": RAY_DETAIL,
     "transfer_queue.*": NoEquivalent("batches go straight from the controller to the workers"),
+    # ---- verl's Megatron trainer (--config-name=ppo_megatron_trainer)
+    f"{_ACTOR}.megatron.param_offload": Rename("actor.param_offload", _only_if_true),
+    f"{_ACTOR}.megatron.optimizer_offload": Rename("actor.optimizer_offload", _only_if_true),
+    f"{_ACTOR}.megatron.*": MEGATRON,
+    f"{_REF}.megatron.param_offload": Rename("ref.param_offload", _only_if_true),
+    f"{_REF}.megatron.*": MEGATRON,
+    "critic.megatron.param_offload": Rename("critic.param_offload", _only_if_true),
+    "critic.megatron.optimizer_offload": Rename("critic.optimizer_offload", _only_if_true),
+    "critic.megatron.*": MEGATRON,
+    **{f"{section}.optim.{name}": MEGATRON for section in (_ACTOR, "critic") for name in MEGATRON_OPTIM.split()},
+    "critic.nccl_timeout": RAY_DETAIL,
+    # ---- keys verl 0.9.1 added
+    f"{_MODEL}.lora.rank": Rename("model.lora.rank", _unset_if(None, 0)),
+    f"{_MODEL}.lora.alpha": Rename("model.lora.alpha"),
+    f"{_MODEL}.lora.*": MEGATRON_LORA,
+    "critic.model.lora.*": NoEquivalent("reinforge's LoRA is the actor's; the critic trains every parameter"),
+    **{f"{section}.{name}": FSDP_DETAIL for section in (f"{_ACTOR}.fsdp_config", f"{_REF}.fsdp_config",
+                                                       "critic.model.fsdp_config", "critic.fsdp")
+       for name in ("entropy_from_logits_chunk_size use_no_sync_for_gradient_accumulation pad_to_length "
+                    "pad_to_length_bucket mixed_precision.* turbo_config.*").split()},
+    **_each("critic.fsdp", FSDP_DETAILS, FSDP_DETAIL),
+    "critic.fsdp.param_offload": Rename("critic.param_offload", _only_if_true),
+    "critic.fsdp.optimizer_offload": Rename("critic.optimizer_offload", _only_if_true),
+    "critic.fsdp.offload_policy": Rename("critic.param_offload", _only_if_true),
+    "critic.fsdp.ulysses_sequence_parallel_size": PARALLELISM,
+    f"{_ACTOR}.fsdp_config.qat.*": QAT,
+    f"{_REF}.fsdp_config.qat.*": QAT,
+    "critic.fsdp.qat.*": QAT,
+    f"{_ACTOR}.qat.*": QAT,
+    f"{_ROLLOUT}.qat": QAT,
+    f"{_ACTOR}.entropy_from_logits_chunk_size": FSDP_DETAIL,
+    f"{_REF}.entropy_from_logits_chunk_size": FSDP_DETAIL,
+    f"{_ACTOR}.pad_to_length": ALWAYS_PADDING_FREE,
+    f"{_REF}.pad_to_length": ALWAYS_PADDING_FREE,
+    f"{_ACTOR}.optim.zero_indexed_step": OPTIMIZER,
+    "critic.optim.zero_indexed_step": OPTIMIZER,
+    f"{_ROLLOUT}.nnodes": RAY_DETAIL,
+    f"{_ROLLOUT}.n_gpus_per_node": RAY_DETAIL,
+    f"{_ROLLOUT}.full_determinism": SEEDS,
+    f"{_ROLLOUT}.seed": SEEDS,
+    f"{_ROLLOUT}.router_config_path": ENGINE_KNOB,
+    f"{_ROLLOUT}.moe_load_balance_metrics_interval": ENGINE_KNOB,
+    f"{_ROLLOUT}.disaggregation.*": ENGINE_KNOB,
+    "data.function_tool_path": NoEquivalent("tools are declared in rollout.multi_turn.tool_config_path"),
+    "data.audio_key": MULTIMODAL,
+    "data.mm_processor_kwargs": MULTIMODAL,
+    "critic.loss_scale_factor": NoEquivalent("the critic's loss follows critic.loss_agg_mode"),
+    **_each("critic.model", "hf_config_path custom_chat_template exclude_modules lora_adapter_path use_liger "
+            "use_fused_kernels fused_kernel_options.impl_backend mtp.*",
+            NoEquivalent("the critic shares the model.* settings of the actor")),
+    "reward.custom_reward_function.path": Rename("reward.custom_function", _custom_function),
+    "reward.custom_reward_function.name": Rename("reward.custom_function", _custom_function_name),
+    "reward.num_workers": Rename("reward.num_workers"),
+    "reward.reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes "
+                                            "with reward.timeout_s and reward.num_workers"),
+    "reward.reward_model.enable": SameAsOurs((False, None), REWARD_MODEL.reason),
+    "reward.reward_model.*": REWARD_MODEL,
+    "reward.sandbox_fusion.*": SANDBOX,
+    "sandbox_fusion.*": SANDBOX,
+    "algorithm.filter_groups.max_inflight_gen_batches": NoEquivalent(
+        "generation batches are drawn one at a time up to algorithm.filter_groups.max_num_gen_batches"),
+    "distillation.enabled": SameAsOurs((False, None), DISTILLATION.reason),
+    "distillation.*": DISTILLATION,
+    "trainer.checkpoint_callback_class": NoEquivalent("reinforge's checkpoints have no callback hook"),
+    "trainer.use_v1": SameAsOurs((False, None), TRAINER_V1.reason),
+    "trainer.v1.*": TRAINER_V1,
+    "skip.*": SKIP_ROLLOUT,
 }
 
 
@@ -561,6 +648,8 @@ def lookup(verl_key: str) -> tuple[str, Translation] | None:
     """The entry that covers ``verl_key`` (its own, else the nearest ``a.b.*`` above it) with its pattern."""
     if verl_key in VERL_KEYS:
         return verl_key, VERL_KEYS[verl_key]
+    if verl_key.rsplit(".", 1)[-1] == "_target_" and verl_key.split(".")[0] in VERL_SECTIONS:
+        return verl_key, HYDRA_TARGET
     parts = verl_key.split(".")
     for length in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:length])
@@ -578,7 +667,8 @@ def our_key(pattern: str, rename: Rename, verl_key: str) -> str:
     return rename.ours[:-1] + verl_key[len(pattern) - 1:]
 
 
-VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "global_profiler",
-                 "ray_kwargs", "reward_manager", "reward_model", "trainer", "transfer_queue")
+VERL_SECTIONS = ("actor_rollout_ref", "algorithm", "critic", "custom_reward_function", "data", "distillation",
+                 "global_profiler", "ray_kwargs", "reward", "reward_manager", "reward_model", "sandbox_fusion", "skip",
+                 "trainer", "transfer_queue")
 """verl's top-level sections; a key under one of them that the table lacks is not a verl key we know."""
 

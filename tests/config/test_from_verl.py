@@ -180,6 +180,35 @@ def test_every_key_of_verl_ppo_trainer_is_translated_or_explained():
     assert unexplained == []
 
 
+def test_every_key_verl_0_9_1_added_is_translated_or_explained():
+    """Keys of verl 0.9.1's ppo_trainer.yaml and ppo_megatron_trainer.yaml missing from the list above."""
+    added = (Path(__file__).parent / "verl_0_9_1_trainer_keys.txt").read_text().split()
+    assert len(added) > 300
+    assert [key for key in added if lookup(key) is None] == []
+
+
+def test_verl_0_9_1_reward_section_and_lora_translate():
+    translation = translate_verl(["reward.custom_reward_function.path=/r/score.py",
+                                  "reward.custom_reward_function.name=my_score", "reward.num_workers=2",
+                                  "actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+                                  "reward._target_=verl.workers.config.RewardConfig"])
+    assert translation.tree["reward"] == {"custom_function": "/r/score.py:my_score", "num_workers": 2}
+    assert translation.tree["model"]["lora"] == {"rank": 8, "alpha": 16}
+
+
+def test_verl_megatron_script_forms_translate():
+    """Hydra's --config-path/--config-name, Megatron keys and a stray shell `\\ ` (a lone space word)."""
+    translation = translate_verl(["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", " ",
+                                  "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                                  "actor_rollout_ref.actor.megatron.param_offload=True",
+                                  "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"])
+    assert translation.tree["actor"]["param_offload"] is True
+    reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
+    assert "Megatron" in reasons["actor_rollout_ref.actor.megatron.tensor_model_parallel_size"]
+    with pytest.raises(ConfigError, match=r"--config-name=my_trainer \(verl command line\) picks a config"):
+        parse_verl_overrides(["--config-name", "my_trainer"])
+
+
 def test_every_translation_names_a_key_of_our_schema():
     ours = schema_keys()
     for verl_key, entry in VERL_KEYS.items():
