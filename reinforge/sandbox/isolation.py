@@ -143,15 +143,16 @@ def kill_user_processes(uid: int) -> int:
     return killed
 
 
-def limits_setter(memory_mb: int, cpu_seconds: int, settings: SandboxSettings,
-                  dedicated_user: bool) -> Callable[[], None]:
-    """A ``preexec_fn`` that lowers the child's rlimits before it execs bwrap (the program inherits them).
+def child_setup(memory_mb: int, cpu_seconds: int, settings: SandboxSettings, identity: tuple[int, int] | None,
+                cgroup_procs: list[str]) -> Callable[[], None]:
+    """A ``preexec_fn`` run in the child before it execs bwrap: join the slot's cgroups (as root, so first),
+    take the slot's user id, lower the rlimits (the program inherits all three).
 
     Without a dedicated user id (server not root) RLIMIT_NPROC counts this user's other
     processes too, so the cap is set that many above them.
     """
     max_processes = settings.max_processes
-    if not dedicated_user:
+    if identity is None:
         max_processes += len(processes_of_user(os.getuid()))
     limits = [
         (resource.RLIMIT_AS, memory_mb << 20),
@@ -162,9 +163,16 @@ def limits_setter(memory_mb: int, cpu_seconds: int, settings: SandboxSettings,
         (resource.RLIMIT_CORE, 0),
     ]
 
-    def set_limits() -> None:
+    def set_up() -> None:
+        for procs in cgroup_procs:
+            with open(procs, "w") as file:
+                file.write("0")
+        if identity is not None:
+            os.setgroups([])
+            os.setgid(identity[1])
+            os.setuid(identity[0])
         for kind, value in limits:
             # one CPU second of grace between SIGXCPU (soft) and SIGKILL (hard)
             resource.setrlimit(kind, (value, value + 1 if kind == resource.RLIMIT_CPU else value))
 
-    return set_limits
+    return set_up

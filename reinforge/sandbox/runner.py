@@ -20,16 +20,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from reinforge.sandbox.cgroups import SlotCgroups
 from reinforge.sandbox.isolation import (
     CODE_FOLDER,
     SANDBOX_ENV,
     WORK_FOLDER,
     IsolationError,
     bwrap_command,
+    child_setup,
     default_python,
     find_bwrap,
     kill_user_processes,
-    limits_setter,
     slot_identity,
 )
 from reinforge.sandbox.protocol import (
@@ -101,15 +102,12 @@ def _stop(process: subprocess.Popen, outcome: _Outcome, status_fd: int | None) -
 
 
 def _supervise(argv: list[str], settings: SandboxSettings, *, timeout_s: float, stdin_fd: int, pass_fds: tuple[int, ...],
-               status_fd: int | None, cwd: str | None, env: dict[str, str], identity: tuple[int, int] | None,
-               preexec) -> _Outcome:
+               status_fd: int | None, cwd: str | None, env: dict[str, str], preexec) -> _Outcome:
     outcome = _Outcome()
     start = time.monotonic()
-    user_options = {} if identity is None else {"user": identity[0], "group": identity[1], "extra_groups": []}
     try:
         process = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   pass_fds=pass_fds, cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec,
-                                   **user_options)
+                                   pass_fds=pass_fds, cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec)
     finally:
         for fd in pass_fds:
             os.close(fd)  # the child holds its copies; the status pipe reaches EOF only once ours is closed
@@ -205,18 +203,20 @@ def _memfd(name: str, content: bytes) -> int:
     return fd
 
 
-def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int) -> RunCodeResponse:
-    """Run ``request`` in slot ``slot`` under the server's limits; always returns a response."""
+def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int,
+                cgroups: SlotCgroups | None = None) -> RunCodeResponse:
+    """Run ``request`` in slot ``slot`` under the server's limits (and its cgroups); always returns a response."""
     timeout_s = min(max(request.run_timeout, 0.0), settings.max_run_timeout_s)
     memory_mb = request.memory_limit_MB if request.memory_limit_MB > 0 else settings.default_memory_mb
     memory_mb = min(memory_mb, settings.max_memory_mb)
     interpreter = (settings.python or default_python()) if request.language == "python" else "/bin/bash"
     program_file = PROGRAM_FILES[request.language]
     identity = slot_identity(slot, settings)
-    preexec = limits_setter(memory_mb, int(timeout_s) + 1, settings, dedicated_user=identity is not None)
     files = request.decoded_files()
     opened: list[int] = []  # closed here; the fds passed to the child are closed by _supervise once it runs
     try:
+        cgroup_procs = cgroups.prepare(slot, memory_mb, settings.max_processes) if cgroups is not None else []
+        preexec = child_setup(memory_mb, int(timeout_s) + 1, settings, identity, cgroup_procs)
         stdin_fd = _memfd("stdin", (request.stdin or "").encode())
         opened.append(stdin_fd)
         if settings.isolation == "bubblewrap":
@@ -228,7 +228,7 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int) -
                                  status_write)
             outcome = _supervise(argv, settings, timeout_s=timeout_s, stdin_fd=stdin_fd,
                                  pass_fds=(status_write, *(fd for fd, _ in file_fds)), status_fd=status_read,
-                                 cwd=None, env=SANDBOX_ENV, identity=identity, preexec=preexec)
+                                 cwd=None, env=SANDBOX_ENV, preexec=preexec)
         else:
             # no isolation, but as root still the slot's own user id, so a kill(-1) reaches only that id
             with tempfile.TemporaryDirectory(prefix="reinforge-unsafe-") as folder:
@@ -240,8 +240,7 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int) -
                         os.chown(entry, *identity)
                 env = {**SANDBOX_ENV, "HOME": folder, "TMPDIR": folder, "PYTHONPATH": folder}
                 outcome = _supervise([interpreter, program_file], settings, timeout_s=timeout_s, stdin_fd=stdin_fd,
-                                     pass_fds=(), status_fd=None, cwd=folder, env=env, identity=identity,
-                                     preexec=preexec)
+                                     pass_fds=(), status_fd=None, cwd=folder, env=env, preexec=preexec)
     except OSError as error:
         return RunCodeResponse.from_run(CommandRunResult(ERROR, stderr=f"the sandbox could not run the program: {error}"))
     finally:
@@ -249,14 +248,20 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int) -
             os.close(fd)
         if identity is not None:
             kill_user_processes(identity[0])
-    return RunCodeResponse.from_run(_result(outcome, settings.isolation == "bubblewrap", settings))
+        if cgroups is not None:
+            cgroups.kill(slot)
+    result = _result(outcome, settings.isolation == "bubblewrap", settings)
+    if cgroups is not None and cgroups.memory_exceeded(slot):
+        result.stderr = (result.stderr or "") + (f"\n[reinforge sandbox: the program's processes and files held more "
+                                                 f"than its memory limit of {memory_mb} MB; one was killed]")
+    return RunCodeResponse.from_run(result)
 
 
-def check_isolation(settings: SandboxSettings) -> None:
+def check_isolation(settings: SandboxSettings, cgroups: SlotCgroups | None = None) -> None:
     """Run ``print(6 * 7)`` the way requests will run; IsolationError with the reason if that fails."""
     if settings.isolation == "bubblewrap":
         find_bwrap()
-    probe = run_request(RunCodeRequest(code="print(6 * 7)", run_timeout=20), settings, slot=0)
+    probe = run_request(RunCodeRequest(code="print(6 * 7)", run_timeout=20), settings, slot=0, cgroups=cgroups)
     run = probe.run_result
     if run is None or run.stdout is None or run.stdout.strip() != "42":
         detail = " ".join(((run.stderr if run else "") or probe.message or probe.status).split())[:500]

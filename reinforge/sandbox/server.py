@@ -15,12 +15,14 @@ import argparse
 import json
 import logging
 import math
+import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from reinforge.sandbox.admission import QueueFull, QueueTimeout, SlotPool, TokenBucket
+from reinforge.sandbox.cgroups import SlotCgroups
 from reinforge.sandbox.isolation import IsolationError
 from reinforge.sandbox.protocol import SANDBOX_ERROR, RequestError, RunCodeRequest, RunCodeResponse
 from reinforge.sandbox.runner import check_isolation, run_request
@@ -70,6 +72,7 @@ class _Handler(BaseHTTPRequestHandler):
         sandbox = self.server.sandbox
         if self.path == "/":
             self._answer(200, {"status": "ok", "isolation": sandbox.settings.isolation,
+                               "memory_limit_per": sandbox.memory_scope,
                                "slots": sandbox.settings.num_slots, **sandbox.slots.stats()})
         elif self.path == "/v1/ping":
             self._answer(200, "pong")
@@ -116,10 +119,29 @@ class SandboxServer:
 
     def __init__(self, settings: SandboxSettings) -> None:
         self.settings = settings
-        check_isolation(settings)
+        self.cgroups, why_not = SlotCgroups.create(settings.num_slots)
+        self.memory_scope = "sandbox (cgroup)" if self.cgroups is not None else "process (rlimit)"
+        if self.cgroups is None:
+            logger.warning("memory_limit_MB and the process limit apply to each process only (%s): a program's "
+                           "forked children and in-memory files are not counted together; run the server as root "
+                           "on a machine with cgroups for a limit on the whole sandbox", why_not)
+        try:
+            check_isolation(settings, self.cgroups)
+        except IsolationError as error:
+            self._remove_cgroups()
+            if self.cgroups is None:
+                raise
+            logger.warning("programs cannot run in cgroups here (%s); memory_limit_MB applies to each process only",
+                           error)
+            self.cgroups, self.memory_scope = None, "process (rlimit)"
+            check_isolation(settings)
         self.bucket = TokenBucket(settings.rate_per_s, settings.burst) if settings.rate_per_s > 0 else None
         self.slots = SlotPool(settings.num_slots, settings.max_queued)
-        self._http = _HTTPServer((settings.host, settings.port), _Handler)
+        try:
+            self._http = _HTTPServer((settings.host, settings.port), _Handler)
+        except OSError:  # the port is taken: leave no groups behind
+            self._remove_cgroups()
+            raise
         self._http.sandbox = self
         self._thread: threading.Thread | None = None
 
@@ -142,7 +164,7 @@ class SandboxServer:
         except QueueTimeout:
             return 503, {"detail": f"no slot free within {self.settings.queue_timeout_s}s; retry later"}, 1.0
         try:
-            return 200, run_request(request, self.settings, slot).to_json(), None
+            return 200, run_request(request, self.settings, slot, self.cgroups).to_json(), None
         except Exception as error:  # a bug of ours: the caller gets SandboxFusion's SandboxError, the log the trace
             logger.exception("running a request failed")
             return 200, RunCodeResponse(SANDBOX_ERROR, f"the sandbox failed: {type(error).__name__}: {error}"
@@ -159,11 +181,16 @@ class SandboxServer:
         self._thread.start()
         return self
 
+    def _remove_cgroups(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.remove()
+
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
         if self._thread is not None:
             self._thread.join()
+        self._remove_cgroups()
 
 
 def sandbox_main(argv: list[str]) -> int:
@@ -201,8 +228,14 @@ def sandbox_main(argv: list[str]) -> int:
     if settings.isolation == "none":
         logger.warning("UNSAFE: programs run without isolation, with this machine's files and network")
     logger.info("sandbox serving on %s (%s, %d slots)", server.url, settings.isolation, settings.num_slots)
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # so that a terminated server still removes its cgroups
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        server._remove_cgroups()
     return 0

@@ -159,6 +159,43 @@ except OSError as error:
     assert lines[1].startswith("TMPFS-LIMIT"), response
 
 
+def test_memory_bomb_across_processes_and_memfds(sandbox_server, client):
+    """memory_limit_MB holds the whole sandbox: not 4 children of 200 MB each, not 600 MB of memfd files."""
+    if sandbox_server.cgroups is None:
+        pytest.skip("the server cannot create cgroups here (not root, or no memory and pids controllers)")
+    code = """
+import os, time
+if "{kind}" == "fork":  # each child touches 200 MB and holds it 2 s; those the kernel killed did not survive
+    pids = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:
+            block = bytearray(200 << 20)
+            for index in range(0, len(block), 4096):
+                block[index] = 1
+            time.sleep(2)
+            os._exit(0)
+        pids.append(pid)
+    print("SURVIVED", sum(os.waitpid(pid, 0)[1] == 0 for pid in pids), flush=True)
+else:
+    held = []
+    for _ in range(10):
+        fd = os.memfd_create("bomb")
+        for _ in range(60):
+            os.write(fd, b"x" * (1 << 20))
+        held.append(fd)
+        print("MEMFD-HOLDS 60", flush=True)
+"""
+    fork = client.run_code(code.replace("{kind}", "fork"), memory_limit_mb=256, run_timeout=10)
+    assert fork.run_result.stdout in ("SURVIVED 0\n", "SURVIVED 1\n"), fork  # never two 200 MB at once
+    memfd = client.run_code(code.replace("{kind}", "memfd"), memory_limit_mb=256, run_timeout=10)
+    assert memfd.run_result.stdout.count("HOLDS") <= 4, memfd
+    for response in (fork, memfd):
+        assert "memory limit of 256 MB" in response.run_result.stderr, response
+    _no_processes_left(sandbox_server)
+    _still_serving(client)
+
+
 def test_infinite_loop_with_detached_child(sandbox_server, client):
     code = """
 import os, signal

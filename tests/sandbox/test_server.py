@@ -184,3 +184,5 @@ def test_the_serve_command_serves(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+    left = [str(group) for group in Path("/sys/fs/cgroup").glob(f"**/reinforge-sandbox-{server.pid}-*")]
+    assert left == [], f"a terminated server left its cgroups: {left}"

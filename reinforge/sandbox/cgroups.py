@@ -1,0 +1,184 @@
+"""One memory and process cgroup per slot: a limit on the whole sandbox, not on each of its processes.
+
+rlimits are per process: with RLIMIT_AS at 1 GiB, 60 forked children may hold 60 GiB, and
+files in memory (``memfd_create``, tmpfs) are outside the address space altogether (a
+program held 600 MB of memfds under a 128 MB limit). A cgroup counts all of it: every
+process's pages, its tmpfs and memfd files, kernel memory. When the server can create
+cgroups (as root, cgroup v1's ``memory`` and ``pids`` hierarchies, or cgroup v2 with those
+controllers) each slot gets a group under the server's own: ``memory_limit_MB`` becomes the
+group's limit (swap included) and ``max_processes`` its ``pids.max``; the program joins it
+before ``bwrap`` starts, so everything it forks is inside. Without cgroups the rlimits alone
+apply, and the server logs a warning that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_SERVERS = itertools.count()
+"""Numbers the servers of this process, so each has groups of its own."""
+
+
+@dataclass(frozen=True)
+class _Hierarchy:
+    """Where one controller's groups live, and its file names (v1 and v2 differ)."""
+
+    folder: Path
+    limit_files: tuple[str, ...]
+    """memory: the limit, then the limit with swap; pids: pids.max."""
+    events_file: str
+    """The file with an ``oom_kill N`` line (memory only)."""
+
+
+def _own_path(controller: str) -> str | None:
+    """This process's cgroup path for ``controller`` ('' for cgroup v2's unified line)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers.split(",") == [controller] or (controller == "" and controllers == ""):
+            return path
+    return None
+
+
+def _under(mount: Path, path: str | None) -> Path:
+    """The server's own group inside ``mount`` (the mount's root when that path is not there: a cgroup namespace)."""
+    own = mount / (path or "/").lstrip("/")
+    return own if own.is_dir() else mount
+
+
+def _hierarchies() -> list[_Hierarchy] | None:
+    """memory and pids, on cgroup v1 or v2; None where neither is mounted with both controllers."""
+    v1_memory, v1_pids = CGROUP_ROOT / "memory", CGROUP_ROOT / "pids"
+    if (v1_memory / "memory.limit_in_bytes").exists() and (v1_pids / "cgroup.procs").exists():
+        return [_Hierarchy(_under(v1_memory, _own_path("memory")),
+                           ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"), "memory.oom_control"),
+                _Hierarchy(_under(v1_pids, _own_path("pids")), ("pids.max",), "")]
+    controllers = CGROUP_ROOT / "cgroup.controllers"
+    if controllers.exists() and {"memory", "pids"} <= set(controllers.read_text().split()):
+        own = _under(CGROUP_ROOT, _own_path(""))
+        return [_Hierarchy(own, ("memory.max", "memory.swap.max"), "memory.events"),
+                _Hierarchy(own, ("pids.max",), "")]
+    return None
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as file:
+        file.write(value)
+
+
+def _oom_kills(folder: Path, events_file: str) -> int:
+    with contextlib.suppress(OSError):
+        for line in (folder / events_file).read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return 0
+
+
+class SlotCgroups:
+    """``slot-N`` groups under ``reinforge-sandbox-<pid>-<n>`` in the server's own cgroup(s)."""
+
+    def __init__(self, hierarchies: list[_Hierarchy], num_slots: int) -> None:
+        self._memory, self._pids = hierarchies
+        self.v2 = self._memory.folder == self._pids.folder
+        _remove_stale(list(dict.fromkeys(hierarchy.folder for hierarchy in hierarchies)))
+        name = f"reinforge-sandbox-{os.getpid()}-{next(_SERVERS)}"
+        self._tops = list(dict.fromkeys(hierarchy.folder / name for hierarchy in hierarchies))
+        for top in self._tops:
+            top.mkdir(exist_ok=True)
+            if self.v2:  # v2: controllers are handed down explicitly; the top group holds no process itself
+                _write(self._memory.folder / "cgroup.subtree_control", "+memory +pids")
+                _write(top / "cgroup.subtree_control", "+memory +pids")
+        self._slots = [[top / f"slot-{slot}" for top in self._tops] for slot in range(num_slots)]
+        for folders in self._slots:
+            for folder in folders:
+                folder.mkdir(exist_ok=True)
+        self._oom_before = [0] * num_slots
+
+    @classmethod
+    def create(cls, num_slots: int) -> tuple[SlotCgroups | None, str]:
+        """The slots' groups, or None and why not (no cgroup hierarchy with memory and pids, not allowed)."""
+        if os.geteuid() != 0:
+            return None, "the server is not root"
+        try:
+            hierarchies = _hierarchies()
+            if hierarchies is None:
+                return None, f"no cgroup hierarchy with the memory and pids controllers under {CGROUP_ROOT}"
+            return cls(hierarchies, num_slots), ""
+        except OSError as error:
+            return None, f"cannot create cgroups: {error}"
+
+    def _folder(self, slot: int, hierarchy: _Hierarchy) -> Path:
+        return self._slots[slot][0 if self.v2 or hierarchy is self._memory else 1]
+
+    def prepare(self, slot: int, memory_mb: int, max_processes: int) -> list[str]:
+        """Set slot ``slot``'s limits; the ``cgroup.procs`` files a program writes "0" to, to join."""
+        self.kill(slot)
+        memory = self._folder(slot, self._memory)
+        limit = str(memory_mb << 20)
+        limit_file, swap_file = self._memory.limit_files
+        if self.v2:
+            _write(memory / limit_file, limit)
+            _write(memory / swap_file, "0")
+        else:  # v1: the limit with swap may never be below the plain limit; write in the order that keeps it so
+            try:
+                _write(memory / limit_file, limit)
+                if (memory / swap_file).exists():
+                    _write(memory / swap_file, limit)
+            except OSError:
+                _write(memory / swap_file, limit)
+                _write(memory / limit_file, limit)
+        _write(self._folder(slot, self._pids) / "pids.max", str(max_processes))
+        self._oom_before[slot] = _oom_kills(memory, self._memory.events_file)
+        return [str(folder / "cgroup.procs") for folder in self._slots[slot]]
+
+    def memory_exceeded(self, slot: int) -> bool:
+        """Whether the kernel killed a process of this slot for its memory limit since ``prepare``."""
+        return _oom_kills(self._folder(slot, self._memory), self._memory.events_file) > self._oom_before[slot]
+
+    def kill(self, slot: int) -> int:
+        """SIGKILL every process still in slot ``slot``'s groups; returns how many."""
+        killed = 0
+        for folder in self._slots[slot]:
+            with contextlib.suppress(OSError):
+                for pid in (folder / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                        killed += 1
+        return killed
+
+    def remove(self) -> None:
+        """Remove the groups (best effort: a group whose process will not die within 2 s stays)."""
+        for slot in range(len(self._slots)):
+            self.kill(slot)
+        _remove_groups([folder for folders in self._slots for folder in folders] + self._tops)
+
+
+def _remove_groups(folders: list[Path], wait_s: float = 2.0) -> None:
+    """rmdir each group once the processes just killed have left it (rmdir fails while one is exiting)."""
+    deadline = time.monotonic() + wait_s
+    for folder in folders:
+        while True:
+            try:
+                folder.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+
+
+def _remove_stale(parents: list[Path]) -> None:
+    """Groups left by servers of this host that were killed (their pid is gone): empty ones are removed."""
+    for parent in parents:
+        for top in parent.glob("reinforge-sandbox-*-*"):
+            pid = top.name.split("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                _remove_groups([*top.glob("slot-*"), top], wait_s=0.0)
