@@ -244,6 +244,26 @@ def _leaves(key: str, value: Any) -> list[str]:
     return [key]
 
 
+OUR_SECTIONS_IN_VERL = {"actor": "actor_rollout_ref.actor", "rollout": "actor_rollout_ref.rollout",
+                        "ref": "actor_rollout_ref.ref", "model": "actor_rollout_ref.model"}
+"""Our sections and where verl keeps the same settings (data, algorithm, critic, trainer have one name)."""
+
+
+def verl_leaf_hint(key: str) -> str | None:
+    """For one of our sections given a verl key's last part (actor.ppo_mini_batch_size): what verl's key is here."""
+    section, _, rest = key.partition(".")
+    if not rest or section not in {*OUR_SECTIONS_IN_VERL, "data", "algorithm", "critic", "trainer"}:
+        return None
+    verl_key = f"{OUR_SECTIONS_IN_VERL.get(section, section)}.{rest}"
+    found = lookup(verl_key)
+    if found is None:
+        return None
+    pattern, entry = found
+    if isinstance(entry, Rename):
+        return f"{verl_key} is verl's; reinforge calls it {our_key(pattern, entry, verl_key)}"
+    return f"{verl_key} is verl's and has no equivalent here: {entry.reason}; remove it"
+
+
 def verl_hint(key: str, value: Any = None) -> str | None:
     """For an unknown key of our config that is verl's: what it is called here, or why it has no equivalent.
 

@@ -99,13 +99,13 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if dotted not in known:
-            from reinforge.config.from_verl import verl_hint
+            from reinforge.config.from_verl import verl_hint, verl_leaf_hint
 
             while isinstance(value, Mapping) and len(value) == 1:  # a.b=c from the command line: name all of it
                 inner, value = next(iter(value.items()))
                 dotted = f"{dotted}.{inner}"
 
-            hint = verl_hint(dotted, value)
+            hint = verl_hint(dotted, value) or verl_leaf_hint(dotted)
             if hint is None:
                 close = suggest_key(dotted, known)
                 hint = f"did you mean {close}?" if close else "the valid keys are in reinforge/config/defaults.yaml"

@@ -34,8 +34,9 @@ def _in_range(key: str, value: float, low: float, high: float) -> None:
 
 def validate_optim(prefix: str, optim: OptimConfig) -> None:
     """Learning rate, warmup and schedule of the optimizer section at ``prefix`` (actor.optim, optim, ...)."""
-    if optim.lr < 0:
-        raise ConfigError(f"{prefix}.lr={optim.lr} is negative; a learning rate is >= 0 (e.g. 1e-6)")
+    if not optim.lr >= 0:  # also nan
+        problem = "is negative" if optim.lr < 0 else "is not a number"
+        raise ConfigError(f"{prefix}.lr={optim.lr} {problem}; a learning rate is >= 0 (e.g. 1e-6)")
     if optim.warmup_steps < 0:
         raise ConfigError(f"{prefix}.warmup_steps={optim.warmup_steps} must be >= 0")
     _in_range(f"{prefix}.warmup_ratio", optim.warmup_ratio, 0.0, 1.0)
@@ -174,7 +175,7 @@ def validate_config(config: Config) -> None:
                               f"(the ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; 0.2 is usual)")
     _in_range("algorithm.gamma", algorithm.gamma, 0.0, 1.0)
     _in_range("algorithm.lam", algorithm.lam, 0.0, 1.0)
-    if clip.clip_ratio_c <= 1.0:
+    if not clip.clip_ratio_c > 1.0:  # also nan
         raise ConfigError(f"actor.policy_loss.clip_ratio_c={clip.clip_ratio_c} must be greater than 1 (dual clip)")
     if clip.loss_mode == "dro" and (clip.dro_beta is None or clip.dro_beta <= 0):
         raise ConfigError(f"actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (it is {clip.dro_beta}); "

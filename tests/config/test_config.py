@@ -83,6 +83,12 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["data.max_response_length=-8"], "data.max_response_length=-8 must be at least 1"),
     (["actor.optim.lr=-1e-6"], r"actor.optim.lr=-1e-06 is negative"),
     (["critic.optim.lr=-1"], r"critic.optim.lr=-1.0 is negative"),
+    (["actor.optim.lr=nan"], r"actor.optim.lr=nan is not a number"),
+    (["actor.policy_loss.clip_ratio_c=nan"], r"clip_ratio_c=nan must be greater than 1"),
+    (["actor.ppo_mini_batch_size=8"], r"actor_rollout_ref.actor.ppo_mini_batch_size is verl's; reinforge calls it "
+                                      r"actor.mini_batch_size"),
+    (["actor.ppo_micro_batch_size_per_gpu=2"], r"ppo_micro_batch_size_per_gpu is verl's and has no equivalent here: "
+                                               r"micro-batches are formed from the token budget"),
     (["actor.policy_loss.clip_ratio=-0.2"], r"clip_ratio=-0.2 is out of range"),
     (["actor.policy_loss.clip_ratio_low=1.5"], r"clip_ratio_low=1.5 is out of range.*\(0, 1\]"),
     (["actor.policy_loss.clip_ratio_high=0"], r"clip_ratio_high=0.0 is out of range"),
