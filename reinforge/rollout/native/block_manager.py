@@ -1,51 +1,126 @@
-"""Paged KV-cache bookkeeping: which cache blocks each sequence owns, and how many share each.
+"""Paged KV-cache bookkeeping: which cache blocks each sequence owns, how many share each, and
+which full blocks are kept for reuse (the prefix cache).
 
 The cache is cut into fixed-size blocks; a sequence's block table lists its blocks in order.
 Blocks are reference-counted so that the n samples of a prompt share the prompt's full blocks
 after one prefill (a fork); a partly filled last block cannot be shared, since each sample
-writes its own next tokens into it, so a fork gets a fresh block and a copy to make. A block
-returns to the free list when its last sequence ends or is preempted.
+writes its own next tokens into it, so a fork gets a fresh block and a copy to make.
+
+Prefix cache: when a sequence releases its blocks (it finished or was preempted), each full block
+whose keys and values are all written is registered under a key made of the hash of the blocks
+before it and its own token ids, so the key names the block's whole prefix. A registered block
+nobody holds stays in the cache, and is evicted least recently used first when a fresh block is
+needed. A new sequence whose tokens start with registered blocks takes them (``match_prefix``,
+then ``allocate(..., cached=...)``) and prefills only the rest. ``reset_prefix_cache`` forgets
+every registration (the weights changed, so the cached keys and values are stale).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+
+BlockKey = tuple[int, tuple[int, ...]]
+"""(hash of the blocks before this one, this block's token ids)."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"the KV cache has {num_blocks} blocks; raise gpu_memory_utilization or num_kv_blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
+        """Free blocks holding nothing reusable."""
+        self.cached_blocks: dict[BlockKey, int] = {}
+        self.block_keys: dict[int, BlockKey] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        """Registered blocks nobody holds, least recently released first."""
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_block_ids)
+        return num_blocks <= self.num_free_blocks
 
     def _take(self) -> int:
-        block_id = self.free_block_ids.popleft()
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        else:  # evict the least recently released cached block
+            block_id, _ = self.evictable.popitem(last=False)
+            del self.cached_blocks[self.block_keys.pop(block_id)]
         self.ref_counts[block_id] = 1
         return block_id
 
-    def allocate(self, num_tokens: int) -> list[int]:
-        """A fresh block table with room for ``num_tokens`` tokens."""
-        needed = self.num_blocks_for(num_tokens)
-        if not self.can_allocate(needed):
+    # ---- prefix cache -----------------------------------------------------------------------
+
+    def block_key_chain(self, token_ids: list[int], num_blocks: int, known: list[BlockKey]) -> list[BlockKey]:
+        """Keys of the first ``num_blocks`` full blocks of ``token_ids``; ``known`` (extended in place) holds
+        keys already computed for the same tokens."""
+        size = self.block_size
+        for index in range(len(known), num_blocks):
+            parent = hash(known[-1]) if known else 0
+            known.append((parent, tuple(token_ids[index * size:(index + 1) * size])))
+        return known[:num_blocks]
+
+    def match_prefix(self, token_ids: list[int], known: list[BlockKey]) -> list[int]:
+        """Registered blocks holding the longest cached prefix of ``token_ids``, leaving at least the last token
+        to compute (its logits are needed). Takes nothing; see ``allocate``."""
+        if not self.enable_prefix_caching or not self.cached_blocks:
+            return []
+        blocks = []
+        for key in self.block_key_chain(token_ids, (len(token_ids) - 1) // self.block_size, known):
+            block_id = self.cached_blocks.get(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def num_blocks_taken(self, cached: list[int]) -> int:
+        """How many of ``cached`` would leave the free pool if taken (those nobody holds)."""
+        return sum(1 for block_id in cached if self.ref_counts[block_id] == 0)
+
+    def _register(self, token_ids: list[int], block_table: list[int], num_written: int, known: list[BlockKey]) -> None:
+        """Register the full blocks of ``block_table`` whose first ``num_written`` tokens' keys and values are written."""
+        num_full = min(num_written // self.block_size, len(block_table))
+        for key, block_id in zip(self.block_key_chain(token_ids, num_full, known), block_table, strict=False):
+            if block_id in self.block_keys:
+                continue  # registered already (a shared prompt block, or taken from the cache)
+            if key in self.cached_blocks:
+                continue  # the same content lives in another block; this one just becomes free
+            self.cached_blocks[key] = block_id
+            self.block_keys[block_id] = key
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block (held blocks stay with their sequences, unregistered)."""
+        for block_id in self.evictable:
+            self.free_block_ids.append(block_id)
+        self.evictable.clear()
+        self.cached_blocks.clear()
+        self.block_keys.clear()
+
+    # ---- block tables -----------------------------------------------------------------------
+
+    def allocate(self, num_tokens: int, cached: list[int] | None = None) -> list[int]:
+        """A block table with room for ``num_tokens`` tokens: ``cached`` (from ``match_prefix``) then fresh blocks."""
+        cached = cached or []
+        needed = self.num_blocks_for(num_tokens) - len(cached)
+        if not self.can_allocate(needed + self.num_blocks_taken(cached)):
             raise RuntimeError(f"{needed} KV blocks requested, {self.num_free_blocks} free")
-        return [self._take() for _ in range(needed)]
+        for block_id in cached:
+            if self.ref_counts[block_id] == 0:
+                del self.evictable[block_id]
+            self.ref_counts[block_id] += 1
+        return [*cached, *(self._take() for _ in range(needed))]
 
     def fork(self, block_table: list[int], num_tokens: int) -> tuple[list[int], tuple[int, int] | None]:
         """A table sharing ``block_table``'s full blocks; a partial last block is copied.
@@ -66,15 +141,25 @@ class BlockManager:
         return len(block_table) * self.block_size < num_tokens
 
     def append_block(self, block_table: list[int]) -> None:
-        if not self.free_block_ids:
+        if not self.num_free_blocks:
             raise RuntimeError("no free KV block to append")
         block_table.append(self._take())
 
-    def free(self, block_table: list[int]) -> None:
-        """Release a sequence's blocks; blocks nobody else holds become free."""
+    def free(self, block_table: list[int], token_ids: list[int] | None = None, num_written: int = 0,
+             known: list[BlockKey] | None = None) -> None:
+        """Release a sequence's blocks; blocks nobody else holds become free (registered ones stay cached).
+
+        token_ids, num_written: the sequence's tokens, of which the first ``num_written`` have their keys
+        and values in the cache; with prefix caching on, its full written blocks are registered first.
+        """
+        if self.enable_prefix_caching and token_ids is not None:
+            self._register(token_ids, block_table, num_written, [] if known is None else known)
         for block_id in reversed(block_table):
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                if block_id in self.block_keys:
+                    self.evictable[block_id] = None
+                else:
+                    self.free_block_ids.append(block_id)
         block_table.clear()

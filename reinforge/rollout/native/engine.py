@@ -5,7 +5,11 @@ Token ids in, token ids and per-token log-probs out. One scheduler serves two en
 adds one request and lets a background task step the scheduler (in a worker thread) while
 anything is pending, so agent loops submit requests one at a time and none waits for
 another. Decode steps overlap: the next one is launched before the last one's tokens are read
-back (``_step``). Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
+back (``_step``). Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks
+stay cached while the engine is awake, and a request whose prompt starts with them prefills only
+the rest, so a multi-turn trajectory's next turn computes only its new tokens (tool output and
+template); the cache is dropped at ``sleep`` and whenever the weights change (``sync_weights``,
+``add_to_weights``), so keys and values of older weights are never reused. Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
 gate|up concatenated, one matrix product each; see ``model.py``). ``wake_up`` makes the copy
 (or refreshes it in place) and allocates the KV cache from a fraction of device memory;
 ``sync_weights`` refreshes the copy in place when it exists; ``sleep`` frees the copy, the KV
@@ -39,6 +43,15 @@ from reinforge.rollout.native.sequence import Sequence, SequenceStatus
 __all__ = ["NativeEngine", "supports_model"]
 
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+
+
+def prefix_cache_metrics(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    """Prefix-cache hits and prefilled tokens between two ``NativeEngine.prefill_counts`` readings, and the hit rate
+    (hit tokens over all prompt tokens)."""
+    metrics = {name: end[name] - start[name] for name in end}
+    hits, computed = metrics["rollout/prefix_cache_hit_tokens"], metrics["rollout/prefill_tokens"]
+    metrics["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
+    return metrics
 
 
 def _triton_available() -> bool:
@@ -109,7 +122,7 @@ class NativeEngine:
                  max_num_batched_tokens: int = 16384, num_kv_blocks: int | None = None,
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
-                 free_on_sleep: bool = True, empty_cache_on_sleep: bool = False):
+                 free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -121,7 +134,8 @@ class NativeEngine:
         step of the same process reuses it without new device allocations; empty_cache_on_sleep also
         returns it to the device (for other processes sharing the GPU). With free_on_sleep=False,
         ``sleep`` keeps all three, so the next wake-up only refreshes the weight copies and no graph
-        is captured again (the training step then has that much less memory).
+        is captured again (the training step then has that much less memory). enable_prefix_caching keeps
+        finished sequences' full KV blocks for requests that start with the same tokens (see the module docstring).
         """
         reason = unsupported_reason(model)
         if reason is not None:
@@ -141,6 +155,7 @@ class NativeEngine:
         self.num_kv_blocks = num_kv_blocks
         self.free_on_sleep = free_on_sleep
         self.empty_cache_on_sleep = empty_cache_on_sleep
+        self.enable_prefix_caching = enable_prefix_caching
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [])
@@ -154,6 +169,10 @@ class NativeEngine:
         self._step_lock = threading.Lock()
         self._driver: asyncio.Task | None = None
         self._num_generated_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        """Prompt tokens read from the prefix cache instead of prefilled, over the engine's life."""
+        self.num_prefilled_tokens = 0
+        """Tokens prefilled, over the engine's life."""
         self._peak_blocks_used = 0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
         self._in_flight: _LaunchedStep | None = None
@@ -175,8 +194,8 @@ class NativeEngine:
         if self.runner.kv_cache is None:
             self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.runner.forget_block_tables()
-        self.scheduler = Scheduler(BlockManager(self.runner.num_kv_blocks, self.block_size), self.max_num_seqs,
-                                   self.max_num_batched_tokens)
+        self.scheduler = Scheduler(BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching),
+                                   self.max_num_seqs, self.max_num_batched_tokens)
 
     def sleep(self) -> None:
         """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``)."""
@@ -202,6 +221,13 @@ class NativeEngine:
         """
         self.model = model
         self.runner.set_model(model)
+        self._invalidate_prefix_cache()
+
+    def _invalidate_prefix_cache(self) -> None:
+        """The weights changed: cached keys and values were computed with the old ones."""
+        if self.scheduler is not None:
+            with self._step_lock:
+                self.scheduler.block_manager.reset_prefix_cache()
 
     @torch.no_grad()
     def add_to_weights(self, deltas: Iterable[tuple[nn.Module, Tensor]]) -> None:
@@ -216,6 +242,7 @@ class NativeEngine:
         for linear, delta in deltas:
             destination = slices[id(linear)]
             destination.copy_(destination.float().add_(delta))
+        self._invalidate_prefix_cache()
 
     def _num_kv_blocks(self) -> int:
         useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)
@@ -369,6 +396,9 @@ class NativeEngine:
 
     def _run_prefill(self, step: ScheduledStep) -> _LaunchedStep:
         logits = self.runner.prefill(step.seqs)
+        for seq in step.seqs:
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+            self.num_prefilled_tokens += seq.num_tokens - seq.num_cached_tokens
         self.runner.copy_blocks(step.block_copies)
         sample_seqs = [seq for group in step.samples for seq in group]
         rows = [index for index, group in enumerate(step.samples) for _ in group]
@@ -412,15 +442,21 @@ class NativeEngine:
 
     # ---- metrics ----------------------------------------------------------------------------
 
-    def _start_metrics(self) -> tuple[float, int, int, float]:
+    def prefill_counts(self) -> dict[str, float]:
+        """Totals over the engine's life: ``rollout/prefix_cache_hit_tokens`` (prompt tokens read from the prefix
+        cache) and ``rollout/prefill_tokens`` (tokens computed by prefills); differences of two readings give a span's."""
+        return {"rollout/prefix_cache_hit_tokens": float(self.num_prefix_hit_tokens),
+                "rollout/prefill_tokens": float(self.num_prefilled_tokens)}
+
+    def _start_metrics(self) -> tuple[float, int, int, float, dict[str, float]]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak_blocks_used = 0
         return (time.perf_counter(), self._num_generated_tokens, self.scheduler.num_preempted,
-                self.runner.capture_seconds)
+                self.runner.capture_seconds, self.prefill_counts())
 
-    def _finish_metrics(self, start: tuple[float, int, int, float]) -> None:
-        start_time, start_tokens, start_preempted, start_capture = start
+    def _finish_metrics(self, start: tuple[float, int, int, float, dict[str, float]]) -> None:
+        start_time, start_tokens, start_preempted, start_capture, start_counts = start
         elapsed = time.perf_counter() - start_time
         num_tokens = self._num_generated_tokens - start_tokens
         scheduler = self.scheduler
@@ -433,6 +469,7 @@ class NativeEngine:
             "rollout/kv_blocks_used_peak": float(self._peak_blocks_used),
             "rollout/cuda_graph_capture_s": self.runner.capture_seconds - start_capture,
         }
+        metrics |= prefix_cache_metrics(start_counts, self.prefill_counts())
         if self.device.type == "cuda":
             metrics["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.last_metrics = metrics

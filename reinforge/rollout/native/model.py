@@ -27,6 +27,7 @@ from reinforge.rollout.native.attention import (
     apply_rotary,
     decode_attention,
     prefill_attention,
+    prefill_attention_with_prefix,
     write_kv_cache,
 )
 
@@ -292,7 +293,9 @@ class PagedDecoder:
             cos, sin = self.cos[positions], self.sin[positions]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_prefill:
+        if meta.is_prefill and meta.prefix_lens is not None:
+            out = prefill_attention_with_prefix(q, k_cache, v_cache, meta, self.scale)
+        elif meta.is_prefill:
             out = prefill_attention(q, k, v, meta, self.scale)
         elif self.use_triton:
             from reinforge.rollout.native import triton_kernels

@@ -120,19 +120,30 @@ class ModelRunner:
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> Tensor:
-        """Logits (len(seqs), vocab) at each sequence's last token, after writing all their keys and values."""
-        seq_lens = [seq.num_tokens for seq in seqs]
-        token_ids = np.concatenate([np.asarray(seq.token_ids, dtype=np.int64) for seq in seqs])
+        """Logits (len(seqs), vocab) at each sequence's last token, after writing the keys and values of its tokens
+        past ``seq.num_cached_tokens`` (those before come from the prefix cache, at their own positions)."""
+        starts = [seq.num_cached_tokens for seq in seqs]
+        seq_lens = [seq.num_tokens - start for seq, start in zip(seqs, starts, strict=True)]
+        token_ids = np.concatenate([np.asarray(seq.token_ids[start:], dtype=np.int64)
+                                    for seq, start in zip(seqs, starts, strict=True)])
         token_index = np.concatenate([np.arange(length) for length in seq_lens])
+        positions = np.concatenate([np.arange(start, seq.num_tokens) for seq, start in zip(seqs, starts, strict=True)])
         batch_index = np.repeat(np.arange(len(seqs)), seq_lens)
         slots = np.concatenate([
-            np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
-            + np.arange(length) % self.block_size for seq, length in zip(seqs, seq_lens, strict=True)])
+            np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, seq.num_tokens) // self.block_size]
+            * self.block_size + np.arange(start, seq.num_tokens) % self.block_size
+            for seq, start in zip(seqs, starts, strict=True)])
         last_index = np.cumsum(seq_lens) - 1
-        token_index_tensor = self._to_device(token_index)
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), is_prefill=True, seq_lens=seq_lens,
-                                 batch_index=self._to_device(batch_index), token_index=token_index_tensor)
-        return self.decoder.forward(self._to_device(token_ids), token_index_tensor, self.kv_cache, meta,
+                                 batch_index=self._to_device(batch_index), token_index=self._to_device(token_index))
+        if any(starts):  # queries also attend to cached keys: read every key from the cache through the block table
+            block_tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+            for row, seq in enumerate(seqs):
+                block_tables[row, :len(seq.block_table)] = seq.block_table
+            meta.block_tables = self._to_device(block_tables)
+            meta.context_lens = self._to_device(np.array([seq.num_tokens for seq in seqs], dtype=np.int32))
+            meta.prefix_lens = self._to_device(np.array(starts, dtype=np.int64))
+        return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index))
 
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:

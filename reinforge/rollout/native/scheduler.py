@@ -6,7 +6,10 @@ A waiting request with n samples is prefilled once and forked into n sequences t
 its prompt blocks. When a decode step needs a block and none is free, the most recently
 admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
 prompt and generated tokens prefilled again), so the others keep going. Finished sequences
-leave after the step that finished them, and waiting ones join at the next prefill.
+leave after the step that finished them, and waiting ones join at the next prefill. With prefix
+caching, a released sequence's full blocks stay cached (see block_manager.py) and a waiting
+sequence whose tokens start with cached blocks takes them and prefills only the rest
+(``seq.num_cached_tokens``): the next turn of a multi-turn trajectory, or a preempted sequence.
 ``reserve_lookahead`` lets the engine launch a decode step before it has read the previous
 one (see engine.py).
 """
@@ -63,9 +66,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_to_admit(self, seq: Sequence) -> int:
-        num_copies = seq.num_samples - 1 if seq.num_tokens % self.block_manager.block_size else 0
-        return self.block_manager.num_blocks_for(seq.num_tokens) + num_copies
+    def _blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
+        """Free blocks that admitting ``seq`` uses up, taking the cached blocks ``cached`` of its prefix."""
+        manager = self.block_manager
+        num_copies = seq.num_samples - 1 if seq.num_tokens % manager.block_size else 0
+        return manager.num_blocks_for(seq.num_tokens) - len(cached) + manager.num_blocks_taken(cached) + num_copies
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when nothing is left to run."""
@@ -82,19 +87,22 @@ class Scheduler:
             seq = self.waiting[0]
             if num_running + seq.num_samples > self.max_num_seqs:
                 break
-            if step.seqs and num_tokens + seq.num_tokens > self.max_num_batched_tokens:
+            cached = self.block_manager.match_prefix(seq.token_ids, seq.block_keys)
+            num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
+            if step.seqs and num_tokens + num_new > self.max_num_batched_tokens:
                 break
-            if not self.block_manager.can_allocate(self._blocks_to_admit(seq)):
+            if not self.block_manager.can_allocate(self._blocks_to_admit(seq, cached)):
                 if not self.running and not step.seqs:
                     raise RuntimeError(
                         f"a prompt of {seq.num_tokens} tokens with n={seq.num_samples} needs "
-                        f"{self._blocks_to_admit(seq)} KV blocks but the cache has {self.block_manager.num_blocks}; "
+                        f"{self._blocks_to_admit(seq, [])} KV blocks but the cache has {self.block_manager.num_blocks}; "
                         "raise gpu_memory_utilization (or num_kv_blocks) or shorten the prompt")
                 break
             self.waiting.popleft()
-            num_tokens += seq.num_tokens
+            num_tokens += num_new
             num_running += seq.num_samples
-            seq.block_table = self.block_manager.allocate(seq.num_tokens)
+            seq.block_table = self.block_manager.allocate(seq.num_tokens, cached)
+            seq.num_cached_tokens = seq.num_tokens - num_new
             group = [seq]
             for sample_index in range(1, seq.num_samples):
                 child = seq.fork(self.new_seq_id(), sample_index)
@@ -151,7 +159,9 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.block_table)
+        # every token but the last has its keys and values in the cache (the last is decoded next, if ever)
+        self.block_manager.free(seq.block_table, seq.token_ids, seq.num_tokens - 1, seq.block_keys)
+        seq.num_cached_tokens = 0
         self.free_rows.append(seq.row)
         seq.row = -1
 

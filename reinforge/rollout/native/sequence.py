@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from reinforge.rollout.base import SamplingParams
+from reinforge.rollout.native.block_manager import BlockKey
 from reinforge.rollout.noise import sample_seed
 
 
@@ -36,6 +37,10 @@ class Sequence:
         self.num_samples = num_samples
         """Samples this waiting sequence stands for: n before its first prefill, 1 after."""
         self.block_table: list[int] = []
+        self.block_keys: list[BlockKey] = []
+        """Prefix-cache keys of this sequence's full blocks computed so far (see ``BlockManager.block_key_chain``)."""
+        self.num_cached_tokens = 0
+        """Leading tokens whose keys and values came from the prefix cache at this sequence's last prefill."""
         self.row = -1
         """Row of this sequence in the runner's block-table array while it runs."""
         self.status = SequenceStatus.WAITING
@@ -51,8 +56,10 @@ class Sequence:
 
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
         """Another sample of the same prompt, not yet holding blocks."""
-        return Sequence(seq_id, self.request_key, sample_index, self.token_ids, self.sampling, self.request_seed,
-                        self.stop_token_ids, self.max_num_tokens, num_samples=1)
+        child = Sequence(seq_id, self.request_key, sample_index, self.token_ids, self.sampling, self.request_seed,
+                         self.stop_token_ids, self.max_num_tokens, num_samples=1)
+        child.block_keys = list(self.block_keys)
+        return child
 
     def append(self, token_id: int, log_prob: float) -> bool:
         """Add a sampled token; True when the sequence is now finished."""

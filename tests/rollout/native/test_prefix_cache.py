@@ -1,0 +1,166 @@
+"""Prefix caching in the native engine: a trajectory's next turn prefills only its new tokens, with
+the same tokens and log-probs as without the cache, under eviction, and never across a weight change."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.native import NativeEngine
+from reinforge.rollout.native.block_manager import BlockManager
+
+BLOCK = 8
+SAMPLED = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+
+
+def make_engine(model, **kwargs) -> NativeEngine:
+    return NativeEngine(model, eos_token_ids=[], max_model_len=160, block_size=BLOCK,
+                        **{"max_num_seqs": 16, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def qwen2(tiny):
+    return tiny.build("qwen2", seed=4)
+
+
+def hits(engine: NativeEngine) -> int:
+    return engine.num_prefix_hit_tokens
+
+
+def two_turns(engine: NativeEngine, prompts: list[list[int]], tool_tokens: list[list[int]], n: int = 1):
+    """Turn 1 from each prompt, then turn 2 from prompt + turn 1 + tool tokens (n samples); both turns' completions."""
+    first = engine.generate([GenerationRequest(p, SAMPLED) for p in prompts])
+    counts = (engine.num_prefix_hit_tokens, engine.num_prefilled_tokens)
+    second_prompts = [p + samples[0].token_ids + tool for p, samples, tool in zip(prompts, first, tool_tokens,
+                                                                                    strict=True)]
+    second = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=n))
+                              for p in second_prompts])
+    return first, second, second_prompts, counts
+
+
+def assert_same(a, b):
+    for samples_a, samples_b in zip(a, b, strict=True):
+        for x, y in zip(samples_a, samples_b, strict=True):
+            assert x.token_ids == y.token_ids
+            torch.testing.assert_close(torch.tensor(x.log_probs), torch.tensor(y.log_probs), atol=1e-5, rtol=0)
+
+
+def test_second_turn_prefills_only_new_tokens_with_the_same_samples(qwen2, tiny):
+    prompts = tiny.prompts([21, 8, 30])
+    tools = tiny.prompts([7, 3, 16], seed=2)
+    cached = make_engine(qwen2)
+    plain = make_engine(qwen2, enable_prefix_caching=False)
+    first_on, second_on, second_prompts, (first_hits, before_prefill) = two_turns(cached, prompts, tools, n=3)
+    assert first_hits == 0 and before_prefill == sum(map(len, prompts))  # turn 1 found nothing
+    first_off, second_off, *_ = two_turns(plain, prompts, tools, n=3)
+    assert_same(first_on, first_off)
+    assert_same(second_on, second_off)
+    assert hits(plain) == 0
+    # turn 1 left (len(prompt) + 12 - 1) tokens' keys and values; its full blocks are reused
+    expected = [min((len(p) + 12 - 1) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK for p, s in zip(prompts, second_prompts)]
+    assert hits(cached) == sum(expected) > 0
+    assert cached.num_prefilled_tokens - before_prefill == sum(len(s) for s in second_prompts) - sum(expected)
+    assert cached.last_metrics["rollout/prefix_cache_hit_tokens"] == sum(expected)
+    assert 0 < cached.last_metrics["rollout/prefix_cache_hit_rate"] < 1
+    # and the samples are the model's: log-probs of a plain forward over the whole context
+    for prompt, samples in zip(second_prompts, second_on, strict=True):
+        for sample in samples:
+            expected_log_probs = tiny.recomputed_log_probs(qwen2, prompt, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected_log_probs, atol=1e-5, rtol=0)
+
+
+def test_async_turns_reuse_their_prefix_while_others_run(qwen2, tiny):
+    prompts = tiny.prompts([12, 25, 17, 9])
+
+    def run(engine: NativeEngine) -> list[tuple[list[int], list[float]]]:
+        async def trajectory(index: int) -> tuple[list[int], list[float]]:
+            context, log_probs = list(prompts[index]), []
+            for turn in range(3):
+                sampling = SamplingParams(max_tokens=6 + index, temperature=1.0, seed=100 * index + turn)
+                completion = (await engine.generate_async(GenerationRequest(context, sampling)))[0]
+                await asyncio.sleep(0.001 * index)
+                context += completion.token_ids + [turn + 1, 2 * index + 3]  # a tool's reply
+                log_probs += completion.log_probs
+            return context, log_probs
+
+        async def main():
+            return await asyncio.gather(*(trajectory(index) for index in range(len(prompts))))
+
+        return asyncio.run(main())
+
+    cached, plain = make_engine(qwen2), make_engine(qwen2, enable_prefix_caching=False)
+    for (context, log_probs), (plain_context, plain_log_probs) in zip(run(cached), run(plain), strict=True):
+        assert context == plain_context
+        torch.testing.assert_close(torch.tensor(log_probs), torch.tensor(plain_log_probs), atol=1e-5, rtol=0)
+    assert hits(cached) > 0 and hits(plain) == 0
+    assert cached.num_prefilled_tokens < plain.num_prefilled_tokens
+
+
+def test_eviction_under_few_blocks_keeps_results(qwen2, tiny):
+    prompts = tiny.prompts([21, 30, 14, 27, 9, 33])
+    tools = tiny.prompts([5, 9, 2, 11, 4, 6], seed=3)
+    few = make_engine(qwen2, num_kv_blocks=12)  # 96 slots: turn 1's six trajectories cannot all stay cached
+    reference = make_engine(qwen2, enable_prefix_caching=False)
+    first_few, second_few, second_prompts, _ = two_turns(few, prompts, tools)
+    first_ref, second_ref, *_ = two_turns(reference, prompts, tools)
+    assert_same(first_few, first_ref)
+    assert_same(second_few, second_ref)
+    most = sum(min((len(p) + 11) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK for p, s in zip(prompts, second_prompts))
+    assert 0 < hits(few) < most  # some blocks were evicted, some reused
+    manager = few.scheduler.block_manager
+    assert manager.num_free_blocks == 12 and len(manager.cached_blocks) <= 12
+
+
+def test_no_reuse_across_a_weight_change_or_a_sleep(tiny):
+    model = tiny.build("qwen2", seed=6)
+    prompt = tiny.prompts([26])[0]
+    engine = make_engine(model)
+    turn = engine.generate([GenerationRequest(prompt, SAMPLED)])[0][0]
+    context = prompt + turn.token_ids + [3, 4]
+    with torch.no_grad():  # an optimizer step, in place, synced while awake
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    engine.sync_weights(model)
+    after_sync = engine.generate([GenerationRequest(context, SAMPLED)])[0][0]
+    assert hits(engine) == 0
+    fresh = make_engine(model, enable_prefix_caching=False).generate([GenerationRequest(context, SAMPLED)])[0][0]
+    assert after_sync.token_ids == fresh.token_ids
+    torch.testing.assert_close(torch.tensor(after_sync.log_probs), torch.tensor(fresh.log_probs), atol=1e-5, rtol=0)
+    # a sleep drops the cache too (with free_on_sleep=False the KV memory itself is kept)
+    for free_on_sleep in (True, False):
+        keeper = make_engine(model, free_on_sleep=free_on_sleep)
+        keeper.generate([GenerationRequest(context, SAMPLED)])
+        keeper.sleep()
+        keeper.generate([GenerationRequest(context + [5], SAMPLED)])
+        assert hits(keeper) == 0
+    # LoRA-style in-place deltas on the engine's copy invalidate it as well
+    engine.generate([GenerationRequest(context + [6], SAMPLED)])
+    assert hits(engine) > 0  # the same prefix, before the change, is reused
+    before = hits(engine)
+    engine.add_to_weights([(model.model.layers[0].mlp.down_proj,
+                            torch.zeros_like(model.model.layers[0].mlp.down_proj.weight, dtype=torch.float32))])
+    engine.generate([GenerationRequest(context + [5], SAMPLED)])
+    assert hits(engine) == before
+
+
+def test_block_manager_registers_evicts_lru_and_resets():
+    manager = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(11))
+    table = manager.allocate(11)
+    manager.free(table, tokens, num_written=10, known=[])  # blocks 0, 1 full and written; block 2 partial
+    assert len(manager.cached_blocks) == 2 and manager.num_free_blocks == 6
+    again = manager.match_prefix(tokens + [11, 12], [])
+    assert len(again) == 2
+    assert manager.match_prefix(tokens[:8], []) == again[:1]  # the last token is always computed
+    assert manager.match_prefix([99] + tokens[1:], []) == []  # a block's key names its whole prefix
+    taken = manager.allocate(13, again)
+    assert taken[:2] == again and manager.num_free_blocks == 2 and manager.ref_counts[again[0]] == 1
+    manager.free(taken)
+    other = manager.allocate(4 * 5)  # needs five blocks: four never cached, then the least recently released
+    assert len(other) == 5 and len(manager.cached_blocks) == 1
+    manager.free(other)
+    manager.reset_prefix_cache()
+    assert manager.cached_blocks == {} and manager.match_prefix(tokens, []) == [] and manager.num_free_blocks == 6
