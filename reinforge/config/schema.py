@@ -210,6 +210,9 @@ class RolloutConfig:
     """Native engine: free its KV cache, weight copy and CUDA graphs after each rollout, for the update.
     false keeps them (the update has that much less memory; the next rollout captures no graphs).
     auto: keep them when the memory planner finds room (faster)."""
+    enable_prefix_caching: bool = True
+    """Native engine: keep finished sequences' full KV blocks while awake, so a request starting with the same
+    tokens (a multi-turn trajectory's next turn) prefills only the rest (verl's key). Dropped at every weight change."""
     segment_tokens: Optional[int] = None
     """trainer.mode=async: generate in segments of this many tokens (a divisor of data.max_response_length);
     a weight sync lands between segments, where unfinished samples are interrupted and resumed under the new

@@ -233,7 +233,7 @@ FSDP_DETAILS = ("wrap_policy.min_num_params reshard_after_forward fsdp_size forw
                 "use_orig_params seed full_determinism entropy_from_logits_with_chunking use_torch_compile "
                 "entropy_checkpointing forward_only strategy dtype wrap_policy.transformer_layer_cls_to_wrap")
 ENGINE_KNOBS = ("mode dtype ignore_eos enforce_eager cudagraph_capture_sizes max_num_batched_tokens max_model_len "
-                "max_num_seqs enable_chunked_prefill enable_prefix_caching logprobs_mode scheduling_policy load_format "
+                "max_num_seqs enable_chunked_prefill logprobs_mode scheduling_policy load_format "
                 "over_sample_rate multi_stage_wake_up skip_rollout skip_dump_dir skip_tokenizer_init "
                 "enable_rollout_routing_replay quantization quantization_config_file mtp layered_summon "
                 "update_weights_bucket_megabytes max_loras max_lora_rank repetition_penalty")
@@ -409,6 +409,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.top_k": Rename("rollout.top_k"),
     f"{_ROLLOUT}.gpu_memory_utilization": Rename("rollout.gpu_memory_utilization"),
     f"{_ROLLOUT}.free_cache_engine": Rename("rollout.free_cache_engine"),
+    f"{_ROLLOUT}.enable_prefix_caching": Rename("rollout.enable_prefix_caching"),
     f"{_ROLLOUT}.val_kwargs.n": Rename("rollout.val_kwargs.n"),
     f"{_ROLLOUT}.val_kwargs.temperature": Rename("rollout.val_kwargs.temperature"),
     f"{_ROLLOUT}.val_kwargs.top_p": Rename("rollout.val_kwargs.top_p"),

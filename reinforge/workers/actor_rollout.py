@@ -201,7 +201,8 @@ class ActorRolloutWorker(Worker):
                 engine = NativeEngine(model, eos_token_ids=eos_ids,
                                       max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
                                       gpu_memory_utilization=rollout.gpu_memory_utilization or 0.5,
-                                      free_on_sleep=rollout.free_cache_engine)
+                                      free_on_sleep=rollout.free_cache_engine,
+                                      enable_prefix_caching=rollout.enable_prefix_caching)
                 if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                     engine.num_kv_blocks = max(math.ceil(rollout.kv_cache_gib * GiB / engine.runner.kv_bytes_per_block()), 1)
                 return engine
@@ -284,7 +285,12 @@ class ActorRolloutWorker(Worker):
         rows, samplings = agent_rows(batch, sampling, [seed_for(seed, str(uid)) for uid in batch["uid"]])
         phases.lap("requests")
 
+        prefill_counts = getattr(self.engine, "prefill_counts", None)
+        counts: list[dict[str, float]] = []
+
         def run() -> list:
+            if prefill_counts is not None:
+                counts.append(prefill_counts())
             if hasattr(self.engine, "generate_async"):
                 client = AsyncEngineClient(self.engine)
             else:
@@ -292,6 +298,8 @@ class ActorRolloutWorker(Worker):
             try:
                 outputs = self.agent_runner.run(rows, samplings, client)
                 phases.lap("engine")
+                if prefill_counts is not None:
+                    counts.append(prefill_counts())
             finally:
                 self.engine.sleep()
             phases.lap("sleep")
@@ -309,6 +317,10 @@ class ActorRolloutWorker(Worker):
         output.meta["rollout_metrics"] = agent_metrics(outputs) | {
             "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
             "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
+        if len(counts) == 2:  # the native engine: how much of the turns' prompts came from the prefix cache
+            from reinforge.rollout.native.engine import prefix_cache_metrics
+
+            output.meta["rollout_metrics"] |= prefix_cache_metrics(*counts)
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         return output

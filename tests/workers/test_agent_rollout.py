@@ -93,6 +93,11 @@ def test_agent_rows_become_trajectories_whose_log_probs_the_trainer_reproduces(t
     metrics = output.meta["rollout_metrics"]
     assert metrics["agent/num_tool_calls/mean"] > 0 and "timing_s/agent_loop/tool_calls/max" in metrics
     assert "num_turns/mean" in metrics and metrics["rollout/tokens_per_s"] > 0
+    if backend == "native":  # later turns read their trajectory's earlier blocks from the prefix cache
+        assert metrics["rollout/prefix_cache_hit_tokens"] > 0 and 0 < metrics["rollout/prefix_cache_hit_rate"] < 1
+        assert metrics["rollout/prefill_tokens"] > 0
+    else:
+        assert "rollout/prefix_cache_hit_tokens" not in metrics
     # every trajectory is one token stream: tool text where the mask is 0, the trainer's log-probs where it is 1
     texts = worker.tokenizer.batch_decode([row[keep.bool()] for row, keep in
                                            zip(output["responses"], in_response, strict=True)])

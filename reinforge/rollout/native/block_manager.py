@@ -37,6 +37,8 @@ class BlockManager:
         self.block_keys: dict[int, BlockKey] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         """Registered blocks nobody holds, least recently released first."""
+        self.epoch = 0
+        """Counts ``reset_prefix_cache`` calls: blocks a sequence filled before the last reset are never registered."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +109,7 @@ class BlockManager:
         self.evictable.clear()
         self.cached_blocks.clear()
         self.block_keys.clear()
+        self.epoch += 1
 
     # ---- block tables -----------------------------------------------------------------------
 
@@ -146,13 +149,14 @@ class BlockManager:
         block_table.append(self._take())
 
     def free(self, block_table: list[int], token_ids: list[int] | None = None, num_written: int = 0,
-             known: list[BlockKey] | None = None) -> None:
+             known: list[BlockKey] | None = None, epoch: int | None = None) -> None:
         """Release a sequence's blocks; blocks nobody else holds become free (registered ones stay cached).
 
         token_ids, num_written: the sequence's tokens, of which the first ``num_written`` have their keys
-        and values in the cache; with prefix caching on, its full written blocks are registered first.
+        and values in the cache; with prefix caching on, its full written blocks are registered first,
+        unless ``epoch`` (when its blocks were first filled) is older than the last ``reset_prefix_cache``.
         """
-        if self.enable_prefix_caching and token_ids is not None:
+        if self.enable_prefix_caching and token_ids is not None and epoch in (None, self.epoch):
             self._register(token_ids, block_table, num_written, [] if known is None else known)
         for block_id in reversed(block_table):
             self.ref_counts[block_id] -= 1

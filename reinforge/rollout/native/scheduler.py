@@ -103,6 +103,7 @@ class Scheduler:
             num_running += seq.num_samples
             seq.block_table = self.block_manager.allocate(seq.num_tokens, cached)
             seq.num_cached_tokens = seq.num_tokens - num_new
+            seq.cache_epoch = self.block_manager.epoch
             group = [seq]
             for sample_index in range(1, seq.num_samples):
                 child = seq.fork(self.new_seq_id(), sample_index)
@@ -160,7 +161,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         # every token but the last has its keys and values in the cache (the last is decoded next, if ever)
-        self.block_manager.free(seq.block_table, seq.token_ids, seq.num_tokens - 1, seq.block_keys)
+        self.block_manager.free(seq.block_table, seq.token_ids, seq.num_tokens - 1, seq.block_keys, seq.cache_epoch)
         seq.num_cached_tokens = 0
         self.free_rows.append(seq.row)
         seq.row = -1

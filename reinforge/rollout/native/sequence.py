@@ -41,6 +41,8 @@ class Sequence:
         """Prefix-cache keys of this sequence's full blocks computed so far (see ``BlockManager.block_key_chain``)."""
         self.num_cached_tokens = 0
         """Leading tokens whose keys and values came from the prefix cache at this sequence's last prefill."""
+        self.cache_epoch = 0
+        """The block manager's epoch at this sequence's last prefill (see ``BlockManager.free``)."""
         self.row = -1
         """Row of this sequence in the runner's block-table array while it runs."""
         self.status = SequenceStatus.WAITING
@@ -59,6 +61,7 @@ class Sequence:
         child = Sequence(seq_id, self.request_key, sample_index, self.token_ids, self.sampling, self.request_seed,
                          self.stop_token_ids, self.max_num_tokens, num_samples=1)
         child.block_keys = list(self.block_keys)
+        child.cache_epoch = self.cache_epoch
         return child
 
     def append(self, token_id: int, log_prob: float) -> bool:

@@ -60,7 +60,8 @@ def test_second_turn_prefills_only_new_tokens_with_the_same_samples(qwen2, tiny)
     assert_same(second_on, second_off)
     assert hits(plain) == 0
     # turn 1 left (len(prompt) + 12 - 1) tokens' keys and values; its full blocks are reused
-    expected = [min((len(p) + 12 - 1) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK for p, s in zip(prompts, second_prompts)]
+    expected = [min((len(p) + 12 - 1) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK
+                for p, s in zip(prompts, second_prompts, strict=True)]
     assert hits(cached) == sum(expected) > 0
     assert cached.num_prefilled_tokens - before_prefill == sum(len(s) for s in second_prompts) - sum(expected)
     assert cached.last_metrics["rollout/prefix_cache_hit_tokens"] == sum(expected)
@@ -108,7 +109,8 @@ def test_eviction_under_few_blocks_keeps_results(qwen2, tiny):
     first_ref, second_ref, *_ = two_turns(reference, prompts, tools)
     assert_same(first_few, first_ref)
     assert_same(second_few, second_ref)
-    most = sum(min((len(p) + 11) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK for p, s in zip(prompts, second_prompts))
+    most = sum(min((len(p) + 11) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK
+               for p, s in zip(prompts, second_prompts, strict=True))
     assert 0 < hits(few) < most  # some blocks were evicted, some reused
     manager = few.scheduler.block_manager
     assert manager.num_free_blocks == 12 and len(manager.cached_blocks) <= 12
@@ -161,6 +163,7 @@ def test_block_manager_registers_evicts_lru_and_resets():
     manager.free(taken)
     other = manager.allocate(4 * 5)  # needs five blocks: four never cached, then the least recently released
     assert len(other) == 5 and len(manager.cached_blocks) == 1
-    manager.free(other)
     manager.reset_prefix_cache()
-    assert manager.cached_blocks == {} and manager.match_prefix(tokens, []) == [] and manager.num_free_blocks == 6
+    assert manager.cached_blocks == {} and manager.match_prefix(tokens, []) == [] and manager.num_free_blocks == 1
+    manager.free(other, list(range(20)), num_written=19, known=[], epoch=0)  # filled before the reset (epoch 1)
+    assert manager.cached_blocks == {} and manager.num_free_blocks == 6
