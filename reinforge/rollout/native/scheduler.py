@@ -89,7 +89,9 @@ class Scheduler:
                 break
             cached = self.block_manager.match_prefix(seq.token_ids, seq.block_keys)
             num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
-            if step.seqs and num_tokens + num_new > self.max_num_batched_tokens:
+            # the whole context counts: a prefill after a cache hit gathers every cached key and value of its
+            # sequences (attention.prefill_attention_with_prefix), as much memory as a full prefill's grid
+            if step.seqs and num_tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
             if not self.block_manager.can_allocate(self._blocks_to_admit(seq, cached)):
                 if not self.running and not step.seqs:
@@ -99,7 +101,7 @@ class Scheduler:
                         "raise gpu_memory_utilization (or num_kv_blocks) or shorten the prompt")
                 break
             self.waiting.popleft()
-            num_tokens += num_new
+            num_tokens += seq.num_tokens
             num_running += seq.num_samples
             seq.block_table = self.block_manager.allocate(seq.num_tokens, cached)
             seq.num_cached_tokens = seq.num_tokens - num_new
