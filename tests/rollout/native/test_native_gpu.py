@@ -65,3 +65,28 @@ def test_triton_sampler_follows_the_distribution_and_thresholds():
     assert set(top5.tolist()) == set((logits[0].float() * 2.0).topk(5).indices.tolist())
     greedy, _ = triton_kernels.sample(logits, ones, torch.ones_like(no_greedy), minus_inf, seeds, positions)
     assert (greedy == logits[0].float().argmax()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_cache_on_gpu_gives_the_samples_of_a_full_prefill(tiny, dtype):
+    # a second turn reads its first turn's blocks (Triton cache writes, CUDA-graph decode after the hit)
+    model = tiny.build("qwen2", device="cuda").to(dtype)
+    prompts = tiny.prompts([21, 40, 9, 64])
+    results = []
+    for enable in (True, False):
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=192, max_num_seqs=16, block_size=16,
+                              enable_prefix_caching=enable)
+        first = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=20, temperature=1.0, seed=3))
+                                 for p in prompts])
+        second = [p + samples[0].token_ids + [5, 6, 7] for p, samples in zip(prompts, first, strict=True)]
+        results.append(engine.generate([GenerationRequest(p, SamplingParams(max_tokens=30, temperature=1.0, seed=4,
+                                                                            n=2)) for p in second]))
+        assert (engine.num_prefix_hit_tokens > 0) == enable
+    for cached, plain in zip(*results, strict=True):
+        for a, b in zip(cached, plain, strict=True):
+            if dtype == torch.float32:
+                assert a.token_ids == b.token_ids
+            common = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
+            torch.testing.assert_close(torch.tensor(a.log_probs[:common]), torch.tensor(b.log_probs[:common]),
+                                       atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)

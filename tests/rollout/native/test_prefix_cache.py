@@ -167,3 +167,34 @@ def test_block_manager_registers_evicts_lru_and_resets():
     assert manager.cached_blocks == {} and manager.match_prefix(tokens, []) == [] and manager.num_free_blocks == 1
     manager.free(other, list(range(20)), num_written=19, known=[], epoch=0)  # filled before the reset (epoch 1)
     assert manager.cached_blocks == {} and manager.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_a_prefill_after_a_hit_gives_a_full_prefills_logits(use_triton, tiny):
+    # the runner alone, so the Triton path (rope and cache write in Triton, in its interpreter on the CPU) is
+    # checked too: same positions and slots from the block table as the PyTorch path
+    if use_triton:
+        pytest.importorskip("triton")
+    from reinforge.rollout.native.model_runner import ModelRunner
+    from reinforge.rollout.native.sequence import Sequence
+
+    model = tiny.build("qwen3", seed=2)
+    tokens = tiny.prompts([29])[0]
+    runner = ModelRunner(model, block_size=BLOCK, max_num_seqs=4, max_model_len=64, use_triton=use_triton,
+                         cuda_graph_batch_sizes=[])
+    runner.load_weights()
+    runner.allocate_kv_cache(16)
+
+    def sequence(token_ids: list[int], blocks: list[int], num_cached: int) -> Sequence:
+        seq = Sequence(1, 0, 0, token_ids, SAMPLED, 0, frozenset(), 64)
+        seq.block_table, seq.num_cached_tokens = blocks, num_cached
+        return seq
+
+    full = runner.prefill([sequence(tokens, [0, 1, 2, 3], 0), sequence(tokens[:20], [4, 5, 6], 0)])
+    # the same tokens again, the first two blocks read from the cache (blocks 0, 1), next to a plain prefill
+    partial = runner.prefill([sequence(tokens[:9], [7, 8], 0), sequence(tokens, [0, 1, 9, 10], 2 * BLOCK)])
+    torch.testing.assert_close(partial[1], full[0], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        expected = model(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(partial[1], expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(runner.kv_cache[:, :, 9:11], runner.kv_cache[:, :, 2:4], atol=1e-5, rtol=0)
