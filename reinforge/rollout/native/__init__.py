@@ -1,7 +1,7 @@
-"""reinforge's native rollout engine: paged KV cache, continuous batching, CUDA graphs.
+"""reinforge's native rollout engine: paged KV cache, prefix caching, continuous batching, CUDA graphs.
 
-Modules, one job each: ``sequence`` (one sample's state), ``block_manager`` (KV blocks and
-their reference counts), ``scheduler`` (which sequences run each step), ``model`` (the
+Modules, one job each: ``sequence`` (one sample's state), ``block_manager`` (KV blocks,
+their reference counts and the prefix cache), ``scheduler`` (which sequences run each step), ``model`` (the
 decoder forward over HF modules), ``attention`` and ``triton_kernels`` (the kernels),
 ``model_runner`` (cache, step inputs, CUDA graphs), ``sampling`` and ``engine`` (the
 entry points).

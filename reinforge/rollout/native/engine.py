@@ -5,11 +5,17 @@ Token ids in, token ids and per-token log-probs out. One scheduler serves two en
 adds one request and lets a background task step the scheduler (in a worker thread) while
 anything is pending, so agent loops submit requests one at a time and none waits for
 another. Decode steps overlap: the next one is launched before the last one's tokens are read
-back (``_step``). Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks
-stay cached while the engine is awake, and a request whose prompt starts with them prefills only
-the rest, so a multi-turn trajectory's next turn computes only its new tokens (tool output and
-template); the cache is dropped at ``sleep`` and whenever the weights change (``sync_weights``,
-``add_to_weights``), so keys and values of older weights are never reused. Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
+back (``_step``).
+
+Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks stay cached
+while the engine is awake, and a request whose prompt starts with them prefills only the rest at
+their positions, so a multi-turn trajectory's next turn computes only its new tokens (tool output
+and template); samples are those of a full prefill, up to float rounding. The cache is dropped at
+``sleep`` and whenever the weights change (``sync_weights``, ``add_to_weights``), so keys and
+values of older weights are never reused. ``prefill_counts`` and the metrics
+``rollout/prefix_cache_hit_tokens``, ``rollout/prefill_tokens`` and ``rollout/prefix_cache_hit_rate`` count it.
+
+Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
 gate|up concatenated, one matrix product each; see ``model.py``). ``wake_up`` makes the copy
 (or refreshes it in place) and allocates the KV cache from a fraction of device memory;
 ``sync_weights`` refreshes the copy in place when it exists; ``sleep`` frees the copy, the KV
