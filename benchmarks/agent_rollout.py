@@ -42,6 +42,7 @@ from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, 
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
+from reinforge.rollout.native.engine import prefix_cache_metrics
 
 
 class TimedEngine(NativeEngine):
@@ -98,17 +99,29 @@ def register_bench_loop(tool_output: list[int]) -> None:
             return AgentLoopOutput(prompt, response, mask, log_probs, num_turns=2 * len(row["turn_tokens"]))
 
 
+def forget_cached_prefixes(engine: TimedEngine) -> None:
+    """Each run starts from an empty prefix cache (the runs share prompts)."""
+    if engine.scheduler is not None:
+        engine.scheduler.block_manager.reset_prefix_cache()
+
+
 def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
     rows = [{"prompt_ids": prompt, "agent_name": "bench_turns", "seed": 1000 * index, **trajectory}
             for index, (prompt, trajectory) in enumerate(zip(prompts, trajectories, strict=True))]
     runner = AgentRunner(tokenizer=None, config=MultiTurnConfig())
+    forget_cached_prefixes(engine)
     engine.busy_s = 0.0
+    counts = engine.prefill_counts()
     start = time.perf_counter()
     outputs = runner.run(rows, [SamplingParams()] * len(rows), AsyncEngineClient(engine))
     elapsed = time.perf_counter() - start
     sampled = sum(sum(output.response_mask) for output in outputs)
+    cache = prefix_cache_metrics(counts, engine.prefill_counts())
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
-            "engine_busy_fraction": engine.busy_s / elapsed}
+            "engine_busy_fraction": engine.busy_s / elapsed,
+            "prefix_cache_hit_tokens": cache["rollout/prefix_cache_hit_tokens"],
+            "prefill_tokens": cache["rollout/prefill_tokens"],
+            "prefix_cache_hit_rate": cache["rollout/prefix_cache_hit_rate"]}
 
 
 def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
@@ -170,6 +183,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", help="write the results as JSON to this path")
     parser.add_argument("--trajectories", type=int, default=None)
     parser.add_argument("--serial", type=int, default=None, help="trajectories timed one after another")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="prefill every turn's whole context (the engine's prefix cache off)")
     args = parser.parse_args(argv)
     if args.cpu:
         device, dtype, arch = torch.device("cpu"), torch.float32, TINY
@@ -193,14 +208,18 @@ def main(argv: list[str]) -> int:
         + settings["tool_tokens"] * settings["max_turns"] + 16
     model = build_model(arch, dtype, device)
     engine = TimedEngine(model, eos_token_ids=[arch["vocab_size"] - 1], max_model_len=longest,
-                         max_num_seqs=max(settings["trajectories"], 8), gpu_memory_utilization=0.5)
+                         max_num_seqs=max(settings["trajectories"], 8), gpu_memory_utilization=0.5,
+                         enable_prefix_caching=not args.no_prefix_cache)
+    settings["prefix_cache"] = not args.no_prefix_cache
     engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])  # warm-up
     results: dict = {"environment": environment(device), "settings": settings,
                      "num_turns_total": sum(len(t["turn_tokens"]) for t in trajectories),
                      "tool_seconds_total": sum(sum(t["sleeps"]) for t in trajectories)}
     results["single_turn"] = run_single_turn(engine, prompts, trajectories)
     results["agent"] = run_agents(engine, prompts, trajectories)
+    forget_cached_prefixes(engine)
     results["synchronous_turns"] = run_synchronous_turns(engine, prompts, trajectories, tool_output)
+    forget_cached_prefixes(engine)
     results["serial"] = run_serial(engine, prompts, trajectories, tool_output, settings["serial"])
     engine.sleep()
     results["agent_vs_single_turn"] = results["agent"]["tokens_per_s"] / results["single_turn"]["tokens_per_s"]
@@ -224,6 +243,9 @@ def print_table(results: dict) -> None:
         ("single-turn engine tokens/s", f"{single['tokens_per_s']:,.0f}  ({single['time_s']:.2f} s)"),
         ("agent / single-turn", f"{results['agent_vs_single_turn']:.0%}"),
         ("engine-busy fraction (agent)", f"{agent['engine_busy_fraction']:.0%}"),
+        ("prefix cache (agent)", f"{agent['prefix_cache_hit_rate']:.0%} of prompt tokens reused  "
+                                 f"({agent['prefill_tokens']:,.0f} prefilled)" if settings.get("prefix_cache", True)
+         else "off"),
         ("synchronous turns", f"{results['synchronous_turns']['time_s']:.2f} s  "
                               f"({results['synchronous_turns']['tokens_per_s']:,.0f} tokens/s)"),
         ("serial, extrapolated", f"{results['serial']['time_s_extrapolated']:.1f} s  (from "
