@@ -1,7 +1,8 @@
 """Opening a run folder: one run at a time, and a resume that agrees with the settings it is given.
 
 ``RunLock`` keeps a second run off a folder that a live process is using (``RUN/.lock`` holds
-its pid; a lock left by a dead process is taken over with a warning). ``config_changes`` lists
+its pid and, on Linux, the process's start time; a lock left by a dead process, or naming a pid
+that now belongs to a process started later, is taken over with a warning). ``config_changes`` lists
 the settings that differ between a checkpoint's run and this one: settings the trainer reads
 as it goes (sampling, loss coefficients, the optimizer's hyperparameters, which the workers
 re-apply after loading the optimizer state, the step count) take effect and are recorded in
@@ -26,6 +27,15 @@ _HELD: set[Path] = set()
 
 class RunFolderInUse(ValueError):
     pass
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux /proc), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # field 22 of proc(5), counted after "pid (comm)"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -54,7 +64,7 @@ class RunLock:
                 self._take_over_if_stale()
                 continue
             with os.fdopen(descriptor, "w") as handle:
-                handle.write(f"{os.getpid()}\n")
+                handle.write(f"{os.getpid()} {_start_time(os.getpid()) or ''}".strip() + "\n")
             _HELD.add(self.path)
             self._finalizer = weakref.finalize(self, _release, self.path)
             return self
@@ -65,8 +75,12 @@ class RunLock:
             text = self.path.read_text().strip()
         except FileNotFoundError:
             return
-        pid = int(text) if text.isdigit() else None
+        words = text.split()
+        pid = int(words[0]) if words and words[0].isdigit() else None
+        started = words[1] if len(words) > 1 else None
         in_use = pid is not None and _pid_alive(pid) and (pid != os.getpid() or self.path in _HELD)
+        if in_use and started is not None and _start_time(pid) not in (None, started):
+            in_use = False  # the pid was reused by a process started after the lock was written
         if in_use:
             raise RunFolderInUse(f"run folder {self.path.parent} is in use by pid {pid} ({self.path}); wait for that "
                                  "run to end or stop it, or pass another trainer.output_dir")
@@ -81,7 +95,7 @@ class RunLock:
 def _release(path: Path) -> None:
     _HELD.discard(path)
     try:
-        if path.read_text().strip() == str(os.getpid()):
+        if path.read_text().split()[:1] == [str(os.getpid())]:
             path.unlink()
     except FileNotFoundError:
         pass

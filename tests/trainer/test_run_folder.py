@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,27 @@ def test_a_second_run_on_the_same_folder_is_refused(rl_args, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"is in use by pid {holder.pid}" in err[0]
         assert not (run_dir / "config.yaml").exists()
+    finally:
+        holder.communicate(b"")
+
+
+def test_a_lock_whose_pid_now_belongs_to_a_later_process_is_taken_over(rl_args, tmp_path, caplog):
+    """A SIGKILLed run's pid reused (e.g. after a container restart): the start time in the lock tells them apart."""
+    from reinforge.trainer.run_folder import RunLock, _start_time
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (run_dir / ".lock").write_text(f"{holder.pid} 1\n")  # started at tick 1: not this process
+        lock = RunLock(run_dir).acquire()
+        assert "taking over" in caplog.text
+        assert (run_dir / ".lock").read_text().split()[0] == str(os.getpid())
+        lock.release()
+        assert not (run_dir / ".lock").exists()
+        (run_dir / ".lock").write_text(f"{holder.pid} {_start_time(holder.pid) or ''}\n")  # the live holder's own
+        with pytest.raises(ValueError, match=f"in use by pid {holder.pid}"):
+            RunLock(run_dir).acquire()
     finally:
         holder.communicate(b"")
 
