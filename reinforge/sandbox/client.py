@@ -13,16 +13,65 @@ server's Retry-After) until ``timeout_s`` is spent; anything that still fails co
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import random
+import socket
+import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
+from typing import Any
 
 from reinforge.sandbox.protocol import SANDBOX_ERROR, RunCodeRequest, RunCodeResponse
 
 RETRY_STATUSES = (429, 502, 503, 504)
+
+
+def _seconds(retry_after: str | None) -> float:
+    """Retry-After in seconds (0 for none, or for the HTTP-date form, which the backoff then covers)."""
+    try:
+        return max(0.0, float(retry_after or 0))
+    except ValueError:
+        return 0.0
+
+
+def _post(url: str, payload: bytes, timeout_s: float) -> tuple[int, str | None, bytes]:
+    """(status, Retry-After, body) of one POST, or TimeoutError once ``timeout_s`` is spent in all.
+
+    A socket timeout bounds each read, not the exchange: a server (or proxy) that sends a byte
+    now and then would hold the caller for ever. So the exchange runs on a thread and, at the
+    deadline, its socket is shut down under it.
+    """
+    parts = urllib.parse.urlsplit(url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = kind(parts.hostname, parts.port, timeout=timeout_s)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    outcome: dict[str, Any] = {}
+
+    def exchange() -> None:
+        try:
+            connection.request("POST", path, body=payload, headers={"Content-Type": "application/json",
+                                                                    "Accept": "application/json"})
+            answer = connection.getresponse()
+            outcome["answer"] = (answer.status, answer.getheader("Retry-After"), answer.read())
+        except BaseException as error:  # handed to the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=exchange, name="sandbox-client-call", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        with contextlib.suppress(OSError, AttributeError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        raise TimeoutError(f"no answer within {timeout_s:.1f}s")
+    connection.close()
+    if "error" in outcome:
+        error = outcome["error"]
+        raise TimeoutError(str(error)) if isinstance(error, TimeoutError) else error
+    return outcome["answer"]
 
 
 def _url(base_url: str, path: str) -> str:
@@ -61,25 +110,23 @@ class SandboxClient:
                 break
             retry_after_s = 0.0
             try:
-                http_request = urllib.request.Request(_url(self.url, "/run_code"), data=payload, method="POST",
-                                                      headers={"Content-Type": "application/json",
-                                                               "Accept": "application/json"})
-                with urllib.request.urlopen(http_request, timeout=remaining) as answer:
-                    return RunCodeResponse.from_json(json.loads(answer.read()))
-            except urllib.error.HTTPError as error:
-                detail = error.read()[:300].decode(errors="replace")
-                last_problem = f"HTTP {error.code} from {self.url}: {detail}"
-                if error.code not in RETRY_STATUSES:
+                status, retry_after, body = _post(_url(self.url, "/run_code"), payload, remaining)
+            except TimeoutError:
+                last_problem = f"no answer within {timeout_s:.1f}s"
+                break
+            except (OSError, http.client.HTTPException) as error:  # refused, reset, closed early, no such host
+                last_problem = f"{type(error).__name__}: {error}"
+            else:
+                if status == 200:
+                    try:
+                        return RunCodeResponse.from_json(json.loads(body))
+                    except (ValueError, TypeError, AttributeError) as error:  # not a /run_code response
+                        return self._error(f"the sandbox at {self.url} answered something unreadable: "
+                                           f"{type(error).__name__}: {str(error)[:300]}")
+                last_problem = f"HTTP {status} from {self.url}: {body[:300].decode(errors='replace')}"
+                if status not in RETRY_STATUSES:
                     return self._error(f"the sandbox rejected the request: {last_problem}")
-                retry_after_s = float(error.headers.get("Retry-After") or 0)
-            except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError) as error:
-                reason = getattr(error, "reason", error)
-                if isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError since 3.10
-                    last_problem = f"no answer within {timeout_s:.1f}s"
-                    break
-                last_problem = f"{type(reason).__name__}: {reason}"
-            except ValueError as error:  # a body that is not a /run_code response
-                return self._error(f"the sandbox at {self.url} answered something unreadable: {error}")
+                retry_after_s = _seconds(retry_after)
             if attempt == self.max_retries:
                 break
             backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)

@@ -55,3 +55,59 @@ def test_a_rejected_request_is_not_retried(client):
     response = client.run_code("x", language="cobol")
     assert time.monotonic() - started < 1.0
     assert response.status == "SandboxError" and "HTTP 400" in response.message
+
+
+def _fake_server(reply) -> str:
+    """A server on a free port that answers each connection with ``reply(connection)``."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def accept() -> None:
+        while True:
+            connection, _ = listener.accept()
+            threading.Thread(target=reply, args=(connection,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _trickle(connection: socket.socket) -> None:
+    connection.recv(65536)
+    try:  # headers at once, then one byte of the body every 0.2 s: every read is quick, the whole is not
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(100):
+            time.sleep(0.2)
+            connection.sendall(b" ")
+    except OSError:
+        pass
+
+
+def test_a_server_that_trickles_bytes_cannot_hold_the_caller_past_its_deadline():
+    started = time.monotonic()
+    response = SandboxClient(_fake_server(_trickle)).run_code("print(1)", timeout_s=1.0)
+    assert time.monotonic() - started < 2.0
+    assert response.status == "SandboxError" and "no answer within 1.0s" in response.message
+
+
+def test_an_answer_not_in_the_run_code_shape_is_a_sandbox_error_not_an_exception():
+    def reply(connection: socket.socket) -> None:
+        connection.recv(65536)
+        body = b'{"status": "Success", "run_result": "not an object"}'
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    response = SandboxClient(_fake_server(reply)).run_code("print(1)")
+    assert response.status == "SandboxError" and "answered something unreadable" in response.message
+
+
+def test_retry_after_as_a_date_is_retried_not_misread():
+    calls = []
+
+    def reply(connection: socket.socket) -> None:
+        connection.recv(65536)
+        calls.append(1)
+        connection.sendall(b"HTTP/1.1 503 Busy\r\nRetry-After: Wed, 21 Oct 2015 07:28:00 GMT\r\n"
+                           b"Content-Length: 2\r\n\r\n{}")
+
+    response = SandboxClient(_fake_server(reply), max_retries=2, backoff_s=0.01).run_code("print(1)")
+    assert response.status == "SandboxError" and "HTTP 503" in response.message and len(calls) == 3
