@@ -23,7 +23,7 @@ from typing import Any
 
 from reinforge.sandbox.admission import QueueFull, QueueTimeout, SlotPool, TokenBucket
 from reinforge.sandbox.cgroups import SlotCgroups
-from reinforge.sandbox.isolation import IsolationError
+from reinforge.sandbox.isolation import IsolationError, find_bwrap
 from reinforge.sandbox.protocol import SANDBOX_ERROR, RequestError, RunCodeRequest, RunCodeResponse
 from reinforge.sandbox.runner import check_isolation, run_request
 from reinforge.sandbox.settings import SandboxSettings
@@ -119,6 +119,8 @@ class SandboxServer:
 
     def __init__(self, settings: SandboxSettings) -> None:
         self.settings = settings
+        if settings.isolation == "bubblewrap":
+            find_bwrap()  # before anything is created: IsolationError saying how to install it
         self.cgroups, why_not = SlotCgroups.create(settings.num_slots)
         self.memory_scope = "sandbox (cgroup)" if self.cgroups is not None else "process (rlimit)"
         if self.cgroups is None:
@@ -131,10 +133,10 @@ class SandboxServer:
             self._remove_cgroups()
             if self.cgroups is None:
                 raise
+            self.cgroups, self.memory_scope = None, "process (rlimit)"
+            check_isolation(settings)  # fails on its own when the trouble is not the cgroups
             logger.warning("programs cannot run in cgroups here (%s); memory_limit_MB applies to each process only",
                            error)
-            self.cgroups, self.memory_scope = None, "process (rlimit)"
-            check_isolation(settings)
         self.bucket = TokenBucket(settings.rate_per_s, settings.burst) if settings.rate_per_s > 0 else None
         self.slots = SlotPool(settings.num_slots, settings.max_queued)
         try:

@@ -141,12 +141,13 @@ def test_full_queue_answers_503_at_once(start_server):
     assert answers == [200, 200]
 
 
-def test_refuses_to_start_without_bwrap(monkeypatch, capsys):
+def test_refuses_to_start_without_bwrap(monkeypatch, capsys, caplog):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(IsolationError, match="apt-get install -y bubblewrap.*--unsafe-no-isolation"):
         SandboxServer(SandboxSettings(port=0))
     assert main(["sandbox", "serve", "--port", "0"]) == 2
     assert "bubblewrap (bwrap) is not installed" in capsys.readouterr().err
+    assert "cgroups" not in caplog.text  # the one reason given is the missing bwrap
 
 
 def test_unsafe_mode_runs_code_without_isolation(monkeypatch, start_server):
