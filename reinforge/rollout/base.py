@@ -48,6 +48,9 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = ""
+    keep_prefix: bool = True
+    """Native engine with prefix caching: keep this request's full KV blocks for a later request that
+    continues it (an agent's next turn). False saves the hashing when nothing will (a single-turn step)."""
 
 
 @dataclass

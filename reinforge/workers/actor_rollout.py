@@ -256,7 +256,8 @@ class ActorRolloutWorker(Worker):
                                        "first_sample": row_seed[1]})
             if per_row and "max_tokens" in batch:  # a per-sample length budget
                 params = replace(params, max_tokens=min(sampling.max_tokens, int(batch["max_tokens"][start])))
-            requests.append(GenerationRequest(tokens, params, request_id=str(uids[start])))
+            # a whole sample is never continued; a partial one is, by its next segment
+            requests.append(GenerationRequest(tokens, params, request_id=str(uids[start]), keep_prefix=per_row))
             group_sizes.append(stop - start)
             start = stop
         phases.lap("requests")

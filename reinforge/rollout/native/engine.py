@@ -359,7 +359,8 @@ class NativeEngine:
             request, sampling = state.request, state.request.sampling
             stops = frozenset() if sampling.ignore_eos else self.eos_token_ids | frozenset(sampling.stop_token_ids)
             self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, request.prompt_token_ids, sampling,
-                                        state.seed, stops, self.max_model_len, num_samples=sampling.n))
+                                        state.seed, stops, self.max_model_len, num_samples=sampling.n,
+                                        keep_prefix=request.keep_prefix))
 
     def _step(self) -> bool:
         """Run one prefill or decode step; False when there was nothing to run.

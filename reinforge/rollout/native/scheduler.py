@@ -163,7 +163,8 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         # every token but the last has its keys and values in the cache (the last is decoded next, if ever)
-        self.block_manager.free(seq.block_table, seq.token_ids, seq.num_tokens - 1, seq.block_keys, seq.cache_epoch)
+        self.block_manager.free(seq.block_table, seq.token_ids if seq.keep_prefix else None, seq.num_tokens - 1,
+                                seq.block_keys, seq.cache_epoch)
         seq.num_cached_tokens = 0
         self.free_rows.append(seq.row)
         seq.row = -1

@@ -22,8 +22,10 @@ class SequenceStatus(Enum):
 class Sequence:
     def __init__(self, seq_id: int, request_key: int, sample_index: int, prompt_token_ids: list[int],
                  sampling: SamplingParams, request_seed: int, stop_token_ids: frozenset[int], max_model_len: int,
-                 num_samples: int = 1):
+                 num_samples: int = 1, keep_prefix: bool = True):
         self.seq_id = seq_id
+        self.keep_prefix = keep_prefix
+        """Register this sequence's full blocks in the prefix cache when it is released."""
         self.request_key = request_key
         self.sample_index = sample_index
         self.token_ids = list(prompt_token_ids)
@@ -59,7 +61,7 @@ class Sequence:
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
         """Another sample of the same prompt, not yet holding blocks."""
         child = Sequence(seq_id, self.request_key, sample_index, self.token_ids, self.sampling, self.request_seed,
-                         self.stop_token_ids, self.max_num_tokens, num_samples=1)
+                         self.stop_token_ids, self.max_num_tokens, num_samples=1, keep_prefix=self.keep_prefix)
         child.block_keys = list(self.block_keys)
         child.cache_epoch = self.cache_epoch
         return child

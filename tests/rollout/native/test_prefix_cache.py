@@ -198,3 +198,13 @@ def test_a_prefill_after_a_hit_gives_a_full_prefills_logits(use_triton, tiny):
         expected = model(torch.tensor([tokens])).logits[0, -1]
     torch.testing.assert_close(partial[1], expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(runner.kv_cache[:, :, 9:11], runner.kv_cache[:, :, 2:4], atol=1e-5, rtol=0)
+
+
+def test_a_request_that_keeps_no_prefix_registers_no_blocks(qwen2, tiny):
+    """keep_prefix=False (the single-turn training step): its blocks are freed, not cached, so nothing hits."""
+    prompt = tiny.prompts([30])[0]
+    engine = make_engine(qwen2)
+    turn = engine.generate([GenerationRequest(prompt, SAMPLED, keep_prefix=False)])[0][0]
+    assert not engine.scheduler.block_manager.cached_blocks
+    engine.generate([GenerationRequest(prompt + turn.token_ids + [5], SAMPLED)])
+    assert hits(engine) == 0
