@@ -39,9 +39,19 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def _check_text(key: str, text: str) -> None:
+    """A JSON string may hold a lone surrogate (\\ud800), which no file can: a 400, not a failed run."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{key} holds {text[error.start:error.end]!r} at position {error.start}, which is not "
+                           "a character; send UTF-8 text") from None
+
+
 def _check_file_path(path: Any) -> str:
     if not isinstance(path, str) or not path:
         raise RequestError(f"files key {path!r} is not a file path; use a relative path such as 'data/input.txt'")
+    _check_text("a files key", path)
     normalized = posixpath.normpath(path)
     if path.startswith("/") or normalized == "." or normalized.startswith("..") or "\x00" in path:
         raise RequestError(f"files key {path!r} leaves the working folder; use a relative path without '..'")
@@ -74,6 +84,8 @@ class RunCodeRequest:
         stdin = body.get("stdin")
         if stdin is not None and not isinstance(stdin, str):
             raise RequestError("'stdin' must be a string or null")
+        _check_text("'code'", code)
+        _check_text("'stdin'", stdin or "")
         files = body.get("files") or {}
         if not isinstance(files, dict) or len(files) > MAX_FILES:
             raise RequestError(f"'files' must be an object of at most {MAX_FILES} path -> base64 entries")

@@ -81,6 +81,9 @@ def test_failures_follow_sandboxfusions_status_rules(client, code, language, sta
     (b'{"code": "x", "language": "python", "memory_limit_MB": 1e400}', "memory_limit_MB=inf is not a finite"),
     (b'{"code": "x", "language": "python", "files": {"a": "eA==", "a/b/c": "eA=="}}', "'a' is a file and also"),
     (b"[" * 100_000, "not JSON"),
+    (b'{"code": "print(1)\\ud800", "language": "python"}', "'code' holds '\\ud800' at position 8"),
+    (b'{"code": "x", "language": "python", "stdin": "\\udfff"}', "'stdin' holds"),
+    (b'{"code": "x", "language": "python", "files": {"\\udfff": "eA=="}}', "a files key holds"),
 ])
 def test_bad_requests_are_400_with_a_reason(sandbox_server, body, detail):
     status, answer, _ = _post(sandbox_server.url, body)
