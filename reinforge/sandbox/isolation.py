@@ -20,10 +20,12 @@ up another's process limit and no program can signal or read another's processes
 
 from __future__ import annotations
 
+import fcntl
 import os
 import resource
 import shutil
 import signal
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -111,6 +113,49 @@ def slot_identity(slot: int, settings: SandboxSettings) -> tuple[int, int] | Non
     if os.geteuid() != 0:
         return None
     return settings.uid_base + slot, settings.uid_base + slot
+
+
+UID_LOCK_FOLDERS = ("/run/lock", tempfile.gettempdir())
+MAX_UID_SHIFTS = 256
+
+
+class UidRange:
+    """An exclusive hold, for this server's life, on the user ids its slots run as (root only).
+
+    Two servers on one host with the same ids would share their programs' process limit, and
+    one's clean-up (kill every process of a slot's id) would kill the other's running program.
+    Each id is held by an flock on ``reinforge-sandbox-uid-<id>.lock``; a range with an id held by
+    another server is passed over for the next one up. The locks go with the process, even killed.
+    """
+
+    def __init__(self, wanted_base: int, count: int) -> None:
+        folder = next((path for path in UID_LOCK_FOLDERS if os.access(path, os.W_OK)), None)
+        if folder is None:
+            raise IsolationError(f"no writable folder among {', '.join(UID_LOCK_FOLDERS)} to lock sandbox user ids in")
+        self._fds: list[int] = []
+        for shift in range(MAX_UID_SHIFTS):
+            self.base = wanted_base + shift * count
+            if all(self._lock(os.path.join(folder, f"reinforge-sandbox-uid-{self.base + slot}.lock"))
+                   for slot in range(count)):
+                return
+            self.release()
+        raise IsolationError(f"user ids {wanted_base}..{self.base + count - 1} are all held by other sandbox "
+                             "servers on this host; pass --uid-base with a free range")
+
+    def _lock(self, path: str) -> bool:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fds.append(fd)
+        return True
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
 
 
 def processes_of_user(uid: int) -> list[int]:

@@ -12,9 +12,11 @@ started with ``--unsafe-no-isolation``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -23,7 +25,7 @@ from typing import Any
 
 from reinforge.sandbox.admission import QueueFull, QueueTimeout, SlotPool, TokenBucket
 from reinforge.sandbox.cgroups import SlotCgroups
-from reinforge.sandbox.isolation import IsolationError, find_bwrap
+from reinforge.sandbox.isolation import IsolationError, UidRange, find_bwrap
 from reinforge.sandbox.protocol import SANDBOX_ERROR, RequestError, RunCodeRequest, RunCodeResponse
 from reinforge.sandbox.runner import check_isolation, run_request
 from reinforge.sandbox.settings import SandboxSettings
@@ -118,34 +120,43 @@ class SandboxServer:
     """The HTTP server with its rate limit and slots; ``start()`` serves from a thread (tests), ``serve_forever()``."""
 
     def __init__(self, settings: SandboxSettings) -> None:
-        self.settings = settings
         if settings.isolation == "bubblewrap":
             find_bwrap()  # before anything is created: IsolationError saying how to install it
+        self.uids = UidRange(settings.uid_base, settings.num_slots) if os.geteuid() == 0 else None
+        if self.uids is not None and self.uids.base != settings.uid_base:
+            logger.warning("user ids from %d are held by another sandbox server; this one's slots run as %d..%d",
+                           settings.uid_base, self.uids.base, self.uids.base + settings.num_slots - 1)
+            settings = dataclasses.replace(settings, uid_base=self.uids.base)
+        self.settings = settings
         self.cgroups, why_not = SlotCgroups.create(settings.num_slots)
         self.memory_scope = "sandbox (cgroup)" if self.cgroups is not None else "process (rlimit)"
         if self.cgroups is None:
             logger.warning("memory_limit_MB and the process limit apply to each process only (%s): a program's "
                            "forked children and in-memory files are not counted together; run the server as root "
                            "on a machine with cgroups for a limit on the whole sandbox", why_not)
-        try:
-            check_isolation(settings, self.cgroups)
-        except IsolationError as error:
-            self._remove_cgroups()
-            if self.cgroups is None:
-                raise
-            self.cgroups, self.memory_scope = None, "process (rlimit)"
-            check_isolation(settings)  # fails on its own when the trouble is not the cgroups
-            logger.warning("programs cannot run in cgroups here (%s); memory_limit_MB applies to each process only",
-                           error)
         self.bucket = TokenBucket(settings.rate_per_s, settings.burst) if settings.rate_per_s > 0 else None
         self.slots = SlotPool(settings.num_slots, settings.max_queued)
         try:
+            self._check_isolation()
             self._http = _HTTPServer((settings.host, settings.port), _Handler)
-        except OSError:  # the port is taken: leave no groups behind
-            self._remove_cgroups()
+        except BaseException:  # refused, or the port is taken: leave no groups or held ids behind
+            self._release()
             raise
         self._http.sandbox = self
         self._thread: threading.Thread | None = None
+
+    def _check_isolation(self) -> None:
+        """Run the probe program; where it fails in the cgroups but runs without them, go on without (warning)."""
+        try:
+            check_isolation(self.settings, self.cgroups)
+        except IsolationError as error:
+            if self.cgroups is None:
+                raise
+            self.cgroups.remove()
+            self.cgroups, self.memory_scope = None, "process (rlimit)"
+            check_isolation(self.settings)  # fails on its own when the trouble is not the cgroups
+            logger.warning("programs cannot run in cgroups here (%s); memory_limit_MB applies to each process only",
+                           error)
 
     @property
     def url(self) -> str:
@@ -183,16 +194,19 @@ class SandboxServer:
         self._thread.start()
         return self
 
-    def _remove_cgroups(self) -> None:
+    def _release(self) -> None:
+        """Give back what the server holds on the host: its cgroups and its user ids."""
         if self.cgroups is not None:
             self.cgroups.remove()
+        if self.uids is not None:
+            self.uids.release()
 
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
         if self._thread is not None:
             self._thread.join()
-        self._remove_cgroups()
+        self._release()
 
 
 def sandbox_main(argv: list[str]) -> int:
@@ -212,7 +226,8 @@ def sandbox_main(argv: list[str]) -> int:
     serve.add_argument("--read-only-path", action="append", default=[], dest="read_only_paths",
                        help="a host folder to show read-only inside the sandbox (repeatable)")
     serve.add_argument("--uid-base", type=int, default=defaults.uid_base,
-                       help="as root, slot i runs as user uid_base + i; give each server on a host its own range")
+                       help="as root, slot i runs as user uid_base + i (ids held by another server on this host: "
+                            "the next free range)")
     serve.add_argument("--unsafe-no-isolation", action="store_true",
                        help="run without bubblewrap: programs see this machine's files and network and can "
                             "signal processes of their user (this server's, or a per-slot id when run as root); "
@@ -239,5 +254,5 @@ def sandbox_main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        server._remove_cgroups()
+        server._release()
     return 0

@@ -144,6 +144,23 @@ def test_full_queue_answers_503_at_once(start_server):
     assert answers == [200, 200]
 
 
+def test_two_servers_given_the_same_user_ids_do_not_kill_each_others_programs(start_server):
+    if os.geteuid() != 0:
+        pytest.skip("slots run as user ids of their own only when the server is root")
+    first, second = start_server(), start_server()  # the same uid_base
+    assert second.settings.uid_base >= first.settings.uid_base + first.settings.num_slots
+    answers = {}
+    running = threading.Thread(target=lambda: answers.update(long=SandboxClient(second.url).run_code(
+        "import time\nprint('started', flush=True)\ntime.sleep(2)\nprint('done')")))
+    running.start()
+    while second.slots.stats()["free_slots"] == second.settings.num_slots:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    assert SandboxClient(first.url).run_code("print(1)").run_result.stdout == "1\n"  # then cleans its slot's ids
+    running.join()
+    assert answers["long"].run_result.stdout == "started\ndone\n", answers["long"]
+
+
 def test_refuses_to_start_without_bwrap(monkeypatch, capsys, caplog):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(IsolationError, match="apt-get install -y bubblewrap.*--unsafe-no-isolation"):
