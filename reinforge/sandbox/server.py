@@ -242,6 +242,10 @@ def sandbox_main(argv: list[str]) -> int:
     except IsolationError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        print(f"error: cannot listen on {settings.host}:{settings.port} ({error.strerror or error}); "
+              "pass another --port or --host", file=sys.stderr)
+        return 2
     if settings.isolation == "none":
         logger.warning("UNSAFE: programs run without isolation, with this machine's files and network")
     logger.info("sandbox serving on %s (%s, %d slots)", server.url, settings.isolation, settings.num_slots)

@@ -53,6 +53,8 @@ class SandboxSettings:
                      "default_memory_mb", "max_memory_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is not a TCP port; use 0..65535 (0: any free port)")
         if self.max_concurrent < 0 or self.rate_per_s < 0:
             raise ValueError("max_concurrent and rate_per_s must be >= 0 (0: number of CPUs / no rate limit)")
 

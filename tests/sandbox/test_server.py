@@ -161,6 +161,14 @@ def test_two_servers_given_the_same_user_ids_do_not_kill_each_others_programs(st
     assert answers["long"].run_result.stdout == "started\ndone\n", answers["long"]
 
 
+def test_a_taken_or_impossible_port_is_one_line_naming_it(sandbox_server, capsys):
+    port = sandbox_server.url.rsplit(":", 1)[1]
+    assert main(["sandbox", "serve", "--port", port]) == 2
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use); pass another --port" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="port=99999 is not a TCP port"):
+        SandboxSettings(port=99999)
+
+
 def test_refuses_to_start_without_bwrap(monkeypatch, capsys, caplog):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(IsolationError, match="apt-get install -y bubblewrap.*--unsafe-no-isolation"):
