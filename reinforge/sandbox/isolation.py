@@ -7,8 +7,9 @@ private size-limited tmpfs at /tmp as its working folder, /proc of its own PID n
 minimal /dev, no further user namespaces, its own session, and death with its parent. The program is
 the PID namespace's init itself (``--as-pid-1``): bwrap's own init would exit without being
 reaped by bwrap, leaving a zombie on the host's PID 1 after every run (forever, where that is
-this server in a container). As init, a signal the program sends itself without a handler is
-ignored. Code
+this server in a container). That init is a shell that runs the program as its child and exits
+with its status (128 + N for signal N): as init itself, a signal without a handler (SIGTERM to
+itself, ``signal.alarm``) would be ignored, and code that relies on one would run on. Code
 and files are copied in from in-memory files (memfd), so nothing of the host's disk is
 writable or even visible beyond those binds. The server's files, the project and /etc are not
 there at all.
@@ -37,6 +38,8 @@ ETC_ENTRIES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONPATH": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
 CODE_FOLDER = "/code"
+INIT = ("/bin/sh", "-c", '"$@"; exit $?', "sandbox-init")
+"""PID 1 of each sandbox: runs the program (the arguments after it) as a child, exits with its status."""
 SHM_MB = 64
 """Size of /dev/shm (multiprocessing's locks live there); the rest of /dev is read-only."""
 WORK_FOLDER = "/tmp"

@@ -1,6 +1,6 @@
 """Run one request's program to completion, or stop it: capture, caps and the wall-clock timeout.
 
-The program is PID 1 of a PID namespace of its own; at the deadline, or once it writes more
+The program runs in a PID namespace of its own, under a shell as its init (isolation.INIT); at the deadline, or once it writes more
 than ``max_output_bytes`` to a stream, it is killed, which kills every process of the
 namespace, and bwrap reaps it and exits (bwrap's whole process group is killed if it has not
 within a grace period). As root the slot's user id is dedicated, so anything of that id still alive
@@ -23,6 +23,7 @@ from pathlib import Path
 from reinforge.sandbox.cgroups import SlotCgroups
 from reinforge.sandbox.isolation import (
     CODE_FOLDER,
+    INIT,
     SANDBOX_ENV,
     WORK_FOLDER,
     IsolationError,
@@ -224,8 +225,8 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int,
             file_fds += [(_memfd("file", content), f"{WORK_FOLDER}/{path}") for path, content in files.items()]
             status_read, status_write = os.pipe()
             opened.append(status_read)
-            argv = bwrap_command(find_bwrap(), settings, [interpreter, f"{CODE_FOLDER}/{program_file}"], file_fds,
-                                 status_write)
+            argv = bwrap_command(find_bwrap(), settings, [*INIT, interpreter, f"{CODE_FOLDER}/{program_file}"],
+                                 file_fds, status_write)
             outcome = _supervise(argv, settings, timeout_s=timeout_s, stdin_fd=stdin_fd,
                                  pass_fds=(status_write, *(fd for fd, _ in file_fds)), status_fd=status_read,
                                  cwd=None, env=SANDBOX_ENV, preexec=preexec)

@@ -189,6 +189,18 @@ def test_unsafe_mode_runs_code_without_isolation(monkeypatch, start_server):
     assert status == 200 and body["run_result"]["stdout"] == "host file\n"
 
 
+@pytest.mark.parametrize(("code", "return_code"), [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('ran on')", 128 + 15),
+    ("import signal, time\nsignal.alarm(1)\ntime.sleep(5)\nprint('ran on')", 128 + 14),
+])
+def test_a_signal_the_program_sends_itself_ends_it_as_on_any_machine(client, code, return_code):
+    started = time.monotonic()
+    response = client.run_code(code, run_timeout=5)
+    assert (response.status, response.run_result.status, response.run_result.return_code) == (
+        "Failed", "Finished", return_code), response
+    assert "ran on" not in response.run_result.stdout and time.monotonic() - started < 3
+
+
 def test_a_program_that_closes_its_output_still_meets_its_deadline(client):
     code = "import os, time\nprint('before', flush=True)\nos.close(1)\nos.close(2)\ntime.sleep(30)\n"
     response = client.run_code(code, run_timeout=1)
