@@ -38,8 +38,11 @@ class Backend(Protocol):
         """Run ``worker.method_name(*args, **kwargs)`` on one member."""
         ...
 
-    def shutdown(self) -> None:
-        """Release the members; calls still running may finish in the background."""
+    def shutdown(self, wait_s: float | None = 60.0) -> None:
+        """Release the members; calls still running may finish in the background.
+
+        ``wait_s``: how long to wait for a member's running call to end (local threads).
+        """
         ...
 
 
@@ -133,8 +136,12 @@ class LocalBackend:
 
         return self._threads[member_index].submit(call)
 
-    def shutdown(self) -> None:
-        """Queued calls still run; then each member drops its worker and its thread ends."""
+    def shutdown(self, wait_s: float | None = 60.0) -> None:
+        """Queued calls still run; then each member drops its worker and its thread ends.
+
+        Each member's thread is waited for at most ``wait_s`` seconds (a stopped run passes a
+        short wait: its process then ends with the thread, see ``reinforge.stop_signals``).
+        """
         if self._stopped:
             return
         self._stopped = True
@@ -144,4 +151,4 @@ class LocalBackend:
 
         for rank, thread in enumerate(self._threads):
             thread.submit(lambda rank=rank: release(rank))
-            thread.stop()
+            thread.stop(wait_s)

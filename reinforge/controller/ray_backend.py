@@ -105,7 +105,8 @@ class RayBackend:
         ref = self._hosts()[member_index].call.remote(self.role, method_name, tuple(kwargs), *values)
         return self._future(member_index, method_name, ref)
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float | None = 60.0) -> None:
+        """Drop this role's workers on their hosts (``wait_s`` is for local threads; Ray does not wait)."""
         if self.placed is None:
             return
         placed, self.placed = self.placed, None

@@ -134,8 +134,9 @@ class WorkerGroup:
         for method_name, spec in self.methods.items():
             setattr(self, method_name, GroupMethod(self, method_name, spec, timeout_s))
 
-    def shutdown(self) -> None:
-        self.backend.shutdown()
+    def shutdown(self, wait_s: float | None = 60.0) -> None:
+        """Release the workers, waiting at most ``wait_s`` seconds for a call still running on a local member."""
+        self.backend.shutdown(wait_s)
 
     def __repr__(self) -> str:
         return (f"WorkerGroup({self.worker_cls.__name__}, name={self.name!r}, num_members={self.num_members}, "

@@ -321,22 +321,34 @@ class RLTrainer(TrainingRun):
                 next_batch = self.mode.next_batch
             return self.run_steps(next_batch, test_every=config.test_every, save_every=config.save_every,
                                   validate_first=config.val_before_train)
+        except KeyboardInterrupt:  # SIGTERM or Ctrl-C: do not wait for a long call (a slow scorer) to end
+            self.close(wait_s=STOP_WAIT_S)
+            raise
         finally:
             self.close()
 
-    def close(self) -> None:
-        """Stop the worker groups (their processes, on Ray) and flush the trackers."""
+    def close(self, wait_s: float | None = 60.0) -> None:
+        """Stop the worker groups (their processes, on Ray) and flush the trackers; a second call does nothing.
+
+        ``wait_s``: how long each local worker's running call may take to end.
+        """
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if self.mode is not None:
             self.mode.stop()
         reference = self.reference if self.reference is not self.actor_rollout else None
         for group in (self.actor_rollout, reference, self.critic, self.reward, self.rollout):
             if group is not None:
-                group.shutdown()
+                group.shutdown(wait_s)
         self.tracker.close()
         self.release_run_folder()
 
 
 ROLES = ("actor_rollout", "ref", "critic", "reward", "rollout")
+STOP_WAIT_S = 2.0
+"""After SIGTERM or Ctrl-C, how long a worker's running call (a step, a batch of slow scorers) may take to end."""
+
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "critic.enable", "algorithm.adv_estimator",
                   "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
                   "trainer.seed", "trainer.mode")

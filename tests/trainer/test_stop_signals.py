@@ -127,3 +127,39 @@ def test_a_busy_scorer_process_dies_with_a_trainer_killed_by_sigkill(tmp_path):
     trainer.kill()
     trainer.wait()
     assert wait_until(lambda: not alive(children), 5), alive(children)
+
+
+SLOW_SCORER = """
+import pathlib, time
+
+def compute_score(solution_str, ground_truth, extra_info=None):
+    pathlib.Path(__file__).with_name("scoring").touch()
+    time.sleep(30)
+    return 0.0
+"""
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_sigterm_during_slow_scoring_stops_within_seconds(rl_args, tmp_path, num_workers):
+    """A step's scoring (16 samples of 30 s each) is not waited for: the run stops within seconds."""
+    scorer = tmp_path / "slow.py"
+    scorer.write_text(SLOW_SCORER)
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"reward.custom_function": f"{scorer}:compute_score", "reward.num_workers": num_workers,
+                               "reward.timeout_s": 600})
+    process = subprocess.Popen([sys.executable, "-m", "reinforge", "train", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert wait_until(lambda: (tmp_path / "scoring").exists() or process.poll() is not None, 180)
+        assert process.poll() is None
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+        assert time.monotonic() - started < 10, stderr[-2000:]
+        assert process.returncode == 130, stderr[-3000:]
+        assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+        assert not (run_dir / ".lock").exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
