@@ -115,7 +115,7 @@ def checkpoint_problem(folder: Path, *, hashes: bool = True) -> str | None:
     return None
 
 
-_FULL_DISK_WORDS = ("no space left on device", "storagefull", "file write failed")
+_FULL_DISK_WORDS = ("no space left on device", "storagefull", "file write failed", "unexpected pos")
 _NEARLY_FULL_BYTES = 64 * 2**20
 
 
@@ -123,7 +123,8 @@ def _disk_full(error: BaseException, folder: Path) -> OSError | None:
     """The full-disk error behind ``error`` (through causes, e.g. a worker group's WorkerCallError), if any.
 
     torch.save and safetensors report a full disk in their own words (``file write failed``,
-    ``StorageFull``) rather than as ENOSPC; those count when the disk of ``folder`` is nearly full.
+    ``unexpected pos 64 vs 0``, ``StorageFull``) rather than as ENOSPC; those count when the disk
+    of ``folder`` is nearly full (check before removing what was written).
     """
     chain: list[BaseException] = []
     seen: BaseException | None = error
@@ -181,8 +182,8 @@ class CheckpointManager:
             torch.save(trainer_state, temporary / "trainer_state.pt")
             seal(temporary, step)
         except BaseException as error:
+            full = _disk_full(error, self.root)  # while the written files still fill the disk
             shutil.rmtree(temporary, ignore_errors=True)
-            full = _disk_full(error, self.root)
             if full is not None:
                 where = full.filename or temporary
                 raise DiskFullError(errno.ENOSPC, f"no space left on device while writing {where} (checkpoint of step "

@@ -99,6 +99,31 @@ def test_a_full_disk_is_one_line_and_leaves_no_temporary_folder(tmp_path):
     assert manager.resolve("auto") == manager.root / "step_000001"
 
 
+def test_torch_saves_own_full_disk_error_is_recognised_before_the_written_files_are_removed(tmp_path, monkeypatch):
+    """torch.save on a full disk raises RuntimeError('... unexpected pos 64 vs 0'), not ENOSPC; the disk is
+    nearly full only until the temporary folder's files are removed."""
+    import shutil
+
+    from reinforge.trainer import checkpoint
+
+    manager = saved_run(tmp_path, steps=1)
+    usage = shutil.disk_usage
+
+    def disk_usage(path):
+        filled = any(manager.root.glob(".tmp-*/big.bin"))
+        return usage(path)._replace(free=1024 if filled else 2**40)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+
+    def full_disk(folder: Path) -> None:
+        (folder / "big.bin").write_bytes(b"0" * 1024)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    with pytest.raises(OSError, match=r"no space left on device while writing .*step 2"):
+        manager.save(2, full_disk, {"step": 2})
+    assert not list(manager.root.glob(".tmp-*"))
+
+
 def test_a_second_run_on_a_locked_folder_is_refused_and_a_dead_owner_is_taken_over(tmp_path, caplog):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read()"], stdin=subprocess.PIPE)
     (tmp_path / ".lock").write_text(f"{holder.pid}\n")
