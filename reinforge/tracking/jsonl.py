@@ -7,6 +7,8 @@ checkpoint are dropped so that the files stay exact (a resumed step is logged ag
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import warnings
@@ -19,10 +21,23 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
 
+class LogWriteError(OSError):
+    """A failed write of a log line, naming the file; reads as its message alone (no "[Errno 28]")."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def append_json_line(handle: IO[str], record: dict[str, Any]) -> None:
-    handle.write(json.dumps(record, default=str) + "\n")
-    handle.flush()
-    os.fsync(handle.fileno())
+    try:
+        handle.write(json.dumps(record, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise LogWriteError(errno.ENOSPC, f"no space left on device while writing {handle.name}; free space there "
+                                          "and run the same command to resume", handle.name) from error
 
 
 def read_json_lines(path: Path) -> list[dict[str, Any]]:
@@ -94,7 +109,10 @@ class JsonlBackend(TrackingBackend):
         self._metrics = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115
 
     def close(self) -> None:
-        self._metrics.close()
+        # every whole line is already on disk; a close can only fail on the rest of a line a full disk cut
+        with contextlib.suppress(OSError):
+            self._metrics.close()
         if self._samples is not None:
-            self._samples.close()
+            with contextlib.suppress(OSError):
+                self._samples.close()
             self._samples = None

@@ -1,0 +1,36 @@
+"""metrics.jsonl / samples.jsonl on a full disk: one line naming the file."""
+
+from __future__ import annotations
+
+import errno
+import io
+
+import pytest
+
+from reinforge.tracking.jsonl import append_json_line
+
+
+class FullDisk(io.StringIO):
+    name = "/runs/x/metrics.jsonl"
+
+    def flush(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_names_the_log_file():
+    with pytest.raises(OSError) as raised:
+        append_json_line(FullDisk(), {"step": 1})
+    assert raised.value.errno == errno.ENOSPC
+    assert str(raised.value) == ("no space left on device while writing /runs/x/metrics.jsonl; free space there "
+                                 "and run the same command to resume")
+
+
+def test_other_write_errors_pass_through():
+    class ReadOnly(io.StringIO):
+        name = "/runs/x/metrics.jsonl"
+
+        def flush(self) -> None:
+            raise OSError(errno.EROFS, "Read-only file system")
+
+    with pytest.raises(OSError, match=r"\[Errno 30\] Read-only file system"):
+        append_json_line(ReadOnly(), {"step": 1})
