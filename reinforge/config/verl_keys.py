@@ -148,9 +148,10 @@ def _custom_function(value: Any, given: Mapping[str, Any]) -> Any:
 
 
 def _custom_function_name(value: Any, given: Mapping[str, Any]) -> Any:
-    if given.get("custom_reward_function.path") is None and given.get("reward.custom_reward_function.path") is None:
+    path = given.get("custom_reward_function.path") or given.get("reward.custom_reward_function.path")
+    if path is None:
         raise NoEquivalentValue("without custom_reward_function.path verl ignores it too")
-    return UNSET  # joined to the path: reward.custom_function=path:name
+    return _custom_function(path, given)  # joined to the path: reward.custom_function=path:name
 
 
 TRACKERS = {"console": "console", "file": "jsonl", "tensorboard": "tensorboard", "wandb": "wandb",

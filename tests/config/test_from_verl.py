@@ -196,6 +196,13 @@ def test_verl_0_9_1_reward_section_and_lora_translate():
     assert translation.tree["model"]["lora"] == {"rank": 8, "alpha": 16}
 
 
+def test_custom_reward_function_name_reports_the_joined_function():
+    translation = translate_verl(["custom_reward_function.path=/r/s.py", "custom_reward_function.name=foo"])
+    lines = {line.verl_key: line for line in translation.translated}
+    assert lines["custom_reward_function.name"].our_value == "/r/s.py:foo"
+    assert translation.tree["reward"] == {"custom_function": "/r/s.py:foo"}
+
+
 def test_verl_megatron_script_forms_translate():
     """Hydra's --config-path/--config-name, Megatron keys and a stray shell `\\ ` (a lone space word)."""
     translation = translate_verl(["--config-path=config", "--config-name=ppo_megatron_trainer.yaml", " ",
