@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,7 +69,8 @@ def format_run(response: RunCodeResponse) -> tuple[str, dict[str, float]]:
 
 class CodeInterpreterTool(BaseTool):
     """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (-1: the server's default), max_retries (5),
-    max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories)."""
+    max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories), call_timeout_s
+    (run_timeout_s + 40: the most one call takes from ``execute`` to its answer, a wait for a free thread included)."""
 
     def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
         super().__init__(config, schema or SCHEMA)
@@ -79,15 +81,23 @@ class CodeInterpreterTool(BaseTool):
         self.client = SandboxClient(str(url), max_retries=int(self.config.get("max_retries", 5)))
         self.run_timeout_s = float(self.config.get("run_timeout_s", 10.0))
         self.memory_limit_mb = int(self.config.get("memory_limit_mb", -1))
+        self.call_timeout_s = float(self.config.get("call_timeout_s", self.run_timeout_s + 40.0))
         self._executor = ThreadPoolExecutor(int(self.config.get("max_concurrent_calls", 64)),
                                             thread_name_prefix="code-interpreter")
+
+    def _call(self, code: str, deadline: float) -> RunCodeResponse:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return RunCodeResponse("SandboxError", f"no answer within {self.call_timeout_s:.1f}s: every one of the "
+                                                   "tool's sandbox calls was busy")
+        return self.client.run_code(strip_code_fence(code), run_timeout=self.run_timeout_s,
+                                    memory_limit_mb=self.memory_limit_mb, timeout_s=remaining)
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():
             return ToolResult("code_interpreter needs a non-empty 'code' string argument.", 0.0, {"tool_error": 1.0})
-        response = await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: self.client.run_code(strip_code_fence(code), run_timeout=self.run_timeout_s,
-                                                         memory_limit_mb=self.memory_limit_mb))
+        deadline = time.monotonic() + self.call_timeout_s  # counted from now: queueing for a thread is part of it
+        response = await asyncio.get_running_loop().run_in_executor(self._executor, self._call, code, deadline)
         text, metrics = format_run(response)
         return ToolResult(text, None, metrics)

@@ -6,7 +6,9 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -59,6 +61,24 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
     assert result.metrics == {"tool_error": 1.0, "sandbox_error": 1.0}
     with pytest.raises(ValueError, match="needs config.sandbox_url"):
         CodeInterpreterTool({})
+
+
+def test_calls_queued_behind_busy_ones_still_answer_by_their_own_deadline():
+    listener = socket.socket()  # accepts and never answers
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    tool = CodeInterpreterTool({"sandbox_url": f"http://127.0.0.1:{listener.getsockname()[1]}",
+                                "max_concurrent_calls": 1, "call_timeout_s": 1.0})
+
+    async def three_at_once():
+        return await asyncio.gather(*(tool.execute(f"instance-{index}", {"code": "print(1)"}) for index in range(3)))
+
+    started = time.monotonic()
+    results = asyncio.run(three_at_once())
+    assert time.monotonic() - started < 1.8  # not three deadlines one after another
+    assert all(result.text.startswith("The code was not run: ") for result in results)
+    assert "no answer within 1.0s" in results[0].text
+    listener.close()
 
 
 def test_code_fences_are_stripped_only_when_they_wrap_the_code():
