@@ -114,7 +114,8 @@ class RunCodeRequest:
             if content is None:
                 continue
             try:
-                decoded[_check_file_path(path)] = base64.b64decode(content, validate=True)
+                # line breaks and spaces are allowed (`base64` wraps at 76 columns); anything else outside the alphabet is not
+                decoded[_check_file_path(path)] = base64.b64decode("".join(content.split()), validate=True)
             except binascii.Error:
                 raise RequestError(f"files[{path!r}] is not valid base64") from None
         return decoded

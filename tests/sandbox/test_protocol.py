@@ -39,8 +39,9 @@ def test_fetch_files_is_refused_not_ignored():
 
 
 def test_file_paths_are_normalised_and_kept_inside():
-    request = RunCodeRequest.from_json({"code": "x", "language": "python", "files": {"a/./b.txt": "aGk=", "c": None}})
-    assert request.decoded_files() == {"a/b.txt": b"hi"}
+    request = RunCodeRequest.from_json({"code": "x", "language": "python", "files": {"a/./b.txt": "aGk=", "c": None,
+                                                                                   "wrapped": "aGVs\nbG8=\n"}})
+    assert request.decoded_files() == {"a/b.txt": b"hi", "wrapped": b"hello"}
     for bad in ("/abs", "..", "a/../../b", "", "."):
         with pytest.raises(RequestError):
             RunCodeRequest.from_json({"code": "x", "language": "python", "files": {bad: "aGk="}})
