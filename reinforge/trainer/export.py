@@ -39,7 +39,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
                       force: bool = False) -> Path:
     """Write ``out_dir`` as an HF model folder; a non-empty ``out_dir`` is refused unless ``force``."""
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file, not a folder; choose a folder for the model (it may not exist yet)")
+    if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} already exists and is not empty; pick an empty folder or pass --force to "
                               "write over it")
     folder = resolve_checkpoint(checkpoint)

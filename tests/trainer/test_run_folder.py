@@ -112,6 +112,10 @@ def test_export_refuses_a_non_empty_folder_unless_forced(rl_args, tmp_path, caps
     assert "not empty" in capsys.readouterr().err and (out / "notes.txt").is_file()
     assert main(["export", str(run_dir), str(out), "--force"]) == 0
     assert (out / "config.json").is_file()
+    (tmp_path / "model.bin").write_bytes(b"")
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(tmp_path / "model.bin")]) == 2
+    assert "model.bin is a file, not a folder" in capsys.readouterr().err
 
 
 ALWAYS_RAISES = '''
