@@ -35,8 +35,11 @@ from reinforge.sandbox.settings import SandboxSettings
 SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 """Host folders a program needs to start an interpreter; on a merged-/usr system all but /usr are links."""
 ETC_ENTRIES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
+BLAS_THREADS = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+"""numpy's BLAS would start a thread per host CPU at import: on a 128-core host that is past the
+64-process limit (threads count) and the import fails; one program, one thread."""
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONPATH": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg"}
+               "PYTHONPATH": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", **BLAS_THREADS}
 CODE_FOLDER = "/code"
 INIT = ("/bin/sh", "-c", '"$@"; exit $?', "sandbox-init")
 """PID 1 of each sandbox: runs the program (the arguments after it) as a child, exits with its status."""

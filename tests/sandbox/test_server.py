@@ -201,6 +201,12 @@ def test_a_signal_the_program_sends_itself_ends_it_as_on_any_machine(client, cod
     assert "ran on" not in response.run_result.stdout and time.monotonic() - started < 3
 
 
+def test_blas_libraries_start_one_thread_not_one_per_host_cpu(client):
+    """Threads count against the 64-process limit: OpenBLAS's thread per CPU would fail numpy's import on a big host."""
+    code = "import os\nprint([os.environ.get(name) for name in ('OMP_NUM_THREADS', 'OPENBLAS_NUM_THREADS')])"
+    assert client.run_code(code).run_result.stdout == "['1', '1']\n"
+
+
 def test_a_program_that_closes_its_output_still_meets_its_deadline(client):
     code = "import os, time\nprint('before', flush=True)\nos.close(1)\nos.close(2)\ntime.sleep(30)\n"
     response = client.run_code(code, run_timeout=1)
