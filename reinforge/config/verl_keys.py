@@ -140,6 +140,15 @@ def _resume_path(value: Any, given: Mapping[str, Any]) -> Any:
     return value
 
 
+def _loss_mode(value: Any, given: Mapping[str, Any]) -> Any:
+    if value != "bypass_mode":
+        return value
+    if given.get("algorithm.rollout_correction.bypass_mode") is True:
+        return UNSET  # verl's own choice under bypass_mode; ours follows algorithm.rollout_correction.bypass_mode
+    raise NoEquivalentValue("verl's bypass loss runs with algorithm.rollout_correction.bypass_mode=true, which "
+                            "selects it by itself (reinforge likewise); set that instead")
+
+
 def _custom_function(value: Any, given: Mapping[str, Any]) -> Any:
     if value is None:
         return UNSET
@@ -351,7 +360,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.clip_ratio_c": Rename("actor.policy_loss.clip_ratio_c"),
     f"{_ACTOR}.tau_pos": Rename("actor.policy_loss.tau_pos"),
     f"{_ACTOR}.tau_neg": Rename("actor.policy_loss.tau_neg"),
-    f"{_ACTOR}.policy_loss.loss_mode": Rename("actor.policy_loss.loss_mode"),
+    f"{_ACTOR}.policy_loss.loss_mode": Rename("actor.policy_loss.loss_mode", _loss_mode),
     f"{_ACTOR}.policy_loss.clip_cov_ratio": Rename("actor.policy_loss.clip_cov_ratio"),
     f"{_ACTOR}.policy_loss.clip_cov_lb": Rename("actor.policy_loss.clip_cov_lb"),
     f"{_ACTOR}.policy_loss.clip_cov_ub": Rename("actor.policy_loss.clip_cov_ub"),

@@ -196,6 +196,15 @@ def test_verl_0_9_1_reward_section_and_lora_translate():
     assert translation.tree["model"]["lora"] == {"rank": 8, "alpha": 16}
 
 
+def test_loss_mode_bypass_mode_is_algorithm_rollout_correction_bypass_mode():
+    translation = translate_verl(["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+                                  "algorithm.rollout_correction.bypass_mode=true"])
+    assert translation.tree["algorithm"]["rollout_correction"] == {"bypass_mode": True}
+    assert "policy_loss" not in translation.tree.get("actor", {})
+    alone = translate_verl(["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"])
+    assert "bypass_mode=true" in alone.no_equivalent[0].reason
+
+
 def test_custom_reward_function_name_reports_the_joined_function():
     translation = translate_verl(["custom_reward_function.path=/r/s.py", "custom_reward_function.name=foo"])
     lines = {line.verl_key: line for line in translation.translated}
