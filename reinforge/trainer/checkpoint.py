@@ -263,16 +263,17 @@ class CheckpointManager:
         return target
 
     def _set_aside_newer_than(self, chosen: Path) -> None:
-        """Resuming this run from an older checkpoint by path: its newer checkpoints are kept, renamed."""
+        """Resuming by path from an older checkpoint (this run's or another's): this run's newer checkpoints,
+        which training would write over, are kept, renamed."""
         match = _STEP_NAME.match(chosen.name)
-        if match is None or chosen.resolve().parent != self.root.resolve():
-            return
+        chosen_step = int(match.group(1)) if match is not None else int(load_trainer_state(chosen)["step"])
+        ours = chosen.resolve().parent == self.root.resolve()
         for folder in self.step_folders():
             step = _STEP_NAME.match(folder.name)
-            if step is not None and int(step.group(1)) > int(match.group(1)):
+            if step is not None and int(step.group(1)) > chosen_step:
                 kept = self._set_aside(folder, "superseded")
                 logger.warning("resuming from the older %s: the newer %s is kept as %s, not written over",
-                               chosen.name, folder.name, kept.name)
+                               chosen.name if ours else chosen, folder.name, kept.name)
 
     def _check_pointer(self, chosen: Path) -> None:
         pointer = self.root / "latest"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,4 +153,17 @@ def test_resuming_an_older_checkpoint_by_path_keeps_the_newer_ones_aside(tmp_pat
     assert [path.name for path in manager.step_folders()] == ["step_000001"]
     assert sorted(path.name for path in manager.root.glob("*.superseded")) == ["step_000002.superseded",
                                                                              "step_000003.superseded"]
+    assert "not written over" in caplog.text
+
+
+def test_resuming_from_another_runs_checkpoint_keeps_this_runs_newer_ones_aside(tmp_path, caplog):
+    this_run = saved_run(tmp_path / "this")
+    other = saved_run(tmp_path / "other", steps=1)
+    copied = tmp_path / "elsewhere" / "my_ckpt"  # a name without the step: read from trainer_state.pt
+    shutil.copytree(other.root / "step_000001", copied)
+    with caplog.at_level(logging.WARNING):
+        assert this_run.resolve(str(copied)) == copied
+    assert [path.name for path in this_run.step_folders()] == ["step_000001"]
+    assert sorted(path.name for path in this_run.root.glob("*.superseded")) == ["step_000002.superseded",
+                                                                              "step_000003.superseded"]
     assert "not written over" in caplog.text
