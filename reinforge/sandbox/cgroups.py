@@ -89,15 +89,19 @@ class SlotCgroups:
         _remove_stale(list(dict.fromkeys(hierarchy.folder for hierarchy in hierarchies)))
         name = f"reinforge-sandbox-{os.getpid()}-{next(_SERVERS)}"
         self._tops = list(dict.fromkeys(hierarchy.folder / name for hierarchy in hierarchies))
-        for top in self._tops:
-            top.mkdir(exist_ok=True)
-            if self.v2:  # v2: controllers are handed down explicitly; the top group holds no process itself
-                _write(self._memory.folder / "cgroup.subtree_control", "+memory +pids")
-                _write(top / "cgroup.subtree_control", "+memory +pids")
         self._slots = [[top / f"slot-{slot}" for top in self._tops] for slot in range(num_slots)]
-        for folders in self._slots:
-            for folder in folders:
-                folder.mkdir(exist_ok=True)
+        try:
+            for top in self._tops:
+                top.mkdir(exist_ok=True)
+                if self.v2:  # v2: controllers are handed down explicitly; the top group holds no process itself
+                    _write(self._memory.folder / "cgroup.subtree_control", "+memory +pids")
+                    _write(top / "cgroup.subtree_control", "+memory +pids")
+            for folders in self._slots:
+                for folder in folders:
+                    folder.mkdir(exist_ok=True)
+        except OSError:  # leave nothing half made behind
+            _remove_groups([folder for folders in self._slots for folder in folders] + self._tops, wait_s=0.0)
+            raise
         self._oom_before = [0] * num_slots
 
     @classmethod
@@ -109,8 +113,11 @@ class SlotCgroups:
             hierarchies = _hierarchies()
             if hierarchies is None:
                 return None, f"no cgroup hierarchy with the memory and pids controllers under {CGROUP_ROOT}"
-            return cls(hierarchies, num_slots), ""
         except OSError as error:
+            return None, f"cannot read the cgroup hierarchies: {error}"
+        try:
+            return cls(hierarchies, num_slots), ""
+        except OSError as error:  # e.g. cgroup v2 refusing controllers below a group that holds processes
             return None, f"cannot create cgroups: {error}"
 
     def _folder(self, slot: int, hierarchy: _Hierarchy) -> Path:
@@ -124,7 +131,8 @@ class SlotCgroups:
         limit_file, swap_file = self._memory.limit_files
         if self.v2:
             _write(memory / limit_file, limit)
-            _write(memory / swap_file, "0")
+            if (memory / swap_file).exists():  # absent where swap is not accounted
+                _write(memory / swap_file, "0")
         else:  # v1: the limit with swap may never be below the plain limit; write in the order that keeps it so
             try:
                 _write(memory / limit_file, limit)

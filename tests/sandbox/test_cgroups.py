@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
+from reinforge.sandbox import cgroups as cgroup_module
 from reinforge.sandbox.cgroups import SlotCgroups
 
 
@@ -41,3 +43,14 @@ def test_groups_of_a_killed_server_are_removed_by_the_next():
     cgroups, _ = SlotCgroups.create(num_slots=1)
     cgroups.remove()
     assert not any(top.exists() for top in stale)
+
+
+def test_groups_half_made_when_creation_fails_are_removed(tmp_path):
+    hierarchies = cgroup_module._hierarchies() if os.geteuid() == 0 else None
+    if hierarchies is None or hierarchies[0].folder == hierarchies[1].folder:
+        pytest.skip("needs root and cgroup v1's separate memory and pids hierarchies")
+    before = set(hierarchies[0].folder.glob("reinforge-sandbox-*"))
+    broken = [hierarchies[0], dataclasses.replace(hierarchies[1], folder=tmp_path / "no-such-hierarchy")]
+    with pytest.raises(OSError):
+        SlotCgroups(broken, num_slots=2)  # the memory groups are made, then the pids ones fail
+    assert set(hierarchies[0].folder.glob("reinforge-sandbox-*")) == before
