@@ -140,12 +140,19 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
 def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[str, Any]) -> Any:
     _check_keys(tree, source, known)
     for dotted, value in _flatten(tree, known):
+        if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
+            value = [value]  # data.train_files=/x.parquet, as verl (and Hydra's users) write one file
         try:
             OmegaConf.update(base, dotted, value, merge=True)
         except OmegaConfBaseException as error:
             expected = _type_name(known[dotted]) if dotted in known else "another type"
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}") from error
     return base
+
+
+def _is_list_of_str(annotation: Any) -> bool:
+    inner = _unwrap_optional(annotation) if annotation is not None else None
+    return typing.get_origin(inner) is list and typing.get_args(inner) == (str,)
 
 
 def _flatten(tree: Mapping[str, Any], known: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:

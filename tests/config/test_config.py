@@ -210,3 +210,11 @@ def test_lower_upper_thresholds_stay_text(tmp_path):
     config = load_config(None, ["trainer.total_steps=1_000", "algorithm.rollout_correction.rollout_is_threshold=3"])
     assert config.trainer.total_steps == 1000
     assert config.algorithm.rollout_correction.rollout_is_threshold == "3"
+
+
+def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
+    """data.train_files=/x.parquet (verl's habit) on our command line and in YAML."""
+    config = load_config(None, ["data.train_files=/x.parquet", "trainer.loggers=jsonl"], validate=False)
+    assert config.data.train_files == ["/x.parquet"] and config.trainer.loggers == ["jsonl"]
+    (tmp_path / "run.yaml").write_text("data:\n  val_files: /v.parquet\n")
+    assert load_config(tmp_path / "run.yaml", validate=False).data.val_files == ["/v.parquet"]
