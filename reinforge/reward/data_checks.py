@@ -68,9 +68,10 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
             given.add("ground_truth")
         missing = sorted(needs[scorer] - given)
         if "ground_truth" in missing:
+            advice = (" or give the function's ground_truth a default if it can score without one"
+                      if config.custom_function else "")
             raise ValueError(f"{where} has no reward_model.ground_truth, which {_scorer_name(config, example.data_source)} "
-                             "needs; add reward_model: {ground_truth: ...} to the row, or give the function's "
-                             "ground_truth a default if it can score without one")
+                             f"needs; add reward_model: {{ground_truth: ...}} to the row{advice}")
         if missing:
             kind = "TRL's kind: columns are passed by name" if takes_completions(scorer) else "columns are passed by name"
             raise ValueError(f"{where} has no column {missing[0]!r} (or it is null), which {_scorer_name(config, example.data_source)} "

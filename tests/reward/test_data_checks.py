@@ -73,9 +73,10 @@ def test_every_row_needs_a_ground_truth_unless_the_function_takes_none(tmp_path,
     with pytest.raises(ValueError) as error:
         check(tmp_path, byte_tokenizer, [row(), row(ground_truth=None)])
     assert str(error.value) == (f"row 1 of {tmp_path / 'train.parquet'} has no reward_model.ground_truth, which the "
-                                "'arithmetic' scorer needs; add reward_model: {ground_truth: ...} to the row, or give "
-                                "the function's ground_truth a default if it can score without one")
-    with pytest.raises(ValueError, match=r"which reward.custom_function compute_score in .*rewards.py needs"):
+                                "'arithmetic' scorer needs; add reward_model: {ground_truth: ...} to the row")
+    with pytest.raises(ValueError, match=r"which reward.custom_function compute_score in .*rewards.py needs; add "
+                                         r"reward_model: \{ground_truth: ...\} to the row, or give the function's "
+                                         r"ground_truth a default if it can score without one"):
         check(tmp_path, byte_tokenizer, [row(ground_truth=None)], str(rewards_file))
     check(tmp_path, byte_tokenizer, [row(ground_truth=None, answer="2")], f"{rewards_file}:trl_reward")
 
