@@ -68,7 +68,7 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
             given.add("ground_truth")
         missing = sorted(needs[scorer] - given)
         if "ground_truth" in missing:
-            advice = (" or give the function's ground_truth a default if it can score without one"
+            advice = (", or give the function's ground_truth a default if it can score without one"
                       if config.custom_function else "")
             raise ValueError(f"{where} has no reward_model.ground_truth, which {_scorer_name(config, example.data_source)} "
                              f"needs; add reward_model: {{ground_truth: ...}} to the row{advice}")
