@@ -42,26 +42,43 @@ def _still_serving(client) -> None:
     assert response.run_result.stdout == "alive\n" and time.monotonic() - started < 3
 
 
-def test_connect_to_host_listener(client):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    listener.setblocking(False)
-    port = listener.getsockname()[1]
+def test_connect_to_host_listener(client, tmp_path):
+    """Host listeners on 127.0.0.1, on ::1, on a unix socket path and an abstract unix name: none is reached."""
+    listeners = []
+    for family, address in [(socket.AF_INET, ("127.0.0.1", 0)), (socket.AF_INET6, ("::1", 0)),
+                            (socket.AF_UNIX, str(tmp_path / "host.sock")),
+                            (socket.AF_UNIX, f"\0reinforge-attack-{uuid.uuid4().hex}")]:
+        listener = socket.socket(family)
+        try:
+            listener.bind(address)
+        except OSError:  # no IPv6 on this host
+            listener.close()
+            continue
+        listener.listen()
+        listener.setblocking(False)
+        listeners.append(listener)
+    (tmp_path / "host.sock").chmod(0o777)
+    targets = [(listener.family, listener.getsockname()) for listener in listeners]
+    targets += [(socket.AF_INET, ("1.1.1.1", 53)), (socket.AF_INET, ("8.8.8.8", 443)),
+                (socket.AF_INET6, ("2606:4700:4700::1111", 53))]
     code = f"""
 import socket
-for address in [("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)]:
+for family, address in {[(int(family), address[:2] if isinstance(address, tuple) else address)
+                          for family, address in targets]!r}:
     try:
-        socket.create_connection(address, timeout=1).close()
+        connection = socket.socket(family)
+        connection.settimeout(1)
+        connection.connect(tuple(address) if isinstance(address, list) else address)
         print("CONNECTED", address)
     except OSError as error:
         print("BLOCKED", address, error)
 """
-    response = client.run_code(code, run_timeout=5)
-    with pytest.raises(BlockingIOError):
-        listener.accept()  # nothing ever connected
-    listener.close()
-    assert response.run_result.stdout.count("BLOCKED") == 3, response
+    response = client.run_code(code, run_timeout=10)
+    for listener in listeners:
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+        listener.close()
+    assert response.run_result.stdout.count("BLOCKED") == len(targets), response
     assert "CONNECTED" not in response.run_result.stdout
 
 
