@@ -32,6 +32,12 @@ def _in_range(key: str, value: float, low: float, high: float) -> None:
         raise ConfigError(f"{key}={value} is out of range; it must be between {low:g} and {high:g}")
 
 
+def _grad_clip(key: str, value: float) -> None:
+    if not value > 0:  # clip_grad_norm_ with a negative bound flips every gradient's sign; also nan
+        raise ConfigError(f"{key}={value} must be positive: the largest gradient norm kept (1.0 is usual; a "
+                          "large value such as 1e9 effectively turns clipping off)")
+
+
 def validate_optim(prefix: str, optim: OptimConfig) -> None:
     """Learning rate, warmup and schedule of the optimizer section at ``prefix`` (actor.optim, optim, ...)."""
     if not optim.lr >= 0:  # also nan
@@ -81,6 +87,7 @@ def validate_sft_config(config: SFTConfig) -> None:
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
     validate_run(trainer)
     validate_optim("optim", config.optim)
+    _grad_clip("trainer.grad_clip", trainer.grad_clip)
 
 
 def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:
@@ -120,6 +127,13 @@ def validate_config(config: Config) -> None:
     validate_run(trainer)
     validate_optim("actor.optim", actor.optim)
     validate_optim("critic.optim", config.critic.optim)
+    _grad_clip("actor.grad_clip", actor.grad_clip)
+    _grad_clip("critic.grad_clip", config.critic.grad_clip)
+    if config.reward.num_workers < 0:
+        raise ConfigError(f"reward.num_workers={config.reward.num_workers} must be 0 (score in this process) or more")
+    if not config.reward.timeout_s > 0:
+        raise ConfigError(f"reward.timeout_s={config.reward.timeout_s} must be positive (seconds a scorer may take "
+                          "on one sample)")
 
     multi_turn = rollout.multi_turn
     _choice("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,

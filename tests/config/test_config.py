@@ -84,6 +84,10 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["actor.optim.lr=-1e-6"], r"actor.optim.lr=-1e-06 is negative"),
     (["critic.optim.lr=-1"], r"critic.optim.lr=-1.0 is negative"),
     (["actor.optim.lr=nan"], r"actor.optim.lr=nan is not a number"),
+    (["actor.grad_clip=-1"], r"actor.grad_clip=-1.0 must be positive"),
+    (["critic.grad_clip=0"], r"critic.grad_clip=0.0 must be positive"),
+    (["reward.timeout_s=0"], r"reward.timeout_s=0.0 must be positive"),
+    (["reward.num_workers=-1"], r"reward.num_workers=-1 must be 0"),
     (["actor.policy_loss.clip_ratio_c=nan"], r"clip_ratio_c=nan must be greater than 1"),
     (["actor.ppo_mini_batch_size=8"], r"actor_rollout_ref.actor.ppo_mini_batch_size is verl's; reinforge calls it "
                                       r"actor.mini_batch_size"),
@@ -150,6 +154,7 @@ def test_cuda_device_without_a_gpu_is_refused_before_loading():
     (["optim.lr=-1e-5"], "optim.lr=-1e-05 is negative"),
     (["optim.warmup_ratio=-0.1"], "optim.warmup_ratio=-0.1 is out of range"),
     (["trainer.total_steps=0"], "trainer.total_steps=0 trains nothing"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0 must be positive"),
 ])
 def test_sft_config_rejects_the_same_run_settings(overrides, message):
     from reinforge.config import load_sft_config
