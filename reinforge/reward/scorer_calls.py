@@ -36,6 +36,9 @@ DEFAULT_FUNCTION_NAME = "compute_score"
 def parse_custom_function(spec: str) -> tuple[str, str]:
     """``path/to/file.py:function`` -> (path, function); a bare path names ``compute_score``."""
     path_text, separator, function_name = spec.rpartition(":")
+    if separator and not function_name.isidentifier() and Path(path_text).is_file() and not Path(spec).exists():
+        raise ValueError(f"reward.custom_function={spec!r}: {function_name!r} is not a Python function name; "
+                         f"write {path_text}:function_name, or {path_text} alone for {DEFAULT_FUNCTION_NAME}")
     if not separator or not function_name.isidentifier():
         path_text, function_name = spec, DEFAULT_FUNCTION_NAME
     if not path_text:

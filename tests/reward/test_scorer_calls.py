@@ -50,6 +50,8 @@ def test_a_file_without_function_name_means_compute_score(scorer_file):
     assert parse_custom_function("C:/rewards/my_reward.py") == ("C:/rewards/my_reward.py", "compute_score")
     with pytest.raises(ValueError, match=r"reward.custom_function=':score' must look like path/to/file.py or "):
         parse_custom_function(":score")
+    with pytest.raises(ValueError, match=r"'compute-score' is not a Python function name; write .*:function_name"):
+        parse_custom_function(f"{scorer_file}:compute-score")
 
 
 def test_load_errors_are_clear(scorer_file, tmp_path):
