@@ -126,7 +126,12 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. actor.optim.lr=1e-6")
         key, raw = item.split("=", 1)
         key = key.strip().lstrip("+")
-        value = _load_yaml(raw) if raw.strip() else ""
+        try:
+            value = _load_yaml(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw  # text YAML cannot read (a: b: c) is the text itself
+        if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+            value = raw  # file.py: (a trailing colon) is text, not the mapping {file.py: null}
         node = tree
         parts = key.split(".")
         for part in parts[:-1]:

@@ -223,3 +223,8 @@ def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
     assert config.data.train_files == ["/x.parquet"] and config.trainer.loggers == ["jsonl"]
     (tmp_path / "run.yaml").write_text("data:\n  val_files: /v.parquet\n")
     assert load_config(tmp_path / "run.yaml", validate=False).data.val_files == ["/v.parquet"]
+
+
+def test_a_value_ending_in_a_colon_stays_text():
+    config = load_config(None, ["reward.custom_function=rewards.py:", "trainer.experiment_name=a: b: c"], validate=False)
+    assert config.reward.custom_function == "rewards.py:" and config.trainer.experiment_name == "a: b: c"
