@@ -58,6 +58,9 @@ def test_a_changed_learning_rate_applies_on_resume_a_changed_batch_is_refused_an
     err = capsys.readouterr().err
     assert "data.train_batch_size: 4 -> 2" in err and "cannot take" in err
     assert "train_batch_size: 4" in (run_dir / "config.yaml").read_text()  # config.yaml still tells the truth
+    # settings that change which rows the data loader's restored position counts over are refused too
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "data.max_train_samples": 16})]) == 2
+    assert "data.max_train_samples: None -> 16" in capsys.readouterr().err
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "actor.optim.lr": 1e-3})]) == 0
     assert rows(run_dir / "metrics.jsonl")[1]["actor/lr"] == 1e-3
     assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
