@@ -10,33 +10,22 @@ Everything is seeded, so a rebuild on the CPU reproduces the committed model.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from reinforge.demo.agent_task import AGENT_MODEL_DIR, AGENT_TASK, DATA_SOURCE, EXTRA_TOKENS, AgentDemoTask
-from reinforge.demo.task import MODEL_CARD, DemoModel
+from reinforge.demo.build import SFTBudget, fine_tune_and_write
+from reinforge.demo.task import DemoModel
 
 BUILD_COMMAND = "python -m reinforge.demo.agent_build"
 ACCURACY_KEY = f"val-core/{DATA_SOURCE}/acc/mean@1"
 AGENT_MODEL = DemoModel(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=256)
 
 
-@dataclass(frozen=True)
-class AgentSFTBudget:
-    steps: int = 700
-    batch_size: int = 32
-    lr: float = 3e-3
-    schedule: str = "cosine"
-    warmup_steps: int = 20
-    seed: int = 1
-
-
-AGENT_SFT = AgentSFTBudget()
+AGENT_SFT = SFTBudget(steps=700, batch_size=32, lr=3e-3)
 
 
 def agent_overrides(model_dir: Path, files: dict[str, str], task: AgentDemoTask, device: str) -> list[str]:
@@ -58,13 +47,11 @@ def held_out_accuracy(model_dir: Path, files: dict[str, str], task: AgentDemoTas
 
 
 def build_agent_model(out_dir: str | Path = AGENT_MODEL_DIR, *, task: AgentDemoTask = AGENT_TASK,
-                      model: DemoModel = AGENT_MODEL, budget: AgentSFTBudget = AGENT_SFT,
+                      model: DemoModel = AGENT_MODEL, budget: SFTBudget = AGENT_SFT,
                       work_dir: str | Path | None = None, device: str = "cpu",
                       loggers: tuple[str, ...] = ("console", "jsonl")) -> dict:
     """Initialise, fine-tune and measure the agent demo model; write it to ``out_dir`` atomically. Returns its card."""
-    from reinforge.config import load_sft_config
-    from reinforge.models import atomic_folder, save_tiny_model
-    from reinforge.trainer.sft_trainer import SFTTrainer
+    from reinforge.models import save_tiny_model
 
     started = time.perf_counter()
     temporary = None
@@ -75,24 +62,11 @@ def build_agent_model(out_dir: str | Path = AGENT_MODEL_DIR, *, task: AgentDemoT
     try:
         files = task.write(work / "data")
         init_dir = save_tiny_model(work / "init", extra_tokens=EXTRA_TOKENS, **asdict(model))
-        config = load_sft_config(None, [
-            f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=72",
-            f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
-            f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", f"optim.schedule={budget.schedule}",
-            f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={work / 'sft'}",
-            "trainer.resume=never", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]"])
-        trainer = SFTTrainer(config)
-        last = trainer.fit()
-        sft_model = trainer.final_model_dir()
-        accuracy = held_out_accuracy(sft_model, files, task, device)
-        card = {"held_out_accuracy": accuracy, "sft_steps": budget.steps, "sft_final_loss": last.get("train/loss"),
-                "task": asdict(task), "model": asdict(model), "sft": asdict(budget),
-                "build_seconds": round(time.perf_counter() - started, 1), "rebuild_command": BUILD_COMMAND}
-        with atomic_folder(out_dir) as staging:
-            for path in sft_model.iterdir():
-                shutil.copy2(path, staging / path.name)
-            (staging / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
-        return card
+        return fine_tune_and_write(out_dir, init_dir, files["sft_train"], work / "sft", max_length=72, budget=budget,
+                                   device=device, loggers=loggers,
+                                   measure=lambda sft_model: held_out_accuracy(sft_model, files, task, device),
+                                   card={"task": asdict(task), "model": asdict(model)}, started=started,
+                                   rebuild_command=BUILD_COMMAND)
     finally:
         if temporary is not None:
             temporary.cleanup()
@@ -105,7 +79,7 @@ def build_main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=AGENT_SFT.steps, help="SFT steps")
     parser.add_argument("--device", default="cpu", help="cpu (reproduces the committed model) or cuda")
     args = parser.parse_args(argv)
-    budget = AgentSFTBudget(**{**asdict(AGENT_SFT), "steps": args.steps})
+    budget = replace(AGENT_SFT, steps=args.steps)
     card = build_agent_model(args.out, work_dir=args.work_dir, device=args.device, budget=budget)
     print(f"agent demo model written to {args.out}: held-out accuracy {100 * card['held_out_accuracy']:.1f}% "
           f"after {card['sft_steps']} SFT steps ({card['build_seconds']:.0f} s)")

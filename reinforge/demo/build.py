@@ -17,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,9 +56,7 @@ def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, 
                      budget: SFTBudget = SFT, work_dir: str | Path | None = None, device: str = "cpu",
                      loggers: tuple[str, ...] = ("console", "jsonl")) -> dict:
     """Initialise, fine-tune and measure the demo model; write it to ``out_dir`` atomically. Returns its card."""
-    from reinforge.config import load_sft_config
-    from reinforge.models import atomic_folder, save_tiny_model
-    from reinforge.trainer.sft_trainer import SFTTrainer
+    from reinforge.models import save_tiny_model
 
     started = time.perf_counter()
     temporary = None
@@ -68,27 +67,42 @@ def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, 
     try:
         files = task.write(work / "data")
         init_dir = save_tiny_model(work / "init", **asdict(model))
-        config = load_sft_config(None, [
-            f"model.path={init_dir}", f"data.train_files=[{files['sft_train']}]", "data.max_length=128",
-            f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
-            f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", f"optim.schedule={budget.schedule}",
-            f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={work / 'sft'}",
-            "trainer.resume=never", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]"])
-        trainer = SFTTrainer(config)
-        last = trainer.fit()
-        sft_model = trainer.final_model_dir()
-        accuracy = held_out_accuracy(sft_model, files["test"], task, device)
-        card = {"held_out_accuracy": accuracy, "sft_steps": budget.steps, "sft_final_loss": last.get("train/loss"),
-                "task": asdict(task), "model": asdict(model), "sft": asdict(budget),
-                "build_seconds": round(time.perf_counter() - started, 1), "rebuild_command": BUILD_COMMAND}
-        with atomic_folder(out_dir) as staging:
-            for path in sft_model.iterdir():
-                shutil.copy2(path, staging / path.name)
-            (staging / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
-        return card
+        return fine_tune_and_write(out_dir, init_dir, files["sft_train"], work / "sft", max_length=128, budget=budget,
+                                   device=device, loggers=loggers,
+                                   measure=lambda sft_model: held_out_accuracy(sft_model, files["test"], task, device),
+                                   card={"task": asdict(task), "model": asdict(model)}, started=started,
+                                   rebuild_command=BUILD_COMMAND)
     finally:
         if temporary is not None:
             temporary.cleanup()
+
+
+def fine_tune_and_write(out_dir: str | Path, init_dir: Path, train_file: str, run_dir: Path, *, max_length: int,
+                        budget: SFTBudget, device: str, loggers: tuple[str, ...],
+                        measure: Callable[[Path], float], card: dict, started: float, rebuild_command: str) -> dict:
+    """SFT of the model at ``init_dir`` on ``train_file`` (a run in ``run_dir``); the result, measured by ``measure``,
+    is written to ``out_dir`` atomically with its model card (``card`` plus accuracy, budget and build time)."""
+    from reinforge.config import load_sft_config
+    from reinforge.models import atomic_folder
+    from reinforge.trainer.sft_trainer import SFTTrainer
+
+    config = load_sft_config(None, [
+        f"model.path={init_dir}", f"data.train_files=[{train_file}]", f"data.max_length={max_length}",
+        f"data.batch_size={budget.batch_size}", f"data.seed={budget.seed}", f"trainer.seed={budget.seed}",
+        f"trainer.total_steps={budget.steps}", f"optim.lr={budget.lr}", f"optim.schedule={budget.schedule}",
+        f"optim.warmup_steps={budget.warmup_steps}", f"trainer.output_dir={run_dir}",
+        "trainer.resume=never", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]"])
+    trainer = SFTTrainer(config)
+    last = trainer.fit()
+    sft_model = trainer.final_model_dir()
+    card = {"held_out_accuracy": measure(sft_model), "sft_steps": budget.steps, "sft_final_loss": last.get("train/loss"),
+            **card, "sft": asdict(budget), "build_seconds": round(time.perf_counter() - started, 1),
+            "rebuild_command": rebuild_command}
+    with atomic_folder(out_dir) as staging:
+        for path in sft_model.iterdir():
+            shutil.copy2(path, staging / path.name)
+        (staging / MODEL_CARD).write_text(json.dumps(card, indent=2) + "\n")
+    return card
 
 
 def build_main(argv: list[str]) -> int:
