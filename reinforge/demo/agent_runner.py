@@ -17,16 +17,13 @@ the run, plots the run (held-out accuracy, reward, tool calls and turns per step
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from reinforge.demo.agent_build import ACCURACY_KEY, agent_overrides
 from reinforge.demo.agent_task import AGENT_MODEL_DIR, AGENT_TASK, AgentDemoTask
-from reinforge.demo.runner import RESULT_FILE, DemoError, check_free_disk, check_model, prepare_run_dir
+from reinforge.demo.runner import DemoError, check_free_disk, check_model, prepare_run_dir, train_and_measure
 
 
 @dataclass(frozen=True)
@@ -66,15 +63,6 @@ class AgentDemoSettings:
         ]
 
 
-def accuracy_before_and_after(run_dir: Path) -> tuple[float, float]:
-    from reinforge.tracking.plots import load_run_metrics
-
-    points = load_run_metrics(run_dir).get(ACCURACY_KEY)
-    if not points:
-        raise DemoError(f"{run_dir}/metrics.jsonl has no {ACCURACY_KEY}; the run did not validate")
-    return points[0][1], points[-1][1]
-
-
 def run_agent_demo(run_dir: str | Path = "runs/demo-agent", *, model_dir: str | Path = AGENT_MODEL_DIR,
                    settings: AgentDemoSettings = AgentDemoSettings(), task: AgentDemoTask = AGENT_TASK,
                    device: str = "auto", fresh: bool = False, loggers: tuple[str, ...] = ("console", "jsonl"),
@@ -86,30 +74,9 @@ def run_agent_demo(run_dir: str | Path = "runs/demo-agent", *, model_dir: str | 
     note = prepare_run_dir(run_dir, fresh, settings.total_steps)
     if note:
         print(f"demo-agent: {note}", flush=True)
-    started = time.perf_counter()
-    from reinforge.config import load_config
-    from reinforge.models import atomic_folder
-    from reinforge.trainer.rl_trainer import RLTrainer
-
-    files = task.write(run_dir / "data")
-    config = load_config(None, settings.overrides(model_dir, files, run_dir, task, device, loggers))
-    trainer = RLTrainer(config)
-    trainer.fit()
-    before, after = accuracy_before_and_after(run_dir)
-    final_model = run_dir / "final_model"
-    with atomic_folder(final_model) as staging:
-        for path in (trainer.checkpoints.latest() / "hf").iterdir():
-            shutil.copy2(path, staging / path.name)
-    written = []
-    if plots:
-        from reinforge.tracking.plots import plot_runs
-
-        written = plot_runs([run_dir])
-    result = {"before": before, "after": after, "seconds": round(time.perf_counter() - started, 1),
-              "steps": settings.total_steps, "run_dir": str(run_dir), "final_model": str(final_model),
-              "plots": [str(path) for path in written]}
-    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return train_and_measure(
+        run_dir, lambda: settings.overrides(model_dir, task.write(run_dir / "data"), run_dir, task, device, loggers),
+        settings.total_steps, ACCURACY_KEY, plots)
 
 
 def agent_demo_main(argv: list[str]) -> int:

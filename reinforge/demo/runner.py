@@ -26,12 +26,13 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from reinforge.demo.build import ACCURACY_KEY
 from reinforge.demo.task import MODEL_DIR, TASK, DemoTask
 
-ACCURACY_KEY = "val-core/arithmetic/acc/mean@1"
 RESULT_FILE = "demo_result.json"
 REQUIRED_FREE_MB = 200
 """Checkpoints (two kept), the final model, data and plots take about 60 MB; the rest is margin."""
@@ -139,12 +140,12 @@ def _latest_step(run_dir: Path) -> int | None:
 
 
 # ---- the run ----------------------------------------------------------------------------------
-def accuracy_before_and_after(run_dir: Path) -> tuple[float, float]:
+def accuracy_before_and_after(run_dir: Path, accuracy_key: str = ACCURACY_KEY) -> tuple[float, float]:
     from reinforge.tracking.plots import load_run_metrics
 
-    points = load_run_metrics(run_dir).get(ACCURACY_KEY)
+    points = load_run_metrics(run_dir).get(accuracy_key)
     if not points:
-        raise DemoError(f"{run_dir}/metrics.jsonl has no {ACCURACY_KEY}; the run did not validate")
+        raise DemoError(f"{run_dir}/metrics.jsonl has no {accuracy_key}; the run did not validate")
     return points[0][1], points[-1][1]
 
 
@@ -158,14 +159,22 @@ def run_demo(run_dir: str | Path = "runs/demo", *, model_dir: str | Path = MODEL
     note = prepare_run_dir(run_dir, fresh, settings.total_steps)
     if note:
         print(f"demo: {note}", flush=True)
+    return train_and_measure(
+        run_dir, lambda: settings.overrides(model_dir, task.write(run_dir / "data"), run_dir, task, device, loggers),
+        settings.total_steps, ACCURACY_KEY, plots)
+
+
+def train_and_measure(run_dir: Path, overrides: Callable[[], list[str]], total_steps: int, accuracy_key: str,
+                      plots: bool) -> dict:
+    """The RL run of a demo (config from ``overrides()``, which may write the data) in ``run_dir``: its held-out
+    accuracy before and after, ``final_model/``, plots and the result file. Returns the result."""
     started = time.perf_counter()
     try:
         from reinforge.config import load_config
         from reinforge.models import atomic_folder
         from reinforge.trainer.rl_trainer import RLTrainer
 
-        data = task.write(run_dir / "data")
-        config = load_config(None, settings.overrides(model_dir, data, run_dir, task, device, loggers))
+        config = load_config(None, overrides())
         try:
             trainer = RLTrainer(config)  # picks (and validates) the checkpoint to resume from
             trainer.fit()
@@ -174,7 +183,7 @@ def run_demo(run_dir: str | Path = "runs/demo", *, model_dir: str | Path = MODEL
                 raise DemoError(f"cannot resume the earlier run in {run_dir}: {error}; pass --fresh to start "
                                 "over") from None
             raise
-        before, after = accuracy_before_and_after(run_dir)
+        before, after = accuracy_before_and_after(run_dir, accuracy_key)
         final_model = run_dir / "final_model"
         with atomic_folder(final_model) as staging:
             for path in (trainer.checkpoints.latest() / "hf").iterdir():
@@ -190,7 +199,7 @@ def run_demo(run_dir: str | Path = "runs/demo", *, model_dir: str | Path = MODEL
                             "(it resumes from its last checkpoint)") from None
         raise
     result = {"before": before, "after": after, "seconds": round(time.perf_counter() - started, 1),
-              "steps": settings.total_steps, "run_dir": str(run_dir), "final_model": str(final_model),
+              "steps": total_steps, "run_dir": str(run_dir), "final_model": str(final_model),
               "plots": [str(path) for path in written]}
     (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
