@@ -69,6 +69,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_gloo_ranks(script: Path, *args: str, world_size: int = 2) -> None:
+    """Run ``script`` as ``world_size`` gloo ranks of one group on this machine; fails with a failing rank's output."""
+    port, processes = _free_port(), []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        processes.append(subprocess.Popen([sys.executable, str(script), *args], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for process in processes:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output
+
+
 def test_sharded_model_gives_the_plain_model_gradients_and_clipping():
     plain = varlen_lm(seed=6).train()
     sharded = shard_model(copy.deepcopy(plain), torch.device("cpu"))
@@ -88,16 +101,7 @@ def test_two_gloo_processes_update_like_one(tmp_path, share_prompts):
     source = UPDATE.format(tests=str(REPO / "tests" / "engine"), share=share_prompts)
     script = tmp_path / "update.py"
     script.write_text(source + RANK_MAIN)
-    port = _free_port()
-    processes = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "two.pt")], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for process in processes:
-        output, _ = process.communicate(timeout=240)
-        assert process.returncode == 0, output
+    run_gloo_ranks(script, str(tmp_path / "two.pt"))
     two = torch.load(tmp_path / "two.pt", weights_only=True)
 
     namespace: dict = {}

@@ -1,7 +1,5 @@
 """LoRA (engine.lora) under FSDP2 on the CPU: reference = base, merged weights = adapter, sharding invariance."""
 
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +14,7 @@ from reinforge.engine.lora import add_lora, lora_deltas, merge_lora_weights, mer
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fsdp import _free_port  # noqa: E402
+from test_fsdp import run_gloo_ranks  # noqa: E402
 from test_micro_batches_and_update import make_rollout_batch, varlen_lm  # noqa: E402
 
 CONFIG = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
@@ -126,15 +124,7 @@ def test_two_gloo_processes_train_the_adapters_like_one(tmp_path):
     source = UPDATE.format(tests=str(REPO / "tests" / "engine"))
     script = tmp_path / "update.py"
     script.write_text(source)
-    port, processes = _free_port(), []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "two.pt")], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for process in processes:
-        output, _ = process.communicate(timeout=240)
-        assert process.returncode == 0, output
+    run_gloo_ranks(script, str(tmp_path / "two.pt"))
     two = torch.load(tmp_path / "two.pt", weights_only=True)
 
     namespace: dict = {"__name__": "one"}

@@ -8,8 +8,6 @@ the two copies in step and saves/loads its state; they cannot show the copies ov
 """
 
 import copy
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -25,7 +23,7 @@ from reinforge.engine.train_step import UpdateSettings, run_update
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fsdp import _free_port  # noqa: E402
+from test_fsdp import run_gloo_ranks  # noqa: E402
 from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm  # noqa: E402
 
 CONFIG = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
@@ -136,15 +134,7 @@ def test_two_gloo_processes_save_and_load_whole_offloaded_state(tmp_path):
     """Two ranks hold half of every tensor each: the saved state is whole, and loading it shards it back."""
     script = tmp_path / "two.py"
     script.write_text(TWO_RANKS.format(tests=str(REPO / "tests" / "engine")))
-    port, processes = _free_port(), []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "state.pt")], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for process in processes:
-        output, _ = process.communicate(timeout=240)
-        assert process.returncode == 0, output
+    run_gloo_ranks(script, str(tmp_path / "state.pt"))
     saved = torch.load(tmp_path / "state.pt", weights_only=True)
     reloaded = torch.load(str(tmp_path / "state.pt") + ".reloaded", weights_only=True)
     shapes = {name: tensor.shape for name, tensor in varlen_lm(seed=3).state_dict().items()}
