@@ -16,7 +16,16 @@ from typing import Any
 import torch
 
 from reinforge.config.schema import Config
-from reinforge.engine.memory_plan import GiB, MemoryPlan, ModelShape, RunShape, needed_kv_gib, plan_memory
+from reinforge.engine.memory_plan import (
+    SETTING_KEYS,
+    GiB,
+    MemoryPlan,
+    ModelShape,
+    RunShape,
+    Settings,
+    needed_kv_gib,
+    plan_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +73,16 @@ def run_shape(config: Config) -> RunShape:
                     lora_rank=int(getattr(lora, "rank", 0) or 0))
 
 
+def _setting(config: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
 def given_settings(config: Config, num_layers: int) -> dict[str, Any]:
     """The memory settings a user set, by ``Settings`` field name (``auto`` ones are absent)."""
     given: dict[str, Any] = {}
-    values = {
-        "micro_batch_tokens": config.actor.max_tokens_per_micro_batch,
-        "checkpoint_layers": config.model.gradient_checkpointing,
-        "logits_buffer_gib": config.actor.logits_buffer_gib,
-        "kv_cache_gib": config.rollout.kv_cache_gib,
-        "keep_rollout_memory": config.rollout.free_cache_engine,
-        "optimizer_offload": config.actor.optimizer_offload,
-        "param_offload": config.actor.param_offload,
-        "ref_offload": config.ref.param_offload,
-    }
-    for name, value in values.items():
+    for name, key in SETTING_KEYS.items():
+        value = _setting(config, key)
         if value == AUTO:
             continue
         if name == "checkpoint_layers":
@@ -90,48 +95,47 @@ def given_settings(config: Config, num_layers: int) -> dict[str, Any]:
     return given
 
 
+def config_values(settings: Settings, shape: ModelShape, run: RunShape) -> dict[str, Any]:
+    """The plan's settings as their config keys read them (the inverse of ``given_settings``)."""
+    checkpointed = settings.checkpoint_layers
+    values = {**vars(settings),
+              "checkpoint_layers": True if checkpointed >= shape.num_layers else False if checkpointed == 0
+              else checkpointed,
+              "kv_cache_gib": float(f"{settings.kv_cache_gib or needed_kv_gib(shape, run):.4g}"),
+              "keep_rollout_memory": not settings.keep_rollout_memory}
+    return {key: values[name] for name, key in SETTING_KEYS.items()}
+
+
+def _plan(config: Config, gpu_bytes: float, host_bytes: float | None = None) -> tuple[ModelShape, RunShape, MemoryPlan]:
+    shape, run = ModelShape.from_model_path(config.model.path), run_shape(config)
+    if host_bytes is None:
+        host_bytes = config.trainer.host_memory_gib * GiB if config.trainer.host_memory_gib else host_memory_bytes()
+    return shape, run, plan_memory(shape, run, given_settings(config, shape.num_layers), gpu_bytes, host_bytes)
+
+
 def memory_plan(config: Config, gpu_bytes: float | None = None, host_bytes: float | None = None) -> MemoryPlan:
     """The plan for ``config`` on a device of ``gpu_bytes`` (default: this machine's) without changing it."""
-    shape = ModelShape.from_model_path(config.model.path)
     gpu_bytes = gpu_bytes if gpu_bytes is not None else device_memory_bytes(config)
     if gpu_bytes is None:
         raise ValueError("no device to plan for; pass its size (trainer.gpu_memory_gib)")
-    if host_bytes is None:
-        host_bytes = config.trainer.host_memory_gib * GiB if config.trainer.host_memory_gib else host_memory_bytes()
-    return plan_memory(shape, run_shape(config), given_settings(config, shape.num_layers), gpu_bytes, host_bytes)
+    return _plan(config, gpu_bytes, host_bytes)[2]
 
 
 def has_auto_settings(config: Config) -> bool:
-    return AUTO in (config.actor.max_tokens_per_micro_batch, config.model.gradient_checkpointing,
-                    config.actor.logits_buffer_gib, config.rollout.kv_cache_gib, config.rollout.free_cache_engine,
-                    config.actor.optimizer_offload, config.actor.param_offload, config.ref.param_offload)
+    return any(_setting(config, key) == AUTO for key in SETTING_KEYS.values())
 
 
 def apply_memory_plan(config: Config, log: bool = True) -> MemoryPlan | None:
     """Replace every ``auto`` memory setting of ``config`` (in place) by the plan's; None when this process
     cannot see the run's device (the workers plan then). Raises ``MemoryPlanError`` when nothing fits."""
-    if not has_auto_settings(config):
+    gpu_bytes = device_memory_bytes(config) if has_auto_settings(config) else None
+    if gpu_bytes is None:
         return None
-    if device_memory_bytes(config) is None:
-        return None
-    plan = memory_plan(config)
-    shape = ModelShape.from_model_path(config.model.path)
-    settings, num_layers = plan.settings, shape.num_layers
-    checkpointed = settings.checkpoint_layers
-    resolved = {
-        ("actor", "max_tokens_per_micro_batch"): settings.micro_batch_tokens,
-        ("model", "gradient_checkpointing"): (True if checkpointed >= num_layers else False if checkpointed == 0
-                                              else checkpointed),
-        ("actor", "logits_buffer_gib"): settings.logits_buffer_gib,
-        ("rollout", "kv_cache_gib"): float(f"{settings.kv_cache_gib or needed_kv_gib(shape, run_shape(config)):.4g}"),
-        ("rollout", "free_cache_engine"): not settings.keep_rollout_memory,
-        ("actor", "optimizer_offload"): settings.optimizer_offload,
-        ("actor", "param_offload"): settings.param_offload,
-        ("ref", "param_offload"): settings.ref_offload,
-    }
-    for (section, key), value in resolved.items():
-        if getattr(getattr(config, section), key) == AUTO:
-            setattr(getattr(config, section), key, value)
+    shape, run, plan = _plan(config, gpu_bytes)
+    for key, value in config_values(plan.settings, shape, run).items():
+        if _setting(config, key) == AUTO:
+            section, name = key.split(".")
+            setattr(getattr(config, section), name, value)
     if log:
         logger.info("%s", plan.table())
     global _last_plan
