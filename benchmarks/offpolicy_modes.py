@@ -133,7 +133,7 @@ def build_config(args: argparse.Namespace, model_dir: Path) -> Config:
     config.trainer.max_staleness, config.rollout.segment_tokens = args.max_staleness, args.segment_tokens
     if not args.cpu:  # async holds up to (max_staleness + 1) batches of sequences in flight
         config.rollout.kv_cache_gib = args.kv_cache_gib
-    plan = apply_memory_plan(config)  # the remaining auto settings, as the trainer does before any weight loads
+    plan = apply_memory_plan(config, log=False)  # the remaining auto settings, as the trainer does (printed below)
     if plan is not None:
         print(plan.table(), flush=True)
     return config

@@ -162,7 +162,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.workers.reference import ReferenceWorker
 
     config = build_config(model_dir, args)
-    plan = apply_memory_plan(config)  # as the trainer does, before any weight loads
+    plan = apply_memory_plan(config, log=False)  # as the trainer does, before any weight loads (printed below)
     if plan is not None:
         print(plan.table(), flush=True)
     actor = ActorRolloutWorker(config, args.steps)
