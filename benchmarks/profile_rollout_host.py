@@ -1,6 +1,6 @@
 """Where the host's time goes in a training step's rollout (GPU only).
 
-Builds the standard workload's actor worker (as ``reinforge bench train --keep-rollout-memory``),
+Builds the standard workload's actor worker (as ``reinforge bench train --keep-rollout-memory true``),
 runs two warm-up steps, then profiles the third rollout with cProfile (the host's Python, the
 device's work shows up as waits) and times the batch assembly's pieces alone on this host.
 Writes ``$OUT/rollout_host.txt``.
@@ -60,7 +60,7 @@ def main() -> None:
     from reinforge.controller.worker import freeze_long_lived_objects
     from reinforge.workers.actor_rollout import ActorRolloutWorker
 
-    args = parse_args(["--keep-rollout-memory", *os.environ.get("PROFILE_ARGS", "").split()])
+    args = parse_args(["--keep-rollout-memory", "true", *os.environ.get("PROFILE_ARGS", "").split()])
     report = [host_microbench()]
     with tempfile.TemporaryDirectory() as scratch:
         config = build_config(write_model(Path(scratch), tiny=False), args)

@@ -5,7 +5,7 @@
 
 Steps per variant: GRPO_STEPS (grpo*, default 5) and KL_PPO_STEPS (kl*, ppo*, default 3); medians
 are of steps 2.. . Variants: ``grpo``, ``kl``, ``ppo`` run ``reinforge.bench.train`` with the
-default configuration; ``*_kept`` add ``--keep-rollout-memory`` (``rollout.free_cache_engine=false``);
+default configuration; ``*_kept`` add ``--keep-rollout-memory true`` (``rollout.free_cache_engine=false``);
 ``grpo_96k`` raises the micro-batch budget to 96k tokens.
 ``log_probs`` times the fused log-prob/entropy (16k rows x 151936 vocab, forward + backward:
 the Triton row kernels chunked, and with the logits kept for the backward).
@@ -105,9 +105,9 @@ def main() -> int:
         other_steps = int(os.environ.get("KL_PPO_STEPS", "3"))
         steps = [("log_probs", log_probs_microbench),
                  ("grpo", lambda: bench(model_dir, "grpo", grpo_steps, [])),
-                 ("grpo_kept", lambda: bench(model_dir, "grpo", grpo_steps, ["--keep-rollout-memory"], "grpo_kept")),
-                 ("kl_kept", lambda: bench(model_dir, "kl", other_steps, ["--keep-rollout-memory"], "kl_kept")),
-                 ("ppo_kept", lambda: bench(model_dir, "ppo", other_steps, ["--keep-rollout-memory"], "ppo_kept")),
+                 ("grpo_kept", lambda: bench(model_dir, "grpo", grpo_steps, ["--keep-rollout-memory", "true"], "grpo_kept")),
+                 ("kl_kept", lambda: bench(model_dir, "kl", other_steps, ["--keep-rollout-memory", "true"], "kl_kept")),
+                 ("ppo_kept", lambda: bench(model_dir, "ppo", other_steps, ["--keep-rollout-memory", "true"], "ppo_kept")),
                  ("grpo_96k", lambda: bench(model_dir, "grpo", grpo_steps, ["--micro-tokens", "98304"], "grpo_96k")),
                   ("check", lambda: check_cli(scratch / "check")),
                   ("kl", lambda: bench(model_dir, "kl", other_steps, [])),
