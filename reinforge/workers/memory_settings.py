@@ -147,8 +147,9 @@ def cap_device_memory(config: Config, device: torch.device) -> None:
     """With ``trainer.gpu_memory_gib``, make the caching allocator refuse more than that (a smaller card)."""
     if device.type != "cuda" or not config.trainer.gpu_memory_gib:
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(config.trainer.gpu_memory_gib * GiB / total, 1.0), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the call needs an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(config.trainer.gpu_memory_gib * GiB / total, 1.0), index)
 
 
 def describe_out_of_memory(error: BaseException) -> str | None:
