@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -72,10 +73,16 @@ def lora_layers(peft_model: nn.Module) -> list[nn.Module]:
     return [module for module in peft_model.modules() if isinstance(module, LoraLayer)]
 
 
-def lora_deltas(peft_model: nn.Module) -> Iterator[tuple[nn.Module, Tensor]]:
-    """(adapted layer, scaling * B A in float32) one layer at a time; B and A as the module holds them (gathered)."""
+def lora_deltas(peft_model: nn.Module, device: torch.device | None = None) -> Iterator[tuple[nn.Module, Tensor]]:
+    """(adapted layer, scaling * B A in float32) one layer at a time; B and A as the module holds them (gathered).
+
+    ``device``: where to compute the delta (the rollout engine's), when the adapter lives elsewhere
+    (``actor.param_offload`` keeps it on the CPU between phases).
+    """
     for layer in lora_layers(peft_model):
         lora_a, lora_b = (_whole(layer.lora_A[ADAPTER_NAME].weight), _whole(layer.lora_B[ADAPTER_NAME].weight))
+        if device is not None:
+            lora_a, lora_b = lora_a.to(device), lora_b.to(device)
         yield layer, (lora_b.detach().float() @ lora_a.detach().float()) * layer.scaling[ADAPTER_NAME]
 
 

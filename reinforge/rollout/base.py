@@ -83,6 +83,8 @@ class RolloutEngine(Protocol):
         """Allocate generation memory (KV cache) before a rollout."""
         ...
 
-    def sleep(self) -> None:
-        """Free generation memory after a rollout so training gets it back."""
+    def sleep(self, abandon: bool = False) -> None:
+        """Free generation memory after a rollout so training gets it back.
+
+        ``abandon`` after a failed generation: drop unfinished requests rather than refuse."""
         ...

@@ -71,7 +71,7 @@ class HFEngine:
     def wake_up(self) -> None:
         pass
 
-    def sleep(self) -> None:
+    def sleep(self, abandon: bool = False) -> None:
         pass
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:

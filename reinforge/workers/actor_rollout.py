@@ -301,8 +301,10 @@ class ActorRolloutWorker(Worker):
                 phases.lap("engine")
                 if prefill_counts is not None:
                     counts.append(prefill_counts())
-            finally:
-                self.engine.sleep()
+            except BaseException:
+                self.engine.sleep(abandon=True)  # the error, not the unfinished requests, is what the user sees
+                raise
+            self.engine.sleep()
             phases.lap("sleep")
             return outputs
 
@@ -352,7 +354,7 @@ class ActorRolloutWorker(Worker):
                 self.engine.wake_up()
                 phases.lap("wake_up")
                 if self.peft_model is not None and not in_place_lora:
-                    self.engine.add_to_weights(lora_deltas(self.peft_model))
+                    self.engine.add_to_weights(lora_deltas(self.peft_model, self.engine.device))
                     phases.lap("lora_merge")
                 yield
 
@@ -361,8 +363,10 @@ class ActorRolloutWorker(Worker):
             with autocast_context(self.device, self.config.model.dtype):
                 completions = self.engine.generate(requests)
             phases.lap("engine")
-        finally:
-            self.engine.sleep()
+        except BaseException:
+            self.engine.sleep(abandon=True)  # the error, not the unfinished requests, is what the user sees
+            raise
+        self.engine.sleep()
         phases.lap("sleep")
         return completions
 

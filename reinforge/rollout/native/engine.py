@@ -203,8 +203,18 @@ class NativeEngine:
         self.scheduler = Scheduler(BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching),
                                    self.max_num_seqs, self.max_num_batched_tokens)
 
-    def sleep(self) -> None:
-        """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``)."""
+    def sleep(self, abandon: bool = False) -> None:
+        """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``).
+
+        ``abandon``: generation failed (the error is on its way to the caller): drop the unfinished
+        requests instead of refusing to sleep, so that the cleanup does not hide the error.
+        """
+        if abandon:
+            with self._step_lock:
+                self._in_flight, self._requests = None, {}
+                while not self._incoming.empty():
+                    self._incoming.get()
+                self.scheduler = None
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
         with self._step_lock:

@@ -204,3 +204,28 @@ def test_seeded_samples_are_the_hf_backends(qwen2, tiny):
     for native_samples, hf_samples in zip(native, hf, strict=True):
         for a, b in zip(native_samples, hf_samples, strict=True):
             torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5, rtol=0)
+
+
+def test_a_failed_generation_keeps_its_error_and_the_engine_recovers(qwen2, tiny, monkeypatch):
+    # a decode step that fails mid-generation (an out-of-memory error, say): the worker's cleanup,
+    # sleep(abandon=True), drops the unfinished requests instead of raising over the real error
+    prompts = tiny.prompts([10, 12])
+    engine = make_engine(qwen2)
+    decode, calls = engine.runner.decode, []
+
+    def failing_decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("decode failed")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "decode", failing_decode)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    with pytest.raises(RuntimeError, match="still generating"):
+        engine.sleep()
+    engine.sleep(abandon=True)
+    assert engine.runner.kv_cache is None and not engine.is_awake
+    monkeypatch.setattr(engine.runner, "decode", decode)
+    again = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
+    assert [samples[0].token_ids for samples in again] == [tiny.hf_greedy(qwen2, p, 12) for p in prompts]
