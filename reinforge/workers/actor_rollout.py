@@ -202,7 +202,7 @@ class ActorRolloutWorker(Worker):
                                       max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
                                       gpu_memory_utilization=rollout.gpu_memory_utilization or 0.5,
                                       free_on_sleep=rollout.free_cache_engine,
-                                      enable_prefix_caching=rollout.enable_prefix_caching)
+                                      enable_prefix_caching=rollout.enable_prefix_caching, device=self.device)
                 if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                     engine.num_kv_blocks = max(math.ceil(rollout.kv_cache_gib * GiB / engine.runner.kv_bytes_per_block()), 1)
                 return engine

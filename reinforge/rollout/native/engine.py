@@ -128,7 +128,8 @@ class NativeEngine:
                  max_num_batched_tokens: int = 16384, num_kv_blocks: int | None = None,
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
-                 free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True):
+                 free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
+                 device: torch.device | None = None):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -142,11 +143,13 @@ class NativeEngine:
         ``sleep`` keeps all three, so the next wake-up only refreshes the weight copies and no graph
         is captured again (the training step then has that much less memory). enable_prefix_caching keeps
         finished sequences' full KV blocks for requests that start with the same tokens (see the module docstring).
+        device: where to generate, by default the model's; a model whose parameters are offloaded to the
+        CPU between phases (``actor.param_offload``) names the accelerator here, and wake-up copies onto it.
         """
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"NativeEngine cannot run this model: {reason}; use the hf rollout backend for it")
-        device = next(model.parameters()).device
+        device = device or next(model.parameters()).device
         if use_triton is None:
             use_triton = device.type == "cuda" and _triton_available()
         use_graphs = device.type == "cuda" and use_triton and not enforce_eager
@@ -164,7 +167,8 @@ class NativeEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
-                                  cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [])
+                                  cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [],
+                                  device=device)
         self.sampler = Sampler(use_triton)
         self.scheduler: Scheduler | None = None
         self.last_metrics: dict[str, float] = {}

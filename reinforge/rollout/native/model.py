@@ -95,9 +95,9 @@ class ModelWeights:
     lm_head: Tensor
 
     @classmethod
-    def copied(cls, model: nn.Module, dtype: torch.dtype) -> ModelWeights:
+    def copied(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> ModelWeights:
         def build(parts: list[Tensor] | None) -> Tensor | None:
-            return None if parts is None else torch.cat([whole(part).detach().to(dtype) for part in parts])
+            return None if parts is None else torch.cat([whole(part).detach().to(device, dtype) for part in parts])
 
         inner = model.model
         embed = build([inner.embed_tokens.weight])
@@ -121,7 +121,11 @@ class ModelWeights:
                 destinations.append(destination[start:start + part.shape[0]])
                 sources.append(whole(part))
                 start += part.shape[0]
-        torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
+        if sources and sources[0].device != destinations[0].device:  # parameters offloaded to the CPU
+            for destination, source in zip(destinations, sources, strict=True):
+                destination.copy_(source)
+        else:
+            torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
 
     def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
         """id(linear layer of ``model``) -> the rows of this copy that hold its weight (q, k, v share qkv_weight)."""
@@ -200,7 +204,7 @@ class PagedDecoder:
     ``load_weights`` must run before ``forward`` (the engine does it at wake-up).
     """
 
-    def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool):
+    def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool, device: torch.device | None = None):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the native rollout engine cannot run this model: {reason}; "
@@ -216,7 +220,7 @@ class PagedDecoder:
         self.eps = config.rms_norm_eps
         self.scale = model.model.layers[0].self_attn.scaling
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.device = model.model.embed_tokens.weight.device
+        self.device = device or model.model.embed_tokens.weight.device  # the model's may be the CPU (param_offload)
         self.has_qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -226,11 +230,14 @@ class PagedDecoder:
 
     def _rotary_tables(self) -> tuple[Tensor, Tensor]:
         """cos, sin: (max_model_len, head_dim) in the model dtype, from the model's own rotary module."""
-        positions = torch.arange(self.max_model_len, device=self.device)[None, :]
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        rotary = self.model.model.rotary_emb
+        buffer = next(rotary.buffers(), None)  # the module computes where its frequencies are
+        device = buffer.device if buffer is not None else self.device
+        positions = torch.arange(self.max_model_len, device=device)[None, :]
+        probe = torch.empty(0, dtype=self.dtype, device=device)
         with torch.no_grad():
-            cos, sin = self.model.model.rotary_emb(probe, positions)
-        return cos[0].contiguous(), sin[0].contiguous()
+            cos, sin = rotary(probe, positions)
+        return cos[0].to(self.device).contiguous(), sin[0].to(self.device).contiguous()
 
     @torch.no_grad()
     def load_weights(self) -> None:
@@ -240,7 +247,7 @@ class PagedDecoder:
         and the model's storage may move or be freed (FSDP reshards it) after the copy.
         """
         if self.weights is None:
-            self.weights = ModelWeights.copied(self.model, self.dtype)
+            self.weights = ModelWeights.copied(self.model, self.dtype, self.device)
         else:
             self.weights.copy_from(self.model)
 

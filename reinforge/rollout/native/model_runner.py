@@ -25,8 +25,8 @@ from reinforge.rollout.native.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
-                 use_triton: bool, cuda_graph_batch_sizes: list[int]):
-        self.decoder = PagedDecoder(model, max_model_len, use_triton)
+                 use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None):
+        self.decoder = PagedDecoder(model, max_model_len, use_triton, device)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -56,7 +56,7 @@ class ModelRunner:
         loaded = self.decoder.weights is not None
         if model is not self.decoder.model:
             self.decoder.free_weights()
-            self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton)
+            self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton, self.decoder.device)
         if loaded:
             self.decoder.load_weights()
         if self.decoder.parameter_pointers() != self._graph_parameter_pointers:

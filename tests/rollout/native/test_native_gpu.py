@@ -90,3 +90,17 @@ def test_prefix_cache_on_gpu_gives_the_samples_of_a_full_prefill(tiny, dtype):
             common = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), len(a.token_ids))
             torch.testing.assert_close(torch.tensor(a.log_probs[:common]), torch.tensor(b.log_probs[:common]),
                                        atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_a_model_on_the_cpu_generates_on_the_gpu(tiny):
+    # actor.param_offload keeps the trained parameters on the CPU between phases: the engine is told the
+    # device, copies the weights there at wake-up and computes the rotary tables where the module is
+    model = tiny.build("qwen2")
+    prompts = tiny.prompts([7, 30])
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=16, device=torch.device("cuda"))
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=16, temperature=0.0)) for p in prompts])
+    assert engine.runner.kv_cache.device.type == "cuda"
+    for prompt, samples in zip(prompts, completions, strict=True):
+        assert samples[0].token_ids == tiny.hf_greedy(model, prompt, 16)
+    engine.sleep()
