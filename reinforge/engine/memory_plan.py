@@ -51,6 +51,12 @@ ENGINE_MAX_BATCHED_TOKENS = 16384
 # ACT_HIDDEN x hidden + ACT_KV x (k and v width) + ACT_MLP x intermediate
 ACT_HIDDEN, ACT_KV, ACT_MLP = 8, 2, 2
 EAGER_ACTIVATION_FACTOR = 3.5
+MICRO_BATCH_OVERHEAD_TOKENS = 4096
+"""A micro-batch costs as much again as this many tokens (launches, the loss, small matmuls): fitted
+to the H200 step times of 1.5B at 16k and 32k tokens (2026-12-01); on that GPU a 3B update in 2k-token
+micro-batches ran 5-7x slower than in 24k ones, so small micro-batches must lose to checkpointing."""
+UPDATE_SHARE = 0.65
+"""The update's share of a GRPO step (the H200 bench: 0.57 for 0.5B, 0.65 for 1.5B, 0.68 for 3B)."""
 
 
 class MemoryPlanError(ValueError):
@@ -281,7 +287,7 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
     CPU or parameters streamed from it cost more than any other choice)."""
     longest = run.prompt_length + run.response_length
     sizes = [size for size in MICRO_BATCH_CANDIDATES if size >= longest] or [longest]
-    micro = [(size, 0.02 * index + 0.05 * max(0, index - 2)) for index, size in enumerate(sizes)]
+    micro = [(size, UPDATE_SHARE * MICRO_BATCH_OVERHEAD_TOKENS * (1 / size - 1 / sizes[0])) for size in sizes]
     quarter = max(shape.num_layers // 4, 1)
     layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
     needed = needed_kv_gib(shape, run)
