@@ -76,7 +76,8 @@ def row(result: dict) -> str:
     return (f"{name:<18} step {median.get('step_s', float('nan')):6.2f} roll {median.get('rollout_s', float('nan')):5.2f} "
             f"upd {median.get('update_actor_s', float('nan')):5.2f} mfu {median.get('mfu') or 0:.3f} "
             f"peak r/u {median.get('rollout_peak_gb', 0):5.1f}/{median.get('update_peak_gb', 0):5.1f} "
-            f"est {estimated.get('rollout', 0):5.1f}/{estimated.get('update', 0):5.1f}  {knobs}  exit {exit_code}")
+            f"est {estimated.get('rollout', 0):5.1f}/{estimated.get('update', 0):5.1f} "
+            f"retries {median.get('alloc_retries', 0):.0f}  {knobs}  exit {exit_code}")
 
 
 def main(argv: list[str]) -> int:

@@ -226,6 +226,11 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             phase_peaks["update_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             row |= phase_peaks
             row["peak_memory_gb"] = max(phase_peaks.values())
+            stats = torch.cuda.memory_stats(device)
+            # the allocator at its limit: each retry frees every cached block (synchronizing) and asks the
+            # device again, slow enough to dominate a step; reserved beyond allocated is fragmentation
+            row["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+            row["reserved_peak_gb"] = stats.get("reserved_bytes.all.peak", 0) / 2**30
         rows.append(row)
         print(json.dumps({"variant": args.variant, **row}), flush=True)
     measured = rows[1:] or rows
