@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from reinforge.cli_errors import one_line_report
     from reinforge.config import ConfigError
-    from reinforge.stop_signals import exit_after_stop, install_stop_handlers, stopped_message
+    from reinforge.stop_signals import exit_after_stop, install_stop_handlers, stop_signal, stopped_message
 
     debug = bool(os.environ.get("REINFORGE_DEBUG"))
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {out_of_memory}" if out_of_memory else one_line_report(error), file=sys.stderr)
         return 1
     finally:
-        if threading.current_thread() is threading.main_thread():
+        # after a stop the second signal must still exit at once with 130, also while the interpreter
+        # tears down (Python's own handler would raise KeyboardInterrupt there and die by SIGINT)
+        if threading.current_thread() is threading.main_thread() and not stop_signal:
             for signum, handler in previous.items():
                 if handler is not None:
                     signal.signal(signum, handler)
