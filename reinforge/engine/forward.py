@@ -13,7 +13,7 @@ the policy ratio must compare like with like.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -108,25 +108,49 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     return unpack_responses(values, packed)
 
 
-@torch.no_grad()
-def score_in_micro_batches(model: nn.Module, batch: Batch, max_tokens: int, device: torch.device,
-                           forward: Callable[[nn.Module, Batch], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
-    """``forward`` over the token-balanced micro-batches of ``batch``, in eval mode, without grad.
+class ScoringPass:
+    """Scoring of a batch in token-balanced micro-batches, in eval mode and without grad; the caller runs each
+    forward, one call away from the model:
 
-    Each output of ``forward`` (rows, <= R) comes back as one (B, R) tensor in batch order; the
-    parameters are resharded afterwards. The scoring loop of the actor, the reference and the critic.
+        with ScoringPass(model, batch, max_tokens, device) as scoring:
+            for micro in scoring:
+                scoring.add(*response_log_probs(model, micro, with_entropy=True))
+        log_probs, entropy = scoring.outputs()
+
+    Each output added (rows, <= R) comes back from ``outputs`` as one (B, R) tensor in batch order;
+    the parameters are resharded on leaving. The scoring loop of the actor, the reference and the critic.
     """
-    pieces: list[Batch] = []
-    outputs: list[tuple[Tensor, ...]] = []
-    was_training = model.training
-    model.eval()
-    for micro in iter_balanced_micro_batches(batch, max_tokens, share_prompts=True):
-        pieces.append(micro)
-        outputs.append(forward(model, micro.to(device)))
-    model.train(was_training)
-    reshard(model)
-    width = batch["responses"].shape[1]
-    return tuple(rows_in_batch_order(pieces, list(column), len(batch), width) for column in zip(*outputs, strict=True))
+
+    def __init__(self, model: nn.Module, batch: Batch, max_tokens: int, device: torch.device):
+        self.model, self.batch, self.max_tokens, self.device = model, batch, max_tokens, device
+        self.pieces: list[Batch] = []
+        self.results: list[tuple[Tensor, ...]] = []
+        self._no_grad = torch.no_grad()
+
+    def __enter__(self) -> ScoringPass:
+        self._was_training = self.model.training
+        self.model.eval()
+        self._no_grad.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._no_grad.__exit__(*exc_info)
+        self.model.train(self._was_training)
+        reshard(self.model)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for micro in iter_balanced_micro_batches(self.batch, self.max_tokens, share_prompts=True):
+            self.pieces.append(micro)
+            yield micro.to(self.device)
+
+    def add(self, *outputs: Tensor) -> None:
+        """The outputs of the micro-batch just yielded, each (its rows, <= R)."""
+        self.results.append(outputs)
+
+    def outputs(self) -> tuple[Tensor, ...]:
+        width = self.batch["responses"].shape[1]
+        return tuple(rows_in_batch_order(self.pieces, list(column), len(self.batch), width)
+                     for column in zip(*self.results, strict=True))
 
 
 def build_position_ids(attention_mask: Tensor) -> Tensor:

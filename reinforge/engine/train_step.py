@@ -1,21 +1,28 @@
 """One update of a model over a batch: epochs x mini-batches x token-budget micro-batches.
 
-Shared by the actor, the critic and the SFT trainer. The loss of each micro-batch is
-normalised by the *global* counts of its mini-batch (tokens and sequences across all
-micro-batches and data-parallel ranks), so that summing micro-batch gradients gives exactly
-the mini-batch gradient whatever the split. FSDP averages gradients over the ranks while
-globally normalised losses must be summed, so each backward is scaled by the world size.
-The gradient norm is clipped over the sharded gradients of all ranks. A step whose gradient
-norm is not finite is skipped (and counted), never applied.
+Shared by the actor, the critic and the SFT trainer. The caller drives the loop, so its
+forward and loss are written where it reads them, one call away from the model:
+
+    update = ModelUpdate(model, optimizer, scheduler, settings, device)
+    for micro, counts in update.micro_batches(batch):
+        log_probs, _ = response_log_probs(model, micro)
+        update.backward(loss_of(log_probs, micro, counts), metrics)
+    metrics = update.metrics("actor")
+
+The loss of each micro-batch is normalised by the *global* counts of its mini-batch (tokens
+and sequences across all micro-batches and data-parallel ranks), so that summing micro-batch
+gradients gives exactly the mini-batch gradient whatever the split. FSDP averages gradients
+over the ranks while globally normalised losses must be summed, so each backward is scaled by
+the world size. The gradient norm is clipped over the sharded gradients of all ranks. A step
+whose gradient norm is not finite is skipped (and counted), never applied.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -31,13 +38,22 @@ MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
 """(mini-batch, token budget, mask key) -> its micro-batches."""
 
 
+def packed_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
+    """Token-balanced micro-batches, packed without padding, a prompt's rows together (the RL workers)."""
+    return iter_balanced_micro_batches(batch, max_tokens, mask_key, share_prompts=True)
+
+
+def padded_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> list[Batch]:
+    """Consecutive micro-batches in the padded layout, trimmed (the SFT trainer's forward)."""
+    return split_by_token_budget(batch, max_tokens)
+
 
 @dataclass(frozen=True)
 class MiniBatchCounts:
     """Global counts of one mini-batch: over all its micro-batches and all data-parallel ranks.
 
-    The loss function turns them into its normaliser (``reinforge.algorithms.LossNormalizer``
-    has the same fields); the engine itself knows nothing of losses.
+    The loss turns them into its normaliser (``reinforge.algorithms.LossNormalizer`` has the
+    same fields); the engine itself knows nothing of losses.
     """
 
     num_tokens: float
@@ -48,32 +64,20 @@ class MiniBatchCounts:
     """Width of the mask."""
 
 
-MicroLossFn = Callable[[Batch, MiniBatchCounts], tuple[Tensor, dict[str, float | Tensor]]]
-"""(micro-batch, counts of its mini-batch) -> (loss to backpropagate, metrics of the micro-batch).
-
-Metrics may be scalar device tensors: they are read back once, after the last optimizer step,
-so the host never waits for the device between micro-batches.
-
-Metrics whose name ends in ``_loss`` are already normalised by the mini-batch's global counts:
-they are summed over its micro-batches and the data-parallel ranks (giving the mini-batch's
-loss), then averaged over optimizer steps. Other metrics are averaged with weights equal to each
-micro-batch's tokens, over all ranks; every rank returns the same values.
-"""
-
-
 @dataclass
 class UpdateSettings:
+    """How one update walks its batch; every value comes from the run's config (no defaults of its own there)."""
+
+    max_tokens_per_micro_batch: int
+    grad_clip: float
     num_mini_batches: int = 1
+    """Optimizer steps per epoch (the config's mini-batch size turned into a count)."""
     epochs: int = 1
-    max_tokens_per_micro_batch: int = 16384
-    grad_clip: float = 1.0
     shuffle: bool = False
+    """Shuffle rows between mini-batches, with a generator seeded by ``seed``."""
     seed: int = 0
     mask_key: str = "response_mask"
-
-
-def _padded_split(batch: Batch, max_tokens: int, mask_key: str) -> list[Batch]:
-    return split_by_token_budget(batch, max_tokens)
+    """The tokens that count for the loss normaliser and the metric weights."""
 
 
 def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
@@ -93,85 +97,92 @@ def mini_batch_counts(mini_batch: Batch, mask_key: str, device: torch.device) ->
     return MiniBatchCounts(num_tokens=num_tokens, num_sequences=num_sequences, max_response_length=mask.shape[1])
 
 
-def run_update(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               batch: Batch, loss_fn: MicroLossFn, settings: UpdateSettings, device: torch.device,
-               micro_batches: MicroBatchFn = _padded_split) -> dict[str, float]:
-    """Run the optimizer steps of one training step; returns metrics averaged over them.
+class ModelUpdate:
+    """The optimizer steps of one training step, timed to the device's end; the caller runs each forward and loss.
 
-    Also ``computed_tokens``: the tokens this rank ran through the model (packed: its plans'
-    tokens; padded: rows x width), summed over all micro-batches.
-
-    ``micro_batches`` cuts each mini-batch; the default keeps the padded layout (trimmed).
+    ``micro_batches(batch)`` yields (micro-batch on the device, counts of its mini-batch); the
+    caller answers each with one ``backward``. Between mini-batches it clips and steps. Metrics
+    may be scalar device tensors: they are read back once, in ``metrics``, so the host never
+    waits for the device between micro-batches. Metrics whose name ends in ``_loss`` are already
+    normalised by the mini-batch's global counts: they are summed over its micro-batches and the
+    data-parallel ranks (giving the mini-batch's loss), then averaged over optimizer steps. Other
+    metrics are averaged with weights equal to each micro-batch's tokens, over all ranks; every
+    rank returns the same values.
     """
-    loss_scale = float(world_size()) if fsdp_units(model) else 1.0
-    sums: dict[str, float] = defaultdict(float)
-    weights: dict[str, float] = defaultdict(float)
-    loss_sums: dict[str, float] = defaultdict(float)
-    num_steps = 0
-    grad_norms: list[float] = []
-    num_skipped = 0
-    computed_tokens = 0
-    generator = torch.Generator().manual_seed(settings.seed)
-    for _ in range(settings.epochs):
-        order = torch.randperm(len(batch), generator=generator) if settings.shuffle else torch.arange(len(batch))
-        for mini_rows in order.chunk(settings.num_mini_batches):
-            whole = settings.num_mini_batches == 1 and not settings.shuffle  # rows in order: no copy needed
-            mini_batch = batch if whole else batch.index(mini_rows)
-            counts = mini_batch_counts(mini_batch, settings.mask_key, device)
-            optimizer.zero_grad(set_to_none=True)
-            for micro in micro_batches(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
-                weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
-                plan = micro.meta.get(PLAN_KEY)
-                computed_tokens += plan.num_tokens if plan is not None else micro["attention_mask"].numel()
-                micro = micro.to(device, non_blocking=True)
-                loss, metrics = loss_fn(micro, counts)
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-                for key, value in metrics.items():  # device tensors stay there until the step ends
-                    value = value.detach().float() if isinstance(value, Tensor) else float(value)
-                    if key.endswith("_loss"):
-                        loss_sums[key] = loss_sums[key] + value
-                    else:
-                        sums[key] = sums[key] + value * weight
-                        weights[key] += weight
-            grad_norm = clip_grad_norm_(model.parameters(), settings.grad_clip)
-            if torch.isfinite(grad_norm):
-                optimizer.step()
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings, device: torch.device,
+                 split: MicroBatchFn = packed_micro_batches):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.settings, self.device, self.split = settings, device, split
+        self.loss_scale = float(world_size()) if fsdp_units(model) else 1.0
+        self.sums: dict[str, float | Tensor] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.loss_sums: dict[str, float | Tensor] = defaultdict(float)
+        self.grad_norms: list[float] = []
+        self.num_skipped = 0
+        self.computed_tokens = 0
+        self.num_tokens = 0.0
+        self.seconds = 0.0
+        self._weight = 0.0
+
+    def micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, MiniBatchCounts]]:
+        """Epochs x mini-batches x micro-batches of ``batch``; each optimizer step runs when its last micro-batch is done."""
+        settings, optimizer = self.settings, self.optimizer
+        start = time.perf_counter()
+        generator = torch.Generator().manual_seed(settings.seed)
+        for _ in range(settings.epochs):
+            order = torch.randperm(len(batch), generator=generator) if settings.shuffle else torch.arange(len(batch))
+            for mini_rows in order.chunk(settings.num_mini_batches):
+                whole = settings.num_mini_batches == 1 and not settings.shuffle  # rows in order: no copy needed
+                mini_batch = batch if whole else batch.index(mini_rows)
+                counts = mini_batch_counts(mini_batch, settings.mask_key, self.device)
+                optimizer.zero_grad(set_to_none=True)
+                for micro in self.split(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
+                    self._weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
+                    plan = micro.meta.get(PLAN_KEY)
+                    self.computed_tokens += plan.num_tokens if plan is not None else micro["attention_mask"].numel()
+                    yield micro.to(self.device, non_blocking=True), counts
+                grad_norm = clip_grad_norm_(self.model.parameters(), settings.grad_clip)
+                if torch.isfinite(grad_norm):
+                    optimizer.step()
+                else:
+                    self.num_skipped += 1
+                self.scheduler.step()
+                self.grad_norms.append(float(grad_norm))
+        optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        self.num_tokens += float(batch["attention_mask"].sum()) * settings.epochs
+
+    def backward(self, loss: Tensor, metrics: dict[str, float | Tensor]) -> None:
+        """Backpropagate the loss of the micro-batch just yielded and tally its metrics (kept on the device)."""
+        (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+        for key, value in metrics.items():
+            value = value.detach().float() if isinstance(value, Tensor) else float(value)
+            if key.endswith("_loss"):
+                self.loss_sums[key] = self.loss_sums[key] + value
             else:
-                num_skipped += 1
-            scheduler.step()
-            grad_norms.append(float(grad_norm))
-            num_steps += 1
-    optimizer.zero_grad(set_to_none=True)
-    sums = {key: float(value) for key, value in sums.items()}
-    loss_sums = {key: float(value) for key, value in loss_sums.items()}
-    _sum_over_ranks(sums, weights, loss_sums, device=device)
-    result = {key: sums[key] / max(weights[key], 1e-12) for key in sums}
-    result |= {key: value / max(num_steps, 1) for key, value in loss_sums.items()}
-    finite = [g for g in grad_norms if g == g and g != float("inf")]
-    result["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
-    result["num_skipped_steps"] = float(num_skipped)
-    result["lr"] = scheduler.get_last_lr()[0]
-    result["computed_tokens"] = float(computed_tokens)
-    return result
+                self.sums[key] = self.sums[key] + value * self._weight
+                self.weights[key] += self._weight
 
-
-def run_timed_update(role: str, model: nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: torch.optim.lr_scheduler.LRScheduler, batch: Batch, loss_fn: MicroLossFn,
-                     settings: UpdateSettings, device: torch.device) -> dict[str, float]:
-    """``run_update`` over packed, token-balanced micro-batches (prompts shared), timed to the device's end.
-
-    Returns ``<role>/*`` metrics, ``perf/*/<role>`` (``engine.perf``) and
-    ``timing_s/update_<role>_compute``. The update of the actor and of the critic.
-    """
-    start = time.perf_counter()
-    metrics = run_update(model, optimizer, scheduler, batch, loss_fn, settings, device,
-                         micro_batches=partial(iter_balanced_micro_batches, share_prompts=True))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    computed = metrics.pop("computed_tokens")
-    result = {f"{role}/{key}": value for key, value in metrics.items()}
-    num_tokens = float(batch["attention_mask"].sum()) * settings.epochs
-    result |= update_perf_metrics(role, model, num_tokens, seconds, device, computed)
-    result[f"timing_s/update_{role}_compute"] = seconds
-    return result
+    def metrics(self, role: str) -> dict[str, float]:
+        """``<role>/*`` (the tallied metrics, grad_norm, num_skipped_steps, lr), ``perf/*/<role>`` (``engine.perf``)
+        and ``timing_s/update_<role>_compute``; identical on every rank."""
+        sums = {key: float(value) for key, value in self.sums.items()}
+        loss_sums = {key: float(value) for key, value in self.loss_sums.items()}
+        weights = dict(self.weights)
+        _sum_over_ranks(sums, weights, loss_sums, device=self.device)
+        num_steps = max(len(self.grad_norms), 1)
+        result = {key: sums[key] / max(weights[key], 1e-12) for key in sums}
+        result |= {key: value / num_steps for key, value in loss_sums.items()}
+        finite = [g for g in self.grad_norms if g == g and g != float("inf")]
+        result["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        result["num_skipped_steps"] = float(self.num_skipped)
+        result["lr"] = self.scheduler.get_last_lr()[0]
+        result = {f"{role}/{key}": value for key, value in result.items()}
+        result |= update_perf_metrics(role, self.model, self.num_tokens, self.seconds, self.device,
+                                      float(self.computed_tokens))
+        result[f"timing_s/update_{role}_compute"] = self.seconds
+        return result

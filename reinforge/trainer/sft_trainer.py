@@ -2,7 +2,7 @@
 
 Each step takes ``data.batch_size`` conversations (or packed rows), splits them into
 micro-batches by ``trainer.max_tokens_per_micro_batch`` and takes one optimizer step on the
-token-mean loss over every trained token of the batch (the engine's ``run_update``, shared
+token-mean loss over every trained token of the batch (the engine's ``ModelUpdate``, shared
 with RL). The run folder is an RL run's: ``config.yaml``, ``metrics.jsonl`` and atomic
 ``checkpoints/step_N/`` with ``actor_state.pt``, ``trainer_state.pt`` and an ``hf/`` folder;
 a run resumes from its latest checkpoint by default.
@@ -10,7 +10,6 @@ a run resumes from its latest checkpoint by default.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
-from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_update
+from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
@@ -93,20 +92,17 @@ class SFTTrainer(TrainingRun):
 
     # ---- the step ---------------------------------------------------------------------
     def train_step(self, batch: Batch) -> dict[str, float]:
-        def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[Tensor, dict[str, Tensor]]:
+        update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
+                             split=padded_micro_batches)
+        for micro, counts in update.micro_batches(batch):
             with autocast_context(self.device, self.config.model.dtype):
                 log_probs = token_log_probs(self.model, micro)
             loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer(**vars(counts)))
-            return loss, {"nll_loss": loss}
-
-        start = time.perf_counter()
-        metrics = run_update(self.model, self.optimizer, self.scheduler, batch, loss_fn, self.update_settings,
-                             self.device)
-        elapsed = time.perf_counter() - start
-        num_tokens = float(batch["attention_mask"].sum())
-        return {"train/loss": metrics["nll_loss"], "train/lr": metrics["lr"], "train/grad_norm": metrics["grad_norm"],
-                "train/num_loss_tokens": float(batch["loss_mask"].sum()),
-                "timing_s/step": elapsed, "perf/tokens_per_s": num_tokens / max(elapsed, 1e-9)}
+            update.backward(loss, {"nll_loss": loss})
+        metrics = update.metrics("train")
+        return {"train/loss": metrics["train/nll_loss"], "train/lr": metrics["train/lr"],
+                "train/grad_norm": metrics["train/grad_norm"], "train/num_loss_tokens": float(batch["loss_mask"].sum()),
+                "timing_s/step": update.seconds, "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:

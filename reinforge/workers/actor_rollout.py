@@ -19,7 +19,6 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +38,7 @@ from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
 from reinforge.engine.distributed import world_size
-from reinforge.engine.forward import build_position_ids, response_log_probs, score_in_micro_batches
+from reinforge.engine.forward import ScoringPass, build_position_ids, response_log_probs
 from reinforge.engine.fsdp import decoder_layers, shard_model, unsharded
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.lora import (
@@ -53,7 +52,7 @@ from reinforge.engine.lora import (
 from reinforge.engine.memory_plan import GiB
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
-from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_timed_update
+from reinforge.engine.train_step import MiniBatchCounts, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
@@ -438,14 +437,15 @@ class ActorRolloutWorker(Worker):
         Also sum_pi_squared (B, R), sum_v pi(v)^2 per position, when algorithm.adv_estimator needs it.
         """
         with_sum_pi_squared = ADVANTAGE_ESTIMATORS[self.config.algorithm.adv_estimator].needs_sum_pi_squared
-        outputs = score_in_micro_batches(
-            self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device,
-            partial(response_log_probs, temperature=self.config.rollout.temperature, with_entropy=True,
-                    max_logits_bytes=self.max_logits_bytes, with_sum_pi_squared=with_sum_pi_squared))
-        log_probs, entropy = outputs[:2]
+        with ScoringPass(self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device) as scoring:
+            for micro in scoring:
+                scoring.add(*response_log_probs(self.model, micro, self.config.rollout.temperature, with_entropy=True,
+                                                max_logits_bytes=self.max_logits_bytes,
+                                                with_sum_pi_squared=with_sum_pi_squared))
+        log_probs, entropy, *sum_pi_squared = scoring.outputs()
         output = Batch.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
         if with_sum_pi_squared:
-            output["sum_pi_squared"] = outputs[2]
+            output["sum_pi_squared"] = sum_pi_squared[0]
         if "rollout_log_probs" in batch:
             output.meta["mismatch_metrics"] = rollout_mismatch_metrics(
                 log_probs, batch["rollout_log_probs"], batch["response_mask"])
@@ -457,66 +457,68 @@ class ActorRolloutWorker(Worker):
         if self.peft_model is None:
             raise RuntimeError("compute_ref_log_prob on the actor needs model.lora.rank > 0; without LoRA the "
                                "reference policy is its own worker (workers.reference)")
-        with self.peft_model.disable_adapter():
-            (log_probs,) = score_in_micro_batches(
-                self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device,
-                lambda model, micro: response_log_probs(model, micro, self.config.rollout.temperature,
-                                                        max_logits_bytes=self.max_logits_bytes)[:1])
+        with (self.peft_model.disable_adapter(),
+              ScoringPass(self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device) as scoring):
+            for micro in scoring:
+                scoring.add(response_log_probs(self.model, micro, self.config.rollout.temperature,
+                                               max_logits_bytes=self.max_logits_bytes)[0])
+        (log_probs,) = scoring.outputs()
         return Batch.from_dict(tensors={"ref_log_probs": log_probs})
 
     # ---- training -----------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """Policy-gradient update over the batch; returns ``actor/*`` metrics."""
-        actor, correction = self.config.actor, self.config.algorithm.rollout_correction
-        temperature = self.config.rollout.temperature
         on_policy = "old_log_probs" not in batch and "proximal_alpha" not in batch
-        is_bounds = parse_is_threshold(self.config.algorithm.rollout_correction.rollout_is_threshold)
-        first_micro: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-        def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
-            normalizer = LossNormalizer(**vars(counts))
-            mask = micro["response_mask"]
-            log_probs, entropy = response_log_probs(self.model, micro, temperature, with_entropy=True,
-                                                    max_logits_bytes=self.max_logits_bytes)
-            old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
-            weights = micro.get("rollout_is_weights")
-            if "proximal_alpha" in micro:  # decoupled PPO, log-linear proximal policy between behaviour and current
-                behaviour = micro["rollout_log_probs"]
-                old_log_probs = behaviour + micro["proximal_alpha"] * (log_probs.detach() - behaviour)
-                weights = compute_importance_weights(old_log_probs - behaviour, mask.bool(), "token", is_bounds)
+        first_micro: tuple[torch.Tensor, ...] = ()
+        settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
+        update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
+        for micro, counts in update.micro_batches(batch):
+            log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
+                                                    with_entropy=True, max_logits_bytes=self.max_logits_bytes)
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
-                first_micro.append((log_probs.detach(), micro["rollout_log_probs"], mask))
-            if correction.bypass_mode and weights is None:  # an off-policy mode's stale batch has its weights
-                pg_loss, pg_metrics = compute_bypass_policy_loss(
-                    log_probs=log_probs, rollout_log_probs=micro["rollout_log_probs"], advantages=micro["advantages"],
-                    response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=actor.policy_loss,
-                    correction=correction, normalizer=normalizer)
-            else:
-                pg_loss, pg_metrics = compute_policy_loss(
-                    actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
-                    advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
-                    config=actor.policy_loss, importance_weights=weights,
-                    normalizer=normalizer)
-            entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
-            loss = pg_loss - actor.entropy_coeff * entropy_loss
-            metrics = {"pg_loss": pg_loss, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1),
-                       **pg_metrics}
-            if actor.use_kl_loss:
-                kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
-                kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
-                loss = loss + actor.kl_loss_coef * kl_loss
-                metrics["kl_loss"] = kl_loss
-                metrics["kl_coef"] = actor.kl_loss_coef
-            return loss, metrics
-
-        settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
-        result = run_timed_update("actor", self.model, self.optimizer, self.scheduler, batch, loss_fn, settings,
-                                  self.device)
+                first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])
+            update.backward(*self._policy_loss(micro, counts, log_probs, entropy, on_policy))
+        result = update.metrics("actor")
         if first_micro:
-            result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro[0]))
+            result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro))
         return result | peak_memory_gb(self.device)
+
+    def _policy_loss(self, micro: Batch, counts: MiniBatchCounts, log_probs: torch.Tensor, entropy: torch.Tensor,
+                     on_policy: bool) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        """The actor's loss on one micro-batch (policy loss, entropy bonus, KL loss) and its metrics."""
+        actor, correction = self.config.actor, self.config.algorithm.rollout_correction
+        normalizer = LossNormalizer(**vars(counts))
+        mask = micro["response_mask"]
+        old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
+        weights = micro.get("rollout_is_weights")
+        if "proximal_alpha" in micro:  # decoupled PPO, log-linear proximal policy between behaviour and current
+            behaviour = micro["rollout_log_probs"]
+            old_log_probs = behaviour + micro["proximal_alpha"] * (log_probs.detach() - behaviour)
+            weights = compute_importance_weights(old_log_probs - behaviour, mask.bool(), "token",
+                                                 parse_is_threshold(correction.rollout_is_threshold))
+        if correction.bypass_mode and weights is None:  # an off-policy mode's stale batch has its weights
+            pg_loss, pg_metrics = compute_bypass_policy_loss(
+                log_probs=log_probs, rollout_log_probs=micro["rollout_log_probs"], advantages=micro["advantages"],
+                response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=actor.policy_loss,
+                correction=correction, normalizer=normalizer)
+        else:
+            pg_loss, pg_metrics = compute_policy_loss(
+                actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
+                advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
+                config=actor.policy_loss, importance_weights=weights, normalizer=normalizer)
+        entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
+        loss = pg_loss - actor.entropy_coeff * entropy_loss
+        metrics = {"pg_loss": pg_loss, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1),
+                   **pg_metrics}
+        if actor.use_kl_loss:
+            kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
+            kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
+            loss = loss + actor.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss
+            metrics["kl_coef"] = actor.kl_loss_coef
+        return loss, metrics
 
     # ---- state ----------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)

@@ -14,11 +14,11 @@ from reinforge.algorithms import LossNormalizer, compute_value_loss
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import resolve_device
-from reinforge.engine.forward import response_values, score_in_micro_batches
+from reinforge.engine.forward import ScoringPass, response_values
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.optim import build_optimizer, build_scheduler
-from reinforge.engine.train_step import MiniBatchCounts, UpdateSettings, run_timed_update
+from reinforge.engine.train_step import ModelUpdate, UpdateSettings
 from reinforge.models import ValueModel
 from reinforge.protocol import Batch
 from reinforge.workers.checkpointing import load_training_state, save_training_state
@@ -52,25 +52,24 @@ class CriticWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
         """values (B, R): the critic's estimate before each response token."""
-        (values,) = score_in_micro_batches(self.model, batch, self.max_tokens, self.device,
-                                           lambda model, micro: (response_values(model, micro),))
+        with ScoringPass(self.model, batch, self.max_tokens, self.device) as scoring:
+            for micro in scoring:
+                scoring.add(response_values(self.model, micro))
+        (values,) = scoring.outputs()
         return Batch.from_dict(tensors={"values": values})
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
         critic = self.config.critic
-
-        def loss_fn(micro: Batch, counts: MiniBatchCounts) -> tuple[torch.Tensor, dict[str, float]]:
+        update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device)
+        for micro, counts in update.micro_batches(batch):
             values = response_values(self.model, micro)
-            loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], micro["response_mask"],
-                                                critic.cliprange_value, critic.loss_agg_mode,
-                                                LossNormalizer(**vars(counts)))
             mask = micro["response_mask"]
+            loss, clipfrac = compute_value_loss(values, micro["values"], micro["returns"], mask, critic.cliprange_value,
+                                                critic.loss_agg_mode, LossNormalizer(**vars(counts)))
             vpred_mean = (values.detach() * mask).sum() / mask.sum().clamp(min=1)
-            return loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}
-
-        return run_timed_update("critic", self.model, self.optimizer, self.scheduler, batch, loss_fn,
-                                self.update_settings, self.device)
+            update.backward(loss, {"vf_loss": loss, "vf_clipfrac": clipfrac, "vpred_mean": vpred_mean})
+        return update.metrics("critic")
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, folder: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import compute_dtype, resolve_device
-from reinforge.engine.forward import response_log_probs, score_in_micro_batches
+from reinforge.engine.forward import ScoringPass, response_log_probs
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.models import load_causal_lm
@@ -37,8 +37,8 @@ class ReferenceWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """ref_log_probs (B, R) of the response tokens under the frozen reference policy, at the rollout temperature."""
-        temperature = self.config.rollout.temperature
-        (log_probs,) = score_in_micro_batches(
-            self.model, batch, self.max_tokens, self.device,
-            lambda model, micro: response_log_probs(model, micro, temperature)[:1])
+        with ScoringPass(self.model, batch, self.max_tokens, self.device) as scoring:
+            for micro in scoring:
+                scoring.add(response_log_probs(self.model, micro, self.config.rollout.temperature)[0])
+        (log_probs,) = scoring.outputs()
         return Batch.from_dict(tensors={"ref_log_probs": log_probs})

@@ -21,12 +21,12 @@ from test_micro_batches_and_update import make_rollout_batch, varlen_lm  # noqa:
 UPDATE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm
+    from test_micro_batches_and_update import make_rollout_batch, on_policy_update, varlen_lm
     from reinforge.config.schema import OptimConfig
     from reinforge.engine.fsdp import full_model_state, shard_model
     from reinforge.engine.micro_batches import balanced_micro_batches
     from reinforge.engine.optim import build_scheduler
-    from reinforge.engine.train_step import UpdateSettings, run_update
+    from reinforge.engine.train_step import UpdateSettings
     from reinforge.engine.distributed import init_distributed
     from functools import partial
 
@@ -49,10 +49,10 @@ UPDATE = textwrap.dedent("""
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
         batch = rollout_batch().index(rows)
-        metrics = run_update(model, optimizer, scheduler, batch, on_policy_loss(model),
-                             UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05), torch.device("cpu"),
-                             micro_batches=partial(balanced_micro_batches, share_prompts=SHARE))
-        return full_model_state(model), metrics["grad_norm"]
+        metrics = on_policy_update(model, optimizer, scheduler, batch,
+                                   UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05),
+                                   split=partial(balanced_micro_batches, share_prompts=SHARE))
+        return full_model_state(model), metrics["actor/grad_norm"]
 """)
 
 RANK_MAIN = textwrap.dedent("""

@@ -89,13 +89,13 @@ UPDATE = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_lora import CONFIG
-    from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm
+    from test_micro_batches_and_update import make_rollout_batch, on_policy_update, varlen_lm
     from reinforge.config.schema import OptimConfig
     from reinforge.engine.distributed import init_distributed
     from reinforge.engine.fsdp import full_training_state, shard_model
     from reinforge.engine.lora import add_lora
     from reinforge.engine.optim import build_optimizer, build_scheduler
-    from reinforge.engine.train_step import UpdateSettings, run_update
+    from reinforge.engine.train_step import UpdateSettings
 
     def update(rows, budget):
         model = varlen_lm(seed=4).train()
@@ -106,8 +106,8 @@ UPDATE = textwrap.dedent("""
         scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
         batch = make_rollout_batch(rows=8, seed=5).index(rows)
         for _ in range(2):
-            run_update(model, optimizer, scheduler, batch, on_policy_loss(model),
-                       UpdateSettings(max_tokens_per_micro_batch=budget), torch.device("cpu"))
+            on_policy_update(model, optimizer, scheduler, batch,
+                             UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1.0))
         return full_training_state(model, optimizer)
 
     if __name__ == "__main__":

@@ -14,7 +14,7 @@ from reinforge.engine.micro_batches import (
     trim_padding,
 )
 from reinforge.engine.optim import build_optimizer, build_scheduler, lr_multiplier
-from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import build_tiny_causal_lm
 from reinforge.protocol import Batch
 
@@ -106,23 +106,23 @@ def test_packed_forward_matches_padded_forward(arch):
     torch.testing.assert_close(rebuilt[mask], expected[mask], atol=1e-5, rtol=1e-5)
 
 
-def on_policy_loss(model, loss_agg_mode: str = "token-mean"):
-    """run_update's loss function for an on-policy vanilla policy-gradient step of ``model``."""
-
-    def loss_fn(micro, counts):
+def on_policy_update(model, optimizer, scheduler, batch: Batch, settings: UpdateSettings, split=padded_micro_batches,
+                     loss_agg_mode: str = "token-mean") -> dict[str, float]:
+    """One on-policy vanilla policy-gradient update of ``model`` by the engine's ``ModelUpdate``; its ``actor/*`` metrics."""
+    update = ModelUpdate(model, optimizer, scheduler, settings, torch.device("cpu"), split=split)
+    for micro, counts in update.micro_batches(batch):
         log_probs, _ = response_log_probs(model, micro)
         loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
                                       advantages=micro["advantages"], response_mask=micro["response_mask"],
                                       loss_agg_mode=loss_agg_mode, config=PolicyLossConfig(),
                                       normalizer=LossNormalizer(**vars(counts)))
-        return loss, {"pg_loss": float(loss.detach())}
-
-    return loss_fn
+        update.backward(loss, {"pg_loss": float(loss.detach())})
+    return update.metrics("actor")
 
 
 def sgd_policy_update(base, batch: Batch, budget: int, micro_batches=balanced_micro_batches,
                       loss_agg_mode: str = "token-mean"):
-    """A copy of ``base`` after one on-policy vanilla policy-gradient update by ``run_update``; (model, metrics).
+    """A copy of ``base`` after one on-policy vanilla policy-gradient update by ``ModelUpdate``; (model, metrics).
 
     Plain SGD at lr 1: the parameter change is the gradient itself (Adam would amplify rounding noise).
     """
@@ -130,9 +130,8 @@ def sgd_policy_update(base, batch: Batch, budget: int, micro_batches=balanced_mi
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
     settings = UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=1e9)
-    metrics = run_update(model, optimizer, scheduler, batch, on_policy_loss(model, loss_agg_mode), settings,
-                         torch.device("cpu"),
-                         micro_batches=micro_batches)
+    metrics = on_policy_update(model, optimizer, scheduler, batch, settings, split=micro_batches,
+                               loss_agg_mode=loss_agg_mode)
     return model, metrics
 
 
@@ -142,7 +141,7 @@ def test_update_is_the_same_whatever_the_micro_batch_split(loss_agg_mode):
     batch = make_rollout_batch(rows=6)
     (model_a, metrics_a), (model_b, metrics_b) = (sgd_policy_update(base, batch, budget, loss_agg_mode=loss_agg_mode)
                                                   for budget in (10_000, 9))
-    assert metrics_a["grad_norm"] == pytest.approx(metrics_b["grad_norm"], rel=1e-4)
+    assert metrics_a["actor/grad_norm"] == pytest.approx(metrics_b["actor/grad_norm"], rel=1e-4)
     for p_a, p_b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=1e-5)
     assert not torch.equal(next(model_a.parameters()), next(base.parameters()))
@@ -154,13 +153,12 @@ def test_non_finite_gradient_skips_the_step():
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
 
-    def loss_fn(micro, counts):
-        log_probs, _ = response_log_probs(model, micro)
-        return log_probs.sum() * float("nan"), {}
-
-    metrics = run_update(model, optimizer, scheduler, make_rollout_batch(), loss_fn, UpdateSettings(),
+    update = ModelUpdate(model, optimizer, scheduler, UpdateSettings(max_tokens_per_micro_batch=16384, grad_clip=1.0),
                          torch.device("cpu"))
-    assert metrics["num_skipped_steps"] == 1
+    for micro, _ in update.micro_batches(make_rollout_batch()):
+        log_probs, _ = response_log_probs(model, micro)
+        update.backward(log_probs.sum() * float("nan"), {})
+    assert update.metrics("actor")["actor/num_skipped_steps"] == 1
     for old, new in zip(before, model.parameters(), strict=True):
         assert torch.equal(old, new)
 

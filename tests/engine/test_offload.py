@@ -19,12 +19,12 @@ from reinforge.config.schema import OptimConfig
 from reinforge.engine.fsdp import full_training_state, load_full_training_state, shard_model
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.engine.optim import build_scheduler
-from reinforge.engine.train_step import UpdateSettings, run_update
+from reinforge.engine.train_step import UpdateSettings
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fsdp import run_gloo_ranks  # noqa: E402
-from test_micro_batches_and_update import make_rollout_batch, on_policy_loss, varlen_lm  # noqa: E402
+from test_micro_batches_and_update import make_rollout_batch, on_policy_update, varlen_lm  # noqa: E402
 
 CONFIG = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2)
 SETTINGS = UpdateSettings(max_tokens_per_micro_batch=12, grad_clip=0.5)
@@ -42,8 +42,7 @@ def on_device(model):
 
 def train(model, optimizer, scheduler, steps, seed=0):
     for step in range(steps):
-        run_update(model, optimizer, scheduler, make_rollout_batch(rows=6, seed=seed + step), on_policy_loss(model),
-                   SETTINGS, torch.device("cpu"))
+        on_policy_update(model, optimizer, scheduler, make_rollout_batch(rows=6, seed=seed + step), SETTINGS)
 
 
 def sharded_pair():
