@@ -126,7 +126,21 @@ class PolicyLossConfig:
 
 
 @dataclass
-class ActorConfig:
+class UpdateConfig:
+    """The two settings of a trained model's update that the engine reads (``engine.train_step.UpdateSettings``),
+    declared once: the actor's and the critic's sections and the SFT trainer's inherit them, so the keys stay
+    in those sections (actor.grad_clip, critic.grad_clip, trainer.grad_clip of an SFT run)."""
+
+    max_tokens_per_micro_batch: Union[int, str] = "auto"
+    """Token budget of one forward/backward; micro-batches are formed from it and gradients are accumulated
+    over them. auto: the largest budget (up to 65536) that the memory planner fits on the device."""
+    grad_clip: float = 1.0
+    """Largest norm of the whole gradient (all ranks' shards together); a larger one is scaled down to it. Must be
+    positive; a large value such as 1e9 turns clipping off."""
+
+
+@dataclass
+class ActorConfig(UpdateConfig):
     optim: OptimConfig = field(default_factory=OptimConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     loss_agg_mode: str = "token-mean"
@@ -134,14 +148,10 @@ class ActorConfig:
     ppo_epochs: int = 1
     mini_batch_size: Optional[int] = None
     """Prompts per optimizer step; None is the whole batch (one on-policy step per training step)."""
-    max_tokens_per_micro_batch: Union[int, str] = "auto"
-    """Token budget of one forward/backward; micro-batches are formed from it. auto: the largest budget
-    (up to 65536) that the memory planner fits on the device."""
     logits_buffer_gib: Union[float, str] = "auto"
     """A micro-batch's logits (response tokens x vocabulary) are kept for the backward when they take at
     most this many GiB, which saves recomputing them; larger ones are computed in chunks. 0 always chunks.
     auto: the memory planner's choice (24 GiB when memory allows)."""
-    grad_clip: float = 1.0
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -231,7 +241,7 @@ class RefConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(UpdateConfig):
     enable: Optional[bool] = None
     """None enables the critic exactly when algorithm.adv_estimator is gae."""
     model_path: Optional[str] = None
@@ -242,8 +252,7 @@ class CriticConfig:
     ppo_epochs: Optional[int] = None
     """Defaults to actor.ppo_epochs."""
     max_tokens_per_micro_batch: Optional[int] = None
-    """Defaults to actor.max_tokens_per_micro_batch."""
-    grad_clip: float = 1.0
+    """None: actor.max_tokens_per_micro_batch (UpdateConfig has the setting)."""
     warmup_steps: int = 0
     """Steps that train only the critic before the actor starts updating."""
     param_offload: bool = False

@@ -1,8 +1,8 @@
 """The SFT run's typed configuration: data, model, optim, trainer.
 
 SFT has its own small schema rather than sections of the RL ``Config``; the model and
-optimizer sections are the RL ones and the trainer section extends the shared ``RunConfig``,
-so a key means the same in both. Loaded by ``config.loader.load_sft_config`` and checked by
+optimizer sections are the RL ones and the trainer section extends the shared ``RunConfig`` and
+``UpdateConfig``, so a key means the same in both. Loaded by ``config.loader.load_sft_config`` and checked by
 ``config.validate.validate_sft_config``, like the RL config.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig
+from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig, UpdateConfig
 
 SFT_TRUNCATION_MODES = ("drop", "right", "error")
 """The values of the SFT data.truncation."""
@@ -43,15 +43,15 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTTrainerConfig(RunConfig):
-    """The shared run settings (``RunConfig``: folder, steps, cadence, resume, loggers) and SFT's own."""
+class SFTTrainerConfig(RunConfig, UpdateConfig):
+    """The shared run settings (``RunConfig``: folder, steps, cadence, resume, loggers), the update's
+    (``UpdateConfig``: micro-batch budget, gradient clipping) and SFT's own."""
 
     output_dir: str = "runs/sft"
     """The run folder: config.yaml, metrics.jsonl, checkpoints/step_N/{actor_state.pt, hf/}."""
     experiment_name: str = "sft"
     max_tokens_per_micro_batch: int = 16384
-    """Token budget of one forward/backward; gradients are accumulated over micro-batches."""
-    grad_clip: float = 1.0
+    """SFT has no memory planner: a fixed budget, at least data.max_length."""
 
 
 @dataclass

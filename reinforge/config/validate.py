@@ -15,7 +15,7 @@ from reinforge.algorithms import (
     parse_rejection_rules,
 )
 from reinforge.config.errors import ConfigError
-from reinforge.config.schema import FILTER_METRICS, TRUNCATION_MODES, Config, OptimConfig, RunConfig
+from reinforge.config.schema import FILTER_METRICS, TRUNCATION_MODES, Config, OptimConfig, RunConfig, UpdateConfig
 from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig
 from reinforge.engine.optim import LR_SCHEDULES
 
@@ -32,10 +32,11 @@ def _in_range(key: str, value: float, low: float, high: float) -> None:
         raise ConfigError(f"{key}={value} is out of range; it must be between {low:g} and {high:g}")
 
 
-def _grad_clip(key: str, value: float) -> None:
-    if not value > 0:  # clip_grad_norm_ with a negative bound flips every gradient's sign; also nan
-        raise ConfigError(f"{key}={value} must be positive: the largest gradient norm kept (1.0 is usual; a "
-                          "large value such as 1e9 effectively turns clipping off)")
+def validate_update(prefix: str, update: UpdateConfig) -> None:
+    """The update settings of the section at ``prefix`` (actor, critic, an SFT run's trainer)."""
+    if not update.grad_clip > 0:  # clip_grad_norm_ with a negative bound flips every gradient's sign; also nan
+        raise ConfigError(f"{prefix}.grad_clip={update.grad_clip} must be positive: the largest gradient norm kept "
+                          "(1.0 is usual; a large value such as 1e9 effectively turns clipping off)")
 
 
 def validate_optim(prefix: str, optim: OptimConfig) -> None:
@@ -87,7 +88,7 @@ def validate_sft_config(config: SFTConfig) -> None:
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
     validate_run(trainer)
     validate_optim("optim", config.optim)
-    _grad_clip("trainer.grad_clip", trainer.grad_clip)
+    validate_update("trainer", trainer)
 
 
 def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:
@@ -127,8 +128,8 @@ def validate_config(config: Config) -> None:
     validate_run(trainer)
     validate_optim("actor.optim", actor.optim)
     validate_optim("critic.optim", config.critic.optim)
-    _grad_clip("actor.grad_clip", actor.grad_clip)
-    _grad_clip("critic.grad_clip", config.critic.grad_clip)
+    validate_update("actor", actor)
+    validate_update("critic", config.critic)
     if config.reward.num_workers < 0:
         raise ConfigError(f"reward.num_workers={config.reward.num_workers} must be 0 (score in this process) or more")
     if not config.reward.timeout_s > 0:
