@@ -115,6 +115,10 @@ def _eval(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
+    if "--agent" in argv:
+        from reinforge.demo.agent_runner import agent_demo_main
+
+        return agent_demo_main([arg for arg in argv if arg != "--agent"])
     from reinforge.demo.runner import demo_main
 
     return demo_main(argv)

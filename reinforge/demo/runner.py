@@ -206,10 +206,7 @@ def train_and_measure(run_dir: Path, overrides: Callable[[], list[str]], total_s
 
 
 def demo_main(argv: list[str]) -> int:
-    if "--agent" in argv:
-        from reinforge.demo.agent_runner import agent_demo_main
-
-        return agent_demo_main([arg for arg in argv if arg != "--agent"])
+    """``reinforge demo``; ``reinforge demo --agent`` goes to ``agent_runner.agent_demo_main`` (cli.py chooses)."""
     parser = argparse.ArgumentParser(prog="reinforge demo",
                                      description="Watch a small model learn arithmetic by GRPO (CPU-friendly).")
     parser.add_argument("--agent", action="store_true",
