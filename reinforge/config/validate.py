@@ -15,8 +15,16 @@ from reinforge.algorithms import (
     parse_rejection_rules,
 )
 from reinforge.config.errors import ConfigError
-from reinforge.config.schema import FILTER_METRICS, TRUNCATION_MODES, Config, OptimConfig, RunConfig, UpdateConfig
-from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig
+from reinforge.config.schema import (
+    FILTER_METRICS,
+    TRUNCATION_MODES,
+    Config,
+    DataConfig,
+    OptimConfig,
+    RunConfig,
+    UpdateConfig,
+)
+from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig, SFTDataConfig
 from reinforge.engine.optim import LR_SCHEDULES
 
 ROLLOUT_BACKENDS = ("hf", "native")
@@ -37,6 +45,14 @@ def validate_update(prefix: str, update: UpdateConfig) -> None:
     if not update.grad_clip > 0:  # clip_grad_norm_ with a negative bound flips every gradient's sign; also nan
         raise ConfigError(f"{prefix}.grad_clip={update.grad_clip} must be positive: the largest gradient norm kept "
                           "(1.0 is usual; a large value such as 1e9 effectively turns clipping off)")
+
+
+def validate_sample_limits(data: DataConfig | SFTDataConfig) -> None:
+    """data.max_train_samples and data.max_val_samples (RL and SFT): a count of rows, or null for all of them."""
+    for split in ("train", "val"):
+        value = getattr(data, f"max_{split}_samples")
+        if value is not None and value < 1:
+            raise ConfigError(f"data.max_{split}_samples={value} must be at least 1, or null for every row")
 
 
 def validate_optim(prefix: str, optim: OptimConfig) -> None:
@@ -83,6 +99,7 @@ def validate_sft_config(config: SFTConfig) -> None:
                        ("data.max_length", data.max_length)):
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    validate_sample_limits(data)
     if trainer.max_tokens_per_micro_batch < data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
@@ -123,6 +140,7 @@ def validate_config(config: Config) -> None:
     _choice("algorithm.kl_penalty", algorithm.kl_penalty, kl_names)
     _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, list(KL_CONTROLLERS))
     _choice("data.truncation", data.truncation, TRUNCATION_MODES)
+    validate_sample_limits(data)
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
     _choice("trainer.backend", trainer.backend, ("local", "ray"))
     validate_run(trainer)

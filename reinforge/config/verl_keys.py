@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reinforge.config.schema import TRUNCATION_MODES
+from reinforge.engine.optim import LR_SCHEDULES
 
 UNSET = object()
 """A conversion's answer when the verl value means "use the default" (-1, None, fsdp, ...)."""
@@ -110,9 +111,9 @@ def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
 def _schedule(value: Any, given: Mapping[str, Any]) -> Any:
     if value is None:
         return UNSET
-    if value in ("constant", "cosine"):
+    if value in LR_SCHEDULES:
         return value
-    raise NoEquivalentValue(f"the {value!r} schedule is not here; reinforge has constant and cosine")
+    raise NoEquivalentValue(f"the {value!r} schedule is not here; reinforge has {' and '.join(LR_SCHEDULES)}")
 
 
 

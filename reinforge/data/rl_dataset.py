@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reinforge.config.schema import TRUNCATION_MODES, DataConfig
+from reinforge.config.schema import DataConfig
 from reinforge.data.chat_template import encode_prompt
 from reinforge.data.files import Row, read_rows
 
@@ -64,10 +64,6 @@ class RLDataset:
         files = [files] if isinstance(files, str | Path) else list(files)
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet, JSONL or datasets folders")
-        if config.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation={config.truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
-        if max_samples is not None and max_samples < 1:
-            raise ValueError(f"max_samples={max_samples} for the {name} split must be at least 1, or None for all rows")
         self.name = name
         self.examples: list[PromptExample] = []
         self.num_filtered = 0

@@ -84,6 +84,9 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["actor.optim.lr=-1e-6"], r"actor.optim.lr=-1e-06 is negative"),
     (["critic.optim.lr=-1"], r"critic.optim.lr=-1.0 is negative"),
     (["actor.optim.lr=nan"], r"actor.optim.lr=nan is not a number"),
+    (["data.truncation=middle"], r"data.truncation='middle' is not one of error, left, right"),
+    (["data.max_train_samples=0"], r"data.max_train_samples=0 must be at least 1, or null for every row"),
+    (["data.max_val_samples=-1"], r"data.max_val_samples=-1 must be at least 1"),
     (["actor.grad_clip=-1"], r"actor.grad_clip=-1.0 must be positive"),
     (["critic.grad_clip=0"], r"critic.grad_clip=0.0 must be positive"),
     (["reward.timeout_s=0"], r"reward.timeout_s=0.0 must be positive"),
@@ -155,6 +158,7 @@ def test_cuda_device_without_a_gpu_is_refused_before_loading():
     (["optim.warmup_ratio=-0.1"], "optim.warmup_ratio=-0.1 is out of range"),
     (["trainer.total_steps=0"], "trainer.total_steps=0 trains nothing"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0 must be positive"),
+    (["data.max_train_samples=0"], "data.max_train_samples=0 must be at least 1"),
 ])
 def test_sft_config_rejects_the_same_run_settings(overrides, message):
     from reinforge.config import load_sft_config

@@ -100,8 +100,6 @@ def test_truncation_modes_when_not_filtering(tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match=r"row 0 of .*train.parquet has a prompt of 15 tokens, more than "
                                          r"data.max_prompt_length=5"):
         RLDataset(path, tiny_tokenizer, config(max_prompt_length=5, filter_overlong_prompts=False))
-    with pytest.raises(ValueError, match="data.truncation='middle'"):
-        RLDataset(path, tiny_tokenizer, config(truncation="middle"))
 
 
 def test_all_prompts_filtered_is_an_error(tmp_path, tiny_tokenizer):
