@@ -160,4 +160,4 @@ def test_one_step_off_with_a_rollout_worker_on_its_own_pool(ray_cluster, tiny_mo
         release_all_pools()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
     assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
-    assert all(row["actor/grad_norm"] == row["actor/grad_norm"] for row in rows)
+    assert all(row["actor/num_skipped_steps"] == 0 for row in rows)  # no non-finite gradient

@@ -139,6 +139,7 @@ def compute_score(solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_sigterm_during_slow_scoring_stops_within_seconds(rl_args, tmp_path, num_workers):
     """A step's scoring (16 samples of 30 s each) is not waited for: the run stops within seconds."""

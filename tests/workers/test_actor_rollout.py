@@ -45,7 +45,9 @@ def test_log_probs_do_not_depend_on_the_micro_batch_budget_and_checkpoint_round_
     worker.save_checkpoint(str(tmp_path / "step"))
     assert (tmp_path / "step" / "actor_state.pt").is_file() and (tmp_path / "step" / "hf" / "config.json").is_file()
     metrics = worker.update_actor(batch)
-    assert metrics["actor/grad_norm"] > 0 and "perf/update_tokens_per_s/actor" in metrics
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/num_skipped_steps"] == 0
+    assert metrics["perf/update_tokens_per_s/actor"] == pytest.approx(  # the sequences' tokens, prompts included
+        float(batch["attention_mask"].sum()) / metrics["timing_s/update_actor_compute"])
     changed = worker.compute_log_prob(batch)["old_log_probs"]
     assert not torch.allclose(changed, whole)
     worker.load_checkpoint(str(tmp_path / "step"))
