@@ -23,6 +23,7 @@ class DataConfig:
     """Parquet or JSONL files, or folders saved with ``datasets.save_to_disk``; rows in verl's schema."""
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
+    """Column of the prompt: a list of chat messages (or a string, with apply_chat_template=false)."""
     train_batch_size: int = 8
     """Prompts per step. Each is sampled rollout.n times."""
     val_batch_size: Optional[int] = None
@@ -40,10 +41,13 @@ class DataConfig:
     apply_chat_template: bool = True
     """False feeds string prompts to the tokenizer as they are."""
     shuffle: bool = True
+    """Visit the prompts in a new order each epoch, drawn from (seed, epoch) alone, so a resumed run continues it."""
     seed: int = 1
     """Seed of the data order (reproducible and resumable)."""
     max_train_samples: Optional[int] = None
+    """Read only the first this many training rows (a quick run on a large file); None reads all."""
     max_val_samples: Optional[int] = None
+    """Read only the first this many validation rows; None reads all."""
     gen_batch_size: Optional[int] = None
     """Prompts per generation batch under algorithm.filter_groups (DAPO's dynamic sampling); None is
     train_batch_size. The data loader hands out batches of this size."""
@@ -73,6 +77,8 @@ class ModelConfig:
     dtype: str = "auto"
     """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
     trust_remote_code: bool = False
+    """Let transformers run the Python code of the model's repository (architectures it does not ship); off
+    because that code runs with this process's rights."""
     gradient_checkpointing: Union[bool, int, str] = "auto"
     """Recompute activations in the backward: true (every decoder layer), false, a number of layers (the
     first k), or auto (the memory planner checkpoints only as many layers as memory requires)."""
@@ -85,9 +91,12 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
+    """Learning rate after warmup (the schedule's peak)."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the second moment."""
     warmup_steps: int = 0
     """Linear warmup from 0 over this many optimizer steps."""
     warmup_ratio: float = 0.0
@@ -113,10 +122,16 @@ class PolicyLossConfig:
     """Dual-clip bound for negative advantages (> 1); dppo_* truncate the ratio there (the DPPO paper
     suggests a large value, e.g. 20)."""
     clip_cov_ratio: float = 0.0002
+    """clip_cov: the share of valid tokens whose gradient is detached, drawn from those whose covariance
+    (A - mean A)(log pi - mean log pi) lies between clip_cov_lb and clip_cov_ub."""
     clip_cov_lb: float = 1.0
+    """clip_cov: lower bound of the covariance of a token that may be detached."""
     clip_cov_ub: float = 5.0
+    """clip_cov: upper bound of that covariance."""
     kl_cov_ratio: float = 0.0002
+    """kl_cov: the share of valid tokens, those of largest covariance, that get the |log ratio| penalty."""
     ppo_kl_coef: float = 0.1
+    """kl_cov: weight of that penalty."""
     tau_pos: float = 1.0
     """SAPO gate temperature for positive advantages."""
     tau_neg: float = 1.05
@@ -146,6 +161,8 @@ class ActorConfig(UpdateConfig):
     loss_agg_mode: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
     ppo_epochs: int = 1
+    """Passes over the batch per training step; past the first the update is off-policy, so the old
+    log-probs are computed before it."""
     mini_batch_size: Optional[int] = None
     """Prompts per optimizer step; None is the whole batch (one on-policy step per training step)."""
     logits_buffer_gib: Union[float, str] = "auto"
@@ -153,9 +170,14 @@ class ActorConfig(UpdateConfig):
     most this many GiB, which saves recomputing them; larger ones are computed in chunks. 0 always chunks.
     auto: the memory planner's choice (24 GiB when memory allows)."""
     entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss); 0: none."""
     use_kl_loss: bool = False
+    """Add kl_loss_coef x the KL to the reference policy to the loss (GRPO's way); loads the reference model."""
     kl_loss_coef: float = 0.001
+    """Weight of that KL term."""
     kl_loss_type: str = "low_var_kl"
+    """Its estimator: k1, abs, k2, k3 (reinforge.algorithms.KL_ESTIMATORS) or verl's kl, mse, low_var_kl for k1,
+    k2, k3; a trailing + keeps the estimator's value and takes the gradient of k2."""
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
     param_offload: Union[bool, str] = "auto"
@@ -172,10 +194,13 @@ class ActorConfig(UpdateConfig):
 @dataclass
 class ValSamplingConfig:
     n: int = 1
+    """Samples per validation prompt (mean@n, best@n, maj@n)."""
     temperature: float = 0.0
     """0 is greedy."""
     top_p: float = 1.0
+    """Sample from the most likely tokens whose probabilities add up to top_p; 1.0: all."""
     top_k: int = -1
+    """Sample from the k most likely tokens; -1: all."""
 
 
 @dataclass
@@ -205,9 +230,14 @@ class RolloutConfig:
     n: int = 8
     """Samples per prompt. Group estimators (grpo, rloo, ...) need n >= 2."""
     temperature: float = 1.0
+    """Sampling temperature; the actor scores its tokens (old, reference and current log-probs) at the same one.
+    0 is greedy (with n = 1)."""
     top_p: float = 1.0
+    """Sample from the most likely tokens whose probabilities add up to top_p; 1.0: all."""
     top_k: int = -1
+    """Sample from the k most likely tokens; -1: all."""
     min_p: float = 0.0
+    """Drop tokens less likely than min_p x the most likely one; 0: none."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra stop tokens; the tokenizer's EOS always stops."""
     gpu_memory_utilization: Optional[float] = None
@@ -248,7 +278,10 @@ class CriticConfig(UpdateConfig):
     """Defaults to model.path (a value head is added)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     cliprange_value: float = 0.5
+    """PPO's value clipping: the loss takes the larger error of the new value and of the new value clipped to
+    within this of the value before the update."""
     loss_agg_mode: str = "token-mean"
+    """How the value loss is reduced (the modes of actor.loss_agg_mode)."""
     ppo_epochs: Optional[int] = None
     """Defaults to actor.ppo_epochs."""
     max_tokens_per_micro_batch: Optional[int] = None
@@ -281,7 +314,9 @@ class RewardConfig:
     fallback_score: float = 0.0
     """Score of a sample whose scorer raised or timed out."""
     timeout_s: float = 10.0
+    """Seconds a scorer may take on one sample; a slower one gets fallback_score (and is counted)."""
     num_workers: int = 4
+    """Scoring processes; 0 scores in this process."""
     retool_wrong_answer: bool = False
     """ReTool's shaping for tool use: a wrong answer (acc false, or a score <= 0 without acc) scores
     min(-0.6, -1 + 0.05 * (num_turns - 2)), so each tool call (two turns) adds 0.1 up to -0.6."""
@@ -293,8 +328,11 @@ class KLControlConfig:
     type: str = "fixed"
     """fixed or adaptive."""
     kl_coef: float = 0.001
+    """Weight of the KL-in-reward penalty (fixed), or its start (adaptive)."""
     target_kl: float = 0.1
+    """adaptive: the KL the coefficient steers towards."""
     horizon: int = 10000
+    """adaptive: each step multiplies the coefficient by 1 + clip(kl / target_kl - 1, +-0.2) x samples / horizon."""
 
 
 @dataclass
@@ -336,7 +374,9 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """A name in reinforge.algorithms.ADVANTAGE_ESTIMATORS."""
     gamma: float = 1.0
+    """Discount factor of GAE and of the REINFORCE++ returns."""
     lam: float = 1.0
+    """GAE's lambda: 1 is the Monte Carlo return minus the value, 0 the one-step TD error."""
     norm_adv_by_std: bool = True
     """GRPO divides by the group std; False gives Dr. GRPO."""
     grpo_epsilon: float = 1e-6
@@ -346,6 +386,8 @@ class AlgorithmConfig:
     gdpo_reward_weights: Optional[list[float]] = None
     """gdpo: one weight per key of gdpo_reward_keys; None weighs them all 1."""
     use_kl_in_reward: bool = False
+    """Subtract the kl_ctrl coefficient x the KL to the reference policy from each token's reward (PPO's way);
+    loads the reference model."""
     kl_penalty: str = "kl"
     """KL estimator of the in-reward penalty."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
@@ -360,9 +402,11 @@ class RunConfig:
     output_dir: str = "runs/default"
     """The run folder: resolved config, metrics.jsonl, checkpoints, samples, plots."""
     total_epochs: int = 1
+    """Passes over the training data when total_steps is unset."""
     total_steps: Optional[int] = None
     """Steps to run (epochs repeat as needed); None runs total_epochs over the data."""
     seed: int = 1
+    """Seed of the run: initial weights' random parts (a value head), sampling and mini-batch shuffling."""
     device: str = "auto"
     """auto (cuda when available), cuda or cpu."""
     test_every: int = 0
@@ -376,7 +420,9 @@ class RunConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Any of console, jsonl, tensorboard, wandb, mlflow."""
     project_name: str = "reinforge"
+    """Project of the run in W&B and MLflow."""
     experiment_name: str = "default"
+    """Name of the run in W&B and MLflow."""
 
 
 @dataclass
@@ -390,6 +436,7 @@ class TrainerConfig(RunConfig):
     ray_address: Optional[str] = None
     """Ray cluster to join (e.g. 10.0.0.1:6379); None uses RAY_ADDRESS, or starts a local Ray instance."""
     val_before_train: bool = True
+    """Validate the starting model before the first step (the 'before' of a before/after comparison)."""
     num_logged_samples: int = 4
     """Generations written to samples.jsonl per step."""
     call_timeout_s: float = 3600.0
