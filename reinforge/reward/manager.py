@@ -67,15 +67,13 @@ class RewardManager:
     """Scores batches of responses; keeps its worker processes between calls (``close()`` ends them)."""
 
     def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int | None = None) -> None:
-        """``max_response_length`` (data.max_response_length) is needed by reward.overlong_buffer."""
-        if config.num_workers < 0:
-            raise ValueError(f"reward.num_workers={config.num_workers} must be 0 (score in this process) or more")
-        if config.timeout_s <= 0:
-            raise ValueError(f"reward.timeout_s={config.timeout_s} must be positive")
-        buffer = config.overlong_buffer
-        if buffer.enable and (max_response_length is None or not 0 < buffer.len <= max_response_length):
-            raise ValueError(f"reward.overlong_buffer.len={buffer.len} must be in 1..data.max_response_length="
-                             f"{max_response_length}")
+        """``max_response_length`` (data.max_response_length) is needed by reward.overlong_buffer.
+
+        ``config`` is a checked one (``config.validate``: workers, timeout, the buffer's length).
+        """
+        if config.overlong_buffer.enable and max_response_length is None:
+            raise ValueError("reward.overlong_buffer.enable=true needs the RewardManager's max_response_length "
+                             "(data.max_response_length)")
         self.config = config
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length

@@ -21,9 +21,9 @@ def test_the_penalty_is_zero_before_the_buffer_and_linear_inside_it():
 def test_a_buffer_outside_the_budget_is_refused(byte_tokenizer):
     with pytest.raises(ValueError, match=r"reward.overlong_buffer.len=0 must be in 1..data.max_response_length=8"):
         overlong_penalty(torch.tensor([1]), 8, 0, 1.0)
-    config = RewardConfig(num_workers=0, overlong_buffer=OverlongBufferConfig(enable=True, len=9))
-    with pytest.raises(ValueError, match=r"len=9 must be in 1..data.max_response_length=8"):
-        RewardManager(config, byte_tokenizer, max_response_length=8)
+    config = RewardConfig(num_workers=0, overlong_buffer=OverlongBufferConfig(enable=True, len=4))
+    with pytest.raises(ValueError, match=r"needs the RewardManager's max_response_length"):
+        RewardManager(config, byte_tokenizer)
 
 
 def test_the_manager_adds_the_penalty_and_counts_shaped_samples(byte_tokenizer):
