@@ -1,5 +1,5 @@
-"""``reinforge <command>`` (or ``python -m reinforge``): train, sft, eval, demo, export, plot, bench, data,
-config, sandbox.
+"""``reinforge <command>`` (or ``python -m reinforge``): train, plan, sft, eval, demo, export, plot, bench,
+data, config, sandbox.
 
 A command parses and validates its configuration before any model, tokenizer or dataset
 loads, so a typo in a key fails in seconds with one line, not after a minute of loading.

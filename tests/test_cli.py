@@ -14,6 +14,18 @@ def test_help_lists_every_command(capsys):
         assert f"  {name}" in out
 
 
+def test_the_module_docstring_and_architecture_md_name_every_command():
+    from pathlib import Path
+
+    import reinforge.cli
+
+    opening = " ".join(reinforge.cli.__doc__.split("\n\n")[0].split())  # "... reinforge``): train, plan, ..."
+    assert opening.split("): ", 1)[1].rstrip(".").split(", ") == list(COMMANDS)
+    architecture = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    cli_row = next(line for line in architecture.splitlines() if line.startswith("| `cli.py`"))
+    assert cli_row.split("`reinforge ", 1)[1].split("`", 1)[0].split(" / ") == list(COMMANDS)
+
+
 def test_unknown_command_is_refused(capsys):
     assert main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
