@@ -25,15 +25,7 @@ import numpy as np
 import torch
 
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
-from reinforge.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    LossNormalizer,
-    aggregate_loss,
-    compute_bypass_policy_loss,
-    compute_policy_loss,
-    kl_penalty,
-)
-from reinforge.algorithms.rollout_correction import compute_importance_weights, parse_is_threshold
+from reinforge.algorithms import ADVANTAGE_ESTIMATORS
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import autocast_context, compute_dtype, peak_memory_gb, resolve_device
@@ -52,11 +44,12 @@ from reinforge.engine.lora import (
 from reinforge.engine.memory_plan import GiB
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
-from reinforge.engine.train_step import MiniBatchCounts, ModelUpdate, UpdateSettings
+from reinforge.engine.train_step import ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
+from reinforge.workers.actor_loss import actor_loss
 from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
 from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
 from reinforge.workers.memory_settings import apply_memory_plan, cap_device_memory
@@ -479,46 +472,11 @@ class ActorRolloutWorker(Worker):
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
                 first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])
-            update.backward(*self._policy_loss(micro, counts, log_probs, entropy, on_policy))
+            update.backward(*actor_loss(self.config, micro, counts, log_probs, entropy, on_policy))
         result = update.metrics("actor")
         if first_micro:
             result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro))
         return result | peak_memory_gb(self.device)
-
-    def _policy_loss(self, micro: Batch, counts: MiniBatchCounts, log_probs: torch.Tensor, entropy: torch.Tensor,
-                     on_policy: bool) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
-        """The actor's loss on one micro-batch (policy loss, entropy bonus, KL loss) and its metrics."""
-        actor, correction = self.config.actor, self.config.algorithm.rollout_correction
-        normalizer = LossNormalizer(**vars(counts))
-        mask = micro["response_mask"]
-        old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
-        weights = micro.get("rollout_is_weights")
-        if "proximal_alpha" in micro:  # decoupled PPO, log-linear proximal policy between behaviour and current
-            behaviour = micro["rollout_log_probs"]
-            old_log_probs = behaviour + micro["proximal_alpha"] * (log_probs.detach() - behaviour)
-            weights = compute_importance_weights(old_log_probs - behaviour, mask.bool(), "token",
-                                                 parse_is_threshold(correction.rollout_is_threshold))
-        if correction.bypass_mode and weights is None:  # an off-policy mode's stale batch has its weights
-            pg_loss, pg_metrics = compute_bypass_policy_loss(
-                log_probs=log_probs, rollout_log_probs=micro["rollout_log_probs"], advantages=micro["advantages"],
-                response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=actor.policy_loss,
-                correction=correction, normalizer=normalizer)
-        else:
-            pg_loss, pg_metrics = compute_policy_loss(
-                actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
-                advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
-                config=actor.policy_loss, importance_weights=weights, normalizer=normalizer)
-        entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
-        loss = pg_loss - actor.entropy_coeff * entropy_loss
-        metrics = {"pg_loss": pg_loss, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1),
-                   **pg_metrics}
-        if actor.use_kl_loss:
-            kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
-            kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
-            loss = loss + actor.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss
-            metrics["kl_coef"] = actor.kl_loss_coef
-        return loss, metrics
 
     # ---- state ----------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL)

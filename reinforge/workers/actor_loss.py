@@ -1,0 +1,62 @@
+"""The actor's loss on one micro-batch: the policy loss (bypass mode's in-loss correction, or the
+decoupled PPO loss with a log-linear proximal policy), minus the entropy bonus, plus the KL loss.
+
+``ActorRolloutWorker.update_actor`` calls it after its forward, inside the engine's update loop;
+the normaliser comes from the mini-batch's global counts, so the sum over micro-batches is the
+mini-batch's loss whatever the split.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from reinforge.algorithms import (
+    LossNormalizer,
+    aggregate_loss,
+    compute_bypass_policy_loss,
+    compute_policy_loss,
+    kl_penalty,
+)
+from reinforge.algorithms.rollout_correction import compute_importance_weights, parse_is_threshold
+from reinforge.config.schema import Config
+from reinforge.engine.train_step import MiniBatchCounts
+from reinforge.protocol import Batch
+
+
+def actor_loss(config: Config, micro: Batch, counts: MiniBatchCounts, log_probs: Tensor, entropy: Tensor,
+           on_policy: bool) -> tuple[Tensor, dict[str, float | Tensor]]:
+    """The actor's loss on one micro-batch and its metrics, from the current ``log_probs`` and ``entropy`` (B, R).
+
+    ``on_policy``: the batch has no old log-probs, the current ones (detached) stand for them.
+    """
+    actor, correction = config.actor, config.algorithm.rollout_correction
+    normalizer = LossNormalizer(**vars(counts))
+    mask = micro["response_mask"]
+    old_log_probs = log_probs.detach() if on_policy else micro.get("old_log_probs")
+    weights = micro.get("rollout_is_weights")
+    if "proximal_alpha" in micro:  # decoupled PPO, log-linear proximal policy between behaviour and current
+        behaviour = micro["rollout_log_probs"]
+        old_log_probs = behaviour + micro["proximal_alpha"] * (log_probs.detach() - behaviour)
+        weights = compute_importance_weights(old_log_probs - behaviour, mask.bool(), "token",
+                                             parse_is_threshold(correction.rollout_is_threshold))
+    if correction.bypass_mode and weights is None:  # an off-policy mode's stale batch has its weights
+        pg_loss, pg_metrics = compute_bypass_policy_loss(
+            log_probs=log_probs, rollout_log_probs=micro["rollout_log_probs"], advantages=micro["advantages"],
+            response_mask=mask, loss_agg_mode=actor.loss_agg_mode, config=actor.policy_loss,
+            correction=correction, normalizer=normalizer)
+    else:
+        pg_loss, pg_metrics = compute_policy_loss(
+            actor.policy_loss.loss_mode, old_log_probs=old_log_probs, log_probs=log_probs,
+            advantages=micro["advantages"], response_mask=mask, loss_agg_mode=actor.loss_agg_mode,
+            config=actor.policy_loss, importance_weights=weights, normalizer=normalizer)
+    entropy_loss = aggregate_loss(entropy, mask, actor.loss_agg_mode, normalizer)
+    loss = pg_loss - actor.entropy_coeff * entropy_loss
+    metrics = {"pg_loss": pg_loss, "entropy": (entropy.detach() * mask).sum() / mask.sum().clamp(min=1),
+               **pg_metrics}
+    if actor.use_kl_loss:
+        kl = kl_penalty(log_probs, micro["ref_log_probs"], actor.kl_loss_type)
+        kl_loss = aggregate_loss(kl, mask, actor.loss_agg_mode, normalizer)
+        loss = loss + actor.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+        metrics["kl_coef"] = actor.kl_loss_coef
+    return loss, metrics
