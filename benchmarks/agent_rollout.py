@@ -14,15 +14,22 @@ batch through ``generate_async``.
 Reported:
 - agent rollout: sampled tokens / wall time of the whole rollout, and the engine-busy fraction
   (wall time inside engine steps that had work, over the rollout's wall time; the device may stay
-  busy a little longer, as decode steps are launched ahead);
+  busy a little longer, as decode steps are launched ahead); the prefix cache's share of the turns'
+  prompt tokens;
 - single-turn rate: the same 256 prompts, each generating its trajectory's total sampled tokens in
   one request, with ``engine.generate`` (the rate a single-turn rollout of these tokens gets);
 - synchronous turns: the same trajectories run turn by turn with a barrier, as a batched
   synchronous loop does (all turn-k generations together, then all turn-k tool calls, then turn k+1);
 - serial: a few trajectories run one after another (generate, tool, generate, ...), extrapolated to
-  all 256.
-The engine re-prefills a trajectory's whole context at each turn (no prefix cache yet); the
-prefill tokens are counted in neither rate.
+  all 256;
+- for the agent, single-turn and synchronous runs, the engine's steps: prefill steps, decode steps and
+  the mean batch of a decode step (each prefill step stalls every running sequence, so an agent
+  rollout that prefills every arriving turn on its own does many more steps than the other two).
+A trajectory's next turn prefills only its new tokens (the prefix cache; ``--no-prefix-cache``
+prefills the whole context); prefill tokens are counted in no rate. ``--admission-wait`` and
+``--admission-fraction`` set how arriving turns are batched (``NativeEngine``'s
+``max_admission_wait`` and ``admission_fraction``); several comma-separated values run the agent
+rollout once per pair, e.g. ``--admission-wait 0,8,16,32``.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, 
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
-from reinforge.rollout.native.engine import prefix_cache_metrics
+from reinforge.rollout.native.engine import count_metrics
 
 
 class TimedEngine(NativeEngine):
@@ -50,9 +57,9 @@ class TimedEngine(NativeEngine):
 
     busy_s = 0.0
 
-    def _step(self) -> bool:
+    def _step(self, batch_arrivals: bool = False) -> bool:
         start = time.perf_counter()
-        ran = super()._step()
+        ran = super()._step(batch_arrivals)
         if ran:
             self.busy_s += time.perf_counter() - start
         return ran
@@ -99,6 +106,14 @@ def register_bench_loop(tool_output: list[int]) -> None:
             return AgentLoopOutput(prompt, response, mask, log_probs, num_turns=2 * len(row["turn_tokens"]))
 
 
+def step_counts(start: dict[str, float], end: dict[str, float]) -> dict:
+    """Prefill steps, decode steps and the mean decode batch between two ``engine.counts()`` readings."""
+    metrics = count_metrics(start, end)
+    return {"prefill_steps": int(metrics["rollout/num_prefill_steps"]),
+            "decode_steps": int(metrics["rollout/num_decode_steps"]),
+            "decode_batch_mean": metrics["rollout/decode_batch_mean"]}
+
+
 def forget_cached_prefixes(engine: TimedEngine) -> None:
     """Each run starts from an empty prefix cache (the runs share prompts)."""
     if engine.scheduler is not None:
@@ -111,34 +126,38 @@ def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list
     runner = AgentRunner(tokenizer=None, config=MultiTurnConfig())
     forget_cached_prefixes(engine)
     engine.busy_s = 0.0
-    counts = engine.prefill_counts()
+    counts = engine.counts()
     start = time.perf_counter()
     outputs = runner.run(rows, [SamplingParams()] * len(rows), AsyncEngineClient(engine))
     elapsed = time.perf_counter() - start
     sampled = sum(sum(output.response_mask) for output in outputs)
-    cache = prefix_cache_metrics(counts, engine.prefill_counts())
+    cache = count_metrics(counts, engine.counts())
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
             "engine_busy_fraction": engine.busy_s / elapsed,
             "prefix_cache_hit_tokens": cache["rollout/prefix_cache_hit_tokens"],
             "prefill_tokens": cache["rollout/prefill_tokens"],
-            "prefix_cache_hit_rate": cache["rollout/prefix_cache_hit_rate"]}
+            "prefix_cache_hit_rate": cache["rollout/prefix_cache_hit_rate"],
+            "admission_wait": engine.max_admission_wait, "admission_fraction": engine.admission_fraction,
+            **step_counts(counts, engine.counts())}
 
 
 def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
     requests = [GenerationRequest(prompt, SamplingParams(max_tokens=sum(t["turn_tokens"]), ignore_eos=True, seed=i))
                 for i, (prompt, t) in enumerate(zip(prompts, trajectories, strict=True))]
     engine.busy_s = 0.0
+    counts = engine.counts()
     start = time.perf_counter()
     completions = engine.generate(requests)
     elapsed = time.perf_counter() - start
     sampled = sum(len(samples[0].token_ids) for samples in completions)
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
-            "engine_busy_fraction": engine.busy_s / elapsed}
+            "engine_busy_fraction": engine.busy_s / elapsed, **step_counts(counts, engine.counts())}
 
 
 def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
                           tool_output: list[int]) -> dict:
     contexts = [list(prompt) for prompt in prompts]
+    counts = engine.counts()
     start, sampled = time.perf_counter(), 0
     for turn in range(max(len(t["turn_tokens"]) for t in trajectories)):
         active = [i for i, t in enumerate(trajectories) if turn < len(t["turn_tokens"])]
@@ -155,7 +174,8 @@ def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], traject
                 if turn < len(trajectories[i]["sleeps"]):
                     contexts[i] += tool_output
     elapsed = time.perf_counter() - start
-    return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed}
+    return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
+            **step_counts(counts, engine.counts())}
 
 
 def run_serial(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict], tool_output: list[int],
@@ -183,20 +203,32 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", help="write the results as JSON to this path")
     parser.add_argument("--trajectories", type=int, default=None)
     parser.add_argument("--serial", type=int, default=None, help="trajectories timed one after another")
+    parser.add_argument("--full-workload", action="store_true",
+                        help="with --cpu: the GPU run's workload (trajectories, turn lengths, tool sleeps) on the tiny "
+                             "model, whose steps on the CPU take about as long as the 0.5B model's on an H200")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every turn's whole context (the engine's prefix cache off)")
+    parser.add_argument("--admission-wait", default="16",
+                        help="decode steps an arriving turn may wait for others to join its prefill (comma list)")
+    parser.add_argument("--admission-fraction", default="0.125",
+                        help="waiting turns, as a fraction of the running ones, prefilled at once (comma list)")
     args = parser.parse_args(argv)
+    admissions = admission_settings(args.admission_wait, args.admission_fraction)
+    full_workload = dict(trajectories=256, prompt_len=128, turn_range=(32, 256), max_turns=4, sleep_range=(0.05, 0.5),
+                         tool_tokens=32, serial=4)
     if args.cpu:
+        torch.set_num_threads(1)  # the tiny model's ops are too small for OpenMP: more threads only wait on each other
         device, dtype, arch = torch.device("cpu"), torch.float32, TINY
         settings = dict(trajectories=8, prompt_len=16, turn_range=(4, 16), max_turns=4, sleep_range=(0.005, 0.05),
                         tool_tokens=32, serial=2)
+        if args.full_workload:
+            settings = dict(full_workload, serial=1)
     else:
         if not torch.cuda.is_available():
             print("benchmarks/agent_rollout.py needs a CUDA GPU; pass --cpu for the smoke test", file=sys.stderr)
             return 2
         device, dtype, arch = torch.device("cuda"), torch.bfloat16, QWEN25_05B
-        settings = dict(trajectories=256, prompt_len=128, turn_range=(32, 256), max_turns=4, sleep_range=(0.05, 0.5),
-                        tool_tokens=32, serial=4)
+        settings = full_workload
     settings["trajectories"] = args.trajectories or settings["trajectories"]
     settings["serial"] = args.serial or settings["serial"]
     trajectories = plan(settings["trajectories"], 0, settings["turn_range"], settings["max_turns"],
@@ -209,7 +241,8 @@ def main(argv: list[str]) -> int:
     model = build_model(arch, dtype, device)
     engine = TimedEngine(model, eos_token_ids=[arch["vocab_size"] - 1], max_model_len=longest,
                          max_num_seqs=max(settings["trajectories"], 8), gpu_memory_utilization=0.5,
-                         enable_prefix_caching=not args.no_prefix_cache)
+                         enable_prefix_caching=not args.no_prefix_cache, max_admission_wait=admissions[0][0],
+                         admission_fraction=admissions[0][1])
     settings["prefix_cache"] = not args.no_prefix_cache
     engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])  # warm-up
     results: dict = {"environment": environment(device), "settings": settings,
@@ -217,6 +250,11 @@ def main(argv: list[str]) -> int:
                      "tool_seconds_total": sum(sum(t["sleeps"]) for t in trajectories)}
     results["single_turn"] = run_single_turn(engine, prompts, trajectories)
     results["agent"] = run_agents(engine, prompts, trajectories)
+    results["agent_admission_sweep"] = []
+    for wait, fraction in admissions[1:]:
+        engine.scheduler.max_admission_wait, engine.scheduler.admission_fraction = wait, fraction
+        engine.max_admission_wait, engine.admission_fraction = wait, fraction
+        results["agent_admission_sweep"].append(run_agents(engine, prompts, trajectories))
     forget_cached_prefixes(engine)
     results["synchronous_turns"] = run_synchronous_turns(engine, prompts, trajectories, tool_output)
     forget_cached_prefixes(engine)
@@ -230,6 +268,24 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def admission_settings(waits: str, fractions: str) -> list[tuple[int, float]]:
+    """(max_admission_wait, admission_fraction) pairs from two comma lists (a single value pairs with every other)."""
+    wait_values = [int(value) for value in waits.split(",")]
+    fraction_values = [float(value) for value in fractions.split(",")]
+    if len(wait_values) > 1 and len(fraction_values) > 1 and len(wait_values) != len(fraction_values):
+        raise SystemExit(f"--admission-wait gives {len(wait_values)} values and --admission-fraction "
+                         f"{len(fraction_values)}; give as many of each, or one of either")
+    count = max(len(wait_values), len(fraction_values))
+    wait_values *= count if len(wait_values) == 1 else 1
+    fraction_values *= count if len(fraction_values) == 1 else 1
+    return list(zip(wait_values, fraction_values, strict=True))
+
+
+def describe_steps(run: dict) -> str:
+    return (f"{run['prefill_steps']:,} prefill + {run['decode_steps']:,} decode steps, "
+            f"{run['decode_batch_mean']:.1f} sequences per decode step")
+
+
 def print_table(results: dict) -> None:
     env, settings = results["environment"], results["settings"]
     print(f"agent rollout  {env['date']}  {env.get('gpu', env['device'])}  torch {env['torch']}")
@@ -239,7 +295,8 @@ def print_table(results: dict) -> None:
           f"({results['tool_seconds_total']:.1f} s in all), {settings['tool_tokens']} tool tokens per call")
     agent, single = results["agent"], results["single_turn"]
     rows = [
-        ("agent rollout tokens/s", f"{agent['tokens_per_s']:,.0f}  ({agent['time_s']:.2f} s)"),
+        ("agent rollout tokens/s", f"{agent['tokens_per_s']:,.0f}  ({agent['time_s']:.2f} s; admission wait "
+                                   f"{agent['admission_wait']} steps, fraction {agent['admission_fraction']})"),
         ("single-turn engine tokens/s", f"{single['tokens_per_s']:,.0f}  ({single['time_s']:.2f} s)"),
         ("agent / single-turn", f"{results['agent_vs_single_turn']:.0%}"),
         ("engine-busy fraction (agent)", f"{agent['engine_busy_fraction']:.0%}"),
@@ -250,7 +307,14 @@ def print_table(results: dict) -> None:
                               f"({results['synchronous_turns']['tokens_per_s']:,.0f} tokens/s)"),
         ("serial, extrapolated", f"{results['serial']['time_s_extrapolated']:.1f} s  (from "
                                  f"{results['serial']['measured_trajectories']} trajectories)"),
+        ("steps, agent", describe_steps(agent)),
+        ("steps, single-turn", describe_steps(single)),
+        ("steps, synchronous turns", describe_steps(results["synchronous_turns"])),
     ]
+    for run in results.get("agent_admission_sweep", []):
+        rows.append((f"agent, wait {run['admission_wait']}, fraction {run['admission_fraction']}",
+                     f"{run['tokens_per_s']:,.0f} tokens/s  ({run['time_s']:.2f} s, "
+                     f"{run['tokens_per_s'] / single['tokens_per_s']:.0%}), {describe_steps(run)}"))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")

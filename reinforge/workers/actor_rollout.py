@@ -278,12 +278,12 @@ class ActorRolloutWorker(Worker):
         rows, samplings = agent_rows(batch, sampling, [seed_for(seed, str(uid)) for uid in batch["uid"]])
         phases.lap("requests")
 
-        prefill_counts = getattr(self.engine, "prefill_counts", None)
+        engine_counts = getattr(self.engine, "counts", None)
         counts: list[dict[str, float]] = []
 
         def run() -> list:
-            if prefill_counts is not None:
-                counts.append(prefill_counts())
+            if engine_counts is not None:
+                counts.append(engine_counts())
             if hasattr(self.engine, "generate_async"):
                 client = AsyncEngineClient(self.engine)
             else:
@@ -291,8 +291,8 @@ class ActorRolloutWorker(Worker):
             try:
                 outputs = self.agent_runner.run(rows, samplings, client)
                 phases.lap("engine")
-                if prefill_counts is not None:
-                    counts.append(prefill_counts())
+                if engine_counts is not None:
+                    counts.append(engine_counts())
             except BaseException:
                 self.engine.sleep(abandon=True)  # the error, not the unfinished requests, is what the user sees
                 raise
@@ -312,10 +312,10 @@ class ActorRolloutWorker(Worker):
         output.meta["rollout_metrics"] = agent_metrics(outputs) | {
             "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
             "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
-        if len(counts) == 2:  # the native engine: how much of the turns' prompts came from the prefix cache
-            from reinforge.rollout.native.engine import prefix_cache_metrics
+        if len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix cache held
+            from reinforge.rollout.native.engine import count_metrics
 
-            output.meta["rollout_metrics"] |= prefix_cache_metrics(*counts)
+            output.meta["rollout_metrics"] |= count_metrics(*counts)
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")
         return output

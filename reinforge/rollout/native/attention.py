@@ -29,7 +29,9 @@ class AttentionMetadata:
     place each packed token in a (num_seqs, max_seq_len) grid.
     Decode: block_tables (batch, max_blocks) and context_lens (batch,), one token per sequence.
     Prefill after a prefix-cache hit: also block_tables and context_lens (every token, cached ones
-    included), and prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one.
+    included), prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one, and
+    max_context_len, the largest context length (known on the host: reading it from context_lens would
+    wait for the device at every layer).
     """
 
     slot_mapping: Tensor
@@ -40,6 +42,7 @@ class AttentionMetadata:
     block_tables: Tensor | None = None
     context_lens: Tensor | None = None
     prefix_lens: Tensor | None = None
+    max_context_len: int = 0
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -82,9 +85,10 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
     """
     assert meta.seq_lens is not None and meta.block_tables is not None and meta.context_lens is not None
     assert meta.prefix_lens is not None and meta.batch_index is not None and meta.token_index is not None
+    assert meta.max_context_len > 0
     num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
     group = q.shape[1] // k_cache.shape[2]
-    max_context = int(meta.context_lens.max())
+    max_context = meta.max_context_len
     block_tables = meta.block_tables[:, : -(-max_context // k_cache.shape[1])].long()
 
     def gather(cache: Tensor) -> Tensor:

@@ -2,18 +2,23 @@
 
 Token ids in, token ids and per-token log-probs out. One scheduler serves two entry points:
 ``generate(requests)`` steps it until a batch is done, and ``await generate_async(request)``
-adds one request and lets a background task step the scheduler (in a worker thread) while
-anything is pending, so agent loops submit requests one at a time and none waits for
-another. Decode steps overlap: the next one is launched before the last one's tokens are read
-back (``_step``).
+adds one request and lets a background task step the scheduler (in a worker thread, step after
+step until nothing is left to run) while anything is pending, so agent loops submit requests one
+at a time and none waits for another. Requests arriving that way while others decode are batched
+(``max_admission_wait``, ``admission_fraction``; see scheduler.py): each prefill step stalls
+every running sequence, so arrivals join a few at a time rather than one prefill each. Decode
+steps overlap: the next one is launched before the last one's tokens are read back (``_step``),
+also when sequences finished in between (the next step runs without them), and while arrivals
+wait.
 
 Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks stay cached
 while the engine is awake, and a request whose prompt starts with them prefills only the rest at
 their positions, so a multi-turn trajectory's next turn computes only its new tokens (tool output
 and template); samples are those of a full prefill, up to float rounding. The cache is dropped at
 ``sleep`` and whenever the weights change (``sync_weights``, ``add_to_weights``), so keys and
-values of older weights are never reused. ``prefill_counts`` and the metrics
-``rollout/prefix_cache_hit_tokens``, ``rollout/prefill_tokens`` and ``rollout/prefix_cache_hit_rate`` count it.
+values of older weights are never reused. ``counts`` and the metrics
+``rollout/prefix_cache_hit_tokens``, ``rollout/prefill_tokens`` and ``rollout/prefix_cache_hit_rate`` count it,
+beside the steps (``rollout/num_prefill_steps``, ``rollout/num_decode_steps``, ``rollout/decode_batch_mean``).
 
 Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
 gate|up concatenated, one matrix product each; see ``model.py``). ``wake_up`` makes the copy
@@ -41,7 +46,7 @@ from torch import Tensor, nn
 from reinforge.rollout.base import Completion, GenerationRequest
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.model import supports_model, unsupported_reason
-from reinforge.rollout.native.model_runner import ModelRunner
+from reinforge.rollout.native.model_runner import ModelRunner, to_device
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors
 from reinforge.rollout.native.scheduler import ScheduledStep, Scheduler
 from reinforge.rollout.native.sequence import Sequence, SequenceStatus
@@ -51,12 +56,14 @@ __all__ = ["NativeEngine", "supports_model"]
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
 
 
-def prefix_cache_metrics(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
-    """Prefix-cache hits and prefilled tokens between two ``NativeEngine.prefill_counts`` readings, and the hit rate
-    (hit tokens over all prompt tokens)."""
+def count_metrics(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
+    """The engine's counts between two ``NativeEngine.counts`` readings, the prefix cache's hit rate (hit tokens
+    over all prompt tokens) and the mean batch of the decode steps (``rollout/decode_batch_mean``)."""
     metrics = {name: end[name] - start[name] for name in end}
     hits, computed = metrics["rollout/prefix_cache_hit_tokens"], metrics["rollout/prefill_tokens"]
     metrics["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
+    steps = metrics["rollout/num_decode_steps"]
+    metrics["rollout/decode_batch_mean"] = metrics["rollout/num_decode_rows"] / steps if steps else 0.0
     return metrics
 
 
@@ -129,7 +136,8 @@ class NativeEngine:
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, max_admission_wait: int = 16,
+                 admission_fraction: float = 0.125):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -145,6 +153,9 @@ class NativeEngine:
         finished sequences' full KV blocks for requests that start with the same tokens (see the module docstring).
         device: where to generate, by default the model's; a model whose parameters are offloaded to the
         CPU between phases (``actor.param_offload``) names the accelerator here, and wake-up copies onto it.
+        max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
+        arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
+        prefill each at the first step after it arrives.
         """
         reason = unsupported_reason(model)
         if reason is not None:
@@ -165,6 +176,8 @@ class NativeEngine:
         self.free_on_sleep = free_on_sleep
         self.empty_cache_on_sleep = empty_cache_on_sleep
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_admission_wait = max_admission_wait
+        self.admission_fraction = admission_fraction
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [],
@@ -183,6 +196,10 @@ class NativeEngine:
         """Prompt tokens read from the prefix cache instead of prefilled, over the engine's life."""
         self.num_prefilled_tokens = 0
         """Tokens prefilled, over the engine's life."""
+        self.num_prefill_steps = 0
+        self.num_decode_steps = 0
+        self.num_decode_rows = 0
+        """Sequences decoded, summed over the decode steps (their mean batch is rows / steps)."""
         self._peak_blocks_used = 0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
         self._in_flight: _LaunchedStep | None = None
@@ -205,7 +222,8 @@ class NativeEngine:
             self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.runner.forget_block_tables()
         self.scheduler = Scheduler(BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching),
-                                   self.max_num_seqs, self.max_num_batched_tokens)
+                                   self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
+                                   self.admission_fraction)
 
     def sleep(self, abandon: bool = False) -> None:
         """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``).
@@ -327,19 +345,35 @@ class NativeEngine:
         return await future
 
     async def _drive(self) -> None:
+        """Step in a worker thread while anything is pending (a request submitted as the thread stops is seen by
+        the check here, which runs on the event loop, as ``generate_async`` does). The garbage collector is paused
+        meanwhile, as in ``generate``."""
         start = self._start_metrics()
+        stop = threading.Event()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             while self._has_work():
-                await asyncio.to_thread(self._step)
-        except Exception as error:
-            pending, self._requests = self._requests, {}
-            for state in pending.values():
+                await asyncio.to_thread(self._run_steps, stop)
+        except Exception as error:  # every request waiting for this driver fails with it, not yet admitted ones too
+            pending, self._requests = list(self._requests.values()), {}
+            while not self._incoming.empty():
+                pending.append(self._incoming.get())
+            for state in pending:
                 if state.on_error is not None:
                     state.on_error(error)
             raise
-        finally:  # also when the event loop cancels this task on its way out
+        finally:  # also when the event loop cancels this task on its way out: the thread stops after its step
+            stop.set()
+            if collecting:
+                gc.enable()
             if self.scheduler is not None:
                 self._finish_metrics(start)
+
+    def _run_steps(self, stop: threading.Event) -> None:
+        """Step, batching arrivals, until nothing is left to run or ``stop`` is set."""
+        while not stop.is_set() and self._step(batch_arrivals=True):
+            pass
 
     def _has_work(self) -> bool:
         return (not self._incoming.empty() or self._in_flight is not None
@@ -376,23 +410,26 @@ class NativeEngine:
                                         state.seed, stops, self.max_model_len, num_samples=sampling.n,
                                         keep_prefix=request.keep_prefix))
 
-    def _step(self) -> bool:
+    def _step(self, batch_arrivals: bool = False) -> bool:
         """Run one prefill or decode step; False when there was nothing to run.
 
         A decode step is launched and left in flight: the next call launches the following decode
         step on the device (its input ids are the sampled tokens, still on the device) before it reads
         the first one's tokens back, so the host's bookkeeping overlaps the GPU's work. A sequence that
-        finished in the step being read also ran in the one launched after it; that token is dropped.
+        finished in the step being read also ran in the one launched after it; that token is dropped,
+        and the step after runs without it. batch_arrivals (the async path): waiting requests join when
+        the scheduler's ``admission_due`` says so, and decode steps keep being launched ahead until then.
         """
         with self._step_lock:
             self._admit_incoming()
             if self._in_flight is not None:
                 launched, self._in_flight = self._in_flight, None
-                if self._can_look_ahead(launched.seqs):
-                    self._in_flight = self._launch_decode(launched.seqs, next_input_ids=launched.tokens)
+                rows = self._look_ahead_rows(launched.seqs, batch_arrivals)
+                if rows is not None:
+                    self._in_flight = self._launch_decode(*self._continuing(launched, rows))
                 self._process(launched)
                 return True
-            step = self.scheduler.schedule()
+            step = self.scheduler.schedule(batch_arrivals)
             if step is None:
                 return False
             if step.is_prefill:
@@ -401,22 +438,37 @@ class NativeEngine:
                 self._in_flight = self._launch_decode(step.seqs)
             return True
 
-    def _can_look_ahead(self, seqs: list[Sequence]) -> bool:
+    def _look_ahead_rows(self, seqs: list[Sequence], batch_arrivals: bool) -> list[int] | None:
+        """Rows of the step in flight that the next decode step continues (those still running), or None
+        when it is not launched ahead: waiting requests join first, or every sequence ends with this step."""
         # the loops here and in _process run over every sequence at every decode step, on the host, while
         # the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
-        if self.scheduler.waiting or not self._incoming.empty():
-            return False  # let the waiting requests join at the next step instead
+        if self.scheduler.admission_due() if batch_arrivals else (self.scheduler.waiting or not self._incoming.empty()):
+            return None  # let the waiting requests join at the next step instead
         running = SequenceStatus.RUNNING
+        rows = []
         all_end = True  # every sequence ends with the step in flight
-        for seq in seqs:
-            if seq.status is not running:
-                return False
+        for row, seq in enumerate(seqs):
+            if seq.status is not running:  # it finished in the step read last
+                continue
+            rows.append(row)
             if all_end and len(seq.token_ids) + 1 < seq.max_num_tokens:
                 all_end = False
-        return not all_end and self.scheduler.reserve_lookahead(seqs)
+        if all_end:
+            return None
+        continuing = seqs if len(rows) == len(seqs) else [seqs[row] for row in rows]
+        return rows if self.scheduler.reserve_lookahead(continuing) else None
+
+    def _continuing(self, launched: _LaunchedStep, rows: list[int]) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences of ``rows`` of a launched step and their sampled tokens (still on the device)."""
+        if len(rows) == len(launched.seqs):
+            return launched.seqs, launched.tokens
+        index = to_device(np.array(rows, dtype=np.int64), launched.tokens.device)
+        return [launched.seqs[row] for row in rows], launched.tokens[index]
 
     def _run_prefill(self, step: ScheduledStep) -> _LaunchedStep:
         logits = self.runner.prefill(step.seqs)
+        self.num_prefill_steps += 1
         for seq in step.seqs:
             self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.num_prefilled_tokens += seq.num_tokens - seq.num_cached_tokens
@@ -427,11 +479,13 @@ class NativeEngine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         params = SamplingTensors.from_sequences(sample_seqs, logits.device)
         positions = [seq.num_tokens for seq in sample_seqs]
-        params.positions = torch.tensor(positions, dtype=torch.int64).to(logits.device)
+        params.positions = to_device(np.array(positions, dtype=np.int64), logits.device)
         return _LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params))
 
     def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> _LaunchedStep:
         logits = self.runner.decode(seqs, next_input_ids)
+        self.num_decode_steps += 1
+        self.num_decode_rows += len(seqs)
         version = self.scheduler.version
         if self._decode_sampling is None or self._decode_sampling[0] != version:
             self._decode_sampling = (version, SamplingTensors.from_sequences(seqs, logits.device))
@@ -463,18 +517,23 @@ class NativeEngine:
 
     # ---- metrics ----------------------------------------------------------------------------
 
-    def prefill_counts(self) -> dict[str, float]:
+    def counts(self) -> dict[str, float]:
         """Totals over the engine's life: ``rollout/prefix_cache_hit_tokens`` (prompt tokens read from the prefix
-        cache) and ``rollout/prefill_tokens`` (tokens computed by prefills); differences of two readings give a span's."""
+        cache), ``rollout/prefill_tokens`` (tokens computed by prefills), ``rollout/num_prefill_steps``,
+        ``rollout/num_decode_steps`` and ``rollout/num_decode_rows`` (sequences decoded, summed over the decode
+        steps); ``count_metrics`` of two readings gives a span's."""
         return {"rollout/prefix_cache_hit_tokens": float(self.num_prefix_hit_tokens),
-                "rollout/prefill_tokens": float(self.num_prefilled_tokens)}
+                "rollout/prefill_tokens": float(self.num_prefilled_tokens),
+                "rollout/num_prefill_steps": float(self.num_prefill_steps),
+                "rollout/num_decode_steps": float(self.num_decode_steps),
+                "rollout/num_decode_rows": float(self.num_decode_rows)}
 
     def _start_metrics(self) -> tuple[float, int, int, float, dict[str, float]]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._peak_blocks_used = 0
         return (time.perf_counter(), self._num_generated_tokens, self.scheduler.num_preempted,
-                self.runner.capture_seconds, self.prefill_counts())
+                self.runner.capture_seconds, self.counts())
 
     def _finish_metrics(self, start: tuple[float, int, int, float, dict[str, float]]) -> None:
         start_time, start_tokens, start_preempted, start_capture, start_counts = start
@@ -490,7 +549,7 @@ class NativeEngine:
             "rollout/kv_blocks_used_peak": float(self._peak_blocks_used),
             "rollout/cuda_graph_capture_s": self.runner.capture_seconds - start_capture,
         }
-        metrics |= prefix_cache_metrics(start_counts, self.prefill_counts())
+        metrics |= count_metrics(start_counts, self.counts())
         if self.device.type == "cuda":
             metrics["rollout/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.last_metrics = metrics

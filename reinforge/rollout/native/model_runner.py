@@ -23,6 +23,14 @@ from reinforge.rollout.native.model import PagedDecoder
 from reinforge.rollout.native.sequence import Sequence
 
 
+def to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """A host array as a tensor on ``device``; to CUDA through pinned memory, without waiting for the device."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None):
@@ -113,10 +121,7 @@ class ModelRunner:
         self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
 
     def _to_device(self, array: np.ndarray) -> Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return to_device(array, self.device)
 
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> Tensor:
@@ -143,6 +148,7 @@ class ModelRunner:
             meta.block_tables = self._to_device(block_tables)
             meta.context_lens = self._to_device(np.array([seq.num_tokens for seq in seqs], dtype=np.int32))
             meta.prefix_lens = self._to_device(np.array(starts, dtype=np.int64))
+            meta.max_context_len = max(seq.num_tokens for seq in seqs)
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index))
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from reinforge.rollout.native.model_runner import to_device
 from reinforge.rollout.native.sequence import Sequence
 from reinforge.rollout.noise import gumbel_noise, noise_keys
 
@@ -56,8 +57,9 @@ class SamplingTensors:
             log_min_p = np.where(greedy | (min_p <= 0), -np.inf, np.log(np.maximum(min_p, 1e-30))).astype(np.float32)
             inv_temperatures = np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, temperatures)).astype(np.float32)
         sample_seeds = np.fromiter((seq.sample_seed for seq in seqs), dtype=np.int64, count=len(seqs))
-        floats = torch.from_numpy(np.stack([inv_temperatures, top_p, log_min_p])).to(device)
-        integers = torch.from_numpy(np.stack([greedy.astype(np.int64), top_k, sample_seeds])).to(device)
+        # copied without waiting for the device: the engine builds these while a decode step may be in flight
+        floats = to_device(np.stack([inv_temperatures, top_p, log_min_p]), device)
+        integers = to_device(np.stack([greedy.astype(np.int64), top_k, sample_seeds]), device)
         return cls(inv_temperatures=floats[0], greedy=integers[0].to(torch.int32), top_k=integers[1],
                    top_p=floats[1], log_min_p=floats[2], sample_seeds=integers[2],
                    needs_truncation=bool((top_k > 0).any() or (top_p < 1.0).any()),

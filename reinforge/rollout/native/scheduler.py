@@ -12,6 +12,14 @@ sequence whose tokens start with cached blocks takes them and prefills only the 
 (``seq.num_cached_tokens``): the next turn of a multi-turn trajectory, or a preempted sequence.
 ``reserve_lookahead`` lets the engine launch a decode step before it has read the previous
 one (see engine.py).
+
+Batching arrivals (``schedule(batch_arrivals=True)``, the engine's async path): a prefill step
+stalls every running sequence for a whole forward, so requests that arrive one by one while
+others decode (an agent's next turns, as tools return) are not prefilled one by one. They wait
+until ``admission_due``: nothing is running, or they are many (``admission_fraction`` of the
+running samples), or the oldest has waited ``max_admission_wait`` decode steps; then all of them
+join at one prefill. Without it (``generate``'s batch of requests, all there from the start)
+waiting sequences join at the first step there is room for them, as before.
 """
 
 from __future__ import annotations
@@ -40,10 +48,18 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_admission_wait: int = 0, admission_fraction: float = 0.0):
+        """max_admission_wait: decode steps the oldest arrival may wait for others to join its prefill;
+        admission_fraction: waiting samples, as a fraction of the running ones, that are prefilled at once
+        (both only when batching arrivals; see the module docstring)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_admission_wait = max_admission_wait
+        self.admission_fraction = admission_fraction
+        self.num_decode_steps = 0
+        """Decode steps scheduled so far, look-ahead ones included: the clock of ``admission_due``."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -60,6 +76,7 @@ class Scheduler:
         if seq.num_samples > self.max_num_seqs:
             raise ValueError(f"a request asks for n={seq.num_samples} samples but max_num_seqs={self.max_num_seqs}; "
                              "raise max_num_seqs or lower n")
+        seq.waiting_since = self.num_decode_steps
         self.waiting.append(seq)
 
     @property
@@ -72,11 +89,24 @@ class Scheduler:
         num_copies = seq.num_samples - 1 if seq.num_tokens % manager.block_size else 0
         return manager.num_blocks_for(seq.num_tokens) - len(cached) + manager.num_blocks_taken(cached) + num_copies
 
-    def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when nothing is left to run."""
-        step = self._schedule_prefill()
-        if step is not None:
-            return step
+    def admission_due(self) -> bool:
+        """Whether the waiting sequences should be prefilled now rather than wait for more arrivals."""
+        if not self.waiting:
+            return False
+        if not self.running:
+            return True
+        oldest = min(seq.waiting_since for seq in self.waiting)
+        if self.num_decode_steps - oldest >= self.max_admission_wait:
+            return True
+        return sum(seq.num_samples for seq in self.waiting) >= self.admission_fraction * len(self.running)
+
+    def schedule(self, batch_arrivals: bool = False) -> ScheduledStep | None:
+        """The next step, or None when nothing is left to run. batch_arrivals: waiting sequences join only
+        when ``admission_due`` (else only when there is room for them)."""
+        if self.waiting and (not batch_arrivals or self.admission_due()):
+            step = self._schedule_prefill()
+            if step is not None:
+                return step
         return self._schedule_decode() if self.running else None
 
     def _schedule_prefill(self) -> ScheduledStep | None:
@@ -127,6 +157,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _schedule_decode(self) -> ScheduledStep:
+        self.num_decode_steps += 1
         block_size = self.block_manager.block_size
         growing = [seq for seq in self.running if len(seq.block_table) * block_size < seq.num_tokens]
         if self.block_manager.can_allocate(len(growing)):
@@ -159,6 +190,7 @@ class Scheduler:
             return False
         for seq in growing:
             self.block_manager.append_block(seq.block_table)
+        self.num_decode_steps += 1
         return True
 
     def _release(self, seq: Sequence) -> None:
@@ -173,6 +205,7 @@ class Scheduler:
         self.version += 1
         self._release(seq)
         seq.status = SequenceStatus.WAITING
+        seq.waiting_since = self.num_decode_steps
         self.waiting.appendleft(seq)
         self.num_preempted += 1
 

@@ -48,6 +48,8 @@ class Sequence:
         self.row = -1
         """Row of this sequence in the runner's block-table array while it runs."""
         self.status = SequenceStatus.WAITING
+        self.waiting_since = 0
+        """The scheduler's decode-step count when this sequence last started waiting."""
         self.finish_reason = ""
 
     @property

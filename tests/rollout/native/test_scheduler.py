@@ -71,3 +71,64 @@ def test_preemption_frees_blocks_and_recomputes_later():
         scheduler.finish(sample_all(step.seqs))
     assert first.num_generated == 6 and second.num_generated == 6
     assert scheduler.block_manager.num_free_blocks == 4
+
+
+def decode_once(scheduler: Scheduler, batch_arrivals: bool = True) -> None:
+    step = scheduler.schedule(batch_arrivals)
+    assert not step.is_prefill
+    scheduler.finish(sample_all(step.seqs))
+
+
+def test_arrivals_during_decode_wait_to_join_one_prefill():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_admission_wait=4,
+                          admission_fraction=0.5)
+    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(8)]
+    for seq in running:
+        scheduler.add(seq)
+    assert scheduler.schedule(batch_arrivals=True).seqs == running  # nothing runs: admitted at once
+    scheduler.finish(sample_all(running))
+    first, second = make_seq(scheduler, 5), make_seq(scheduler, 6)
+    scheduler.add(first)
+    for decode_steps in range(4):
+        if decode_steps == 2:
+            scheduler.add(second)
+        assert not scheduler.admission_due()
+        decode_once(scheduler)  # the running sequences go on; the arrivals wait
+    assert first.status is SequenceStatus.WAITING and scheduler.admission_due()
+    step = scheduler.schedule(batch_arrivals=True)  # the first waited 4 decode steps: both join one prefill
+    assert step.is_prefill and step.seqs == [first, second]
+    assert [seq.num_generated for seq in running] == [5] * 8
+
+
+def test_many_arrivals_join_at_once_and_without_batching_at_the_next_step():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_admission_wait=100,
+                          admission_fraction=0.5)
+    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(4)]
+    for seq in running:
+        scheduler.add(seq)
+    scheduler.finish(sample_all(scheduler.schedule(batch_arrivals=True).seqs))
+    lone = make_seq(scheduler, 5)
+    scheduler.add(lone)
+    decode_once(scheduler)
+    step = scheduler.schedule(batch_arrivals=False)  # generate()'s batch: it joins as soon as there is room
+    assert step.is_prefill and step.seqs == [lone]
+    scheduler.finish(sample_all(step.seqs))
+    pair = [make_seq(scheduler, 4), make_seq(scheduler, 4, n=2)]
+    scheduler.add(pair[0])
+    decode_once(scheduler)
+    scheduler.add(pair[1])  # 3 waiting samples >= 0.5 * 5 running
+    step = scheduler.schedule(batch_arrivals=True)
+    assert step.is_prefill and step.seqs == pair
+
+
+
+def test_look_ahead_steps_count_toward_the_wait():
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_admission_wait=2,
+                          admission_fraction=1.0)
+    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(4)]
+    for seq in running:
+        scheduler.add(seq)
+    scheduler.finish(sample_all(scheduler.schedule(batch_arrivals=True).seqs))
+    scheduler.add(make_seq(scheduler, 5))
+    assert scheduler.reserve_lookahead(running) and not scheduler.admission_due()
+    assert scheduler.reserve_lookahead(running) and scheduler.admission_due()
