@@ -205,7 +205,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--serial", type=int, default=None, help="trajectories timed one after another")
     parser.add_argument("--full-workload", action="store_true",
                         help="with --cpu: the GPU run's workload (trajectories, turn lengths, tool sleeps) on the tiny "
-                             "model, whose steps on the CPU take about as long as the 0.5B model's on an H200")
+                             "model, for step counts like the GPU run's (its times are the CPU's own)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every turn's whole context (the engine's prefix cache off)")
     parser.add_argument("--admission-wait", default="16",
@@ -213,11 +213,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--admission-fraction", default="0.125",
                         help="waiting turns, as a fraction of the running ones, prefilled at once (comma list)")
     args = parser.parse_args(argv)
+    if not args.cpu:
+        return run(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's ops are too small for OpenMP: more threads only wait on each other
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)  # tests call main() in their own process
+
+
+def run(args: argparse.Namespace) -> int:
     admissions = admission_settings(args.admission_wait, args.admission_fraction)
     full_workload = dict(trajectories=256, prompt_len=128, turn_range=(32, 256), max_turns=4, sleep_range=(0.05, 0.5),
                          tool_tokens=32, serial=4)
     if args.cpu:
-        torch.set_num_threads(1)  # the tiny model's ops are too small for OpenMP: more threads only wait on each other
         device, dtype, arch = torch.device("cpu"), torch.float32, TINY
         settings = dict(trajectories=8, prompt_len=16, turn_range=(4, 16), max_turns=4, sleep_range=(0.005, 0.05),
                         tool_tokens=32, serial=2)
