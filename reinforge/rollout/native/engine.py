@@ -37,7 +37,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,6 +46,7 @@ from reinforge.rollout.base import Completion, GenerationRequest
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.model import supports_model, unsupported_reason
 from reinforge.rollout.native.model_runner import ModelRunner, to_device
+from reinforge.rollout.native.requests import LaunchedStep, RequestState
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors
 from reinforge.rollout.native.scheduler import ScheduledStep, Scheduler
 from reinforge.rollout.native.sequence import Sequence, SequenceStatus
@@ -73,60 +73,6 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-class _RequestState:
-    """Collects the n completions of one request and reports when all are done."""
-
-    def __init__(self, request: GenerationRequest, seed: int, on_done: Callable[[list[Completion]], None] | None,
-                 on_error: Callable[[BaseException], None] | None):
-        self.request = request
-        self.seed = seed
-        self.completions: list[Completion | None] = [None] * request.sampling.n
-        self.num_pending = request.sampling.n
-        self.on_done = on_done
-        self.on_error = on_error
-
-    def finish_sample(self, seq: Sequence) -> bool:
-        self.completions[seq.sample_index] = Completion(seq.token_ids[seq.num_prompt_tokens:], list(seq.log_probs),
-                                                        seq.finish_reason)
-        self.num_pending -= 1
-        return self.num_pending == 0
-
-
-@dataclass
-class _LaunchedStep:
-    """A step whose tokens were sampled on the device but not yet read back.
-
-    tokens, log_probs: (rows,) on the device. On CUDA they are also copied, as soon as they are
-    sampled, into pinned host buffers; ``ready`` fires when that copy is done, so reading them does
-    not wait for a step launched later on the same stream.
-    """
-
-    seqs: list[Sequence]
-    tokens: torch.Tensor
-    log_probs: torch.Tensor
-    host_tokens: torch.Tensor | None = None
-    host_log_probs: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
-
-    @classmethod
-    def sampled(cls, seqs: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor) -> _LaunchedStep:
-        if tokens.device.type != "cuda":
-            return cls(seqs, tokens, log_probs)
-        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host_log_probs = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
-        host_tokens.copy_(tokens, non_blocking=True)
-        host_log_probs.copy_(log_probs, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(seqs, tokens, log_probs, host_tokens, host_log_probs, ready)
-
-    def read(self) -> tuple[list[int], list[float]]:
-        if self.ready is None:
-            return self.tokens.tolist(), self.log_probs.tolist()
-        self.ready.synchronize()
-        return self.host_tokens.tolist(), self.host_log_probs.tolist()
 
 
 class NativeEngine:
@@ -186,8 +132,8 @@ class NativeEngine:
         self.scheduler: Scheduler | None = None
         self.last_metrics: dict[str, float] = {}
         self._seed_generator = np.random.default_rng(seed)
-        self._incoming: queue.SimpleQueue[_RequestState] = queue.SimpleQueue()
-        self._requests: dict[int, _RequestState] = {}
+        self._incoming: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
+        self._requests: dict[int, RequestState] = {}
         self._next_request_key = 0
         self._step_lock = threading.Lock()
         self._driver: asyncio.Task | None = None
@@ -202,7 +148,7 @@ class NativeEngine:
         """Sequences decoded, summed over the decode steps (their mean batch is rows / steps)."""
         self._peak_blocks_used = 0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
-        self._in_flight: _LaunchedStep | None = None
+        self._in_flight: LaunchedStep | None = None
 
     # ---- hybrid-engine lifecycle -------------------------------------------------------------
 
@@ -383,7 +329,7 @@ class NativeEngine:
 
     def _submit(self, request: GenerationRequest,
                 on_done: Callable[[list[Completion]], None] | None = None,
-                on_error: Callable[[BaseException], None] | None = None) -> _RequestState:
+                on_error: Callable[[BaseException], None] | None = None) -> RequestState:
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
@@ -394,7 +340,7 @@ class NativeEngine:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
-        state = _RequestState(request, seed, on_done, on_error)
+        state = RequestState(request, seed, on_done, on_error)
         self._incoming.put(state)
         return state
 
@@ -443,8 +389,12 @@ class NativeEngine:
         when it is not launched ahead: waiting requests join first, or every sequence ends with this step."""
         # the loops here and in _process run over every sequence at every decode step, on the host, while
         # the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
-        if self.scheduler.admission_due() if batch_arrivals else (self.scheduler.waiting or not self._incoming.empty()):
-            return None  # let the waiting requests join at the next step instead
+        if batch_arrivals:
+            joining = self.scheduler.admission_due()
+        else:
+            joining = bool(self.scheduler.waiting) or not self._incoming.empty()
+        if joining:
+            return None  # the waiting requests join at the next step instead
         running = SequenceStatus.RUNNING
         rows = []
         all_end = True  # every sequence ends with the step in flight
@@ -459,14 +409,14 @@ class NativeEngine:
         continuing = seqs if len(rows) == len(seqs) else [seqs[row] for row in rows]
         return rows if self.scheduler.reserve_lookahead(continuing) else None
 
-    def _continuing(self, launched: _LaunchedStep, rows: list[int]) -> tuple[list[Sequence], torch.Tensor]:
+    def _continuing(self, launched: LaunchedStep, rows: list[int]) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences of ``rows`` of a launched step and their sampled tokens (still on the device)."""
         if len(rows) == len(launched.seqs):
             return launched.seqs, launched.tokens
         index = to_device(np.array(rows, dtype=np.int64), launched.tokens.device)
         return [launched.seqs[row] for row in rows], launched.tokens[index]
 
-    def _run_prefill(self, step: ScheduledStep) -> _LaunchedStep:
+    def _run_prefill(self, step: ScheduledStep) -> LaunchedStep:
         logits = self.runner.prefill(step.seqs)
         self.num_prefill_steps += 1
         for seq in step.seqs:
@@ -480,9 +430,9 @@ class NativeEngine:
         params = SamplingTensors.from_sequences(sample_seqs, logits.device)
         positions = [seq.num_tokens for seq in sample_seqs]
         params.positions = to_device(np.array(positions, dtype=np.int64), logits.device)
-        return _LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params))
+        return LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params))
 
-    def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> _LaunchedStep:
+    def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> LaunchedStep:
         logits = self.runner.decode(seqs, next_input_ids)
         self.num_decode_steps += 1
         self.num_decode_rows += len(seqs)
@@ -491,9 +441,9 @@ class NativeEngine:
             self._decode_sampling = (version, SamplingTensors.from_sequences(seqs, logits.device))
         params = self._decode_sampling[1]
         params.positions = self.runner.last_decode_positions + 1
-        return _LaunchedStep.sampled(seqs, *self.sampler(logits, params))
+        return LaunchedStep.sampled(seqs, *self.sampler(logits, params))
 
-    def _process(self, launched: _LaunchedStep) -> None:
+    def _process(self, launched: LaunchedStep) -> None:
         """Read a step's sampled tokens back, append them, and retire the sequences that finished."""
         finished = []
         tokens, log_probs = launched.read()

@@ -1,0 +1,65 @@
+"""What the engine keeps between steps: each request's completions so far, and the step in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from reinforge.rollout.base import Completion, GenerationRequest
+from reinforge.rollout.native.sequence import Sequence
+
+
+class RequestState:
+    """Collects the n completions of one request and reports when all are done."""
+
+    def __init__(self, request: GenerationRequest, seed: int, on_done: Callable[[list[Completion]], None] | None,
+                 on_error: Callable[[BaseException], None] | None):
+        self.request = request
+        self.seed = seed
+        self.completions: list[Completion | None] = [None] * request.sampling.n
+        self.num_pending = request.sampling.n
+        self.on_done = on_done
+        self.on_error = on_error
+
+    def finish_sample(self, seq: Sequence) -> bool:
+        self.completions[seq.sample_index] = Completion(seq.token_ids[seq.num_prompt_tokens:], list(seq.log_probs),
+                                                        seq.finish_reason)
+        self.num_pending -= 1
+        return self.num_pending == 0
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose tokens were sampled on the device but not yet read back.
+
+    tokens, log_probs: (rows,) on the device. On CUDA they are also copied, as soon as they are
+    sampled, into pinned host buffers; ``ready`` fires when that copy is done, so reading them does
+    not wait for a step launched later on the same stream.
+    """
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    log_probs: torch.Tensor
+    host_tokens: torch.Tensor | None = None
+    host_log_probs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def sampled(cls, seqs: list[Sequence], tokens: torch.Tensor, log_probs: torch.Tensor) -> LaunchedStep:
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens, log_probs)
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_log_probs = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_log_probs.copy_(log_probs, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, tokens, log_probs, host_tokens, host_log_probs, ready)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.ready is None:
+            return self.tokens.tolist(), self.log_probs.tolist()
+        self.ready.synchronize()
+        return self.host_tokens.tolist(), self.host_log_probs.tolist()
