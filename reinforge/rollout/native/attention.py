@@ -31,7 +31,8 @@ class AttentionMetadata:
     Prefill after a prefix-cache hit: also block_tables and context_lens (every token, cached ones
     included), prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one, and
     max_context_len, the largest context length (known on the host: reading it from context_lens would
-    wait for the device at every layer).
+    wait for the device at every layer). prefix_visible (num_seqs, 1, max_len, max_context_len) says which
+    keys each query sees; the first layer makes it and the others reuse it.
     """
 
     slot_mapping: Tensor
@@ -43,6 +44,7 @@ class AttentionMetadata:
     context_lens: Tensor | None = None
     prefix_lens: Tensor | None = None
     max_context_len: int = 0
+    prefix_visible: Tensor | None = None
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -97,13 +99,15 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
 
     grid = q.new_zeros(num_seqs, max_len, *q.shape[1:])
     grid[meta.batch_index, meta.token_index] = q
-    query_positions = meta.prefix_lens[:, None] + torch.arange(max_len, device=q.device)[None, :]
-    key_positions = torch.arange(max_context, device=q.device)
-    # padding queries (past a sequence's length) still see key 0, so no row is all masked
-    visible = (key_positions[None, None, :] <= query_positions[:, :, None]) \
-        & (key_positions[None, None, :] < meta.context_lens[:, None, None])
+    if meta.prefix_visible is None:
+        query_positions = meta.prefix_lens[:, None] + torch.arange(max_len, device=q.device)[None, :]
+        key_positions = torch.arange(max_context, device=q.device)
+        # padding queries (past a sequence's length) still see key 0, so no row is all masked
+        visible = (key_positions[None, None, :] <= query_positions[:, :, None]) \
+            & (key_positions[None, None, :] < meta.context_lens[:, None, None])
+        meta.prefix_visible = visible[:, None]
     out = F.scaled_dot_product_attention(grid.transpose(1, 2), gather(k_cache), gather(v_cache),
-                                         attn_mask=visible[:, None], scale=scale)
+                                         attn_mask=meta.prefix_visible, scale=scale)
     return out.transpose(1, 2)[meta.batch_index, meta.token_index]
 
 

@@ -142,7 +142,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), is_prefill=True, seq_lens=seq_lens,
                                  batch_index=self._to_device(batch_index), token_index=self._to_device(token_index))
         if any(starts):  # queries also attend to cached keys: read every key from the cache through the block table
-            block_tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+            # int64: indexing the cache with them needs no conversion at every layer
+            block_tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int64)
             for row, seq in enumerate(seqs):
                 block_tables[row, :len(seq.block_table)] = seq.block_table
             meta.block_tables = self._to_device(block_tables)
