@@ -37,9 +37,10 @@ case "${PART:-scale}" in
   rest)  # GPU tests; issue 17 agent rollout; issue 19 modes
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests >"$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
-    timeout 100 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" >"$OUT/agent_rollout.log" 2>&1
-    echo "agent rollout exit $?"; tail -n 14 "$OUT/agent_rollout.log"
-    timeout 280 python3 benchmarks/offpolicy_modes.py --steps 1 --json "$OUT/offpolicy.json" >"$OUT/offpolicy.log" 2>&1
+    timeout 150 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 16,0,8,32 \
+      --admission-fraction 0.125,0,0.125,0.125 >"$OUT/agent_rollout.log" 2>&1
+    echo "agent rollout exit $?"; tail -n 20 "$OUT/agent_rollout.log"
+    timeout 240 python3 benchmarks/offpolicy_modes.py --steps 1 --json "$OUT/offpolicy.json" >"$OUT/offpolicy.log" 2>&1
     echo "off-policy modes exit $?"; tail -n 8 "$OUT/offpolicy.log"
     ;;
 esac
