@@ -46,15 +46,19 @@ def _peft_config(config: LoraConfig, base_model_path: str = ""):
                           base_model_name_or_path=base_model_path or None)
 
 
-def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "") -> nn.Module:
+def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", seed: int = 0) -> nn.Module:
     """Inject adapters into ``model`` in place (its base parameters frozen); returns the PeftModel around it.
 
-    lora_B starts at zero, so the model computes exactly what it did before.
+    lora_B starts at zero, so the model computes exactly what it did before. lora_A's random start comes
+    from ``seed`` (the global generator is left as it was): two runs with one seed start alike, and every
+    rank of a sharded run draws the same matrices.
     """
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, _peft_config(config, base_model_path))
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)
+            return get_peft_model(model, _peft_config(config, base_model_path))
     except ValueError as error:
         if "not found in the base model" in str(error) or "Target modules" in str(error):
             raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "

@@ -146,7 +146,7 @@ class ActorRolloutWorker(Worker):
         self.peft_model = None
         """The PeftModel around self.model when model.lora.rank > 0 (engine.lora); self.model is adapted in place."""
         if lora.rank:
-            self.peft_model = add_lora(self.model, lora, base_model_path=config.model.path)
+            self.peft_model = add_lora(self.model, lora, base_model_path=config.model.path, seed=config.trainer.seed)
             for parameter in self.model.parameters():
                 if parameter.requires_grad:
                     parameter.data = parameter.data.float()

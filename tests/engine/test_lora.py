@@ -146,3 +146,19 @@ def test_merged_by_name_yields_what_merge_lora_weights_builds():
     merged = merge_lora_weights(dict(state), CONFIG.alpha / CONFIG.rank)
     assert streamed.keys() == merged.keys()
     assert all(torch.equal(streamed[name], tensor) for name, tensor in merged.items())
+
+
+def test_adapters_start_from_the_seed_and_leave_the_global_generator_alone():
+    def lora_a(seed):
+        model = varlen_lm(seed=0)
+        add_lora(model, CONFIG, seed=seed)
+        return [parameter.detach().clone() for name, parameter in model.named_parameters() if "lora_A" in name]
+
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = lora_a(seed=5)
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's random stream is unchanged
+    again, other = lora_a(seed=5), lora_a(seed=6)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

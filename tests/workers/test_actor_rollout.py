@@ -120,3 +120,31 @@ def test_native_rollout_on_one_device_copies_the_shards_without_gathering(tiny_m
     assert unshards, "the gathering path did not gather"
     assert torch.equal(direct["responses"], gathered["responses"])
     torch.testing.assert_close(direct["rollout_log_probs"], gathered["rollout_log_probs"])
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_dir, lora_rank):
+    """actor.param_offload (FSDP's CPU offload; with LoRA too): the same update and the same samples from the
+    native engine, which copies the weights at wake-up onto the worker's device, not the parameters' (the CPU
+    between phases on a GPU machine)."""
+    import numpy as np
+
+    from reinforge.rollout.base import SamplingParams
+
+    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
+    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
+                            non_tensors={"uid": np.array(["a", "b"], dtype=object)}).repeat(2, interleave=True)
+    results = []
+    for offload in (False, True):
+        config = make_config(tiny_model_dir)
+        config.rollout.name = "native"
+        config.actor.param_offload = offload
+        config.model.lora.rank = lora_rank
+        worker = ActorRolloutWorker(config, total_training_steps=2)
+        assert worker.engine.device == worker.device
+        metrics = worker.update_actor(scored_batch())
+        results.append((metrics["actor/grad_norm"], worker.generate(batch, SamplingParams(max_tokens=6), 7)))
+    (norm, resident), (offloaded_norm, offloaded) = results
+    assert offloaded_norm == pytest.approx(norm, rel=1e-5)
+    assert torch.equal(resident["responses"], offloaded["responses"])
+    torch.testing.assert_close(resident["rollout_log_probs"], offloaded["rollout_log_probs"])
