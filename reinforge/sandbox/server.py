@@ -50,8 +50,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(payload)))
         if retry_after_s is not None:
             self.send_header("Retry-After", str(max(1, math.ceil(retry_after_s))))
-        self.end_headers()
-        self.wfile.write(payload)
+        try:
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up waiting (its timeout): nobody to tell
+            self.close_connection = True
+            logger.debug("%s left before the answer", self.address_string())
 
     def _content_length(self) -> int | None:
         """The body's length from Content-Length; None once a 400/411 has been answered (connection closed)."""
