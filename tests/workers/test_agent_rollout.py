@@ -92,7 +92,9 @@ def test_agent_rows_become_trajectories_whose_log_probs_the_trainer_reproduces(t
     assert torch.all(output["rollout_log_probs"][mask == 0] == 0)
     metrics = output.meta["rollout_metrics"]
     assert metrics["agent/num_tool_calls/mean"] > 0 and "timing_s/agent_loop/tool_calls/max" in metrics
-    assert "num_turns/mean" in metrics and metrics["rollout/tokens_per_s"] > 0
+    assert "num_turns/mean" in metrics
+    assert metrics["rollout/num_generated_tokens"] == float(mask.sum())  # sampled tokens only, tool tokens not
+    assert metrics["rollout/tokens_per_s"] == pytest.approx(float(mask.sum()) / metrics["rollout/time_s"])
     if backend == "native":  # later turns read their trajectory's earlier blocks from the prefix cache
         assert metrics["rollout/prefix_cache_hit_tokens"] > 0 and 0 < metrics["rollout/prefix_cache_hit_rate"] < 1
         assert metrics["rollout/prefill_tokens"] > 0

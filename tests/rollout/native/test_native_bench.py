@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from reinforge.bench.rollout import bench_main
 
 
@@ -13,5 +15,7 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert results["native"]["num_tokens"] == 4 * 2 * 16
     assert results["greedy_check"]["float32"]["fraction_identical"] == 1.0
-    assert results["hf_generate"]["tokens_per_s"] > 0
+    hf, native = results["hf_generate"], results["native"]
+    assert hf["tokens_per_s"] == pytest.approx(hf["num_tokens"] / hf["time_s"])
+    assert results["speedup_vs_generate"] == pytest.approx(native["tokens_per_s"] / hf["tokens_per_s"])
     assert "native tokens/s" in capsys.readouterr().out
