@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     # second OpenMP thread per process made every small op wait at a barrier for a descheduled thread
     # (the tiny model's generation took 2-5 s a step instead of 0.05 s; mean_reward_rises[grpo] 102 s).
     torch.set_num_threads(1)
+    # the same for the processes tests start (CLI runs, gloo ranks, Ray's workers), which read it at startup
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
