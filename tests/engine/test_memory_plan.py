@@ -229,3 +229,24 @@ def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):
     for a, b in zip(plain, checkpointed, strict=True):
         torch.testing.assert_close(a, b)
 
+
+
+# The allocator's peaks (torch.cuda.max_memory_allocated, GiB) of `reinforge bench train --model SIZE` with the
+# settings the planner chose, on one H200 on 2026-12-01 (BENCHMARKS.md, "Current"): (rollout, update).
+H200_PEAKS = {
+    "0.5b": (Settings(65536, 0, 24.0, 0.0, keep_rollout_memory=True), (10.7, 78.1)),
+    "1.5b": (Settings(32768, 0, 24.0, 0.0, keep_rollout_memory=True), (29.7, 100.9)),
+    "3b": (Settings(24576, 0, 24.0, 0.0, keep_rollout_memory=False), (52.2, 118.5)),
+    "7b": (Settings(2048, 0, 24.0, 0.0, keep_rollout_memory=False), (118.2, 125.2)),
+}
+
+
+@pytest.mark.parametrize("size", sorted(H200_PEAKS))
+def test_estimates_are_within_four_gib_of_the_peaks_measured_on_the_h200(size):
+    from reinforge.bench.train import QWEN25_SHAPES
+
+    settings, measured = H200_PEAKS[size]
+    phases, _ = estimate(ModelShape.from_hf_config(QWEN25_SHAPES[size]), STANDARD, settings)
+    for phase, peak in zip(("rollout", "update"), measured, strict=True):
+        estimated = sum(phases[phase].values()) / GiB  # the overhead on top covers what the allocator does not count
+        assert abs(estimated - peak) <= 4.0, (phase, estimated, peak)
