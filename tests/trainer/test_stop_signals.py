@@ -84,7 +84,10 @@ def test_sigterm_or_ctrl_c_twice_stops_at_once_with_one_line_and_no_children(rl_
         time.sleep(0.2)
     _, stderr = process.communicate(timeout=30)
     assert time.monotonic() - started < 10
-    assert process.returncode == 130, stderr[-3000:]
+    # 130; or, when the second Ctrl-C lands in the interpreter's last teardown step, after Python has given
+    # SIGINT back to the system's default, death by SIGINT, which a shell also reports as 130
+    allowed = {130} if len(signals) == 1 else {130, -signal.SIGINT}
+    assert process.returncode in allowed, stderr[-3000:]
     assert "Traceback" not in stderr and "terminate called" not in stderr
     if len(signals) == 1:
         assert stderr.strip().splitlines()[-1].startswith("stopped by SIGTERM: the run keeps its latest checkpoint")
