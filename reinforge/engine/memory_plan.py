@@ -170,6 +170,9 @@ class RunShape:
     lora_rank: int = 0
     lora_targets: int = 7
     """Projections per layer that carry an adapter (q, k, v, o, gate, up, down)."""
+    off_policy: bool = False
+    """trainer.mode one_step_off or async: the rollout keeps its own copy of the weights (the last synced
+    version) and generates while the update runs, so its memory stays allocated."""
 
     @property
     def sequences(self) -> int:
@@ -243,6 +246,8 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
         (host if settings.ref_offload else resident)["reference"] = run.dtype_bytes * params / devices
     if run.critic:
         resident["critic"] = 16 * params / devices
+    if run.off_policy:
+        resident["off-policy rollout model"] = dtype_bytes * params
     gathered = dtype_bytes * (shape.root_params + 2 * shape.layer_params)
     engine_weights = dtype_bytes * params
     kv_cache = (settings.kv_cache_gib or needed_kv_gib(shape, run)) * GiB
@@ -270,9 +275,11 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     logits = rows * shape.vocab_size * dtype_bytes
     update["logits"] = logits if logits <= settings.logits_buffer_gib * GiB else (
         LOGITS_CHUNK_ROWS * shape.vocab_size * (2 * dtype_bytes + 8))
-    if settings.keep_rollout_memory:
+    if settings.keep_rollout_memory or run.off_policy:
         update["rollout weight copy"] = engine_weights
         update["kv cache"] = kv_cache
+    if run.off_policy:  # the rollout generates while the update runs
+        update["rollout activations"] = engine_activations
     return {"rollout": rollout, "update": update}, host
 
 
@@ -292,7 +299,7 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
     layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
     needed = needed_kv_gib(shape, run)
     return {
-        "keep_rollout_memory": [(True, 0.0), (False, 0.03)],
+        "keep_rollout_memory": [(True, 0.0)] if run.off_policy else [(True, 0.0), (False, 0.03)],
         "micro_batch_tokens": micro,
         "logits_buffer_gib": [(24.0, 0.0), (0.0, 0.04)],
         "checkpoint_layers": [(count, 0.3 * count / shape.num_layers) for count in layers],

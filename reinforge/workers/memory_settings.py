@@ -70,7 +70,7 @@ def run_shape(config: Config) -> RunShape:
                     num_devices=config.trainer.nnodes * config.trainer.devices_per_node, dtype_bytes=dtype_bytes,
                     eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
-                    lora_rank=int(getattr(lora, "rank", 0) or 0))
+                    lora_rank=int(getattr(lora, "rank", 0) or 0), off_policy=config.trainer.mode != "sync")
 
 
 def _setting(config: Config, key: str) -> Any:

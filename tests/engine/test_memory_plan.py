@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -250,3 +251,18 @@ def test_estimates_are_within_four_gib_of_the_peaks_measured_on_the_h200(size):
     for phase, peak in zip(("rollout", "update"), measured, strict=True):
         estimated = sum(phases[phase].values()) / GiB  # the overhead on top covers what the allocator does not count
         assert abs(estimated - peak) <= 4.0, (phase, estimated, peak)
+
+
+def test_off_policy_modes_count_the_rollout_that_runs_beside_the_update():
+    settings = Settings(16384, 0, 24.0, 0.0, keep_rollout_memory=False)
+    model = shape("0.5b")
+    sync, _ = estimate(model, STANDARD, settings)
+    off_policy, _ = estimate(model, dataclasses.replace(STANDARD, off_policy=True), settings)
+    copy = 2 * model.num_params  # the last synced weights, in bf16, besides the engine's own copy
+    for phase in ("rollout", "update"):
+        assert off_policy[phase]["off-policy rollout model"] == copy
+    added = sum(off_policy["update"].values()) - sum(sync["update"].values())
+    assert added == pytest.approx(copy + off_policy["update"]["rollout weight copy"] + off_policy["update"]["kv cache"]
+                                  + off_policy["update"]["rollout activations"])
+    plan = plan_memory(model, dataclasses.replace(STANDARD, off_policy=True), {}, 139 * GiB, 128 * GiB)
+    assert plan.settings.keep_rollout_memory  # never freed between rollouts: one is always running
