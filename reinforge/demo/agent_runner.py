@@ -17,13 +17,18 @@ the run, plots the run (held-out accuracy, reward, tool calls and turns per step
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from reinforge.demo.agent_build import ACCURACY_KEY, agent_overrides
 from reinforge.demo.agent_task import AGENT_MODEL_DIR, AGENT_TASK, AgentDemoTask
-from reinforge.demo.runner import DemoError, check_free_disk, check_model, prepare_run_dir, train_and_measure
+from reinforge.demo.runner import (
+    check_free_disk,
+    check_model,
+    prepare_run_dir,
+    report_demo,
+    train_and_measure,
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ def agent_demo_main(argv: list[str]) -> int:
     parser.add_argument("--rebuild-model", action="store_true",
                         help="first rebuild the agent demo model by SFT, then run the demo")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> dict:
         if args.rebuild_model:
             from reinforge.demo.agent_build import build_agent_model
 
@@ -98,15 +104,6 @@ def agent_demo_main(argv: list[str]) -> int:
                   f"{100 * card['held_out_accuracy']:.1f}%", flush=True)
         settings = AgentDemoSettings(total_steps=args.steps, test_every=max(1, args.steps // 4),
                                      save_every=max(1, args.steps // 2))
-        result = run_agent_demo(args.out, settings=settings, device=args.device, fresh=args.fresh)
-    except DemoError as error:
-        print(f"demo-agent: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\ndemo-agent: interrupted; run `make demo-agent` again to resume {args.out} from its last "
-              "checkpoint, or add --fresh to start over", file=sys.stderr)
-        return 130
-    print(f"demo-agent: {result['steps']} GRPO steps in {result['seconds']:.0f} s; run folder {result['run_dir']} "
-          f"(metrics.jsonl, final_model/, plots/)")
-    print(f"demo-agent: held-out accuracy {100 * result['before']:.0f}% -> {100 * result['after']:.0f}%")
-    return 0
+        return run_agent_demo(args.out, settings=settings, device=args.device, fresh=args.fresh)
+
+    return report_demo("demo-agent", "`make demo-agent`", args.out, run)

@@ -219,23 +219,32 @@ def demo_main(argv: list[str]) -> int:
                         help="first rebuild the demo model from scratch by SFT (about 15 minutes on two CPU cores), "
                              "then run the demo")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> dict:
         if args.rebuild_model:
             from reinforge.demo.build import build_demo_model
 
             card = build_demo_model(MODEL_DIR)
             print(f"demo: rebuilt the demo model in {MODEL_DIR}: held-out accuracy "
                   f"{100 * card['held_out_accuracy']:.1f}%", flush=True)
-        result = run_demo(args.out, settings=DemoSettings(total_steps=args.steps), device=args.device,
-                          fresh=args.fresh)
+        return run_demo(args.out, settings=DemoSettings(total_steps=args.steps), device=args.device, fresh=args.fresh)
+
+    return report_demo("demo", "`make demo` (or `reinforge demo`)", args.out, run)
+
+
+def report_demo(name: str, resume_command: str, out: Path, run: Callable[[], dict]) -> int:
+    """Run a demo (``run`` returns ``train_and_measure``'s result) and print its closing lines, the last one
+    ``NAME: held-out accuracy A% -> B%``; a ``DemoError`` is one line and exit 1, Ctrl-C says how to resume (130)."""
+    try:
+        result = run()
     except DemoError as error:
-        print(f"demo: error: {error}", file=sys.stderr)
+        print(f"{name}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"\ndemo: interrupted; run `make demo` (or `reinforge demo`) again to resume {args.out} from its last "
+        print(f"\n{name}: interrupted; run {resume_command} again to resume {out} from its last "
               "checkpoint, or add --fresh to start over", file=sys.stderr)
         return 130
-    print(f"demo: {result['steps']} GRPO steps in {result['seconds']:.0f} s; run folder {result['run_dir']} "
+    print(f"{name}: {result['steps']} GRPO steps in {result['seconds']:.0f} s; run folder {result['run_dir']} "
           f"(metrics.jsonl, final_model/, plots/)")
-    print(f"demo: held-out accuracy {100 * result['before']:.0f}% -> {100 * result['after']:.0f}%")
+    print(f"{name}: held-out accuracy {100 * result['before']:.0f}% -> {100 * result['after']:.0f}%")
     return 0
