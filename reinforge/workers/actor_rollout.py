@@ -288,16 +288,11 @@ class ActorRolloutWorker(Worker):
                 client = AsyncEngineClient(self.engine)
             else:
                 client = BatchingClient(self.engine, lambda: autocast_context(self.device, self.config.model.dtype))
-            try:
+            with self._sleep_after(phases):
                 outputs = self.agent_runner.run(rows, samplings, client)
                 phases.lap("engine")
                 if engine_counts is not None:
                     counts.append(engine_counts())
-            except BaseException:
-                self.engine.sleep(abandon=True)  # the error, not the unfinished requests, is what the user sees
-                raise
-            self.engine.sleep()
-            phases.lap("sleep")
             return outputs
 
         with self._engine_awake_on_weights(phases):
@@ -351,16 +346,22 @@ class ActorRolloutWorker(Worker):
                 yield
 
     def _generate_awake(self, requests: list[GenerationRequest], phases: _PhaseTimer) -> list:
-        try:
-            with autocast_context(self.device, self.config.model.dtype):
-                completions = self.engine.generate(requests)
+        with self._sleep_after(phases), autocast_context(self.device, self.config.model.dtype):
+            completions = self.engine.generate(requests)
             phases.lap("engine")
+        return completions
+
+    @contextlib.contextmanager
+    def _sleep_after(self, phases: _PhaseTimer) -> Iterator[None]:
+        """The engine sleeps after the generation inside the block, timed as ``sleep``. If generation failed, it
+        drops the unfinished requests (``sleep(abandon=True)``): the error, not they, is what the user sees."""
+        try:
+            yield
         except BaseException:
-            self.engine.sleep(abandon=True)  # the error, not the unfinished requests, is what the user sees
+            self.engine.sleep(abandon=True)
             raise
         self.engine.sleep()
         phases.lap("sleep")
-        return completions
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> None:

@@ -148,3 +148,26 @@ def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_d
     assert offloaded_norm == pytest.approx(norm, rel=1e-5)
     assert torch.equal(resident["responses"], offloaded["responses"])
     torch.testing.assert_close(resident["rollout_log_probs"], offloaded["rollout_log_probs"])
+
+
+def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
+    import numpy as np
+
+    from reinforge.rollout.base import SamplingParams
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
+    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
+                            non_tensors={"uid": np.array(["a", "b"], dtype=object)})
+    decode = worker.engine.runner.decode
+
+    def failing_decode(*args, **kwargs):
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(worker.engine.runner, "decode", failing_decode)
+    with pytest.raises(RuntimeError, match="decode failed"):  # not "sleep() was called while requests ..."
+        worker.generate(batch, SamplingParams(max_tokens=6), 7)
+    monkeypatch.setattr(worker.engine.runner, "decode", decode)
+    assert worker.generate(batch, SamplingParams(max_tokens=6), 7)["responses"].shape == (2, 6)

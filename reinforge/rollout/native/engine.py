@@ -179,9 +179,8 @@ class NativeEngine:
         """
         if abandon:
             with self._step_lock:
-                self._in_flight, self._requests = None, {}
-                while not self._incoming.empty():
-                    self._incoming.get()
+                self._in_flight = None
+                self._take_requests()
                 self.scheduler = None
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
@@ -302,10 +301,7 @@ class NativeEngine:
             while self._has_work():
                 await asyncio.to_thread(self._run_steps, stop)
         except Exception as error:  # every request waiting for this driver fails with it, not yet admitted ones too
-            pending, self._requests = list(self._requests.values()), {}
-            while not self._incoming.empty():
-                pending.append(self._incoming.get())
-            for state in pending:
+            for state in self._take_requests():
                 if state.on_error is not None:
                     state.on_error(error)
             raise
@@ -320,6 +316,13 @@ class NativeEngine:
         """Step, batching arrivals, until nothing is left to run or ``stop`` is set."""
         while not stop.is_set() and self._step(batch_arrivals=True):
             pass
+
+    def _take_requests(self) -> list[RequestState]:
+        """Every request the engine holds, admitted or still incoming; it holds none afterwards."""
+        taken, self._requests = list(self._requests.values()), {}
+        while not self._incoming.empty():
+            taken.append(self._incoming.get())
+        return taken
 
     def _has_work(self) -> bool:
         return (not self._incoming.empty() or self._in_flight is not None
