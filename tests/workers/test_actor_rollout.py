@@ -1,5 +1,6 @@
 """The actor worker on the CPU: FSDP (a group of one), packed scoring, collective checkpoints."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,6 +32,13 @@ def scored_batch(rows: int = 3) -> Batch:
                                     "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
                                     "position_ids": build_position_ids(attention_mask),
                                     "advantages": torch.randn(rows, 5, generator=generator) * response_mask})
+
+
+def prompt_batch() -> Batch:
+    """Two 6-token prompts (uids a and b), as the trainer hands them to generate."""
+    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
+    return Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
+                           non_tensors={"uid": np.array(["a", "b"], dtype=object)})
 
 
 def test_log_probs_do_not_depend_on_the_micro_batch_budget_and_checkpoint_round_trips(tiny_model_dir, tmp_path):
@@ -96,7 +104,6 @@ def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_m
 def test_native_rollout_on_one_device_copies_the_shards_without_gathering(tiny_model_dir, monkeypatch):
     """On one device the engine reads each FSDP parameter's local shard (the whole parameter): no unshard, and
     the same tokens and log-probs as when the parameters are gathered first (the path of several devices)."""
-    import numpy as np
     from torch.distributed.fsdp import FSDPModule
 
     import reinforge.workers.actor_rollout as actor_module
@@ -106,9 +113,7 @@ def test_native_rollout_on_one_device_copies_the_shards_without_gathering(tiny_m
     config.rollout.name = "native"
     worker = ActorRolloutWorker(config, total_training_steps=2)
     worker.update_actor(scored_batch())  # weights that differ from the loaded ones
-    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
-    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
-                            non_tensors={"uid": np.array(["a", "b"], dtype=object)}).repeat(2, interleave=True)
+    batch = prompt_batch().repeat(2, interleave=True)
     sampling = SamplingParams(max_tokens=6, temperature=1.0)
     unshards = []
     original = FSDPModule.unshard
@@ -127,13 +132,9 @@ def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_d
     """actor.param_offload (FSDP's CPU offload; with LoRA too): the same update and the same samples from the
     native engine, which copies the weights at wake-up onto the worker's device, not the parameters' (the CPU
     between phases on a GPU machine)."""
-    import numpy as np
-
     from reinforge.rollout.base import SamplingParams
 
-    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
-    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
-                            non_tensors={"uid": np.array(["a", "b"], dtype=object)}).repeat(2, interleave=True)
+    batch = prompt_batch().repeat(2, interleave=True)
     results = []
     for offload in (False, True):
         config = make_config(tiny_model_dir)
@@ -151,16 +152,13 @@ def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_d
 
 
 def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
-    import numpy as np
 
     from reinforge.rollout.base import SamplingParams
 
     config = make_config(tiny_model_dir)
     config.rollout.name = "native"
     worker = ActorRolloutWorker(config, total_training_steps=1)
-    prompts = torch.randint(3, 60, (2, 6), generator=torch.Generator().manual_seed(1))
-    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
-                            non_tensors={"uid": np.array(["a", "b"], dtype=object)})
+    batch = prompt_batch()
     decode = worker.engine.runner.decode
 
     def failing_decode(*args, **kwargs):
