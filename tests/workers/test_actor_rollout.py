@@ -152,7 +152,6 @@ def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_d
 
 
 def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
-
     from reinforge.rollout.base import SamplingParams
 
     config = make_config(tiny_model_dir)
