@@ -1,11 +1,8 @@
 """LoRA in the RL loop on a tiny model: learning, the reference as the adapter-free base, resume, export."""
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,14 @@ from reinforge.cli import main
 from reinforge.models import save_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_rl_trainer import COMPARED_PREFIXES, CONTAINS_SEVEN, _train_command, base_args, read_metrics  # noqa: E402
+from test_rl_trainer import (  # noqa: E402
+    COMPARED_PREFIXES,
+    CONTAINS_SEVEN,
+    _train_command,
+    base_args,
+    read_metrics,
+    sigkill_at_step,
+)
 
 LORA = {"model.lora.rank": 32, "model.lora.alpha": 64, "actor.optim.lr": 2e-2}
 
@@ -91,16 +95,7 @@ def test_lora_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, 
 
     killed_dir = tmp_path / "killed"
     args = base_args(tiny_model_dir, arithmetic_data_dir, killed_dir, **common)
-    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        metrics_file = killed_dir / "metrics.jsonl"
-        if metrics_file.is_file() and any(json.loads(line).get("step") == 3
-                                          for line in metrics_file.read_text().splitlines() if line.strip()):
-            break
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL
+    sigkill_at_step(args, killed_dir, 3, env, timeout_s=120)
     assert (killed_dir / "checkpoints" / "latest").read_text().strip() in ("step_000002", "step_000004")
     subprocess.run(_train_command(args), check=True, env=env, capture_output=True)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,6 +190,20 @@ COMPARED_PREFIXES = ("timing_s/", "perf/", "rollout/tokens_per_s")
 
 def _train_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "reinforge", "train", *args]
+
+
+def sigkill_at_step(args: list[str], run_dir: Path, step: int, env: dict[str, str], timeout_s: float) -> None:
+    """Run ``reinforge train args`` and SIGKILL it once its metrics.jsonl has ``step`` (or after ``timeout_s``)."""
+    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics_file = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics_file.is_file() and any(json.loads(line).get("step") == step
+                                          for line in metrics_file.read_text().splitlines() if line.strip()):
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
 
 
 @pytest.mark.parametrize("free_cache_engine", [True, False])

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ import torch
 
 from reinforge.cli import main
 
-from ..test_rl_trainer import base_args, read_metrics
+from ..test_rl_trainer import _train_command, base_args, read_metrics, sigkill_at_step
 
 NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/")
 ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff",)
@@ -83,10 +80,6 @@ def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_mode
     assert len(positions) == len(set(positions)) == 5 * 4
 
 
-def _train_command(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "reinforge", "train", *args]
-
-
 @pytest.mark.slow
 def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_group(
         tiny_model_dir, arithmetic_data_dir, tmp_path):
@@ -95,16 +88,7 @@ def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_grou
         "reward.num_workers": 0, "trainer.mode": "async", "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
         "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3})
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 240
-    metrics_file = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and process.poll() is None:
-        if metrics_file.is_file() and any(json.loads(line).get("step") == 3
-                                          for line in metrics_file.read_text().splitlines() if line.strip()):
-            break
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    assert process.wait() == -signal.SIGKILL
+    sigkill_at_step(args, run_dir, 3, env, timeout_s=240)
     checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["mode"]["rollouter"]
     pending = {group["position"] for group in state["active"]}
