@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from reinforge.demo.agent_task import AGENT_MODEL_DIR, AGENT_TASK, DATA_SOURCE, EXTRA_TOKENS, AgentDemoTask
-from reinforge.demo.build import SFTBudget, fine_tune_and_write
+from reinforge.demo.build import SFTBudget, fine_tune_and_write, work_folder
 from reinforge.demo.task import DemoModel
 
 BUILD_COMMAND = "python -m reinforge.demo.agent_build"
@@ -54,12 +53,7 @@ def build_agent_model(out_dir: str | Path = AGENT_MODEL_DIR, *, task: AgentDemoT
     from reinforge.models import save_tiny_model
 
     started = time.perf_counter()
-    temporary = None
-    if work_dir is None:
-        temporary = tempfile.TemporaryDirectory(prefix="reinforge-agent-build-")
-        work_dir = temporary.name
-    work = Path(work_dir)
-    try:
+    with work_folder(work_dir, "reinforge-agent-build-") as work:
         files = task.write(work / "data")
         init_dir = save_tiny_model(work / "init", extra_tokens=EXTRA_TOKENS, **asdict(model))
         return fine_tune_and_write(out_dir, init_dir, files["sft_train"], work / "sft", max_length=72, budget=budget,
@@ -67,9 +61,6 @@ def build_agent_model(out_dir: str | Path = AGENT_MODEL_DIR, *, task: AgentDemoT
                                    measure=lambda sft_model: held_out_accuracy(sft_model, files, task, device),
                                    card={"task": asdict(task), "model": asdict(model)}, started=started,
                                    rebuild_command=BUILD_COMMAND)
-    finally:
-        if temporary is not None:
-            temporary.cleanup()
 
 
 def build_main(argv: list[str]) -> int:

@@ -12,12 +12,13 @@ torch build, byte for byte). Takes about fifteen minutes on two CPU cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,12 +60,7 @@ def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, 
     from reinforge.models import save_tiny_model
 
     started = time.perf_counter()
-    temporary = None
-    if work_dir is None:
-        temporary = tempfile.TemporaryDirectory(prefix="reinforge-demo-build-")
-        work_dir = temporary.name
-    work = Path(work_dir)
-    try:
+    with work_folder(work_dir, "reinforge-demo-build-") as work:
         files = task.write(work / "data")
         init_dir = save_tiny_model(work / "init", **asdict(model))
         return fine_tune_and_write(out_dir, init_dir, files["sft_train"], work / "sft", max_length=128, budget=budget,
@@ -72,9 +68,16 @@ def build_demo_model(out_dir: str | Path = MODEL_DIR, *, task: DemoTask = TASK, 
                                    measure=lambda sft_model: held_out_accuracy(sft_model, files["test"], task, device),
                                    card={"task": asdict(task), "model": asdict(model)}, started=started,
                                    rebuild_command=BUILD_COMMAND)
-    finally:
-        if temporary is not None:
-            temporary.cleanup()
+
+
+@contextlib.contextmanager
+def work_folder(work_dir: str | Path | None, prefix: str) -> Iterator[Path]:
+    """``work_dir`` (kept), or a temporary folder named ``prefix...`` that is removed on leaving."""
+    if work_dir is not None:
+        yield Path(work_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as temporary:
+        yield Path(temporary)
 
 
 def fine_tune_and_write(out_dir: str | Path, init_dir: Path, train_file: str, run_dir: Path, *, max_length: int,
