@@ -8,6 +8,7 @@ store, so that FSDP2 and the collectives below run the same way on a single devi
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -38,7 +39,15 @@ def init_distributed(backend: str = "auto", device_type: str | None = None) -> t
                                 timeout=timedelta(minutes=30))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_destroy_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_group() -> None:
+    """At exit, the group made here is torn down before the interpreter's own teardown: left to it, a gloo
+    rank could abort there ("terminate called without an active exception") after all its work succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def world_size() -> int:
