@@ -254,7 +254,11 @@ def run(args: argparse.Namespace) -> int:
                          enable_prefix_caching=not args.no_prefix_cache, max_admission_wait=admissions[0][0],
                          admission_fraction=admissions[0][1])
     settings["prefix_cache"] = not args.no_prefix_cache
-    engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])  # warm-up
+    # Warm-up, untimed: one whole single-turn and one whole agent rollout, so that Triton's compilation and the
+    # lazy CUDA-graph capture of every decode batch size are paid before any timed run (the first timed run paid
+    # them otherwise, and a sweep's later runs looked faster only for coming later).
+    run_single_turn(engine, prompts, trajectories)
+    run_agents(engine, prompts, trajectories)
     results: dict = {"environment": environment(device), "settings": settings,
                      "num_turns_total": sum(len(t["turn_tokens"]) for t in trajectories),
                      "tool_seconds_total": sum(sum(t["sleeps"]) for t in trajectories)}
@@ -271,11 +275,28 @@ def run(args: argparse.Namespace) -> int:
     results["serial"] = run_serial(engine, prompts, trajectories, tool_output, settings["serial"])
     engine.sleep()
     results["agent_vs_single_turn"] = results["agent"]["tokens_per_s"] / results["single_turn"]["tokens_per_s"]
+    results["critical_path"] = critical_path(trajectories, results["single_turn"])
     if args.out:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=2)
     print_table(results)
     return 0
+
+
+def critical_path(trajectories: list[dict], single_turn: dict) -> dict:
+    """A lower bound on the agent rollout's time, from its longest chain of dependent work.
+
+    A trajectory's turns and tool calls run one after another: its sampled tokens take at least one
+    decode step each, and its tools sleep in between. At the single-turn run's mean step time (which
+    decodes ~100 sequences at once; a step of a few sequences is somewhat faster), the slowest
+    trajectory bounds the whole rollout, and so the agent/single-turn ratio any scheduler can reach."""
+    step_s = single_turn["time_s"] / (single_turn["decode_steps"] + single_turn["prefill_steps"])
+    chains = [(sum(t["turn_tokens"]) * step_s + sum(t["sleeps"]), sum(t["turn_tokens"]), sum(t["sleeps"]))
+              for t in trajectories]
+    time_s, tokens, sleep_s = max(chains)
+    sampled = sum(sum(t["turn_tokens"]) for t in trajectories)
+    return {"step_s": step_s, "time_s": time_s, "tokens": tokens, "tool_sleep_s": sleep_s,
+            "max_ratio": sampled / time_s / single_turn["tokens_per_s"]}
 
 
 def admission_settings(waits: str, fractions: str) -> list[tuple[int, float]]:
@@ -309,6 +330,11 @@ def print_table(results: dict) -> None:
                                    f"{agent['admission_wait']} steps, fraction {agent['admission_fraction']})"),
         ("single-turn engine tokens/s", f"{single['tokens_per_s']:,.0f}  ({single['time_s']:.2f} s)"),
         ("agent / single-turn", f"{results['agent_vs_single_turn']:.0%}"),
+        ("critical-path bound", f"{results['critical_path']['time_s']:.2f} s, so at most "
+                                f"{results['critical_path']['max_ratio']:.0%} of single-turn (slowest trajectory: "
+                                f"{results['critical_path']['tokens']} sampled tokens at "
+                                f"{results['critical_path']['step_s'] * 1000:.2f} ms a step + "
+                                f"{results['critical_path']['tool_sleep_s']:.2f} s of tools)"),
         ("engine-busy fraction (agent)", f"{agent['engine_busy_fraction']:.0%}"),
         ("prefix cache (agent)", f"{agent['prefix_cache_hit_rate']:.0%} of prompt tokens reused  "
                                  f"({agent['prefill_tokens']:,.0f} prefilled)" if settings.get("prefix_cache", True)

@@ -2,6 +2,7 @@
 # The measurements the open issues still wait for (after the H200 session of 2026-12-01, see BENCHMARKS.md),
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B (new plan), 7B LoRA at 40 GiB, TRL 1.5B
+#   PART=first OUT=... bash benchmarks/gpu_session.sh   # 0.5B defaults; agent rollout; modes (async first); GPU tests
 #   PART=rest  OUT=... bash benchmarks/gpu_session.sh   # GPU tests; issue 17 agent rollout; issue 19 modes
 #   PART=caps  OUT=... bash benchmarks/gpu_session.sh   # issue 14: 80 and 40 GiB caps, 8k responses
 #   PART=scale OUT=... bash benchmarks/gpu_session.sh   # issue 14/15: every size with defaults, TRL 0.5B and 3B
@@ -33,6 +34,17 @@ case "${PART:-scale}" in
       1.5b_40:1.5b:--gpu-memory-gib,40,--steps,2 3b_80:3b:--gpu-memory-gib,80,--steps,2 \
       0.5b_80:0.5b:--gpu-memory-gib,80,--steps,2 0.5b_40:0.5b:--gpu-memory-gib,40,--steps,2 \
       1.5b_8k:1.5b:--prompts,16,--response-tokens,8192,--steps,2
+    ;;
+  first)  # issue 15's "within noise" (0.5B defaults), issue 17 agent rollout, issue 19 modes (async first), GPU tests
+    python3 benchmarks/scale.py --deadline-s 95 0.5b:0.5b:--steps,4
+    timeout 140 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 16,0,32 \
+      --admission-fraction 0.125,0,0.125 >"$OUT/agent_rollout.log" 2>&1
+    echo "agent rollout exit $?"; tail -n 20 "$OUT/agent_rollout.log"
+    timeout 200 python3 benchmarks/offpolicy_modes.py --modes async,sync,one_step_off --steps 1 \
+      --json "$OUT/offpolicy.json" >"$OUT/offpolicy.log" 2>&1
+    echo "off-policy modes exit $?"; tail -n 8 "$OUT/offpolicy.log"
+    timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; tail -n 5 "$OUT/gpu_tests.log"
     ;;
   rest)  # GPU tests; issue 17 agent rollout; issue 19 modes
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests >"$OUT/gpu_tests.log" 2>&1

@@ -39,3 +39,20 @@ def test_agent_rollout_benchmark_smoke(tmp_path, capsys):
     assert results["agent"]["admission_wait"] == 16
     printed = capsys.readouterr().out
     assert "agent / single-turn" in printed and "steps, synchronous turns" in printed
+    assert "critical-path bound" in printed
+    assert results["critical_path"]["time_s"] >= max(sum(t["sleeps"]) for t in module.plan(4, 0, (4, 16), 4, (0.005, 0.05)))
+
+
+def test_critical_path_bound_by_hand():
+    spec = importlib.util.spec_from_file_location("agent_rollout_bench_cp", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    trajectories = [{"turn_tokens": [100, 100], "sleeps": [0.5]},   # 200 steps + 0.5 s
+                    {"turn_tokens": [300], "sleeps": []},           # 300 steps
+                    {"turn_tokens": [50, 50, 50], "sleeps": [0.2, 0.2]}]
+    single = {"time_s": 1.0, "decode_steps": 499, "prefill_steps": 1, "tokens_per_s": 650 / 1.0}
+    bound = module.critical_path(trajectories, single)
+    assert bound["step_s"] == pytest.approx(0.002)
+    assert (bound["tokens"], bound["tool_sleep_s"]) == (200, 0.5)  # 0.9 s beats 0.6 s and 0.7 s
+    assert bound["time_s"] == pytest.approx(0.9)
+    assert bound["max_ratio"] == pytest.approx(650 / 0.9 / 650)
