@@ -208,9 +208,9 @@ def main(argv: list[str]) -> int:
                              "model, for step counts like the GPU run's (its times are the CPU's own)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every turn's whole context (the engine's prefix cache off)")
-    parser.add_argument("--admission-wait", default="16",
+    parser.add_argument("--admission-wait", default="64",
                         help="decode steps an arriving turn may wait for others to join its prefill (comma list)")
-    parser.add_argument("--admission-fraction", default="0.125",
+    parser.add_argument("--admission-fraction", default="0.25",
                         help="waiting turns, as a fraction of the running ones, prefilled at once (comma list)")
     args = parser.parse_args(argv)
     if not args.cpu:

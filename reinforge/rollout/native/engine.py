@@ -82,8 +82,8 @@ class NativeEngine:
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
-                 device: torch.device | None = None, max_admission_wait: int = 16,
-                 admission_fraction: float = 0.125):
+                 device: torch.device | None = None, max_admission_wait: int = 64,
+                 admission_fraction: float = 0.25):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -101,7 +101,8 @@ class NativeEngine:
         CPU between phases (``actor.param_offload``) names the accelerator here, and wake-up copies onto it.
         max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
         arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
-        prefill each at the first step after it arrives.
+        prefill each at the first step after it arrives. The defaults (64, 1/4) were the fastest of seven pairs
+        on the agent benchmark on an H200 (BENCHMARKS.md, 2026-12-02).
         """
         reason = unsupported_reason(model)
         if reason is not None:
