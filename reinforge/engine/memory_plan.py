@@ -54,7 +54,12 @@ EAGER_ACTIVATION_FACTOR = 3.5
 MICRO_BATCH_OVERHEAD_TOKENS = 4096
 """A micro-batch costs as much again as this many tokens (launches, the loss, small matmuls): fitted
 to the H200 step times of 1.5B at 16k and 32k tokens (2026-12-01); on that GPU a 3B update in 2k-token
-micro-batches ran 5-7x slower than in 24k ones, so small micro-batches must lose to checkpointing."""
+micro-batches ran 5-7x slower than in 24k ones, so small micro-batches must lose to checkpointing. The
+H200 of 2026-12-02 saw more for 3B (14.56 s at 24k, 20.79 s at 8k: ~8k tokens) and 0.5B (3.33 s at 64k,
+3.56 s at 48k) and less for 1.5B (8.00 s at 32k, 8.08 s at 24k); one step each, not explained yet."""
+CHECKPOINT_COST = 0.2
+"""Step-time fraction of checkpointing every layer: a third of a layer's forward and backward is its
+forward, but the H200 measured less (1.5B, 24k micro-batches: 8.08 s plain, 9.40 s checkpointed, +16%)."""
 UPDATE_SHARE = 0.65
 """The update's share of a GRPO step (the H200 bench: 0.57 for 0.5B, 0.65 for 1.5B, 0.68 for 3B)."""
 
@@ -290,8 +295,8 @@ def peak_bytes(phases: dict[str, dict[str, float]]) -> tuple[str, float]:
 
 def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tuple[Any, float]]]:
     """Each setting's values, fastest first, with the cost of each: the step-time fraction it roughly adds
-    (recomputing a layer's forward is about a third of its forward and backward; an optimizer step on the
-    CPU or parameters streamed from it cost more than any other choice)."""
+    (``MICRO_BATCH_OVERHEAD_TOKENS`` and ``CHECKPOINT_COST`` say where the first two come from; an optimizer
+    step on the CPU or parameters streamed from it cost more than any other choice)."""
     longest = run.prompt_length + run.response_length
     sizes = [size for size in MICRO_BATCH_CANDIDATES if size >= longest] or [longest]
     micro = [(size, UPDATE_SHARE * MICRO_BATCH_OVERHEAD_TOKENS * (1 / size - 1 / sizes[0])) for size in sizes]
@@ -302,7 +307,7 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
         "keep_rollout_memory": [(True, 0.0)] if run.off_policy else [(True, 0.0), (False, 0.03)],
         "micro_batch_tokens": micro,
         "logits_buffer_gib": [(24.0, 0.0), (0.0, 0.04)],
-        "checkpoint_layers": [(count, 0.3 * count / shape.num_layers) for count in layers],
+        "checkpoint_layers": [(count, CHECKPOINT_COST * count / shape.num_layers) for count in layers],
         "kv_cache_gib": [(0.0, 0.0)] + [(round(needed / factor, 3), cost) for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))],
         "ref_offload": [(False, 0.0)] if lora else [(False, 0.0), (True, 0.2)],
         "optimizer_offload": [(False, 0.0), (True, 1.0)],

@@ -232,25 +232,44 @@ def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):
 
 
 
-# The allocator's peaks (torch.cuda.max_memory_allocated, GiB) of `reinforge bench train --model SIZE` with the
-# settings the planner chose, on one H200 on 2026-12-01 (BENCHMARKS.md, "Current"): (rollout, update).
+# The allocator's peaks (torch.cuda.max_memory_allocated, GiB) of `reinforge bench train --model SIZE [--gpu-memory-gib N]`
+# with the settings the planner chose then, on one H200 (BENCHMARKS.md, "Current"): (rollout, update). The 2026-12-01
+# points first, then 2026-12-02's (7B's new plan and the 80 and 40 GiB caps).
 H200_PEAKS = {
     "0.5b": (Settings(65536, 0, 24.0, 0.0, keep_rollout_memory=True), (10.7, 78.1)),
     "1.5b": (Settings(32768, 0, 24.0, 0.0, keep_rollout_memory=True), (29.7, 100.9)),
     "3b": (Settings(24576, 0, 24.0, 0.0, keep_rollout_memory=False), (52.2, 118.5)),
     "7b": (Settings(2048, 0, 24.0, 0.0, keep_rollout_memory=False), (118.2, 125.2)),
+    "7b-checkpointed": (Settings(16384, 28, 24.0, 0.0, keep_rollout_memory=False), (118.2, 122.9)),
+    "0.5b-80": (Settings(49152, 0, 24.0, 0.0, keep_rollout_memory=True), (10.7, 68.1)),
+    "0.5b-40": (Settings(24576, 0, 24.0, 0.0, keep_rollout_memory=False), (10.6, 33.1)),
+    "1.5b-80": (Settings(24576, 0, 24.0, 0.0, keep_rollout_memory=False), (29.6, 70.5)),
+    "1.5b-40": (Settings(24576, 28, 24.0, 0.0, keep_rollout_memory=False), (29.5, 31.7)),
+    "3b-80": (Settings(8192, 0, 24.0, 0.0, keep_rollout_memory=False), (52.2, 61.5)),
+    "3b-40": (Settings(16384, 36, 24.0, 0.0, keep_rollout_memory=False, optimizer_offload=True), (29.2, 29.6)),
 }
 
 
-@pytest.mark.parametrize("size", sorted(H200_PEAKS))
-def test_estimates_are_within_four_gib_of_the_peaks_measured_on_the_h200(size):
+@pytest.mark.parametrize("case", sorted(H200_PEAKS))
+def test_estimates_are_near_the_peaks_measured_on_the_h200(case):
+    """Never more than 4 GiB under the allocator's peak (the overhead on top covers that), and at most 10 GiB over."""
     from reinforge.bench.train import QWEN25_SHAPES
 
-    settings, measured = H200_PEAKS[size]
-    phases, _ = estimate(ModelShape.from_hf_config(QWEN25_SHAPES[size]), STANDARD, settings)
+    settings, measured = H200_PEAKS[case]
+    phases, _ = estimate(ModelShape.from_hf_config(QWEN25_SHAPES[case.split("-")[0]]), STANDARD, settings)
     for phase, peak in zip(("rollout", "update"), measured, strict=True):
-        estimated = sum(phases[phase].values()) / GiB  # the overhead on top covers what the allocator does not count
-        assert abs(estimated - peak) <= 4.0, (phase, estimated, peak)
+        estimated = sum(phases[phase].values()) / GiB
+        assert -4.0 <= estimated - peak <= 10.0, (phase, estimated, peak)
+
+
+def test_checkpointing_beats_small_micro_batches_for_3b_on_an_80_gib_card():
+    """On the H200 capped at 80 GiB, 3B in 8k micro-batches without checkpointing took 20.79 s a step, and at 40 GiB
+    with every layer checkpointed, 16k micro-batches and the optimizer on the CPU 18.63 s (2026-12-02)."""
+    from reinforge.bench.train import QWEN25_SHAPES
+
+    plan = plan_memory(ModelShape.from_hf_config(QWEN25_SHAPES["3b"]), STANDARD, {}, 80 * GiB, 128 * GiB)
+    assert plan.fits and plan.settings.checkpoint_layers > 0 and plan.settings.micro_batch_tokens > 16384
+    assert not plan.settings.optimizer_offload
 
 
 def test_off_policy_modes_count_the_rollout_that_runs_beside_the_update():
