@@ -22,9 +22,12 @@ Reported:
   synchronous loop does (all turn-k generations together, then all turn-k tool calls, then turn k+1);
 - serial: a few trajectories run one after another (generate, tool, generate, ...), extrapolated to
   all 256;
-- for the agent, single-turn and synchronous runs, the engine's steps: prefill steps, decode steps and
-  the mean batch of a decode step (each prefill step stalls every running sequence, so an agent
-  rollout that prefills every arriving turn on its own does many more steps than the other two).
+- for the agent, single-turn and synchronous runs, the engine's steps: prefill steps (and their wall
+  time, launch to tokens read back), decode steps and the mean batch of a decode step (each prefill
+  step stalls every running sequence, so an agent rollout that prefills every arriving turn on its
+  own does many more steps than the other two);
+- the critical-path bound: the slowest trajectory's sampled tokens at the single-turn run's step
+  time plus its tool sleeps, which no scheduler can beat, and the agent/single-turn ratio it allows.
 A trajectory's next turn prefills only its new tokens (the prefix cache; ``--no-prefix-cache``
 prefills the whole context); prefill tokens are counted in no rate. ``--admission-wait`` and
 ``--admission-fraction`` set how arriving turns are batched (``NativeEngine``'s
@@ -110,6 +113,7 @@ def step_counts(start: dict[str, float], end: dict[str, float]) -> dict:
     """Prefill steps, decode steps and the mean decode batch between two ``engine.counts()`` readings."""
     metrics = count_metrics(start, end)
     return {"prefill_steps": int(metrics["rollout/num_prefill_steps"]),
+            "prefill_s": metrics["rollout/prefill_s"],
             "decode_steps": int(metrics["rollout/num_decode_steps"]),
             "decode_batch_mean": metrics["rollout/decode_batch_mean"]}
 
@@ -313,7 +317,7 @@ def admission_settings(waits: str, fractions: str) -> list[tuple[int, float]]:
 
 
 def describe_steps(run: dict) -> str:
-    return (f"{run['prefill_steps']:,} prefill + {run['decode_steps']:,} decode steps, "
+    return (f"{run['prefill_steps']:,} prefill ({run['prefill_s']:.2f} s) + {run['decode_steps']:,} decode steps, "
             f"{run['decode_batch_mean']:.1f} sequences per decode step")
 
 

@@ -147,6 +147,8 @@ class NativeEngine:
         self.num_decode_steps = 0
         self.num_decode_rows = 0
         """Sequences decoded, summed over the decode steps (their mean batch is rows / steps)."""
+        self.prefill_seconds = 0.0
+        """Wall time of the prefill steps, from launch to their tokens read back (the device is idle before one)."""
         self._peak_blocks_used = 0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
         self._in_flight: LaunchedStep | None = None
@@ -383,7 +385,9 @@ class NativeEngine:
             if step is None:
                 return False
             if step.is_prefill:
+                start = time.perf_counter()
                 self._process(self._run_prefill(step))
+                self.prefill_seconds += time.perf_counter() - start
             else:
                 self._in_flight = self._launch_decode(step.seqs)
             return True
@@ -474,13 +478,15 @@ class NativeEngine:
     def counts(self) -> dict[str, float]:
         """Totals over the engine's life: ``rollout/prefix_cache_hit_tokens`` (prompt tokens read from the prefix
         cache), ``rollout/prefill_tokens`` (tokens computed by prefills), ``rollout/num_prefill_steps``,
-        ``rollout/num_decode_steps`` and ``rollout/num_decode_rows`` (sequences decoded, summed over the decode
-        steps); ``count_metrics`` of two readings gives a span's."""
+        ``rollout/num_decode_steps``, ``rollout/num_decode_rows`` (sequences decoded, summed over the decode
+        steps) and ``rollout/prefill_s`` (wall time of the prefill steps); ``count_metrics`` of two readings
+        gives a span's."""
         return {"rollout/prefix_cache_hit_tokens": float(self.num_prefix_hit_tokens),
                 "rollout/prefill_tokens": float(self.num_prefilled_tokens),
                 "rollout/num_prefill_steps": float(self.num_prefill_steps),
                 "rollout/num_decode_steps": float(self.num_decode_steps),
-                "rollout/num_decode_rows": float(self.num_decode_rows)}
+                "rollout/num_decode_rows": float(self.num_decode_rows),
+                "rollout/prefill_s": self.prefill_seconds}
 
     def _start_metrics(self) -> tuple[float, int, int, float, dict[str, float]]:
         if self.device.type == "cuda":

@@ -115,3 +115,5 @@ def test_decode_steps_go_on_ahead_without_the_sequences_that_finished(qwen2, tin
     assert metrics["rollout/num_prefill_steps"] == 1 and metrics["rollout/num_decode_steps"] == len(launches)
     assert metrics["rollout/decode_batch_mean"] == 16 / 7
     assert engine.counts()["rollout/num_decode_rows"] - start["rollout/num_decode_rows"] == 16
+    # the one prefill step's wall time, in the generate call's metrics as in the engine's totals
+    assert 0 < metrics["rollout/prefill_s"] == engine.counts()["rollout/prefill_s"] - start["rollout/prefill_s"]
