@@ -210,6 +210,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--full-workload", action="store_true",
                         help="with --cpu: the GPU run's workload (trajectories, turn lengths, tool sleeps) on the tiny "
                              "model, for step counts like the GPU run's (its times are the CPU's own)")
+    parser.add_argument("--turn-tokens", default=None,
+                        help="MIN,MAX sampled tokens of a turn (default 32,256 on the GPU); the critical-path bound "
+                             "rises with longer turns, as the tools' sleeps weigh less")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every turn's whole context (the engine's prefix cache off)")
     parser.add_argument("--admission-wait", default="64",
@@ -245,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
         settings = full_workload
     settings["trajectories"] = args.trajectories or settings["trajectories"]
     settings["serial"] = args.serial or settings["serial"]
+    if args.turn_tokens:
+        low, high = (int(value) for value in args.turn_tokens.split(","))
+        settings["turn_range"] = (low, high)
     trajectories = plan(settings["trajectories"], 0, settings["turn_range"], settings["max_turns"],
                         settings["sleep_range"])
     prompts = random_prompts(settings["trajectories"], [settings["prompt_len"]], arch["vocab_size"], seed=2)

@@ -2,7 +2,7 @@
 # The measurements the open issues still wait for (after the H200 session of 2026-12-01, see BENCHMARKS.md),
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B (new plan), 7B LoRA at 40 GiB, TRL 1.5B
-#   PART=next  OUT=... bash benchmarks/gpu_session.sh   # 1.5B beside TRL; 3B at 80 GiB; agent prefill time; 3B profile
+#   PART=next  OUT=... bash benchmarks/gpu_session.sh   # 1.5B beside TRL; 3B at 80 GiB; agent (two turn lengths); 1.5B profile
 #   PART=first OUT=... bash benchmarks/gpu_session.sh   # 0.5B defaults; agent rollout; modes (async first); GPU tests
 #   PART=rest  OUT=... bash benchmarks/gpu_session.sh   # GPU tests; issue 17 agent rollout; issue 19 modes
 #   PART=caps  OUT=... bash benchmarks/gpu_session.sh   # issue 14: 80 and 40 GiB caps, 8k responses
@@ -37,13 +37,16 @@ case "${PART:-scale}" in
       1.5b_8k:1.5b:--prompts,16,--response-tokens,8192,--steps,2
     ;;
   next)  # after 2026-12-02: 1.5B beside TRL in one call, 3B at 80 GiB with its new plan, the agent rollout's
-          # prefill time, and a kernel profile of 3B's update in 8k micro-batches (why small micro-batches cost so much)
-    python3 benchmarks/scale.py --deadline-s 300 1.5b:1.5b:--steps,3 trl_1.5b:1.5b:trl,--steps,2,--checkpointing,off \
+          # prefill time on the 32-256 and 128-512 token turns, and a kernel profile of 1.5B's default update
+    python3 benchmarks/scale.py --deadline-s 270 1.5b:1.5b:--steps,3 trl_1.5b:1.5b:trl,--steps,2,--checkpointing,off \
       3b_80:3b:--gpu-memory-gib,80,--steps,2
-    timeout 110 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 64,128 \
+    timeout 90 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 64,128 \
       --admission-fraction 0.25,0.5 >"$OUT/agent_rollout.log" 2>&1
-    echo "agent rollout exit $?"; tail -n 20 "$OUT/agent_rollout.log"
-    PROFILE_ARGS="--model 3b --micro-tokens 8192" timeout 150 python3 benchmarks/profile_train.py >"$OUT/profile.log" 2>&1
+    echo "agent rollout exit $?"; tail -n 16 "$OUT/agent_rollout.log"
+    timeout 110 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
+      >"$OUT/agent_long.log" 2>&1
+    echo "agent rollout, 128-512 token turns, exit $?"; tail -n 14 "$OUT/agent_long.log"
+    PROFILE_ARGS="--model 1.5b" timeout 100 python3 benchmarks/profile_train.py >"$OUT/profile.log" 2>&1
     echo "profile exit $?"; tail -n 30 "$OUT/profile.log"
     ;;
   first)  # issue 15's "within noise" (0.5B defaults), issue 17 agent rollout, issue 19 modes (async first), GPU tests
