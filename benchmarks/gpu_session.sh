@@ -38,16 +38,17 @@ case "${PART:-scale}" in
     ;;
   next)  # after 2026-12-02: 1.5B beside TRL in one call, 3B at 80 GiB with its new plan, the agent rollout's
           # prefill time on the 32-256 and 128-512 token turns, and a kernel profile of 1.5B's default update
+          # (logs stay in /tmp, their tails printed: a call brings back at most 8 files from $OUT)
     python3 benchmarks/scale.py --deadline-s 270 1.5b:1.5b:--steps,3 trl_1.5b:1.5b:trl,--steps,2,--checkpointing,off \
       3b_80:3b:--gpu-memory-gib,80,--steps,2
     timeout 90 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 64,128 \
-      --admission-fraction 0.25,0.5 >"$OUT/agent_rollout.log" 2>&1
-    echo "agent rollout exit $?"; tail -n 16 "$OUT/agent_rollout.log"
+      --admission-fraction 0.25,0.5 >/tmp/agent_rollout.log 2>&1
+    echo "agent rollout exit $?"; tail -n 16 /tmp/agent_rollout.log
     timeout 110 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
-      >"$OUT/agent_long.log" 2>&1
-    echo "agent rollout, 128-512 token turns, exit $?"; tail -n 14 "$OUT/agent_long.log"
-    PROFILE_ARGS="--model 1.5b" timeout 100 python3 benchmarks/profile_train.py >"$OUT/profile.log" 2>&1
-    echo "profile exit $?"; tail -n 30 "$OUT/profile.log"
+      >/tmp/agent_long.log 2>&1
+    echo "agent rollout, 128-512 token turns, exit $?"; tail -n 14 /tmp/agent_long.log
+    PROFILE_ARGS="--model 1.5b" timeout 100 python3 benchmarks/profile_train.py >/tmp/profile.log 2>&1
+    echo "profile exit $?"; tail -n 30 /tmp/profile.log
     ;;
   first)  # issue 15's "within noise" (0.5B defaults), issue 17 agent rollout, issue 19 modes (async first), GPU tests
     python3 benchmarks/scale.py --deadline-s 95 0.5b:0.5b:--steps,4
