@@ -52,7 +52,7 @@ from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, 
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
-from reinforge.rollout.native.engine import count_metrics
+from reinforge.rollout.native.counters import count_metrics
 
 
 class TimedEngine(NativeEngine):

@@ -308,7 +308,7 @@ class ActorRolloutWorker(Worker):
             "rollout/num_generated_tokens": num_sampled, "rollout/time_s": engine_seconds,
             "rollout/tokens_per_s": num_sampled / engine_seconds if engine_seconds > 0 else 0.0}
         if len(counts) == 2:  # the native engine: its steps, and how much of the turns' prompts the prefix cache held
-            from reinforge.rollout.native.engine import count_metrics
+            from reinforge.rollout.native.counters import count_metrics
 
             output.meta["rollout_metrics"] |= count_metrics(*counts)
         phases.lap("assemble")

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from reinforge.rollout.base import Completion, GenerationRequest
 from reinforge.rollout.native.block_manager import BlockManager
+from reinforge.rollout.native.counters import EngineCounters, count_metrics
 from reinforge.rollout.native.model import supports_model, unsupported_reason
 from reinforge.rollout.native.model_runner import ModelRunner, to_device
 from reinforge.rollout.native.requests import LaunchedStep, RequestState
@@ -54,17 +55,6 @@ from reinforge.rollout.native.sequence import Sequence, SequenceStatus
 __all__ = ["NativeEngine", "supports_model"]
 
 DEFAULT_CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
-
-
-def count_metrics(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
-    """The engine's counts between two ``NativeEngine.counts`` readings, the prefix cache's hit rate (hit tokens
-    over all prompt tokens) and the mean batch of the decode steps (``rollout/decode_batch_mean``)."""
-    metrics = {name: end[name] - start[name] for name in end}
-    hits, computed = metrics["rollout/prefix_cache_hit_tokens"], metrics["rollout/prefill_tokens"]
-    metrics["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
-    steps = metrics["rollout/num_decode_steps"]
-    metrics["rollout/decode_batch_mean"] = metrics["rollout/num_decode_rows"] / steps if steps else 0.0
-    return metrics
 
 
 def _triton_available() -> bool:
@@ -139,16 +129,7 @@ class NativeEngine:
         self._step_lock = threading.Lock()
         self._driver: asyncio.Task | None = None
         self._num_generated_tokens = 0
-        self.num_prefix_hit_tokens = 0
-        """Prompt tokens read from the prefix cache instead of prefilled, over the engine's life."""
-        self.num_prefilled_tokens = 0
-        """Tokens prefilled, over the engine's life."""
-        self.num_prefill_steps = 0
-        self.num_decode_steps = 0
-        self.num_decode_rows = 0
-        """Sequences decoded, summed over the decode steps (their mean batch is rows / steps)."""
-        self.prefill_seconds = 0.0
-        """Wall time of the prefill steps, from launch to their tokens read back (the device is idle before one)."""
+        self.counters = EngineCounters()
         self._peak_blocks_used = 0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
         self._in_flight: LaunchedStep | None = None
@@ -387,7 +368,7 @@ class NativeEngine:
             if step.is_prefill:
                 start = time.perf_counter()
                 self._process(self._run_prefill(step))
-                self.prefill_seconds += time.perf_counter() - start
+                self.counters.prefill_seconds += time.perf_counter() - start
             else:
                 self._in_flight = self._launch_decode(step.seqs)
             return True
@@ -426,10 +407,7 @@ class NativeEngine:
 
     def _run_prefill(self, step: ScheduledStep) -> LaunchedStep:
         logits = self.runner.prefill(step.seqs)
-        self.num_prefill_steps += 1
-        for seq in step.seqs:
-            self.num_prefix_hit_tokens += seq.num_cached_tokens
-            self.num_prefilled_tokens += seq.num_tokens - seq.num_cached_tokens
+        self.counters.count_prefill(step.seqs)
         self.runner.copy_blocks(step.block_copies)
         sample_seqs = [seq for group in step.samples for seq in group]
         rows = [index for index, group in enumerate(step.samples) for _ in group]
@@ -442,8 +420,7 @@ class NativeEngine:
 
     def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> LaunchedStep:
         logits = self.runner.decode(seqs, next_input_ids)
-        self.num_decode_steps += 1
-        self.num_decode_rows += len(seqs)
+        self.counters.count_decode(len(seqs))
         version = self.scheduler.version
         if self._decode_sampling is None or self._decode_sampling[0] != version:
             self._decode_sampling = (version, SamplingTensors.from_sequences(seqs, logits.device))
@@ -476,17 +453,8 @@ class NativeEngine:
     # ---- metrics ----------------------------------------------------------------------------
 
     def counts(self) -> dict[str, float]:
-        """Totals over the engine's life: ``rollout/prefix_cache_hit_tokens`` (prompt tokens read from the prefix
-        cache), ``rollout/prefill_tokens`` (tokens computed by prefills), ``rollout/num_prefill_steps``,
-        ``rollout/num_decode_steps``, ``rollout/num_decode_rows`` (sequences decoded, summed over the decode
-        steps) and ``rollout/prefill_s`` (wall time of the prefill steps); ``count_metrics`` of two readings
-        gives a span's."""
-        return {"rollout/prefix_cache_hit_tokens": float(self.num_prefix_hit_tokens),
-                "rollout/prefill_tokens": float(self.num_prefilled_tokens),
-                "rollout/num_prefill_steps": float(self.num_prefill_steps),
-                "rollout/num_decode_steps": float(self.num_decode_steps),
-                "rollout/num_decode_rows": float(self.num_decode_rows),
-                "rollout/prefill_s": self.prefill_seconds}
+        """Totals over the engine's life (``EngineCounters.reading``); ``count_metrics`` of two readings gives a span's."""
+        return self.counters.reading()
 
     def _start_metrics(self) -> tuple[float, int, int, float, dict[str, float]]:
         if self.device.type == "cuda":

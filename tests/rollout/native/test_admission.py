@@ -67,8 +67,8 @@ def test_batched_arrivals_give_the_same_samples_with_fewer_prefills(qwen2, tiny)
     batched = make_engine(qwen2, max_admission_wait=4, admission_fraction=1.0)
     expected = run_in_lockstep(one_by_one, prompts, batch_arrivals=False)
     assert run_in_lockstep(batched, prompts, batch_arrivals=True) == expected
-    assert one_by_one.num_prefill_steps > batched.num_prefill_steps >= NUM_TURNS
-    assert batched.num_prefill_steps < len(prompts) * NUM_TURNS  # some turns shared a prefill
+    assert one_by_one.counters.prefill_steps > batched.counters.prefill_steps >= NUM_TURNS
+    assert batched.counters.prefill_steps < len(prompts) * NUM_TURNS  # some turns shared a prefill
 
 
 def test_async_turns_with_batched_arrivals_are_the_turns_of_one_by_one_admission(qwen2, tiny):

@@ -82,7 +82,7 @@ def test_prefix_cache_on_gpu_gives_the_samples_of_a_full_prefill(tiny, dtype):
         second = [p + samples[0].token_ids + [5, 6, 7] for p, samples in zip(prompts, first, strict=True)]
         results.append(engine.generate([GenerationRequest(p, SamplingParams(max_tokens=30, temperature=1.0, seed=4,
                                                                             n=2)) for p in second]))
-        assert (engine.num_prefix_hit_tokens > 0) == enable
+        assert (engine.counters.prefix_hit_tokens > 0) == enable
     for cached, plain in zip(*results, strict=True):
         for a, b in zip(cached, plain, strict=True):
             if dtype == torch.float32:

@@ -27,13 +27,13 @@ def qwen2(tiny):
 
 
 def hits(engine: NativeEngine) -> int:
-    return engine.num_prefix_hit_tokens
+    return engine.counters.prefix_hit_tokens
 
 
 def two_turns(engine: NativeEngine, prompts: list[list[int]], tool_tokens: list[list[int]], n: int = 1):
     """Turn 1 from each prompt, then turn 2 from prompt + turn 1 + tool tokens (n samples); both turns' completions."""
     first = engine.generate([GenerationRequest(p, SAMPLED) for p in prompts])
-    counts = (engine.num_prefix_hit_tokens, engine.num_prefilled_tokens)
+    counts = (engine.counters.prefix_hit_tokens, engine.counters.prefilled_tokens)
     second_prompts = [p + samples[0].token_ids + tool for p, samples, tool in zip(prompts, first, tool_tokens,
                                                                                     strict=True)]
     second = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=n))
@@ -63,7 +63,7 @@ def test_second_turn_prefills_only_new_tokens_with_the_same_samples(qwen2, tiny)
     expected = [min((len(p) + 12 - 1) // BLOCK, (len(s) - 1) // BLOCK) * BLOCK
                 for p, s in zip(prompts, second_prompts, strict=True)]
     assert hits(cached) == sum(expected) > 0
-    assert cached.num_prefilled_tokens - before_prefill == sum(len(s) for s in second_prompts) - sum(expected)
+    assert cached.counters.prefilled_tokens - before_prefill == sum(len(s) for s in second_prompts) - sum(expected)
     assert cached.last_metrics["rollout/prefix_cache_hit_tokens"] == sum(expected)
     assert 0 < cached.last_metrics["rollout/prefix_cache_hit_rate"] < 1
     # and the samples are the model's: log-probs of a plain forward over the whole context
@@ -97,7 +97,7 @@ def test_async_turns_reuse_their_prefix_while_others_run(qwen2, tiny):
         assert context == plain_context
         torch.testing.assert_close(torch.tensor(log_probs), torch.tensor(plain_log_probs), atol=1e-5, rtol=0)
     assert hits(cached) > 0 and hits(plain) == 0
-    assert cached.num_prefilled_tokens < plain.num_prefilled_tokens
+    assert cached.counters.prefilled_tokens < plain.counters.prefilled_tokens
 
 
 def test_eviction_under_few_blocks_keeps_results(qwen2, tiny):
