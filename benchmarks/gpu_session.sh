@@ -3,6 +3,7 @@
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B (new plan), 7B LoRA at 40 GiB, TRL 1.5B
 #   PART=next  OUT=... bash benchmarks/gpu_session.sh   # 1.5B beside TRL; 3B at 80 GiB; agent (two turn lengths); 1.5B profile
+#   PART=modes OUT=... bash benchmarks/gpu_session.sh   # issue 19 follow-up: 2 updates a mode; loglinear proximal
 #   PART=first OUT=... bash benchmarks/gpu_session.sh   # 0.5B defaults; agent rollout; modes (async first); GPU tests
 #   PART=rest  OUT=... bash benchmarks/gpu_session.sh   # GPU tests; issue 17 agent rollout; issue 19 modes
 #   PART=caps  OUT=... bash benchmarks/gpu_session.sh   # issue 14: 80 and 40 GiB caps, 8k responses
@@ -49,6 +50,14 @@ case "${PART:-scale}" in
     echo "agent rollout, 128-512 token turns, exit $?"; tail -n 14 /tmp/agent_long.log
     PROFILE_ARGS="--model 1.5b" timeout 100 python3 benchmarks/profile_train.py >/tmp/profile.log 2>&1
     echo "profile exit $?"; tail -n 30 /tmp/profile.log
+    ;;
+  modes)  # issue 19 follow-up: two measured updates per mode, and the off-policy modes with the interpolated proximal
+          # policy (no extra forward per stale batch), with who waited in async
+    timeout 280 python3 benchmarks/offpolicy_modes.py --steps 2 --json "$OUT/offpolicy.json" >/tmp/offpolicy.log 2>&1
+    echo "off-policy modes exit $?"; tail -n 6 /tmp/offpolicy.log
+    timeout 250 python3 benchmarks/offpolicy_modes.py --modes one_step_off,async --proximal loglinear --steps 2 \
+      --json "$OUT/offpolicy_loglinear.json" >/tmp/offpolicy_loglinear.log 2>&1
+    echo "off-policy modes, loglinear, exit $?"; tail -n 5 /tmp/offpolicy_loglinear.log
     ;;
   first)  # issue 15's "within noise" (0.5B defaults), issue 17 agent rollout, issue 19 modes (async first), GPU tests
     python3 benchmarks/scale.py --deadline-s 95 0.5b:0.5b:--steps,4

@@ -4,9 +4,9 @@ The workload: the Qwen2.5-0.5B architecture with random weights (``reinforge.ben
 64 prompts of 128 random tokens, 8 samples each; every sample's length is drawn between 64
 and 4096 tokens from a long tail (64 x 64^(u^3), u uniform: median ~110, ~6% above 2048) and
 generated with EOS ignored, so it is exactly that long. A cheap rule reward, GRPO advantages,
-one optimizer step per 64 prompts (the decoupled PPO loss with a recomputed proximal policy
-on stale batches). All three modes run the same generation code (``modes.partial.run_segment``)
-with the native engine, its memory kept between rollouts. The off-policy modes generate on a
+one optimizer step per 64 prompts (the decoupled PPO loss on stale batches, its proximal policy
+recomputed by one more forward, or with ``--proximal loglinear`` interpolated). All three modes run
+the same generation code (``modes.partial.run_segment``) with the native engine, its memory kept between rollouts. The off-policy modes generate on a
 second, optimizer-less worker with its own thread (trainer.separate_rollout; ``--shared-rollout``
 uses the training worker's rollout copy instead, taking turns), weights copied at each sync:
 
@@ -131,6 +131,7 @@ def build_config(args: argparse.Namespace, model_dir: Path) -> Config:
     config.trainer.mode = "async"
     config.trainer.separate_rollout = not args.shared_rollout
     config.trainer.max_staleness, config.rollout.segment_tokens = args.max_staleness, args.segment_tokens
+    config.trainer.proximal = args.proximal
     if not args.cpu:  # async holds up to (max_staleness + 1) batches of sequences in flight
         config.rollout.kv_cache_gib = args.kv_cache_gib
     plan = apply_memory_plan(config, log=False)  # the remaining auto settings, as the trainer does (printed below)
@@ -213,11 +214,13 @@ class Runner:
                               bound=StalenessBound(self.args.max_staleness, self.args.prompts), sampling=self.sampling,
                               n=self.args.n, segment_tokens=self.args.segment_tokens, batch_size=self.args.prompts,
                               pad_token_id=0, turns=turns)
-        out = []
+        out, waited = [], 0.0
         rollouter.start()
         try:
             for update in range(updates):
+                wait_start = time.perf_counter()
                 taken = rollouter.take(self.args.prompts)
+                waited += time.perf_counter() - wait_start
                 batch = concat_generated([rows for _, rows in taken], 0)
                 version = rollouter.version
                 with turns.trainer() if self.rollout is None else contextlib.nullcontext():
@@ -225,6 +228,8 @@ class Runner:
                 with turns.trainer():
                     self.sync_weights()
                     rollouter.set_version(version + 1)
+                # running totals (the rollouter's idle time counts when its wait for a sync ends)
+                metrics |= {"trainer_wait_s": waited, "rollouter_idle_s": rollouter.idle_s}
                 out.append((time.perf_counter(), len(batch), metrics))
         finally:
             rollouter.stop()
@@ -256,7 +261,12 @@ def measure(runner: Runner, mode: str, gpu: GpuBusy, args: argparse.Namespace) -
     result = {"mode": mode, "updates": len(measured), "samples": samples, "wall_s": end - measured_start,
               "s_per_1000_samples": (end - measured_start) / samples * 1000, "gpu_busy": gpu.mean(measured_start, end),
               "staleness_mean": sum(staleness) / len(staleness), "partial_fraction": sum(partial) / len(partial),
-              "total_s_with_warmup": end - start}
+              "total_s_with_warmup": end - start, "proximal": args.proximal if mode != "sync" else None}
+    if mode == "async":  # who waited, over the measured span: the trainer for finished groups, the rollouter for a sync
+        before = updates[args.warmup - 1][2] if args.warmup else {"trainer_wait_s": 0.0, "rollouter_idle_s": 0.0}
+        after = measured[-1][2]
+        for name in ("trainer_wait", "rollouter_idle"):
+            result[f"{name}_fraction"] = min(1.0, (after[f"{name}_s"] - before[f"{name}_s"]) / (end - measured_start))
     print(json.dumps(result), flush=True)
     return result
 
@@ -273,6 +283,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--segment-tokens", type=int, default=512, help="async: partial-rollout segment")
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--proximal", choices=["recompute", "loglinear"], default="recompute",
+                        help="the off-policy modes' proximal policy (trainer.proximal): recompute runs one more forward "
+                             "over each stale batch, loglinear interpolates instead")
     parser.add_argument("--micro-tokens", type=int, default=65536)
     parser.add_argument("--kv-cache-gib", type=float, default=16.0,
                         help="native engine KV cache of each worker (GPU); a batch needs ~3.3 GiB at full length")
@@ -315,11 +328,13 @@ def main(argv: list[str] | None = None) -> int:
             actor.shutdown()
             if rollout is not None:
                 rollout.shutdown()
-    print(f"\n{'mode':<14}{'s / 1000 samples':>18}{'GPU busy':>10}{'staleness':>11}{'partial':>9}")
+    print(f"\n{'mode':<14}{'s / 1000 samples':>18}{'GPU busy':>10}{'staleness':>11}{'partial':>9}"
+          f"{'trainer waits':>15}{'rollouter idle':>16}")
     for row in results:
         busy = "n/a" if row["gpu_busy"] is None else f"{row['gpu_busy']:.0%}"
+        waits = [f"{row[key]:.0%}" if key in row else "" for key in ("trainer_wait_fraction", "rollouter_idle_fraction")]
         print(f"{row['mode']:<14}{row['s_per_1000_samples']:>18.2f}{busy:>10}{row['staleness_mean']:>11.2f}"
-              f"{row['partial_fraction']:>9.2f}")
+              f"{row['partial_fraction']:>9.2f}{waits[0]:>15}{waits[1]:>16}")
     if args.json:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
         args.json.write_text(json.dumps({"results": results, "device": device,

@@ -18,6 +18,20 @@ def test_the_benchmark_runs_the_three_modes_on_the_cpu(tmp_path):
     assert sorted(results) == ["async", "one_step_off", "sync"]
     assert results["sync"]["staleness_mean"] == 0.0 and results["one_step_off"]["staleness_mean"] == 1.0
     assert all(row["samples"] == 4 and row["s_per_1000_samples"] > 0 for row in results.values())
+    assert results["one_step_off"]["proximal"] == "recompute" and results["sync"]["proximal"] is None
+    for key in ("trainer_wait_fraction", "rollouter_idle_fraction"):
+        assert 0 <= results["async"][key] <= 1
+
+
+def test_the_off_policy_modes_run_with_the_interpolated_proximal_policy(tmp_path):
+    spec = importlib.util.spec_from_file_location("offpolicy_modes", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--cpu", "--steps", "1", "--modes", "one_step_off,async", "--proximal", "loglinear",
+                        "--json", str(tmp_path / "out.json")]) == 0
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [row["proximal"] for row in results] == ["loglinear", "loglinear"]
+    assert all(row["staleness_mean"] > 0 for row in results)  # stale batches: the interpolation was used
 
 
 def test_lengths_are_long_tailed_between_the_bounds():
