@@ -9,11 +9,20 @@ PyTorch and the Triton path alike); a decode step attends from one new token per
 all of that sequence's cached tokens through its block table. The PyTorch functions here run
 everywhere and are the reference; on CUDA the engine uses the Triton kernels instead
 (``triton_kernels.py``), which compute the same thing.
+
+A prefill after a prefix-cache hit (an agent's next turn: a few dozen new tokens over a context
+of hundreds) runs, on CUDA in bf16/fp16, as one flash varlen call (``packed_prefix_attention``)
+over each sequence's whole context gathered by slot (``context_slots``), its causal mask aligned
+to the end of the keys; the reference pads every sequence to the longest context and builds a
+dense mask in every layer: on an H200 such a step took about 60 ms, some 25 decode steps (fitted to
+the agent benchmark's admission sweep of 2026-12-02).
+``flash_prefix_applies`` probes the kernel once per device against the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +41,9 @@ class AttentionMetadata:
     included), prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one, and
     max_context_len, the largest context length (known on the host: reading it from context_lens would
     wait for the device at every layer). prefix_visible (num_seqs, 1, max_len, max_context_len) says which
-    keys each query sees; the first layer makes it and the others reuse it.
+    keys each query sees; the first layer makes it and the others reuse it. For the packed path:
+    context_slots (context tokens,) the cache slot of every token of every sequence's context, in order,
+    and cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32, the packed queries' and contexts' offsets.
     """
 
     slot_mapping: Tensor
@@ -45,6 +56,9 @@ class AttentionMetadata:
     prefix_lens: Tensor | None = None
     max_context_len: int = 0
     prefix_visible: Tensor | None = None
+    context_slots: Tensor | None = None
+    cu_seqlens_q: Tensor | None = None
+    cu_seqlens_k: Tensor | None = None
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -109,6 +123,84 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
     out = F.scaled_dot_product_attention(grid.transpose(1, 2), gather(k_cache), gather(v_cache),
                                          attn_mask=meta.prefix_visible, scale=scale)
     return out.transpose(1, 2)[meta.batch_index, meta.token_index]
+
+
+def packed_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                            scale: float) -> Tensor:
+    """What ``prefill_attention_with_prefix`` computes, from each sequence's context gathered by slot, unpadded.
+
+    On CUDA in bf16/fp16: the flash varlen kernel (key/value heads shared by their query heads in the
+    kernel, the causal mask aligned to the end of each sequence's keys). Elsewhere: the same packed inputs
+    through one masked SDPA call (what the tests compare with the reference)."""
+    assert meta.context_slots is not None and meta.cu_seqlens_q is not None and meta.cu_seqlens_k is not None
+    assert meta.seq_lens is not None
+    k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
+    v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return torch.ops.aten._flash_attention_forward(
+            q.contiguous(), k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.seq_lens), meta.max_context_len,
+            0.0, True, False, scale=scale)[0]
+    return _packed_masked_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale)
+
+
+def _packed_masked_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                             scale: float) -> Tensor:
+    """Packed queries over packed keys, causal aligned to the end of each sequence's keys: one padded SDPA call."""
+    q_sizes, k_sizes = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+    q_valid = torch.arange(int(q_sizes.max()), device=q.device)[None, :] < q_sizes[:, None]
+    k_valid = torch.arange(int(k_sizes.max()), device=q.device)[None, :] < k_sizes[:, None]
+
+    def padded(tensor: Tensor, valid: Tensor) -> Tensor:  # the packed order is ``valid``'s row-major order
+        out = tensor.new_zeros(*valid.shape, *tensor.shape[1:])
+        out[valid] = tensor
+        return out.transpose(1, 2)  # (seqs, heads, longest, dim)
+
+    group = q.shape[1] // k.shape[1]
+    qp = padded(q, q_valid)
+    kp, vp = (padded(x, k_valid).repeat_interleave(group, dim=1) for x in (k, v))
+    rows = torch.arange(q_valid.shape[1], device=q.device)[None, :, None]
+    columns = torch.arange(k_valid.shape[1], device=q.device)[None, None, :]
+    visible = (columns <= rows + (k_sizes - q_sizes)[:, None, None]) & k_valid[:, None, :]
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2)[q_valid]
+
+
+@cache
+def flash_prefix_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``packed_prefix_attention`` runs the flash kernel on ``device`` in ``dtype`` and agrees with the
+    reference there (probed once: two sequences, one with a cached prefix, random values)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        generator = torch.Generator(device=device).manual_seed(0)
+        block_size, kv_heads, heads, dim = 4, 2, 4, 64
+        caches = torch.randn(2, 8, block_size, kv_heads, dim, device=device, dtype=dtype, generator=generator)
+        q = torch.randn(5, heads, dim, device=device, dtype=dtype, generator=generator)
+        # sequence 0: 3 new tokens after 6 cached (blocks 2, 5, 1); sequence 1: 2 tokens, nothing cached (block 7)
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, device=device), is_prefill=True, seq_lens=[3, 2],
+            batch_index=torch.tensor([0, 0, 0, 1, 1], device=device),
+            token_index=torch.tensor([0, 1, 2, 0, 1], device=device),
+            block_tables=torch.tensor([[2, 5, 1], [7, 0, 0]], device=device),
+            context_lens=torch.tensor([9, 2], dtype=torch.int32, device=device),
+            prefix_lens=torch.tensor([6, 0], device=device), max_context_len=9,
+            context_slots=torch.tensor([8, 9, 10, 11, 20, 21, 22, 23, 4, 28, 29], device=device),
+            cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor([0, 9, 11], dtype=torch.int32, device=device))
+        expected = prefill_attention_with_prefix(q.float(), caches[0].float(), caches[1].float(), meta, dim ** -0.5)
+        got = packed_prefix_attention(q, caches[0], caches[1], meta, dim ** -0.5)
+        agrees = bool(torch.allclose(got.float(), expected, atol=3e-2, rtol=3e-2))
+    except (RuntimeError, NotImplementedError, AttributeError) as error:  # no flash kernel for this device or build
+        import warnings
+
+        warnings.warn(f"the flash prefix prefill is unavailable ({error}); using the padded reference", stacklevel=2)
+        return False
+    if not agrees:
+        import warnings
+
+        warnings.warn("the flash prefix prefill disagrees with the reference on this device; using the reference",
+                      stacklevel=2)
+    return agrees
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -26,6 +26,8 @@ from reinforge.rollout.native.attention import (
     AttentionMetadata,
     apply_rotary,
     decode_attention,
+    flash_prefix_applies,
+    packed_prefix_attention,
     prefill_attention,
     prefill_attention_with_prefix,
     write_kv_cache,
@@ -222,6 +224,8 @@ class PagedDecoder:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = device or model.model.embed_tokens.weight.device  # the model's may be the CPU (param_offload)
         self.has_qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
+        self.flash_prefix = use_triton and flash_prefix_applies(self.device, self.dtype)
+        """Prefills after a prefix-cache hit run the flash varlen kernel (see attention.py)."""
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.cos, self.sin = self._rotary_tables()
@@ -301,7 +305,8 @@ class PagedDecoder:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill and meta.prefix_lens is not None:
-            out = prefill_attention_with_prefix(q, k_cache, v_cache, meta, self.scale)
+            attend = packed_prefix_attention if self.flash_prefix else prefill_attention_with_prefix
+            out = attend(q, k_cache, v_cache, meta, self.scale)
         elif meta.is_prefill:
             out = prefill_attention(q, k, v, meta, self.scale)
         elif self.use_triton:

@@ -150,6 +150,13 @@ class ModelRunner:
             meta.context_lens = self._to_device(np.array([seq.num_tokens for seq in seqs], dtype=np.int32))
             meta.prefix_lens = self._to_device(np.array(starts, dtype=np.int64))
             meta.max_context_len = max(seq.num_tokens for seq in seqs)
+            # the packed path's inputs: every context token's slot, and the queries' and contexts' offsets
+            contexts = [seq.num_tokens for seq in seqs]
+            meta.context_slots = self._to_device(np.concatenate([
+                np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
+                + np.arange(length) % self.block_size for seq, length in zip(seqs, contexts, strict=True)]))
+            meta.cu_seqlens_q = self._to_device(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
+            meta.cu_seqlens_k = self._to_device(np.concatenate([[0], np.cumsum(contexts)]).astype(np.int32))
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index))
 

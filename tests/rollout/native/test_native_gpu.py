@@ -70,7 +70,8 @@ def test_triton_sampler_follows_the_distribution_and_thresholds():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefix_cache_on_gpu_gives_the_samples_of_a_full_prefill(tiny, dtype):
-    # a second turn reads its first turn's blocks (Triton cache writes, CUDA-graph decode after the hit)
+    # a second turn reads its first turn's blocks (Triton cache writes, CUDA-graph decode after the hit; in bf16
+    # the flash prefix prefill)
     model = tiny.build("qwen2", device="cuda").to(dtype)
     prompts = tiny.prompts([21, 40, 9, 64])
     results = []
@@ -83,6 +84,8 @@ def test_prefix_cache_on_gpu_gives_the_samples_of_a_full_prefill(tiny, dtype):
         results.append(engine.generate([GenerationRequest(p, SamplingParams(max_tokens=30, temperature=1.0, seed=4,
                                                                             n=2)) for p in second]))
         assert (engine.counters.prefix_hit_tokens > 0) == enable
+        # in bf16 the second turn's prefill ran the flash varlen kernel over the gathered contexts
+        assert engine.runner.decoder.flash_prefix == (dtype == torch.bfloat16)
     for cached, plain in zip(*results, strict=True):
         for a, b in zip(cached, plain, strict=True):
             if dtype == torch.float32:

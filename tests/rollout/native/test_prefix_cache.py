@@ -208,3 +208,53 @@ def test_a_request_that_keeps_no_prefix_registers_no_blocks(qwen2, tiny):
     assert not engine.scheduler.block_manager.cached_blocks
     engine.generate([GenerationRequest(prompt + turn.token_ids + [5], SAMPLED)])
     assert hits(engine) == 0
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 2)])
+def test_packed_prefix_attention_equals_the_padded_reference(heads):
+    """Each sequence's whole context gathered by slot, unpadded, causal from its end: the reference's result."""
+    from reinforge.rollout.native.attention import (
+        AttentionMetadata,
+        packed_prefix_attention,
+        prefill_attention_with_prefix,
+    )
+
+    num_heads, kv_heads = heads
+    generator = torch.Generator().manual_seed(3)
+    block, dim, num_blocks = 4, 16, 24
+    k_cache, v_cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=generator)
+    prefixes, news = [8, 0, 13, 4], [3, 5, 1, 9]  # cached tokens before each sequence's packed ones
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for prefix, new in zip(prefixes, news, strict=True):
+        tables.append([free.pop() for _ in range(-(-(prefix + new) // block))])
+    contexts = [p + n for p, n in zip(prefixes, news, strict=True)]
+    width = max(map(len, tables))
+    q = torch.randn(sum(news), num_heads, dim, generator=generator)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0), is_prefill=True, seq_lens=news,
+        batch_index=torch.repeat_interleave(torch.arange(len(news)), torch.tensor(news)),
+        token_index=torch.cat([torch.arange(n) for n in news]),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        context_lens=torch.tensor(contexts, dtype=torch.int32), prefix_lens=torch.tensor(prefixes),
+        max_context_len=max(contexts),
+        context_slots=torch.cat([torch.tensor(t)[torch.arange(c) // block] * block + torch.arange(c) % block
+                                 for t, c in zip(tables, contexts, strict=True)]),
+        cu_seqlens_q=torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, *torch.tensor(contexts).cumsum(0).tolist()], dtype=torch.int32))
+    expected = prefill_attention_with_prefix(q, k_cache, v_cache, meta, dim ** -0.5)
+    torch.testing.assert_close(packed_prefix_attention(q, k_cache, v_cache, meta, dim ** -0.5), expected)
+
+
+def test_the_packed_prefix_path_gives_the_same_samples(qwen2, tiny):
+    """The model runner's slots and offsets for the packed path, end to end: turn 2 over cached turn-1 blocks
+    samples the same tokens and log-probs through it as through the padded reference."""
+    prompts = tiny.prompts([21, 8, 30])
+    tools = tiny.prompts([7, 3, 16], seed=2)
+    reference = make_engine(qwen2)
+    packed = make_engine(qwen2)
+    packed.runner.decoder.flash_prefix = True  # the CUDA choice, here through the packed path's CPU branch
+    _, second_reference, *_ = two_turns(reference, prompts, tools, n=2)
+    _, second_packed, *_ = two_turns(packed, prompts, tools, n=2)
+    assert hits(packed) > 0 and not reference.runner.decoder.flash_prefix
+    assert_same(second_packed, second_reference)
