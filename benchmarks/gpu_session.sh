@@ -42,8 +42,8 @@ case "${PART:-scale}" in
           # (logs stay in /tmp, their tails printed: a call brings back at most 8 files from $OUT)
     python3 benchmarks/scale.py --deadline-s 270 1.5b:1.5b:--steps,3 trl_1.5b:1.5b:trl,--steps,2,--checkpointing,off \
       3b_80:3b:--gpu-memory-gib,80,--steps,2
-    timeout 90 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 64,128 \
-      --admission-fraction 0.25,0.5 >/tmp/agent_rollout.log 2>&1
+    timeout 90 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 64,16,0 \
+      --admission-fraction 0.25,0.125,0 >/tmp/agent_rollout.log 2>&1
     echo "agent rollout exit $?"; tail -n 16 /tmp/agent_rollout.log
     timeout 110 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
       >/tmp/agent_long.log 2>&1
