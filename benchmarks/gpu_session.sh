@@ -3,6 +3,7 @@
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B (new plan), 7B LoRA at 40 GiB, TRL 1.5B
 #   PART=next  OUT=... bash benchmarks/gpu_session.sh   # 1.5B beside TRL; 3B at 80 GiB; agent (two turn lengths); 1.5B profile
+#   PART=micro OUT=... bash benchmarks/gpu_session.sh   # update time against micro-batch size, 0.5B to 3B
 #   PART=modes OUT=... bash benchmarks/gpu_session.sh   # issue 19 follow-up: 2 updates a mode; loglinear proximal
 #   PART=first OUT=... bash benchmarks/gpu_session.sh   # 0.5B defaults; agent rollout; modes (async first); GPU tests
 #   PART=rest  OUT=... bash benchmarks/gpu_session.sh   # GPU tests; issue 17 agent rollout; issue 19 modes
@@ -50,6 +51,13 @@ case "${PART:-scale}" in
     echo "agent rollout, 128-512 token turns, exit $?"; tail -n 14 /tmp/agent_long.log
     PROFILE_ARGS="--model 1.5b" timeout 100 python3 benchmarks/profile_train.py >/tmp/profile.log 2>&1
     echo "profile exit $?"; tail -n 30 /tmp/profile.log
+    ;;
+  micro)  # the planner's micro-batch cost: update time against micro-batch size for 0.5B, 1.5B and 3B (one model
+          # of a fixed host cost per micro-batch and layer would make small models the most sensitive)
+    python3 benchmarks/scale.py --deadline-s 560 0.5b_64k:0.5b:--micro-tokens,65536,--steps,3 \
+      0.5b_32k:0.5b:--micro-tokens,32768,--steps,3 0.5b_16k:0.5b:--micro-tokens,16384,--steps,3 \
+      1.5b_32k:1.5b:--micro-tokens,32768,--steps,3 1.5b_16k:1.5b:--micro-tokens,16384,--steps,3 \
+      3b_24k:3b:--micro-tokens,24576,--steps,2 3b_12k:3b:--micro-tokens,12288,--steps,2
     ;;
   modes)  # issue 19 follow-up: two measured updates per mode, and the off-policy modes with the interpolated proximal
           # policy (no extra forward per stale batch), with who waited in async
