@@ -12,9 +12,10 @@ training rollout does, every trajectory its own asyncio task, turns joining the 
 batch through ``generate_async``.
 
 Reported:
-- agent rollout: sampled tokens / wall time of the whole rollout, and the engine-busy fraction
+- agent rollout: sampled tokens / wall time of the whole rollout, the engine-busy fraction
   (wall time inside engine steps that had work, over the rollout's wall time; the device may stay
-  busy a little longer, as decode steps are launched ahead); the prefix cache's share of the turns'
+  busy a little longer, as decode steps are launched ahead) and the GPU-busy fraction (``nvidia-smi``'s
+  utilization.gpu every 50 ms, ``reinforge.bench.gpu_busy``; also for single-turn); the prefix cache's share of the turns'
   prompt tokens;
 - single-turn rate: the same 256 prompts, each generating its trajectory's total sampled tokens in
   one request, with ``engine.generate`` (the rate a single-turn rollout of these tokens gets);
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from reinforge.agent import AGENT_LOOPS, AgentLoop, AgentLoopOutput, AgentRunner, AsyncEngineClient, register_agent_loop
+from reinforge.bench.gpu_busy import GpuBusy
 from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, random_prompts
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import GenerationRequest, SamplingParams
@@ -124,7 +126,8 @@ def forget_cached_prefixes(engine: TimedEngine) -> None:
         engine.scheduler.block_manager.reset_prefix_cache()
 
 
-def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
+def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
+               gpu: GpuBusy | None = None) -> dict:
     rows = [{"prompt_ids": prompt, "agent_name": "bench_turns", "seed": 1000 * index, **trajectory}
             for index, (prompt, trajectory) in enumerate(zip(prompts, trajectories, strict=True))]
     runner = AgentRunner(tokenizer=None, config=MultiTurnConfig())
@@ -133,11 +136,12 @@ def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list
     counts = engine.counts()
     start = time.perf_counter()
     outputs = runner.run(rows, [SamplingParams()] * len(rows), AsyncEngineClient(engine))
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    elapsed = end - start
     sampled = sum(sum(output.response_mask) for output in outputs)
     cache = count_metrics(counts, engine.counts())
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
-            "engine_busy_fraction": engine.busy_s / elapsed,
+            "engine_busy_fraction": engine.busy_s / elapsed, "gpu_busy_fraction": gpu.mean(start, end) if gpu else None,
             "prefix_cache_hit_tokens": cache["rollout/prefix_cache_hit_tokens"],
             "prefill_tokens": cache["rollout/prefill_tokens"],
             "prefix_cache_hit_rate": cache["rollout/prefix_cache_hit_rate"],
@@ -145,17 +149,20 @@ def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list
             **step_counts(counts, engine.counts())}
 
 
-def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict]) -> dict:
+def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
+                    gpu: GpuBusy | None = None) -> dict:
     requests = [GenerationRequest(prompt, SamplingParams(max_tokens=sum(t["turn_tokens"]), ignore_eos=True, seed=i))
                 for i, (prompt, t) in enumerate(zip(prompts, trajectories, strict=True))]
     engine.busy_s = 0.0
     counts = engine.counts()
     start = time.perf_counter()
     completions = engine.generate(requests)
-    elapsed = time.perf_counter() - start
+    end = time.perf_counter()
+    elapsed = end - start
     sampled = sum(len(samples[0].token_ids) for samples in completions)
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
-            "engine_busy_fraction": engine.busy_s / elapsed, **step_counts(counts, engine.counts())}
+            "engine_busy_fraction": engine.busy_s / elapsed, "gpu_busy_fraction": gpu.mean(start, end) if gpu else None,
+            **step_counts(counts, engine.counts())}
 
 
 def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
@@ -272,13 +279,17 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {"environment": environment(device), "settings": settings,
                      "num_turns_total": sum(len(t["turn_tokens"]) for t in trajectories),
                      "tool_seconds_total": sum(sum(t["sleeps"]) for t in trajectories)}
-    results["single_turn"] = run_single_turn(engine, prompts, trajectories)
-    results["agent"] = run_agents(engine, prompts, trajectories)
-    results["agent_admission_sweep"] = []
-    for wait, fraction in admissions[1:]:
-        engine.scheduler.max_admission_wait, engine.scheduler.admission_fraction = wait, fraction
-        engine.max_admission_wait, engine.admission_fraction = wait, fraction
-        results["agent_admission_sweep"].append(run_agents(engine, prompts, trajectories))
+    gpu = GpuBusy()
+    try:
+        results["single_turn"] = run_single_turn(engine, prompts, trajectories, gpu)
+        results["agent"] = run_agents(engine, prompts, trajectories, gpu)
+        results["agent_admission_sweep"] = []
+        for wait, fraction in admissions[1:]:
+            engine.scheduler.max_admission_wait, engine.scheduler.admission_fraction = wait, fraction
+            engine.max_admission_wait, engine.admission_fraction = wait, fraction
+            results["agent_admission_sweep"].append(run_agents(engine, prompts, trajectories, gpu))
+    finally:
+        gpu.close()
     forget_cached_prefixes(engine)
     results["synchronous_turns"] = run_synchronous_turns(engine, prompts, trajectories, tool_output)
     forget_cached_prefixes(engine)
@@ -346,6 +357,8 @@ def print_table(results: dict) -> None:
                                 f"{results['critical_path']['step_s'] * 1000:.2f} ms a step + "
                                 f"{results['critical_path']['tool_sleep_s']:.2f} s of tools)"),
         ("engine-busy fraction (agent)", f"{agent['engine_busy_fraction']:.0%}"),
+        ("GPU-busy fraction (agent / single-turn)", "n/a" if agent["gpu_busy_fraction"] is None else
+         f"{agent['gpu_busy_fraction']:.0%} / {single['gpu_busy_fraction']:.0%}"),
         ("prefix cache (agent)", f"{agent['prefix_cache_hit_rate']:.0%} of prompt tokens reused  "
                                  f"({agent['prefill_tokens']:,.0f} prefilled)" if settings.get("prefix_cache", True)
          else "off"),

@@ -33,7 +33,6 @@ import contextlib
 import json
 import math
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reinforge.algorithms import compute_advantages  # noqa: E402
+from reinforge.bench.gpu_busy import GpuBusy  # noqa: E402
 from reinforge.bench.train import rule_reward, write_model  # noqa: E402
 from reinforge.config.schema import Config  # noqa: E402
 from reinforge.controller import WorkerGroup  # noqa: E402
@@ -84,39 +84,6 @@ class PromptSource:
         return Batch.from_dict(tensors={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)},
                                non_tensors={"uid": [f"{index}-{row}" for row in range(args.prompts)],
                                             "sample_max_tokens": budgets})
-
-
-class GpuBusy:
-    """utilization.gpu from ``nvidia-smi -lms 50`` in the background, averaged over time windows."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self.process = None
-        if torch.cuda.is_available():
-            try:
-                self.process = subprocess.Popen(
-                    ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "50",
-                     "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, text=True)
-            except FileNotFoundError:
-                self.process = None
-        if self.process is not None:
-            threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                self.samples.append((time.perf_counter(), float(line.strip()) / 100))
-            except ValueError:
-                continue
-
-    def mean(self, start: float, end: float) -> float | None:
-        values = [value for stamp, value in self.samples if start <= stamp <= end]
-        return sum(values) / len(values) if values else None
-
-    def close(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
 
 
 def build_config(args: argparse.Namespace, model_dir: Path) -> Config:

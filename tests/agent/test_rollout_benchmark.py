@@ -29,6 +29,7 @@ def test_agent_rollout_benchmark_smoke(tmp_path, capsys):
     for name in ("single_turn", "agent", "synchronous_turns"):
         assert results[name]["sampled_tokens"] == planned  # same trajectories, same sampled tokens
     assert 0 < results["agent"]["engine_busy_fraction"] <= 1
+    assert results["agent"]["gpu_busy_fraction"] is None  # no nvidia-smi reading without a CUDA device
     assert results["serial"]["time_s_extrapolated"] > 0
     [one_by_one] = results["agent_admission_sweep"]  # the second --admission-wait value, the fraction repeated
     assert (one_by_one["admission_wait"], one_by_one["admission_fraction"]) == (0, 0.25)
