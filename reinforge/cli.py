@@ -64,13 +64,12 @@ def _plan(argv: list[str]) -> int:
 
     from reinforge.config import load_config
 
+    # the flags are overrides like any other, so the config's checks see them
+    sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
+    overrides = [*overrides, *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
     config = load_config(config_path, overrides)
     if not config.model.path:
         raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
-    if known.gpu_memory_gib is not None:
-        config.trainer.gpu_memory_gib = known.gpu_memory_gib
-    if known.host_memory_gib is not None:
-        config.trainer.host_memory_gib = known.host_memory_gib
 
     import torch
 

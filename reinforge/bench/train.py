@@ -259,7 +259,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--model", choices=sorted(QWEN25_SHAPES), default="0.5b", help="Qwen2.5 shape, random weights")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train a LoRA adapter of this rank")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None,
+    parser.add_argument("--gpu-memory-gib", type=_positive_gib, default=None,
                         help="plan for and cap the process at this much GPU memory (stands in for smaller cards)")
     parser.add_argument("--micro-tokens", type=int, default=None,
                         help="token budget of one micro-batch (default: the memory planner's)")
@@ -280,6 +280,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.prompts, args.n, args.prompt_tokens, args.response_tokens = 2, 2, 8, 8
         args.rollout, args.steps = "hf", min(args.steps, 2)
     return args
+
+
+def _positive_gib(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} GiB is no device; give a positive size, e.g. 80")
+    return value
 
 
 def _flag(text: str) -> bool:

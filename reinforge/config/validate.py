@@ -287,8 +287,10 @@ def _check_memory_settings(config: Config) -> None:
     if fraction is not None and not 0.0 < fraction <= 1.0:
         raise ConfigError(f"rollout.gpu_memory_utilization={fraction} must be in (0, 1], or null to let the "
                           "memory planner size the KV cache")
-    if config.trainer.gpu_memory_gib is not None and config.trainer.gpu_memory_gib <= 0:
-        raise ConfigError(f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib} must be positive (or null)")
+    for key in ("gpu_memory_gib", "host_memory_gib"):
+        value = getattr(config.trainer, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"trainer.{key}={value} must be a positive number of GiB (or null: the machine's own)")
 
 
 def _validate_algorithm(config: Config) -> None:

@@ -167,6 +167,19 @@ def test_reinforge_plan_on_a_machine_without_the_gpu(seven_b_folder, capsys):
     assert err.startswith("reinforge plan: the run does not fit") and "\n" not in err
 
 
+@pytest.mark.parametrize("flag, value", [("--gpu-memory-gib", "0"), ("--gpu-memory-gib", "-5"),
+                                         ("--host-memory-gib", "-1")])
+def test_reinforge_plan_refuses_a_size_that_is_no_memory(seven_b_folder, capsys, flag, value):
+    """0 GiB once planned for the machine's own device (a falsy size), and negative sizes for negative budgets."""
+    from reinforge.cli import main
+
+    sizes = {"--gpu-memory-gib": "80", "--host-memory-gib": "128", flag: value}
+    assert main(["plan", f"model.path={seven_b_folder}", *(item for pair in sizes.items() for item in pair)]) != 0
+    message = capsys.readouterr().err.strip()
+    key = flag.removeprefix("--").replace("-", "_")
+    assert f"trainer.{key}={float(value)}" in message and "positive" in message and "\n" not in message
+
+
 def test_a_run_that_cannot_fit_fails_before_loading_weights(tiny_model_dir, arithmetic_data_dir, tmp_path,
                                                             monkeypatch, capsys):
     import reinforge.models.loading as loading
