@@ -79,14 +79,21 @@ def decode_once(scheduler: Scheduler, batch_arrivals: bool = True) -> None:
     scheduler.finish(sample_all(step.seqs))
 
 
-def test_arrivals_during_decode_wait_to_join_one_prefill():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_admission_wait=4,
-                          admission_fraction=0.5)
-    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(8)]
+def decoding_scheduler(num_running: int, max_admission_wait: int,
+                       admission_fraction: float) -> tuple[Scheduler, list[Sequence]]:
+    """A scheduler whose ``num_running`` sequences (3-token prompts, 20 tokens each) are prefilled and decoding."""
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100,
+                          max_admission_wait=max_admission_wait, admission_fraction=admission_fraction)
+    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(num_running)]
     for seq in running:
         scheduler.add(seq)
     assert scheduler.schedule(batch_arrivals=True).seqs == running  # nothing runs: admitted at once
     scheduler.finish(sample_all(running))
+    return scheduler, running
+
+
+def test_arrivals_during_decode_wait_to_join_one_prefill():
+    scheduler, running = decoding_scheduler(8, max_admission_wait=4, admission_fraction=0.5)
     first, second = make_seq(scheduler, 5), make_seq(scheduler, 6)
     scheduler.add(first)
     for decode_steps in range(4):
@@ -101,12 +108,7 @@ def test_arrivals_during_decode_wait_to_join_one_prefill():
 
 
 def test_many_arrivals_join_at_once_and_without_batching_at_the_next_step():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_admission_wait=100,
-                          admission_fraction=0.5)
-    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(4)]
-    for seq in running:
-        scheduler.add(seq)
-    scheduler.finish(sample_all(scheduler.schedule(batch_arrivals=True).seqs))
+    scheduler, _ = decoding_scheduler(4, max_admission_wait=100, admission_fraction=0.5)
     lone = make_seq(scheduler, 5)
     scheduler.add(lone)
     decode_once(scheduler)
@@ -121,14 +123,8 @@ def test_many_arrivals_join_at_once_and_without_batching_at_the_next_step():
     assert step.is_prefill and step.seqs == pair
 
 
-
 def test_look_ahead_steps_count_toward_the_wait():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=100, max_admission_wait=2,
-                          admission_fraction=1.0)
-    running = [make_seq(scheduler, 3, max_tokens=20) for _ in range(4)]
-    for seq in running:
-        scheduler.add(seq)
-    scheduler.finish(sample_all(scheduler.schedule(batch_arrivals=True).seqs))
+    scheduler, running = decoding_scheduler(4, max_admission_wait=2, admission_fraction=1.0)
     scheduler.add(make_seq(scheduler, 5))
     assert scheduler.reserve_lookahead(running) and not scheduler.admission_due()
     assert scheduler.reserve_lookahead(running) and scheduler.admission_due()
