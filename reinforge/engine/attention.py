@@ -19,8 +19,9 @@ import inspect
 from functools import cache
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from reinforge.packed_attention import padded_packed_attention
 
 NAME = "reinforge_varlen"
 
@@ -76,7 +77,7 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict
     # the length lists are read only here (from the cumulative lengths if they were left out)
     query_lengths = kwargs.get("packed_lengths") or _lengths(cu_seqlens)
     key_lengths = query_lengths if kv_index is None else kwargs.get("packed_key_lengths") or _lengths(cu_seqlens_k)
-    return _padded_sdpa(q, k, v, query_lengths, key_lengths, scale)
+    return padded_packed_attention(q, k, v, query_lengths, key_lengths, scale)
 
 
 def _lengths(cu_seqlens: Tensor) -> list[int]:
@@ -157,33 +158,3 @@ def flash_runs_shared_segments(device: torch.device) -> bool:
         warnings.warn("the flash varlen kernel aligns causal masks to the start; shared-prompt segments fall back "
                       "to masked SDPA, which is correct but slow", stacklevel=2)
     return aligned
-
-
-def _padded_sdpa(q: Tensor, k: Tensor, v: Tensor, query_lengths: list[int], key_lengths: list[int],
-                 scale: float) -> Tensor:
-    """Unpack into a (segments, longest) batch, one masked SDPA call, pack again.
-
-    Padding costs FLOPs here, but one call beats a Python loop of one call per sequence by far
-    on the CPU, where rollout batches hold hundreds of short sequences.
-    """
-    groups = q.shape[1] // k.shape[1]
-    q_sizes = torch.tensor(query_lengths, device=q.device)
-    k_sizes = torch.tensor(key_lengths, device=q.device)
-    q_valid = torch.arange(max(query_lengths), device=q.device)[None, :] < q_sizes[:, None]
-    k_valid = torch.arange(max(key_lengths), device=q.device)[None, :] < k_sizes[:, None]
-
-    def padded(tensor: Tensor, valid: Tensor) -> Tensor:  # row-major order of ``valid`` is the packed order
-        out = tensor.new_zeros(*valid.shape, *tensor.shape[1:])
-        out[valid] = tensor
-        return out.transpose(1, 2)  # (segments, heads, longest, dim)
-
-    qp, kp, vp = padded(q, q_valid), padded(k, k_valid), padded(v, k_valid)
-    if groups > 1:
-        kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
-    # query i sees key j <= i + (keys - queries): causal, aligned to the end of the segment's keys
-    offsets = (k_sizes - q_sizes)[:, None, None]
-    rows = torch.arange(q_valid.shape[1], device=q.device)[None, :, None]
-    columns = torch.arange(k_valid.shape[1], device=q.device)[None, None, :]
-    mask = (columns <= rows + offsets) & k_valid[:, None, :]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
-    return out.transpose(1, 2)[q_valid]

@@ -10,6 +10,7 @@ from reinforge.engine.forward import build_position_ids, response_log_probs, res
 from reinforge.engine.micro_batches import balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import attach_plan, plan_packing
 from reinforge.models import ValueModel, build_tiny_causal_lm
+from reinforge.packed_attention import padded_packed_attention
 from reinforge.protocol import Batch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -179,7 +180,7 @@ def test_flash_varlen_with_grouped_heads_matches_sdpa_per_segment_on_the_gpu(nat
     cu_q = torch.tensor([0, 5, 12, 15], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, 5, 17, 27], dtype=torch.int32, device="cuda")
     out = attention._flash_varlen(q, k, v, cu_q, cu_k, 7, 12, 0.125)
-    expected = attention._padded_sdpa(q.float(), k.float(), v.float(), query_lengths, key_lengths, 0.125)
+    expected = padded_packed_attention(q.float(), k.float(), v.float(), query_lengths, key_lengths, 0.125)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))

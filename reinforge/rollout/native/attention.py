@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from reinforge.packed_attention import padded_packed_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,7 +45,8 @@ class AttentionMetadata:
     wait for the device at every layer). prefix_visible (num_seqs, 1, max_len, max_context_len) says which
     keys each query sees; the first layer makes it and the others reuse it. For the packed path:
     context_slots (context tokens,) the cache slot of every token of every sequence's context, in order,
-    and cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32, the packed queries' and contexts' offsets.
+    context_lengths those contexts' lengths, and cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32, the
+    packed queries' and contexts' offsets.
     """
 
     slot_mapping: Tensor
@@ -57,6 +60,7 @@ class AttentionMetadata:
     max_context_len: int = 0
     prefix_visible: Tensor | None = None
     context_slots: Tensor | None = None
+    context_lengths: list[int] | None = None
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
 
@@ -133,36 +137,14 @@ def packed_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
     kernel, the causal mask aligned to the end of each sequence's keys). Elsewhere: the same packed inputs
     through one masked SDPA call (what the tests compare with the reference)."""
     assert meta.context_slots is not None and meta.cu_seqlens_q is not None and meta.cu_seqlens_k is not None
-    assert meta.seq_lens is not None
+    assert meta.seq_lens is not None and meta.context_lengths is not None
     k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
     v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return torch.ops.aten._flash_attention_forward(
             q.contiguous(), k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.seq_lens), meta.max_context_len,
             0.0, True, False, scale=scale)[0]
-    return _packed_masked_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, scale)
-
-
-def _packed_masked_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                             scale: float) -> Tensor:
-    """Packed queries over packed keys, causal aligned to the end of each sequence's keys: one padded SDPA call."""
-    q_sizes, k_sizes = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
-    q_valid = torch.arange(int(q_sizes.max()), device=q.device)[None, :] < q_sizes[:, None]
-    k_valid = torch.arange(int(k_sizes.max()), device=q.device)[None, :] < k_sizes[:, None]
-
-    def padded(tensor: Tensor, valid: Tensor) -> Tensor:  # the packed order is ``valid``'s row-major order
-        out = tensor.new_zeros(*valid.shape, *tensor.shape[1:])
-        out[valid] = tensor
-        return out.transpose(1, 2)  # (seqs, heads, longest, dim)
-
-    group = q.shape[1] // k.shape[1]
-    qp = padded(q, q_valid)
-    kp, vp = (padded(x, k_valid).repeat_interleave(group, dim=1) for x in (k, v))
-    rows = torch.arange(q_valid.shape[1], device=q.device)[None, :, None]
-    columns = torch.arange(k_valid.shape[1], device=q.device)[None, None, :]
-    visible = (columns <= rows + (k_sizes - q_sizes)[:, None, None]) & k_valid[:, None, :]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=visible[:, None], scale=scale)
-    return out.transpose(1, 2)[q_valid]
+    return padded_packed_attention(q, k, v, meta.seq_lens, meta.context_lengths, scale)
 
 
 @cache
@@ -185,6 +167,7 @@ def flash_prefix_applies(device: torch.device, dtype: torch.dtype) -> bool:
             context_lens=torch.tensor([9, 2], dtype=torch.int32, device=device),
             prefix_lens=torch.tensor([6, 0], device=device), max_context_len=9,
             context_slots=torch.tensor([8, 9, 10, 11, 20, 21, 22, 23, 4, 28, 29], device=device),
+            context_lengths=[9, 2],
             cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32, device=device),
             cu_seqlens_k=torch.tensor([0, 9, 11], dtype=torch.int32, device=device))
         expected = prefill_attention_with_prefix(q.float(), caches[0].float(), caches[1].float(), meta, dim ** -0.5)

@@ -151,7 +151,7 @@ class ModelRunner:
             meta.prefix_lens = self._to_device(np.array(starts, dtype=np.int64))
             meta.max_context_len = max(seq.num_tokens for seq in seqs)
             # the packed path's inputs: every context token's slot, and the queries' and contexts' offsets
-            contexts = [seq.num_tokens for seq in seqs]
+            contexts = meta.context_lengths = [seq.num_tokens for seq in seqs]
             meta.context_slots = self._to_device(np.concatenate([
                 np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
                 + np.arange(length) % self.block_size for seq, length in zip(seqs, contexts, strict=True)]))

@@ -239,7 +239,7 @@ def test_packed_prefix_attention_equals_the_padded_reference(heads):
         context_lens=torch.tensor(contexts, dtype=torch.int32), prefix_lens=torch.tensor(prefixes),
         max_context_len=max(contexts),
         context_slots=torch.cat([torch.tensor(t)[torch.arange(c) // block] * block + torch.arange(c) % block
-                                 for t, c in zip(tables, contexts, strict=True)]),
+                                 for t, c in zip(tables, contexts, strict=True)]), context_lengths=contexts,
         cu_seqlens_q=torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32),
         cu_seqlens_k=torch.tensor([0, *torch.tensor(contexts).cumsum(0).tolist()], dtype=torch.int32))
     expected = prefill_attention_with_prefix(q, k_cache, v_cache, meta, dim ** -0.5)
