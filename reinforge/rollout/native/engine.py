@@ -357,9 +357,10 @@ class NativeEngine:
             self._admit_incoming()
             if self._in_flight is not None:
                 launched, self._in_flight = self._in_flight, None
-                rows = self._look_ahead_rows(launched.seqs, batch_arrivals)
-                if rows is not None:
-                    self._in_flight = self._launch_decode(*self._continuing(launched, rows))
+                ahead = self._look_ahead(launched.seqs, batch_arrivals)
+                if ahead is not None:
+                    rows, continuing = ahead
+                    self._in_flight = self._launch_decode(continuing, self._continuing_tokens(launched, rows))
                 self._process(launched)
                 return True
             step = self.scheduler.schedule(batch_arrivals)
@@ -373,9 +374,10 @@ class NativeEngine:
                 self._in_flight = self._launch_decode(step.seqs)
             return True
 
-    def _look_ahead_rows(self, seqs: list[Sequence], batch_arrivals: bool) -> list[int] | None:
-        """Rows of the step in flight that the next decode step continues (those still running), or None
-        when it is not launched ahead: waiting requests join first, or every sequence ends with this step."""
+    def _look_ahead(self, seqs: list[Sequence], batch_arrivals: bool) -> tuple[list[int], list[Sequence]] | None:
+        """The rows of the step in flight that the next decode step continues (those still running) and their
+        sequences, or None when it is not launched ahead: waiting requests join first, or every sequence ends
+        with this step."""
         # the loops here and in _process run over every sequence at every decode step, on the host, while
         # the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
         if batch_arrivals:
@@ -385,25 +387,25 @@ class NativeEngine:
         if joining:
             return None  # the waiting requests join at the next step instead
         running = SequenceStatus.RUNNING
-        rows = []
+        rows, continuing = [], []
         all_end = True  # every sequence ends with the step in flight
         for row, seq in enumerate(seqs):
             if seq.status is not running:  # it finished in the step read last
                 continue
             rows.append(row)
+            continuing.append(seq)
             if all_end and len(seq.token_ids) + 1 < seq.max_num_tokens:
                 all_end = False
-        if all_end:
+        if all_end or not self.scheduler.reserve_lookahead(continuing):
             return None
-        continuing = seqs if len(rows) == len(seqs) else [seqs[row] for row in rows]
-        return rows if self.scheduler.reserve_lookahead(continuing) else None
+        return rows, continuing
 
-    def _continuing(self, launched: LaunchedStep, rows: list[int]) -> tuple[list[Sequence], torch.Tensor]:
-        """The sequences of ``rows`` of a launched step and their sampled tokens (still on the device)."""
+    @staticmethod
+    def _continuing_tokens(launched: LaunchedStep, rows: list[int]) -> torch.Tensor:
+        """The tokens ``rows`` of a launched step sampled (still on the device)."""
         if len(rows) == len(launched.seqs):
-            return launched.seqs, launched.tokens
-        index = to_device(np.array(rows, dtype=np.int64), launched.tokens.device)
-        return [launched.seqs[row] for row in rows], launched.tokens[index]
+            return launched.tokens
+        return launched.tokens[to_device(np.array(rows, dtype=np.int64), launched.tokens.device)]
 
     def _run_prefill(self, step: ScheduledStep) -> LaunchedStep:
         logits = self.runner.prefill(step.seqs)
