@@ -111,9 +111,8 @@ def register_bench_loop(tool_output: list[int]) -> None:
             return AgentLoopOutput(prompt, response, mask, log_probs, num_turns=2 * len(row["turn_tokens"]))
 
 
-def step_counts(start: dict[str, float], end: dict[str, float]) -> dict:
-    """Prefill steps, decode steps and the mean decode batch between two ``engine.counts()`` readings."""
-    metrics = count_metrics(start, end)
+def step_counts(metrics: dict[str, float]) -> dict:
+    """Prefill steps (and their time), decode steps and the mean decode batch of a span's ``count_metrics``."""
     return {"prefill_steps": int(metrics["rollout/num_prefill_steps"]),
             "prefill_s": metrics["rollout/prefill_s"],
             "decode_steps": int(metrics["rollout/num_decode_steps"]),
@@ -139,14 +138,14 @@ def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list
     end = time.perf_counter()
     elapsed = end - start
     sampled = sum(sum(output.response_mask) for output in outputs)
-    cache = count_metrics(counts, engine.counts())
+    span = count_metrics(counts, engine.counts())
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
             "engine_busy_fraction": engine.busy_s / elapsed, "gpu_busy_fraction": gpu.mean(start, end) if gpu else None,
-            "prefix_cache_hit_tokens": cache["rollout/prefix_cache_hit_tokens"],
-            "prefill_tokens": cache["rollout/prefill_tokens"],
-            "prefix_cache_hit_rate": cache["rollout/prefix_cache_hit_rate"],
+            "prefix_cache_hit_tokens": span["rollout/prefix_cache_hit_tokens"],
+            "prefill_tokens": span["rollout/prefill_tokens"],
+            "prefix_cache_hit_rate": span["rollout/prefix_cache_hit_rate"],
             "admission_wait": engine.max_admission_wait, "admission_fraction": engine.admission_fraction,
-            **step_counts(counts, engine.counts())}
+            **step_counts(span)}
 
 
 def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
@@ -162,7 +161,7 @@ def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories:
     sampled = sum(len(samples[0].token_ids) for samples in completions)
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
             "engine_busy_fraction": engine.busy_s / elapsed, "gpu_busy_fraction": gpu.mean(start, end) if gpu else None,
-            **step_counts(counts, engine.counts())}
+            **step_counts(count_metrics(counts, engine.counts()))}
 
 
 def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
@@ -186,7 +185,7 @@ def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], traject
                     contexts[i] += tool_output
     elapsed = time.perf_counter() - start
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
-            **step_counts(counts, engine.counts())}
+            **step_counts(count_metrics(counts, engine.counts()))}
 
 
 def run_serial(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict], tool_output: list[int],

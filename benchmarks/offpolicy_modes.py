@@ -6,9 +6,10 @@ and 4096 tokens from a long tail (64 x 64^(u^3), u uniform: median ~110, ~6% abo
 generated with EOS ignored, so it is exactly that long. A cheap rule reward, GRPO advantages,
 one optimizer step per 64 prompts (the decoupled PPO loss on stale batches, its proximal policy
 recomputed by one more forward, or with ``--proximal loglinear`` interpolated). All three modes run
-the same generation code (``modes.partial.run_segment``) with the native engine, its memory kept between rollouts. The off-policy modes generate on a
-second, optimizer-less worker with its own thread (trainer.separate_rollout; ``--shared-rollout``
-uses the training worker's rollout copy instead, taking turns), weights copied at each sync:
+the same generation code (``modes.partial.run_segment``) with the native engine, its memory kept
+between rollouts. The off-policy modes generate on a second, optimizer-less worker with its own
+thread (trainer.separate_rollout; ``--shared-rollout`` uses the training worker's rollout copy
+instead, taking turns), weights copied at each sync:
 
 - sync: the training worker generates a whole batch, then updates;
 - one_step_off: batch k+1 is generated (a thread submits it) while batch k is scored and
