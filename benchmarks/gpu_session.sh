@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements the open issues still wait for (after the H200 session of 2026-12-01, see BENCHMARKS.md),
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
+#   PART=prefill OUT=... bash benchmarks/gpu_session.sh # an agent turn's prefill step, phase by phase; the 1.5B update's kernels
 #   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B (new plan), 7B LoRA at 40 GiB, TRL 1.5B
 #   PART=next  OUT=... bash benchmarks/gpu_session.sh   # 1.5B beside TRL; 3B at 80 GiB; agent (two turn lengths); 1.5B profile
 #   PART=micro OUT=... bash benchmarks/gpu_session.sh   # update time against micro-batch size, 0.5B to 3B
@@ -22,6 +23,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  prefill)  # after 2026-12-02 (third session): why an agent turn's prefill step costs ~20 ms whatever its size; where
+            # the 1.5B update's time goes (the 12-02 'next' profile ran the 0.5B model: the flag was not passed on)
+    timeout 150 python3 benchmarks/profile_prefill.py >/tmp/prefill.log 2>&1
+    echo "prefill profile exit $?"; head -n 60 /tmp/prefill.log
+    OUT=$OUT/small timeout 200 python3 benchmarks/profile_prefill.py --seqs 4 --new-tokens 8 --steps 10 >/tmp/prefill_small.log 2>&1
+    echo "small prefill profile exit $?"; head -n 16 /tmp/prefill_small.log
+    PROFILE_ARGS="--model 1.5b" timeout 150 python3 benchmarks/profile_train.py >/tmp/profile.log 2>&1
+    echo "1.5B profile exit $?"; tail -n 3 /tmp/profile.log | cut -c1-600
+    ;;
   scale)  # every size with defaults (issue 14's speed targets, issue 15's "within noise"), TRL 0.5B beside them
     python3 benchmarks/scale.py --deadline-s "${DEADLINE_S:-540}" \
       0.5b:0.5b:--steps,4 1.5b:1.5b:--steps,4 3b:3b:--steps,4 trl_0.5b:0.5b:trl,--steps,3,--checkpointing,off \

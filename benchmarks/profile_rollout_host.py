@@ -63,7 +63,7 @@ def main() -> None:
     args = parse_args(["--keep-rollout-memory", "true", *os.environ.get("PROFILE_ARGS", "").split()])
     report = [host_microbench()]
     with tempfile.TemporaryDirectory() as scratch:
-        config = build_config(write_model(Path(scratch), tiny=False), args)
+        config = build_config(args.model_dir or write_model(Path(scratch), tiny=False, size=args.model), args)
         actor = ActorRolloutWorker(config, 4)
         freeze_long_lived_objects()
         vocab_size = actor.model.config.vocab_size

@@ -47,7 +47,7 @@ def main() -> None:
     args = parse_args(os.environ.get("PROFILE_ARGS", "").split())
     phases: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = write_model(Path(scratch), tiny=False)
+        model_dir = args.model_dir or write_model(Path(scratch), tiny=False, size=args.model)
         config = build_config(model_dir, args)
         actor = ActorRolloutWorker(config, 4)
         vocab_size = actor.model.config.vocab_size
