@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements the open issues still wait for (after the H200 session of 2026-12-01, see BENCHMARKS.md),
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
+#   PART=graphs OUT=... bash benchmarks/gpu_session.sh  # graphed prefill: its GPU tests, the prefill profile, the agent rollout
 #   PART=prefill OUT=... bash benchmarks/gpu_session.sh # an agent turn's prefill step, phase by phase; the 1.5B update's kernels
 #   PART=big   OUT=... bash benchmarks/gpu_session.sh   # issue 14: 7B (new plan), 7B LoRA at 40 GiB, TRL 1.5B
 #   PART=next  OUT=... bash benchmarks/gpu_session.sh   # 1.5B beside TRL; 3B at 80 GiB; agent (two turn lengths); 1.5B profile
@@ -23,6 +24,19 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  graphs)  # graphed prefill steps (rollout/native/prefill_graphs.py): GPU tests, one agent turn's prefill step, and
+           # the agent rollout on both turn lengths with an admission sweep (cheaper prefills favour shorter waits)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/rollout/native >/tmp/gpu_tests.log 2>&1
+    echo "native GPU tests exit $?"; tail -n 4 /tmp/gpu_tests.log
+    timeout 80 python3 benchmarks/profile_prefill.py >/tmp/prefill.log 2>&1
+    echo "prefill profile exit $?"; head -n 14 /tmp/prefill.log | tail -n 12
+    timeout 130 python3 benchmarks/agent_rollout.py --out "$OUT/agent_rollout.json" --admission-wait 64,16,4 \
+      --admission-fraction 0.25,0.125,0 >/tmp/agent_rollout.log 2>&1
+    echo "agent rollout exit $?"; tail -n 17 /tmp/agent_rollout.log
+    timeout 130 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
+      --admission-wait 64,16 --admission-fraction 0.25,0.125 >/tmp/agent_long.log 2>&1
+    echo "agent rollout, 128-512 token turns, exit $?"; tail -n 15 /tmp/agent_long.log
+    ;;
   prefill)  # after 2026-12-02 (third session): why an agent turn's prefill step costs ~20 ms whatever its size; where
             # the 1.5B update's time goes (the 12-02 'next' profile ran the 0.5B model: the flag was not passed on)
     timeout 150 python3 benchmarks/profile_prefill.py >/tmp/prefill.log 2>&1

@@ -337,6 +337,6 @@ class PagedDecoder:
             hidden = self._attention(weights, normed, positions, kv_cache[index, 0], kv_cache[index, 1], meta)
             normed = self._norm(weights.post_norm, hidden, residual)
             hidden = self._mlp(weights, normed)
-        if logits_indices is not None:
-            hidden, residual = hidden[logits_indices], residual[logits_indices]
+        if logits_indices is not None:  # index_select: no host sync, so a prefill graph may capture it
+            hidden, residual = hidden.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         return F.linear(self._norm(model_weights.final_norm, hidden, residual), model_weights.lm_head)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from reinforge.rollout.native.attention import AttentionMetadata
 from reinforge.rollout.native.model import PagedDecoder
+from reinforge.rollout.native.prefill_graphs import PrefillGraphs, pad_prefill
 from reinforge.rollout.native.sequence import Sequence
 
 
@@ -52,6 +53,9 @@ class ModelRunner:
         self._graph_parameter_pointers: tuple[int, ...] = ()
         self.capture_seconds = 0.0
         """Time spent capturing CUDA graphs (warm-up forward included), summed over the runner's life."""
+        self._prefill_graphs: PrefillGraphs | None = None
+        self._prefill_graphs_off = False
+        """A capture failed or disagreed with the eager forward once: prefill steps stay eager."""
         self.last_decode_positions: Tensor | None = None
         """(batch,) positions of the last decode step's input tokens, on the device."""
 
@@ -107,6 +111,7 @@ class ModelRunner:
         self.kv_cache = None
 
     def drop_cuda_graphs(self) -> None:
+        self._prefill_graphs = None
         self._graphs.clear()
         self._graph_inputs.clear()
         self._graph_logits.clear()
@@ -126,18 +131,37 @@ class ModelRunner:
     @torch.no_grad()
     def prefill(self, seqs: list[Sequence]) -> Tensor:
         """Logits (len(seqs), vocab) at each sequence's last token, after writing the keys and values of its tokens
-        past ``seq.num_cached_tokens`` (those before come from the prefix cache, at their own positions)."""
+        past ``seq.num_cached_tokens`` (those before come from the prefix cache, at their own positions).
+
+        A step that fits a prefill graph (``prefill_graphs``) replays it from the second step of its shape on."""
         starts = [seq.num_cached_tokens for seq in seqs]
         seq_lens = [seq.num_tokens - start for seq, start in zip(seqs, starts, strict=True)]
         token_ids = np.concatenate([np.asarray(seq.token_ids[start:], dtype=np.int64)
                                     for seq, start in zip(seqs, starts, strict=True)])
-        token_index = np.concatenate([np.arange(length) for length in seq_lens])
         positions = np.concatenate([np.arange(start, seq.num_tokens) for seq, start in zip(seqs, starts, strict=True)])
-        batch_index = np.repeat(np.arange(len(seqs)), seq_lens)
         slots = np.concatenate([
             np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, seq.num_tokens) // self.block_size]
             * self.block_size + np.arange(start, seq.num_tokens) % self.block_size
             for seq, start in zip(seqs, starts, strict=True)])
+        contexts = [seq.num_tokens for seq in seqs]
+        graphs = self._graphs_for_prefill()
+        if graphs is not None or any(starts):
+            # every context token's slot (the packed path reads the cached and new keys through them)
+            context_slots = np.concatenate([
+                np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
+                + np.arange(length) % self.block_size for seq, length in zip(seqs, contexts, strict=True)])
+        if graphs is not None:
+            padded = pad_prefill(token_ids, positions, slots, seq_lens, context_slots, contexts,
+                                 self.spare_block * self.block_size)
+            if padded is not None and graphs.wants(padded.key):
+                before = graphs.capture_seconds
+                logits = graphs.run(padded, self.kv_cache)
+                self.capture_seconds += graphs.capture_seconds - before
+                if logits is not None:
+                    return logits
+                self._prefill_graphs, self._prefill_graphs_off = None, True
+        token_index = np.concatenate([np.arange(length) for length in seq_lens])
+        batch_index = np.repeat(np.arange(len(seqs)), seq_lens)
         last_index = np.cumsum(seq_lens) - 1
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), is_prefill=True, seq_lens=seq_lens,
                                  batch_index=self._to_device(batch_index), token_index=self._to_device(token_index))
@@ -147,18 +171,25 @@ class ModelRunner:
             for row, seq in enumerate(seqs):
                 block_tables[row, :len(seq.block_table)] = seq.block_table
             meta.block_tables = self._to_device(block_tables)
-            meta.context_lens = self._to_device(np.array([seq.num_tokens for seq in seqs], dtype=np.int32))
+            meta.context_lens = self._to_device(np.array(contexts, dtype=np.int32))
             meta.prefix_lens = self._to_device(np.array(starts, dtype=np.int64))
-            meta.max_context_len = max(seq.num_tokens for seq in seqs)
-            # the packed path's inputs: every context token's slot, and the queries' and contexts' offsets
-            contexts = meta.context_lengths = [seq.num_tokens for seq in seqs]
-            meta.context_slots = self._to_device(np.concatenate([
-                np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
-                + np.arange(length) % self.block_size for seq, length in zip(seqs, contexts, strict=True)]))
+            meta.max_context_len = max(contexts)
+            meta.context_lengths = contexts
+            meta.context_slots = self._to_device(context_slots)
             meta.cu_seqlens_q = self._to_device(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
             meta.cu_seqlens_k = self._to_device(np.concatenate([[0], np.cumsum(contexts)]).astype(np.int32))
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index))
+
+    def _graphs_for_prefill(self) -> PrefillGraphs | None:
+        """The prefill graphs, where prefill steps may replay them: CUDA graphs on (as for decode steps) and the
+        flash prefix path in use, with no capture having failed."""
+        if self._prefill_graphs_off or not self.cuda_graph_batch_sizes or self.device.type != "cuda" \
+                or not self.decoder.flash_prefix or self.kv_cache is None:
+            return None
+        if self._prefill_graphs is None:
+            self._prefill_graphs = PrefillGraphs(self.decoder, self.device)
+        return self._prefill_graphs
 
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
         # runs at every decode step on the host while the device works: Python lists for the per-row
