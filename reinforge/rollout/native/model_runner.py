@@ -7,7 +7,8 @@ tensors (token ids, positions, cache slots, block tables) and returns logits. Bl
 live in a host array with one row per running sequence, updated only when a sequence gains
 blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
 graphs captured for a set of batch sizes (padded up to the next captured size; padding rows
-write to a spare block nobody reads).
+write to a spare block nobody reads). Prefill steps of up to 2,048 tokens replay graphs too, from
+the second step of a padded shape on (``prefill_graphs.py``); larger ones run eagerly.
 """
 
 from __future__ import annotations

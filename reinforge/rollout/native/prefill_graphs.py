@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from reinforge.rollout.native.attention import AttentionMetadata
+from reinforge.rollout.native.model import PagedDecoder
 
 TOKEN_BUCKETS = (128, 256, 512, 1024, 2048)
 QUERY_BUCKETS = (128, 512, 2048)
@@ -94,7 +95,7 @@ def pad_prefill(token_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
 class PrefillGraphs:
     """Captured prefill forwards of one ``PagedDecoder`` over one KV cache, by ``PrefillKey``."""
 
-    def __init__(self, decoder, device: torch.device):
+    def __init__(self, decoder: PagedDecoder, device: torch.device):
         self.decoder = decoder
         self.device = device
         self.enabled = True
