@@ -109,6 +109,10 @@ class ModelShape:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
                                   "intermediate_size, vocab_size)") from None
+        except (TypeError, ValueError, AttributeError) as error:
+            raise MemoryPlanError(f"the model's config.json has a size that is not a whole number ({error}); the planner "
+                                  "needs integer hidden_size, num_hidden_layers, num_attention_heads, intermediate_size "
+                                  "and vocab_size") from None
 
     @classmethod
     def from_model_path(cls, path: str) -> ModelShape:
@@ -116,7 +120,15 @@ class ModelShape:
         if not file.is_file():
             raise MemoryPlanError(f"{file} does not exist; the memory planner reads the model's config.json "
                                   "(model.path must be a local model folder)")
-        return cls.from_hf_config(json.loads(file.read_text()))
+        try:
+            config = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise MemoryPlanError(f"{file} is not valid JSON ({error}); the memory planner reads the model's "
+                                  "config.json, so repair or replace that file") from None
+        if not isinstance(config, dict):
+            raise MemoryPlanError(f"{file} holds a JSON {type(config).__name__}, not an object of model sizes; "
+                                  "model.path must be a Hugging Face model folder") from None
+        return cls.from_hf_config(config)
 
     @property
     def layer_params(self) -> int:

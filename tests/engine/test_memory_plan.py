@@ -298,3 +298,17 @@ def test_off_policy_modes_count_the_rollout_that_runs_beside_the_update():
                                   + off_policy["update"]["rollout activations"])
     plan = plan_memory(model, dataclasses.replace(STANDARD, off_policy=True), {}, 139 * GiB, 128 * GiB)
     assert plan.settings.keep_rollout_memory  # never freed between rollouts: one is always running
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("{not json", r"config.json is not valid JSON .*repair or replace that file"),
+    ("[1, 2]", r"config.json holds a JSON list, not an object of model sizes"),
+    (json.dumps({**QWEN25["0.5b"], "hidden_size": "wide"}), r"a size that is not a whole number .*'wide'"),
+    (json.dumps({key: value for key, value in QWEN25["0.5b"].items() if key != "vocab_size"}),
+     r"config.json has no 'vocab_size'"),
+])
+def test_a_broken_config_json_gets_one_line_naming_the_file_or_the_size(tmp_path, text, expected):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(MemoryPlanError, match=expected) as raised:
+        ModelShape.from_model_path(str(tmp_path))
+    assert "\n" not in str(raised.value)
