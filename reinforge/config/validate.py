@@ -233,6 +233,9 @@ def validate_config(config: Config) -> None:
     if lora.rank > 0 and not lora.target_modules:
         raise ConfigError("model.lora.target_modules is empty; name the linear layers that get adapters, "
                           "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
+    if lora.rank > 0 and lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lora.alpha} scales the adapters' output by alpha / rank, so they would "
+                          "change nothing and learn nothing; set a positive alpha (e.g. 2 x model.lora.rank)")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
     outside = [name for name in lora.target_modules if name in ("lm_head", "embed_tokens")]

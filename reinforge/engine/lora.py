@@ -66,6 +66,34 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
         raise
 
 
+LINEAR_LAYERS = {
+    **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2"),
+                    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+}
+"""The decoder layers' linear layers by ``model_type``: what ``model.lora.target_modules`` can name."""
+
+
+def check_target_modules(config: LoraConfig, model_path: str) -> None:
+    """Fail before any weight loads when no name in ``model.lora.target_modules`` is a linear layer of the
+    model's architecture (read from its config.json; architectures not in ``LINEAR_LAYERS`` are left to peft).
+    peft matches a name against the end of each module's path, so ``self_attn.q_proj`` counts as ``q_proj``."""
+    if config.rank <= 0:
+        return
+    file = Path(model_path).expanduser() / "config.json"
+    try:
+        model_type = json.loads(file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable local config: the model's own loading says what is wrong
+    linears = LINEAR_LAYERS.get(model_type)
+    targets = list(config.target_modules)
+    if linears is None or "all-linear" in targets:
+        return
+    if not any(name.rsplit(".", 1)[-1] in linears for name in targets):
+        raise ValueError(f"model.lora.target_modules={targets} names no linear layer of a {model_type} model; "
+                         f"use some of {', '.join(linears)}")
+
+
 def lora_scaling(config: LoraConfig) -> float:
     return config.alpha / config.rank
 

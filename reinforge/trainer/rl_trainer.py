@@ -30,6 +30,7 @@ from reinforge.config import Config, config_to_dict
 from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
+from reinforge.engine.lora import check_target_modules
 from reinforge.models import load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
@@ -54,6 +55,7 @@ class RLTrainer(TrainingRun):
         custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
         self.run_dir = Path(config.trainer.output_dir)
         apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
+        check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer, likewise
         self.open_run_folder(config.trainer.resume, config.trainer.keep_last, RESUME_REFUSES)
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)

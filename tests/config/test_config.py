@@ -121,6 +121,7 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["model.lora.rank=-1"], r"model.lora.rank=-1 must be 0 \(off\) or a positive adapter rank"),
     (["model.lora.rank=8", "model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
     (["model.lora.dropout=1.0"], r"model.lora.dropout=1.0 must be in \[0, 1\)"),
+    (["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha=0.0 scales the adapters. output by alpha / rank"),
     (["model.lora.rank=8", "model.lora.target_modules=[q_proj,lm_head]"],
      "names lm_head, outside the decoder layers"),
 ])

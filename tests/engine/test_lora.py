@@ -1,5 +1,6 @@
 """LoRA (engine.lora) under FSDP2 on the CPU: reference = base, merged weights = adapter, sharding invariance."""
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -162,3 +163,17 @@ def test_adapters_start_from_the_seed_and_leave_the_global_generator_alone():
     again, other = lora_a(seed=5), lora_a(seed=6)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_target_modules_that_name_no_layer_fail_before_the_model_loads(tmp_path):
+    from reinforge.engine.lora import check_target_modules
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(ValueError, match=r"names no linear layer of a qwen2 model; use some of q_proj, k_proj"):
+        check_target_modules(LoraConfig(rank=8, target_modules=["c_attn", "nope"]), str(tmp_path))
+    # peft matches a name against the end of a module's path; one known layer is enough, as for peft
+    check_target_modules(LoraConfig(rank=8, target_modules=["self_attn.q_proj", "c_attn"]), str(tmp_path))
+    check_target_modules(LoraConfig(rank=8, target_modules=["all-linear"]), str(tmp_path))
+    check_target_modules(LoraConfig(rank=0, target_modules=["nope"]), str(tmp_path))  # LoRA off: nothing to check
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "some_new_arch"}))
+    check_target_modules(LoraConfig(rank=8, target_modules=["nope"]), str(tmp_path))  # unknown: left to peft
