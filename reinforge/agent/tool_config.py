@@ -37,7 +37,13 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
     if not path.is_file():
         raise ValueError(f"rollout.multi_turn.tool_config_path={str(path)!r} does not exist; point it at a YAML "
                          "file with a 'tools' list")
-    document = yaml.safe_load(path.read_text()) or {}
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"the tool config {path} is not valid YAML{at} ({problem}); fix the file") from None
     entries = document.get("tools") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"the tool config {path} has no 'tools' list; write tools: [{{class_name: ..., "
@@ -50,12 +56,14 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
                              "file.py:Name)")
         target = import_object(entry["class_name"], where)
         config, schema = entry.get("config") or {}, entry.get("tool_schema")
-        if isinstance(target, type) and issubclass(target, BaseTool):
-            tool = target(config, schema)
-        elif callable(target) and not isinstance(target, type):
-            tool = FunctionTool(target, config, schema)
-        else:
+        if not (isinstance(target, type) and issubclass(target, BaseTool)) and not (
+                callable(target) and not isinstance(target, type)):
             raise ValueError(f"{where}: {entry['class_name']} is neither a BaseTool subclass nor a function")
+        try:
+            tool = target(config, schema) if isinstance(target, type) else FunctionTool(target, config, schema)
+        except Exception as error:  # a tool's own check of its config, or a bug in it: name the entry
+            raise ValueError(f"{where}: making {entry['class_name']} from its config {config!r} failed: "
+                             f"{type(error).__name__}: {error}") from error
         if tool.name in tools:
             raise ValueError(f"{where} is named {tool.name!r}, like an earlier tool; tool names must be unique")
         tools[tool.name] = tool

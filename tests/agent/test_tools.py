@@ -107,12 +107,17 @@ def test_yaml_config_loads_classes_and_functions(tmp_path):
     ("tools:\n  - class_name: no_such_module_xyz.Tool\n", "cannot import 'no_such_module_xyz'"),
     ("tools:\n  - class_name: reinforge.agent.BaseTool\n", "has no tool_schema"),
     ("tools:\n  - class_name: reinforge.agent.nothing_here\n", "names nothing"),
+    ("tools:\n  - class_name: [unclosed\n", r"is not valid YAML at line 3, column 1 \(expected ',' or '\]'"),
+    ("tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n    config: {run_timeout_s: 5}\n",
+     r"tool 0 of .*: making reinforge.agent.code_interpreter.CodeInterpreterTool from its config .* failed: "
+     r"ValueError: the code_interpreter tool needs config.sandbox_url"),
 ])
 def test_bad_yaml_config_is_explained(tmp_path, text, message):
     config = tmp_path / "tools.yaml"
     config.write_text(text)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
         load_tool_config(config)
+    assert "\n" not in str(raised.value)
 
 
 def test_missing_config_file_is_explained(tmp_path):
