@@ -93,6 +93,15 @@ class CodeInterpreterTool(BaseTool):
         return self.client.run_code(strip_code_fence(code), run_timeout=self.run_timeout_s,
                                     memory_limit_mb=self.memory_limit_mb, timeout_s=remaining)
 
+    def check(self) -> None:
+        """One small program through the sandbox (two tries, 30 s at most): training with a sandbox that does not
+        answer would give the model nothing but "not run" messages, every step."""
+        probe = SandboxClient(self.client.url, max_retries=1)
+        response = probe.run_code("print(6 * 7)", run_timeout=5.0, memory_limit_mb=self.memory_limit_mb, timeout_s=30.0)
+        if response.status == "SandboxError" or response.run_result is None:
+            raise ValueError(f"the code_interpreter tool's sandbox does not work: {response.message}; start one with "
+                             "`reinforge sandbox serve` or fix config.sandbox_url in the tool config")
+
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         code = arguments.get("code")
         if not isinstance(code, str) or not code.strip():

@@ -43,6 +43,11 @@ class BaseTool:
     def name(self) -> str:
         return self.schema["function"]["name"]
 
+    def check(self) -> None:
+        """Raise ``ValueError`` (one line: what is wrong and the fix) when the tool cannot work at all, e.g. the
+        service it calls does not answer. The trainer calls it once per tool before any model loads, so a run
+        does not train for hours against a tool that only ever returns errors. The default checks nothing."""
+
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
         """Start a per-trajectory instance; returns its id."""
         return instance_id or uuid.uuid4().hex

@@ -56,6 +56,9 @@ class RLTrainer(TrainingRun):
         self.run_dir = Path(config.trainer.output_dir)
         apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
         check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer, likewise
+        tools = load_tools(config.rollout.multi_turn)
+        for tool in tools.values():  # a tool that cannot work (its service down) fails the run here, not in steps
+            tool.check()
         self.open_run_folder(config.trainer.resume, config.trainer.keep_last, RESUME_REFUSES)
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)
@@ -63,7 +66,6 @@ class RLTrainer(TrainingRun):
         tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                    trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = tokenizer
-        tools = load_tools(config.rollout.multi_turn)
         schemas = [tool.schema for tool in tools.values()]
         train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
         check_rows_can_be_scored(train_set, config.reward, custom_scorer)

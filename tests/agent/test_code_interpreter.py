@@ -63,6 +63,13 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
         CodeInterpreterTool({})
 
 
+def test_the_check_before_training_passes_on_a_running_sandbox_and_names_a_dead_one(sandbox_url):
+    CodeInterpreterTool({"sandbox_url": sandbox_url}).check()
+    with pytest.raises(ValueError, match=r"sandbox does not work: the code sandbox at http://127.0.0.1:9 gave no "
+                                         r"result .*start one with `reinforge sandbox serve`"):
+        CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9"}).check()
+
+
 def test_calls_queued_behind_busy_ones_still_answer_by_their_own_deadline():
     listener = socket.socket()  # accepts and never answers
     listener.bind(("127.0.0.1", 0))

@@ -79,3 +79,21 @@ def test_two_steps_of_the_retool_recipe_through_the_real_sandbox(tiny_model_dir,
         assert step["actor/pg_loss"] == step["actor/pg_loss"]  # not NaN
     samples = (run_dir / "samples.jsonl").read_text()
     assert "ran " in samples  # the sandbox's output, in the trajectories the trainer saw
+
+
+def test_the_retool_recipe_with_no_sandbox_stops_before_the_model_loads(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    data = tmp_path / "retool_gsm8k"
+    convert_retool(GSM8K_SAMPLE, data)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text((REPO / "examples" / "retool_tools.yaml").read_text().replace(
+        "http://127.0.0.1:8080", "http://127.0.0.1:9"))  # nothing listens on the discard port
+    run_dir = tmp_path / "run"
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    overrides = [f"model.path={tiny_model_dir}", f"data.train_files=[{data / 'train.parquet'}]",
+                 f"rollout.multi_turn.tool_config_path={tools}", f"trainer.output_dir={run_dir}",
+                 "trainer.device=cpu"]
+    assert main(["train", str(REPO / "examples" / "retool.yaml"), *overrides]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "the code_interpreter tool's sandbox does not work" in error and "reinforge sandbox serve" in error
+    assert not loaded and not run_dir.exists()  # no model loaded, nothing written
