@@ -23,12 +23,12 @@ from reinforge.agent.loop import (
 from reinforge.agent.runner import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics
 from reinforge.agent.tool_config import load_tool_config, load_tools
 from reinforge.agent.tool_parsers import TOOL_PARSERS, ToolCall, get_tool_parser, register_tool_parser
-from reinforge.agent.tools import BaseTool, FunctionTool, ToolResult, as_tool
+from reinforge.agent.tools import BaseTool, FunctionTool, ToolResult, ToolUnavailable, as_tool
 from reinforge.agent.turn_tokens import ToolTurnRenderer
 
 __all__ = [
     "AGENT_LOOPS", "DEFAULT_AGENT", "TOOL_PARSERS", "AgentContext", "AgentLoop", "AgentLoopOutput", "AgentRunner",
-    "AsyncEngineClient", "BaseTool", "BatchingClient", "FunctionTool", "TokenClient", "ToolCall", "ToolResult",
+    "AsyncEngineClient", "BaseTool", "BatchingClient", "FunctionTool", "TokenClient", "ToolCall", "ToolResult", "ToolUnavailable",
     "ToolTurnRenderer", "agent_metrics", "agent_name_of", "as_tool", "check_agent_rows", "get_agent_loop", "get_tool_parser",
     "load_tool_config", "load_tools", "register_agent_loop", "register_tool_parser",
 ]

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from reinforge.agent.tools import BaseTool, ToolResult
+from reinforge.agent.tools import BaseTool, ToolResult, ToolUnavailable
 from reinforge.sandbox import RunCodeResponse, SandboxClient
 
 SCHEMA = {
@@ -70,7 +70,9 @@ def format_run(response: RunCodeResponse) -> tuple[str, dict[str, float]]:
 class CodeInterpreterTool(BaseTool):
     """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (-1: the server's default), max_retries (5),
     max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories), call_timeout_s
-    (run_timeout_s + 40: the most one call takes from ``execute`` to its answer, a wait for a free thread included)."""
+    (run_timeout_s + 40: the most one call takes from ``execute`` to its answer, a wait for a free thread included),
+    max_failures_in_a_row (64: calls in a row that reach no sandbox, after their retries, before the tool raises
+    ``ToolUnavailable`` and the run stops; 0 never stops, each call then reads "not run")."""
 
     def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
         super().__init__(config, schema or SCHEMA)
@@ -84,6 +86,8 @@ class CodeInterpreterTool(BaseTool):
         self.call_timeout_s = float(self.config.get("call_timeout_s", self.run_timeout_s + 40.0))
         self._executor = ThreadPoolExecutor(int(self.config.get("max_concurrent_calls", 64)),
                                             thread_name_prefix="code-interpreter")
+        self.max_failures_in_a_row = int(self.config.get("max_failures_in_a_row", 64))
+        self._failures_in_a_row = 0
 
     def _call(self, code: str, deadline: float) -> RunCodeResponse:
         remaining = deadline - time.monotonic()
@@ -109,4 +113,13 @@ class CodeInterpreterTool(BaseTool):
         deadline = time.monotonic() + self.call_timeout_s  # counted from now: queueing for a thread is part of it
         response = await asyncio.get_running_loop().run_in_executor(self._executor, self._call, code, deadline)
         text, metrics = format_run(response)
+        if metrics.get("sandbox_error"):
+            self._failures_in_a_row += 1
+            if 0 < self.max_failures_in_a_row <= self._failures_in_a_row:
+                raise ToolUnavailable(f"the code sandbox failed {self._failures_in_a_row} calls in a row, each after "
+                                      f"its retries (last: {response.message}); is it still running? Restart it "
+                                      "(`reinforge sandbox serve`) and run the same command again: it resumes from "
+                                      "the last checkpoint")
+        else:
+            self._failures_in_a_row = 0
         return ToolResult(text, None, metrics)

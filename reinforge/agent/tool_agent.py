@@ -21,7 +21,7 @@ from typing import Any
 
 from reinforge.agent.loop import AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
 from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
-from reinforge.agent.tools import BaseTool, ToolResult
+from reinforge.agent.tools import BaseTool, ToolResult, ToolUnavailable
 from reinforge.agent.turn_tokens import ToolTurnRenderer, truncate_tokens
 from reinforge.rollout.base import SamplingParams
 from reinforge.rollout.noise import sample_seed
@@ -137,6 +137,8 @@ class ToolAgentLoop(AgentLoop):
             if call.name not in instances:
                 instances[call.name] = await tool.create(**(kwargs.get("create_kwargs") or {}))
             result = await tool.execute(instances[call.name], call.arguments, **(kwargs.get("execute_kwargs") or {}))
+        except ToolUnavailable:
+            raise  # the tool's service is gone: the rollout stops rather than train on error messages
         except Exception as error:
             return ToolResult(f"Error running tool {call.name!r}: {type(error).__name__}: {error}", 0.0,
                               {"tool_error": 1.0})

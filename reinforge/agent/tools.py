@@ -25,6 +25,12 @@ class ToolResult(NamedTuple):
     metrics: dict[str, float] = {}
 
 
+class ToolUnavailable(RuntimeError):
+    """Raised by a tool whose service has stopped working (not by one whose call merely failed): the agent loop
+    lets it through instead of showing it to the model, so the rollout stops and the run with it, with one line,
+    rather than train on error messages. Checkpoints already written stay."""
+
+
 class BaseTool:
     """Subclass and override ``execute`` (and ``create``/``release`` for per-trajectory state).
 

@@ -70,6 +70,23 @@ def test_the_check_before_training_passes_on_a_running_sandbox_and_names_a_dead_
         CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9"}).check()
 
 
+def test_a_sandbox_that_fails_many_calls_in_a_row_stops_the_run_and_a_success_resets_the_count(sandbox_url):
+    from reinforge.agent import ToolUnavailable
+    from reinforge.sandbox import SandboxClient
+
+    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "max_retries": 0, "max_failures_in_a_row": 2})
+    assert _run(tool, "print(1)").metrics["sandbox_error"] == 1.0  # the first failure is a message
+    tool.client = SandboxClient(sandbox_url)  # the sandbox comes back: a call that runs resets the count
+    assert _run(tool, "print(2)").text == "2"
+    tool.client = SandboxClient("http://127.0.0.1:9", max_retries=0)
+    assert _run(tool, "print(3)").metrics["sandbox_error"] == 1.0
+    with pytest.raises(ToolUnavailable, match=r"failed 2 calls in a row, .*run the same command again"):
+        _run(tool, "print(4)")
+    # code that fails is the model's doing, not the sandbox's: it never counts
+    tool = CodeInterpreterTool({"sandbox_url": sandbox_url, "max_failures_in_a_row": 1})
+    assert "ZeroDivisionError" in _run(tool, "1 / 0").text and "ZeroDivisionError" in _run(tool, "1 / 0").text
+
+
 def test_calls_queued_behind_busy_ones_still_answer_by_their_own_deadline():
     listener = socket.socket()  # accepts and never answers
     listener.bind(("127.0.0.1", 0))

@@ -97,3 +97,37 @@ def test_the_retool_recipe_with_no_sandbox_stops_before_the_model_loads(tiny_mod
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the code_interpreter tool's sandbox does not work" in error and "reinforge sandbox serve" in error
     assert not loaded and not run_dir.exists()  # no model loaded, nothing written
+
+
+@pytest.mark.slow
+def test_a_sandbox_that_dies_mid_run_stops_the_run_with_one_line(tiny_model_dir, sandbox, every_turn_runs_code,
+                                                                 tmp_path, capsys, monkeypatch):
+    from reinforge.agent.code_interpreter import CodeInterpreterTool
+
+    checked = CodeInterpreterTool.check
+
+    def check_then_die(self):  # the sandbox answers the check before training, then goes away
+        checked(self)
+        sandbox.close()
+
+    monkeypatch.setattr(CodeInterpreterTool, "check", check_then_die)
+    data = tmp_path / "retool_gsm8k"
+    convert_retool(GSM8K_SAMPLE, data)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text((REPO / "examples" / "retool_tools.yaml").read_text().replace(
+        "http://127.0.0.1:8080", sandbox.url).replace(
+        "run_timeout_s: 10", "run_timeout_s: 10\n      max_retries: 0\n      max_failures_in_a_row: 2"))
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model.path={tiny_model_dir}", f"data.train_files=[{data / 'train.parquet'}]", "data.val_files=[]",
+        "data.max_prompt_length=360", "data.train_batch_size=2", "data.max_response_length=96", "rollout.n=4",
+        f"rollout.stop_token_ids=[{','.join(map(str, LOWERCASE_IDS))}]",
+        f"rollout.multi_turn.tool_config_path={tools}", f"rollout.multi_turn.format={every_turn_runs_code}",
+        "rollout.multi_turn.max_assistant_turns=3", "reward.num_workers=0", f"trainer.output_dir={run_dir}",
+        "trainer.loggers=[jsonl]", "trainer.total_steps=2", "trainer.val_before_train=false",
+        "trainer.test_every=0", "trainer.save_every=0", "trainer.device=cpu"]
+    assert main(["train", str(REPO / "examples" / "retool.yaml"), *overrides]) != 0
+    error = capsys.readouterr().err.strip().splitlines()
+    assert "ToolUnavailable: the code sandbox failed 2 calls in a row" in error[-1], error[-5:]
+    assert not any(line.startswith("Traceback") for line in error)
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from reinforge.agent import AgentContext, BaseTool, FunctionTool, ToolResult, get_agent_loop
+import pytest
+
+from reinforge.agent import AgentContext, BaseTool, FunctionTool, ToolResult, ToolUnavailable, get_agent_loop
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import SamplingParams
 
@@ -77,6 +79,23 @@ def test_errors_become_tool_messages_and_the_loop_goes_on(chatml_tokenizer, scri
     assert output.metrics["tool_errors"] == 3 and output.metrics["num_tool_calls"] == 3
     assert output.finish_reason == "stop" and output.num_turns == 8
     assert output.extra["tool_rewards"] == [0.0, 0.0, 0.0]
+
+
+def gone(text: str) -> str:
+    """A tool whose service is down for good.
+
+    Args:
+        text: Ignored.
+    """
+    raise ToolUnavailable("the service stopped answering")
+
+
+def test_a_tool_whose_service_is_gone_stops_the_trajectory_instead_of_becoming_a_message(chatml_tokenizer,
+                                                                                           scripted_client):
+    script = [call("echo", text="a"), call("gone", text="b"), "done"]
+    tools = {"echo": FunctionTool(echo), "gone": FunctionTool(gone)}
+    with pytest.raises(ToolUnavailable, match="the service stopped answering"):
+        run(chatml_tokenizer, scripted_client(chatml_tokenizer, script), tools=tools)
 
 
 def test_calls_past_max_parallel_calls_are_answered_and_counted(chatml_tokenizer, scripted_client):
