@@ -25,7 +25,17 @@ def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]
                              "rollout.multi_turn.tool_config_path is not set; point it at a YAML tool config "
                              "(see docs/agent.md)")
         tools_kwargs = (extra_info or {}).get("tools_kwargs") if isinstance(extra_info, dict) else None
-        for tool_name in tools_kwargs or {}:
+        if tools_kwargs is not None and not isinstance(tools_kwargs, dict):
+            raise ValueError(f"{where} has extra_info.tools_kwargs of type {type(tools_kwargs).__name__}; it must map "
+                             "each tool's name to {create_kwargs: {...}, execute_kwargs: {...}}")
+        for tool_name, kwargs in (tools_kwargs or {}).items():
+            parts = kwargs if isinstance(kwargs, dict) else None
+            wrong = (f"is a {type(kwargs).__name__}" if parts is None else next(
+                (f"has {key}={parts[key]!r}" for key in ("create_kwargs", "execute_kwargs")
+                 if parts.get(key) is not None and not isinstance(parts[key], dict)), None))
+            if wrong is not None:
+                raise ValueError(f"{where}: extra_info.tools_kwargs[{tool_name!r}] {wrong}; it must be "
+                                 "{create_kwargs: {...}, execute_kwargs: {...}} (each a mapping of keyword arguments)")
             if tool_name not in tools:
                 raise ValueError(f"{where} has extra_info.tools_kwargs for {tool_name!r}, which is not in the tool "
                                  f"config (its tools: {', '.join(sorted(tools)) or 'none'}); fix the name or add "

@@ -123,3 +123,20 @@ def test_bad_yaml_config_is_explained(tmp_path, text, message):
 def test_missing_config_file_is_explained(tmp_path):
     with pytest.raises(ValueError, match="tool_config_path=.*does not exist"):
         load_tool_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("extra_info, message", [
+    ({"tools_kwargs": "multiply"}, r"train row 3 has extra_info.tools_kwargs of type str; it must map each tool's name"),
+    ({"tools_kwargs": {"multiply": ["x"]}}, r"train row 3: extra_info.tools_kwargs\['multiply'\] is a list; it must be"),
+    ({"tools_kwargs": {"multiply": {"create_kwargs": "x"}}},
+     r"train row 3: extra_info.tools_kwargs\['multiply'\] has create_kwargs='x'; it must be"),
+    ({"tools_kwargs": {"calc": {}}}, r"train row 3 has extra_info.tools_kwargs for 'calc', which is not in the tool "),
+])
+def test_malformed_tools_kwargs_fail_before_training_naming_the_row(extra_info, message):
+    from reinforge.agent import check_agent_rows
+
+    tools = {"multiply": FunctionTool(multiply)}
+    check_agent_rows([("train row 2", "tool_agent", {"tools_kwargs": {"multiply": {"execute_kwargs": {"a": 1}}}})],
+                     tools)
+    with pytest.raises(ValueError, match=message):
+        check_agent_rows([("train row 3", "tool_agent", extra_info)], tools)
