@@ -252,16 +252,16 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="reinforge bench train", description=__doc__.split("\n")[0])
     parser.add_argument("--variant", choices=["grpo", "kl", "ppo"], default="grpo")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--steps", type=_positive_int, default=6)
+    parser.add_argument("--prompts", type=_positive_int, default=64)
+    parser.add_argument("--n", type=_positive_int, default=8)
+    parser.add_argument("--prompt-tokens", type=_positive_int, default=128)
+    parser.add_argument("--response-tokens", type=_positive_int, default=512)
     parser.add_argument("--model", choices=sorted(QWEN25_SHAPES), default="0.5b", help="Qwen2.5 shape, random weights")
-    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="train a LoRA adapter of this rank")
+    parser.add_argument("--lora", type=_rank, default=0, metavar="RANK", help="train a LoRA adapter of this rank")
     parser.add_argument("--gpu-memory-gib", type=_positive_gib, default=None,
                         help="plan for and cap the process at this much GPU memory (stands in for smaller cards)")
-    parser.add_argument("--micro-tokens", type=int, default=None,
+    parser.add_argument("--micro-tokens", type=_positive_int, default=None,
                         help="token budget of one micro-batch (default: the memory planner's)")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
     parser.add_argument("--checkpointing", type=_checkpointing, default=None, metavar="all|none|K",
@@ -280,6 +280,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.prompts, args.n, args.prompt_tokens, args.response_tokens = 2, 2, 8, 8
         args.rollout, args.steps = "hf", min(args.steps, 2)
     return args
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1")
+    return value
+
+
+def _rank(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text} is no LoRA rank; give 0 (no LoRA) or a positive rank, e.g. 32") \
+            from None
 
 
 def _positive_gib(text: str) -> float:

@@ -312,3 +312,21 @@ def test_a_broken_config_json_gets_one_line_naming_the_file_or_the_size(tmp_path
     with pytest.raises(MemoryPlanError, match=expected) as raised:
         ModelShape.from_model_path(str(tmp_path))
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "argument --steps: 0 must be at least 1"),
+    (["--prompts", "0"], "argument --prompts: 0 must be at least 1"),
+    (["--response-tokens", "many"], "argument --response-tokens: 'many' is not a whole number"),
+    (["--micro-tokens", "-4096"], "argument --micro-tokens: -4096 must be at least 1"),
+    (["--lora", "-3"], "argument --lora: -3 is no LoRA rank; give 0 (no LoRA) or a positive rank"),
+    (["--gpu-memory-gib", "0"], "argument --gpu-memory-gib: 0 GiB is no device"),
+])
+def test_reinforge_bench_train_refuses_sizes_that_are_no_sizes(args, message, capsys):
+    """--steps 0 ended in an IndexError after the run; --lora -3 in peft's own message; --prompts 0 ran."""
+    from reinforge.bench.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(args)
+    assert message in capsys.readouterr().err
+    assert parse_args(["--lora", "0", "--steps", "2"]).lora == 0
