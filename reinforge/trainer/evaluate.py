@@ -30,6 +30,8 @@ def evaluate(config: Config) -> dict[str, float]:
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
     tools = load_tools(config.rollout.multi_turn)
+    for tool in tools.values():  # a tool that cannot work (its sandbox down) fails here, before the model loads
+        tool.check()
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",
                                     tool_schemas=[tool.schema for tool in tools.values()])
     check_rows_can_be_scored(dataset, config.reward, custom_scorer)
