@@ -1,4 +1,5 @@
-"""Checks of a dataset's agent rows, run before any model loads (verl falls back to single-turn silently, #2966)."""
+"""Checks run before any model loads: the dataset's agent rows (verl falls back to single-turn silently, #2966),
+the tool-call format and the tools themselves."""
 
 from __future__ import annotations
 
@@ -6,6 +7,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from reinforge.agent.loop import AGENT_LOOPS, agent_name_of
+from reinforge.agent.tool_parsers import get_tool_parser
+
+
+def check_tools(tool_format: str, tools: dict[str, Any]) -> None:
+    """Raise one line when ``rollout.multi_turn.format`` names no known parser or a tool cannot work
+    (``BaseTool.check``: e.g. its sandbox does not answer)."""
+    get_tool_parser(tool_format)
+    for tool in tools.values():
+        tool.check()
 
 
 def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]) -> None:

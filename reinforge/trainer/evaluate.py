@@ -17,7 +17,7 @@ from reinforge.config.loader import ConfigError
 
 def evaluate(config: Config) -> dict[str, float]:
     """Validation metrics of ``config.model.path`` on ``config.data.val_files``."""
-    from reinforge.agent import check_agent_rows, load_tools
+    from reinforge.agent import check_agent_rows, check_tools, load_tools
     from reinforge.data import PromptLoader, RLDataset
     from reinforge.models import load_tokenizer
     from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
@@ -30,8 +30,7 @@ def evaluate(config: Config) -> dict[str, float]:
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
     tools = load_tools(config.rollout.multi_turn)
-    for tool in tools.values():  # a tool that cannot work (its sandbox down) fails here, before the model loads
-        tool.check()
+    check_tools(config.rollout.multi_turn.format, tools)  # before the model loads, as train does
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",
                                     tool_schemas=[tool.schema for tool in tools.values()])
     check_rows_can_be_scored(dataset, config.reward, custom_scorer)

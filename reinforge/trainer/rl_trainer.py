@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.agent import check_agent_rows, load_tools
+from reinforge.agent import check_agent_rows, check_tools, load_tools
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
     apply_kl_penalty,
@@ -57,8 +57,7 @@ class RLTrainer(TrainingRun):
         apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
         check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer, likewise
         tools = load_tools(config.rollout.multi_turn)
-        for tool in tools.values():  # a tool that cannot work (its service down) fails the run here, not in steps
-            tool.check()
+        check_tools(config.rollout.multi_turn.format, tools)  # an unknown format, a tool that cannot work: here
         self.open_run_folder(config.trainer.resume, config.trainer.keep_last, RESUME_REFUSES)
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)

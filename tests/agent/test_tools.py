@@ -140,3 +140,12 @@ def test_malformed_tools_kwargs_fail_before_training_naming_the_row(extra_info, 
                      tools)
     with pytest.raises(ValueError, match=message):
         check_agent_rows([("train row 3", "tool_agent", extra_info)], tools)
+
+
+def test_an_unknown_tool_call_format_is_refused_before_training_even_without_tool_rows():
+    from reinforge.agent import check_tools
+
+    check_tools("hermes", {"multiply": FunctionTool(multiply)})
+    with pytest.raises(ValueError, match=r"rollout.multi_turn.format='xml_calls' is not a known tool-call format; "
+                                         r"known: .*hermes"):
+        check_tools("xml_calls", {})
