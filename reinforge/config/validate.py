@@ -100,6 +100,9 @@ def validate_sft_config(config: SFTConfig) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
     validate_sample_limits(data)
+    if config.model.lora.rank:
+        raise ConfigError(f"model.lora.rank={config.model.lora.rank}: reinforge sft trains every parameter and would "
+                          "ignore the adapters; LoRA is for the RL actor (reinforge train). Remove model.lora.rank")
     if trainer.max_tokens_per_micro_batch < data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")

@@ -160,6 +160,7 @@ def test_cuda_device_without_a_gpu_is_refused_before_loading():
     (["trainer.total_steps=0"], "trainer.total_steps=0 trains nothing"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip=-1.0 must be positive"),
     (["data.max_train_samples=0"], "data.max_train_samples=0 must be at least 1"),
+    (["model.lora.rank=16"], r"model.lora.rank=16: reinforge sft trains every parameter and would ignore the adapters"),
 ])
 def test_sft_config_rejects_the_same_run_settings(overrides, message):
     from reinforge.config import load_sft_config
