@@ -34,6 +34,9 @@ case "${PART:-scale}" in
     timeout 200 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
       --admission-wait 64,32,8 --admission-fraction 0.25,0.25,0.125 >/tmp/agent_long.log 2>&1
     echo "agent rollout, 128-512 token turns, exit $?"; tail -n 16 /tmp/agent_long.log
+    # (4) FSDP's re-gathering for the backward on one device: the 1.5B update with units kept after the forward
+    PROFILE_ARGS="--model 1.5b" timeout 150 python3 benchmarks/fsdp_reshard.py >/tmp/fsdp_reshard.log 2>&1
+    echo "fsdp reshard exit $?"; tail -n 2 /tmp/fsdp_reshard.log
     ;;
   graphs)  # graphed prefill steps (rollout/native/prefill_graphs.py): GPU tests, one agent turn's prefill step, and
            # the agent rollout on both turn lengths with an admission sweep (cheaper prefills favour shorter waits)
