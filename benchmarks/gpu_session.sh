@@ -25,13 +25,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
-  verify)  # after 2026-12-02 (eighth session), leads the CPU could not settle: (1) a group-aware micro-batch count in
+  verify)  # after 2026-12-02 (eighth session), about 9 minutes; leads the CPU could not settle: (1) a group-aware micro-batch count in
            # the planner would move 1.5B's default from 32k kept to 48k with rollout memory freed: which is faster?
            # (2) 0.5B at 40 GiB took 3.18 s of update at 24k against 2.07 s at 32k uncapped: allocator retries near
            # the cap? (the table prints retries) (3) with graphed prefill, does a shorter admission wait help?
-    python3 benchmarks/scale.py --deadline-s 330 1.5b:1.5b:--steps,3 \
+    python3 benchmarks/scale.py --deadline-s 230 1.5b:1.5b:--steps,3 \
       1.5b_48k:1.5b:--micro-tokens,49152,--keep-rollout-memory,false,--steps,3 0.5b_40:0.5b:--gpu-memory-gib,40,--steps,3
-    timeout 200 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
+    timeout 150 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
       --admission-wait 64,32,8 --admission-fraction 0.25,0.25,0.125 >/tmp/agent_long.log 2>&1
     echo "agent rollout, 128-512 token turns, exit $?"; tail -n 16 /tmp/agent_long.log
     # (4) FSDP's re-gathering for the backward on one device: the 1.5B update with units kept after the forward
