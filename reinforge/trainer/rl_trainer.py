@@ -39,6 +39,7 @@ from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.modes import build_mode
+from reinforge.trainer.modes.partial import refuse_agent_rows
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
@@ -70,6 +71,8 @@ class RLTrainer(TrainingRun):
         check_rows_can_be_scored(train_set, config.reward, custom_scorer)
         check_agent_rows(((f"train row {example.index}", example.agent_name, example.extra_info)
                           for example in train_set.examples), tools)
+        if config.trainer.mode == "async":  # its rollouter runs no agent loop: say so before any model loads
+            refuse_agent_rows(example.agent_name for example in train_set.examples)
         self.pad_token_id = get_pad_token_id(tokenizer)
         self.train_loader = PromptLoader.for_training(train_set, config.data, self.pad_token_id)
         self._prompt_batches: Iterator[Batch] | None = None

@@ -162,6 +162,23 @@ def test_unknown_agent_and_missing_tool_config_fail_before_training(tiny_model_d
             "rollout.multi_turn.tool_config_path is not set" in run_with("tool_agent"))
 
 
+def test_async_mode_refuses_agent_rows_before_any_model_loads(tiny_model_dir, tool_config, tmp_path, capsys,
+                                                               monkeypatch):
+    from reinforge.cli import main
+
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1"}],
+                                "agent_name": "tool_agent", "reward_model": {"ground_truth": "2"}}) + "\n")
+    assert main(["train", f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.train_batch_size=1",
+                 "rollout.n=2", f"rollout.multi_turn.tool_config_path={tool_config}", "trainer.mode=async",
+                 f"trainer.output_dir={tmp_path / 'run'}", "trainer.device=cpu"]) != 0
+    assert ("trainer.mode=async generates plain samples in segments, but rows use the agent loops ['tool_agent']; "
+            "train agent rows with trainer.mode=sync or one_step_off") in capsys.readouterr().err
+    assert not loaded and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_hf_and_native_sample_the_same_trajectories(tiny_model_dir, tool_config):
     # the same seeds draw the same tokens in both engines (rollout.noise), so the whole multi-turn
     # trajectories agree: batching (hf: turns grouped per call, cut to their budget; native: continuous)

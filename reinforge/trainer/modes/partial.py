@@ -11,7 +11,7 @@ returned, plus ``token_versions``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,14 +65,20 @@ class PromptGroup:
                    [PartialSample(**sample) for sample in state["samples"]])
 
 
+def refuse_agent_rows(agent_names: Iterable[Any]) -> None:
+    """trainer.mode=async runs no agent loop: one line naming the loops that rows ask for (the trainer checks its
+    dataset with it before any model loads, and every prompt batch again)."""
+    agents = {str(name) for name in agent_names if name not in (None, "", "single_turn")}
+    if agents:
+        raise ValueError(f"trainer.mode=async generates plain samples in segments, but rows use the agent loops "
+                         f"{sorted(agents)}; train agent rows with trainer.mode=sync or one_step_off")
+
+
 def groups_from_prompts(prompts: Batch, first_position: int, n: int,
                         seed_of: Callable[[int, str], int]) -> list[PromptGroup]:
     """One group per prompt row; ``seed_of(position, uid)`` is the request seed sync mode would use. An optional
     ``sample_max_tokens`` column gives each prompt's n per-sample length budgets."""
-    agents = {str(name) for name in prompts.get("agent_name", []) if name not in (None, "", "single_turn")}
-    if agents:
-        raise ValueError(f"trainer.mode=async generates plain samples in segments, but rows use the agent loops "
-                         f"{sorted(agents)}; train agent rows with trainer.mode=sync or one_step_off")
+    refuse_agent_rows(prompts.get("agent_name", []))
     groups = []
     for row in range(len(prompts)):
         ids = prompts["input_ids"][row][prompts["attention_mask"][row].bool()].tolist()
