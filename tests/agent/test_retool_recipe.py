@@ -50,24 +50,36 @@ def every_turn_runs_code():
     del TOOL_PARSERS["test_every_turn_runs_code"]
 
 
-@pytest.mark.slow
-def test_two_steps_of_the_retool_recipe_through_the_real_sandbox(tiny_model_dir, sandbox, every_turn_runs_code,
-                                                                 tmp_path):
+def recipe_files(tmp_path: Path, sandbox_url: str, tool_settings: str = "") -> tuple[Path, Path]:
+    """(converted GSM8K rows, the recipe's tool config pointed at ``sandbox_url``, ``tool_settings`` added to its
+    config block)."""
     data = tmp_path / "retool_gsm8k"
     convert_retool(GSM8K_SAMPLE, data)
     tools = tmp_path / "tools.yaml"
-    tools.write_text((REPO / "examples" / "retool_tools.yaml").read_text().replace(
-        "http://127.0.0.1:8080", sandbox.url))
-    run_dir = tmp_path / "run"
-    overrides = [
-        f"model.path={tiny_model_dir}", f"data.train_files=[{data / 'train.parquet'}]", "data.val_files=[]",
+    text = (REPO / "examples" / "retool_tools.yaml").read_text().replace("http://127.0.0.1:8080", sandbox_url)
+    tools.write_text(text.replace("run_timeout_s: 10", "run_timeout_s: 10" + tool_settings))
+    return data, tools
+
+
+def two_step_args(model_dir, data: Path, tools: Path, parser: str, run_dir: Path) -> list[str]:
+    """``reinforge train examples/retool.yaml`` on the tiny model: two steps on the CPU, short turns."""
+    return [
+        "train", str(REPO / "examples" / "retool.yaml"),
+        f"model.path={model_dir}", f"data.train_files=[{data / 'train.parquet'}]", "data.val_files=[]",
         "data.max_prompt_length=360", "data.train_batch_size=2", "data.max_response_length=96", "rollout.n=4",
         f"rollout.stop_token_ids=[{','.join(map(str, LOWERCASE_IDS))}]",
-        f"rollout.multi_turn.tool_config_path={tools}", f"rollout.multi_turn.format={every_turn_runs_code}",
+        f"rollout.multi_turn.tool_config_path={tools}", f"rollout.multi_turn.format={parser}",
         "rollout.multi_turn.max_assistant_turns=3", "reward.num_workers=0", f"trainer.output_dir={run_dir}",
         "trainer.loggers=[jsonl]", "trainer.total_steps=2", "trainer.val_before_train=false",
         "trainer.test_every=0", "trainer.save_every=0", "trainer.device=cpu"]
-    assert main(["train", str(REPO / "examples" / "retool.yaml"), *overrides]) == 0
+
+
+@pytest.mark.slow
+def test_two_steps_of_the_retool_recipe_through_the_real_sandbox(tiny_model_dir, sandbox, every_turn_runs_code,
+                                                                 tmp_path):
+    data, tools = recipe_files(tmp_path, sandbox.url)
+    run_dir = tmp_path / "run"
+    assert main(two_step_args(tiny_model_dir, data, tools, every_turn_runs_code, run_dir)) == 0
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
@@ -82,11 +94,7 @@ def test_two_steps_of_the_retool_recipe_through_the_real_sandbox(tiny_model_dir,
 
 
 def test_the_retool_recipe_with_no_sandbox_stops_before_the_model_loads(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    data = tmp_path / "retool_gsm8k"
-    convert_retool(GSM8K_SAMPLE, data)
-    tools = tmp_path / "tools.yaml"
-    tools.write_text((REPO / "examples" / "retool_tools.yaml").read_text().replace(
-        "http://127.0.0.1:8080", "http://127.0.0.1:9"))  # nothing listens on the discard port
+    data, tools = recipe_files(tmp_path, "http://127.0.0.1:9")  # nothing listens on the discard port
     run_dir = tmp_path / "run"
     loaded = []
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
@@ -111,22 +119,9 @@ def test_a_sandbox_that_dies_mid_run_stops_the_run_with_one_line(tiny_model_dir,
         sandbox.close()
 
     monkeypatch.setattr(CodeInterpreterTool, "check", check_then_die)
-    data = tmp_path / "retool_gsm8k"
-    convert_retool(GSM8K_SAMPLE, data)
-    tools = tmp_path / "tools.yaml"
-    tools.write_text((REPO / "examples" / "retool_tools.yaml").read_text().replace(
-        "http://127.0.0.1:8080", sandbox.url).replace(
-        "run_timeout_s: 10", "run_timeout_s: 10\n      max_retries: 0\n      max_failures_in_a_row: 2"))
+    data, tools = recipe_files(tmp_path, sandbox.url, "\n      max_retries: 0\n      max_failures_in_a_row: 2")
     run_dir = tmp_path / "run"
-    overrides = [
-        f"model.path={tiny_model_dir}", f"data.train_files=[{data / 'train.parquet'}]", "data.val_files=[]",
-        "data.max_prompt_length=360", "data.train_batch_size=2", "data.max_response_length=96", "rollout.n=4",
-        f"rollout.stop_token_ids=[{','.join(map(str, LOWERCASE_IDS))}]",
-        f"rollout.multi_turn.tool_config_path={tools}", f"rollout.multi_turn.format={every_turn_runs_code}",
-        "rollout.multi_turn.max_assistant_turns=3", "reward.num_workers=0", f"trainer.output_dir={run_dir}",
-        "trainer.loggers=[jsonl]", "trainer.total_steps=2", "trainer.val_before_train=false",
-        "trainer.test_every=0", "trainer.save_every=0", "trainer.device=cpu"]
-    assert main(["train", str(REPO / "examples" / "retool.yaml"), *overrides]) != 0
+    assert main(two_step_args(tiny_model_dir, data, tools, every_turn_runs_code, run_dir)) != 0
     error = capsys.readouterr().err.strip().splitlines()
     assert "ToolUnavailable: the code sandbox failed 2 calls in a row" in error[-1], error[-5:]
     assert not any(line.startswith("Traceback") for line in error)
