@@ -56,11 +56,11 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
                              "file.py:Name)")
         target = import_object(entry["class_name"], where)
         config, schema = entry.get("config") or {}, entry.get("tool_schema")
-        if not (isinstance(target, type) and issubclass(target, BaseTool)) and not (
-                callable(target) and not isinstance(target, type)):
+        is_class = isinstance(target, type)
+        if not (issubclass(target, BaseTool) if is_class else callable(target)):
             raise ValueError(f"{where}: {entry['class_name']} is neither a BaseTool subclass nor a function")
         try:
-            tool = target(config, schema) if isinstance(target, type) else FunctionTool(target, config, schema)
+            tool = target(config, schema) if is_class else FunctionTool(target, config, schema)
         except Exception as error:  # a tool's own check of its config, or a bug in it: name the entry
             raise ValueError(f"{where}: making {entry['class_name']} from its config {config!r} failed: "
                              f"{type(error).__name__}: {error}") from error
