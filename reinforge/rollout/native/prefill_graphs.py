@@ -98,7 +98,6 @@ class PrefillGraphs:
     def __init__(self, decoder: PagedDecoder, device: torch.device):
         self.decoder = decoder
         self.device = device
-        self.enabled = True
         self._graphs: dict[PrefillKey, torch.cuda.CUDAGraph] = {}
         self._seen: dict[PrefillKey, int] = {}
         self._pool = None
@@ -111,16 +110,9 @@ class PrefillGraphs:
         self._logits: Tensor | None = None
         self.capture_seconds = 0.0
 
-    def clear(self) -> None:
-        self._graphs.clear()
-        self._seen.clear()
-        self._pool = None
-
     def wants(self, key: PrefillKey) -> bool:
         """Whether a step of ``key`` replays a graph: from its second step on (a key met once is not worth a
         capture, which costs an eager forward and more)."""
-        if not self.enabled:
-            return False
         self._seen[key] = self._seen.get(key, 0) + 1
         return key in self._graphs or self._seen[key] >= 2
 
@@ -186,6 +178,5 @@ class PrefillGraphs:
         return True
 
     def _switch_off(self, reason: str) -> None:
-        self.enabled = False
-        self.clear()
+        """Say so once; the runner then drops these graphs and keeps its prefill steps eager."""
         warnings.warn(f"graphed prefill is off for this engine: {reason}; prefill steps run eagerly", stacklevel=3)
