@@ -18,25 +18,31 @@ devices of a role). Phases:
   engine's memory when it stays allocated between rollouts.
 
 Activations per token and decoder layer are ``ACT_HIDDEN x hidden + ACT_KV x (k and v width) +
-ACT_MLP x intermediate`` values of the compute dtype on CUDA (compiled layers, flash attention).
-The constants reproduce, within 6%, the activations implied by two peaks the allocator reported on
-an H200 (2026-12-01, issue 14: Qwen2.5-0.5B at 64k-token and 1.5B at 16k-token micro-batches, after
-subtracting weights, optimizer state and kept logits); larger models were not measured yet. The
-eager CPU path (transformers' attention and MLP, nothing fused) saves more: about 3.2 times as
-much per token for 0.5B's widths at 512 tokens (autograd's saved-tensor hooks, measured once on
-the CPU; its attention weights grow with the length, so this is rough), hence
-``EAGER_ACTIVATION_FACTOR`` on the CPU. ``OVERHEAD_BYTES`` covers
+ACT_MLP x intermediate`` values of the compute dtype on CUDA (compiled layers, flash attention),
+counted for the largest micro-batch the update really makes (``micro_batch_split``: a prompt's
+samples stay together, so 64k-token micro-batches of the standard workload hold 54,912 tokens). The
+constants were fitted to the update peaks the allocator reported on an H200 (2026-12-01 and 12-02,
+issue 14) for Qwen2.5 0.5B, 1.5B and 3B without checkpointing at 12k to 55k tokens a micro-batch,
+after subtracting weights, optimizer state and kept logits: those nine peaks lie within 1 GiB of the
+estimate, and the estimates of the four checkpointed ones (1.5B to 7B) are 0.8 to 3.9 GiB above the
+measured peaks. The eager CPU path (transformers' attention and MLP, nothing fused) saves more:
+about 2.7 times what these constants give per token for 0.5B's widths at 512 tokens (autograd's
+saved-tensor hooks, measured once on the CPU; its attention weights grow with the length, so this is
+rough), hence ``EAGER_ACTIVATION_FACTOR`` on the CPU. ``OVERHEAD_BYTES`` covers
 the CUDA context, the allocator's fragmentation and compiled kernels' workspaces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from reinforge.engine.micro_batches import micro_batch_loads, split_group
 
 GiB = 2**30
 OVERHEAD_BYTES = 3 * GiB
@@ -49,14 +55,15 @@ ENGINE_MAX_NUM_SEQS = 512
 ENGINE_MAX_BATCHED_TOKENS = 16384
 # bytes saved per token per decoder layer for the backward, in units of the compute dtype's size:
 # ACT_HIDDEN x hidden + ACT_KV x (k and v width) + ACT_MLP x intermediate
-ACT_HIDDEN, ACT_KV, ACT_MLP = 8, 2, 2
-EAGER_ACTIVATION_FACTOR = 3.5
+ACT_HIDDEN, ACT_KV, ACT_MLP = 9.5, 2, 2.4
+EAGER_ACTIVATION_FACTOR = 3.0
 MICRO_BATCH_OVERHEAD_TOKENS = 4096
-"""A micro-batch costs as much again as this many tokens (launches, the loss, small matmuls): fitted
-to the H200 step times of 1.5B at 16k and 32k tokens (2026-12-01); on that GPU a 3B update in 2k-token
-micro-batches ran 5-7x slower than in 24k ones, so small micro-batches must lose to checkpointing. The
-H200 of 2026-12-02 saw more for 3B (14.56 s at 24k, 20.79 s at 8k: ~8k tokens) and 0.5B (3.33 s at 64k,
-3.56 s at 48k) and less for 1.5B (8.00 s at 32k, 8.08 s at 24k); one step each, not explained yet."""
+"""A micro-batch costs as much again as this many tokens (launches, the loss, FSDP's gathers and
+reductions): each extra micro-batch took about 35 ms of update on the H200 of 2026-12-02 (1.5B:
+5.05 s in 10 micro-batches of 30k tokens, 5.50 s in 22 of 12.7k; 0.5B: 1.90 s in 5, 2.07 s in 10);
+on that GPU a 3B update in 2k-token micro-batches ran 5-7x slower than in 24k ones, so small
+micro-batches must lose to checkpointing. The planner counts micro-batches as the update makes them
+(``micro_batch_split``)."""
 CHECKPOINT_COST = 0.2
 """Step-time fraction of checkpointing every layer: a third of a layer's forward and backward is its
 forward, but the H200 measured less (1.5B, 24k micro-batches: 8.08 s plain, 9.40 s checkpointed, +16%)."""
@@ -236,6 +243,19 @@ SETTING_KEYS = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
+def micro_batch_split(run: RunShape, budget: int) -> tuple[int, int]:
+    """(micro-batches per mini-batch, tokens of the largest) on one device at full lengths, as the update cuts them.
+
+    Groups of a prompt and its samples stay together (``engine.micro_batches``), so the largest
+    micro-batch is often well under the budget, and the planner sizes activations by it.
+    """
+    groups = max(-(-run.prompts // max(run.num_mini_batches, 1)) // run.num_devices, 1)
+    group = split_group(run.prompt_length, [run.response_length] * run.samples_per_prompt, budget)
+    loads = micro_batch_loads([cost for _, cost in group] * groups, budget)
+    return len(loads), max(loads)
+
+
 def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
     """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length."""
     sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
@@ -281,8 +301,7 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     update = dict(resident)
     update["gradients"] = 0.0 if settings.param_offload else gradients
     update["gathered parameters"] = gathered
-    tokens = max(settings.micro_batch_tokens, run.prompt_length + run.response_length)
-    tokens = min(tokens, max(run.mini_batch_tokens, run.prompt_length + run.response_length))
+    _, tokens = micro_batch_split(run, settings.micro_batch_tokens)
     plain, per_layer = shape.num_layers - settings.checkpoint_layers, shape.activation_bytes_per_token(dtype_bytes, run.eager)
     update["activations"] = tokens * (plain * per_layer
                                       + settings.checkpoint_layers * shape.hidden_size * dtype_bytes
@@ -311,7 +330,9 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
     step on the CPU or parameters streamed from it cost more than any other choice)."""
     longest = run.prompt_length + run.response_length
     sizes = [size for size in MICRO_BATCH_CANDIDATES if size >= longest] or [longest]
-    micro = [(size, UPDATE_SHARE * MICRO_BATCH_OVERHEAD_TOKENS * (1 / size - 1 / sizes[0])) for size in sizes]
+    fewest = micro_batch_split(run, sizes[0])[0]
+    per_micro_batch = UPDATE_SHARE * MICRO_BATCH_OVERHEAD_TOKENS / max(run.mini_batch_tokens, 1)
+    micro = [(size, per_micro_batch * (micro_batch_split(run, size)[0] - fewest)) for size in sizes]
     quarter = max(shape.num_layers // 4, 1)
     layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
     needed = needed_kv_gib(shape, run)

@@ -75,17 +75,9 @@ def _items(batch: Batch, max_tokens: int, share_prompts: bool) -> tuple[list[lis
     items, costs = [], []
     for rows in prompt_groups(batch):
         prompt = prompt_lengths[rows[0]]
-        item, cost = [], prompt
-        for row in rows:
-            response = lengths[row] - prompt
-            if item and cost + response > max_tokens:
-                items.append(item)
-                costs.append(cost)
-                item, cost = [], prompt
-            item.append(row)
-            cost += response
-        items.append(item)
-        costs.append(cost)
+        for positions, cost in split_group(prompt, [lengths[row] - prompt for row in rows], max_tokens):
+            items.append([rows[position] for position in positions])
+            costs.append(cost)
     return items, costs
 
 
@@ -107,6 +99,35 @@ def _longest_first(lengths: list[int], num_bins: int) -> list[list[int]]:
         bins[target].append(row)
         loads[target] += lengths[row]
     return bins
+
+
+def micro_batch_loads(costs: list[int], max_tokens: int) -> list[int]:
+    """Tokens of each micro-batch that ``iter_balanced_micro_batches`` makes of items costing ``costs`` (one rank).
+
+    The memory planner sizes a micro-batch's activations by the largest of these, which is often well
+    under the budget: 64 groups of 4,224 tokens in 64k-token micro-batches make five of 54,912 at most.
+    """
+    num_bins = _fewest_bins(costs, max_tokens)
+    return [sum(costs[item] for item in items) for items in _longest_first(costs, num_bins)]
+
+
+def split_group(prompt_length: int, response_lengths: list[int], max_tokens: int) -> list[tuple[list[int], int]]:
+    """The items one prompt group is cut into with ``share_prompts``: (positions of its responses, tokens).
+
+    An item is the prompt once plus as many of the group's responses as fit the budget (at least
+    one); each further item computes the prompt again.
+    """
+    items: list[tuple[list[int], int]] = []
+    positions: list[int] = []
+    cost = prompt_length
+    for position, response in enumerate(response_lengths):
+        if positions and cost + response > max_tokens:
+            items.append((positions, cost))
+            positions, cost = [], prompt_length
+        positions.append(position)
+        cost += response
+    items.append((positions, cost))
+    return items
 
 
 def _fewest_bins(lengths: list[int], max_tokens: int) -> int:

@@ -16,6 +16,7 @@ from reinforge.engine.memory_plan import (
     RunShape,
     Settings,
     estimate,
+    micro_batch_split,
     plan_memory,
 )
 
@@ -72,11 +73,35 @@ def test_update_estimate_by_hand():
     assert update["master weights"] == 4 * params
     assert update["gradients"] == 4 * params
     assert update["optimizer state"] == 8 * params
-    per_layer = 2 * (8 * 896 + 2 * 256 + 2 * 4864)  # bf16: 8 x hidden, 2 x (k and v), 2 x intermediate
-    assert update["activations"] == 16384 * (24 * per_layer + 4 * 896 * 2)
-    response_rows = 16384 * 512 / (512 + 128 / 8)
+    per_layer = int(2 * (9.5 * 896 + 2 * 256 + 2.4 * 4864))  # bf16: 9.5 x hidden, 2 x (k and v), 2.4 x intermediate
+    # a group (128 + 8 x 512 = 4,224 tokens) stays whole: 3 fit in 16k, so 22 micro-batches of at most 12,672 tokens
+    assert micro_batch_split(STANDARD, 16384) == (22, 3 * 4224)
+    assert update["activations"] == 12672 * (24 * per_layer + 4 * 896 * 2)
+    response_rows = 12672 * 512 / (512 + 128 / 8)
     assert update["logits"] == pytest.approx(response_rows * 151936 * 2)
     assert "kv cache" not in update  # freed between rollouts
+
+
+def test_micro_batch_split_is_the_updates_own():
+    """The planner sizes activations by the micro-batches the update really makes: groups stay whole."""
+    from reinforge.engine.micro_batches import iter_balanced_micro_batches
+    from reinforge.engine.packing import PLAN_KEY
+    from reinforge.protocol import Batch
+
+    run = RunShape(prompts=6, samples_per_prompt=4, prompt_length=8, response_length=24)
+    rows = run.sequences
+    prompts = (torch.arange(rows) // 4).unsqueeze(1).repeat(1, 8)  # 6 distinct prompts, 4 samples each
+    batch = Batch({"prompts": prompts, "responses": torch.ones(rows, 24, dtype=torch.long),
+                   "input_ids": torch.cat([prompts, torch.ones(rows, 24, dtype=torch.long)], 1),
+                   "attention_mask": torch.ones(rows, 32, dtype=torch.long),
+                   "response_mask": torch.ones(rows, 24, dtype=torch.long)})
+    for budget in (32, 60, 104, 200, 250, 10_000):
+        pieces = list(iter_balanced_micro_batches(batch, budget, share_prompts=True))
+        count, largest = micro_batch_split(run, budget)
+        assert count == len(pieces), budget
+        assert largest == max(piece.meta[PLAN_KEY].num_tokens for piece in pieces), budget
+    # a group larger than the budget is cut, each piece computing the prompt again
+    assert micro_batch_split(run, 60) == (12, 8 + 2 * 24)
 
 
 def test_checkpointing_keeps_only_layer_inputs():
@@ -84,8 +109,9 @@ def test_checkpointing_keeps_only_layer_inputs():
     plain = estimate(small, STANDARD, Settings(micro_batch_tokens=8192))[0]["update"]["activations"]
     half = estimate(small, STANDARD, Settings(micro_batch_tokens=8192, checkpoint_layers=12))[0]["update"]["activations"]
     per_layer = small.activation_bytes_per_token(2)
-    # 12 layers drop their activations, keep their bf16 input, and one layer's activations are live in recompute
-    assert plain - half == 8192 * (12 * per_layer - 12 * 896 * 2 - per_layer)
+    # 12 layers drop their activations, keep their bf16 input, and one layer's activations are live in recompute;
+    # a 8k budget holds one group of 4,224 tokens
+    assert plain - half == 4224 * (12 * per_layer - 12 * 896 * 2 - per_layer)
 
 
 def test_kept_rollout_memory_counts_in_the_update():
