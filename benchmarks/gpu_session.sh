@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements the open issues still wait for (after the H200 session of 2026-12-01, see BENCHMARKS.md),
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
+#   PART=plan OUT=... bash benchmarks/gpu_session.sh    # the refitted planner's 1.5B default beside TRL; 0.5B; 1.5B decode profile
 #   PART=verify OUT=... bash benchmarks/gpu_session.sh  # leads left by the eighth session (planner, 0.5B at 40 GiB, admission)
 #   PART=graphs OUT=... bash benchmarks/gpu_session.sh  # graphed prefill: its GPU tests, the prefill profile, the agent rollout
 #   PART=prefill OUT=... bash benchmarks/gpu_session.sh # an agent turn's prefill step, phase by phase; the 1.5B update's kernels
@@ -25,6 +26,21 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  plan)  # after the planner's refit (ninth session, 2026-12-02): 1.5B's default became 48k-token micro-batches with
+         # rollout memory freed (estimate 129.8 GiB with overhead); beside TRL in the same call; 0.5B's default is
+         # unchanged; where a 1.5B decode step's 5.3 ms go (the pieces at batch 512 against the graph replay)
+    python3 benchmarks/scale.py --deadline-s 330 1.5b:1.5b:--steps,3 trl_1.5b:1.5b:trl,--steps,2,--checkpointing,off \
+      0.5b:0.5b:--steps,4
+    timeout 170 python3 benchmarks/profile_native.py "$OUT/profile_native_1.5b.json" --model 1.5b >/tmp/pn.log 2>&1
+    echo "native profile 1.5b exit $?"; grep -v '^ *"' /tmp/pn.log | tail -n 5
+    python3 - "$OUT/profile_native_1.5b.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+for k, v in r.items():
+    if not isinstance(v, dict):
+        print(f"{k:48} {v:.4f}" if isinstance(v, float) else f"{k:48} {v}")
+PY
+    ;;
   verify)  # after 2026-12-02 (eighth session), about 9 minutes; leads the CPU could not settle: (1) a group-aware micro-batch count in
            # the planner would move 1.5B's default from 32k kept to 48k with rollout memory freed: which is faster?
            # (2) 0.5B at 40 GiB took 3.18 s of update at 24k against 2.07 s at 32k uncapped: allocator retries near

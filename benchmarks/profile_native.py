@@ -9,7 +9,11 @@ the row maxima first), the fused q|k|v and gate|up matrix products next to the s
 they replace, one layer's MLP and the LM-head matrix product. Writes JSON to the path given
 as the first argument.
 
-    PYTHONPATH=. python3 benchmarks/profile_native.py /tmp/profile.json [--sweep]
+    PYTHONPATH=. python3 benchmarks/profile_native.py /tmp/profile.json [--sweep] [--model 1.5b]
+
+``--model`` picks a Qwen2.5 shape of the training bench (0.5b by default). The per-piece figures at
+batch 512 (one layer's q|k|v, attention at the mean context, o, MLP; the head; the sampler) add up
+to ``pieces_sum_ms_b512``, next to the graph replay they make up.
 
 ``--sweep`` also times the paged-attention kernel over tile sizes, warps and pipeline stages,
 and the sampler over block widths, blocks per split and warps.
@@ -25,7 +29,8 @@ from collections import defaultdict
 import torch
 import triton.testing
 
-from reinforge.bench.rollout import QWEN25_05B, build_model, random_prompts
+from reinforge.bench.rollout import build_model, random_prompts
+from reinforge.bench.train import QWEN25_SHAPES
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, triton_kernels
 from reinforge.rollout.native import engine as engine_module
@@ -43,11 +48,12 @@ def timed(store: dict[str, list[float]], name: str, function):
     return wrapper
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, size: str) -> None:
+    shape = QWEN25_SHAPES[size]
     device = torch.device("cuda")
-    model = build_model(QWEN25_05B, torch.bfloat16, device)
+    model = build_model(shape, torch.bfloat16, device)
     engine = NativeEngine(model, eos_token_ids=[0], max_model_len=656, max_num_seqs=512)
-    prompts = random_prompts(64, [128], QWEN25_05B["vocab_size"], seed=2)
+    prompts = random_prompts(64, [128], shape["vocab_size"], seed=2)
     sampling = SamplingParams(max_tokens=512, temperature=1.0, n=8, ignore_eos=True)
     requests = [GenerationRequest(prompt, sampling) for prompt in prompts]
     engine.generate([GenerationRequest(prompts[0], SamplingParams(max_tokens=8, n=2, ignore_eos=True))])
@@ -114,7 +120,7 @@ def main(out_path: str) -> None:
                 except Exception as error:  # a configuration that does not compile is just skipped
                     sweep[f"block_n={block_n},warps={num_warps},stages={num_stages}"] = repr(error)[:80]
     result["attention_kernel_sweep_ms"] = sweep
-    logits = torch.randn(batch, QWEN25_05B["vocab_size"], device=device, dtype=torch.bfloat16)
+    logits = torch.randn(batch, shape["vocab_size"], device=device, dtype=torch.bfloat16)
     ones = torch.ones(batch, device=device)
     zeros_int = torch.zeros(batch, dtype=torch.int32, device=device)
     minus_inf = torch.full((batch,), float("-inf"), device=device)
@@ -143,7 +149,7 @@ def main(out_path: str) -> None:
                 except Exception as error:  # a configuration that does not compile is just skipped
                     sampler_sweep[name] = repr(error)[:80]
     result["sampler_kernel_sweep_ms"] = sampler_sweep
-    hidden = torch.randn(batch, QWEN25_05B["hidden_size"], device=device, dtype=torch.bfloat16)
+    hidden = torch.randn(batch, shape["hidden_size"], device=device, dtype=torch.bfloat16)
     result["lm_head_ms_b512"] = triton.testing.do_bench(lambda: model.lm_head(hidden), return_mode="median")
     layer, fused = model.model.layers[0], decoder.weights.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
@@ -159,6 +165,14 @@ def main(out_path: str) -> None:
         lambda: mlp.down_proj(triton_kernels.silu_and_mul(
             torch.nn.functional.linear(hidden, fused.gate_up_weight, fused.gate_up_bias))),
         return_mode="median")
+    attn_out = torch.randn(batch, decoder.num_heads * decoder.head_dim, device=device, dtype=torch.bfloat16)
+    result["o_proj_ms_b512"] = triton.testing.do_bench(lambda: attn.o_proj(attn_out), return_mode="median")
+    layers = len(model.model.layers)
+    result["pieces_sum_ms_b512"] = (
+        layers * (result["qkv_fused_ms_b512"] + result["attention_kernel_ms_b512_ctx384_one_layer"]
+                  + result["o_proj_ms_b512"] + result["mlp_one_layer_ms_b512"])
+        + result["lm_head_ms_b512"] + result["sampler_kernel_ms_b512"])
+    result["model"] = size
     engine.sleep()
     with open(out_path, "w") as file:
         json.dump(result, file, indent=2)
@@ -167,4 +181,6 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     paths = [argument for argument in sys.argv[1:] if not argument.startswith("--")]
-    main(paths[0] if paths else "profile.json")
+    model_size = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "0.5b"
+    paths = [path for path in paths if path != model_size]
+    main(paths[0] if paths else "profile.json", model_size)
