@@ -33,7 +33,7 @@ from reinforge.bench.rollout import build_model, random_prompts
 from reinforge.bench.train import QWEN25_SHAPES
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, triton_kernels
-from reinforge.rollout.native import engine as engine_module
+from reinforge.rollout.native.requests import LaunchedStep
 from reinforge.rollout.native.sampling import SamplingTensors
 
 
@@ -61,7 +61,7 @@ def main(out_path: str, size: str) -> None:
     # the real run; the host's waits for sampled tokens are summed: when they are near zero, the
     # host's bookkeeping, not the device, sets the pace
     waits: list[float] = []
-    read = engine_module._LaunchedStep.read
+    read = LaunchedStep.read
 
     def timed_read(launched):
         if launched.ready is not None:
@@ -70,11 +70,11 @@ def main(out_path: str, size: str) -> None:
             waits.append(time.perf_counter() - start)
         return read(launched)
 
-    engine_module._LaunchedStep.read = timed_read
+    LaunchedStep.read = timed_read
     untimed_start = time.perf_counter()
     engine.generate(requests)
     untimed_s = time.perf_counter() - untimed_start
-    engine_module._LaunchedStep.read = read
+    LaunchedStep.read = read
 
     phases: dict[str, list[float]] = defaultdict(list)
     runner = engine.runner
