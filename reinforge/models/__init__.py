@@ -7,6 +7,7 @@ from reinforge.models.loading import (
     load_causal_lm,
     load_tokenizer,
     resolve_dtype,
+    warn_if_beyond_context,
 )
 from reinforge.models.tiny import build_char_tokenizer, build_tiny_causal_lm, save_tiny_model
 from reinforge.models.value_model import ValueModel
@@ -23,4 +24,5 @@ __all__ = [
     "resolve_dtype",
     "save_hf_folder",
     "save_tiny_model",
+    "warn_if_beyond_context",
 ]

@@ -74,6 +74,32 @@ def check_model_folder(path: str | Path) -> None:
                                     f"missing shard(s), first {missing[0]}")
 
 
+def warn_if_beyond_context(path: str, tokens: int, source: str) -> bool:
+    """Warn (one line) when a run's longest sequence outruns the positions the model was trained on.
+
+    ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message.
+    Reads ``max_position_embeddings`` (times a ``rope_scaling`` factor) from a local folder's
+    config.json; returns whether it warned. Positions past it still run (rotary embeddings have no
+    table to overflow), which is why transformers only warns deep inside ``generate``.
+    """
+    file = Path(path).expanduser() / "config.json"
+    try:
+        config = json.loads(file.read_text())
+        text = config.get("text_config") or config
+        limit = int(text["max_position_embeddings"])
+        scaling = text.get("rope_scaling") or {}
+        factor = float(scaling.get("factor") or 1.0) if isinstance(scaling, dict) else 1.0
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False  # a hub id, or a config without the field: nothing to compare with
+    limit = int(limit * max(factor, 1.0))
+    if tokens <= limit:
+        return False
+    logger.warning("%s = %d tokens, more than the %d positions the model at %s was trained on "
+                   "(max_position_embeddings in its config.json); what it writes past them is unreliable: "
+                   "shorten them or use a model with a longer context", source, tokens, limit, path)
+    return True
+
+
 @contextmanager
 def hub_errors_explained(path: str) -> Iterator[None]:
     """Turn a failed hub download for a path that is not a local folder into one line."""

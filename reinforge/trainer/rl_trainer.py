@@ -31,7 +31,7 @@ from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
 from reinforge.engine.lora import check_target_modules
-from reinforge.models import load_tokenizer
+from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.protocol import Batch
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.base import SamplingParams
@@ -57,6 +57,8 @@ class RLTrainer(TrainingRun):
         self.run_dir = Path(config.trainer.output_dir)
         apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
         check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer, likewise
+        warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
+                               "data.max_prompt_length + data.max_response_length")
         tools = load_tools(config.rollout.multi_turn)
         check_tools(config.rollout.multi_turn.format, tools)  # an unknown format, a tool that cannot work: here
         self.open_run_folder(config.trainer.resume, config.trainer.keep_last, RESUME_REFUSES)

@@ -56,7 +56,14 @@ class RunLock:
         self._finalizer: weakref.finalize | None = None
 
     def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            probe = self.path.parent / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as error:
+            raise OSError(f"the run folder {self.path.parent} (trainer.output_dir) cannot be written: "
+                          f"{error.strerror or error}; set trainer.output_dir to a folder this user can write") from None
         for _ in range(10):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

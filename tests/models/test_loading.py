@@ -104,3 +104,17 @@ def test_unreachable_hub_id_is_one_line(monkeypatch):
     with pytest.raises(OSError, match="^'no-such-org/no-such-model' is not a local folder and could not be loaded "
                                       "from the hub \\(We couldn't connect to 'https://huggingface.co' to load the files.\\);"):
         load_tokenizer("no-such-org/no-such-model")
+
+
+def test_a_run_longer_than_the_models_positions_is_warned_of_once(tmp_path, caplog):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    with caplog.at_level(logging.WARNING):
+        assert not loading.warn_if_beyond_context(str(folder), 128, "a + b")
+        assert loading.warn_if_beyond_context(str(folder), 129, "a + b")
+    assert len(caplog.records) == 1 and "a + b = 129 tokens, more than the 128 positions" in caplog.text
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 128,
+                                                    "rope_scaling": {"type": "yarn", "factor": 4.0}}))
+    assert not loading.warn_if_beyond_context(str(folder), 512, "a + b")  # rope scaling stretches the context
+    assert not loading.warn_if_beyond_context("Qwen/Qwen2.5-0.5B", 10**6, "a + b")  # nothing local to read

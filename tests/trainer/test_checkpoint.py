@@ -140,6 +140,14 @@ def test_a_second_run_on_a_locked_folder_is_refused_and_a_dead_owner_is_taken_ov
     assert not (tmp_path / ".lock").exists()
 
 
+def test_a_run_folder_that_cannot_be_written_names_the_key_and_the_fix(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(OSError, match=r"run folder .*file/run \(trainer.output_dir\) cannot be written: .*set "
+                                      r"trainer.output_dir to a folder"):
+        RunLock(tmp_path / "file" / "run").acquire()
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"]  # nothing left behind
+
+
 def test_config_changes_lists_nested_differences():
     old = {"actor": {"optim": {"lr": 1e-3}}, "trainer": {"seed": 1}}
     new = {"actor": {"optim": {"lr": 2e-3}}, "trainer": {"seed": 1}}
