@@ -19,6 +19,7 @@ what lets gradient accumulation give the same update whatever the split.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 
 import torch
@@ -92,12 +93,13 @@ def rows_in_batch_order(pieces: list[Batch], outputs: list[Tensor], num_rows: in
 
 
 def _longest_first(lengths: list[int], num_bins: int) -> list[list[int]]:
-    loads = [0] * num_bins
+    """Items longest first, each into the bin with the least load so far (the lowest index on a tie)."""
+    heap = [(0, target) for target in range(num_bins)]  # already a heap: (load, bin) in order
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     for row in sorted(range(len(lengths)), key=lambda row: -lengths[row]):
-        target = min(range(num_bins), key=loads.__getitem__)
+        load, target = heapq.heappop(heap)
         bins[target].append(row)
-        loads[target] += lengths[row]
+        heapq.heappush(heap, (load + lengths[row], target))
     return bins
 
 
@@ -131,15 +133,31 @@ def split_group(prompt_length: int, response_lengths: list[int], max_tokens: int
 
 
 def _fewest_bins(lengths: list[int], max_tokens: int) -> int:
+    """The fewest bins (from the token count's lower bound up) in which longest-first stays within the budget.
+
+    A few counts above the lower bound are tried in turn, then a binary search up to one item per
+    bin: with many items of just over half the budget (responses cut at the same length) each needs
+    its own bin, and trying every count between would take minutes.
+    """
     if not lengths:
         return 1
-    num_bins = max(1, -(-sum(lengths) // max_tokens))
-    while num_bins < len(lengths):
-        loads = [sum(lengths[row] for row in rows) for rows in _longest_first(lengths, num_bins)]
-        if max(loads) <= max(max_tokens, max(lengths)):
-            break
-        num_bins += 1
-    return min(num_bins, len(lengths))
+    limit = max(max_tokens, max(lengths))
+
+    def fits(num_bins: int) -> bool:
+        return max(sum(lengths[row] for row in rows) for rows in _longest_first(lengths, num_bins)) <= limit
+
+    low, high = max(1, -(-sum(lengths) // max_tokens)), len(lengths)
+    for num_bins in range(low, min(low + 4, high)):
+        if fits(num_bins):
+            return num_bins
+    low = min(low + 4, high)
+    while low < high:  # fits(high) holds: one item per bin
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def sequence_extents(batch: Batch) -> tuple[Tensor, Tensor]:

@@ -172,3 +172,21 @@ def test_learning_rate_schedules():
     assert lr_multiplier(5, 10, cosine) == pytest.approx(0.55)
     ratio = OptimConfig(lr=1.0, warmup_ratio=0.5)
     assert lr_multiplier(0, 4, ratio) == pytest.approx(0.5)
+
+
+def test_items_just_over_half_the_budget_are_split_in_few_tries(monkeypatch):
+    """Responses cut at one length make items that each need their own micro-batch; finding that must not try
+    every count from the token bound up (thousands of longest-first passes for a large batch)."""
+    from reinforge.engine import micro_batches
+
+    passes = []
+    longest_first = micro_batches._longest_first
+    monkeypatch.setattr(micro_batches, "_longest_first",
+                        lambda lengths, num_bins: passes.append(num_bins) or longest_first(lengths, num_bins))
+    loads = micro_batches.micro_batch_loads([5120] * 4096, 8192)
+    assert loads == [5120] * 4096
+    assert len(passes) < 30
+    passes.clear()
+    mixed = [4000 + (row * 37) % 1100 for row in range(3000)]
+    loads = micro_batches.micro_batch_loads(mixed, 8192)
+    assert max(loads) <= 8192 and sum(loads) == sum(mixed) and len(passes) < 30
