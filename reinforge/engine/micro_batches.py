@@ -2,7 +2,8 @@
 
 ``balanced_micro_batches`` (the RL workers, whose forwards pack rows without padding; they
 iterate ``iter_balanced_micro_batches``, which builds each when it is needed) counts
-real tokens only: it takes the fewest micro-batches that fit the budget, the same number on
+real tokens only: it takes the fewest micro-batches in which a longest-first spread fits the
+budget (``_fewest_bins``: a few counts from the token bound up, then a binary search), the same number on
 every data-parallel rank (FSDP runs one collective per layer per forward, so ranks must run
 the same number of forwards), and spreads the rows over them longest first so that their
 token counts are even. With ``share_prompts`` the rows of one prompt stay together (their
