@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The measurements the open issues still wait for (after the H200 session of 2026-12-01, see BENCHMARKS.md),
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
+#   PART=alloc OUT=... bash benchmarks/gpu_session.sh   # tenth session: expandable segments against the default allocator; 7B LoRA's host memory split
+#   PART=alloc2 OUT=... bash benchmarks/gpu_session.sh  # GPU tests, 1.5B and 7B (80 GiB) under expandable segments
 #   PART=plan OUT=... bash benchmarks/gpu_session.sh    # the refitted planner's 1.5B default beside TRL; 0.5B; 1.5B decode profile
 #   PART=verify OUT=... bash benchmarks/gpu_session.sh  # leads left by the eighth session (planner, 0.5B at 40 GiB, admission)
 #   PART=graphs OUT=... bash benchmarks/gpu_session.sh  # graphed prefill: its GPU tests, the prefill profile, the agent rollout
@@ -26,6 +28,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  alloc)  # (1) does PYTORCH_ALLOC_CONF=expandable_segments:True cost speed, and does it cut reserved memory and
+          # retries? (2) 7B LoRA's host peak RSS (30.4 GiB) against its plan (16.3): anonymous or file-backed pages?
+    python3 benchmarks/scale.py --deadline-s 560 0.5b:0.5b:--steps,4 \
+      0.5b_exp:0.5b:--steps,4,env:PYTORCH_ALLOC_CONF=expandable_segments:True 7b_lora40:7b:--lora,32,--gpu-memory-gib,40,--steps,2
+    ;;
+  alloc2)
+    PYTORCH_ALLOC_CONF=expandable_segments:True timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+      >/tmp/gpu_tests.log 2>&1
+    echo "GPU tests (expandable segments) exit $?"; tail -n 4 /tmp/gpu_tests.log; cp /tmp/gpu_tests.log "$OUT/"
+    python3 benchmarks/scale.py --deadline-s 400 1.5b_exp:1.5b:--steps,3,env:PYTORCH_ALLOC_CONF=expandable_segments:True \
+      7b_80_exp:7b:--gpu-memory-gib,80,--steps,2,env:PYTORCH_ALLOC_CONF=expandable_segments:True
+    ;;
   plan)  # after the planner's refit (ninth session, 2026-12-02): 1.5B's default became 48k-token micro-batches with
          # rollout memory freed (estimate 129.8 GiB with overhead); beside TRL in the same call; 0.5B's default is
          # unchanged; where a 1.5B decode step's 5.3 ms go (the pieces at batch 512 against the graph replay)

@@ -3,7 +3,8 @@
     OUT=dir PYTHONPATH=. python3 benchmarks/scale.py CASE [CASE ...] [--deadline-s 570]
 
 A case is ``NAME:SIZE[:bench args, comma separated]``, e.g. ``1.5b:1.5b`` (defaults: the memory
-planner's settings), ``1.5b_80:1.5b:--gpu-memory-gib,80``, ``trl_1.5b:1.5b:trl``. Each runs in
+planner's settings), ``1.5b_80:1.5b:--gpu-memory-gib,80``, ``trl_1.5b:1.5b:trl``; an item ``env:NAME=VALUE`` sets an
+environment variable of that case's process (``env:PYTORCH_ALLOC_CONF=expandable_segments:True``). Each runs in
 its own process (an out-of-memory error in one leaves the next a clean device), with the
 time left before the deadline; a case that cannot start in time is skipped and says so. Models
 (random Qwen2.5 weights, the character tokenizer) are written once per size. Everything lands
@@ -37,17 +38,19 @@ def model_dir(size: str) -> Path:
 
 def run_case(name: str, size: str, extra: list[str], seconds: float) -> dict:
     path = OUT / f"{name}.json"
-    if extra[:1] == ["trl"]:
+    env = os.environ | dict(item.removeprefix("env:").split("=", 1) for item in extra if item.startswith("env:"))
+    args = [item for item in extra if not item.startswith("env:")]
+    if args[:1] == ["trl"]:
         command = [sys.executable, "benchmarks/trl_grpo.py", "--model-dir", str(model_dir(size)), "--json", str(path),
-                   *extra[1:]]
-    elif "--cpu" in extra:  # a smoke test of this script: the bench's tiny model
-        command = [sys.executable, "-m", "reinforge", "bench", "train", "--json", str(path), *extra]
+                   *args[1:]]
+    elif "--cpu" in args:  # a smoke test of this script: the bench's tiny model
+        command = [sys.executable, "-m", "reinforge", "bench", "train", "--json", str(path), *args]
     else:
         command = [sys.executable, "-m", "reinforge", "bench", "train", "--model", size, "--model-dir",
-                   str(model_dir(size)), "--json", str(path), *extra]
+                   str(model_dir(size)), "--json", str(path), *args]
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=seconds, env=env)
         output, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as error:
         output = (error.stdout or b"").decode() + (error.stderr or b"").decode() if isinstance(error.stdout, bytes) \
@@ -77,7 +80,9 @@ def row(result: dict) -> str:
             f"upd {median.get('update_actor_s', float('nan')):5.2f} mfu {median.get('mfu') or 0:.3f} "
             f"peak r/u {median.get('rollout_peak_gb', 0):5.1f}/{median.get('update_peak_gb', 0):5.1f} "
             f"est {estimated.get('rollout', 0):5.1f}/{estimated.get('update', 0):5.1f} "
-            f"retries {median.get('alloc_retries', 0):.0f}  {knobs}  exit {exit_code}")
+            f"exp {int(bool(result.get('expandable_segments')))} retries {median.get('alloc_retries', 0):.0f} reserved {median.get('reserved_peak_gb', 0):5.1f} "
+            f"host {median.get('host_peak_gb', 0):4.1f} (anon {median.get('host_rssanon_gb', 0):4.1f})  {knobs}  "
+            f"exit {exit_code}")
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,7 @@
 """The command line: help, unknown commands, and the CPU smoke mode of both benches."""
 
 import json
+import sys
 
 import pytest
 
@@ -38,12 +39,14 @@ def test_bench_train_cpu_smoke(tmp_path, variant):
     results = json.loads(out.read_text())
     assert results["variant"] == variant and len(results["steps"]) == 2
     assert results["median"]["step_s"] > 0 and results["median"]["update_tokens"] > 0
+    if sys.platform == "linux":  # resident host memory split into anonymous and file-backed pages, as the kernel counts it
+        median = results["median"]
+        assert 0 < median["host_rssanon_gb"] <= median["host_peak_gb"] and median["host_rssfile_gb"] >= 0
 
 
 @pytest.mark.parametrize("module", ["reinforge", "reinforge.cli"])
 def test_python_dash_m_prints_the_usage(module):
     import subprocess
-    import sys
 
     result = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage: reinforge <command>" in result.stdout, result.stderr

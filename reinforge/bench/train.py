@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import tempfile
@@ -154,6 +155,19 @@ def add_advantages(batch, args: argparse.Namespace, config) -> None:
         values=batch.get("values"))
 
 
+def host_memory_gb() -> dict[str, float]:
+    """The process's resident host memory now, in GiB, split as the kernel counts it (Linux; {} elsewhere):
+    anonymous pages (heap, pinned buffers: what must stay in RAM) and file-backed ones (mmapped weight
+    files: page cache the kernel can drop and read again)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    return {f"host_{name.lower()}_gb": int(fields[name].split()[0]) / 2**20
+            for name in ("RssAnon", "RssFile", "RssShmem") if name in fields}
+
+
 def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.controller.worker import freeze_long_lived_objects
     from reinforge.workers.actor_rollout import ActorRolloutWorker
@@ -191,7 +205,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
 
         step_start = time.perf_counter()
         generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step), rollout_sampling(args), step)
-        phase_peaks = {}
+        phase_peaks, host = {}, host_memory_gb()  # the rollout's end: the policy's weights are back on the device
         if device.type == "cuda":
             phase_peaks["rollout_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
@@ -208,6 +222,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             critic_metrics = timed("update_critic", critic.update_critic, batch)
         metrics = timed("update_actor", actor.update_actor, batch)
         step_time = time.perf_counter() - step_start
+        host = {key: max(value, host_memory_gb().get(key, 0.0)) for key, value in host.items()}
         tokens = float(batch["attention_mask"].sum())
         computed = metrics.get("perf/computed_tokens/actor", tokens)
         mfu = metrics.get("perf/mfu/actor")
@@ -219,7 +234,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
                "kl_loss": metrics.get("actor/kl_loss"),
-               **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}}
+               **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}, **host}
         if critic is not None:
             row["vf_loss"] = critic_metrics.get("critic/vf_loss")
         if device.type == "cuda":
@@ -236,7 +251,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     measured = rows[1:] or rows
     summary = {key: statistics.median(r[key] for r in measured) for key in rows[0]
                if all(isinstance(r.get(key), float) for r in measured)}
-    for key in ("peak_memory_gb", "rollout_peak_gb", "update_peak_gb"):
+    for key in ("peak_memory_gb", "rollout_peak_gb", "update_peak_gb", "host_rssanon_gb", "host_rssfile_gb",
+                "host_rssshmem_gb"):
         summary[key] = max((r.get(key) or 0.0) for r in rows)
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
     summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -332,13 +348,20 @@ def bench_train_main(argv: list[str]) -> int:
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
     result["torch"] = torch.__version__
+    if result["device"] != "cpu":
+        result["alloc_conf"] = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        try:  # what the allocator really runs with (an unknown or misspelt setting is ignored by it)
+            result["expandable_segments"] = torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"]
+        except (KeyError, TypeError, RuntimeError, AttributeError):
+            pass
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
     median = result["median"]
     print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
           f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB, "
-          f"host peak {median.get('host_peak_gb', 0):.1f} GiB")
+          f"host peak {median.get('host_peak_gb', 0):.1f} GiB (at phase ends: anonymous "
+          f"{median.get('host_rssanon_gb', 0):.1f}, file-backed {median.get('host_rssfile_gb', 0):.1f})")
     phases = {key.removeprefix("rollout_"): value for key, value in median.items()
               if key.startswith("rollout_") and key != "rollout_s"}
     if phases:
