@@ -165,6 +165,31 @@ class ModelShape:
     def num_params(self) -> int:
         return self.num_layers * self.layer_params + self.root_params
 
+    def tensor_shapes(self) -> list[tuple[int, int]]:
+        """(first dimension, values per index of it) of every parameter tensor; FSDP shards along the first."""
+        hidden, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = [(q_width, hidden), (kv_width, hidden), (kv_width, hidden), (hidden, q_width), (hidden, 1), (hidden, 1)]
+        if self.attention_bias:
+            layer += [(q_width, 1), (kv_width, 1), (kv_width, 1)]
+        if self.num_experts:  # fused expert weights (gate and up together, down), the router, a shared expert
+            experts, width, shared = self.num_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
+            layer += [(experts, 2 * width * hidden), (experts, hidden * width), (experts, hidden)]
+            if shared:
+                layer += [(shared, hidden), (shared, hidden), (hidden, shared), (1, hidden)]
+        else:
+            width = self.intermediate_size
+            layer += [(width, hidden), (width, hidden), (hidden, width)]
+        root = [(self.vocab_size, hidden), (hidden, 1)] + ([] if self.tie_word_embeddings else [(self.vocab_size, hidden)])
+        return root + layer * self.num_layers
+
+    def lora_tensor_shapes(self, rank: int, targets: int) -> list[tuple[int, int]]:
+        """The adapters' A (rank x in) and B (out x rank) of the first ``targets`` of q, k, v, o, gate, up, down."""
+        hidden, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        width = self.intermediate_size
+        projections = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (q_width, hidden),
+                       (hidden, width), (hidden, width), (width, hidden)][:targets]
+        return [shape for fan_in, fan_out in projections for shape in ((rank, fan_in), (fan_out, rank))] * self.num_layers
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -256,6 +281,21 @@ def micro_batch_split(run: RunShape, budget: int) -> tuple[int, int]:
     return len(loads), max(loads)
 
 
+def pinned_bytes(shapes: list[tuple[int, int]], devices: int, value_bytes: int) -> int:
+    """Host bytes of these tensors' FSDP shards (the first dimension split over ``devices``, padded) once pinned.
+
+    FSDP's CPU offload pins each shard through PyTorch's caching host allocator, which rounds every
+    request up to a power of two (torch 2.11 has no setting against it): Qwen2.5-7B's bf16 weights,
+    14.2 GiB, take 27.0 GiB of pinned host memory on one device (the H200 of 2026-12-02 counted 27.9
+    GiB of the process's shared pages, which is where pinned memory shows, for a 7B LoRA run).
+    """
+    total = 0
+    for rows, width in shapes:
+        size = -(-rows // devices) * width * value_bytes
+        total += 1 << (size - 1).bit_length() if size else 0
+    return total
+
+
 def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
     """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length."""
     sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
@@ -270,8 +310,14 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     host: dict[str, float] = {}
     resident: dict[str, float] = {}
     masters = 4 * params / devices if not run.lora_rank else dtype_bytes * params / devices + 4 * trainable / devices
-    (host if settings.param_offload else resident)["master weights"] = masters
     gradients = 4 * trainable / devices
+    if settings.param_offload and not run.eager:  # FSDP pins the offloaded shards (and the gradients it offloads)
+        adapters = shape.lora_tensor_shapes(run.lora_rank, run.lora_targets) if run.lora_rank else []
+        trained = adapters or shape.tensor_shapes()
+        masters = pinned_bytes(shape.tensor_shapes(), devices, dtype_bytes if run.lora_rank else 4)
+        masters += pinned_bytes(adapters, devices, 4)
+        gradients = pinned_bytes(trained, devices, 4)
+    (host if settings.param_offload else resident)["master weights"] = masters
     optimizer = 8 * trainable / devices
     (host if settings.param_offload or settings.optimizer_offload else resident)["optimizer state"] = optimizer
     if settings.param_offload:
@@ -280,7 +326,9 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
         host["master copy"] = 4 * trainable / devices
         host["staging buffers"] = 2 * 4 * (1 << 26)
     if run.reference and not run.lora_rank:
-        (host if settings.ref_offload else resident)["reference"] = run.dtype_bytes * params / devices
+        (host if settings.ref_offload else resident)["reference"] = (
+            pinned_bytes(shape.tensor_shapes(), devices, dtype_bytes) if settings.ref_offload and not run.eager
+            else dtype_bytes * params / devices)
     if run.critic:
         resident["critic"] = 16 * params / devices
     if run.off_policy:
