@@ -513,6 +513,9 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                    (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
                     dataclasses.replace(run, num_devices=run.num_devices * 2))]
         fixes = [text for text, option in options if option != run and _fits(shape, option, given, gpu_bytes, host_bytes)]
+        roomy = _search(shape, run, given, gpu_bytes, 64 * max(host_bytes, GiB))[0]
+        if roomy is not None and roomy.host_total > host_bytes * HEADROOM:  # it fits on this device with more host memory
+            fixes.insert(0, f"{-(-roomy.host_total // (HEADROOM * GiB)):.0f} GiB of host memory")
     advice = " or ".join(fixes[:3]) if fixes else "a larger device or a smaller model"
     return f"the run does not fit: it {where}; it would fit with {advice}"
 
