@@ -296,6 +296,15 @@ def pinned_bytes(shapes: list[tuple[int, int]], devices: int, value_bytes: int) 
     return total
 
 
+@functools.lru_cache(maxsize=256)
+def pinned_model_bytes(shape: ModelShape, devices: int, value_bytes: int, lora_rank: int = 0,
+                       lora_targets: int = 7) -> int:
+    """``pinned_bytes`` of the model's parameters, or of its LoRA adapters when ``lora_rank`` is set (cached:
+    the planner's search asks for it thousands of times)."""
+    shapes = shape.lora_tensor_shapes(lora_rank, lora_targets) if lora_rank else shape.tensor_shapes()
+    return pinned_bytes(shapes, devices, value_bytes)
+
+
 def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
     """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length."""
     sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
@@ -312,11 +321,9 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     masters = 4 * params / devices if not run.lora_rank else dtype_bytes * params / devices + 4 * trainable / devices
     gradients = 4 * trainable / devices
     if settings.param_offload and not run.eager:  # FSDP pins the offloaded shards (and the gradients it offloads)
-        adapters = shape.lora_tensor_shapes(run.lora_rank, run.lora_targets) if run.lora_rank else []
-        trained = adapters or shape.tensor_shapes()
-        masters = pinned_bytes(shape.tensor_shapes(), devices, dtype_bytes if run.lora_rank else 4)
-        masters += pinned_bytes(adapters, devices, 4)
-        gradients = pinned_bytes(trained, devices, 4)
+        gradients = pinned_model_bytes(shape, devices, 4, run.lora_rank, run.lora_targets)
+        masters = pinned_model_bytes(shape, devices, dtype_bytes if run.lora_rank else 4)
+        masters += gradients if run.lora_rank else 0  # the adapters' float32 weights, pinned like their gradients
     (host if settings.param_offload else resident)["master weights"] = masters
     optimizer = 8 * trainable / devices
     (host if settings.param_offload or settings.optimizer_offload else resident)["optimizer state"] = optimizer
@@ -327,7 +334,7 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
         host["staging buffers"] = 2 * 4 * (1 << 26)
     if run.reference and not run.lora_rank:
         (host if settings.ref_offload else resident)["reference"] = (
-            pinned_bytes(shape.tensor_shapes(), devices, dtype_bytes) if settings.ref_offload and not run.eager
+            pinned_model_bytes(shape, devices, dtype_bytes) if settings.ref_offload and not run.eager
             else dtype_bytes * params / devices)
     if run.critic:
         resident["critic"] = 16 * params / devices
