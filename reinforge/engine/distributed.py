@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -43,10 +44,24 @@ def init_distributed(backend: str = "auto", device_type: str | None = None) -> t
     return dist.get_rank(), dist.get_world_size()
 
 
+GLOO_EXIT_GRACE_S = 0.2
+"""How long a gloo rank waits at exit, before the interpreter's teardown, for gloo's threads to let go of the
+collectives they finished (see ``_destroy_group``)."""
+
+
 def _destroy_group() -> None:
-    """At exit, the group made here is torn down before the interpreter's own teardown: left to it, a gloo
-    rank could abort there ("terminate called without an active exception") after all its work succeeded."""
+    """At exit, the group made here is torn down before the interpreter's own teardown.
+
+    A gloo worker thread drops its reference to a collective a moment after completing it. When that is
+    the last reference and the collective's tensors are Python objects, the thread needs the GIL to free
+    them; once the interpreter is finalizing, Python ends such a thread instead, and the unwinding through
+    gloo's loop aborts the whole process ("terminate called without an active exception", exit -6) after
+    all its work succeeded: about one two-rank run in 30 did so on a 2-core machine. Atexit handlers run
+    before finalization, while threads may still take the GIL, so a short wait here lets them finish.
+    """
     if dist.is_initialized():
+        if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+            time.sleep(GLOO_EXIT_GRACE_S)
         dist.destroy_process_group()
 
 
