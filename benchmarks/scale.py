@@ -81,7 +81,8 @@ def row(result: dict) -> str:
             f"peak r/u {median.get('rollout_peak_gb', 0):5.1f}/{median.get('update_peak_gb', 0):5.1f} "
             f"est {estimated.get('rollout', 0):5.1f}/{estimated.get('update', 0):5.1f} "
             f"exp {int(bool(result.get('expandable_segments')))} retries {median.get('alloc_retries', 0):.0f} reserved {median.get('reserved_peak_gb', 0):5.1f} "
-            f"host {median.get('host_peak_gb', 0):4.1f} (anon {median.get('host_rssanon_gb', 0):4.1f})  {knobs}  "
+            f"host {median.get('host_peak_gb', 0):4.1f} (anon {median.get('host_rssanon_gb', 0):4.1f} "
+            f"pinned {median.get('host_rssshmem_gb', 0):4.1f})  {knobs}  "
             f"exit {exit_code}")
 
 

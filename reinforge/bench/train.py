@@ -157,8 +157,9 @@ def add_advantages(batch, args: argparse.Namespace, config) -> None:
 
 def host_memory_gb() -> dict[str, float]:
     """The process's resident host memory now, in GiB, split as the kernel counts it (Linux; {} elsewhere):
-    anonymous pages (heap, pinned buffers: what must stay in RAM) and file-backed ones (mmapped weight
-    files: page cache the kernel can drop and read again)."""
+    anonymous pages (the heap), shared ones (where CUDA's pinned host buffers show: the 7B LoRA run's
+    offloaded weights, 27.9 GiB, were there) and file-backed ones (mmapped weight files: page cache the
+    kernel can drop and read again)."""
     try:
         lines = Path("/proc/self/status").read_text().splitlines()
     except OSError:
@@ -205,7 +206,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
 
         step_start = time.perf_counter()
         generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step), rollout_sampling(args), step)
-        phase_peaks, host = {}, host_memory_gb()  # the rollout's end: the policy's weights are back on the device
+        phase_peaks, host = {}, host_memory_gb()  # sampled at the rollout's end and the step's end
         if device.type == "cuda":
             phase_peaks["rollout_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
@@ -361,7 +362,8 @@ def bench_train_main(argv: list[str]) -> int:
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
           f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB, "
           f"host peak {median.get('host_peak_gb', 0):.1f} GiB (at phase ends: anonymous "
-          f"{median.get('host_rssanon_gb', 0):.1f}, file-backed {median.get('host_rssfile_gb', 0):.1f})")
+          f"{median.get('host_rssanon_gb', 0):.1f}, shared/pinned {median.get('host_rssshmem_gb', 0):.1f}, "
+          f"file-backed {median.get('host_rssfile_gb', 0):.1f})")
     phases = {key.removeprefix("rollout_"): value for key, value in median.items()
               if key.startswith("rollout_") and key != "rollout_s"}
     if phases:
