@@ -17,6 +17,7 @@ import torch
 
 from reinforge.config.schema import Config
 from reinforge.engine.memory_plan import (
+    LORA_PROJECTIONS,
     SETTING_KEYS,
     GiB,
     MemoryPlan,
@@ -70,7 +71,15 @@ def run_shape(config: Config) -> RunShape:
                     num_devices=config.trainer.nnodes * config.trainer.devices_per_node, dtype_bytes=dtype_bytes,
                     eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
-                    lora_rank=int(getattr(lora, "rank", 0) or 0), off_policy=config.trainer.mode != "sync")
+                    lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
+                    off_policy=config.trainer.mode != "sync")
+
+
+def _adapted_projections(lora: Any) -> tuple[str, ...]:
+    """Which of a decoder layer's seven projections ``model.lora.target_modules`` adapts (all of them for
+    all-linear, or where it names none the planner knows: the larger estimate)."""
+    targets = {str(name).rsplit(".", 1)[-1] for name in (getattr(lora, "target_modules", None) or ["all-linear"])}
+    return tuple(name for name in LORA_PROJECTIONS if name in targets) or LORA_PROJECTIONS
 
 
 def _setting(config: Config, key: str) -> Any:

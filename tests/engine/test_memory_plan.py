@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from reinforge.engine.memory_plan import (
+    LORA_PROJECTIONS,
     OVERHEAD_BYTES,
     GiB,
     MemoryPlanError,
@@ -16,6 +17,7 @@ from reinforge.engine.memory_plan import (
     RunShape,
     Settings,
     estimate,
+    lora_params,
     micro_batch_split,
     pinned_bytes,
     plan_memory,
@@ -261,6 +263,27 @@ def test_auto_settings_are_resolved_and_recorded(tiny_model_dir):
     assert config.actor.max_tokens_per_micro_batch == 4096  # explicit wins
     assert config.model.gradient_checkpointing is False and config.rollout.kv_cache_gib > 0
     assert apply_memory_plan(config) is None  # nothing left to plan
+
+
+def test_lora_adapters_are_counted_for_the_projections_the_config_names():
+    from reinforge.config.schema import Config
+    from reinforge.workers.memory_settings import run_shape
+
+    big = shape("7b")
+    # A is rank x in, B is out x rank: r x (in + out) per projection; q and o 3584 x 3584, k and v 3584 x 512,
+    # gate, up and down 3584 x 18944; Qwen2.5-7B at rank 32 on all seven has 80,740,352 (peft's count)
+    assert lora_params(big, 32) == 32 * 28 * (4 * 3584 + 2 * (3584 + 512) + 3 * (3584 + 18944)) == 80_740_352
+    assert lora_params(big, 32, ("q_proj", "v_proj")) == 32 * 28 * (2 * 3584 + 3584 + 512)
+    config = Config()
+    config.model.lora.rank = 16
+    config.model.lora.target_modules = ["self_attn.q_proj", "v_proj", "lm_head"]
+    assert run_shape(config).lora_targets == ("q_proj", "v_proj")  # peft matches a path's last name
+    config.model.lora.target_modules = ["all-linear"]
+    assert run_shape(config).lora_targets == LORA_PROJECTIONS
+    config.model.lora.target_modules = ["Wqkv"]  # names the planner does not know: counted as all seven
+    assert run_shape(config).lora_targets == LORA_PROJECTIONS
+    few = estimate(big, RunShape(64, 8, 128, 512, lora_rank=32, lora_targets=("q_proj", "v_proj")), Settings())[0]
+    assert few["update"]["optimizer state"] == 8 * lora_params(big, 32, ("q_proj", "v_proj"))
 
 
 def test_out_of_memory_becomes_one_line():
