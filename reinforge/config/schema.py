@@ -180,11 +180,18 @@ class ActorConfig(UpdateConfig):
     k2, k3; a trailing + keeps the estimator's value and takes the gradient of k2."""
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
+    skip_zero_advantage_backward: bool = True
+    """Samples whose every advantage is 0 (a GRPO group whose samples all scored the same) get no gradient
+    from a policy loss linear in the advantage: run only their forward (for the metrics) and skip their
+    backward, which is about two thirds of their update cost. The update is the same either way (up to
+    floating-point order). Applies only where that holds exactly: no KL loss, no entropy bonus, and
+    policy_loss.loss_mode one of vanilla, gspo, geo_mean, gpg, cispo, sapo, dppo_tv, dppo_kl."""
     param_offload: Union[bool, str] = "auto"
     """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there); each
     layer's parameters are copied to the device for its forward and backward. Needs about 16 bytes of host
-    memory per parameter (a 7B model does not fit 128 GB); optimizer_offload needs 12. auto: only when the
-    memory planner finds no plan that fits without it."""
+    memory per parameter, and on a GPU up to twice that for weights and gradients, which are pinned and
+    rounded up to a power of two each (a 7B model does not fit 128 GB); optimizer_offload needs 12. auto: only
+    when the memory planner finds no plan that fits without it."""
     optimizer_offload: Union[bool, str] = "auto"
     """Keep the AdamW moments and a float32 master copy on the CPU, where the step runs (engine.offload), while
     parameters and gradients stay on the device: 12 bytes per parameter leave the device for 12 of host memory.

@@ -15,6 +15,11 @@ gradients gives exactly the mini-batch gradient whatever the split. FSDP average
 over the ranks while globally normalised losses must be summed, so each backward is scaled by
 the world size. The gradient norm is clipped over the sharded gradients of all ranks. A step
 whose gradient norm is not finite is skipped (and counted), never applied.
+
+Rows the loss gives no gradient (``no_gradient_rows``: a GRPO group whose samples all scored the
+same has advantage 0 everywhere) need no backward: they form ``FORWARD_ONLY`` micro-batches whose
+forward the caller still runs, so every metric stays the mean over all rows, while the counts
+that normalise the loss include them as before.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from reinforge.protocol import Batch
 
 MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
 """(mini-batch, token budget, mask key) -> its micro-batches."""
+FORWARD_ONLY = "forward_only"
+"""``Batch.meta`` key of a micro-batch whose rows get no gradient from the loss: the caller runs its forward
+for the metrics and ``ModelUpdate.record``s them, with no backward."""
 
 
 def packed_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
@@ -90,6 +98,13 @@ def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
         tallies[index][key] = total
 
 
+def _without_loss_tokens(mini_batch: Batch, mask_key: str) -> Batch:
+    """One row of the mini-batch with its loss tokens masked out: a micro-batch that adds nothing."""
+    row = mini_batch.index([0])
+    row[mask_key] = torch.zeros_like(row[mask_key])
+    return row
+
+
 def mini_batch_counts(mini_batch: Batch, mask_key: str, device: torch.device) -> MiniBatchCounts:
     mask = mini_batch[mask_key]
     num_tokens, num_sequences = all_reduce(
@@ -126,8 +141,14 @@ class ModelUpdate:
         self.seconds = 0.0
         self._weight = 0.0
 
-    def micro_batches(self, batch: Batch) -> Iterator[tuple[Batch, MiniBatchCounts]]:
-        """Epochs x mini-batches x micro-batches of ``batch``; each optimizer step runs when its last micro-batch is done."""
+    def micro_batches(self, batch: Batch, no_gradient_rows: Tensor | None = None
+                      ) -> Iterator[tuple[Batch, MiniBatchCounts]]:
+        """Epochs x mini-batches x micro-batches of ``batch``; each optimizer step runs when its last micro-batch is done.
+
+        ``no_gradient_rows`` (len(batch),) bool marks rows the loss gives no gradient (every advantage 0
+        under a loss linear in it): they go into micro-batches of their own, marked ``FORWARD_ONLY``,
+        which come first; the counts that normalise the loss still include them.
+        """
         settings, optimizer = self.settings, self.optimizer
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(settings.seed)
@@ -138,10 +159,12 @@ class ModelUpdate:
                 mini_batch = batch if whole else batch.index(mini_rows)
                 counts = mini_batch_counts(mini_batch, settings.mask_key, self.device)
                 optimizer.zero_grad(set_to_none=True)
-                for micro in self.split(mini_batch, settings.max_tokens_per_micro_batch, settings.mask_key):
+                frozen = None if no_gradient_rows is None else no_gradient_rows if whole else no_gradient_rows[mini_rows]
+                for micro in self._split(mini_batch, frozen):
                     self._weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
                     plan = micro.meta.get(PLAN_KEY)
-                    self.computed_tokens += plan.num_tokens if plan is not None else micro["attention_mask"].numel()
+                    tokens = plan.num_tokens if plan is not None else micro["attention_mask"].numel()
+                    self.computed_tokens += tokens / 3 if micro.meta.get(FORWARD_ONLY) else tokens  # a forward: 1/3
                     yield micro.to(self.device, non_blocking=True), counts
                 grad_norm = clip_grad_norm_(self.model.parameters(), settings.grad_clip)
                 if torch.isfinite(grad_norm):
@@ -156,9 +179,34 @@ class ModelUpdate:
         self.seconds += time.perf_counter() - start
         self.num_tokens += float(batch["attention_mask"].sum()) * settings.epochs
 
+    def _split(self, mini_batch: Batch, frozen: Tensor | None) -> Iterator[Batch]:
+        """The mini-batch's micro-batches: those of its ``frozen`` rows first (marked ``FORWARD_ONLY``), then the rest.
+
+        Every rank makes the same number of each kind, so that their FSDP collectives pair up: a rank
+        without rows of one kind gives one row with no loss tokens instead, and the forward-only kind
+        is left out only when no rank has such rows. The part with gradients is never empty, so a
+        step always has gradients (zeros, like the loss's where every row is frozen) to step with.
+        """
+        budget, mask_key = self.settings.max_tokens_per_micro_batch, self.settings.mask_key
+        if frozen is None or not all_reduce([float(frozen.sum())], self.device, op="max")[0]:
+            yield from self.split(mini_batch, budget, mask_key)
+            return
+        for rows, forward_only in ((frozen.nonzero().flatten(), True), ((~frozen).nonzero().flatten(), False)):
+            part = mini_batch.index(rows.tolist()) if len(rows) else _without_loss_tokens(mini_batch, mask_key)
+            for micro in self.split(part, budget, mask_key):
+                micro.meta[FORWARD_ONLY] = forward_only
+                yield micro
+
+    def record(self, metrics: dict[str, float | Tensor]) -> None:
+        """Tally the metrics of a ``FORWARD_ONLY`` micro-batch (its forward ran; it has no loss to backpropagate)."""
+        self._tally(metrics)
+
     def backward(self, loss: Tensor, metrics: dict[str, float | Tensor]) -> None:
         """Backpropagate the loss of the micro-batch just yielded and tally its metrics (kept on the device)."""
         (loss * self.loss_scale if self.loss_scale != 1.0 else loss).backward()
+        self._tally(metrics)
+
+    def _tally(self, metrics: dict[str, float | Tensor]) -> None:
         for key, value in metrics.items():
             value = value.detach().float() if isinstance(value, Tensor) else float(value)
             if key.endswith("_loss"):

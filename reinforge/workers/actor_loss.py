@@ -22,6 +22,21 @@ from reinforge.config.schema import Config
 from reinforge.engine.train_step import MiniBatchCounts
 from reinforge.protocol import Batch
 
+LINEAR_IN_ADVANTAGE = frozenset({"vanilla", "gspo", "geo_mean", "gpg", "cispo", "sapo", "dppo_tv", "dppo_kl"})
+"""Policy losses whose every term is the advantage times something finite: where every advantage of a row is
+0, so is its gradient (not dro, whose log-ratio penalty has none; not clip_cov or kl_cov, which pick the tokens
+they clip or penalise by statistics over the whole micro-batch)."""
+
+
+def no_gradient_rows(config: Config, batch: Batch) -> Tensor | None:
+    """(B,) bool: rows whose loss has no gradient (every response token's advantage 0), when the actor's whole
+    loss is linear in the advantage (``actor.skip_zero_advantage_backward``); None where that does not hold."""
+    actor = config.actor
+    if (not actor.skip_zero_advantage_backward or actor.use_kl_loss or actor.entropy_coeff != 0
+            or actor.policy_loss.loss_mode not in LINEAR_IN_ADVANTAGE or "advantages" not in batch):
+        return None
+    return ((batch["advantages"] == 0) | (batch["response_mask"] == 0)).all(dim=-1)
+
 
 def actor_loss(config: Config, micro: Batch, counts: MiniBatchCounts, log_probs: Tensor, entropy: Tensor,
            on_policy: bool) -> tuple[Tensor, dict[str, float | Tensor]]:

@@ -44,12 +44,12 @@ from reinforge.engine.lora import (
 from reinforge.engine.memory_plan import GiB
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
-from reinforge.engine.train_step import ModelUpdate, UpdateSettings
+from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
-from reinforge.workers.actor_loss import actor_loss
+from reinforge.workers.actor_loss import actor_loss, no_gradient_rows
 from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
 from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
 from reinforge.workers.memory_settings import apply_memory_plan, cap_device_memory
@@ -467,13 +467,19 @@ class ActorRolloutWorker(Worker):
         first_micro: tuple[torch.Tensor, ...] = ()
         settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
-        for micro, counts in update.micro_batches(batch):
-            log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
-                                                    with_entropy=True, max_logits_bytes=self.max_logits_bytes)
+        for micro, counts in update.micro_batches(batch, no_gradient_rows(self.config, batch)):
+            forward_only = micro.meta.get(FORWARD_ONLY, False)
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
+                                                        with_entropy=True, max_logits_bytes=self.max_logits_bytes)
+                loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy)
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
                 first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])
-            update.backward(*actor_loss(self.config, micro, counts, log_probs, entropy, on_policy))
+            if forward_only:  # every advantage of these rows is 0: their loss has no gradient
+                update.record(metrics)
+            else:
+                update.backward(loss, metrics)
         result = update.metrics("actor")
         if first_micro:
             result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro))

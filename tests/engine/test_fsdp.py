@@ -105,6 +105,50 @@ def run_gloo_ranks(script: Path, *args: str, world_size: int = 2) -> None:
     assert not failures, "\n".join(failures)
 
 
+SKIPPING = textwrap.dedent("""
+    ZERO = {zero!r}
+    _plain_batch = rollout_batch
+
+    def rollout_batch():  # the rows in ZERO score like the rest of their group: advantage 0
+        batch = _plain_batch()
+        batch["advantages"][ZERO] = 0.0
+        return batch
+
+    def update_skipping(rows, budget):
+        model = varlen_lm(seed=4).train()
+        shard_model(model, torch.device("cpu"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
+        batch = rollout_batch().index(rows)
+        metrics = on_policy_update(model, optimizer, scheduler, batch,
+                                   UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05),
+                                   split=partial(balanced_micro_batches, share_prompts=SHARE),
+                                   no_gradient_rows=(batch["advantages"] == 0).all(-1))
+        return full_model_state(model), metrics["actor/grad_norm"]
+""")
+
+SKIPPING_MAIN = RANK_MAIN.replace("update(", "update_skipping(")
+
+
+@pytest.mark.parametrize("zero_rows", [[4, 5, 6, 7], [0, 1, 4, 5]])
+def test_forward_only_rows_on_two_ranks_update_like_one_process_with_every_backward(tmp_path, zero_rows):
+    """Rank 1 with nothing to train (its part with gradients is a row without loss tokens) and rank 0 with
+    nothing forward-only, or both with some of each: the FSDP collectives pair up and the update is the
+    full backward's of one process."""
+    source = UPDATE.format(tests=str(REPO / "tests" / "engine"), share=True)
+    script = tmp_path / "update.py"
+    script.write_text(source + SKIPPING.format(zero=zero_rows) + SKIPPING_MAIN)
+    run_gloo_ranks(script, str(tmp_path / "two.pt"))
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+
+    namespace: dict = {}
+    exec(source + SKIPPING.format(zero=zero_rows), namespace)
+    one_state, one_grad_norm = namespace["update"](list(range(8)), budget=10_000)  # every row backpropagated
+    assert abs(two["grad_norm"] - one_grad_norm) < 1e-5 * max(1.0, one_grad_norm)
+    for name, tensor in one_state.items():
+        torch.testing.assert_close(two["state"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_sharded_model_gives_the_plain_model_gradients_and_clipping():
     plain = varlen_lm(seed=6).train()
     sharded = shard_model(copy.deepcopy(plain), torch.device("cpu"))

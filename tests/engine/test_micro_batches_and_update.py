@@ -14,7 +14,7 @@ from reinforge.engine.micro_batches import (
     trim_padding,
 )
 from reinforge.engine.optim import build_optimizer, build_scheduler, lr_multiplier
-from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
+from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import build_tiny_causal_lm
 from reinforge.protocol import Batch
 
@@ -107,10 +107,15 @@ def test_packed_forward_matches_padded_forward(arch):
 
 
 def on_policy_update(model, optimizer, scheduler, batch: Batch, settings: UpdateSettings, split=padded_micro_batches,
-                     loss_agg_mode: str = "token-mean") -> dict[str, float]:
+                     loss_agg_mode: str = "token-mean", no_gradient_rows=None) -> dict[str, float]:
     """One on-policy vanilla policy-gradient update of ``model`` by the engine's ``ModelUpdate``; its ``actor/*`` metrics."""
     update = ModelUpdate(model, optimizer, scheduler, settings, torch.device("cpu"), split=split)
-    for micro, counts in update.micro_batches(batch):
+    for micro, counts in update.micro_batches(batch, no_gradient_rows):
+        if micro.meta.get(FORWARD_ONLY):
+            with torch.no_grad():
+                response_log_probs(model, micro)
+            update.record({})
+            continue
         log_probs, _ = response_log_probs(model, micro)
         loss, _ = compute_policy_loss("vanilla", old_log_probs=log_probs.detach(), log_probs=log_probs,
                                       advantages=micro["advantages"], response_mask=micro["response_mask"],
