@@ -33,10 +33,10 @@ def grpo_like_batch(zero_rows: list[int], old_log_prob_noise: float = 0.0) -> Ba
     return batch
 
 
-def make_worker(model_dir, skip: bool, **actor: object) -> ActorRolloutWorker:
+def make_worker(model_dir, skip: bool, device: str = "cpu", **actor: object) -> ActorRolloutWorker:
     config = Config()
     config.model.path = str(model_dir)
-    config.trainer.device = "cpu"
+    config.trainer.device = device
     config.data.train_batch_size = ROWS // 2
     config.actor.max_tokens_per_micro_batch = 24
     config.actor.optim.lr = 1e-2
@@ -100,3 +100,20 @@ def test_rows_are_forward_only_only_where_the_loss_is_linear_in_the_advantage(ti
     padded = grpo_like_batch([])
     padded["response_mask"][4] = 0  # a row without response tokens has no loss either
     assert no_gradient_rows(config, padded).tolist() == [False] * 4 + [True] + [False] * 3
+
+
+@pytest.mark.gpu
+def test_forward_only_rows_on_cuda_with_compiled_layers(tiny_model_dir):
+    """On CUDA the decoder layers are compiled and run in bf16: the forward-only pass (no grad, train mode)
+    compiles its own graphs, and the update stays that of the full backward within bf16's rounding."""
+    batch = grpo_like_batch([2, 3, 6, 7])
+    results = {}
+    for skip in (False, True):
+        worker = make_worker(tiny_model_dir, skip, device="cuda")
+        assert worker.device.type == "cuda"
+        results[skip] = update_twice(worker, batch)
+    (full_metrics, full_state), (skipped_metrics, skipped_state) = results[False], results[True]
+    for key in COMPARED:
+        assert skipped_metrics[-1][key] == pytest.approx(full_metrics[-1][key], rel=2e-2, abs=1e-4), key
+    for name, tensor in full_state.items():
+        torch.testing.assert_close(skipped_state[name], tensor, rtol=2e-2, atol=2e-3, msg=name)
