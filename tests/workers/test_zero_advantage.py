@@ -79,9 +79,9 @@ def test_forward_only_rows_give_the_update_and_metrics_of_the_full_backward(tiny
         assert skipped["perf/computed_tokens/actor"] < full["perf/computed_tokens/actor"]
     if noise:
         assert full_metrics[0]["actor/pg_clipfrac"] > 0  # the comparison covered clipped tokens
-    initial = make_worker(tiny_model_dir, True).model
-    changed = any(not torch.equal(tensor, full_model_state(initial)[name]) for name, tensor in skipped_state.items())
-    assert changed == (len(zero_rows) < ROWS) or len(zero_rows) == ROWS  # AdamW with zero gradients may still decay
+    if len(zero_rows) < ROWS:  # the comparison is of a real update (with none, AdamW's weight decay still moves)
+        initial = full_model_state(make_worker(tiny_model_dir, True).model)
+        assert any(not torch.equal(tensor, initial[name]) for name, tensor in skipped_state.items())
 
 
 def test_rows_are_forward_only_only_where_the_loss_is_linear_in_the_advantage(tiny_model_dir):
