@@ -87,10 +87,11 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-RECOMPILE_LIMIT = 64
-"""Each (grad mode, dtype, epsilon, device) a function meets is one compiled variant: a process
-that trains, scores without grad and runs a reference or critic model of another config needs
-more than dynamo's default of 8, after which it would silently fall back to eager."""
+RECOMPILE_LIMIT = 128
+"""Each (grad mode, train or eval mode, dtype, epsilon, device) a function meets is one compiled variant:
+a process that trains, runs forward-only rows in training mode (``actor.skip_zero_advantage_backward``),
+scores without grad and runs a reference or critic model of another config needs more than dynamo's
+default of 8, after which it would silently fall back to eager."""
 
 
 def raise_recompile_limit() -> None:
