@@ -223,7 +223,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             critic_metrics = timed("update_critic", critic.update_critic, batch)
         metrics = timed("update_actor", actor.update_actor, batch)
         step_time = time.perf_counter() - step_start
-        host = {key: max(value, host_memory_gb().get(key, 0.0)) for key, value in host.items()}
+        at_end = host_memory_gb()
+        host = {key: max(value, at_end.get(key, 0.0)) for key, value in host.items()}
         tokens = float(batch["attention_mask"].sum())
         computed = metrics.get("perf/computed_tokens/actor", tokens)
         mfu = metrics.get("perf/mfu/actor")
