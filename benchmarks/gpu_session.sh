@@ -3,6 +3,8 @@
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=alloc OUT=... bash benchmarks/gpu_session.sh   # tenth session: expandable segments against the default allocator; 7B LoRA's host memory split
 #   PART=alloc2 OUT=... bash benchmarks/gpu_session.sh  # GPU tests, 1.5B and 7B (80 GiB) under expandable segments
+#   PART=pin OUT=... bash benchmarks/gpu_session.sh     # eleventh session: GPU tests and 1.5B under expandable segments; 7B LoRA's
+#                                                       # host memory with offloaded shards pinned at their exact size
 #   PART=plan OUT=... bash benchmarks/gpu_session.sh    # the refitted planner's 1.5B default beside TRL; 0.5B; 1.5B decode profile
 #   PART=verify OUT=... bash benchmarks/gpu_session.sh  # leads left by the eighth session (planner, 0.5B at 40 GiB, admission)
 #   PART=graphs OUT=... bash benchmarks/gpu_session.sh  # graphed prefill: its GPU tests, the prefill profile, the agent rollout
@@ -28,6 +30,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  pin)  # (1) every GPU test under expandable segments (new: offloaded shards pinned exactly, forward-only rows on CUDA);
+        # (2) 7B LoRA at 40 GiB: host memory with exact pinning (27.9 GiB shared before, 14.5 planned now);
+        # (3) 1.5B under expandable segments (7.66 s and 126.3 GiB allocated, 139 reserved, by default)
+    PYTORCH_ALLOC_CONF=expandable_segments:True timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+      >/tmp/gpu_tests.log 2>&1
+    echo "GPU tests (expandable segments) exit $?"; grep -E "passed|failed|Error" /tmp/gpu_tests.log | tail -n 6
+    cp /tmp/gpu_tests.log "$OUT/"
+    python3 benchmarks/scale.py --deadline-s 370 7b_lora40:7b:--lora,32,--gpu-memory-gib,40,--steps,2 \
+      1.5b_exp:1.5b:--steps,3,env:PYTORCH_ALLOC_CONF=expandable_segments:True
+    ;;
   alloc)  # (1) does PYTORCH_ALLOC_CONF=expandable_segments:True cost speed, and does it cut reserved memory and
           # retries? (2) 7B LoRA's host peak RSS (30.4 GiB) against its plan (16.3): anonymous or file-backed pages?
     python3 benchmarks/scale.py --deadline-s 560 0.5b:0.5b:--steps,4 \

@@ -13,7 +13,9 @@ parameters are copied to the device for its forward, which is how the reference 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import mmap
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import init_distributed
+from reinforge.engine.memory_plan import SHARD_ALIGN
 from reinforge.engine.offload import HostOffloadedAdamW
 
 
@@ -54,13 +57,76 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     dtype = compute_dtype(device, dtype_name)
     mp_policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
                  if dtype != torch.float32 else MixedPrecisionPolicy())
-    offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    # Offloaded shards are pinned by pin_offloaded_shards below, at their exact size, not by FSDP.
+    offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
+    pin = register_host_memory if offload and device.type == "cuda" else None
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
         layer.reinforge_compute_dtype = dtype
+        if pin is not None:
+            pin_offloaded_shards(layer, pin)
     for root in list(roots) if roots is not None else [model]:
         fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        if pin is not None:
+            pin_offloaded_shards(root, pin)
     return model
+
+
+def fsdp_params(unit: nn.Module) -> list:
+    """The FSDPParam records of one ``fully_shard`` unit (torch 2.11 keeps one group, later versions a list)."""
+    state = unit._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [param for group in groups for param in group.fsdp_params]
+
+
+def pin_offloaded_shards(unit: nn.Module, register: Callable[[Tensor], bool]) -> int:
+    """Move a unit's offloaded shards into one page-locked host buffer of their exact size; returns its bytes.
+
+    FSDP's own pinning goes through PyTorch's caching host allocator, which rounds every shard up to
+    a power of two: Qwen2.5-7B's 14.2 GiB of bf16 shards took 27.0 GiB of host memory. Here the
+    shards are copied into one anonymous mapping per unit (each at a ``SHARD_ALIGN``-byte offset),
+    ``register`` page-locks it (``cudaHostRegister``), and each FSDPParam's flat data and local
+    tensor become views of it, so FSDP copies them to and from the device asynchronously as it does
+    pinned shards. If ``register`` fails, FSDP pins them its own way at its first forward.
+    """
+    params = [param for param in fsdp_params(unit)
+              if param.offload_to_cpu and param._sharded_param_data.numel() > 0]
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        data = param._sharded_param_data
+        total += -(-data.numel() * data.element_size() // SHARD_ALIGN) * SHARD_ALIGN
+    if not total:
+        return 0
+    buffer = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8)
+    if not register(buffer):
+        for param in params:  # FSDP's lazy initialisation pins what is not pinned yet
+            param.pin_memory = True
+        return 0
+    for param, offset in zip(params, offsets, strict=True):
+        data = param._sharded_param_data
+        flat = buffer[offset:offset + data.numel() * data.element_size()].view(data.dtype)
+        flat.copy_(data)
+        param._sharded_param_data = flat
+        local = param.sharded_param._local_tensor
+        dim = param.fsdp_placement.dim
+        param.sharded_param._local_tensor = flat.view(param.padded_sharded_param_size).narrow(dim, 0, local.size(dim))
+        param.pin_memory = True
+    unit.reinforge_pinned_shards = buffer  # alive as long as the unit; unregistered when it goes
+    return total
+
+
+def register_host_memory(buffer: Tensor) -> bool:
+    """Page-lock ``buffer``'s memory for asynchronous copies (``cudaHostRegister``) until it is freed."""
+    cudart = torch.cuda.cudart()
+    pointer, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    if cudart.cudaHostRegister(pointer, size, 0) != cudart.cudaError.success:
+        return False
+    weakref.finalize(buffer, cudart.cudaHostUnregister, pointer)
+    return True
 
 
 def layer_compute_dtype(model: nn.Module) -> torch.dtype:

@@ -283,18 +283,25 @@ def micro_batch_split(run: RunShape, budget: int) -> tuple[int, int]:
     return len(loads), max(loads)
 
 
-def pinned_bytes(shapes: list[tuple[int, int]], devices: int, value_bytes: int) -> int:
+SHARD_ALIGN = 512
+"""Byte alignment of each offloaded shard in its unit's pinned host buffer (``engine.fsdp.pin_offloaded_shards``)."""
+
+
+def pinned_bytes(shapes: list[tuple[int, int]], devices: int, value_bytes: int, power_of_two: bool = False) -> int:
     """Host bytes of these tensors' FSDP shards (the first dimension split over ``devices``, padded) once pinned.
 
-    FSDP's CPU offload pins each shard through PyTorch's caching host allocator, which rounds every
-    request up to a power of two (torch 2.11 has no setting against it): Qwen2.5-7B's bf16 weights,
-    14.2 GiB, take 27.0 GiB of pinned host memory on one device (the H200 of 2026-12-02 counted 27.9
-    GiB of the process's shared pages, which is where pinned memory shows, for a 7B LoRA run).
+    The offloaded shards themselves sit at their exact size in one page-locked buffer per FSDP unit
+    (``engine.fsdp.pin_offloaded_shards``; each shard at a ``SHARD_ALIGN``-byte offset). The
+    gradients FSDP offloads go through PyTorch's caching host allocator, which rounds every block up
+    to a power of two (``power_of_two``; torch 2.11 has no setting against it): pinned that way,
+    Qwen2.5-7B's 14.2 GiB of bf16 weights took 27.0 GiB (the H200 of 2026-12-02 counted 27.9 GiB of
+    the process's shared pages, where pinned memory shows, for a 7B LoRA run).
     """
     total = 0
     for rows, width in shapes:
         size = -(-rows // devices) * width * value_bytes
-        total += 1 << (size - 1).bit_length() if size else 0
+        if size:
+            total += 1 << (size - 1).bit_length() if power_of_two else -(-size // SHARD_ALIGN) * SHARD_ALIGN
     return total
 
 
@@ -306,11 +313,11 @@ def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...] = LORA_PR
 
 @functools.lru_cache(maxsize=256)
 def pinned_model_bytes(shape: ModelShape, devices: int, value_bytes: int, lora_rank: int = 0,
-                       lora_targets: tuple[str, ...] = LORA_PROJECTIONS) -> int:
+                       lora_targets: tuple[str, ...] = LORA_PROJECTIONS, power_of_two: bool = False) -> int:
     """``pinned_bytes`` of the model's parameters, or of its LoRA adapters when ``lora_rank`` is set (cached:
     the planner's search asks for it thousands of times)."""
     shapes = shape.lora_tensor_shapes(lora_rank, lora_targets) if lora_rank else shape.tensor_shapes()
-    return pinned_bytes(shapes, devices, value_bytes)
+    return pinned_bytes(shapes, devices, value_bytes, power_of_two)
 
 
 def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
@@ -327,10 +334,11 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     resident: dict[str, float] = {}
     masters = 4 * params / devices if not run.lora_rank else dtype_bytes * params / devices + 4 * trainable / devices
     gradients = 4 * trainable / devices
-    if settings.param_offload and not run.eager:  # FSDP pins the offloaded shards (and the gradients it offloads)
-        gradients = pinned_model_bytes(shape, devices, 4, run.lora_rank, run.lora_targets)
+    if settings.param_offload and not run.eager:  # pinned shards, and the gradients FSDP offloads (powers of two)
+        gradients = pinned_model_bytes(shape, devices, 4, run.lora_rank, run.lora_targets, power_of_two=True)
         masters = pinned_model_bytes(shape, devices, dtype_bytes if run.lora_rank else 4)
-        masters += gradients if run.lora_rank else 0  # the adapters' float32 weights, pinned like their gradients
+        if run.lora_rank:  # the adapters' float32 weights
+            masters += pinned_model_bytes(shape, devices, 4, run.lora_rank, run.lora_targets)
     (host if settings.param_offload else resident)["master weights"] = masters
     optimizer = 8 * trainable / devices
     (host if settings.param_offload or settings.optimizer_offload else resident)["optimizer state"] = optimizer

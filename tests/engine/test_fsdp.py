@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from reinforge.engine.forward import response_log_probs
-from reinforge.engine.fsdp import clip_grad_norm_, shard_model
+from reinforge.engine.fsdp import (
+    SHARD_ALIGN,
+    clip_grad_norm_,
+    fsdp_params,
+    fsdp_units,
+    pin_offloaded_shards,
+    shard_model,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -169,3 +176,61 @@ def test_two_gloo_processes_update_like_one(tmp_path, share_prompts):
         torch.testing.assert_close(two["state"][name], tensor, atol=1e-6, rtol=1e-5, msg=name)
     initial = namespace["varlen_lm"](seed=4).state_dict()
     assert any(not torch.equal(initial[name], tensor) for name, tensor in one_state.items())
+
+
+def train_twice(model, batch):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        log_probs, _ = response_log_probs(model, batch, temperature=0.9)
+        (log_probs * batch["advantages"]).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [parameter.full_tensor().cpu() for parameter in model.parameters()]
+
+
+def test_offloaded_shards_moved_into_one_host_buffer_per_unit_train_as_before():
+    plain = varlen_lm(seed=6).train()
+    on_device = shard_model(copy.deepcopy(plain), torch.device("cpu"))
+    offloaded = shard_model(copy.deepcopy(plain), torch.device("cpu"), offload=True)
+    registered = []
+    for unit in fsdp_units(offloaded):
+        params = fsdp_params(unit)
+        expected = sum(-(-p._sharded_param_data.numel() * p._sharded_param_data.element_size() // SHARD_ALIGN)
+                       * SHARD_ALIGN for p in params)
+        assert pin_offloaded_shards(unit, lambda buffer: registered.append(buffer) or True) == expected
+        assert registered[-1].numel() == expected
+        assert {p._sharded_param_data.untyped_storage().data_ptr() for p in params} == {registered[-1].data_ptr()}
+        assert all(p.pin_memory for p in params)
+        for param in params:  # nothing pins on a CPU-only machine; FSDP would try to at its first forward
+            param.pin_memory = False
+    batch = make_rollout_batch(rows=5, seed=7)
+    for after, expected in zip(train_twice(offloaded, batch), train_twice(on_device, batch), strict=True):
+        torch.testing.assert_close(after, expected)
+
+
+def test_a_unit_whose_buffer_cannot_be_registered_is_left_to_fsdps_own_pinning():
+    model = shard_model(varlen_lm(seed=6), torch.device("cpu"), offload=True)
+    unit = fsdp_units(model)[0]
+    before = [p._sharded_param_data for p in fsdp_params(unit)]
+    assert pin_offloaded_shards(unit, lambda buffer: False) == 0
+    assert [p._sharded_param_data for p in fsdp_params(unit)] == before
+    assert all(p.pin_memory for p in fsdp_params(unit))
+
+
+@pytest.mark.gpu
+def test_offloaded_shards_are_pinned_at_their_exact_size_on_cuda():
+    device = torch.device("cuda")
+    plain = varlen_lm(seed=6).train()
+    on_device = shard_model(copy.deepcopy(plain).to(device), device)
+    offloaded = shard_model(copy.deepcopy(plain), device, offload=True)
+    for unit in fsdp_units(offloaded):
+        params = fsdp_params(unit)
+        assert len({p._sharded_param_data.untyped_storage().data_ptr() for p in params}) == 1
+        assert all(p._sharded_param_data.device.type == "cpu" and p._sharded_param_data.is_pinned() for p in params)
+    batch = make_rollout_batch(rows=5, seed=7).to(device)
+    for after, expected in zip(train_twice(offloaded, batch), train_twice(on_device, batch), strict=True):
+        torch.testing.assert_close(after, expected, atol=2e-2, rtol=2e-2)
+    for unit in fsdp_units(offloaded):  # still the same pinned buffer after FSDP's lazy initialisation
+        params = fsdp_params(unit)
+        assert len({p._sharded_param_data.untyped_storage().data_ptr() for p in params}) == 1
+        assert all(p._sharded_param_data.is_pinned() for p in params)
