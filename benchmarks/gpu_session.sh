@@ -30,6 +30,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  bw)  # after PART=pin: (1) host-to-device speed from each kind of pinned memory (7B LoRA's update ran 26.5 s with
+       # its shards in cudaHostRegister'd memory against 24.9-25.4 s in FSDP's own pinning); (2) the agent rollout on
+       # 128-512-token turns (71% once); (3) 0.5B and 1.5B with defaults (3.21-3.38 s; 1.5B 7.66 s, 8.43 s expandable)
+    timeout 120 python3 benchmarks/pinned_copy.py "$OUT/pinned_copy.json" >/tmp/pinned.log 2>&1
+    echo "pinned copy exit $?"; tail -n 5 /tmp/pinned.log
+    timeout 150 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --out "$OUT/agent_long.json" \
+      >/tmp/agent_long.log 2>&1
+    echo "agent rollout, 128-512 token turns, exit $?"; tail -n 16 /tmp/agent_long.log; cp /tmp/agent_long.log "$OUT/"
+    python3 benchmarks/scale.py --deadline-s 250 0.5b:0.5b:--steps,4 1.5b:1.5b:--steps,3
+    ;;
   pin)  # (1) every GPU test under expandable segments (new: offloaded shards pinned exactly, forward-only rows on CUDA);
         # (2) 7B LoRA at 40 GiB: host memory with exact pinning (27.9 GiB shared before, 14.5 planned now);
         # (3) 1.5B under expandable segments (7.66 s and 126.3 GiB allocated, 139 reserved, by default)
