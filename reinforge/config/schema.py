@@ -189,9 +189,9 @@ class ActorConfig(UpdateConfig):
     param_offload: Union[bool, str] = "auto"
     """Keep the FSDP-sharded parameters, gradients and optimizer state on the CPU (the step runs there); each
     layer's parameters are copied to the device for its forward and backward. Needs about 16 bytes of host
-    memory per parameter, and on a GPU up to twice that for weights and gradients, which are pinned and
-    rounded up to a power of two each (a 7B model does not fit 128 GB); optimizer_offload needs 12. auto: only
-    when the memory planner finds no plan that fits without it."""
+    memory per parameter, and on a GPU up to twice that for the gradients, which FSDP pins rounded up to a
+    power of two each (the weights are pinned at their size; a full 7B model needs about 139 GiB);
+    optimizer_offload needs 12. auto: only when the memory planner finds no plan that fits without it."""
     optimizer_offload: Union[bool, str] = "auto"
     """Keep the AdamW moments and a float32 master copy on the CPU, where the step runs (engine.offload), while
     parameters and gradients stay on the device: 12 bytes per parameter leave the device for 12 of host memory.
