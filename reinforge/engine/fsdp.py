@@ -101,6 +101,9 @@ def pin_offloaded_shards(unit: nn.Module, register: Callable[[Tensor], bool]) ->
         total += -(-data.numel() * data.element_size() // SHARD_ALIGN) * SHARD_ALIGN
     if not total:
         return 0
+    # A shared anonymous mapping (Python's default for mmap(-1, n)): a process forked later (reward workers)
+    # shares its pages instead of marking them copy-on-write, so the next write here cannot move a page
+    # away from the physical address the device copies from.
     buffer = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8)
     if not register(buffer):
         for param in params:  # FSDP's lazy initialisation pins what is not pinned yet
