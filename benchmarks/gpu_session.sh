@@ -3,6 +3,8 @@
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=alloc OUT=... bash benchmarks/gpu_session.sh   # tenth session: expandable segments against the default allocator; 7B LoRA's host memory split
 #   PART=alloc2 OUT=... bash benchmarks/gpu_session.sh  # GPU tests, 1.5B and 7B (80 GiB) under expandable segments
+#   PART=final OUT=... bash benchmarks/gpu_session.sh   # eleventh session: GPU tests; 1.5B with 8,192-token responses
+#   PART=bw OUT=... bash benchmarks/gpu_session.sh      # eleventh session: pinned copy speed; agent rollout; 0.5B, 1.5B
 #   PART=pin OUT=... bash benchmarks/gpu_session.sh     # eleventh session: GPU tests and 1.5B under expandable segments; 7B LoRA's
 #                                                       # host memory with offloaded shards pinned at their exact size
 #   PART=plan OUT=... bash benchmarks/gpu_session.sh    # the refitted planner's 1.5B default beside TRL; 0.5B; 1.5B decode profile
@@ -30,6 +32,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  final)  # the eleventh session's last call: the GPU tests at the final commit; 1.5B with 16 prompts x 8 samples
+          # and 8,192-token responses under today's planner (last measured 12-01, one step before a deadline)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests >/tmp/gpu_tests.log 2>&1
+    echo "GPU tests exit $?"; grep -E "passed|failed|Error" /tmp/gpu_tests.log | tail -n 6; cp /tmp/gpu_tests.log "$OUT/"
+    python3 benchmarks/scale.py --deadline-s 330 1.5b_8k:1.5b:--prompts,16,--response-tokens,8192,--steps,2
+    ;;
   bw)  # after PART=pin: (1) host-to-device speed from each kind of pinned memory (7B LoRA's update ran 26.5 s with
        # its shards in cudaHostRegister'd memory against 24.9-25.4 s in FSDP's own pinning); (2) the agent rollout on
        # 128-512-token turns (71% once); (3) 0.5B and 1.5B with defaults (3.21-3.38 s; 1.5B 7.66 s, 8.43 s expandable)
