@@ -39,6 +39,8 @@ def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]
             raise ValueError(f"{where} has extra_info.tools_kwargs of type {type(tools_kwargs).__name__}; it must map "
                              "each tool's name to {create_kwargs: {...}, execute_kwargs: {...}}")
         for tool_name, kwargs in (tools_kwargs or {}).items():
+            if kwargs is None:  # parquet struct columns give every row every tool's key: None means absent
+                continue
             parts = kwargs if isinstance(kwargs, dict) else None
             wrong = (f"is a {type(kwargs).__name__}" if parts is None else next(
                 (f"has {key}={parts[key]!r}" for key in ("create_kwargs", "execute_kwargs")

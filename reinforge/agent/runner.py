@@ -148,7 +148,47 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
                 "timing_s/agent_loop/slowest/prompt_length": float(len(slowest.prompt_ids)),
                 "timing_s/agent_loop/slowest/response_length": float(len(slowest.response_ids))}
     metrics |= _stats("agent/num_tool_calls", [output.metrics.get("num_tool_calls", 0.0) for output in outputs])
-    for name in ("tool_errors", "tool_calls_cut", "tool_response_truncated", "tool_overflow"):
+    for name in ("tool_errors", "tool_raised", "tool_calls_cut", "tool_response_truncated", "tool_overflow"):
         metrics[f"agent/{name}"] = sum(output.metrics.get(name, 0.0) for output in outputs)
     metrics["agent/budget_spent"] = float(sum(output.finish_reason == "length" for output in outputs))
     return metrics
+
+
+TOOL_FAILURE_STEPS = 3
+"""Rollouts in a row in which every tool call that reached a tool raised or timed out before the run stops."""
+TOOL_FAILURE_MIN_CALLS = 8
+"""A rollout with fewer such calls says nothing either way."""
+
+
+class ToolFailure(RuntimeError):
+    """Every tool call that reached a tool raised or timed out, rollout after rollout: the tool is broken, not the model."""
+
+
+def calls_reaching_tools(outputs: list[AgentLoopOutput]) -> tuple[int, int]:
+    """(tool calls that reached a tool, those of them that raised or timed out); malformed calls, unknown tools
+    and calls cut by max_parallel_calls reach none."""
+    raised = sum(output.metrics.get("tool_raised", 0.0) for output in outputs)
+    reached = sum(output.metrics.get("num_tool_calls", 0.0) - output.metrics.get("tool_errors", 0.0)
+                  - output.metrics.get("tool_calls_cut", 0.0) for output in outputs) + raised
+    return int(reached), int(raised)
+
+
+class ToolFailureCheck:
+    """Stops a run whose tools fail every call they get, ``TOOL_FAILURE_STEPS`` rollouts in a row (a tool may well
+    raise on a model's bad arguments now and then; one that never answers teaches nothing, and the run must not
+    go on to exit 0)."""
+
+    def __init__(self, tool_names: list[str]):
+        self.tool_names = tool_names
+        self.failed_in_a_row = 0
+
+    def __call__(self, outputs: list[AgentLoopOutput]) -> None:
+        reached, raised = calls_reaching_tools(outputs)
+        if reached < TOOL_FAILURE_MIN_CALLS:
+            return
+        self.failed_in_a_row = self.failed_in_a_row + 1 if raised == reached else 0
+        if self.failed_in_a_row >= TOOL_FAILURE_STEPS:
+            raise ToolFailure(f"every one of the {reached} tool calls of the last rollout that reached a tool raised or "
+                              f"timed out, as in the {self.failed_in_a_row - 1} rollouts before it (tools: "
+                              f"{', '.join(self.tool_names)}); the run learns nothing from this: fix the tool (the "
+                              "samples show its error messages) or raise rollout.multi_turn.tool_timeout_s")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from enum import Enum, auto
 from typing import Any
 
 from reinforge.agent.loop import AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
 from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
-from reinforge.agent.tools import BaseTool, ToolResult, ToolUnavailable
+from reinforge.agent.tools import BaseTool, ToolResult, ToolUnavailable, as_tool_result
 from reinforge.agent.turn_tokens import ToolTurnRenderer, truncate_tokens
 from reinforge.rollout.base import SamplingParams
 from reinforge.rollout.noise import sample_seed
@@ -34,6 +35,8 @@ class AgentState(Enum):
 
 
 TRUNCATION_NOTE = "...(truncated)..."
+REPLACEMENT_CHARACTER = "\ufffd"
+"""What a tokenizer decodes a cut multi-byte character to."""
 
 
 @register_agent_loop("tool_agent")
@@ -53,9 +56,10 @@ class ToolAgentLoop(AgentLoop):
         budget = sampling.max_tokens
         tools_kwargs = (row.get("extra_info") or {}).get("tools_kwargs") or {}
         trajectory = _Trajectory(prompt_ids)
-        instances: dict[str, str] = {}
+        instances: dict[str, asyncio.Future] = {}
         state, turn = AgentState.GENERATING, 0
         calls: list[ToolCall] = []
+        closing: list[int] = []
         try:
             while state is not AgentState.TERMINATED:
                 if state is AgentState.GENERATING:
@@ -68,6 +72,10 @@ class ToolAgentLoop(AgentLoop):
                                                        f"{row.get('request_id', '')}/{turn}")
                     trajectory.metrics["generate_sequences"] += time.perf_counter() - start
                     trajectory.append(completion.token_ids, completion.log_probs, sampled=True)
+                    eos_ids = self.renderer.encode(self.renderer.eos_text)
+                    # a turn stopped by a stop token other than the end-of-turn token (rollout.stop_token_ids) is
+                    # closed as the template closes it before the tool turn, so the stream stays the template's
+                    closing = [] if list(completion.token_ids[-len(eos_ids):]) == eos_ids else eos_ids
                     trajectory.assistant_turns += 1
                     turn += 1
                     calls = self.parser.parse(self.context.tokenizer.decode(completion.token_ids))
@@ -77,8 +85,8 @@ class ToolAgentLoop(AgentLoop):
                     start = time.perf_counter()
                     results = await self._run_calls(calls, tools_kwargs, instances, trajectory)
                     trajectory.metrics["tool_calls"] += time.perf_counter() - start
-                    increment = self.renderer.increment([{"role": "tool", "content": result.text}
-                                                         for result in results])
+                    increment = closing + self.renderer.increment([{"role": "tool", "content": result.text}
+                                                                   for result in results])
                     if len(trajectory.response_ids) + len(increment) >= budget:
                         trajectory.metrics["tool_overflow"] = 1.0
                         state, trajectory.finish_reason = AgentState.TERMINATED, "tool_overflow"
@@ -87,8 +95,10 @@ class ToolAgentLoop(AgentLoop):
                     trajectory.user_turns += 1
                     state = AgentState.GENERATING
         finally:
-            await asyncio.gather(*(self.context.tools[name].release(instance)
-                                   for name, instance in instances.items()), return_exceptions=True)
+            created = [(name, future.result()) for name, future in instances.items()
+                       if future.done() and not future.cancelled() and future.exception() is None]
+            await asyncio.gather(*(self.context.tools[name].release(instance) for name, instance in created),
+                                 return_exceptions=True)
         return trajectory.output()
 
     def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,
@@ -104,7 +114,7 @@ class ToolAgentLoop(AgentLoop):
             return AgentState.TERMINATED, finish_reason
         return AgentState.PROCESSING_TOOLS, finish_reason
 
-    async def _run_calls(self, calls: list[ToolCall], tools_kwargs: dict[str, Any], instances: dict[str, str],
+    async def _run_calls(self, calls: list[ToolCall], tools_kwargs: dict[str, Any], instances: dict[str, asyncio.Future],
                          trajectory: _Trajectory) -> list[ToolResult]:
         limit = self.context.config.max_parallel_calls
         run, cut = calls[:limit], calls[limit:]
@@ -117,6 +127,7 @@ class ToolAgentLoop(AgentLoop):
         for result in results:
             if result.metrics.get("tool_error"):
                 metrics["tool_errors"] += 1
+            metrics["tool_raised"] += result.metrics.get("tool_raised", 0.0)
             if result.reward is not None:
                 trajectory.tool_rewards.append(float(result.reward))
             text, was_cut = self._truncate(result.text)
@@ -124,7 +135,8 @@ class ToolAgentLoop(AgentLoop):
             truncated.append(ToolResult(text, result.reward, result.metrics))
         return truncated
 
-    async def _call(self, call: ToolCall, tools_kwargs: dict[str, Any], instances: dict[str, str]) -> ToolResult:
+    async def _call(self, call: ToolCall, tools_kwargs: dict[str, Any],
+                    instances: dict[str, asyncio.Future]) -> ToolResult:
         tools: dict[str, BaseTool] = self.context.tools
         if call.error is not None:
             return ToolResult(call.error, 0.0, {"tool_error": 1.0})
@@ -133,28 +145,45 @@ class ToolAgentLoop(AgentLoop):
             return ToolResult(f"Unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools))}.", 0.0,
                               {"tool_error": 1.0})
         kwargs = tools_kwargs.get(call.name) or {}
+        timeout = self.context.config.tool_timeout_s
         try:
-            if call.name not in instances:
-                instances[call.name] = await tool.create(**(kwargs.get("create_kwargs") or {}))
-            result = await tool.execute(instances[call.name], call.arguments, **(kwargs.get("execute_kwargs") or {}))
+            previous = instances.get(call.name)
+            if previous is None or (previous.done() and (previous.cancelled() or previous.exception() is not None)):
+                # one create per tool and trajectory, even when calls of the same tool run in parallel
+                instances[call.name] = asyncio.ensure_future(tool.create(**(kwargs.get("create_kwargs") or {})))
+            instance = await asyncio.shield(instances[call.name])
+            result = as_tool_result(await asyncio.wait_for(
+                tool.execute(instance, call.arguments, **(kwargs.get("execute_kwargs") or {})), timeout))
+            if result.reward is not None and not math.isfinite(result.reward):
+                raise ValueError(f"the tool returned a non-finite reward {result.reward}")
         except ToolUnavailable:
             raise  # the tool's service is gone: the rollout stops rather than train on error messages
+        except TimeoutError:
+            return ToolResult(f"Tool {call.name!r} did not answer within {timeout} s.", 0.0,
+                              {"tool_error": 1.0, "tool_raised": 1.0})
         except Exception as error:
             return ToolResult(f"Error running tool {call.name!r}: {type(error).__name__}: {error}", 0.0,
-                              {"tool_error": 1.0})
+                              {"tool_error": 1.0, "tool_raised": 1.0})
         return result
 
     def _truncate(self, text: str) -> tuple[str, bool]:
+        """The tool output cut to ``max_tool_response_length`` tokens on the configured side (the middle side's
+        note counts in them), with no half character left where it was cut."""
         config = self.context.config
         tokens = self.renderer.encode(text)
-        kept, was_cut = truncate_tokens(tokens, config.max_tool_response_length, config.tool_response_truncate_side)
-        if not was_cut:
+        limit, side = config.max_tool_response_length, config.tool_response_truncate_side
+        if len(tokens) <= limit:
             return text, False
         decode = self.context.tokenizer.decode
-        if config.tool_response_truncate_side == "middle":
-            head = (config.max_tool_response_length + 1) // 2
-            return decode(kept[:head]) + TRUNCATION_NOTE + decode(kept[head:]), True
-        return decode(kept), True
+        if side == "middle":
+            limit = max(limit - len(self.renderer.encode(TRUNCATION_NOTE)), 2)
+            kept, _ = truncate_tokens(tokens, limit, side)
+            head = (limit + 1) // 2
+            return (decode(kept[:head]).rstrip(REPLACEMENT_CHARACTER) + TRUNCATION_NOTE
+                    + decode(kept[head:]).lstrip(REPLACEMENT_CHARACTER)), True
+        kept, _ = truncate_tokens(tokens, limit, side)
+        cut = decode(kept)
+        return (cut.rstrip(REPLACEMENT_CHARACTER) if side == "right" else cut.lstrip(REPLACEMENT_CHARACTER)), True
 
 
 class _Trajectory:
@@ -169,7 +198,7 @@ class _Trajectory:
         self.finish_reason = "stop"
         self.metrics: dict[str, float] = {"generate_sequences": 0.0, "tool_calls": 0.0, "num_tool_calls": 0.0,
                                           "tool_errors": 0.0, "tool_calls_cut": 0.0, "tool_response_truncated": 0.0,
-                                          "tool_overflow": 0.0}
+                                          "tool_overflow": 0.0, "tool_raised": 0.0}
 
     def append(self, token_ids: list[int], log_probs: list[float], sampled: bool) -> None:
         self.response_ids += token_ids

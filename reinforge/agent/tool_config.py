@@ -81,15 +81,19 @@ def import_object(spec: str, where: str) -> Any:
         if module is None:
             module_spec = importlib.util.spec_from_file_location(module_name, file)
             module = importlib.util.module_from_spec(module_spec)
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as error:
+                raise ValueError(f"{where}: importing {file!r} for {spec!r} failed ({type(error).__name__}: "
+                                 f"{error}); fix the file or its dependencies") from None
             sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
     else:
         module_path, _, name = spec.rpartition(".")
         if not module_path:
             raise ValueError(f"{where}: {spec!r} is not a dotted path (package.module.Name) or file.py:Name")
         try:
             module = importlib.import_module(module_path)
-        except ImportError as error:
+        except Exception as error:  # ImportError, SyntaxError, or anything the module raises at import
             raise ValueError(f"{where}: cannot import {module_path!r} for {spec!r} ({error})") from None
     if not hasattr(module, name):
         raise ValueError(f"{where}: {spec!r} names nothing; the module has no {name!r}")

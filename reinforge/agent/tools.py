@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -76,7 +77,7 @@ def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
 def as_tool_result(value: Any) -> ToolResult:
     """A tool's return value as a ToolResult: text, (text, reward), (text, reward, metrics), a dict or a number."""
     if isinstance(value, ToolResult):
-        return value
+        return value if isinstance(value.text, str) else value._replace(text=_as_text(value.text))
     if isinstance(value, tuple) and 1 <= len(value) <= 3:
         text, reward, metrics = (*value, None, None)[:3]
         return ToolResult(_as_text(text), None if reward is None else float(reward), dict(metrics or {}))
@@ -114,11 +115,38 @@ class FunctionTool(BaseTool):
         self.function = function
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
-        if inspect.iscoroutinefunction(self.function):
-            value = await self.function(**arguments, **execute_kwargs)
-        else:
-            value = await asyncio.to_thread(self.function, **arguments, **execute_kwargs)
+        try:  # a tool's sys.exit() must not end the event loop (nor the run): it is a failed call like any other
+            if inspect.iscoroutinefunction(self.function):
+                value = await self.function(**arguments, **execute_kwargs)
+            else:
+                value = await _in_daemon_thread(self.function, **arguments, **execute_kwargs)
+        except SystemExit as error:
+            raise RuntimeError(f"the tool called exit({error.code})") from None
         return as_tool_result(value)
+
+
+async def _in_daemon_thread(function: Callable[..., Any], **kwargs: Any) -> Any:
+    """``function(**kwargs)`` in a daemon thread of its own: a call that never returns can be left behind at a
+    timeout (asyncio.to_thread's pool is joined when asyncio.run ends, and at exit, so one hung call hangs the run)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = function(**kwargs), None
+        except BaseException as raised:  # noqa: BLE001  (handed to the awaiting task)
+            value, error = None, raised
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has closed: nobody waits for this call any more
+            pass
+
+    threading.Thread(target=target, name=f"tool-{getattr(function, '__name__', 'call')}", daemon=True).start()
+    return await future
 
 
 def as_tool(item: BaseTool | Callable[..., Any]) -> BaseTool:

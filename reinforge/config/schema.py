@@ -228,6 +228,10 @@ class MultiTurnConfig:
     """Tool output is cut to this many tokens (verl counts characters)."""
     tool_response_truncate_side: str = "middle"
     """Which part of an overlong tool output goes: middle (keep both ends), left (keep the end), right (keep the start)."""
+    tool_timeout_s: Optional[float] = 300.0
+    """A tool's execute that takes longer is answered 'did not answer within N s' (reward 0) and counted as a tool
+    error, and the trajectory goes on; None: wait for ever. A plain function tool runs in a thread of its own, which
+    is left behind. Tools whose every call raises or times out for ``TOOL_FAILURE_STEPS`` steps in a row stop the run."""
 
 
 @dataclass

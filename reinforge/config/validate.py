@@ -162,6 +162,9 @@ def validate_config(config: Config) -> None:
             ("middle", "left", "right"))
     if multi_turn.max_parallel_calls < 1:
         raise ConfigError(f"rollout.multi_turn.max_parallel_calls={multi_turn.max_parallel_calls} must be at least 1")
+    if multi_turn.tool_timeout_s is not None and not multi_turn.tool_timeout_s > 0:
+        raise ConfigError(f"rollout.multi_turn.tool_timeout_s={multi_turn.tool_timeout_s} must be positive (seconds "
+                          "a tool call may take) or null (no limit)")
     if multi_turn.max_tool_response_length < 1:
         raise ConfigError(f"rollout.multi_turn.max_tool_response_length={multi_turn.max_tool_response_length} "
                           "must be at least 1 token")

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from reinforge.agent import AgentRunner, AsyncEngineClient, BatchingClient, agent_metrics, load_tools
+from reinforge.agent.runner import ToolFailureCheck
 from reinforge.algorithms import ADVANTAGE_ESTIMATORS
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
@@ -154,6 +155,7 @@ class ActorRolloutWorker(Worker):
                        else self._build_engine(self.rollout_model))
         self.agent_runner = AgentRunner(self.tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
                                         config.data.chat_template)
+        self.tool_failure_check = ToolFailureCheck(sorted(self.agent_runner.tools))
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
         self.model.train()
         num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
@@ -300,6 +302,7 @@ class ActorRolloutWorker(Worker):
                 outputs = run()
         if not self.engine.reads_model_in_place:
             outputs = run()
+        self.tool_failure_check(outputs)
         output = agent_output_batch(outputs, batch["input_ids"].shape[1], sampling.max_tokens,
                                     self.tokenizer.pad_token_id)
         num_sampled = float(sum(sum(output.response_mask) for output in outputs))
@@ -394,6 +397,7 @@ class ActorRolloutWorker(Worker):
         self.engine = self._build_engine(self.model)
         self.agent_runner = AgentRunner(self.tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
                                         config.data.chat_template)
+        self.tool_failure_check = ToolFailureCheck(sorted(self.agent_runner.tools))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def rollout_weights(self) -> dict[str, torch.Tensor] | None:

@@ -131,12 +131,23 @@ def test_one_budget_covers_model_and_tool_tokens(chatml_tokenizer, scripted_clie
 
 def test_tool_output_is_cut_in_tokens_on_the_chosen_side(chatml_tokenizer, scripted_client):
     long_text = "".join(chr(ord("a") + i % 26) for i in range(100))
-    for side, kept in (("right", long_text[:10]), ("left", long_text[-10:]),
-                       ("middle", long_text[:5] + "...(truncated)..." + long_text[-5:])):
+    # the middle side's note (17 tokens of this byte-level tokenizer) counts in the limit: 27 keep 5 + 5
+    for side, limit, kept in (("right", 10, long_text[:10]), ("left", 10, long_text[-10:]),
+                              ("middle", 27, long_text[:5] + "...(truncated)..." + long_text[-5:])):
         output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("echo", text=long_text), "done"]),
-                     MultiTurnConfig(max_tool_response_length=10, tool_response_truncate_side=side))
+                     MultiTurnConfig(max_tool_response_length=limit, tool_response_truncate_side=side))
         assert f"<tool_response>\n{kept}\n</tool_response>" in tool_texts(chatml_tokenizer, output)
         assert output.metrics["tool_response_truncated"] == 1
+
+
+def test_a_cut_through_a_multi_byte_character_leaves_no_half_of_it(chatml_tokenizer, scripted_client):
+    text = "\u00e9" * 50  # two bytes, two tokens each
+    assert len(chatml_tokenizer.encode(text, add_special_tokens=False)) == 100
+    for side, limit, kept in (("right", 11, "\u00e9" * 5), ("left", 11, "\u00e9" * 5),
+                              ("middle", 28, "\u00e9" * 3 + "...(truncated)..." + "\u00e9" * 2)):
+        output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("echo", text=text), "done"]),
+                     MultiTurnConfig(max_tool_response_length=limit, tool_response_truncate_side=side))
+        assert f"<tool_response>\n{kept}\n</tool_response>" in tool_texts(chatml_tokenizer, output), side
 
 
 def test_row_tools_kwargs_reach_create_and_execute_and_rewards_are_kept(chatml_tokenizer, scripted_client):
@@ -157,3 +168,102 @@ def test_turn_seeds_differ_and_follow_the_trajectory_seed(chatml_tokenizer, scri
     run(chatml_tokenizer, client)
     seeds = [sampling.seed for sampling in client.samplings]
     assert len(set(seeds)) == 2 and all(seed is not None for seed in seeds)
+
+
+class Verl(BaseTool):
+    """Returns verl's (text, reward, metrics) tuple; a number as text on request; NaN rewards on request."""
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        if arguments.get("nan"):
+            return "x", float("nan"), {}
+        return (123 if arguments.get("number") else "tuple ok"), 0.25, {"seen": 1.0}
+
+
+VERL_SCHEMA = {"type": "function", "function": {"name": "verl", "description": "verl-style",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_tool_may_return_verls_tuple_and_a_non_finite_reward_is_a_tool_error(chatml_tokenizer, scripted_client):
+    tools = {"verl": Verl({}, VERL_SCHEMA)}
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("verl"), call("verl", number=True),
+                                                                      call("verl", nan=True), "done"]), tools=tools)
+    text = tool_texts(chatml_tokenizer, output)
+    assert "tuple ok" in text and "<tool_response>\n123\n</tool_response>" in text
+    assert "non-finite reward nan" in text
+    assert output.extra["tool_rewards"] == [0.25, 0.25, 0.0]
+    assert output.metrics["tool_errors"] == 1 and output.metrics["tool_raised"] == 1
+
+
+def hangs(text: str) -> str:
+    """Never answers in time.
+
+    Args:
+        text: Ignored.
+    """
+    import time
+
+    time.sleep(30)
+    return text
+
+
+def test_a_tool_that_does_not_answer_in_time_is_answered_for_and_the_run_does_not_wait(chatml_tokenizer,
+                                                                                        scripted_client):
+    import time
+
+    start = time.perf_counter()
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("hangs", text="a"), "done"]),
+                 MultiTurnConfig(tool_timeout_s=0.3), tools={"hangs": FunctionTool(hangs)})
+    assert time.perf_counter() - start < 10  # asyncio.run returned without joining the tool's thread
+    assert "Tool 'hangs' did not answer within 0.3 s." in tool_texts(chatml_tokenizer, output)
+    assert output.metrics["tool_raised"] == 1 and output.finish_reason == "stop"
+
+
+class Counted(BaseTool):
+    created = 0
+    released = 0
+
+    async def create(self, instance_id=None, **create_kwargs):
+        await asyncio.sleep(0.05)  # calls of one turn all ask for the instance meanwhile
+        Counted.created += 1
+        return await super().create(instance_id)
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        return ToolResult(instance_id)
+
+    async def release(self, instance_id):
+        Counted.released += 1
+
+
+def test_parallel_calls_of_one_tool_share_one_instance(chatml_tokenizer, scripted_client):
+    Counted.created = Counted.released = 0
+    schema = {"type": "function", "function": {"name": "counted", "description": "c",
+                                                "parameters": {"type": "object", "properties": {}}}}
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("counted") * 3, "done"]),
+                 MultiTurnConfig(max_parallel_calls=3), tools={"counted": Counted({}, schema)})
+    assert output.metrics["num_tool_calls"] == 3
+    assert Counted.created == 1 and Counted.released == 1
+
+
+class StopsAtToolCall:
+    """A client whose turns end at a stop token (rollout.stop_token_ids), not at the end-of-turn token."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns = tokenizer, list(turns)
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        from reinforge.rollout.base import Completion
+
+        ids = list(self.tokenizer(self.turns.pop(0), add_special_tokens=False)["input_ids"])
+        return Completion(ids, [-0.5] * len(ids), "stop")
+
+
+def test_a_turn_ended_by_a_stop_token_is_closed_as_the_template_closes_it(chatml_tokenizer):
+    output = run(chatml_tokenizer, StopsAtToolCall(chatml_tokenizer, [call("echo", text="hi"), "done"]))
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": call("echo", text="hi")},
+                {"role": "tool", "content": "hi"}, {"role": "assistant", "content": "done"}]
+    whole = chatml_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    stream = output.prompt_ids + output.response_ids
+    assert stream == list(whole)[:len(stream)]  # the last turn ends at "done" (no end-of-turn sampled)
+    eos = chatml_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    first_eos = output.response_ids.index(eos)
+    assert output.response_mask[first_eos] == 0  # the closing token was not sampled

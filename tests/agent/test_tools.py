@@ -149,3 +149,46 @@ def test_an_unknown_tool_call_format_is_refused_before_training_even_without_too
     with pytest.raises(ValueError, match=r"rollout.multi_turn.format='xml_calls' is not a known tool-call format; "
                                          r"known: .*hermes"):
         check_tools("xml_calls", {})
+
+
+def test_a_tool_file_that_fails_to_import_names_the_config_entry(tmp_path):
+    broken = tmp_path / "broken_tools.py"
+    broken.write_text("def add(a: int) -> str\n    return a\n")
+    config = tmp_path / "tools.yaml"
+    config.write_text(f"tools:\n  - class_name: {broken}:add\n")
+    with pytest.raises(ValueError, match=r"tool 0 of .*tools.yaml.*importing .*broken_tools.py.* failed \(SyntaxError") \
+            as raised:
+        load_tool_config(config)
+    assert "\n" not in str(raised.value)
+    import sys
+
+    assert not any(getattr(module, "__file__", None) == str(broken) for module in list(sys.modules.values()))
+
+
+def test_rows_may_carry_none_for_the_tools_they_do_not_use():
+    """Parquet gives every row every tool's key of a struct column, None where a row does not use the tool."""
+    from reinforge.agent import check_agent_rows
+
+    check_agent_rows([("train row 0", "tool_agent", {"tools_kwargs": {"multiply": {"execute_kwargs": {"a": 1}},
+                                                                       "other": None}})],
+                     {"multiply": FunctionTool(multiply)})
+
+
+def test_tools_that_fail_every_call_stop_the_run_after_some_rollouts():
+    from reinforge.agent.loop import AgentLoopOutput
+    from reinforge.agent.runner import TOOL_FAILURE_STEPS, ToolFailure, ToolFailureCheck
+
+    def rollout(raised: int, calls: int = 10, malformed: int = 0):
+        metrics = {"num_tool_calls": float(calls + malformed), "tool_errors": float(raised + malformed),
+                   "tool_raised": float(raised)}
+        return [AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_log_probs=[0.0],
+                                num_turns=2, metrics=metrics)]
+
+    check = ToolFailureCheck(["calc"])
+    check(rollout(raised=10))
+    check(rollout(raised=9))  # one call answered: the count starts again
+    check(rollout(raised=3, calls=3))  # too few calls to say
+    for _ in range(TOOL_FAILURE_STEPS - 1):
+        check(rollout(raised=10, malformed=5))  # malformed calls never reached the tool
+    with pytest.raises(ToolFailure, match=r"every one of the 10 tool calls .* \(tools: calc\)"):
+        check(rollout(raised=10))
