@@ -105,7 +105,12 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
                 inner, value = next(iter(value.items()))
                 dotted = f"{dotted}.{inner}"
 
+            section, _, leaf = dotted.rpartition(".")
+            siblings = [key.rpartition(".")[2] for key in known if key.rpartition(".")[0] == section]
+            sibling = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)
             hint = verl_hint(dotted, value) or verl_leaf_hint(dotted)
+            if sibling and (hint is None or "has no equivalent" in hint):  # a typo, not verl's Megatron key
+                hint = f"did you mean {section}.{sibling[0]}?"
             if hint is None:
                 close = suggest_key(dotted, known)
                 hint = f"did you mean {close}?" if close else "the valid keys are in reinforge/config/defaults.yaml"

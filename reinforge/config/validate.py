@@ -57,8 +57,8 @@ def validate_sample_limits(data: DataConfig | SFTDataConfig) -> None:
 
 def validate_optim(prefix: str, optim: OptimConfig) -> None:
     """Learning rate, warmup and schedule of the optimizer section at ``prefix`` (actor.optim, optim, ...)."""
-    if not optim.lr >= 0:  # also nan
-        problem = "is negative" if optim.lr < 0 else "is not a number"
+    if not 0 <= optim.lr < float("inf"):  # also nan
+        problem = "is negative" if optim.lr < 0 else "is not a number" if optim.lr != optim.lr else "is infinite"
         raise ConfigError(f"{prefix}.lr={optim.lr} {problem}; a learning rate is >= 0 (e.g. 1e-6)")
     if optim.warmup_steps < 0:
         raise ConfigError(f"{prefix}.warmup_steps={optim.warmup_steps} must be >= 0")
@@ -229,6 +229,9 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"rollout.top_p={rollout.top_p} must be in (0, 1]")
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
+    for key in ("nnodes", "devices_per_node"):
+        if getattr(trainer, key) < 1:
+            raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be at least 1")
     num_devices = trainer.nnodes * trainer.devices_per_node
     if trainer.backend == "local" and num_devices > 1:
         raise ConfigError(f"trainer.backend=local runs every worker in this process on one device, but "
@@ -239,7 +242,7 @@ def validate_config(config: Config) -> None:
     if lora.rank > 0 and not lora.target_modules:
         raise ConfigError("model.lora.target_modules is empty; name the linear layers that get adapters, "
                           "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
-    if lora.rank > 0 and lora.alpha <= 0:
+    if lora.rank > 0 and not 0 < lora.alpha < float("inf"):  # also nan
         raise ConfigError(f"model.lora.alpha={lora.alpha} scales the adapters' output by alpha / rank, so they would "
                           "change nothing and learn nothing; set a positive alpha (e.g. 2 x model.lora.rank)")
     if not 0.0 <= lora.dropout < 1.0:
@@ -298,7 +301,7 @@ def _check_memory_settings(config: Config) -> None:
                           "memory planner size the KV cache")
     for key in ("gpu_memory_gib", "host_memory_gib"):
         value = getattr(config.trainer, key)
-        if value is not None and not value > 0:
+        if value is not None and not 0 < value < float("inf"):
             raise ConfigError(f"trainer.{key}={value} must be a positive number of GiB (or null: the machine's own)")
 
 

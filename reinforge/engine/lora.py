@@ -41,7 +41,9 @@ ADAPTER_NAME = "default"
 def _peft_config(config: LoraConfig, base_model_path: str = ""):
     from peft import LoraConfig as PeftLoraConfig
 
-    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules),
+    targets = list(config.target_modules)
+    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha,
+                          target_modules="all-linear" if targets == ["all-linear"] else targets,
                           lora_dropout=config.dropout, bias="none", task_type="CAUSAL_LM",
                           base_model_name_or_path=base_model_path or None)
 
@@ -89,7 +91,13 @@ def check_target_modules(config: LoraConfig, model_path: str) -> None:
     targets = list(config.target_modules)
     if linears is None or "all-linear" in targets:
         return
-    if not any(name.rsplit(".", 1)[-1] in linears for name in targets):
+    unknown = [name for name in targets if name.rsplit(".", 1)[-1] not in linears]
+    if unknown and len(unknown) < len(targets):  # peft ignores them: a typo would silently adapt fewer layers
+        import logging
+
+        logging.getLogger(__name__).warning("model.lora.target_modules names %s, no linear layer of a %s model; "
+                                            "peft ignores it (use some of %s)", unknown, model_type, ", ".join(linears))
+    if len(unknown) == len(targets):
         raise ValueError(f"model.lora.target_modules={targets} names no linear layer of a {model_type} model; "
                          f"use some of {', '.join(linears)}")
 

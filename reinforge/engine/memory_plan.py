@@ -117,10 +117,24 @@ class ModelShape:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
                                   "intermediate_size, vocab_size)") from None
+        except MemoryPlanError:
+            raise
+        except ZeroDivisionError:
+            raise MemoryPlanError("the model's config.json gives num_attention_heads=0; the planner needs positive "
+                                  "sizes (is model.path the right model?)") from None
         except (TypeError, ValueError, AttributeError) as error:
             raise MemoryPlanError(f"the model's config.json has a size that is not a whole number ({error}); the planner "
                                   "needs integer hidden_size, num_hidden_layers, num_attention_heads, intermediate_size "
                                   "and vocab_size") from None
+
+    def __post_init__(self) -> None:
+        keys = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+                "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+                "intermediate_size": "intermediate_size"}
+        for name, key in keys.items():
+            if getattr(self, name) < 1:
+                raise MemoryPlanError(f"the model's config.json gives {key}={getattr(self, name)}; the planner needs "
+                                      "positive sizes (is model.path the right model?)")
 
     @classmethod
     def from_model_path(cls, path: str) -> ModelShape:
@@ -471,7 +485,7 @@ def _config_value(name: str, value: Any) -> Any:
 
 
 def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float,
-                host_bytes: float) -> MemoryPlan:
+                host_bytes: float, forced: frozenset[str] = frozenset()) -> MemoryPlan:
     """The fastest settings that fit; ``given`` holds the settings a user set (by ``Settings`` field name).
 
     Every combination of the ``auto`` settings' values is estimated (a few thousand sums) and the one
@@ -480,7 +494,7 @@ def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_byt
     best, closest = _search(shape, run, given, gpu_bytes, host_bytes)
     if best is not None:
         return best
-    raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes))
+    raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes, forced))
 
 
 def _search(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float,
@@ -514,7 +528,7 @@ def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str,
 
 
 def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str, Any], gpu_bytes: float,
-             host_bytes: float) -> str:
+             host_bytes: float, forced: frozenset[str] = frozenset()) -> str:
     phase, peak = plan.peak
     if peak > plan.gpu_budget:
         where = (f"needs {peak / GiB:.1f} GiB per device at its {phase} peak but {plan.gpu_budget / GiB:.1f} GiB "
@@ -524,8 +538,9 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
         where = (f"needs {plan.host_total / GiB:.1f} GiB of host memory but {plan.host_budget / GiB:.1f} GiB are "
                  f"usable ({host_items})")
     fixes = []
-    if given and _fits(shape, run, {}, gpu_bytes, host_bytes):
-        fixes.append("set " + ", ".join(f"{SETTING_KEYS[name]}=auto" for name in given))
+    user_set = [name for name in given if name not in forced]
+    if user_set and _fits(shape, run, {name: given[name] for name in forced}, gpu_bytes, host_bytes):
+        fixes.append("set " + ", ".join(f"{SETTING_KEYS[name]}=auto" for name in user_set))
     if not fixes:
         options = [("model.lora.rank=32", dataclasses.replace(run, lora_rank=32)),
                    (f"data.max_response_length={run.response_length // 2}",

@@ -45,6 +45,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
         raise FileExistsError(f"{out} already exists and is not empty; pick an empty folder or pass --force to "
                               "write over it")
     folder = resolve_checkpoint(checkpoint)
+    source, target = folder.resolve(), out.resolve()
+    if source == target or source.is_relative_to(target) or target.is_relative_to(source):
+        raise FileExistsError(f"{out} holds (or is inside) the checkpoint {folder} being exported; "
+                              "write the model to a folder outside the run")
     hf_folder = folder / "hf"
     state_file = folder / "actor_state.pt"
     if not (hf_folder / "config.json").is_file() or not state_file.is_file():

@@ -28,6 +28,21 @@ from reinforge.trainer.run_folder import RunLock, check_resumed_settings
 
 logger = logging.getLogger(__name__)
 
+STALLED_STEPS = 3
+"""Training steps in a row whose every optimizer step was skipped (a gradient norm not finite) before a run stops."""
+
+
+class TrainingStalled(RuntimeError):
+    """Every optimizer step of several training steps in a row was skipped: the weights no longer change."""
+
+
+def all_updates_skipped(metrics: dict[str, Any]) -> list[str]:
+    """The roles (actor, critic, train) whose optimizer skipped every step of this training step: their mean
+    finite gradient norm is NaN because none was finite."""
+    return [key.rsplit("/", 1)[0] for key, value in metrics.items()
+            if key.endswith("/grad_norm") and isinstance(value, float) and value != value
+            and metrics.get(key.rsplit("/", 1)[0] + "/num_skipped_steps", 1.0) > 0]
+
 
 class TrainingRun:
     config: Any
@@ -113,6 +128,7 @@ class TrainingRun:
             last_metrics = self.validate()
             if last_metrics:
                 self.tracker.log(last_metrics, step=0)
+        stalled = 0
         with self.tracker.progress(self.total_steps, initial=self.step) as progress:
             while self.step < self.total_steps:
                 metrics = self.train_step(next_batch())
@@ -127,6 +143,14 @@ class TrainingRun:
                 if save_every > 0 and self.step % save_every == 0 or is_last:
                     self.save()
                 last_metrics = metrics
+                roles = all_updates_skipped(metrics)
+                stalled = stalled + 1 if roles else 0
+                if stalled >= STALLED_STEPS:
+                    raise TrainingStalled(
+                        f"steps {self.step - stalled + 1}-{self.step}: every optimizer step of {', '.join(roles)} was "
+                        "skipped because the gradient norm was not finite, so the weights no longer change (the "
+                        f"metrics and checkpoints so far are in {self.run_dir}); look for NaN or inf in the loss and "
+                        "the weights: lower the learning rate, or check the rewards and model.lora.alpha")
         return last_metrics
 
     def logged_metrics(self, step: int) -> dict[str, float]:

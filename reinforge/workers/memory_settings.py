@@ -99,6 +99,11 @@ def given_settings(config: Config, num_layers: int) -> dict[str, Any]:
         elif name == "keep_rollout_memory":
             value = not value
         given[name] = value
+    on_cpu = config.trainer.device == "cpu" or (config.trainer.device == "auto" and not torch.cuda.is_available()
+                                                and config.trainer.gpu_memory_gib is None)
+    if on_cpu:  # the device is host memory: moving state to the host frees nothing
+        for name in ("optimizer_offload", "param_offload", "ref_offload"):
+            given.setdefault(name, False)
     if config.rollout.name != "native":
         given.setdefault("keep_rollout_memory", False)  # only the native engine keeps memory between rollouts
     return given
@@ -119,7 +124,9 @@ def _plan(config: Config, gpu_bytes: float, host_bytes: float | None = None) -> 
     shape, run = ModelShape.from_model_path(config.model.path), run_shape(config)
     if host_bytes is None:
         host_bytes = config.trainer.host_memory_gib * GiB if config.trainer.host_memory_gib else host_memory_bytes()
-    return shape, run, plan_memory(shape, run, given_settings(config, shape.num_layers), gpu_bytes, host_bytes)
+    given = given_settings(config, shape.num_layers)
+    forced = frozenset(name for name in given if _setting(config, SETTING_KEYS[name]) == AUTO)
+    return shape, run, plan_memory(shape, run, given, gpu_bytes, host_bytes, forced)
 
 
 def memory_plan(config: Config, gpu_bytes: float | None = None, host_bytes: float | None = None) -> MemoryPlan:

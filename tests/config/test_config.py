@@ -234,3 +234,22 @@ def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
 def test_a_value_ending_in_a_colon_stays_text():
     config = load_config(None, ["reward.custom_function=rewards.py:", "trainer.experiment_name=a: b: c"], validate=False)
     assert config.reward.custom_function == "rewards.py:" and config.trainer.experiment_name == "a: b: c"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.optim.lr=inf", r"actor.optim.lr=inf is infinite"),
+    ("actor.optim.lr=nan", r"actor.optim.lr=nan is not a number"),
+    ("model.lora.alpha=nan", r"model.lora.alpha=nan scales"),
+    ("trainer.devices_per_node=0", r"trainer.devices_per_node=0 must be at least 1"),
+    ("trainer.gpu_memory_gib=inf", r"trainer.gpu_memory_gib=inf must be a positive number"),
+])
+def test_values_that_would_train_nothing_or_divide_by_zero_are_refused(override, message):
+    from reinforge.config.validate import validate_config
+
+    with pytest.raises(ConfigError, match=message):  # some at loading, the rest when the run validates
+        validate_config(load_config(None, ["model.lora.rank=8", override]))
+
+
+def test_a_typo_under_a_section_verl_also_has_is_a_typo_not_a_verl_key():
+    with pytest.raises(ConfigError, match=r"model.lora.alph \(command line\); did you mean model.lora.alpha\?"):
+        load_config(None, ["model.lora.alph=3"])

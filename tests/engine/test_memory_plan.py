@@ -414,3 +414,11 @@ def test_reinforge_bench_train_refuses_sizes_that_are_no_sizes(args, message, ca
         parse_args(args)
     assert message in capsys.readouterr().err
     assert parse_args(["--lora", "0", "--steps", "2"]).lora == 0
+
+
+@pytest.mark.parametrize("key, value", [("num_attention_heads", 0), ("num_hidden_layers", 0), ("hidden_size", -1536)])
+def test_sizes_below_one_in_config_json_are_refused(key, value):
+    sizes = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96) | {key: value}
+    with pytest.raises(MemoryPlanError, match=rf"config.json gives {key}={value}"):
+        ModelShape.from_hf_config(sizes)

@@ -229,3 +229,24 @@ def test_the_command_exits_cleanly(tiny_model_dir, arithmetic_data_dir, tmp_path
     finished = subprocess.run(_train_command(args), capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert "terminate called" not in finished.stderr
+
+
+def test_a_run_whose_every_optimizer_step_is_skipped_stops_and_does_not_exit_0(tiny_model_dir, arithmetic_data_dir,
+                                                                                tmp_path, monkeypatch, capsys):
+    """Gradients that are never finite (NaN weights, an infinite learning rate's first step) leave the weights as
+    they are; the run stops after a few such steps with one line instead of training on to exit 0."""
+    import torch
+
+    from reinforge.engine import train_step
+    from reinforge.trainer.run_loop import STALLED_STEPS
+
+    monkeypatch.setattr(train_step, "clip_grad_norm_", lambda parameters, max_norm: torch.tensor(float("nan")))
+    run_dir = tmp_path / "run"
+    args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "trainer.total_steps": STALLED_STEPS + 2, "reward.num_workers": 0})
+    assert main(["train", *args]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: ") and f"steps 1-{STALLED_STEPS}: every optimizer step of actor was skipped" in error
+    rows = read_metrics(run_dir)
+    assert [row["step"] for row in rows] == list(range(1, STALLED_STEPS + 1))  # what was logged stays
+    assert all(math.isnan(row["actor/grad_norm"]) for row in rows)

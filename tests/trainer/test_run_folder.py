@@ -119,6 +119,10 @@ def test_export_refuses_a_non_empty_folder_unless_forced(rl_args, tmp_path, caps
     capsys.readouterr()
     assert main(["export", str(run_dir), str(tmp_path / "model.bin")]) == 2
     assert "model.bin is a file, not a folder" in capsys.readouterr().err
+    for inside in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step_000001" / "merged"):
+        assert main(["export", str(run_dir), str(inside), "--force"]) == 2  # it would delete what it exports
+        assert "being exported" in capsys.readouterr().err
+    assert (run_dir / "checkpoints" / "step_000001" / "actor_state.pt").is_file()
 
 
 ALWAYS_RAISES = '''
@@ -163,3 +167,15 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_temporary_fol
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: no space left on device while writing ") and "actor_state.pt" in last
     assert not [path.name for path in (run_dir / "checkpoints").iterdir()]  # no temporary folder, no checkpoint
+
+
+def test_a_resumed_lora_run_may_not_change_its_adapters_shape(tmp_path):
+    from reinforge.trainer.rl_trainer import RESUME_REFUSES
+    from reinforge.trainer.run_folder import check_resumed_settings
+
+    old = {"model": {"lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}}}
+    for change in ({"rank": 16}, {"target_modules": ["q_proj"]}):
+        new = {"model": {"lora": old["model"]["lora"] | change}}
+        with pytest.raises(ValueError, match=rf"changed settings it cannot take: model.lora.{next(iter(change))}:"):
+            check_resumed_settings(old, new, RESUME_REFUSES, tmp_path)
+    check_resumed_settings(old, {"model": {"lora": old["model"]["lora"] | {"alpha": 32}}}, RESUME_REFUSES, tmp_path)
