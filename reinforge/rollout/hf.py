@@ -54,6 +54,33 @@ class _SeededSampler(LogitsProcessor):
         return torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(keys, scaled.shape[1]), -math.inf)
 
 
+class _TokenLogProbs(LogitsProcessor):
+    """Each sampled token's log-prob (log-softmax of the step's scores at ``scale``), without keeping every step's
+    logits: ``generate(output_logits=True)`` holds rows x new tokens x vocabulary logits (159 GB for 256 rows of
+    2,048 tokens of a 152k vocabulary), this only one step's. A step's call reads the token the step before
+    sampled (the last column of its input ids) from that step's log-softmax; ``finish`` reads the last token.
+    It sees the scores after transformers' own non-sampling processors (with ``ignore_eos``, min_new_tokens has
+    masked the end-of-sequence token, which the samples then cannot contain either)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.previous: Tensor | None = None
+        self.columns: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.previous is not None:
+            self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float() / self.scale, dim=-1)
+        return scores
+
+    def finish(self, sequences: Tensor) -> Tensor:
+        """(rows, new tokens) log-probs, once generate has returned its ``sequences``."""
+        if self.previous is not None:
+            self.columns.append(self.previous.gather(-1, sequences[:, -1:].to(self.previous.device)).squeeze(-1))
+            self.previous = None
+        return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(len(sequences), 0)
+
+
 class HFEngine:
     reads_model_in_place = True
     """``generate`` runs on the training module itself."""
@@ -109,12 +136,13 @@ class HFEngine:
             num_return_sequences=sampling.n,
             pad_token_id=self.pad_token_id,
             eos_token_id=None if sampling.ignore_eos else stop_ids,
-            output_logits=True,
             return_dict_in_generate=True,
             use_cache=True,
         )
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
+        recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature)
+        kwargs["logits_processor"] = LogitsProcessorList([recorder])  # before transformers' own sampling warpers
         if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
             sample_seeds = [sample_seed(seed, first + sample) for seed, first in seeds for sample in range(sampling.n)]
             prompt_lengths = [len(prompt) for prompt in prompts for _ in range(sampling.n)]
@@ -123,7 +151,7 @@ class HFEngine:
             attention_mask = attention_mask.repeat_interleave(sampling.n, dim=0)
             sampler = _SeededSampler(sample_seeds, prompt_lengths, longest, sampling)
             kwargs.update(do_sample=False, num_return_sequences=1, temperature=None, top_p=None, top_k=None,
-                          logits_processor=LogitsProcessorList([sampler]))
+                          logits_processor=LogitsProcessorList([recorder, sampler]))
         elif not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k if sampling.top_k > 0 else None,
@@ -139,10 +167,7 @@ class HFEngine:
         finally:
             self.model.train(was_training)
         generated = output.sequences[:, longest:].cpu()
-        logits = torch.stack(output.logits, dim=1).float() if output.logits else torch.zeros(len(generated), 0, 1)
-        scale = 1.0 if sampling.greedy else sampling.temperature
-        log_probs = torch.log_softmax(logits / scale, dim=-1)
-        token_log_probs = log_probs.gather(-1, generated.to(log_probs.device).unsqueeze(-1)).squeeze(-1).cpu()
+        token_log_probs = recorder.finish(output.sequences) if generated.shape[1] else torch.zeros(len(generated), 0)
         completions: list[list[Completion]] = []
         stop_set = set(stop_ids)
         for row in range(len(prompts)):
