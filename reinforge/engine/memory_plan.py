@@ -140,8 +140,7 @@ class ModelShape:
     def from_model_path(cls, path: str) -> ModelShape:
         file = Path(path).expanduser() / "config.json"
         if not file.is_file():
-            raise MemoryPlanError(f"{file} does not exist; the memory planner reads the model's config.json "
-                                  "(model.path must be a local model folder)")
+            file = _hub_config(path, file)
         try:
             config = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -282,6 +281,23 @@ SETTING_KEYS = {
     "param_offload": "actor.param_offload",
     "ref_offload": "ref.param_offload",
 }
+
+
+def _hub_config(path: str, local: Path) -> Path:
+    """config.json of a hub id (``org/name``) through huggingface_hub's cache, as transformers would load the model;
+    a path that is no local folder and no reachable hub id gets one line."""
+    fetched, why = None, "no local folder of that name"
+    if not Path(path).expanduser().exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import hf_hub_download
+
+            fetched = Path(hf_hub_download(path, "config.json"))
+        except Exception as error:  # offline, unknown repo, gated: the user needs the one line below
+            why = f"no local folder, and the hub did not give its config.json: {type(error).__name__}"
+    if fetched is None:
+        raise MemoryPlanError(f"{local} does not exist ({why}); the memory planner reads the model's config.json, so "
+                              "model.path must be a model folder or a reachable hub id")
+    return fetched
 
 
 @functools.lru_cache(maxsize=4096)

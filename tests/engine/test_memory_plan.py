@@ -422,3 +422,14 @@ def test_sizes_below_one_in_config_json_are_refused(key, value):
                  intermediate_size=96) | {key: value}
     with pytest.raises(MemoryPlanError, match=rf"config.json gives {key}={value}"):
         ModelShape.from_hf_config(sizes)
+
+
+def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(MemoryPlanError, match=r"Qwen/Qwen2.5-0.5B/config.json does not exist \(no local folder, and "
+                                              r"the hub did not give its config.json: \w+\); .* or a reachable hub id"):
+        ModelShape.from_model_path("Qwen/Qwen2.5-0.5B")
+    with pytest.raises(MemoryPlanError, match=r"no local folder of that name"):
+        ModelShape.from_model_path(str(tmp_path / "nope"))
