@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 from enum import Enum, auto
@@ -33,6 +34,8 @@ class AgentState(Enum):
     PROCESSING_TOOLS = auto()
     TERMINATED = auto()
 
+
+logger = logging.getLogger(__name__)
 
 TRUNCATION_NOTE = "...(truncated)..."
 REPLACEMENT_CHARACTER = "\ufffd"
@@ -97,8 +100,11 @@ class ToolAgentLoop(AgentLoop):
         finally:
             created = [(name, future.result()) for name, future in instances.items()
                        if future.done() and not future.cancelled() and future.exception() is None]
-            await asyncio.gather(*(self.context.tools[name].release(instance) for name, instance in created),
-                                 return_exceptions=True)
+            released = await asyncio.gather(*(self.context.tools[name].release(instance) for name, instance in created),
+                                            return_exceptions=True)
+            for (name, _), error in zip(created, released, strict=True):
+                if isinstance(error, Exception):  # the trajectory stands; a leaking tool should still be seen
+                    logger.warning("tool %r: release failed: %s: %s", name, type(error).__name__, error)
         return trajectory.output()
 
     def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,
