@@ -36,7 +36,8 @@ case "${PART:-scale}" in
           # and 8,192-token responses under today's planner (last measured 12-01, one step before a deadline)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests >/tmp/gpu_tests.log 2>&1
     echo "GPU tests exit $?"; grep -E "passed|failed|Error" /tmp/gpu_tests.log | tail -n 6; cp /tmp/gpu_tests.log "$OUT/"
-    python3 benchmarks/scale.py --deadline-s 330 1.5b_8k:1.5b:--prompts,16,--response-tokens,8192,--steps,2
+    python3 benchmarks/scale.py --deadline-s 370 1.5b_8k:1.5b:--prompts,16,--response-tokens,8192,--steps,2 \
+      0.5b:0.5b:--steps,4
     ;;
   bw)  # after PART=pin: (1) host-to-device speed from each kind of pinned memory (7B LoRA's update ran 26.5 s with
        # its shards in cudaHostRegister'd memory against 24.9-25.4 s in FSDP's own pinning); (2) the agent rollout on
