@@ -425,11 +425,12 @@ def test_sizes_below_one_in_config_json_are_refused(key, value):
 
 
 def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: the variable is too late
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(MemoryPlanError, match=r"Qwen/Qwen2.5-0.5B/config.json does not exist \(no local folder, and "
+    with pytest.raises(MemoryPlanError, match=r"reinforge-tests/no-such-model/config.json does not exist \(no local folder, and "
                                               r"the hub did not give its config.json: \w+\); .* or a reachable hub id"):
-        ModelShape.from_model_path("Qwen/Qwen2.5-0.5B")
+        ModelShape.from_model_path("reinforge-tests/no-such-model")  # in no cache either
     with pytest.raises(MemoryPlanError, match=r"no local folder of that name"):
         ModelShape.from_model_path(str(tmp_path / "nope"))

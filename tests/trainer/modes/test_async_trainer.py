@@ -17,8 +17,9 @@ from reinforge.cli import main
 from ..test_rl_trainer import _train_command, base_args, read_metrics, sigkill_at_step
 
 NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/")
-ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff",)
-"""The rollout copy runs transformers' attention, the training model the packed varlen path: ~1e-10 apart."""
+ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff", "training/rollout_actor_probs_pearson_corr")
+"""The rollout copy runs transformers' attention, the training model the packed varlen path: ~1e-10 apart, and
+a correlation of such probabilities within float32 rounding of 1 (0.99999994 against 1.0 with transformers 5.24)."""
 
 
 def run(model: Path, data: Path, run_dir: Path, **overrides: object) -> list[dict]:
@@ -45,7 +46,7 @@ def test_async_with_max_staleness_0_and_sync_every_update_gives_the_sync_trainer
         assert compared <= set(got)
         for key in compared:
             if key.startswith(ROLLOUT_VS_TRAINER):
-                assert got[key] == pytest.approx(want[key], abs=1e-8), key
+                assert got[key] == pytest.approx(want[key], abs=1e-7), key
             else:
                 assert got[key] == want[key], key
         assert got["async/staleness_max"] == 0.0 and "rollout_corr/kl" not in got
