@@ -73,6 +73,8 @@ def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
 def _type_name(annotation: Any) -> str:
     inner = _unwrap_optional(annotation)
     name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
+    if typing.get_origin(inner) is typing.Union:  # the schema's "auto or a value" settings: Union[bool, str] = "auto"
+        return " or ".join("'auto'" if arg is str else _type_name(arg) for arg in typing.get_args(inner))
     if typing.get_origin(inner) is list:
         name = f"list[{_type_name(typing.get_args(inner)[0])}]"
     elif typing.get_origin(inner) is dict:
@@ -91,6 +93,9 @@ def suggest_key(unknown: str, known: Iterable[str]) -> str | None:
     close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
     if close:
         return siblings[close[0]]
+    deeper = sorted((key for key in known if key.startswith(f"{section}.") and key.endswith(f".{leaf}")), key=len)
+    if section and deeper:  # actor.lr -> actor.optim.lr
+        return deeper[0]
     close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
     return close[0] if close else None
 

@@ -253,3 +253,11 @@ def test_values_that_would_train_nothing_or_divide_by_zero_are_refused(override,
 def test_a_typo_under_a_section_verl_also_has_is_a_typo_not_a_verl_key():
     with pytest.raises(ConfigError, match=r"model.lora.alph \(command line\); did you mean model.lora.alpha\?"):
         load_config(None, ["model.lora.alph=3"])
+
+
+def test_auto_settings_name_auto_and_a_leaf_one_section_too_high_is_found():
+    with pytest.raises(ConfigError, match=r"actor.param_offload=1 \(command line\) is not a valid bool or 'auto'"):
+        load_config(None, ["actor.param_offload=1"])
+    with pytest.raises(ConfigError, match=r"is not a valid int or 'auto'"):
+        load_config(None, ["actor.max_tokens_per_micro_batch=true"])
+    assert suggest_key("actor.lr", schema_keys()) == "actor.optim.lr"
