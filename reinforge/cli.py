@@ -79,9 +79,13 @@ def _plan(argv: list[str]) -> int:
     if config.trainer.gpu_memory_gib is None and config.trainer.device != "cpu" and not torch.cuda.is_available():
         raise SystemExit("this machine has no GPU; pass --gpu-memory-gib N to plan for a card of N GiB "
                          "(or trainer.device=cpu)")
+    from reinforge.engine.lora import check_target_modules
+
     try:
+        if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
+            check_target_modules(config.model.lora, config.model.path)
         plan = memory_plan(config)
-    except MemoryPlanError as error:
+    except (MemoryPlanError, ValueError) as error:
         print(f"reinforge plan: {error}", file=sys.stderr)
         return 1
     print(plan.table())

@@ -434,3 +434,14 @@ def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
         ModelShape.from_model_path("reinforge-tests/no-such-model")  # in no cache either
     with pytest.raises(MemoryPlanError, match=r"no local folder of that name"):
         ModelShape.from_model_path(str(tmp_path / "nope"))
+
+
+def test_reinforge_plan_refuses_adapters_that_match_no_layer_as_train_does(seven_b_folder, capsys):
+    from reinforge.cli import main
+
+    (seven_b_folder / "config.json").write_text(json.dumps(QWEN25["7b"] | {"model_type": "qwen2"}))
+
+    assert main(["plan", f"model.path={seven_b_folder}", "model.lora.rank=32", "model.lora.target_modules=[foo_proj]",
+                 "--gpu-memory-gib", "40", "--host-memory-gib", "128"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "target_modules=['foo_proj'] names no linear layer" in err and "\n" not in err
