@@ -165,11 +165,12 @@ class ToolFailure(RuntimeError):
 
 
 def calls_reaching_tools(outputs: list[AgentLoopOutput]) -> tuple[int, int]:
-    """(tool calls that reached a tool, those of them that raised or timed out); malformed calls, unknown tools
-    and calls cut by max_parallel_calls reach none."""
+    """(tool calls that reached a tool, those of them that raised or timed out). ``num_tool_calls`` counts the calls
+    that ran (not those cut by max_parallel_calls); of its ``tool_errors``, malformed calls and unknown tools
+    reached no tool, raised ones did."""
     raised = sum(output.metrics.get("tool_raised", 0.0) for output in outputs)
     reached = sum(output.metrics.get("num_tool_calls", 0.0) - output.metrics.get("tool_errors", 0.0)
-                  - output.metrics.get("tool_calls_cut", 0.0) for output in outputs) + raised
+                  for output in outputs) + raised
     return int(reached), int(raised)
 
 

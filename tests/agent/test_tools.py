@@ -178,15 +178,17 @@ def test_tools_that_fail_every_call_stop_the_run_after_some_rollouts():
     from reinforge.agent.loop import AgentLoopOutput
     from reinforge.agent.runner import TOOL_FAILURE_STEPS, ToolFailure, ToolFailureCheck
 
-    def rollout(raised: int, calls: int = 10, malformed: int = 0):
+    def rollout(raised: int, calls: int = 10, malformed: int = 0, cut: int = 0):
         metrics = {"num_tool_calls": float(calls + malformed), "tool_errors": float(raised + malformed),
-                   "tool_raised": float(raised)}
+                   "tool_raised": float(raised), "tool_calls_cut": float(cut)}
         return [AgentLoopOutput(prompt_ids=[1], response_ids=[2], response_mask=[1], response_log_probs=[0.0],
                                 num_turns=2, metrics=metrics)]
 
     check = ToolFailureCheck(["calc"])
     check(rollout(raised=10))
     check(rollout(raised=9))  # one call answered: the count starts again
+    check(rollout(raised=10))
+    check(rollout(raised=5, calls=10, cut=5))  # five of the calls that ran were answered; cut ones never ran
     check(rollout(raised=3, calls=3))  # too few calls to say
     for _ in range(TOOL_FAILURE_STEPS - 1):
         check(rollout(raised=10, malformed=5))  # malformed calls never reached the tool

@@ -193,3 +193,33 @@ def test_hf_and_native_sample_the_same_trajectories(tiny_model_dir, tool_config)
     assert torch.equal(responses["hf"][0], responses["native"][0])
     assert torch.equal(responses["hf"][1], responses["native"][1])
     assert responses["hf"][2] == responses["native"][2]
+
+
+def test_a_tool_that_fails_every_call_stops_the_run_instead_of_exiting_0(tiny_model_dir, tmp_path, capsys):
+    from reinforge.agent.runner import TOOL_FAILURE_STEPS
+    from reinforge.cli import main
+
+    (tmp_path / "broken_tools.py").write_text(TOOLS_PY.replace('return "echo:" + text', 'raise OSError("no disk")'))
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(f"tools:\n  - class_name: {tmp_path / 'broken_tools.py'}:echo\n")
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": f"{i}+{i}"}], "agent_name": "tool_agent",
+             "reward_model": {"ground_truth": str(2 * i)}, "extra_info": {}} for i in range(8)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(solution_str, ground_truth, **kwargs):\n    return 0.0\n")
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.train_batch_size=4",
+            f"reward.custom_function={scorer}:compute_score",
+            "data.max_prompt_length=32", "data.max_response_length=160", "rollout.n=2", "rollout.name=hf",
+            f"rollout.stop_token_ids=[{','.join(map(str, LETTER_IDS))}]",
+            f"rollout.multi_turn.tool_config_path={tools}", "rollout.multi_turn.format=test_every_turn",
+            "rollout.multi_turn.max_assistant_turns=3", "reward.num_workers=0", f"trainer.output_dir={run_dir}",
+            "trainer.loggers=[jsonl]", f"trainer.total_steps={TOOL_FAILURE_STEPS + 2}",
+            "trainer.val_before_train=false", "trainer.device=cpu"]
+    assert main(["train", *args]) != 0
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "ToolFailure: every one of the" in error and "(tools: echo)" in error
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == TOOL_FAILURE_STEPS - 1  # the steps before the third failed rollout stay logged
+    assert all(row["agent/tool_raised"] == row["agent/tool_errors"] > 0 for row in metrics)
