@@ -136,6 +136,9 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. actor.optim.lr=1e-6")
         key, raw = item.split("=", 1)
         key = key.strip().lstrip("+")
+        if not all(key.split(".")):
+            raise ConfigError(f"override {item!r} (command line) has an empty key or an empty part between dots; "
+                              "write section.key=value, e.g. actor.optim.lr=1e-6")
         try:
             value = _load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:

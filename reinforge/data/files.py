@@ -33,8 +33,18 @@ def read_rows(path: str | Path) -> list[Row]:
 
 
 def _read_parquet(path: Path) -> list[Row]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        names = pq.read_schema(path).names
+    except (pa.ArrowException, OSError) as error:
+        raise ValueError(f"{path} is not a readable parquet file ({type(error).__name__}: "
+                         f"{' '.join(str(error).split())}); write it again, e.g. with pandas' to_parquet") from None
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"{path} has more than one column named {', '.join(map(repr, repeated))}; a row could not "
+                         "say which one it means: write the file with each column once")
     return pq.read_table(path).to_pylist()
 
 

@@ -183,6 +183,9 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
         prompt_ids = encode_prompt(tokenizer, prompt, config.apply_chat_template, config.chat_template, tools)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
+    except Exception as error:  # the template's own error (jinja2 TypeError/UndefinedError) on odd message content
+        raise ValueError(f"{where}: the chat template cannot render this prompt ({type(error).__name__}: {error}); "
+                         "give each message's 'content' as a string") from None
     limit = config.max_prompt_length
     if len(prompt_ids) > limit:
         if config.filter_overlong_prompts:

@@ -117,6 +117,10 @@ class SFTDataset:
                     example = tokenize_conversation(tokenizer, messages, chat_template)
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
+                except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
+                    raise ValueError(f"{where}: the chat template cannot render this conversation "
+                                     f"({type(error).__name__}: {error}); give each message's 'content' as a "
+                                     "string") from None
                 if not any(example.loss_mask):
                     self.num_without_assistant += 1
                     continue

@@ -61,7 +61,7 @@ def load_custom_scorer(spec: str) -> Scorer:
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # sys.exit()/argparse at module level must not end the run with 0
         raise ImportError(f"reward.custom_function: importing {path_text} failed: {type(error).__name__}: "
                           f"{error}") from error
     fn = getattr(module, function_name, None)

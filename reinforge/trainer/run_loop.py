@@ -86,9 +86,7 @@ class TrainingRun:
             check_resumed_settings(self._resume_state.get("config"), config_to_dict(self.config), refused,
                                    self._resume_folder)
             self.checkpoints.remove_old()  # what a kill interrupted: a half-written checkpoint, an older one
-        elif resume == "never" and (removed := self.checkpoints.remove_all()):
-            logger.warning("trainer.resume=never: removed the %d checkpoint(s) of the earlier run in %s", removed,
-                           self.checkpoints.root)
+        self._remove_old_checkpoints = resume == "never"  # done in resume(): after data, tokenizer and workers load
         save_config(self.config, self.run_dir / "config.yaml")
 
     def release_run_folder(self) -> None:
@@ -108,6 +106,9 @@ class TrainingRun:
         """Continue from the checkpoint ``open_run_folder`` chose; without one, drop what an earlier try logged."""
         folder, state = self._resume_folder, self._resume_state
         if folder is None or state is None:
+            if getattr(self, "_remove_old_checkpoints", False) and (removed := self.checkpoints.remove_all()):
+                logger.warning("trainer.resume=never: removed the %d checkpoint(s) of the earlier run in %s", removed,
+                               self.checkpoints.root)
             self.tracker.truncate_after(-1)
             return
         self.load_checkpoint_state(folder, state)

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,9 @@ def test_auto_settings_name_auto_and_a_leaf_one_section_too_high_is_found():
     with pytest.raises(ConfigError, match=r"is not a valid int or 'auto'"):
         load_config(None, ["actor.max_tokens_per_micro_batch=true"])
     assert suggest_key("actor.lr", schema_keys()) == "actor.optim.lr"
+
+
+@pytest.mark.parametrize("override", [".data=1", "=x", "data.=1", "a..b=1"])
+def test_an_override_with_an_empty_key_part_is_named(override):
+    with pytest.raises(ConfigError, match=rf"override '{re.escape(override)}' \(command line\) has an empty key"):
+        load_config(None, [override])

@@ -218,3 +218,26 @@ def test_non_utf8_byte_names_the_file_and_line(tmp_path):
     listed.write_bytes(b'[\n{"prompt": "ok"},\n{"prompt": "caf\xe9"}\n]\n')
     with pytest.raises(ValueError, match=rf"^line 3 of {listed} has a byte that is not UTF-8 \(0xe9"):
         read_rows(listed)
+
+
+def test_parquet_with_a_repeated_column_or_no_parquet_at_all_is_one_line(tmp_path):
+    repeated = tmp_path / "repeated.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"]), pa.array(["x"])],
+                                        names=["prompt", "prompt", "data_source"]), repeated)
+    with pytest.raises(ValueError, match=rf"^{repeated} has more than one column named 'prompt'; "):
+        read_rows(repeated)
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"^{empty} is not a readable parquet file \(") as error:
+        read_rows(empty)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("content", [5, [{"type": "text", "text": "1+1?"}]])
+def test_message_content_that_is_no_string_names_the_row(tmp_path, tiny_tokenizer, content):
+    rows = [ROWS[0], {**ROWS[1], "prompt": [{"role": "user", "content": content}]}]
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    template = "{% for m in messages %}{{ '<|user|>' + m['content'] }}{% endfor %}"  # ChatML-like: str + content
+    with pytest.raises(ValueError, match=rf"^row 1 of {path}: the chat template cannot render this prompt \(.*\); "
+                                         r"give each message's 'content' as a string$"):
+        RLDataset(path, tiny_tokenizer, config(chat_template=template))

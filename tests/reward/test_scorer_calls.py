@@ -115,3 +115,11 @@ def test_verl_kind_gets_the_columns_it_names():
     kwargs = build_call_kwargs(accepted_keywords(by_column), "7", None, None, "d", {},
                                columns={"answer": "7", "unused": 1})
     assert kwargs == {"solution_str": "7", "answer": "7", "data_source": "d"}
+
+
+def test_a_reward_file_that_exits_at_import_is_an_import_error_not_an_exit(tmp_path):
+    """A module-level sys.exit() or argparse would end reinforge with its exit code (0) and no word."""
+    path = tmp_path / "exits.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ImportError, match=r"importing .*exits.py failed: SystemExit: 0"):
+        load_custom_scorer(f"{path}:compute_score")

@@ -104,6 +104,11 @@ def test_boxed_scorer_reads_the_last_complete_box():
 
     assert last_boxed("\\boxed{1} then \\boxed{\\frac{1}{2}} and \\boxed{3") == "\\frac{1}{2}"
     assert last_boxed("no box") is None
+    # unclosed boxes: the last complete one, found in time linear in the text (20,000 open boxes took minutes)
+    assert last_boxed("\\boxed{" * 20000) is None
+    assert last_boxed("\\boxed{7} " + "\\boxed{" * 20000) == "7"
+    assert last_boxed("\\boxed{x \\boxed{y }") == "y " and last_boxed("\\boxed{a \\boxed{b} c}") == "b"
+    assert last_boxed("\\boxed{x \\boxed{y ") is None and last_boxed("\\boxed{1} \\boxed{x \\boxed{y ") == "1"
     assert score_boxed("first \\boxed{5}, corrected: \\boxed{1,000}.", "1000") == {
         "score": 1.0, "acc": True, "pred": "1000"}
     assert score_boxed("\\boxed{$72.00$}", 72)["acc"] is True

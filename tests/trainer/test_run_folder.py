@@ -179,3 +179,16 @@ def test_a_resumed_lora_run_may_not_change_its_adapters_shape(tmp_path):
         with pytest.raises(ValueError, match=rf"changed settings it cannot take: model.lora.{next(iter(change))}:"):
             check_resumed_settings(old, new, RESUME_REFUSES, tmp_path)
     check_resumed_settings(old, {"model": {"lora": old["model"]["lora"] | {"alpha": 32}}}, RESUME_REFUSES, tmp_path)
+
+
+def test_resume_never_keeps_the_earlier_checkpoints_until_the_new_run_can_start(rl_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    bad = tmp_path / "typo.jsonl"  # the new run fails on its data, after the run folder is opened
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1, "trainer.resume": "never",
+                                               "data.train_files": f"[{bad}]"})]) != 0
+    assert "does not exist" in capsys.readouterr().err
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == checkpoints
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1, "trainer.resume": "never"})]) == 0
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -20,15 +20,17 @@ _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 def last_boxed(text: str) -> str | None:
     """The content of the last complete ``\\boxed{...}`` (nested braces kept), or None."""
-    start = text.rfind(_BOXED)
+    start, limit = text.rfind(_BOXED), len(text)
     while start != -1:
+        # a box that is still open where a later unclosed box starts stays open (the later one's suffix never
+        # returns to its depth), so each scan stops there: linear, not quadratic, in the text's length
         depth, position = 1, start + len(_BOXED)
-        while position < len(text) and depth:
+        while position < limit and depth:
             depth += {"{": 1, "}": -1}.get(text[position], 0)
             position += 1
         if depth == 0:
             return text[start + len(_BOXED):position - 1]
-        start = text.rfind(_BOXED, 0, start)
+        start, limit = text.rfind(_BOXED, 0, start), start
     return None
 
 
