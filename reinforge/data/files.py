@@ -50,7 +50,7 @@ def _read_parquet(path: Path) -> list[Row]:
 
 def _decoded(raw: bytes, path: Path, line_number: int) -> str:
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig" if line_number == 1 else "utf-8")  # a byte-order mark some editors write
     except UnicodeDecodeError as error:
         raise ValueError(f"line {line_number} of {path} has a byte that is not UTF-8 (0x{raw[error.start]:02x} at "
                          f"byte {error.start + 1} of the line); save the file as UTF-8") from None

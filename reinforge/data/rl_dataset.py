@@ -133,6 +133,8 @@ def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any
                          f"a string (data.prompt_key names the column; this row has: {columns})")
     prompt = row[prompt_key]
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where} has an empty {prompt_key!r} string; give the prompt's text (or chat messages)")
         return prompt
     if isinstance(prompt, list) and not prompt:
         raise ValueError(f"{where} has an empty {prompt_key!r}; give at least one chat message or a string")

@@ -241,3 +241,12 @@ def test_message_content_that_is_no_string_names_the_row(tmp_path, tiny_tokenize
     with pytest.raises(ValueError, match=rf"^row 1 of {path}: the chat template cannot render this prompt \(.*\); "
                                          r"give each message's 'content' as a string$"):
         RLDataset(path, tiny_tokenizer, config(chat_template=template))
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_and_an_empty_string_prompt_is_refused(tmp_path, tiny_tokenizer):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(row) + "\n" for row in ROWS).encode())
+    assert read_rows(bom) == ROWS
+    path = write_jsonl(tmp_path / "blank.jsonl", [ROWS[0], {**ROWS[1], "prompt": "  "}])
+    with pytest.raises(ValueError, match=rf"^row 1 of {path} has an empty 'prompt' string; "):
+        RLDataset(path, tiny_tokenizer, config())
