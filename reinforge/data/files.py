@@ -6,11 +6,32 @@ numpy arrays, so that a row looks the same whichever format it came from and pic
 
 from __future__ import annotations
 
+import glob
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
+
+
+GLOB_CHARACTERS = "*?["
+
+
+def expand_data_files(files: Iterable[str | Path], key: str) -> list[str | Path]:
+    """``files`` with each glob pattern (``data/*.parquet``) replaced by the files it matches, sorted; a path that
+    exists as written is taken as it is, and a pattern that matches nothing is one line naming ``key``."""
+    expanded: list[str | Path] = []
+    for entry in files:
+        text = str(entry)
+        if Path(text).expanduser().exists() or not any(character in text for character in GLOB_CHARACTERS):
+            expanded.append(entry)
+            continue
+        matches = sorted(glob.glob(str(Path(text).expanduser()), recursive=True))
+        if not matches:
+            raise FileNotFoundError(f"{key} pattern {text!r} matches no file (looked in {Path.cwd()}); check {key}")
+        expanded.extend(matches)
+    return expanded
 
 
 def read_rows(path: str | Path) -> list[Row]:

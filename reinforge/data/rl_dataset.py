@@ -26,7 +26,7 @@ from typing import Any
 
 from reinforge.config.schema import DataConfig
 from reinforge.data.chat_template import encode_prompt
-from reinforge.data.files import Row, read_rows
+from reinforge.data.files import Row, expand_data_files, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class RLDataset:
         files = [files] if isinstance(files, str | Path) else list(files)
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet, JSONL or datasets folders")
+        files = expand_data_files(files, f"data.{name}_files")
         self.name = name
         self.examples: list[PromptExample] = []
         self.num_filtered = 0
@@ -117,7 +118,8 @@ class RLDataset:
 
     def _report(self, config: DataConfig) -> None:
         if self.num_rows_read == 0:
-            raise ValueError(f"the {self.name} files hold no rows; check data.{self.name}_files")
+            listed = ", ".join(path for _, path in self._file_starts)
+            raise ValueError(f"the {self.name} files ({listed}) hold no rows; check data.{self.name}_files")
         if not self.examples:
             raise ValueError(f"no {self.name} prompt is left: all {self.num_rows_read} are longer than "
                              f"data.max_prompt_length={config.max_prompt_length} tokens; raise max_prompt_length")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.data.files import read_rows
+from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
 from reinforge.protocol import Batch
@@ -101,6 +101,7 @@ class SFTDataset:
                  name: str = "train"):
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
+        files = expand_data_files(files, f"data.{name}_files")
         self.name = name
         self.examples: list[SFTExample] = []
         self.num_dropped = 0

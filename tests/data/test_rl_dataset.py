@@ -250,3 +250,16 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_and_an_empty_string_prompt_is
     path = write_jsonl(tmp_path / "blank.jsonl", [ROWS[0], {**ROWS[1], "prompt": "  "}])
     with pytest.raises(ValueError, match=rf"^row 1 of {path} has an empty 'prompt' string; "):
         RLDataset(path, tiny_tokenizer, config())
+
+
+def test_a_glob_in_the_data_files_reads_every_match_in_order_and_an_empty_one_is_named(tmp_path, tiny_tokenizer):
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "b.jsonl", ROWS[1:])
+    write_parquet(tmp_path / "shards" / "a.parquet", ROWS[:1])
+    dataset = RLDataset([str(tmp_path / "shards" / "*")], tiny_tokenizer, config())
+    assert [example.ground_truth for example in dataset.examples] == ["2", "42", "600"]
+    with pytest.raises(FileNotFoundError, match=r"data.train_files pattern '.*\*.parquet' matches no file"):
+        RLDataset([str(tmp_path / "none" / "*.parquet")], tiny_tokenizer, config())
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(ValueError, match=rf"the train files \({empty}\) hold no rows"):
+        RLDataset([empty], tiny_tokenizer, config())
