@@ -75,9 +75,9 @@ class ToolAgentLoop(AgentLoop):
                                                        f"{row.get('request_id', '')}/{turn}")
                     trajectory.metrics["generate_sequences"] += time.perf_counter() - start
                     trajectory.append(completion.token_ids, completion.log_probs, sampled=True)
-                    eos_ids = self.renderer.encode(self.renderer.eos_text)
                     # a turn stopped by a stop token other than the end-of-turn token (rollout.stop_token_ids) is
                     # closed as the template closes it before the tool turn, so the stream stays the template's
+                    eos_ids = self.renderer.eos_ids
                     closing = [] if list(completion.token_ids[-len(eos_ids):]) == eos_ids else eos_ids
                     trajectory.assistant_turns += 1
                     turn += 1

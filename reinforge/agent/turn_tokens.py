@@ -46,6 +46,8 @@ class ToolTurnRenderer:
         self.separator = after[len(self.eos_text):]
         """Template text after the assistant's end-of-turn token, before the next turn."""
         self._base_text = base_text
+        self.eos_ids = self.encode(self.eos_text)
+        """The end-of-turn token's ids, which close an assistant turn that a stop token ended."""
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,

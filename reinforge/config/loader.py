@@ -82,17 +82,30 @@ def _type_name(annotation: Any) -> str:
     return f"{name} or null" if inner is not annotation else name
 
 
+def _siblings(unknown: str, known: Iterable[str]) -> dict[str, str]:
+    """The valid keys of ``unknown``'s own section, by their last part."""
+    section = unknown.rpartition(".")[0]
+    return {key.rpartition(".")[2]: key for key in known if key.rpartition(".")[0] == section}
+
+
+def close_sibling(unknown: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The key of ``unknown``'s section whose last part is closest to its last part (at least ``cutoff`` alike)."""
+    siblings = _siblings(unknown, known)
+    close = difflib.get_close_matches(unknown.rpartition(".")[2], list(siblings), n=1, cutoff=cutoff)
+    return siblings[close[0]] if close else None
+
+
 def suggest_key(unknown: str, known: Iterable[str]) -> str | None:
     """The valid key a person most likely meant: same section first, initials (learning_rate -> lr) too."""
     known = list(known)
     section, _, leaf = unknown.rpartition(".")
-    siblings = {key.rpartition(".")[2]: key for key in known if key.rpartition(".")[0] == section}
+    siblings = _siblings(unknown, known)
     initials = "".join(part[0] for part in leaf.split("_") if part)
     if len(leaf.split("_")) > 1 and initials in siblings:
         return siblings[initials]
-    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    close = close_sibling(unknown, known)
     if close:
-        return siblings[close[0]]
+        return close
     deeper = sorted((key for key in known if key.startswith(f"{section}.") and key.endswith(f".{leaf}")), key=len)
     if section and deeper:  # actor.lr -> actor.optim.lr
         return deeper[0]
@@ -110,12 +123,10 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
                 inner, value = next(iter(value.items()))
                 dotted = f"{dotted}.{inner}"
 
-            section, _, leaf = dotted.rpartition(".")
-            siblings = [key.rpartition(".")[2] for key in known if key.rpartition(".")[0] == section]
-            sibling = difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.75)
+            sibling = close_sibling(dotted, known, cutoff=0.75)
             hint = verl_hint(dotted, value) or verl_leaf_hint(dotted)
             if sibling and (hint is None or "has no equivalent" in hint):  # a typo, not verl's Megatron key
-                hint = f"did you mean {section}.{sibling[0]}?"
+                hint = f"did you mean {sibling}?"
             if hint is None:
                 close = suggest_key(dotted, known)
                 hint = f"did you mean {close}?" if close else "the valid keys are in reinforge/config/defaults.yaml"

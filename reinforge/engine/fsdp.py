@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import init_distributed
-from reinforge.engine.memory_plan import SHARD_ALIGN
+from reinforge.engine.memory_plan import shard_aligned
 from reinforge.engine.offload import HostOffloadedAdamW
 
 
@@ -98,7 +98,7 @@ def pin_offloaded_shards(unit: nn.Module, register: Callable[[Tensor], bool]) ->
     for param in params:
         offsets.append(total)
         data = param._sharded_param_data
-        total += -(-data.numel() * data.element_size() // SHARD_ALIGN) * SHARD_ALIGN
+        total += shard_aligned(data.numel() * data.element_size())
     if not total:
         return 0
     # A shared anonymous mapping (Python's default for mmap(-1, n)): a process forked later (reward workers)

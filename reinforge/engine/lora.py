@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,6 +35,8 @@ from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from reinforge.config.schema import LoraConfig
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"
 
@@ -93,10 +96,8 @@ def check_target_modules(config: LoraConfig, model_path: str) -> None:
         return
     unknown = [name for name in targets if name.rsplit(".", 1)[-1] not in linears]
     if unknown and len(unknown) < len(targets):  # peft ignores them: a typo would silently adapt fewer layers
-        import logging
-
-        logging.getLogger(__name__).warning("model.lora.target_modules names %s, no linear layer of a %s model; "
-                                            "peft ignores it (use some of %s)", unknown, model_type, ", ".join(linears))
+        logger.warning("model.lora.target_modules names %s, no linear layer of a %s model; peft ignores it "
+                       "(use some of %s)", unknown, model_type, ", ".join(linears))
     if len(unknown) == len(targets):
         raise ValueError(f"model.lora.target_modules={targets} names no linear layer of a {model_type} model; "
                          f"use some of {', '.join(linears)}")

@@ -317,6 +317,11 @@ SHARD_ALIGN = 512
 """Byte alignment of each offloaded shard in its unit's pinned host buffer (``engine.fsdp.pin_offloaded_shards``)."""
 
 
+def shard_aligned(size: int) -> int:
+    """``size`` bytes rounded up to ``SHARD_ALIGN``: the room a shard takes in its unit's pinned buffer."""
+    return -(-size // SHARD_ALIGN) * SHARD_ALIGN
+
+
 def pinned_bytes(shapes: list[tuple[int, int]], devices: int, value_bytes: int, power_of_two: bool = False) -> int:
     """Host bytes of these tensors' FSDP shards (the first dimension split over ``devices``, padded) once pinned.
 
@@ -331,7 +336,7 @@ def pinned_bytes(shapes: list[tuple[int, int]], devices: int, value_bytes: int, 
     for rows, width in shapes:
         size = -(-rows // devices) * width * value_bytes
         if size:
-            total += 1 << (size - 1).bit_length() if power_of_two else -(-size // SHARD_ALIGN) * SHARD_ALIGN
+            total += 1 << (size - 1).bit_length() if power_of_two else shard_aligned(size)
     return total
 
 

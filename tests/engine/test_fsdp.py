@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from reinforge.engine.forward import response_log_probs
-from reinforge.engine.fsdp import (
-    SHARD_ALIGN,
-    clip_grad_norm_,
-    fsdp_params,
-    fsdp_units,
-    pin_offloaded_shards,
-    shard_model,
-)
+from reinforge.engine.fsdp import clip_grad_norm_, fsdp_params, fsdp_units, pin_offloaded_shards, shard_model
+from reinforge.engine.memory_plan import SHARD_ALIGN
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
