@@ -17,6 +17,8 @@ from reinforge.engine.memory_plan import SHARD_ALIGN
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(REPO / "tests"))
+import forked_python  # noqa: E402
 from test_micro_batches_and_update import make_rollout_batch, varlen_lm  # noqa: E402
 
 UPDATE = textwrap.dedent("""
@@ -97,8 +99,8 @@ def run_gloo_ranks(script: Path, *args: str, world_size: int = 2) -> None:
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        processes.append(subprocess.Popen([sys.executable, str(script), *args], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        # forked from one preloaded interpreter (forked_python.py): a fresh one spent most of the test importing
+        processes.append(forked_python.ForkedPython([str(script), *args], env=env, stderr=subprocess.STDOUT))
     failures = []
     for rank, process in enumerate(processes):
         output, _ = process.communicate(timeout=240)

@@ -10,13 +10,15 @@ final weights must equal those of a run that was never interrupted.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import forked_python  # noqa: E402
 
 # Runs ``reinforge train`` with one kill point armed: the process SIGKILLs itself there.
 DRIVER = r'''
@@ -92,12 +94,11 @@ def test_kills_at_many_points_leave_the_run_folder_of_an_uninterrupted_run(rl_ar
               "trainer.val_before_train": True, "actor.mini_batch_size": 2, "actor.shuffle": True,
               "algorithm.adv_estimator": "gae", "actor.use_kl_loss": True, "algorithm.use_kl_in_reward": True,
               "algorithm.kl_ctrl.type": "adaptive", "trainer.num_logged_samples": 2}
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
 
     def train(run_dir: Path, kill_at: str = "none:0") -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", DRIVER, kill_at, *rl_args(run_dir, **common)], env=env,
-                              capture_output=True, text=True)
+        # each run a fork of one preloaded interpreter (forked_python): one hash seed for all of them
+        return forked_python.run(["-c", DRIVER, kill_at, *rl_args(run_dir, **common)], timeout=300)
 
     finished = train(reference_dir)
     assert finished.returncode == 0, finished.stderr[-3000:]

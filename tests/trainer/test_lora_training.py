@@ -1,7 +1,5 @@
 """LoRA in the RL loop on a tiny model: learning, the reference as the adapter-free base, resume, export."""
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_rl_trainer import (  # noqa: E402
     COMPARED_PREFIXES,
     CONTAINS_SEVEN,
-    _train_command,
     base_args,
     read_metrics,
     sigkill_at_step,
+    train_in_a_process,
 )
 
 LORA = {"model.lora.rank": 32, "model.lora.alpha": 64, "actor.optim.lr": 2e-2}
@@ -88,16 +86,16 @@ def test_lora_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, 
     common = {**LORA, "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3,
               "actor.mini_batch_size": 2, "actor.shuffle": True, "actor.use_kl_loss": True,
               "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive"}
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
     reference_dir = tmp_path / "reference"
-    subprocess.run(_train_command(base_args(tiny_model_dir, arithmetic_data_dir, reference_dir, **common)),
-                   check=True, env=env, capture_output=True)
+    finished = train_in_a_process(base_args(tiny_model_dir, arithmetic_data_dir, reference_dir, **common))
+    assert finished.returncode == 0, finished.stderr[-2000:]
 
     killed_dir = tmp_path / "killed"
     args = base_args(tiny_model_dir, arithmetic_data_dir, killed_dir, **common)
-    sigkill_at_step(args, killed_dir, 3, env, timeout_s=120)
+    sigkill_at_step(args, killed_dir, 3, timeout_s=120)
     assert (killed_dir / "checkpoints" / "latest").read_text().strip() in ("step_000002", "step_000004")
-    subprocess.run(_train_command(args), check=True, env=env, capture_output=True)
+    finished = train_in_a_process(args)
+    assert finished.returncode == 0, finished.stderr[-2000:]
 
     def comparable(rows: list[dict]) -> list[dict]:
         return [{k: v for k, v in row.items() if not k.startswith(COMPARED_PREFIXES)} for row in rows]

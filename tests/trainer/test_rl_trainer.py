@@ -14,6 +14,9 @@ import pytest
 
 from reinforge.cli import main
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import forked_python  # noqa: E402
+
 CONTAINS_SEVEN = '''
 def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
     return 1.0 if "7" in solution_str else 0.0
@@ -192,9 +195,17 @@ def _train_command(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "reinforge", "train", *args]
 
 
-def sigkill_at_step(args: list[str], run_dir: Path, step: int, env: dict[str, str], timeout_s: float) -> None:
-    """Run ``reinforge train args`` and SIGKILL it once its metrics.jsonl has ``step`` (or after ``timeout_s``)."""
-    process = subprocess.Popen(_train_command(args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def train_in_a_process(args: list[str], timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """``reinforge train args`` in a process of its own, forked from a preloaded interpreter (forked_python.py), so
+    that every run of one test hashes strings alike; ``returncode``, ``stdout`` and ``stderr`` as subprocess.run's."""
+    return forked_python.run(["-m", "reinforge", "train", *args], timeout=timeout_s)
+
+
+def sigkill_at_step(args: list[str], run_dir: Path, step: int, timeout_s: float) -> None:
+    """Run ``reinforge train args`` (as ``train_in_a_process``) and SIGKILL it once its metrics.jsonl has ``step``
+    (or after ``timeout_s``)."""
+    process = forked_python.ForkedPython(["-m", "reinforge", "train", *args], stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
     metrics_file = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:

@@ -5,8 +5,6 @@ without losing or repeating an admitted prompt group."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 
 from reinforge.cli import main
 
-from ..test_rl_trainer import _train_command, base_args, read_metrics, sigkill_at_step
+from ..test_rl_trainer import base_args, read_metrics, sigkill_at_step, train_in_a_process
 
 NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/")
 ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff", "training/rollout_actor_probs_pearson_corr")
@@ -88,13 +86,12 @@ def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_grou
     args = base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
         "reward.num_workers": 0, "trainer.mode": "async", "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
         "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3})
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    sigkill_at_step(args, run_dir, 3, env, timeout_s=240)
+    sigkill_at_step(args, run_dir, 3, timeout_s=240)
     checkpoint = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)["mode"]["rollouter"]
     pending = {group["position"] for group in state["active"]}
     assert pending and state["admitted"] > 0
-    finished = subprocess.run(_train_command(args), env=env, capture_output=True, text=True)
+    finished = train_in_a_process(args)
     assert finished.returncode == 0, finished.stderr[-2000:]
 
     records = [json.loads(line) for line in (run_dir / "async_groups.jsonl").read_text().splitlines()]
