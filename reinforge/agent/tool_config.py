@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from reinforge.agent.tools import BaseTool, FunctionTool
+from reinforge.config.loader import UniqueKeyLoader
 from reinforge.config.schema import MultiTurnConfig
 
 
@@ -38,7 +39,7 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
         raise ValueError(f"rollout.multi_turn.tool_config_path={str(path)!r} does not exist; point it at a YAML "
                          "file with a 'tools' list")
     try:
-        document = yaml.safe_load(path.read_text()) or {}
+        document = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -28,7 +28,26 @@ from reinforge.config.sft_schema import SFTConfig
 T = TypeVar("T")
 
 
-class _YamlLoader(yaml.SafeLoader):
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the
+    last one silently, so a second ``actor:`` section further down a file replaced the first one's
+    settings without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping (first on line "
+                    f"{seen[key].start_mark.line + 1}); keep one of them", key_node.start_mark)
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+class _YamlLoader(UniqueKeyLoader):
     """YAML 1.1 reads 0.5_5 as the number 0.55 and 1_0 as 10; here a plain value with an underscore
     stays text, so "lo_hi" thresholds (rollout_is_threshold=0.5_5) keep their meaning. A number
     field still converts such text (1_000 -> 1000)."""
@@ -41,7 +60,8 @@ _YamlLoader.yaml_implicit_resolvers = {
 }
 
 
-def _load_yaml(text: Any) -> Any:
+def load_yaml(text: Any) -> Any:
+    """YAML as reinforge reads it (``_YamlLoader``: underscored numbers stay text, a repeated key is an error)."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
@@ -151,7 +171,7 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} (command line) has an empty key or an empty part between dots; "
                               "write section.key=value, e.g. actor.optim.lr=1e-6")
         try:
-            value = _load_yaml(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw  # text YAML cannot read (a: b: c) is the text itself
         if isinstance(value, dict) and not raw.lstrip().startswith("{"):
@@ -207,9 +227,12 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
             raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
         with open(path) as handle:
             try:
-                file_tree = _load_yaml(handle) or {}
+                file_tree = load_yaml(handle) or {}
             except yaml.YAMLError as error:
-                raise ConfigError(f"{path} is not valid YAML: {error}") from error
+                mark = getattr(error, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+                raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file") from error
         if not isinstance(file_tree, Mapping):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), "
                               f"not {type(file_tree).__name__}")

@@ -108,6 +108,8 @@ def test_yaml_config_loads_classes_and_functions(tmp_path):
     ("tools:\n  - class_name: reinforge.agent.BaseTool\n", "has no tool_schema"),
     ("tools:\n  - class_name: reinforge.agent.nothing_here\n", "names nothing"),
     ("tools:\n  - class_name: [unclosed\n", r"is not valid YAML at line 3, column 1 \(expected ',' or '\]'"),
+    ("tools:\n  - class_name: a.B\n    class_name: c.D\n",
+     r"is not valid YAML at line 3, column 5 \(the key 'class_name' is given twice in one mapping \(first on line 2\)"),
     ("tools:\n  - class_name: reinforge.agent.code_interpreter.CodeInterpreterTool\n    config: {run_timeout_s: 5}\n",
      r"tool 0 of .*: making reinforge.agent.code_interpreter.CodeInterpreterTool from its config .* failed: "
      r"ValueError: the code_interpreter tool needs config.sandbox_url"),

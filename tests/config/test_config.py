@@ -268,3 +268,18 @@ def test_auto_settings_name_auto_and_a_leaf_one_section_too_high_is_found():
 def test_an_override_with_an_empty_key_part_is_named(override):
     with pytest.raises(ConfigError, match=rf"override '{re.escape(override)}' \(command line\) has an empty key"):
         load_config(None, [override])
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second actor: section silently replaced the first one."""
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  optim:\n    lr: 1.0e-5\ntrainer:\n  total_steps: 3\nactor:\n  mini_batch_size: 4\n")
+    with pytest.raises(ConfigError, match=r"run.yaml is not valid YAML at line 6, column 1: the key 'actor' is given "
+                                          r"twice in one mapping \(first on line 1\); keep one of them; fix the file$"):
+        load_config(path)
+    path.write_text("actor:\n  optim:\n    lr: 1.0e-5\n    lr: 2.0e-5\n")
+    with pytest.raises(ConfigError, match=r"the key 'lr' is given twice .*first on line 3"):
+        load_config(path)
+    path.write_text("base: &base\n  lr: 1.0e-5\nactor:\n  optim:\n    <<: *base\n    weight_decay: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown key base"):  # a merge key is not a repeated key
+        load_config(path)
