@@ -14,6 +14,9 @@ Two kinds of scorer are called, both by keyword:
   ``extra_info`` and each extra column; ``reward.kwargs`` options come as they are. It returns a
   list of one score.
 
+Either kind may be ``async def`` (a scorer that awaits a judge model's server): each call is run to
+completion on its own event loop, in the scoring process or thread, within the same time limit.
+
 Which arguments a row must supply is checked when the data loads (``reward.data_checks``).
 """
 

@@ -19,8 +19,10 @@ its time limit starts when it reports ready, so start-up never counts against a 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
+import inspect
 import multiprocessing
 import os
 import signal
@@ -69,12 +71,18 @@ def run_job(job: ScoringJob) -> Any:
             _loaded_custom_scorers[scorer] = load_custom_scorer(scorer)
         scorer = _loaded_custom_scorers[scorer]
     value = scorer(**job.kwargs)
+    if inspect.isawaitable(value):  # an ``async def`` scorer (one that awaits a judge or a service): run it here
+        value = asyncio.run(_awaited(value))
     if job.returns_list:
         if not isinstance(value, list | tuple) or len(value) != 1:
             raise TypeError(f"a scorer taking 'completions' (TRL's kind) returned {value!r}; return a list with "
                             "one score per completion")
         value = value[0]
     return value
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def run_job_in_thread(job: ScoringJob, timeout_s: float) -> JobResult:

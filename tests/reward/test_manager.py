@@ -40,6 +40,17 @@ def with_source(solution_str, ground_truth, data_source, extra_info=None, bonus=
 
 def not_a_score(solution_str, ground_truth):
     return "high"
+
+
+async def judged(solution_str, ground_truth, extra_info=None):
+    import asyncio
+
+    await asyncio.sleep(0.01)  # as a call to a judge model's server would
+    return {"score": float(solution_str == ground_truth), "judge": "async"}
+
+
+async def completions_judged(completions, ground_truth, **kwargs):
+    return [float(completions[0] == ground_truth[0])]
 '''
 
 
@@ -187,6 +198,19 @@ def test_worker_processes_score_built_in_and_custom_scorers(byte_tokenizer, scor
     with RewardManager(config, byte_tokenizer) as manager:
         output = manager.score(custom)
     assert output.scores.tolist() == [1.0, 0.0] and output.metrics["reward/errors"] == 1.0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_async_scorer_is_awaited_in_this_process_and_in_worker_processes(byte_tokenizer, scorer_path, num_workers):
+    """``async def`` scorers (verl's and TRL's kinds) score like plain ones; a coroutine object was taken for the
+    score (num_workers=0) or could not be sent back from a worker process (num_workers>0)."""
+    batch = make_batch(byte_tokenizer, ["7", "8"], ["7", "7"], ["x", "x"])
+    for function, extras in (("judged", {"judge": ["async", "async"]}), ("completions_judged", {})):
+        config = RewardConfig(num_workers=num_workers, timeout_s=30, custom_function=f"{scorer_path}:{function}")
+        with RewardManager(config, byte_tokenizer) as manager:
+            output = manager.score(batch)
+        assert output.scores.tolist() == [1.0, 0.0] and output.metrics["reward/errors"] == 0.0, function
+        assert output.extras == extras
 
 
 def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, scorer_path, caplog):
