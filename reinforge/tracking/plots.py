@@ -95,10 +95,16 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
         keys = default_keys(available)
     else:
         missing = [key for key in keys if key not in available]
-        if missing:
-            warnings.warn(f"no run has {missing}; skipping them (keys present: {', '.join(sorted(available))})",
-                          stacklevel=2)
         keys = [key for key in keys if key in available]
+        if missing:
+            import difflib
+
+            guesses = {key: difflib.get_close_matches(key, available, n=1, cutoff=0.5) for key in missing}
+            named = ", ".join(key + (f" (did you mean {guess[0]}?)" if guess else "") for key, guess in guesses.items())
+            message = f"no run has the key{'s' if len(missing) > 1 else ''} {named}"
+            if not keys:
+                raise ValueError(f"{message}; the runs have: {', '.join(sorted(available))}")
+            warnings.warn(f"{message}; skipping {'them' if len(missing) > 1 else 'it'}", stacklevel=2)
     if out_dir is None:
         out_dir = run_dirs[0] / "plots" if len(run_dirs) == 1 else run_dirs[0].resolve().parent / "plots"
     out_dir = Path(out_dir)
@@ -140,10 +146,14 @@ def plot_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     keys = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None
     try:
-        written = plot_runs(args.run_dirs, args.out, keys, args.smoothing)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            written = plot_runs(args.run_dirs, args.out, keys, args.smoothing)
     except (FileNotFoundError, ValueError) as error:
         print(f"reinforge plot: {error}", file=sys.stderr)
         return 1
+    for note in notes:
+        print(f"reinforge plot: {note.message}", file=sys.stderr)
     if not written:
         print("reinforge plot: nothing to plot; pass --keys with keys from metrics.jsonl", file=sys.stderr)
         return 1

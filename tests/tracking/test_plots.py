@@ -45,6 +45,18 @@ def test_plot_main_writes_and_prints_paths(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(run / "plots" / "actor_entropy.png")
 
 
+def test_plot_main_names_unknown_keys_with_a_guess_in_one_line(tmp_path, capsys):
+    run = write_run(tmp_path / "run", 4)
+    assert plot_main([str(run), "--keys", "critic/score/maen"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("reinforge plot: no run has the key critic/score/maen (did you "
+                                                    "mean critic/score/mean?); the runs have: actor/entropy, ")
+    assert plot_main([str(run), "--keys", "nosuch,actor/entropy"]) == 0  # the known key is drawn, the other named
+    captured = capsys.readouterr()
+    assert captured.err == "reinforge plot: no run has the key nosuch; skipping it\n"
+    assert captured.out.strip() == str(run / "plots" / "actor_entropy.png")
+
+
 def test_smoothing_is_debiased_and_validated():
     assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
     assert smooth([0.0, 1.0], 0.5) == pytest.approx([0.0, 2 / 3])
