@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from reinforge.config import Config, load_config
 from reinforge.config.loader import ConfigError
@@ -34,7 +35,7 @@ def evaluate(config: Config) -> dict[str, float]:
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",
                                     tool_schemas=[tool.schema for tool in tools.values()])
     check_rows_can_be_scored(dataset, config.reward, custom_scorer)
-    check_agent_rows(((f"row {example.index}", example.agent_name, example.extra_info)
+    check_agent_rows(((dataset.where(example), example.agent_name, example.extra_info)
                       for example in dataset.examples), tools)
     actor = ActorRolloutWorker(config, total_training_steps=1)
     reward = RewardWorker(config)
@@ -57,6 +58,14 @@ def eval_main(argv: list[str]) -> int:
     overrides = [item for item in args.data if "=" in item]
     if not files:
         raise ConfigError("reinforge eval needs at least one data file of prompts, e.g. data/arithmetic/test.parquet")
+    for name in files:  # named as the command line gave them (load_config would name data.val_files)
+        if not Path(name).expanduser().exists() and not any(character in name for character in "*?["):
+            raise ConfigError(f"reinforge eval: data file {name!r} does not exist (looked for "
+                              f"{Path(name).expanduser().resolve()}); give a parquet or JSONL file of prompts")
+    model = Path(args.model).expanduser()
+    if not model.exists() and (model.is_absolute() or args.model.startswith(".") or len(model.parts) != 2):
+        raise ConfigError(f"reinforge eval: model folder {args.model!r} does not exist (looked for {model.resolve()}); "
+                          "give an HF model folder, e.g. RUN/checkpoints/step_N/hf")
     config = load_config(None, [f"model.path={args.model}", f"data.val_files={json.dumps(files)}", *overrides])
     metrics = evaluate(config)
     print(json.dumps(metrics, indent=2, sort_keys=True))

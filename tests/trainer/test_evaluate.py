@@ -20,3 +20,16 @@ def test_eval_command_prints_json(tiny_model_dir, arithmetic_data_dir, capsys):
                       "rollout.val_kwargs.n=2", "rollout.val_kwargs.temperature=1.0", "reward.num_workers=0"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert "val-core/arithmetic/acc/best@2" in metrics
+
+
+def test_eval_names_a_missing_file_or_model_folder_as_given_on_its_command_line(tiny_model_dir, arithmetic_data_dir,
+                                                                                 tmp_path):
+    import pytest
+
+    from reinforge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^reinforge eval: data file 'nosuch.parquet' does not exist .*give a "
+                                          r"parquet or JSONL file of prompts$"):
+        eval_main([str(tiny_model_dir), "nosuch.parquet"])
+    with pytest.raises(ConfigError, match=r"^reinforge eval: model folder '.*no_model' does not exist"):
+        eval_main([str(tmp_path / "no_model"), str(arithmetic_data_dir / "test.parquet")])
