@@ -71,7 +71,7 @@ class RLTrainer(TrainingRun):
         schemas = [tool.schema for tool in tools.values()]
         train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
         check_rows_can_be_scored(train_set, config.reward, custom_scorer)
-        check_agent_rows(((f"train row {example.index}", example.agent_name, example.extra_info)
+        check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
                           for example in train_set.examples), tools)
         if config.trainer.mode == "async":  # its rollouter runs no agent loop: say so before any model loads
             refuse_agent_rows(example.agent_name for example in train_set.examples)
@@ -82,7 +82,7 @@ class RLTrainer(TrainingRun):
         if config.data.val_files:
             val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
             check_rows_can_be_scored(val_set, config.reward, custom_scorer)
-            check_agent_rows(((f"val row {example.index}", example.agent_name, example.extra_info)
+            check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
                               for example in val_set.examples), tools)
             self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs

@@ -156,10 +156,11 @@ def test_unknown_agent_and_missing_tool_config_fail_before_training(tiny_model_d
                      "trainer.device=cpu", *extra]) != 0
         return capsys.readouterr().err
 
-    assert ("train row 0 asks for agent_name='tool_agnt', which is not a registered agent loop; known: "
-            "single_turn, tool_agent" in run_with("tool_agnt"))
-    assert ("train row 0 asks for agent_name='tool_agent', which calls tools, but "
-            "rollout.multi_turn.tool_config_path is not set" in run_with("tool_agent"))
+    # the row is named by its file and its row number there
+    assert (f"train row 0 of {tmp_path / 'tool_agnt.jsonl'} asks for agent_name='tool_agnt', which is not a "
+            "registered agent loop; known: single_turn, tool_agent" in run_with("tool_agnt"))
+    assert (f"train row 0 of {tmp_path / 'tool_agent.jsonl'} asks for agent_name='tool_agent', which calls tools, "
+            "but rollout.multi_turn.tool_config_path is not set" in run_with("tool_agent"))
 
 
 def test_async_mode_refuses_agent_rows_before_any_model_loads(tiny_model_dir, tool_config, tmp_path, capsys,
