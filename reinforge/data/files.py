@@ -77,6 +77,19 @@ def _decoded(raw: bytes, path: Path, line_number: int) -> str:
                          f"byte {error.start + 1} of the line); save the file as UTF-8") from None
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object that gives one key twice (json keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in row:
+            raise _RepeatedKey(key)
+        row[key] = value
+    return row
+
+
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
     with path.open("rb") as lines:
@@ -85,10 +98,13 @@ def _read_jsonl(path: Path) -> list[Row]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as error:
                 raise ValueError(f"line {line_number} of {path} is not valid JSON ({error.msg} at column "
                                  f"{error.colno}); each line of a .jsonl file holds one JSON object") from None
+            except _RepeatedKey as error:
+                raise ValueError(f"line {line_number} of {path} gives the key {error.args[0]!r} twice in one object; "
+                                 "keep one of them") from None
             if not isinstance(row, dict):
                 raise ValueError(f"line {line_number} of {path} holds a {type(row).__name__}, not a JSON object; "
                                  "each line of a .jsonl file holds one row as an object")
@@ -107,10 +123,12 @@ def _read_json(path: Path) -> list[Row]:
         _decoded(line, path, raw.count(b"\n", 0, error.start) + 1)  # raises, naming the line
         raise
     try:
-        content = json.loads(text)
+        content = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); "
                          "it must hold a JSON list of row objects") from None
+    except _RepeatedKey as error:
+        raise ValueError(f"{path} gives the key {error.args[0]!r} twice in one object; keep one of them") from None
     if not isinstance(content, list) or not all(isinstance(row, dict) for row in content):
         raise ValueError(f"{path} must hold a JSON list of row objects; for one object per line use .jsonl")
     return content

@@ -263,3 +263,16 @@ def test_a_glob_in_the_data_files_reads_every_match_in_order_and_an_empty_one_is
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(ValueError, match=rf"the train files \({empty}\) hold no rows"):
         RLDataset([empty], tiny_tokenizer, config())
+
+
+def test_a_row_giving_one_key_twice_is_refused_with_its_line(tmp_path):
+    """json keeps the last of two equal keys: a row with two "prompt" keys trained on the second without a word."""
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text(json.dumps(ROWS[0]) + "\n" + '{"prompt": "a", "prompt": "b", "data_source": "x"}\n')
+    with pytest.raises(ValueError, match=r"^line 2 of .*rows.jsonl gives the key 'prompt' twice in one object; keep "
+                                         r"one of them$"):
+        read_rows(lines)
+    listed = tmp_path / "rows.json"
+    listed.write_text('[{"data_source": "x", "extra_info": {"a": 1, "a": 2}}]')
+    with pytest.raises(ValueError, match=r"rows.json gives the key 'a' twice in one object"):
+        read_rows(listed)
