@@ -44,15 +44,14 @@ def _forkserver():
     return _context
 
 
-def _child(argv: list[str], env: dict[str, str] | None, cwd: str | None, stdout: str, stderr: str) -> None:
+def _child(argv: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str) -> None:
     """Runs in the forked process: python's command line ``argv`` (without the interpreter)."""
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
+    os.environ.clear()
+    os.environ.update(env)
     if cwd is not None:
         os.chdir(cwd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -89,7 +88,8 @@ class ForkedPython:
         for path in {self._stdout, self._stderr} - {devnull}:
             Path(path).touch()
         self._process = _forkserver().Process(
-            target=_child, args=(list(map(str, argv)), None if env is None else dict(env),
+            # env=None is this process's environment now, as for Popen (the server's is that of its start)
+            target=_child, args=(list(map(str, argv)), dict(os.environ if env is None else env),
                                  None if cwd is None else str(cwd), self._stdout, self._stderr), daemon=False)
         self._process.start()
         self.pid = self._process.pid
