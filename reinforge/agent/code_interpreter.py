@@ -22,6 +22,7 @@ tools:
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,30 @@ SCHEMA = {
         },
     },
 }
+CONFIG_KEYS = ("sandbox_url", "run_timeout_s", "memory_limit_mb", "max_retries", "max_concurrent_calls",
+               "call_timeout_s", "max_failures_in_a_row")
+VERL_KEYS = ("type",)
+"""Keys of verl's tool entries that mean nothing here and are allowed, so a verl config loads."""
 _FENCED = re.compile(r"^\s*```(?:python|py)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
+
+
+def _config_number(config: dict[str, Any], key: str, default: float, kind: type, minimum: float,
+                   above: bool = False, minimum_name: str = "") -> Any:
+    """``config[key]`` as ``kind`` (int or float), at least ``minimum`` (or above it); ValueError naming key and fix.
+
+    A string, or a value that would make every call fail (a run timeout of 0, no attempt at all), is refused
+    here: otherwise training runs on with the model reading nothing but time limits or "not run".
+    """
+    value = config.get(key, default)
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or (kind is int and value != int(value))):
+        raise ValueError(f"code_interpreter config {key}={value!r} is not {'an integer' if kind is int else 'a number'}"
+                         f"; write a number (default {default})")
+    if value < minimum or (above and value == minimum):
+        bound = f"{minimum_name} ({minimum})" if minimum_name else minimum
+        raise ValueError(f"code_interpreter config {key}={value!r} must be {'above' if above else 'at least'} "
+                         f"{bound}; the default is {default}")
+    return kind(value)
 
 
 def strip_code_fence(code: str) -> str:
@@ -72,7 +96,9 @@ class CodeInterpreterTool(BaseTool):
     max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories), call_timeout_s
     (run_timeout_s + 40: the most one call takes from ``execute`` to its answer, a wait for a free thread included),
     max_failures_in_a_row (64: calls in a row that reach no sandbox, after their retries, before the tool raises
-    ``ToolUnavailable`` and the run stops; 0 never stops, each call then reads "not run")."""
+    ``ToolUnavailable`` and the run stops; 0 never stops, each call then reads "not run"). Any other key, a value
+    that is not a number, or one that would fail every call (``call_timeout_s`` not above ``run_timeout_s``) is a
+    ValueError naming it; verl's ``type`` key is allowed and means nothing here."""
 
     def __init__(self, config: dict[str, Any] | None = None, schema: dict[str, Any] | None = None):
         super().__init__(config, schema or SCHEMA)
@@ -80,13 +106,20 @@ class CodeInterpreterTool(BaseTool):
         if not url:
             raise ValueError("the code_interpreter tool needs config.sandbox_url, e.g. http://127.0.0.1:8080 "
                              "(start one with `reinforge sandbox serve`)")
-        self.client = SandboxClient(str(url), max_retries=int(self.config.get("max_retries", 5)))
-        self.run_timeout_s = float(self.config.get("run_timeout_s", 10.0))
-        self.memory_limit_mb = int(self.config.get("memory_limit_mb", -1))
-        self.call_timeout_s = float(self.config.get("call_timeout_s", self.run_timeout_s + 40.0))
-        self._executor = ThreadPoolExecutor(int(self.config.get("max_concurrent_calls", 64)),
+        unknown = sorted(set(self.config) - set(CONFIG_KEYS) - set(VERL_KEYS))
+        if unknown:  # a misspelt key would silently leave its default in force
+            raise ValueError(f"code_interpreter config has unknown keys {', '.join(unknown)}; the keys are "
+                             f"{', '.join(CONFIG_KEYS)}")
+        self.client = SandboxClient(str(url), max_retries=_config_number(self.config, "max_retries", 5, int, 0))
+        self.run_timeout_s = _config_number(self.config, "run_timeout_s", 10.0, float, 0.0, above=True)
+        self.memory_limit_mb = _config_number(self.config, "memory_limit_mb", -1, int, -1)
+        # a call must outlast its program: one stopped at its run timeout would otherwise read "not run" and count
+        # as a sandbox failure, and enough of those in a row stop the run
+        self.call_timeout_s = _config_number(self.config, "call_timeout_s", self.run_timeout_s + 40.0, float,
+                                             self.run_timeout_s, above=True, minimum_name="run_timeout_s")
+        self._executor = ThreadPoolExecutor(_config_number(self.config, "max_concurrent_calls", 64, int, 1),
                                             thread_name_prefix="code-interpreter")
-        self.max_failures_in_a_row = int(self.config.get("max_failures_in_a_row", 64))
+        self.max_failures_in_a_row = _config_number(self.config, "max_failures_in_a_row", 64, int, 0)
         self._failures_in_a_row = 0
 
     def _call(self, code: str, deadline: float) -> RunCodeResponse:

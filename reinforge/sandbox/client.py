@@ -27,6 +27,8 @@ from typing import Any
 from reinforge.sandbox.protocol import SANDBOX_ERROR, RunCodeRequest, RunCodeResponse
 
 RETRY_STATUSES = (429, 502, 503, 504)
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""An opener that ignores HTTP_PROXY and the like."""
 
 
 def _seconds(retry_after: str | None) -> float:
@@ -137,8 +139,10 @@ class SandboxClient:
         return RunCodeResponse(status=SANDBOX_ERROR, message=message)
 
     def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """``GET /`` answers 200; directly, as ``run_code`` connects: through an ``HTTP_PROXY`` (urllib's default)
+        a live sandbox read as down, or a proxy's 200 as up."""
         try:
-            with urllib.request.urlopen(_url(self.url, "/"), timeout=timeout_s) as answer:
+            with _DIRECT.open(_url(self.url, "/"), timeout=timeout_s) as answer:
                 return answer.status == 200
         except (OSError, http.client.HTTPException):
             return False

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import pwd
 import resource
 import shutil
 import signal
@@ -132,6 +133,9 @@ class UidRange:
     one's clean-up (kill every process of a slot's id) would kill the other's running program.
     Each id is held by an flock on ``reinforge-sandbox-uid-<id>.lock``; a range with an id held by
     another server is passed over for the next one up. The locks go with the process, even killed.
+    So is a range with an id of a user of this host (in the passwd database) or of a running
+    process: the clean-up after each run kills every process of the slot's id, which with
+    ``--uid-base 0`` was every root process, the server's own included.
     """
 
     def __init__(self, wanted_base: int, count: int) -> None:
@@ -139,14 +143,16 @@ class UidRange:
         if folder is None:
             raise IsolationError(f"no writable folder among {', '.join(UID_LOCK_FOLDERS)} to lock sandbox user ids in")
         self._fds: list[int] = []
+        in_use = _uids_in_use()
         for shift in range(MAX_UID_SHIFTS):
             self.base = wanted_base + shift * count
-            if all(self._lock(os.path.join(folder, f"reinforge-sandbox-uid-{self.base + slot}.lock"))
-                   for slot in range(count)):
+            if in_use.isdisjoint(range(self.base, self.base + count)) and all(
+                    self._lock(os.path.join(folder, f"reinforge-sandbox-uid-{self.base + slot}.lock"))
+                    for slot in range(count)):
                 return
             self.release()
         raise IsolationError(f"user ids {wanted_base}..{self.base + count - 1} are all held by other sandbox "
-                             "servers on this host; pass --uid-base with a free range")
+                             "servers or used by users or processes of this host; pass --uid-base with a free range")
 
     def _lock(self, path: str) -> bool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -162,6 +168,20 @@ class UidRange:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+def _uids_in_use() -> set[int]:
+    """User ids of this host's passwd users and of its running processes: never a slot's (it would kill them)."""
+    used = {entry.pw_uid for entry in pwd.getpwall()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                used.update(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return used
 
 
 def processes_of_user(uid: int) -> list[int]:

@@ -22,6 +22,7 @@ LANGUAGES = ("python", "bash")
 SUCCESS, FAILED, SANDBOX_ERROR = "Success", "Failed", "SandboxError"
 FINISHED, ERROR, TIME_LIMIT_EXCEEDED = "Finished", "Error", "TimeLimitExceeded"
 MAX_FILES = 64
+MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 4000
 
 
 class RequestError(ValueError):
@@ -34,9 +35,14 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RequestError(f"{key}={value!r} is not a number; send seconds or megabytes as a JSON number")
-    if not math.isfinite(value):
+    try:  # a JSON integer has no size limit: 1 followed by 400 zeros is an int that no float holds
+        number = float(value)
+    except OverflowError:
+        raise RequestError(f"{key}={str(value)[:20]}... is too large a number; send seconds or megabytes as a "
+                           "JSON number") from None
+    if not math.isfinite(number):
         raise RequestError(f"{key}={value!r} is not a finite number; send seconds or megabytes as a JSON number")
-    return float(value)
+    return number
 
 
 def _check_text(key: str, text: str) -> None:
@@ -55,6 +61,11 @@ def _check_file_path(path: Any) -> str:
     normalized = posixpath.normpath(path)
     if path.startswith("/") or normalized == "." or normalized.startswith("..") or "\x00" in path:
         raise RequestError(f"files key {path!r} leaves the working folder; use a relative path without '..'")
+    # the file system's limits (NAME_MAX, PATH_MAX): past them bwrap fails and the answer was a SandboxError
+    if any(len(part.encode()) > MAX_NAME_BYTES for part in normalized.split("/")) or len(
+            normalized.encode()) > MAX_PATH_BYTES:
+        raise RequestError(f"files key {path[:60]!r}... is too long; use names of at most {MAX_NAME_BYTES} bytes "
+                           f"and paths of at most {MAX_PATH_BYTES}")
     return normalized
 
 

@@ -59,6 +59,8 @@ class _Outcome:
     timed_out: bool = False
     output_exceeded: bool = False
     seconds: float = 0.0
+    cpu_seconds: float | None = None
+    """CPU time of bwrap and the processes it reaped (the program, its init), from wait4; None if not known."""
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -102,6 +104,24 @@ def _stop(process: subprocess.Popen, outcome: _Outcome, status_fd: int | None) -
         _kill_group(process)
 
 
+def _wait(process: subprocess.Popen, outcome: _Outcome, timeout_s: float) -> int:
+    """``process.wait(timeout_s)``, through wait4 so that the CPU time of the program is known too.
+
+    SIGXCPU (the CPU rlimit) and ``exit(152)`` both read 152 from the init shell; only the CPU time used tells
+    a program stopped at its CPU limit from one that chose that exit code.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid == process.pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            outcome.cpu_seconds = usage.ru_utime + usage.ru_stime
+            return process.returncode
+        if time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(process.args, timeout_s)
+        time.sleep(0.005)
+
+
 def _supervise(argv: list[str], settings: SandboxSettings, *, timeout_s: float, stdin_fd: int, pass_fds: tuple[int, ...],
                status_fd: int | None, cwd: str | None, env: dict[str, str], preexec) -> _Outcome:
     outcome = _Outcome()
@@ -141,12 +161,12 @@ def _supervise(argv: list[str], settings: SandboxSettings, *, timeout_s: float, 
                     _stop(process, outcome, status_fd)
         try:  # a program may close its output and run on: it still has until the deadline
             wait_s = KILL_GRACE_S if killed_at is not None else max(deadline - time.monotonic(), 0.0)
-            outcome.return_code = process.wait(timeout=wait_s)
+            outcome.return_code = _wait(process, outcome, wait_s)
         except subprocess.TimeoutExpired:
             outcome.timed_out = outcome.timed_out or killed_at is None
             _stop(process, outcome, status_fd)
             try:
-                outcome.return_code = process.wait(timeout=KILL_GRACE_S)
+                outcome.return_code = _wait(process, outcome, KILL_GRACE_S)
             except subprocess.TimeoutExpired:
                 _kill_group(process)
                 outcome.return_code = process.wait()
@@ -176,7 +196,7 @@ def _exit_code(outcome: _Outcome) -> int | None:
     return 128 - code if code is not None and code < 0 else code
 
 
-def _result(outcome: _Outcome, isolated: bool, settings: SandboxSettings) -> CommandRunResult:
+def _result(outcome: _Outcome, isolated: bool, settings: SandboxSettings, cpu_limit_s: int) -> CommandRunResult:
     stdout = outcome.stdout.decode("utf-8", errors="replace")
     stderr = outcome.stderr.decode("utf-8", errors="replace")
     seconds = round(outcome.seconds, 4)
@@ -189,7 +209,7 @@ def _result(outcome: _Outcome, isolated: bool, settings: SandboxSettings) -> Com
     exit_code = _exit_code(outcome) if isolated else _exit_code(_Outcome(return_code=outcome.return_code))
     if exit_code is None:
         return CommandRunResult(ERROR, seconds, None, stdout, f"the sandbox failed to start the program: {stderr}")
-    if exit_code == SIGXCPU_EXIT:
+    if exit_code == SIGXCPU_EXIT and (outcome.cpu_seconds is None or outcome.cpu_seconds >= cpu_limit_s):
         return CommandRunResult(TIME_LIMIT_EXCEEDED, seconds, None, stdout, stderr + "\n[CPU time limit exceeded]")
     return CommandRunResult(FINISHED, seconds, exit_code, stdout, stderr)
 
@@ -217,7 +237,8 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int,
     opened: list[int] = []  # closed here; the fds passed to the child are closed by _supervise once it runs
     try:
         cgroup_procs = cgroups.prepare(slot, memory_mb, settings.max_processes) if cgroups is not None else []
-        preexec = child_setup(memory_mb, int(timeout_s) + 1, settings, identity, cgroup_procs)
+        cpu_limit_s = int(timeout_s) + 1
+        preexec = child_setup(memory_mb, cpu_limit_s, settings, identity, cgroup_procs)
         stdin_fd = _memfd("stdin", (request.stdin or "").encode())
         opened.append(stdin_fd)
         if settings.isolation == "bubblewrap":
@@ -231,17 +252,23 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int,
                                  pass_fds=(status_write, *(fd for fd, _ in file_fds)), status_fd=status_read,
                                  cwd=None, env=SANDBOX_ENV, preexec=preexec)
         else:
-            # no isolation, but as root still the slot's own user id, so a kill(-1) reaches only that id
-            with tempfile.TemporaryDirectory(prefix="reinforge-unsafe-") as folder:
-                for path, content in {program_file: request.code.encode(), **files}.items():
+            # no isolation, but as root still the slot's own user id, so a kill(-1) reaches only that id;
+            # the program sits in a folder of its own, as /code is under bubblewrap: a file named main.py in
+            # `files` must not replace it
+            with tempfile.TemporaryDirectory(prefix="reinforge-unsafe-") as folder, \
+                    tempfile.TemporaryDirectory(prefix="reinforge-unsafe-code-") as code_folder:
+                (Path(code_folder) / program_file).write_bytes(request.code.encode())
+                for path, content in files.items():
                     (Path(folder) / path).parent.mkdir(parents=True, exist_ok=True)
                     (Path(folder) / path).write_bytes(content)
                 if identity is not None:
-                    for entry in [Path(folder), *Path(folder).rglob("*")]:
+                    for entry in [Path(code_folder), Path(folder), *Path(code_folder).iterdir(),
+                                  *Path(folder).rglob("*")]:
                         os.chown(entry, *identity)
                 env = {**SANDBOX_ENV, "HOME": folder, "TMPDIR": folder, "PYTHONPATH": folder}
-                outcome = _supervise([interpreter, program_file], settings, timeout_s=timeout_s, stdin_fd=stdin_fd,
-                                     pass_fds=(), status_fd=None, cwd=folder, env=env, preexec=preexec)
+                outcome = _supervise([interpreter, str(Path(code_folder) / program_file)], settings,
+                                     timeout_s=timeout_s, stdin_fd=stdin_fd, pass_fds=(), status_fd=None, cwd=folder,
+                                     env=env, preexec=preexec)
     except OSError as error:
         return RunCodeResponse.from_run(CommandRunResult(ERROR, stderr=f"the sandbox could not run the program: {error}"))
     finally:
@@ -251,7 +278,7 @@ def run_request(request: RunCodeRequest, settings: SandboxSettings, slot: int,
             kill_user_processes(identity[0])
         if cgroups is not None:
             cgroups.kill(slot)
-    result = _result(outcome, settings.isolation == "bubblewrap", settings)
+    result = _result(outcome, settings.isolation == "bubblewrap", settings, cpu_limit_s)
     if cgroups is not None and cgroups.memory_exceeded(slot):
         result.stderr = (result.stderr or "") + (f"\n[reinforge sandbox: the program's processes and files held more "
                                                  f"than its memory limit of {memory_mb} MB; one was killed]")

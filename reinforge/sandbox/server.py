@@ -104,11 +104,12 @@ class _Handler(BaseHTTPRequestHandler):
         except TimeoutError:  # the client stopped sending mid-body
             self.close_connection = True
             return
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            self._answer(400, {"detail": "the body is not JSON (or is nested too deeply)"})
-            return
         except RequestError as error:
             self._answer(400, {"detail": str(error)})
+            return
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+            self._answer(400, {"detail": "the body is not JSON (or is nested too deeply, or holds a number of over "
+                                         "4300 digits)"})
             return
         code, body, retry_after_s = sandbox.handle(request)
         self._answer(code, body, retry_after_s)
@@ -128,7 +129,8 @@ class SandboxServer:
             find_bwrap()  # before anything is created: IsolationError saying how to install it
         self.uids = UidRange(settings.uid_base, settings.num_slots) if os.geteuid() == 0 else None
         if self.uids is not None and self.uids.base != settings.uid_base:
-            logger.warning("user ids from %d are held by another sandbox server; this one's slots run as %d..%d",
+            logger.warning("user ids from %d are held by another sandbox server or used on this host; this one's "
+                           "slots run as %d..%d",
                            settings.uid_base, self.uids.base, self.uids.base + settings.num_slots - 1)
             settings = dataclasses.replace(settings, uid_base=self.uids.base)
         self.settings = settings

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 ISOLATIONS = ("bubblewrap", "none")
+MAX_UID_BASE = 1 << 30
+"""Far below the 2**32 - 1 that means no id, with room for any range of slots (and shifts past held ones)."""
 
 
 @dataclass
@@ -50,11 +52,17 @@ class SandboxSettings:
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation={self.isolation!r} is not one of {', '.join(ISOLATIONS)}")
         for name in ("max_queued", "burst", "max_processes", "max_file_mb", "tmp_size_mb", "max_output_bytes",
-                     "default_memory_mb", "max_memory_mb"):
+                     "default_memory_mb", "max_memory_mb", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("max_run_timeout_s", "queue_timeout_s"):  # 0 or less: every program, or every queued request, fails
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be above 0 seconds")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} is not a TCP port; use 0..65535 (0: any free port)")
+        if not 1 <= self.uid_base <= MAX_UID_BASE:  # 0 is root: the clean-up of slot 0 would kill every root process
+            raise ValueError(f"uid_base={self.uid_base} is not a user id for sandboxed programs; use an unused range "
+                             f"in 1..{MAX_UID_BASE} such as the default {SandboxSettings.uid_base}")
         if self.max_concurrent < 0 or self.rate_per_s < 0:
             raise ValueError("max_concurrent and rate_per_s must be >= 0 (0: number of CPUs / no rate limit)")
 

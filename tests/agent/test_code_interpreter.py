@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -63,6 +64,21 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
         CodeInterpreterTool({})
 
 
+@pytest.mark.parametrize(("config", "error"), [
+    ({"run_timeout": 5}, "has unknown keys run_timeout; the keys are sandbox_url, run_timeout_s"),  # before: default 10 s
+    ({"run_timeout_s": "ten"}, "run_timeout_s='ten' is not a number"),  # before: "could not convert string to float"
+    ({"run_timeout_s": 0}, "run_timeout_s=0 must be above 0.0"),  # before: every call a time limit
+    ({"call_timeout_s": 5}, "call_timeout_s=5 must be above run_timeout_s (10.0)"),  # before: "not run" at 5 s
+    ({"max_retries": -1}, "max_retries=-1 must be at least 0"),  # before: no attempt, every call "not run"
+    ({"max_concurrent_calls": 0}, "max_concurrent_calls=0 must be at least 1"),  # before: "max_workers must be ..."
+    ({"memory_limit_mb": "1g"}, "memory_limit_mb='1g' is not an integer"),
+])
+def test_a_config_that_cannot_work_is_refused_naming_the_key(config, error):
+    with pytest.raises(ValueError, match=re.escape(f"code_interpreter config {error}")):
+        CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", **config})
+    assert CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "type": "native"}).run_timeout_s == 10.0
+
+
 def test_the_check_before_training_passes_on_a_running_sandbox_and_names_a_dead_one(sandbox_url):
     CodeInterpreterTool({"sandbox_url": sandbox_url}).check()
     with pytest.raises(ValueError, match=r"sandbox does not work: the code sandbox at http://127.0.0.1:9 gave no "
@@ -92,7 +108,7 @@ def test_calls_queued_behind_busy_ones_still_answer_by_their_own_deadline():
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     tool = CodeInterpreterTool({"sandbox_url": f"http://127.0.0.1:{listener.getsockname()[1]}",
-                                "max_concurrent_calls": 1, "call_timeout_s": 1.0})
+                                "max_concurrent_calls": 1, "run_timeout_s": 0.5, "call_timeout_s": 1.0})
 
     async def three_at_once():
         return await asyncio.gather(*(tool.execute(f"instance-{index}", {"code": "print(1)"}) for index in range(3)))

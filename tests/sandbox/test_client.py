@@ -111,3 +111,12 @@ def test_retry_after_as_a_date_is_retried_not_misread():
 
     response = SandboxClient(_fake_server(reply), max_retries=2, backoff_s=0.01).run_code("print(1)")
     assert response.status == "SandboxError" and "HTTP 503" in response.message and len(calls) == 3
+
+
+def test_the_health_check_connects_directly_as_run_code_does(client, monkeypatch):
+    """Before: urllib sent GET / through HTTP_PROXY, so a live sandbox read as down behind a dead proxy."""
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{_free_port()}")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert client.run_code("print(1)").run_result.stdout == "1\n" and client.is_healthy()

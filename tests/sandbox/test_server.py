@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import pytest
 import reinforge
 from reinforge.cli import main
 from reinforge.sandbox import SandboxClient, SandboxSettings
-from reinforge.sandbox.isolation import IsolationError
+from reinforge.sandbox.isolation import IsolationError, UidRange
 from reinforge.sandbox.server import SandboxServer, _Handler
 
 
@@ -61,11 +62,25 @@ def test_run_code_answers_in_sandboxfusions_shape(sandbox_server):
     ("raise ValueError('no')", "python", "Failed", "Finished", 1),
     ("echo $((6 * 7)); exit 3", "bash", "Failed", "Finished", 3),
     ("import time; time.sleep(10)", "python", "Failed", "TimeLimitExceeded", None),
+    # 128 + SIGXCPU from a program that used no CPU time is its own exit code (before: "CPU time limit exceeded")
+    ("import sys; sys.exit(152)", "python", "Failed", "Finished", 152),
 ])
 def test_failures_follow_sandboxfusions_status_rules(client, code, language, status, run_status, return_code):
     response = client.run_code(code, language, run_timeout=1)
     assert (response.status, response.run_result.status, response.run_result.return_code) == (
         status, run_status, return_code)
+
+
+def test_a_program_stopped_at_its_cpu_limit_is_a_time_limit():
+    from reinforge.sandbox.runner import SIGXCPU_EXIT, _Outcome, _result
+
+    def outcome(cpu_seconds: float | None) -> _Outcome:
+        return _Outcome(status_json=bytearray(b'{"exit-code": %d}\n' % SIGXCPU_EXIT), cpu_seconds=cpu_seconds)
+
+    settings = SandboxSettings()
+    assert _result(outcome(3.2), True, settings, cpu_limit_s=3).status == "TimeLimitExceeded"
+    assert _result(outcome(None), True, settings, cpu_limit_s=3).status == "TimeLimitExceeded"
+    assert (_result(outcome(0.1), True, settings, cpu_limit_s=3).return_code) == SIGXCPU_EXIT
 
 
 @pytest.mark.parametrize(("body", "detail"), [
@@ -84,6 +99,12 @@ def test_failures_follow_sandboxfusions_status_rules(client, code, language, sta
     (b'{"code": "print(1)\\ud800", "language": "python"}', "'code' holds '\\ud800' at position 8"),
     (b'{"code": "x", "language": "python", "stdin": "\\udfff"}', "'stdin' holds"),
     (b'{"code": "x", "language": "python", "files": {"\\udfff": "eA=="}}', "a files key holds"),
+    (b'{"code": "x", "language": "python", "files": {"' + b"a" * 256 + b'": "eA=="}}', "is too long"),  # before: 200
+    (b'{"code": "x", "language": "python", "files": {"' + b"a/" * 2001 + b'a": "eA=="}}', "is too long"),
+    # integers JSON allows but no float holds (before: the handler raised and the connection closed unanswered)
+    (b'{"code": "x", "language": "python", "run_timeout": 1' + b"0" * 400 + b"}", "run_timeout=1000"),
+    (b'{"code": "x", "language": "python", "memory_limit_MB": 1' + b"0" * 400 + b"}", "too large a number"),
+    (b'{"code": "x", "language": "python", "run_timeout": 1' + b"0" * 5000 + b"}", "over 4300 digits"),
 ])
 def test_bad_requests_are_400_with_a_reason(sandbox_server, body, detail):
     status, answer, _ = _post(sandbox_server.url, body)
@@ -161,12 +182,45 @@ def test_two_servers_given_the_same_user_ids_do_not_kill_each_others_programs(st
     assert answers["long"].run_result.stdout == "started\ndone\n", answers["long"]
 
 
+def test_user_ids_of_this_host_are_never_a_slots():
+    """A slot's clean-up kills every process of its id: --uid-base 0 (before: accepted) killed every root process.
+
+    Checked on the settings and the id range, never by starting such a server: a regression would kill this machine.
+    """
+    with pytest.raises(ValueError, match="uid_base=0 is not a user id for sandboxed programs"):
+        SandboxSettings(uid_base=0)
+    root_range = UidRange(0, 2)  # root's id, and uid 1 of the passwd database, are passed over
+    root_range.release()
+    assert root_range.base >= 2
+    if os.geteuid() != 0:
+        pytest.skip("only root can start a process as another user id")
+    base = 62000 + (os.getpid() % 2000) * 16 + 8
+    squatter = subprocess.Popen(["sleep", "30"], user=base + 1)  # a process of this host with an id in the range
+    held = UidRange(base, 2)
+    try:
+        assert held.base >= base + 2
+    finally:
+        held.release()
+        squatter.kill()
+        squatter.wait()
+
+
 def test_a_taken_or_impossible_port_is_one_line_naming_it(sandbox_server, capsys):
     port = sandbox_server.url.rsplit(":", 1)[1]
     assert main(["sandbox", "serve", "--port", port]) == 2
     assert f"cannot listen on 127.0.0.1:{port} (Address already in use); pass another --port" in capsys.readouterr().err
     with pytest.raises(ValueError, match="port=99999 is not a TCP port"):
         SandboxSettings(port=99999)
+
+
+@pytest.mark.parametrize(("setting", "error"), [
+    ({"max_run_timeout_s": 0}, "max_run_timeout_s=0 must be above 0 seconds"),  # before: every program timed out
+    ({"queue_timeout_s": -1}, "queue_timeout_s=-1 must be above 0 seconds"),  # before: every queued request a 503
+    ({"max_request_bytes": 0}, "max_request_bytes=0 must be at least 1"),  # before: every request a 413
+])
+def test_settings_under_which_nothing_can_run_are_refused(setting, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        SandboxSettings(**setting)
 
 
 def test_refuses_to_start_without_bwrap(monkeypatch, capsys, caplog):
@@ -187,6 +241,9 @@ def test_unsafe_mode_runs_code_without_isolation(monkeypatch, start_server):
         status, body, _ = _post(server.url, json.dumps(
             {"code": f"print(open({folder + '/visible.txt'!r}).read())", "language": "python"}).encode())
     assert status == 200 and body["run_result"]["stdout"] == "host file\n"
+    # a file named as the program is a file beside it, not the program (before: it replaced the code)
+    response = SandboxClient(server.url).run_code("print(open('main.py').read())", files={"main.py": b"print('file')"})
+    assert response.run_result.stdout == "print('file')\n", response
 
 
 @pytest.mark.parametrize(("code", "return_code"), [
