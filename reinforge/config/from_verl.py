@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,20 +135,32 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
     return given
 
 
+class _HydraValueLoader(yaml.SafeLoader):
+    """YAML with Hydra's override grammar for unquoted scalars: true/false/null in any case, decimal ints
+    (1_000), floats with or without a dot (1e-6, inf, nan); anything else (yes, on, 010, 0x10, 12:30,
+    2024-01-01) is a string, where YAML 1.1 would read a bool, an octal, a sexagesimal or a date."""
+
+
+_HydraValueLoader.yaml_implicit_resolvers = {}
+for _tag, _pattern, _first in (
+        ("tag:yaml.org,2002:bool", r"^(?:[Tt][Rr][Uu][Ee]|[Ff][Aa][Ll][Ss][Ee])$", "tTfF"),
+        ("tag:yaml.org,2002:null", r"^[Nn][Uu][Ll][Ll]$", "nN"),
+        ("tag:yaml.org,2002:int", r"^[-+]?(?:0|[1-9](?:_?[0-9])*)$", "-+0123456789"),
+        ("tag:yaml.org,2002:float", r"^[-+]?(?:(?:(?:0|[1-9](?:_?[0-9])*)?\.[0-9](?:_?[0-9])*|(?:0|[1-9](?:_?[0-9])*)\.)"
+                                    r"(?:[eE][-+]?[0-9](?:_?[0-9])*)?|(?:0|[1-9](?:_?[0-9])*)[eE][-+]?[0-9](?:_?[0-9])*"
+                                    r"|[Ii][Nn][Ff]|[Nn][Aa][Nn])$", "-+0123456789.iInN")):
+    _HydraValueLoader.add_implicit_resolver(_tag, re.compile(_pattern), list(_first))
+
+
 def _parse_value(raw: str) -> Any:
-    """A value as Hydra reads it: YAML, except that 1e-6 is a float (YAML 1.1 wants 1.0e-6)."""
+    """A value as Hydra reads it: YAML flow syntax (lists, dicts, quotes) with Hydra's scalars (``_HydraValueLoader``);
+    a quoted value stays a string."""
     if not raw.strip():
         return ""
     try:
-        value = yaml.safe_load(raw)
+        return yaml.load(raw, Loader=_HydraValueLoader)  # noqa: S506 - a SafeLoader with other scalar rules
     except yaml.YAMLError:
         return raw
-    if isinstance(value, str):
-        try:
-            return float(value) if any(mark in value.lower() for mark in ("e", ".")) else value
-        except ValueError:
-            return value
-    return value
 
 
 def _add(given: dict[str, Any], key: str, value: Any) -> None:
@@ -209,6 +222,9 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
         except NoEquivalentValue as reason:
             result.no_equivalent.append(KeyLine(verl_key, value, reason=str(reason)))
             return
+        except (TypeError, ValueError, AttributeError) as error:  # a value of the wrong kind (a number for a list)
+            raise ConfigError(f"{verl_key}={_show(value)} (verl command line) is not a value verl takes for it "
+                              f"({error}); check its type in verl's ppo_trainer.yaml") from error
         target_key = our_key(pattern, entry, verl_key)
         if ours is UNSET:
             result.already_ours.append(KeyLine(verl_key, value, reason=f"{target_key} keeps its default"))

@@ -374,8 +374,9 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling: keep only prompt groups whose metric varies across their samples, generating
     batches of data.gen_batch_size prompts until data.train_batch_size groups are kept."""
     metric: str = "acc"
-    """acc (the scorer's acc extra), score (the scorer's score), seq_reward (score plus overlong shaping) or
-    seq_final_reward (seq_reward minus the in-reward KL penalty)."""
+    """acc (the scorer's acc extra; where a sample has none, its score, as verl's DAPO reward manager records
+    acc = score for a scorer returning a float), score (the scorer's score), seq_reward (score plus overlong
+    shaping) or seq_final_reward (seq_reward minus the in-reward KL penalty)."""
     max_num_gen_batches: int = 10
     """Generation batches one step may use before it fails; 0 means no limit."""
 

@@ -508,6 +508,11 @@ VERL_KEYS: dict[str, Translation] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": NoEquivalent("reward/overlong/* is always logged when "
                                                                        "the buffer is on"),
     "reward_model.reward_kwargs.max_resp_len": NoEquivalent("the overlong buffer ends at data.max_response_length"),
+    # the DAPO recipe's form (recipe/dapo, tests/special_e2e/run_dapo.sh): its buffer ends at data.max_response_length
+    "reward_model.overlong_buffer.enable": Rename("reward.overlong_buffer.enable"),
+    "reward_model.overlong_buffer.len": Rename("reward.overlong_buffer.len"),
+    "reward_model.overlong_buffer.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
+    "reward_model.overlong_buffer.log": NoEquivalent("reward/overlong/* is always logged when the buffer is on"),
     "reward_model.reward_kwargs.*": NoEquivalent("pass a scorer's options with reward.kwargs "
                                                  "(verl's custom_reward_function.reward_kwargs)"),
     "reward_model.*": REWARD_MODEL,
@@ -648,11 +653,25 @@ VERL_KEYS: dict[str, Translation] = {
 def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     """Our keys that a verl command implies without naming them: (key, value, why)."""
     implied = []
-    num_devices = given.get("trainer.nnodes", 1) * given.get("trainer.n_gpus_per_node", 1)
-    if isinstance(num_devices, int) and num_devices > 1:
+    nnodes, per_node = given.get("trainer.nnodes", 1), given.get("trainer.n_gpus_per_node", 1)
+    num_devices = nnodes * per_node if isinstance(nnodes, int) and isinstance(per_node, int) else 1
+    if num_devices > 1:
         implied.append(("trainer.backend", "ray", f"verl runs on Ray; {num_devices} devices need trainer.backend=ray"))
     if given.get(f"{_MODEL}.lora_rank") and f"{_MODEL}.lora_alpha" not in given:
         implied.append(("model.lora.alpha", 16.0, "verl's lora_alpha is 16 when the command leaves it out"))
+    if given.get("algorithm.filter_groups.enable") is True and "algorithm.filter_groups.max_num_gen_batches" not in given:
+        implied.append(("algorithm.filter_groups.max_num_gen_batches", 0,
+                        "verl's max_num_gen_batches is 0 (no limit) when the command leaves it out"))
+    if given.get("reward_model.overlong_buffer.enable") is True and \
+            "reward_model.overlong_buffer.penalty_factor" not in given:
+        implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
+                        "the DAPO recipe's overlong_buffer.penalty_factor is 0 when the command leaves it out"))
+    if f"{_ACTOR}.clip_ratio" in given:  # verl's clip_ratio_low/high (0.2 in its actor.yaml) win over clip_ratio
+        for side in ("low", "high"):
+            if f"{_ACTOR}.clip_ratio_{side}" not in given:
+                implied.append((f"actor.policy_loss.clip_ratio_{side}", 0.2,
+                                f"verl's clip_ratio_{side} is 0.2 when the command leaves it out, and it takes "
+                                "precedence over clip_ratio"))
     return implied
 
 

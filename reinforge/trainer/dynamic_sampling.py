@@ -26,22 +26,31 @@ SEQUENCE_COLUMNS = ("input_ids", "attention_mask")
 
 
 def group_metric(batch: Batch, metric: str) -> np.ndarray:
-    """The per-sample value whose spread within a group decides whether the group is kept."""
+    """The per-sample value whose spread within a group decides whether the group is kept.
+
+    ``acc`` is the scorer's ``acc`` extra; a sample without one (a scorer that returns a plain
+    float, or a failed sample) counts its score before overlong shaping, as verl's DAPO reward
+    manager records ``acc = score`` for a scorer that returns a float.
+    """
     if metric == "acc":
-        if "reward_acc" not in batch:
-            raise ValueError("algorithm.filter_groups.metric=acc but the scorer returns no 'acc'; "
-                             "use metric=score or return {'score': ..., 'acc': ...} from the scorer")
-        return np.array([float(value) if value is not None else np.nan for value in batch["reward_acc"]])
+        scores = _score_before_shaping(batch).tolist()
+        accs = batch["reward_acc"] if "reward_acc" in batch else [None] * len(scores)
+        return np.array([float(acc) if acc is not None else score for acc, score in zip(accs, scores, strict=True)])
     if metric == "score":
-        scores = batch["token_level_scores"].sum(-1)
-        if "reward_overlong_penalty" in batch:
-            scores = scores - torch.tensor([float(value) for value in batch["reward_overlong_penalty"]])
-        return scores.double().numpy()
+        return _score_before_shaping(batch)
     if metric == "seq_reward":
         return batch["token_level_scores"].sum(-1).double().numpy()
     if metric == "seq_final_reward":
         return batch["token_level_rewards"].sum(-1).double().numpy()
     raise ValueError(f"algorithm.filter_groups.metric={metric!r} is not one of {', '.join(FILTER_METRICS)}")
+
+
+def _score_before_shaping(batch: Batch) -> np.ndarray:
+    """Each sample's score without the overlong penalty (verl's ``score`` extra)."""
+    scores = batch["token_level_scores"].sum(-1)
+    if "reward_overlong_penalty" in batch:
+        scores = scores - torch.tensor([float(value) for value in batch["reward_overlong_penalty"]])
+    return scores.double().numpy()
 
 
 def kept_group_rows(uids: np.ndarray, values: np.ndarray) -> tuple[list[int], int, int]:

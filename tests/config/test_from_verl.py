@@ -329,3 +329,62 @@ def test_no_verl_key_is_left_untranslated_when_our_schema_has_its_name():
             if renamed in ours:
                 stale.append(f"{key} -> {renamed}")
     assert stale == []
+
+
+def test_dapo_recipe_overlong_buffer_keys_translate():
+    """verl's DAPO recipe (tests/special_e2e/run_dapo.sh) sets reward_model.overlong_buffer.*; they are not a reward
+    model's keys. The recipe's penalty_factor is 0 when the command leaves it out."""
+    translation = translate_verl(["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=128",
+                                  "reward_model.overlong_buffer.penalty_factor=0.5",
+                                  "reward_model.overlong_buffer.log=False"])
+    assert translation.tree["reward"] == {"overlong_buffer": {"enable": True, "len": 128, "penalty_factor": 0.5}}
+    assert [line.verl_key for line in translation.no_equivalent] == ["reward_model.overlong_buffer.log"]
+    unset = translate_verl(["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=128"])
+    assert unset.tree["reward"]["overlong_buffer"]["penalty_factor"] == 0.0
+
+
+def test_filter_groups_without_max_num_gen_batches_has_no_limit_as_in_verl():
+    tree = translate_verl(["algorithm.filter_groups.enable=True", "algorithm.filter_groups.metric=acc"]).tree
+    assert load_config(None, tree=tree).algorithm.filter_groups.max_num_gen_batches == 0
+    given = translate_verl(["algorithm.filter_groups.enable=True", "algorithm.filter_groups.max_num_gen_batches=10"])
+    assert load_config(None, tree=given.tree).algorithm.filter_groups.max_num_gen_batches == 10
+    assert "filter_groups" not in translate_verl(["data.gen_batch_size=8"]).tree["algorithm"]
+
+
+def test_clip_ratio_alone_keeps_verls_clip_ratio_low_and_high():
+    """verl's actor.yaml sets clip_ratio_low/high to 0.2 and they win over clip_ratio: clip_ratio=0.3 alone clips
+    at 0.2 there, so it must here too."""
+    config = load_config(None, tree=translate_verl(["actor_rollout_ref.actor.clip_ratio=0.3"]).tree)
+    assert (config.actor.policy_loss.clip_ratio_low, config.actor.policy_loss.clip_ratio_high) == (0.2, 0.2)
+    config = load_config(None, tree=translate_verl(["actor_rollout_ref.actor.clip_ratio=0.3",
+                                                    "actor_rollout_ref.actor.clip_ratio_high=0.28"]).tree)
+    assert (config.actor.policy_loss.clip_ratio_low, config.actor.policy_loss.clip_ratio_high) == (0.2, 0.28)
+
+
+@pytest.mark.parametrize("word, value", [
+    ("trainer.experiment_name='1e-3'", "1e-3"),  # quoted: a string, as in Hydra
+    ("trainer.experiment_name=on", "on"), ("trainer.experiment_name=yes", "yes"),  # YAML 1.1 bools
+    ("trainer.experiment_name=12:30", "12:30"),  # YAML 1.1 sexagesimal 750
+    ("trainer.experiment_name=2024-01-01", "2024-01-01"),  # YAML date
+    ("actor_rollout_ref.rollout.n=010", "010"),  # YAML 1.1 octal 8; Hydra has no octal (OmegaConf's int() is 10)
+    ("actor_rollout_ref.actor.optim.lr=1e-6", 1e-6), ("actor_rollout_ref.actor.optim.lr=3E5", 3e5),
+    ("actor_rollout_ref.rollout.n=1_000", 1000), ("algorithm.filter_groups.enable=TRUE", True),
+    ("trainer.total_training_steps=NULL", None), ("actor_rollout_ref.actor.optim.betas=[0.9,1e-1]", [0.9, 0.1]),
+])
+def test_values_are_read_with_hydras_grammar_not_yaml_1_1(word, value):
+    assert parse_verl_overrides([word])[word.split("=")[0]] == value
+
+
+@pytest.mark.parametrize("word", ["trainer.logger=null", "data.train_files=5", "trainer.logger=[1,2]",
+                                  "actor_rollout_ref.actor.optim.lr_scheduler_type=[cosine]",
+                                  "actor_rollout_ref.model.target_modules=true"])
+def test_a_value_of_the_wrong_kind_fails_in_one_line_naming_the_key(word):
+    with pytest.raises(ConfigError, match=rf"^{word.split('=')[0]}=.* \(verl command line\) is not a value verl "
+                                          r"takes for it \(.*\); check its type"):
+        translate_verl([word])
+
+
+def test_null_device_counts_fail_in_the_config_check_not_in_the_translation():
+    for word in ("trainer.nnodes=null", "trainer.n_gpus_per_node=null"):
+        with pytest.raises(ConfigError, match=r"trainer\.(nnodes|devices_per_node)"):
+            load_config(None, tree=translate_verl([word]).tree)

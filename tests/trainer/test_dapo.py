@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from reinforge.cli import main
+from reinforge.protocol import Batch
+from reinforge.trainer.dynamic_sampling import group_metric, kept_group_rows
 
 from .test_rl_trainer import COMPARED_PREFIXES, base_args, read_metrics
 
@@ -56,3 +61,18 @@ def test_dynamic_sampling_and_overlong_shaping_train_and_resume_exactly(tiny_mod
 
     assert comparable(read_metrics(resumed)) == comparable(rows)
     assert prompts_logged(resumed) == prompts_logged(reference)
+
+
+def test_acc_of_a_scorer_that_returns_a_float_is_its_score_as_in_verl():
+    """verl's DAPO reward manager records acc = score for a float scorer; the default metric (acc) must work."""
+    scores = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    batch = Batch.from_dict(tensors={"token_level_scores": scores},
+                            non_tensors={"uid": ["a", "a", "b", "b"],
+                                         "reward_overlong_penalty": [0.0, 0.0, 0.0, -0.5]})
+    batch["token_level_scores"] = scores + torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, -0.5]])
+    values = group_metric(batch, "acc")
+    assert values.tolist() == [1.0, 0.0, 1.0, 1.0]  # before overlong shaping, like verl's acc
+    assert kept_group_rows(batch["uid"], values)[1] == 1  # a varies, b does not
+    # a sample without acc (a failed one) among samples with it counts its score
+    batch.non_tensors["reward_acc"] = np.array([True, None, False, False], dtype=object)
+    assert group_metric(batch, "acc").tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -53,11 +53,13 @@ def test_score_is_the_scorer_score_before_overlong_shaping():
     assert group_metric(batch, "score").tolist() == [1.0, 1.0]
 
 
-def test_acc_without_an_acc_extra_says_what_to_use():
-    batch = scored_batch({"a": [1.0, 0.0]}, 2)
+def test_acc_without_an_acc_extra_is_the_score_as_in_verl():
+    """verl's DAPO reward manager records acc = score for a scorer that returns a float (no acc of its own)."""
+    batch = scored_batch({"a": [1.0, 0.0], "b": [0.5, 0.5]}, 2)
     del batch.non_tensors["reward_acc"]
-    with pytest.raises(ValueError, match="metric=acc but the scorer returns no 'acc'; use metric=score"):
-        group_metric(batch, "acc")
+    assert group_metric(batch, "acc").tolist() == [1.0, 0.0, 0.5, 0.5]
+    batch.non_tensors["reward_acc"] = [True, None, None, False]  # a sample whose scorer failed has no acc either
+    assert group_metric(batch, "acc").tolist() == [1.0, 0.0, 0.5, 0.0]
 
 
 def test_kept_groups_accumulate_over_generation_batches_and_are_cut_to_exactly_the_batch():

@@ -81,7 +81,9 @@ class AsyncMode:
         reward_metrics: dict[str, float] = {}
         for _, rows in taken:
             for key, value in rows.meta.get("reward_metrics", {}).items():
-                reward_metrics[key] = reward_metrics.get(key, 0.0) + value
+                reward_metrics[key] = reward_metrics.get(key, 0.0) + value  # counts (rollouter.group_reward_metrics)
+        if "reward/overlong/count" in reward_metrics:
+            reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(len(batch), 1)
         batch.meta = {"reward_metrics": reward_metrics, "wait_s": waited,
                       "positions": [group.position for group, _ in taken]}
         return batch

@@ -99,10 +99,13 @@ class Rollouter:
         rows = concat_generated([group_batch(group, response_length, self.pad_token_id) for group in finished],
                                 self.pad_token_id)
         scored = rows | self.score(rows)
+        call_metrics = scored.meta.get("reward_metrics", {})
         with self.condition:
             for index, group in enumerate(finished):
                 self.active.remove(group)
-                self.ready.append((group, scored.index(slice(index * self.n, (index + 1) * self.n))))
+                group_rows = scored.index(slice(index * self.n, (index + 1) * self.n))
+                group_rows.meta["reward_metrics"] = group_reward_metrics(call_metrics, group_rows, first=index == 0)
+                self.ready.append((group, group_rows))
             self.condition.notify_all()
 
     def _wait_for_capacity(self) -> None:
@@ -136,9 +139,40 @@ class Rollouter:
                               [group.state_dict() for group, _ in self.ready]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; finished groups among ``active`` are scored again on the first turn."""
+        """Restore; finished groups among ``active`` are scored again on the first turn.
+
+        The restored groups keep the samples they were admitted with: a checkpoint whose groups have
+        another number of samples (rollout.n changed) or longer ones (data.max_response_length lowered)
+        cannot be continued, as ``_hand_over_finished`` cuts the scored rows into groups of ``n``.
+        """
+        for group in [*state["waiting"], *state["active"]]:
+            if len(group["samples"]) != self.n:
+                raise ValueError(f"rollout.n={self.n} but the checkpoint's admitted prompt groups have "
+                                 f"{len(group['samples'])} samples each (trainer.mode=async continues them); resume "
+                                 f"with rollout.n={len(group['samples'])}, or start a new run (trainer.resume=never)")
+            longest = max((len(sample["tokens"]) for sample in group["samples"]), default=0)
+            if longest > self.sampling.max_tokens:
+                raise ValueError(f"data.max_response_length={self.sampling.max_tokens} but the checkpoint's "
+                                 f"admitted prompt groups have responses of {longest} tokens already "
+                                 "(trainer.mode=async continues them); resume with the checkpoint's "
+                                 "data.max_response_length, or start a new run (trainer.resume=never)")
         self.version, self.admitted, self.drawn = state["version"], state["admitted"], state["drawn"]
         self.waiting = [PromptGroup.from_state(group) for group in state["waiting"]]
         self.active = sorted((PromptGroup.from_state(group) for group in state["active"]),
                              key=lambda group: group.position)
         self.ready = []
+
+
+def group_reward_metrics(call_metrics: dict[str, float], rows: Batch, first: bool) -> dict[str, float]:
+    """One group's share of the reward metrics of the scoring call that scored it with other groups.
+
+    The trainer sums its groups' metrics, so the call's counts must not ride on every group: the
+    overlong count is the group's own (from its ``reward_overlong_penalty`` column), the other counts
+    (reward/errors, reward/timeouts) go with the call's first group, and the overlong fraction is
+    the group's (``AsyncMode.next_batch`` recomputes it over the batch).
+    """
+    metrics = {key: (value if first else 0.0) for key, value in call_metrics.items()}
+    if "reward/overlong/count" in call_metrics and "reward_overlong_penalty" in rows:
+        count = float(sum(float(value) < 0 for value in rows["reward_overlong_penalty"]))
+        metrics |= {"reward/overlong/count": count, "reward/overlong/fraction": count / max(len(rows), 1)}
+    return metrics

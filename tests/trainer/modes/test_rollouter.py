@@ -1,0 +1,83 @@
+"""The async rollouter's hand-over and resume: a scoring call's reward metrics are counted once however many
+groups it scored, and checkpointed groups keep their samples, so settings that reshape them are refused in one
+line instead of silently regrouping rows (rollout.n) or failing deep in a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
+from reinforge.trainer.modes.device_turns import DeviceTurns
+from reinforge.trainer.modes.partial import PartialSample, PromptGroup
+from reinforge.trainer.modes.rollouter import Rollouter
+from reinforge.trainer.modes.staleness import StalenessBound
+
+
+def rollouter(n: int, max_tokens: int) -> Rollouter:
+    def unused(*args: object) -> Batch:
+        raise AssertionError("not called")
+
+    return Rollouter(next_prompts=unused, generate=unused, score=unused, seed_of=lambda position, uid: position,
+                     bound=StalenessBound(1, 2), sampling=SamplingParams(max_tokens=max_tokens), n=n,
+                     segment_tokens=2, batch_size=2, pad_token_id=0, turns=DeviceTurns())
+
+
+def saved_state(n: int, tokens: int) -> dict:
+    """A checkpoint's rollouter state: one group of ``n`` samples, each ``tokens`` long (finished when 4)."""
+    def group(position: int) -> PromptGroup:
+        return PromptGroup(position, [5, 6], {"uid": f"p{position}"}, position,
+                           [PartialSample(index, [9] * tokens, [-1.0] * tokens, [0] * tokens, finished=tokens >= 4)
+                            for index in range(n)])
+    source = rollouter(n, 8)
+    source.active, source.admitted, source.drawn = [group(0), group(1)], 2, 2
+    return source.state_dict()
+
+
+def test_resume_with_the_same_settings_restores_every_group():
+    restored = rollouter(4, 8)
+    restored.load_state_dict(saved_state(4, 4))
+    assert [len(group.samples) for group in restored.active] == [4, 4]
+
+
+def test_a_changed_rollout_n_is_refused_instead_of_regrouping_rows():
+    with pytest.raises(ValueError, match=r"^rollout.n=2 but the checkpoint's admitted prompt groups have 4 samples "
+                                         r"each .*resume with rollout.n=4, or start a new run"):
+        rollouter(2, 8).load_state_dict(saved_state(4, 4))
+
+
+def test_a_lowered_max_response_length_is_refused_when_samples_are_longer():
+    with pytest.raises(ValueError, match=r"^data.max_response_length=3 but the checkpoint's admitted prompt groups "
+                                         r"have responses of 4 tokens already"):
+        rollouter(4, 3).load_state_dict(saved_state(4, 4))
+    rollouter(4, 3).load_state_dict(saved_state(4, 2))  # shorter samples continue under the lower limit
+
+
+def test_handover_after_resume_keeps_each_groups_rows_together():
+    restored = rollouter(4, 8)
+    restored.score = lambda rows: Batch.from_dict(tensors={"token_level_scores": torch.zeros_like(
+        rows["response_mask"])})
+    restored.load_state_dict(saved_state(4, 4))
+    restored._hand_over_finished()
+    assert [set(rows["uid"]) for _, rows in restored.ready] == [{"p0"}, {"p1"}]
+
+
+def test_a_scoring_calls_reward_metrics_are_counted_once_over_its_groups():
+    """The trainer sums its groups' reward metrics; each group used to carry the whole call's counts."""
+    def score(rows: Batch) -> Batch:
+        penalties = [-1.0 if index % 4 == 0 else 0.0 for index in range(len(rows))]  # one sample of each group
+        scored = Batch.from_dict(tensors={"token_level_scores": torch.zeros_like(rows["response_mask"])},
+                                 non_tensors={"reward_overlong_penalty": penalties})
+        scored.meta["reward_metrics"] = {"reward/errors": 3.0, "reward/overlong/count": 2.0,
+                                         "reward/overlong/fraction": 0.25}
+        return scored
+
+    restored = rollouter(4, 8)
+    restored.score = score
+    restored.load_state_dict(saved_state(4, 4))
+    restored._hand_over_finished()
+    metrics = [rows.meta["reward_metrics"] for _, rows in restored.ready]
+    assert sum(group["reward/errors"] for group in metrics) == 3.0
+    assert [group["reward/overlong/count"] for group in metrics] == [1.0, 1.0]
+    assert [group["reward/overlong/fraction"] for group in metrics] == [0.25, 0.25]
