@@ -3,6 +3,7 @@
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=alloc OUT=... bash benchmarks/gpu_session.sh   # tenth session: expandable segments against the default allocator; 7B LoRA's host memory split
 #   PART=alloc2 OUT=... bash benchmarks/gpu_session.sh  # GPU tests, 1.5B and 7B (80 GiB) under expandable segments
+#   PART=turns OUT=... bash benchmarks/gpu_session.sh   # twelfth session: GPU tests; the agent/single-turn ratio by turn length
 #   PART=final OUT=... bash benchmarks/gpu_session.sh   # eleventh session: GPU tests; 1.5B with 8,192-token responses
 #   PART=bw OUT=... bash benchmarks/gpu_session.sh      # eleventh session: pinned copy speed; agent rollout; 0.5B, 1.5B
 #   PART=pin OUT=... bash benchmarks/gpu_session.sh     # eleventh session: GPU tests and 1.5B under expandable segments; 7B LoRA's
@@ -32,6 +33,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  turns)  # twelfth session: the GPU tests at this commit; issue 17's agent/single-turn ratio as the turns lengthen
+          # (32-256 sampled tokens a turn gave 54% against a 59% bound, 128-512 gave 69-71% against 79%): the
+          # owner has not named a turn length, so measure the curve; then 0.5B with defaults once more
+    timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests >/tmp/gpu_tests.log 2>&1
+    echo "GPU tests exit $?"; grep -E "passed|failed|Error" /tmp/gpu_tests.log | tail -n 6; cp /tmp/gpu_tests.log "$OUT/"
+    for turns in 64,384 128,512 256,1024; do
+      timeout 110 python3 benchmarks/agent_rollout.py --turn-tokens "$turns" --serial 2 \
+        --out "$OUT/agent_${turns/,/-}.json" >"/tmp/agent_${turns/,/-}.log" 2>&1
+      echo "agent rollout, $turns token turns, exit $?"; grep -E "workload|single-turn|agent|bound" "/tmp/agent_${turns/,/-}.log" | tail -n 9
+    done
+    python3 benchmarks/scale.py --deadline-s 120 0.5b:0.5b:--steps,4
+    ;;
   final)  # the eleventh session's last call: the GPU tests at the final commit; 1.5B with 16 prompts x 8 samples
           # and 8,192-token responses under today's planner (last measured 12-01, one step before a deadline)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests >/tmp/gpu_tests.log 2>&1
