@@ -89,6 +89,27 @@ def test_shared_prompts_give_the_unshared_log_probs_entropy_and_gradients():
         torch.testing.assert_close(grad_b, grad_a, atol=1e-5, rtol=1e-4)
 
 
+def test_a_micro_batch_of_single_rows_keeps_the_shared_layout_and_the_same_attention_arguments():
+    """With shared prompts on, a micro-batch left with one row of each prompt still takes the shared layout: the
+    compiled decoder layers meet one set of keyword arguments in every micro-batch of a run, where a micro-batch of
+    single rows used to drop kv_index and packed_flash_shared and so recompile them once in a run (2.7 s of a
+    0.5B step on the H200, benchmarks/compile_events.py)."""
+    from reinforge.engine.forward import _attention_kwargs
+    from reinforge.engine.packing import pack_rows
+
+    batch = grouped_batch()
+    singles = batch.index([rows[0] for rows in _rows_by_prompt(batch)])
+    plans = [attach_plan(Batch(dict(part.tensors), {}, {}), share_prompts=True) for part in (batch, singles)]
+    assert all(part.meta["packing_plan"].kv_index is not None for part in plans)
+    keys = [set(_attention_kwargs(pack_rows(part), torch.float32)) for part in plans]
+    assert keys[0] == keys[1] and "packed_flash_shared" in keys[0]
+    model = varlen_lm(seed=5)
+    with torch.no_grad():  # the layout changes no number
+        shared = response_log_probs(model, plans[1], temperature=1.0)
+        unshared = response_log_probs(model, attach_plan(Batch(dict(singles.tensors), {}, {})), temperature=1.0)
+    torch.testing.assert_close(shared, unshared, atol=1e-5, rtol=1e-5)
+
+
 def test_shared_prompts_give_the_unshared_values():
     critic = ValueModel(build_tiny_causal_lm(vocab_size=64, seed=4).model)
     use_varlen_attention(critic.backbone)
