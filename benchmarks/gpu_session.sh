@@ -3,6 +3,7 @@
 # in device calls of under 10 minutes each; about 9 minutes each, so a 30-minute budget holds three:
 #   PART=alloc OUT=... bash benchmarks/gpu_session.sh   # tenth session: expandable segments against the default allocator; 7B LoRA's host memory split
 #   PART=alloc2 OUT=... bash benchmarks/gpu_session.sh  # GPU tests, 1.5B and 7B (80 GiB) under expandable segments
+#   PART=recompile OUT=... bash benchmarks/gpu_session.sh # twelfth session: no mid-run recompile; 0.5B, 1.5B, 3B with 4 steps
 #   PART=turns OUT=... bash benchmarks/gpu_session.sh   # twelfth session: GPU tests; the agent/single-turn ratio by turn length
 #   PART=final OUT=... bash benchmarks/gpu_session.sh   # eleventh session: GPU tests; 1.5B with 8,192-token responses
 #   PART=bw OUT=... bash benchmarks/gpu_session.sh      # eleventh session: pinned copy speed; agent rollout; 0.5B, 1.5B
@@ -33,6 +34,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  recompile)  # twelfth session, after the packing fix: compile events of 6 0.5B steps (none after step 1 expected),
+              # the GPU packing tests, then every size with one more step than before (a recompile in step 2 or 3 had
+              # lifted the medians: 0.5B's step 3 took 6.55 s in this session's first call)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_packing.py 2>&1 | tail -n 2
+    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/compile_events.py --model 0.5b \
+      --steps 6 >"$OUT/compile_events.log" 2>&1
+    echo "compile events exit $?"; grep -E "^\[compiles|Recompiling" "$OUT/compile_events.log" | cut -c1-160
+    python3 benchmarks/scale.py --deadline-s 330 0.5b:0.5b:--steps,5 1.5b:1.5b:--steps,4 3b:3b:--steps,4
+    ;;
   turns)  # twelfth session: the GPU tests at this commit; issue 17's agent/single-turn ratio as the turns lengthen
           # (32-256 sampled tokens a turn gave 54% against a 59% bound, 128-512 gave 69-71% against 79%): the
           # owner has not named a turn length, so measure the curve; then 0.5B with defaults once more
