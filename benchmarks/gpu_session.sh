@@ -41,7 +41,7 @@ case "${PART:-scale}" in
     TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONUNBUFFERED=1 timeout 150 python3 benchmarks/compile_events.py --model 0.5b \
       --steps 6 >"$OUT/compile_events.log" 2>&1
     echo "compile events exit $?"; grep -E "^\[compiles|Recompiling" "$OUT/compile_events.log" | cut -c1-160
-    python3 benchmarks/scale.py --deadline-s 330 0.5b:0.5b:--steps,5 1.5b:1.5b:--steps,4 3b:3b:--steps,4
+    python3 benchmarks/scale.py --deadline-s 420 0.5b:0.5b:--steps,5 1.5b:1.5b:--steps,4 3b:3b:--steps,4
     ;;
   turns)  # twelfth session: the GPU tests at this commit; issue 17's agent/single-turn ratio as the turns lengthen
           # (32-256 sampled tokens a turn gave 54% against a 59% bound, 128-512 gave 69-71% against 79%): the
