@@ -269,6 +269,14 @@ def _check_dapo(config: Config) -> None:
                               "algorithm.filter_groups.enable=true or remove data.gen_batch_size")
         if data.gen_batch_size < 1:
             raise ConfigError(f"data.gen_batch_size={data.gen_batch_size} must be at least 1")
+        limit = filter_groups.max_num_gen_batches
+        if 0 < limit and limit * data.gen_batch_size < data.train_batch_size:
+            # every step would fail after its last allowed generation batch, once the model has loaded
+            needed = -(-data.train_batch_size // data.gen_batch_size)
+            raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches={limit} generation batches of "
+                              f"data.gen_batch_size={data.gen_batch_size} prompts cannot fill "
+                              f"data.train_batch_size={data.train_batch_size} groups even if every group is kept; "
+                              f"set max_num_gen_batches to {needed} or more (0: no limit), or raise data.gen_batch_size")
     if buffer.enable:
         if not 0 < buffer.len <= data.max_response_length:
             raise ConfigError(f"reward.overlong_buffer.len={buffer.len} must be in 1..data.max_response_length="

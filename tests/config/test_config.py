@@ -209,6 +209,13 @@ def test_dapo_settings_are_checked_before_a_model_loads():
     config = load_config(None, ["algorithm.filter_groups.enable=true", "data.gen_batch_size=16",
                                 "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=256"])
     assert config.data.gen_batch_size == 16
+    # 2 batches of 16 prompts can never keep 64 groups: refused here, not after the model loads at step 1
+    with pytest.raises(ConfigError, match=r"max_num_gen_batches=2 generation batches of data.gen_batch_size=16 prompts "
+                                          r"cannot fill data.train_batch_size=64 groups .*set max_num_gen_batches to 4"):
+        load_config(None, ["algorithm.filter_groups.enable=true", "data.gen_batch_size=16", "data.train_batch_size=64",
+                           "algorithm.filter_groups.max_num_gen_batches=2"])
+    assert load_config(None, ["algorithm.filter_groups.enable=true", "data.gen_batch_size=16", "data.train_batch_size=64",
+                              "algorithm.filter_groups.max_num_gen_batches=0"]).data.gen_batch_size == 16
 
 
 def test_lower_upper_thresholds_stay_text(tmp_path):
