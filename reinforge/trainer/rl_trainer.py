@@ -61,7 +61,9 @@ class RLTrainer(TrainingRun):
                                "data.max_prompt_length + data.max_response_length")
         tools = load_tools(config.rollout.multi_turn)
         check_tools(config.rollout.multi_turn.format, tools)  # an unknown format, a tool that cannot work: here
-        self.open_run_folder(config.trainer.resume, config.trainer.keep_last, RESUME_REFUSES)
+        # async mode's checkpoint holds prompt groups in flight, each with the rollout.n samples it was admitted with
+        refused = RESUME_REFUSES + (("rollout.n",) if config.trainer.mode == "async" else ())
+        self.open_run_folder(config.trainer.resume, config.trainer.keep_last, refused)
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)
 

@@ -128,3 +128,22 @@ def test_a_resumed_one_step_off_run_trains_the_same_prompts_at_every_step(tiny_m
     assert prompts_by_step(resumed) == prompts_by_step(tmp_path / "whole")
     assert rows[2]["async/staleness_max"] == 0.0  # regenerated after the resume: by the restored weights
     assert rows[3]["async/staleness_max"] == 1.0
+
+
+def test_an_async_run_resumed_with_another_rollout_n_is_refused_before_any_model_loads(
+        tiny_model_dir, arithmetic_data_dir, tmp_path, capsys, monkeypatch):
+    """Its checkpoint holds prompt groups in flight with the samples they were admitted with; a sync run may change n."""
+    async_dir, sync_dir = tmp_path / "async", tmp_path / "sync"
+    run(tiny_model_dir, arithmetic_data_dir, async_dir, **{"trainer.mode": "async", "trainer.total_steps": 1,
+                                                           "trainer.save_every": 1, "rollout.segment_tokens": 4})
+    run(tiny_model_dir, arithmetic_data_dir, sync_dir, **{"trainer.total_steps": 1, "trainer.save_every": 1})
+    capsys.readouterr()
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    args = base_args(tiny_model_dir, arithmetic_data_dir, async_dir, **{
+        "reward.num_workers": 0, "actor.use_kl_loss": True, "trainer.mode": "async", "trainer.total_steps": 2,
+        "rollout.segment_tokens": 4, "rollout.n": 2})
+    assert main(["train", *args]) == 2
+    assert "rollout.n: 4 -> 2" in capsys.readouterr().err and not loaded
+    monkeypatch.undo()
+    assert run(tiny_model_dir, arithmetic_data_dir, sync_dir, **{"trainer.total_steps": 2, "rollout.n": 2})[-1]["step"] == 2
