@@ -21,7 +21,8 @@ import time
 import torch
 
 
-def grouped_micro_batch(num_groups: int, samples: int, vocab: int, rng: random.Random):
+def grouped_micro_batch(num_groups: int, samples: int, vocab: int, rng: random.Random,
+                        lengths: tuple[int, int] | None = None):
     from reinforge.engine.forward import build_position_ids
     from reinforge.engine.packing import attach_plan
     from reinforge.protocol import Batch
@@ -29,14 +30,14 @@ def grouped_micro_batch(num_groups: int, samples: int, vocab: int, rng: random.R
     prompt_width, response_width = 96, 160
     prompts, masks, responses, response_masks = [], [], [], []
     for _ in range(num_groups):
-        length = rng.randint(8, prompt_width)
+        length = lengths[0] if lengths else rng.randint(8, prompt_width)
         tokens = torch.randint(3, vocab, (prompt_width,))
         mask = torch.zeros(prompt_width, dtype=torch.long)
         mask[prompt_width - length:] = 1
         for _ in range(samples):
             prompts.append(tokens * mask)
             masks.append(mask)
-            response_length = rng.randint(1, response_width)
+            response_length = lengths[1] if lengths else rng.randint(1, response_width)
             response_masks.append(torch.arange(response_width) < response_length)
             responses.append(torch.randint(3, vocab, (response_width,)) * response_masks[-1])
     prompts, responses = torch.stack(prompts), torch.stack(responses)
@@ -80,9 +81,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=["as-is", "marked"], default="as-is")
     parser.add_argument("--micro-batches", type=int, default=12)
+    parser.add_argument("--collide", action="store_true",
+                        help="the first micro-batch one row whose packed_kv_index has exactly hidden_size (256) entries "
+                             "(a prompt of 64 tokens, a response of 128: 64 + 64 + 128), as the 1.5B bench's first "
+                             "update micro-batch had 1536, its hidden size")
+    parser.add_argument("--no-duck-shape", action="store_true",
+                        help="torch._dynamo.config.use_duck_shape = False: equal sizes are not assumed one symbol")
     args = parser.parse_args(argv)
     if args.variant == "marked":
         mark_dynamic_variant()
+    if args.no_duck_shape:
+        torch._dynamo.config.use_duck_shape = False
     torch._logging.set_logs(recompiles=True)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -96,7 +105,10 @@ def main(argv: list[str]) -> int:
     rng = random.Random(0)
     counters = torch._dynamo.utils.counters
     for index in range(args.micro_batches):
-        micro = grouped_micro_batch(rng.randint(1, 6), rng.choice([1, 4, 8]), config.vocab_size, rng)
+        if args.collide and index == 0:
+            micro = grouped_micro_batch(1, 1, config.vocab_size, rng, lengths=(64, 128))
+        else:
+            micro = grouped_micro_batch(rng.randint(1, 6), rng.choice([1, 4, 8]), config.vocab_size, rng)
         started = time.perf_counter()
         log_probs, _ = response_log_probs(model, micro)
         log_probs.sum().backward()
@@ -105,7 +117,8 @@ def main(argv: list[str]) -> int:
         torch.cuda.synchronize()
         print(f"micro-batch {index}: {len(micro)} rows, {micro.meta['packing_plan'].num_tokens} tokens, "
               f"{time.perf_counter() - started:.2f} s, graphs so far {counters['stats']['unique_graphs']}", flush=True)
-    print(f"variant {args.variant}: {counters['stats']['unique_graphs']} graphs for {args.micro_batches} micro-batches")
+    print(f"variant {args.variant}{' collide' if args.collide else ''}{' no-duck-shape' if args.no_duck_shape else ''}: "
+          f"{counters['stats']['unique_graphs']} graphs for {args.micro_batches} micro-batches")
     return 0
 
 
