@@ -86,12 +86,14 @@ def main(argv: list[str]) -> int:
                              "(a prompt of 64 tokens, a response of 128: 64 + 64 + 128), as the 1.5B bench's first "
                              "update micro-batch had 1536, its hidden size")
     parser.add_argument("--no-duck-shape", action="store_true",
-                        help="torch._dynamo.config.use_duck_shape = False: equal sizes are not assumed one symbol")
+                        help="torch.fx.experimental._config.use_duck_shape = False: equal sizes are not one symbol")
     args = parser.parse_args(argv)
     if args.variant == "marked":
         mark_dynamic_variant()
     if args.no_duck_shape:
-        torch._dynamo.config.use_duck_shape = False
+        import torch.fx.experimental._config
+
+        torch.fx.experimental._config.use_duck_shape = False
     torch._logging.set_logs(recompiles=True)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -36,6 +36,9 @@ from reinforge.protocol import Batch
 logger = logging.getLogger(__name__)
 
 TRAINED_ROLES = ("assistant",)
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+"""The roles a row may use; any other (``usr``, ``Assistant``, ShareGPT's ``gpt``) is a typo that would silently
+leave its turn untrained or render an odd header, so the row is refused."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], templat
     for index, message in enumerate(messages):
         if message["role"] not in TRAINED_ROLES:
             continue
+        if index == 0:  # nothing renders before it, and it would be trained on no prompt at all
+            raise ValueError("the conversation starts with an assistant message, which has no prompt to be trained "
+                             "on; start it with a system or user message (or drop that message)")
         before = _render(tokenizer, messages[:index], template, add_generation_prompt=True)
         through = _render(tokenizer, messages[:index + 1], template, add_generation_prompt=False)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
@@ -106,6 +112,7 @@ class SFTDataset:
         self.examples: list[SFTExample] = []
         self.num_dropped = 0
         self.num_without_assistant = 0
+        self.num_truncated = 0
         num_rows = 0
         for path in files:
             for row_number, row in enumerate(read_rows(path)):
@@ -137,14 +144,15 @@ class SFTDataset:
                     if not any(example.loss_mask):
                         self.num_dropped += 1
                         continue
+                    self.num_truncated += 1
                 self.examples.append(example)
         if not self.examples:
             raise ValueError(f"no {name} conversation is left of {num_rows} rows ({self.num_dropped} longer than "
                              f"data.max_length={max_length}, {self.num_without_assistant} without an assistant "
                              "message); check the files and data.max_length")
-        logger.info("%s data: %d conversations from %d rows; %d dropped for being longer than %d tokens, %d without "
-                    "an assistant message", name, len(self.examples), num_rows, self.num_dropped, max_length,
-                    self.num_without_assistant)
+        logger.info("%s data: %d conversations from %d rows; %d dropped for being longer than %d tokens, %d cut to "
+                    "that length (data.truncation=right), %d without an assistant message", name, len(self.examples),
+                    num_rows, self.num_dropped, max_length, self.num_truncated, self.num_without_assistant)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -157,6 +165,19 @@ def _checked_messages(row: dict[str, Any], key: str, where: str) -> list[dict[st
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column)")
     check_chat_messages(messages, where)
+    for number, message in enumerate(messages):
+        role, content = message["role"], message["content"]
+        if role not in KNOWN_ROLES:
+            raise ValueError(f"message {number} of {where} has role {role!r}, which is not one of "
+                             f"{', '.join(KNOWN_ROLES)}; rename it (only {' and '.join(TRAINED_ROLES)} messages are "
+                             "trained)")
+        # A template prints a list of parts or a number as its Python repr, which the model would learn to write.
+        if content is None and not message.get("tool_calls"):
+            raise ValueError(f"message {number} ({role}) of {where} has content null and no tool_calls; give it a "
+                             "string ('' for an empty message)")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"message {number} ({role}) of {where} has a 'content' of type {type(content).__name__}; "
+                             "SFT trains on text: give it as a string (join the text of a list of parts)")
     return messages
 
 

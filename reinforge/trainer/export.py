@@ -9,6 +9,9 @@ and writes the adapters too, in peft's format, under ``OUT/adapter``.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -17,22 +20,63 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config
 from reinforge.models import load_causal_lm, save_hf_folder
-from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
+from reinforge.trainer.checkpoint import MANIFEST_FILE, CheckpointManager, checkpoint_problem
+
+logger = logging.getLogger(__name__)
+
+
+def _is_hf_weights(name: str) -> bool:
+    return name.startswith("hf/") and name.endswith((".safetensors", ".safetensors.index.json", ".bin"))
+
+
+def export_problem(folder: Path) -> str | None:
+    """Why ``folder`` cannot be exported (None when it can): ``checkpoint_problem``, except that ``hf/`` weights
+    removed to save space are allowed, since export reads the weights from ``actor_state.pt``."""
+    problem = checkpoint_problem(folder)
+    if problem is None:
+        return None
+    try:
+        files = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return problem
+    removed = {name for name in files if _is_hf_weights(name) and not (folder / name).exists()}
+    if not removed:
+        return problem
+    for name, expected in files.items():
+        path = folder / name
+        if name in removed:
+            continue
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['size']} (truncated or changed)"
+        with open(path, "rb") as handle:
+            if hashlib.file_digest(handle, "sha256").hexdigest() != expected["sha256"]:
+                return f"{name} does not match its SHA-256 in the manifest (damaged or changed)"
+    return None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder, or the newest valid checkpoint of a run folder; a damaged one is refused."""
     path = Path(path)
     if (path / "trainer_state.pt").is_file():
-        problem = checkpoint_problem(path)
+        problem = export_problem(path)
         if problem is not None:
             raise ValueError(f"checkpoint {path} is not usable: {problem}; export another checkpoint")
         return path
-    latest = CheckpointManager(path, keep_last=1).resolve("auto", set_aside=False)
-    if latest is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint (no trainer_state.pt) nor a run folder with "
-                                "checkpoints; pass RUN_DIR or RUN_DIR/checkpoints/step_N")
-    return latest
+    skipped = []
+    for folder in CheckpointManager(path, keep_last=1).step_folders():
+        problem = export_problem(folder)
+        if problem is None:
+            if skipped:
+                logger.warning("exporting %s, the newest usable checkpoint; skipped %s", folder.name, "; ".join(skipped))
+            return folder
+        skipped.append(f"{folder.name}: {problem}")
+    if skipped:
+        raise ValueError(f"no checkpoint of {path} is usable ({'; '.join(skipped)}); pass another checkpoint "
+                         "folder (RUN_DIR/checkpoints/step_N)")
+    raise FileNotFoundError(f"{path} is neither a checkpoint (no trainer_state.pt) nor a run folder with "
+                            "checkpoints; pass RUN_DIR or RUN_DIR/checkpoints/step_N")
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
@@ -49,6 +93,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     if source == target or source.is_relative_to(target) or target.is_relative_to(source):
         raise FileExistsError(f"{out} holds (or is inside) the checkpoint {folder} being exported; "
                               "write the model to a folder outside the run")
+    if source.parent.name == "checkpoints" and target.is_relative_to(source.parent):
+        # the run's later saves, resumes and keep_last pruning rename or delete what is in there
+        raise FileExistsError(f"{out} is inside {folder.parent}, the run's checkpoints folder, where training "
+                              "removes or replaces folders; write the model to a folder outside it")
     hf_folder = folder / "hf"
     state_file = folder / "actor_state.pt"
     if not (hf_folder / "config.json").is_file() or not state_file.is_file():

@@ -32,8 +32,9 @@ from reinforge.tracking import Tracker
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
-RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.batch_size", "data.packing",
-                  "data.max_length", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed")
+RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.chat_template",
+                  "data.batch_size", "data.packing", "data.max_length", "data.truncation", "data.shuffle", "data.seed",
+                  "data.max_train_samples", "trainer.seed")
 """Settings a resumed SFT run may not change: the checkpoint's weights or data order would not fit them."""
 
 
@@ -60,6 +61,8 @@ class SFTTrainer(TrainingRun):
 
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
+        if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
+            self.tokenizer.chat_template = data.chat_template
         pad_token_id = get_pad_token_id(self.tokenizer)
         self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
                                       data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,
