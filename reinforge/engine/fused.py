@@ -94,18 +94,28 @@ scores without grad and runs a reference or critic model of another config needs
 default of 8, after which it would silently fall back to eager."""
 
 
-def raise_recompile_limit() -> None:
+def configure_compiler() -> None:
+    """Dynamo settings for the compiled functions and layers: the recompile limit above, and no duck sizing.
+
+    Duck sizing takes two sizes that are equal when a graph is first traced for one symbol. A packed
+    micro-batch's ``packed_kv_index`` of exactly ``hidden_size`` entries (1536 in the 1.5B bench's first
+    update micro-batch) was thus taken for the hidden size, which the weights fix, and the graph guarded on
+    it: the next micro-batch recompiled every decoder layer, 3 s of one step (``benchmarks/recompiles.py
+    --collide`` reproduces it on a small model; without duck sizing nothing recompiles).
+    """
     import torch._dynamo
+    import torch.fx.experimental._config
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    torch.fx.experimental._config.use_duck_shape = False
 
 
 @functools.cache
 def _functions(compiled: bool):
     if not compiled:
         return rms_norm, silu_mul
-    raise_recompile_limit()
+    configure_compiler()
     return torch.compile(rms_norm, dynamic=True), torch.compile(silu_mul, dynamic=True)
 
 
@@ -189,7 +199,7 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     """
     from reinforge.engine.fsdp import decoder_layers
 
-    raise_recompile_limit()
+    configure_compiler()
     layers = decoder_layers(model)
     for layer in layers:
         eager = layer.forward

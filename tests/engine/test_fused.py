@@ -105,6 +105,10 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
     compiled = copy.deepcopy(eager)
     # aot_eager: the same tracing and autograd split as inductor, runnable without a GPU
     assert compile_decoder_layers(compiled, backend="aot_eager") == SIZES["num_hidden_layers"]
+    import torch.fx.experimental._config
+
+    # no duck sizing: a packed_kv_index as long as the hidden size recompiled every layer on the H200
+    assert torch.fx.experimental._config.use_duck_shape is False
     batch = rollout_rows(4, 5, 6, left_padding={1: 2}, right_padding={2: 3})
     outputs = [log_probs_and_grads(model, batch) for model in (eager, compiled)]
     torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=1e-5, atol=1e-5)
