@@ -1,0 +1,96 @@
+"""SFT data and run settings that used to slip through: odd roles and contents, an assistant turn first, the
+trained chat template missing from the checkpoint, settings a resume silently accepted."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from transformers import AutoTokenizer
+
+from reinforge.config import load_sft_config
+from reinforge.data.sft_dataset import SFTDataset, tokenize_conversation
+from reinforge.models import build_char_tokenizer
+from reinforge.trainer.sft_trainer import SFTTrainer
+
+PRINTING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""Prints ``content`` with ``{{ }}``, as most templates do: a list or a number renders as its repr."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def dataset_of(tmp_path, tokenizer, *rows, **options):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return SFTDataset([path], tokenizer, max_length=options.pop("max_length", 64),
+                      chat_template=options.pop("chat_template", PRINTING_TEMPLATE), **options)
+
+
+def sft_config(tmp_path, model_dir, *extra: str):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{index}+1?"},
+                                                      {"role": "assistant", "content": str(index + 1)}]}) + "\n"
+                             for index in range(8)))
+    return load_sft_config(None, [f"model.path={model_dir}", f"data.train_files=[{train}]", "data.batch_size=4",
+                                  "data.max_length=64", "trainer.device=cpu", "trainer.loggers=[jsonl]",
+                                  f"trainer.output_dir={tmp_path / 'run'}", *extra])
+
+
+GOOD = {"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3"}]}
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "yo"}], "message 0 .* role 'usr'"),
+    ([{"role": "user", "content": "hi"}, {"role": "Assistant", "content": "yo"}], "message 1 .* role 'Assistant'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}],
+     r"message 1 \(assistant\) .* type list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": 3}], r"message 1 \(assistant\) .* type int"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "content null and no tool_calls"),
+    ([{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+     "starts with an assistant message"),
+])
+def test_malformed_row_is_refused_naming_row_and_message(tmp_path, tokenizer, messages, match):
+    with pytest.raises(ValueError, match=match) as error:
+        dataset_of(tmp_path, tokenizer, GOOD, {"messages": messages})
+    assert f"row 1 of {tmp_path / 'rows.jsonl'}" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_tool_call_turn_with_null_content_is_accepted(tmp_path, tokenizer):
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                                   "function": {"name": "f", "arguments": "{}"}}]}
+    row = {"messages": [{"role": "user", "content": "hi"}, call, {"role": "tool", "content": "1"},
+                        {"role": "assistant", "content": "yo"}]}
+    assert len(dataset_of(tmp_path, tokenizer, row)) == 1
+
+
+def test_assistant_first_gives_a_clear_error_not_the_template_s(tokenizer):
+    with pytest.raises(ValueError, match="starts with an assistant message"):
+        tokenize_conversation(tokenizer, [{"role": "assistant", "content": "hi"}])
+
+
+def test_truncated_conversations_are_reported(tmp_path, tokenizer, caplog):
+    long_row = {"messages": [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "3" * 80}]}
+    with caplog.at_level(logging.INFO, logger="reinforge.data.sft_dataset"):
+        dataset = dataset_of(tmp_path, tokenizer, GOOD, long_row, truncation="right")
+    assert dataset.num_truncated == 1 and dataset.num_dropped == 0
+    assert "1 cut to that length" in caplog.text
+
+
+def test_checkpoint_carries_the_chat_template_it_was_trained_with(tmp_path, tiny_model_dir):
+    trainer = SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1",
+                                    f"data.chat_template={json.dumps(PRINTING_TEMPLATE)}"))
+    trainer.fit()
+    assert AutoTokenizer.from_pretrained(trainer.final_model_dir()).chat_template == PRINTING_TEMPLATE
+
+
+@pytest.mark.parametrize("setting", ["data.truncation=right", "data.messages_key=conversation",
+                                     f"data.chat_template={json.dumps(PRINTING_TEMPLATE)}"])
+def test_resume_refuses_a_change_to_which_rows_are_trained(tmp_path, tiny_model_dir, setting):
+    SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
+    with pytest.raises(ValueError, match=f"changed settings it cannot take: {setting.split('=')[0]}"):
+        SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2", setting))
