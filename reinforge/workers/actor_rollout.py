@@ -123,6 +123,8 @@ class ActorRolloutWorker(Worker):
         cap_device_memory(config, self.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
+        if config.data.chat_template:  # saved with every checkpoint's hf/: the model is served in the format it learned
+            self.tokenizer.chat_template = config.data.chat_template
         if rollout_only:
             self._init_rollout_only(config)
             return

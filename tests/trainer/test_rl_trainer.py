@@ -130,18 +130,24 @@ def test_kl_loss_kl_in_reward_and_validation(tiny_model_dir, arithmetic_data_dir
 
 
 def test_checkpoint_loads_with_auto_classes_and_export(tiny_model_dir, arithmetic_data_dir, tmp_path):
+    import yaml
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = tmp_path / "run"
-    assert main(["train", *base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.keep_last": 1,
-                                                                                      "trainer.save_every": 1})]) == 0
+    # a data.chat_template override is the template the checkpoints and the export are served with
+    template = AutoTokenizer.from_pretrained(tiny_model_dir).chat_template + "{# the run's own template #}"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"data": {"chat_template": template}}))
+    assert main(["train", str(config), *base_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+        "trainer.keep_last": 1, "trainer.save_every": 1})]) == 0
     checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
     assert [path.name for path in checkpoints] == ["step_000002"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     AutoModelForCausalLM.from_pretrained(checkpoints[0] / "hf")
-    AutoTokenizer.from_pretrained(checkpoints[0] / "hf")
+    assert AutoTokenizer.from_pretrained(checkpoints[0] / "hf").chat_template == template
     assert main(["export", str(run_dir), str(tmp_path / "exported")]) == 0
     AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    assert AutoTokenizer.from_pretrained(tmp_path / "exported").chat_template == template
 
 
 def test_fit_resumed_at_the_final_step_reports_that_steps_metrics(tiny_model_dir, arithmetic_data_dir, tmp_path):
