@@ -133,10 +133,15 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a checkpoint folder (RUN/checkpoints/step_N) or a run folder (its latest)")
     parser.add_argument("out", help="the HF folder to write (new or empty)")
     parser.add_argument("--force", action="store_true", help="write over a non-empty output folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="the weights' dtype in the folder (default: the checkpoint's, float32 for a trained run)")
     args = parser.parse_args(argv)
+    import torch
+
     from reinforge.trainer.export import export_checkpoint
 
-    print(export_checkpoint(args.checkpoint, args.out, force=args.force))
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    print(export_checkpoint(args.checkpoint, args.out, dtype=dtype, force=args.force))
     return 0
 
 

@@ -148,6 +148,11 @@ def test_checkpoint_loads_with_auto_classes_and_export(tiny_model_dir, arithmeti
     assert main(["export", str(run_dir), str(tmp_path / "exported")]) == 0
     AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     assert AutoTokenizer.from_pretrained(tmp_path / "exported").chat_template == template
+    assert main(["export", str(run_dir), str(tmp_path / "half"), "--dtype", "bfloat16"]) == 0
+    import torch
+
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "half", dtype="auto")
+    assert half.dtype == torch.bfloat16 and AutoModelForCausalLM.from_pretrained(tmp_path / "exported").dtype == torch.float32
 
 
 def test_fit_resumed_at_the_final_step_reports_that_steps_metrics(tiny_model_dir, arithmetic_data_dir, tmp_path):
