@@ -19,6 +19,7 @@ ids restart at each one, which keeps attention within each conversation.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,14 +51,16 @@ class SFTExample:
     """0.. per conversation; a packed row restarts them at each conversation."""
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, tools=tools)
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], template: str) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                         tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character span of each assistant message."""
-    text = _render(tokenizer, messages, template, add_generation_prompt=False)
+    text = _render(tokenizer, messages, template, add_generation_prompt=False, tools=tools)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] not in TRAINED_ROLES:
@@ -65,8 +68,8 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], templat
         if index == 0:  # nothing renders before it, and it would be trained on no prompt at all
             raise ValueError("the conversation starts with an assistant message, which has no prompt to be trained "
                              "on; start it with a system or user message (or drop that message)")
-        before = _render(tokenizer, messages[:index], template, add_generation_prompt=True)
-        through = _render(tokenizer, messages[:index + 1], template, add_generation_prompt=False)
+        before = _render(tokenizer, messages[:index], template, add_generation_prompt=True, tools=tools)
+        through = _render(tokenizer, messages[:index + 1], template, add_generation_prompt=False, tools=tools)
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise ValueError(f"the chat template does not render message {index} as a continuation of the earlier "
                              "messages (it rewrites past turns), so assistant tokens cannot be located; set "
@@ -75,12 +78,14 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], templat
     return text, spans
 
 
-def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None) -> SFTExample:
-    """Token ids of the rendered conversation and the mask of its trained (assistant) tokens."""
+def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
+                          tools: list[dict[str, Any]] | None = None) -> SFTExample:
+    """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
+    function schemas) are rendered by the template as the model will see them when it calls tools."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template; set data.chat_template to a Jinja template")
-    text, spans = assistant_char_spans(tokenizer, messages, template)
+    text, spans = assistant_char_spans(tokenizer, messages, template, tools)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; SFT needs a fast "
                          "tokenizer (tokenizer.json)")
@@ -121,8 +126,9 @@ class SFTDataset:
                 num_rows += 1
                 where = f"row {row_number} of {path}"
                 messages = _checked_messages(row, messages_key, where)
+                tools = _checked_tools(row, where)
                 try:
-                    example = tokenize_conversation(tokenizer, messages, chat_template)
+                    example = tokenize_conversation(tokenizer, messages, chat_template, tools)
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
                 except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
@@ -156,6 +162,24 @@ class SFTDataset:
 
     def __len__(self) -> int:
         return len(self.examples)
+
+
+def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The row's ``tools`` column (as TRL's SFT datasets have it): a list of OpenAI function schemas, or that
+    list as JSON text (parquet often stores it so); None when the row has none."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} has a 'tools' column that is not valid JSON ({error.msg}); give a list of "
+                             "function schemas") from None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools)):
+        raise ValueError(f"{where} has a 'tools' column of type {type(tools).__name__}; give a list of function "
+                         "schemas ({'type': 'function', 'function': {'name': ..., 'parameters': ...}})")
+    return tools or None
 
 
 def _checked_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:

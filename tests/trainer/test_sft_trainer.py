@@ -55,6 +55,32 @@ def test_single_turn_masks_header_and_trailing_newline(tokenizer):
     assert example.loss_mask[-1] == 0  # the "\n" after <|im_end|>
 
 
+TOOL_TEMPLATE = ("{% if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='function.name') | join(',') }}"
+                 "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_a_rows_tools_column_is_rendered_by_the_template_and_not_trained(tokenizer, tmp_path):
+    """TRL's SFT rows carry their tool schemas in a tools column: the template shows them to the model, as a tool
+    rollout will; they used to be ignored, so the model learned tool calls without ever seeing the tools."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    rows = [{"messages": CONVERSATION[1:3], "tools": TOOLS}, {"messages": CONVERSATION[1:3], "tools": json.dumps(TOOLS)},
+            {"messages": CONVERSATION[1:3]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = SFTDataset([path], tokenizer, max_length=512, chat_template=TOOL_TEMPLATE)
+    with_tools, as_text, without = dataset.examples
+    assert with_tools == as_text
+    assert tokenizer.decode(with_tools.input_ids).startswith("<|im_start|>system\ntools: calc<|im_end|>")
+    assert "tools" not in tokenizer.decode(without.input_ids)
+    assert trained_text(tokenizer, with_tools) == trained_text(tokenizer, without) == ["3<|im_end|>"]
+    path.write_text(json.dumps({"messages": CONVERSATION[1:3], "tools": "calc"}) + "\n")
+    with pytest.raises(ValueError, match=r"row 0 of .*rows.jsonl has a 'tools' column that is not valid JSON"):
+        SFTDataset([path], tokenizer, max_length=512, chat_template=TOOL_TEMPLATE)
+
+
 def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
     template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     with pytest.raises(ValueError, match="continuation of the earlier"):
