@@ -87,10 +87,13 @@ def seal(folder: Path, step: int) -> dict[str, Any]:
     return manifest
 
 
-def checkpoint_problem(folder: Path, *, hashes: bool = True) -> str | None:
+def checkpoint_problem(folder: Path, *, hashes: bool = True,
+                       may_be_missing: Callable[[str], bool] | None = None) -> str | None:
     """Why ``folder`` is not a complete checkpoint (None when its files match its manifest).
 
-    Sizes are always compared; ``hashes=False`` skips reading the files.
+    Sizes are always compared; ``hashes=False`` skips reading the files. A manifest file for which
+    ``may_be_missing(name)`` holds may be absent (export reads the weights from ``actor_state.pt``, so it
+    takes a checkpoint whose ``hf/`` weights were removed); when present it is checked like the others.
     """
     manifest_path = folder / MANIFEST_FILE
     if not folder.is_dir():
@@ -101,15 +104,19 @@ def checkpoint_problem(folder: Path, *, hashes: bool = True) -> str | None:
         files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
     except (ValueError, KeyError, TypeError):
         return f"its {MANIFEST_FILE} is unreadable"
+    present = {}
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():
+            if may_be_missing is not None and may_be_missing(name):
+                continue
             return f"{name} is missing"
         size = path.stat().st_size
         if size != expected["size"]:
             return f"{name} has {size} bytes, the manifest says {expected['size']} (truncated or changed)"
+        present[name] = expected
     if hashes:
-        for name, expected in files.items():
+        for name, expected in present.items():
             if _hash_and_fsync(folder / name) != expected["sha256"]:
                 return f"{name} does not match its SHA-256 in the manifest (damaged or changed)"
     return None

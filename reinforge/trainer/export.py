@@ -9,8 +9,6 @@ and writes the adapters too, in peft's format, under ``OUT/adapter``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -20,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config
 from reinforge.models import load_causal_lm, save_hf_folder
-from reinforge.trainer.checkpoint import MANIFEST_FILE, CheckpointManager, checkpoint_problem
+from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
 
 logger = logging.getLogger(__name__)
 
@@ -32,28 +30,7 @@ def _is_hf_weights(name: str) -> bool:
 def export_problem(folder: Path) -> str | None:
     """Why ``folder`` cannot be exported (None when it can): ``checkpoint_problem``, except that ``hf/`` weights
     removed to save space are allowed, since export reads the weights from ``actor_state.pt``."""
-    problem = checkpoint_problem(folder)
-    if problem is None:
-        return None
-    try:
-        files = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return problem
-    removed = {name for name in files if _is_hf_weights(name) and not (folder / name).exists()}
-    if not removed:
-        return problem
-    for name, expected in files.items():
-        path = folder / name
-        if name in removed:
-            continue
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != expected["size"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['size']} (truncated or changed)"
-        with open(path, "rb") as handle:
-            if hashlib.file_digest(handle, "sha256").hexdigest() != expected["sha256"]:
-                return f"{name} does not match its SHA-256 in the manifest (damaged or changed)"
-    return None
+    return checkpoint_problem(folder, may_be_missing=_is_hf_weights)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
