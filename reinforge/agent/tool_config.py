@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from reinforge.agent.tools import BaseTool, FunctionTool
-from reinforge.config.loader import UniqueKeyLoader
+from reinforge.config.loader import UniqueKeyLoader, yaml_problem
 from reinforge.config.schema import MultiTurnConfig
 
 
@@ -41,9 +41,7 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
     try:
         document = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        at, problem = yaml_problem(error)
         raise ValueError(f"the tool config {path} is not valid YAML{at} ({problem}); fix the file") from None
     entries = document.get("tools") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:

@@ -60,6 +60,14 @@ _YamlLoader.yaml_implicit_resolvers = {
 }
 
 
+def yaml_problem(error: yaml.YAMLError) -> tuple[str, str]:
+    """Where a YAML error is (" at line L, column C", or "" when PyYAML gives no position) and its problem, in one
+    line each: PyYAML's own message spans several lines and quotes the file."""
+    mark = getattr(error, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return at, getattr(error, "problem", None) or str(error).splitlines()[0]
+
+
 def load_yaml(text: Any) -> Any:
     """YAML as reinforge reads it (``_YamlLoader``: underscored numbers stay text, a repeated key is an error)."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
@@ -229,9 +237,7 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
             try:
                 file_tree = load_yaml(handle) or {}
             except yaml.YAMLError as error:
-                mark = getattr(error, "problem_mark", None)
-                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-                problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+                at, problem = yaml_problem(error)
                 raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file") from error
         if not isinstance(file_tree, Mapping):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from reinforge.config import Config, load_config
 from reinforge.config.loader import ConfigError
+from reinforge.data.files import GLOB_CHARACTERS
 
 
 def evaluate(config: Config) -> dict[str, float]:
@@ -59,7 +60,7 @@ def eval_main(argv: list[str]) -> int:
     if not files:
         raise ConfigError("reinforge eval needs at least one data file of prompts, e.g. data/arithmetic/test.parquet")
     for name in files:  # named as the command line gave them (load_config would name data.val_files)
-        if not Path(name).expanduser().exists() and not any(character in name for character in "*?["):
+        if not Path(name).expanduser().exists() and not any(character in name for character in GLOB_CHARACTERS):
             raise ConfigError(f"reinforge eval: data file {name!r} does not exist (looked for "
                               f"{Path(name).expanduser().resolve()}); give a parquet or JSONL file of prompts")
     model = Path(args.model).expanduser()
