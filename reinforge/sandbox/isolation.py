@@ -28,7 +28,7 @@ import resource
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from reinforge.sandbox.settings import SandboxSettings
@@ -172,21 +172,11 @@ class UidRange:
 
 def _uids_in_use() -> set[int]:
     """User ids of this host's passwd users and of its running processes: never a slot's (it would kill them)."""
-    used = {entry.pw_uid for entry in pwd.getpwall()}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as status:
-                used.update(int(line.split()[1]) for line in status if line.startswith("Uid:"))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return used
+    return {entry.pw_uid for entry in pwd.getpwall()} | {uid for _, uid in _process_uids()}
 
 
-def processes_of_user(uid: int) -> list[int]:
-    """PIDs (as the host sees them) of every process whose real user id is ``uid``."""
-    pids = []
+def _process_uids() -> Iterator[tuple[int, int]]:
+    """(PID as the host sees it, real user id) of every running process."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -194,12 +184,15 @@ def processes_of_user(uid: int) -> list[int]:
             with open(f"/proc/{entry}/status") as status:
                 for line in status:
                     if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            pids.append(int(entry))
+                        yield int(entry), int(line.split()[1])
                         break
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-    return pids
+
+
+def processes_of_user(uid: int) -> list[int]:
+    """PIDs (as the host sees them) of every process whose real user id is ``uid``."""
+    return [pid for pid, owner in _process_uids() if owner == uid]
 
 
 def kill_user_processes(uid: int) -> int:
