@@ -143,22 +143,40 @@ def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any
     if not isinstance(prompt, list):
         raise ValueError(f"{where} has a {prompt_key!r} of type {type(prompt).__name__}; expected a list of "
                          "{'role': ..., 'content': ...} messages or a string")
-    check_chat_messages(prompt, f"the {prompt_key!r} in {where}", allow_null_content=False)
+    check_chat_messages(prompt, f"the {prompt_key!r} in {where}")
     return prompt
 
 
-def check_chat_messages(messages: list[Any], where: str, allow_null_content: bool = True) -> None:
-    """Raise one clear line when a message is not a dict with a 'role' string and a 'content'.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+"""The roles a chat message may have. Any other (``usr``, ``Assistant``, ShareGPT's ``gpt``) is a typo or another
+format's name, which a template renders as an odd header (or drops), and which SFT would leave untrained."""
 
-    ``allow_null_content=False`` refuses ``content: null`` too (a prompt has nothing to render for it).
+
+def check_chat_messages(messages: list[Any], where: str) -> None:
+    """Raise one line naming the message, ``where`` it is and the fix, unless every message can be rendered as text.
+
+    RL prompts and SFT conversations share this check, so that both refuse what a chat template would render
+    wrongly without an error: a role outside ``KNOWN_ROLES`` (an odd header), ``content`` that is not a string (a
+    list of parts or a number is printed as its Python repr, which the model would read or learn to write; reinforge
+    trains text-only models) and ``content: null`` (rendered as "None" or nothing), which only an assistant turn
+    with ``tool_calls`` may have: its content is the calls.
     """
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
             raise ValueError(f"message {number} of {where} is {message!r}; each message is a dict with a 'role' "
                              "string and a 'content'")
-        if message["content"] is None and not allow_null_content:
-            raise ValueError(f"message {number} ({message['role']}) of {where} has content null; give it a string "
-                             "('' for an empty message) or drop the message")
+        role, content = message["role"], message["content"]
+        if role not in KNOWN_ROLES:
+            raise ValueError(f"message {number} of {where} has role {role!r}, which is not one of "
+                             f"{', '.join(KNOWN_ROLES)}; rename it (a chat template renders another role as an odd "
+                             "header, or not at all)")
+        if content is None and not message.get("tool_calls"):
+            raise ValueError(f"message {number} ({role}) of {where} has content null and no tool_calls; give it a "
+                             "string ('' for an empty message) or drop the message")
+        if content is not None and not isinstance(content, str):
+            raise ValueError(f"message {number} ({role}) of {where} has a 'content' of type {type(content).__name__}; "
+                             "reinforge trains text-only models: give it as a string (join the text of a list of "
+                             "parts)")
 
 
 def _checked_dict(row: Row, key: str, where: str) -> dict[str, Any]:

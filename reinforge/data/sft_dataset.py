@@ -37,9 +37,6 @@ from reinforge.protocol import Batch
 logger = logging.getLogger(__name__)
 
 TRAINED_ROLES = ("assistant",)
-KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
-"""The roles a row may use; any other (``usr``, ``Assistant``, ShareGPT's ``gpt``) is a typo that would silently
-leave its turn untrained or render an odd header, so the row is refused."""
 
 
 @dataclass(frozen=True)
@@ -188,20 +185,7 @@ def _checked_messages(row: dict[str, Any], key: str, where: str) -> list[dict[st
         columns = ", ".join(sorted(row)) or "none"
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column)")
-    check_chat_messages(messages, where)
-    for number, message in enumerate(messages):
-        role, content = message["role"], message["content"]
-        if role not in KNOWN_ROLES:
-            raise ValueError(f"message {number} of {where} has role {role!r}, which is not one of "
-                             f"{', '.join(KNOWN_ROLES)}; rename it (only {' and '.join(TRAINED_ROLES)} messages are "
-                             "trained)")
-        # A template prints a list of parts or a number as its Python repr, which the model would learn to write.
-        if content is None and not message.get("tool_calls"):
-            raise ValueError(f"message {number} ({role}) of {where} has content null and no tool_calls; give it a "
-                             "string ('' for an empty message)")
-        if content is not None and not isinstance(content, str):
-            raise ValueError(f"message {number} ({role}) of {where} has a 'content' of type {type(content).__name__}; "
-                             "SFT trains on text: give it as a string (join the text of a list of parts)")
+    check_chat_messages(messages, where)  # roles, and content as text (null only beside tool_calls)
     return messages
 
 

@@ -204,8 +204,8 @@ def test_message_with_null_content_names_the_row(tmp_path, tiny_tokenizer):
     path = write_parquet(tmp_path / "train.parquet", rows)
     with pytest.raises(ValueError) as error:
         RLDataset(path, tiny_tokenizer, config())
-    assert str(error.value) == (f"message 0 (system) of the 'prompt' in row 1 of {path} has content null; give it a "
-                                "string ('' for an empty message) or drop the message")
+    assert str(error.value) == (f"message 0 (system) of the 'prompt' in row 1 of {path} has content null and no "
+                                "tool_calls; give it a string ('' for an empty message) or drop the message")
 
 
 def test_non_utf8_byte_names_the_file_and_line(tmp_path):
@@ -233,12 +233,44 @@ def test_parquet_with_a_repeated_column_or_no_parquet_at_all_is_one_line(tmp_pat
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("content", [5, [{"type": "text", "text": "1+1?"}]])
-def test_message_content_that_is_no_string_names_the_row(tmp_path, tiny_tokenizer, content):
-    rows = [ROWS[0], {**ROWS[1], "prompt": [{"role": "user", "content": content}]}]
+@pytest.mark.parametrize(("message", "problem"), [
+    ({"role": "usr", "content": "1+1?"}, "has role 'usr', which is not one of system, developer, user, assistant, "
+                                         r"tool, function, ipython; rename it \("),
+    ({"role": "Assistant", "content": "2"}, "has role 'Assistant', which is not one of "),
+    ({"role": "gpt", "content": "2"}, "has role 'gpt', which is not one of "),  # ShareGPT's
+    ({"role": "user", "content": [{"type": "text", "text": "1+1?"}]},
+     r"has a 'content' of type list; reinforge trains text-only models: give it as a string \(join the "
+     r"text of a list of parts\)"),
+    ({"role": "user", "content": 5}, r"has a 'content' of type int; "),
+    ({"role": "assistant", "content": None}, "has content null and no tool_calls; "),
+])
+def test_a_message_a_template_would_render_oddly_is_refused_naming_message_row_and_file(tmp_path, tiny_tokenizer,
+                                                                                        message, problem):
+    """The tiny template renders each of these without an error (an odd header, a Python repr, "None"): the check,
+    shared with SFT, refuses them while the data is read, before any model loads."""
+    rows = [ROWS[0], {**ROWS[1], "prompt": [{"role": "system", "content": "be brief"}, message]}]
     path = write_jsonl(tmp_path / "train.jsonl", rows)
-    template = "{% for m in messages %}{{ '<|user|>' + m['content'] }}{% endfor %}"  # ChatML-like: str + content
-    with pytest.raises(ValueError, match=rf"^row 1 of {path}: the chat template cannot render this prompt \(.*\); "
+    with pytest.raises(ValueError, match=rf"^message 1 (\(\w+\) )?of the 'prompt' in row 1 of {path} {problem}") as error:
+        RLDataset(path, tiny_tokenizer, config())
+    assert "\n" not in str(error.value)
+
+
+def test_legitimate_messages_stay_accepted(tmp_path, tiny_tokenizer):
+    """Every known role, an empty string, and an assistant turn whose content is its tool calls (null or '')."""
+    call = [{"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}]
+    prompt = [{"role": "system", "content": ""}, {"role": "developer", "content": "add"},
+              {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None, "tool_calls": call},
+              {"role": "tool", "content": "2"}, {"role": "assistant", "content": "", "tool_calls": call},
+              {"role": "function", "content": "2"}, {"role": "ipython", "content": "2"},
+              {"role": "assistant", "content": "2"}, {"role": "user", "content": "and 2+2?"}]
+    path = write_jsonl(tmp_path / "train.jsonl", [{**ROWS[0], "prompt": prompt}])
+    assert RLDataset(path, tiny_tokenizer, config(max_prompt_length=512))[0].raw_prompt == prompt
+
+
+def test_a_template_that_fails_on_a_prompt_names_the_row(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:1])
+    template = "{% for m in messages %}{{ '<|user|>' + m['content'] + m['name'] }}{% endfor %}"  # no 'name' key
+    with pytest.raises(ValueError, match=rf"^row 0 of {path}: the chat template cannot render this prompt \(.*\); "
                                          r"give each message's 'content' as a string$"):
         RLDataset(path, tiny_tokenizer, config(chat_template=template))
 
