@@ -8,8 +8,10 @@ at a time and none waits for another. Requests arriving that way while others de
 (``max_admission_wait``, ``admission_fraction``; see scheduler.py): each prefill step stalls
 every running sequence, so arrivals join a few at a time rather than one prefill each. Decode
 steps overlap: the next one is launched before the last one's tokens are read back (``_step``),
-also when sequences finished in between (the next step runs without them), and while arrivals
-wait.
+also when sequences finished in between (the next step runs without them), while arrivals
+wait, and when they join: their prefill is launched behind the step in flight and the next decode
+step, new rows included, behind the prefill, so the device does not wait for the host around a
+join (``_join_ahead``).
 
 Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks stay cached
 while the engine is awake, and a request whose prompt starts with them prefills only the rest at
@@ -72,8 +74,8 @@ class NativeEngine:
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
-                 device: torch.device | None = None, max_admission_wait: int = 64,
-                 admission_fraction: float = 0.25):
+                 device: torch.device | None = None, max_admission_wait: int = 16,
+                 admission_fraction: float = 0.0625):
         """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -91,8 +93,10 @@ class NativeEngine:
         CPU between phases (``actor.param_offload``) names the accelerator here, and wake-up copies onto it.
         max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
         arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
-        prefill each at the first step after it arrives. The defaults (64, 1/4) were the fastest of seven pairs
-        on the agent benchmark on an H200 (BENCHMARKS.md, 2026-12-02).
+        prefill each at the first step after it arrives. The defaults (16, 1/16) were among the fastest of six
+        pairs on the agent benchmark on an H200 once a join no longer drains the step pipeline, at four turn lengths
+        (BENCHMARKS.md, 2026-12-02, thirteenth session); before that, when each join cost a pipeline drain, 64 and 1/4
+        had been.
         """
         reason = unsupported_reason(model)
         if reason is not None:
@@ -357,11 +361,18 @@ class NativeEngine:
             self._admit_incoming()
             if self._in_flight is not None:
                 launched, self._in_flight = self._in_flight, None
-                ahead = self._look_ahead(launched.seqs, batch_arrivals)
-                if ahead is not None:
-                    rows, continuing = ahead
-                    self._in_flight = self._launch_decode(continuing, self._continuing_tokens(launched, rows))
+                joined = self._join_ahead(launched) if self._joining(batch_arrivals) else None
+                if joined is None:
+                    ahead = self._look_ahead(launched.seqs)
+                    if ahead is not None:
+                        rows, continuing = ahead
+                        self._in_flight = self._launch_decode(continuing, self._continuing_tokens(launched, rows))
                 self._process(launched)
+                if joined is not None:
+                    prefill, self._in_flight = joined
+                    start = time.perf_counter()
+                    self._process(prefill)
+                    self.counters.prefill_seconds += time.perf_counter() - start
                 return True
             step = self.scheduler.schedule(batch_arrivals)
             if step is None:
@@ -374,18 +385,40 @@ class NativeEngine:
                 self._in_flight = self._launch_decode(step.seqs)
             return True
 
-    def _look_ahead(self, seqs: list[Sequence], batch_arrivals: bool) -> tuple[list[int], list[Sequence]] | None:
+    def _joining(self, batch_arrivals: bool) -> bool:
+        """Whether waiting requests should join now (batch_arrivals: when the scheduler's ``admission_due`` says so;
+        otherwise as soon as any waits)."""
+        return self.scheduler.admission_due() if batch_arrivals else bool(self.scheduler.waiting)
+
+    def _join_ahead(self, launched: LaunchedStep) -> tuple[LaunchedStep, LaunchedStep | None] | None:
+        """Prefill the waiting requests behind the decode step in flight, and launch the next decode step, of the
+        continuing rows and the new ones, behind the prefill, all before the step in flight is read back.
+
+        Returns (the prefill step, the next decode step or None when blocks ran short), or None when no waiting
+        request fits (the caller then launches the decode step ahead as usual). Launched this way, an arrival
+        costs the device its prefill's work and nothing more: the host prepares the prefill while the device runs
+        the step in flight, and the device never waits for the host between the three steps. The next decode step's
+        input ids are the tokens both steps sampled, still on the device; a row that finishes in the step in flight
+        runs once more, its token dropped (as in ``_look_ahead``)."""
+        step = self.scheduler.schedule_prefill()
+        if step is None:
+            return None
+        start = time.perf_counter()
+        prefill = self._run_prefill(step)
+        self.counters.prefill_seconds += time.perf_counter() - start
+        running = SequenceStatus.RUNNING
+        rows = [row for row, seq in enumerate(launched.seqs) if seq.status is running]
+        seqs = [launched.seqs[row] for row in rows] + prefill.seqs
+        if not self.scheduler.reserve_lookahead(seqs):
+            return prefill, None
+        tokens = torch.cat([self._continuing_tokens(launched, rows), prefill.tokens])
+        return prefill, self._launch_decode(seqs, tokens)
+
+    def _look_ahead(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]] | None:
         """The rows of the step in flight that the next decode step continues (those still running) and their
-        sequences, or None when it is not launched ahead: waiting requests join first, or every sequence ends
-        with this step."""
+        sequences, or None when it is not launched ahead: every sequence ends with this step, or blocks ran short."""
         # the loops here and in _process run over every sequence at every decode step, on the host, while
         # the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
-        if batch_arrivals:
-            joining = self.scheduler.admission_due()
-        else:
-            joining = bool(self.scheduler.waiting) or not self._incoming.empty()
-        if joining:
-            return None  # the waiting requests join at the next step instead
         running = SequenceStatus.RUNNING
         rows, continuing = [], []
         all_end = True  # every sequence ends with the step in flight
@@ -405,6 +438,8 @@ class NativeEngine:
         """The tokens ``rows`` of a launched step sampled (still on the device)."""
         if len(rows) == len(launched.seqs):
             return launched.tokens
+        if not rows:
+            return launched.tokens[:0]
         return launched.tokens[to_device(np.array(rows, dtype=np.int64), launched.tokens.device)]
 
     def _run_prefill(self, step: ScheduledStep) -> LaunchedStep:

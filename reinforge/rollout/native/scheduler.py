@@ -104,12 +104,13 @@ class Scheduler:
         """The next step, or None when nothing is left to run. batch_arrivals: waiting sequences join only
         when ``admission_due`` (else only when there is room for them)."""
         if self.waiting and (not batch_arrivals or self.admission_due()):
-            step = self._schedule_prefill()
+            step = self.schedule_prefill()
             if step is not None:
                 return step
         return self._schedule_decode() if self.running else None
 
-    def _schedule_prefill(self) -> ScheduledStep | None:
+    def schedule_prefill(self) -> ScheduledStep | None:
+        """A prefill of the waiting sequences that fit (first come, first served), or None when none fits."""
         step = ScheduledStep(is_prefill=True, seqs=[])
         num_tokens = 0
         num_running = len(self.running)

@@ -117,3 +117,49 @@ def test_decode_steps_go_on_ahead_without_the_sequences_that_finished(qwen2, tin
     assert engine.counts()["rollout/num_decode_rows"] - start["rollout/num_decode_rows"] == 16
     # the one prefill step's wall time, in the generate call's metrics as in the engine's totals
     assert 0 < metrics["rollout/prefill_s"] == engine.counts()["rollout/prefill_s"] - start["rollout/prefill_s"]
+
+
+def test_arrivals_join_behind_the_step_in_flight_and_the_next_step_goes_on_ahead(qwen2, tiny):
+    """An admitted turn's prefill is launched behind the decode step in flight, and the decode step after it
+    (old and new rows) behind the prefill, its input ids still on the device: the pipeline never drains."""
+    launches: list[tuple[str, int, bool]] = []  # (kind, rows, launched ahead)
+
+    class RecordingEngine(NativeEngine):
+        def _launch_decode(self, seqs, next_input_ids=None):
+            launches.append(("decode", len(seqs), next_input_ids is not None))
+            return super()._launch_decode(seqs, next_input_ids)
+
+        def _run_prefill(self, step):
+            launches.append(("prefill", len(step.seqs), False))
+            return super()._run_prefill(step)
+
+    prompts = tiny.prompts([12, 25, 17, 9, 30, 14])
+    expected = run_in_lockstep(make_engine(qwen2), prompts, batch_arrivals=False)
+    engine = RecordingEngine(qwen2, eos_token_ids=[], max_model_len=160, block_size=8, max_num_seqs=16,
+                             max_admission_wait=4, admission_fraction=1.0)
+    assert run_in_lockstep(engine, prompts, batch_arrivals=True) == expected
+    joins = [index for index, launch in enumerate(launches[1:], 1) if launch[0] == "prefill"
+             and index + 1 < len(launches) and launches[index - 1][0] == "decode"]
+    assert joins, "no turn joined while others decoded"
+    for index in joins:  # the decode step after a join continues at once, the new rows in it
+        kind, _, ahead = launches[index + 1]
+        assert kind == "decode" and ahead
+
+
+def test_a_join_without_blocks_for_the_next_step_keeps_the_samples(qwen2, tiny, monkeypatch):
+    """When the step after a join finds no free block for its look-ahead, it is launched after the prefill is read,
+    and the samples stay those of one-by-one admission."""
+    prompts = tiny.prompts([12, 25, 17, 9, 30, 14])
+    expected = run_in_lockstep(make_engine(qwen2), prompts, batch_arrivals=False)
+    engine = make_engine(qwen2, max_admission_wait=4, admission_fraction=1.0)
+    engine.wake_up()
+    calls = {"count": 0}
+    reserve = engine.scheduler.reserve_lookahead
+
+    def every_other(seqs):
+        calls["count"] += 1
+        return calls["count"] % 2 == 0 and reserve(seqs)
+
+    monkeypatch.setattr(engine.scheduler, "reserve_lookahead", every_other)
+    assert run_in_lockstep(engine, prompts, batch_arrivals=True) == expected
+    assert calls["count"] > 10
