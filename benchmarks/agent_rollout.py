@@ -96,10 +96,13 @@ def register_bench_loop(tool_output: list[int]) -> None:
 
         async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
             prompt, response, mask, log_probs = list(row["prompt_ids"]), [], [], []
+            turn_seconds = []  # (submitted, returned) of each turn's generation, perf_counter
             for turn, num_tokens in enumerate(row["turn_tokens"]):
                 turn_sampling = SamplingParams(max_tokens=num_tokens, temperature=1.0, ignore_eos=True,
                                                seed=row["seed"] + turn)
+                submitted = time.perf_counter()
                 completion = await self.context.client.generate(prompt + response, turn_sampling, "")
+                turn_seconds.append((submitted, time.perf_counter()))
                 response += completion.token_ids
                 mask += [1] * len(completion.token_ids)
                 log_probs += completion.log_probs
@@ -108,7 +111,8 @@ def register_bench_loop(tool_output: list[int]) -> None:
                     response += tool_output
                     mask += [0] * len(tool_output)
                     log_probs += [0.0] * len(tool_output)
-            return AgentLoopOutput(prompt, response, mask, log_probs, num_turns=2 * len(row["turn_tokens"]))
+            return AgentLoopOutput(prompt, response, mask, log_probs, num_turns=2 * len(row["turn_tokens"]),
+                                   extra={"turn_seconds": turn_seconds})
 
 
 def step_counts(metrics: dict[str, float]) -> dict:
@@ -140,12 +144,32 @@ def run_agents(engine: TimedEngine, prompts: list[list[int]], trajectories: list
     sampled = sum(sum(output.response_mask) for output in outputs)
     span = count_metrics(counts, engine.counts())
     return {"time_s": elapsed, "sampled_tokens": sampled, "tokens_per_s": sampled / elapsed,
+            "last_trajectory": last_trajectory(outputs, trajectories, start, elapsed, span),
             "engine_busy_fraction": engine.busy_s / elapsed, "gpu_busy_fraction": gpu.mean(start, end) if gpu else None,
             "prefix_cache_hit_tokens": span["rollout/prefix_cache_hit_tokens"],
             "prefill_tokens": span["rollout/prefill_tokens"],
             "prefix_cache_hit_rate": span["rollout/prefix_cache_hit_rate"],
             "admission_wait": engine.max_admission_wait, "admission_fraction": engine.admission_fraction,
             **step_counts(span)}
+
+
+def last_trajectory(outputs: list[AgentLoopOutput], trajectories: list[dict], start: float, elapsed: float,
+                    span: dict) -> dict:
+    """Where the trajectory that returned last spent its time: each turn's generation (submitted to returned)
+    against its tokens at the run's mean decode-step time; the rest of a turn's time is its wait to be admitted,
+    prefill steps (its own and others') and the read-back of its last token."""
+    index = max(range(len(outputs)), key=lambda i: outputs[i].extra["turn_seconds"][-1][1])
+    turns = outputs[index].extra["turn_seconds"]
+    decode_step_s = (elapsed - span["rollout/prefill_s"]) / max(span["rollout/num_decode_steps"], 1)
+    generate_s = [done - submitted for submitted, done in turns]
+    tokens = trajectories[index]["turn_tokens"]
+    result = {"index": index, "finished_s": turns[-1][1] - start, "first_submitted_s": turns[0][0] - start,
+              "turn_tokens": tokens, "generate_s": generate_s,
+              "between_turns_s": [turns[k + 1][0] - turns[k][1] for k in range(len(turns) - 1)],
+              "planned_sleeps_s": trajectories[index]["sleeps"]}
+    result["decode_step_s"] = decode_step_s
+    result["generate_over_tokens_s"] = [g - n * decode_step_s for g, n in zip(generate_s, tokens, strict=True)]
+    return result
 
 
 def run_single_turn(engine: TimedEngine, prompts: list[list[int]], trajectories: list[dict],
@@ -221,9 +245,9 @@ def main(argv: list[str]) -> int:
                              "rises with longer turns, as the tools' sleeps weigh less")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every turn's whole context (the engine's prefix cache off)")
-    parser.add_argument("--admission-wait", default="64",
+    parser.add_argument("--admission-wait", default="16",
                         help="decode steps an arriving turn may wait for others to join its prefill (comma list)")
-    parser.add_argument("--admission-fraction", default="0.25",
+    parser.add_argument("--admission-fraction", default="0.0625",
                         help="waiting turns, as a fraction of the running ones, prefilled at once (comma list)")
     args = parser.parse_args(argv)
     if not args.cpu:
@@ -337,6 +361,14 @@ def describe_steps(run: dict) -> str:
             f"{run['decode_batch_mean']:.1f} sequences per decode step")
 
 
+def describe_last(last: dict) -> str:
+    over = sum(last["generate_over_tokens_s"])
+    return (f"#{last['index']} returned at {last['finished_s']:.2f} s: {sum(last['turn_tokens'])} tokens in "
+            f"{sum(last['generate_s']):.2f} s of generation ({over:+.2f} s over its tokens at "
+            f"{last['decode_step_s'] * 1000:.2f} ms a step), {sum(last['between_turns_s']):.2f} s between turns "
+            f"({sum(last['planned_sleeps_s']):.2f} s of planned sleeps)")
+
+
 def print_table(results: dict) -> None:
     env, settings = results["environment"], results["settings"]
     print(f"agent rollout  {env['date']}  {env.get('gpu', env['device'])}  torch {env['torch']}")
@@ -365,6 +397,7 @@ def print_table(results: dict) -> None:
                               f"({results['synchronous_turns']['tokens_per_s']:,.0f} tokens/s)"),
         ("serial, extrapolated", f"{results['serial']['time_s_extrapolated']:.1f} s  (from "
                                  f"{results['serial']['measured_trajectories']} trajectories)"),
+        ("last trajectory (agent)", describe_last(agent["last_trajectory"])),
         ("steps, agent", describe_steps(agent)),
         ("steps, single-turn", describe_steps(single)),
         ("steps, synchronous turns", describe_steps(results["synchronous_turns"])),

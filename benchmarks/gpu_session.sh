@@ -34,6 +34,35 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  s13b)  # thirteenth session, after "arrivals join behind the step in flight": the native engine's GPU tests; the
+         # admission sweep at 128-512 tokens a turn (forward, then backward, against drift); other lengths
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/rollout tests/agent >"$OUT/gpu_tests.log" 2>&1
+    echo "GPU tests exit $?"; grep -E "passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 6
+    waits=64,32,16,8,16,24,24,16,8,16,32,64
+    fractions=0.25,0.25,0.0625,0.03125,0.125,0.0625,0.0625,0.125,0.03125,0.0625,0.25,0.25
+    timeout 200 python3 benchmarks/agent_rollout.py --turn-tokens 128,512 --serial 1 --admission-wait $waits \
+      --admission-fraction $fractions --out "$OUT/agent_128-512.json" >"$OUT/agent_128-512.log" 2>&1
+    echo "agent rollout, 128,512 token turns, exit $?"; grep -E "single-turn|agent|bound|last" "$OUT/agent_128-512.log" | cut -c1-200
+    for turns in 32,256 64,384 256,1024; do
+      timeout 120 python3 benchmarks/agent_rollout.py --turn-tokens "$turns" --serial 1 --admission-wait 16,64,16,8 \
+        --admission-fraction 0.0625,0.25,0.0625,0.03125 --out "$OUT/agent_${turns/,/-}.json" >"$OUT/agent_${turns/,/-}.log" 2>&1
+      echo "agent rollout, $turns token turns, exit $?"; grep -E "single-turn|agent|bound|last" "$OUT/agent_${turns/,/-}.log" | cut -c1-200
+    done
+    ;;
+  s13)  # thirteenth session: (1) 1.5B's compile events over 5 steps (the duck-sizing fix, verified on a small model
+        # only: nothing should compile after step 1); (2) where the agent run's time over its bound goes at 128-512
+        # tokens a turn (the last trajectory's turns against its tokens) with an admission sweep; 64-384 once
+    TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONUNBUFFERED=1 timeout 200 python3 benchmarks/compile_events.py --model 1.5b \
+      --steps 5 >"$OUT/compile_events_1.5b.log" 2>&1
+    echo "compile events exit $?"; grep -E "^\[compiles|Recompiling|step_s|\"step\"" "$OUT/compile_events_1.5b.log" | cut -c1-200
+    for turns in 128,512 64,384; do
+      sweep=(--admission-wait 64,32,128,64,16 --admission-fraction 0.25,0.25,0.25,0.5,0.0625)
+      [ "$turns" = 64,384 ] && sweep=()
+      timeout 150 python3 benchmarks/agent_rollout.py --turn-tokens "$turns" --serial 2 "${sweep[@]}" \
+        --out "$OUT/agent_${turns/,/-}.json" >"$OUT/agent_${turns/,/-}.log" 2>&1
+      echo "agent rollout, $turns token turns, exit $?"; grep -E "single-turn|agent|bound|last" "$OUT/agent_${turns/,/-}.log" | cut -c1-220
+    done
+    ;;
   recompile)  # twelfth session, after the packing fix: compile events of 6 0.5B steps (none after step 1 expected),
               # the GPU packing tests, then every size with one more step than before (a recompile in step 2 or 3 had
               # lifted the medians: 0.5B's step 3 took 6.55 s in this session's first call)
