@@ -4,8 +4,9 @@
     PYTHONPATH=. python benchmarks/agent_rollout.py --cpu --out /tmp/agent.json   # tiny model: a smoke test
 
 Workload: the Qwen2.5-0.5B architecture with random bf16 weights (as ``reinforge bench``), 256
-trajectories, each a 128-token random prompt and 1 to 4 assistant turns of 32 to 256 sampled
-tokens (drawn per trajectory with a fixed seed; EOS ignored, so the lengths are exact), with a
+trajectories, each a 128-token random prompt and 1 to 4 assistant turns of 128 to 512 sampled
+tokens (drawn per trajectory with a fixed seed; EOS ignored, so the lengths are exact; about 800 a
+trajectory, next to the standard benchmarks' 512-token responses; ``--turn-tokens`` sets them), with a
 tool call between turns that sleeps 50-500 ms and returns 32 tokens (response_mask 0). The loop
 is registered here (``bench_turns``) and runs on ``reinforge.agent.AgentRunner`` exactly as a
 training rollout does, every trajectory its own asyncio task, turns joining the engine's running
@@ -241,7 +242,7 @@ def main(argv: list[str]) -> int:
                         help="with --cpu: the GPU run's workload (trajectories, turn lengths, tool sleeps) on the tiny "
                              "model, for step counts like the GPU run's (its times are the CPU's own)")
     parser.add_argument("--turn-tokens", default=None,
-                        help="MIN,MAX sampled tokens of a turn (default 32,256 on the GPU); the critical-path bound "
+                        help="MIN,MAX sampled tokens of a turn (default 128,512 on the GPU); the critical-path bound "
                              "rises with longer turns, as the tools' sleeps weigh less")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every turn's whole context (the engine's prefix cache off)")
@@ -262,7 +263,7 @@ def main(argv: list[str]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     admissions = admission_settings(args.admission_wait, args.admission_fraction)
-    full_workload = dict(trajectories=256, prompt_len=128, turn_range=(32, 256), max_turns=4, sleep_range=(0.05, 0.5),
+    full_workload = dict(trajectories=256, prompt_len=128, turn_range=(128, 512), max_turns=4, sleep_range=(0.05, 0.5),
                          tool_tokens=32, serial=4)
     if args.cpu:
         device, dtype, arch = torch.device("cpu"), torch.float32, TINY
