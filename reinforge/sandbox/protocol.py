@@ -23,6 +23,11 @@ SUCCESS, FAILED, SANDBOX_ERROR = "Success", "Failed", "SandboxError"
 FINISHED, ERROR, TIME_LIMIT_EXCEEDED = "Finished", "Error", "TimeLimitExceeded"
 MAX_FILES = 64
 MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 4000
+MIN_MEMORY_MB = 32
+"""The least ``memory_limit_MB`` a program may ask for. python3 (3.11) starts under this sandbox's limits from
+13-14 MB of address space, bash from 4; below that the dynamic loader, or Python's start-up, fails with a
+message that does not say the limit is why (``libc.so.6: failed to map segment``). 32 leaves room for other
+interpreters and a few imports."""
 
 
 class RequestError(ValueError):
@@ -114,9 +119,13 @@ class RunCodeRequest:
                 folder = posixpath.dirname(folder)
         if body.get("fetch_files"):
             raise RequestError("fetch_files is not supported by the reinforge sandbox; print what you need instead")
+        memory_limit_mb = int(_number(body, "memory_limit_MB", -1))
+        if 0 < memory_limit_mb < MIN_MEMORY_MB:
+            raise RequestError(f"memory_limit_MB={memory_limit_mb} is too little for a program to start (python3 "
+                               f"needs about 14 MB); send at least {MIN_MEMORY_MB}, or -1 for the server's default")
         return cls(code=code, language=language, compile_timeout=_number(body, "compile_timeout", 10.0),
-                   run_timeout=_number(body, "run_timeout", 10.0),
-                   memory_limit_MB=int(_number(body, "memory_limit_MB", -1)), stdin=stdin, files=dict(files))
+                   run_timeout=_number(body, "run_timeout", 10.0), memory_limit_MB=memory_limit_mb, stdin=stdin,
+                   files=dict(files))
 
     def decoded_files(self) -> dict[str, bytes]:
         """Normalized relative path -> bytes, for the files that have content."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from reinforge.sandbox.protocol import MIN_MEMORY_MB
+
 ISOLATIONS = ("bubblewrap", "none")
 MAX_UID_BASE = 1 << 30
 """Far below the 2**32 - 1 that means no id, with room for any range of slots (and shifts past held ones)."""
@@ -52,9 +54,13 @@ class SandboxSettings:
         if self.isolation not in ISOLATIONS:
             raise ValueError(f"isolation={self.isolation!r} is not one of {', '.join(ISOLATIONS)}")
         for name in ("max_queued", "burst", "max_processes", "max_file_mb", "tmp_size_mb", "max_output_bytes",
-                     "default_memory_mb", "max_memory_mb", "max_request_bytes"):
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("default_memory_mb", "max_memory_mb"):  # below it every program fails at start-up
+            if getattr(self, name) < MIN_MEMORY_MB:
+                raise ValueError(f"{name}={getattr(self, name)} is too little for a program to start (python3 needs "
+                                 f"about 14 MB); set it to at least {MIN_MEMORY_MB}")
         for name in ("max_run_timeout_s", "queue_timeout_s"):  # 0 or less: every program, or every queued request, fails
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be above 0 seconds")

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from reinforge.sandbox.protocol import CommandRunResult, RequestError, RunCodeRequest, RunCodeResponse
+from reinforge.sandbox.protocol import (
+    MIN_MEMORY_MB,
+    CommandRunResult,
+    RequestError,
+    RunCodeRequest,
+    RunCodeResponse,
+)
 
 
 @pytest.mark.parametrize(("run", "status"), [
@@ -31,6 +37,20 @@ def test_reads_a_sandboxfusion_answer_with_its_extra_keys():
 def test_request_defaults_are_sandboxfusions():
     request = RunCodeRequest.from_json({"code": "print(1)", "language": "python", "stdin": None})
     assert (request.compile_timeout, request.run_timeout, request.memory_limit_MB, request.files) == (10.0, 10.0, -1, {})
+
+
+@pytest.mark.parametrize("memory_limit", [1, 10, MIN_MEMORY_MB - 1, MIN_MEMORY_MB - 0.5])
+def test_a_memory_limit_too_small_to_start_a_program_is_refused_naming_it_and_the_least(memory_limit):
+    with pytest.raises(RequestError) as error:
+        RunCodeRequest.from_json({"code": "print(1)", "language": "python", "memory_limit_MB": memory_limit})
+    assert str(error.value) == (f"memory_limit_MB={int(memory_limit)} is too little for a program to start (python3 "
+                                f"needs about 14 MB); send at least {MIN_MEMORY_MB}, or -1 for the server's default")
+
+
+@pytest.mark.parametrize("memory_limit", [-1, 0, None, MIN_MEMORY_MB, 8192])
+def test_the_server_default_and_limits_from_the_least_up_are_accepted(memory_limit):
+    request = RunCodeRequest.from_json({"code": "print(1)", "language": "python", "memory_limit_MB": memory_limit})
+    assert request.memory_limit_MB == (-1 if memory_limit is None else memory_limit)
 
 
 def test_fetch_files_is_refused_not_ignored():

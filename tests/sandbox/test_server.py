@@ -23,6 +23,7 @@ import reinforge
 from reinforge.cli import main
 from reinforge.sandbox import SandboxClient, SandboxSettings
 from reinforge.sandbox.isolation import IsolationError, UidRange
+from reinforge.sandbox.protocol import MIN_MEMORY_MB
 from reinforge.sandbox.server import SandboxServer, _Handler
 
 
@@ -105,10 +106,23 @@ def test_a_program_stopped_at_its_cpu_limit_is_a_time_limit():
     (b'{"code": "x", "language": "python", "run_timeout": 1' + b"0" * 400 + b"}", "run_timeout=1000"),
     (b'{"code": "x", "language": "python", "memory_limit_MB": 1' + b"0" * 400 + b"}", "too large a number"),
     (b'{"code": "x", "language": "python", "run_timeout": 1' + b"0" * 5000 + b"}", "over 4300 digits"),
+    # before: a 200 whose stderr was the loader's "libc.so.6: failed to map segment from shared object"
+    (b'{"code": "x", "language": "python", "memory_limit_MB": 8}', "memory_limit_MB=8 is too little for a program "
+                                                                   "to start (python3 needs about 14 MB); send at "
+                                                                   "least 32, or -1 for the server's default"),
 ])
 def test_bad_requests_are_400_with_a_reason(sandbox_server, body, detail):
     status, answer, _ = _post(sandbox_server.url, body)
     assert status == 400 and detail in answer["detail"]
+
+
+def test_the_least_memory_limit_accepted_runs_python_with_its_standard_library(client):
+    """MIN_MEMORY_MB is the measured minimum (about 14 MB for python3) with room to spare, under the rlimit and,
+    where the server has them, the slot's cgroups."""
+    code = "import json, re, collections, fractions, decimal, itertools\nprint(json.dumps([6 * 7]))"
+    response = client.run_code(code, memory_limit_mb=MIN_MEMORY_MB)
+    assert (response.status, response.run_result.stdout) == ("Success", "[42]\n"), response
+    assert client.run_code("echo 42", "bash", memory_limit_mb=MIN_MEMORY_MB).run_result.stdout == "42\n"
 
 
 def _raw(url: str, request: bytes, timeout_s: float = 10) -> bytes:
@@ -217,6 +231,10 @@ def test_a_taken_or_impossible_port_is_one_line_naming_it(sandbox_server, capsys
     ({"max_run_timeout_s": 0}, "max_run_timeout_s=0 must be above 0 seconds"),  # before: every program timed out
     ({"queue_timeout_s": -1}, "queue_timeout_s=-1 must be above 0 seconds"),  # before: every queued request a 503
     ({"max_request_bytes": 0}, "max_request_bytes=0 must be at least 1"),  # before: every request a 413
+    # before: every program failed at start-up with the dynamic loader's error
+    ({"default_memory_mb": 10}, "default_memory_mb=10 is too little for a program to start (python3 needs about "
+                                "14 MB); set it to at least 32"),
+    ({"max_memory_mb": 0}, "max_memory_mb=0 is too little for a program to start"),
 ])
 def test_settings_under_which_nothing_can_run_are_refused(setting, error):
     with pytest.raises(ValueError, match=re.escape(error)):
