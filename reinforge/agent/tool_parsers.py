@@ -52,13 +52,22 @@ def get_tool_parser(name: str) -> ToolParser:
 class HermesToolParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn.
 
-    ``arguments`` may also be a JSON string holding the object (some models write it so).
+    ``arguments`` may also be a JSON string holding the object (some models write it so). A
+    ``<tool_call>`` left open after the last closed call (the model stopped before
+    ``</tool_call>``) is a malformed call too: read as no call, the turn would pass for a final
+    answer and the model would never learn that its call went nowhere.
     """
 
     pattern = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    opening = "<tool_call>"
 
     def parse(self, text: str) -> list[ToolCall]:
-        return [self._read(body.strip()) for body in self.pattern.findall(text)]
+        calls = [self._read(body.strip()) for body in self.pattern.findall(text)]
+        last_end = max((match.end() for match in self.pattern.finditer(text)), default=0)
+        if self.opening in text[last_end:]:
+            calls.append(ToolCall("", error="A <tool_call> was not closed with </tool_call>, so it was not run; "
+                                            'write <tool_call>{"name": ..., "arguments": {...}}</tool_call>'))
+        return calls
 
     @staticmethod
     def _read(body: str) -> ToolCall:

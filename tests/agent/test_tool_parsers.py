@@ -17,7 +17,17 @@ def test_reads_calls_in_order_with_object_or_string_arguments():
 
 def test_text_without_calls_has_none():
     assert get_tool_parser("hermes").parse("The answer is 408.") == []
-    assert get_tool_parser("hermes").parse("<tool_call>{unclosed") == []
+    assert get_tool_parser("hermes").parse("</tool_call> is how a call ends.") == []
+
+
+@pytest.mark.parametrize("text, names", [
+    ('<tool_call>{"name": "a", "arguments": {}}', [""]),
+    ('<tool_call>{"name": "a"}</tool_call> then <tool_call>{"name": "b"', ["a", ""]),
+])
+def test_a_call_left_open_is_a_malformed_call_not_a_final_answer(text, names):
+    calls = get_tool_parser("hermes").parse(text)
+    assert [call.name for call in calls] == names
+    assert "was not closed with </tool_call>" in calls[-1].error
 
 
 @pytest.mark.parametrize("body, message", [
