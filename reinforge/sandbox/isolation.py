@@ -39,8 +39,12 @@ ETC_ENTRIES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 BLAS_THREADS = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 """numpy's BLAS would start a thread per host CPU at import: on a 128-core host that is past the
 64-process limit (threads count) and the import fails; one program, one thread."""
+UNBUFFERED = {"PYTHONUNBUFFERED": "1"}
+"""Python block-buffers stdout written to a pipe, and a program killed at its timeout (or by the memory limit) loses
+the buffer: the caller saw none of what it had printed. Each write goes through instead, as on a terminal; the
+output cap bounds what a print loop can cost."""
 SANDBOX_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-               "PYTHONPATH": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", **BLAS_THREADS}
+               "PYTHONPATH": "/tmp", "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", **BLAS_THREADS, **UNBUFFERED}
 CODE_FOLDER = "/code"
 INIT = ("/bin/sh", "-c", '"$@"; exit $?', "sandbox-init")
 """PID 1 of each sandbox: runs the program (the arguments after it) as a child, exits with its status."""

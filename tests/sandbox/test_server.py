@@ -282,6 +282,17 @@ def test_blas_libraries_start_one_thread_not_one_per_host_cpu(client):
     assert client.run_code(code).run_result.stdout == "['1', '1']\n"
 
 
+def test_what_a_python_program_printed_before_its_timeout_is_kept_without_a_flush(client):
+    """Python buffers stdout written to a pipe, so a program killed at its timeout lost what it had printed (the
+    model saw no output at all); PYTHONUNBUFFERED=1 writes each print through."""
+    code = "import sys, time\nprint('step 1')\nsys.stdout.write('step 2\\n')\nprint('warn', file=sys.stderr)\ntime.sleep(30)"
+    response = client.run_code(code, run_timeout=1)
+    assert response.run_result.status == "TimeLimitExceeded", response
+    assert (response.run_result.stdout, response.run_result.stderr) == ("step 1\nstep 2\n", "warn\n")
+    bash = client.run_code("python3 -c \"print('from bash')\nimport time; time.sleep(30)\"", "bash", run_timeout=1)
+    assert bash.run_result.stdout == "from bash\n"
+
+
 def test_a_program_that_closes_its_output_still_meets_its_deadline(client):
     code = "import os, time\nprint('before', flush=True)\nos.close(1)\nos.close(2)\ntime.sleep(30)\n"
     response = client.run_code(code, run_timeout=1)
