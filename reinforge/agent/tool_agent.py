@@ -100,7 +100,8 @@ class ToolAgentLoop(AgentLoop):
         finally:
             created = [(name, future.result()) for name, future in instances.items()
                        if future.done() and not future.cancelled() and future.exception() is None]
-            released = await asyncio.gather(*(self.context.tools[name].release(instance) for name, instance in created),
+            released = await asyncio.gather(*(_no_exit(self.context.tools[name].release(instance))
+                                              for name, instance in created),
                                             return_exceptions=True)
             for (name, _), error in zip(created, released, strict=True):
                 if isinstance(error, Exception):  # the trajectory stands; a leaking tool should still be seen
@@ -110,14 +111,14 @@ class ToolAgentLoop(AgentLoop):
     def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,
                           finish_reason: str) -> tuple[AgentState, str]:
         config = self.context.config
+        if not calls:  # an answer that ends with its stop token on the budget's last token is still an answer
+            return AgentState.TERMINATED, finish_reason
         if len(trajectory.response_ids) >= budget:
             return AgentState.TERMINATED, "length"
         if config.max_assistant_turns is not None and trajectory.assistant_turns >= config.max_assistant_turns:
-            return AgentState.TERMINATED, "max_turns" if calls else finish_reason
+            return AgentState.TERMINATED, "max_turns"
         if config.max_user_turns is not None and trajectory.user_turns >= config.max_user_turns:
-            return AgentState.TERMINATED, "max_turns" if calls else finish_reason
-        if not calls:
-            return AgentState.TERMINATED, finish_reason
+            return AgentState.TERMINATED, "max_turns"
         return AgentState.PROCESSING_TOOLS, finish_reason
 
     async def _run_calls(self, calls: list[ToolCall], tools_kwargs: dict[str, Any], instances: dict[str, asyncio.Future],
@@ -130,10 +131,13 @@ class ToolAgentLoop(AgentLoop):
         metrics["num_tool_calls"] += len(run)
         metrics["tool_calls_cut"] += len(cut)
         truncated = []
-        for result in results:
+        for call, result in zip(calls, results, strict=True):
             if result.metrics.get("tool_error"):
                 metrics["tool_errors"] += 1
             metrics["tool_raised"] += result.metrics.get("tool_raised", 0.0)
+            for key, value in result.metrics.items():  # the tool's own metrics, summed per tool and key
+                if key not in ("tool_error", "tool_raised"):
+                    metrics[f"tool/{call.name}/{key}"] = metrics.get(f"tool/{call.name}/{key}", 0.0) + value
             if result.reward is not None:
                 trajectory.tool_rewards.append(float(result.reward))
             text, was_cut = self._truncate(result.text)
@@ -152,37 +156,60 @@ class ToolAgentLoop(AgentLoop):
                               {"tool_error": 1.0})
         kwargs = tools_kwargs.get(call.name) or {}
         timeout = self.context.config.tool_timeout_s
+        # asyncio.timeout, not wait_for: the tool runs in this task, so its SystemExit is caught below (in a task of
+        # its own it would end the event loop), and its own TimeoutError is told apart from ours (scope.expired)
+        scope = asyncio.timeout(timeout)
         try:
-            previous = instances.get(call.name)
-            if previous is None or (previous.done() and (previous.cancelled() or previous.exception() is not None)):
-                # one create per tool and trajectory, even when calls of the same tool run in parallel
-                instances[call.name] = asyncio.ensure_future(tool.create(**(kwargs.get("create_kwargs") or {})))
-            instance = await asyncio.shield(instances[call.name])
-            result = as_tool_result(await asyncio.wait_for(
-                tool.execute(instance, call.arguments, **(kwargs.get("execute_kwargs") or {})), timeout))
+            async with scope:
+                previous = instances.get(call.name)
+                if previous is None or (previous.done() and (previous.cancelled() or previous.exception() is not None)):
+                    # one create per tool and trajectory, even when calls of the same tool run in parallel
+                    instances[call.name] = asyncio.ensure_future(
+                        _no_exit(tool.create(**(kwargs.get("create_kwargs") or {}))))
+                instance = await asyncio.shield(instances[call.name])
+                result = as_tool_result(await tool.execute(instance, call.arguments,
+                                                           **(kwargs.get("execute_kwargs") or {})))
             if result.reward is not None and not math.isfinite(result.reward):
                 raise ValueError(f"the tool returned a non-finite reward {result.reward}")
         except ToolUnavailable:
             raise  # the tool's service is gone: the rollout stops rather than train on error messages
-        except TimeoutError:
+        except TimeoutError as error:
+            if not scope.expired():  # the tool's own timeout (a socket's, say): an error like any other
+                return _raised(call.name, error)
             return ToolResult(f"Tool {call.name!r} did not answer within {timeout} s.", 0.0,
                               {"tool_error": 1.0, "tool_raised": 1.0})
+        except SystemExit as error:
+            return _raised(call.name, RuntimeError(f"the tool called exit({error.code})"))
         except Exception as error:
-            return ToolResult(f"Error running tool {call.name!r}: {type(error).__name__}: {error}", 0.0,
-                              {"tool_error": 1.0, "tool_raised": 1.0})
+            return _raised(call.name, error)
         return result
 
     def _truncate(self, text: str) -> tuple[str, bool]:
         """The tool output cut to ``max_tool_response_length`` tokens on the configured side (the middle side's
-        note counts in them), with no half character left where it was cut."""
+        note counts in them; a limit too small for it keeps the start), with no half character left where it was cut.
+
+        Only the characters that can hold the kept tokens are tokenized (a token stands for at most
+        ``renderer.max_token_chars`` of them): a tokenizer takes seconds over a long run of text without spaces,
+        and the event loop, every trajectory's, waits meanwhile."""
         config = self.context.config
-        tokens = self.renderer.encode(text)
         limit, side = config.max_tool_response_length, config.tool_response_truncate_side
+        note = len(self.renderer.encode(TRUNCATION_NOTE))
+        if side == "middle" and limit < note + 2:
+            side = "right"
+        reach = (limit + 8) * self.renderer.max_token_chars  # more characters than limit tokens can stand for
+        if side == "right" and len(text) > reach:
+            tokens = self.renderer.encode(text[:reach])
+        elif side == "left" and len(text) > reach:
+            tokens = self.renderer.encode(text[-reach:])
+        elif side == "middle" and len(text) > 2 * reach:
+            tokens = self.renderer.encode(text[:reach]) + self.renderer.encode(text[-reach:])
+        else:
+            tokens = self.renderer.encode(text)
         if len(tokens) <= limit:
             return text, False
         decode = self.context.tokenizer.decode
         if side == "middle":
-            limit = max(limit - len(self.renderer.encode(TRUNCATION_NOTE)), 2)
+            limit -= note
             kept, _ = truncate_tokens(tokens, limit, side)
             head = (limit + 1) // 2
             return (decode(kept[:head]).rstrip(REPLACEMENT_CHARACTER) + TRUNCATION_NOTE
@@ -190,6 +217,19 @@ class ToolAgentLoop(AgentLoop):
         kept, _ = truncate_tokens(tokens, limit, side)
         cut = decode(kept)
         return (cut.rstrip(REPLACEMENT_CHARACTER) if side == "right" else cut.lstrip(REPLACEMENT_CHARACTER)), True
+
+
+def _raised(name: str, error: BaseException) -> ToolResult:
+    return ToolResult(f"Error running tool {name!r}: {type(error).__name__}: {error}", 0.0,
+                      {"tool_error": 1.0, "tool_raised": 1.0})
+
+
+async def _no_exit(awaitable: Any) -> Any:
+    """``await awaitable`` with a SystemExit turned into an error: in a task of its own it would end the event loop."""
+    try:
+        return await awaitable
+    except SystemExit as error:
+        raise RuntimeError(f"the tool called exit({error.code})") from None
 
 
 class _Trajectory:

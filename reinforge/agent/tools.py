@@ -75,18 +75,35 @@ def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def as_tool_result(value: Any) -> ToolResult:
-    """A tool's return value as a ToolResult: text, (text, reward), (text, reward, metrics), a dict or a number."""
+    """A tool's return value as a ToolResult: text, (text, reward), (text, reward, metrics), a dict or a number.
+
+    Metrics that are not a mapping of names to numbers raise ValueError (the loop answers the call with it)
+    rather than fail later, where they would stop the whole rollout."""
     if isinstance(value, ToolResult):
-        return value if isinstance(value.text, str) else value._replace(text=_as_text(value.text))
-    if isinstance(value, tuple) and 1 <= len(value) <= 3:
+        text, reward, metrics = value
+    elif isinstance(value, tuple) and 1 <= len(value) <= 3:
         text, reward, metrics = (*value, None, None)[:3]
-        return ToolResult(_as_text(text), None if reward is None else float(reward), dict(metrics or {}))
-    return ToolResult(_as_text(value))
+    else:
+        text, reward, metrics = value, None, None
+    return ToolResult(_as_text(text), None if reward is None else float(reward), _as_metrics(metrics))
+
+
+def _as_metrics(metrics: Any) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict):
+        try:
+            return {str(key): float(value) for key, value in metrics.items()}
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"the tool returned metrics {metrics!r}; they must map names to numbers")
 
 
 def _as_text(value: Any) -> str:
     if isinstance(value, str):
         return value
+    if isinstance(value, bytes | bytearray):  # a subprocess's output, say: its text, not its repr
+        return bytes(value).decode("utf-8", errors="replace")
     if isinstance(value, dict | list):
         return json.dumps(value)
     return str(value)

@@ -20,6 +20,7 @@ drop earlier reasoning, such as Qwen3's); ``increment`` raises if the second fai
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 _MARKER = "\u2063reinforge-assistant-marker\u2063"
@@ -67,6 +68,13 @@ class ToolTurnRenderer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """At least as many characters as any one token stands for: the longest token string of the vocabulary (a
+        byte-level token's string has a character per byte, at least one per character it decodes to). A text
+        longer than n times this has more than n tokens."""
+        return max((len(token) for token in self.tokenizer.get_vocab()), default=1) or 1
 
 
 def truncate_tokens(token_ids: list[int], limit: int, side: str) -> tuple[list[int], bool]:

@@ -6,7 +6,15 @@ import asyncio
 
 import pytest
 
-from reinforge.agent import AgentContext, BaseTool, FunctionTool, ToolResult, ToolUnavailable, get_agent_loop
+from reinforge.agent import (
+    AgentContext,
+    BaseTool,
+    FunctionTool,
+    ToolResult,
+    ToolUnavailable,
+    agent_metrics,
+    get_agent_loop,
+)
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import SamplingParams
 
@@ -267,3 +275,67 @@ def test_a_turn_ended_by_a_stop_token_is_closed_as_the_template_closes_it(chatml
     eos = chatml_tokenizer.convert_tokens_to_ids("<|im_end|>")
     first_eos = output.response_ids.index(eos)
     assert output.response_mask[first_eos] == 0  # the closing token was not sampled
+
+
+def test_an_answer_that_ends_on_the_budgets_last_token_stopped_and_did_not_run_out(chatml_tokenizer, scripted_client):
+    sampled = len(chatml_tokenizer("done", add_special_tokens=False)["input_ids"]) + 1  # and its end-of-turn token
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, ["done"]), max_tokens=sampled)
+    assert len(output.response_ids) == sampled
+    assert output.finish_reason == "stop" and agent_metrics([output])["agent/budget_spent"] == 0
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, ["done"]), max_tokens=sampled - 1)
+    assert output.finish_reason == "length"
+
+
+class Odd(BaseTool):
+    """Returns or raises what the call asks for; release exits."""
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        kind = arguments["kind"]
+        if kind == "no_metrics":
+            return ToolResult("fine", 1.0, None)
+        if kind == "text_metrics":
+            return "x", 0.0, {"tool_raised": "yes"}
+        if kind == "own_metrics":
+            return "x", None, {"hits": 2}
+        if kind == "own_timeout":
+            raise TimeoutError("the socket timed out")
+        if kind == "exit":
+            raise SystemExit(3)
+        if kind == "bytes":
+            return b"caf\xc3\xa9"
+        return "x" * 300_000  # one long word, which a tokenizer takes seconds over
+
+    async def release(self, instance_id):
+        raise SystemExit(4)
+
+
+ODD_SCHEMA = {"type": "function", "function": {"name": "odd", "description": "odd",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_odd_tool_results_become_messages_or_metrics_and_never_stop_the_loop(chatml_tokenizer, scripted_client):
+    kinds = ["no_metrics", "text_metrics", "own_metrics", "own_metrics", "own_timeout", "exit", "bytes"]
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("odd", kind=kind) for kind in kinds]
+                                                   + ["done"]), tools={"odd": Odd({}, ODD_SCHEMA)})
+    text = tool_texts(chatml_tokenizer, output)
+    assert "<tool_response>\nfine\n</tool_response>" in text
+    assert "ValueError: the tool returned metrics {'tool_raised': 'yes'}; they must map names to numbers" in text
+    assert "TimeoutError: the socket timed out" in text and "did not answer" not in text
+    assert "RuntimeError: the tool called exit(3)" in text
+    assert "<tool_response>\ncaf\u00e9\n</tool_response>" in text
+    assert output.finish_reason == "stop" and output.metrics["tool_raised"] == 3
+    assert output.metrics["tool/odd/hits"] == 4 and agent_metrics([output, output])["agent/tool/odd/hits"] == 8
+
+
+def test_a_huge_tool_output_is_cut_without_tokenizing_all_of_it(chatml_tokenizer, scripted_client):
+    import time
+
+    start = time.perf_counter()
+    for side, limit in (("right", 16), ("left", 16), ("middle", 40), ("middle", 5)):
+        output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("odd", kind="huge"), "done"]),
+                     MultiTurnConfig(max_tool_response_length=limit, tool_response_truncate_side=side),
+                     tools={"odd": Odd({}, ODD_SCHEMA)})
+        response = tool_texts(chatml_tokenizer, output).split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+        assert len(chatml_tokenizer(response, add_special_tokens=False)["input_ids"]) <= limit, (side, limit)
+        assert output.metrics["tool_response_truncated"] == 1
+    assert time.perf_counter() - start < 5  # tokenizing the whole 300,000 characters took some 30 s
