@@ -41,9 +41,10 @@ def _train(argv: list[str]) -> int:
         from reinforge.config import load_config
 
         config = load_config(config_path, overrides)
-    from reinforge.config.validate import require_model_and_data
+    from reinforge.config.validate import require_logger_packages, require_model_and_data
 
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
+    require_logger_packages(config.trainer.loggers)
 
     from reinforge.trainer.rl_trainer import RLTrainer
 
@@ -101,9 +102,10 @@ def _sft(argv: list[str]) -> int:
     from reinforge.config import load_sft_config
 
     config = load_sft_config(config_path, overrides)
-    from reinforge.config.validate import require_model_and_data
+    from reinforge.config.validate import require_logger_packages, require_model_and_data
 
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
+    require_logger_packages(config.trainer.loggers)
 
     from reinforge.trainer.sft_trainer import SFTTrainer
 

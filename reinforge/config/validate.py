@@ -28,6 +28,8 @@ from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig, SFTData
 from reinforge.engine.optim import LR_SCHEDULES
 
 ROLLOUT_BACKENDS = ("hf", "native")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""The values of model.dtype (``models.loading.DTYPES`` and auto)."""
 
 
 def _choice(key: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
@@ -38,6 +40,13 @@ def _choice(key: str, value: object, choices: tuple[str, ...] | list[str]) -> No
 def _in_range(key: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise ConfigError(f"{key}={value} is out of range; it must be between {low:g} and {high:g}")
+
+
+def _finite(key: str, value: float, *, at_least: float | None = None, fix: str = "") -> None:
+    """A finite number (not nan or inf), and at least ``at_least`` when given."""
+    if not -float("inf") < value < float("inf") or (at_least is not None and value < at_least):
+        bound = f" >= {at_least:g}" if at_least is not None else ""
+        raise ConfigError(f"{key}={value} must be a finite number{bound}{fix}")
 
 
 def validate_update(prefix: str, update: UpdateConfig) -> None:
@@ -65,6 +74,37 @@ def validate_optim(prefix: str, optim: OptimConfig) -> None:
     _in_range(f"{prefix}.warmup_ratio", optim.warmup_ratio, 0.0, 1.0)
     _in_range(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
     _choice(f"{prefix}.schedule", optim.schedule, list(LR_SCHEDULES))
+    # AdamW itself refuses these, but only once the model has loaded (a bare IndexError for one beta)
+    if len(optim.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optim.betas):
+        raise ConfigError(f"{prefix}.betas={list(optim.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+    _finite(f"{prefix}.eps", optim.eps, at_least=0.0, fix=" (AdamW's epsilon, e.g. 1e-8)")
+    _finite(f"{prefix}.weight_decay", optim.weight_decay, at_least=0.0, fix=" (AdamW's weight decay, e.g. 0.01)")
+
+
+def validate_model_dtype(dtype: str) -> None:
+    _choice("model.dtype", dtype, MODEL_DTYPES)
+
+
+def validate_loggers(loggers: list[str]) -> None:
+    """trainer.loggers names tracking backends (the tracker starts only after the model has loaded)."""
+    from reinforge.tracking import TRACKING_BACKENDS
+
+    unknown = [name for name in loggers if name not in TRACKING_BACKENDS]
+    if unknown:
+        raise ConfigError(f"trainer.loggers names {unknown[0]!r}, which is not a tracking backend; use any of "
+                          f"{', '.join(sorted(TRACKING_BACKENDS))}")
+
+
+def require_logger_packages(loggers: list[str]) -> None:
+    """What a training command needs beyond a valid config: the packages of its trackers (a config naming wandb
+    stays valid, and translatable, where wandb is not installed)."""
+    from reinforge.tracking import missing_backend_package
+
+    for name in loggers:
+        missing = missing_backend_package(name)
+        if missing:
+            raise ConfigError(f"trainer.loggers names {name}, which needs the {missing} package, not installed here; "
+                              f"pip install {missing} (or reinforge[tracking]), or remove {name} from trainer.loggers")
 
 
 def validate_run(trainer: RunConfig) -> None:
@@ -89,6 +129,7 @@ def validate_run(trainer: RunConfig) -> None:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
     if trainer.resume not in ("auto", "never") and not trainer.resume:
         raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
+    validate_loggers(trainer.loggers)
 
 
 def validate_sft_config(config: SFTConfig) -> None:
@@ -100,6 +141,7 @@ def validate_sft_config(config: SFTConfig) -> None:
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
     validate_sample_limits(data)
+    validate_model_dtype(config.model.dtype)
     if config.model.lora.rank:
         raise ConfigError(f"model.lora.rank={config.model.lora.rank}: reinforge sft trains every parameter and would "
                           "ignore the adapters; LoRA is for the RL actor (reinforge train). Remove model.lora.rank")
@@ -144,6 +186,7 @@ def validate_config(config: Config) -> None:
     _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, list(KL_CONTROLLERS))
     _choice("data.truncation", data.truncation, TRUNCATION_MODES)
     validate_sample_limits(data)
+    validate_model_dtype(config.model.dtype)
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
     _choice("trainer.backend", trainer.backend, ("local", "ray"))
     validate_run(trainer)
@@ -156,6 +199,12 @@ def validate_config(config: Config) -> None:
     if not config.reward.timeout_s > 0:
         raise ConfigError(f"reward.timeout_s={config.reward.timeout_s} must be positive (seconds a scorer may take "
                           "on one sample)")
+    _finite("reward.fallback_score", config.reward.fallback_score, fix=" (the score of a sample whose scorer failed)")
+    if trainer.num_logged_samples < 0:
+        raise ConfigError(f"trainer.num_logged_samples={trainer.num_logged_samples} must be 0 (none) or more")
+    if not trainer.call_timeout_s > 0:
+        raise ConfigError(f"trainer.call_timeout_s={trainer.call_timeout_s} must be positive (seconds one worker "
+                          "call may take; 3600 is the default)")
 
     multi_turn = rollout.multi_turn
     _choice("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,
@@ -199,11 +248,14 @@ def validate_config(config: Config) -> None:
             raise ConfigError(f"{key}={length} must be at least 1 (tokens)")
     longest = data.max_prompt_length + data.max_response_length
     _check_memory_settings(config)
-    if actor.max_tokens_per_micro_batch != "auto" and actor.max_tokens_per_micro_batch < longest:
-        raise ConfigError(
-            f"actor.max_tokens_per_micro_batch={actor.max_tokens_per_micro_batch} cannot hold one sequence of "
-            f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it to at least {longest}"
-        )
+    budgets = (("actor", actor.max_tokens_per_micro_batch), ("ref", config.ref.max_tokens_per_micro_batch),
+               ("critic", config.critic.max_tokens_per_micro_batch))
+    for section, budget in budgets:  # ref's and critic's None (and auto) are the actor's
+        if budget not in (None, "auto") and budget < longest:
+            raise ConfigError(
+                f"{section}.max_tokens_per_micro_batch={budget} cannot hold one sequence of "
+                f"data.max_prompt_length + data.max_response_length = {longest} tokens; raise it to at least {longest}"
+                + ("" if section == "actor" else " or leave it unset (null: actor.max_tokens_per_micro_batch)"))
     clip = actor.policy_loss
     for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
         value = getattr(clip, name)
@@ -216,17 +268,45 @@ def validate_config(config: Config) -> None:
     _in_range("algorithm.lam", algorithm.lam, 0.0, 1.0)
     if not clip.clip_ratio_c > 1.0:  # also nan
         raise ConfigError(f"actor.policy_loss.clip_ratio_c={clip.clip_ratio_c} must be greater than 1 (dual clip)")
+    if clip.loss_mode == "sapo" and not (clip.tau_pos > 0 and clip.tau_neg > 0):  # the loss refused it at step 1
+        raise ConfigError(f"actor.policy_loss.tau_pos={clip.tau_pos} and tau_neg={clip.tau_neg} must both be positive "
+                          "for loss_mode=sapo (the gate's temperatures; 1.0 and 1.05 are usual)")
+    for mode, key in (("clip_cov", "clip_cov_ratio"), ("kl_cov", "kl_cov_ratio")):
+        if clip.loss_mode == mode and not 0.0 < getattr(clip, key) <= 1.0:
+            raise ConfigError(f"actor.policy_loss.{key}={getattr(clip, key)} must be in (0, 1] for loss_mode={mode} "
+                              "(a share of the valid tokens; 0.0002 is usual)")
+    _finite("actor.kl_loss_coef", actor.kl_loss_coef, at_least=0.0, fix=" (the weight of the KL loss, e.g. 0.001)")
+    _finite("actor.entropy_coeff", actor.entropy_coeff, fix=" (the weight of the entropy bonus; 0: none)")
+    kl_ctrl = algorithm.kl_ctrl
+    _finite("algorithm.kl_ctrl.kl_coef", kl_ctrl.kl_coef, at_least=0.0, fix=" (the weight of the in-reward KL penalty)")
+    if kl_ctrl.type == "adaptive" and not (kl_ctrl.target_kl > 0 and kl_ctrl.horizon > 0):
+        raise ConfigError(f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0 and "
+                          f"algorithm.kl_ctrl.horizon > 0 (they are {kl_ctrl.target_kl} and {kl_ctrl.horizon}); "
+                          "0.1 and 10000 are usual")
+    if critic_enabled(config):
+        critic = config.critic
+        if not critic.cliprange_value > 0:
+            raise ConfigError(f"critic.cliprange_value={critic.cliprange_value} must be positive (how far a value may "
+                              "move from the one before the update; 0.5 is usual)")
+        if critic.ppo_epochs is not None and critic.ppo_epochs < 1:
+            raise ConfigError(f"critic.ppo_epochs={critic.ppo_epochs} must be at least 1, or null "
+                              "(actor.ppo_epochs)")
+        if critic.warmup_steps < 0:
+            raise ConfigError(f"critic.warmup_steps={critic.warmup_steps} must be 0 (none) or more")
     if clip.loss_mode == "dro" and (clip.dro_beta is None or clip.dro_beta <= 0):
         raise ConfigError(f"actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (it is {clip.dro_beta}); "
                           "set e.g. actor.policy_loss.dro_beta=0.1")
-    if rollout.temperature < 0 or rollout.val_kwargs.temperature < 0:
-        raise ConfigError("rollout.temperature and rollout.val_kwargs.temperature must be >= 0 (0 is greedy)")
+    for prefix, sampling in (("rollout", rollout), ("rollout.val_kwargs", rollout.val_kwargs)):
+        _finite(f"{prefix}.temperature", sampling.temperature, at_least=0.0, fix=" (0 is greedy, 1.0 is usual)")
     for prefix, sampling in (("rollout", rollout), ("rollout.val_kwargs", rollout.val_kwargs)):
         if sampling.temperature == 0 and sampling.n > 1:
             raise ConfigError(f"{prefix}.temperature=0 is greedy sampling, so the {prefix}.n={sampling.n} samples of a "
                               f"prompt would all be the same; set {prefix}.temperature > 0 (e.g. 1.0) or {prefix}.n=1")
-    if not 0.0 < rollout.top_p <= 1.0:
-        raise ConfigError(f"rollout.top_p={rollout.top_p} must be in (0, 1]")
+    for prefix, sampling in (("rollout", rollout), ("rollout.val_kwargs", rollout.val_kwargs)):
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise ConfigError(f"{prefix}.top_p={sampling.top_p} must be in (0, 1]")
+    if not 0.0 <= rollout.min_p <= 1.0:  # above 1 even the most likely token falls below the bar: nothing is left
+        raise ConfigError(f"rollout.min_p={rollout.min_p} must be in [0, 1] (0: off)")
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
     for key in ("nnodes", "devices_per_node"):
@@ -281,7 +361,7 @@ def _check_dapo(config: Config) -> None:
         if not 0 < buffer.len <= data.max_response_length:
             raise ConfigError(f"reward.overlong_buffer.len={buffer.len} must be in 1..data.max_response_length="
                               f"{data.max_response_length} when reward.overlong_buffer.enable=true")
-        if buffer.penalty_factor < 0:
+        if not 0 <= buffer.penalty_factor < float("inf"):  # also nan
             raise ConfigError(f"reward.overlong_buffer.penalty_factor={buffer.penalty_factor} must be >= 0")
 
 

@@ -4,12 +4,18 @@
 demand) draws a run's ``metrics.jsonl``.
 """
 
-from reinforge.tracking.backends import TRACKING_BACKENDS, RunInfo, TrackingBackend, register_tracking_backend
+from reinforge.tracking.backends import (
+    TRACKING_BACKENDS,
+    RunInfo,
+    TrackingBackend,
+    missing_backend_package,
+    register_tracking_backend,
+)
 from reinforge.tracking.console import StepProgress
 from reinforge.tracking.jsonl import METRICS_FILE, SAMPLES_FILE, read_json_lines, truncate_after_step
 from reinforge.tracking.tracker import Tracker, to_float
 
 __all__ = [
     "METRICS_FILE", "SAMPLES_FILE", "TRACKING_BACKENDS", "RunInfo", "StepProgress", "Tracker", "TrackingBackend",
-    "read_json_lines", "register_tracking_backend", "to_float", "truncate_after_step",
+    "missing_backend_package", "read_json_lines", "register_tracking_backend", "to_float", "truncate_after_step",
 ]

@@ -7,6 +7,7 @@ hooks default to doing nothing. Backends are built as ``backend_cls(run)`` from 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,14 +44,33 @@ class TrackingBackend:
 
 TRACKING_BACKENDS: dict[str, Callable[[RunInfo], TrackingBackend]] = {}
 
+BACKEND_PACKAGES: dict[str, tuple[str, str]] = {}
+"""A backend's name -> (the module it imports, the package that holds it), for backends that need one."""
 
-def register_tracking_backend(name: str) -> Callable[[type[TrackingBackend]], type[TrackingBackend]]:
+
+def register_tracking_backend(name: str, needs: tuple[str, str] | None = None
+                              ) -> Callable[[type[TrackingBackend]], type[TrackingBackend]]:
+    """``needs``: (module, package) the backend imports when it starts, checked beforehand by ``missing_backend_package``."""
     def add(backend_cls: type[TrackingBackend]) -> type[TrackingBackend]:
         if name in TRACKING_BACKENDS:
             raise ValueError(f"tracking backend {name!r} is registered twice")
         TRACKING_BACKENDS[name] = backend_cls
+        if needs is not None:
+            BACKEND_PACKAGES[name] = needs
         return backend_cls
     return add
+
+
+def missing_backend_package(name: str) -> str | None:
+    """The package backend ``name`` needs and this environment lacks (without importing it), or None."""
+    if name not in BACKEND_PACKAGES:
+        return None
+    module, package = BACKEND_PACKAGES[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing (torch.utils.tensorboard needs tensorboard itself)
+        found = False
+    return None if found else package
 
 
 def import_optional(module: str, backend: str, package: str) -> ModuleType:

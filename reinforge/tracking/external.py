@@ -13,7 +13,7 @@ from typing import Any
 from reinforge.tracking.backends import RunInfo, TrackingBackend, import_optional, register_tracking_backend
 
 
-@register_tracking_backend("tensorboard")
+@register_tracking_backend("tensorboard", needs=("tensorboard", "tensorboard"))
 class TensorBoardBackend(TrackingBackend):
     """Event files under ``RUN_DIR/tensorboard``."""
 
@@ -35,7 +35,7 @@ class TensorBoardBackend(TrackingBackend):
         self._writer.close()
 
 
-@register_tracking_backend("wandb")
+@register_tracking_backend("wandb", needs=("wandb", "wandb"))
 class WandbBackend(TrackingBackend):
     def __init__(self, run: RunInfo):
         self._wandb = import_optional("wandb", "wandb", "wandb")
@@ -86,7 +86,7 @@ def mlflow_metric_name(key: str) -> str:
     return re.sub(r"[^\w\-./ ]", "_", section + slash + rest.replace("/", "."))
 
 
-@register_tracking_backend("mlflow")
+@register_tracking_backend("mlflow", needs=("mlflow", "mlflow"))
 class MlflowBackend(TrackingBackend):
     """Metrics under ``mlflow_metric_name``'s names (see there why), the config as parameters."""
 

@@ -290,3 +290,71 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     path.write_text("base: &base\n  lr: 1.0e-5\nactor:\n  optim:\n    <<: *base\n    weight_decay: 0.1\n")
     with pytest.raises(ConfigError, match="unknown key base"):  # a merge key is not a repeated key
         load_config(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.optim.betas=[0.9]"], r"actor.optim.betas=\[0.9\] must be two numbers in \[0, 1\)"),
+    (["critic.optim.betas=[0.9,1.5]"], r"critic.optim.betas=\[0.9, 1.5\] must be two numbers"),
+    (["actor.optim.eps=-1"], r"actor.optim.eps=-1.0 must be a finite number >= 0"),
+    (["actor.optim.weight_decay=-0.1"], r"actor.optim.weight_decay=-0.1 must be a finite number >= 0"),
+    (["model.dtype=fp32"], r"model.dtype='fp32' is not one of auto, float32, bfloat16, float16"),
+    (["trainer.loggers=[jsonl,wandbb]"], r"trainer.loggers names 'wandbb', which is not a tracking backend"),
+    (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"],
+     r"algorithm.kl_ctrl.type=adaptive needs .*target_kl > 0 and .*horizon > 0 \(they are 0.1 and 0\)"),
+    (["algorithm.kl_ctrl.kl_coef=-0.1"], r"algorithm.kl_ctrl.kl_coef=-0.1 must be a finite number >= 0"),
+    (["actor.kl_loss_coef=nan"], r"actor.kl_loss_coef=nan must be a finite number"),
+    (["actor.entropy_coeff=inf"], r"actor.entropy_coeff=inf must be a finite number"),
+    (["actor.policy_loss.loss_mode=sapo", "actor.policy_loss.tau_pos=0"], r"tau_pos=0.0 and tau_neg=1.05 must both be"),
+    (["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=2"], r"kl_cov_ratio=2.0 must be in \(0, 1\]"),
+    (["actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0"], r"clip_cov_ratio=0.0 must be in"),
+    (["rollout.temperature=nan"], r"rollout.temperature=nan must be a finite number >= 0"),
+    (["rollout.val_kwargs.temperature=-1"], r"rollout.val_kwargs.temperature=-1.0 must be a finite number >= 0"),
+    (["rollout.val_kwargs.top_p=0"], r"rollout.val_kwargs.top_p=0.0 must be in \(0, 1\]"),
+    (["rollout.min_p=2"], r"rollout.min_p=2.0 must be in \[0, 1\]"),
+    (["reward.fallback_score=nan"], r"reward.fallback_score=nan must be a finite number"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=8", "reward.overlong_buffer.penalty_factor=nan"],
+     r"penalty_factor=nan must be >= 0"),
+    (["trainer.num_logged_samples=-1"], r"trainer.num_logged_samples=-1 must be 0"),
+    (["trainer.call_timeout_s=0"], r"trainer.call_timeout_s=0.0 must be positive"),
+    (["ref.max_tokens_per_micro_batch=-1"], r"ref.max_tokens_per_micro_batch=-1 cannot hold one sequence"),
+    (["algorithm.adv_estimator=gae", "critic.max_tokens_per_micro_batch=100"],
+     r"critic.max_tokens_per_micro_batch=100 cannot hold one sequence"),
+    (["algorithm.adv_estimator=gae", "critic.cliprange_value=-0.5"], r"critic.cliprange_value=-0.5 must be positive"),
+    (["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], r"critic.ppo_epochs=0 must be at least 1, or null"),
+])
+def test_values_refused_only_after_the_model_loaded_are_refused_with_the_config(overrides, message):
+    """Each of these passed validation and failed once the model had loaded (AdamW's own checks, the KL controller,
+    the tracker, the SAPO loss at step 1), some as a bare IndexError or KeyError."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_model_dtypes_are_the_loaders():
+    from reinforge.config.validate import MODEL_DTYPES
+    from reinforge.models.loading import DTYPES
+
+    assert set(MODEL_DTYPES) == {"auto", *DTYPES}
+
+
+def test_sft_checks_its_optimizer_loggers_and_dtype_too():
+    from reinforge.config import load_sft_config
+
+    for override, message in (("optim.betas=[0.9,0.999,0.5]", "optim.betas"), ("trainer.loggers=[tb]", "'tb'"),
+                              ("model.dtype=bf16", "model.dtype='bf16'")):
+        with pytest.raises(ConfigError, match=message):
+            load_sft_config(None, [override])
+
+
+def test_a_logger_whose_package_is_missing_stops_train_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    from reinforge.cli import main
+    from reinforge.tracking import backends
+
+    monkeypatch.setitem(backends.BACKEND_PACKAGES, "mlflow", ("reinforge_no_such_module", "mlflow"))
+    # the model path does not exist: reaching the trainer would fail on it instead
+    args = [f"model.path={tmp_path / 'missing'}", f"data.train_files=[{tmp_path / 'missing.parquet'}]",
+            "trainer.loggers=[jsonl,mlflow]"]
+    assert main(["train", *args]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: trainer.loggers names mlflow, which needs the mlflow package, not installed here; pip install mlflow "
+        "(or reinforge[tracking]), or remove mlflow from trainer.loggers")
+    load_config(None, args)  # the config itself stays valid (reinforge config from-verl may translate it)
