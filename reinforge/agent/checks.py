@@ -20,10 +20,12 @@ def check_tools(tool_format: str, tools: dict[str, Any]) -> None:
 
 def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]) -> None:
     """Raise one line for the first row that names an unknown loop, needs tools without a tool config,
-    or passes tools_kwargs to a tool the config lacks.
+    passes tools_kwargs to a tool the config lacks, or whose create_kwargs / execute_kwargs a tool cannot take
+    (every call of the tool would fail, each answered with a TypeError the model cannot fix).
 
     rows: (where, agent_name, extra_info) per row, ``where`` naming it for a person ("train row 41").
     """
+    problems: dict[tuple[str, frozenset, frozenset], str | None] = {}  # by the kwargs' names: rows repeat them
     for where, raw_name, extra_info in rows:
         name = agent_name_of(raw_name)
         loop_class = AGENT_LOOPS.get(name)
@@ -52,3 +54,15 @@ def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]
                 raise ValueError(f"{where} has extra_info.tools_kwargs for {tool_name!r}, which is not in the tool "
                                  f"config (its tools: {', '.join(sorted(tools)) or 'none'}); fix the name or add "
                                  "the tool")
+        if not loop_class.uses_tools:
+            continue
+        for tool_name, tool in tools.items():
+            parts = (tools_kwargs or {}).get(tool_name) or {}
+            create_kwargs, execute_kwargs = parts.get("create_kwargs") or {}, parts.get("execute_kwargs") or {}
+            key = (tool_name, frozenset(create_kwargs), frozenset(execute_kwargs))
+            if key not in problems:
+                find = getattr(tool, "kwargs_problem", None)
+                problems[key] = find(create_kwargs, execute_kwargs) if find is not None else None
+            if problems[key] is not None:
+                raise ValueError(f"{where}: the tool {tool_name!r} gets extra_info.tools_kwargs[{tool_name!r}] = "
+                                 f"{parts!r}, but {problems[key]}; fix the row's tools_kwargs or the tool's signature")

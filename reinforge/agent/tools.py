@@ -55,6 +55,17 @@ class BaseTool:
         service it calls does not answer. The trainer calls it once per tool before any model loads, so a run
         does not train for hours against a tool that only ever returns errors. The default checks nothing."""
 
+    def kwargs_problem(self, create_kwargs: dict[str, Any], execute_kwargs: dict[str, Any]) -> str | None:
+        """Why a row's ``create_kwargs`` / ``execute_kwargs`` cannot reach this tool (``create`` or ``execute``
+        would raise TypeError at every call, each answered with an error message), or None. Only the names
+        matter, so ``check_agent_rows`` asks once per set of names."""
+        for method, args, kwargs in ((self.create, (), create_kwargs),
+                                     (self.execute, ("instance", {}), execute_kwargs)):
+            problem = _binding_problem(method, args, kwargs, partial=False)
+            if problem is not None:
+                return f"{type(self).__name__}.{method.__name__}() {problem}"
+        return None
+
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
         """Start a per-trajectory instance; returns its id."""
         return instance_id or uuid.uuid4().hex
@@ -64,6 +75,18 @@ class BaseTool:
 
     async def release(self, instance_id: str) -> None:
         """End the instance; free what ``create`` made."""
+
+
+def _binding_problem(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], partial: bool) -> str | None:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+    try:
+        (signature.bind_partial if partial else signature.bind)(*args, **kwargs)
+    except TypeError as error:
+        return f"cannot take keyword arguments {sorted(kwargs)}: {error}"
+    return None
 
 
 def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
@@ -130,6 +153,13 @@ class FunctionTool(BaseTool):
                                  ) from None
         super().__init__(config, schema)
         self.function = function
+
+    def kwargs_problem(self, create_kwargs: dict[str, Any], execute_kwargs: dict[str, Any]) -> str | None:
+        """execute_kwargs reach the function itself, beside the model's arguments: each must be one of its
+        parameters (or it takes **kwargs)."""
+        problem = _binding_problem(self.function, (), execute_kwargs, partial=True)
+        name = getattr(self.function, "__qualname__", "the function")
+        return None if problem is None else f"{name}() {problem}"
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         try:  # a tool's sys.exit() must not end the event loop (nor the run): it is a failed call like any other

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from reinforge.agent import FunctionTool, ToolResult, load_tool_config
+from reinforge.agent import BaseTool, FunctionTool, ToolResult, load_tool_config
 
 
 def multiply(a: int, b: int) -> str:
@@ -196,3 +196,38 @@ def test_tools_that_fail_every_call_stop_the_run_after_some_rollouts():
         check(rollout(raised=10, malformed=5))  # malformed calls never reached the tool
     with pytest.raises(ToolFailure, match=r"every one of the 10 tool calls .* \(tools: calc\)"):
         check(rollout(raised=10))
+
+
+class Needs(BaseTool):
+    """create needs a level; execute takes no extra keyword."""
+
+    async def create(self, instance_id=None, *, level):
+        return "instance"
+
+    async def execute(self, instance_id, arguments):
+        return "ok"
+
+
+NEEDS_SCHEMA = {"type": "function", "function": {"name": "needs", "description": "d",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("extra_info, message", [
+    ({"tools_kwargs": {"multiply": {"execute_kwargs": {"c": 1}}}},
+     r"train row 3: the tool 'multiply' gets .*, but multiply\(\) cannot take keyword arguments \['c'\]"),
+    ({"tools_kwargs": {"needs": {"create_kwargs": {"levle": 1}}}},
+     r"train row 3: the tool 'needs' gets .*, but Needs.create\(\) cannot take keyword arguments \['levle'\]: "
+     r"missing a required argument: 'level'; fix the row's tools_kwargs"),
+    (None, r"Needs.create\(\) cannot take keyword arguments \[\]: missing a required argument: 'level'"),
+    ({"tools_kwargs": {"needs": {"create_kwargs": {"level": 1}, "execute_kwargs": {"x": 1}}}},
+     r"Needs.execute\(\) cannot take keyword arguments \['x'\]"),
+])
+def test_tools_kwargs_a_tool_cannot_take_fail_before_training(extra_info, message):
+    from reinforge.agent import check_agent_rows
+
+    tools = {"multiply": FunctionTool(multiply), "needs": Needs({}, NEEDS_SCHEMA)}
+    good = {"tools_kwargs": {"multiply": {"execute_kwargs": {"a": 1}}, "needs": {"create_kwargs": {"level": 2}}}}
+    check_agent_rows([("train row 2", "tool_agent", good), ("train row 4", "single_turn", extra_info)], tools)
+    with pytest.raises(ValueError, match=message) as raised:
+        check_agent_rows([("train row 2", "tool_agent", good), ("train row 3", "tool_agent", extra_info)], tools)
+    assert "\n" not in str(raised.value)
