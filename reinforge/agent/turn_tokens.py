@@ -49,6 +49,8 @@ class ToolTurnRenderer:
         self._base_text = base_text
         self.eos_ids = self.encode(self.eos_text)
         """The end-of-turn token's ids, which close an assistant turn that a stop token ended."""
+        self.increment_text([{"role": "tool", "content": "?"}])  # a template that cannot work fails here, when the
+        # renderer is made (before any model loads, where the caller makes it then), not at a rollout's first tool turn
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,

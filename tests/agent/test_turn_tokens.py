@@ -129,6 +129,5 @@ def test_template_that_rewrites_earlier_turns_is_refused(chatml_tokenizer):
     template = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}<|im_start|>assistant\n"
                 "(hidden)<|im_end|>\n{% else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}"
                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    renderer = ToolTurnRenderer(chatml_tokenizer, chat_template=template)
     with pytest.raises(ValueError, match="renders an assistant turn differently once tool messages follow"):
-        renderer.increment([{"role": "tool", "content": "7"}])
+        ToolTurnRenderer(chatml_tokenizer, chat_template=template)  # when it is made, not at the first tool turn
