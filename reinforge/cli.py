@@ -28,8 +28,11 @@ def _config_arguments(argv: list[str], *, prog: str, description: str, config_he
 
 def _train(argv: list[str]) -> int:
     if argv and argv[0] == "--from-verl":  # verl's overrides, translated (reinforge.config.commands)
-        from reinforge.config.commands import load_from_verl
+        from reinforge.config.commands import TRAIN_USAGE, asks_for_help, load_from_verl
 
+        if asks_for_help(argv[1:]):
+            print(TRAIN_USAGE)
+            return 0
         config = load_from_verl(argv[1:])
     else:
         config_path, overrides = _config_arguments(
@@ -54,7 +57,7 @@ def _train(argv: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     """``reinforge plan [CONFIG] [a.b=c ...] [--gpu-memory-gib N] [--host-memory-gib M]``: the memory plan."""
-    sizes = argparse.ArgumentParser(add_help=False)
+    sizes = argparse.ArgumentParser(prog="reinforge plan", add_help=False)
     sizes.add_argument("--gpu-memory-gib", type=float, default=None)
     sizes.add_argument("--host-memory-gib", type=float, default=None)
     known, rest = sizes.parse_known_args(argv)
@@ -69,8 +72,10 @@ def _plan(argv: list[str]) -> int:
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
     overrides = [*overrides, *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
     config = load_config(config_path, overrides)
+    from reinforge.config import ConfigError
+
     if not config.model.path:
-        raise SystemExit("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
+        raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
 
     import torch
 
@@ -78,8 +83,8 @@ def _plan(argv: list[str]) -> int:
     from reinforge.workers.memory_settings import memory_plan
 
     if config.trainer.gpu_memory_gib is None and config.trainer.device != "cpu" and not torch.cuda.is_available():
-        raise SystemExit("this machine has no GPU; pass --gpu-memory-gib N to plan for a card of N GiB "
-                         "(or trainer.device=cpu)")
+        raise ConfigError("this machine has no GPU; pass --gpu-memory-gib N to plan for a card of N GiB "
+                          "(or trainer.device=cpu)")
     from reinforge.engine.lora import check_target_modules
 
     try:

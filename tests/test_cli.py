@@ -56,3 +56,29 @@ def test_bench_train_cpu_smoke_with_lora_and_optimizer_offload(tmp_path, flags):
     assert main(["bench", "train", "--cpu", "--steps", "2", *flags, "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert len(results["steps"]) == 2 and results["median"]["step_s"] > 0
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["train", "--from-verl", "--help"], "usage: reinforge train --from-verl"),
+    (["train", "--from-verl", "data.train_files=/x.parquet", "-h"], "usage: reinforge train --from-verl"),
+    (["config", "from-verl", "--help"], "usage: reinforge config from-verl"),
+    (["config", "from-verl", "actor_rollout_ref.rollout.n=4", "--help"], "usage: reinforge config from-verl"),
+])
+def test_help_after_from_verl_prints_the_usage(argv, usage, capsys):
+    assert main(argv) == 0  # it was "error: '--help' (verl command line) is not of the form key=value"
+    assert capsys.readouterr().out.startswith(usage)
+
+
+def test_a_folder_given_as_the_config_file_is_named_a_folder(tmp_path, capsys):
+    assert main(["train", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: config file {tmp_path} is a folder; pass a YAML file such as "
+                                               "examples/grpo_gsm8k.yaml")
+
+
+def test_plan_refusals_are_error_lines_and_its_usage_is_its_own(capsys):
+    assert main(["plan"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: model.path is not set; pass model.path=/path/to/hf_model "
+                                               "(the planner reads its config.json)")
+    with pytest.raises(SystemExit):
+        main(["plan", "--gpu-memory-gib", "many"])
+    assert capsys.readouterr().err.splitlines()[-1].startswith("reinforge plan: error: argument --gpu-memory-gib")

@@ -20,6 +20,15 @@ from reinforge.config.schema import Config
 USAGE = ("usage: reinforge config from-verl VERL_KEY=VALUE ... [-o out.yaml]\n\n"
          "Translates a verl PPO command line (the words after python3 -m verl.trainer.main_ppo) into a reinforge\n"
          "YAML config, printing what each verl key became and why the others have no equivalent.")
+TRAIN_USAGE = ("usage: reinforge train --from-verl VERL_KEY=VALUE ... [-- a.b=c ...]\n\n"
+               "Trains with a verl PPO command line (the words after python3 -m verl.trainer.main_ppo), translated as\n"
+               "reinforge config from-verl prints it; reinforge's own a.b=c overrides go after --.")
+HELP_FLAGS = ("-h", "--help")
+
+
+def asks_for_help(arguments: list[str]) -> bool:
+    """-h or --help among verl's words (before any --): they are not key=value overrides."""
+    return any(argument in HELP_FLAGS for argument in _split_at_double_dash(arguments)[0])
 
 
 def _split_at_double_dash(arguments: list[str]) -> tuple[list[str], list[str]]:
@@ -45,7 +54,7 @@ def load_from_verl(arguments: list[str]) -> Config:
 
 
 def config_main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv or argv[0] in HELP_FLAGS or (argv[0] == "from-verl" and asks_for_help(argv[1:])):
         print(USAGE)
         return 0
     if argv[0] != "from-verl":

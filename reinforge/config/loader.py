@@ -231,6 +231,8 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
     merged = OmegaConf.structured(schema)
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a folder; pass a YAML file such as examples/grpo_gsm8k.yaml")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
         with open(path) as handle:
