@@ -3,6 +3,7 @@ the tool-call format and the tools themselves."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,10 +12,14 @@ from reinforge.agent.tool_parsers import get_tool_parser
 
 
 def check_tools(tool_format: str, tools: dict[str, Any]) -> None:
-    """Raise one line when ``rollout.multi_turn.format`` names no known parser or a tool cannot work
-    (``BaseTool.check``: e.g. its sandbox does not answer)."""
+    """Raise one line when ``rollout.multi_turn.format`` names no known parser or a tool cannot work (its
+    create, execute or release is not async, or ``BaseTool.check`` fails: e.g. its sandbox does not answer)."""
     get_tool_parser(tool_format)
-    for tool in tools.values():
+    for name, tool in tools.items():
+        for method in ("create", "execute", "release"):  # a plain def would fail every call ("can't be awaited")
+            if not inspect.iscoroutinefunction(getattr(tool, method, None)):
+                raise ValueError(f"tool {name!r}: {type(tool).__name__}.{method} is not an async function; write "
+                                 f"`async def {method}(...)` (a blocking call inside may use asyncio.to_thread)")
         tool.check()
 
 

@@ -231,3 +231,16 @@ def test_tools_kwargs_a_tool_cannot_take_fail_before_training(extra_info, messag
     with pytest.raises(ValueError, match=message) as raised:
         check_agent_rows([("train row 2", "tool_agent", good), ("train row 3", "tool_agent", extra_info)], tools)
     assert "\n" not in str(raised.value)
+
+
+class Blocking(BaseTool):
+    def execute(self, instance_id, arguments, **execute_kwargs):  # not async: every call would fail
+        return "ok"
+
+
+def test_a_tool_whose_execute_is_not_async_is_refused_before_training():
+    from reinforge.agent import check_tools
+
+    with pytest.raises(ValueError, match=r"tool 'needs': Blocking.execute is not an async function; write "
+                                         r"`async def execute\(...\)`"):
+        check_tools("hermes", {"multiply": FunctionTool(multiply), "needs": Blocking({}, NEEDS_SCHEMA)})
