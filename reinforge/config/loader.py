@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -219,8 +220,33 @@ def _flatten(tree: Mapping[str, Any], known: dict[str, Any], prefix: str = "") -
         is_section = annotation is not None and dataclasses.is_dataclass(_unwrap_optional(annotation))
         if isinstance(value, Mapping) and is_section:
             yield from _flatten(value, known, prefix=f"{dotted}.")
+        elif value is None and is_section:  # a YAML section whose keys are all commented out sets nothing
+            continue
         else:
             yield dotted, value
+
+
+PATH_KEYS = ("data.train_files", "data.val_files", "model.path", "model.tokenizer_path", "critic.model_path",
+             "reward.custom_function", "rollout.multi_turn.tool_config_path", "trainer.output_dir", "trainer.resume")
+"""Settings that name files or folders: a leading ``~`` is the home folder, as in a shell (model.path and the data
+files were expanded where they were read, but trainer.output_dir=~/runs/x wrote to a folder named ``~`` here)."""
+
+
+def _expand_home(config: Any) -> None:
+    """Expand a leading ``~`` in the ``PATH_KEYS`` that ``config`` has (in place), so config.yaml records real paths."""
+    for dotted in PATH_KEYS:
+        *sections, leaf = dotted.split(".")
+        owner = config
+        for section in sections:
+            owner = getattr(owner, section, None)
+        if owner is None or not hasattr(owner, leaf):
+            continue
+        value = getattr(owner, leaf)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(owner, leaf, os.path.expanduser(value))
+        elif isinstance(value, list):
+            setattr(owner, leaf, [os.path.expanduser(item) if isinstance(item, str) and item.startswith("~") else item
+                                  for item in value])
 
 
 def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
@@ -250,7 +276,9 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
     overrides = list(overrides)
     if overrides:
         merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known)
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    config = OmegaConf.to_object(merged)
+    _expand_home(config)
+    return config  # type: ignore[return-value]
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True,

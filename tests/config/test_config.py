@@ -358,3 +358,27 @@ def test_a_logger_whose_package_is_missing_stops_train_before_any_model_loads(mo
         "error: trainer.loggers names mlflow, which needs the mlflow package, not installed here; pip install mlflow "
         "(or reinforge[tracking]), or remove mlflow from trainer.loggers")
     load_config(None, args)  # the config itself stays valid (reinforge config from-verl may translate it)
+
+
+def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("data:\n  train_files: ~/data/train.parquet\ntrainer:\n  output_dir: ~/runs/x\n")
+    config = load_config(config_file, ["reward.custom_function=~/rewards.py:score", "trainer.resume=~/ckpt/step_2",
+                                       "data.val_files=[~/data/test.parquet,relative.parquet]"])
+    # trainer.output_dir=~/runs/x made a folder named ~ in the working directory
+    assert config.trainer.output_dir == f"{tmp_path}/runs/x"
+    assert config.data.train_files == [f"{tmp_path}/data/train.parquet"]
+    assert config.data.val_files == [f"{tmp_path}/data/test.parquet", "relative.parquet"]
+    assert config.reward.custom_function == f"{tmp_path}/rewards.py:score"
+    assert config.trainer.resume == f"{tmp_path}/ckpt/step_2"
+    from reinforge.config import load_sft_config
+
+    assert load_sft_config(None, ["trainer.output_dir=~/sft"]).trainer.output_dir == f"{tmp_path}/sft"
+
+
+def test_a_yaml_section_with_every_key_commented_out_sets_nothing(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("actor:\n#  optim:\n#    lr: 1e-5\nrollout:\n  n: 4\n")
+    config = load_config(config_file)  # was: actor=None (from run.yaml) is not a valid ActorConfig
+    assert config.rollout.n == 4 and config.actor == load_config(None).actor
