@@ -108,6 +108,12 @@ class PromptLoader:
             return len(self.dataset) // self.batch_size
         return -(-len(self.dataset) // self.batch_size)
 
+    @property
+    def batches_drawn(self) -> int:
+        """Batches handed out since the first epoch began (``epoch * len(self) + position``): the data used, which
+        ends a run whose steps draw a varying number of batches (dynamic sampling) after its epochs."""
+        return self.epoch * len(self) + self.position
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Dataset positions in the order epoch ``epoch`` visits them."""
         return epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)

@@ -177,10 +177,14 @@ class CheckpointManager:
                  if path.is_dir() and (match := _STEP_NAME.match(path.name))]
         return [path for _, path in sorted(found, reverse=True)]
 
+    def folder_of(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is (or would be) published."""
+        return self.root / f"{STEP_PREFIX}{step:06d}"
+
     def save(self, step: int, write: Callable[[Path], None], trainer_state: dict[str, Any]) -> Path:
         """``write(folder)`` lets the workers fill the folder; then it is sealed and published atomically."""
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / f"{STEP_PREFIX}{step:06d}"
+        final = self.folder_of(step)
         temporary = self.root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(temporary, ignore_errors=True)
         try:

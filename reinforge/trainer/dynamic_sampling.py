@@ -6,6 +6,14 @@ batches of ``data.gen_batch_size`` prompts are drawn, generated and scored until
 are kept; the kept groups are then truncated, in the order they came, to exactly
 ``data.train_batch_size`` groups. The loader's position moves by whole generation batches, so a
 resumed run draws the same prompts as an uninterrupted one.
+
+A step draws as many generation batches as it needs, so with ``trainer.total_steps`` unset the
+run counts its epochs by the data drawn, as verl's loop over epochs does: it ends when the
+generation batches of ``trainer.total_epochs`` epochs are used up (``RLTrainer.data_used_up``),
+and a step that runs out of them in its middle is dropped (``DataExhausted``), its generated
+batches with it. ``len(loader) x total_epochs`` steps, the count without dynamic sampling, is
+then only an upper bound (the learning-rate schedule's length, as in verl). With
+``trainer.total_steps`` set the run trains that many steps, the data repeating as needed.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import torch
 from reinforge.config.schema import FILTER_METRICS, FilterGroupsConfig
 from reinforge.engine.forward import build_position_ids
 from reinforge.protocol import Batch
+from reinforge.trainer.run_loop import DataExhausted
 
 PROMPT_COLUMNS = ("prompts",)
 """Tensors left-padded to the prompt width."""
@@ -134,7 +143,12 @@ def collect_kept_groups(first: Batch, next_prompts: Callable[[], Batch], generat
                 f"after algorithm.filter_groups.max_num_gen_batches={config.max_num_gen_batches} generation batches "
                 f"(the metric {config.metric} was the same for every sample of the others); raise "
                 "max_num_gen_batches (0 means no limit) or data.gen_batch_size, or use easier or harder data")
-        prompts = next_prompts()
+        try:
+            prompts = next_prompts()
+        except DataExhausted as exhausted:
+            raise DataExhausted(f"{exhausted} while the step in progress had kept only {num_kept} of the "
+                                f"data.train_batch_size={num_groups} prompt groups it needs (its {num_gen_batches} "
+                                "generation batch(es) are dropped)", exhausted.fix) from None
     merged = first_groups(concat_generated(kept, pad_token_id), num_groups)
     if "reward/overlong/count" in reward_metrics:  # over every sample generated, like the counts
         reward_metrics["reward/overlong/fraction"] = reward_metrics["reward/overlong/count"] / max(num_samples, 1)

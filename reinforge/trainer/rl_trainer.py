@@ -40,7 +40,7 @@ from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.modes import build_mode
 from reinforge.trainer.modes.partial import refuse_agent_rows
-from reinforge.trainer.run_loop import TrainingRun
+from reinforge.trainer.run_loop import DataExhausted, TrainingRun
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
@@ -88,6 +88,11 @@ class RLTrainer(TrainingRun):
                               for example in val_set.examples), tools)
             self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
+        self.data_batches: int | None = None
+        """With dynamic sampling and trainer.total_steps unset: the generation batches of trainer.total_epochs
+        epochs, after which the run ends (a step draws several, so total_steps is only an upper bound)."""
+        if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
+            self.data_batches = len(self.train_loader) * config.trainer.total_epochs
 
         build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs")
         self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
@@ -191,8 +196,23 @@ class RLTrainer(TrainingRun):
         self._log_samples(batch)
         return metrics
 
+    def data_used_up(self) -> str | None:
+        """With dynamic sampling and trainer.total_steps unset, once the generation batches of
+        trainer.total_epochs epochs are drawn: one line saying so (the run ends there)."""
+        if self.data_batches is None or self.train_loader.batches_drawn < self.data_batches:
+            return None
+        size_key = "data.gen_batch_size" if self.config.data.gen_batch_size else "data.train_batch_size"
+        return (f"dynamic sampling used up trainer.total_epochs={self.config.trainer.total_epochs} epoch(s) of data "
+                f"({self.data_batches} generation batches of {size_key}={self.train_loader.batch_size} prompts)")
+
     def next_prompts(self) -> Batch:
-        """The loader's next batch of prompts (``fit`` and dynamic sampling draw from one iterator)."""
+        """The loader's next batch of prompts (``fit`` and dynamic sampling draw from one iterator); raises
+        ``DataExhausted`` once ``data_used_up``."""
+        used_up = self.data_used_up()
+        if used_up:
+            raise DataExhausted(used_up, "add data, raise trainer.total_epochs or data.gen_batch_size, or set "
+                                         "trainer.total_steps (the data then repeats); or use data whose samples "
+                                         "of one prompt score differently (algorithm.filter_groups.metric)")
         if self._prompt_batches is None:
             self._prompt_batches = iter(self.train_loader)
         return next(self._prompt_batches)

@@ -10,6 +10,12 @@ drops what was logged after the checkpoint (everything, when the run starts at s
 ``metrics.jsonl`` and ``samples.jsonl`` are exact after a kill at any point; ``run_steps`` trains to ``total_steps``, validating and saving on the
 configured cadence and always at the last step. A run resumed at its last step trains nothing
 and reports the metrics that step logged.
+
+A run whose steps draw a varying number of batches (DAPO's dynamic sampling) cannot know its
+number of steps in advance: it ends when its epochs' data is used up (``data_used_up``), like
+verl's loop over epochs. Data that runs out in the middle of a step (``DataExhausted``) drops
+that step's batches: the last step trained becomes the final one, validated and saved then if
+its cadence did not already, and the run fails when no step was trained at all.
 """
 
 from __future__ import annotations
@@ -34,6 +40,21 @@ STALLED_STEPS = 3
 
 class TrainingStalled(RuntimeError):
     """Every optimizer step of several training steps in a row was skipped: the weights no longer change."""
+
+
+class DataExhausted(Exception):
+    """Raised by a run's ``next_batch`` when the data of its epochs is used up; the message says so in one line.
+
+    Not a StopIteration: one raised inside a generator becomes a RuntimeError. ``fix`` is what to change when
+    this ends a run before its first step."""
+
+    def __init__(self, why: str, fix: str = "give the run more data or more epochs (trainer.total_epochs)") -> None:
+        super().__init__(why)
+        self.fix = fix
+
+
+class NothingTrained(RuntimeError):
+    """The data of the run's epochs was used up before its first step was complete."""
 
 
 def all_updates_skipped(metrics: dict[str, Any]) -> list[str]:
@@ -71,6 +92,13 @@ class TrainingRun:
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         """Restore this trainer's own parts of the checkpoint in ``folder`` (``state``: trainer_state.pt)."""
         raise NotImplementedError
+
+    def data_used_up(self) -> str | None:
+        """None while the data of the run's epochs lasts; then one line saying it is used up.
+
+        Only a run whose steps draw a varying number of batches says so (its ``total_steps`` is an upper
+        bound); every other run's ``total_steps`` is exactly its epochs' batches."""
+        return None
 
     def open_run_folder(self, resume: str, keep_last: int, refused: tuple[str, ...]) -> None:
         """Lock ``self.run_dir``, choose the checkpoint to resume from and write ``config.yaml``.
@@ -120,10 +148,13 @@ class TrainingRun:
 
     def run_steps(self, next_batch: Callable[[], Batch], *, test_every: int, save_every: int,
                   validate_first: bool) -> dict[str, float]:
-        """Train from ``self.step`` to ``total_steps``; returns the last step's metrics."""
+        """Train from ``self.step`` to ``total_steps`` or until the data is used up; returns the last step's
+        metrics."""
         last_metrics: dict[str, float] = {}
-        if self.step >= self.total_steps:
-            logger.info("the run is already at its final step %d; nothing to train", self.step)
+        used_up = self.data_used_up()
+        if self.step >= self.total_steps or used_up:
+            logger.info("the run is already at its final step %d%s; nothing to train", self.step,
+                        f" ({used_up})" if used_up else "")
             last_metrics = self.logged_metrics(self.step)
         if self.step == 0 and validate_first:
             last_metrics = self.validate()
@@ -131,12 +162,18 @@ class TrainingRun:
                 self.tracker.log(last_metrics, step=0)
         stalled = 0
         with self.tracker.progress(self.total_steps, initial=self.step) as progress:
-            while self.step < self.total_steps:
-                metrics = self.train_step(next_batch())
+            while self.step < self.total_steps and not used_up:
+                try:
+                    metrics = self.train_step(next_batch())
+                except DataExhausted as exhausted:
+                    return self._end_with_the_data(exhausted, last_metrics, test_every)
                 self.step += 1
                 metrics["training/global_step"] = self.step
                 metrics["training/epoch"] = self.train_loader.epoch
-                is_last = self.step == self.total_steps
+                used_up = self.data_used_up()
+                if used_up:
+                    metrics["training/data_used_up"] = 1.0
+                is_last = self.step == self.total_steps or used_up is not None
                 if test_every > 0 and self.step % test_every == 0 or is_last:
                     metrics |= self.validate()
                 self.tracker.log(metrics, step=self.step)
@@ -152,7 +189,28 @@ class TrainingRun:
                         "skipped because the gradient norm was not finite, so the weights no longer change (the "
                         f"metrics and checkpoints so far are in {self.run_dir}); look for NaN or inf in the loss and "
                         "the weights: lower the learning rate, or check the rewards and model.lora.alpha")
+        if used_up and self.step < self.total_steps:
+            logger.info("the run ends after step %d (of at most %d): %s", self.step, self.total_steps, used_up)
         return last_metrics
+
+    def _end_with_the_data(self, exhausted: DataExhausted, last_metrics: dict[str, float],
+                           test_every: int) -> dict[str, float]:
+        """The data ran out inside step ``self.step + 1``: step ``self.step`` becomes the final one.
+
+        It is validated and saved now unless its cadence did that already (or its checkpoint is the one this
+        run resumed from), so the run ends with its final checkpoint and metrics, as after its last step; the
+        checkpoint holds the loader at the end of the data, so resuming it trains nothing. A run that trained
+        no step fails: exiting 0 would pass off an empty run folder as a trained model."""
+        if self.step == 0:
+            raise NothingTrained(f"nothing was trained (the first step was not complete): {exhausted}; {exhausted.fix}")
+        logger.info("the run ends after step %d (of at most %d): %s", self.step, self.total_steps, exhausted)
+        final = {"training/data_used_up": 1.0}
+        if not (test_every > 0 and self.step % test_every == 0):
+            final |= self.validate()
+        self.tracker.log(final, step=self.step)
+        if not self.checkpoints.folder_of(self.step).is_dir():  # saved by its cadence, or resumed from
+            self.save()
+        return (last_metrics or self.logged_metrics(self.step)) | final
 
     def logged_metrics(self, step: int) -> dict[str, float]:
         """What ``metrics.jsonl`` holds for ``step`` (empty without the jsonl logger)."""

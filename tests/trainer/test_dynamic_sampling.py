@@ -9,6 +9,7 @@ import torch
 from reinforge.config.schema import FilterGroupsConfig
 from reinforge.protocol import Batch
 from reinforge.trainer.dynamic_sampling import collect_kept_groups, concat_generated, group_metric, kept_group_rows
+from reinforge.trainer.run_loop import DataExhausted
 
 PAD = 0
 RESPONSE = 3
@@ -113,3 +114,17 @@ def test_concat_fills_missing_extras_with_none():
     second.non_tensors["reward_pred"] = np.array(["1", "2"], dtype=object)
     merged = concat_generated([first, second], PAD)
     assert list(merged["reward_pred"]) == [None, None, "1", "2"]
+
+
+def test_data_running_out_inside_a_step_says_what_the_step_had_kept_and_keeps_the_fix():
+    def used_up() -> Batch:
+        raise DataExhausted("dynamic sampling used up the data", "add data")
+
+    first = scored_batch({"a": [0, 1], "b": [1, 1]}, 2)  # keeps a: one of the two groups needed
+    with pytest.raises(DataExhausted) as error:
+        collect_kept_groups(first, used_up, lambda prompts: prompts, FilterGroupsConfig(enable=True, metric="score"),
+                            num_groups=2, pad_token_id=PAD)
+    assert str(error.value) == ("dynamic sampling used up the data while the step in progress had kept only 1 of the "
+                                "data.train_batch_size=2 prompt groups it needs (its 1 generation batch(es) are "
+                                "dropped)")
+    assert error.value.fix == "add data"
