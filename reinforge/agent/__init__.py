@@ -8,7 +8,7 @@ tool turns are appended as chat-template token increments (``turn_tokens``).
 """
 
 from reinforge.agent import single_turn, tool_agent  # noqa: F401  (register the built-in loops)
-from reinforge.agent.checks import check_agent_rows, check_tools
+from reinforge.agent.checks import check_agent_rows, check_tool_turns, check_tools
 from reinforge.agent.loop import (
     AGENT_LOOPS,
     DEFAULT_AGENT,
@@ -30,6 +30,6 @@ __all__ = [
     "AGENT_LOOPS", "DEFAULT_AGENT", "TOOL_PARSERS", "AgentContext", "AgentLoop", "AgentLoopOutput", "AgentRunner",
     "AsyncEngineClient", "BaseTool", "BatchingClient", "FunctionTool", "TokenClient", "ToolCall", "ToolResult",
     "ToolUnavailable", "ToolTurnRenderer", "agent_metrics", "agent_name_of", "as_tool", "check_agent_rows",
-    "check_tools", "get_agent_loop", "get_tool_parser", "load_tool_config", "load_tools", "register_agent_loop",
+    "check_tool_turns", "check_tools", "get_agent_loop", "get_tool_parser", "load_tool_config", "load_tools", "register_agent_loop",
     "register_tool_parser",
 ]

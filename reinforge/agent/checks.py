@@ -9,6 +9,7 @@ from typing import Any
 
 from reinforge.agent.loop import AGENT_LOOPS, agent_name_of
 from reinforge.agent.tool_parsers import get_tool_parser
+from reinforge.agent.turn_tokens import ToolTurnRenderer
 
 
 def check_tools(tool_format: str, tools: dict[str, Any]) -> None:
@@ -71,3 +72,17 @@ def check_agent_rows(rows: Iterable[tuple[str, Any, Any]], tools: dict[str, Any]
             if problems[key] is not None:
                 raise ValueError(f"{where}: the tool {tool_name!r} gets extra_info.tools_kwargs[{tool_name!r}] = "
                                  f"{parts!r}, but {problems[key]}; fix the row's tools_kwargs or the tool's signature")
+
+
+def check_tool_turns(agent_names: Iterable[Any], tokenizer: Any, chat_template: str | None) -> None:
+    """When any row's loop calls tools, raise one line if the chat template cannot render tool turns as token
+    increments (``ToolTurnRenderer``: no template, an end-of-turn token it does not write, earlier turns rewritten once
+    tools follow), here, before any model loads, rather than at a rollout's first tool call."""
+    if not any(getattr(AGENT_LOOPS.get(agent_name_of(name)), "uses_tools", False) for name in agent_names):
+        return
+    source = "data.chat_template" if chat_template else "the tokenizer's chat template"
+    try:
+        ToolTurnRenderer(tokenizer, chat_template)
+    except ValueError as error:
+        raise ValueError(f"tool_agent rows need tool turns rendered by {source}, but {error}") from None
+

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.agent import check_agent_rows, check_tools, load_tools
+from reinforge.agent import check_agent_rows, check_tool_turns, check_tools, load_tools
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
     apply_kl_penalty,
@@ -81,12 +81,15 @@ class RLTrainer(TrainingRun):
         self.train_loader = PromptLoader.for_training(train_set, config.data, self.pad_token_id)
         self._prompt_batches: Iterator[Batch] | None = None
         self.val_loader = None
+        val_set = None
         if config.data.val_files:
             val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
             check_rows_can_be_scored(val_set, config.reward, custom_scorer)
             check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
                               for example in val_set.examples), tools)
             self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
+        check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
+                          for example in dataset.examples), tokenizer, config.data.chat_template)
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
         self.data_batches: int | None = None
         """With dynamic sampling and trainer.total_steps unset: the generation batches of trainer.total_epochs

@@ -224,3 +224,27 @@ def test_a_tool_that_fails_every_call_stops_the_run_instead_of_exiting_0(tiny_mo
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == TOOL_FAILURE_STEPS - 1  # the steps before the third failed rollout stay logged
     assert all(row["agent/tool_raised"] == row["agent/tool_errors"] > 0 for row in metrics)
+
+
+def test_a_template_that_cannot_render_tool_turns_fails_before_any_model_loads(tiny_model_dir, tool_config, tmp_path,
+                                                                               capsys, monkeypatch):
+    from reinforge.cli import main
+
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1"}],
+                                "agent_name": "tool_agent", "reward_model": {"ground_truth": "2"}}) + "\n")
+    # drops every assistant turn but the last (as templates that hide earlier reasoning do): a trajectory's
+    # earlier tokens would change once a tool turn follows
+    template = ("{% for m in messages %}{% if m.role != 'assistant' or loop.last %}<|im_start|>{{ m.role }}\\n"
+                "{{ m.content }}<|im_end|>\\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
+    assert main(["train", f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.train_batch_size=1",
+                 "rollout.n=2", f"rollout.multi_turn.tool_config_path={tool_config}",
+                 f"data.chat_template={json.dumps(template)}", f"trainer.output_dir={tmp_path / 'run'}",
+                 "trainer.device=cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "tool_agent rows need tool turns rendered by data.chat_template, but" in err, err
+    assert "renders an assistant turn differently once tool messages follow it" in err, err
+    assert not loaded and not (tmp_path / "run" / "checkpoints").exists()
