@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
@@ -195,17 +195,30 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
     return tree
 
 
-def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[str, Any]) -> Any:
+def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[str, Any],
+                 sources: dict[str, str] | None = None) -> Any:
+    """Merge ``tree`` into ``base``; ``sources`` records, for each key set, where its value came from."""
     _check_keys(tree, source, known)
     for dotted, value in _flatten(tree, known):
         if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
             value = [value]  # data.train_files=/x.parquet, as verl (and Hydra's users) write one file
+        expected = _type_name(known[dotted]) if dotted in known else "another type"
+        if _is_list_of_scalars(known.get(dotted)) and isinstance(value, list) and any(
+                isinstance(item, list | Mapping) for item in value):  # OmegaConf checks no nested item's type
+            raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: an item is itself a list "
+                              "or a mapping")
         try:
             OmegaConf.update(base, dotted, value, merge=True)
         except OmegaConfBaseException as error:
-            expected = _type_name(known[dotted]) if dotted in known else "another type"
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}") from error
+        if sources is not None:
+            sources[dotted] = source
     return base
+
+
+def _is_list_of_scalars(annotation: Any) -> bool:
+    inner = _unwrap_optional(annotation) if annotation is not None else None
+    return typing.get_origin(inner) is list and typing.get_args(inner)[0] in (str, int, float, bool)
 
 
 def _is_list_of_str(annotation: Any) -> bool:
@@ -255,6 +268,7 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
     sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides."""
     known = schema_keys(schema)
     merged = OmegaConf.structured(schema)
+    sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -270,15 +284,36 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
         if not isinstance(file_tree, Mapping):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), "
                               f"not {type(file_tree).__name__}")
-        merged = _merge_layer(merged, file_tree, f"from {path.name}", known)
+        merged = _merge_layer(merged, file_tree, f"from {path.name}", known, sources)
     if tree:
-        merged = _merge_layer(merged, tree, tree_source, known)
+        merged = _merge_layer(merged, tree, tree_source, known, sources)
     overrides = list(overrides)
     if overrides:
-        merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known)
-    config = OmegaConf.to_object(merged)
+        merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known, sources)
+    try:
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:  # an ${interpolation} that does not resolve, a ??? left unset
+        raise ConfigError(_resolution_problem(error, merged, sources)) from error
     _expand_home(config)
     return config  # type: ignore[return-value]
+
+
+def _resolution_problem(error: OmegaConfBaseException, merged: Any, sources: dict[str, str]) -> str:
+    """One line for a value OmegaConf could not resolve: the key, its text, where it came from and the fix."""
+    problem = " ".join(str(error).split("full_key:")[0].split())
+    if len(problem) > 160:  # a section dereferenced as text quotes all of it
+        problem = problem[:157] + "..."
+    key = getattr(error, "full_key", None)
+    node = merged if key else None
+    for part in (key or "").split("."):
+        node = node._get_node(part) if node is not None and OmegaConf.is_config(node) else None
+    if not key or node is None:
+        return f"the config cannot be resolved: {problem}; check its ${{...}} references and ??? values"
+    source = sources.get(key, "the schema's default")
+    if isinstance(error, MissingMandatoryValue):
+        return f"{key}=??? ({source}) is a value left to fill in; set {key}=..."
+    return (f"{key}={node._value()!r} ({source}) cannot be resolved: {problem}; fix the ${{...}} reference (a key "
+            "of this config, or ${oc.env:NAME} of a variable that is set)")
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True,

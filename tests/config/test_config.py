@@ -382,3 +382,38 @@ def test_a_yaml_section_with_every_key_commented_out_sets_nothing(tmp_path):
     config_file.write_text("actor:\n#  optim:\n#    lr: 1e-5\nrollout:\n  n: 4\n")
     config = load_config(config_file)  # was: actor=None (from run.yaml) is not a valid ActorConfig
     assert config.rollout.n == 4 and config.actor == load_config(None).actor
+
+
+@pytest.mark.parametrize("override, message", [
+    ("critic.optim.lr=${nope.x}", r"^critic.optim.lr='\$\{nope.x\}' \(command line\) cannot be resolved: Interpolation "
+                                  r"key 'nope.x' not found; fix the \$\{...\} reference"),
+    ("trainer.experiment_name=${oc.env:REINFORGE_TEST_UNSET_VARIABLE}",
+     r"^trainer.experiment_name='\$\{oc.env:REINFORGE_TEST_UNSET_VARIABLE\}' \(command line\) cannot be resolved: .*"
+     r"Environment variable 'REINFORGE_TEST_UNSET_VARIABLE' not found"),
+    ("model.path=???", r"^model.path=\?\?\? \(command line\) is a value left to fill in; set model.path=...$"),
+])
+def test_an_interpolation_that_does_not_resolve_is_one_config_line(override, message, monkeypatch):
+    """These were OmegaConf's own exceptions, several lines each (full_key, reference_type, object_type)."""
+    monkeypatch.delenv("REINFORGE_TEST_UNSET_VARIABLE", raising=False)
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_an_interpolation_names_the_file_it_came_from_and_resolves_against_later_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("REINFORGE_TEST_MODEL", "/models/m")
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("model:\n  path: ${oc.env:REINFORGE_TEST_MODEL}\ncritic:\n  optim:\n    lr: ${actor.optim.lr}\n"
+                           "trainer:\n  experiment_name: ???\n")
+    with pytest.raises(ConfigError, match=r"^trainer.experiment_name=\?\?\? \(from run.yaml\) is a value left"):
+        load_config(config_file)
+    config = load_config(config_file, ["trainer.experiment_name=e", "actor.optim.lr=3e-6"])
+    assert (config.model.path, config.critic.optim.lr) == ("/models/m", 3e-6)
+
+
+@pytest.mark.parametrize("override", ["rollout.stop_token_ids=[[1]]", "data.train_files=[a.parquet,{b: c}]",
+                                      "model.lora.target_modules=[q_proj,[k_proj]]", "actor.optim.betas=[[0.9],0.99]"])
+def test_a_list_item_that_is_itself_a_list_or_mapping_is_refused(override):
+    key = override.split("=")[0]  # OmegaConf left such items unchecked: data.train_files held a dict
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=.* \(command line\) is not a valid list\[\w+\]: an "
+                                          "item is itself a list or a mapping"):
+        load_config(None, [override])
