@@ -8,6 +8,7 @@ rather than at zero). Several runs share each chart, named in the legend by thei
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -128,8 +129,15 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
         axes.legend(loc="best", fontsize="small")
         figure.tight_layout()
         path = out_dir / (key.replace("/", "_") + ".png")
-        figure.savefig(path)
-        plt.close(figure)
+        # written beside and renamed over: a run killed mid-write (a demo's plots are redrawn at each run) never
+        # leaves a half-written PNG where the last good one was
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            figure.savefig(temporary, format="png")
+            os.replace(temporary, path)
+        finally:
+            plt.close(figure)
+            temporary.unlink(missing_ok=True)
         written.append(path)
     return written
 

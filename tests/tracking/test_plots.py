@@ -62,3 +62,20 @@ def test_smoothing_is_debiased_and_validated():
     assert smooth([0.0, 1.0], 0.5) == pytest.approx([0.0, 2 / 3])
     with pytest.raises(ValueError, match="smoothing=1.0 must be in"):
         smooth([1.0], 1.0)
+
+
+def test_a_failed_redraw_leaves_the_last_good_png(tmp_path, monkeypatch):
+    run = write_run(tmp_path / "run", 6)
+    [first] = plot_runs([run], keys=["timing_s/step"])
+    good = first.read_bytes()
+    from matplotlib.figure import Figure
+
+    def cut_off(self, target, **kwargs):  # a kill or a full disk in the middle of the write
+        with open(target, "wb") as handle:
+            handle.write(good[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", cut_off)
+    with pytest.raises(OSError):
+        plot_runs([run], keys=["timing_s/step"])
+    assert first.read_bytes() == good and sorted(path.name for path in first.parent.iterdir()) == [first.name]
