@@ -54,6 +54,9 @@ def load_custom_scorer(spec: str) -> Scorer:
     """The function named by ``reward.custom_function='path/to/file.py[:function]'``, signature checked."""
     path_text, function_name = parse_custom_function(spec)
     path = Path(path_text)
+    if path.is_dir():
+        raise FileNotFoundError(f"reward.custom_function: {path_text!r} is a folder; give the Python file that defines "
+                                f"the function, e.g. {path_text.rstrip('/')}/reward.py[:function]")
     if not path.is_file():
         raise FileNotFoundError(f"reward.custom_function: file {path_text!r} does not exist (looked for "
                                 f"{path.resolve()}); give a path relative to the working directory or absolute")

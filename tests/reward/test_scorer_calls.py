@@ -123,3 +123,10 @@ def test_a_reward_file_that_exits_at_import_is_an_import_error_not_an_exit(tmp_p
     path.write_text("import sys\nsys.exit(0)\n")
     with pytest.raises(ImportError, match=r"importing .*exits.py failed: SystemExit: 0"):
         load_custom_scorer(f"{path}:compute_score")
+
+
+def test_a_folder_given_as_the_reward_file_is_named_a_folder(tmp_path):
+    (tmp_path / "rewards").mkdir()  # it was "file '.../rewards' does not exist"
+    with pytest.raises(FileNotFoundError, match=r"^reward.custom_function: '.*rewards' is a folder; give the Python file "
+                                                r"that defines the function, e.g. .*rewards/reward.py\[:function\]$"):
+        load_custom_scorer(str(tmp_path / "rewards"))
