@@ -21,9 +21,17 @@ def _config_arguments(argv: list[str], *, prog: str, description: str, config_he
     parser.add_argument("config", nargs="?", help=config_help)
     parser.add_argument("overrides", nargs="*", help=f"a.b=c overrides, e.g. {example}")
     args = parser.parse_args(argv)
-    if args.config is not None and "=" in args.config:
-        return None, [args.config, *args.overrides]
-    return args.config, list(args.overrides)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    for item in overrides:
+        if "=" not in item and item.endswith((".yaml", ".yml")):
+            from reinforge.config import ConfigError
+
+            where = "a second config file; a run takes one" if config else "a config file after the overrides"
+            raise ConfigError(f"{item} (command line) is {where}: write {prog.split(' [')[0]} CONFIG.yaml a.b=c ... with the file "
+                              "first and settings of other files as a.b=c overrides")
+    return config, overrides
 
 
 def _train(argv: list[str]) -> int:

@@ -82,3 +82,16 @@ def test_plan_refusals_are_error_lines_and_its_usage_is_its_own(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--gpu-memory-gib", "many"])
     assert capsys.readouterr().err.splitlines()[-1].startswith("reinforge plan: error: argument --gpu-memory-gib")
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["train", "actor.optim.lr=1e-6", "run.yaml"], "a config file after the overrides"),
+    (["sft", "base.yaml", "extra.yml"], "a second config file; a run takes one"),
+    (["plan", "model.path=/m", "run.yaml"], "a config file after the overrides"),
+])
+def test_a_config_file_out_of_place_is_named(argv, what, capsys):
+    assert main(argv) == 2  # it was "override 'run.yaml' (command line) is not of the form key=value"
+    item = argv[-1]
+    assert capsys.readouterr().err.strip() == (
+        f"error: {item} (command line) is {what}: write reinforge {argv[0]} CONFIG.yaml a.b=c ... with the file first "
+        "and settings of other files as a.b=c overrides")
