@@ -56,8 +56,18 @@ def validate_update(prefix: str, update: UpdateConfig) -> None:
                           "(1.0 is usual; a large value such as 1e9 effectively turns clipping off)")
 
 
+MAX_SEED = 2**32 - 1
+"""numpy's seeds (np.random.seed, the data order's default_rng) are 0..2**32 - 1."""
+
+
+def _check_seed(key: str, seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:  # numpy refused it, the data order's only when the first batch was drawn
+        raise ConfigError(f"{key}={seed} must be between 0 and {MAX_SEED} (a seed numpy accepts)")
+
+
 def validate_sample_limits(data: DataConfig | SFTDataConfig) -> None:
     """data.max_train_samples and data.max_val_samples (RL and SFT): a count of rows, or null for all of them."""
+    _check_seed("data.seed", data.seed)
     for split in ("train", "val"):
         value = getattr(data, f"max_{split}_samples")
         if value is not None and value < 1:
@@ -125,6 +135,7 @@ def validate_run(trainer: RunConfig) -> None:
     if trainer.save_every < 0 or trainer.test_every < 0:
         raise ConfigError(f"trainer.save_every={trainer.save_every} and trainer.test_every={trainer.test_every} "
                           "must be >= 0 (0: only at the end)")
+    _check_seed("trainer.seed", trainer.seed)
     if trainer.keep_last < 1:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
     if trainer.resume not in ("auto", "never") and not trainer.resume:
@@ -234,6 +245,9 @@ def validate_config(config: Config) -> None:
                           "remove critic.enable or choose a critic-free estimator such as grpo")
     if data.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size={data.train_batch_size} must be at least 1")
+    if data.val_batch_size is not None and data.val_batch_size < 1:  # 0 meant the whole set, -1 failed at validation
+        raise ConfigError(f"data.val_batch_size={data.val_batch_size} must be at least 1, or null (the whole "
+                          "validation set at once)")
     if actor.mini_batch_size is not None:
         if actor.mini_batch_size < 1 or data.train_batch_size % actor.mini_batch_size:
             raise ConfigError(

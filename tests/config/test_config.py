@@ -321,6 +321,9 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
      r"critic.max_tokens_per_micro_batch=100 cannot hold one sequence"),
     (["algorithm.adv_estimator=gae", "critic.cliprange_value=-0.5"], r"critic.cliprange_value=-0.5 must be positive"),
     (["algorithm.adv_estimator=gae", "critic.ppo_epochs=0"], r"critic.ppo_epochs=0 must be at least 1, or null"),
+    (["trainer.seed=-1"], r"trainer.seed=-1 must be between 0 and 4294967295"),
+    (["data.seed=4294967296"], r"data.seed=4294967296 must be between 0 and 4294967295"),
+    (["data.val_batch_size=0"], r"data.val_batch_size=0 must be at least 1, or null"),
 ])
 def test_values_refused_only_after_the_model_loaded_are_refused_with_the_config(overrides, message):
     """Each of these passed validation and failed once the model had loaded (AdamW's own checks, the KL controller,
