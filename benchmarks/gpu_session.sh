@@ -34,6 +34,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton, sys; print(torch.__version__, transformers.__version__, triton.__version__, sys.version.split()[0])"
 free -g | head -2
 case "${PART:-scale}" in
+  s13final)  # thirteenth session's last call, a fresh machine: every GPU test; the agent rollout with the script's
+              # defaults (128-512 tokens a turn, admission 16 / 1/16) twice; 0.5B with defaults (the training rollout
+              # also goes through the changed step loop)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests >"$OUT/gpu_tests.log" 2>&1
+    echo "GPU tests exit $?"; grep -E "passed|failed|Error" "$OUT/gpu_tests.log" | tail -n 6
+    for run in 1 2; do
+      timeout 110 python3 benchmarks/agent_rollout.py --serial 1 --out "$OUT/agent_default_$run.json" \
+        >"$OUT/agent_default_$run.log" 2>&1
+      echo "agent rollout (defaults), run $run, exit $?"; grep -E "workload|single-turn|agent|bound|last|GPU" "$OUT/agent_default_$run.log" | cut -c1-200
+    done
+    python3 benchmarks/scale.py --deadline-s 150 0.5b:0.5b:--steps,4
+    ;;
   s13b)  # thirteenth session, after "arrivals join behind the step in flight": the native engine's GPU tests; the
          # admission sweep at 128-512 tokens a turn (forward, then backward, against drift); other lengths
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/rollout tests/agent >"$OUT/gpu_tests.log" 2>&1
