@@ -95,3 +95,15 @@ def test_a_config_file_out_of_place_is_named(argv, what, capsys):
     assert capsys.readouterr().err.strip() == (
         f"error: {item} (command line) is {what}: write reinforge {argv[0]} CONFIG.yaml a.b=c ... with the file first "
         "and settings of other files as a.b=c overrides")
+
+
+@pytest.mark.parametrize("argv", [[name, "--help"] for name in COMMANDS] + [
+    ["bench", "train", "--help"], ["data", "gsm8k", "--help"], ["config", "from-verl", "--help"],
+    ["train", "--from-verl", "--help"], ["sandbox", "serve", "--help"], ["demo", "--agent", "--help"]])
+def test_every_command_answers_help_with_its_usage(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own --help
+        code = exit_.code
+    assert code == 0
+    assert "usage: reinforge" in capsys.readouterr().out
