@@ -169,7 +169,12 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
                 raise ConfigError(f"{dotted}={value!r} ({source}) is a section; set its keys, e.g. {dotted}.<key>=...")
 
 
-def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
+def _is_container(annotation: Any) -> bool:
+    return typing.get_origin(_unwrap_optional(annotation)) in (list, dict)
+
+
+def _dotlist_to_tree(overrides: Iterable[str], known: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``a.b=c`` items as a nested tree; ``known`` (the schema's keys) tells a list or mapping cut short from text."""
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
@@ -181,7 +186,12 @@ def _dotlist_to_tree(overrides: Iterable[str]) -> dict[str, Any]:
                               "write section.key=value, e.g. actor.optim.lr=1e-6")
         try:
             value = load_yaml(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+        except yaml.YAMLError as error:
+            if raw.lstrip().startswith(("[", "{")) and known is not None and _is_container(known.get(key)):
+                # a list or mapping cut short (data.train_files=[a.parquet), not text
+                _, problem = yaml_problem(error)
+                raise ConfigError(f"override {item!r} (command line) is not a valid YAML list or mapping ({problem}); "
+                                  "write a list as [a,b] and a mapping as {a: 1}, quoted for the shell") from error
             value = raw  # text YAML cannot read (a: b: c) is the text itself
         if isinstance(value, dict) and not raw.lstrip().startswith("{"):
             value = raw  # file.py: (a trailing colon) is text, not the mapping {file.py: null}
@@ -289,7 +299,7 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
         merged = _merge_layer(merged, tree, tree_source, known, sources)
     overrides = list(overrides)
     if overrides:
-        merged = _merge_layer(merged, _dotlist_to_tree(overrides), "command line", known, sources)
+        merged = _merge_layer(merged, _dotlist_to_tree(overrides, known), "command line", known, sources)
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:  # an ${interpolation} that does not resolve, a ??? left unset

@@ -420,3 +420,16 @@ def test_a_list_item_that_is_itself_a_list_or_mapping_is_refused(override):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=.* \(command line\) is not a valid list\[\w+\]: an "
                                           "item is itself a list or a mapping"):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("override", ["data.train_files=[/data/train.parquet", "reward.kwargs={method: strict",
+                                      "actor.optim.betas=[0.9,0.99]]"])
+def test_a_list_or_mapping_cut_short_on_the_command_line_is_named(override):
+    # data.train_files=[/x.parquet became the file pattern '[/x.parquet', reported as matching no file
+    with pytest.raises(ConfigError, match=rf"^override '{re.escape(override)}' \(command line\) is not a valid YAML "
+                                          r"list or mapping \(.*\); write a list as \[a,b\]"):
+        load_config(None, [override])
+
+
+def test_text_that_starts_with_a_bracket_stays_text():
+    assert load_config(None, ["trainer.experiment_name=[exp1] run"]).trainer.experiment_name == "[exp1] run"
