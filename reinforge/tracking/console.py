@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from reinforge.tracking.backends import RunInfo, TrackingBackend, register_tracking_backend
@@ -55,7 +56,8 @@ class ConsoleBackend(TrackingBackend):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         parts = [f"[bold]step {step}[/bold]"]
-        parts += [f"{label} [cyan]{format_value(value)}[/cyan]" for label, value in summarize_metrics(metrics)]
+        # a label holds a data source's name (val-core/<data_source>/...), which rich would read as markup
+        parts += [f"{escape(label)} [cyan]{format_value(value)}[/cyan]" for label, value in summarize_metrics(metrics)]
         self.console.print(" │ ".join(parts), highlight=False, soft_wrap=True)
 
 
@@ -81,7 +83,7 @@ class StepProgress:
             shown = summarize_metrics(metrics)
             if shown:
                 label, value = shown[0]
-                summary = f"{label} {format_value(float(value))}"
+                summary = escape(f"{label} {format_value(float(value))}")
         self._progress.update(self._task, advance=steps, summary=summary)
 
     def __enter__(self) -> StepProgress:

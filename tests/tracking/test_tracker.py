@@ -93,3 +93,17 @@ def test_non_scalar_metric_names_its_key():
         to_float("actor/loss", torch.ones(3))
     with pytest.raises(ValueError, match="metric 'name' has a str value"):
         to_float("name", "gsm8k")
+
+
+def test_a_data_source_with_brackets_is_printed_as_it_is(tmp_path):
+    # rich read it as markup: "[hard]" vanished from the line, "[/hard]" raised a MarkupError mid-run
+    console = quiet_console()
+    tracker = Tracker(tmp_path, ["console"], console=console)
+    with tracker.progress(2) as progress:
+        for step, source in ((1, "math[hard]"), (2, "math[/hard]")):
+            metrics = {f"val-core/{source}/reward/mean@1": 0.5}
+            tracker.log(metrics, step=step)
+            progress.advance(metrics)
+    tracker.close()
+    text = console.file.getvalue()
+    assert "math[hard]/reward/mean@1 0.5" in text and "math[/hard]/reward/mean@1 0.5" in text
