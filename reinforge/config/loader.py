@@ -173,8 +173,10 @@ def _is_container(annotation: Any) -> bool:
     return typing.get_origin(_unwrap_optional(annotation)) in (list, dict)
 
 
-def _dotlist_to_tree(overrides: Iterable[str], known: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``a.b=c`` items as a nested tree; ``known`` (the schema's keys) tells a list or mapping cut short from text."""
+def _dotlist_to_tree(overrides: Iterable[str], known: dict[str, Any] | None = None,
+                     whole: set[str] | None = None) -> dict[str, Any]:
+    """``a.b=c`` items as a nested tree; ``known`` (the schema's keys) tells a list or mapping cut short from text.
+    ``whole`` receives the keys given a whole mapping (reward.kwargs={...}, not reward.kwargs.key=...)."""
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
@@ -202,12 +204,18 @@ def _dotlist_to_tree(overrides: Iterable[str], known: dict[str, Any] | None = No
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r} (command line) sets a key below a value")
         node[parts[-1]] = value
+        if whole is not None and isinstance(value, dict):
+            whole.add(key)
     return tree
 
 
 def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[str, Any],
-                 sources: dict[str, str] | None = None) -> Any:
-    """Merge ``tree`` into ``base``; ``sources`` records, for each key set, where its value came from."""
+                 sources: dict[str, str] | None = None, whole: set[str] | None = None) -> Any:
+    """Merge ``tree`` into ``base``; ``sources`` records, for each key set, where its value came from.
+
+    A mapping setting (reward.kwargs) given a whole mapping takes it, as a list setting takes its list (merged,
+    reward.kwargs={} on the command line left every option of the file in place); ``whole`` names the keys given
+    a whole mapping, None meaning every one (a YAML file's). Other mappings, from reward.kwargs.key=value, merge."""
     _check_keys(tree, source, known)
     for dotted, value in _flatten(tree, known):
         if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
@@ -217,13 +225,18 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
                 isinstance(item, list | Mapping) for item in value):  # OmegaConf checks no nested item's type
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: an item is itself a list "
                               "or a mapping")
+        replace = isinstance(value, Mapping) and _is_mapping(known.get(dotted)) and (whole is None or dotted in whole)
         try:
-            OmegaConf.update(base, dotted, value, merge=True)
+            OmegaConf.update(base, dotted, value, merge=not replace)
         except OmegaConfBaseException as error:
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}") from error
         if sources is not None:
             sources[dotted] = source
     return base
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return annotation is not None and typing.get_origin(_unwrap_optional(annotation)) is dict
 
 
 def _is_list_of_scalars(annotation: Any) -> bool:
@@ -299,7 +312,9 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
         merged = _merge_layer(merged, tree, tree_source, known, sources)
     overrides = list(overrides)
     if overrides:
-        merged = _merge_layer(merged, _dotlist_to_tree(overrides, known), "command line", known, sources)
+        whole: set[str] = set()
+        command_line = _dotlist_to_tree(overrides, known, whole)
+        merged = _merge_layer(merged, command_line, "command line", known, sources, whole)
     try:
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:  # an ${interpolation} that does not resolve, a ??? left unset

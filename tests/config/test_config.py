@@ -433,3 +433,16 @@ def test_a_list_or_mapping_cut_short_on_the_command_line_is_named(override):
 
 def test_text_that_starts_with_a_bracket_stays_text():
     assert load_config(None, ["trainer.experiment_name=[exp1] run"]).trainer.experiment_name == "[exp1] run"
+
+
+def test_a_whole_mapping_on_the_command_line_replaces_the_files_and_a_key_of_it_adds_to_it(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("reward:\n  kwargs: {method: strict}\n")
+
+    def kwargs(*overrides):
+        return load_config(config_file, list(overrides), validate=False).reward.kwargs
+
+    assert kwargs("reward.kwargs={}") == {}  # it was merged: {} changed nothing, the file's method stayed
+    assert kwargs("reward.kwargs={format_score: 0.1}") == {"format_score": 0.1}
+    assert kwargs("reward.kwargs.format_score=0.1") == {"method": "strict", "format_score": 0.1}
+    assert kwargs("reward.kwargs={a: 1}", "reward.kwargs.b=2") == {"a": 1, "b": 2}
