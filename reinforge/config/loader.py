@@ -262,10 +262,10 @@ def _flatten(tree: Mapping[str, Any], known: dict[str, Any], prefix: str = "") -
             yield dotted, value
 
 
-PATH_KEYS = ("data.train_files", "data.val_files", "model.path", "model.tokenizer_path", "critic.model_path",
-             "reward.custom_function", "rollout.multi_turn.tool_config_path", "trainer.output_dir", "trainer.resume")
-"""Settings that name files or folders: a leading ``~`` is the home folder, as in a shell (model.path and the data
-files were expanded where they were read, but trainer.output_dir=~/runs/x wrote to a folder named ``~`` here)."""
+PATH_KEYS = ("reward.custom_function", "rollout.multi_turn.tool_config_path", "trainer.output_dir", "trainer.resume")
+"""Settings naming a file or folder that nothing expanded ``~`` in: here it is the home folder, as in a shell
+(trainer.output_dir=~/runs/x wrote to a folder named ``~`` in the working directory). model.path and the data files
+are expanded where they are read and recorded as given, so that resuming a run compares them as they were."""
 
 
 def _expand_home(config: Any) -> None:

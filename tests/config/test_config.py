@@ -368,13 +368,13 @@ def test_a_leading_tilde_in_a_path_setting_is_the_home_folder(tmp_path, monkeypa
     config_file = tmp_path / "run.yaml"
     config_file.write_text("data:\n  train_files: ~/data/train.parquet\ntrainer:\n  output_dir: ~/runs/x\n")
     config = load_config(config_file, ["reward.custom_function=~/rewards.py:score", "trainer.resume=~/ckpt/step_2",
-                                       "data.val_files=[~/data/test.parquet,relative.parquet]"])
+                                       "rollout.multi_turn.tool_config_path=~/tools.yaml"])
     # trainer.output_dir=~/runs/x made a folder named ~ in the working directory
     assert config.trainer.output_dir == f"{tmp_path}/runs/x"
-    assert config.data.train_files == [f"{tmp_path}/data/train.parquet"]
-    assert config.data.val_files == [f"{tmp_path}/data/test.parquet", "relative.parquet"]
     assert config.reward.custom_function == f"{tmp_path}/rewards.py:score"
     assert config.trainer.resume == f"{tmp_path}/ckpt/step_2"
+    assert config.rollout.multi_turn.tool_config_path == f"{tmp_path}/tools.yaml"
+    assert config.data.train_files == ["~/data/train.parquet"]  # expanded where it is read, recorded as given
     from reinforge.config import load_sft_config
 
     assert load_sft_config(None, ["trainer.output_dir=~/sft"]).trainer.output_dir == f"{tmp_path}/sft"
