@@ -4,7 +4,9 @@
 ``reward.kwargs``; ``check_rows_can_be_scored`` then makes sure every row of a dataset has a
 scorer (its ``data_source`` is registered, or a custom function scores everything) and supplies
 each argument that scorer cannot do without: ``reward_model.ground_truth`` when it takes a
-``ground_truth`` without a default, a column for any other such argument. Without these checks a
+``ground_truth`` without a default, a column for any other such argument; a built-in scorer's
+ground-truth check (``registry.GROUND_TRUTH_CHECKS``: an integer for arithmetic, a target and
+numbers for countdown) sees every row's ground truth. Without these checks a
 row that cannot be scored would only show up as a fallback score of 0 in the middle of a run.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from reinforge.config.schema import RewardConfig
 from reinforge.data.rl_dataset import RLDataset
-from reinforge.reward.registry import SCORERS, Scorer
+from reinforge.reward.registry import GROUND_TRUTH_CHECKS, SCORERS, Scorer
 from reinforge.reward.scorer_calls import (
     SAMPLE_ARGUMENTS,
     TRL_ARGUMENTS,
@@ -72,6 +74,11 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
                       if config.custom_function else "")
             raise ValueError(f"{where} has no reward_model.ground_truth, which {_scorer_name(config, example.data_source)} "
                              f"needs; add reward_model: {{ground_truth: ...}} to the row{advice}")
+        ground_truth_check = GROUND_TRUTH_CHECKS.get(scorer) if custom_scorer is None else None
+        problem = ground_truth_check(example.ground_truth) if ground_truth_check and "ground_truth" in given else None
+        if problem:
+            raise ValueError(f"{where} has a reward_model.ground_truth the {example.data_source!r} scorer cannot read "
+                             f"({problem}), so each of its samples would fail; fix the row")
         if missing:
             kind = "TRL's kind: columns are passed by name" if takes_completions(scorer) else "columns are passed by name"
             raise ValueError(f"{where} has no column {missing[0]!r} (or it is null), which {_scorer_name(config, example.data_source)} "

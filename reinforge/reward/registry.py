@@ -17,9 +17,15 @@ Scorer = Callable[..., float | dict[str, Any]]
 
 SCORERS: dict[str, Scorer] = {}
 
+GroundTruthCheck = Callable[[Any], "str | None"]
+GROUND_TRUTH_CHECKS: dict[Scorer, GroundTruthCheck] = {}
+"""A scorer -> a cheap check of one row's ground truth (the problem in words, or None), run on every row before any
+model loads (``reward.data_checks``): a ground truth the scorer cannot read fails each of its samples."""
 
-def register_scorer(*data_sources: str) -> Callable[[Scorer], Scorer]:
-    """Register the decorated function as the scorer of each of ``data_sources``."""
+
+def register_scorer(*data_sources: str, check_ground_truth: GroundTruthCheck | None = None
+                    ) -> Callable[[Scorer], Scorer]:
+    """Register the decorated function as the scorer of each of ``data_sources`` (with its ground-truth check)."""
     if not data_sources:
         raise ValueError("register_scorer needs at least one data source name")
 
@@ -28,6 +34,8 @@ def register_scorer(*data_sources: str) -> Callable[[Scorer], Scorer]:
             if data_source in SCORERS:
                 raise ValueError(f"a scorer for data source {data_source!r} is registered twice")
             SCORERS[data_source] = fn
+        if check_ground_truth is not None:
+            GROUND_TRUTH_CHECKS[fn] = check_ground_truth
         return fn
     return add
 

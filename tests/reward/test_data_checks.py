@@ -119,3 +119,29 @@ def test_extra_columns_reach_the_scorer(tmp_path, byte_tokenizer, rewards_file, 
         output = manager.score(batch)
     assert output.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
     assert output.metrics["reward/errors"] == 0.0
+
+
+@pytest.mark.parametrize("data_source, ground_truth, problem", [
+    ("arithmetic", "forty-two", "the arithmetic ground truth must be an integer, got 'forty-two'"),
+    ("math", " ", "the math ground truth is empty"),
+])
+def test_a_ground_truth_the_scorer_cannot_read_is_refused_before_any_model_loads(tmp_path, byte_tokenizer, data_source,
+                                                                                  ground_truth, problem):
+    # each of the row's samples failed (reward/errors), and a batch of such rows stopped the run at step 1
+    with pytest.raises(ValueError) as error:
+        check(tmp_path, byte_tokenizer, [row(), row(data_source=data_source, ground_truth=ground_truth)])
+    assert str(error.value) == (f"row 1 of {tmp_path / 'train.parquet'} has a reward_model.ground_truth the "
+                                f"{data_source!r} scorer cannot read ({problem}), so each of its samples would fail; "
+                                "fix the row")
+
+
+def test_a_countdown_ground_truth_without_numbers_is_refused(tmp_path, byte_tokenizer):
+    rows = [row(data_source="countdown", ground_truth={"target": 24, "numbers": [3, 8]}),
+            row(data_source="countdown", ground_truth={"target": 24, "numbers": None})]
+    with pytest.raises(ValueError, match=r"row 1 of .* the 'countdown' scorer cannot read \(countdown ground truth has "
+                                         r"no 'numbers'"):
+        check(tmp_path, byte_tokenizer, rows)
+
+
+def test_a_custom_function_reads_its_own_ground_truths(tmp_path, byte_tokenizer, rewards_file):
+    check(tmp_path, byte_tokenizer, [row(ground_truth="forty-two")], str(rewards_file))

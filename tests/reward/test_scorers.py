@@ -94,6 +94,8 @@ def test_countdown_needs_a_target_and_numbers():
     ("433", "432", 0.0),
     ("432 and then 5", "432", 0.0),
     ("I think it is four hundred", "432", 0.0),
+    ("432", 432.0, 1.0),  # a parquet column of integers with a gap is float; int("432.0") failed every sample
+    ("1432", "1,432", 1.0),
 ])
 def test_arithmetic_exact_integer(response, ground_truth, score):
     assert score_arithmetic(response, ground_truth)["score"] == score

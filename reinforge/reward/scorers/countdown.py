@@ -65,7 +65,15 @@ def _target_and_numbers(ground_truth: Any) -> tuple[int, list[int]]:
     return int(ground_truth["target"]), [int(number) for number in numbers]
 
 
-@register_scorer("countdown")
+def _ground_truth_problem(ground_truth: Any) -> str | None:
+    try:
+        _target_and_numbers(ground_truth)
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
+
+
+@register_scorer("countdown", check_ground_truth=_ground_truth_problem)
 def score_countdown(solution_str: str, ground_truth: Any, extra_info: dict | None = None,
                     format_score: float = 0.1) -> dict[str, Any]:
     """1 for an equation that uses each number once and equals the target; ``format_score`` for one that doesn't.
