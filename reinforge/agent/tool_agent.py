@@ -69,7 +69,8 @@ class ToolAgentLoop(AgentLoop):
                     remaining = budget - len(trajectory.response_ids)
                     turn_sampling = dataclasses.replace(
                         sampling, max_tokens=remaining, n=1,
-                        seed=None if sampling.seed is None else sample_seed(sampling.seed, turn))
+                        seed=None if sampling.seed is None else sample_seed(sampling.seed, turn),
+                        stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *self.renderer.stop_ids))))
                     start = time.perf_counter()
                     completion = await client.generate(prompt_ids + trajectory.response_ids, turn_sampling,
                                                        f"{row.get('request_id', '')}/{turn}")

@@ -29,7 +29,10 @@ _MARKER = "\u2063reinforge-assistant-marker\u2063"
 class ToolTurnRenderer:
     """Renders tool messages as token increments for one tokenizer and chat template.
 
-    eos_text: the end-of-turn token the model stops at (defaults to the tokenizer's EOS).
+    eos_text: the end-of-turn token the model stops at. By default the tokenizer's EOS when the template closes an
+    assistant turn with it, else the special token the template closes it with: a base model's tokenizer (Qwen2.5's
+    ends text with ``<|endoftext|>``) under a ChatML template (``<|im_end|>``). Each turn of a loop then stops at it
+    too (``stop_ids``), not only at the tokenizer's EOS.
     """
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None, eos_text: str | None = None):
@@ -37,10 +40,10 @@ class ToolTurnRenderer:
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template to render tool turns with; set data.chat_template")
-        self.eos_text = eos_text or tokenizer.eos_token
         self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
         base_text = self._render(self._base, add_generation_prompt=False)
         after = base_text[base_text.index(_MARKER) + len(_MARKER):]
+        self.eos_text = eos_text or _end_of_turn(tokenizer, after)
         if not after.startswith(self.eos_text):
             raise ValueError(f"the chat template does not close an assistant turn with {self.eos_text!r} (it writes "
                              f"{after[:40]!r}); tool turns cannot be appended token for token")
@@ -49,6 +52,8 @@ class ToolTurnRenderer:
         self._base_text = base_text
         self.eos_ids = self.encode(self.eos_text)
         """The end-of-turn token's ids, which close an assistant turn that a stop token ended."""
+        self.stop_ids: tuple[int, ...] = tuple(self.eos_ids) if len(self.eos_ids) == 1 else ()
+        """Token ids a turn stops at besides the rollout's own (the tokenizer's EOS, rollout.stop_token_ids)."""
         self.increment_text([{"role": "tool", "content": "?"}])  # a template that cannot work fails here, when the
         # renderer is made (before any model loads, where the caller makes it then), not at a rollout's first tool turn
 
@@ -77,6 +82,23 @@ class ToolTurnRenderer:
         byte-level token's string has a character per byte, at least one per character it decodes to). A text
         longer than n times this has more than n tokens."""
         return max((len(token) for token in self.tokenizer.get_vocab()), default=1) or 1
+
+
+def _end_of_turn(tokenizer: Any, after: str) -> str:
+    """The token that closes an assistant turn, given the template's text right after one: the tokenizer's EOS if
+    the text starts with it, else the longest special token it starts with."""
+    eos = tokenizer.eos_token
+    if eos and after.startswith(eos):
+        return eos
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {*getattr(tokenizer, "all_special_tokens", ()), *(token.content for token in decoder.values()
+                                                                 if getattr(token, "special", False))}
+    starting = [token for token in specials if token and after.startswith(token)]
+    if not starting:
+        raise ValueError(f"the chat template closes an assistant turn with {after[:40]!r}, which starts with neither the "
+                         f"tokenizer's EOS {eos!r} nor another special token, so a turn has no token to stop at; "
+                         "use a template whose assistant turns end with a special token")
+    return max(starting, key=len)
 
 
 def truncate_tokens(token_ids: list[int], limit: int, side: str) -> tuple[list[int], bool]:

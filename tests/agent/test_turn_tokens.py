@@ -131,3 +131,37 @@ def test_template_that_rewrites_earlier_turns_is_refused(chatml_tokenizer):
                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     with pytest.raises(ValueError, match="renders an assistant turn differently once tool messages follow"):
         ToolTurnRenderer(chatml_tokenizer, chat_template=template)  # when it is made, not at the first tool turn
+
+
+def test_a_base_models_tokenizer_under_chatml_ends_turns_with_the_templates_token(scripted_client):
+    """Qwen2.5 base's tokenizer ends text with <|endoftext|>, its ChatML template closes turns with <|im_end|>: the
+    renderer takes the template's token as the end of a turn, every turn stops at it, and the stream stays the
+    template's (it was refused: the template did not close a turn with the tokenizer's EOS)."""
+    from reinforge.models.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    tokenizer.eos_token = "<|endoftext|>"
+    renderer = ToolTurnRenderer(tokenizer)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert renderer.eos_text == "<|im_end|>" and renderer.stop_ids == (end_of_turn,) and renderer.separator == "\n"
+
+    conversation, script = _conversation_and_script(_hermes_chatml)
+    tool = FunctionTool(calculator)
+    prompt_ids = tokenizer.apply_chat_template(conversation[:2], tools=[tool.schema], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    client = scripted_client(tokenizer, script, eos_text="<|im_end|>")
+    context = AgentContext(tokenizer, client, MultiTurnConfig(max_parallel_calls=2), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(
+        SamplingParams(max_tokens=1000, stop_token_ids=(5,)), prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    stream = output.prompt_ids + output.response_ids
+    assert stream == expected[:len(stream)] and output.num_turns == 6
+    assert all(sampling.stop_token_ids == (5, end_of_turn) for sampling in client.samplings)
+
+
+def test_a_template_closing_turns_with_plain_text_is_refused_naming_it(chatml_tokenizer):
+    template = ("{% for m in messages %}{{ m.role + ': ' + m.content + '\\n\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(ValueError, match=r"closes an assistant turn with '\\n\\n', which starts with neither the "
+                                         r"tokenizer's EOS '<\|im_end\|>' nor another special token"):
+        ToolTurnRenderer(chatml_tokenizer, chat_template=template)
