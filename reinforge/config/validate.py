@@ -49,6 +49,16 @@ def _finite(key: str, value: float, *, at_least: float | None = None, fix: str =
         raise ConfigError(f"{key}={value} must be a finite number{bound}{fix}")
 
 
+MAX_TIMEOUT_S = 1e6
+"""The longest time limit (11.6 days): waits of more than 2**31 milliseconds raise OverflowError (poll, time_t),
+so reward.timeout_s=.inf or trainer.call_timeout_s=1e12 failed at the first call, after the model had loaded."""
+
+
+def _check_timeout(key: str, value: float, what: str) -> None:
+    if not 0 < value <= MAX_TIMEOUT_S:  # also nan
+        raise ConfigError(f"{key}={value} must be positive and at most {MAX_TIMEOUT_S:.0f} ({what})")
+
+
 def validate_update(prefix: str, update: UpdateConfig) -> None:
     """The update settings of the section at ``prefix`` (actor, critic, an SFT run's trainer)."""
     if not update.grad_clip > 0:  # clip_grad_norm_ with a negative bound flips every gradient's sign; also nan
@@ -207,24 +217,21 @@ def validate_config(config: Config) -> None:
     validate_update("critic", config.critic)
     if config.reward.num_workers < 0:
         raise ConfigError(f"reward.num_workers={config.reward.num_workers} must be 0 (score in this process) or more")
-    if not config.reward.timeout_s > 0:
-        raise ConfigError(f"reward.timeout_s={config.reward.timeout_s} must be positive (seconds a scorer may take "
-                          "on one sample)")
+    _check_timeout("reward.timeout_s", config.reward.timeout_s, "seconds a scorer may take on one sample")
     _finite("reward.fallback_score", config.reward.fallback_score, fix=" (the score of a sample whose scorer failed)")
     if trainer.num_logged_samples < 0:
         raise ConfigError(f"trainer.num_logged_samples={trainer.num_logged_samples} must be 0 (none) or more")
-    if not trainer.call_timeout_s > 0:
-        raise ConfigError(f"trainer.call_timeout_s={trainer.call_timeout_s} must be positive (seconds one worker "
-                          "call may take; 3600 is the default)")
+    _check_timeout("trainer.call_timeout_s", trainer.call_timeout_s, "seconds one worker call may take; 3600 is the "
+                   "default")
 
     multi_turn = rollout.multi_turn
     _choice("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,
             ("middle", "left", "right"))
     if multi_turn.max_parallel_calls < 1:
         raise ConfigError(f"rollout.multi_turn.max_parallel_calls={multi_turn.max_parallel_calls} must be at least 1")
-    if multi_turn.tool_timeout_s is not None and not multi_turn.tool_timeout_s > 0:
-        raise ConfigError(f"rollout.multi_turn.tool_timeout_s={multi_turn.tool_timeout_s} must be positive (seconds "
-                          "a tool call may take) or null (no limit)")
+    if multi_turn.tool_timeout_s is not None:
+        _check_timeout("rollout.multi_turn.tool_timeout_s", multi_turn.tool_timeout_s,
+                       "seconds a tool call may take; null: no limit")
     if multi_turn.max_tool_response_length < 1:
         raise ConfigError(f"rollout.multi_turn.max_tool_response_length={multi_turn.max_tool_response_length} "
                           "must be at least 1 token")
