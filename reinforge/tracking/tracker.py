@@ -35,7 +35,7 @@ def to_float(key: str, value: Any) -> float:
         return float(value.item())
     if isinstance(value, np.ndarray) and value.size == 1:
         return float(value.reshape(()))
-    if isinstance(value, bool | numbers.Real | np.number):
+    if isinstance(value, bool | numbers.Real | np.number | np.bool_):
         return float(value)
     raise ValueError(f"metric {key!r} has a {type(value).__name__} value ({value!r:.60}); metrics are numbers")
 

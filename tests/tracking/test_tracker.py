@@ -107,3 +107,10 @@ def test_a_data_source_with_brackets_is_printed_as_it_is(tmp_path):
     tracker.close()
     text = console.file.getvalue()
     assert "math[hard]/reward/mean@1 0.5" in text and "math[/hard]/reward/mean@1 0.5" in text
+
+
+def test_every_kind_of_one_number_is_a_metric():
+    # a numpy bool (np.all(...), a comparison) stopped the run after its step: "has a bool value; metrics are numbers"
+    values = [True, 3, 2.5, np.bool_(True), np.int64(4), np.float32(1.5), np.array([2.0]), torch.tensor(True),
+              torch.tensor([0.5])]
+    assert [to_float("k", value) for value in values] == [1.0, 3.0, 2.5, 1.0, 4.0, 1.5, 2.0, 1.0, 0.5]
