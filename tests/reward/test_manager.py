@@ -273,3 +273,14 @@ def test_multi_turn_response_is_scored_whole_with_tool_rewards_and_retool_shapin
     assert output.token_level_scores[0].nonzero().flatten().tolist() == [4]  # the last sampled token
     batch["num_turns"] = [6, 4]
     assert manager.score(batch).scores.tolist() == pytest.approx([1.75, -0.9])
+
+
+def test_a_numpy_bool_is_a_score():
+    # a scorer returning `pred == gt` on numpy values gave np.bool_: "the scorer returned a bool_", every sample failed
+    import numpy as np
+
+    from reinforge.reward.manager import _unpack_score
+    from reinforge.reward.scoring_pool import JobResult
+
+    assert _unpack_score(JobResult(value=np.bool_(True))) == (1.0, {})
+    assert _unpack_score(JobResult(value={"score": np.bool_(False), "acc": np.bool_(False)})) == (0.0, {"acc": False})
