@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     from reinforge.config import ConfigError
     from reinforge.stop_signals import exit_after_stop, install_stop_handlers, stop_signal, stopped_message
 
-    debug = bool(os.environ.get("REINFORGE_DEBUG"))
+    debug = os.environ.get("REINFORGE_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     training = argv[0] in ("train", "sft")
     if training:  # a run stops cleanly on SIGTERM too, and resumes from its checkpoint

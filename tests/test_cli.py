@@ -107,3 +107,14 @@ def test_every_command_answers_help_with_its_usage(argv, capsys):
         code = exit_.code
     assert code == 0
     assert "usage: reinforge" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("setting, traceback", [("0", False), ("false", False), ("", False), ("1", True)])
+def test_reinforge_debug_0_keeps_the_one_line_errors(setting, traceback, monkeypatch, capsys):
+    monkeypatch.setenv("REINFORGE_DEBUG", setting)  # "0" was a non-empty string, so it turned debugging on
+    if traceback:
+        with pytest.raises(Exception, match="unknown key"):
+            main(["train", "actor.optim.lrr=1"])
+    else:
+        assert main(["train", "actor.optim.lrr=1"]) == 2
+        assert capsys.readouterr().err.startswith("error: unknown key actor.optim.lrr")
