@@ -154,6 +154,11 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
 
             sibling = close_sibling(dotted, known, cutoff=0.75)
             hint = verl_hint(dotted, value) or verl_leaf_hint(dotted)
+            if not prefix and key in ("defaults", "hydra"):  # a verl (Hydra) config file
+                hint = ("Hydra's defaults list and hydra: section are not read here: a reinforge config is plain YAML "
+                        "with only the keys that differ from reinforge/config/defaults.yaml (reinforge config from-verl "
+                        "translates a verl command line)")
+                dotted = key
             if sibling and (hint is None or "has no equivalent" in hint):  # a typo, not verl's Megatron key
                 hint = f"did you mean {sibling}?"
             if hint is None:

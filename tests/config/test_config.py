@@ -449,3 +449,13 @@ def test_a_whole_mapping_on_the_command_line_replaces_the_files_and_a_key_of_it_
     assert kwargs("reward.kwargs={format_score: 0.1}") == {"format_score": 0.1}
     assert kwargs("reward.kwargs.format_score=0.1") == {"method": "strict", "format_score": 0.1}
     assert kwargs("reward.kwargs={a: 1}", "reward.kwargs.b=2") == {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize("text, key", [("defaults:\n  - ppo_trainer\n  - _self_\n", "defaults"),
+                                       ("hydra:\n  run:\n    dir: outputs\n", "hydra")])
+def test_a_hydra_config_file_is_named_as_such(tmp_path, text, key):
+    config_file = tmp_path / "verl.yaml"
+    config_file.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^unknown key {key} \(from verl.yaml\); Hydra's defaults list and hydra: "
+                                          r"section are not read here: a reinforge config is plain YAML"):
+        load_config(config_file)
