@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numbers as numbers_module
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -53,7 +56,8 @@ def mean_of_extras(extras: dict[str, list], prefix: str = "reward") -> dict[str,
     """Means of numeric per-sample reward extras (acc, format, ...)."""
     metrics = {}
     for key, values in extras.items():
-        numbers = [float(v) for v in values if isinstance(v, (int, float, bool)) and not isinstance(v, str)]
+        # numbers.Real covers numpy's integers and floats too; numpy's bool is no Real, yet a scorer may return one
+        numbers = [float(v) for v in values if isinstance(v, (numbers_module.Real, np.bool_))]
         if numbers and len(numbers) == len(values):
             metrics[f"{prefix}/{key}/mean"] = float(torch.tensor(numbers).mean())
     return metrics
