@@ -56,6 +56,11 @@ class RunLock:
         self._finalizer: weakref.finalize | None = None
 
     def acquire(self) -> RunLock:
+        folder = self.path.parent
+        blocking = next((path for path in (folder, *folder.parents) if path.exists() and not path.is_dir()), None)
+        if blocking is not None:
+            raise OSError(f"the run folder {folder} (trainer.output_dir) cannot be made: {blocking} is a file, not a "
+                          "folder; set trainer.output_dir to a folder, or move the file") from None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             probe = self.path.parent / f".write-test-{os.getpid()}"

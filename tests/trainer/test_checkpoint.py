@@ -140,11 +140,12 @@ def test_a_second_run_on_a_locked_folder_is_refused_and_a_dead_owner_is_taken_ov
     assert not (tmp_path / ".lock").exists()
 
 
-def test_a_run_folder_that_cannot_be_written_names_the_key_and_the_fix(tmp_path):
+def test_a_run_folder_that_cannot_be_made_names_the_file_in_the_way_and_the_fix(tmp_path):
     (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(OSError, match=r"run folder .*file/run \(trainer.output_dir\) cannot be written: .*set "
-                                      r"trainer.output_dir to a folder"):
-        RunLock(tmp_path / "file" / "run").acquire()
+    for folder in (tmp_path / "file" / "run", tmp_path / "file"):  # under a file, or a file itself
+        with pytest.raises(OSError, match=rf"run folder .*{folder.name} \(trainer.output_dir\) cannot be made: "
+                                          rf".*file is a file, not a folder; set trainer.output_dir to a folder"):
+            RunLock(folder).acquire()
     assert list(tmp_path.iterdir()) == [tmp_path / "file"]  # nothing left behind
 
 
