@@ -17,6 +17,7 @@ fresh process does at startup, or of a process group's signals, keep using ``sub
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import os
 import runpy
 import shutil
@@ -24,24 +25,52 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from multiprocessing import forkserver, popen_forkserver
 from pathlib import Path
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "reinforge.cli", "reinforge.trainer.rl_trainer",
            "reinforge.workers.actor_rollout", "reinforge.engine.fsdp"]
 
-_context = None
+_server = None
+_launch_lock = threading.Lock()
 
 
 def _forkserver():
-    global _context
-    if _context is None:
+    """This module's own fork server (started on first use), preloaded with PRELOAD.
+
+    Not multiprocessing's global one: a test that ran earlier in this process may have started that
+    one without these modules (the reward scoring pool starts it), and each fork of it would then pay
+    the imports again (about 10 s of CPU a process on a 2-core machine).
+    """
+    global _server
+    if _server is None:
         tests = str(Path(__file__).parent)
         if tests not in sys.path:  # the server unpickles _child from this module by name
             sys.path.insert(0, tests)
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    return _context
+        _server = forkserver.ForkServer()
+        _server.set_forkserver_preload(PRELOAD)
+    return _server
+
+
+class _Popen(popen_forkserver.Popen):
+    def _launch(self, process_obj):
+        # popen_forkserver asks the module-level connect_to_new_process (the global server's) for the fork
+        server = _forkserver()
+        with _launch_lock:
+            global_connect = forkserver.connect_to_new_process
+            forkserver.connect_to_new_process = server.connect_to_new_process
+            try:
+                super()._launch(process_obj)
+            finally:
+                forkserver.connect_to_new_process = global_connect
+
+
+class _Process(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
 
 
 def _child(argv: list[str], env: dict[str, str], cwd: str | None, stdout: str, stderr: str) -> None:
@@ -87,7 +116,7 @@ class ForkedPython:
             self._stderr = devnull if stderr == subprocess.DEVNULL else os.path.join(self._folder, "stderr")
         for path in {self._stdout, self._stderr} - {devnull}:
             Path(path).touch()
-        self._process = _forkserver().Process(
+        self._process = _Process(
             # env=None is this process's environment now, as for Popen (the server's is that of its start)
             target=_child, args=(list(map(str, argv)), dict(os.environ if env is None else env),
                                  None if cwd is None else str(cwd), self._stdout, self._stderr), daemon=False)
