@@ -13,8 +13,11 @@ and before the next turn (``\\n`` for ChatML, nothing for Llama 3), which the mo
 generates: leaving it out (as verl did until v0.9, #6501) shifts every later turn by a token.
 
 The boundary: the stream equals ``apply_chat_template`` of the whole conversation when the
-model's tokens are the canonical tokenization of its text and the template renders earlier
-turns the same whatever follows (true of ChatML/Qwen2.5 and Llama 3; not of templates that
+model's tokens are the tokenization the whole conversation's text gets at that place (a reply
+whose leading whitespace holds a newline is not: after ChatML's ``assistant\n`` the template's
+text merges the two newlines into one token, ``\n\n``, which the model sampled as two; an
+empty reply is not either, as the template drops the ``\n`` before it), and the template renders
+earlier turns the same whatever follows (true of ChatML/Qwen2.5 and Llama 3; not of templates that
 drop earlier reasoning, such as Qwen3's); ``increment`` raises if the second fails.
 """
 
