@@ -27,11 +27,26 @@ pytestmark = pytest.mark.slow
 
 NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s")
 
+LOWERCASE_SHARE = '''
+def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
+    return sum(character.islower() for character in solution_str) / max(1, len(solution_str))
+'''
+"""A reward that tells the tiny model's samples apart: GRPO's advantages are not zero, so the actor trains (the
+arithmetic scorer gives its random answers 0 each, and a run of such steps stops as stalled)."""
 
-def grpo_args(model: Path, data: Path, run_dir: Path, **overrides: object) -> list[str]:
+
+@pytest.fixture(scope="module")
+def reward_function(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("reward") / "lowercase_share.py"
+    path.write_text(LOWERCASE_SHARE)
+    return f"{path}:compute_score"
+
+
+def grpo_args(model: Path, data: Path, run_dir: Path, reward: str, **overrides: object) -> list[str]:
     """GRPO with a KL loss (so a reference policy) and a critic that trains alongside (critic/* metrics)."""
     settings = {
         "model.path": model, "data.train_files": f"[{data / 'train.parquet'}]", "data.train_batch_size": 2,
+        "reward.custom_function": reward,
         "data.max_prompt_length": 64, "data.max_response_length": 8, "rollout.n": 2,
         "algorithm.adv_estimator": "grpo", "actor.use_kl_loss": True, "critic.enable": True,
         "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]", "trainer.total_steps": 3,
@@ -56,15 +71,17 @@ def assert_same_metrics(actual: list[dict], expected: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def local_metrics(tiny_model_dir, arithmetic_data_dir, tmp_path_factory) -> list[dict]:
+def local_metrics(tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path_factory) -> list[dict]:
     run_dir = tmp_path_factory.mktemp("local") / "run"
-    assert main(["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir)]) == 0
-    return read_metrics(run_dir)
+    assert main(["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, reward_function)]) == 0
+    metrics = read_metrics(run_dir)
+    assert all(row["actor/grad_norm"] > 0 for row in metrics)  # the actor trains: its updates are compared too
+    return metrics
 
 
 def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_critic_pool(
-        ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path, local_metrics):
-    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run",
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_metrics):
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
                                          **{"trainer.backend": "ray"}))
     actor_pool, critic_pool = ResourcePool("actor", [2]), ResourcePool("critic", [2])
     placement = RolePlacement({"actor": actor_pool, "critic": critic_pool},
@@ -82,10 +99,11 @@ def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_crit
 
 
 def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
-        ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path, local_metrics, monkeypatch):
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_metrics, monkeypatch):
     monkeypatch.setenv("REINFORGE_DEBUG", "1")  # the exception itself is inspected, not the CLI's one-line report
     run_dir = tmp_path / "run"
-    args = ["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{"trainer.backend": "ray"})]
+    args = ["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, reward_function,
+                                **{"trainer.backend": "ray"})]
     failure: list[BaseException] = []
 
     def train() -> None:
@@ -119,12 +137,12 @@ def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
 
 
 @pytest.mark.parametrize("mode", ["async", "one_step_off"])
-def test_off_policy_modes_on_ray_with_two_members(ray_cluster, tiny_model_dir, arithmetic_data_dir, tmp_path,
-                                                  local_metrics, mode):
+def test_off_policy_modes_on_ray_with_two_members(ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function,
+                                                  tmp_path, local_metrics, mode):
     """async at max_staleness=0 gives the local sync run's metrics on two FSDP members; one_step_off trains
     a version behind. Both sync the rollout copy on every member (sync_rollout_weights, ONE_TO_ALL)."""
     run_dir = tmp_path / "run"
-    args = grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, **{
+    args = grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, reward_function, **{
         "trainer.backend": "ray", "trainer.devices_per_node": 2, "trainer.mode": mode, "trainer.max_staleness": 0,
         "rollout.segment_tokens": 4})
     try:
@@ -143,10 +161,10 @@ def test_off_policy_modes_on_ray_with_two_members(ray_cluster, tiny_model_dir, a
 
 
 def test_one_step_off_with_a_rollout_worker_on_its_own_pool(ray_cluster, tiny_model_dir, arithmetic_data_dir,
-                                                            tmp_path):
+                                                            reward_function, tmp_path):
     """trainer.separate_rollout on Ray: the rollout group has its own pool (its own process); weights reach it
     from the actor at every sync, and the run trains one version behind as on one worker."""
-    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function, **{
         "trainer.backend": "ray", "trainer.mode": "one_step_off", "trainer.separate_rollout": True}))
     train_pool, rollout_pool = ResourcePool("train", [1]), ResourcePool("gen", [1])
     placement = RolePlacement({"train": train_pool, "gen": rollout_pool},
