@@ -162,8 +162,15 @@ def test_a_killed_member_fails_the_call_at_once_with_its_last_log_lines(group):
     Runs last in this module: it leaves the group without rank 1.
     """
     future = group.sleep_then_all_reduce.with_timeout(30).async_call([0.0, 20.0])
-    time.sleep(1.5)
-    os.kill(group.backend.members[1].pid, signal.SIGKILL)
+    # kill rank 1 once it sleeps, with rank 0 past its (zero) sleep and so in the all-reduce
+    members = group.backend.members
+    deadline = time.monotonic() + 30
+    while not all(f"rank {rank} sleeps {seconds} s before an all-reduce" in members[rank].log_path.read_text()
+                  for rank, seconds in ((0, 0.0), (1, 20.0))):
+        assert time.monotonic() < deadline, "the members did not start the call"
+        time.sleep(0.05)
+    time.sleep(0.1)
+    os.kill(members[1].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(WorkerCallError, match=r"'toy' \(ToyWorker\) rank 1 of 2 raised in sleep_then_all_reduce: "
                                               r"MemberDiedError: the member process died") as caught:
