@@ -12,7 +12,9 @@ def ray_cluster():
 
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        # no idle task workers started ahead: the members are actors, which never reuse them
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+                 _system_config={"prestart_worker_first_driver": False})
     yield ray
     release_all_pools()
     if started_here:
