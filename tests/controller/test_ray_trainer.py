@@ -46,7 +46,7 @@ def grpo_args(model: Path, data: Path, run_dir: Path, reward: str, **overrides: 
     """GRPO with a KL loss (so a reference policy) and a critic that trains alongside (critic/* metrics)."""
     settings = {
         "model.path": model, "data.train_files": f"[{data / 'train.parquet'}]", "data.train_batch_size": 2,
-        "reward.custom_function": reward,
+        "reward.custom_function": reward, "reward.num_workers": 1,  # a scorer process per reward worker (not 4)
         "data.max_prompt_length": 64, "data.max_response_length": 8, "rollout.n": 2,
         "algorithm.adv_estimator": "grpo", "actor.use_kl_loss": True, "critic.enable": True,
         "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]", "trainer.total_steps": 3,
