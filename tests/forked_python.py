@@ -3,14 +3,15 @@
 A test that runs ``reinforge train`` or a gloo rank's script as a process of its own pays the
 interpreter's imports every time: about 10 s of CPU on a 2-core CI machine, which made the tests
 that start several processes the slowest of the suite. ``ForkedPython`` starts such a process as a
-fork of multiprocessing's forkserver, whose server preloaded those modules, and is waited for like
+fork of a multiprocessing fork server of this module's own, which preloaded those modules (not the
+global one that the reward scoring pool also starts), and is waited for like
 ``subprocess.Popen``: ``returncode`` (negative for a signal: -9 after SIGKILL), ``communicate``,
 ``kill``. The process gets its own argv, environment (replaced, as ``Popen(env=...)`` does), working
 directory and output, and runs ``-c CODE``, ``-m MODULE`` or a script path as ``python`` would.
 
 What differs from a fresh interpreter: the preloaded modules are imported already, with the
 environment of the server's start (this test process's, after conftest.py set its variables), and
-the hash seed is the server's, the same for every process of one test session. Tests of what a
+the hash seed is the server's, the same for every fork made by one pytest process. Tests of what a
 fresh process does at startup, or of a process group's signals, keep using ``subprocess``.
 """
 
