@@ -35,8 +35,7 @@ from reinforge.trainer.run_folder import RunLock, check_resumed_settings
 logger = logging.getLogger(__name__)
 
 STALLED_STEPS = 3
-"""Training steps in a row whose every optimizer step was skipped (a gradient norm not finite), or whose every sample
-ran to the response budget with one score for all (no gradient), before a run stops."""
+"""Training steps in a row whose every optimizer step was skipped (a gradient norm not finite) before a run stops."""
 
 
 class TrainingStalled(RuntimeError):
@@ -64,13 +63,6 @@ def all_updates_skipped(metrics: dict[str, Any]) -> list[str]:
     return [key.rsplit("/", 1)[0] for key, value in metrics.items()
             if key.endswith("/grad_norm") and isinstance(value, float) and value != value
             and metrics.get(key.rsplit("/", 1)[0] + "/num_skipped_steps", 1.0) > 0]
-
-
-def truncated_without_signal(metrics: dict[str, Any]) -> bool:
-    """Whether every sample of the step ran to the response budget and every one scored the same: its advantages are
-    all zero, so the policy gets no gradient, and a model that never stops within the budget cannot learn to."""
-    return (metrics.get("response_length/clip_ratio") == 1.0 and "critic/score/max" in metrics
-            and metrics["critic/score/max"] == metrics.get("critic/score/min"))
 
 
 class TrainingRun:
@@ -168,7 +160,7 @@ class TrainingRun:
             last_metrics = self.validate()
             if last_metrics:
                 self.tracker.log(last_metrics, step=0)
-        stalled = truncated = 0
+        stalled = 0
         with self.tracker.progress(self.total_steps, initial=self.step) as progress:
             while self.step < self.total_steps and not used_up:
                 try:
@@ -197,17 +189,6 @@ class TrainingRun:
                         "skipped because the gradient norm was not finite, so the weights no longer change (the "
                         f"metrics and checkpoints so far are in {self.run_dir}); look for NaN or inf in the loss and "
                         "the weights: lower the learning rate, or check the rewards and model.lora.alpha")
-                truncated = truncated + 1 if truncated_without_signal(metrics) else 0
-                if truncated >= STALLED_STEPS:
-                    data = getattr(self.config, "data", None)
-                    budget = getattr(data, "max_response_length", "its")
-                    raise TrainingStalled(
-                        f"steps {self.step - truncated + 1}-{self.step}: every sample ran to "
-                        f"data.max_response_length={budget} tokens without stopping and every one scored "
-                        f"{metrics['critic/score/max']:g}, so no sample differs from its group and the policy gets no "
-                        f"gradient (the metrics and checkpoints so far are in {self.run_dir}); raise "
-                        "data.max_response_length, or check that generation can stop: the tokenizer's EOS and "
-                        "rollout.stop_token_ids must include the token that ends an answer")
         if used_up and self.step < self.total_steps:
             logger.info("the run ends after step %d (of at most %d): %s", self.step, self.total_steps, used_up)
         return last_metrics
