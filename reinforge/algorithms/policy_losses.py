@@ -3,14 +3,18 @@
 Every loss builds a (batch, response_len) matrix of per-token losses from the log-ratio
 log_probs - old_log_probs, multiplies it by the optional (detached) rollout importance
 weights and reduces it with ``aggregate_loss``. Metrics are detached scalar tensors:
-``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (the token-mean of old - new log-prob),
+``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (the token-mean of old - new log-prob, bounded
+to +-20 in the losses that bound it),
 plus extras some losses add. This module holds the registry and the token-level losses;
 ``sequence_policy_losses`` (gspo, geo_mean) and ``covariance_policy_losses`` (clip_cov,
 kl_cov) register the others.
 
 The formulas follow verl 0.9.1, including where it bounds the log-ratio to +-20 before exp
 (vanilla, dppo_tv, dppo_kl, cispo, sapo) and where it does not (gspo, clip_cov, kl_cov,
-geo_mean, gpg, dro): there a token with a log-ratio of 25 keeps verl's large gradient. Where
+geo_mean, gpg, dro): there a token with a log-ratio of 25 keeps verl's large gradient. ``ppo_kl``
+follows the same split, as verl's does: the losses that bound the log-ratio average the bounded
+one (a token at log-ratio 25 counts as 20), the others the raw one, and kl_cov reports the mean
+|log r|. Where
 exp of an unbounded log-ratio could overflow we cap its argument at the largest value whose
 exp is finite in the tensor's dtype, which changes no finite result (verl gives inf or nan
 there). Departures, each because verl's choice breaks micro-batching, hides the user's
@@ -19,9 +23,6 @@ setting or hides information:
 - every loss honours ``loss_agg_mode`` (verl forces seq-mean-token-mean on sapo, and a plain
   sequence mean on geo_mean); pick ``seq-mean-token-mean`` to reproduce those papers. A
   sequence-level loss (geo_mean) is placed on each valid token of its row.
-- ``ppo_kl`` always comes from the unbounded log-ratio (verl reports the bounded one in the
-  losses that bound it; the two differ only when a token's |log-ratio| exceeds 20); in kl_cov
-  it is the mean |log r|, as in verl.
 - every loss reports the three common metrics (verl's gpg reports none and dro only ppo_kl).
 - clip_cov's ``pg_clipfrac`` is the share of tokens it detached (as in verl); PPO's clip share
   is ``pg_ppo_clipfrac``. kl_cov adds ``ppo_kl_signed`` and ``pg_klcov_frac``.
@@ -150,9 +151,14 @@ def common_metrics(
     response_mask: Tensor,
     clipfrac: Tensor | None = None,
     clipfrac_lower: Tensor | None = None,
+    *,
+    bounded: bool = False,
 ) -> dict[str, Tensor]:
-    """pg_clipfrac, pg_clipfrac_lower (0 when not given) and ppo_kl from the unbounded log-ratio."""
-    log_ratio = (log_probs - old_log_probs).detach()
+    """pg_clipfrac, pg_clipfrac_lower (0 when not given) and ppo_kl, the token-mean of old - new log-prob.
+
+    ``bounded``: the loss bounds the log-ratio to +-LOG_RATIO_BOUND, and ppo_kl averages the bounded one.
+    """
+    log_ratio = (bounded_log_ratio(log_probs, old_log_probs) if bounded else log_probs - old_log_probs).detach()
     zero = log_ratio.new_zeros(())
     return {
         "pg_clipfrac": (zero if clipfrac is None else clipfrac).detach(),
@@ -193,7 +199,7 @@ def compute_vanilla_policy_loss(
     clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
     clipfrac_lower = masked_mean(((clipped_loss > dual_clip_bound) & negative_advantage).float(), response_mask)
     loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
-    return loss, common_metrics(log_probs, old_log_probs, response_mask, clipfrac, clipfrac_lower)
+    return loss, common_metrics(log_probs, old_log_probs, response_mask, clipfrac, clipfrac_lower, bounded=True)
 
 
 def _dppo_loss(
@@ -208,7 +214,7 @@ def _dppo_loss(
     loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
     clipfrac = masked_mean(1.0 - keep, response_mask)
     truncated_fraction = masked_mean((ratio > config.clip_ratio_c).to(keep.dtype) * keep, response_mask)
-    return loss, common_metrics(log_probs, old_log_probs, response_mask, clipfrac, truncated_fraction)
+    return loss, common_metrics(log_probs, old_log_probs, response_mask, clipfrac, truncated_fraction, bounded=True)
 
 
 @register_policy_loss("dppo_tv")
@@ -295,7 +301,7 @@ def compute_cispo_policy_loss(
     loss_matrix = -clipped_ratio.detach() * advantages * log_probs
     loss = reduce_losses(loss_matrix, response_mask, loss_agg_mode, importance_weights, normalizer)
     clipfrac = masked_mean((ratio != clipped_ratio).float(), response_mask)
-    metrics = common_metrics(log_probs, old_log_probs, response_mask, clipfrac)
+    metrics = common_metrics(log_probs, old_log_probs, response_mask, clipfrac, bounded=True)
     return loss, metrics | _ratio_band_metrics(ratio, response_mask, low, high)
 
 
@@ -319,5 +325,5 @@ def compute_sapo_policy_loss(
     tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss = reduce_losses(-gate * advantages, response_mask, loss_agg_mode, importance_weights, normalizer)
-    metrics = common_metrics(log_probs, old_log_probs, response_mask)
+    metrics = common_metrics(log_probs, old_log_probs, response_mask, bounded=True)
     return loss, metrics | _ratio_band_metrics(ratio, response_mask, low, high)

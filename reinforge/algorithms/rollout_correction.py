@@ -18,6 +18,10 @@ as in verl 0.9.1:
   threshold list "0.3,0.8_1.25" gives each rule its own threshold, in order; one value serves
   every rule.
 
+The metrics follow verl's conventions: ``k3_kl`` averages rho - 1 - log rho over valid tokens
+with log rho unbounded, ``rollout_is_max`` at sequence level is the largest weight before
+truncation.
+
 Bypass mode (old log-probs = rollout log-probs) corrects inside the loss instead, with the
 current log-probs: see ``bypass_policy_loss``.
 """
@@ -242,31 +246,39 @@ def compute_rejection(rule: str, log_ratio: Tensor, valid: Tensor, bounds: Bound
 def _divergence_metrics(
     log_ratio: Tensor, old_log_probs: Tensor, rollout_log_probs: Tensor, valid: Tensor
 ) -> dict[str, float]:
-    bounded = log_ratio.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND)
     has_tokens = valid.any(dim=-1)
     training_ppl = torch.exp(-masked_mean(old_log_probs.detach(), valid, dim=-1))
     rollout_ppl = torch.exp(-masked_mean(rollout_log_probs.detach(), valid, dim=-1))
     return {
         "rollout_corr/kl": masked_mean(-log_ratio, valid).item(),
-        "rollout_corr/k3_kl": masked_mean(torch.exp(bounded) - 1.0 - bounded, valid).item(),
+        "rollout_corr/k3_kl": masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, valid).item(),
         "rollout_corr/training_ppl": masked_mean(training_ppl, has_tokens).item(),
         "rollout_corr/rollout_ppl": masked_mean(rollout_ppl, has_tokens).item(),
     }
 
 
 def _weight_metrics(weights: Tensor, log_ratio: Tensor, valid: Tensor, level: str, bounds: Bounds) -> dict[str, float]:
-    """Statistics of the applied weights (before batch normalisation), and how many left the bounds."""
+    """Statistics of the applied weights (before batch normalisation), and how many left the bounds.
+
+    At sequence level ``rollout_is_max`` is the largest weight before truncation or IcePop's zeroing,
+    exp of the largest row sum of log rho bounded above by 20 (verl's convention); at token level it
+    is the largest applied weight.
+    """
     mean = masked_mean(weights, valid)
     second_moment = masked_mean(weights.square(), valid)
     valid_weights = weights[valid]
     if level == "sequence":
         raw_log_weights = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+        row_log_weights = raw_log_weights[:, 0][valid.any(dim=-1)]
+        largest = (torch.exp(row_log_weights.max().clamp(max=LOG_WEIGHT_BOUND)).item()
+                   if row_log_weights.numel() else 0.0)
     else:
         raw_log_weights = log_ratio
+        largest = valid_weights.max().item() if valid_weights.numel() else 0.0
     above = raw_log_weights > math.log(bounds.upper)
     metrics = {
         "rollout_corr/rollout_is_mean": mean.item(),
-        "rollout_corr/rollout_is_max": valid_weights.max().item() if valid_weights.numel() else 0.0,
+        "rollout_corr/rollout_is_max": largest,
         "rollout_corr/rollout_is_min": valid_weights.min().item() if valid_weights.numel() else 0.0,
         "rollout_corr/rollout_is_std": (second_moment - mean.square()).clamp_min(0).sqrt().item(),
         "rollout_corr/rollout_is_eff_sample_size": (mean.square() / second_moment.clamp_min(1e-12)).item(),

@@ -57,11 +57,13 @@ def test_vanilla_asymmetric_clip_higher():
     assert metrics["pg_clipfrac"] == pytest.approx(0.5)
 
 
-def test_vanilla_clamps_the_log_ratio_but_ppo_kl_does_not():
-    loss, metrics, grad = policy_loss("vanilla", [[50.0]], [[-1.0]], config=PolicyLossConfig(clip_ratio_c=1e12))
-    assert loss == pytest.approx(math.exp(20.0))
-    assert (grad == 0).all()
-    assert metrics["ppo_kl"] == pytest.approx(-50.0)
+def test_vanilla_clamps_the_log_ratio_and_ppo_kl_averages_the_clamped_one():
+    loss, metrics, grad = policy_loss("vanilla", [[50.0, -30.0, 0.5]], [[-1.0, 1.0, 1.0]],
+                                      config=PolicyLossConfig(clip_ratio_c=1e12))
+    assert loss == pytest.approx((math.exp(20.0) - math.exp(-20.0) - 1.2) / 3)
+    assert grad[0, 0] == 0
+    # verl's convention: -mean(clamp(log r, -20, 20)) = -(20 - 20 + 0.5) / 3
+    assert metrics["ppo_kl"] == pytest.approx(-0.5 / 3)
 
 
 def test_vanilla_rejects_a_small_dual_clip():
@@ -316,8 +318,10 @@ def test_a_token_with_log_ratio_25(name, advantage, expected_loss, expected_grad
     loss, metrics, grad = token_loss(name, [[-1.0]], [[-26.0]], [[advantage]])
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     assert grad.item() == pytest.approx(expected_grad, rel=1e-6)
-    # from the unbounded log-ratio; kl_cov reports mean |log r| as verl does
-    assert metrics["ppo_kl"] == pytest.approx(25.0 if name == "kl_cov" else -25.0)
+    # as verl: the losses that bound the log-ratio report the bounded one; kl_cov reports mean |log r|
+    expected_kl = {"kl_cov": 25.0, "vanilla": -20.0, "dppo_tv": -20.0, "dppo_kl": -20.0, "cispo": -20.0,
+                   "sapo": -20.0}.get(name, -25.0)
+    assert metrics["ppo_kl"] == pytest.approx(expected_kl)
 
 
 def test_gspo_with_a_log_ratio_25_token():

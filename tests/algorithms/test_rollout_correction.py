@@ -33,6 +33,30 @@ def test_sequence_importance_weights_use_the_product():
     torch.testing.assert_close(weights, torch.tensor([[1.5, 1.5, 1.5], [1.44, 1.44, 0.0]]))
 
 
+def test_sequence_rollout_is_max_is_the_weight_before_truncation():
+    # row products 1.5 and 1.44, both truncated to 1.2; verl reports the larger raw one
+    _, _, metrics = correct(rollout_is="sequence", rollout_is_threshold=1.2)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(1.5, rel=1e-5)
+    # IcePop zeroes both rows outside [0.5, 1.2]; the maximum is still the raw 1.5
+    _, _, metrics = correct(rollout_is="sequence", rollout_is_threshold="0.5_1.2")
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(1.5, rel=1e-5)
+
+
+def test_sequence_rollout_is_max_is_bounded_at_exp_20():
+    old = ROLLOUT_LOG_PROBS + torch.tensor([[15.0, 10.0, 0.0], [0.0, 0.0, 0.0]])
+    _, _, metrics = compute_rollout_correction(old, ROLLOUT_LOG_PROBS, MASK,
+                                               RolloutCorrectionConfig(rollout_is="sequence"))
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+
+
+def test_k3_kl_does_not_bound_the_log_ratio():
+    # one token with log rho = 25 (k3 = e^25 - 26), one with log rho = 0 (k3 = 0): verl's unbounded mean
+    old = torch.tensor([[23.0, -2.0]])
+    metrics = compute_rollout_correction(old, torch.full((1, 2), -2.0), torch.ones(1, 2),
+                                         RolloutCorrectionConfig())[2]
+    assert metrics["rollout_corr/k3_kl"] == pytest.approx((math.exp(25.0) - 26.0) / 2, rel=1e-5)
+
+
 def test_no_correction_by_default():
     weights, keep_mask, metrics = correct()
     assert weights is None
