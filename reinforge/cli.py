@@ -64,45 +64,42 @@ def _train(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    """``reinforge plan [CONFIG] [a.b=c ...] [--gpu-memory-gib N] [--host-memory-gib M]``: the memory plan."""
+    """``reinforge plan [CONFIG] [a.b=c ...] [--gpu-memory-gib N] [--host-memory-gib M]``: the memory plan.
+
+    It answers for any machine: the device type comes from the config (``trainer.device``), the card's size from
+    ``--gpu-memory-gib`` (else this machine's card). A run that cannot fit is refused as ``train`` refuses it."""
     sizes = argparse.ArgumentParser(prog="reinforge plan", add_help=False)
     sizes.add_argument("--gpu-memory-gib", type=float, default=None)
     sizes.add_argument("--host-memory-gib", type=float, default=None)
     known, rest = sizes.parse_known_args(argv)
     config_path, overrides = _config_arguments(
         rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M]",
-        description="Print the memory plan of a run (reads only the model's config.json); exit 1 if it cannot fit.",
+        description="Print the memory plan of a run on a card of any size, from any machine (reads only the "
+        "model's config.json); exit 2 with one line if it cannot fit.",
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
 
-    from reinforge.config import load_config
+    from reinforge.config import ConfigError, load_config
+    from reinforge.config.validate import validate_config
 
     # the flags are overrides like any other, so the config's checks see them
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
     overrides = [*overrides, *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
-    config = load_config(config_path, overrides)
-    from reinforge.config import ConfigError
-
+    config = load_config(config_path, overrides, validate=False)
+    validate_config(config, this_machine=False)  # the run's machine need not be this one
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
 
     import torch
 
-    from reinforge.engine.memory_plan import MemoryPlanError
+    if config.trainer.gpu_memory_gib is None and config.trainer.device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={config.trainer.device} plans for a GPU, and this machine has none to "
+                          "measure; pass --gpu-memory-gib N to plan for a card of N GiB (or trainer.device=cpu)")
+    from reinforge.engine.lora import check_target_modules
     from reinforge.workers.memory_settings import memory_plan
 
-    if config.trainer.gpu_memory_gib is None and config.trainer.device != "cpu" and not torch.cuda.is_available():
-        raise ConfigError("this machine has no GPU; pass --gpu-memory-gib N to plan for a card of N GiB "
-                          "(or trainer.device=cpu)")
-    from reinforge.engine.lora import check_target_modules
-
-    try:
-        if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
-            check_target_modules(config.model.lora, config.model.path)
-        plan = memory_plan(config)
-    except (MemoryPlanError, ValueError) as error:
-        print(f"reinforge plan: {error}", file=sys.stderr)
-        return 1
-    print(plan.table())
+    if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
+        check_target_modules(config.model.lora, config.model.path)
+    print(memory_plan(config).table())  # MemoryPlanError (a ValueError): one line, exit 2, as train
     return 0
 
 

@@ -127,8 +127,9 @@ def require_logger_packages(loggers: list[str]) -> None:
                               f"pip install {missing} (or reinforge[tracking]), or remove {name} from trainer.loggers")
 
 
-def validate_run(trainer: RunConfig) -> None:
-    """The run-folder settings that RL and SFT share: length, device, cadence, resume."""
+def validate_run(trainer: RunConfig, this_machine: bool = True) -> None:
+    """The run-folder settings that RL and SFT share: length, device, cadence, resume. ``this_machine=False``
+    skips the check that this machine has the device (``reinforge plan`` answers for any machine)."""
     if trainer.total_steps is not None and trainer.total_steps < 1:
         raise ConfigError(f"trainer.total_steps={trainer.total_steps} trains nothing; set it to 1 or more, or "
                           "leave it unset (null) to train trainer.total_epochs over the data")
@@ -136,7 +137,7 @@ def validate_run(trainer: RunConfig) -> None:
         raise ConfigError(f"trainer.total_epochs={trainer.total_epochs} must be at least 1 when trainer.total_steps "
                           "is unset")
     _choice("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
-    if trainer.device == "cuda" and getattr(trainer, "backend", "local") == "local":
+    if this_machine and trainer.device == "cuda" and getattr(trainer, "backend", "local") == "local":
         import torch
 
         if not torch.cuda.is_available():
@@ -193,8 +194,9 @@ def reference_needed(config: Config) -> bool:
     return config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
 
 
-def validate_config(config: Config) -> None:
-    """Raise ConfigError with the fix in the message when fields disagree."""
+def validate_config(config: Config, this_machine: bool = True) -> None:
+    """Raise ConfigError with the fix in the message when fields disagree (and, with ``this_machine``, when
+    this machine lacks the run's device)."""
     data, actor, rollout, algorithm, trainer = config.data, config.actor, config.rollout, config.algorithm, config.trainer
     _choice("algorithm.adv_estimator", algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
     _choice("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
@@ -210,7 +212,7 @@ def validate_config(config: Config) -> None:
     validate_model_dtype(config.model.dtype)
     _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
     _choice("trainer.backend", trainer.backend, ("local", "ray"))
-    validate_run(trainer)
+    validate_run(trainer, this_machine)
     validate_optim("actor.optim", actor.optim)
     validate_optim("critic.optim", config.critic.optim)
     validate_update("actor", actor)

@@ -225,9 +225,29 @@ def test_reinforge_plan_on_a_machine_without_the_gpu(seven_b_folder, capsys):
     out = capsys.readouterr().out
     assert out.startswith("memory plan: peak") and "of 130.7 usable GiB" in out
     assert main(["plan", f"model.path={seven_b_folder}", "data.train_batch_size=64", "--gpu-memory-gib", "16",
-                 "--host-memory-gib", "128"]) == 1
+                 "--host-memory-gib", "128"]) == 2  # as train refuses a run that cannot fit
     err = capsys.readouterr().err.strip()
-    assert err.startswith("reinforge plan: the run does not fit") and "\n" not in err
+    assert err.startswith("error: the run does not fit") and "\n" not in err
+
+
+def test_reinforge_plan_answers_for_a_cuda_card_from_a_machine_without_one(seven_b_folder, monkeypatch, capsys):
+    """The device type comes from the config and the card's size from the flag: "will this fit on an 80 GiB card?"
+    is answered from a laptop; only a size it cannot measure and was not given is refused, in one line."""
+    from reinforge.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["plan", f"model.path={seven_b_folder}", "trainer.device=cuda", "model.lora.rank=32",
+                 "data.train_batch_size=8", "--gpu-memory-gib", "80", "--host-memory-gib", "128"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan: peak") and "of 75.2 usable GiB on the device" in out
+    assert main(["plan", f"model.path={seven_b_folder}", "trainer.device=cuda", "--gpu-memory-gib", "80",
+                 "--host-memory-gib", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the run does not fit: it needs") and "\n" not in err
+    assert main(["plan", f"model.path={seven_b_folder}", "trainer.device=cuda"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: trainer.device=cuda plans for a GPU, and this machine has none to measure; pass --gpu-memory-gib N "
+        "to plan for a card of N GiB (or trainer.device=cpu)")
 
 
 @pytest.mark.parametrize("flag, value", [("--gpu-memory-gib", "0"), ("--gpu-memory-gib", "-5"),
@@ -442,6 +462,6 @@ def test_reinforge_plan_refuses_adapters_that_match_no_layer_as_train_does(seven
     (seven_b_folder / "config.json").write_text(json.dumps(QWEN25["7b"] | {"model_type": "qwen2"}))
 
     assert main(["plan", f"model.path={seven_b_folder}", "model.lora.rank=32", "model.lora.target_modules=[foo_proj]",
-                 "--gpu-memory-gib", "40", "--host-memory-gib", "128"]) == 1
+                 "--gpu-memory-gib", "40", "--host-memory-gib", "128"]) == 2
     err = capsys.readouterr().err.strip()
     assert "target_modules=['foo_proj'] names no linear layer" in err and "\n" not in err
