@@ -6,17 +6,19 @@ scorer (its ``data_source`` is registered, or a custom function scores everythin
 each argument that scorer cannot do without: ``reward_model.ground_truth`` when it takes a
 ``ground_truth`` without a default, a column for any other such argument; a built-in scorer's
 ground-truth check (``registry.GROUND_TRUTH_CHECKS``: an integer for arithmetic, a target and
-numbers for countdown) sees every row's ground truth. Without these checks a
+numbers for countdown) sees every row's ground truth, and a package a built-in scorer imports
+(``registry.SCORER_REQUIREMENTS``: math-verify for math) must be installed. Without these checks a
 row that cannot be scored would only show up as a fallback score of 0 in the middle of a run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from reinforge.config.schema import RewardConfig
 from reinforge.data.rl_dataset import RLDataset
-from reinforge.reward.registry import GROUND_TRUTH_CHECKS, SCORERS, Scorer
+from reinforge.reward.registry import GROUND_TRUTH_CHECKS, SCORER_REQUIREMENTS, SCORERS, Requirement, Scorer
 from reinforge.reward.scorer_calls import (
     SAMPLE_ARGUMENTS,
     TRL_ARGUMENTS,
@@ -45,6 +47,19 @@ def _scorer_name(config: RewardConfig, data_source: str | None) -> str:
     return f"the {data_source!r} scorer"
 
 
+def is_installed(module: str) -> bool:
+    """Whether ``module`` can be imported, found without importing it (math_verify would take a second)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a module left as None in sys.modules
+        return False
+
+
+def _missing_requirement(scorer: Scorer) -> Requirement | None:
+    requirement = SCORER_REQUIREMENTS.get(scorer)
+    return requirement if requirement is not None and not is_installed(requirement.module) else None
+
+
 def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer | None) -> None:
     """Raise one line naming the first row that no scorer can score, and why."""
     options = set(config.kwargs)
@@ -63,6 +78,10 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
                              f"({'from reward.kwargs' if clashing[0] in options else 'for every sample'}); rename "
                              "the column (a ground truth belongs in reward_model.ground_truth)")
         if scorer not in needs:
+            requirement = _missing_requirement(scorer) if custom_scorer is None else None
+            if requirement is not None:
+                raise ValueError(f"{where} has data_source {example.data_source!r}, whose scorer needs the package "
+                                 f"{requirement.module}, which is not installed: {requirement.install}")
             needs[scorer] = required_arguments(scorer) - options - {*TRL_ARGUMENTS, "solution_str", "extra_info",
                                                                      "data_source"}
         given = {name for name, value in example.columns.items() if value is not None}  # parquet fills gaps with null

@@ -11,6 +11,7 @@ keyword options (e.g. gsm8k's ``method``) are filled from ``reward.kwargs``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 Scorer = Callable[..., float | dict[str, Any]]
@@ -23,9 +24,25 @@ GROUND_TRUTH_CHECKS: dict[Scorer, GroundTruthCheck] = {}
 model loads (``reward.data_checks``): a ground truth the scorer cannot read fails each of its samples."""
 
 
-def register_scorer(*data_sources: str, check_ground_truth: GroundTruthCheck | None = None
-                    ) -> Callable[[Scorer], Scorer]:
-    """Register the decorated function as the scorer of each of ``data_sources`` (with its ground-truth check)."""
+@dataclass(frozen=True)
+class Requirement:
+    """A package a scorer imports when it runs, checked before any model loads (``reward.data_checks``)."""
+
+    module: str
+    """The name it is imported by, e.g. ``math_verify``."""
+    install: str
+    """The command that installs it, e.g. ``pip install math-verify (or reinforge[math])``."""
+
+
+SCORER_REQUIREMENTS: dict[Scorer, Requirement] = {}
+
+
+def register_scorer(*data_sources: str, check_ground_truth: GroundTruthCheck | None = None,
+                    requires: Requirement | None = None) -> Callable[[Scorer], Scorer]:
+    """Register the decorated function as the scorer of each of ``data_sources``.
+
+    ``check_ground_truth`` checks each row's ground truth, ``requires`` names a package the scorer imports.
+    """
     if not data_sources:
         raise ValueError("register_scorer needs at least one data source name")
 
@@ -36,6 +53,8 @@ def register_scorer(*data_sources: str, check_ground_truth: GroundTruthCheck | N
             SCORERS[data_source] = fn
         if check_ground_truth is not None:
             GROUND_TRUTH_CHECKS[fn] = check_ground_truth
+        if requires is not None:
+            SCORER_REQUIREMENTS[fn] = requires
         return fn
     return add
 

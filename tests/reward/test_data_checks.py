@@ -1,5 +1,9 @@
 """Rows checked against their scorers when the data loads; extra columns reach verl's and TRL's kinds of scorer."""
 
+import shutil
+import sys
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -10,6 +14,9 @@ from reinforge.data.prompt_loader import collate_prompts
 from reinforge.data.rl_dataset import RLDataset
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.reward.manager import RewardManager
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import forked_python  # noqa: E402
 
 REWARDS = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info):
@@ -145,3 +152,51 @@ def test_a_countdown_ground_truth_without_numbers_is_refused(tmp_path, byte_toke
 
 def test_a_custom_function_reads_its_own_ground_truths(tmp_path, byte_tokenizer, rewards_file):
     check(tmp_path, byte_tokenizer, [row(ground_truth="forty-two")], str(rewards_file))
+
+
+def test_a_missing_scorer_package_is_named_with_its_install_command(tmp_path, byte_tokenizer, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if math-verify were not installed
+    with pytest.raises(ValueError) as raised:
+        check(tmp_path, byte_tokenizer, [row(data_source="math", ground_truth="\\frac{1}{2}")])
+    message = str(raised.value)
+    assert "data_source 'math'" in message and "math_verify" in message and "not installed" in message
+    assert "pip install math-verify" in message and "reinforge[math]" in message
+    assert "\n" not in message
+
+
+def test_a_custom_function_needs_no_built_in_scorer_package(tmp_path, byte_tokenizer, rewards_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    check(tmp_path, byte_tokenizer, [row(data_source="math", ground_truth="1")],
+          custom_function=f"{rewards_file}:compute_score")
+
+
+BLOCK_MATH_VERIFY = '''
+import sys
+
+class NoMathVerify:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "math_verify":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoMathVerify())
+from reinforge.cli import main
+sys.exit(main(["train", *sys.argv[1:]]))
+'''
+
+
+@pytest.mark.slow
+def test_train_without_math_verify_stops_before_the_model_loads(tiny_model_dir, tmp_path, byte_tokenizer):
+    """The model folder has no weights: only a check made before loading can answer first."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").unlink()
+    data = tmp_path / "math.parquet"
+    pq.write_table(pa.Table.from_pylist([row(prompt="What is 1/2?", data_source="math", ground_truth="0.5")] * 4),
+                   data)
+    args = [f"model.path={model}", f"data.train_files=[{data}]", "data.train_batch_size=2", "rollout.n=2",
+            f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_before_train=false"]
+    finished = forked_python.run(["-c", BLOCK_MATH_VERIFY, *args], timeout=300)
+    assert finished.returncode == 2, finished.stderr[-3000:]
+    last_line = finished.stderr.strip().splitlines()[-1]
+    assert "data_source 'math'" in last_line and "pip install math-verify" in last_line, finished.stderr[-3000:]

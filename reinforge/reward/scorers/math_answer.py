@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from reinforge.reward.registry import register_scorer
+from reinforge.reward.registry import Requirement, register_scorer
 
 _MATH_VERIFY_TIMEOUT_S = 5
 
@@ -24,7 +24,8 @@ def _ground_truth_problem(ground_truth: Any) -> str | None:
 
 
 @register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
-                 check_ground_truth=_ground_truth_problem)
+                 check_ground_truth=_ground_truth_problem,
+                 requires=Requirement("math_verify", "pip install math-verify (or pip install 'reinforge[math]')"))
 def score_math(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, Any]:
     """1 when math-verify finds the response's answer equal to ``ground_truth``, else 0.
 
