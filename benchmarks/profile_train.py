@@ -51,7 +51,7 @@ def main() -> None:
         config = build_config(model_dir, args)
         actor = ActorRolloutWorker(config, 4)
         vocab_size = actor.model.config.vocab_size
-        engine = actor.engine
+        engine = actor.rollout_engine
         for step in range(3):
             prompts = prompt_batch(args, vocab_size, step)
             if step == 1:  # the rollout's pieces, each synchronized

@@ -1,4 +1,6 @@
-"""The actor worker on the CPU: FSDP (a group of one), packed scoring, collective checkpoints."""
+"""The actor worker on the CPU: FSDP (a group of one), packed scoring, collective checkpoints.
+
+Generation is tested with the rollout side (test_rollout_side.py)."""
 
 import numpy as np
 import pytest
@@ -62,21 +64,6 @@ def test_log_probs_do_not_depend_on_the_micro_batch_budget_and_checkpoint_round_
     torch.testing.assert_close(worker.compute_log_prob(batch)["old_log_probs"], whole)
 
 
-def test_response_tensors_pad_each_completion_and_keep_its_finish_reason():
-    from types import SimpleNamespace
-
-    from reinforge.workers.actor_rollout import _response_tensors
-
-    completions = [SimpleNamespace(token_ids=[5, 6, 7], log_probs=[-0.1, -0.2, -0.3], finish_reason="stop"),
-                   SimpleNamespace(token_ids=[], log_probs=[], finish_reason="length"),
-                   SimpleNamespace(token_ids=[9, 9, 9, 9], log_probs=[-1.0] * 4, finish_reason="length")]
-    responses, mask, log_probs, stop = _response_tensors(completions, width=4, pad_id=0)
-    assert responses.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0], [9, 9, 9, 9]]
-    assert mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
-    assert log_probs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
-    assert stop.tolist() == [True, False, False] and responses.dtype == torch.long and mask.dtype == torch.float32
-
-
 def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -99,72 +86,3 @@ def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_m
     torch.testing.assert_close(output["sum_pi_squared"], expected, atol=1e-5, rtol=1e-4)
     expected_log_probs = torch.log(probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)) * mask
     torch.testing.assert_close(output["old_log_probs"], expected_log_probs, atol=1e-4, rtol=1e-4)
-
-
-def test_native_rollout_on_one_device_copies_the_shards_without_gathering(tiny_model_dir, monkeypatch):
-    """On one device the engine reads each FSDP parameter's local shard (the whole parameter): no unshard, and
-    the same tokens and log-probs as when the parameters are gathered first (the path of several devices)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    import reinforge.workers.actor_rollout as actor_module
-    from reinforge.rollout.base import SamplingParams
-
-    config = make_config(tiny_model_dir)
-    config.rollout.name = "native"
-    worker = ActorRolloutWorker(config, total_training_steps=2)
-    worker.update_actor(scored_batch())  # weights that differ from the loaded ones
-    batch = prompt_batch().repeat(2, interleave=True)
-    sampling = SamplingParams(max_tokens=6, temperature=1.0)
-    unshards = []
-    original = FSDPModule.unshard
-    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: (unshards.append(self), original(self, *a, **k))[1])
-    direct = worker.generate(batch, sampling, 7)
-    assert unshards == []
-    monkeypatch.setattr(actor_module, "world_size", lambda: 2)  # take the gathering path on the same device
-    gathered = worker.generate(batch, sampling, 7)
-    assert unshards, "the gathering path did not gather"
-    assert torch.equal(direct["responses"], gathered["responses"])
-    torch.testing.assert_close(direct["rollout_log_probs"], gathered["rollout_log_probs"])
-
-
-@pytest.mark.parametrize("lora_rank", [0, 4])
-def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_dir, lora_rank):
-    """actor.param_offload (FSDP's CPU offload; with LoRA too): the same update and the same samples from the
-    native engine, which copies the weights at wake-up onto the worker's device, not the parameters' (the CPU
-    between phases on a GPU machine)."""
-    from reinforge.rollout.base import SamplingParams
-
-    batch = prompt_batch().repeat(2, interleave=True)
-    results = []
-    for offload in (False, True):
-        config = make_config(tiny_model_dir)
-        config.rollout.name = "native"
-        config.actor.param_offload = offload
-        config.model.lora.rank = lora_rank
-        worker = ActorRolloutWorker(config, total_training_steps=2)
-        assert worker.engine.device == worker.device
-        metrics = worker.update_actor(scored_batch())
-        results.append((metrics["actor/grad_norm"], worker.generate(batch, SamplingParams(max_tokens=6), 7)))
-    (norm, resident), (offloaded_norm, offloaded) = results
-    assert offloaded_norm == pytest.approx(norm, rel=1e-5)
-    assert torch.equal(resident["responses"], offloaded["responses"])
-    torch.testing.assert_close(resident["rollout_log_probs"], offloaded["rollout_log_probs"])
-
-
-def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
-    from reinforge.rollout.base import SamplingParams
-
-    config = make_config(tiny_model_dir)
-    config.rollout.name = "native"
-    worker = ActorRolloutWorker(config, total_training_steps=1)
-    batch = prompt_batch()
-    decode = worker.engine.runner.decode
-
-    def failing_decode(*args, **kwargs):
-        raise RuntimeError("decode failed")
-
-    monkeypatch.setattr(worker.engine.runner, "decode", failing_decode)
-    with pytest.raises(RuntimeError, match="decode failed"):  # not "sleep() was called while requests ..."
-        worker.generate(batch, SamplingParams(max_tokens=6), 7)
-    monkeypatch.setattr(worker.engine.runner, "decode", decode)
-    assert worker.generate(batch, SamplingParams(max_tokens=6), 7)["responses"].shape == (2, 6)

@@ -1,0 +1,118 @@
+"""The actor worker's rollout side on the CPU: the response tensors, and how the weights reach each engine."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import reinforge.workers.rollout_side as rollout_side
+from reinforge.rollout.base import SamplingParams
+from reinforge.workers.actor_rollout import ActorRolloutWorker
+from reinforge.workers.rollout_side import _response_tensors
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_actor_rollout import make_config, prompt_batch, scored_batch  # noqa: E402
+
+
+def test_response_tensors_pad_each_completion_and_keep_its_finish_reason():
+    completions = [SimpleNamespace(token_ids=[5, 6, 7], log_probs=[-0.1, -0.2, -0.3], finish_reason="stop"),
+                   SimpleNamespace(token_ids=[], log_probs=[], finish_reason="length"),
+                   SimpleNamespace(token_ids=[9, 9, 9, 9], log_probs=[-1.0] * 4, finish_reason="length")]
+    responses, mask, log_probs, stop = _response_tensors(completions, width=4, pad_id=0)
+    assert responses.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0], [9, 9, 9, 9]]
+    assert mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]]
+    assert log_probs[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0.0])
+    assert stop.tolist() == [True, False, False] and responses.dtype == torch.long and mask.dtype == torch.float32
+
+
+def test_native_rollout_on_one_device_copies_the_shards_without_gathering(tiny_model_dir, monkeypatch):
+    """On one device the engine reads each FSDP parameter's local shard (the whole parameter): no unshard, and
+    the same tokens and log-probs as when the parameters are gathered first (the path of several devices)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=2)
+    worker.update_actor(scored_batch())  # weights that differ from the loaded ones
+    batch = prompt_batch().repeat(2, interleave=True)
+    sampling = SamplingParams(max_tokens=6, temperature=1.0)
+    unshards = []
+    original = FSDPModule.unshard
+    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: (unshards.append(self), original(self, *a, **k))[1])
+    direct = worker.generate(batch, sampling, 7)
+    assert unshards == []
+    monkeypatch.setattr(rollout_side, "world_size", lambda: 2)  # take the gathering path on the same device
+    gathered = worker.generate(batch, sampling, 7)
+    assert unshards, "the gathering path did not gather"
+    assert torch.equal(direct["responses"], gathered["responses"])
+    torch.testing.assert_close(direct["rollout_log_probs"], gathered["rollout_log_probs"])
+
+
+@pytest.mark.parametrize("rollout_name, strategy, gathered_while_generating", [
+    ("hf", rollout_side.InPlaceWeights, True),  # generate runs on the training module itself
+    ("native", rollout_side.CopiedWeights, False),  # the engine has its copy: sharded again before the first token
+])
+def test_the_engine_decides_whether_the_parameters_stay_gathered_while_it_generates(
+        tiny_model_dir, monkeypatch, rollout_name, strategy, gathered_while_generating):
+    from torch.distributed.fsdp import FSDPModule
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = rollout_name
+    config.model.lora.rank = 4
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    assert type(worker.rollout_side.weights) is strategy
+    monkeypatch.setattr(rollout_side, "world_size", lambda: 2)  # the gathering path of several devices
+    events: list[str] = []
+    for name in ("unshard", "reshard"):
+        original = getattr(FSDPModule, name)
+        monkeypatch.setattr(FSDPModule, name, lambda self, *a, _name=name, _original=original, **k: (
+            events.append(_name), _original(self, *a, **k))[1])
+    generate = worker.rollout_engine.generate
+    at_generate: list[int] = []
+    monkeypatch.setattr(worker.rollout_engine, "generate", lambda requests: (
+        at_generate.append(events.count("unshard") - events.count("reshard")), generate(requests))[1])
+    output = worker.generate(prompt_batch(), SamplingParams(max_tokens=4), 7)
+    assert output["responses"].shape == (2, 4)
+    assert events.count("unshard") > 0 and events.count("unshard") == events.count("reshard")
+    assert (at_generate[0] > 0) == gathered_while_generating
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_dir, lora_rank):
+    """actor.param_offload (FSDP's CPU offload; with LoRA too): the same update and the same samples from the
+    native engine, which copies the weights at wake-up onto the worker's device, not the parameters' (the CPU
+    between phases on a GPU machine)."""
+    batch = prompt_batch().repeat(2, interleave=True)
+    results = []
+    for offload in (False, True):
+        config = make_config(tiny_model_dir)
+        config.rollout.name = "native"
+        config.actor.param_offload = offload
+        config.model.lora.rank = lora_rank
+        worker = ActorRolloutWorker(config, total_training_steps=2)
+        assert worker.rollout_engine.device == worker.device
+        metrics = worker.update_actor(scored_batch())
+        results.append((metrics["actor/grad_norm"], worker.generate(batch, SamplingParams(max_tokens=6), 7)))
+    (norm, resident), (offloaded_norm, offloaded) = results
+    assert offloaded_norm == pytest.approx(norm, rel=1e-5)
+    assert torch.equal(resident["responses"], offloaded["responses"])
+    torch.testing.assert_close(resident["rollout_log_probs"], offloaded["rollout_log_probs"])
+
+
+def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
+    config = make_config(tiny_model_dir)
+    config.rollout.name = "native"
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    batch = prompt_batch()
+    decode = worker.rollout_engine.runner.decode
+
+    def failing_decode(*args, **kwargs):
+        raise RuntimeError("decode failed")
+
+    monkeypatch.setattr(worker.rollout_engine.runner, "decode", failing_decode)
+    with pytest.raises(RuntimeError, match="decode failed"):  # not "sleep() was called while requests ..."
+        worker.generate(batch, SamplingParams(max_tokens=6), 7)
+    monkeypatch.setattr(worker.rollout_engine.runner, "decode", decode)
+    assert worker.generate(batch, SamplingParams(max_tokens=6), 7)["responses"].shape == (2, 6)
