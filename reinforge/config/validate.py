@@ -118,13 +118,16 @@ def validate_loggers(loggers: list[str]) -> None:
 def require_logger_packages(loggers: list[str]) -> None:
     """What a training command needs beyond a valid config: the packages of its trackers (a config naming wandb
     stays valid, and translatable, where wandb is not installed)."""
-    from reinforge.tracking import missing_backend_package
+    from reinforge.tracking import backend_problem, missing_backend_package
 
     for name in loggers:
         missing = missing_backend_package(name)
         if missing:
             raise ConfigError(f"trainer.loggers names {name}, which needs the {missing} package, not installed here; "
                               f"pip install {missing} (or reinforge[tracking]), or remove {name} from trainer.loggers")
+        problem = backend_problem(name)
+        if problem:
+            raise ConfigError(f"trainer.loggers names {name}: {problem}")
 
 
 def validate_run(trainer: RunConfig, this_machine: bool = True) -> None:

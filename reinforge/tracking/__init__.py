@@ -8,6 +8,7 @@ from reinforge.tracking.backends import (
     TRACKING_BACKENDS,
     RunInfo,
     TrackingBackend,
+    backend_problem,
     missing_backend_package,
     register_tracking_backend,
 )
@@ -17,5 +18,5 @@ from reinforge.tracking.tracker import Tracker, to_float
 
 __all__ = [
     "METRICS_FILE", "SAMPLES_FILE", "TRACKING_BACKENDS", "RunInfo", "StepProgress", "Tracker", "TrackingBackend",
-    "missing_backend_package", "read_json_lines", "register_tracking_backend", "to_float", "truncate_after_step",
+    "backend_problem", "missing_backend_package", "read_json_lines", "register_tracking_backend", "to_float", "truncate_after_step",
 ]

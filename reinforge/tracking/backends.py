@@ -47,18 +47,31 @@ TRACKING_BACKENDS: dict[str, Callable[[RunInfo], TrackingBackend]] = {}
 BACKEND_PACKAGES: dict[str, tuple[str, str]] = {}
 """A backend's name -> (the module it imports, the package that holds it), for backends that need one."""
 
+BACKEND_CHECKS: dict[str, Callable[[], str | None]] = {}
+"""A backend's name -> a check of its environment (one line naming what is wrong and the fix, or None)."""
 
-def register_tracking_backend(name: str, needs: tuple[str, str] | None = None
+
+def register_tracking_backend(name: str, needs: tuple[str, str] | None = None,
+                              check: Callable[[], str | None] | None = None
                               ) -> Callable[[type[TrackingBackend]], type[TrackingBackend]]:
-    """``needs``: (module, package) the backend imports when it starts, checked beforehand by ``missing_backend_package``."""
+    """``needs``: (module, package) the backend imports when it starts, checked beforehand by ``missing_backend_package``;
+    ``check``: what else it needs of the environment, asked by ``backend_problem`` before any model loads."""
     def add(backend_cls: type[TrackingBackend]) -> type[TrackingBackend]:
         if name in TRACKING_BACKENDS:
             raise ValueError(f"tracking backend {name!r} is registered twice")
         TRACKING_BACKENDS[name] = backend_cls
         if needs is not None:
             BACKEND_PACKAGES[name] = needs
+        if check is not None:
+            BACKEND_CHECKS[name] = check
         return backend_cls
     return add
+
+
+def backend_problem(name: str) -> str | None:
+    """Why backend ``name`` (its package installed) would fail to start here, in one line, or None."""
+    check = BACKEND_CHECKS.get(name)
+    return check() if check is not None else None
 
 
 def missing_backend_package(name: str) -> str | None:

@@ -6,8 +6,11 @@ is missing (the ``reinforge[tracking]`` extra has all three).
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Mapping
+from types import ModuleType
 from typing import Any
 
 from reinforge.tracking.backends import RunInfo, TrackingBackend, import_optional, register_tracking_backend
@@ -86,20 +89,77 @@ def mlflow_metric_name(key: str) -> str:
     return re.sub(r"[^\w\-./ ]", "_", section + slash + rest.replace("/", "."))
 
 
-@register_tracking_backend("mlflow", needs=("mlflow", "mlflow"))
+MLFLOW_DATABASE = "mlflow.db"
+"""The SQLite database in the run folder that holds the run's MLflow metrics, unless MLFLOW_TRACKING_URI says otherwise."""
+
+
+def _file_store_path(uri: str) -> str | None:
+    """The folder of MLflow's file store that ``uri`` names (a path or a file: URI), else None (a database, a server)."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else ("file" if uri.startswith("file:") else "")
+    if scheme == "file":
+        return uri.removeprefix("file://").removeprefix("file:")
+    return uri if not scheme and not uri.startswith(("databricks", "uc")) else None  # databricks: a named store
+
+
+def mlflow_store_problem() -> str | None:
+    """One line when MLFLOW_TRACKING_URI names a file store that the installed MLflow refuses, else None.
+
+    MLflow 3 keeps its file store in maintenance mode and refuses it unless MLFLOW_ALLOW_FILE_STORE=true;
+    asked before any model loads (MLflow itself is imported only for such a URI)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    folder = _file_store_path(uri) if uri else None
+    if folder is None:
+        return None
+    from mlflow import environment_variables
+
+    allowed = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)
+    if allowed is None or allowed.get():
+        return None
+    return (f"MLFLOW_TRACKING_URI={uri} (environment) is MLflow's file store, which this MLflow refuses (maintenance "
+            "mode); unset MLFLOW_TRACKING_URI to keep the metrics in RUN_DIR/mlflow.db, point it at a database "
+            f"(sqlite:///{folder.rstrip('/')}.db) or a server, or set MLFLOW_ALLOW_FILE_STORE=true")
+
+
+def chosen_tracking_uri(mlflow: ModuleType) -> str | None:
+    """The MLflow store a user chose (MLFLOW_TRACKING_URI, or ``mlflow.set_tracking_uri`` in this process), else None."""
+    is_set = getattr(mlflow, "is_tracking_uri_set", None)
+    if os.environ.get("MLFLOW_TRACKING_URI", "").strip() or (is_set is not None and is_set()):
+        return mlflow.get_tracking_uri()
+    return None
+
+
+@register_tracking_backend("mlflow", needs=("mlflow", "mlflow"), check=mlflow_store_problem)
 class MlflowBackend(TrackingBackend):
-    """Metrics under ``mlflow_metric_name``'s names (see there why), the config as parameters."""
+    """A run of experiment ``project`` named ``experiment``: in the store a user chose (``chosen_tracking_uri``),
+    else in ``RUN_DIR/mlflow.db`` (``mlflow ui --backend-store-uri sqlite:///RUN_DIR/mlflow.db``); metrics under
+    ``mlflow_metric_name``'s names (see there why), the config as parameters.
+
+    It goes through its own ``MlflowClient``, so a caller's active MLflow run and tracking URI are left alone.
+    """
 
     def __init__(self, run: RunInfo):
-        self._mlflow = import_optional("mlflow", "mlflow", "mlflow")
-        self._mlflow.set_experiment(run.project)
-        self._mlflow.start_run(run_name=run.experiment)
-        params = {key: str(value)[:MLFLOW_PARAM_LIMIT] for key, value in _flatten(run.config or {}).items()}
+        mlflow = import_optional("mlflow", "mlflow", "mlflow")
+        chosen = chosen_tracking_uri(mlflow)
+        run_dir = run.run_dir.resolve()
+        self.tracking_uri = chosen or f"sqlite:///{run_dir / MLFLOW_DATABASE}"
+        self._client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = self._client.get_experiment_by_name(run.project)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:  # in the run folder's own database, its artifacts go in the run folder too
+            artifacts = None if chosen else (run_dir / "mlflow-artifacts").as_uri()
+            experiment_id = self._client.create_experiment(run.project, artifact_location=artifacts)
+        self.run_id = self._client.create_run(experiment_id, run_name=run.experiment).info.run_id
+        self._entities = mlflow.entities
+        params = [self._entities.Param(key, str(value)[:MLFLOW_PARAM_LIMIT])
+                  for key, value in _flatten(run.config or {}).items()]
         if params:
-            self._mlflow.log_params(params)
+            self._client.log_batch(self.run_id, params=params)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._mlflow.log_metrics({mlflow_metric_name(key): value for key, value in metrics.items()}, step=step)
+        timestamp = int(time.time() * 1000)
+        self._client.log_batch(self.run_id, metrics=[
+            self._entities.Metric(mlflow_metric_name(key), value, timestamp, step) for key, value in metrics.items()])
 
     def close(self) -> None:
-        self._mlflow.end_run()
+        self._client.set_terminated(self.run_id)

@@ -1,7 +1,10 @@
-"""W&B (offline) and MLflow (local file store) receive the metrics; skipped where they are not installed."""
+"""W&B (offline) and MLflow (the run folder's database, a chosen store) receive the metrics; skipped where they are
+not installed."""
 
 import pytest
 
+from reinforge.config import ConfigError
+from reinforge.config.validate import require_logger_packages
 from reinforge.tracking import Tracker
 from reinforge.tracking.external import mlflow_metric_name
 
@@ -30,6 +33,62 @@ def test_mlflow_run_holds_the_metrics(tmp_path, monkeypatch):
     assert runs["metrics.val-core/x.acc.mean_at_1"].tolist() == [0.25]
     assert runs["metrics.timing_s/gen"].tolist() == [2.0] and runs["metrics.timing_s/gen.gc"].tolist() == [0.5]
     assert runs["metrics.step"].tolist() == [2]
+
+
+@pytest.mark.slow  # MLflow creates its database's tables: 4-6 s
+def test_mlflow_writes_into_the_run_folder_and_nothing_into_the_working_directory(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    working = tmp_path / "cwd"
+    working.mkdir()
+    (working / "mlruns").mkdir()  # MLflow's own default is this folder's file store once it exists
+    monkeypatch.chdir(working)
+    run_dir = tmp_path / "run"
+    with Tracker(run_dir, ["mlflow"], config={"actor": {"optim": {"lr": 1e-6}}}, project="p", experiment="e") as tracker:
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+        tracker.log({"critic/score/mean": 0.75}, step=2)
+    assert sorted(path.name for path in working.rglob("*")) == ["mlruns"]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("p").experiment_id])
+    assert run.info.run_name == "e" and run.info.status == "FINISHED" and run.data.params == {"actor.optim.lr": "1e-06"}
+    history = client.get_metric_history(run.info.run_id, "critic/score.mean")
+    assert [(metric.step, metric.value) for metric in history] == [(1, 0.5), (2, 0.75)]
+    assert sorted(path.name for path in working.rglob("*")) == ["mlruns"]
+
+
+@pytest.mark.slow  # MLflow creates its database's tables: 4-6 s
+def test_mlflow_uses_the_database_named_by_mlflow_tracking_uri(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    database = f"sqlite:///{tmp_path / 'shared.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", database)
+    monkeypatch.chdir(tmp_path)
+    with Tracker(tmp_path / "run", ["mlflow"], experiment="demo") as tracker:
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+    runs = mlflow.MlflowClient(tracking_uri=database).search_runs(
+        [mlflow.MlflowClient(tracking_uri=database).get_experiment_by_name("reinforge").experiment_id])
+    assert [run.data.metrics for run in runs] == [{"critic/score.mean": 0.5}]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run", "shared.db"]
+
+
+def test_a_file_store_this_mlflow_refuses_is_named_before_the_run_starts(tmp_path, monkeypatch):
+    environment = pytest.importorskip("mlflow.environment_variables")
+    if not hasattr(environment, "MLFLOW_ALLOW_FILE_STORE"):
+        pytest.skip("this MLflow keeps its file store without asking")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        require_logger_packages(["jsonl", "mlflow"])
+    assert str(refused.value) == (
+        f"trainer.loggers names mlflow: MLFLOW_TRACKING_URI={(tmp_path / 'mlruns').as_uri()} (environment) is MLflow's "
+        "file store, which this MLflow refuses (maintenance mode); unset MLFLOW_TRACKING_URI to keep the metrics in "
+        f"RUN_DIR/mlflow.db, point it at a database (sqlite:///{tmp_path / 'mlruns'}.db) or a server, or set "
+        "MLFLOW_ALLOW_FILE_STORE=true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    require_logger_packages(["mlflow"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    require_logger_packages(["mlflow"])
 
 
 @pytest.mark.parametrize("key, name", [("timing_s/gen/gc", "timing_s/gen.gc"), ("timing_s/gen", "timing_s/gen"),
