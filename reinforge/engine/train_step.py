@@ -16,7 +16,7 @@ over the ranks while globally normalised losses must be summed, so each backward
 the world size. The gradient norm is clipped over the sharded gradients of all ranks. A step
 whose gradient norm is not finite is skipped (and counted), never applied.
 
-Rows the loss gives no gradient (``no_gradient_rows``: a GRPO group whose samples all scored the
+Rows the loss gives no gradient (``no_grad_rows``: a GRPO group whose samples all scored the
 same has advantage 0 everywhere) need no backward: they form ``FORWARD_ONLY`` micro-batches whose
 forward the caller still runs, so every metric stays the mean over all rows, while the counts
 that normalise the loss include them as before.
@@ -141,11 +141,11 @@ class ModelUpdate:
         self.seconds = 0.0
         self._weight = 0.0
 
-    def micro_batches(self, batch: Batch, no_gradient_rows: Tensor | None = None
+    def micro_batches(self, batch: Batch, no_grad_rows: Tensor | None = None
                       ) -> Iterator[tuple[Batch, MiniBatchCounts]]:
         """Epochs x mini-batches x micro-batches of ``batch``; each optimizer step runs when its last micro-batch is done.
 
-        ``no_gradient_rows`` (len(batch),) bool marks rows the loss gives no gradient (every advantage 0
+        ``no_grad_rows`` (len(batch),) bool marks rows the loss gives no gradient (every advantage 0
         under a loss linear in it): they go into micro-batches of their own, marked ``FORWARD_ONLY``,
         which come first; the counts that normalise the loss still include them.
         """
@@ -159,7 +159,7 @@ class ModelUpdate:
                 mini_batch = batch if whole else batch.index(mini_rows)
                 counts = mini_batch_counts(mini_batch, settings.mask_key, self.device)
                 optimizer.zero_grad(set_to_none=True)
-                frozen = None if no_gradient_rows is None else no_gradient_rows if whole else no_gradient_rows[mini_rows]
+                frozen = None if no_grad_rows is None else no_grad_rows if whole else no_grad_rows[mini_rows]
                 for micro in self._split(mini_batch, frozen):
                     self._weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
                     plan = micro.meta.get(PLAN_KEY)

@@ -28,7 +28,7 @@ LINEAR_IN_ADVANTAGE = frozenset({"vanilla", "gspo", "geo_mean", "gpg", "cispo", 
 they clip or penalise by statistics over the whole micro-batch)."""
 
 
-def no_gradient_rows(config: Config, batch: Batch) -> Tensor | None:
+def no_grad_rows(config: Config, batch: Batch) -> Tensor | None:
     """(B,) bool: rows whose loss has no gradient (every response token's advantage 0), when the actor's whole
     loss is linear in the advantage (``actor.skip_zero_advantage_backward``); None where that does not hold."""
     actor = config.actor

@@ -29,9 +29,9 @@ from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.protocol import Batch
-from reinforge.rollout.base import SamplingParams
+from reinforge.rollout.base import RolloutEngine, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
-from reinforge.workers.actor_loss import actor_loss, no_gradient_rows
+from reinforge.workers.actor_loss import actor_loss, no_grad_rows
 from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
 from reinforge.workers.memory_settings import apply_memory_plan, cap_device_memory
 from reinforge.workers.rollout_side import RolloutSide, full_weights_on_cpu, rollout_copy_of, seed_for
@@ -99,7 +99,7 @@ class ActorRolloutWorker(Worker):
 
     # ---- rollout ------------------------------------------------------------------
     @property
-    def rollout_engine(self):
+    def rollout_engine(self) -> RolloutEngine:
         """The engine that generates (``rollout.hf`` or ``rollout.native``), not the training engine of ``engine/``."""
         return self.rollout_side.rollout_engine
 
@@ -179,7 +179,7 @@ class ActorRolloutWorker(Worker):
         first_micro: tuple[torch.Tensor, ...] = ()
         settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
-        for micro, counts in update.micro_batches(batch, no_gradient_rows(self.config, batch)):
+        for micro, counts in update.micro_batches(batch, no_grad_rows(self.config, batch)):
             forward_only = micro.meta.get(FORWARD_ONLY, False)
             with torch.no_grad() if forward_only else contextlib.nullcontext():
                 log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,

@@ -120,7 +120,7 @@ class InPlaceWeights:
     """
 
     def __init__(self, engine: Any, model: torch.nn.Module, peft_model: torch.nn.Module | None, sharded: bool):
-        self.engine, self.model, self.peft_model, self.sharded = engine, model, peft_model, sharded
+        self.rollout_engine, self.model, self.peft_model, self.sharded = engine, model, peft_model, sharded
 
     @contextlib.contextmanager
     def awake(self, phases: _PhaseTimer) -> Iterator[None]:
@@ -132,8 +132,8 @@ class InPlaceWeights:
             with merged_weights(self.peft_model) if self.peft_model is not None else contextlib.nullcontext():
                 if self.peft_model is not None:
                     phases.lap("lora_merge")
-                self.engine.sync_weights(self.model)
-                self.engine.wake_up()
+                self.rollout_engine.sync_weights(self.model)
+                self.rollout_engine.wake_up()
                 phases.lap("wake_up")
                 yield
 
@@ -148,7 +148,7 @@ class CopiedWeights:
     """
 
     def __init__(self, engine: Any, model: torch.nn.Module, peft_model: torch.nn.Module | None, sharded: bool):
-        self.engine, self.model, self.peft_model, self.sharded = engine, model, peft_model, sharded
+        self.rollout_engine, self.model, self.peft_model, self.sharded = engine, model, peft_model, sharded
 
     @contextlib.contextmanager
     def awake(self, phases: _PhaseTimer) -> Iterator[None]:
@@ -157,11 +157,11 @@ class CopiedWeights:
         with unsharded(self.model) if self.sharded and world_size() > 1 else contextlib.nullcontext():
             if self.sharded:
                 phases.lap("gather_weights")
-            self.engine.sync_weights(self.model)
-            self.engine.wake_up()
+            self.rollout_engine.sync_weights(self.model)
+            self.rollout_engine.wake_up()
             phases.lap("wake_up")
             if self.peft_model is not None:
-                self.engine.add_to_weights(lora_deltas(self.peft_model, self.engine.device))
+                self.rollout_engine.add_to_weights(lora_deltas(self.peft_model, self.rollout_engine.device))
                 phases.lap("lora_merge")
         yield
 

@@ -55,7 +55,7 @@ UPDATE = textwrap.dedent("""
         metrics = on_policy_update(model, optimizer, scheduler, batch,
                                    UpdateSettings(max_tokens_per_micro_batch=budget, grad_clip=0.05),
                                    split=partial(balanced_micro_batches, share_prompts=SHARE),
-                                   no_gradient_rows=(batch["advantages"] == 0).all(-1) if skip_zero_advantage else None)
+                                   no_grad_rows=(batch["advantages"] == 0).all(-1) if skip_zero_advantage else None)
         return full_model_state(model), metrics["actor/grad_norm"]
 """)
 

@@ -107,10 +107,10 @@ def test_packed_forward_matches_padded_forward(arch):
 
 
 def on_policy_update(model, optimizer, scheduler, batch: Batch, settings: UpdateSettings, split=padded_micro_batches,
-                     loss_agg_mode: str = "token-mean", no_gradient_rows=None) -> dict[str, float]:
+                     loss_agg_mode: str = "token-mean", no_grad_rows=None) -> dict[str, float]:
     """One on-policy vanilla policy-gradient update of ``model`` by the engine's ``ModelUpdate``; its ``actor/*`` metrics."""
     update = ModelUpdate(model, optimizer, scheduler, settings, torch.device("cpu"), split=split)
-    for micro, counts in update.micro_batches(batch, no_gradient_rows):
+    for micro, counts in update.micro_batches(batch, no_grad_rows):
         if micro.meta.get(FORWARD_ONLY):
             with torch.no_grad():
                 response_log_probs(model, micro)

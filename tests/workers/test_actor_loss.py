@@ -8,7 +8,7 @@ from reinforge.config.schema import Config
 from reinforge.engine.forward import build_position_ids
 from reinforge.engine.fsdp import full_model_state
 from reinforge.protocol import Batch
-from reinforge.workers.actor_loss import no_gradient_rows
+from reinforge.workers.actor_loss import no_grad_rows
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 
 ROWS, PROMPT, RESPONSE = 8, 4, 6
@@ -87,19 +87,19 @@ def test_forward_only_rows_give_the_update_and_metrics_of_the_full_backward(tiny
 def test_rows_are_forward_only_only_where_the_loss_is_linear_in_the_advantage(tiny_model_dir):
     batch = grpo_like_batch([0, 1])
     config = Config()
-    rows = no_gradient_rows(config, batch)
+    rows = no_grad_rows(config, batch)
     assert rows is not None and rows.tolist() == [True, True] + [False] * (ROWS - 2)
     for key, value in [("skip_zero_advantage_backward", False), ("use_kl_loss", True), ("entropy_coeff", 0.01)]:
         changed = Config()
         setattr(changed.actor, key, value)
-        assert no_gradient_rows(changed, batch) is None, key
+        assert no_grad_rows(changed, batch) is None, key
     for loss_mode in ("dro", "clip_cov", "kl_cov"):  # a term without the advantage, or batch-wide token selection
         changed = Config()
         changed.actor.policy_loss.loss_mode = loss_mode
-        assert no_gradient_rows(changed, batch) is None, loss_mode
+        assert no_grad_rows(changed, batch) is None, loss_mode
     padded = grpo_like_batch([])
     padded["response_mask"][4] = 0  # a row without response tokens has no loss either
-    assert no_gradient_rows(config, padded).tolist() == [False] * 4 + [True] + [False] * 3
+    assert no_grad_rows(config, padded).tolist() == [False] * 4 + [True] + [False] * 3
 
 
 @pytest.mark.gpu
