@@ -1,10 +1,10 @@
-# Two commands: `make demo` and `make test`. Both create .venv on first use and reuse it after.
+# Two commands: `make demo` and `make test` (`make test-fast` leaves out the tests marked slow). Both create .venv on first use and reuse it after.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo demo-agent test lint clean-venv sandbox-deps
+.PHONY: demo demo-agent test test-fast lint clean-venv sandbox-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ sandbox-deps:
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
 test: $(STAMP) sandbox-deps
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# the suite without the tests that take more than 5 s each on a 2-core CPU (@pytest.mark.slow)
+test-fast: $(STAMP) sandbox-deps
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check reinforge tests benchmarks

@@ -122,6 +122,7 @@ SKIPPING = textwrap.dedent("""
 SKIPPING_MAIN = RANK_MAIN.replace("budget=12)", "budget=12, skip_zero_advantage=True)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_rows", [[4, 5, 6, 7], [0, 1, 4, 5]])
 def test_forward_only_rows_on_two_ranks_update_like_one_process_with_every_backward(tmp_path, zero_rows):
     """Rank 1 with nothing to train (its part with gradients is a row without loss tokens) and rank 0 with

@@ -35,6 +35,7 @@ def prompts_logged(run_dir: Path) -> list[tuple[int, str]]:
     return [(row["step"], row["prompt"]) for row in rows]
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_and_overlong_shaping_train_and_resume_exactly(tiny_model_dir, arithmetic_data_dir,
                                                                         tmp_path):
     reward_file = tmp_path / "odd.py"
@@ -87,6 +88,7 @@ def merged_metrics(run_dir: Path) -> dict[int, dict]:
     return merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("prompts", "epochs", "runs_out_inside_a_step"), [
     (12, 2, True),  # 4 generation batches of 3 an epoch: steps 1 and 2 take 3 each, step 3 finds 2
     (18, 1, False),  # 6 generation batches: steps 1-3 take 2 each
