@@ -38,9 +38,10 @@ from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
-from reinforge.trainer.modes import build_mode
+from reinforge.trainer.modes import TrainerCalls, build_mode
 from reinforge.trainer.modes.partial import refuse_agent_rows
 from reinforge.trainer.run_loop import DataExhausted, TrainingRun
+from reinforge.trainer.seeds import step_seed
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
@@ -114,7 +115,7 @@ class RLTrainer(TrainingRun):
         """trainer.separate_rollout: the worker group that generates in the off-policy modes."""
         if config.trainer.mode != "sync" and config.trainer.separate_rollout:
             self.rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="rollout", rollout_only=True)
-        self.mode = build_mode(self)
+        self.mode = build_mode(config, self._mode_calls())
         """trainer.mode one_step_off or async (reinforge.trainer.modes); None in sync mode."""
 
     # ---- the step ---------------------------------------------------------------------
@@ -227,7 +228,7 @@ class RLTrainer(TrainingRun):
         batch = prompts.repeat(config.rollout.n, interleave=True)
         with _timed(timing, "gen"):
             batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
-                batch, self.sampling(), config.trainer.seed * 1_000_003 + self.step)
+                batch, self.sampling(), step_seed(config.trainer.seed, self.step))
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
@@ -307,10 +308,15 @@ class RLTrainer(TrainingRun):
             extras["mode"] = self.mode.state_dict()
         return extras
 
-    @property
-    def generator(self) -> WorkerGroup:
-        """The group whose ``generate`` the off-policy modes call."""
-        return self.rollout if self.rollout is not None else self.actor_rollout
+    def _mode_calls(self) -> TrainerCalls:
+        """What an off-policy mode calls: generation on the rollout group (or the actor's), the reward group's
+        scores, the actor's log-probs, this trainer's step and weight sync."""
+        generator = self.rollout if self.rollout is not None else self.actor_rollout
+        return TrainerCalls(next_prompts=self.next_prompts, generate=generator.generate.async_call,
+                            score=self.reward.score, compute_log_prob=self.actor_rollout.compute_log_prob,
+                            train_on_batch=self.train_on_batch, sync_rollout_weights=self.sync_rollout_weights,
+                            trained_steps=lambda: self.step, sampling=self.sampling(), pad_token_id=self.pad_token_id,
+                            run_dir=self.run_dir)
 
     def sync_rollout_weights(self) -> None:
         """Off-policy modes: the rollout generates with the current weights from now on (a new version)."""

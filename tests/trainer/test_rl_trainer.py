@@ -199,7 +199,7 @@ def test_row_without_prompt_is_one_clear_line(tiny_model_dir, tmp_path, capsys):
 
 
 COMPARED_PREFIXES = ("timing_s/", "perf/", "rollout/tokens_per_s")
-"""Metrics that measure speed, left out when two runs are compared (resume tests: test_kill_resume.py)."""
+"""Metrics that measure speed, left out when two runs are compared (resume tests: test_run_loop.py)."""
 
 
 def _train_command(args: list[str]) -> list[str]:

@@ -1,25 +1,24 @@
 """Off-policy training modes (``trainer.mode``): one_step_off and async; sync is ``RLTrainer`` itself.
 
-A mode hands the trainer generated, scored batches (``next_batch``) and trains on them
-(``train``, which ends in ``RLTrainer.train_on_batch``); ``paused`` holds its background work
-still for a checkpoint, whose part it provides with ``state_dict``.
+A mode is built from the config and the few trainer functions it calls (``TrainerCalls``). It
+hands the trainer generated, scored batches (``next_batch``) and trains on them (``train``, which
+ends in ``TrainerCalls.train_on_batch``); ``paused`` holds its background work still for a
+checkpoint, whose part it provides with ``state_dict``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from reinforge.trainer.modes.async_trainer import AsyncMode
+from reinforge.config.schema import Config
+from reinforge.trainer.modes.async_mode import AsyncMode
 from reinforge.trainer.modes.one_step_off import OneStepOffMode
-
-if TYPE_CHECKING:
-    from reinforge.trainer.rl_trainer import RLTrainer
+from reinforge.trainer.modes.trainer_calls import TrainerCalls
 
 
-def build_mode(trainer: RLTrainer) -> AsyncMode | OneStepOffMode | None:
-    mode = trainer.config.trainer.mode
+def build_mode(config: Config, calls: TrainerCalls) -> AsyncMode | OneStepOffMode | None:
+    """The mode ``config.trainer.mode`` names; None for sync."""
+    mode = config.trainer.mode
     if mode == "async":
-        return AsyncMode(trainer)
+        return AsyncMode(config, calls)
     if mode == "one_step_off":
-        return OneStepOffMode(trainer)
+        return OneStepOffMode(config, calls)
     return None

@@ -19,23 +19,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from reinforge.config.schema import Config
 from reinforge.controller.worker_group import GroupFuture
 from reinforge.protocol import Batch
 from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.staleness import staleness_metrics
+from reinforge.trainer.modes.trainer_calls import TrainerCalls
+from reinforge.trainer.seeds import step_seed
 from reinforge.trainer.validation import without_prompt_tensors
-
-if TYPE_CHECKING:
-    from reinforge.trainer.rl_trainer import RLTrainer
 
 
 class OneStepOffMode:
-    def __init__(self, trainer: RLTrainer):
-        self.trainer, self.config = trainer, trainer.config
+    def __init__(self, config: Config, calls: TrainerCalls):
+        self.config, self.calls = config, calls
         self.version = 0
         """Weight syncs so far: the version the next submitted generation samples with."""
         self.drawn = 0
@@ -56,23 +56,23 @@ class OneStepOffMode:
 
     def _submit(self, prompts: Batch) -> None:
         batch = prompts.repeat(self.config.rollout.n, interleave=True)
-        seed = self.config.trainer.seed * 1_000_003 + self.drawn
+        seed = step_seed(self.config.trainer.seed, self.drawn)
         self.drawn += 1
-        future = self.trainer.generator.generate.async_call(batch, self.trainer.sampling(), seed)
+        future = self.calls.generate(batch, self.calls.sampling, seed)
         self._pending = (batch, future, self.version, time.perf_counter())
 
     def next_batch(self) -> Batch:
         if self._pending is None:
-            self._submit(self.trainer.next_prompts())
+            self._submit(self.calls.next_prompts())
         assert self._pending is not None
         batch, future, version, _ = self._pending
         start = time.perf_counter()
         generated = without_prompt_tensors(batch) | future.result()
         waited = time.perf_counter() - start
-        self._submit(self.trainer.next_prompts())  # batch k+1, with the weights before update k
+        self._submit(self.calls.next_prompts())  # batch k+1, with the weights before update k
         generated["token_versions"] = torch.where(generated["response_mask"].bool(), version, -1).long()
         start_reward = time.perf_counter()
-        generated = generated | self.trainer.reward.score(generated)
+        generated = generated | self.calls.score(generated)
         generated.meta |= {"timing": {"gen": waited, "reward": time.perf_counter() - start_reward}}
         return generated
 
@@ -81,10 +81,10 @@ class OneStepOffMode:
         timing = batch.meta.pop("timing")
         metrics = staleness_metrics(batch["token_versions"], batch["response_mask"], self.version)
         if not is_fresh(batch, self.version, 0):
-            batch = prepare_stale_batch(self.config, batch, self.trainer.actor_rollout.compute_log_prob,
+            batch = prepare_stale_batch(self.config, batch, self.calls.compute_log_prob,
                                         self.version, metrics)
-        metrics |= self.trainer.train_on_batch(batch, timing, metrics, step_start)
-        self.trainer.sync_rollout_weights()
+        metrics |= self.calls.train_on_batch(batch, timing, metrics, step_start)
+        self.calls.sync_rollout_weights()
         self.version += 1
         metrics["async/version"] = float(self.version)
         return metrics

@@ -1,5 +1,5 @@
-"""SFT data and run settings that used to slip through: odd roles and contents, an assistant turn first, the
-trained chat template missing from the checkpoint, settings a resume silently accepted."""
+"""The SFT trainer's checks of data and settings: odd roles and contents, an assistant turn first, truncated
+conversations, the trained chat template kept in the checkpoint, settings a resume may not change."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The ``Rollouter`` thread streams finished, scored prompt groups; each training step takes
 ``data.train_batch_size`` of them (in admission order), adds the decoupled-PPO pieces when any
-token is stale (``decoupled.py``) and runs the usual step (``RLTrainer.train_on_batch``). Every
+token is stale (``decoupled.py``) and runs the trainer's step (``TrainerCalls.train_on_batch``). Every
 ``trainer.trigger_sync_steps`` updates the rollout's weights are synced and the version grows;
 samples in flight then continue under the new weights (partial rollouts with
 ``rollout.segment_tokens``). With the hybrid worker both sides share the device by turns
@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reinforge.config.schema import Config
 from reinforge.protocol import Batch
@@ -31,36 +31,33 @@ from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.device_turns import DeviceTurns
 from reinforge.trainer.modes.rollouter import Rollouter
 from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
+from reinforge.trainer.modes.trainer_calls import TrainerCalls
+from reinforge.trainer.seeds import step_seed
 from reinforge.workers.actor_rollout import seed_for
-
-if TYPE_CHECKING:
-    from reinforge.trainer.rl_trainer import RLTrainer
 
 GROUPS_FILE = "async_groups.jsonl"
 
 
 class AsyncMode:
-    def __init__(self, trainer: RLTrainer):
-        config = trainer.config
-        self.trainer, self.config = trainer, config
+    def __init__(self, config: Config, calls: TrainerCalls):
+        self.config, self.calls = config, calls
         self.batch_size = config.data.train_batch_size
         self.turns = DeviceTurns()
-        sampling = trainer.sampling()
         self.rollouter = Rollouter(
-            next_prompts=trainer.next_prompts,
-            generate=lambda batch, params: trainer.generator.generate(batch, params, 0),
-            score=trainer.reward.score, seed_of=lambda position, uid: request_seed(config, position, uid),
+            next_prompts=calls.next_prompts,
+            generate=lambda batch, params: calls.generate(batch, params, 0).result(),
+            score=calls.score, seed_of=lambda position, uid: request_seed(config, position, uid),
             bound=StalenessBound(config.trainer.max_staleness, config.trainer.trigger_sync_steps * self.batch_size),
-            sampling=sampling, n=config.rollout.n,
+            sampling=calls.sampling, n=config.rollout.n,
             segment_tokens=config.rollout.segment_tokens or config.data.max_response_length,
-            batch_size=self.batch_size, pad_token_id=trainer.pad_token_id, turns=self.turns)
+            batch_size=self.batch_size, pad_token_id=calls.pad_token_id, turns=self.turns)
         self.updates = 0
         self._last_step_end = time.perf_counter()
         self._idle_mark = 0.0
         self._tokens_mark = 0
 
     def start(self) -> None:
-        truncate_records(self.trainer.run_dir / GROUPS_FILE, self.trainer.step)  # what a killed try wrote after
+        truncate_records(self.calls.run_dir / GROUPS_FILE, self.calls.trained_steps())  # what a killed try wrote after
         self._last_step_end = time.perf_counter()
         self.rollouter.start()
 
@@ -77,7 +74,7 @@ class AsyncMode:
         start = time.perf_counter()
         taken = self.rollouter.take(self.batch_size)
         waited = time.perf_counter() - start
-        batch = concat_generated([rows for _, rows in taken], self.trainer.pad_token_id)
+        batch = concat_generated([rows for _, rows in taken], self.calls.pad_token_id)
         reward_metrics: dict[str, float] = {}
         for _, rows in taken:
             for key, value in rows.meta.get("reward_metrics", {}).items():
@@ -97,17 +94,17 @@ class AsyncMode:
         metrics: dict[str, float] = {}
         # the hybrid worker takes turns with the rollouter for the update; a separate rollout worker generates
         # meanwhile and only waits for the sync (the version read here changes in this thread alone)
-        with self.turns.trainer() if self.trainer.rollout is None else contextlib.nullcontext():
+        with contextlib.nullcontext() if self.config.trainer.separate_rollout else self.turns.trainer():
             version = self.rollouter.version
             metrics |= staleness_metrics(batch["token_versions"], batch["response_mask"], version)
             if not is_fresh(batch, version, self.updates % trigger):
-                batch = prepare_stale_batch(self.config, batch, self.trainer.actor_rollout.compute_log_prob,
+                batch = prepare_stale_batch(self.config, batch, self.calls.compute_log_prob,
                                             self.updates, metrics)
-            metrics |= self.trainer.train_on_batch(batch, timing, metrics, step_start)
+            metrics |= self.calls.train_on_batch(batch, timing, metrics, step_start)
             self.updates += 1
         if self.updates % trigger == 0:
             with self.turns.trainer():  # between the rollouter's segments: each is sampled by one version
-                self.trainer.sync_rollout_weights()
+                self.calls.sync_rollout_weights()
                 self.rollouter.set_version(version + 1)
         now = time.perf_counter()
         window = max(now - self._last_step_end, 1e-9)
@@ -123,8 +120,8 @@ class AsyncMode:
 
     def _record(self, positions: list[int], batch: Batch) -> None:
         uids = list(dict.fromkeys(str(uid) for uid in batch["uid"]))
-        with open(self.trainer.run_dir / GROUPS_FILE, "a") as file:
-            file.write(json.dumps({"step": self.trainer.step + 1, "positions": positions, "uids": uids}) + "\n")
+        with open(self.calls.run_dir / GROUPS_FILE, "a") as file:
+            file.write(json.dumps({"step": self.calls.trained_steps() + 1, "positions": positions, "uids": uids}) + "\n")
 
     def state_dict(self) -> dict[str, Any]:
         return {"updates": self.updates, "rollouter": self.rollouter.state_dict()}
@@ -137,7 +134,7 @@ class AsyncMode:
 def request_seed(config: Config, position: int, uid: str) -> int:
     """The seed sync mode gives the request of prompt ``uid``, the ``position``-th prompt drawn."""
     step = position // config.data.train_batch_size
-    return seed_for(config.trainer.seed * 1_000_003 + step, uid)
+    return seed_for(step_seed(config.trainer.seed, step), uid)
 
 
 def truncate_records(path: Path, step: int) -> None:

@@ -1,6 +1,6 @@
-"""The off-policy modes end to end on the tiny model: async at max_staleness=0 is the sync trainer,
-one_step_off trains one version behind with the decoupled loss, and a killed async run resumes
-without losing or repeating an admitted prompt group."""
+"""trainer.mode=async end to end on the tiny model: at max_staleness=0 it is the sync trainer, partial rollouts
+train with the loglinear proximal policy, and a killed run resumes without losing or repeating an admitted
+prompt group."""
 
 from __future__ import annotations
 
@@ -50,19 +50,6 @@ def test_async_with_max_staleness_0_and_sync_every_update_gives_the_sync_trainer
         assert got["async/staleness_max"] == 0.0 and "rollout_corr/kl" not in got
 
 
-@pytest.mark.parametrize("separate_rollout", [False, True])
-def test_one_step_off_trains_one_version_behind_with_truncated_importance_weights(
-        tiny_model_dir, arithmetic_data_dir, tmp_path, separate_rollout):
-    rows = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
-        "trainer.mode": "one_step_off", "trainer.separate_rollout": separate_rollout})
-    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
-    assert "rollout_corr/rollout_is_mean" not in rows[0]  # the first batch is on-policy
-    for row in rows[1:]:
-        assert 0 < row["rollout_corr/rollout_is_mean"] and row["rollout_corr/rollout_is_max"] <= 2.0
-        assert "timing_s/old_log_prob" not in row or row["timing_s/old_log_prob"] >= 0
-        assert row["actor/num_skipped_steps"] == 0  # a non-finite gradient would be skipped and counted here
-
-
 def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_model_dir, arithmetic_data_dir, tmp_path):
     run_dir = tmp_path / "run"
     rows = run(tiny_model_dir, arithmetic_data_dir, run_dir, **{
@@ -105,29 +92,6 @@ def test_a_killed_async_run_resumes_without_losing_or_repeating_an_admitted_grou
     assert pending <= after  # every group admitted and not yet trained at the checkpoint was trained later
     assert set(range(min(positions), max(before) + 1)) <= before | after | pending
     assert [row["step"] for row in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
-
-
-def test_a_resumed_one_step_off_run_trains_the_same_prompts_at_every_step(tiny_model_dir, arithmetic_data_dir,
-                                                                         tmp_path):
-    """The checkpoint holds the prompts whose generation was in flight; the resumed run generates them again."""
-    def prompts_by_step(run_dir: Path) -> dict[int, list[str]]:
-        rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
-        steps: dict[int, list[str]] = {}
-        for row in rows:
-            steps.setdefault(row["step"], []).append(row["prompt"])
-        return steps
-
-    settings = {"trainer.mode": "one_step_off", "trainer.num_logged_samples": 16, "trainer.total_steps": 4}
-    run(tiny_model_dir, arithmetic_data_dir, tmp_path / "whole", **settings)
-    resumed = tmp_path / "resumed"
-    run(tiny_model_dir, arithmetic_data_dir, resumed, **{**settings, "trainer.total_steps": 2})
-    state = torch.load(resumed / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)["mode"]
-    assert state["pending_prompts"] is not None and len(state["pending_prompts"]) == 4
-    rows = run(tiny_model_dir, arithmetic_data_dir, resumed, **settings)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert prompts_by_step(resumed) == prompts_by_step(tmp_path / "whole")
-    assert rows[2]["async/staleness_max"] == 0.0  # regenerated after the resume: by the restored weights
-    assert rows[3]["async/staleness_max"] == 1.0
 
 
 def test_an_async_run_resumed_with_another_rollout_n_is_refused_before_any_model_loads(
