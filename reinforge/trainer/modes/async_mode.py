@@ -33,7 +33,7 @@ from reinforge.trainer.modes.rollouter import Rollouter
 from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
 from reinforge.trainer.modes.trainer_calls import TrainerCalls
 from reinforge.trainer.seeds import step_seed
-from reinforge.workers.actor_rollout import seed_for
+from reinforge.workers.rollout_side import seed_for
 
 GROUPS_FILE = "async_groups.jsonl"
 
