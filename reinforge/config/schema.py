@@ -328,6 +328,13 @@ class RewardConfig:
     """Seconds a scorer may take on one sample; a slower one gets fallback_score (and is counted)."""
     num_workers: int = 4
     """Scoring processes; 0 scores in this process."""
+    max_memory_mb: Optional[int] = 4096
+    """Heap cap of each scoring process (RLIMIT_DATA); a scorer that allocates past it gets fallback_score
+    (counted in reward/memory_exceeded) and its process is replaced. Built-in scorers use under 100 MB, so
+    4096 stops only a leak, and bounds the scorers at num_workers x 4 GiB; null: no cap. Not applied when
+    num_workers=0."""
+    max_abs_score: float = 1e6
+    """A score whose magnitude exceeds this is warned about once (a scorer on the wrong scale)."""
     retool_wrong_answer: bool = False
     """ReTool's shaping for tool use: a wrong answer (acc false, or a score <= 0 without acc) scores
     min(-0.6, -1 + 0.05 * (num_turns - 2)), so each tool call (two turns) adds 0.1 up to -0.6."""

@@ -13,6 +13,13 @@ that scores nothing learns nothing. ``reward.num_workers=0`` scores in a thread 
 process (handy under a debugger), still stopped at the time limit (see ``run_job_in_thread``). With ``reward.overlong_buffer.enable`` each score
 gets DAPO's overlong penalty (``reward.overlong``), kept per sample as the ``overlong_penalty``
 extra and counted in ``reward/overlong/*``.
+
+Each scoring process's heap is capped at ``reward.max_memory_mb``; a sample whose scorer runs
+past it gets the fallback score, counted in ``reward/memory_exceeded``, and the process is
+replaced. Two signs of a scorer that scores nothing useful are warned about once each, in one
+line: a score whose magnitude exceeds ``reward.max_abs_score``, and every sample scoring the same
+value for ``CONSTANT_SCORE_BATCHES`` batches in a row while the scorer returns no extras (a
+scorer that returns extras, such as ``acc``, shows its progress there).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ from reinforge.reward.scorer_calls import (
 from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool, run_job_in_thread
 
 logger = logging.getLogger(__name__)
+
+
+CONSTANT_SCORE_BATCHES = 5
+"""Batches in a row (a training step scores one, or several under dynamic sampling) in which every sample scores
+the same value before the reward manager warns that the scorer may not discriminate."""
 
 
 class ScorerFailure(RuntimeError):
@@ -87,6 +99,11 @@ class RewardManager:
         self._pool: ScoringPool | None = None
         self._logged_error = False
         self._logged_timeout = False
+        self._logged_memory = False
+        self._warned_scale = False
+        self._warned_constant = False
+        self._constant_score: float | None = None
+        self._constant_batches = 0
 
     def close(self) -> None:
         """Stop the scorer processes (they also stop when the manager is garbage-collected)."""
@@ -128,21 +145,28 @@ class RewardManager:
         per_sample_extras: list[dict[str, Any]] = [{} for _ in range(num_samples)]
         errors: list[tuple[Any, str]] = []
         timeouts: list[Any] = []
+        out_of_memory: list[Any] = []
         for index, result in enumerate(results):
             if result.timed_out:
                 timeouts.append(data_sources[index])
+                continue
+            if result.memory_exceeded:
+                out_of_memory.append(data_sources[index])
                 continue
             try:
                 scores[index], per_sample_extras[index] = _unpack_score(result)
             except Exception as error:
                 errors.append((data_sources[index], result.error or f"{type(error).__name__}: {error}"))
-        if num_samples and len(errors) + len(timeouts) == num_samples:
-            raise ScorerFailure(self._all_failed(num_samples, len(timeouts), errors[0][1] if errors else None,
-                                                 data_sources[0]))
+        if num_samples and len(errors) + len(timeouts) + len(out_of_memory) == num_samples:
+            raise ScorerFailure(self._all_failed(num_samples, len(timeouts), len(out_of_memory),
+                                                 errors[0][1] if errors else None, data_sources[0]))
         if errors:
             self._log_error_once(*errors[0])
         if timeouts:
             self._log_timeout_once(timeouts[0])
+        if out_of_memory:
+            self._log_memory_once(out_of_memory[0])
+        self._watch_scores(scores, data_sources, returned_extras=any(per_sample_extras))
         num_errors, num_timeouts = len(errors), len(timeouts)
 
         if self.config.retool_wrong_answer:
@@ -155,7 +179,8 @@ class RewardManager:
                     scores[index] = float(own_score)
         keys = sorted({key for extras in per_sample_extras for key in extras})
         extras = {key: [extras.get(key) for extras in per_sample_extras] for key in keys}
-        metrics = {"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts)}
+        metrics = {"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts),
+                   "reward/memory_exceeded": float(len(out_of_memory))}
         buffer = self.config.overlong_buffer
         if buffer.enable:
             assert self.max_response_length is not None  # checked in __init__
@@ -187,17 +212,22 @@ class RewardManager:
         if self.config.num_workers == 0:
             return [run_job_in_thread(job, self.config.timeout_s) for job in jobs]
         if self._pool is None:
-            self._pool = ScoringPool(self.config.num_workers, self.config.timeout_s, self.config.custom_function)
+            self._pool = ScoringPool(self.config.num_workers, self.config.timeout_s, self.config.custom_function,
+                                     self.config.max_memory_mb)
         return self._pool.run(jobs)
 
-    def _all_failed(self, num_samples: int, num_timeouts: int, first_error: str | None, data_source: Any) -> str:
+    def _all_failed(self, num_samples: int, num_timeouts: int, num_out_of_memory: int, first_error: str | None,
+                    data_source: Any) -> str:
         scorer = (f"reward.custom_function={self.config.custom_function}" if self.config.custom_function
                   else f"the scorer of data_source {data_source!r}")
-        if first_error is None:
+        if first_error is None and num_timeouts == 0:
+            what = f"ran past reward.max_memory_mb={self.config.max_memory_mb}"
+        elif first_error is None:
             what = f"ran past reward.timeout_s={self.config.timeout_s}"
         else:
             what = "raised " + (first_error.strip().splitlines() or ["?"])[-1]
-        return (f"{scorer} failed on all {num_samples} samples of a batch ({num_timeouts} timed out); it {what}. "
+        return (f"{scorer} failed on all {num_samples} samples of a batch ({num_timeouts} timed out, "
+                f"{num_out_of_memory} ran out of memory); it {what}. "
                 "Nothing can be learned from such a step: fix the scorer (reward.num_workers=0 runs it in this "
                 "process, under a debugger)")
 
@@ -214,6 +244,40 @@ class RewardManager:
             logger.warning("a scorer ran past reward.timeout_s=%s on a sample of data_source %r and was stopped; "
                            "it gets reward.fallback_score=%s. Later timeouts are only counted in reward/timeouts.",
                            self.config.timeout_s, data_source, self.config.fallback_score)
+
+
+    def _log_memory_once(self, data_source: str | None) -> None:
+        if not self._logged_memory:
+            self._logged_memory = True
+            logger.warning("a scorer ran past reward.max_memory_mb=%s on a sample of data_source %r; its process "
+                           "was replaced and the sample gets reward.fallback_score=%s. Later ones are only counted "
+                           "in reward/memory_exceeded.", self.config.max_memory_mb, data_source,
+                           self.config.fallback_score)
+
+    def _watch_scores(self, scores: Tensor, data_sources: Any, returned_extras: bool) -> None:
+        """Warn once about a score beyond reward.max_abs_score, and once about scores that never vary."""
+        if not len(scores):
+            return
+        beyond = scores.abs() > self.config.max_abs_score
+        if beyond.any() and not self._warned_scale:
+            self._warned_scale = True
+            index = int(beyond.nonzero()[0, 0])
+            logger.warning("a scorer returned %.6g on a sample of data_source %r, beyond reward.max_abs_score=%g; "
+                           "at such a scale advantages and the critic lose all precision: rescale the scorer (or "
+                           "raise reward.max_abs_score if it is meant). Warned once.",
+                           float(scores[index]), data_sources[index], self.config.max_abs_score)
+        value = float(scores[0])
+        if returned_extras or not bool((scores == value).all()):
+            self._constant_score, self._constant_batches = None, 0
+            return
+        self._constant_batches = self._constant_batches + 1 if self._constant_score == value else 1
+        self._constant_score = value
+        if self._constant_batches >= CONSTANT_SCORE_BATCHES and not self._warned_constant:
+            self._warned_constant = True
+            logger.warning("every sample of the last %d batches scored %s (data_source %r) and the scorer returns "
+                           "no extras: a score that never varies teaches nothing; check the scorer and the ground "
+                           "truths. Warned once.", self._constant_batches, value,
+                           data_sources[0])
 
 
 def retool_scores(scores: Tensor, extras: list[dict[str, Any]], num_turns: Any) -> Tensor:

@@ -15,6 +15,10 @@ parent, the forkserver, ends. As with any
 spawned worker, a script that starts training must keep its top level behind
 ``if __name__ == "__main__":``. A worker imports only ``reinforge.reward`` (no torch), and
 its time limit starts when it reports ready, so start-up never counts against a job.
+
+``max_memory_mb`` caps each worker's heap (``RLIMIT_DATA``, set in the worker before it imports
+anything): a scorer that allocates past it gets a ``MemoryError``, its worker exits at once (its
+heap may hold the leak) and is replaced, and its job is reported as ``memory_exceeded``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Any
 
 _STARTUP_TIMEOUT_S = 120.0
 _STOP_TIMEOUT_S = 1.0
+MEMORY_EXCEEDED_EXIT_CODE = 75
+"""The exit code of a worker whose scorer ran out of memory (a MemoryError under ``max_memory_mb``)."""
 
 
 @dataclass
@@ -56,6 +62,8 @@ class JobResult:
     error: str | None = None
     """The traceback (or reason) when the scorer raised or its process died."""
     timed_out: bool = False
+    memory_exceeded: bool = False
+    """The scorer ran out of memory (past the pool's ``max_memory_mb``); its worker was replaced."""
 
 
 _loaded_custom_scorers: dict[str, Callable[..., Any]] = {}
@@ -139,8 +147,22 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_loop(connection: Connection, custom_function: str | None) -> None:
+def limit_memory(max_memory_mb: int | None) -> None:
+    """Cap this process's heap (RLIMIT_DATA: private writable memory) at ``max_memory_mb``; None leaves it."""
+    if max_memory_mb is None:
+        return
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = max_memory_mb * 1024 * 1024
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def _worker_loop(connection: Connection, custom_function: str | None, max_memory_mb: int | None = None) -> None:
     die_with_parent()
+    limit_memory(max_memory_mb)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us via close().
     try:
         import reinforge.reward  # noqa: F401  (registers the built-in scorers before we report ready)
@@ -163,6 +185,8 @@ def _worker_loop(connection: Connection, custom_function: str | None) -> None:
             return
         try:
             reply = ("ok", run_job(job))
+        except MemoryError:
+            os._exit(MEMORY_EXCEEDED_EXIT_CODE)  # the leak may still be referenced: only a new process is clean
         except BaseException:  # noqa: B036  (a scorer calling sys.exit must not kill the worker silently)
             reply = ("error", traceback.format_exc())
         try:
@@ -172,10 +196,10 @@ def _worker_loop(connection: Connection, custom_function: str | None) -> None:
 
 
 class _Worker:
-    def __init__(self, context: Any, custom_function: str | None) -> None:
+    def __init__(self, context: Any, custom_function: str | None, max_memory_mb: int | None = None) -> None:
         self.connection, child_connection = context.Pipe(duplex=True)
-        self.process = context.Process(target=_worker_loop, args=(child_connection, custom_function), daemon=True,
-                                       name="reinforge-scorer")
+        self.process = context.Process(target=_worker_loop, args=(child_connection, custom_function, max_memory_mb),
+                                       daemon=True, name="reinforge-scorer")
         self.process.start()
         child_connection.close()
         self.ready = False
@@ -202,9 +226,11 @@ def _stop_workers(workers: list[_Worker]) -> None:
 
 
 class ScoringPool:
-    """``num_workers`` scorer processes; ``run`` gives each job at most ``timeout_s`` seconds."""
+    """``num_workers`` scorer processes; ``run`` gives each job at most ``timeout_s`` seconds (and each worker
+    at most ``max_memory_mb`` of heap; None: no cap)."""
 
-    def __init__(self, num_workers: int, timeout_s: float, custom_function: str | None = None) -> None:
+    def __init__(self, num_workers: int, timeout_s: float, custom_function: str | None = None,
+                 max_memory_mb: int | None = None) -> None:
         if num_workers < 1:
             raise ValueError(f"a scoring pool needs at least one worker, got reward.num_workers={num_workers}")
         if timeout_s <= 0:
@@ -213,7 +239,8 @@ class ScoringPool:
         self._context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         self.timeout_s = timeout_s
         self.custom_function = custom_function
-        self._workers = [_Worker(self._context, custom_function) for _ in range(num_workers)]
+        self.max_memory_mb = max_memory_mb
+        self._workers = [_Worker(self._context, custom_function, max_memory_mb) for _ in range(num_workers)]
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
 
     def close(self) -> None:
@@ -257,7 +284,9 @@ class ScoringPool:
         except (EOFError, OSError):
             worker.process.join(_STOP_TIMEOUT_S)
             reason = f"the scorer process died (exit code {worker.process.exitcode})"
-            if worker.job_index is not None:
+            if worker.job_index is not None and worker.process.exitcode == MEMORY_EXCEEDED_EXIT_CODE:
+                results[worker.job_index] = JobResult(memory_exceeded=True)
+            elif worker.job_index is not None:
                 results[worker.job_index] = JobResult(error=reason)
             elif not worker.ready:
                 raise RuntimeError(
@@ -292,4 +321,4 @@ class ScoringPool:
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         position = self._workers.index(worker)
-        self._workers[position] = _Worker(self._context, self.custom_function)
+        self._workers[position] = _Worker(self._context, self.custom_function, self.max_memory_mb)

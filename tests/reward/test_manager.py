@@ -49,6 +49,25 @@ async def judged(solution_str, ground_truth, extra_info=None):
     return {"score": float(solution_str == ground_truth), "judge": "async"}
 
 
+_kept = []
+
+
+def leaky(solution_str, ground_truth, extra_info=None):
+    """Keeps 40 MB per call, as a scorer with a growing cache would."""
+    if solution_str == "all at once":
+        _kept.append(bytearray(8 * 2**30))
+    _kept.append(bytearray(40 * 2**20))
+    return float(len(_kept))
+
+
+def huge(solution_str, ground_truth, extra_info=None):
+    return 1e30 if solution_str == "big" else 1.0
+
+
+def length(solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str))
+
+
 async def completions_judged(completions, ground_truth, **kwargs):
     return [float(completions[0] == ground_truth[0])]
 '''
@@ -94,7 +113,7 @@ def test_score_sits_on_the_last_response_token(byte_tokenizer):
     assert output.scores.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert output.extras["acc"] == [True, False, False, True]
     assert output.extras["pred"][:2] == ["72", "5"]
-    assert output.metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    assert output.metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/memory_exceeded": 0.0}
 
 
 def test_decoding_skips_special_and_unmasked_tokens(byte_tokenizer, scorer_path):
@@ -224,7 +243,7 @@ def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, score
             output = manager.score(batch)
         elapsed = time.monotonic() - started
         assert output.scores.tolist() == [-1.0, 1.0, -1.0, -1.0, 1.0, 1.0]
-        assert output.metrics == {"reward/errors": 1.0, "reward/timeouts": 2.0}
+        assert output.metrics == {"reward/errors": 1.0, "reward/timeouts": 2.0, "reward/memory_exceeded": 0.0}
         assert elapsed < 6.0
         assert "timeout_s=1.0" in caplog.text and "scorer process died (exit code 3)" in caplog.text
         again = manager.score(make_batch(byte_tokenizer, ["ok", "ok"], ["x"] * 2, ["x"] * 2))
@@ -284,3 +303,69 @@ def test_a_numpy_bool_is_a_score():
 
     assert _unpack_score(JobResult(value=np.bool_(True))) == (1.0, {})
     assert _unpack_score(JobResult(value={"score": np.bool_(False), "acc": np.bool_(False)})) == (0.0, {"acc": False})
+
+
+def test_a_scorer_past_max_memory_mb_gets_the_fallback_and_its_process_is_replaced(byte_tokenizer, scorer_path,
+                                                                                   caplog):
+    config = RewardConfig(num_workers=1, timeout_s=30, fallback_score=-1.0, max_memory_mb=300,
+                          custom_function=f"{scorer_path}:leaky")
+    with RewardManager(config, byte_tokenizer) as manager:
+        with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+            output = manager.score(make_batch(byte_tokenizer, ["a"] * 12, ["x"] * 12, ["leaks"] * 12))
+        scores = output.scores.tolist()
+        # each call keeps 40 MB more: a few fit under 300 MB, the next one is stopped and a fresh process goes on
+        assert 1 <= output.metrics["reward/memory_exceeded"] <= 3, scores
+        first_failure = scores.index(-1.0)
+        assert first_failure >= 3 and scores[first_failure + 1] == 1.0, scores
+        assert output.metrics["reward/errors"] == 0.0
+        assert "reward.max_memory_mb=300" in caplog.text and "'leaks'" in caplog.text
+        one_allocation = manager.score(make_batch(byte_tokenizer, ["all at once", "a"], ["x"] * 2, ["x"] * 2))
+        assert one_allocation.scores.tolist() == [-1.0, 1.0]
+        assert one_allocation.metrics["reward/memory_exceeded"] == 1.0
+
+
+def test_a_score_beyond_max_abs_score_is_warned_once(byte_tokenizer, scorer_path, caplog):
+    manager = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:huge")
+    with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        manager.score(make_batch(byte_tokenizer, ["ok", "ok"], ["x"] * 2, ["x"] * 2))
+        assert not caplog.records
+        for _ in range(3):
+            manager.score(make_batch(byte_tokenizer, ["ok", "big"], ["x"] * 2, ["src"] * 2))
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "1e+30" in warnings[0] and "reward.max_abs_score=1e+06" in warnings[0] and "'src'" in warnings[0]
+    quiet = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:huge", max_abs_score=1e31)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        quiet.score(make_batch(byte_tokenizer, ["big"], ["x"], ["x"]))
+    assert not caplog.records
+
+
+def test_one_score_for_every_sample_batch_after_batch_is_warned_once(byte_tokenizer, scorer_path, caplog):
+    from reinforge.reward.manager import CONSTANT_SCORE_BATCHES
+
+    batch = make_batch(byte_tokenizer, ["a", "b", "c"], ["x"] * 3, ["flat"] * 3)
+    manager = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:length")
+    with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        for _ in range(CONSTANT_SCORE_BATCHES - 1):
+            manager.score(batch)
+        assert not caplog.records
+        for _ in range(3):
+            manager.score(batch)
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert f"last {CONSTANT_SCORE_BATCHES} batches scored 1.0" in warnings[0] and "'flat'" in warnings[0]
+
+
+def test_constant_scores_with_extras_or_a_varying_batch_are_not_warned_about(byte_tokenizer, scorer_path, caplog):
+    from reinforge.reward.manager import CONSTANT_SCORE_BATCHES
+
+    with_extras = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:exact")  # returns a 'pred' extra
+    flat = inline_manager(byte_tokenizer, custom_function=f"{scorer_path}:length")
+    with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        for step in range(2 * CONSTANT_SCORE_BATCHES - 1):
+            with_extras.score(make_batch(byte_tokenizer, ["1", "2"], ["7"] * 2, ["x"] * 2))
+            # one batch whose scores vary (1 and 2), in the middle, restarts the count
+            texts = ["a", "bb"] if step == CONSTANT_SCORE_BATCHES - 1 else ["a", "b"]
+            flat.score(make_batch(byte_tokenizer, texts, ["x"] * 2, ["x"] * 2))
+    assert not caplog.records
