@@ -22,7 +22,7 @@ class ToolResult(NamedTuple):
     text: str
     """What the model reads in the tool message."""
     reward: float | None = None
-    """Optional reward of this call; the rewards of a trajectory's calls are summed into its score."""
+    """Optional reward of the call; the rewards of a trajectory's calls are summed into its score."""
     metrics: dict[str, float] = {}
 
 
@@ -189,7 +189,7 @@ async def _in_daemon_thread(function: Callable[..., Any], **kwargs: Any) -> Any:
             value, error = None, raised
         try:
             loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop has closed: nobody waits for this call any more
+        except RuntimeError:  # the loop has closed: nobody waits for the call's answer any more
             pass
 
     threading.Thread(target=target, name=f"tool-{getattr(function, '__name__', 'call')}", daemon=True).start()

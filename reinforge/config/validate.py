@@ -51,7 +51,7 @@ def _finite(key: str, value: float, *, at_least: float | None = None, fix: str =
 
 MAX_TIMEOUT_S = 1e6
 """The longest time limit (11.6 days): waits of more than 2**31 milliseconds raise OverflowError (poll, time_t),
-so reward.timeout_s=.inf or trainer.call_timeout_s=1e12 failed at the first call, after the model had loaded."""
+so reward.timeout_s=.inf or trainer.call_timeout_s=1e12 would fail at the first wait, after the model had loaded."""
 
 
 def _check_timeout(key: str, value: float, what: str) -> None:

@@ -99,9 +99,9 @@ def configure_compiler() -> None:
 
     Duck sizing takes two sizes that are equal when a graph is first traced for one symbol. A packed
     micro-batch's ``packed_kv_index`` of exactly ``hidden_size`` entries (1536 in the 1.5B bench's first
-    update micro-batch) was thus taken for the hidden size, which the weights fix, and the graph guarded on
-    it: the next micro-batch recompiled every decoder layer, 3 s of one step (``benchmarks/recompiles.py
-    --collide`` reproduces it on a small model; without duck sizing nothing recompiles).
+    update micro-batch) would be taken for the hidden size, which the weights fix, and the graph would guard on
+    it: the next micro-batch would recompile every decoder layer, 3 s of one step. Without duck sizing nothing
+    recompiles.
     """
     import torch._dynamo
     import torch.fx.experimental._config

@@ -22,7 +22,7 @@ ACT_MLP x intermediate`` values of the compute dtype on CUDA (compiled layers, f
 counted for the largest micro-batch the update really makes (``micro_batch_split``: a prompt's
 samples stay together, so 64k-token micro-batches of the standard workload hold 54,912 tokens). The
 constants were fitted to the update peaks the allocator reported on an H200 (2026-12-01 and 12-02,
-issue 14) for Qwen2.5 0.5B, 1.5B and 3B without checkpointing at 12k to 55k tokens a micro-batch,
+BENCHMARKS.md) for Qwen2.5 0.5B, 1.5B and 3B without checkpointing at 12k to 55k tokens a micro-batch,
 after subtracting weights, optimizer state and kept logits: those nine peaks lie within 1 GiB of the
 estimate, and the estimates of the four checkpointed ones (1.5B to 7B) are 0.8 to 3.9 GiB above the
 measured peaks. The eager CPU path (transformers' attention and MLP, nothing fused) saves more:

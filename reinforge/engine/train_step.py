@@ -19,7 +19,7 @@ whose gradient norm is not finite is skipped (and counted), never applied.
 Rows the loss gives no gradient (``no_grad_rows``: a GRPO group whose samples all scored the
 same has advantage 0 everywhere) need no backward: they form ``FORWARD_ONLY`` micro-batches whose
 forward the caller still runs, so every metric stays the mean over all rows, while the counts
-that normalise the loss include them as before.
+that normalise the loss include them too.
 """
 
 from __future__ import annotations

@@ -350,8 +350,8 @@ def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):
 
 
 # The allocator's peaks (torch.cuda.max_memory_allocated, GiB) of `reinforge bench train --model SIZE [--gpu-memory-gib N]`
-# with the settings the planner chose then, on one H200 (BENCHMARKS.md, "Current"): (rollout, update). The 2026-12-01
-# points first, then 2026-12-02's (7B's new plan and the 80 and 40 GiB caps).
+# on one H200, each with the settings it ran (BENCHMARKS.md): (rollout, update). The 2026-12-01 points first, then
+# 2026-12-02's (7B with every layer checkpointed and the 80 and 40 GiB caps).
 H200_PEAKS = {
     "0.5b": (Settings(65536, 0, 24.0, 0.0, keep_rollout_memory=True), (10.7, 78.1)),
     "1.5b": (Settings(32768, 0, 24.0, 0.0, keep_rollout_memory=True), (29.7, 100.9)),

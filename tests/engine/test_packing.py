@@ -91,9 +91,8 @@ def test_shared_prompts_give_the_unshared_log_probs_entropy_and_gradients():
 
 def test_a_micro_batch_of_single_rows_keeps_the_shared_layout_and_the_same_attention_arguments():
     """With shared prompts on, a micro-batch left with one row of each prompt still takes the shared layout: the
-    compiled decoder layers meet one set of keyword arguments in every micro-batch of a run, where a micro-batch of
-    single rows used to drop kv_index and packed_flash_shared and so recompile them once in a run (2.7 s of a
-    0.5B step on the H200, benchmarks/compile_events.py)."""
+    compiled decoder layers meet one set of keyword arguments in every micro-batch of a run (a micro-batch of
+    single rows without kv_index and packed_flash_shared would recompile them, 2.7 s of a 0.5B step on the H200)."""
     from reinforge.engine.forward import _attention_kwargs
     from reinforge.engine.packing import pack_rows
 

@@ -245,7 +245,7 @@ def test_native_rollout_engine_in_the_loop(tiny_model_dir, arithmetic_data_dir, 
 
 @pytest.mark.slow
 def test_the_command_exits_cleanly(tiny_model_dir, arithmetic_data_dir, tmp_path):
-    """Worker threads that ran torch code are joined before exit; a live one used to abort teardown."""
+    """Worker threads that ran torch code are joined before exit; a live one would abort the interpreter's teardown."""
     args = base_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **{
         "trainer.total_steps": 1, "reward.num_workers": 0})
     finished = subprocess.run(_train_command(args), capture_output=True, text=True)

@@ -63,7 +63,7 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type"
 
 def test_a_rows_tools_column_is_rendered_by_the_template_and_not_trained(tokenizer, tmp_path):
     """TRL's SFT rows carry their tool schemas in a tools column: the template shows them to the model, as a tool
-    rollout will; they used to be ignored, so the model learned tool calls without ever seeing the tools."""
+    rollout will; ignored, they would teach the model tool calls without ever showing it the tools."""
     from reinforge.data.sft_dataset import SFTDataset
 
     rows = [{"messages": CONVERSATION[1:3], "tools": TOOLS}, {"messages": CONVERSATION[1:3], "tools": json.dumps(TOOLS)},

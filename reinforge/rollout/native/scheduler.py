@@ -19,7 +19,7 @@ others decode (an agent's next turns, as tools return) are not prefilled one by 
 until ``admission_due``: nothing is running, or they are many (``admission_fraction`` of the
 running samples), or the oldest has waited ``max_admission_wait`` decode steps; then all of them
 join at one prefill. Without it (``generate``'s batch of requests, all there from the start)
-waiting sequences join at the first step there is room for them, as before.
+waiting sequences join at the first step there is room for them.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def test_handover_after_resume_keeps_each_groups_rows_together():
 
 
 def test_a_scoring_calls_reward_metrics_are_counted_once_over_its_groups():
-    """The trainer sums its groups' reward metrics; each group used to carry the whole call's counts."""
+    """The trainer sums its groups' reward metrics; no group carries the whole scoring call's counts."""
     def score(rows: Batch) -> Batch:
         penalties = [-1.0 if index % 4 == 0 else 0.0 for index in range(len(rows))]  # one sample of each group
         scored = Batch.from_dict(tensors={"token_level_scores": torch.zeros_like(rows["response_mask"])},
