@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
@@ -146,7 +147,7 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables
                                    scale, stride_q, stride_o, stride_table, stride_cache,
                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                                    NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   IEEE: tl.constexpr):
+                                   IEEE: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
@@ -158,7 +159,8 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(0, context_len, BLOCK_N):
+    # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only to a Python int (see the launcher)
+    for start in range(0, STATIC_LOOP_END if STATIC_LOOP_END else context_len, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = positions < context_len
         block_ids = tl.load(block_tables_ptr + seq * stride_table + positions // PAGE, mask=valid, other=0)
@@ -195,13 +197,20 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
+    # compiled, each program loops to its own sequence's length; Triton's interpreter cannot loop to a loaded
+    # value, so there every program loops to the longest (its blocks past the sequence are masked out)
+    static_loop_end = int(context_lens.max()) if _INTERPRETED and batch else 0
     _paged_decode_attention_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(block_n, page), IEEE=q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages)
+        STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+_INTERPRETED = isinstance(_paged_decode_attention_kernel, InterpretedFunction)
+"""Triton runs the kernels in its interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
 
 
 @triton.jit

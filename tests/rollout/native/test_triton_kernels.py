@@ -2,6 +2,9 @@
 
 tests/conftest.py sets TRITON_INTERPRET=1 without a GPU; the module is skipped without Triton.
 
+Each kernel is checked against an independent reference (transformers' own functions where it has them), and
+the engine on the Triton path against ``generate``. bf16 arithmetic runs only on the GPU (see BFLOAT16_ON_GPU).
+
 The sampler's reference recomputes the kernels' noise (lowbias32 of each column under a key from
 the sample seed and position), so these tests also pin that noise: changing it changes samples.
 """
@@ -12,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, apply_rotary_pos_emb
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 
 from reinforge.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
 from reinforge.rollout.native import NativeEngine, triton_kernels  # noqa: E402
@@ -26,6 +29,9 @@ SPLIT_LAYOUTS = [dict(), dict(block_v=64, blocks_per_split=3), dict(block_v=128,
 """The default layout (one split at these vocabulary sizes), several splits with a ragged last one, one block each."""
 
 _MASK = np.uint64(0xFFFFFFFF)
+BFLOAT16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.gpu)
+"""bf16 arithmetic inside a kernel runs on the GPU only: Triton's interpreter multiplies bf16 values as their raw
+bits and truncates casts to bf16 (loading bf16 and computing in float32 runs under it)."""
 
 
 def _lowbias32(h: np.ndarray) -> np.ndarray:
@@ -146,37 +152,104 @@ def test_silu_and_mul_reads_gate_then_up(dtype):
     torch.testing.assert_close(out, F.silu(gate) * up)  # transformers' Qwen2/Llama MLP, rounded alike
 
 
-@triton.jit
-def _count_to_a_loaded_bound(bound_ptr, count_ptr):
-    count = 0
-    for _ in range(0, tl.load(bound_ptr)):
-        count += 1
-    tl.store(count_ptr, count)
+def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each sequence's query against its first context_len cached tokens, head by head, in float64."""
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for row, context_len in enumerate(context_lens.tolist()):
+        positions = torch.arange(context_len)
+        blocks = block_tables[row].cpu().long()[positions // page]
+        keys = k_cache.cpu().double()[blocks, positions % page].repeat_interleave(group, dim=1)  # (context, heads, dim)
+        values = v_cache.cpu().double()[blocks, positions % page].repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[row].cpu().double(), keys) * scale, dim=-1)
+        out[row] = torch.einsum("ht,thd->hd", weights, values)
+    return out
 
 
-def runs_loops_to_loaded_bounds() -> bool:
-    """False for Triton interpreters that cannot (3.6 with NumPy 2 turns a 1-element array into an int)."""
-    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    try:
-        _count_to_a_loaded_bound[(1,)](torch.full((1,), 3, dtype=torch.int32, device=DEVICE), count)
-    except Exception:
-        return False
-    return int(count) == 3
+@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_ON_GPU])
+@pytest.mark.parametrize(("num_heads", "page", "block_n"), [(4, 8, 16), (6, 16, 64), (2, 4, 4)])
+def test_paged_decode_attention_matches_the_reference(dtype, num_heads, page, block_n):
+    """Ragged context lengths (one token, one exact page, several loop blocks) over shuffled pages, grouped heads."""
+    generator = torch.Generator().manual_seed(num_heads * page)
+    num_kv_heads, head_dim, num_blocks = 2, 16, 48
+    context_lens = torch.tensor([1, page, 3 * block_n + 5, 37], dtype=torch.int32)
+    max_blocks = -(-int(context_lens.max()) // page)
+    block_tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in context_lens])
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=generator).to(dtype)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator).to(dtype)
+    out = triton_kernels.paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                                block_tables.to(torch.int32).to(DEVICE), context_lens.to(DEVICE),
+                                                scale=head_dim**-0.5, block_n=block_n)
+    expected = reference_decode_attention(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.skipif(not runs_loops_to_loaded_bounds(),
-                    reason="the paged-attention kernel loops to a bound it loads, which this Triton interpreter cannot")
+@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_ON_GPU])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_transformers(dtype, with_residual):
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, 40, generator=generator).to(dtype)  # (rows, heads, dim), as for Qwen3's q and k norms
+    residual = torch.randn(6, 3, 40, generator=generator).to(dtype)
+    norm = Qwen2RMSNorm(40, eps=1e-6)
+    norm.weight.data = (1 + torch.randn(40, generator=generator) / 4).to(dtype)
+    residual_device = residual.clone().to(DEVICE)
+    out = triton_kernels.rms_norm(x.to(DEVICE), norm.weight.data.to(DEVICE), 1e-6,
+                                  residual_device if with_residual else None)
+    summed = (x + residual) if with_residual else x
+    torch.testing.assert_close(out.cpu(), norm.to(dtype)(summed))
+    if with_residual:
+        torch.testing.assert_close(residual_device.cpu(), summed, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_ON_GPU])
+def test_rope_and_write_cache_rotates_in_place_and_fills_the_slots(dtype):
+    """Strided q/k/v views of one fused projection, as the engine passes them; unmapped slots stay untouched."""
+    generator = torch.Generator().manual_seed(8)
+    num_tokens, num_heads, num_kv_heads, head_dim, page = 5, 6, 3, 16, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.arange(32).float()[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([angles, angles], dim=-1).sin().to(dtype)
+    positions = torch.tensor([0, 7, 8, 30, 3])
+    slot_mapping = torch.tensor([9, 0, 21, 14, 5])
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(num_tokens, -1, head_dim) for t in (q, k, v))
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos[positions], sin[positions], unsqueeze_dim=1)
+    qkv_device = qkv.clone().to(DEVICE)
+    q_view, k_view, v_view = (t.view(num_tokens, -1, head_dim) for t in qkv_device.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+    k_cache = torch.full((6, page, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    v_cache = torch.full((6, page, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    triton_kernels.rope_and_write_cache(q_view, k_view, v_view, cos.to(DEVICE), sin.to(DEVICE), positions.to(DEVICE),
+                                        slot_mapping.to(DEVICE), k_cache, v_cache)
+    torch.testing.assert_close(q_view.cpu(), expected_q)
+    torch.testing.assert_close(k_view.cpu(), expected_k)
+    k_slots, v_slots = k_cache.cpu().flatten(0, 1), v_cache.cpu().flatten(0, 1)
+    torch.testing.assert_close(k_slots[slot_mapping], expected_k)
+    torch.testing.assert_close(v_slots[slot_mapping], v, atol=0, rtol=0)
+    unmapped = torch.ones(len(k_slots), dtype=torch.bool)
+    unmapped[slot_mapping] = False
+    assert (k_slots[unmapped] == 7).all() and (v_slots[unmapped] == 7).all()
+
+
 def test_engine_on_the_triton_path_matches_generate(tiny):
-    """Fused projections as strided q/k/v views (Qwen2: with biases) through the rotary, cache and attention kernels."""
+    """Every kernel in one engine: fused projections as strided q/k/v views (Qwen2: with biases) through the norm,
+    rotary and cache, attention, MLP and sampler kernels; greedy rows and a sampled one in the same steps."""
     model = tiny.build("qwen2", device=DEVICE)
-    prompts = tiny.prompts([3, 17])
+    prompts = tiny.prompts([3, 11])
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4, use_triton=True)
-    greedy = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=6, temperature=0.0)) for p in prompts])
-    sampled = engine.generate([GenerationRequest(prompts[1], SamplingParams(max_tokens=6, temperature=0.8, seed=2))])
-    for prompt, samples in zip(prompts, greedy, strict=True):
-        assert samples[0].token_ids == tiny.hf_greedy(model, prompt, 6)
-    expected = tiny.recomputed_log_probs(model, prompts[1], sampled[0][0].token_ids, temperature=0.8)
-    torch.testing.assert_close(torch.tensor(sampled[0][0].log_probs), expected, atol=1e-5, rtol=0)
+    outputs = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=4, temperature=0.0)) for p in prompts]
+                              + [GenerationRequest(prompts[1], SamplingParams(max_tokens=4, temperature=0.8, seed=2))])
+    for prompt, samples in zip(prompts, outputs, strict=False):
+        assert samples[0].token_ids == tiny.hf_greedy(model, prompt, 4)
+    sampled = outputs[2][0]
+    expected = tiny.recomputed_log_probs(model, prompts[1], sampled.token_ids, temperature=0.8)
+    torch.testing.assert_close(torch.tensor(sampled.log_probs), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu
