@@ -14,8 +14,7 @@ A prefill after a prefix-cache hit (an agent's next turn: a few dozen new tokens
 of hundreds) runs, on CUDA in bf16/fp16, as one flash varlen call (``packed_prefix_attention``)
 over each sequence's whole context gathered by slot (``context_slots``), its causal mask aligned
 to the end of the keys; the reference pads every sequence to the longest context and builds a
-dense mask in every layer: on an H200 such a step took about 60 ms, some 25 decode steps (fitted to
-the agent benchmark's admission sweep of 2026-12-02).
+dense mask in every layer, which on an H200 costs as much as some 25 decode steps.
 ``flash_prefix_applies`` probes the kernel once per device against the reference.
 """
 

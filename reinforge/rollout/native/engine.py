@@ -93,9 +93,8 @@ class NativeEngine:
         CPU between phases (``actor.param_offload``) names the accelerator here, and wake-up copies onto it.
         max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
         arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
-        prefill each at the first step after it arrives. The defaults (16, 1/16) were among the fastest of six
-        pairs on the agent benchmark on an H200, where a join does not drain the step pipeline, at four turn lengths
-        (BENCHMARKS.md, agent rollout); with a drain at each join, 64 and 1/4 would be.
+        prefill each at the first step after it arrives. The defaults (16, 1/16) are among the fastest pairs on the
+        agent rollout benchmark on an H200, at four turn lengths.
         """
         reason = unsupported_reason(model)
         if reason is not None:

@@ -1,9 +1,9 @@
 """CUDA graphs for small prefill steps: an agent turn's prefill replays a captured forward.
 
 An agent's next turn prefills a few dozen new tokens per trajectory (tool output, template)
-after a prefix-cache hit. Launched op by op from Python, such a step cost 14-17 ms of host time
-on the H200's host for 2.6 ms of device work (torch.profiler, 2026-12-02), and
-every running sequence waits for it. Replayed from a graph it costs one launch.
+after a prefix-cache hit. Launched op by op from Python, such a step costs several times more host
+time than device work (on an H200, 14-17 ms of host time for 2.6 ms of device work), and every
+running sequence waits for it. Replayed from a graph it costs one launch.
 
 A graph has fixed shapes, so a step's inputs are padded to a key of three buckets: packed tokens
 (``TOKEN_BUCKETS``), the longest sequence's new tokens (``QUERY_BUCKETS``, which sizes the flash
