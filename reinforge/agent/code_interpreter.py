@@ -4,7 +4,10 @@ The tool sends the code to a sandbox (``reinforge sandbox serve`` or a SandboxFu
 deployment) through ``SandboxClient`` and shows the model what a terminal would: stdout, then
 stderr (a traceback), or a line saying the run was stopped at its time limit. A sandbox that
 cannot be reached, after the client's retries, gives a tool message saying so (counted as a
-tool error), never an exception or a hang: the client's deadline bounds every call.
+tool error), never an exception or a hang: the client's deadline bounds every call. A server
+that refuses for load (429, 503) is retried after its Retry-After for ``retry_budget_s``
+seconds, and every tool of the process that calls one sandbox URL shares the client's limit
+on requests in flight (``SandboxClient``).
 
 ``memory_limit_mb`` defaults to -1, the server's own default (1 GiB on ours). Leave it there for
 a SandboxFusion deployment: any limit set there also becomes the program's stack limit, so each
@@ -30,6 +33,7 @@ from typing import Any
 
 from reinforge.agent.tools import BaseTool, ToolResult, ToolUnavailable
 from reinforge.sandbox import RunCodeResponse, SandboxClient
+from reinforge.sandbox.client import DEFAULT_RETRY_BUDGET_S
 
 SCHEMA = {
     "type": "function",
@@ -44,7 +48,7 @@ SCHEMA = {
         },
     },
 }
-CONFIG_KEYS = ("sandbox_url", "run_timeout_s", "memory_limit_mb", "max_retries", "max_concurrent_calls",
+CONFIG_KEYS = ("sandbox_url", "run_timeout_s", "memory_limit_mb", "retry_budget_s", "max_concurrent_calls",
                "call_timeout_s", "max_failures_in_a_row")
 VERL_KEYS = ("type",)
 """Keys of verl's tool entries that mean nothing here and are allowed, so a verl config loads."""
@@ -92,9 +96,10 @@ def format_run(response: RunCodeResponse) -> tuple[str, dict[str, float]]:
 
 
 class CodeInterpreterTool(BaseTool):
-    """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (-1: the server's default), max_retries (5),
-    max_concurrent_calls (64: threads waiting on the sandbox at once, across all trajectories), call_timeout_s
-    (run_timeout_s + 40: the most one call takes from ``execute`` to its answer, a wait for a free thread included),
+    """config: sandbox_url (required), run_timeout_s (10), memory_limit_mb (-1: the server's default), retry_budget_s
+    (300: seconds a call refused for load, or not connected, is retried; 0: one attempt), max_concurrent_calls (64:
+    threads waiting on the sandbox at once, across all trajectories), call_timeout_s (run_timeout_s + 40 +
+    retry_budget_s: the most one call takes from ``execute`` to its answer, a wait for a free thread included),
     max_failures_in_a_row (64: calls in a row that reach no sandbox, after their retries, before the tool raises
     ``ToolUnavailable`` and the run stops; 0 never stops, each call then reads "not run"). Any other key, a value
     that is not a number, or one that would fail every call (``call_timeout_s`` not above ``run_timeout_s``) is a
@@ -110,13 +115,14 @@ class CodeInterpreterTool(BaseTool):
         if unknown:  # a misspelt key would silently leave its default in force
             raise ValueError(f"code_interpreter config has unknown keys {', '.join(unknown)}; the keys are "
                              f"{', '.join(CONFIG_KEYS)}")
-        self.client = SandboxClient(str(url), max_retries=_config_number(self.config, "max_retries", 5, int, 0))
+        retry_budget_s = _config_number(self.config, "retry_budget_s", DEFAULT_RETRY_BUDGET_S, float, 0.0)
+        self.client = SandboxClient(str(url), retry_budget_s=retry_budget_s)
         self.run_timeout_s = _config_number(self.config, "run_timeout_s", 10.0, float, 0.0, above=True)
         self.memory_limit_mb = _config_number(self.config, "memory_limit_mb", -1, int, -1)
         # a call must outlast its program: one stopped at its run timeout would otherwise read "not run" and count
         # as a sandbox failure, and enough of those in a row stop the run
-        self.call_timeout_s = _config_number(self.config, "call_timeout_s", self.run_timeout_s + 40.0, float,
-                                             self.run_timeout_s, above=True, minimum_name="run_timeout_s")
+        self.call_timeout_s = _config_number(self.config, "call_timeout_s", self.run_timeout_s + 40.0 + retry_budget_s,
+                                             float, self.run_timeout_s, above=True, minimum_name="run_timeout_s")
         self._executor = ThreadPoolExecutor(_config_number(self.config, "max_concurrent_calls", 64, int, 1),
                                             thread_name_prefix="code-interpreter")
         self.max_failures_in_a_row = _config_number(self.config, "max_failures_in_a_row", 64, int, 0)
@@ -131,9 +137,9 @@ class CodeInterpreterTool(BaseTool):
                                     memory_limit_mb=self.memory_limit_mb, timeout_s=remaining)
 
     def check(self) -> None:
-        """One small program through the sandbox (two tries, 30 s at most): training with a sandbox that does not
-        answer would give the model nothing but "not run" messages, every step."""
-        probe = SandboxClient(self.client.url, max_retries=1)
+        """One small program through the sandbox (retried for 2 s, 30 s at most): training with a sandbox that does
+        not answer would give the model nothing but "not run" messages, every step."""
+        probe = SandboxClient(self.client.url, retry_budget_s=2.0)
         response = probe.run_code("print(6 * 7)", run_timeout=5.0, memory_limit_mb=self.memory_limit_mb, timeout_s=30.0)
         if response.status == "SandboxError" or response.run_result is None:
             raise ValueError(f"the code_interpreter tool's sandbox does not work: {response.message}; start one with "

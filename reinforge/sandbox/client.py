@@ -1,9 +1,17 @@
 """A client for ``POST /run_code``: ours or a SandboxFusion deployment, with retries and a deadline.
 
 ``run_code`` never raises for the sandbox's sake and never waits past its deadline: a refused
-connection, a reset, 429, 502, 503 and 504 are retried with exponential backoff (and the
-server's Retry-After) until ``timeout_s`` is spent; anything that still fails comes back as a
-``SandboxError`` response whose message says what happened, ready to show the model.
+connection, a reset, 429, 502, 503 and 504 are retried, after the server's Retry-After or an
+exponential backoff with jitter (whichever is longer), for as long as ``retry_budget_s``
+allows (seconds since the first attempt, not a count: a server under load refuses quickly and
+often, and a full queue takes its time to drain; ``DEFAULT_RETRY_BUDGET_S`` outlasts one) and
+the caller's ``timeout_s`` does. Anything that still fails comes back as a ``SandboxError``
+response whose message says what happened, ready to show the model.
+
+Every client of one sandbox URL in a process shares one limit on the requests in flight
+(``max_in_flight``, set by the first client made for that URL): the tools of a run, each with
+its threads, then queue here instead of each flooding the server's queue. The wait for a turn
+counts against the call's deadline.
 
     client = SandboxClient("http://127.0.0.1:8080")
     response = client.run_code("print(6 * 7)")
@@ -27,6 +35,23 @@ from typing import Any
 from reinforge.sandbox.protocol import SANDBOX_ERROR, RunCodeRequest, RunCodeResponse
 
 RETRY_STATUSES = (429, 502, 503, 504)
+DEFAULT_RETRY_BUDGET_S = 300.0
+"""Seconds a call keeps retrying: a full queue of our server's default size (64 requests) of programs at the
+longest run timeout (60 s) drains in 64 x 60 / slots seconds, under 300 with 16 slots or more."""
+DEFAULT_MAX_IN_FLIGHT = 64
+"""Requests one process keeps at one sandbox URL at once: our server's default queue length."""
+
+_in_flight: dict[str, threading.BoundedSemaphore] = {}
+_in_flight_lock = threading.Lock()
+
+
+def in_flight_limit(url: str, size: int) -> threading.BoundedSemaphore:
+    """The one semaphore of ``url``'s requests in this process, made with ``size`` places on first use."""
+    key = _url(url, "")
+    with _in_flight_lock:
+        if key not in _in_flight:
+            _in_flight[key] = threading.BoundedSemaphore(size)
+        return _in_flight[key]
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """An opener that ignores HTTP_PROXY and the like."""
 
@@ -83,13 +108,19 @@ def _url(base_url: str, path: str) -> str:
 
 
 class SandboxClient:
-    def __init__(self, url: str, *, max_retries: int = 5, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 timeout_slack_s: float = 30.0) -> None:
-        """``timeout_slack_s``: time allowed beyond the program's own timeouts, for queueing and retries."""
+    def __init__(self, url: str, *, retry_budget_s: float = DEFAULT_RETRY_BUDGET_S, backoff_s: float = 0.5,
+                 max_backoff_s: float = 8.0, timeout_slack_s: float = 30.0,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+        """``retry_budget_s``: seconds after the first attempt in which a failed one is retried (0: one attempt).
+        ``timeout_slack_s``: time allowed beyond the program's own timeouts, for the server's queue.
+        ``max_in_flight``: requests at once to this URL from the whole process (the first client's value holds)."""
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"sandbox url {url!r} must start with http:// or https://, e.g. http://127.0.0.1:8080")
-        self.url, self.max_retries = url, max_retries
+        if not retry_budget_s >= 0 or max_in_flight < 1:
+            raise ValueError(f"retry_budget_s={retry_budget_s} must be >= 0 and max_in_flight={max_in_flight} >= 1")
+        self.url, self.retry_budget_s = url, retry_budget_s
         self.backoff_s, self.max_backoff_s, self.timeout_slack_s = backoff_s, max_backoff_s, timeout_slack_s
+        self._in_flight = in_flight_limit(url, max_in_flight)
 
     def run_code(self, code: str, language: str = "python", *, run_timeout: float = 10.0,
                  compile_timeout: float = 10.0, memory_limit_mb: int = -1, stdin: str | None = None,
@@ -101,18 +132,22 @@ class SandboxClient:
         return self.send(request, timeout_s)
 
     def send(self, request: RunCodeRequest, timeout_s: float | None = None) -> RunCodeResponse:
+        """The response by ``timeout_s`` (default: the retry budget, then one run with both timeouts + slack)."""
+        started = time.monotonic()
         if timeout_s is None:
-            timeout_s = request.run_timeout + request.compile_timeout + self.timeout_slack_s
-        deadline = time.monotonic() + timeout_s
+            timeout_s = self.retry_budget_s + request.run_timeout + request.compile_timeout + self.timeout_slack_s
+        deadline = started + timeout_s
+        retry_until = started + self.retry_budget_s
         payload = json.dumps(request.to_json()).encode()
         last_problem = "no attempt made"
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             retry_after_s = 0.0
             try:
-                status, retry_after, body = _post(_url(self.url, "/run_code"), payload, remaining)
+                status, retry_after, body = self._post_in_turn(payload, remaining)
             except TimeoutError:
                 last_problem = f"no answer within {timeout_s:.1f}s"
                 break
@@ -129,11 +164,29 @@ class SandboxClient:
                 if status not in RETRY_STATUSES:
                     return self._error(f"the sandbox rejected the request: {last_problem}")
                 retry_after_s = _seconds(retry_after)
-            if attempt == self.max_retries:
+            backoff = min(self.max_backoff_s, self.backoff_s * 2**min(attempt, 30)) * (0.5 + random.random() / 2)
+            # Retry-After plus up to a quarter more: callers refused together must not all come back together
+            pause = max(backoff, retry_after_s * (1.0 + random.random() / 4))
+            attempt += 1
+            if time.monotonic() + pause > min(retry_until, deadline):
+                spent = time.monotonic() - started
+                last_problem += f"; {attempt} attempts in {spent:.1f}s, retry budget {self.retry_budget_s:g}s"
                 break
-            backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
-            time.sleep(max(0.0, min(max(backoff, retry_after_s), deadline - time.monotonic())))
+            time.sleep(pause)
         return self._error(f"the code sandbox at {self.url} gave no result ({last_problem})")
+
+    def _post_in_turn(self, payload: bytes, timeout_s: float) -> tuple[int, str | None, bytes]:
+        """``_post`` once this process has fewer than ``max_in_flight`` requests at the URL (the wait counts)."""
+        started = time.monotonic()
+        if not self._in_flight.acquire(timeout=timeout_s):
+            raise TimeoutError(f"no turn among this process's requests to {self.url} within {timeout_s:.1f}s")
+        try:
+            remaining = timeout_s - (time.monotonic() - started)
+            if remaining <= 0:
+                raise TimeoutError(f"no answer within {timeout_s:.1f}s")
+            return _post(_url(self.url, "/run_code"), payload, remaining)
+        finally:
+            self._in_flight.release()
 
     def _error(self, message: str) -> RunCodeResponse:
         return RunCodeResponse(status=SANDBOX_ERROR, message=message)

@@ -56,7 +56,7 @@ def test_errors_and_time_limits_read_as_text(sandbox_url):
 
 
 def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
-    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "max_retries": 1})
+    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "retry_budget_s": 0.5})
     result = _run(tool, "print(1)")
     assert result.text.startswith("The code was not run: the code sandbox at http://127.0.0.1:9 gave no result")
     assert result.metrics == {"tool_error": 1.0, "sandbox_error": 1.0}
@@ -69,7 +69,7 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
     ({"run_timeout_s": "ten"}, "run_timeout_s='ten' is not a number"),  # before: "could not convert string to float"
     ({"run_timeout_s": 0}, "run_timeout_s=0 must be above 0.0"),  # before: every call a time limit
     ({"call_timeout_s": 5}, "call_timeout_s=5 must be above run_timeout_s (10.0)"),  # before: "not run" at 5 s
-    ({"max_retries": -1}, "max_retries=-1 must be at least 0"),  # before: no attempt, every call "not run"
+    ({"retry_budget_s": -1}, "retry_budget_s=-1 must be at least 0.0"),  # before: no attempt, every call "not run"
     ({"max_concurrent_calls": 0}, "max_concurrent_calls=0 must be at least 1"),  # before: "max_workers must be ..."
     ({"memory_limit_mb": "1g"}, "memory_limit_mb='1g' is not an integer"),
 ])
@@ -90,11 +90,11 @@ def test_a_sandbox_that_fails_many_calls_in_a_row_stops_the_run_and_a_success_re
     from reinforge.agent import ToolUnavailable
     from reinforge.sandbox import SandboxClient
 
-    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "max_retries": 0, "max_failures_in_a_row": 2})
+    tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "retry_budget_s": 0, "max_failures_in_a_row": 2})
     assert _run(tool, "print(1)").metrics["sandbox_error"] == 1.0  # the first failure is a message
     tool.client = SandboxClient(sandbox_url)  # the sandbox comes back: a call that runs resets the count
     assert _run(tool, "print(2)").text == "2"
-    tool.client = SandboxClient("http://127.0.0.1:9", max_retries=0)
+    tool.client = SandboxClient("http://127.0.0.1:9", retry_budget_s=0)
     assert _run(tool, "print(3)").metrics["sandbox_error"] == 1.0
     with pytest.raises(ToolUnavailable, match=r"failed 2 calls in a row, .*run the same command again"):
         _run(tool, "print(4)")

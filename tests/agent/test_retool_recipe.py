@@ -119,7 +119,7 @@ def test_a_sandbox_that_dies_mid_run_stops_the_run_with_one_line(tiny_model_dir,
         sandbox.close()
 
     monkeypatch.setattr(CodeInterpreterTool, "check", check_then_die)
-    data, tools = recipe_files(tmp_path, sandbox.url, "\n      max_retries: 0\n      max_failures_in_a_row: 2")
+    data, tools = recipe_files(tmp_path, sandbox.url, "\n      retry_budget_s: 0\n      max_failures_in_a_row: 2")
     run_dir = tmp_path / "run"
     assert main(two_step_args(tiny_model_dir, data, tools, every_turn_runs_code, run_dir)) != 0
     error = capsys.readouterr().err.strip().splitlines()
