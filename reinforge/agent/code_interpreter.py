@@ -84,8 +84,8 @@ def format_run(response: RunCodeResponse) -> tuple[str, dict[str, float]]:
     """What the model reads for a sandbox response, and the call's metrics."""
     run = response.run_result
     if response.status == "SandboxError" or run is None:
-        return f"The code was not run: {response.message or 'the sandbox failed'}", {"tool_error": 1.0,
-                                                                                       "sandbox_error": 1.0}
+        return f"The code was not run: {response.message or 'the sandbox failed'}", {
+            "tool_error": 1.0, "sandbox_error": 1.0, "service_error": 1.0}
     parts = [text for text in (run.stdout, run.stderr) if text]
     if run.status == "TimeLimitExceeded":
         parts.append(f"Time limit exceeded: the code was stopped after {run.execution_time or 0:.1f} s.")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from reinforge.agent.loop import AgentContext, AgentLoopOutput, TokenClient, agent_name_of, get_agent_loop
@@ -149,7 +149,8 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
                 "timing_s/agent_loop/slowest/prompt_length": float(len(slowest.prompt_ids)),
                 "timing_s/agent_loop/slowest/response_length": float(len(slowest.response_ids))}
     metrics |= _stats("agent/num_tool_calls", [output.metrics.get("num_tool_calls", 0.0) for output in outputs])
-    for name in ("tool_errors", "tool_raised", "tool_calls_cut", "tool_response_truncated", "tool_overflow"):
+    for name in ("tool_errors", "tool_raised", "tool_service_errors", "tool_calls_cut", "tool_response_truncated",
+                 "tool_overflow"):
         metrics[f"agent/{name}"] = sum(output.metrics.get(name, 0.0) for output in outputs)
     metrics["agent/budget_spent"] = float(sum(output.finish_reason == "length" for output in outputs))
     for name in sorted({key for output in outputs for key in output.metrics if key.startswith("tool/")}):
@@ -158,23 +159,45 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
 
 
 TOOL_FAILURE_STEPS = 3
-"""Rollouts in a row in which every tool call that reached a tool raised or timed out before the run stops."""
+"""Rollouts in a row in which every tool call that reached a tool failed (raised, timed out, or its service did not
+run it) before the run stops."""
 TOOL_FAILURE_MIN_CALLS = 8
-"""A rollout with fewer such calls says nothing either way."""
+"""A rollout with fewer such calls says nothing either way (unless every trajectory made one: ``failed_tools``)."""
 
 
 class ToolFailure(RuntimeError):
-    """Every tool call that reached a tool raised or timed out, rollout after rollout: the tool is broken, not the model."""
+    """Every tool call that reached a tool failed, rollout after rollout: the tool is broken, not the model."""
+
+
+def tool_call_counts(output: AgentLoopOutput) -> tuple[int, int]:
+    """(tool calls of one trajectory that reached a tool, those of them that failed for reasons not the model's: raised,
+    timed out, or reported by the tool as a ``service_error``). ``num_tool_calls`` counts the calls that ran (not
+    those cut by max_parallel_calls); of its ``tool_errors``, malformed calls and unknown tools reached no tool."""
+    failed = output.metrics.get("tool_raised", 0.0) + output.metrics.get("tool_service_errors", 0.0)
+    reached = output.metrics.get("num_tool_calls", 0.0) - output.metrics.get("tool_errors", 0.0) + failed
+    return int(reached), int(failed)
 
 
 def calls_reaching_tools(outputs: list[AgentLoopOutput]) -> tuple[int, int]:
-    """(tool calls that reached a tool, those of them that raised or timed out). ``num_tool_calls`` counts the calls
-    that ran (not those cut by max_parallel_calls); of its ``tool_errors``, malformed calls and unknown tools
-    reached no tool, raised ones did."""
-    raised = sum(output.metrics.get("tool_raised", 0.0) for output in outputs)
-    reached = sum(output.metrics.get("num_tool_calls", 0.0) - output.metrics.get("tool_errors", 0.0)
-                  for output in outputs) + raised
-    return int(reached), int(raised)
+    """``tool_call_counts`` summed over a rollout's trajectories."""
+    counts = [tool_call_counts(output) for output in outputs]
+    return sum(reached for reached, _ in counts), sum(failed for _, failed in counts)
+
+
+def failed_tools(counts: Iterable[tuple[int, int]]) -> str | None:
+    """Why a rollout teaches nothing because its tools failed, in one line, or None when it may be trained.
+
+    counts: ``tool_call_counts`` of each trajectory. A rollout is failed when tool calls reached a tool and each of
+    them failed, in every trajectory or in at least ``TOOL_FAILURE_MIN_CALLS`` calls: trained, it would teach the
+    model that tools answer with errors, and the optimizer would still apply momentum and weight decay."""
+    counts = [(int(reached), int(failed)) for reached, failed in counts]
+    total_reached, total_failed = sum(reached for reached, _ in counts), sum(failed for _, failed in counts)
+    if total_reached == 0 or total_failed < total_reached:
+        return None
+    if total_reached < TOOL_FAILURE_MIN_CALLS and not all(reached > 0 for reached, _ in counts):
+        return None
+    return (f"every one of the {total_reached} tool calls of the rollout that reached a tool failed (raised, timed "
+            "out, or its service did not run it)")
 
 
 class ToolFailureCheck:
@@ -187,12 +210,14 @@ class ToolFailureCheck:
         self.failed_in_a_row = 0
 
     def __call__(self, outputs: list[AgentLoopOutput]) -> None:
-        reached, raised = calls_reaching_tools(outputs)
+        reached, failed = calls_reaching_tools(outputs)
         if reached < TOOL_FAILURE_MIN_CALLS:
             return
-        self.failed_in_a_row = self.failed_in_a_row + 1 if raised == reached else 0
+        self.failed_in_a_row = self.failed_in_a_row + 1 if failed == reached else 0
         if self.failed_in_a_row >= TOOL_FAILURE_STEPS:
-            raise ToolFailure(f"every one of the {reached} tool calls of the last rollout that reached a tool raised or "
-                              f"timed out, as in the {self.failed_in_a_row - 1} rollouts before it (tools: "
-                              f"{', '.join(self.tool_names)}); the run learns nothing from this: fix the tool (the "
-                              "samples show its error messages) or raise rollout.multi_turn.tool_timeout_s")
+            raise ToolFailure(f"every one of the {reached} tool calls of the last rollout that reached a tool failed "
+                              f"(raised, timed out, or its service did not run it), as in the {self.failed_in_a_row - 1} "
+                              f"rollouts before it (tools: {', '.join(self.tool_names)}); the run learns nothing from "
+                              "this: fix the tool or its service (the samples show its error messages) or raise "
+                              "rollout.multi_turn.tool_timeout_s, and run the same command again: it resumes from the "
+                              "last checkpoint, before the failed rollouts")

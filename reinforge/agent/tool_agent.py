@@ -133,11 +133,13 @@ class ToolAgentLoop(AgentLoop):
         metrics["tool_calls_cut"] += len(cut)
         truncated = []
         for call, result in zip(calls, results, strict=True):
-            if result.metrics.get("tool_error"):
+            raised, service_error = result.metrics.get("tool_raised", 0.0), result.metrics.get("service_error", 0.0)
+            if result.metrics.get("tool_error") or service_error:
                 metrics["tool_errors"] += 1
-            metrics["tool_raised"] += result.metrics.get("tool_raised", 0.0)
+            metrics["tool_raised"] += raised
+            metrics["tool_service_errors"] += float(bool(service_error) and not raised)
             for key, value in result.metrics.items():  # the tool's own metrics, summed per tool and key
-                if key not in ("tool_error", "tool_raised"):
+                if key not in ("tool_error", "tool_raised", "service_error"):
                     metrics[f"tool/{call.name}/{key}"] = metrics.get(f"tool/{call.name}/{key}", 0.0) + value
             if result.reward is not None:
                 trajectory.tool_rewards.append(float(result.reward))
@@ -245,7 +247,7 @@ class _Trajectory:
         self.finish_reason = "stop"
         self.metrics: dict[str, float] = {"generate_sequences": 0.0, "tool_calls": 0.0, "num_tool_calls": 0.0,
                                           "tool_errors": 0.0, "tool_calls_cut": 0.0, "tool_response_truncated": 0.0,
-                                          "tool_overflow": 0.0, "tool_raised": 0.0}
+                                          "tool_overflow": 0.0, "tool_raised": 0.0, "tool_service_errors": 0.0}
 
     def append(self, token_ids: list[int], log_probs: list[float], sampled: bool) -> None:
         self.response_ids += token_ids

@@ -24,6 +24,8 @@ class ToolResult(NamedTuple):
     reward: float | None = None
     """Optional reward of the call; the rewards of a trajectory's calls are summed into its score."""
     metrics: dict[str, float] = {}
+    """Numbers summed per tool (``agent/tool/<name>/<key>``); ``tool_error`` marks a failed call, and ``service_error``
+    one that failed because the tool's service did not run it (a sandbox down: the model's call was not at fault)."""
 
 
 class ToolUnavailable(RuntimeError):

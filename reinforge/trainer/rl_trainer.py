@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from reinforge.agent import check_agent_rows, check_tool_turns, check_tools, load_tools
+from reinforge.agent.runner import failed_tools
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
     apply_kl_penalty,
@@ -40,7 +41,7 @@ from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.modes import TrainerCalls, build_mode
 from reinforge.trainer.modes.partial import refuse_agent_rows
-from reinforge.trainer.run_loop import DataExhausted, TrainingRun
+from reinforge.trainer.run_loop import DataExhausted, StepSkipped, TrainingRun
 from reinforge.trainer.seeds import step_seed
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
@@ -152,8 +153,14 @@ class RLTrainer(TrainingRun):
 
     def train_on_batch(self, batch: Batch, timing: dict[str, float], metrics: dict[str, float],
                        step_start: float) -> dict[str, float]:
-        """The step after generation and scoring: log-probs, rewards, advantages, updates, metrics."""
+        """The step after generation and scoring: log-probs, rewards, advantages, updates, metrics. A batch whose
+        tools failed (``failed_tools``) raises ``StepSkipped`` instead, before any update."""
         config, algorithm = self.config, self.config.algorithm
+        failure = failed_tools(batch["tool_call_counts"]) if "tool_call_counts" in batch else None
+        if failure is not None:
+            self._log_samples(batch)  # they show the tools' error messages
+            raise StepSkipped(failure, metrics | {f"timing_s/{key}": value for key, value in timing.items()}
+                              | batch.meta.get("rollout_metrics", {}), can_redo=self.mode is None)
         batch = self._add_log_probs(batch, timing)
         with _timed(timing, "adv"):
             self._add_rewards(batch, metrics)

@@ -16,6 +16,12 @@ number of steps in advance: it ends when its epochs' data is used up (``data_use
 verl's loop over epochs. Data that runs out in the middle of a step (``DataExhausted``) drops
 that step's batches: the last step trained becomes the final one, validated and saved then if
 its cadence did not already, and the run fails when no step was trained at all.
+
+A step whose batch must not reach the optimizer (``StepSkipped``: its tools all failed, their service down) is
+logged as ``training/skipped_step`` with its rollout's metrics, and redone on the same prompts; the step counter
+stays, so no checkpoint is ever written past an untrained step. After ``SKIPPED_ATTEMPTS`` skips in a row (or one
+that cannot be redone: an off-policy mode's batch generated ahead) the run stops in one line, and running the same
+command again, once the service is back, resumes from the checkpoint before that step and trains it.
 """
 
 from __future__ import annotations
@@ -55,6 +61,26 @@ class DataExhausted(Exception):
 
 class NothingTrained(RuntimeError):
     """The data of the run's epochs was used up before its first step was complete."""
+
+
+SKIPPED_ATTEMPTS = 3
+"""Times in a row a step may be skipped (``StepSkipped``) before the run stops."""
+
+
+class StepSkipped(Exception):
+    """Raised by a trainer's ``train_step`` when its batch must not be applied to the optimizer (every tool call
+    failed: a service down), before any update: the weights and optimizer state stay as they were.
+
+    ``metrics``: what the step measured (its rollout's, which show the failure); ``can_redo``: the same batch of
+    prompts may be passed to ``train_step`` again (False when the batch was generated ahead, in an off-policy mode)."""
+
+    def __init__(self, reason: str, metrics: dict[str, float], can_redo: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.metrics, self.can_redo = reason, metrics, can_redo
+
+
+class StepsSkipped(RuntimeError):
+    """A step was skipped ``SKIPPED_ATTEMPTS`` times in a row (or could not be redone); the run stops before it."""
 
 
 def all_updates_skipped(metrics: dict[str, Any]) -> list[str]:
@@ -160,13 +186,20 @@ class TrainingRun:
             last_metrics = self.validate()
             if last_metrics:
                 self.tracker.log(last_metrics, step=0)
-        stalled = 0
+        stalled = skipped = 0
+        batch = None
         with self.tracker.progress(self.total_steps, initial=self.step) as progress:
             while self.step < self.total_steps and not used_up:
                 try:
-                    metrics = self.train_step(next_batch())
+                    batch = batch if skipped else next_batch()  # a skipped step is redone on the same prompts
+                    metrics = self.train_step(batch)
                 except DataExhausted as exhausted:
                     return self._end_with_the_data(exhausted, last_metrics, test_every)
+                except StepSkipped as skip:
+                    skipped += 1
+                    self._skip_step(skip, skipped)
+                    continue
+                skipped = 0
                 self.step += 1
                 metrics["training/global_step"] = self.step
                 metrics["training/epoch"] = self.train_loader.epoch
@@ -192,6 +225,25 @@ class TrainingRun:
         if used_up and self.step < self.total_steps:
             logger.info("the run ends after step %d (of at most %d): %s", self.step, self.total_steps, used_up)
         return last_metrics
+
+    def _skip_step(self, skip: StepSkipped, attempts: int) -> None:
+        """Log step ``self.step + 1``'s skipped attempt (``training/skipped_step``) and its reason; stop the run when
+        the step cannot be redone, or has been skipped ``SKIPPED_ATTEMPTS`` times in a row.
+
+        Nothing of the step was applied and the step counter stays: no checkpoint is ever written past a step
+        that was not trained, so the rerun of a run stopped here resumes before the step and trains its prompts."""
+        step = self.step + 1
+        self.tracker.log(skip.metrics | {"training/skipped_step": 1.0, "training/global_step": float(step)}, step=step)
+        logger.warning("step %d skipped, nothing applied to the weights or the optimizer (attempt %d of %d): %s",
+                       step, attempts, SKIPPED_ATTEMPTS, skip.reason)
+        if skip.can_redo and attempts < SKIPPED_ATTEMPTS:
+            return
+        tries = f"{attempts} time(s) in a row" if skip.can_redo else "and cannot be redone in this run"
+        last = self.checkpoints.latest()
+        resumes = f"from {last.name}" if last is not None else "from the start"
+        raise StepsSkipped(f"step {step} was skipped {tries}: {skip.reason}; nothing of it was applied to the weights "
+                           f"or the optimizer; fix the tools' service and run the same command again: it resumes "
+                           f"{resumes} and trains step {step} (metrics and checkpoints so far are in {self.run_dir})")
 
     def _end_with_the_data(self, exhausted: DataExhausted, last_metrics: dict[str, float],
                            test_every: int) -> dict[str, float]:

@@ -4,7 +4,8 @@ A batch with an ``agent_name`` column other than ``single_turn`` on some row is 
 running every row's agent loop concurrently (``reinforge.agent.AgentRunner``); rows without one
 run the ``single_turn`` loop alongside. The result has the single-turn layout, with
 ``response_mask`` 0 on tool tokens (rollout log-probs 0 there) and ``attention_mask`` 1 on every
-response token, plus the non-tensor columns ``num_turns`` and ``tool_rewards``.
+response token, plus the non-tensor columns ``num_turns``, ``tool_rewards`` and ``tool_call_counts`` (the
+trainer skips a step whose tools failed: ``agent.runner.failed_tools``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from reinforge.agent import AgentLoopOutput, agent_name_of
+from reinforge.agent.runner import tool_call_counts
 from reinforge.engine.forward import build_position_ids
 from reinforge.protocol import Batch
 from reinforge.rollout.base import SamplingParams
@@ -50,7 +52,8 @@ def agent_rows(batch: Batch, sampling: SamplingParams, request_seeds: list[int])
 def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, response_width: int,
                        pad_token_id: int) -> Batch:
     """prompts (left-padded), responses (right-padded), response_mask, attention_mask, position_ids, input_ids,
-    rollout_log_probs, finished_by_stop; non-tensors num_turns and tool_rewards."""
+    rollout_log_probs, finished_by_stop; non-tensors num_turns, tool_rewards, agent_reward_score and tool_call_counts
+    (``agent.runner.tool_call_counts``: the calls that reached a tool, and those that failed)."""
     num_rows = len(outputs)
     prompt_width = max(prompt_width, *(len(output.prompt_ids) for output in outputs))
     prompts = np.full((num_rows, prompt_width), pad_token_id, dtype=np.int64)
@@ -79,5 +82,6 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
                  "finished_by_stop": torch.tensor([output.finish_reason == "stop" for output in outputs])},
         non_tensors={"num_turns": [output.num_turns for output in outputs],
                      "tool_rewards": [list(output.extra.get("tool_rewards", [])) for output in outputs],
-                     "agent_reward_score": [output.reward_score for output in outputs]},
+                     "agent_reward_score": [output.reward_score for output in outputs],
+                     "tool_call_counts": [tool_call_counts(output) for output in outputs]},
     )

@@ -59,7 +59,7 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
     tool = CodeInterpreterTool({"sandbox_url": "http://127.0.0.1:9", "retry_budget_s": 0.5})
     result = _run(tool, "print(1)")
     assert result.text.startswith("The code was not run: the code sandbox at http://127.0.0.1:9 gave no result")
-    assert result.metrics == {"tool_error": 1.0, "sandbox_error": 1.0}
+    assert result.metrics == {"tool_error": 1.0, "sandbox_error": 1.0, "service_error": 1.0}
     with pytest.raises(ValueError, match="needs config.sandbox_url"):
         CodeInterpreterTool({})
 

@@ -339,3 +339,35 @@ def test_a_huge_tool_output_is_cut_without_tokenizing_all_of_it(chatml_tokenizer
         assert len(chatml_tokenizer(response, add_special_tokens=False)["input_ids"]) <= limit, (side, limit)
         assert output.metrics["tool_response_truncated"] == 1
     assert time.perf_counter() - start < 5  # tokenizing the whole 300,000 characters took some 30 s
+
+
+class ServiceDown(BaseTool):
+    """Answers every call with its service's failure, as the code interpreter does when its sandbox is down."""
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        return ToolResult("The code was not run: connection refused", None, {"tool_error": 1.0, "service_error": 1.0})
+
+
+def test_calls_the_service_did_not_run_count_as_failed_tool_calls(chatml_tokenizer, scripted_client):
+    from reinforge.agent.runner import failed_tools, tool_call_counts
+
+    schema = {"type": "function", "function": {"name": "down", "description": "down",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    tools = {"down": ServiceDown({}, schema), "echo": FunctionTool(echo), "broken": FunctionTool(broken)}
+    down = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("down"), call("broken", text="a"), "done"]),
+               tools=tools)
+    assert down.metrics["tool_service_errors"] == 1 and down.metrics["tool_raised"] == 1
+    assert "agent/tool/down/service_error" not in agent_metrics([down])
+    assert tool_call_counts(down) == (2, 2)
+    answered = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("down"), call("echo", text="a"), "done"]),
+                   tools=tools)
+    assert tool_call_counts(answered) == (2, 1)
+    silent = run(chatml_tokenizer, scripted_client(chatml_tokenizer, ["done"]), tools=tools)
+    assert tool_call_counts(silent) == (0, 0)
+
+    # every trajectory's calls failed, or at least TOOL_FAILURE_MIN_CALLS calls all failed: the rollout is not trained
+    assert failed_tools([(2, 2), (1, 1)]).startswith("every one of the 3 tool calls of the rollout")
+    assert failed_tools([(2, 2), (2, 1)]) is None  # one call answered
+    assert failed_tools([(2, 2), (0, 0)]) is None  # a trajectory that called no tool is a sample like any other
+    assert failed_tools([(8, 8), (0, 0)]) is not None
+    assert failed_tools([(0, 0), (0, 0)]) is None
