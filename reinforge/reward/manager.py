@@ -10,7 +10,9 @@ an agent loop set itself (``agent_reward_score``) replaces the scorer's, and
 ``reward.fallback_score``; it is counted in the metrics and the first traceback is logged.
 A batch where every sample's scorer failed raises ``ScorerFailure`` naming the error: a run
 that scores nothing learns nothing. ``reward.num_workers=0`` scores in a thread of this
-process (handy under a debugger), still stopped at the time limit (see ``run_job_in_thread``). With ``reward.overlong_buffer.enable`` each score
+process (handy under a debugger), still stopped at the time limit, a scorer's ``sys.exit`` or
+``os._exit`` counted as its error, and a crash that ends the process named on its last line
+(``reward.in_process``). With ``reward.overlong_buffer.enable`` each score
 gets DAPO's overlong penalty (``reward.overlong``), kept per sample as the ``overlong_penalty``
 extra and counted in ``reward/overlong/*``.
 
@@ -35,6 +37,7 @@ from torch import Tensor
 
 from reinforge.config.schema import RewardConfig
 from reinforge.protocol import Batch
+from reinforge.reward.in_process import ScorerSentinel, intercept_scorer_exits, run_job_in_thread
 from reinforge.reward.overlong import overlong_penalty
 from reinforge.reward.registry import SCORERS, Scorer, get_scorer
 from reinforge.reward.scorer_calls import (
@@ -44,7 +47,7 @@ from reinforge.reward.scorer_calls import (
     load_custom_scorer,
     takes_completions,
 )
-from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool, run_job_in_thread
+from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +93,8 @@ class RewardManager:
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
         self.options = dict(config.kwargs)
+        if config.num_workers == 0:  # before the custom scorer loads, in case it binds os._exit at import
+            intercept_scorer_exits()
         self.custom_scorer: Scorer | None = None
         if config.custom_function:
             self.custom_scorer = load_custom_scorer(config.custom_function)
@@ -97,6 +102,7 @@ class RewardManager:
                              else list(set(SCORERS.values())))
         self._accepted: dict[Scorer, tuple[frozenset[str] | None, bool]] = {}
         self._pool: ScoringPool | None = None
+        self._sentinel: ScorerSentinel | None = None
         self._logged_error = False
         self._logged_timeout = False
         self._logged_memory = False
@@ -110,6 +116,9 @@ class RewardManager:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._sentinel is not None:
+            self._sentinel.close()
+            self._sentinel = None
 
     def __enter__(self) -> RewardManager:
         return self
@@ -139,7 +148,7 @@ class RewardManager:
             [row[mask].tolist() for row, mask in zip(responses, in_response, strict=True)], skip_special_tokens=True)
         jobs = [self._job(*sample) for sample in
                 zip(texts, batch["ground_truth"], extra_infos, data_sources, columns, prompts, strict=True)]
-        results = self._run(jobs)
+        results = self._run(jobs, data_sources, batch.get("uid", nothing))
 
         scores = torch.full((num_samples,), float(self.config.fallback_score), dtype=torch.float32)
         per_sample_extras: list[dict[str, Any]] = [{} for _ in range(num_samples)]
@@ -208,13 +217,38 @@ class RewardManager:
             return ScoringJob(self.config.custom_function, kwargs, returns_list=trl)
         return ScoringJob(scorer, kwargs, returns_list=trl)
 
-    def _run(self, jobs: list[ScoringJob]) -> list[JobResult]:
+    def _run(self, jobs: list[ScoringJob], data_sources: Any, uids: Any) -> list[JobResult]:
         if self.config.num_workers == 0:
-            return [run_job_in_thread(job, self.config.timeout_s) for job in jobs]
+            return self._run_in_process(jobs, data_sources, uids)
         if self._pool is None:
             self._pool = ScoringPool(self.config.num_workers, self.config.timeout_s, self.config.custom_function,
                                      self.config.max_memory_mb)
         return self._pool.run(jobs)
+
+    def _run_in_process(self, jobs: list[ScoringJob], data_sources: Any, uids: Any) -> list[JobResult]:
+        """Each job on a thread of this process, under the sentinel's watch (``reward.in_process``)."""
+        if self._sentinel is None:
+            self._sentinel = ScorerSentinel()
+        results = []
+        for index, job in enumerate(jobs):
+            self._sentinel.begin(
+                f"the trainer process ended while {self._scorer_name(job, data_sources[index])} was scoring sample "
+                f"{index} of a batch of {len(jobs)} (data_source {data_sources[index]!r}, uid {uids[index]}) in this "
+                "process (reward.num_workers=0). A scorer that crashes (a segfault, an exit from C code) takes the "
+                "trainer with it: set reward.num_workers>0 to score in worker processes, where such a sample gets "
+                "reward.fallback_score and is counted")
+            try:
+                results.append(run_job_in_thread(job, self.config.timeout_s))
+            finally:
+                self._sentinel.end()
+        return results
+
+    def _scorer_name(self, job: ScoringJob, data_source: Any) -> str:
+        if self.config.custom_function:
+            return f"reward.custom_function={self.config.custom_function}"
+        scorer = job.scorer
+        name = f"{getattr(scorer, '__module__', '?')}.{getattr(scorer, '__qualname__', scorer)}"
+        return f"the scorer of data_source {data_source!r} ({name})"
 
     def _all_failed(self, num_samples: int, num_timeouts: int, num_out_of_memory: int, first_error: str | None,
                     data_source: Any) -> str:

@@ -31,7 +31,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 import weakref
@@ -91,32 +90,6 @@ def run_job(job: ScoringJob) -> Any:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
-
-
-def run_job_in_thread(job: ScoringJob, timeout_s: float) -> JobResult:
-    """``reward.num_workers=0``: the job in a thread of this process, stopped at ``timeout_s``.
-
-    At the deadline the job is reported as timed out and a ``TimeoutError`` is raised inside its
-    thread, which stops Python code at once; code stuck inside a C extension keeps its (daemon)
-    thread until it returns to Python.
-    """
-    outcome: list[JobResult] = []
-
-    def call() -> None:
-        try:
-            outcome.append(JobResult(value=run_job(job)))
-        except BaseException:  # noqa: B036 - the scorer's failure (or our TimeoutError) belongs to the caller
-            outcome.append(JobResult(error=traceback.format_exc()))
-
-    thread = threading.Thread(target=call, name="reinforge-scorer", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not thread.is_alive():
-        return outcome[0]
-    if thread.ident is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(TimeoutError))
-        thread.join(0.1)
-    return JobResult(timed_out=True)
 
 
 _PR_SET_PDEATHSIG = 1
