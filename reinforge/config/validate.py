@@ -54,6 +54,10 @@ MAX_TIMEOUT_S = 1e6
 so reward.timeout_s=.inf or trainer.call_timeout_s=1e12 would fail at the first wait, after the model had loaded."""
 
 
+MIN_SCORER_MEMORY_MB = 128
+"""reward.max_memory_mb below this leaves a scoring process no room for its own imports."""
+
+
 def _check_timeout(key: str, value: float, what: str) -> None:
     if not 0 < value <= MAX_TIMEOUT_S:  # also nan
         raise ConfigError(f"{key}={value} must be positive and at most {MAX_TIMEOUT_S:.0f} ({what})")
@@ -224,6 +228,11 @@ def validate_config(config: Config, this_machine: bool = True) -> None:
         raise ConfigError(f"reward.num_workers={config.reward.num_workers} must be 0 (score in this process) or more")
     _check_timeout("reward.timeout_s", config.reward.timeout_s, "seconds a scorer may take on one sample")
     _finite("reward.fallback_score", config.reward.fallback_score, fix=" (the score of a sample whose scorer failed)")
+    if config.reward.max_memory_mb is not None and config.reward.max_memory_mb < MIN_SCORER_MEMORY_MB:
+        raise ConfigError(f"reward.max_memory_mb={config.reward.max_memory_mb} is too little for a scoring process "
+                          f"(math-verify's needs about 64 MB); set at least {MIN_SCORER_MEMORY_MB}, or null for no cap")
+    _finite("reward.max_abs_score", config.reward.max_abs_score, at_least=0.0,
+            fix=" (scores beyond +-it are warned about)")
     if trainer.num_logged_samples < 0:
         raise ConfigError(f"trainer.num_logged_samples={trainer.num_logged_samples} must be 0 (none) or more")
     _check_timeout("trainer.call_timeout_s", trainer.call_timeout_s, "seconds one worker call may take; 3600 is the "

@@ -369,3 +369,16 @@ def test_constant_scores_with_extras_or_a_varying_batch_are_not_warned_about(byt
             texts = ["a", "bb"] if step == CONSTANT_SCORE_BATCHES - 1 else ["a", "b"]
             flat.score(make_batch(byte_tokenizer, texts, ["x"] * 2, ["x"] * 2))
     assert not caplog.records
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["reward.max_memory_mb=16"], r"reward.max_memory_mb=16 is too little for a scoring process .* at least 128, "
+                                  r"or null for no cap"),
+    (["reward.max_abs_score=nan"], r"reward.max_abs_score=nan must be a finite number >= 0"),
+])
+def test_reward_limits_that_cannot_work_are_refused_before_loading(overrides, message):
+    from reinforge.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    assert load_config(None, ["reward.max_memory_mb=null"]).reward.max_memory_mb is None
