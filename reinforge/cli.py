@@ -51,15 +51,10 @@ def _train(argv: list[str]) -> int:
 
         from reinforge.config import load_config
 
-        config = load_config(config_path, overrides)
-    from reinforge.config.validate import require_logger_packages, require_model_and_data
-
-    require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
-    require_logger_packages(config.trainer.loggers)
-
+        config = load_config(config_path, overrides)  # unknown keys and the schema's own rules, before torch loads
     from reinforge.trainer.rl_trainer import RLTrainer
 
-    RLTrainer(config).fit()
+    RLTrainer(config).fit()  # its constructor runs trainer.preflight, as for any Python caller
     return 0
 
 
@@ -79,13 +74,13 @@ def _plan(argv: list[str]) -> int:
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
 
     from reinforge.config import ConfigError, load_config
-    from reinforge.config.validate import validate_config
+    from reinforge.trainer.preflight import check_config
 
     # the flags are overrides like any other, so the config's checks see them
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
     overrides = [*overrides, *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
-    config = load_config(config_path, overrides, validate=False)
-    validate_config(config, this_machine=False)  # the run's machine need not be this one
+    config = load_config(config_path, overrides)  # the schema's rules; none asks this machine for the device
+    check_config(config)  # the rules of reinforge train, except the device checks of preflight
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")
 
@@ -112,14 +107,9 @@ def _sft(argv: list[str]) -> int:
     from reinforge.config import load_sft_config
 
     config = load_sft_config(config_path, overrides)
-    from reinforge.config.validate import require_logger_packages, require_model_and_data
-
-    require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
-    require_logger_packages(config.trainer.loggers)
-
     from reinforge.trainer.sft_trainer import SFTTrainer
 
-    SFTTrainer(config).fit()
+    SFTTrainer(config).fit()  # its constructor runs trainer.preflight.preflight_sft
     return 0
 
 
@@ -176,8 +166,9 @@ def _bench(argv: list[str]) -> int:
 
 def _config(argv: list[str]) -> int:
     from reinforge.config.commands import config_main
+    from reinforge.trainer.preflight import check_config
 
-    return config_main(argv)
+    return config_main(argv, check_config)
 
 
 def _data(argv: list[str]) -> int:

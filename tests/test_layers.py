@@ -1,13 +1,16 @@
-"""docs/architecture.md's layer table is the truth about imports, and no module imports itself back.
+"""docs/architecture.md's layer table is the truth about imports, no module imports itself back, and the config
+schema is a leaf.
 
 Every module of reinforge is read with ``ast``: its imports of reinforge, lazy ones inside
-functions included, ``if TYPE_CHECKING:`` ones left out (annotations only). The entry points
+functions and ``if TYPE_CHECKING:`` ones (annotations) included. The entry points
 (``__main__.py``) call ``cli.main`` from anywhere and are not counted, as the table says.
 """
 
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "reinforge"
@@ -36,22 +39,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imported_modules(path: Path, modules: set[str]) -> set[str]:
     """The reinforge modules ``path`` imports (``from a import b`` counts a.b, not a, when b is a module)."""
     tree = ast.parse(path.read_text())
-    skipped = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If) and is_type_checking(node)
-               for sub in ast.walk(node) if sub is not node.test}
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -99,8 +92,26 @@ def test_each_layer_imports_what_its_row_says_and_only_from_rows_above():
                                                     f"it imports {sorted(actual.get(layer, set()))}"
 
 
+MODES_NAME_THE_TRAINER = ("reinforge.trainer.modes", "reinforge.trainer.rl_trainer")
+"""The one known circle's edge: the off-policy modes name ``RLTrainer`` in annotations (they call methods of the
+whole trainer); ``test_the_off_policy_modes_do_not_import_the_trainer`` follows it alone."""
+
+
+def _without_known_edge(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    source, target = MODES_NAME_THE_TRAINER
+    return {module: targets - {target} if module.startswith(source) else targets for module, targets in graph.items()}
+
+
+@pytest.mark.xfail(strict=True, reason="trainer/modes/ takes the whole RLTrainer (train_on_batch, "
+                   "sync_rollout_weights, .reward, .run_dir) and names it in annotations; with Rollouter's shape "
+                   "(callables in, batches out) the edge goes and this mark with it")
+def test_the_off_policy_modes_do_not_import_the_trainer():
+    source, target = MODES_NAME_THE_TRAINER
+    assert [module for module, targets in import_graph().items() if module.startswith(source) and target in targets] == []
+
+
 def test_no_module_imports_itself_back():
-    graph = import_graph()
+    graph = _without_known_edge(import_graph())
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -126,3 +137,12 @@ def test_no_module_imports_itself_back():
         if module not in index:
             visit(module)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_config_schema_loader_and_errors_import_nothing_above_config():
+    """config/ is the bottom of every layer that takes a config: its modules import only each other."""
+    graph = import_graph()
+    upward = {module: sorted(target for target in targets if not target.startswith("reinforge.config"))
+              for module, targets in graph.items() if module.startswith("reinforge.config")}
+    assert {module: targets for module, targets in upward.items() if targets} == {}
+    assert graph["reinforge.config.schema"] == set()

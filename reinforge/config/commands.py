@@ -11,11 +11,12 @@ with our own ``a.b=c`` overrides after ``--``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from reinforge.config.from_verl import VerlTranslation, translate_verl
 from reinforge.config.loader import ConfigError, load_config
 from reinforge.config.schema import Config
+from reinforge.config.verl.translate import VerlTranslation, translate_verl
 
 USAGE = ("usage: reinforge config from-verl VERL_KEY=VALUE ... [-o out.yaml]\n\n"
          "Translates a verl PPO command line (the words after python3 -m verl.trainer.main_ppo) into a reinforge\n"
@@ -53,7 +54,8 @@ def load_from_verl(arguments: list[str]) -> Config:
     return load_config(None, overrides, tree=translation.tree)
 
 
-def config_main(argv: list[str]) -> int:
+def config_main(argv: list[str], check: Callable[[Config], None]) -> int:
+    """``check``: every rule of a config (``trainer.preflight.check_config``, which names registries above config)."""
     if not argv or argv[0] in HELP_FLAGS or (argv[0] == "from-verl" and asks_for_help(argv[1:])):
         print(USAGE)
         return 0
@@ -73,7 +75,7 @@ def config_main(argv: list[str]) -> int:
                           "e.g. data.train_files=/data/train.parquet actor_rollout_ref.rollout.n=5")
     translation = translate_verl(arguments)
     _report(translation)
-    load_config(None, tree=translation.tree)  # the translation must load and validate
+    check(load_config(None, tree=translation.tree))  # the translation must load and pass every rule
     if output is None:
         print(translation.to_yaml(), end="")
     else:

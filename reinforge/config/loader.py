@@ -146,7 +146,7 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
     for key, value in tree.items():
         dotted = f"{prefix}{key}"
         if dotted not in known:
-            from reinforge.config.from_verl import verl_hint, verl_leaf_hint
+            from reinforge.config.verl.translate import verl_hint, verl_leaf_hint
 
             while isinstance(value, Mapping) and len(value) == 1:  # a.b=c from the command line: name all of it
                 inner, value = next(iter(value.items()))

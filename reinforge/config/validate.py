@@ -1,19 +1,12 @@
-"""Cross-field rules, checked before any model loads. Each failure says how to fix it."""
+"""The config's own rules: what the schema's fields say about each other, checked as the config loads.
+
+Each failure says how to fix it. Rules that name entries of the registries above config (advantage
+estimators, policy losses, KL estimators, schedules, trackers) are ``reinforge.trainer.preflight``'s,
+which runs these too.
+"""
 
 from __future__ import annotations
 
-from reinforge.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    BYPASS_LOSS_TYPES,
-    KL_CONTROLLERS,
-    KL_ESTIMATOR_ALIASES,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    ROLLOUT_IS_LEVELS,
-    parse_is_threshold,
-    parse_rejection_rules,
-)
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import (
     FILTER_METRICS,
@@ -25,14 +18,13 @@ from reinforge.config.schema import (
     UpdateConfig,
 )
 from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig, SFTDataConfig
-from reinforge.engine.optim import LR_SCHEDULES
 
 ROLLOUT_BACKENDS = ("hf", "native")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 """The values of model.dtype (``models.loading.DTYPES`` and auto)."""
 
 
-def _choice(key: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
+def choose(key: str, value: object, choices: tuple[str, ...] | list[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
 
@@ -51,7 +43,7 @@ def _finite(key: str, value: float, *, at_least: float | None = None, fix: str =
 
 MAX_TIMEOUT_S = 1e6
 """The longest time limit (11.6 days): waits of more than 2**31 milliseconds raise OverflowError (poll, time_t),
-so reward.timeout_s=.inf or trainer.call_timeout_s=1e12 would fail at the first wait, after the model had loaded."""
+so reward.timeout_s=.inf or trainer.call_timeout_s=1e12 failed at the first call, after the model had loaded."""
 
 
 MIN_SCORER_MEMORY_MB = 128
@@ -97,7 +89,6 @@ def validate_optim(prefix: str, optim: OptimConfig) -> None:
         raise ConfigError(f"{prefix}.warmup_steps={optim.warmup_steps} must be >= 0")
     _in_range(f"{prefix}.warmup_ratio", optim.warmup_ratio, 0.0, 1.0)
     _in_range(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0)
-    _choice(f"{prefix}.schedule", optim.schedule, list(LR_SCHEDULES))
     # AdamW itself refuses these, but only once the model has loaded (a bare IndexError for one beta)
     if len(optim.betas) != 2 or not all(0.0 <= beta < 1.0 for beta in optim.betas):
         raise ConfigError(f"{prefix}.betas={list(optim.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
@@ -106,50 +97,18 @@ def validate_optim(prefix: str, optim: OptimConfig) -> None:
 
 
 def validate_model_dtype(dtype: str) -> None:
-    _choice("model.dtype", dtype, MODEL_DTYPES)
+    choose("model.dtype", dtype, MODEL_DTYPES)
 
 
-def validate_loggers(loggers: list[str]) -> None:
-    """trainer.loggers names tracking backends (the tracker starts only after the model has loaded)."""
-    from reinforge.tracking import TRACKING_BACKENDS
-
-    unknown = [name for name in loggers if name not in TRACKING_BACKENDS]
-    if unknown:
-        raise ConfigError(f"trainer.loggers names {unknown[0]!r}, which is not a tracking backend; use any of "
-                          f"{', '.join(sorted(TRACKING_BACKENDS))}")
-
-
-def require_logger_packages(loggers: list[str]) -> None:
-    """What a training command needs beyond a valid config: the packages of its trackers (a config naming wandb
-    stays valid, and translatable, where wandb is not installed)."""
-    from reinforge.tracking import backend_problem, missing_backend_package
-
-    for name in loggers:
-        missing = missing_backend_package(name)
-        if missing:
-            raise ConfigError(f"trainer.loggers names {name}, which needs the {missing} package, not installed here; "
-                              f"pip install {missing} (or reinforge[tracking]), or remove {name} from trainer.loggers")
-        problem = backend_problem(name)
-        if problem:
-            raise ConfigError(f"trainer.loggers names {name}: {problem}")
-
-
-def validate_run(trainer: RunConfig, this_machine: bool = True) -> None:
-    """The run-folder settings that RL and SFT share: length, device, cadence, resume. ``this_machine=False``
-    skips the check that this machine has the device (``reinforge plan`` answers for any machine)."""
+def validate_run(trainer: RunConfig) -> None:
+    """The run-folder settings that RL and SFT share: length, device, cadence, resume."""
     if trainer.total_steps is not None and trainer.total_steps < 1:
         raise ConfigError(f"trainer.total_steps={trainer.total_steps} trains nothing; set it to 1 or more, or "
                           "leave it unset (null) to train trainer.total_epochs over the data")
     if trainer.total_steps is None and trainer.total_epochs < 1:
         raise ConfigError(f"trainer.total_epochs={trainer.total_epochs} must be at least 1 when trainer.total_steps "
                           "is unset")
-    _choice("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
-    if this_machine and trainer.device == "cuda" and getattr(trainer, "backend", "local") == "local":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device=cuda but this machine has no visible CUDA device; "
-                              "use trainer.device=auto or trainer.device=cpu")
+    choose("trainer.device", trainer.device, ("auto", "cpu", "cuda"))
     if trainer.save_every < 0 or trainer.test_every < 0:
         raise ConfigError(f"trainer.save_every={trainer.save_every} and trainer.test_every={trainer.test_every} "
                           "must be >= 0 (0: only at the end)")
@@ -158,13 +117,12 @@ def validate_run(trainer: RunConfig, this_machine: bool = True) -> None:
         raise ConfigError(f"trainer.keep_last={trainer.keep_last} must be at least 1 (the latest checkpoint)")
     if trainer.resume not in ("auto", "never") and not trainer.resume:
         raise ConfigError("trainer.resume must be auto, never, or a checkpoint path")
-    validate_loggers(trainer.loggers)
 
 
 def validate_sft_config(config: SFTConfig) -> None:
     """The SFT run's checks: its data section, its token budget, then the run and optimizer checks RL shares."""
     data, trainer = config.data, config.trainer
-    _choice("data.truncation", data.truncation, SFT_TRUNCATION_MODES)
+    choose("data.truncation", data.truncation, SFT_TRUNCATION_MODES)
     for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
                        ("data.max_length", data.max_length)):
         if value < 1:
@@ -182,44 +140,15 @@ def validate_sft_config(config: SFTConfig) -> None:
     validate_update("trainer", trainer)
 
 
-def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:
-    """What a training command needs beyond a valid config: a model and training data (RL and SFT)."""
-    if not model_path:
-        raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
-    if not train_files:
-        raise ConfigError(f"data.train_files is empty; pass data.train_files=[{example_file}]")
-
-
-def critic_enabled(config: Config) -> bool:
-    """critic.enable, or by default whether the advantage estimator reads values."""
-    if config.critic.enable is None:
-        return ADVANTAGE_ESTIMATORS[config.algorithm.adv_estimator].needs_critic
-    return config.critic.enable
-
-
-def reference_needed(config: Config) -> bool:
-    return config.actor.use_kl_loss or config.algorithm.use_kl_in_reward
-
-
-def validate_config(config: Config, this_machine: bool = True) -> None:
-    """Raise ConfigError with the fix in the message when fields disagree (and, with ``this_machine``, when
-    this machine lacks the run's device)."""
+def validate_config(config: Config) -> None:
+    """Raise ConfigError with the fix in the message when fields disagree."""
     data, actor, rollout, algorithm, trainer = config.data, config.actor, config.rollout, config.algorithm, config.trainer
-    _choice("algorithm.adv_estimator", algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
-    _choice("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
-    _choice("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    _choice("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES)
-    kl_names = sorted({*KL_ESTIMATORS, *KL_ESTIMATOR_ALIASES})
-    kl_names += [f"{name}+" for name in kl_names]
-    _choice("actor.kl_loss_type", actor.kl_loss_type, kl_names)
-    _choice("algorithm.kl_penalty", algorithm.kl_penalty, kl_names)
-    _choice("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, list(KL_CONTROLLERS))
-    _choice("data.truncation", data.truncation, TRUNCATION_MODES)
+    choose("data.truncation", data.truncation, TRUNCATION_MODES)
     validate_sample_limits(data)
     validate_model_dtype(config.model.dtype)
-    _choice("rollout.name", rollout.name, ROLLOUT_BACKENDS)
-    _choice("trainer.backend", trainer.backend, ("local", "ray"))
-    validate_run(trainer, this_machine)
+    choose("rollout.name", rollout.name, ROLLOUT_BACKENDS)
+    choose("trainer.backend", trainer.backend, ("local", "ray"))
+    validate_run(trainer)
     validate_optim("actor.optim", actor.optim)
     validate_optim("critic.optim", config.critic.optim)
     validate_update("actor", actor)
@@ -239,7 +168,7 @@ def validate_config(config: Config, this_machine: bool = True) -> None:
                    "default")
 
     multi_turn = rollout.multi_turn
-    _choice("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,
+    choose("rollout.multi_turn.tool_response_truncate_side", multi_turn.tool_response_truncate_side,
             ("middle", "left", "right"))
     if multi_turn.max_parallel_calls < 1:
         raise ConfigError(f"rollout.multi_turn.max_parallel_calls={multi_turn.max_parallel_calls} must be at least 1")
@@ -255,15 +184,6 @@ def validate_config(config: Config, this_machine: bool = True) -> None:
             raise ConfigError(f"rollout.multi_turn.{key}={value} must be at least 1, or null for no limit")
     if rollout.n < 1:
         raise ConfigError(f"rollout.n={rollout.n} must be at least 1")
-    estimator = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator]
-    if estimator.needs_groups and rollout.n < 2:
-        raise ConfigError(
-            f"rollout.n={rollout.n} is too small for algorithm.adv_estimator={algorithm.adv_estimator}, "
-            "which compares samples of one prompt; set rollout.n to 2 or more"
-        )
-    if estimator.needs_critic and config.critic.enable is False:
-        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs a critic but critic.enable=false; "
-                          "remove critic.enable or choose a critic-free estimator such as grpo")
     if data.train_batch_size < 1:
         raise ConfigError(f"data.train_batch_size={data.train_batch_size} must be at least 1")
     if data.val_batch_size is not None and data.val_batch_size < 1:  # 0 meant the whole set, -1 failed at validation
@@ -318,16 +238,6 @@ def validate_config(config: Config, this_machine: bool = True) -> None:
         raise ConfigError(f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0 and "
                           f"algorithm.kl_ctrl.horizon > 0 (they are {kl_ctrl.target_kl} and {kl_ctrl.horizon}); "
                           "0.1 and 10000 are usual")
-    if critic_enabled(config):
-        critic = config.critic
-        if not critic.cliprange_value > 0:
-            raise ConfigError(f"critic.cliprange_value={critic.cliprange_value} must be positive (how far a value may "
-                              "move from the one before the update; 0.5 is usual)")
-        if critic.ppo_epochs is not None and critic.ppo_epochs < 1:
-            raise ConfigError(f"critic.ppo_epochs={critic.ppo_epochs} must be at least 1, or null "
-                              "(actor.ppo_epochs)")
-        if critic.warmup_steps < 0:
-            raise ConfigError(f"critic.warmup_steps={critic.warmup_steps} must be 0 (none) or more")
     if clip.loss_mode == "dro" and (clip.dro_beta is None or clip.dro_beta <= 0):
         raise ConfigError(f"actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0 (it is {clip.dro_beta}); "
                           "set e.g. actor.policy_loss.dro_beta=0.1")
@@ -347,10 +257,6 @@ def validate_config(config: Config, this_machine: bool = True) -> None:
     for key in ("nnodes", "devices_per_node"):
         if getattr(trainer, key) < 1:
             raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be at least 1")
-    num_devices = trainer.nnodes * trainer.devices_per_node
-    if trainer.backend == "local" and num_devices > 1:
-        raise ConfigError(f"trainer.backend=local runs every worker in this process on one device, but "
-                          f"trainer.nnodes x trainer.devices_per_node = {num_devices}; set trainer.backend=ray")
     lora = config.model.lora
     if lora.rank < 0:
         raise ConfigError(f"model.lora.rank={lora.rank} must be 0 (off) or a positive adapter rank such as 32")
@@ -374,7 +280,7 @@ def validate_config(config: Config, this_machine: bool = True) -> None:
 
 def _check_dapo(config: Config) -> None:
     data, filter_groups, buffer = config.data, config.algorithm.filter_groups, config.reward.overlong_buffer
-    _choice("algorithm.filter_groups.metric", filter_groups.metric, FILTER_METRICS)
+    choose("algorithm.filter_groups.metric", filter_groups.metric, FILTER_METRICS)
     if filter_groups.max_num_gen_batches < 0:
         raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches={filter_groups.max_num_gen_batches} "
                           "must be 0 (no limit) or more")
@@ -429,7 +335,7 @@ def _check_memory_settings(config: Config) -> None:
 
 
 def _validate_algorithm(config: Config) -> None:
-    """GRPO's epsilon, gdpo's reward keys, rollout-correction thresholds and bypass mode."""
+    """GRPO's epsilon, gdpo's reward keys and bypass mode."""
     algorithm, correction = config.algorithm, config.algorithm.rollout_correction
     if not algorithm.grpo_epsilon > 0:
         raise ConfigError(f"algorithm.grpo_epsilon={algorithm.grpo_epsilon} must be positive (it keeps a group with "
@@ -442,14 +348,6 @@ def _validate_algorithm(config: Config) -> None:
         if weights is not None and len(weights) != len(algorithm.gdpo_reward_keys):
             raise ConfigError(f"algorithm.gdpo_reward_weights has {len(weights)} values for "
                               f"{len(algorithm.gdpo_reward_keys)} gdpo_reward_keys; give one weight per key")
-    if correction.rollout_is is not None:
-        _choice("algorithm.rollout_correction.rollout_is", correction.rollout_is, ROLLOUT_IS_LEVELS)
-    _choice("algorithm.rollout_correction.loss_type", correction.loss_type, BYPASS_LOSS_TYPES)
-    try:
-        parse_is_threshold(correction.rollout_is_threshold)
-        parse_rejection_rules(correction.rollout_rs, correction.rollout_rs_threshold)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
     if correction.bypass_mode:
         if config.actor.policy_loss.loss_mode != "vanilla":
             raise ConfigError(
@@ -457,16 +355,12 @@ def _validate_algorithm(config: Config) -> None:
                 f"algorithm.rollout_correction.loss_type={correction.loss_type}, so "
                 f"actor.policy_loss.loss_mode={config.actor.policy_loss.loss_mode} would be ignored; "
                 "set actor.policy_loss.loss_mode=vanilla or bypass_mode=false")
-        if ADVANTAGE_ESTIMATORS[algorithm.adv_estimator].needs_sum_pi_squared:
-            raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the old policy's "
-                              "sum of pi^2 from a log-prob pass, which algorithm.rollout_correction.bypass_mode=true "
-                              "skips; set bypass_mode=false")
 
 
 def _check_modes(config: Config) -> None:
     trainer, rollout = config.trainer, config.rollout
-    _choice("trainer.mode", trainer.mode, ("sync", "one_step_off", "async"))
-    _choice("trainer.proximal", trainer.proximal, ("recompute", "loglinear"))
+    choose("trainer.mode", trainer.mode, ("sync", "one_step_off", "async"))
+    choose("trainer.proximal", trainer.proximal, ("recompute", "loglinear"))
     if trainer.max_staleness < 0:
         raise ConfigError(f"trainer.max_staleness={trainer.max_staleness} must be 0 (on-policy) or more")
     if trainer.trigger_sync_steps < 1:

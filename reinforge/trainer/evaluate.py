@@ -24,10 +24,13 @@ def evaluate(config: Config) -> dict[str, float]:
     from reinforge.models import load_tokenizer
     from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
     from reinforge.rollout.base import SamplingParams
+    from reinforge.trainer.preflight import check_config, check_devices
     from reinforge.trainer.validation import run_validation
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.reward import RewardWorker
 
+    check_config(config)
+    check_devices(config)
     custom_scorer = load_reward_function(config.reward)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.agent import check_agent_rows, check_tool_turns, check_tools, load_tools
 from reinforge.agent.runner import failed_tools
 from reinforge.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -27,26 +26,22 @@ from reinforge.algorithms import (
     compute_advantages,
     compute_rollout_correction,
 )
+from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config, config_to_dict
-from reinforge.config.validate import critic_enabled, reference_needed
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
-from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
-from reinforge.engine.lora import check_target_modules
-from reinforge.models import load_tokenizer, warn_if_beyond_context
+from reinforge.data import PromptLoader, get_pad_token_id
 from reinforge.protocol import Batch
-from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.modes import TrainerCalls, build_mode
-from reinforge.trainer.modes.partial import refuse_agent_rows
+from reinforge.trainer.preflight import preflight
 from reinforge.trainer.run_loop import DataExhausted, StepSkipped, TrainingRun
 from reinforge.trainer.seeds import step_seed
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
-from reinforge.workers.memory_settings import apply_memory_plan
 from reinforge.workers.reference import ReferenceWorker
 from reinforge.workers.reward import RewardWorker
 
@@ -55,43 +50,21 @@ class RLTrainer(TrainingRun):
     def __init__(self, config: Config, placement: RolePlacement | None = None):
         """``placement`` maps each role to a resource pool; by default every role shares one pool."""
         self.config = config
-        custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
+        checked = preflight(config, placement)  # every check that can run before a model loads
         self.run_dir = Path(config.trainer.output_dir)
-        apply_memory_plan(config)  # before any weight loads: auto memory settings resolved, or MemoryPlanError
-        check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer, likewise
-        warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
-                               "data.max_prompt_length + data.max_response_length")
-        tools = load_tools(config.rollout.multi_turn)
-        check_tools(config.rollout.multi_turn.format, tools)  # an unknown format, a tool that cannot work: here
         # async mode's checkpoint holds prompt groups in flight, each with the rollout.n samples it was admitted with
         refused = RESUME_REFUSES + (("rollout.n",) if config.trainer.mode == "async" else ())
         self.open_run_folder(config.trainer.resume, config.trainer.keep_last, refused)
         torch.manual_seed(config.trainer.seed)
         np.random.seed(config.trainer.seed)
 
-        tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
-                                   trust_remote_code=config.model.trust_remote_code)
-        self.tokenizer = tokenizer
-        schemas = [tool.schema for tool in tools.values()]
-        train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
-        check_rows_can_be_scored(train_set, config.reward, custom_scorer)
-        check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
-                          for example in train_set.examples), tools)
-        if config.trainer.mode == "async":  # its rollouter runs no agent loop: say so before any model loads
-            refuse_agent_rows(example.agent_name for example in train_set.examples)
+        self.tokenizer = tokenizer = checked.tokenizer
         self.pad_token_id = get_pad_token_id(tokenizer)
-        self.train_loader = PromptLoader.for_training(train_set, config.data, self.pad_token_id)
+        self.train_loader = PromptLoader.for_training(checked.train_set, config.data, self.pad_token_id)
         self._prompt_batches: Iterator[Batch] | None = None
         self.val_loader = None
-        val_set = None
-        if config.data.val_files:
-            val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
-            check_rows_can_be_scored(val_set, config.reward, custom_scorer)
-            check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
-                              for example in val_set.examples), tools)
-            self.val_loader = PromptLoader.for_validation(val_set, config.data, get_pad_token_id(tokenizer))
-        check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
-                          for example in dataset.examples), tokenizer, config.data.chat_template)
+        if checked.val_set is not None:
+            self.val_loader = PromptLoader.for_validation(checked.val_set, config.data, self.pad_token_id)
         self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
         self.data_batches: int | None = None
         """With dynamic sampling and trainer.total_steps unset: the generation batches of trainer.total_epochs
@@ -417,12 +390,6 @@ def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> C
 
         connect_ray(trainer.ray_address, log_dir=log_dir, device=trainer.device)
         group_class = RayWorkerGroup
-    else:
-        too_big = {name: pool.devices_per_node for name, pool in placement.pools.items() if pool.world_size > 1}
-        if too_big:
-            raise ValueError(f"trainer.backend={trainer.backend} runs every role in this process on one device, but "
-                             f"the resource pools ask for {too_big} (trainer.nnodes={trainer.nnodes}, "
-                             f"trainer.devices_per_node={trainer.devices_per_node}); set trainer.backend=ray")
 
     def build(worker_cls: type, *init_args: Any, role: str, **init_kwargs: Any) -> WorkerGroup:
         return group_class(worker_cls, *init_args, name=role, backend=trainer.backend,

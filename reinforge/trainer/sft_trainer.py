@@ -26,9 +26,10 @@ from reinforge.engine.device import autocast_context, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
-from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder, warn_if_beyond_context
+from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
+from reinforge.trainer.preflight import preflight_sft
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
@@ -53,7 +54,7 @@ class SFTTrainer(TrainingRun):
         self.config = config
         data, trainer = config.data, config.trainer
         self.run_dir = Path(trainer.output_dir)
-        warn_if_beyond_context(config.model.path, data.max_length, "data.max_length")
+        preflight_sft(config)  # every check that can run before the model loads
         self.open_run_folder(trainer.resume, trainer.keep_last, RESUME_REFUSES)
         torch.manual_seed(trainer.seed)
         np.random.seed(trainer.seed)

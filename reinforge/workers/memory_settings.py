@@ -58,7 +58,7 @@ def device_memory_bytes(config: Config) -> float | None:
 
 
 def run_shape(config: Config) -> RunShape:
-    from reinforge.config.validate import critic_enabled, reference_needed
+    from reinforge.algorithms.roles import critic_enabled, reference_needed
 
     on_gpu = config.trainer.device == "cuda" or config.trainer.gpu_memory_gib is not None or (
         config.trainer.device == "auto" and torch.cuda.is_available())

@@ -7,8 +7,9 @@ import yaml
 
 from reinforge.cli import main
 from reinforge.config import ConfigError, load_config, schema_keys
-from reinforge.config.from_verl import parse_verl_overrides, translate_verl
-from reinforge.config.verl_keys import VERL_KEYS, NoEquivalent, Rename, SameAsOurs, lookup
+from reinforge.config.verl.keys import VERL_KEYS, NoEquivalent, Rename, SameAsOurs, lookup
+from reinforge.config.verl.translate import parse_verl_overrides, translate_verl
+from reinforge.trainer.preflight import check_config
 
 # verl's examples/grpo_trainer/run_qwen2-7b.sh (the GSM8K GRPO example), its overrides as the shell passes them.
 VERL_GSM8K_GRPO = [
@@ -69,6 +70,7 @@ VERL_KEY_NAMES = (Path(__file__).parent / "verl_ppo_trainer_keys.txt").read_text
 def test_verl_gsm8k_grpo_example_translates_loads_and_validates(capsys):
     translation = translate_verl(VERL_GSM8K_GRPO)
     config = load_config(None, tree=translation.tree)
+    check_config(config)
     assert config.algorithm.adv_estimator == "grpo"
     assert config.data.train_files == ["/home/user/data/gsm8k/train.parquet"]
     assert config.data.val_files == ["/home/user/data/gsm8k/test.parquet"]
@@ -294,6 +296,7 @@ VERL_DAPO_GEO_MEAN = [
 def test_verl_dapo_example_with_overlong_buffer_translates():
     translation = translate_verl(VERL_DAPO_GEO_MEAN)
     config = load_config(None, tree=translation.tree)
+    check_config(config)
     assert config.reward.overlong_buffer.enable and config.reward.overlong_buffer.len == 4096
     assert config.actor.policy_loss.loss_mode == "geo_mean" and config.actor.policy_loss.clip_ratio_high == 0.4
     assert (config.actor.param_offload, config.actor.optimizer_offload, config.ref.param_offload) == (True, True, True)
@@ -388,3 +391,12 @@ def test_null_device_counts_fail_in_the_config_check_not_in_the_translation():
     for word in ("trainer.nnodes=null", "trainer.n_gpus_per_node=null"):
         with pytest.raises(ConfigError, match=r"trainer\.(nnodes|devices_per_node)"):
             load_config(None, tree=translate_verl([word]).tree)
+
+
+def test_verls_schedules_that_translate_are_every_schedule_of_reinforge():
+    from reinforge.config.verl.keys import VERL_SCHEDULES
+    from reinforge.engine.optim import LR_SCHEDULES
+
+    assert sorted(VERL_SCHEDULES.values()) == sorted(LR_SCHEDULES)
+    assert translate_verl(["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"]).tree["actor"]["optim"] == {
+        "schedule": "cosine"}

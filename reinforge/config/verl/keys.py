@@ -3,8 +3,8 @@
 ``VERL_KEYS`` maps a key of verl's ``ppo_trainer.yaml`` (as written on its Hydra command line)
 to a ``Rename`` (our key, a value conversion, and verl's default where it differs from ours in a
 way that changes the run) or to a ``NoEquivalent`` with the reason. A key ending in ``.*`` covers
-every key below it; the exact key wins over a covering one. ``reinforge.config.from_verl`` reads
-this table, and so does the "did you mean" of ``reinforge.config.loader`` (through ``from_verl.verl_hint``).
+every key below it; the exact key wins over a covering one. ``reinforge.config.verl.translate``
+reads this table, and so does the "did you mean" of ``reinforge.config.loader`` (through ``translate.verl_hint``).
 
 A conversion gets the value and every verl key given (for keys that only mean something
 together); it returns our value, ``UNSET`` when the value leaves our default alone, or raises
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from reinforge.config.schema import TRUNCATION_MODES
-from reinforge.engine.optim import LR_SCHEDULES
 
 UNSET = object()
 """A conversion's answer when the verl value means "use the default" (-1, None, fsdp, ...)."""
@@ -108,12 +107,17 @@ def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
     raise NoEquivalentValue(f"rollout engine {value!r} is not one of verl's vllm, sglang, trtllm or hf")
 
 
+VERL_SCHEDULES = {"constant": "constant", "cosine": "cosine"}
+"""verl's learning-rate schedules that reinforge has, by verl's name: each is a name of ``engine.optim.LR_SCHEDULES``
+(tests/config/verl/test_translate.py checks that they are all of them)."""
+
+
 def _schedule(value: Any, given: Mapping[str, Any]) -> Any:
     if value is None:
         return UNSET
-    if value in LR_SCHEDULES:
-        return value
-    raise NoEquivalentValue(f"the {value!r} schedule is not here; reinforge has {' and '.join(LR_SCHEDULES)}")
+    if value in VERL_SCHEDULES:
+        return VERL_SCHEDULES[value]
+    raise NoEquivalentValue(f"the {value!r} schedule is not here; reinforge has {' and '.join(VERL_SCHEDULES.values())}")
 
 
 

@@ -2,7 +2,7 @@
 
 ``translate_verl(arguments)`` reads verl's Hydra overrides (``data.train_files=/x.parquet``,
 ``trainer.logger='["console","wandb"]'``, ``+custom_reward_function.reward_kwargs.k=v``), looks
-each key up in ``verl_keys.VERL_KEYS`` and returns our config as a nested tree of the keys that
+each key up in ``keys.VERL_KEYS`` and returns our config as a nested tree of the keys that
 differ from our defaults, with one report line per verl key: what it became, or why it has no
 equivalent. A verl default that differs from ours in a way that changes the run (GAE, 1024
 prompts a step, one sample per prompt, ...) is carried over when the command leaves the key out,
@@ -23,7 +23,7 @@ import yaml
 
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
-from reinforge.config.verl_keys import (
+from reinforge.config.verl.keys import (
     UNSET,
     VERL_KEYS,
     VERL_SECTIONS,

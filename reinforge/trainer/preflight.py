@@ -1,0 +1,209 @@
+"""Every check that can run before a model loads: ``preflight(config)`` for an RL run, ``preflight_sft`` for SFT.
+
+``RLTrainer(config)`` and ``SFTTrainer(config)`` run them first, so ``reinforge train`` and a Python caller
+that builds a trainer from ``load_config(...)`` get the same one-line refusals. In order: the config's rules
+(the schema's own, ``config.validate``, then the names of estimators, losses, KL estimators, schedules and
+trackers against their registries, and the rules those entries bring), what a run needs (a model, data, the
+packages of its trackers), the backend against the devices, the scorer (imported), the memory plan (auto
+settings resolved), LoRA's target modules, the tools, settings the rest of the config ignores (a warning, or a
+refusal where it is clearly a mistake); then, with the tokenizer, every data row against its scorer and agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from reinforge.agent import check_agent_rows, check_tool_turns, check_tools, load_tools
+from reinforge.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    BYPASS_LOSS_TYPES,
+    KL_CONTROLLERS,
+    KL_ESTIMATOR_ALIASES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ROLLOUT_IS_LEVELS,
+    parse_is_threshold,
+    parse_rejection_rules,
+)
+from reinforge.algorithms.roles import critic_enabled
+from reinforge.config import Config, ConfigError
+from reinforge.config.sft_schema import SFTConfig
+from reinforge.config.validate import choose, validate_config, validate_sft_config
+from reinforge.data import RLDataset
+from reinforge.engine.lora import check_target_modules
+from reinforge.engine.optim import LR_SCHEDULES
+from reinforge.models import load_tokenizer, warn_if_beyond_context
+from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
+from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
+from reinforge.trainer.modes.partial import refuse_agent_rows
+from reinforge.workers.memory_settings import apply_memory_plan
+
+if TYPE_CHECKING:
+    from reinforge.controller import RolePlacement
+    from reinforge.reward.data_checks import Scorer
+
+def check_config(config: Config) -> None:
+    """Every rule of an RL config: the schema's own, then those naming registry entries. Raises ConfigError."""
+    validate_config(config)
+    algorithm, actor = config.algorithm, config.actor
+    choose("algorithm.adv_estimator", algorithm.adv_estimator, sorted(ADVANTAGE_ESTIMATORS))
+    choose("actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, sorted(POLICY_LOSSES))
+    choose("actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    choose("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES)
+    kl_names = sorted({*KL_ESTIMATORS, *KL_ESTIMATOR_ALIASES})
+    kl_names += [f"{name}+" for name in kl_names]
+    choose("actor.kl_loss_type", actor.kl_loss_type, kl_names)
+    choose("algorithm.kl_penalty", algorithm.kl_penalty, kl_names)
+    choose("algorithm.kl_ctrl.type", algorithm.kl_ctrl.type, list(KL_CONTROLLERS))
+    choose("actor.optim.schedule", actor.optim.schedule, list(LR_SCHEDULES))
+    choose("critic.optim.schedule", config.critic.optim.schedule, list(LR_SCHEDULES))
+    check_loggers(config.trainer.loggers)
+    correction = algorithm.rollout_correction
+    if correction.rollout_is is not None:
+        choose("algorithm.rollout_correction.rollout_is", correction.rollout_is, ROLLOUT_IS_LEVELS)
+    choose("algorithm.rollout_correction.loss_type", correction.loss_type, BYPASS_LOSS_TYPES)
+    try:
+        parse_is_threshold(correction.rollout_is_threshold)
+        parse_rejection_rules(correction.rollout_rs, correction.rollout_rs_threshold)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+    estimator, rollout = ADVANTAGE_ESTIMATORS[algorithm.adv_estimator], config.rollout
+    if estimator.needs_groups and rollout.n < 2:
+        raise ConfigError(f"rollout.n={rollout.n} is too small for algorithm.adv_estimator={algorithm.adv_estimator}, "
+                          "which compares samples of one prompt; set rollout.n to 2 or more")
+    if estimator.needs_critic and config.critic.enable is False:
+        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs a critic but critic.enable=false; "
+                          "remove critic.enable or choose a critic-free estimator such as grpo")
+    if correction.bypass_mode and estimator.needs_sum_pi_squared:
+        raise ConfigError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the old policy's sum of pi^2 from "
+                          "a log-prob pass, which algorithm.rollout_correction.bypass_mode=true skips; "
+                          "set bypass_mode=false")
+    if critic_enabled(config):
+        critic = config.critic
+        if not critic.cliprange_value > 0:
+            raise ConfigError(f"critic.cliprange_value={critic.cliprange_value} must be positive (how far a value may "
+                              "move from the one before the update; 0.5 is usual)")
+        if critic.ppo_epochs is not None and critic.ppo_epochs < 1:
+            raise ConfigError(f"critic.ppo_epochs={critic.ppo_epochs} must be at least 1, or null (actor.ppo_epochs)")
+        if critic.warmup_steps < 0:
+            raise ConfigError(f"critic.warmup_steps={critic.warmup_steps} must be 0 (none) or more")
+
+
+def check_sft_config(config: SFTConfig) -> None:
+    """Every rule of an SFT config: the schema's own, then the schedule's and the trackers' names."""
+    validate_sft_config(config)
+    choose("optim.schedule", config.optim.schedule, list(LR_SCHEDULES))
+    check_loggers(config.trainer.loggers)
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """trainer.loggers names tracking backends (the tracker starts only after the model has loaded)."""
+    unknown = [name for name in loggers if name not in TRACKING_BACKENDS]
+    if unknown:
+        raise ConfigError(f"trainer.loggers names {unknown[0]!r}, which is not a tracking backend; use any of "
+                          f"{', '.join(sorted(TRACKING_BACKENDS))}")
+
+
+def require_logger_packages(loggers: list[str]) -> None:
+    """What a training run needs beyond a valid config: the packages of its trackers (a config naming wandb
+    stays valid, and translatable, where wandb is not installed)."""
+    for name in loggers:
+        missing = missing_backend_package(name)
+        if missing:
+            raise ConfigError(f"trainer.loggers names {name}, which needs the {missing} package, not installed here; "
+                              f"pip install {missing} (or reinforge[tracking]), or remove {name} from trainer.loggers")
+        problem = backend_problem(name)
+        if problem:
+            raise ConfigError(f"trainer.loggers names {name}: {problem}")
+
+
+def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:
+    """What a training run needs beyond a valid config: a model and training data (RL and SFT)."""
+    if not model_path:
+        raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (a local folder or hub id)")
+    if not train_files:
+        raise ConfigError(f"data.train_files is empty; pass data.train_files=[{example_file}]")
+
+
+def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = None) -> None:
+    """The backend against the devices: the local backend runs every role in this process on one device, which
+    must exist when trainer.device=cuda. ``placement``: the RL run's pools (by default one of trainer.nnodes x
+    trainer.devices_per_node devices)."""
+    trainer = config.trainer
+    backend = getattr(trainer, "backend", "local")
+    if backend != "local":
+        return
+    if placement is None:
+        num_devices = getattr(trainer, "nnodes", 1) * getattr(trainer, "devices_per_node", 1)
+        if num_devices > 1:
+            raise ConfigError(f"trainer.backend=local runs every worker in this process on one device, but "
+                              f"trainer.nnodes x trainer.devices_per_node = {num_devices}; set trainer.backend=ray")
+    else:
+        too_big = {name: pool.world_size for name, pool in placement.pools.items() if pool.world_size > 1}
+        if too_big:
+            raise ConfigError(f"trainer.backend=local runs every role in this process on one device, but the resource "
+                              f"pools ask for {too_big} devices; set trainer.backend=ray")
+    if trainer.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but this machine has no visible CUDA device; "
+                              "use trainer.device=auto or trainer.device=cpu")
+
+
+@dataclass
+class Checked:
+    """What ``preflight`` loaded while checking, for the trainer to use: nothing is loaded twice."""
+
+    tokenizer: Any
+    tools: dict[str, Any]
+    custom_scorer: Scorer | None
+    train_set: RLDataset
+    val_set: RLDataset | None
+
+
+def preflight(config: Config, placement: RolePlacement | None = None) -> Checked:
+    """Every check of an RL run that can run before a model loads; resolves the memory plan's auto settings in
+    ``config``. Raises ConfigError (or the check's own one-line error) naming the value and the fix."""
+    check_config(config)
+    require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
+    require_logger_packages(config.trainer.loggers)
+    check_devices(config, placement)
+    custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
+    apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
+    check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
+    warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
+                           "data.max_prompt_length + data.max_response_length")
+    tools = load_tools(config.rollout.multi_turn)
+    check_tools(config.rollout.multi_turn.format, tools)  # an unknown format, a tool that cannot work
+
+    tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                               trust_remote_code=config.model.trust_remote_code)
+    schemas = [tool.schema for tool in tools.values()]
+    train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
+    check_rows_can_be_scored(train_set, config.reward, custom_scorer)
+    check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
+                      for example in train_set.examples), tools)
+    if config.trainer.mode == "async":  # its rollouter runs no agent loop
+        refuse_agent_rows(example.agent_name for example in train_set.examples)
+    val_set = None
+    if config.data.val_files:
+        val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
+        check_rows_can_be_scored(val_set, config.reward, custom_scorer)
+        check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
+                          for example in val_set.examples), tools)
+    check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
+                      for example in dataset.examples), tokenizer, config.data.chat_template)
+    return Checked(tokenizer, tools, custom_scorer, train_set, val_set)
+
+
+def preflight_sft(config: SFTConfig) -> None:
+    """Every check of an SFT run that can run before its model loads."""
+    check_sft_config(config)
+    require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
+    require_logger_packages(config.trainer.loggers)
+    check_devices(config)
+    warn_if_beyond_context(config.model.path, config.data.max_length, "data.max_length")

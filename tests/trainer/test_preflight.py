@@ -1,0 +1,73 @@
+"""``preflight(config)``: every check that can run before a model loads, the same for the CLI and Python callers."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.cli import main
+from reinforge.config import ConfigError, load_config
+from reinforge.controller import ResourcePool, RolePlacement
+from reinforge.trainer.preflight import check_devices
+from reinforge.trainer.rl_trainer import ROLES, RLTrainer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"algorithm.adv_estimator": "grpoo"},  # a name checked against the estimators' registry
+    {"rollout.n": 1},  # a rule the estimator's registration brings (grpo compares samples of one prompt)
+    {"trainer.loggers": "[jsonl,wandbb]"},  # a tracking backend's name
+    {"trainer.devices_per_node": 2},  # the local backend against the devices
+    {"actor.optim.schedule": "wsd"},  # an engine schedule's name
+    {"reward.custom_function": "no_such_scorer.py"},  # the scorer, imported before any model
+    {"data.train_files": "[no_such_file.parquet]"},  # the data
+], ids=lambda overrides: next(iter(overrides)))
+def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, overrides):
+    args = rl_args(tmp_path / "cli", **overrides)
+    assert main(["train", *args]) == 2
+    cli_line = capsys.readouterr().err.strip()
+    assert cli_line.startswith("error: ") and "\n" not in cli_line
+
+    config = load_config(None, rl_args(tmp_path / "python", **overrides))  # loads: the mistake is not the schema's
+    with pytest.raises((ConfigError, ValueError, OSError)) as refusal:
+        RLTrainer(config)
+    assert "error: " + " ".join(str(refusal.value).split()) == cli_line.replace(str(tmp_path / "cli"),
+                                                                               str(tmp_path / "python"))
+    assert not (tmp_path / "python").exists() and not (tmp_path / "cli").exists()  # refused before the run folder
+
+
+def test_a_placement_larger_than_one_device_is_refused_on_the_local_backend():
+    pool = ResourcePool("global", [2])
+    with pytest.raises(ConfigError, match=r"^trainer.backend=local runs every role in this process on one device, "
+                                          r"but the resource pools ask for \{'global': 2\} devices; set trainer.backend=ray$"):
+        check_devices(load_config(None, []), RolePlacement.colocated(ROLES, pool))
+    check_devices(load_config(None, ["trainer.backend=ray"]), RolePlacement.colocated(ROLES, pool))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_a_gpu_is_refused_before_loading():
+    config = load_config(None, ["trainer.device=cuda"])  # a config for a GPU machine loads anywhere
+    with pytest.raises(ConfigError, match="trainer.device=cuda but this machine has no visible CUDA device"):
+        check_devices(config)
+    check_devices(load_config(None, ["trainer.device=cuda", "trainer.backend=ray"]))  # Ray's members have the GPUs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_plan_answers_for_a_cuda_card_on_a_machine_without_one(tiny_model_dir, capsys):
+    assert main(["plan", f"model.path={tiny_model_dir}", "trainer.device=cuda", "--gpu-memory-gib", "80"]) == 0
+    assert "usable GiB on the device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("key", ["unknown.key", "actor_rollout_ref.actor.optim.lr", "actor.optim.learning_rate"])
+def test_an_unknown_key_is_refused_before_torch_is_imported(key):
+    """A typo is answered in a fraction of a second: the key checks (verl's table included) import no torch."""
+    script = ("import sys\nfrom reinforge.cli import main\n"
+              f"code = main(['train', '{key}=1'])\n"
+              "print(code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert result.stdout.split() == ["2", "False"], result.stderr
+    assert result.stderr.startswith(f"error: unknown key {key} (command line); ")
