@@ -225,6 +225,8 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
     for dotted, value in _flatten(tree, known):
         if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
             value = [value]  # data.train_files=/x.parquet, as verl (and Hydra's users) write one file
+        if isinstance(value, int) and not isinstance(value, bool) and _is_float_or_auto(known.get(dotted)):
+            value = float(value)  # OmegaConf takes no int for Union[float, str] (rollout.kv_cache_gib=4)
         expected = _type_name(known[dotted]) if dotted in known else "another type"
         if _is_list_of_scalars(known.get(dotted)) and isinstance(value, list) and any(
                 isinstance(item, list | Mapping) for item in value):  # OmegaConf checks no nested item's type
@@ -238,6 +240,12 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
         if sources is not None:
             sources[dotted] = source
     return base
+
+
+def _is_float_or_auto(annotation: Any) -> bool:
+    """A setting of a size or auto (Union[float, str]): OmegaConf refuses a whole number there."""
+    args = typing.get_args(_unwrap_optional(annotation)) if annotation is not None else ()
+    return float in args and int not in args
 
 
 def _is_mapping(annotation: Any) -> bool:

@@ -5,8 +5,8 @@ that builds a trainer from ``load_config(...)`` get the same one-line refusals. 
 (the schema's own, ``config.validate``, then the names of estimators, losses, KL estimators, schedules and
 trackers against their registries, and the rules those entries bring), what a run needs (a model, data, the
 packages of its trackers), the backend against the devices, the scorer (imported), the memory plan (auto
-settings resolved), LoRA's target modules, the tools, settings the rest of the config ignores (a warning, or a
-refusal where it is clearly a mistake); then, with the tokenizer, every data row against its scorer and agent.
+settings resolved), LoRA's target modules, the tools; settings the rest of the config makes ineffective are a warning each
+(``ineffective_settings.py``). Then, with the tokenizer, every data row against its scorer and agent.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
+from reinforge.trainer.ineffective_settings import warn_ineffective_settings
 from reinforge.trainer.modes.partial import refuse_agent_rows
 from reinforge.workers.memory_settings import apply_memory_plan
 
@@ -172,6 +173,7 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
+    warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
     apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer

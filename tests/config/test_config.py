@@ -460,3 +460,11 @@ def test_a_hydra_config_file_is_named_as_such(tmp_path, text, key):
     with pytest.raises(ConfigError, match=rf"^unknown key {key} \(from verl.yaml\); Hydra's defaults list and hydra: "
                                           r"section are not read here: a reinforge config is plain YAML"):
         load_config(config_file)
+
+
+def test_a_whole_number_is_a_size_in_gib(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor:\n  logits_buffer_gib: 2\n")
+    config = load_config(path, ["rollout.kv_cache_gib=4"])
+    assert (config.rollout.kv_cache_gib, config.actor.logits_buffer_gib) == (4.0, 2.0)
+    assert load_config(None, ["rollout.kv_cache_gib=auto"]).rollout.kv_cache_gib == "auto"

@@ -1,0 +1,163 @@
+"""Settings that the rest of the config makes ineffective: one warning line each, before any model loads.
+
+A setting counts only when it differs from the schema's default (a default merely present never warns):
+``actor.kl_loss_coef=5`` with ``actor.use_kl_loss=false`` warns, the default coefficient does not. Mistakes
+that are certain, where the run could only do something else than asked (``data.gen_batch_size`` without
+dynamic sampling, a policy loss that bypass mode would replace), are refusals of ``config.validate``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from reinforge.algorithms.roles import critic_enabled, reference_needed
+from reinforge.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IgnoredWhen:
+    """``keys`` have no effect when ``applies(config)``; ``because`` says why, ``fix`` how to make them count."""
+
+    keys: tuple[str, ...]
+    applies: Callable[[Config], bool]
+    because: str
+    fix: str
+
+
+def _loss_params(mode: str, *names: str) -> IgnoredWhen:
+    return IgnoredWhen(tuple(f"actor.policy_loss.{name}" for name in names),
+                       lambda config: config.actor.policy_loss.loss_mode != mode,
+                       f"they are parameters of actor.policy_loss.loss_mode={mode}",
+                       f"set actor.policy_loss.loss_mode={mode}")
+
+
+def _optim_params(prefix: str, when: Callable[[Config], bool] = lambda config: True) -> list[IgnoredWhen]:
+    def section(config: Config) -> Any:
+        return _value(config, prefix)
+
+    return [
+        IgnoredWhen((f"{prefix}.warmup_ratio",), lambda config: when(config) and section(config).warmup_steps > 0,
+                    f"{prefix}.warmup_steps is set, which takes precedence", f"set {prefix}.warmup_steps=0"),
+        IgnoredWhen((f"{prefix}.min_lr_ratio",), lambda config: when(config) and section(config).schedule != "cosine",
+                    f"it is the floor of the cosine schedule and {prefix}.schedule is not cosine",
+                    f"set {prefix}.schedule=cosine"),
+    ]
+
+
+CRITIC_KEYS = ("critic.model_path", "critic.optim.lr", "critic.optim.weight_decay", "critic.optim.betas",
+               "critic.optim.eps", "critic.optim.warmup_steps", "critic.optim.warmup_ratio", "critic.optim.schedule",
+               "critic.optim.min_lr_ratio", "critic.cliprange_value", "critic.loss_agg_mode", "critic.ppo_epochs",
+               "critic.max_tokens_per_micro_batch", "critic.grad_clip", "critic.warmup_steps", "critic.param_offload",
+               "critic.optimizer_offload")
+
+IGNORED_WHEN: list[IgnoredWhen] = [
+    IgnoredWhen(("trainer.test_every", "data.val_batch_size", "data.max_val_samples", "rollout.val_kwargs.n",
+                 "rollout.val_kwargs.temperature", "rollout.val_kwargs.top_p", "rollout.val_kwargs.top_k"),
+                lambda config: not config.data.val_files, "data.val_files is empty, so the run never validates",
+                "give data.val_files"),
+    IgnoredWhen(("actor.kl_loss_coef", "actor.kl_loss_type"), lambda config: not config.actor.use_kl_loss,
+                "actor.use_kl_loss is false", "set actor.use_kl_loss=true"),
+    IgnoredWhen(("algorithm.kl_penalty", "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef",
+                 "algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"),
+                lambda config: not config.algorithm.use_kl_in_reward, "algorithm.use_kl_in_reward is false",
+                "set algorithm.use_kl_in_reward=true"),
+    IgnoredWhen(("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"),
+                lambda config: config.algorithm.use_kl_in_reward and config.algorithm.kl_ctrl.type != "adaptive",
+                "they steer the adaptive controller and algorithm.kl_ctrl.type is fixed",
+                "set algorithm.kl_ctrl.type=adaptive"),
+    IgnoredWhen(CRITIC_KEYS, lambda config: not critic_enabled(config),
+                "the run has no critic (algorithm.adv_estimator reads no values, or critic.enable=false)",
+                "use algorithm.adv_estimator=gae or critic.enable=true"),
+    IgnoredWhen(("ref.max_tokens_per_micro_batch", "ref.param_offload"), lambda config: not reference_needed(config),
+                "the run loads no reference model (actor.use_kl_loss and algorithm.use_kl_in_reward are false)",
+                "turn on a KL loss or a KL-in-reward penalty"),
+    IgnoredWhen(("ref.max_tokens_per_micro_batch", "ref.param_offload"),
+                lambda config: reference_needed(config) and config.model.lora.rank > 0,
+                "with LoRA the reference is the actor itself with its adapters off", "use the actor's settings"),
+    IgnoredWhen(("algorithm.lam",), lambda config: config.algorithm.adv_estimator != "gae",
+                "only GAE reads lambda", "set algorithm.adv_estimator=gae"),
+    IgnoredWhen(("algorithm.gdpo_reward_keys", "algorithm.gdpo_reward_weights"),
+                lambda config: config.algorithm.adv_estimator != "gdpo", "only the gdpo estimator reads them",
+                "set algorithm.adv_estimator=gdpo"),
+    IgnoredWhen(("rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.free_cache_engine",
+                 "rollout.enable_prefix_caching"),
+                lambda config: config.rollout.name == "hf", "they are settings of the native engine and rollout.name "
+                "is hf", "set rollout.name=native"),
+    IgnoredWhen(("trainer.max_staleness", "trainer.trigger_sync_steps", "rollout.segment_tokens"),
+                lambda config: config.trainer.mode != "async", "they are settings of trainer.mode=async",
+                "set trainer.mode=async"),
+    IgnoredWhen(("trainer.separate_rollout", "trainer.proximal"), lambda config: config.trainer.mode == "sync",
+                "they are settings of the off-policy modes and trainer.mode is sync",
+                "set trainer.mode=one_step_off or async"),
+    IgnoredWhen(("algorithm.filter_groups.metric", "algorithm.filter_groups.max_num_gen_batches"),
+                lambda config: not config.algorithm.filter_groups.enable,
+                "algorithm.filter_groups.enable is false (no dynamic sampling)",
+                "set algorithm.filter_groups.enable=true"),
+    IgnoredWhen(("model.lora.alpha", "model.lora.target_modules", "model.lora.dropout"),
+                lambda config: config.model.lora.rank == 0, "model.lora.rank is 0 (no adapters)",
+                "set model.lora.rank, e.g. to 32"),
+    IgnoredWhen(("reward.overlong_buffer.len", "reward.overlong_buffer.penalty_factor"),
+                lambda config: not config.reward.overlong_buffer.enable, "reward.overlong_buffer.enable is false",
+                "set reward.overlong_buffer.enable=true"),
+    IgnoredWhen(("algorithm.rollout_correction.rollout_is_threshold",
+                 "algorithm.rollout_correction.rollout_is_batch_normalize"),
+                lambda config: config.algorithm.rollout_correction.rollout_is is None and config.trainer.mode == "sync",
+                "algorithm.rollout_correction.rollout_is is null (no importance weights)",
+                "set algorithm.rollout_correction.rollout_is=token or sequence"),
+    IgnoredWhen(("algorithm.rollout_correction.rollout_rs_threshold",),
+                lambda config: config.algorithm.rollout_correction.rollout_rs is None,
+                "algorithm.rollout_correction.rollout_rs is null (no rejection rules)",
+                "name rules in algorithm.rollout_correction.rollout_rs"),
+    IgnoredWhen(("algorithm.rollout_correction.loss_type",),
+                lambda config: not config.algorithm.rollout_correction.bypass_mode,
+                "it is the loss of bypass mode and algorithm.rollout_correction.bypass_mode is false",
+                "set algorithm.rollout_correction.bypass_mode=true"),
+    _loss_params("clip_cov", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    _loss_params("kl_cov", "kl_cov_ratio", "ppo_kl_coef"),
+    _loss_params("sapo", "tau_pos", "tau_neg"),
+    _loss_params("dro", "dro_beta"),
+    *_optim_params("actor.optim"),
+    *_optim_params("critic.optim", critic_enabled),
+    IgnoredWhen(("data.truncation",), lambda config: config.data.filter_overlong_prompts,
+                "data.filter_overlong_prompts drops every overlong prompt, so none is left to truncate",
+                "set data.filter_overlong_prompts=false"),
+    IgnoredWhen(("model.attn_implementation",), lambda config: True,
+                "the RL workers use their own attention (packed varlen passes, sdpa for generation); it is an SFT "
+                "setting", "remove it"),
+    IgnoredWhen(("trainer.ray_address",), lambda config: config.trainer.backend != "ray",
+                "trainer.backend is local", "set trainer.backend=ray"),
+]
+"""Every setting the rest of the config can make ineffective, with the condition that does."""
+
+
+def _value(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def ineffective_settings(config: Config) -> list[str]:
+    """One line per setting changed from its default that has no effect under the rest of ``config``."""
+    defaults, lines, seen = Config(), [], set()
+    for rule in IGNORED_WHEN:
+        changed = [key for key in rule.keys if key not in seen and _value(config, key) != _value(defaults, key)]
+        if changed and rule.applies(config):
+            seen.update(changed)
+            lines += [f"{key}={_shown(_value(config, key))} has no effect: {rule.because}; {rule.fix}, or remove {key}"
+                      for key in changed]
+    return lines
+
+
+def warn_ineffective_settings(config: Config) -> None:
+    """Warn, one line each, about the settings that the rest of ``config`` makes ineffective."""
+    for line in ineffective_settings(config):
+        logger.warning(line)
