@@ -10,8 +10,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "reinforge"
 
@@ -92,26 +90,8 @@ def test_each_layer_imports_what_its_row_says_and_only_from_rows_above():
                                                     f"it imports {sorted(actual.get(layer, set()))}"
 
 
-MODES_NAME_THE_TRAINER = ("reinforge.trainer.modes", "reinforge.trainer.rl_trainer")
-"""The one known circle's edge: the off-policy modes name ``RLTrainer`` in annotations (they call methods of the
-whole trainer); ``test_the_off_policy_modes_do_not_import_the_trainer`` follows it alone."""
-
-
-def _without_known_edge(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    source, target = MODES_NAME_THE_TRAINER
-    return {module: targets - {target} if module.startswith(source) else targets for module, targets in graph.items()}
-
-
-@pytest.mark.xfail(strict=True, reason="trainer/modes/ takes the whole RLTrainer (train_on_batch, "
-                   "sync_rollout_weights, .reward, .run_dir) and names it in annotations; with Rollouter's shape "
-                   "(callables in, batches out) the edge goes and this mark with it")
-def test_the_off_policy_modes_do_not_import_the_trainer():
-    source, target = MODES_NAME_THE_TRAINER
-    assert [module for module, targets in import_graph().items() if module.startswith(source) and target in targets] == []
-
-
 def test_no_module_imports_itself_back():
-    graph = _without_known_edge(import_graph())
+    graph = import_graph()
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -129,6 +129,9 @@ IGNORED_WHEN: list[IgnoredWhen] = [
     IgnoredWhen(("model.attn_implementation",), lambda config: True,
                 "the RL workers use their own attention (packed varlen passes, sdpa for generation); it is an SFT "
                 "setting", "remove it"),
+    IgnoredWhen(("reward.max_memory_mb",), lambda config: config.reward.num_workers == 0,
+                "reward.num_workers=0 scores in this process, which no heap cap applies to",
+                "set reward.num_workers=1 or more"),
     IgnoredWhen(("trainer.ray_address",), lambda config: config.trainer.backend != "ray",
                 "trainer.backend is local", "set trainer.backend=ray"),
 ]

@@ -55,12 +55,6 @@ def test_cuda_device_without_a_gpu_is_refused_before_loading():
     check_devices(load_config(None, ["trainer.device=cuda", "trainer.backend=ray"]))  # Ray's members have the GPUs
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_plan_answers_for_a_cuda_card_on_a_machine_without_one(tiny_model_dir, capsys):
-    assert main(["plan", f"model.path={tiny_model_dir}", "trainer.device=cuda", "--gpu-memory-gib", "80"]) == 0
-    assert "usable GiB on the device" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("key", ["unknown.key", "actor_rollout_ref.actor.optim.lr", "actor.optim.learning_rate"])
 def test_an_unknown_key_is_refused_before_torch_is_imported(key):
     """A typo is answered in a fraction of a second: the key checks (verl's table included) import no torch."""
