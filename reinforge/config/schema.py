@@ -1,8 +1,9 @@
 """The typed configuration schema: the one place where every default lives.
 
 Each section is a dataclass; the docstring under a field says what it does. YAML files and
-``a.b=c`` overrides only state what differs (see ``reinforge.config.loader``). Cross-field
-rules live in ``reinforge.config.validate`` and run before any model is loaded.
+``a.b=c`` overrides only state what differs (see ``reinforge.config.loader``). The schema's own
+cross-field rules live in ``reinforge.config.validate`` (run as a config loads); the rules naming
+registry entries, and every other check before a model loads, in ``reinforge.trainer.preflight``.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class AgentDemoSettings:
             f"data.seed={self.seed}", "algorithm.adv_estimator=grpo", f"rollout.n={self.n}", "rollout.temperature=1.0",
             f"rollout.name={self.rollout}", f"actor.optim.lr={self.lr}", "actor.use_kl_loss=true",
             f"actor.kl_loss_coef={self.kl_loss_coef}", "actor.loss_agg_mode=token-mean",
-            f"trainer.output_dir={run_dir}", f"trainer.total_steps={self.total_steps}", "trainer.total_epochs=100",
+            f"trainer.output_dir={run_dir}", f"trainer.total_steps={self.total_steps}",
             f"trainer.test_every={self.test_every}", f"trainer.save_every={self.save_every}", "trainer.keep_last=1",
             f"trainer.seed={self.seed}", f"trainer.loggers=[{','.join(loggers)}]", "trainer.resume=auto",
             "trainer.experiment_name=demo-agent",

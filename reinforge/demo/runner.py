@@ -68,7 +68,7 @@ class DemoSettings:
             "algorithm.adv_estimator=grpo", f"rollout.n={self.n}", "rollout.temperature=1.0",
             f"actor.optim.lr={self.lr}", "actor.use_kl_loss=true", f"actor.kl_loss_coef={self.kl_loss_coef}",
             "actor.kl_loss_type=low_var_kl", "actor.loss_agg_mode=token-mean",
-            f"trainer.output_dir={run_dir}", f"trainer.total_steps={self.total_steps}", "trainer.total_epochs=100",
+            f"trainer.output_dir={run_dir}", f"trainer.total_steps={self.total_steps}",
             f"trainer.test_every={self.test_every}", f"trainer.save_every={self.save_every}", "trainer.keep_last=1",
             f"trainer.seed={self.seed}", f"trainer.device={device}", f"trainer.loggers=[{','.join(loggers)}]",
             "trainer.resume=auto", "trainer.experiment_name=demo",

@@ -129,6 +129,9 @@ IGNORED_WHEN: list[IgnoredWhen] = [
     IgnoredWhen(("model.attn_implementation",), lambda config: True,
                 "the RL workers use their own attention (packed varlen passes, sdpa for generation); it is an SFT "
                 "setting", "remove it"),
+    IgnoredWhen(("trainer.total_epochs",), lambda config: config.trainer.total_steps is not None,
+                "trainer.total_steps is set, so the run takes that many steps and the data repeats as needed",
+                "leave trainer.total_steps unset (null) to train trainer.total_epochs over the data"),
     IgnoredWhen(("reward.max_memory_mb",), lambda config: config.reward.num_workers == 0,
                 "reward.num_workers=0 scores in this process, which no heap cap applies to",
                 "set reward.num_workers=1 or more"),

@@ -6,7 +6,9 @@ that builds a trainer from ``load_config(...)`` get the same one-line refusals. 
 trackers against their registries, and the rules those entries bring), what a run needs (a model, data, the
 packages of its trackers), the backend against the devices, the scorer (imported), the memory plan (auto
 settings resolved), LoRA's target modules, the tools; settings the rest of the config makes ineffective are a warning each
-(``ineffective_settings.py``). Then, with the tokenizer, every data row against its scorer and agent.
+(``ineffective_settings.py``). Then, with the tokenizer, every data row against its scorer and agent. The
+trainer then opens the run folder (``TrainingRun.open_run_folder``: a second run refused, settings a resume
+cannot take refused by name), still before any weight loads.
 """
 
 from __future__ import annotations

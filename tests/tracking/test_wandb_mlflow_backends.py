@@ -4,9 +4,9 @@ not installed."""
 import pytest
 
 from reinforge.config import ConfigError
-from reinforge.config.validate import require_logger_packages
 from reinforge.tracking import Tracker
 from reinforge.tracking.external import mlflow_metric_name
+from reinforge.trainer.preflight import require_logger_packages
 
 
 def test_wandb_offline_run_is_written(tmp_path, monkeypatch):

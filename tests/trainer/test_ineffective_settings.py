@@ -68,6 +68,7 @@ WARNED = [
     ("critic.optim.min_lr_ratio=0.1", ["algorithm.adv_estimator=gae"], "critic.optim.schedule is not cosine"),
     ("data.truncation=left", [], "data.filter_overlong_prompts drops every overlong prompt"),
     ("model.attn_implementation=eager", [], "it is an SFT setting"),
+    ("trainer.total_epochs=3", ["trainer.total_steps=10"], "trainer.total_steps is set"),
     ("reward.max_memory_mb=1024", ["reward.num_workers=0"], "no heap cap applies"),
     ("trainer.ray_address=10.0.0.1:6379", [], "trainer.backend is local"),
 ]
