@@ -154,14 +154,10 @@ def _plot(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """``reinforge bench [rollout] ...`` measures generation; ``reinforge bench train ...`` full RL steps."""
-    if argv and argv[0] == "train":
-        from reinforge.bench.train import bench_train_main
+    """``reinforge bench [rollout|train|agent|modes|table] ...`` (``reinforge.bench``)."""
+    from reinforge.bench import bench_main
 
-        return bench_train_main(argv[1:])
-    from reinforge.bench.rollout import bench_main
-
-    return bench_main(argv[1:] if argv and argv[0] == "rollout" else argv)
+    return bench_main(argv)
 
 
 def _config(argv: list[str]) -> int:
@@ -191,7 +187,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
     "export": (_export, "write an HF model folder from a checkpoint"),
     "plot": (_plot, "render PNG plots of one or more runs' metrics.jsonl"),
-    "bench": (_bench, "speed on the standard workload: rollout (default) or train (full GRPO/PPO steps)"),
+    "bench": (_bench, "speed on standard workloads: rollout (default), train, agent, modes; table merges train runs"),
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
     "config": (_config, "translate a verl command line into a reinforge YAML (config from-verl KEY=VALUE ...)"),
     "sandbox": (_sandbox, "serve a code sandbox for tool-using agents (reinforge sandbox serve --port 8080)"),

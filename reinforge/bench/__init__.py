@@ -1,2 +1,52 @@
-"""Benchmarks behind ``reinforge bench``: ``rollout`` (the native engine against ``generate``) and ``train``
-(full RL steps, phase by phase). They measure; nothing in the library imports them."""
+"""Benchmarks behind ``reinforge bench``, each on a fixed workload with a ``--cpu`` smoke mode:
+
+- ``rollout`` (the default): the native engine against transformers' ``generate`` (``rollout.py``);
+- ``train``: full RL steps phase by phase, one model size in this process or several, TRL beside each,
+  in processes of their own with one markdown table at the end (``train.py``, ``sizes.py``, ``table.py``);
+- ``agent``: multi-turn agent rollouts with sleeping tools (``agent.py``);
+- ``modes``: the sync, one_step_off and async training modes on a long-tailed workload (``modes.py``);
+- ``table``: one table from the JSON files that ``train --out DIR`` wrote, over one or more folders.
+
+They measure; nothing in the library imports them.
+"""
+
+from __future__ import annotations
+
+SUBCOMMANDS = {
+    "rollout": "rollout tokens/s of the native engine against transformers' generate (the default)",
+    "train": "full GRPO/PPO steps timed phase by phase; --model 0.5b,1.5b,3b,7b --trl for the standard table",
+    "agent": "multi-turn agent rollouts: tools sleeping between turns, every trajectory its own task",
+    "modes": "sync against one_step_off against async training on a long-tailed workload",
+    "table": "one markdown table from the JSON files of `bench train --out DIR` runs (DIR [DIR ...])",
+}
+
+
+def bench_main(argv: list[str]) -> int:
+    """``reinforge bench [SUBCOMMAND] ...``: SUBCOMMAND defaults to ``rollout``."""
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: reinforge bench [rollout|train|agent|modes|table] [options]   (--help after one for its options)")
+        width = max(map(len, SUBCOMMANDS))
+        for name, summary in SUBCOMMANDS.items():
+            print(f"  {name:<{width}}  {summary}")
+        return 0
+    name, rest = (argv[0], argv[1:]) if argv and argv[0] in SUBCOMMANDS else ("rollout", argv)
+    if name == "train":
+        from reinforge.bench.train import bench_train_main
+
+        return bench_train_main(rest)
+    if name == "agent":
+        from reinforge.bench.agent import agent_main
+
+        return agent_main(rest)
+    if name == "modes":
+        from reinforge.bench.modes import modes_main
+
+        return modes_main(rest)
+    if name == "table":
+        from reinforge.bench.table import table_main
+
+        return table_main(rest)
+    from reinforge.bench.rollout import bench_main as rollout_main
+
+    return rollout_main(rest)
+

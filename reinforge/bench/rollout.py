@@ -1,4 +1,4 @@
-"""``reinforge bench``: rollout throughput of the native engine against transformers' generate.
+"""``reinforge bench rollout``: rollout throughput of the native engine against transformers' generate.
 
 The standard workload: the Qwen2.5-0.5B architecture with random bf16 weights built in code,
 64 prompts of 128 random tokens, n=8 samples each (512 sequences), exactly 512 generated
@@ -171,7 +171,7 @@ def environment(device: torch.device) -> dict:
 
 
 def bench_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="reinforge bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="reinforge bench rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU: a smoke test, no timing claims")
     parser.add_argument("--out", help="write the results as JSON to this path")
     parser.add_argument("--num-prompts", type=int, default=None)
@@ -189,7 +189,7 @@ def bench_main(argv: list[str]) -> int:
         check_lengths, check_tokens = [3, 17, 30, 64], 16
     else:
         if not torch.cuda.is_available():
-            print("reinforge bench needs a CUDA GPU; run `reinforge bench --cpu` for the CPU smoke test",
+            print("reinforge bench rollout needs a CUDA GPU; pass --cpu for the smoke test on a tiny model",
                   file=sys.stderr)
             return 2
         device, dtype, arch = torch.device("cuda"), torch.bfloat16, QWEN25_05B

@@ -1,7 +1,8 @@
-"""Multi-turn agent rollout speed: many trajectories at once on the native engine, tools sleeping meanwhile.
+"""``reinforge bench agent``: multi-turn agent rollout speed, many trajectories at once on the native engine,
+tools sleeping meanwhile.
 
-    PYTHONPATH=. python benchmarks/agent_rollout.py --out agent_rollout.json      # CUDA, 0.5B standard model
-    PYTHONPATH=. python benchmarks/agent_rollout.py --cpu --out /tmp/agent.json   # tiny model: a smoke test
+    reinforge bench agent --out agent.json        # CUDA, the 0.5B standard model
+    reinforge bench agent --cpu --out agent.json  # tiny model: a smoke test
 
 Workload: the Qwen2.5-0.5B architecture with random bf16 weights (as ``reinforge bench``), 256
 trajectories, each a 128-token random prompt and 1 to 4 assistant turns of 128 to 512 sampled
@@ -232,8 +233,9 @@ def run_serial(engine: TimedEngine, prompts: list[list[int]], trajectories: list
             "time_s_extrapolated": elapsed * scale, "tokens_per_s": sampled / elapsed}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def agent_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="reinforge bench agent",
+                                     description="multi-turn agent rollout speed on the native engine")
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU: a smoke test, no timing claims")
     parser.add_argument("--out", help="write the results as JSON to this path")
     parser.add_argument("--trajectories", type=int, default=None)
@@ -273,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             settings = dict(full_workload, serial=1)
     else:
         if not torch.cuda.is_available():
-            print("benchmarks/agent_rollout.py needs a CUDA GPU; pass --cpu for the smoke test", file=sys.stderr)
+            print("reinforge bench agent needs a CUDA GPU; pass --cpu for the smoke test on a tiny model", file=sys.stderr)
             return 2
         device, dtype, arch = torch.device("cuda"), torch.bfloat16, QWEN25_05B
         settings = full_workload
@@ -410,7 +412,3 @@ def print_table(results: dict) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Off-policy modes on one GPU: sync against one_step_off against async on a long-tailed workload.
+"""``reinforge bench modes``: sync against one_step_off against async training on one GPU, long-tailed workload.
 
 The workload: the Qwen2.5-0.5B architecture with random weights (``reinforge.bench.train``),
 64 prompts of 128 random tokens, 8 samples each; every sample's length is drawn between 64
@@ -24,7 +24,7 @@ fraction (``nvidia-smi`` utilization.gpu, the share of time a kernel ran, sample
 over the measured updates after --warmup ones. ``--cpu`` runs a tiny model with short
 lengths as a smoke test (no timing claims, no GPU-busy fraction).
 
-    python benchmarks/offpolicy_modes.py --json offpolicy.json
+    reinforge bench modes --json modes.json
 """
 
 from __future__ import annotations
@@ -43,23 +43,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from reinforge.algorithms import compute_advantages  # noqa: E402
-from reinforge.bench.gpu_busy import GpuBusy  # noqa: E402
-from reinforge.bench.train import rule_reward, write_model  # noqa: E402
-from reinforge.config.schema import Config  # noqa: E402
-from reinforge.controller import WorkerGroup  # noqa: E402
-from reinforge.protocol import Batch  # noqa: E402
-from reinforge.rollout.base import SamplingParams  # noqa: E402
-from reinforge.trainer.dynamic_sampling import concat_generated  # noqa: E402
-from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch  # noqa: E402
-from reinforge.trainer.modes.device_turns import DeviceTurns  # noqa: E402
-from reinforge.trainer.modes.partial import group_batch, groups_from_prompts, run_segment  # noqa: E402
-from reinforge.trainer.modes.rollouter import Rollouter  # noqa: E402
-from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics  # noqa: E402
-from reinforge.workers.actor_rollout import ActorRolloutWorker, seed_for  # noqa: E402
-from reinforge.workers.memory_settings import apply_memory_plan  # noqa: E402
+from reinforge.algorithms import compute_advantages
+from reinforge.bench.gpu_busy import GpuBusy
+from reinforge.bench.train import rule_reward, write_model
+from reinforge.config.schema import Config
+from reinforge.controller import WorkerGroup
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
+from reinforge.trainer.dynamic_sampling import concat_generated
+from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
+from reinforge.trainer.modes.device_turns import DeviceTurns
+from reinforge.trainer.modes.partial import group_batch, groups_from_prompts, run_segment
+from reinforge.trainer.modes.rollouter import Rollouter
+from reinforge.trainer.modes.staleness import StalenessBound, staleness_metrics
+from reinforge.workers.actor_rollout import ActorRolloutWorker, seed_for
+from reinforge.workers.memory_settings import apply_memory_plan
 
 
 def long_tail_length(rng: random.Random, low: int, high: int) -> int:
@@ -240,7 +238,8 @@ def measure(runner: Runner, mode: str, gpu: GpuBusy, args: argparse.Namespace) -
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="reinforge bench modes",
+                                     description="sync, one_step_off and async training on a long-tailed workload")
     parser.add_argument("--modes", default="sync,one_step_off,async")
     parser.add_argument("--steps", type=int, default=2, help="measured updates per mode")
     parser.add_argument("--warmup", type=int, default=1, help="updates before measuring (compilation, graphs)")
@@ -274,10 +273,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def modes_main(argv: list[str]) -> int:
+    args = parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
-        print("offpolicy_modes needs a CUDA device; pass --cpu for a smoke test on a tiny model")
+        print("reinforge bench modes needs a CUDA device; pass --cpu for a smoke test on a tiny model", file=sys.stderr)
         return 2
     results = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -312,7 +311,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def _vocab_size(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["vocab_size"]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,33 +1,28 @@
-"""benchmarks/agent_rollout.py runs on the CPU (tiny model) and reports every number it promises."""
+"""`reinforge bench agent --cpu` runs on a tiny model and reports every number it promises."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
-from pathlib import Path
 
 import pytest
 
 from reinforge.agent import AGENT_LOOPS
+from reinforge.bench.agent import critical_path, plan
+from reinforge.cli import main
 from reinforge.rollout.native.engine import NativeEngine
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "agent_rollout.py"
 
 
 @pytest.mark.slow
-def test_agent_rollout_benchmark_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("agent_rollout_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_bench_agent_cpu_smoke(tmp_path, capsys):
     out = tmp_path / "agent.json"
     try:
-        assert module.main(["--cpu", "--trajectories", "4", "--serial", "1", "--admission-wait", "16,0",
+        assert main(["bench", "agent", "--cpu", "--trajectories", "4", "--serial", "1", "--admission-wait", "16,0",
                             "--out", str(out)]) == 0
     finally:
-        AGENT_LOOPS.pop("bench_turns", None)  # the script registers its loop; other tests list the registry
+        AGENT_LOOPS.pop("bench_turns", None)  # the bench registers its loop; other tests list the registry
     results = json.loads(out.read_text())
-    planned = sum(sum(t["turn_tokens"]) for t in module.plan(4, 0, (4, 16), 4, (0.005, 0.05)))
+    planned = sum(sum(t["turn_tokens"]) for t in plan(4, 0, (4, 16), 4, (0.005, 0.05)))
     for name in ("single_turn", "agent", "synchronous_turns"):
         assert results[name]["sampled_tokens"] == planned  # same trajectories, same sampled tokens
     assert 0 < results["agent"]["engine_busy_fraction"] <= 1
@@ -44,18 +39,15 @@ def test_agent_rollout_benchmark_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "agent / single-turn" in printed and "steps, synchronous turns" in printed
     assert "critical-path bound" in printed
-    assert results["critical_path"]["time_s"] >= max(sum(t["sleeps"]) for t in module.plan(4, 0, (4, 16), 4, (0.005, 0.05)))
+    assert results["critical_path"]["time_s"] >= max(sum(t["sleeps"]) for t in plan(4, 0, (4, 16), 4, (0.005, 0.05)))
 
 
 def test_critical_path_bound_by_hand():
-    spec = importlib.util.spec_from_file_location("agent_rollout_bench_cp", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     trajectories = [{"turn_tokens": [100, 100], "sleeps": [0.5]},   # 200 steps + 0.5 s
                     {"turn_tokens": [300], "sleeps": []},           # 300 steps
                     {"turn_tokens": [50, 50, 50], "sleeps": [0.2, 0.2]}]
     single = {"time_s": 1.0, "decode_steps": 499, "prefill_steps": 1, "tokens_per_s": 650 / 1.0}
-    bound = module.critical_path(trajectories, single)
+    bound = critical_path(trajectories, single)
     assert bound["step_s"] == pytest.approx(0.002)
     assert (bound["tokens"], bound["tool_sleep_s"]) == (200, 0.5)  # 0.9 s beats 0.6 s and 0.7 s
     assert bound["time_s"] == pytest.approx(0.9)

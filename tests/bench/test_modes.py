@@ -1,19 +1,16 @@
-"""benchmarks/offpolicy_modes.py runs every mode end to end on a tiny model (a smoke test, no timing claims)."""
+"""`reinforge bench modes --cpu` runs every mode end to end on a tiny model (a smoke test, no timing claims)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+import random
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "offpolicy_modes.py"
+from reinforge.bench.modes import long_tail_length
+from reinforge.cli import main
 
 
-def test_the_benchmark_runs_the_three_modes_on_the_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("offpolicy_modes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--cpu", "--steps", "1", "--json", str(tmp_path / "out.json")]) == 0
+def test_bench_modes_runs_the_three_modes_on_the_cpu(tmp_path):
+    assert main(["bench", "modes", "--cpu", "--steps", "1", "--json", str(tmp_path / "out.json")]) == 0
     results = {row["mode"]: row for row in json.loads((tmp_path / "out.json").read_text())["results"]}
     assert sorted(results) == ["async", "one_step_off", "sync"]
     assert results["sync"]["staleness_mean"] == 0.0 and results["one_step_off"]["staleness_mean"] == 1.0
@@ -24,10 +21,7 @@ def test_the_benchmark_runs_the_three_modes_on_the_cpu(tmp_path):
 
 
 def test_the_off_policy_modes_run_with_the_interpolated_proximal_policy(tmp_path):
-    spec = importlib.util.spec_from_file_location("offpolicy_modes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--cpu", "--steps", "1", "--modes", "one_step_off,async", "--proximal", "loglinear",
+    assert main(["bench", "modes", "--cpu", "--steps", "1", "--modes", "one_step_off,async", "--proximal", "loglinear",
                         "--json", str(tmp_path / "out.json")]) == 0
     results = json.loads((tmp_path / "out.json").read_text())["results"]
     assert [row["proximal"] for row in results] == ["loglinear", "loglinear"]
@@ -35,12 +29,7 @@ def test_the_off_policy_modes_run_with_the_interpolated_proximal_policy(tmp_path
 
 
 def test_lengths_are_long_tailed_between_the_bounds():
-    spec = importlib.util.spec_from_file_location("offpolicy_modes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    import random
-
     rng = random.Random(0)
-    lengths = sorted(module.long_tail_length(rng, 64, 4096) for _ in range(20000))
+    lengths = sorted(long_tail_length(rng, 64, 4096) for _ in range(20000))
     assert lengths[0] >= 64 and lengths[-1] <= 4096
     assert 90 < lengths[len(lengths) // 2] < 140 and lengths[int(0.97 * len(lengths))] > 2048

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from reinforge.bench.rollout import bench_main
+from reinforge.cli import main
 
 
 def test_bench_cpu_smoke(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench_main(["--cpu", "--out", str(out)]) == 0
+    assert main(["bench", "rollout", "--cpu", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["native"]["num_tokens"] == 4 * 2 * 16
     assert results["greedy_check"]["float32"]["fraction_identical"] == 1.0
