@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo demo-agent test test-fast lint clean-venv sandbox-deps
+.PHONY: demo demo-agent test test-fast lint bench clean-venv sandbox-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,17 @@ test: $(STAMP) sandbox-deps
 # the suite without the tests that take more than 5 s each on a 2-core CPU (@pytest.mark.slow)
 test-fast: $(STAMP) sandbox-deps
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The standard training table on a GPU: every size in a process of its own, TRL's GRPOTrainer beside each, one
+# markdown table printed last; each case's JSON lands in $(BENCH_OUT). In parts, when one sitting is too short for
+# every size: make bench BENCH_SIZES=0.5b,1.5b,3b, then make bench BENCH_SIZES=7b, then
+# .venv/bin/reinforge bench table bench_out prints one table of both. BENCH_ARGS adds options, e.g. --deadline-s 570.
+BENCH_SIZES ?= 0.5b,1.5b,3b,7b
+BENCH_OUT ?= bench_out
+BENCH_ARGS ?=
+bench: $(STAMP)
+	@$(BIN)/python -c "import trl, datasets" 2>/dev/null || $(BIN)/pip install -e ".[bench]"
+	$(BIN)/reinforge bench train --model $(BENCH_SIZES) --trl --out $(BENCH_OUT) $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check reinforge tests benchmarks

@@ -2,13 +2,16 @@
 
     python3 benchmarks/trl_grpo.py --model-dir DIR [--steps 4] [--checkpointing both|on|off] [--json out.json]
 
-The workload is reinforge's: 64 prompts of 128 tokens, 8 samples each, exactly 512 generated
-tokens (EOS suppressed with ``min_new_tokens``), bf16, beta 0 (no reference model), no vLLM
-(transformers ``generate``), one optimizer step per generation batch of 512 completions, AdamW
-lr 1e-6. ``DIR`` is a model folder written by ``reinforge bench train`` (random Qwen2.5 weights
-and the character tokenizer, so a 128-character prompt is 128 tokens). The step time is the
-median time between optimizer steps 2.. . With ``--checkpointing both`` it runs once with
-gradient checkpointing and once without, and the faster one counts (TRL's users pick it).
+``reinforge bench train --model SIZES --trl`` runs it beside each size, on the same model folder and
+workload. The workload is reinforge's: 64 prompts of 128 tokens, 8 samples each, exactly 512 generated
+tokens (EOS suppressed with ``min_new_tokens``; ``--prompts``, ``--n``, ``--prompt-tokens`` and
+``--response-tokens`` change them as they do for ``bench train``), bf16, beta 0 (no reference model), no
+vLLM (transformers ``generate``), one optimizer step per generation batch of all completions, AdamW lr
+1e-6. ``DIR`` is a model folder written by ``reinforge bench train`` (random Qwen2.5 weights and the
+character tokenizer, so a 128-character prompt is 128 tokens). The step time is the median time between
+optimizer steps 2.. . With ``--checkpointing both`` it runs once with gradient checkpointing and once
+without, and the faster one counts (TRL's users pick it). ``--gpu-memory-gib`` caps the process as
+``bench train``'s option does.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ from pathlib import Path
 import torch
 
 
-def run(model_dir: Path, steps: int, checkpointing: bool, micro_batch: int) -> dict:
+def run(model_dir: Path, steps: int, checkpointing: bool, micro_batch: int, workload: argparse.Namespace) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     rng = random.Random(0)
-    prompts = ["".join(rng.choice(string.ascii_letters) for _ in range(128)) for _ in range(64 * (steps + 1))]
+    prompts = ["".join(rng.choice(string.ascii_letters) for _ in range(workload.prompt_tokens))
+               for _ in range(workload.prompts * (steps + 1))]
+    completions = workload.prompts * workload.n
     dataset = Dataset.from_dict({"prompt": prompts})
 
     def reward(completions, **kwargs):
@@ -47,12 +52,16 @@ def run(model_dir: Path, steps: int, checkpointing: bool, micro_batch: int) -> d
             times.append(time.perf_counter())
 
     fields = {field.name for field in dataclasses.fields(GRPOConfig)}
+    micro_batch = min(micro_batch, completions)
+    if completions % micro_batch:
+        raise SystemExit(f"--micro-batch {micro_batch} does not divide the {completions} completions of a step")
     wanted = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro_batch,
-                  gradient_accumulation_steps=512 // micro_batch, num_generations=8, generation_batch_size=512,
-                  max_completion_length=512, max_prompt_length=128, beta=0.0, bf16=True, learning_rate=1e-6,
+                  gradient_accumulation_steps=completions // micro_batch, num_generations=workload.n,
+                  generation_batch_size=completions, max_completion_length=workload.response_tokens,
+                  max_prompt_length=workload.prompt_tokens, beta=0.0, bf16=True, learning_rate=1e-6,
                   gradient_checkpointing=checkpointing, max_steps=steps, logging_steps=1, report_to="none",
                   use_vllm=False, temperature=1.0, save_strategy="no", seed=0, loss_type="dapo",
-                  generation_kwargs={"min_new_tokens": 512}, shuffle_dataset=False)
+                  generation_kwargs={"min_new_tokens": workload.response_tokens}, shuffle_dataset=False)
     config = GRPOConfig(**{key: value for key, value in wanted.items() if key in fields})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
@@ -76,13 +85,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--checkpointing", choices=["both", "on", "off"], default="both")
     parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="cap the process at this much GPU memory")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.gpu_memory_gib is not None:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total))
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
     results = []
     for checkpointing in modes:
         try:
-            results.append(run(args.model_dir, args.steps, checkpointing, args.micro_batch))
+            results.append(run(args.model_dir, args.steps, checkpointing, args.micro_batch, args))
         except torch.OutOfMemoryError as error:
             results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}"})
         torch.cuda.empty_cache()

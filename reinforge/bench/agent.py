@@ -204,7 +204,7 @@ def run_synchronous_turns(engine: TimedEngine, prompts: list[list[int]], traject
             contexts[i] += samples[0].token_ids
             sampled += len(samples[0].token_ids)
         sleeps = [trajectories[i]["sleeps"][turn] for i in active if turn < len(trajectories[i]["sleeps"])]
-        if sleeps:  # the round's tool calls run together; the round waits for the slowest
+        if sleeps:  # the turn's tool calls run together; the next turn waits for the slowest
             time.sleep(max(sleeps))
             for i in active:
                 if turn < len(trajectories[i]["sleeps"]):

@@ -181,7 +181,13 @@ def bench_main(argv: list[str]) -> int:
     parser.add_argument("--hf-tokens", type=int, default=None, help="tokens per sample for the generate baseline")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--skip-greedy-check", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: time the engine's phases and a decode step's pieces (rollout_profile.py) instead")
     args = parser.parse_args(argv)
+    if args.profile and (args.cpu or not torch.cuda.is_available()):
+        print("reinforge bench rollout --profile needs a CUDA device (it times kernels); drop --profile or --cpu",
+              file=sys.stderr)
+        return 2
 
     if args.cpu:
         device, dtype, arch = torch.device("cpu"), torch.float32, TINY
@@ -204,7 +210,7 @@ def bench_main(argv: list[str]) -> int:
     engine_kwargs = dict(eos_token_ids=[arch["vocab_size"] - 1], max_model_len=max_model_len,
                          max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5)
 
-    if not args.skip_greedy_check:
+    if not args.skip_greedy_check and not args.profile:
         check_prompts = random_prompts(len(check_lengths), check_lengths, arch["vocab_size"], seed=1)
         results["greedy_check"] = {str(dtype).removeprefix("torch."): greedy_check(model, check_prompts, check_tokens,
                                                                                     engine_kwargs)}
@@ -220,6 +226,15 @@ def bench_main(argv: list[str]) -> int:
     sampling = SamplingParams(max_tokens=settings["gen_len"], temperature=1.0, top_p=1.0, top_k=-1, n=settings["n"],
                               ignore_eos=True)
     requests = [GenerationRequest(prompt, sampling, request_id=str(i)) for i, prompt in enumerate(prompts)]
+    if args.profile:
+        from reinforge.bench.rollout_profile import print_profile, profile_rollout
+
+        results["profile"] = profile_rollout(model, requests, engine_kwargs)
+        if args.out:
+            with open(args.out, "w") as file:
+                json.dump(results, file, indent=2)
+        print_profile(results["profile"])
+        return 0
     results["native"] = measure_native(model, requests, engine_kwargs)
     if not args.skip_hf:
         results["hf_generate"] = measure_hf(model, requests, settings["hf_tokens"])

@@ -10,11 +10,15 @@ GAE, critic update); ``--lora RANK`` trains an adapter. Memory settings not give
 line are the memory planner's, as in a run (its plan is printed and saved with the results, with
 the allocator's peak of each phase beside the estimate); ``--gpu-memory-gib`` plans for, and caps
 the process at, a smaller card. Reported: the median of steps 2.. (the first compiles and warms
-up) of step, rollout and update time, update tokens/s, MFU (6 x parameters x tokens / time
-against the datasheet's 989 TFLOP/s; ``mfu_measured_peak`` against the 799 TFLOP/s a bf16 product
-reached on our H200; both count the tokens the model ran, ``mfu_workload_tokens`` all 512 x 640 of
-the workload, which is not MFU when prompts are shared) and peak memory. ``--cpu`` runs a tiny model
-as a smoke test (no timing claims).
+up) of step, rollout and update time, update tokens/s, MFU (the FLOPs the update computes,
+``engine.perf.update_flops_per_token`` x tokens / time, against the datasheet's 989 TFLOP/s;
+``mfu_measured_peak`` against the 799 TFLOP/s a bf16 matrix product reaches on an H200; both count the
+tokens the model ran, ``mfu_workload_tokens`` all 512 x 640 of the workload, which is not MFU when
+prompts are shared) and peak memory. ``--cpu`` runs a tiny model as a smoke test (no timing claims).
+
+One size runs in this process. Several sizes (``--model 0.5b,1.5b,3b,7b``), ``--trl`` (TRL's GRPOTrainer
+beside each) or ``--out DIR`` run every case in a process of its own and print one markdown table at the
+end (``sizes.py``, ``table.py``). ``--profile`` prints the last step's update kernels (CUDA).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -221,7 +226,10 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         add_advantages(batch, args, config)
         if critic is not None:
             critic_metrics = timed("update_critic", critic.update_critic, batch)
-        metrics = timed("update_actor", actor.update_actor, batch)
+        update = actor.update_actor
+        if args.profile and step == args.steps - 1:  # the last step's update, its time inflated by the profiler
+            update = profiled(update, args.json)
+        metrics = timed("update_actor", update, batch)
         step_time = time.perf_counter() - step_start
         at_end = host_memory_gb()
         host = {key: max(value, at_end.get(key, 0.0)) for key, value in host.items()}
@@ -267,7 +275,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     return result
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reinforge bench train", description=__doc__.split("\n")[0])
     parser.add_argument("--variant", choices=["grpo", "kl", "ppo"], default="grpo")
     parser.add_argument("--steps", type=_positive_int, default=6)
@@ -275,7 +283,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n", type=_positive_int, default=8)
     parser.add_argument("--prompt-tokens", type=_positive_int, default=128)
     parser.add_argument("--response-tokens", type=_positive_int, default=512)
-    parser.add_argument("--model", choices=sorted(QWEN25_SHAPES), default="0.5b", help="Qwen2.5 shape, random weights")
+    parser.add_argument("--model", type=_sizes, default=["0.5b"], metavar="SIZE[,SIZE...]",
+                        help=f"Qwen2.5 shape(s), random weights: {', '.join(QWEN25_SHAPES)}; several sizes run one "
+                             "after another, each in a process of its own, with one table at the end")
+    parser.add_argument("--trl", action="store_true",
+                        help="also run TRL's GRPOTrainer on each size's workload (benchmarks/trl_grpo.py of a source "
+                             "checkout), in a process of its own, and compare")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="write each case's JSON into DIR (with several sizes or --trl; "
+                             "`reinforge bench table DIR` prints their table again)")
+    parser.add_argument("--deadline-s", type=_positive_seconds, default=None, metavar="S",
+                        help="with several sizes or --trl: stop within S seconds of the start; a case that cannot "
+                             "start in time is skipped and the table says so")
     parser.add_argument("--lora", type=_rank, default=0, metavar="RANK", help="train a LoRA adapter of this rank")
     parser.add_argument("--gpu-memory-gib", type=_positive_gib, default=None,
                         help="plan for and cap the process at this much GPU memory (stands in for smaller cards)")
@@ -290,14 +309,96 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: run the last step's update under torch.profiler and print its kernels by "
+                             "device time (one size, in this process)")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a model folder written earlier")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here (one size)")
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU, a smoke test")
+    return parser
+
+
+RUN_OPTIONS = ("model", "trl", "out", "deadline_s", "model_dir", "json", "profile", "help")
+"""Options of the invocation rather than of one case: they are not passed on to each size's process."""
+
+
+def profiled(function, json_path: Path | None):
+    """``function`` run under ``torch.profiler``: its kernels by device time are printed (and written beside the
+    results, ``*.profile.txt``, when they are written)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(*arguments):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            result = function(*arguments)
+            torch.cuda.synchronize()
+        table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=80)
+        print(f"the last step's update under torch.profiler, by self device time:\n{table}", flush=True)
+        if json_path is not None:
+            json_path.with_suffix(".profile.txt").write_text(table)
+        return result
+
+    return run
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    args.sizes, args.model = args.model, args.model[0]
+    args.case_options = case_options(parser, args)
+    several = len(args.sizes) > 1 or args.trl or args.out is not None
+    if several and args.model_dir is not None and len(args.sizes) > 1:
+        parser.error("--model-dir names the folder of one size; give one --model size with it")
+    if several and args.json is not None:
+        parser.error("--json writes one size's results; with several sizes, --trl or --out give --out DIR instead")
+    if args.profile and several:
+        parser.error("--profile profiles one size in this process; give one --model size and no --trl or --out")
+    if args.trl and (args.lora or args.variant != "grpo" or args.cpu):
+        parser.error("--trl compares the grpo variant on a GPU (TRL's GRPOTrainer, full fine-tuning); "
+                     "drop --trl, or --lora / --variant / --cpu")
     if args.cpu:
         args.prompts, args.n, args.prompt_tokens, args.response_tokens = 2, 2, 8, 8
         args.rollout, args.steps = "hf", min(args.steps, 2)
     return args
+
+
+def case_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The command-line options of one case (those given that differ from their defaults), as text again."""
+    options = []
+    for action in parser._actions:
+        if action.dest in RUN_OPTIONS or not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            options.append(flag)
+        elif action.dest == "checkpointing":
+            options += [flag, "all" if value is True else "none" if value is False else str(value)]
+        elif isinstance(value, bool):
+            options += [flag, str(value).lower()]
+        else:
+            options += [flag, str(value)]
+    return options
+
+
+def _sizes(text: str) -> list[str]:
+    sizes = [size.strip().lower() for size in text.split(",") if size.strip()]
+    unknown = [size for size in sizes if size not in QWEN25_SHAPES]
+    if unknown or not sizes:
+        raise argparse.ArgumentTypeError(f"{text!r} names no model size{'s' if len(unknown) > 1 else ''} "
+                                         f"{', '.join(unknown)}; give one or more of {','.join(QWEN25_SHAPES)}")
+    return list(dict.fromkeys(sizes))
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} s leaves no time; give a positive number of seconds, e.g. 570")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -341,8 +442,16 @@ def _checkpointing(text: str) -> bool | int:
 
 def bench_train_main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if len(args.sizes) > 1 or args.trl or args.out is not None:
+        from reinforge.bench.sizes import run_sizes
+
+        return run_sizes(args, argv)
+    if args.profile and (args.cpu or not torch.cuda.is_available()):
+        print("reinforge bench train --profile needs a CUDA device (it times kernels); drop --profile or --cpu",
+              file=sys.stderr)
+        return 2
     if not args.cpu and not torch.cuda.is_available():
-        print("reinforge bench train needs a CUDA device; pass --cpu for a smoke test on a tiny model")
+        print("reinforge bench train needs a CUDA device; pass --cpu for a smoke test on a tiny model", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model_dir or write_model(Path(scratch), tiny=args.cpu, size=args.model)

@@ -101,7 +101,7 @@ def configure_compiler() -> None:
     micro-batch's ``packed_kv_index`` of exactly ``hidden_size`` entries (1536 in the 1.5B bench's first
     update micro-batch) would be taken for the hidden size, which the weights fix, and the graph would guard on
     it: the next micro-batch would recompile every decoder layer, 3 s of one step. Without duck sizing nothing
-    recompiles.
+    recompiles (``tests/engine/test_recompiles.py`` checks it on a small model, that case included).
     """
     import torch._dynamo
     import torch.fx.experimental._config

@@ -19,3 +19,9 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     assert hf["tokens_per_s"] == pytest.approx(hf["num_tokens"] / hf["time_s"])
     assert results["speedup_vs_generate"] == pytest.approx(native["tokens_per_s"] / hf["tokens_per_s"])
     assert "native tokens/s" in capsys.readouterr().out
+
+
+def test_the_profile_needs_a_cuda_device_and_says_so_in_one_line(capsys):
+    assert main(["bench", "rollout", "--cpu", "--profile"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("reinforge bench rollout --profile needs a CUDA device")

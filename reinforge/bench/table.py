@@ -1,0 +1,222 @@
+"""The standard training table: ``reinforge bench train --model SIZES --trl`` cases as one markdown table.
+
+Each case (one size's ``bench train`` run, or TRL's beside it) is a JSON file of ``--out DIR`` holding the
+run's results and a ``case`` record: its kind, size and options, exit status, and the environment (GPU,
+versions, commit, UTC date). ``reinforge bench table DIR [DIR ...]`` reads the cases of several folders (a
+later folder's case replaces an earlier one of the same size and options) and prints the table again: sizes
+measured in separate runs end up in one table. A header line names the command, the machine, the versions,
+the commits and the dates; each cell holds one figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from reinforge.engine.perf import DATASHEET_BF16_FLOPS, MEASURED_BF16_FLOPS
+
+SIZE_ORDER = ("0.5b", "1.5b", "3b", "7b")
+VERSIONS = ("torch", "transformers", "triton", "trl")
+
+
+def environment(repo: Path | None = None) -> dict:
+    """The machine (first visible GPU's name and memory, read by ``nvidia-smi`` so that this process never
+    holds the device), the versions of Python and the packages, the commit and the UTC date."""
+    info: dict = {"gpu": None, "gpu_memory_gib": None, "python": platform.python_version(),
+                  "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"), "commit": commit(repo)}
+    for name in VERSIONS:
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info[name] = None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+        visible = [line for line in done.stdout.splitlines() if line.strip()]
+        if done.returncode == 0 and visible:
+            name, memory_mib = (field.strip() for field in visible[first_visible_index(len(visible))].split(",", 1))
+            info["gpu"], info["gpu_memory_gib"] = name, round(float(memory_mib) / 1024, 1)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def first_visible_index(count: int) -> int:
+    """The index nvidia-smi gives the first device of CUDA_VISIBLE_DEVICES (0 when unset or not an index)."""
+    import os
+
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) < count else 0
+
+
+def commit(repo: Path | None = None) -> str | None:
+    """``git rev-parse --short HEAD`` of the source checkout reinforge runs from; None outside one."""
+    folder = repo or Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def load_cases(paths: list[Path]) -> list[dict]:
+    """The case records of the JSON files in ``paths`` (folders or files), later ones replacing earlier ones."""
+    cases: dict[tuple, dict] = {}
+    for path in paths:
+        files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+        for file in files:
+            try:
+                data = json.loads(file.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(data, dict) and isinstance(data.get("case"), dict):
+                case = data["case"]
+                cases[(case["kind"], case["size"], tuple(case.get("options", [])))] = data
+    return list(cases.values())
+
+
+def column_key(case: dict) -> tuple:
+    size = case["size"]
+    return (SIZE_ORDER.index(size) if size in SIZE_ORDER else len(SIZE_ORDER), size, tuple(case.get("options", [])))
+
+
+def render_table(results: list[dict]) -> str:
+    """The header line and the markdown table (one column per size and options) of these cases' results."""
+    columns: dict[tuple, dict[str, dict]] = {}
+    for result in results:
+        case = result["case"]
+        columns.setdefault(column_key(case), {})[case["kind"]] = result
+    keys = sorted(columns)
+    same_options = len({key[2] for key in keys}) == 1  # then the header's command names them, not each column
+    labels = [key[1] if same_options else " ".join([key[1], *key[2]]) for key in keys]
+    environments = [result["case"].get("environment", {}) for result in results]
+    gpu = _joined(environments, "gpu")
+    datasheet, measured = _peak(DATASHEET_BF16_FLOPS, gpu), _peak(MEASURED_BF16_FLOPS, gpu)
+    rows: list[tuple[str, list[str]]] = []
+
+    def add(label: str, kind: str, cell) -> None:
+        rows.append((label, [_cell(columns[key].get(kind), cell) for key in keys]))
+
+    add("micro-batch tokens (planner)", "reinforge", lambda r: _setting(r, "micro_batch_tokens", "{:d}"))
+    add("checkpointed layers (planner)", "reinforge", lambda r: _setting(r, "checkpoint_layers", "{:d}"))
+    add("optimizer on the CPU (planner)", "reinforge", lambda r: _setting(r, "optimizer_offload", "yes/no"))
+    add("rollout memory kept (planner)", "reinforge", lambda r: _setting(r, "keep_rollout_memory", "yes/no"))
+    add("step s", "reinforge", lambda r: _number(r["median"].get("step_s"), "{:.2f}"))
+    add("rollout s", "reinforge", lambda r: _number(r["median"].get("rollout_s"), "{:.2f}"))
+    add("update s", "reinforge", lambda r: _number(r["median"].get("update_actor_s"), "{:.2f}"))
+    add(f"MFU vs datasheet{_tflops(datasheet)}", "reinforge", lambda r: _number(r["median"].get("mfu"), "{:.1%}"))
+    add(f"MFU vs measured peak{_tflops(measured)}", "reinforge",
+        lambda r: _number(r["median"].get("mfu_measured_peak"), "{:.1%}"))
+    add("peak GiB, rollout", "reinforge", lambda r: _number(r["median"].get("rollout_peak_gb"), "{:.1f}"))
+    add("peak GiB, update", "reinforge", lambda r: _number(r["median"].get("update_peak_gb"), "{:.1f}"))
+    add("planner's estimate GiB, rollout", "reinforge",
+        lambda r: _number(r.get("plan", {}).get("estimated_gb", {}).get("rollout"), "{:.1f}"))
+    add("planner's estimate GiB, update", "reinforge",
+        lambda r: _number(r.get("plan", {}).get("estimated_gb", {}).get("update"), "{:.1f}"))
+    if any("trl" in columns[key] for key in keys):
+        add("TRL step s", "trl", lambda r: _number((r.get("best") or {}).get("step_s"), "{:.2f}"))
+        add("TRL peak GiB", "trl", lambda r: _number((r.get("best") or {}).get("peak_memory_gb"), "{:.1f}"))
+        rows.append(("TRL step / reinforge step", [_ratio(columns[key]) for key in keys]))
+    lines = [header(results), "", "| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    return "\n".join(lines)
+
+
+def header(results: list[dict]) -> str:
+    """One line: the command, the machine, the versions, the commit(s) and the UTC date(s)."""
+    environments = [result["case"].get("environment", {}) for result in results]
+    memory = _joined(environments, "gpu_memory_gib", "{:g} GiB")
+    machine = f"{_joined(environments, 'gpu') or 'no GPU'}" + (f" ({memory})" if memory else "")
+    versions = ", ".join(f"{name} {_joined(environments, name) or 'n/a'}" for name in ("torch", "transformers", "triton"))
+    versions += f", Python {_joined(environments, 'python') or 'n/a'}"
+    if any(result["case"]["kind"] == "trl" for result in results):
+        versions += f", trl {_joined(environments, 'trl') or 'n/a'}"
+    return (f"`{command(results)}` on {machine}; {versions}; commit {_joined(environments, 'commit') or 'unknown'}; "
+            f"{_joined(environments, 'date') or 'date unknown'} (UTC)")
+
+
+def command(results: list[dict]) -> str:
+    """The one command that runs every column (several, joined by '; ', when the columns' options differ)."""
+    groups: dict[tuple, dict] = {}
+    for result in sorted(results, key=lambda r: column_key(r["case"])):
+        case = result["case"]
+        group = groups.setdefault(tuple(case.get("options", [])), {"sizes": [], "trl": False})
+        if case["size"] not in group["sizes"]:
+            group["sizes"].append(case["size"])
+        group["trl"] |= case["kind"] == "trl"
+    return "; ".join(" ".join([f"reinforge bench train --model {','.join(group['sizes'])}",
+                               *(["--trl"] if group["trl"] else []), *options])
+                     for options, group in groups.items())
+
+
+def _joined(environments: list[dict], key: str, form: str = "{}") -> str:
+    values = [form.format(env[key]) for env in environments if env.get(key) is not None]
+    return " / ".join(dict.fromkeys(values))
+
+
+def _peak(table: dict[str, float], gpu: str) -> float | None:
+    return next((flops for name, flops in table.items() if name in gpu), None) if gpu and " / " not in gpu else None
+
+
+def _tflops(flops: float | None) -> str:
+    return f" ({flops / 1e12:.0f} TFLOP/s)" if flops else ""
+
+
+def _number(value, form: str) -> str:
+    return "–" if value is None else form.format(value)
+
+
+def _setting(result: dict, name: str, form: str) -> str:
+    value = result.get("plan", {}).get("settings", {}).get(name)
+    if value is None:
+        return "–"
+    return ("yes" if value else "no") if form == "yes/no" else form.format(int(value))
+
+
+def _cell(result: dict | None, cell) -> str:
+    """The figure of a finished case, or what stopped it (out of memory, timeout, skipped, failed)."""
+    if result is None:
+        return "–"
+    status = result["case"].get("status", "ok")
+    if status != "ok":
+        return status
+    try:
+        return cell(result)
+    except (KeyError, TypeError, ValueError):
+        return "–"
+
+
+def _ratio(column: dict[str, dict]) -> str:
+    ours, theirs = column.get("reinforge"), column.get("trl")
+    try:
+        step = ours["median"]["step_s"]
+        trl_step = theirs["best"]["step_s"]
+    except (KeyError, TypeError):
+        return "–"
+    return f"{trl_step / step:.1f}" if step else "–"
+
+
+def table_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="reinforge bench table", description="one markdown table from the JSON "
+                                     "files that `reinforge bench train --out DIR` wrote, over one or more runs")
+    parser.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="folders (or JSON files) of cases")
+    args = parser.parse_args(argv)
+    missing = [str(path) for path in args.paths if not path.exists()]
+    if missing:
+        print(f"reinforge bench table: {', '.join(missing)} does not exist; give the --out folders of "
+              "`reinforge bench train` runs", file=sys.stderr)
+        return 2
+    results = load_cases(args.paths)
+    if not results:
+        print(f"reinforge bench table: no case of `reinforge bench train --out` in {', '.join(map(str, args.paths))}",
+              file=sys.stderr)
+        return 2
+    print(render_table(results))
+    return 0

@@ -1,0 +1,97 @@
+"""`reinforge bench train --model SIZES [--trl] [--out DIR]`: each size in a process of its own, one table last."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+import reinforge.bench.sizes as sizes
+from reinforge.bench.train import parse_args
+from reinforge.cli import main
+
+
+@pytest.mark.slow
+def test_two_sizes_run_in_processes_of_their_own_and_print_one_table_last(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", "train", "--model", "0.5b,1.5b", "--cpu", "--steps", "1", "--out", str(out)]) == 0
+    files = sorted(path.name for path in out.iterdir())
+    assert files == ["reinforge_0.5b_steps-1_cpu.json", "reinforge_1.5b_steps-1_cpu.json"]
+    case = json.loads((out / files[0]).read_text())
+    assert case["case"]["status"] == "ok" and case["case"]["options"] == ["--steps", "1", "--cpu"]
+    assert len(case["steps"]) == 1 and case["median"]["step_s"] > 0
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    top = printed.index("| | 0.5b | 1.5b |")
+    assert printed[top - 2].startswith("`reinforge bench train --model 0.5b,1.5b --steps 1 --cpu` on ")
+    assert all(line.startswith("|") for line in printed[top:])  # the table is the last thing printed
+    assert printed[-1].startswith("| planner's estimate GiB, update |")
+
+
+def test_case_options_are_passed_on_as_given_and_run_options_are_not():
+    args = parse_args(["--model", "0.5b,7b", "--lora", "32", "--gpu-memory-gib", "80", "--checkpointing", "all",
+                       "--optimizer-offload", "false", "--out", "x", "--deadline-s", "570", "--ref-offload"])
+    assert args.sizes == ["0.5b", "7b"] and args.model == "0.5b"
+    assert args.case_options == ["--lora", "32", "--gpu-memory-gib", "80.0", "--checkpointing", "all",
+                                 "--optimizer-offload", "false", "--ref-offload"]
+    assert sizes.case_file("reinforge", "7b", args.case_options) == \
+        "reinforge_7b_lora-32_gpu-memory-gib-80.0_checkpointing-all_optimizer-offload-false_ref-offload.json"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "0.5b,13b"], "argument --model: '0.5b,13b' names no model size 13b; give one or more of "
+                              "0.5b,1.5b,3b,7b"),
+    (["--model", "0.5b", "--trl", "--lora", "8"], "--trl compares the grpo variant on a GPU"),
+    (["--model", "0.5b,1.5b", "--json", "a.json"], "--json writes one size's results"),
+    (["--model", "0.5b,1.5b", "--model-dir", "m"], "--model-dir names the folder of one size"),
+    (["--model", "0.5b", "--trl", "--profile"], "--profile profiles one size in this process"),
+    (["--deadline-s", "0"], "argument --deadline-s: 0 s leaves no time"),
+])
+def test_run_options_that_cannot_work_together_are_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error
+
+
+def test_trl_without_its_script_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sizes, "trl_script", lambda: None)
+    assert main(["bench", "train", "--model", "0.5b", "--trl", "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "runs benchmarks/trl_grpo.py of a reinforge source checkout" in line and "drop --trl" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_trl_script_is_found_in_the_checkout():
+    assert sizes.trl_script() is not None and sizes.trl_script().name == "trl_grpo.py"
+
+
+def runner(tmp_path, deadline_s: float | None) -> sizes.CaseRunner:
+    args = argparse.Namespace(deadline_s=deadline_s, case_options=[])
+    return sizes.CaseRunner(args, [], tmp_path, {})
+
+
+def test_a_process_past_the_deadline_is_ended_with_its_children_and_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(sizes, "MIN_CASE_S", 0.0)
+    monkeypatch.setattr(sizes, "MARGIN_S", 0.0)
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "print('started', flush=True); time.sleep(60)")
+    status, exit_code, tail = runner(tmp_path, 1.5).run_process("case", [sys.executable, "-c", code])
+    assert status == "timeout" and exit_code is not None and tail == ["started"]
+
+
+def test_a_case_that_cannot_start_in_time_is_skipped_and_an_oom_is_named(tmp_path, monkeypatch):
+    assert runner(tmp_path, 10.0).run_process("case", [sys.executable, "-c", "print(1)"])[0] == "skipped"
+    code = "import sys; print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB'); sys.exit(1)"
+    case = runner(tmp_path, None)
+    case.run_case("reinforge", "7b", [sys.executable, "-c", code], tmp_path / "reinforge_7b.json")
+    [result] = case.results
+    assert result["case"]["status"] == "OOM" and result["case"]["exit"] == 1
+    assert json.loads((tmp_path / "reinforge_7b.json").read_text())["case"]["status"] == "OOM"
+
+
+def test_the_update_profile_needs_a_cuda_device_and_says_so_in_one_line(capsys):
+    assert main(["bench", "train", "--cpu", "--profile"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("reinforge bench train --profile needs a CUDA device")

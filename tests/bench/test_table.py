@@ -1,0 +1,88 @@
+"""`reinforge bench table DIR [DIR ...]`: one markdown table, one column per size, from the cases of several runs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from reinforge.cli import main
+
+H200 = {"gpu": "NVIDIA H200", "gpu_memory_gib": 140.4, "python": "3.12.3", "torch": "2.11.0+cu130",
+        "transformers": "5.17.0", "triton": "3.6.0", "trl": "0.29.0", "commit": "abc1234", "date": "2026-12-03"}
+
+
+def reinforge_case(size: str, step_s: float, **case) -> dict:
+    return {"median": {"step_s": step_s, "rollout_s": step_s / 2, "update_actor_s": step_s / 2 - 0.1, "mfu": 0.213,
+                       "mfu_measured_peak": 0.264, "rollout_peak_gb": 10.7, "update_peak_gb": 78.1},
+            "plan": {"settings": {"micro_batch_tokens": 65536, "checkpoint_layers": 0, "optimizer_offload": False,
+                                  "keep_rollout_memory": True},
+                     "estimated_gb": {"rollout": 12.0, "update": 80.5}},
+            "case": {"kind": "reinforge", "size": size, "options": [], "status": "ok", "environment": H200, **case}}
+
+
+def trl_case(size: str, step_s: float | None, status: str = "ok") -> dict:
+    best = None if step_s is None else {"step_s": step_s, "peak_memory_gb": 60.2}
+    return {"runs": [], "best": best,
+            "case": {"kind": "trl", "size": size, "options": [], "status": status, "environment": H200}}
+
+
+def write(folder, name, data):
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(json.dumps(data))
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| |"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_table_of_two_runs_names_command_machine_versions_commit_and_date(tmp_path, capsys):
+    first, second = tmp_path / "first", tmp_path / "second"
+    write(first, "reinforge_1.5b.json", reinforge_case("1.5b", 8.0))
+    write(first, "trl_1.5b.json", trl_case("1.5b", 40.0))
+    write(first, "reinforge_0.5b.json", reinforge_case("0.5b", 3.0))
+    write(first, "trl_0.5b.json", trl_case("0.5b", 15.0))
+    write(second, "reinforge_7b.json", reinforge_case("7b", 30.0))
+    write(second, "trl_7b.json", trl_case("7b", None, status="OOM"))
+    write(second, "notes.json", {"something": "else"})  # not a case: left out
+    assert main(["bench", "table", str(first), str(second)]) == 0
+    out = capsys.readouterr().out
+    header, table = out.split("\n\n", 1)
+    assert header == ("`reinforge bench train --model 0.5b,1.5b,7b --trl` on NVIDIA H200 (140.4 GiB); torch "
+                      "2.11.0+cu130, transformers 5.17.0, triton 3.6.0, Python 3.12.3, trl 0.29.0; commit abc1234; "
+                      "2026-12-03 (UTC)")
+    assert table.splitlines()[0] == "| | 0.5b | 1.5b | 7b |"
+    rows = table_rows(table)
+    assert rows["step s"] == ["3.00", "8.00", "30.00"]
+    assert rows["MFU vs datasheet (989 TFLOP/s)"] == ["21.3%"] * 3
+    assert rows["MFU vs measured peak (799 TFLOP/s)"] == ["26.4%"] * 3
+    assert rows["micro-batch tokens (planner)"] == ["65536"] * 3
+    assert rows["rollout memory kept (planner)"] == ["yes"] * 3
+    assert rows["TRL step s"] == ["15.00", "40.00", "OOM"]
+    assert rows["TRL step / reinforge step"] == ["5.0", "5.0", "–"]
+    for cells in rows.values():  # one figure per cell
+        assert all(re.fullmatch(r"[\d.]+%?|yes|no|–|OOM", cell) for cell in cells), cells
+
+
+def test_a_later_folder_replaces_a_case_and_differing_options_name_their_columns(tmp_path, capsys):
+    write(tmp_path / "a", "reinforge_0.5b.json", reinforge_case("0.5b", 3.0))
+    write(tmp_path / "b", "reinforge_0.5b.json", reinforge_case("0.5b", 2.5))
+    lora = reinforge_case("0.5b", 4.0, options=["--lora", "32"])
+    write(tmp_path / "b", "reinforge_0.5b_lora-32.json", lora)
+    assert main(["bench", "table", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "`reinforge bench train --model 0.5b; reinforge bench train --model 0.5b --lora 32`" in out
+    assert "| | 0.5b | 0.5b --lora 32 |" in out
+    assert table_rows(out)["step s"] == ["2.50", "4.00"]
+    assert "TRL" not in out and ", trl" not in out
+
+
+def test_the_table_of_no_cases_says_so_in_one_line(tmp_path, capsys):
+    assert main(["bench", "table", str(tmp_path)]) == 2
+    assert main(["bench", "table", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "no case of `reinforge bench train --out`" in err[0] and "does not exist" in err[1]
