@@ -46,9 +46,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 """Files where a pattern describes the repository's contents rather than its history."""
 
-SKIPPED = {"tests/test_no_history.py",
-           # one-off benchmark scripts that `reinforge bench` replaces; they go with the benchmark rewrite
-           "benchmarks/gpu_session.sh", "benchmarks/fsdp_reshard.py"}
+SKIPPED = {"tests/test_no_history.py"}
 
 
 def tracked_text_files() -> list[Path]:

@@ -8,7 +8,7 @@ import re
 from reinforge.cli import main
 
 H200 = {"gpu": "NVIDIA H200", "gpu_memory_gib": 140.4, "python": "3.12.3", "torch": "2.11.0+cu130",
-        "transformers": "5.17.0", "triton": "3.6.0", "trl": "0.29.0", "commit": "abc1234", "date": "2026-12-03"}
+        "transformers": "5.17.0", "triton": "3.6.0", "trl": "0.29.0", "commit": "5d1e9b", "date": "2026-12-03"}
 
 
 def reinforge_case(size: str, step_s: float, **case) -> dict:
@@ -53,7 +53,7 @@ def test_the_table_of_two_runs_names_command_machine_versions_commit_and_date(tm
     out = capsys.readouterr().out
     header, table = out.split("\n\n", 1)
     assert header == ("`reinforge bench train --model 0.5b,1.5b,7b --trl` on NVIDIA H200 (140.4 GiB); torch "
-                      "2.11.0+cu130, transformers 5.17.0, triton 3.6.0, Python 3.12.3, trl 0.29.0; commit abc1234; "
+                      "2.11.0+cu130, transformers 5.17.0, triton 3.6.0, Python 3.12.3, trl 0.29.0; commit 5d1e9b; "
                       "2026-12-03 (UTC)")
     assert table.splitlines()[0] == "| | 0.5b | 1.5b | 7b |"
     rows = table_rows(table)
