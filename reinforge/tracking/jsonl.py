@@ -28,6 +28,25 @@ class LogWriteError(OSError):
         return str(self.strerror)
 
 
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+_NOT_ALLOWED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def write_failure(path: Path, error: OSError, what: str, setting: str = "trainer.output_dir") -> LogWriteError:
+    """One line for a failed write of a run's file or folder ``path`` (``what`` it is): the path, the reason (not
+    "[Errno 28]") and the fix, which may point ``setting`` elsewhere. A ``LogWriteError`` is returned as it is."""
+    if isinstance(error, LogWriteError):
+        return error
+    reason = error.strerror or str(error) or type(error).__name__
+    if error.errno in _FULL_DISK:
+        fix = f"free space on its disk, or set {setting} to a folder on another disk, and run the same command again"
+    elif error.errno in _NOT_ALLOWED:
+        fix = f"set {setting} to a folder this user can write"
+    else:
+        fix = f"check that folder, or set {setting} to another one"
+    return LogWriteError(error.errno, f"cannot write {path} ({what}): {reason}; {fix}", str(path))
+
+
 def append_json_line(handle: IO[str], record: dict[str, Any]) -> None:
     try:
         handle.write(json.dumps(record, default=str) + "\n")
@@ -74,12 +93,16 @@ def truncate_after_step(path: Path, step: int) -> int:
     if len(kept) == num_lines:
         return 0
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        for record in kept:
-            handle.write(json.dumps(record, default=str) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            for record in kept:
+                handle.write(json.dumps(record, default=str) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise write_failure(path, error, f"dropping its lines after step {step}, to resume there") from None
     return num_lines - len(kept)
 
 

@@ -13,7 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
+from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines, write_failure
 
 DEFAULT_KEYS = [
     "critic/score/mean",
@@ -109,7 +109,10 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
     if out_dir is None:
         out_dir = run_dirs[0] / "plots" if len(run_dirs) == 1 else run_dirs[0].resolve().parent / "plots"
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise write_failure(out_dir, error, "the plots' folder", "--out") from None
 
     written = []
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -135,6 +138,8 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
         try:
             figure.savefig(temporary, format="png")
             os.replace(temporary, path)
+        except OSError as error:
+            raise write_failure(path, error, f"the plot of {key}", "--out") from None
         finally:
             plt.close(figure)
             temporary.unlink(missing_ok=True)

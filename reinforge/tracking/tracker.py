@@ -24,6 +24,7 @@ from reinforge.tracking import external as _external  # noqa: F401
 from reinforge.tracking import jsonl as _jsonl  # noqa: F401
 from reinforge.tracking.backends import TRACKING_BACKENDS, RunInfo, TrackingBackend
 from reinforge.tracking.console import StepProgress
+from reinforge.tracking.jsonl import write_failure
 
 
 def to_float(key: str, value: Any) -> float:
@@ -51,14 +52,22 @@ class Tracker:
             raise ValueError(f"unknown tracking backend(s) {unknown} in trainer.loggers; "
                              f"known backends: {sorted(TRACKING_BACKENDS)}")
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise write_failure(self.run_dir, error, "the run folder, trainer.output_dir") from None
         self.console = console or Console()
         self.backend_names = list(dict.fromkeys(backends))
         run = RunInfo(self.run_dir, project, experiment, config, self.console)
         self.backends: dict[str, TrackingBackend] = {}
+        name = ""
         try:
             for name in self.backend_names:
                 self.backends[name] = TRACKING_BACKENDS[name](run)
+        except OSError as error:  # a file or folder the backend makes in the run folder
+            self.close()
+            path = Path(error.filename) if isinstance(error.filename, str) and error.filename else self.run_dir
+            raise write_failure(path, error, f"a file of the {name} logger, trainer.loggers") from None
         except BaseException:
             self.close()
             raise

@@ -1,6 +1,7 @@
 """Opening a run folder: one run at a time, and a resume that agrees with the settings it is given.
 
-``RunLock`` keeps a second run off a folder that a live process is using (``RUN/.lock`` holds
+A failed write there (a full disk, a folder this user cannot write) is one line naming the path and the fix
+(``tracking.jsonl.write_failure``). ``RunLock`` keeps a second run off a folder that a live process is using (``RUN/.lock`` holds
 its pid and, on Linux, the process's start time; a lock left by a dead process, or naming a pid
 that now belongs to a process started later, is taken over with a warning). ``config_changes`` lists
 the settings that differ between a checkpoint's run and this one: settings the trainer reads
@@ -17,6 +18,8 @@ import os
 import weakref
 from pathlib import Path
 from typing import Any
+
+from reinforge.tracking.jsonl import write_failure
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +70,21 @@ class RunLock:
             probe.touch()
             probe.unlink()
         except OSError as error:
-            raise OSError(f"the run folder {self.path.parent} (trainer.output_dir) cannot be written: "
-                          f"{error.strerror or error}; set trainer.output_dir to a folder this user can write") from None
+            raise write_failure(self.path.parent, error, "the run folder, trainer.output_dir") from None
         for _ in range(10):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
-            with os.fdopen(descriptor, "w") as handle:
-                handle.write(f"{os.getpid()} {_start_time(os.getpid()) or ''}".strip() + "\n")
+            except OSError as error:
+                raise write_failure(self.path, error, "the run folder's lock") from None
+            try:
+                with os.fdopen(descriptor, "w") as handle:  # the first write: a full disk fails here
+                    handle.write(f"{os.getpid()} {_start_time(os.getpid()) or ''}".strip() + "\n")
+            except OSError as error:
+                self.path.unlink(missing_ok=True)
+                raise write_failure(self.path, error, "the run folder's lock") from None
             _HELD.add(self.path)
             self._finalizer = weakref.finalize(self, _release, self.path)
             return self

@@ -34,7 +34,7 @@ from typing import Any
 from reinforge.config import config_to_dict, save_config
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
-from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
+from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines, write_failure
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state, rng_state, set_rng_state
 from reinforge.trainer.run_folder import RunLock, check_resumed_settings
 
@@ -141,7 +141,11 @@ class TrainingRun:
                                    self._resume_folder)
             self.checkpoints.remove_old()  # what a kill interrupted: a half-written checkpoint, an older one
         self._remove_old_checkpoints = resume == "never"  # done in resume(): after data, tokenizer and workers load
-        save_config(self.config, self.run_dir / "config.yaml")
+        try:
+            save_config(self.config, self.run_dir / "config.yaml")
+        except OSError as error:
+            self.release_run_folder()
+            raise write_failure(self.run_dir / "config.yaml", error, "the run's config") from None
 
     def release_run_folder(self) -> None:
         lock = getattr(self, "run_lock", None)

@@ -192,3 +192,115 @@ def test_resume_never_keeps_the_earlier_checkpoints_until_the_new_run_can_start(
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == checkpoints
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1, "trainer.resume": "never"})]) == 0
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+class DiskFull:
+    """Writes into ``folder`` fail as on a full disk, where a path's name starts with one of ``names``: folders are not
+    made, and a file opens but its data does not fit (the error, as Python raises it, names no path), or with
+    ``at_open`` the file is not made (the error names it)."""
+
+    def __init__(self, monkeypatch, folder: Path, names: tuple[str, ...], at_open: bool = False):
+        import builtins
+        import errno
+        import io
+
+        self.folder, self.names = folder.resolve(), names
+        self.error = lambda: OSError(errno.ENOSPC, "No space left on device")
+        real_open, real_fdopen, real_mkdir = builtins.open, os.fdopen, os.mkdir
+
+        def opened(file, mode="r", *args, **kwargs):
+            if at_open and isinstance(file, str | Path) and self.hits(file, mode):
+                raise OSError(errno.ENOSPC, "No space left on device", str(file))
+            handle = real_open(file, mode, *args, **kwargs)
+            return self.failing(handle) if isinstance(file, str | Path) and self.hits(file, mode) else handle
+
+        def fdopened(descriptor, mode="r", *args, **kwargs):
+            handle = real_fdopen(descriptor, mode, *args, **kwargs)
+            return self.failing(handle) if self.hits(os.readlink(f"/proc/self/fd/{descriptor}"), mode) else handle
+
+        def made(path, *args, **kwargs):
+            if self.hits(path, "w"):
+                raise self.error()
+            return real_mkdir(path, *args, **kwargs)
+
+        for module in (builtins, io):
+            monkeypatch.setattr(module, "open", opened)
+        monkeypatch.setattr(os, "fdopen", fdopened)
+        monkeypatch.setattr(os, "mkdir", made)
+
+    def hits(self, path, mode: str) -> bool:
+        path = Path(path).absolute()
+        return any(flag in mode for flag in "wax+") and path.parent in (self.folder, self.folder.parent) \
+            and path.name.startswith(self.names) and (path == self.folder or path.parent == self.folder)
+
+    def failing(self, handle):
+        error = self.error
+
+        class Failing:
+            name = handle.name
+
+            def write(self, data):
+                raise error()
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                handle.close()
+
+            def __getattr__(self, attribute):
+                return getattr(handle, attribute)
+
+        return Failing()
+
+
+@pytest.mark.parametrize("names, path, what", [
+    (("run",), "", "the run folder, trainer.output_dir"),
+    ((".lock",), ".lock", "the run folder's lock"),
+    (("config.yaml",), "config.yaml", "the run's config"),
+])
+def test_a_full_disk_at_the_start_names_the_path_and_the_fix_before_any_model_loads(rl_args, tmp_path, capsys,
+                                                                                    monkeypatch, names, path, what):
+    loaded = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loaded.append(a))
+    run_dir = tmp_path / "run"
+    DiskFull(monkeypatch, run_dir, names)
+    assert main(["train", *rl_args(run_dir)]) == 2
+    target = run_dir / path if path else run_dir
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: cannot write {target.resolve() if path == '.lock' else target} ({what}): No space left on device; "
+        "free space on its disk, or set trainer.output_dir to a folder on another disk, and run the same command again")
+    assert not loaded
+    assert not (run_dir / ".lock").exists()  # a later run is not kept out by a lock of this one
+
+
+def test_a_full_disk_at_the_loggers_start_or_on_resume_names_the_file(rl_args, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patched:
+        DiskFull(patched, run_dir, ("metrics.jsonl",), at_open=True)
+        assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: cannot write {run_dir / 'metrics.jsonl'} (a file of the jsonl logger, trainer.loggers): No space "
+        "left on device; free space on its disk, or set trainer.output_dir to a folder on another disk, and run the "
+        "same command again")
+
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # a step past the checkpoint it resumes
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    DiskFull(monkeypatch, run_dir, ("metrics.jsonl.tmp",))
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2})]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"error: cannot write {run_dir / 'metrics.jsonl'} (dropping its lines after step 1, to resume there): No "
+        "space left on device; free space")
+    assert not (run_dir / "metrics.jsonl.tmp").exists()
+
+
+def test_a_plots_folder_on_a_full_disk_is_named(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n')
+    DiskFull(monkeypatch, run_dir / "plots", ("plots",))
+    assert main(["plot", str(run_dir)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: cannot write {run_dir / 'plots'} (the plots' folder): No space left on device; free space on its "
+        "disk, or set --out to a folder on another disk, and run the same command again")
