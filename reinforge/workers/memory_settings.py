@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -168,14 +169,18 @@ def cap_device_memory(config: Config, device: torch.device) -> None:
     torch.cuda.set_per_process_memory_fraction(min(config.trainer.gpu_memory_gib * GiB / total, 1.0), index)
 
 
+_DEVICE_OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|\b(CUDA|HIP|XPU|MPS)( error:)? out of memory")
+"""A device's out-of-memory error in an error's text (a worker's, relayed by Ray), not any text naming memory."""
+
+
 def describe_out_of_memory(error: BaseException) -> str | None:
-    """One line for an out-of-memory error anywhere in ``error``'s chain (a worker's too), else None."""
+    """One line for a device's out-of-memory error anywhere in ``error``'s chain (a worker's too), else None."""
     chain, seen = [], error
     while seen is not None and len(chain) < 16:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     oom = next((item for item in chain if isinstance(item, torch.OutOfMemoryError)
-                or "out of memory" in str(item).lower()), None)
+                or _DEVICE_OUT_OF_MEMORY.search(str(item))), None)
     if oom is None:
         return None
     first_line = (str(oom).strip().splitlines() or [type(oom).__name__])[0]

@@ -329,6 +329,12 @@ def test_out_of_memory_becomes_one_line():
     assert message is not None and "\n" not in message
     assert "REINFORGE_DEBUG=1" in message and "max_tokens_per_micro_batch" in message
     assert describe_out_of_memory(ValueError("bad value")) is None
+    relayed = RuntimeError("worker group 'actor_rollout' rank 0 raised in update_actor: torch.OutOfMemoryError: CUDA "
+                           "out of memory. Tried to allocate 2.00 GiB")
+    assert describe_out_of_memory(relayed).startswith("out of memory in a worker (worker group 'actor_rollout'")
+    # a failure whose message merely speaks of memory is its own line, not an out-of-memory report
+    assert describe_out_of_memory(RuntimeError("the scorer failed on all 16 samples (0 timed out, 0 ran out of "
+                                               "memory); it raised ZeroDivisionError")) is None
 
 
 def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):
