@@ -12,6 +12,8 @@ They measure; nothing in the library imports them.
 
 from __future__ import annotations
 
+import sys
+
 SUBCOMMANDS = {
     "rollout": "rollout tokens/s of the native engine against transformers' generate (the default)",
     "train": "full GRPO/PPO steps timed phase by phase; --model 0.5b,1.5b,3b,7b --trl for the standard table",
@@ -29,6 +31,10 @@ def bench_main(argv: list[str]) -> int:
         for name, summary in SUBCOMMANDS.items():
             print(f"  {name:<{width}}  {summary}")
         return 0
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        print(f"reinforge bench: unknown benchmark {argv[0]!r}; give one of {', '.join(SUBCOMMANDS)} "
+              "(reinforge bench --help lists them)", file=sys.stderr)
+        return 2
     name, rest = (argv[0], argv[1:]) if argv and argv[0] in SUBCOMMANDS else ("rollout", argv)
     if name == "train":
         from reinforge.bench.train import bench_train_main

@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run TRL's GRPOTrainer on each size's workload (benchmarks/trl_grpo.py of a source "
                              "checkout), in a process of its own, and compare")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
-                        help="write each case's JSON into DIR (with several sizes or --trl; "
+                        help="write each case's JSON into DIR (with several sizes or --trl: bench_out by default; "
                              "`reinforge bench table DIR` prints their table again)")
     parser.add_argument("--deadline-s", type=_positive_seconds, default=None, metavar="S",
                         help="with several sizes or --trl: stop within S seconds of the start; a case that cannot "

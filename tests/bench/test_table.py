@@ -86,3 +86,4 @@ def test_the_table_of_no_cases_says_so_in_one_line(tmp_path, capsys):
     assert main(["bench", "table", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no case of `reinforge bench train --out`" in err[0] and "does not exist" in err[1]
+
