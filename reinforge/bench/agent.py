@@ -298,8 +298,8 @@ def run(args: argparse.Namespace) -> int:
                          admission_fraction=admissions[0][1])
     settings["prefix_cache"] = not args.no_prefix_cache
     # Warm-up, untimed: one whole single-turn and one whole agent rollout, so that Triton's compilation and the
-    # lazy CUDA-graph capture of every decode batch size are paid before any timed run (the first timed run paid
-    # them otherwise, and a sweep's later runs looked faster only for coming later).
+    # lazy CUDA-graph capture of every decode batch size are paid before any timed run (else the first timed run
+    # pays them, and a sweep's later runs look faster only for coming later).
     run_single_turn(engine, prompts, trajectories)
     run_agents(engine, prompts, trajectories)
     results: dict = {"environment": environment(device), "settings": settings,

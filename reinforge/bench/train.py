@@ -162,8 +162,8 @@ def add_advantages(batch, args: argparse.Namespace, config) -> None:
 
 def host_memory_gb() -> dict[str, float]:
     """The process's resident host memory now, in GiB, split as the kernel counts it (Linux; {} elsewhere):
-    anonymous pages (the heap), shared ones (where CUDA's pinned host buffers show: the 7B LoRA run's
-    offloaded weights, 27.9 GiB, were there) and file-backed ones (mmapped weight files: page cache the
+    anonymous pages (the heap), shared ones (where CUDA's pinned host buffers show, such as offloaded
+    weights) and file-backed ones (mmapped weight files: page cache the
     kernel can drop and read again)."""
     try:
         lines = Path("/proc/self/status").read_text().splitlines()
