@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on the standard workload, the competitor of ``reinforge bench train``.
 
-    python3 benchmarks/trl_grpo.py --model-dir DIR [--steps 4] [--checkpointing both|on|off] [--json out.json]
+    python3 benchmarks/trl_grpo.py --model-dir DIR [--steps 4] [--checkpointing auto|both|on|off] [--json out.json]
 
 ``reinforge bench train --model SIZES --trl`` runs it beside each size, on the same model folder and
 workload. The workload is reinforge's: 64 prompts of 128 tokens, 8 samples each, exactly 512 generated
@@ -9,8 +9,8 @@ tokens (EOS suppressed with ``min_new_tokens``; ``--prompts``, ``--n``, ``--prom
 vLLM (transformers ``generate``), one optimizer step per generation batch of all completions, AdamW lr
 1e-6. ``DIR`` is a model folder written by ``reinforge bench train`` (random Qwen2.5 weights and the
 character tokenizer, so a 128-character prompt is 128 tokens). The step time is the median time between
-optimizer steps 2.. . With ``--checkpointing both`` it runs once with gradient checkpointing and once
-without, and the faster one counts (TRL's users pick it). ``--gpu-memory-gib`` caps the process as
+optimizer steps 2.. . By default (``--checkpointing auto``) it runs without gradient checkpointing and,
+when that runs out of memory, with it, as TRL's users would; ``both`` runs each and the faster one counts. ``--gpu-memory-gib`` caps the process as
 ``bench train``'s option does.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import random
 import statistics
@@ -83,7 +84,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--checkpointing", choices=["both", "on", "off"], default="both")
+    parser.add_argument("--checkpointing", choices=["auto", "both", "on", "off"], default="auto")
     parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -95,13 +96,16 @@ def main(argv: list[str]) -> int:
     if args.gpu_memory_gib is not None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total))
-    modes = {"both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
+    modes = {"auto": [False, True], "both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
     results = []
     for checkpointing in modes:
+        if args.checkpointing == "auto" and any("step_s" in result for result in results):
+            break  # it fit without checkpointing
         try:
             results.append(run(args.model_dir, args.steps, checkpointing, args.micro_batch, args))
         except torch.OutOfMemoryError as error:
             results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}"})
+        gc.collect()  # the failed trainer's cycles, before its memory goes back
         torch.cuda.empty_cache()
         print(json.dumps(results[-1]), flush=True)
     finished = [result for result in results if "step_s" in result]

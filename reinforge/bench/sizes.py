@@ -196,10 +196,10 @@ class CaseRunner:
         text = "\n".join(tail)
         if timed_out.is_set():
             status = "timeout"
-        elif "OutOfMemoryError" in text or "CUDA out of memory" in text:
-            status = "OOM"
+        elif code == 0:
+            status = "ok"
         else:
-            status = "ok" if code == 0 else f"failed (exit {code})"
+            status = "OOM" if "OutOfMemoryError" in text or "CUDA out of memory" in text else f"failed (exit {code})"
         return status, code, list(tail)
 
 

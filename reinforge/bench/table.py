@@ -123,6 +123,7 @@ def render_table(results: list[dict]) -> str:
     if any("trl" in columns[key] for key in keys):
         add("TRL step s", "trl", lambda r: _number((r.get("best") or {}).get("step_s"), "{:.2f}"))
         add("TRL peak GiB", "trl", lambda r: _number((r.get("best") or {}).get("peak_memory_gb"), "{:.1f}"))
+        add("TRL gradient checkpointing", "trl", lambda r: "yes" if r["best"]["checkpointing"] else "no")
         rows.append(("TRL step / reinforge step", [_ratio(columns[key]) for key in keys]))
     lines = [header(results), "", "| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]

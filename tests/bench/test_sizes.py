@@ -95,3 +95,16 @@ def test_the_update_profile_needs_a_cuda_device_and_says_so_in_one_line(capsys):
     assert main(["bench", "train", "--cpu", "--profile"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("reinforge bench train --profile needs a CUDA device")
+
+
+def test_a_trl_case_that_fit_on_its_second_try_is_no_oom(tmp_path):
+    """With --checkpointing auto TRL runs out of memory without checkpointing, then fits with it."""
+    path = tmp_path / "trl_7b.json"
+    summary = {"runs": [{"checkpointing": False, "error": "out of memory: CUDA out of memory."},
+                        {"checkpointing": True, "step_s": 50.0, "peak_memory_gb": 120.0}],
+               "best": {"checkpointing": True, "step_s": 50.0, "peak_memory_gb": 120.0}}
+    code = (f"import json, pathlib; print('out of memory: CUDA out of memory.'); "
+            f"pathlib.Path({str(path)!r}).write_text(json.dumps({summary!r}))")
+    case = runner(tmp_path, None)
+    case.run_case("trl", "7b", [sys.executable, "-c", code], path)
+    assert case.results[0]["case"]["status"] == "ok"

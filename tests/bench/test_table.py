@@ -21,7 +21,7 @@ def reinforge_case(size: str, step_s: float, **case) -> dict:
 
 
 def trl_case(size: str, step_s: float | None, status: str = "ok") -> dict:
-    best = None if step_s is None else {"step_s": step_s, "peak_memory_gb": 60.2}
+    best = None if step_s is None else {"step_s": step_s, "peak_memory_gb": 60.2, "checkpointing": False}
     return {"runs": [], "best": best,
             "case": {"kind": "trl", "size": size, "options": [], "status": status, "environment": H200}}
 
@@ -64,6 +64,7 @@ def test_the_table_of_two_runs_names_command_machine_versions_commit_and_date(tm
     assert rows["rollout memory kept (planner)"] == ["yes"] * 3
     assert rows["TRL step s"] == ["15.00", "40.00", "OOM"]
     assert rows["TRL step / reinforge step"] == ["5.0", "5.0", "–"]
+    assert rows["TRL gradient checkpointing"] == ["no", "no", "OOM"]
     for cells in rows.values():  # one figure per cell
         assert all(re.fullmatch(r"[\d.]+%?|yes|no|–|OOM", cell) for cell in cells), cells
 
