@@ -1,4 +1,4 @@
-"""``reinforge <command>`` (or ``python -m reinforge``): train, plan, sft, eval, demo, export, plot, bench,
+"""``reinforge <command>`` (or ``python -m reinforge``): init, train, plan, sft, eval, demo, export, plot, bench,
 data, config, sandbox.
 
 A command parses and validates its configuration before any model, tokenizer or dataset
@@ -173,6 +173,12 @@ def _data(argv: list[str]) -> int:
     return data_main(argv)
 
 
+def _init(argv: list[str]) -> int:
+    from reinforge.examples import init_main
+
+    return init_main(argv)
+
+
 def _sandbox(argv: list[str]) -> int:
     from reinforge.sandbox.server import sandbox_main
 
@@ -180,6 +186,7 @@ def _sandbox(argv: list[str]) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "init": (_init, "write the example configs (GRPO, DAPO, PPO, ReTool) into ./examples, or NAME into DIR"),
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
     "plan": (_plan, "the memory plan of a run on a GPU of any size (fits or not, and why)"),
     "sft": (_sft, "supervised fine-tuning on chat data (loss on assistant tokens)"),

@@ -1,4 +1,4 @@
-"""The ReTool recipe end to end on the CPU: examples/retool.yaml, a tiny model, the real sandbox, two steps.
+"""The ReTool recipe end to end on the CPU: reinforge/examples/retool.yaml, a tiny model, the real sandbox, two steps.
 
 Everything is the recipe as shipped (GSM8K rows from ``reinforge data retool``, the
 ``tool_agent`` loop, ``examples/retool_tools.yaml``'s code_interpreter, the boxed-answer scorer
@@ -21,6 +21,7 @@ import pytest
 from reinforge.agent import TOOL_PARSERS, ToolCall, register_tool_parser
 from reinforge.cli import main
 from reinforge.data.retool import convert_retool
+from reinforge.examples import FOLDER as EXAMPLES
 from reinforge.sandbox import SandboxSettings
 from reinforge.sandbox.server import SandboxServer
 
@@ -56,7 +57,7 @@ def recipe_files(tmp_path: Path, sandbox_url: str, tool_settings: str = "") -> t
     data = tmp_path / "retool_gsm8k"
     convert_retool(GSM8K_SAMPLE, data)
     tools = tmp_path / "tools.yaml"
-    text = (REPO / "examples" / "retool_tools.yaml").read_text().replace("http://127.0.0.1:8080", sandbox_url)
+    text = (EXAMPLES / "retool_tools.yaml").read_text().replace("http://127.0.0.1:8080", sandbox_url)
     tools.write_text(text.replace("run_timeout_s: 10", "run_timeout_s: 10" + tool_settings))
     return data, tools
 
@@ -64,7 +65,7 @@ def recipe_files(tmp_path: Path, sandbox_url: str, tool_settings: str = "") -> t
 def two_step_args(model_dir, data: Path, tools: Path, parser: str, run_dir: Path) -> list[str]:
     """``reinforge train examples/retool.yaml`` on the tiny model: two steps on the CPU, short turns."""
     return [
-        "train", str(REPO / "examples" / "retool.yaml"),
+        "train", str(EXAMPLES / "retool.yaml"),
         f"model.path={model_dir}", f"data.train_files=[{data / 'train.parquet'}]", "data.val_files=[]",
         "data.max_prompt_length=360", "data.train_batch_size=2", "data.max_response_length=96", "rollout.n=4",
         f"rollout.stop_token_ids=[{','.join(map(str, LOWERCASE_IDS))}]",
@@ -101,7 +102,7 @@ def test_the_retool_recipe_with_no_sandbox_stops_before_the_model_loads(tiny_mod
     overrides = [f"model.path={tiny_model_dir}", f"data.train_files=[{data / 'train.parquet'}]",
                  f"rollout.multi_turn.tool_config_path={tools}", f"trainer.output_dir={run_dir}",
                  "trainer.device=cpu"]
-    assert main(["train", str(REPO / "examples" / "retool.yaml"), *overrides]) != 0
+    assert main(["train", str(EXAMPLES / "retool.yaml"), *overrides]) != 0
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "the code_interpreter tool's sandbox does not work" in error and "reinforge sandbox serve" in error
     assert not loaded and not run_dir.exists()  # no model loaded, nothing written

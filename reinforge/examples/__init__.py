@@ -1,0 +1,77 @@
+"""The example configs, shipped with the package, and ``reinforge init``, which writes them into a folder.
+
+``reinforge init`` writes every example into ``./examples``; ``reinforge init retool DIR`` writes one
+(with the files it needs: ReTool's tool config) into ``DIR``. A config names the tool config by a path
+relative to the working directory, so the copy written names the copy of the tool config written beside it.
+A file already there is kept unless ``--force``: a config a user edited is never written over.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+FOLDER = Path(__file__).resolve().parent
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "grpo_gsm8k": ("grpo_gsm8k.yaml",),
+    "dapo_gsm8k": ("dapo_gsm8k.yaml",),
+    "ppo_gsm8k": ("ppo_gsm8k.yaml",),
+    "retool": ("retool.yaml", "retool_tools.yaml"),
+}
+"""An example's name -> its files in this folder, the config first."""
+
+SHIPPED_FOLDER = "examples"
+"""The folder the shipped configs' relative paths assume (``tool_config_path: examples/retool_tools.yaml``)."""
+
+
+def example_text(file_name: str, folder: Path) -> str:
+    """The file's text as written into ``folder``: paths to the examples' own files point into ``folder``."""
+    text = (FOLDER / file_name).read_text(encoding="utf-8")
+    if folder.as_posix() == SHIPPED_FOLDER:
+        return text
+    for other in (name for files in EXAMPLES.values() for name in files):
+        text = text.replace(f"{SHIPPED_FOLDER}/{other}", (folder / other).as_posix())
+    return text
+
+
+def write_examples(names: list[str], folder: Path, force: bool = False) -> list[Path]:
+    """Write the files of the examples ``names`` into ``folder`` (made if missing); returns the paths written.
+
+    Raises FileExistsError, naming the files, when some are there already (and ``force`` is not set); then nothing
+    is written."""
+    files = [name for example in names for name in EXAMPLES[example]]
+    present = [folder / name for name in files if (folder / name).exists()]
+    if present and not force:
+        raise FileExistsError(f"{', '.join(str(path) for path in present)} already exist(s); reinforge init keeps "
+                              "them: pass --force to write over them, or another folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in files:
+        path = folder / name
+        temporary = path.with_name(f".{name}.tmp")
+        temporary.write_text(example_text(name, folder), encoding="utf-8")
+        temporary.replace(path)
+        written.append(path)
+    return written
+
+
+def init_main(argv: list[str]) -> int:
+    """``reinforge init [NAME|all] [DIR] [--force]``."""
+    parser = argparse.ArgumentParser(
+        prog="reinforge init", description="Write the example configs (GRPO, DAPO, PPO on GSM8K; the ReTool recipe "
+        "with its tool config) into a folder, to train with or start from.")
+    parser.add_argument("name", nargs="?", default="all", help=f"one of {', '.join(EXAMPLES)}, or all (default)")
+    parser.add_argument("folder", nargs="?", default=SHIPPED_FOLDER, help="where to write them (default: examples)")
+    parser.add_argument("--force", action="store_true", help="write over files already there")
+    args = parser.parse_args(argv)
+    if args.name not in (*EXAMPLES, "all"):
+        raise ValueError(f"reinforge init {args.name}: no example of that name; the examples are "
+                         f"{', '.join(EXAMPLES)} (or all); reinforge init all DIR writes them all into DIR")
+    names = list(EXAMPLES) if args.name == "all" else [args.name]
+    folder = Path(args.folder)
+    for path in write_examples(names, folder, args.force):
+        print(f"wrote {path}")
+    config = folder / EXAMPLES[names[0]][0]
+    print(f"next: reinforge train {config.as_posix()} model.path=... data.train_files=[...] (see the file's comments)")
+    return 0

@@ -1,0 +1,82 @@
+"""The example configs ship in the wheel, and ``reinforge init`` writes them where a user trains from."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from reinforge.cli import main
+from reinforge.config import load_config
+from reinforge.examples import EXAMPLES, FOLDER
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = sorted(name for files in EXAMPLES.values() for name in files)
+
+
+def test_init_writes_every_example_into_examples_and_keeps_what_is_there(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["init"]) == 0
+    assert sorted(path.name for path in (tmp_path / "examples").iterdir()) == FILES
+    for name in FILES:
+        assert (tmp_path / "examples" / name).read_text() == (FOLDER / name).read_text()
+    out = capsys.readouterr().out
+    assert "wrote examples/retool_tools.yaml" in out and "next: reinforge train examples/grpo_gsm8k.yaml" in out
+    for name in EXAMPLES:  # each config loads and validates, the README's commands as written
+        config = load_config(f"examples/{EXAMPLES[name][0]}", ["model.path=/m"])
+        if name == "retool":
+            assert Path(config.rollout.multi_turn.tool_config_path).is_file()
+
+    (tmp_path / "examples" / "ppo_gsm8k.yaml").write_text("# mine\n")
+    assert main(["init"]) == 2  # nothing written over: a user's edits stay
+    assert capsys.readouterr().err.strip() == (
+        "error: examples/grpo_gsm8k.yaml, examples/dapo_gsm8k.yaml, examples/ppo_gsm8k.yaml, examples/retool.yaml, "
+        "examples/retool_tools.yaml already exist(s); reinforge init keeps them: pass --force to write over them, or "
+        "another folder")
+    assert (tmp_path / "examples" / "ppo_gsm8k.yaml").read_text() == "# mine\n"
+    assert main(["init", "ppo_gsm8k", "--force"]) == 0
+    assert (tmp_path / "examples" / "ppo_gsm8k.yaml").read_text() == (FOLDER / "ppo_gsm8k.yaml").read_text()
+
+
+def test_init_of_one_example_into_another_folder_points_it_at_its_own_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "retool", "recipes/retool"]) == 0
+    assert sorted(path.name for path in (tmp_path / "recipes" / "retool").iterdir()) == ["retool.yaml",
+                                                                                        "retool_tools.yaml"]
+    config = load_config("recipes/retool/retool.yaml", ["model.path=/m"])
+    assert config.rollout.multi_turn.tool_config_path == "recipes/retool/retool_tools.yaml"
+    assert "reinforge train recipes/retool/retool.yaml" in (tmp_path / "recipes" / "retool" / "retool.yaml").read_text()
+    assert main(["init", "grpo"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "reinforge init grpo: no example of that name; the examples are grpo_gsm8k, dapo_gsm8k, ppo_gsm8k, retool "
+        "(or all); reinforge init all DIR writes them all into DIR")
+
+
+def test_the_repository_holds_one_copy_of_each_example():
+    assert not (REPO / "examples").exists() or not list((REPO / "examples").glob("*.yaml"))
+    assert sorted(path.name for path in FOLDER.glob("*.yaml")) == FILES
+
+
+def test_the_wheel_holds_the_examples_and_its_reinforge_init_writes_them(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "reinforge", source / "reinforge", ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "wheels"), str(source)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    [wheel] = (tmp_path / "wheels").glob("reinforge-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        assert {f"reinforge/examples/{name}" for name in FILES} | {"reinforge/examples/__init__.py"} <= names
+        archive.extractall(tmp_path / "installed")
+    written = tmp_path / "work"
+    written.mkdir()
+    init = subprocess.run([sys.executable, "-c", "import sys; from reinforge.cli import main; sys.exit(main())",
+                           "init"], cwd=written, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(tmp_path / "installed"), "PATH": "/usr/bin:/bin"})
+    assert init.returncode == 0, init.stderr[-2000:]
+    assert sorted(path.name for path in (written / "examples").iterdir()) == FILES
