@@ -37,7 +37,9 @@ class ScorerCalledExit(BaseException):
 
 
 def _exit_unless_scoring(code: int) -> None:
-    if getattr(_in_scorer, "active", False):
+    # a process the scorer forked inherits the thread's mark: its exit (multiprocessing's children end with
+    # os._exit) must end it, so the mark counts only in the process that set it
+    if getattr(_in_scorer, "pid", None) == os.getpid():
         raise ScorerCalledExit(f"the scorer called os._exit({code}), which would have ended the trainer")
     _process_exit(code)
 
@@ -57,7 +59,7 @@ def run_job_in_thread(job: ScoringJob, timeout_s: float) -> JobResult:
     outcome: list[JobResult] = []
 
     def call() -> None:
-        _in_scorer.active = True
+        _in_scorer.pid = os.getpid()
         try:
             outcome.append(JobResult(value=run_job(job)))
         except BaseException:  # noqa: B036 - the scorer's failure (sys.exit, os._exit, our TimeoutError) is the caller's

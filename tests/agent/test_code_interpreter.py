@@ -69,7 +69,7 @@ def test_an_unreachable_sandbox_is_a_tool_message_not_an_exception():
     ({"run_timeout_s": "ten"}, "run_timeout_s='ten' is not a number"),  # before: "could not convert string to float"
     ({"run_timeout_s": 0}, "run_timeout_s=0 must be above 0.0"),  # before: every call a time limit
     ({"call_timeout_s": 5}, "call_timeout_s=5 must be above run_timeout_s (10.0)"),  # before: "not run" at 5 s
-    ({"retry_budget_s": -1}, "retry_budget_s=-1 must be at least 0.0"),  # before: no attempt, every call "not run"
+    ({"retry_budget_s": -1}, "retry_budget_s=-1 must be at least 0.0"),  # no attempt: every call "not run"
     ({"max_concurrent_calls": 0}, "max_concurrent_calls=0 must be at least 1"),  # before: "max_workers must be ..."
     ({"memory_limit_mb": "1g"}, "memory_limit_mb='1g' is not an integer"),
 ])

@@ -45,6 +45,14 @@ def exits(solution_str, ground_truth, extra_info=None):
     return 1.0
 
 
+def forks(solution_str, ground_truth, extra_info=None):
+    """A child that ends with os._exit, as multiprocessing's forked children do."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(5)
+    return float(os.waitpid(pid, 0)[1] >> 8)
+
+
 def exits_on_the_second_call(solution_str, ground_truth, extra_info=None):
     calls.append(1)
     if len(calls) == 2:
@@ -75,6 +83,12 @@ def test_a_scorer_calling_exit_in_this_process_fails_its_sample_not_the_run(byte
     assert output.scores.tolist() == [-1.0, 1.0, -1.0]
     assert output.metrics["reward/errors"] == 2.0
     assert "the scorer called os._exit(3)" in caplog.text
+
+
+def test_a_process_the_scorer_forks_still_ends_with_os_exit(byte_tokenizer, scorers):
+    manager = RewardManager(RewardConfig(num_workers=0, custom_function=f"{scorers}:forks"), byte_tokenizer)
+    with manager:
+        assert manager.score(make_batch(byte_tokenizer, ["a"])).scores.tolist() == [5.0]
 
 
 def test_os_exit_outside_a_scorer_still_ends_the_process(byte_tokenizer, scorers):
