@@ -429,7 +429,7 @@ def test_a_list_item_that_is_itself_a_list_or_mapping_is_refused(override):
 @pytest.mark.parametrize("override", ["data.train_files=[/data/train.parquet", "reward.kwargs={method: strict",
                                       "actor.optim.betas=[0.9,0.99]]"])
 def test_a_list_or_mapping_cut_short_on_the_command_line_is_named(override):
-    # data.train_files=[/x.parquet became the file pattern '[/x.parquet', reported as matching no file
+    # read as text, data.train_files=[/x.parquet would be the file pattern '[/x.parquet', reported as matching no file
     with pytest.raises(ConfigError, match=rf"^override '{re.escape(override)}' \(command line\) is not a valid YAML "
                                           r"list or mapping \(.*\); write a list as \[a,b\]"):
         load_config(None, [override])

@@ -76,8 +76,8 @@ def _free_port() -> int:
 RANK_EXIT = textwrap.dedent("""
 
     # appended by run_gloo_ranks: every rank waits for the others (60 s at most), then leaves without the
-    # interpreter's teardown, in which a gloo rank aborted now and then ("terminate called without an active
-    # exception", about 1 run of these tests in 15) after all of its work had succeeded
+    # interpreter's teardown, in which a gloo rank aborts now and then ("terminate called without an active
+    # exception", about 1 run of these tests in 15) after all of its work has succeeded
     import datetime as _datetime, os as _os, sys as _sys
     import torch.distributed as _dist
     if _dist.is_initialized() and _dist.get_world_size() > 1:
