@@ -35,6 +35,9 @@ def environment(repo: Path | None = None) -> dict:
             info[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             info[name] = None
+    import torch  # its own version names the CUDA build (2.11.0+cu130); importing it does not touch the device
+
+    info["torch"] = torch.__version__
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
                               capture_output=True, text=True, timeout=30)

@@ -377,6 +377,8 @@ def case_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
             options += [flag, "all" if value is True else "none" if value is False else str(value)]
         elif isinstance(value, bool):
             options += [flag, str(value).lower()]
+        elif isinstance(value, float):
+            options += [flag, f"{value:g}"]
         else:
             options += [flag, str(value)]
     return options

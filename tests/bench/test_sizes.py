@@ -33,10 +33,10 @@ def test_case_options_are_passed_on_as_given_and_run_options_are_not():
     args = parse_args(["--model", "0.5b,7b", "--lora", "32", "--gpu-memory-gib", "80", "--checkpointing", "all",
                        "--optimizer-offload", "false", "--out", "x", "--deadline-s", "570", "--ref-offload"])
     assert args.sizes == ["0.5b", "7b"] and args.model == "0.5b"
-    assert args.case_options == ["--lora", "32", "--gpu-memory-gib", "80.0", "--checkpointing", "all",
+    assert args.case_options == ["--lora", "32", "--gpu-memory-gib", "80", "--checkpointing", "all",
                                  "--optimizer-offload", "false", "--ref-offload"]
     assert sizes.case_file("reinforge", "7b", args.case_options) == \
-        "reinforge_7b_lora-32_gpu-memory-gib-80.0_checkpointing-all_optimizer-offload-false_ref-offload.json"
+        "reinforge_7b_lora-32_gpu-memory-gib-80_checkpointing-all_optimizer-offload-false_ref-offload.json"
 
 
 @pytest.mark.parametrize("argv, message", [

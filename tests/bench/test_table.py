@@ -88,3 +88,19 @@ def test_the_table_of_no_cases_says_so_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "no case of `reinforge bench train --out`" in err[0] and "does not exist" in err[1]
 
+
+
+def test_the_environment_names_versions_commit_and_date_without_touching_the_device():
+    import platform
+    import subprocess
+
+    import torch
+
+    from reinforge.bench.table import environment
+
+    env = environment()
+    assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", env["date"])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert env["commit"] == (head or None)
+    assert not torch.cuda.is_initialized()
