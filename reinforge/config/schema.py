@@ -474,6 +474,13 @@ class TrainerConfig(RunConfig):
     only while admitted groups < (max_staleness + version + 1) x trigger_sync_steps x data.train_batch_size."""
     trigger_sync_steps: int = 1
     """async: updates between weight syncs to the rollouter (each update takes data.train_batch_size groups)."""
+    async_deterministic: bool = False
+    """async: the weight syncs happen at fixed points of the rollouter's work, so two runs with the same seed
+    train on the same groups with the same weight versions, to the same metrics and weights (a killed and
+    resumed run too). The rollouter waits at each such point: once the groups of the updates before the sync
+    are ready (with separate_rollout, once the next update's are too). false: it runs as fast as it can, and
+    with max_staleness >= 1 which weights sample which tokens depends on timing, so runs differ slightly;
+    max_staleness=0 is reproducible either way."""
     separate_rollout: bool = False
     """one_step_off/async: generate on a second worker group (role rollout, the model without optimizer)
     instead of the training worker, so generation overlaps the update: on the local backend on its own thread

@@ -12,6 +12,11 @@ updates and only a sync waits for the segment in progress.
 Checkpoints hold every admitted group not yet trained on, with its tokens, log-probs and
 versions, so a resumed run loses none and repeats none. Which groups each step trained on is
 written to ``async_groups.jsonl`` in the run folder.
+
+With ``trainer.async_deterministic`` a sync waits until the rollouter waits for it, at a point
+of its work fixed by ``hold_ahead`` (``Rollouter.hold_at``): the same seed then gives the same
+groups, versions, metrics and weights. Otherwise, at max_staleness >= 1, how many segments run
+before a sync depends on the threads' timing.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class AsyncMode:
             bound=StalenessBound(config.trainer.max_staleness, config.trainer.trigger_sync_steps * self.batch_size),
             sampling=calls.sampling, n=config.rollout.n,
             segment_tokens=config.rollout.segment_tokens or config.data.max_response_length,
-            batch_size=self.batch_size, pad_token_id=calls.pad_token_id, turns=self.turns)
+            batch_size=self.batch_size, pad_token_id=calls.pad_token_id, turns=self.turns,
+            hold_ahead=hold_ahead(config))
         self.updates = 0
         self._last_step_end = time.perf_counter()
         self._idle_mark = 0.0
@@ -103,6 +109,8 @@ class AsyncMode:
             metrics |= self.calls.train_on_batch(batch, timing, metrics, step_start)
             self.updates += 1
         if self.updates % trigger == 0:
+            if self.rollouter.hold_ahead is not None:  # at the same point of the rollouter's work in every run
+                self.rollouter.wait_until_parked()
             with self.turns.trainer():  # between the rollouter's segments: each is sampled by one version
                 self.calls.sync_rollout_weights()
                 self.rollouter.set_version(version + 1)
@@ -129,6 +137,16 @@ class AsyncMode:
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.updates = state["updates"]
         self.rollouter.load_state_dict(state["rollouter"])
+
+
+def hold_ahead(config: Config) -> int | None:
+    """trainer.async_deterministic: the groups the rollouter hands over beyond those of the updates before a sync,
+    then waits for it. A separate rollout worker readies the next update's batch meanwhile (generation overlaps
+    the update); the hybrid worker stops where the trainer needs the device anyway, and the groups still running
+    continue under the new weights."""
+    if not config.trainer.async_deterministic:
+        return None
+    return config.data.train_batch_size if config.trainer.separate_rollout else 0
 
 
 def request_seed(config: Config, position: int, uid: str) -> int:

@@ -6,6 +6,15 @@ prompt batches from the loader as needed, (2) runs one segment for every unfinis
 (``partial.run_segment``) with the weights of the current version, and (3) scores the groups
 that finished and appends them to ``ready``. When nothing is admitted and nothing runs it waits
 for the next weight sync (``set_version``): that wait is its idle time.
+
+By default the rollouter runs as fast as it can, so how many segments it runs before a sync
+depends on timing: which weights sample which tokens, and so which groups finish first, vary
+from run to run. With ``hold_ahead`` set (deterministic mode) the weights change only at fixed
+points of its work: under version v it runs until it has handed over the groups of every update
+before the sync to v + 1, plus ``hold_ahead`` more (``hold_at``), or until the bound admits
+nothing more, and then waits (parked); the trainer syncs only then (``wait_until_parked``).
+Its segments, admissions and hand-overs are then the same in every run with the same seed, and
+the trainer takes its groups from the front of one queue.
 """
 
 from __future__ import annotations
@@ -27,10 +36,13 @@ class Rollouter:
     def __init__(self, *, next_prompts: Callable[[], Batch], generate: Callable[[Batch, SamplingParams], Batch],
                  score: Callable[[Batch], Batch], seed_of: Callable[[int, str], int], bound: StalenessBound,
                  sampling: SamplingParams, n: int, segment_tokens: int, batch_size: int, pad_token_id: int,
-                 turns: DeviceTurns):
+                 turns: DeviceTurns, hold_ahead: int | None = None):
         self.next_prompts, self.generate, self.score, self.seed_of = next_prompts, generate, score, seed_of
         self.bound, self.sampling, self.n, self.segment_tokens = bound, sampling, n, segment_tokens
         self.batch_size, self.pad_token_id, self.turns = batch_size, pad_token_id, turns
+        self.hold_ahead = hold_ahead
+        """Deterministic mode: groups handed over beyond those of the updates before a sync, after which the
+        rollouter waits for that sync (None: it never waits for one while it has work)."""
         self.condition = threading.Condition()
         self.version = 0
         self.admitted = 0
@@ -40,12 +52,17 @@ class Rollouter:
         self.waiting: list[PromptGroup] = []
         self.active: list[PromptGroup] = []
         self.ready: list[tuple[PromptGroup, Batch]] = []
+        self.taken = 0
+        """Groups the trainer has taken: with ``ready``, every group handed over so far."""
+        self.restored_ready: list[PromptGroup] = []
+        """Groups a checkpoint held as ready, in their order: handed over again (scored) on the first turn."""
         self.idle_s = 0.0
         self.tokens = 0
         self.admission_log: list[tuple[int, int, int]] = []
         """(admitted after this admission, version, limit) at every admission, for auditing the bound."""
         self._error: BaseException | None = None
         self._stopping = False
+        self._parked = False
         self._thread: threading.Thread | None = None
 
     # ---- the thread ----------------------------------------------------------------------
@@ -63,7 +80,12 @@ class Rollouter:
 
     def _run(self) -> None:
         try:
+            with self.turns.rollouter():
+                self._hand_over_restored()
             while not self._stopping:
+                if self.hold_ahead is not None and self.taken + len(self.ready) >= self.hold_at(self.version):
+                    self._wait_for_next_version()
+                    continue
                 with self.turns.rollouter():
                     if self._stopping:
                         return
@@ -91,28 +113,55 @@ class Rollouter:
                 limit = self.bound.limit(self.version)
                 self.admission_log.append((self.admitted, self.version, limit))
 
+    def _hand_over_restored(self) -> None:
+        """The groups a checkpoint held as ready, scored again, go first and in their order: the trainer takes
+        the groups the interrupted run would have taken."""
+        if self.restored_ready:
+            self._hand_over(self.restored_ready)
+            self.restored_ready = []
+
     def _hand_over_finished(self) -> None:
         finished = [group for group in self.active if group.finished]
-        if not finished:
-            return
+        if finished:
+            self._hand_over(finished)
+
+    def _hand_over(self, finished: list[PromptGroup]) -> None:
+        """Score the finished groups (one call) and append them to ``ready`` in this order."""
         response_length = self.sampling.max_tokens
         rows = concat_generated([group_batch(group, response_length, self.pad_token_id) for group in finished],
                                 self.pad_token_id)
         scored = rows | self.score(rows)
         call_metrics = scored.meta.get("reward_metrics", {})
         with self.condition:
+            handed = {id(group) for group in finished}
+            self.active = [group for group in self.active if id(group) not in handed]
             for index, group in enumerate(finished):
-                self.active.remove(group)
                 group_rows = scored.index(slice(index * self.n, (index + 1) * self.n))
                 group_rows.meta["reward_metrics"] = group_reward_metrics(call_metrics, group_rows, first=index == 0)
                 self.ready.append((group, group_rows))
             self.condition.notify_all()
 
     def _wait_for_capacity(self) -> None:
+        self._wait(lambda: self.bound.capacity(self.admitted, self.version) > 0)
+
+    def _wait_for_next_version(self) -> None:
+        version = self.version
+        self._wait(lambda: self.version != version)
+
+    def _wait(self, ready_to_go: Callable[[], bool]) -> None:
+        """Wait (parked: between turns, doing nothing until a sync) for ``ready_to_go`` or ``stop``."""
         start = time.perf_counter()
         with self.condition:
-            self.condition.wait_for(lambda: self._stopping or self.bound.capacity(self.admitted, self.version) > 0)
+            self._parked = True
+            self.condition.notify_all()
+            self.condition.wait_for(lambda: self._stopping or ready_to_go())
+            self._parked = False
         self.idle_s += time.perf_counter() - start
+
+    def hold_at(self, version: int) -> int:
+        """Deterministic mode: the groups handed over in all after which the rollouter waits for version + 1."""
+        assert self.hold_ahead is not None
+        return self.bound.groups_per_version * (version + 1) + self.hold_ahead
 
     # ---- the trainer's side ----------------------------------------------------------------
     def take(self, num_groups: int) -> list[tuple[PromptGroup, Batch]]:
@@ -122,24 +171,34 @@ class Rollouter:
             if self._error is not None:
                 raise RuntimeError(f"the rollouter failed: {self._error}") from self._error
             taken, self.ready = self.ready[:num_groups], self.ready[num_groups:]
+            self.taken += len(taken)
         return sorted(taken, key=lambda item: item[0].position)
+
+    def wait_until_parked(self) -> None:
+        """Wait until the rollouter waits for a sync (or has failed or stopped): in deterministic mode the
+        trainer syncs only then, so every run changes the weights at the same point of the rollouter's work."""
+        with self.condition:
+            self.condition.wait_for(lambda: self._parked or self._error is not None or self._stopping
+                                    or self._thread is None)
 
     def set_version(self, version: int) -> None:
         """A weight sync happened: samples in flight continue under the new weights; admission may resume."""
         with self.condition:
             self.version = version
+            self._parked = False  # a parked rollouter waits for this alone; the next wait_until_parked waits anew
             self.condition.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything admitted and not yet consumed, with its tokens; call while the rollouter is between turns."""
         with self.condition:
+            ready = [group for group, _ in self.ready] + self.restored_ready
             return {"version": self.version, "admitted": self.admitted, "drawn": self.drawn,
                     "waiting": [group.state_dict() for group in self.waiting],
-                    "active": [group.state_dict() for group in self.active] +
-                              [group.state_dict() for group, _ in self.ready]}
+                    "active": [group.state_dict() for group in self.active] + [group.state_dict() for group in ready],
+                    "ready_positions": [group.position for group in ready]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; finished groups among ``active`` are scored again on the first turn.
+        """Restore; the groups that were ready are scored again on the first turn, in their order.
 
         The restored groups keep the samples they were admitted with: a checkpoint whose groups have
         another number of samples (rollout.n changed) or longer ones (data.max_response_length lowered)
@@ -158,8 +217,11 @@ class Rollouter:
                                  "data.max_response_length, or start a new run (trainer.resume=never)")
         self.version, self.admitted, self.drawn = state["version"], state["admitted"], state["drawn"]
         self.waiting = [PromptGroup.from_state(group) for group in state["waiting"]]
-        self.active = sorted((PromptGroup.from_state(group) for group in state["active"]),
-                             key=lambda group: group.position)
+        groups = {group.position: group for group in (PromptGroup.from_state(saved) for saved in state["active"])}
+        ready_positions = state.get("ready_positions", [])
+        self.restored_ready = [groups.pop(position) for position in ready_positions]
+        self.active = sorted(groups.values(), key=lambda group: group.position)  # admission order, as they ran
+        self.taken = self.admitted - len(ready_positions) - len(self.active)
         self.ready = []
 
 

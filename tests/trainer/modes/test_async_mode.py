@@ -1,16 +1,26 @@
 """trainer.mode=async end to end on the tiny model: at max_staleness=0 it is the sync trainer, partial rollouts
-train with the loglinear proximal policy, and a killed run resumes without losing or repeating an admitted
-prompt group."""
+train with the loglinear proximal policy, a killed run resumes without losing or repeating an admitted prompt
+group, and with trainer.async_deterministic the same seed gives the same run however the threads interleave."""
 
 from __future__ import annotations
 
 import json
+import random
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from reinforge.cli import main
+from reinforge.config.schema import Config
+from reinforge.protocol import Batch
+from reinforge.rollout.base import SamplingParams
+from reinforge.trainer.modes.async_mode import AsyncMode
+from reinforge.trainer.modes.partial import run_segment
+from reinforge.trainer.modes.trainer_calls import TrainerCalls
 
 from ..test_rl_trainer import base_args, read_metrics, sigkill_at_step, train_in_a_process
 
@@ -111,3 +121,147 @@ def test_an_async_run_resumed_with_another_rollout_n_is_refused_before_any_model
     assert "rollout.n: 4 -> 2" in capsys.readouterr().err and not loaded
     monkeypatch.undo()
     assert run(tiny_model_dir, arithmetic_data_dir, sync_dir, **{"trainer.total_steps": 2, "rollout.n": 2})[-1]["step"] == 2
+
+
+class FakeTrainer:
+    """``TrainerCalls`` without a model: each sample's length follows from its seed, every token it makes is the
+    version of the weights it was generated with, and every call takes a random while, so two runs interleave
+    the rollouter's segments and the trainer's updates differently."""
+
+    def __init__(self, run_dir: Path, jitter_seed: int):
+        self.rollout_weights = 0
+        self.steps = 0
+        self.trained: list[list[tuple[str, tuple[int, ...]]]] = []
+        """Per update: (sample uid, its token versions) of every sample of the batch."""
+        self.jitter = random.Random(jitter_seed)
+        self.prompts_drawn = 0
+        self.run_dir = run_dir
+
+    def pause(self) -> None:
+        time.sleep(self.jitter.random() * 0.004)
+
+    def next_prompts(self) -> Batch:
+        first, self.prompts_drawn = self.prompts_drawn, self.prompts_drawn + 2
+        return Batch.from_dict(tensors={"input_ids": torch.tensor([[5, 6], [7, 8]]),
+                                        "attention_mask": torch.ones(2, 2, dtype=torch.long)},
+                               non_tensors={"uid": [f"p{first}", f"p{first + 1}"]})
+
+    def generate(self, batch: Batch, sampling: SamplingParams, seed: int) -> Any:
+        self.pause()
+        rows, width = len(batch), sampling.max_tokens
+        made = batch["attention_mask"].sum(-1) - 2  # tokens so far (after the 2 prompt tokens)
+        lengths = torch.tensor([1 + (int(request) * 7 + int(index) * 3) % 8 for request, index in
+                                zip(batch["request_seed"], batch["sample_index"], strict=True)])
+        new = (lengths - made).clamp(min=0, max=width)
+        mask = (torch.arange(width) < new[:, None]).float()
+        output = Batch.from_dict(tensors={
+            "responses": torch.full((rows, width), self.rollout_weights), "response_mask": mask,
+            "rollout_log_probs": -mask, "finished_by_stop": made + new >= lengths})
+        return SimpleNamespace(result=lambda: output)
+
+    def score(self, rows: Batch) -> Batch:
+        return Batch.from_dict(tensors={"token_level_scores": rows["response_mask"].clone()})
+
+    def train_on_batch(self, batch: Batch, timing: dict, metrics: dict, step_start: float) -> dict[str, float]:
+        self.pause()
+        versions = [tuple(row[row >= 0].tolist()) for row in batch["token_versions"]]
+        self.trained.append(sorted(zip((str(uid) for uid in batch["uid"]), versions, strict=True)))
+        return {}
+
+    def sync_rollout_weights(self) -> None:
+        self.pause()
+        self.rollout_weights += 1
+
+    def calls(self) -> TrainerCalls:
+        return TrainerCalls(next_prompts=self.next_prompts, generate=self.generate, score=self.score,
+                            compute_log_prob=lambda batch: batch, train_on_batch=self.train_on_batch,
+                            sync_rollout_weights=self.sync_rollout_weights, trained_steps=lambda: self.steps,
+                            sampling=SamplingParams(max_tokens=8), pad_token_id=0, run_dir=self.run_dir)
+
+
+def trained_with_jitter(tmp_path: Path, jitter_seed: int, **trainer_settings: object) -> list:
+    config = Config()
+    config.data.train_batch_size, config.data.max_response_length, config.rollout.n = 2, 8, 2
+    config.rollout.segment_tokens = 2
+    config.trainer.mode, config.trainer.proximal = "async", "loglinear"
+    for key, value in trainer_settings.items():
+        setattr(config.trainer, key, value)
+    tmp_path.mkdir()
+    fake = FakeTrainer(tmp_path, jitter_seed)
+    mode = AsyncMode(config, fake.calls())
+    mode.start()
+    try:
+        for _ in range(8):
+            mode.train(mode.next_batch())
+            fake.steps += 1
+    finally:
+        mode.stop()
+    return fake.trained
+
+
+@pytest.mark.parametrize(("separate_rollout", "max_staleness"), [(False, 1), (True, 2)])
+@pytest.mark.parametrize("trigger_sync_steps", [1, 2])
+def test_async_deterministic_trains_the_same_samples_with_the_same_versions_however_the_threads_interleave(
+        tmp_path, separate_rollout, max_staleness, trigger_sync_steps):
+    settings = {"async_deterministic": True, "max_staleness": max_staleness, "separate_rollout": separate_rollout,
+                "trigger_sync_steps": trigger_sync_steps}
+    runs = [trained_with_jitter(tmp_path / str(seed), seed, **settings) for seed in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert any(len(set(versions)) > 1 for batch in runs[0] for _, versions in batch)  # samples span a sync
+
+
+NOT_REPRODUCED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/admitted", "async/ready_groups",
+                  "async/rollout_tokens", "async/trainer_idle_fraction", "async/rollouter_idle_fraction")
+"""Timings and the rollouter's progress when a step ends: they depend on timing even in deterministic mode."""
+
+
+def reproduced(rows: list[dict]) -> list[dict]:
+    return [{key: value for key, value in row.items() if not key.startswith(NOT_REPRODUCED)} for row in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("separate_rollout", [False, True])
+def test_two_deterministic_async_runs_at_max_staleness_1_give_the_same_metrics_groups_and_weights(
+        tiny_model_dir, arithmetic_data_dir, tmp_path, separate_rollout, monkeypatch):
+    jitter = random.Random()  # unseeded: each run's segments take their own while, as on a busy machine
+
+    def slow_segment(*args: Any, **kwargs: Any) -> int:
+        time.sleep(jitter.random() * 0.02)
+        return run_segment(*args, **kwargs)
+
+    monkeypatch.setattr("reinforge.trainer.modes.rollouter.run_segment", slow_segment)
+    settings = {"trainer.mode": "async", "trainer.async_deterministic": True, "trainer.max_staleness": 1,
+                "rollout.segment_tokens": 2, "trainer.total_steps": 6, "trainer.separate_rollout": separate_rollout}
+    runs = [run(tiny_model_dir, arithmetic_data_dir, tmp_path / name, **settings) for name in ("first", "second")]
+    assert reproduced(runs[0]) == reproduced(runs[1])
+    assert max(row["async/staleness_max"] for row in runs[0]) >= 1.0
+    groups = [(tmp_path / name / "async_groups.jsonl").read_text() for name in ("first", "second")]
+    assert groups[0] == groups[1]
+    weights = [final_actor_weights(tmp_path / name) for name in ("first", "second")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("separate_rollout", [False, True])
+def test_a_killed_deterministic_async_run_resumes_to_the_uninterrupted_runs_metrics_groups_and_weights(
+        tiny_model_dir, arithmetic_data_dir, tmp_path, separate_rollout):
+    settings = {"reward.num_workers": 0, "actor.use_kl_loss": True, "trainer.mode": "async",
+                "trainer.async_deterministic": True, "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
+                "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3,
+                "trainer.separate_rollout": separate_rollout}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert train_in_a_process(base_args(tiny_model_dir, arithmetic_data_dir, whole, **settings)).returncode == 0
+    args = base_args(tiny_model_dir, arithmetic_data_dir, killed, **settings)
+    sigkill_at_step(args, killed, 3, timeout_s=240)
+    finished = train_in_a_process(args)
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    assert reproduced(read_metrics(killed)) == reproduced(read_metrics(whole))
+    assert (killed / "async_groups.jsonl").read_text() == (whole / "async_groups.jsonl").read_text()
+    weights = [final_actor_weights(run_dir) for run_dir in (whole, killed)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+def final_actor_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    folder = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(folder / "actor_state.pt", weights_only=True)["model"]

@@ -81,3 +81,32 @@ def test_a_scoring_calls_reward_metrics_are_counted_once_over_its_groups():
     assert sum(group["reward/errors"] for group in metrics) == 3.0
     assert [group["reward/overlong/count"] for group in metrics] == [1.0, 1.0]
     assert [group["reward/overlong/fraction"] for group in metrics] == [0.25, 0.25]
+
+
+def test_resume_hands_the_ready_groups_over_first_in_the_order_they_finished():
+    """The trainer takes the first ready groups: a resumed run must take those the interrupted one would have."""
+    def group(position: int, finished: bool) -> PromptGroup:
+        return PromptGroup(position, [5, 6], {"uid": f"p{position}"}, position,
+                           [PartialSample(index, [9] * 4, [-1.0] * 4, [0] * 4, finished=finished) for index in range(4)])
+
+    def score(rows: Batch) -> Batch:
+        return Batch.from_dict(tensors={"token_level_scores": torch.zeros_like(rows["response_mask"])})
+
+    source = rollouter(4, 8)
+    source.score = score
+    source.active, source.admitted, source.drawn = [group(0, False), group(1, False), group(2, False),
+                                                    group(3, True)], 4, 4
+    source._hand_over_finished()  # the last group finished first
+    for group_ in source.active[:2]:
+        for sample in group_.samples:
+            sample.finished = True
+    source._hand_over_finished()
+    assert [group.position for group, _ in source.ready] == [3, 0, 1]
+    restored = rollouter(4, 8)
+    restored.score = score
+    restored.load_state_dict(source.state_dict())
+    restored._hand_over_restored()  # the first turn, before its segment
+    restored._hand_over_finished()
+    assert [group.position for group, _ in restored.ready] == [3, 0, 1]
+    assert [group.position for group in restored.active] == [2]
+    assert [group.position for group, _ in restored.take(2)] == [0, 3]
