@@ -88,7 +88,8 @@ IGNORED_WHEN: list[IgnoredWhen] = [
                  "rollout.enable_prefix_caching"),
                 lambda config: config.rollout.name == "hf", "they are settings of the native engine and rollout.name "
                 "is hf", "set rollout.name=native"),
-    IgnoredWhen(("trainer.max_staleness", "trainer.trigger_sync_steps", "rollout.segment_tokens"),
+    IgnoredWhen(("trainer.max_staleness", "trainer.trigger_sync_steps", "trainer.async_deterministic",
+                 "rollout.segment_tokens"),
                 lambda config: config.trainer.mode != "async", "they are settings of trainer.mode=async",
                 "set trainer.mode=async"),
     IgnoredWhen(("trainer.separate_rollout", "trainer.proximal"), lambda config: config.trainer.mode == "sync",

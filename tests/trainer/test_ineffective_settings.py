@@ -41,6 +41,7 @@ WARNED = [
     ("rollout.enable_prefix_caching=false", [], "settings of the native engine"),
     ("trainer.max_staleness=2", ["trainer.mode=one_step_off"], "they are settings of trainer.mode=async"),
     ("trainer.trigger_sync_steps=2", [], "they are settings of trainer.mode=async"),
+    ("trainer.async_deterministic=true", ["trainer.mode=one_step_off"], "they are settings of trainer.mode=async"),
     ("rollout.segment_tokens=64", [], "they are settings of trainer.mode=async"),
     ("trainer.separate_rollout=true", [], "trainer.mode is sync"),
     ("trainer.proximal=loglinear", [], "trainer.mode is sync"),
