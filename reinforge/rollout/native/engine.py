@@ -2,16 +2,16 @@
 
 Token ids in, token ids and per-token log-probs out. One scheduler serves two entry points:
 ``generate(requests)`` steps it until a batch is done, and ``await generate_async(request)``
-adds one request and lets a background task step the scheduler (in a worker thread, step after
-step until nothing is left to run) while anything is pending, so agent loops submit requests one
-at a time and none waits for another. Requests arriving that way while others decode are batched
-(``max_admission_wait``, ``admission_fraction``; see scheduler.py): each prefill step stalls
-every running sequence, so arrivals join a few at a time rather than one prefill each. Decode
-steps overlap: the next one is launched before the last one's tokens are read back (``_step``),
-also when sequences finished in between (the next step runs without them), while arrivals
-wait, and when they join: their prefill is launched behind the step in flight and the next decode
-step, new rows included, behind the prefill, so the device does not wait for the host around a
-join (``_join_ahead``).
+adds one request and lets a background task step it while anything is pending
+(``async_driver.py``), so agent loops submit requests one at a time and none waits for another.
+Requests arriving that way while others decode are batched (``max_admission_wait``,
+``admission_fraction``; see scheduler.py): each prefill step stalls every running sequence, so
+arrivals join a few at a time rather than one prefill each. Each step (``_step``) is scheduled,
+run and read back. Decode steps overlap: the next one is launched before the last one's tokens
+are read back, also when sequences finished in between (the next step runs without them), while
+arrivals wait, and when they join: their prefill is launched behind the step in flight and the
+next decode step, new rows included, behind the prefill, so the device does not wait for the
+host around a join (``Scheduler.schedule_ahead``).
 
 Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks stay cached
 while the engine is awake, and a request whose prompt starts with them prefills only the rest at
@@ -33,7 +33,6 @@ memory (``empty_cache_on_sleep`` also returns it to the device), or, with
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import queue
 import threading
@@ -45,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.rollout.base import Completion, GenerationRequest
+from reinforge.rollout.native.async_driver import AsyncDriver
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
 from reinforge.rollout.native.model import supports_model, unsupported_reason
@@ -129,7 +129,9 @@ class NativeEngine:
         self._requests: dict[int, RequestState] = {}
         self._next_request_key = 0
         self._step_lock = threading.Lock()
-        self._driver: asyncio.Task | None = None
+        self._async_driver = AsyncDriver(submit=self._submit, step=lambda: self._step(batch_arrivals=True),
+                                         has_work=self._has_work, fail_pending=self._fail_pending,
+                                         measure=self._measure_async)
         self._num_generated_tokens = 0
         self.counters = EngineCounters()
         self._peak_blocks_used = 0
@@ -261,47 +263,7 @@ class NativeEngine:
     async def generate_async(self, request: GenerationRequest) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together."""
         self.wake_up()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[Completion]] = loop.create_future()
-
-        def deliver(completions: list[Completion]) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(completions))
-
-        def fail(error: BaseException) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
-
-        self._submit(request, on_done=deliver, on_error=fail)
-        if self._driver is None or self._driver.done():
-            self._driver = loop.create_task(self._drive())
-        return await future
-
-    async def _drive(self) -> None:
-        """Step in a worker thread while anything is pending (a request submitted as the thread stops is seen by
-        the check here, which runs on the event loop, as ``generate_async`` does). The garbage collector is paused
-        meanwhile, as in ``generate``."""
-        start = self._start_metrics()
-        stop = threading.Event()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            while self._has_work():
-                await asyncio.to_thread(self._run_steps, stop)
-        except Exception as error:  # every request waiting for this driver fails with it, not yet admitted ones too
-            for state in self._take_requests():
-                if state.on_error is not None:
-                    state.on_error(error)
-            raise
-        finally:  # also when the event loop cancels this task on its way out: the thread stops after its step
-            stop.set()
-            if collecting:
-                gc.enable()
-            if self.scheduler is not None:
-                self._finish_metrics(start)
-
-    def _run_steps(self, stop: threading.Event) -> None:
-        """Step, batching arrivals, until nothing is left to run or ``stop`` is set."""
-        while not stop.is_set() and self._step(batch_arrivals=True):
-            pass
+        return await self._async_driver.generate(request)
 
     def _take_requests(self) -> list[RequestState]:
         """Every request the engine holds, admitted or still incoming; it holds none afterwards."""
@@ -309,6 +271,12 @@ class NativeEngine:
         while not self._incoming.empty():
             taken.append(self._incoming.get())
         return taken
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Hand ``error`` to every request the engine holds (admitted or still incoming) and drop them."""
+        for state in self._take_requests():
+            if state.on_error is not None:
+                state.on_error(error)
 
     def _has_work(self) -> bool:
         return (not self._incoming.empty() or self._in_flight is not None
@@ -346,90 +314,50 @@ class NativeEngine:
                                         keep_prefix=request.keep_prefix))
 
     def _step(self, batch_arrivals: bool = False) -> bool:
-        """Run one prefill or decode step; False when there was nothing to run.
+        """Schedule a step, run it, and read back the steps that are done; False when there was nothing to run.
 
-        A decode step is launched and left in flight: the next call launches the following decode
-        step on the device (its input ids are the sampled tokens, still on the device) before it reads
-        the first one's tokens back, so the host's bookkeeping overlaps the GPU's work. A sequence that
-        finished in the step being read also ran in the one launched after it; that token is dropped,
-        and the step after runs without it. batch_arrivals (the async path): waiting requests join when
-        the scheduler's ``admission_due`` says so, and decode steps keep being launched ahead until then.
+        A decode step is launched and left in flight: the next call schedules and launches the step after it
+        (``Scheduler.schedule_ahead``) before it reads the first one's tokens back, so the host's bookkeeping
+        overlaps the device's work. batch_arrivals (the async path): waiting requests join when the scheduler's
+        ``admission_due`` says so, and decode steps keep being launched ahead until then.
         """
         with self._step_lock:
             self._admit_incoming()
-            if self._in_flight is not None:
-                launched, self._in_flight = self._in_flight, None
-                joined = self._join_ahead(launched) if self._joining(batch_arrivals) else None
-                if joined is None:
-                    ahead = self._look_ahead(launched.seqs)
-                    if ahead is not None:
-                        rows, continuing = ahead
-                        self._in_flight = self._launch_decode(continuing, self._continuing_tokens(launched, rows))
-                self._process(launched)
-                if joined is not None:
-                    prefill, self._in_flight = joined
-                    start = time.perf_counter()
-                    self._process(prefill)
-                    self.counters.prefill_seconds += time.perf_counter() - start
-                return True
-            step = self.scheduler.schedule(batch_arrivals)
-            if step is None:
-                return False
-            if step.is_prefill:
-                start = time.perf_counter()
-                self._process(self._run_prefill(step))
-                self.counters.prefill_seconds += time.perf_counter() - start
+            in_flight, self._in_flight = self._in_flight, None
+            if in_flight is None:
+                step = self.scheduler.schedule(batch_arrivals)
+                if step is None:
+                    return False
             else:
-                self._in_flight = self._launch_decode(step.seqs)
+                step = self.scheduler.schedule_ahead(in_flight.seqs, batch_arrivals)
+            prefill = self._run(step, in_flight)
+            if in_flight is not None:
+                self._process(in_flight)
+            if prefill is not None:
+                start = time.perf_counter()
+                self._process(prefill)
+                self.counters.prefill_seconds += time.perf_counter() - start
             return True
 
-    def _joining(self, batch_arrivals: bool) -> bool:
-        """Whether waiting requests should join now (batch_arrivals: when the scheduler's ``admission_due`` says so;
-        otherwise as soon as any waits)."""
-        return self.scheduler.admission_due() if batch_arrivals else bool(self.scheduler.waiting)
-
-    def _join_ahead(self, launched: LaunchedStep) -> tuple[LaunchedStep, LaunchedStep | None] | None:
-        """Prefill the waiting requests behind the decode step in flight, and launch the next decode step, of the
-        continuing rows and the new ones, behind the prefill, all before the step in flight is read back.
-
-        Returns (the prefill step, the next decode step or None when blocks ran short), or None when no waiting
-        request fits (the caller then launches the decode step ahead as usual). Launched this way, an arrival
-        costs the device its prefill's work and nothing more: the host prepares the prefill while the device runs
-        the step in flight, and the device never waits for the host between the three steps. The next decode step's
-        input ids are the tokens both steps sampled, still on the device; a row that finishes in the step in flight
-        runs once more, its token dropped (as in ``_look_ahead``)."""
-        step = self.scheduler.schedule_prefill()
+    def _run(self, step: ScheduledStep | None, in_flight: LaunchedStep | None) -> LaunchedStep | None:
+        """Launch ``step`` on the device. A decode step is left in flight; a prefill is returned to be read back,
+        and when it runs ahead of ``in_flight`` the next decode step (old and new rows) is launched behind it, its
+        input ids the tokens both steps sampled, still on the device."""
         if step is None:
+            return None
+        if not step.is_prefill:
+            next_input_ids = None if in_flight is None else self._continuing_tokens(in_flight, step.continued_rows)
+            self._in_flight = self._launch_decode(step.seqs, next_input_ids)
             return None
         start = time.perf_counter()
         prefill = self._run_prefill(step)
         self.counters.prefill_seconds += time.perf_counter() - start
-        running = SequenceStatus.RUNNING
-        rows = [row for row, seq in enumerate(launched.seqs) if seq.status is running]
-        seqs = [launched.seqs[row] for row in rows] + prefill.seqs
-        if not self.scheduler.reserve_lookahead(seqs):
-            return prefill, None
-        tokens = torch.cat([self._continuing_tokens(launched, rows), prefill.tokens])
-        return prefill, self._launch_decode(seqs, tokens)
-
-    def _look_ahead(self, seqs: list[Sequence]) -> tuple[list[int], list[Sequence]] | None:
-        """The rows of the step in flight that the next decode step continues (those still running) and their
-        sequences, or None when it is not launched ahead: every sequence ends with this step, or blocks ran short."""
-        # the loops here and in _process run over every sequence at every decode step, on the host, while
-        # the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
-        running = SequenceStatus.RUNNING
-        rows, continuing = [], []
-        all_end = True  # every sequence ends with the step in flight
-        for row, seq in enumerate(seqs):
-            if seq.status is not running:  # it finished in the step read last
-                continue
-            rows.append(row)
-            continuing.append(seq)
-            if all_end and len(seq.token_ids) + 1 < seq.max_num_tokens:
-                all_end = False
-        if all_end or not self.scheduler.reserve_lookahead(continuing):
-            return None
-        return rows, continuing
+        if in_flight is not None:
+            behind = self.scheduler.schedule_behind_prefill(in_flight.seqs, prefill.seqs)
+            if behind is not None:
+                tokens = torch.cat([self._continuing_tokens(in_flight, behind.continued_rows), prefill.tokens])
+                self._in_flight = self._launch_decode(behind.seqs, tokens)
+        return prefill
 
     @staticmethod
     def _continuing_tokens(launched: LaunchedStep, rows: list[int]) -> torch.Tensor:
@@ -490,6 +418,16 @@ class NativeEngine:
     def counts(self) -> dict[str, float]:
         """Totals over the engine's life (``EngineCounters.reading``); ``count_metrics`` of two readings gives a span's."""
         return self.counters.reading()
+
+    def _measure_async(self) -> Callable[[], None]:
+        """Start the async driver's span of the rollout metrics; the function returned ends it (while awake)."""
+        start = self._start_metrics()
+
+        def finish() -> None:
+            if self.scheduler is not None:
+                self._finish_metrics(start)
+
+        return finish
 
     def _start_metrics(self) -> tuple[float, int, int, float, dict[str, float]]:
         if self.device.type == "cuda":

@@ -10,8 +10,15 @@ leave after the step that finished them, and waiting ones join at the next prefi
 caching, a released sequence's full blocks stay cached (see block_manager.py) and a waiting
 sequence whose tokens start with cached blocks takes them and prefills only the rest
 (``seq.num_cached_tokens``): the next turn of a multi-turn trajectory, or a preempted sequence.
-``reserve_lookahead`` lets the engine launch a decode step before it has read the previous
-one (see engine.py).
+
+Steps ahead: the engine launches a decode step and reads its tokens back only after launching
+the next step, so the host's bookkeeping overlaps the device's work. ``schedule_ahead`` decides
+that next step while a decode step is in flight, from the sequences as they stand before its
+tokens are read: the waiting sequences' prefill when they should join (then
+``schedule_behind_prefill`` gives the decode step of old and new rows launched behind it), or
+else the next decode step of the sequences still running. A decode step scheduled ahead reserves
+room for one token more than its sequences hold (``reserve_lookahead``); a sequence that finishes
+in the step in flight runs in the step after it too (its token is dropped) and leaves the next.
 
 Batching arrivals (``schedule(batch_arrivals=True)``, the engine's async path): a prefill step
 stalls every running sequence for a whole forward, so requests that arrive one by one while
@@ -45,6 +52,10 @@ class ScheduledStep:
     seqs: list[Sequence]
     samples: list[list[Sequence]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    continued_rows: list[int] | None = None
+    """A decode step scheduled ahead: the rows of the step in flight that its first sequences continue, in order
+    (each one's input is the token that row sampled, not yet read back); None for a step scheduled from the
+    sequences' own tokens."""
 
 
 class Scheduler:
@@ -181,6 +192,49 @@ class Scheduler:
                 scheduled.append(seq)
         self.running = scheduled
         return ScheduledStep(is_prefill=False, seqs=scheduled)
+
+    def schedule_ahead(self, in_flight: list[Sequence], batch_arrivals: bool = False) -> ScheduledStep | None:
+        """The step to launch while a decode step of ``in_flight`` runs, before its tokens are read back.
+
+        Waiting sequences join (when ``admission_due`` with batch_arrivals, else as soon as any waits) through a
+        prefill of those that fit; the decode step behind it comes from ``schedule_behind_prefill``. Otherwise the
+        next decode step of the sequences of ``in_flight`` still running, or None when every one of them ends with
+        the step in flight or blocks ran short.
+        """
+        joining = self.admission_due() if batch_arrivals else bool(self.waiting)
+        if joining:
+            step = self.schedule_prefill()
+            if step is not None:
+                return step
+        # the loops here and in the engine's read-back run over every sequence at every decode step, on the host,
+        # while the device runs the step in flight: plain attribute reads, one pass (a slow host CPU sets the pace)
+        running = SequenceStatus.RUNNING
+        rows, continuing = [], []
+        all_end = True  # every sequence ends with the step in flight
+        for row, seq in enumerate(in_flight):
+            if seq.status is not running:  # it finished in the step read last
+                continue
+            rows.append(row)
+            continuing.append(seq)
+            if all_end and len(seq.token_ids) + 1 < seq.max_num_tokens:
+                all_end = False
+        if all_end or not self.reserve_lookahead(continuing):
+            return None
+        return ScheduledStep(is_prefill=False, seqs=continuing, continued_rows=rows)
+
+    def schedule_behind_prefill(self, in_flight: list[Sequence], prefilled: list[Sequence]) -> ScheduledStep | None:
+        """The decode step launched behind a prefill scheduled ahead, before either is read back: the sequences of
+        ``in_flight`` still running, then ``prefilled`` (the sequences that sampled from the prefill); None when
+        blocks ran short (the next step is then scheduled once both are read).
+
+        Scheduled only once the prefill is launched: reserving blocks for its sequences earlier would change the
+        block tables the prefill reads."""
+        running = SequenceStatus.RUNNING
+        rows = [row for row, seq in enumerate(in_flight) if seq.status is running]
+        seqs = [in_flight[row] for row in rows] + prefilled
+        if not self.reserve_lookahead(seqs):
+            return None
+        return ScheduledStep(is_prefill=False, seqs=seqs, continued_rows=rows)
 
     def reserve_lookahead(self, seqs: list[Sequence]) -> bool:
         """Grow each sequence to hold one token more than it has, for a decode step launched before the

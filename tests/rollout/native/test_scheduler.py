@@ -128,3 +128,59 @@ def test_look_ahead_steps_count_toward_the_wait():
     scheduler.add(make_seq(scheduler, 5))
     assert scheduler.reserve_lookahead(running) and not scheduler.admission_due()
     assert scheduler.reserve_lookahead(running) and scheduler.admission_due()
+
+
+def test_the_step_ahead_continues_the_rows_still_running_and_reserves_their_next_block():
+    scheduler = Scheduler(BlockManager(16, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    seqs = [make_seq(scheduler, 3, max_tokens=max_tokens) for max_tokens in (6, 2, 6)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.finish(sample_all(scheduler.schedule().seqs))  # the prefill: 4 tokens each, one full block
+    in_flight = scheduler.schedule()
+    assert not in_flight.is_prefill and in_flight.continued_rows is None
+    scheduler.finish(sample_all(in_flight.seqs))  # read back: the middle one is done
+    decode_steps = scheduler.num_decode_steps
+    step = scheduler.schedule_ahead(in_flight.seqs)
+    assert not step.is_prefill and step.seqs == [seqs[0], seqs[2]] and step.continued_rows == [0, 2]
+    # 5 tokens and one more on the device: each holds room for the 6th, and the step counts toward the wait
+    assert [len(seq.block_table) for seq in step.seqs] == [2, 2] and scheduler.num_decode_steps == decode_steps + 1
+
+
+def test_no_step_ahead_when_every_sequence_ends_with_the_step_in_flight_or_blocks_run_short():
+    scheduler = Scheduler(BlockManager(2, 4), max_num_seqs=4, max_num_batched_tokens=100)
+    ending = make_seq(scheduler, 3, max_tokens=2)
+    scheduler.add(ending)
+    scheduler.finish(sample_all(scheduler.schedule().seqs))
+    assert scheduler.schedule_ahead(scheduler.schedule().seqs) is None  # its last token is the one in flight
+    scheduler.finish(sample_all([ending]))
+    for _ in range(2):
+        scheduler.add(make_seq(scheduler, 3, max_tokens=6))
+    scheduler.finish(sample_all(scheduler.schedule().seqs))
+    in_flight = scheduler.schedule()  # both blocks in use, and each sequence needs a second one ahead
+    assert scheduler.schedule_ahead(in_flight.seqs) is None and scheduler.block_manager.num_free_blocks == 0
+
+
+def test_arrivals_join_ahead_and_the_decode_step_behind_them_takes_old_and_new_rows():
+    scheduler, running = decoding_scheduler(3, max_admission_wait=100, admission_fraction=1.0)
+    in_flight = scheduler.schedule()
+    arrival = make_seq(scheduler, 5, n=2)
+    scheduler.add(arrival)
+    step = scheduler.schedule_ahead(in_flight.seqs, batch_arrivals=False)  # generate()'s batch: it joins at once
+    assert step.is_prefill and step.seqs == [arrival]
+    scheduler.finish([running[1]])  # as if it had finished in the step read back last
+    behind = scheduler.schedule_behind_prefill(in_flight.seqs, step.samples[0])
+    assert not behind.is_prefill and behind.continued_rows == [0, 2]
+    assert behind.seqs == [running[0], running[2], *step.samples[0]]
+
+
+def test_arrivals_that_are_not_due_wait_while_decode_steps_go_on_ahead():
+    scheduler, running = decoding_scheduler(3, max_admission_wait=2, admission_fraction=1.0)
+    in_flight = scheduler.schedule(batch_arrivals=True)
+    arrival = make_seq(scheduler, 5)
+    scheduler.add(arrival)
+    step = in_flight
+    for _ in range(2):  # 1 waiting sample < 1.0 * 3 running, and it has waited fewer than 2 decode steps
+        step = scheduler.schedule_ahead(step.seqs, batch_arrivals=True)
+        assert not step.is_prefill and step.seqs == running and arrival.status is SequenceStatus.WAITING
+    step = scheduler.schedule_ahead(step.seqs, batch_arrivals=True)  # the two steps ahead count toward its wait
+    assert step.is_prefill and step.seqs == [arrival]

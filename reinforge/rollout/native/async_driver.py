@@ -1,0 +1,76 @@
+"""The native engine's async entry point: requests submitted one at a time from an event loop.
+
+``AsyncDriver.generate`` submits a request with callbacks that complete its future on the event
+loop, and makes sure a background task is stepping the engine: in a worker thread, step after
+step until nothing is left to run, while anything is pending. Agent loops thus submit requests
+one at a time and none waits for another; the steps batch arrivals (``max_admission_wait``,
+``admission_fraction``; see scheduler.py), so requests arriving while others decode join a few
+at a time. The driver reaches the engine only through the callables it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Callable
+
+from reinforge.rollout.base import Completion, GenerationRequest
+
+Submit = Callable[[GenerationRequest, Callable[[list[Completion]], None], Callable[[BaseException], None]], object]
+"""Hands a request to the engine with the callbacks for its completions and for an error."""
+
+
+class AsyncDriver:
+    def __init__(self, submit: Submit, step: Callable[[], bool], has_work: Callable[[], bool],
+                 fail_pending: Callable[[BaseException], None], measure: Callable[[], Callable[[], None]]):
+        """submit: see ``Submit``; step: one engine step batching arrivals, False when there was nothing to run;
+        has_work: whether any request is pending or a step in flight; fail_pending: hand an error to every request
+        the engine holds and drop them; measure: start the rollout metrics' span, returning what ends it."""
+        self._submit = submit
+        self._step = step
+        self._has_work = has_work
+        self._fail_pending = fail_pending
+        self._measure = measure
+        self._task: asyncio.Task | None = None
+
+    async def generate(self, request: GenerationRequest) -> list[Completion]:
+        """The request's n completions; requests submitted concurrently are batched together."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Completion]] = loop.create_future()
+
+        def deliver(completions: list[Completion]) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(completions))
+
+        def fail(error: BaseException) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+
+        self._submit(request, deliver, fail)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._drive())
+        return await future
+
+    async def _drive(self) -> None:
+        """Step in a worker thread while anything is pending (a request submitted as the thread stops is seen by
+        the check here, which runs on the event loop, as ``generate`` does). Python's garbage collector is paused
+        meanwhile, as in ``NativeEngine.generate``."""
+        finish_metrics = self._measure()
+        stop = threading.Event()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            while self._has_work():
+                await asyncio.to_thread(self._run_steps, stop)
+        except Exception as error:  # every request waiting for this driver fails with it, not yet admitted ones too
+            self._fail_pending(error)
+            raise
+        finally:  # also when the event loop cancels this task on its way out: the thread stops after its step
+            stop.set()
+            if collecting:
+                gc.enable()
+            finish_metrics()
+
+    def _run_steps(self, stop: threading.Event) -> None:
+        """Step until nothing is left to run or ``stop`` is set."""
+        while not stop.is_set() and self._step():
+            pass

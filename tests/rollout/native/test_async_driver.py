@@ -1,0 +1,134 @@
+"""The async driver over a stand-in engine: requests from an event loop, steps in a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+
+import pytest
+
+from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+from reinforge.rollout.native.async_driver import AsyncDriver
+
+
+class CountingEngine:
+    """Completes one request per step with its prompt reversed; a step of a prompt holding ``fail_on`` raises."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.fail_on = fail_on
+        self.gate = threading.Event()
+        """Steps wait for it (set from the start unless a test holds them)."""
+        self.gate.set()
+        self.pending: list[tuple[GenerationRequest, object, object]] = []
+        self.lock = threading.Lock()
+        self.step_threads: set[threading.Thread] = set()
+        self.gc_enabled_in_steps: set[bool] = set()
+        self.spans: list[str] = []
+
+    def submit(self, request, on_done, on_error) -> None:
+        with self.lock:
+            self.pending.append((request, on_done, on_error))
+
+    def step(self) -> bool:
+        self.gate.wait()
+        self.step_threads.add(threading.current_thread())
+        self.gc_enabled_in_steps.add(gc.isenabled())
+        with self.lock:
+            if not self.pending:
+                return False
+            request, on_done, _ = self.pending[0]  # held until done, as the engine holds its admitted requests
+        if self.fail_on in request.prompt_token_ids:
+            raise RuntimeError("the step failed")
+        with self.lock:
+            self.pending.pop(0)
+        on_done([Completion(request.prompt_token_ids[::-1], [0.0] * len(request.prompt_token_ids), "stop")])
+        return True
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return bool(self.pending)
+
+    def fail_pending(self, error: BaseException) -> None:
+        with self.lock:
+            taken, self.pending = self.pending, []
+        for _, _, on_error in taken:
+            on_error(error)
+
+    def measure(self):
+        self.spans.append("start")
+        return lambda: self.spans.append("end")
+
+    def driver(self) -> AsyncDriver:
+        return AsyncDriver(self.submit, self.step, self.has_work, self.fail_pending, self.measure)
+
+
+def run(main):
+    """asyncio.run, then a garbage collection here: a failed driver task logs its error when collected, which at an
+    arbitrary later point (inside an import's compile) trips CPython 3.11's AST recursion check."""
+    result = asyncio.run(main())
+    gc.collect()
+    return result
+
+
+def request(*tokens: int) -> GenerationRequest:
+    return GenerationRequest(list(tokens), SamplingParams(max_tokens=1))
+
+
+def test_concurrent_requests_each_get_their_completions_from_steps_off_the_event_loop():
+    engine = CountingEngine()
+    driver = engine.driver()
+
+    async def main():
+        return await asyncio.gather(*(driver.generate(request(index, index + 1)) for index in range(5)))
+
+    results = run(main)
+    assert [result[0].token_ids for result in results] == [[index + 1, index] for index in range(5)]
+    assert threading.main_thread() not in engine.step_threads
+    assert engine.gc_enabled_in_steps == {False} and gc.isenabled()  # paused while stepping, then back on
+    assert engine.spans == ["start", "end"]  # one driver served all five: one metrics span
+
+
+def test_a_failed_step_fails_every_pending_request_and_a_later_request_starts_a_new_driver():
+    engine = CountingEngine(fail_on=99)
+    driver = engine.driver()
+
+    async def main():
+        results = await asyncio.gather(driver.generate(request(99)), driver.generate(request(1, 2)),
+                                       return_exceptions=True)
+        later = await driver.generate(request(3, 4))
+        return results, later
+
+    (first, second), later = run(main)
+    assert isinstance(first, RuntimeError) and isinstance(second, RuntimeError)  # the second never ran: failed too
+    assert later[0].token_ids == [4, 3]
+    assert engine.spans == ["start", "end", "start", "end"]
+
+
+def test_a_request_submitted_while_the_driver_runs_joins_it():
+    engine = CountingEngine()
+    engine.gate.clear()
+    driver = engine.driver()
+
+    async def main():
+        first = asyncio.ensure_future(driver.generate(request(1)))
+        await asyncio.sleep(0.01)  # the driver's thread waits in its first step
+        asyncio.get_running_loop().call_soon(engine.gate.set)  # once the second request is submitted
+        second = await driver.generate(request(2))
+        return await first, second
+
+    first, second = run(main)
+    assert first[0].token_ids == [1] and second[0].token_ids == [2]
+    assert engine.spans == ["start", "end"]  # one driver served both
+
+
+@pytest.mark.parametrize("fail_on", [None, 7])
+def test_the_metrics_span_ends_however_the_driver_stops(fail_on):
+    engine = CountingEngine(fail_on=fail_on)
+    driver = engine.driver()
+
+    async def main():
+        return await asyncio.gather(driver.generate(request(7)), return_exceptions=True)
+
+    run(main)
+    assert engine.spans == ["start", "end"]
