@@ -74,12 +74,13 @@ def _plan(argv: list[str]) -> int:
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
 
     from reinforge.config import ConfigError, load_config
-    from reinforge.trainer.preflight import check_config
 
     # the flags are overrides like any other, so the config's checks see them
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
     overrides = [*overrides, *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
     config = load_config(config_path, overrides)  # the schema's rules; none asks this machine for the device
+    from reinforge.trainer.preflight import check_config
+
     check_config(config)  # the rules of reinforge train, except the device checks of preflight
     if not config.model.path:
         raise ConfigError("model.path is not set; pass model.path=/path/to/hf_model (the planner reads its config.json)")

@@ -55,11 +55,13 @@ def test_cuda_device_without_a_gpu_is_refused_before_loading():
     check_devices(load_config(None, ["trainer.device=cuda", "trainer.backend=ray"]))  # Ray's members have the GPUs
 
 
-@pytest.mark.parametrize("key", ["unknown.key", "actor_rollout_ref.actor.optim.lr", "actor.optim.learning_rate"])
-def test_an_unknown_key_is_refused_before_torch_is_imported(key):
+@pytest.mark.parametrize("command, key", [("train", "unknown.key"), ("train", "actor_rollout_ref.actor.optim.lr"),
+                                          ("train", "actor.optim.learning_rate"), ("sft", "optim.learning_rate"),
+                                          ("plan", "unknown.key")])
+def test_an_unknown_key_is_refused_before_torch_is_imported(command, key):
     """A typo is answered in a fraction of a second: the key checks (verl's table included) import no torch."""
     script = ("import sys\nfrom reinforge.cli import main\n"
-              f"code = main(['train', '{key}=1'])\n"
+              f"code = main(['{command}', '{key}=1'])\n"
               "print(code, 'torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
