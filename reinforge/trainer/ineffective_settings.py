@@ -15,6 +15,7 @@ from typing import Any
 
 from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config
+from reinforge.config.sft_schema import SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class IgnoredWhen:
     """``keys`` have no effect when ``applies(config)``; ``because`` says why, ``fix`` how to make them count."""
 
     keys: tuple[str, ...]
-    applies: Callable[[Config], bool]
+    applies: Callable[[Any], bool]
     because: str
     fix: str
 
@@ -36,8 +37,8 @@ def _loss_params(mode: str, *names: str) -> IgnoredWhen:
                        f"set actor.policy_loss.loss_mode={mode}")
 
 
-def _optim_params(prefix: str, when: Callable[[Config], bool] = lambda config: True) -> list[IgnoredWhen]:
-    def section(config: Config) -> Any:
+def _optim_params(prefix: str, when: Callable[[Any], bool] = lambda config: True) -> list[IgnoredWhen]:
+    def section(config: Any) -> Any:
         return _value(config, prefix)
 
     return [
@@ -142,6 +143,18 @@ IGNORED_WHEN: list[IgnoredWhen] = [
 """Every setting the rest of the config can make ineffective, with the condition that does."""
 
 
+SFT_IGNORED_WHEN: list[IgnoredWhen] = [
+    IgnoredWhen(("trainer.test_every", "data.val_batch_size", "data.max_val_samples"),
+                lambda config: not config.data.val_files, "data.val_files is empty, so the run never validates",
+                "give data.val_files"),
+    IgnoredWhen(("trainer.total_epochs",), lambda config: config.trainer.total_steps is not None,
+                "trainer.total_steps is set, so the run takes that many steps and the data repeats as needed",
+                "leave trainer.total_steps unset (null) to train trainer.total_epochs over the data"),
+    *_optim_params("optim"),
+]
+"""The same for an SFT run's config."""
+
+
 def _value(config: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         config = getattr(config, part)
@@ -152,10 +165,10 @@ def _shown(value: Any) -> str:
     return value if isinstance(value, str) else repr(value)
 
 
-def ineffective_settings(config: Config) -> list[str]:
+def ineffective_settings(config: Config | SFTConfig) -> list[str]:
     """One line per setting changed from its default that has no effect under the rest of ``config``."""
-    defaults, lines, seen = Config(), [], set()
-    for rule in IGNORED_WHEN:
+    defaults, lines, seen = type(config)(), [], set()
+    for rule in SFT_IGNORED_WHEN if isinstance(config, SFTConfig) else IGNORED_WHEN:
         changed = [key for key in rule.keys if key not in seen and _value(config, key) != _value(defaults, key)]
         if changed and rule.applies(config):
             seen.update(changed)
@@ -164,7 +177,7 @@ def ineffective_settings(config: Config) -> list[str]:
     return lines
 
 
-def warn_ineffective_settings(config: Config) -> None:
+def warn_ineffective_settings(config: Config | SFTConfig) -> None:
     """Warn, one line each, about the settings that the rest of ``config`` makes ineffective."""
     for line in ineffective_settings(config):
         logger.warning(line)

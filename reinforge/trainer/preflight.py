@@ -210,4 +210,5 @@ def preflight_sft(config: SFTConfig) -> None:
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     require_logger_packages(config.trainer.loggers)
     check_devices(config)
+    warn_ineffective_settings(config)
     warn_if_beyond_context(config.model.path, config.data.max_length, "data.max_length")

@@ -4,8 +4,9 @@ import logging
 
 import pytest
 
-from reinforge.config import ConfigError, load_config
+from reinforge.config import ConfigError, load_config, load_sft_config
 from reinforge.config.schema import Config
+from reinforge.config.sft_schema import SFTConfig
 from reinforge.trainer.ineffective_settings import IGNORED_WHEN, ineffective_settings
 from reinforge.trainer.preflight import check_config, preflight
 
@@ -114,6 +115,23 @@ def test_every_key_the_rules_name_is_listed_above():
 
 def test_the_defaults_warn_about_nothing():
     assert ineffective_settings(Config()) == []
+    assert ineffective_settings(SFTConfig()) == []
+
+
+@pytest.mark.parametrize("setting, making, says", [
+    ("trainer.test_every=5", [], "data.val_files is empty"),
+    ("data.val_batch_size=8", [], "data.val_files is empty"),
+    ("data.max_val_samples=8", [], "data.val_files is empty"),
+    ("trainer.total_epochs=3", ["trainer.total_steps=10"], "trainer.total_steps is set"),
+    ("optim.min_lr_ratio=0.1", ["optim.schedule=constant"], "optim.schedule is not cosine"),
+    ("optim.warmup_ratio=0.1", ["optim.warmup_steps=5"], "optim.warmup_steps is set"),
+], ids=lambda value: value if isinstance(value, str) and "=" in value else "")
+def test_an_sft_setting_without_effect_warns_in_one_line(setting, making, says):
+    key = setting.split("=")[0]
+    lines = [line for line in ineffective_settings(load_sft_config(None, [*making, setting]))
+             if line.startswith(f"{key}=")]
+    assert len(lines) == 1 and says in lines[0]
+    assert not [line for line in ineffective_settings(load_sft_config(None, making)) if line.startswith(f"{key}=")]
 
 
 def test_a_run_warns_at_start_about_validation_that_never_runs_and_an_unused_kl_coefficient(rl_args, tmp_path,
