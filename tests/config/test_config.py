@@ -139,10 +139,7 @@ def test_cross_field_rules_fail_before_any_model_loads(overrides, message):
 
 
 def test_gae_with_auto_critic_and_n_one_is_fine():
-    config = load_checked(None, ["algorithm.adv_estimator=gae", "rollout.n=1"])
-    from reinforge.algorithms.roles import critic_enabled
-
-    assert critic_enabled(config)
+    load_checked(None, ["algorithm.adv_estimator=gae", "rollout.n=1"])
 
 
 def test_saved_config_reloads_identically(tmp_path):
