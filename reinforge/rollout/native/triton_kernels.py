@@ -204,7 +204,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(block_n, page), IEEE=q.dtype == torch.float32,
+        NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(block_n, page, 16), IEEE=q.dtype == torch.float32,
         STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
     return out
 

@@ -227,10 +227,12 @@ def test_rope_and_write_cache_rotates_in_place_and_fills_the_slots(dtype):
     v_cache = torch.full((6, page, num_kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
     triton_kernels.rope_and_write_cache(q_view, k_view, v_view, cos.to(DEVICE), sin.to(DEVICE), positions.to(DEVICE),
                                         slot_mapping.to(DEVICE), k_cache, v_cache)
-    torch.testing.assert_close(q_view.cpu(), expected_q)
-    torch.testing.assert_close(k_view.cpu(), expected_k)
+    # the kernel rotates in float32 and rounds once; transformers rounds each bf16 product: one bf16 step apart
+    close = {} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 1.6e-2}
+    torch.testing.assert_close(q_view.cpu(), expected_q, **close)
+    torch.testing.assert_close(k_view.cpu(), expected_k, **close)
     k_slots, v_slots = k_cache.cpu().flatten(0, 1), v_cache.cpu().flatten(0, 1)
-    torch.testing.assert_close(k_slots[slot_mapping], expected_k)
+    torch.testing.assert_close(k_slots[slot_mapping], expected_k, **close)
     torch.testing.assert_close(v_slots[slot_mapping], v, atol=0, rtol=0)
     unmapped = torch.ones(len(k_slots), dtype=torch.bool)
     unmapped[slot_mapping] = False
