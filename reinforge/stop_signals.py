@@ -24,7 +24,15 @@ stop_signal: list[str] = []
 def _exit_now(signum: int, frame: FrameType | None) -> None:
     sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once\n")
     sys.stderr.flush()
+    _quiet_scorer_watch()
     os._exit(INTERRUPTED_EXIT_CODE)
+
+
+def _quiet_scorer_watch() -> None:
+    """An exit on purpose is no scorer's crash: the in-process scorers' sentinel stays silent."""
+    from reinforge.reward.in_process import quiet_sentinels
+
+    quiet_sentinels()
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -52,5 +60,6 @@ def exit_after_stop() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if any(thread.name.startswith("reinforge-") and thread.is_alive() for thread in threading.enumerate()):
+        _quiet_scorer_watch()
         os._exit(INTERRUPTED_EXIT_CODE)
     return INTERRUPTED_EXIT_CODE

@@ -59,14 +59,20 @@ def first_visible_index(count: int) -> int:
 
 
 def commit(repo: Path | None = None) -> str | None:
-    """``git rev-parse --short HEAD`` of the source checkout reinforge runs from; None outside one."""
+    """``git rev-parse --short HEAD`` of the source checkout reinforge runs from, with ``+changes`` when its
+    tracked files differ from that commit (a copied tree whose ``.git`` is older names no commit it is not);
+    None outside a checkout."""
     folder = repo or Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=30)
+        if done.returncode != 0 or not done.stdout.strip():
+            return None
+        changed = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    return done.stdout.strip() + ("+changes" if changed.returncode != 0 or changed.stdout.strip() else "")
 
 
 def load_cases(paths: list[Path]) -> list[dict]:

@@ -8,7 +8,9 @@ a word: so ``ScorerSentinel``, a small process started with the first in-process
 "start <what>" before each call and "done" after it. When its pipe closes (the trainer ended)
 with a call open, it writes one line to stderr that names the scorer and the sample and says
 that ``reward.num_workers>0`` isolates them, then exits; being written after the trainer died,
-it is the run's last line. The run's exit code stays the trainer's.
+it is the run's last line. The run's exit code stays the trainer's. Closing the watch (the reward
+manager's ``close``, its garbage collection, Python's own shutdown, or ``quiet_sentinels`` before a
+stop signal's ``os._exit`` with a call still in flight) tells it "quit" first, so it stays silent.
 """
 
 from __future__ import annotations
@@ -87,9 +89,22 @@ for line in sys.stdin.buffer:
         current = text[len("start "):]
     elif text == "done":
         current = None
+    elif text == "quit":  # the trainer closes the watch on purpose: nothing to report
+        current = None
+        break
 if current:
     os.write(2, ("error: " + current + "\\n").encode())
 """
+
+
+_live_sentinels: weakref.WeakSet[ScorerSentinel] = weakref.WeakSet()
+
+
+def quiet_sentinels() -> None:
+    """Tell every sentinel of this process that it is about to end on purpose (a stop signal that ends it with
+    ``os._exit`` while a call is in flight): they exit without a word."""
+    for sentinel in list(_live_sentinels):
+        sentinel._send("quit")
 
 
 class ScorerSentinel:
@@ -104,6 +119,7 @@ class ScorerSentinel:
             logger.warning("the watch on in-process scoring did not start (%s); a scorer that crashes the trainer "
                            "will end it without naming itself", error)
         self._finalizer = weakref.finalize(self, _stop, self._process)
+        _live_sentinels.add(self)
 
     def begin(self, description: str) -> None:
         """A call starts; ``description`` (one line) is what the sentinel writes if the process ends during it."""
@@ -130,6 +146,7 @@ def _stop(process: subprocess.Popen[Any] | None) -> None:
         return
     with contextlib.suppress(OSError, ValueError):
         if process.stdin is not None:
-            process.stdin.close()  # EOF with no call open: it exits without a word
+            process.stdin.write(b"quit\n")  # a deliberate close, even with a call open: it exits without a word
+            process.stdin.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(5)

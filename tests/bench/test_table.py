@@ -102,5 +102,24 @@ def test_the_environment_names_versions_commit_and_date_without_touching_the_dev
     assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
     assert re.fullmatch(r"\d{4}-\d\d-\d\d", env["date"])
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert env["commit"] == (head or None)
+    assert (env["commit"] or "").removesuffix("+changes") == head  # + changes: this checkout's edits
     assert not torch.cuda.is_initialized()
+
+
+def test_the_commit_is_marked_when_the_tracked_files_differ_from_it(tmp_path):
+    import subprocess
+
+    from reinforge.bench.table import commit
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    clean = commit(tmp_path)
+    assert clean and "+" not in clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert commit(tmp_path) == clean + "+changes"
+    assert commit(tmp_path / "no_such_folder") is None
