@@ -52,7 +52,7 @@ import torch
 
 from reinforge.agent import AGENT_LOOPS, AgentLoop, AgentLoopOutput, AgentRunner, AsyncEngineClient, register_agent_loop
 from reinforge.bench.gpu_busy import GpuBusy
-from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, random_prompts
+from reinforge.bench.rollout import QWEN25_05B, TINY, build_model, environment, print_rows, random_prompts
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
@@ -409,6 +409,4 @@ def print_table(results: dict) -> None:
         rows.append((f"agent, wait {run['admission_wait']}, fraction {run['admission_fraction']}",
                      f"{run['tokens_per_s']:,.0f} tokens/s  ({run['time_s']:.2f} s, "
                      f"{run['tokens_per_s'] / single['tokens_per_s']:.0%}), {describe_steps(run)}"))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
+    print_rows(rows)

@@ -270,6 +270,11 @@ def print_table(results: dict) -> None:
         rows.append((f"  same for generate vs forward ({dtype})",
                      f"{check['hf_generate_vs_forward_max_abs_log_prob_error']:.2e} / "
                      f"{check['hf_generate_vs_forward_mean_abs_log_prob_error']:.2e}"))
+    print_rows(rows)
+
+
+def print_rows(rows: list[tuple[str, str]]) -> None:
+    """``name  value`` lines, the names padded to one column."""
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
