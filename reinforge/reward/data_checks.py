@@ -18,7 +18,14 @@ from typing import Any
 
 from reinforge.config.schema import RewardConfig
 from reinforge.data.rl_dataset import RLDataset
-from reinforge.reward.registry import GROUND_TRUTH_CHECKS, SCORER_REQUIREMENTS, SCORERS, Requirement, Scorer
+from reinforge.reward.registry import (
+    GROUND_TRUTH_CHECKS,
+    SCORER_REQUIREMENTS,
+    SCORERS,
+    Requirement,
+    Scorer,
+    find_scorer,
+)
 from reinforge.reward.scorer_calls import (
     SAMPLE_ARGUMENTS,
     TRL_ARGUMENTS,
@@ -65,7 +72,7 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
     options = set(config.kwargs)
     needs: dict[Any, frozenset[str]] = {}
     for example in dataset.examples:
-        scorer = custom_scorer if custom_scorer is not None else SCORERS.get(example.data_source)
+        scorer = custom_scorer if custom_scorer is not None else find_scorer(example.data_source)
         where = dataset.where(example)
         if scorer is None:
             known = ", ".join(sorted(SCORERS))

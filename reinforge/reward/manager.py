@@ -132,7 +132,7 @@ class RewardManager:
         Needs tensors ``responses`` (B, T) right-padded token ids and ``response_mask`` (B, T),
         and non-tensors ``ground_truth``, ``data_source`` (unless a custom function scores
         everything) and, optionally, ``extra_info``, ``columns`` (a dict of the row's extra
-        columns), ``raw_prompt``, ``tool_rewards`` and ``num_turns``. The response's length is
+        columns), ``raw_prompt``, ``tool_rewards`` and ``num_turns`` (also passed in ``extra_info``). The response's length is
         read from ``attention_mask`` (its last T columns) when the batch has it, since tool
         tokens have response_mask 0.
         """
@@ -144,6 +144,9 @@ class RewardManager:
         nothing = np.full(num_samples, None, dtype=object)
         data_sources, extra_infos = batch.get("data_source", nothing), batch.get("extra_info", nothing)
         columns, prompts = batch.get("columns", nothing), batch.get("raw_prompt", nothing)
+        if "num_turns" in batch.non_tensors:  # a multi-turn rollout: extra_info["num_turns"], as verl's managers give
+            extra_infos = [{**(info if isinstance(info, dict) else {}), "num_turns": int(turns)}
+                           for info, turns in zip(extra_infos, batch["num_turns"], strict=True)]
         texts = self.tokenizer.batch_decode(
             [row[mask].tolist() for row, mask in zip(responses, in_response, strict=True)], skip_special_tokens=True)
         jobs = [self._job(*sample) for sample in

@@ -41,6 +41,8 @@ def register_scorer(*data_sources: str, check_ground_truth: GroundTruthCheck | N
                     requires: Requirement | None = None) -> Callable[[Scorer], Scorer]:
     """Register the decorated function as the scorer of each of ``data_sources``.
 
+    A name ending in ``*`` covers every data source it begins (``aime*``: aime24, aime_2025, ...).
+
     ``check_ground_truth`` checks each row's ground truth, ``requires`` names a package the scorer imports.
     """
     if not data_sources:
@@ -59,10 +61,21 @@ def register_scorer(*data_sources: str, check_ground_truth: GroundTruthCheck | N
     return add
 
 
-def get_scorer(data_source: str | None) -> Scorer:
-    """The scorer registered for ``data_source``; an unknown name lists the known ones."""
+def find_scorer(data_source: str | None) -> Scorer | None:
+    """The scorer of ``data_source``: its own name first, then the longest ``prefix*`` that begins it."""
     if data_source in SCORERS:
         return SCORERS[data_source]
+    if data_source is None:
+        return None
+    prefixes = [name for name in SCORERS if name.endswith("*") and data_source.startswith(name[:-1])]
+    return SCORERS[max(prefixes, key=len)] if prefixes else None
+
+
+def get_scorer(data_source: str | None) -> Scorer:
+    """The scorer registered for ``data_source``; an unknown name lists the known ones."""
+    scorer = find_scorer(data_source)
+    if scorer is not None:
+        return scorer
     known = ", ".join(sorted(SCORERS))
     if data_source is None:
         raise ValueError(f"a sample has no data_source, which picks its scorer; add data_source to the rows "

@@ -130,7 +130,8 @@ def test_extra_columns_reach_the_scorer(tmp_path, byte_tokenizer, rewards_file, 
 
 @pytest.mark.parametrize("data_source, ground_truth, problem", [
     ("arithmetic", "forty-two", "the arithmetic ground truth must be an integer, got 'forty-two'"),
-    ("math", " ", "the math ground truth is empty"),
+    ("lighteval/MATH", " ", "the math ground truth is empty"),
+    ("aime24", "", "the math_dapo ground truth is empty"),
 ])
 def test_a_ground_truth_the_scorer_cannot_read_is_refused_before_any_model_loads(tmp_path, byte_tokenizer, data_source,
                                                                                   ground_truth, problem):
@@ -157,9 +158,9 @@ def test_a_custom_function_reads_its_own_ground_truths(tmp_path, byte_tokenizer,
 def test_a_missing_scorer_package_is_named_with_its_install_command(tmp_path, byte_tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)  # as if math-verify were not installed
     with pytest.raises(ValueError) as raised:
-        check(tmp_path, byte_tokenizer, [row(data_source="math", ground_truth="\\frac{1}{2}")])
+        check(tmp_path, byte_tokenizer, [row(data_source="lighteval/MATH", ground_truth="\\frac{1}{2}")])
     message = str(raised.value)
-    assert "data_source 'math'" in message and "math_verify" in message and "not installed" in message
+    assert "data_source 'lighteval/MATH'" in message and "math_verify" in message and "not installed" in message
     assert "pip install math-verify" in message and "reinforge[math]" in message
     assert "\n" not in message
 

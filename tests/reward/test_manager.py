@@ -1,6 +1,7 @@
 import logging
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,6 +37,11 @@ def slow(solution_str, ground_truth, extra_info=None):
 
 def with_source(solution_str, ground_truth, data_source, extra_info=None, bonus=0.0):
     return {"score": 1.0 + bonus, "source": data_source, "tag": extra_info["tag"]}
+
+
+def turns_penalised(data_source, solution_str, ground_truth, extra_info=None):
+    # as the ReTool recipe's scorer reads it
+    return {"score": -extra_info["num_turns"] / 10, "tag": extra_info.get("tag")}
 
 
 def not_a_score(solution_str, ground_truth):
@@ -198,6 +204,18 @@ def test_custom_function_receives_data_source_extra_info_and_options(byte_tokeni
     merged = batch | output.to_batch()
     assert merged["token_level_scores"].shape == (2, 12)
     assert list(merged["reward_tag"]) == [1, 2]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_multi_turn_sample_has_num_turns_in_its_extra_info(byte_tokenizer, scorer_path, num_workers):
+    batch = make_batch(byte_tokenizer, ["a", "b"], ["a", "b"], ["s", "s"], extra_infos=[{"tag": 1}, None])
+    batch.non_tensors["num_turns"] = np.array([2, 5], dtype=object)
+    with RewardManager(RewardConfig(num_workers=num_workers, custom_function=f"{scorer_path}:turns_penalised"),
+                       byte_tokenizer) as manager:
+        output = manager.score(batch)
+    assert output.scores.tolist() == pytest.approx([-0.2, -0.5])
+    assert output.extras["tag"] == [1, None]
+    assert batch["extra_info"][0] == {"tag": 1}  # the row's own extra_info is left as it was
 
 
 def test_missing_custom_file_or_function(byte_tokenizer, scorer_path, tmp_path):

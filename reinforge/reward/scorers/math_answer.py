@@ -23,7 +23,7 @@ def _ground_truth_problem(ground_truth: Any) -> str | None:
     return None
 
 
-@register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math",
+@register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
                  check_ground_truth=_ground_truth_problem,
                  requires=Requirement("math_verify", "pip install math-verify (or pip install 'reinforge[math]')"))
 def score_math(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict[str, Any]:
