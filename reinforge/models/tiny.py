@@ -1,7 +1,12 @@
 """Tiny models of standard transformers architectures and a character tokenizer, built in code.
 
-Tests and the CPU demo need a real Qwen2 or Llama model and a real chat tokenizer, but no hub
-download. The tokenizer is byte-level BPE with no merges: every ASCII character (letters,
+Tests and the CPU demo need real models of every family reinforge runs (``models.architectures``)
+and a real chat tokenizer, but no hub download. ``build_tiny_causal_lm`` builds any of them with
+few layers, hidden size 64 and each family's differences switched on where transformers leaves
+them off by default: soft-caps small enough to bind (Gemma 2 and 3), partial rotary (Phi-3),
+NoPE layers (SmolLM3), 4 to 8 experts of top-2 routing, DeepSeek's low-rank MLA, group-limited
+routing, shared experts and a first dense layer; ``sliding_window`` turns each family's windows on.
+The tokenizer It is byte-level BPE with no merges: every ASCII character (letters,
 digits, punctuation, space, newline) is one token, any other character is its UTF-8 bytes,
 and ``decode(encode(text))`` gives ``text`` back exactly. Its special tokens follow Qwen's ChatML:
 
@@ -17,14 +22,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from reinforge.models.export import save_hf_folder
 
@@ -75,7 +73,77 @@ TOOL_CHAT_TEMPLATE = (
 calls as ``<tool_call>`` JSON in the assistant turn, consecutive tool messages in one user turn
 of ``<tool_response>`` blocks."""
 
-ARCHITECTURES = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+TINY_SOFTCAPS = {"attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0}
+"""Gemma's soft-caps in tiny models: small enough that tanh bends the scores and logits of a random model."""
+
+_MOE_ROUTING = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_MLA = {"kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "n_group": 4, "topk_group": 2, "n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        **_MOE_ROUTING}
+
+FAMILY_OPTIONS: dict[str, dict] = {
+    "qwen2": {},
+    "llama": {},
+    "mistral": {},
+    "qwen3": {"head_dim": 16},
+    "gemma2": {**TINY_SOFTCAPS, "head_dim": 16, "query_pre_attn_scalar": 16},
+    "gemma3_text": {**TINY_SOFTCAPS, "head_dim": 16, "query_pre_attn_scalar": 16},
+    "phi3": {"partial_rotary_factor": 0.5},
+    "olmo2": {},
+    "smollm3": {"no_rope_layer_interval": 2},
+    "qwen3_moe": {"num_experts": 4, "head_dim": 16, "decoder_sparse_step": 1, "norm_topk_prob": True,
+                  **_MOE_ROUTING},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False},
+    "deepseek_v2": {**_MLA, "q_lora_rank": None, "topk_method": "group_limited_greedy",
+                    "routed_scaling_factor": 1.5},
+    "deepseek_v3": {**_MLA, "q_lora_rank": 24, "routed_scaling_factor": 2.5},
+    "gpt_neox": {},
+}
+"""model_type -> its tiny options beyond the shared shape: the families of ``models.architectures`` and
+``gpt_neox``, a causal LM outside the table (it trains through transformers' own modules)."""
+
+ARCHITECTURES = tuple(FAMILY_OPTIONS)
+
+
+def _window_options(model_type: str, sliding_window: int | None, num_layers: int) -> dict:
+    """Config keys that turn each family's windows on (W keys including the query), or keep them off."""
+    if model_type in ("qwen2", "qwen3"):  # windows from layer max_window_layers on; the first layer stays full
+        return {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 1} \
+            if sliding_window else {}
+    if model_type in ("qwen3_moe", "smollm3"):
+        return {"use_sliding_window": True, "sliding_window": sliding_window} if sliding_window else {}
+    if model_type == "gemma2":  # even layers slide
+        return {"sliding_window": sliding_window or 4096}
+    if model_type == "gemma3_text":  # one full layer in two (the real models keep one in six)
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        return {"sliding_window": sliding_window or 4096, "layer_types": layer_types}
+    if model_type in ("mistral", "mixtral", "phi3"):
+        return {"sliding_window": sliding_window}
+    if sliding_window:
+        raise ValueError(f"tiny {model_type} models have no sliding window; leave sliding_window unset")
+    return {}
+
+
+def tiny_config(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
+                num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                max_position_embeddings: int = 512, tie_word_embeddings: bool = True,
+                pad_token_id: int | None = None, eos_token_id: int | None = None,
+                sliding_window: int | None = None, **overrides) -> PretrainedConfig:
+    """The config of a tiny ``arch`` model (a key of ``FAMILY_OPTIONS``); ``overrides`` replace any key."""
+    if arch not in FAMILY_OPTIONS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    options = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                   intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                   tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id, bos_token_id=None,
+                   eos_token_id=eos_token_id)
+    options.update(FAMILY_OPTIONS[arch])
+    if arch.startswith("deepseek"):  # MLA expands the latent into keys and values for every query head
+        options["num_key_value_heads"] = num_heads
+    options.update(_window_options(arch, sliding_window, num_layers))
+    options.update(overrides)
+    return AutoConfig.for_model(arch, **options)
 
 
 def byte_symbols() -> list[str]:
@@ -116,19 +184,17 @@ def build_tiny_causal_lm(arch: str = "qwen2", vocab_size: int = 512, hidden_size
                          num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
                          max_position_embeddings: int = 512, tie_word_embeddings: bool = True,
                          seed: int = 0, pad_token_id: int | None = None,
-                         eos_token_id: int | None = None) -> PreTrainedModel:
-    """A randomly initialised float32 Qwen2ForCausalLM or LlamaForCausalLM; the global RNG is left untouched."""
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
-    config_class, model_class = ARCHITECTURES[arch]
-    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                          num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                          intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                          tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id,
-                          bos_token_id=None, eos_token_id=eos_token_id)
+                         eos_token_id: int | None = None, sliding_window: int | None = None,
+                         **overrides) -> PreTrainedModel:
+    """A randomly initialised float32 causal LM of ``arch`` (see ``tiny_config``); the global RNG is left untouched."""
+    config = tiny_config(arch, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                         pad_token_id=pad_token_id, eos_token_id=eos_token_id, sliding_window=sliding_window,
+                         **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_class(config)
+        model = AutoModelForCausalLM.from_config(config)
     if eos_token_id is not None:
         model.generation_config.eos_token_id = eos_token_id
         model.generation_config.pad_token_id = pad_token_id

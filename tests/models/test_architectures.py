@@ -1,0 +1,115 @@
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from reinforge.models.architectures import FAMILIES, architecture_spec
+from reinforge.models.tiny import ARCHITECTURES, build_tiny_causal_lm, tiny_config
+
+WINDOWED = ("qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral")
+TABLE_FAMILIES = [arch for arch in ARCHITECTURES if arch in FAMILIES]
+
+CAPTURED: dict[int, dict] = {}
+
+
+def _capturing_attention(module, query, key, value, attention_mask, **kwargs):
+    """What transformers hands the attention function of each layer: its window, scale and soft-cap."""
+    CAPTURED[module.layer_idx] = {"sliding_window": kwargs.get("sliding_window"), "scaling": kwargs.get("scaling"),
+                                  "softcap": kwargs.get("softcap")}
+    kwargs.pop("softcap", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("capture_for_test", _capturing_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register("capture_for_test", sdpa_mask)
+
+
+@pytest.mark.parametrize("arch", TABLE_FAMILIES)
+def test_table_matches_what_transformers_passes_each_layer(arch):
+    model = build_tiny_causal_lm(arch, num_layers=4, sliding_window=5 if arch in WINDOWED else None)
+    spec = architecture_spec(model.config)
+    assert spec is not None and spec.model_type == model.config.model_type
+    model.set_attn_implementation("capture_for_test")
+    CAPTURED.clear()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 100, (1, 9)))
+    assert len(spec.layers) == len(CAPTURED) == 4
+    for index, layer in enumerate(spec.layers):
+        seen = CAPTURED[index]
+        assert layer.sliding_window == seen["sliding_window"], index
+        assert spec.attn_scale == pytest.approx(seen["scaling"], rel=1e-12)
+        assert spec.attn_softcap == seen["softcap"]
+        decoder_layer = model.model.layers[index]
+        assert layer.moe == hasattr(decoder_layer.mlp, "experts"), index
+        uses_rope = getattr(decoder_layer.self_attn, "use_rope", True)
+        assert (layer.rope != "none") == bool(uses_rope)
+    if arch in WINDOWED:
+        assert spec.windowed
+    assert spec.final_softcap == getattr(model.config, "final_logit_softcapping", None)
+
+
+def test_windows_per_family_as_transformers_decides_them():
+    def windows(arch, **options):
+        return [layer.sliding_window for layer in architecture_spec(tiny_config(arch, **options)).layers]
+
+    assert windows("mistral", num_layers=3, sliding_window=8) == [8, 8, 8]
+    assert windows("mistral", num_layers=2) == [None, None]
+    # Qwen2: layer i slides iff i >= max_window_layers, and only with use_sliding_window
+    assert windows("qwen2", num_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2) == \
+        [None, None, 8, 8]
+    assert windows("qwen2", num_layers=4, use_sliding_window=False, sliding_window=8, max_window_layers=2) == \
+        [None] * 4
+    assert windows("gemma2", num_layers=4, sliding_window=8) == [8, None, 8, None]
+    gemma3 = tiny_config("gemma3_text", num_layers=12, sliding_window=8, layer_types=None)
+    spec = architecture_spec(gemma3)
+    assert [layer.sliding_window for layer in spec.layers] == [8, 8, 8, 8, 8, None] * 2
+    assert [layer.rope for layer in spec.layers] == ["local"] * 5 + ["global"] + ["local"] * 5 + ["global"]
+    smollm3 = architecture_spec(tiny_config("smollm3", num_layers=8, sliding_window=8, no_rope_layer_interval=4))
+    assert [layer.rope for layer in smollm3.layers] == ["global", "global", "global", "none"] * 2
+    assert [layer.sliding_window for layer in smollm3.layers] == [None, None, None, 8] * 2
+
+
+def test_moe_and_mla_tables():
+    v3 = architecture_spec(tiny_config("deepseek_v3", num_layers=3))
+    assert [layer.moe for layer in v3.layers] == [False, True, True]
+    assert (v3.moe.scoring, v3.moe.group_score, v3.moe.correction_bias, v3.moe.routed_scaling_factor) == \
+        ("sigmoid", "top2_sum", True, 2.5)
+    assert (v3.moe.n_group, v3.moe.topk_group, v3.moe.shared_experts) == (4, 2, 1)
+    assert v3.mla.v_head_dim == 16 and v3.head_dim == 24 and v3.mla.q_lora_rank == 24
+    v2 = architecture_spec(tiny_config("deepseek_v2", num_layers=2))
+    assert (v2.moe.scoring, v2.moe.group_score, v2.moe.norm_topk_prob) == ("softmax", "max", False)
+    assert v2.mla.q_lora_rank is None
+    greedy = architecture_spec(tiny_config("deepseek_v2", num_layers=2, topk_method="greedy"))
+    assert greedy.moe.n_group is None and greedy.moe.group_score is None
+    qwen3_moe = architecture_spec(tiny_config("qwen3_moe", num_layers=4, decoder_sparse_step=2,
+                                              mlp_only_layers=[3]))
+    assert [layer.moe for layer in qwen3_moe.layers] == [False, True, False, False]
+    assert qwen3_moe.moe.weights_dtype == "logits"
+    mixtral = architecture_spec(tiny_config("mixtral"))
+    assert (mixtral.moe.norm_topk_prob, mixtral.moe.weights_dtype, mixtral.moe.top_k) == (True, "float32", 2)
+
+
+def test_norms_projections_and_scales():
+    gemma2 = architecture_spec(tiny_config("gemma2"))
+    assert (gemma2.norm, gemma2.norm_placement, gemma2.activation) == ("gemma", "sandwich", "gelu_tanh")
+    assert gemma2.embedding_scale == pytest.approx(8.0)
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (1.0, 2.0)
+    olmo2 = architecture_spec(tiny_config("olmo2"))
+    assert (olmo2.norm, olmo2.norm_placement, olmo2.qk_norm) == ("olmo", "post", "projection")
+    phi3 = architecture_spec(tiny_config("phi3"))
+    assert phi3.fused_qkv and phi3.fused_gate_up and phi3.partial_rotary_factor == 0.5
+    assert architecture_spec(tiny_config("qwen3")).qk_norm == "head"
+    assert architecture_spec(tiny_config("llama")).qk_norm is None
+
+
+def test_gemma3_multimodal_config_reads_its_text_config():
+    from transformers import Gemma3Config
+
+    config = Gemma3Config(text_config=tiny_config("gemma3_text").to_dict())
+    spec = architecture_spec(config)
+    assert spec.model_type == "gemma3_text" and spec.norm == "gemma" and len(spec.layers) == 2
+
+
+def test_other_model_types_have_no_table():
+    assert architecture_spec(tiny_config("gpt_neox")) is None
