@@ -179,6 +179,11 @@ class ActorConfig(UpdateConfig):
     kl_loss_type: str = "low_var_kl"
     """Its estimator: k1, abs, k2, k3 (reinforge.algorithms.KL_ESTIMATORS) or verl's kl, mse, low_var_kl for k1,
     k2, k3; a trailing + keeps the estimator's value and takes the gradient of k2."""
+    router_aux_loss_coef: Optional[float] = None
+    """Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' Switch-style aux
+    loss over all MoE layers) added to the actor's loss; 0: none. None: the model config's router_aux_loss_coef
+    when its output_router_logits is true, else 0. The loss is logged as actor/moe/aux_loss either way, beside
+    actor/moe/load_imbalance and actor/moe/unused_experts."""
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
     skip_zero_advantage_backward: bool = True

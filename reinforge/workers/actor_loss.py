@@ -1,5 +1,6 @@
 """The actor's loss on one micro-batch: the policy loss (bypass mode's in-loss correction, or the
-decoupled PPO loss with a log-linear proximal policy), minus the entropy bonus, plus the KL loss.
+decoupled PPO loss with a log-linear proximal policy), minus the entropy bonus, plus the KL loss, plus
+a mixture-of-experts model's router load-balancing loss where its weight is not 0.
 
 ``ActorRolloutWorker.update_actor`` calls it after its forward, inside the engine's update loop;
 the normaliser comes from the mini-batch's global counts, so the sum over micro-batches is the
@@ -19,6 +20,7 @@ from reinforge.algorithms import (
 )
 from reinforge.algorithms.rollout_correction import compute_importance_weights, parse_is_threshold
 from reinforge.config.schema import Config
+from reinforge.engine.moe import RouterOutputs
 from reinforge.engine.train_step import MiniBatchCounts
 from reinforge.protocol import Batch
 
@@ -28,21 +30,27 @@ LINEAR_IN_ADVANTAGE = frozenset({"vanilla", "gspo", "geo_mean", "gpg", "cispo", 
 they clip or penalise by statistics over the whole micro-batch)."""
 
 
-def no_grad_rows(config: Config, batch: Batch) -> Tensor | None:
+def no_grad_rows(config: Config, batch: Batch, router_aux_loss_coef: float = 0.0) -> Tensor | None:
     """(B,) bool: rows whose loss has no gradient (every response token's advantage 0), when the actor's whole
-    loss is linear in the advantage (``actor.skip_zero_advantage_backward``); None where that does not hold."""
+    loss is linear in the advantage (``actor.skip_zero_advantage_backward``); None where that does not hold
+    (a router aux loss of nonzero weight gives every row a gradient)."""
     actor = config.actor
     if (not actor.skip_zero_advantage_backward or actor.use_kl_loss or actor.entropy_coeff != 0
+            or router_aux_loss_coef != 0
             or actor.policy_loss.loss_mode not in LINEAR_IN_ADVANTAGE or "advantages" not in batch):
         return None
     return ((batch["advantages"] == 0) | (batch["response_mask"] == 0)).all(dim=-1)
 
 
 def actor_loss(config: Config, micro: Batch, counts: MiniBatchCounts, log_probs: Tensor, entropy: Tensor,
-           on_policy: bool) -> tuple[Tensor, dict[str, float | Tensor]]:
+           on_policy: bool, router: RouterOutputs | None = None, router_aux_loss_coef: float = 0.0
+           ) -> tuple[Tensor, dict[str, float | Tensor]]:
     """The actor's loss on one micro-batch and its metrics, from the current ``log_probs`` and ``entropy`` (B, R).
 
-    ``on_policy``: the batch has no old log-probs, the current ones (detached) stand for them.
+    ``on_policy``: the batch has no old log-probs, the current ones (detached) stand for them. ``router``: the
+    MoE routers' statistics of this forward (``engine.moe``); their load-balancing loss, weighted by the
+    micro-batch's share of the mini-batch's loss tokens (so the micro-batches sum to the token-weighted mean),
+    is ``moe/aux_loss`` and joins the loss times ``router_aux_loss_coef``.
     """
     actor, correction = config.actor, config.algorithm.rollout_correction
     normalizer = LossNormalizer(**vars(counts))
@@ -74,4 +82,11 @@ def actor_loss(config: Config, micro: Batch, counts: MiniBatchCounts, log_probs:
         loss = loss + actor.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
         metrics["kl_coef"] = actor.kl_loss_coef
+    if router is not None:
+        aux_loss = router.aux_loss * (mask.sum() / max(counts.num_tokens, 1.0))
+        if router_aux_loss_coef:
+            loss = loss + router_aux_loss_coef * aux_loss
+        metrics["moe/aux_loss"] = aux_loss.detach()
+        metrics["moe/load_imbalance"] = router.load_imbalance
+        metrics["moe/unused_experts"] = router.unused_experts
     return loss, metrics

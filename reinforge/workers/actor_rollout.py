@@ -10,6 +10,7 @@ trainer.separate_rollout: the rollout side alone, on a model that only ``load_ro
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from reinforge.engine.fsdp import decoder_layers, shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.lora import add_lora, lora_scaling
 from reinforge.engine.memory_plan import GiB
+from reinforge.engine.moe import prepare_moe_training, router_aux_loss_coef
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
@@ -35,6 +37,8 @@ from reinforge.workers.actor_loss import actor_loss, no_grad_rows
 from reinforge.workers.checkpointing import load_training_state, save_sharded_hf_folder, save_training_state
 from reinforge.workers.memory_settings import apply_memory_plan, cap_device_memory
 from reinforge.workers.rollout_side import RolloutSide, full_weights_on_cpu, rollout_copy_of, seed_for
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ActorRolloutWorker", "seed_for"]  # seed_for: the off-policy modes seed their requests as generate does
 
@@ -70,6 +74,10 @@ class ActorRolloutWorker(Worker):
         # off-policy modes: the rollout's own copy, refreshed only by sync_rollout_weights
         rollout_copy = (rollout_copy_of(self.model, compute_dtype(self.device, config.model.dtype))
                         if config.trainer.mode != "sync" and not config.trainer.separate_rollout else None)
+        self.router_recorder, moe_line = prepare_moe_training(self.model)  # hooks in place before compiling
+        if moe_line:
+            logger.info(moe_line)
+        self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, config.actor.router_aux_loss_coef)
         prepare_for_training(self.model, self.device)
         checkpointed = config.model.gradient_checkpointing
         checkpoint_decoder_layers(self.model, len(decoder_layers(self.model)) if checkpointed is True else int(checkpointed))
@@ -179,12 +187,17 @@ class ActorRolloutWorker(Worker):
         first_micro: tuple[torch.Tensor, ...] = ()
         settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
-        for micro, counts in update.micro_batches(batch, no_grad_rows(self.config, batch)):
+        recorder = self.router_recorder
+        for micro, counts in update.micro_batches(batch, no_grad_rows(self.config, batch, self.router_aux_loss_coef)):
             forward_only = micro.meta.get(FORWARD_ONLY, False)
             with torch.no_grad() if forward_only else contextlib.nullcontext():
-                log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
-                                                        with_entropy=True, max_logits_bytes=self.max_logits_bytes)
-                loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy)
+                with recorder.recording_forward() if recorder else contextlib.nullcontext():
+                    log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
+                                                            with_entropy=True, max_logits_bytes=self.max_logits_bytes)
+                router = recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only) if recorder \
+                    else None
+                loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
+                                           self.router_aux_loss_coef)
             if on_policy and "rollout_log_probs" in micro and not first_micro:
                 # compared after the update: reading it back here would stall the device mid-update
                 first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])

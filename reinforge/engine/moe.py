@@ -1,0 +1,198 @@
+"""Mixture-of-experts layers in training: grouped expert GEMMs, the router's load-balance metrics and aux loss.
+
+Qwen3-MoE, Mixtral, OLMoE and DeepSeek V2/V3 train through transformers' own MoE blocks: a router
+(``block.gate``, returning its logits, the top-k weights and the top-k expert ids) and the experts
+(``block.experts``, fused 3-D ``gate_up_proj`` and ``down_proj``). ``use_grouped_experts`` sets the
+experts' implementation to transformers' ``grouped_mm`` (transformers 5.17 and 5.24 alike): the
+(token, expert) pairs are sorted by expert and each projection is one grouped GEMM
+(``torch.nn.functional.grouped_mm`` on CUDA in bf16, CPU kernels in fp32), with no Python loop over
+experts. Under ``torch.compile`` transformers takes its per-expert loop for weights other than bf16;
+training on CUDA computes in bf16 (FSDP's mixed precision), so the compiled layers stay grouped.
+The router's numerics are transformers' own: nothing here changes what a router computes.
+
+``RouterRecorder`` hooks every router and, while it records (an update's forward), keeps a reference
+to each layer's logits and chosen experts; nothing runs in the hook, so a recomputed (checkpointed)
+layer stays identical and the host never waits. ``router_outputs`` turns them, after the forward,
+into device scalars: the load-balancing loss as transformers computes it for ``output_router_logits``
+(``num_experts`` x sum over experts of the share of top-k slots and the mean router probability, both
+pooled over all MoE layers), the load imbalance (most loaded expert's share over the mean share,
+averaged over layers) and the unused experts (experts no token chose, averaged over layers).
+Dropless routing drops no token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MLP blocks of an HF model: modules with a router ``gate`` and fused 3-D expert weights."""
+    blocks = []
+    for module in model.modules():
+        experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+        weight = getattr(experts, "down_proj", None)
+        if isinstance(gate, nn.Module) and isinstance(weight, Tensor) and weight.dim() == 3:
+            blocks.append(module)
+    return blocks
+
+
+def is_moe(model: nn.Module) -> bool:
+    return bool(moe_blocks(model))
+
+
+def use_grouped_experts(model: nn.Module) -> str | None:
+    """Run every expert MLP of ``model`` as grouped GEMMs; one line saying so, None for a dense model.
+
+    Raises when the installed transformers cannot dispatch the experts to ``grouped_mm`` (its loop over
+    experts would be the hot path).
+    """
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "grouped_mm":
+        setter = getattr(model, "set_experts_implementation", None)
+        if setter is None:
+            raise ValueError(f"{type(model).__name__} has mixture-of-experts layers but the installed transformers "
+                             "cannot select their grouped_mm implementation; install transformers>=5.17")
+        setter("grouped_mm")
+    experts = blocks[0].experts
+    return (f"{len(blocks)} mixture-of-experts layers of {experts.down_proj.shape[0]} experts run as grouped GEMMs "
+            "(transformers' grouped_mm, tokens sorted by expert)")
+
+
+def without_router_logits_output(model: nn.Module) -> bool:
+    """Make ``model``'s forward default to ``output_router_logits=False`` (returns whether it takes that argument).
+
+    A config with ``output_router_logits: true`` makes every transformers forward keep all layers' router
+    logits and compute its aux loss against the attention mask, which a packed pass does not have; the
+    recorder computes the same loss itself. The config stays as it is, so exported checkpoints keep it.
+    """
+    import inspect
+
+    forward = model.forward
+    if "output_router_logits" not in inspect.signature(forward).parameters:
+        return False
+
+    def forward_without_router_logits(*args, **kwargs):
+        kwargs.setdefault("output_router_logits", False)
+        return forward(*args, **kwargs)
+
+    model.forward = forward_without_router_logits
+    return True
+
+
+def prepare_moe_training(model: nn.Module) -> tuple[RouterRecorder | None, str | None]:
+    """For a MoE model: grouped experts, no router logits in the forward's outputs, and a ``RouterRecorder``
+    on its routers, with one line saying what runs; (None, None) for a dense model. Run before compiling."""
+    line = use_grouped_experts(model)
+    if line is None:
+        return None, None
+    without_router_logits_output(model)
+    return RouterRecorder(model), line
+
+
+@dataclass
+class RouterOutputs:
+    """One forward's router statistics, device scalars (no host sync)."""
+
+    aux_loss: Tensor
+    """transformers' load-balancing loss over all MoE layers (with grad when it was asked for)."""
+    load_imbalance: Tensor
+    """The most loaded expert's share of top-k slots over the mean share, averaged over layers (1: balanced)."""
+    unused_experts: Tensor
+    """Experts no token chose, averaged over layers."""
+
+
+class RouterRecorder:
+    """Forward hooks on the routers of ``model``'s MoE blocks; they keep references while ``recording()``.
+
+    Register before ``torch.compile`` wraps the decoder layers, so the compiled graphs contain the hooks.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.routers = [block.gate for block in moe_blocks(model)]
+        self.recording = False
+        self.captured: list[tuple[Tensor, Tensor]] = []
+        self.handles = [router.register_forward_hook(self._keep) for router in self.routers]
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> RouterRecorder | None:
+        """A recorder on ``model``'s routers, or None for a dense model."""
+        return cls(model) if is_moe(model) else None
+
+    def _keep(self, module: nn.Module, args, output) -> None:
+        if self.recording and isinstance(output, tuple) and len(output) >= 3:
+            self.captured.append((output[0], output[2]))  # (tokens, experts) logits, (tokens, top_k) expert ids
+
+    @contextlib.contextmanager
+    def recording_forward(self) -> Iterator[None]:
+        """Record the routers of the forwards run inside (not their recomputation in the backward)."""
+        self.captured = []
+        self.recording = True
+        try:
+            yield
+        finally:
+            self.recording = False
+
+    def take(self, with_grad: bool) -> RouterOutputs | None:
+        """The statistics of what was recorded (then forgotten); None when no router ran."""
+        captured, self.captured = self.captured, []
+        if not captured:
+            return None
+        return router_outputs([logits for logits, _ in captured], [ids for _, ids in captured], with_grad)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def expert_counts(expert_ids: Tensor, num_experts: int) -> Tensor:
+    """(num_experts,) float32: top-k slots that chose each expert; ``expert_ids`` (tokens, top_k)."""
+    flat = expert_ids.reshape(-1).long()
+    return torch.zeros(num_experts, dtype=torch.float32, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.float32))
+
+
+def load_balancing_loss(router_logits: list[Tensor], top_k: int) -> Tensor:
+    """transformers' ``load_balancing_loss_func`` without a mask: over the layers' (tokens, experts) logits,
+    num_experts x sum_e (top-k slots of expert e / rows) x (router probability of e summed / rows)."""
+    num_experts = router_logits[0].shape[-1]
+    slots = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    probs = torch.zeros_like(slots)
+    rows = 0
+    for logits in router_logits:
+        routing = torch.softmax(logits, dim=-1)
+        chosen = torch.topk(routing, top_k, dim=-1).indices
+        slots = slots + expert_counts(chosen, num_experts)
+        probs = probs + routing.float().sum(dim=0)
+        rows += logits.shape[0]
+    return num_experts * torch.sum((slots / rows) * (probs / rows))
+
+
+def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_grad: bool) -> RouterOutputs:
+    """Aux loss, load imbalance and unused experts of one forward's MoE layers (``RouterOutputs``)."""
+    top_k = expert_ids[0].shape[-1]
+    logits = router_logits if with_grad else [tensor.detach() for tensor in router_logits]
+    aux_loss = load_balancing_loss(logits, top_k)
+    num_experts = router_logits[0].shape[-1]
+    counts = torch.stack([expert_counts(ids, num_experts) for ids in expert_ids])  # (layers, experts)
+    mean = counts.sum(dim=1) / num_experts
+    imbalance = (counts.max(dim=1).values / mean.clamp(min=1e-9)).mean()
+    unused = (counts == 0).float().sum(dim=1).mean()
+    return RouterOutputs(aux_loss=aux_loss, load_imbalance=imbalance, unused_experts=unused)
+
+
+def router_aux_loss_coef(model_config, configured: float | None) -> float:
+    """The aux loss's weight: ``actor.router_aux_loss_coef`` when set, else the model config's
+    ``router_aux_loss_coef`` when its ``output_router_logits`` is true, else 0."""
+    if configured is not None:
+        return float(configured)
+    if getattr(model_config, "output_router_logits", False):
+        return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+    return 0.0

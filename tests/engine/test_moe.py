@@ -1,0 +1,195 @@
+"""Mixture-of-experts training (engine.moe): grouped experts, router statistics, the aux loss; fp32 on the CPU."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from reinforge.config.schema import Config
+from reinforge.engine.moe import (
+    RouterRecorder,
+    is_moe,
+    load_balancing_loss,
+    router_aux_loss_coef,
+    router_outputs,
+    use_grouped_experts,
+)
+from reinforge.engine.train_step import MiniBatchCounts
+from reinforge.protocol import Batch
+from reinforge.workers.actor_loss import actor_loss, no_grad_rows
+
+_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               intermediate_size=48, pad_token_id=0, eos_token_id=1, bos_token_id=1)
+_MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
+            moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1)
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+    "deepseek_v2": dict(_MLA, num_experts_per_tok=2, q_lora_rank=None, topk_method="group_limited_greedy"),
+    "deepseek_v3": dict(_MLA, num_experts_per_tok=2, q_lora_rank=16),
+}
+"""Two layers, 8 experts, top-2 (DeepSeek: the first layer dense, one shared expert, two expert groups)."""
+
+
+def tiny_moe(model_type: str, experts_implementation: str = "eager", **overrides):
+    config = AutoConfig.for_model(model_type, **(_COMMON | TINY_MOE[model_type] | overrides))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=experts_implementation)
+    with torch.no_grad():
+        for parameter in model.parameters():  # transformers initialises routers and experts to near zero
+            if parameter.dim() > 1:
+                parameter.normal_(std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_MOE))
+def test_grouped_experts_equal_transformers_loop_over_experts_output_and_gradients(model_type):
+    model = tiny_moe(model_type)
+    input_ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model.zero_grad()
+        logits = model(input_ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    looped, looped_grads = run()
+    assert model.config._experts_implementation == "eager"
+    line = use_grouped_experts(model)
+    assert model.config._experts_implementation == "grouped_mm" and "grouped GEMMs" in line
+    grouped, grouped_grads = run()
+    torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
+    assert grouped_grads.keys() == looped_grads.keys()
+    assert any(".experts." in name for name in grouped_grads)
+    for name, grad in grouped_grads.items():
+        torch.testing.assert_close(grad, looped_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_dense_models_are_left_as_they_are(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not is_moe(model) and use_grouped_experts(model) is None and RouterRecorder.attach(model) is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_recorded_aux_loss_is_transformers_load_balancing_loss(model_type):
+    model = tiny_moe(model_type, experts_implementation="grouped_mm", output_router_logits=True,
+                     router_aux_loss_coef=0.01)
+    input_ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    recorder = RouterRecorder(model)
+    with recorder.recording_forward():
+        outputs = model(input_ids, labels=input_ids)
+    recorded = recorder.take(with_grad=True)
+    assert recorded is not None and len(recorder.routers) == 2
+    torch.testing.assert_close(recorded.aux_loss, outputs.aux_loss, atol=1e-6, rtol=1e-6)
+    outputs_again = model(input_ids)  # not recording: nothing kept
+    assert outputs_again is not None and recorder.take(with_grad=False) is None
+
+
+def test_router_metrics_of_a_hand_built_routing():
+    # layer 1: 4 tokens, top-2 over 4 experts; slots per expert 3, 3, 2, 0 -> max 3 over mean 2, one unused
+    first = torch.tensor([[0, 1], [0, 1], [0, 2], [1, 2]])
+    # layer 2: slots 2, 2, 2, 2 -> balanced, none unused
+    second = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    logits = [torch.zeros(4, 4), torch.zeros(4, 4)]
+    outputs = router_outputs(logits, [first, second], with_grad=False)
+    assert outputs.load_imbalance.item() == pytest.approx((1.5 + 1.0) / 2)
+    assert outputs.unused_experts.item() == pytest.approx(0.5)
+    # uniform router probabilities: aux = E x sum_e share_e x 1/E = sum of the top-k shares = top_k
+    assert outputs.aux_loss.item() == pytest.approx(2.0)
+    # one expert takes every probability and every first slot: E x (1/2) x 1 = 2 for a top-1 loss of 4 experts
+    peaked = torch.tensor([[30.0, 0, 0, 0]]).repeat(4, 1)
+    assert load_balancing_loss([peaked], top_k=1).item() == pytest.approx(4.0, rel=1e-6)
+
+
+def _micro_batch() -> tuple[Batch, MiniBatchCounts]:
+    mask = torch.ones(2, 3)
+    micro = Batch.from_dict(tensors={"response_mask": mask, "advantages": torch.zeros(2, 3)})
+    return micro, MiniBatchCounts(num_tokens=12.0, num_sequences=4.0, max_response_length=3)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_aux_loss_reaches_the_gradient_only_when_its_weight_is_not_zero(coef):
+    model = tiny_moe("qwen3_moe", experts_implementation="grouped_mm")
+    recorder = RouterRecorder(model)
+    input_ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(2))
+    with recorder.recording_forward():
+        logits = model(input_ids).logits
+    router = recorder.take(with_grad=bool(coef))
+    log_probs = torch.log_softmax(logits[0, :6].float(), -1)[:, 0].reshape(2, 3)
+    micro, counts = _micro_batch()  # every advantage 0: the policy loss gives no gradient at all
+    config = Config()
+    loss, metrics = actor_loss(config, micro, counts, log_probs, torch.zeros(2, 3), True, router, coef)
+    assert metrics["moe/aux_loss"].item() == pytest.approx(router.aux_loss.item() * 6 / 12)
+    assert metrics["moe/load_imbalance"].item() >= 1.0
+    loss.backward()
+    router_grads = [router.weight.grad for router in recorder.routers]
+    if coef:
+        assert all(grad is not None and grad.abs().sum() > 0 for grad in router_grads)
+    else:
+        assert all(grad is None or grad.abs().sum() == 0 for grad in router_grads)
+
+
+def test_aux_loss_weight_comes_from_the_model_config_unless_set():
+    config = AutoConfig.for_model("qwen3_moe", router_aux_loss_coef=0.02, output_router_logits=False)
+    assert router_aux_loss_coef(config, None) == 0.0
+    config.output_router_logits = True
+    assert router_aux_loss_coef(config, None) == 0.02
+    assert router_aux_loss_coef(config, 0.0) == 0.0 and router_aux_loss_coef(config, 0.1) == 0.1
+    batch = Batch.from_dict(tensors={"advantages": torch.zeros(2, 3), "response_mask": torch.ones(2, 3)})
+    assert no_grad_rows(Config(), batch) is not None
+    assert no_grad_rows(Config(), batch, router_aux_loss_coef=0.02) is None  # the aux loss trains every row
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_actor_update_of_a_moe_model_logs_router_metrics(tmp_path, checkpointed):
+    from reinforge.models import build_char_tokenizer
+    from reinforge.models.export import save_hf_folder
+    from reinforge.workers.actor_rollout import ActorRolloutWorker
+    from tests.workers.test_actor_rollout import scored_batch
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_moe("qwen3_moe", vocab_size=len(tokenizer), output_router_logits=True, router_aux_loss_coef=0.01)
+    folder = save_hf_folder(model, tokenizer, tmp_path / "moe")
+    config = Config()
+    config.model.path, config.trainer.device = str(folder), "cpu"
+    config.data.train_batch_size, config.actor.max_tokens_per_micro_batch = 3, 12
+    config.model.gradient_checkpointing = checkpointed  # recomputed layers run their routers again
+    worker = ActorRolloutWorker(config, total_training_steps=2)
+    assert worker.router_aux_loss_coef == 0.01 and worker.model.config._experts_implementation == "grouped_mm"
+    metrics = worker.update_actor(scored_batch())
+    assert metrics["actor/moe/aux_loss"] > 0 and metrics["actor/moe/load_imbalance"] >= 1.0
+    assert 0 <= metrics["actor/moe/unused_experts"] < 8
+    assert metrics["actor/grad_norm"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "deepseek_v3"])
+def test_grouped_experts_on_cuda_in_bf16_match_the_loop(model_type):
+    model = tiny_moe(model_type).cuda().to(torch.bfloat16)
+    input_ids = torch.randint(0, 64, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        looped = model(input_ids).logits.float()
+        use_grouped_experts(model)
+        grouped = model(input_ids).logits.float()
+    torch.testing.assert_close(grouped, looped, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_compiled_moe_layer_records_its_router_without_graph_breaks():
+    import torch._dynamo
+
+    from reinforge.engine.fsdp import decoder_layers
+
+    model = tiny_moe("qwen3_moe", experts_implementation="grouped_mm").cuda().to(torch.bfloat16)
+    recorder = RouterRecorder(model)
+    layer = decoder_layers(model)[0]
+    hidden = torch.randn(1, 32, 32, device="cuda", dtype=torch.bfloat16)
+    position_ids = torch.arange(32, device="cuda")[None]
+    embeddings = model.model.rotary_emb(hidden, position_ids)
+    explained = torch._dynamo.explain(layer)(hidden, position_embeddings=embeddings, attention_mask=None,
+                                             position_ids=position_ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(layer, dynamic=True)
+    with recorder.recording_forward():
+        compiled(hidden, position_embeddings=embeddings, attention_mask=None, position_ids=position_ids)
+    assert recorder.take(with_grad=False) is not None
