@@ -322,6 +322,60 @@ class OverlongBufferConfig:
     """The penalty of a response that fills data.max_response_length."""
 
 
+COMBINE_MODES = ("replace", "sum", "gate")
+"""The values of reward.combine.mode."""
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence- or token-classification model (num_labels=1) scoring each response at its last token (verl's
+    reward_model); its worker shares the devices with the actor and keeps its weights on the host between calls."""
+
+    enable: bool = False
+    """Score the responses with the model at model_path (reward.combine says how its score meets the rule's)."""
+    model_path: Optional[str] = None
+    """Folder or hub id of an AutoModelForSequenceClassification or AutoModelForTokenClassification with num_labels=1
+    (a folder written by ``reinforge rm`` is one)."""
+    input_tokenizer: Optional[str] = "auto"
+    """The tokenizer the policy's responses are decoded with when the reward model's tokenizer or chat template
+    differs from it: the response is re-rendered in the reward model's chat template. auto: the policy's
+    (model.tokenizer_path or model.path); null: never re-render, the reward model reads the policy's token ids."""
+    max_length: Optional[int] = None
+    """Tokens the reward model reads per sample (prompt and response); longer inputs are cut on the right and
+    counted in reward_model/truncated. None: data.max_prompt_length + data.max_response_length."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget of one scoring forward (packed, no padding); None: actor.max_tokens_per_micro_batch."""
+    offload: bool = True
+    """Keep the weights on the host between scoring calls (they are copied to the device for each call), so the
+    rollout and the update have the device without them; false keeps them on the device."""
+    trust_remote_code: bool = False
+    """Let transformers run the Python code of the reward model's repository."""
+    enable_resource_pool: bool = False
+    """trainer.backend=ray: run the reward model on a pool of its own (nnodes x n_gpus_per_node devices) instead of
+    the actor's devices."""
+    n_gpus_per_node: int = 1
+    """Devices per node of the reward model's own pool (with enable_resource_pool)."""
+    nnodes: int = 1
+    """Nodes of the reward model's own pool (with enable_resource_pool)."""
+
+
+@dataclass
+class RewardCombineConfig:
+    """How the reward model's score and the rule-based score make the training score."""
+
+    mode: str = "replace"
+    """replace: the reward model's score alone (verl's behaviour; the rule-based scorer is not run in training);
+    sum: rm_weight x the reward model's score + rule_weight x the rule's; gate: the reward model's score where the
+    rule's score exceeds gate_threshold, else the rule's score."""
+    rm_weight: float = 1.0
+    """sum: weight of the reward model's score."""
+    rule_weight: float = 1.0
+    """sum: weight of the rule-based score."""
+    gate_threshold: float = 0.0
+    """gate: a sample passes when its rule-based score is above this (the built-in scorers give 1 for a correct
+    answer and 0 otherwise)."""
+
+
 @dataclass
 class RewardConfig:
     custom_function: Optional[str] = None
@@ -345,6 +399,8 @@ class RewardConfig:
     """ReTool's shaping for tool use: a wrong answer (acc false, or a score <= 0 without acc) scores
     min(-0.6, -1 + 0.05 * (num_turns - 2)), so each tool call (two turns) adds 0.1 up to -0.6."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
 
 
 @dataclass

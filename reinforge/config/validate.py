@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import (
+    COMBINE_MODES,
     FILTER_METRICS,
     TRUNCATION_MODES,
     Config,
@@ -162,6 +163,7 @@ def validate_config(config: Config) -> None:
                           f"(math-verify's needs about 64 MB); set at least {MIN_SCORER_MEMORY_MB}, or null for no cap")
     _finite("reward.max_abs_score", config.reward.max_abs_score, at_least=0.0,
             fix=" (scores beyond +-it are warned about)")
+    validate_reward_model(config)
     if trainer.num_logged_samples < 0:
         raise ConfigError(f"trainer.num_logged_samples={trainer.num_logged_samples} must be 0 (none) or more")
     _check_timeout("trainer.call_timeout_s", trainer.call_timeout_s, "seconds one worker call may take; 3600 is the "
@@ -377,3 +379,38 @@ def _check_modes(config: Config) -> None:
     if trainer.mode == "async" and config.algorithm.adv_estimator == "remax":
         raise ConfigError("algorithm.adv_estimator=remax needs a greedy rollout per step, which trainer.mode=async "
                           "does not run; use trainer.mode=sync or one_step_off, or another estimator")
+
+
+def validate_reward_model(config: Config) -> None:
+    """reward.reward_model and reward.combine: a model to load when enabled, sizes that make sense, weights that
+    are numbers, and a pool of its own only where there are devices to place it on."""
+    reward_model, combine = config.reward.reward_model, config.reward.combine
+    choose("reward.combine.mode", combine.mode, COMBINE_MODES)
+    for key in ("rm_weight", "rule_weight", "gate_threshold"):
+        _finite(f"reward.combine.{key}", getattr(combine, key))
+    if not reward_model.enable:
+        if combine.mode != "replace":
+            raise ConfigError(f"reward.combine.mode={combine.mode} combines the reward model's score with the rule's, "
+                              "but reward.reward_model.enable=false; set reward.reward_model.enable=true and "
+                              "reward.reward_model.model_path, or remove reward.combine.mode")
+        return
+    if not reward_model.model_path:
+        raise ConfigError("reward.reward_model.enable=true but reward.reward_model.model_path is not set; pass "
+                          "reward.reward_model.model_path=/path/to/reward_model (a sequence-classification folder)")
+    if combine.mode == "replace" and config.reward.overlong_buffer.enable:
+        raise ConfigError("reward.overlong_buffer.enable=true shapes the rule-based score, which "
+                          "reward.combine.mode=replace leaves out; set reward.combine.mode=sum (rule_weight weighs the "
+                          "rule's score and its penalty) or reward.overlong_buffer.enable=false")
+    for key in ("max_length", "max_tokens_per_micro_batch"):
+        value = getattr(reward_model, key)
+        if value is not None and value < 2:
+            raise ConfigError(f"reward.reward_model.{key}={value} must be at least 2 tokens, or null (the default)")
+    if reward_model.enable_resource_pool:
+        if config.trainer.backend != "ray":
+            raise ConfigError("reward.reward_model.enable_resource_pool=true places the reward model on devices of "
+                              "its own, which needs trainer.backend=ray; set it, or enable_resource_pool=false to "
+                              "share the actor's device")
+        for key in ("n_gpus_per_node", "nnodes"):
+            if getattr(reward_model, key) < 1:
+                raise ConfigError(f"reward.reward_model.{key}={getattr(reward_model, key)} must be at least 1 "
+                                  "(the reward model's own pool)")

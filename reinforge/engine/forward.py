@@ -1,4 +1,4 @@
-"""Forward passes over packed micro-batches: response log-probs, entropy, values.
+"""Forward passes over packed micro-batches: response log-probs, entropy, values, reward-model scores.
 
 Every pass packs the micro-batch's attended tokens into one row (``engine.packing``; a prompt
 shared by several samples once, when the micro-batch's plan says so) and runs the model with
@@ -108,6 +108,23 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     return unpack_responses(values, packed)
 
 
+def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
+    """The classification head at each sequence's last attended token (B, 1), float32.
+
+    ``model`` is a ``*ForSequenceClassification`` or ``*ForTokenClassification`` (a reward model): its backbone
+    (``base_model``) runs over the packed row and its ``score`` head reads only the last tokens.
+    """
+    backbone = model.base_model
+    _check_varlen(backbone.config)
+    packed = pack_rows(micro)
+    outputs = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                       attention_mask=_no_mask(backbone.config, packed.input_ids.device), use_cache=False,
+                       **_attention_kwargs(packed, layer_compute_dtype(backbone)))
+    hidden = outputs.last_hidden_state[0, packed.last_index]
+    head = model.score
+    return head(hidden.to(head.weight.dtype)).float()
+
+
 class ScoringPass:
     """Scoring of a batch in token-balanced micro-batches, in eval mode and without grad; the caller runs each
     forward, one call away from the model:
@@ -118,7 +135,8 @@ class ScoringPass:
         log_probs, entropy = scoring.outputs()
 
     Each output added (rows, <= R) comes back from ``outputs`` as one (B, R) tensor in batch order;
-    the parameters are resharded on leaving. The scoring loop of the actor, the reference and the critic.
+    the parameters are resharded on leaving. The scoring loop of the actor, the reference, the critic and the
+    reward model.
     """
 
     def __init__(self, model: nn.Module, batch: Batch, max_tokens: int, device: torch.device):

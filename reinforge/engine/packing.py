@@ -54,6 +54,8 @@ class PackingPlan:
     response_index: Tensor
     """(response tokens,): flat index into (B, R) of each real response token, row-major."""
     response_shape: tuple[int, int]
+    last_index: Tensor
+    """(B,): packed position of each row's last attended token (a classification head reads it)."""
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +83,8 @@ class PackedRows:
     """(response tokens,): the response token ids themselves."""
     response_index: Tensor
     response_shape: tuple[int, int]
+    last_index: Tensor
+    """(B,): packed position of each row's last attended token."""
 
     def attention_kwargs(self, with_lengths: bool = True) -> dict:
         """Keyword arguments of an HF forward that route attention through the varlen path.
@@ -131,6 +135,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
     sources, positions, kv_parts = [], [], []
     query_lengths, key_lengths = [], []
     predictors: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_rows
+    last = np.zeros(num_rows, dtype=np.int64)
     cursor = 0
     for rows in groups:
         prompt_tokens = len(prompt_at[rows[0]])
@@ -142,6 +147,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
             query_lengths.append(prompt_tokens + response_tokens)
             predictors[row] = np.arange(cursor + prompt_tokens - 1, cursor + prompt_tokens + response_tokens - 1)
             cursor += prompt_tokens + response_tokens
+            last[row] = cursor - 1
             continue
         prompt_span = np.arange(cursor, cursor + prompt_tokens)
         sources.append(prompt_at[rows[0]])
@@ -152,6 +158,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
         cursor += prompt_tokens
         for row in rows:
             response_tokens = len(response_at[row])
+            last[row] = prompt_span[-1]
             if response_tokens == 0:
                 continue
             response_span = np.arange(cursor, cursor + response_tokens)
@@ -162,6 +169,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
             kv_parts += [prompt_span, response_span]
             predictors[row] = np.concatenate([prompt_span[-1:], response_span[:-1]])
             cursor += response_tokens
+            last[row] = cursor - 1
     response_flat = np.arange(num_rows * response_width).reshape(num_rows, response_width)
     return PackingPlan(
         source_index=torch.from_numpy(np.concatenate(sources).astype(np.int64)),
@@ -170,7 +178,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
         kv_index=torch.from_numpy(np.concatenate(kv_parts).astype(np.int64)) if shared else None,
         predictor_index=torch.from_numpy(np.concatenate(predictors).astype(np.int64)),
         response_index=torch.from_numpy(response_flat[attention[:, prompt_width:]].astype(np.int64)),
-        response_shape=(num_rows, response_width))
+        response_shape=(num_rows, response_width), last_index=torch.from_numpy(last))
 
 
 def attach_plan(batch: Batch, share_prompts: bool = False) -> Batch:
@@ -202,7 +210,8 @@ def pack_rows(micro: Batch) -> PackedRows:
         lengths=plan.query_lengths, key_lengths=plan.key_lengths, max_length=max(plan.query_lengths),
         max_key_length=max(plan.key_lengths), predictor_index=moved(plan.predictor_index),
         response_targets=micro["responses"].reshape(-1)[moved(plan.response_index)],
-        response_index=moved(plan.response_index), response_shape=plan.response_shape)
+        response_index=moved(plan.response_index), response_shape=plan.response_shape,
+        last_index=moved(plan.last_index))
 
 
 def unpack_responses(values: Tensor, packed: PackedRows) -> Tensor:

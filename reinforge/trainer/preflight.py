@@ -37,6 +37,7 @@ from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
+from reinforge.models.reward_model import check_reward_model
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
 from reinforge.trainer.ineffective_settings import warn_ineffective_settings
@@ -177,6 +178,7 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
     check_devices(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
+    check_reward_model_settings(config)
     apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
@@ -188,7 +190,8 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
                                trust_remote_code=config.model.trust_remote_code)
     schemas = [tool.schema for tool in tools.values()]
     train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
-    check_rows_can_be_scored(train_set, config.reward, custom_scorer)
+    if not (config.reward.reward_model.enable and config.reward.combine.mode == "replace"):  # else no rule scores
+        check_rows_can_be_scored(train_set, config.reward, custom_scorer)
     check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
                       for example in train_set.examples), tools)
     if config.trainer.mode == "async":  # its rollouter runs no agent loop
@@ -202,6 +205,21 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
     check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
                       for example in dataset.examples), tokenizer, config.data.chat_template)
     return Checked(tokenizer, tools, custom_scorer, train_set, val_set)
+
+
+def check_reward_model_settings(config: Config) -> None:
+    """With reward.reward_model.enable: its model is a classification model with num_labels=1, of an architecture
+    the packed passes support (read from its config.json, before any model loads)."""
+    from reinforge.engine.fused import ADAPTERS
+
+    settings = config.reward.reward_model
+    if not settings.enable:
+        return
+    _, model_type = check_reward_model(settings.model_path, settings.trust_remote_code)
+    if model_type not in ADAPTERS:
+        raise ConfigError(f"reward.reward_model.model_path={settings.model_path} is a {model_type!r} model, which "
+                          f"reinforge's packed passes do not support; use a reward model of type "
+                          f"{', '.join(sorted(ADAPTERS))}")
 
 
 def preflight_sft(config: SFTConfig) -> None:

@@ -31,6 +31,8 @@ from reinforge.config import Config, config_to_dict
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, get_pad_token_id
 from reinforge.protocol import Batch
+from reinforge.reward.combine import combine_scores
+from reinforge.reward.manager import place_on_last_token
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
@@ -44,6 +46,7 @@ from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
 from reinforge.workers.reference import ReferenceWorker
 from reinforge.workers.reward import RewardWorker
+from reinforge.workers.reward_model import RewardModelWorker
 
 
 class RLTrainer(TrainingRun):
@@ -81,6 +84,8 @@ class RLTrainer(TrainingRun):
         self.critic = (build_group(CriticWorker, config, self.total_steps, role="critic")
                        if critic_enabled(config) else None)
         self.reward = build_group(RewardWorker, config, role="reward")
+        self.reward_model = (build_group(RewardModelWorker, config, role="reward_model")
+                             if config.reward.reward_model.enable else None)
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
                                project=config.trainer.project_name, experiment=config.trainer.experiment_name)
@@ -166,6 +171,8 @@ class RLTrainer(TrainingRun):
                 metrics |= self.actor_rollout.update_actor(batch)
         timing["step"] = time.perf_counter() - step_start
 
+        if "reward_model" in timing:
+            metrics["reward_model/share_of_step"] = timing["reward_model"] / max(timing["step"], 1e-9)
         metrics |= compute_data_metrics(batch, config.data.max_response_length)
         metrics |= mean_of_extras(reward_extras(batch))
         metrics |= batch.meta.get("reward_metrics", {})
@@ -213,11 +220,33 @@ class RLTrainer(TrainingRun):
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
         with _timed(timing, "reward"):
-            batch = batch | self.reward.score(batch)
+            batch = batch | self.score(batch, timing)
         if algorithm.filter_groups.enable and algorithm.filter_groups.metric == "seq_final_reward":
             batch = self._add_log_probs(batch, timing)
             self._add_rewards(batch, metrics)
         return batch
+
+    def score(self, batch: Batch, timing: dict[str, float] | None = None) -> Batch:
+        """token_level_scores of generated samples: the rule-based scorer's, or with a reward model, its score
+        (reward.combine.mode=replace, the rule-based scorer not run) or its combination with the rule's, which is
+        computed meanwhile. The reward model's time goes to ``timing["reward_model"]``."""
+        if self.reward_model is None:
+            return self.reward.score(batch)
+        combine = self.config.reward.combine
+        rule_call = self.reward.score.async_call(batch) if combine.mode != "replace" else None
+        with _timed(timing if timing is not None else {}, "reward_model"):
+            scored = self.reward_model.compute_rm_score(batch)
+        rule = rule_call.result() if rule_call is not None else None
+        rm_scores = scored["rm_scores"].sum(-1)
+        scores = combine_scores(rm_scores, None if rule is None else rule["token_level_scores"].sum(-1), combine)
+        result = rule if rule is not None else Batch()
+        result["token_level_scores"] = place_on_last_token(scores, batch["response_mask"].cpu()).to(
+            batch["responses"].device)
+        result["rm_scores"], result["rm_truncated"] = scored["rm_scores"], scored["rm_truncated"]
+        result.meta["reward_metrics"] = {**result.meta.get("reward_metrics", {}),
+                                         "reward_model/score/mean": float(rm_scores.mean()),
+                                         "reward_model/truncated": float(scored["rm_truncated"].sum())}
+        return result
 
     def _add_log_probs(self, batch: Batch, timing: dict[str, float]) -> Batch:
         """Old and reference log-probs and values, where the step needs them and the batch lacks them."""
@@ -256,7 +285,7 @@ class RLTrainer(TrainingRun):
         """ReMax's baseline: the score of each prompt's greedy response, broadcast to its samples."""
         greedy_sampling = replace(self.sampling(), temperature=0.0)
         greedy = without_prompt_tensors(prompts) | self.actor_rollout.generate(prompts, greedy_sampling, 0)
-        scores = self.reward.score(greedy)["token_level_scores"].sum(-1)
+        scores = self.score(greedy)["token_level_scores"].sum(-1)
         return scores.repeat_interleave(self.config.rollout.n)
 
     def _log_samples(self, batch: Batch) -> None:
@@ -293,7 +322,7 @@ class RLTrainer(TrainingRun):
         scores, the actor's log-probs, this trainer's step and weight sync."""
         generator = self.rollout if self.rollout is not None else self.actor_rollout
         return TrainerCalls(next_prompts=self.next_prompts, generate=generator.generate.async_call,
-                            score=self.reward.score, compute_log_prob=self.actor_rollout.compute_log_prob,
+                            score=self.score, compute_log_prob=self.actor_rollout.compute_log_prob,
                             train_on_batch=self.train_on_batch, sync_rollout_weights=self.sync_rollout_weights,
                             trained_steps=lambda: self.step, sampling=self.sampling(), pad_token_id=self.pad_token_id,
                             run_dir=self.run_dir)
@@ -357,14 +386,14 @@ class RLTrainer(TrainingRun):
         if self.mode is not None:
             self.mode.stop()
         reference = self.reference if self.reference is not self.actor_rollout else None
-        for group in (self.actor_rollout, reference, self.critic, self.reward, self.rollout):
+        for group in (self.actor_rollout, reference, self.critic, self.reward, self.reward_model, self.rollout):
             if group is not None:
                 group.shutdown(wait_s)
         self.tracker.close()
         self.release_run_folder()
 
 
-ROLES = ("actor_rollout", "ref", "critic", "reward", "rollout")
+ROLES = ("actor_rollout", "ref", "critic", "reward", "reward_model", "rollout")
 STOP_WAIT_S = 2.0
 """After SIGTERM or Ctrl-C, how long a worker's running call (a step, a batch of slow scorers) may take to end."""
 
@@ -377,8 +406,12 @@ RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "cr
 
 def default_placement(config: Config) -> RolePlacement:
     """Every role on one pool of trainer.nnodes x trainer.devices_per_node devices: the hybrid-engine layout."""
-    trainer = config.trainer
-    return RolePlacement.colocated(ROLES, ResourcePool("global", [trainer.devices_per_node] * trainer.nnodes))
+    trainer, reward_model = config.trainer, config.reward.reward_model
+    placement = RolePlacement.colocated(ROLES, ResourcePool("global", [trainer.devices_per_node] * trainer.nnodes))
+    if reward_model.enable and reward_model.enable_resource_pool:  # verl's standalone reward-model pool
+        placement.pools["reward_model"] = ResourcePool("reward_model", [reward_model.n_gpus_per_node] * reward_model.nnodes)
+        placement.role_to_pool["reward_model"] = "reward_model"
+    return placement
 
 
 def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> Callable[..., WorkerGroup]:

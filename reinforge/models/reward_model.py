@@ -1,0 +1,76 @@
+"""Loading a reward model: a sequence- or token-classification model with one output.
+
+``check_reward_model`` reads only the folder's ``config.json`` (and the hub's, for a hub id), so
+a wrong path, a causal LM or a classifier of several labels is refused in one line before any
+weight loads. ``load_reward_model`` then builds the model with the Auto class its config names.
+Both heads are called ``score`` in transformers (the token head adds a bias); the reward worker
+reads the head at the last token of each sequence, as verl's reward model does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    PreTrainedModel,
+)
+
+from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path
+
+KEY = "reward.reward_model.model_path"
+HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
+         "ForTokenClassification": AutoModelForTokenClassification}
+"""The ending of an architecture's name in config.json and the Auto class that loads it."""
+
+
+def _local(path: str) -> str:
+    """A local folder checked as a model folder (errors name the reward model's key), or the hub id itself."""
+    if not is_local_path(path):
+        return path
+    try:
+        check_model_folder(path)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(str(error).replace("model.path", KEY) if "model.path" in str(error)
+                                else f"{error} ({KEY})") from None
+    return str(Path(path).expanduser())
+
+
+def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type, str]:
+    """(the Auto class that loads the reward model at ``path``, its model_type); raises ValueError (one line) when
+    it is not a classification model with num_labels=1."""
+    path = _local(path)
+    with hub_errors_explained(path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    architectures = list(getattr(config, "architectures", None) or [])
+    heads = [(name, auto) for name in architectures for ending, auto in HEADS.items() if name.endswith(ending)]
+    if not heads:
+        found = ", ".join(architectures) or "no architectures entry"
+        raise ValueError(f"{KEY}={path} is not a classification model ({found} in its config.json); the reward "
+                         "model must be an AutoModelForSequenceClassification or AutoModelForTokenClassification "
+                         "folder with num_labels=1, such as one `reinforge rm` exports")
+    if config.num_labels != 1:
+        raise ValueError(f"{KEY}={path} has num_labels={config.num_labels} ({heads[0][0]}); a reward model gives one "
+                         "score per sequence: use a model saved with num_labels=1")
+    return heads[0][1], str(getattr(config, "model_type", ""))
+
+
+def load_reward_model(path: str, *, dtype: torch.dtype, device: torch.device | str,
+                      trust_remote_code: bool = False) -> PreTrainedModel:
+    """The reward model at ``path`` in ``dtype`` on ``device``, use_cache off, in eval mode and frozen."""
+    auto_class, _ = check_reward_model(path, trust_remote_code)
+    path = _local(path)
+    device = torch.device(device)
+    placement = {"device_map": {"": device}} if device.type != "cpu" else {}
+    with hub_errors_explained(path):
+        model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **placement)
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        raise ValueError(f"{KEY}={path} loads as {type(model).__name__}, whose head is not a linear layer named "
+                         "'score'; reinforge reads reward models of transformers' classification classes")
+    model.to(device)
+    model.config.use_cache = False
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,30 @@
+"""The training score from a reward model's score and a rule-based score (``reward.combine``).
+
+verl replaces the rule-based score by the reward model's whenever a reward model is on, and
+combining the two takes a custom reward function there. Here ``reward.combine.mode`` says it:
+``replace`` (verl's), ``sum`` (``rm_weight x rm + rule_weight x rule``) or ``gate`` (the reward
+model's score where the rule passes, ``rule > gate_threshold``, else the rule's score: a wrong
+answer cannot be talked up by a reward model that likes its style).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from reinforge.config.schema import RewardCombineConfig
+
+
+def combine_scores(rm_scores: Tensor, rule_scores: Tensor | None, config: RewardCombineConfig) -> Tensor:
+    """Per-sample training scores (B,) float32 from the reward model's (B,) and the rule's (B,; None in replace)."""
+    rm_scores = rm_scores.float()
+    if config.mode == "replace":
+        return rm_scores
+    if rule_scores is None:
+        raise ValueError(f"reward.combine.mode={config.mode} needs the rule-based scores")
+    rule_scores = rule_scores.float()
+    if config.mode == "sum":
+        return config.rm_weight * rm_scores + config.rule_weight * rule_scores
+    if config.mode == "gate":
+        return torch.where(rule_scores > config.gate_threshold, rm_scores, rule_scores)
+    raise ValueError(f"reward.combine.mode={config.mode!r} is not one of replace, sum, gate")

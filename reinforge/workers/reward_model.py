@@ -1,0 +1,208 @@
+"""The reward-model worker: a classification model (num_labels=1) scoring each response at its last token.
+
+A role like the reference policy: sharded with FSDP2 on the actor's devices (or on a pool of its
+own), frozen, in the compute dtype. With ``reward.reward_model.offload`` its weights wait on the
+host between calls and move to the device for each scoring call, so the rollout and the update
+have the device without them.
+
+Each sample becomes one reward-model sequence (``RewardInputs``):
+- when the reward model reads text as the policy does (same vocabulary and chat template, or
+  ``input_tokenizer=null``), the policy's own prompt and response ids;
+- otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer
+  (special tokens kept, the EOS string removed), appended as the assistant turn to the row's raw
+  prompt messages (a plain-text prompt is followed by the text), rendered with the reward model's
+  chat template without a generation prompt, and tokenized without special tokens.
+Sequences longer than ``max_length`` are cut on the right (counted). The samples of one prompt
+keep their common leading tokens as a shared prompt, so the packed forward computes it once;
+the score is the head's output at the sequence's last token, placed on the policy response's
+last token (``rm_scores``, as ``token_level_scores``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from reinforge.config.schema import Config
+from reinforge.controller import Dispatch, Worker, register
+from reinforge.engine.device import compute_dtype, resolve_device
+from reinforge.engine.forward import ScoringPass, last_token_scores
+from reinforge.engine.fsdp import shard_model
+from reinforge.engine.fused import prepare_for_training
+from reinforge.models import load_tokenizer
+from reinforge.models.reward_model import load_reward_model
+from reinforge.protocol import Batch
+from reinforge.reward.manager import place_on_last_token
+from reinforge.workers.memory_settings import apply_memory_plan
+
+
+def reads_like_policy(rm_tokenizer: Any, policy_tokenizer: Any, policy_template: str | None) -> bool:
+    """Whether the reward model tokenizes and templates text as the policy does (its ids can be read as they are)."""
+    return (rm_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+            and rm_tokenizer.chat_template == policy_template)
+
+
+class RewardInputs:
+    """The reward model's input rows for a batch of the policy's samples.
+
+    ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering).
+    """
+
+    def __init__(self, rm_tokenizer: Any, policy_tokenizer: Any | None, max_length: int):
+        self.rm_tokenizer, self.policy_tokenizer, self.max_length = rm_tokenizer, policy_tokenizer, max_length
+        self.pad_token_id = rm_tokenizer.pad_token_id if rm_tokenizer.pad_token_id is not None else 0
+
+    def sequences(self, batch: Batch) -> tuple[list[list[int]], list[bool]]:
+        """Each sample's token ids for the reward model, cut to max_length, and whether it was cut."""
+        prompt_width = batch["prompts"].shape[1]
+        attention = batch["attention_mask"].bool()
+        sequences, truncated = [], []
+        for row in range(len(batch)):
+            response = batch["input_ids"][row, prompt_width:][attention[row, prompt_width:]].tolist()
+            if self.policy_tokenizer is None:
+                ids = batch["input_ids"][row, :prompt_width][attention[row, :prompt_width]].tolist() + response
+            else:
+                ids = self.rendered(batch.non_tensors["raw_prompt"][row], response)
+            truncated.append(len(ids) > self.max_length)
+            sequences.append(ids[:self.max_length])
+        return sequences, truncated
+
+    def rendered(self, raw_prompt: Any, response_ids: list[int]) -> list[int]:
+        """The prompt with the response as its assistant turn, in the reward model's chat template, as its ids."""
+        text = self.policy_tokenizer.decode(response_ids, skip_special_tokens=False)
+        eos = self.policy_tokenizer.eos_token
+        if eos:
+            text = text.replace(eos, "")
+        if isinstance(raw_prompt, str):
+            full = raw_prompt + text
+        else:
+            messages = [dict(message) for message in raw_prompt] + [{"role": "assistant", "content": text}]
+            full = self.rm_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        return list(self.rm_tokenizer(full, add_special_tokens=False)["input_ids"])
+
+    def build(self, batch: Batch) -> tuple[Batch, Tensor]:
+        """(the reward model's rows in the rollout layout, (B,) bool: cut to max_length)."""
+        sequences, truncated = self.sequences(batch)
+        groups = batch.non_tensors.get("uid")
+        return layout(sequences, groups, self.pad_token_id), torch.tensor(truncated)
+
+
+def _common_prefix(sequences: Sequence[list[int]]) -> int:
+    first, length = sequences[0], min(len(sequence) for sequence in sequences)
+    for position in range(length):
+        if any(sequence[position] != first[position] for sequence in sequences[1:]):
+            return position
+    return length
+
+
+def layout(sequences: list[list[int]], groups: Sequence[Any] | None, pad_token_id: int) -> Batch:
+    """Sequences in the rollout layout ``[left-padded prompt | right-padded response]``.
+
+    The samples of one group (the same ``uid``) share as prompt their common leading tokens, all but the last
+    token of the shortest, so every sequence keeps one response token at least; the packed forward then
+    computes that prompt once. Each sequence needs two tokens at least.
+    """
+    short = [row for row, sequence in enumerate(sequences) if len(sequence) < 2]
+    if short:
+        raise ValueError(f"sample {short[0]} gives the reward model {len(sequences[short[0]])} token(s); it needs "
+                         "two at least (raise reward.reward_model.max_length)")
+    members: dict[Any, list[int]] = {}
+    for row in range(len(sequences)):
+        members.setdefault(groups[row] if groups is not None else row, []).append(row)
+    prompt_lengths = [0] * len(sequences)
+    for rows in members.values():
+        shared = min(_common_prefix([sequences[row] for row in rows]),
+                     min(len(sequences[row]) for row in rows) - 1)
+        for row in rows:
+            prompt_lengths[row] = shared
+    for row, length in enumerate(prompt_lengths):
+        prompt_lengths[row] = max(length, 1)
+    prompt_width = max(prompt_lengths)
+    response_width = max(len(sequence) - length for sequence, length in zip(sequences, prompt_lengths, strict=True))
+    prompts = torch.full((len(sequences), prompt_width), pad_token_id, dtype=torch.long)
+    responses = torch.full((len(sequences), response_width), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompts)
+    response_mask = torch.zeros_like(responses)
+    for row, (sequence, length) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        rest = len(sequence) - length
+        prompts[row, prompt_width - length:] = torch.tensor(sequence[:length])
+        prompt_mask[row, prompt_width - length:] = 1
+        responses[row, :rest] = torch.tensor(sequence[length:])
+        response_mask[row, :rest] = 1
+    return Batch.from_dict(tensors={"prompts": prompts, "responses": responses,
+                                    "input_ids": torch.cat([prompts, responses], dim=1),
+                                    "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+                                    "response_mask": response_mask})
+
+
+class RewardModelWorker(Worker):
+    def __init__(self, config: Config):
+        super().__init__()
+        self.config = config
+        settings = config.reward.reward_model
+        self.device = resolve_device(config.trainer.device)
+        apply_memory_plan(config)  # a no-op when the trainer or this process planned already
+        self.offload = settings.offload and self.device.type != "cpu"
+        self.model = load_reward_model(settings.model_path, dtype=compute_dtype(self.device, config.model.dtype),
+                                       device=self.device, trust_remote_code=settings.trust_remote_code)
+        prepare_for_training(self.model, self.device)
+        shard_model(self.model, self.device, config.model.dtype, roots=[self.model.base_model, self.model.score])
+        if self.offload:
+            self.model.to("cpu")
+        self.max_tokens = int(settings.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch)
+        self.inputs = build_reward_inputs(config)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if not self.offload:
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_rm_score(self, batch: Batch) -> Batch:
+        """rm_scores (B, R): each sample's reward-model score on its last response token; rm_truncated (B,):
+        whether its reward-model input was cut to max_length."""
+        inputs, truncated = self.inputs.build(batch)
+        with self._on_device(), ScoringPass(self.model, inputs, self.max_tokens, self.device) as scoring:
+            for micro in scoring:
+                scoring.add(last_token_scores(self.model, micro))
+        (scores,) = scoring.outputs()
+        rm_scores = place_on_last_token(scores[:, 0], batch["response_mask"].cpu())
+        return Batch.from_dict(tensors={"rm_scores": rm_scores, "rm_truncated": truncated})
+
+
+def build_reward_inputs(config: Config) -> RewardInputs:
+    """``RewardInputs`` for the run: the reward model's tokenizer, the policy's where the two read text differently
+    (and reward.reward_model.input_tokenizer is not null), and the length limit."""
+    settings, model = config.reward.reward_model, config.model
+    rm_tokenizer = load_tokenizer(settings.model_path, trust_remote_code=settings.trust_remote_code)
+    policy_tokenizer = None
+    if settings.input_tokenizer is not None:
+        path = settings.input_tokenizer if settings.input_tokenizer != "auto" else (model.tokenizer_path or model.path)
+        policy_tokenizer = load_tokenizer(path, trust_remote_code=model.trust_remote_code)
+        template = config.data.chat_template or policy_tokenizer.chat_template
+        if reads_like_policy(rm_tokenizer, policy_tokenizer, template):
+            policy_tokenizer = None
+    max_length = settings.max_length or config.data.max_prompt_length + config.data.max_response_length
+    return RewardInputs(rm_tokenizer, policy_tokenizer, max_length)
+
+
+def score_metrics(rm_scores: Tensor, truncated: Tensor, seconds: float, step_seconds: float | None) -> dict[str, float]:
+    """reward_model/*: the mean score, how many inputs were cut, and the scoring time's share of the step."""
+    scores = rm_scores.sum(-1)
+    metrics = {"reward_model/score/mean": float(scores.mean()) if len(scores) else 0.0,
+               "reward_model/truncated": float(np.asarray(truncated).sum())}
+    if step_seconds:
+        metrics["reward_model/share_of_step"] = seconds / step_seconds
+    return metrics

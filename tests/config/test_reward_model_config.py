@@ -1,0 +1,42 @@
+"""reward.reward_model and reward.combine: the settings that cannot work together, refused as the config loads."""
+
+import pytest
+
+from reinforge.config import ConfigError, load_config
+
+ENABLED = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/models/rm"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.reward_model.enable=true"],
+     "reward.reward_model.enable=true but reward.reward_model.model_path is not set; pass "
+     "reward.reward_model.model_path=/path/to/reward_model (a sequence-classification folder)"),
+    (["reward.combine.mode=sum"],
+     "reward.combine.mode=sum combines the reward model's score with the rule's, but reward.reward_model.enable=false; "
+     "set reward.reward_model.enable=true and reward.reward_model.model_path, or remove reward.combine.mode"),
+    ([*ENABLED, "reward.combine.mode=mean"], "reward.combine.mode='mean' is not one of replace, sum, gate"),
+    ([*ENABLED, "reward.combine.rm_weight=.nan"], "reward.combine.rm_weight=nan must be a finite number"),
+    ([*ENABLED, "reward.reward_model.max_length=1"],
+     "reward.reward_model.max_length=1 must be at least 2 tokens, or null (the default)"),
+    ([*ENABLED, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4"],
+     "reward.overlong_buffer.enable=true shapes the rule-based score, which reward.combine.mode=replace leaves out; "
+     "set reward.combine.mode=sum (rule_weight weighs the rule's score and its penalty) or "
+     "reward.overlong_buffer.enable=false"),
+    ([*ENABLED, "reward.reward_model.enable_resource_pool=true"],
+     "reward.reward_model.enable_resource_pool=true places the reward model on devices of its own, which needs "
+     "trainer.backend=ray; set it, or enable_resource_pool=false to share the actor's device"),
+    ([*ENABLED, "reward.reward_model.enable_resource_pool=true", "trainer.backend=ray",
+      "reward.reward_model.n_gpus_per_node=0"],
+     "reward.reward_model.n_gpus_per_node=0 must be at least 1 (the reward model's own pool)"),
+])
+def test_reward_model_settings_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert str(error.value) == message
+
+
+def test_a_reward_model_with_a_combination_loads():
+    config = load_config(None, [*ENABLED, "reward.combine.mode=gate", "reward.combine.gate_threshold=0.5",
+                                "reward.reward_model.input_tokenizer=null"])
+    assert config.reward.combine.gate_threshold == 0.5
+    assert config.reward.reward_model.input_tokenizer is None

@@ -1,0 +1,90 @@
+"""GRPO with a reward model: alone (verl's replace), summed with or gated by the rule-based score, and refused in
+one line before any model loads when its path is not a one-label classifier."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import reinforge.trainer.rl_trainer as rl_trainer
+from reinforge.cli import main
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "workers"))
+from test_reward_model import save_tiny_reward_model  # noqa: E402
+
+CONSTANT = '''
+def compute_score(solution_str, ground_truth, extra_info=None, **kwargs):
+    return {value}
+'''
+
+
+class NoModelsHere:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("a model started loading before the reward model was checked")
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> Path:
+    return save_tiny_reward_model(tmp_path_factory.mktemp("rm") / "rm")
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_grpo_trains_a_step_with_the_reward_model_as_its_only_reward(rl_args, reward_model_dir, tmp_path):
+    # rows without ground truth or a scorer: replace mode runs no rule-based scorer in training
+    rows = [{"prompt": [{"role": "user", "content": f"say {index}"}], "data_source": "my/task"} for index in range(4)]
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"data.train_files": f"[{train}]", "trainer.total_steps": 1,
+                               "reward.reward_model.enable": True, "reward.reward_model.model_path": reward_model_dir})
+    assert main(["train", *args]) == 0
+    [metrics] = metrics_of(run_dir)
+    assert metrics["critic/score/mean"] == pytest.approx(metrics["reward_model/score/mean"], abs=1e-6)
+    assert metrics["critic/score/max"] > metrics["critic/score/min"]  # a score per sample, not one constant
+    assert metrics["reward_model/truncated"] == 0
+    assert 0 < metrics["reward_model/share_of_step"] < 1
+    assert metrics["timing_s/reward"] >= metrics["timing_s/reward_model"] > 0
+    assert "actor/pg_loss" in metrics
+
+
+@pytest.mark.parametrize("mode, rule, settings, expected", [
+    ("sum", 1.0, {"reward.combine.rm_weight": 0.5, "reward.combine.rule_weight": 2.0}, lambda rm: 0.5 * rm + 2.0),
+    ("gate", 1.0, {"reward.combine.gate_threshold": 0.5}, lambda rm: rm),  # every sample passes: the model's score
+    ("gate", 0.25, {"reward.combine.gate_threshold": 0.5}, lambda rm: 0.25),  # none passes: the rule's score
+])
+def test_the_reward_models_score_combines_with_the_rules(rl_args, reward_model_dir, tmp_path, mode, rule, settings,
+                                                         expected):
+    scorer = tmp_path / "constant.py"
+    scorer.write_text(CONSTANT.format(value=rule))
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"trainer.total_steps": 1, "reward.custom_function": f"{scorer}:compute_score",
+                               "reward.reward_model.enable": True, "reward.reward_model.model_path": reward_model_dir,
+                               "reward.combine.mode": mode, **settings})
+    assert main(["train", *args]) == 0
+    [metrics] = metrics_of(run_dir)
+    assert metrics["critic/score/mean"] == pytest.approx(expected(metrics["reward_model/score/mean"]), abs=1e-5)
+
+
+def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_args, tiny_model_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    monkeypatch.setattr(rl_trainer, "ActorRolloutWorker", NoModelsHere)
+    args = rl_args(tmp_path / "run", **{"reward.reward_model.enable": True,
+                                        "reward.reward_model.model_path": tiny_model_dir})
+    assert main(["train", *args]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: reward.reward_model.model_path={tiny_model_dir} is not a classification model "
+                    "(Qwen2ForCausalLM in its config.json); the reward model must be an "
+                    "AutoModelForSequenceClassification or AutoModelForTokenClassification folder with num_labels=1, "
+                    "such as one `reinforge rm` exports")
+    args = rl_args(tmp_path / "run", **{"reward.reward_model.enable": True})
+    assert main(["train", *args]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: reward.reward_model.enable=true but "
+                                                      "reward.reward_model.model_path is not set")

@@ -1,0 +1,202 @@
+"""The reward-model worker: its scores are transformers' own, its inputs re-rendered by hand's rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForSequenceClassification, Qwen2ForTokenClassification
+
+from reinforge.config import Config
+from reinforge.engine.packing import plan_packing
+from reinforge.models import build_char_tokenizer, save_hf_folder
+from reinforge.models.reward_model import check_reward_model
+from reinforge.protocol import Batch
+from reinforge.workers.reward_model import RewardInputs, RewardModelWorker, layout
+
+PLAIN_TEMPLATE = ("{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+"""A chat template unlike the policy's ChatML: ``[role] content`` lines, no special tokens."""
+
+
+def save_tiny_reward_model(folder: Path, head: type = Qwen2ForSequenceClassification, chat_template: str | None = None,
+                           num_labels: int = 1, seed: int = 0) -> Path:
+    """A tiny Qwen2 classification model (num_labels=1, pad_token_id set) with the char tokenizer, saved."""
+    tokenizer = build_char_tokenizer() if chat_template is None else build_char_tokenizer(chat_template=chat_template)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, num_labels=num_labels, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = head(config).float()
+        with torch.no_grad():  # a zero-initialised token head's bias would hide an off-by-one position
+            model.score.weight.normal_(0, 1.0)
+            if model.score.bias is not None:
+                model.score.bias.fill_(0.25)
+    return save_hf_folder(model, tokenizer, folder)
+
+
+def rm_config(policy_dir: Path, rm_dir: Path, **reward_model: object) -> Config:
+    config = Config()
+    config.model.path = str(policy_dir)
+    config.trainer.device = "cpu"
+    config.actor.max_tokens_per_micro_batch = 24
+    config.reward.reward_model.enable = True
+    config.reward.reward_model.model_path = str(rm_dir)
+    for key, value in reward_model.items():
+        setattr(config.reward.reward_model, key, value)
+    return config
+
+
+def policy_batch(sequences: list[tuple[list[int], list[int]]], uids: list[str]) -> Batch:
+    """Rows in the rollout layout from (prompt ids, response ids), with uids and a raw prompt each."""
+    prompt_width = max(len(prompt) for prompt, _ in sequences)
+    response_width = max(len(response) for _, response in sequences)
+    rows = len(sequences)
+    prompts = torch.zeros(rows, prompt_width, dtype=torch.long)
+    responses = torch.zeros(rows, response_width, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompts)
+    response_mask = torch.zeros(rows, response_width)
+    for row, (prompt, response) in enumerate(sequences):
+        prompts[row, prompt_width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[row, prompt_width - len(prompt):] = 1
+        responses[row, :len(response)] = torch.tensor(response)
+        response_mask[row, :len(response)] = 1
+    return Batch.from_dict(
+        tensors={"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                 "input_ids": torch.cat([prompts, responses], 1),
+                 "attention_mask": torch.cat([prompt_mask, response_mask.long()], 1)},
+        non_tensors={"uid": np.array(uids, dtype=object),
+                     "raw_prompt": np.array([[{"role": "user", "content": "hi"}]] * rows + [None], dtype=object)[:-1]})
+
+
+def random_batch() -> Batch:
+    """Two prompts of four samples each, of mixed lengths; no pad token (id 0) inside a sequence."""
+    generator = torch.Generator().manual_seed(3)
+    sequences, uids = [], []
+    for uid, prompt_length in (("a", 5), ("b", 3)):
+        prompt = torch.randint(3, 60, (prompt_length,), generator=generator).tolist()
+        for length in (1, 4, 7, 2):
+            sequences.append((prompt, torch.randint(3, 60, (length,), generator=generator).tolist()))
+            uids.append(uid)
+    return policy_batch(sequences, uids)
+
+
+def transformers_scores(rm_dir: Path, batch: Batch, head: type) -> torch.Tensor:
+    """Each row's score by transformers' own forward over its tokens alone."""
+    model = head.from_pretrained(rm_dir).eval()
+    scores = []
+    with torch.no_grad():
+        for row in range(len(batch)):
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
+            logits = model(input_ids=ids).logits
+            scores.append(logits[0, 0] if head is Qwen2ForSequenceClassification else logits[0, -1, 0])
+    return torch.stack(scores)
+
+
+@pytest.mark.parametrize("head", [Qwen2ForSequenceClassification, Qwen2ForTokenClassification])
+def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp_path, head):
+    rm_dir = save_tiny_reward_model(tmp_path / "rm", head)
+    worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
+    assert worker.inputs.policy_tokenizer is None  # same vocabulary and template: the policy's ids as they are
+    batch = random_batch()
+    scored = worker.compute_rm_score(batch)
+    expected = transformers_scores(rm_dir, batch, head)
+    last = (batch["response_mask"].sum(-1) - 1).long()
+    rows = torch.arange(len(batch))
+    torch.testing.assert_close(scored["rm_scores"][rows, last], expected, atol=1e-5, rtol=0)
+    assert float(scored["rm_scores"].abs().sum()) == pytest.approx(float(expected.abs().sum()), abs=1e-4)
+    assert not scored["rm_truncated"].any()
+    # the split into micro-batches changes nothing
+    worker.max_tokens = 4096
+    torch.testing.assert_close(worker.compute_rm_score(batch)["rm_scores"], scored["rm_scores"], atol=1e-5, rtol=0)
+
+
+def test_inputs_longer_than_max_length_are_cut_on_the_right_and_counted(tiny_model_dir, tmp_path):
+    rm_dir = save_tiny_reward_model(tmp_path / "rm")
+    worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir, max_length=8))
+    batch = random_batch()
+    scored = worker.compute_rm_score(batch)
+    lengths = batch["attention_mask"].sum(-1)
+    assert scored["rm_truncated"].tolist() == (lengths > 8).tolist()
+    model = Qwen2ForSequenceClassification.from_pretrained(rm_dir).eval()
+    row = int(torch.nonzero(lengths > 8)[0])
+    ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][:8][None]
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits[0, 0]
+    last = int(batch["response_mask"][row].sum()) - 1
+    assert float(scored["rm_scores"][row, last]) == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_a_response_is_re_rendered_in_the_reward_models_template(tiny_model_dir, tmp_path):
+    policy_tokenizer = build_char_tokenizer()
+    rm_tokenizer = build_char_tokenizer(chat_template=PLAIN_TEMPLATE)
+    prompt = policy_tokenizer.apply_chat_template([{"role": "user", "content": "1+2?"}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+    response = policy_tokenizer.encode("3<|im_end|>", add_special_tokens=False)
+    batch = policy_batch([(list(prompt), response)], ["a"])
+    batch.non_tensors["raw_prompt"][0] = [{"role": "user", "content": "1+2?"}]
+    inputs = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64)
+    sequences, truncated = inputs.sequences(batch)
+    # by hand: the char tokenizer gives byte b the id 3 + b; the EOS string is gone, no special token is added
+    assert sequences == [[3 + byte for byte in b"[user] 1+2?\n[assistant] 3\n"]]
+    assert truncated == [False]
+    # the worker chooses re-rendering because the templates differ, and scores the re-rendered text
+    rm_dir = save_tiny_reward_model(tmp_path / "rm", chat_template=PLAIN_TEMPLATE)
+    worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
+    assert worker.inputs.policy_tokenizer is not None
+    scored = worker.compute_rm_score(batch)
+    model = Qwen2ForSequenceClassification.from_pretrained(rm_dir).eval()
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor(sequences)).logits[0, 0]
+    assert float(scored["rm_scores"][0, len(response) - 1]) == pytest.approx(float(expected), abs=1e-5)
+    # input_tokenizer=null never re-renders
+    assert RewardModelWorker(rm_config(tiny_model_dir, rm_dir, input_tokenizer=None)).inputs.policy_tokenizer is None
+
+
+def test_layout_shares_the_common_prefix_of_a_group_and_keeps_one_response_token():
+    batch = layout([[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8], [4, 4]], ["a", "a", "b", "b"], pad_token_id=0)
+    # group b has no common prefix: each keeps its first token as its prompt
+    assert batch["prompts"].tolist() == [[5, 6], [5, 6], [0, 5], [0, 4]]
+    assert batch["responses"].tolist() == [[7, 8, 0], [9, 0, 0], [6, 7, 8], [4, 0, 0]]
+    # each row, prompt and response, is its sequence
+    for row, sequence in enumerate([[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8], [4, 4]]):
+        assert batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist() == sequence
+    with pytest.raises(ValueError, match="sample 1 gives the reward model 1 token"):
+        layout([[1, 2], [3]], None, pad_token_id=0)
+
+
+def test_a_model_that_is_not_a_one_label_classifier_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"is not a classification model \(Qwen2ForCausalLM in its config.json\)"):
+        check_reward_model(str(tiny_model_dir))
+    two = save_tiny_reward_model(tmp_path / "two", num_labels=2)
+    with pytest.raises(ValueError, match="has num_labels=2"):
+        check_reward_model(str(two))
+    with pytest.raises(FileNotFoundError, match=r"does not exist; check reward.reward_model.model_path"):
+        check_reward_model(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_the_packing_plan_finds_each_rows_last_token(share_prompts):
+    batch = random_batch()
+    plan = plan_packing(batch, share_prompts)
+    packed_ids = batch["input_ids"].reshape(-1)[plan.source_index]
+    last_column = batch["attention_mask"].shape[1] - 1 - batch["attention_mask"].flip(-1).argmax(-1)
+    expected = batch["input_ids"][torch.arange(len(batch)), last_column]
+    assert packed_ids[plan.last_index].tolist() == expected.tolist()
+    flat = torch.arange(len(batch)) * batch["input_ids"].shape[1] + last_column
+    assert plan.source_index[plan.last_index].tolist() == flat.tolist()  # the row's own token, not an equal one
+
+
+def test_the_worker_method_reaches_the_model_in_two_calls(tiny_model_dir, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_paths_to_the_model import path_to_the_model
+
+    worker = RewardModelWorker(rm_config(tiny_model_dir, save_tiny_reward_model(tmp_path / "rm")))
+    assert path_to_the_model(worker.model.base_model, worker.compute_rm_score, random_batch()) == [
+        "compute_rm_score", "last_token_scores"]
