@@ -1,0 +1,239 @@
+"""Mixture-of-experts layers of the native engine: the router as transformers computes it, the experts as
+grouped GEMMs.
+
+One function routes every family of ``models.architectures`` from its ``MoESpec``: softmax or sigmoid
+scores, DeepSeek's group-limited selection (the group's best score for V2, the sum of its two best for
+V3, V3's correction bias counted for the choice only), top-k renormalisation, the routed scaling
+factor and the dtype the weights are cast to, each exactly as transformers' router modules do it (the
+same ``topk`` calls, so ties pick the same experts). The router's logits are computed in the model
+dtype, or in float32 from a float32 copy of the router for DeepSeek, whose routers keep their weight
+and logits in float32.
+
+The experts follow transformers' ``grouped_mm`` path: the (token, expert) assignments are sorted by
+expert, the fused gate|up and the down products run as one grouped GEMM each over the whole sorted
+batch (``offsets`` int32 cumulative ends, counted with ``histc``), each output row is scaled by its
+routing weight, put back in token order and summed over the k experts of its token. Nothing waits for
+the host, so a decode step's CUDA graph captures it. Grouped GEMMs run on CUDA in bf16; elsewhere (the
+CPU, float32) each assignment's expert weights are gathered and applied with one batched product, which
+is what the tests compare with transformers in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from reinforge.models.architectures import MoESpec
+
+
+def deepseek_router(model_type: str) -> bool:
+    """Whether the family routes as DeepSeek's routers do: logits in float32 from a float32 gate weight, and
+    ``topk(sorted=False)`` (Qwen3-MoE, OLMoE and Mixtral compute logits in the model dtype and sort)."""
+    return model_type in ("deepseek_v2", "deepseek_v3")
+
+
+@torch.no_grad()
+def route(hidden: Tensor, router: Tensor, correction_bias: Tensor | None, spec: MoESpec,
+          deepseek: bool) -> tuple[Tensor, Tensor]:
+    """The experts each token is sent to and their weights, as transformers' router for ``spec`` computes them.
+
+    hidden: (tokens, hidden); router: (experts, hidden); correction_bias: (experts,) or None; ``deepseek``:
+    see ``deepseek_router``.
+    Returns weights (tokens, top_k), float32 or the logits' dtype (``spec.weights_dtype``), and expert ids
+    (tokens, top_k) int64.
+    """
+    if deepseek:
+        logits = F.linear(hidden.float(), router.float())
+    else:
+        logits = F.linear(hidden, router)
+    if spec.scoring == "softmax":
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+    elif spec.scoring == "sigmoid":
+        scores = logits.float().sigmoid()
+    else:
+        raise ValueError(f"MoE scoring {spec.scoring!r} is not 'softmax' or 'sigmoid'")
+    choice = scores if correction_bias is None else scores + correction_bias
+    if spec.group_score is None:
+        if spec.correction_bias:
+            expert_ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, expert_ids)
+        else:
+            weights, expert_ids = torch.topk(choice, spec.top_k, dim=-1, sorted=not deepseek)
+    else:
+        weights, expert_ids = _group_limited_topk(scores, choice, spec)
+    if spec.norm_topk_prob:
+        denominator = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (denominator + 1e-20 if spec.scoring == "sigmoid" else denominator)
+    if spec.routed_scaling_factor != 1.0:
+        weights = weights * spec.routed_scaling_factor
+    if spec.weights_dtype == "logits":
+        weights = weights.to(logits.dtype)
+    return weights, expert_ids
+
+
+def _group_limited_topk(scores: Tensor, choice: Tensor, spec: MoESpec) -> tuple[Tensor, Tensor]:
+    """DeepSeek's selection inside the ``topk_group`` best of ``n_group`` expert groups.
+
+    V2 (group score "max"): a group's score is its best expert's, experts outside the kept groups score 0
+    and the weights are the selected (masked) scores. V3 ("top2_sum"): the sum of its two best, excluded
+    experts score -inf, and the weights are the unbiased scores of the selected experts.
+    """
+    num_tokens, num_experts = choice.shape
+    if spec.n_group is None or spec.topk_group is None:
+        raise ValueError(f"group_score={spec.group_score!r} needs n_group and topk_group; the MoE spec has neither")
+    grouped = choice.view(num_tokens, spec.n_group, num_experts // spec.n_group)
+    if spec.group_score == "max":
+        group_scores = grouped.max(dim=-1).values
+    elif spec.group_score == "top2_sum":
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    else:
+        raise ValueError(f"MoE group_score {spec.group_score!r} is not 'max' or 'top2_sum'")
+    group_ids = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, num_experts // spec.n_group).reshape(num_tokens, -1)
+    if spec.group_score == "max":
+        weights, expert_ids = torch.topk(choice.masked_fill(~expert_mask.bool(), 0.0), k=spec.top_k, dim=-1,
+                                         sorted=False)
+        return weights, expert_ids
+    expert_ids = torch.topk(choice.masked_fill(~expert_mask.bool(), float("-inf")), k=spec.top_k, dim=-1,
+                            sorted=False)[1]
+    return scores.gather(1, expert_ids), expert_ids
+
+
+def grouped_mm_applies(hidden: Tensor) -> bool:
+    """Whether the experts run as grouped GEMMs: on CUDA in bf16, where torch has the kernel."""
+    return hidden.is_cuda and hidden.dtype == torch.bfloat16 and _grouped_mm is not None
+
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+"""torch >= 2.10 has ``F.grouped_mm``; 2.9 only ``torch._grouped_mm`` (same arguments)."""
+
+
+def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
+                    grouped: bool | None = None) -> Tensor:
+    """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e, in ``hidden``'s dtype.
+
+    hidden: (tokens, hidden); expert_ids, weights: (tokens, top_k); gate_up: (experts, 2 * inter, hidden),
+    gate rows first; down: (experts, hidden, inter). ``grouped`` (default: ``grouped_mm_applies``) runs the
+    two products as grouped GEMMs over the assignments sorted by expert; otherwise each assignment's
+    weights are gathered (memory grows with tokens * top_k: the CPU and test path).
+    """
+    num_tokens, top_k = expert_ids.shape
+    num_experts = gate_up.shape[0]
+    flat_ids = expert_ids.reshape(-1)
+    flat_weights = weights.reshape(-1)
+    if grouped is None:
+        grouped = grouped_mm_applies(hidden)
+    if grouped:
+        sorted_ids, order = torch.sort(flat_ids)
+        tokens = hidden.index_select(0, order // top_k)
+        counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()  # histc: floats on CPU
+        offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), dim=0,
+                               dtype=torch.int32)
+        gate, up = _grouped_mm(tokens, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+        out = out * flat_weights.index_select(0, order).unsqueeze(-1)
+        per_assignment = torch.empty_like(out).index_copy_(0, order, out)
+    else:
+        tokens = hidden.repeat_interleave(top_k, dim=0).unsqueeze(1)  # (tokens * top_k, 1, hidden)
+        gate, up = torch.bmm(tokens, gate_up[flat_ids].transpose(1, 2)).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, down[flat_ids].transpose(1, 2)).squeeze(1)
+        per_assignment = out * flat_weights.unsqueeze(-1)
+    return per_assignment.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+@dataclass
+class MoEWeights:
+    """The decoder's own copy of one MoE layer's weights.
+
+    router: (experts, hidden), float32 for the families whose router computes in float32;
+    correction_bias: (experts,) float32 (DeepSeek V3) or None; gate_up: (experts, 2 * inter, hidden), gate rows
+    first; down: (experts, hidden, inter); shared_gate_up: (2 * shared inter, hidden) and shared_down:
+    (hidden, shared inter), DeepSeek's shared experts as one MLP, or None.
+    """
+
+    router: Tensor
+    correction_bias: Tensor | None
+    gate_up: Tensor
+    down: Tensor
+    shared_gate_up: Tensor | None
+    shared_down: Tensor | None
+
+    @classmethod
+    def copied(cls, block: nn.Module, router_float32: bool, dtype: torch.dtype,
+               device: torch.device) -> MoEWeights:
+        """A copy of ``block`` (a transformers sparse-MoE module) in ``dtype`` on ``device``."""
+        copies = []
+        for field, parts in zip(fields(cls), moe_parts(block), strict=True):
+            if parts is None:
+                copies.append(None)
+                continue
+            field_dtype = torch.float32 if field.name == "correction_bias" or (
+                field.name == "router" and router_float32) else dtype
+            copies.append(torch.cat([part.detach().to(device, field_dtype) for part in parts]))
+        return cls(*copies)
+
+    def destinations(self) -> list[Tensor | None]:
+        """The copies in field order (``moe_parts`` gives their sources)."""
+        return [getattr(self, field.name) for field in fields(self)]
+
+    def tensors(self) -> list[Tensor]:
+        return [tensor for tensor in self.destinations() if tensor is not None]
+
+
+def moe_parts(block: nn.Module) -> list[list[Tensor] | None]:
+    """The source tensors of each ``MoEWeights`` field, in field order, as laid out there (None: no such field).
+
+    transformers 5 stores the experts fused: ``gate_up_proj`` (experts, 2 * inter, hidden) and ``down_proj``
+    (experts, hidden, inter); an experts module marked ``is_transposed`` stores (experts, hidden, 2 * inter)
+    and (experts, inter, hidden), read here through transposed views.
+    """
+    from reinforge.rollout.native.model import whole
+
+    experts, gate = block.experts, block.gate
+    gate_up, down = whole(experts.gate_up_proj), whole(experts.down_proj)
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    shared = getattr(block, "shared_experts", None)
+    shared_gate_up = None if shared is None else [whole(shared.gate_proj.weight), whole(shared.up_proj.weight)]
+    shared_down = None if shared is None else [whole(shared.down_proj.weight)]
+    return [[whole(gate.weight)], None if bias is None else [bias], [gate_up], [down], shared_gate_up, shared_down]
+
+
+def moe_unsupported_reason(model: nn.Module, spec: MoESpec) -> str | None:
+    """Why the native engine cannot run ``model``'s MoE layers, or None when it can."""
+    config = model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"its experts use hidden_act={config.hidden_act!r}; the engine's experts implement silu"
+    if spec.n_group is not None and spec.num_experts % spec.n_group:
+        return f"its {spec.num_experts} experts do not split into n_group={spec.n_group} groups"
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and (getattr(experts, "has_bias", False) or not hasattr(experts, "gate_up_proj")):
+            return f"its experts module {type(experts).__name__} is not fused gate|up and down without biases"
+    return None
+
+
+class MoEMLP:
+    """One MoE layer's forward over packed tokens: routed experts plus shared experts when the family has them."""
+
+    def __init__(self, spec: MoESpec, model_type: str):
+        self.spec = spec
+        self.deepseek = deepseek_router(model_type)
+
+    def copy(self, block: nn.Module, dtype: torch.dtype, device: torch.device) -> MoEWeights:
+        return MoEWeights.copied(block, self.deepseek, dtype, device)
+
+    def forward(self, weights: MoEWeights, hidden: Tensor) -> Tensor:
+        """hidden: (tokens, hidden) -> (tokens, hidden) in ``hidden``'s dtype."""
+        routing_weights, expert_ids = route(hidden, weights.router, weights.correction_bias, self.spec,
+                                            self.deepseek)
+        out = experts_forward(hidden, expert_ids, routing_weights, weights.gate_up, weights.down)
+        if weights.shared_gate_up is not None:
+            gate, up = F.linear(hidden, weights.shared_gate_up).chunk(2, dim=-1)
+            out = out + F.linear(F.silu(gate) * up, weights.shared_down)
+        return out

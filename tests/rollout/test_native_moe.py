@@ -1,0 +1,276 @@
+"""The native engine's MoE layers and MLA attention compute what transformers' modules compute.
+
+Routers are compared with transformers' router modules on scores chosen by hand (tied experts, a group
+that wins only through V3's correction bias), the MoE block with transformers' block in float32, the
+grouped-GEMM experts with the gathered ones, and MLA's compressed-cache attention (prefill, decode in
+the latent space, a prefix-cache hit) with transformers' attention module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reinforge.models.architectures import architecture_spec
+from reinforge.models.tiny import build_tiny_causal_lm
+from reinforge.rollout.native.moe import MoEMLP, deepseek_router, experts_forward, route
+
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
+
+
+def moe_block(model: torch.nn.Module):
+    """The last layer's sparse-MoE module (DeepSeek's first layer is dense)."""
+    return model.model.layers[-1].mlp
+
+
+def assert_same_routing(expected: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]):
+    """Same experts per token and the same weight for each (the order within a token may differ)."""
+    expected_weights, expected_ids = expected
+    got_weights, got_ids = got
+    expected_order, got_order = expected_ids.sort(dim=-1), got_ids.sort(dim=-1)
+    assert torch.equal(expected_order.values, got_order.values)
+    assert got_weights.dtype == expected_weights.dtype
+    torch.testing.assert_close(got_weights.gather(1, got_order.indices),
+                               expected_weights.gather(1, expected_order.indices), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_router_matches_transformers_on_random_scores(family, dtype):
+    """Top-3 of random scores; in bf16 the weights' dtype too (bf16 for Qwen3-MoE and OLMoE, float32 else)."""
+    model = build_tiny_causal_lm(family, seed=1, num_experts_per_tok=3).to(dtype)
+    spec = architecture_spec(model.config).moe
+    gate = moe_block(model).gate
+    torch.manual_seed(0)
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.5)
+        if spec.correction_bias:
+            gate.e_score_correction_bias.normal_(0, 0.5)
+    hidden = torch.randn(32, model.config.hidden_size, dtype=dtype)
+    _, expected_weights, expected_ids = gate(hidden)
+    got = route(hidden, gate.weight, getattr(gate, "e_score_correction_bias", None), spec,
+                deepseek_router(model.config.model_type))
+    assert_same_routing((expected_weights, expected_ids), got)
+
+
+def router_with_scores(model: torch.nn.Module, rows: list[list[float]]) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The MoE gate of ``model`` made to score expert e of token t as ``rows[t][e]`` (logits: the gate weight is the
+    identity on the first hidden dims, so each token's hidden state is its row of logits)."""
+    gate = moe_block(model).gate
+    num_experts, hidden_size = gate.weight.shape
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.weight[:, :num_experts] = torch.eye(num_experts)
+    hidden = torch.zeros(len(rows), hidden_size)
+    hidden[:, :num_experts] = torch.tensor(rows)
+    return gate, hidden
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_router_ties_pick_the_experts_transformers_picks(family):
+    model = build_tiny_causal_lm(family, seed=2)
+    spec = architecture_spec(model.config).moe
+    num_experts = spec.num_experts
+    # every expert tied; two tied at the top; a tie across the top-k boundary
+    rows = [[0.0] * num_experts, [1.0, 2.0, 2.0] + [0.0] * (num_experts - 3),
+            [3.0, 1.0, 1.0, 1.0] + [-1.0] * (num_experts - 4)]
+    gate, hidden = router_with_scores(model, rows)
+    _, expected_weights, expected_ids = gate(hidden)
+    got = route(hidden, gate.weight, getattr(gate, "e_score_correction_bias", None), spec,
+                deepseek_router(model.config.model_type))
+    assert_same_routing((expected_weights, expected_ids), got)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_group_limited_routing_keeps_the_best_groups(family):
+    """8 experts in 4 groups of 2, 2 groups kept. Token 0: the single best expert (6) lifts its group (V2 keeps
+    groups by their best score) though group 1 has the best pair (V3 sums the best two). Token 1: V3's correction
+    bias moves the choice to group 0 while the weights stay the unbiased scores."""
+    model = build_tiny_causal_lm(family, seed=3)
+    spec = architecture_spec(model.config).moe
+    assert (spec.n_group, spec.topk_group, spec.num_experts) == (4, 2, 8)
+    rows = [[0.1, 0.0, 2.0, 1.9, -1.0, -1.0, 3.0, -3.0],
+            [0.0, 0.0, 1.0, 1.0, 0.5, 0.5, 0.9, 0.9]]
+    gate, hidden = router_with_scores(model, rows)
+    if spec.correction_bias:
+        with torch.no_grad():
+            gate.e_score_correction_bias.copy_(torch.tensor([2.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    _, expected_weights, expected_ids = gate(hidden)
+    got = route(hidden, gate.weight, getattr(gate, "e_score_correction_bias", None), spec, True)
+    assert_same_routing((expected_weights, expected_ids), got)
+    chosen = got[1].sort(dim=-1).values.tolist()
+    if family == "deepseek_v2":  # groups 1 (best 2.0) and 3 (best 3.0); top-2 inside them
+        assert chosen[0] == [2, 6]
+    else:  # group sums: group 1 3.9-ish, group 3 with -3.0 loses to group 0
+        assert chosen[1] == [0, 1]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_block_matches_transformers(family):
+    model = build_tiny_causal_lm(family, seed=4)
+    spec = architecture_spec(model.config)
+    block = moe_block(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5)
+        if spec.moe.correction_bias:
+            block.gate.e_score_correction_bias.normal_(0, 0.1)
+    hidden = torch.randn(2, 7, model.config.hidden_size)
+    with torch.no_grad():
+        expected = block(hidden).reshape(14, -1)
+    mlp = MoEMLP(spec.moe, spec.model_type)
+    weights = mlp.copy(block, torch.float32, torch.device("cpu"))
+    assert (weights.shared_gate_up is not None) == (spec.moe.shared_experts > 0)
+    with torch.no_grad():
+        got = mlp.forward(weights, hidden.reshape(14, -1))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_experts_equal_gathered_experts():
+    """The grouped-GEMM path (sorted by expert, int32 offsets, an expert no token picked) equals the gathered one."""
+    torch.manual_seed(5)
+    num_tokens, top_k, num_experts, hidden_size, inter = 9, 2, 5, 16, 8
+    hidden = torch.randn(num_tokens, hidden_size)
+    expert_ids = torch.randint(0, num_experts - 1, (num_tokens, top_k))  # expert 4 gets no token
+    weights = torch.rand(num_tokens, top_k)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden_size)
+    down = torch.randn(num_experts, hidden_size, inter)
+    gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
+    grouped = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True)
+    torch.testing.assert_close(grouped, gathered, atol=1e-5, rtol=1e-5)
+    expected = torch.zeros_like(hidden)
+    for token in range(num_tokens):
+        for slot in range(top_k):
+            gate, up = (gate_up[expert_ids[token, slot]] @ hidden[token]).chunk(2)
+            expected[token] += weights[token, slot] * (down[expert_ids[token, slot]] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(gathered, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_moe_in_bf16_matches_transformers_and_captures_in_a_graph(family):
+    model = build_tiny_causal_lm(family, seed=6).to("cuda", torch.bfloat16)
+    spec = architecture_spec(model.config)
+    block = moe_block(model)
+    hidden = torch.randn(24, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = block(hidden[None])[0]
+    mlp = MoEMLP(spec.moe, spec.model_type)
+    weights = mlp.copy(block, torch.bfloat16, torch.device("cuda"))
+    with torch.no_grad():
+        eager = mlp.forward(weights, hidden)
+        torch.testing.assert_close(eager, expected, atol=2e-2, rtol=2e-2)
+        static = hidden.clone()
+        mlp.forward(weights, static)  # warm up before capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = mlp.forward(weights, static)
+        static.copy_(hidden.flip(0))
+        graph.replay()
+    torch.testing.assert_close(captured, eager.flip(0), atol=0, rtol=0)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def mla_model(family: str, **overrides) -> torch.nn.Module:
+    return build_tiny_causal_lm(family, seed=7, max_position_embeddings=64, **overrides).eval()
+
+
+def transformers_attention(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The first layer's attention over one sequence (tokens, hidden), causal, positions from 0."""
+    positions = torch.arange(hidden.shape[0])[None]
+    with torch.no_grad():
+        embeddings = model.model.rotary_emb(hidden[None], positions)
+        return model.model.layers[0].self_attn(hidden_states=hidden[None], position_embeddings=embeddings,
+                                               attention_mask=None)[0][0]
+
+
+class LatentCache:
+    """A compressed paged cache of 4-token blocks for the first layer, with each sequence's blocks listed."""
+
+    def __init__(self, attention, num_blocks: int = 12, block_size: int = 4):
+        self.block_size = block_size
+        self.cache = torch.zeros(attention.cache_shape(num_blocks, block_size))
+        self.free = list(range(num_blocks - 1, -1, -1))  # blocks handed out out of order
+        self.tables: list[list[int]] = []
+
+    def slots(self, sequence: int, positions: range) -> list[int]:
+        table = self.tables[sequence]
+        while len(table) * self.block_size < positions.stop:
+            table.append(self.free.pop(0))
+        return [table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+
+    def block_tables(self, width: int) -> torch.Tensor:
+        return torch.tensor([table + [0] * (width - len(table)) for table in self.tables])
+
+
+def mla_setup(model):
+    from reinforge.rollout.native.mla import MLAAttention, MLAWeights, mla_rotary_tables
+
+    spec = architecture_spec(model.config)
+    attention = MLAAttention.of(model, spec.mla)
+    weights = MLAWeights.copied(model.model.layers[0].self_attn, torch.float32, torch.device("cpu"))
+    cos, sin = mla_rotary_tables(model.model.rotary_emb, 64, attention.rotary_dtype(torch.float32), torch.device("cpu"))
+    return attention, weights, cos, sin
+
+
+MLA_VARIANTS = [("deepseek_v2", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False}),
+                ("deepseek_v3", {"rope_parameters": YARN}), ("deepseek_v2", {"rope_parameters": YARN})]
+
+
+@pytest.mark.parametrize(("family", "overrides"), MLA_VARIANTS,
+                         ids=["v2", "v3", "v3-halves", "v3-yarn", "v2-yarn"])
+def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
+    """Two sequences (7 and 5 tokens) prefilled packed, a third whose first 8 tokens are cached and 3 new ones are
+    prefilled after the hit, then one decode step of all three in the latent space: each output equals
+    transformers' attention over the whole sequence at that position."""
+    from reinforge.rollout.native.attention import AttentionMetadata
+
+    model = mla_model(family, **overrides)
+    attention, weights, cos, sin = mla_setup(model)
+    assert attention.scale == model.model.layers[0].self_attn.scaling
+    if "rope_parameters" in overrides:
+        assert attention.scale > (16 + 8) ** -0.5  # yarn's mscale squared
+    torch.manual_seed(8)
+    lengths = [8, 6, 12]  # the final token of each is decoded
+    sequences = [torch.randn(length, model.config.hidden_size) for length in lengths]
+    expected = [transformers_attention(model, hidden) for hidden in sequences]
+    cache = LatentCache(attention)
+    cache.tables = [[], [], []]
+
+    def run(hidden, positions, meta):
+        with torch.no_grad():
+            return attention.forward(weights, hidden, cos[positions], sin[positions], cache.cache, meta)
+
+    # packed prefill of sequences 0 and 1 (all but their final token), and sequence 2's first 8 tokens
+    prefill = [(0, range(7)), (1, range(5)), (2, range(8))]
+    hidden = torch.cat([sequences[s][r.start:r.stop] for s, r in prefill])
+    positions = torch.cat([torch.arange(r.start, r.stop) for _, r in prefill])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([slot for s, r in prefill for slot in cache.slots(s, r)]), is_prefill=True,
+        seq_lens=[len(r) for _, r in prefill],
+        batch_index=torch.cat([torch.full((len(r),), i) for i, (_, r) in enumerate(prefill)]),
+        token_index=torch.cat([torch.arange(len(r)) for _, r in prefill]))
+    out = run(hidden, positions, meta)
+    for (s, r), part in zip(prefill, out.split([len(r) for _, r in prefill]), strict=True):
+        torch.testing.assert_close(part, expected[s][r.start:r.stop], atol=1e-5, rtol=1e-5)
+
+    # sequence 2 after a prefix-cache hit: tokens 8..10 over the 8 cached ones
+    new = range(8, 11)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(cache.slots(2, new)), is_prefill=True, seq_lens=[3],
+        batch_index=torch.zeros(3, dtype=torch.int64), token_index=torch.arange(3),
+        block_tables=torch.tensor([cache.tables[2]]), context_lens=torch.tensor([11], dtype=torch.int32),
+        prefix_lens=torch.tensor([8]), max_context_len=11)
+    out = run(sequences[2][8:11], torch.arange(8, 11), meta)
+    torch.testing.assert_close(out, expected[2][8:11], atol=1e-5, rtol=1e-5)
+
+    # one decode step of all three: the final token of each
+    last = [length - 1 for length in lengths]
+    slots = [cache.slots(s, range(p, p + 1))[0] for s, p in enumerate(last)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), is_prefill=False,
+                             block_tables=cache.block_tables(6), context_lens=torch.tensor(lengths, dtype=torch.int32))
+    out = run(torch.stack([sequences[s][p] for s, p in enumerate(last)]), torch.tensor(last), meta)
+    torch.testing.assert_close(out, torch.stack([expected[s][p] for s, p in enumerate(last)]), atol=1e-5, rtol=1e-5)
