@@ -41,7 +41,9 @@ def _train(argv: list[str]) -> int:
         if asks_for_help(argv[1:]):
             print(TRAIN_USAGE)
             return 0
-        config = load_from_verl(argv[1:])
+        from reinforge.tracking.backends import missing_backend_package
+
+        config = load_from_verl(argv[1:], missing_backend_package)
     else:
         config_path, overrides = _config_arguments(
             argv, prog="reinforge train", description="Run RL training (GRPO, PPO, ...); "

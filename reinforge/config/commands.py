@@ -43,15 +43,33 @@ def _report(translation: VerlTranslation) -> None:
     print(translation.report(), file=sys.stderr)
 
 
-def load_from_verl(arguments: list[str]) -> Config:
-    """``VERL_KEY=VALUE ... [-- our.key=value ...]``: the translated, validated config; prints the mapping."""
+def load_from_verl(arguments: list[str], missing_package: Callable[[str], str | None] | None = None) -> Config:
+    """``VERL_KEY=VALUE ... [-- our.key=value ...]``: the translated, validated config; prints the mapping.
+
+    ``missing_package(logger)``: the package a logger lacks on this machine (``tracking.missing_backend_package``);
+    such a logger of the verl command is left out with one warning line, as the command was written for
+    another machine and the run folder's metrics.jsonl keeps every metric anyway.
+    """
     verl_arguments, overrides = _split_at_double_dash(arguments)
     if not verl_arguments:
         raise ConfigError("--from-verl needs verl's key=value overrides, e.g. reinforge train --from-verl "
                           "data.train_files=/data/train.parquet actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B")
     translation = translate_verl(verl_arguments)
     _report(translation)
+    if missing_package is not None:
+        _drop_loggers_not_installed(translation, missing_package)
     return load_config(None, overrides, tree=translation.tree)
+
+
+def _drop_loggers_not_installed(translation: VerlTranslation, missing_package: Callable[[str], str | None]) -> None:
+    trainer = translation.tree.get("trainer", {})
+    for name in list(trainer.get("loggers", [])):
+        package = missing_package(name)
+        if package is not None:
+            trainer["loggers"].remove(name)
+            print(f"warning: trainer.logger names {name}, whose package {package} is not installed here; logging to "
+                  f"{', '.join(trainer['loggers'])} and metrics.jsonl without it (pip install {package} to log there)",
+                  file=sys.stderr)
 
 
 def config_main(argv: list[str], check: Callable[[Config], None]) -> int:

@@ -47,6 +47,23 @@ class PoolSettings:
     collective_timeout_s: float
 
 
+def cluster_shortfall(devices_per_node: list[int], bundle: dict[str, float],
+                      node_resources: list[dict[str, float]]) -> str | None:
+    """Why a cluster whose live nodes have ``node_resources`` can never hold the pool, or None when it can: each
+    entry of ``devices_per_node`` needs that many ``bundle``s packed on one node, each node used once."""
+    def capacity(resources: dict[str, float]) -> int:
+        return int(min(resources.get(name, 0.0) // amount for name, amount in bundle.items() if amount > 0))
+
+    free = sorted((capacity(resources) for resources in node_resources), reverse=True)
+    needed = sorted(devices_per_node, reverse=True)
+    device = "GPU" if bundle.get("GPU") else "CPU slot"
+    if len(needed) > len(free) or any(count > room for count, room in zip(needed, free, strict=False)):
+        held = ", ".join(str(room) for room in free) or "none"
+        return (f"the Ray cluster's nodes hold {held} {device}s for members (one member per {bundle}), fewer than "
+                f"trainer.nnodes x trainer.devices_per_node = {' + '.join(map(str, devices_per_node))}")
+    return None
+
+
 class PlacedPool:
     """The member processes of one resource pool, shared by the roles placed on it."""
 
@@ -54,6 +71,11 @@ class PlacedPool:
         self.pool, self.settings = pool, settings
         self.roles: set[str] = set()
         bundle = {"CPU": settings.num_cpus_per_member, **({"GPU": 1.0} if settings.uses_gpu else {})}
+        shortfall = cluster_shortfall(pool.devices_per_node, bundle,
+                                      [node["Resources"] for node in ray.nodes() if node.get("Alive")])
+        if shortfall is not None:  # Ray would wait startup_timeout_s for devices that are not there
+            raise ValueError(f"resource pool {pool.name!r} cannot be placed: {shortfall}; lower "
+                             "trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes")
         self.placement_groups = [placement_group([dict(bundle)] * count, strategy="STRICT_PACK",
                                                  name=f"reinforge-{pool.name}-node{node}")
                                  for node, count in enumerate(pool.devices_per_node)]

@@ -1,7 +1,8 @@
 """Tracker: the trainer's one place to send metrics, samples and progress.
 
-``Tracker(run_dir, ["console", "jsonl"])`` builds the named backends and fans every
-``log(metrics, step)`` out to them, after turning values (Python numbers, numpy scalars,
+``Tracker(run_dir, ["console", "wandb"])`` builds the named backends, and jsonl whatever the list says
+(``metrics.jsonl`` is the run folder's own record, read by plots, resume and ``reinforge bench``), and fans
+every ``log(metrics, step)`` out to them, after turning values (Python numbers, numpy scalars,
 one-element tensors) into floats. A backend that fails to start stops the run at once with the
 reason, rather than losing metrics silently later.
 """
@@ -57,7 +58,7 @@ class Tracker:
         except OSError as error:
             raise write_failure(self.run_dir, error, "the run folder, trainer.output_dir") from None
         self.console = console or Console()
-        self.backend_names = list(dict.fromkeys(backends))
+        self.backend_names = list(dict.fromkeys([*backends, "jsonl"]))  # metrics.jsonl: the run folder's own record
         run = RunInfo(self.run_dir, project, experiment, config, self.console)
         self.backends: dict[str, TrackingBackend] = {}
         name = ""

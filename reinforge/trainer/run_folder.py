@@ -8,7 +8,8 @@ the settings that differ between a checkpoint's run and this one: settings the t
 as it goes (sampling, loss coefficients, the optimizer's hyperparameters, which the workers
 re-apply after loading the optimizer state, the step count) take effect and are recorded in
 ``config.yaml``; settings that would make the checkpoint mean something else (the model, the
-data and its order, the seed, the estimator) are refused, naming each difference.
+data and its order, the seed, the estimator) are refused, naming each difference, and so is another
+``trainer.experiment_name``: a second experiment never continues the first one's checkpoints.
 """
 
 from __future__ import annotations
@@ -143,6 +144,11 @@ def check_resumed_settings(old: dict[str, Any] | None, new: dict[str, Any], refu
     """Refuse changes to ``refused`` keys (or key prefixes ending in '.'); log the ones that will apply."""
     if old is None:
         return
+    experiment = old.get("trainer", {}).get("experiment_name"), new.get("trainer", {}).get("experiment_name")
+    if experiment[0] is not None and experiment[0] != experiment[1]:
+        raise ValueError(f"trainer.output_dir holds experiment {experiment[0]!r} ({checkpoint}) and this run is "
+                         f"experiment {experiment[1]!r}; give the new experiment its own trainer.output_dir, or set "
+                         f"trainer.experiment_name={experiment[0]} to resume that one")
     changes = config_changes(old, new)
     blocked = [change for change in changes
                if any(change[0] == key or (key.endswith(".") and change[0].startswith(key)) for key in refused)]

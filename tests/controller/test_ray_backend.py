@@ -179,3 +179,28 @@ def test_a_killed_member_fails_the_call_at_once_with_its_last_log_lines(group):
     assert isinstance(caught.value.__cause__, MemberDiedError)
     message = str(caught.value)
     assert "rank 1 of role 'toy' runs on node" in message and "rank 1 sleeps 20.0 s before an all-reduce" in message
+
+
+def test_cluster_shortfall_compares_each_node_with_the_pools_devices():
+    from reinforge.controller.ray_pool import cluster_shortfall
+
+    gpu = {"CPU": 1.0, "GPU": 1.0}
+    eight_gpus = {"CPU": 64.0, "GPU": 8.0}
+    assert cluster_shortfall([8], gpu, [eight_gpus]) is None
+    assert cluster_shortfall([8, 8], gpu, [eight_gpus, eight_gpus]) is None
+    assert cluster_shortfall([8], gpu, [{"CPU": 64.0, "GPU": 4.0}, {"CPU": 64.0, "GPU": 4.0}]) == (
+        "the Ray cluster's nodes hold 4, 4 GPUs for members (one member per {'CPU': 1.0, 'GPU': 1.0}), fewer than "
+        "trainer.nnodes x trainer.devices_per_node = 8")
+    assert cluster_shortfall([8, 8], gpu, [eight_gpus]) is not None  # one node cannot serve two
+    assert "CPU slots" in cluster_shortfall([8], {"CPU": 1.0}, [{"CPU": 2.0}])
+
+
+def test_a_pool_larger_than_the_cluster_is_refused_at_once(ray_cluster, tmp_path):
+    from reinforge.controller.ray_backend import connect_ray
+
+    connect_ray(log_dir=tmp_path, device="cpu")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"resource pool 'huge' cannot be placed: the Ray cluster's nodes hold \d+ "
+                                         r"CPU slots .* = 64; lower trainer.devices_per_node"):
+        RayWorkerGroup(ToyWorker, 100, name="huge", resource_pool=ResourcePool("huge", [64]), timeout_s=60)
+    assert time.monotonic() - started < 10

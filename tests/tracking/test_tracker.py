@@ -65,7 +65,8 @@ def test_console_backend_and_progress_print_key_metrics(tmp_path):
     assert "step 2 │ score 0.5 │ gsm8k/reward/mean@4 0.5" in text
     assert "only/unknown 7" in text
     assert progress.completed == 3
-    assert not (tmp_path / "metrics.jsonl").exists()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 3, 4]  # the run folder keeps metrics.jsonl whatever trainer.loggers names
 
 
 def test_progress_without_console_backend_only_counts(tmp_path):

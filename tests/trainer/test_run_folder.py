@@ -69,6 +69,17 @@ def test_a_changed_learning_rate_applies_on_resume_a_changed_batch_is_refused_an
     assert not (run_dir / ".lock").exists()
 
 
+def test_another_experiment_name_does_not_resume_the_folders_experiment(rl_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1, "trainer.experiment_name": "first"})]) == 0
+    capsys.readouterr()
+    assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "trainer.experiment_name": "second"})]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds experiment 'first'" in err[0] and "this run is experiment 'second'" in err[0]
+    assert "its own trainer.output_dir" in err[0]
+    assert [row["step"] for row in rows(run_dir / "metrics.jsonl")] == [1]
+
+
 def test_a_second_run_on_the_same_folder_is_refused(rl_args, tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -31,6 +31,10 @@ class NoEquivalentValue(Exception):
     """This value of a verl key has no counterpart here; the message says why."""
 
 
+class RefusedValue(Exception):
+    """This value of a verl key would make the run something else than the command asks; the message says the fix."""
+
+
 def _same(value: Any, given: Mapping[str, Any]) -> Any:
     return value
 
@@ -83,6 +87,38 @@ def _path(value: Any, given: Mapping[str, Any]) -> Any:
     if value is None:
         return UNSET
     return os.path.expanduser(value) if isinstance(value, str) else value
+
+
+VERL_PROJECT_NAME, VERL_EXPERIMENT_NAME = "verl_examples", "gsm8k"
+VERL_LOCAL_DIR = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+"""verl's trainer.default_local_dir: its checkpoints (and here the whole run folder) go under the run's names."""
+
+
+def _local_dir(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's checkpoint folder with its ``${trainer.project_name}``/``${trainer.experiment_name}`` resolved."""
+    if value is None:
+        return UNSET
+    names = {"trainer.project_name": given.get("trainer.project_name", VERL_PROJECT_NAME),
+             "trainer.experiment_name": given.get("trainer.experiment_name", VERL_EXPERIMENT_NAME)}
+    for key, name in names.items():
+        value = str(value).replace("${" + key + "}", str(name))
+    return _path(value, given)
+
+
+DATA_CONVERTERS = {"retool": "reinforge data retool --src GSM8K_DIR --out DIR",
+                   "gsm8k": "reinforge data gsm8k --src GSM8K_DIR --out DIR"}
+
+
+def _custom_dataset(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's own dataset class builds the prompts from raw rows: here the rows are converted once, beforehand."""
+    if value is None:
+        return UNSET
+    kind = next((name for name in DATA_CONVERTERS if name in str(value).lower()), None)
+    run = (f"convert the data with `{DATA_CONVERTERS[kind]}`" if kind else
+           f"convert the data to reinforge's rows (`{DATA_CONVERTERS['retool']}` for ReTool, "
+           f"`{DATA_CONVERTERS['gsm8k']}` for GSM8K, or rows with prompt, data_source, reward_model, extra_info)")
+    raise RefusedValue(f"is a dataset class, which reinforge does not load; {run}, pass the converted files as "
+                       "data.train_files/val_files and leave data.custom_cls.* out")
 
 
 def _file_list(value: Any, given: Mapping[str, Any]) -> Any:
@@ -306,6 +342,7 @@ VERL_KEYS: dict[str, Translation] = {
     "data.return_full_prompt": OWN_DATA_PIPELINE,
     "data.dataloader_num_workers": OWN_DATA_PIPELINE,
     "data.filter_overlong_prompts_workers": OWN_DATA_PIPELINE,
+    "data.custom_cls.path": Rename("data.train_files", _custom_dataset),
     "data.custom_cls.*": OWN_DATA_PIPELINE,
     "data.sampler.*": NoEquivalent("prompts are drawn in a seeded shuffled order (data.shuffle, data.seed); "
                                    "there are no curriculum samplers"),
@@ -551,8 +588,8 @@ VERL_KEYS: dict[str, Translation] = {
     # ---- trainer
     "trainer.total_epochs": Rename("trainer.total_epochs", verl_default=30),
     "trainer.total_training_steps": Rename("trainer.total_steps", _unset_if(None)),
-    "trainer.project_name": Rename("trainer.project_name"),
-    "trainer.experiment_name": Rename("trainer.experiment_name"),
+    "trainer.project_name": Rename("trainer.project_name", verl_default=VERL_PROJECT_NAME),
+    "trainer.experiment_name": Rename("trainer.experiment_name", verl_default=VERL_EXPERIMENT_NAME),
     "trainer.logger": Rename("trainer.loggers", _loggers),
     "trainer.nnodes": Rename("trainer.nnodes"),
     "trainer.n_gpus_per_node": Rename("trainer.devices_per_node"),
@@ -563,7 +600,8 @@ VERL_KEYS: dict[str, Translation] = {
                                 note="reinforge also validates at the end when data.val_files is set"),
     "trainer.val_before_train": Rename("trainer.val_before_train"),
     "trainer.critic_warmup": Rename("critic.warmup_steps"),
-    "trainer.default_local_dir": Rename("trainer.output_dir", _path),
+    "trainer.default_local_dir": Rename("trainer.output_dir", _local_dir, verl_default=VERL_LOCAL_DIR,
+                                        note="the run folder: config, metrics, samples and checkpoints/"),
     "trainer.resume_mode": Rename("trainer.resume", _resume_mode),
     "trainer.resume_from_path": Rename("trainer.resume", _resume_path),
     "trainer.max_actor_ckpt_to_keep": Rename("trainer.keep_last", _unset_if(None)),

@@ -29,6 +29,7 @@ from reinforge.config.verl.keys import (
     VERL_SECTIONS,
     NoEquivalent,
     NoEquivalentValue,
+    RefusedValue,
     Rename,
     SameAsOurs,
     implied_settings,
@@ -222,6 +223,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
         except NoEquivalentValue as reason:
             result.no_equivalent.append(KeyLine(verl_key, value, reason=str(reason)))
             return
+        except RefusedValue as reason:
+            raise ConfigError(f"{verl_key}={_show(value)} (verl command line) {reason}") from None
         except (TypeError, ValueError, AttributeError) as error:  # a value of the wrong kind (a number for a list)
             raise ConfigError(f"{verl_key}={_show(value)} (verl command line) is not a value verl takes for it "
                               f"({error}); check its type in verl's ppo_trainer.yaml") from error

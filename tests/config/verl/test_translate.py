@@ -123,6 +123,15 @@ def test_verl_defaults_that_change_the_run_are_carried_over():
     assert config.data.filter_overlong_prompts is False
 
 
+def test_verls_checkpoint_folder_and_run_names_become_the_run_folder():
+    named = translate_verl(["trainer.project_name=gsm8k_grpo", "trainer.experiment_name=qwen_7b"]).tree["trainer"]
+    assert named["output_dir"] == "checkpoints/gsm8k_grpo/qwen_7b"
+    assert (named["project_name"], named["experiment_name"]) == ("gsm8k_grpo", "qwen_7b")
+    given = translate_verl(["trainer.experiment_name=b", "trainer.default_local_dir=/ckpt/${trainer.experiment_name}/x"])
+    assert given.tree["trainer"]["output_dir"] == "/ckpt/b/x"
+    assert "the run folder" in given.report()
+
+
 def test_values_converted():
     translation = translate_verl([
         "custom_reward_function.path=/r/score.py", "+custom_reward_function.reward_kwargs.mode=flexible",
@@ -150,8 +159,9 @@ def test_values_without_equivalent_are_reported_not_translated():
     assert translation.tree == {"data": {"train_batch_size": 1024, "max_response_length": 512,
                                          "filter_overlong_prompts": False},
                                 "model": {"gradient_checkpointing": True}, "actor": {"mini_batch_size": 256},
-                                "trainer": {"total_epochs": 30}, "algorithm": {"adv_estimator": "gae"},
-                                "rollout": {"n": 1}}
+                                "trainer": {"total_epochs": 30, "project_name": "verl_examples", "experiment_name": "gsm8k",
+                                            "output_dir": "checkpoints/verl_examples/gsm8k"},
+                                "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 1}}
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
     assert "the 'wsd' schedule is not here" in reasons["actor_rollout_ref.actor.optim.lr_scheduler_type"]
     assert "truncation 'middle' is not here" in reasons["data.truncation"]
@@ -348,3 +358,26 @@ def test_null_device_counts_fail_in_the_config_check_not_in_the_translation():
     for word in ("trainer.nnodes=null", "trainer.n_gpus_per_node=null"):
         with pytest.raises(ConfigError, match=r"trainer\.(nnodes|devices_per_node)"):
             load_config(None, tree=translate_verl([word]).tree)
+
+
+@pytest.mark.parametrize(("path", "converter"), [
+    ("recipe/retool/retool.py", "reinforge data retool --src"),
+    ("my_project/dataset.py", "reinforge data gsm8k --src"),
+])
+def test_a_custom_dataset_class_is_refused_naming_the_converter(path, converter):
+    with pytest.raises(ConfigError) as raised:
+        translate_verl([f"data.custom_cls.path={path}", "data.custom_cls.name=CustomRLHFDataset"])
+    message = str(raised.value)
+    assert message.startswith(f"data.custom_cls.path={path} (verl command line) is a dataset class")
+    assert converter in message and "\n" not in message
+    assert translate_verl(["data.custom_cls.path=null"]).tree.get("data", {}).get("train_files") is None
+
+
+def test_a_verl_logger_whose_package_is_missing_is_left_out_with_one_warning(capsys):
+    from reinforge.config import commands
+
+    config = commands.load_from_verl([*VERL_GSM8K_GRPO, "trainer.logger=[console,wandb]"],
+                                     lambda name: "wandb" if name == "wandb" else None)
+    assert config.trainer.loggers == ["console", "jsonl"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "wandb" in warnings[0] and "pip install wandb" in warnings[0]
