@@ -32,3 +32,17 @@ def test_tied_weights_count_once():
     model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50, bias=False))
     model[1].weight = model[0].weight
     assert perf.update_flops_per_token(model) == 6 * 400
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through():
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm("olmoe", vocab_size=64)  # 2 layers of 8 experts, top-2
+    experts = [p for name, p in model.named_parameters() if ".experts." in name]
+    assert experts and all(p.dim() == 3 and p.shape[0] == 8 for p in experts)
+    total, expert_total = perf.num_parameters(model), sum(p.numel() for p in experts)
+    active = total - expert_total + expert_total * 2 / 8
+    assert perf.num_active_parameters(model) == pytest.approx(active)
+    assert perf.update_flops_per_token(model) == pytest.approx(6 * active)
+    model.requires_grad_(False)
+    assert perf.update_flops_per_token(model) == pytest.approx(4 * active)
