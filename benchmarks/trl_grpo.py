@@ -7,7 +7,8 @@ workload. The workload is reinforge's: 64 prompts of 128 tokens, 8 samples each,
 tokens (EOS suppressed with ``min_new_tokens``; ``--prompts``, ``--n``, ``--prompt-tokens`` and
 ``--response-tokens`` change them as they do for ``bench train``), bf16, beta 0 (no reference model), no
 vLLM (transformers ``generate``), one optimizer step per generation batch of all completions, AdamW lr
-1e-6. ``DIR`` is a model folder written by ``reinforge bench train`` (random Qwen2.5 weights and the
+1e-6 (``--lora-rank R``: a peft LoRA adapter of rank R, alpha 2R, on ``--lora-targets``, lr 1e-5).
+``DIR`` is a model folder written by ``reinforge bench train`` (random weights of a bench shape and the
 character tokenizer, so a 128-character prompt is 128 tokens). The step time is the median time between
 optimizer steps 2.. . By default (``--checkpointing auto``) it runs without gradient checkpointing and,
 when that runs out of memory, with it, as TRL's users would; ``both`` runs each and the faster one counts. ``--gpu-memory-gib`` caps the process as
@@ -67,8 +68,16 @@ def run(model_dir: Path, steps: int, checkpointing: bool, micro_batch: int, work
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    peft_config = None
+    if workload.lora_rank:  # the adapter reinforge's shape trains: same rank, alpha 2 x rank, same projections
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=workload.lora_rank, lora_alpha=2 * workload.lora_rank, lora_dropout=0.0,
+                                 target_modules=workload.lora_targets.split(","), task_type="CAUSAL_LM")
+        config.learning_rate = 1e-5  # reinforge's LoRA learning rate
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepTimes()])
+                          processing_class=tokenizer, callbacks=[StepTimes()],
+                          **({"peft_config": peft_config} if peft_config is not None else {}))
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.train()
@@ -91,6 +100,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="cap the process at this much GPU memory")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (peft)")
+    parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
+                        help="its projections, comma-separated")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.gpu_memory_gib is not None:

@@ -1,9 +1,10 @@
 """``reinforge bench train --model 0.5b,1.5b,3b,7b --trl [--out DIR] [--deadline-s S]``: the standard table.
 
-Each size runs in a process of its own (an out-of-memory error in one leaves the next a clean device): first
-its model is written (random Qwen2.5 weights and the character tokenizer, in a temporary folder removed
-after the size), then ``reinforge bench train`` on it, then with ``--trl`` TRL's GRPOTrainer on the same
-folder and workload (``benchmarks/trl_grpo.py`` of the source checkout). Every case's JSON (its results
+Each size (a shape of ``shapes.py``) runs in a process of its own (an out-of-memory error in one leaves the
+next a clean device): first its model is written (random weights and the character tokenizer, in a temporary
+folder removed after the size), then ``reinforge bench train`` on it, then with ``--trl`` TRL's GRPOTrainer on
+the same folder and workload (``benchmarks/trl_grpo.py`` of the source checkout; a shape that trains a LoRA
+adapter has TRL train the same adapter). Every case's JSON (its results
 and a ``case`` record, ``table.py``) lands in ``--out`` (``bench_out`` by default) as soon as it ends, its
 output streams through prefixed by its name, and one markdown table is printed last. ``--deadline-s``
 bounds the whole invocation: each process gets the time left, and a case that cannot start in time is
@@ -26,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from reinforge.bench.shapes import SHAPES
 from reinforge.bench.table import environment, render_table
 
 TRL_SCRIPT = Path("benchmarks") / "trl_grpo.py"
@@ -124,6 +126,9 @@ class CaseRunner:
         options = self.args.case_options
         passed = [item for index, flag in enumerate(options) if flag in TRL_OPTIONS
                   for item in (flag, options[index + 1])]
+        shape = SHAPES[size]
+        if shape.lora_rank:  # the shape trains an adapter: TRL trains the same one (peft)
+            passed += ["--lora-rank", str(shape.lora_rank), "--lora-targets", ",".join(shape.lora_targets)]
         command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed]
         self.run_case("trl", size, command, path)
 

@@ -19,9 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from reinforge.bench.shapes import SHAPES
 from reinforge.engine.perf import DATASHEET_BF16_FLOPS, MEASURED_BF16_FLOPS
 
-SIZE_ORDER = ("0.5b", "1.5b", "3b", "7b")
+SIZE_ORDER = tuple(SHAPES)
 VERSIONS = ("torch", "transformers", "triton", "trl")
 
 
@@ -136,7 +137,47 @@ def render_table(results: list[dict]) -> str:
         rows.append(("TRL step / reinforge step", [_ratio(columns[key]) for key in keys]))
     lines = [header(results), "", "| | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
+    lines += ["", family_table(columns, keys, labels)]
     return "\n".join(lines)
+
+
+FAMILY_COLUMNS = ("family", "shape", "step s", "rollout s", "update s", "MFU (active params)", "peak GiB",
+                  "TRL step s", "TRL / reinforge")
+
+
+def family_table(columns: dict[tuple, dict[str, dict]], keys: list[tuple], labels: list[str]) -> str:
+    """One row per case: its family and shape (parameters, full or LoRA), the phases, MFU on the active
+    parameters, the peak, and where TRL ran beside it, TRL's step and the ratio of the steps."""
+    with_trl = any("trl" in columns[key] for key in keys)
+    names = FAMILY_COLUMNS if with_trl else FAMILY_COLUMNS[:-2]
+    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    for key, label in zip(keys, labels, strict=True):
+        ours = columns[key].get("reinforge")
+        trl = columns[key].get("trl")
+        shape = (ours or {}).get("shape") or {}
+        name = key[1]
+        family = shape.get("family") or (SHAPES[name].family if name in SHAPES else "–")
+        cells = [family, _shape_cell(label, shape),
+                 _cell(ours, lambda r: _number(r["median"].get("step_s"), "{:.2f}")),
+                 _cell(ours, lambda r: _number(r["median"].get("rollout_s"), "{:.2f}")),
+                 _cell(ours, lambda r: _number(r["median"].get("update_actor_s"), "{:.2f}")),
+                 _cell(ours, lambda r: _number(r["median"].get("mfu"), "{:.1%}")),
+                 _cell(ours, lambda r: _number(r["median"].get("peak_memory_gb"), "{:.1f}")),
+                 _cell(trl, lambda r: _number((r.get("best") or {}).get("step_s"), "{:.2f}")),
+                 _ratio(columns[key])][:len(names)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _shape_cell(label: str, shape: dict) -> str:
+    """``olmoe-1b-7b, 6.9B (1.3B active), full``: the name, the parameters and the training."""
+    if not shape:
+        return label
+    params, active = shape.get("params"), shape.get("active_params")
+    sizes = f"{params / 1e9:.1f}B" if params else ""
+    if params and active and active < params:
+        sizes += f" ({active / 1e9:.1f}B active)"
+    return ", ".join(part for part in (label, sizes, shape.get("training")) if part)
 
 
 def header(results: list[dict]) -> str:

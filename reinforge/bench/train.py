@@ -1,6 +1,7 @@
 """``reinforge bench train``: full GRPO steps on the standard workload, timed phase by phase.
 
-The workload: a Qwen2.5 architecture (``--model 0.5b|1.5b|3b|7b``) with random weights (saved
+The workload: a model shape (``--model``: the Qwen2.5 sizes 0.5b|1.5b|3b|7b, or gemma2-2b, phi3-mini,
+olmo2-1b, mistral-7b, olmoe-1b-7b, qwen3-30b-a3b of ``shapes.py``) with random weights (saved
 once as an HF folder so the workers load it as they would any model), 64 prompts of 128 random
 tokens, n=8 samples each, exactly 512 generated tokens (EOS ignored; ``--response-tokens``). A
 step is what the RL trainer does: rollout, a cheap rule reward on token ids, GRPO advantages, one
@@ -14,7 +15,8 @@ up) of step, rollout and update time, update tokens/s, MFU (the FLOPs the update
 ``engine.perf.update_flops_per_token`` x tokens / time, against the datasheet's 989 TFLOP/s;
 ``mfu_measured_peak`` against the 799 TFLOP/s a bf16 matrix product reaches on an H200; both count the
 tokens the model ran, ``mfu_workload_tokens`` all 512 x 640 of the workload, which is not MFU when
-prompts are shared) and peak memory. ``--cpu`` runs a tiny model as a smoke test (no timing claims).
+prompts are shared; a mixture of experts counts its active parameters) and peak memory. ``--cpu`` runs a
+tiny model of the shape's family as a smoke test (no timing claims).
 
 One size runs in this process. Several sizes (``--model 0.5b,1.5b,3b,7b``), ``--trl`` (TRL's GRPOTrainer
 beside each) or ``--out DIR`` run every case in a process of its own and print one markdown table at the
@@ -35,36 +37,32 @@ from pathlib import Path
 
 import torch
 
-_QWEN25 = dict(max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
-QWEN25_SHAPES = {
-    "0.5b": dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, tie_word_embeddings=True, **_QWEN25),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True, **_QWEN25),
-    "3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-               intermediate_size=11008, tie_word_embeddings=True, **_QWEN25),
-    "7b": dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, tie_word_embeddings=False, **_QWEN25),
-}
-"""The Qwen2.5 architectures (random weights): what ``--model`` builds."""
+from reinforge.bench.shapes import QWEN25_SIZES, SHAPES, shape_config
+
+QWEN25_SHAPES = {size: shape_config(size) for size in QWEN25_SIZES}
+"""The Qwen2.5 architectures (random weights)."""
 QWEN25_05B = QWEN25_SHAPES["0.5b"]
 
 
 def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """Shape ``size`` with random bf16 weights and the character tokenizer in ``folder/model``; ``tiny``: a tiny
+    float32 model of the shape's family (``reinforge.models.tiny``), for the CPU smoke test."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from reinforge.models import build_char_tokenizer, save_tiny_model
 
+    family = SHAPES[size].family
     if tiny:
-        return save_tiny_model(folder / "model")
+        return save_tiny_model(folder / "model", arch=family)
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
-    config = Qwen2Config(**QWEN25_SHAPES[size], pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    keys = {key: value for key, value in shape_config(size).items() if key != "model_type"}
+    config = AutoConfig.for_model(family, **keys, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = Qwen2ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
         finally:
             torch.set_default_dtype(torch.float32)
     model.save_pretrained(folder / "model")
@@ -93,9 +91,12 @@ def build_config(model_dir: Path, args: argparse.Namespace):
         config.actor.optimizer_offload = args.optimizer_offload
     config.trainer.gpu_memory_gib = args.gpu_memory_gib
     config.actor.optim.lr = 1e-6
-    if args.lora:
-        config.model.lora.rank = args.lora
-        config.model.lora.alpha = 2 * args.lora
+    shape = SHAPES[args.model]
+    if args.lora or shape.lora_rank:  # --lora replaces the shape's own adapter rank
+        config.model.lora.rank = args.lora or shape.lora_rank
+        config.model.lora.alpha = 2 * config.model.lora.rank
+        if shape.lora_targets:
+            config.model.lora.target_modules = list(shape.lora_targets)
         config.actor.optim.lr = 1e-5  # about 10x full fine-tuning's
     config.actor.grad_clip = 1.0
     config.actor.loss_agg_mode = "token-mean"
@@ -266,13 +267,23 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         summary[key] = max((r.get(key) or 0.0) for r in rows)
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
     summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    result = {"variant": args.variant, "steps": rows, "median": summary}
+    result = {"variant": args.variant, "steps": rows, "median": summary, "shape": shape_summary(args, model_dir, config)}
     if plan is not None:
         result["plan"] = {"table": plan.table(), "settings": vars(plan.settings),
                           "estimated_gb": {phase: sum(items.values()) / 2**30 for phase, items in plan.phases.items()},
                           "consumers_gb": {phase: {k: v / 2**30 for k, v in items.items()}
                                            for phase, items in plan.phases.items()}}
     return result
+
+
+def shape_summary(args: argparse.Namespace, model_dir: Path, config) -> dict:
+    """The case's family, training (full or LoRA rN) and total and active parameters (from its config.json)."""
+    from reinforge.engine.memory_plan import ModelShape
+
+    sizes = ModelShape.from_model_path(str(model_dir))
+    rank = config.model.lora.rank
+    return {"name": args.model, "family": SHAPES[args.model].family, "training": f"LoRA r{rank}" if rank else "full",
+            "params": sizes.num_params, "active_params": sizes.num_active_params}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=_positive_int, default=128)
     parser.add_argument("--response-tokens", type=_positive_int, default=512)
     parser.add_argument("--model", type=_sizes, default=["0.5b"], metavar="SIZE[,SIZE...]",
-                        help=f"Qwen2.5 shape(s), random weights: {', '.join(QWEN25_SHAPES)}; several sizes run one "
-                             "after another, each in a process of its own, with one table at the end")
+                        help=f"model shape(s), random weights (reinforge.bench.shapes): {', '.join(SHAPES)}; "
+                             "several run one after another, each in a process of its own, with one table at the end")
     parser.add_argument("--trl", action="store_true",
                         help="also run TRL's GRPOTrainer on each size's workload (benchmarks/trl_grpo.py of a source "
                              "checkout), in a process of its own, and compare")
@@ -386,10 +397,10 @@ def case_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
 
 def _sizes(text: str) -> list[str]:
     sizes = [size.strip().lower() for size in text.split(",") if size.strip()]
-    unknown = [size for size in sizes if size not in QWEN25_SHAPES]
+    unknown = [size for size in sizes if size not in SHAPES]
     if unknown or not sizes:
-        raise argparse.ArgumentTypeError(f"{text!r} names no model size{'s' if len(unknown) > 1 else ''} "
-                                         f"{', '.join(unknown)}; give one or more of {','.join(QWEN25_SHAPES)}")
+        raise argparse.ArgumentTypeError(f"{text!r} names no model shape{'s' if len(unknown) > 1 else ''} "
+                                         f"{', '.join(unknown)}; give one or more of {','.join(SHAPES)}")
     return list(dict.fromkeys(sizes))
 
 

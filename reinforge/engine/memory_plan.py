@@ -56,6 +56,9 @@ ENGINE_MAX_BATCHED_TOKENS = 16384
 # bytes saved per token per decoder layer for the backward, in units of the compute dtype's size:
 # ACT_HIDDEN x hidden + ACT_KV x (k and v width) + ACT_MLP x intermediate
 ACT_HIDDEN, ACT_KV, ACT_MLP = 9.5, 2, 2.4
+ACT_ROUTED, ACT_ROUTER = 2, 3
+"""A mixture-of-experts layer's extra values per token: top_k x hidden for its sorted inputs and unweighted
+outputs, and experts x 3 for the router's logits and float32 probabilities (counted from the code, not fitted)."""
 EAGER_ACTIVATION_FACTOR = 3.0
 MICRO_BATCH_OVERHEAD_TOKENS = 4096
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,7 +81,13 @@ class MemoryPlanError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a decoder-only transformer that memory depends on (read from its config.json)."""
+    """The sizes of a decoder-only transformer that memory depends on (read from its config.json).
+
+    Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE, DeepSeek V2/V3) count every expert's weights in
+    memory and the experts a token runs through (``experts_per_token``) in activations and MFU; DeepSeek's
+    multi-head latent attention (``kv_lora_rank`` > 0) has its own projections and caches one compressed
+    latent and one rotary key per token and layer.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -95,13 +104,26 @@ class ModelShape:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    num_dense_layers: int = 0
+    """Layers of a mixture-of-experts model whose MLP is dense, of ``intermediate_size`` (DeepSeek's first k)."""
+    q_lora_rank: int = 0
+    """Multi-head latent attention: the query's low-rank width (0: a full q projection)."""
+    kv_lora_rank: int = 0
+    """Multi-head latent attention's compressed key-value width; 0 for standard attention."""
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         text = config.get("text_config") or config
         try:
             hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-            experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+            experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
+            expert_width = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if experts else 0
+            shared = int(text.get("shared_expert_intermediate_size") or 0) or (
+                int(text.get("n_shared_experts") or 0) * expert_width)
+            mla = int(text.get("kv_lora_rank") or 0)
             return cls(vocab_size=int(text["vocab_size"]), hidden_size=hidden,
                        num_layers=int(text["num_hidden_layers"]), num_heads=heads,
                        num_kv_heads=int(text.get("num_key_value_heads") or heads),
@@ -110,9 +132,12 @@ class ModelShape:
                        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
                        attention_bias=bool(text.get("attention_bias", text.get("model_type", "qwen2") == "qwen2")),
                        num_experts=experts, experts_per_token=int(text.get("num_experts_per_tok") or 0) if experts else 0,
-                       expert_intermediate_size=int(text.get("moe_intermediate_size") or text["intermediate_size"])
-                       if experts else 0,
-                       shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0))
+                       expert_intermediate_size=expert_width, shared_expert_intermediate_size=shared if experts else 0,
+                       num_dense_layers=_dense_layers(text) if experts else 0,
+                       q_lora_rank=int(text.get("q_lora_rank") or 0) if mla else 0, kv_lora_rank=mla,
+                       qk_nope_head_dim=int(text.get("qk_nope_head_dim") or 0) if mla else 0,
+                       qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if mla else 0,
+                       v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0)
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
@@ -151,17 +176,49 @@ class ModelShape:
                                   "model.path must be a Hugging Face model folder") from None
         return cls.from_hf_config(config)
 
+    def _attention_shapes(self) -> list[tuple[int, int]]:
+        """(rows, values per row) of one layer's attention weights, norms and biases."""
+        hidden, heads = self.hidden_size, self.num_heads
+        if self.kv_lora_rank:  # q (direct or through its low rank), kv_a (latent and rotary key), kv_b, o, norms
+            q_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+            query = ([(self.q_lora_rank, hidden), (self.q_lora_rank, 1), (heads * q_head, self.q_lora_rank)]
+                     if self.q_lora_rank else [(heads * q_head, hidden)])
+            return query + [(self.kv_lora_rank + self.qk_rope_head_dim, hidden), (self.kv_lora_rank, 1),
+                            (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                            (hidden, heads * self.v_head_dim)]
+        q_width, kv_width = heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = [(q_width, hidden), (kv_width, hidden), (kv_width, hidden), (hidden, q_width)]
+        if self.attention_bias:
+            shapes += [(q_width, 1), (kv_width, 1), (kv_width, 1)]
+        return shapes
+
+    def _mlp_shapes(self, sparse: bool) -> list[tuple[int, int]]:
+        hidden = self.hidden_size
+        if not sparse:
+            width = self.intermediate_size
+            return [(width, hidden), (width, hidden), (hidden, width)]
+        # fused expert weights (gate and up together, down), the router, a shared expert and its gate
+        experts, width, shared = self.num_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
+        shapes = [(experts, 2 * width * hidden), (experts, hidden * width), (experts, hidden)]
+        if shared:
+            shapes += [(shared, hidden), (shared, hidden), (hidden, shared), (1, hidden)]
+        return shapes
+
+    def _layer_shapes(self, sparse: bool) -> list[tuple[int, int]]:
+        return self._attention_shapes() + self._mlp_shapes(sparse) + [(self.hidden_size, 1), (self.hidden_size, 1)]
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers if self.num_experts else 0
+
     @property
     def layer_params(self) -> int:
-        attention = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        biases = self.head_dim * (self.num_heads + 2 * self.num_kv_heads) if self.attention_bias else 0
-        if self.num_experts:  # the experts' MLPs, the router, and a shared expert with its gate where there is one
-            shared = 3 * self.hidden_size * self.shared_expert_intermediate_size
-            mlp = (self.num_experts * 3 * self.hidden_size * self.expert_intermediate_size
-                   + self.hidden_size * self.num_experts + (shared + self.hidden_size if shared else 0))
-        else:
-            mlp = 3 * self.hidden_size * self.intermediate_size
-        return attention + biases + mlp + 2 * self.hidden_size
+        """Parameters of the largest decoder layer (a mixture-of-experts layer in a MoE model)."""
+        return sum(rows * width for rows, width in self._layer_shapes(bool(self.num_experts)))
+
+    @property
+    def dense_layer_params(self) -> int:
+        return sum(rows * width for rows, width in self._layer_shapes(False))
 
     @property
     def active_intermediate_size(self) -> int:
@@ -177,42 +234,82 @@ class ModelShape:
 
     @property
     def num_params(self) -> int:
-        return self.num_layers * self.layer_params + self.root_params
+        sparse = self.num_sparse_layers
+        return sparse * self.layer_params + (self.num_layers - sparse) * self.dense_layer_params + self.root_params
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: of each expert MLP only ``experts_per_token`` of its experts."""
+        idle = self.num_experts - self.experts_per_token
+        return self.num_params - self.num_sparse_layers * idle * 3 * self.hidden_size * self.expert_intermediate_size
 
     def tensor_shapes(self) -> list[tuple[int, int]]:
         """(first dimension, values per index of it) of every parameter tensor; FSDP shards along the first."""
-        hidden, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = [(q_width, hidden), (kv_width, hidden), (kv_width, hidden), (hidden, q_width), (hidden, 1), (hidden, 1)]
-        if self.attention_bias:
-            layer += [(q_width, 1), (kv_width, 1), (kv_width, 1)]
-        if self.num_experts:  # fused expert weights (gate and up together, down), the router, a shared expert
-            experts, width, shared = self.num_experts, self.expert_intermediate_size, self.shared_expert_intermediate_size
-            layer += [(experts, 2 * width * hidden), (experts, hidden * width), (experts, hidden)]
-            if shared:
-                layer += [(shared, hidden), (shared, hidden), (hidden, shared), (1, hidden)]
-        else:
-            width = self.intermediate_size
-            layer += [(width, hidden), (width, hidden), (hidden, width)]
+        hidden = self.hidden_size
         root = [(self.vocab_size, hidden), (hidden, 1)] + ([] if self.tie_word_embeddings else [(self.vocab_size, hidden)])
-        return root + layer * self.num_layers
+        sparse = self.num_sparse_layers
+        return root + self._layer_shapes(False) * (self.num_layers - sparse) + self._layer_shapes(True) * sparse
 
     def lora_tensor_shapes(self, rank: int, targets: tuple[str, ...] = LORA_PROJECTIONS) -> list[tuple[int, int]]:
-        """The adapters' A (rank x in) and B (out x rank) of every decoder layer's ``targets`` projections."""
-        hidden, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        width = self.intermediate_size
-        fans = dict(zip(LORA_PROJECTIONS, [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (q_width, hidden),
-                                           (hidden, width), (hidden, width), (width, hidden)], strict=True))
-        return [shape for name in targets for fan_in, fan_out in [fans[name]]
-                for shape in ((rank, fan_in), (fan_out, rank))] * self.num_layers
+        """The adapters' A (rank x in) and B (out x rank) of every decoder layer's ``targets`` projections.
+
+        Only linear layers get adapters: a mixture-of-experts layer's MLP projections exist only as its shared
+        expert (the fused 3-D expert weights stay frozen); latent attention has q_proj (without a q rank) and o_proj.
+        """
+        hidden, heads = self.hidden_size, self.num_heads
+        if self.kv_lora_rank:
+            q_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+            attention = {"q_proj": None if self.q_lora_rank else (hidden, heads * q_head),
+                         "o_proj": (heads * self.v_head_dim, hidden)}
+        else:
+            q_width, kv_width = heads * self.head_dim, self.num_kv_heads * self.head_dim
+            attention = {"q_proj": (hidden, q_width), "k_proj": (hidden, kv_width), "v_proj": (hidden, kv_width),
+                         "o_proj": (q_width, hidden)}
+
+        def layer(width: int) -> list[tuple[int, int]]:
+            fans = dict(attention)
+            if width:
+                fans |= {"gate_proj": (hidden, width), "up_proj": (hidden, width), "down_proj": (width, hidden)}
+            return [shape for name in targets if fans.get(name) for fan_in, fan_out in [fans[name]]
+                    for shape in ((rank, fan_in), (fan_out, rank))]
+
+        sparse = self.num_sparse_layers
+        return (layer(self.intermediate_size) * (self.num_layers - sparse)
+                + layer(self.shared_expert_intermediate_size) * sparse)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.kv_lora_rank:  # the compressed latent and the shared rotary key
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def activation_bytes_per_token(self, dtype_bytes: int, eager: bool = False) -> int:
-        """Saved for the backward by one decoder layer that is not checkpointed."""
-        kv_width = 2 * self.num_kv_heads * self.head_dim
-        values = ACT_HIDDEN * self.hidden_size + ACT_KV * kv_width + ACT_MLP * self.active_intermediate_size
+        """Saved for the backward by one decoder layer that is not checkpointed (the mean over the layers).
+
+        A mixture-of-experts layer also keeps, per token, its top-k copies of the hidden state sorted by
+        expert and the experts' outputs before weighting (``ACT_ROUTED`` x top_k x hidden), and the router's
+        logits and probabilities (``ACT_ROUTER`` x experts).
+        """
+        if self.kv_lora_rank:
+            kv_width = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        else:
+            kv_width = 2 * self.num_kv_heads * self.head_dim
+        base = ACT_HIDDEN * self.hidden_size + ACT_KV * kv_width
+        dense = base + ACT_MLP * self.intermediate_size
+        sparse = (base + ACT_MLP * self.active_intermediate_size + ACT_ROUTED * self.experts_per_token * self.hidden_size
+                  + ACT_ROUTER * self.num_experts)
+        values = (self.num_sparse_layers * sparse + (self.num_layers - self.num_sparse_layers) * dense) / self.num_layers
         return int(dtype_bytes * values * (EAGER_ACTIVATION_FACTOR if eager else 1.0))
+
+
+def _dense_layers(text: dict[str, Any]) -> int:
+    """Dense-MLP layers of a mixture-of-experts config: DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers
+    and decoder_sparse_step."""
+    layers = int(text["num_hidden_layers"])
+    if text.get("first_k_dense_replace"):
+        return min(int(text["first_k_dense_replace"]), layers)
+    step = int(text.get("decoder_sparse_step") or 1)
+    only = {int(index) for index in text.get("mlp_only_layers") or []}
+    return sum(1 for index in range(layers) if index in only or (index + 1) % step != 0)
 
 
 @dataclass(frozen=True)

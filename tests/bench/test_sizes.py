@@ -15,18 +15,24 @@ from reinforge.cli import main
 
 @pytest.mark.slow
 def test_two_sizes_run_in_processes_of_their_own_and_print_one_table_last(tmp_path, capsys):
-    out = tmp_path / "out"
-    assert main(["bench", "train", "--model", "0.5b,1.5b", "--cpu", "--steps", "1", "--out", str(out)]) == 0
+    out = tmp_path / "out"  # a Qwen2.5 size and the MoE shape that trains a LoRA adapter, tiny on the CPU
+    assert main(["bench", "train", "--model", "0.5b,qwen3-30b-a3b", "--cpu", "--steps", "1", "--out", str(out)]) == 0
     files = sorted(path.name for path in out.iterdir())
-    assert files == ["reinforge_0.5b_steps-1_cpu.json", "reinforge_1.5b_steps-1_cpu.json"]
+    assert files == ["reinforge_0.5b_steps-1_cpu.json", "reinforge_qwen3-30b-a3b_steps-1_cpu.json"]
     case = json.loads((out / files[0]).read_text())
     assert case["case"]["status"] == "ok" and case["case"]["options"] == ["--steps", "1", "--cpu"]
     assert len(case["steps"]) == 1 and case["median"]["step_s"] > 0
+    moe = json.loads((out / files[1]).read_text())
+    assert moe["shape"]["family"] == "qwen3_moe" and moe["shape"]["training"] == "LoRA r32"
+    assert moe["shape"]["active_params"] < moe["shape"]["params"]
     printed = capsys.readouterr().out.rstrip().splitlines()
-    top = printed.index("| | 0.5b | 1.5b |")
-    assert printed[top - 2].startswith("`reinforge bench train --model 0.5b,1.5b --steps 1 --cpu` on ")
-    assert all(line.startswith("|") for line in printed[top:])  # the table is the last thing printed
-    assert printed[-1].startswith("| planner's estimate GiB, update |")
+    top = printed.index("| | 0.5b | qwen3-30b-a3b |")
+    assert printed[top - 2].startswith("`reinforge bench train --model 0.5b,qwen3-30b-a3b --steps 1 --cpu` on ")
+    assert all(line.startswith("|") or not line for line in printed[top:])  # the tables are the last thing printed
+    families = printed.index("| family | shape | step s | rollout s | update s | MFU (active params) | peak GiB | "
+                             "TRL step s | TRL / reinforge |")
+    assert printed[families + 2].startswith("| qwen2 | 0.5b, ")
+    assert printed[families + 3].startswith("| qwen3_moe | qwen3-30b-a3b, ") and "active), LoRA r32 |" in printed[-1]
 
 
 def test_case_options_are_passed_on_as_given_and_run_options_are_not():
@@ -40,8 +46,8 @@ def test_case_options_are_passed_on_as_given_and_run_options_are_not():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "0.5b,13b"], "argument --model: '0.5b,13b' names no model size 13b; give one or more of "
-                              "0.5b,1.5b,3b,7b"),
+    (["--model", "0.5b,13b"], "argument --model: '0.5b,13b' names no model shape 13b; give one or more of "
+                              "0.5b,1.5b,3b,7b,gemma2-2b,phi3-mini,olmo2-1b,mistral-7b,olmoe-1b-7b,qwen3-30b-a3b"),
     (["--model", "0.5b", "--trl", "--lora", "8"], "--trl compares the grpo variant on a GPU"),
     (["--model", "0.5b,1.5b", "--json", "a.json"], "--json writes one size's results"),
     (["--model", "0.5b,1.5b", "--model-dir", "m"], "--model-dir names the folder of one size"),

@@ -32,8 +32,13 @@ def write(folder, name, data):
 
 
 def table_rows(text: str) -> dict[str, list[str]]:
+    """The rows of the first table in ``text`` by label."""
     rows = {}
-    for line in text.splitlines():
+    lines = text.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("|"))
+    for line in lines[start:]:
+        if not line:
+            break
         if line.startswith("| ") and not line.startswith("| |"):
             cells = [cell.strip() for cell in line.strip("|").split("|")]
             rows[cells[0]] = cells[1:]
@@ -80,6 +85,23 @@ def test_a_later_folder_replaces_a_case_and_differing_options_name_their_columns
     assert "| | 0.5b | 0.5b --lora 32 |" in out
     assert table_rows(out)["step s"] == ["2.50", "4.00"]
     assert "TRL" not in out and ", trl" not in out
+
+
+def test_the_family_table_has_one_row_per_case_with_active_parameters_and_the_trl_ratio(tmp_path, capsys):
+    moe = reinforge_case("olmoe-1b-7b", 6.0)
+    moe["median"]["peak_memory_gb"] = 70.25
+    moe["shape"] = {"name": "olmoe-1b-7b", "family": "olmoe", "training": "full", "params": 6.92e9,
+                    "active_params": 1.28e9}
+    write(tmp_path, "reinforge_olmoe-1b-7b.json", moe)
+    write(tmp_path, "trl_olmoe-1b-7b.json", trl_case("olmoe-1b-7b", 30.0))
+    write(tmp_path, "reinforge_0.5b.json", reinforge_case("0.5b", 3.0))  # a case written before shapes were recorded
+    assert main(["bench", "table", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    top = lines.index("| family | shape | step s | rollout s | update s | MFU (active params) | peak GiB | TRL step s | "
+                      "TRL / reinforge |")
+    assert lines[top + 2] == "| qwen2 | 0.5b | 3.00 | 1.50 | 1.40 | 21.3% | – | – | – |"
+    assert lines[top + 3] == ("| olmoe | olmoe-1b-7b, 6.9B (1.3B active), full | 6.00 | 3.00 | 2.90 | 21.3% | 70.2 | "
+                              "30.00 | 5.0 |")
 
 
 def test_the_table_of_no_cases_says_so_in_one_line(tmp_path, capsys):

@@ -471,3 +471,49 @@ def test_reinforge_plan_refuses_adapters_that_match_no_layer_as_train_does(seven
                  "--gpu-memory-gib", "40", "--host-memory-gib", "128"]) == 2
     err = capsys.readouterr().err.strip()
     assert "target_modules=['foo_proj'] names no linear layer" in err and "\n" not in err
+
+
+MOE_CONFIGS = {  # the published configs' sizes: (config, total and active parameters in billions)
+    "olmoe-1b-7b": (dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, num_hidden_layers=16,
+                         num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, num_experts=64,
+                         num_experts_per_tok=8, tie_word_embeddings=False), 6.92, 1.28),
+    "mixtral-8x7b": (dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                          num_experts_per_tok=2, tie_word_embeddings=False), 46.7, 12.9),
+    "deepseek-v2-lite": (dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
+                              num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
+                              moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                              first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                              qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False), 15.7, 2.66),
+    "deepseek-v3": (dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,
+                         num_attention_heads=128, num_key_value_heads=128, intermediate_size=18432,
+                         moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                         first_k_dense_replace=3, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                         qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False), 671.0, 37.6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_mixture_of_experts_families_total_and_active_parameters(name):
+    config, total, active = MOE_CONFIGS[name]
+    moe = ModelShape.from_hf_config(config)
+    assert moe.num_params / 1e9 == pytest.approx(total, rel=0.005)
+    assert moe.num_active_params / 1e9 == pytest.approx(active, rel=0.01)
+    assert sum(rows * width for rows, width in moe.tensor_shapes()) == moe.num_params
+
+
+def test_latent_attention_caches_the_compressed_latent_and_dense_layers_come_first():
+    v2_lite = ModelShape.from_hf_config(MOE_CONFIGS["deepseek-v2-lite"][0])
+    assert v2_lite.num_dense_layers == 1 and v2_lite.shared_expert_intermediate_size == 2 * 1408
+    assert v2_lite.kv_bytes_per_token(2) == 27 * (512 + 64) * 2  # not 2 x 16 heads x 192 per layer
+    assert v2_lite.layer_params > v2_lite.dense_layer_params
+    # LoRA on q_proj and o_proj of every layer and on the dense layer's and shared experts' MLP projections
+    rank, hidden = 8, 2048
+    attention = rank * (hidden + 16 * 192) + rank * (16 * 128 + hidden)
+    mlp = [3 * rank * (hidden + width) for width in (10944,) + (2 * 1408,) * 26]
+    assert lora_params(v2_lite, rank) == 27 * attention + sum(mlp)
+    qwen = ModelShape.from_hf_config(dict(model_type="qwen3_moe", vocab_size=100, hidden_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, intermediate_size=128, moe_intermediate_size=32,
+                                          num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
+                                          mlp_only_layers=[3]))
+    assert qwen.num_dense_layers == 3  # layers 0 and 2 by the step, 3 by the list

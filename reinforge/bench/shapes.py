@@ -1,0 +1,100 @@
+"""The model shapes ``reinforge bench train --model`` builds with random weights, one per name.
+
+The Qwen2.5 sizes (0.5b .. 7b) and one shape of each other family the training path supports, with the
+sizes of the published config.json: Gemma-2-2B, Phi-3-mini (3.8B), OLMo-2-1B, Mistral-7B, OLMoE-1B-7B (64
+experts, top-8) and Qwen3-30B-A3B (128 experts, top-8), which trains a rank-32 LoRA adapter (attention
+projections; the experts stay frozen). ``write_shape_config`` writes a shape's config.json alone, which is
+all the memory planner reads (``reinforge plan --model NAME``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_QWEN25 = dict(model_type="qwen2", max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    config: dict
+    """The HF config's keys (``model_type`` included), as in the published config.json."""
+    lora_rank: int = 0
+    """The rank of the LoRA adapter this shape trains (0: every parameter)."""
+    lora_targets: tuple[str, ...] = ()
+    """Its adapted projections (empty: ``model.lora.target_modules``' default)."""
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def training(self) -> str:
+        return f"LoRA r{self.lora_rank}" if self.lora_rank else "full"
+
+    def config_overrides(self) -> list[str]:
+        """The training settings the shape stands for, as ``a.b=c`` overrides."""
+        if not self.lora_rank:
+            return []
+        overrides = [f"model.lora.rank={self.lora_rank}", f"model.lora.alpha={2 * self.lora_rank}"]
+        if self.lora_targets:
+            overrides.append(f"model.lora.target_modules=[{','.join(self.lora_targets)}]")
+        return overrides
+
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+SHAPES: dict[str, BenchShape] = {
+    "0.5b": BenchShape(dict(_QWEN25, vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                            num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True)),
+    "1.5b": BenchShape(dict(_QWEN25, vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                            num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True)),
+    "3b": BenchShape(dict(_QWEN25, vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+                          num_key_value_heads=2, intermediate_size=11008, tie_word_embeddings=True)),
+    "7b": BenchShape(dict(_QWEN25, vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                          num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False)),
+    "gemma2-2b": BenchShape(dict(
+        model_type="gemma2", vocab_size=256000, hidden_size=2304, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, intermediate_size=9216, query_pre_attn_scalar=256, sliding_window=4096,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    "phi3-mini": BenchShape(dict(
+        model_type="phi3", vocab_size=32064, hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, intermediate_size=8192, max_position_embeddings=4096, sliding_window=2047,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "olmo2-1b": BenchShape(dict(
+        model_type="olmo2", vocab_size=100352, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, intermediate_size=8192, max_position_embeddings=4096, rope_theta=500000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "mistral-7b": BenchShape(dict(
+        model_type="mistral", vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, sliding_window=4096, max_position_embeddings=32768,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "olmoe-1b-7b": BenchShape(dict(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": BenchShape(dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
+        lora_rank=32, lora_targets=ATTENTION_PROJECTIONS),
+}
+"""name -> shape: what ``reinforge bench train --model`` and ``reinforge plan --model`` know."""
+QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")
+
+
+def shape_config(name: str) -> dict:
+    """The HF config keys of shape ``name`` (``model_type`` included)."""
+    return dict(SHAPES[name].config)
+
+
+def write_shape_config(name: str, folder: Path) -> Path:
+    """Write shape ``name``'s config.json into ``folder`` (created); returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(shape_config(name), indent=1))
+    return folder
+
