@@ -10,6 +10,12 @@ tools:
   - class_name: my_package.tools.multiply       # ... or a typed function (schema from its docstring)
   - class_name: path/to/tools.py:lookup         # a file path works too
 ```
+
+verl's own tools load as their reinforge equivalents (``VERL_TOOLS``), so a verl tool config works
+as it is: ``verl.tools.gsm8k_tool.Gsm8kTool`` is ``reinforge.agent.gsm8k_tool.Gsm8kTool``, and
+``verl.tools.sandbox_fusion_tools.SandboxFusionTool`` (or the ReTool recipe's subclass) is the
+``code_interpreter`` tool, its config keys renamed (``sandbox_fusion_url`` -> ``sandbox_url``,
+``default_timeout`` -> ``run_timeout_s``, ``num_workers`` -> ``max_concurrent_calls``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,33 @@ import yaml
 from reinforge.agent.tools import BaseTool, FunctionTool
 from reinforge.config.loader import UniqueKeyLoader, yaml_problem
 from reinforge.config.schema import MultiTurnConfig
+
+
+GSM8K_TOOL = "reinforge.agent.gsm8k_tool.Gsm8kTool"
+CODE_INTERPRETER = "reinforge.agent.code_interpreter.CodeInterpreterTool"
+VERL_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": GSM8K_TOOL,
+              "verl.tools.sandbox_fusion_tools.SandboxFusionTool": CODE_INTERPRETER,
+              "recipe.retool.retool.CustomSandboxFusionTool": CODE_INTERPRETER}
+"""verl's tool classes -> ours; their entries' config keys are renamed by ``_verl_tool_config``."""
+SANDBOX_FUSION_KEYS = {"sandbox_fusion_url": "sandbox_url", "default_timeout": "run_timeout_s",
+                       "num_workers": "max_concurrent_calls", "memory_limit_mb": "memory_limit_mb", "type": "type"}
+SANDBOX_FUSION_IGNORED = ("enable_global_rate_limit", "rate_limit")
+"""verl's rate limit caps calls in flight across its workers; ours is max_concurrent_calls (num_workers)."""
+
+
+def _verl_tool_config(class_name: str, config: dict[str, Any], where: str) -> dict[str, Any]:
+    """A verl tool entry's config in our tool's keys; a key or value our tool would not honour names itself."""
+    if VERL_TOOLS[class_name] != CODE_INTERPRETER:
+        return config
+    language = config.get("default_language", "python")
+    if language != "python":
+        raise ValueError(f"{where}: {class_name} config default_language={language!r}; the code_interpreter tool "
+                         "runs python only")
+    unknown = sorted(set(config) - set(SANDBOX_FUSION_KEYS) - set(SANDBOX_FUSION_IGNORED) - {"default_language"})
+    if unknown:
+        raise ValueError(f"{where}: {class_name} config has keys {', '.join(unknown)}, which the code_interpreter "
+                         f"tool does not take; its verl keys are {', '.join([*SANDBOX_FUSION_KEYS, 'default_language'])}")
+    return {SANDBOX_FUSION_KEYS[key]: value for key, value in config.items() if key in SANDBOX_FUSION_KEYS}
 
 
 def load_tools(config: MultiTurnConfig) -> dict[str, BaseTool]:
@@ -53,15 +86,17 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
         if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
             raise ValueError(f"{where} is {entry!r}; each tool needs a 'class_name' (package.module.Name or "
                              "file.py:Name)")
-        target = import_object(entry["class_name"], where)
-        config, schema = entry.get("config") or {}, entry.get("tool_schema")
+        class_name, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
+        if class_name in VERL_TOOLS:
+            config, class_name = _verl_tool_config(class_name, dict(config), where), VERL_TOOLS[class_name]
+        target = import_object(class_name, where)
         is_class = isinstance(target, type)
         if not (issubclass(target, BaseTool) if is_class else callable(target)):
-            raise ValueError(f"{where}: {entry['class_name']} is neither a BaseTool subclass nor a function")
+            raise ValueError(f"{where}: {class_name} is neither a BaseTool subclass nor a function")
         try:
             tool = target(config, schema) if is_class else FunctionTool(target, config, schema)
         except Exception as error:  # a tool's own check of its config, or a bug in it: name the entry
-            raise ValueError(f"{where}: making {entry['class_name']} from its config {config!r} failed: "
+            raise ValueError(f"{where}: making {class_name} from its config {config!r} failed: "
                              f"{type(error).__name__}: {error}") from error
         if tool.name in tools:
             raise ValueError(f"{where} is named {tool.name!r}, like an earlier tool; tool names must be unique")

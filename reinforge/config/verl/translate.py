@@ -23,6 +23,7 @@ import yaml
 
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
+from reinforge.config.verl.config_names import config_file_settings
 from reinforge.config.verl.keys import (
     UNSET,
     VERL_KEYS,
@@ -42,20 +43,6 @@ LAUNCHER_WORDS = ("python", "python3", "-m", "verl.trainer.main_ppo")
 
 HYDRA_OPTIONS = ("--config-path", "--config-dir", "--config-name", "-cp", "-cd", "-cn")
 """Hydra's options for picking verl's config file; the file's keys are the ones translated."""
-
-VERL_CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
-
-
-def _check_hydra_option(option: str, value: str) -> None:
-    """Accept the config files whose keys we translate (the Megatron one's own keys have no equivalent)."""
-    if option not in ("--config-name", "-cn"):
-        return
-    name = value.rsplit("/", 1)[-1].removesuffix(".yaml")
-    if name not in VERL_CONFIG_NAMES:
-        raise ConfigError(f"{option}={value} (verl command line) picks a config reinforge cannot translate; "
-                          f"it translates the keys of verl's {' and '.join(VERL_CONFIG_NAMES)}.yaml: "
-                          "leave the option out and pass the keys that differ from those")
-
 
 @dataclass(frozen=True)
 class KeyLine:
@@ -116,6 +103,7 @@ def _show(value: Any) -> str:
 def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
     """verl's ``key=value`` words as a flat dict of dotted keys, in order; values parsed as YAML like Hydra's."""
     given: dict[str, Any] = {}
+    from_config_file: dict[str, Any] = {}
     words = iter(arguments)
     for word in words:
         if word in LAUNCHER_WORDS or not word.strip():  # a stray `\ ` in a shell script passes " "
@@ -123,7 +111,8 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
         if word.split("=", 1)[0] in HYDRA_OPTIONS:
             option, _, value = word.partition("=")
             value = value if "=" in word else next(words, "")
-            _check_hydra_option(option, value.strip("'\""))
+            if option in ("--config-name", "-cn"):
+                from_config_file = config_file_settings(option, value)
             continue
         if word.startswith("~"):
             raise ConfigError(f"{word!r} (verl command line) deletes a key, which has no meaning here; leave it out")
@@ -133,7 +122,7 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
         key, raw = word.split("=", 1)
         key = key.strip().lstrip("+")
         _add(given, key, _parse_value(raw))
-    return given
+    return {**from_config_file, **given}  # the command's own keys win over its config file's, as in Hydra
 
 
 class _HydraValueLoader(yaml.SafeLoader):

@@ -381,3 +381,23 @@ def test_a_verl_logger_whose_package_is_missing_is_left_out_with_one_warning(cap
     assert config.trainer.loggers == ["console", "jsonl"]
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "wandb" in warnings[0] and "pip install wandb" in warnings[0]
+
+
+def test_config_name_of_verls_multi_turn_examples_applies_that_files_keys_first():
+    given = parse_verl_overrides(["--config-path=/verl/examples/sglang_multiturn/config",
+                                  "--config-name='gsm8k_multiturn_grpo'", "data.train_batch_size=8"])
+    assert given["actor_rollout_ref.rollout.multi_turn.max_assistant_turns"] == 5
+    assert given["data.train_batch_size"] == 8  # the command's own value wins
+    tree = translate_verl(["-cn", "retool_multiturn_grpo", "data.train_batch_size=8"]).tree
+    assert tree["rollout"]["multi_turn"] == {"max_assistant_turns": 5, "tool_config_path":
+                                             "./config/tool_config/sandbox_fusion_tool_config.yaml"}
+    assert tree["data"]["max_response_length"] == 1024
+
+
+def test_an_unknown_config_name_is_refused_naming_the_keys_to_pass():
+    with pytest.raises(ConfigError) as raised:
+        parse_verl_overrides(["--config-name=geo3k_multiturn_grpo"])
+    message = str(raised.value)
+    assert message.startswith("--config-name=geo3k_multiturn_grpo (verl command line) picks a config file")
+    assert "gsm8k_multiturn_grpo" in message and "actor_rollout_ref.rollout.multi_turn.enable=true" in message
+    assert "\n" not in message
