@@ -32,7 +32,6 @@ from reinforge.agent.tools import BaseTool, FunctionTool
 from reinforge.config.loader import UniqueKeyLoader, yaml_problem
 from reinforge.config.schema import MultiTurnConfig
 
-
 GSM8K_TOOL = "reinforge.agent.gsm8k_tool.Gsm8kTool"
 CODE_INTERPRETER = "reinforge.agent.code_interpreter.CodeInterpreterTool"
 VERL_TOOLS = {"verl.tools.gsm8k_tool.Gsm8kTool": GSM8K_TOOL,
