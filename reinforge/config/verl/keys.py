@@ -66,6 +66,22 @@ class SameAsOurs:
     reason: str
 
 
+@dataclass(frozen=True)
+class Refused(SameAsOurs):
+    """A verl setting whose ``values`` are what reinforge does; any other value would change what the run computes
+    and reinforge cannot do it, so the translation stops with one line naming the key (nothing dropped silently)."""
+
+
+class _EveryValue(tuple):
+    """``values`` of a setting that leaves the result as reinforge computes it whatever its value (a detail of
+    verl's engines or sharding)."""
+
+    def __contains__(self, value: object) -> bool:
+        return True
+
+
+EVERY_VALUE = _EveryValue()
+
 Translation = Rename | NoEquivalent | SameAsOurs
 
 # ---- value conversions ------------------------------------------------------------------
@@ -240,8 +256,6 @@ PROFILING = NoEquivalent("reinforge logs timing_s/* each step; for traces run `r
 MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a row's agent_name column picks its "
                           "loop, rollout.multi_turn.* configures them)")
 MULTIMODAL = NoEquivalent("reinforge trains text-only models")
-REWARD_MODEL = NoEquivalent("reinforge scores with rule-based functions (a data_source scorer or "
-                            "reward.custom_function), not reward models")
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
@@ -273,6 +287,117 @@ MEGATRON_OPTIM = ("lr_decay_style lr_decay_steps lr_warmup_init min_lr weight_de
                   "muon_momentum muon_nesterov muon_split_qkv muon_scale_mode muon_coefficient_type "
                   "muon_num_ns_steps muon_tp_mode muon_fp32_matmul_prec muon_extra_scale_factor "
                   "muon_scalar_optimizer muon_match_adamw_update_rms")
+
+# ---- the reward model: verl 0.7's reward_model section and verl 0.9's reward.reward_model ----------------------
+# Every key is translated, already what reinforge does whatever its value (a detail of verl's engines), or
+# refused in one line when its value would change the scores: a reward model is never dropped silently.
+
+
+def _samples_as_tokens(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's samples per micro-batch as our token budget: that many sequences at full length (verl's 512 + 512
+    when the command leaves the lengths out); with use_dynamic_bsz verl reads forward_max_token_len_per_gpu."""
+    if value is None or given.get("reward_model.use_dynamic_bsz") is True:
+        return UNSET
+    return int(value) * (int(given.get("data.max_prompt_length", 512)) + int(given.get("data.max_response_length", 512)))
+
+
+def _dynamic_token_budget(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl reads forward_max_token_len_per_gpu only with use_dynamic_bsz (by default the critic's, false)."""
+    dynamic = given.get("reward_model.use_dynamic_bsz", given.get("critic.use_dynamic_bsz"))
+    return int(value) if dynamic is True and value is not None else UNSET
+
+
+def _overlong_end(value: Any, given: Mapping[str, Any]) -> Any:
+    """DAPO's max_resp_len: where the overlong buffer ends, which is data.max_response_length here."""
+    response_length = given.get("data.max_response_length", 512)
+    if value is None:
+        return UNSET
+    if value == response_length:
+        return value
+    raise RefusedValue(f"ends the overlong buffer at {value} tokens, but reinforge ends it at "
+                       f"data.max_response_length={response_length}; set the two equal")
+
+
+RM_ENGINE = SameAsOurs(EVERY_VALUE, "reinforge scores with the reward model's packed forward on its worker, not through "
+                                    "an inference server; the scores do not depend on this")
+RM_SHARDING = SameAsOurs(EVERY_VALUE, "reinforge shards the reward model with FSDP2 over its devices; the scores do "
+                                      "not depend on this")
+RM_BUDGET = SameAsOurs(EVERY_VALUE, "the reward model's micro-batches are balanced by tokens under "
+                                    "reward.reward_model.max_tokens_per_micro_batch")
+_RM = "reward_model"
+REWARD_MODEL_KEYS: dict[str, Translation] = {
+    f"{_RM}.enable": Rename("reward.reward_model.enable"),
+    f"{_RM}.enable_resource_pool": Rename("reward.reward_model.enable_resource_pool"),
+    f"{_RM}.n_gpus_per_node": Rename("reward.reward_model.n_gpus_per_node", _unset_if(0, None)),
+    f"{_RM}.nnodes": Rename("reward.reward_model.nnodes", _unset_if(0, None)),
+    f"{_RM}.strategy": RM_SHARDING,
+    f"{_RM}.model.path": Rename("reward.reward_model.model_path", _path),
+    f"{_RM}.model.input_tokenizer": Rename("reward.reward_model.input_tokenizer", note="re-rendered only where the "
+                                           "reward model's tokenizer or chat template differs from it"),
+    f"{_RM}.model.trust_remote_code": Rename("reward.reward_model.trust_remote_code"),
+    f"{_RM}.model.external_lib": Refused((None,), "reinforge imports no model package by name; register the reward "
+                                                  "model's architecture with transformers or use trust_remote_code"),
+    f"{_RM}.model.override_config": Refused(({}, None), "edit the reward model folder's config.json instead"),
+    f"{_RM}.model.override_config.*": Refused((), "edit the reward model folder's config.json instead"),
+    f"{_RM}.model.use_shm": SameAsOurs(EVERY_VALUE, "the reward model loads from its path directly"),
+    f"{_RM}.model.use_remove_padding": SameAsOurs(EVERY_VALUE, "reinforge's reward-model passes are always "
+                                                               "padding-free (packed rows)"),
+    f"{_RM}.model.use_fused_kernels": SameAsOurs(EVERY_VALUE, "on CUDA reinforge always fuses and compiles the "
+                                                              "reward model's decoder layers"),
+    f"{_RM}.model.fsdp_config.param_offload": Rename("reward.reward_model.offload", note="the weights wait on the host "
+                                                     "between scoring calls, and are on the device during one"),
+    f"{_RM}.model.fsdp_config.*": RM_SHARDING,
+    f"{_RM}.micro_batch_size": Rename("reward.reward_model.max_tokens_per_micro_batch", _samples_as_tokens,
+                                      note="as tokens: samples x (prompt + response length)"),
+    f"{_RM}.micro_batch_size_per_gpu": Rename("reward.reward_model.max_tokens_per_micro_batch", _samples_as_tokens,
+                                              note="as tokens: samples x (prompt + response length)"),
+    f"{_RM}.forward_max_token_len_per_gpu": Rename("reward.reward_model.max_tokens_per_micro_batch",
+                                                   _dynamic_token_budget),
+    f"{_RM}.use_dynamic_bsz": RM_BUDGET,
+    f"{_RM}.max_length": Rename("reward.reward_model.max_length", _unset_if(None)),
+    f"{_RM}.ulysses_sequence_parallel_size": RM_SHARDING,
+    f"{_RM}.reward_manager": Refused(("naive", "dapo", "prime", "limit", "rate_limited", "gdpo", None),
+                                     "reinforge's reward manager scores each sample as verl's naive one does (in "
+                                     "reward.num_workers processes, reward.timeout_s each); verl's batch and remote "
+                                     "managers call scorers another way: write a reward.custom_function"),
+    f"{_RM}.reward_loop_source": Refused(("register", None), "reinforge has no custom reward loop classes; write a "
+                                                             "reward.custom_function"),
+    f"{_RM}.reward_loop_module_path": Refused((None,), "reinforge has no custom reward loop classes; write a "
+                                                       "reward.custom_function"),
+    f"{_RM}.reward_loop_class_name": Refused((None,), "reinforge has no custom reward loop classes; write a "
+                                                      "reward.custom_function"),
+    f"{_RM}.launch_reward_fn_async": SameAsOurs(EVERY_VALUE, "reinforge's rule-based scorers run in worker processes "
+                                                             "(reward.num_workers) beside the reward model"),
+    f"{_RM}.use_reward_loop": RM_ENGINE,
+    f"{_RM}.num_workers": Rename("reward.num_workers"),
+    f"{_RM}.sandbox_fusion.url": Refused((None,), SANDBOX.reason),
+    f"{_RM}.sandbox_fusion.*": SameAsOurs(EVERY_VALUE, "read only with sandbox_fusion.url"),
+    f"{_RM}.profiler.*": SameAsOurs(EVERY_VALUE, PROFILING.reason),
+    f"{_RM}.rollout.max_model_len": Rename("reward.reward_model.max_length", _unset_if(None)),
+    f"{_RM}.megatron.param_offload": Rename("reward.reward_model.offload"),
+    f"{_RM}.megatron.override_transformer_config": Refused(({}, None), "edit the reward model folder's config.json "
+                                                                       "instead"),
+    f"{_RM}.megatron.use_dist_checkpointing": Refused((False, None), "reinforge loads the reward model from "
+                                                                     "reward.reward_model.model_path (an HF folder)"),
+    f"{_RM}.megatron.*": RM_SHARDING,
+    f"{_RM}.load_weight": Refused((True, None), "reinforge loads the reward model's weights from "
+                                                "reward.reward_model.model_path"),
+    f"{_RM}.nccl_timeout": SameAsOurs(EVERY_VALUE, "a call's deadline is trainer.call_timeout_s"),
+    f"{_RM}.rollout.*": RM_ENGINE,
+    f"{_RM}.*": Refused((), "reinforge knows no such reward-model setting of verl's; remove it"),
+    "reward.reward_model.enable": Rename("reward.reward_model.enable"),
+    "reward.reward_model.enable_resource_pool": Rename("reward.reward_model.enable_resource_pool"),
+    "reward.reward_model.n_gpus_per_node": Rename("reward.reward_model.n_gpus_per_node", _unset_if(0, None)),
+    "reward.reward_model.nnodes": Rename("reward.reward_model.nnodes", _unset_if(0, None)),
+    "reward.reward_model.model_path": Rename("reward.reward_model.model_path", _path),
+    "reward.reward_model.rollout.max_model_len": Rename("reward.reward_model.max_length", _unset_if(None)),
+    "reward.reward_model.rollout.*": RM_ENGINE,
+    "reward.reward_model.*": Refused((), "reinforge knows no such reward-model setting of verl's; remove it"),
+}
+# Hydra's class names, which a command line never needs; exact keys win over the general _target_ rule
+REWARD_MODEL_KEYS |= {f"{prefix}._target_": SameAsOurs(EVERY_VALUE, HYDRA_TARGET.reason)
+                      for prefix in (f"{_RM}.model.fsdp_config", f"{_RM}.profiler", f"{_RM}.rollout", "reward.reward_model",
+                                     "reward.reward_model.rollout", f"{_RM}.megatron")}
 
 
 def _each(prefix: str, names: str, entry: Translation) -> dict[str, Translation]:
@@ -540,23 +665,21 @@ VERL_KEYS: dict[str, Translation] = {
     "custom_reward_function.name": Rename("reward.custom_function", _custom_function_name),
     "custom_reward_function.reward_kwargs": Rename("reward.kwargs"),
     "custom_reward_function.reward_kwargs.*": Rename("reward.kwargs.*"),
-    "reward_model.enable": SameAsOurs((False, None), REWARD_MODEL.reason),
-    "reward_model.reward_manager": NoEquivalent("one reward manager scores every sample in worker processes "
-                                                "with reward.timeout_s and reward.num_workers"),
+    **REWARD_MODEL_KEYS,
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": Rename("reward.overlong_buffer.enable"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.len": Rename("reward.overlong_buffer.len"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
-    "reward_model.reward_kwargs.overlong_buffer_cfg.log": NoEquivalent("reward/overlong/* is always logged when "
-                                                                       "the buffer is on"),
-    "reward_model.reward_kwargs.max_resp_len": NoEquivalent("the overlong buffer ends at data.max_response_length"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": SameAsOurs(EVERY_VALUE, "reward/overlong/* is always "
+                                                                     "logged when the buffer is on"),
+    "reward_model.reward_kwargs.max_resp_len": Rename("data.max_response_length", _overlong_end),
     # the DAPO recipe's form (recipe/dapo, tests/special_e2e/run_dapo.sh): its buffer ends at data.max_response_length
     "reward_model.overlong_buffer.enable": Rename("reward.overlong_buffer.enable"),
     "reward_model.overlong_buffer.len": Rename("reward.overlong_buffer.len"),
     "reward_model.overlong_buffer.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
-    "reward_model.overlong_buffer.log": NoEquivalent("reward/overlong/* is always logged when the buffer is on"),
-    "reward_model.reward_kwargs.*": NoEquivalent("pass a scorer's options with reward.kwargs "
-                                                 "(verl's custom_reward_function.reward_kwargs)"),
-    "reward_model.*": REWARD_MODEL,
+    "reward_model.overlong_buffer.log": SameAsOurs(EVERY_VALUE, "reward/overlong/* is always logged when the buffer "
+                                                                "is on"),
+    "reward_model.reward_kwargs.*": Refused((), "its reward manager's options have no equivalent; pass a scorer's "
+                                                "options with reward.kwargs (verl's custom_reward_function.reward_kwargs)"),
     "reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes"),
     # ---- algorithm
     "algorithm.adv_estimator": Rename("algorithm.adv_estimator", verl_default="gae"),
@@ -677,8 +800,6 @@ VERL_KEYS: dict[str, Translation] = {
     "reward.num_workers": Rename("reward.num_workers"),
     "reward.reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes "
                                             "with reward.timeout_s and reward.num_workers"),
-    "reward.reward_model.enable": SameAsOurs((False, None), REWARD_MODEL.reason),
-    "reward.reward_model.*": REWARD_MODEL,
     "reward.sandbox_fusion.*": SANDBOX,
     "sandbox_fusion.*": SANDBOX,
     "algorithm.filter_groups.max_inflight_gen_batches": NoEquivalent(

@@ -30,6 +30,7 @@ from reinforge.config.verl.keys import (
     VERL_SECTIONS,
     NoEquivalent,
     NoEquivalentValue,
+    Refused,
     RefusedValue,
     Rename,
     SameAsOurs,
@@ -202,6 +203,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
         if isinstance(entry, NoEquivalent):
             result.no_equivalent.append(KeyLine(verl_key, value, reason=entry.reason))
             return
+        if isinstance(entry, Refused) and value not in entry.values:
+            raise ConfigError(f"{verl_key}={_show(value)} (verl command line) has no equivalent: {entry.reason}")
         if isinstance(entry, SameAsOurs):
             target = result.already_ours if value in entry.values else result.no_equivalent
             target.append(KeyLine(verl_key, value, reason=entry.reason))

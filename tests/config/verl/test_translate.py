@@ -288,7 +288,8 @@ def test_verl_dapo_example_with_overlong_buffer_translates():
     assert config.data.truncation == "left" and config.actor.optim.warmup_steps == 10
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
     assert "override_config" in " ".join(reasons)
-    assert "data.max_response_length" in reasons["reward_model.reward_kwargs.max_resp_len"]
+    translated = {line.verl_key: line.our_key for line in translation.translated}
+    assert translated["reward_model.reward_kwargs.max_resp_len"] == "data.max_response_length"
 
 
 def test_verl_lora_example_translates():
@@ -308,7 +309,8 @@ def test_dapo_recipe_overlong_buffer_keys_translate():
                                   "reward_model.overlong_buffer.penalty_factor=0.5",
                                   "reward_model.overlong_buffer.log=False"])
     assert translation.tree["reward"] == {"overlong_buffer": {"enable": True, "len": 128, "penalty_factor": 0.5}}
-    assert [line.verl_key for line in translation.no_equivalent] == ["reward_model.overlong_buffer.log"]
+    assert [line.verl_key for line in translation.already_ours] == ["reward_model.overlong_buffer.log"]
+    assert translation.no_equivalent == []
     unset = translate_verl(["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=128"])
     assert unset.tree["reward"]["overlong_buffer"]["penalty_factor"] == 0.0
 
