@@ -8,14 +8,29 @@ the latent space, a prefix-cache hit) with transformers' attention module.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from reinforge.models.architectures import architecture_spec
 from reinforge.models.tiny import build_tiny_causal_lm
+from reinforge.rollout.native.mla import MLAAttention, mla_rotary_tables
 from reinforge.rollout.native.moe import MoEMLP, deepseek_router, experts_forward, route
 
 MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
+
+
+def block_context(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+    """What the decoder's blocks read of their decoder: the table, the config and the dtype."""
+    return SimpleNamespace(spec=architecture_spec(model.config), config=model.config, dtype=dtype)
+
+
+def copies(block, module: torch.nn.Module, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """The block's weight copies, made as the decoder makes them (its float32 copies kept in float32)."""
+    return {name: None if parts is None else torch.cat(
+        [part.detach().to(device, torch.float32 if name in block.float32_copies else dtype) for part in parts])
+        for name, parts in block.sources(module).items()}
 
 
 def moe_block(model: torch.nn.Module):
@@ -118,9 +133,9 @@ def test_moe_block_matches_transformers(family):
     hidden = torch.randn(2, 7, model.config.hidden_size)
     with torch.no_grad():
         expected = block(hidden).reshape(14, -1)
-    mlp = MoEMLP(spec.moe, spec.model_type)
-    weights = mlp.copy(block, torch.float32, torch.device("cpu"))
-    assert (weights.shared_gate_up is not None) == (spec.moe.shared_experts > 0)
+    mlp = MoEMLP(block_context(model), spec.layers[-1])
+    weights = copies(mlp, block, torch.float32)
+    assert (weights["shared_gate_up"] is not None) == (spec.moe.shared_experts > 0)
     with torch.no_grad():
         got = mlp.forward(weights, hidden.reshape(14, -1))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -155,8 +170,8 @@ def test_grouped_moe_in_bf16_matches_transformers_and_captures_in_a_graph(family
     hidden = torch.randn(24, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         expected = block(hidden[None])[0]
-    mlp = MoEMLP(spec.moe, spec.model_type)
-    weights = mlp.copy(block, torch.bfloat16, torch.device("cuda"))
+    mlp = MoEMLP(block_context(model, torch.bfloat16), spec.layers[-1])
+    weights = copies(mlp, block, torch.bfloat16, "cuda")
     with torch.no_grad():
         eager = mlp.forward(weights, hidden)
         torch.testing.assert_close(eager, expected, atol=2e-2, rtol=2e-2)
@@ -192,7 +207,8 @@ class LatentCache:
 
     def __init__(self, attention, num_blocks: int = 12, block_size: int = 4):
         self.block_size = block_size
-        self.cache = torch.zeros(attention.cache_shape(num_blocks, block_size))
+        entries, heads, dim = attention.cache_entry
+        self.cache = torch.zeros(entries, num_blocks, block_size, heads, dim)
         self.free = list(range(num_blocks - 1, -1, -1))  # blocks handed out out of order
         self.tables: list[list[int]] = []
 
@@ -207,21 +223,18 @@ class LatentCache:
 
 
 def mla_setup(model):
-    from reinforge.rollout.native.mla import MLAAttention, MLAWeights, mla_rotary_tables
-
-    spec = architecture_spec(model.config)
-    attention = MLAAttention.of(model, spec.mla)
-    weights = MLAWeights.copied(model.model.layers[0].self_attn, torch.float32, torch.device("cpu"))
-    cos, sin = mla_rotary_tables(model.model.rotary_emb, 64, attention.rotary_dtype(torch.float32), torch.device("cpu"))
-    return attention, weights, cos, sin
+    tables = mla_rotary_tables(model.model.rotary_emb, 64, torch.float32, torch.device("cpu"))
+    attention = MLAAttention(block_context(model), architecture_spec(model.config).layers[0], tables)
+    return attention, copies(attention, model.model.layers[0].self_attn, torch.float32)
 
 
 MLA_VARIANTS = [("deepseek_v2", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False}),
-                ("deepseek_v3", {"rope_parameters": YARN}), ("deepseek_v2", {"rope_parameters": YARN})]
+                ("deepseek_v3", {"rope_parameters": YARN}), ("deepseek_v2", {"rope_parameters": YARN}),
+                ("deepseek_v3", {"rms_norm_eps": 0.1})]
 
 
 @pytest.mark.parametrize(("family", "overrides"), MLA_VARIANTS,
-                         ids=["v2", "v3", "v3-halves", "v3-yarn", "v2-yarn"])
+                         ids=["v2", "v3", "v3-halves", "v3-yarn", "v2-yarn", "v3-latent-norm-eps"])
 def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
     """Two sequences (7 and 5 tokens) prefilled packed, a third whose first 8 tokens are cached and 3 new ones are
     prefilled after the hit, then one decode step of all three in the latent space: each output equals
@@ -229,7 +242,7 @@ def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
     from reinforge.rollout.native.attention import AttentionMetadata
 
     model = mla_model(family, **overrides)
-    attention, weights, cos, sin = mla_setup(model)
+    attention, weights = mla_setup(model)
     assert attention.scale == model.model.layers[0].self_attn.scaling
     if "rope_parameters" in overrides:
         assert attention.scale > (16 + 8) ** -0.5  # yarn's mscale squared
@@ -242,7 +255,7 @@ def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
 
     def run(hidden, positions, meta):
         with torch.no_grad():
-            return attention.forward(weights, hidden, cos[positions], sin[positions], cache.cache, meta)
+            return attention.forward(weights, hidden, positions, cache.cache, meta)
 
     # packed prefill of sequences 0 and 1 (all but their final token), and sequence 2's first 8 tokens
     prefill = [(0, range(7)), (1, range(5)), (2, range(8))]

@@ -20,13 +20,11 @@ attention scale is transformers' (``(nope + rope) ** -0.5``, times yarn's mscale
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reinforge.models.architectures import MLASpec
+from reinforge.models.architectures import LayerSpec
 from reinforge.rollout.native.attention import (
     AttentionMetadata,
     apply_rotary,
@@ -34,60 +32,8 @@ from reinforge.rollout.native.attention import (
     prefill_attention_with_prefix,
 )
 
-
-@dataclass
-class MLAWeights:
-    """The decoder's own copy of one MLA layer's weights.
-
-    in_weight: (q_in + kv_lora_rank + qk_rope_head_dim, hidden), the two projections that read the hidden
-    state (``q_a_proj``, or ``q_proj`` without a q low rank, then ``kv_a_proj_with_mqa``) as one product;
-    in_bias likewise or None; q_a_norm: (q_lora_rank,) and q_b: (heads * qk_head_dim, q_lora_rank), or None
-    without a q low rank; kv_a_norm: (kv_lora_rank,); kv_b: (heads, qk_nope_head_dim + v_head_dim,
-    kv_lora_rank), each head's k_nope rows then its v rows; o_weight: (hidden, heads * v_head_dim).
-    """
-
-    in_weight: Tensor
-    in_bias: Tensor | None
-    q_a_norm: Tensor | None
-    q_b: Tensor | None
-    kv_a_norm: Tensor
-    kv_b: Tensor
-    o_weight: Tensor
-    o_bias: Tensor | None
-
-    @classmethod
-    def copied(cls, attn: nn.Module, dtype: torch.dtype, device: torch.device) -> MLAWeights:
-        copies = [None if parts is None else torch.cat([part.detach().to(device, dtype) for part in parts])
-                  for parts in mla_parts(attn)]
-        copies[5] = copies[5].view(attn.num_heads, -1, attn.kv_lora_rank)
-        return cls(*copies)
-
-    def destinations(self) -> list[Tensor | None]:
-        """The copies in field order (``mla_parts`` gives their sources; kv_b flattened to its source's rows)."""
-        return [self.kv_b.flatten(0, 1) if field.name == "kv_b" else getattr(self, field.name)
-                for field in fields(self)]
-
-    def tensors(self) -> list[Tensor]:
-        return [getattr(self, field.name) for field in fields(self) if getattr(self, field.name) is not None]
-
-
-def mla_parts(attn: nn.Module) -> list[list[Tensor] | None]:
-    """The source tensors of each ``MLAWeights`` field, in field order (None: the field is None)."""
-    from reinforge.rollout.native.model import whole
-
-    q_in = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
-    kv_a = attn.kv_a_proj_with_mqa
-    if q_in.bias is None and kv_a.bias is None:
-        in_bias = None
-    else:
-        in_bias = [whole(linear.bias) if linear.bias is not None else whole(linear.weight).new_zeros(linear.out_features)
-                   for linear in (q_in, kv_a)]
-    low_rank = attn.q_lora_rank is not None
-    return [[whole(q_in.weight), whole(kv_a.weight)], in_bias,
-            [whole(attn.q_a_layernorm.weight)] if low_rank else None,
-            [whole(attn.q_b_proj.weight)] if low_rank else None,
-            [whole(attn.kv_a_layernorm.weight)], [whole(attn.kv_b_proj.weight)],
-            [whole(attn.o_proj.weight)], None if attn.o_proj.bias is None else [whole(attn.o_proj.bias)]]
+LATENT_NORM_EPS = 1e-6
+"""transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not config.rms_norm_eps."""
 
 
 def mla_rotary_tables(rotary: nn.Module, max_model_len: int, dtype: torch.dtype,
@@ -143,59 +89,71 @@ def latent_decode_attention(q: Tensor, cache: Tensor, block_tables: Tensor, cont
 
 
 class MLAAttention:
-    """One MLA layer's attention over packed tokens, reading and writing a compressed paged cache."""
+    """One MLA layer as an attention block of the decoder (see ``layers.py``), over a compressed paged cache.
 
-    def __init__(self, spec: MLASpec, num_heads: int, scale: float, eps: tuple[float, float], model_type: str):
-        self.spec = spec
-        self.num_heads = num_heads
-        self.scale = scale
-        self.q_a_eps, self.kv_a_eps = eps
-        self.rotate_in_float32 = model_type == "deepseek_v2"
-        self.qk_head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-        self.latent_dim = spec.kv_lora_rank + spec.qk_rope_head_dim
-        """Values per token in the cache (kv_lora_rank + qk_rope_head_dim)."""
-        self.q_in = num_heads * self.qk_head_dim if spec.q_lora_rank is None else spec.q_lora_rank
+    Copies: mla_in_weight (q_in + kv_lora_rank + qk_rope_head_dim, hidden), the two projections that read the
+    hidden state (``q_a_proj``, or ``q_proj`` without a q low rank, then ``kv_a_proj_with_mqa``) as one
+    product, mla_in_bias likewise or None; q_a_norm (q_lora_rank,) and q_b (heads * qk_head_dim, q_lora_rank),
+    or None without a q low rank; kv_a_norm (kv_lora_rank,); kv_b (heads * (qk_nope_head_dim + v_head_dim),
+    kv_lora_rank), each head's k_nope rows then its v rows; o_weight (hidden, heads * v_head_dim), o_bias.
+    ``tables``: ``mla_rotary_tables`` of the model, shared by its layers.
+    """
 
-    @classmethod
-    def of(cls, model: nn.Module, spec: MLASpec) -> MLAAttention:
-        attn = model.model.layers[0].self_attn
-        q_a_eps = attn.q_a_layernorm.variance_epsilon if attn.q_a_layernorm is not None else 0.0
-        return cls(spec, model.config.num_attention_heads, attn.scaling,
-                   (q_a_eps, attn.kv_a_layernorm.variance_epsilon), model.config.model_type)
+    float32_copies: frozenset[str] = frozenset()
 
-    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One layer's cache: a single head of latent and rotated key per token."""
-        return (num_blocks, block_size, 1, self.latent_dim)
+    def __init__(self, context, layer: LayerSpec, tables: tuple[Tensor, Tensor]):
+        spec = context.spec
+        if spec.mla is None:
+            raise ValueError(f"{spec.model_type}: MLAAttention runs multi-head latent attention; this model has none")
+        self.mla = mla = spec.mla
+        self.num_heads = context.config.num_attention_heads
+        self.scale = spec.attn_scale
+        self.cos, self.sin = tables
+        self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        self.latent_dim = mla.kv_lora_rank + mla.qk_rope_head_dim
+        self.q_in = self.num_heads * self.qk_head_dim if mla.q_lora_rank is None else mla.q_lora_rank
+        self.cache_entry = (1, 1, self.latent_dim)
+        """One shared head of latent and rotated key per token."""
 
-    def rotary_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.float32 if self.rotate_in_float32 else dtype
+    def sources(self, attention: nn.Module) -> dict[str, list[Tensor] | None]:
+        low_rank = self.mla.q_lora_rank is not None
+        q_in = attention.q_a_proj if low_rank else attention.q_proj
+        kv_a = attention.kv_a_proj_with_mqa
+        in_bias = None if q_in.bias is None and kv_a.bias is None else [
+            linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
+            for linear in (q_in, kv_a)]
+        return {"mla_in_weight": [q_in.weight, kv_a.weight], "mla_in_bias": in_bias,
+                "q_a_norm": [attention.q_a_layernorm.weight] if low_rank else None,
+                "q_b": [attention.q_b_proj.weight] if low_rank else None,
+                "kv_a_norm": [attention.kv_a_layernorm.weight], "kv_b": [attention.kv_b_proj.weight],
+                "o_weight": [attention.o_proj.weight],
+                "o_bias": None if attention.o_proj.bias is None else [attention.o_proj.bias]}
 
-    def project(self, weights: MLAWeights, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """The absorbed queries (tokens, heads, latent_dim) and the cache entries (tokens, 1, latent_dim).
-
-        cos, sin: (tokens, qk_rope_head_dim // 2), this step's tokens' angles."""
-        spec = self.spec
-        num_tokens = hidden.shape[0]
-        q_in, latent, k_rope = F.linear(hidden, weights.in_weight, weights.in_bias).split(
-            [self.q_in, spec.kv_lora_rank, spec.qk_rope_head_dim], dim=-1)
-        if weights.q_b is not None:
-            q_in = F.linear(_rms_norm(q_in, weights.q_a_norm, self.q_a_eps), weights.q_b)
+    def project(self, weights: dict[str, Tensor | None], x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The absorbed queries (tokens, heads, latent_dim) and the cache entries (tokens, 1, latent_dim)."""
+        mla = self.mla
+        num_tokens = x.shape[0]
+        q_in, latent, k_rope = F.linear(x, weights["mla_in_weight"], weights["mla_in_bias"]).split(
+            [self.q_in, mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        if weights["q_b"] is not None:
+            q_in = F.linear(_rms_norm(q_in, weights["q_a_norm"], LATENT_NORM_EPS), weights["q_b"])
         q_nope, q_rope = q_in.reshape(num_tokens, self.num_heads, self.qk_head_dim).split(
-            [spec.qk_nope_head_dim, spec.qk_rope_head_dim], dim=-1)
-        latent = _rms_norm(latent, weights.kv_a_norm, self.kv_a_eps)
-        q_rope = rotate_pairs(q_rope, cos, sin, spec.rope_interleave)
-        k_rope = rotate_pairs(k_rope[:, None, :], cos, sin, spec.rope_interleave)
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, weights.kv_b[:, : spec.qk_nope_head_dim])
-        query = torch.cat([q_latent, q_rope], dim=-1)
-        entry = torch.cat([latent[:, None, :], k_rope], dim=-1)
-        return query, entry
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent = _rms_norm(latent, weights["kv_a_norm"], LATENT_NORM_EPS)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q_rope = rotate_pairs(q_rope, cos, sin, mla.rope_interleave)
+        k_rope = rotate_pairs(k_rope[:, None, :], cos, sin, mla.rope_interleave)
+        kv_b = weights["kv_b"].view(self.num_heads, -1, mla.kv_lora_rank)
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, kv_b[:, : mla.qk_nope_head_dim])
+        return torch.cat([q_latent, q_rope], dim=-1), torch.cat([latent[:, None, :], k_rope], dim=-1)
 
-    def forward(self, weights: MLAWeights, hidden: Tensor, cos: Tensor, sin: Tensor, cache: Tensor,
+    def forward(self, weights: dict[str, Tensor | None], x: Tensor, positions: Tensor, cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
-        """hidden: (tokens, hidden) -> the attention's output projection (tokens, hidden).
+        """x: (tokens, hidden) -> the attention's output projection (tokens, hidden).
 
-        cache: (num_blocks, block_size, 1, latent_dim) (``cache_shape``); cos, sin as in ``project``."""
-        query, entry = self.project(weights, hidden, cos, sin)
+        cache: this layer's (1, num_blocks, block_size, 1, latent_dim) (``cache_entry`` per token)."""
+        query, entry = self.project(weights, x, positions)
+        cache = cache[0]
         cache.view(-1, 1, self.latent_dim)[meta.slot_mapping] = entry
         if meta.is_prefill and meta.prefix_lens is not None:
             out = prefill_attention_with_prefix(query, cache, cache, meta, self.scale)
@@ -203,6 +161,6 @@ class MLAAttention:
             out = prefill_attention(query, entry, entry, meta, self.scale)
         else:
             out = latent_decode_attention(query, cache, meta.block_tables, meta.context_lens, self.scale)
-        values = torch.einsum("thl,hvl->thv", out[..., : self.spec.kv_lora_rank],
-                              weights.kv_b[:, self.spec.qk_nope_head_dim:])
-        return F.linear(values.reshape(hidden.shape[0], -1), weights.o_weight, weights.o_bias)
+        kv_b = weights["kv_b"].view(self.num_heads, -1, self.mla.kv_lora_rank)
+        values = torch.einsum("thl,hvl->thv", out[..., : self.mla.kv_lora_rank], kv_b[:, self.mla.qk_nope_head_dim:])
+        return F.linear(values.reshape(x.shape[0], -1), weights["o_weight"], weights["o_bias"])

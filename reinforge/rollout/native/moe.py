@@ -20,13 +20,11 @@ is what the tests compare with transformers in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reinforge.models.architectures import MoESpec
+from reinforge.models.architectures import LayerSpec, MoESpec
 
 
 def deepseek_router(model_type: str) -> bool:
@@ -145,65 +143,6 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     return per_assignment.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
-@dataclass
-class MoEWeights:
-    """The decoder's own copy of one MoE layer's weights.
-
-    router: (experts, hidden), float32 for the families whose router computes in float32;
-    correction_bias: (experts,) float32 (DeepSeek V3) or None; gate_up: (experts, 2 * inter, hidden), gate rows
-    first; down: (experts, hidden, inter); shared_gate_up: (2 * shared inter, hidden) and shared_down:
-    (hidden, shared inter), DeepSeek's shared experts as one MLP, or None.
-    """
-
-    router: Tensor
-    correction_bias: Tensor | None
-    gate_up: Tensor
-    down: Tensor
-    shared_gate_up: Tensor | None
-    shared_down: Tensor | None
-
-    @classmethod
-    def copied(cls, block: nn.Module, router_float32: bool, dtype: torch.dtype,
-               device: torch.device) -> MoEWeights:
-        """A copy of ``block`` (a transformers sparse-MoE module) in ``dtype`` on ``device``."""
-        copies = []
-        for field, parts in zip(fields(cls), moe_parts(block), strict=True):
-            if parts is None:
-                copies.append(None)
-                continue
-            field_dtype = torch.float32 if field.name == "correction_bias" or (
-                field.name == "router" and router_float32) else dtype
-            copies.append(torch.cat([part.detach().to(device, field_dtype) for part in parts]))
-        return cls(*copies)
-
-    def destinations(self) -> list[Tensor | None]:
-        """The copies in field order (``moe_parts`` gives their sources)."""
-        return [getattr(self, field.name) for field in fields(self)]
-
-    def tensors(self) -> list[Tensor]:
-        return [tensor for tensor in self.destinations() if tensor is not None]
-
-
-def moe_parts(block: nn.Module) -> list[list[Tensor] | None]:
-    """The source tensors of each ``MoEWeights`` field, in field order, as laid out there (None: no such field).
-
-    transformers 5 stores the experts fused: ``gate_up_proj`` (experts, 2 * inter, hidden) and ``down_proj``
-    (experts, hidden, inter); an experts module marked ``is_transposed`` stores (experts, hidden, 2 * inter)
-    and (experts, inter, hidden), read here through transposed views.
-    """
-    from reinforge.rollout.native.model import whole
-
-    experts, gate = block.experts, block.gate
-    gate_up, down = whole(experts.gate_up_proj), whole(experts.down_proj)
-    if getattr(experts, "is_transposed", False):
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    bias = getattr(gate, "e_score_correction_bias", None)
-    shared = getattr(block, "shared_experts", None)
-    shared_gate_up = None if shared is None else [whole(shared.gate_proj.weight), whole(shared.up_proj.weight)]
-    shared_down = None if shared is None else [whole(shared.down_proj.weight)]
-    return [[whole(gate.weight)], None if bias is None else [bias], [gate_up], [down], shared_gate_up, shared_down]
-
-
 def moe_unsupported_reason(model: nn.Module, spec: MoESpec) -> str | None:
     """Why the native engine cannot run ``model``'s MoE layers, or None when it can."""
     config = model.config
@@ -219,21 +158,42 @@ def moe_unsupported_reason(model: nn.Module, spec: MoESpec) -> str | None:
 
 
 class MoEMLP:
-    """One MoE layer's forward over packed tokens: routed experts plus shared experts when the family has them."""
+    """A layer's mixture of experts as an MLP block of the decoder (see ``layers.py``): routed experts, plus
+    DeepSeek's shared experts as one dense MLP added to them.
 
-    def __init__(self, spec: MoESpec, model_type: str):
-        self.spec = spec
-        self.deepseek = deepseek_router(model_type)
+    Copies: router (experts, hidden), float32 for DeepSeek; correction_bias (experts,) float32 (DeepSeek V3) or
+    None; experts_gate_up (experts, 2 * inter, hidden), gate rows first; experts_down (experts, hidden, inter);
+    shared_gate_up (2 * shared inter, hidden) and shared_down (hidden, shared inter), or None. transformers 5
+    stores the experts fused in this layout; an experts module marked ``is_transposed`` stores
+    (experts, hidden, 2 * inter) and (experts, inter, hidden), read through transposed views.
+    """
 
-    def copy(self, block: nn.Module, dtype: torch.dtype, device: torch.device) -> MoEWeights:
-        return MoEWeights.copied(block, self.deepseek, dtype, device)
+    def __init__(self, context, layer: LayerSpec):
+        spec = context.spec
+        if spec.moe is None or not layer.moe:
+            raise ValueError(f"{spec.model_type}: MoEMLP runs a mixture-of-experts layer; this one is dense")
+        self.spec = spec.moe
+        self.deepseek = deepseek_router(spec.model_type)
+        self.float32_copies = frozenset({"router", "correction_bias"} if self.deepseek else {"correction_bias"})
 
-    def forward(self, weights: MoEWeights, hidden: Tensor) -> Tensor:
-        """hidden: (tokens, hidden) -> (tokens, hidden) in ``hidden``'s dtype."""
-        routing_weights, expert_ids = route(hidden, weights.router, weights.correction_bias, self.spec,
+    def sources(self, block: nn.Module) -> dict[str, list[Tensor] | None]:
+        experts, gate = block.experts, block.gate
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if getattr(experts, "is_transposed", False):
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        bias = getattr(gate, "e_score_correction_bias", None)
+        shared = getattr(block, "shared_experts", None)
+        return {"router": [gate.weight], "correction_bias": None if bias is None else [bias],
+                "experts_gate_up": [gate_up], "experts_down": [down],
+                "shared_gate_up": None if shared is None else [shared.gate_proj.weight, shared.up_proj.weight],
+                "shared_down": None if shared is None else [shared.down_proj.weight]}
+
+    def forward(self, weights: dict[str, Tensor | None], x: Tensor) -> Tensor:
+        """x: (tokens, hidden) -> (tokens, hidden) in x's dtype."""
+        routing_weights, expert_ids = route(x, weights["router"], weights["correction_bias"], self.spec,
                                             self.deepseek)
-        out = experts_forward(hidden, expert_ids, routing_weights, weights.gate_up, weights.down)
-        if weights.shared_gate_up is not None:
-            gate, up = F.linear(hidden, weights.shared_gate_up).chunk(2, dim=-1)
-            out = out + F.linear(F.silu(gate) * up, weights.shared_down)
+        out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"])
+        if weights["shared_gate_up"] is not None:
+            gate, up = F.linear(x, weights["shared_gate_up"]).chunk(2, dim=-1)
+            out = out + F.linear(F.silu(gate) * up, weights["shared_down"])
         return out
