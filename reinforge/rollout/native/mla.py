@@ -27,7 +27,6 @@ from torch import Tensor, nn
 from reinforge.models.architectures import LayerSpec
 from reinforge.rollout.native.attention import (
     AttentionMetadata,
-    apply_rotary,
     prefill_attention,
     prefill_attention_with_prefix,
 )
@@ -59,11 +58,13 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
 
     Interleaved pairs come out real parts first, then imaginary parts (transformers' V3 layout; V2's complex
     product gives the same values interleaved). Computed in cos's dtype, returned in x's."""
-    if not interleaved:
-        return apply_rotary(x.to(cos.dtype), torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)).to(x.dtype)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    real, imaginary = x[..., 0::2].to(cos.dtype), x[..., 1::2].to(cos.dtype)
-    return torch.cat([real * cos - imaginary * sin, imaginary * cos + real * sin], dim=-1).to(x.dtype)
+    if interleaved:
+        real, imaginary = x[..., 0::2].to(cos.dtype), x[..., 1::2].to(cos.dtype)
+        return torch.cat([real * cos - imaginary * sin, imaginary * cos + real * sin], dim=-1).to(x.dtype)
+    half = x.shape[-1] // 2  # Llama's x * cos + rotate_half(x) * sin, cos and sin repeated over both halves
+    first, second = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

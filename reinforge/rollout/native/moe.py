@@ -143,14 +143,13 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     return per_assignment.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
 
-def moe_unsupported_reason(model: nn.Module, spec: MoESpec) -> str | None:
-    """Why the native engine cannot run ``model``'s MoE layers, or None when it can."""
-    config = model.config
+def moe_unsupported_reason(config, spec: MoESpec, layers: nn.ModuleList) -> str | None:
+    """Why the native engine cannot run these MoE layers, or None when it can."""
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"its experts use hidden_act={config.hidden_act!r}; the engine's experts implement silu"
     if spec.n_group is not None and spec.num_experts % spec.n_group:
         return f"its {spec.num_experts} experts do not split into n_group={spec.n_group} groups"
-    for layer in model.model.layers:
+    for layer in layers:
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and (getattr(experts, "has_bias", False) or not hasattr(experts, "gate_up_proj")):
             return f"its experts module {type(experts).__name__} is not fused gate|up and down without biases"
