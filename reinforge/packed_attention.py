@@ -1,10 +1,21 @@
-"""Causal attention of packed sequences through one masked SDPA call: the path where no flash kernel runs.
+"""Causal attention of packed sequences in one batched call: the path where no flash kernel runs.
 
-Queries q (tokens, heads, dim) and keys and values k, v (tokens, kv_heads, dim) hold sequences side by
-side; a sequence may have more keys than queries (a shared prompt in training, a cached prefix in the
-rollout), and its causal mask is then aligned to the end of its keys, as the flash varlen kernel
-aligns it. The trainer's packed attention (``engine/attention.py``) and the rollout engine's prefix
-prefill (``rollout/native/attention.py``) both fall back to it, so it imports nothing of reinforge.
+Queries q (tokens, heads, dim) and keys and values k, v (tokens, kv_heads, dim; v may have a head
+dim of its own, as in DeepSeek's MLA) hold sequences side by side; a sequence may have more keys
+than queries (a shared prompt in training, a cached prefix in the rollout), and its causal mask
+is then aligned to the end of its keys, as the flash varlen kernel aligns it. Every difference a
+transformers attention function is handed applies here exactly as in its eager path:
+
+- ``window``: W keys visible including the query (key j visible to query i iff i - W < j <= i, in
+  the positions of the segment's keys);
+- ``softcap``: scores ``c * tanh(s / c)`` after the scale, before the mask (Gemma 2);
+- ``sinks``: one learned logit per head joins each softmax as an extra column, then is dropped
+  (GPT-OSS).
+
+Without soft-cap and sinks it is one masked SDPA call; with either, the same mask over an
+explicit matmul-softmax (SDPA cannot bend scores). The trainer's packed attention
+(``engine/attention.py``) and the rollout engine's prefix prefill (``rollout/native/attention.py``)
+both fall back to it, so it imports nothing of reinforge.
 """
 
 from __future__ import annotations
@@ -15,8 +26,9 @@ from torch import Tensor
 
 
 def padded_packed_attention(q: Tensor, k: Tensor, v: Tensor, query_lengths: list[int], key_lengths: list[int],
-                            scale: float) -> Tensor:
-    """Unpack into a (segments, longest) batch, one masked SDPA call, pack again.
+                            scale: float, window: int | None = None, softcap: float | None = None,
+                            sinks: Tensor | None = None) -> Tensor:
+    """Unpack into a (segments, longest) batch, one masked attention call, pack again: -> (tokens, heads, v dim).
 
     Padding costs FLOPs here, but one call beats a Python loop of one call per sequence by far
     on the CPU, where rollout batches hold hundreds of short sequences.
@@ -39,6 +51,33 @@ def padded_packed_attention(q: Tensor, k: Tensor, v: Tensor, query_lengths: list
     offsets = (k_sizes - q_sizes)[:, None, None]
     rows = torch.arange(q_valid.shape[1], device=q.device)[None, :, None]
     columns = torch.arange(k_valid.shape[1], device=q.device)[None, None, :]
-    mask = (columns <= rows + offsets) & k_valid[:, None, :]
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
+    visible = columns <= rows + offsets
+    if window is not None:
+        visible = visible & (columns > rows + offsets - window)
+    # padding rows see every real key: no row is empty, so no NaN reaches the gradients of the real ones
+    mask = torch.where(q_valid[:, :, None], visible, True) & k_valid[:, None, :]
+    if softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
+    else:
+        out = explicit_attention(qp, kp, vp, mask[:, None], scale, softcap, sinks)
     return out.transpose(1, 2)[q_valid]
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None,
+                       sinks: Tensor | None = None) -> Tensor:
+    """softmax(cap(q k^T * scale) masked [+ sink column]) v, the softmax in float32 as transformers' eager path.
+
+    q (batch, heads, queries, dim), k and v (batch, heads, keys, dim or v dim) with as many heads as q;
+    mask broadcastable to (batch, heads, queries, keys), True where a key is visible; sinks (heads,).
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v)

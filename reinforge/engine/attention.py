@@ -11,6 +11,14 @@ of a segment with q queries and k keys sees keys up to i + k - q), which is how 
 kernel aligns it; ``flash_runs_shared_segments`` checks that once per device, and segments fall
 back to masked SDPA if it does not. Without it (``generate`` with padding masks, a KV cache) it is plain SDPA,
 with SDPA's masks, so the same model serves rollout and training.
+
+Every difference transformers hands the attention function applies, for any family: the
+layer's ``sliding_window`` (W keys including the query: the flash kernel's ``window_size=(W-1, 0)``),
+``softcap`` (Gemma 2: ``flex_attention`` with a soft-capping score_mod on CUDA, an explicit
+masked matmul-softmax elsewhere), ``s_aux`` sinks (GPT-OSS: the explicit path) and a value head
+dim of its own (DeepSeek's MLA: V is zero-padded to the q/k dim for the flash kernel and the output
+cut back). Generation takes SDPA with transformers' masks, or the explicit path where SDPA cannot
+soft-cap or sink.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import inspect
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reinforge.packed_attention import padded_packed_attention
+from reinforge.packed_attention import explicit_attention, padded_packed_attention
 
 NAME = "reinforge_varlen"
 
@@ -44,25 +53,50 @@ def _register() -> None:
 def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                              attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              **kwargs) -> tuple[Tensor, None]:
-    """query (1, heads, tokens, dim), key/value (1, kv_heads, tokens, dim) -> (1, tokens, heads, dim)."""
+    """query (1, heads, tokens, dim), key/value (1, kv_heads, tokens, dim) -> (1, tokens, heads, v dim)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     cu_seqlens = kwargs.get("packed_cu_seqlens")
     if cu_seqlens is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        if softcap is None and sinks is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
+                                          **kwargs)
+        return _explicit_forward(query, key, value, attention_mask, scale, softcap, sinks), None
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one row of packed sequences, got {query.shape[0]} rows")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, dim)
-    out = packed_attention(q, k, v, scale, kwargs)
+    out = packed_attention(q, k, v, scale, kwargs, window=kwargs.get("sliding_window"), softcap=softcap,
+                           sinks=sinks)
     return out.unsqueeze(0), None
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict) -> Tensor:
+def _explicit_forward(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, scale: float,
+                      softcap: float | None, sinks: Tensor | None) -> Tensor:
+    """transformers' eager attention over a (batch, heads, queries, dim) batch and its mask (bool, additive or None)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    queries, keys = query.shape[2], key.shape[2]
+    if attention_mask is None:  # causal, aligned to the end of the keys
+        rows = torch.arange(queries, device=query.device)[:, None] + (keys - queries)
+        mask = (torch.arange(keys, device=query.device)[None, :] <= rows)[None, None]
+    elif attention_mask.dtype == torch.bool:
+        mask = attention_mask[..., :keys]
+    else:
+        mask = attention_mask[..., :keys] > torch.finfo(attention_mask.dtype).min / 2
+    out = explicit_attention(query, key, value, mask, scale, softcap, sinks)
+    return out.transpose(1, 2).contiguous()
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict, window: int | None = None,
+                     softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention inside each packed segment: q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> like q.
 
-    ``kwargs`` are the packed forward's (``packed_cu_seqlens`` and the rest, see the module docstring).
+    ``kwargs`` are the packed forward's (``packed_cu_seqlens`` and the rest, see the module docstring);
+    ``window``, ``softcap`` and ``sinks`` are the layer's (see ``reinforge.packed_attention``). The output
+    has v's head dim.
     """
     cu_seqlens = kwargs["packed_cu_seqlens"]
     kv_index = kwargs.get("packed_kv_index")
@@ -70,14 +104,67 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict
     if kv_index is not None:
         k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
         cu_seqlens_k, max_key_length = kwargs["packed_cu_seqlens_k"], kwargs["packed_max_length_k"]
-    if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _VARLEN_KERNEL is not None
+    on_flash_device = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    if (on_flash_device and softcap is None and sinks is None and _VARLEN_KERNEL is not None
             and (kv_index is None or kwargs.get("packed_flash_shared", False))):
         return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
-                             int(max_key_length), scale)
+                             int(max_key_length), scale, window)
+    if on_flash_device and sinks is None and _FLEX_ATTENTION is not None:
+        return flex_packed_attention(q, k, v, cu_seqlens, cu_seqlens_k, scale, window, softcap, compiled=True)
     # the length lists are read only here (from the cumulative lengths if they were left out)
     query_lengths = kwargs.get("packed_lengths") or _lengths(cu_seqlens)
     key_lengths = query_lengths if kv_index is None else kwargs.get("packed_key_lengths") or _lengths(cu_seqlens_k)
-    return padded_packed_attention(q, k, v, query_lengths, key_lengths, scale)
+    return padded_packed_attention(q, k, v, query_lengths, key_lengths, scale, window=window, softcap=softcap,
+                                   sinks=sinks)
+
+
+def _load_flex_attention():
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return flex_attention, create_block_mask
+
+
+_FLEX_ATTENTION = _load_flex_attention()
+
+
+@cache
+def _compiled_flex():
+    return torch.compile(_FLEX_ATTENTION[0], dynamic=True)
+
+
+def flex_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, scale: float,
+                          window: int | None, softcap: float | None, compiled: bool) -> Tensor:
+    """The packed causal attention as ``flex_attention``: a block mask of the segments (and window), the soft-cap
+    as a score_mod on the scaled scores; q (tokens, heads, dim), k/v (key tokens, kv_heads, dim) -> like q."""
+    flex_attention, create_block_mask = _FLEX_ATTENTION
+    num_queries, num_keys = q.shape[0], k.shape[0]
+    query_segment = torch.searchsorted(cu_seqlens[1:].contiguous(), torch.arange(num_queries, device=q.device),
+                                       right=True)
+    key_segment = torch.searchsorted(cu_seqlens_k[1:].contiguous(), torch.arange(num_keys, device=q.device),
+                                     right=True)
+    # positions within the segment's keys; a query's is aligned to the end of its segment's keys
+    key_position = torch.arange(num_keys, device=q.device) - cu_seqlens_k[key_segment]
+    query_position = (torch.arange(num_queries, device=q.device) - cu_seqlens[query_segment]
+                      + (cu_seqlens_k[1:] - cu_seqlens_k[:-1] - cu_seqlens[1:] + cu_seqlens[:-1])[query_segment])
+
+    def visible(batch, head, query_index, key_index):
+        seen = ((query_segment[query_index] == key_segment[key_index])
+                & (key_position[key_index] <= query_position[query_index]))
+        if window is not None:
+            seen = seen & (key_position[key_index] > query_position[query_index] - window)
+        return seen
+
+    def soft_cap(score, batch, head, query_index, key_index):
+        return torch.tanh(score / softcap) * softcap
+
+    block_mask = create_block_mask(visible, None, None, num_queries, num_keys, device=q.device)
+    attend = _compiled_flex() if compiled else flex_attention
+    out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                 score_mod=soft_cap if softcap is not None else None, block_mask=block_mask, scale=scale,
+                 enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 def _lengths(cu_seqlens: Tensor) -> list[int]:
@@ -104,21 +191,36 @@ cost a copy forward and a reduction backward in every layer."""
 
 
 def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, max_length: int,
-                  max_key_length: int, scale: float) -> Tensor:
+                  max_key_length: int, scale: float, window: int | None = None) -> Tensor:
+    """Flash varlen attention; a window W is the kernel's ``window_size=(W-1, 0)``; V of a smaller head dim is
+    zero-padded to q's (the kernel needs one head dim) and the output cut back to it."""
+    value_dim = v.shape[-1]
+    if value_dim != q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - value_dim))
+    return _flash_varlen_same_dim(q, k, v, cu_seqlens, cu_seqlens_k, max_length, max_key_length, scale,
+                                  window)[..., :value_dim]
+
+
+def _flash_varlen_same_dim(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor,
+                           max_length: int, max_key_length: int, scale: float, window: int | None) -> Tensor:
     parameters = _VARLEN_PARAMETERS
     options = {}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in parameters:
-            options["enable_gqa"] = True
-        elif NATIVE_GQA_FALLBACK:
-            return torch.ops.aten._flash_attention_forward(
-                q, k, v, cu_seqlens.to(torch.int32), cu_seqlens_k.to(torch.int32), max_length, max_key_length, 0.0,
-                True, False, scale=scale)[0]
-        else:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    left = -1 if window is None else window - 1
+    grouped = q.shape[1] != k.shape[1]
+    if ((window is not None and "window_size" not in parameters)
+            or (grouped and "enable_gqa" not in parameters and NATIVE_GQA_FALLBACK)):
+        # the flash op shares each KV head across its query heads and takes the window itself
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens.to(torch.int32), cu_seqlens_k.to(torch.int32), max_length, max_key_length, 0.0,
+            True, False, scale=scale, window_size_left=None if window is None else left,
+            window_size_right=None if window is None else 0)[0]
+    if grouped and "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    elif grouped:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "window_size" in parameters:
-        options["window_size"] = (-1, 0)
+        options["window_size"] = (left, 0)
     else:
         options["is_causal"] = True
     if "scale" in parameters:

@@ -27,20 +27,37 @@ from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
 from reinforge.protocol import Batch
 
 _NO_MASK = {"full_attention": None, "sliding_attention": None}
-"""Precomputed masks for every layer type: none, the varlen kernel keeps sequences apart."""
+"""Precomputed masks of the usual layer types: none, the varlen kernel keeps sequences apart (and applies
+each layer's window itself)."""
 
 
 def _no_mask(config, device: torch.device):
     """What stands for the attention mask of a packed row: the varlen kernel needs none.
 
-    Models with per-layer-type masks (Qwen2, Qwen3) take a precomputed mapping; the others
-    (Llama, Mistral) take a 4D tensor as precomputed, which transformers passes through
-    untouched (here a 1-element placeholder that the varlen attention ignores); given no mask
-    at all they would build a tokens x tokens one.
+    Models with per-layer-type masks (Qwen2, Qwen3, Gemma, SmolLM3, ...) take a precomputed
+    mapping with an entry for every layer type their config names; the others (Llama, Mistral)
+    take a 4D tensor as precomputed, which transformers passes through untouched (here a
+    1-element placeholder that the varlen attention ignores); given no mask at all they would
+    build a tokens x tokens one.
     """
-    if getattr(config, "layer_types", None) is not None:
-        return dict(_NO_MASK)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return {**_NO_MASK, **dict.fromkeys(layer_types)}
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+
+
+def logit_transform(config) -> tuple[float, float | None]:
+    """(multiplier, final soft-cap) that the causal LM applies to ``lm_head``'s output, from its config.
+
+    Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides, Gemma's
+    ``final_logit_softcapping`` caps after them: the log-probs are those of the logits the
+    model itself returns.
+    """
+    multiplier = float(getattr(config, "logit_scale", None) or 1.0)
+    divisor = getattr(config, "logits_scaling", None)
+    if divisor:
+        multiplier /= float(divisor)
+    return multiplier, getattr(config, "final_logit_softcapping", None)
 
 
 def _check_varlen(config) -> None:
@@ -85,12 +102,15 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
         hook.remove()
     hidden = captured[-1][0, packed.predictor_index]
     weight = model.get_output_embeddings().weight
+    logit_scale, softcap = logit_transform(model.config)
     if with_sum_pi_squared:
         outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, packed.response_targets,
-                                                      temperature, max_logits_bytes=max_logits_bytes)
+                                                      temperature, max_logits_bytes=max_logits_bytes,
+                                                      logit_scale=logit_scale, softcap=softcap)
         return tuple(unpack_responses(output, packed) for output in outputs)
     log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature,
-                                          max_logits_bytes=max_logits_bytes)
+                                          max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
+                                          softcap=softcap)
     return (unpack_responses(log_probs, packed),
             unpack_responses(entropy, packed) if with_entropy else None)
 

@@ -3,31 +3,35 @@
 Over a packed micro-batch the matrix products of a 0.5B model run near the GPU's peak, and
 what is left is elementwise work that eager PyTorch does one pass per op.
 
-- ``fuse_elementwise`` swaps the ``forward`` of RMSNorm (cast to float32, square, mean, rsqrt,
-  two products, cast back) and of the gated MLP's ``silu(gate) * up`` for the same math
-  written as one function, which ``torch.compile`` turns into one kernel each way. The math is
-  the one of the transformers modules it replaces (float32 statistics, the result cast back
-  before the weight multiplies it), so the numerics match up to the order of a reduction.
+- ``fuse_elementwise`` swaps the ``forward`` of each RMSNorm and gated MLP for the same math
+  written as one function, which ``torch.compile`` turns into one kernel each way: the three
+  norm kinds of ``models.architectures`` (Llama: float32 statistics, cast back, then the weight;
+  Gemma: ``* (1 + w)`` in float32, cast after; OLMo: ``* w`` in float32, cast after) and the
+  gated MLP with SiLU or tanh-GELU, separate gate/up projections or Phi-3's fused ``gate_up_proj``.
+  The numerics match the transformers modules up to the order of a reduction.
 - ``compile_decoder_layers`` compiles each decoder layer's forward for packed passes, so residual adds, rotary embedding and casts fuse too.
 - ``use_packed_attention_layout`` keeps q, k and v in the flash kernel's (tokens, heads, dim)
   layout and applies the rotary embedding with one opaque op (``engine.rotary``: a Triton
   kernel on CUDA, read and written once), which the compiled layer calls instead of inductor's
-  kernels for transformers' expression.
+  kernels for transformers' expression. It reads the table: separate or fused qkv, head or
+  projection qk-norm, partial rotary (only the first dims rotate), NoPE layers (none do), each
+  layer's window and the attention soft-cap. DeepSeek's MLA keeps transformers' attention
+  forward, with the varlen attention under it.
 
-Each supported architecture has one ``ArchitectureAdapter`` in ``ADAPTERS``, keyed by the HF
-config's ``model_type``: the transformers classes of its attention, RMSNorm and gated MLP, whose
-forwards are swapped (instances of exactly those classes, nothing found by name). A model of
-another architecture is refused with a clear error by ``architecture_adapter``, before any
-module is touched. Without ``compile`` the swapped forwards run eagerly, which is how the CPU
+What is swapped is decided by the model's ``ArchitectureSpec`` (``models.architectures``), and
+only modules of the model's own transformers module are touched (an RMSNorm of another
+family inside it keeps its forward). A model the table does not know still trains, on every
+device: transformers' own modules with the varlen attention, decoder layers compiled where
+transformers marks the model compilable. ``describe_training_path`` is the one line a run
+prints about it. Without ``compile`` the swapped forwards run eagerly, which is how the CPU
 tests check them against the originals.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
+import logging
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,46 +39,20 @@ from torch import Tensor, nn
 
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
+from reinforge.models.architectures import ArchitectureSpec, architecture_spec
+
+logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ArchitectureAdapter:
-    """The modules of one transformers architecture that the fast path replaces (None: kept as they are).
-
-    Names are of classes in ``transformers.models.<model_type>.modeling_<model_type>``.
-    """
-
-    rms_norm: str
-    """An RMSNorm with ``weight`` and ``variance_epsilon``: float32 statistics, cast back, then the weight."""
-    attention: str | None = None
-    """Attention with q/k/v/o projections (and Qwen3's q/k norms) taking transformers' rotary tables."""
-    gated_mlp: str | None = None
-    """down(silu(gate(x)) * up(x))."""
-
-    def classes(self, model_type: str) -> dict[str, type]:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        names = {"rms_norm": self.rms_norm, "attention": self.attention, "gated_mlp": self.gated_mlp}
-        return {role: getattr(module, name) for role, name in names.items() if name is not None}
+def model_spec(model: nn.Module) -> ArchitectureSpec | None:
+    """The architecture table of ``model`` (a causal LM or its backbone), None for a family outside it."""
+    config = getattr(model, "config", None)
+    return architecture_spec(config) if config is not None else None
 
 
-ADAPTERS: dict[str, ArchitectureAdapter] = {
-    "qwen2": ArchitectureAdapter("Qwen2RMSNorm", "Qwen2Attention", "Qwen2MLP"),
-    "qwen3": ArchitectureAdapter("Qwen3RMSNorm", "Qwen3Attention", "Qwen3MLP"),
-    "llama": ArchitectureAdapter("LlamaRMSNorm", "LlamaAttention", "LlamaMLP"),
-    "mistral": ArchitectureAdapter("MistralRMSNorm", "MistralAttention", "MistralMLP"),
-    "qwen3_moe": ArchitectureAdapter("Qwen3MoeRMSNorm"),
-}
-"""config.model_type -> its adapter: the architectures reinforge trains."""
-
-
-def architecture_adapter(model: nn.Module) -> dict[str, type]:
-    """The classes to swap in ``model`` (a causal LM or its backbone), by role; raises for an unsupported model."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in ADAPTERS:
-        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) is not an architecture reinforge's "
-                         f"packed training passes support; use a model of type {', '.join(sorted(ADAPTERS))}, or "
-                         "add an ArchitectureAdapter for it to reinforge.engine.fused.ADAPTERS")
-    return ADAPTERS[model_type].classes(model_type)
+def _own_module(model: nn.Module) -> str:
+    """The transformers module that defines the model's classes, e.g. transformers.models.qwen2.modeling_qwen2."""
+    return type(model).__module__
 
 
 def rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -83,8 +61,30 @@ def rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(hidden.dtype)
 
 
+def gemma_rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
+    normed = hidden.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(hidden.dtype)
+
+
+def olmo_rms_norm(hidden: Tensor, weight: Tensor, eps: float) -> Tensor:
+    normed = hidden.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed).to(hidden.dtype)
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+NORMS = {"llama": rms_norm, "gemma": gemma_rms_norm, "olmo": olmo_rms_norm}
+GATES = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+ACTIVATION_CLASSES = {"silu": ("SiLU", "SiLUActivation"), "gelu_tanh": ("GELUTanh", "PytorchGELUTanh")}
+"""Names of transformers' activation modules of each gate, as ``ACT2FN`` builds them."""
 
 
 RECOMPILE_LIMIT = 128
@@ -112,19 +112,24 @@ def configure_compiler() -> None:
 
 
 @functools.cache
-def _functions(compiled: bool):
+def _compiled(function, compiled: bool):
     if not compiled:
-        return rms_norm, silu_mul
+        return function
     configure_compiler()
-    return torch.compile(rms_norm, dynamic=True), torch.compile(silu_mul, dynamic=True)
+    return torch.compile(function, dynamic=True)
 
 
 def _norm_forward(self: nn.Module, hidden: Tensor) -> Tensor:
-    return self._fused_rms_norm(hidden, self.weight, self.variance_epsilon)
+    return self._fused_rms_norm(hidden, self.weight, self._fused_eps)
 
 
 def _mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    return self.down_proj(self._fused_silu_mul(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(self._fused_gate(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_gate_up_forward(self: nn.Module, x: Tensor) -> Tensor:
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(self._fused_gate(gate, up))
 
 
 def _plain_linears(module: nn.Module, *names: str) -> bool:
@@ -132,26 +137,66 @@ def _plain_linears(module: nn.Module, *names: str) -> bool:
     return all(isinstance(getattr(module, name, None), nn.Linear) for name in names)
 
 
-def _is_silu(module: nn.Module) -> bool:
-    return type(getattr(module, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+def _activation_is(module: nn.Module, activation: str) -> bool:
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    return type(act).__name__ in ACTIVATION_CLASSES.get(activation, ())
+
+
+def _norm_epsilon(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
 
 
 def fuse_elementwise(model: nn.Module, compile: bool = True) -> int:
-    """Swap the forward of every RMSNorm and gated-SiLU MLP of the model's architecture; returns how many."""
-    classes = architecture_adapter(model)
-    norm_fn, mlp_fn = _functions(compile)
+    """Swap the forward of every RMSNorm and gated MLP of the model's own family; returns how many (0 outside the table)."""
+    spec = model_spec(model)
+    if spec is None:
+        return 0
+    own = _own_module(model)
+    norm_fn = _compiled(NORMS[spec.norm], compile)
+    gate_fn = _compiled(GATES[spec.activation], compile) if spec.activation in GATES else None
     count = 0
     for module in model.modules():
-        if type(module) is classes["rms_norm"]:
-            module._fused_rms_norm = norm_fn
+        if type(module).__module__ != own:
+            continue
+        name = type(module).__name__
+        if (name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), nn.Parameter)
+                and _norm_epsilon(module) is not None):
+            module._fused_rms_norm, module._fused_eps = norm_fn, _norm_epsilon(module)
             module.forward = types.MethodType(_norm_forward, module)
             count += 1
-        elif (type(module) is classes.get("gated_mlp") and _is_silu(module)
-              and _plain_linears(module, "gate_proj", "up_proj", "down_proj")):
-            module._fused_silu_mul = mlp_fn
-            module.forward = types.MethodType(_mlp_forward, module)
-            count += 1
+        elif gate_fn is not None and _activation_is(module, spec.activation):
+            if _plain_linears(module, "gate_proj", "up_proj", "down_proj"):
+                module._fused_gate = gate_fn
+                module.forward = types.MethodType(_mlp_forward, module)
+                count += 1
+            elif spec.fused_gate_up and _plain_linears(module, "gate_up_proj", "down_proj"):
+                module._fused_gate = gate_fn
+                module.forward = types.MethodType(_fused_gate_up_forward, module)
+                count += 1
     return count
+
+
+def _project_qkv(self: nn.Module, hidden_states: Tensor, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+    """q (tokens, heads, d), k and v (tokens, kv_heads, d), qk-normed as the family does it."""
+    spec: ArchitectureSpec = self._spec
+    d = spec.head_dim
+    if spec.fused_qkv:  # Phi-3: rows [q | k | v]
+        qkv = self.qkv_proj(hidden_states)
+        q_size = self.config.num_attention_heads * d
+        kv_size = self.config.num_key_value_heads * d
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    else:
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    if spec.qk_norm == "projection":  # OLMo 2: over the whole projection, before the heads split
+        q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = (tensor.reshape(tokens, -1, d) for tensor in (q, k, v))
+    if spec.qk_norm == "head":  # Qwen3, Gemma 3: each head, before the rotary embedding
+        q, k = self.q_norm(q), self.k_norm(k)
+    return q, k, v
 
 
 def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings=None, attention_mask=None,
@@ -164,24 +209,36 @@ def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_e
     if kwargs.get("packed_cu_seqlens") is None:
         return self._transformers_forward(hidden_states, position_embeddings=position_embeddings,
                                           attention_mask=attention_mask, **kwargs)
+    spec: ArchitectureSpec = self._spec
+    layer = spec.layers[self.layer_idx]
     tokens = hidden_states.shape[1]
-    q = self.q_proj(hidden_states).view(tokens, -1, self.head_dim)
-    k = self.k_proj(hidden_states).view(tokens, -1, self.head_dim)
-    v = self.v_proj(hidden_states).view(tokens, -1, self.head_dim)
-    if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotary embedding
-        q, k = self.q_norm(q), self.k_norm(k)
-    cos, sin = (table[0] for table in position_embeddings)  # (tokens, dim)
-    q, k = apply_rotary(q, k, cos, sin)
-    out = packed_attention(q, k, v, self.scaling, kwargs)
+    q, k, v = _project_qkv(self, hidden_states, tokens)
+    if layer.rope != "none":
+        cos, sin = (table[0] for table in position_embeddings)  # (tokens, rotary dim)
+        rotary_dim = cos.shape[-1]
+        if rotary_dim == q.shape[-1]:
+            q, k = apply_rotary(q, k, cos, sin)
+        else:  # partial rotary: the first rotary_dim dims rotate, the rest pass through
+            q_rot, k_rot = apply_rotary(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
+            q = torch.cat((q_rot, q[..., rotary_dim:]), dim=-1)
+            k = torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)
+    out = packed_attention(q, k, v, self.scaling, kwargs, window=layer.sliding_window, softcap=spec.attn_softcap)
     return self.o_proj(out.reshape(1, tokens, -1)), None
 
 
 def use_packed_attention_layout(model: nn.Module) -> int:
-    """Swap the forward of every attention module of the model's architecture; returns how many."""
-    attention = architecture_adapter(model).get("attention")
+    """Swap the forward of every attention module of the model's own family; returns how many (0 outside the table
+    and for MLA, whose attention keeps transformers' forward)."""
+    spec = model_spec(model)
+    if spec is None or spec.mla is not None:
+        return 0
+    own = _own_module(model)
+    projections = ("qkv_proj", "o_proj") if spec.fused_qkv else ("q_proj", "k_proj", "v_proj", "o_proj")
     count = 0
     for module in model.modules():
-        if type(module) is attention and _plain_linears(module, "q_proj", "k_proj", "v_proj", "o_proj"):
+        if (type(module).__module__ == own and type(module).__name__.endswith("Attention")
+                and isinstance(getattr(module, "layer_idx", None), int) and _plain_linears(module, *projections)):
+            module._spec = spec
             module._transformers_forward = module.forward
             module.forward = types.MethodType(_packed_attention_forward, module)
             count += 1
@@ -212,19 +269,57 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
     return len(layers)
 
 
+def _compilable(model: nn.Module) -> bool:
+    """Whether transformers marks the model's forward as compilable (a family outside the table is compiled only then)."""
+    return bool(getattr(model, "_can_compile_fullgraph", False))
+
+
+def describe_training_path(model: nn.Module, device: torch.device) -> str:
+    """The one line a run prints about its packed training passes: the path, why, and what it costs."""
+    spec = model_spec(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if device.type != "cuda":
+        return (f"packed training of {model_type}: transformers' modules with reinforge's varlen attention "
+                f"(the fused kernels run on CUDA only; on {device.type} the modules are exact and unfused)")
+    if spec is not None:
+        return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, flash "
+                "varlen attention in its layout, compiled decoder layers)")
+    compiled = "decoder layers compiled" if _compilable(model) else "decoder layers eager"
+    return (f"packed training of {model_type}: transformers modules for {model_type}: no fused kernels, "
+            f"{compiled}, expect ~1.5-2x slower updates than a family of reinforge's table "
+            "(reinforge.models.architectures); varlen attention keeps it exact")
+
+
+_DESCRIBED: set[tuple[str, str]] = set()
+
+
+def _say_once(model: nn.Module, device: torch.device) -> None:
+    line = describe_training_path(model, device)
+    if (line, device.type) in _DESCRIBED:
+        return
+    _DESCRIBED.add((line, device.type))
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
+        return
+    (logger.info if model_spec(model) is not None or device.type != "cuda" else logger.warning)("%s", line)
+
+
 def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     """Route attention through the packed varlen path and, on CUDA, take the fast path for packed passes.
 
-    What every worker does to the HF model it trains or scores. On CUDA: fused RMSNorm and
-    gated MLP, q/k/v in the flash layout with the rotary embedding as one op, and each decoder
-    layer compiled (not with activation checkpointing, whose recomputation runs the layer
-    outside the compiled graph). On the CPU the modules keep transformers' forwards.
+    What every worker does to the HF model it trains or scores; any causal LM transformers loads
+    is accepted. On CUDA, for a family of the table: fused RMSNorm and gated MLP, q/k/v in the
+    flash layout with the rotary embedding as one op, and each decoder layer compiled (not with
+    activation checkpointing, whose recomputation runs the layer outside the compiled graph); a
+    family outside it keeps transformers' modules, compiled where transformers says it can be. On
+    the CPU the modules keep transformers' forwards. Logs the path taken once per process.
     """
-    architecture_adapter(model)  # an unsupported architecture fails here, on every device
     use_varlen_attention(model)
+    _say_once(model, device)
     if device.type != "cuda":
         return
-    fuse_elementwise(model)
-    use_packed_attention_layout(model)
-    if not getattr(model, "is_gradient_checkpointing", False):
+    spec = model_spec(model)
+    if spec is not None:
+        fuse_elementwise(model)
+        use_packed_attention_layout(model)
+    if not getattr(model, "is_gradient_checkpointing", False) and (spec is not None or _compilable(model)):
         compile_decoder_layers(model)

@@ -10,12 +10,17 @@ gradient and runs one product for each input; otherwise (and without grad) the r
 
     d log p_y / dz = onehot(y) - p        d H / dz = -p * (log p + H)
 
-with z = logits / temperature. ``compute_log_prob`` (no grad) and the training pass run the
+with z = logits / temperature. A model that transforms ``lm_head``'s output (``logit_scale``, a final
+soft-cap ``c tanh(x / c)``, see ``engine.forward.logit_transform``) has it applied to each row here, on the
+fly, and chained into the gradient (``dz/dx = scale (1 - tanh^2)``), so the log-probs are those of the
+model's own logits. ``compute_log_prob`` (no grad) and the training pass run the
 same product and kernels here: given the same hidden states they give the same log-probs bit
 for bit (the layers before may still round differently with and without grad once compiled).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -23,8 +28,27 @@ from torch import Tensor
 DEFAULT_CHUNK_SIZE = 4096
 
 
-def _chunk_forward(logits: Tensor, targets: Tensor, inv_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    z = logits.float() * inv_temperature
+def model_logits(logits: Tensor, logit_scale: float = 1.0, softcap: float | None = None) -> Tensor:
+    """The logits the model returns from ``lm_head``'s output: times ``logit_scale``, then soft-capped; float32."""
+    x = logits.float()
+    if logit_scale != 1.0:
+        x = x * logit_scale
+    if softcap is not None:
+        x = torch.tanh(x / softcap) * softcap
+    return x
+
+
+def _model_logits_slope(logits: Tensor, logit_scale: float, softcap: float | None) -> Tensor | float:
+    """d model_logits / d logits, elementwise (a float when it is the same everywhere)."""
+    if softcap is None:
+        return logit_scale
+    capped = torch.tanh(logits.float() * (logit_scale / softcap))
+    return logit_scale * (1.0 - capped * capped)
+
+
+def _chunk_forward(logits: Tensor, targets: Tensor, inv_temperature: float, logit_scale: float = 1.0,
+                   softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    z = model_logits(logits, logit_scale, softcap) * inv_temperature
     lse = torch.logsumexp(z, dim=-1)
     log_probs = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     probs = torch.exp(z - lse.unsqueeze(-1))
@@ -33,13 +57,14 @@ def _chunk_forward(logits: Tensor, targets: Tensor, inv_temperature: float) -> t
 
 
 def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_log_probs: Tensor,
-                grad_entropy: Tensor, inv_temperature: float) -> Tensor:
-    z = logits.float() * inv_temperature
+                grad_entropy: Tensor, inv_temperature: float, logit_scale: float = 1.0,
+                softcap: float | None = None) -> Tensor:
+    z = model_logits(logits, logit_scale, softcap) * inv_temperature
     log_p = z - lse.unsqueeze(-1)
     probs = torch.exp(log_p)
     grad = -probs * (grad_log_probs.unsqueeze(-1) + (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1))
     grad = grad.scatter_add(-1, targets.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
-    return (grad * inv_temperature).to(logits.dtype)
+    return (grad * inv_temperature * _model_logits_slope(logits, logit_scale, softcap)).to(logits.dtype)
 
 
 MAX_LOGITS_BYTES = 24 * 2**30
@@ -60,23 +85,27 @@ def _fits_at_once(hidden: Tensor, vocab_size: int, max_logits_bytes: int) -> boo
     return hidden.shape[0] * vocab_size * hidden.element_size() <= budget
 
 
-def _torch_row_stats(logits: Tensor, targets: Tensor, inv_temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+def _torch_row_stats(logits: Tensor, targets: Tensor, inv_temperature: float, logit_scale: float = 1.0,
+                     softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``_chunk_forward`` over the rows, ``DEFAULT_CHUNK_SIZE`` at a time (bounded float32 temporaries)."""
     parts = [_chunk_forward(logits[start:start + DEFAULT_CHUNK_SIZE], targets[start:start + DEFAULT_CHUNK_SIZE],
-                            inv_temperature) for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE)]
+                            inv_temperature, logit_scale, softcap)
+             for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE)]
     if not parts:
         return tuple(logits.new_empty(0, dtype=torch.float32) for _ in range(3))
     return tuple(torch.cat(values) for values in zip(*parts, strict=True))
 
 
 def _torch_row_grads(logits: Tensor, targets: Tensor, lse: Tensor, entropy: Tensor, grad_log_probs: Tensor,
-                     grad_entropy: Tensor, inv_temperature: float, out: Tensor | None = None) -> Tensor:
+                     grad_entropy: Tensor, inv_temperature: float, out: Tensor | None = None,
+                     logit_scale: float = 1.0, softcap: float | None = None) -> Tensor:
     """``_chunk_grad`` over the rows, ``DEFAULT_CHUNK_SIZE`` at a time; ``out`` may be ``logits``."""
     out = torch.empty_like(logits) if out is None else out
     for start in range(0, logits.shape[0], DEFAULT_CHUNK_SIZE):
         rows = slice(start, start + DEFAULT_CHUNK_SIZE)
         out[rows] = _chunk_grad(logits[rows], targets[rows], lse[rows], entropy[rows],
-                                grad_log_probs[rows].float(), grad_entropy[rows].float(), inv_temperature)
+                                grad_log_probs[rows].float(), grad_entropy[rows].float(), inv_temperature,
+                                logit_scale, softcap)
     return out
 
 
@@ -93,8 +122,9 @@ def _row_math(tensor: Tensor):
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float,
-                chunk_size: int, needs_grad: bool, max_logits_bytes: int) -> tuple[Tensor, Tensor]:
-        stats, _ = _row_math(hidden)
+                chunk_size: int, needs_grad: bool, max_logits_bytes: int, logit_scale: float,
+                softcap: float | None) -> tuple[Tensor, Tensor]:
+        stats = functools.partial(_row_math(hidden)[0], logit_scale=logit_scale, softcap=softcap)
         inv_temperature = 1.0 / temperature
         num_rows = hidden.shape[0]
         if _fits_at_once(hidden, weight.shape[0], max_logits_bytes):
@@ -114,6 +144,7 @@ class _LinearLogProbs(torch.autograd.Function):
                     hidden[start:stop] @ weight.t(), targets[start:stop], inv_temperature)
             ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.inv_temperature, ctx.chunk_size, ctx.consumed = inv_temperature, chunk_size, False
+        ctx.logit_scale, ctx.softcap = logit_scale, softcap
         ctx.mark_non_differentiable(lse)
         return log_probs, entropy
 
@@ -124,7 +155,7 @@ class _LinearLogProbs(torch.autograd.Function):
                                "cannot be backpropagated twice (retain_graph); run the forward again")
         saved = ctx.saved_tensors
         hidden, weight, targets, lse, entropy = saved[:5]
-        _, grads = _row_math(hidden)
+        grads = functools.partial(_row_math(hidden)[1], logit_scale=ctx.logit_scale, softcap=ctx.softcap)
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse)
         if grad_entropy is None:
@@ -136,7 +167,7 @@ class _LinearLogProbs(torch.autograd.Function):
                                 out=logits)
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
             grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
-            return grad_hidden, grad_weight, None, None, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -152,22 +183,25 @@ class _LinearLogProbs(torch.autograd.Function):
                 grad_weight += grad_logits.t() @ chunk
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                      chunk_size: int = DEFAULT_CHUNK_SIZE,
-                     max_logits_bytes: int = MAX_LOGITS_BYTES) -> tuple[Tensor, Tensor]:
-    """log softmax(hidden @ weight.T / temperature)[target] and the entropy, both float32 (N,).
+                     max_logits_bytes: int = MAX_LOGITS_BYTES, logit_scale: float = 1.0,
+                     softcap: float | None = None) -> tuple[Tensor, Tensor]:
+    """log softmax(model_logits(hidden @ weight.T) / temperature)[target] and the entropy, both float32 (N,).
 
     hidden: (N, hidden_size); weight: (vocab, hidden_size) in the same dtype; targets: (N,).
-    Logits larger than ``max_logits_bytes`` go ``chunk_size`` rows at a time.
+    Logits larger than ``max_logits_bytes`` go ``chunk_size`` rows at a time. ``logit_scale`` and
+    ``softcap``: see ``model_logits``.
     """
     if temperature <= 0:
         temperature = 1.0
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk_size), needs_grad,
-                                 int(max_logits_bytes))
+                                 int(max_logits_bytes), float(logit_scale),
+                                 None if softcap is None else float(softcap))
 
 
 
@@ -176,7 +210,8 @@ SUM_PI_SQUARED_CHUNK_ROWS = 1024
 151,936 vocabulary), beyond the logits the memory plan already counts."""
 
 
-def _sum_pi_squared(logits: Tensor, lse: Tensor, inv_temperature: float) -> Tensor:
+def _sum_pi_squared(logits: Tensor, lse: Tensor, inv_temperature: float, logit_scale: float = 1.0,
+                    softcap: float | None = None) -> Tensor:
     """sum_v softmax(z)_v^2 per row, z = logits / temperature, from the row's log-sum-exp; float32 (rows,).
 
     PyTorch on every device, ``SUM_PI_SQUARED_CHUNK_ROWS`` rows at a time, in place on one copy.
@@ -185,6 +220,8 @@ def _sum_pi_squared(logits: Tensor, lse: Tensor, inv_temperature: float) -> Tens
     for start in range(0, logits.shape[0], SUM_PI_SQUARED_CHUNK_ROWS):
         rows = slice(start, start + SUM_PI_SQUARED_CHUNK_ROWS)
         squared = logits[rows].to(torch.float32, copy=True)
+        if logit_scale != 1.0 or softcap is not None:
+            squared = model_logits(squared, logit_scale, softcap)
         squared.mul_(inv_temperature).sub_(lse[rows].unsqueeze(-1)).mul_(2.0).exp_()
         out[rows] = squared.sum(-1)
     return out
@@ -193,7 +230,8 @@ def _sum_pi_squared(logits: Tensor, lse: Tensor, inv_temperature: float) -> Tens
 @torch.no_grad()
 def linear_log_probs_and_sum_pi_squared(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                                         chunk_size: int = DEFAULT_CHUNK_SIZE,
-                                        max_logits_bytes: int = MAX_LOGITS_BYTES) -> tuple[Tensor, Tensor, Tensor]:
+                                        max_logits_bytes: int = MAX_LOGITS_BYTES, logit_scale: float = 1.0,
+                                        softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``linear_log_probs`` without gradients, plus sum_v pi(v)^2 of each row; all float32 (N,).
 
     For scoring only (the optimal token baseline needs the sum). The products and row kernels
@@ -202,7 +240,8 @@ def linear_log_probs_and_sum_pi_squared(hidden: Tensor, weight: Tensor, targets:
     """
     if temperature <= 0:
         temperature = 1.0
-    stats, _ = _row_math(hidden)
+    stats = functools.partial(_row_math(hidden)[0], logit_scale=float(logit_scale),
+                              softcap=None if softcap is None else float(softcap))
     inv_temperature = 1.0 / temperature
     if _fits_at_once(hidden, weight.shape[0], max_logits_bytes):
         blocks = [(0, hidden.shape[0])]
@@ -212,7 +251,7 @@ def linear_log_probs_and_sum_pi_squared(hidden: Tensor, weight: Tensor, targets:
     for start, stop in blocks:
         logits = hidden[start:stop] @ weight.t() if len(blocks) > 1 else hidden @ weight.t()
         log_probs, entropy, lse = stats(logits, targets[start:stop], inv_temperature)
-        parts.append((log_probs, entropy, _sum_pi_squared(logits, lse, inv_temperature)))
+        parts.append((log_probs, entropy, _sum_pi_squared(logits, lse, inv_temperature, logit_scale, softcap)))
     if not parts:
         return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
     return tuple(torch.cat(column) for column in zip(*parts, strict=True))

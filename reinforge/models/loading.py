@@ -123,9 +123,21 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _supports_sdpa(path: str, trust_remote_code: bool) -> bool:
+    """Whether transformers' class for the model at ``path`` runs SDPA (False for Gemma 2, whose soft-cap it cannot)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return model_class is None or getattr(model_class, "_supports_sdpa", True) is not False
+
+
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,
                    attn_implementation: str = "sdpa", gradient_checkpointing: bool = False) -> PreTrainedModel:
     """An AutoModelForCausalLM from a local folder or hub id, in ``dtype`` on ``device``, use_cache off.
+
+    ``attn_implementation="sdpa"`` becomes ``eager`` for a model class that cannot run SDPA (Gemma 2).
 
     On an accelerator the weights go straight from the (memory-mapped) files to the device, one
     tensor at a time, cast on the way: host memory never holds the whole model (loading a 7B model
@@ -137,6 +149,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     with hub_errors_explained(path):
+        if attn_implementation == "sdpa" and not _supports_sdpa(path, trust_remote_code):
+            attn_implementation = "eager"  # Gemma 2: SDPA cannot soft-cap; the RL workers then set their own
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                      attn_implementation=attn_implementation, **placement)
     model.to(device)

@@ -32,6 +32,40 @@ def test_chunked_log_probs_and_entropy_match_full_logits(temperature, chunk_size
     torch.testing.assert_close(fused_grads[1], weight.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("store_logits", [True, False])
+@pytest.mark.parametrize("logit_scale,softcap", [(1.0, 2.0), (0.25, None), (0.5, 3.0)])
+def test_log_probs_of_scaled_and_soft_capped_logits(logit_scale, softcap, store_logits):
+    """The log-probs, entropy and gradients are those of the model's logits: scaled, then capped c tanh(x / c)."""
+    max_logits_bytes = {} if store_logits else {"max_logits_bytes": 0}
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(11, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(29, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 29, (11,), generator=generator)
+    grad_lp, grad_ent = torch.randn(11, generator=generator), torch.randn(11, generator=generator)
+    log_probs, entropy = linear_log_probs(hidden, weight, targets, 0.8, 4, logit_scale=logit_scale, softcap=softcap,
+                                          **max_logits_bytes)
+    ((log_probs * grad_lp).sum() + (entropy * grad_ent).sum()).backward()
+    fused_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad, weight.grad = None, None
+
+    logits = (hidden @ weight.t()) * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / 0.8
+    expected_lp = log_probs_from_logits(logits[None], targets[None])[0]
+    expected_ent = entropy_from_logits(logits[None])[0]
+    ((expected_lp * grad_lp).sum() + (expected_ent * grad_ent).sum()).backward()
+    torch.testing.assert_close(log_probs, expected_lp.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_ent.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_grads[0], hidden.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_grads[1], weight.grad, atol=1e-5, rtol=1e-5)
+    scored = linear_log_probs_and_sum_pi_squared(hidden.detach(), weight.detach(), targets, 0.8,
+                                                 logit_scale=logit_scale, softcap=softcap)
+    torch.testing.assert_close(scored[0], expected_lp.float(), atol=1e-5, rtol=1e-5)
+    expected_pi2 = torch.softmax(logits.detach(), -1).pow(2).sum(-1)
+    torch.testing.assert_close(scored[2], expected_pi2.float(), atol=1e-5, rtol=1e-5)
+
+
 def test_log_probs_alone_backpropagate():
     hidden = torch.randn(6, 4, requires_grad=True)
     weight = torch.randn(9, 4)
@@ -49,8 +83,9 @@ def test_a_second_backward_through_stored_logits_is_refused():
         log_probs.sum().backward()
 
 
-@pytest.mark.parametrize("vocab_size", [37, 5000])
-def test_triton_row_kernels_match_the_pytorch_math(vocab_size):
+@pytest.mark.parametrize("vocab_size,logit_scale,softcap", [(37, 1.0, None), (5000, 1.0, None), (37, 0.5, 2.0),
+                                                              (5000, 1.0, 30.0)])
+def test_triton_row_kernels_match_the_pytorch_math(vocab_size, logit_scale, softcap):
     """Under TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU) the kernels run on the CPU."""
     pytest.importorskip("triton")
     from reinforge.engine import log_prob_kernels
@@ -60,17 +95,18 @@ def test_triton_row_kernels_match_the_pytorch_math(vocab_size):
     logits = (3 * torch.randn(5, vocab_size, generator=generator)).to(device)
     logits[1, : vocab_size // 2] = -1e4  # a row whose mass sits in its second half
     targets = torch.randint(0, vocab_size, (5,), generator=generator).to(device)
-    log_probs, entropy, lse = log_prob_kernels.row_stats(logits, targets, 1 / 0.7)
-    expected = log_probs_module._chunk_forward(logits, targets, 1 / 0.7)
+    transform = {"logit_scale": logit_scale, "softcap": softcap}
+    log_probs, entropy, lse = log_prob_kernels.row_stats(logits, targets, 1 / 0.7, **transform)
+    expected = log_probs_module._chunk_forward(logits, targets, 1 / 0.7, **transform)
     for value, reference in zip((log_probs, entropy, lse), expected, strict=True):
         torch.testing.assert_close(value, reference, atol=1e-4, rtol=1e-4)
     grad_lp = torch.randn(5, generator=generator).to(device)
     grad_ent = torch.randn(5, generator=generator).to(device)
-    grads = log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7)
-    reference = log_probs_module._chunk_grad(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7)
+    grads = log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7, **transform)
+    reference = log_probs_module._chunk_grad(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7, **transform)
     torch.testing.assert_close(grads, reference, atol=1e-5, rtol=1e-4)
     # written over the logits themselves, as the backward does with stored logits
-    log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7, out=logits)
+    log_prob_kernels.row_grads(logits, targets, lse, entropy, grad_lp, grad_ent, 1 / 0.7, out=logits, **transform)
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-4)
 
 

@@ -1,0 +1,181 @@
+"""Packed training for every family of the architecture table, and for a causal LM outside it.
+
+What must not change: a packed pass (sequences side by side in one row, shared prompts or not)
+gives the log-probs, entropy and gradients of transformers' own padded forward with eager
+attention, windows smaller than the sequence and soft-caps included. Tiny fp32 models on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.algorithms import entropy_from_logits, log_probs_from_logits
+from reinforge.cli import main
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.forward import response_log_probs
+from reinforge.engine.fused import describe_training_path, fuse_elementwise, use_packed_attention_layout
+from reinforge.engine.packing import attach_plan
+from reinforge.models import save_tiny_model
+from reinforge.models.architectures import FAMILIES, architecture_spec
+from reinforge.models.tiny import ARCHITECTURES, build_tiny_causal_lm
+from reinforge.protocol import Batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_packing import grouped_batch  # noqa: E402
+
+TABLE = [arch for arch in ARCHITECTURES if arch in FAMILIES]
+OUTSIDE = "gpt_neox"
+WINDOWED = ("qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3")
+WINDOW = 4
+"""Smaller than every test sequence (prompts of up to 6 tokens, responses of up to 7)."""
+
+
+def tiny_model(arch: str, seed: int = 0, **options):
+    """A tiny fp32 model of ``arch`` with windows on where the family has them, norm weights away from their init."""
+    model = build_tiny_causal_lm(arch, vocab_size=64, seed=seed,
+                                 sliding_window=WINDOW if arch in WINDOWED else None, **options)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def padded_reference(model, batch: Batch, temperature: float):
+    """transformers' own padded forward with eager attention: response log-probs and entropy (B, R)."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    width = batch["prompts"].shape[1]
+    logits = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits
+    logits = logits[:, width - 1:-1] / temperature
+    mask = batch["response_mask"]
+    log_probs = log_probs_from_logits(logits, batch["responses"]) * mask
+    entropy = entropy_from_logits(logits) * mask
+    return reference, log_probs, entropy
+
+
+def loss_of(log_probs, entropy, batch: Batch):
+    return (log_probs * batch["advantages"]).sum() + 0.3 * entropy.sum()
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.parametrize("arch", [*TABLE, OUTSIDE])
+def test_packed_pass_equals_transformers_padded_forward(arch, share_prompts):
+    model = tiny_model(arch)
+    batch = grouped_batch(num_prompts=2, samples=3)
+    reference, expected_lp, expected_ent = padded_reference(model, batch, temperature=0.7)
+    loss_of(expected_lp, expected_ent, batch).backward()
+
+    use_varlen_attention(model)
+    micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=share_prompts)
+    log_probs, entropy = response_log_probs(model, micro, temperature=0.7, with_entropy=True)
+    loss_of(log_probs, entropy, batch).backward()
+
+    torch.testing.assert_close(log_probs, expected_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_ent, atol=1e-5, rtol=1e-5)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if theirs.grad is None:
+            assert ours.grad is None or not ours.grad.any(), name
+            continue
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_windows_and_soft_caps_change_the_result(arch):
+    """The comparison above can fail: without its window (and soft-caps) the same weights give other log-probs."""
+    batch = grouped_batch(num_prompts=2, samples=3)
+    _, windowed, _ = padded_reference(tiny_model(arch), batch, temperature=1.0)
+    unwindowed_options = {"sliding_window": 4096} if arch == "gemma2" else {}
+    if arch == "gemma2":
+        unwindowed_options |= {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    plain = build_tiny_causal_lm(arch, vocab_size=64, seed=0, **unwindowed_options)
+    plain.load_state_dict(tiny_model(arch).state_dict())
+    _, full, _ = padded_reference(plain, batch, temperature=1.0)
+    assert (windowed - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", TABLE)
+def test_fast_path_modules_equal_transformers_modules_in_packed_passes(arch):
+    """The CUDA fast path's swapped forwards, run eagerly on the CPU: the same log-probs and gradients."""
+    reference = tiny_model(arch, seed=2)
+    use_varlen_attention(reference)
+    swapped = copy.deepcopy(reference)
+    assert fuse_elementwise(swapped, compile=False) > 0
+    attention_modules = use_packed_attention_layout(swapped)
+    assert attention_modules == (0 if architecture_spec(swapped.config).mla else 2)
+    batch = grouped_batch(num_prompts=2, samples=2)
+    results = []
+    for model in (reference, swapped):
+        micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=True)
+        log_probs, entropy = response_log_probs(model, micro, temperature=0.8, with_entropy=True)
+        loss_of(log_probs, entropy, batch).backward()
+        results.append((log_probs.detach(), [parameter.grad for parameter in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(results[1][1], results[0][1], strict=True):
+        if theirs is not None:
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # generation keeps transformers' forwards
+        prompts = batch["prompts"][:2].clamp(min=3)
+        expected = reference.generate(prompts, max_new_tokens=3, do_sample=False)
+        assert torch.equal(swapped.generate(prompts, max_new_tokens=3, do_sample=False), expected)
+
+
+def test_the_training_path_line_names_the_path_why_and_the_cost():
+    cuda = torch.device("cuda")
+    assert "fast path for gemma2" in describe_training_path(tiny_model("gemma2"), cuda)
+    line = describe_training_path(tiny_model(OUTSIDE), cuda)
+    assert "transformers modules for gpt_neox: no fused kernels" in line and "slower" in line
+    assert "\n" not in line
+    assert "varlen attention" in describe_training_path(tiny_model("llama"), torch.device("cpu"))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _grpo_step(model_dir: Path, data_dir: Path, run_dir: Path) -> dict:
+    args = {"model.path": model_dir, "data.train_files": f"[{data_dir / 'train.parquet'}]",
+            "data.train_batch_size": 2, "data.max_prompt_length": 64, "data.max_response_length": 12,
+            "rollout.n": 2, "rollout.name": "hf", "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]",
+            "trainer.total_steps": 1, "trainer.val_before_train": False, "actor.optim.lr": 1e-3}
+    assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
+    [row] = _metrics(run_dir)
+    assert row["actor/num_skipped_steps"] == 0
+    return row
+
+
+def _saved(tmp_path: Path, arch: str, **options) -> Path:
+    return save_tiny_model(tmp_path / arch, arch=arch, num_layers=2, **options)
+
+
+FAST_GRPO = ("qwen2", "gemma2", "deepseek_v3", OUTSIDE)
+
+
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=() if arch in FAST_GRPO else pytest.mark.slow)
+                                  for arch in [*TABLE, OUTSIDE]])
+def test_one_grpo_step_runs(arch, arithmetic_data_dir, tmp_path):
+    model_dir = _saved(tmp_path, arch, sliding_window=WINDOW if arch in WINDOWED else None)
+    row = _grpo_step(model_dir, arithmetic_data_dir, tmp_path / "run")
+    # rollout (hf generate) and training (packed) see the same model: windows, soft-caps and all
+    assert row["training/rollout_probs_diff_max"] < 1e-4
+
+
+@pytest.mark.slow
+def test_windowed_models_keep_rollout_and_training_probabilities_together(arithmetic_data_dir, tmp_path):
+    """Mistral with sliding_window=8 and Qwen2 with use_sliding_window: the mismatch of a model without windows."""
+    plain = _grpo_step(_saved(tmp_path, "qwen2"), arithmetic_data_dir, tmp_path / "plain")
+    level = max(plain["training/rollout_probs_diff_max"], 1e-6)
+    for arch, options in (("mistral", {"sliding_window": 8}), ("qwen2", {"sliding_window": 8})):
+        model_dir = _saved(tmp_path / "windowed", arch, **options)
+        config = json.loads((model_dir / "config.json").read_text())
+        assert config["sliding_window"] == 8 and (arch == "mistral" or config["use_sliding_window"])
+        row = _grpo_step(model_dir, arithmetic_data_dir, tmp_path / f"run-{arch}")
+        assert row["training/rollout_probs_diff_max"] <= 10 * level, arch
