@@ -208,18 +208,12 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
 
 
 def check_reward_model_settings(config: Config) -> None:
-    """With reward.reward_model.enable: its model is a classification model with num_labels=1, of an architecture
-    the packed passes support (read from its config.json, before any model loads)."""
-    from reinforge.engine.fused import ADAPTERS
-
+    """With reward.reward_model.enable: its model is a classification model with num_labels=1 (read from its
+    config.json, before any model loads); the packed passes run any architecture transformers loads."""
     settings = config.reward.reward_model
     if not settings.enable:
         return
-    _, model_type = check_reward_model(settings.model_path, settings.trust_remote_code)
-    if model_type not in ADAPTERS:
-        raise ConfigError(f"reward.reward_model.model_path={settings.model_path} is a {model_type!r} model, which "
-                          f"reinforge's packed passes do not support; use a reward model of type "
-                          f"{', '.join(sorted(ADAPTERS))}")
+    check_reward_model(settings.model_path, settings.trust_remote_code)
 
 
 def preflight_sft(config: SFTConfig) -> None:
