@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def _config_arguments(argv: list[str], *, prog: str, description: str, config_help: str,
@@ -61,16 +62,44 @@ def _train(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    """``reinforge plan [CONFIG] [a.b=c ...] [--gpu-memory-gib N] [--host-memory-gib M]``: the memory plan.
+    """``reinforge plan [CONFIG] [a.b=c ...] [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE]``: the plan.
 
     It answers for any machine: the device type comes from the config (``trainer.device``), the card's size from
-    ``--gpu-memory-gib`` (else this machine's card). A run that cannot fit is refused as ``train`` refuses it."""
+    ``--gpu-memory-gib`` (else this machine's card). A run that cannot fit is refused as ``train`` refuses it.
+    ``--model SHAPE`` plans a shape of ``reinforge bench train`` (its config.json, the bench's workload and the
+    shape's LoRA adapter, before the command line's overrides) without any model folder."""
     sizes = argparse.ArgumentParser(prog="reinforge plan", add_help=False)
     sizes.add_argument("--gpu-memory-gib", type=float, default=None)
     sizes.add_argument("--host-memory-gib", type=float, default=None)
+    sizes.add_argument("--model", default=None)
     known, rest = sizes.parse_known_args(argv)
+    if known.model is not None:  # a bench shape: its config.json alone, in a folder of its own while it plans
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="reinforge_plan_"))
+        try:
+            return _plan_run(rest, known, _shape_overrides(known.model, folder))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return _plan_run(rest, known, [])
+
+
+def _shape_overrides(name: str, folder: Path) -> list[str]:
+    """model.path of shape ``name``'s config.json (written into ``folder``), the bench's workload and the shape's
+    training settings, as overrides that the command line's own come after."""
+    from reinforge.bench.shapes import SHAPES, STANDARD_WORKLOAD, write_shape_config
+    from reinforge.config import ConfigError
+
+    if name not in SHAPES:
+        raise ConfigError(f"--model {name} (command line) is no model shape; give one of {', '.join(SHAPES)}, or "
+                          "model.path=FOLDER for a model of your own")
+    return [f"model.path={write_shape_config(name, folder)}", *STANDARD_WORKLOAD, *SHAPES[name].config_overrides()]
+
+
+def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[str]) -> int:
     config_path, overrides = _config_arguments(
-        rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M]",
+        rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE]",
         description="Print the memory plan of a run on a card of any size, from any machine (reads only the "
         "model's config.json); exit 2 with one line if it cannot fit.",
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
@@ -79,7 +108,8 @@ def _plan(argv: list[str]) -> int:
 
     # the flags are overrides like any other, so the config's checks see them
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
-    overrides = [*overrides, *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
+    overrides = [*shape_overrides, *overrides,
+                 *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
     config = load_config(config_path, overrides)  # the schema's rules; none asks this machine for the device
     from reinforge.trainer.preflight import check_config
 

@@ -87,6 +87,11 @@ SHAPES: dict[str, BenchShape] = {
 QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")
 
 
+STANDARD_WORKLOAD = ("data.train_batch_size=64", "rollout.n=8", "data.max_prompt_length=128",
+                     "data.max_response_length=512", "rollout.name=native")
+"""The bench's workload as overrides: 64 prompts x 8 samples, 128 + 512 tokens, the native engine."""
+
+
 def shape_config(name: str) -> dict:
     """The HF config keys of shape ``name`` (``model_type`` included)."""
     return dict(SHAPES[name].config)

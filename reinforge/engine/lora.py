@@ -60,6 +60,10 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
     """
     from peft import get_peft_model
 
+    from reinforge.engine.moe import moe_blocks
+
+    if moe_blocks(model):
+        logger.info("LoRA on a mixture of experts: %s", EXPERTS_NOTE)
     try:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)
@@ -75,8 +79,16 @@ LINEAR_LAYERS = {
     **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2"),
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    **dict.fromkeys(("qwen3_moe", "mixtral", "olmoe"), ("q_proj", "k_proj", "v_proj", "o_proj")),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                      "o_proj", "gate_proj", "up_proj", "down_proj")),
 }
-"""The decoder layers' linear layers by ``model_type``: what ``model.lora.target_modules`` can name."""
+"""The decoder layers' linear layers by ``model_type``: what ``model.lora.target_modules`` can name. A mixture of
+experts keeps its experts in fused 3-D weights, no linear layers: its adapters go on the attention projections
+(and DeepSeek's dense and shared-expert MLPs), and the experts stay frozen (``EXPERTS_NOTE``)."""
+EXPERTS_NOTE = ("the experts' fused 3-D weights get no adapter and stay frozen: peft can adapt such parameters "
+                "(target_parameters), but the merged weights reinforge hands the rollout and writes on export do not "
+                "include those adapters")
 
 
 def check_target_modules(config: LoraConfig, model_path: str) -> None:

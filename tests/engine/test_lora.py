@@ -177,3 +177,24 @@ def test_target_modules_that_name_no_layer_fail_before_the_model_loads(tmp_path)
     check_target_modules(LoraConfig(rank=0, target_modules=["nope"]), str(tmp_path))  # LoRA off: nothing to check
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "some_new_arch"}))
     check_target_modules(LoraConfig(rank=8, target_modules=["nope"]), str(tmp_path))  # unknown: left to peft
+
+
+def test_lora_on_a_mixture_of_experts_adapts_attention_and_says_the_experts_stay_frozen(tmp_path, caplog):
+    import logging
+
+    from reinforge.engine.lora import check_target_modules
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm("qwen3_moe", vocab_size=64)
+    with caplog.at_level(logging.INFO, logger="reinforge.engine.lora"):
+        add_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    assert trained and all("lora_" in name and ".self_attn." in name for name in trained)
+    assert all(not parameter.requires_grad for name, parameter in model.named_parameters() if ".experts." in name)
+    assert [record.message for record in caplog.records if "mixture of experts" in record.message] == [
+        "LoRA on a mixture of experts: the experts' fused 3-D weights get no adapter and stay frozen: peft can adapt "
+        "such parameters (target_parameters), but the merged weights reinforge hands the rollout and writes on export "
+        "do not include those adapters"]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    with pytest.raises(ValueError, match=r"names no linear layer of a mixtral model; use some of q_proj, k_proj"):
+        check_target_modules(LoraConfig(rank=8, target_modules=["gate_proj", "up_proj", "down_proj"]), str(tmp_path))

@@ -517,3 +517,23 @@ def test_latent_attention_caches_the_compressed_latent_and_dense_layers_come_fir
                                           num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
                                           mlp_only_layers=[3]))
     assert qwen.num_dense_layers == 3  # layers 0 and 2 by the step, 3 by the list
+
+
+@pytest.mark.parametrize("name", ["gemma2-2b", "phi3-mini", "olmo2-1b", "mistral-7b", "olmoe-1b-7b", "qwen3-30b-a3b"])
+def test_plan_answers_for_every_bench_shape_on_one_h200(name, capsys):
+    from reinforge.cli import main
+
+    assert main(["plan", "--model", name, "--gpu-memory-gib", "139.8", "--host-memory-gib", "125",
+                 "trainer.device=cuda"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("memory plan: peak ") and " of 131.4 usable GiB" in table
+    if name == "qwen3-30b-a3b":  # the LoRA shape: a frozen bf16 base (57 GiB) and the engine's copy beside it
+        assert "master weights 57.0" in table and "gradients 0.0" not in table
+
+
+def test_plan_of_an_unknown_shape_is_refused_in_one_line(capsys):
+    from reinforge.cli import main
+
+    assert main(["plan", "--model", "qwen3-235b", "--gpu-memory-gib", "80"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model qwen3-235b (command line) is no model shape; give one of 0.5b," in err[0]
