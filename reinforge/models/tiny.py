@@ -99,9 +99,12 @@ FAMILY_OPTIONS: dict[str, dict] = {
                     "routed_scaling_factor": 1.5},
     "deepseek_v3": {**_MLA, "q_lora_rank": 24, "routed_scaling_factor": 2.5},
     "gpt_neox": {},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "intermediate_size": 32,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
 }
-"""model_type -> its tiny options beyond the shared shape: the families of ``models.architectures`` and
-``gpt_neox``, a causal LM outside the table (it trains through transformers' own modules)."""
+"""model_type -> its tiny options beyond the shared shape: the families of ``models.architectures``, and
+``gpt_neox`` and ``gpt_oss`` (attention sinks, windows on even layers), causal LMs outside the table (they train
+through transformers' own modules)."""
 
 ARCHITECTURES = tuple(FAMILY_OPTIONS)
 
@@ -113,7 +116,7 @@ def _window_options(model_type: str, sliding_window: int | None, num_layers: int
             if sliding_window else {}
     if model_type in ("qwen3_moe", "smollm3"):
         return {"use_sliding_window": True, "sliding_window": sliding_window} if sliding_window else {}
-    if model_type == "gemma2":  # even layers slide
+    if model_type in ("gemma2", "gpt_oss"):  # even layers slide
         return {"sliding_window": sliding_window or 4096}
     if model_type == "gemma3_text":  # one full layer in two (the real models keep one in six)
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]

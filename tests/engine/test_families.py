@@ -31,7 +31,9 @@ from test_packing import grouped_batch  # noqa: E402
 
 TABLE = [arch for arch in ARCHITECTURES if arch in FAMILIES]
 OUTSIDE = "gpt_neox"
-WINDOWED = ("qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3")
+SINKS = "gpt_oss"
+"""Outside the table too: attention sinks (``s_aux``) and windows on even layers."""
+WINDOWED = ("qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3", SINKS)
 WINDOW = 4
 """Smaller than every test sequence (prompts of up to 6 tokens, responses of up to 7)."""
 
@@ -67,7 +69,7 @@ def loss_of(log_probs, entropy, batch: Batch):
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
-@pytest.mark.parametrize("arch", [*TABLE, OUTSIDE])
+@pytest.mark.parametrize("arch", [*TABLE, OUTSIDE, SINKS])
 def test_packed_pass_equals_transformers_padded_forward(arch, share_prompts):
     model = tiny_model(arch)
     batch = grouped_batch(num_prompts=2, samples=3)
@@ -179,3 +181,53 @@ def test_windowed_models_keep_rollout_and_training_probabilities_together(arithm
         assert config["sliding_window"] == 8 and (arch == "mistral" or config["use_sliding_window"])
         row = _grpo_step(model_dir, arithmetic_data_dir, tmp_path / f"run-{arch}")
         assert row["training/rollout_probs_diff_max"] <= 10 * level, arch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_cuda_packed_attention_applies_windows_and_soft_caps(shared, window, softcap):
+    """bf16 on the GPU (flash with window_size, or flex with the soft-cap) against the float32 padded path."""
+    from reinforge.engine.attention import flash_runs_shared_segments, packed_attention
+    from reinforge.packed_attention import padded_packed_attention
+
+    device = torch.device("cuda")
+    query_lengths, key_lengths = [5, 9, 3], ([7, 9, 6] if shared else [5, 9, 3])
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(query_lengths), 4, 24, generator=generator)
+    k = torch.randn(sum(key_lengths), 2, 24, generator=generator)
+    v = torch.randn(sum(key_lengths), 2, 16, generator=generator)  # a value head dim of its own, as MLA's
+    cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    kwargs = {"packed_cu_seqlens": cu_q, "packed_max_length": max(query_lengths)}
+    if shared:
+        kwargs |= {"packed_kv_index": torch.arange(sum(key_lengths), device=device), "packed_cu_seqlens_k": cu_k,
+                   "packed_max_length_k": max(key_lengths), "packed_flash_shared": flash_runs_shared_segments(device)}
+    got = packed_attention(*(x.to(device, torch.bfloat16) for x in (q, k, v)), 0.3, kwargs, window=window,
+                           softcap=softcap)
+    expected = padded_packed_attention(q, k, v, query_lengths, key_lengths, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(got.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", [*TABLE, OUTSIDE, SINKS])
+def test_cuda_training_path_matches_transformers_in_bfloat16(arch):
+    """prepare_for_training on CUDA (the fast path for the table's families: fused norms and MLP, the packed
+    attention layout, compiled layers; transformers' modules otherwise): bf16 log-probs near float32 transformers."""
+    import torch._dynamo
+
+    from reinforge.engine.fused import prepare_for_training
+
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    batch = grouped_batch(num_prompts=2, samples=3)
+    model = tiny_model(arch).to(device)
+    _, expected, _ = padded_reference(model, batch.to(device), temperature=1.0)
+    model = model.to(torch.bfloat16)
+    prepare_for_training(model, device)
+    micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=True).to(device)
+    log_probs, _ = response_log_probs(model, micro, with_entropy=True)
+    torch.testing.assert_close(log_probs.float(), expected.float().detach(), atol=5e-2, rtol=5e-2)
+    (log_probs * micro["advantages"]).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
