@@ -334,6 +334,12 @@ class RunShape:
     off_policy: bool = False
     """trainer.mode one_step_off or async: the rollout keeps its own copy of the weights (the last synced
     version) and generates while the update runs, so its memory stays allocated."""
+    reward_model: ModelShape | None = None
+    """reward.reward_model on these devices: its sizes (a ``reward`` phase scores with it)."""
+    reward_model_offload: bool = True
+    """Its weights wait on the host between scoring calls (on the device only in the ``reward`` phase)."""
+    reward_model_tokens: int = 0
+    """Its scoring micro-batch budget; 0: the update's (actor.max_tokens_per_micro_batch)."""
 
     @property
     def sequences(self) -> int:
@@ -487,6 +493,9 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
         resident["critic"] = 16 * params / devices
     if run.off_policy:
         resident["off-policy rollout model"] = dtype_bytes * params
+    if run.reward_model is not None:
+        reward_weights = dtype_bytes * reward_model_params(run.reward_model) / devices
+        (host if run.reward_model_offload and not run.eager else resident)["reward model"] = reward_weights
     gathered = dtype_bytes * (shape.root_params + 2 * shape.layer_params)
     engine_weights = dtype_bytes * params
     kv_cache = (settings.kv_cache_gib or needed_kv_gib(shape, run)) * GiB
@@ -518,7 +527,11 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
         update["kv cache"] = kv_cache
     if run.off_policy:  # the rollout generates while the update runs
         update["rollout activations"] = engine_activations
-    return {"rollout": rollout, "update": update}, host
+    phases = {"rollout": rollout, "update": update}
+    if run.reward_model is not None:
+        kept = {name: update[name] for name in ("rollout weight copy", "kv cache") if name in update}
+        phases["reward"] = reward_phase(run, settings, resident | kept)
+    return phases, host
 
 
 def peak_bytes(phases: dict[str, dict[str, float]]) -> tuple[str, float]:
@@ -588,6 +601,9 @@ class MemoryPlan:
         consumers = sorted(self.phases[phase].items(), key=lambda item: -item[1])
         lines.append("  device, " + phase + ": " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in consumers if v > 0)
                      + f", overhead {OVERHEAD_BYTES / GiB:.1f} GiB")
+        if "reward" in self.phases and phase != "reward":
+            lines.append(f"  device, reward: {sum(self.phases['reward'].values()) / GiB:.1f} GiB with the reward model's "
+                         f"{self.phases['reward']['reward model'] / GiB:.1f} GiB of weights")
         if self.host:
             lines.append("  host: " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in self.host.items()) + " GiB")
         return "\n".join(lines)
@@ -677,3 +693,26 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
 
 def _fits(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: float, host_bytes: float) -> bool:
     return _search(shape, run, given, gpu_bytes, host_bytes)[0] is not None
+
+
+def reward_model_params(shape: ModelShape) -> int:
+    """Parameters of a classification model of these sizes: the decoder, its embeddings and a one-output head."""
+    return shape.num_layers * shape.layer_params + shape.vocab_size * shape.hidden_size + 2 * shape.hidden_size
+
+
+def reward_phase(run: RunShape, settings: Settings, held: dict[str, float]) -> dict[str, float]:
+    """The reward model's scoring call: what stays allocated (``held``), its weights on the device, the gathered
+    parameters of its root and two layers, and one layer's activations for its largest micro-batch (no grad:
+    nothing is kept for a backward)."""
+    shape, dtype_bytes = run.reward_model, run.dtype_bytes
+    assert shape is not None
+    phase = dict(held)
+    phase["reward model"] = dtype_bytes * reward_model_params(shape) / run.num_devices
+    phase["reward model gathered parameters"] = dtype_bytes * (shape.vocab_size * shape.hidden_size
+                                                               + 2 * shape.layer_params)
+    budget = run.reward_model_tokens or settings.micro_batch_tokens
+    _, tokens = micro_batch_split(dataclasses.replace(run, num_mini_batches=1), budget)
+    kv_width = 2 * shape.num_kv_heads * shape.head_dim
+    per_token = dtype_bytes * (6 * shape.hidden_size + kv_width + 3 * shape.active_intermediate_size)
+    phase["reward model activations"] = tokens * per_token * (EAGER_ACTIVATION_FACTOR if run.eager else 1.0)
+    return phase

@@ -73,7 +73,17 @@ def run_shape(config: Config) -> RunShape:
                     eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
-                    off_policy=config.trainer.mode != "sync")
+                    off_policy=config.trainer.mode != "sync", **_reward_model_shape(config))
+
+
+def _reward_model_shape(config: Config) -> dict[str, Any]:
+    """RunShape's reward-model fields: its sizes when it shares the actor's devices (not on a pool of its own)."""
+    settings = config.reward.reward_model
+    if not settings.enable or not settings.model_path or settings.enable_resource_pool:
+        return {}
+    return {"reward_model": ModelShape.from_model_path(settings.model_path),
+            "reward_model_offload": bool(settings.offload),
+            "reward_model_tokens": int(settings.max_tokens_per_micro_batch or 0)}
 
 
 def _adapted_projections(lora: Any) -> tuple[str, ...]:
