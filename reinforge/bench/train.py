@@ -7,7 +7,8 @@ tokens, n=8 samples each, exactly 512 generated tokens (EOS ignored; ``--respons
 step is what the RL trainer does: rollout, a cheap rule reward on token ids, GRPO advantages, one
 on-policy optimizer step (beta = 0, AdamW lr 1e-6, grad clip 1, token-mean). ``--variant kl``
 adds the reference model and a low-variance KL loss; ``--variant ppo`` adds the critic (values,
-GAE, critic update); ``--lora RANK`` trains an adapter. Memory settings not given on the command
+GAE, critic update); ``--lora RANK`` trains an adapter; ``--reward-model SIZE`` scores with a reward model of
+that shape (random weights, one label) instead of the rule (its time and share of the step reported). Memory settings not given on the command
 line are the memory planner's, as in a run (its plan is printed and saved with the results, with
 the allocator's peak of each phase beside the estimate); ``--gpu-memory-gib`` plans for, and caps
 the process at, a smaller card. Reported: the median of steps 2.. (the first compiles and warms
@@ -71,6 +72,34 @@ def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
     return folder / "model"
 
 
+def write_reward_model(folder: Path, tiny: bool, size: str) -> Path:
+    """A sequence-classification model (num_labels=1) of shape ``size`` with random bf16 weights and the character
+    tokenizer in ``folder/reward_model``; ``tiny``: a tiny float32 one of the shape's family."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from reinforge.models import build_char_tokenizer, save_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    family = SHAPES[size].family
+    if tiny:
+        config = AutoConfig.from_pretrained(save_tiny_model(folder / "reward_model_shape", arch=family))
+    else:
+        keys = {key: value for key, value in shape_config(size).items() if key != "model_type"}
+        config = AutoConfig.for_model(family, **keys, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    torch.manual_seed(1)
+    with torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu"):
+        torch.set_default_dtype(torch.float32 if tiny else torch.bfloat16)
+        try:
+            model = AutoModelForSequenceClassification.from_config(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    model.save_pretrained(folder / "reward_model")
+    tokenizer.save_pretrained(folder / "reward_model")
+    del model
+    return folder / "reward_model"
+
+
 def build_config(model_dir: Path, args: argparse.Namespace):
     from reinforge.config.schema import Config
 
@@ -108,6 +137,9 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     if args.variant == "ppo":
         config.algorithm.adv_estimator = "gae"
         config.algorithm.lam = 0.95
+    if getattr(args, "reward_model_dir", None) is not None:
+        config.reward.reward_model.enable = True
+        config.reward.reward_model.model_path = str(args.reward_model_dir)
     return config
 
 
@@ -181,6 +213,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.workers.critic import CriticWorker
     from reinforge.workers.memory_settings import apply_memory_plan
     from reinforge.workers.reference import ReferenceWorker
+    from reinforge.workers.reward_model import RewardModelWorker
 
     config = build_config(model_dir, args)
     plan = apply_memory_plan(config, log=False)  # as the trainer does, before any weight loads (printed below)
@@ -191,6 +224,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     if args.variant == "kl":  # a LoRA actor is its own reference (adapters disabled), as in the trainer
         reference = actor if config.model.lora.rank else ReferenceWorker(config)
     critic = CriticWorker(config, args.steps) if args.variant == "ppo" else None
+    reward_model = RewardModelWorker(config) if config.reward.reward_model.enable else None
     freeze_long_lived_objects()  # as the trainer's worker construction does
     device = actor.device
     vocab_size = actor.model.config.vocab_size
@@ -220,6 +254,12 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                           for key, value in generated.meta.get("rollout_metrics", {}).items()
                           if key.startswith("timing_s/gen/") or key == "rollout/cuda_graph_capture_s"}
         batch = scored_batch(args, vocab_size, step, generated)
+        if reward_model is not None:  # its score replaces the rule's, as in a run (reward.combine.mode=replace)
+            scored = timed("reward_model", reward_model.compute_rm_score, batch)
+            batch["token_level_scores"] = scored["rm_scores"]
+            if device.type == "cuda":
+                phase_peaks["reward_model_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                torch.cuda.reset_peak_memory_stats(device)
         if reference is not None:
             batch = batch | timed("ref", reference.compute_ref_log_prob, batch)
         if critic is not None:
@@ -248,6 +288,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}, **host}
         if critic is not None:
             row["vf_loss"] = critic_metrics.get("critic/vf_loss")
+        if reward_model is not None:
+            row["reward_model_share"] = timing["reward_model"] / step_time
         if device.type == "cuda":
             phase_peaks["update_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             row |= phase_peaks
@@ -262,7 +304,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     measured = rows[1:] or rows
     summary = {key: statistics.median(r[key] for r in measured) for key in rows[0]
                if all(isinstance(r.get(key), float) for r in measured)}
-    for key in ("peak_memory_gb", "rollout_peak_gb", "update_peak_gb", "host_rssanon_gb", "host_rssfile_gb",
+    for key in ("peak_memory_gb", "rollout_peak_gb", "reward_model_peak_gb", "update_peak_gb", "host_rssanon_gb", "host_rssfile_gb",
                 "host_rssshmem_gb"):
         summary[key] = max((r.get(key) or 0.0) for r in rows)
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
@@ -320,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")
     parser.add_argument("--ref-offload", action="store_true", help="reference weights on the CPU (kl variant)")
+    parser.add_argument("--reward-model", type=_reward_model_size, default=None, metavar="SIZE",
+                        help="score with a reward model of this shape (random weights) instead of the rule reward")
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: run the last step's update under torch.profiler and print its kernels by "
                              "device time (one size, in this process)")
@@ -404,6 +448,13 @@ def _sizes(text: str) -> list[str]:
     return list(dict.fromkeys(sizes))
 
 
+def _reward_model_size(text: str) -> str:
+    size = text.strip().lower()
+    if size not in SHAPES:
+        raise argparse.ArgumentTypeError(f"unknown reward model shape {text!r}; use one of {', '.join(SHAPES)}")
+    return size
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -468,6 +519,8 @@ def bench_train_main(argv: list[str]) -> int:
         return 2
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = args.model_dir or write_model(Path(scratch), tiny=args.cpu, size=args.model)
+        if args.reward_model is not None:
+            args.reward_model_dir = write_reward_model(Path(scratch), tiny=args.cpu, size=args.reward_model)
         result = run_variant(args, model_dir)
     result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -489,6 +542,10 @@ def bench_train_main(argv: list[str]) -> int:
           f"file-backed {median.get('host_rssfile_gb', 0):.1f})")
     phases = {key.removeprefix("rollout_"): value for key, value in median.items()
               if key.startswith("rollout_") and key != "rollout_s"}
+    if "reward_model_s" in median:
+        print(f"  reward model ({args.reward_model}): {median['reward_model_s']:.2f} s, "
+              f"{median.get('reward_model_share', 0):.1%} of the step, "
+              f"peak {median.get('reward_model_peak_gb', 0):.1f} GiB while it scores")
     if phases:
         print("  rollout phases (medians, s): " + ", ".join(f"{name} {value:.3f}" for name, value in phases.items()))
     return 0

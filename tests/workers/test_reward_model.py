@@ -200,3 +200,23 @@ def test_the_worker_method_reaches_the_model_in_two_calls(tiny_model_dir, tmp_pa
     worker = RewardModelWorker(rm_config(tiny_model_dir, save_tiny_reward_model(tmp_path / "rm")))
     assert path_to_the_model(worker.model.base_model, worker.compute_rm_score, random_batch()) == [
         "compute_rm_score", "last_token_scores"]
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_weights_wait_on_the_host_and_the_scores_match_transformers(tiny_model_dir, tmp_path):
+    rm_dir = save_tiny_reward_model(tmp_path / "rm")
+    config = rm_config(tiny_model_dir, rm_dir)
+    config.trainer.device = "cuda"
+    worker = RewardModelWorker(config)
+    assert all(parameter.device.type == "cpu" for parameter in worker.model.parameters())
+    before = torch.cuda.memory_allocated()
+    batch = random_batch()
+    scored = worker.compute_rm_score(batch)
+    assert all(parameter.device.type == "cpu" for parameter in worker.model.parameters())
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+    expected = transformers_scores(rm_dir, batch, Qwen2ForSequenceClassification)
+    last = (batch["response_mask"].sum(-1) - 1).long()
+    # bf16 compute against float32
+    torch.testing.assert_close(scored["rm_scores"][torch.arange(len(batch)), last], expected, atol=0.1, rtol=0.05)
+    again = worker.compute_rm_score(batch)  # a second call moves the weights back and forth again
+    torch.testing.assert_close(again["rm_scores"], scored["rm_scores"])
