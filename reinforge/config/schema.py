@@ -376,6 +376,77 @@ class RewardCombineConfig:
     answer and 0 otherwise)."""
 
 
+JUDGE_PARSE_RULES = ("marker", "boxed", "yes_no")
+"""The values of reward.judge.parse (``reward/judge.py`` reads them)."""
+REMOTE_PROTOCOLS = ("openrlhf", "json")
+"""The values of reward.remote.protocol (``reward/remote.py`` speaks them)."""
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM as judge (verl's generative reward model): a causal LM reads a prompt built from ``template`` and its
+    answer becomes the sample's score (``reward/judge.py``). reward.combine says how it meets the rule's score."""
+
+    enable: bool = False
+    """Score the responses with the judge."""
+    model_path: Optional[str] = None
+    """Folder or hub id of the judge, a causal LM served by the rollout engine in the trainer's process; ``policy``:
+    the policy itself, as it is at each step."""
+    template: Optional[str] = None
+    """The judge's prompt, with {prompt} (the problem: the row's user turns), {response} and {ground_truth}; or the
+    path of a file holding it. A literal brace is written {{ or }}."""
+    chat_template: bool = True
+    """Render the prompt as the user turn of the judge's chat template (with the generation prompt)."""
+    parse: str = "marker"
+    """marker: the number after the last ``marker``; boxed: the number in the last \\boxed{}; yes_no: no text is
+    generated, the score is p(yes_token) / (p(yes_token) + p(no_token)) as the judge's first token."""
+    marker: str = "Score:"
+    """parse=marker: the text the score follows."""
+    yes_token: str = "Yes"
+    """parse=yes_no: the answer that scores 1 (one token of the judge's vocabulary)."""
+    no_token: str = "No"
+    """parse=yes_no: the answer that scores 0 (one token of the judge's vocabulary)."""
+    scale: float = 1.0
+    """The parsed number is divided by this (10 for a judge asked for 0-10)."""
+    max_tokens: int = 256
+    """Tokens the judge may write (marker and boxed)."""
+    temperature: float = 0.0
+    """The judge's sampling temperature (0: greedy, the same judgement for the same input)."""
+    max_prompt_length: int = 2048
+    """Tokens of the judge's prompt; a longer one is cut from the left of the response's side and counted."""
+    timeout_s: float = 600.0
+    """Seconds the judging of one batch may take; past it every sample of the batch gets fallback_score (counted in
+    reward/judge/timeouts)."""
+    fallback_score: float = 0.0
+    """Score of a sample whose judgement could not be read (counted in reward/judge/malformed) or timed out."""
+    trust_remote_code: bool = False
+    """Let transformers run the Python code of the judge's repository."""
+
+
+@dataclass
+class RemoteRewardConfig:
+    """A reward from a user's HTTP endpoint (``reward/remote.py``); reward.combine says how it meets the rule's."""
+
+    enable: bool = False
+    """POST the samples to url and take its scores."""
+    url: Optional[str] = None
+    """The endpoint, e.g. http://host:5000/get_reward; several, comma-separated, share the requests in turn."""
+    protocol: str = "openrlhf"
+    """openrlhf: OpenRLHF's /get_reward ({"query", "prompts", "labels"} -> {"scores"} or {"rewards"}); json:
+    {"samples": [{"prompt", "response", "ground_truth", "data_source", "extra_info"}]} -> {"scores"}."""
+    batch_size: int = 32
+    """Samples per request."""
+    max_concurrency: int = 8
+    """Requests in flight at once, over all URLs."""
+    timeout_s: float = 180.0
+    """Seconds one request may take."""
+    max_retries: int = 5
+    """Retries of a request after a connection error, a timeout or a 408/429/5xx answer (exponential backoff,
+    Retry-After honoured); then its samples get fallback_score (counted in reward/remote/failed)."""
+    fallback_score: float = 0.0
+    """Score of a sample whose request failed for good."""
+
+
 @dataclass
 class RewardConfig:
     custom_function: Optional[str] = None
@@ -400,6 +471,8 @@ class RewardConfig:
     min(-0.6, -1 + 0.05 * (num_turns - 2)), so each tool call (two turns) adds 0.1 up to -0.6."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
     combine: RewardCombineConfig = field(default_factory=RewardCombineConfig)
 
 

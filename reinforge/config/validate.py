@@ -11,6 +11,8 @@ from reinforge.config.errors import ConfigError
 from reinforge.config.schema import (
     COMBINE_MODES,
     FILTER_METRICS,
+    JUDGE_PARSE_RULES,
+    REMOTE_PROTOCOLS,
     TRUNCATION_MODES,
     Config,
     DataConfig,
@@ -381,26 +383,48 @@ def _check_modes(config: Config) -> None:
                           "does not run; use trainer.mode=sync or one_step_off, or another estimator")
 
 
+def model_score_source(config: Config) -> str | None:
+    """The section whose score replaces or meets the rule's: reward_model, judge or remote (None: the rule's alone)."""
+    reward = config.reward
+    sources = [name for name in ("reward_model", "judge", "remote") if getattr(reward, name).enable]
+    return sources[0] if sources else None
+
+
 def validate_reward_model(config: Config) -> None:
-    """reward.reward_model and reward.combine: a model to load when enabled, sizes that make sense, weights that
-    are numbers, and a pool of its own only where there are devices to place it on."""
+    """reward.reward_model, reward.judge, reward.remote and reward.combine: one model-based score at most, a model
+    or URL where it is enabled, sizes that make sense, weights that are numbers, and a pool of its own only where
+    there are devices to place it on."""
     reward_model, combine = config.reward.reward_model, config.reward.combine
     choose("reward.combine.mode", combine.mode, COMBINE_MODES)
     for key in ("rm_weight", "rule_weight", "gate_threshold"):
         _finite(f"reward.combine.{key}", getattr(combine, key))
-    if not reward_model.enable:
+    enabled = [name for name in ("reward_model", "judge", "remote") if getattr(config.reward, name).enable]
+    if len(enabled) > 1:
+        raise ConfigError(f"reward.{enabled[0]}.enable and reward.{enabled[1]}.enable are both true; a run takes one "
+                          "model-based score (reward.combine meets it with the rule's): disable one of them")
+    if not enabled:
         if combine.mode != "replace":
-            raise ConfigError(f"reward.combine.mode={combine.mode} combines the reward model's score with the rule's, "
-                              "but reward.reward_model.enable=false; set reward.reward_model.enable=true and "
-                              "reward.reward_model.model_path, or remove reward.combine.mode")
+            raise ConfigError(f"reward.combine.mode={combine.mode} combines a model's score with the rule's, "
+                              "but no reward.reward_model, reward.judge or reward.remote is enabled; enable one, "
+                              "or remove reward.combine.mode")
         return
-    if not reward_model.model_path:
-        raise ConfigError("reward.reward_model.enable=true but reward.reward_model.model_path is not set; pass "
-                          "reward.reward_model.model_path=/path/to/reward_model (a sequence-classification folder)")
     if combine.mode == "replace" and config.reward.overlong_buffer.enable:
         raise ConfigError("reward.overlong_buffer.enable=true shapes the rule-based score, which "
                           "reward.combine.mode=replace leaves out; set reward.combine.mode=sum (rule_weight weighs the "
                           "rule's score and its penalty) or reward.overlong_buffer.enable=false")
+    if enabled[0] == "judge":
+        validate_judge(config.reward.judge)
+        if config.reward.judge.model_path == "policy" and config.trainer.mode != "sync":
+            raise ConfigError(f"reward.judge.model_path=policy judges with the policy's own engine, which "
+                              f"trainer.mode={config.trainer.mode} keeps generating; use trainer.mode=sync, or a judge "
+                              "model of its own (reward.judge.model_path=/path/to/judge)")
+        return
+    if enabled[0] == "remote":
+        validate_remote(config.reward.remote)
+        return
+    if not reward_model.model_path:
+        raise ConfigError("reward.reward_model.enable=true but reward.reward_model.model_path is not set; pass "
+                          "reward.reward_model.model_path=/path/to/reward_model (a sequence-classification folder)")
     for key in ("max_length", "max_tokens_per_micro_batch"):
         value = getattr(reward_model, key)
         if value is not None and value < 2:
@@ -414,3 +438,45 @@ def validate_reward_model(config: Config) -> None:
             if getattr(reward_model, key) < 1:
                 raise ConfigError(f"reward.reward_model.{key}={getattr(reward_model, key)} must be at least 1 "
                                   "(the reward model's own pool)")
+
+
+def validate_judge(judge) -> None:
+    """reward.judge: a model, a template, a parse rule, numbers that make sense."""
+    if not judge.model_path:
+        raise ConfigError("reward.judge.enable=true but reward.judge.model_path is not set; pass "
+                          "reward.judge.model_path=/path/to/judge (a causal LM) or reward.judge.model_path=policy")
+    if not judge.template:
+        raise ConfigError("reward.judge.enable=true but reward.judge.template is not set; pass the judge's prompt "
+                          "with {prompt}, {response} and {ground_truth}, or the path of a file holding it")
+    choose("reward.judge.parse", judge.parse, JUDGE_PARSE_RULES)
+    if judge.parse == "marker" and not judge.marker:
+        raise ConfigError("reward.judge.parse=marker needs reward.judge.marker, the text the score follows "
+                          "(e.g. 'Score:')")
+    _finite("reward.judge.scale", judge.scale)
+    if judge.scale == 0:
+        raise ConfigError("reward.judge.scale=0 would divide every score by zero; use 1 to keep the judge's numbers")
+    _finite("reward.judge.fallback_score", judge.fallback_score)
+    for key in ("max_tokens", "max_prompt_length"):
+        if getattr(judge, key) < 1:
+            raise ConfigError(f"reward.judge.{key}={getattr(judge, key)} must be at least 1")
+    if judge.timeout_s <= 0 or judge.temperature < 0:
+        key = "timeout_s" if judge.timeout_s <= 0 else "temperature"
+        raise ConfigError(f"reward.judge.{key}={getattr(judge, key)} must be positive (temperature: 0 or more)")
+
+
+def validate_remote(remote) -> None:
+    """reward.remote: URLs, a protocol, sizes that make sense."""
+    if not remote.url:
+        raise ConfigError("reward.remote.enable=true but reward.remote.url is not set; pass "
+                          "reward.remote.url=http://host:port/get_reward (several: comma-separated)")
+    for url in (part.strip() for part in remote.url.split(",")):
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.remote.url has {url!r}, which is not an http:// or https:// URL")
+    choose("reward.remote.protocol", remote.protocol, REMOTE_PROTOCOLS)
+    for key in ("batch_size", "max_concurrency"):
+        if getattr(remote, key) < 1:
+            raise ConfigError(f"reward.remote.{key}={getattr(remote, key)} must be at least 1")
+    if remote.max_retries < 0 or remote.timeout_s <= 0:
+        raise ConfigError(f"reward.remote.max_retries={remote.max_retries} must be 0 or more and "
+                          f"reward.remote.timeout_s={remote.timeout_s} positive")
+    _finite("reward.remote.fallback_score", remote.fallback_score)

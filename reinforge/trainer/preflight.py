@@ -32,11 +32,12 @@ from reinforge.algorithms import (
 from reinforge.algorithms.roles import critic_enabled
 from reinforge.config import Config, ConfigError
 from reinforge.config.sft_schema import SFTConfig
-from reinforge.config.validate import choose, validate_config, validate_sft_config
+from reinforge.config.validate import choose, model_score_source, validate_config, validate_sft_config
 from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
+from reinforge.models.loading import check_model_folder, is_local_path
 from reinforge.models.reward_model import check_reward_model
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
@@ -179,6 +180,7 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
     check_reward_model_settings(config)
+    check_judge_settings(config)
     apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
@@ -190,7 +192,7 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
                                trust_remote_code=config.model.trust_remote_code)
     schemas = [tool.schema for tool in tools.values()]
     train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
-    if not (config.reward.reward_model.enable and config.reward.combine.mode == "replace"):  # else no rule scores
+    if not (model_score_source(config) is not None and config.reward.combine.mode == "replace"):  # else no rule scores
         check_rows_can_be_scored(train_set, config.reward, custom_scorer)
     check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
                       for example in train_set.examples), tools)
@@ -214,6 +216,30 @@ def check_reward_model_settings(config: Config) -> None:
     if not settings.enable:
         return
     check_reward_model(settings.model_path, settings.trust_remote_code)
+
+
+def check_judge_settings(config: Config) -> None:
+    """With reward.judge.enable: its template shows the response and names known fields, its model folder is there
+    (or it is the policy), and parse=yes_no's answers are one token each of its vocabulary."""
+    from reinforge.reward.judge import answer_token_id, check_template, read_template
+
+    settings = config.reward.judge
+    if not settings.enable:
+        return
+    try:
+        check_template(read_template(settings.template), "reward.judge.template")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    path = config.model.tokenizer_path or config.model.path if settings.model_path == "policy" else settings.model_path
+    if settings.model_path != "policy" and is_local_path(path):
+        check_model_folder(path)
+    if settings.parse == "yes_no":
+        tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
+        try:
+            answer_token_id(tokenizer, settings.yes_token, "reward.judge.yes_token")
+            answer_token_id(tokenizer, settings.no_token, "reward.judge.no_token")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def preflight_sft(config: SFTConfig) -> None:

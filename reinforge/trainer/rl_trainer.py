@@ -36,6 +36,7 @@ from reinforge.reward.manager import place_on_last_token
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
+from reinforge.trainer.generative_rewards import JudgeScorer, RemoteScorer
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
 from reinforge.trainer.modes import TrainerCalls, build_mode
 from reinforge.trainer.preflight import preflight
@@ -44,6 +45,7 @@ from reinforge.trainer.seeds import step_seed
 from reinforge.trainer.validation import reward_extras, run_validation, without_prompt_tensors
 from reinforge.workers.actor_rollout import ActorRolloutWorker
 from reinforge.workers.critic import CriticWorker
+from reinforge.workers.judge import JudgeWorker
 from reinforge.workers.reference import ReferenceWorker
 from reinforge.workers.reward import RewardWorker
 from reinforge.workers.reward_model import RewardModelWorker
@@ -86,6 +88,17 @@ class RLTrainer(TrainingRun):
         self.reward = build_group(RewardWorker, config, role="reward")
         self.reward_model = (build_group(RewardModelWorker, config, role="reward_model")
                              if config.reward.reward_model.enable else None)
+        self.judge = None
+        """reward.judge: the judge's group (the actor's when the policy judges itself)."""
+        if config.reward.judge.enable:
+            self.judge = (self.actor_rollout if config.reward.judge.model_path == "policy"
+                          else build_group(JudgeWorker, config, role="judge"))
+        self.model_scorer: JudgeScorer | RemoteScorer | None = None
+        """A judge's or a remote endpoint's score for each sample (reward.judge, reward.remote)."""
+        if self.judge is not None:
+            self.model_scorer = JudgeScorer(config, self.judge, tokenizer)
+        elif config.reward.remote.enable:
+            self.model_scorer = RemoteScorer(config, tokenizer)
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.tracker = Tracker(self.run_dir, config.trainer.loggers, config=config_to_dict(config),
                                project=config.trainer.project_name, experiment=config.trainer.experiment_name)
@@ -230,10 +243,21 @@ class RLTrainer(TrainingRun):
         """token_level_scores of generated samples: the rule-based scorer's, or with a reward model, its score
         (reward.combine.mode=replace, the rule-based scorer not run) or its combination with the rule's, which is
         computed meanwhile. The reward model's time goes to ``timing["reward_model"]``."""
-        if self.reward_model is None:
+        if self.reward_model is None and self.model_scorer is None:
             return self.reward.score(batch)
         combine = self.config.reward.combine
         rule_call = self.reward.score.async_call(batch) if combine.mode != "replace" else None
+        if self.model_scorer is not None:
+            with _timed(timing if timing is not None else {}, self.model_scorer.name):
+                model_scores, model_metrics = self.model_scorer(batch, self.step)
+            rule = rule_call.result() if rule_call is not None else None
+            scores = combine_scores(model_scores, None if rule is None else rule["token_level_scores"].sum(-1),
+                                    combine)
+            result = rule if rule is not None else Batch()
+            result["token_level_scores"] = place_on_last_token(scores, batch["response_mask"].cpu()).to(
+                batch["responses"].device)
+            result.meta["reward_metrics"] = {**result.meta.get("reward_metrics", {}), **model_metrics}
+            return result
         with _timed(timing if timing is not None else {}, "reward_model"):
             scored = self.reward_model.compute_rm_score(batch)
         rule = rule_call.result() if rule_call is not None else None
@@ -386,14 +410,17 @@ class RLTrainer(TrainingRun):
         if self.mode is not None:
             self.mode.stop()
         reference = self.reference if self.reference is not self.actor_rollout else None
-        for group in (self.actor_rollout, reference, self.critic, self.reward, self.reward_model, self.rollout):
+        judge = self.judge if self.judge is not self.actor_rollout else None
+        for group in (self.actor_rollout, reference, self.critic, self.reward, self.reward_model, judge, self.rollout):
             if group is not None:
                 group.shutdown(wait_s)
+        if isinstance(self.model_scorer, RemoteScorer):
+            self.model_scorer.close()
         self.tracker.close()
         self.release_run_folder()
 
 
-ROLES = ("actor_rollout", "ref", "critic", "reward", "reward_model", "rollout")
+ROLES = ("actor_rollout", "ref", "critic", "reward", "reward_model", "judge", "rollout")
 STOP_WAIT_S = 2.0
 """After SIGTERM or Ctrl-C, how long a worker's running call (a step, a batch of slow scorers) may take to end."""
 

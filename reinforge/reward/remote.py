@@ -1,0 +1,191 @@
+"""A remote reward: the samples POSTed to a user's HTTP endpoint, which answers with their scores.
+
+Two contracts (``reward.remote.protocol``):
+- ``openrlhf``, OpenRLHF's ``/get_reward``: body ``{"query": [...], "prompts": [...], "labels": [...]}``
+  (``query`` is the prompt and the response decoded together, special tokens kept; ``labels`` the rows'
+  ground truths), answer ``{"scores": [...]}`` or ``{"rewards": [...]}`` (``scores`` preferred), one
+  number per sample.
+- ``json``: body ``{"samples": [{"prompt", "response", "ground_truth", "data_source", "extra_info"}, ...]}``,
+  answer ``{"scores": [...]}``.
+
+The batch goes out in requests of ``batch_size`` samples, spread over the URLs (a comma-separated
+``url``) in turn, at most ``max_concurrency`` in flight. A request gets ``timeout_s``; a connection error,
+a timeout or a 429/5xx answer is retried up to ``max_retries`` times with exponential backoff (a
+``Retry-After`` header is honoured). A request that still fails gives its samples ``fallback_score``,
+counted in ``reward/remote/failed``; a batch whose every request failed stops the run with one line naming
+the URL and the last error, since nothing could be learned from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+PROTOCOLS = ("openrlhf", "json")
+"""The values of reward.remote.protocol."""
+
+RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+MAX_BACKOFF_S = 30.0
+
+
+class RemoteRewardError(RuntimeError):
+    """A request to the reward endpoint failed for good (after its retries)."""
+
+
+@dataclass
+class RemoteSample:
+    prompt: str
+    response: str
+    ground_truth: Any = None
+    data_source: str | None = None
+    extra_info: dict = field(default_factory=dict)
+
+
+def split_urls(url: str) -> list[str]:
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    for item in urls:
+        if not item.startswith(("http://", "https://")):
+            raise ValueError(f"reward.remote.url has {item!r}, which is not an http:// or https:// URL")
+    return urls
+
+
+def _jsonable(value: Any) -> Any:
+    """Ground truths and extras as JSON can carry them (numpy values and arrays as plain numbers and lists)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(key): _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
+def request_body(samples: list[RemoteSample], protocol: str) -> dict[str, Any]:
+    if protocol == "openrlhf":
+        return {"query": [sample.prompt + sample.response for sample in samples],
+                "prompts": [sample.prompt for sample in samples],
+                "labels": [_jsonable(sample.ground_truth) for sample in samples]}
+    if protocol == "json":
+        return {"samples": [{"prompt": sample.prompt, "response": sample.response,
+                             "ground_truth": _jsonable(sample.ground_truth), "data_source": sample.data_source,
+                             "extra_info": _jsonable(sample.extra_info)} for sample in samples]}
+    raise ValueError(f"reward.remote.protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+
+
+def scores_of(reply: Any, count: int, url: str) -> list[float]:
+    """The scores in an endpoint's answer; RemoteRewardError naming the URL where the answer is not one."""
+    if not isinstance(reply, dict):
+        raise RemoteRewardError(f"{url} answered {type(reply).__name__}, not a JSON object with 'scores'")
+    values = reply.get("scores", reply.get("rewards"))
+    if not isinstance(values, list):
+        raise RemoteRewardError(f"{url} answered without a 'scores' (or 'rewards') list: keys {sorted(reply)[:5]}")
+    if len(values) != count:
+        raise RemoteRewardError(f"{url} answered {len(values)} scores for {count} samples")
+    try:
+        scores = [float(value[0] if isinstance(value, list) else value) for value in values]
+    except (TypeError, ValueError, IndexError) as error:
+        raise RemoteRewardError(f"{url} answered a score that is not a number ({error})") from None
+    bad = next((score for score in scores if not math.isfinite(score)), None)
+    if bad is not None:
+        raise RemoteRewardError(f"{url} answered the score {bad}; scores must be finite numbers")
+    return scores
+
+
+def _retry_after(error: urllib.error.HTTPError) -> float | None:
+    value = error.headers.get("Retry-After") if error.headers is not None else None
+    try:
+        return max(float(value), 0.0) if value is not None else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class RemoteScores:
+    scores: list[float]
+    failed: int
+    """Samples whose request failed for good (each scored fallback_score)."""
+    retries: int
+    requests: int
+
+    def metrics(self, seconds: float) -> dict[str, float]:
+        return {"reward/remote/requests": float(self.requests), "reward/remote/retries": float(self.retries),
+                "reward/remote/failed": float(self.failed), "reward/remote/time_s": seconds}
+
+
+class RemoteReward:
+    """Scores samples at ``url`` (see the module docstring); one instance per run, shared by its steps."""
+
+    def __init__(self, url: str, protocol: str = "openrlhf", batch_size: int = 32, max_concurrency: int = 8,
+                 timeout_s: float = 180.0, max_retries: int = 5, fallback_score: float = 0.0,
+                 headers: dict[str, str] | None = None, backoff_s: float = 1.0):
+        self.urls = split_urls(url)
+        if not self.urls:
+            raise ValueError("reward.remote.url is empty; set it to the endpoint, e.g. http://host:5000/get_reward")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"reward.remote.protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        self.protocol, self.batch_size, self.timeout_s = protocol, max(batch_size, 1), timeout_s
+        self.max_retries, self.fallback_score, self.backoff_s = max_retries, fallback_score, backoff_s
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.pool = ThreadPoolExecutor(max_workers=max(max_concurrency, 1), thread_name_prefix="remote-reward")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _post_once(self, url: str, body: bytes) -> Any:
+        request = urllib.request.Request(url, data=body, headers=self.headers, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+            return json.loads(answer.read().decode("utf-8"))
+
+    def _post(self, url: str, samples: list[RemoteSample]) -> tuple[list[float], int]:
+        """(scores, retries used) of one request; RemoteRewardError after the last try."""
+        body = json.dumps(request_body(samples, self.protocol)).encode("utf-8")
+        retries = 0
+        while True:
+            wait = None
+            try:
+                return scores_of(self._post_once(url, body), len(samples), url), retries
+            except urllib.error.HTTPError as error:
+                if error.code not in RETRIED_STATUS:
+                    detail = error.read(300).decode("utf-8", "replace").strip().splitlines()
+                    raise RemoteRewardError(f"{url} answered HTTP {error.code}"
+                                            f"{': ' + detail[0] if detail else ''}") from None
+                reason, wait = f"HTTP {error.code}", _retry_after(error)
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
+                reason = str(getattr(error, "reason", error)) or type(error).__name__
+            except json.JSONDecodeError:
+                raise RemoteRewardError(f"{url} answered with something that is not JSON") from None
+            if retries >= self.max_retries:
+                raise RemoteRewardError(f"{url} failed {retries + 1} times, last: {reason} (timeout_s="
+                                        f"{self.timeout_s:g}, max_retries={self.max_retries})")
+            retries += 1
+            time.sleep(min(wait if wait is not None else self.backoff_s * 2 ** (retries - 1), MAX_BACKOFF_S))
+
+    def score(self, samples: list[RemoteSample]) -> RemoteScores:
+        """Every sample's score, in order; fallback_score where its request failed for good."""
+        chunks = [samples[start:start + self.batch_size] for start in range(0, len(samples), self.batch_size)]
+        futures = [self.pool.submit(self._post, self.urls[index % len(self.urls)], chunk)
+                   for index, chunk in enumerate(chunks)]
+        scores: list[float] = []
+        failed = retries = 0
+        last_error: RemoteRewardError | None = None
+        for chunk, future in zip(chunks, futures, strict=True):
+            try:
+                chunk_scores, used = future.result()
+            except RemoteRewardError as error:
+                last_error, used = error, self.max_retries
+                chunk_scores = [self.fallback_score] * len(chunk)
+                failed += len(chunk)
+            scores.extend(chunk_scores)
+            retries += used
+        if chunks and failed == len(samples):
+            raise RemoteRewardError(f"the remote reward scored none of {len(samples)} samples: {last_error}; check "
+                                    "that the endpoint is up (reward.remote.url)")
+        return RemoteScores(scores, failed, retries, len(chunks))

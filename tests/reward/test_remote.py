@@ -1,0 +1,123 @@
+"""The remote reward against a real HTTP server: OpenRLHF's /get_reward contract and the json one, retries that
+honour Retry-After, failures that fall back and are counted, and one-line errors naming the URL."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from reinforge.reward.remote import RemoteReward, RemoteRewardError, RemoteSample, request_body
+
+
+@pytest.fixture
+def server() -> Iterator[Callable]:
+    """``server(handle)`` starts an endpoint whose POST answers are ``handle(body, calls) -> (status, dict, headers)``;
+    it returns the URL."""
+    started = []
+
+    def start(handle) -> str:
+        calls: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                calls.append(body)
+                status, answer, headers = handle(body, calls)
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        start.calls = calls
+        return f"http://127.0.0.1:{httpd.server_address[1]}/get_reward"
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+
+
+SAMPLES = [RemoteSample(f"Q{index}:", f" answer {index}", ground_truth=str(index), data_source="toy",
+                        extra_info={"index": index}) for index in range(5)]
+
+
+def length_scores(body, calls):
+    return 200, {"scores": [float(len(query)) for query in body["query"]]}, {}
+
+
+def test_openrlhf_contract_in_batches_in_order(server):
+    url = server(length_scores)
+    client = RemoteReward(url, batch_size=2, max_concurrency=3)
+    result = client.score(SAMPLES)
+    assert result.scores == [float(len(f"Q{i}: answer {i}")) for i in range(5)]
+    assert result.requests == 3 and result.failed == 0 and result.retries == 0
+    bodies = sorted(server.calls, key=lambda body: body["prompts"][0])
+    assert bodies[0] == {"query": ["Q0: answer 0", "Q1: answer 1"], "prompts": ["Q0:", "Q1:"], "labels": ["0", "1"]}
+
+
+def test_rewards_key_and_the_json_protocol(server):
+    url = server(lambda body, calls: (200, {"rewards": [1.0] * len(body.get("query", body.get("samples")))}, {}))
+    assert RemoteReward(url).score(SAMPLES[:2]).scores == [1.0, 1.0]
+    body = request_body(SAMPLES[:1], "json")
+    assert body == {"samples": [{"prompt": "Q0:", "response": " answer 0", "ground_truth": "0", "data_source": "toy",
+                                 "extra_info": {"index": 0}}]}
+
+
+def test_busy_answers_are_retried_after_retry_after(server):
+    def busy_twice(body, calls):
+        if len(calls) <= 2:
+            return 429, {"error": "busy"}, {"Retry-After": "0"}
+        return length_scores(body, calls)
+
+    result = RemoteReward(server(busy_twice), batch_size=8, max_retries=3, backoff_s=0.0).score(SAMPLES[:1])
+    assert result.retries == 2 and result.failed == 0 and result.scores == [12.0]
+
+
+def test_a_request_that_fails_for_good_falls_back_and_is_counted(server):
+    def second_fails(body, calls):
+        if body["prompts"][0] == "Q2:":
+            return 400, {"error": "bad label"}, {}
+        return length_scores(body, calls)
+
+    result = RemoteReward(server(second_fails), batch_size=2, fallback_score=-5.0).score(SAMPLES)
+    assert result.failed == 2
+    assert result.scores[2:4] == [-5.0, -5.0] and result.scores[0] == 12.0
+    assert result.metrics(1.0)["reward/remote/failed"] == 2.0
+
+
+def test_a_batch_that_no_request_scored_stops_in_one_line(server):
+    url = server(lambda body, calls: (200, {"scores": [1.0]}, {}))  # one score for two samples
+    with pytest.raises(RemoteRewardError) as error:
+        RemoteReward(url, batch_size=2).score(SAMPLES[:2])
+    assert str(error.value) == (f"the remote reward scored none of 2 samples: {url} answered 1 scores for 2 samples; "
+                                "check that the endpoint is up (reward.remote.url)")
+    down = "http://127.0.0.1:9/get_reward"  # the discard port: nothing listens
+    with pytest.raises(RemoteRewardError, match=r"http://127.0.0.1:9/get_reward failed 2 times, last: .*max_retries=1"):
+        RemoteReward(down, max_retries=1, backoff_s=0.0, timeout_s=2.0).score(SAMPLES[:1])
+
+
+def test_bad_urls_and_non_numbers_are_named(server):
+    with pytest.raises(ValueError, match="reward.remote.url has 'localhost:5000', which is not an http"):
+        RemoteReward("localhost:5000")
+    url = server(lambda body, calls: (200, {"scores": ["high"]}, {}))
+    with pytest.raises(RemoteRewardError, match="answered a score that is not a number"):
+        RemoteReward(url).score(SAMPLES[:1])
+
+
+def test_requests_spread_over_several_urls(server):
+    first, second = server(length_scores), server(length_scores)
+    client = RemoteReward(f"{first}, {second}", batch_size=1)
+    assert client.urls == [first, second]
+    assert client.score(SAMPLES[:4]).requests == 4

@@ -1,0 +1,107 @@
+"""GRPO with a judge (the policy itself, or a model of its own) or a remote endpoint as the reward, and their
+refusals before any model loads."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import reinforge.trainer.rl_trainer as rl_trainer
+from reinforge.cli import main
+
+TEMPLATE = "Is this right? {prompt} = {response} (ref {ground_truth}). Answer Y or N:"
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+class NoModelsHere:
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("a model started loading before the judge settings were checked")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("judge", ["policy", "own model"])
+def test_grpo_trains_with_a_yes_no_judge(rl_args, tiny_model_dir, tmp_path, judge):
+    run_dir = tmp_path / "run"
+    args = rl_args(run_dir, **{"trainer.total_steps": 1, "reward.judge.enable": True,
+                               "reward.judge.model_path": "policy" if judge == "policy" else tiny_model_dir,
+                               "reward.judge.template": f"'{TEMPLATE}'", "reward.judge.parse": "yes_no",
+                               "reward.judge.yes_token": "Y", "reward.judge.no_token": "N"})
+    assert main(["train", *args]) == 0
+    [metrics] = metrics_of(run_dir)
+    assert metrics["reward/judge/calls"] == 16 and metrics["reward/judge/malformed"] == 0
+    assert 0 < metrics["critic/score/min"] < metrics["critic/score/max"] < 1  # probabilities, one per sample
+    assert metrics["critic/score/mean"] == pytest.approx(metrics["reward/judge/score/mean"], abs=1e-6)
+    assert metrics["timing_s/judge"] > 0 and "actor/pg_loss" in metrics
+
+
+@pytest.mark.slow
+def test_a_judge_whose_answers_never_parse_stops_the_run(rl_args, tmp_path, capsys):
+    args = rl_args(tmp_path / "run", **{"trainer.total_steps": 1, "reward.judge.enable": True,
+                                        "reward.judge.model_path": "policy", "reward.judge.template": f"'{TEMPLATE}'",
+                                        "reward.judge.max_tokens": 4, "reward.judge.marker": "Score:"})
+    assert main(["train", *args]) != 0
+    assert "none of the judge's 16 answers has a number after 'Score:' (reward.judge.parse=marker)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_grpo_trains_with_a_remote_reward_summed_with_the_rule(rl_args, tmp_path):
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(body)
+            data = json.dumps({"scores": [len(query) / 100 for query in body["query"]]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        run_dir = tmp_path / "run"
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/get_reward"
+        args = rl_args(run_dir, **{"trainer.total_steps": 1, "reward.remote.enable": True, "reward.remote.url": url,
+                                   "reward.remote.batch_size": 5, "reward.combine.mode": "sum"})
+        assert main(["train", *args]) == 0
+    finally:
+        httpd.shutdown()
+    [metrics] = metrics_of(run_dir)
+    assert metrics["reward/remote/requests"] == 4 and metrics["reward/remote/failed"] == 0
+    assert sum(len(body["query"]) for body in received) == 16
+    assert all(label is not None for body in received for label in body["labels"])  # the rows' ground truths
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ({"reward.judge.enable": True, "reward.judge.model_path": "policy"},
+     "error: reward.judge.enable=true but reward.judge.template is not set"),
+    ({"reward.judge.enable": True, "reward.judge.model_path": "policy", "reward.judge.template": "'{prompt}'"},
+     "error: reward.judge.template never shows the judge the response: add {response} where it goes"),
+    ({"reward.judge.enable": True, "reward.judge.model_path": "policy", "reward.judge.template": "'{response}'",
+      "reward.judge.parse": "yes_no"},
+     "error: reward.judge.yes_token='Yes' is 3 tokens of the judge's vocabulary"),
+    ({"reward.judge.enable": True, "reward.judge.model_path": "policy", "reward.judge.template": "'{response}'",
+      "trainer.mode": "one_step_off"},
+     "error: reward.judge.model_path=policy judges with the policy's own engine, which trainer.mode=one_step_off"),
+    ({"reward.remote.enable": True}, "error: reward.remote.enable=true but reward.remote.url is not set"),
+    ({"reward.remote.enable": True, "reward.remote.url": "http://a", "reward.judge.enable": True},
+     "error: reward.judge.enable and reward.remote.enable are both true"),
+])
+def test_judge_and_remote_settings_are_refused_before_any_model(rl_args, tmp_path, monkeypatch, capsys, overrides,
+                                                                line):
+    monkeypatch.setattr(rl_trainer, "ActorRolloutWorker", NoModelsHere)
+    assert main(["train", *rl_args(tmp_path / "run", **overrides)]) == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith(line)
