@@ -26,7 +26,7 @@ PATTERNS: dict[str, tuple[tuple[str, ...], re.Pattern[str]]] = {
     "a session or round of work in time": (("session", "round"), re.compile(
         r"\b(?:previous|earlier|later|last|next)\s+(?:session|round of work)s?\b|\bsessions? of work\b"
         r"|\brounds? of work\b")),
-    "an issue number": (("issue", "#"), re.compile(r"\bissues?\s+#?\d{1,3}\b|(?<![\w/&])#\d{1,2}\b(?!\s*[-:=])")),
+    "an issue number": (("issue", "#"), re.compile(r"\bissues?\s+#?\d{1,3}\b|(?<![\w/&#])#\d{1,2}\b(?!\s*[-:=])")),
     "a work tag (s13, s13b)": (("s1",), re.compile(r"(?<![\w.\-/])s1\d[a-z]?\b")),
     "'this call' (a device call of a benchmark)": (("this",), re.compile(r"\bthis (?:device |gpu )?call\b")),
     "a fix in time": (("fix", "commit"), re.compile(
