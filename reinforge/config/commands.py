@@ -67,9 +67,9 @@ def _drop_loggers_not_installed(translation: VerlTranslation, missing_package: C
         package = missing_package(name)
         if package is not None:
             trainer["loggers"].remove(name)
+            others = "".join(f"{other}, " for other in trainer["loggers"] if other != "jsonl")
             print(f"warning: trainer.logger names {name}, whose package {package} is not installed here; logging to "
-                  f"{', '.join(trainer['loggers'])} and metrics.jsonl without it (pip install {package} to log there)",
-                  file=sys.stderr)
+                  f"{others}metrics.jsonl without it (pip install {package} to log there)", file=sys.stderr)
 
 
 def config_main(argv: list[str], check: Callable[[Config], None]) -> int:

@@ -1,0 +1,225 @@
+"""Nine verl command lines as verl's examples and recipes write them (volcengine/verl 0.9.1, verl-recipe), as test data.
+
+Each is the list of words the script passes to ``python3 -m verl.trainer.main_ppo``, its shell
+variables substituted, with only these changed: the model, data, tool-config, reward-function and
+checkpoint paths ({MODEL}, {TRAIN}, {VAL}, {TOOLS}, {REWARD}, {RUN}), and trainer.nnodes /
+trainer.n_gpus_per_node set to this machine's one device. The ReTool recipe's rows are converted
+beforehand (``reinforge data retool``), so its two ``data.custom_cls`` words, which name the
+recipe's own dataset class, go with the data-path swap.
+"""
+
+from __future__ import annotations
+
+GRPO_7B = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=1024
+data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation='error'
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.ppo_mini_batch_size=256 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name='verl_grpo_example_gsm8k' trainer.experiment_name='qwen2_7b_function_rm'
+trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+GRPO_LORA = """
+algorithm.adv_estimator=grpo trainer.val_before_train=False data.train_files={TRAIN} data.val_files={VAL}
+data.train_batch_size=16 data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True
+data.truncation='error' data.shuffle=False actor_rollout_ref.model.path={MODEL} actor_rollout_ref.model.lora_rank=64
+actor_rollout_ref.model.lora_alpha=32 actor_rollout_ref.actor.optim.lr=3e-6 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.rollout.load_format=safetensors actor_rollout_ref.rollout.layered_summon=True
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name='verl_grpo_example_gsm8k' trainer.experiment_name='qwen2.5_3b_grpo_lora'
+trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+PPO_CRITIC = """
+algorithm.adv_estimator=gae data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=1024
+data.max_prompt_length=512 data.max_response_length=512 data.filter_overlong_prompts=True data.truncation='error'
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.ppo_mini_batch_size=256 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=4
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.4 critic.optim.lr=1e-5
+critic.model.use_remove_padding=True critic.model.path={MODEL} critic.model.enable_gradient_checkpointing=True
+critic.ppo_micro_batch_size_per_gpu=32 critic.model.fsdp_config.param_offload=False
+critic.model.fsdp_config.optimizer_offload=False algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+trainer.logger='["console","wandb"]' trainer.project_name='verl_example_gsm8k'
+trainer.experiment_name='deepseek_llm_7b_function_rm' trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=20
+trainer.test_freq=1 trainer.use_legacy_worker_impl=auto trainer.total_epochs=15
+"""
+
+SEQ_BALANCE = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.return_raw_chat=True
+data.train_batch_size=1024 data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True
+data.truncation='error' actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.mode=async actor_rollout_ref.rollout.multi_turn.format=hermes
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+trainer.logger='["console","wandb"]' trainer.project_name='verl_grpo_example_gsm8k'
+trainer.experiment_name='qwen2_7b_function_rm_kl1e-3' trainer.val_before_train=False trainer.n_gpus_per_node=1
+trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+REINFORCE_PLUS_PLUS = """
+algorithm.adv_estimator=reinforce_plus_plus data.train_files="['{TRAIN}', '{TRAIN}']" data.val_files="['{VAL}', '{VAL}']"
+data.train_batch_size=1024 data.max_prompt_length=1024 data.max_response_length=1024 data.filter_overlong_prompts=True
+data.truncation='error' actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=3e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=1024
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.actor.use_kl_loss=False
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=mse actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=8
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=True trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name='verl_grpo_example_gsm8k' trainer.experiment_name='qwen2_7b_function_rm'
+trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+DAPO_32B = """
+data.train_files={TRAIN} data.val_files={VAL} data.prompt_key=prompt data.truncation='left' data.max_prompt_length=2048
+data.max_response_length=20480 data.gen_batch_size=1536 data.train_batch_size=512 actor_rollout_ref.rollout.n=16
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
+actor_rollout_ref.actor.clip_ratio_c=10.0 algorithm.filter_groups.enable=True
+algorithm.filter_groups.max_num_gen_batches=10 algorithm.filter_groups.metric=acc
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.use_dynamic_bsz=True
+actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=22528 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=22528
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=22528 actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.optim.lr_warmup_steps=10 actor_rollout_ref.actor.optim.weight_decay=0.1
+actor_rollout_ref.actor.ppo_mini_batch_size=32 actor_rollout_ref.actor.fsdp_config.param_offload=True
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=True actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.actor.grad_clip=1.0 actor_rollout_ref.actor.loss_agg_mode=token-mean
+actor_rollout_ref.actor.ulysses_sequence_parallel_size=8 actor_rollout_ref.rollout.gpu_memory_utilization=0.80
+actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.rollout.enable_chunked_prefill=True
+actor_rollout_ref.rollout.max_num_batched_tokens=22528 actor_rollout_ref.rollout.temperature=1.0
+actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k="-1" actor_rollout_ref.rollout.val_kwargs.temperature=1.0
+actor_rollout_ref.rollout.val_kwargs.top_p=0.7 actor_rollout_ref.rollout.val_kwargs.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.do_sample=True actor_rollout_ref.rollout.val_kwargs.n=1
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.ref.fsdp_config.param_offload=True
+actor_rollout_ref.ref.ulysses_sequence_parallel_size=8 actor_rollout_ref.actor.fsdp_config.fsdp_size=-1
+reward_model.reward_manager=dapo reward_model.overlong_buffer.enable=True reward_model.overlong_buffer.len=4096
+reward_model.overlong_buffer.penalty_factor=1.0 trainer.logger='["console","wandb"]' trainer.project_name="DAPO"
+trainer.experiment_name="DAPO-Qwen2.5-32B" trainer.n_gpus_per_node=1 trainer.nnodes="1" trainer.val_before_train=True
+trainer.test_freq=5 trainer.save_freq=5 trainer.total_epochs=1 trainer.default_local_dir="{RUN}/DAPO/DAPO-Qwen2.5-32B"
+trainer.resume_mode=auto
+"""
+
+GSPO = """
+algorithm.adv_estimator=grpo actor_rollout_ref.actor.policy_loss.loss_mode=gspo data.train_files="['{TRAIN}']"
+data.val_files="['{VAL}']" data.shuffle=true data.prompt_key=prompt data.truncation='error'
+data.filter_overlong_prompts=true data.return_raw_chat=True data.train_batch_size=512 data.max_prompt_length=2048
+data.max_response_length=8192 actor_rollout_ref.rollout.n=16 algorithm.use_kl_in_reward=false
+algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.use_kl_loss=false actor_rollout_ref.actor.kl_loss_coef=0.0
+actor_rollout_ref.actor.clip_ratio_low=0.0003 actor_rollout_ref.actor.clip_ratio_high=0.0004
+actor_rollout_ref.model.use_remove_padding=true actor_rollout_ref.actor.use_dynamic_bsz=true
+actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.mode=async actor_rollout_ref.model.path="{MODEL}"
+actor_rollout_ref.model.enable_gradient_checkpointing=true actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05 actor_rollout_ref.actor.optim.weight_decay=0.1
+actor_rollout_ref.actor.ppo_mini_batch_size=128 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
+actor_rollout_ref.actor.fsdp_config.param_offload=true actor_rollout_ref.actor.fsdp_config.optimizer_offload=true
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.grad_clip=1.0
+actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean actor_rollout_ref.actor.ulysses_sequence_parallel_size=1
+actor_rollout_ref.rollout.gpu_memory_utilization=0.8 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.enable_chunked_prefill=true actor_rollout_ref.rollout.max_num_batched_tokens=10240
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=true
+actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.ref.fsdp_config.param_offload=true
+actor_rollout_ref.ref.ulysses_sequence_parallel_size=1 actor_rollout_ref.actor.entropy_checkpointing=true
+reward_model.reward_manager=dapo +reward_model.reward_kwargs.overlong_buffer_cfg.enable=false
++reward_model.reward_kwargs.overlong_buffer_cfg.len=4096 +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward_model.reward_kwargs.overlong_buffer_cfg.log=false +reward_model.reward_kwargs.max_resp_len=8192
+trainer.logger='["console","wandb"]' trainer.project_name="RL-GSPO"
+trainer.experiment_name="gspo-epslow-0.0003-epshigh-0.0004-Qwen2.5-3B-Instruct-RL" trainer.n_gpus_per_node="1"
+trainer.nnodes="1" trainer.val_before_train=false trainer.test_freq=10 trainer.save_freq=10 trainer.total_epochs=10
+trainer.total_training_steps=500 trainer.default_local_dir="{RUN}/gspo" trainer.resume_mode=auto
+trainer.log_val_generations=2
+"""
+
+MULTI_TURN_GSM8K = """
+--config-path=/verl/examples/sglang_multiturn/config --config-name='gsm8k_multiturn_grpo' algorithm.adv_estimator=grpo
+data.train_batch_size=256 data.max_prompt_length=1024 data.max_response_length=1024 data.filter_overlong_prompts=True
+data.truncation='error' data.return_raw_chat=True actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+global_profiler.tool=torch_memory global_profiler.save_path=./mem_snapshots
+global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries=100000
+global_profiler.global_tool_config.torch_memory.stack_depth=32 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32
+actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.name=sglang
+actor_rollout_ref.rollout.gpu_memory_utilization=0.85 actor_rollout_ref.rollout.multi_stage_wake_up=True
+actor_rollout_ref.rollout.n=16 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32
+actor_rollout_ref.ref.fsdp_config.param_offload=True actor_rollout_ref.rollout.over_sample_rate=0.1
+actor_rollout_ref.rollout.mode=async algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+trainer.logger='["console","wandb"]' trainer.project_name='multi-turn-grpo-qwen2.5-3b-sglang'
+trainer.experiment_name=qwen2.5-3b_baseline_03-06-00 trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.save_freq=-1
+trainer.test_freq=20 trainer.val_before_train=True data.train_files={TRAIN} data.val_files={VAL}
+actor_rollout_ref.rollout.multi_turn.tool_config_path="{TOOLS}" trainer.total_epochs=15
+"""
+
+RETOOL = """
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0
+data.train_files="['{TRAIN}']" data.val_files="['{VAL}', '{VAL}']" data.return_raw_chat=True data.train_batch_size=64
+data.max_prompt_length=2048 data.max_response_length=16384 data.filter_overlong_prompts=True data.truncation='error'
+custom_reward_function.path={REWARD} custom_reward_function.name=compute_score actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0 actor_rollout_ref.actor.clip_ratio_low=0.2
+actor_rollout_ref.actor.clip_ratio_high=0.28 actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_mini_batch_size=16
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=18432 actor_rollout_ref.actor.ulysses_sequence_parallel_size=4
+actor_rollout_ref.actor.fsdp_config.param_offload=True actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=73728 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.mode=async actor_rollout_ref.rollout.tensor_model_parallel_size=4
+actor_rollout_ref.rollout.multi_turn.enable=True actor_rollout_ref.rollout.multi_turn.max_user_turns=16
+actor_rollout_ref.rollout.multi_turn.max_assistant_turns=16 actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS}
+actor_rollout_ref.rollout.multi_turn.format=hermes actor_rollout_ref.rollout.gpu_memory_utilization=0.9
+actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.val_kwargs.top_p=0.6 actor_rollout_ref.rollout.val_kwargs.temperature=1.0
+actor_rollout_ref.rollout.val_kwargs.n=30 trainer.logger=['console','wandb'] trainer.project_name=retool
+trainer.experiment_name=qwen2.5-7b_dapo trainer.n_gpus_per_node=1 trainer.val_before_train=True
+trainer.log_val_generations=20 trainer.nnodes=1 trainer.save_freq=20 trainer.default_local_dir={RUN}/checkpoint/qwen2.5-7b_dapo
+trainer.test_freq=10 trainer.total_epochs=1
+"""
+
+COMMANDS = {
+    "grpo_7b": ("examples/grpo_trainer/run_qwen2-7b.sh", GRPO_7B),
+    "grpo_lora": ("examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh", GRPO_LORA),
+    "ppo_critic": ("examples/ppo_trainer/run_deepseek7b_llm.sh", PPO_CRITIC),
+    "seq_balance": ("examples/grpo_trainer/run_qwen2-7b_seq_balance.sh", SEQ_BALANCE),
+    "reinforce_plus_plus": ("examples/reinforce_plus_plus_trainer/run_qwen2-7b_math_rf.sh", REINFORCE_PLUS_PLUS),
+    "dapo_32b": ("verl-recipe dapo/run_dapo_qwen2.5_32b.sh", DAPO_32B),
+    "gspo": ("examples/gspo_trainer/test_gspo_3b_math.sh", GSPO),
+    "multi_turn_gsm8k": ("examples/sglang_multiturn/run_qwen2.5-3b_gsm8k_multiturn.sh", MULTI_TURN_GSM8K),
+    "retool": ("verl-recipe retool/run_qwen2_7b_dapo.sh", RETOOL),
+}
+"""name -> (the script it comes from, its words)."""
