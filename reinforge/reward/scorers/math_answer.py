@@ -2,7 +2,9 @@
 
 math-verify (``pip install 'reinforge[math]'``) extracts the answer (``\\boxed{}`` first, then
 the last LaTeX or plain expression) and compares it symbolically, so ``\\frac{1}{2}``, ``0.5``
-and ``1/2`` agree. Its own signal-based time limit works only on a main thread; elsewhere we
+and ``1/2`` agree (verl compares the boxed answer's normalised text for these sources, so it may
+score an equivalent form 0 where this scorer gives 1). verl's ``math`` source is DAPO's scorer
+(``math_dapo.py``). Its own signal-based time limit works only on a main thread; elsewhere we
 rely on the reward manager's per-sample timeout instead.
 """
 
