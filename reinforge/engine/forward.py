@@ -53,6 +53,7 @@ def logit_transform(config) -> tuple[float, float | None]:
     ``final_logit_softcapping`` caps after them: the log-probs are those of the logits the
     model itself returns.
     """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     multiplier = float(getattr(config, "logit_scale", None) or 1.0)
     divisor = getattr(config, "logits_scaling", None)
     if divisor:

@@ -123,12 +123,42 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def read_model_config(path: str, trust_remote_code: bool = False):
+    """The model's config through transformers; a model transformers cannot load is refused in one line.
+
+    That is the one refusal of a causal LM: every architecture transformers loads trains (the
+    families of ``models.architectures`` on the fast path, any other through its own modules).
+    """
+    import transformers
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (KeyError, ValueError) as error:
+        model_type = _declared_model_type(path)
+        unknown = model_type is not None and ("does not recognize" in str(error) or model_type in str(error))
+        if not unknown:
+            raise
+        raise ValueError(f"model.path={path} is a {model_type!r} model, which transformers "
+                         f"{transformers.__version__} cannot load; upgrade transformers, or set "
+                         "model.trust_remote_code=true if the model folder ships its own code") from None
+
+
+def _declared_model_type(path: str) -> str | None:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        return json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def _supports_sdpa(path: str, trust_remote_code: bool) -> bool:
     """Whether transformers' class for the model at ``path`` runs SDPA (False for Gemma 2, whose soft-cap it cannot)."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = read_model_config(path, trust_remote_code)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return model_class is None or getattr(model_class, "_supports_sdpa", True) is not False
 
@@ -149,7 +179,7 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     with hub_errors_explained(path):
-        if attn_implementation == "sdpa" and not _supports_sdpa(path, trust_remote_code):
+        if not _supports_sdpa(path, trust_remote_code) and attn_implementation == "sdpa":
             attn_implementation = "eager"  # Gemma 2: SDPA cannot soft-cap; the RL workers then set their own
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                      attn_implementation=attn_implementation, **placement)

@@ -195,9 +195,10 @@ def test_cuda_packed_attention_applies_windows_and_soft_caps(shared, window, sof
     device = torch.device("cuda")
     query_lengths, key_lengths = [5, 9, 3], ([7, 9, 6] if shared else [5, 9, 3])
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(sum(query_lengths), 4, 24, generator=generator)
-    k = torch.randn(sum(key_lengths), 2, 24, generator=generator)
-    v = torch.randn(sum(key_lengths), 2, 16, generator=generator)  # a value head dim of its own, as MLA's
+    q = torch.randn(sum(query_lengths), 4, 24 if softcap is None else 32, generator=generator)
+    k = torch.randn(sum(key_lengths), 2, q.shape[-1], generator=generator)
+    # a value head dim of its own, as MLA's (which has no soft-cap)
+    v = torch.randn(sum(key_lengths), 2, 16 if softcap is None else 32, generator=generator)
     cu_q = torch.tensor([0, *torch.tensor(query_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     kwargs = {"packed_cu_seqlens": cu_q, "packed_max_length": max(query_lengths)}

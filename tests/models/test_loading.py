@@ -118,3 +118,24 @@ def test_a_run_longer_than_the_models_positions_is_warned_of_once(tmp_path, capl
                                                     "rope_scaling": {"type": "yarn", "factor": 4.0}}))
     assert not loading.warn_if_beyond_context(str(folder), 512, "a + b")  # rope scaling stretches the context
     assert not loading.warn_if_beyond_context("Qwen/Qwen2.5-0.5B", 10**6, "a + b")  # nothing local to read
+
+
+def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    folder = tmp_path / "unknown"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "made_up_lm"}))
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(str(folder), dtype=torch.float32, device="cpu")
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"model.path={folder} is a 'made_up_lm' model, which transformers" in message
+    assert "model.trust_remote_code=true" in message
+
+
+def test_gemma2_loads_with_eager_where_sdpa_cannot_soft_cap(tmp_path):
+    folder = save_tiny_model(tmp_path / "gemma2", arch="gemma2")
+    model = load_causal_lm(str(folder), dtype=torch.float32, device="cpu")
+    assert model.config._attn_implementation == "eager"
+    qwen = load_causal_lm(str(save_tiny_model(tmp_path / "qwen2")), dtype=torch.float32, device="cpu")
+    assert qwen.config._attn_implementation == "sdpa"
