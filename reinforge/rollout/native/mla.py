@@ -7,9 +7,10 @@ head's ``k_nope = W_uk c`` is never formed; its query is absorbed instead (``q_n
 (nope -> latent) product per head), so the score ``q_nope . k_nope + q_rope . k_rope`` becomes
 ``[q_nope W_uk | q_rope] . [c | k_rope]``, a multi-query attention with one key head whose values are
 the keys themselves. The first ``kv_lora_rank`` dims of its output are the attention-weighted latent,
-which ``W_uv`` turns into each head's value output. Prefill, prefill after a prefix-cache hit and
-decode all read this one formulation (the existing packed and paged attention functions, with
-``v_cache`` = ``k_cache``), so the cache written by a prefill is the one a decode reads.
+which ``W_uv`` turns into each head's value output. Decode and prefill after a prefix-cache hit read
+the cache this way (the paged attention functions, with ``v_cache`` = ``k_cache``). A prefill without
+cached tokens has every key at hand and expands them as transformers does (``kv_b_proj`` of the
+latent, heads of qk_head_dim), which costs less than latent heads once a sequence has many tokens.
 
 Rotary embedding: DeepSeek rotates interleaved pairs ``(x0, x1), (x2, x3), ...`` (V2 as a complex
 product in float32, V3 in the model dtype; V3 with ``rope_interleave=False`` rotates halves as Llama
@@ -130,8 +131,10 @@ class MLAAttention:
                 "o_weight": [attention.o_proj.weight],
                 "o_bias": None if attention.o_proj.bias is None else [attention.o_proj.bias]}
 
-    def project(self, weights: dict[str, Tensor | None], x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """The absorbed queries (tokens, heads, latent_dim) and the cache entries (tokens, 1, latent_dim)."""
+    def project(self, weights: dict[str, Tensor | None], x: Tensor,
+                positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q_nope (tokens, heads, nope), the rotated q_rope (tokens, heads, rope) and the cache entries
+        (tokens, 1, latent_dim)."""
         mla = self.mla
         num_tokens = x.shape[0]
         q_in, latent, k_rope = F.linear(x, weights["mla_in_weight"], weights["mla_in_bias"]).split(
@@ -144,24 +147,31 @@ class MLAAttention:
         cos, sin = self.cos[positions], self.sin[positions]
         q_rope = rotate_pairs(q_rope, cos, sin, mla.rope_interleave)
         k_rope = rotate_pairs(k_rope[:, None, :], cos, sin, mla.rope_interleave)
-        kv_b = weights["kv_b"].view(self.num_heads, -1, mla.kv_lora_rank)
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, kv_b[:, : mla.qk_nope_head_dim])
-        return torch.cat([q_latent, q_rope], dim=-1), torch.cat([latent[:, None, :], k_rope], dim=-1)
+        return q_nope, q_rope, torch.cat([latent[:, None, :], k_rope], dim=-1)
 
     def forward(self, weights: dict[str, Tensor | None], x: Tensor, positions: Tensor, cache: Tensor,
                 meta: AttentionMetadata) -> Tensor:
         """x: (tokens, hidden) -> the attention's output projection (tokens, hidden).
 
         cache: this layer's (1, num_blocks, block_size, 1, latent_dim) (``cache_entry`` per token)."""
-        query, entry = self.project(weights, x, positions)
+        mla, num_tokens = self.mla, x.shape[0]
+        q_nope, q_rope, entry = self.project(weights, x, positions)
         cache = cache[0]
         cache.view(-1, 1, self.latent_dim)[meta.slot_mapping] = entry
-        if meta.is_prefill and meta.prefix_lens is not None:
+        kv_b = weights["kv_b"].view(self.num_heads, -1, mla.kv_lora_rank)
+        k_up, v_up = kv_b[:, : mla.qk_nope_head_dim], kv_b[:, mla.qk_nope_head_dim:]
+        if meta.is_prefill and meta.prefix_lens is None:
+            # every key is new: expand them as transformers does, attention over qk_head_dim-wide heads
+            latent, k_rope = entry.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            k_nope_v = F.linear(latent[:, 0], weights["kv_b"]).view(num_tokens, self.num_heads, -1)
+            k_nope, values = k_nope_v.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            keys = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1)], dim=-1)
+            out = prefill_attention(torch.cat([q_nope, q_rope], dim=-1), keys, values, meta, self.scale)
+            return F.linear(out.reshape(num_tokens, -1), weights["o_weight"], weights["o_bias"])
+        query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, k_up), q_rope], dim=-1)
+        if meta.is_prefill:
             out = prefill_attention_with_prefix(query, cache, cache, meta, self.scale)
-        elif meta.is_prefill:
-            out = prefill_attention(query, entry, entry, meta, self.scale)
         else:
             out = latent_decode_attention(query, cache, meta.block_tables, meta.context_lens, self.scale)
-        kv_b = weights["kv_b"].view(self.num_heads, -1, self.mla.kv_lora_rank)
-        values = torch.einsum("thl,hvl->thv", out[..., : self.mla.kv_lora_rank], kv_b[:, self.mla.qk_nope_head_dim:])
-        return F.linear(values.reshape(x.shape[0], -1), weights["o_weight"], weights["o_bias"])
+        values = torch.einsum("thl,hvl->thv", out[..., : mla.kv_lora_rank], v_up)
+        return F.linear(values.reshape(num_tokens, -1), weights["o_weight"], weights["o_bias"])
