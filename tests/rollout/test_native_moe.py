@@ -161,6 +161,29 @@ def test_grouped_experts_equal_gathered_experts():
     torch.testing.assert_close(gathered, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_moe_in_bf16_rounds_as_transformers_grouped_mm(family, monkeypatch):
+    """bf16 through the grouped-GEMM path (on the CPU here, as on CUDA) against transformers' bf16 block, whose
+    experts run its grouped_mm path: the weights' dtype (bf16 for Qwen3-MoE and OLMoE, float32 for Mixtral and
+    DeepSeek), where they are applied and the sum over k round the same way."""
+    from reinforge.rollout.native import moe
+
+    model = build_tiny_causal_lm(family, seed=4).to(torch.bfloat16)
+    spec = architecture_spec(model.config)
+    block = moe_block(model)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 0.5)
+    hidden = torch.randn(40, model.config.hidden_size, dtype=torch.bfloat16)
+    mlp = MoEMLP(block_context(model, torch.bfloat16), spec.layers[-1])
+    weights = copies(mlp, block, torch.bfloat16)
+    monkeypatch.setattr(moe, "grouped_mm_applies", lambda hidden: True)
+    with torch.no_grad():
+        expected = block(hidden[None])[0]
+        got = mlp.forward(weights, hidden)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)  # the same kernels on the same operands
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_grouped_moe_in_bf16_matches_transformers_and_captures_in_a_graph(family):
