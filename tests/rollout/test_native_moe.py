@@ -23,7 +23,7 @@ MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
 
 def block_context(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> SimpleNamespace:
     """What the decoder's blocks read of their decoder: the table, the config and the dtype."""
-    return SimpleNamespace(spec=architecture_spec(model.config), config=model.config, dtype=dtype)
+    return SimpleNamespace(spec=architecture_spec(model.config), config=model.config, dtype=dtype, use_triton=False)
 
 
 def copies(block, module: torch.nn.Module, dtype: torch.dtype, device: str = "cpu") -> dict:
@@ -310,3 +310,24 @@ def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
                              block_tables=cache.block_tables(6), context_lens=torch.tensor(lengths, dtype=torch.int32))
     out = run(torch.stack([sequences[s][p] for s, p in enumerate(last)]), torch.tensor(last), meta)
     torch.testing.assert_close(out, torch.stack([expected[s][p] for s, p in enumerate(last)]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_triton_latent_decode_equals_the_pytorch_one(dtype):
+    """The Triton kernel (interpreted on the CPU, float32 only: the interpreter's bf16 dot is not the GPU's)
+    against the PyTorch latent decode: 20 heads in two programs, a latent and a rotary part narrower than a tile,
+    contexts ending mid-block and one of a single token."""
+    pytest.importorskip("triton")
+    from reinforge.rollout.native.mla import latent_decode_attention, latent_paged_decode
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(13)
+    batch, heads, latent, rope, page, num_blocks = 3, 20, 16, 8, 4, 12
+    cache = torch.randn(num_blocks, page, 1, latent + rope, generator=generator).to(device, dtype)
+    q = torch.randn(batch, heads, latent + rope, generator=generator).to(device, dtype)
+    block_tables = torch.tensor([[5, 2, 9, 0], [7, 0, 0, 0], [1, 3, 4, 11]], dtype=torch.int32, device=device)
+    context_lens = torch.tensor([10, 1, 16], dtype=torch.int32, device=device)
+    expected = latent_decode_attention(q, cache, block_tables, context_lens, 0.2)[..., :latent]
+    got = latent_paged_decode(q, cache, block_tables, context_lens, 0.2, latent)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)

@@ -110,6 +110,7 @@ class MLAAttention:
         self.mla = mla = spec.mla
         self.num_heads = context.config.num_attention_heads
         self.scale = spec.attn_scale
+        self.use_triton = context.use_triton and _triton_decode is not None
         self.cos, self.sin = tables
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.latent_dim = mla.kv_lora_rank + mla.qk_rope_head_dim
@@ -171,7 +172,94 @@ class MLAAttention:
         query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, k_up), q_rope], dim=-1)
         if meta.is_prefill:
             out = prefill_attention_with_prefix(query, cache, cache, meta, self.scale)
+        elif self.use_triton:
+            out = latent_paged_decode(query, cache, meta.block_tables, meta.context_lens, self.scale,
+                                      mla.kv_lora_rank)
         else:
             out = latent_decode_attention(query, cache, meta.block_tables, meta.context_lens, self.scale)
         values = torch.einsum("thl,hvl->thv", out[..., : mla.kv_lora_rank], v_up)
         return F.linear(values.reshape(num_tokens, -1), weights["o_weight"], weights["o_bias"])
+
+
+def latent_paged_decode(q: Tensor, cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
+                        kv_lora_rank: int, block_n: int = 32, heads_per_program: int = 16) -> Tensor:
+    """What ``latent_decode_attention`` computes, in one Triton kernel: a program per sequence and group of heads
+    reads only its sequence's blocks (online softmax), the latent and rotary parts of each key as two dot
+    products. Returns (batch, heads, kv_lora_rank): the attention-weighted latent only."""
+    return _triton_decode(q, cache, block_tables, context_lens, scale, kv_lora_rank, block_n, heads_per_program)
+
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # the PyTorch path runs everywhere without Triton
+    _triton_decode = None
+else:
+    @triton.jit
+    def _latent_decode_kernel(q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, scale, num_heads,
+                              stride_qb, stride_qh, stride_ob, stride_oh, stride_table, stride_slot,
+                              LATENT: tl.constexpr, LATENT_PAD: tl.constexpr, ROPE: tl.constexpr,
+                              ROPE_PAD: tl.constexpr, HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                              IEEE: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+        seq = tl.program_id(0)
+        heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+        head_mask = heads < num_heads
+        latent_dims = tl.arange(0, LATENT_PAD)
+        rope_dims = tl.arange(0, ROPE_PAD)
+        latent_mask = latent_dims < LATENT
+        rope_mask = rope_dims < ROPE
+        q_rows = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+        q_latent = tl.load(q_rows + latent_dims[None, :], mask=head_mask[:, None] & latent_mask[None, :], other=0.0)
+        q_rope = tl.load(q_rows + LATENT + rope_dims[None, :], mask=head_mask[:, None] & rope_mask[None, :],
+                         other=0.0)
+        context_len = tl.load(context_lens_ptr + seq)
+        running_max = tl.full([HEADS], float("-inf"), tl.float32)
+        running_sum = tl.zeros([HEADS], tl.float32)
+        acc = tl.zeros([HEADS, LATENT_PAD], tl.float32)
+        # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only to a Python int
+        for start in range(0, STATIC_LOOP_END if STATIC_LOOP_END else context_len, BLOCK_N):
+            positions = start + tl.arange(0, BLOCK_N)
+            valid = positions < context_len
+            block_ids = tl.load(block_tables_ptr + seq * stride_table + positions // PAGE, mask=valid, other=0)
+            rows = cache_ptr + (block_ids.to(tl.int64) * PAGE + positions % PAGE)[:, None] * stride_slot
+            latent = tl.load(rows + latent_dims[None, :], mask=valid[:, None] & latent_mask[None, :], other=0.0)
+            rope = tl.load(rows + LATENT + rope_dims[None, :], mask=valid[:, None] & rope_mask[None, :], other=0.0)
+            if IEEE:
+                scores = tl.dot(q_latent, tl.trans(latent), input_precision="ieee") \
+                    + tl.dot(q_rope, tl.trans(rope), input_precision="ieee")
+            else:
+                scores = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+            scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            probs = tl.exp(scores - new_max[:, None])
+            correction = tl.exp(running_max - new_max)
+            running_sum = running_sum * correction + tl.sum(probs, axis=1)
+            if IEEE:
+                acc = acc * correction[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision="ieee")
+            else:
+                acc = acc * correction[:, None] + tl.dot(probs.to(latent.dtype), latent)
+            running_max = new_max
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + latent_dims[None, :], out.to(q_latent.dtype),
+                 mask=head_mask[:, None] & latent_mask[None, :])
+
+    _INTERPRETED = isinstance(_latent_decode_kernel, InterpretedFunction)
+
+    def _triton_decode(q: Tensor, cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
+                       kv_lora_rank: int, block_n: int, heads_per_program: int) -> Tensor:
+        batch, num_heads, dim = q.shape
+        page = cache.shape[1]
+        out = torch.empty(batch, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+        # compiled, each program loops to its own sequence's length; the interpreter loops to the longest
+        static_loop_end = int(context_lens.max()) if _INTERPRETED and batch else 0
+        heads = max(16, min(heads_per_program, triton.next_power_of_2(num_heads)))
+        rope = dim - kv_lora_rank
+        _latent_decode_kernel[(batch, triton.cdiv(num_heads, heads))](
+            q, cache, block_tables, context_lens, out, scale, num_heads, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), block_tables.stride(0), dim,
+            LATENT=kv_lora_rank, LATENT_PAD=max(16, triton.next_power_of_2(kv_lora_rank)), ROPE=rope,
+            ROPE_PAD=max(16, triton.next_power_of_2(rope)), HEADS=heads, PAGE=page,
+            BLOCK_N=max(block_n, 16), IEEE=q.dtype == torch.float32, STATIC_LOOP_END=static_loop_end,
+            num_warps=4, num_stages=2)
+        return out
