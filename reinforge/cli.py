@@ -1,4 +1,4 @@
-"""``reinforge <command>`` (or ``python -m reinforge``): init, train, plan, sft, eval, demo, export, plot, bench,
+"""``reinforge <command>`` (or ``python -m reinforge``): init, train, plan, sft, rm, dpo, eval, demo, export, plot, bench,
 data, config, sandbox.
 
 A command parses and validates its configuration before any model, tokenizer or dataset
@@ -146,6 +146,36 @@ def _sft(argv: list[str]) -> int:
     return 0
 
 
+def _rm(argv: list[str]) -> int:
+    config_path, overrides = _config_arguments(
+        argv, prog="reinforge rm", description="Train a reward model on chosen/rejected pairs (Bradley-Terry).",
+        config_help="a YAML config file (data:, model:, optim:, trainer:, rm: sections)",
+        example="model.path=Qwen/Qwen2.5-0.5B data.train_files=[pairs.jsonl]")
+
+    from reinforge.config.preference_schema import load_rm_config
+
+    config = load_rm_config(config_path, overrides)
+    from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+
+    RewardModelTrainer(config).fit()  # its constructor checks every row before a model loads
+    return 0
+
+
+def _dpo(argv: list[str]) -> int:
+    config_path, overrides = _config_arguments(
+        argv, prog="reinforge dpo", description="Direct Preference Optimization on chosen/rejected pairs.",
+        config_help="a YAML config file (data:, model:, optim:, trainer:, dpo: sections)",
+        example="dpo.beta=0.1 dpo.loss_type=ipo")
+
+    from reinforge.config.preference_schema import load_dpo_config
+
+    config = load_dpo_config(config_path, overrides)
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    DPOTrainer(config).fit()  # its constructor checks every row before a model loads
+    return 0
+
+
 def _eval(argv: list[str]) -> int:
     from reinforge.trainer.evaluate import eval_main
 
@@ -223,6 +253,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
     "plan": (_plan, "the memory plan of a run on a GPU of any size (fits or not, and why)"),
     "sft": (_sft, "supervised fine-tuning on chat data (loss on assistant tokens)"),
+    "rm": (_rm, "train a reward model on chosen/rejected pairs (for reward.reward_model)"),
+    "dpo": (_dpo, "Direct Preference Optimization of a model on chosen/rejected pairs"),
     "eval": (_eval, "accuracy of a model on a dataset of verifiable prompts (greedy by default)"),
     "demo": (_demo, "watch a small model learn arithmetic by RL, on the CPU in minutes"),
     "export": (_export, "write an HF model folder from a checkpoint"),
@@ -256,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     debug = os.environ.get("REINFORGE_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    training = argv[0] in ("train", "sft")
+    training = argv[0] in ("train", "sft", "rm", "dpo")
     if training:  # a run stops cleanly on SIGTERM too, and resumes from its checkpoint
         install_stop_handlers()
     try:

@@ -1,0 +1,311 @@
+"""Preference pairs: a prompt with a chosen and a rejected completion, tokenized for ``reinforge rm`` and ``dpo``.
+
+Rows come in TRL's four shapes:
+
+- explicit prompt, plain text: ``{"prompt": str, "chosen": str, "rejected": str}``; each completion gets the
+  tokenizer's EOS token appended (a plain completion has no end-of-turn token of its own);
+- explicit prompt, conversational: ``prompt`` a list of messages, ``chosen``/``rejected`` the assistant turns
+  that follow; the prompt is rendered with the generation prompt, each completion is the rest of the whole
+  conversation's rendering;
+- implicit prompt, conversational: ``chosen``/``rejected`` whole conversations; their common leading messages
+  are the prompt (TRL's ``extract_prompt``);
+- implicit prompt, plain text: ``chosen``/``rejected`` whole texts (EOS appended); their common leading tokens
+  are the prompt, which ``rm`` may leave empty (two unrelated texts) and ``dpo`` may not.
+
+The prompt and each completion are tokenized separately, as TRL does. An optional ``margin`` column (a number)
+is the margin of the reward model's loss. A pair becomes two rows of the engine's ``[left-padded prompt |
+right-padded response]`` layout, chosen then rejected, with the same prompt: the packed forward computes the
+prompt once for both (``engine.packing``), so a pair costs its prompt and its two completions.
+
+``check_preference_rows`` reads the files without a tokenizer, so a malformed row is refused in one line naming
+the row and the column before any model loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reinforge.data.files import expand_data_files, read_rows
+from reinforge.data.prompt_loader import epoch_order
+from reinforge.data.rl_dataset import check_chat_messages
+from reinforge.protocol import Batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreferenceKeys:
+    """The columns of a preference row (``data.prompt_key`` ...)."""
+
+    prompt: str = "prompt"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
+    margin: str = "margin"
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    prompt_ids: list[int]
+    """Shared by both completions; empty only for an implicit plain pair without a common beginning (rm)."""
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    margin: float = 0.0
+
+    @property
+    def longest(self) -> int:
+        return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list)
+
+
+def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) -> None:
+    """One line naming ``where`` and the column, unless the row is one of the four shapes (module docstring)."""
+    columns = ", ".join(sorted(row)) or "none"
+    for key in (keys.chosen, keys.rejected):
+        if key not in row or row[key] is None:
+            raise ValueError(f"{where} has no {key!r} column (its columns: {columns}); preference rows hold "
+                             f"{keys.chosen!r} and {keys.rejected!r} (and optionally {keys.prompt!r}); "
+                             "data.chosen_key / data.rejected_key name other columns")
+    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
+    conversational = _is_messages(chosen)
+    for key, value in ((keys.chosen, chosen), (keys.rejected, rejected), (keys.prompt, prompt)):
+        if value is None and key == keys.prompt:
+            continue
+        if _is_messages(value) != conversational or not isinstance(value, str | list):
+            kind = "a list of messages" if conversational else "a string"
+            raise ValueError(f"{where}: {key!r} is {type(value).__name__} while {keys.chosen!r} is {kind}; give "
+                             "every column as text, or every column as chat messages")
+        if _is_messages(value):
+            if not value and key != keys.prompt:
+                raise ValueError(f"{where}: {key!r} is an empty list of messages; give the completion's turns")
+            check_chat_messages(value, f"{key!r} of {where}")
+        elif not value and key != keys.prompt:
+            raise ValueError(f"{where}: {key!r} is an empty string; give the completion's text")
+    if chosen == rejected:
+        raise ValueError(f"{where}: {keys.chosen!r} and {keys.rejected!r} are the same, which teaches no "
+                         "preference; drop the row")
+    margin = row.get(keys.margin)
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
+                               or not math.isfinite(margin)):
+        raise ValueError(f"{where}: {keys.margin!r} is {margin!r}; give a finite number (or leave the column out)")
+
+
+def check_preference_rows(files: Sequence[str | Path], keys: PreferenceKeys, split: str,
+                          max_samples: int | None = None) -> int:
+    """Check every row of ``files`` (no tokenizer needed); returns the number of rows."""
+    if not files:
+        raise ValueError(f"no {split} files given; set data.{split}_files to parquet or JSONL files of preference "
+                         "pairs")
+    num_rows = 0
+    for path in expand_data_files(files, f"data.{split}_files"):
+        for row_number, row in enumerate(read_rows(path)):
+            if max_samples is not None and num_rows == max_samples:
+                return num_rows
+            check_preference_row(row, keys, f"row {row_number} of {path}")
+            num_rows += 1
+    return num_rows
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _common_length(first: Sequence[Any], second: Sequence[Any]) -> int:
+    length = 0
+    for a, b in zip(first, second, strict=False):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+def _with_eos(tokenizer: Any, text: str) -> str:
+    eos = tokenizer.eos_token
+    return text + eos if eos and not text.endswith(eos) else text
+
+
+def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, template: str | None = None,
+                  need_prompt: bool = False) -> PreferencePair:
+    """The row's prompt and completions as token ids (the row already passed ``check_preference_row``).
+
+    ``need_prompt`` (DPO): refuse a pair whose completions share no beginning, whose loss would have no prompt."""
+    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
+    margin = float(row.get(keys.margin) or 0.0)
+    if _is_messages(chosen):
+        template = template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("the pairs are chat messages and the tokenizer has no chat template; set "
+                             "data.chat_template to a Jinja template")
+        if prompt is None:  # implicit: the common leading messages
+            shared = _common_length(chosen, rejected)
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            if not prompt:
+                raise ValueError(f"{keys.chosen!r} and {keys.rejected!r} share no leading message, so there is no "
+                                 f"prompt; give a {keys.prompt!r} column or start both with the same messages")
+            if not chosen or not rejected:
+                raise ValueError(f"one of {keys.chosen!r} and {keys.rejected!r} is the other's beginning, so it has "
+                                 "no completion of its own; drop the row")
+        prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True)
+        completions = []
+        for key, turns in ((keys.chosen, chosen), (keys.rejected, rejected)):
+            whole = _render(tokenizer, [*prompt, *turns], template, add_generation_prompt=False)
+            if not whole.startswith(prompt_text):
+                raise ValueError(f"the chat template does not render {key!r} as a continuation of the prompt (it "
+                                 "rewrites earlier turns); set data.chat_template to a template that renders turns "
+                                 "in order")
+            completions.append(_ids(tokenizer, whole[len(prompt_text):]))
+        return PreferencePair(_ids(tokenizer, prompt_text), completions[0], completions[1], margin)
+    if prompt is not None:
+        return PreferencePair(_ids(tokenizer, prompt) if prompt else [], _ids(tokenizer, _with_eos(tokenizer, chosen)),
+                              _ids(tokenizer, _with_eos(tokenizer, rejected)), margin)
+    chosen_ids = _ids(tokenizer, _with_eos(tokenizer, chosen))
+    rejected_ids = _ids(tokenizer, _with_eos(tokenizer, rejected))
+    shared = min(_common_length(chosen_ids, rejected_ids), len(chosen_ids) - 1, len(rejected_ids) - 1)
+    if need_prompt and shared < 1:
+        raise ValueError(f"{keys.chosen!r} and {keys.rejected!r} share no beginning, so there is no prompt for "
+                         f"the completions to follow; give a {keys.prompt!r} column")
+    return PreferencePair(chosen_ids[:shared], chosen_ids[shared:], rejected_ids[shared:], margin)
+
+
+class PreferenceDataset:
+    """Tokenized pairs of one split, in file order; pairs longer than ``max_length`` dropped or refused."""
+
+    def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
+                 keys: PreferenceKeys = PreferenceKeys(), chat_template: str | None = None,
+                 max_samples: int | None = None, need_prompt: bool = False, name: str = "train"):
+        check_preference_rows(files, keys, name, max_samples)
+        self.name = name
+        self.pairs: list[PreferencePair] = []
+        self.num_dropped = 0
+        num_rows = 0
+        for path in expand_data_files(files, f"data.{name}_files"):
+            for row_number, row in enumerate(read_rows(path)):
+                if max_samples is not None and num_rows == max_samples:
+                    break
+                num_rows += 1
+                where = f"row {row_number} of {path}"
+                try:
+                    pair = tokenize_pair(tokenizer, row, keys, chat_template, need_prompt)
+                except ValueError as error:
+                    raise ValueError(f"{where}: {error}") from None
+                except Exception as error:  # jinja2 errors on odd message content
+                    raise ValueError(f"{where}: the chat template cannot render this pair ({type(error).__name__}: "
+                                     f"{error}); give each message's 'content' as a string") from None
+                if pair.longest > max_length:
+                    if truncation == "error":
+                        raise ValueError(f"{where} has {pair.longest} tokens (prompt and the longer completion), more "
+                                         f"than data.max_length={max_length}; raise max_length or set "
+                                         "data.truncation=drop")
+                    self.num_dropped += 1
+                    continue
+                self.pairs.append(pair)
+        if not self.pairs:
+            raise ValueError(f"no {name} pair is left of {num_rows} rows ({self.num_dropped} longer than "
+                             f"data.max_length={max_length}); check the files and data.max_length")
+        logger.info("%s data: %d pairs from %d rows; %d dropped for being longer than %d tokens", name,
+                    len(self.pairs), num_rows, self.num_dropped, max_length)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def fingerprint(self) -> str:
+        """A hash of every pair's token ids: the reference log-probs stored for a run belong to these pairs."""
+        digest = hashlib.sha256()
+        for pair in self.pairs:
+            for ids in (pair.prompt_ids, pair.chosen_ids, pair.rejected_ids):
+                digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+                digest.update(b"|")
+        return digest.hexdigest()
+
+
+def collate_pairs(pairs: Sequence[PreferencePair], pair_indices: Sequence[int], pad_token_id: int) -> Batch:
+    """Two rows a pair (chosen at 2i, rejected at 2i + 1) in the ``[left-padded prompt | right-padded response]``
+    layout. A pair without a prompt puts each completion's first token in the prompt (it cannot be predicted).
+
+    tensors: prompts (2P, Lp), responses (2P, Lr), input_ids / attention_mask / position_ids (2P, Lp + Lr),
+    response_mask (2P, Lr) float, margin (2P,) float, pair_index (2P,) long, pair_weight (2P,) float (1: a real
+    pair; a micro-batch that pads the ranks to the same count has 0).
+    """
+    sequences = []
+    for pair in pairs:
+        for completion in (pair.chosen_ids, pair.rejected_ids):
+            prompt, response = (pair.prompt_ids, completion) if pair.prompt_ids else (completion[:1], completion[1:])
+            sequences.append((prompt, response))
+    prompt_width = max(len(prompt) for prompt, _ in sequences)
+    response_width = max(max(len(response) for _, response in sequences), 1)
+    rows = len(sequences)
+    prompts = torch.full((rows, prompt_width), pad_token_id, dtype=torch.long)
+    responses = torch.full((rows, response_width), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
+    response_mask = torch.zeros((rows, response_width), dtype=torch.long)
+    for row, (prompt, response) in enumerate(sequences):
+        if prompt:
+            prompts[row, prompt_width - len(prompt):] = torch.tensor(prompt)
+            prompt_mask[row, prompt_width - len(prompt):] = 1
+        if response:
+            responses[row, :len(response)] = torch.tensor(response)
+            response_mask[row, :len(response)] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+    margins = torch.tensor([pair.margin for pair in pairs], dtype=torch.float32).repeat_interleave(2)
+    indices = torch.tensor(list(pair_indices), dtype=torch.long).repeat_interleave(2)
+    return Batch.from_dict(tensors={
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask.float(),
+        "margin": margins, "pair_index": indices, "pair_weight": torch.ones(rows)})
+
+
+class PairLoader:
+    """Batches of ``batch_size`` pairs; a seeded permutation per epoch, resumable from ``state_dict()``.
+
+    Training iterates forever (epoch after epoch, the last batch of an epoch may be smaller); ``len()`` is the
+    number of batches per epoch.
+    """
+
+    def __init__(self, pairs: Sequence[PreferencePair], batch_size: int, pad_token_id: int, *, shuffle: bool = True,
+                 seed: int = 1):
+        self.pairs = list(pairs)
+        self.batch_size, self.pad_token_id, self.shuffle, self.seed = batch_size, pad_token_id, shuffle, seed
+        self.epoch = 0
+        self.position = 0
+
+    def __len__(self) -> int:
+        return -(-len(self.pairs) // self.batch_size)
+
+    def _batch(self, indices: Sequence[int]) -> Batch:
+        return collate_pairs([self.pairs[index] for index in indices], indices, self.pad_token_id)
+
+    def next_batch(self) -> Batch:
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = epoch_order(len(self.pairs), self.seed, self.epoch, self.shuffle)
+        indices = order[self.position * self.batch_size:(self.position + 1) * self.batch_size].tolist()
+        self.position += 1
+        return self._batch(indices)
+
+    def batches_of_one_pass(self) -> list[Batch]:
+        """Every pair once, in order (validation, the reference pass)."""
+        return [self._batch(list(range(start, min(start + self.batch_size, len(self.pairs)))))
+                for start in range(0, len(self.pairs), self.batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,1 @@
+"""Training from preference pairs: a reward model (``reinforge rm``) and a policy by DPO (``reinforge dpo``)."""

@@ -1,0 +1,172 @@
+"""What the reward-model and DPO trainers share: pair micro-batches, preflight, and the run around the step.
+
+``pair_micro_batches`` cuts a batch of pairs into token-budget micro-batches that never split a pair (both
+completions must be in one forward for the pair's loss) and packs each with shared prompts, so a pair costs
+its prompt once plus its two completions. ``PreferenceRun`` is the SFT trainer's run (``run_loop.TrainingRun``:
+one run folder, atomic checkpoints, exact resume, metrics.jsonl) with pairs for data; a subclass loads its
+model and writes ``train_step`` and ``validate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reinforge.config import config_to_dict
+from reinforge.config.errors import ConfigError
+from reinforge.config.preference_schema import DPOConfig, RMConfig, validate_preference_config
+from reinforge.data.chat_template import get_pad_token_id
+from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.device import resolve_device
+from reinforge.engine.distributed import all_reduce
+from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
+from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
+from reinforge.engine.packing import attach_plan
+from reinforge.engine.train_step import UpdateSettings
+from reinforge.models import load_tokenizer, save_hf_folder, warn_if_beyond_context
+from reinforge.protocol import Batch
+from reinforge.tracking import Tracker
+from reinforge.trainer.preflight import check_devices, check_loggers, require_logger_packages, require_model_and_data
+from reinforge.trainer.run_loop import TrainingRun
+from reinforge.workers.checkpointing import load_training_state, save_training_state
+
+RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.prompt_key", "data.chosen_key",
+                  "data.rejected_key", "data.margin_key", "data.chat_template", "data.batch_size", "data.max_length",
+                  "data.truncation", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed",
+                  "dpo.reference_path")
+"""Settings a resumed rm or dpo run may not change: the checkpoint's weights or data order would not fit them."""
+
+
+def pair_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
+    """Micro-batches of whole pairs (rows 2i and 2i + 1 together) of at most ``max_tokens`` packed tokens (a
+    larger pair goes alone), balanced longest first, the same number on every rank (a rank short of pairs
+    gives a copy of its first pair with ``pair_weight`` and ``mask_key`` zero). Each carries its packing plan
+    with shared prompts and ``meta['rows']``."""
+    attention = batch["attention_mask"]
+    lengths = attention.sum(-1).tolist()
+    prompt_lengths = attention[:, :batch["prompts"].shape[1]].sum(-1).tolist()
+    costs = [lengths[2 * pair] + lengths[2 * pair + 1] - prompt_lengths[2 * pair] for pair in range(len(batch) // 2)]
+    num_micro = int(all_reduce([float(_fewest_bins(costs, max_tokens))], torch.device("cpu"), op="max")[0])
+    for pairs in _longest_first(costs, num_micro):
+        rows = sorted(row for pair in pairs for row in (2 * pair, 2 * pair + 1))
+        if rows:
+            piece = trim_padding(batch.index(rows))
+            piece.meta["rows"] = rows
+        else:
+            piece = batch.index([0, 1])
+            piece[mask_key] = torch.zeros_like(piece[mask_key])
+            piece["pair_weight"] = torch.zeros_like(piece["pair_weight"])
+            piece.meta["rows"] = [-1]
+        yield attach_plan(piece, share_prompts=True)
+
+
+def preflight_preference(config: RMConfig | DPOConfig) -> None:
+    """Every check of an rm or dpo run that can run before a tokenizer or model loads, every data row's too."""
+    validate_preference_config(config)
+    if config.optim.schedule not in LR_SCHEDULES:
+        raise ConfigError(f"optim.schedule={config.optim.schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    check_loggers(config.trainer.loggers)
+    require_model_and_data(config.model.path, config.data.train_files,
+                           "path/to/pairs.jsonl (rows with chosen and rejected)")
+    require_logger_packages(config.trainer.loggers)
+    check_devices(config)  # type: ignore[arg-type]  # the same trainer.device and backend fields
+    data = config.data
+    keys = preference_keys(config)
+    check_preference_rows(data.train_files, keys, "train", data.max_train_samples)
+    if data.val_files:
+        check_preference_rows(data.val_files, keys, "val", data.max_val_samples)
+    warn_if_beyond_context(config.model.path, data.max_length, "data.max_length")
+
+
+def preference_keys(config: RMConfig | DPOConfig) -> PreferenceKeys:
+    data = config.data
+    return PreferenceKeys(data.prompt_key, data.chosen_key, data.rejected_key, data.margin_key)
+
+
+class PreferenceRun(TrainingRun):
+    """The run of ``reinforge rm`` and ``reinforge dpo``; ``load_model`` gives the model to train."""
+
+    config: RMConfig | DPOConfig
+    need_prompt = False
+    """Refuse pairs without a common beginning (DPO's loss is on the completions that follow a prompt)."""
+
+    def __init__(self, config: RMConfig | DPOConfig):
+        self.config = config
+        data, trainer = config.data, config.trainer
+        self.run_dir = Path(trainer.output_dir)
+        preflight_preference(config)
+        self.open_run_folder(trainer.resume, trainer.keep_last, RESUME_REFUSES)
+        torch.manual_seed(trainer.seed)
+        np.random.seed(trainer.seed)
+        self.device = resolve_device(trainer.device)
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                                        trust_remote_code=config.model.trust_remote_code)
+        if data.chat_template:
+            self.tokenizer.chat_template = data.chat_template
+        self.pad_token_id = get_pad_token_id(self.tokenizer)
+        self.train_set = self._dataset(data.train_files, "train", data.max_train_samples)
+        self.train_loader = PairLoader(self.train_set.pairs, data.batch_size, self.pad_token_id, shuffle=data.shuffle,
+                                       seed=data.seed)
+        self.val_set = self._dataset(data.val_files, "val", data.max_val_samples) if data.val_files else None
+        self.val_loader = None if self.val_set is None else PairLoader(self.val_set.pairs, data.val_batch_size,
+                                                                        self.pad_token_id, shuffle=False)
+        self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
+        self.model = self.load_model()
+        use_varlen_attention(self.model)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, config.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
+        self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
+                                              grad_clip=trainer.grad_clip, seed=trainer.seed,
+                                              mask_key="response_mask")
+        self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
+                               project=trainer.project_name, experiment=trainer.experiment_name)
+        self.step = 0
+
+    def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
+        data = self.config.data
+        return PreferenceDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
+                                 keys=preference_keys(self.config), chat_template=data.chat_template,
+                                 max_samples=max_samples, need_prompt=self.need_prompt, name=split)
+
+    def load_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def micro_batches(self, batch: Batch) -> Iterator[Batch]:
+        """The micro-batches of ``batch`` on the device, without an update (validation, scoring)."""
+        for micro in pair_micro_batches(batch, self.config.trainer.max_tokens_per_micro_batch, "response_mask"):
+            yield micro.to(self.device)
+
+    # ---- the run ------------------------------------------------------------------------
+    def write_checkpoint(self, folder: Path) -> None:
+        save_training_state(folder, self.model, self.optimizer, self.scheduler)
+        save_hf_folder(self.model, self.tokenizer, folder / "hf")
+
+    def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
+        load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
+
+    def before_training(self) -> None:
+        """Runs after the checkpoint is restored, before the first step (DPO's reference pass)."""
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``total_steps``; returns the last step's metrics (with the final eval_ metrics)."""
+        trainer = self.config.trainer
+        try:
+            self.resume()
+            self.before_training()
+            return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
+                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
+        finally:
+            self.tracker.close()
+            self.release_run_folder()
+
+    def final_model_dir(self) -> Path | None:
+        """The ``hf/`` folder of the latest checkpoint."""
+        latest = self.checkpoints.latest()
+        return latest / "hf" if latest is not None else None
+
