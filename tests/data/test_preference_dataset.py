@@ -1,0 +1,102 @@
+"""Preference pairs: TRL's four row shapes, margins, one-line errors naming the row and column, the pair layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reinforge.data.preference_dataset import (
+    PreferenceDataset,
+    PreferenceKeys,
+    check_preference_rows,
+    collate_pairs,
+    tokenize_pair,
+)
+from reinforge.models import build_char_tokenizer
+
+KEYS = PreferenceKeys()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def text(tokenizer, ids):
+    return tokenizer.decode(ids)
+
+
+def test_explicit_plain_pair_appends_eos_to_each_completion(tokenizer):
+    pair = tokenize_pair(tokenizer, {"prompt": "Q:", "chosen": " yes", "rejected": " no", "margin": 1.5}, KEYS)
+    assert text(tokenizer, pair.prompt_ids) == "Q:"
+    assert text(tokenizer, pair.chosen_ids) == " yes<|im_end|>" and text(tokenizer, pair.rejected_ids) == " no<|im_end|>"
+    assert pair.margin == 1.5
+
+
+def test_explicit_conversational_pair_renders_the_prompt_with_the_generation_prompt(tokenizer):
+    row = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "yes"}],
+           "rejected": [{"role": "assistant", "content": "no"}]}
+    pair = tokenize_pair(tokenizer, row, KEYS)
+    assert text(tokenizer, pair.prompt_ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert text(tokenizer, pair.chosen_ids) == "yes<|im_end|>\n"
+    assert text(tokenizer, pair.rejected_ids) == "no<|im_end|>\n"
+
+
+def test_implicit_conversational_pair_takes_the_common_leading_messages_as_prompt(tokenizer):
+    user = {"role": "user", "content": "hi"}
+    explicit = tokenize_pair(tokenizer, {"prompt": [user], "chosen": [{"role": "assistant", "content": "yes"}],
+                                         "rejected": [{"role": "assistant", "content": "no"}]}, KEYS)
+    implicit = tokenize_pair(tokenizer, {"chosen": [user, {"role": "assistant", "content": "yes"}],
+                                         "rejected": [user, {"role": "assistant", "content": "no"}]}, KEYS)
+    assert implicit == explicit
+
+
+def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
+    pair = tokenize_pair(tokenizer, {"chosen": "Q: yes", "rejected": "Q: no"}, KEYS)
+    assert text(tokenizer, pair.prompt_ids) == "Q: "
+    assert text(tokenizer, pair.chosen_ids) == "yes<|im_end|>"
+    unrelated = tokenize_pair(tokenizer, {"chosen": "abc", "rejected": "xyz"}, KEYS)
+    assert unrelated.prompt_ids == []  # a reward model scores two whole texts
+    with pytest.raises(ValueError, match="share no beginning, so there is no prompt"):
+        tokenize_pair(tokenizer, {"chosen": "abc", "rejected": "xyz"}, KEYS, need_prompt=True)  # DPO
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({"prompt": "Q", "chosen": "a"}, "row 0 of F has no 'rejected' column (its columns: chosen, prompt)"),
+    ({"prompt": "Q", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
+     "row 0 of F: 'rejected' is list while 'chosen' is a string"),
+    ({"prompt": "Q", "chosen": "a", "rejected": ""}, "row 0 of F: 'rejected' is an empty string"),
+    ({"prompt": "Q", "chosen": "a", "rejected": "a"}, "row 0 of F: 'chosen' and 'rejected' are the same"),
+    ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 0 of F: 'margin' is 'big'"),
+    ({"chosen": [{"role": "assistant", "content": 3}], "rejected": [{"role": "assistant", "content": "b"}]},
+     "message 0 (assistant) of 'chosen' of row 0 of F has a 'content' of type int"),
+])
+def test_malformed_rows_are_refused_in_one_line_naming_the_row_and_column(tmp_path, row, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Q", "chosen": "a", "rejected": "b"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError) as error:
+        check_preference_rows([str(path)], KEYS, "train")
+    assert message.replace("row 0 of F", f"row 1 of {path}") in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_dataset_drops_pairs_over_max_length_or_refuses_them(tmp_path, tokenizer):
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": "Q:", "chosen": " yes", "rejected": " no"}, {"prompt": "Q:", "chosen": " y" * 30, "rejected": "n"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dataset = PreferenceDataset([path], tokenizer, max_length=16)
+    assert len(dataset) == 1 and dataset.num_dropped == 1
+    with pytest.raises(ValueError, match=f"row 1 of {path} has 63 tokens .* more than data.max_length=16"):
+        PreferenceDataset([path], tokenizer, max_length=16, truncation="error")
+
+
+def test_a_pair_is_two_rows_with_one_prompt(tokenizer):
+    pairs = [tokenize_pair(tokenizer, {"prompt": "Q:", "chosen": "yes", "rejected": "no", "margin": 2.0}, KEYS),
+             tokenize_pair(tokenizer, {"prompt": "Long Q:", "chosen": "a", "rejected": "bb"}, KEYS)]
+    batch = collate_pairs(pairs, [7, 3], pad_token_id=tokenizer.pad_token_id)
+    assert batch["prompts"].shape == (4, 7) and batch["responses"].shape == (4, 4)
+    assert batch["pair_index"].tolist() == [7, 7, 3, 3] and batch["margin"].tolist() == [2.0, 2.0, 0.0, 0.0]
+    assert batch["response_mask"].sum(-1).tolist() == [4, 3, 2, 3]
+    assert text(tokenizer, batch["input_ids"][1][batch["attention_mask"][1].bool()]) == "Q:no<|im_end|>"
+    assert batch["position_ids"][0].tolist()[-4:] == [2, 3, 4, 5]
