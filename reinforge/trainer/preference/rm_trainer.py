@@ -24,31 +24,11 @@ from transformers import AutoModelForSequenceClassification
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.engine.device import autocast_context
-from reinforge.engine.forward import _attention_kwargs, _no_mask
-from reinforge.engine.fsdp import layer_compute_dtype
-from reinforge.engine.packing import pack_rows, unpack_responses
+from reinforge.engine.forward import last_token_scores
 from reinforge.engine.train_step import ModelUpdate
 from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.pairs import PreferenceRun, pair_micro_batches
-
-
-def last_token_rewards(model: nn.Module, micro: Batch) -> Tensor:
-    """The score head at each row's last attended token (rows,), float32; ``model`` a sequence classifier.
-
-    The backbone runs once over the packed row (a pair's prompt once); the head reads only the last tokens.
-    """
-    backbone = model.base_model
-    packed = pack_rows(micro)
-    outputs = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                       attention_mask=_no_mask(backbone.config, packed.input_ids.device), use_cache=False,
-                       **_attention_kwargs(packed, layer_compute_dtype(backbone)))
-    # the token of response position t sits right after the one that predicts it
-    positions = unpack_responses(packed.predictor_index + 1, packed)
-    last = micro["response_mask"].sum(-1).long().clamp(min=1) - 1
-    hidden = outputs.last_hidden_state[0, positions.gather(1, last.unsqueeze(1)).squeeze(1)]
-    head = model.score
-    return head(hidden.to(head.weight.dtype)).squeeze(-1).float()
 
 
 def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote_code: bool = False,
@@ -92,7 +72,7 @@ class RewardModelTrainer(PreferenceRun):
     def _pair_rewards(self, micro: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """(chosen rewards, rejected rewards, pair weights), each (pairs,)."""
         with autocast_context(self.device, self.config.model.dtype):
-            rewards = last_token_rewards(self.model, micro)
+            rewards = last_token_scores(self.model, micro).squeeze(-1)
         return rewards[0::2], rewards[1::2], micro["pair_weight"][0::2]
 
     def train_step(self, batch: Batch) -> dict[str, float]:

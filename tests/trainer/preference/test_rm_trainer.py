@@ -1,0 +1,128 @@
+"""reinforge rm: the exported folder is the reward model the worker loads, the update does not depend on the
+micro-batch split, a resumed run equals an uninterrupted one, and bad rows or settings fail before a model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+import reinforge.trainer.preference.pairs as pairs_module
+from reinforge.cli import main
+from reinforge.config import ConfigError
+from reinforge.config.preference_schema import load_rm_config
+from reinforge.data.preference_dataset import PreferenceKeys, collate_pairs, tokenize_pair
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.forward import last_token_scores
+from reinforge.engine.packing import attach_plan
+from reinforge.models.reward_model import load_reward_model
+from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    return sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_rm_logs_trls_metrics_and_exports_a_folder_the_reward_worker_loads(pair_args, pairs_dir, tmp_path):
+    run_dir = tmp_path / "rm"
+    args = pair_args(run_dir, **{"data.val_files": f"[{pairs_dir / 'val.jsonl'}]", "rm.center_rewards_coefficient": 0.01})
+    assert main(["rm", *args]) == 0
+    records = metrics_of(run_dir)
+    assert {"eval_accuracy", "eval_margin", "eval_min_reward", "eval_mean_reward", "eval_max_reward"} <= set(records[0])
+    last = records[-1]
+    for key in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "train/loss",
+                "eval_accuracy", "eval_loss"):
+        assert key in last, key
+    assert last["min_reward"] <= last["mean_reward"] <= last["max_reward"]
+
+    folder = latest_checkpoint(run_dir) / "hf"
+    config = AutoConfig.from_pretrained(folder)
+    assert config.architectures == ["Qwen2ForSequenceClassification"] and config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert config.pad_token_id == tokenizer.pad_token_id
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    worker_model = load_reward_model(str(folder), dtype=torch.float32, device="cpu")  # what reward.reward_model loads
+    use_varlen_attention(worker_model)
+
+    # the packed scoring of training and the worker equals transformers' own forward on a right-padded batch
+    keys = PreferenceKeys()
+    row = {"prompt": [{"role": "user", "content": "question 7?"}], "chosen": [{"role": "assistant", "content": "yes"}],
+           "rejected": [{"role": "assistant", "content": "no, sorry"}]}
+    pair = tokenize_pair(tokenizer, row, keys)
+    batch = attach_plan(collate_pairs([pair], [0], tokenizer.pad_token_id), share_prompts=True)
+    with torch.no_grad():
+        packed = last_token_scores(worker_model, batch).squeeze(-1)
+        sequences = [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + pair.rejected_ids]
+        width = max(map(len, sequences))
+        input_ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in sequences])
+        attention_mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences])
+        padded = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+    torch.testing.assert_close(packed, padded, atol=1e-4, rtol=1e-4)
+
+
+def _weights_after_one_step(pair_args, run_dir: Path, budget: int) -> dict[str, torch.Tensor]:
+    config = load_rm_config(None, pair_args(run_dir, **{"trainer.total_steps": 1, "data.shuffle": False,
+                                                        "trainer.max_tokens_per_micro_batch": budget}))
+    trainer = RewardModelTrainer(config)
+    trainer.fit()
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def test_the_update_does_not_depend_on_the_micro_batch_split(pair_args, tmp_path):
+    whole = _weights_after_one_step(pair_args, tmp_path / "whole", budget=4096)
+    pair_by_pair = _weights_after_one_step(pair_args, tmp_path / "split", budget=96)  # one pair a micro-batch
+    for name in whole:
+        torch.testing.assert_close(whole[name], pair_by_pair[name], atol=2e-6, rtol=1e-5)
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(pair_args, tmp_path):
+    straight = tmp_path / "straight"
+    assert main(["rm", *pair_args(straight, **{"trainer.total_steps": 4})]) == 0
+    resumed = tmp_path / "resumed"
+    assert main(["rm", *pair_args(resumed, **{"trainer.total_steps": 4, "trainer.save_every": 2})]) == 0
+    # the run is stopped after its step-2 checkpoint: drop the later one, and the log lines after step 2
+    import shutil
+
+    shutil.rmtree(latest_checkpoint(resumed))
+    assert main(["rm", *pair_args(resumed, **{"trainer.total_steps": 4, "trainer.save_every": 2})]) == 0
+    first, second = metrics_of(straight), metrics_of(resumed)
+    assert [record["step"] for record in second] == [1, 2, 3, 4]
+    for a, b in zip(first, second, strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        assert a["num_tokens"] == b["num_tokens"]
+
+
+def test_a_malformed_row_fails_in_one_line_before_the_tokenizer_or_model_loads(pair_args, tmp_path, monkeypatch,
+                                                                              capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Q", "chosen": "yes"}) + "\n")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the tokenizer started loading before the rows were checked")
+
+    monkeypatch.setattr(pairs_module, "load_tokenizer", no_loading)
+    assert main(["rm", *pair_args(tmp_path / "run", **{"data.train_files": f"[{bad}]"})]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: row 0 of {bad} has no 'rejected' column (its columns: chosen, prompt); preference rows "
+                    "hold 'chosen' and 'rejected' (and optionally 'prompt'); data.chosen_key / data.rejected_key name "
+                    "other columns")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.max_tokens_per_micro_batch=100", "trainer.max_tokens_per_micro_batch=100 is smaller than 2 x "
+     "data.max_length=2048, so one pair (its prompt and both completions) may not fit one micro-batch; raise it"),
+    ("rm.center_rewards_coefficient=-1", "rm.center_rewards_coefficient=-1.0 must be a finite number >= 0"),
+    ("model.lora.rank=8", "model.lora.rank=8: reinforge rm trains every parameter and would ignore the adapters"),
+    ("data.truncation=right", "data.truncation='right' is not one of drop, error"),
+])
+def test_settings_that_cannot_work_are_refused_as_the_config_loads(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_rm_config(None, [override])
+    assert str(error.value).startswith(message)
