@@ -73,7 +73,7 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: flo
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # as eager: no NaN in an empty row
     if sinks is not None:
         sink_column = sinks.reshape(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink_column], dim=-1)

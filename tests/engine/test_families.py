@@ -130,6 +130,28 @@ def test_fast_path_modules_equal_transformers_modules_in_packed_passes(arch):
         assert torch.equal(swapped.generate(prompts, max_new_tokens=3, do_sample=False), expected)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", SINKS])
+def test_generation_with_soft_caps_and_sinks_matches_eager_attention(arch):
+    """hf rollout: SDPA cannot soft-cap or sink, so those layers take the explicit path, left padding included."""
+    model = tiny_model(arch, seed=4)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    use_varlen_attention(model)
+    input_ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    outputs = []
+    for candidate in (reference, model):
+        candidate.generation_config.pad_token_id = 0
+        with torch.no_grad():
+            outputs.append(candidate.generate(input_ids * attention_mask, attention_mask=attention_mask,
+                                              max_new_tokens=4, do_sample=False, output_logits=True,
+                                              return_dict_in_generate=True))
+    assert torch.equal(outputs[1].sequences, outputs[0].sequences)
+    for ours, theirs in zip(outputs[1].logits, outputs[0].logits, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
 def test_the_training_path_line_names_the_path_why_and_the_cost():
     cuda = torch.device("cuda")
     assert "fast path for gemma2" in describe_training_path(tiny_model("gemma2"), cuda)
