@@ -50,6 +50,10 @@ def _optim_params(prefix: str, when: Callable[[Any], bool] = lambda config: True
     ]
 
 
+REWARD_MODEL_KEYS = ("model_path", "input_tokenizer", "max_length", "max_tokens_per_micro_batch", "offload",
+                     "trust_remote_code", "enable_resource_pool", "n_gpus_per_node", "nnodes")
+"""reward.reward_model's settings besides enable."""
+
 CRITIC_KEYS = ("critic.model_path", "critic.optim.lr", "critic.optim.weight_decay", "critic.optim.betas",
                "critic.optim.eps", "critic.optim.warmup_steps", "critic.optim.warmup_ratio", "critic.optim.schedule",
                "critic.optim.min_lr_ratio", "critic.cliprange_value", "critic.loss_agg_mode", "critic.ppo_epochs",
@@ -139,6 +143,18 @@ IGNORED_WHEN: list[IgnoredWhen] = [
                 "set reward.num_workers=1 or more"),
     IgnoredWhen(("trainer.ray_address",), lambda config: config.trainer.backend != "ray",
                 "trainer.backend is local", "set trainer.backend=ray"),
+    IgnoredWhen(tuple(f"reward.reward_model.{name}" for name in REWARD_MODEL_KEYS),
+                lambda config: not config.reward.reward_model.enable, "reward.reward_model.enable is false",
+                "set reward.reward_model.enable=true"),
+    IgnoredWhen(("reward.reward_model.n_gpus_per_node", "reward.reward_model.nnodes"),
+                lambda config: config.reward.reward_model.enable and not config.reward.reward_model.enable_resource_pool,
+                "the reward model shares the actor's devices (reward.reward_model.enable_resource_pool is false)",
+                "set reward.reward_model.enable_resource_pool=true"),
+    IgnoredWhen(("reward.combine.rm_weight", "reward.combine.rule_weight"),
+                lambda config: config.reward.combine.mode != "sum", "they weigh the scores of reward.combine.mode=sum",
+                "set reward.combine.mode=sum"),
+    IgnoredWhen(("reward.combine.gate_threshold",), lambda config: config.reward.combine.mode != "gate",
+                "it is the rule's pass mark of reward.combine.mode=gate", "set reward.combine.mode=gate"),
 ]
 """Every setting the rest of the config can make ineffective, with the condition that does."""
 

@@ -73,6 +73,15 @@ WARNED = [
     ("trainer.total_epochs=3", ["trainer.total_steps=10"], "trainer.total_steps is set"),
     ("reward.max_memory_mb=1024", ["reward.num_workers=0"], "no heap cap applies"),
     ("trainer.ray_address=10.0.0.1:6379", [], "trainer.backend is local"),
+    ("reward.reward_model.model_path=/models/rm", [], "reward.reward_model.enable is false"),
+    ("reward.reward_model.offload=false", [], "reward.reward_model.enable is false"),
+    ("reward.reward_model.nnodes=2", ["reward.reward_model.enable=true", "reward.reward_model.model_path=/models/rm"],
+     "the reward model shares the actor's devices"),
+    ("reward.combine.rm_weight=0.5", ["reward.reward_model.enable=true", "reward.reward_model.model_path=/models/rm"],
+     "they weigh the scores of reward.combine.mode=sum"),
+    ("reward.combine.gate_threshold=0.5", ["reward.reward_model.enable=true",
+                                          "reward.reward_model.model_path=/models/rm", "reward.combine.mode=sum"],
+     "it is the rule's pass mark of reward.combine.mode=gate"),
 ]
 
 # (the setting, the config that makes it a mistake, the refusal)
@@ -109,7 +118,11 @@ def test_every_key_the_rules_name_is_listed_above():
     assert named - listed == {"critic.optim.weight_decay", "critic.optim.betas", "critic.optim.eps",
                               "critic.optim.warmup_steps", "critic.optim.warmup_ratio", "critic.optim.schedule",
                               "critic.loss_agg_mode", "critic.ppo_epochs", "critic.max_tokens_per_micro_batch",
-                              "critic.grad_clip", "critic.param_offload", "critic.optimizer_offload"}  # as critic.optim.lr
+                              "critic.grad_clip", "critic.param_offload", "critic.optimizer_offload",  # as critic.optim.lr
+                              "reward.reward_model.input_tokenizer", "reward.reward_model.max_length",
+                              "reward.reward_model.max_tokens_per_micro_batch", "reward.reward_model.trust_remote_code",
+                              "reward.reward_model.enable_resource_pool", "reward.reward_model.n_gpus_per_node",
+                              "reward.combine.rule_weight"}
     assert listed <= named
 
 
