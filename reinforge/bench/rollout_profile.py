@@ -73,21 +73,21 @@ def profile_rollout(model: nn.Module, requests: list[GenerationRequest], engine_
     decoder, shape = runner.decoder, model.config
     context = int(runner._graph_inputs["context_lens"][:batch].float().mean())
     result["mean_context"] = context
-    q = torch.randn(batch, decoder.num_heads, decoder.head_dim, device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, decoder.attention[0].num_heads, decoder.spec.head_dim, device=device, dtype=torch.bfloat16)
     k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]
     blocks_per_seq = -(-context // engine.block_size)
     tables = torch.randperm(k_cache.shape[0] - 1, device=device)[: batch * blocks_per_seq].view(batch, -1)
     lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
     result["attention_ms"] = bench(lambda: triton_kernels.paged_decode_attention(
-        q, k_cache, v_cache, tables.to(torch.int32), lengths, decoder.head_dim ** -0.5))
+        q, k_cache, v_cache, tables.to(torch.int32), lengths, decoder.spec.attn_scale))
     layer, hidden = decoder.weights.layers[0], torch.randn(batch, shape.hidden_size, device=device,
                                                            dtype=torch.bfloat16)
-    result["qkv_ms"] = bench(lambda: nn.functional.linear(hidden, layer.qkv_weight, layer.qkv_bias))
-    attention_out = torch.randn(batch, decoder.num_heads * decoder.head_dim, device=device, dtype=torch.bfloat16)
+    result["qkv_ms"] = bench(lambda: nn.functional.linear(hidden, layer["qkv_weight"], layer["qkv_bias"]))
+    attention_out = torch.randn(batch, decoder.attention[0].q_size, device=device, dtype=torch.bfloat16)
     o_proj, mlp = model.model.layers[0].self_attn.o_proj, model.model.layers[0].mlp
     result["o_proj_ms"] = bench(lambda: o_proj(attention_out))
     result["mlp_ms"] = bench(lambda: mlp.down_proj(triton_kernels.silu_and_mul(
-        nn.functional.linear(hidden, layer.gate_up_weight, layer.gate_up_bias))))
+        nn.functional.linear(hidden, layer["gate_up_weight"], layer["gate_up_bias"]))))
     result["lm_head_ms"] = bench(lambda: model.lm_head(hidden))
     logits = torch.randn(batch, shape.vocab_size, device=device, dtype=torch.bfloat16)
     ones, seeds = torch.ones(batch, device=device), torch.arange(batch, device=device, dtype=torch.int64)

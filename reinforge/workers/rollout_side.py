@@ -174,9 +174,10 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
     support the architecture."""
     eos_ids = stop_token_ids(config, tokenizer, model)
     if config.rollout.name == "native":
-        from reinforge.rollout.native import NativeEngine, supports_model
+        from reinforge.rollout.native import NativeEngine, hf_fallback_notice, unsupported_reason
 
-        if supports_model(model):
+        reason = unsupported_reason(model)
+        if reason is None:
             rollout = config.rollout
             engine = NativeEngine(model, eos_token_ids=eos_ids,
                                   max_model_len=config.data.max_prompt_length + config.data.max_response_length,
@@ -186,8 +187,7 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                 engine.num_kv_blocks = max(math.ceil(rollout.kv_cache_gib * GiB / engine.runner.kv_bytes_per_block()), 1)
             return engine
-        logging.getLogger(__name__).warning(
-            "rollout.name=native does not support %s; using the hf backend", type(model).__name__)
+        logging.getLogger(__name__).warning(hf_fallback_notice(reason))
     from reinforge.rollout.hf import HFEngine
 
     return HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)

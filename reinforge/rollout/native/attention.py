@@ -20,7 +20,7 @@ dense mask in every layer, which on an H200 costs as much as some 25 decode step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -41,8 +41,9 @@ class AttentionMetadata:
     Prefill after a prefix-cache hit: also block_tables and context_lens (every token, cached ones
     included), prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one, and
     max_context_len, the largest context length (known on the host: reading it from context_lens would
-    wait for the device at every layer). prefix_visible (num_seqs, 1, max_len, max_context_len) says which
-    keys each query sees; the first layer makes it and the others reuse it. For the packed path:
+    wait for the device at every layer). prefix_visible maps a sliding window (None: none) to the mask
+    (num_seqs, 1, max_len, max_context_len) of the keys each query sees; the first layer of each window makes
+    it and the others reuse it. For the packed path:
     context_slots (context tokens,) the cache slot of every token of every sequence's context, in order,
     context_lengths those contexts' lengths, and cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32, the
     packed queries' and contexts' offsets.
@@ -57,18 +58,11 @@ class AttentionMetadata:
     context_lens: Tensor | None = None
     prefix_lens: Tensor | None = None
     max_context_len: int = 0
-    prefix_visible: Tensor | None = None
+    prefix_visible: dict[int | None, Tensor] = field(default_factory=dict)
     context_slots: Tensor | None = None
     context_lengths: list[int] | None = None
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x*cos + rotate_half(x)*sin, as transformers computes it. x: (tokens, heads, dim); cos, sin: (tokens, dim)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -77,8 +71,32 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """Causal attention within each packed sequence. q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)."""
+def attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """Masked attention as transformers computes it. q: (batch, heads, queries, dim); k, v: (batch, heads, keys,
+    dim); visible: bool, broadcast to (batch, heads, queries, keys). A soft-cap (softcap * tanh(scores / softcap)
+    on the scaled scores, before the mask) runs transformers' eager math: SDPA has no soft-cap."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def visible_keys(query_positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
+    """Whether each key is visible to each query: causal, and within the last ``window`` positions (the query
+    included) when the layer slides. Broadcasts query_positions (..., queries, 1) against key_positions (keys,)."""
+    visible = key_positions <= query_positions
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    return visible
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, scale: float,
+                      window: int | None = None, softcap: float | None = None) -> Tensor:
+    """Causal attention within each packed sequence (within its last ``window`` keys when the layer slides).
+    q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)."""
     assert meta.seq_lens is not None and meta.batch_index is not None and meta.token_index is not None
     num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
     group = q.shape[1] // k.shape[1]
@@ -88,19 +106,24 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, 
         grid[meta.batch_index, meta.token_index] = x
         return grid.transpose(1, 2)
 
+    q_grid, k_grid, v_grid = to_grid(q), to_grid(k).repeat_interleave(group, dim=1), \
+        to_grid(v).repeat_interleave(group, dim=1)
     # right padding: with a causal mask a real query only ever sees real keys
-    out = F.scaled_dot_product_attention(
-        to_grid(q), to_grid(k).repeat_interleave(group, dim=1), to_grid(v).repeat_interleave(group, dim=1),
-        is_causal=True, scale=scale)
+    if window is None and softcap is None:
+        out = F.scaled_dot_product_attention(q_grid, k_grid, v_grid, is_causal=True, scale=scale)
+    else:
+        positions = torch.arange(max_len, device=q.device)
+        out = attend(q_grid, k_grid, v_grid, visible_keys(positions[:, None], positions, window), scale, softcap)
     return out.transpose(1, 2)[meta.batch_index, meta.token_index]
 
 
 def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                                  scale: float) -> Tensor:
+                                  scale: float, window: int | None = None, softcap: float | None = None) -> Tensor:
     """Causal attention of each sequence's packed tokens over its cached and new keys (all already in the cache).
 
     q: (tokens, heads, dim); caches: (num_blocks, block_size, kv_heads, dim). The query at packed index i of a
-    sequence sits at position prefix_len + i and sees the keys at positions 0..prefix_len + i.
+    sequence sits at position prefix_len + i and sees the keys at positions 0..prefix_len + i (the last
+    ``window`` of them when the layer slides).
     """
     assert meta.seq_lens is not None and meta.block_tables is not None and meta.context_lens is not None
     assert meta.prefix_lens is not None and meta.batch_index is not None and meta.token_index is not None
@@ -116,33 +139,38 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
 
     grid = q.new_zeros(num_seqs, max_len, *q.shape[1:])
     grid[meta.batch_index, meta.token_index] = q
-    if meta.prefix_visible is None:
+    if window not in meta.prefix_visible:
         query_positions = meta.prefix_lens[:, None] + torch.arange(max_len, device=q.device)[None, :]
         key_positions = torch.arange(max_context, device=q.device)
-        # padding queries (past a sequence's length) still see key 0, so no row is all masked
-        visible = (key_positions[None, None, :] <= query_positions[:, :, None]) \
+        visible = visible_keys(query_positions[:, :, None], key_positions, window) \
             & (key_positions[None, None, :] < meta.context_lens[:, None, None])
-        meta.prefix_visible = visible[:, None]
-    out = F.scaled_dot_product_attention(grid.transpose(1, 2), gather(k_cache), gather(v_cache),
-                                         attn_mask=meta.prefix_visible, scale=scale)
+        visible[:, :, 0] |= ~visible.any(dim=-1)  # a padding query (past its sequence) sees key 0: no empty row
+        meta.prefix_visible[window] = visible[:, None]
+    out = attend(grid.transpose(1, 2), gather(k_cache), gather(v_cache), meta.prefix_visible[window], scale, softcap)
     return out.transpose(1, 2)[meta.batch_index, meta.token_index]
 
 
 def packed_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                            scale: float) -> Tensor:
+                            scale: float, window: int | None = None) -> Tensor:
     """What ``prefill_attention_with_prefix`` computes, from each sequence's context gathered by slot, unpadded.
 
     On CUDA in bf16/fp16: the flash varlen kernel (key/value heads shared by their query heads in the
-    kernel, the causal mask aligned to the end of each sequence's keys). Elsewhere: the same packed inputs
-    through one masked SDPA call (what the tests compare with the reference)."""
+    kernel, the causal mask aligned to the end of each sequence's keys, a sliding window as the kernel's
+    left window of ``window - 1`` keys). Elsewhere: the same packed inputs through one masked SDPA call (what
+    the tests compare with the reference); a sliding layer there runs the reference itself."""
     assert meta.context_slots is not None and meta.cu_seqlens_q is not None and meta.cu_seqlens_k is not None
     assert meta.seq_lens is not None and meta.context_lengths is not None
-    k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
-    v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
+        v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
+        windowed = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         return torch.ops.aten._flash_attention_forward(
             q.contiguous(), k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.seq_lens), meta.max_context_len,
-            0.0, True, False, scale=scale)[0]
+            0.0, True, False, scale=scale, **windowed)[0]
+    if window is not None:
+        return prefill_attention_with_prefix(q, k_cache, v_cache, meta, scale, window)
+    k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)
+    v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
     return padded_packed_attention(q, k, v, meta.seq_lens, meta.context_lengths, scale)
 
 
@@ -185,8 +213,10 @@ def flash_prefix_applies(device: torch.device, dtype: torch.dtype) -> bool:
     return agrees
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """One query per sequence against its cached tokens. q: (batch, heads, dim). Gathers blocks; not graph-safe."""
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+                     window: int | None = None, softcap: float | None = None) -> Tensor:
+    """One query per sequence against its cached tokens (the last ``window`` of them when the layer slides).
+    q: (batch, heads, dim). Gathers blocks; not graph-safe."""
     assert meta.block_tables is not None and meta.context_lens is not None
     batch, num_heads, _ = q.shape
     group = num_heads // k_cache.shape[2]
@@ -197,7 +227,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
         tokens = cache[block_tables].flatten(1, 2)[:, :max_context]  # (batch, context, kv_heads, dim)
         return tokens.transpose(1, 2).repeat_interleave(group, dim=1)
 
-    visible = torch.arange(max_context, device=q.device)[None, :] < meta.context_lens[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], gather(k_cache), gather(v_cache),
-                                         attn_mask=visible[:, None, None, :], scale=scale)
+    query_positions = (meta.context_lens.long() - 1)[:, None]
+    visible = visible_keys(query_positions, torch.arange(max_context, device=q.device), window)
+    out = attend(q[:, :, None, :], gather(k_cache), gather(v_cache), visible[:, None, None, :], scale, softcap)
     return out[:, :, 0, :]

@@ -13,6 +13,14 @@ nobody holds stays in the cache, and is evicted least recently used first when a
 needed. A new sequence whose tokens start with registered blocks takes them (``match_prefix``,
 then ``allocate(..., cached=...)``) and prefills only the rest. ``reset_prefix_cache`` forgets
 every registration (the weights changed, so the cached keys and values are stale).
+
+Sliding windows: when every layer of the model attends through a window of W keys (Mistral), a query
+at position p reads no key before p - W + 1, so blocks wholly before that go back to the pool as a
+sequence grows (``release_out_of_window``): a sequence then holds at most its window's blocks (and the
+one being filled) however long it gets. Its table keeps its length, the released entries marked
+``RELEASED``, so block indices still map positions; no kernel reads them (the window masks them out, and
+the decode kernel starts its loop at the window). With prefix caching, a released block is registered
+first, exactly as at the sequence's release, so the prefix stays reusable while it is cached.
 """
 
 from __future__ import annotations
@@ -22,14 +30,20 @@ from collections import OrderedDict, deque
 BlockKey = tuple[int, tuple[int, ...]]
 """(hash of the blocks before this one, this block's token ids)."""
 
+RELEASED = -1
+"""A block-table entry whose block went back to the pool: every query still to come is past its window."""
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
+        """sliding_window: the widest window when every layer slides (blocks before it are released), else None."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache has {num_blocks} blocks; raise gpu_memory_utilization or num_kv_blocks")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         """Free blocks holding nothing reusable."""
@@ -95,7 +109,7 @@ class BlockManager:
         """Register the full blocks of ``block_table`` whose first ``num_written`` tokens' keys and values are written."""
         num_full = min(num_written // self.block_size, len(block_table))
         for key, block_id in zip(self.block_key_chain(token_ids, num_full, known), block_table, strict=False):
-            if block_id in self.block_keys:
+            if block_id == RELEASED or block_id in self.block_keys:
                 continue  # registered already (a shared prompt block, or taken from the cache)
             if key in self.cached_blocks:
                 continue  # the same content lives in another block; this one just becomes free
@@ -159,11 +173,37 @@ class BlockManager:
         if self.enable_prefix_caching and token_ids is not None and epoch in (None, self.epoch):
             self._register(token_ids, block_table, num_written, [] if known is None else known)
         for block_id in reversed(block_table):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
-            if self.ref_counts[block_id] == 0:
-                if block_id in self.block_keys:
-                    self.evictable[block_id] = None
-                else:
-                    self.free_block_ids.append(block_id)
+            if block_id != RELEASED:
+                self._unhold(block_id)
         block_table.clear()
+
+    def _unhold(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+        if self.ref_counts[block_id] == 0:
+            if block_id in self.block_keys:
+                self.evictable[block_id] = None
+            else:
+                self.free_block_ids.append(block_id)
+
+    def release_out_of_window(self, block_table: list[int], query_position: int, token_ids: list[int] | None = None,
+                              known: list[BlockKey] | None = None, epoch: int | None = None) -> int:
+        """Give back the blocks of ``block_table`` that no query from ``query_position`` on reads (every layer
+        slides); their entries become ``RELEASED``. Returns how many entries were released now.
+
+        token_ids, known, epoch: as for ``free``; with prefix caching the released blocks are registered first.
+        """
+        if self.sliding_window is None:
+            return 0
+        num_out = min(max(query_position - self.sliding_window + 1, 0) // self.block_size, len(block_table))
+        if not num_out or block_table[num_out - 1] == RELEASED:
+            return 0
+        if self.enable_prefix_caching and token_ids is not None and epoch in (None, self.epoch):
+            self._register(token_ids, block_table[:num_out], num_out * self.block_size, [] if known is None else known)
+        released = 0
+        for index in range(num_out):
+            if block_table[index] != RELEASED:
+                self._unhold(block_table[index])
+                block_table[index] = RELEASED
+                released += 1
+        return released

@@ -1,4 +1,4 @@
-"""NativeEngine: reinforge's own rollout engine for Qwen2/Qwen2.5/Qwen3 and Llama models.
+"""NativeEngine: reinforge's own rollout engine for the dense families of the architecture table.
 
 Token ids in, token ids and per-token log-probs out. One scheduler serves two entry points:
 ``generate(requests)`` steps it until a batch is done, and ``await generate_async(request)``
@@ -76,7 +76,7 @@ class NativeEngine:
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625):
-        """Wrap ``model`` (an HF Qwen2/Qwen2.5/Qwen3/Llama causal LM) for generation.
+        """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
         KV cache is allocated (the cache gets what weights, optimizer state and a step's activations
@@ -155,8 +155,9 @@ class NativeEngine:
         if self.runner.kv_cache is None:
             self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.runner.forget_block_tables()
-        self.scheduler = Scheduler(BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching),
-                                   self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
+        manager = BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching,
+                               self.runner.decoder.sliding_window)
+        self.scheduler = Scheduler(manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
                                    self.admission_fraction)
 
     def sleep(self, abandon: bool = False) -> None:
@@ -216,7 +217,11 @@ class NativeEngine:
         self._invalidate_prefix_cache()
 
     def _num_kv_blocks(self) -> int:
-        useful = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        full = -(-self.max_model_len // self.block_size)
+        useful = self.max_num_seqs * full
+        window = self.runner.decoder.sliding_window
+        if window is not None:  # a sequence holds its window's blocks and the one it fills (one full-length prefill)
+            useful = min(useful, full + (self.max_num_seqs - 1) * (-(-(window - 1) // self.block_size) + 2))
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.device.type != "cuda":

@@ -1,152 +1,94 @@
-"""The decoder forward of the native engine for transformers' Qwen2/Qwen3/Llama models.
+"""The decoder forward of the native engine, for every family the architecture table describes.
 
-Qwen2, Qwen2.5, Qwen3 and Llama share one layout (RMSNorm, rotary attention with grouped
-KV heads, gated SiLU MLP); this module runs that layout over packed tokens with a paged KV
-cache. It reads its own copy of the weights (``ModelWeights``), made from the model's
-parameters at wake-up and refreshed in place with ``copy_`` at each weight sync, so the
-storage a captured CUDA graph reads never moves: graphs outlive the trainer's parameters
-being resharded, freed or moved, and the trainer may free its gathered parameters as soon as
-the copy is made. Each layer's q, k and v projections, and its gate and up projections, are
-concatenated in the copy so that each group runs as one matrix product. On the Triton path
-the norms, rotary embedding, cache write and SiLU-and-mul are fused kernels that round as
-transformers does; the PyTorch path writes transformers' own math.
+One decoder runs every dense family of ``models.architectures`` (Llama, Mistral, Qwen2/Qwen3, Gemma 2 and 3,
+Phi-3/Phi-4, OLMo 2, SmolLM3) from the table: the embedding scale, each layer's norm placement (pre, the
+Gemma sandwich, OLMo 2's post norms) and norm kind, its attention and MLP blocks (``layers.py``, chosen per
+layer by ``attention_block`` and ``mlp_block``), the final norm and the final logit soft-cap. It runs over
+packed tokens with a paged KV cache whose per-token entry the attention blocks define (``kv_cache_shape``).
+
+It reads its own copy of the weights (``ModelWeights``), made from the model's parameters at wake-up and
+refreshed in place with ``copy_`` at each weight sync, so the storage a captured CUDA graph reads never moves:
+graphs outlive the trainer's parameters being resharded, freed or moved, and the trainer may free its gathered
+parameters as soon as the copy is made. Projections that read the same input are concatenated in the copy (q|k|v
+and gate|up, as Phi-3 stores them), so each group runs as one matrix product.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from reinforge.rollout.native.attention import (
-    AttentionMetadata,
-    apply_rotary,
-    decode_attention,
-    flash_prefix_applies,
-    packed_prefix_attention,
-    prefill_attention,
-    prefill_attention_with_prefix,
-    write_kv_cache,
-)
+from reinforge.models.architectures import ArchitectureSpec, architecture_spec, text_config
+from reinforge.rollout.native.attention import AttentionMetadata, flash_prefix_applies
+from reinforge.rollout.native.layers import ACTIVATIONS, BlockContext, DenseAttention, DenseMLP, LayerWeights, Parts
+from reinforge.rollout.native.rotary_tables import RotaryTables
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+NORM_NAMES = {"pre": ("input_layernorm", "post_attention_layernorm"),
+              "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm"),
+              "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+"""The norms of a layer of each placement, as transformers names them (their copies keep the names)."""
+
+
+def attention_block(context: BlockContext, index: int) -> DenseAttention:
+    """The attention block of layer ``index``."""
+    return DenseAttention(context, context.spec.layers[index])
+
+
+def mlp_block(context: BlockContext, index: int) -> DenseMLP:
+    """The MLP block of layer ``index``."""
+    return DenseMLP(context, context.spec.layers[index])
+
+
+def decoder_module(model: nn.Module) -> nn.Module:
+    """The module holding embed_tokens, layers, norm and rotary_emb (a multimodal model's language model)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the native engine cannot run ``model``, or None when it can."""
-    # a subclass of a supported class (a wrapper adding methods) has the same modules
-    name = next((cls.__name__ for cls in type(model).__mro__ if cls.__name__ in SUPPORTED_ARCHITECTURES), None)
-    if name is None:
-        return f"architecture {type(model).__name__} is not one of {', '.join(SUPPORTED_ARCHITECTURES)}"
-    config = model.config
-    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
-        return f"{name} uses sliding-window attention (use_sliding_window=True)"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return f"{name} has layers other than full attention ({sorted(set(config.layer_types))})"
+    config = text_config(model.config)
+    spec = architecture_spec(model.config)
+    if spec is None:
+        return (f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) has no entry in the "
+                "architecture table (reinforge/models/architectures.py)")
+    if spec.mla is not None:
+        return f"{spec.model_type} uses multi-head latent attention, which the native engine does not run"
+    if any(layer.moe for layer in spec.layers):
+        return f"{spec.model_type} has mixture-of-experts layers, which the native engine does not run"
+    if not hasattr(model, "model") or not hasattr(decoder_module(model), "layers"):
+        return f"{type(model).__name__} keeps no decoder layers at model.layers"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in _STATIC_ROPE_TYPES:
-        return f"{name} uses rope_type={rope_type!r}, whose frequencies depend on the sequence length"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"{name} uses hidden_act={config.hidden_act!r}; the engine implements silu"
+    kinds = rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope \
+        else [rope]
+    for parameters in kinds:  # Gemma 3 nests one rope dict per layer type
+        rope_type = parameters.get("rope_type", parameters.get("type", "default")) \
+            if isinstance(parameters, dict) else "default"
+        if rope_type not in _STATIC_ROPE_TYPES:
+            return f"{spec.model_type} uses rope_type={rope_type!r}, whose frequencies change with the sequence length"
+    if spec.activation not in ACTIVATIONS:
+        return f"{spec.model_type} uses the activation {spec.activation!r}; the engine runs {', '.join(ACTIVATIONS)}"
     return None
+
+
+HF_BACKEND_SLOWDOWN = 20
+"""How many times longer transformers' ``generate`` (the hf backend) takes over a GRPO rollout than the native
+engine, roughly, as measured with small models on the GPU."""
+
+
+def hf_fallback_notice(reason: str) -> str:
+    """The one line said at start when rollout.name=native meets a model the engine cannot run."""
+    return (f"rollout.name=native cannot run this model: {reason}; rolling out with the hf backend "
+            f"(transformers' generate) instead, roughly {HF_BACKEND_SLOWDOWN}x slower")
 
 
 def supports_model(model: nn.Module) -> bool:
     """True when the native engine can generate with ``model`` (else use the hf backend)."""
     return unsupported_reason(model) is None
-
-
-@dataclass
-class LayerWeights:
-    """The decoder's own copy of one layer's weights.
-
-    qkv_weight: (heads * head_dim + 2 * kv_heads * head_dim, hidden), q then k then v rows;
-    gate_up_weight: (2 * intermediate, hidden), gate then up rows: the projections that read the
-    same input are concatenated, so each runs as one matrix product. A concatenated bias is None
-    when none of its projections has one (a projection without a bias contributes zeros); the
-    q/k norms are None for models without them (all but Qwen3).
-    """
-
-    input_norm: Tensor
-    qkv_weight: Tensor
-    qkv_bias: Tensor | None
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    o_weight: Tensor
-    o_bias: Tensor | None
-    post_norm: Tensor
-    gate_up_weight: Tensor
-    gate_up_bias: Tensor | None
-    down_weight: Tensor
-    down_bias: Tensor | None
-
-
-@dataclass
-class ModelWeights:
-    """The decoder's own copy of every weight its forward reads (``lm_head`` is ``embed`` when tied)."""
-
-    embed: Tensor
-    layers: list[LayerWeights]
-    final_norm: Tensor
-    lm_head: Tensor
-
-    @classmethod
-    def copied(cls, model: nn.Module, dtype: torch.dtype, device: torch.device) -> ModelWeights:
-        def build(parts: list[Tensor] | None) -> Tensor | None:
-            return None if parts is None else torch.cat([whole(part).detach().to(device, dtype) for part in parts])
-
-        inner = model.model
-        embed = build([inner.embed_tokens.weight])
-        layers = [LayerWeights(*(build(parts) for parts in _layer_parts(layer))) for layer in inner.layers]
-        lm_head = embed if _tied(model) else build([model.lm_head.weight])
-        return cls(embed, layers, build([inner.norm.weight]), lm_head)
-
-    @torch.no_grad()
-    def copy_from(self, model: nn.Module) -> None:
-        """Overwrite every copy in place with the model's current weights."""
-        inner = model.model
-        pairs = [(self.embed, [inner.embed_tokens.weight]), (self.final_norm, [inner.norm.weight])]
-        if self.lm_head is not self.embed:
-            pairs.append((self.lm_head, [model.lm_head.weight]))
-        for weights, layer in zip(self.layers, inner.layers, strict=True):
-            pairs.extend(zip(_fields(weights), _layer_parts(layer), strict=True))
-        destinations, sources = [], []
-        for destination, parts in pairs:
-            start = 0
-            for part in parts or ():
-                destinations.append(destination[start:start + part.shape[0]])
-                sources.append(whole(part))
-                start += part.shape[0]
-        if sources and sources[0].device != destinations[0].device:  # parameters offloaded to the CPU
-            for destination, source in zip(destinations, sources, strict=True):
-                destination.copy_(source)
-        else:
-            torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
-
-    def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
-        """id(linear layer of ``model``) -> the rows of this copy that hold its weight (q, k, v share qkv_weight)."""
-        slices: dict[int, Tensor] = {}
-        for weights, layer in zip(self.layers, model.model.layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            for destination, linears in ((weights.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                         (weights.o_weight, (attn.o_proj,)),
-                                         (weights.gate_up_weight, (mlp.gate_proj, mlp.up_proj)),
-                                         (weights.down_weight, (mlp.down_proj,))):
-                start = 0
-                for linear in linears:
-                    slices[id(linear)] = destination[start:start + linear.out_features]
-                    start += linear.out_features
-        return slices
-
-    def tensors(self) -> list[Tensor]:
-        layer_tensors = [tensor for layer in self.layers for tensor in _fields(layer) if tensor is not None]
-        return [self.embed, self.final_norm, self.lm_head, *layer_tensors]
 
 
 def whole(tensor: Tensor) -> Tensor:
@@ -163,45 +105,83 @@ def whole(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def _fields(weights: LayerWeights) -> list[Tensor | None]:
-    return [getattr(weights, field.name) for field in dataclasses.fields(weights)]
+class ModelWeights:
+    """The decoder's own copy of every weight its forward reads: ``embed``, ``final_norm``, ``lm_head`` (``embed``
+    itself when tied) and each layer's copies by name (``layers[i]``, named as the blocks' ``sources`` name them).
+    A refresh (``copy_from``) reads the same tensors of the model it is given through ``pairs``."""
+
+    def __init__(self, decoder: PagedDecoder):
+        self.decoder = decoder
+        model = decoder.model
+        self.layers: list[LayerWeights] = []
+        self._pairs: list[tuple[Tensor, Parts]] = []
+        inner = decoder_module(model)
+        self.embed = self._copy(inner.embed_tokens.weight)
+        self.final_norm = self._copy(inner.norm.weight)
+        self.lm_head = self.embed if _tied(model) else self._copy(model.lm_head.weight)
+        for index, layer in enumerate(inner.layers):
+            copies: LayerWeights = {}
+            for name, parts in decoder.layer_sources(index, layer).items():
+                keep_float32 = name in decoder.float32_copies[index]
+                copies[name] = None if parts is None else self._copy(*parts, keep_float32=keep_float32)
+            self.layers.append(copies)
+
+    def _copy(self, *parts: Tensor, keep_float32: bool = False) -> Tensor:
+        dtype = torch.float32 if keep_float32 else self.decoder.dtype
+        return torch.cat([whole(part).detach().to(self.decoder.device, dtype) for part in parts])
+
+    @torch.no_grad()
+    def copy_from(self, model: nn.Module) -> None:
+        """Overwrite every copy in place with ``model``'s current weights."""
+        destinations, sources = [], []
+        for destination, parts in self.pairs(model):
+            start = 0
+            for part in parts:
+                destinations.append(destination[start:start + part.shape[0]])
+                sources.append(whole(part))
+                start += part.shape[0]
+        if sources and sources[0].device != destinations[0].device:  # parameters offloaded to the CPU
+            for destination, source in zip(destinations, sources, strict=True):
+                destination.copy_(source)
+        else:
+            torch._foreach_copy_(destinations, sources)  # a few launches instead of one per tensor
+
+    def pairs(self, model: nn.Module) -> list[tuple[Tensor, list[Tensor]]]:
+        """(copy, the parts of ``model`` it is made of) for every copy."""
+        inner = decoder_module(model)
+        pairs = [(self.embed, [inner.embed_tokens.weight]), (self.final_norm, [inner.norm.weight])]
+        if self.lm_head is not self.embed:
+            pairs.append((self.lm_head, [model.lm_head.weight]))
+        for index, (copies, layer) in enumerate(zip(self.layers, inner.layers, strict=True)):
+            for name, parts in self.decoder.layer_sources(index, layer).items():
+                if parts is not None:
+                    pairs.append((copies[name], parts))
+        return pairs
+
+    def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
+        """id(linear layer, or adapter wrapping one, of ``model``) -> the rows of this copy that hold its weight (q, k, v share one copy)."""
+        rows: dict[int, Tensor] = {}
+        for destination, parts in self.pairs(model):
+            start = 0
+            for part in parts:
+                rows[id(part)] = destination[start:start + part.shape[0]]
+                start += part.shape[0]
+        # an adapter's wrapper (PEFT's lora.Linear) names its base layer's weight as its own
+        return {id(module): rows[id(weight)] for module in model.modules()
+                if isinstance(weight := getattr(module, "weight", None), Tensor) and id(weight) in rows}
+
+    def tensors(self) -> list[Tensor]:
+        layer_tensors = [tensor for copies in self.layers for tensor in copies.values() if tensor is not None]
+        return [self.embed, self.final_norm, self.lm_head, *layer_tensors]
 
 
 def _tied(model: nn.Module) -> bool:
-    embed, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    embed, lm_head = decoder_module(model).embed_tokens.weight, model.lm_head.weight
     return lm_head is embed or whole(lm_head).data_ptr() == whole(embed).data_ptr()
 
 
-def _layer_parts(layer: nn.Module) -> list[list[Tensor] | None]:
-    """The source tensors of each ``LayerWeights`` field, in field order (None: the field is None)."""
-    attn, mlp = layer.self_attn, layer.mlp
-
-    def concatenated(linears: tuple[nn.Linear, ...]) -> list[list[Tensor] | None]:
-        weights = [linear.weight for linear in linears]
-        if all(linear.bias is None for linear in linears):
-            return [weights, None]
-        return [weights, [linear.weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias
-                          for linear in linears]]
-
-    def single(linear: nn.Linear) -> list[list[Tensor] | None]:
-        return [[linear.weight], None if linear.bias is None else [linear.bias]]
-
-    q_norm = [attn.q_norm.weight] if hasattr(attn, "q_norm") else None
-    k_norm = [attn.k_norm.weight] if hasattr(attn, "k_norm") else None
-    return [[layer.input_layernorm.weight], *concatenated((attn.q_proj, attn.k_proj, attn.v_proj)), q_norm, k_norm,
-            *single(attn.o_proj), [layer.post_attention_layernorm.weight],
-            *concatenated((mlp.gate_proj, mlp.up_proj)), *single(mlp.down_proj)]
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' RMSNorm (Qwen2, Qwen3, Llama): float32 statistics, cast back, then the weight."""
-    hidden = x.float()
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hidden.to(x.dtype)
-
-
 class PagedDecoder:
-    """Embedding, decoder layers and LM head of an HF causal LM over a paged KV cache.
+    """Embedding, decoder layers and LM head of an HF causal LM over a paged KV cache, from its architecture table.
 
     ``load_weights`` must run before ``forward`` (the engine does it at wake-up).
     """
@@ -214,34 +194,53 @@ class PagedDecoder:
         self.model = model
         self.max_model_len = max_model_len
         self.use_triton = use_triton
-        config = model.config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_layers = config.num_hidden_layers
-        self.eps = config.rms_norm_eps
-        self.scale = model.model.layers[0].self_attn.scaling
-        self.dtype = model.model.embed_tokens.weight.dtype
-        self.device = device or model.model.embed_tokens.weight.device  # the model's may be the CPU (param_offload)
-        self.has_qk_norm = hasattr(model.model.layers[0].self_attn, "q_norm")
-        self.flash_prefix = use_triton and flash_prefix_applies(self.device, self.dtype)
-        """Prefills after a prefix-cache hit run the flash varlen kernel (see attention.py)."""
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.cos, self.sin = self._rotary_tables()
+        spec: ArchitectureSpec = architecture_spec(model.config)
+        self.spec = spec
+        config = text_config(model.config)
+        inner = decoder_module(model)
+        self.num_layers = len(spec.layers)
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = device or inner.embed_tokens.weight.device  # the model's may be the CPU (param_offload)
+        self.flash_prefix = use_triton and spec.attn_softcap is None and flash_prefix_applies(self.device, self.dtype)
+        """Prefills after a prefix-cache hit run the flash varlen kernel (see attention.py); soft-capped scores
+        run the reference."""
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope = dict(rope) if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope) else {}
+        rope.setdefault("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+        self.rotary = RotaryTables(inner, {layer.rope for layer in spec.layers}, max_model_len, self.dtype,
+                                   self.device, rope)
+        self.context = BlockContext(spec, config, self.dtype, use_triton, self.flash_prefix, self.rotary)
+        self.attention = [attention_block(self.context, index) for index in range(self.num_layers)]
+        self.mlps = [mlp_block(self.context, index) for index in range(self.num_layers)]
+        self.float32_copies = [block.float32_copies | mlp.float32_copies
+                               for block, mlp in zip(self.attention, self.mlps, strict=True)]
+        self.embedding_scale = None if spec.embedding_scale is None else \
+            torch.tensor(spec.embedding_scale, dtype=self.dtype, device=self.device)
+        self.cache_entry = self.attention[0].cache_entry
+        if any(block.cache_entry != self.cache_entry for block in self.attention):
+            raise ValueError(f"{spec.model_type}: layers with different KV cache entries share one cache")
         self.weights: ModelWeights | None = None
         """The copies the forward reads, while loaded; see ``load_weights``."""
 
-    def _rotary_tables(self) -> tuple[Tensor, Tensor]:
-        """cos, sin: (max_model_len, head_dim) in the model dtype, from the model's own rotary module."""
-        rotary = self.model.model.rotary_emb
-        buffer = next(rotary.buffers(), None)  # the module computes where its frequencies are
-        device = buffer.device if buffer is not None else self.device
-        positions = torch.arange(self.max_model_len, device=device)[None, :]
-        probe = torch.empty(0, dtype=self.dtype, device=device)
-        with torch.no_grad():
-            cos, sin = rotary(probe, positions)
-        return cos[0].to(self.device).contiguous(), sin[0].to(self.device).contiguous()
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest window when every layer slides (no key older than it is ever read), else None."""
+        windows = [layer.sliding_window for layer in self.spec.layers]
+        return None if any(window is None for window in windows) else max(windows)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """(layers, entries, num_blocks, block_size, heads, dim): each layer's cache, ``cache_entry`` per token."""
+        entries, heads, dim = self.cache_entry
+        return (self.num_layers, entries, num_blocks, block_size, heads, dim)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        entries, heads, dim = self.cache_entry
+        return self.num_layers * entries * block_size * heads * dim * self.dtype.itemsize
+
+    def layer_sources(self, index: int, layer: nn.Module) -> dict[str, Parts]:
+        """Layer ``index``'s copies by name -> the tensors of ``layer`` each is made of."""
+        norms = {name: [getattr(layer, name).weight] for name in NORM_NAMES[self.spec.norm_placement]}
+        return {**norms, **self.attention[index].sources(layer.self_attn), **self.mlps[index].sources(layer.mlp)}
 
     @torch.no_grad()
     def load_weights(self) -> None:
@@ -251,7 +250,7 @@ class PagedDecoder:
         and the model's storage may move or be freed (FSDP reshards it) after the copy.
         """
         if self.weights is None:
-            self.weights = ModelWeights.copied(self.model, self.dtype, self.device)
+            self.weights = ModelWeights(self)
         else:
             self.weights.copy_from(self.model)
 
@@ -262,81 +261,44 @@ class PagedDecoder:
         """Storage addresses of everything a forward reads (what a captured graph depends on)."""
         return tuple(tensor.data_ptr() for tensor in (self.weights.tensors() if self.weights else ()))
 
-    def _norm(self, weight: Tensor, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """RMSNorm of x (or of x + residual, written back into residual) with ``weight``."""
-        if self.use_triton:
-            from reinforge.rollout.native import triton_kernels
-
-            return triton_kernels.rms_norm(x, weight, self.eps, residual)
-        if residual is not None:
-            residual.copy_(residual + x)
-            x = residual
-        return _rms_norm(x, weight, self.eps)
-
-    def _mlp(self, weights: LayerWeights, x: Tensor) -> Tensor:
-        gate_up = F.linear(x, weights.gate_up_weight, weights.gate_up_bias)
-        if self.use_triton:
-            from reinforge.rollout.native import triton_kernels
-
-            activated = triton_kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            activated = F.silu(gate) * up
-        return F.linear(activated, weights.down_weight, weights.down_bias)
-
-    def _attention(self, weights: LayerWeights, x: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   meta: AttentionMetadata) -> Tensor:
-        num_tokens = x.shape[0]
-        qkv = F.linear(x, weights.qkv_weight, weights.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
-            q = self._norm(weights.q_norm, q.contiguous())
-            k = self._norm(weights.k_norm, k.contiguous())
-        if self.use_triton:
-            from reinforge.rollout.native import triton_kernels
-
-            triton_kernels.rope_and_write_cache(q, k, v, self.cos, self.sin, positions, meta.slot_mapping,
-                                                k_cache, v_cache)
-        else:
-            cos, sin = self.cos[positions], self.sin[positions]
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_prefill and meta.prefix_lens is not None:
-            attend = packed_prefix_attention if self.flash_prefix else prefill_attention_with_prefix
-            out = attend(q, k_cache, v_cache, meta, self.scale)
-        elif meta.is_prefill:
-            out = prefill_attention(q, k, v, meta, self.scale)
-        elif self.use_triton:
-            from reinforge.rollout.native import triton_kernels
-
-            out = triton_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                        self.scale)
-        else:
-            out = decode_attention(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.reshape(num_tokens, self.num_heads * self.head_dim), weights.o_weight, weights.o_bias)
-
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                 logits_indices: Tensor | None = None) -> Tensor:
         """Logits (rows, vocab) in the model dtype at ``logits_indices`` (every token when None).
 
-        input_ids, positions: (tokens,); kv_cache: (layers, 2, num_blocks, block_size, kv_heads, head_dim).
+        input_ids, positions: (tokens,); kv_cache: ``kv_cache_shape``.
         """
         assert self.weights is not None, "load_weights() runs before the first forward"
-        model_weights = self.weights
+        model_weights, norm, placement = self.weights, self.context.norm, self.spec.norm_placement
         hidden = F.embedding(input_ids, model_weights.embed)
-        residual = hidden
+        if self.embedding_scale is not None:
+            hidden = hidden * self.embedding_scale
+        residual: Tensor | None = None  # the residual stream is residual + hidden
         for index, weights in enumerate(model_weights.layers):
-            if index == 0:
+            attention, mlp, cache = self.attention[index], self.mlps[index], kv_cache[index]
+            if placement == "post":  # OLMo 2: the sublayers read the stream itself and normalise their output
+                residual = hidden if residual is None else residual + hidden
+                hidden = norm(weights["post_attention_layernorm"], attention.forward(weights, residual, positions,
+                                                                                      cache, meta))
+                residual = residual + hidden
+                hidden = norm(weights["post_feedforward_layernorm"], mlp.forward(weights, residual))
+                continue
+            if residual is None:
                 residual = hidden.clone()
-                normed = self._norm(weights.input_norm, hidden)
+                normed = norm(weights["input_layernorm"], hidden)
             else:
-                normed = self._norm(weights.input_norm, hidden, residual)
-            hidden = self._attention(weights, normed, positions, kv_cache[index, 0], kv_cache[index, 1], meta)
-            normed = self._norm(weights.post_norm, hidden, residual)
-            hidden = self._mlp(weights, normed)
+                normed = norm(weights["input_layernorm"], hidden, residual)
+            hidden = attention.forward(weights, normed, positions, cache, meta)
+            if placement == "sandwich":
+                hidden = norm(weights["post_attention_layernorm"], hidden)
+                normed = norm(weights["pre_feedforward_layernorm"], hidden, residual)
+                hidden = norm(weights["post_feedforward_layernorm"], mlp.forward(weights, normed))
+            else:
+                normed = norm(weights["post_attention_layernorm"], hidden, residual)
+                hidden = mlp.forward(weights, normed)
         if logits_indices is not None:  # index_select: no host sync, so a prefill graph may capture it
             hidden, residual = hidden.index_select(0, logits_indices), residual.index_select(0, logits_indices)
-        return F.linear(self._norm(model_weights.final_norm, hidden, residual), model_weights.lm_head)
+        logits = F.linear(norm(model_weights.final_norm, hidden, residual), model_weights.lm_head)
+        if self.spec.final_softcap is not None:
+            cap = self.spec.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -85,16 +85,13 @@ class ModelRunner:
         self.decoder.free_weights()
 
     def kv_bytes_per_block(self) -> int:
-        decoder = self.decoder
-        element_size = torch.empty(0, dtype=decoder.dtype).element_size()
-        return 2 * decoder.num_layers * self.block_size * decoder.num_kv_heads * decoder.head_dim * element_size
+        return self.decoder.kv_bytes_per_block(self.block_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """(layers, 2, num_blocks + 1, block_size, kv_heads, head_dim); the extra block takes graph padding."""
-        decoder = self.decoder
+        """The decoder's ``kv_cache_shape`` with num_blocks + 1 blocks; the extra block takes graph padding."""
         self.spare_block = num_blocks
-        self.kv_cache = torch.zeros(decoder.num_layers, 2, num_blocks + 1, self.block_size, decoder.num_kv_heads,
-                                    decoder.head_dim, dtype=decoder.dtype, device=self.device)
+        self.kv_cache = torch.zeros(self.decoder.kv_cache_shape(num_blocks + 1, self.block_size),
+                                    dtype=self.decoder.dtype, device=self.device)
 
     def forget_block_tables(self) -> None:
         """Drop the cached block-table rows: a new scheduler numbers its sequences from 1 again, so a row's

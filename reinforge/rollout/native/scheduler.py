@@ -6,7 +6,8 @@ A waiting request with n samples is prefilled once and forked into n sequences t
 its prompt blocks. When a decode step needs a block and none is free, the most recently
 admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
 prompt and generated tokens prefilled again), so the others keep going. Finished sequences
-leave after the step that finished them, and waiting ones join at the next prefill. With prefix
+leave after the step that finished them, and waiting ones join at the next prefill. When every layer
+slides, each decode step first gives back the blocks its sequences' windows have left behind. With prefix
 caching, a released sequence's full blocks stay cached (see block_manager.py) and a waiting
 sequence whose tokens start with cached blocks takes them and prefills only the rest
 (``seq.num_cached_tokens``): the next turn of a multi-turn trajectory, or a preempted sequence.
@@ -168,8 +169,19 @@ class Scheduler:
         seq.row = self.free_rows.pop()
         self.running.append(seq)
 
+    def _release_out_of_window(self, seqs: list[Sequence]) -> None:
+        """Blocks no query of ``seqs`` reads again go back to the pool (every layer slides; see block_manager.py).
+        The step in flight, if any, decodes each sequence's last token, so its window starts no earlier."""
+        manager = self.block_manager
+        if manager.sliding_window is None:
+            return
+        for seq in seqs:
+            manager.release_out_of_window(seq.block_table, len(seq.token_ids) - 1,
+                                          seq.token_ids if seq.keep_prefix else None, seq.block_keys, seq.cache_epoch)
+
     def _schedule_decode(self) -> ScheduledStep:
         self.num_decode_steps += 1
+        self._release_out_of_window(self.running)
         block_size = self.block_manager.block_size
         growing = [seq for seq in self.running if len(seq.block_table) * block_size < seq.num_tokens]
         if self.block_manager.can_allocate(len(growing)):
@@ -239,6 +251,7 @@ class Scheduler:
     def reserve_lookahead(self, seqs: list[Sequence]) -> bool:
         """Grow each sequence to hold one token more than it has, for a decode step launched before the
         previous one's tokens are read; False (nothing allocated) when the free blocks do not suffice."""
+        self._release_out_of_window(seqs)
         block_size = self.block_manager.block_size
         growing = [seq for seq in seqs if len(seq.block_table) * block_size <= len(seq.token_ids)]  # every step
         if not self.block_manager.can_allocate(len(growing)):

@@ -1,8 +1,9 @@
 """Triton kernels of the native engine's GPU path, each with its launcher.
 
-Fused residual-add + RMSNorm, rotary embedding fused with the KV-cache write, SiLU-and-mul
-(of one gate|up tensor), paged decode attention (one program per sequence and KV head, online
-softmax over the sequence's blocks) and the sampler (temperature and a per-row threshold,
+Fused residual-add + RMSNorm (the llama, gemma and olmo kinds), rotary embedding (whole or
+partial, or none) fused with the KV-cache write, SiLU- or tanh-GELU-and-mul (of one gate|up
+tensor), paged decode attention (one program per sequence and KV head, online softmax over the
+sequence's blocks, with an optional sliding window and score soft-cap) and the sampler (temperature and a per-row threshold,
 Gumbel-max with noise from an integer hash of (row key, column), log-prob of the sampled
 token). The sampler splits each row's vocabulary across programs that read their slice once,
 keeping an online max and sum-exp and the best score with its first column; a small kernel
@@ -20,10 +21,14 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+NORM_KINDS = {"llama": 0, "gemma": 1, "olmo": 2}
+"""RMSNorm kinds (``ArchitectureSpec.norm``): llama rounds the normalised value to the model dtype before the weight;
+gemma multiplies by (1 + w) in float32 and olmo by w in float32, each rounding only the product."""
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, num_cols, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, NORM_KIND: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -34,178 +39,244 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, str
         tl.store(residual_ptr + row * stride_r + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / num_cols
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x.dtype)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_KIND == 0:
+        out = (x32 * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32) * weight
+    elif NORM_KIND == 1:
+        out = x32 * tl.rsqrt(variance + eps) * (1.0 + weight)
+    else:
+        out = x32 * tl.rsqrt(variance + eps) * weight
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, kind: str = "llama") -> Tensor:
     """RMSNorm of ``x`` (or of ``x + residual``, stored back into ``residual``) over the last dim.
 
-    x: (rows, dim) or (rows, heads, dim) contiguous; residual like x (updated in place).
+    x: (rows, dim) or (rows, heads, dim), the last dim contiguous; residual like x (updated in place);
+    kind: one of ``NORM_KINDS``.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    out = torch.empty_like(x2)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     residual2 = residual.view(-1, shape[-1]) if residual is not None else x2
     num_cols = shape[-1]
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, residual2, weight, out, x2.stride(0), residual2.stride(0), out.stride(0), num_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(num_cols), num_warps=4)
+        HAS_RESIDUAL=residual is not None, NORM_KIND=NORM_KINDS[kind], BLOCK=triton.next_power_of_2(num_cols),
+        num_warps=4)
     return out.view(shape)
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_x, cos1, cos2, sin1, sin2, token, heads, head_mask, half_mask,
+                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """The rotated first and second halves of the rotary dims of ``heads`` of one token (float32, rounded as
+    transformers rounds: each product to the model dtype)."""
+    half = tl.arange(0, HALF_PAD)
+    mask = head_mask[:, None] & half_mask[None, :]
+    base = x_ptr + token * stride_x + heads[:, None] * HEAD_DIM + half[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    dtype = x1.dtype
+    out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32) + (-(x2 * sin1[None, :])).to(dtype).to(tl.float32)
+    out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin2[None, :]).to(dtype).to(tl.float32)
+    return out1.to(dtype), out2.to(dtype), base, mask
 
 
 @triton.jit
 def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                            stride_q, stride_k, stride_v, stride_cos, stride_cache,
                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                           KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+                           KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr):
     token = tl.program_id(0)
-    position = tl.load(positions_ptr + token)
-    half = tl.arange(0, HALF)
-    cos1 = tl.load(cos_ptr + position * stride_cos + half)
-    cos2 = tl.load(cos_ptr + position * stride_cos + HALF + half)
-    sin1 = tl.load(sin_ptr + position * stride_cos + half)
-    sin2 = tl.load(sin_ptr + position * stride_cos + HALF + half)
-
-    heads = tl.arange(0, HEADS_PAD)
-    q_mask = (heads < NUM_HEADS)[:, None]
-    q_base = q_ptr + token * stride_q + heads[:, None] * (2 * HALF) + half[None, :]
-    q1 = tl.load(q_base, mask=q_mask, other=0.0)
-    q2 = tl.load(q_base + HALF, mask=q_mask, other=0.0)
-    dtype = q1.dtype
-    # transformers computes q*cos + rotate_half(q)*sin with each product rounded to the model dtype
-    out1 = (q1 * cos1[None, :]).to(dtype).to(tl.float32) + (-(q2 * sin1[None, :])).to(dtype).to(tl.float32)
-    out2 = (q2 * cos2[None, :]).to(dtype).to(tl.float32) + (q1 * sin2[None, :]).to(dtype).to(tl.float32)
-    tl.store(q_base, out1.to(dtype), mask=q_mask)
-    tl.store(q_base + HALF, out2.to(dtype), mask=q_mask)
-
     kv_heads = tl.arange(0, KV_HEADS_PAD)
-    kv_mask = (kv_heads < NUM_KV_HEADS)[:, None]
-    k_base = k_ptr + token * stride_k + kv_heads[:, None] * (2 * HALF) + half[None, :]
-    k1 = tl.load(k_base, mask=kv_mask, other=0.0)
-    k2 = tl.load(k_base + HALF, mask=kv_mask, other=0.0)
-    k_out1 = (k1 * cos1[None, :]).to(dtype).to(tl.float32) + (-(k2 * sin1[None, :])).to(dtype).to(tl.float32)
-    k_out2 = (k2 * cos2[None, :]).to(dtype).to(tl.float32) + (k1 * sin2[None, :]).to(dtype).to(tl.float32)
-    tl.store(k_base, k_out1.to(dtype), mask=kv_mask)
-    tl.store(k_base + HALF, k_out2.to(dtype), mask=kv_mask)
-
+    kv_mask = kv_heads < NUM_KV_HEADS
     slot = tl.load(slots_ptr + token).to(tl.int64)
-    cache_base = slot * stride_cache + kv_heads[:, None] * (2 * HALF) + half[None, :]
-    tl.store(k_cache_ptr + cache_base, k_out1.to(dtype), mask=kv_mask)
-    tl.store(k_cache_ptr + cache_base + HALF, k_out2.to(dtype), mask=kv_mask)
-    v_base = v_ptr + token * stride_v + kv_heads[:, None] * (2 * HALF) + half[None, :]
-    tl.store(v_cache_ptr + cache_base, tl.load(v_base, mask=kv_mask, other=0.0), mask=kv_mask)
-    tl.store(v_cache_ptr + cache_base + HALF, tl.load(v_base + HALF, mask=kv_mask, other=0.0), mask=kv_mask)
+    cache_row = slot * stride_cache + kv_heads[:, None] * HEAD_DIM
+    if HALF > 0:  # the first 2 * HALF dims rotate (all of them unless the rotary factor is partial)
+        position = tl.load(positions_ptr + token)
+        half = tl.arange(0, HALF_PAD)
+        half_mask = half < HALF
+        cos1 = tl.load(cos_ptr + position * stride_cos + half, mask=half_mask, other=0.0)
+        cos2 = tl.load(cos_ptr + position * stride_cos + HALF + half, mask=half_mask, other=0.0)
+        sin1 = tl.load(sin_ptr + position * stride_cos + half, mask=half_mask, other=0.0)
+        sin2 = tl.load(sin_ptr + position * stride_cos + HALF + half, mask=half_mask, other=0.0)
+        heads = tl.arange(0, HEADS_PAD)
+        q1, q2, q_base, q_mask = _rotate_heads(q_ptr, stride_q, cos1, cos2, sin1, sin2, token, heads,
+                                               heads < NUM_HEADS, half_mask, HEAD_DIM, HALF, HALF_PAD)
+        tl.store(q_base, q1, mask=q_mask)
+        tl.store(q_base + HALF, q2, mask=q_mask)
+        k1, k2, k_base, k_mask = _rotate_heads(k_ptr, stride_k, cos1, cos2, sin1, sin2, token, kv_heads, kv_mask,
+                                               half_mask, HEAD_DIM, HALF, HALF_PAD)
+        tl.store(k_base, k1, mask=k_mask)
+        tl.store(k_base + HALF, k2, mask=k_mask)
+        tl.store(k_cache_ptr + cache_row + half[None, :], k1, mask=k_mask)
+        tl.store(k_cache_ptr + cache_row + HALF + half[None, :], k2, mask=k_mask)
+    if PASS_PAD > 0:  # dims past the rotary ones (every dim of a layer without rotary) go to the cache as they are
+        dims = 2 * HALF + tl.arange(0, PASS_PAD)
+        pass_mask = kv_mask[:, None] & (dims < HEAD_DIM)[None, :]
+        k_pass = tl.load(k_ptr + token * stride_k + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=pass_mask)
+        tl.store(k_cache_ptr + cache_row + dims[None, :], k_pass, mask=pass_mask)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    v_mask = kv_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    v = tl.load(v_ptr + token * stride_v + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=v_mask)
+    tl.store(v_cache_ptr + cache_row + dims[None, :], v, mask=v_mask)
 
 
-def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, positions: Tensor,
                          slot_mapping: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     """Rotate q and k in place and write k, v into the paged cache at ``slot_mapping``.
 
     q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim), last two dims contiguous;
-    cos, sin: (max_positions, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim).
+    cos, sin: (max_positions, rotary_dim), rotary_dim <= head_dim (the first rotary_dim dims rotate, the
+    rest pass), or None for a layer without rotary embedding (q and k stay, k and v are only written);
+    k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    half = 0 if cos is None else cos.shape[-1] // 2
+    if cos is None:
+        cos = sin = q  # not read
+    num_pass = head_dim - 2 * half
     _rope_and_cache_kernel[(num_tokens,)](
         q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), num_kv_heads * head_dim,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
-        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, num_warps=4)
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), HALF=half, HALF_PAD=triton.next_power_of_2(max(half, 1)),
+        PASS_PAD=triton.next_power_of_2(num_pass) if num_pass else 0, num_warps=4)
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+"""Gated MLP activations (``ArchitectureSpec.activation``)."""
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols, ACTIVATION: tl.constexpr,
+                        BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + num_cols + cols, mask=mask, other=0.0)
     gate32 = gate.to(tl.float32)
-    activated = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype)
-    out = activated.to(tl.float32) * up.to(tl.float32)
+    if ACTIVATION == 0:
+        activated = gate32 / (1.0 + tl.exp(-gate32))
+    else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (exp(2u) + 1)
+        inner = 0.7978845608028654 * (gate32 + 0.044715 * gate32 * gate32 * gate32)
+        activated = 0.5 * gate32 * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    out = activated.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) * up, each rounded to the input dtype as transformers does.
+def act_and_mul(gate_up: Tensor, activation: str = "silu") -> Tensor:
+    """act(gate) * up, each rounded to the input dtype as transformers does; ``activation`` one of ``ACTIVATIONS``.
 
     gate_up: (rows, 2 * dim), gate then up along the last dim (contiguous). Returns (rows, dim).
     """
     rows, num_cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, num_cols, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(num_cols, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
+    _act_and_mul_kernel[(rows, triton.cdiv(num_cols, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), num_cols, ACTIVATION=ACTIVATIONS[activation], BLOCK=block,
+        num_warps=4)
     return out
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up (see ``act_and_mul``)."""
+    return act_and_mul(gate_up, "silu")
+
+
+@triton.jit
+def _softcapped(scores, softcap):
+    """softcap * tanh(scores / softcap), as transformers caps attention scores (tanh(u) = 1 - 2 / (exp(2u) + 1))."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
 
 
 @triton.jit
 def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                                   scale, stride_q, stride_o, stride_table, stride_cache,
+                                   scale, softcap, window, stride_q, stride_o, stride_table, stride_cache,
                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   IEEE: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                                   HEAD_DIM_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                                   HAS_WINDOW: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     group = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = (dims < HEAD_DIM)[None, :]
     group_mask = (group < GROUP)[:, None]
     heads = kv_head * GROUP + group
-    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=group_mask, other=0.0)
+    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=group_mask & dim_mask,
+                other=0.0)
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only to a Python int (see the launcher)
-    for start in range(0, STATIC_LOOP_END if STATIC_LOOP_END else context_len, BLOCK_N):
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    # the query (at context_len - 1) sees the last ``window`` keys: positions from context_len - window on
+    if HAS_WINDOW:
+        first_visible = tl.maximum(context_len - window, 0)
+    else:
+        first_visible = 0
+    # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only from and to Python ints (see the launcher)
+    for start in range(0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
+                       STATIC_LOOP_END if STATIC_LOOP_END else context_len, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
-        valid = positions < context_len
+        valid = (positions < context_len) & (positions >= first_visible)
         block_ids = tl.load(block_tables_ptr + seq * stride_table + positions // PAGE, mask=valid, other=0)
         slots = block_ids.to(tl.int64) * PAGE + positions % PAGE
         offsets = slots[:, None] * stride_cache + kv_head * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        scores = scores * scale
+        if HAS_SOFTCAP:
+            scores = _softcapped(scores, softcap)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         probs = tl.exp(scores - new_max[:, None])
         correction = tl.exp(running_max - new_max)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
         if IEEE:
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
         running_max = new_max
     out = acc / running_sum[:, None]
-    tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=group_mask)
+    tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype),
+             mask=group_mask & dim_mask)
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                           scale: float, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> Tensor:
+                           scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
+                           num_warps: int = 4, num_stages: int = 2) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
     q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
-    block_tables: (batch, max_blocks) int32; context_lens: (batch,) int32. Returns (batch, heads, head_dim).
+    block_tables: (batch, max_blocks) int32; context_lens: (batch,) int32. softcap: scores become
+    softcap * tanh(scores / softcap); window: the query sees only the last ``window`` keys (itself included),
+    and blocks before them are never read (their table entries may name blocks given back to the pool).
+    Returns (batch, heads, head_dim).
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
-    # compiled, each program loops to its own sequence's length; Triton's interpreter cannot loop to a loaded
-    # value, so there every program loops to the longest (its blocks past the sequence are masked out)
+    # compiled, each program loops over its own sequence's visible blocks; Triton's interpreter cannot loop from
+    # or to a loaded value, so there every program loops over the longest (blocks outside a sequence are masked)
     static_loop_end = int(context_lens.max()) if _INTERPRETED and batch else 0
     _paged_decode_attention_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, scale, softcap or 1.0, window or 0,
         q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        NUM_KV_HEADS=num_kv_heads, PAGE=page, BLOCK_N=max(block_n, page, 16), IEEE=q.dtype == torch.float32,
-        STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), NUM_KV_HEADS=num_kv_heads, PAGE=page,
+        BLOCK_N=max(block_n, page, 16), IEEE=q.dtype == torch.float32, HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None, STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reinforge.rollout.native.block_manager import BlockManager
+from reinforge.rollout.native.block_manager import RELEASED, BlockManager
 
 
 def test_allocate_and_free_return_blocks():
@@ -49,3 +49,25 @@ def test_growth_and_exhaustion():
         manager.append_block(table)
     with pytest.raises(RuntimeError):
         manager.allocate(1)
+
+
+def test_blocks_behind_every_window_go_back_to_the_pool():
+    manager = BlockManager(num_blocks=8, block_size=2, sliding_window=3)
+    table = manager.allocate(7)  # positions 0..6 in blocks 0..3
+    # the query at position 6 sees keys 4, 5, 6: blocks 0 (keys 0, 1) and 1 (keys 2, 3) are read no more
+    assert manager.release_out_of_window(table, 6) == 2
+    assert table == [RELEASED, RELEASED, 2, 3] and manager.num_free_blocks == 6
+    assert manager.release_out_of_window(table, 6) == 0 and manager.release_out_of_window(table, 7) == 0
+    manager.free(table)
+    assert manager.num_free_blocks == 8 and table == []
+    assert BlockManager(num_blocks=8, block_size=2).release_out_of_window(manager.allocate(7), 6) == 0
+
+
+def test_released_blocks_stay_in_the_prefix_cache():
+    manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True, sliding_window=3)
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    table = manager.allocate(len(tokens))
+    manager.release_out_of_window(table, 6, tokens, [], manager.epoch)
+    assert manager.match_prefix(tokens + [12], []) == [0, 1]  # registered, held by nobody, still cached
+    manager.free(table, tokens, num_written=6, known=[], epoch=manager.epoch)
+    assert manager.match_prefix(tokens + [12], []) == [0, 1, 2]

@@ -24,8 +24,7 @@ def prefill_logits(decoder: PagedDecoder, token_ids: list[int]) -> torch.Tensor:
     """Logits (tokens, vocab) of one sequence prefilled into a fresh cache of 8-token blocks."""
     num_tokens = len(token_ids)
     device = decoder.device
-    kv_cache = torch.zeros(decoder.num_layers, 2, -(-num_tokens // 8), 8, decoder.num_kv_heads, decoder.head_dim,
-                           dtype=decoder.dtype, device=device)
+    kv_cache = torch.zeros(decoder.kv_cache_shape(-(-num_tokens // 8), 8), dtype=decoder.dtype, device=device)
     positions = torch.arange(num_tokens, device=device)
     meta = AttentionMetadata(slot_mapping=positions, is_prefill=True, seq_lens=[num_tokens],
                              batch_index=torch.zeros(num_tokens, dtype=torch.int64, device=device),
@@ -58,8 +57,8 @@ def test_weight_copies_are_refreshed_in_place_and_freed(tiny):
     weights = decoder.weights
     first = weights.layers[1]
     pointers = decoder.parameter_pointers()
-    assert first.qkv_weight.data_ptr() in pointers and first.qkv_bias.shape == (64 + 2 * 32,)
-    assert first.gate_up_bias is None and first.q_norm is None
+    assert first["qkv_weight"].data_ptr() in pointers and first["qkv_bias"].shape == (64 + 2 * 32,)
+    assert first["gate_up_bias"] is None and first["q_norm"] is None
     assert not any(tensor.data_ptr() == parameter.data_ptr()  # copies, never the parameters themselves
                    for tensor in weights.tensors() for parameter in model.parameters())
     with torch.no_grad():
@@ -69,11 +68,11 @@ def test_weight_copies_are_refreshed_in_place_and_freed(tiny):
     assert decoder.weights.layers[1] is first and decoder.parameter_pointers() == pointers
     layer = model.model.layers[1]
     attn, mlp = layer.self_attn, layer.mlp
-    assert torch.equal(first.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    assert torch.equal(first.qkv_bias, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
-    assert torch.equal(first.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-    assert torch.equal(first.o_weight, attn.o_proj.weight) and torch.equal(first.down_weight, mlp.down_proj.weight)
-    assert torch.equal(first.input_norm, layer.input_layernorm.weight)
+    assert torch.equal(first["qkv_weight"], torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(first["qkv_bias"], torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+    assert torch.equal(first["gate_up_weight"], torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert torch.equal(first["o_weight"], attn.o_proj.weight) and torch.equal(first["down_weight"], mlp.down_proj.weight)
+    assert torch.equal(first["input_layernorm"], layer.input_layernorm.weight)
     assert torch.equal(weights.embed, model.model.embed_tokens.weight)
     assert torch.equal(weights.final_norm, model.model.norm.weight)
     assert (weights.lm_head is weights.embed) == model.config.tie_word_embeddings

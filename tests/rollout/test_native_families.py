@@ -1,0 +1,165 @@
+"""The native engine on every dense family of the architecture table equals transformers.
+
+Tiny float32 models of each family, windows smaller than the sequences (every family that has them) and
+Gemma's soft-caps on: greedy tokens equal ``generate``'s, sampled tokens' log-probs are those of a plain
+transformers forward within 1e-5, on the PyTorch path and on the Triton path (compiled on a GPU, else in
+Triton's interpreter, which takes long enough to mark it slow). Windows that slide on every layer also give their blocks back to the pool as
+sequences grow, and a prefix-cache hit over such a sequence samples what a full prefill does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reinforge.models.tiny import build_tiny_causal_lm
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.native import NativeEngine
+from reinforge.rollout.native.block_manager import RELEASED
+
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")
+UNWINDOWED = ("llama", "olmo2")
+"""Families whose layers never slide (the others get a window of WINDOW keys)."""
+WINDOW = 6
+PROMPT_LENGTHS = [13, 5, 21]
+NUM_NEW_TOKENS = 10
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def family_model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    window = None if family in UNWINDOWED else WINDOW
+    model = build_tiny_causal_lm(family, vocab_size=128, num_layers=4, sliding_window=window, seed=3)
+    return model.to(DEVICE, dtype).eval()
+
+
+def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (length,), generator=generator).tolist() for length in lengths]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt], device=DEVICE)
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return output[0, len(prompt):].tolist()
+
+
+def hf_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens], device=DEVICE)).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].cpu()
+
+
+def make_engine(model: torch.nn.Module, use_triton: bool, **options) -> NativeEngine:
+    options = {"block_size": 4, "max_num_seqs": 8, "num_kv_blocks": 64, **options}
+    return NativeEngine(model, eos_token_ids=[], max_model_len=64, use_triton=use_triton, **options)
+
+
+def triton_path(use_triton: bool) -> None:
+    if use_triton:
+        pytest.importorskip("triton")
+
+
+PATHS = [pytest.param(False, id="pytorch"), pytest.param(True, id="triton", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_greedy_tokens_are_generates(family):
+    model = family_model(family)
+    engine = make_engine(model, False)
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    batch = prompts(PROMPT_LENGTHS)
+    completions = engine.generate([GenerationRequest(prompt, greedy) for prompt in batch])
+    for prompt, (completion,) in zip(batch, completions, strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS), family
+
+
+@pytest.mark.parametrize("use_triton", PATHS)
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_sampled_log_probs_are_a_transformers_forwards(family, use_triton):
+    triton_path(use_triton)
+    model = family_model(family)
+    engine = make_engine(model, use_triton)
+    sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
+    batch = prompts(PROMPT_LENGTHS, seed=2)
+    completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in batch])
+    for prompt, samples in zip(batch, completions, strict=True):
+        for sample in samples:
+            expected = hf_log_probs(model, prompt, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_windows_on_every_layer_give_blocks_back_as_sequences_grow():
+    model = family_model("mistral")
+    engine = make_engine(model, False, block_size=2)
+    length = 40
+    engine.wake_up()
+    scheduler = engine.scheduler
+    greedy = SamplingParams(max_tokens=length - 4, temperature=0.0)
+    prompt = prompts([4])[0]
+    peak = 0
+    completion = None
+    original_finish = scheduler.finish
+
+    def finish(finished):  # before finished sequences hand everything back: what each still holds
+        nonlocal peak
+        for seq in scheduler.running:
+            held = [block for block in seq.block_table if block != RELEASED]
+            peak = max(peak, len(held))
+        original_finish(finished)
+
+    scheduler.finish = finish
+    (completion,), = engine.generate([GenerationRequest(prompt, greedy)])
+    assert completion.token_ids == hf_greedy(model, prompt, length - 4)
+    # the window's WINDOW keys span at most 4 blocks of 2, plus the block being filled ahead
+    assert 0 < peak <= WINDOW // 2 + 2 < length // 2
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_a_prefix_cache_hit_under_windows_samples_what_a_full_prefill_does(family):
+    model = family_model(family)
+    engine = make_engine(model, False, enable_prefix_caching=True)
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    first_prompt = prompts([23], seed=4)[0]
+    (first,), = engine.generate([GenerationRequest(first_prompt, greedy)])
+    second_prompt = first_prompt + first.token_ids + prompts([5], seed=5)[0]
+    hits_before = engine.counters.prefix_hit_tokens
+    (second,), = engine.generate([GenerationRequest(second_prompt, greedy)])
+    assert engine.counters.prefix_hit_tokens > hits_before
+    assert second.token_ids == hf_greedy(model, second_prompt, NUM_NEW_TOKENS)
+    torch.testing.assert_close(torch.tensor(second.log_probs),
+                               hf_log_probs(model, second_prompt, second.token_ids), atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
+def test_bf16_on_the_gpu_stays_close_to_transformers(family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = family_model(family, torch.bfloat16)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=16, max_num_seqs=8)
+    sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
+    batch = prompts(PROMPT_LENGTHS, seed=2)
+    completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in batch])
+    for prompt, samples in zip(batch, completions, strict=True):
+        for sample in samples:
+            expected = hf_log_probs(model, prompt, sample.token_ids)
+            assert (torch.tensor(sample.log_probs) - expected).abs().max() < 0.1, family
+
+
+def test_a_model_outside_the_table_rolls_out_with_generate_after_one_line_saying_why(caplog):
+    from reinforge.config.schema import Config
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.rollout.hf import HFEngine
+    from reinforge.workers.rollout_side import build_rollout_engine
+
+    config = Config()
+    config.rollout.name = "native"
+    model = build_tiny_causal_lm("gpt_neox", vocab_size=300).eval()
+    with caplog.at_level("WARNING"):
+        engine = build_rollout_engine(config, torch.device("cpu"), build_char_tokenizer(), model)
+    assert isinstance(engine, HFEngine)
+    lines = [record.getMessage() for record in caplog.records if "rollout.name=native" in record.getMessage()]
+    assert lines == ["rollout.name=native cannot run this model: GPTNeoXForCausalLM (model_type 'gpt_neox') has no "
+                     "entry in the architecture table (reinforge/models/architectures.py); rolling out with the hf "
+                     "backend (transformers' generate) instead, roughly 20x slower"]
