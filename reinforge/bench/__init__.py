@@ -5,6 +5,7 @@
   in processes of their own with one markdown table at the end (``train.py``, ``sizes.py``, ``table.py``);
 - ``agent``: multi-turn agent rollouts with sleeping tools (``agent.py``);
 - ``modes``: the sync, one_step_off and async training modes on a long-tailed workload (``modes.py``);
+- ``dpo``: DPO steps of ``reinforge dpo`` against TRL's DPOTrainer (``dpo.py``);
 - ``table``: one table from the JSON files that ``train --out DIR`` wrote, over one or more folders.
 
 They measure; nothing in the library imports them.
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "train": "full GRPO/PPO steps timed phase by phase; --model 0.5b,1.5b,3b,7b --trl for the standard table",
     "agent": "multi-turn agent rollouts: tools sleeping between turns, every trajectory its own task",
     "modes": "sync against one_step_off against async training on a long-tailed workload",
+    "dpo": "DPO steps (64 pairs of 512-token completions on a 1.5B shape); --trl runs TRL's DPOTrainer beside it",
     "table": "one markdown table from the JSON files of `bench train --out DIR` runs (DIR [DIR ...])",
 }
 
@@ -26,7 +28,7 @@ SUBCOMMANDS = {
 def bench_main(argv: list[str]) -> int:
     """``reinforge bench [SUBCOMMAND] ...``: SUBCOMMAND defaults to ``rollout``."""
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: reinforge bench [rollout|train|agent|modes|table] [options]   (--help after one for its options)")
+        print("usage: reinforge bench [rollout|train|agent|modes|dpo|table] [options]   (--help after one for its options)")
         width = max(map(len, SUBCOMMANDS))
         for name, summary in SUBCOMMANDS.items():
             print(f"  {name:<{width}}  {summary}")
@@ -48,6 +50,10 @@ def bench_main(argv: list[str]) -> int:
         from reinforge.bench.modes import modes_main
 
         return modes_main(rest)
+    if name == "dpo":
+        from reinforge.bench.dpo import dpo_main
+
+        return dpo_main(rest)
     if name == "table":
         from reinforge.bench.table import table_main
 

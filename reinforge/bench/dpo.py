@@ -1,0 +1,167 @@
+"""``reinforge bench dpo``: DPO steps of ``reinforge dpo`` on a fixed workload, TRL's DPOTrainer beside it.
+
+    reinforge bench dpo [--model 1.5b] [--trl] [--steps 4] [--pairs 64] [--prompt-tokens 128]
+                        [--response-tokens 512] [--max-tokens 16384] [--checkpointing on|off] [--json out.json]
+    reinforge bench dpo --cpu          (a tiny model and workload: the smoke test)
+
+The workload: ``--pairs`` pairs a step, each a prompt of ``--prompt-tokens`` random letters and two
+completions of ``--response-tokens`` tokens (random letters, then EOS), on a model of the bench shape
+``--model`` with random weights and the character tokenizer (one token a letter), bf16 compute with float32
+master weights, AdamW lr 1e-6, beta 0.1, the sigmoid loss. The step time is the median wall time of steps
+2.. (the first compiles and warms up); the reference pass (once, before step 1) is reported apart, as are
+the packed tokens a step computes (a pair's prompt once). ``--trl`` then runs ``benchmarks/trl_dpo.py`` of
+the source checkout on the same model folder and workload, in a process of its own, and prints the ratio.
+No checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TRL_SCRIPT = Path("benchmarks") / "trl_dpo.py"
+
+
+def write_pairs(path: Path, args: argparse.Namespace) -> Path:
+    """Plain pairs with an explicit prompt; the tokenizer appends EOS to each completion."""
+    rng = random.Random(0)
+
+    def letters(count: int) -> str:
+        return "".join(rng.choice(string.ascii_letters) for _ in range(count))
+
+    with open(path, "w") as handle:
+        for _ in range(args.pairs * args.steps):
+            handle.write(json.dumps({"prompt": letters(args.prompt_tokens), "chosen": letters(args.response_tokens - 1),
+                                     "rejected": letters(args.response_tokens - 1)}) + "\n")
+    return path
+
+
+def run_reinforge(args: argparse.Namespace, model_dir: Path, folder: Path) -> dict:
+    from reinforge.config.preference_schema import load_dpo_config
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    pairs = write_pairs(folder / "pairs.jsonl", args)
+    overrides = [f"model.path={model_dir}", f"data.train_files=[{pairs}]", f"data.batch_size={args.pairs}",
+                 f"data.max_length={args.prompt_tokens + args.response_tokens}", "data.shuffle=false",
+                 f"trainer.max_tokens_per_micro_batch={args.max_tokens}", f"trainer.output_dir={folder / 'run'}",
+                 f"trainer.total_steps={args.steps}", "trainer.loggers=[jsonl]", "optim.lr=1e-6",
+                 "optim.warmup_ratio=0", "optim.schedule=constant", "dpo.beta=0.1", "dpo.loss_type=sigmoid",
+                 f"model.dtype={'float32' if args.cpu else 'bfloat16'}",
+                 f"trainer.device={'cpu' if args.cpu else 'auto'}",
+                 f"model.gradient_checkpointing={'true' if args.checkpointing == 'on' else 'false'}"]
+    marks: dict[str, list[float]] = {"steps": [], "reference": []}
+
+    class TimedDPOTrainer(DPOTrainer):
+        def before_training(self) -> None:
+            start = time.perf_counter()
+            super().before_training()
+            _synchronize()
+            marks["reference"].append(time.perf_counter() - start)
+
+        def train_step(self, batch):
+            start = time.perf_counter()
+            metrics = super().train_step(batch)
+            marks["steps"].append(time.perf_counter() - start)
+            return metrics
+
+        def save(self) -> Path:  # the bench measures steps; a 1.5B checkpoint would take longer than them
+            return self.run_dir
+
+    if not args.cpu:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = TimedDPOTrainer(load_dpo_config(None, overrides))
+    trainer.fit()
+    steps = marks["steps"]
+    return {"step_s": statistics.median(steps[1:] or steps), "step_times_s": steps,
+            "reference_pass_s": marks["reference"][0], "pairs": args.pairs,
+            "packed_tokens_per_step": args.pairs * (args.prompt_tokens + 2 * args.response_tokens),
+            "peak_memory_gb": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30}
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def trl_script() -> Path | None:
+    """``benchmarks/trl_dpo.py`` of the checkout this reinforge runs from, or of the working directory."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / TRL_SCRIPT).is_file():
+            return root / TRL_SCRIPT
+    return None
+
+
+def run_trl(args: argparse.Namespace, model_dir: Path, folder: Path) -> dict:
+    script = trl_script()
+    if script is None:
+        return {"error": f"{TRL_SCRIPT} not found: run from a source checkout of reinforge"}
+    out = folder / "trl.json"
+    command = [sys.executable, str(script), "--model-dir", str(model_dir), "--steps", str(args.steps),
+               "--pairs", str(args.pairs), "--prompt-tokens", str(args.prompt_tokens), "--response-tokens",
+               str(args.response_tokens), "--checkpointing", args.trl_checkpointing, "--json", str(out)]
+    completed = subprocess.run(command, check=False)
+    if not out.is_file():
+        return {"error": f"benchmarks/trl_dpo.py exited {completed.returncode} without results"}
+    return json.loads(out.read_text()).get("best") or {"error": "every TRL run failed (see its output above)"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reinforge bench dpo", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="1.5b", help="a bench shape (reinforge.bench.shapes), default 1.5b")
+    parser.add_argument("--cpu", action="store_true", help="a tiny model and workload on the CPU (smoke test)")
+    parser.add_argument("--trl", action="store_true", help="also run TRL's DPOTrainer on the same workload")
+    parser.add_argument("--trl-checkpointing", choices=["auto", "both", "on", "off"], default="auto",
+                        help="TRL's gradient checkpointing (auto: off, on when off runs out of memory)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=64, help="pairs a step")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--response-tokens", type=int, default=512, help="tokens of each completion")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="packed tokens of one micro-batch")
+    parser.add_argument("--checkpointing", choices=["on", "off"], default="on", help="gradient checkpointing")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    return parser
+
+
+def dpo_main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cpu:
+        args.pairs, args.prompt_tokens, args.response_tokens, args.steps = 4, 8, 16, 2
+        args.max_tokens = max(args.max_tokens, 2 * (args.prompt_tokens + args.response_tokens))
+        if args.trl:
+            raise SystemExit("reinforge bench dpo: --trl compares on a GPU; drop --trl or --cpu")
+    elif not torch.cuda.is_available():
+        raise SystemExit("reinforge bench dpo needs a CUDA device; --cpu runs the smoke test")
+    from reinforge.bench.train import write_model
+
+    with tempfile.TemporaryDirectory(prefix="bench_dpo_") as temporary:
+        folder = Path(temporary)
+        model_dir = write_model(folder, tiny=args.cpu, size=args.model)
+        results = {"model": "tiny" if args.cpu else args.model, "reinforge": run_reinforge(args, model_dir, folder)}
+        print(f"reinforge dpo: step {results['reinforge']['step_s']:.2f} s ({args.pairs} pairs, "
+              f"{args.prompt_tokens} + 2 x {args.response_tokens} tokens each), reference pass "
+              f"{results['reinforge']['reference_pass_s']:.2f} s, peak {results['reinforge']['peak_memory_gb']:.1f} GiB",
+              flush=True)
+        if args.trl:
+            gc.collect()  # the trainer's model and optimizer, before TRL's process takes the device
+            torch.cuda.empty_cache()
+            results["trl"] = run_trl(args, model_dir, folder)
+            if "step_s" in results["trl"]:
+                results["speedup_vs_trl"] = results["trl"]["step_s"] / results["reinforge"]["step_s"]
+                print(f"trl DPOTrainer: step {results['trl']['step_s']:.2f} s; reinforge is "
+                      f"{results['speedup_vs_trl']:.2f}x faster")
+            else:
+                print(f"trl DPOTrainer: {results['trl']['error']}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
