@@ -55,6 +55,7 @@ def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
     family = SHAPES[size].family
     if tiny:
         return save_tiny_model(folder / "model", arch=family)
+    check_disk_room(size, folder)
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
     keys = {key: value for key, value in shape_config(size).items() if key != "model_type"}
@@ -98,6 +99,20 @@ def write_reward_model(folder: Path, tiny: bool, size: str) -> Path:
     tokenizer.save_pretrained(folder / "reward_model")
     del model
     return folder / "reward_model"
+
+
+def check_disk_room(size: str, folder: Path) -> None:
+    """Refuse in one line, before any weight is made, a shape whose bf16 weights the disk of ``folder`` cannot hold
+    (qwen3-30b-a3b's take 57 GiB)."""
+    import shutil
+
+    from reinforge.engine.memory_plan import GiB, ModelShape
+
+    needed = 2 * ModelShape.from_hf_config(shape_config(size)).num_params * 1.02  # bf16, and the files' headers
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise SystemExit(f"the {size} model's random weights need {needed / GiB:.0f} GiB on disk but {folder} has "
+                         f"{free / GiB:.0f} GiB free; point TMPDIR at a larger disk")
 
 
 def build_config(model_dir: Path, args: argparse.Namespace):
@@ -285,6 +300,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
                "kl_loss": metrics.get("actor/kl_loss"),
+               **{f"moe_{key.removeprefix('actor/moe/')}": value for key, value in metrics.items()
+                  if key.startswith("actor/moe/")},
                **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}, **host}
         if critic is not None:
             row["vf_loss"] = critic_metrics.get("critic/vf_loss")

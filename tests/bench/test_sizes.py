@@ -114,3 +114,15 @@ def test_a_trl_case_that_fit_on_its_second_try_is_no_oom(tmp_path):
     case = runner(tmp_path, None)
     case.run_case("trl", "7b", [sys.executable, "-c", code], path)
     assert case.results[0]["case"]["status"] == "ok"
+
+
+def test_a_shape_whose_weights_the_disk_cannot_hold_is_refused_before_any_weight_is_made(tmp_path, monkeypatch):
+    import shutil
+
+    from reinforge.bench import train
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 * 2**30, 60 * 2**30, 40 * 2**30))
+    with pytest.raises(SystemExit, match=r"the qwen3-30b-a3b model's random weights need 58 GiB on disk but .* has "
+                                         r"40 GiB free; point TMPDIR at a larger disk"):
+        train.write_model(tmp_path, tiny=False, size="qwen3-30b-a3b")
+    assert not any(tmp_path.iterdir())

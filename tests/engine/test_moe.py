@@ -165,22 +165,26 @@ def test_grouped_experts_on_cuda_in_bf16_match_the_loop(model_type):
     torch.testing.assert_close(grouped, looped, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.gpu
-def test_compiled_moe_layer_records_its_router_without_graph_breaks():
+@pytest.mark.parametrize("device, backend", [
+    pytest.param("cpu", "eager", marks=pytest.mark.slow), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)])
+def test_compiled_moe_layer_records_its_router_without_graph_breaks(device, backend):
     import torch._dynamo
 
     from reinforge.engine.fsdp import decoder_layers
 
-    model = tiny_moe("qwen3_moe", experts_implementation="grouped_mm").cuda().to(torch.bfloat16)
+    model = tiny_moe("qwen3_moe", experts_implementation="grouped_mm").to(device, torch.bfloat16)
     recorder = RouterRecorder(model)
     layer = decoder_layers(model)[0]
-    hidden = torch.randn(1, 32, 64, device="cuda", dtype=torch.bfloat16)
-    position_ids = torch.arange(32, device="cuda")[None]
-    embeddings = model.model.rotary_emb(hidden, position_ids)
-    explained = torch._dynamo.explain(layer)(hidden, position_embeddings=embeddings, attention_mask=None,
-                                             position_ids=position_ids)
+    hidden = torch.randn(1, 32, 64, device=device, dtype=torch.bfloat16)
+    position_ids = torch.arange(32, device=device)[None]
+    arguments = dict(position_embeddings=model.model.rotary_emb(hidden, position_ids), attention_mask=None,
+                     position_ids=position_ids)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(hidden, **arguments)
     assert explained.graph_break_count == 0, explained.break_reasons
-    compiled = torch.compile(layer, dynamic=True)
+    compiled = torch.compile(layer, backend=backend, dynamic=True)
     with recorder.recording_forward():
-        compiled(hidden, position_embeddings=embeddings, attention_mask=None, position_ids=position_ids)
-    assert recorder.take(with_grad=False) is not None
+        compiled(hidden, **arguments)
+    compiled(hidden, **arguments)  # not recording: nothing kept
+    recorded = recorder.take(with_grad=False)
+    assert recorded is not None and recorded.load_imbalance >= 1.0 and recorder.take(with_grad=False) is None
