@@ -2,8 +2,8 @@
 
 A role like the reference policy: sharded with FSDP2 on the actor's devices (or on a pool of its
 own), frozen, in the compute dtype. With ``reward.reward_model.offload`` its weights wait on the
-host between calls and move to the device for each scoring call, so the rollout and the update
-have the device without them.
+host between calls, page-locked (``engine.host_weights``), and are copied to the device for each
+scoring call, so the rollout and the update have the device without them.
 
 Each sample becomes one reward-model sequence (``RewardInputs``):
 - when the reward model reads text as the policy does (same vocabulary and chat template, or
@@ -34,6 +34,7 @@ from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import ScoringPass, last_token_scores
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.host_weights import HostWeights
 from reinforge.models import load_tokenizer
 from reinforge.models.reward_model import load_reward_model
 from reinforge.protocol import Batch
@@ -147,27 +148,27 @@ class RewardModelWorker(Worker):
         settings = config.reward.reward_model
         self.device = resolve_device(config.trainer.device)
         apply_memory_plan(config)  # a no-op when the trainer or this process planned already
-        self.offload = settings.offload and self.device.type != "cpu"
         self.model = load_reward_model(settings.model_path, dtype=compute_dtype(self.device, config.model.dtype),
                                        device=self.device, trust_remote_code=settings.trust_remote_code)
         prepare_for_training(self.model, self.device)
         shard_model(self.model, self.device, config.model.dtype, roots=[self.model.base_model, self.model.score])
-        if self.offload:
-            self.model.to("cpu")
+        self.host_weights = None
+        if settings.offload and self.device.type != "cpu":  # on the CPU the device is the host already
+            self.host_weights = HostWeights(self.model)
+            self.host_weights.release()
         self.max_tokens = int(settings.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch)
         self.inputs = build_reward_inputs(config)
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
-        if not self.offload:
+        if self.host_weights is None:
             yield
             return
-        self.model.to(self.device)
+        self.host_weights.restore()
         try:
             yield
         finally:
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+            self.host_weights.release()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_rm_score(self, batch: Batch) -> Batch:

@@ -208,15 +208,37 @@ def test_on_cuda_the_weights_wait_on_the_host_and_the_scores_match_transformers(
     config = rm_config(tiny_model_dir, rm_dir)
     config.trainer.device = "cuda"
     worker = RewardModelWorker(config)
-    assert all(parameter.device.type == "cpu" for parameter in worker.model.parameters())
+    assert worker.host_weights is not None and worker.host_weights.pinned and not worker.host_weights.on_device
     before = torch.cuda.memory_allocated()
     batch = random_batch()
     scored = worker.compute_rm_score(batch)
-    assert all(parameter.device.type == "cpu" for parameter in worker.model.parameters())
-    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+    assert not worker.host_weights.on_device
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)  # the weights' memory is given back
     expected = transformers_scores(rm_dir, batch, Qwen2ForSequenceClassification)
     last = (batch["response_mask"].sum(-1) - 1).long()
     # bf16 compute against float32
     torch.testing.assert_close(scored["rm_scores"][torch.arange(len(batch)), last], expected, atol=0.1, rtol=0.05)
     again = worker.compute_rm_score(batch)  # a second call moves the weights back and forth again
     torch.testing.assert_close(again["rm_scores"], scored["rm_scores"])
+
+
+def test_weights_released_and_restored_score_as_before(tiny_model_dir, tmp_path):
+    """The host copy of HostWeights (run here on the CPU, where the worker itself never parks them): the sharded
+    weights lose their memory and get it back, and the scores do not change."""
+    from reinforge.engine.host_weights import HostWeights
+
+    worker = RewardModelWorker(rm_config(tiny_model_dir, save_tiny_reward_model(tmp_path / "rm")))
+    batch = random_batch()
+    before = worker.compute_rm_score(batch)["rm_scores"]
+    worker.host_weights = HostWeights(worker.model)
+    assert worker.host_weights.nbytes == sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    worker.host_weights.release()
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in worker.model.parameters())
+    scored = worker.compute_rm_score(batch)  # restored for the call, released after it
+    assert all(p.to_local().untyped_storage().nbytes() == 0 for p in worker.model.parameters())
+    torch.testing.assert_close(scored["rm_scores"], before, atol=0, rtol=0)
+    # parked before its first forward, as the worker parks them on CUDA (FSDP's lazy setup then sees them restored)
+    fresh = RewardModelWorker(rm_config(tiny_model_dir, tmp_path / "rm"))
+    fresh.host_weights = HostWeights(fresh.model)
+    fresh.host_weights.release()
+    torch.testing.assert_close(fresh.compute_rm_score(batch)["rm_scores"], before, atol=0, rtol=0)
