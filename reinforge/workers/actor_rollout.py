@@ -25,7 +25,7 @@ from reinforge.engine.fsdp import decoder_layers, shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.lora import add_lora, lora_scaling
 from reinforge.engine.memory_plan import GiB
-from reinforge.engine.moe import prepare_moe_training, router_aux_loss_coef
+from reinforge.engine.moe import prepare_moe_training, router_aux_loss_coef, without_router_logits_output
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
@@ -61,6 +61,7 @@ class ActorRolloutWorker(Worker):
                                         device=self.device, trust_remote_code=config.model.trust_remote_code,
                                         attn_implementation=config.model.attn_implementation).eval()
             self.model.requires_grad_(False)
+            without_router_logits_output(self.model)
             self.peft_model, self.model_class = None, type(self.model)
             self.rollout_side = RolloutSide.on_rollout_copy(config, self.device, self.tokenizer, self.model)
             return

@@ -188,3 +188,18 @@ def test_compiled_moe_layer_records_its_router_without_graph_breaks(device, back
     compiled(hidden, **arguments)  # not recording: nothing kept
     recorded = recorder.take(with_grad=False)
     assert recorded is not None and recorded.load_imbalance >= 1.0 and recorder.take(with_grad=False) is None
+
+
+def test_reference_worker_scores_a_moe_model_whose_config_asks_for_router_logits(tmp_path):
+    from reinforge.models import build_char_tokenizer
+    from reinforge.models.export import save_hf_folder
+    from reinforge.workers.reference import ReferenceWorker
+    from tests.workers.test_actor_rollout import scored_batch
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_moe("olmoe", vocab_size=len(tokenizer), output_router_logits=True, router_aux_loss_coef=0.01)
+    config = Config()
+    config.model.path, config.trainer.device = str(save_hf_folder(model, tokenizer, tmp_path / "moe")), "cpu"
+    config.data.train_batch_size, config.actor.max_tokens_per_micro_batch = 3, 12
+    log_probs = ReferenceWorker(config).compute_ref_log_prob(scored_batch())["ref_log_probs"]
+    assert log_probs.shape == (3, 5) and torch.isfinite(log_probs).all()
