@@ -19,7 +19,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path
+from reinforge.models.loading import TOKENIZER_FILES, check_model_folder, hub_errors_explained, is_local_path
 
 KEY = "reward.reward_model.model_path"
 HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
@@ -52,6 +52,9 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
         raise ValueError(f"{KEY}={path} is not a classification model ({found} in its config.json); the reward "
                          "model must be an AutoModelForSequenceClassification or AutoModelForTokenClassification "
                          "folder with num_labels=1, such as one `reinforge rm` exports")
+    if is_local_path(path) and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{KEY}={path} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); save "
+                         "the reward model's tokenizer beside its weights (tokenizer.save_pretrained)")
     if config.num_labels != 1:
         raise ValueError(f"{KEY}={path} has num_labels={config.num_labels} ({heads[0][0]}); a reward model gives one "
                          "score per sequence: use a model saved with num_labels=1")

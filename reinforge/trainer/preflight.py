@@ -210,12 +210,16 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
 
 
 def check_reward_model_settings(config: Config) -> None:
-    """With reward.reward_model.enable: its model is a classification model with num_labels=1 (read from its
-    config.json, before any model loads); the packed passes run any architecture transformers loads."""
+    """With reward.reward_model.enable: its model is a classification model with num_labels=1 with a tokenizer (read
+    from its folder, before any model loads), and reward.reward_model.input_tokenizer loads; the packed passes run
+    any architecture transformers loads."""
+    from reinforge.workers.reward_model import build_reward_inputs
+
     settings = config.reward.reward_model
     if not settings.enable:
         return
     check_reward_model(settings.model_path, settings.trust_remote_code)
+    build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
 
 
 def check_judge_settings(config: Config) -> None:

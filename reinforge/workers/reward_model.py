@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.host_weights import HostWeights
 from reinforge.models import load_tokenizer
+from reinforge.models.loading import is_local_path
 from reinforge.models.reward_model import load_reward_model
 from reinforge.protocol import Batch
 from reinforge.reward.manager import place_on_last_token
@@ -191,6 +193,9 @@ def build_reward_inputs(config: Config) -> RewardInputs:
     policy_tokenizer = None
     if settings.input_tokenizer is not None:
         path = settings.input_tokenizer if settings.input_tokenizer != "auto" else (model.tokenizer_path or model.path)
+        if settings.input_tokenizer != "auto" and is_local_path(path) and not Path(path).expanduser().is_dir():
+            raise FileNotFoundError(f"reward.reward_model.input_tokenizer={path} is not a folder; give the policy's "
+                                    "tokenizer folder, auto (the policy's) or null (never re-render responses)")
         policy_tokenizer = load_tokenizer(path, trust_remote_code=model.trust_remote_code)
         template = config.data.chat_template or policy_tokenizer.chat_template
         if reads_like_policy(rm_tokenizer, policy_tokenizer, template):

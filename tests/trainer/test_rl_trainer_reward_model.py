@@ -73,8 +73,8 @@ def test_the_reward_models_score_combines_with_the_rules(rl_args, reward_model_d
     assert metrics["critic/score/mean"] == pytest.approx(expected(metrics["reward_model/score/mean"]), abs=1e-5)
 
 
-def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_args, tiny_model_dir, tmp_path,
-                                                                          monkeypatch, capsys):
+def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_args, tiny_model_dir, reward_model_dir,
+                                                                          tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rl_trainer, "ActorRolloutWorker", NoModelsHere)
     args = rl_args(tmp_path / "run", **{"reward.reward_model.enable": True,
                                         "reward.reward_model.model_path": tiny_model_dir})
@@ -84,6 +84,13 @@ def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_arg
                     "(Qwen2ForCausalLM in its config.json); the reward model must be an "
                     "AutoModelForSequenceClassification or AutoModelForTokenClassification folder with num_labels=1, "
                     "such as one `reinforge rm` exports")
+    args = rl_args(tmp_path / "run", **{"reward.reward_model.enable": True,
+                                        "reward.reward_model.model_path": reward_model_dir,
+                                        "reward.reward_model.input_tokenizer": tmp_path / "nowhere"})
+    assert main(["train", *args]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: reward.reward_model.input_tokenizer={tmp_path / 'nowhere'} is "
+                                               "not a folder; give the policy's tokenizer folder, auto (the policy's) "
+                                               "or null (never re-render responses)")
     args = rl_args(tmp_path / "run", **{"reward.reward_model.enable": True})
     assert main(["train", *args]) == 2
     assert capsys.readouterr().err.strip().startswith("error: reward.reward_model.enable=true but "

@@ -177,6 +177,11 @@ def test_a_model_that_is_not_a_one_label_classifier_is_refused_in_one_line(tiny_
         check_reward_model(str(two))
     with pytest.raises(FileNotFoundError, match=r"does not exist; check reward.reward_model.model_path"):
         check_reward_model(str(tmp_path / "missing"))
+    untokenized = save_tiny_reward_model(tmp_path / "untokenized")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (untokenized / name).unlink()
+    with pytest.raises(ValueError, match=r"has no tokenizer files \(expected one of tokenizer.json"):
+        check_reward_model(str(untokenized))
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
