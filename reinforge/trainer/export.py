@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config
 from reinforge.models import load_causal_lm, save_hf_folder
@@ -83,7 +83,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     adapter_folder = folder / "adapter"
     if (adapter_folder / "adapter_config.json").is_file():
         return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_folder))
+    config = AutoConfig.from_pretrained(hf_folder)
+    classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    # a reward model of `reinforge rm` stays a sequence classifier: its score head is in the state, no lm_head
+    model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
     model.load_state_dict(state)
     return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)
 

@@ -66,6 +66,12 @@ def test_rm_logs_trls_metrics_and_exports_a_folder_the_reward_worker_loads(pair_
         padded = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
     torch.testing.assert_close(packed, padded, atol=1e-4, rtol=1e-4)
 
+    exported = tmp_path / "exported"  # reinforge export writes the same classifier from the trainer state
+    assert main(["export", str(run_dir), str(exported)]) == 0
+    again = AutoModelForSequenceClassification.from_pretrained(exported).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1), padded)
+
 
 def _weights_after_one_step(pair_args, run_dir: Path, budget: int) -> dict[str, torch.Tensor]:
     config = load_rm_config(None, pair_args(run_dir, **{"trainer.total_steps": 1, "data.shuffle": False,
