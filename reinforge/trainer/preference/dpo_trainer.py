@@ -1,6 +1,9 @@
 """``reinforge dpo``: Direct Preference Optimization of a causal LM on chosen/rejected pairs.
 
-A pair's two completions go through one packed forward that computes their prompt once (``engine.packing``);
+The policy is loaded and sharded as the RL actor is (float32 master weights, FSDP2 computing in
+``model.dtype``; on CUDA fused kernels and compiled decoder layers; ``model.gradient_checkpointing`` true or a
+number of layers recomputes their activations). A pair's two completions go through one packed forward that
+computes their prompt once (``engine.packing``);
 each completion's log-prob is the sum over its tokens (the mean for ``ipo``). The reference model's log-probs
 are computed once, before the first step, in one scoring pass over the training and validation pairs, and
 stored in the run folder (``reference_logps.pt``, keyed by the pairs' token ids, the reference model and the
@@ -27,13 +30,15 @@ from torch import Tensor, nn
 from reinforge.algorithms.preference_losses import dpo_loss
 from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
-from reinforge.engine.attention import use_varlen_attention
-from reinforge.engine.device import autocast_context
 from reinforge.engine.forward import response_log_probs
+from reinforge.engine.fsdp import decoder_layers, reshard, shard_model
+from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import ModelUpdate
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.pairs import PreferenceRun, pair_micro_batches
+from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +55,25 @@ class DPOTrainer(PreferenceRun):
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
+        model = self._load(self.config.model.path)
+        self.model_class = type(model)  # before sharding wraps the class
+        setting = self.config.model.gradient_checkpointing
+        checkpoint_decoder_layers(model, len(decoder_layers(model)) if setting is True
+                                  else 0 if setting in ("auto", False) else int(setting))
+        return shard_model(model, self.device, self.config.model.dtype)
+
+    def _load(self, path: str) -> nn.Module:
+        """The causal LM at ``path`` as the actor loads it: float32 master weights, the packed varlen path (on CUDA
+        fused kernels and compiled decoder layers); sharded by the caller (FSDP2, compute in model.dtype)."""
         model = self.config.model
-        return load_causal_lm(model.path, dtype=torch.float32, device=self.device,
-                              trust_remote_code=model.trust_remote_code, attn_implementation=model.attn_implementation,
-                              gradient_checkpointing=model.gradient_checkpointing not in ("auto", False, 0))
+        loaded = load_causal_lm(path, dtype=torch.float32, device=self.device,
+                                trust_remote_code=model.trust_remote_code, attn_implementation=model.attn_implementation)
+        prepare_for_training(loaded, self.device)
+        return loaded
+
+    def write_checkpoint(self, folder: Path) -> None:
+        save_training_state(folder, self.model, self.optimizer, self.scheduler)
+        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf")
 
     # ---- the reference pass ----------------------------------------------------------
     def _reference_key(self) -> dict[str, str]:
@@ -88,12 +108,8 @@ class DPOTrainer(PreferenceRun):
         logger.info("reference log-probs of %d pairs stored in %s", len(self.train_set), path)
 
     def _load_reference(self) -> nn.Module:
-        model = self.config.model
-        reference = load_causal_lm(self.config.dpo.reference_path or model.path, dtype=torch.float32,
-                                   device=self.device, trust_remote_code=model.trust_remote_code,
-                                   attn_implementation=model.attn_implementation)
-        use_varlen_attention(reference)
-        return reference
+        reference = self._load(self.config.dpo.reference_path or self.config.model.path)
+        return shard_model(reference, self.device, self.config.model.dtype).eval()
 
     @torch.no_grad()
     def sequence_logps_of(self, model: nn.Module, loader: PairLoader) -> Tensor:
@@ -109,12 +125,12 @@ class DPOTrainer(PreferenceRun):
                 sides = torch.arange(len(micro), device=real.device)[real].cpu() % 2
                 out[rows, sides] = logps[real].cpu()
         model.train(was_training)
+        reshard(model)
         return out
 
     def _sequence_logps(self, model: nn.Module, micro: Batch) -> Tensor:
         """(rows,): each completion's summed log-prob (per-token mean for ipo)."""
-        with autocast_context(self.device, self.config.model.dtype):
-            log_probs, _ = response_log_probs(model, micro)
+        log_probs, _ = response_log_probs(model, micro)  # in model.dtype: the FSDP units' compute dtype
         mask = micro["response_mask"]
         logps = (log_probs * mask).sum(-1)
         return logps / mask.sum(-1).clamp(min=1) if self.config.dpo.loss_type == "ipo" else logps

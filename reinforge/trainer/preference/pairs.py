@@ -21,7 +21,6 @@ from reinforge.config.errors import ConfigError
 from reinforge.config.preference_schema import DPOConfig, RMConfig, validate_preference_config
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
-from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import resolve_device
 from reinforge.engine.distributed import all_reduce
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
@@ -117,7 +116,6 @@ class PreferenceRun(TrainingRun):
                                                                         self.pad_token_id, shuffle=False)
         self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
         self.model = self.load_model()
-        use_varlen_attention(self.model)
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.optim)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)

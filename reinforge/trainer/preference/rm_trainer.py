@@ -23,6 +23,7 @@ from transformers import AutoModelForSequenceClassification
 
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
+from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.device import autocast_context
 from reinforge.engine.forward import last_token_scores
 from reinforge.engine.train_step import ModelUpdate
@@ -67,6 +68,7 @@ class RewardModelTrainer(PreferenceRun):
             from reinforge.models.loading import enable_gradient_checkpointing
 
             enable_gradient_checkpointing(model)
+        use_varlen_attention(model)  # packed rows: attention stays within each sequence
         return model
 
     def _pair_rewards(self, micro: Batch) -> tuple[Tensor, Tensor, Tensor]:
