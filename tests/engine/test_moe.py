@@ -203,3 +203,25 @@ def test_reference_worker_scores_a_moe_model_whose_config_asks_for_router_logits
     config.data.train_batch_size, config.actor.max_tokens_per_micro_batch = 3, 12
     log_probs = ReferenceWorker(config).compute_ref_log_prob(scored_batch())["ref_log_probs"]
     assert log_probs.shape == (3, 5) and torch.isfinite(log_probs).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+def test_actor_update_of_a_moe_model_on_cuda_runs_grouped_and_compiled(model_type, tmp_path):
+    from reinforge.models import build_char_tokenizer
+    from reinforge.models.export import save_hf_folder
+    from reinforge.workers.actor_rollout import ActorRolloutWorker
+    from tests.workers.test_actor_rollout import scored_batch
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_moe(model_type, vocab_size=len(tokenizer), output_router_logits=True, router_aux_loss_coef=0.01)
+    config = Config()
+    config.model.path, config.trainer.device = str(save_hf_folder(model, tokenizer, tmp_path / "moe")), "cuda"
+    config.data.train_batch_size, config.actor.max_tokens_per_micro_batch = 3, 12
+    config.model.gradient_checkpointing = False  # the compiled layers
+    worker = ActorRolloutWorker(config, total_training_steps=2)
+    assert worker.model.config._experts_implementation == "grouped_mm"
+    first, second = worker.update_actor(scored_batch()), worker.update_actor(scored_batch())
+    for metrics in (first, second):
+        assert metrics["actor/moe/aux_loss"] > 0 and metrics["actor/moe/load_imbalance"] >= 1.0
+        assert metrics["actor/grad_norm"] > 0 and metrics["perf/mfu/actor"] > 0
