@@ -9,6 +9,7 @@ model and writes ``train_step`` and ``validate``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import check_devices, check_loggers, require_logger_packages, require_model_and_data
 from reinforge.trainer.run_loop import TrainingRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
+
+logger = logging.getLogger(__name__)
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.prompt_key", "data.chosen_key",
                   "data.rejected_key", "data.margin_key", "data.chat_template", "data.batch_size", "data.max_length",
@@ -80,6 +83,10 @@ def preflight_preference(config: RMConfig | DPOConfig) -> None:
     if data.val_files:
         check_preference_rows(data.val_files, keys, "val", data.max_val_samples)
     warn_if_beyond_context(config.model.path, data.max_length, "data.max_length")
+    if isinstance(config, DPOConfig) and config.dpo.label_smoothing and config.dpo.loss_type != "robust":
+        logger.warning("dpo.label_smoothing=%g has no effect with dpo.loss_type=%s (only the robust loss reads it, "
+                       "as in TRL); set dpo.loss_type=robust or remove dpo.label_smoothing",
+                       config.dpo.label_smoothing, config.dpo.loss_type)
 
 
 def preference_keys(config: RMConfig | DPOConfig) -> PreferenceKeys:

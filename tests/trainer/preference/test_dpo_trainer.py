@@ -109,3 +109,14 @@ def test_dpo_settings_that_cannot_work_are_refused_as_the_config_loads(override,
     with pytest.raises(ConfigError) as error:
         load_dpo_config(None, [override])
     assert str(error.value).startswith(message)
+
+
+def test_label_smoothing_without_the_robust_loss_is_one_warning(pair_args, tmp_path, caplog):
+    from reinforge.trainer.preference.pairs import preflight_preference
+
+    config = load_dpo_config(None, pair_args(tmp_path / "run", **{"dpo.label_smoothing": 0.1}))
+    with caplog.at_level("WARNING"):
+        preflight_preference(config)
+    assert [record.getMessage() for record in caplog.records if "label_smoothing" in record.getMessage()] == [
+        "dpo.label_smoothing=0.1 has no effect with dpo.loss_type=sigmoid (only the robust loss reads it, as in "
+        "TRL); set dpo.loss_type=robust or remove dpo.label_smoothing"]

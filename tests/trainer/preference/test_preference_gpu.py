@@ -1,0 +1,52 @@
+"""The preference trainers on CUDA: bf16 compute, fused kernels, compiled layers and flash varlen attention."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.cli import main
+from reinforge.data.preference_dataset import PreferenceKeys, collate_pairs, tokenize_pair
+from reinforge.engine.forward import response_log_probs
+from reinforge.engine.fsdp import shard_model
+from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.packing import attach_plan
+from reinforge.models import load_causal_lm, load_tokenizer
+
+pytestmark = pytest.mark.gpu
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_packed_pair_scores_as_its_two_sequences_apart_in_bf16(tiny_model_dir):
+    device = torch.device("cuda")
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device=device)
+    prepare_for_training(model, device)
+    shard_model(model, device, "bfloat16")
+    row = {"prompt": [{"role": "user", "content": "question 3?"}], "chosen": [{"role": "assistant", "content": "yes"}],
+           "rejected": [{"role": "assistant", "content": "no, sorry"}]}
+    pair = tokenize_pair(tokenizer, row, PreferenceKeys())
+    batch = attach_plan(collate_pairs([pair], [0], tokenizer.pad_token_id), share_prompts=True)
+    with torch.no_grad():
+        together, _ = response_log_probs(model, batch.to(device))
+        apart = [response_log_probs(model, attach_plan(batch.index([row]), share_prompts=False).to(device))[0][0]
+                 for row in range(2)]
+    for row in range(2):
+        torch.testing.assert_close(together[row], apart[row], atol=2e-2, rtol=2e-2)
+
+
+def test_rm_and_dpo_train_on_cuda_in_bf16(pair_args, tmp_path):
+    cuda = {"trainer.device": "cuda", "model.dtype": "bfloat16"}
+    assert main(["rm", *pair_args(tmp_path / "rm", **cuda)]) == 0
+    assert all(math.isfinite(record["train/loss"]) for record in metrics_of(tmp_path / "rm"))
+    assert main(["dpo", *pair_args(tmp_path / "dpo", **cuda, **{"model.gradient_checkpointing": True})]) == 0
+    first, last = metrics_of(tmp_path / "dpo")
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=2e-2)  # the policy is its reference at step 1
+    assert last["train/loss"] < first["train/loss"]
