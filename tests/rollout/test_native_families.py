@@ -163,3 +163,39 @@ def test_a_model_outside_the_table_rolls_out_with_generate_after_one_line_saying
     assert lines == ["rollout.name=native cannot run this model: GPTNeoXForCausalLM (model_type 'gpt_neox') has no "
                      "entry in the architecture table (reinforge/models/architectures.py); rolling out with the hf "
                      "backend (transformers' generate) instead, roughly 20x slower"]
+
+
+def hf_log_probs_step_by_step(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Log-probs of ``tokens`` after ``prompt`` from a forward over the prompt, then one forward per token over
+    the cache (as ``generate`` computes them)."""
+    with torch.no_grad():
+        output = model(torch.tensor([prompt], device=DEVICE), use_cache=True)
+        rows = [output.logits[0, -1]]
+        for token in tokens[:-1]:
+            output = model(torch.tensor([[token]], device=DEVICE), past_key_values=output.past_key_values,
+                           use_cache=True)
+            rows.append(output.logits[0, -1])
+    log_probs = torch.log_softmax(torch.stack(rows).float(), dim=-1)
+    return log_probs.gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].cpu()
+
+
+def test_longrope_picks_short_or_long_factors_per_step_as_transformers_does():
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
+            "original_max_position_embeddings": 16}
+    model = build_tiny_causal_lm("phi3", vocab_size=128, num_layers=2, max_position_embeddings=64,
+                                 rope_parameters=rope, original_max_position_embeddings=16, seed=1).eval()
+    engine = make_engine(model, False)
+    sampling = SamplingParams(max_tokens=14, temperature=1.0, seed=3)
+    short, crossing, long = prompts([2, 10, 20], seed=6)
+    within, across, beyond = (samples[0] for samples in engine.generate(
+        [GenerationRequest(prompt, sampling) for prompt in (short, crossing, long)]))
+    # within the original 16 positions every forward uses the short factors, and a prompt past them uses the
+    # long factors from its prefill on: a forward over the whole sequence agrees, in a batch with the others
+    for prompt, sample in ((short, within), (long, beyond)):
+        torch.testing.assert_close(torch.tensor(sample.log_probs), hf_log_probs(model, prompt, sample.token_ids),
+                                   atol=1e-5, rtol=0)
+    # a sequence crossing them: each decode step uses the factors of its own position, as generate's forwards
+    # do (a forward over the whole sequence would use the long factors for the first positions too)
+    torch.testing.assert_close(torch.tensor(across.log_probs),
+                               hf_log_probs_step_by_step(model, crossing, across.token_ids), atol=1e-5, rtol=0)

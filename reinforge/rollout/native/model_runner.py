@@ -142,6 +142,8 @@ class ModelRunner:
             * self.block_size + np.arange(start, seq.num_tokens) % self.block_size
             for seq, start in zip(seqs, starts, strict=True)])
         contexts = [seq.num_tokens for seq in seqs]
+        # the decoder reads positions only to look up rotary rows (LongRoPE: see rotary_tables.py)
+        positions = self.decoder.rotary.rotary_positions(positions, np.repeat(contexts, seq_lens))
         graphs = self._graphs_for_prefill()
         if graphs is not None or any(starts):
             # every context token's slot (the packed path reads the cached and new keys through them)

@@ -7,19 +7,23 @@ module's sliding-attention frequencies: ``rotary_emb(x, positions, layer_type)``
 type, ``rotary_emb_local`` where the model has a second module.
 
 LongRoPE (Phi-3/Phi-4 past their original context): transformers picks the short or the long factors for
-all positions of one forward from its largest position (long when it reaches
-``original_max_position_embeddings``). The tables here do the same per step: ``select(max_position)``
-copies the regime's tables into the buffers every layer reads (in place, so captured graphs follow) when a
-step's largest position crosses the original length. A training forward over a whole sequence longer than
-the original length uses the long factors for its first positions too, whose keys the engine cached under
-the short factors while the sequence was shorter (as ``generate`` does): such samples' log-probs differ from
-the trainer's by that much; sequences within the original length are exact.
+all positions of one forward from its largest position (long once it reaches
+``original_max_position_embeddings``). The engine picks them as ``generate`` on each sequence alone does:
+a decode step's token at position p uses the long factors iff p reaches the original length, a prefilled
+token uses them iff its sequence's prefill does. The table rows below the original length hold the short
+factors and the rows from it on the long ones; rows ``max_model_len + p`` (p below the original length) hold
+the long factors again, for the prefill of a sequence longer than the original length
+(``rotary_positions``). A training forward over a whole sequence that grew past the original length during
+decoding uses the long factors for its first positions too, whose keys the engine computed under the short
+factors while the sequence was shorter (as ``generate`` does): such samples' log-probs differ from the
+trainer's by that much; sequences within the original length, or prompts already past it, are exact.
 """
 
 from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -31,38 +35,34 @@ class RotaryTables:
     def __init__(self, decoder_module: nn.Module, kinds: set[str], max_model_len: int, dtype: torch.dtype,
                  device: torch.device, rope_parameters: dict):
         self.tables: dict[str, tuple[Tensor, Tensor]] = {}
-        """rope kind -> (cos, sin), each (max_model_len, rotary_dim): the buffers the layers read."""
-        self._regimes: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}
+        """rope kind -> (cos, sin), each (rows, rotary_dim): the rows are positions, see ``rotary_positions``."""
+        self.max_model_len = max_model_len
         self.original_length: int | None = None
-        self.regime = "long"
+        """LongRoPE's original length when sequences may cross it (then two sets of factors), else None."""
         rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
         original = rope_parameters.get("original_max_position_embeddings")
-        two_regimes = rope_type == "longrope" and original is not None and max_model_len > original
+        if rope_type == "longrope" and original is not None and max_model_len > original:
+            self.original_length = original
         for kind in sorted(kinds - {"none"}):
             compute = _table_function(decoder_module, kind, dtype, device)
-            long = compute(max_model_len)
-            self.tables[kind] = (long[0].clone(), long[1].clone())
-            if two_regimes:
-                self._regimes[kind] = {"long": long, "short": compute(original)}
-        if two_regimes:
-            self.original_length = original
-            self.select(0)
+            cos, sin = compute(max_model_len)  # positions past the original length: the long factors
+            if self.original_length is not None:
+                short_cos, short_sin = compute(original)
+                cos = torch.cat([short_cos, cos[original:], cos[:original]])
+                sin = torch.cat([short_sin, sin[original:], sin[:original]])
+            self.tables[kind] = (cos, sin)
 
     def cos_sin(self, kind: str) -> tuple[Tensor, Tensor] | tuple[None, None]:
         return self.tables.get(kind, (None, None))
 
-    def select(self, max_position: int) -> None:
-        """Use the tables transformers uses for a forward whose largest position is ``max_position``."""
+    def rotary_positions(self, positions: np.ndarray, context_lens: np.ndarray) -> np.ndarray:
+        """The table rows of prefilled tokens at ``positions`` whose sequences' prefills end at ``context_lens``
+        (one per token): the positions themselves, but for the first positions of a prefill past LongRoPE's
+        original length, which read the long factors (rows max_model_len + position)."""
         if self.original_length is None:
-            return
-        regime = "long" if max_position + 1 > self.original_length else "short"
-        if regime == self.regime:
-            return
-        self.regime = regime
-        for kind, (cos, sin) in self.tables.items():
-            source_cos, source_sin = self._regimes[kind][regime]
-            cos[:len(source_cos)].copy_(source_cos)
-            sin[:len(source_sin)].copy_(source_sin)
+            return positions
+        long_early = (context_lens > self.original_length) & (positions < self.original_length)
+        return np.where(long_early, positions + self.max_model_len, positions)
 
 
 def _table_function(decoder_module: nn.Module, kind: str, dtype: torch.dtype, device: torch.device):

@@ -238,8 +238,10 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables
             scores = _softcapped(scores, softcap)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp(scores - new_max[:, None])
-        correction = tl.exp(running_max - new_max)
+        # a block wholly before the window (only the interpreter visits one) leaves the maximum at -inf
+        finite_max = _finite_or_zero(new_max)
+        probs = tl.exp(scores - finite_max[:, None])
+        correction = tl.exp(running_max - finite_max)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         v = tl.load(v_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
         if IEEE:

@@ -261,3 +261,83 @@ def test_sampler_kernel_matches_the_reference_at_qwen_vocab_size():
     expected_tokens, expected_log_probs = reference_sample(*inputs.values())
     assert tokens.cpu().tolist() == expected_tokens.tolist()
     torch.testing.assert_close(log_probs.cpu(), expected_log_probs, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_ON_GPU])
+@pytest.mark.parametrize("kind", ["gemma", "olmo"])
+def test_rms_norm_kinds_match_transformers(kind, dtype):
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    generator = torch.Generator().manual_seed(6)
+    x, residual = (torch.randn(5, 48, generator=generator).to(dtype) for _ in range(2))
+    norm = Gemma2RMSNorm(48, eps=1e-6) if kind == "gemma" else Olmo2RMSNorm(48, eps=1e-6)
+    norm.weight.data = (torch.randn(48, generator=generator) / 4 + (0 if kind == "gemma" else 1)).to(dtype)
+    residual_device = residual.clone().to(DEVICE)
+    out = triton_kernels.rms_norm(x.to(DEVICE), norm.weight.data.to(DEVICE), 1e-6, residual_device, kind)
+    torch.testing.assert_close(out.cpu(), norm.to(dtype)(x + residual))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul_is_transformers_gelu_pytorch_tanh(dtype):
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("bf16 arithmetic inside a kernel runs on the GPU only")
+    gate_up = (3 * torch.randn(4, 2 * 300, generator=torch.Generator().manual_seed(2))).to(dtype).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(triton_kernels.act_and_mul(gate_up, "gelu_tanh"), F.gelu(gate, approximate="tanh") * up)
+
+
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(24, 12), (16, 0)])
+def test_rope_and_write_cache_rotates_the_rotary_dims_only(head_dim, rotary_dim):
+    """Phi-style partial rotary on a head dim that is no power of two, and a layer without rotary (SmolLM3's
+    NoPE layers): the other dims pass through to the cache unchanged."""
+    from reinforge.rollout.native.layers import apply_partial_rotary
+
+    generator = torch.Generator().manual_seed(9)
+    num_tokens, num_heads, num_kv_heads = 4, 4, 2
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=generator)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator) for _ in range(2))
+    positions, slots = torch.tensor([3, 0, 9, 5]), torch.tensor([2, 7, 4, 0])
+    if rotary_dim:
+        angles = torch.arange(16).float()[:, None] * torch.rand(rotary_dim // 2, generator=generator)[None, :]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        expected_q, expected_k = (apply_partial_rotary(t, cos[positions], sin[positions]) for t in (q, k))
+    else:
+        cos = sin = None
+        expected_q, expected_k = q, k
+    q_device, k_device = q.clone().to(DEVICE), k.clone().to(DEVICE)
+    k_cache, v_cache = (torch.zeros(3, 4, num_kv_heads, head_dim, device=DEVICE) for _ in range(2))
+    triton_kernels.rope_and_write_cache(q_device, k_device, v.to(DEVICE), None if cos is None else cos.to(DEVICE),
+                                        None if sin is None else sin.to(DEVICE), positions.to(DEVICE),
+                                        slots.to(DEVICE), k_cache, v_cache)
+    torch.testing.assert_close(q_device.cpu(), expected_q)
+    torch.testing.assert_close(k_cache.cpu().flatten(0, 1)[slots], expected_k)
+    torch.testing.assert_close(v_cache.cpu().flatten(0, 1)[slots], v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, None), (None, 0.5), (9, 0.5)])
+def test_paged_decode_attention_with_windows_and_softcaps_is_the_pytorch_paths(window, softcap):
+    """Context lengths inside and past the window, a head dim that is no power of two; table entries before
+    the window name a block that is not there (-1): a windowed kernel never reads them."""
+    from reinforge.rollout.native.attention import AttentionMetadata, decode_attention
+
+    generator = torch.Generator().manual_seed(11)
+    num_heads, num_kv_heads, head_dim, page, num_blocks = 4, 2, 24, 4, 40
+    context_lens = torch.tensor([1, 5, 23, 70], dtype=torch.int32)
+    max_blocks = -(-int(context_lens.max()) // page)
+    block_tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in context_lens])
+    k_cache, v_cache = (torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=generator) for _ in range(2))
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), is_prefill=False, block_tables=block_tables,
+                             context_lens=context_lens)
+    expected = decode_attention(q, k_cache, v_cache, meta, 0.3, window, softcap)
+    tables = block_tables.clone().to(torch.int32)
+    if window is not None:  # blocks wholly before each query's window were given back
+        for row, length in enumerate(context_lens.tolist()):
+            tables[row, :max(length - window, 0) // page] = -1
+    out = triton_kernels.paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                                tables.to(DEVICE), context_lens.to(DEVICE), 0.3, softcap, window,
+                                                block_n=16)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+    if window is not None:  # and the window matters
+        assert not torch.allclose(expected, decode_attention(q, k_cache, v_cache, meta, 0.3, None, softcap))
