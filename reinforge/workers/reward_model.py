@@ -25,7 +25,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -198,17 +197,13 @@ def build_reward_inputs(config: Config) -> RewardInputs:
                                     "tokenizer folder, auto (the policy's) or null (never re-render responses)")
         policy_tokenizer = load_tokenizer(path, trust_remote_code=model.trust_remote_code)
         template = config.data.chat_template or policy_tokenizer.chat_template
-        if reads_like_policy(rm_tokenizer, policy_tokenizer, template):
+        same_vocabulary = rm_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        if reads_like_policy(rm_tokenizer, policy_tokenizer, template) or (
+                same_vocabulary and not rm_tokenizer.chat_template):  # no template of its own: it reads the policy's
             policy_tokenizer = None
+        elif not rm_tokenizer.chat_template:
+            raise ValueError(f"reward.reward_model.model_path={settings.model_path} has a tokenizer of its own but no "
+                             "chat template to re-render the responses in; add its chat template to the folder's "
+                             "tokenizer_config.json, or use a reward model with the policy's tokenizer")
     max_length = settings.max_length or config.data.max_prompt_length + config.data.max_response_length
     return RewardInputs(rm_tokenizer, policy_tokenizer, max_length)
-
-
-def score_metrics(rm_scores: Tensor, truncated: Tensor, seconds: float, step_seconds: float | None) -> dict[str, float]:
-    """reward_model/*: the mean score, how many inputs were cut, and the scoring time's share of the step."""
-    scores = rm_scores.sum(-1)
-    metrics = {"reward_model/score/mean": float(scores.mean()) if len(scores) else 0.0,
-               "reward_model/truncated": float(np.asarray(truncated).sum())}
-    if step_seconds:
-        metrics["reward_model/share_of_step"] = seconds / step_seconds
-    return metrics

@@ -22,9 +22,12 @@ PLAIN_TEMPLATE = ("{% for message in messages %}[{{ message['role'] }}] {{ messa
 
 
 def save_tiny_reward_model(folder: Path, head: type = Qwen2ForSequenceClassification, chat_template: str | None = None,
-                           num_labels: int = 1, seed: int = 0) -> Path:
+                           num_labels: int = 1, seed: int = 0, extra_tokens: tuple[str, ...] = ()) -> Path:
     """A tiny Qwen2 classification model (num_labels=1, pad_token_id set) with the char tokenizer, saved."""
-    tokenizer = build_char_tokenizer() if chat_template is None else build_char_tokenizer(chat_template=chat_template)
+    tokenizer = build_char_tokenizer(extra_tokens) if chat_template is None else build_char_tokenizer(
+        extra_tokens, chat_template=chat_template)
+    if chat_template == "":
+        tokenizer.chat_template = None
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
                          pad_token_id=tokenizer.pad_token_id, num_labels=num_labels, bos_token_id=None,
@@ -153,6 +156,13 @@ def test_a_response_is_re_rendered_in_the_reward_models_template(tiny_model_dir,
     with torch.no_grad():
         expected = model(input_ids=torch.tensor(sequences)).logits[0, 0]
     assert float(scored["rm_scores"][0, len(response) - 1]) == pytest.approx(float(expected), abs=1e-5)
+    # a reward model with the policy's vocabulary but no chat template reads the policy's ids; one with another
+    # vocabulary and no template cannot read the responses at all
+    plain = save_tiny_reward_model(tmp_path / "plain", chat_template="")
+    assert RewardModelWorker(rm_config(tiny_model_dir, plain)).inputs.policy_tokenizer is None
+    other = save_tiny_reward_model(tmp_path / "other", chat_template="", extra_tokens=("<x>",))
+    with pytest.raises(ValueError, match="has a tokenizer of its own but no chat template"):
+        RewardModelWorker(rm_config(tiny_model_dir, other))
     # input_tokenizer=null never re-renders
     assert RewardModelWorker(rm_config(tiny_model_dir, rm_dir, input_tokenizer=None)).inputs.policy_tokenizer is None
 
