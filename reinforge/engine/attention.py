@@ -109,8 +109,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict
             and (kv_index is None or kwargs.get("packed_flash_shared", False))):
         return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
                              int(max_key_length), scale, window)
-    if on_flash_device and sinks is None and _FLEX_ATTENTION is not None:
-        return flex_packed_attention(q, k, v, cu_seqlens, cu_seqlens_k, scale, window, softcap, compiled=True)
+    if on_flash_device and sinks is None and kwargs.get("packed_flex", False):
+        return _flex_outside_compiled_layers(q, k, v, cu_seqlens, cu_seqlens_k, scale, window, softcap)
     # the length lists are read only here (from the cumulative lengths if they were left out)
     query_lengths = kwargs.get("packed_lengths") or _lengths(cu_seqlens)
     key_lengths = query_lengths if kv_index is None else kwargs.get("packed_key_lengths") or _lengths(cu_seqlens_k)
@@ -165,6 +165,44 @@ def flex_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, c
                  score_mod=soft_cap if softcap is not None else None, block_mask=block_mask, scale=scale,
                  enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
+
+
+@torch.compiler.disable
+def _flex_outside_compiled_layers(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor,
+                                  scale: float, window: int | None, softcap: float | None) -> Tensor:
+    """Compiled flex attention as its own graph: a compiled decoder layer calls it across a graph break."""
+    return flex_packed_attention(q, k, v, cu_seqlens, cu_seqlens_k, scale, window, softcap, compiled=True)
+
+
+@cache
+def flex_runs_on(device: torch.device) -> bool:
+    """Whether compiled ``flex_attention`` runs soft-capped, windowed packed attention on ``device``, both ways.
+
+    Probed once per device, outside any compiled region, against the explicit padded path; the
+    packed forwards of a soft-capped model pass the answer as ``packed_flex``. Where it does not run,
+    soft-capped layers take the explicit path (exact, slower, more memory) and a warning says so.
+    """
+    if device.type != "cuda" or _FLEX_ATTENTION is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 2, 64, generator=generator) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    expected = padded_packed_attention(q, k, v, [5, 7], [5, 7], 0.125, window=3, softcap=2.0)
+    try:
+        q, k, v = (x.to(device, torch.bfloat16).requires_grad_() for x in (q, k, v))
+        out = flex_packed_attention(q, k, v, cu.to(device), cu.to(device), 0.125, 3, 2.0, compiled=True)
+        out.float().sum().backward()
+        works = bool(torch.allclose(out.float().cpu(), expected, atol=3e-2, rtol=3e-2))
+        reason = "its output differs from the explicit path"
+    except Exception as error:  # any failure of the compiler or the kernel: the explicit path is exact
+        works, reason = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if not works:
+        import warnings
+
+        warnings.warn(f"compiled flex_attention does not run soft-capped attention on {device} ({reason}); those "
+                      "layers take the explicit padded path, which is exact but slower and holds more memory",
+                      stacklevel=2)
+    return works
 
 
 def _lengths(cu_seqlens: Tensor) -> list[int]:

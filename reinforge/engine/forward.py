@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.engine.attention import NAME as ATTENTION_NAME
-from reinforge.engine.attention import flash_applies, flash_runs_shared_segments
+from reinforge.engine.attention import flash_applies, flash_runs_shared_segments, flex_runs_on
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
@@ -67,12 +67,22 @@ def _check_varlen(config) -> None:
                          "across packed sequences; call reinforge.engine.attention.use_varlen_attention(model) first")
 
 
-def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype) -> dict:
-    """Decided here, outside the (possibly compiled) decoder layers: flash or masked SDPA."""
+def _soft_capped(config) -> bool:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "attn_logit_softcapping", None) is not None
+
+
+def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype, config=None) -> dict:
+    """Decided here, outside the (possibly compiled) decoder layers: flash, flex (soft-caps) or masked attention."""
     device = packed.input_ids.device
-    kwargs = packed.attention_kwargs(with_lengths=not flash_applies(device, compute_dtype, packed.kv_index is not None))
+    soft_capped = config is not None and _soft_capped(config)
+    flex = device.type == "cuda" and soft_capped and flex_runs_on(device)
+    with_lengths = not flash_applies(device, compute_dtype, packed.kv_index is not None) or (soft_capped and not flex)
+    kwargs = packed.attention_kwargs(with_lengths=with_lengths)
     if packed.kv_index is not None:
         kwargs["packed_flash_shared"] = flash_runs_shared_segments(device)
+    if flex:
+        kwargs["packed_flex"] = True
     return kwargs
 
 
@@ -98,7 +108,7 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
         model(input_ids=packed.input_ids, position_ids=packed.position_ids,
               attention_mask=_no_mask(model.config, device), use_cache=False,
               logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
-              **_attention_kwargs(packed, layer_compute_dtype(model)))
+              **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
     finally:
         hook.remove()
     hidden = captured[-1][0, packed.predictor_index]
@@ -122,7 +132,7 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     packed = pack_rows(micro)
     outputs = model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
                              attention_mask=_no_mask(model.backbone.config, packed.input_ids.device), use_cache=False,
-                             **_attention_kwargs(packed, layer_compute_dtype(model.backbone)))
+                             **_attention_kwargs(packed, layer_compute_dtype(model.backbone), model.backbone.config))
     hidden = outputs.last_hidden_state[0, packed.predictor_index]
     head = model.value_head
     values = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
@@ -140,7 +150,7 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
     packed = pack_rows(micro)
     outputs = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
                        attention_mask=_no_mask(backbone.config, packed.input_ids.device), use_cache=False,
-                       **_attention_kwargs(packed, layer_compute_dtype(backbone)))
+                       **_attention_kwargs(packed, layer_compute_dtype(backbone), backbone.config))
     hidden = outputs.last_hidden_state[0, packed.last_index]
     head = model.score
     return head(hidden.to(head.weight.dtype)).float()

@@ -205,13 +205,37 @@ def test_windowed_models_keep_rollout_and_training_probabilities_together(arithm
         assert row["training/rollout_probs_diff_max"] <= 10 * level, arch
 
 
+@pytest.mark.parametrize("window,softcap", [(None, 0.7), (3, None), (3, 0.7)])
+def test_flex_packed_attention_equals_the_padded_path(window, softcap):
+    """The flex form of packed attention (block mask of segments and window, soft-cap as a score_mod), run eagerly."""
+    from reinforge.engine.attention import flex_packed_attention
+    from reinforge.packed_attention import padded_packed_attention
+
+    query_lengths, key_lengths = [5, 9, 3], [7, 9, 6]  # shared prompts: more keys than queries
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(17, 4, 16, generator=generator)
+    k, v = torch.randn(22, 2, 16, generator=generator), torch.randn(22, 2, 16, generator=generator)
+    got = flex_packed_attention(q, k, v, torch.tensor([0, 5, 14, 17]), torch.tensor([0, 7, 16, 22]), 0.3, window,
+                                softcap, compiled=False)
+    expected = padded_packed_attention(q, k, v, query_lengths, key_lengths, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_runs_soft_capped_attention_on_the_gpu():
+    """Else soft-capped layers (Gemma 2) fall back to the explicit padded path: exact, but slow."""
+    from reinforge.engine.attention import flex_runs_on
+
+    assert flex_runs_on(torch.device("cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("shared", [False, True])
 def test_cuda_packed_attention_applies_windows_and_soft_caps(shared, window, softcap):
     """bf16 on the GPU (flash with window_size, or flex with the soft-cap) against the float32 padded path."""
-    from reinforge.engine.attention import flash_runs_shared_segments, packed_attention
+    from reinforge.engine.attention import flash_runs_shared_segments, flex_runs_on, packed_attention
     from reinforge.packed_attention import padded_packed_attention
 
     device = torch.device("cuda")
@@ -227,6 +251,8 @@ def test_cuda_packed_attention_applies_windows_and_soft_caps(shared, window, sof
     if shared:
         kwargs |= {"packed_kv_index": torch.arange(sum(key_lengths), device=device), "packed_cu_seqlens_k": cu_k,
                    "packed_max_length_k": max(key_lengths), "packed_flash_shared": flash_runs_shared_segments(device)}
+    if softcap is not None:
+        kwargs["packed_flex"] = flex_runs_on(device)
     got = packed_attention(*(x.to(device, torch.bfloat16) for x in (q, k, v)), 0.3, kwargs, window=window,
                            softcap=softcap)
     expected = padded_packed_attention(q, k, v, query_lengths, key_lengths, 0.3, window=window, softcap=softcap)
