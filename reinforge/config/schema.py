@@ -366,7 +366,8 @@ class RewardCombineConfig:
     mode: str = "replace"
     """replace: the reward model's score alone (verl's behaviour; the rule-based scorer is not run in training);
     sum: rm_weight x the reward model's score + rule_weight x the rule's; gate: the reward model's score where the
-    rule's score exceeds gate_threshold, else the rule's score."""
+    rule's score exceeds gate_threshold, else the rule's score. Validation scores with the rule-based scorer (the
+    task's accuracy) in every mode."""
     rm_weight: float = 1.0
     """sum: weight of the reward model's score."""
     rule_weight: float = 1.0
