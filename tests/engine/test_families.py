@@ -259,11 +259,17 @@ def test_cuda_packed_attention_applies_windows_and_soft_caps(shared, window, sof
     torch.testing.assert_close(got.float().cpu(), expected, atol=3e-2, rtol=3e-2)
 
 
+COMPILED_ON_GPU = ("gemma2", "phi3", "olmo2", "deepseek_v3", "qwen3_moe")
+"""Families whose GPU test compiles the decoder layers too (each compile takes tens of seconds): soft-caps and
+sandwich norms, fused projections and partial rotary, post-norms and projection qk-norm, MLA, MoE."""
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", [*TABLE, OUTSIDE, SINKS])
 def test_cuda_training_path_matches_transformers_in_bfloat16(arch):
-    """prepare_for_training on CUDA (the fast path for the table's families: fused norms and MLP, the packed
-    attention layout, compiled layers; transformers' modules otherwise): bf16 log-probs near float32 transformers."""
+    """The CUDA fast path (fused norms and MLP, the packed attention layout, flash or flex attention; decoder layers
+    compiled for COMPILED_ON_GPU) or transformers' modules outside the table: bf16 log-probs near float32
+    transformers, and a finite backward."""
     import torch._dynamo
 
     from reinforge.engine.fused import prepare_for_training
@@ -274,9 +280,27 @@ def test_cuda_training_path_matches_transformers_in_bfloat16(arch):
     model = tiny_model(arch).to(device)
     _, expected, _ = padded_reference(model, batch.to(device), temperature=1.0)
     model = model.to(torch.bfloat16)
-    prepare_for_training(model, device)
+    if arch in COMPILED_ON_GPU or arch not in TABLE:
+        prepare_for_training(model, device)
+    else:
+        use_varlen_attention(model)
+        fuse_elementwise(model, compile=False)
+        use_packed_attention_layout(model)
     micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=True).to(device)
     log_probs, _ = response_log_probs(model, micro, with_entropy=True)
     torch.testing.assert_close(log_probs.float(), expected.float().detach(), atol=5e-2, rtol=5e-2)
     (log_probs * micro["advantages"]).sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_prepare_for_training_says_the_path_once_per_process(caplog):
+    import logging
+
+    from reinforge.engine import fused
+
+    fused._DESCRIBED.clear()
+    with caplog.at_level(logging.INFO, logger="reinforge.engine.fused"):
+        for _ in range(2):  # the actor and the reference of one run
+            fused.prepare_for_training(tiny_model(OUTSIDE), torch.device("cpu"))
+    lines = [record.getMessage() for record in caplog.records if record.name == "reinforge.engine.fused"]
+    assert len(lines) == 1 and lines[0].startswith("packed training of gpt_neox")
