@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--response-tokens", type=int, default=512, help="tokens of each completion")
     parser.add_argument("--max-tokens", type=int, default=16384, help="packed tokens of one micro-batch")
-    parser.add_argument("--checkpointing", choices=["on", "off"], default="on", help="gradient checkpointing")
+    parser.add_argument("--checkpointing", choices=["on", "off"], default="off",
+                        help="gradient checkpointing of every decoder layer (off: 1.5B at 16k tokens fits an H200)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser
 
