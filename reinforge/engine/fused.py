@@ -270,8 +270,17 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor") -> int:
 
 
 def _compilable(model: nn.Module) -> bool:
-    """Whether transformers marks the model's forward as compilable (a family outside the table is compiled only then)."""
-    return bool(getattr(model, "_can_compile_fullgraph", False))
+    """Whether a family outside the table gets compiled decoder layers: transformers marks the model compilable and
+    its decoder layers are found."""
+    from reinforge.engine.fsdp import decoder_layers
+
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return False
+    try:
+        decoder_layers(model)
+    except ValueError:
+        return False
+    return True
 
 
 def describe_training_path(model: nn.Module, device: torch.device) -> str:
