@@ -1,0 +1,166 @@
+"""External agents as agent loops: any OpenAI-client agent, trained through the endpoint.
+
+``register_openai_agent(name, agent)`` registers an agent loop under ``name``, which a row selects by its
+``agent_name`` as it selects ``tool_agent``. ``agent`` is either
+
+- an async callable ``agent(base_url, row) -> reward or final answer``: it talks to the policy with any OpenAI client
+  pointed at ``base_url`` (``/t/<trajectory_id>/v1`` on an endpoint the rollout starts on the engine, on 127.0.0.1);
+- or a command (a list of arguments): it runs with ``OPENAI_BASE_URL`` (and a dummy ``OPENAI_API_KEY``) set and the
+  row as JSON on its stdin; the last line it prints is its reward (a number) or final answer.
+
+A number returned is the trajectory's reward (``reward_score``); anything else is kept as ``final_answer`` and the
+reward manager scores the trajectory. The trajectory is assembled from the endpoint's records (``trajectories.py``),
+within ``rollout.multi_turn``'s budgets; ``timeout_s`` bounds the agent's wall time (its trajectory then ends with
+the calls made so far, finish reason ``timeout``). An agent that raises before the endpoint ended its trajectory
+stops the rollout with its error: a broken agent must not train on what it left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from reinforge.agent.loop import AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
+from reinforge.rollout.base import SamplingParams
+from reinforge.serve.app import OpenAIEndpoint
+from reinforge.serve.chat import ChatCodec
+from reinforge.serve.service import GenerationService
+from reinforge.serve.trajectories import TrajectorySession, jsonable
+
+OpenAIAgent = Callable[[str, dict[str, Any]], Awaitable[Any]]
+ROW_KEYS_NOT_SENT = ("prompt_ids",)
+
+_trajectory_numbers = itertools.count()
+
+
+class _SharedEndpoint:
+    """One endpoint per agent context (a rollout's trajectories share it), closed when its last trajectory ends."""
+
+    endpoints: dict[int, tuple[asyncio.Task, int]] = {}
+
+    @classmethod
+    async def acquire(cls, context: AgentContext) -> OpenAIEndpoint:
+        key = id(context)
+        if key not in cls.endpoints:
+            cls.endpoints[key] = (asyncio.ensure_future(cls._start(context)), 0)
+        task, users = cls.endpoints[key]
+        cls.endpoints[key] = (task, users + 1)
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            await cls.release(context)
+            raise
+
+    @classmethod
+    async def release(cls, context: AgentContext) -> None:
+        key = id(context)
+        task, users = cls.endpoints[key]
+        if users > 1:
+            cls.endpoints[key] = (task, users - 1)
+            return
+        del cls.endpoints[key]
+        if task.done() and task.exception() is None:
+            await task.result().close()
+
+    @staticmethod
+    async def _start(context: AgentContext) -> OpenAIEndpoint:
+        if context.renderer is None:
+            from reinforge.agent.turn_tokens import ToolTurnRenderer
+
+            context.renderer = ToolTurnRenderer(context.tokenizer, context.chat_template)
+        codec = ChatCodec(context.tokenizer, context.chat_template, context.config.format)
+        service = GenerationService(context.client, context.tokenizer, "policy", codec=codec,
+                                    max_model_len=1 << 30)
+        endpoint = OpenAIEndpoint(service, max_concurrency=1 << 20)
+        await endpoint.start()
+        return endpoint
+
+
+class OpenAIAgentLoop(AgentLoop):
+    """Runs one row's external agent against its own trajectory URL and returns the recorded trajectory."""
+
+    agent: OpenAIAgent | Sequence[str]
+    timeout_s: float | None = None
+    agent_name = ""
+
+    async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
+        endpoint = await _SharedEndpoint.acquire(self.context)
+        session = TrajectorySession(sampling, self.context.config, str(row.get("request_id", "")))
+        trajectory_id = f"{next(_trajectory_numbers)}-{os.getpid()}"
+        base_url = endpoint.open_trajectory(trajectory_id, session)
+        result: Any = None
+        start = time.perf_counter()
+        try:
+            scope = asyncio.timeout(self.timeout_s)
+            try:
+                async with scope:
+                    result = await self._run_agent(base_url, {key: value for key, value in row.items()
+                                                             if key not in ROW_KEYS_NOT_SENT})
+            except TimeoutError:
+                if not scope.expired():
+                    raise
+                session.ended = session.ended or "timeout"
+            except Exception as error:
+                if session.ended is None:
+                    raise RuntimeError(f"agent {self.agent_name!r} raised {type(error).__name__}: "
+                                       f"{' '.join(str(error).split())}") from error
+        finally:
+            endpoint.close_trajectory(trajectory_id)
+            await _SharedEndpoint.release(self.context)
+        output = session.output()
+        output.metrics["agent_seconds"] = time.perf_counter() - start
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            output.reward_score = float(result)
+        elif result is not None:
+            output.extra["final_answer"] = result
+        return output
+
+    async def _run_agent(self, base_url: str, row: dict[str, Any]) -> Any:
+        if callable(self.agent):
+            return await self.agent(base_url, row)
+        return await run_agent_command(list(self.agent), base_url, row)
+
+
+async def run_agent_command(command: list[str], base_url: str, row: dict[str, Any]) -> Any:
+    """Run an agent command with OPENAI_BASE_URL set and the row on stdin; its last printed line, as a number if
+    it reads as one."""
+    environment = dict(os.environ, OPENAI_BASE_URL=base_url, OPENAI_API_KEY=os.environ.get("OPENAI_API_KEY", "none"))
+    process = await asyncio.create_subprocess_exec(*command, stdin=asyncio.subprocess.PIPE,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                   env=environment)
+    try:
+        stdout, stderr = await process.communicate(json.dumps(jsonable(row)).encode())
+    except BaseException:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        raise
+    if process.returncode != 0:
+        last = (stderr.decode(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"agent command {command[0]!r} exited with {process.returncode}: {last}")
+    lines = [line for line in stdout.decode(errors="replace").splitlines() if line.strip()]
+    if not lines:
+        return None
+    try:
+        return float(lines[-1])
+    except ValueError:
+        return lines[-1].strip()
+
+
+def register_openai_agent(name: str, agent: OpenAIAgent | Sequence[str], *,
+                          timeout_s: float | None = None) -> type[AgentLoop]:
+    """Register ``agent`` (an async callable or a command) as the agent loop ``name``; see the module docstring."""
+    if isinstance(agent, str):
+        raise TypeError(f"agent command {agent!r} is a string; give its arguments as a list, e.g. {agent.split()!r}")
+    if not callable(agent) and not (isinstance(agent, Sequence) and agent and all(isinstance(part, str)
+                                                                                  for part in agent)):
+        raise TypeError(f"agent {agent!r} is neither an async callable agent(base_url, row) nor a command list")
+    loop_class = type(f"OpenAIAgent_{name}", (OpenAIAgentLoop,),
+                      {"agent": staticmethod(agent) if callable(agent) else tuple(agent), "timeout_s": timeout_s,
+                       "agent_name": name})
+    return register_agent_loop(name)(loop_class)

@@ -1,0 +1,174 @@
+"""The HTTP endpoint (aiohttp): OpenAI's routes, trajectory routes, a concurrency limit and one-line errors.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (``stream: true`` answers in server-sent
+events), ``POST /v1/completions``, and the same under ``/t/<trajectory_id>/v1`` for the trajectories the trainer opens
+(``open_trajectory``): their calls are sampled as the trainer sets and recorded. At most ``max_concurrency``
+generation requests run at once; one more is answered 429 with ``Retry-After``. Every error is OpenAI's error body
+with a one-line message.
+
+The engine hands a completion over whole, so a streamed reply arrives as one content chunk (and its tool calls),
+then the finish chunk and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from reinforge.serve.chat import ChatSession, RequestError, error_body, new_id, now
+from reinforge.serve.service import GenerationService
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+class OpenAIEndpoint:
+    def __init__(self, service: GenerationService, *, max_concurrency: int = 256):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency={max_concurrency}; allow at least 1 request at a time")
+        self.service = service
+        self.max_concurrency = max_concurrency
+        self.in_flight = 0
+        self.trajectories: dict[str, ChatSession] = {}
+        self._runner: Any = None
+        self.base_url = ""
+
+    def open_trajectory(self, trajectory_id: str, session: ChatSession) -> str:
+        """Route ``/t/<trajectory_id>/v1`` to ``session``; returns that base URL."""
+        if trajectory_id in self.trajectories:
+            raise ValueError(f"trajectory {trajectory_id!r} is already open")
+        self.trajectories[trajectory_id] = session
+        return f"{self.base_url}/t/{trajectory_id}/v1"
+
+    def close_trajectory(self, trajectory_id: str) -> None:
+        self.trajectories.pop(trajectory_id, None)
+
+    def application(self) -> Any:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self._health)
+        for prefix in ("", "/t/{trajectory}"):
+            app.router.add_get(prefix + "/v1/models", self._models)
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen (port 0: any free port); returns the server's root URL."""
+        from aiohttp import web
+
+        self._runner = web.AppRunner(self.application(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()  # the port the system chose when port is 0
+        self.base_url = f"http://{host if host not in ('0.0.0.0', '::') else '127.0.0.1'}:{bound[1]}"
+        return self.base_url
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @staticmethod
+    def _error(status: int, message: str, error_type: str = "invalid_request_error", code: str | None = None,
+               headers: dict[str, str] | None = None) -> Any:
+        from aiohttp import web
+
+        return web.json_response(error_body(message, error_type, code), status=status, headers=headers)
+
+    async def _health(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"status": "ok", "in_flight": self.in_flight})
+
+    async def _models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        return web.json_response({"object": "list", "data": [{"id": self.service.model_name, "object": "model",
+                                                              "created": 0, "owned_by": "reinforge"}]})
+
+    async def _body(self, request: Any) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise RequestError(f"the request body is not JSON ({error}); send a JSON object") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return body
+
+    def _session(self, request: Any) -> ChatSession | None:
+        trajectory = request.match_info.get("trajectory")
+        if trajectory is None:
+            return None
+        session = self.trajectories.get(trajectory)
+        if session is None:
+            raise RequestError(f"trajectory {trajectory!r} is not open (it ended or never started); use the base_url "
+                               "the agent was given", status=404, code="trajectory_not_found")
+        return session
+
+    async def _guarded(self, request: Any, answer: Any) -> Any:
+        if self.in_flight >= self.max_concurrency:
+            return self._error(429, f"{self.in_flight} requests are in flight, the server's limit "
+                                    f"(--max-concurrency {self.max_concurrency}); retry after {RETRY_AFTER_S} s",
+                               "rate_limit_error", "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
+        self.in_flight += 1
+        try:
+            return await answer(await self._body(request))
+        except RequestError as error:
+            return self._error(error.status, str(error), error.error_type, error.code)
+        except Exception as error:
+            logger.exception("request failed")
+            return self._error(500, f"{type(error).__name__}: {error}", "server_error")
+        finally:
+            self.in_flight -= 1
+
+    async def _chat(self, request: Any) -> Any:
+        async def answer(body: dict[str, Any]) -> Any:
+            from aiohttp import web
+
+            result = await self.service.chat(body, self._session(request))
+            if not body.get("stream"):
+                return web.json_response(result)
+            return await self._stream(request, result)
+        return await self._guarded(request, answer)
+
+    async def _completions(self, request: Any) -> Any:
+        async def answer(body: dict[str, Any]) -> Any:
+            from aiohttp import web
+
+            if self._session(request) is not None:
+                raise RequestError("a trajectory's calls go to /chat/completions; /completions is not recorded")
+            if body.get("stream"):
+                raise RequestError("stream is supported on /v1/chat/completions only")
+            return web.json_response(await self.service.complete(body))
+        return await self._guarded(request, answer)
+
+    async def _stream(self, request: Any, result: dict[str, Any]) -> Any:
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chunk_id, created = new_id("chatcmpl"), now()
+
+        async def send(choices: list[dict[str, Any]]) -> None:
+            chunk = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                     "model": result["model"], "choices": choices}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        for choice in result["choices"]:
+            message = choice["message"]
+            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [dict(call, index=index) for index, call in enumerate(message["tool_calls"])]
+            first = {"index": choice["index"], "delta": delta, "finish_reason": None}
+            if "logprobs" in choice:
+                first["logprobs"] = choice["logprobs"]
+            await send([first])
+            await send([{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}])
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response

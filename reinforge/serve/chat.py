@@ -1,0 +1,189 @@
+"""OpenAI chat messages to token ids and back, token in and token out.
+
+A conversation's first call is rendered by the chat template (``apply_chat_template`` with its tools and the
+generation prompt). A later call of the same session whose messages are an earlier call's messages, then the reply
+the server gave it, then new tool or user messages, is not rendered again: its prompt is the earlier call's prompt
+ids, the ids the engine sampled, and the new messages as a chat-template increment (``ToolTurnRenderer``, the
+increment ``tool_agent`` appends), so the tokens the model sampled stay as sampled. Any other call (an edited,
+shortened or reordered history, other tools) is rendered from its messages and starts a new segment.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
+from reinforge.agent.turn_tokens import ToolTurnRenderer
+
+
+class RequestError(ValueError):
+    """A request the server refuses: status, OpenAI error type and code, and a one-line message."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None,
+                 error_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.code, self.error_type = status, code, error_type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.error_type, self.code)
+
+
+def error_body(message: str, error_type: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": " ".join(message.split()), "type": error_type, "param": None, "code": code}}
+
+
+def text_of(content: Any) -> str:
+    """A message's content as text: a string, None, or a list of parts whose text parts are joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    raise RequestError(f"message content of type {type(content).__name__} is not supported; send a string or a list "
+                       "of text parts")
+
+
+def _arguments(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+    except json.JSONDecodeError as error:
+        raise RequestError(f"tool call arguments {raw!r} are not JSON ({error.msg}); send a JSON object") from None
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def normalize_message(message: Any) -> dict[str, Any]:
+    """A message as the chat template reads it: role, content text, tool calls with their arguments as objects."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"each message needs a 'role' string; got {str(message)[:80]!r}")
+    role = message["role"]
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise RequestError(f"message role {role!r} is not supported; use system, user, assistant or tool")
+    normalized: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                  "content": text_of(message.get("content"))}
+    if role == "assistant" and message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            function = (call or {}).get("function") or {}
+            if not isinstance(function.get("name"), str):
+                raise RequestError("an assistant tool call needs function.name; send the tool_calls the server returned")
+            calls.append({"type": "function", "function": {"name": function["name"],
+                                                           "arguments": _arguments(function.get("arguments"))}})
+        normalized["tool_calls"] = calls
+    return normalized
+
+
+def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
+    """Whether an assistant message sent back is the reply the server gave (content up to surrounding space)."""
+    return (sent["role"] == "assistant" and sent["content"].strip() == returned["content"].strip()
+            and sent.get("tool_calls", []) == returned.get("tool_calls", []))
+
+
+@dataclass
+class CallRecord:
+    """One chat call of a session: what it was asked, the exact prompt ids, and what the engine sampled."""
+
+    messages: list[dict[str, Any]]
+    tools: Any
+    prompt_ids: list[int]
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    reply: dict[str, Any]
+    continues: int | None = None
+    """Index of the call this one continues by increment; None: rendered from its messages."""
+
+
+@dataclass
+class ChatSession:
+    """The calls of one trajectory (or one client's conversation), in order."""
+
+    records: list[CallRecord] = field(default_factory=list)
+
+    def continued_call(self, messages: list[dict[str, Any]], tools: Any) -> tuple[int, list[dict[str, Any]]] | None:
+        """(index of the latest call the messages continue, the new messages after its reply), or None."""
+        for index in range(len(self.records) - 1, -1, -1):
+            record = self.records[index]
+            size = len(record.messages)
+            if (len(messages) > size + 1 and record.tools == tools and messages[:size] == record.messages
+                    and _same_reply(messages[size], record.reply)
+                    and all(message["role"] in ("tool", "user") for message in messages[size + 1:])):
+                return index, messages[size + 1:]
+        return None
+
+
+class ChatCodec:
+    """Messages to prompt ids, and sampled ids to an assistant message, for one tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, tool_format: str = "hermes"):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not self.chat_template:
+            raise ValueError("the tokenizer has no chat template, so chat messages cannot be rendered; serve a model "
+                             "whose tokenizer_config.json has one or pass --chat-template FILE")
+        self.renderer = ToolTurnRenderer(tokenizer, self.chat_template)
+        self.parser = get_tool_parser(tool_format)
+
+    def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
+
+    def increment(self, record: CallRecord, new_messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens after a call's sampled ids that bring in new messages: the end-of-turn token if the call was
+        stopped before it (as ``tool_agent`` closes such a turn), then the template's increment."""
+        eos_ids = self.renderer.eos_ids
+        closing = [] if record.token_ids[-len(eos_ids):] == eos_ids else list(eos_ids)
+        turns = [{"role": message["role"], "content": message["content"]} for message in new_messages]
+        return closing + self.renderer.increment(turns)
+
+    def prompt_ids(self, session: ChatSession | None, messages: list[dict[str, Any]],
+                   tools: Any) -> tuple[list[int], int | None]:
+        """The prompt of a call and the index of the call it continues (None: rendered)."""
+        continued = session.continued_call(messages, tools) if session is not None else None
+        if continued is None:
+            return self.render(messages, tools), None
+        index, new_messages = continued
+        record = session.records[index]
+        return record.prompt_ids + record.token_ids + self.increment(record, new_messages), index
+
+    def reply(self, token_ids: list[int]) -> tuple[dict[str, Any], list[ToolCall]]:
+        """The assistant message of sampled ids: text without the end-of-turn token, Hermes calls taken out."""
+        eos_ids = self.renderer.eos_ids
+        body = token_ids[:-len(eos_ids)] if token_ids[-len(eos_ids):] == eos_ids else token_ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        calls = [call for call in self.parser.parse(text) if call.error is None]
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            opening = text.find("<tool_call>")
+            message["content"] = text[:opening].strip() if opening >= 0 else text
+            message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                                     for call in calls]
+        return message, calls
+
+
+def openai_message(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply as OpenAI's API writes it: arguments as JSON strings, each call with an id."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
+    if reply.get("tool_calls"):
+        message["content"] = reply["content"] or None
+        message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                                  "function": {"name": call["function"]["name"],
+                                               "arguments": json.dumps(call["function"]["arguments"])}}
+                                 for call in reply["tool_calls"]]
+    return message
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

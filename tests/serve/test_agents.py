@@ -1,0 +1,126 @@
+"""An agent written against the official ``openai`` client, trained through the endpoint, gives tool_agent's tokens.
+
+The tiny model is random, so it never writes a Hermes call: tool_agent reads every turn as a call to ``echo`` with the
+turn's first characters (a parser registered here), and the scripted openai agent does the same with the reply it
+gets, sending ``echo:`` and those characters back as a tool message. Turns stop at any lowercase letter so they are
+short. The same rows, seeds and engine must then give the same trajectories, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reinforge.agent import (
+    AGENT_LOOPS,
+    TOOL_PARSERS,
+    AgentRunner,
+    AsyncEngineClient,
+    FunctionTool,
+    ToolCall,
+    register_tool_parser,
+)
+from reinforge.config.schema import MultiTurnConfig
+from reinforge.rollout.base import SamplingParams
+from reinforge.serve import register_openai_agent
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+LETTER_IDS = tuple(3 + byte for byte in range(ord("a"), ord("z") + 1))
+EOS_TEXT = "<|im_end|>"
+
+
+def echo(text: str) -> str:
+    """Echo the text.
+
+    Args:
+        text: The text.
+    """
+    return "echo:" + text
+
+
+async def echo_agent(base_url: str, row: dict) -> float:
+    """Calls the model, answers each reply with echo's output, until the endpoint ends the trajectory."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = list(row["raw_prompt"])
+    calls = 0
+    try:
+        while True:
+            response = await client.chat.completions.create(model="policy", messages=messages)
+            calls += 1
+            reply = response.choices[0].message
+            messages.append(reply.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "content": echo((reply.content or "")[:4]), "tool_call_id": "0"})
+    except openai.BadRequestError as error:
+        assert error.code == "trajectory_ended", error
+    finally:
+        await client.close()
+    return float(calls)
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    @register_tool_parser("test_every_turn_echo")
+    class EveryTurn:
+        def parse(self, text):
+            return [ToolCall("echo", {"text": text.removesuffix(EOS_TEXT)[:4]})]
+
+    register_openai_agent("test_echo_agent", echo_agent)
+    yield
+    del TOOL_PARSERS["test_every_turn_echo"], AGENT_LOOPS["test_echo_agent"]
+
+
+@pytest.fixture
+def engine_and_tokenizer(tiny_model_dir):
+    from reinforge.models.loading import load_causal_lm, load_tokenizer
+    from reinforge.rollout.native import NativeEngine
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    model = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device="cpu")
+    engine = NativeEngine(model, eos_token_ids=[tokenizer.eos_token_id], max_model_len=256, num_kv_blocks=128,
+                          device=torch.device("cpu"))
+    return engine, tokenizer
+
+
+def rows_for(tokenizer, agent_name: str, num_rows: int = 3) -> list[dict]:
+    rows = []
+    for index in range(num_rows):
+        messages = [{"role": "user", "content": f"{index}+{index}"}]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+        rows.append({"prompt_ids": list(prompt_ids), "raw_prompt": messages, "agent_name": agent_name,
+                     "extra_info": {}, "request_id": f"u{index}/0"})
+    return rows
+
+
+def run_rows(engine, tokenizer, agent_name: str, config: MultiTurnConfig, max_tokens: int = 160):
+    runner = AgentRunner(tokenizer, config, {"echo": FunctionTool(echo)})
+    rows = rows_for(tokenizer, agent_name)
+    samplings = [SamplingParams(max_tokens=max_tokens, seed=11 + index, stop_token_ids=LETTER_IDS)
+                 for index in range(len(rows))]
+    outputs = runner.run(rows, samplings, AsyncEngineClient(engine))
+    engine.sleep()  # drops the prefix cache: the second run starts from the same engine state
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limits", [{"max_assistant_turns": 3}, {"max_user_turns": 2}, {}])
+def test_an_openai_client_agent_gives_tool_agents_trajectories_token_for_token(engine_and_tokenizer, limits):
+    engine, tokenizer = engine_and_tokenizer
+    config = MultiTurnConfig(format="test_every_turn_echo", **limits)
+    max_tokens = 160 if limits else 60  # without turn limits the budget ends the trajectory
+    expected = run_rows(engine, tokenizer, "tool_agent", config, max_tokens)
+    got = run_rows(engine, tokenizer, "test_echo_agent", config, max_tokens)
+    for want, have in zip(expected, got, strict=True):
+        assert have.prompt_ids == want.prompt_ids
+        assert have.response_ids == want.response_ids
+        assert have.response_mask == want.response_mask
+        assert have.num_turns == want.num_turns
+        assert have.finish_reason == want.finish_reason
+        torch.testing.assert_close(torch.tensor(have.response_log_probs), torch.tensor(want.response_log_probs),
+                                   atol=1e-5, rtol=0)
+    assert any(output.num_turns > 2 for output in got)
+    assert any(0 in output.response_mask for output in got)  # tool turns are in the trajectory, not trained
+    calls = [output.reward_score for output in got]
+    assert all(count == (output.num_turns) // 2 for count, output in zip(calls, got, strict=True))
