@@ -133,18 +133,52 @@ def test_a_prefix_cache_hit_under_windows_samples_what_a_full_prefill_does(famil
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
-def test_bf16_on_the_gpu_stays_close_to_transformers(family):
+def test_on_the_gpu_kernels_and_graphs_equal_transformers(family):
+    """float32 through the compiled kernels and CUDA graphs: generate's greedy tokens and log-probs; bf16: close."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    model = family_model(family)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=16, max_num_seqs=8)
+    assert engine.runner.decoder.use_triton and engine.runner.cuda_graph_batch_sizes
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    batch = prompts(PROMPT_LENGTHS)
+    for prompt, (completion,) in zip(batch, engine.generate([GenerationRequest(p, greedy) for p in batch]),
+                                     strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS), family
+        torch.testing.assert_close(torch.tensor(completion.log_probs), hf_log_probs(model, prompt,
+                                                                                   completion.token_ids),
+                                   atol=1e-4, rtol=0)
     model = family_model(family, torch.bfloat16)
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=16, max_num_seqs=8)
     sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
-    batch = prompts(PROMPT_LENGTHS, seed=2)
     completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in batch])
     for prompt, samples in zip(batch, completions, strict=True):
         for sample in samples:
             expected = hf_log_probs(model, prompt, sample.token_ids)
             assert (torch.tensor(sample.log_probs) - expected).abs().max() < 0.1, family
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_windowed_prefix_hit_runs_flash_with_the_window():
+    """bf16 Mistral, window 6: a second turn over cached blocks through the flash varlen kernel's left window
+    samples what the padded reference does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = family_model("mistral", torch.bfloat16)
+    first_prompt = prompts([30], seed=4)[0]
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    results = []
+    for flash in (True, False):
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=16, max_num_seqs=8)
+        engine.runner.decoder.flash_prefix = engine.runner.decoder.context.flash_prefix = flash
+        (first,), = engine.generate([GenerationRequest(first_prompt, greedy)])
+        second_prompt = first_prompt + first.token_ids + prompts([5], seed=5)[0]
+        (second,), = engine.generate([GenerationRequest(second_prompt, greedy)])
+        assert engine.counters.prefix_hit_tokens > 0
+        results.append(second)
+    assert results[0].token_ids == results[1].token_ids
+    torch.testing.assert_close(torch.tensor(results[0].log_probs), torch.tensor(results[1].log_probs),
+                               atol=2e-2, rtol=0)
 
 
 def test_a_model_outside_the_table_rolls_out_with_generate_after_one_line_saying_why(caplog):

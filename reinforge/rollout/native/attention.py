@@ -106,6 +106,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, 
         grid[meta.batch_index, meta.token_index] = x
         return grid.transpose(1, 2)
 
+    if window is not None and window >= max_len:  # no sequence is longer than the window: plain causal
+        window = None
     q_grid, k_grid, v_grid = to_grid(q), to_grid(k).repeat_interleave(group, dim=1), \
         to_grid(v).repeat_interleave(group, dim=1)
     # right padding: with a causal mask a real query only ever sees real keys

@@ -230,7 +230,7 @@ class NativeEngine:
         # blocks the caching allocator holds but no tensor uses (the training step's) are free here too: the
         # cache is allocated from them, or, failing that, the allocator releases them and asks the device
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        config = self.model.config
+        config = self.runner.decoder.context.config  # the text config (a multimodal model keeps it inside)
         element_size = self.runner.decoder.dtype.itemsize
         activations = (self.max_num_batched_tokens * (4 * config.intermediate_size + 8 * config.hidden_size)
                        * element_size + self.max_num_seqs * config.vocab_size * 16 + (256 << 20))

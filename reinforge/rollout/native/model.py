@@ -44,9 +44,8 @@ def mlp_block(context: BlockContext, index: int) -> DenseMLP:
 
 
 def decoder_module(model: nn.Module) -> nn.Module:
-    """The module holding embed_tokens, layers, norm and rotary_emb (a multimodal model's language model)."""
-    inner = model.model
-    return getattr(inner, "language_model", inner)
+    """The module holding embed_tokens, layers, norm and rotary_emb."""
+    return model.model
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -60,8 +59,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"{spec.model_type} uses multi-head latent attention, which the native engine does not run"
     if any(layer.moe for layer in spec.layers):
         return f"{spec.model_type} has mixture-of-experts layers, which the native engine does not run"
-    if not hasattr(model, "model") or not hasattr(decoder_module(model), "layers"):
-        return f"{type(model).__name__} keeps no decoder layers at model.layers"
+    if not hasattr(model, "model") or not hasattr(model.model, "layers"):  # a multimodal wrapper's logits differ
+        return f"{type(model).__name__} keeps no decoder layers at model.layers (the engine runs text-only models)"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kinds = rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope \
         else [rope]
