@@ -4,9 +4,9 @@ MFU counts the matrix FLOPs an update computes per token (``update_flops_per_tok
 forward, 2 x parameters for the inputs' gradients, 2 x trainable parameters for the weights' gradients,
 so 6 x parameters when every weight trains and 4 x the frozen base + 6 x the adapters with LoRA; attention
 and recomputation left out; a mixture-of-experts layer counts the parameters a token runs through, its
-experts' weights times top_k / num_experts, ``num_active_parameters``) times the tokens, over the time the update took, against the device's datasheet dense
-bf16 rate (989 TFLOP/s for the H100 and H200 SXM). ``perf/mfu_measured_peak/<role>`` divides by
-the rate measured on this project's H200 instead (799 TFLOP/s, an 8192^3 bf16 product through
+experts' weights times top_k / num_experts, ``num_active_parameters``) times the tokens, over the time
+the update took, against the device's datasheet dense bf16 rate (989 TFLOP/s for the H100 and H200
+SXM). ``perf/mfu_measured_peak/<role>`` divides by the rate measured on this project's H200 instead (799 TFLOP/s, an 8192^3 bf16 product through
 PyTorch), the most a matrix product reached there. The tokens are those the model actually ran:
 with shared prompts (``engine.packing``) a prompt counts once for its group, so MFU measures the
 hardware, while the tokens/s figure counts every sequence's tokens, as the workload defines them.
