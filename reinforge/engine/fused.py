@@ -291,12 +291,19 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
         return (f"packed training of {model_type}: transformers' modules with reinforge's varlen attention "
                 f"(the fused kernels run on CUDA only; on {device.type} the modules are exact and unfused)")
     if spec is not None:
-        return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, flash "
-                "varlen attention in its layout, compiled decoder layers)")
+        if spec.mla is not None:
+            attention = "transformers' MLA projections over flash varlen attention"
+        elif spec.attn_softcap is not None:
+            attention = "soft-capped flex attention in the packed layout"
+        else:
+            attention = "flash varlen attention in the packed layout"
+        windows = ", sliding windows in the kernel" if spec.windowed else ""
+        return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, "
+                f"{attention}{windows}, compiled decoder layers)")
     compiled = "decoder layers compiled" if _compilable(model) else "decoder layers eager"
-    return (f"packed training of {model_type}: transformers modules for {model_type}: no fused kernels, "
-            f"{compiled}, expect ~1.5-2x slower updates than a family of reinforge's table "
-            "(reinforge.models.architectures); varlen attention keeps it exact")
+    return (f"packed training of {model_type}: transformers modules for {model_type}: no fused kernels "
+            f"({model_type} is not in reinforge.models.architectures), {compiled}, expect ~1.5-2x slower updates "
+            "than a family of the table; the varlen attention keeps it exact")
 
 
 _DESCRIBED: set[tuple[str, str]] = set()
