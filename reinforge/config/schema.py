@@ -452,6 +452,9 @@ class RemoteRewardConfig:
 class RewardConfig:
     custom_function: Optional[str] = None
     """path/to/file.py:function, called for every sample instead of the built-in scorer."""
+    weights: Optional[list[float]] = None
+    """One weight per reward function (TRL's reward_weights), in their order; the total is the weighted sum
+    over the functions that apply (a function returning None for a sample is left out). None: each weighs 1."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the scorer."""
     fallback_score: float = 0.0

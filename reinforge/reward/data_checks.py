@@ -14,6 +14,7 @@ row that cannot be scored would only show up as a fallback score of 0 in the mid
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from typing import Any
 
 from reinforge.config.schema import RewardConfig
@@ -26,6 +27,7 @@ from reinforge.reward.registry import (
     Scorer,
     find_scorer,
 )
+from reinforge.reward.reward_functions import build_reward_functions
 from reinforge.reward.scorer_calls import (
     SAMPLE_ARGUMENTS,
     TRL_ARGUMENTS,
@@ -37,13 +39,19 @@ from reinforge.reward.scorer_calls import (
 )
 
 
-def load_reward_function(config: RewardConfig) -> Scorer | None:
-    """The custom scorer of ``reward.custom_function`` (None without one), imported and checked with reward.kwargs."""
+def load_reward_function(config: RewardConfig, functions: Sequence[Scorer] | None = None) -> Scorer | None:
+    """The custom scorer of ``reward.custom_function`` (None without one), imported and checked with reward.kwargs.
+
+    ``functions`` (reward function objects given in Python) are checked too: their signatures, and one weight each
+    in ``reward.weights``.
+    """
     try:
         scorer = load_custom_scorer(config.custom_function) if config.custom_function else None
+        built = build_reward_functions(functions, config.weights, scorer, config.custom_function)
     except (AttributeError, TypeError, ImportError) as error:
         raise ValueError(str(error)) from error  # a setting to fix, reported in one line like the others
-    check_reward_options(dict(config.kwargs), [scorer] if scorer is not None else list(set(SCORERS.values())))
+    given = [function.scorer for function in built if function.scorer is not None]
+    check_reward_options(dict(config.kwargs), given or list(set(SCORERS.values())))
     return scorer
 
 
@@ -67,8 +75,20 @@ def _missing_requirement(scorer: Scorer) -> Requirement | None:
     return requirement if requirement is not None and not is_installed(requirement.module) else None
 
 
-def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer | None) -> None:
-    """Raise one line naming the first row that no scorer can score, and why."""
+def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer | None,
+                             functions: Sequence[Scorer] | None = None) -> None:
+    """Raise one line naming the first row that no scorer can score, and why.
+
+    ``functions``: reward function objects given in Python, which score every row instead of the scorers.
+    """
+    if functions:
+        for function in functions:
+            _check_rows(dataset, config, function, given_function=True)
+    else:
+        _check_rows(dataset, config, custom_scorer, given_function=False)
+
+
+def _check_rows(dataset: RLDataset, config: RewardConfig, custom_scorer: Scorer | None, given_function: bool) -> None:
     options = set(config.kwargs)
     needs: dict[Any, frozenset[str]] = {}
     for example in dataset.examples:
@@ -95,10 +115,12 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
         if example.ground_truth is not None:
             given.add("ground_truth")
         missing = sorted(needs[scorer] - given)
+        name = (f"reward function {getattr(scorer, '__name__', scorer)}" if given_function
+                else _scorer_name(config, example.data_source))
         if "ground_truth" in missing:
             advice = (", or give the function's ground_truth a default if it can score without one"
-                      if config.custom_function else "")
-            raise ValueError(f"{where} has no reward_model.ground_truth, which {_scorer_name(config, example.data_source)} "
+                      if config.custom_function or given_function else "")
+            raise ValueError(f"{where} has no reward_model.ground_truth, which {name} "
                              f"needs; add reward_model: {{ground_truth: ...}} to the row{advice}")
         ground_truth_check = GROUND_TRUTH_CHECKS.get(scorer) if custom_scorer is None else None
         problem = ground_truth_check(example.ground_truth) if ground_truth_check and "ground_truth" in given else None
@@ -107,5 +129,5 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
                              f"({problem}), so each of its samples would fail; fix the row")
         if missing:
             kind = "TRL's kind: columns are passed by name" if takes_completions(scorer) else "columns are passed by name"
-            raise ValueError(f"{where} has no column {missing[0]!r} (or it is null), which {_scorer_name(config, example.data_source)} "
+            raise ValueError(f"{where} has no column {missing[0]!r} (or it is null), which {name} "
                              f"takes ({kind}); the row's extra columns are: {', '.join(sorted(given - {'ground_truth'})) or 'none'}")

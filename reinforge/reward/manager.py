@@ -1,13 +1,16 @@
 """The reward manager: responses in, token-level scores out.
 
 For each sample it decodes the whole response (every token after the prompt, tool output of a
-multi-turn trajectory included; special tokens skipped), picks the scorer by ``data_source``
-(or ``reward.custom_function``), scores all samples in worker processes with a per-sample
-time limit, and puts each score on the sample's last generated token (``response_mask == 1``).
+multi-turn trajectory included; special tokens skipped), calls the run's reward functions
+(``reward.reward_functions``: the scorer of each ``data_source``, ``reward.custom_function``, or
+function objects with ``reward.weights``; TRL's kind once per batch, in one chunk per worker, verl's
+once per sample) in worker processes with a per-sample time limit (a batch call gets it once per
+sample), and puts each score on the sample's last generated token (``response_mask == 1``).
 A trajectory's per-call tool rewards (the ``tool_rewards`` column) are added to its score, a score
 an agent loop set itself (``agent_reward_score``) replaces the scorer's, and
 ``reward.retool_wrong_answer`` gives a wrong answer ReTool's ``min(-0.6, -1 + 0.05 * (num_turns - 2))``. A scorer that raises or times out gives
-``reward.fallback_score``; it is counted in the metrics and the first traceback is logged.
+``reward.fallback_score`` to its sample (a failed batch call: to every sample of it); it is counted in the
+metrics and the first traceback is logged, naming the function.
 A batch where every sample's scorer failed raises ``ScorerFailure`` naming the error: a run
 that scores nothing learns nothing. ``reward.num_workers=0`` scores in a thread of this
 process (handy under a debugger), still stopped at the time limit, a scorer's ``sys.exit`` or
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +43,22 @@ from reinforge.config.schema import RewardConfig
 from reinforge.protocol import Batch
 from reinforge.reward.in_process import ScorerSentinel, intercept_scorer_exits, run_job_in_thread
 from reinforge.reward.overlong import overlong_penalty
-from reinforge.reward.registry import SCORERS, Scorer, get_scorer
+from reinforge.reward.registry import SCORERS, Scorer, find_scorer, get_scorer
+from reinforge.reward.reward_functions import (
+    FUNCTION_SCORES_PREFIX,
+    RewardFunction,
+    TrainerState,
+    batch_call_kwargs,
+    batch_scores,
+    build_reward_functions,
+    chunks_of,
+    combine,
+)
 from reinforge.reward.scorer_calls import (
     accepted_keywords,
     build_call_kwargs,
     check_reward_options,
     load_custom_scorer,
-    takes_completions,
 )
 from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool
 
@@ -71,18 +84,25 @@ class RewardOutput:
     """Extra values of dict scores (acc, pred, ...), one per sample; None where a sample lacks the key."""
     metrics: dict[str, float] = field(default_factory=dict)
     """reward/errors and reward/timeouts: counts of samples that got the fallback score."""
+    function_scores: dict[str, list[float]] = field(default_factory=dict)
+    """``rewards/<name>`` -> each sample's score from that reward function (NaN: None or failed), for functions
+    given by the user (not the built-in scorers by data source)."""
 
     def to_batch(self) -> Batch:
-        """``token_level_scores`` plus one ``reward_<key>`` column per extra, to merge with ``batch |= ...``."""
+        """``token_level_scores`` plus one ``reward_<key>`` column per extra and one ``rewards/<name>`` column per
+        reward function, to merge with ``batch |= ...``."""
         return Batch.from_dict(tensors={"token_level_scores": self.token_level_scores},
-                               non_tensors={f"reward_{key}": values for key, values in self.extras.items()})
+                               non_tensors={**{f"reward_{key}": values for key, values in self.extras.items()},
+                                            **self.function_scores})
 
 
 class RewardManager:
     """Scores batches of responses; keeps its worker processes between calls (``close()`` ends them)."""
 
-    def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int | None = None) -> None:
-        """``max_response_length`` (data.max_response_length) is needed by reward.overlong_buffer.
+    def __init__(self, config: RewardConfig, tokenizer: Any, max_response_length: int | None = None,
+                 functions: Sequence[Scorer] | None = None) -> None:
+        """``max_response_length`` (data.max_response_length) is needed by reward.overlong_buffer; ``functions``
+        are reward function objects (weighted by reward.weights) that replace the scorers by data source.
 
         ``config`` is a checked one (``config.validate``: workers, timeout, the buffer's length).
         """
@@ -98,14 +118,13 @@ class RewardManager:
         self.custom_scorer: Scorer | None = None
         if config.custom_function:
             self.custom_scorer = load_custom_scorer(config.custom_function)
-        check_reward_options(self.options, [self.custom_scorer] if self.custom_scorer is not None
-                             else list(set(SCORERS.values())))
-        self._accepted: dict[Scorer, tuple[frozenset[str] | None, bool]] = {}
+        self.functions = build_reward_functions(functions, config.weights, self.custom_scorer, config.custom_function)
+        given = [function.scorer for function in self.functions if function.scorer is not None]
+        check_reward_options(self.options, given or list(set(SCORERS.values())))
+        self._accepted: dict[Scorer, frozenset[str] | None] = {}
         self._pool: ScoringPool | None = None
         self._sentinel: ScorerSentinel | None = None
-        self._logged_error = False
-        self._logged_timeout = False
-        self._logged_memory = False
+        self._logged: set[str] = set()
         self._warned_scale = False
         self._warned_constant = False
         self._constant_score: float | None = None
@@ -134,7 +153,8 @@ class RewardManager:
         everything) and, optionally, ``extra_info``, ``columns`` (a dict of the row's extra
         columns), ``raw_prompt``, ``tool_rewards`` and ``num_turns`` (also passed in ``extra_info``). The response's length is
         read from ``attention_mask`` (its last T columns) when the batch has it, since tool
-        tokens have response_mask 0.
+        tokens have response_mask 0. ``meta["trainer_state"]`` (global_step, max_steps) reaches
+        TRL-kind functions as ``trainer_state``.
         """
         responses, response_mask = batch["responses"].cpu(), batch["response_mask"].cpu().bool()
         width = responses.shape[1]
@@ -143,43 +163,69 @@ class RewardManager:
         num_samples = len(batch)
         nothing = np.full(num_samples, None, dtype=object)
         data_sources, extra_infos = batch.get("data_source", nothing), batch.get("extra_info", nothing)
-        columns, prompts = batch.get("columns", nothing), batch.get("raw_prompt", nothing)
         if "num_turns" in batch.non_tensors:  # a multi-turn rollout: extra_info["num_turns"], as verl's managers give
             extra_infos = [{**(info if isinstance(info, dict) else {}), "num_turns": int(turns)}
                            for info, turns in zip(extra_infos, batch["num_turns"], strict=True)]
-        texts = self.tokenizer.batch_decode(
-            [row[mask].tolist() for row, mask in zip(responses, in_response, strict=True)], skip_special_tokens=True)
-        jobs = [self._job(*sample) for sample in
-                zip(texts, batch["ground_truth"], extra_infos, data_sources, columns, prompts, strict=True)]
-        results = self._run(jobs, data_sources, batch.get("uid", nothing))
+        completion_ids = [row[mask].tolist() for row, mask in zip(responses, in_response, strict=True)]
+        samples = {"texts": self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                   "completion_ids": completion_ids, "prompts": list(batch.get("raw_prompt", nothing)),
+                   "ground_truths": list(batch["ground_truth"]), "extra_infos": list(extra_infos),
+                   "data_sources": list(data_sources), "columns": list(batch.get("columns", nothing))}
+        trainer_state = TrainerState(**batch.meta.get("trainer_state", {}))
+        jobs: list[ScoringJob] = []
+        owners: list[tuple[int, range]] = []
+        for row, function in enumerate(self.functions):
+            if function.batched:
+                for indices in chunks_of(num_samples, max(1, self.config.num_workers)):
+                    kwargs = batch_call_kwargs(function, indices, samples, self.options, trainer_state)
+                    jobs.append(ScoringJob(self._scorer_to_send(function), kwargs, num_samples=len(indices)))
+                    owners.append((row, indices))
+            else:
+                for index in range(num_samples):
+                    jobs.append(self._sample_job(function, index, samples))
+                    owners.append((row, range(index, index + 1)))
+        results = self._run(jobs, owners, data_sources, batch.get("uid", nothing))
 
-        scores = torch.full((num_samples,), float(self.config.fallback_score), dtype=torch.float32)
+        function_scores = np.full((len(self.functions), num_samples), np.nan)
         per_sample_extras: list[dict[str, Any]] = [{} for _ in range(num_samples)]
-        errors: list[tuple[Any, str]] = []
-        timeouts: list[Any] = []
-        out_of_memory: list[Any] = []
-        for index, result in enumerate(results):
+        failures: list[str | None] = [None] * num_samples
+        """Per sample: None, or the first way one of its functions failed (error, timeout, memory)."""
+        first_failures: dict[str, tuple[RewardFunction, range, str | None]] = {}
+        for (row, indices), result in zip(owners, results, strict=True):
+            function = self.functions[row]
+            details = None
             if result.timed_out:
-                timeouts.append(data_sources[index])
-                continue
-            if result.memory_exceeded:
-                out_of_memory.append(data_sources[index])
-                continue
-            try:
-                scores[index], per_sample_extras[index] = _unpack_score(result)
-            except Exception as error:
-                errors.append((data_sources[index], result.error or f"{type(error).__name__}: {error}"))
-        if num_samples and len(errors) + len(timeouts) + len(out_of_memory) == num_samples:
-            raise ScorerFailure(self._all_failed(num_samples, len(timeouts), len(out_of_memory),
-                                                 errors[0][1] if errors else None, data_sources[0]))
-        if errors:
-            self._log_error_once(*errors[0])
-        if timeouts:
-            self._log_timeout_once(timeouts[0])
-        if out_of_memory:
-            self._log_memory_once(out_of_memory[0])
+                kind = "timeout"
+            elif result.memory_exceeded:
+                kind = "memory"
+            else:
+                try:
+                    if function.batched:
+                        if result.error is not None:
+                            raise RuntimeError(result.error)
+                        function_scores[row, indices.start:indices.stop] = batch_scores(result.value, function.name)
+                    else:
+                        function_scores[row, indices.start], extras = _unpack_score(result)
+                        per_sample_extras[indices.start] |= extras
+                    continue
+                except Exception as error:
+                    kind, details = "error", result.error or f"{type(error).__name__}: {error}"
+            first_failures.setdefault(kind, (function, indices, details))
+            for index in indices:
+                failures[index] = failures[index] or kind
+        num_errors, num_timeouts, num_out_of_memory = (failures.count(kind) for kind in ("error", "timeout", "memory"))
+        if num_samples and num_errors + num_timeouts + num_out_of_memory == num_samples:
+            error = first_failures.get("error")
+            first = next(iter(first_failures.values()))
+            raise ScorerFailure(self._all_failed(num_samples, num_timeouts, num_out_of_memory,
+                                                 error[2] if error else None, first[0], data_sources[first[1][0]]))
+        for kind, (function, indices, details) in first_failures.items():
+            self._log_once(kind, function, indices, data_sources[indices[0]], details)
+        scores = torch.as_tensor(combine(function_scores, [function.weight for function in self.functions]),
+                                 dtype=torch.float32)
+        failed = torch.tensor([failure is not None for failure in failures], dtype=torch.bool)
+        scores[failed] = float(self.config.fallback_score)
         self._watch_scores(scores, data_sources, returned_extras=any(per_sample_extras))
-        num_errors, num_timeouts = len(errors), len(timeouts)
 
         if self.config.retool_wrong_answer:
             scores = retool_scores(scores, per_sample_extras, batch.get("num_turns", np.full(num_samples, 2)))
@@ -192,7 +238,7 @@ class RewardManager:
         keys = sorted({key for extras in per_sample_extras for key in extras})
         extras = {key: [extras.get(key) for extras in per_sample_extras] for key in keys}
         metrics = {"reward/errors": float(num_errors), "reward/timeouts": float(num_timeouts),
-                   "reward/memory_exceeded": float(len(out_of_memory))}
+                   "reward/memory_exceeded": float(num_out_of_memory)}
         buffer = self.config.overlong_buffer
         if buffer.enable:
             assert self.max_response_length is not None  # checked in __init__
@@ -203,60 +249,76 @@ class RewardManager:
             shaped = penalties < 0
             metrics |= {"reward/overlong/count": float(shaped.sum()),
                         "reward/overlong/fraction": float(shaped.float().mean()) if num_samples else 0.0}
+        named = {f"{FUNCTION_SCORES_PREFIX}{function.name}": function_scores[row].tolist()
+                 for row, function in enumerate(self.functions) if function.scorer is not None}
         return RewardOutput(
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
-            scores=scores, extras=extras, metrics=metrics)
+            scores=scores, extras=extras, metrics=metrics, function_scores=named)
 
-    def _job(self, text: str, ground_truth: Any, extra_info: Any, data_source: str | None,
-             columns: dict[str, Any] | None, prompt: Any) -> ScoringJob:
-        scorer = self.custom_scorer if self.custom_scorer is not None else get_scorer(data_source)
-        if scorer not in self._accepted:
-            self._accepted[scorer] = accepted_keywords(scorer), takes_completions(scorer)
-        accepted, trl = self._accepted[scorer]
-        kwargs = build_call_kwargs(accepted, text, ground_truth, extra_info, data_source, self.options,
-                                   columns=columns, prompt=prompt, trl=trl)
-        if self.custom_scorer is not None and self.config.num_workers > 0:
-            # a file-loaded function cannot be pickled: the worker loads it from its spec
-            return ScoringJob(self.config.custom_function, kwargs, returns_list=trl)
-        return ScoringJob(scorer, kwargs, returns_list=trl)
+    def _scorer_to_send(self, function: RewardFunction) -> Any:
+        """The function as a job carries it: the object in this process, a spec or its pickle for the workers."""
+        return function.scorer if self.config.num_workers == 0 else function.for_workers()
 
-    def _run(self, jobs: list[ScoringJob], data_sources: Any, uids: Any) -> list[JobResult]:
+    def _sample_job(self, function: RewardFunction, index: int, samples: dict[str, list[Any]]) -> ScoringJob:
+        """One call of a verl-kind function (or of the sample's built-in scorer) on sample ``index``."""
+        data_source = samples["data_sources"][index]
+        if function.scorer is None:
+            scorer = get_scorer(data_source)
+            if scorer not in self._accepted:
+                self._accepted[scorer] = accepted_keywords(scorer)
+            accepted, to_send = self._accepted[scorer], scorer
+        else:
+            accepted, to_send = function.accepted, self._scorer_to_send(function)
+        kwargs = build_call_kwargs(accepted, samples["texts"][index], samples["ground_truths"][index],
+                                   samples["extra_infos"][index], data_source, self.options,
+                                   columns=samples["columns"][index])
+        return ScoringJob(to_send, kwargs)
+
+    def _run(self, jobs: list[ScoringJob], owners: list[tuple[int, range]], data_sources: Any,
+             uids: Any) -> list[JobResult]:
         if self.config.num_workers == 0:
-            return self._run_in_process(jobs, data_sources, uids)
+            return self._run_in_process(jobs, owners, data_sources, uids)
         if self._pool is None:
             self._pool = ScoringPool(self.config.num_workers, self.config.timeout_s, self.config.custom_function,
                                      self.config.max_memory_mb)
         return self._pool.run(jobs)
 
-    def _run_in_process(self, jobs: list[ScoringJob], data_sources: Any, uids: Any) -> list[JobResult]:
+    def _run_in_process(self, jobs: list[ScoringJob], owners: list[tuple[int, range]],
+                        data_sources: Any, uids: Any) -> list[JobResult]:
         """Each job on a thread of this process, under the sentinel's watch (``reward.in_process``)."""
         if self._sentinel is None:
             self._sentinel = ScorerSentinel()
         results = []
-        for index, job in enumerate(jobs):
+        num_samples = len(data_sources)
+        for job, (row, indices) in zip(jobs, owners, strict=True):
+            function, first = self.functions[row], indices[0]
+            what = (f"samples {first}-{indices[-1]} of a batch of {num_samples} in one call" if function.batched
+                    else f"sample {first} of a batch of {num_samples}")
             self._sentinel.begin(
-                f"the trainer process ended while {self._scorer_name(job, data_sources[index])} was scoring sample "
-                f"{index} of a batch of {len(jobs)} (data_source {data_sources[index]!r}, uid {uids[index]}) in this "
+                f"the trainer process ended while {self._function_name(function, data_sources[first])} was scoring "
+                f"{what} (data_source {data_sources[first]!r}, uid {uids[first]}) in this "
                 "process (reward.num_workers=0). A scorer that crashes (a segfault, an exit from C code) takes the "
                 "trainer with it: set reward.num_workers>0 to score in worker processes, where such a sample gets "
                 "reward.fallback_score and is counted")
             try:
-                results.append(run_job_in_thread(job, self.config.timeout_s))
+                results.append(run_job_in_thread(job, self.config.timeout_s * job.time_units))
             finally:
                 self._sentinel.end()
         return results
 
-    def _scorer_name(self, job: ScoringJob, data_source: Any) -> str:
-        if self.config.custom_function:
-            return f"reward.custom_function={self.config.custom_function}"
-        scorer = job.scorer
+    def _function_name(self, function: RewardFunction, data_source: Any) -> str:
+        if function.spec is not None:
+            return f"reward.custom_function={function.spec}"
+        if function.scorer is not None:
+            return f"reward function {function.name}"
+        scorer = find_scorer(data_source)
         name = f"{getattr(scorer, '__module__', '?')}.{getattr(scorer, '__qualname__', scorer)}"
         return f"the scorer of data_source {data_source!r} ({name})"
 
     def _all_failed(self, num_samples: int, num_timeouts: int, num_out_of_memory: int, first_error: str | None,
-                    data_source: Any) -> str:
-        scorer = (f"reward.custom_function={self.config.custom_function}" if self.config.custom_function
-                  else f"the scorer of data_source {data_source!r}")
+                    function: RewardFunction, data_source: Any) -> str:
+        scorer = (f"the scorer of data_source {data_source!r}" if function.scorer is None
+                  else self._function_name(function, data_source))
         if first_error is None and num_timeouts == 0:
             what = f"ran past reward.max_memory_mb={self.config.max_memory_mb}"
         elif first_error is None:
@@ -268,28 +330,25 @@ class RewardManager:
                 "Nothing can be learned from such a step: fix the scorer (reward.num_workers=0 runs it in this "
                 "process, under a debugger)")
 
-    def _log_error_once(self, data_source: str | None, details: str) -> None:
-        if not self._logged_error:
-            self._logged_error = True
-            logger.warning("a scorer failed on a sample of data_source %r; it gets reward.fallback_score=%s. "
-                           "Later failures are only counted in reward/errors.\n%s",
-                           data_source, self.config.fallback_score, details)
-
-    def _log_timeout_once(self, data_source: str | None) -> None:
-        if not self._logged_timeout:
-            self._logged_timeout = True
-            logger.warning("a scorer ran past reward.timeout_s=%s on a sample of data_source %r and was stopped; "
-                           "it gets reward.fallback_score=%s. Later timeouts are only counted in reward/timeouts.",
-                           self.config.timeout_s, data_source, self.config.fallback_score)
-
-
-    def _log_memory_once(self, data_source: str | None) -> None:
-        if not self._logged_memory:
-            self._logged_memory = True
-            logger.warning("a scorer ran past reward.max_memory_mb=%s on a sample of data_source %r; its process "
-                           "was replaced and the sample gets reward.fallback_score=%s. Later ones are only counted "
-                           "in reward/memory_exceeded.", self.config.max_memory_mb, data_source,
-                           self.config.fallback_score)
+    def _log_once(self, kind: str, function: RewardFunction, indices: range, data_source: Any,
+                  details: str | None) -> None:
+        """One warning per kind of failure (error, timeout, memory) over the manager's life; later ones are counted."""
+        if kind in self._logged:
+            return
+        self._logged.add(kind)
+        who = self._function_name(function, data_source)
+        where = (f"a batch call of {len(indices)} samples (each gets reward.fallback_score={self.config.fallback_score})"
+                 if function.batched else
+                 f"a sample of data_source {data_source!r}; it gets reward.fallback_score={self.config.fallback_score}")
+        if kind == "error":
+            logger.warning("%s failed on %s. Later failures are only counted in reward/errors.\n%s",
+                           who, where, details)
+        elif kind == "timeout":
+            logger.warning("%s ran past reward.timeout_s=%s (per sample) on %s and was stopped. Later timeouts are "
+                           "only counted in reward/timeouts.", who, self.config.timeout_s, where)
+        else:
+            logger.warning("%s ran past reward.max_memory_mb=%s on %s; its process was replaced. Later ones are only "
+                           "counted in reward/memory_exceeded.", who, self.config.max_memory_mb, where)
 
     def _watch_scores(self, scores: Tensor, data_sources: Any, returned_extras: bool) -> None:
         """Warn once about a score beyond reward.max_abs_score, and once about scores that never vary."""

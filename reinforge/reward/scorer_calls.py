@@ -7,12 +7,11 @@ Two kinds of scorer are called, both by keyword:
   ``data_source``, ``extra_info``, each option of ``reward.kwargs`` and each extra column of the
   row (beside verl's prompt, data_source, ability, reward_model and extra_info) only if it names
   them or takes ``**kwargs``.
-- TRL's kind, ``fn(completions, **columns) -> list[float]``, recognised by its ``completions``
-  argument. It is called once per sample too (so each sample keeps its own time limit), with
-  lists of one: ``completions`` (the response as a string, or as ``[{"role": "assistant",
-  "content": ...}]`` for a chat prompt), ``prompts``, ``ground_truth``, ``data_source``,
-  ``extra_info`` and each extra column; ``reward.kwargs`` options come as they are. It returns a
-  list of one score.
+- TRL's kind, ``fn(completions, **columns) -> list[float | None]``, recognised by its ``completions``
+  argument. It is called once per batch (``reward_functions``), with lists: ``completions`` (each
+  response as a string, or as ``[{"role": "assistant", "content": ...}]`` for a chat prompt),
+  ``prompts``, ``completion_ids``, ``ground_truth``, ``data_source``, ``extra_info`` and each extra
+  column, plus ``trainer_state``; ``reward.kwargs`` options come as they are.
 
 Either kind may be ``async def`` (a scorer that awaits a judge model's server): each call is run to
 completion on its own event loop, in the scoring process or thread, within the same time limit.
@@ -31,7 +30,7 @@ from typing import Any
 from reinforge.reward.registry import Scorer
 
 SAMPLE_ARGUMENTS = ("solution_str", "ground_truth", "extra_info", "data_source")
-TRL_ARGUMENTS = ("completions", "prompts")
+TRL_ARGUMENTS = ("completions", "prompts", "completion_ids", "trainer_state")
 DEFAULT_FUNCTION_NAME = "compute_score"
 """The function of ``reward.custom_function=path.py`` without ``:name``, as in verl."""
 
@@ -142,19 +141,13 @@ def completion_of(text: str, prompt: Any) -> Any:
 
 def build_call_kwargs(accepted: frozenset[str] | None, solution_str: str, ground_truth: Any,
                       extra_info: dict[str, Any] | None, data_source: str | None,
-                      options: dict[str, Any], *, columns: dict[str, Any] | None = None, prompt: Any = None,
-                      trl: bool = False) -> dict[str, Any]:
-    """The keyword arguments for one call of a scorer that accepts ``accepted`` (None: anything).
+                      options: dict[str, Any], *, columns: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The keyword arguments for one per-sample call of a scorer that accepts ``accepted`` (None: anything).
 
-    ``columns`` are the row's extra columns; ``trl`` builds the lists of one of TRL's kind.
+    ``columns`` are the row's extra columns.
     """
-    per_sample = {"ground_truth": ground_truth, "extra_info": extra_info, "data_source": data_source,
-                  **(columns or {})}
-    if trl:
-        arguments = {"completions": [completion_of(solution_str, prompt)], "prompts": [prompt],
-                     **{key: [value] for key, value in per_sample.items()}, **options}
-    else:
-        arguments = {"solution_str": solution_str, **per_sample, **options}
+    arguments = {"solution_str": solution_str, "ground_truth": ground_truth, "extra_info": extra_info,
+                 "data_source": data_source, **(columns or {}), **options}
     if accepted is None:
         return arguments
     return {name: value for name, value in arguments.items() if name in accepted}

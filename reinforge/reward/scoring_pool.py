@@ -7,14 +7,17 @@ deadline; a worker still busy at the deadline is killed and replaced, and its jo
 timed out. Because every worker has its own pipe, killing one never corrupts a shared queue.
 
 Workers start with ``forkserver`` (``spawn`` where that is missing), never plain ``fork``: the
-trainer may hold CUDA state and threads that a forked child must not inherit. No worker
+trainer may hold CUDA state and threads that a forked child must not inherit. A worker never imports the
+trainer's ``__main__`` (multiprocessing would, to find the target by name): the main module is hidden while
+a worker starts, so a script or notebook without an ``if __name__ == "__main__":`` guard does not train
+again inside each worker. A reward function defined there travels by value (``PickledFunction``,
+cloudpickle). No worker
 outlives the trainer, even one killed with SIGKILL: the forkserver exits once every copy of
 its "alive" pipe's write end is closed, so each worker closes the copy it inherits (the
 trainer's is then the last) and asks Linux (``PR_SET_PDEATHSIG``) for a SIGKILL when its
-parent, the forkserver, ends. As with any
-spawned worker, a script that starts training must keep its top level behind
-``if __name__ == "__main__":``. A worker imports only ``reinforge.reward`` (no torch), and
-its time limit starts when it reports ready, so start-up never counts against a job.
+parent, the forkserver, ends. A worker imports only ``reinforge.reward`` (no torch), and
+its time limit starts when it reports ready, so start-up never counts against a job. A batch call (TRL's kind
+of reward function, ``ScoringJob.num_samples`` set) gets the per-sample limit times its number of samples.
 
 ``max_memory_mb`` caps each worker's heap (``RLIMIT_DATA``, set in the worker before it imports
 anything): a scorer that allocates past it gets a ``MemoryError``, its worker exits at once (its
@@ -46,13 +49,44 @@ MEMORY_EXCEEDED_EXIT_CODE = 75
 """The exit code of a worker whose scorer ran out of memory (a MemoryError under ``max_memory_mb``)."""
 
 
+@dataclass(frozen=True)
+class PickledFunction:
+    """A reward function pickled by value (cloudpickle): one defined in ``__main__`` or a notebook cell, which a
+    worker process could not import by name."""
+
+    data: bytes
+    name: str
+
+    @classmethod
+    def of(cls, function: Callable[..., Any]) -> PickledFunction:
+        try:
+            import cloudpickle
+        except ImportError as error:
+            raise ImportError("a reward function object is sent to the scorer processes with cloudpickle, which is "
+                              "not installed: pip install cloudpickle, or set reward.num_workers=0 to score in this "
+                              "process") from error
+        name = getattr(function, "__qualname__", None) or type(function).__name__
+        try:
+            return cls(cloudpickle.dumps(function), name)
+        except Exception as error:
+            raise TypeError(f"reward function {name} cannot be pickled for the scorer processes ({type(error).__name__}: "
+                            f"{error}); make it picklable, or set reward.num_workers=0 to score in this process") from error
+
+
 @dataclass
 class ScoringJob:
-    scorer: Callable[..., Any] | str
-    """A scorer function (sent to the worker by its import path) or a 'path/to/file.py:function' spec."""
+    scorer: Callable[..., Any] | str | PickledFunction
+    """A scorer function (sent to the worker by its import path), a 'path/to/file.py:function' spec, or a
+    function pickled by value."""
     kwargs: dict[str, Any]
-    returns_list: bool = False
-    """TRL's kind of scorer: it returns a list holding the one score."""
+    num_samples: int | None = None
+    """None: one sample, the scorer returns its score. A number: a batch call (TRL's kind), the scorer returns a
+    list of that many scores (None in it: the function does not apply to that sample)."""
+
+    @property
+    def time_units(self) -> int:
+        """How many per-sample time limits the job may take."""
+        return max(1, self.num_samples or 1)
 
 
 @dataclass
@@ -65,11 +99,11 @@ class JobResult:
     """The scorer ran out of memory (past the pool's ``max_memory_mb``); its worker was replaced."""
 
 
-_loaded_custom_scorers: dict[str, Callable[..., Any]] = {}
+_loaded_custom_scorers: dict[str | bytes, Callable[..., Any]] = {}
 
 
 def run_job(job: ScoringJob) -> Any:
-    """Call the job's scorer; a custom-function spec is loaded once per process."""
+    """Call the job's scorer; a custom-function spec or a pickled function is loaded once per process."""
     scorer = job.scorer
     if isinstance(scorer, str):
         if scorer not in _loaded_custom_scorers:
@@ -77,14 +111,21 @@ def run_job(job: ScoringJob) -> Any:
 
             _loaded_custom_scorers[scorer] = load_custom_scorer(scorer)
         scorer = _loaded_custom_scorers[scorer]
+    elif isinstance(scorer, PickledFunction):
+        if scorer.data not in _loaded_custom_scorers:
+            import pickle
+
+            _loaded_custom_scorers[scorer.data] = pickle.loads(scorer.data)
+        scorer = _loaded_custom_scorers[scorer.data]
     value = scorer(**job.kwargs)
     if inspect.isawaitable(value):  # an ``async def`` scorer (one that awaits a judge or a service): run it here
         value = asyncio.run(_awaited(value))
-    if job.returns_list:
-        if not isinstance(value, list | tuple) or len(value) != 1:
-            raise TypeError(f"a scorer taking 'completions' (TRL's kind) returned {value!r}; return a list with "
-                            "one score per completion")
-        value = value[0]
+    if job.num_samples is not None:
+        if not isinstance(value, list | tuple) or len(value) != job.num_samples:
+            shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
+            raise TypeError(f"a reward function taking 'completions' (TRL's kind) returned {shown} for "
+                            f"{job.num_samples} completions; return a list with one score (or None) per completion")
+        value = list(value)
     return value
 
 
@@ -168,12 +209,31 @@ def _worker_loop(connection: Connection, custom_function: str | None, max_memory
             connection.send(("error", f"the scorer's result could not be sent back:\n{traceback.format_exc()}"))
 
 
+@contextlib.contextmanager
+def main_module_hidden() -> Any:
+    """While a worker starts, hide where ``__main__`` came from: multiprocessing would have the worker import it
+    again, running an unguarded script's training inside the worker."""
+    main = sys.modules.get("__main__")
+    saved = {key: main.__dict__[key] for key in ("__file__", "__spec__") if main is not None and key in main.__dict__}
+    try:
+        for key in saved:
+            if key == "__spec__":
+                main.__spec__ = None
+            else:
+                del main.__dict__[key]
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
 class _Worker:
     def __init__(self, context: Any, custom_function: str | None, max_memory_mb: int | None = None) -> None:
         self.connection, child_connection = context.Pipe(duplex=True)
         self.process = context.Process(target=_worker_loop, args=(child_connection, custom_function, max_memory_mb),
                                        daemon=True, name="reinforge-scorer")
-        self.process.start()
+        with main_module_hidden():
+            self.process.start()
         child_connection.close()
         self.ready = False
         self.job_index: int | None = None
@@ -249,7 +309,7 @@ class ScoringPool:
                                                  f"picklable:\n{traceback.format_exc()}")
             return
         worker.job_index = job_index
-        worker.deadline = time.monotonic() + self.timeout_s
+        worker.deadline = time.monotonic() + self.timeout_s * jobs[job_index].time_units
 
     def _receive(self, worker: _Worker, results: list) -> None:
         try:
@@ -264,9 +324,8 @@ class ScoringPool:
             elif not worker.ready:
                 raise RuntimeError(
                     f"a scorer process failed to start ({reason}); its traceback is on stderr above. Scorer "
-                    "processes are fresh interpreters that re-import the main script: a script that starts "
-                    "training must keep that code under `if __name__ == \"__main__\":`; or set "
-                    "reward.num_workers=0 to score in the trainer's process") from None
+                    "processes are fresh interpreters that import reinforge.reward; set reward.num_workers=0 to "
+                    "score in the trainer's process") from None
             self._replace(worker)
             return
         if status == "ready":

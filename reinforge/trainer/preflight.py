@@ -13,6 +13,7 @@ cannot take refused by name), still before any weight loads.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -170,15 +171,17 @@ class Checked:
     val_set: RLDataset | None
 
 
-def preflight(config: Config, placement: RolePlacement | None = None) -> Checked:
+def preflight(config: Config, placement: RolePlacement | None = None,
+              reward_functions: Sequence[Callable[..., Any]] | None = None) -> Checked:
     """Every check of an RL run that can run before a model loads; resolves the memory plan's auto settings in
-    ``config``. Raises ConfigError (or the check's own one-line error) naming the value and the fix."""
+    ``config``. Raises ConfigError (or the check's own one-line error) naming the value and the fix.
+    ``reward_functions``: reward function objects that score every row instead of the scorers."""
     check_config(config)
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
-    custom_scorer = load_reward_function(config.reward)  # a broken reward function fails before any model
+    custom_scorer = load_reward_function(config.reward, reward_functions)  # a broken one fails before any model
     check_reward_model_settings(config)
     check_judge_settings(config)
     apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
@@ -193,7 +196,7 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
     schemas = [tool.schema for tool in tools.values()]
     train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
     if not (model_score_source(config) is not None and config.reward.combine.mode == "replace"):  # else no rule scores
-        check_rows_can_be_scored(train_set, config.reward, custom_scorer)
+        check_rows_can_be_scored(train_set, config.reward, custom_scorer, reward_functions)
     check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
                       for example in train_set.examples), tools)
     if config.trainer.mode == "async":  # its rollouter runs no agent loop
@@ -201,7 +204,7 @@ def preflight(config: Config, placement: RolePlacement | None = None) -> Checked
     val_set = None
     if config.data.val_files:
         val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
-        check_rows_can_be_scored(val_set, config.reward, custom_scorer)
+        check_rows_can_be_scored(val_set, config.reward, custom_scorer, reward_functions)
         check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
                           for example in val_set.examples), tools)
     check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None

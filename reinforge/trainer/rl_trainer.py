@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from reinforge.data import PromptLoader, get_pad_token_id
 from reinforge.protocol import Batch
 from reinforge.reward.combine import combine_scores
 from reinforge.reward.manager import place_on_last_token
+from reinforge.reward.reward_functions import function_metrics
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
@@ -52,10 +53,13 @@ from reinforge.workers.reward_model import RewardModelWorker
 
 
 class RLTrainer(TrainingRun):
-    def __init__(self, config: Config, placement: RolePlacement | None = None):
-        """``placement`` maps each role to a resource pool; by default every role shares one pool."""
+    def __init__(self, config: Config, placement: RolePlacement | None = None,
+                 reward_functions: Sequence[Callable[..., Any]] | None = None):
+        """``placement`` maps each role to a resource pool; by default every role shares one pool.
+        ``reward_functions``: function objects (TRL's or verl's kind) that score every sample, weighted by
+        reward.weights, instead of the scorer of each data_source (``reinforge.reward.reward_functions``)."""
         self.config = config
-        checked = preflight(config, placement)  # every check that can run before a model loads
+        checked = preflight(config, placement, reward_functions)  # every check that can run before a model loads
         self.run_dir = Path(config.trainer.output_dir)
         # async mode's checkpoint holds prompt groups in flight, each with the rollout.n samples it was admitted with
         refused = RESUME_REFUSES + (("rollout.n",) if config.trainer.mode == "async" else ())
@@ -85,7 +89,7 @@ class RLTrainer(TrainingRun):
                               else build_group(ReferenceWorker, config, role="ref"))
         self.critic = (build_group(CriticWorker, config, self.total_steps, role="critic")
                        if critic_enabled(config) else None)
-        self.reward = build_group(RewardWorker, config, role="reward")
+        self.reward = build_group(RewardWorker, config, role="reward", reward_functions=reward_functions)
         self.reward_model = (build_group(RewardModelWorker, config, role="reward_model")
                              if config.reward.reward_model.enable else None)
         self.judge = None
@@ -187,7 +191,7 @@ class RLTrainer(TrainingRun):
         if "reward_model" in timing:
             metrics["reward_model/share_of_step"] = timing["reward_model"] / max(timing["step"], 1e-9)
         metrics |= compute_data_metrics(batch, config.data.max_response_length)
-        metrics |= mean_of_extras(reward_extras(batch))
+        metrics |= mean_of_extras(reward_extras(batch)) | function_metrics(batch.non_tensors)
         metrics |= batch.meta.get("reward_metrics", {})
         metrics |= batch.meta.get("mismatch_metrics", {})
         metrics |= {f"timing_s/{key}": value for key, value in timing.items()}
@@ -232,6 +236,7 @@ class RLTrainer(TrainingRun):
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
+        batch.meta["trainer_state"] = {"global_step": self.step, "max_steps": self.total_steps}
         with _timed(timing, "reward"):
             batch = batch | self.score(batch, timing)
         if algorithm.filter_groups.enable and algorithm.filter_groups.metric == "seq_final_reward":

@@ -201,3 +201,21 @@ def test_train_without_math_verify_stops_before_the_model_loads(tiny_model_dir, 
     assert finished.returncode == 2, finished.stderr[-3000:]
     last_line = finished.stderr.strip().splitlines()[-1]
     assert "data_source 'math'" in last_line and "pip install math-verify" in last_line, finished.stderr[-3000:]
+
+
+def test_a_trl_function_taking_completion_ids_and_trainer_state_needs_no_such_column(tmp_path, byte_tokenizer):
+    def by_ids(prompts, completions, completion_ids, trainer_state, answer):
+        return [float(len(ids)) for ids in completion_ids]
+
+    config = RewardConfig(num_workers=0, weights=[1.0, 0.5])
+    dataset, _ = dataset_of(tmp_path, byte_tokenizer, [row(answer="2")])
+    load_reward_function(config, [by_ids, by_ids])
+    check_rows_can_be_scored(dataset, config, None, [by_ids, by_ids])
+    missing_answer, _ = dataset_of(tmp_path, byte_tokenizer, [row()], name="other.parquet")
+    with pytest.raises(ValueError, match="row 0 of .* has no column 'answer' .*, which reward function by_ids takes"):
+        check_rows_can_be_scored(missing_answer, config, None, [by_ids])
+    with pytest.raises(ValueError, match=r"row 0 of .* has a column 'completion_ids', a name reinforge already passes"):
+        check_rows_can_be_scored(dataset_of(tmp_path, byte_tokenizer, [row(completion_ids=[1])], name="ids.parquet")[0],
+                                 config, None, [by_ids])
+    with pytest.raises(ValueError, match=r"reward.weights=\[1.0, 0.5\] has 2 weights for 1 reward functions"):
+        load_reward_function(config, [by_ids])

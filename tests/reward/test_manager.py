@@ -75,7 +75,7 @@ def length(solution_str, ground_truth, extra_info=None):
 
 
 async def completions_judged(completions, ground_truth, **kwargs):
-    return [float(completions[0] == ground_truth[0])]
+    return [float(completion == truth) for completion, truth in zip(completions, ground_truth, strict=True)]
 '''
 
 
@@ -268,19 +268,25 @@ def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, score
         assert again.scores.tolist() == [1.0, 1.0]
 
 
-def test_a_script_without_main_guard_gets_a_clear_startup_error(tmp_path):
+def test_a_script_without_main_guard_scores_with_its_own_function_in_worker_processes(tmp_path):
+    """The workers must not import the script again (it would start over inside each of them), and a function
+    the script defines reaches them by value."""
     import subprocess
     import sys
 
     script = tmp_path / "train_without_guard.py"
-    script.write_text("from reinforge.reward.scoring_pool import ScoringPool, ScoringJob\n"
-                      "pool = ScoringPool(num_workers=1, timeout_s=5.0)\n"
-                      "print(pool.run([ScoringJob('math:sqrt', {})]))\n")
+    script.write_text("from reinforge.reward.scoring_pool import PickledFunction, ScoringPool, ScoringJob\n"
+                      "print('script body ran', flush=True)\n"
+                      "def doubled(completions, **kwargs):\n"
+                      "    return [2.0 * len(completion) for completion in completions]\n"
+                      "pool = ScoringPool(num_workers=2, timeout_s=30.0)\n"
+                      "jobs = [ScoringJob(PickledFunction.of(doubled), {'completions': ['ab', 'c']}, num_samples=2),\n"
+                      "        ScoringJob(PickledFunction.of(doubled), {'completions': ['abc']}, num_samples=1)]\n"
+                      "print([result.value for result in pool.run(jobs)])\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                             cwd=tmp_path)
-    assert result.returncode != 0
-    assert "a scorer process failed to start" in result.stderr
-    assert 'if __name__ == "__main__":' in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["script body ran", "[[4.0, 2.0], [6.0]]"]
 
 
 def test_multi_turn_response_is_scored_whole_with_tool_rewards_and_retool_shaping():
@@ -302,8 +308,7 @@ def test_multi_turn_response_is_scored_whole_with_tool_rewards_and_retool_shapin
         tensors={"responses": responses, "response_mask": response_mask, "attention_mask": attention_mask},
         non_tensors={"ground_truth": ["ab12c", "nope"], "data_source": ["x", "x"],
                      "tool_rewards": [[0.25, 0.5], []], "num_turns": [6, 10]})
-    manager = RewardManager(RewardConfig(num_workers=0, retool_wrong_answer=True), tokenizer)
-    manager.custom_scorer = scorer
+    manager = RewardManager(RewardConfig(num_workers=0, retool_wrong_answer=True), tokenizer, functions=[scorer])
     output = manager.score(batch)
     assert seen == ["ab12c", "ab12c"]
     assert output.scores.tolist() == pytest.approx([1.75, -0.6])  # right + tool rewards; wrong: min(-0.6, -0.6)
@@ -400,3 +405,93 @@ def test_reward_limits_that_cannot_work_are_refused_before_loading(overrides, me
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
     assert load_config(None, ["reward.max_memory_mb=null"]).reward.max_memory_mb is None
+
+
+def length_reward(completions, completion_ids, **kwargs):
+    """TRL's kind: one call per batch (in chunks across workers), returning one score per completion."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def exact_or_none(completions, ground_truth, **kwargs):
+    return [None if truth == "skip" else float(completion == truth) for completion, truth in zip(completions, ground_truth, strict=True)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_trl_functions_are_called_once_per_batch_and_weighted_with_none_left_out(byte_tokenizer, num_workers):
+    calls = []
+
+    def counted(completions, prompts, trainer_state, **kwargs):
+        calls.append((len(completions), trainer_state.global_step))
+        return [1.0] * len(completions)
+
+    batch = make_batch(byte_tokenizer, ["7", "8", "77", "9"], ["7", "7", "skip", "skip"], ["x"] * 4)
+    batch["raw_prompt"] = ["q"] * 4
+    batch.meta["trainer_state"] = {"global_step": 3, "max_steps": 10}
+    functions = [exact_or_none, length_reward] + ([counted] if num_workers == 0 else [])
+    weights = [2.0, 0.5] + ([0.0] if num_workers == 0 else [])
+    config = RewardConfig(num_workers=num_workers, timeout_s=30, weights=weights)
+    with RewardManager(config, byte_tokenizer, functions=functions) as manager:
+        output = manager.score(batch)
+    # exact: 1, 0, None, None (x2); length (EOS included): 2, 2, 3, 2 (x0.5)
+    assert output.scores.tolist() == [3.0, 1.0, 1.5, 1.0]
+    assert output.function_scores["rewards/exact_or_none"][:2] == [1.0, 0.0]
+    assert all(value != value for value in output.function_scores["rewards/exact_or_none"][2:])  # NaN: not applicable
+    assert output.function_scores["rewards/length_reward"] == [2.0, 2.0, 3.0, 2.0]
+    if num_workers == 0:
+        assert calls == [(4, 3)]  # one call for the whole batch, with the trainer's step
+    from reinforge.reward.reward_functions import function_metrics
+
+    metrics = function_metrics(output.to_batch().non_tensors)
+    assert metrics["rewards/exact_or_none/mean"] == 0.5 and metrics["rewards/length_reward/mean"] == 2.25
+    assert metrics["rewards/exact_or_none/std"] == pytest.approx(2 ** -0.5)
+
+
+def test_a_failed_batch_call_fails_each_of_its_samples_counted_and_named_once(byte_tokenizer, caplog):
+    def breaks_on_eight(completions, **kwargs):
+        if "8" in completions:
+            raise RuntimeError("judge unreachable")
+        return [1.0] * len(completions)
+
+    config = RewardConfig(num_workers=0, fallback_score=-1.0, weights=[1.0, 1.0])
+    manager = RewardManager(config, byte_tokenizer, functions=[breaks_on_eight, length_reward])
+    with caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        ok = manager.score(make_batch(byte_tokenizer, ["7", "9"], ["7", "7"], ["x"] * 2))
+        with pytest.raises(ScorerFailure, match="reward function breaks_on_eight failed on all 2 samples.*"
+                                                "raised RuntimeError: judge unreachable"):
+            manager.score(make_batch(byte_tokenizer, ["7", "8"], ["7", "7"], ["x"] * 2))
+    assert ok.scores.tolist() == [3.0, 3.0] and ok.metrics["reward/errors"] == 0.0
+    pool_config = RewardConfig(num_workers=2, timeout_s=30, fallback_score=-1.0)
+    with RewardManager(pool_config, byte_tokenizer, functions=[breaks_on_eight]) as pooled, \
+            caplog.at_level(logging.WARNING, logger="reinforge.reward.manager"):
+        output = pooled.score(make_batch(byte_tokenizer, ["7", "8", "9", "6"], ["7"] * 4, ["x"] * 4))
+    assert output.scores.tolist() == [-1.0, -1.0, 1.0, 1.0]  # the chunk holding "8" failed as a whole
+    assert output.metrics["reward/errors"] == 2.0
+    warnings = [record.getMessage() for record in caplog.records if "breaks_on_eight" in record.getMessage()]
+    assert len(warnings) == 1 and "failed on a batch call of 2 samples" in warnings[0]
+
+
+def test_a_batch_call_has_the_per_sample_time_limit_once_per_sample(byte_tokenizer):
+    def slow_batch(completions, **kwargs):
+        time.sleep(0.3 * len(completions))  # 0.3 s a sample: within 0.5 s a sample
+        return [1.0] * len(completions)
+
+    def stuck(completions, **kwargs):
+        time.sleep(60)
+
+    batch = make_batch(byte_tokenizer, ["1", "2", "3", "4"], ["1"] * 4, ["x"] * 4)
+    manager = RewardManager(RewardConfig(num_workers=0, timeout_s=0.5), byte_tokenizer, functions=[slow_batch])
+    assert manager.score(batch).scores.tolist() == [1.0] * 4
+    started = time.monotonic()
+    stopped = RewardManager(RewardConfig(num_workers=0, timeout_s=0.25, fallback_score=-1.0), byte_tokenizer,
+                            functions=[stuck, slow_batch])
+    with pytest.raises(ScorerFailure, match="reward function stuck failed on all 4 samples .*4 timed out"):
+        stopped.score(batch)
+    assert time.monotonic() - started < 3.0
+
+
+def test_reward_weights_must_match_the_functions(byte_tokenizer):
+    with pytest.raises(ValueError, match=r"reward.weights=\[1.0\] has 1 weights for 2 reward functions"):
+        RewardManager(RewardConfig(num_workers=0, weights=[1.0]), byte_tokenizer,
+                      functions=[length_reward, exact_or_none])
+    with pytest.raises(TypeError, match="a reward function must be callable; got a str"):
+        RewardManager(RewardConfig(num_workers=0), byte_tokenizer, functions=["reward.py:fn"])

@@ -90,22 +90,30 @@ def test_arguments_follow_the_signature():
         {"solution_str": "s", "ground_truth": "g", "extra_info": None, "data_source": "d", "method": "flexible"}
 
 
-def test_trl_kind_gets_lists_of_one_and_the_columns():
-    def trl_reward(completions, answer, **kwargs):
-        return [float(completion[0]["content"] == answer_) for completion, answer_ in zip(completions, answer, strict=True)]
+def test_trl_kind_gets_one_call_with_lists_of_the_batch_and_the_columns():
+    from reinforge.reward.reward_functions import RewardFunction, TrainerState, batch_call_kwargs
+
+    def trl_reward(completions, answer, completion_ids, trainer_state, **kwargs):
+        texts = [completion if isinstance(completion, str) else completion[0]["content"] for completion in completions]
+        return [float(text == answer_) for text, answer_ in zip(texts, answer, strict=True)]
 
     assert takes_completions(trl_reward)
     prompt = [{"role": "user", "content": "2+2?"}]
-    kwargs = build_call_kwargs(accepted_keywords(trl_reward), "4", None, {"i": 0}, "math", {"scale": 2},
-                               columns={"answer": "4"}, prompt=prompt, trl=True)
-    assert kwargs == {"completions": [[{"role": "assistant", "content": "4"}]], "prompts": [prompt],
-                      "ground_truth": [None], "extra_info": [{"i": 0}], "data_source": ["math"], "answer": ["4"],
-                      "scale": 2}
-    assert run_job(ScoringJob(trl_reward, kwargs, returns_list=True)) == 1.0
-    string_prompt = build_call_kwargs(None, "4", None, None, None, {}, prompt="2+2=", trl=True)
-    assert string_prompt["completions"] == ["4"]
-    with pytest.raises(TypeError, match="returned 1.0; return a list with one score per completion"):
-        run_job(ScoringJob(lambda completions, **kwargs: 1.0, kwargs, returns_list=True))
+    samples = {"texts": ["4", "5", "6"], "completion_ids": [[52], [53], [54]], "prompts": [prompt, prompt, "3+3="],
+               "ground_truths": [None, None, "6"], "extra_infos": [{"i": 0}, {"i": 1}, {}],
+               "data_sources": ["math"] * 3, "columns": [{"answer": "4"}, {"answer": "4"}, {"answer": "6"}]}
+    state = TrainerState(global_step=3, max_steps=10)
+    kwargs = batch_call_kwargs(RewardFunction.of(trl_reward), range(3), samples, {"scale": 2}, state)
+    assert kwargs == {"completions": [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}],
+                                      "6"],
+                      "prompts": [prompt, prompt, "3+3="], "completion_ids": [[52], [53], [54]],
+                      "ground_truth": [None, None, "6"], "extra_info": [{"i": 0}, {"i": 1}, {}],
+                      "data_source": ["math"] * 3, "answer": ["4", "4", "6"], "trainer_state": state, "scale": 2}
+    assert run_job(ScoringJob(trl_reward, kwargs, num_samples=3)) == [1.0, 0.0, 1.0]
+    named = batch_call_kwargs(RewardFunction.of(lambda completions, answer: None), range(1, 3), samples, {}, state)
+    assert named == {"completions": [[{"role": "assistant", "content": "5"}], "6"], "answer": ["4", "6"]}
+    with pytest.raises(TypeError, match=r"returned 1.0 for 3 completions; return a list with one score \(or None\)"):
+        run_job(ScoringJob(lambda completions, **kwargs: 1.0, kwargs, num_samples=3))
 
 
 def test_verl_kind_gets_the_columns_it_names():

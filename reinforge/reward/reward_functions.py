@@ -1,0 +1,176 @@
+"""The reward functions of a run, the calls made to them and how their scores combine (TRL's reward contract).
+
+A run's reward comes from one of three places:
+
+- the built-in scorer of each sample's ``data_source`` (``registry.SCORERS``), when nothing else is given;
+- ``reward.custom_function=path/to/file.py[:function]``;
+- function objects given in Python (``reinforge.GRPOTrainer(reward_funcs=[...])``,
+  ``RLTrainer(config, reward_functions=[...])``), several of them, weighted by ``reward.weights``.
+
+A function of TRL's kind (it names ``completions``) is called once per batch, in chunks (one per scoring
+process), with lists by keyword: ``prompts``, ``completions``, ``completion_ids``, ``ground_truth``,
+``data_source``, ``extra_info``, each extra column of the rows, and ``trainer_state``; it returns one score
+per sample, or None where it does not apply. A function of verl's kind (``solution_str``) is called once per
+sample, as before. A sample's total is ``nansum_i(w_i * r_i)`` as in TRL: a function that returned None for
+it is left out (a sample no function applies to scores 0). Each named function's scores are kept per sample
+(``rewards/<name>``, NaN where it did not apply), from which the trainer logs ``rewards/<name>/mean|std``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reinforge.reward.registry import Scorer
+from reinforge.reward.scorer_calls import accepted_keywords, check_scorer_signature, completion_of, takes_completions
+from reinforge.reward.scoring_pool import PickledFunction
+
+FUNCTION_SCORES_PREFIX = "rewards/"
+"""The batch column of a function's per-sample scores is ``rewards/<name>``; its metrics ``rewards/<name>/mean``."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL's ``trainer_state`` gives a reward function, for rewards that change over training."""
+
+    global_step: int = 0
+    """Steps finished before the one this batch belongs to."""
+    max_steps: int = 0
+    """Steps of the whole run (0: unknown)."""
+
+
+@dataclass
+class RewardFunction:
+    """One function of the run's reward and its weight."""
+
+    name: str
+    scorer: Scorer | None
+    """None: each sample's built-in scorer, picked by its data_source."""
+    weight: float = 1.0
+    spec: str | None = None
+    """``path/to/file.py:function``: worker processes load the function from the file."""
+    batched: bool = False
+    """TRL's kind: called once per batch with lists."""
+    accepted: frozenset[str] | None = None
+    """The keyword arguments it takes (None: any, it has ``**kwargs``)."""
+    _pickled: PickledFunction | None = None
+
+    @classmethod
+    def of(cls, scorer: Scorer, weight: float = 1.0, spec: str | None = None, name: str | None = None) -> RewardFunction:
+        function_name = name or getattr(scorer, "__name__", None) or type(scorer).__name__
+        check_scorer_signature(scorer, function_name)
+        return cls(function_name, scorer, float(weight), spec, takes_completions(scorer), accepted_keywords(scorer))
+
+    def for_workers(self) -> Callable[..., Any] | str | PickledFunction:
+        """What a scoring process is sent: the file spec, or the function pickled by value."""
+        if self.spec is not None:
+            return self.spec
+        if self._pickled is None:
+            self._pickled = PickledFunction.of(self.scorer)
+        return self._pickled
+
+
+def build_reward_functions(functions: Sequence[Scorer] | None, weights: Sequence[float] | None,
+                           custom_scorer: Scorer | None, custom_spec: str | None) -> list[RewardFunction]:
+    """The run's functions with their weights; one line naming the fix when they do not fit together."""
+    if functions and custom_spec:
+        raise ValueError(f"reward.custom_function={custom_spec} is set and reward functions are given as objects; "
+                         "use one of the two")
+    if functions:
+        for function in functions:
+            if not callable(function):
+                raise TypeError(f"a reward function must be callable; got a {type(function).__name__} ({function!r}). "
+                                "Pass functions, or set reward.custom_function=path/to/file.py:function")
+        scorers, specs = list(functions), [None] * len(functions)
+    elif custom_scorer is not None:
+        scorers, specs = [custom_scorer], [custom_spec]
+    else:
+        if weights is not None and len(weights) != 1:
+            raise ValueError(f"reward.weights={list(weights)} has {len(weights)} weights, but the reward is the "
+                             "built-in scorer of each data_source (one function); give one weight or none")
+        return [RewardFunction("data_source", None, float(weights[0]) if weights else 1.0)]
+    if weights is not None and len(weights) != len(scorers):
+        raise ValueError(f"reward.weights={list(weights)} has {len(weights)} weights for {len(scorers)} reward "
+                         "functions; give one weight per function, in the same order")
+    built = [RewardFunction.of(scorer, weights[index] if weights is not None else 1.0, specs[index])
+             for index, scorer in enumerate(scorers)]
+    names = [function.name for function in built]
+    for index, function in enumerate(built):  # two functions of one name would share one metric: number them
+        if names.count(function.name) > 1:
+            function.name = f"{function.name}_{index}"
+    return built
+
+
+def chunks_of(num_samples: int, num_chunks: int) -> list[range]:
+    """``range(num_samples)`` in at most ``num_chunks`` consecutive chunks of near-equal size."""
+    num_chunks = max(1, min(num_chunks, num_samples))
+    bounds = np.linspace(0, num_samples, num_chunks + 1).round().astype(int)
+    return [range(int(start), int(end)) for start, end in zip(bounds[:-1], bounds[1:], strict=True) if end > start]
+
+
+def batch_call_kwargs(function: RewardFunction, indices: range, samples: dict[str, Any], options: dict[str, Any],
+                      trainer_state: TrainerState) -> dict[str, Any]:
+    """The keyword arguments of one batch call of a TRL-kind function over the samples at ``indices``.
+
+    ``samples`` holds per-sample lists: texts, completion_ids, prompts, ground_truths, extra_infos, data_sources,
+    columns (each a dict of the row's extra columns).
+    """
+    columns = [samples["columns"][index] or {} for index in indices]
+    column_names = sorted({name for row in columns for name in row})
+    arguments = {
+        "prompts": [samples["prompts"][index] for index in indices],
+        "completions": [completion_of(samples["texts"][index], samples["prompts"][index]) for index in indices],
+        "completion_ids": [samples["completion_ids"][index] for index in indices],
+        "ground_truth": [samples["ground_truths"][index] for index in indices],
+        "data_source": [samples["data_sources"][index] for index in indices],
+        "extra_info": [samples["extra_infos"][index] for index in indices],
+        **{name: [row.get(name) for row in columns] for name in column_names},
+        "trainer_state": trainer_state,
+        **options,
+    }
+    if function.accepted is None:
+        return arguments
+    return {name: value for name, value in arguments.items() if name in function.accepted}
+
+
+def batch_scores(value: list[Any], function_name: str) -> list[float]:
+    """A batch call's return value as floats, NaN for None; raises on anything that is not a number."""
+    scores = []
+    for item in value:
+        if item is None:
+            scores.append(math.nan)
+            continue
+        try:
+            score = float(item)
+        except (TypeError, ValueError):
+            raise TypeError(f"reward function {function_name} returned a {type(item).__name__} in its list; return "
+                            "one float (or None) per completion") from None
+        if not math.isfinite(score):
+            raise ValueError(f"reward function {function_name} returned a non-finite score {score}; return None for "
+                             "a completion it does not apply to")
+        scores.append(score)
+    return scores
+
+
+def combine(function_scores: np.ndarray, weights: Sequence[float]) -> np.ndarray:
+    """``nansum_i(w_i * r_i)`` per sample. function_scores: (num_functions, batch), NaN = not applicable."""
+    weighted = function_scores * np.asarray(weights, dtype=np.float64)[:, None]
+    return np.nansum(weighted, axis=0)
+
+
+def function_metrics(columns: dict[str, Sequence[Any]]) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``/std`` of each function's per-sample scores (NaN = not applicable, left out)."""
+    metrics = {}
+    for key, values in columns.items():
+        if not key.startswith(FUNCTION_SCORES_PREFIX):
+            continue
+        scores = np.asarray([float(value) for value in values], dtype=np.float64)
+        scores = scores[~np.isnan(scores)]
+        if scores.size:
+            metrics[f"{key}/mean"] = float(scores.mean())
+            metrics[f"{key}/std"] = float(scores.std(ddof=1)) if scores.size > 1 else 0.0
+    return metrics
