@@ -24,7 +24,7 @@ class DataConfig:
     """Parquet or JSONL files, or folders saved with ``datasets.save_to_disk``; rows in verl's schema."""
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
-    """Column of the prompt: a list of chat messages (or a string, with apply_chat_template=false)."""
+    """Column of the prompt: a list of chat messages, or a string (fed as it is unless apply_chat_template=true)."""
     train_batch_size: int = 8
     """Prompts per step. Each is sampled rollout.n times."""
     val_batch_size: Optional[int] = None
@@ -39,8 +39,9 @@ class DataConfig:
     """What to do with an overlong prompt that was not filtered: error, left or right."""
     chat_template: Optional[str] = None
     """A Jinja chat template that overrides the tokenizer's own."""
-    apply_chat_template: bool = True
-    """False feeds string prompts to the tokenizer as they are."""
+    apply_chat_template: Optional[bool] = None
+    """None: chat messages get the chat template and a string prompt is fed as it is (TRL's behaviour); true: a
+    string prompt is templated too, as one user message; false: every prompt must be a string, fed as it is."""
     shuffle: bool = True
     """Visit the prompts in a new order each epoch, drawn from (seed, epoch) alone, so a resumed run continues it."""
     seed: int = 1

@@ -8,8 +8,9 @@ per-row tool arguments) and, optionally, ``agent_name`` (the agent loop that ans
 and reaches the reward function by keyword (TRL's way of passing a dataset's answers). Rows
 come from parquet, JSONL or ``datasets`` folders (see ``files.py``).
 
-Every prompt is rendered with the chat template (with the tool schemas, for rows that name an
-agent loop, when tools are given) and tokenized when the dataset is built, so
+Every chat-message prompt is rendered with the chat template (with the tool schemas, for rows that
+name an agent loop, when tools are given), a string prompt is tokenized as it is unless
+``data.apply_chat_template`` is true (TRL's rule), when the dataset is built, so
 that overlong prompts can be dropped (and counted) before training starts rather than
 discovered in the middle of a step. A malformed row raises one line naming the file, the row
 (0-based) and the fix.
@@ -201,8 +202,11 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
     prompt = _checked_prompt(row, config.prompt_key, where)
     agent_name = _checked_optional_str(row, "agent_name", where)
     tools = tool_schemas if agent_name not in (None, "", "single_turn") else None
+    templated = config.apply_chat_template
+    if templated is None:  # TRL's rule: messages get the template, a string is the model's input as it is
+        templated = not isinstance(prompt, str) or tools is not None
     try:
-        prompt_ids = encode_prompt(tokenizer, prompt, config.apply_chat_template, config.chat_template, tools)
+        prompt_ids = encode_prompt(tokenizer, prompt, templated, config.chat_template, tools)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     except Exception as error:  # the template's own error (jinja2 TypeError/UndefinedError) on odd message content

@@ -65,17 +65,23 @@ def test_config_chat_template_overrides_the_tokenizers(tmp_path, tiny_tokenizer)
     assert tiny_tokenizer.decode(dataset[0].prompt_ids) == "Q: 1+1? A:"
 
 
-def test_string_prompt_is_one_user_message_or_raw_text(tmp_path, tiny_tokenizer):
-    path = write_jsonl(tmp_path / "train.jsonl", [{"data_source": "x", "prompt": "hello"}])
-    templated = RLDataset(path, tiny_tokenizer, config())
+def test_a_string_prompt_is_raw_text_unless_the_template_is_asked_for(tmp_path, tiny_tokenizer):
+    path = write_jsonl(tmp_path / "train.jsonl", [{"data_source": "x", "prompt": "hello"},
+                                                  {"data_source": "x", "prompt": [{"role": "user", "content": "hi"}]}])
+    default = RLDataset(path, tiny_tokenizer, config())
+    assert tiny_tokenizer.decode(default[0].prompt_ids) == "hello"  # as TRL feeds a string prompt
+    assert tiny_tokenizer.decode(default[1].prompt_ids) == "<|user|>hi<eos><|assistant|>"
+    templated = RLDataset(path, tiny_tokenizer, config(apply_chat_template=True))
     assert tiny_tokenizer.decode(templated[0].prompt_ids) == "<|user|>hello<eos><|assistant|>"
-    raw = RLDataset(path, tiny_tokenizer, config(apply_chat_template=False))
+    assert templated[1].prompt_ids == default[1].prompt_ids
+    raw = RLDataset(write_jsonl(tmp_path / "strings.jsonl", [{"data_source": "x", "prompt": "hello"}]), tiny_tokenizer,
+                    config(apply_chat_template=False))
     assert tiny_tokenizer.decode(raw[0].prompt_ids) == "hello"
     assert raw[0].ground_truth is None and raw[0].extra_info == {}
 
 
 def test_prompt_key_names_the_column(tmp_path, tiny_tokenizer):
-    path = write_jsonl(tmp_path / "train.jsonl", [{"question": "hi", "data_source": "x"}])
+    path = write_jsonl(tmp_path / "train.jsonl", [{"question": [{"role": "user", "content": "hi"}], "data_source": "x"}])
     assert tiny_tokenizer.decode(RLDataset(path, tiny_tokenizer, config(prompt_key="question"))[0].prompt_ids) \
         == "<|user|>hi<eos><|assistant|>"
 
