@@ -8,7 +8,7 @@ Two kinds of scorer are called, both by keyword:
   row (beside verl's prompt, data_source, ability, reward_model and extra_info) only if it names
   them or takes ``**kwargs``.
 - TRL's kind, ``fn(completions, **columns) -> list[float | None]``, recognised by its ``completions``
-  argument. It is called once per batch (``reward_functions``), with lists: ``completions`` (each
+  (or ``prompts``, ``completion_ids``) argument. It is called once per batch (``reward_functions``), with lists: ``completions`` (each
   response as a string, or as ``[{"role": "assistant", "content": ...}]`` for a chat prompt),
   ``prompts``, ``completion_ids``, ``ground_truth``, ``data_source``, ``extra_info`` and each extra
   column, plus ``trainer_state``; ``reward.kwargs`` options come as they are.
@@ -99,8 +99,10 @@ def check_reward_options(options: dict[str, Any], scorers: list[Scorer]) -> None
 
 
 def takes_completions(fn: Scorer) -> bool:
-    """Whether ``fn`` is TRL's kind of reward function (it names ``completions``)."""
-    return "completions" in inspect.signature(fn).parameters
+    """Whether ``fn`` is TRL's kind of reward function: it names ``completions``, ``prompts`` or ``completion_ids``
+    (and not verl's ``solution_str``)."""
+    names = inspect.signature(fn).parameters
+    return "solution_str" not in names and any(name in names for name in ("completions", "prompts", "completion_ids"))
 
 
 def required_arguments(fn: Scorer) -> frozenset[str]:

@@ -97,7 +97,8 @@ def test_trl_kind_gets_one_call_with_lists_of_the_batch_and_the_columns():
         texts = [completion if isinstance(completion, str) else completion[0]["content"] for completion in completions]
         return [float(text == answer_) for text, answer_ in zip(texts, answer, strict=True)]
 
-    assert takes_completions(trl_reward)
+    assert takes_completions(trl_reward) and takes_completions(lambda prompts, **kwargs: None)
+    assert not takes_completions(lambda solution_str, completions=None: 0.0)
     prompt = [{"role": "user", "content": "2+2?"}]
     samples = {"texts": ["4", "5", "6"], "completion_ids": [[52], [53], [54]], "prompts": [prompt, prompt, "3+3="],
                "ground_truths": [None, None, "6"], "extra_infos": [{"i": 0}, {"i": 1}, {}],

@@ -1,0 +1,142 @@
+"""The Python API (reinforge.api): TRL's names and objects in, the CLI's run out."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reinforge.api import GRPOConfig, SFTConfig, write_dataset
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+SCRIPT = re.search(r"## Python API.*?```python\n(.*?)```", README, re.DOTALL).group(1)
+"""The README's script, as written there: no ``if __name__ == "__main__":`` guard, reward functions of its own."""
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_readme_script_trains_without_a_main_guard_and_its_reward_rises(tmp_path):
+    script = tmp_path / "train_api.py"
+    script.write_text(SCRIPT)
+    finished = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = [row for row in read_metrics(tmp_path / "runs" / "api") if "critic/score/mean" in row]
+    assert len(rows) == 8
+    assert all(row["reward/errors"] == 0.0 for row in rows)
+    correct = [row["rewards/correct/mean"] for row in rows]
+    no_minus = [row["rewards/no_minus/mean"] for row in rows]
+    scores = [row["critic/score/mean"] for row in rows]
+    assert scores == pytest.approx([c + 0.5 * n for c, n in zip(correct, no_minus, strict=True)])
+    assert sum(scores[-3:]) / 3 > sum(scores[:2]) / 2 + 0.15, scores
+
+
+def test_import_reinforge_stays_light_and_the_api_loads_on_first_use():
+    code = ("import sys, reinforge; assert 'reinforge.api' not in sys.modules; "
+            "from reinforge import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer; "
+            "assert 'torch' not in sys.modules, 'the API imported torch before a trainer was made'; print('ok')")
+    finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert finished.stdout.strip() == "ok", finished.stderr
+
+
+def test_grpo_config_maps_trls_names_onto_reinforges_keys():
+    args = GRPOConfig(output_dir="runs/x", learning_rate=3e-6, num_generations=4, per_device_train_batch_size=8,
+                      gradient_accumulation_steps=2, max_completion_length=64, beta=0.04, epsilon=0.2,
+                      epsilon_high=0.28, loss_type="dr_grpo", num_iterations=2, temperature=0.9, max_steps=10,
+                      save_steps=5, seed=3, reward_weights=[1, 0.5], scale_rewards="none", report_to="none",
+                      overrides={"rollout.top_p": 0.9})
+    assert args.to_overrides() == {
+        "trainer.output_dir": "runs/x", "actor.optim.lr": 3e-6, "rollout.n": 4, "data.max_response_length": 64,
+        "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.04, "actor.kl_loss_type": "k3",
+        "actor.policy_loss.clip_ratio": 0.2, "actor.policy_loss.clip_ratio_high": 0.28,
+        "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.ppo_epochs": 2, "rollout.temperature": 0.9,
+        "trainer.total_steps": 10, "trainer.save_every": 5, "trainer.seed": 3, "data.seed": 3,
+        "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
+        "rollout.top_p": 0.9, "data.train_batch_size": 4}  # 8 x 2 completions a step = 4 prompts x 4
+    assert GRPOConfig(beta=0.0, max_steps=-1).to_overrides() == {"actor.use_kl_loss": False,
+                                                                 "trainer.total_steps": None}
+    assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
+                     learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
+                                                            "optim.lr": 1e-5}
+
+
+def test_an_unknown_or_unfitting_setting_is_one_line():
+    with pytest.raises(TypeError, match="GRPOConfig has no setting 'learnig_rate'; did you mean learning_rate?"):
+        GRPOConfig(learnig_rate=1e-6)
+    with pytest.raises(ValueError, match="12 completions a step is not a multiple of num_generations=8"):
+        GRPOConfig(per_device_train_batch_size=12, num_generations=8).to_overrides()
+    with pytest.raises(ValueError, match="loss_type='sapo2'"):
+        GRPOConfig(loss_type="sapo2").to_overrides()
+
+
+def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path):
+    import datasets
+    import pandas as pd
+
+    from reinforge.config.schema import DataConfig
+    from reinforge.data.rl_dataset import RLDataset
+    from reinforge.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+
+    rows = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2", "ground_truth": "2"},
+            {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4", "ground_truth": "4"}]
+    for name, given in (("list", rows), ("frame", pd.DataFrame(rows)), ("dataset", datasets.Dataset.from_list(rows))):
+        [path] = write_dataset(given, tmp_path / name, "train")
+        dataset = RLDataset(path, tokenizer, DataConfig(max_prompt_length=64))
+        assert [example.raw_prompt for example in dataset] == [row["prompt"] for row in rows], name
+        assert [example.columns for example in dataset] == [{"answer": "2"}, {"answer": "4"}], name
+        assert [example.ground_truth for example in dataset] == ["2", "4"], name  # verl's reward_model.ground_truth
+    assert write_dataset("data/train.parquet", tmp_path, "train") == ["data/train.parquet"]
+    with pytest.raises(TypeError, match="train_dataset must be a datasets.Dataset, a pandas DataFrame"):
+        write_dataset(42, tmp_path, "train")
+
+
+@pytest.mark.slow
+def test_a_loaded_model_and_reward_callables_train_in_this_process(tmp_path, tiny_model_dir, arithmetic_data_dir):
+    import pandas as pd
+    from transformers import AutoModelForCausalLM
+
+    from reinforge import GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    frame = pd.read_parquet(arithmetic_data_dir / "train.parquet")
+    calls = []
+
+    def has_seven(completions, completion_ids, trainer_state, **kwargs):
+        calls.append((len(completions), trainer_state.global_step))
+        return [float("7" in completion[0]["content"]) for completion in completions]
+
+    def not_applicable(prompts, **kwargs):
+        return [None] * len(prompts)
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), num_generations=2, per_device_train_batch_size=8,
+                      max_completion_length=4, max_steps=2, reward_weights=[2.0, 1.0], report_to="none")
+    trainer = GRPOTrainer(model=model, reward_funcs=[has_seven, not_applicable], train_dataset=frame, args=args,
+                          reward__num_workers=0, data__max_prompt_length=64)
+    trainer.train()
+    assert (tmp_path / "run" / "inputs" / "initial_model" / "config.json").is_file()
+    assert calls == [(8, 0), (8, 1)]  # once per step's batch, with the step
+    rows = [row for row in read_metrics(tmp_path / "run") if "critic/score/mean" in row]
+    assert [row["critic/score/mean"] for row in rows] == pytest.approx(
+        [2.0 * row["rewards/has_seven/mean"] for row in rows])
+    assert all("rewards/not_applicable/mean" not in row for row in rows)
+
+
+@pytest.mark.slow
+def test_sft_trainer_takes_prompt_completion_pairs(tmp_path, tiny_model_dir):
+    from reinforge import SFTTrainer
+
+    pairs = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(16)]
+    trainer = SFTTrainer(model=str(tiny_model_dir), train_dataset=pairs,
+                         args=SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=2, per_device_train_batch_size=4,
+                                        max_length=64, report_to="none"))
+    trainer.train()
+    rows = read_metrics(tmp_path / "sft")
+    assert [row["step"] for row in rows if "train/loss" in row] == [1, 2]
