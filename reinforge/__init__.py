@@ -1,7 +1,7 @@
 """reinforge: post-train language models with reinforcement learning.
 
-``from reinforge import GRPOTrainer, GRPOConfig, SFTTrainer, SFTConfig`` gives the Python API
-(``reinforge.api``); it is imported on first use, so ``import reinforge`` (and the CLI's checks
+``from reinforge import GRPOTrainer, GRPOConfig`` (and ``SFTTrainer``, ``DPOTrainer``, ``RewardTrainer``
+with their configs) gives the Python API (``reinforge.api``); it is imported on first use, so ``import reinforge`` (and the CLI's checks
 before torch loads) stays light.
 """
 
@@ -9,7 +9,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_API_NAMES = ("GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer")
+_API_NAMES = ("DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RewardConfig", "RewardTrainer", "SFTConfig",
+              "SFTTrainer")
 
 __all__ = ["__version__", *_API_NAMES]
 

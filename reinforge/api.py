@@ -235,6 +235,39 @@ class SFTConfig(_TrainingArguments):
         return mapped
 
 
+PREFERENCE_SETTINGS: dict[str, Override] = {
+    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in ("packing",)},
+    "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
+                                    lambda value, settings: {}),
+}
+
+DPO_SETTINGS: dict[str, Override] = {
+    **PREFERENCE_SETTINGS,
+    "beta": ("dpo.beta", _to("dpo.beta")),
+    "loss_type": ("dpo.loss_type", _to("dpo.loss_type")),
+    "label_smoothing": ("dpo.label_smoothing", _to("dpo.label_smoothing")),
+}
+
+REWARD_SETTINGS: dict[str, Override] = {
+    **PREFERENCE_SETTINGS,
+    "center_rewards_coefficient": ("rm.center_rewards_coefficient", _to("rm.center_rewards_coefficient")),
+}
+
+
+class DPOConfig(SFTConfig):
+    """A DPO run's settings under TRL's names (``DPO_SETTINGS``): beta, loss_type, label_smoothing, learning_rate,
+    max_length, per_device_train_batch_size (pairs, with gradient_accumulation_steps), output_dir, max_steps..."""
+
+    SETTINGS = DPO_SETTINGS
+
+
+class RewardConfig(SFTConfig):
+    """A reward model's training settings under TRL's names (``REWARD_SETTINGS``): center_rewards_coefficient,
+    learning_rate, max_length, per_device_train_batch_size, output_dir, max_steps..."""
+
+    SETTINGS = REWARD_SETTINGS
+
+
 def _overrides_dict(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:
     if overrides is None:
         return {}
@@ -439,36 +472,36 @@ class GRPOTrainer:
         return Path(self.config.trainer.output_dir)
 
 
-class SFTTrainer:
-    """Supervised fine-tuning on chat conversations (a ``messages`` column), or on ``prompt``/``completion`` pairs."""
+class _SupervisedTrainer:
+    """A trainer on rows of text (SFT, DPO, reward model): TRL's names in, reinforge's config and trainer out."""
 
-    def __init__(self, model: Any, args: SFTConfig | Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+    ARGS: type[_TrainingArguments]
+    DEFAULT_OUTPUT_DIR: str
+
+    def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, **overrides: Any) -> None:
         from reinforge.config import config_to_dict
-        from reinforge.config.sft_schema import SFTConfig as ReinforgeSFTConfig
-        from reinforge.config.validate import validate_sft_config
 
-        if isinstance(args, ReinforgeSFTConfig):
+        schema = self._schema()
+        if isinstance(args, schema):
             settings = _keyword_overrides(overrides)
             settings.setdefault("trainer.output_dir", args.trainer.output_dir)
         else:
-            args = args if args is not None else SFTConfig()
-            if not isinstance(args, SFTConfig):
-                raise TypeError(f"args must be a reinforge.SFTConfig; got a {type(args).__name__}")
+            args = args if args is not None else self.ARGS()
+            if not isinstance(args, self.ARGS):
+                raise TypeError(f"args must be a reinforge.{self.ARGS.__name__}; got a {type(args).__name__}")
             settings = args.to_overrides() | _keyword_overrides(overrides)
-        output_dir = Path(settings.setdefault("trainer.output_dir", "runs/sft"))
+        output_dir = Path(settings.setdefault("trainer.output_dir", self.DEFAULT_OUTPUT_DIR))
         inputs = output_dir / "inputs"
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         if train_dataset is not None:
-            settings["data.train_files"] = write_dataset(_as_conversations(train_dataset), inputs, "train")
+            settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
         if eval_dataset is not None:
-            settings["data.val_files"] = write_dataset(_as_conversations(eval_dataset), inputs, "eval")
-        self.config = _load(ReinforgeSFTConfig, config_to_dict(args) if isinstance(args, ReinforgeSFTConfig) else None,
-                            settings, "SFTTrainer's settings")
-        validate_sft_config(self.config)
-        from reinforge.trainer.sft_trainer import SFTTrainer as Trainer
-
-        self.trainer = Trainer(self.config)
+            settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
+        self.config = _load(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
+                            f"{type(self).__name__}'s settings")
+        self._validate(self.config)
+        self.trainer = self._trainer(self.config)
 
     def train(self) -> dict[str, Any]:
         """Run the training; the last step's metrics."""
@@ -477,6 +510,87 @@ class SFTTrainer:
     @property
     def output_dir(self) -> Path:
         return Path(self.config.trainer.output_dir)
+
+    def _rows(self, dataset: Any) -> Any:
+        return dataset
+
+    def _schema(self) -> type:
+        raise NotImplementedError
+
+    def _validate(self, config: Any) -> None:
+        raise NotImplementedError
+
+    def _trainer(self, config: Any) -> Any:
+        raise NotImplementedError
+
+
+class SFTTrainer(_SupervisedTrainer):
+    """Supervised fine-tuning on chat conversations (a ``messages`` column), or on ``prompt``/``completion`` pairs."""
+
+    ARGS = SFTConfig
+    DEFAULT_OUTPUT_DIR = "runs/sft"
+
+    def _rows(self, dataset: Any) -> Any:
+        return _as_conversations(dataset)
+
+    def _schema(self) -> type:
+        from reinforge.config.sft_schema import SFTConfig as Schema
+
+        return Schema
+
+    def _validate(self, config: Any) -> None:
+        from reinforge.config.validate import validate_sft_config
+
+        validate_sft_config(config)
+
+    def _trainer(self, config: Any) -> Any:
+        from reinforge.trainer.sft_trainer import SFTTrainer as Trainer
+
+        return Trainer(config)
+
+
+class DPOTrainer(_SupervisedTrainer):
+    """Direct Preference Optimization on ``prompt``/``chosen``/``rejected`` rows (``reinforge dpo``)."""
+
+    ARGS = DPOConfig
+    DEFAULT_OUTPUT_DIR = "runs/dpo"
+
+    def _schema(self) -> type:
+        from reinforge.config.preference_schema import DPOConfig as Schema
+
+        return Schema
+
+    def _validate(self, config: Any) -> None:
+        from reinforge.config.preference_schema import validate_preference_config
+
+        validate_preference_config(config)
+
+    def _trainer(self, config: Any) -> Any:
+        from reinforge.trainer.preference.dpo_trainer import DPOTrainer as Trainer
+
+        return Trainer(config)
+
+
+class RewardTrainer(_SupervisedTrainer):
+    """A reward model (Bradley-Terry) on ``chosen``/``rejected`` rows (``reinforge rm``), named as TRL's."""
+
+    ARGS = RewardConfig
+    DEFAULT_OUTPUT_DIR = "runs/rm"
+
+    def _schema(self) -> type:
+        from reinforge.config.preference_schema import RMConfig as Schema
+
+        return Schema
+
+    def _validate(self, config: Any) -> None:
+        from reinforge.config.preference_schema import validate_preference_config
+
+        validate_preference_config(config)
+
+    def _trainer(self, config: Any) -> Any:
+        from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+
+        return RewardModelTrainer(config)
 
 
 def _as_conversations(dataset: Any) -> Any:

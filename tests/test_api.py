@@ -140,3 +140,20 @@ def test_sft_trainer_takes_prompt_completion_pairs(tmp_path, tiny_model_dir):
     trainer.train()
     rows = read_metrics(tmp_path / "sft")
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dpo", "reward"])
+def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):
+    from reinforge import DPOConfig, DPOTrainer, RewardConfig, RewardTrainer
+
+    pairs = [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}], "chosen": [{"role": "assistant", "content": str(2 * a)}],
+              "rejected": [{"role": "assistant", "content": str(2 * a + 1)}]} for a in range(8)]
+    trainer_class, config_class = (DPOTrainer, DPOConfig) if kind == "dpo" else (RewardTrainer, RewardConfig)
+    extra = {"beta": 0.2} if kind == "dpo" else {"center_rewards_coefficient": 0.01}
+    trainer = trainer_class(model=str(tiny_model_dir), train_dataset=pairs,
+                            args=config_class(output_dir=str(tmp_path / kind), max_steps=2, per_device_train_batch_size=4,
+                                              max_length=64, report_to="none", **extra))
+    assert (trainer.config.dpo.beta == 0.2) if kind == "dpo" else (trainer.config.rm.center_rewards_coefficient == 0.01)
+    trainer.train()
+    assert [row["step"] for row in read_metrics(tmp_path / kind) if "train/loss" in row] == [1, 2]
