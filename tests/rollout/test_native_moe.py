@@ -331,3 +331,174 @@ def test_triton_latent_decode_equals_the_pytorch_one(dtype):
     got = latent_paged_decode(q, cache, block_tables, context_lens, 0.2, latent)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt], device=model.device)
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return output[0, len(prompt):].tolist()
+
+
+def forward_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens, device=model.device)[:, None])[:, 0].cpu()
+
+
+def random_prompts(lengths: list[int], seed: int = 1, vocab_size: int = 512) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
+ENGINE_VARIANTS = [(family, {}) for family in MOE_FAMILIES] + [
+    ("qwen3_moe", {"num_layers": 3, "mlp_only_layers": [1]}),  # a dense layer between MoE ones
+    ("qwen3_moe", {"num_layers": 4, "decoder_sparse_step": 2}),  # MoE on every second layer
+    ("mixtral", {"sliding_window": 6}),  # a window smaller than the sequences
+    ("deepseek_v2", {"num_layers": 3, "topk_method": "greedy", "q_lora_rank": 24}),
+]
+
+
+@pytest.mark.parametrize(("family", "options"), ENGINE_VARIANTS,
+                         ids=[*MOE_FAMILIES, "qwen3_moe-mlp-only", "qwen3_moe-sparse-step", "mixtral-window",
+                              "deepseek_v2-greedy-q-lora"])
+def test_native_greedy_tokens_and_log_probs_match_transformers(family, options):
+    """Packed prefill of prompts of several lengths, two samples each, decode steps in the paged (for DeepSeek
+    compressed) cache: greedy tokens are transformers' argmax, log-probs those of one plain forward."""
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine, supports_model
+
+    model = build_tiny_causal_lm(family, seed=9, max_position_embeddings=128, **options).eval()
+    spec = architecture_spec(model.config)
+    if "mlp_only_layers" in options or "decoder_sparse_step" in options:
+        assert not all(layer.moe for layer in spec.layers) and any(layer.moe for layer in spec.layers)
+    assert supports_model(model)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8)
+    prompts = random_prompts([3, 17, 9])
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, temperature=0.0, n=2))
+                                   for p in prompts])
+    for prompt, samples in zip(prompts, completions, strict=True):
+        reference = hf_greedy(model, prompt, 8)
+        assert [sample.token_ids for sample in samples] == [reference, reference]
+        torch.testing.assert_close(torch.tensor(samples[0].log_probs), forward_log_probs(model, prompt, reference),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_second_turn_after_a_prefix_hit_gives_the_tokens_of_a_full_prefill(family, device):
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm(family, seed=10, max_position_embeddings=128).to(device).eval()
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8)
+    prompt = random_prompts([21], seed=3)[0]
+    first = engine.generate([GenerationRequest(prompt, greedy)])[0][0]
+    second_prompt = prompt + first.token_ids + [5, 6, 7]
+    hits = engine.counters.prefix_hit_tokens
+    second = engine.generate([GenerationRequest(second_prompt, greedy)])[0][0]
+    assert engine.counters.prefix_hit_tokens > hits
+    assert second.token_ids == hf_greedy(model, second_prompt, 6)
+    torch.testing.assert_close(torch.tensor(second.log_probs), forward_log_probs(model, second_prompt,
+                                                                                 second.token_ids),
+                               atol=1e-5 if device == "cpu" else 1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_native_greedy_matches_transformers_on_gpu_with_graphs(family):
+    """float32 on the GPU: Triton kernels and decode CUDA graphs (the latent decode of MLA among them) give
+    transformers' greedy tokens and a plain forward's log-probs."""
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm(family, seed=9, max_position_embeddings=256).to("cuda").eval()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=192, max_num_seqs=16)
+    assert engine.runner.decoder.use_triton
+    prompts = random_prompts([3, 17, 40, 90])
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=16, temperature=0.0, n=2))
+                                   for p in prompts])
+    for prompt, samples in zip(prompts, completions, strict=True):
+        reference = hf_greedy(model, prompt, 16)
+        assert [sample.token_ids for sample in samples] == [reference, reference]
+        torch.testing.assert_close(torch.tensor(samples[0].log_probs), forward_log_probs(model, prompt, reference),
+                                   atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_native_bf16_log_probs_are_transformers_bf16_ones_on_gpu(family):
+    """bf16 on the GPU: experts as grouped GEMMs inside the decode graphs; each sample's log-probs are those of
+    transformers' bf16 forward (its grouped_mm experts) over the same tokens, within bf16 rounding."""
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm(family, seed=9, max_position_embeddings=256).to("cuda", torch.bfloat16).eval()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=192, max_num_seqs=16)
+    prompts = random_prompts([3, 17, 40, 90])
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=3))
+                                   for p in prompts])
+    for prompt, samples in zip(prompts, completions, strict=True):
+        for sample in samples:
+            expected = forward_log_probs(model, prompt, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=5e-2, rtol=0)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_decoder_prefill_logits_are_the_models(family, use_triton):
+    """The decoder's copies and blocks give the model's logits, its norms on the Triton path too (interpreted on
+    the CPU); the MLA cache holds one latent head per token."""
+    from reinforge.rollout.native.attention import AttentionMetadata
+    from reinforge.rollout.native.model import PagedDecoder
+
+    if use_triton:
+        pytest.importorskip("triton")
+    model = build_tiny_causal_lm(family, seed=11).eval()
+    decoder = PagedDecoder(model, max_model_len=64, use_triton=use_triton)
+    decoder.load_weights()
+    prompt = random_prompts([19], seed=4)[0]
+    kv_cache = torch.zeros(decoder.kv_cache_shape(3, 8))
+    if family == "deepseek_v2":
+        assert kv_cache.shape[1:] == (1, 3, 8, 1, 16 + 8)
+    positions = torch.arange(19)
+    meta = AttentionMetadata(slot_mapping=positions, is_prefill=True, seq_lens=[19],
+                             batch_index=torch.zeros(19, dtype=torch.int64), token_index=positions)
+    with torch.no_grad():
+        got = decoder.forward(torch.tensor(prompt), positions, kv_cache, meta)
+        expected = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_sync_refreshes_the_expert_router_and_latent_copies_in_place():
+    from reinforge.rollout.native.model import PagedDecoder
+
+    model = build_tiny_causal_lm("deepseek_v3", seed=12).to(torch.bfloat16).eval()
+    decoder = PagedDecoder(model, max_model_len=64, use_triton=False)
+    decoder.load_weights()
+    pointers = decoder.parameter_pointers()
+    layer = decoder.weights.layers[1]
+    assert layer["router"].dtype == torch.float32 and layer["experts_gate_up"].dtype == torch.bfloat16
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.add_(1.0)
+    decoder.load_weights()
+    assert decoder.parameter_pointers() == pointers
+    source = model.model.layers[1]
+    assert torch.equal(layer["experts_gate_up"], source.mlp.experts.gate_up_proj)
+    assert torch.equal(layer["router"], source.mlp.gate.weight.float())
+    assert torch.equal(layer["correction_bias"], source.mlp.gate.e_score_correction_bias)
+    assert torch.equal(layer["kv_b"], source.self_attn.kv_b_proj.weight)
+    assert torch.equal(layer["mla_in_weight"], torch.cat([source.self_attn.q_a_proj.weight,
+                                                         source.self_attn.kv_a_proj_with_mqa.weight]))
+
+
+def test_experts_with_another_activation_are_refused_in_one_line():
+    from reinforge.rollout.native import NativeEngine, supports_model
+
+    model = build_tiny_causal_lm("qwen3_moe", hidden_act="gelu_pytorch_tanh")
+    assert not supports_model(model)
+    with pytest.raises(ValueError, match=r"qwen3_moe: its experts use hidden_act='gelu_pytorch_tanh'.*hf rollout"):
+        NativeEngine(model, eos_token_ids=[], max_model_len=64)

@@ -3,7 +3,8 @@
 One decoder runs every dense family of ``models.architectures`` (Llama, Mistral, Qwen2/Qwen3, Gemma 2 and 3,
 Phi-3/Phi-4, OLMo 2, SmolLM3) from the table: the embedding scale, each layer's norm placement (pre, the
 Gemma sandwich, OLMo 2's post norms) and norm kind, its attention and MLP blocks (``layers.py``, chosen per
-layer by ``attention_block`` and ``mlp_block``), the final norm and the final logit soft-cap. It runs over
+layer by ``attention_block`` and ``mlp_block``: mixture-of-experts MLPs in ``moe.py`` for Qwen3-MoE, Mixtral,
+OLMoE and DeepSeek, DeepSeek's latent attention in ``mla.py``), the final norm and the final logit soft-cap. It runs over
 packed tokens with a paged KV cache whose per-token entry the attention blocks define (``kv_cache_shape``).
 
 It reads its own copy of the weights (``ModelWeights``), made from the model's parameters at wake-up and
@@ -23,6 +24,8 @@ from torch.distributed.tensor import DTensor
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec, text_config
 from reinforge.rollout.native.attention import AttentionMetadata, flash_prefix_applies
 from reinforge.rollout.native.layers import ACTIVATIONS, BlockContext, DenseAttention, DenseMLP, LayerWeights, Parts
+from reinforge.rollout.native.mla import MLAAttention, mla_rotary_tables
+from reinforge.rollout.native.moe import MoEMLP, moe_unsupported_reason
 from reinforge.rollout.native.rotary_tables import RotaryTables
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -33,14 +36,18 @@ NORM_NAMES = {"pre": ("input_layernorm", "post_attention_layernorm"),
 """The norms of a layer of each placement, as transformers names them (their copies keep the names)."""
 
 
-def attention_block(context: BlockContext, index: int) -> DenseAttention:
-    """The attention block of layer ``index``."""
+def attention_block(context: BlockContext, index: int,
+                    mla_tables: tuple[Tensor, Tensor] | None = None) -> DenseAttention | MLAAttention:
+    """The attention block of layer ``index`` (MLA's reads ``mla_tables``, the model's ``mla_rotary_tables``)."""
+    if context.spec.mla is not None:
+        return MLAAttention(context, context.spec.layers[index], mla_tables)
     return DenseAttention(context, context.spec.layers[index])
 
 
-def mlp_block(context: BlockContext, index: int) -> DenseMLP:
-    """The MLP block of layer ``index``."""
-    return DenseMLP(context, context.spec.layers[index])
+def mlp_block(context: BlockContext, index: int) -> DenseMLP | MoEMLP:
+    """The MLP block of layer ``index``: a mixture of experts where the table says so."""
+    layer = context.spec.layers[index]
+    return MoEMLP(context, layer) if layer.moe else DenseMLP(context, layer)
 
 
 def decoder_module(model: nn.Module) -> nn.Module:
@@ -55,12 +62,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if spec is None:
         return (f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) has no entry in the "
                 "architecture table (reinforge/models/architectures.py)")
-    if spec.mla is not None:
-        return f"{spec.model_type} uses multi-head latent attention, which the native engine does not run"
-    if any(layer.moe for layer in spec.layers):
-        return f"{spec.model_type} has mixture-of-experts layers, which the native engine does not run"
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):  # a multimodal wrapper's logits differ
         return f"{type(model).__name__} keeps no decoder layers at model.layers (the engine runs text-only models)"
+    if spec.moe is not None:
+        reason = moe_unsupported_reason(config, spec.moe, decoder_module(model).layers)
+        if reason is not None:
+            return f"{spec.model_type}: {reason}"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     kinds = rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope \
         else [rope]
@@ -200,16 +207,19 @@ class PagedDecoder:
         self.num_layers = len(spec.layers)
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = device or inner.embed_tokens.weight.device  # the model's may be the CPU (param_offload)
-        self.flash_prefix = use_triton and spec.attn_softcap is None and flash_prefix_applies(self.device, self.dtype)
+        self.flash_prefix = use_triton and spec.attn_softcap is None and spec.mla is None \
+            and flash_prefix_applies(self.device, self.dtype)
         """Prefills after a prefix-cache hit run the flash varlen kernel (see attention.py); soft-capped scores
-        run the reference."""
+        and MLA's latent heads (wider than the kernel's) run the reference."""
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         rope = dict(rope) if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope) else {}
         rope.setdefault("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
-        self.rotary = RotaryTables(inner, {layer.rope for layer in spec.layers}, max_model_len, self.dtype,
-                                   self.device, rope)
+        kinds = {layer.rope for layer in spec.layers} if spec.mla is None else set()  # MLA rotates its own way
+        self.rotary = RotaryTables(inner, kinds, max_model_len, self.dtype, self.device, rope)
         self.context = BlockContext(spec, config, self.dtype, use_triton, self.flash_prefix, self.rotary)
-        self.attention = [attention_block(self.context, index) for index in range(self.num_layers)]
+        mla_tables = None if spec.mla is None else \
+            mla_rotary_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)
+        self.attention = [attention_block(self.context, index, mla_tables) for index in range(self.num_layers)]
         self.mlps = [mlp_block(self.context, index) for index in range(self.num_layers)]
         self.float32_copies = [block.float32_copies | mlp.float32_copies
                                for block, mlp in zip(self.attention, self.mlps, strict=True)]
