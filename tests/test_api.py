@@ -157,3 +157,43 @@ def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, 
     assert (trainer.config.dpo.beta == 0.2) if kind == "dpo" else (trainer.config.rm.center_rewards_coefficient == 0.01)
     trainer.train()
     assert [row["step"] for row in read_metrics(tmp_path / kind) if "train/loss" in row] == [1, 2]
+
+
+def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path, monkeypatch):
+    import reinforge.trainer.rl_trainer as rl_trainer
+    from reinforge import GRPOTrainer
+    from reinforge.config import load_config
+
+    made = {}
+
+    class Recorded:
+        def __init__(self, config, reward_functions=None):
+            made.update(config=config, reward_functions=reward_functions)
+
+    monkeypatch.setattr(rl_trainer, "RLTrainer", Recorded)
+
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    base = load_config(None, ["rollout.n=4", f"trainer.output_dir={tmp_path / 'run'}"])
+    GRPOTrainer(model="some/model", reward_funcs=reward, args=base, train_dataset=[{"prompt": "1+1=", "answer": "2"}],
+                eval_dataset=[{"prompt": "2+2=", "answer": "4"}], reward__num_workers=0, rollout__temperature=0.7)
+    config = made["config"]
+    assert (config.rollout.n, config.rollout.temperature, config.reward.num_workers) == (4, 0.7, 0)
+    assert config.model.path == "some/model" and made["reward_functions"] == [reward]
+    assert config.data.train_files == [str(tmp_path / "run" / "inputs" / "train.parquet")]
+    assert config.data.val_files == [str(tmp_path / "run" / "inputs" / "eval.parquet")]
+    with pytest.raises(Exception, match="unknown key rollout.temprature"):
+        GRPOTrainer(model="m", reward_funcs=reward, args=base, rollout__temprature=0.7)
+
+
+def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():
+    from reinforge.config.schema import RewardConfig
+    from reinforge.reward.data_checks import load_reward_function
+
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match=r"reward.custom_function is a function, not a path; .*"
+                                         r"RLTrainer\(config, reward_functions=\[fn, ...\]\)"):
+        load_reward_function(RewardConfig(custom_function=reward))

@@ -45,6 +45,10 @@ def load_reward_function(config: RewardConfig, functions: Sequence[Scorer] | Non
     ``functions`` (reward function objects given in Python) are checked too: their signatures, and one weight each
     in ``reward.weights``.
     """
+    if config.custom_function is not None and not isinstance(config.custom_function, str):
+        raise ValueError(f"reward.custom_function is a {type(config.custom_function).__name__}, not a path; it takes "
+                         "path/to/file.py[:function]. Give function objects as RLTrainer(config, "
+                         "reward_functions=[fn, ...]) or reinforge.GRPOTrainer(reward_funcs=[fn, ...])")
     try:
         scorer = load_custom_scorer(config.custom_function) if config.custom_function else None
         built = build_reward_functions(functions, config.weights, scorer, config.custom_function)
