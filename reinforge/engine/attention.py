@@ -39,6 +39,31 @@ def use_varlen_attention(model: nn.Module) -> None:
     """Switch ``model`` (an HF PreTrainedModel) and its sub-models to the varlen implementation."""
     _register()
     model.set_attn_implementation(NAME)
+    _note_mask_only_windows(model)
+
+
+def _note_mask_only_windows(model: nn.Module) -> None:
+    """Give each attention module of a model whose windows live only in transformers' masks its window.
+
+    Most families hand their layer's ``sliding_window`` to the attention function; a few (Qwen2-MoE,
+    PhiMoE) put it only in the sliding-window mask, which packed passes do not build. Their modeling
+    module builds that mask from ``config.sliding_window`` for the layers of type
+    ``sliding_attention`` (every layer when the config has no layer types); the same windows are
+    noted on the attention modules as ``_packed_window``. A ``sliding_window`` argument always wins.
+    """
+    import sys
+
+    modeling = sys.modules.get(type(model).__module__)
+    if modeling is None or not hasattr(modeling, "create_sliding_window_causal_mask"):
+        return
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    for module in model.modules():
+        layer_index = getattr(module, "layer_idx", None)
+        if window and isinstance(layer_index, int) and type(module).__name__.endswith("Attention"):
+            sliding = layer_types is None or layer_types[layer_index] == "sliding_attention"
+            module._packed_window = window if sliding else None
 
 
 @cache
@@ -67,8 +92,8 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one row of packed sequences, got {query.shape[0]} rows")
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, dim)
-    out = packed_attention(q, k, v, scale, kwargs, window=kwargs.get("sliding_window"), softcap=softcap,
-                           sinks=sinks)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "_packed_window", None)
+    out = packed_attention(q, k, v, scale, kwargs, window=window, softcap=softcap, sinks=sinks)
     return out.unsqueeze(0), None
 
 

@@ -99,12 +99,15 @@ FAMILY_OPTIONS: dict[str, dict] = {
                     "routed_scaling_factor": 1.5},
     "deepseek_v3": {**_MLA, "q_lora_rank": 24, "routed_scaling_factor": 2.5},
     "gpt_neox": {},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "intermediate_size": 32,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
 }
-"""model_type -> its tiny options beyond the shared shape: the families of ``models.architectures``, and
-``gpt_neox`` and ``gpt_oss`` (attention sinks, windows on even layers), causal LMs outside the table (they train
-through transformers' own modules)."""
+"""model_type -> its tiny options beyond the shared shape: the families of ``models.architectures``, and causal LMs
+outside the table (they train through transformers' own modules): ``gpt_neox``, ``qwen2_moe`` and ``phimoe``
+(windows only in their masks) and ``gpt_oss`` (attention sinks, windows on even layers)."""
 
 ARCHITECTURES = tuple(FAMILY_OPTIONS)
 
@@ -114,6 +117,9 @@ def _window_options(model_type: str, sliding_window: int | None, num_layers: int
     if model_type in ("qwen2", "qwen3"):  # windows from layer max_window_layers on; the first layer stays full
         return {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": 1} \
             if sliding_window else {}
+    if model_type == "qwen2_moe":  # windows on even layers below max_window_layers
+        return {"use_sliding_window": True, "sliding_window": sliding_window, "max_window_layers": num_layers} \
+            if sliding_window else {}
     if model_type in ("qwen3_moe", "smollm3"):
         return {"use_sliding_window": True, "sliding_window": sliding_window} if sliding_window else {}
     if model_type in ("gemma2", "gpt_oss"):  # even layers slide
@@ -121,7 +127,7 @@ def _window_options(model_type: str, sliding_window: int | None, num_layers: int
     if model_type == "gemma3_text":  # one full layer in two (the real models keep one in six)
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
         return {"sliding_window": sliding_window or 4096, "layer_types": layer_types}
-    if model_type in ("mistral", "mixtral", "phi3"):
+    if model_type in ("mistral", "mixtral", "phi3", "phimoe"):
         return {"sliding_window": sliding_window}
     if sliding_window:
         raise ValueError(f"tiny {model_type} models have no sliding window; leave sliding_window unset")

@@ -33,7 +33,10 @@ TABLE = [arch for arch in ARCHITECTURES if arch in FAMILIES]
 OUTSIDE = "gpt_neox"
 SINKS = "gpt_oss"
 """Outside the table too: attention sinks (``s_aux``) and windows on even layers."""
-WINDOWED = ("qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3", SINKS)
+MASK_WINDOWS = ("qwen2_moe", "phimoe")
+"""Outside the table, with windows only in transformers' masks (no sliding_window argument to the attention)."""
+WINDOWED = ("qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2", "gemma3_text", "mistral", "mixtral", "phi3", SINKS,
+            *MASK_WINDOWS)
 WINDOW = 4
 """Smaller than every test sequence (prompts of up to 6 tokens, responses of up to 7)."""
 
@@ -69,7 +72,7 @@ def loss_of(log_probs, entropy, batch: Batch):
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
-@pytest.mark.parametrize("arch", [*TABLE, OUTSIDE, SINKS])
+@pytest.mark.parametrize("arch", [*TABLE, OUTSIDE, SINKS, *MASK_WINDOWS])
 def test_packed_pass_equals_transformers_padded_forward(arch, share_prompts):
     model = tiny_model(arch)
     batch = grouped_batch(num_prompts=2, samples=3)
