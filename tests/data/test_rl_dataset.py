@@ -314,3 +314,20 @@ def test_a_row_giving_one_key_twice_is_refused_with_its_line(tmp_path):
     listed.write_text('[{"data_source": "x", "extra_info": {"a": 1, "a": 2}}]')
     with pytest.raises(ValueError, match=r"rows.json gives the key 'a' twice in one object"):
         read_rows(listed)
+
+
+def test_the_shipped_converters_and_tasks_write_chat_messages_so_their_prompts_keep_the_template(tmp_path,
+                                                                                                 tiny_tokenizer):
+    """A string prompt is fed raw by default: the rows reinforge writes itself (GSM8K, ReTool, the arithmetic task
+    the demo trains on) must be chat messages to get the template the demo and examples were built with."""
+    from reinforge.data.gsm8k import make_gsm8k_row
+    from reinforge.data.retool import make_retool_row
+    from reinforge.data.tasks.arithmetic import generate_problems, make_rl_rows
+
+    rows = [make_gsm8k_row("How many?", "2 + 2 = 4\n#### 4", "train", 0),
+            make_retool_row("How many?", "2 + 2 = 4\n#### 4", "train", 1),
+            *make_rl_rows(generate_problems(2, "train", max_digits=1), "train")]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    for example, row in zip(RLDataset(path, tiny_tokenizer, config(max_prompt_length=512)), rows, strict=True):
+        assert isinstance(row["prompt"], list)
+        assert tiny_tokenizer.decode(example.prompt_ids).startswith("<|user|>")
