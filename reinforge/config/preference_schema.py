@@ -17,6 +17,7 @@ from reinforge.config.loader import load_structured
 from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig, UpdateConfig
 from reinforge.config.validate import (
     choose,
+    validate_lora,
     validate_model_dtype,
     validate_optim,
     validate_run,
@@ -118,9 +119,10 @@ def validate_preference_config(config: RMConfig | DPOConfig) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
     validate_sample_limits(data)  # type: ignore[arg-type]  # the same two fields as SFT's
     validate_model_dtype(config.model.dtype)
-    if config.model.lora.rank:
-        raise ConfigError(f"model.lora.rank={config.model.lora.rank}: reinforge {command} trains every parameter and "
+    if command == "rm" and config.model.lora.rank:
+        raise ConfigError(f"model.lora.rank={config.model.lora.rank}: reinforge rm trains every parameter and "
                           "would ignore the adapters; remove model.lora.rank")
+    validate_lora(config.model.lora)
     if trainer.max_tokens_per_micro_batch < 2 * data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"2 x data.max_length={2 * data.max_length}, so one pair (its prompt and both completions) "

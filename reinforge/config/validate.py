@@ -16,6 +16,7 @@ from reinforge.config.schema import (
     TRUNCATION_MODES,
     Config,
     DataConfig,
+    LoraConfig,
     OptimConfig,
     RunConfig,
     UpdateConfig,
@@ -101,6 +102,26 @@ def validate_optim(prefix: str, optim: OptimConfig) -> None:
 
 def validate_model_dtype(dtype: str) -> None:
     choose("model.dtype", dtype, MODEL_DTYPES)
+
+
+
+def validate_lora(lora: LoraConfig) -> None:
+    """model.lora of a run that trains adapters (RL's actor, DPO's policy)."""
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank={lora.rank} must be 0 (off) or a positive adapter rank such as 32")
+    if lora.rank > 0 and not lora.target_modules:
+        raise ConfigError("model.lora.target_modules is empty; name the linear layers that get adapters, "
+                          "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
+    if lora.rank > 0 and not 0 < lora.alpha < float("inf"):  # also nan
+        raise ConfigError(f"model.lora.alpha={lora.alpha} scales the adapters' output by alpha / rank, so they would "
+                          "change nothing and learn nothing; set a positive alpha (e.g. 2 x model.lora.rank)")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    outside = [name for name in lora.target_modules if name in ("lm_head", "embed_tokens")]
+    if lora.rank > 0 and outside:
+        raise ConfigError(f"model.lora.target_modules names {outside[0]}, outside the decoder layers: the fused "
+                          "log-prob pass reads the output projection's weight directly and would ignore its adapter; "
+                          "adapt only the layers inside the decoder blocks (q_proj ... down_proj)")
 
 
 def validate_run(trainer: RunConfig) -> None:
@@ -261,22 +282,7 @@ def validate_config(config: Config) -> None:
     for key in ("nnodes", "devices_per_node"):
         if getattr(trainer, key) < 1:
             raise ConfigError(f"trainer.{key}={getattr(trainer, key)} must be at least 1")
-    lora = config.model.lora
-    if lora.rank < 0:
-        raise ConfigError(f"model.lora.rank={lora.rank} must be 0 (off) or a positive adapter rank such as 32")
-    if lora.rank > 0 and not lora.target_modules:
-        raise ConfigError("model.lora.target_modules is empty; name the linear layers that get adapters, "
-                          "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]")
-    if lora.rank > 0 and not 0 < lora.alpha < float("inf"):  # also nan
-        raise ConfigError(f"model.lora.alpha={lora.alpha} scales the adapters' output by alpha / rank, so they would "
-                          "change nothing and learn nothing; set a positive alpha (e.g. 2 x model.lora.rank)")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
-    outside = [name for name in lora.target_modules if name in ("lm_head", "embed_tokens")]
-    if lora.rank > 0 and outside:
-        raise ConfigError(f"model.lora.target_modules names {outside[0]}, outside the decoder layers: the fused "
-                          "log-prob pass reads the output projection's weight directly and would ignore its adapter; "
-                          "adapt only the layers inside the decoder blocks (q_proj ... down_proj)")
+    validate_lora(config.model.lora)
     _validate_algorithm(config)
     _check_dapo(config)
     _check_modes(config)

@@ -2,7 +2,7 @@
 
 The policy is loaded and sharded as the RL actor is (float32 master weights, FSDP2 computing in
 ``model.dtype``; on CUDA fused kernels and compiled decoder layers; ``model.gradient_checkpointing`` true or a
-number of layers recomputes their activations). A pair's two completions go through one packed forward that
+number of layers recomputes their activations; ``model.lora`` trains adapters, the base frozen). A pair's two completions go through one packed forward that
 computes their prompt once (``engine.packing``);
 each completion's log-prob is the sum over its tokens (the mean for ``ipo``). The reference model's log-probs
 are computed once, before the first step, in one scoring pass over the training and validation pairs, and
@@ -30,9 +30,11 @@ from torch import Tensor, nn
 from reinforge.algorithms.preference_losses import dpo_loss
 from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
+from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import decoder_layers, reshard, shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.lora import add_lora
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import ModelUpdate
 from reinforge.models import load_causal_lm
@@ -51,29 +53,42 @@ class DPOTrainer(PreferenceRun):
 
     def __init__(self, config: DPOConfig):
         self.num_tokens = 0.0
+        self.peft_model: nn.Module | None = None
         self.reference: dict[str, Tensor] = {}
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
-        model = self._load(self.config.model.path)
+        lora, trainer = self.config.model.lora, self.config.trainer
+        # with adapters the frozen base stays in the compute dtype, as the RL actor's does
+        model = self._load(self.config.model.path, compute_dtype(self.device, self.config.model.dtype)
+                           if lora.rank else torch.float32)
         self.model_class = type(model)  # before sharding wraps the class
         setting = self.config.model.gradient_checkpointing
         checkpoint_decoder_layers(model, len(decoder_layers(model)) if setting is True
                                   else 0 if setting in ("auto", False) else int(setting))
+        self.peft_model = None
+        if lora.rank:
+            self.peft_model = add_lora(model, lora, base_model_path=self.config.model.path, seed=trainer.seed)
+            for parameter in model.parameters():
+                if parameter.requires_grad:
+                    parameter.data = parameter.data.float()
         return shard_model(model, self.device, self.config.model.dtype)
 
-    def _load(self, path: str) -> nn.Module:
+    def _load(self, path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
         """The causal LM at ``path`` as the actor loads it: float32 master weights, the packed varlen path (on CUDA
         fused kernels and compiled decoder layers); sharded by the caller (FSDP2, compute in model.dtype)."""
         model = self.config.model
-        loaded = load_causal_lm(path, dtype=torch.float32, device=self.device,
-                                trust_remote_code=model.trust_remote_code, attn_implementation=model.attn_implementation)
+        loaded = load_causal_lm(path, dtype=dtype, device=self.device, trust_remote_code=model.trust_remote_code,
+                                attn_implementation=model.attn_implementation)
         prepare_for_training(loaded, self.device)
         return loaded
 
     def write_checkpoint(self, folder: Path) -> None:
+        """actor_state.pt and hf/ (with LoRA: the merged weights, and adapter/ in peft's format beside it)."""
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
-        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf")
+        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf",
+                               lora=self.config.model.lora if self.peft_model is not None else None,
+                               base_model_path=self.config.model.path)
 
     # ---- the reference pass ----------------------------------------------------------
     def _reference_key(self) -> dict[str, str]:

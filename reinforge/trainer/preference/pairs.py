@@ -24,6 +24,7 @@ from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import resolve_device
 from reinforge.engine.distributed import all_reduce
+from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
 from reinforge.engine.packing import attach_plan
@@ -83,6 +84,8 @@ def preflight_preference(config: RMConfig | DPOConfig) -> None:
     if data.val_files:
         check_preference_rows(data.val_files, keys, "val", data.max_val_samples)
     warn_if_beyond_context(config.model.path, data.max_length, "data.max_length")
+    if config.model.lora.rank:
+        check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     if isinstance(config, DPOConfig) and config.dpo.label_smoothing and config.dpo.loss_type != "robust":
         logger.warning("dpo.label_smoothing=%g has no effect with dpo.loss_type=%s (only the robust loss reads it, "
                        "as in TRL); set dpo.loss_type=robust or remove dpo.label_smoothing",

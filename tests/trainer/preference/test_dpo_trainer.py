@@ -120,3 +120,20 @@ def test_label_smoothing_without_the_robust_loss_is_one_warning(pair_args, tmp_p
     assert [record.getMessage() for record in caplog.records if "label_smoothing" in record.getMessage()] == [
         "dpo.label_smoothing=0.1 has no effect with dpo.loss_type=sigmoid (only the robust loss reads it, as in "
         "TRL); set dpo.loss_type=robust or remove dpo.label_smoothing"]
+
+
+def test_dpo_trains_lora_adapters_from_its_reference_and_saves_them_merged_and_apart(pair_args, tmp_path):
+    run_dir = tmp_path / "lora"
+    lora = {"model.lora.rank": 4, "model.lora.alpha": 8, "optim.lr": 1e-2, "trainer.total_steps": 3}
+    assert main(["dpo", *pair_args(run_dir, **lora)]) == 0
+    records = metrics_of(run_dir)
+    assert records[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # lora_B starts at zero
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert (checkpoint / "adapter" / "adapter_config.json").is_file() and (checkpoint / "hf" / "config.json").is_file()
+
+
+def test_lora_adapters_that_match_no_layer_are_refused_before_the_model_loads(pair_args, tmp_path, capsys):
+    args = pair_args(tmp_path / "run", **{"model.lora.rank": 4, "model.lora.target_modules": "[attention_dense]"})
+    assert main(["dpo", *args]) == 2
+    assert "model.lora.target_modules" in capsys.readouterr().err
