@@ -233,3 +233,17 @@ def test_longrope_picks_short_or_long_factors_per_step_as_transformers_does():
     # do (a forward over the whole sequence would use the long factors for the first positions too)
     torch.testing.assert_close(torch.tensor(across.log_probs),
                                hf_log_probs_step_by_step(model, crossing, across.token_ids), atol=1e-5, rtol=0)
+
+
+def test_sequences_preempted_under_windows_resume_as_generate_continues():
+    """Blocks run short while every sequence holds only its window: preempted sequences give back what they hold,
+    are prefilled again in full and continue with generate's tokens."""
+    model = family_model("mistral")
+    engine = make_engine(model, False, block_size=2, num_kv_blocks=12)
+    greedy = SamplingParams(n=4, max_tokens=24, temperature=0.0)  # four samples grow apart from one prompt
+    batch = prompts([8], seed=8)
+    completions = engine.generate([GenerationRequest(prompt, greedy) for prompt in batch])
+    assert engine.last_metrics["rollout/num_preempted"] > 0
+    for prompt, samples in zip(batch, completions, strict=True):
+        for completion in samples:
+            assert completion.token_ids == hf_greedy(model, prompt, 24)

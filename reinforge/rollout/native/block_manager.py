@@ -20,7 +20,9 @@ sequence grows (``release_out_of_window``): a sequence then holds at most its wi
 one being filled) however long it gets. Its table keeps its length, the released entries marked
 ``RELEASED``, so block indices still map positions; no kernel reads them (the window masks them out, and
 the decode kernel starts its loop at the window). With prefix caching, a released block is registered
-first, exactly as at the sequence's release, so the prefix stays reusable while it is cached.
+first, exactly as at the sequence's release, so the prefix stays reusable while it is cached. A model with
+full layers beside its sliding ones (Gemma 2 and 3) keeps every block: one table serves all layers, and the
+sliding layers only mask (and skip reading) the keys before their window.
 """
 
 from __future__ import annotations
