@@ -137,3 +137,17 @@ def test_lora_adapters_that_match_no_layer_are_refused_before_the_model_loads(pa
     args = pair_args(tmp_path / "run", **{"model.lora.rank": 4, "model.lora.target_modules": "[attention_dense]"})
     assert main(["dpo", *args]) == 2
     assert "model.lora.target_modules" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path):
+    lora = {"model.lora.rank": 4, "model.lora.alpha": 8, "optim.lr": 1e-2, "trainer.total_steps": 4}
+    straight = tmp_path / "straight"
+    assert main(["dpo", *pair_args(straight, **lora)]) == 0
+    resumed = tmp_path / "resumed"
+    args = pair_args(resumed, **lora, **{"trainer.save_every": 2})
+    assert main(["dpo", *args]) == 0
+    shutil.rmtree(sorted((resumed / "checkpoints").glob("step_*"))[-1])
+    assert main(["dpo", *args]) == 0
+    for a, b in zip(metrics_of(straight), metrics_of(resumed), strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
