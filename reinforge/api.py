@@ -22,6 +22,7 @@ before any model loads, checkpoints and resume are the CLI's. What it is given b
 - ``reward_funcs``: one function or a list (TRL's kind, called once per batch, or verl's), weighted by
   ``reward_weights``; a ``.py`` path with ``:function`` loads one from a file; none: each row's ``data_source``
   picks a built-in scorer;
+- ``peft_config``: a peft ``LoraConfig``, as ``model.lora`` (rank, alpha, dropout, target modules);
 - ``args``: a ``GRPOConfig``/``SFTConfig`` (TRL's names where the meaning is the same, plus ``overrides``:
   reinforge's own keys, ``{"rollout.top_p": 0.9}``), or a reinforge ``Config``; ``**overrides`` on the
   trainer are reinforge keys with ``__`` for the dots (``reward__num_workers=0``).
@@ -212,7 +213,7 @@ class GRPOConfig(_TrainingArguments):
         completions = self.settings.get("per_device_train_batch_size")
         if completions is not None and "data.train_batch_size" not in _overrides_dict(self.overrides):
             completions *= self.settings.get("gradient_accumulation_steps") or 1
-            generations = self.settings.get("num_generations") or mapped.get("rollout.n") or 8
+            generations = int(self.settings.get("num_generations") or mapped.get("rollout.n") or 8)
             if completions % generations:
                 raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} "
                                  f"completions a step is not a multiple of num_generations={generations}; make it one "
@@ -405,6 +406,21 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def peft_settings(peft_config: Any) -> dict[str, Any]:
+    """A peft ``LoraConfig``'s rank, alpha, dropout and target modules as reinforge's ``model.lora`` keys."""
+    if peft_config is None:
+        return {}
+    settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
+                "model.lora.dropout": float(getattr(peft_config, "lora_dropout", 0.0) or 0.0)}
+    targets = getattr(peft_config, "target_modules", None)
+    if targets:
+        if isinstance(targets, str):
+            raise ValueError(f"peft_config.target_modules={targets!r}: reinforge takes a list of module names "
+                             "(q_proj, v_proj, ...)")
+        settings["model.lora.target_modules"] = sorted(targets)
+    return settings
+
+
 def reward_functions_of(reward_funcs: Any) -> list[Callable[..., Any]] | None:
     """One function or a list, each a callable or a ``path.py:function`` spec; None or [] -> None."""
     if reward_funcs is None:
@@ -432,7 +448,8 @@ class GRPOTrainer:
     """GRPO (or any estimator of ``algorithm.adv_estimator``) on a model, a dataset and reward functions."""
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | Any = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, **overrides: Any) -> None:
+                 eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
+                 **overrides: Any) -> None:
         from reinforge.config import Config
 
         if isinstance(args, Config):
@@ -445,6 +462,7 @@ class GRPOTrainer:
             settings = args.to_overrides() | _keyword_overrides(overrides)
             output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
         inputs = output_dir / "inputs"
+        settings = peft_settings(peft_config) | settings
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
@@ -471,6 +489,14 @@ class GRPOTrainer:
     def output_dir(self) -> Path:
         return Path(self.config.trainer.output_dir)
 
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
+        ``reinforge export`` writes it; returns the folder."""
+        from reinforge.trainer.export import export_checkpoint
+
+        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
+                                 force=True)
+
 
 class _SupervisedTrainer:
     """A trainer on rows of text (SFT, DPO, reward model): TRL's names in, reinforge's config and trainer out."""
@@ -479,7 +505,7 @@ class _SupervisedTrainer:
     DEFAULT_OUTPUT_DIR: str
 
     def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 processing_class: Any = None, **overrides: Any) -> None:
+                 processing_class: Any = None, peft_config: Any = None, **overrides: Any) -> None:
         from reinforge.config import config_to_dict
 
         schema = self._schema()
@@ -493,6 +519,7 @@ class _SupervisedTrainer:
             settings = args.to_overrides() | _keyword_overrides(overrides)
         output_dir = Path(settings.setdefault("trainer.output_dir", self.DEFAULT_OUTPUT_DIR))
         inputs = output_dir / "inputs"
+        settings = peft_settings(peft_config) | settings
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
@@ -510,6 +537,14 @@ class _SupervisedTrainer:
     @property
     def output_dir(self) -> Path:
         return Path(self.config.trainer.output_dir)
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
+        ``reinforge export`` writes it; returns the folder."""
+        from reinforge.trainer.export import export_checkpoint
+
+        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
+                                 force=True)
 
     def _rows(self, dataset: Any) -> Any:
         return dataset

@@ -122,6 +122,7 @@ def test_a_loaded_model_and_reward_callables_train_in_this_process(tmp_path, tin
                           reward__num_workers=0, data__max_prompt_length=64)
     trainer.train()
     assert (tmp_path / "run" / "inputs" / "initial_model" / "config.json").is_file()
+    assert (trainer.save_model() / "config.json").is_file()
     assert calls == [(8, 0), (8, 1)]  # once per step's batch, with the step
     rows = [row for row in read_metrics(tmp_path / "run") if "critic/score/mean" in row]
     assert [row["critic/score/mean"] for row in rows] == pytest.approx(
@@ -197,3 +198,14 @@ def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"reward.custom_function is a function, not a path; .*"
                                          r"RLTrainer\(config, reward_functions=\[fn, ...\]\)"):
         load_reward_function(RewardConfig(custom_function=reward))
+
+
+def test_a_peft_lora_config_becomes_model_lora():
+    from types import SimpleNamespace
+
+    from reinforge.api import peft_settings
+
+    lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.05, target_modules={"v_proj", "q_proj"})
+    assert peft_settings(lora) == {"model.lora.rank": 16, "model.lora.alpha": 32.0, "model.lora.dropout": 0.05,
+                                   "model.lora.target_modules": ["q_proj", "v_proj"]}
+    assert peft_settings(None) == {}
