@@ -1,5 +1,5 @@
 """``reinforge <command>`` (or ``python -m reinforge``): init, train, plan, sft, rm, dpo, eval, demo, export, plot, bench,
-data, config, sandbox.
+data, config, sandbox, serve.
 
 A command parses and validates its configuration before any model, tokenizer or dataset
 loads, so a typo in a key fails in seconds with one line, not after a minute of loading.
@@ -248,6 +248,12 @@ def _sandbox(argv: list[str]) -> int:
     return sandbox_main(argv)
 
 
+def _serve(argv: list[str]) -> int:
+    from reinforge.serve.command import serve_main
+
+    return serve_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "init": (_init, "write the example configs (GRPO, DAPO, PPO, ReTool) into ./examples, or NAME into DIR"),
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
@@ -263,6 +269,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "data": (_data, "prepare datasets (e.g. reinforge data gsm8k --src DIR --out DIR)"),
     "config": (_config, "translate a verl command line into a reinforge YAML (config from-verl KEY=VALUE ...)"),
     "sandbox": (_sandbox, "serve a code sandbox for tool-using agents (reinforge sandbox serve --port 8080)"),
+    "serve": (_serve, "an OpenAI-compatible endpoint on a model or checkpoint (reinforge serve RUN_DIR --port 8000)"),
 }
 
 

@@ -1,0 +1,150 @@
+"""``reinforge serve MODEL_OR_CHECKPOINT``: the OpenAI-compatible endpoint on one model.
+
+MODEL_OR_CHECKPOINT is an HF model folder (or hub id), a run folder (its newest valid checkpoint), a checkpoint folder
+(``RUN/checkpoints/step_N``: its ``hf/`` folder, where a LoRA run keeps the merged model; exported from the trainer
+state first when ``hf/`` holds no weights), or a peft adapter folder (merged into the base model its
+``adapter_config.json`` names). The native engine generates where it supports the model; the hf backend otherwise,
+said in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_folder(path: str, scratch: Path) -> tuple[str, str | None]:
+    """(the HF folder or hub id to load, the adapter folder to merge or None); exports into ``scratch`` if needed."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        return path, None  # a hub id; loading says so if it is not one
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is a file; pass an HF model folder, a run folder or a checkpoint folder")
+    if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        import json
+
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{folder}/adapter_config.json names no base_model_name_or_path, so there is no model to "
+                             "merge the adapter into; set it to the base model's folder")
+        return str(base), str(folder)
+    if (folder / "config.json").is_file():
+        return str(folder), None
+    from reinforge.trainer.export import export_checkpoint, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(folder)
+    hf = checkpoint / "hf"
+    if any(hf.glob("*.safetensors")) or any(hf.glob("*.bin")):
+        return str(hf), None
+    logger.info("%s holds no weights; exporting %s from its trainer state", hf, checkpoint.name)
+    return str(export_checkpoint(checkpoint, scratch / "model")), None
+
+
+def load_model(path: str, adapter: str | None, dtype_name: str, device: Any) -> tuple[Any, Any]:
+    from reinforge.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+
+    model = load_causal_lm(path, dtype=resolve_dtype(dtype_name, device), device=device)
+    tokenizer = load_tokenizer(adapter if adapter and (Path(adapter) / "tokenizer_config.json").is_file() else path)
+    if adapter is not None:
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise ValueError(f"{adapter} is a LoRA adapter and merging it needs peft; pip install 'reinforge[lora]' "
+                             "or serve the merged model (RUN/checkpoints/step_N/hf)") from None
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    model.eval()
+    return model, tokenizer
+
+
+def build_client(model: Any, tokenizer: Any, rollout: str, max_model_len: int, gpu_memory_utilization: float,
+                 max_num_seqs: int) -> tuple[Any, str]:
+    """The token client over the chosen engine, and the engine's name."""
+    from reinforge.agent.runner import AsyncEngineClient, BatchingClient
+
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
+                     - {None})
+    if rollout == "native":
+        from reinforge.rollout.native import NativeEngine, hf_fallback_notice, unsupported_reason
+
+        reason = unsupported_reason(model)
+        if reason is None:
+            engine = NativeEngine(model, eos_token_ids=eos_ids, max_model_len=max_model_len,
+                                  gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
+            return AsyncEngineClient(engine), "native"
+        logger.warning(hf_fallback_notice(reason))
+    from reinforge.rollout.hf import HFEngine
+
+    return BatchingClient(HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)), "hf"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="reinforge serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="HF model folder or hub id, run folder, checkpoint folder or LoRA adapter folder")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-concurrency", type=int, default=256,
+                        help="generation requests at once; one more is answered 429 with Retry-After")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + reply tokens (default: the model's context, at most 8192)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="reply tokens when a request sets no max_tokens")
+    parser.add_argument("--rollout", choices=("native", "hf"), default="native")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on an accelerator), bfloat16, float32")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--served-model-name", default=None, help="the model id /v1/models lists (default: MODEL)")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the model's")
+    parser.add_argument("--tool-format", default="hermes", help="tool-call format of the replies (reinforge.agent)")
+    return parser.parse_args(argv)
+
+
+def serve_main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency}: allow at least 1 request at a time")
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise ValueError("reinforge serve needs aiohttp; pip install 'reinforge[serve]'") from None
+    import torch
+
+    from reinforge.serve.app import OpenAIEndpoint
+    from reinforge.serve.chat import ChatCodec
+    from reinforge.serve.service import GenerationService
+
+    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with tempfile.TemporaryDirectory(prefix="reinforge-serve-") as scratch:
+        path, adapter = resolve_model_folder(args.model, Path(scratch))
+        model, tokenizer = load_model(path, adapter, args.dtype, device)
+    context = int(getattr(model.config, "max_position_embeddings", 8192) or 8192)
+    max_model_len = args.max_model_len or min(context, 8192)
+    client, engine_name = build_client(model, tokenizer, args.rollout, max_model_len, args.gpu_memory_utilization,
+                                       max_num_seqs=min(args.max_concurrency, 512))
+    codec = None
+    if chat_template or getattr(tokenizer, "chat_template", None):
+        codec = ChatCodec(tokenizer, chat_template, args.tool_format)
+    else:
+        logger.warning("the tokenizer has no chat template: /v1/chat/completions answers 400; pass --chat-template")
+    service = GenerationService(client, tokenizer, args.served_model_name or args.model, codec=codec,
+                                max_model_len=max_model_len, default_max_tokens=args.max_tokens,
+                                eos_token_ids=tuple(sorted({tokenizer.eos_token_id} - {None})))
+    endpoint = OpenAIEndpoint(service, max_concurrency=args.max_concurrency)
+
+    async def run() -> None:
+        url = await endpoint.start(args.host, args.port)
+        print(f"serving {args.model} at {url}/v1 ({engine_name} engine on {device}, at most {args.max_concurrency} "
+              "requests at once); Ctrl-C stops", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await endpoint.close()
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,173 @@
+"""``reinforge serve``'s endpoint through the official ``openai`` client: chat, tools, stream, n, logprobs,
+completions, models, health, back-pressure and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from reinforge.rollout.base import Completion
+from reinforge.serve.app import OpenAIEndpoint
+from reinforge.serve.chat import ChatCodec
+from reinforge.serve.service import GenerationService
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+
+class Served:
+    """An endpoint listening from an event loop of its own thread."""
+
+    def __init__(self, endpoint: OpenAIEndpoint):
+        self.endpoint = endpoint
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.url = asyncio.run_coroutine_threadsafe(endpoint.start(), self.loop).result(30)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.endpoint.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class TextClient:
+    """A token client answering every prompt with the ids of a fixed text and the end-of-turn token."""
+
+    def __init__(self, tokenizer, text: str, release: asyncio.Event | None = None):
+        self.ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        self.release = release
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        if self.release is not None:
+            await self.release.wait()
+        return Completion(self.ids, [-0.25] * len(self.ids), "stop")
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer():
+    from reinforge.models.tiny import TOOL_CHAT_TEMPLATE, build_char_tokenizer
+
+    return build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+
+
+def served_text(tokenizer, text: str, max_concurrency: int = 8, release=None) -> Served:
+    service = GenerationService(TextClient(tokenizer, text, release), tokenizer, "scripted", codec=ChatCodec(tokenizer),
+                                max_model_len=4096, eos_token_ids=(tokenizer.eos_token_id,))
+    return Served(OpenAIEndpoint(service, max_concurrency=max_concurrency))
+
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "evaluate",
+                                         "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}
+
+
+def test_a_hermes_tool_call_comes_back_as_openai_tool_calls(tool_tokenizer):
+    served = served_text(tool_tokenizer, 'Let me.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n'
+                                         '</tool_call>')
+    try:
+        response = served.client().chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC], logprobs=True)
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me."
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "calc" and json.loads(call.function.arguments) == {"expr": "2+3"}
+        assert len(choice.logprobs.content) == response.usage.completion_tokens
+        stream = served.client().chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC], stream=True)
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert chunks[0].choices[0].delta.tool_calls[0].function.name == "calc"
+    finally:
+        served.close()
+
+
+def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(tool_tokenizer):
+    served = served_text(tool_tokenizer, "one two three")
+    try:
+        client = served.client()
+        response = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                                  stop=["two"])
+        assert response.choices[0].message.content == "one " and response.choices[0].finish_reason == "stop"
+        completion = client.completions.create(model="m", prompt="count:", logprobs=1, n=2)
+        assert [choice.text for choice in completion.choices] == ["one two three"] * 2
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=5)
+        assert error.value.body["message"] == "temperature=5 is out of range; send a number from 0.0 to 2.0"
+        with pytest.raises(openai.NotFoundError, match="trajectory 'nope' is not open"):
+            openai.OpenAI(base_url=served.url + "/t/nope/v1", api_key="none", max_retries=0).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}])
+        with urllib.request.urlopen(served.url + "/health") as answer:
+            assert json.loads(answer.read())["status"] == "ok"
+        assert [model.id for model in client.models.list()] == ["scripted"]
+    finally:
+        served.close()
+
+
+def test_requests_past_the_concurrency_limit_are_answered_429_with_retry_after(tool_tokenizer):
+    served = served_text(tool_tokenizer, "ok", max_concurrency=1)
+    try:
+        async def make_release() -> asyncio.Event:
+            return asyncio.Event()
+        release = asyncio.run_coroutine_threadsafe(make_release(), served.loop).result(10)
+        served.endpoint.service.client.release = release
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+        request = urllib.request.Request(served.url + "/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        held = threading.Thread(target=lambda: urllib.request.urlopen(request).read())
+        held.start()
+        for _ in range(500):
+            if served.endpoint.in_flight:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
+        assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+        assert json.loads(refused.value.read())["error"]["code"] == "rate_limit_exceeded"
+        served.loop.call_soon_threadsafe(release.set)
+        held.join(10)
+        assert served.endpoint.in_flight == 0
+    finally:
+        served.close()
+
+
+def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
+    from reinforge.serve.command import build_client, load_model, resolve_model_folder
+
+    path, adapter = resolve_model_folder(str(tiny_model_dir), Path(tmp_path))
+    assert (path, adapter) == (str(tiny_model_dir), None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint .* nor a run folder"):
+        resolve_model_folder(str(tmp_path / "empty"), Path(tmp_path))
+    model, tokenizer = load_model(path, adapter, "float32", torch.device("cpu"))
+    client, engine = build_client(model, tokenizer, "native", 256, 0.5, max_num_seqs=16)
+    assert engine == "native"
+    service = GenerationService(client, tokenizer, "tiny", codec=ChatCodec(tokenizer), max_model_len=256,
+                                eos_token_ids=(tokenizer.eos_token_id,))
+    served = Served(OpenAIEndpoint(service))
+    try:
+        api = served.client()
+        messages = [{"role": "user", "content": "1+1"}]
+        first = api.chat.completions.create(model="tiny", messages=messages, n=2, seed=4, max_tokens=12,
+                                            temperature=1.0, top_p=0.9, logprobs=True)
+        again = api.chat.completions.create(model="tiny", messages=messages, n=2, seed=4, max_tokens=12,
+                                            temperature=1.0, top_p=0.9)
+        assert len(first.choices) == 2 and first.usage.completion_tokens <= 24
+        assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+        assert all(entry.logprob <= 0 for choice in first.choices for entry in choice.logprobs.content)
+        greedy = api.completions.create(model="tiny", prompt="1+1=", max_tokens=8, temperature=0)
+        assert greedy.choices[0].finish_reason in ("stop", "length") and greedy.usage.completion_tokens <= 8
+        with pytest.raises(openai.BadRequestError, match="exceed the model's context of 256"):
+            api.completions.create(model="tiny", prompt="1+1=", max_tokens=400)
+    finally:
+        served.close()
