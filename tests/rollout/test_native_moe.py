@@ -502,3 +502,57 @@ def test_experts_with_another_activation_are_refused_in_one_line():
     assert not supports_model(model)
     with pytest.raises(ValueError, match=r"qwen3_moe: its experts use hidden_act='gelu_pytorch_tanh'.*hf rollout"):
         NativeEngine(model, eos_token_ids=[], max_model_len=64)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_a_lora_actors_merged_copy_generates_what_the_adapted_model_does(family):
+    """LoRA on the attention projections (DeepSeek's latent ones, kv_b_proj read per head by the absorbed decode,
+    among them): the deltas land in the right rows of the engine's concatenated copies."""
+    from reinforge.config.schema import LoraConfig
+    from reinforge.engine.lora import LINEAR_LAYERS, add_lora, lora_deltas
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm(family, seed=14, max_position_embeddings=128).eval()
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    if family == "deepseek_v3":  # q_lora_rank set: q_a_proj and q_b_proj instead of q_proj
+        targets = [name for name in LINEAR_LAYERS[family] if name not in ("q_proj", *mlp)]
+    else:
+        targets = [name for name in LINEAR_LAYERS[family] if name not in ("q_a_proj", "q_b_proj", *mlp)]
+    torch.manual_seed(0)
+    peft_model = add_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=targets))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.3)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8)
+    prompts = random_prompts([3, 17], seed=6)
+    engine.sync_weights(model)
+    engine.wake_up()
+    engine.add_to_weights(lora_deltas(peft_model))
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, temperature=0.0))
+                                   for p in prompts])
+    engine.sleep()
+    changed = False
+    for prompt, (sample,) in zip(prompts, completions, strict=True):
+        reference = hf_greedy(model, prompt, 8)
+        assert sample.token_ids == reference
+        torch.testing.assert_close(torch.tensor(sample.log_probs), forward_log_probs(model, prompt, reference),
+                                   atol=1e-4, rtol=0)
+        with peft_model.disable_adapter():
+            changed |= hf_greedy(model, prompt, 8) != reference
+    assert changed
+
+
+def test_adapters_on_the_experts_are_refused_in_one_line():
+    from reinforge.config.schema import LoraConfig
+    from reinforge.engine.lora import add_lora
+    from reinforge.rollout.native import supports_model
+    from reinforge.rollout.native.model import unsupported_reason
+
+    model = build_tiny_causal_lm("deepseek_v2", seed=15)
+    add_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["kv_b_proj", "gate_proj", "up_proj", "down_proj"]))
+    if not hasattr(model.model.layers[1].mlp.experts, "base_layer"):
+        pytest.skip("this peft leaves the fused experts unadapted")
+    assert not supports_model(model)
+    assert "its experts carry adapters" in unsupported_reason(model)

@@ -151,6 +151,9 @@ def moe_unsupported_reason(config, spec: MoESpec, layers: nn.ModuleList) -> str 
         return f"its {spec.num_experts} experts do not split into n_group={spec.n_group} groups"
     for layer in layers:
         experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, "base_layer"):
+            return (f"its experts carry adapters ({type(experts).__name__}), which the engine's weight copy does not "
+                    "merge; adapt the attention projections only")
         if experts is not None and (getattr(experts, "has_bias", False) or not hasattr(experts, "gate_up_proj")):
             return f"its experts module {type(experts).__name__} is not fused gate|up and down without biases"
     return None
