@@ -495,3 +495,16 @@ def test_reward_weights_must_match_the_functions(byte_tokenizer):
                       functions=[length_reward, exact_or_none])
     with pytest.raises(TypeError, match="a reward function must be callable; got a str"):
         RewardManager(RewardConfig(num_workers=0), byte_tokenizer, functions=["reward.py:fn"])
+
+
+def test_a_verl_kind_function_object_is_sent_to_the_worker_processes_by_value(byte_tokenizer):
+    bonus = 0.25  # a closure: only pickling by value gets it there
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        return {"score": float(solution_str == ground_truth) + bonus, "source": data_source}
+
+    batch = make_batch(byte_tokenizer, ["7", "8"], ["7", "7"], ["x", "y"])
+    with RewardManager(RewardConfig(num_workers=1, timeout_s=30), byte_tokenizer, functions=[compute_score]) as manager:
+        output = manager.score(batch)
+    assert output.scores.tolist() == [1.25, 0.25] and output.extras == {"source": ["x", "y"]}
+    assert output.function_scores == {"rewards/compute_score": [1.25, 0.25]}
