@@ -319,6 +319,50 @@ def _say_once(model: nn.Module, device: torch.device) -> None:
     (logger.info if model_spec(model) is not None or device.type != "cuda" else logger.warning)("%s", line)
 
 
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest log-prob gap between a sequence packed beside another and the same sequence alone (others: 0.1)."""
+
+
+@torch.no_grad()
+def check_packed_sequences_stay_apart(model: nn.Module) -> None:
+    """For a family outside the table: two sequences in one packed row give the log-probs of each alone.
+
+    Any causal LM runs through transformers' modules with the varlen attention, which keeps packed
+    sequences apart. A model that keeps state along the row (recurrent or linear-attention layers,
+    attention limited only by its masks) would mix them and train silently wrong: it is refused here,
+    in one line, before any step. Three forwards of a few tokens.
+    """
+    from reinforge.engine.forward import build_position_ids, response_log_probs
+    from reinforge.protocol import Batch
+
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    high = min(int(getattr(model.get_output_embeddings(), "out_features", 64) or 64), 100)
+    prompts = torch.randint(3, high, (2, 4), generator=generator)
+    responses = torch.randint(3, high, (2, 5), generator=generator)
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "response_mask": torch.ones(2, 5),
+                                     "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+                                     "position_ids": build_position_ids(attention_mask)}).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        packed = response_log_probs(model, batch)[0].float()
+        alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
+    except Exception as error:
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) cannot run reinforge's packed "
+                         f"training passes ({type(error).__name__}: {first_line})") from error
+    finally:
+        model.train(was_training)
+    gap = float((packed - alone).abs().max())
+    if gap > PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1):
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes sequences packed in one row "
+                         f"(log-probs move by {gap:.3g} beside another sequence: its layers carry state along the "
+                         "row, or limit attention only by masks); reinforge cannot train it packed")
+
+
 def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     """Route attention through the packed varlen path and, on CUDA, take the fast path for packed passes.
 
@@ -326,14 +370,18 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     is accepted. On CUDA, for a family of the table: fused RMSNorm and gated MLP, q/k/v in the
     flash layout with the rotary embedding as one op, and each decoder layer compiled (not with
     activation checkpointing, whose recomputation runs the layer outside the compiled graph); a
-    family outside it keeps transformers' modules, compiled where transformers says it can be. On
-    the CPU the modules keep transformers' forwards. Logs the path taken once per process.
+    family outside it keeps transformers' modules, compiled where transformers says it can be, once a
+    probe shows its packed sequences stay apart (``check_packed_sequences_stay_apart``). On the CPU
+    the modules keep transformers' forwards. Logs the path taken once per process.
     """
     use_varlen_attention(model)
+    spec = model_spec(model)
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if spec is None and callable(output_embeddings) and output_embeddings() is not None:  # a causal LM
+        check_packed_sequences_stay_apart(model)
     _say_once(model, device)
     if device.type != "cuda":
         return
-    spec = model_spec(model)
     if spec is not None:
         fuse_elementwise(model)
         use_packed_attention_layout(model)

@@ -307,3 +307,26 @@ def test_prepare_for_training_says_the_path_once_per_process(caplog):
             fused.prepare_for_training(tiny_model(OUTSIDE), torch.device("cpu"))
     lines = [record.getMessage() for record in caplog.records if record.name == "reinforge.engine.fused"]
     assert len(lines) == 1 and lines[0].startswith("packed training of gpt_neox")
+
+
+def test_a_model_that_mixes_packed_sequences_is_refused_in_one_line():
+    """Qwen3-Next's linear-attention layers carry state along the row: packed training would be silently wrong."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.engine.fused import prepare_for_training
+
+    config = AutoConfig.for_model(
+        "qwen3_next", vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"], pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError) as error:
+        prepare_for_training(model, torch.device("cpu"))
+    message = str(error.value)
+    assert "\n" not in message and "model_type='qwen3_next'" in message
+    assert "mixes sequences packed in one row" in message
+    assert model.training  # the probe leaves the mode as it found it
