@@ -59,13 +59,17 @@ class PickledFunction:
 
     @classmethod
     def of(cls, function: Callable[..., Any]) -> PickledFunction:
+        name = getattr(function, "__qualname__", None) or type(function).__name__
         try:
             import cloudpickle
-        except ImportError as error:
-            raise ImportError("a reward function object is sent to the scorer processes with cloudpickle, which is "
-                              "not installed: pip install cloudpickle, or set reward.num_workers=0 to score in this "
-                              "process") from error
-        name = getattr(function, "__qualname__", None) or type(function).__name__
+        except ImportError:  # plain pickle sends an importable module's function by name; not one of __main__
+            import pickle
+
+            if getattr(function, "__module__", None) in (None, "__main__") or "<locals>" in name:
+                raise ImportError(f"reward function {name} is defined in the script or a notebook, so it reaches the "
+                                  "scorer processes with cloudpickle, which is not installed: pip install cloudpickle, "
+                                  "or set reward.num_workers=0 to score in this process") from None
+            return cls(pickle.dumps(function), name)
         try:
             return cls(cloudpickle.dumps(function), name)
         except Exception as error:

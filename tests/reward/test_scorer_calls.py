@@ -139,3 +139,21 @@ def test_a_folder_given_as_the_reward_file_is_named_a_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"^reward.custom_function: '.*rewards' is a folder; give the Python file "
                                                 r"that defines the function, e.g. .*rewards/reward.py\[:function\]$"):
         load_custom_scorer(str(tmp_path / "rewards"))
+
+
+def test_without_cloudpickle_an_importable_function_still_travels_and_a_local_one_is_named(monkeypatch):
+    import sys
+
+    from reinforge.reward.scoring_pool import PickledFunction
+
+    monkeypatch.setitem(sys.modules, "cloudpickle", None)  # import cloudpickle now raises ImportError
+    sent = PickledFunction.of(build_call_kwargs)
+    assert run_job(ScoringJob(sent, {"accepted": None, "solution_str": "s", "ground_truth": "g", "extra_info": None,
+                                     "data_source": "d", "options": {}})) == \
+        {"solution_str": "s", "ground_truth": "g", "extra_info": None, "data_source": "d"}
+
+    def local_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ImportError, match="local_reward is defined in the script or a notebook.*pip install cloudpickle"):
+        PickledFunction.of(local_reward)
