@@ -356,24 +356,33 @@ ENGINE_VARIANTS = [(family, {}) for family in MOE_FAMILIES] + [
     ("qwen3_moe", {"num_layers": 4, "decoder_sparse_step": 2}),  # MoE on every second layer
     ("mixtral", {"sliding_window": 6}),  # a window smaller than the sequences
     ("deepseek_v2", {"num_layers": 3, "topk_method": "greedy", "q_lora_rank": 24}),
+    # the Triton path (its norms, activation, rotary and decode kernels), interpreted on the CPU in float32
+    pytest.param("qwen3_moe", {"use_triton": True}, marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", {"use_triton": True}, marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.parametrize(("family", "options"), ENGINE_VARIANTS,
                          ids=[*MOE_FAMILIES, "qwen3_moe-mlp-only", "qwen3_moe-sparse-step", "mixtral-window",
-                              "deepseek_v2-greedy-q-lora"])
+                              "deepseek_v2-greedy-q-lora", "qwen3_moe-triton", "deepseek_v3-triton"])
 def test_native_greedy_tokens_and_log_probs_match_transformers(family, options):
     """Packed prefill of prompts of several lengths, two samples each, decode steps in the paged (for DeepSeek
     compressed) cache: greedy tokens are transformers' argmax, log-probs those of one plain forward."""
     from reinforge.rollout.base import GenerationRequest, SamplingParams
     from reinforge.rollout.native import NativeEngine, supports_model
 
+    options = dict(options)
+    use_triton = options.pop("use_triton", False)
+    if use_triton:
+        pytest.importorskip("triton")
     model = build_tiny_causal_lm(family, seed=9, max_position_embeddings=128, **options).eval()
     spec = architecture_spec(model.config)
     if "mlp_only_layers" in options or "decoder_sparse_step" in options:
         assert not all(layer.moe for layer in spec.layers) and any(layer.moe for layer in spec.layers)
     assert supports_model(model)
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8,
+                          use_triton=use_triton)
+    assert engine.runner.decoder.use_triton == use_triton
     prompts = random_prompts([3, 17, 9])
     completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, temperature=0.0, n=2))
                                    for p in prompts])

@@ -20,6 +20,8 @@ is what the tests compare with transformers in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -110,14 +112,21 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 """torch >= 2.10 has ``F.grouped_mm``; 2.9 only ``torch._grouped_mm`` (same arguments)."""
 
 
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of gate_up: (rows, 2 * inter), gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
-                    grouped: bool | None = None) -> Tensor:
+                    grouped: bool | None = None, activate: Callable[[Tensor], Tensor] = silu_and_mul) -> Tensor:
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e, in ``hidden``'s dtype.
 
     hidden: (tokens, hidden); expert_ids, weights: (tokens, top_k); gate_up: (experts, 2 * inter, hidden),
     gate rows first; down: (experts, hidden, inter). ``grouped`` (default: ``grouped_mm_applies``) runs the
     two products as grouped GEMMs over the assignments sorted by expert; otherwise each assignment's
-    weights are gathered (memory grows with tokens * top_k: the CPU and test path).
+    weights are gathered (memory grows with tokens * top_k: the CPU and test path). ``activate`` turns the
+    (assignments, 2 * inter) gate|up products into (assignments, inter) (the Triton kernel on the GPU path).
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
@@ -131,14 +140,14 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
         counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()  # histc: floats on CPU
         offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), dim=0,
                                dtype=torch.int32)
-        gate, up = _grouped_mm(tokens, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        out = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+        activated = activate(_grouped_mm(tokens, gate_up.transpose(1, 2), offs=offsets))
+        out = _grouped_mm(activated, down.transpose(1, 2), offs=offsets)
         out = out * flat_weights.index_select(0, order).unsqueeze(-1)
         per_assignment = torch.empty_like(out).index_copy_(0, order, out)
     else:
         tokens = hidden.repeat_interleave(top_k, dim=0).unsqueeze(1)  # (tokens * top_k, 1, hidden)
-        gate, up = torch.bmm(tokens, gate_up[flat_ids].transpose(1, 2)).chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, down[flat_ids].transpose(1, 2)).squeeze(1)
+        activated = activate(torch.bmm(tokens, gate_up[flat_ids].transpose(1, 2)).squeeze(1))
+        out = torch.bmm(activated.unsqueeze(1), down[flat_ids].transpose(1, 2)).squeeze(1)
         per_assignment = out * flat_weights.unsqueeze(-1)
     return per_assignment.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
 
@@ -177,6 +186,11 @@ class MoEMLP:
         self.spec = spec.moe
         self.deepseek = deepseek_router(spec.model_type)
         self.float32_copies = frozenset({"router", "correction_bias"} if self.deepseek else {"correction_bias"})
+        self.activate = silu_and_mul
+        if context.use_triton:
+            from reinforge.rollout.native import triton_kernels
+
+            self.activate = triton_kernels.act_and_mul  # silu by default
 
     def sources(self, block: nn.Module) -> dict[str, list[Tensor] | None]:
         experts, gate = block.experts, block.gate
@@ -194,8 +208,8 @@ class MoEMLP:
         """x: (tokens, hidden) -> (tokens, hidden) in x's dtype."""
         routing_weights, expert_ids = route(x, weights["router"], weights["correction_bias"], self.spec,
                                             self.deepseek)
-        out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"])
+        out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"],
+                              activate=self.activate)
         if weights["shared_gate_up"] is not None:
-            gate, up = F.linear(x, weights["shared_gate_up"]).chunk(2, dim=-1)
-            out = out + F.linear(F.silu(gate) * up, weights["shared_down"])
+            out = out + F.linear(self.activate(F.linear(x, weights["shared_gate_up"])), weights["shared_down"])
         return out
