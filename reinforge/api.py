@@ -20,8 +20,9 @@ before any model loads, checkpoints and resume are the CLI's. What it is given b
   messages), any other column reaching the reward functions by name; a ``ground_truth`` column becomes verl's
   ``reward_model.ground_truth``, which the built-in scorers and a function's ``ground_truth`` argument read;
 - ``reward_funcs``: one function or a list (TRL's kind, called once per batch, or verl's), weighted by
-  ``reward_weights``; a ``.py`` path with ``:function`` loads one from a file; none: each row's ``data_source``
-  picks a built-in scorer;
+  ``reward_weights``; a ``.py`` path with ``:function`` loads one from a file, any other string is a reward
+  model (``reward.reward_model``, its weighted score added); none: each row's ``data_source`` picks a built-in
+  scorer;
 - ``peft_config``: a peft ``LoraConfig``, as ``model.lora`` (rank, alpha, dropout, target modules);
 - ``args``: a ``GRPOConfig``/``SFTConfig`` (TRL's names where the meaning is the same, plus ``overrides``:
   reinforge's own keys, ``{"rollout.top_p": 0.9}``), or a reinforge ``Config``; ``**overrides`` on the
@@ -421,24 +422,46 @@ def peft_settings(peft_config: Any) -> dict[str, Any]:
     return settings
 
 
-def reward_functions_of(reward_funcs: Any) -> list[Callable[..., Any]] | None:
-    """One function or a list, each a callable or a ``path.py:function`` spec; None or [] -> None."""
+def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Callable[..., Any]] | None:
+    """The function objects of ``reward_funcs`` (one or a list: callables, ``path.py[:function]`` specs, or one reward
+    model's folder or hub id, as in TRL); None or [] -> None.
+
+    A reward model goes into ``settings`` as ``reward.reward_model`` with its weight of ``reward.weights`` as
+    ``reward.combine.rm_weight`` (summed with the functions, as TRL sums; alone, its score is the reward).
+    """
     if reward_funcs is None:
         return None
     items = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
-    functions = []
-    for item in items:
+    functions: list[Callable[..., Any]] = []
+    model_positions = []
+    for position, item in enumerate(items):
         if callable(item):
             functions.append(item)
             continue
         spec = str(item)
         from reinforge.reward.scorer_calls import load_custom_scorer, parse_custom_function
 
-        if not parse_custom_function(spec)[0].endswith(".py"):
-            raise ValueError(f"reward_funcs has {spec!r}: reinforge takes reward functions, or a path/to/file.py"
-                             "[:function]; a reward model is set with overrides={'reward.reward_model.enable': True, "
-                             f"'reward.reward_model.model_path': {spec!r}}}")
-        functions.append(load_custom_scorer(spec))
+        if parse_custom_function(spec)[0].endswith(".py"):
+            functions.append(load_custom_scorer(spec))
+        else:
+            model_positions.append(position)
+    if model_positions:
+        if len(model_positions) > 1:
+            names = ", ".join(repr(str(items[position])) for position in model_positions)
+            raise ValueError(f"reward_funcs names {len(model_positions)} reward models ({names}); reinforge scores with "
+                             "one (reward.reward_model): keep one, or combine them into one function")
+        position = model_positions[0]
+        weights = settings.get("reward.weights")
+        rm_weight = 1.0
+        if weights is not None:
+            if len(weights) != len(items):
+                raise ValueError(f"reward_weights has {len(weights)} weights for {len(items)} reward_funcs; give one "
+                                 "per entry, in the same order")
+            rm_weight = float(weights[position])
+            settings["reward.weights"] = [weight for index, weight in enumerate(weights) if index != position] or None
+        settings |= {"reward.reward_model.enable": True, "reward.reward_model.model_path": str(items[position]),
+                     "reward.combine.mode": "sum" if functions else "replace", "reward.combine.rm_weight": rm_weight,
+                     "reward.combine.rule_weight": 1.0}
     return functions or None
 
 
@@ -463,6 +486,7 @@ class GRPOTrainer:
             output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
         inputs = output_dir / "inputs"
         settings = peft_settings(peft_config) | settings
+        self.reward_functions = reward_functions_of(reward_funcs, settings)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
@@ -476,7 +500,6 @@ class GRPOTrainer:
         self.config = _load(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
                             "GRPOTrainer's settings")
         validate_config(self.config)
-        self.reward_functions = reward_functions_of(reward_funcs)
         from reinforge.trainer.rl_trainer import RLTrainer
 
         self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)

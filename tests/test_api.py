@@ -187,6 +187,18 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     with pytest.raises(Exception, match="unknown key rollout.temprature"):
         GRPOTrainer(model="m", reward_funcs=reward, args=base, rollout__temprature=0.7)
 
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    args = GRPOConfig(output_dir=str(tmp_path / "rm"), reward_weights=[0.5, 2.0])
+    GRPOTrainer(model="m", reward_funcs=["org/reward-model", reward], args=args, train_dataset=rows)
+    config = made["config"]
+    assert (config.reward.reward_model.enable, config.reward.reward_model.model_path) == (True, "org/reward-model")
+    assert (config.reward.combine.mode, config.reward.combine.rm_weight, config.reward.weights) == ("sum", 0.5, [2.0])
+    GRPOTrainer(model="m", reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
+                train_dataset=rows)
+    assert made["config"].reward.combine.mode == "replace" and made["reward_functions"] is None
+    with pytest.raises(ValueError, match="reward_funcs names 2 reward models"):
+        GRPOTrainer(model="m", reward_funcs=["a/rm", "b/rm"], train_dataset=rows)
+
 
 def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():
     from reinforge.config.schema import RewardConfig
