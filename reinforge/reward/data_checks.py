@@ -1,8 +1,9 @@
 """The reward setup checked before any model loads: the user's function, then every row against its scorer.
 
 ``load_reward_function`` imports ``reward.custom_function`` and checks its signature and
-``reward.kwargs``; ``check_rows_can_be_scored`` then makes sure every row of a dataset has a
-scorer (its ``data_source`` is registered, or a custom function scores everything) and supplies
+``reward.kwargs`` (and function objects given in Python, with ``reward.weights``);
+``check_rows_can_be_scored`` then makes sure every row of a dataset has a scorer (its
+``data_source`` is registered, or a custom function or the given functions score everything) and supplies
 each argument that scorer cannot do without: ``reward_model.ground_truth`` when it takes a
 ``ground_truth`` without a default, a column for any other such argument; a built-in scorer's
 ground-truth check (``registry.GROUND_TRUTH_CHECKS``: an integer for arithmetic, a target and

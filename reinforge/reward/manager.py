@@ -2,7 +2,7 @@
 
 For each sample it decodes the whole response (every token after the prompt, tool output of a
 multi-turn trajectory included; special tokens skipped), calls the run's reward functions
-(``reward.reward_functions``: the scorer of each ``data_source``, ``reward.custom_function``, or
+(``reward_functions.py``: the scorer of each ``data_source``, ``reward.custom_function``, or
 function objects with ``reward.weights``; TRL's kind once per batch, in one chunk per worker, verl's
 once per sample) in worker processes with a per-sample time limit (a batch call gets it once per
 sample), and puts each score on the sample's last generated token (``response_mask == 1``).
