@@ -55,6 +55,15 @@ def decoder_module(model: nn.Module) -> nn.Module:
     return model.model
 
 
+def _rope_dicts(config) -> list[dict]:
+    """The model's rope parameters: one dict, or one per layer type (Gemma 3 nests them)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return []
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested if nested and len(nested) == len(rope) else [rope]
+
+
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the native engine cannot run ``model``, or None when it can."""
     config = text_config(model.config)
@@ -68,12 +77,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
         reason = moe_unsupported_reason(config, spec.moe, decoder_module(model).layers)
         if reason is not None:
             return f"{spec.model_type}: {reason}"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kinds = rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) and rope \
-        else [rope]
-    for parameters in kinds:  # Gemma 3 nests one rope dict per layer type
-        rope_type = parameters.get("rope_type", parameters.get("type", "default")) \
-            if isinstance(parameters, dict) else "default"
+    for parameters in _rope_dicts(config):
+        rope_type = parameters.get("rope_type", parameters.get("type", "default"))
         if rope_type not in _STATIC_ROPE_TYPES:
             return f"{spec.model_type} uses rope_type={rope_type!r}, whose frequencies change with the sequence length"
     if spec.activation not in ACTIVATIONS:
