@@ -7,8 +7,10 @@ head's ``k_nope = W_uk c`` is never formed; its query is absorbed instead (``q_n
 (nope -> latent) product per head), so the score ``q_nope . k_nope + q_rope . k_rope`` becomes
 ``[q_nope W_uk | q_rope] . [c | k_rope]``, a multi-query attention with one key head whose values are
 the keys themselves. The first ``kv_lora_rank`` dims of its output are the attention-weighted latent,
-which ``W_uv`` turns into each head's value output. Decode and prefill after a prefix-cache hit read
-the cache this way (the paged attention functions, with ``v_cache`` = ``k_cache``). A prefill without
+which ``W_uv`` turns into each head's value output. Decode reads the cache this way (on the Triton path
+``latent_paged_decode``, a paged kernel over each sequence's own blocks; else ``latent_decode_attention``,
+graph-safe), and so does a prefill after a prefix-cache hit (the paged reference with ``v_cache`` =
+``k_cache``). A prefill without
 cached tokens has every key at hand and expands them as transformers does (``kv_b_proj`` of the
 latent, heads of qk_head_dim), which costs less than latent heads once a sequence has many tokens.
 
@@ -31,6 +33,7 @@ from reinforge.rollout.native.attention import (
     prefill_attention,
     prefill_attention_with_prefix,
 )
+from reinforge.rollout.native.layers import BlockContext
 
 LATENT_NORM_EPS = 1e-6
 """transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not config.rms_norm_eps."""
@@ -103,7 +106,7 @@ class MLAAttention:
 
     float32_copies: frozenset[str] = frozenset()
 
-    def __init__(self, context, layer: LayerSpec, tables: tuple[Tensor, Tensor]):
+    def __init__(self, context: BlockContext, layer: LayerSpec, tables: tuple[Tensor, Tensor]):
         spec = context.spec
         if spec.mla is None:
             raise ValueError(f"{spec.model_type}: MLAAttention runs multi-head latent attention; this model has none")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reinforge.models.architectures import LayerSpec, MoESpec
+from reinforge.rollout.native.layers import BlockContext
 
 
 def deepseek_router(model_type: str) -> bool:
@@ -179,7 +180,7 @@ class MoEMLP:
     (experts, hidden, 2 * inter) and (experts, inter, hidden), read through transposed views.
     """
 
-    def __init__(self, context, layer: LayerSpec):
+    def __init__(self, context: BlockContext, layer: LayerSpec):
         spec = context.spec
         if spec.moe is None or not layer.moe:
             raise ValueError(f"{spec.model_type}: MoEMLP runs a mixture-of-experts layer; this one is dense")
