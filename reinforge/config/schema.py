@@ -453,6 +453,9 @@ class RemoteRewardConfig:
 class RewardConfig:
     custom_function: Optional[str] = None
     """path/to/file.py:function, called for every sample instead of the built-in scorer."""
+    functions: list[str] = field(default_factory=list)
+    """Several reward functions, path/to/file.py:function each, scoring every sample together (TRL's list of
+    reward_funcs): the total is their reward.weights-weighted sum. Set this or custom_function, not both."""
     weights: Optional[list[float]] = None
     """One weight per reward function (TRL's reward_weights), in their order; the total is the weighted sum
     over the functions that apply (a function returning None for a sample is left out). None: each weighs 1."""

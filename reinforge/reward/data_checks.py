@@ -33,6 +33,7 @@ from reinforge.reward.scorer_calls import (
     SAMPLE_ARGUMENTS,
     TRL_ARGUMENTS,
     check_reward_options,
+    file_function_specs,
     load_custom_scorer,
     parse_custom_function,
     required_arguments,
@@ -52,7 +53,9 @@ def load_reward_function(config: RewardConfig, functions: Sequence[Scorer] | Non
                          "reward_functions=[fn, ...]) or reinforge.GRPOTrainer(reward_funcs=[fn, ...])")
     try:
         scorer = load_custom_scorer(config.custom_function) if config.custom_function else None
-        built = build_reward_functions(functions, config.weights, scorer, config.custom_function)
+        files = [(spec, scorer if spec == config.custom_function else load_custom_scorer(spec))
+                 for spec in file_function_specs(config)]
+        built = build_reward_functions(functions, config.weights, files)
     except (AttributeError, TypeError, ImportError) as error:
         raise ValueError(str(error)) from error  # a setting to fix, reported in one line like the others
     given = [function.scorer for function in built if function.scorer is not None]
@@ -86,6 +89,8 @@ def check_rows_can_be_scored(dataset: RLDataset, config: RewardConfig, custom_sc
 
     ``functions``: reward function objects given in Python, which score every row instead of the scorers.
     """
+    if not functions and config.functions:  # several functions from files (reward.functions)
+        functions = [load_custom_scorer(spec) for spec in config.functions]
     if functions:
         for function in functions:
             _check_rows(dataset, config, function, given_function=True)

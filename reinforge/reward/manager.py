@@ -58,6 +58,7 @@ from reinforge.reward.scorer_calls import (
     accepted_keywords,
     build_call_kwargs,
     check_reward_options,
+    file_function_specs,
     load_custom_scorer,
 )
 from reinforge.reward.scoring_pool import JobResult, ScoringJob, ScoringPool
@@ -118,7 +119,9 @@ class RewardManager:
         self.custom_scorer: Scorer | None = None
         if config.custom_function:
             self.custom_scorer = load_custom_scorer(config.custom_function)
-        self.functions = build_reward_functions(functions, config.weights, self.custom_scorer, config.custom_function)
+        files = [(spec, self.custom_scorer if spec == config.custom_function else load_custom_scorer(spec))
+                 for spec in file_function_specs(config)]
+        self.functions = build_reward_functions(functions, config.weights, files)
         given = [function.scorer for function in self.functions if function.scorer is not None]
         check_reward_options(self.options, given or list(set(SCORERS.values())))
         self._accepted: dict[Scorer, frozenset[str] | None] = {}
@@ -307,8 +310,10 @@ class RewardManager:
         return results
 
     def _function_name(self, function: RewardFunction, data_source: Any) -> str:
-        if function.spec is not None:
+        if function.spec is not None and function.spec == self.config.custom_function:
             return f"reward.custom_function={function.spec}"
+        if function.spec is not None:
+            return f"reward function {function.spec} (reward.functions)"
         if function.scorer is not None:
             return f"reward function {function.name}"
         scorer = find_scorer(data_source)

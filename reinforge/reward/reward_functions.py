@@ -3,7 +3,8 @@
 A run's reward comes from one of three places:
 
 - the built-in scorer of each sample's ``data_source`` (``registry.SCORERS``), when nothing else is given;
-- ``reward.custom_function=path/to/file.py[:function]``;
+- ``reward.custom_function=path/to/file.py[:function]``, or several in ``reward.functions``, weighted by
+  ``reward.weights``;
 - function objects given in Python (``reinforge.GRPOTrainer(reward_funcs=[...])``,
   ``RLTrainer(config, reward_functions=[...])``), several of them, weighted by ``reward.weights``.
 
@@ -75,19 +76,23 @@ class RewardFunction:
 
 
 def build_reward_functions(functions: Sequence[Scorer] | None, weights: Sequence[float] | None,
-                           custom_scorer: Scorer | None, custom_spec: str | None) -> list[RewardFunction]:
-    """The run's functions with their weights; one line naming the fix when they do not fit together."""
-    if functions and custom_spec:
-        raise ValueError(f"reward.custom_function={custom_spec} is set and reward functions are given as objects; "
-                         "use one of the two")
+                           files: Sequence[tuple[str, Scorer]] = ()) -> list[RewardFunction]:
+    """The run's functions with their weights; one line naming the fix when they do not fit together.
+
+    ``functions``: function objects given in Python; ``files``: (spec, function) of ``reward.custom_function`` or
+    ``reward.functions``, loaded from their files.
+    """
+    if functions and files:
+        raise ValueError(f"reward.custom_function/reward.functions name {', '.join(spec for spec, _ in files)} and "
+                         "reward functions are given as objects; use one of the two")
     if functions:
         for function in functions:
             if not callable(function):
                 raise TypeError(f"a reward function must be callable; got a {type(function).__name__} ({function!r}). "
                                 "Pass functions, or set reward.custom_function=path/to/file.py:function")
         scorers, specs = list(functions), [None] * len(functions)
-    elif custom_scorer is not None:
-        scorers, specs = [custom_scorer], [custom_spec]
+    elif files:
+        scorers, specs = [scorer for _, scorer in files], [spec for spec, _ in files]
     else:
         if weights is not None and len(weights) != 1:
             raise ValueError(f"reward.weights={list(weights)} has {len(weights)} weights, but the reward is the "

@@ -49,6 +49,14 @@ def parse_custom_function(spec: str) -> tuple[str, str]:
     return path_text, function_name
 
 
+def file_function_specs(config: Any) -> list[str]:
+    """The ``path.py:function`` specs of a RewardConfig: ``custom_function``, or ``functions``; both set is refused."""
+    if config.custom_function and config.functions:
+        raise ValueError(f"reward.custom_function={config.custom_function} and reward.functions={list(config.functions)} "
+                         "are both set; list every function in reward.functions")
+    return [config.custom_function] if config.custom_function else [str(spec) for spec in config.functions]
+
+
 def load_custom_scorer(spec: str) -> Scorer:
     """The function named by ``reward.custom_function='path/to/file.py[:function]'``, signature checked."""
     path_text, function_name = parse_custom_function(spec)

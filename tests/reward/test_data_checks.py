@@ -219,3 +219,15 @@ def test_a_trl_function_taking_completion_ids_and_trainer_state_needs_no_such_co
                                  config, None, [by_ids])
     with pytest.raises(ValueError, match=r"reward.weights=\[1.0, 0.5\] has 2 weights for 1 reward functions"):
         load_reward_function(config, [by_ids])
+
+
+def test_several_functions_from_files_are_each_checked_against_the_rows(tmp_path, byte_tokenizer, rewards_file):
+    config = RewardConfig(num_workers=0, functions=[str(rewards_file), f"{rewards_file}:trl_reward"], weights=[1, 2])
+    assert load_reward_function(config) is None
+    dataset, _ = dataset_of(tmp_path, byte_tokenizer, [row(answer="2")])
+    check_rows_can_be_scored(dataset, config, None)
+    without_answer, _ = dataset_of(tmp_path, byte_tokenizer, [row()], name="bare.parquet")
+    with pytest.raises(ValueError, match="row 0 of .* has no column 'answer' .*, which reward function trl_reward takes"):
+        check_rows_can_be_scored(without_answer, config, None)
+    with pytest.raises(ValueError, match=r"reward.weights=\[1.0\] has 1 weights for 2 reward functions"):
+        load_reward_function(RewardConfig(functions=config.functions, weights=[1.0]))

@@ -268,9 +268,10 @@ def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, score
         assert again.scores.tolist() == [1.0, 1.0]
 
 
-def test_a_script_without_main_guard_scores_with_its_own_function_in_worker_processes(tmp_path):
+@pytest.mark.parametrize("how", ["script", "code"])
+def test_a_script_without_main_guard_scores_with_its_own_function_in_worker_processes(tmp_path, how):
     """The workers must not import the script again (it would start over inside each of them), and a function
-    the script defines reaches them by value."""
+    the script defines reaches them by value; ``python -c`` code, like a notebook's cell, has no file to import."""
     import subprocess
     import sys
 
@@ -283,8 +284,8 @@ def test_a_script_without_main_guard_scores_with_its_own_function_in_worker_proc
                       "jobs = [ScoringJob(PickledFunction.of(doubled), {'completions': ['ab', 'c']}, num_samples=2),\n"
                       "        ScoringJob(PickledFunction.of(doubled), {'completions': ['abc']}, num_samples=1)]\n"
                       "print([result.value for result in pool.run(jobs)])\n")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                            cwd=tmp_path)
+    command = [str(script)] if how == "script" else ["-c", script.read_text()]
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["script body ran", "[[4.0, 2.0], [6.0]]"]
 
@@ -508,3 +509,17 @@ def test_a_verl_kind_function_object_is_sent_to_the_worker_processes_by_value(by
         output = manager.score(batch)
     assert output.scores.tolist() == [1.25, 0.25] and output.extras == {"source": ["x", "y"]}
     assert output.function_scores == {"rewards/compute_score": [1.25, 0.25]}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_several_functions_from_files_are_summed_with_their_weights(byte_tokenizer, scorer_path, num_workers):
+    batch = make_batch(byte_tokenizer, ["7", "88"], ["7", "7"], ["x", "x"])
+    config = RewardConfig(num_workers=num_workers, timeout_s=30, weights=[1.0, 0.5],
+                          functions=[f"{scorer_path}:exact", f"{scorer_path}:completions_judged"])
+    with RewardManager(config, byte_tokenizer) as manager:
+        output = manager.score(batch)
+    assert output.scores.tolist() == [1.5, 0.0]  # exact: 1, 0; completions_judged (x0.5): 1, 0
+    assert output.function_scores == {"rewards/exact": [1.0, 0.0], "rewards/completions_judged": [1.0, 0.0]}
+    with pytest.raises(ValueError, match="reward.custom_function=.* and reward.functions=.* are both set"):
+        RewardManager(RewardConfig(num_workers=0, custom_function=f"{scorer_path}:exact",
+                                   functions=[f"{scorer_path}:length"]), byte_tokenizer)
