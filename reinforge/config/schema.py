@@ -239,6 +239,12 @@ class MultiTurnConfig:
     """A tool's execute that takes longer is answered 'did not answer within N s' (reward 0) and counted as a tool
     error, and the trajectory goes on; None: wait for ever. A plain function tool runs in a thread of its own, which
     is left behind. Tools whose every call raises or times out for ``TOOL_FAILURE_STEPS`` steps in a row stop the run."""
+    openai_agents: dict[str, str] = field(default_factory=dict)
+    """agent_name -> an agent written against the OpenAI API, trained through an endpoint on the rollout engine
+    (reinforge.serve, docs/openai_agents.md): 'file.py:function' or 'package.module.function' (an async
+    agent(base_url, row) returning a reward or a final answer), or 'cmd:COMMAND ARGS' (run with OPENAI_BASE_URL set)."""
+    openai_agent_timeout_s: Optional[float] = None
+    """Wall-clock budget of one openai_agents trajectory; past it the trajectory ends with the calls made. None: none."""
 
 
 @dataclass

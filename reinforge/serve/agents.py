@@ -18,14 +18,18 @@ stops the rollout with its error: a broken agent must not train on what it left.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 import os
+import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from reinforge.agent.loop import AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
+from reinforge.agent.loop import AGENT_LOOPS, AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
+from reinforge.agent.tool_config import import_object
+from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import SamplingParams
 from reinforge.serve.app import OpenAIEndpoint
 from reinforge.serve.chat import ChatCodec
@@ -150,6 +154,31 @@ async def run_agent_command(command: list[str], base_url: str, row: dict[str, An
         return float(lines[-1])
     except ValueError:
         return lines[-1].strip()
+
+
+def register_configured_agents(config: MultiTurnConfig) -> None:
+    """Register ``rollout.multi_turn.openai_agents`` (agent_name -> 'file.py:function', 'package.module.function' or
+    'cmd:COMMAND ARGS'); a name already registered with the same agent is left as it is."""
+    for name, spec in config.openai_agents.items():
+        where = f"rollout.multi_turn.openai_agents.{name}"
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"{where}={spec!r}; give 'file.py:function', 'package.module.function' or 'cmd:COMMAND'")
+        if spec.startswith("cmd:"):
+            agent: Any = tuple(shlex.split(spec[4:]))
+            if not agent:
+                raise ValueError(f"{where}={spec!r} names no command; write cmd: followed by the command line")
+        else:
+            agent = import_object(spec, where)
+            if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)):
+                raise ValueError(f"{where}: {spec!r} is not an async function; define it as "
+                                 "`async def agent(base_url, row)`")
+        existing = AGENT_LOOPS.get(name)
+        if existing is not None:
+            if issubclass(existing, OpenAIAgentLoop) and existing.agent == agent \
+                    and existing.timeout_s == config.openai_agent_timeout_s:
+                continue
+            raise ValueError(f"{where}: agent_name {name!r} is already a registered agent loop; pick another name")
+        register_openai_agent(name, agent, timeout_s=config.openai_agent_timeout_s)
 
 
 def register_openai_agent(name: str, agent: OpenAIAgent | Sequence[str], *,

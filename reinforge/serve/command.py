@@ -1,8 +1,8 @@
 """``reinforge serve MODEL_OR_CHECKPOINT``: the OpenAI-compatible endpoint on one model.
 
 MODEL_OR_CHECKPOINT is an HF model folder (or hub id), a run folder (its newest valid checkpoint), a checkpoint folder
-(``RUN/checkpoints/step_N``: its ``hf/`` folder, where a LoRA run keeps the merged model; exported from the trainer
-state first when ``hf/`` holds no weights), or a peft adapter folder (merged into the base model its
+(``RUN/checkpoints/step_N``: its ``hf/`` folder, where a LoRA run keeps the merged model; one whose ``hf/`` weights
+were removed is served after ``reinforge export``), or a peft adapter folder (merged into the base model its
 ``adapter_config.json`` names). The native engine generates where it supports the model; the hf backend otherwise,
 said in one line.
 """
@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_folder(path: str, scratch: Path) -> tuple[str, str | None]:
-    """(the HF folder or hub id to load, the adapter folder to merge or None); exports into ``scratch`` if needed."""
+def resolve_model_folder(path: str) -> tuple[str, str | None]:
+    """(the HF folder or hub id to load, the adapter folder to merge or None)."""
     folder = Path(path).expanduser()
     if not folder.exists():
         return path, None  # a hub id; loading says so if it is not one
@@ -36,14 +35,27 @@ def resolve_model_folder(path: str, scratch: Path) -> tuple[str, str | None]:
         return str(base), str(folder)
     if (folder / "config.json").is_file():
         return str(folder), None
-    from reinforge.trainer.export import export_checkpoint, resolve_checkpoint
+    checkpoint = folder
+    if (folder / "checkpoints").is_dir():  # a run folder: its newest checkpoint that holds a model
+        steps = sorted((step for step in (folder / "checkpoints").glob("step_*") if step.name[5:].isdigit()),
+                       key=lambda step: int(step.name[5:]), reverse=True)
+        checkpoint = next((step for step in steps if (step / "manifest.json").is_file() and _has_weights(step / "hf")),
+                          None)
+        if checkpoint is None:
+            raise FileNotFoundError(f"run folder {folder} has no sealed checkpoint with an hf/ model; serve a "
+                                    "checkpoint folder after `reinforge export`, or an HF folder")
+        logger.info("serving %s, the newest checkpoint of %s", checkpoint.name, folder)
+    if (checkpoint / "hf" / "config.json").is_file():
+        if not _has_weights(checkpoint / "hf"):
+            raise FileNotFoundError(f"{checkpoint / 'hf'} holds no weights; run `reinforge export {checkpoint} OUT` and "
+                                    "serve OUT")
+        return str(checkpoint / "hf"), None
+    raise FileNotFoundError(f"{folder} is neither an HF model folder (config.json), a checkpoint (hf/), a run folder "
+                            "(checkpoints/) nor a LoRA adapter (adapter_config.json); pass one of those")
 
-    checkpoint = resolve_checkpoint(folder)
-    hf = checkpoint / "hf"
-    if any(hf.glob("*.safetensors")) or any(hf.glob("*.bin")):
-        return str(hf), None
-    logger.info("%s holds no weights; exporting %s from its trainer state", hf, checkpoint.name)
-    return str(export_checkpoint(checkpoint, scratch / "model")), None
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
 
 
 def load_model(path: str, adapter: str | None, dtype_name: str, device: Any) -> tuple[Any, Any]:
@@ -120,9 +132,8 @@ def serve_main(argv: list[str]) -> int:
 
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with tempfile.TemporaryDirectory(prefix="reinforge-serve-") as scratch:
-        path, adapter = resolve_model_folder(args.model, Path(scratch))
-        model, tokenizer = load_model(path, adapter, args.dtype, device)
+    path, adapter = resolve_model_folder(args.model)
+    model, tokenizer = load_model(path, adapter, args.dtype, device)
     context = int(getattr(model.config, "max_position_embeddings", 8192) or 8192)
     max_model_len = args.max_model_len or min(context, 8192)
     client, engine_name = build_client(model, tokenizer, args.rollout, max_model_len, args.gpu_memory_utilization,

@@ -34,6 +34,9 @@ def evaluate(config: Config) -> dict[str, float]:
     custom_scorer = load_reward_function(config.reward)
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
+    from reinforge.serve.agents import register_configured_agents
+
+    register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)
     check_tools(config.rollout.multi_turn.format, tools)  # before the model loads, as train does
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",

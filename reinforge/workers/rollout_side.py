@@ -44,6 +44,7 @@ from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_nam
 from reinforge.engine.memory_plan import GiB
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.serve.agents import register_configured_agents
 from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
 
 
@@ -233,6 +234,7 @@ class RolloutSide:
         self.weights = weights
         self.rollout_model = rollout_model
         """The rollout's own copy of the weights (compute dtype), or None where it reads the training model."""
+        register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
         self.agent_runner = AgentRunner(tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
                                         config.data.chat_template)
         self.tool_failure_check = ToolFailureCheck(sorted(self.agent_runner.tools))

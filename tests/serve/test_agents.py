@@ -124,3 +124,52 @@ def test_an_openai_client_agent_gives_tool_agents_trajectories_token_for_token(e
     assert any(0 in output.response_mask for output in got)  # tool turns are in the trajectory, not trained
     calls = [output.reward_score for output in got]
     assert all(count == (output.num_turns) // 2 for count, output in zip(calls, got, strict=True))
+
+
+AGENT_PY = '''
+import openai
+
+
+async def agent(base_url, row):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0)
+    messages = list(row["raw_prompt"])
+    try:
+        while True:
+            reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+            messages += [reply.model_dump(exclude_none=True), {"role": "tool", "content": "echo:" + (reply.content or "")[:4]}]
+    except openai.BadRequestError:
+        pass
+    finally:
+        await client.close()
+    return "done"
+'''
+
+
+@pytest.mark.slow
+def test_reinforge_train_trains_an_openai_agent_named_in_the_config(tiny_model_dir, tmp_path):
+    import json
+
+    from reinforge.cli import main
+
+    (tmp_path / "echo_agent.py").write_text(AGENT_PY)
+    rows = [{"data_source": "x", "prompt": [{"role": "user", "content": f"{i}+{i}"}], "agent_name": "echo_client",
+             "reward_model": {"ground_truth": str(2 * i)}, "extra_info": {}} for i in range(4)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(solution_str, ground_truth, **kwargs):\n"
+                      "    return float(solution_str.count('echo:'))\n")
+    run_dir = tmp_path / "run"
+    args = [f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.train_batch_size=2",
+            "data.max_prompt_length=32", "data.max_response_length=96", "rollout.n=2", "rollout.name=native",
+            f"rollout.stop_token_ids=[{','.join(map(str, LETTER_IDS))}]",
+            f"rollout.multi_turn.openai_agents={{echo_client: '{tmp_path / 'echo_agent.py'}:agent'}}",
+            "rollout.multi_turn.max_assistant_turns=3", f"reward.custom_function={scorer}:compute_score",
+            "reward.num_workers=0", f"trainer.output_dir={run_dir}", "trainer.loggers=[jsonl]",
+            "trainer.total_steps=1", "trainer.val_before_train=false", "trainer.device=cpu"]
+    try:
+        assert main(["train", *args]) == 0
+    finally:
+        AGENT_LOOPS.pop("echo_client", None)
+    (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["num_turns/max"] > 2 and metrics["critic/score/mean"] > 0

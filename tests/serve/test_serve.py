@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -144,11 +144,19 @@ def test_requests_past_the_concurrency_limit_are_answered_429_with_retry_after(t
 def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
     from reinforge.serve.command import build_client, load_model, resolve_model_folder
 
-    path, adapter = resolve_model_folder(str(tiny_model_dir), Path(tmp_path))
+    path, adapter = resolve_model_folder(str(tiny_model_dir))
     assert (path, adapter) == (str(tiny_model_dir), None)
+    run = tmp_path / "run"
+    for step in (1, 2, 3):  # step 3 is not sealed (no manifest): the run is served from step 2
+        shutil.copytree(tiny_model_dir, run / "checkpoints" / f"step_{step}" / "hf")
+        if step < 3:
+            (run / "checkpoints" / f"step_{step}" / "manifest.json").write_text("{}")
+    assert resolve_model_folder(str(run)) == (str(run / "checkpoints" / "step_2" / "hf"), None)
+    assert resolve_model_folder(str(run / "checkpoints" / "step_1")) == (str(run / "checkpoints" / "step_1" / "hf"),
+                                                                          None)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint .* nor a run folder"):
-        resolve_model_folder(str(tmp_path / "empty"), Path(tmp_path))
+    with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
+        resolve_model_folder(str(tmp_path / "empty"))
     model, tokenizer = load_model(path, adapter, "float32", torch.device("cpu"))
     client, engine = build_client(model, tokenizer, "native", 256, 0.5, max_num_seqs=16)
     assert engine == "native"
