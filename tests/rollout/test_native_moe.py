@@ -293,15 +293,20 @@ def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
     for (s, r), part in zip(prefill, out.split([len(r) for _, r in prefill]), strict=True):
         torch.testing.assert_close(part, expected[s][r.start:r.stop], atol=1e-5, rtol=1e-5)
 
-    # sequence 2 after a prefix-cache hit: tokens 8..10 over the 8 cached ones
-    new = range(8, 11)
+    # sequence 2 after a prefix-cache hit (tokens 8..10 over the 8 cached ones) packed with a fourth sequence's
+    # first 2 tokens (nothing cached)
+    fourth = torch.randn(2, model.config.hidden_size)
+    cache.tables.append([])
+    slots = cache.slots(2, range(8, 11)) + cache.slots(3, range(2))
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(cache.slots(2, new)), is_prefill=True, seq_lens=[3],
-        batch_index=torch.zeros(3, dtype=torch.int64), token_index=torch.arange(3),
-        block_tables=torch.tensor([cache.tables[2]]), context_lens=torch.tensor([11], dtype=torch.int32),
-        prefix_lens=torch.tensor([8]), max_context_len=11)
-    out = run(sequences[2][8:11], torch.arange(8, 11), meta)
-    torch.testing.assert_close(out, expected[2][8:11], atol=1e-5, rtol=1e-5)
+        slot_mapping=torch.tensor(slots), is_prefill=True, seq_lens=[3, 2],
+        batch_index=torch.tensor([0, 0, 0, 1, 1]), token_index=torch.tensor([0, 1, 2, 0, 1]),
+        block_tables=cache.block_tables(4)[2:], context_lens=torch.tensor([11, 2], dtype=torch.int32),
+        prefix_lens=torch.tensor([8, 0]), max_context_len=11)
+    out = run(torch.cat([sequences[2][8:11], fourth]), torch.tensor([8, 9, 10, 0, 1]), meta)
+    torch.testing.assert_close(out, torch.cat([expected[2][8:11], transformers_attention(model, fourth)]),
+                               atol=1e-5, rtol=1e-5)
+    cache.tables.pop()
 
     # one decode step of all three: the final token of each
     last = [length - 1 for length in lengths]

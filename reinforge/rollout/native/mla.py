@@ -9,8 +9,7 @@ head's ``k_nope = W_uk c`` is never formed; its query is absorbed instead (``q_n
 the keys themselves. The first ``kv_lora_rank`` dims of its output are the attention-weighted latent,
 which ``W_uv`` turns into each head's value output. Decode reads the cache this way (on the Triton path
 ``latent_paged_decode``, a paged kernel over each sequence's own blocks; else ``latent_decode_attention``,
-graph-safe), and so does a prefill after a prefix-cache hit (the paged reference with ``v_cache`` =
-``k_cache``). A prefill without
+graph-safe), and so does a prefill after a prefix-cache hit (``latent_prefix_attention``). A prefill without
 cached tokens has every key at hand and expands them as transformers does (``kv_b_proj`` of the
 latent, heads of qk_head_dim), which costs less than latent heads once a sequence has many tokens.
 
@@ -28,11 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reinforge.models.architectures import LayerSpec
-from reinforge.rollout.native.attention import (
-    AttentionMetadata,
-    prefill_attention,
-    prefill_attention_with_prefix,
-)
+from reinforge.rollout.native.attention import AttentionMetadata, prefill_attention
 from reinforge.rollout.native.layers import BlockContext
 
 LATENT_NORM_EPS = 1e-6
@@ -91,6 +86,30 @@ def latent_decode_attention(q: Tensor, cache: Tensor, block_tables: Tensor, cont
     visible = torch.arange(keys.shape[1], device=q.device)[None, :] < context_lens[:, None]
     probs = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("bhs,bsd->bhd", probs.to(keys.dtype), keys)
+
+
+def latent_prefix_attention(q: Tensor, cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """Each sequence's packed queries over its cached and new latents (all in the cache), causal from its prefix.
+
+    q: (tokens, heads, dim); cache: (num_blocks, block_size, 1, dim). The one key head is shared by every query
+    head as it is (never repeated per head: a latent is hundreds of values wide). Returns (tokens, heads, dim).
+    """
+    assert meta.seq_lens is not None and meta.block_tables is not None and meta.context_lens is not None
+    assert meta.prefix_lens is not None and meta.batch_index is not None and meta.token_index is not None
+    num_seqs, max_len, max_context = len(meta.seq_lens), max(meta.seq_lens), meta.max_context_len
+    tables = meta.block_tables[:, : -(-max_context // cache.shape[1])].long()
+    keys = cache[tables].flatten(1, 2)[:, :max_context, 0]  # (num_seqs, context, dim)
+    grid = q.new_zeros(num_seqs, max_len, *q.shape[1:])
+    grid[meta.batch_index, meta.token_index] = q
+    scores = torch.einsum("sqhd,skd->shqk", grid.float(), keys.float()) * scale
+    query_positions = meta.prefix_lens[:, None] + torch.arange(max_len, device=q.device)[None, :]
+    key_positions = torch.arange(max_context, device=q.device)
+    # padding queries (past a sequence's length) still see key 0, so no row is all masked
+    visible = (key_positions[None, None, :] <= query_positions[:, :, None]) \
+        & (key_positions[None, None, :] < meta.context_lens[:, None, None])
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+    out = torch.einsum("shqk,skd->sqhd", probs.to(keys.dtype), keys)
+    return out[meta.batch_index, meta.token_index]
 
 
 class MLAAttention:
@@ -174,7 +193,7 @@ class MLAAttention:
             return F.linear(out.reshape(num_tokens, -1), weights["o_weight"], weights["o_bias"])
         query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, k_up), q_rope], dim=-1)
         if meta.is_prefill:
-            out = prefill_attention_with_prefix(query, cache, cache, meta, self.scale)
+            out = latent_prefix_attention(query, cache, meta, self.scale)
         elif self.use_triton:
             out = latent_paged_decode(query, cache, meta.block_tables, meta.context_lens, self.scale,
                                       mla.kv_lora_rank)
