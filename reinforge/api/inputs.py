@@ -1,0 +1,161 @@
+"""What a Python caller hands a trainer, turned into what the CLI reads: a loaded model saved as a folder, rows
+written as parquet, a peft LoraConfig as model.lora, reward_funcs as function objects (or a reward model's settings)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str:
+    """A path or hub id as it is; a loaded model (and its tokenizer) saved into ``folder``, whose path is returned."""
+    if isinstance(model, str | Path):
+        return str(model)
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"model must be a path, a hub id or a loaded transformers model; got a {type(model).__name__}")
+    tokenizer = processing_class
+    if tokenizer is None:
+        source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+        if not source:
+            raise ValueError("the model was given loaded, without a name_or_path to load its tokenizer from; pass "
+                             "processing_class=tokenizer")
+        from reinforge.models import load_tokenizer
+
+        tokenizer = load_tokenizer(source)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return str(folder)
+
+
+def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
+    """Files as they are; a datasets.Dataset, pandas frame or list of dicts written to ``folder/name.parquet``."""
+    if dataset is None:
+        return []
+    if isinstance(dataset, str | Path):
+        return [str(dataset)]
+    if isinstance(dataset, Sequence) and dataset and all(isinstance(item, str | Path) for item in dataset):
+        return [str(item) for item in dataset]
+    rows = _rows_of(dataset, name)
+    if not rows:
+        raise ValueError(f"{name}_dataset has no rows")
+    for row in rows:
+        if "ground_truth" in row and "reward_model" not in row:  # verl's place for it, read by every scorer
+            row["reward_model"] = {"ground_truth": row.pop("ground_truth")}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.parquet"
+    partial = path.with_name(path.name + ".partial")
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as error:
+        raise ValueError(f"{name}_dataset cannot be stored as parquet ({error}); give each column one type in "
+                         "every row") from error
+    pq.write_table(table, partial)
+    partial.replace(path)
+    return [str(path)]
+
+
+def _rows_of(dataset: Any, name: str) -> list[dict[str, Any]]:
+    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns") and hasattr(dataset, "iloc"):  # pandas
+        return [{key: _plain(value) for key, value in row.items()} for row in dataset.to_dict(orient="records")]
+    if hasattr(dataset, "to_list") and hasattr(dataset, "column_names"):  # datasets.Dataset
+        return [dict(row) for row in dataset.to_list()]
+    if isinstance(dataset, Sequence) and all(isinstance(row, Mapping) for row in dataset):
+        return [dict(row) for row in dataset]
+    raise TypeError(f"{name}_dataset must be a datasets.Dataset, a pandas DataFrame, a list of dicts or data files; "
+                    f"got a {type(dataset).__name__}")
+
+
+def _plain(value: Any) -> Any:
+    """numpy arrays in a pandas frame's cells (lists read from parquet) as lists."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes):
+        return _plain(value.tolist())
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def peft_settings(peft_config: Any) -> dict[str, Any]:
+    """A peft ``LoraConfig``'s rank, alpha, dropout and target modules as reinforge's ``model.lora`` keys."""
+    if peft_config is None:
+        return {}
+    settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
+                "model.lora.dropout": float(getattr(peft_config, "lora_dropout", 0.0) or 0.0)}
+    targets = getattr(peft_config, "target_modules", None)
+    if targets:
+        if isinstance(targets, str):
+            raise ValueError(f"peft_config.target_modules={targets!r}: reinforge takes a list of module names "
+                             "(q_proj, v_proj, ...)")
+        settings["model.lora.target_modules"] = sorted(targets)
+    return settings
+
+
+def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Callable[..., Any]] | None:
+    """The function objects of ``reward_funcs`` (one or a list: callables, ``path.py[:function]`` specs, or one reward
+    model's folder or hub id, as in TRL); None or [] -> None.
+
+    A reward model goes into ``settings`` as ``reward.reward_model`` with its weight of ``reward.weights`` as
+    ``reward.combine.rm_weight`` (summed with the functions, as TRL sums; alone, its score is the reward).
+    """
+    if reward_funcs is None:
+        return None
+    items = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    functions: list[Callable[..., Any]] = []
+    model_positions = []
+    for position, item in enumerate(items):
+        if callable(item):
+            functions.append(item)
+            continue
+        spec = str(item)
+        from reinforge.reward.scorer_calls import load_custom_scorer, parse_custom_function
+
+        if parse_custom_function(spec)[0].endswith(".py"):
+            functions.append(load_custom_scorer(spec))
+        else:
+            model_positions.append(position)
+    if model_positions:
+        if len(model_positions) > 1:
+            names = ", ".join(repr(str(items[position])) for position in model_positions)
+            raise ValueError(f"reward_funcs names {len(model_positions)} reward models ({names}); reinforge scores with "
+                             "one (reward.reward_model): keep one, or combine them into one function")
+        position = model_positions[0]
+        weights = settings.get("reward.weights")
+        rm_weight = 1.0
+        if weights is not None:
+            if len(weights) != len(items):
+                raise ValueError(f"reward_weights has {len(weights)} weights for {len(items)} reward_funcs; give one "
+                                 "per entry, in the same order")
+            rm_weight = float(weights[position])
+            settings["reward.weights"] = [weight for index, weight in enumerate(weights) if index != position] or None
+        settings |= {"reward.reward_model.enable": True, "reward.reward_model.model_path": str(items[position]),
+                     "reward.combine.mode": "sum" if functions else "replace", "reward.combine.rm_weight": rm_weight,
+                     "reward.combine.rule_weight": 1.0}
+    return functions or None
+
+
+def as_conversations(dataset: Any) -> Any:
+    """TRL's prompt/completion rows as one user and one assistant message; other data as it is."""
+    if isinstance(dataset, str | Path) or (isinstance(dataset, Sequence) and dataset
+                                           and all(isinstance(item, str | Path) for item in dataset)):
+        return dataset
+    rows = _rows_of(dataset, "train")
+    if rows and "messages" not in rows[0] and {"prompt", "completion"} <= set(rows[0]):
+        converted = []
+        for row in rows:
+            prompt, completion = row.pop("prompt"), row.pop("completion")
+            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                          else list(completion))
+            converted.append({"messages": prompt + completion, **row})
+        return converted
+    return rows

@@ -1,0 +1,199 @@
+"""The trainers of the Python API: TRL's signatures over reinforge's RL, SFT, DPO and reward-model trainers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from reinforge.api.inputs import (
+    as_conversations,
+    peft_settings,
+    reward_functions_of,
+    save_model_if_loaded,
+    write_dataset,
+)
+from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
+
+
+class GRPOTrainer:
+    """GRPO (or any estimator of ``algorithm.adv_estimator``) on a model, a dataset and reward functions."""
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
+                 **overrides: Any) -> None:
+        from reinforge.config import Config
+
+        if isinstance(args, Config):
+            settings = keyword_overrides(overrides)
+            output_dir = Path(settings.get("trainer.output_dir", args.trainer.output_dir))
+        else:
+            args = args if args is not None else GRPOConfig()
+            if not isinstance(args, GRPOConfig):
+                raise TypeError(f"args must be a GRPOConfig or a reinforge Config; got a {type(args).__name__}")
+            settings = args.to_overrides() | keyword_overrides(overrides)
+            output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
+        inputs = output_dir / "inputs"
+        settings = peft_settings(peft_config) | settings
+        self.reward_functions = reward_functions_of(reward_funcs, settings)
+        settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        if train_dataset is not None:
+            settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
+        if eval_dataset is not None:
+            settings["data.val_files"] = write_dataset(eval_dataset, inputs, "eval")
+        elif not isinstance(args, Config) and "trainer.val_before_train" not in settings:
+            settings["trainer.val_before_train"] = False
+        from reinforge.config import config_to_dict
+        from reinforge.config.validate import validate_config
+
+        self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
+                            "GRPOTrainer's settings")
+        validate_config(self.config)
+        from reinforge.trainer.rl_trainer import RLTrainer
+
+        self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)
+
+    def train(self) -> dict[str, float]:
+        """Run the training; the last step's metrics."""
+        return self.trainer.fit()
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.trainer.output_dir)
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
+        ``reinforge export`` writes it; returns the folder."""
+        from reinforge.trainer.export import export_checkpoint
+
+        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
+                                 force=True)
+
+
+class _SupervisedTrainer:
+    """A trainer on rows of text (SFT, DPO, reward model): TRL's names in, reinforge's config and trainer out."""
+
+    ARGS: type[Any]
+    DEFAULT_OUTPUT_DIR: str
+
+    def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, peft_config: Any = None, **overrides: Any) -> None:
+        from reinforge.config import config_to_dict
+
+        schema = self._schema()
+        if isinstance(args, schema):
+            settings = keyword_overrides(overrides)
+            settings.setdefault("trainer.output_dir", args.trainer.output_dir)
+        else:
+            args = args if args is not None else self.ARGS()
+            if not isinstance(args, self.ARGS):
+                raise TypeError(f"args must be a reinforge.{self.ARGS.__name__}; got a {type(args).__name__}")
+            settings = args.to_overrides() | keyword_overrides(overrides)
+        output_dir = Path(settings.setdefault("trainer.output_dir", self.DEFAULT_OUTPUT_DIR))
+        inputs = output_dir / "inputs"
+        settings = peft_settings(peft_config) | settings
+        settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        if train_dataset is not None:
+            settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
+        if eval_dataset is not None:
+            settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
+        self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
+                            f"{type(self).__name__}'s settings")
+        self._validate(self.config)
+        self.trainer = self._trainer(self.config)
+
+    def train(self) -> dict[str, Any]:
+        """Run the training; the last step's metrics."""
+        return self.trainer.fit()
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.trainer.output_dir)
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
+        ``reinforge export`` writes it; returns the folder."""
+        from reinforge.trainer.export import export_checkpoint
+
+        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
+                                 force=True)
+
+    def _rows(self, dataset: Any) -> Any:
+        return dataset
+
+    def _schema(self) -> type:
+        raise NotImplementedError
+
+    def _validate(self, config: Any) -> None:
+        raise NotImplementedError
+
+    def _trainer(self, config: Any) -> Any:
+        raise NotImplementedError
+
+
+class SFTTrainer(_SupervisedTrainer):
+    """Supervised fine-tuning on chat conversations (a ``messages`` column), or on ``prompt``/``completion`` pairs."""
+
+    ARGS = SFTConfig
+    DEFAULT_OUTPUT_DIR = "runs/sft"
+
+    def _rows(self, dataset: Any) -> Any:
+        return as_conversations(dataset)
+
+    def _schema(self) -> type:
+        from reinforge.config.sft_schema import SFTConfig as Schema
+
+        return Schema
+
+    def _validate(self, config: Any) -> None:
+        from reinforge.config.validate import validate_sft_config
+
+        validate_sft_config(config)
+
+    def _trainer(self, config: Any) -> Any:
+        from reinforge.trainer.sft_trainer import SFTTrainer as Trainer
+
+        return Trainer(config)
+
+
+class DPOTrainer(_SupervisedTrainer):
+    """Direct Preference Optimization on ``prompt``/``chosen``/``rejected`` rows (``reinforge dpo``)."""
+
+    ARGS = DPOConfig
+    DEFAULT_OUTPUT_DIR = "runs/dpo"
+
+    def _schema(self) -> type:
+        from reinforge.config.preference_schema import DPOConfig as Schema
+
+        return Schema
+
+    def _validate(self, config: Any) -> None:
+        from reinforge.config.preference_schema import validate_preference_config
+
+        validate_preference_config(config)
+
+    def _trainer(self, config: Any) -> Any:
+        from reinforge.trainer.preference.dpo_trainer import DPOTrainer as Trainer
+
+        return Trainer(config)
+
+
+class RewardTrainer(_SupervisedTrainer):
+    """A reward model (Bradley-Terry) on ``chosen``/``rejected`` rows (``reinforge rm``), named as TRL's."""
+
+    ARGS = RewardConfig
+    DEFAULT_OUTPUT_DIR = "runs/rm"
+
+    def _schema(self) -> type:
+        from reinforge.config.preference_schema import RMConfig as Schema
+
+        return Schema
+
+    def _validate(self, config: Any) -> None:
+        from reinforge.config.preference_schema import validate_preference_config
+
+        validate_preference_config(config)
+
+    def _trainer(self, config: Any) -> Any:
+        from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+
+        return RewardModelTrainer(config)
