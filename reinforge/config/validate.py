@@ -23,7 +23,6 @@ from reinforge.config.schema import (
 )
 from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig, SFTDataConfig
 
-ROLLOUT_BACKENDS = ("hf", "native")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 """The values of model.dtype (``models.loading.DTYPES`` and auto)."""
 
@@ -170,7 +169,8 @@ def validate_config(config: Config) -> None:
     choose("data.truncation", data.truncation, TRUNCATION_MODES)
     validate_sample_limits(data)
     validate_model_dtype(config.model.dtype)
-    choose("rollout.name", rollout.name, ROLLOUT_BACKENDS)
+    if not rollout.name or not isinstance(rollout.name, str):  # which names exist is trainer/preflight.py's check
+        raise ConfigError(f"rollout.name={rollout.name!r} is empty; use hf, native or an engine a package adds")
     choose("trainer.backend", trainer.backend, ("local", "ray"))
     validate_run(trainer)
     validate_optim("actor.optim", actor.optim)

@@ -41,6 +41,7 @@ from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
 from reinforge.models.reward_model import check_reward_model
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
+from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
 from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
 from reinforge.trainer.ineffective_settings import warn_ineffective_settings
@@ -189,6 +190,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
                            "data.max_prompt_length + data.max_response_length")
+    check_plugin_engine(config.rollout.name)  # hf, native, or an engine a package adds through its entry point
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)
     check_tools(config.rollout.multi_turn.format, tools)  # an unknown format, a tool that cannot work

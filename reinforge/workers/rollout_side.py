@@ -44,6 +44,7 @@ from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_nam
 from reinforge.engine.memory_plan import GiB
 from reinforge.protocol import Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.registry import get_rollout_engine
 from reinforge.serve.agents import register_configured_agents
 from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
 
@@ -173,6 +174,9 @@ class CopiedWeights:
 def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, model: torch.nn.Module) -> Any:
     """rollout.name's engine on ``model`` (whose dtype sizes its KV cache); the hf backend where native does not
     support the architecture."""
+    if config.rollout.name not in ("hf", "native"):  # an engine a package adds (reinforge.rollout.registry)
+        return get_rollout_engine(config.rollout.name).from_config(config, model=model, tokenizer=tokenizer,
+                                                                   device=device)
     eos_ids = stop_token_ids(config, tokenizer, model)
     if config.rollout.name == "native":
         from reinforge.rollout.native import NativeEngine, hf_fallback_notice, unsupported_reason

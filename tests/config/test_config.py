@@ -83,7 +83,6 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["actor.max_tokens_per_micro_batch=100"], "cannot hold one sequence"),
     (["algorithm.adv_estimator=nope"], "not one of"),
     (["actor.loss_agg_mode=mean"], "not one of"),
-    (["rollout.name=vllm"], "not one of hf, native"),
     (["actor.policy_loss.clip_ratio_c=0.5"], "greater than 1"),
     (["rollout.temperature=0", "rollout.n=4"], r"rollout.temperature=0 is greedy.*rollout.n=4"),
     (["rollout.val_kwargs.n=4"], r"rollout.val_kwargs.temperature=0 is greedy.*rollout.val_kwargs.n=4"),
