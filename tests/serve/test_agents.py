@@ -104,7 +104,6 @@ def run_rows(engine, tokenizer, agent_name: str, config: MultiTurnConfig, max_to
     return outputs
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("limits", [{"max_assistant_turns": 3}, {"max_user_turns": 2}, {}])
 def test_an_openai_client_agent_gives_tool_agents_trajectories_token_for_token(engine_and_tokenizer, limits):
     engine, tokenizer = engine_and_tokenizer
