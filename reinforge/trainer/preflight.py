@@ -13,8 +13,10 @@ cannot take refused by name), still before any weight loads.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from reinforge.agent import check_agent_rows, check_tool_turns, check_tools, load_tools
@@ -39,7 +41,7 @@ from reinforge.engine.lora import check_target_modules
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
-from reinforge.models.reward_model import check_reward_model
+from reinforge.models.reward_model import HEADS, check_reward_model
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
@@ -47,6 +49,9 @@ from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backe
 from reinforge.trainer.ineffective_settings import warn_ineffective_settings
 from reinforge.trainer.modes.partial import refuse_agent_rows
 from reinforge.workers.memory_settings import apply_memory_plan
+
+CLASSIFICATION_HEADS = tuple(HEADS)
+"""Endings of architecture names whose models score text instead of writing it."""
 
 if TYPE_CHECKING:
     from reinforge.controller import RolePlacement
@@ -136,6 +141,23 @@ def require_model_and_data(model_path: str, train_files: list[str], example_file
         raise ConfigError(f"data.train_files is empty; pass data.train_files=[{example_file}]")
 
 
+def check_writes_text(path: str, key: str) -> None:
+    """A local model folder whose config.json names a classification head (a reward model's) is refused: loaded as
+    a causal LM it would get a new, random output layer. Hub ids and folders without config.json pass."""
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # transformers says what is wrong with it when the model loads
+    heads = [name for name in architectures if isinstance(name, str) and name.endswith(CLASSIFICATION_HEADS)]
+    if heads:
+        raise ConfigError(f"{key}={path} is {heads[0]} (in its config.json), a classification model that writes no "
+                          "text; point it at a causal LM folder (...ForCausalLM), and give a reward model to "
+                          "reward.reward_model.model_path")
+
+
 def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = None) -> None:
     """The backend against the devices: the local backend runs every role in this process on one device, which
     must exist when trainer.device=cuda. ``placement``: the RL run's pools (by default one of trainer.nnodes x
@@ -180,6 +202,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     ``reward_functions``: reward function objects that score every row instead of the scorers."""
     check_config(config)
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
+    check_writes_text(config.model.path, "model.path")
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
@@ -244,6 +267,7 @@ def check_judge_settings(config: Config) -> None:
     path = config.model.tokenizer_path or config.model.path if settings.model_path == "policy" else settings.model_path
     if settings.model_path != "policy" and is_local_path(path):
         check_model_folder(path)
+        check_writes_text(path, "reward.judge.model_path")
     if settings.parse == "yes_no":
         tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
         try:

@@ -95,3 +95,17 @@ def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_arg
     assert main(["train", *args]) == 2
     assert capsys.readouterr().err.strip().startswith("error: reward.reward_model.enable=true but "
                                                       "reward.reward_model.model_path is not set")
+
+
+@pytest.mark.parametrize("key", ["model.path", "reward.judge.model_path"])
+def test_a_classification_model_as_the_policy_or_the_judge_fails_before_any_model(rl_args, reward_model_dir, tmp_path,
+                                                                                  monkeypatch, capsys, key):
+    monkeypatch.setattr(rl_trainer, "ActorRolloutWorker", NoModelsHere)
+    judge = {"reward.judge.enable": True, "reward.judge.model_path": "policy",
+             "reward.judge.template": "'{response} Score:'"}
+    args = rl_args(tmp_path / "run", **{**(judge if key.startswith("reward.judge") else {}), key: reward_model_dir})
+    assert main(["train", *args]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: {key}={reward_model_dir} is Qwen2ForSequenceClassification (in its config.json), a "
+                    "classification model that writes no text; point it at a causal LM folder (...ForCausalLM), and "
+                    "give a reward model to reward.reward_model.model_path")
