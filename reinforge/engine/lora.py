@@ -41,11 +41,28 @@ logger = logging.getLogger(__name__)
 ADAPTER_NAME = "default"
 
 
-def _peft_config(config: LoraConfig, base_model_path: str = ""):
+def linear_targets(model: nn.Module, targets: list[str]) -> list[str]:
+    """The full names of ``model``'s linear layers whose last name is one of ``targets``.
+
+    Given a mixture of experts, peft would also match the fused 3-D expert weights by name (``gate_up_proj``,
+    ``down_proj``) and wrap them in a parametrization the merged-weight rollout and export cannot read; naming the
+    linear layers themselves keeps the experts frozen, as ``EXPERTS_NOTE`` says."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+
+
+def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module | None = None):
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(config.target_modules)
-    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha,
+    experts = None
+    if model is not None:
+        experts = [name for name, module in model.named_modules()
+                   if name.rsplit(".", 1)[-1] == "experts" and isinstance(getattr(module, "down_proj", None), Tensor)
+                   and module.down_proj.dim() == 3] or None
+        if experts and targets != ["all-linear"]:
+            targets = linear_targets(model, targets) or targets
+    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, exclude_modules=experts,
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
                           lora_dropout=config.dropout, bias="none", task_type="CAUSAL_LM",
                           base_model_name_or_path=base_model_path or None)
@@ -67,7 +84,7 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
     try:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)
-            return get_peft_model(model, _peft_config(config, base_model_path))
+            return get_peft_model(model, _peft_config(config, base_model_path, model))
     except ValueError as error:
         if "not found in the base model" in str(error) or "Target modules" in str(error):
             raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "

@@ -198,3 +198,14 @@ def test_lora_on_a_mixture_of_experts_adapts_attention_and_says_the_experts_stay
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
     with pytest.raises(ValueError, match=r"names no linear layer of a mixtral model; use some of q_proj, k_proj"):
         check_target_modules(LoraConfig(rank=8, target_modules=["gate_proj", "up_proj", "down_proj"]), str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral"])
+def test_default_targets_on_a_mixture_of_experts_adapt_linear_layers_and_leave_the_experts_frozen(arch):
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(arch)
+    peft_model = add_lora(model, LoraConfig(rank=4))
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in peft_model.named_parameters() if ".lora_A." in name}
+    assert adapted and all(name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) for name in adapted)
+    assert not any(type(module).__name__ == "ParamWrapper" for module in peft_model.modules())
