@@ -217,7 +217,7 @@ def _plot(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """``reinforge bench [rollout|train|agent|modes|dpo|table] ...`` (``reinforge.bench``)."""
+    """``reinforge bench [rollout|train|agent|modes|dpo|serve|table] ...`` (``reinforge.bench``)."""
     from reinforge.bench import bench_main
 
     return bench_main(argv)

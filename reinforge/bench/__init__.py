@@ -6,6 +6,7 @@
 - ``agent``: multi-turn agent rollouts with sleeping tools (``agent.py``);
 - ``modes``: the sync, one_step_off and async training modes on a long-tailed workload (``modes.py``);
 - ``dpo``: DPO steps of ``reinforge dpo`` against TRL's DPOTrainer (``dpo.py``);
+- ``serve``: concurrent chat requests through ``reinforge serve``'s HTTP endpoint against the same in process (``serve.py``);
 - ``table``: one table from the JSON files that ``train --out DIR`` wrote, over one or more folders.
 
 They measure; nothing in the library imports them.
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "agent": "multi-turn agent rollouts: tools sleeping between turns, every trajectory its own task",
     "modes": "sync against one_step_off against async training on a long-tailed workload",
     "dpo": "DPO steps (64 pairs of 512-token completions on a 1.5B shape); --trl runs TRL's DPOTrainer beside it",
+    "serve": "256 concurrent chat requests through the HTTP endpoint against the same requests in process",
     "table": "one markdown table from the JSON files of `bench train --out DIR` runs (DIR [DIR ...])",
 }
 
@@ -28,7 +30,7 @@ SUBCOMMANDS = {
 def bench_main(argv: list[str]) -> int:
     """``reinforge bench [SUBCOMMAND] ...``: SUBCOMMAND defaults to ``rollout``."""
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: reinforge bench [rollout|train|agent|modes|dpo|table] [options]   (--help after one for its options)")
+        print("usage: reinforge bench [rollout|train|agent|modes|dpo|serve|table] [options]   (--help after one for its options)")
         width = max(map(len, SUBCOMMANDS))
         for name, summary in SUBCOMMANDS.items():
             print(f"  {name:<{width}}  {summary}")
@@ -54,6 +56,10 @@ def bench_main(argv: list[str]) -> int:
         from reinforge.bench.dpo import dpo_main
 
         return dpo_main(rest)
+    if name == "serve":
+        from reinforge.bench.serve import serve_bench_main
+
+        return serve_bench_main(rest)
     if name == "table":
         from reinforge.bench.table import table_main
 
