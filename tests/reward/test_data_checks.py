@@ -167,7 +167,7 @@ def test_a_missing_scorer_package_is_named_with_its_install_command(tmp_path, by
 
 def test_a_custom_function_needs_no_built_in_scorer_package(tmp_path, byte_tokenizer, rewards_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    check(tmp_path, byte_tokenizer, [row(data_source="math", ground_truth="1")],
+    check(tmp_path, byte_tokenizer, [row(data_source="lighteval/MATH", ground_truth="1")],
           custom_function=f"{rewards_file}:compute_score")
 
 
@@ -193,14 +193,14 @@ def test_train_without_math_verify_stops_before_the_model_loads(tiny_model_dir, 
     shutil.copytree(tiny_model_dir, model)
     (model / "model.safetensors").unlink()
     data = tmp_path / "math.parquet"
-    pq.write_table(pa.Table.from_pylist([row(prompt="What is 1/2?", data_source="math", ground_truth="0.5")] * 4),
+    pq.write_table(pa.Table.from_pylist([row(prompt="What is 1/2?", data_source="lighteval/MATH", ground_truth="0.5")] * 4),
                    data)
     args = [f"model.path={model}", f"data.train_files=[{data}]", "data.train_batch_size=2", "rollout.n=2",
             f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_before_train=false"]
     finished = forked_python.run(["-c", BLOCK_MATH_VERIFY, *args], timeout=300)
     assert finished.returncode == 2, finished.stderr[-3000:]
     last_line = finished.stderr.strip().splitlines()[-1]
-    assert "data_source 'math'" in last_line and "pip install math-verify" in last_line, finished.stderr[-3000:]
+    assert "data_source 'lighteval/MATH'" in last_line and "pip install math-verify" in last_line, finished.stderr[-3000:]
 
 
 def test_a_trl_function_taking_completion_ids_and_trainer_state_needs_no_such_column(tmp_path, byte_tokenizer):
