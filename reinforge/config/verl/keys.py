@@ -94,6 +94,14 @@ def _unset_if(*defaults: Any) -> Callable[[Any, Mapping[str, Any]], Any]:
     return convert
 
 
+def _epochs_unless_steps_given(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's default of 30 epochs is not carried over when the command gives total_training_steps: the run's length
+    is that number of steps."""
+    if "trainer.total_epochs" not in given and given.get("trainer.total_training_steps") is not None:
+        return UNSET
+    return value
+
+
 def _only_if_true(value: Any, given: Mapping[str, Any]) -> Any:
     return True if value is True else UNSET
 
@@ -709,7 +717,7 @@ VERL_KEYS: dict[str, Translation] = {
     "algorithm.filter_groups.metric": Rename("algorithm.filter_groups.metric"),
     "algorithm.filter_groups.max_num_gen_batches": Rename("algorithm.filter_groups.max_num_gen_batches"),
     # ---- trainer
-    "trainer.total_epochs": Rename("trainer.total_epochs", verl_default=30),
+    "trainer.total_epochs": Rename("trainer.total_epochs", _epochs_unless_steps_given, verl_default=30),
     "trainer.total_training_steps": Rename("trainer.total_steps", _unset_if(None)),
     "trainer.project_name": Rename("trainer.project_name", verl_default=VERL_PROJECT_NAME),
     "trainer.experiment_name": Rename("trainer.experiment_name", verl_default=VERL_EXPERIMENT_NAME),

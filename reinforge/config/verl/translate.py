@@ -222,7 +222,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
                               f"({error}); check its type in verl's ppo_trainer.yaml") from error
         target_key = our_key(pattern, entry, verl_key)
         if ours is UNSET:
-            result.already_ours.append(KeyLine(verl_key, value, reason=f"{target_key} keeps its default"))
+            if not from_default:  # a verl default not carried over goes unmentioned, as one equal to ours does
+                result.already_ours.append(KeyLine(verl_key, value, reason=f"{target_key} keeps its default"))
             return
         if from_default and ours == _default_of(target_key):
             return

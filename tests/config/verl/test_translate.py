@@ -403,3 +403,18 @@ def test_an_unknown_config_name_is_refused_naming_the_keys_to_pass():
     assert message.startswith("--config-name=geo3k_multiturn_grpo (verl command line) picks a config file")
     assert "gsm8k_multiturn_grpo" in message and "actor_rollout_ref.rollout.multi_turn.enable=true" in message
     assert "\n" not in message
+
+
+def test_verls_default_epochs_stay_behind_when_the_command_gives_its_steps(caplog):
+    from reinforge.trainer.ineffective_settings import warn_ineffective_settings
+
+    translation = translate_verl(["actor_rollout_ref.model.path=m", "trainer.total_training_steps=5"])
+    assert "total_epochs" not in translation.tree["trainer"]
+    assert "trainer.total_epochs" not in {line.verl_key for line in (*translation.translated, *translation.already_ours)}
+    config = load_config(None, tree=translation.tree)
+    assert config.trainer.total_steps == 5
+    with caplog.at_level("WARNING"):
+        warn_ineffective_settings(config)
+    assert "total_epochs" not in caplog.text  # nothing the command wrote is called ineffective
+    both = translate_verl(["trainer.total_training_steps=5", "trainer.total_epochs=2"]).tree["trainer"]
+    assert (both["total_steps"], both["total_epochs"]) == (5, 2)
