@@ -249,6 +249,11 @@ def check_reward_model_settings(config: Config) -> None:
     if not settings.enable:
         return
     check_reward_model(settings.model_path, settings.trust_remote_code)
+    if settings.max_length is not None:
+        warn_if_beyond_context(settings.model_path, settings.max_length, "reward.reward_model.max_length")
+    else:
+        warn_if_beyond_context(settings.model_path, config.data.max_prompt_length + config.data.max_response_length,
+                               "the reward model's input, data.max_prompt_length + data.max_response_length")
     build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
 
 

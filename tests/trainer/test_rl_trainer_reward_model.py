@@ -109,3 +109,21 @@ def test_a_classification_model_as_the_policy_or_the_judge_fails_before_any_mode
     assert line == (f"error: {key}={reward_model_dir} is Qwen2ForSequenceClassification (in its config.json), a "
                     "classification model that writes no text; point it at a causal LM folder (...ForCausalLM), and "
                     "give a reward model to reward.reward_model.model_path")
+
+
+def test_a_reward_model_reading_past_its_positions_is_warned_about(tiny_model_dir, reward_model_dir, caplog):
+    from reinforge.config import load_config
+    from reinforge.trainer.preflight import check_reward_model_settings
+
+    settings = [f"model.path={tiny_model_dir}", "reward.reward_model.enable=true",
+                f"reward.reward_model.model_path={reward_model_dir}", "data.max_prompt_length=200",
+                "data.max_response_length=100"]  # the tiny reward model has 256 positions
+    with caplog.at_level("WARNING"):
+        check_reward_model_settings(load_config(None, settings))
+    [warning] = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warning.startswith("the reward model's input, data.max_prompt_length + data.max_response_length = 300 "
+                              "tokens, more than the 256 positions the model at ")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        check_reward_model_settings(load_config(None, [*settings, "reward.reward_model.max_length=256"]))
+    assert not [record for record in caplog.records if record.levelname == "WARNING"]
