@@ -49,6 +49,18 @@ def reads_like_policy(rm_tokenizer: Any, policy_tokenizer: Any, policy_template:
             and rm_tokenizer.chat_template == policy_template)
 
 
+def check_reads_policy_ids(rm_tokenizer: Any, policy_tokenizer: Any, rm_path: str) -> None:
+    """With input_tokenizer=null the reward model reads the policy's token ids: each must mean the same token to it."""
+    rm_vocab = rm_tokenizer.get_vocab()
+    policy_vocab = policy_tokenizer.get_vocab()
+    moved = sorted(token for token, index in policy_vocab.items() if rm_vocab.get(token) != index)
+    if moved:
+        raise ValueError(f"reward.reward_model.input_tokenizer=null has the reward model read the policy's token ids, "
+                         f"but {len(moved)} of the policy's {len(policy_vocab)} tokens (first {moved[0]!r}) have "
+                         f"another id or none in the tokenizer of {rm_path}; set reward.reward_model.input_tokenizer="
+                         "auto to re-render the responses in the reward model's chat template")
+
+
 class RewardInputs:
     """The reward model's input rows for a batch of the policy's samples.
 
@@ -205,5 +217,9 @@ def build_reward_inputs(config: Config) -> RewardInputs:
             raise ValueError(f"reward.reward_model.model_path={settings.model_path} has a tokenizer of its own but no "
                              "chat template to re-render the responses in; add its chat template to the folder's "
                              "tokenizer_config.json, or use a reward model with the policy's tokenizer")
+    else:
+        check_reads_policy_ids(rm_tokenizer, load_tokenizer(model.tokenizer_path or model.path,
+                                                            trust_remote_code=model.trust_remote_code),
+                               settings.model_path)
     max_length = settings.max_length or config.data.max_prompt_length + config.data.max_response_length
     return RewardInputs(rm_tokenizer, policy_tokenizer, max_length)

@@ -257,3 +257,18 @@ def test_weights_released_and_restored_score_as_before(tiny_model_dir, tmp_path)
     fresh.host_weights = HostWeights(fresh.model)
     fresh.host_weights.release()
     torch.testing.assert_close(fresh.compute_rm_score(batch)["rm_scores"], before, atol=0, rtol=0)
+
+
+def test_input_tokenizer_null_is_refused_when_the_policys_ids_mean_other_tokens_to_the_reward_model(tmp_path):
+    from reinforge.workers.reward_model import build_reward_inputs
+
+    rm_dir = save_tiny_reward_model(tmp_path / "rm")
+    policy_dir = save_tiny_reward_model(tmp_path / "policy", extra_tokens=("<think>",))  # only its tokenizer is read
+    with pytest.raises(ValueError) as refusal:
+        build_reward_inputs(rm_config(policy_dir, rm_dir, input_tokenizer=None))
+    assert str(refusal.value) == (
+        "reward.reward_model.input_tokenizer=null has the reward model read the policy's token ids, but 1 of the "
+        f"policy's 260 tokens (first '<think>') have another id or none in the tokenizer of {rm_dir}; set "
+        "reward.reward_model.input_tokenizer=auto to re-render the responses in the reward model's chat template")
+    wider_rm = save_tiny_reward_model(tmp_path / "wider", extra_tokens=("<think>", "<x>"))  # the policy's ids and more
+    assert build_reward_inputs(rm_config(policy_dir, wider_rm, input_tokenizer=None)).policy_tokenizer is None
