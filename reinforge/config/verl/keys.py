@@ -718,7 +718,8 @@ VERL_KEYS: dict[str, Translation] = {
     "algorithm.filter_groups.max_num_gen_batches": Rename("algorithm.filter_groups.max_num_gen_batches"),
     # ---- trainer
     "trainer.total_epochs": Rename("trainer.total_epochs", _epochs_unless_steps_given, verl_default=30),
-    "trainer.total_training_steps": Rename("trainer.total_steps", _unset_if(None)),
+    "trainer.total_training_steps": Rename("trainer.total_steps", _unset_if(None), note="exactly this many steps, the "
+                                           "data repeated as needed; verl stops sooner if trainer.total_epochs run out"),
     "trainer.project_name": Rename("trainer.project_name", verl_default=VERL_PROJECT_NAME),
     "trainer.experiment_name": Rename("trainer.experiment_name", verl_default=VERL_EXPERIMENT_NAME),
     "trainer.logger": Rename("trainer.loggers", _loggers),
