@@ -51,7 +51,9 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
         found = ", ".join(architectures) or "no architectures entry"
         raise ValueError(f"{KEY}={path} is not a classification model ({found} in its config.json); the reward "
                          "model must be an AutoModelForSequenceClassification or AutoModelForTokenClassification "
-                         "folder with num_labels=1, such as one `reinforge rm` exports")
+                         "folder with num_labels=1, such as one `reinforge rm` exports; a causal LM that writes its "
+                         "judgement (verl's generative reward model) is reward.judge.model_path, with "
+                         "reward.judge.template")
     if is_local_path(path) and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{KEY}={path} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); save "
                          "the reward model's tokenizer beside its weights (tokenizer.save_pretrained)")

@@ -83,7 +83,8 @@ def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_arg
     assert line == (f"error: reward.reward_model.model_path={tiny_model_dir} is not a classification model "
                     "(Qwen2ForCausalLM in its config.json); the reward model must be an "
                     "AutoModelForSequenceClassification or AutoModelForTokenClassification folder with num_labels=1, "
-                    "such as one `reinforge rm` exports")
+                    "such as one `reinforge rm` exports; a causal LM that writes its judgement (verl's generative "
+                    "reward model) is reward.judge.model_path, with reward.judge.template")
     args = rl_args(tmp_path / "run", **{"reward.reward_model.enable": True,
                                         "reward.reward_model.model_path": reward_model_dir,
                                         "reward.reward_model.input_tokenizer": tmp_path / "nowhere"})
