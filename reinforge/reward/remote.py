@@ -187,5 +187,6 @@ class RemoteReward:
             retries += used
         if chunks and failed == len(samples):
             raise RemoteRewardError(f"the remote reward scored none of {len(samples)} samples: {last_error}; check "
-                                    "that the endpoint is up (reward.remote.url)")
+                                    f"that the endpoint is up (reward.remote.url) and answers as "
+                                    f"reward.remote.protocol={self.protocol} says")
         return RemoteScores(scores, failed, retries, len(chunks))

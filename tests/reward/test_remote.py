@@ -102,7 +102,8 @@ def test_a_batch_that_no_request_scored_stops_in_one_line(server):
     with pytest.raises(RemoteRewardError) as error:
         RemoteReward(url, batch_size=2).score(SAMPLES[:2])
     assert str(error.value) == (f"the remote reward scored none of 2 samples: {url} answered 1 scores for 2 samples; "
-                                "check that the endpoint is up (reward.remote.url)")
+                                "check that the endpoint is up (reward.remote.url) and answers as "
+                                "reward.remote.protocol=openrlhf says")
     down = "http://127.0.0.1:9/get_reward"  # the discard port: nothing listens
     with pytest.raises(RemoteRewardError, match=r"http://127.0.0.1:9/get_reward failed 2 times, last: .*max_retries=1"):
         RemoteReward(down, max_retries=1, backoff_s=0.0, timeout_s=2.0).score(SAMPLES[:1])
