@@ -30,6 +30,8 @@ from reinforge.demo.runner import (
     train_and_measure,
 )
 
+OPENAI_AGENT = "calc_openai"
+
 
 @dataclass(frozen=True)
 class AgentDemoSettings:
@@ -51,6 +53,8 @@ class AgentDemoSettings:
     seed: int = 1
     rollout: str = "native"
     """The native engine batches the turns of all trajectories continuously; hf works too, more slowly."""
+    openai: bool = False
+    """Rows run ``agent_openai.calc_agent``, the same agent written against the openai client, through the endpoint."""
 
     def overrides(self, model_dir: Path, files: dict[str, str], run_dir: Path, task: AgentDemoTask, device: str,
                   loggers: tuple[str, ...]) -> list[str]:
@@ -65,6 +69,8 @@ class AgentDemoSettings:
             f"trainer.test_every={self.test_every}", f"trainer.save_every={self.save_every}", "trainer.keep_last=1",
             f"trainer.seed={self.seed}", f"trainer.loggers=[{','.join(loggers)}]", "trainer.resume=auto",
             "trainer.experiment_name=demo-agent",
+            *([f"rollout.multi_turn.openai_agents={{{OPENAI_AGENT}: reinforge.demo.agent_openai.calc_agent}}"]
+              if self.openai else []),
         ]
 
 
@@ -79,9 +85,15 @@ def run_agent_demo(run_dir: str | Path = "runs/demo-agent", *, model_dir: str | 
     note = prepare_run_dir(run_dir, fresh, settings.total_steps)
     if note:
         print(f"demo-agent: {note}", flush=True)
-    return train_and_measure(
-        run_dir, lambda: settings.overrides(model_dir, task.write(run_dir / "data"), run_dir, task, device, loggers),
-        settings.total_steps, ACCURACY_KEY, plots)
+    def overrides() -> list[str]:
+        files = task.write(run_dir / "data")
+        if settings.openai:  # the same rows, run by the openai-client agent
+            for split in ("train", "test"):
+                path = Path(files[split])
+                path.write_text(path.read_text().replace('"agent_name": "tool_agent"', f'"agent_name": "{OPENAI_AGENT}"'))
+        return settings.overrides(model_dir, files, run_dir, task, device, loggers)
+
+    return train_and_measure(run_dir, overrides, settings.total_steps, ACCURACY_KEY, plots)
 
 
 def agent_demo_main(argv: list[str]) -> int:
@@ -91,6 +103,8 @@ def agent_demo_main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=AgentDemoSettings.total_steps, help="GRPO steps")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     parser.add_argument("--fresh", action="store_true", help="start over instead of resuming an interrupted run")
+    parser.add_argument("--openai", action="store_true",
+                        help="run the calculator agent written against the openai client, through the endpoint")
     parser.add_argument("--rebuild-model", action="store_true",
                         help="first rebuild the agent demo model by SFT, then run the demo")
     args = parser.parse_args(argv)
@@ -103,7 +117,7 @@ def agent_demo_main(argv: list[str]) -> int:
             print(f"demo-agent: rebuilt the model in {AGENT_MODEL_DIR}: held-out accuracy "
                   f"{100 * card['held_out_accuracy']:.1f}%", flush=True)
         settings = AgentDemoSettings(total_steps=args.steps, test_every=max(1, args.steps // 4),
-                                     save_every=max(1, args.steps // 2))
+                                     save_every=max(1, args.steps // 2), openai=args.openai)
         return run_agent_demo(args.out, settings=settings, device=args.device, fresh=args.fresh)
 
     return report_demo("demo-agent", "`make demo-agent`", args.out, run)

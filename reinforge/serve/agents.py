@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import itertools
 import json
+import logging
 import os
 import shlex
 import time
@@ -37,6 +38,7 @@ from reinforge.serve.service import GenerationService
 from reinforge.serve.trajectories import TrajectorySession, jsonable
 
 OpenAIAgent = Callable[[str, dict[str, Any]], Awaitable[Any]]
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "openai")
 ROW_KEYS_NOT_SENT = ("prompt_ids",)
 
 _trajectory_numbers = itertools.count()
@@ -73,6 +75,9 @@ class _SharedEndpoint:
 
     @staticmethod
     async def _start(context: AgentContext) -> OpenAIEndpoint:
+        for name in HTTP_CLIENT_LOGGERS:  # a line per request at INFO would bury the run's own lines
+            if logging.getLogger(name).level == logging.NOTSET:
+                logging.getLogger(name).setLevel(logging.WARNING)
         if context.renderer is None:
             from reinforge.agent.turn_tokens import ToolTurnRenderer
 
@@ -103,8 +108,7 @@ class OpenAIAgentLoop(AgentLoop):
             scope = asyncio.timeout(self.timeout_s)
             try:
                 async with scope:
-                    result = await self._run_agent(base_url, {key: value for key, value in row.items()
-                                                             if key not in ROW_KEYS_NOT_SENT})
+                    result = await self._run_agent(base_url, self._agent_row(row))
             except TimeoutError:
                 if not scope.expired():
                     raise
@@ -123,6 +127,14 @@ class OpenAIAgentLoop(AgentLoop):
         elif result is not None:
             output.extra["final_answer"] = result
         return output
+
+    def _agent_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row as the agent gets it: its columns, and under ``tools`` the OpenAI schemas of the run's tool config
+        (the tools its prompt was rendered with), which the agent sends with its calls."""
+        agent_row = {key: value for key, value in row.items() if key not in ROW_KEYS_NOT_SENT}
+        if self.context.tools:
+            agent_row["tools"] = [tool.schema for tool in self.context.tools.values()]
+        return agent_row
 
     async def _run_agent(self, base_url: str, row: dict[str, Any]) -> Any:
         if callable(self.agent):

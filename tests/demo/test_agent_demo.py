@@ -62,3 +62,24 @@ def test_committed_agent_model_matches_its_build_command():
     assert card["sft"] == asdict(AGENT_SFT) and card["model"] == asdict(AGENT_MODEL)
     assert card["task"] == json.loads(json.dumps(asdict(AGENT_TASK)))
     assert card["held_out_accuracy"] <= 0.3  # the flaw is there for RL to fix
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (AGENT_MODEL_DIR / MODEL_CARD).is_file(),
+                    reason="the agent demo model is not built; run python -m reinforge.demo.agent_build")
+def test_the_openai_client_agent_trains_as_tool_agent_does(tmp_path):
+    """The same rows run by tool_agent and by the openai-client agent through the endpoint: the same run."""
+    import dataclasses
+
+    from reinforge.demo.agent_runner import AgentDemoSettings, run_agent_demo
+
+    settings = AgentDemoSettings(total_steps=2, train_batch_size=4, n=4, test_every=2, save_every=2, num_val=16)
+    runs = {}
+    for name, openai in (("tool_agent", False), ("openai", True)):
+        result = run_agent_demo(tmp_path / name, settings=dataclasses.replace(settings, openai=openai), device="cpu",
+                                loggers=("jsonl",), plots=False)
+        metrics = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = (result["before"], result["after"],
+                      [(row.get("critic/score/mean"), row.get("num_turns/mean"), row.get("response_length/mean"))
+                       for row in metrics])
+    assert runs["openai"] == runs["tool_agent"]
