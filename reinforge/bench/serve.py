@@ -114,7 +114,8 @@ async def bench(args: argparse.Namespace) -> dict:
     prompt_tokens, max_tokens = (128, 512) if cuda else (16, 16)
     eos_id = tokenizer.eos_token_id
     engine_kwargs: dict[str, Any] = {"eos_token_ids": [eos_id], "max_model_len": prompt_tokens + max_tokens + 16,
-                                     "max_num_seqs": max(num_requests, 1), "device": device}
+                                     "max_num_seqs": max(num_requests, 1), "device": device,
+                                     "free_on_sleep": False}  # sleep between runs drops the prefix cache, keeps graphs
     if cuda:
         engine_kwargs["gpu_memory_utilization"] = 0.85
     engine = NativeEngine(model, **engine_kwargs)

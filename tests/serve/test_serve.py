@@ -179,3 +179,15 @@ def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
             api.completions.create(model="tiny", prompt="1+1=", max_tokens=400)
     finally:
         served.close()
+
+
+@pytest.mark.gpu
+def test_chat_through_http_reaches_most_of_the_in_process_rate_on_the_gpu(tmp_path):
+    """256 concurrent chat requests on the 0.5B shape: at least 80% of the in-process tokens/s."""
+    from reinforge.bench.serve import serve_bench_main
+
+    out = tmp_path / "serve.json"
+    assert serve_bench_main(["--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 256
+    assert result["http_over_in_process"] >= 0.8, result["rows"]
