@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +193,28 @@ def test_chat_through_http_reaches_most_of_the_in_process_rate_on_the_gpu(tmp_pa
     result = json.loads(out.read_text())
     assert result["num_requests"] == 256
     assert result["http_over_in_process"] >= 0.8, result["rows"]
+
+
+@pytest.mark.slow
+def test_reinforge_serve_answers_the_openai_client_until_interrupted(tiny_model_dir):
+    import os
+    import signal
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, "-m", "reinforge", "serve", str(tiny_model_dir), "--port", "0",
+                                "--max-model-len", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2])))
+    try:
+        line = ""
+        while "serving" not in line:
+            line = process.stdout.readline()
+            assert line or process.poll() is None, "reinforge serve exited before serving"
+        url = line.split(" at ", 1)[1].split()[0]
+        assert "(native engine on cpu, at most 256 requests at once)" in line
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "1+1"}],
+                                               max_tokens=5, seed=1)
+        assert reply.usage.completion_tokens <= 5 and reply.model == str(tiny_model_dir)
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 130
