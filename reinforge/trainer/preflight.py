@@ -14,6 +14,7 @@ cannot take refused by name), still before any weight loads.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,8 @@ from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backe
 from reinforge.trainer.ineffective_settings import warn_ineffective_settings
 from reinforge.trainer.modes.partial import refuse_agent_rows
 from reinforge.workers.memory_settings import apply_memory_plan
+
+logger = logging.getLogger(__name__)
 
 CLASSIFICATION_HEADS = tuple(HEADS)
 """Endings of architecture names whose models score text instead of writing it."""
@@ -259,7 +262,8 @@ def check_reward_model_settings(config: Config) -> None:
 
 def check_judge_settings(config: Config) -> None:
     """With reward.judge.enable: its template shows the response and names known fields, its model folder is there
-    (or it is the policy), and parse=yes_no's answers are one token each of its vocabulary."""
+    (or it is the policy), and parse=yes_no's answers are one token each of its vocabulary; a judge without the chat
+    template reward.judge.chat_template asks for is one warning line."""
     from reinforge.reward.judge import answer_token_id, check_template, read_template
 
     settings = config.reward.judge
@@ -273,8 +277,13 @@ def check_judge_settings(config: Config) -> None:
     if settings.model_path != "policy" and is_local_path(path):
         check_model_folder(path)
         check_writes_text(path, "reward.judge.model_path")
-    if settings.parse == "yes_no":
+    if settings.parse == "yes_no" or settings.chat_template:
         tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
+    if settings.chat_template and not getattr(tokenizer, "chat_template", None):
+        logger.warning("reward.judge.chat_template=true, but the judge at %s has no chat template: it reads "
+                       "reward.judge.template's text as it is; set reward.judge.chat_template=false to say so, or "
+                       "add a chat template to its tokenizer_config.json", path)
+    if settings.parse == "yes_no":
         try:
             answer_token_id(tokenizer, settings.yes_token, "reward.judge.yes_token")
             answer_token_id(tokenizer, settings.no_token, "reward.judge.no_token")

@@ -105,3 +105,27 @@ def test_judge_and_remote_settings_are_refused_before_any_model(rl_args, tmp_pat
     assert main(["train", *rl_args(tmp_path / "run", **overrides)]) == 2
     [error] = capsys.readouterr().err.strip().splitlines()
     assert error.startswith(line)
+
+
+def test_a_judge_without_the_chat_template_it_is_asked_to_use_is_warned_about(tiny_model_dir, tmp_path, caplog):
+    import shutil
+
+    from reinforge.config import load_config
+    from reinforge.trainer.preflight import check_judge_settings
+
+    base_model = shutil.copytree(tiny_model_dir, tmp_path / "base")
+    (base_model / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((base_model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (base_model / "tokenizer_config.json").write_text(json.dumps(settings))
+    judge = [f"model.path={tiny_model_dir}", "reward.judge.enable=true", f"reward.judge.model_path={base_model}",
+             f"reward.judge.template='{TEMPLATE}'"]
+    with caplog.at_level("WARNING"):
+        check_judge_settings(load_config(None, judge))
+    [warning] = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warning.startswith(f"reward.judge.chat_template=true, but the judge at {base_model} has no chat template")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        check_judge_settings(load_config(None, [*judge, "reward.judge.chat_template=false"]))
+        check_judge_settings(load_config(None, [*judge[:2], f"reward.judge.model_path={tiny_model_dir}", judge[3]]))
+    assert not [record for record in caplog.records if record.levelname == "WARNING"]
