@@ -218,3 +218,25 @@ def test_reinforge_serve_answers_the_openai_client_until_interrupted(tiny_model_
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(30) == 130
+
+
+def test_a_lora_adapter_folder_is_merged_into_the_base_it_names(tiny_model_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    from reinforge.models.loading import load_causal_lm
+    from reinforge.serve.command import load_model, resolve_model_folder
+
+    base = load_causal_lm(str(tiny_model_dir), dtype=torch.float32, device="cpu")
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    for name, parameter in adapted.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero, which would make the adapter a no-op
+            parameter.data.normal_(0, 0.5)
+    adapted.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[5, 9, 40, 41, 42]])
+    with torch.no_grad():
+        expected = adapted(ids).logits
+    assert resolve_model_folder(str(tmp_path / "adapter")) == (str(tiny_model_dir), str(tmp_path / "adapter"))
+    merged, _ = load_model(str(tiny_model_dir), str(tmp_path / "adapter"), "float32", torch.device("cpu"))
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
