@@ -8,6 +8,9 @@ short. The same rows, seeds and engine must then give the same trajectories, tok
 
 from __future__ import annotations
 
+import asyncio
+import sys
+
 import pytest
 import torch
 
@@ -172,3 +175,55 @@ def test_reinforge_train_trains_an_openai_agent_named_in_the_config(tiny_model_d
         AGENT_LOOPS.pop("echo_client", None)
     (metrics,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics["num_turns/max"] > 2 and metrics["critic/score/mean"] > 0
+
+
+COMMAND_AGENT = '''
+import json, os, sys, urllib.request
+
+row = json.load(sys.stdin)
+body = json.dumps({"model": "policy", "messages": row["raw_prompt"]}).encode()
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+reply = json.loads(urllib.request.urlopen(request).read())["choices"][0]["message"]["content"]
+if row["extra_info"].get("fail"):
+    print("the agent broke", file=sys.stderr)
+    sys.exit(3)
+print("thinking...")
+print(0.75 if reply == "fine" else 0.0)
+'''
+
+
+class FixedReply:
+    """A token client answering every prompt with "fine" and the end-of-turn token."""
+
+    def __init__(self, tokenizer):
+        self.ids = list(tokenizer("fine", add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        from reinforge.rollout.base import Completion
+
+        return Completion(self.ids, [-0.5] * len(self.ids), "stop")
+
+
+def test_an_agent_command_gets_the_url_and_the_row_and_its_last_line_is_the_reward(tmp_path):
+    from reinforge.agent import AgentContext, get_agent_loop
+    from reinforge.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    (tmp_path / "agent.py").write_text(COMMAND_AGENT)
+    register_openai_agent("test_command_agent", [sys.executable, str(tmp_path / "agent.py")])
+    try:
+        context = AgentContext(tokenizer, FixedReply(tokenizer), MultiTurnConfig())
+        messages = [{"role": "user", "content": "hi"}]
+        row = {"prompt_ids": [1], "raw_prompt": messages, "extra_info": {}, "request_id": "r/0"}
+        output = asyncio.run(get_agent_loop("test_command_agent")(context).run(SamplingParams(max_tokens=20), **row))
+        assert output.reward_score == 0.75
+        assert output.prompt_ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                  return_dict=False)
+        assert output.response_ids == FixedReply(tokenizer).ids and output.response_mask == [1] * 5
+        with pytest.raises(RuntimeError, match=r"agent 'test_command_agent' raised RuntimeError: agent command "
+                                               r".* exited with 3: the agent broke"):
+            asyncio.run(get_agent_loop("test_command_agent")(context).run(
+                SamplingParams(max_tokens=20), **(row | {"extra_info": {"fail": True}})))
+    finally:
+        del AGENT_LOOPS["test_command_agent"]
