@@ -88,6 +88,10 @@ def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
         class_name, config, schema = entry["class_name"], entry.get("config") or {}, entry.get("tool_schema")
         if class_name in VERL_TOOLS:
             config, class_name = _verl_tool_config(class_name, dict(config), where), VERL_TOOLS[class_name]
+        elif class_name.startswith("verl."):  # verl's tools subclass verl's own BaseTool: none loads here
+            raise ValueError(f"{where}: {class_name} is a verl tool without a reinforge equivalent (those are "
+                             f"{', '.join(VERL_TOOLS)}); port it as a reinforge BaseTool subclass or a typed function "
+                             "(see reinforge/agent/tools.py) and name it by package.module.Name or file.py:Name")
         target = import_object(class_name, where)
         is_class = isinstance(target, type)
         if not (issubclass(target, BaseTool) if is_class else callable(target)):

@@ -65,3 +65,16 @@ def test_a_verl_sandbox_setting_without_equivalent_names_itself(tmp_path, change
              "config": {"sandbox_fusion_url": "http://127.0.0.1:1", **change}}
     with pytest.raises(ValueError, match=message):
         load_tool_config(write_tools(tmp_path, entry))
+
+
+def test_a_verl_tool_without_an_equivalent_is_refused_by_name(tmp_path):
+    entry = {"class_name": "verl.tools.search_tool.SearchTool", "tool_schema": RUN_CODE,
+             "config": {"retrieval_service_url": "http://127.0.0.1:1/retrieve", "type": "native"}}
+    path = write_tools(tmp_path, entry)
+    with pytest.raises(ValueError) as refusal:
+        load_tool_config(path)
+    assert str(refusal.value) == (
+        f"tool 0 of {path}: verl.tools.search_tool.SearchTool is a verl tool without a reinforge equivalent (those "
+        "are verl.tools.gsm8k_tool.Gsm8kTool, verl.tools.sandbox_fusion_tools.SandboxFusionTool, "
+        "recipe.retool.retool.CustomSandboxFusionTool); port it as a reinforge BaseTool subclass or a typed function "
+        "(see reinforge/agent/tools.py) and name it by package.module.Name or file.py:Name")
