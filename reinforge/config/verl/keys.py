@@ -254,6 +254,11 @@ DYNAMIC_BSZ = NoEquivalent("micro-batches are always balanced by tokens under ac
                            "which ppo_max_token_len_per_gpu becomes")
 LOG_PROB_BUDGET = NoEquivalent("the actor's log-prob pass uses actor.max_tokens_per_micro_batch, the reference's "
                                "ref.max_tokens_per_micro_batch")
+REWARD_MANAGER = Refused(("naive", "dapo", "prime", "limit", "rate_limited", "gdpo", None),
+                         "reinforge's reward manager scores each sample as verl's naive one does (in "
+                         "reward.num_workers processes, reward.timeout_s each); verl's batch and remote "
+                         "managers call scorers another way: write a reward.custom_function")
+"""verl 0.7's reward_model.reward_manager and 0.9's reward.reward_manager.name."""
 ENGINE_KNOB = NoEquivalent("a setting of vLLM/SGLang; reinforge's rollout engine (rollout.name=native) runs on "
                            "each training device and sizes its batches itself")
 PARALLELISM = NoEquivalent("reinforge shards every model with FSDP2 over all devices of its role and has no "
@@ -364,10 +369,7 @@ REWARD_MODEL_KEYS: dict[str, Translation] = {
     f"{_RM}.use_dynamic_bsz": RM_BUDGET,
     f"{_RM}.max_length": Rename("reward.reward_model.max_length", _unset_if(None)),
     f"{_RM}.ulysses_sequence_parallel_size": RM_SHARDING,
-    f"{_RM}.reward_manager": Refused(("naive", "dapo", "prime", "limit", "rate_limited", "gdpo", None),
-                                     "reinforge's reward manager scores each sample as verl's naive one does (in "
-                                     "reward.num_workers processes, reward.timeout_s each); verl's batch and remote "
-                                     "managers call scorers another way: write a reward.custom_function"),
+    f"{_RM}.reward_manager": REWARD_MANAGER,
     f"{_RM}.reward_loop_source": Refused(("register", None), "reinforge has no custom reward loop classes; write a "
                                                              "reward.custom_function"),
     f"{_RM}.reward_loop_module_path": Refused((None,), "reinforge has no custom reward loop classes; write a "
@@ -807,6 +809,11 @@ VERL_KEYS: dict[str, Translation] = {
     "reward.custom_reward_function.path": Rename("reward.custom_function", _custom_function),
     "reward.custom_reward_function.name": Rename("reward.custom_function", _custom_function_name),
     "reward.num_workers": Rename("reward.num_workers"),
+    "reward.reward_manager.name": REWARD_MANAGER,
+    "reward.reward_manager.source": Refused(("register", None), "reinforge has no custom reward manager classes; "
+                                                                "write a reward.custom_function"),
+    "reward.reward_manager.module.path": Refused((None,), "reinforge has no custom reward manager classes; write a "
+                                                          "reward.custom_function"),
     "reward.reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes "
                                             "with reward.timeout_s and reward.num_workers"),
     "reward.sandbox_fusion.*": SANDBOX,

@@ -79,3 +79,14 @@ def test_a_reward_model_setting_reinforge_cannot_honour_is_refused_by_name(argum
     with pytest.raises(ConfigError) as error:
         translate_verl([argument])
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("argument", ["reward.reward_manager.name=batch", "reward.reward_manager.source=importlib",
+                                      "reward.reward_manager.module.path=my_manager.py"])
+def test_verl_0_9s_reward_manager_is_refused_where_0_7s_is(argument):
+    with pytest.raises(ConfigError) as error:
+        translate_verl([argument])
+    assert str(error.value).startswith(f"{argument} (verl command line) has no equivalent: ")
+    assert "reward.custom_function" in str(error.value) and "\n" not in str(error.value)
+    naive = translate_verl(["reward.reward_manager.name=naive", "reward.reward_manager.source=register"])
+    assert naive.no_equivalent == [] and len(naive.already_ours) == 2
