@@ -148,7 +148,8 @@ async def agent(base_url, row):
 
 
 @pytest.mark.slow
-def test_reinforge_train_trains_an_openai_agent_named_in_the_config(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_reinforge_train_trains_an_openai_agent_named_in_the_config(tiny_model_dir, tmp_path, backend):
     import json
 
     from reinforge.cli import main
@@ -163,7 +164,7 @@ def test_reinforge_train_trains_an_openai_agent_named_in_the_config(tiny_model_d
                       "    return float(solution_str.count('echo:'))\n")
     run_dir = tmp_path / "run"
     args = [f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.train_batch_size=2",
-            "data.max_prompt_length=32", "data.max_response_length=96", "rollout.n=2", "rollout.name=native",
+            "data.max_prompt_length=32", "data.max_response_length=96", "rollout.n=2", f"rollout.name={backend}",
             f"rollout.stop_token_ids=[{','.join(map(str, LETTER_IDS))}]",
             f"rollout.multi_turn.openai_agents={{echo_client: '{tmp_path / 'echo_agent.py'}:agent'}}",
             "rollout.multi_turn.max_assistant_turns=3", f"reward.custom_function={scorer}:compute_score",
