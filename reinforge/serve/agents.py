@@ -18,6 +18,7 @@ stops the rollout with its error: a broken agent must not train on what it left.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import itertools
 import json
@@ -171,6 +172,9 @@ async def run_agent_command(command: list[str], base_url: str, row: dict[str, An
 def register_configured_agents(config: MultiTurnConfig) -> None:
     """Register ``rollout.multi_turn.openai_agents`` (agent_name -> 'file.py:function', 'package.module.function' or
     'cmd:COMMAND ARGS'); a name already registered with the same agent is left as it is."""
+    if config.openai_agents and importlib.util.find_spec("aiohttp") is None:
+        raise ValueError(f"rollout.multi_turn.openai_agents ({', '.join(config.openai_agents)}) run through an HTTP "
+                         "endpoint, which needs aiohttp; pip install 'reinforge[serve]'")
     for name, spec in config.openai_agents.items():
         where = f"rollout.multi_turn.openai_agents.{name}"
         if not isinstance(spec, str) or not spec.strip():

@@ -228,3 +228,25 @@ def test_an_agent_command_gets_the_url_and_the_row_and_its_last_line_is_the_rewa
                 SamplingParams(max_tokens=20), **(row | {"extra_info": {"fail": True}})))
     finally:
         del AGENT_LOOPS["test_command_agent"]
+
+
+def test_configured_agents_are_registered_once_and_mistakes_are_refused_in_one_line(tmp_path):
+    from reinforge.serve.agents import register_configured_agents
+
+    (tmp_path / "agents.py").write_text("async def agent(base_url, row):\n    return 1.0\n\ndef plain(base_url, row):\n"
+                                        "    return 1.0\n")
+    config = MultiTurnConfig(openai_agents={"test_cfg_agent": f"{tmp_path / 'agents.py'}:agent",
+                                            "test_cfg_command": "cmd:python my_agent.py --fast"})
+    try:
+        register_configured_agents(config)
+        register_configured_agents(config)  # the preflight, then a worker in the same process
+        assert AGENT_LOOPS["test_cfg_command"].agent == ("python", "my_agent.py", "--fast")
+        with pytest.raises(ValueError, match=r"openai_agents.tool_agent: agent_name 'tool_agent' is already a "
+                                             r"registered agent loop; pick another name"):
+            register_configured_agents(MultiTurnConfig(openai_agents={"tool_agent": "cmd:true"}))
+        with pytest.raises(ValueError, match=r"openai_agents.test_cfg_plain: .*:plain' is not an async function; "
+                                             r"define it as `async def agent\(base_url, row\)`"):
+            register_configured_agents(MultiTurnConfig(openai_agents={"test_cfg_plain": f"{tmp_path / 'agents.py'}:plain"}))
+    finally:
+        AGENT_LOOPS.pop("test_cfg_agent", None)
+        AGENT_LOOPS.pop("test_cfg_command", None)
