@@ -101,8 +101,9 @@ def warn_if_beyond_context(path: str, tokens: int, source: str) -> bool:
 
 
 @contextmanager
-def hub_errors_explained(path: str) -> Iterator[None]:
-    """Turn a failed hub download for a path that is not a local folder into one line."""
+def hub_errors_explained(path: str, key: str | None = None) -> Iterator[None]:
+    """Turn a failed hub download for a path that is not a local folder into one line (naming ``key``, the setting
+    that gave the path, when given)."""
     try:
         yield
     except OSError as error:
@@ -110,7 +111,7 @@ def hub_errors_explained(path: str) -> Iterator[None]:
             raise
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise OSError(f"{path!r} is not a local folder and could not be loaded from the hub ({first_line}); "
-                      "check the path, or download the model first") from error
+                      f"check {key or 'the path'}, or download the model first") from error
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

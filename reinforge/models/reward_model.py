@@ -43,7 +43,7 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
     """(the Auto class that loads the reward model at ``path``, its model_type); raises ValueError (one line) when
     it is not a classification model with num_labels=1."""
     path = _local(path)
-    with hub_errors_explained(path):
+    with hub_errors_explained(path, KEY):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architectures = list(getattr(config, "architectures", None) or [])
     heads = [(name, auto) for name in architectures for ending, auto in HEADS.items() if name.endswith(ending)]
@@ -70,7 +70,7 @@ def load_reward_model(path: str, *, dtype: torch.dtype, device: torch.device | s
     path = _local(path)
     device = torch.device(device)
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}
-    with hub_errors_explained(path):
+    with hub_errors_explained(path, KEY):
         model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **placement)
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         raise ValueError(f"{KEY}={path} loads as {type(model).__name__}, whose head is not a linear layer named "

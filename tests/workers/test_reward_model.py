@@ -272,3 +272,20 @@ def test_input_tokenizer_null_is_refused_when_the_policys_ids_mean_other_tokens_
         "reward.reward_model.input_tokenizer=auto to re-render the responses in the reward model's chat template")
     wider_rm = save_tiny_reward_model(tmp_path / "wider", extra_tokens=("<think>", "<x>"))  # the policy's ids and more
     assert build_reward_inputs(rm_config(policy_dir, wider_rm, input_tokenizer=None)).policy_tokenizer is None
+
+
+def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
+    import reinforge.models.reward_model as reward_model
+
+    class Unreachable:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
+
+    monkeypatch.setattr(reward_model, "AutoConfig", Unreachable)
+    with pytest.raises(OSError) as refusal:
+        check_reward_model("no-such-owner/no-such-reward-model")
+    message = str(refusal.value)
+    assert message.startswith("'no-such-owner/no-such-reward-model' is not a local folder and could not be loaded "
+                              "from the hub (")
+    assert message.endswith("; check reward.reward_model.model_path, or download the model first")
