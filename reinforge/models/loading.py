@@ -95,7 +95,7 @@ def warn_if_beyond_context(path: str, tokens: int, source: str) -> bool:
     if tokens <= limit:
         return False
     logger.warning("%s = %d tokens, more than the %d positions the model at %s was trained on "
-                   "(max_position_embeddings in its config.json); what it writes past them is unreliable: "
+                   "(max_position_embeddings in its config.json); what it computes past them is unreliable: "
                    "shorten them or use a model with a longer context", source, tokens, limit, path)
     return True
 

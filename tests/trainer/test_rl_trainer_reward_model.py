@@ -124,6 +124,7 @@ def test_a_reward_model_reading_past_its_positions_is_warned_about(tiny_model_di
     [warning] = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
     assert warning.startswith("the reward model's input, data.max_prompt_length + data.max_response_length = 300 "
                               "tokens, more than the 256 positions the model at ")
+    assert "what it computes past them is unreliable" in warning  # a reward model writes nothing
     caplog.clear()
     with caplog.at_level("WARNING"):
         check_reward_model_settings(load_config(None, [*settings, "reward.reward_model.max_length=256"]))
