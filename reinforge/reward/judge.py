@@ -196,8 +196,13 @@ def answer_token_id(tokenizer: Any, answer: str, key: str) -> int:
     """The one token ``answer`` is in the judge's vocabulary; ValueError in one line naming ``key`` otherwise."""
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     if len(ids) != 1:
+        variants = dict.fromkeys(form for word in (answer.strip(), answer.strip()[:1]) if word
+                                 for form in (word, f" {word}", word.lower(), f" {word.lower()}"))
+        single = [form for form in variants if len(tokenizer(form, add_special_tokens=False)["input_ids"]) == 1]
+        hint = f"e.g. {', '.join(map(repr, single))}" if single else "its vocabulary has none of " + ", ".join(
+            map(repr, variants))
         raise ValueError(f"{key}={answer!r} is {len(ids)} tokens of the judge's vocabulary; parse=yes_no reads the "
-                         "probability of one token: pick an answer that is one token (e.g. 'Yes', ' yes')")
+                         f"probability of one token: pick an answer that is one token ({hint})")
     return int(ids[0])
 
 

@@ -121,3 +121,14 @@ def test_yes_no_scores_are_the_yes_probability_whatever_the_temperature():
                              dtype=torch.float64)
     scores = yes_no_scores(log_probs, temperature)
     assert scores == pytest.approx([1 / (1 + math.exp(-(logits_yes - logits_no)))] * 2, abs=1e-9)
+
+
+def test_an_answer_of_several_tokens_is_refused_with_ones_the_vocabulary_has():
+    tokenizer = build_char_tokenizer()
+    with pytest.raises(ValueError) as refusal:
+        answer_token_id(tokenizer, "Yes", "reward.judge.yes_token")
+    assert str(refusal.value) == ("reward.judge.yes_token='Yes' is 3 tokens of the judge's vocabulary; parse=yes_no "
+                                  "reads the probability of one token: pick an answer that is one token (e.g. 'Y', "
+                                  "'y')")
+    with pytest.raises(ValueError, match=r"one token \(its vocabulary has none of 'é', ' é'\)$"):
+        answer_token_id(tokenizer, "é", "reward.judge.yes_token")  # two bytes, two tokens of the byte-level vocabulary
