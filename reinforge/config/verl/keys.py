@@ -194,7 +194,7 @@ def _resume_mode(value: Any, given: Mapping[str, Any]) -> Any:
         return "never"
     if value == "resume_path":
         return UNSET  # trainer.resume_from_path gives the path
-    raise NoEquivalentValue(f"resume_mode {value!r} is not one of verl's auto, disable, resume_path")
+    raise RefusedValue("is not one of verl's resume modes auto, disable, resume_path; use one of them")
 
 
 def _resume_path(value: Any, given: Mapping[str, Any]) -> Any:

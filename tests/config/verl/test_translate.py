@@ -421,3 +421,11 @@ def test_verls_default_epochs_stay_behind_when_the_command_gives_its_steps(caplo
     [steps] = [line.render() for line in both.translated if line.verl_key == "trainer.total_training_steps"]
     assert steps.endswith("(exactly this many steps, the data repeated as needed; verl stops sooner if "
                           "trainer.total_epochs run out)")  # the one way the two differ is said, not hidden
+
+
+def test_a_resume_mode_verl_does_not_have_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl(["trainer.resume_mode=latest"])
+    assert str(refusal.value) == ("trainer.resume_mode=latest (verl command line) is not one of verl's resume modes "
+                                  "auto, disable, resume_path; use one of them")
+    assert translate_verl(["trainer.resume_mode=disable"]).tree["trainer"]["resume"] == "never"
