@@ -12,8 +12,8 @@ ENABLED = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/m
      "reward.reward_model.enable=true but reward.reward_model.model_path is not set; pass "
      "reward.reward_model.model_path=/path/to/reward_model (a sequence-classification folder)"),
     (["reward.combine.mode=sum"],
-     "reward.combine.mode=sum combines the reward model's score with the rule's, but reward.reward_model.enable=false; "
-     "set reward.reward_model.enable=true and reward.reward_model.model_path, or remove reward.combine.mode"),
+     "reward.combine.mode=sum combines a model's score with the rule's, but no reward.reward_model, reward.judge or "
+     "reward.remote is enabled; enable one, or remove reward.combine.mode"),
     ([*ENABLED, "reward.combine.mode=mean"], "reward.combine.mode='mean' is not one of replace, sum, gate"),
     ([*ENABLED, "reward.combine.rm_weight=.nan"], "reward.combine.rm_weight=nan must be a finite number"),
     ([*ENABLED, "reward.reward_model.max_length=1"],
