@@ -60,7 +60,7 @@ def triton_path(use_triton: bool) -> None:
         pytest.importorskip("triton")
 
 
-PATHS = [pytest.param(False, id="pytorch"), pytest.param(True, id="triton", marks=pytest.mark.slow)]
+TRITON_FAMILIES = ("gemma2", "phi3")
 
 
 @pytest.mark.parametrize("family", DENSE_FAMILIES)
@@ -74,8 +74,13 @@ def test_greedy_tokens_are_generates(family):
         assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS), family
 
 
-@pytest.mark.parametrize("use_triton", PATHS)
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family, use_triton", [
+    *((family, False) for family in DENSE_FAMILIES),
+    # the interpreter takes about a minute a family; these two run every kernel the others use (window, soft-cap,
+    # gemma norms, gelu, partial rotary, padded head dims), which tests/rollout/native/test_triton_kernels.py also
+    # checks one by one; every family runs the Triton path on the GPU (the gpu-marked test below)
+    *(pytest.param(family, True, marks=pytest.mark.slow) for family in TRITON_FAMILIES),
+])
 def test_sampled_log_probs_are_a_transformers_forwards(family, use_triton):
     triton_path(use_triton)
     model = family_model(family)
