@@ -20,6 +20,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _agent_loops_as_they_were():
+    """A run that registers agent loops (``rollout.multi_turn.openai_agents``) does so in this process's registry;
+    each test starts from, and leaves, the registry as the test before found it."""
+    from reinforge.agent.loop import AGENT_LOOPS
+
+    before = dict(AGENT_LOOPS)
+    yield
+    AGENT_LOOPS.clear()
+    AGENT_LOOPS.update(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
