@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,36 @@ from reinforge.api.inputs import (
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
 
 
-class GRPOTrainer:
+def _load(spec: str) -> Any:
+    """``module:name`` -> the object, imported when the trainer is built (``import reinforge`` stays light)."""
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Trainer:
+    """What every API trainer has: ``config``, ``trainer`` (reinforge's own), ``train`` and ``save_model``."""
+
+    config: Any
+    trainer: Any
+
+    def train(self) -> dict[str, Any]:
+        """Run the training; the last step's metrics."""
+        return self.trainer.fit()
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.trainer.output_dir)
+
+    def save_model(self, output_dir: str | Path | None = None) -> Path:
+        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
+        ``reinforge export`` writes it; returns the folder."""
+        from reinforge.trainer.export import export_checkpoint
+
+        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
+                                 force=True)
+
+
+class GRPOTrainer(_Trainer):
     """GRPO (or any estimator of ``algorithm.adv_estimator``) on a model, a dataset and reward functions."""
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | Any = None, train_dataset: Any = None,
@@ -52,34 +82,24 @@ class GRPOTrainer:
 
         self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)
 
-    def train(self) -> dict[str, float]:
-        """Run the training; the last step's metrics."""
-        return self.trainer.fit()
 
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.config.trainer.output_dir)
-
-    def save_model(self, output_dir: str | Path | None = None) -> Path:
-        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
-        ``reinforge export`` writes it; returns the folder."""
-        from reinforge.trainer.export import export_checkpoint
-
-        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
-                                 force=True)
-
-
-class _SupervisedTrainer:
+class _SupervisedTrainer(_Trainer):
     """A trainer on rows of text (SFT, DPO, reward model): TRL's names in, reinforge's config and trainer out."""
 
     ARGS: type[Any]
     DEFAULT_OUTPUT_DIR: str
+    SCHEMA: str
+    """``module:name`` of reinforge's config class of the run."""
+    VALIDATE: str
+    """``module:name`` of the function that checks that config."""
+    TRAINER: str
+    """``module:name`` of reinforge's trainer class, built on that config."""
 
     def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, peft_config: Any = None, **overrides: Any) -> None:
         from reinforge.config import config_to_dict
 
-        schema = self._schema()
+        schema = _load(self.SCHEMA)
         if isinstance(args, schema):
             settings = keyword_overrides(overrides)
             settings.setdefault("trainer.output_dir", args.trainer.output_dir)
@@ -98,36 +118,11 @@ class _SupervisedTrainer:
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
                             f"{type(self).__name__}'s settings")
-        self._validate(self.config)
-        self.trainer = self._trainer(self.config)
-
-    def train(self) -> dict[str, Any]:
-        """Run the training; the last step's metrics."""
-        return self.trainer.fit()
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.config.trainer.output_dir)
-
-    def save_model(self, output_dir: str | Path | None = None) -> Path:
-        """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
-        ``reinforge export`` writes it; returns the folder."""
-        from reinforge.trainer.export import export_checkpoint
-
-        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
-                                 force=True)
+        _load(self.VALIDATE)(self.config)
+        self.trainer = _load(self.TRAINER)(self.config)
 
     def _rows(self, dataset: Any) -> Any:
         return dataset
-
-    def _schema(self) -> type:
-        raise NotImplementedError
-
-    def _validate(self, config: Any) -> None:
-        raise NotImplementedError
-
-    def _trainer(self, config: Any) -> Any:
-        raise NotImplementedError
 
 
 class SFTTrainer(_SupervisedTrainer):
@@ -135,24 +130,12 @@ class SFTTrainer(_SupervisedTrainer):
 
     ARGS = SFTConfig
     DEFAULT_OUTPUT_DIR = "runs/sft"
+    SCHEMA = "reinforge.config.sft_schema:SFTConfig"
+    VALIDATE = "reinforge.config.validate:validate_sft_config"
+    TRAINER = "reinforge.trainer.sft_trainer:SFTTrainer"
 
     def _rows(self, dataset: Any) -> Any:
         return as_conversations(dataset)
-
-    def _schema(self) -> type:
-        from reinforge.config.sft_schema import SFTConfig as Schema
-
-        return Schema
-
-    def _validate(self, config: Any) -> None:
-        from reinforge.config.validate import validate_sft_config
-
-        validate_sft_config(config)
-
-    def _trainer(self, config: Any) -> Any:
-        from reinforge.trainer.sft_trainer import SFTTrainer as Trainer
-
-        return Trainer(config)
 
 
 class DPOTrainer(_SupervisedTrainer):
@@ -160,21 +143,9 @@ class DPOTrainer(_SupervisedTrainer):
 
     ARGS = DPOConfig
     DEFAULT_OUTPUT_DIR = "runs/dpo"
-
-    def _schema(self) -> type:
-        from reinforge.config.preference_schema import DPOConfig as Schema
-
-        return Schema
-
-    def _validate(self, config: Any) -> None:
-        from reinforge.config.preference_schema import validate_preference_config
-
-        validate_preference_config(config)
-
-    def _trainer(self, config: Any) -> Any:
-        from reinforge.trainer.preference.dpo_trainer import DPOTrainer as Trainer
-
-        return Trainer(config)
+    SCHEMA = "reinforge.config.preference_schema:DPOConfig"
+    VALIDATE = "reinforge.config.preference_schema:validate_preference_config"
+    TRAINER = "reinforge.trainer.preference.dpo_trainer:DPOTrainer"
 
 
 class RewardTrainer(_SupervisedTrainer):
@@ -182,18 +153,6 @@ class RewardTrainer(_SupervisedTrainer):
 
     ARGS = RewardConfig
     DEFAULT_OUTPUT_DIR = "runs/rm"
-
-    def _schema(self) -> type:
-        from reinforge.config.preference_schema import RMConfig as Schema
-
-        return Schema
-
-    def _validate(self, config: Any) -> None:
-        from reinforge.config.preference_schema import validate_preference_config
-
-        validate_preference_config(config)
-
-    def _trainer(self, config: Any) -> Any:
-        from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
-
-        return RewardModelTrainer(config)
+    SCHEMA = "reinforge.config.preference_schema:RMConfig"
+    VALIDATE = "reinforge.config.preference_schema:validate_preference_config"
+    TRAINER = "reinforge.trainer.preference.rm_trainer:RewardModelTrainer"
