@@ -73,6 +73,19 @@ def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"optim.schedule": "constant" if value == "constant_with_warmup" else value}
 
 
+RUN_SETTINGS: dict[str, Override] = {
+    "max_steps": ("trainer.total_steps", _max_steps),
+    "num_train_epochs": ("trainer.total_epochs", lambda value, settings: {"trainer.total_epochs": math.ceil(value)}),
+    "save_steps": ("trainer.save_every", _to("trainer.save_every")),
+    "save_total_limit": ("trainer.keep_last", _to("trainer.keep_last")),
+    "eval_steps": ("trainer.test_every", _to("trainer.test_every")),
+    "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
+    "logging_steps": ("(every step)", _logged_every_step),
+    "report_to": ("trainer.loggers", _report_to),
+    "use_cpu": ("trainer.device", _use_cpu),
+}
+"""The run's length, checkpoints, seed, logging and device: the same TRL names in every trainer's config."""
+
 GRPO_SETTINGS: dict[str, Override] = {
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
     "learning_rate": ("actor.optim.lr", _to("actor.optim.lr")),
@@ -95,15 +108,7 @@ GRPO_SETTINGS: dict[str, Override] = {
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
     "num_iterations": ("actor.ppo_epochs", _to("actor.ppo_epochs")),
     "reward_weights": ("reward.weights", lambda value, settings: {"reward.weights": [float(w) for w in value]}),
-    "max_steps": ("trainer.total_steps", _max_steps),
-    "num_train_epochs": ("trainer.total_epochs", lambda value, settings: {"trainer.total_epochs": math.ceil(value)}),
-    "save_steps": ("trainer.save_every", _to("trainer.save_every")),
-    "save_total_limit": ("trainer.keep_last", _to("trainer.keep_last")),
-    "eval_steps": ("trainer.test_every", _to("trainer.test_every")),
-    "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
-    "logging_steps": ("(every step)", _logged_every_step),
-    "report_to": ("trainer.loggers", _report_to),
-    "use_cpu": ("trainer.device", _use_cpu),
+    **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
     "gradient_checkpointing": ("model.gradient_checkpointing", _to("model.gradient_checkpointing")),
@@ -122,15 +127,7 @@ SFT_SETTINGS: dict[str, Override] = {
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
     "max_length": ("data.max_length", _to("data.max_length")),
     "packing": ("data.packing", _to("data.packing")),
-    "max_steps": ("trainer.total_steps", _max_steps),
-    "num_train_epochs": ("trainer.total_epochs", lambda value, settings: {"trainer.total_epochs": math.ceil(value)}),
-    "save_steps": ("trainer.save_every", _to("trainer.save_every")),
-    "save_total_limit": ("trainer.keep_last", _to("trainer.keep_last")),
-    "eval_steps": ("trainer.test_every", _to("trainer.test_every")),
-    "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
-    "logging_steps": ("(every step)", _logged_every_step),
-    "report_to": ("trainer.loggers", _report_to),
-    "use_cpu": ("trainer.device", _use_cpu),
+    **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
     "per_device_eval_batch_size": ("data.val_batch_size", _to("data.val_batch_size")),
