@@ -276,3 +276,30 @@ class TrainingRun:
             if record.get("step") == step:
                 merged |= {key: value for key, value in record.items() if key != "step"}
         return merged
+
+
+class SupervisedRun(TrainingRun):
+    """A run over a dataset of its own, no rollout (SFT, DPO, reward models): ``fit`` trains to ``total_steps``,
+    validating and saving as ``config.trainer`` says. Needs ``train_loader.next_batch`` and ``val_loader``."""
+
+    val_loader: Any
+
+    def before_training(self) -> None:
+        """Runs after the checkpoint is restored, before the first step (DPO's reference pass)."""
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``total_steps``; returns the last step's metrics (with the final validation's)."""
+        trainer = self.config.trainer
+        try:
+            self.resume()
+            self.before_training()
+            return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
+                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
+        finally:
+            self.tracker.close()
+            self.release_run_folder()
+
+    def final_model_dir(self) -> Path | None:
+        """The ``hf/`` folder of the latest checkpoint."""
+        latest = self.checkpoints.latest()
+        return latest / "hf" if latest is not None else None

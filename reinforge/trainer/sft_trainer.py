@@ -30,7 +30,7 @@ from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import preflight_sft
-from reinforge.trainer.run_loop import TrainingRun
+from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.chat_template",
@@ -49,7 +49,7 @@ def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
     return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
 
 
-class SFTTrainer(TrainingRun):
+class SFTTrainer(SupervisedRun):
     def __init__(self, config: SFTConfig):
         self.config = config
         data, trainer = config.data, config.trainer
@@ -135,18 +135,3 @@ class SFTTrainer(TrainingRun):
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
 
-    def fit(self) -> dict[str, Any]:
-        """Train to ``total_steps``; returns the last step's metrics (with the final validation loss)."""
-        trainer = self.config.trainer
-        try:
-            self.resume()
-            return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
-                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
-        finally:
-            self.tracker.close()
-            self.release_run_folder()
-
-    def final_model_dir(self) -> Path | None:
-        """The ``hf/`` folder of the latest checkpoint."""
-        latest = self.checkpoints.latest()
-        return latest / "hf" if latest is not None else None

@@ -2,7 +2,7 @@
 
 ``pair_micro_batches`` cuts a batch of pairs into token-budget micro-batches that never split a pair (both
 completions must be in one forward for the pair's loss) and packs each with shared prompts, so a pair costs
-its prompt once plus its two completions. ``PreferenceRun`` is the SFT trainer's run (``run_loop.TrainingRun``:
+its prompt once plus its two completions. ``PreferenceRun`` is the SFT trainer's run (``run_loop.SupervisedRun``:
 one run folder, atomic checkpoints, exact resume, metrics.jsonl) with pairs for data; a subclass loads its
 model and writes ``train_step`` and ``validate``.
 """
@@ -33,7 +33,7 @@ from reinforge.models import load_tokenizer, save_hf_folder, warn_if_beyond_cont
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import check_devices, check_loggers, require_logger_packages, require_model_and_data
-from reinforge.trainer.run_loop import TrainingRun
+from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def preference_keys(config: RMConfig | DPOConfig) -> PreferenceKeys:
     return PreferenceKeys(data.prompt_key, data.chosen_key, data.rejected_key, data.margin_key)
 
 
-class PreferenceRun(TrainingRun):
+class PreferenceRun(SupervisedRun):
     """The run of ``reinforge rm`` and ``reinforge dpo``; ``load_model`` gives the model to train."""
 
     config: RMConfig | DPOConfig
@@ -158,23 +158,4 @@ class PreferenceRun(TrainingRun):
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
 
-    def before_training(self) -> None:
-        """Runs after the checkpoint is restored, before the first step (DPO's reference pass)."""
-
-    def fit(self) -> dict[str, Any]:
-        """Train to ``total_steps``; returns the last step's metrics (with the final eval_ metrics)."""
-        trainer = self.config.trainer
-        try:
-            self.resume()
-            self.before_training()
-            return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
-                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
-        finally:
-            self.tracker.close()
-            self.release_run_folder()
-
-    def final_model_dir(self) -> Path | None:
-        """The ``hf/`` folder of the latest checkpoint."""
-        latest = self.checkpoints.latest()
-        return latest / "hf" if latest is not None else None
 
