@@ -327,6 +327,8 @@ class NativeEngine:
         ``admission_due`` says so, and decode steps keep being launched ahead until then.
         """
         with self._step_lock:
+            if self.scheduler is None:  # asleep: a driver thread's last step can come after the caller's sleep()
+                return False
             self._admit_incoming()
             in_flight, self._in_flight = self._in_flight, None
             if in_flight is None:

@@ -230,3 +230,13 @@ def test_a_failed_generation_keeps_its_error_and_the_engine_recovers(qwen2, tiny
     monkeypatch.setattr(engine.runner, "decode", decode)
     again = engine.generate([GenerationRequest(p, GREEDY) for p in prompts])
     assert [samples[0].token_ids for samples in again] == [tiny.hf_greedy(qwen2, p, 12) for p in prompts]
+
+
+def test_a_driver_step_after_sleep_finds_nothing_to_run(qwen2, tiny):
+    # the async driver's thread may step once more after the last request's future resolved and its caller
+    # put the engine to sleep
+    engine = make_engine(qwen2)
+    request = GenerationRequest(tiny.prompts([6])[0], SamplingParams(max_tokens=3, temperature=0.0))
+    asyncio.run(engine.generate_async(request))
+    engine.sleep()
+    assert engine._step(batch_arrivals=True) is False
