@@ -17,7 +17,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from reinforge.models.vision import is_vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +174,8 @@ def _supports_sdpa(path: str, trust_remote_code: bool) -> bool:
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,
                    attn_implementation: str = "sdpa", gradient_checkpointing: bool = False) -> PreTrainedModel:
-    """An AutoModelForCausalLM from a local folder or hub id, in ``dtype`` on ``device``, use_cache off.
+    """An AutoModelForCausalLM (a vision-language model's AutoModelForImageTextToText) from a local folder or hub id,
+    in ``dtype`` on ``device``, use_cache off.
 
     ``attn_implementation="sdpa"`` becomes ``eager`` for a model class that cannot run SDPA (Gemma 2).
 
@@ -182,8 +191,10 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     with hub_errors_explained(path):
         if not _supports_sdpa(path, trust_remote_code) and attn_implementation == "sdpa":
             attn_implementation = "eager"  # Gemma 2: SDPA cannot soft-cap; the RL workers then set their own
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation, **placement)
+        vision_language = is_vision_language(read_model_config(path, trust_remote_code))  # the tower and the LM
+        auto_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+        model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                           attn_implementation=attn_implementation, **placement)
     model.to(device)
     model.config.use_cache = False
     if gradient_checkpointing:

@@ -1,0 +1,122 @@
+"""Vision-language models: which configs are VLMs, their processors, and their multimodal rope positions.
+
+reinforge trains Qwen2.5-VL and Qwen3-VL (``VISION_MODEL_TYPES``): a vision tower turns each image's
+patches into embeddings that take the place of the image's ``<|image_pad|>`` tokens in the
+language model's input, and the language model's rotary embedding is multimodal (M-RoPE): every
+token has three position ids (time, height, width). Text tokens have the same id in all three
+rows; an image's tokens take their row and column in the image's grid of merged patches, offset by
+where the image starts; the text after an image goes on from the largest position the image
+used plus one. A sequence's *rope delta* is its last position id plus one minus its length: the
+tokens generated after the prompt are text, at position ``index + delta``.
+
+Processors. ``load_processor`` returns the family's ``AutoProcessor``; where torchvision is not
+installed, transformers cannot build the families' video processors, and the processor is built
+with its image processor and tokenizer only (``image_only_processor``), which is all reinforge
+uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
+"""model_type of the vision-language models whose processors, rope index and vision tower reinforge knows."""
+
+PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
+                     "qwen2_vl": "Qwen2VLProcessor"}
+
+
+def is_vision_language(config) -> bool:
+    """Whether ``config`` (an HF config or None) is that of a vision-language model reinforge knows."""
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+def _processor_class(name: str):
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def image_only_processor(processor_class: str | type, image_processor, tokenizer, chat_template: str | None = None):
+    """The processor ``processor_class`` (a family's, e.g. ``Qwen2_5_VLProcessor``) with no video processor."""
+    family = _processor_class(processor_class) if isinstance(processor_class, str) else processor_class
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # the family's __init__ hands (image_processor, tokenizer, video_processor) to ProcessorMixin, which pairs
+        # them with this class's attributes, image_processor and tokenizer: the missing video processor is dropped
+        family.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    image_only = type(family.__name__, (family,), {"__init__": __init__, "__module__": __name__,
+                                                   "__qualname__": family.__name__})
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return image_only(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+
+
+def load_processor(path: str | Path, trust_remote_code: bool = False):
+    """The ``AutoProcessor`` of a VLM folder or hub id; without torchvision, its image-only processor."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    config_file = Path(path) / "processor_config.json"
+    processor_class = json.loads(config_file.read_text()).get("processor_class") if config_file.is_file() else None
+    if processor_class is None:
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code).model_type
+        processor_class = PROCESSOR_CLASSES.get(model_type)
+    if processor_class is None:
+        return AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    image_processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return image_only_processor(processor_class, image_processor, tokenizer)
+
+
+def _merge_size(config) -> int:
+    return int(config.vision_config.spatial_merge_size)
+
+
+def sequence_rope_positions(config, input_ids: Tensor, image_grid_thw: Tensor | None) -> tuple[Tensor, int]:
+    """M-RoPE position ids (3, tokens) of one sequence (no padding) and its rope delta.
+
+    ``image_grid_thw`` (images in the sequence, 3): each image's (time, height, width) in patches, in the order
+    its ``image_token_id`` runs appear. Images only (no video): time positions of an image are all the
+    image's start, as in transformers' ``get_rope_index`` for still images.
+    """
+    image_token_id = config.image_token_id
+    merge = _merge_size(config)
+    is_image = (input_ids == image_token_id).tolist()
+    grids = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
+    parts: list[Tensor] = []
+    current = 0
+    cursor = 0
+    for image, run in itertools.groupby(is_image):
+        length = len(list(run))
+        if not image:
+            parts.append(torch.arange(current, current + length).expand(3, -1))
+            current += length
+            cursor += length
+            continue
+        while length > 0:  # consecutive images form one run of image tokens
+            time, height, width = next(grids)
+            height, width = height // merge, width // merge
+            count = time * height * width
+            t_ids = torch.arange(time).view(-1, 1, 1).expand(time, height, width)
+            h_ids = torch.arange(height).view(1, -1, 1).expand(time, height, width)
+            w_ids = torch.arange(width).view(1, 1, -1).expand(time, height, width)
+            parts.append(torch.stack([t_ids, h_ids, w_ids]).reshape(3, -1) + current)
+            current += max(height, width)
+            cursor += count
+            length -= count
+        if length < 0:
+            raise ValueError("an image's grid does not match its run of image tokens; the prompt's token ids must "
+                             "come from the processor that made image_grid_thw")
+    positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+    delta = int(positions.max()) + 1 - cursor if cursor else 0
+    return positions.long(), delta
