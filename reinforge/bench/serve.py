@@ -14,8 +14,8 @@ id, plus ChatML's special tokens), so a message's text is exactly its token ids 
   ``OpenAIEndpoint`` in this process (its event loop also runs the client; the engine steps in its worker thread).
 
 The same seeds give the same replies both ways in float32 (``same_replies``, the CPU run); in bf16 the two runs
-batch the requests differently, which changes rounding, so replies may part after a few tokens. Reported: sampled tokens / wall time of each run, their
-ratio, and p50 / p99 latency of a request (send to last byte). A warm-up pass of each runs first (CUDA graphs).
+batch the requests differently, which changes rounding, so replies may part after a few tokens. Reported: sampled
+tokens / wall time of each run, their ratio, and p50 / p99 latency of a request (send to last byte). A warm-up pass of each runs first (CUDA graphs).
 """
 
 from __future__ import annotations
