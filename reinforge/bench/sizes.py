@@ -7,8 +7,9 @@ the same folder and workload (``benchmarks/trl_grpo.py`` of the source checkout;
 adapter has TRL train the same adapter). Every case's JSON (its results
 and a ``case`` record, ``table.py``) lands in ``--out`` (``bench_out`` by default) as soon as it ends, its
 output streams through prefixed by its name, and one markdown table is printed last. ``--deadline-s``
-bounds the whole invocation: each process gets the time left, and a case that cannot start in time is
-skipped. This process never touches the device.
+bounds the whole invocation: each process gets the time left (a ``bench train`` case as its own
+``--deadline-s``, so that it stops between steps and reports the steps done; one still running at the
+deadline is ended), and a case that cannot start in time is skipped. This process never touches the device.
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ class CaseRunner:
 
     def run_reinforge(self, size: str, model_dir: Path | None) -> None:
         path = self.out / case_file("reinforge", size, self.args.case_options)
+        left = self.seconds_left()
         command = [sys.executable, "-m", "reinforge", "bench", "train", "--model", size, "--json", str(path),
-                   *(["--model-dir", str(model_dir)] if model_dir else []), *self.args.case_options]
+                   *(["--model-dir", str(model_dir)] if model_dir else []), *self.args.case_options,
+                   # its own deadline, before this process's: it stops between steps and reports the ones done
+                   *(["--deadline-s", f"{max(left - 2 * MARGIN_S, 1.0):.0f}"] if left is not None else [])]
         self.run_case("reinforge", size, command, path)
 
     def run_trl(self, size: str, model_dir: Path, script: Path) -> None:

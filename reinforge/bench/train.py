@@ -16,8 +16,12 @@ up) of step, rollout and update time, update tokens/s, MFU (the FLOPs the update
 ``engine.perf.update_flops_per_token`` x tokens / time, against the datasheet's 989 TFLOP/s;
 ``mfu_measured_peak`` against the 799 TFLOP/s a bf16 matrix product reaches on an H200; both count the
 tokens the model ran, ``mfu_workload_tokens`` all 512 x 640 of the workload, which is not MFU when
-prompts are shared; a mixture of experts counts its active parameters) and peak memory. ``--cpu`` runs a
-tiny model of the shape's family as a smoke test (no timing claims).
+prompts are shared; a mixture of experts counts its active parameters; ``mfu_with_attention`` adds the
+attention products, ``engine.perf``) and peak memory. Each step's rollout is set against its memory-bandwidth
+floor (``floor.py``: the KV cache and weight bytes its decode steps must read, for the lengths it generated,
+over ``--bandwidth-tbps``): ``rollout_floor_s`` and ``rollout_over_floor``. Long responses
+(``--prompts 16 --response-tokens 16384``) take minutes a step: ``--deadline-s`` starts no step that would
+end past it. ``--cpu`` runs a tiny model of the shape's family as a smoke test (no timing claims).
 
 One size runs in this process. Several sizes (``--model 0.5b,1.5b,3b,7b``), ``--trl`` (TRL's GRPOTrainer
 beside each) or ``--out DIR`` run every case in a process of its own and print one markdown table at the
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from reinforge.bench.floor import COPY_BYTES_PER_S
 from reinforge.bench.shapes import QWEN25_SIZES, SHAPES, shape_config
 
 QWEN25_SHAPES = {size: shape_config(size) for size in QWEN25_SIZES}
@@ -224,6 +229,7 @@ def host_memory_gb() -> dict[str, float]:
 
 def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.controller.worker import freeze_long_lived_objects
+    from reinforge.engine.memory_plan import ModelShape
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.critic import CriticWorker
     from reinforge.workers.memory_settings import apply_memory_plan
@@ -243,8 +249,15 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     freeze_long_lived_objects()  # as the trainer's worker construction does
     device = actor.device
     vocab_size = actor.model.config.vocab_size
-    rows = []
+    model_shape = ModelShape.from_model_path(str(model_dir))
+    rows: list[dict] = []
+    stopped_early = False
     for step in range(args.steps):
+        if rows and past_deadline(args, rows[-1]["step_s"]):
+            print(f"stopping after {len(rows)} of {args.steps} steps: one more would end past --deadline-s "
+                  f"{args.deadline_s:g}", flush=True)
+            stopped_early = True
+            break
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         timing: dict[str, float] = {}
@@ -292,11 +305,14 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         tokens = float(batch["attention_mask"].sum())
         computed = metrics.get("perf/computed_tokens/actor", tokens)
         mfu = metrics.get("perf/mfu/actor")
+        floor = measured_floor(model_shape, batch, config, args)
         row = {"step": step + 1, "step_s": step_time, **{f"{k}_s": v for k, v in timing.items()},
                "update_tokens": tokens, "computed_tokens": computed,
                "update_tokens_per_s": tokens / timing["update_actor"], "mfu": mfu,
                "mfu_workload_tokens": mfu * tokens / computed if mfu is not None else None,
                "mfu_measured_peak": metrics.get("perf/mfu_measured_peak/actor"),
+               "mfu_with_attention": metrics.get("perf/mfu_with_attention/actor"),
+               **floor.as_dict(), "rollout_over_floor": timing["rollout"] / floor.seconds if floor.seconds else None,
                "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
                "kl_loss": metrics.get("actor/kl_loss"),
@@ -326,13 +342,40 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         summary[key] = max((r.get(key) or 0.0) for r in rows)
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
     summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    result = {"variant": args.variant, "steps": rows, "median": summary, "shape": shape_summary(args, model_dir, config)}
+    result = {"variant": args.variant, "steps": rows, "median": summary, "shape": shape_summary(args, model_dir, config),
+              "floor": {"bandwidth_tbps": args.bandwidth_tbps, "kv_value_bytes": kv_value_bytes(config, args)}}
+    if stopped_early:
+        result["stopped_at_deadline"] = True
     if plan is not None:
         result["plan"] = {"table": plan.table(), "settings": vars(plan.settings),
                           "estimated_gb": {phase: sum(items.values()) / 2**30 for phase, items in plan.phases.items()},
                           "consumers_gb": {phase: {k: v / 2**30 for k, v in items.items()}
                                            for phase, items in plan.phases.items()}}
     return result
+
+
+def past_deadline(args: argparse.Namespace, last_step_s: float) -> bool:
+    """Whether a step as long as the last one would end past the single case's ``--deadline-s``."""
+    deadline = getattr(args, "deadline_at", None)
+    return deadline is not None and time.monotonic() + last_step_s > deadline
+
+
+def kv_value_bytes(config, args: argparse.Namespace) -> int:
+    """Bytes of one cached K or V value in the rollout: 1 with an fp8 KV cache, else the compute dtype's."""
+    if str(getattr(config.rollout, "kv_cache_dtype", "auto")).startswith("fp8"):
+        return 1
+    return 4 if args.cpu else 2
+
+
+def measured_floor(model_shape, batch, config, args: argparse.Namespace):
+    """The rollout's bandwidth floor (``floor.py``) for the prompt and response lengths this step generated."""
+    from reinforge.bench.floor import rollout_floor
+    from reinforge.engine.micro_batches import sequence_extents
+
+    prompt_lengths, response_lengths = sequence_extents(batch)
+    return rollout_floor(model_shape, prompt_lengths.tolist(), response_lengths.tolist(),
+                         kv_value_bytes=kv_value_bytes(config, args), weight_value_bytes=4 if args.cpu else 2,
+                         bytes_per_s=args.bandwidth_tbps * 1e12)
 
 
 def shape_summary(args: argparse.Namespace, model_dir: Path, config) -> dict:
@@ -363,8 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write each case's JSON into DIR (with several sizes or --trl: bench_out by default; "
                              "`reinforge bench table DIR` prints their table again)")
     parser.add_argument("--deadline-s", type=_positive_seconds, default=None, metavar="S",
-                        help="with several sizes or --trl: stop within S seconds of the start; a case that cannot "
-                             "start in time is skipped and the table says so")
+                        help="stop within S seconds of the start: no step starts that would end past it (the steps "
+                             "done are reported); with several sizes, --trl or --out each case gets the time left, "
+                             "a case that cannot start in time is skipped and one that overruns is ended, and the "
+                             "table says so")
+    parser.add_argument("--bandwidth-tbps", type=_positive_rate, default=COPY_BYTES_PER_S / 1e12, metavar="TB/S",
+                        help="the device memory rate the rollout's bandwidth floor divides by (default: what a "
+                             "device copy reached on an H200, reinforge.bench.floor)")
     parser.add_argument("--lora", type=_rank, default=0, metavar="RANK", help="train a LoRA adapter of this rank")
     parser.add_argument("--gpu-memory-gib", type=_positive_gib, default=None,
                         help="plan for and cap the process at this much GPU memory (stands in for smaller cards)")
@@ -482,6 +530,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate in TB/s") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} TB/s moves nothing; give the device's rate, e.g. 4.19")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -523,6 +581,8 @@ def _checkpointing(text: str) -> bool | int:
 
 def bench_train_main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.deadline_s is not None:
+        args.deadline_at = time.monotonic() + args.deadline_s
     if len(args.sizes) > 1 or args.trl or args.out is not None:
         from reinforge.bench.sizes import run_sizes
 
@@ -553,7 +613,8 @@ def bench_train_main(argv: list[str]) -> int:
     median = result["median"]
     print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "
-          f"MFU {median.get('mfu') or 0:.3f}, peak {median.get('peak_memory_gb', 0):.1f} GiB, "
+          f"MFU {median.get('mfu') or 0:.3f} ({median.get('mfu_with_attention') or 0:.3f} with attention), "
+          f"peak {median.get('peak_memory_gb', 0):.1f} GiB, "
           f"host peak {median.get('host_peak_gb', 0):.1f} GiB (at phase ends: anonymous "
           f"{median.get('host_rssanon_gb', 0):.1f}, shared/pinned {median.get('host_rssshmem_gb', 0):.1f}, "
           f"file-backed {median.get('host_rssfile_gb', 0):.1f})")
@@ -563,6 +624,11 @@ def bench_train_main(argv: list[str]) -> int:
         print(f"  reward model ({args.reward_model}): {median['reward_model_s']:.2f} s, "
               f"{median.get('reward_model_share', 0):.1%} of the step, "
               f"peak {median.get('reward_model_peak_gb', 0):.1f} GiB while it scores")
+    if median.get("rollout_floor_s"):
+        print(f"  rollout bandwidth floor {median['rollout_floor_s']:.2f} s over "
+              f"{median['rollout_floor_decode_steps']:.0f} decode steps at {args.bandwidth_tbps:g} TB/s "
+              f"(KV {median['rollout_floor_kv_gb']:.0f} GB, weights {median['rollout_floor_weight_gb']:.0f} GB read); "
+              f"rollout / floor {median.get('rollout_over_floor') or 0:.2f}")
     if phases:
         print("  rollout phases (medians, s): " + ", ".join(f"{name} {value:.3f}" for name, value in phases.items()))
     return 0

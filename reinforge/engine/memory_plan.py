@@ -113,6 +113,9 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    attention_windows: tuple[int, ...] = ()
+    """Each layer's sliding window (keys a query sees, itself included; 0 for the whole context), from
+    ``layer_windows``; empty: every layer sees the whole context."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -137,7 +140,8 @@ class ModelShape:
                        q_lora_rank=int(text.get("q_lora_rank") or 0) if mla else 0, kv_lora_rank=mla,
                        qk_nope_head_dim=int(text.get("qk_nope_head_dim") or 0) if mla else 0,
                        qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if mla else 0,
-                       v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0)
+                       v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0,
+                       attention_windows=layer_windows(text))
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
@@ -299,6 +303,29 @@ class ModelShape:
                   + ACT_ROUTER * self.num_experts)
         values = (self.num_sparse_layers * sparse + (self.num_layers - self.num_sparse_layers) * dense) / self.num_layers
         return int(dtype_bytes * values * (EAGER_ACTIVATION_FACTOR if eager else 1.0))
+
+
+def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:
+    """Each decoder layer's sliding window as the model applies it (0: the whole context; () when no layer has one).
+
+    ``layer_types`` where the config lists them (transformers writes them for Qwen2/3, Gemma 2/3 and others);
+    else Gemma 2's even layers; Qwen's ``use_sliding_window`` from ``max_window_layers`` on; any other family
+    with a ``sliding_window`` (Mistral, Phi-3) on every layer.
+    """
+    layers, window = int(text["num_hidden_layers"]), int(text.get("sliding_window") or 0)
+    if not window:
+        return ()
+    types = text.get("layer_types")
+    if types:
+        sliding = [kind == "sliding_attention" for kind in types[:layers]]
+    elif text.get("model_type") == "gemma2":
+        sliding = [index % 2 == 0 for index in range(layers)]
+    elif str(text.get("model_type", "")).startswith("qwen"):
+        first = int(text.get("max_window_layers") or 0) if text.get("use_sliding_window") else layers
+        sliding = [index >= first for index in range(layers)]
+    else:
+        sliding = [True] * layers
+    return tuple(window if is_sliding else 0 for is_sliding in sliding) if any(sliding) else ()
 
 
 def _dense_layers(text: dict[str, Any]) -> int:

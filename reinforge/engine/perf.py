@@ -10,13 +10,25 @@ SXM). ``perf/mfu_measured_peak/<role>`` divides by the rate measured on this pro
 PyTorch), the most a matrix product reached there. The tokens are those the model actually ran:
 with shared prompts (``engine.packing``) a prompt counts once for its group, so MFU measures the
 hardware, while the tokens/s figure counts every sequence's tokens, as the workload defines them.
+
+``perf/mfu_with_attention/<role>`` adds the attention's own products, which the parameter count
+leaves out and which grow with the square of a sequence's length: a query-key pair costs
+2 x heads x (query-key dim + value dim) FLOPs forward in each layer (the scores and the weighted
+values), three times that with the backward; a causal segment of q queries over k keys (its prompt's
+too when prompts are shared) has sum(k - q + i, i = 1..q) pairs, each term capped at a sliding
+layer's window (``attention_pairs``). At 512 tokens it adds a few percent; at 32k, for 1.5B, about
+as much again as the parameters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from torch import nn
 
+from reinforge.engine.memory_plan import MemoryPlanError, ModelShape
 from reinforge.engine.moe import moe_blocks
 
 DATASHEET_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -67,12 +79,55 @@ def update_flops_per_token(model: nn.Module) -> float:
     return 4.0 * active + 2.0 * trainable
 
 
+def capped_sum(first, count, cap: int) -> np.ndarray:
+    """sum(min(first + j, cap) for j in range(count)), elementwise over arrays; cap 0: no cap."""
+    first, count = np.asarray(first, dtype=np.float64), np.asarray(count, dtype=np.float64)
+    if not cap:
+        return count * first + count * (count - 1) / 2
+    below = np.clip(cap - first, 0, count)  # the terms under the cap: first .. first + below - 1
+    return below * first + below * (below - 1) / 2 + (count - below) * cap
+
+
+def attention_pairs(query_lengths: Sequence[int], key_lengths: Sequence[int], window: int = 0) -> float:
+    """Query-key pairs of causal segments of q queries over k keys aligned to the keys' end (query i sees
+    k - q + i keys, at most ``window``; 0: no window)."""
+    queries, keys = np.asarray(query_lengths, dtype=np.float64), np.asarray(key_lengths, dtype=np.float64)
+    return float(capped_sum(keys - queries + 1, queries, window).sum())
+
+
+def attention_layers(model: nn.Module) -> tuple[tuple[int, float], ...]:
+    """(window or 0, forward FLOPs per query-key pair) of each decoder layer, from ``model.config``; () when the
+    model has no transformer config (its attention is then not counted)."""
+    config = getattr(model, "config", None)
+    try:
+        shape = ModelShape.from_hf_config(config.to_dict())
+    except (AttributeError, MemoryPlanError):
+        return ()
+    if shape.kv_lora_rank:
+        width = shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim
+    else:
+        width = 2 * shape.head_dim
+    windows = shape.attention_windows or (0,) * shape.num_layers
+    return tuple((window, 2.0 * shape.num_heads * width) for window in windows)
+
+
+def attention_flops(layers: tuple[tuple[int, float], ...], query_lengths: Sequence[int],
+                    key_lengths: Sequence[int]) -> float:
+    """FLOPs of the attention products of these segments, forward and backward (3 x forward), in all layers."""
+    by_window: dict[int, float] = {}
+    for window, flops in layers:
+        by_window[window] = by_window.get(window, 0.0) + flops
+    return 3.0 * sum(flops * attention_pairs(query_lengths, key_lengths, window) for window, flops in by_window.items())
+
+
 def update_perf_metrics(role: str, model: nn.Module, num_tokens: float, seconds: float,
-                        device: torch.device, computed_tokens: float | None = None) -> dict[str, float]:
+                        device: torch.device, computed_tokens: float | None = None,
+                        computed_attention_flops: float | None = None) -> dict[str, float]:
     """perf/mfu/<role> (where the peak is known) and perf/update_tokens_per_s/<role> of one rank.
 
     ``num_tokens``: the sequences' tokens; ``computed_tokens``: those run through the model
-    (fewer with shared prompts; default ``num_tokens``).
+    (fewer with shared prompts; default ``num_tokens``); ``computed_attention_flops``: the attention
+    products' FLOPs of the same passes (``attention_flops``), which add ``perf/mfu_with_attention/<role>``.
     """
     computed = num_tokens if computed_tokens is None else computed_tokens
     metrics = {f"perf/update_tokens_per_s/{role}": num_tokens / max(seconds, 1e-9),
@@ -82,4 +137,8 @@ def update_perf_metrics(role: str, model: nn.Module, num_tokens: float, seconds:
         peak = peak_flops(device, table)
         if peak is not None:
             metrics[f"perf/{name}/{role}"] = flops_per_s / peak
+    peak = peak_flops(device)
+    if computed_attention_flops is not None and peak is not None:
+        attention_per_s = computed_attention_flops / max(seconds, 1e-9)
+        metrics[f"perf/mfu_with_attention/{role}"] = (flops_per_s + attention_per_s) / peak
     return metrics

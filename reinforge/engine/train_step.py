@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from reinforge.engine.distributed import all_reduce, world_size
 from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, split_by_token_budget
-from reinforge.engine.packing import PLAN_KEY
-from reinforge.engine.perf import update_perf_metrics
+from reinforge.engine.packing import PLAN_KEY, PackingPlan
+from reinforge.engine.perf import attention_flops, attention_layers, update_perf_metrics
 from reinforge.protocol import Batch
 
 MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
@@ -137,6 +137,8 @@ class ModelUpdate:
         self.grad_norms: list[float] = []
         self.num_skipped = 0
         self.computed_tokens = 0
+        self.attention_layers = attention_layers(model)
+        self.computed_attention_flops = 0.0
         self.num_tokens = 0.0
         self.seconds = 0.0
         self._weight = 0.0
@@ -165,6 +167,7 @@ class ModelUpdate:
                     plan = micro.meta.get(PLAN_KEY)
                     tokens = plan.num_tokens if plan is not None else micro["attention_mask"].numel()
                     self.computed_tokens += tokens / 3 if micro.meta.get(FORWARD_ONLY) else tokens  # a forward: 1/3
+                    self.computed_attention_flops += self._attention_flops(micro, plan)
                     yield micro.to(self.device, non_blocking=True), counts
                 grad_norm = clip_grad_norm_(self.model.parameters(), settings.grad_clip)
                 if torch.isfinite(grad_norm):
@@ -178,6 +181,17 @@ class ModelUpdate:
             torch.cuda.synchronize(self.device)
         self.seconds += time.perf_counter() - start
         self.num_tokens += float(batch["attention_mask"].sum()) * settings.epochs
+
+    def _attention_flops(self, micro: Batch, plan: PackingPlan | None) -> float:
+        """The attention products' FLOPs of a micro-batch's passes (its packed segments, else its rows)."""
+        if not self.attention_layers:
+            return 0.0
+        if plan is not None:
+            queries, keys = plan.query_lengths, plan.key_lengths
+        else:
+            queries = keys = micro["attention_mask"].sum(-1).tolist()
+        flops = attention_flops(self.attention_layers, queries, keys)
+        return flops / 3 if micro.meta.get(FORWARD_ONLY) else flops
 
     def _split(self, mini_batch: Batch, frozen: Tensor | None) -> Iterator[Batch]:
         """The mini-batch's micro-batches: those of its ``frozen`` rows first (marked ``FORWARD_ONLY``), then the rest.
@@ -231,6 +245,7 @@ class ModelUpdate:
         result["lr"] = self.scheduler.get_last_lr()[0]
         result = {f"{role}/{key}": value for key, value in result.items()}
         result |= update_perf_metrics(role, self.model, self.num_tokens, self.seconds, self.device,
-                                      float(self.computed_tokens))
+                                      float(self.computed_tokens),
+                                      self.computed_attention_flops if self.attention_layers else None)
         result[f"timing_s/update_{role}_compute"] = self.seconds
         return result

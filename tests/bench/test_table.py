@@ -13,7 +13,8 @@ H200 = {"gpu": "NVIDIA H200", "gpu_memory_gib": 140.4, "python": "3.12.3", "torc
 
 def reinforge_case(size: str, step_s: float, **case) -> dict:
     return {"median": {"step_s": step_s, "rollout_s": step_s / 2, "update_actor_s": step_s / 2 - 0.1, "mfu": 0.213,
-                       "mfu_measured_peak": 0.264, "rollout_peak_gb": 10.7, "update_peak_gb": 78.1},
+                       "mfu_measured_peak": 0.264, "mfu_with_attention": 0.225, "rollout_floor_s": step_s / 4,
+                       "rollout_over_floor": 2.0, "rollout_peak_gb": 10.7, "update_peak_gb": 78.1},
             "plan": {"settings": {"micro_batch_tokens": 65536, "checkpoint_layers": 0, "optimizer_offload": False,
                                   "keep_rollout_memory": True},
                      "estimated_gb": {"rollout": 12.0, "update": 80.5}},
@@ -65,6 +66,9 @@ def test_the_table_of_two_runs_names_command_machine_versions_commit_and_date(tm
     assert rows["step s"] == ["3.00", "8.00", "30.00"]
     assert rows["MFU vs datasheet (989 TFLOP/s)"] == ["21.3%"] * 3
     assert rows["MFU vs measured peak (799 TFLOP/s)"] == ["26.4%"] * 3
+    assert rows["MFU with attention vs datasheet (989 TFLOP/s)"] == ["22.5%"] * 3
+    assert rows["rollout bandwidth floor s"] == ["0.75", "2.00", "7.50"]
+    assert rows["rollout / floor"] == ["2.00"] * 3
     assert rows["micro-batch tokens (planner)"] == ["65536"] * 3
     assert rows["rollout memory kept (planner)"] == ["yes"] * 3
     assert rows["TRL step s"] == ["15.00", "40.00", "OOM"]

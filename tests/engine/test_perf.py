@@ -46,3 +46,63 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through():
     assert perf.update_flops_per_token(model) == pytest.approx(6 * active)
     model.requires_grad_(False)
     assert perf.update_flops_per_token(model) == pytest.approx(4 * active)
+
+
+def test_attention_pairs_count_causal_windowed_and_shared_prompt_segments():
+    assert perf.attention_pairs([4], [4]) == 1 + 2 + 3 + 4
+    assert perf.attention_pairs([4], [4], window=2) == 1 + 2 + 2 + 2
+    # a response of 3 tokens over its 2-token prompt: the queries see 3, 4 and 5 keys
+    assert perf.attention_pairs([2, 3], [2, 5]) == (1 + 2) + (3 + 4 + 5)
+    assert perf.attention_pairs([2, 3], [2, 5], window=4) == (1 + 2) + (3 + 4 + 4)
+    assert perf.attention_pairs([32896], [32896]) == 32896 * 32897 / 2
+
+
+def test_attention_layers_follow_the_config_and_its_sliding_windows():
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    qwen = build_tiny_causal_lm("qwen2", num_layers=2, num_heads=4, hidden_size=64)  # head dim 16
+    assert perf.attention_layers(qwen) == ((0, 2 * 4 * 32), (0, 2 * 4 * 32))
+    gemma = build_tiny_causal_lm("gemma2", num_layers=4, sliding_window=8)
+    assert [window for window, _ in perf.attention_layers(gemma)] == [8, 0, 8, 0]
+    assert perf.attention_layers(nn.Linear(2, 2)) == ()
+
+
+def test_mfu_with_attention_adds_the_attention_products(monkeypatch):
+    monkeypatch.setattr(perf, "peak_flops", lambda device, table=perf.DATASHEET_BF16_FLOPS: 1e12)
+    model = nn.Linear(100, 100, bias=False)
+    metrics = perf.update_perf_metrics("actor", model, num_tokens=1000.0, seconds=1.0, device=torch.device("cpu"),
+                                       computed_attention_flops=4e9)
+    assert metrics["perf/mfu/actor"] == pytest.approx(6 * 10_000 * 1000 / 1e12)
+    assert metrics["perf/mfu_with_attention/actor"] == pytest.approx((6 * 10_000 * 1000 + 4e9) / 1e12)
+    assert "perf/mfu_with_attention/actor" not in perf.update_perf_metrics(
+        "actor", model, num_tokens=1000.0, seconds=1.0, device=torch.device("cpu"))
+
+
+def test_an_update_counts_the_attention_of_each_sequence_it_ran(tiny_model_dir, monkeypatch):
+    from reinforge.config.schema import Config
+    from reinforge.engine.forward import build_position_ids
+    from reinforge.protocol import Batch
+    from reinforge.workers.actor_rollout import ActorRolloutWorker
+
+    monkeypatch.setattr(perf, "peak_flops", lambda device, table=perf.DATASHEET_BF16_FLOPS: 1e12)
+    config = Config()
+    config.model.path, config.trainer.device = str(tiny_model_dir), "cpu"
+    config.data.train_batch_size, config.actor.max_tokens_per_micro_batch = 3, 12
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    prompts, responses = torch.randint(3, 60, (3, 4)), torch.randint(3, 60, (3, 5))
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[0, :2] = 0
+    attention_mask[1, 7:] = 0
+    batch = Batch.from_dict(tensors={
+        "prompts": prompts, "responses": responses, "response_mask": attention_mask[:, 4:].float(),
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": build_position_ids(attention_mask), "advantages": torch.randn(3, 5)})
+    metrics = worker.update_actor(batch)
+    lengths = [7, 7, 9]  # every row one causal sequence
+    model_config = worker.model.config
+    per_pair = 3 * 2 * model_config.num_attention_heads * 2 * (
+        model_config.hidden_size // model_config.num_attention_heads) * model_config.num_hidden_layers
+    attention = per_pair * sum(length * (length + 1) / 2 for length in lengths)
+    parameters = perf.update_flops_per_token(worker.model) * metrics["perf/computed_tokens/actor"]
+    assert metrics["perf/mfu_with_attention/actor"] / metrics["perf/mfu/actor"] == pytest.approx(
+        1 + attention / parameters)

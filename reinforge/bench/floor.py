@@ -1,0 +1,91 @@
+"""The rollout's memory-bandwidth floor: the least time its decode steps can take on a device.
+
+A decode step of a batch is bound by what it reads from device memory: the KV cache of every live
+sequence and the weights. The floor adds, over the decode steps, the bytes a step must read and
+divides by the rate a device copy reaches (``COPY_BYTES_PER_S``); no kernel reads faster than a copy
+moves the same bytes. What a step reads:
+
+- KV: each live sequence's cached tokens (its prompt and the tokens generated before the step),
+  ``kv_bytes_per_token`` of the model per token (K and V of every layer, or DeepSeek's latent and
+  rotary key), a sliding-window layer at most its window of them;
+- weights: every parameter once, except the input embeddings of an untied model (a step reads only
+  its batch's rows); of a mixture-of-experts layer only the experts the step's tokens choose, on
+  average ``E (1 - (1 - k/E)^B)`` of E experts for B live sequences choosing k each.
+
+Sequence i with prompt P_i and R_i generated tokens is live for R_i steps and reads P_i + t - 1 cached
+tokens at step t; a step runs while any sequence is live. The prefill (compute-bound) and the
+sampler are left out, so a rollout's time over its floor says how far its decode is from the device's
+limit. Qwen2.5-1.5B with 128 sequences of 128 + 8,192 tokens: 28,672 bytes of KV per token, 3.1 GB
+of weights, 36.3 s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reinforge.engine.memory_plan import ModelShape
+from reinforge.engine.perf import capped_sum
+
+COPY_BYTES_PER_S = 4.19e12
+"""Bytes per second a device-to-device copy reached on this project's H200 (2026-12-02, BENCHMARKS.md's
+decode-step profile): the most its memory gave; ``--bandwidth-tbps`` of the benches sets another device's."""
+
+
+@dataclass(frozen=True)
+class RolloutFloor:
+    seconds: float
+    decode_steps: int
+    kv_bytes: float
+    """Read from the KV cache over all steps."""
+    weight_bytes: float
+    """Read from the weights over all steps."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {"rollout_floor_s": self.seconds, "rollout_floor_decode_steps": float(self.decode_steps),
+                "rollout_floor_kv_gb": self.kv_bytes / 1e9, "rollout_floor_weight_gb": self.weight_bytes / 1e9}
+
+
+def decode_weight_bytes(shape: ModelShape, num_live: np.ndarray, value_bytes: float = 2.0) -> np.ndarray:
+    """Weight bytes one decode step reads with ``num_live`` sequences (an array of steps' batch sizes)."""
+    params = shape.num_params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+    num_live = np.asarray(num_live, dtype=np.float64)
+    if not shape.num_experts:
+        return np.full(num_live.shape, params * value_bytes)
+    experts, top_k = shape.num_experts, shape.experts_per_token
+    per_expert = 3 * shape.hidden_size * shape.expert_intermediate_size
+    dense = params - shape.num_sparse_layers * experts * per_expert
+    touched = experts * (1.0 - (1.0 - top_k / experts) ** num_live)
+    return (dense + shape.num_sparse_layers * touched * per_expert) * value_bytes
+
+
+def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
+                  kv_value_bytes: float = 2.0, weight_value_bytes: float = 2.0,
+                  bytes_per_s: float = COPY_BYTES_PER_S) -> RolloutFloor:
+    """The floor of decoding ``response_lengths`` tokens after ``prompt_lengths`` (one entry per sequence, all
+    sequences decoding together), with KV values and weights of these sizes (2: bf16; 1: fp8)."""
+    if len(prompt_lengths) != len(response_lengths):
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses; "
+                         "give one of each per sequence")
+    prompts = np.asarray(prompt_lengths, dtype=np.float64)
+    responses = np.asarray(response_lengths, dtype=np.int64)
+    steps = int(responses.max()) if len(responses) else 0
+    per_layer = shape.kv_bytes_per_token(1) / shape.num_layers * kv_value_bytes
+    windows = shape.attention_windows or (0,) * shape.num_layers
+    kv_tokens = sum(float(capped_sum(prompts, responses, window).sum()) for window in windows)
+    live = len(responses) - np.searchsorted(np.sort(responses), np.arange(1, steps + 1), side="left")
+    weights = float(decode_weight_bytes(shape, live, weight_value_bytes).sum())
+    kv_bytes = kv_tokens * per_layer
+    return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights)
+
+
+def context_floor_ms(shape: ModelShape, num_sequences: int, context: int, kv_value_bytes: float = 2.0,
+                     weight_value_bytes: float = 2.0, bytes_per_s: float = COPY_BYTES_PER_S) -> float:
+    """Milliseconds of one decode step of ``num_sequences`` sequences that each hold ``context`` cached tokens."""
+    per_layer = shape.kv_bytes_per_token(1) / shape.num_layers * kv_value_bytes
+    windows = shape.attention_windows or (0,) * shape.num_layers
+    kv_bytes = num_sequences * per_layer * sum(min(context, window) if window else context for window in windows)
+    weights = float(decode_weight_bytes(shape, np.array([num_sequences]), weight_value_bytes)[0])
+    return 1e3 * (kv_bytes + weights) / bytes_per_s

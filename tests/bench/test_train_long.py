@@ -1,0 +1,31 @@
+"""`reinforge bench train` for long responses: each step's bandwidth floor and a deadline between steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reinforge.bench.floor import rollout_floor
+from reinforge.cli import main
+from reinforge.engine.memory_plan import ModelShape
+
+
+@pytest.mark.slow
+def test_a_step_reports_its_floor_and_no_step_starts_past_the_deadline(tmp_path, capsys):
+    from reinforge.models import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model", arch="qwen2")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "train", "--cpu", "--steps", "2", "--deadline-s", "0.01", "--bandwidth-tbps", "2",
+                 "--model-dir", str(model_dir), "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["stopped_at_deadline"] and len(results["steps"]) == 1  # the first step always runs
+    assert "stopping after 1 of 2 steps: one more would end past --deadline-s 0.01" in capsys.readouterr().out
+    [step] = results["steps"]
+    # --cpu: 2 prompts x 2 samples, 8 prompt tokens, exactly 8 generated, float32 values
+    floor = rollout_floor(ModelShape.from_model_path(str(model_dir)), [8] * 4, [8] * 4, kv_value_bytes=4,
+                          weight_value_bytes=4, bytes_per_s=2e12)
+    assert step["rollout_floor_s"] == pytest.approx(floor.seconds) and step["rollout_floor_decode_steps"] == 8
+    assert step["rollout_over_floor"] == pytest.approx(step["rollout_s"] / floor.seconds)
+    assert results["floor"] == {"bandwidth_tbps": 2.0, "kv_value_bytes": 4}
