@@ -9,7 +9,9 @@ completions of ``--response-tokens`` tokens (random letters, then EOS), on a mod
 ``--model`` with random weights and the character tokenizer (one token a letter), bf16 compute with float32
 master weights, AdamW lr 1e-6, beta 0.1, the sigmoid loss. The step time is the median wall time of steps
 2.. (the first compiles and warms up); the reference pass (once, before step 1) is reported apart, as are
-the packed tokens a step computes (a pair's prompt once). ``--trl`` then runs ``benchmarks/trl_dpo.py`` of
+the packed tokens a step computes (a pair's prompt once). The reference pass covers every pair of the run
+(``--pairs`` x ``--steps``) and compiles the graphs the steps then run; its pairs a second are set beside a
+step's. ``--trl`` then runs ``benchmarks/trl_dpo.py`` of
 the source checkout on the same model folder and workload, in a process of its own, and prints the ratio.
 No checkpoint is written.
 """
@@ -60,14 +62,13 @@ def run_reinforge(args: argparse.Namespace, model_dir: Path, folder: Path) -> di
                  f"model.dtype={'float32' if args.cpu else 'bfloat16'}",
                  f"trainer.device={'cpu' if args.cpu else 'auto'}",
                  f"model.gradient_checkpointing={'true' if args.checkpointing == 'on' else 'false'}"]
-    marks: dict[str, list[float]] = {"steps": [], "reference": []}
+    marks: dict[str, list[float]] = {"steps": []}
+    reference: dict[str, float] = {}
 
     class TimedDPOTrainer(DPOTrainer):
         def before_training(self) -> None:
-            start = time.perf_counter()
             super().before_training()
-            _synchronize()
-            marks["reference"].append(time.perf_counter() - start)
+            reference.update(self.reference_metrics)
 
         def train_step(self, batch):
             start = time.perf_counter()
@@ -83,15 +84,13 @@ def run_reinforge(args: argparse.Namespace, model_dir: Path, folder: Path) -> di
     trainer = TimedDPOTrainer(load_dpo_config(None, overrides))
     trainer.fit()
     steps = marks["steps"]
-    return {"step_s": statistics.median(steps[1:] or steps), "step_times_s": steps,
-            "reference_pass_s": marks["reference"][0], "pairs": args.pairs,
+    step_s = statistics.median(steps[1:] or steps)
+    return {"step_s": step_s, "step_times_s": steps, "reference_pass_s": reference["timing_s/reference_pass"],
+            "reference_pass_pairs": int(reference["reference/num_pairs"]),
+            "reference_pairs_per_s": reference["perf/reference_pairs_per_s"],
+            "training_pairs_per_s": args.pairs / step_s, "pairs": args.pairs,
             "packed_tokens_per_step": args.pairs * (args.prompt_tokens + 2 * args.response_tokens),
             "peak_memory_gb": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30}
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def trl_script() -> Path | None:
@@ -149,10 +148,12 @@ def dpo_main(argv: list[str]) -> int:
         folder = Path(temporary)
         model_dir = write_model(folder, tiny=args.cpu, size=args.model)
         results = {"model": "tiny" if args.cpu else args.model, "reinforge": run_reinforge(args, model_dir, folder)}
-        print(f"reinforge dpo: step {results['reinforge']['step_s']:.2f} s ({args.pairs} pairs, "
-              f"{args.prompt_tokens} + 2 x {args.response_tokens} tokens each), reference pass "
-              f"{results['reinforge']['reference_pass_s']:.2f} s, peak {results['reinforge']['peak_memory_gb']:.1f} GiB",
-              flush=True)
+        ours = results["reinforge"]
+        print(f"reinforge dpo: step {ours['step_s']:.2f} s ({args.pairs} pairs, {args.prompt_tokens} + 2 x "
+              f"{args.response_tokens} tokens each, {ours['training_pairs_per_s']:.1f} pairs/s), reference pass "
+              f"{ours['reference_pass_s']:.2f} s for {ours['reference_pass_pairs']} pairs "
+              f"({ours['reference_pairs_per_s']:.1f} pairs/s, compilation included), peak "
+              f"{ours['peak_memory_gb']:.1f} GiB", flush=True)
         if args.trl:
             gc.collect()  # the trainer's model and optimizer, before TRL's process takes the device
             torch.cuda.empty_cache()

@@ -2,15 +2,17 @@
 
 The policy is loaded and sharded as the RL actor is (float32 master weights, FSDP2 computing in
 ``model.dtype``; on CUDA fused kernels and compiled decoder layers; ``model.gradient_checkpointing`` true or a
-number of layers recomputes their activations; ``model.lora`` trains adapters, the base frozen). A pair's two completions go through one packed forward that
-computes their prompt once (``engine.packing``);
-each completion's log-prob is the sum over its tokens (the mean for ``ipo``). The reference model's log-probs
-are computed once, before the first step, in one scoring pass over the training and validation pairs, and
-stored in the run folder (``reference_logps.pt``, keyed by the pairs' token ids, the reference model and the
-dtype). A resumed run reads them back; should that file be missing, they are scored again by the reference
-model loaded from ``dpo.reference_path`` (``model.path`` when unset), never by the resumed policy. Without a
-separate reference, the scoring pass of a fresh run uses the policy itself before its first step: the same
-weights, so no second model is held in memory.
+number of layers recomputes their activations; ``model.lora`` trains adapters, the base frozen). A pair's two
+completions go through one packed forward that computes their prompt once (``engine.packing``); each
+completion's log-prob is the sum over its tokens (the mean for ``ipo``). The reference model's log-probs are
+computed once, before the first step, in one pass over the training and validation pairs, and stored in the run
+folder (``reference_logps.pt``, keyed by the pairs' token ids, the reference model and the dtype). That pass is
+the training forward itself, so the compiled layers compile nothing of their own for it; its time and pairs are
+logged, and reported with the first step as ``timing_s/reference_pass`` and ``reference/num_pairs``. A resumed
+run reads them back; should that file be missing, they are scored again by the reference model loaded from
+``dpo.reference_path`` (``model.path`` when unset), never by the resumed policy. Without a separate reference,
+the scoring pass of a fresh run uses the policy itself before its first step: the same weights, so no second
+model is held in memory.
 
 Metrics (TRL's DPOTrainer's names): ``rewards/chosen`` and ``rewards/rejected`` (the mean implicit reward
 beta * (logp - logp_ref)), ``rewards/accuracies`` (the share of pairs whose chosen reward is higher),
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +58,8 @@ class DPOTrainer(PreferenceRun):
         self.num_tokens = 0.0
         self.peft_model: nn.Module | None = None
         self.reference: dict[str, Tensor] = {}
+        self.reference_metrics: dict[str, float] = {}
+        """The reference pass's time and pairs, logged with the first step after it."""
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
@@ -109,6 +114,7 @@ class DPOTrainer(PreferenceRun):
                 return
             logger.warning("%s belongs to other pairs or another reference model; scoring them again", path)
         untrained = self.step == 0 and self.config.dpo.reference_path in (None, self.config.model.path)
+        start = time.perf_counter()
         model = self.model if untrained else self._load_reference()
         loaders = {"train": PairLoader(self.train_set.pairs, self.config.data.batch_size, self.pad_token_id,
                                        shuffle=False)}
@@ -117,28 +123,44 @@ class DPOTrainer(PreferenceRun):
         self.reference = {split: self.sequence_logps_of(model, loader) for split, loader in loaders.items()}
         if model is not self.model:
             del model
+        seconds = time.perf_counter() - start
         staging = path.with_name(path.name + ".tmp")
         torch.save({"key": key, **self.reference}, staging)
         os.replace(staging, path)
-        logger.info("reference log-probs of %d pairs stored in %s", len(self.train_set), path)
+        num_pairs = sum(len(loader.pairs) for loader in loaders.values())
+        self.reference_metrics = {"timing_s/reference_pass": seconds, "reference/num_pairs": float(num_pairs),
+                                  "perf/reference_pairs_per_s": num_pairs / max(seconds, 1e-9)}
+        logger.info("reference log-probs of %d pairs scored in %.2f s (%.1f pairs/s) and stored in %s", num_pairs,
+                    seconds, num_pairs / max(seconds, 1e-9), path)
 
     def _load_reference(self) -> nn.Module:
         reference = self._load(self.config.dpo.reference_path or self.config.model.path)
-        return shard_model(reference, self.device, self.config.model.dtype).eval()
+        return shard_model(reference, self.device, self.config.model.dtype)
 
-    @torch.no_grad()
     def sequence_logps_of(self, model: nn.Module, loader: PairLoader) -> Tensor:
-        """(pairs, 2): the log-prob of each pair's chosen and rejected completion under ``model``."""
+        """(pairs, 2): the log-prob of each pair's chosen and rejected completion under ``model``.
+
+        The pass is the training forward itself, in training mode with grad on, each micro-batch's graph dropped
+        as soon as its log-probs are read: the compiled decoder layers then run the graphs the training step runs
+        (a no-grad pass would compile variants of its own, which on a 1.5B model cost more than the whole pass),
+        in micro-batches of the training budget. A model with active dropout is scored in eval mode instead, so
+        the reference is deterministic. The log-probs stay on the device until the end of the pass: one copy to
+        the host, no sync per micro-batch.
+        """
         out = torch.zeros(len(loader.pairs), 2)
         was_training = model.training
-        model.eval()
+        model.train(not has_active_dropout(model))
+        indices, values = [], []
         for batch in loader.batches_of_one_pass():
             for micro in self.micro_batches(batch):
-                logps = self._sequence_logps(model, micro)
+                logps = self._sequence_logps(model, micro).detach()
                 real = micro["pair_weight"] > 0
-                rows = micro["pair_index"][real].cpu()
-                sides = torch.arange(len(micro), device=real.device)[real].cpu() % 2
-                out[rows, sides] = logps[real].cpu()
+                sides = torch.arange(len(micro), device=real.device) % 2
+                indices.append(torch.stack([micro["pair_index"][real], sides[real]]))
+                values.append(logps[real])
+        if values:
+            rows, sides = torch.cat(indices, dim=1).cpu()
+            out[rows, sides] = torch.cat(values).float().cpu()
         model.train(was_training)
         reshard(model)
         return out
@@ -171,9 +193,11 @@ class DPOTrainer(PreferenceRun):
             tally.add(weights > 0, chosen_rewards, rejected_rewards, logps)
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
+        reference_metrics, self.reference_metrics = self.reference_metrics, {}
         return {**tally.metrics(), "num_tokens": self.num_tokens, "train/loss": metrics["train/preference_loss"],
                 "train/lr": metrics["train/lr"], "train/grad_norm": metrics["train/grad_norm"],
-                "timing_s/step": update.seconds, "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}
+                "timing_s/step": update.seconds, "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"],
+                **reference_metrics}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -196,6 +220,13 @@ class DPOTrainer(PreferenceRun):
     def load_checkpoint_state(self, folder: Path, state) -> None:
         super().load_checkpoint_state(folder, state)
         self.num_tokens = float(state.get("num_tokens", 0.0))
+
+
+def has_active_dropout(model: nn.Module) -> bool:
+    """Whether a forward in training mode would drop activations: a dropout module or attention dropout above 0."""
+    config = getattr(model, "config", None)
+    return (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+            or any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()))
 
 
 class PairTally:

@@ -50,3 +50,27 @@ def test_rm_and_dpo_train_on_cuda_in_bf16(pair_args, tmp_path):
     first, last = metrics_of(tmp_path / "dpo")
     assert first["train/loss"] == pytest.approx(math.log(2), abs=2e-2)  # the policy is its reference at step 1
     assert last["train/loss"] < first["train/loss"]
+
+
+def test_the_reference_pass_compiles_the_graphs_the_training_step_runs(pair_args, tmp_path):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from reinforge.config.preference_schema import load_dpo_config
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    config = load_dpo_config(None, pair_args(tmp_path / "dpo", **{"trainer.device": "cuda",
+                                                                   "model.dtype": "bfloat16"}))
+    trainer = DPOTrainer(config)
+    try:
+        trainer.resume()
+        trainer.before_training()
+        compiled = counters["stats"]["unique_graphs"]
+        assert compiled > 0  # the decoder layers, norms and gates of the reference pass
+        trainer.train_step(trainer.train_loader.next_batch())
+        assert counters["stats"]["unique_graphs"] == compiled
+    finally:
+        trainer.tracker.close()
+        trainer.release_run_folder()
