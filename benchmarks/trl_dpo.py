@@ -1,40 +1,38 @@
 """TRL's DPOTrainer on the DPO workload, the competitor of ``reinforge bench dpo``.
 
     python3 benchmarks/trl_dpo.py --model-dir DIR [--steps 4] [--pairs 64] [--prompt-tokens 128]
-                                  [--response-tokens 512] [--micro-batch 8] [--checkpointing auto|both|on|off]
-                                  [--json out.json]
+                                  [--response-tokens 512] [--micro-batch 8] [--precompute-ref]
+                                  [--checkpointing auto|both|on|off] [--deadline-s S] [--cpu] [--json out.json]
 
 ``reinforge bench dpo --trl`` runs it on the same model folder and workload: ``--pairs`` pairs a step of a
 prompt of ``--prompt-tokens`` random letters and two completions of ``--response-tokens`` tokens (random
 letters, then EOS), bf16, AdamW lr 1e-6, beta 0.1, the sigmoid loss, one optimizer step a batch of pairs
-(``--micro-batch`` pairs a forward, gradient accumulation over the rest). The reference log-probs are
-computed before training (``precompute_ref_log_probs``), as reinforge computes them, so that neither step
-runs a reference model. ``DIR`` is a model folder written by ``reinforge bench`` (random weights and the
-character tokenizer, so a letter is a token). The step time is the median time between optimizer steps
-2.. . With ``--checkpointing auto`` it runs without gradient checkpointing and, when that runs out of
-memory, with it, as TRL's users would; ``both`` runs each and the faster one counts.
+(``--micro-batch`` pairs a forward, gradient accumulation over the rest). TRL is set up as its users would for
+speed: bf16, its defaults otherwise. So its reference model runs inside every step
+(``precompute_ref_log_probs`` is off by default in TRL); ``--precompute-ref`` computes the reference log-probs
+once, before training, as reinforge does (TRL then hashes the model's weights and scores every pair while the
+trainer is built, which is timed apart as ``setup_s``). Padding-free batches are not offered: TRL 1.16 warns
+and pads. ``DIR`` is a model folder written by ``reinforge bench`` (random weights and the character tokenizer,
+so a letter is a token). Step times, checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--cpu`` runs
+the same setup on the CPU in float32, a smoke test on a tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
-import json
 import random
-import statistics
 import string
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from trl_runs import Clock, add_run_options, known_settings, reset_peak_memory, run_modes, step_clock, step_record
 
 
-def run(args: argparse.Namespace, checkpointing: bool) -> dict:
+def run(args: argparse.Namespace, clock: Clock, checkpointing: bool) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     rng = random.Random(0)
@@ -45,39 +43,32 @@ def run(args: argparse.Namespace, checkpointing: bool) -> dict:
     rows = [{"prompt": letters(args.prompt_tokens), "chosen": letters(args.response_tokens - 1),
              "rejected": letters(args.response_tokens - 1)} for _ in range(args.pairs * args.steps)]
     dataset = Dataset.from_list(rows)
-    times: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            times.append(time.perf_counter())
-
     micro_batch = min(args.micro_batch, args.pairs)
     if args.pairs % micro_batch:
         raise SystemExit(f"--micro-batch {micro_batch} does not divide the {args.pairs} pairs of a step")
-    fields = {field.name for field in dataclasses.fields(DPOConfig)}
     wanted = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro_batch,
-                  gradient_accumulation_steps=args.pairs // micro_batch, learning_rate=1e-6, bf16=True,
-                  beta=0.1, loss_type="sigmoid", max_length=args.prompt_tokens + args.response_tokens,
-                  max_prompt_length=args.prompt_tokens, max_completion_length=args.response_tokens,
-                  precompute_ref_log_probs=True, precompute_ref_batch_size=micro_batch,
-                  gradient_checkpointing=checkpointing, max_steps=args.steps, logging_steps=1, report_to="none",
-                  save_strategy="no", seed=0, shuffle_dataset=False, lr_scheduler_type="constant",
-                  warmup_ratio=0.0)
-    config = DPOConfig(**{key: value for key, value in wanted.items() if key in fields})
+                  gradient_accumulation_steps=args.pairs // micro_batch, learning_rate=1e-6, bf16=not args.cpu,
+                  use_cpu=args.cpu, beta=0.1, loss_type="sigmoid", max_length=args.prompt_tokens + args.response_tokens,
+                  precompute_ref_log_probs=args.precompute_ref, gradient_checkpointing=checkpointing,
+                  max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+                  shuffle_dataset=False, lr_scheduler_type="constant", warmup_ratio=0.0)
+    if args.precompute_ref:
+        wanted["precompute_ref_batch_size"] = micro_batch
+    settings, ignored = known_settings(DPOConfig, wanted)
+    config = DPOConfig(**settings)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32 if args.cpu else torch.bfloat16)
+    model = model.to("cpu" if args.cpu else "cuda")
+    built = clock.phase("model loaded")
+    callback, times = step_clock(clock)
+    # builds the reference model, or with --precompute-ref scores every pair by the policy
     trainer = DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[StepTimes()])
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    trainer.train()  # the reference pass runs first, inside train(): step 1's time includes it
-    marks = [start, *times]
-    step_times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return {"checkpointing": checkpointing, "step_times_s": step_times,
-            "step_s": statistics.median(step_times[1:] or step_times),
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "ignored_settings": sorted(set(wanted) - fields)}
+                         callbacks=[callback])
+    start = clock.phase("trainer built (dataset tokenized, reference ready)")
+    reset_peak_memory(clock)
+    trainer.train()
+    return step_record(clock, checkpointing, start, times, ignored, setup_s=start - built,
+                       reference="precomputed" if args.precompute_ref else "in every step")
 
 
 def main(argv: list[str]) -> int:
@@ -88,31 +79,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=8, help="pairs per forward/backward")
-    parser.add_argument("--checkpointing", choices=["auto", "both", "on", "off"], default="auto")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--precompute-ref", action="store_true",
+                        help="reference log-probs computed once before training (TRL's default: in every step)")
+    add_run_options(parser)
     args = parser.parse_args(argv)
-    modes = {"auto": [False, True], "both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
-    results = []
-    for checkpointing in modes:
-        if args.checkpointing == "auto" and any("step_s" in result for result in results):
-            break  # it fit without checkpointing
-        try:
-            results.append(run(args, checkpointing))
-        except torch.OutOfMemoryError as error:
-            results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}"})
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(json.dumps(results[-1]), flush=True)
-    finished = [result for result in results if "step_s" in result]
-    best = min(finished, key=lambda result: result["step_s"]) if finished else None
-    if args.json:
-        args.json.write_text(json.dumps({"runs": results, "best": best}, indent=1))
-    if best is None:
-        print("trl: every run failed")
-        return 1
-    print(f"trl: step {best['step_s']:.2f} s (checkpointing {'on' if best['checkpointing'] else 'off'}), "
-          f"peak {best['peak_memory_gb']:.1f} GiB")
-    return 0
+    clock = Clock(args.deadline_s, args.cpu)
+    return run_modes(args, clock, lambda checkpointing: run(args, clock, checkpointing))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer on the standard workload, the competitor of ``reinforge bench train``.
 
-    python3 benchmarks/trl_grpo.py --model-dir DIR [--steps 4] [--checkpointing auto|both|on|off] [--json out.json]
+    python3 benchmarks/trl_grpo.py --model-dir DIR [--steps 4] [--checkpointing auto|both|on|off]
+                                   [--deadline-s S] [--cpu] [--json out.json]
 
 ``reinforge bench train --model SIZES --trl`` runs it beside each size, on the same model folder and
 workload. The workload is reinforge's: 64 prompts of 128 tokens, 8 samples each, exactly 512 generated
@@ -10,64 +11,56 @@ vLLM (transformers ``generate``), one optimizer step per generation batch of all
 1e-6 (``--lora-rank R``: a peft LoRA adapter of rank R, alpha 2R, on ``--lora-targets``, lr 1e-5).
 ``DIR`` is a model folder written by ``reinforge bench train`` (random weights of a bench shape and the
 character tokenizer, so a 128-character prompt is 128 tokens). The step time is the median time between
-optimizer steps 2.. . By default (``--checkpointing auto``) it runs without gradient checkpointing and,
-when that runs out of memory, with it, as TRL's users would; ``both`` runs each and the faster one counts. ``--gpu-memory-gib`` caps the process as
-``bench train``'s option does.
+optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--gpu-memory-gib`` caps the
+process as ``bench train``'s option does; ``--cpu`` runs the same setup on the CPU in float32, a smoke test on a
+tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
-import json
 import random
-import statistics
 import string
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from trl_runs import Clock, add_run_options, known_settings, reset_peak_memory, run_modes, step_clock, step_record
 
 
-def run(model_dir: Path, steps: int, checkpointing: bool, micro_batch: int, workload: argparse.Namespace) -> dict:
+def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict:
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     rng = random.Random(0)
     prompts = ["".join(rng.choice(string.ascii_letters) for _ in range(workload.prompt_tokens))
-               for _ in range(workload.prompts * (steps + 1))]
+               for _ in range(workload.prompts * (workload.steps + 1))]
     completions = workload.prompts * workload.n
     dataset = Dataset.from_dict({"prompt": prompts})
 
     def reward(completions, **kwargs):
         return [sum(ch in "aeiou" for ch in text) / max(len(text), 1) for text in completions]
 
-    times: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            times.append(time.perf_counter())
-
-    fields = {field.name for field in dataclasses.fields(GRPOConfig)}
-    micro_batch = min(micro_batch, completions)
+    micro_batch = min(workload.micro_batch, completions)
     if completions % micro_batch:
         raise SystemExit(f"--micro-batch {micro_batch} does not divide the {completions} completions of a step")
     wanted = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro_batch,
                   gradient_accumulation_steps=completions // micro_batch, num_generations=workload.n,
                   generation_batch_size=completions, max_completion_length=workload.response_tokens,
-                  max_prompt_length=workload.prompt_tokens, beta=0.0, bf16=True, learning_rate=1e-6,
-                  gradient_checkpointing=checkpointing, max_steps=steps, logging_steps=1, report_to="none",
-                  use_vllm=False, temperature=1.0, save_strategy="no", seed=0, loss_type="dapo",
+                  max_prompt_length=workload.prompt_tokens, beta=0.0, bf16=not clock.cpu, use_cpu=clock.cpu,
+                  learning_rate=1e-6, gradient_checkpointing=checkpointing, max_steps=workload.steps, logging_steps=1,
+                  report_to="none", use_vllm=False, temperature=1.0, save_strategy="no", seed=0, loss_type="dapo",
                   generation_kwargs={"min_new_tokens": workload.response_tokens}, shuffle_dataset=False)
-    config = GRPOConfig(**{key: value for key, value in wanted.items() if key in fields})
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    settings, ignored = known_settings(GRPOConfig, wanted)
+    config = GRPOConfig(**settings)
+    tokenizer = AutoTokenizer.from_pretrained(workload.model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    model = AutoModelForCausalLM.from_pretrained(workload.model_dir,
+                                                 dtype=torch.float32 if clock.cpu else torch.bfloat16)
+    model = model.to("cpu" if clock.cpu else "cuda")
+    clock.phase("model loaded")
     peft_config = None
     if workload.lora_rank:  # the adapter reinforge's shape trains: same rank, alpha 2 x rank, same projections
         from peft import LoraConfig
@@ -75,25 +68,20 @@ def run(model_dir: Path, steps: int, checkpointing: bool, micro_batch: int, work
         peft_config = LoraConfig(r=workload.lora_rank, lora_alpha=2 * workload.lora_rank, lora_dropout=0.0,
                                  target_modules=workload.lora_targets.split(","), task_type="CAUSAL_LM")
         config.learning_rate = 1e-5  # reinforge's LoRA learning rate
+    callback, times = step_clock(clock)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepTimes()],
+                          processing_class=tokenizer, callbacks=[callback],
                           **({"peft_config": peft_config} if peft_config is not None else {}))
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start = clock.phase("trainer built")
+    reset_peak_memory(clock)
     trainer.train()
-    marks = [start, *times]
-    step_times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return {"checkpointing": checkpointing, "step_times_s": step_times,
-            "step_s": statistics.median(step_times[1:] or step_times),
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
-            "ignored_settings": sorted(set(wanted) - fields)}
+    return step_record(clock, checkpointing, start, times, ignored)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--checkpointing", choices=["auto", "both", "on", "off"], default="auto")
     parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
@@ -103,34 +91,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (peft)")
     parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
                         help="its projections, comma-separated")
-    parser.add_argument("--json", type=Path, default=None)
+    add_run_options(parser)
     args = parser.parse_args(argv)
-    if args.gpu_memory_gib is not None:
+    if args.gpu_memory_gib is not None and not args.cpu:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total))
-    modes = {"auto": [False, True], "both": [False, True], "on": [True], "off": [False]}[args.checkpointing]
-    results = []
-    for checkpointing in modes:
-        if args.checkpointing == "auto" and any("step_s" in result for result in results):
-            break  # it fit without checkpointing
-        try:
-            results.append(run(args.model_dir, args.steps, checkpointing, args.micro_batch, args))
-        except torch.OutOfMemoryError as error:
-            results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}"})
-        gc.collect()  # the failed trainer's cycles, before its memory goes back
-        torch.cuda.empty_cache()
-        print(json.dumps(results[-1]), flush=True)
-    finished = [result for result in results if "step_s" in result]
-    best = min(finished, key=lambda result: result["step_s"]) if finished else None
-    summary = {"runs": results, "best": best}
-    if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
-    if best is None:
-        print("trl: every run failed")
-        return 1
-    print(f"trl: step {best['step_s']:.2f} s (checkpointing {'on' if best['checkpointing'] else 'off'}), "
-          f"peak {best['peak_memory_gb']:.1f} GiB")
-    return 0
+    clock = Clock(args.deadline_s, args.cpu)
+    return run_modes(args, clock, lambda checkpointing: run(clock, checkpointing, args))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,21 @@
 """``reinforge bench dpo``: DPO steps of ``reinforge dpo`` on a fixed workload, TRL's DPOTrainer beside it.
 
-    reinforge bench dpo [--model 1.5b] [--trl] [--steps 4] [--pairs 64] [--prompt-tokens 128]
-                        [--response-tokens 512] [--max-tokens 16384] [--checkpointing on|off] [--json out.json]
+    reinforge bench dpo [--model 1.5b] [--trl] [--trl-deadline-s 300] [--trl-precompute-ref] [--steps 4]
+                        [--pairs 64] [--prompt-tokens 128] [--response-tokens 512] [--max-tokens 16384]
+                        [--checkpointing on|off] [--json out.json]
     reinforge bench dpo --cpu          (a tiny model and workload: the smoke test)
 
 The workload: ``--pairs`` pairs a step, each a prompt of ``--prompt-tokens`` random letters and two
 completions of ``--response-tokens`` tokens (random letters, then EOS), on a model of the bench shape
 ``--model`` with random weights and the character tokenizer (one token a letter), bf16 compute with float32
 master weights, AdamW lr 1e-6, beta 0.1, the sigmoid loss. The step time is the median wall time of steps
-2.. (the first compiles and warms up); the reference pass (once, before step 1) is reported apart, as are
-the packed tokens a step computes (a pair's prompt once). The reference pass covers every pair of the run
-(``--pairs`` x ``--steps``) and compiles the graphs the steps then run; its pairs a second are set beside a
-step's. ``--trl`` then runs ``benchmarks/trl_dpo.py`` of
-the source checkout on the same model folder and workload, in a process of its own, and prints the ratio.
-No checkpoint is written.
+2.. (the first warms up); the reference pass (once, before step 1) is reported apart, as are the packed
+tokens a step computes (a pair's prompt once). The reference pass covers every pair of the run (``--pairs`` x
+``--steps``) and compiles the graphs the steps then run; its pairs a second are set beside a step's.
+``--trl`` then runs ``benchmarks/trl_dpo.py`` of the source checkout on the same model folder and workload, in
+a process of its own bounded by ``--trl-deadline-s``, and prints the ratio of the steps, and the ratio with
+reinforge's reference pass spread over its steps when TRL's reference runs in every step (TRL's default;
+``--trl-precompute-ref`` precomputes it as reinforge does). No checkpoint is written.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
+import signal
 import statistics
 import string
 import subprocess
@@ -33,6 +37,8 @@ from pathlib import Path
 import torch
 
 TRL_SCRIPT = Path("benchmarks") / "trl_dpo.py"
+TRL_GRACE_S = 60.0
+"""How long TRL's script may run past its deadline (the step under way, writing its results) before it is ended."""
 
 
 def write_pairs(path: Path, args: argparse.Namespace) -> Path:
@@ -102,16 +108,26 @@ def trl_script() -> Path | None:
 
 
 def run_trl(args: argparse.Namespace, model_dir: Path, folder: Path) -> dict:
+    """TRL's script in a process of its own, within ``--trl-deadline-s``: it stops training after the step that
+    passes the deadline, and is ended (with its children) ``TRL_GRACE_S`` later if it is still running."""
     script = trl_script()
     if script is None:
         return {"error": f"{TRL_SCRIPT} not found: run from a source checkout of reinforge"}
     out = folder / "trl.json"
     command = [sys.executable, str(script), "--model-dir", str(model_dir), "--steps", str(args.steps),
                "--pairs", str(args.pairs), "--prompt-tokens", str(args.prompt_tokens), "--response-tokens",
-               str(args.response_tokens), "--checkpointing", args.trl_checkpointing, "--json", str(out)]
-    completed = subprocess.run(command, check=False)
+               str(args.response_tokens), "--checkpointing", args.trl_checkpointing, "--deadline-s",
+               str(args.trl_deadline_s), "--json", str(out), *(["--precompute-ref"] if args.trl_precompute_ref else [])]
+    process = subprocess.Popen(command, start_new_session=True)  # its own group: a kill ends its children too
+    try:
+        returncode = process.wait(timeout=args.trl_deadline_s + TRL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return {"error": f"benchmarks/trl_dpo.py was still running {args.trl_deadline_s + TRL_GRACE_S:.0f} s after "
+                         "it started and was ended (its last 'trl: ...' line above says where it was)"}
     if not out.is_file():
-        return {"error": f"benchmarks/trl_dpo.py exited {completed.returncode} without results"}
+        return {"error": f"benchmarks/trl_dpo.py exited {returncode} without results"}
     return json.loads(out.read_text()).get("best") or {"error": "every TRL run failed (see its output above)"}
 
 
@@ -122,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trl", action="store_true", help="also run TRL's DPOTrainer on the same workload")
     parser.add_argument("--trl-checkpointing", choices=["auto", "both", "on", "off"], default="auto",
                         help="TRL's gradient checkpointing (auto: off, on when off runs out of memory)")
+    parser.add_argument("--trl-deadline-s", type=float, default=300.0,
+                        help="TRL's script stops training after the step that passes this many seconds from its "
+                             "start, and is ended 60 s later")
+    parser.add_argument("--trl-precompute-ref", action="store_true",
+                        help="TRL computes the reference log-probs once before training, as reinforge does (its "
+                             "default: a reference forward in every step)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=64, help="pairs a step")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -158,10 +180,18 @@ def dpo_main(argv: list[str]) -> int:
             gc.collect()  # the trainer's model and optimizer, before TRL's process takes the device
             torch.cuda.empty_cache()
             results["trl"] = run_trl(args, model_dir, folder)
-            if "step_s" in results["trl"]:
-                results["speedup_vs_trl"] = results["trl"]["step_s"] / results["reinforge"]["step_s"]
-                print(f"trl DPOTrainer: step {results['trl']['step_s']:.2f} s; reinforge is "
-                      f"{results['speedup_vs_trl']:.2f}x faster")
+            trl = results["trl"]
+            if "step_s" in trl:
+                results["speedup_vs_trl"] = trl["step_s"] / ours["step_s"]
+                # TRL's reference forward is in its step by default; reinforge's is the pass before step 1
+                with_reference = ours["step_s"] + (ours["reference_pass_s"] / args.steps
+                                                   if trl.get("reference") == "in every step" else 0.0)
+                results["speedup_vs_trl_reference_included"] = trl["step_s"] / with_reference
+                print(f"trl DPOTrainer: step {trl['step_s']:.2f} s (reference {trl.get('reference')}, setup "
+                      f"{trl.get('setup_s', 0.0):.1f} s{', stopped at its deadline' if trl.get('stopped_at_deadline') else ''}"
+                      f"); reinforge is {results['speedup_vs_trl']:.2f}x faster a step, "
+                      f"{results['speedup_vs_trl_reference_included']:.2f}x with its reference pass spread over "
+                      f"the {args.steps} steps")
             else:
                 print(f"trl DPOTrainer: {results['trl']['error']}")
     if args.json:

@@ -1,0 +1,135 @@
+"""What the TRL scripts share: their step clock, their deadline, and the tries of each checkpointing mode.
+
+``trl_grpo.py`` and ``trl_dpo.py`` import it as a sibling module (Python puts a script's own folder first on
+``sys.path``). A run's step time is the median time between optimizer steps 2.. ; ``--checkpointing auto`` tries
+without gradient checkpointing and, when that runs out of memory, with it, as TRL's users would; ``both`` runs
+each and the faster one counts. ``--deadline-s`` bounds the whole script: a run still training then stops after
+its current step and reports the steps it made (``stopped_at_deadline``), and no further try starts. Each phase
+(model loaded, trainer built, steps) is printed with its time as it ends, so the output of a script killed from
+outside still says where it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = {"auto": [False, True], "both": [False, True], "on": [True], "off": [False]}
+"""The gradient checkpointing setting of each try, by ``--checkpointing``."""
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options every TRL script takes: checkpointing, deadline, CPU smoke mode and the results file."""
+    parser.add_argument("--checkpointing", choices=list(MODES), default="auto")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="stop training after the step that passes this many seconds from the start")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU in float32 (a smoke test of the setup)")
+    parser.add_argument("--json", type=Path, default=None)
+
+
+class Clock:
+    """Seconds since the script started, the deadline, and one printed line per phase."""
+
+    def __init__(self, deadline_s: float | None, cpu: bool) -> None:
+        self.start = time.perf_counter()
+        self.deadline_s, self.cpu = deadline_s, cpu
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def passed(self) -> bool:
+        return self.deadline_s is not None and self.elapsed() >= self.deadline_s
+
+    def phase(self, name: str) -> float:
+        """Print that ``name`` ended; returns the time it ended."""
+        now = time.perf_counter()
+        print(f"trl: {name} at {now - self.start:.1f} s", flush=True)
+        return now
+
+    def synchronize(self) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize()
+
+
+def step_clock(clock: Clock) -> tuple[Any, list[float]]:
+    """A transformers ``TrainerCallback`` that records the time of each optimizer step's end (after the device is
+    done) and stops training at the deadline, and the list it records into."""
+    from transformers import TrainerCallback
+
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.synchronize()
+            times.append(clock.phase(f"step {len(times) + 1}"))
+            if clock.passed():
+                control.should_training_stop = True
+
+    return StepTimes(), times
+
+
+def known_settings(config_class: type, wanted: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The settings ``config_class`` (a TRL config dataclass) has, and the names of those it has not."""
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    return {key: value for key, value in wanted.items() if key in fields}, sorted(set(wanted) - fields)
+
+
+def reset_peak_memory(clock: Clock) -> None:
+    if not clock.cpu:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def step_record(clock: Clock, checkpointing: bool, start: float, times: list[float], ignored: list[str],
+                **extra: Any) -> dict[str, Any]:
+    """One run's result: its step times (from ``start``), their median from step 2, peak memory, what it ignored."""
+    marks = [start, *times]
+    step_times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    record: dict[str, Any] = {"checkpointing": checkpointing, "step_times_s": step_times,
+                              "peak_memory_gb": 0.0 if clock.cpu else torch.cuda.max_memory_allocated() / 2**30,
+                              "ignored_settings": ignored, **extra}
+    if step_times:
+        record["step_s"] = statistics.median(step_times[1:] or step_times)
+    else:
+        record["error"] = "no optimizer step finished"
+    if clock.passed():
+        record["stopped_at_deadline"] = True
+    return record
+
+
+def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict[str, Any]]) -> int:
+    """Run ``run(checkpointing)`` for each mode of ``args.checkpointing``; print and write the results (the best
+    in ``best``); returns the script's exit status."""
+    results: list[dict[str, Any]] = []
+    for checkpointing in MODES[args.checkpointing]:
+        if args.checkpointing == "auto" and any("step_s" in result for result in results):
+            break  # it fit without checkpointing
+        if results and clock.passed():
+            results.append({"checkpointing": checkpointing, "error": "not started: past the deadline"})
+            break
+        try:
+            results.append(run(checkpointing))
+        except torch.OutOfMemoryError as error:
+            results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}"})
+        gc.collect()  # the failed trainer's cycles, before its memory goes back
+        if not clock.cpu:
+            torch.cuda.empty_cache()
+        print(json.dumps(results[-1]), flush=True)
+    finished = [result for result in results if "step_s" in result]
+    best = min(finished, key=lambda result: result["step_s"]) if finished else None
+    if args.json:
+        args.json.write_text(json.dumps({"runs": results, "best": best}, indent=1))
+    if best is None:
+        print("trl: every run failed")
+        return 1
+    print(f"trl: step {best['step_s']:.2f} s (checkpointing {'on' if best['checkpointing'] else 'off'}), "
+          f"peak {best['peak_memory_gb']:.1f} GiB")
+    return 0
