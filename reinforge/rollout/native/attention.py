@@ -37,7 +37,9 @@ class AttentionMetadata:
     slot_mapping: (tokens,) cache slot (block * block_size + offset) of each token's k and v.
     Prefill: seq_lens lists the packed sequences' lengths; batch_index, token_index (tokens,)
     place each packed token in a (num_seqs, max_seq_len) grid.
-    Decode: block_tables (batch, max_blocks) and context_lens (batch,), one token per sequence.
+    Decode: block_tables (batch, max_blocks) and context_lens (batch,), one token per sequence;
+    num_decode_splits, the programs each sequence's paged attention is split across on the Triton path
+    (``decode_kernels.paged_decode_attention``; fixed when a decode graph is captured).
     Prefill after a prefix-cache hit: also block_tables and context_lens (every token, cached ones
     included), prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one, and
     max_context_len, the largest context length (known on the host: reading it from context_lens would
@@ -63,6 +65,7 @@ class AttentionMetadata:
     context_lengths: list[int] | None = None
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
+    num_decode_splits: int = 1
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:

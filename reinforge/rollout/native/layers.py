@@ -163,7 +163,8 @@ class DenseAttention:
             from reinforge.rollout.native import triton_kernels
 
             out = triton_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                        self.scale, softcap, window)
+                                                        self.scale, softcap, window,
+                                                        num_splits=meta.num_decode_splits)
         else:
             out = decode_attention(q, k_cache, v_cache, meta, self.scale, window, softcap)
         return F.linear(out.reshape(num_tokens, self.q_size), weights["o_weight"], weights["o_bias"])

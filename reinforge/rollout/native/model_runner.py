@@ -7,7 +7,9 @@ tensors (token ids, positions, cache slots, block tables) and returns logits. Bl
 live in a host array with one row per running sequence, updated only when a sequence gains
 blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
 graphs captured for a set of batch sizes (padded up to the next captured size; padding rows
-write to a spare block nobody reads). Prefill steps of up to 2,048 tokens replay graphs too, from
+write to a spare block nobody reads). Once the longest context reaches ``decode_kernels.SPLIT_MIN_CONTEXT``,
+the paged attention splits each context across programs (``decode_kernels.decode_num_splits``, a count fixed
+per batch size), so a batch size has at most two decode graphs: unsplit and split. Prefill steps of up to 2,048 tokens replay graphs too, from
 the second step of a padded shape on (``prefill_graphs.py``); larger ones run eagerly.
 """
 
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.rollout.native.attention import AttentionMetadata
+from reinforge.rollout.native.decode_kernels import decode_num_splits, num_sms
 from reinforge.rollout.native.model import PagedDecoder
 from reinforge.rollout.native.prefill_graphs import PrefillGraphs, pad_prefill
 from reinforge.rollout.native.sequence import Sequence
@@ -47,10 +50,13 @@ class ModelRunner:
         self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self._row_owner = [-1] * max_num_seqs
         self._row_num_blocks = [0] * max_num_seqs
+        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        """Decode graphs by (batch size, attention splits)."""
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        """The decode graph each batch size replayed last (what a profile of the current step replays)."""
         self._graph_pool = None
         self._graph_inputs: dict[str, Tensor] = {}
-        self._graph_logits: dict[int, Tensor] = {}
+        self._graph_logits: dict[tuple[int, int], Tensor] = {}
         self._graph_parameter_pointers: tuple[int, ...] = ()
         self.capture_seconds = 0.0
         """Time spent capturing CUDA graphs (warm-up forward included), summed over the runner's life."""
@@ -110,6 +116,7 @@ class ModelRunner:
 
     def drop_cuda_graphs(self) -> None:
         self._prefill_graphs = None
+        self._captured.clear()
         self._graphs.clear()
         self._graph_inputs.clear()
         self._graph_logits.clear()
@@ -191,6 +198,15 @@ class ModelRunner:
             self._prefill_graphs = PrefillGraphs(self.decoder, self.device)
         return self._prefill_graphs
 
+    def decode_splits(self, batch: int, max_context_len: int) -> int:
+        """Programs each (sequence, KV head) of a decode step's paged attention is split across (1 off the Triton
+        path and for latent attention, which has its own kernel)."""
+        decoder = self.decoder
+        if not decoder.use_triton or self.device.type != "cuda" or \
+                not all(hasattr(block, "num_kv_heads") for block in decoder.attention):
+            return 1
+        return decode_num_splits(batch, decoder.cache_entry[1], max_context_len, num_sms(self.device))
+
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
         # runs at every decode step on the host while the device works: Python lists for the per-row
         # bookkeeping (a numpy scalar read costs several list reads) and one pass over the sequences
@@ -237,15 +253,17 @@ class ModelRunner:
         """
         inputs = self._decode_inputs(seqs, lookahead=0 if next_input_ids is None else 1)
         batch = len(seqs)
+        max_context_len = int(inputs["context_lens"].max()) if batch else 0
         graph_size = next((size for size in self.cuda_graph_batch_sizes if size >= batch), None)
         if graph_size is None or not self.cuda_graph_batch_sizes:
             tensors = {name: self._to_device(array) for name, array in inputs.items()}
             if next_input_ids is not None:
                 tensors["input_ids"] = next_input_ids
             self.last_decode_positions = tensors["positions"]
-            return self._decode_forward(tensors)
-        if graph_size not in self._graphs:
-            self.capture_cuda_graph(graph_size)
+            return self._decode_forward(tensors, self.decode_splits(batch, max_context_len))
+        key = (graph_size, self.decode_splits(graph_size, max_context_len))
+        if key not in self._captured:
+            self.capture_cuda_graph(*key)
         static = self._graph_inputs
         if batch < graph_size:
             self._fill_padding(batch, graph_size)
@@ -253,13 +271,15 @@ class ModelRunner:
             static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
         if next_input_ids is not None:
             static["input_ids"][:batch].copy_(next_input_ids)
-        self._graphs[graph_size].replay()
+        graph = self._graphs[graph_size] = self._captured[key]
+        graph.replay()
         self.last_decode_positions = static["positions"][:batch]
-        return self._graph_logits[graph_size][:batch]
+        return self._graph_logits[key][:batch]
 
-    def _decode_forward(self, tensors: dict[str, Tensor]) -> Tensor:
+    def _decode_forward(self, tensors: dict[str, Tensor], num_splits: int) -> Tensor:
         meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], is_prefill=False,
-                                 block_tables=tensors["block_tables"], context_lens=tensors["context_lens"])
+                                 block_tables=tensors["block_tables"], context_lens=tensors["context_lens"],
+                                 num_decode_splits=num_splits)
         return self.decoder.forward(tensors["input_ids"], tensors["positions"], self.kv_cache, meta)
 
     def _fill_padding(self, start: int, stop: int) -> None:
@@ -272,8 +292,9 @@ class ModelRunner:
         static["block_tables"][start:stop].fill_(self.spare_block)
 
     @torch.no_grad()
-    def capture_cuda_graph(self, size: int) -> None:
-        """Capture the decode forward for batch ``size`` when a step first needs it.
+    def capture_cuda_graph(self, size: int, num_splits: int = 1) -> None:
+        """Capture the decode forward for batch ``size`` (its attention split ``num_splits`` ways) when a step
+        first needs it.
 
         Capturing lazily matters for the hybrid engine: every wake-up gathers the weights anew,
         so graphs rarely outlive a rollout, and a rollout of equal-length samples uses one or
@@ -293,13 +314,14 @@ class ModelRunner:
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)
         views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
-        self._decode_forward(views)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
+        self._decode_forward(views, num_splits)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: a training worker on another thread of this process (trainer.separate_rollout) may
         # launch kernels and allocate while this thread captures
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._graph_logits[size] = self._decode_forward(views)
+            self._graph_logits[size, num_splits] = self._decode_forward(views, num_splits)
+        self._captured[size, num_splits] = graph
         self._graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - start

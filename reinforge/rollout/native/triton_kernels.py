@@ -2,8 +2,7 @@
 
 Fused residual-add + RMSNorm (the llama, gemma and olmo kinds), rotary embedding (whole or
 partial, or none) fused with the KV-cache write, SiLU- or tanh-GELU-and-mul (of one gate|up
-tensor), paged decode attention (one program per sequence and KV head, online softmax over the
-sequence's blocks, with an optional sliding window and score soft-cap) and the sampler (temperature and a per-row threshold,
+tensor), paged decode attention (``decode_kernels.py``, re-exported here) and the sampler (temperature and a per-row threshold,
 Gumbel-max with noise from an integer hash of (row key, column), log-prob of the sampled
 token). The sampler splits each row's vocabulary across programs that read their slice once,
 keeping an online max and sum-exp and the best score with its first column; a small kernel
@@ -19,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.runtime.interpreter import InterpretedFunction
+
+from reinforge.rollout.native.decode_kernels import _finite_or_zero, paged_decode_attention
+
+__all__ = ["act_and_mul", "paged_decode_attention", "rms_norm", "rope_and_write_cache", "sample", "silu_and_mul"]
 
 NORM_KINDS = {"llama": 0, "gemma": 1, "olmo": 2}
 """RMSNorm kinds (``ArchitectureSpec.norm``): llama rounds the normalised value to the model dtype before the weight;
@@ -190,103 +192,6 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 
 
 @triton.jit
-def _softcapped(scores, softcap):
-    """softcap * tanh(scores / softcap), as transformers caps attention scores (tanh(u) = 1 - 2 / (exp(2u) + 1))."""
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
-
-
-@triton.jit
-def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                                   scale, softcap, window, stride_q, stride_o, stride_table, stride_cache,
-                                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                   HEAD_DIM_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PAGE: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                                   HAS_WINDOW: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    group = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_mask = (dims < HEAD_DIM)[None, :]
-    group_mask = (group < GROUP)[:, None]
-    heads = kv_head * GROUP + group
-    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=group_mask & dim_mask,
-                other=0.0)
-    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    running_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    # the query (at context_len - 1) sees the last ``window`` keys: positions from context_len - window on
-    if HAS_WINDOW:
-        first_visible = tl.maximum(context_len - window, 0)
-    else:
-        first_visible = 0
-    # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only from and to Python ints (see the launcher)
-    for start in range(0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
-                       STATIC_LOOP_END if STATIC_LOOP_END else context_len, BLOCK_N):
-        positions = start + tl.arange(0, BLOCK_N)
-        valid = (positions < context_len) & (positions >= first_visible)
-        block_ids = tl.load(block_tables_ptr + seq * stride_table + positions // PAGE, mask=valid, other=0)
-        slots = block_ids.to(tl.int64) * PAGE + positions % PAGE
-        offsets = slots[:, None] * stride_cache + kv_head * HEAD_DIM + dims[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale
-        if HAS_SOFTCAP:
-            scores = _softcapped(scores, softcap)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # a block wholly before the window (only the interpreter visits one) leaves the maximum at -inf
-        finite_max = _finite_or_zero(new_max)
-        probs = tl.exp(scores - finite_max[:, None])
-        correction = tl.exp(running_max - finite_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
-        if IEEE:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
-        running_max = new_max
-    out = acc / running_sum[:, None]
-    tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype),
-             mask=group_mask & dim_mask)
-
-
-def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
-                           scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
-                           num_warps: int = 4, num_stages: int = 2) -> Tensor:
-    """One query token per sequence against its paged keys and values.
-
-    q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
-    block_tables: (batch, max_blocks) int32; context_lens: (batch,) int32. softcap: scores become
-    softcap * tanh(scores / softcap); window: the query sees only the last ``window`` keys (itself included),
-    and blocks before them are never read (their table entries may name blocks given back to the pool).
-    Returns (batch, heads, head_dim).
-    """
-    batch, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
-    # compiled, each program loops over its own sequence's visible blocks; Triton's interpreter cannot loop from
-    # or to a loaded value, so there every program loops over the longest (blocks outside a sequence are masked)
-    static_loop_end = int(context_lens.max()) if _INTERPRETED and batch else 0
-    _paged_decode_attention_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale, softcap or 1.0, window or 0,
-        q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), NUM_KV_HEADS=num_kv_heads, PAGE=page,
-        BLOCK_N=max(block_n, page, 16), IEEE=q.dtype == torch.float32, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None, STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
-    return out
-
-
-_INTERPRETED = isinstance(_paged_decode_attention_kernel, InterpretedFunction)
-"""Triton runs the kernels in its interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
-
-
-@triton.jit
 def _hash_uniform_key(key):
     key = key ^ (key >> 16)
     key = key * 0x7FEB352D
@@ -305,12 +210,6 @@ def _hash_uniform(cols, key):
     h = h * 0x846CA68B
     h = h ^ (h >> 16)
     return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _finite_or_zero(maximum):
-    """A maximum to subtract before exp: 0 where it is -inf (nothing seen yet; every sum there is 0)."""
-    return tl.where(maximum == float("-inf"), 0.0, maximum)
 
 
 @triton.jit

@@ -1,0 +1,281 @@
+"""Paged decode attention on the GPU: one query token per sequence against its paged keys and values.
+
+Two layouts of one online softmax (an optional sliding window and score soft-cap in both; grouped query heads
+share their KV head's loads):
+
+- Unsplit: one program per (sequence, KV head) loops over the sequence's visible blocks and writes the output.
+- Split (flash-decoding): each (sequence, KV head) cuts its visible context into up to ``num_splits`` chunks,
+  one program each. A program writes its chunk's running max, sum of exps and unnormalised output (float32);
+  a second kernel merges a sequence's chunks in log-sum-exp form. Few, long sequences then still keep every
+  SM busy: 128 sequences x 2 KV heads is 256 programs on an H200's 132 SMs, each reading thousands of tokens
+  one block at a time.
+
+The split count is fixed for a launch, and so for a captured CUDA graph: ``decode_num_splits`` gives 1 while
+the longest context is under ``SPLIT_MIN_CONTEXT`` (short contexts keep the unsplit kernel and its one
+launch), else a count from the batch, the KV heads and the SM count alone, so a batch size needs at most two
+graphs however its contexts grow. Each sequence cuts its own context into chunks of at least
+``MIN_CHUNK_TOKENS``: a short sequence in a long batch uses fewer programs, the ones past its chunks store
+nothing, and the merge reads only its chunks.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+SPLIT_MIN_CONTEXT = 1024
+"""The longest context (tokens) from which a decode step splits the context across programs."""
+MIN_CHUNK_TOKENS = 256
+"""The fewest tokens one split program reads (fewer only for a sequence's last chunk)."""
+MAX_SPLITS = 64
+"""The most chunks one (sequence, KV head) is cut into."""
+PROGRAMS_PER_SM = 8
+"""Split programs aimed for per SM: enough loads in flight to keep the memory system busy."""
+
+
+@triton.jit
+def _softcapped(scores, softcap):
+    """softcap * tanh(scores / softcap), as transformers caps attention scores (tanh(u) = 1 - 2 / (exp(2u) + 1))."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
+
+@triton.jit
+def _finite_or_zero(maximum):
+    """A maximum to subtract before exp: 0 where it is -inf (nothing seen yet; every sum there is 0)."""
+    return tl.where(maximum == float("-inf"), 0.0, maximum)
+
+
+@triton.jit
+def _first_visible(context_len, window, HAS_WINDOW: tl.constexpr):
+    """The first key position the query (at context_len - 1) sees: context_len - window on for a sliding layer."""
+    if HAS_WINDOW:
+        first = tl.maximum(context_len - window, 0)
+    else:
+        first = context_len * 0
+    return first
+
+
+@triton.jit
+def _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, loop_start, loop_end, first_visible,
+                   visible_end, scale, softcap, running_max, running_sum, acc, stride_cache,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The online softmax over positions loop_start..loop_end (a multiple of BLOCK_N apart), of which those in
+    first_visible..visible_end count; blocks outside them are never read."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = (dims < HEAD_DIM)[None, :]
+    for start in range(loop_start, loop_end, BLOCK_N):
+        positions = start + tl.arange(0, BLOCK_N)
+        valid = (positions < visible_end) & (positions >= first_visible)
+        block_ids = tl.load(table_row_ptr + positions // PAGE, mask=valid, other=0)
+        slots = block_ids.to(tl.int64) * PAGE + positions % PAGE
+        offsets = slots[:, None] * stride_cache + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        if HAS_SOFTCAP:
+            scores = _softcapped(scores, softcap)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        # a block with no visible key (only the interpreter visits one) leaves the maximum at -inf
+        finite_max = _finite_or_zero(new_max)
+        probs = tl.exp(scores - finite_max[:, None])
+        correction = tl.exp(running_max - finite_max)
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
+        if IEEE:
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+        running_max = new_max
+    return running_max, running_sum, acc
+
+
+@triton.jit
+def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+                                   scale, softcap, window, stride_q, stride_o, stride_table, stride_cache,
+                                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                   HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                                   HAS_WINDOW: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    heads = kv_head * GROUP + group
+    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    first_visible = _first_visible(context_len, window, HAS_WINDOW)
+    # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only from and to Python ints (see the launcher)
+    running_max, running_sum, acc = _attend_blocks(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, kv_head,
+        0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
+        STATIC_LOOP_END if STATIC_LOOP_END else context_len, first_visible, context_len, scale, softcap,
+        tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
+        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_cache, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE,
+        HAS_SOFTCAP)
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=mask)
+
+
+@triton.jit
+def _chunks(context_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+            MIN_CHUNK_BLOCKS: tl.constexpr):
+    """How a sequence's visible context is cut: its first visible position, the block-aligned position its first
+    chunk starts at, the BLOCK_N-blocks per chunk, and the number of chunks (at most NUM_SPLITS)."""
+    first_visible = _first_visible(context_len, window, HAS_WINDOW)
+    base = (first_visible // BLOCK_N) * BLOCK_N
+    num_blocks = tl.cdiv(context_len - base, BLOCK_N)
+    chunk_blocks = tl.maximum(tl.cdiv(num_blocks, NUM_SPLITS), MIN_CHUNK_BLOCKS)
+    return first_visible, base, chunk_blocks, tl.cdiv(num_blocks, chunk_blocks)
+
+
+@triton.jit
+def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, partial_max_ptr,
+                               partial_sum_ptr, partial_acc_ptr, scale, softcap, window, stride_q, stride_table,
+                               stride_cache, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
+                               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                               HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK_BLOCKS: tl.constexpr,
+                               STATIC_LOOP_END: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    first_visible, base, chunk_blocks, num_chunks = _chunks(context_len, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N,
+                                                            MIN_CHUNK_BLOCKS)
+    # a program past its sequence's chunks loops over nothing and stores nothing
+    chunk_start = base + split * chunk_blocks * BLOCK_N
+    chunk_end = tl.minimum(chunk_start + chunk_blocks * BLOCK_N, context_len)
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    group_mask = group < GROUP
+    mask = group_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    heads = kv_head * GROUP + group
+    q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    running_max, running_sum, acc = _attend_blocks(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, kv_head,
+        0 if STATIC_LOOP_END else chunk_start, STATIC_LOOP_END if STATIC_LOOP_END else chunk_end,
+        tl.maximum(first_visible, chunk_start), chunk_end, scale, softcap,
+        tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
+        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_cache, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE,
+        HAS_SOFTCAP)
+    rows = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+    stored = group_mask & (split < num_chunks)
+    tl.store(partial_max_ptr + rows, running_max, mask=stored)
+    tl.store(partial_sum_ptr + rows, running_sum, mask=stored)
+    tl.store(partial_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask & stored[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(partial_max_ptr, partial_sum_ptr, partial_acc_ptr, context_lens_ptr, out_ptr, window,
+                         stride_o, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MIN_CHUNK_BLOCKS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    context_len = tl.load(context_lens_ptr + seq)
+    _, _, _, num_chunks = _chunks(context_len, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N, MIN_CHUNK_BLOCKS)
+    splits = tl.arange(0, SPLITS_PAD)
+    used = splits < num_chunks
+    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    split_max = tl.load(partial_max_ptr + rows, mask=used, other=float("-inf"))
+    split_sum = tl.load(partial_sum_ptr + rows, mask=used, other=0.0)
+    # every chunk holds a visible key, so each used split's maximum and the overall one are finite
+    overall_max = tl.max(split_max, axis=0)
+    weights = tl.exp(split_max - overall_max)
+    total = tl.sum(weights * split_sum, axis=0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    acc = tl.load(partial_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None] & dim_mask[None, :],
+                  other=0.0)
+    out = tl.sum(acc * weights[:, None], axis=0) / total
+    tl.store(out_ptr + seq * stride_o + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the CPU's cores elsewhere, for the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    import os
+
+    return os.cpu_count() or 1
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sm_count: int) -> int:
+    """Programs each (sequence, KV head) of a decode step is split across: 1 while every context is shorter than
+    ``SPLIT_MIN_CONTEXT``, else enough for ``PROGRAMS_PER_SM`` programs per SM (at most ``MAX_SPLITS``).
+
+    Depends on the contexts only through that threshold, so a captured decode graph of a batch size stays valid
+    as its contexts grow (each sequence still cuts its own context into chunks of ``MIN_CHUNK_TOKENS`` or more).
+    """
+    if max_context_len < SPLIT_MIN_CONTEXT or batch * num_kv_heads == 0:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * sm_count // (batch * num_kv_heads))))
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+                           scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
+                           num_warps: int = 4, num_stages: int = 2, num_splits: int | None = None,
+                           min_chunk_tokens: int | None = None) -> Tensor:
+    """One query token per sequence against its paged keys and values.
+
+    q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
+    block_tables: (batch, max_blocks) int32; context_lens: (batch,) int32. softcap: scores become
+    softcap * tanh(scores / softcap); window: the query sees only the last ``window`` keys (itself included),
+    and blocks before them are never read (their table entries may name blocks given back to the pool).
+    num_splits: chunks of each context read by separate programs and merged (1: the unsplit kernel); None
+    picks ``decode_num_splits`` from the longest context (a device read: the engine passes it from the host);
+    min_chunk_tokens: the fewest tokens a split program reads, a sequence's last chunk aside (None:
+    ``MIN_CHUNK_TOKENS``).
+    Returns (batch, heads, head_dim).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, int(context_lens.max()), num_sms(q.device))
+    num_splits = min(num_splits, MAX_SPLITS)
+    block_n = max(block_n, page, 16)
+    # compiled, each program loops over its own blocks; Triton's interpreter cannot loop from or to a loaded
+    # value, so there every program loops over the longest context (blocks outside its range are masked)
+    static_loop_end = int(context_lens.max()) if _INTERPRETED else 0
+    shared = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                  HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=block_n,
+                  IEEE=q.dtype == torch.float32, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+                  STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
+    if num_splits <= 1:
+        _paged_decode_attention_kernel[(batch, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, softcap or 1.0, window or 0,
+            q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim, **shared)
+        return out
+    min_chunk_blocks = max(1, (min_chunk_tokens or MIN_CHUNK_TOKENS) // block_n)
+    partial_max = torch.empty(2, batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    partial_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, partial_max[0], partial_max[1], partial_acc, scale,
+        softcap or 1.0, window or 0, q.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_CHUNK_BLOCKS=min_chunk_blocks, **shared)
+    _merge_splits_kernel[(batch, num_heads)](
+        partial_max[0], partial_max[1], partial_acc, context_lens, out, window or 0, out.stride(0),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=shared["HEAD_DIM_PAD"], HAS_WINDOW=window is not None,
+        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
+        MIN_CHUNK_BLOCKS=min_chunk_blocks, num_warps=4)
+    return out
+
+
+_INTERPRETED = isinstance(_paged_decode_attention_kernel, InterpretedFunction)
+"""Triton runs the kernels in its interpreter (``TRITON_INTERPRET=1`` when this module was imported)."""
