@@ -79,10 +79,12 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
 
     from reinforge.engine.moe import moe_blocks
 
-    if moe_blocks(model):
+    experts = bool(moe_blocks(model))
+    if experts:
         logger.info("LoRA on a mixture of experts: %s", EXPERTS_NOTE)
     try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        with (torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []),
+              _named_layers_only(model) if experts else contextlib.nullcontext()):
             torch.manual_seed(seed)
             return get_peft_model(model, _peft_config(config, base_model_path, model))
     except ValueError as error:
@@ -90,6 +92,28 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
             raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "
                              f"{type(model).__name__}; name its linear layers, e.g. q_proj, v_proj") from error
         raise
+
+
+@contextlib.contextmanager
+def _named_layers_only(model: nn.Module) -> Iterator[None]:
+    """Inside the block peft adapts the layers its targets name and nothing else.
+
+    For the families whose experts transformers 5 fused into 3-D weights (Qwen3-MoE, DeepSeek-V2/V3, ...), peft
+    turns every target named ``gate_proj``, ``up_proj`` or ``down_proj`` into the experts' fused parameters, so
+    that adapters trained on transformers 4's per-expert linear layers still load; it does so for a DeepSeek
+    shared expert's or dense layer's linear layer too, adapting every routed expert. peft picks those families by
+    ``config.model_type``, which reads as no known family inside the block.
+    """
+    config = model.config
+    own = vars(config).get("model_type")
+    config.model_type = f"{config.model_type}:linear-layers"
+    try:
+        yield
+    finally:
+        if own is None:
+            del config.model_type  # the class's own again
+        else:
+            config.model_type = own
 
 
 LINEAR_LAYERS = {

@@ -242,6 +242,16 @@ class ModelShape:
         return sparse * self.layer_params + (self.num_layers - sparse) * self.dense_layer_params + self.root_params
 
     @property
+    def projection_params(self) -> int:
+        """Every layer's attention weights and dense MLP (a mixture of experts: its shared expert), what a LoRA
+        actor's rollout engine copies; it reads the frozen experts, routers, norms and embeddings in place."""
+        attention = sum(rows * width for rows, width in self._attention_shapes())
+        dense = sum(rows * width for rows, width in self._mlp_shapes(False))
+        sparse = self.num_sparse_layers
+        return (self.num_layers * attention + (self.num_layers - sparse) * dense
+                + sparse * 3 * self.hidden_size * self.shared_expert_intermediate_size)
+
+    @property
     def num_active_params(self) -> int:
         """Parameters one token runs through: of each expert MLP only ``experts_per_token`` of its experts."""
         idle = self.num_experts - self.experts_per_token
@@ -525,6 +535,9 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
         (host if run.reward_model_offload and not run.eager else resident)["reward model"] = reward_weights
     gathered = dtype_bytes * (shape.root_params + 2 * shape.layer_params)
     engine_weights = dtype_bytes * params
+    if run.lora_rank and devices == 1 and not settings.param_offload and not run.off_policy:
+        # the frozen base is the engine's too (rollout.native.model.weights_read_in_place): counted once
+        engine_weights = dtype_bytes * shape.projection_params
     kv_cache = (settings.kv_cache_gib or needed_kv_gib(shape, run)) * GiB
     engine_activations = (ENGINE_MAX_BATCHED_TOKENS * (4 * shape.intermediate_size + 8 * shape.hidden_size) * dtype_bytes
                           + ENGINE_MAX_NUM_SEQS * shape.vocab_size * 16 + (256 << 20))

@@ -537,3 +537,21 @@ def test_plan_of_an_unknown_shape_is_refused_in_one_line(capsys):
     assert main(["plan", "--model", "qwen3-235b", "--gpu-memory-gib", "80"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--model qwen3-235b (command line) is no model shape; give one of 0.5b," in err[0]
+
+
+def test_a_lora_actors_rollout_counts_the_frozen_base_once():
+    """On one device the engine reads a LoRA actor's frozen base in place: Qwen3-30B-A3B's rollout holds 57 GiB of
+    experts once, plus its own copy of each layer's attention projections (32 x 128 q, 2 x 4 x 128 k and v, o)."""
+    from reinforge.bench.shapes import shape_config
+
+    moe = ModelShape.from_hf_config(shape_config("qwen3-30b-a3b"))
+    attention = 48 * (2 * 4096 * 2048 + 2 * 512 * 2048)
+    assert moe.projection_params == attention
+    run = RunShape(64, 8, 128, 512, lora_rank=32, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    rollout = estimate(moe, run, Settings())[0]["rollout"]
+    assert rollout["rollout weight copy"] == 2 * attention
+    assert rollout["master weights"] > 2 * moe.num_params  # the frozen base, read by both
+    for copied in (dataclasses.replace(run, num_devices=2), dataclasses.replace(run, off_policy=True)):
+        assert estimate(moe, copied, Settings())[0]["rollout"]["rollout weight copy"] == 2 * moe.num_params
+    offloaded = estimate(moe, run, Settings(param_offload=True))[0]["rollout"]
+    assert offloaded["rollout weight copy"] == 2 * moe.num_params

@@ -559,14 +559,13 @@ def test_a_lora_actors_merged_copy_generates_what_the_adapted_model_does(family)
 
 
 def test_adapters_on_the_experts_are_refused_in_one_line():
-    from reinforge.config.schema import LoraConfig
-    from reinforge.engine.lora import add_lora
+    """peft's own adapters on the fused expert weights (its target_parameters; reinforge's add_lora never adds them)."""
+    from peft import LoraConfig, get_peft_model
+
     from reinforge.rollout.native import supports_model
     from reinforge.rollout.native.model import unsupported_reason
 
     model = build_tiny_causal_lm("deepseek_v2", seed=15)
-    add_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["kv_b_proj", "gate_proj", "up_proj", "down_proj"]))
-    if not hasattr(model.model.layers[1].mlp.experts, "base_layer"):
-        pytest.skip("this peft leaves the fused experts unadapted")
+    get_peft_model(model, LoraConfig(r=4, target_modules=["kv_b_proj"], target_parameters=["experts.gate_up_proj"]))
     assert not supports_model(model)
     assert "its experts carry adapters" in unsupported_reason(model)

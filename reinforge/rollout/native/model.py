@@ -12,6 +12,11 @@ refreshed in place with ``copy_`` at each weight sync, so the storage a captured
 graphs outlive the trainer's parameters being resharded, freed or moved, and the trainer may free its gathered
 parameters as soon as the copy is made. Projections that read the same input are concatenated in the copy (q|k|v
 and gate|up, as Phi-3 stores them), so each group runs as one matrix product.
+
+Frozen weights are read in place instead (``weights_read_in_place``): a LoRA actor's base never changes, so the
+engine shares the storage of every frozen parameter it would copy unchanged (experts, routers, norms,
+embeddings, unadapted projections) and copies only what it must change or concatenate (the adapted layers, which
+get W + s B A, and the q|k|v and gate|up groups). Qwen3-30B-A3B's 57 GiB of experts then exist once on the device.
 """
 
 from __future__ import annotations
@@ -116,16 +121,46 @@ def whole(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def weights_read_in_place(model: nn.Module) -> dict[int, Tensor]:
+    """id(parameter) -> parameter, for the parameters of ``model`` the engine reads in place instead of copying.
+
+    Those are the frozen parameters of a model that trains others (a LoRA actor's base), except the base weights
+    under an adapter (their copy gets W + s B A). A model with nothing to train (the rollout copy of the
+    off-policy modes) is copied whole: its syncs overwrite it while the engine may still read the last version.
+    Under FSDP only the sharded parameters qualify (DTensors on a mesh of one, whose local shard is the whole
+    parameter and stays where it is): a gathered parameter's storage is freed when FSDP reshards it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    parameters = list(model.parameters())
+    if not any(parameter.requires_grad for parameter in parameters):
+        return {}
+    adapted = {id(parameter) for module in model.modules() if isinstance(getattr(module, "base_layer", None), nn.Module)
+               for parameter in module.base_layer.parameters()}
+    sharded = any(isinstance(module, FSDPModule) for module in model.modules())
+    return {id(parameter): parameter for parameter in parameters
+            if not parameter.requires_grad and id(parameter) not in adapted
+            and (isinstance(parameter, DTensor) and parameter.device_mesh.size() == 1
+                 if sharded else not isinstance(parameter, DTensor))}
+
+
 class ModelWeights:
     """The decoder's own copy of every weight its forward reads: ``embed``, ``final_norm``, ``lm_head`` (``embed``
     itself when tied) and each layer's copies by name (``layers[i]``, named as the blocks' ``sources`` name them).
-    A refresh (``copy_from``) reads the same tensors of the model it is given through ``pairs``."""
+    A refresh (``copy_from``) reads the same tensors of the model it is given through ``pairs``.
+
+    A weight the model holds frozen, unchanged (same device, dtype and layout, one part) is not copied: the copy is
+    the parameter's own storage (``shared``, see ``weights_read_in_place``), skipped by refreshes and never written.
+    """
 
     def __init__(self, decoder: PagedDecoder):
         self.decoder = decoder
         model = decoder.model
         self.layers: list[LayerWeights] = []
         self._pairs: list[tuple[Tensor, Parts]] = []
+        self._in_place = weights_read_in_place(model)
+        self.shared: dict[int, tuple[Tensor, Tensor]] = {}
+        """id(weight the forward reads) -> (that weight, the frozen parameter whose storage it is)."""
         inner = decoder_module(model)
         self.embed = self._copy(inner.embed_tokens.weight)
         self.final_norm = self._copy(inner.norm.weight)
@@ -139,13 +174,31 @@ class ModelWeights:
 
     def _copy(self, *parts: Tensor, keep_float32: bool = False) -> Tensor:
         dtype = torch.float32 if keep_float32 else self.decoder.dtype
+        if len(parts) == 1 and id(parts[0]) in self._in_place:
+            tensor = whole(parts[0]).detach()
+            if tensor.device == self.decoder.device and tensor.dtype == dtype and tensor.is_contiguous():
+                self.shared[id(tensor)] = (tensor, parts[0])
+                return tensor
         return torch.cat([whole(part).detach().to(self.decoder.device, dtype) for part in parts])
+
+    def is_shared(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` (a weight the forward reads) is a frozen parameter's own storage."""
+        return id(tensor) in self.shared
+
+    def shared_storage_moved(self) -> bool:
+        """Whether a frozen parameter read in place no longer lives where the forward reads it."""
+        return any(whole(parameter).data_ptr() != tensor.data_ptr() for tensor, parameter in self.shared.values())
+
+    def shared_bytes(self) -> int:
+        return sum(tensor.nbytes for tensor, _ in self.shared.values())
 
     @torch.no_grad()
     def copy_from(self, model: nn.Module) -> None:
-        """Overwrite every copy in place with ``model``'s current weights."""
+        """Overwrite every copy in place with ``model``'s current weights (the shared ones are already current)."""
         destinations, sources = [], []
         for destination, parts in self.pairs(model):
+            if self.is_shared(destination):
+                continue
             start = 0
             for part in parts:
                 destinations.append(destination[start:start + part.shape[0]])
@@ -173,6 +226,8 @@ class ModelWeights:
         """id(linear layer, or adapter wrapping one, of ``model``) -> the rows of this copy that hold its weight (q, k, v share one copy)."""
         rows: dict[int, Tensor] = {}
         for destination, parts in self.pairs(model):
+            if self.is_shared(destination):  # the model's own weight: an adapter's delta never goes there
+                continue
             start = 0
             for part in parts:
                 rows[id(part)] = destination[start:start + part.shape[0]]
@@ -263,7 +318,7 @@ class PagedDecoder:
         Once allocated, the buffers are overwritten in place, so graphs that read them stay valid
         and the model's storage may move or be freed (FSDP reshards it) after the copy.
         """
-        if self.weights is None:
+        if self.weights is None or self.weights.shared_storage_moved():
             self.weights = ModelWeights(self)
         else:
             self.weights.copy_from(self.model)

@@ -84,6 +84,8 @@ class ModelRunner:
     def load_weights(self) -> None:
         """Copy the model's weights into the decoder's own buffers (allocated if freed, else in place)."""
         self.decoder.load_weights()
+        if self.decoder.parameter_pointers() != self._graph_parameter_pointers:
+            self.drop_cuda_graphs()  # a frozen weight read in place moved (see model.ModelWeights)
 
     def free_weights(self) -> None:
         """Free the decoder's weight copies (and the graphs that read them)."""
