@@ -8,7 +8,9 @@ prompts, first ``--hf-tokens`` tokens only, tokens/s extrapolated; its later ste
 so the ratio is conservative), and a greedy check: the engine against ``generate`` run one
 prompt at a time on prompts of mixed lengths (fraction of identical sequences, repeated in
 float32 when bf16 is not 100%), with log-probs against a plain forward over prompt+response.
-``--cpu`` runs a tiny model as a smoke test (no timing claims).
+``--context-sweep`` instead decodes a few sequences to long contexts and reports the decode step's time
+against the context it reads, beside its bandwidth floor (``rollout_context.py``); ``--model`` picks another
+shape of ``bench.shapes`` (random weights). ``--cpu`` runs a tiny model as a smoke test (no timing claims).
 """
 
 from __future__ import annotations
@@ -183,7 +185,20 @@ def bench_main(argv: list[str]) -> int:
     parser.add_argument("--skip-greedy-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="CUDA: time the engine's phases and a decode step's pieces (rollout_profile.py) instead")
+    parser.add_argument("--context-sweep", action="store_true",
+                        help="decode a few sequences to long contexts (default 8 x 1 of 128 + 32,640 tokens) and "
+                             "report the decode step's time per context bucket beside its bandwidth floor")
+    parser.add_argument("--model", default=None, metavar="SHAPE",
+                        help="a model shape of reinforge.bench.shapes, random weights (default: Qwen2.5-0.5B)")
+    parser.add_argument("--bandwidth-tbps", type=float, default=None, metavar="TB/S",
+                        help="the device memory rate the floor divides by (default: an H200's copy, bench.floor)")
     args = parser.parse_args(argv)
+    from reinforge.bench.shapes import SHAPES
+
+    if args.model is not None and args.model not in SHAPES:
+        parser.error(f"--model {args.model} is no model shape; give one of {', '.join(SHAPES)}")
+    if args.context_sweep and args.profile:
+        parser.error("--context-sweep and --profile are two runs of their own; give one of them")
     if args.profile and (args.cpu or not torch.cuda.is_available()):
         print("reinforge bench rollout --profile needs a CUDA device (it times kernels); drop --profile or --cpu",
               file=sys.stderr)
@@ -192,6 +207,8 @@ def bench_main(argv: list[str]) -> int:
     if args.cpu:
         device, dtype, arch = torch.device("cpu"), torch.float32, TINY
         defaults = dict(num_prompts=4, n=2, prompt_len=16, gen_len=16, hf_tokens=16)
+        if args.context_sweep:
+            defaults |= dict(num_prompts=2, n=1, gen_len=200)
         check_lengths, check_tokens = [3, 17, 30, 64], 16
     else:
         if not torch.cuda.is_available():
@@ -200,11 +217,22 @@ def bench_main(argv: list[str]) -> int:
             return 2
         device, dtype, arch = torch.device("cuda"), torch.bfloat16, QWEN25_05B
         defaults = dict(num_prompts=64, n=8, prompt_len=128, gen_len=512, hf_tokens=64)
+        if args.context_sweep:
+            defaults |= dict(num_prompts=8, n=1, gen_len=32768 - 128)
         check_lengths, check_tokens = [7, 33, 64, 100, 128, 200, 257, 300], 64
     settings = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
     results: dict = {"environment": environment(device), "settings": settings}
 
-    model = build_model(arch, dtype, device)
+    if args.model is not None and not args.cpu:
+        from reinforge.bench.rollout_context import build_shape_model
+        from reinforge.bench.shapes import shape_config
+
+        arch = shape_config(args.model)
+        model = build_shape_model(args.model, dtype, device)
+    else:
+        model = build_model(arch, dtype, device)
+    if args.context_sweep:
+        return run_context_sweep(args, results, model, settings, arch["vocab_size"])
     max_model_len = max(settings["prompt_len"] + settings["gen_len"], max(check_lengths) + check_tokens) + 16
     num_seqs = settings["num_prompts"] * settings["n"]
     engine_kwargs = dict(eos_token_ids=[arch["vocab_size"] - 1], max_model_len=max_model_len,
@@ -244,6 +272,28 @@ def bench_main(argv: list[str]) -> int:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=2)
     print_table(results)
+    return 0
+
+
+def run_context_sweep(args: argparse.Namespace, results: dict, model: nn.Module, settings: dict,
+                      vocab_size: int) -> int:
+    from reinforge.bench.floor import COPY_BYTES_PER_S
+    from reinforge.bench.rollout_context import context_sweep, print_sweep
+
+    prompts = random_prompts(settings["num_prompts"], [settings["prompt_len"]], vocab_size, seed=2)
+    num_seqs = settings["num_prompts"] * settings["n"]
+    engine_kwargs = dict(eos_token_ids=[vocab_size - 1], max_model_len=settings["prompt_len"] + settings["gen_len"] + 16,
+                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5)
+    rate = args.bandwidth_tbps * 1e12 if args.bandwidth_tbps else COPY_BYTES_PER_S
+    results["model"] = "tiny" if args.cpu else args.model or "0.5b"
+    results["context_sweep"] = context_sweep(model, prompts, settings["n"], settings["gen_len"], engine_kwargs, rate)
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(results, file, indent=2)
+    env = results["environment"]
+    print(f"reinforge bench rollout --context-sweep  {env['date']}  {env.get('gpu', env['device'])}  "
+          f"model {results['model']}  torch {env['torch']}")
+    print_sweep(results["context_sweep"])
     return 0
 
 

@@ -25,3 +25,25 @@ def test_the_profile_needs_a_cuda_device_and_says_so_in_one_line(capsys):
     assert main(["bench", "rollout", "--cpu", "--profile"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("reinforge bench rollout --profile needs a CUDA device")
+
+
+def test_the_context_sweep_times_decode_steps_by_context_bucket_beside_their_floor(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "rollout", "--cpu", "--context-sweep", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["context_sweep"]
+    assert sweep["num_sequences"] == 2 and sweep["prompt_len"] == 16 and sweep["gen_len"] == 200
+    buckets = sweep["buckets"]
+    assert [row["context_up_to"] for row in buckets] == [32, 64, 128, 256]
+    # every decode step after the first is timed: contexts 18 .. 215 (16 prompt tokens, 200 generated)
+    assert sum(row["steps"] for row in buckets) == 198
+    for row in buckets:
+        assert row["context_up_to"] / 2 < row["mean_context"] <= row["context_up_to"]
+        assert row["over_floor"] == pytest.approx(row["mean_step_ms"] / row["floor_ms"])
+    assert buckets[-1]["floor_ms"] > buckets[0]["floor_ms"]  # a longer context reads more KV
+    assert "| context up to | steps | mean step ms | floor ms | step / floor |" in capsys.readouterr().out
+
+
+def test_context_buckets_are_powers_of_two():
+    from reinforge.bench.rollout_context import context_bucket
+
+    assert [context_bucket(c) for c in (1, 2, 3, 1024, 1025, 32768)] == [2, 2, 4, 1024, 2048, 32768]
