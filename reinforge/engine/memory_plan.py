@@ -377,6 +377,9 @@ class RunShape:
     """Its weights wait on the host between scoring calls (on the device only in the ``reward`` phase)."""
     reward_model_tokens: int = 0
     """Its scoring micro-batch budget; 0: the update's (actor.max_tokens_per_micro_batch)."""
+    judge: ModelShape | None = None
+    """reward.judge's own model (not the policy) on these devices: its weights stay on each device whole; a
+    ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
 
     @property
     def sequences(self) -> int:
@@ -533,6 +536,8 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     if run.reward_model is not None:
         reward_weights = dtype_bytes * reward_model_params(run.reward_model) / devices
         (host if run.reward_model_offload and not run.eager else resident)["reward model"] = reward_weights
+    if run.judge is not None:
+        resident["judge"] = dtype_bytes * run.judge.num_params
     gathered = dtype_bytes * (shape.root_params + 2 * shape.layer_params)
     engine_weights = dtype_bytes * params
     if run.lora_rank and devices == 1 and not settings.param_offload and not run.off_policy:
@@ -568,9 +573,11 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     if run.off_policy:  # the rollout generates while the update runs
         update["rollout activations"] = engine_activations
     phases = {"rollout": rollout, "update": update}
+    kept = {name: update[name] for name in ("rollout weight copy", "kv cache") if name in update}
     if run.reward_model is not None:
-        kept = {name: update[name] for name in ("rollout weight copy", "kv cache") if name in update}
         phases["reward"] = reward_phase(run, settings, resident | kept)
+    if run.judge is not None:
+        phases["judge"] = judge_phase(run, kv_cache, resident | kept)
     return phases, host
 
 
@@ -644,6 +651,10 @@ class MemoryPlan:
         if "reward" in self.phases and phase != "reward":
             lines.append(f"  device, reward: {sum(self.phases['reward'].values()) / GiB:.1f} GiB with the reward model's "
                          f"{self.phases['reward']['reward model'] / GiB:.1f} GiB of weights")
+        if "judge" in self.phases and phase != "judge":
+            judge = self.phases["judge"]
+            lines.append(f"  device, judge: {sum(judge.values()) / GiB:.1f} GiB with the judge's {judge['judge'] / GiB:.1f} "
+                         f"GiB of weights and its {judge['judge kv cache'] / GiB:.1f} GiB KV cache")
         if self.host:
             lines.append("  host: " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in self.host.items()) + " GiB")
         return "\n".join(lines)
@@ -755,4 +766,17 @@ def reward_phase(run: RunShape, settings: Settings, held: dict[str, float]) -> d
     kv_width = 2 * shape.num_kv_heads * shape.head_dim
     per_token = dtype_bytes * (6 * shape.hidden_size + kv_width + 3 * shape.active_intermediate_size)
     phase["reward model activations"] = tokens * per_token * (EAGER_ACTIVATION_FACTOR if run.eager else 1.0)
+    return phase
+
+
+def judge_phase(run: RunShape, kv_cache: float, held: dict[str, float]) -> dict[str, float]:
+    """The judge's generation: what stays allocated (``held``, the judge's weights among it), its engine's weight
+    copy, its KV cache of ``kv_cache`` bytes and the engine's activations for its own sizes."""
+    shape, dtype_bytes = run.judge, run.dtype_bytes
+    assert shape is not None
+    phase = dict(held)
+    phase["judge weight copy"] = dtype_bytes * shape.num_params
+    phase["judge kv cache"] = kv_cache
+    phase["judge activations"] = (ENGINE_MAX_BATCHED_TOKENS * (4 * shape.intermediate_size + 8 * shape.hidden_size)
+                                  * dtype_bytes + ENGINE_MAX_NUM_SEQS * shape.vocab_size * 16 + (256 << 20))
     return phase

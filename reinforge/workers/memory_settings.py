@@ -73,7 +73,7 @@ def run_shape(config: Config) -> RunShape:
                     eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
-                    off_policy=config.trainer.mode != "sync", **_reward_model_shape(config))
+                    off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config))
 
 
 def _reward_model_shape(config: Config) -> dict[str, Any]:
@@ -84,6 +84,14 @@ def _reward_model_shape(config: Config) -> dict[str, Any]:
     return {"reward_model": ModelShape.from_model_path(settings.model_path),
             "reward_model_offload": bool(settings.offload),
             "reward_model_tokens": int(settings.max_tokens_per_micro_batch or 0)}
+
+
+def _judge_shape(config: Config) -> dict[str, Any]:
+    """RunShape's judge field: the sizes of reward.judge's own model (the policy as its own judge costs nothing)."""
+    judge = config.reward.judge
+    if not judge.enable or not judge.model_path or judge.model_path == "policy":
+        return {}
+    return {"judge": ModelShape.from_model_path(judge.model_path)}
 
 
 def _adapted_projections(lora: Any) -> tuple[str, ...]:
