@@ -14,8 +14,9 @@ with SDPA's masks, so the same model serves rollout and training.
 
 Every difference transformers hands the attention function applies, for any family: the
 layer's ``sliding_window`` (W keys including the query: the flash kernel's ``window_size=(W-1, 0)``),
-``softcap`` (Gemma 2: ``flex_attention`` with a soft-capping score_mod on CUDA, an explicit
-masked matmul-softmax elsewhere), ``s_aux`` sinks (GPT-OSS: the explicit path) and a value head
+``softcap`` (Gemma 2: on CUDA the Triton kernels of ``engine/softcap_attention.py``, else
+``flex_attention`` with a soft-capping score_mod where that compiles, an explicit masked
+matmul-softmax elsewhere), ``s_aux`` sinks (GPT-OSS: the explicit path) and a value head
 dim of its own (DeepSeek's MLA: V is zero-padded to the q/k dim for the flash kernel and the output
 cut back). Generation takes SDPA with transformers' masks, or the explicit path where SDPA cannot
 soft-cap or sink.
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reinforge.packed_attention import explicit_attention, padded_packed_attention
+from reinforge.packed_attention.softcap_kernels import softcap_varlen_attention
 
 NAME = "reinforge_varlen"
 
@@ -134,6 +136,10 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict
             and (kv_index is None or kwargs.get("packed_flash_shared", False))):
         return _flash_varlen(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
                              int(max_key_length), scale, window)
+    if (q.is_cuda and softcap is not None and sinks is None and v.shape[-1] == q.shape[-1]
+            and kwargs.get("packed_softcap_kernel", False)):
+        return softcap_varlen_attention(q, k, v, cu_seqlens, cu_seqlens_k, int(kwargs["packed_max_length"]),
+                                        int(max_key_length), scale, softcap, window)
     if on_flash_device and sinks is None and kwargs.get("packed_flex", False):
         return _flex_outside_compiled_layers(q, k, v, cu_seqlens, cu_seqlens_k, scale, window, softcap)
     # the length lists are read only here (from the cumulative lengths if they were left out)
@@ -203,9 +209,10 @@ def _flex_outside_compiled_layers(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: T
 def flex_runs_on(device: torch.device) -> bool:
     """Whether compiled ``flex_attention`` runs soft-capped, windowed packed attention on ``device``, both ways.
 
-    Probed once per device, outside any compiled region, against the explicit padded path; the
-    packed forwards of a soft-capped model pass the answer as ``packed_flex``. Where it does not run,
-    soft-capped layers take the explicit path (exact, slower, more memory) and a warning says so.
+    Probed once per device, outside any compiled region, against the explicit padded path, where the
+    soft-capped Triton kernels do not run; the packed forwards of a soft-capped model pass the answer as
+    ``packed_flex``. Where it does not run either, soft-capped layers take the explicit path (exact,
+    slower, more memory) and a warning says so.
     """
     if device.type != "cuda" or _FLEX_ATTENTION is None:
         return False

@@ -24,6 +24,7 @@ from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
+from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
 
 _NO_MASK = {"full_attention": None, "sliding_attention": None}
@@ -72,17 +73,26 @@ def _soft_capped(config) -> bool:
     return getattr(config, "attn_logit_softcapping", None) is not None
 
 
+def _head_dim(config) -> int:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype, config=None) -> dict:
     """Decided here, outside the (possibly compiled) decoder layers: flash, flex (soft-caps) or masked attention."""
     device = packed.input_ids.device
     soft_capped = config is not None and _soft_capped(config)
-    flex = device.type == "cuda" and soft_capped and flex_runs_on(device)
-    with_lengths = not flash_applies(device, compute_dtype, packed.kv_index is not None) or (soft_capped and not flex)
+    kernel = device.type == "cuda" and soft_capped and softcap_kernel_runs_on(device, compute_dtype, _head_dim(config))
+    flex = device.type == "cuda" and soft_capped and not kernel and flex_runs_on(device)
+    with_lengths = (not flash_applies(device, compute_dtype, packed.kv_index is not None)
+                    or (soft_capped and not flex and not kernel))
     kwargs = packed.attention_kwargs(with_lengths=with_lengths)
     if packed.kv_index is not None:
         kwargs["packed_flash_shared"] = flash_runs_shared_segments(device)
     if flex:
         kwargs["packed_flex"] = True
+    if kernel:
+        kwargs["packed_softcap_kernel"] = True
     return kwargs
 
 

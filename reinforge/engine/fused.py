@@ -294,7 +294,7 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
         if spec.mla is not None:
             attention = "transformers' MLA projections over flash varlen attention"
         elif spec.attn_softcap is not None:
-            attention = "soft-capped flex attention in the packed layout"
+            attention = "soft-capped Triton attention in the packed layout"
         else:
             attention = "flash varlen attention in the packed layout"
         windows = ", sliding windows in the kernel" if spec.windowed else ""

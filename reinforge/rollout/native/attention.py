@@ -15,19 +15,23 @@ of hundreds) runs, on CUDA in bf16/fp16, as one flash varlen call (``packed_pref
 over each sequence's whole context gathered by slot (``context_slots``), its causal mask aligned
 to the end of the keys; the reference pads every sequence to the longest context and builds a
 dense mask in every layer, which on an H200 costs as much as some 25 decode steps.
-``flash_prefix_applies`` probes the kernel once per device against the reference.
+``flash_prefix_applies`` probes the kernel once per device against the reference. Soft-capped layers
+(Gemma 2) prefill on CUDA, with or without a cached prefix, through the Triton kernels of
+``packed_attention/softcap_kernels.py``, unpadded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cache
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from reinforge.packed_attention import padded_packed_attention
+from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on, softcap_varlen_attention
 
 
 @dataclass
@@ -102,6 +106,11 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata, 
     q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)."""
     assert meta.seq_lens is not None and meta.batch_index is not None and meta.token_index is not None
     num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
+    if softcap is not None and q.is_cuda and softcap_kernel_runs_on(q.device, q.dtype, q.shape[-1]):
+        if meta.cu_seqlens_q is None:  # made by the first layer, read by the others
+            meta.cu_seqlens_q = torch.tensor([0, *accumulate(meta.seq_lens)], dtype=torch.int32, device=q.device)
+        return softcap_varlen_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, max_len, max_len, scale,
+                                        softcap, window)
     group = q.shape[1] // k.shape[1]
 
     def to_grid(x: Tensor) -> Tensor:
@@ -134,6 +143,12 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
     assert meta.prefix_lens is not None and meta.batch_index is not None and meta.token_index is not None
     assert meta.max_context_len > 0
     num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
+    if (softcap is not None and q.is_cuda and meta.context_slots is not None and meta.cu_seqlens_q is not None
+            and softcap_kernel_runs_on(q.device, q.dtype, q.shape[-1])):
+        k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
+        v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
+        return softcap_varlen_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max_len, meta.max_context_len,
+                                        scale, softcap, window)
     group = q.shape[1] // k_cache.shape[2]
     max_context = meta.max_context_len
     block_tables = meta.block_tables[:, : -(-max_context // k_cache.shape[1])].long()

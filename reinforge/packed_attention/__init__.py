@@ -15,7 +15,9 @@ transformers attention function is handed applies here exactly as in its eager p
 Without soft-cap and sinks it is one masked SDPA call; with either, the same mask over an
 explicit matmul-softmax (SDPA cannot bend scores). The trainer's packed attention
 (``engine/attention.py``) and the rollout engine's prefix prefill (``rollout/native/attention.py``)
-both fall back to it, so it imports nothing of reinforge.
+both fall back to it, so it imports nothing of reinforge. On CUDA both run soft-capped layers
+unpadded in the Triton kernels of ``softcap_kernels.py`` (forward and backward), which compute
+what ``padded_packed_attention`` computes.
 """
 
 from __future__ import annotations
