@@ -267,19 +267,22 @@ def _is_interpreted() -> bool:
     return isinstance(_forward_kernel, InterpretedFunction)
 
 
-FORWARD_BLOCKS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 3)}
-"""Head dim (padded to a power of two, at most) -> BLOCK_M, BLOCK_N, warps, stages of the forward; a (64, 32)
-tile at head dim 256 keeps q, two stages of k and v in shared memory on sm_80/sm_90."""
-BACKWARD_BLOCKS = {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1)}
+FORWARD_BLOCKS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 3), 512: (32, 32, 4, 2)}
+"""Row bytes of q (head dim padded to a power of two, times 2 for bf16/fp16, 4 for float32) over 2, at most ->
+BLOCK_M, BLOCK_N, warps, stages of the forward: a (64, 32) tile at bf16 head dim 256 keeps q and three stages of
+k and v in shared memory on sm_80/sm_90 (float32 at 256 takes the 512 row)."""
+BACKWARD_BLOCKS = {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1), 512: (16, 32, 8, 1)}
 """The same for both backward kernels: dk and dv (BLOCK_N x head dim each, float32) stay in registers."""
 
 
-def _blocks(table: dict[int, tuple[int, int, int, int]], head_dim_pad: int) -> tuple[int, int, int, int]:
+def _blocks(table: dict[int, tuple[int, int, int, int]], head_dim_pad: int,
+            dtype: torch.dtype) -> tuple[int, int, int, int]:
+    width = head_dim_pad * dtype.itemsize // 2
     for limit, blocks in sorted(table.items()):
-        if head_dim_pad <= limit:
+        if width <= limit:
             return blocks
-    raise ValueError(f"soft-capped attention: head dim {head_dim_pad} is over the kernels' largest, "
-                     f"{max(table)}; those layers need the padded path")
+    raise ValueError(f"soft-capped attention: head dim {head_dim_pad} in {dtype} is over the kernels' largest "
+                     f"tiles; those layers need the padded path")
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor) -> None:
@@ -309,7 +312,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: 
     if total_q == 0 or num_segments == 0:
         return out, lse
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, warps, stages = _blocks(FORWARD_BLOCKS, head_dim_pad)
+    block_m, block_n, warps, stages = _blocks(FORWARD_BLOCKS, head_dim_pad, q.dtype)
     grid = (triton.cdiv(max_length, block_m), num_segments, heads)
     _forward_kernel[grid](
         q, k, v, out, lse, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window, total_q,
@@ -333,7 +336,7 @@ def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     # delta_i = sum_d dO_i O_i: the softmax's backward term of each row, (heads, tokens) like lse
     delta = (grad_out.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, warps, stages = _blocks(BACKWARD_BLOCKS, head_dim_pad)
+    block_m, block_n, warps, stages = _blocks(BACKWARD_BLOCKS, head_dim_pad, q.dtype)
     common = dict(GROUP=heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
                   BLOCK_N=block_n, HAS_SOFTCAP=bool(softcap), HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
                   num_warps=warps, num_stages=stages)
