@@ -33,6 +33,12 @@ class AsyncEngineClient:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
         return (await self.engine.generate_async(GenerationRequest(prompt_ids, sampling, request_id)))[0]
 
+    async def generate_streamed(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
+                                on_token: Callable[[int, float], None]) -> Completion:
+        """``generate``, calling ``on_token(token_id, log_prob)`` on the event loop as each token is sampled."""
+        request = GenerationRequest(prompt_ids, sampling, request_id)
+        return (await self.engine.generate_async(request, lambda _, *token: on_token(*token)))[0]
+
 
 class BatchingClient:
     """Turns submitted while a call runs are generated together by the next ``engine.generate`` call.

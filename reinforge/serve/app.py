@@ -1,23 +1,28 @@
 """The HTTP endpoint (aiohttp): OpenAI's routes, trajectory routes, a concurrency limit and one-line errors.
 
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` (``stream: true`` answers in server-sent
-events), ``POST /v1/completions``, and the same under ``/t/<trajectory_id>/v1`` for the trajectories the trainer opens
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions`` and ``POST /v1/completions`` (``stream:
+true`` answers in server-sent events as the engine samples), and the same under ``/t/<trajectory_id>/v1`` for the trajectories the trainer opens
 (``open_trajectory``): their calls are sampled as the trainer sets and recorded. At most ``max_concurrency``
 generation requests run at once; one more is answered 429 with ``Retry-After``. Every error is OpenAI's error body
 with a one-line message.
 
-The engine hands a completion over whole, so a streamed reply arrives as one content chunk (and its tool calls),
-then the finish chunk and ``[DONE]``.
+A streamed chat reply is OpenAI's chunks: the role, content deltas as tokens are sampled (on the native engine; the
+hf backend hands a reply over whole, so it arrives as one delta), the tool calls once the reply is parsed, the
+finish_reason, the usage when ``stream_options.include_usage``, then ``data: [DONE]``. An error after the stream
+started arrives as one ``data: {"error": ...}`` event before ``[DONE]``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
-from reinforge.serve.chat import ChatSession, RequestError, error_body, new_id, now
+from reinforge.serve.chat import ChatSession, RequestError, error_body
 from reinforge.serve.service import GenerationService
+from reinforge.serve.streaming import SSE_DONE, sse
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +135,9 @@ class OpenAIEndpoint:
         async def answer(body: dict[str, Any]) -> Any:
             from aiohttp import web
 
-            result = await self.service.chat(body, self._session(request))
-            if not body.get("stream"):
-                return web.json_response(result)
-            return await self._stream(request, result)
+            if body.get("stream"):
+                return await self._stream(request, self.service.chat_stream(body, self._session(request)))
+            return web.json_response(await self.service.chat(body, self._session(request)))
         return await self._guarded(request, answer)
 
     async def _completions(self, request: Any) -> Any:
@@ -143,32 +147,26 @@ class OpenAIEndpoint:
             if self._session(request) is not None:
                 raise RequestError("a trajectory's calls go to /chat/completions; /completions is not recorded")
             if body.get("stream"):
-                raise RequestError("stream is supported on /v1/chat/completions only")
+                return await self._stream(request, self.service.complete_stream(body))
             return web.json_response(await self.service.complete(body))
         return await self._guarded(request, answer)
 
-    async def _stream(self, request: Any, result: dict[str, Any]) -> Any:
+    async def _stream(self, request: Any, chunks: AsyncIterator[dict[str, Any]]) -> Any:
+        """Send each chunk as a server-sent event as it comes, then ``[DONE]``."""
         from aiohttp import web
 
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        chunk_id, created = new_id("chatcmpl"), now()
-
-        async def send(choices: list[dict[str, Any]]) -> None:
-            chunk = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
-                     "model": result["model"], "choices": choices}
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-
-        for choice in result["choices"]:
-            message = choice["message"]
-            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [dict(call, index=index) for index, call in enumerate(message["tool_calls"])]
-            first = {"index": choice["index"], "delta": delta, "finish_reason": None}
-            if "logprobs" in choice:
-                first["logprobs"] = choice["logprobs"]
-            await send([first])
-            await send([{"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}])
-        await response.write(b"data: [DONE]\n\n")
+        try:
+            async for chunk in chunks:
+                await response.write(sse(chunk))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client hung up: nothing is left to send to
+        except Exception as error:
+            logger.exception("a streamed request failed")
+            await response.write(sse(error_body(f"{type(error).__name__}: {error}", "server_error")))
+        finally:
+            await chunks.aclose()
+        await response.write(SSE_DONE)
         await response.write_eof()
         return response

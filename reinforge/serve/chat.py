@@ -163,7 +163,7 @@ class ChatCodec:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             opening = text.find("<tool_call>")
-            message["content"] = text[:opening].strip() if opening >= 0 else text
+            message["content"] = text[:opening].rstrip() if opening >= 0 else text
             message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                                      for call in calls]
         return message, calls

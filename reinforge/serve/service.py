@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from reinforge.agent.loop import TokenClient
@@ -27,7 +29,27 @@ from reinforge.serve.chat import (
     now,
     openai_message,
 )
+from reinforge.serve.streaming import ReplyText, StreamedChoice, last_of, tail_of_sequence
 from reinforge.serve.trajectories import TrajectorySession
+
+
+@dataclass
+class ChatCall:
+    """A chat request checked and rendered: what it samples, and what its choices need to be answered."""
+
+    body: dict[str, Any]
+    session: ChatSession | None
+    messages: list[dict[str, Any]]
+    tools: Any
+    cut: list[str]
+    """Stop strings of more than one token, cut from the text (outside trajectories)."""
+    prompt_ids: list[int]
+    continues: int | None
+    sampling: SamplingParams
+    num_samples: int
+    request_id: str
+    replies: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Each choice's assistant message as the codec parsed it (what a session records)."""
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -94,13 +116,58 @@ class GenerationService:
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
                               seed=_integer(body, "seed", 0))
 
+    @staticmethod
+    def _samplings(sampling: SamplingParams, num_samples: int) -> list[SamplingParams]:
+        """One sampling per choice: a seeded request's choices each get a seed of their own."""
+        return [sampling if num_samples == 1 or sampling.seed is None
+                else dataclasses.replace(sampling, seed=sample_seed(sampling.seed, index))
+                for index in range(num_samples)]
+
     async def _sample(self, prompt_ids: list[int], sampling: SamplingParams, num_samples: int,
                       request_id: str) -> list[Completion]:
-        samplings = [sampling if num_samples == 1 or sampling.seed is None
-                     else dataclasses.replace(sampling, seed=sample_seed(sampling.seed, index))
-                     for index in range(num_samples)]
         return list(await asyncio.gather(*(self.client.generate(prompt_ids, each, f"{request_id}/{index}")
-                                           for index, each in enumerate(samplings))))
+                                           for index, each in enumerate(self._samplings(sampling, num_samples)))))
+
+    async def _sample_streamed(self, prompt_ids: list[int], sampling: SamplingParams, num_samples: int,
+                               request_id: str, choices: list[StreamedChoice],
+                               ) -> AsyncIterator[tuple[int, Completion | None]]:
+        """(index, None) after each token a choice samples (its ``delta`` and ``log_probs`` updated), then
+        (index, completion) when the choice is done. A client without ``generate_streamed`` (the hf backend's)
+        hands each completion over whole."""
+        events: asyncio.Queue[tuple[int, int, float] | tuple[int, Completion | BaseException]] = asyncio.Queue()
+        streamed = getattr(self.client, "generate_streamed", None)
+
+        async def sample(index: int, each: SamplingParams) -> None:
+            try:
+                if streamed is None:
+                    completion = await self.client.generate(prompt_ids, each, f"{request_id}/{index}")
+                else:
+                    completion = await streamed(prompt_ids, each, f"{request_id}/{index}",
+                                                lambda token_id, log_prob: events.put_nowait((index, token_id,
+                                                                                              log_prob)))
+                events.put_nowait((index, completion))
+            except Exception as error:  # noqa: BLE001 - raised where the stream is read
+                events.put_nowait((index, error))
+
+        tasks = [asyncio.create_task(sample(index, each))
+                 for index, each in enumerate(self._samplings(sampling, num_samples))]
+        try:
+            for _ in range(num_samples):
+                while True:
+                    event = await events.get()
+                    index, choice = event[0], choices[event[0]]
+                    if len(event) == 3:
+                        choice.add(event[1], event[2])
+                        yield index, None
+                        continue
+                    if isinstance(event[1], BaseException):
+                        raise event[1]
+                    choice.finish(event[1])
+                    yield index, event[1]
+                    break
+        finally:  # a client that hangs up stops waiting here
+            for task in tasks:
+                task.cancel()
 
     def _text(self, token_ids: list[int], finish_reason: str, cut: list[str]) -> tuple[str, str]:
         ids = token_ids[:-1] if finish_reason == "stop" and token_ids and token_ids[-1] in self.eos_token_ids \
@@ -110,15 +177,26 @@ class GenerationService:
         return (text[:min(positions)], "stop") if positions else (text, finish_reason)
 
     def _log_probs(self, completion: Completion) -> list[dict[str, Any]]:
-        entries = []
-        for token_id, log_prob in zip(completion.token_ids, completion.log_probs, strict=True):
-            token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            entries.append({"token": token, "logprob": float(log_prob), "bytes": list(token.encode()),
-                            "top_logprobs": []})
-        return entries
+        return [self._log_prob(token_id, log_prob)
+                for token_id, log_prob in zip(completion.token_ids, completion.log_probs, strict=True)]
 
-    async def chat(self, body: dict[str, Any], session: ChatSession | None) -> dict[str, Any]:
-        """A chat.completion body for a chat request body; a trajectory session records the call."""
+    def _log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
+        token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": float(log_prob), "bytes": list(token.encode()), "top_logprobs": []}
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    @staticmethod
+    def _include_usage(body: dict[str, Any]) -> bool:
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise RequestError(f"stream_options={options!r} is invalid; send an object such as "
+                               '{"include_usage": true}')
+        return bool((options or {}).get("include_usage"))
+
+    def _chat_call(self, body: dict[str, Any], session: ChatSession | None) -> ChatCall:
+        """A chat request body checked and rendered; raises RequestError before anything is sampled."""
         if self.codec is None:
             raise RequestError("the served model's tokenizer has no chat template; use /v1/completions or serve "
                                "with --chat-template FILE")
@@ -141,36 +219,109 @@ class GenerationService:
         else:
             sampling = self._sampling(body, len(prompt_ids), (*self.codec.renderer.stop_ids, *stop_ids))
             request_id = new_id("chat")
-        start = time.perf_counter()
-        completions = await self._sample(prompt_ids, sampling, num_samples, request_id)
-        self.num_requests += 1
-        choices = []
-        for index, completion in enumerate(completions):
-            reply, calls = self.codec.reply(list(completion.token_ids))
-            finish_reason = completion.finish_reason
-            if cut:
-                reply["content"], finish_reason = self._text(list(completion.token_ids), finish_reason, cut)
-                calls = []
-                reply.pop("tool_calls", None)
-            message = openai_message(reply)
-            choice: dict[str, Any] = {"index": index, "message": message,
-                                      "finish_reason": "tool_calls" if calls else finish_reason}
-            if body.get("logprobs"):
-                choice["logprobs"] = {"content": self._log_probs(completion)}
-            choices.append(choice)
-            if session is not None:
-                session.records.append(CallRecord(messages, tools, prompt_ids, list(completion.token_ids),
-                                                  list(completion.log_probs), completion.finish_reason, reply,
-                                                  continues))
-        if training:
-            session.generate_seconds += time.perf_counter() - start
-        completion_tokens = sum(len(completion.token_ids) for completion in completions)
-        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                                              "total_tokens": len(prompt_ids) + completion_tokens}}
+        return ChatCall(body, session, messages, tools, cut, prompt_ids, continues, sampling, num_samples, request_id)
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A text_completion body for a completions request body (one prompt: a string or token ids)."""
+    def _chat_choice(self, call: ChatCall, index: int, completion: Completion) -> dict[str, Any]:
+        """The choice of one completion (its message with the content and tool calls, finish_reason, logprobs)."""
+        reply, calls = self.codec.reply(list(completion.token_ids))
+        finish_reason = completion.finish_reason
+        if call.cut:
+            reply["content"], finish_reason = self._text(list(completion.token_ids), finish_reason, call.cut)
+            calls = []
+            reply.pop("tool_calls", None)
+        choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
+                                  "finish_reason": "tool_calls" if calls else finish_reason}
+        if call.body.get("logprobs"):
+            choice["logprobs"] = {"content": self._log_probs(completion)}
+        call.replies[index] = reply
+        return choice
+
+    def _record(self, call: ChatCall, completions: list[Completion], seconds: float) -> None:
+        """A session's record of the call (one per completion, in order); a trajectory's generation time."""
+        self.num_requests += 1
+        if call.session is None:
+            return
+        for index, completion in enumerate(completions):
+            call.session.records.append(CallRecord(call.messages, call.tools, call.prompt_ids,
+                                                   list(completion.token_ids), list(completion.log_probs),
+                                                   completion.finish_reason, call.replies[index], call.continues))
+        if isinstance(call.session, TrajectorySession):
+            call.session.generate_seconds += seconds
+
+    @staticmethod
+    def _usage(prompt_ids: list[int], completions: list[Completion]) -> dict[str, int]:
+        completion_tokens = sum(len(completion.token_ids) for completion in completions)
+        return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens}
+
+    async def chat(self, body: dict[str, Any], session: ChatSession | None) -> dict[str, Any]:
+        """A chat.completion body for a chat request body; a trajectory session records the call."""
+        call = self._chat_call(body, session)
+        start = time.perf_counter()
+        completions = await self._sample(call.prompt_ids, call.sampling, call.num_samples, call.request_id)
+        choices = [self._chat_choice(call, index, completion) for index, completion in enumerate(completions)]
+        self._record(call, completions, time.perf_counter() - start)
+        return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": choices, "usage": self._usage(call.prompt_ids, completions)}
+
+    def chat_stream(self, body: dict[str, Any], session: ChatSession | None) -> AsyncIterator[dict[str, Any]]:
+        """The chat.completion.chunk bodies of a streamed chat request, as the engine samples: each choice's role,
+        its content deltas, its tool calls once parsed, its finish_reason; then the usage when
+        ``stream_options.include_usage``. The request is checked here (RequestError) before anything streams."""
+        call = self._chat_call(body, session)
+        include_usage = self._include_usage(body)
+        log_prob = self._log_prob if body.get("logprobs") else None
+        if call.cut:  # the content is the text up to a stop string, as _chat_choice makes it
+            choices = [StreamedChoice(ReplyText(self._decode, last_of(self.eos_token_ids), call.cut, False), log_prob)
+                       for _ in range(call.num_samples)]
+        else:
+            ending = tail_of_sequence(list(self.codec.renderer.eos_ids))
+            choices = [StreamedChoice(ReplyText(self._decode, ending, [], True), log_prob)
+                       for _ in range(call.num_samples)]
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            chunk_id, created = new_id("chatcmpl"), now()
+
+            def chunk(index: int | None, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+                body: dict[str, Any] = {"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                        "model": self.model_name, "choices": []}
+                if index is not None:
+                    choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+                    entries = choices[index].take_log_probs()
+                    if log_prob is not None and (entries or "content" in delta):
+                        choice["logprobs"] = {"content": entries}
+                    body["choices"].append(choice)
+                return dict(body, usage=None) if include_usage else body
+
+            for index in range(call.num_samples):
+                yield chunk(index, {"role": "assistant", "content": ""})
+            start = time.perf_counter()
+            completions: dict[int, Completion] = {}
+            async for index, completion in self._sample_streamed(call.prompt_ids, call.sampling, call.num_samples,
+                                                                 call.request_id, choices):
+                if completion is None:
+                    if choices[index].delta:
+                        yield chunk(index, {"content": choices[index].delta})
+                    continue
+                completions[index] = completion
+                choice = self._chat_choice(call, index, completion)
+                message = choice["message"]
+                rest = choices[index].text.finish(message["content"] or "")
+                if rest:
+                    yield chunk(index, {"content": rest})
+                if message.get("tool_calls"):
+                    yield chunk(index, {"tool_calls": [dict(tool_call, index=position) for position, tool_call
+                                                       in enumerate(message["tool_calls"])]})
+                yield chunk(index, {}, choice["finish_reason"])
+            done = [completions[index] for index in range(call.num_samples)]
+            self._record(call, done, time.perf_counter() - start)
+            if include_usage:
+                yield dict(chunk(None, {}), usage=self._usage(call.prompt_ids, done))
+
+        return chunks()
+
+    def _completion_call(self, body: dict[str, Any]) -> tuple[list[int], SamplingParams, int, list[str]]:
+        """A completions request body checked: (prompt ids, sampling, number of choices, stop strings to cut at)."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
@@ -182,24 +333,74 @@ class GenerationService:
             raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request)")
         stop_ids, cut = self._stop(body, False)
         sampling = self._sampling(body, len(prompt_ids), stop_ids)
-        num_samples = int(_integer(body, "n", 1) or 1)
+        return prompt_ids, sampling, int(_integer(body, "n", 1) or 1), cut
+
+    @staticmethod
+    def _wants_log_probs(body: dict[str, Any]) -> bool:
+        return body.get("logprobs") is not None and body.get("logprobs") is not False
+
+    @staticmethod
+    def _text_log_probs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+        """The completions API's logprobs of some tokens, the first at ``offset`` in the text."""
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry["token"])
+        return {"tokens": [entry["token"] for entry in entries],
+                "token_logprobs": [entry["logprob"] for entry in entries], "top_logprobs": None,
+                "text_offset": offsets}
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A text_completion body for a completions request body (one prompt: a string or token ids)."""
+        prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         completions = await self._sample(prompt_ids, sampling, num_samples, new_id("cmpl"))
         self.num_requests += 1
         choices = []
         for index, completion in enumerate(completions):
             text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut)
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-            if body.get("logprobs") is not None and body.get("logprobs") is not False:
-                entries = self._log_probs(completion)
-                offsets, offset = [], 0
-                for entry in entries:
-                    offsets.append(offset)
-                    offset += len(entry["token"])
-                choice["logprobs"] = {"tokens": [entry["token"] for entry in entries],
-                                      "token_logprobs": [entry["logprob"] for entry in entries],
-                                      "top_logprobs": None, "text_offset": offsets}
+            if self._wants_log_probs(body):
+                choice["logprobs"] = self._text_log_probs(self._log_probs(completion))
             choices.append(choice)
-        completion_tokens = sum(len(completion.token_ids) for completion in completions)
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
-                "choices": choices, "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
-                                              "total_tokens": len(prompt_ids) + completion_tokens}}
+                "choices": choices, "usage": self._usage(prompt_ids, completions)}
+
+    def complete_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The text_completion chunk bodies of a streamed completions request, as the engine samples: each
+        choice's text deltas, then its finish_reason; then the usage when ``stream_options.include_usage``."""
+        prompt_ids, sampling, num_samples, cut = self._completion_call(body)
+        include_usage = self._include_usage(body)
+        log_probs = self._wants_log_probs(body)
+        choices = [StreamedChoice(ReplyText(self._decode, last_of(self.eos_token_ids), cut, tool_calls=False),
+                                  self._log_prob if log_probs else None) for _ in range(num_samples)]
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            chunk_id, created = new_id("cmpl"), now()
+            offsets = [0] * num_samples
+
+            def chunk(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+                entries = choices[index].take_log_probs()
+                choice = {"index": index, "text": text, "finish_reason": finish_reason,
+                          "logprobs": self._text_log_probs(entries, offsets[index]) if log_probs else None}
+                offsets[index] += sum(len(entry["token"]) for entry in entries)
+                body = {"id": chunk_id, "object": "text_completion", "created": created, "model": self.model_name,
+                        "choices": [choice]}
+                return dict(body, usage=None) if include_usage else body
+
+            completions: list[Completion] = []
+            async for index, completion in self._sample_streamed(prompt_ids, sampling, num_samples, new_id("cmpl"),
+                                                                 choices):
+                choice = choices[index]
+                if completion is None:
+                    if choice.delta:
+                        yield chunk(index, choice.delta, None)
+                    continue
+                completions.append(completion)
+                text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut)
+                yield chunk(index, choice.text.finish(text), finish_reason)
+            self.num_requests += 1
+            if include_usage:
+                yield {"id": chunk_id, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [], "usage": self._usage(prompt_ids, completions)}
+
+        return chunks()

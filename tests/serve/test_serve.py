@@ -88,8 +88,11 @@ def test_a_hermes_tool_call_comes_back_as_openai_tool_calls(tool_tokenizer):
         stream = served.client().chat.completions.create(
             model="scripted", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC], stream=True)
         chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == "Let me."
+        [with_calls] = [chunk for chunk in chunks if chunk.choices[0].delta.tool_calls]
+        assert with_calls.choices[0].delta.tool_calls[0].function.name == "calc"
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        assert chunks[0].choices[0].delta.tool_calls[0].function.name == "calc"
     finally:
         served.close()
 

@@ -17,8 +17,11 @@ from collections.abc import Callable
 
 from reinforge.rollout.base import Completion, GenerationRequest
 
-Submit = Callable[[GenerationRequest, Callable[[list[Completion]], None], Callable[[BaseException], None]], object]
-"""Hands a request to the engine with the callbacks for its completions and for an error."""
+Submit = Callable[..., object]
+"""Hands a request to the engine with the callbacks for its completions and for an error, and, for a streamed
+request, a fourth: ``on_token(sample_index, token_id, log_prob)`` for each token as a step samples it."""
+
+OnToken = Callable[[int, int, float], None]
 
 
 class AsyncDriver:
@@ -34,8 +37,9 @@ class AsyncDriver:
         self._measure = measure
         self._task: asyncio.Task | None = None
 
-    async def generate(self, request: GenerationRequest) -> list[Completion]:
-        """The request's n completions; requests submitted concurrently are batched together."""
+    async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> list[Completion]:
+        """The request's n completions; requests submitted concurrently are batched together. ``on_token`` (a
+        streamed request) is called on the event loop with each token as it is sampled, all before this returns."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Completion]] = loop.create_future()
 
@@ -45,7 +49,10 @@ class AsyncDriver:
         def fail(error: BaseException) -> None:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
 
-        self._submit(request, deliver, fail)
+        if on_token is None:
+            self._submit(request, deliver, fail)
+        else:
+            self._submit(request, deliver, fail, lambda *token: loop.call_soon_threadsafe(on_token, *token))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._drive())
         return await future

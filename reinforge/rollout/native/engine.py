@@ -127,6 +127,8 @@ class NativeEngine:
         self._seed_generator = np.random.default_rng(seed)
         self._incoming: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._requests: dict[int, RequestState] = {}
+        self._streams: dict[int, Callable[[int, int, float], None]] = {}
+        """The streamed requests' ``on_token`` by request key (empty unless a request streams)."""
         self._next_request_key = 0
         self._step_lock = threading.Lock()
         self._async_driver = AsyncDriver(submit=self._submit, step=lambda: self._step(batch_arrivals=True),
@@ -265,14 +267,17 @@ class NativeEngine:
         self._finish_metrics(start)
         return [list(state.completions) for state in states]
 
-    async def generate_async(self, request: GenerationRequest) -> list[Completion]:
-        """The request's n completions; requests submitted concurrently are batched together."""
+    async def generate_async(self, request: GenerationRequest,
+                             on_token: Callable[[int, int, float], None] | None = None) -> list[Completion]:
+        """The request's n completions; requests submitted concurrently are batched together. ``on_token``
+        (streaming) gets ``(sample_index, token_id, log_prob)`` on the event loop as each token is sampled."""
         self.wake_up()
-        return await self._async_driver.generate(request)
+        return await self._async_driver.generate(request, on_token)
 
     def _take_requests(self) -> list[RequestState]:
         """Every request the engine holds, admitted or still incoming; it holds none afterwards."""
         taken, self._requests = list(self._requests.values()), {}
+        self._streams.clear()
         while not self._incoming.empty():
             taken.append(self._incoming.get())
         return taken
@@ -291,7 +296,8 @@ class NativeEngine:
 
     def _submit(self, request: GenerationRequest,
                 on_done: Callable[[list[Completion]], None] | None = None,
-                on_error: Callable[[BaseException], None] | None = None) -> RequestState:
+                on_error: Callable[[BaseException], None] | None = None,
+                on_token: Callable[[int, int, float], None] | None = None) -> RequestState:
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
@@ -302,7 +308,7 @@ class NativeEngine:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
-        state = RequestState(request, seed, on_done, on_error)
+        state = RequestState(request, seed, on_done, on_error, on_token)
         self._incoming.put(state)
         return state
 
@@ -312,6 +318,8 @@ class NativeEngine:
             key = self._next_request_key
             self._next_request_key += 1
             self._requests[key] = state
+            if state.on_token is not None:
+                self._streams[key] = state.on_token
             request, sampling = state.request, state.request.sampling
             stops = frozenset() if sampling.ignore_eos else self.eos_token_ids | frozenset(sampling.stop_token_ids)
             self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, request.prompt_token_ids, sampling,
@@ -404,10 +412,13 @@ class NativeEngine:
         tokens, log_probs = launched.read()
         running = SequenceStatus.RUNNING
         appended = 0
+        streams = self._streams
         for seq, token, log_prob in zip(launched.seqs, tokens, log_probs, strict=True):
             if seq.status is not running:
                 continue
             appended += 1
+            if streams and seq.request_key in streams:
+                streams[seq.request_key](seq.sample_index, token, log_prob)
             if seq.append(token, log_prob):
                 finished.append(seq)
         self._num_generated_tokens += appended
@@ -417,6 +428,7 @@ class NativeEngine:
             state = self._requests[seq.request_key]
             if state.finish_sample(seq):
                 del self._requests[seq.request_key]
+                self._streams.pop(seq.request_key, None)
                 if state.on_done is not None:
                     state.on_done(list(state.completions))
 

@@ -15,13 +15,16 @@ class RequestState:
     """Collects the n completions of one request and reports when all are done."""
 
     def __init__(self, request: GenerationRequest, seed: int, on_done: Callable[[list[Completion]], None] | None,
-                 on_error: Callable[[BaseException], None] | None):
+                 on_error: Callable[[BaseException], None] | None,
+                 on_token: Callable[[int, int, float], None] | None = None):
         self.request = request
         self.seed = seed
         self.completions: list[Completion | None] = [None] * request.sampling.n
         self.num_pending = request.sampling.n
         self.on_done = on_done
         self.on_error = on_error
+        self.on_token = on_token
+        """A streamed request's ``(sample_index, token_id, log_prob)`` callback, called as each token is sampled."""
 
     def finish_sample(self, seq: Sequence) -> bool:
         self.completions[seq.sample_index] = Completion(seq.token_ids[seq.num_prompt_tokens:], list(seq.log_probs),
