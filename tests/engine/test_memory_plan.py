@@ -174,12 +174,12 @@ def test_offloaded_parameters_count_exact_shards_and_power_of_two_gradients():
     big = shape("7b")
     assert pinned_bytes(big.tensor_shapes(), 1, 2) / GiB == pytest.approx(14.19, abs=0.01)
     assert pinned_bytes(big.tensor_shapes(), 1, 2, power_of_two=True) / GiB == pytest.approx(26.97, abs=0.01)
-    # 7B LoRA r32 on 40 GiB: bf16 base shards 14.19 GiB, float32 adapters 0.30 GiB, their gradients 0.45 GiB
-    lora = plan_memory(big, RunShape(64, 8, 128, 512, lora_rank=32), {}, 40 * GiB, 125 * GiB)
+    # 7B LoRA r32 on 36 GiB: bf16 base shards 14.19 GiB, float32 adapters 0.30 GiB, their gradients 0.45 GiB
+    lora = plan_memory(big, RunShape(64, 8, 128, 512, lora_rank=32), {}, 36 * GiB, 125 * GiB)
     assert lora.settings.param_offload
     assert 14.8 * GiB < lora.host["master weights"] + lora.host["gradients"] < 15.1 * GiB
-    with pytest.raises(MemoryPlanError, match=r"would fit with 17 GiB of host memory or "):
-        plan_memory(big, RunShape(64, 8, 128, 512, lora_rank=32), {}, 40 * GiB, 12 * GiB)  # 15.5 / 0.94 = 16.5
+    with pytest.raises(MemoryPlanError, match=r"would fit with 17 GiB of host memory"):
+        plan_memory(big, RunShape(64, 8, 128, 512, lora_rank=32), {}, 36 * GiB, 12 * GiB)  # 15.5 / 0.94 = 16.5
     on_the_cpu = estimate(big, RunShape(64, 8, 128, 512, lora_rank=32, eager=True),
                           dataclasses.replace(lora.settings))[1]
     assert on_the_cpu["master weights"] < 15 * GiB  # nothing is pinned on a CPU run
