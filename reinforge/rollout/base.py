@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class GenerationRequest:
     keep_prefix: bool = True
     """Native engine with prefix caching: keep this request's full KV blocks for a later request that
     continues it (an agent's next turn). False saves the hashing when nothing will (a single-turn step)."""
+    multi_modal_inputs: dict[str, Tensor] | None = None
+    """A vision-language prompt's images as its processor made them, besides the token ids: ``pixel_values``
+    (patches, patch_dim) and ``image_grid_thw`` (images, 3), images in the order their ``<|image_pad|>`` runs
+    appear in ``prompt_token_ids``; None for a text prompt."""
 
 
 @dataclass

@@ -278,6 +278,8 @@ class NativeEngine:
         """Every request the engine holds, admitted or still incoming; it holds none afterwards."""
         taken, self._requests = list(self._requests.values()), {}
         self._streams.clear()
+        if self.runner.multimodal is not None:
+            self.runner.multimodal.clear()
         while not self._incoming.empty():
             taken.append(self._incoming.get())
         return taken
@@ -304,11 +306,17 @@ class NativeEngine:
         if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r} has a prompt of {len(request.prompt_token_ids)} "
                              f"tokens, not shorter than max_model_len={self.max_model_len}; raise max_model_len")
+        multimodal = self.runner.multimodal
+        if request.multi_modal_inputs is not None and multimodal is None:
+            raise ValueError(f"request {request.request_id!r} has images but {type(self.model).__name__} is a text "
+                             "model; send its prompt without multi_modal_inputs")
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
         state = RequestState(request, seed, on_done, on_error, on_token)
+        if request.multi_modal_inputs is not None:
+            state.multimodal = multimodal.prepare(request)
         self._incoming.put(state)
         return state
 
@@ -322,7 +330,11 @@ class NativeEngine:
                 self._streams[key] = state.on_token
             request, sampling = state.request, state.request.sampling
             stops = frozenset() if sampling.ignore_eos else self.eos_token_ids | frozenset(sampling.stop_token_ids)
-            self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, request.prompt_token_ids, sampling,
+            prompt = request.prompt_token_ids
+            if state.multimodal is not None:
+                self.runner.multimodal.add(key, state.multimodal)
+                prompt = state.multimodal.key_token_ids  # its image pad tokens named by their images
+            self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, prompt, sampling,
                                         state.seed, stops, self.max_model_len, num_samples=sampling.n,
                                         keep_prefix=request.keep_prefix))
 
@@ -429,6 +441,8 @@ class NativeEngine:
             if state.finish_sample(seq):
                 del self._requests[seq.request_key]
                 self._streams.pop(seq.request_key, None)
+                if self.runner.multimodal is not None:
+                    self.runner.multimodal.discard(seq.request_key)
                 if state.on_done is not None:
                     state.on_done(list(state.completions))
 

@@ -26,11 +26,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from reinforge.models.architectures import ArchitectureSpec, architecture_spec, text_config
+from reinforge.models.architectures import ArchitectureSpec, text_config
 from reinforge.rollout.native.attention import AttentionMetadata, flash_prefix_applies
 from reinforge.rollout.native.layers import ACTIVATIONS, BlockContext, DenseAttention, DenseMLP, LayerWeights, Parts
 from reinforge.rollout.native.mla import MLAAttention, mla_rotary_tables
 from reinforge.rollout.native.moe import MoEMLP, moe_unsupported_reason
+from reinforge.rollout.native.multimodal import (
+    MropeLayout,
+    PrefillImages,
+    is_vision_language,
+    language_model,
+    multimodal_unsupported_reason,
+    native_architecture_spec,
+)
 from reinforge.rollout.native.rotary_tables import RotaryTables
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -56,8 +64,8 @@ def mlp_block(context: BlockContext, index: int) -> DenseMLP | MoEMLP:
 
 
 def decoder_module(model: nn.Module) -> nn.Module:
-    """The module holding embed_tokens, layers, norm and rotary_emb."""
-    return model.model
+    """The module holding embed_tokens, layers, norm and rotary_emb (a vision-language model's language model)."""
+    return language_model(model) if is_vision_language(model.config) else model.model
 
 
 def _rope_dicts(config) -> list[dict]:
@@ -72,11 +80,15 @@ def _rope_dicts(config) -> list[dict]:
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the native engine cannot run ``model``, or None when it can."""
     config = text_config(model.config)
-    spec = architecture_spec(model.config)
+    spec = native_architecture_spec(model.config)
     if spec is None:
         return (f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) has no entry in the "
                 "architecture table (reinforge/models/architectures.py)")
-    if not hasattr(model, "model") or not hasattr(model.model, "layers"):  # a multimodal wrapper's logits differ
+    if is_vision_language(model.config):
+        reason = multimodal_unsupported_reason(model)
+        if reason is not None:
+            return reason
+    elif not hasattr(model, "model") or not hasattr(model.model, "layers"):  # a multimodal wrapper's logits differ
         return f"{type(model).__name__} keeps no decoder layers at model.layers (the engine runs text-only models)"
     if spec.moe is not None:
         reason = moe_unsupported_reason(config, spec.moe, decoder_module(model).layers)
@@ -260,7 +272,7 @@ class PagedDecoder:
         self.model = model
         self.max_model_len = max_model_len
         self.use_triton = use_triton
-        spec: ArchitectureSpec = architecture_spec(model.config)
+        spec: ArchitectureSpec = native_architecture_spec(model.config)
         self.spec = spec
         config = text_config(model.config)
         inner = decoder_module(model)
@@ -275,7 +287,10 @@ class PagedDecoder:
         rope = dict(rope) if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope) else {}
         rope.setdefault("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
         kinds = {layer.rope for layer in spec.layers} if spec.mla is None else set()  # MLA rotates its own way
-        self.rotary = RotaryTables(inner, kinds, max_model_len, self.dtype, self.device, rope)
+        multimodal = is_vision_language(model.config)  # M-RoPE: text positions read the plain table (multimodal.py)
+        self.rotary = RotaryTables(inner, set() if multimodal else kinds, max_model_len, self.dtype, self.device, rope)
+        if multimodal:
+            self.rotary.tables["global"] = MropeLayout(model, self.dtype, self.device).text_table(max_model_len)
         self.context = BlockContext(spec, config, self.dtype, use_triton, self.flash_prefix, self.rotary)
         mla_tables = None if spec.mla is None else \
             mla_rotary_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)
@@ -331,16 +346,26 @@ class PagedDecoder:
         return tuple(tensor.data_ptr() for tensor in (self.weights.tensors() if self.weights else ()))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                logits_indices: Tensor | None = None) -> Tensor:
+                logits_indices: Tensor | None = None, images: PrefillImages | None = None) -> Tensor:
         """Logits (rows, vocab) in the model dtype at ``logits_indices`` (every token when None).
 
-        input_ids, positions: (tokens,); kv_cache: ``kv_cache_shape``.
+        input_ids, positions: (tokens,); kv_cache: ``kv_cache_shape``. images: a multimodal prefill's image
+        embeddings, deepstack features and M-RoPE cos/sin (``multimodal.py``; positions are then ignored).
         """
+        if images is not None:
+            with images.rotary(self.rotary) as rows:
+                return self._forward(input_ids, rows, kv_cache, meta, logits_indices, images)
+        return self._forward(input_ids, positions, kv_cache, meta, logits_indices)
+
+    def _forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                 logits_indices: Tensor | None, images: PrefillImages | None = None) -> Tensor:
         assert self.weights is not None, "load_weights() runs before the first forward"
         model_weights, norm, placement = self.weights, self.context.norm, self.spec.norm_placement
         hidden = F.embedding(input_ids, model_weights.embed)
         if self.embedding_scale is not None:
             hidden = hidden * self.embedding_scale
+        if images is not None:
+            hidden = images.place(hidden)
         residual: Tensor | None = None  # the residual stream is residual + hidden
         for index, weights in enumerate(model_weights.layers):
             attention, mlp, cache = self.attention[index], self.mlps[index], kv_cache[index]
@@ -364,6 +389,8 @@ class PagedDecoder:
             else:
                 normed = norm(weights["post_attention_layernorm"], hidden, residual)
                 hidden = mlp.forward(weights, normed)
+            if images is not None:
+                hidden, residual = images.add_deepstack(index, hidden, residual)
         if logits_indices is not None:  # index_select: no host sync, so a prefill graph may capture it
             hidden, residual = hidden.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         logits = F.linear(norm(model_weights.final_norm, hidden, residual), model_weights.lm_head)

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from reinforge.rollout.native.attention import AttentionMetadata
 from reinforge.rollout.native.decode_kernels import decode_num_splits, num_sms
-from reinforge.rollout.native.model import PagedDecoder
+from reinforge.rollout.native.model import PagedDecoder, whole
+from reinforge.rollout.native.multimodal import MultimodalPrompts, is_vision_language
 from reinforge.rollout.native.prefill_graphs import PrefillGraphs, pad_prefill
 from reinforge.rollout.native.sequence import Sequence
 
@@ -65,6 +66,9 @@ class ModelRunner:
         """A capture failed or disagreed with the eager forward once: prefill steps stay eager."""
         self.last_decode_positions: Tensor | None = None
         """(batch,) positions of the last decode step's input tokens, on the device."""
+        self.multimodal = MultimodalPrompts(model, self.decoder.dtype, self.device) \
+            if is_vision_language(model.config) else None
+        """A vision-language model's requests with images and its vision tower (multimodal.py); None for text."""
 
     def set_model(self, model: nn.Module) -> None:
         """Generate with ``model``'s current weights from now on.
@@ -77,13 +81,15 @@ class ModelRunner:
             self.decoder.free_weights()
             self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton, self.decoder.device)
         if loaded:
-            self.decoder.load_weights()
+            self.load_weights()
         if self.decoder.parameter_pointers() != self._graph_parameter_pointers:
             self.drop_cuda_graphs()
 
     def load_weights(self) -> None:
         """Copy the model's weights into the decoder's own buffers (allocated if freed, else in place)."""
         self.decoder.load_weights()
+        if self.multimodal is not None:
+            self.multimodal.tower.load(self.decoder.model, whole)
         if self.decoder.parameter_pointers() != self._graph_parameter_pointers:
             self.drop_cuda_graphs()  # a frozen weight read in place moved (see model.ModelWeights)
 
@@ -91,6 +97,8 @@ class ModelRunner:
         """Free the decoder's weight copies (and the graphs that read them)."""
         self.drop_cuda_graphs()
         self.decoder.free_weights()
+        if self.multimodal is not None:
+            self.multimodal.tower.free()
 
     def kv_bytes_per_block(self) -> int:
         return self.decoder.kv_bytes_per_block(self.block_size)
@@ -153,7 +161,11 @@ class ModelRunner:
         contexts = [seq.num_tokens for seq in seqs]
         # the decoder reads positions only to look up rotary rows (LongRoPE: see rotary_tables.py)
         positions = self.decoder.rotary.rotary_positions(positions, np.repeat(contexts, seq_lens))
-        graphs = self._graphs_for_prefill()
+        images = None if self.multimodal is None else \
+            self.multimodal.prefill_inputs([seq.request_key for seq in seqs], starts, contexts)
+        if images is not None:  # image pad tokens carry their images' keys (multimodal.py), never embedded
+            token_ids = np.where(token_ids < 0, self.multimodal.image_token_id, token_ids)
+        graphs = self._graphs_for_prefill() if images is None else None
         if graphs is not None or any(starts):
             # every context token's slot (the packed path reads the cached and new keys through them)
             context_slots = np.concatenate([
@@ -188,7 +200,7 @@ class ModelRunner:
             meta.cu_seqlens_q = self._to_device(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
             meta.cu_seqlens_k = self._to_device(np.concatenate([[0], np.cumsum(contexts)]).astype(np.int32))
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
-                                    logits_indices=self._to_device(last_index))
+                                    logits_indices=self._to_device(last_index), images=images)
 
     def _graphs_for_prefill(self) -> PrefillGraphs | None:
         """The prefill graphs, where prefill steps may replay them: CUDA graphs on (as for decode steps) and the
@@ -242,6 +254,8 @@ class ModelRunner:
             "context_lens": context_lens,
             "block_tables": block_tables,
         }
+        if self.multimodal is not None:  # M-RoPE: generated tokens rotate at position + the request's rope delta
+            inputs["rope_positions"] = positions + self.multimodal.rope_deltas([seq.request_key for seq in seqs])
         if not lookahead:
             inputs["input_ids"] = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))
         return inputs
@@ -282,13 +296,16 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], is_prefill=False,
                                  block_tables=tensors["block_tables"], context_lens=tensors["context_lens"],
                                  num_decode_splits=num_splits)
-        return self.decoder.forward(tensors["input_ids"], tensors["positions"], self.kv_cache, meta)
+        return self.decoder.forward(tensors["input_ids"], tensors.get("rope_positions", tensors["positions"]),
+                                    self.kv_cache, meta)
 
     def _fill_padding(self, start: int, stop: int) -> None:
         """Rows start..stop of the graph inputs become padding: one token, written to the spare block."""
         static = self._graph_inputs
         static["input_ids"][start:stop].zero_()
         static["positions"][start:stop].zero_()
+        if "rope_positions" in static:
+            static["rope_positions"][start:stop].zero_()
         static["slot_mapping"][start:stop].fill_(self.spare_block * self.block_size)
         static["context_lens"][start:stop].fill_(1)
         static["block_tables"][start:stop].fill_(self.spare_block)
@@ -312,6 +329,8 @@ class ModelRunner:
                 "context_lens": torch.ones(largest, dtype=torch.int32, device=self.device),
                 "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
             }
+            if self.multimodal is not None:
+                self._graph_inputs["rope_positions"] = torch.zeros(largest, dtype=torch.int64, device=self.device)
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)

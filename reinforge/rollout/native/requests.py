@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from reinforge.rollout.base import Completion, GenerationRequest
+from reinforge.rollout.native.multimodal import MultimodalPrompt
 from reinforge.rollout.native.sequence import Sequence
 
 
@@ -25,6 +26,8 @@ class RequestState:
         self.on_error = on_error
         self.on_token = on_token
         """A streamed request's ``(sample_index, token_id, log_prob)`` callback, called as each token is sampled."""
+        self.multimodal: MultimodalPrompt | None = None
+        """A vision-language prompt's images, checked at submission (``MultimodalPrompts.prepare``)."""
 
     def finish_sample(self, seq: Sequence) -> bool:
         self.completions[seq.sample_index] = Completion(seq.token_ids[seq.num_prompt_tokens:], list(seq.log_probs),

@@ -1,0 +1,176 @@
+"""NativeEngine on vision-language prompts (tiny Qwen2.5-VL and Qwen3-VL, float32, CPU) against transformers:
+greedy tokens equal ``generate``'s and log-probs a plain forward's, for prompts with 0, 1 and 2 images."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from reinforge.models.tiny import build_tiny_causal_lm
+from reinforge.models.tiny_vlm import build_tiny_processor, build_tiny_vlm
+from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.native import NativeEngine, supports_model
+
+ARCHITECTURES = ["qwen2_5_vl", "qwen3_vl"]
+SIZES = {0: [], 1: [(40, 56)], 2: [(32, 32), (48, 24)]}
+"""Images (height, width) of each prompt, by number of images."""
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def vlm(request):
+    return build_tiny_vlm(request.param), build_tiny_processor(request.param)
+
+
+def image(height: int, width: int, seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def encode(processor, num_images: int, text: str = "how many squares?", seed: int = 0) -> dict:
+    """The processor's outputs for a user turn with ``num_images`` images and ``text``."""
+    images = [image(height, width, seed + index) for index, (height, width) in enumerate(SIZES[num_images])]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                           tokenize=False)
+    return dict(processor(text=[prompt], images=images or None, return_tensors="pt"))
+
+
+def request_of(inputs: dict, sampling: SamplingParams, keep_prefix: bool = False) -> GenerationRequest:
+    images = {name: inputs[name] for name in ("pixel_values", "image_grid_thw") if name in inputs}
+    return GenerationRequest(inputs["input_ids"][0].tolist(), sampling, keep_prefix=keep_prefix,
+                             multi_modal_inputs=images or None)
+
+
+def make_engine(model, **kwargs) -> NativeEngine:
+    return NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=8, max_num_seqs=16,
+                        **{"enable_prefix_caching": True, **kwargs})
+
+
+def forward_log_probs(model, inputs: dict, response: list[int]) -> torch.Tensor:
+    """log p(response[i] | prompt, response[:i]) from one transformers forward over prompt + response."""
+    prompt = inputs["input_ids"]
+    ids = torch.cat([prompt, torch.tensor([response], device=prompt.device)], dim=1)
+    extra = {name: inputs[name] for name in ("pixel_values", "image_grid_thw") if name in inputs}
+    types = inputs.get("mm_token_type_ids")
+    if types is not None:
+        extra["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, len(response))], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0].float()
+    start = prompt.shape[1]
+    log_probs = torch.log_softmax(logits[start - 1:-1], dim=-1)
+    return log_probs.gather(1, torch.tensor(response, device=ids.device)[:, None])[:, 0]
+
+
+def greedy_reference(model, inputs: dict, max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_the_engine_runs_vision_language_models(vlm):
+    model, _ = vlm
+    assert supports_model(model)
+
+
+def test_greedy_matches_generate_and_log_probs_match_a_forward(vlm):
+    model, processor = vlm
+    engine = make_engine(model)
+    encoded = [encode(processor, num_images, seed=10 * num_images) for num_images in (0, 1, 2)]
+    sampling = SamplingParams(max_tokens=10, temperature=0.0, n=2, ignore_eos=True)
+    completions = engine.generate([request_of(inputs, sampling) for inputs in encoded])
+    for inputs, samples in zip(encoded, completions, strict=True):
+        reference = greedy_reference(model, inputs, 10)
+        assert [sample.token_ids for sample in samples] == [reference, reference]
+        expected = forward_log_probs(model, inputs, reference)
+        torch.testing.assert_close(torch.tensor(samples[0].log_probs), expected, atol=1e-5, rtol=0)
+    counts = engine.runner.multimodal
+    assert counts.num_images_encoded == 3 and not counts.prompts  # once per image; released with the requests
+
+
+def test_sampled_log_probs_match_a_forward(vlm):
+    model, processor = vlm
+    encoded = [encode(processor, 2, seed=3), encode(processor, 1, text="what colour?", seed=4)]
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7, ignore_eos=True)
+    completions = make_engine(model).generate([request_of(inputs, sampling) for inputs in encoded])
+    for inputs, samples in zip(encoded, completions, strict=True):
+        assert len({tuple(sample.token_ids) for sample in samples}) > 1
+        for sample in samples:
+            expected = forward_log_probs(model, inputs, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_prompts_that_differ_only_in_their_image_share_no_cached_blocks(vlm):
+    """Equal token ids (same image size), different pixels: the second prompt must not reuse the first's keys."""
+    model, processor = vlm
+    engine = make_engine(model)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first, second = encode(processor, 1, seed=1), encode(processor, 1, seed=2)
+    assert torch.equal(first["input_ids"], second["input_ids"])
+    for inputs in (first, second):
+        [[sample]] = engine.generate([request_of(inputs, sampling, keep_prefix=True)])
+        assert sample.token_ids == greedy_reference(model, inputs, 6)
+    assert engine.counts()["rollout/prefix_cache_hit_tokens"] == 0
+    # the same image again: its blocks are reused and its embeddings not computed again
+    encoded_before = engine.runner.multimodal.num_images_encoded
+    [[again]] = engine.generate([request_of(second, sampling, keep_prefix=True)])
+    assert again.token_ids == greedy_reference(model, second, 6)
+    assert engine.counts()["rollout/prefix_cache_hit_tokens"] > 0
+    assert engine.runner.multimodal.num_images_encoded == encoded_before
+
+
+def test_preempted_sequences_recompute_with_their_images(vlm):
+    model, processor = vlm
+    encoded = [encode(processor, count, seed=20 + count) for count in (2, 1, 2)]
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model, num_kv_blocks=14, enable_prefix_caching=False)
+    completions = engine.generate([request_of(inputs, sampling) for inputs in encoded])
+    assert engine.last_metrics["rollout/num_preempted"] > 0
+    for inputs, [sample] in zip(encoded, completions, strict=True):
+        assert sample.token_ids == greedy_reference(model, inputs, 24)
+
+
+def test_a_text_model_refuses_images_and_a_mismatched_grid_is_named(vlm):
+    model, processor = vlm
+    inputs = encode(processor, 1)
+    text_engine = make_engine(build_tiny_causal_lm("qwen2"))
+    with pytest.raises(ValueError, match="text model"):
+        text_engine.generate([request_of(inputs, SamplingParams(max_tokens=2))])
+    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([[1, 2, 1]]))
+    with pytest.raises(ValueError, match="image tokens"):
+        make_engine(model).generate([request_of(wrong, SamplingParams(max_tokens=2))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_triton_path_and_cuda_graphs_match_transformers_on_the_gpu(architecture):
+    """Triton kernels, decode CUDA graphs (rope positions shifted by the rope delta) and the vision tower on CUDA."""
+    model = build_tiny_vlm(architecture).cuda()
+    processor = build_tiny_processor(architecture)
+    engine = make_engine(model, cuda_graph_batch_sizes=(1, 2, 4, 8))
+    assert engine.runner.cuda_graph_batch_sizes
+    encoded = [encode(processor, num_images, seed=30 + num_images) for num_images in (0, 1, 2)]
+    sampling = SamplingParams(max_tokens=10, temperature=0.0, n=2, ignore_eos=True)
+    completions = engine.generate([request_of(inputs, sampling) for inputs in encoded])
+    assert engine.runner._graphs  # decode steps replayed graphs
+    for inputs, samples in zip(encoded, completions, strict=True):
+        on_device = {name: value.cuda() for name, value in inputs.items()}
+        reference = greedy_reference(model, on_device, 10)
+        assert [sample.token_ids for sample in samples] == [reference, reference]
+        expected = forward_log_probs(model, on_device, reference).cpu()
+        torch.testing.assert_close(torch.tensor(samples[0].log_probs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_triton_path_samples_what_a_forward_gives(vlm):
+    """The Triton kernels (Triton's interpreter on the CPU) read each token's M-RoPE row of the step's table."""
+    pytest.importorskip("triton")
+    model, processor = vlm
+    encoded = [encode(processor, 2, seed=5), encode(processor, 0, seed=6)]
+    sampling = SamplingParams(max_tokens=5, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    completions = make_engine(model, use_triton=True).generate([request_of(inputs, sampling) for inputs in encoded])
+    for inputs, samples in zip(encoded, completions, strict=True):
+        for sample in samples:
+            expected = forward_log_probs(model, inputs, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
