@@ -221,3 +221,34 @@ def test_a_peft_lora_config_becomes_model_lora():
     assert peft_settings(lora) == {"model.lora.rank": 16, "model.lora.alpha": 32.0, "model.lora.dropout": 0.05,
                                    "model.lora.target_modules": ["q_proj", "v_proj"]}
     assert peft_settings(None) == {}
+
+
+def test_a_later_start_keeps_the_inputs_an_earlier_start_wrote_and_puts_other_ones_beside_them(tmp_path,
+                                                                                                  tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.api.inputs import save_model_if_loaded
+    from reinforge.models import load_tokenizer
+
+    inputs = tmp_path / "run" / "inputs"
+    rows, other_rows = [{"prompt": "1+1=", "answer": "2"}], [{"prompt": "2+2=", "answer": "4"}]
+    assert write_dataset(rows, inputs, "train") == [str(inputs / "train.parquet")]
+    written = (inputs / "train.parquet").read_bytes()
+    assert write_dataset(rows, inputs, "train") == [str(inputs / "train.parquet")]  # the same rows: the same file
+    assert write_dataset(other_rows, inputs, "train") == [str(inputs / "train-2.parquet")]
+    assert (inputs / "train.parquet").read_bytes() == written
+    assert write_dataset(rows, inputs, "train") == [str(inputs / "train.parquet")]
+    assert write_dataset(other_rows, inputs, "train") == [str(inputs / "train-2.parquet")]
+    assert sorted(path.name for path in inputs.iterdir()) == ["train-2.parquet", "train.parquet"]
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), load_tokenizer(str(tiny_model_dir))
+    folder = inputs / "initial_model"
+    assert save_model_if_loaded(model, tokenizer, folder) == str(folder)
+    weights = {path.name: path.read_bytes() for path in folder.glob("*.safetensors")}
+    assert save_model_if_loaded(model, tokenizer, folder) == str(folder)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert save_model_if_loaded(model, tokenizer, folder) == str(inputs / "initial_model-2")
+    assert {path.name: path.read_bytes() for path in folder.glob("*.safetensors")} == weights
+    assert not any(path.name.endswith(".partial") for path in inputs.iterdir())

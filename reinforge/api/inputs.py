@@ -1,12 +1,60 @@
 """What a Python caller hands a trainer, turned into what the CLI reads: a loaded model saved as a folder, rows
-written as parquet, a peft LoraConfig as model.lora, reward_funcs as function objects (or a reward model's settings)."""
+written as parquet, a peft LoraConfig as model.lora, reward_funcs as function objects (or a reward model's settings).
+
+The model and rows land under ``<output_dir>/inputs``, where an earlier start of the same run (one that is resumed) may
+have written them already: the same model or rows are kept as they are; different ones go beside them (``train-2.parquet``,
+``initial_model-2``), so what the earlier start trained on is never overwritten, and the run's settings then name
+another path (a resume refuses changed data or model by name, as the run folder does).
+"""
 
 from __future__ import annotations
 
+import filecmp
+import itertools
+import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def keep_beside_earlier(partial: Path, final: Path, same: Callable[[Path, Path], bool], what: str) -> Path:
+    """Move the just-written ``partial`` to ``final``; where an earlier start left something else there, to the first
+    free ``final-2``, ``final-3``... (an earlier copy equal to it is kept and ``partial`` removed). Returns where it is."""
+    stem, suffix = (final.stem, final.suffix) if final.suffix else (final.name, "")
+    for number in itertools.count(1):
+        candidate = final if number == 1 else final.with_name(f"{stem}-{number}{suffix}")
+        if not candidate.exists():
+            partial.rename(candidate)
+            if number > 1:
+                logger.warning("%s holds %s that an earlier start of this run wrote, which differ from the ones given "
+                               "now; kept it, and wrote these to %s", final, what, candidate)
+            return candidate
+        if same(candidate, partial):
+            (shutil.rmtree if partial.is_dir() else Path.unlink)(partial)
+            return candidate
+    raise AssertionError("unreachable")
+
+
+def _same_folder(first: Path, second: Path) -> bool:
+    """Whether two folders hold the same files with the same bytes."""
+    names = sorted(path.relative_to(first).as_posix() for path in first.rglob("*") if path.is_file())
+    if names != sorted(path.relative_to(second).as_posix() for path in second.rglob("*") if path.is_file()):
+        return False
+    matched, _, _ = filecmp.cmpfiles(first, second, names, shallow=False)
+    return len(matched) == len(names)
+
+
+def _same_table(first: Path, second: Path) -> bool:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(first).equals(pq.read_table(second))
+    except (OSError, pa.ArrowInvalid):  # an unreadable earlier file is kept, not compared
+        return False
 
 
 def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str:
@@ -28,13 +76,12 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return str(folder)
+    return str(keep_beside_earlier(partial, folder, _same_folder, "a model"))
 
 
 def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
-    """Files as they are; a datasets.Dataset, pandas frame or list of dicts written to ``folder/name.parquet``."""
+    """Files as they are; a datasets.Dataset, pandas frame or list of dicts written to ``folder/name.parquet`` (or
+    beside other rows an earlier start wrote there: ``keep_beside_earlier``)."""
     if dataset is None:
         return []
     if isinstance(dataset, str | Path):
@@ -59,8 +106,7 @@ def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
         raise ValueError(f"{name}_dataset cannot be stored as parquet ({error}); give each column one type in "
                          "every row") from error
     pq.write_table(table, partial)
-    partial.replace(path)
-    return [str(path)]
+    return [str(keep_beside_earlier(partial, path, _same_table, f"{name}_dataset rows"))]
 
 
 def _rows_of(dataset: Any, name: str) -> list[dict[str, Any]]:
