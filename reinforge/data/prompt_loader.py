@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from reinforge.config.schema import DataConfig
+from reinforge.data.multimodal import MULTI_MODAL_KEY
 from reinforge.data.rl_dataset import PromptExample, RLDataset
 from reinforge.protocol import Batch
 
@@ -27,15 +28,17 @@ def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> n
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: Sequence[str]) -> Batch:
+def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: Sequence[str],
+                    image_inputs: Sequence[dict[str, Any]] | None = None) -> Batch:
     """Prompts left-padded to the longest one, with their reward inputs.
 
     tensors: ``input_ids`` (B, P) int64 padded on the left with ``pad_token_id``,
     ``attention_mask`` (B, P) int64 (1 on prompt tokens).
     non_tensors: ``data_source``, ``ground_truth``, ``extra_info`` (dict), ``columns`` (dict of
     the row's other columns, for the reward function), ``raw_prompt`` (messages or string),
-    ``index`` (row number in the files), ``uid`` (one per prompt), and ``agent_name`` when any
-    row names an agent loop.
+    ``index`` (row number in the files), ``uid`` (one per prompt), ``agent_name`` when any
+    row names an agent loop, and ``multi_modal_inputs`` (each row's pixel values and image grids,
+    ``data.multimodal``) when ``image_inputs`` are given.
     """
     longest = max(len(example.prompt_ids) for example in examples)
     input_ids = torch.full((len(examples), longest), pad_token_id, dtype=torch.long)
@@ -48,6 +51,8 @@ def collate_prompts(examples: Sequence[PromptExample], pad_token_id: int, uids: 
     non_tensors = {}
     if any(example.agent_name for example in examples):
         non_tensors["agent_name"] = [example.agent_name for example in examples]
+    if image_inputs is not None:
+        non_tensors[MULTI_MODAL_KEY] = list(image_inputs)
     return Batch.from_dict(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask},
         non_tensors=non_tensors | {
@@ -137,7 +142,9 @@ class PromptLoader:
         rows = order[position * self.batch_size:(position + 1) * self.batch_size]
         examples = [self.dataset[int(row)] for row in rows]
         uids = [f"{self.dataset.name}-{epoch}-{example.index}" for example in examples]
-        return collate_prompts(examples, self.pad_token_id, uids)
+        images = [self.dataset.image_inputs(example) for example in examples] \
+            if any(example.images for example in examples) else None
+        return collate_prompts(examples, self.pad_token_id, uids, images)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch comes from, plus what must match for a resume to be exact."""

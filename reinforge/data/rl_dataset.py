@@ -8,6 +8,10 @@ per-row tool arguments) and, optionally, ``agent_name`` (the agent loop that ans
 and reaches the reward function by keyword (TRL's way of passing a dataset's answers). Rows
 come from parquet, JSONL or ``datasets`` folders (see ``files.py``).
 
+Rows may carry images (an ``images`` column and ``<image>`` placeholders, or TRL's image content parts; see
+``multimodal.py``) when the dataset is given the model's processor: their prompt ids then come from the
+processor, with each image's vision tokens, and the images are opened and counted at load.
+
 Every chat-message prompt is rendered with the chat template (with the tool schemas, for rows that
 name an agent loop, when tools are given), a string prompt is tokenized as it is unless
 ``data.apply_chat_template`` is true (TRL's rule), when the dataset is built, so
@@ -28,6 +32,8 @@ from typing import Any
 from reinforge.config.schema import DataConfig
 from reinforge.data.chat_template import encode_prompt
 from reinforge.data.files import Row, expand_data_files, read_rows
+from reinforge.data.multimodal import check_image_count, encode_multimodal_prompt, image_inputs, load_image, \
+    load_row_images, row_image_sources
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,8 @@ class PromptExample:
     and agent_name."""
     agent_name: str | None = None
     """The agent loop of the row (None: single_turn)."""
+    images: tuple[Any, ...] = ()
+    """The row's images as the file gives them (bytes, paths, ...; opened again when a batch is collated)."""
 
 
 class RLDataset:
@@ -61,7 +69,7 @@ class RLDataset:
 
     def __init__(self, files: Sequence[str | Path] | str | Path, tokenizer: Any, config: DataConfig,
                  max_samples: int | None = None, name: str = "train",
-                 tool_schemas: list[dict[str, Any]] | None = None) -> None:
+                 tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> None:
         files = [files] if isinstance(files, str | Path) else list(files)
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet, JSONL or datasets folders")
@@ -73,18 +81,20 @@ class RLDataset:
         self._file_starts: list[tuple[int, str]] = []
         """(index of the file's first row, file) for each file read, in order."""
         self.tool_schemas = tool_schemas
+        self.processor = processor
+        """A vision-language model's processor (None: text only; a row with images is refused)."""
         self._build(files, tokenizer, config, max_samples)
 
     @classmethod
     def from_config(cls, config: DataConfig, tokenizer: Any, split: str = "train",
-                    tool_schemas: list[dict[str, Any]] | None = None) -> RLDataset:
+                    tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> RLDataset:
         """The train split (``data.train_files``) or the validation split (``data.val_files``)."""
         if split == "train":
             return cls(config.train_files, tokenizer, config, config.max_train_samples, name="train",
-                       tool_schemas=tool_schemas)
+                       tool_schemas=tool_schemas, processor=processor)
         if split == "val":
             return cls(config.val_files, tokenizer, config, config.max_val_samples, name="val",
-                       tool_schemas=tool_schemas)
+                       tool_schemas=tool_schemas, processor=processor)
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'val'")
 
     def __len__(self) -> int:
@@ -93,6 +103,14 @@ class RLDataset:
     def __getitem__(self, position: int) -> PromptExample:
         return self.examples[position]
 
+    def image_inputs(self, example: PromptExample) -> dict[str, Any]:
+        """The example's pixel values and image grids, from its images as the processor makes them ({} for none)."""
+        if not example.images:
+            return {}
+        where = self.where(example)
+        return image_inputs(self.processor, [load_image(source, where, number)
+                                             for number, source in enumerate(example.images)])
+
     def _build(self, files: list[str | Path], tokenizer: Any, config: DataConfig, max_samples: int | None) -> None:
         first_index = 0
         for path in files:
@@ -100,7 +118,8 @@ class RLDataset:
             self._file_starts.append((first_index, str(path)))
             for row_number, row in enumerate(rows):
                 self.num_rows_read += 1
-                fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config, self.tool_schemas)
+                fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config, self.tool_schemas,
+                                     self.processor)
                 if fields is None:
                     self.num_filtered += 1
                     continue
@@ -129,12 +148,14 @@ class RLDataset:
                     self.num_filtered, config.max_prompt_length)
 
 
-def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any]] | str:
+def _checked_prompt(row: Row, prompt_key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]] | str:
     if prompt_key not in row or row[prompt_key] is None:
         columns = ", ".join(sorted(row)) or "none"
         raise ValueError(f"{where} has no {prompt_key!r}; each row needs its prompt as a list of chat messages or "
                          f"a string (data.prompt_key names the column; this row has: {columns})")
     prompt = row[prompt_key]
+    if hasattr(prompt, "tolist") and not isinstance(prompt, str):  # parquet's list column read as an array
+        prompt = list(prompt)
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where} has an empty {prompt_key!r} string; give the prompt's text (or chat messages)")
@@ -144,7 +165,7 @@ def _checked_prompt(row: Row, prompt_key: str, where: str) -> list[dict[str, Any
     if not isinstance(prompt, list):
         raise ValueError(f"{where} has a {prompt_key!r} of type {type(prompt).__name__}; expected a list of "
                          "{'role': ..., 'content': ...} messages or a string")
-    check_chat_messages(prompt, f"the {prompt_key!r} in {where}")
+    check_chat_messages(prompt, f"the {prompt_key!r} in {where}", content_parts=content_parts)
     return prompt
 
 
@@ -153,14 +174,15 @@ KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "
 format's name, which a template renders as an odd header (or drops), and which SFT would leave untrained."""
 
 
-def check_chat_messages(messages: list[Any], where: str) -> None:
+def check_chat_messages(messages: list[Any], where: str, content_parts: bool = False) -> None:
     """Raise one line naming the message, ``where`` it is and the fix, unless every message can be rendered as text.
 
     RL prompts and SFT conversations share this check, so that both refuse what a chat template would render
     wrongly without an error: a role outside ``KNOWN_ROLES`` (an odd header), ``content`` that is not a string (a
     list of parts or a number is printed as its Python repr, which the model would read or learn to write; reinforge
     trains text-only models) and ``content: null`` (rendered as "None" or nothing), which only an assistant turn
-    with ``tool_calls`` may have: its content is the calls.
+    with ``tool_calls`` may have: its content is the calls. With ``content_parts`` (a vision-language model's
+    data) a content may also be a list of ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts.
     """
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
@@ -174,10 +196,21 @@ def check_chat_messages(messages: list[Any], where: str) -> None:
         if content is None and not message.get("tool_calls"):
             raise ValueError(f"message {number} ({role}) of {where} has content null and no tool_calls; give it a "
                              "string ('' for an empty message) or drop the message")
+        if content_parts and isinstance(content, list) and all(_known_part(part) for part in content):
+            continue
         if content is not None and not isinstance(content, str):
             raise ValueError(f"message {number} ({role}) of {where} has a 'content' of type {type(content).__name__}; "
                              "reinforge trains text-only models: give it as a string (join the text of a list of "
                              "parts)")
+
+
+def _known_part(part: Any) -> bool:
+    """A text part with its text, or an image part (its image comes from the row's images column)."""
+    if not isinstance(part, dict):
+        return False
+    if part.get("type") == "text" or (part.get("type") is None and "text" in part):
+        return isinstance(part.get("text"), str)
+    return part.get("type") in ("image", "image_url") or (part.get("type") is None and "image" in part)
 
 
 def _checked_dict(row: Row, key: str, where: str) -> dict[str, Any]:
@@ -197,16 +230,26 @@ def _checked_optional_str(row: Row, key: str, where: str) -> str | None:
 
 
 def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
-                tool_schemas: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+                tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> dict[str, Any] | None:
     """The PromptExample fields of one row (all but ``index``), or None when it is filtered as overlong."""
-    prompt = _checked_prompt(row, config.prompt_key, where)
+    images = load_row_images(row, where)
+    if images and processor is None:
+        raise ValueError(f"{where} has {len(images)} image(s), but the model is text-only (it has no image "
+                         "processor); train a vision-language model (Qwen2.5-VL, Qwen3-VL) or drop the images column")
+    prompt = _checked_prompt(row, config.prompt_key, where, content_parts=processor is not None)
+    if processor is not None:
+        check_image_count(prompt, len(images), where)
     agent_name = _checked_optional_str(row, "agent_name", where)
     tools = tool_schemas if agent_name not in (None, "", "single_turn") else None
     templated = config.apply_chat_template
     if templated is None:  # TRL's rule: messages get the template, a string is the model's input as it is
         templated = not isinstance(prompt, str) or tools is not None
     try:
-        prompt_ids = encode_prompt(tokenizer, prompt, templated, config.chat_template, tools)
+        if processor is not None and (templated or images):  # the processor's ids, with each image's vision tokens
+            prompt_ids, _ = encode_multimodal_prompt(processor, prompt, images, config.chat_template, tools,
+                                                     templated)
+        else:
+            prompt_ids = encode_prompt(tokenizer, prompt, templated, config.chat_template, tools)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     except Exception as error:  # the template's own error (jinja2 TypeError/UndefinedError) on odd message content
@@ -216,6 +259,11 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
     if len(prompt_ids) > limit:
         if config.filter_overlong_prompts:
             return None
+        if images:
+            raise ValueError(f"{where} has a prompt of {len(prompt_ids)} tokens with its images, more than "
+                             f"data.max_prompt_length={limit}, and a prompt with images cannot be cut (its image "
+                             "tokens would not match its pixels); raise max_prompt_length or set "
+                             "data.filter_overlong_prompts=true")
         if config.truncation == "left":
             prompt_ids = prompt_ids[-limit:]
         elif config.truncation == "right":
@@ -234,4 +282,5 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
         "ability": _checked_optional_str(row, "ability", where),
         "columns": {key: value for key, value in row.items() if key not in (config.prompt_key, *SCHEMA_COLUMNS)},
         "agent_name": agent_name or None,
+        "images": tuple(row_image_sources(row)),
     }

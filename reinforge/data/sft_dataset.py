@@ -15,6 +15,10 @@ clear error. Rows then become ``[prompt | response]`` batches, the layout the en
 micro-batching uses for RL: the "prompt" is everything before the first trained token and the
 loss mask covers the rest. With packing, several conversations share a row and the position
 ids restart at each one, which keeps attention within each conversation.
+
+Conversations with images (an ``images`` column with ``<image>`` placeholders, or image content parts; see
+``multimodal.py``) need the model's processor: each image's one pad token of the rendering becomes the image's
+merged patches, as the processor expands it, never trained; their pixels are made when a batch is collated.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import numpy as np
 import torch
 
 from reinforge.data.files import expand_data_files, read_rows
+from reinforge.data.multimodal import MULTI_MODAL_KEY, check_image_count, image_inputs, load_image, \
+    load_row_images, row_image_sources, with_image_parts
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
 from reinforge.protocol import Batch
@@ -46,6 +52,8 @@ class SFTExample:
     """1 where the token is a target of the loss (assistant content and its end-of-turn token)."""
     position_ids: list[int]
     """0.. per conversation; a packed row restarts them at each conversation."""
+    images: tuple = ()
+    """The conversation's images as the file gives them (opened again when a batch is collated)."""
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
@@ -106,7 +114,7 @@ class SFTDataset:
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
                  messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
-                 name: str = "train"):
+                 name: str = "train", processor: Any = None):
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
         files = expand_data_files(files, f"data.{name}_files")
@@ -116,16 +124,27 @@ class SFTDataset:
         self.num_without_assistant = 0
         self.num_truncated = 0
         num_rows = 0
+        if processor is not None:  # a VLM's processor may keep the template that renders image parts
+            chat_template = chat_template or getattr(processor, "chat_template", None)
         for path in files:
             for row_number, row in enumerate(read_rows(path)):
                 if max_samples is not None and len(self.examples) == max_samples:
                     break
                 num_rows += 1
                 where = f"row {row_number} of {path}"
-                messages = _checked_messages(row, messages_key, where)
+                images = load_row_images(row, where)
+                if images and processor is None:
+                    raise ValueError(f"{where} has {len(images)} image(s), but the model is text-only (it has no "
+                                     "image processor); train a vision-language model or drop the images column")
+                messages = _checked_messages(row, messages_key, where, content_parts=processor is not None)
                 tools = _checked_tools(row, where)
+                if processor is not None:
+                    check_image_count(messages, len(images), where)
+                    messages = with_image_parts(messages, len(images))
                 try:
                     example = tokenize_conversation(tokenizer, messages, chat_template, tools)
+                    if images:
+                        example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row)))
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
                 except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
@@ -139,6 +158,10 @@ class SFTDataset:
                     if truncation == "drop":
                         self.num_dropped += 1
                         continue
+                    if example.images:
+                        raise ValueError(f"{where} has {len(example.input_ids)} tokens with its images, more than "
+                                         f"data.max_length={max_length}, and a conversation with images cannot be "
+                                         "cut; raise max_length or set data.truncation=drop")
                     if truncation == "error":
                         raise ValueError(f"{where} has {len(example.input_ids)} tokens, more than data.max_length="
                                          f"{max_length}; raise max_length or set data.truncation=drop|right")
@@ -161,6 +184,21 @@ class SFTDataset:
         return len(self.examples)
 
 
+def expand_image_tokens(example: SFTExample, processor: Any, images: Sequence[Any], sources: tuple) -> SFTExample:
+    """The conversation with each image's pad token repeated once per merged patch of the image, as the processor
+    expands it (those tokens are not trained)."""
+    grids = image_inputs(processor, images)["image_grid_thw"]
+    merge = processor.image_processor.merge_size
+    counts = iter((grids.prod(-1) // (merge * merge)).tolist())
+    pad_id = processor.image_token_id
+    input_ids, loss_mask = [], []
+    for token, trained in zip(example.input_ids, example.loss_mask, strict=True):
+        repeat = next(counts) if token == pad_id else 1
+        input_ids += [token] * repeat
+        loss_mask += [0 if token == pad_id else trained] * repeat
+    return SFTExample(input_ids, loss_mask, list(range(len(input_ids))), sources)
+
+
 def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
     """The row's ``tools`` column (as TRL's SFT datasets have it): a list of OpenAI function schemas, or that
     list as JSON text (parquet often stores it so); None when the row has none."""
@@ -179,13 +217,15 @@ def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | No
     return tools or None
 
 
-def _checked_messages(row: dict[str, Any], key: str, where: str) -> list[dict[str, Any]]:
+def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]]:
     messages = row.get(key)
+    if hasattr(messages, "tolist"):  # parquet's list column read as an array
+        messages = list(messages)
     if not isinstance(messages, list) or not messages:
         columns = ", ".join(sorted(row)) or "none"
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column)")
-    check_chat_messages(messages, where)  # roles, and content as text (null only beside tool_calls)
+    check_chat_messages(messages, where, content_parts)  # roles, content as text (null only beside tool_calls)
     return messages
 
 
@@ -196,6 +236,9 @@ def pack_examples(examples: Sequence[SFTExample], max_length: int) -> list[SFTEx
     mask: list[int] = []
     positions: list[int] = []
     for example in examples:
+        if example.images:
+            raise ValueError("data.packing=true cannot pack conversations with images (their multimodal positions "
+                             "restart per conversation only unpacked); set data.packing=false")
         if ids and len(ids) + len(example.input_ids) > max_length:
             rows.append(SFTExample(ids, mask, positions))
             ids, mask, positions = [], [], []
@@ -205,11 +248,13 @@ def pack_examples(examples: Sequence[SFTExample], max_length: int) -> list[SFTEx
     return rows
 
 
-def collate_sft(rows: Sequence[SFTExample], pad_token_id: int, packed: bool = False) -> Batch:
+def collate_sft(rows: Sequence[SFTExample], pad_token_id: int, packed: bool = False,
+                processor: Any = None) -> Batch:
     """Rows as ``[left-padded prompt | right-padded response]``; the prompt ends before the first trained token.
 
     tensors: prompts (B, P), responses (B, R), input_ids / attention_mask / position_ids (B, P + R),
-    loss_mask (B, R) float. meta: ``packed``.
+    loss_mask (B, R) float. non_tensors: ``multi_modal_inputs`` when a row has images (``processor`` makes
+    their pixels). meta: ``packed``.
     """
     splits = [example.loss_mask.index(1) for example in rows]
     prompt_width = max(splits)
@@ -226,11 +271,16 @@ def collate_sft(rows: Sequence[SFTExample], pad_token_id: int, packed: bool = Fa
         attention_mask[row, start:stop] = 1
         position_ids[row, start:stop] = torch.tensor(example.position_ids)
         loss_mask[row, start:stop] = torch.tensor(example.loss_mask, dtype=torch.float32)
+    non_tensors = {}
+    if any(example.images for example in rows):
+        non_tensors[MULTI_MODAL_KEY] = [
+            image_inputs(processor, [load_image(source, "an SFT row", number)
+                                     for number, source in enumerate(example.images)]) for example in rows]
     return Batch.from_dict(
         tensors={"prompts": input_ids[:, :prompt_width], "responses": input_ids[:, prompt_width:],
                  "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                  "loss_mask": loss_mask[:, prompt_width:]},
-        meta={"packed": packed})
+        non_tensors=non_tensors, meta={"packed": packed})
 
 
 class SFTLoader:
@@ -241,8 +291,9 @@ class SFTLoader:
     """
 
     def __init__(self, rows: Sequence[SFTExample], batch_size: int, pad_token_id: int, *, packed: bool = False,
-                 shuffle: bool = True, seed: int = 1):
+                 shuffle: bool = True, seed: int = 1, processor: Any = None):
         self.rows = list(rows)
+        self.processor = processor
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
         self.packed = packed
@@ -262,11 +313,11 @@ class SFTLoader:
             self.epoch, self.position = self.epoch + 1, 0
         order = self._order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
         self.position += 1
-        return collate_sft([self.rows[index] for index in order], self.pad_token_id, self.packed)
+        return collate_sft([self.rows[index] for index in order], self.pad_token_id, self.packed, self.processor)
 
     def batches_of_one_pass(self) -> list[Batch]:
         """Every row once, in order (for validation)."""
-        return [collate_sft(self.rows[start:start + self.batch_size], self.pad_token_id, self.packed)
+        return [collate_sft(self.rows[start:start + self.batch_size], self.pad_token_id, self.packed, self.processor)
                 for start in range(0, len(self.rows), self.batch_size)]
 
     def state_dict(self) -> dict[str, int]:

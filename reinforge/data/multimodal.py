@@ -1,0 +1,253 @@
+"""Rows with images: reading them, checking them at load, and turning them into a VLM's inputs.
+
+Two formats are read, for RL prompts and SFT conversations alike:
+
+- verl's: an ``images`` column (a list; ``image`` for one) whose items are encoded bytes,
+  ``{"bytes": ..., "path": ...}`` dicts (parquet's image struct), PIL images, file paths or
+  ``data:image/...;base64,`` URIs, and one ``<image>`` placeholder in the prompt's text per image,
+  in order;
+- TRL's conversational one: messages whose ``content`` is a list of parts, ``{"type": "text",
+  "text": ...}`` and ``{"type": "image"}`` (one per image of the ``images``/``image`` column, in
+  order). A conversation with images and no image part at all gets them at the start of its first
+  user message, as TRL does.
+
+Every image is opened when the dataset is built: a missing file, bytes that are no image and a
+count of images that differs from the count of placeholders each raise one line naming the row,
+before any model loads. The processor (``AutoProcessor``) renders nothing itself: the chat
+template renders the messages (image parts become the model's vision tokens), and the processor
+expands each image's pad token to the image's number of merged patches and tokenizes; the prompt's
+token ids are those, never text re-tokenized later. A dataset keeps each row's image *sources*,
+not pixels (a 448 x 448 image is 4.8 MB of float32 pixel values), and ``image_inputs`` turns them
+into pixel values when a batch is collated.
+
+A batch carries the pixels in the non-tensor column ``MULTI_MODAL_KEY``: one dict per row,
+``{"pixel_values": (patches, channels * temporal * patch * patch), "image_grid_thw": (images, 3)}``
+({} for a row without images), which splits, repeats and concatenates with the batch's rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+IMAGE_PLACEHOLDER = "<image>"
+"""verl's image placeholder in a prompt's text."""
+IMAGE_COLUMNS = ("images", "image")
+MULTI_MODAL_KEY = "multi_modal_inputs"
+"""The Batch's non-tensor column of per-row image inputs."""
+IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data:image/...;base64 URI"
+
+
+def row_image_sources(row: dict[str, Any]) -> list[Any]:
+    """The row's images as given (the ``images`` column, else ``image``); [] when it has none."""
+    for column in IMAGE_COLUMNS:
+        value = row.get(column)
+        if value is None:
+            continue
+        if isinstance(value, list | tuple) or (hasattr(value, "tolist") and not hasattr(value, "convert")):
+            return [item for item in list(value) if item is not None]
+        return [value]
+    return []
+
+
+def _image_bytes(source: Any) -> tuple[bytes | None, str | None]:
+    """(encoded bytes, path) of a source that is not a PIL image."""
+    if isinstance(source, dict):
+        data, path = source.get("bytes"), source.get("path")
+        return (bytes(data) if data is not None else None), (str(path) if path else None)
+    if isinstance(source, bytes | bytearray | memoryview):
+        return bytes(source), None
+    if isinstance(source, str) and source.startswith("data:image/"):
+        return base64.b64decode(source.split(",", 1)[1]), None
+    if isinstance(source, str | Path):
+        return None, str(source)
+    raise TypeError(type(source).__name__)
+
+
+def load_image(source: Any, where: str, number: int):
+    """Image ``number`` (0-based) of the row at ``where`` as an RGB PIL image; one-line errors naming both."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    try:
+        data, path = _image_bytes(source)
+    except TypeError:
+        raise ValueError(f"{where}: image {number} is a {type(source).__name__}; give each image as "
+                         f"{IMAGE_FORMS}") from None
+    except ValueError as error:  # a malformed base64 URI
+        raise ValueError(f"{where}: image {number} is a data URI that does not decode ({error}); give it as "
+                         f"{IMAGE_FORMS}") from None
+    if data is None:
+        if path is None:
+            raise ValueError(f"{where}: image {number} has neither bytes nor a path; give it as {IMAGE_FORMS}")
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise ValueError(f"{where}: image {number} is the file {file}, which does not exist; fix the path "
+                             "(a relative path is read from the current folder) or drop the image")
+        data = file.read_bytes()
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        origin = f"the file {path}" if path else f"{len(data)} bytes"
+        raise ValueError(f"{where}: image {number} ({origin}) cannot be read as an image ({error}); re-encode it "
+                         "as PNG or JPEG") from None
+
+
+def load_row_images(row: dict[str, Any], where: str) -> list[Any]:
+    """Every image of the row, opened (so that a broken one fails at load); [] without images."""
+    return [load_image(source, where, number) for number, source in enumerate(row_image_sources(row))]
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part
+                                       and part.get("type") is None)
+
+
+def count_image_placeholders(prompt: list[dict[str, Any]] | str) -> int:
+    """``<image>`` placeholders in the prompt's text plus ``{"type": "image"}`` content parts."""
+    if isinstance(prompt, str):
+        return prompt.count(IMAGE_PLACEHOLDER)
+    count = 0
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            count += content.count(IMAGE_PLACEHOLDER)
+        elif isinstance(content, list):
+            for part in content:
+                if _is_image_part(part):
+                    count += 1
+                elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                    count += part["text"].count(IMAGE_PLACEHOLDER)
+    return count
+
+
+def _split_placeholders(text: str) -> list[dict[str, Any]]:
+    parts: list[dict[str, Any]] = []
+    for number, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if number:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def with_image_parts(messages: list[dict[str, Any]], num_images: int) -> list[dict[str, Any]]:
+    """The messages with every ``<image>`` of their text as an image part; with no placeholder at all,
+    ``num_images`` image parts open the first user message (TRL's convention)."""
+    placed = count_image_placeholders(messages)
+    converted = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+            content = _split_placeholders(content)
+        elif isinstance(content, list):
+            content = [piece for part in content for piece in
+                       (_split_placeholders(part["text"]) if isinstance(part, dict) and part.get("type") == "text"
+                        and IMAGE_PLACEHOLDER in str(part.get("text", "")) else [part])]
+        converted.append({**message, "content": content})
+    if placed == 0 and num_images:
+        for message in converted:
+            if message.get("role") == "user":
+                text = message["content"]
+                parts = [{"type": "text", "text": text}] if isinstance(text, str) else list(text or [])
+                message["content"] = [{"type": "image"} for _ in range(num_images)] + parts
+                break
+    return converted
+
+
+def check_image_count(prompt: list[dict[str, Any]] | str, num_images: int, where: str) -> None:
+    """One line naming the row when the prompt's placeholders do not match its images (none at all is TRL's
+    convention for conversations, and fine there)."""
+    placeholders = count_image_placeholders(prompt)
+    if placeholders == num_images or (placeholders == 0 and not isinstance(prompt, str) and num_images):
+        return
+    raise ValueError(f"{where} has {num_images} image(s) but {placeholders} image placeholder(s) in its prompt "
+                     f"({IMAGE_PLACEHOLDER!r} in the text or {{'type': 'image'}} content parts); give one placeholder "
+                     "per image, in the images' order")
+
+
+def message_text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with list contents joined into their text (image parts dropped): what a scorer or a judge reads."""
+    return [{**message, "content": "".join(part.get("text", "") for part in message["content"]
+                                          if isinstance(part, dict))}
+            if isinstance(message.get("content"), list) else message for message in messages]
+
+
+def render_with_images(processor: Any, prompt: list[dict[str, Any]] | str, num_images: int,
+                       chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                       add_generation_prompt: bool = True) -> str:
+    """The prompt's text with the model's vision tokens where its images go (one pad token per image, which the
+    processor expands)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    messages = with_image_parts(messages, num_images)
+    template = chat_template or getattr(processor, "chat_template", None) \
+        or getattr(processor.tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the processor has no chat template; set data.chat_template to a Jinja template that "
+                         "renders image content parts")
+    return processor.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+
+def process_text_and_images(processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, Tensor]]:
+    """The processor's token ids for ``text`` (its image pad tokens expanded) and the images' inputs."""
+    if not images:
+        return list(processor.tokenizer(text, add_special_tokens=False)["input_ids"]), {}
+    outputs = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
+    return outputs["input_ids"][0].tolist(), {"pixel_values": outputs["pixel_values"],
+                                              "image_grid_thw": outputs["image_grid_thw"]}
+
+
+def image_marker(processor: Any) -> str:
+    """The text that stands for one image before the processor expands it: Qwen's
+    ``<|vision_start|><|image_pad|><|vision_end|>``."""
+    start = getattr(processor, "vision_start_token", None) or "<|vision_start|>"
+    end = getattr(processor, "vision_end_token", None) or "<|vision_end|>"
+    return f"{start}{getattr(processor, 'image_token', None) or '<|image_pad|>'}{end}"
+
+
+def encode_multimodal_prompt(processor: Any, prompt: list[dict[str, Any]] | str, images: Sequence[Any],
+                             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                             templated: bool = True) -> tuple[list[int], dict[str, Tensor]]:
+    """A prompt with images: (its token ids, from the processor, and its image inputs). A string prompt that is not
+    templated is the model's input as it is, its ``<image>`` placeholders made the model's image markers."""
+    if templated:
+        text = render_with_images(processor, prompt, len(images), chat_template, tools)
+    elif isinstance(prompt, str):
+        text = prompt.replace(IMAGE_PLACEHOLDER, image_marker(processor))
+    else:
+        raise ValueError("a chat-message prompt needs a chat template, but data.apply_chat_template is false; "
+                         "set it to true or store prompts as strings")
+    return process_text_and_images(processor, text, images)
+
+
+def image_inputs(processor: Any, images: Sequence[Any]) -> dict[str, Tensor]:
+    """``{"pixel_values", "image_grid_thw"}`` of opened images, as the processor makes them; {} for none."""
+    if not images:
+        return {}
+    outputs = processor.image_processor(images=list(images), return_tensors="pt")
+    return {"pixel_values": outputs["pixel_values"], "image_grid_thw": outputs["image_grid_thw"]}
+
+
+def concat_image_inputs(rows: Sequence[dict[str, Tensor] | None]) -> dict[str, Tensor]:
+    """The image inputs of several rows as one (patches and grids concatenated in row order); {} for none."""
+    present = [row for row in rows if row]
+    if not present:
+        return {}
+    return {"pixel_values": torch.cat([row["pixel_values"] for row in present]),
+            "image_grid_thw": torch.cat([row["image_grid_thw"] for row in present])}
+
+
+def num_image_tokens(inputs: dict[str, Tensor] | None, merge_size: int) -> int:
+    """The language-model tokens of these images: each image's merged patches."""
+    if not inputs:
+        return 0
+    return int(inputs["image_grid_thw"].prod(-1).sum()) // (merge_size * merge_size)

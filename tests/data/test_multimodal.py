@@ -1,0 +1,142 @@
+import io
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from reinforge.config.schema import DataConfig
+from reinforge.data import PromptLoader
+from reinforge.data.multimodal import MULTI_MODAL_KEY, count_image_placeholders, with_image_parts
+from reinforge.data.rl_dataset import RLDataset
+from reinforge.models.tiny_vlm import build_tiny_processor
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_tiny_processor("qwen2_5_vl")
+
+
+def png(color, size=(32, 32)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def verl_row(images, text="<image>How many red squares?", answer="1"):
+    return {"data_source": "squares", "prompt": [{"role": "user", "content": text}],
+            "images": images, "reward_model": {"ground_truth": answer}}
+
+
+def trl_row(image, text="How many red squares?"):
+    return {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+            "image": image, "answer": "2"}
+
+
+def config(**overrides):
+    return DataConfig(**{"max_prompt_length": 256, **overrides})
+
+
+def test_verl_rows_in_parquet_get_the_processors_ids_and_pixels(tmp_path, processor):
+    path = tmp_path / "train.parquet"
+    file_image = tmp_path / "blue.png"
+    file_image.write_bytes(png((0, 0, 255), (48, 24)))
+    rows = [verl_row([{"bytes": png((255, 0, 0)), "path": None}]),
+            verl_row([{"bytes": None, "path": str(file_image)}, {"bytes": png((0, 255, 0)), "path": None}],
+                     text="<image> and <image>: how many?"),
+            verl_row([], text="no image here")]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    first = dataset[0]
+    images = [Image.open(io.BytesIO(png((255, 0, 0)))).convert("RGB")]
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many red squares?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    expected = processor(text=[text], images=images, return_tensors="pt")
+    assert first.prompt_ids == expected["input_ids"][0].tolist()
+    assert first.prompt_ids.count(processor.image_token_id) == 4  # 32 x 32 pixels: 4 x 4 patches, merged 2 x 2
+    assert dataset[1].prompt_ids.count(processor.image_token_id) == 6 + 4  # 48 x 24 resized to 48 x 32
+    assert dataset[2].images == () and processor.image_token_id not in dataset[2].prompt_ids
+
+    batch = next(iter(PromptLoader(dataset, 3, processor.tokenizer.pad_token_id, shuffle=False)))
+    inputs = list(batch[MULTI_MODAL_KEY])
+    torch.testing.assert_close(inputs[0]["pixel_values"], expected["pixel_values"], rtol=0, atol=0)
+    assert inputs[0]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert inputs[1]["image_grid_thw"].tolist() == [[1, 4, 6], [1, 4, 4]] and inputs[2] == {}
+    repeated = batch.repeat(2, interleave=True)
+    assert repeated[MULTI_MODAL_KEY][1] is inputs[0]
+
+
+def test_trl_conversations_with_image_parts_and_extra_columns(tmp_path, processor):
+    path = tmp_path / "train.jsonl"
+    image_file = tmp_path / "red.png"
+    image_file.write_bytes(png((255, 0, 0)))
+    path.write_text(json.dumps(trl_row(str(image_file))) + "\n")
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    assert dataset[0].prompt_ids.count(processor.image_token_id) == 4
+    assert dataset[0].columns["answer"] == "2"  # a scorer's extra column, as for text rows
+    assert dataset[0].images == (str(image_file),)
+
+
+def test_images_without_placeholders_open_the_first_user_message():
+    messages = [{"role": "system", "content": "count"}, {"role": "user", "content": "how many?"}]
+    assert with_image_parts(messages, 2)[1]["content"] == [{"type": "image"}, {"type": "image"},
+                                                            {"type": "text", "text": "how many?"}]
+    assert count_image_placeholders([{"role": "user", "content": [{"type": "text", "text": "<image> x"}]}]) == 1
+
+
+@pytest.mark.parametrize("row, message", [
+    (verl_row([{"bytes": None, "path": "/no/such/image.png"}]), "row 0 of .*image 0 is the file /no/such/image.png, "
+                                                                "which does not exist"),
+    (verl_row([b"not an image"]), r"row 0 of .*image 0 \(12 bytes\) cannot be read as an image"),
+    (verl_row([png((1, 2, 3)), png((4, 5, 6))]), r"row 0 of .* has 2 image\(s\) but 1 image placeholder\(s\)"),
+    ({**verl_row([png((1, 2, 3))]), "prompt": "a string prompt without placeholder"},
+     r"has 1 image\(s\) but 0 image placeholder"),
+])
+def test_broken_rows_fail_at_load_naming_the_row(tmp_path, processor, row, message):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    with pytest.raises(ValueError, match=message):
+        RLDataset(path, processor.tokenizer, config(), processor=processor)
+
+
+def test_a_text_model_refuses_rows_with_images(tmp_path, processor):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([png((1, 2, 3))])]), path)
+    with pytest.raises(ValueError, match="row 0 of .* has 1 image.*the model is text-only"):
+        RLDataset(path, processor.tokenizer, config())
+
+
+def test_a_prompt_with_images_is_dropped_or_refused_when_too_long(tmp_path, processor):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([png((1, 2, 3))]), verl_row([], text="short")]), path)
+    dataset = RLDataset(path, processor.tokenizer, config(max_prompt_length=30, filter_overlong_prompts=True),
+                        processor=processor)
+    assert len(dataset) == 1 and dataset.num_filtered == 1
+    with pytest.raises(ValueError, match="a prompt with images cannot be cut"):
+        RLDataset(path, processor.tokenizer, config(max_prompt_length=30, filter_overlong_prompts=False,
+                                                   truncation="left"), processor=processor)
+
+
+def test_sft_conversations_with_images_expand_pads_untrained(tmp_path, processor):
+    from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
+
+    path = tmp_path / "sft.parquet"
+    rows = [{"messages": [{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "3"}],
+             "images": [png((255, 0, 0))]}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    dataset = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
+    example = dataset.examples[0]
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many?"}]},
+         {"role": "assistant", "content": "3"}], tokenize=False)
+    expected = processor(text=[text], images=[Image.open(io.BytesIO(png((255, 0, 0))))], return_tensors="pt")
+    assert example.input_ids == expected["input_ids"][0].tolist()
+    trained = [token for token, mask in zip(example.input_ids, example.loss_mask, strict=True) if mask]
+    assert processor.tokenizer.decode(trained) == "3<|im_end|>"
+    batch = SFTLoader(dataset.examples, 1, processor.tokenizer.pad_token_id, processor=processor).next_batch()
+    assert batch[MULTI_MODAL_KEY][0]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    with pytest.raises(ValueError, match="cannot pack conversations with images"):
+        pack_examples(dataset.examples, 256)
