@@ -32,8 +32,14 @@ from typing import Any
 from reinforge.config.schema import DataConfig
 from reinforge.data.chat_template import encode_prompt
 from reinforge.data.files import Row, expand_data_files, read_rows
-from reinforge.data.multimodal import check_image_count, encode_multimodal_prompt, image_inputs, load_image, \
-    load_row_images, row_image_sources
+from reinforge.data.multimodal import (
+    check_image_count,
+    encode_multimodal_prompt,
+    image_inputs,
+    load_image,
+    load_row_images,
+    row_image_sources,
+)
 
 logger = logging.getLogger(__name__)
 

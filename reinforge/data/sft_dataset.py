@@ -34,8 +34,15 @@ import numpy as np
 import torch
 
 from reinforge.data.files import expand_data_files, read_rows
-from reinforge.data.multimodal import MULTI_MODAL_KEY, check_image_count, image_inputs, load_image, \
-    load_row_images, row_image_sources, with_image_parts
+from reinforge.data.multimodal import (
+    MULTI_MODAL_KEY,
+    check_image_count,
+    image_inputs,
+    load_image,
+    load_row_images,
+    row_image_sources,
+    with_image_parts,
+)
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
 from reinforge.protocol import Batch
