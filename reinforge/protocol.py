@@ -22,6 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+MULTI_MODAL_KEY = "multi_modal_inputs"
+"""Non-tensor column of a vision-language batch: per row, ``{"pixel_values": (patches, patch dim),
+"image_grid_thw": (images, 3)}`` of the row's images in order ({} for a row without images)."""
+
 
 def _as_object_array(values: Any) -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype == object:

@@ -20,7 +20,7 @@ token ids are those, never text re-tokenized later. A dataset keeps each row's i
 not pixels (a 448 x 448 image is 4.8 MB of float32 pixel values), and ``image_inputs`` turns them
 into pixel values when a batch is collated.
 
-A batch carries the pixels in the non-tensor column ``MULTI_MODAL_KEY``: one dict per row,
+A batch carries the pixels in the non-tensor column ``protocol.MULTI_MODAL_KEY``: one dict per row,
 ``{"pixel_values": (patches, channels * temporal * patch * patch), "image_grid_thw": (images, 3)}``
 ({} for a row without images), which splits, repeats and concatenates with the batch's rows.
 """
@@ -39,8 +39,6 @@ from torch import Tensor
 IMAGE_PLACEHOLDER = "<image>"
 """verl's image placeholder in a prompt's text."""
 IMAGE_COLUMNS = ("images", "image")
-MULTI_MODAL_KEY = "multi_modal_inputs"
-"""The Batch's non-tensor column of per-row image inputs."""
 IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data:image/...;base64 URI"
 
 

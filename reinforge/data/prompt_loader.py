@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from reinforge.config.schema import DataConfig
-from reinforge.data.multimodal import MULTI_MODAL_KEY
 from reinforge.data.rl_dataset import PromptExample, RLDataset
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:

@@ -35,7 +35,6 @@ import torch
 
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import (
-    MULTI_MODAL_KEY,
     check_image_count,
     image_inputs,
     load_image,
@@ -45,7 +44,7 @@ from reinforge.data.multimodal import (
 )
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
 logger = logging.getLogger(__name__)
 

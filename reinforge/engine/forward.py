@@ -9,6 +9,10 @@ response tokens then come from the fused, chunked projection of ``engine.log_pro
 Position ``t`` of a response is predicted by the hidden state of the token before it. Logits
 are divided by the rollout temperature: the sampler drew from ``softmax(logits / T)``, and
 the policy ratio must compare like with like.
+
+A vision-language model (Qwen2.5-VL, Qwen3-VL) runs the same way: its vision tower once over the
+images of the packed row, their embeddings in place of the image tokens, and the language model
+over the packed row with M-RoPE position ids that restart with each sequence (``packing.vision_model_kwargs``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from reinforge.engine.attention import flash_applies, flash_runs_shared_segments
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
-from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses
+from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
+from reinforge.models.vision import is_vision_language
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
 
@@ -41,6 +46,7 @@ def _no_mask(config, device: torch.device):
     1-element placeholder that the varlen attention ignores); given no mask at all they would
     build a tokens x tokens one.
     """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's language model
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return {**_NO_MASK, **dict.fromkeys(layer_types)}
@@ -114,11 +120,13 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     captured: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
+    inputs = {"position_ids": packed.position_ids}
+    if is_vision_language(model.config):  # M-RoPE positions, and the images for the vision tower
+        inputs = vision_model_kwargs(micro, model.config, device)
     try:
-        model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-              attention_mask=_no_mask(model.config, device), use_cache=False,
+        model(input_ids=packed.input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
               logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
-              **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
+              **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
     finally:
         hook.remove()
     hidden = captured[-1][0, packed.predictor_index]

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec
+from reinforge.models.vision import is_vision_language, keep_vision_tower_attention
 
 logger = logging.getLogger(__name__)
 
@@ -375,6 +376,8 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     the modules keep transformers' forwards. Logs the path taken once per process.
     """
     use_varlen_attention(model)
+    if is_vision_language(getattr(model, "config", None)):
+        keep_vision_tower_attention(model)
     spec = model_spec(model)
     output_embeddings = getattr(model, "get_output_embeddings", None)
     if spec is None and callable(output_embeddings) and output_embeddings() is not None:  # a causal LM

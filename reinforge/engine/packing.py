@@ -19,6 +19,13 @@ leave 17.5% fewer tokens to run through the model.
 
 The plan (which token goes where) is built on the CPU from the attention mask, so packing a
 micro-batch that is already on the device does not wait for it.
+
+Images. A vision-language micro-batch carries each row's pixels (``data.multimodal``);
+``pack_vision_inputs`` gives the packed row's images, in the order their image tokens appear in
+it (a prompt shared by a group's rows once), for the vision tower to run on once, and every
+packed token's M-RoPE position ids (``models.vision``), computed per sequence over its
+``[prompt | response]`` so that they restart with each. Rows with identical prompt tokens but
+different images are different prompts.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reinforge.protocol import Batch
+from reinforge.models.vision import sequence_rope_positions
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
 PLAN_KEY = "packing_plan"
 """``Batch.meta`` key under which ``attach_plan`` stores a micro-batch's packing plan."""
@@ -108,9 +116,13 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
     """Rows with identical prompts (ignoring padding), each group in row order, groups by first row."""
     prompts = batch["prompts"].cpu().numpy()
     valid = batch["attention_mask"][:, :prompts.shape[1]].cpu().numpy().astype(bool)
+    images = batch.non_tensors.get(MULTI_MODAL_KEY)
     groups: dict[bytes, list[int]] = {}
     for row in range(prompts.shape[0]):
-        groups.setdefault(prompts[row][valid[row]].tobytes(), []).append(row)
+        key = prompts[row][valid[row]].tobytes()
+        if images is not None and images[row]:  # the same text with other images is another prompt
+            key += b"|" + images[row]["pixel_values"].numpy().tobytes()
+        groups.setdefault(key, []).append(row)
     return list(groups.values())
 
 
@@ -191,11 +203,17 @@ def _cu_seqlens(lengths: list[int], device: torch.device) -> Tensor:
     return torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32).to(device, non_blocking=True)
 
 
-def pack_rows(micro: Batch) -> PackedRows:
-    """Pack the attended tokens of ``micro`` (on any device) into one row, by its attached plan if any."""
+def plan_of(micro: Batch) -> PackingPlan:
+    """The micro-batch's attached plan, or its unshared plan when none is attached (or one of another batch)."""
     plan = micro.meta.get(PLAN_KEY)
     if plan is None or plan.response_shape != tuple(micro["responses"].shape):
         plan = plan_packing(micro)  # none attached, or attached to another batch this one was cut from
+    return plan
+
+
+def pack_rows(micro: Batch) -> PackedRows:
+    """Pack the attended tokens of ``micro`` (on any device) into one row, by its attached plan if any."""
+    plan = plan_of(micro)
     device = micro["input_ids"].device
 
     def moved(tensor: Tensor) -> Tensor:
@@ -219,3 +237,66 @@ def unpack_responses(values: Tensor, packed: PackedRows) -> Tensor:
     rows, width = packed.response_shape
     out = values.new_zeros(rows * width)
     return out.index_put((packed.response_index,), values).view(rows, width)
+
+
+@dataclass
+class PackedVisionInputs:
+    position_ids: Tensor
+    """(3, 1, tokens): each packed token's M-RoPE position ids (time, height, width)."""
+    pixel_values: Tensor | None
+    """(patches, patch dim): the patches of the images in the packed row, in the order of their tokens; None without."""
+    image_grid_thw: Tensor | None
+    """(images, 3): those images' grids."""
+
+
+def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionInputs:
+    """The packed row's M-RoPE positions and images (see the module docstring); ``config`` is the VLM's."""
+    input_ids = micro["input_ids"].cpu()
+    attention = micro["attention_mask"].cpu().bool()
+    num_rows, width = attention.shape
+    inputs = micro.non_tensors.get(MULTI_MODAL_KEY)
+    merge = int(config.vision_config.spatial_merge_size)
+    positions = torch.zeros(3, num_rows * width, dtype=torch.long)
+    image_of_token = torch.full((num_rows * width,), -1, dtype=torch.long)
+    patches: list[Tensor] = []
+    grids: list[Tensor] = []
+    for row in range(num_rows):
+        flat = torch.nonzero(attention[row]).squeeze(-1) + row * width
+        ids = input_ids[row][attention[row]]
+        row_inputs = inputs[row] if inputs is not None and inputs[row] else {}
+        grid = row_inputs.get("image_grid_thw")
+        positions[:, flat], _ = sequence_rope_positions(config, ids, grid)
+        is_image = ids == config.image_token_id
+        if grid is None or not bool(is_image.any()):
+            continue
+        tokens_per_image = grid.prod(-1) // (merge * merge)
+        if int(tokens_per_image.sum()) != int(is_image.sum()):
+            raise ValueError(f"row {row} of the micro-batch has {int(is_image.sum())} image tokens but its images "
+                             f"make {int(tokens_per_image.sum())}; the token ids and the pixels must come from one "
+                             "processor call")
+        image_of_token[flat[is_image]] = len(grids) + torch.repeat_interleave(
+            torch.arange(len(grid)), tokens_per_image)
+        patches += list(row_inputs["pixel_values"].split(grid.prod(-1).tolist()))
+        grids += list(grid)
+    packed_positions = positions[:, plan.source_index].unsqueeze(1)
+    packed_images = image_of_token[plan.source_index]
+    used = packed_images[packed_images >= 0]
+    if used.numel() == 0:
+        return PackedVisionInputs(packed_positions, None, None)
+    order, counts = torch.unique_consecutive(used, return_counts=True)
+    expected = torch.stack([grids[index].prod() // (merge * merge) for index in order.tolist()])
+    if order.unique().numel() != order.numel() or not torch.equal(counts, expected):
+        raise ValueError("an image's tokens are split across the packed row; pack whole sequences")
+    return PackedVisionInputs(packed_positions, torch.cat([patches[index] for index in order.tolist()]),
+                              torch.stack([grids[index] for index in order.tolist()]))
+
+
+def vision_model_kwargs(micro: Batch, config, device: torch.device) -> dict:
+    """The keyword arguments a VLM's forward takes for the packed row of ``micro``: M-RoPE ``position_ids``
+    (3, 1, tokens) and, when the row holds images, their ``pixel_values`` and ``image_grid_thw``."""
+    vision = pack_vision_inputs(micro, plan_of(micro), config)
+    kwargs = {"position_ids": vision.position_ids.to(device, non_blocking=True)}
+    if vision.pixel_values is not None:
+        kwargs |= {"pixel_values": vision.pixel_values.to(device, non_blocking=True),
+                   "image_grid_thw": vision.image_grid_thw.to(device, non_blocking=True)}
+    return kwargs

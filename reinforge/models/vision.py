@@ -120,3 +120,28 @@ def sequence_rope_positions(config, input_ids: Tensor, image_grid_thw: Tensor | 
     positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
     delta = int(positions.max()) + 1 - cursor if cursor else 0
     return positions.long(), delta
+
+
+def keep_vision_tower_attention(model, implementation: str = "sdpa") -> None:
+    """Give the vision tower of ``model`` (a VLM) ``implementation`` back after the whole model was switched to the
+    packed varlen attention: the tower separates its images itself (its own ``cu_seqlens``), and must not read the
+    language model's packed segments, which reach it through the forward's keyword arguments."""
+    tower = vision_tower(model)
+    if tower is not None:
+        tower.set_attn_implementation(implementation)
+
+
+def vision_tower(model):
+    """The vision encoder module of a VLM (``model.model.visual`` in Qwen2.5-VL and Qwen3-VL), or None."""
+    inner = getattr(model, "model", model)
+    return getattr(inner, "visual", None)
+
+
+def freeze_vision_tower(model, frozen: bool = True) -> int:
+    """Turn the vision tower's gradients off (``frozen``) or on; returns how many parameters it has."""
+    tower = vision_tower(model)
+    if tower is None:
+        return 0
+    for parameter in tower.parameters():
+        parameter.requires_grad_(not frozen)
+    return sum(parameter.numel() for parameter in tower.parameters())

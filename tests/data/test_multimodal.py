@@ -9,9 +9,10 @@ from PIL import Image
 
 from reinforge.config.schema import DataConfig
 from reinforge.data import PromptLoader
-from reinforge.data.multimodal import MULTI_MODAL_KEY, count_image_placeholders, with_image_parts
+from reinforge.data.multimodal import count_image_placeholders, with_image_parts
 from reinforge.data.rl_dataset import RLDataset
 from reinforge.models.tiny_vlm import build_tiny_processor
+from reinforge.protocol import MULTI_MODAL_KEY
 
 
 @pytest.fixture(scope="module")
