@@ -277,6 +277,10 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     """Native engine: keep finished sequences' full KV blocks while awake, so a request starting with the same
     tokens (a multi-turn trajectory's next turn) prefills only the rest (verl's key). Dropped at every weight change."""
+    max_prefill_chunk_tokens: Optional[int] = None
+    """Native engine: the most new tokens one prefill forward runs. A longer prefill (a long prompt, or a preempted
+    long sample recomputed) runs in chunks, each attending to the ones before through the KV cache, so its
+    activation memory stays bounded. None: 16384, the prefill step size the engine reserves memory for."""
     segment_tokens: Optional[int] = None
     """trainer.mode=async: generate in segments of this many tokens (a divisor of data.max_response_length);
     a weight sync lands between segments, where unfinished samples are interrupted and resumed under the new

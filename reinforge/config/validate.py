@@ -277,6 +277,9 @@ def validate_config(config: Config) -> None:
             raise ConfigError(f"{prefix}.top_p={sampling.top_p} must be in (0, 1]")
     if not 0.0 <= rollout.min_p <= 1.0:  # above 1 even the most likely token falls below the bar: nothing is left
         raise ConfigError(f"rollout.min_p={rollout.min_p} must be in [0, 1] (0: off)")
+    if rollout.max_prefill_chunk_tokens is not None and rollout.max_prefill_chunk_tokens < 1:
+        raise ConfigError(f"rollout.max_prefill_chunk_tokens={rollout.max_prefill_chunk_tokens} must be a positive "
+                          "token count (or null: 16384)")
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
     for key in ("nnodes", "devices_per_node"):

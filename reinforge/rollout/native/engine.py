@@ -75,7 +75,7 @@ class NativeEngine:
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
                  device: torch.device | None = None, max_admission_wait: int = 16,
-                 admission_fraction: float = 0.0625):
+                 admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -91,11 +91,17 @@ class NativeEngine:
         finished sequences' full KV blocks for requests that start with the same tokens (see the module docstring).
         device: where to generate, by default the model's; a model whose parameters are offloaded to the
         CPU between phases (``actor.param_offload``) names the accelerator here, and wake-up copies onto it.
+        max_prefill_chunk_tokens: the most new tokens one prefill forward runs; a longer prefill (a long prompt, a
+        preempted long sequence's recompute) runs in chunks, each over the ones before through the cache. None:
+        max_num_batched_tokens, the step size the activation memory is reserved for.
         max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
         arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
         prefill each at the first step after it arrives. The defaults (16, 1/16) are among the fastest pairs on the
         agent rollout benchmark on an H200, at four turn lengths.
         """
+        if max_prefill_chunk_tokens is not None and max_prefill_chunk_tokens < 1:
+            raise ValueError(f"max_prefill_chunk_tokens={max_prefill_chunk_tokens} must be at least 1 (or None: "
+                             f"max_num_batched_tokens={max_num_batched_tokens})")
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"NativeEngine cannot run this model: {reason}; use the hf rollout backend for it")
@@ -120,7 +126,8 @@ class NativeEngine:
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [],
-                                  device=device)
+                                  device=device,
+                                  max_prefill_chunk_tokens=max_prefill_chunk_tokens or max_num_batched_tokens)
         self.sampler = Sampler(use_triton)
         self.scheduler: Scheduler | None = None
         self.last_metrics: dict[str, float] = {}

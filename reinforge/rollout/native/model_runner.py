@@ -37,12 +37,35 @@ def to_device(array: np.ndarray, device: torch.device) -> Tensor:
     return tensor
 
 
+def prefill_chunks(starts: list[int], stops: list[int], budget: int | None) -> list[list[tuple[int, int, int]]]:
+    """The forwards of a prefill of sequences i's tokens starts[i]..stops[i], each at most ``budget`` new tokens
+    (None: one forward): lists of (sequence index, start, stop), the sequences in order and each sequence's pieces
+    in order, so a piece's earlier tokens are in the cache when it runs."""
+    if budget is None or sum(stops) - sum(starts) <= budget:
+        return [list(zip(range(len(starts)), starts, stops, strict=True))]
+    chunks: list[list[tuple[int, int, int]]] = [[]]
+    room = budget
+    for index, (start, stop) in enumerate(zip(starts, stops, strict=True)):
+        while start < stop:
+            if room == 0:
+                chunks.append([])
+                room = budget
+            end = min(stop, start + room)
+            chunks[-1].append((index, start, end))
+            room -= end - start
+            start = end
+    return chunks
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
-                 use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None):
+                 use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
+                 max_prefill_chunk_tokens: int | None = None):
+        """max_prefill_chunk_tokens: the most new tokens one prefill forward runs (None: no limit)."""
         self.decoder = PagedDecoder(model, max_model_len, use_triton, device)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_chunk_tokens = max_prefill_chunk_tokens
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.device = self.decoder.device
         self.cuda_graph_batch_sizes = sorted(size for size in cuda_graph_batch_sizes if size <= max_num_seqs)
@@ -148,19 +171,40 @@ class ModelRunner:
         """Logits (len(seqs), vocab) at each sequence's last token, after writing the keys and values of its tokens
         past ``seq.num_cached_tokens`` (those before come from the prefix cache, at their own positions).
 
-        A step that fits a prefill graph (``prefill_graphs``) replays it from the second step of its shape on."""
+        New tokens beyond ``max_prefill_chunk_tokens`` run in several forwards (``prefill_chunks``): each chunk's
+        queries attend to the chunks before through the cache, as after a prefix-cache hit, so activations stay
+        bounded however long a prompt (or a preempted sequence's recompute) is. A forward that fits a prefill
+        graph (``prefill_graphs``) replays it from the second one of its shape on."""
         starts = [seq.num_cached_tokens for seq in seqs]
-        seq_lens = [seq.num_tokens - start for seq, start in zip(seqs, starts, strict=True)]
-        token_ids = np.concatenate([np.asarray(seq.token_ids[start:], dtype=np.int64)
-                                    for seq, start in zip(seqs, starts, strict=True)])
-        positions = np.concatenate([np.arange(start, seq.num_tokens) for seq, start in zip(seqs, starts, strict=True)])
+        stops = [seq.num_tokens for seq in seqs]
+        chunks = prefill_chunks(starts, stops, self.max_prefill_chunk_tokens)
+        if len(chunks) == 1:
+            return self._prefill_forward(seqs, starts, stops)
+        last_rows = []
+        for chunk in chunks:
+            chunk_seqs = [seqs[index] for index, _, _ in chunk]
+            logits = self._prefill_forward(chunk_seqs, [start for _, start, _ in chunk], [stop for _, _, stop in chunk])
+            finished = [row for row, (index, _, stop) in enumerate(chunk) if stop == stops[index]]
+            if finished:  # a copy: a graph's logits are a buffer the next forward overwrites
+                last_rows.append(logits[self._to_device(np.array(finished, dtype=np.int64))])
+        return torch.cat(last_rows)
+
+    def _prefill_forward(self, seqs: list[Sequence], starts: list[int], stops: list[int]) -> Tensor:
+        """Logits (len(seqs), vocab) at each sequence's token stop - 1, after one forward of its tokens
+        start..stop (the keys and values before start are in the cache)."""
+        seq_lens = [stop - start for start, stop in zip(starts, stops, strict=True)]
+        token_ids = np.concatenate([np.asarray(seq.token_ids[start:stop], dtype=np.int64)
+                                    for seq, start, stop in zip(seqs, starts, stops, strict=True)])
+        positions = np.concatenate([np.arange(start, stop) for start, stop in zip(starts, stops, strict=True)])
         slots = np.concatenate([
-            np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, seq.num_tokens) // self.block_size]
-            * self.block_size + np.arange(start, seq.num_tokens) % self.block_size
-            for seq, start in zip(seqs, starts, strict=True)])
-        contexts = [seq.num_tokens for seq in seqs]
-        # the decoder reads positions only to look up rotary rows (LongRoPE: see rotary_tables.py)
-        positions = self.decoder.rotary.rotary_positions(positions, np.repeat(contexts, seq_lens))
+            np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, stop) // self.block_size]
+            * self.block_size + np.arange(start, stop) % self.block_size
+            for seq, start, stop in zip(seqs, starts, stops, strict=True)])
+        contexts = stops
+        # the decoder reads positions only to look up rotary rows (LongRoPE: see rotary_tables.py); a chunk's
+        # rows are those of its whole sequence's prefill
+        positions = self.decoder.rotary.rotary_positions(
+            positions, np.repeat([seq.num_tokens for seq in seqs], seq_lens))
         images = None if self.multimodal is None else \
             self.multimodal.prefill_inputs([seq.request_key for seq in seqs], starts, contexts)
         if images is not None:  # image pad tokens carry their images' keys (multimodal.py), never embedded
