@@ -67,11 +67,15 @@ def _plan(argv: list[str]) -> int:
     It answers for any machine: the device type comes from the config (``trainer.device``), the card's size from
     ``--gpu-memory-gib`` (else this machine's card). A run that cannot fit is refused as ``train`` refuses it.
     ``--model SHAPE`` plans a shape of ``reinforge bench train`` (its config.json, the bench's workload and the
-    shape's LoRA adapter, before the command line's overrides) without any model folder."""
+    shape's LoRA adapter, before the command line's overrides) without any model folder. ``--prompts``, ``--n``,
+    ``--prompt-tokens`` and ``--response-tokens`` set the workload as ``bench train`` names it (e.g. long
+    responses: ``--prompts 8 --response-tokens 32768``)."""
     sizes = argparse.ArgumentParser(prog="reinforge plan", add_help=False)
     sizes.add_argument("--gpu-memory-gib", type=float, default=None)
     sizes.add_argument("--host-memory-gib", type=float, default=None)
     sizes.add_argument("--model", default=None)
+    for flag in PLAN_WORKLOAD_FLAGS:
+        sizes.add_argument(flag, type=int, default=None)
     known, rest = sizes.parse_known_args(argv)
     if known.model is not None:  # a bench shape: its config.json alone, in a folder of its own while it plans
         import shutil
@@ -83,6 +87,11 @@ def _plan(argv: list[str]) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     return _plan_run(rest, known, [])
+
+
+PLAN_WORKLOAD_FLAGS = {"--prompts": "data.train_batch_size", "--n": "rollout.n",
+                       "--prompt-tokens": "data.max_prompt_length", "--response-tokens": "data.max_response_length"}
+"""``reinforge plan``'s workload flags (those of ``reinforge bench train``) and the keys they set."""
 
 
 def _shape_overrides(name: str, folder: Path) -> list[str]:
@@ -99,7 +108,8 @@ def _shape_overrides(name: str, folder: Path) -> list[str]:
 
 def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[str]) -> int:
     config_path, overrides = _config_arguments(
-        rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE]",
+        rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE] [--prompts P] [--n N] "
+                   "[--prompt-tokens T] [--response-tokens R]",
         description="Print the memory plan of a run on a card of any size, from any machine (reads only the "
         "model's config.json); exit 2 with one line if it cannot fit.",
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
@@ -108,7 +118,9 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
 
     # the flags are overrides like any other, so the config's checks see them
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
-    overrides = [*shape_overrides, *overrides,
+    workload = [f"{key}={getattr(known, flag[2:].replace('-', '_'))}" for flag, key in PLAN_WORKLOAD_FLAGS.items()
+                if getattr(known, flag[2:].replace("-", "_")) is not None]
+    overrides = [*shape_overrides, *workload, *overrides,
                  *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
     config = load_config(config_path, overrides)  # the schema's rules; none asks this machine for the device
     from reinforge.trainer.preflight import check_config

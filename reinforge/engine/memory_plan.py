@@ -53,6 +53,8 @@ MICRO_BATCH_CANDIDATES = (65536, 49152, 32768, 24576, 16384, 12288, 8192, 4096, 
 LOGITS_CHUNK_ROWS = 4096
 ENGINE_MAX_NUM_SEQS = 512
 ENGINE_MAX_BATCHED_TOKENS = 16384
+KV_BLOCK_TOKENS = 16
+"""Tokens of one block of the native engine's paged KV cache (its default ``block_size``)."""
 # bytes saved per token per decoder layer for the backward, in units of the compute dtype's size:
 # ACT_HIDDEN x hidden + ACT_KV x (k and v width) + ACT_MLP x intermediate
 ACT_HIDDEN, ACT_KV, ACT_MLP = 9.5, 2, 2.4
@@ -380,6 +382,8 @@ class RunShape:
     judge: ModelShape | None = None
     """reward.judge's own model (not the policy) on these devices: its weights stay on each device whole; a
     ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
+    kv_cache_bytes: float = 0
+    """Bytes of one cached K or V value in the rollout (1 for an fp8 cache); 0: the compute dtype's."""
 
     @property
     def sequences(self) -> int:
@@ -499,9 +503,16 @@ def pinned_model_bytes(shape: ModelShape, devices: int, value_bytes: int, lora_r
 
 
 def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
-    """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length."""
+    """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length.
+
+    The native engine gives a sequence whole blocks of ``KV_BLOCK_TOKENS`` and a decode step launched ahead
+    room for one token more than it holds, so a sequence takes ceil((prompt + response + 1) / block) blocks;
+    a pool a block short per sequence preempts sequences at the end of a rollout and prefills them again.
+    """
     sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
-    return sequences * (run.prompt_length + run.response_length) * shape.kv_bytes_per_token(run.dtype_bytes) / GiB
+    blocks = -(-(run.prompt_length + run.response_length + 1) // KV_BLOCK_TOKENS)
+    value_bytes = run.kv_cache_bytes or run.dtype_bytes
+    return sequences * blocks * KV_BLOCK_TOKENS * shape.kv_bytes_per_token(1) * value_bytes / GiB
 
 
 def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
@@ -648,6 +659,10 @@ class MemoryPlan:
         consumers = sorted(self.phases[phase].items(), key=lambda item: -item[1])
         lines.append("  device, " + phase + ": " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in consumers if v > 0)
                      + f", overhead {OVERHEAD_BYTES / GiB:.1f} GiB")
+        if phase != "rollout":  # the rollout's own line: how much of it the KV cache takes (long responses)
+            rollout = self.phases["rollout"]
+            lines.append(f"  device, rollout: {peak_bytes({'rollout': rollout})[1] / GiB:.1f} GiB with a KV cache of "
+                         f"{rollout['kv cache'] / GiB:.1f} GiB")
         if "reward" in self.phases and phase != "reward":
             lines.append(f"  device, reward: {sum(self.phases['reward'].values()) / GiB:.1f} GiB with the reward model's "
                          f"{self.phases['reward']['reward model'] / GiB:.1f} GiB of weights")

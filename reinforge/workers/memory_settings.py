@@ -10,6 +10,7 @@ a user set, logs the plan as a short table, and raises ``MemoryPlanError`` when 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from typing import Any
@@ -73,7 +74,8 @@ def run_shape(config: Config) -> RunShape:
                     eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
-                    off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config))
+                    off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
+                    kv_cache_bytes=1 if str(getattr(config.rollout, "kv_cache_dtype", "auto")).startswith("fp8") else 0)
 
 
 def _reward_model_shape(config: Config) -> dict[str, Any]:
@@ -134,7 +136,8 @@ def config_values(settings: Settings, shape: ModelShape, run: RunShape) -> dict[
     values = {**vars(settings),
               "checkpoint_layers": True if checkpointed >= shape.num_layers else False if checkpointed == 0
               else checkpointed,
-              "kv_cache_gib": float(f"{settings.kv_cache_gib or needed_kv_gib(shape, run):.4g}"),
+              # rounded up to the MiB: the engine's pool must hold every block the plan counted
+              "kv_cache_gib": math.ceil((settings.kv_cache_gib or needed_kv_gib(shape, run)) * 1024) / 1024,
               "keep_rollout_memory": not settings.keep_rollout_memory}
     return {key: values[name] for name, key in SETTING_KEYS.items()}
 
