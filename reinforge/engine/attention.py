@@ -39,9 +39,12 @@ NAME = "reinforge_varlen"
 
 def use_varlen_attention(model: nn.Module) -> None:
     """Switch ``model`` (an HF PreTrainedModel) and its sub-models to the varlen implementation."""
+    from reinforge.engine.longrope import choose_factors_per_sequence
+
     _register()
     model.set_attn_implementation(NAME)
     _note_mask_only_windows(model)
+    choose_factors_per_sequence(model)  # LongRoPE: a short sequence packed beside a long one keeps its factors
 
 
 def _note_mask_only_windows(model: nn.Module) -> None:

@@ -26,6 +26,7 @@ from reinforge.engine.attention import NAME as ATTENTION_NAME
 from reinforge.engine.attention import flash_applies, flash_runs_shared_segments, flex_runs_on
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
+from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
 from reinforge.models.vision import is_vision_language
@@ -115,7 +116,7 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     its decoder, and the output projection runs fused with the log-softmax.
     """
     _check_varlen(model.config)
-    packed = pack_rows(micro)
+    packed = pack_rows(unshared_where_factors_differ(model, micro))
     device = packed.input_ids.device
     captured: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(
@@ -147,7 +148,7 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
 def response_values(model: nn.Module, micro: Batch) -> Tensor:
     """Value of the state before each response token (B, R), float32; ``model`` is a ValueModel."""
     _check_varlen(model.backbone.config)
-    packed = pack_rows(micro)
+    packed = pack_rows(unshared_where_factors_differ(model, micro))
     outputs = model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
                              attention_mask=_no_mask(model.backbone.config, packed.input_ids.device), use_cache=False,
                              **_attention_kwargs(packed, layer_compute_dtype(model.backbone), model.backbone.config))
@@ -165,7 +166,7 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
     """
     backbone = model.base_model
     _check_varlen(backbone.config)
-    packed = pack_rows(micro)
+    packed = pack_rows(unshared_where_factors_differ(model, micro))
     outputs = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
                        attention_mask=_no_mask(backbone.config, packed.input_ids.device), use_cache=False,
                        **_attention_kwargs(packed, layer_compute_dtype(backbone), backbone.config))
