@@ -3,8 +3,9 @@
 The Qwen2.5 sizes (0.5b .. 7b) and one shape of each other family the training path supports, with the
 sizes of the published config.json: Gemma-2-2B, Phi-3-mini (3.8B), OLMo-2-1B, Mistral-7B, OLMoE-1B-7B (64
 experts, top-8) and Qwen3-30B-A3B (128 experts, top-8), which trains a rank-32 LoRA adapter (attention
-projections; the experts stay frozen). ``write_shape_config`` writes a shape's config.json alone, which is
-all the memory planner reads (``reinforge plan --model NAME``).
+projections; the experts stay frozen) and has its weights built on the device as the actor loads them, not
+written to disk. ``write_shape_config`` writes a shape's config.json alone, which is all the memory planner
+reads (``reinforge plan --model NAME``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class BenchShape:
     """The rank of the LoRA adapter this shape trains (0: every parameter)."""
     lora_targets: tuple[str, ...] = ()
     """Its adapted projections (empty: ``model.lora.target_modules``' default)."""
+    weights_on_disk: bool = True
+    """False: the bench writes a folder of config.json and tokenizer only, and the actor builds the random weights
+    on the device as it loads (``reinforge.models.random_weights``; no 57 GiB folder for Qwen3-30B-A3B)."""
     notes: dict = field(default_factory=dict)
 
     @property
@@ -81,7 +85,7 @@ SHAPES: dict[str, BenchShape] = {
         num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
-        lora_rank=32, lora_targets=ATTENTION_PROJECTIONS),
+        lora_rank=32, lora_targets=ATTENTION_PROJECTIONS, weights_on_disk=False),
 }
 """name -> shape: what ``reinforge bench train --model`` and ``reinforge plan --model`` know."""
 QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")

@@ -60,12 +60,16 @@ def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
     family = SHAPES[size].family
     if tiny:
         return save_tiny_model(folder / "model", arch=family)
-    check_disk_room(size, folder)
     tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
     keys = {key: value for key, value in shape_config(size).items() if key != "model_type"}
     config = AutoConfig.for_model(family, **keys, pad_token_id=tokenizer.pad_token_id,
                                   eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    if not SHAPES[size].weights_on_disk:  # the actor builds them on the device (reinforge.models.random_weights)
+        from reinforge.models.random_weights import write_random_weights_folder
+
+        return write_random_weights_folder(folder / "model", config, tokenizer, seed=0)
+    check_disk_room(size, folder)
+    torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         torch.set_default_dtype(torch.bfloat16)
         try:
@@ -108,7 +112,7 @@ def write_reward_model(folder: Path, tiny: bool, size: str) -> Path:
 
 def check_disk_room(size: str, folder: Path) -> None:
     """Refuse in one line, before any weight is made, a shape whose bf16 weights the disk of ``folder`` cannot hold
-    (qwen3-30b-a3b's take 57 GiB)."""
+    (mistral-7b's take 14 GiB)."""
     import shutil
 
     from reinforge.engine.memory_plan import GiB, ModelShape

@@ -183,7 +183,10 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     tensor at a time, cast on the way: host memory never holds the whole model (loading a 7B model
     in float32 through the CPU first took 30 GB of host RAM, a second copy while moving it).
     """
-    if is_local_path(path):
+    from reinforge.models.random_weights import build_random_causal_lm, random_weights_seed
+
+    random = is_local_path(path) and random_weights_seed(path) is not None  # built on the device, no weight files
+    if is_local_path(path) and not random:
         check_model_folder(path)
         path = str(Path(path).expanduser())
     device = torch.device(device)
@@ -191,10 +194,14 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     with hub_errors_explained(path):
         if not _supports_sdpa(path, trust_remote_code) and attn_implementation == "sdpa":
             attn_implementation = "eager"  # Gemma 2: SDPA cannot soft-cap; the RL workers then set their own
-        vision_language = is_vision_language(read_model_config(path, trust_remote_code))  # the tower and the LM
-        auto_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-        model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                           attn_implementation=attn_implementation, **placement)
+        if random:
+            model = build_random_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                                           attn_implementation=attn_implementation)
+        else:
+            vision_language = is_vision_language(read_model_config(path, trust_remote_code))  # the tower and the LM
+            auto_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
+            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                               attn_implementation=attn_implementation, **placement)
     model.to(device)
     model.config.use_cache = False
     if gradient_checkpointing:

@@ -1,0 +1,82 @@
+"""The MoE layers of a Qwen3-30B-A3B decode step against the weight-read floor (GPU; prints its numbers).
+
+A decode step of 512 sequences sends 4,096 (token, expert) assignments to 128 experts, about 32 each, so
+every expert's weights are read: the floor of the step's 48 expert layers is their bytes (57 GiB in bf16) over
+the device copy rate (``bench.floor.COPY_BYTES_PER_S``). The layers run as the engine's decode graph runs them
+(router, sort by expert, two grouped GEMMs, the Triton activation, weighting and sum), captured in one CUDA
+graph over four layers' distinct weights (no layer's weights are in L2 when it runs), replayed and timed.
+Run: ``pytest -q -s -m gpu tests/rollout/test_native_moe_decode_floor.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reinforge.bench.floor import COPY_BYTES_PER_S
+from reinforge.bench.shapes import shape_config
+from reinforge.models.architectures import architecture_spec
+from reinforge.rollout.native.moe import experts_forward, grouped_mm_applies, route
+
+TARGET_FRACTION = 0.7
+"""The rollout's target: at least 70% of the weight-read floor's speed."""
+
+
+@pytest.mark.gpu
+def test_the_30b_a3b_expert_layers_of_a_512_sequence_decode_step_run_near_the_weight_read_floor():
+    from transformers import AutoConfig
+
+    from reinforge.rollout.native import triton_kernels
+
+    keys = shape_config("qwen3-30b-a3b")
+    config = AutoConfig.for_model(keys.pop("model_type"), **keys)
+    spec = architecture_spec(config).moe
+    hidden, inter, num_experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    num_layers, num_sequences, distinct = config.num_hidden_layers, 512, 4
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def weights(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+
+    layers = [(weights(num_experts, hidden), weights(num_experts, 2 * inter, hidden), weights(num_experts, hidden, inter))
+              for _ in range(distinct)]
+    x = torch.randn(num_sequences, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+    assert grouped_mm_applies(x)
+
+    def step() -> torch.Tensor:
+        """Every layer routes the same hidden states (random weights would shrink a chained stream towards
+        ties, which send every token to the same experts); their outputs are summed as the residual is."""
+        residual = torch.zeros_like(x)
+        for index in range(num_layers):
+            router, gate_up, down = layers[index % distinct]
+            routing_weights, expert_ids = route(x, router, None, spec, deepseek=False)
+            residual += experts_forward(x, expert_ids, routing_weights, gate_up, down,
+                                        activate=triton_kernels.act_and_mul)
+        return residual
+
+    for router, _, _ in layers:  # every expert is read: the floor counts all of them
+        assert route(x, router, None, spec, deepseek=False)[1].unique().numel() == num_experts
+    step()  # Triton compiles, cuBLAS and CUTLASS pick their kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = 20
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / replays
+    layer_bytes = sum(tensor.nbytes for tensor in layers[0])
+    floor_ms = num_layers * layer_bytes / COPY_BYTES_PER_S * 1e3
+    fraction = floor_ms / step_ms
+    print(f"\nQwen3-30B-A3B expert layers of one decode step ({num_sequences} sequences, top-{spec.top_k} of "
+          f"{num_experts}, {num_layers} layers, {num_layers * layer_bytes / 2**30:.1f} GiB of weights): "
+          f"{step_ms:.2f} ms; weight-read floor {floor_ms:.2f} ms at {COPY_BYTES_PER_S / 1e12:.2f} TB/s: "
+          f"{fraction:.0%} of the floor's speed")
+    assert fraction >= TARGET_FRACTION, (f"the expert layers take {step_ms:.2f} ms, {fraction:.0%} of the "
+                                         f"{floor_ms:.2f} ms floor's speed (target {TARGET_FRACTION:.0%})")
