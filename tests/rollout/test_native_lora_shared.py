@@ -130,3 +130,53 @@ def test_an_unsharded_lora_model_shares_its_experts_and_the_adapted_rows_stay_it
     assert id(model.model.layers[1].self_attn.o_proj) in slices
     assert all(not weights.is_shared(rows) for rows in slices.values())
     engine.sleep()
+
+
+def test_the_lora_actors_rollouts_score_as_its_updated_model_with_the_experts_held_once(tmp_path):
+    """The whole worker on the CPU: a random-weights Qwen3-MoE folder, LoRA on the attention, the native engine
+    keeping its memory between rollouts. After an update the next rollout's log-probs are the updated model's."""
+    import numpy as np
+
+    from reinforge.config.schema import Config
+    from reinforge.models import build_char_tokenizer
+    from reinforge.models.random_weights import write_random_weights_folder
+    from reinforge.models.tiny import tiny_config
+    from reinforge.protocol import Batch
+    from reinforge.rollout.base import SamplingParams
+    from reinforge.workers.actor_rollout import ActorRolloutWorker
+
+    tokenizer = build_char_tokenizer()
+    folder = write_random_weights_folder(tmp_path / "model", tiny_config(
+        "qwen3_moe", vocab_size=len(tokenizer), tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id), tokenizer, seed=6)
+    config = Config()
+    config.model.path = str(folder)
+    config.trainer.device = "cpu"
+    config.rollout.name = "native"
+    config.rollout.free_cache_engine = False
+    config.rollout.gpu_memory_utilization = 0.5
+    config.model.lora.rank, config.model.lora.alpha = 4, 8.0
+    config.model.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    config.actor.optim.lr = 0.05
+    config.data.train_batch_size, config.data.max_prompt_length, config.data.max_response_length = 2, 8, 6
+    worker = ActorRolloutWorker(config, total_training_steps=2)
+    prompts = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(1))
+    batch = Batch.from_dict(tensors={"input_ids": prompts, "attention_mask": torch.ones_like(prompts)},
+                            non_tensors={"uid": np.array(["a", "b"], dtype=object)})
+    sampling = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+
+    def rollout(seed: int) -> Batch:
+        generated = worker.generate(batch, sampling, seed)
+        scored = worker.compute_log_prob(generated)
+        torch.testing.assert_close(generated["rollout_log_probs"], scored["old_log_probs"], atol=1e-4, rtol=0)
+        return generated
+
+    first = rollout(0)
+    weights = worker.rollout_engine.runner.decoder.weights
+    experts = worker.model.model.layers[1].mlp.experts.gate_up_proj
+    assert weights.layers[1]["experts_gate_up"].data_ptr() == whole(experts).data_ptr()
+    first["advantages"] = torch.randn(first["response_mask"].shape, generator=torch.Generator().manual_seed(2))
+    worker.update_actor(first)
+    second = rollout(0)
+    assert worker.rollout_engine.runner.decoder.weights is weights  # kept, refreshed in place
+    assert not torch.equal(second["rollout_log_probs"], first["rollout_log_probs"])  # the adapters moved
