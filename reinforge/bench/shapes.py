@@ -4,8 +4,9 @@ The Qwen2.5 sizes (0.5b .. 7b) and one shape of each other family the training p
 sizes of the published config.json: Gemma-2-2B, Phi-3-mini (3.8B), OLMo-2-1B, Mistral-7B, OLMoE-1B-7B (64
 experts, top-8) and Qwen3-30B-A3B (128 experts, top-8), which trains a rank-32 LoRA adapter (attention
 projections; the experts stay frozen) and has its weights built on the device as the actor loads them, not
-written to disk. ``write_shape_config`` writes a shape's config.json alone, which is all the memory planner
-reads (``reinforge plan --model NAME``).
+written to disk; the vision-language Qwen2.5-VL-3B's prompts carry an image each (``bench/vision.py``).
+``write_shape_config`` writes a shape's config.json alone, which is all the memory planner reads
+(``reinforge plan --model NAME``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,17 @@ class BenchShape:
     """False: the bench writes a folder of config.json and tokenizer only, and the actor builds the random weights
     on the device as it loads (``reinforge.models.random_weights``; no 57 GiB folder for Qwen3-30B-A3B)."""
     notes: dict = field(default_factory=dict)
+    trl_script: str = "trl_grpo.py"
+    """The TRL twin of its workload in ``benchmarks/`` (``bench train --trl``)."""
 
     @property
     def family(self) -> str:
         return self.config["model_type"]
+
+    @property
+    def vision(self) -> bool:
+        """A vision-language shape: its prompts carry images (``bench/vision.py``)."""
+        return "vision_config" in self.config
 
     @property
     def training(self) -> str:
@@ -86,6 +94,14 @@ SHAPES: dict[str, BenchShape] = {
         num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
         lora_rank=32, lora_targets=ATTENTION_PROJECTIONS, weights_on_disk=False),
+    "qwen2.5-vl-3b": BenchShape(dict(
+        model_type="qwen2_5_vl", vocab_size=151936, hidden_size=2048, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=2, intermediate_size=11008, max_position_embeddings=128000, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, tie_word_embeddings=True,
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", tokens_per_second=2)),
+        trl_script="trl_grpo_vl.py"),
 }
 """name -> shape: what ``reinforge bench train --model`` and ``reinforge plan --model`` know."""
 QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")

@@ -58,6 +58,10 @@ def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
     from reinforge.models import build_char_tokenizer, save_tiny_model
 
     family = SHAPES[size].family
+    if SHAPES[size].vision:
+        from reinforge.bench.vision import write_vision_model
+
+        return write_vision_model(folder, tiny, size)
     if tiny:
         return save_tiny_model(folder / "model", arch=family)
     tokenizer = build_char_tokenizer()
@@ -172,6 +176,8 @@ def prompt_batch(args: argparse.Namespace, vocab_size: int, step: int):
 
     from reinforge.protocol import Batch
 
+    if getattr(args, "vision_prompts", None) is not None:  # an image and letters a prompt (bench/vision.py)
+        return args.vision_prompts.batch(step)
     generator = torch.Generator().manual_seed(1000 + step)
     input_ids = torch.randint(0, vocab_size, (args.prompts, args.prompt_tokens), generator=generator)
     batch = Batch.from_dict(tensors={"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)},
@@ -253,6 +259,10 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     freeze_long_lived_objects()  # as the trainer's worker construction does
     device = actor.device
     vocab_size = actor.model.config.vocab_size
+    if SHAPES[args.model].vision:
+        from reinforge.bench.vision import VisionPrompts
+
+        args.vision_prompts = VisionPrompts(model_dir, args)
     model_shape = ModelShape.from_model_path(str(model_dir))
     rows: list[dict] = []
     stopped_early = False
@@ -284,7 +294,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         rollout_phases = {key.removeprefix("timing_s/gen/"): value
                           for key, value in generated.meta.get("rollout_metrics", {}).items()
-                          if key.startswith("timing_s/gen/") or key == "rollout/cuda_graph_capture_s"}
+                          if key.startswith("timing_s/gen/")
+                          or key in ("rollout/cuda_graph_capture_s", "rollout/vision_encode_s")}
         batch = scored_batch(args, vocab_size, step, generated)
         if reward_model is not None:  # its score replaces the rule's, as in a run (reward.combine.mode=replace)
             scored = timed("reward_model", reward_model.compute_rm_score, batch)
@@ -628,6 +639,10 @@ def bench_train_main(argv: list[str]) -> int:
         print(f"  reward model ({args.reward_model}): {median['reward_model_s']:.2f} s, "
               f"{median.get('reward_model_share', 0):.1%} of the step, "
               f"peak {median.get('reward_model_peak_gb', 0):.1f} GiB while it scores")
+    if "rollout_vision_encode_s" in median:  # a vision-language shape: the vision tower's part of the step
+        print(f"  vision encoder {median['rollout_vision_encode_s']:.2f} s, "
+              f"{median['rollout_vision_encode_s'] / median['step_s']:.1%} of the step; rollout "
+              f"{median.get('response_tokens', 0) / median.get('rollout_s', 1):.0f} generated tokens/s")
     if median.get("rollout_floor_s"):
         print(f"  rollout bandwidth floor {median['rollout_floor_s']:.2f} s over "
               f"{median['rollout_floor_decode_steps']:.0f} decode steps at {args.bandwidth_tbps:g} TB/s "

@@ -456,8 +456,13 @@ class NativeEngine:
     # ---- metrics ----------------------------------------------------------------------------
 
     def counts(self) -> dict[str, float]:
-        """Totals over the engine's life (``EngineCounters.reading``); ``count_metrics`` of two readings gives a span's."""
-        return self.counters.reading()
+        """Totals over the engine's life (``EngineCounters.reading``); ``count_metrics`` of two readings gives a span's.
+        A vision-language model's also count the images encoded and the vision tower's time (``rollout/vision_encode_s``)."""
+        reading = self.counters.reading()
+        if self.runner.multimodal is not None:
+            reading["rollout/num_images_encoded"] = float(self.runner.multimodal.num_images_encoded)
+            reading["rollout/vision_encode_s"] = self.runner.multimodal.encode_seconds
+        return reading
 
     def _measure_async(self) -> Callable[[], None]:
         """Start the async driver's span of the rollout metrics; the function returned ends it (while awake)."""
