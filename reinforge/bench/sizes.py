@@ -131,6 +131,7 @@ class CaseRunner:
         passed = [item for index, flag in enumerate(options) if flag in TRL_OPTIONS
                   for item in (flag, options[index + 1])]
         shape = SHAPES[size]
+        script = script.with_name(shape.trl_script)  # its workload's twin (a vision-language shape's has images)
         if shape.lora_rank:  # the shape trains an adapter: TRL trains the same one (peft)
             passed += ["--lora-rank", str(shape.lora_rank), "--lora-targets", ",".join(shape.lora_targets)]
         command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed]

@@ -137,6 +137,8 @@ def build_config(model_dir: Path, args: argparse.Namespace):
         config.model.gradient_checkpointing = args.checkpointing
     config.data.train_batch_size = args.prompts
     config.data.max_prompt_length = args.prompt_tokens
+    if getattr(args, "vision_prompts", None) is not None:  # the letters, the image's tokens and the chat template's
+        config.data.max_prompt_length = args.vision_prompts.prompt_length
     config.data.max_response_length = args.response_tokens
     config.rollout.name = args.rollout
     config.rollout.n = args.n
@@ -240,12 +242,17 @@ def host_memory_gb() -> dict[str, float]:
 def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     from reinforge.controller.worker import freeze_long_lived_objects
     from reinforge.engine.memory_plan import ModelShape
+    from reinforge.models.architectures import text_config
     from reinforge.workers.actor_rollout import ActorRolloutWorker
     from reinforge.workers.critic import CriticWorker
     from reinforge.workers.memory_settings import apply_memory_plan
     from reinforge.workers.reference import ReferenceWorker
     from reinforge.workers.reward_model import RewardModelWorker
 
+    if SHAPES[args.model].vision:
+        from reinforge.bench.vision import VisionPrompts
+
+        args.vision_prompts = VisionPrompts(model_dir, args)
     config = build_config(model_dir, args)
     plan = apply_memory_plan(config, log=False)  # as the trainer does, before any weight loads (printed below)
     if plan is not None:
@@ -258,11 +265,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     reward_model = RewardModelWorker(config) if config.reward.reward_model.enable else None
     freeze_long_lived_objects()  # as the trainer's worker construction does
     device = actor.device
-    vocab_size = actor.model.config.vocab_size
-    if SHAPES[args.model].vision:
-        from reinforge.bench.vision import VisionPrompts
-
-        args.vision_prompts = VisionPrompts(model_dir, args)
+    vocab_size = text_config(actor.model.config).vocab_size  # a vision-language model's is its text config's
     model_shape = ModelShape.from_model_path(str(model_dir))
     rows: list[dict] = []
     stopped_early = False

@@ -112,6 +112,11 @@ class VisionPrompts:
         self.args = args
         self.side = TINY_IMAGE_SIDE if args.cpu else IMAGE_SIDE
 
+    @property
+    def prompt_length(self) -> int:
+        """Tokens of each prompt (all are as long: one image of the same size, as many letters)."""
+        return self._encoded(0)["input_ids"].shape[1]
+
     @lru_cache(maxsize=1)  # noqa: B019  (one instance a run; each step asks twice)
     def _encoded(self, step: int) -> dict:
         args = self.args

@@ -42,7 +42,7 @@ from reinforge.engine.forward import build_position_ids
 from reinforge.engine.fsdp import unsharded
 from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_name, merged_weights
 from reinforge.engine.memory_plan import GiB
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.registry import get_rollout_engine
 from reinforge.serve.agents import register_configured_agents
@@ -319,6 +319,7 @@ class RolloutSide:
         start = 0
         uids = batch["uid"]
         per_row = "request_seed" in batch  # partial samples: one request per row, seeded (and budgeted) as given
+        images = batch.non_tensors.get(MULTI_MODAL_KEY)  # a vision-language batch: each row's pixels and grids
         while start < len(batch):
             stop = start + 1
             while not per_row and stop < len(batch) and uids[stop] == uids[start]:
@@ -331,7 +332,8 @@ class RolloutSide:
             if per_row and "max_tokens" in batch:  # a per-sample length budget
                 params = replace(params, max_tokens=min(sampling.max_tokens, int(batch["max_tokens"][start])))
             # a whole sample is never continued; a partial one is, by its next segment
-            requests.append(GenerationRequest(tokens, params, request_id=str(uids[start]), keep_prefix=per_row))
+            requests.append(GenerationRequest(tokens, params, request_id=str(uids[start]), keep_prefix=per_row,
+                                              multi_modal_inputs=(images[start] or None) if images is not None else None))
             start = stop
         phases.lap("requests")
         with (self.weights.awake(phases), self._sleep_after(phases),

@@ -1,0 +1,55 @@
+"""The vision-language case of `reinforge bench train` (bench.vision): the Qwen2.5-VL-3B shape, its prompts, and a
+tiny step on the CPU through the native engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from reinforge.bench.shapes import SHAPES
+from reinforge.bench.train import parse_args, run_variant, write_model
+from reinforge.bench.vision import VisionPrompts
+
+QWEN25_VL_3B_PARAMS = 3.75
+"""Billions, as the published Qwen2.5-VL-3B-Instruct reports them (vision tower included)."""
+
+
+def test_the_shape_builds_qwen25_vl_3b_with_the_published_parameter_count():
+    shape = SHAPES["qwen2.5-vl-3b"]
+    assert shape.vision and shape.trl_script == "trl_grpo_vl.py"
+    config = AutoConfig.for_model(shape.family, **{k: v for k, v in shape.config.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    built = sum(parameter.numel() for parameter in {id(p): p for p in model.parameters()}.values())
+    assert built / 1e9 == pytest.approx(QWEN25_VL_3B_PARAMS, abs=0.01)
+    assert config.text_config.hidden_size == 2048 and config.vision_config.out_hidden_size == 2048
+
+
+@pytest.fixture(scope="module")
+def tiny_vl_dir(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("vl"), tiny=True, size="qwen2.5-vl-3b")
+
+
+def test_prompts_are_the_processors_with_one_image_each(tiny_vl_dir):
+    args = parse_args(["--model", "qwen2.5-vl-3b", "--cpu"])
+    prompts = VisionPrompts(tiny_vl_dir, args)
+    batch = prompts.batch(0)
+    assert len(batch) == args.prompts * args.n
+    config = AutoConfig.from_pretrained(tiny_vl_dir)
+    merge = config.vision_config.spatial_merge_size
+    for row, images in zip(batch["input_ids"], batch.non_tensors["multi_modal_inputs"], strict=True):
+        grid = images["image_grid_thw"]
+        assert grid.shape == (1, 3) and images["pixel_values"].shape[0] == int(grid.prod())
+        assert int((row == config.image_token_id).sum()) == int(grid.prod()) // merge**2
+    assert batch["input_ids"].shape[1] == prompts.prompt_length
+    assert torch.equal(prompts.batch(0)["input_ids"], batch["input_ids"])  # the same prompts when asked again
+
+
+def test_a_tiny_step_rolls_out_with_the_native_engine_and_times_the_vision_tower(tiny_vl_dir):
+    args = parse_args(["--model", "qwen2.5-vl-3b", "--cpu", "--steps", "1"])
+    args.rollout = "native"
+    result = run_variant(args, tiny_vl_dir)
+    [step] = result["steps"]
+    assert step["response_tokens"] == args.prompts * args.n * args.response_tokens
+    assert 0 < step["rollout_vision_encode_s"] < step["rollout_s"]
