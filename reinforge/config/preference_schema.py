@@ -111,7 +111,6 @@ class DPOConfig:
 def validate_preference_config(config: RMConfig | DPOConfig) -> None:
     """The checks of an rm or dpo config that need no model: data, budget, loss settings, run and optimizer."""
     data, trainer = config.data, config.trainer
-    command = "rm" if isinstance(config, RMConfig) else "dpo"
     choose("data.truncation", data.truncation, PAIR_TRUNCATION_MODES)
     for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
                        ("data.max_length", data.max_length)):
@@ -119,9 +118,6 @@ def validate_preference_config(config: RMConfig | DPOConfig) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
     validate_sample_limits(data)  # type: ignore[arg-type]  # the same two fields as SFT's
     validate_model_dtype(config.model.dtype)
-    if command == "rm" and config.model.lora.rank:
-        raise ConfigError(f"model.lora.rank={config.model.lora.rank}: reinforge rm trains every parameter and "
-                          "would ignore the adapters; remove model.lora.rank")
     validate_lora(config.model.lora)
     if trainer.max_tokens_per_micro_batch < 2 * data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "

@@ -51,7 +51,8 @@ def linear_targets(model: nn.Module, targets: list[str]) -> list[str]:
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
 
 
-def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module | None = None):
+def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module | None = None,
+                 head: str | None = None):
     from peft import LoraConfig as PeftLoraConfig
 
     targets = list(config.target_modules)
@@ -62,14 +63,19 @@ def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module
                    and module.down_proj.dim() == 3] or None
         if experts and targets != ["all-linear"]:
             targets = linear_targets(model, targets) or targets
-    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, exclude_modules=experts,
+    excluded = [*(experts or []), *([head] if head else [])] or None
+    return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, exclude_modules=excluded,
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
-                          lora_dropout=config.dropout, bias="none", task_type="CAUSAL_LM",
+                          lora_dropout=config.dropout, bias="none", task_type=None if head else "CAUSAL_LM",
                           base_model_name_or_path=base_model_path or None)
 
 
-def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", seed: int = 0) -> nn.Module:
+def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", seed: int = 0,
+             head: str | None = None) -> nn.Module:
     """Inject adapters into ``model`` in place (its base parameters frozen); returns the PeftModel around it.
+
+    ``head``: the attribute name of a classification model's head (a reward model's ``score``), which gets no
+    adapter and trains whole.
 
     lora_B starts at zero, so the model computes exactly what it did before. lora_A's random start comes
     from ``seed`` (the global generator is left as it was): two runs with one seed start alike, and every
@@ -86,7 +92,10 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
         with (torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []),
               _named_layers_only(model) if experts else contextlib.nullcontext()):
             torch.manual_seed(seed)
-            return get_peft_model(model, _peft_config(config, base_model_path, model))
+            peft_model = get_peft_model(model, _peft_config(config, base_model_path, model, head))
+            if head:
+                getattr(model, head).requires_grad_(True)
+            return peft_model
     except ValueError as error:
         if "not found in the base model" in str(error) or "Target modules" in str(error):
             raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "

@@ -80,11 +80,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
         raise FileNotFoundError(f"checkpoint {folder} lacks hf/config.json or actor_state.pt; it is incomplete")
     state = torch.load(state_file, map_location="cpu", weights_only=True)["model"]
     tokenizer = AutoTokenizer.from_pretrained(hf_folder)
-    adapter_folder = folder / "adapter"
-    if (adapter_folder / "adapter_config.json").is_file():
-        return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype)
     config = AutoConfig.from_pretrained(hf_folder)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
+    adapter_folder = folder / "adapter"
+    if (adapter_folder / "adapter_config.json").is_file():
+        return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype, config if classifier else None)
     # a reward model of `reinforge rm` stays a sequence classifier: its score head is in the state, no lm_head
     model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
     model.load_state_dict(state)
@@ -92,13 +92,17 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
 
 
 def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokenizer, out_dir: Path,
-                 dtype: torch.dtype | None) -> Path:
+                 dtype: torch.dtype | None, classifier_config=None) -> Path:
     """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters
-    alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``)."""
+    alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``).
+    A reward model's (``classifier_config``: its hf/ config) is its base's backbone under the trained score head,
+    which its state holds with the adapters."""
     scaling, base_path = read_adapter_config(adapter_folder)
     if not base_path:
         raise FileNotFoundError(f"{adapter_folder}/adapter_config.json names no base model; cannot merge the adapters")
-    base = load_causal_lm(base_path, dtype=torch.float32, device="cpu")
+    base = (load_causal_lm(base_path, dtype=torch.float32, device="cpu") if classifier_config is None
+            else AutoModelForSequenceClassification.from_pretrained(base_path, config=classifier_config,
+                                                                    dtype=torch.float32))
     state = base.state_dict() | adapters
     base.load_state_dict(merge_lora_weights(state, scaling))
     save_hf_folder(base, tokenizer, out_dir, dtype=dtype)

@@ -89,7 +89,7 @@ def _reapply(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_schedul
 def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path,
                            lora: LoraConfig | None = None, base_model_path: str = "",
                            optimizer: torch.optim.Optimizer | None = None) -> None:
-    """The HF folder of an FSDP-sharded causal LM: gathered collectively, written by rank 0.
+    """The HF folder of an FSDP-sharded causal LM or classifier: gathered collectively, written by rank 0.
 
     With ``lora`` (a LoRA actor) the folder holds the merged weights, and ``adapter/`` next to it
     the adapters alone in peft's format. An offloaded optimizer that trains every parameter lends
@@ -108,6 +108,7 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
             plain = model_class(model.config)
         plain.load_state_dict(state, assign=True, strict=False)
         plain.tie_weights()
-        plain.generation_config = model.generation_config
+        if getattr(model, "generation_config", None) is not None:  # a classifier (a reward model) has none
+            plain.generation_config = model.generation_config
         save_hf_folder(plain, tokenizer, out_dir)
     barrier()

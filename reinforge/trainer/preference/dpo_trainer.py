@@ -33,16 +33,15 @@ from torch import Tensor, nn
 from reinforge.algorithms.preference_losses import dpo_loss
 from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
-from reinforge.engine.device import compute_dtype
+from reinforge.engine.distributed import barrier
 from reinforge.engine.forward import response_log_probs
-from reinforge.engine.fsdp import decoder_layers, reshard, shard_model
+from reinforge.engine.fsdp import reshard, shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.lora import add_lora
-from reinforge.engine.recompute import checkpoint_decoder_layers
-from reinforge.engine.train_step import ModelUpdate
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
-from reinforge.trainer.preference.pairs import PreferenceRun, pair_micro_batches
+from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
+from reinforge.trainer.preference.pairs import PreferenceRun
+from reinforge.trainer.preference.ranks import PairValues, gather_from_ranks
 from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
 logger = logging.getLogger(__name__)
@@ -63,30 +62,17 @@ class DPOTrainer(PreferenceRun):
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
-        lora, trainer = self.config.model.lora, self.config.trainer
-        # with adapters the frozen base stays in the compute dtype, as the RL actor's does
-        model = self._load(self.config.model.path, compute_dtype(self.device, self.config.model.dtype)
-                           if lora.rank else torch.float32)
+        model = self._load(self.config.model.path, load_dtype(self.config.model, self.device))
         self.model_class = type(model)  # before sharding wraps the class
-        setting = self.config.model.gradient_checkpointing
-        checkpoint_decoder_layers(model, len(decoder_layers(model)) if setting is True
-                                  else 0 if setting in ("auto", False) else int(setting))
-        self.peft_model = None
-        if lora.rank:
-            self.peft_model = add_lora(model, lora, base_model_path=self.config.model.path, seed=trainer.seed)
-            for parameter in model.parameters():
-                if parameter.requires_grad:
-                    parameter.data = parameter.data.float()
-        return shard_model(model, self.device, self.config.model.dtype)
+        self.peft_model = prepare_trained_model(model, self.config.model, self.device,
+                                                seed=self.config.trainer.seed)
+        return model
 
     def _load(self, path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-        """The causal LM at ``path`` as the actor loads it: float32 master weights, the packed varlen path (on CUDA
-        fused kernels and compiled decoder layers); sharded by the caller (FSDP2, compute in model.dtype)."""
+        """The causal LM at ``path`` (float32 master weights unless told), made ready and sharded by the caller."""
         model = self.config.model
-        loaded = load_causal_lm(path, dtype=dtype, device=self.device, trust_remote_code=model.trust_remote_code,
-                                attn_implementation=model.attn_implementation)
-        prepare_for_training(loaded, self.device)
-        return loaded
+        return load_causal_lm(path, dtype=dtype, device=self.device, trust_remote_code=model.trust_remote_code,
+                              attn_implementation=model.attn_implementation)
 
     def write_checkpoint(self, folder: Path) -> None:
         """actor_state.pt and hf/ (with LoRA: the merged weights, and adapter/ in peft's format beside it)."""
@@ -124,9 +110,11 @@ class DPOTrainer(PreferenceRun):
         if model is not self.model:
             del model
         seconds = time.perf_counter() - start
-        staging = path.with_name(path.name + ".tmp")
-        torch.save({"key": key, **self.reference}, staging)
-        os.replace(staging, path)
+        if self.rank == 0:
+            staging = path.with_name(path.name + ".tmp")
+            torch.save({"key": key, **self.reference}, staging)
+            os.replace(staging, path)
+        barrier()
         num_pairs = sum(len(loader.pairs) for loader in loaders.values())
         self.reference_metrics = {"timing_s/reference_pass": seconds, "reference/num_pairs": float(num_pairs),
                                   "perf/reference_pairs_per_s": num_pairs / max(seconds, 1e-9)}
@@ -134,7 +122,9 @@ class DPOTrainer(PreferenceRun):
                     seconds, num_pairs / max(seconds, 1e-9), path)
 
     def _load_reference(self) -> nn.Module:
+        """The reference model as the policy is loaded (float32, the packed fast path, sharded), never trained."""
         reference = self._load(self.config.dpo.reference_path or self.config.model.path)
+        prepare_for_training(reference, self.device)
         return shard_model(reference, self.device, self.config.model.dtype)
 
     def sequence_logps_of(self, model: nn.Module, loader: PairLoader) -> Tensor:
@@ -158,9 +148,9 @@ class DPOTrainer(PreferenceRun):
                 sides = torch.arange(len(micro), device=real.device) % 2
                 indices.append(torch.stack([micro["pair_index"][real], sides[real]]))
                 values.append(logps[real])
-        if values:
-            rows, sides = torch.cat(indices, dim=1).cpu()
-            out[rows, sides] = torch.cat(values).float().cpu()
+        gathered = gather_from_ranks({"index": torch.cat(indices, dim=1).T, "logp": torch.cat(values).float()})
+        rows, sides = gathered["index"].T
+        out[rows, sides] = gathered["logp"]
         model.train(was_training)
         reshard(model)
         return out
@@ -183,35 +173,36 @@ class DPOTrainer(PreferenceRun):
         return loss, chosen_rewards, rejected_rewards, logps.detach().view(-1, 2), micro["pair_weight"][0::2]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
-                             split=pair_micro_batches)
-        tally = PairTally()
-        for micro, counts in update.micro_batches(batch):
+        update, micro_batches = self.update(batch)
+        tally = PairValues()
+        for micro, counts in micro_batches:
             loss, chosen_rewards, rejected_rewards, logps, weights = self._pair_terms(micro, "train")
             total = (loss * weights).sum() / (counts.num_sequences / 2)
             update.backward(total, {"preference_loss": total})
-            tally.add(weights > 0, chosen_rewards, rejected_rewards, logps)
+            tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[:, 0],
+                      logp_rejected=logps[:, 1])
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
         reference_metrics, self.reference_metrics = self.reference_metrics, {}
-        return {**tally.metrics(), "num_tokens": self.num_tokens, "train/loss": metrics["train/preference_loss"],
-                "train/lr": metrics["train/lr"], "train/grad_norm": metrics["train/grad_norm"],
-                "timing_s/step": update.seconds, "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"],
-                **reference_metrics}
+        return {**dpo_metrics(tally.gathered()), "num_tokens": self.num_tokens,
+                "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
+                "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
+                "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"], **reference_metrics}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         if self.val_loader is None:
             return {}
         self.model.eval()
-        tally, losses = PairTally(), []
+        tally = PairValues()
         for batch in self.val_loader.batches_of_one_pass():
             for micro in self.micro_batches(batch):
                 loss, chosen_rewards, rejected_rewards, logps, weights = self._pair_terms(micro, "val")
-                tally.add(weights > 0, chosen_rewards, rejected_rewards, logps)
-                losses.append(loss[weights > 0].cpu())
+                tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[:, 0],
+                          logp_rejected=logps[:, 1], loss=loss)
         self.model.train()
-        metrics = tally.metrics() | {"loss": float(torch.cat(losses).mean())}
+        values = tally.gathered()
+        metrics = dpo_metrics(values) | {"loss": float(values["loss"].mean())}
         return {f"eval_{key}": value for key, value in metrics.items()}
 
     def checkpoint_extras(self) -> dict[str, float]:
@@ -229,21 +220,10 @@ def has_active_dropout(model: nn.Module) -> bool:
             or any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()))
 
 
-class PairTally:
-    """DPO's per-pair metrics gathered over micro-batches: TRL's names, means over the real pairs."""
-
-    def __init__(self) -> None:
-        self.parts: dict[str, list[Tensor]] = {"chosen": [], "rejected": [], "logp_chosen": [], "logp_rejected": []}
-
-    def add(self, real: Tensor, chosen_rewards: Tensor, rejected_rewards: Tensor, logps: Tensor) -> None:
-        for key, values in (("chosen", chosen_rewards), ("rejected", rejected_rewards),
-                            ("logp_chosen", logps[:, 0]), ("logp_rejected", logps[:, 1])):
-            self.parts[key].append(values.detach()[real].float().cpu())
-
-    def metrics(self) -> dict[str, float]:
-        chosen, rejected = torch.cat(self.parts["chosen"]), torch.cat(self.parts["rejected"])
-        return {"rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
-                "rewards/accuracies": float((chosen > rejected).float().mean()),
-                "rewards/margins": float((chosen - rejected).mean()),
-                "logps/chosen": float(torch.cat(self.parts["logp_chosen"]).mean()),
-                "logps/rejected": float(torch.cat(self.parts["logp_rejected"]).mean())}
+def dpo_metrics(values: dict[str, Tensor]) -> dict[str, float]:
+    """TRL's DPO metrics over pairs, from their implicit rewards and log-probs (``PairValues.gathered``)."""
+    chosen, rejected = values["chosen"], values["rejected"]
+    return {"rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
+            "rewards/accuracies": float((chosen > rejected).float().mean()),
+            "rewards/margins": float((chosen - rejected).mean()),
+            "logps/chosen": float(values["logp_chosen"].mean()), "logps/rejected": float(values["logp_rejected"].mean())}

@@ -3,8 +3,9 @@
 ``pair_micro_batches`` cuts a batch of pairs into token-budget micro-batches that never split a pair (both
 completions must be in one forward for the pair's loss) and packs each with shared prompts, so a pair costs
 its prompt once plus its two completions. ``PreferenceRun`` is the SFT trainer's run (``run_loop.SupervisedRun``:
-one run folder, atomic checkpoints, exact resume, metrics.jsonl) with pairs for data; a subclass loads its
-model and writes ``train_step`` and ``validate``.
+one run folder, atomic checkpoints, exact resume, metrics.jsonl) with pairs for data, on one process or every
+rank of a group (``ranks.py``: rank 0 holds the run folder, each rank trains on its share of the pairs); a
+subclass loads its model (``models.py``) and writes ``train_step`` and ``validate``.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from reinforge.config.preference_schema import DPOConfig, RMConfig, validate_pre
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import resolve_device
-from reinforge.engine.distributed import all_reduce
+from reinforge.engine.distributed import all_reduce, barrier, init_distributed
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
 from reinforge.engine.packing import attach_plan
-from reinforge.engine.train_step import UpdateSettings
+from reinforge.engine.train_step import MiniBatchCounts, ModelUpdate, UpdateSettings
 from reinforge.models import load_tokenizer, save_hf_folder, warn_if_beyond_context
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
+from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state
+from reinforge.trainer.preference.ranks import SilentTracker, rank_share
 from reinforge.trainer.preflight import check_devices, check_loggers, require_logger_packages, require_model_and_data
 from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
@@ -109,10 +112,13 @@ class PreferenceRun(SupervisedRun):
         data, trainer = config.data, config.trainer
         self.run_dir = Path(trainer.output_dir)
         preflight_preference(config)
-        self.open_run_folder(trainer.resume, trainer.keep_last, RESUME_REFUSES)
+        self.device = resolve_device(trainer.device)
+        self.rank, self.world_size = init_distributed(device_type=self.device.type)
+        if self.device.type == "cuda":  # the rank's own device (LOCAL_RANK)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._open_run_folder_on_every_rank(trainer.resume, trainer.keep_last)
         torch.manual_seed(trainer.seed)
         np.random.seed(trainer.seed)
-        self.device = resolve_device(trainer.device)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                         trust_remote_code=config.model.trust_remote_code)
         if data.chat_template:
@@ -132,9 +138,31 @@ class PreferenceRun(SupervisedRun):
         self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                               grad_clip=trainer.grad_clip, seed=trainer.seed,
                                               mask_key="response_mask")
-        self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
-                               project=trainer.project_name, experiment=trainer.experiment_name)
+        self.tracker = (Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
+                                project=trainer.project_name, experiment=trainer.experiment_name)
+                        if self.rank == 0 else SilentTracker())
         self.step = 0
+
+    def _open_run_folder_on_every_rank(self, resume: str, keep_last: int) -> None:
+        """Rank 0 locks the run folder, picks the checkpoint to resume from and writes config.yaml
+        (``open_run_folder``); then the other ranks pick the same checkpoint, reading only."""
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                self.open_run_folder(resume, keep_last, RESUME_REFUSES)
+            except BaseException as error:
+                failure = error
+        if self.world_size > 1:
+            failed = all_reduce([float(failure is not None)], self.device)[0]
+            if failure is None and failed:
+                raise RuntimeError(f"rank 0 could not open the run folder {self.run_dir}; its error says why")
+        if failure is not None:
+            raise failure
+        if self.rank != 0:
+            self.checkpoints = CheckpointManager(self.run_dir, keep_last)
+            self._resume_folder = self.checkpoints.resolve(resume, set_aside=False)
+            self._resume_state = None if self._resume_folder is None else load_trainer_state(self._resume_folder)
+            self._remove_old_checkpoints = False
 
     def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
         data = self.config.data
@@ -146,11 +174,32 @@ class PreferenceRun(SupervisedRun):
         raise NotImplementedError
 
     def micro_batches(self, batch: Batch) -> Iterator[Batch]:
-        """The micro-batches of ``batch`` on the device, without an update (validation, scoring)."""
-        for micro in pair_micro_batches(batch, self.config.trainer.max_tokens_per_micro_batch, "response_mask"):
+        """The micro-batches of this rank's share of ``batch`` on the device, without an update (validation,
+        scoring); every rank makes the same number."""
+        budget = self.config.trainer.max_tokens_per_micro_batch
+        for micro in pair_micro_batches(rank_share(batch), budget, "response_mask"):
             yield micro.to(self.device)
 
+    def update(self, batch: Batch) -> tuple[ModelUpdate, Iterator[tuple[Batch, MiniBatchCounts]]]:
+        """One optimizer step over ``batch``: the update and its micro-batches of this rank's share of the pairs,
+        each with the counts of the whole batch over every rank."""
+        update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
+                             split=pair_micro_batches)
+        return update, update.micro_batches(rank_share(batch))
+
     # ---- the run ------------------------------------------------------------------------
+    def save(self) -> Path:
+        """The checkpoint of the current step: rank 0 writes it, every rank takes part in gathering its weights."""
+        if self.world_size == 1:
+            return super().save()
+        if self.rank == 0:
+            folder = super().save()
+        else:
+            folder = self.checkpoints.folder_of(self.step)
+            self.write_checkpoint(folder)  # the collective gathers; only rank 0 writes files
+        barrier()
+        return folder
+
     def write_checkpoint(self, folder: Path) -> None:
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
         save_hf_folder(self.model, self.tokenizer, folder / "hf")

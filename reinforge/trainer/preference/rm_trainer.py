@@ -4,18 +4,23 @@ The model is transformers' ``AutoModelForSequenceClassification`` with one label
 a causal LM gets a new ``score`` head (seeded by ``trainer.seed``), a classification model keeps its own. Its
 reward for a sequence is the head at the sequence's last token (EOS included), where the reward-model worker
 of ``reinforge train`` reads it. Both completions of a pair go through one packed forward that computes their
-prompt once. The loss is ``algorithms.preference_losses.bradley_terry_loss`` (margins from the data's
+prompt once. The model is made ready as DPO's policy is (``preference.models``: float32 master weights, FSDP2
+computing in ``model.dtype`` with the backbone and the head as root units, fused kernels and compiled decoder
+layers on CUDA, ``model.gradient_checkpointing``; ``model.lora`` trains adapters and the whole score head, the
+base frozen in the compute dtype), on one device or on every rank of a torchrun group (``preference.ranks``). The loss is ``algorithms.preference_losses.bradley_terry_loss`` (margins from the data's
 ``margin`` column, centring by ``rm.center_rewards_coefficient``), averaged over the step's pairs.
 
 Metrics (TRL's RewardTrainer's names): ``accuracy`` (the share of pairs whose chosen completion scores higher),
 ``margin`` (the mean r_chosen - r_rejected), ``min_reward``, ``mean_reward``, ``max_reward`` and
 ``num_tokens`` (tokens put through the model so far), with ``eval_`` before each on the validation pairs, and
 ``train/loss``, ``train/lr``, ``train/grad_norm``. Every checkpoint's ``hf/`` folder is a standard
-sequence-classification folder (``num_labels=1``, ``pad_token_id`` set) that ``reward.reward_model.model_path``
-loads.
+sequence-classification folder (``num_labels=1``, ``pad_token_id`` set; with LoRA the adapters merged in) that
+``reward.reward_model.model_path`` loads, and ``reinforge export`` writes the same from the trainer state.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -23,29 +28,30 @@ from transformers import AutoModelForSequenceClassification
 
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
-from reinforge.engine.attention import use_varlen_attention
-from reinforge.engine.device import autocast_context
 from reinforge.engine.forward import last_token_scores
-from reinforge.engine.train_step import ModelUpdate
 from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path
 from reinforge.protocol import Batch
-from reinforge.trainer.preference.pairs import PreferenceRun, pair_micro_batches
+from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
+from reinforge.trainer.preference.pairs import PreferenceRun
+from reinforge.trainer.preference.ranks import PairValues
+from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
 
 def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote_code: bool = False,
-                                   attn_implementation: str = "sdpa",
+                                   attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
                                    device: torch.device | str = "cpu") -> nn.Module:
-    """A one-label sequence classifier from ``path`` (a causal LM gets a new score head), in float32, with the
+    """A one-label sequence classifier from ``path`` (a causal LM gets a new score head) in ``dtype``, with the
     tokenizer's pad id in its config (transformers' own forward pools the last token that is not padding)."""
     if is_local_path(path):
         check_model_folder(path)
     with hub_errors_explained(path):
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
             attn_implementation=attn_implementation)
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ValueError(f"model.path={path} loads as {type(model).__name__}, whose head is not a linear layer named "
                          "'score'; reinforge rm trains transformers' sequence-classification classes")
+    model.score.float()  # a new head starts in float32 (its master weights), whatever the backbone's dtype
     model.config.pad_token_id = pad_token_id
     model.config.use_cache = False
     return model.to(device)
@@ -56,6 +62,7 @@ class RewardModelTrainer(PreferenceRun):
 
     def __init__(self, config: RMConfig):
         self.num_tokens = 0.0
+        self.peft_model: nn.Module | None = None
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
@@ -63,36 +70,40 @@ class RewardModelTrainer(PreferenceRun):
         model = load_reward_model_for_training(model_config.path, pad_token_id=self.pad_token_id,
                                                trust_remote_code=model_config.trust_remote_code,
                                                attn_implementation=model_config.attn_implementation,
-                                               device=self.device)
-        if model_config.gradient_checkpointing not in ("auto", False, 0):
-            from reinforge.models.loading import enable_gradient_checkpointing
-
-            enable_gradient_checkpointing(model)
-        use_varlen_attention(model)  # packed rows: attention stays within each sequence
+                                               dtype=load_dtype(model_config, self.device), device=self.device)
+        self.model_class = type(model)  # before sharding wraps the class
+        # the packed forward calls the backbone and the head apart (engine.forward.last_token_scores)
+        self.peft_model = prepare_trained_model(model, model_config, self.device, seed=self.config.trainer.seed,
+                                                head="score", roots=[model.base_model, model.score])
         return model
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """actor_state.pt and hf/, a sequence-classification folder (with LoRA: the adapters merged in, the score
+        head as trained, and adapter/ beside it with the adapters alone)."""
+        save_training_state(folder, self.model, self.optimizer, self.scheduler)
+        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf",
+                               lora=self.config.model.lora if self.peft_model is not None else None,
+                               base_model_path=self.config.model.path)
 
     def _pair_rewards(self, micro: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """(chosen rewards, rejected rewards, pair weights), each (pairs,)."""
-        with autocast_context(self.device, self.config.model.dtype):
-            rewards = last_token_scores(self.model, micro).squeeze(-1)
+        rewards = last_token_scores(self.model, micro).squeeze(-1)  # the FSDP units compute in model.dtype
         return rewards[0::2], rewards[1::2], micro["pair_weight"][0::2]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
-                             split=pair_micro_batches)
-        chosen_parts, rejected_parts = [], []
+        update, micro_batches = self.update(batch)
+        tally = PairValues()
         coefficient = self.config.rm.center_rewards_coefficient
-        for micro, counts in update.micro_batches(batch):
+        for micro, counts in micro_batches:
             chosen, rejected, weights = self._pair_rewards(micro)
             losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
             loss = (losses * weights).sum() / (counts.num_sequences / 2)
             update.backward(loss, {"preference_loss": loss})
-            real = weights > 0
-            chosen_parts.append(chosen.detach()[real].cpu())
-            rejected_parts.append(rejected.detach()[real].cpu())
+            tally.add(weights > 0, chosen=chosen, rejected=rejected)
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
-        return {**reward_metrics(torch.cat(chosen_parts), torch.cat(rejected_parts)), "num_tokens": self.num_tokens,
+        values = tally.gathered()
+        return {**reward_metrics(values["chosen"], values["rejected"]), "num_tokens": self.num_tokens,
                 "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}
@@ -103,18 +114,17 @@ class RewardModelTrainer(PreferenceRun):
         if self.val_loader is None:
             return {}
         self.model.eval()
-        chosen_parts, rejected_parts, losses = [], [], []
+        tally = PairValues()
         coefficient = self.config.rm.center_rewards_coefficient
         for batch in self.val_loader.batches_of_one_pass():
             for micro in self.micro_batches(batch):
                 chosen, rejected, weights = self._pair_rewards(micro)
-                real = weights > 0
-                chosen_parts.append(chosen[real].cpu())
-                rejected_parts.append(rejected[real].cpu())
-                losses.append(bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)[real].cpu())
+                losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
+                tally.add(weights > 0, chosen=chosen, rejected=rejected, loss=losses)
         self.model.train()
-        metrics = reward_metrics(torch.cat(chosen_parts), torch.cat(rejected_parts))
-        metrics["loss"] = float(torch.cat(losses).mean())
+        values = tally.gathered()
+        metrics = reward_metrics(values["chosen"], values["rejected"])
+        metrics["loss"] = float(values["loss"].mean())
         return {f"eval_{key}": value for key, value in metrics.items()}
 
     def checkpoint_extras(self) -> dict[str, float]:

@@ -74,3 +74,23 @@ def test_the_reference_pass_compiles_the_graphs_the_training_step_runs(pair_args
     finally:
         trainer.tracker.close()
         trainer.release_run_folder()
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_the_reward_model_trains_sharded_with_compiled_layers_in_bf16(pair_args, tmp_path, lora):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForSequenceClassification
+
+    torch._dynamo.reset()
+    counters.clear()
+    run_dir = tmp_path / "rm"
+    settings = {"trainer.device": "cuda", "model.dtype": "bfloat16", "model.lora.rank": lora, "model.lora.alpha": 8,
+                "trainer.total_steps": 3, "optim.lr": 1e-2}
+    assert main(["rm", *pair_args(run_dir, **settings)]) == 0
+    assert counters["stats"]["unique_graphs"] > 0  # the decoder layers ran compiled
+    records = metrics_of(run_dir)
+    assert all(math.isfinite(record["train/loss"]) for record in records)
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+    folder = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "hf"
+    AutoModelForSequenceClassification.from_pretrained(folder)  # what reward.reward_model loads

@@ -125,10 +125,47 @@ def test_a_malformed_row_fails_in_one_line_before_the_tokenizer_or_model_loads(p
     ("trainer.max_tokens_per_micro_batch=100", "trainer.max_tokens_per_micro_batch=100 is smaller than 2 x "
      "data.max_length=2048, so one pair (its prompt and both completions) may not fit one micro-batch; raise it"),
     ("rm.center_rewards_coefficient=-1", "rm.center_rewards_coefficient=-1.0 must be a finite number >= 0"),
-    ("model.lora.rank=8", "model.lora.rank=8: reinforge rm trains every parameter and would ignore the adapters"),
     ("data.truncation=right", "data.truncation='right' is not one of drop, error"),
 ])
 def test_settings_that_cannot_work_are_refused_as_the_config_loads(override, message):
     with pytest.raises(ConfigError) as error:
         load_rm_config(None, [override])
     assert str(error.value).startswith(message)
+
+
+def a_packed_pair_and_its_padded_rows(tokenizer):
+    """One pair packed as training packs it, and its two sequences right-padded as transformers reads them."""
+    row = {"prompt": [{"role": "user", "content": "question 7?"}], "chosen": [{"role": "assistant", "content": "yes"}],
+           "rejected": [{"role": "assistant", "content": "no, sorry"}]}
+    pair = tokenize_pair(tokenizer, row, PreferenceKeys())
+    batch = attach_plan(collate_pairs([pair], [0], tokenizer.pad_token_id), share_prompts=True)
+    sequences = [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + pair.rejected_ids]
+    width = max(map(len, sequences))
+    padded = {"input_ids": torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in sequences]),
+              "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids in sequences])}
+    return batch, padded
+
+
+def test_rm_trains_lora_adapters_and_its_whole_score_head_and_exports_the_merged_classifier(pair_args, tmp_path):
+    run_dir = tmp_path / "lora"
+    lora = {"model.lora.rank": 4, "model.lora.alpha": 8, "optim.lr": 1e-2, "trainer.total_steps": 3}
+    trainer = RewardModelTrainer(load_rm_config(None, pair_args(run_dir, **lora)))
+    trainer.fit()
+    trained = {name for name, parameter in trainer.model.named_parameters() if parameter.requires_grad}
+    assert "score.weight" in trained and all("lora_" in name or name == "score.weight" for name in trained)
+    records = metrics_of(run_dir)
+    assert records[-1]["train/loss"] < records[0]["train/loss"]
+
+    folder = latest_checkpoint(run_dir) / "hf"  # the adapters merged in, the trained head
+    assert (folder.parent / "adapter" / "adapter_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch, padded = a_packed_pair_and_its_padded_rows(tokenizer)
+    trainer.model.eval()
+    with torch.no_grad():
+        trained_scores = last_token_scores(trainer.model, batch).squeeze(-1)
+        saved = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+        torch.testing.assert_close(saved(**padded).logits.squeeze(-1), trained_scores, atol=1e-4, rtol=1e-4)
+        exported = tmp_path / "exported"
+        assert main(["export", str(run_dir), str(exported)]) == 0
+        again = AutoModelForSequenceClassification.from_pretrained(exported).eval()
+        torch.testing.assert_close(again(**padded).logits.squeeze(-1), trained_scores, atol=1e-4, rtol=1e-4)
