@@ -62,3 +62,11 @@ def test_a_mixture_of_experts_reads_the_experts_its_batch_chooses():
     per_expert = 2 * 3 * model.hidden_size * model.expert_intermediate_size * model.num_layers
     assert many - one == pytest.approx(per_expert * 128 * ((1 - 8 / 128) - (1 - 8 / 128) ** 512))
     assert many == pytest.approx(2 * (model.num_params - model.vocab_size * model.hidden_size), rel=1e-3)
+
+
+def test_latent_attention_reads_its_latent_and_rotary_key():
+    # DeepSeek-V2-Lite's attention sizes: a 512-wide latent and a 64-wide rotary key per token and layer
+    mla = ModelShape.from_hf_config(dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+        intermediate_size=10944, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+    assert rollout_floor(mla, [0], [100]).kv_bytes == 27 * (512 + 64) * 2 * sum(range(100))

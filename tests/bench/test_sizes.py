@@ -126,3 +126,18 @@ def test_a_shape_whose_weights_the_disk_cannot_hold_is_refused_before_any_weight
                                          r"40 GiB free; point TMPDIR at a larger disk"):
         train.write_model(tmp_path, tiny=False, size="qwen3-30b-a3b")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_bench_train_case_gets_the_time_left_as_its_own_deadline(tmp_path, monkeypatch):
+    args = argparse.Namespace(deadline_s=300.0, case_options=["--steps", "2"])
+    case = sizes.CaseRunner(args, [], tmp_path, {})
+    commands = []
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path: commands.append(command))
+    case.run_reinforge("1.5b", tmp_path / "model")
+    [command] = commands
+    deadline = float(command[command.index("--deadline-s") + 1])
+    assert 300 - 2 * sizes.MARGIN_S - 2 <= deadline <= 300 - 2 * sizes.MARGIN_S  # before this process ends it
+    assert command[command.index("--steps") + 1] == "2"
+    case.args.deadline_s = None
+    case.run_reinforge("1.5b", tmp_path / "model")
+    assert "--deadline-s" not in commands[-1]
