@@ -4,6 +4,7 @@ metrics, checkpoints and exported reward model of one process within rounding.""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -51,7 +52,7 @@ def scores(folder: Path) -> torch.Tensor:
 def test_two_gloo_processes_train_like_one(command, pair_args, pairs_dir, tmp_path):
     # 7 pairs a step: rank 1 gets 3 of them, and of the last batch of 4 pairs each rank 2
     settings = {"data.val_files": f"[{pairs_dir / 'val.jsonl'}]", "data.batch_size": 7, "trainer.total_steps": 3,
-                "data.max_train_samples": 18}
+                "data.max_train_samples": 18, "trainer.save_every": 2}
     load, trainer_class = TRAINERS[command]
     one = tmp_path / "one"
     trainer_class(load(None, pair_args(one, **settings))).fit()
@@ -70,6 +71,12 @@ def test_two_gloo_processes_train_like_one(command, pair_args, pairs_dir, tmp_pa
     if command == "rm":
         folder = sorted((two / "checkpoints").glob("step_*"))[-1] / "hf"
         reference = sorted((one / "checkpoints").glob("step_*"))[-1] / "hf"
+        torch.testing.assert_close(scores(folder), scores(reference), atol=1e-5, rtol=1e-4)
+        # stopped after its step-2 checkpoint, the two-rank run resumes there and ends as before
+        shutil.rmtree(folder.parent)
+        run_gloo_ranks(script, command, *pair_args(two, **settings))
+        assert [record["step"] for record in metrics_of(two)] == [0, 1, 2, 3]
+        assert metrics_of(two)[-1]["train/loss"] == pytest.approx(second[-1]["train/loss"], rel=1e-5)
         torch.testing.assert_close(scores(folder), scores(reference), atol=1e-5, rtol=1e-4)
     else:
         torch.testing.assert_close(torch.load(two / REFERENCE_FILE, weights_only=True)["train"],
