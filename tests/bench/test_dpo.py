@@ -18,6 +18,7 @@ def test_the_cpu_smoke_run_times_steps_and_the_reference_pass(tmp_path):
     assert reinforge["packed_tokens_per_step"] == 4 * (8 + 2 * 16)  # a pair's prompt once
     assert reinforge["reference_pass_pairs"] == 4 * 2  # every pair of the run's two steps
     assert reinforge["reference_pairs_per_s"] > 0 and reinforge["training_pairs_per_s"] > 0
+    assert 0 < reinforge["reference_first_micro_batch_s"] < reinforge["reference_pass_s"]
 
 
 def test_trl_is_compared_on_a_gpu_only():

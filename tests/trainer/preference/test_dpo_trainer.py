@@ -35,7 +35,8 @@ def test_dpo_starts_at_its_reference_and_logs_trls_metrics(pair_args, pairs_dir,
     assert before["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference at step 1
     assert first["reference/num_pairs"] == 32 + 16  # the training and the validation pairs, logged once
-    assert first["timing_s/reference_pass"] > 0 and "reference/num_pairs" not in last
+    assert 0 < first["timing_s/reference_first_micro_batch"] < first["timing_s/reference_pass"]
+    assert first["perf/reference_pairs_per_s"] > 0 and "reference/num_pairs" not in last
     for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected", "num_tokens", "eval_rewards/accuracies"):
         assert key in last, key
