@@ -36,11 +36,15 @@ class AgentLoopOutput:
     """Seconds in generate_sequences and tool_calls, counts of tool calls, errors, truncations."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form: tool_rewards (list of per-call rewards), ..."""
+    multi_modal_inputs: dict[str, Any] | None = None
+    """A vision-language trajectory's images, the prompt's then its tool turns' (``pixel_values``,
+    ``image_grid_thw``); None without images."""
 
 
 class TokenClient(Protocol):
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
-        """One sample (``sampling.n`` is 1) continuing ``prompt_ids``."""
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
+                       multi_modal_inputs: dict[str, Any] | None = None) -> Completion:
+        """One sample (``sampling.n`` is 1) continuing ``prompt_ids`` (with the images of its image pad tokens)."""
         ...
 
 
@@ -56,6 +60,8 @@ class AgentContext:
     chat_template: str | None = None
     renderer: Any = None
     """The ToolTurnRenderer of the tokenizer and template, made by the first loop that needs it."""
+    processor: Any = None
+    """A vision-language model's processor (turns tool images into image tokens and pixels); None for text."""
 
 
 class AgentLoop:

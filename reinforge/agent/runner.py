@@ -30,8 +30,10 @@ class AsyncEngineClient:
     def __init__(self, engine: Any):
         self.engine = engine
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
-        return (await self.engine.generate_async(GenerationRequest(prompt_ids, sampling, request_id)))[0]
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
+                       multi_modal_inputs: dict[str, Any] | None = None) -> Completion:
+        request = GenerationRequest(prompt_ids, sampling, request_id, multi_modal_inputs=multi_modal_inputs)
+        return (await self.engine.generate_async(request))[0]
 
     async def generate_streamed(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
                                 on_token: Callable[[int, float], None]) -> Completion:
@@ -55,9 +57,11 @@ class BatchingClient:
         self._flusher: asyncio.Task | None = None
         self.num_calls = 0
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
+                       multi_modal_inputs: dict[str, Any] | None = None) -> Completion:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((GenerationRequest(prompt_ids, sampling, request_id), future))
+        request = GenerationRequest(prompt_ids, sampling, request_id, multi_modal_inputs=multi_modal_inputs)
+        self._pending.append((request, future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         return await future
@@ -80,8 +84,8 @@ class BatchingClient:
 
     def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
         longest = max(request.sampling.max_tokens for request in requests)
-        shared = [GenerationRequest(request.prompt_token_ids, dataclasses.replace(request.sampling, max_tokens=longest),
-                                    request.request_id) for request in requests]
+        shared = [dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=longest))
+                  for request in requests]
         with self.call_context():
             samples = self.engine.generate(shared)
         self.num_calls += 1
@@ -98,8 +102,10 @@ class AgentRunner:
     """Builds each row's loop and runs them all concurrently; ``metrics`` summarises the last run."""
 
     def __init__(self, tokenizer: Any, config: MultiTurnConfig, tools: dict[str, Any] | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, processor: Any = None):
+        """processor: a vision-language model's (tools may then return images; see ``tool_images.py``)."""
         self.tokenizer = tokenizer
+        self.processor = processor
         self.config = config
         self.tools = dict(tools or {})
         self.chat_template = chat_template
@@ -112,7 +118,8 @@ class AgentRunner:
 
     async def run_async(self, rows: list[dict[str, Any]], samplings: list[SamplingParams],
                         client: TokenClient) -> list[AgentLoopOutput]:
-        context = AgentContext(self.tokenizer, client, self.config, self.tools, self.chat_template, self._renderer)
+        context = AgentContext(self.tokenizer, client, self.config, self.tools, self.chat_template, self._renderer,
+                               self.processor)
         tasks = []
         for row, sampling in zip(rows, samplings, strict=True):
             loop = get_agent_loop(agent_name_of(row.get("agent_name")))(context)

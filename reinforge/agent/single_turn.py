@@ -14,9 +14,11 @@ class SingleTurnLoop(AgentLoop):
     async def run(self, sampling: SamplingParams, **row: Any) -> AgentLoopOutput:
         prompt_ids = list(row["prompt_ids"])
         start = time.perf_counter()
-        completion = await self.context.client.generate(prompt_ids, sampling, str(row.get("request_id", "")))
+        images = row.get("multi_modal_inputs") or None
+        completion = await self.context.client.generate(prompt_ids, sampling, str(row.get("request_id", "")),
+                                                        **({"multi_modal_inputs": images} if images else {}))
         return AgentLoopOutput(
-            prompt_ids=prompt_ids, response_ids=list(completion.token_ids),
+            multi_modal_inputs=images, prompt_ids=prompt_ids, response_ids=list(completion.token_ids),
             response_mask=[1] * len(completion.token_ids), response_log_probs=list(completion.log_probs),
             num_turns=2, finish_reason=completion.finish_reason,
             metrics={"generate_sequences": time.perf_counter() - start, "tool_calls": 0.0})

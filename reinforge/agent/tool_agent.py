@@ -8,7 +8,9 @@ saying they were not run and counted in ``tool_calls_cut`` (verl drops them sile
 malformed call, an unknown tool or a tool that raises becomes a tool message explaining the
 problem, with reward 0; the loop goes on. Tool output is cut to ``max_tool_response_length``
 tokens (verl cuts characters). One ``max_tokens`` budget covers all sampled and tool tokens of
-the trajectory; a tool turn that would overflow it ends the trajectory (``tool_overflow``).
+the trajectory; a tool turn that would overflow it ends the trajectory (``tool_overflow``). A tool may return
+images to a vision-language model: its turn's image tokens count in the budget, and its images join the
+trajectory's (``tool_images.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from enum import Enum, auto
 from typing import Any
 
 from reinforge.agent.loop import AgentContext, AgentLoop, AgentLoopOutput, register_agent_loop
+from reinforge.agent.tool_images import encode_with_images, merged_images, tool_message
 from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
 from reinforge.agent.tools import BaseTool, ToolResult, ToolUnavailable, as_tool_result
 from reinforge.agent.turn_tokens import ToolTurnRenderer, truncate_tokens
@@ -58,7 +61,7 @@ class ToolAgentLoop(AgentLoop):
         prompt_ids = list(row["prompt_ids"])
         budget = sampling.max_tokens
         tools_kwargs = (row.get("extra_info") or {}).get("tools_kwargs") or {}
-        trajectory = _Trajectory(prompt_ids)
+        trajectory = _Trajectory(prompt_ids, row.get("multi_modal_inputs") or None)
         instances: dict[str, asyncio.Future] = {}
         state, turn = AgentState.GENERATING, 0
         calls: list[ToolCall] = []
@@ -72,8 +75,9 @@ class ToolAgentLoop(AgentLoop):
                         seed=None if sampling.seed is None else sample_seed(sampling.seed, turn),
                         stop_token_ids=tuple(dict.fromkeys((*sampling.stop_token_ids, *self.renderer.stop_ids))))
                     start = time.perf_counter()
+                    images = {"multi_modal_inputs": trajectory.images} if trajectory.images else {}
                     completion = await client.generate(prompt_ids + trajectory.response_ids, turn_sampling,
-                                                       f"{row.get('request_id', '')}/{turn}")
+                                                       f"{row.get('request_id', '')}/{turn}", **images)
                     trajectory.metrics["generate_sequences"] += time.perf_counter() - start
                     trajectory.append(completion.token_ids, completion.log_probs, sampled=True)
                     # a turn stopped by a stop token other than the end-of-turn token (rollout.stop_token_ids) is
@@ -89,13 +93,14 @@ class ToolAgentLoop(AgentLoop):
                     start = time.perf_counter()
                     results = await self._run_calls(calls, tools_kwargs, instances, trajectory)
                     trajectory.metrics["tool_calls"] += time.perf_counter() - start
-                    increment = closing + self.renderer.increment([{"role": "tool", "content": result.text}
-                                                                   for result in results])
+                    increment, turn_images = self._tool_turn(results)
+                    increment = closing + increment
                     if len(trajectory.response_ids) + len(increment) >= budget:
                         trajectory.metrics["tool_overflow"] = 1.0
                         state, trajectory.finish_reason = AgentState.TERMINATED, "tool_overflow"
                         continue
                     trajectory.append(increment, [0.0] * len(increment), sampled=False)
+                    trajectory.images = merged_images(trajectory.images, turn_images)
                     trajectory.user_turns += 1
                     state = AgentState.GENERATING
         finally:
@@ -108,6 +113,17 @@ class ToolAgentLoop(AgentLoop):
                 if isinstance(error, Exception):  # the trajectory stands; a leaking tool should still be seen
                     logger.warning("tool %r: release failed: %s: %s", name, type(error).__name__, error)
         return trajectory.output()
+
+    def _tool_turn(self, results: list[ToolResult]) -> tuple[list[int], dict | None]:
+        """The tool turn's token ids (after the end-of-turn token) and, when its results hold images, their pixels."""
+        images = [image for result in results for image in result.images]
+        messages = [tool_message(result.text, result.images) for result in results]
+        if not images:
+            return self.renderer.increment(messages), None
+        if self.context.processor is None:
+            raise ValueError("a tool returned an image but the model has no image processor (a text model); "
+                             "return text from the tool, or train a vision-language model")
+        return encode_with_images(self.context.processor, self.renderer.increment_text(messages), images)
 
     def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,
                           finish_reason: str) -> tuple[AgentState, str]:
@@ -145,7 +161,7 @@ class ToolAgentLoop(AgentLoop):
                 trajectory.tool_rewards.append(float(result.reward))
             text, was_cut = self._truncate(result.text)
             metrics["tool_response_truncated"] += was_cut
-            truncated.append(ToolResult(text, result.reward, result.metrics))
+            truncated.append(result._replace(text=text))
         return truncated
 
     async def _call(self, call: ToolCall, tools_kwargs: dict[str, Any],
@@ -236,8 +252,10 @@ async def _no_exit(awaitable: Any) -> Any:
 
 
 class _Trajectory:
-    def __init__(self, prompt_ids: list[int]):
+    def __init__(self, prompt_ids: list[int], images: dict | None = None):
         self.prompt_ids = prompt_ids
+        self.images = images
+        """The images so far, the prompt's then the tool turns' (``tool_images.merged_images``)."""
         self.response_ids: list[int] = []
         self.response_mask: list[int] = []
         self.log_probs: list[float] = []
@@ -258,4 +276,5 @@ class _Trajectory:
         return AgentLoopOutput(
             prompt_ids=self.prompt_ids, response_ids=self.response_ids, response_mask=self.response_mask,
             response_log_probs=self.log_probs, num_turns=self.user_turns + self.assistant_turns + 1,
-            finish_reason=self.finish_reason, metrics=self.metrics, extra={"tool_rewards": self.tool_rewards})
+            finish_reason=self.finish_reason, metrics=self.metrics, extra={"tool_rewards": self.tool_rewards},
+            multi_modal_inputs=self.images)

@@ -26,6 +26,8 @@ class ToolResult(NamedTuple):
     metrics: dict[str, float] = {}
     """Numbers summed per tool (``agent/tool/<name>/<key>``); ``tool_error`` marks a failed call, and ``service_error``
     one that failed because the tool's service did not run it (a sandbox down: the model's call was not at fault)."""
+    images: tuple = ()
+    """Images (PIL) the model sees before the text, for a vision-language model (``agent/tool_images.py``)."""
 
 
 class ToolUnavailable(RuntimeError):
@@ -105,7 +107,9 @@ def as_tool_result(value: Any) -> ToolResult:
     Metrics that are not a mapping of names to numbers raise ValueError (the loop answers the call with it)
     rather than fail later, where they would stop the whole rollout."""
     if isinstance(value, ToolResult):
-        text, reward, metrics = value
+        text, reward, metrics, images = value
+        return ToolResult(_as_text(text), None if reward is None else float(reward), _as_metrics(metrics),
+                          tuple(images))
     elif isinstance(value, tuple) and 1 <= len(value) <= 3:
         text, reward, metrics = (*value, None, None)[:3]
     else:

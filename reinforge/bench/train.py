@@ -209,6 +209,7 @@ def scored_batch(args: argparse.Namespace, vocab_size: int, step: int, rollout):
     batch = prompt_batch(args, vocab_size, step)
     batch.tensors.pop("input_ids")
     batch.tensors.pop("attention_mask")
+    batch.non_tensors.pop("multi_modal_inputs", None)  # the rollout returns the images with its sequences
     batch = batch | rollout
     batch["token_level_scores"] = rule_reward(batch)
     return batch

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import SamplingParams
 
 
@@ -51,10 +51,12 @@ def summarize_validation(records: list[dict[str, Any]], num_samples: int) -> dic
 
 
 def without_prompt_tensors(batch: Batch) -> Batch:
-    """The batch minus the prompt-only tensors that generation replaces with whole sequences."""
+    """The batch minus the prompt-only tensors that generation replaces with whole sequences (and the prompts'
+    images, which generation returns with the images its tools added)."""
     kept = Batch(dict(batch.tensors), dict(batch.non_tensors), dict(batch.meta))
     kept.tensors.pop("input_ids", None)
     kept.tensors.pop("attention_mask", None)
+    kept.non_tensors.pop(MULTI_MODAL_KEY, None)
     return kept
 
 

@@ -18,11 +18,11 @@ import torch
 from reinforge.agent import AgentLoopOutput, agent_name_of
 from reinforge.agent.runner import tool_call_counts
 from reinforge.engine.forward import build_position_ids
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.rollout.noise import sample_seed
 
-ROW_COLUMNS = ("raw_prompt", "extra_info", "agent_name", "index", "uid", "data_source", "ground_truth")
+ROW_COLUMNS = ("raw_prompt", "extra_info", "agent_name", "index", "uid", "data_source", "ground_truth", MULTI_MODAL_KEY)
 
 
 def uses_agent_loops(batch: Batch) -> bool:
@@ -53,7 +53,8 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
                        pad_token_id: int) -> Batch:
     """prompts (left-padded), responses (right-padded), response_mask, attention_mask, position_ids, input_ids,
     rollout_log_probs, finished_by_stop; non-tensors num_turns, tool_rewards, agent_reward_score and tool_call_counts
-    (``agent.runner.tool_call_counts``: the calls that reached a tool, and those that failed)."""
+    (``agent.runner.tool_call_counts``: the calls that reached a tool, and those that failed), and, when a trajectory
+    has images, each one's (its prompt's and its tool turns', ``MULTI_MODAL_KEY``; {} for a row without)."""
     num_rows = len(outputs)
     prompt_width = max(prompt_width, *(len(output.prompt_ids) for output in outputs))
     prompts = np.full((num_rows, prompt_width), pad_token_id, dtype=np.int64)
@@ -75,6 +76,8 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
         log_probs[row, :length] = output.response_log_probs
     prompts_t, responses_t = torch.from_numpy(prompts), torch.from_numpy(responses)
     attention_mask = torch.cat([torch.from_numpy(prompt_mask), torch.from_numpy(in_response)], dim=1)
+    images = {MULTI_MODAL_KEY: [output.multi_modal_inputs or {} for output in outputs]} \
+        if any(output.multi_modal_inputs for output in outputs) else {}
     return Batch.from_dict(
         tensors={"prompts": prompts_t, "responses": responses_t, "response_mask": torch.from_numpy(response_mask),
                  "input_ids": torch.cat([prompts_t, responses_t], dim=1), "attention_mask": attention_mask,
@@ -83,5 +86,5 @@ def agent_output_batch(outputs: list[AgentLoopOutput], prompt_width: int, respon
         non_tensors={"num_turns": [output.num_turns for output in outputs],
                      "tool_rewards": [list(output.extra.get("tool_rewards", [])) for output in outputs],
                      "agent_reward_score": [output.reward_score for output in outputs],
-                     "tool_call_counts": [tool_call_counts(output) for output in outputs]},
+                     "tool_call_counts": [tool_call_counts(output) for output in outputs], **images},
     )

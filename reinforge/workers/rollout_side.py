@@ -241,7 +241,7 @@ class RolloutSide:
         """The rollout's own copy of the weights (compute dtype), or None where it reads the training model."""
         register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
         self.agent_runner = AgentRunner(tokenizer, config.rollout.multi_turn, load_tools(config.rollout.multi_turn),
-                                        config.data.chat_template)
+                                        config.data.chat_template, _vision_processor(config))
         self.tool_failure_check = ToolFailureCheck(sorted(self.agent_runner.tools))
 
     @classmethod
@@ -349,6 +349,7 @@ class RolloutSide:
                      "input_ids": torch.cat([prompt_ids, responses], dim=1), "attention_mask": attention_mask,
                      "position_ids": build_position_ids(attention_mask), "rollout_log_probs": rollout_log_probs,
                      "finished_by_stop": finish_stop},
+            non_tensors={} if images is None else {MULTI_MODAL_KEY: images},  # the sequences' images, as they came
             meta={"rollout_metrics": dict(getattr(self.rollout_engine, "last_metrics", {}))},
         )
         phases.lap("assemble")
@@ -400,6 +401,15 @@ class RolloutSide:
             raise
         self.rollout_engine.sleep()
         phases.lap("sleep")
+
+
+def _vision_processor(config: Config) -> Any:
+    """A vision-language model's processor (its agents' tools may return images), else None."""
+    from reinforge.models.loading import read_model_config
+    from reinforge.models.vision import is_vision_language, load_processor
+
+    path, trust = config.model.path, config.model.trust_remote_code
+    return load_processor(path, trust) if is_vision_language(read_model_config(path, trust)) else None
 
 
 def _strategy(engine: Any) -> type[InPlaceWeights] | type[CopiedWeights]:
