@@ -4,7 +4,8 @@ A decode step of 512 sequences sends 4,096 (token, expert) assignments to 128 ex
 every expert's weights are read: the floor of the step's 48 expert layers is their bytes (57 GiB in bf16) over
 the device copy rate (``bench.floor.COPY_BYTES_PER_S``). The layers run as the engine's decode graph runs them
 (router, sort by expert, two grouped GEMMs, the Triton activation, weighting and sum), captured in one CUDA
-graph over four layers' distinct weights (no layer's weights are in L2 when it runs), replayed and timed.
+graph over four layers' distinct weights (no layer's weights are in L2 when it runs), replayed and timed: once
+with torch's grouped GEMM alone, once with the kernels the engine picks (``moe_kernels.ExpertKernelChoice``).
 Run: ``pytest -q -s -m gpu tests/rollout/test_native_moe_decode_floor.py``.
 """
 
@@ -27,6 +28,7 @@ def test_the_30b_a3b_expert_layers_of_a_512_sequence_decode_step_run_near_the_we
     from transformers import AutoConfig
 
     from reinforge.rollout.native import triton_kernels
+    from reinforge.rollout.native.moe_kernels import ExpertKernelChoice
 
     keys = shape_config("qwen3-30b-a3b")
     config = AutoConfig.for_model(keys.pop("model_type"), **keys)
@@ -43,7 +45,7 @@ def test_the_30b_a3b_expert_layers_of_a_512_sequence_decode_step_run_near_the_we
     x = torch.randn(num_sequences, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
     assert grouped_mm_applies(x)
 
-    def step() -> torch.Tensor:
+    def step(kernels: ExpertKernelChoice | None) -> torch.Tensor:
         """Every layer routes the same hidden states (random weights would shrink a chained stream towards
         ties, which send every token to the same experts); their outputs are summed as the residual is."""
         residual = torch.zeros_like(x)
@@ -51,32 +53,40 @@ def test_the_30b_a3b_expert_layers_of_a_512_sequence_decode_step_run_near_the_we
             router, gate_up, down = layers[index % distinct]
             routing_weights, expert_ids = route(x, router, None, spec, deepseek=False)
             residual += experts_forward(x, expert_ids, routing_weights, gate_up, down,
-                                        activate=triton_kernels.act_and_mul)
+                                        activate=triton_kernels.act_and_mul, kernels=kernels)
         return residual
+
+    def timed_ms(kernels: ExpertKernelChoice | None) -> float:
+        step(kernels)  # Triton compiles, cuBLAS and CUTLASS pick their kernels, the choice times both
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(kernels)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replays = 20
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / replays
 
     for router, _, _ in layers:  # every expert is read: the floor counts all of them
         assert route(x, router, None, spec, deepseek=False)[1].unique().numel() == num_experts
-    step()  # Triton compiles, cuBLAS and CUTLASS pick their kernels
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = 20
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / replays
+    torch_ms = timed_ms(None)
+    choice = ExpertKernelChoice()
+    step_ms = timed_ms(choice)  # what the engine runs
     layer_bytes = sum(tensor.nbytes for tensor in layers[0])
     floor_ms = num_layers * layer_bytes / COPY_BYTES_PER_S * 1e3
     fraction = floor_ms / step_ms
+    picked = ", ".join(f"{'Triton' if triton else 'torch'} for {cols}x{inner}"
+                       for (_, _, cols, inner, _), triton in choice.use_triton.items())
     print(f"\nQwen3-30B-A3B expert layers of one decode step ({num_sequences} sequences, top-{spec.top_k} of "
           f"{num_experts}, {num_layers} layers, {num_layers * layer_bytes / 2**30:.1f} GiB of weights): "
-          f"{step_ms:.2f} ms; weight-read floor {floor_ms:.2f} ms at {COPY_BYTES_PER_S / 1e12:.2f} TB/s: "
-          f"{fraction:.0%} of the floor's speed")
+          f"{step_ms:.2f} ms with the engine's kernels ({picked}), "
+          f"{torch_ms:.2f} ms with torch's grouped GEMM alone; weight-read floor {floor_ms:.2f} ms at "
+          f"{COPY_BYTES_PER_S / 1e12:.2f} TB/s: {fraction:.0%} of the floor's speed")
     assert fraction >= TARGET_FRACTION, (f"the expert layers take {step_ms:.2f} ms, {fraction:.0%} of the "
                                          f"{floor_ms:.2f} ms floor's speed (target {TARGET_FRACTION:.0%})")

@@ -13,7 +13,9 @@ The experts follow transformers' ``grouped_mm`` path: the (token, expert) assign
 expert, the fused gate|up and the down products run as one grouped GEMM each over the whole sorted
 batch (``offsets`` int32 cumulative ends, counted with ``histc``), each output row is scaled by its
 routing weight, put back in token order and summed over the k experts of its token. Nothing waits for
-the host, so a decode step's CUDA graph captures it. Grouped GEMMs run on CUDA in bf16; elsewhere (the
+the host, so a decode step's CUDA graph captures it. A decode step's few rows per expert make the products
+bound by reading each expert's weights once; there the Triton grouped GEMM of ``moe_kernels.py`` runs where
+it was timed faster than torch's. Grouped GEMMs run on CUDA in bf16; elsewhere (the
 CPU, float32) each assignment's expert weights are gathered and applied with one batched product, which
 is what the tests compare with transformers in float32.
 """
@@ -21,6 +23,7 @@ is what the tests compare with transformers in float32.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,9 @@ from torch import Tensor, nn
 
 from reinforge.models.architectures import LayerSpec, MoESpec
 from reinforge.rollout.native.layers import BlockContext
+
+if TYPE_CHECKING:
+    from reinforge.rollout.native.moe_kernels import ExpertKernelChoice
 
 
 def deepseek_router(model_type: str) -> bool:
@@ -120,7 +126,8 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
 
 
 def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor,
-                    grouped: bool | None = None, activate: Callable[[Tensor], Tensor] = silu_and_mul) -> Tensor:
+                    grouped: bool | None = None, activate: Callable[[Tensor], Tensor] = silu_and_mul,
+                    kernels: ExpertKernelChoice | None = None) -> Tensor:
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e, in ``hidden``'s dtype.
 
     hidden: (tokens, hidden); expert_ids, weights: (tokens, top_k); gate_up: (experts, 2 * inter, hidden),
@@ -128,6 +135,7 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     two products as grouped GEMMs over the assignments sorted by expert; otherwise each assignment's
     weights are gathered (memory grows with tokens * top_k: the CPU and test path). ``activate`` turns the
     (assignments, 2 * inter) gate|up products into (assignments, inter) (the Triton kernel on the GPU path).
+    ``kernels``: on the grouped path, picks torch's grouped GEMM or the Triton one of ``moe_kernels`` per shape.
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
@@ -141,8 +149,16 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
         counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()  # histc: floats on CPU
         offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), dim=0,
                                dtype=torch.int32)
-        activated = activate(_grouped_mm(tokens, gate_up.transpose(1, 2), offs=offsets))
-        out = _grouped_mm(activated, down.transpose(1, 2), offs=offsets)
+        def grouped_matmul(rows: Tensor, weight: Tensor) -> Tensor:  # rows @ weight[e]^T, expert by expert
+            return _grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+
+        if kernels is None:
+            activated = activate(grouped_matmul(tokens, gate_up))
+            out = grouped_matmul(activated, down)
+        else:
+            bounds = F.pad(offsets, (1, 0))
+            activated = activate(kernels(tokens, gate_up, bounds, grouped_matmul))
+            out = kernels(activated.contiguous(), down, bounds, grouped_matmul)
         out = out * flat_weights.index_select(0, order).unsqueeze(-1)
         per_assignment = torch.empty_like(out).index_copy_(0, order, out)
     else:
@@ -151,6 +167,18 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
         out = torch.bmm(activated.unsqueeze(1), down[flat_ids].transpose(1, 2)).squeeze(1)
         per_assignment = out * flat_weights.unsqueeze(-1)
     return per_assignment.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+_EXPERT_KERNELS: list[ExpertKernelChoice] = []
+
+
+def expert_kernel_choice() -> ExpertKernelChoice:
+    """The one ``moe_kernels.ExpertKernelChoice`` of the process: every layer and engine shares its timings."""
+    if not _EXPERT_KERNELS:
+        from reinforge.rollout.native.moe_kernels import ExpertKernelChoice
+
+        _EXPERT_KERNELS.append(ExpertKernelChoice())
+    return _EXPERT_KERNELS[0]
 
 
 def moe_unsupported_reason(config, spec: MoESpec, layers: nn.ModuleList) -> str | None:
@@ -188,10 +216,12 @@ class MoEMLP:
         self.deepseek = deepseek_router(spec.model_type)
         self.float32_copies = frozenset({"router", "correction_bias"} if self.deepseek else {"correction_bias"})
         self.activate = silu_and_mul
+        self.kernels: ExpertKernelChoice | None = None
         if context.use_triton:
             from reinforge.rollout.native import triton_kernels
 
             self.activate = triton_kernels.act_and_mul  # silu by default
+            self.kernels = expert_kernel_choice()
 
     def sources(self, block: nn.Module) -> dict[str, list[Tensor] | None]:
         experts, gate = block.experts, block.gate
@@ -210,7 +240,7 @@ class MoEMLP:
         routing_weights, expert_ids = route(x, weights["router"], weights["correction_bias"], self.spec,
                                             self.deepseek)
         out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"],
-                              activate=self.activate)
+                              activate=self.activate, kernels=self.kernels)
         if weights["shared_gate_up"] is not None:
             out = out + F.linear(self.activate(F.linear(x, weights["shared_gate_up"])), weights["shared_down"])
         return out
