@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from reinforge.config.schema import LoraConfig
@@ -116,11 +117,18 @@ def test_a_model_with_nothing_to_train_is_copied_whole():
     engine.sleep()
 
 
-def test_an_unsharded_lora_model_shares_its_experts_and_the_adapted_rows_stay_its_own():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_unsharded_lora_model_shares_its_experts_and_the_adapted_rows_stay_its_own(device):
+    """The engine's device named as the worker names it (``cuda``, no index) is where the parameters are."""
     model, peft_model = adapted_moe(seed=5)
+    model.to(device)
     reference = copy.deepcopy(peft_model).base_model.model
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4)
-    assert_generates_as(rollout(engine, model, peft_model), reference)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4,
+                          device=torch.device(device))
+    if device == "cpu":
+        assert_generates_as(rollout(engine, model, peft_model), reference)
+    else:
+        rollout(engine, model, peft_model)
     weights = engine.runner.decoder.weights
     experts = model.model.layers[1].mlp.experts
     assert weights.layers[1]["experts_down"].data_ptr() == experts.down_proj.data_ptr()

@@ -188,9 +188,12 @@ class ModelWeights:
         dtype = torch.float32 if keep_float32 else self.decoder.dtype
         if len(parts) == 1 and id(parts[0]) in self._in_place:
             tensor = whole(parts[0]).detach()
-            if tensor.device == self.decoder.device and tensor.dtype == dtype and tensor.is_contiguous():
-                self.shared[id(tensor)] = (tensor, parts[0])
-                return tensor
+            placed = tensor.to(self.decoder.device, dtype)  # itself where it already is (cuda is cuda:0)
+            if placed.data_ptr() != tensor.data_ptr():  # moved or cast: a copy of its own already
+                return placed.contiguous()
+            if placed.is_contiguous():
+                self.shared[id(placed)] = (placed, parts[0])
+                return placed
         return torch.cat([whole(part).detach().to(self.decoder.device, dtype) for part in parts])
 
     def is_shared(self, tensor: Tensor) -> bool:
