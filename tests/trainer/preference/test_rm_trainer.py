@@ -169,3 +169,20 @@ def test_rm_trains_lora_adapters_and_its_whole_score_head_and_exports_the_merged
         assert main(["export", str(run_dir), str(exported)]) == 0
         again = AutoModelForSequenceClassification.from_pretrained(exported).eval()
         torch.testing.assert_close(again(**padded).logits.squeeze(-1), trained_scores, atol=1e-4, rtol=1e-4)
+
+
+def test_the_reward_models_fused_layers_score_as_transformers_own(tiny_model_dir):
+    """What prepare_for_training swaps in on CUDA (fused norms and MLPs, q/k/v in the flash layout), run eagerly."""
+    import copy
+
+    from reinforge.engine.fused import fuse_elementwise, use_packed_attention_layout
+    from reinforge.trainer.preference.rm_trainer import load_reward_model_for_training
+
+    model = load_reward_model_for_training(str(tiny_model_dir), pad_token_id=0)
+    use_varlen_attention(model)
+    fused = copy.deepcopy(model)
+    assert fuse_elementwise(fused, compile=False) > 0 and use_packed_attention_layout(fused) > 0
+    batch, _ = a_packed_pair_and_its_padded_rows(AutoTokenizer.from_pretrained(tiny_model_dir))
+    with torch.no_grad():
+        torch.testing.assert_close(last_token_scores(fused, batch), last_token_scores(model, batch),
+                                   atol=1e-5, rtol=1e-5)
