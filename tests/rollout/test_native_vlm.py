@@ -3,6 +3,8 @@ greedy tokens equal ``generate``'s and log-probs a plain forward's, for prompts 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,8 @@ from reinforge.models.tiny import build_tiny_causal_lm
 from reinforge.models.tiny_vlm import build_tiny_processor, build_tiny_vlm
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, supports_model
+from reinforge.rollout.native.model import whole
+from reinforge.rollout.native.multimodal import VisionTower
 
 ARCHITECTURES = ["qwen2_5_vl", "qwen3_vl"]
 SIZES = {0: [], 1: [(40, 56)], 2: [(32, 32), (48, 24)]}
@@ -72,6 +76,24 @@ def greedy_reference(model, inputs: dict, max_tokens: int) -> list[int]:
 def test_the_engine_runs_vision_language_models(vlm):
     model, _ = vlm
     assert supports_model(model)
+
+
+def test_the_engines_vision_tower_copy_encodes_as_the_models_own_in_bfloat16(vlm):
+    """Parameters in the engine's dtype, buffers (the rotary frequencies) kept in float32 as the model keeps them."""
+    model, processor = vlm
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    for name, buffer in model.model.visual.named_buffers():  # as from_pretrained(dtype=bfloat16) leaves them
+        owner, _, leaf = name.rpartition(".")
+        bf16.model.visual.get_submodule(owner)._buffers[leaf] = buffer.clone()
+    inputs = encode(processor, 2, seed=8)
+    tower = VisionTower(torch.bfloat16, torch.device("cpu"))
+    tower.load(bf16, whole)
+    assert {buffer.dtype for buffer in tower.module.buffers()} == {torch.float32}
+    assert {parameter.dtype for parameter in tower.module.parameters()} == {torch.bfloat16}
+    embeddings, _ = tower.encode(inputs["pixel_values"], inputs["image_grid_thw"])
+    with torch.no_grad():
+        expected = bf16.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    assert torch.equal(embeddings, torch.cat(expected))
 
 
 def test_greedy_matches_generate_and_log_probs_match_a_forward(vlm):

@@ -138,11 +138,16 @@ class VisionTower:
         full tensor (``model.whole``)."""
         source = vision_module(model)
         if self.module is None:
-            # the model's own class (FSDP wraps it in a subclass of its own), built empty, then filled below
+            # the model's own class (FSDP wraps it in a subclass of its own), built empty, then filled below:
+            # parameters in the engine's dtype, buffers in the model's (rotary frequencies stay float32)
             plain = next(cls for cls in type(source).__mro__ if cls.__module__.startswith("transformers."))
             with torch.device("meta"):
                 module = plain(source.config)
-            self.module = module.to_empty(device=self.device).to(self.dtype).eval()
+            module = module.to_empty(device=self.device).to(self.dtype).eval()
+            for name, buffer in source.named_buffers():
+                owner, _, leaf = name.rpartition(".")
+                module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=self.device)
+            self.module = module
         targets = dict(itertools.chain(self.module.named_parameters(), self.module.named_buffers()))
         for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
             target = targets[name]
