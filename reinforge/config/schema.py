@@ -281,6 +281,10 @@ class RolloutConfig:
     """Native engine: the most new tokens one prefill forward runs. A longer prefill (a long prompt, or a preempted
     long sample recomputed) runs in chunks, each attending to the ones before through the KV cache, so its
     activation memory stays bounded. None: 16384, the prefill step size the engine reserves memory for."""
+    kv_cache_dtype: str = "auto"
+    """Native engine: auto keeps the KV cache in the model dtype; fp8 stores e4m3 keys and values with a float32
+    scale per token and KV head (about twice the tokens in the same memory, half the bytes read per decode step,
+    at some log-prob mismatch against the trainer: see docs/long_responses.md). Not for MLA models."""
     segment_tokens: Optional[int] = None
     """trainer.mode=async: generate in segments of this many tokens (a divisor of data.max_response_length);
     a weight sync lands between segments, where unfinished samples are interrupted and resumed under the new

@@ -280,6 +280,7 @@ def validate_config(config: Config) -> None:
     if rollout.max_prefill_chunk_tokens is not None and rollout.max_prefill_chunk_tokens < 1:
         raise ConfigError(f"rollout.max_prefill_chunk_tokens={rollout.max_prefill_chunk_tokens} must be a positive "
                           "token count (or null: 16384)")
+    choose("rollout.kv_cache_dtype", rollout.kv_cache_dtype, ("auto", "fp8"))
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
     for key in ("nnodes", "devices_per_node"):

@@ -189,7 +189,8 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
                                   gpu_memory_utilization=rollout.gpu_memory_utilization or 0.5,
                                   free_on_sleep=rollout.free_cache_engine,
                                   enable_prefix_caching=rollout.enable_prefix_caching, device=device,
-                                  max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens)
+                                  max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens,
+                                  kv_cache_dtype=rollout.kv_cache_dtype)
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                 engine.num_kv_blocks = max(math.ceil(rollout.kv_cache_gib * GiB / engine.runner.kv_bytes_per_block()), 1)
             return engine

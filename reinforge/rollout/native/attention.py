@@ -32,6 +32,7 @@ from torch import Tensor
 
 from reinforge.packed_attention import padded_packed_attention
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on, softcap_varlen_attention
+from reinforge.rollout.native.kv_quant import QuantizedCache
 
 
 @dataclass
@@ -72,10 +73,24 @@ class AttentionMetadata:
     num_decode_splits: int = 1
 
 
-def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """k, v: (tokens, kv_heads, dim) into caches of shape (num_blocks, block_size, kv_heads, dim)."""
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
+                   slot_mapping: Tensor) -> None:
+    """k, v: (tokens, kv_heads, dim) into caches of shape (num_blocks, block_size, kv_heads, dim) (fp8 ones
+    quantise each vector, kv_quant.py)."""
+    if isinstance(k_cache, QuantizedCache):
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+
+
+def cache_rows(cache: Tensor | QuantizedCache, slots: Tensor) -> Tensor:
+    """The cached vectors at ``slots`` (block * block_size + offset): (len(slots), kv_heads, dim), dequantised
+    from an fp8 cache."""
+    if isinstance(cache, QuantizedCache):
+        return cache.rows(slots)
+    return cache.flatten(0, 1).index_select(0, slots)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float, softcap: float | None) -> Tensor:
@@ -145,8 +160,8 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
     num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
     if (softcap is not None and q.is_cuda and meta.context_slots is not None and meta.cu_seqlens_q is not None
             and softcap_kernel_runs_on(q.device, q.dtype, q.shape[-1])):
-        k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
-        v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
+        k = cache_rows(k_cache, meta.context_slots)  # (context tokens, kv_heads, dim)
+        v = cache_rows(v_cache, meta.context_slots)
         return softcap_varlen_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max_len, meta.max_context_len,
                                         scale, softcap, window)
     group = q.shape[1] // k_cache.shape[2]
@@ -181,16 +196,16 @@ def packed_prefix_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
     assert meta.context_slots is not None and meta.cu_seqlens_q is not None and meta.cu_seqlens_k is not None
     assert meta.seq_lens is not None and meta.context_lengths is not None
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)  # (context tokens, kv_heads, dim)
-        v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
+        k = cache_rows(k_cache, meta.context_slots)  # (context tokens, kv_heads, dim)
+        v = cache_rows(v_cache, meta.context_slots)
         windowed = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         return torch.ops.aten._flash_attention_forward(
             q.contiguous(), k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max(meta.seq_lens), meta.max_context_len,
             0.0, True, False, scale=scale, **windowed)[0]
     if window is not None:
         return prefill_attention_with_prefix(q, k_cache, v_cache, meta, scale, window)
-    k = k_cache.flatten(0, 1).index_select(0, meta.context_slots)
-    v = v_cache.flatten(0, 1).index_select(0, meta.context_slots)
+    k = cache_rows(k_cache, meta.context_slots)
+    v = cache_rows(v_cache, meta.context_slots)
     return padded_packed_attention(q, k, v, meta.seq_lens, meta.context_lengths, scale)
 
 

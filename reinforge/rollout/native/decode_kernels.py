@@ -28,6 +28,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from reinforge.rollout.native.kv_quant import QuantizedCache
+
 SPLIT_MIN_CONTEXT = 1024
 """The longest context (tokens) from which a decode step splits the context across programs."""
 MIN_CHUNK_TOKENS = 256
@@ -61,25 +63,32 @@ def _first_visible(context_len, window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, loop_start, loop_end, first_visible,
-                   visible_end, scale, softcap, running_max, running_sum, acc, stride_cache,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, table_row_ptr, kv_head, loop_start,
+                   loop_end, first_visible, visible_end, scale, softcap, running_max, running_sum, acc, stride_block,
+                   stride_token, stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr):
     """The online softmax over positions loop_start..loop_end (a multiple of BLOCK_N apart), of which those in
-    first_visible..visible_end count; blocks outside them are never read."""
+    first_visible..visible_end count; blocks outside them are never read. QUANTIZED: the cache holds fp8 vectors,
+    each with a float32 scale (kv_quant.py): a key's scale multiplies its scores, a value's its probability."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = (dims < HEAD_DIM)[None, :]
     for start in range(loop_start, loop_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = (positions < visible_end) & (positions >= first_visible)
-        block_ids = tl.load(table_row_ptr + positions // PAGE, mask=valid, other=0)
-        slots = block_ids.to(tl.int64) * PAGE + positions % PAGE
-        offsets = slots[:, None] * stride_cache + kv_head * HEAD_DIM + dims[None, :]
+        block_ids = tl.load(table_row_ptr + positions // PAGE, mask=valid, other=0).to(tl.int64)
+        offsets = (block_ids * stride_block + (positions % PAGE) * stride_token)[:, None] + kv_head * HEAD_DIM \
+            + dims[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
+        if QUANTIZED:
+            scale_offsets = block_ids * stride_scale_block + (positions % PAGE) * NUM_KV_HEADS + kv_head
+            k = k.to(q.dtype)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
+        if QUANTIZED:
+            scores = scores * tl.load(k_scales_ptr + scale_offsets, mask=valid, other=0.0)[None, :]
         scores = scores * scale
         if HAS_SOFTCAP:
             scores = _softcapped(scores, softcap)
@@ -91,21 +100,26 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, table_row_ptr, kv_head, loop_sta
         correction = tl.exp(running_max - finite_max)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
         v = tl.load(v_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
+        weights = probs
+        if QUANTIZED:
+            weights = probs * tl.load(v_scales_ptr + scale_offsets, mask=valid, other=0.0)[None, :]
+            v = v.to(q.dtype)
         if IEEE:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+            acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         else:
-            acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v)
+            acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
         running_max = new_max
     return running_max, running_sum, acc
 
 
 @triton.jit
-def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-                                   scale, softcap, window, stride_q, stride_o, stride_table, stride_cache,
+def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr,
+                                   context_lens_ptr, out_ptr, scale, softcap, window, stride_q, stride_o, stride_table,
+                                   stride_block, stride_token, stride_scale_block, NUM_KV_HEADS: tl.constexpr,
                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
                                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                                   HAS_WINDOW: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                                   HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
@@ -117,12 +131,12 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables
     first_visible = _first_visible(context_len, window, HAS_WINDOW)
     # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only from and to Python ints (see the launcher)
     running_max, running_sum, acc = _attend_blocks(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, kv_head,
+        q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_table, kv_head,
         0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
         STATIC_LOOP_END if STATIC_LOOP_END else context_len, first_visible, context_len, scale, softcap,
         tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
-        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_cache, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE,
-        HAS_SOFTCAP)
+        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_block, stride_token, stride_scale_block,
+        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=mask)
 
@@ -140,13 +154,14 @@ def _chunks(context_len, window, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.conste
 
 
 @triton.jit
-def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, partial_max_ptr,
-                               partial_sum_ptr, partial_acc_ptr, scale, softcap, window, stride_q, stride_table,
-                               stride_cache, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-                               BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                               HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK_BLOCKS: tl.constexpr,
-                               STATIC_LOOP_END: tl.constexpr):
+def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr,
+                               context_lens_ptr, partial_max_ptr, partial_sum_ptr, partial_acc_ptr, scale, softcap,
+                               window, stride_q, stride_table, stride_block, stride_token, stride_scale_block,
+                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                               GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                               PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                               HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                               MIN_CHUNK_BLOCKS: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,12 +178,12 @@ def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr
     heads = kv_head * GROUP + group
     q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
     running_max, running_sum, acc = _attend_blocks(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_table, kv_head,
+        q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_table, kv_head,
         0 if STATIC_LOOP_END else chunk_start, STATIC_LOOP_END if STATIC_LOOP_END else chunk_end,
         tl.maximum(first_visible, chunk_start), chunk_end, scale, softcap,
         tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
-        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_cache, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE,
-        HAS_SOFTCAP)
+        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_block, stride_token, stride_scale_block,
+        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED)
     rows = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     stored = group_mask & (split < num_chunks)
     tl.store(partial_max_ptr + rows, running_max, mask=stored)
@@ -224,13 +239,15 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sm_co
     return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * sm_count // (batch * num_kv_heads))))
 
 
-def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
+                           block_tables: Tensor, context_lens: Tensor,
                            scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
                            num_warps: int = 4, num_stages: int = 2, num_splits: int | None = None,
                            min_chunk_tokens: int | None = None) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
-    q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim);
+    q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), or fp8
+    ``QuantizedCache``s (kv_quant.py: each vector dequantised by its scale as it is read);
     block_tables: (batch, max_blocks) int32; context_lens: (batch,) int32. softcap: scores become
     softcap * tanh(scores / softcap); window: the query sees only the last ``window`` keys (itself included),
     and blocks before them are never read (their table entries may name blocks given back to the pool).
@@ -242,6 +259,12 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
+    quantized = isinstance(k_cache, QuantizedCache)
+    if quantized:
+        k_values, v_values, k_scales, v_scales = k_cache.values, v_cache.values, k_cache.scales, v_cache.scales
+        stride_scale_block = k_scales.stride(0)
+    else:
+        k_values, v_values, k_scales, v_scales, stride_scale_block = k_cache, v_cache, q, q, 0  # scales not read
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
     if batch == 0:
@@ -253,22 +276,23 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     # compiled, each program loops over its own blocks; Triton's interpreter cannot loop from or to a loaded
     # value, so there every program loops over the longest context (blocks outside its range are masked)
     static_loop_end = int(context_lens.max()) if _INTERPRETED else 0
-    shared = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+    shared = dict(NUM_KV_HEADS=num_kv_heads, QUANTIZED=quantized, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                   HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=block_n,
                   IEEE=q.dtype == torch.float32, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
                   STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
     if num_splits <= 1:
         _paged_decode_attention_kernel[(batch, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, softcap or 1.0, window or 0,
-            q.stride(0), out.stride(0), block_tables.stride(0), num_kv_heads * head_dim, **shared)
+            q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, out, scale, softcap or 1.0,
+            window or 0, q.stride(0), out.stride(0), block_tables.stride(0), k_values.stride(0), k_values.stride(1),
+            stride_scale_block, **shared)
         return out
     min_chunk_blocks = max(1, (min_chunk_tokens or MIN_CHUNK_TOKENS) // block_n)
     partial_max = torch.empty(2, batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, partial_max[0], partial_max[1], partial_acc, scale,
-        softcap or 1.0, window or 0, q.stride(0), block_tables.stride(0), num_kv_heads * head_dim,
-        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_CHUNK_BLOCKS=min_chunk_blocks, **shared)
+        q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, partial_max[0], partial_max[1],
+        partial_acc, scale, softcap or 1.0, window or 0, q.stride(0), block_tables.stride(0), k_values.stride(0),
+        k_values.stride(1), stride_scale_block, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_CHUNK_BLOCKS=min_chunk_blocks, **shared)
     _merge_splits_kernel[(batch, num_heads)](
         partial_max[0], partial_max[1], partial_acc, context_lens, out, window or 0, out.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=shared["HEAD_DIM_PAD"], HAS_WINDOW=window is not None,

@@ -35,6 +35,7 @@ from reinforge.rollout.native.attention import (
     prefill_attention_with_prefix,
     write_kv_cache,
 )
+from reinforge.rollout.native.kv_quant import layer_caches
 from reinforge.rollout.native.rotary_tables import RotaryTables
 
 Parts = list[Tensor] | None
@@ -140,7 +141,8 @@ class DenseAttention:
         if context.spec.qk_norm == "head":
             q = context.norm(weights["q_norm"], q.contiguous())
             k = context.norm(weights["k_norm"], k.contiguous())
-        k_cache, v_cache = cache[0], cache[1]
+        k_cache, v_cache = (cache[0], cache[1]) if cache.dtype != torch.uint8 else \
+            layer_caches(cache, self.num_kv_heads, self.head_dim, q.dtype)  # fp8 (kv_quant.py)
         cos, sin = context.rotary.cos_sin(self.rope)
         if context.use_triton:
             from reinforge.rollout.native import triton_kernels

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from reinforge.rollout.native.attention import AttentionMetadata
 from reinforge.rollout.native.decode_kernels import decode_num_splits, num_sms
+from reinforge.rollout.native.kv_quant import KV_CACHE_DTYPES, QuantizedCache, block_bytes, fp8_refusal, layer_caches
 from reinforge.rollout.native.model import PagedDecoder, whole
 from reinforge.rollout.native.multimodal import MultimodalPrompts, is_vision_language
 from reinforge.rollout.native.prefill_graphs import PrefillGraphs, pad_prefill
@@ -60,12 +61,21 @@ def prefill_chunks(starts: list[int], stops: list[int], budget: int | None) -> l
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
-                 max_prefill_chunk_tokens: int | None = None):
-        """max_prefill_chunk_tokens: the most new tokens one prefill forward runs (None: no limit)."""
+                 max_prefill_chunk_tokens: int | None = None, kv_cache_dtype: str = "auto"):
+        """max_prefill_chunk_tokens: the most new tokens one prefill forward runs (None: no limit);
+        kv_cache_dtype: auto (the model dtype) or fp8 (e4m3 with a scale per vector, kv_quant.py)."""
         self.decoder = PagedDecoder(model, max_model_len, use_triton, device)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk_tokens = max_prefill_chunk_tokens
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+        refusal = fp8_refusal(self.decoder.spec.model_type,
+                              not all(hasattr(block, "num_kv_heads") for block in self.decoder.attention)) \
+            if kv_cache_dtype == "fp8" else None
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.device = self.decoder.device
         self.cuda_graph_batch_sizes = sorted(size for size in cuda_graph_batch_sizes if size <= max_num_seqs)
@@ -124,13 +134,30 @@ class ModelRunner:
             self.multimodal.tower.free()
 
     def kv_bytes_per_block(self) -> int:
+        if self.kv_cache_dtype == "fp8":
+            _, heads, dim = self.decoder.cache_entry
+            return self.decoder.num_layers * 2 * block_bytes(self.block_size, heads, dim)
         return self.decoder.kv_bytes_per_block(self.block_size)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """The decoder's ``kv_cache_shape`` with num_blocks + 1 blocks; the extra block takes graph padding."""
+        """The decoder's ``kv_cache_shape`` with num_blocks + 1 blocks; the extra block takes graph padding.
+        fp8: (layers, 2, num_blocks + 1, block bytes) uint8, each block its values then their scales (kv_quant.py)."""
         self.spare_block = num_blocks
+        if self.kv_cache_dtype == "fp8":
+            _, heads, dim = self.decoder.cache_entry
+            shape = (self.decoder.num_layers, 2, num_blocks + 1, block_bytes(self.block_size, heads, dim))
+            self.kv_cache = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+            return
         self.kv_cache = torch.zeros(self.decoder.kv_cache_shape(num_blocks + 1, self.block_size),
                                     dtype=self.decoder.dtype, device=self.device)
+
+    def attention_caches(self, layer: int) -> tuple[Tensor | QuantizedCache, Tensor | QuantizedCache]:
+        """Layer ``layer``'s K and V caches as the attention kernels take them (fp8: ``QuantizedCache`` views)."""
+        cache = self.kv_cache[layer]
+        if self.kv_cache_dtype == "fp8":
+            _, heads, dim = self.decoder.cache_entry
+            return layer_caches(cache, heads, dim, self.decoder.dtype)
+        return cache[0], cache[1]
 
     def forget_block_tables(self) -> None:
         """Drop the cached block-table rows: a new scheduler numbers its sequences from 1 again, so a row's

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from reinforge.rollout.native.decode_kernels import _finite_or_zero, paged_decode_attention
+from reinforge.rollout.native.decode_kernels import _INTERPRETED, _finite_or_zero, paged_decode_attention
+from reinforge.rollout.native.kv_quant import QuantizedCache
 
 __all__ = ["act_and_mul", "paged_decode_attention", "rms_norm", "rope_and_write_cache", "sample", "silu_and_mul"]
 
@@ -86,16 +87,35 @@ def _rotate_heads(x_ptr, stride_x, cos1, cos2, sin1, sin2, token, heads, head_ma
 
 
 @triton.jit
+def _quantized(x, inverse_scale, cache_ptr, ROUND_FIRST: tl.constexpr):
+    """x (rows, dims) times its row's 1 / scale, in the fp8 cache's dtype (rounded to nearest, ties to even).
+
+    ROUND_FIRST (Triton's interpreter, whose cast to fp8 drops the carry when a mantissa rounds up into the next
+    power of two): round to e4m3's 3 mantissa bits in float32 first, so the cast itself is exact."""
+    scaled = x.to(tl.float32) * inverse_scale[:, None]
+    if ROUND_FIRST:
+        bits = scaled.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 of float32's 23 mantissa bits
+        scaled = bits.to(tl.float32, bitcast=True)
+    return scaled.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
-                           stride_q, stride_k, stride_v, stride_cos, stride_cache,
+                           k_scales_ptr, v_scales_ptr, stride_q, stride_k, stride_v, stride_cos, stride_block,
+                           stride_token, stride_scale_block,
                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                            KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr):
+                           HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, PAGE: tl.constexpr,
+                           QUANTIZED: tl.constexpr, ROUND_FIRST: tl.constexpr):
     token = tl.program_id(0)
     kv_heads = tl.arange(0, KV_HEADS_PAD)
     kv_mask = kv_heads < NUM_KV_HEADS
     slot = tl.load(slots_ptr + token).to(tl.int64)
-    cache_row = slot * stride_cache + kv_heads[:, None] * HEAD_DIM
+    block, offset = slot // PAGE, slot % PAGE
+    cache_row = block * stride_block + offset * stride_token + kv_heads[:, None] * HEAD_DIM
+    scale_row = block * stride_scale_block + offset * NUM_KV_HEADS + kv_heads
+    k_amax = tl.zeros([KV_HEADS_PAD], tl.float32)  # fp8: each head vector's largest magnitude
     if HALF > 0:  # the first 2 * HALF dims rotate (all of them unless the rotary factor is partial)
         position = tl.load(positions_ptr + token)
         half = tl.arange(0, HALF_PAD)
@@ -113,27 +133,55 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr,
                                                half_mask, HEAD_DIM, HALF, HALF_PAD)
         tl.store(k_base, k1, mask=k_mask)
         tl.store(k_base + HALF, k2, mask=k_mask)
-        tl.store(k_cache_ptr + cache_row + half[None, :], k1, mask=k_mask)
-        tl.store(k_cache_ptr + cache_row + HALF + half[None, :], k2, mask=k_mask)
+        if QUANTIZED:
+            k_amax = tl.maximum(k_amax, tl.max(tl.abs(k1.to(tl.float32)), axis=1))
+            k_amax = tl.maximum(k_amax, tl.max(tl.abs(k2.to(tl.float32)), axis=1))
+        else:
+            tl.store(k_cache_ptr + cache_row + half[None, :], k1, mask=k_mask)
+            tl.store(k_cache_ptr + cache_row + HALF + half[None, :], k2, mask=k_mask)
     if PASS_PAD > 0:  # dims past the rotary ones (every dim of a layer without rotary) go to the cache as they are
         dims = 2 * HALF + tl.arange(0, PASS_PAD)
         pass_mask = kv_mask[:, None] & (dims < HEAD_DIM)[None, :]
-        k_pass = tl.load(k_ptr + token * stride_k + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=pass_mask)
-        tl.store(k_cache_ptr + cache_row + dims[None, :], k_pass, mask=pass_mask)
+        k_pass = tl.load(k_ptr + token * stride_k + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=pass_mask,
+                         other=0.0)
+        if QUANTIZED:
+            k_amax = tl.maximum(k_amax, tl.max(tl.abs(k_pass.to(tl.float32)), axis=1))
+        else:
+            tl.store(k_cache_ptr + cache_row + dims[None, :], k_pass, mask=pass_mask)
+    if QUANTIZED:  # one scale per head vector, amax / 448 (see kv_quant.py); an all-zero vector stores zeros
+        k_scale = k_amax / 448.0
+        k_inverse = 1.0 / tl.where(k_amax > 0, k_scale, 1.0)
+        if HALF > 0:
+            tl.store(k_cache_ptr + cache_row + half[None, :], _quantized(k1, k_inverse, k_cache_ptr, ROUND_FIRST), mask=k_mask)
+            tl.store(k_cache_ptr + cache_row + HALF + half[None, :], _quantized(k2, k_inverse, k_cache_ptr, ROUND_FIRST),
+                     mask=k_mask)
+        if PASS_PAD > 0:
+            tl.store(k_cache_ptr + cache_row + dims[None, :], _quantized(k_pass, k_inverse, k_cache_ptr, ROUND_FIRST),
+                     mask=pass_mask)
+        tl.store(k_scales_ptr + scale_row, k_scale, mask=kv_mask)
     dims = tl.arange(0, HEAD_DIM_PAD)
     v_mask = kv_mask[:, None] & (dims < HEAD_DIM)[None, :]
-    v = tl.load(v_ptr + token * stride_v + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=v_mask)
-    tl.store(v_cache_ptr + cache_row + dims[None, :], v, mask=v_mask)
+    v = tl.load(v_ptr + token * stride_v + kv_heads[:, None] * HEAD_DIM + dims[None, :], mask=v_mask, other=0.0)
+    if QUANTIZED:
+        v_amax = tl.max(tl.abs(v.to(tl.float32)), axis=1)
+        v_scale = v_amax / 448.0
+        v_inverse = 1.0 / tl.where(v_amax > 0, v_scale, 1.0)
+        tl.store(v_cache_ptr + cache_row + dims[None, :], _quantized(v, v_inverse, v_cache_ptr, ROUND_FIRST), mask=v_mask)
+        tl.store(v_scales_ptr + scale_row, v_scale, mask=kv_mask)
+    else:
+        tl.store(v_cache_ptr + cache_row + dims[None, :], v, mask=v_mask)
 
 
 def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, positions: Tensor,
-                         slot_mapping: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+                         slot_mapping: Tensor, k_cache: Tensor | QuantizedCache,
+                         v_cache: Tensor | QuantizedCache) -> None:
     """Rotate q and k in place and write k, v into the paged cache at ``slot_mapping``.
 
     q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim), last two dims contiguous;
     cos, sin: (max_positions, rotary_dim), rotary_dim <= head_dim (the first rotary_dim dims rotate, the
     rest pass), or None for a layer without rotary embedding (q and k stay, k and v are only written);
-    k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim).
+    k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), or fp8 ``QuantizedCache``s (each head vector
+    quantised with its own scale, kv_quant.py).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -141,13 +189,21 @@ def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, si
     if cos is None:
         cos = sin = q  # not read
     num_pass = head_dim - 2 * half
+    quantized = isinstance(k_cache, QuantizedCache)
+    if quantized:
+        k_values, v_values, k_scales, v_scales = k_cache.values, v_cache.values, k_cache.scales, v_cache.scales
+        stride_scale_block = k_scales.stride(0)
+    else:
+        k_values, v_values, k_scales, v_scales, stride_scale_block = k_cache, v_cache, q, q, 0  # scales not read
     _rope_and_cache_kernel[(num_tokens,)](
-        q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
-        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), num_kv_heads * head_dim,
+        q, k, v, cos, sin, positions, slot_mapping, k_values, v_values, k_scales, v_scales,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_values.stride(0), k_values.stride(1),
+        stride_scale_block,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), HALF=half, HALF_PAD=triton.next_power_of_2(max(half, 1)),
-        PASS_PAD=triton.next_power_of_2(num_pass) if num_pass else 0, num_warps=4)
+        PASS_PAD=triton.next_power_of_2(num_pass) if num_pass else 0, PAGE=k_values.shape[1], QUANTIZED=quantized,
+        ROUND_FIRST=quantized and _INTERPRETED, num_warps=4)
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

@@ -1,0 +1,109 @@
+"""An fp8 KV cache (``kv_cache_dtype="fp8"``): e4m3 keys and values with one float32 scale per token and KV head.
+
+Each (token, KV head) vector x is stored as round(x / s) in float8 e4m3 (``torch.float8_e4m3fn``) with
+s = amax(|x|) / 448, its largest magnitude mapped to e4m3's largest finite value, and read back as the stored
+value times s. A scale per vector (not per tensor or per head over time) needs no calibration and follows each
+token's own range, so an outlier token costs only its own precision; e4m3 keeps 3 mantissa bits, a relative
+error of at most 2^-4 per element. The scales cost 4 bytes per head vector (a 128-dim head: 132 bytes against
+bf16's 256, so the cache holds 1.94x the tokens).
+
+Layout: the cache stays one tensor, (layers, 2, num_blocks, block_bytes) uint8, so copying, indexing and
+counting blocks work as for the model-dtype cache. A block's bytes hold its fp8 values, (block_size, kv_heads,
+head_dim), then their float32 scales, (block_size, kv_heads). ``layer_caches`` views one layer's K and V as
+``QuantizedCache`` pairs of strided views; the Triton kernels take them (quantising in the rotary-and-cache-write
+kernel, dequantising on load in the paged decode kernels) and the PyTorch paths index them like a cache tensor
+(``QuantizedCache.__getitem__`` dequantises what it gathers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FP8_MAX = 448.0
+"""The largest finite float8 e4m3 (fn) value."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""``rollout.kv_cache_dtype`` values: auto keeps the model dtype."""
+
+
+def block_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one block of one layer's K (or V) in the fp8 layout: the values, then one float32 scale per vector."""
+    return block_size * num_kv_heads * (head_dim + 4)
+
+
+@dataclass
+class QuantizedCache:
+    """One layer's fp8 K (or V) cache as strided views of its blocks.
+
+    values: (num_blocks, block_size, kv_heads, head_dim) float8_e4m3fn; scales: (num_blocks, block_size, kv_heads)
+    float32; dtype: the model dtype that reads dequantise to.
+    """
+
+    values: Tensor
+    scales: Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def __getitem__(self, index) -> Tensor:
+        """The dequantised vectors at ``index`` (any index of the leading (block, offset) dims), in ``dtype``."""
+        return (self.values[index].float() * self.scales[index].unsqueeze(-1)).to(self.dtype)
+
+    def rows(self, slots: Tensor) -> Tensor:
+        """The dequantised vectors of cache slots (block * block_size + offset): (len(slots), kv_heads, head_dim)."""
+        block_size = self.values.shape[1]
+        return self[slots // block_size, slots % block_size]
+
+    def write(self, x: Tensor, slots: Tensor) -> None:
+        """Quantise x (tokens, kv_heads, head_dim) into ``slots`` (tokens,)."""
+        values, scales = quantize(x)
+        block_size = self.values.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
+        self.values[blocks, offsets] = values
+        self.scales[blocks, offsets] = scales
+
+
+def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x (..., dim) as float8 e4m3 values (..., dim) and float32 scales (...,), one per vector (amax / 448)."""
+    x32 = x.float()
+    scales = x32.abs().amax(dim=-1) / FP8_MAX
+    safe = torch.where(scales > 0, scales, 1.0)
+    return (x32 / safe.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
+
+
+def dequantize(values: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """What ``quantize`` stored, back in ``dtype``."""
+    return (values.float() * scales.unsqueeze(-1)).to(dtype)
+
+
+def layer_caches(cache: Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[QuantizedCache,
+                                                                                               QuantizedCache]:
+    """One layer's fp8 cache (2, num_blocks, block_bytes) uint8 as its K and V ``QuantizedCache``."""
+    num_blocks, num_bytes = cache.shape[1], cache.shape[2]
+    block_size = num_bytes // (num_kv_heads * (head_dim + 4))
+    value_bytes = block_size * num_kv_heads * head_dim
+
+    def split(entry: Tensor) -> QuantizedCache:
+        values = entry[:, :value_bytes].view(torch.float8_e4m3fn).view(num_blocks, block_size, num_kv_heads, head_dim)
+        scales = entry[:, value_bytes:].view(torch.float32).view(num_blocks, block_size, num_kv_heads)
+        return QuantizedCache(values, scales, dtype)
+
+    return split(cache[0]), split(cache[1])
+
+
+def fp8_refusal(model_type: str, has_latent_attention: bool) -> str | None:
+    """Why ``kv_cache_dtype=fp8`` cannot run for this model and build, in one line; None when it can."""
+    if has_latent_attention:
+        return (f"rollout.kv_cache_dtype=fp8: {model_type}'s latent attention (MLA) keeps its compressed cache in the "
+                "model dtype; use rollout.kv_cache_dtype=auto")
+    if not hasattr(torch, "float8_e4m3fn"):
+        return f"rollout.kv_cache_dtype=fp8 needs torch.float8_e4m3fn (torch {torch.__version__} has none); use auto"
+    return None
