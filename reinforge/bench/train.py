@@ -142,6 +142,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.data.max_response_length = args.response_tokens
     config.rollout.name = args.rollout
     config.rollout.n = args.n
+    config.rollout.kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     if args.keep_rollout_memory is not None:
         config.rollout.free_cache_engine = not args.keep_rollout_memory
     if args.micro_tokens is not None:
@@ -335,6 +336,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
                "kl_loss": metrics.get("actor/kl_loss"),
+               **{key.removeprefix("training/"): value for key, value in metrics.items()  # rollout vs trainer
+                  if key.startswith("training/rollout_")},
                **{f"moe_{key.removeprefix('actor/moe/')}": value for key, value in metrics.items()
                   if key.startswith("actor/moe/")},
                **{f"rollout_{name.removeprefix('rollout/')}": value for name, value in rollout_phases.items()}, **host}
@@ -438,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-tokens", type=_positive_int, default=None,
                         help="token budget of one micro-batch (default: the memory planner's)")
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the native engine's KV cache: auto (the model dtype) or fp8 (rollout.kv_cache_dtype)")
     parser.add_argument("--checkpointing", type=_checkpointing, default=None, metavar="all|none|K",
                         help="activation checkpointing of all, none or the first K layers (default: the planner's)")
     parser.add_argument("--optimizer-offload", type=_flag, default=None, metavar="true|false",

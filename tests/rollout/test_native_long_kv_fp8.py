@@ -207,3 +207,15 @@ def test_fp8_kv_at_an_8k_context_on_gpu():
           f"{mean_difference:.4f}")
     assert agreeing / total >= 0.25
     assert mean_difference < 0.2
+
+
+@pytest.mark.slow
+def test_bench_train_runs_an_fp8_cache_and_reports_the_rollout_mismatch(tmp_path):
+    import json
+
+    from reinforge.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "train", "--cpu", "--steps", "1", "--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
+    step = json.loads(out.read_text())["steps"][0]
+    assert 0 <= step["rollout_probs_diff_mean"] <= step["rollout_probs_diff_max"] <= 1
