@@ -81,8 +81,8 @@ def test_the_30b_a3b_expert_layers_of_a_512_sequence_decode_step_run_near_the_we
     layer_bytes = sum(tensor.nbytes for tensor in layers[0])
     floor_ms = num_layers * layer_bytes / COPY_BYTES_PER_S * 1e3
     fraction = floor_ms / step_ms
-    picked = ", ".join(f"{'Triton' if triton else 'torch'} for {cols}x{inner}"
-                       for (_, _, cols, inner, _), triton in choice.use_triton.items())
+    picked = ", ".join(f"{config or 'torch'} for {cols}x{inner}"
+                       for (_, _, cols, inner, _), config in choice.picked.items())
     print(f"\nQwen3-30B-A3B expert layers of one decode step ({num_sequences} sequences, top-{spec.top_k} of "
           f"{num_experts}, {num_layers} layers, {num_layers * layer_bytes / 2**30:.1f} GiB of weights): "
           f"{step_ms:.2f} ms with the engine's kernels ({picked}), "

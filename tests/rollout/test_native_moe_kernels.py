@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from reinforge.rollout.native.moe_kernels import ExpertKernelChoice, expert_matmul  # noqa: E402
+from reinforge.rollout.native.moe_kernels import TILE_CONFIGS, ExpertKernelChoice, TileConfig, expert_matmul  # noqa: E402
 
 
 def sorted_rows(counts: list[int], inner: int, dtype: torch.dtype, device: str = "cpu"):
@@ -29,7 +29,7 @@ def test_each_experts_rows_meet_its_own_weights_across_row_blocks_and_ragged_edg
     counts = [5, 0, 37, 16, 1]
     rows, bounds = sorted_rows(counts, inner=40, dtype=torch.float32)
     weight = torch.randn(len(counts), 40, 24, generator=torch.Generator().manual_seed(1)).transpose(1, 2)
-    got = expert_matmul(rows, weight, bounds, block_m=16, block_n=16, block_k=16)
+    got = expert_matmul(rows, weight, bounds, TileConfig(block_m=16, block_n=16, block_k=16))
     assert got.shape == (sum(counts), 24)
     torch.testing.assert_close(got, reference(rows, weight, bounds), atol=1e-4, rtol=1e-4)
 
@@ -49,7 +49,7 @@ def test_the_experts_of_a_layer_through_the_triton_kernel_equal_the_gathered_exp
 
     def triton_always(rows, weight, bounds, torch_matmul):
         calls.append(tuple(weight.shape))
-        return expert_matmul(rows, weight, bounds, block_m=16, block_n=16, block_k=16)
+        return expert_matmul(rows, weight, bounds, TileConfig(block_m=16, block_n=16, block_k=16))
 
     got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=triton_always)
     gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
@@ -73,4 +73,7 @@ def test_the_timed_choice_gives_torchs_grouped_gemm_products_in_bf16():
     torch.testing.assert_close(triton_out.float(), torch_out.float(), atol=2e-2, rtol=2e-2)
     choice = ExpertKernelChoice()
     torch.testing.assert_close(choice(rows, weight, bounds, grouped).float(), torch_out.float(), atol=2e-2, rtol=2e-2)
-    assert len(choice.use_triton) == 1 and not choice.failed
+    assert len(choice.picked) == 1 and not choice.failed
+    for config in TILE_CONFIGS:
+        torch.testing.assert_close(expert_matmul(rows, weight, bounds, config).float(), torch_out.float(),
+                                   atol=2e-2, rtol=2e-2)
