@@ -218,26 +218,46 @@ def hf_log_probs_step_by_step(model: torch.nn.Module, prompt: list[int], tokens:
     return log_probs.gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].cpu()
 
 
-def test_longrope_picks_short_or_long_factors_per_step_as_transformers_does():
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
             "original_max_position_embeddings": 16}
-    model = build_tiny_causal_lm("phi3", vocab_size=128, num_layers=2, max_position_embeddings=64,
-                                 rope_parameters=rope, original_max_position_embeddings=16, seed=1).eval()
+
+
+def longrope_model() -> torch.nn.Module:
+    return build_tiny_causal_lm("phi3", vocab_size=128, num_layers=2, max_position_embeddings=64,
+                                rope_parameters=LONGROPE, original_max_position_embeddings=16, seed=1).eval()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_longrope_log_probs_are_the_whole_sequence_forwards_once_a_sequence_crosses(prefix_caching):
+    """Within the original 16 positions every forward uses the short factors and a prompt past them the long ones
+    from its prefill on. A sequence crossing them is prefilled again in full when its 17th token arrives (as Phi-3's
+    generate drops its cache there): each token sampled after that has the log-prob of a forward over the whole
+    sequence (the trainer's), each one before it that of a forward over the sequence as it was then."""
+    model = longrope_model()
+    engine = make_engine(model, False, enable_prefix_caching=prefix_caching)
+    sampling = SamplingParams(n=2, max_tokens=14, temperature=1.0, seed=3)
+    short, crossing, exactly, long = prompts([2, 10, 16, 20], seed=6)
+    completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in (short, crossing, exactly, long)])
+    for prompt, samples in zip((short, crossing, exactly, long), completions, strict=True):
+        for sample in samples:
+            whole = hf_log_probs(model, prompt, sample.token_ids)
+            stepwise = hf_log_probs_step_by_step(model, prompt, sample.token_ids)
+            # token i sits at position len(prompt) + i; its logits came from a forward over the positions before it
+            before = torch.arange(len(sample.token_ids)) + len(prompt) <= 16
+            expected = torch.where(before, stepwise, whole) if len(prompt) + len(sample.token_ids) > 16 else whole
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+    assert engine.scheduler.num_recomputed == 4  # the samples of crossing and exactly
+
+
+def test_longrope_greedy_tokens_are_generates_across_the_original_length():
+    model = longrope_model()
     engine = make_engine(model, False)
-    sampling = SamplingParams(max_tokens=14, temperature=1.0, seed=3)
-    short, crossing, long = prompts([2, 10, 20], seed=6)
-    within, across, beyond = (samples[0] for samples in engine.generate(
-        [GenerationRequest(prompt, sampling) for prompt in (short, crossing, long)]))
-    # within the original 16 positions every forward uses the short factors, and a prompt past them uses the
-    # long factors from its prefill on: a forward over the whole sequence agrees, in a batch with the others
-    for prompt, sample in ((short, within), (long, beyond)):
-        torch.testing.assert_close(torch.tensor(sample.log_probs), hf_log_probs(model, prompt, sample.token_ids),
-                                   atol=1e-5, rtol=0)
-    # a sequence crossing them: each decode step uses the factors of its own position, as generate's forwards
-    # do (a forward over the whole sequence would use the long factors for the first positions too)
-    torch.testing.assert_close(torch.tensor(across.log_probs),
-                               hf_log_probs_step_by_step(model, crossing, across.token_ids), atol=1e-5, rtol=0)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    batch = prompts([5, 12], seed=9)
+    completions = engine.generate([GenerationRequest(prompt, greedy) for prompt in batch])
+    for prompt, [completion] in zip(batch, completions, strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, 20)
 
 
 def test_sequences_preempted_under_windows_resume_as_generate_continues():

@@ -38,8 +38,10 @@ RELEASED = -1
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None):
-        """sliding_window: the widest window when every layer slides (blocks before it are released), else None."""
+                 sliding_window: int | None = None, rope_switch_length: int | None = None):
+        """sliding_window: the widest window when every layer slides (blocks before it are released), else None.
+        rope_switch_length: LongRoPE's original length, past which a sequence's keys are all computed with the
+        long factors (rotary_tables.py); the prefix cache keeps such blocks apart from those of shorter ones."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache has {num_blocks} blocks; raise gpu_memory_utilization or num_kv_blocks")
         self.num_blocks = num_blocks
@@ -55,6 +57,7 @@ class BlockManager:
         """Registered blocks nobody holds, least recently released first."""
         self.epoch = 0
         """Counts ``reset_prefix_cache`` calls: blocks a sequence filled before the last reset are never registered."""
+        self.rope_switch_length = rope_switch_length
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,12 +84,19 @@ class BlockManager:
 
     # ---- prefix cache -----------------------------------------------------------------------
 
-    def block_key_chain(self, token_ids: list[int], num_blocks: int, known: list[BlockKey]) -> list[BlockKey]:
+    def block_key_chain(self, token_ids: list[int], num_blocks: int, known: list[BlockKey],
+                        num_keys: int | None = None) -> list[BlockKey]:
         """Keys of the first ``num_blocks`` full blocks of ``token_ids``; ``known`` (extended in place) holds
-        keys already computed for the same tokens."""
+        keys already computed for the same tokens. num_keys: how many keys the sequence's blocks hold or will
+        hold (default: one per token); past ``rope_switch_length`` the chain starts from another root."""
         size = self.block_size
+        switched = self.rope_switch_length is not None and \
+            (len(token_ids) if num_keys is None else num_keys) > self.rope_switch_length
+        root = 1 if switched else 0
+        if known and known[0][0] != root:  # the sequence crossed the switch length since its keys were chained
+            known.clear()
         for index in range(len(known), num_blocks):
-            parent = hash(known[-1]) if known else 0
+            parent = hash(known[-1]) if known else root
             known.append((parent, tuple(token_ids[index * size:(index + 1) * size])))
         return known[:num_blocks]
 
@@ -107,10 +117,13 @@ class BlockManager:
         """How many of ``cached`` would leave the free pool if taken (those nobody holds)."""
         return sum(1 for block_id in cached if self.ref_counts[block_id] == 0)
 
-    def _register(self, token_ids: list[int], block_table: list[int], num_written: int, known: list[BlockKey]) -> None:
-        """Register the full blocks of ``block_table`` whose first ``num_written`` tokens' keys and values are written."""
+    def _register(self, token_ids: list[int], block_table: list[int], num_written: int, known: list[BlockKey],
+                  num_keys: int | None = None) -> None:
+        """Register the full blocks of ``block_table`` whose first ``num_written`` tokens' keys and values are
+        written; num_keys: the sequence's keys (default num_written)."""
         num_full = min(num_written // self.block_size, len(block_table))
-        for key, block_id in zip(self.block_key_chain(token_ids, num_full, known), block_table, strict=False):
+        chain = self.block_key_chain(token_ids, num_full, known, num_written if num_keys is None else num_keys)
+        for key, block_id in zip(chain, block_table, strict=False):
             if block_id == RELEASED or block_id in self.block_keys:
                 continue  # registered already (a shared prompt block, or taken from the cache)
             if key in self.cached_blocks:
@@ -201,7 +214,8 @@ class BlockManager:
         if not num_out or block_table[num_out - 1] == RELEASED:
             return 0
         if self.enable_prefix_caching and token_ids is not None and epoch in (None, self.epoch):
-            self._register(token_ids, block_table[:num_out], num_out * self.block_size, [] if known is None else known)
+            self._register(token_ids, block_table[:num_out], num_out * self.block_size, [] if known is None else known,
+                           query_position + 1)
         released = 0
         for index in range(num_out):
             if block_table[index] != RELEASED:

@@ -169,7 +169,7 @@ class NativeEngine:
             self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.runner.forget_block_tables()
         manager = BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching,
-                               self.runner.decoder.sliding_window)
+                               self.runner.decoder.sliding_window, self.runner.decoder.rotary.original_length)
         self.scheduler = Scheduler(manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
                                    self.admission_fraction)
 
@@ -436,6 +436,7 @@ class NativeEngine:
         running = SequenceStatus.RUNNING
         appended = 0
         streams = self._streams
+        switched, switch = [], self.scheduler.block_manager.rope_switch_length  # LongRoPE: see Scheduler.recompute
         for seq, token, log_prob in zip(launched.seqs, tokens, log_probs, strict=True):
             if seq.status is not running:
                 continue
@@ -444,9 +445,13 @@ class NativeEngine:
                 streams[seq.request_key](seq.sample_index, token, log_prob)
             if seq.append(token, log_prob):
                 finished.append(seq)
+            elif switch is not None and len(seq.token_ids) == switch + 1:
+                switched.append(seq)
         self._num_generated_tokens += appended
         self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
         self.scheduler.finish(finished)
+        if switched:
+            self.scheduler.recompute(switched)
         for seq in finished:
             state = self._requests[seq.request_key]
             if state.finish_sample(seq):

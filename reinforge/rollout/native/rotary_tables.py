@@ -8,15 +8,17 @@ type, ``rotary_emb_local`` where the model has a second module.
 
 LongRoPE (Phi-3/Phi-4 past their original context): transformers picks the short or the long factors for
 all positions of one forward from its largest position (long once it reaches
-``original_max_position_embeddings``). The engine picks them as ``generate`` on each sequence alone does:
-a decode step's token at position p uses the long factors iff p reaches the original length, a prefilled
-token uses them iff its sequence's prefill does. The table rows below the original length hold the short
-factors and the rows from it on the long ones; rows ``max_model_len + p`` (p below the original length) hold
-the long factors again, for the prefill of a sequence longer than the original length
-(``rotary_positions``). A training forward over a whole sequence that grew past the original length during
-decoding uses the long factors for its first positions too, whose keys the engine computed under the short
-factors while the sequence was shorter (as ``generate`` does): such samples' log-probs differ from the
-trainer's by that much; sequences within the original length, or prompts already past it, are exact.
+``original_max_position_embeddings``), and Phi-3's ``generate`` drops its cache when a sequence first
+grows past that length, so that every key is computed again with the long factors. The engine does the
+same: the table rows below the original length hold the short factors and the rows from it on the long
+ones; rows ``max_model_len + p`` (p below the original length) hold the long factors again, for the
+prefill of a sequence longer than the original length (``rotary_positions``), and a sequence whose
+tokens reach the original length + 1 during decoding is prefilled again in full (``Scheduler.recompute``;
+the prefix cache keeps blocks computed with either set apart). Every token sampled after that has the
+log-prob of a forward over the whole sequence, which is what the trainer computes (``engine/longrope.py``
+picks the factors per packed sequence); the tokens sampled before it were drawn, as by ``generate``, from
+the short-factor forward of the sequence as it was then, and keep those log-probs: the trainer's forward
+over the finished sequence gives them the long factors.
 """
 
 from __future__ import annotations

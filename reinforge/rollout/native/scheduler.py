@@ -64,7 +64,8 @@ class Scheduler:
                  max_admission_wait: int = 0, admission_fraction: float = 0.0):
         """max_admission_wait: decode steps the oldest arrival may wait for others to join its prefill;
         admission_fraction: waiting samples, as a fraction of the running ones, that are prefilled at once
-        (both only when batching arrivals; see the module docstring)."""
+        (both only when batching arrivals; see the module docstring). The block manager's ``rope_switch_length``
+        (LongRoPE) is where a sequence is prefilled again (``recompute``)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,6 +77,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.num_preempted = 0
+        self.num_recomputed = 0
         self.version = 0
         """Changes whenever the running set or its order does (lets the engine reuse per-batch tensors)."""
         self._next_seq_id = 0
@@ -223,8 +225,12 @@ class Scheduler:
         running = SequenceStatus.RUNNING
         rows, continuing = [], []
         all_end = True  # every sequence ends with the step in flight
+        switch = self.block_manager.rope_switch_length
         for row, seq in enumerate(in_flight):
             if seq.status is not running:  # it finished in the step read last
+                continue
+            if len(seq.token_ids) == switch:  # the token in flight crosses it: prefilled again once read back
+                self.version += 1  # the rows change
                 continue
             rows.append(row)
             continuing.append(seq)
@@ -242,7 +248,13 @@ class Scheduler:
         Scheduled only once the prefill is launched: reserving blocks for its sequences earlier would change the
         block tables the prefill reads."""
         running = SequenceStatus.RUNNING
+        switch = self.block_manager.rope_switch_length
+        if any(len(seq.token_ids) == switch for seq in prefilled):  # its token crosses it (see ``recompute``)
+            return None
         rows = [row for row, seq in enumerate(in_flight) if seq.status is running]
+        if switch is not None and any(len(in_flight[row].token_ids) == switch for row in rows):
+            self.version += 1  # the rows change
+            rows = [row for row in rows if len(in_flight[row].token_ids) != switch]
         seqs = [in_flight[row] for row in rows] + prefilled
         if not self.reserve_lookahead(seqs):
             return None
@@ -276,6 +288,22 @@ class Scheduler:
         seq.waiting_since = self.num_decode_steps
         self.waiting.appendleft(seq)
         self.num_preempted += 1
+
+    def recompute(self, seqs: list[Sequence]) -> None:
+        """Send running sequences whose tokens just reached LongRoPE's ``rope_switch_length`` + 1 back to be
+        prefilled in full, as transformers' Phi-3 ``generate`` drops its cache there: every key is then computed
+        with the long factors (rotary_tables.py). Their blocks are freed (the prefix cache keeps the short-factor
+        ones apart) and they wait first in line; steps scheduled ahead leave them out (``schedule_ahead``)."""
+        again = {seq.seq_id for seq in seqs}
+        self.running = [seq for seq in self.running if seq.seq_id not in again]
+        for seq in seqs:
+            self.version += 1
+            self._release(seq)
+            seq.seq_id = self.new_seq_id()  # a new id: the runner's copy of its old block table is never reused
+            seq.status = SequenceStatus.WAITING
+            seq.waiting_since = self.num_decode_steps
+            self.waiting.appendleft(seq)
+            self.num_recomputed += 1
 
     def finish(self, finished: list[Sequence]) -> None:
         """Remove sequences that produced their last token this step and free their blocks."""
