@@ -22,8 +22,29 @@ SIZES = {0: [], 1: [(40, 56)], 2: [(32, 32), (48, 24)]}
 """Images (height, width) of each prompt, by number of images."""
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tiny_qwen2_vl() -> torch.nn.Module:
+    """Qwen2-VL with the text model of the tiny Qwen2.5-VL and a vision tower of 2 blocks (no windows)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    reference = build_tiny_vlm("qwen2_5_vl").config
+    text = {key: value for key, value in reference.text_config.to_dict().items()
+            if key not in ("model_type", "architectures", "transformers_version", "dtype", "torch_dtype")}
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    ids = {key: getattr(reference, key) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                     "vision_end_token_id")}
+    config = AutoConfig.for_model("qwen2_vl", text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config).float()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = reference.text_config.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module", params=[*ARCHITECTURES, "qwen2_vl"])
 def vlm(request):
+    if request.param == "qwen2_vl":  # its processor's outputs are Qwen2.5-VL's for images
+        return tiny_qwen2_vl(), build_tiny_processor("qwen2_5_vl")
     return build_tiny_vlm(request.param), build_tiny_processor(request.param)
 
 
