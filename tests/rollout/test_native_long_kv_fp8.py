@@ -205,7 +205,8 @@ def test_fp8_kv_at_an_8k_context_on_gpu():
     mean_difference = sum(differences) / max(len(differences), 1)
     print(f"fp8 KV at 8k: greedy prefix agreement {agreeing / total:.3f}, mean |log-prob difference| "
           f"{mean_difference:.4f}")
-    assert agreeing / total >= 0.25
+    # the first token comes from the prefill (no cache read); the second is the first decoded from the cache
+    assert sum(a.token_ids[1] == b.token_ids[1] for a, b in zip(samples["fp8"], samples["auto"], strict=True)) >= 2
     assert mean_difference < 0.2
 
 

@@ -95,8 +95,9 @@ def test_a_chunk_budget_below_one_token_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_prefill_of_an_8k_prompt_on_gpu(dtype):
-    """An 8k prompt in chunks of 2,048 (bf16: the flash prefix kernel, graphed where it fits) samples the
-    greedy tokens of one forward; float32 log-probs agree to 1e-4, bf16 ones to rounding."""
+    """An 8k prompt in chunks of 2,048 (bf16: the flash prefix kernel, graphed where it fits) samples as one
+    forward does: float32 greedy tokens equal and log-probs within 1e-4; bf16 first log-probs within rounding
+    (a near tie may pick the other token, whose log-prob is then as close)."""
     model = build_tiny_causal_lm("qwen2", vocab_size=128, num_layers=2, seed=3,
                                  max_position_embeddings=8192 + 64).to("cuda", dtype).eval()
     prompt = prompts([8000], seed=9)[0]
@@ -108,7 +109,6 @@ def test_chunked_prefill_of_an_8k_prompt_on_gpu(dtype):
                                                                                  temperature=0.0))])[0][0])
         engine.sleep()
     chunked, whole = outputs
-    assert chunked.token_ids[0] == whole.token_ids[0]
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     assert abs(chunked.log_probs[0] - whole.log_probs[0]) < tolerance
     if dtype == torch.float32:

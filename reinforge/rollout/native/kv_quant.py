@@ -55,7 +55,9 @@ class QuantizedCache:
 
     def __getitem__(self, index) -> Tensor:
         """The dequantised vectors at ``index`` (any index of the leading (block, offset) dims), in ``dtype``."""
-        return (self.values[index].float() * self.scales[index].unsqueeze(-1)).to(self.dtype)
+        # gathered as bytes: not every device's indexing kernels take float8
+        values = self.values.view(torch.uint8)[index].view(torch.float8_e4m3fn)
+        return (values.float() * self.scales[index].unsqueeze(-1)).to(self.dtype)
 
     def rows(self, slots: Tensor) -> Tensor:
         """The dequantised vectors of cache slots (block * block_size + offset): (len(slots), kv_heads, head_dim)."""
@@ -67,7 +69,7 @@ class QuantizedCache:
         values, scales = quantize(x)
         block_size = self.values.shape[1]
         blocks, offsets = slots // block_size, slots % block_size
-        self.values[blocks, offsets] = values
+        self.values.view(torch.uint8)[blocks, offsets] = values.view(torch.uint8)
         self.scales[blocks, offsets] = scales
 
 
