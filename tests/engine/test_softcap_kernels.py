@@ -110,3 +110,19 @@ def test_bfloat16_at_gemma2_shapes_matches_the_float32_padded_path(window, share
 def test_the_kernels_run_on_the_gpu(head_dim, dtype):
     """Else soft-capped layers fall back to flex attention or the padded path (slow)."""
     assert softcap_kernel_runs_on(torch.device("cuda"), dtype, head_dim)
+
+
+@pytest.mark.gpu
+def test_gemma2_packed_forwards_take_the_kernels_on_the_gpu():
+    """The packed forwards of a soft-capped model pass ``packed_softcap_kernel``: its layers skip flex and the
+    padded path."""
+    from reinforge.engine.forward import _attention_kwargs
+    from reinforge.engine.packing import attach_plan, pack_rows
+    from reinforge.models.tiny import build_tiny_causal_lm
+    from reinforge.protocol import Batch
+    from tests.engine.test_packing import grouped_batch
+
+    model = build_tiny_causal_lm("gemma2", vocab_size=64, seed=0)
+    micro = attach_plan(Batch(dict(grouped_batch().tensors), {}, {}), share_prompts=True).to(torch.device("cuda"))
+    kwargs = _attention_kwargs(pack_rows(micro), torch.bfloat16, model.config)
+    assert kwargs.get("packed_softcap_kernel") and not kwargs.get("packed_flex")
