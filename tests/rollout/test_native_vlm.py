@@ -15,7 +15,7 @@ from reinforge.models.tiny_vlm import build_tiny_processor, build_tiny_vlm
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine, supports_model
 from reinforge.rollout.native.model import whole
-from reinforge.rollout.native.multimodal import VisionTower
+from reinforge.rollout.native.multimodal import VISION_FLASH, VisionTower
 
 ARCHITECTURES = ["qwen2_5_vl", "qwen3_vl"]
 SIZES = {0: [], 1: [(40, 56)], 2: [(32, 32), (48, 24)]}
@@ -217,3 +217,48 @@ def test_triton_path_samples_what_a_forward_gives(vlm):
         for sample in samples:
             expected = forward_log_probs(model, inputs, sample.token_ids)
             torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_the_vision_tower_hands_each_layers_windows_to_one_varlen_call(vlm, monkeypatch):
+    """The flash path's plumbing on the CPU, its kernel stood in for by SDPA per segment: transformers hands the
+    attention every window (or image) of a layer at once, and the embeddings are SDPA's."""
+    model, processor = vlm
+    segments_per_call = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug_mask, scale=None):
+        segments_per_call.append(len(cu_q) - 1)
+        bounds = cu_q.tolist()
+        return (torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(tensor[start:stop].transpose(0, 1) for tensor in (q, k, v)), scale=scale).transpose(0, 1)
+            for start, stop in zip(bounds, bounds[1:], strict=False)]),)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", varlen, raising=False)
+    tower = VisionTower(torch.float32, torch.device("cpu"))
+    monkeypatch.setattr(tower, "_flash_may_apply", lambda: True)
+    tower.load(model, whole)
+    assert tower.attention == VISION_FLASH
+    inputs = encode(processor, 2, seed=4)
+    segments_per_call.clear()
+    embeddings, _ = tower.encode(inputs["pixel_values"], inputs["image_grid_thw"])
+    layers = len(tower.module.blocks)
+    assert len(segments_per_call) == layers and max(segments_per_call) >= 2  # one call a layer, both images in it
+    with torch.no_grad():
+        expected = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    torch.testing.assert_close(embeddings, torch.cat(expected), atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_the_vision_tower_copy_attends_with_flash_varlen_in_bfloat16_on_the_gpu(architecture):
+    """One flash varlen call per layer (not one SDPA call per window) once the probe agrees, and the embeddings
+    are the model's own tower's within bf16 rounding."""
+    model = build_tiny_vlm(architecture).cuda().to(torch.bfloat16)
+    inputs = encode(build_tiny_processor(architecture), 2, seed=9)
+    tower = VisionTower(torch.bfloat16, torch.device("cuda"))
+    tower.load(model, whole)
+    assert tower.attention == VISION_FLASH
+    embeddings, _ = tower.encode(inputs["pixel_values"], inputs["image_grid_thw"])
+    with torch.no_grad():
+        expected = torch.cat(model.model.get_image_features(inputs["pixel_values"].cuda(),
+                                                            inputs["image_grid_thw"].cuda()).pooler_output)
+    torch.testing.assert_close(embeddings.float(), expected.float(), atol=2e-2 * expected.abs().max().item(), rtol=0)
