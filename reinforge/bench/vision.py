@@ -50,8 +50,10 @@ def write_vision_model(folder: Path, tiny: bool, size: str) -> Path:
            (("image", IMAGE_PAD_TOKEN), ("video", VIDEO_PAD_TOKEN), ("vision_start", VISION_START_TOKEN),
             ("vision_end", VISION_END_TOKEN))}
     keys = {key: value for key, value in shape_config(size).items() if key != "model_type"}
-    config = AutoConfig.for_model(family, **keys | ids, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    vision, tied = keys.pop("vision_config"), keys.pop("tie_word_embeddings")
+    text = keys | {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, tie_word_embeddings=tied, **ids,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         torch.set_default_dtype(torch.bfloat16)

@@ -53,3 +53,26 @@ def test_a_tiny_step_rolls_out_with_the_native_engine_and_times_the_vision_tower
     [step] = result["steps"]
     assert step["response_tokens"] == args.prompts * args.n * args.response_tokens
     assert 0 < step["rollout_vision_encode_s"] < step["rollout_s"]
+
+
+def test_the_shape_folder_loads_and_its_processor_makes_256_image_tokens_of_a_448_image(tmp_path, monkeypatch):
+    """The GPU path's folder (the shape's config with fewer and narrower layers, to build on the CPU): the model
+    class loads it, and each 448 x 448 image is 32 x 32 patches of 14 pixels, 256 tokens once merged."""
+    import dataclasses
+
+    from reinforge.bench import shapes
+
+    small = dict(shapes.SHAPES["qwen2.5-vl-3b"].config, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64, vocab_size=512,
+                 vision_config=dict(shapes.SHAPES["qwen2.5-vl-3b"].config["vision_config"], depth=1, hidden_size=32,
+                                    intermediate_size=32, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0]))
+    monkeypatch.setitem(shapes.SHAPES, "qwen2.5-vl-3b", dataclasses.replace(shapes.SHAPES["qwen2.5-vl-3b"],
+                                                                            config=small))
+    model_dir = write_model(tmp_path, tiny=False, size="qwen2.5-vl-3b")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert model.config.vision_config.patch_size == 14 and model.config.text_config.rope_parameters["mrope_section"]
+    args = parse_args(["--model", "qwen2.5-vl-3b", "--prompts", "2", "--n", "1", "--prompt-tokens", "16"])
+    batch = VisionPrompts(model_dir, args).batch(0)
+    for row, images in zip(batch["input_ids"], batch.non_tensors["multi_modal_inputs"], strict=True):
+        assert images["image_grid_thw"].tolist() == [[1, 32, 32]]
+        assert int((row == model.config.image_token_id).sum()) == 256
