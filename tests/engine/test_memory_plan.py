@@ -527,8 +527,8 @@ def test_plan_answers_for_every_bench_shape_on_one_h200(name, capsys):
                  "trainer.device=cuda"]) == 0
     table = capsys.readouterr().out
     assert table.startswith("memory plan: peak ") and " of 131.4 usable GiB" in table
-    if name == "qwen3-30b-a3b":  # the LoRA shape: a frozen bf16 base (57 GiB) and the engine's copy beside it
-        assert "master weights 57.0" in table and "gradients 0.0" not in table
+    if name == "qwen3-30b-a3b":  # the LoRA shape: a frozen bf16 base (57 GiB), which the engine reads in place
+        assert "master weights 57.0" in table and "gradients 0.0" not in table and "rollout weight copy 1.7" in table
 
 
 def test_plan_of_an_unknown_shape_is_refused_in_one_line(capsys):
