@@ -27,7 +27,7 @@ import types
 import torch
 from torch import Tensor, nn
 
-from reinforge.engine.packing import PLAN_KEY, plan_packing, prompt_groups
+from reinforge.engine.packing import PLAN_KEY, plan_packing
 from reinforge.protocol import Batch
 
 
@@ -81,15 +81,20 @@ def _per_sequence_forward(self: nn.Module, x: Tensor, position_ids: Tensor, *arg
 
 def unshared_where_factors_differ(model: nn.Module, micro: Batch) -> Batch:
     """``micro`` with an unshared packing plan when one of its prompts has samples on both sides of a LongRoPE
-    model's original length (a shared prompt's keys take one set of factors); else ``micro`` as it is."""
+    model's original length (a shared prompt's keys take one set of factors); else ``micro`` as it is.
+
+    Read from the plan's segment lengths (host lists: nothing waits for the device). A sample with an empty
+    response has no segment of its own and no response token to score; its prompt keeps its group's factors."""
     original = longrope_original_length(model)
     plan = micro.meta.get(PLAN_KEY)
     if original is None or plan is None or plan.kv_index is None:
         return micro
-    lengths = micro["attention_mask"].sum(dim=-1).cpu()
-    for rows in prompt_groups(micro):
-        longer = lengths[rows] > original
-        if bool(longer.any()) and not bool(longer.all()):
-            micro.meta[PLAN_KEY] = plan_packing(micro, share_prompts=False)
-            break
+    groups: list[list[int]] = []  # the sequence lengths of each prompt's samples
+    for queries, keys in zip(plan.query_lengths, plan.key_lengths, strict=True):
+        if queries == keys:  # a prompt segment (a response's keys are its prompt's and its own) starts a group
+            groups.append([])
+        else:
+            groups[-1].append(keys)
+    if any(lengths and min(lengths) <= original < max(lengths) for lengths in groups):
+        micro.meta[PLAN_KEY] = plan_packing(micro, share_prompts=False)
     return micro
