@@ -74,12 +74,13 @@ def profile_rollout(model: nn.Module, requests: list[GenerationRequest], engine_
     context = int(runner._graph_inputs["context_lens"][:batch].float().mean())
     result["mean_context"] = context
     q = torch.randn(batch, decoder.attention[0].num_heads, decoder.spec.head_dim, device=device, dtype=torch.bfloat16)
-    k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[0, 1]
+    k_cache, v_cache = runner.attention_caches(0)  # an fp8 cache as the kernels read it
     blocks_per_seq = -(-context // engine.block_size)
     tables = torch.randperm(k_cache.shape[0] - 1, device=device)[: batch * blocks_per_seq].view(batch, -1)
     lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
     result["attention_ms"] = bench(lambda: triton_kernels.paged_decode_attention(
-        q, k_cache, v_cache, tables.to(torch.int32), lengths, decoder.spec.attn_scale))
+        q, k_cache, v_cache, tables.to(torch.int32), lengths, decoder.spec.attn_scale,
+        num_splits=runner.decode_splits(batch, context)))  # as the decode graph runs it, no device read
     layer, hidden = decoder.weights.layers[0], torch.randn(batch, shape.hidden_size, device=device,
                                                            dtype=torch.bfloat16)
     result["qkv_ms"] = bench(lambda: nn.functional.linear(hidden, layer["qkv_weight"], layer["qkv_bias"]))
