@@ -262,3 +262,30 @@ def test_the_vision_tower_copy_attends_with_flash_varlen_in_bfloat16_on_the_gpu(
         expected = torch.cat(model.model.get_image_features(inputs["pixel_values"].cuda(),
                                                             inputs["image_grid_thw"].cuda()).pooler_output)
     torch.testing.assert_close(embeddings.float(), expected.float(), atol=2e-2 * expected.abs().max().item(), rtol=0)
+
+
+def test_a_lora_actors_adapters_reach_the_decoder_and_the_vision_tower_copies(vlm):
+    """LoRA on every matching linear layer, the vision tower's included: the engine's copies get W + s B A."""
+    from reinforge.config.schema import LoraConfig
+    from reinforge.engine.lora import add_lora, lora_deltas
+
+    model, processor = copy.deepcopy(vlm[0]), vlm[1]
+    peft_model = add_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "gate_proj",
+                                                                               "up_proj", "qkv"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.3)
+    assert any(".visual." in name and "lora_A" in name for name, _ in model.named_parameters())
+    engine = make_engine(model)
+    engine.sync_weights(model)
+    engine.wake_up()
+    engine.add_to_weights(lora_deltas(peft_model))
+    encoded = [encode(processor, 1, seed=12), encode(processor, 2, seed=13)]
+    sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    completions = engine.generate([request_of(inputs, sampling) for inputs in encoded])
+    for inputs, [sample] in zip(encoded, completions, strict=True):
+        reference = greedy_reference(model, inputs, 8)  # peft's layers, adapters applied unmerged
+        assert sample.token_ids == reference
+        torch.testing.assert_close(torch.tensor(sample.log_probs), forward_log_probs(model, inputs, reference),
+                                   atol=1e-4, rtol=0)

@@ -224,6 +224,8 @@ class NativeEngine:
         if self.runner.decoder.weights is None:
             raise RuntimeError("add_to_weights() needs the engine's weight copy; call it after wake_up()")
         slices = self.runner.decoder.weights.linear_slices(self.model)
+        if self.runner.multimodal is not None:  # adapters on the vision tower's layers
+            slices |= self.runner.multimodal.tower.linear_slices(self.model)
         for linear, delta in deltas:
             destination = slices[id(linear)]
             destination.copy_(destination.float().add_(delta))

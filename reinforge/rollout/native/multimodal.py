@@ -193,12 +193,25 @@ class VisionTower:
             module.config._attn_implementation = self.attention
         targets = dict(itertools.chain(self.module.named_parameters(), self.module.named_buffers()))
         for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
-            target = targets[name]
+            if ".lora_" in name:  # a LoRA actor's adapters: the engine adds their product (``linear_slices``)
+                continue
+            target = targets[name.replace(".base_layer", "")]
             target.copy_(whole(tensor).detach().to(target.dtype))
         if not self._probed and self._flash_may_apply():
             self._probed = True
             self.attention = VISION_FLASH if self._flash_agrees() else "sdpa"
             self.module.config._attn_implementation = self.attention
+
+    def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
+        """id(linear layer of ``model``'s vision tower, or the LoRA wrapper around one) -> the copy's weight."""
+        slices = {}
+        for name, module in vision_module(model).named_modules():
+            if isinstance(getattr(module, "weight", None), Tensor) and name and ".lora_" not in name:
+                copy_name = name.replace(".base_layer", "")
+                target = self.module.get_submodule(copy_name)
+                if isinstance(getattr(target, "weight", None), Tensor) and target.weight.dim() == 2:
+                    slices[id(module)] = target.weight
+        return slices
 
     def _flash_may_apply(self) -> bool:
         return (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
