@@ -46,6 +46,7 @@ def test_prompts_are_the_processors_with_one_image_each(tiny_vl_dir):
     assert torch.equal(prompts.batch(0)["input_ids"], batch["input_ids"])  # the same prompts when asked again
 
 
+@pytest.mark.slow
 def test_a_tiny_step_rolls_out_with_the_native_engine_and_times_the_vision_tower(tiny_vl_dir):
     args = parse_args(["--model", "qwen2.5-vl-3b", "--cpu", "--steps", "1"])
     args.rollout = "native"
