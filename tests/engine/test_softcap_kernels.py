@@ -126,3 +126,27 @@ def test_gemma2_packed_forwards_take_the_kernels_on_the_gpu():
     micro = attach_plan(Batch(dict(grouped_batch().tensors), {}, {}), share_prompts=True).to(torch.device("cuda"))
     kwargs = _attention_kwargs(pack_rows(micro), torch.bfloat16, model.config)
     assert kwargs.get("packed_softcap_kernel") and not kwargs.get("packed_flex")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_packed_attention_routes_soft_capped_layers_to_the_kernels(shared, window):
+    """``engine.attention.packed_attention`` with ``packed_softcap_kernel``: bf16 near the float32 padded path,
+    gradients included."""
+    from reinforge.engine.attention import packed_attention
+
+    query_lengths, key_lengths = [5, 9, 3], ([7, 9, 6] if shared else [5, 9, 3])
+    q, k, v, grad_out = random_inputs(query_lengths, key_lengths, 4, 2, 32, seed=3)
+    kwargs = {"packed_cu_seqlens": offsets(query_lengths, "cuda"), "packed_max_length": max(query_lengths),
+              "packed_softcap_kernel": True}
+    if shared:
+        kwargs |= {"packed_kv_index": torch.arange(sum(key_lengths), device="cuda"),
+                   "packed_cu_seqlens_k": offsets(key_lengths, "cuda"), "packed_max_length_k": max(key_lengths)}
+    got = run(lambda q, k, v: packed_attention(q, k, v, 0.3, kwargs, window=window, softcap=2.0),
+              *(x.cuda().to(torch.bfloat16) for x in (q, k, v)), grad_out.cuda())
+    expected = run(lambda q, k, v: padded_packed_attention(q, k, v, query_lengths, key_lengths, 0.3, window=window,
+                                                           softcap=2.0), q, k, v, grad_out)
+    for name, value, reference in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
+        error = (value.float().cpu() - reference).norm() / reference.norm()
+        assert error < 1e-2, f"{name}: relative error {float(error):.2e}"
