@@ -187,6 +187,9 @@ class ActorConfig(UpdateConfig):
     actor/moe/load_imbalance and actor/moe/unused_experts."""
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
+    freeze_vision_tower: bool = True
+    """Vision-language models: keep the vision encoder's weights fixed (the usual choice); false trains it with the
+    language model. No effect on text-only models."""
     skip_zero_advantage_backward: bool = True
     """Samples whose every advantage is 0 (a GRPO group whose samples all scored the same) get no gradient
     from a policy loss linear in the advantage: run only their forward (for the metrics) and skip their

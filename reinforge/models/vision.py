@@ -145,3 +145,18 @@ def freeze_vision_tower(model, frozen: bool = True) -> int:
     for parameter in tower.parameters():
         parameter.requires_grad_(not frozen)
     return sum(parameter.numel() for parameter in tower.parameters())
+
+
+def processor_for(path: str | Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The processor of the model at ``path`` when it is a vision-language model reinforge knows, else None.
+
+    ``chat_template`` (data.chat_template) replaces the processor's and its tokenizer's template."""
+    from reinforge.models.loading import read_model_config
+
+    if not is_vision_language(read_model_config(str(path), trust_remote_code)):
+        return None
+    processor = load_processor(path, trust_remote_code)
+    if chat_template:
+        processor.chat_template = chat_template
+        processor.tokenizer.chat_template = chat_template
+    return processor

@@ -10,6 +10,11 @@ tempers and truncates (top-k, top-p, min-p) each row's logits and adds the Gumbe
 ``rollout.noise`` (a hash of the sample's seed, the token's position and the column), so a
 request's samples depend on its seed alone, not on what shares its batch, and are the native
 engine's samples for the same logits. Requests without a seed use transformers' own sampling.
+
+A vision-language model (Qwen2.5-VL, Qwen3-VL) generates from each request's ``multi_modal_inputs``
+too: the rows' pixel values and grids go to ``generate`` with the image tokens marked, so the model
+places its vision tower's embeddings and computes its M-RoPE positions itself; a prompt's n samples
+are n rows, each with its images.
 """
 
 from __future__ import annotations
@@ -81,6 +86,16 @@ class _TokenLogProbs(LogitsProcessor):
         return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(len(sequences), 0)
 
 
+def _image_kwargs(model: nn.Module, input_ids: Tensor, row_images: list[dict[str, Tensor] | None],
+                  device: torch.device) -> dict[str, Tensor]:
+    """``generate``'s image arguments for these rows: their pixel values and grids in row order, and the image tokens
+    marked (``mm_token_type_ids``, from which the model computes its M-RoPE positions)."""
+    present = [row for row in row_images if row]
+    return {"pixel_values": torch.cat([row["pixel_values"] for row in present]).to(device),
+            "image_grid_thw": torch.cat([row["image_grid_thw"] for row in present]).to(device),
+            "mm_token_type_ids": (input_ids == model.config.image_token_id).int().to(device)}
+
+
 class HFEngine:
     reads_model_in_place = True
     """``generate`` runs on the training module itself."""
@@ -113,15 +128,17 @@ class HFEngine:
                 chunk = indices[start:start + per_call]
                 seeds = [(requests[i].sampling.seed, requests[i].sampling.first_sample) for i in chunk] if seeded else None
                 completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling,
-                                                         seeds)
+                                                         seeds, [requests[i].multi_modal_inputs for i in chunk])
                 for index, samples in zip(chunk, completions, strict=True):
                     results[index] = samples
         return [samples for samples in results if samples is not None]
 
     @torch.no_grad()
     def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams,
-                              seeds: list[tuple[int, int]] | None = None) -> list[list[Completion]]:
-        """``seeds``: each prompt's (request seed, first sample index), or None for unseeded sampling."""
+                              seeds: list[tuple[int, int]] | None = None,
+                              images: list[dict[str, Tensor] | None] | None = None) -> list[list[Completion]]:
+        """``seeds``: each prompt's (request seed, first sample index), or None for unseeded sampling; ``images``: each
+        prompt's ``multi_modal_inputs`` (None: none)."""
         device = next(self.model.parameters()).device
         longest = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
@@ -158,6 +175,12 @@ class HFEngine:
                           min_p=sampling.min_p if sampling.min_p > 0 else None)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        if images is not None and any(images):
+            if kwargs["num_return_sequences"] > 1:  # n rows per prompt, each with its images
+                input_ids = input_ids.repeat_interleave(sampling.n, dim=0)
+                attention_mask = attention_mask.repeat_interleave(sampling.n, dim=0)
+                kwargs["num_return_sequences"] = 1
+            kwargs |= _image_kwargs(self.model, input_ids, [row for row in images for _ in range(sampling.n)], device)
         was_training = self.model.training
         self.model.eval()
         try:

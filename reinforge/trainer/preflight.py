@@ -43,6 +43,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
 from reinforge.models.reward_model import HEADS, check_reward_model
+from reinforge.models.vision import processor_for
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
@@ -224,7 +225,9 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
     schemas = [tool.schema for tool in tools.values()]
-    train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas)
+    processor = processor_for(config.model.tokenizer_path or config.model.path, config.model.trust_remote_code,
+                              config.data.chat_template)  # a vision-language model's: rows may hold images
+    train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas, processor=processor)
     if not (model_score_source(config) is not None and config.reward.combine.mode == "replace"):  # else no rule scores
         check_rows_can_be_scored(train_set, config.reward, custom_scorer, reward_functions)
     check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
@@ -233,7 +236,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         refuse_agent_rows(example.agent_name for example in train_set.examples)
     val_set = None
     if config.data.val_files:
-        val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas)
+        val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas,
+                                        processor=processor)
         check_rows_can_be_scored(val_set, config.reward, custom_scorer, reward_functions)
         check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
                           for example in val_set.examples), tools)

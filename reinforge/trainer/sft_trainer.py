@@ -27,7 +27,8 @@ from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
-from reinforge.protocol import Batch
+from reinforge.models.vision import is_vision_language, processor_for
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import preflight_sft
 from reinforge.trainer.run_loop import SupervisedRun
@@ -40,13 +41,27 @@ RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "dat
 
 
 def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
-    """Log-prob (B, R) of each response token; a packed micro-batch lets the position ids separate conversations."""
+    """Log-prob (B, R) of each response token; a packed micro-batch lets the position ids separate conversations.
+    A vision-language model gets the rows' images and computes its multimodal positions itself."""
     responses = micro["responses"]
     # Without an attention mask, transformers reads sequence boundaries from restarting position ids.
     attention_mask = None if micro.meta.get("packed") else micro["attention_mask"]
-    logits = model(input_ids=micro["input_ids"], attention_mask=attention_mask, position_ids=micro["position_ids"],
-                   use_cache=False).logits
+    inputs = {"position_ids": micro["position_ids"]}
+    if is_vision_language(model.config):
+        inputs = vision_inputs(model, micro)
+    logits = model(input_ids=micro["input_ids"], attention_mask=attention_mask, use_cache=False, **inputs).logits
     return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
+
+
+def vision_inputs(model: torch.nn.Module, micro: Batch) -> dict[str, Tensor]:
+    """A VLM's forward arguments for the padded micro-batch: its rows' pixels and grids, the image tokens marked."""
+    device = micro["input_ids"].device
+    inputs = {"mm_token_type_ids": (micro["input_ids"] == model.config.image_token_id).int()}
+    rows = [row for row in micro.non_tensors.get(MULTI_MODAL_KEY, []) if row]
+    if rows:
+        inputs |= {"pixel_values": torch.cat([row["pixel_values"] for row in rows]).to(device),
+                   "image_grid_thw": torch.cat([row["image_grid_thw"] for row in rows]).to(device)}
+    return inputs
 
 
 class SFTTrainer(SupervisedRun):
@@ -64,14 +79,16 @@ class SFTTrainer(SupervisedRun):
                                         trust_remote_code=config.model.trust_remote_code)
         if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
             self.tokenizer.chat_template = data.chat_template
+        self.processor = processor_for(config.model.tokenizer_path or config.model.path,
+                                       config.model.trust_remote_code, data.chat_template)  # None: a text model
         pad_token_id = get_pad_token_id(self.tokenizer)
         self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
                                       data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,
-                                      seed=data.seed)
+                                      seed=data.seed, processor=self.processor)
         self.val_loader = None
         if data.val_files:
             self.val_loader = SFTLoader(self._rows(data.val_files, "val", data.max_val_samples), data.val_batch_size,
-                                        pad_token_id, packed=data.packing, shuffle=False)
+                                        pad_token_id, packed=data.packing, shuffle=False, processor=self.processor)
         self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
 
         self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
@@ -92,7 +109,7 @@ class SFTTrainer(SupervisedRun):
         data = self.config.data
         dataset = SFTDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
                              messages_key=data.messages_key, chat_template=data.chat_template,
-                             max_samples=max_samples, name=split)
+                             max_samples=max_samples, name=split, processor=self.processor)
         return pack_examples(dataset.examples, data.max_length) if data.packing else dataset.examples
 
     # ---- the step ---------------------------------------------------------------------
@@ -130,7 +147,7 @@ class SFTTrainer(SupervisedRun):
     # ---- the run ------------------------------------------------------------------------
     def write_checkpoint(self, folder: Path) -> None:
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
-        save_hf_folder(self.model, self.tokenizer, folder / "hf")
+        save_hf_folder(self.model, self.processor or self.tokenizer, folder / "hf")
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)

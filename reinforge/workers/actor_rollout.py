@@ -30,6 +30,7 @@ from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
+from reinforge.models.vision import freeze_vision_tower, processor_for
 from reinforge.protocol import Batch
 from reinforge.rollout.base import RolloutEngine, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
@@ -56,6 +57,9 @@ class ActorRolloutWorker(Worker):
                                         trust_remote_code=config.model.trust_remote_code)
         if config.data.chat_template:  # saved with every checkpoint's hf/: the model is served in the format it learned
             self.tokenizer.chat_template = config.data.chat_template
+        self.processor = processor_for(config.model.tokenizer_path or config.model.path,
+                                       config.model.trust_remote_code, config.data.chat_template)
+        """A vision-language model's processor (None for text models), saved with every checkpoint's hf/."""
         if rollout_only:
             self.model = load_causal_lm(config.model.path, dtype=compute_dtype(self.device, config.model.dtype),
                                         device=self.device, trust_remote_code=config.model.trust_remote_code,
@@ -79,6 +83,7 @@ class ActorRolloutWorker(Worker):
         if moe_line:
             logger.info(moe_line)
         self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, config.actor.router_aux_loss_coef)
+        freeze_vision_tower(self.model, config.actor.freeze_vision_tower)  # a VLM's encoder; no-op for text models
         prepare_for_training(self.model, self.device)
         checkpointed = config.model.gradient_checkpointing
         checkpoint_decoder_layers(self.model, len(decoder_layers(self.model)) if checkpointed is True else int(checkpointed))
@@ -216,7 +221,7 @@ class ActorRolloutWorker(Worker):
     def save_checkpoint(self, folder: str) -> None:
         """Collective: every rank gathers its shards; rank 0 writes actor_state.pt and hf/."""
         save_training_state(Path(folder), self.model, self.optimizer, self.scheduler)
-        save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, Path(folder) / "hf",
+        save_sharded_hf_folder(self.model, self.model_class, self.processor or self.tokenizer, Path(folder) / "hf",
                                lora=self.config.model.lora if self.peft_model is not None else None,
                                base_model_path=self.config.model.path, optimizer=self.optimizer)
 
