@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo demo-agent test test-fast lint bench clean-venv sandbox-deps
+.PHONY: demo demo-agent demo-vision test test-fast lint bench clean-venv sandbox-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 # a small model learns by GRPO to call a calculator (multi-turn agent loop)
 demo-agent: $(STAMP)
 	$(BIN)/reinforge demo --agent
+
+# a tiny vision-language model learns by GRPO to count red squares in pictures (SFT with a flaw, then GRPO)
+demo-vision: $(STAMP)
+	$(BIN)/reinforge demo --vision
 
 # The code sandbox (reinforge/sandbox, tests/sandbox) isolates programs with bubblewrap: install it where
 # missing when we can (root on Debian/Ubuntu); otherwise say so, and tests/sandbox skips.

@@ -199,6 +199,10 @@ def _demo(argv: list[str]) -> int:
         from reinforge.demo.agent_runner import agent_demo_main
 
         return agent_demo_main([arg for arg in argv if arg != "--agent"])
+    if "--vision" in argv:
+        from reinforge.demo.vision_runner import vision_demo_main
+
+        return vision_demo_main([arg for arg in argv if arg != "--vision"])
     from reinforge.demo.runner import demo_main
 
     return demo_main(argv)

@@ -151,9 +151,9 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
     """The processor of the model at ``path`` when it is a vision-language model reinforge knows, else None.
 
     ``chat_template`` (data.chat_template) replaces the processor's and its tokenizer's template."""
-    from reinforge.models.loading import read_model_config
+    from transformers import AutoConfig
 
-    if not is_vision_language(read_model_config(str(path), trust_remote_code)):
+    if not is_vision_language(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)):
         return None
     processor = load_processor(path, trust_remote_code)
     if chat_template:

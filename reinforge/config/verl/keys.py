@@ -268,7 +268,7 @@ PROFILING = NoEquivalent("reinforge logs timing_s/* each step; for traces run `r
                          "PyTorch's profiler")
 MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a row's agent_name column picks its "
                           "loop, rollout.multi_turn.* configures them)")
-MULTIMODAL = NoEquivalent("reinforge trains text-only models")
+MULTIMODAL = NoEquivalent("reinforge reads a row's images from its images (or image) column and makes their pixels with the model's own processor as it is saved; it reads no video or audio")
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
@@ -568,7 +568,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.data_loader_seed": SEEDS,
     f"{_ACTOR}.checkpoint.*": CHECKPOINT_FORMAT,
     f"{_ACTOR}.router_replay.*": NoEquivalent("reinforge has no mixture-of-experts routing replay"),
-    f"{_ACTOR}.freeze_vision_tower": MULTIMODAL,
+    f"{_ACTOR}.freeze_vision_tower": Rename("actor.freeze_vision_tower",
+                                            note="left out, reinforge freezes the vision tower and verl trains it"),
     f"{_ACTOR}.profiler.*": PROFILING,
     f"{_ACTOR}.tis_imp_ratio_cap": NoEquivalent("use algorithm.rollout_correction.rollout_is=token with "
                                                 "rollout_is_threshold"),
