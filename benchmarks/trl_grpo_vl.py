@@ -10,8 +10,8 @@ one user turn of one random 448 x 448 image and 128 random letters (``reinforge.
 ``--prompt-tokens`` and ``--response-tokens`` change them as they do for ``bench train``). TRL takes the
 images as the dataset's ``image`` column beside conversational prompts, applies the processor's chat template
 and generates with transformers' ``generate`` (no vLLM); bf16, beta 0, one optimizer step per generation batch
-of all completions, AdamW lr 1e-6, the vision tower trained with the rest (TRL's default). The step time is the
-median time between optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--cpu``
+of all completions, AdamW lr 1e-6, the vision tower frozen as reinforge's is by default (``actor.freeze_vision_tower``;
+``--train-vision-tower`` trains it, TRL's own default). The step time is the median time between optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--cpu``
 runs the same setup on the CPU in float32 on a tiny model folder (``bench train --model qwen2.5-vl-3b --cpu``'s),
 a smoke test.
 """
@@ -67,6 +67,8 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
     model = AutoModelForImageTextToText.from_pretrained(workload.model_dir,
                                                         dtype=torch.float32 if clock.cpu else torch.bfloat16)
     model = model.to("cpu" if clock.cpu else "cuda")
+    if not workload.train_vision_tower:
+        model.model.visual.requires_grad_(False)
     clock.phase("model loaded")
     callback, times = step_clock(clock)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
@@ -87,6 +89,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="random letters beside each prompt's image")
     parser.add_argument("--response-tokens", type=int, default=512)
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="cap the process at this much GPU memory")
+    parser.add_argument("--train-vision-tower", action="store_true",
+                        help="train the vision tower too (reinforge: actor.freeze_vision_tower=false)")
     add_run_options(parser)
     args = parser.parse_args(argv)
     if args.gpu_memory_gib is not None and not args.cpu:
