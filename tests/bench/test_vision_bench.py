@@ -77,3 +77,19 @@ def test_the_shape_folder_loads_and_its_processor_makes_256_image_tokens_of_a_44
     for row, images in zip(batch["input_ids"], batch.non_tensors["multi_modal_inputs"], strict=True):
         assert images["image_grid_thw"].tolist() == [[1, 32, 32]]
         assert int((row == model.config.image_token_id).sum()) == 256
+
+
+def test_trl_runs_its_vision_language_script_beside_the_shape(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from reinforge.bench import sizes
+
+    args = parse_args(["--model", "qwen2.5-vl-3b", "--trl", "--steps", "2"])
+    runner = sizes.CaseRunner(args, [], tmp_path, {})
+    commands = []
+    monkeypatch.setattr(runner, "run_case", lambda kind, size, command, path: commands.append(command))
+    runner.run_trl("qwen2.5-vl-3b", tmp_path / "model", Path("benchmarks") / "trl_grpo.py")
+    runner.run_trl("3b", tmp_path / "model", Path("benchmarks") / "trl_grpo.py")
+    assert [Path(command[1]).name for command in commands] == ["trl_grpo_vl.py", "trl_grpo.py"]
+    assert commands[0][-2:] == ["--steps", "2"]
+    assert (Path(__file__).parents[2] / "benchmarks" / "trl_grpo_vl.py").is_file()
