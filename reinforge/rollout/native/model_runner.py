@@ -102,6 +102,8 @@ class ModelRunner:
         self.multimodal = MultimodalPrompts(model, self.decoder.dtype, self.device) \
             if is_vision_language(model.config) else None
         """A vision-language model's requests with images and its vision tower (multimodal.py); None for text."""
+        self.row_rope_delta = np.zeros(max_num_seqs, dtype=np.int64)
+        """The rope delta of each row's sequence (M-RoPE), set when the row gets a new sequence."""
 
     def set_model(self, model: nn.Module) -> None:
         """Generate with ``model``'s current weights from now on.
@@ -304,6 +306,8 @@ class ModelRunner:
                 self.block_table_host[row, :len(table)] = table
                 owners[row] = seq.seq_id
                 num_blocks[row] = len(table)
+                if self.multimodal is not None:  # M-RoPE: the row's tokens rotate at position + its rope delta
+                    self.row_rope_delta[row] = self.multimodal.rope_delta(seq.request_key)
             elif num_blocks[row] != len(table):
                 for column in range(num_blocks[row], len(table)):
                     grown_rows.append(row)
@@ -325,8 +329,8 @@ class ModelRunner:
             "context_lens": context_lens,
             "block_tables": block_tables,
         }
-        if self.multimodal is not None:  # M-RoPE: generated tokens rotate at position + the request's rope delta
-            inputs["rope_positions"] = positions + self.multimodal.rope_deltas([seq.request_key for seq in seqs])
+        if self.multimodal is not None:
+            inputs["rope_positions"] = positions + self.row_rope_delta[rows]
         if not lookahead:
             inputs["input_ids"] = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))
         return inputs

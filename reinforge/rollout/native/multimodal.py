@@ -411,11 +411,10 @@ class MultimodalPrompts:
     def clear(self) -> None:
         self.prompts.clear()
 
-    def rope_deltas(self, request_keys: list[int]) -> np.ndarray:
-        """Each request's rope delta (0 for a text request)."""
-        prompts = self.prompts
-        return np.fromiter((prompts[key].rope_delta if key in prompts else 0 for key in request_keys),
-                           dtype=np.int64, count=len(request_keys))
+    def rope_delta(self, request_key: int) -> int:
+        """The request's rope delta (0 for a text request)."""
+        prompt = self.prompts.get(request_key)
+        return 0 if prompt is None else prompt.rope_delta
 
     def prefill_inputs(self, request_keys: list[int], starts: list[int], stops: list[int]) -> PrefillImages | None:
         """The images, deepstack features and cos/sin of a prefill of sequences (of requests ``request_keys``)
