@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec
-from reinforge.models.vision import is_vision_language, keep_vision_tower_attention
+from reinforge.models.vision import is_vision_language, keep_vision_tower_attention, language_model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 def model_spec(model: nn.Module) -> ArchitectureSpec | None:
     """The architecture table of ``model`` (a causal LM or its backbone), None for a family outside it."""
     config = getattr(model, "config", None)
+    if is_vision_language(config):  # the language model's family; the vision tower keeps transformers' modules
+        return language_model_spec(config)
     return architecture_spec(config) if config is not None else None
 
 
@@ -299,8 +301,10 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
         else:
             attention = "flash varlen attention in the packed layout"
         windows = ", sliding windows in the kernel" if spec.windowed else ""
+        tower = ("; the vision tower in transformers' modules, once per micro-batch over its images"
+                 if is_vision_language(model.config) else "")
         return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, "
-                f"{attention}{windows}, compiled decoder layers)")
+                f"{attention}{windows}, compiled decoder layers){tower}")
     compiled = "decoder layers compiled" if _compilable(model) else "decoder layers eager"
     return (f"packed training of {model_type}: transformers modules for {model_type}: no fused kernels "
             f"({model_type} is not in reinforge.models.architectures), {compiled}, expect ~1.5-2x slower updates "

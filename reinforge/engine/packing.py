@@ -265,6 +265,7 @@ def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionI
         ids = input_ids[row][attention[row]]
         row_inputs = inputs[row] if inputs is not None and inputs[row] else {}
         grid = row_inputs.get("image_grid_thw")
+        grid = grid.cpu() if grid is not None else None  # where the plan is: pixels move to the device only packed
         positions[:, flat], _ = sequence_rope_positions(config, ids, grid)
         is_image = ids == config.image_token_id
         if grid is None or not bool(is_image.any()):

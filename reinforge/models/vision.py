@@ -27,6 +27,9 @@ from torch import Tensor
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl", "qwen2_vl")
 """model_type of the vision-language models whose processors, rope index and vision tower reinforge knows."""
 
+LANGUAGE_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+"""The text family of each VLM's language model, as ``models.architectures`` describes it."""
+
 PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor",
                      "qwen2_vl": "Qwen2VLProcessor"}
 
@@ -160,3 +163,16 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
         processor.chat_template = chat_template
         processor.tokenizer.chat_template = chat_template
     return processor
+
+
+def language_model_spec(config):
+    """The architecture table of a VLM's language model (its text config read as its text family's), or None."""
+    import copy
+
+    from reinforge.models.architectures import architecture_spec
+
+    if not is_vision_language(config):
+        return None
+    language = copy.copy(config.get_text_config())
+    language.model_type = LANGUAGE_FAMILIES[config.model_type]
+    return architecture_spec(language)

@@ -144,3 +144,27 @@ def test_same_text_with_other_images_is_another_prompt():
     from reinforge.engine.packing import prompt_groups
 
     assert len(prompt_groups(twin)) == 3  # row 2 has row 0's text and images; row 3 row 0's text, row 1's images
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_language_models_fast_path_gives_the_padded_forwards_loss_and_gradients(arch):
+    """On CUDA the language model takes its text family's fused norms, MLP and packed attention layout (run eagerly
+    here); the vision tower's modules are left to transformers or swapped for the same math."""
+    from reinforge.engine.fused import fuse_elementwise, model_spec, use_packed_attention_layout
+
+    packed_model = vlm(arch, seed=4)
+    padded_model = copy.deepcopy(packed_model)
+    assert model_spec(packed_model).model_type == {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}[arch]
+    assert fuse_elementwise(packed_model, compile=False) > 0
+    assert use_packed_attention_layout(packed_model) == packed_model.config.text_config.num_hidden_layers
+    batch = vlm_batch(build_tiny_processor(arch), seed=1)
+    expected = padded_log_probs(padded_model, batch)
+    (expected * batch["advantages"]).sum().backward()
+    log_probs, _ = response_log_probs(packed_model, attach_plan(Batch(dict(batch.tensors), dict(batch.non_tensors), {}),
+                                                                share_prompts=True))
+    torch.testing.assert_close(log_probs * batch["response_mask"], expected, rtol=0, atol=1e-5)
+    (log_probs * batch["advantages"]).sum().backward()
+    for (name, packed), (_, padded) in zip(packed_model.named_parameters(), padded_model.named_parameters(),
+                                           strict=True):
+        if packed.grad is not None or padded.grad is not None:
+            torch.testing.assert_close(packed.grad, padded.grad, rtol=1e-4, atol=1e-5, msg=name)
