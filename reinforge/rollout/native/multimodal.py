@@ -26,6 +26,7 @@ import copy
 import hashlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -421,8 +422,6 @@ class MultimodalPrompts:
         computing tokens starts[i]..stops[i] each; None when none of them is multimodal."""
         if not any(key in self.prompts for key in request_keys):
             return None
-        import time
-
         positions, rows, pieces, to_encode = [], [], [], {}
         offset = 0
         for key, start, stop in zip(request_keys, starts, stops, strict=True):
