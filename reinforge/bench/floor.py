@@ -5,9 +5,10 @@ sequence and the weights. The floor adds, over the decode steps, the bytes a ste
 divides by the rate a device copy reaches (``COPY_BYTES_PER_S``); no kernel reads faster than a copy
 moves the same bytes. What a step reads:
 
-- KV: each live sequence's cached tokens (its prompt and the tokens generated before the step),
-  ``kv_bytes_per_token`` of the model per token (K and V of every layer, or DeepSeek's latent and
-  rotary key), a sliding-window layer at most its window of them;
+- KV: each live sequence's cached tokens (its prompt and the tokens generated before the step), the
+  bytes the engine's cache holds per token (``kv_token_bytes``: K and V of every layer, or DeepSeek's
+  latent and rotary key; with ``kv_cache_dtype="fp8"`` a byte a value plus a float32 scale per token and
+  KV head, ``models/kv_layout.py``), a sliding-window layer at most its window of them;
 - weights: every parameter once, except the input embeddings of an untied model (a step reads only
   its batch's rows); of a mixture-of-experts layer only the experts the step's tokens choose, on
   average ``E (1 - (1 - k/E)^B)`` of E experts for B live sequences choosing k each.
@@ -16,7 +17,7 @@ Sequence i with prompt P_i and R_i generated tokens is live for R_i steps and re
 tokens at step t; a step runs while any sequence is live. The prefill (compute-bound) and the
 sampler are left out, so a rollout's time over its floor says how far its decode is from the device's
 limit. Qwen2.5-1.5B with 128 sequences of 128 + 8,192 tokens: 28,672 bytes of KV per token, 3.1 GB
-of weights, 36.3 s.
+of weights, 36.3 s; with an fp8 cache 14,784 bytes per token, 21.7 s.
 """
 
 from __future__ import annotations
@@ -61,31 +62,39 @@ def decode_weight_bytes(shape: ModelShape, num_live: np.ndarray, value_bytes: fl
     return (dense + shape.num_sparse_layers * touched * per_expert) * value_bytes
 
 
+def kv_token_bytes(shape: ModelShape, kv_cache_dtype: str = "auto", value_bytes: float = 2.0) -> float:
+    """Bytes the rollout's KV cache holds per token over every layer: the model dtype's ``value_bytes`` a value
+    (``kv_cache_dtype="auto"``), or fp8's byte a value plus a float32 scale per KV head (132 bytes for each
+    128-dim head's K or V, against bf16's 256)."""
+    return shape.kv_block_bytes(1, kv_cache_dtype, value_bytes)
+
+
 def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
-                  kv_value_bytes: float = 2.0, weight_value_bytes: float = 2.0,
+                  kv_cache_dtype: str = "auto", value_bytes: float = 2.0,
                   bytes_per_s: float = COPY_BYTES_PER_S) -> RolloutFloor:
     """The floor of decoding ``response_lengths`` tokens after ``prompt_lengths`` (one entry per sequence, all
-    sequences decoding together), with KV values and weights of these sizes (2: bf16; 1: fp8)."""
+    sequences decoding together), with weights of ``value_bytes`` a value (2: bf16) and the KV cache of
+    ``kv_cache_dtype`` (auto: the weights' dtype; fp8)."""
     if len(prompt_lengths) != len(response_lengths):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses; "
                          "give one of each per sequence")
     prompts = np.asarray(prompt_lengths, dtype=np.float64)
     responses = np.asarray(response_lengths, dtype=np.int64)
     steps = int(responses.max()) if len(responses) else 0
-    per_layer = shape.kv_bytes_per_token(1) / shape.num_layers * kv_value_bytes
+    per_layer = kv_token_bytes(shape, kv_cache_dtype, value_bytes) / shape.num_layers
     windows = shape.attention_windows or (0,) * shape.num_layers
     kv_tokens = sum(float(capped_sum(prompts, responses, window).sum()) for window in windows)
     live = len(responses) - np.searchsorted(np.sort(responses), np.arange(1, steps + 1), side="left")
-    weights = float(decode_weight_bytes(shape, live, weight_value_bytes).sum())
+    weights = float(decode_weight_bytes(shape, live, value_bytes).sum())
     kv_bytes = kv_tokens * per_layer
     return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights)
 
 
-def context_floor_ms(shape: ModelShape, num_sequences: int, context: int, kv_value_bytes: float = 2.0,
-                     weight_value_bytes: float = 2.0, bytes_per_s: float = COPY_BYTES_PER_S) -> float:
+def context_floor_ms(shape: ModelShape, num_sequences: int, context: int, kv_cache_dtype: str = "auto",
+                     value_bytes: float = 2.0, bytes_per_s: float = COPY_BYTES_PER_S) -> float:
     """Milliseconds of one decode step of ``num_sequences`` sequences that each hold ``context`` cached tokens."""
-    per_layer = shape.kv_bytes_per_token(1) / shape.num_layers * kv_value_bytes
+    per_layer = kv_token_bytes(shape, kv_cache_dtype, value_bytes) / shape.num_layers
     windows = shape.attention_windows or (0,) * shape.num_layers
     kv_bytes = num_sequences * per_layer * sum(min(context, window) if window else context for window in windows)
-    weights = float(decode_weight_bytes(shape, np.array([num_sequences]), weight_value_bytes)[0])
+    weights = float(decode_weight_bytes(shape, np.array([num_sequences]), value_bytes)[0])
     return 1e3 * (kv_bytes + weights) / bytes_per_s

@@ -188,6 +188,9 @@ def bench_main(argv: list[str]) -> int:
     parser.add_argument("--context-sweep", action="store_true",
                         help="decode a few sequences to long contexts (default 8 x 1 of 128 + 32,640 tokens) and "
                              "report the decode step's time per context bucket beside its bandwidth floor")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="with --context-sweep: the engine's KV cache, auto (the model dtype) or fp8 "
+                             "(rollout.kv_cache_dtype); the floor counts its bytes")
     parser.add_argument("--model", default=None, metavar="SHAPE",
                         help="a model shape of reinforge.bench.shapes, random weights (default: Qwen2.5-0.5B)")
     parser.add_argument("--bandwidth-tbps", type=float, default=None, metavar="TB/S",
@@ -199,6 +202,8 @@ def bench_main(argv: list[str]) -> int:
         parser.error(f"--model {args.model} is no model shape; give one of {', '.join(SHAPES)}")
     if args.context_sweep and args.profile:
         parser.error("--context-sweep and --profile are two runs of their own; give one of them")
+    if args.kv_cache_dtype != "auto" and not args.context_sweep:
+        parser.error(f"--kv-cache-dtype {args.kv_cache_dtype} applies to --context-sweep; add it or drop the flag")
     if args.profile and (args.cpu or not torch.cuda.is_available()):
         print("reinforge bench rollout --profile needs a CUDA device (it times kernels); drop --profile or --cpu",
               file=sys.stderr)
@@ -283,7 +288,7 @@ def run_context_sweep(args: argparse.Namespace, results: dict, model: nn.Module,
     prompts = random_prompts(settings["num_prompts"], [settings["prompt_len"]], vocab_size, seed=2)
     num_seqs = settings["num_prompts"] * settings["n"]
     engine_kwargs = dict(eos_token_ids=[vocab_size - 1], max_model_len=settings["prompt_len"] + settings["gen_len"] + 16,
-                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5)
+                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5, kv_cache_dtype=args.kv_cache_dtype)
     rate = args.bandwidth_tbps * 1e12 if args.bandwidth_tbps else COPY_BYTES_PER_S
     results["model"] = "tiny" if args.cpu else args.model or "0.5b"
     results["context_sweep"] = context_sweep(model, prompts, settings["n"], settings["gen_len"], engine_kwargs, rate)

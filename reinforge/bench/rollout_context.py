@@ -7,8 +7,10 @@ outside: a decode step is launched ahead and read back during the next one, so i
 wall time between the ends of two steps is one step's. Steps are grouped by the context their
 sequences hold (power-of-two buckets: up to 256, 512, ... 32k tokens) and each bucket's mean step time
 is set beside the bandwidth floor of a step of as many sequences at the bucket's mean context
-(``floor.context_floor_ms``: their KV cache and the weights, over the device copy's rate). A ratio near 1
-says the step reads memory as fast as a copy; one that grows with the context points at the attention.
+(``floor.context_floor_ms``: their KV cache and the weights, over the device copy's rate). The floor counts
+the cache the engine keeps (``--kv-cache-dtype``: the model dtype, or fp8's byte a value and float32 scale per
+token and KV head). A ratio near 1 says the step reads memory as fast as a copy; one that grows with the
+context points at the attention.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from reinforge.bench.floor import COPY_BYTES_PER_S, context_floor_ms, rollout_floor
+from reinforge.bench.floor import COPY_BYTES_PER_S, context_floor_ms, kv_token_bytes, rollout_floor
 from reinforge.engine.memory_plan import ModelShape
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 
@@ -47,8 +49,8 @@ def context_bucket(context: int) -> int:
     return 1 << max(context - 1, 1).bit_length()
 
 
-def bucket_steps(steps: list[tuple[int, float]], shape: ModelShape, num_sequences: int, value_bytes: float,
-                 bytes_per_s: float) -> list[dict]:
+def bucket_steps(steps: list[tuple[int, float]], shape: ModelShape, num_sequences: int, kv_cache_dtype: str,
+                 value_bytes: float, bytes_per_s: float) -> list[dict]:
     """Per power-of-two context bucket of ``(context, seconds)`` steps: their count, mean context and time, and
     the floor of a step at that mean context."""
     buckets: dict[int, list[tuple[int, float]]] = {}
@@ -58,7 +60,8 @@ def bucket_steps(steps: list[tuple[int, float]], shape: ModelShape, num_sequence
     for bucket, members in sorted(buckets.items()):
         mean_context = sum(context for context, _ in members) / len(members)
         mean_ms = 1e3 * sum(seconds for _, seconds in members) / len(members)
-        floor_ms = context_floor_ms(shape, num_sequences, round(mean_context), value_bytes, value_bytes, bytes_per_s)
+        floor_ms = context_floor_ms(shape, num_sequences, round(mean_context), kv_cache_dtype, value_bytes,
+                                    bytes_per_s)
         rows.append({"context_up_to": bucket, "steps": len(members), "mean_context": mean_context,
                      "mean_step_ms": mean_ms, "floor_ms": floor_ms, "over_floor": mean_ms / floor_ms})
     return rows
@@ -66,7 +69,8 @@ def bucket_steps(steps: list[tuple[int, float]], shape: ModelShape, num_sequence
 
 def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: int, engine_kwargs: dict,
                   bytes_per_s: float = COPY_BYTES_PER_S) -> dict:
-    """Decode ``prompts`` (one length) x ``n`` to ``gen_len`` tokens; each decode step's time by context bucket."""
+    """Decode ``prompts`` (one length) x ``n`` to ``gen_len`` tokens; each decode step's time by context bucket,
+    beside the floor of the engine's KV cache dtype (``engine_kwargs["kv_cache_dtype"]``, auto by default)."""
     from reinforge.rollout.native import NativeEngine
 
     if len({len(prompt) for prompt in prompts}) != 1:
@@ -105,16 +109,19 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
     value_bytes = torch.finfo(next(model.parameters()).dtype).bits / 8
     shape = ModelShape.from_hf_config(model.config.to_dict())
     lengths = [len(sample.token_ids) for samples in completions for sample in samples]
-    floor = rollout_floor(shape, [prompt_len] * len(lengths), lengths, value_bytes, value_bytes, bytes_per_s)
+    kv_cache_dtype = engine_kwargs.get("kv_cache_dtype", "auto")
+    floor = rollout_floor(shape, [prompt_len] * len(lengths), lengths, kv_cache_dtype, value_bytes, bytes_per_s)
     return {"num_sequences": num_sequences, "prompt_len": prompt_len, "gen_len": gen_len, "time_s": elapsed,
             "floor_s": floor.seconds, "over_floor": elapsed / floor.seconds, "bandwidth_tbps": bytes_per_s / 1e12,
-            "buckets": bucket_steps(steps, shape, num_sequences, value_bytes, bytes_per_s)}
+            "kv_cache_dtype": kv_cache_dtype, "kv_bytes_per_token": kv_token_bytes(shape, kv_cache_dtype, value_bytes),
+            "buckets": bucket_steps(steps, shape, num_sequences, kv_cache_dtype, value_bytes, bytes_per_s)}
 
 
 def print_sweep(result: dict) -> None:
     print(f"decode step against context: {result['num_sequences']} sequences, prompt {result['prompt_len']} + "
           f"{result['gen_len']} tokens, {result['time_s']:.1f} s against a floor of {result['floor_s']:.1f} s "
-          f"({result['over_floor']:.2f}x) at {result['bandwidth_tbps']:g} TB/s")
+          f"({result['over_floor']:.2f}x) at {result['bandwidth_tbps']:g} TB/s, KV cache {result['kv_cache_dtype']} "
+          f"({result['kv_bytes_per_token']:,.0f} bytes a token)")
     print("| context up to | steps | mean step ms | floor ms | step / floor |")
     print("|---|---|---|---|---|")
     for row in result["buckets"]:

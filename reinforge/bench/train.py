@@ -365,7 +365,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
     summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result = {"variant": args.variant, "steps": rows, "median": summary, "shape": shape_summary(args, model_dir, config),
-              "floor": {"bandwidth_tbps": args.bandwidth_tbps, "kv_value_bytes": kv_value_bytes(config, args)}}
+              "floor": {"bandwidth_tbps": args.bandwidth_tbps, **floor_dtypes(config, args)}}
     if stopped_early:
         result["stopped_at_deadline"] = True
     if plan is not None:
@@ -382,11 +382,10 @@ def past_deadline(args: argparse.Namespace, last_step_s: float) -> bool:
     return deadline is not None and time.monotonic() + last_step_s > deadline
 
 
-def kv_value_bytes(config, args: argparse.Namespace) -> int:
-    """Bytes of one cached K or V value in the rollout: 1 with an fp8 KV cache, else the compute dtype's."""
-    if str(getattr(config.rollout, "kv_cache_dtype", "auto")).startswith("fp8"):
-        return 1
-    return 4 if args.cpu else 2
+def floor_dtypes(config, args: argparse.Namespace) -> dict:
+    """What the floor counts by: the rollout's KV cache dtype (auto: the compute dtype; fp8: a byte a value and
+    a float32 scale per token and KV head) and the compute dtype's bytes a value (float32 on the CPU)."""
+    return {"kv_cache_dtype": str(getattr(config.rollout, "kv_cache_dtype", "auto")), "value_bytes": 4 if args.cpu else 2}
 
 
 def measured_floor(model_shape, batch, config, args: argparse.Namespace):
@@ -396,8 +395,7 @@ def measured_floor(model_shape, batch, config, args: argparse.Namespace):
 
     prompt_lengths, response_lengths = sequence_extents(batch)
     return rollout_floor(model_shape, prompt_lengths.tolist(), response_lengths.tolist(),
-                         kv_value_bytes=kv_value_bytes(config, args), weight_value_bytes=4 if args.cpu else 2,
-                         bytes_per_s=args.bandwidth_tbps * 1e12)
+                         **floor_dtypes(config, args), bytes_per_s=args.bandwidth_tbps * 1e12)
 
 
 def shape_summary(args: argparse.Namespace, model_dir: Path, config) -> dict:
@@ -655,7 +653,7 @@ def bench_train_main(argv: list[str]) -> int:
     if median.get("rollout_floor_s"):
         print(f"  rollout bandwidth floor {median['rollout_floor_s']:.2f} s over "
               f"{median['rollout_floor_decode_steps']:.0f} decode steps at {args.bandwidth_tbps:g} TB/s "
-              f"(KV {median['rollout_floor_kv_gb']:.0f} GB, weights {median['rollout_floor_weight_gb']:.0f} GB read); "
+              f"(KV {median['rollout_floor_kv_gb']:.0f} GB as {getattr(args, 'kv_cache_dtype', 'auto')}, weights {median['rollout_floor_weight_gb']:.0f} GB read); "
               f"rollout / floor {median.get('rollout_over_floor') or 0:.2f}")
     if phases:
         print("  rollout phases (medians, s): " + ", ".join(f"{name} {value:.3f}" for name, value in phases.items()))

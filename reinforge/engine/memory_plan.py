@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from reinforge.engine.micro_batches import micro_batch_loads, split_group
+from reinforge.models.kv_layout import kv_block_bytes
 
 GiB = 2**30
 OVERHEAD_BYTES = 3 * GiB
@@ -298,6 +299,18 @@ class ModelShape:
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+    def kv_block_bytes(self, block_size: int, kv_cache_dtype: str = "auto", dtype_bytes: float = 2) -> float:
+        """Bytes of the rollout engine's cache block of ``block_size`` tokens over every layer, as the engine
+        allocates it (``models/kv_layout.py``): fp8 counts its scales, 1 + 4 / head_dim bytes a value."""
+        if self.kv_lora_rank:  # one latent entry per token; the engine keeps it in the model dtype
+            if kv_cache_dtype == "fp8":
+                raise ValueError("rollout.kv_cache_dtype=fp8: a model with latent attention (MLA) keeps its "
+                                 "compressed cache in the model dtype; use rollout.kv_cache_dtype=auto")
+            return kv_block_bytes(self.num_layers, 1, 1, self.kv_lora_rank + self.qk_rope_head_dim, block_size,
+                                  kv_cache_dtype, dtype_bytes)
+        return kv_block_bytes(self.num_layers, 2, self.num_kv_heads, self.head_dim, block_size, kv_cache_dtype,
+                              dtype_bytes)
+
     def activation_bytes_per_token(self, dtype_bytes: int, eager: bool = False) -> int:
         """Saved for the backward by one decoder layer that is not checkpointed (the mean over the layers).
 
@@ -382,8 +395,8 @@ class RunShape:
     judge: ModelShape | None = None
     """reward.judge's own model (not the policy) on these devices: its weights stay on each device whole; a
     ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
-    kv_cache_bytes: float = 0
-    """Bytes of one cached K or V value in the rollout (1 for an fp8 cache); 0: the compute dtype's."""
+    kv_cache_dtype: str = "auto"
+    """rollout.kv_cache_dtype: auto (the compute dtype) or fp8 (a byte a value plus a float32 scale per vector)."""
 
     @property
     def sequences(self) -> int:
@@ -511,8 +524,7 @@ def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
     """
     sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
     blocks = -(-(run.prompt_length + run.response_length + 1) // KV_BLOCK_TOKENS)
-    value_bytes = run.kv_cache_bytes or run.dtype_bytes
-    return sequences * blocks * KV_BLOCK_TOKENS * shape.kv_bytes_per_token(1) * value_bytes / GiB
+    return sequences * blocks * shape.kv_block_bytes(KV_BLOCK_TOKENS, run.kv_cache_dtype, run.dtype_bytes) / GiB
 
 
 def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict[str, dict[str, float]], dict[str, float]]:

@@ -75,7 +75,7 @@ def run_shape(config: Config) -> RunShape:
                     reference=reference_needed(config), critic=critic_enabled(config),
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
-                    kv_cache_bytes=1 if str(getattr(config.rollout, "kv_cache_dtype", "auto")).startswith("fp8") else 0)
+                    kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")))
 
 
 def _reward_model_shape(config: Config) -> dict[str, Any]:

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from reinforge.bench.floor import COPY_BYTES_PER_S, context_floor_ms, decode_weight_bytes, rollout_floor
+from reinforge.bench.floor import (
+    COPY_BYTES_PER_S,
+    context_floor_ms,
+    decode_weight_bytes,
+    kv_token_bytes,
+    rollout_floor,
+)
 from reinforge.bench.shapes import shape_config
 from reinforge.engine.memory_plan import ModelShape
 
@@ -37,10 +43,41 @@ def test_shorter_responses_stop_reading_when_they_end():
         rollout_floor(model, [10], [100]).seconds * COPY_BYTES_PER_S / 1e12)
 
 
-def test_fp8_kv_halves_the_kv_bytes():
+def test_an_fp8_kv_cache_reads_a_byte_a_value_and_a_scale_per_token_and_kv_head():
     model = shape("1.5b")
-    bf16, fp8 = rollout_floor(model, [128] * 8, [4096] * 8), rollout_floor(model, [128] * 8, [4096] * 8, kv_value_bytes=1)
-    assert fp8.kv_bytes == bf16.kv_bytes / 2 and fp8.weight_bytes == bf16.weight_bytes
+    # 28 layers x (K, V) x 2 KV heads x (128 e4m3 values + a float32 scale): 132 bytes a head vector against 256
+    assert kv_token_bytes(model, "fp8") == 28 * 2 * 2 * (128 + 4) == 14_784
+    assert kv_token_bytes(model) == 28_672 and kv_token_bytes(model, "auto", 4) == 2 * 28_672
+    bf16, fp8 = (rollout_floor(model, [128] * 8, [4096] * 8, kv_cache_dtype) for kv_cache_dtype in ("auto", "fp8"))
+    assert fp8.kv_bytes == bf16.kv_bytes * 132 / 256 and fp8.weight_bytes == bf16.weight_bytes
+    # the 128 x 8k step at the mean context reads 8.0 GB of fp8 KV and 3.1 GB of weights: 2.65 ms
+    assert context_floor_ms(model, 128, 4224, "fp8") == pytest.approx(
+        1e3 * (128 * 4224 * 14_784 + decode_weight_bytes(model, np.array([128]))[0]) / COPY_BYTES_PER_S)
+    assert context_floor_ms(model, 128, 4224, "fp8") == pytest.approx(2.65, abs=0.01)
+    assert rollout_floor(model, [128] * 128, [8192] * 128, "fp8").seconds == pytest.approx(21.66, abs=0.01)
+
+
+def test_the_bench_counts_the_floor_by_the_runs_kv_cache_dtype():
+    from argparse import Namespace
+
+    from reinforge.bench.train import floor_dtypes
+    from reinforge.config.schema import Config
+
+    config = Config()
+    assert floor_dtypes(config, Namespace(cpu=False)) == {"kv_cache_dtype": "auto", "value_bytes": 2}
+    config.rollout.kv_cache_dtype = "fp8"
+    assert floor_dtypes(config, Namespace(cpu=True)) == {"kv_cache_dtype": "fp8", "value_bytes": 4}
+    model = shape("0.5b")  # 24 layers x 2 KV heads of 64: 68 bytes a fp8 head vector
+    assert rollout_floor(model, [0], [10], **floor_dtypes(config, Namespace(cpu=False))).kv_bytes == \
+        24 * 2 * 2 * 68 * sum(range(10))
+
+
+def test_fp8_is_refused_for_latent_attention():
+    mla = ModelShape.from_hf_config(dict(
+        model_type="deepseek_v2", vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=512, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))
+    with pytest.raises(ValueError, match=r"latent attention \(MLA\) keeps its compressed cache in the model dtype"):
+        rollout_floor(mla, [0], [10], "fp8")
 
 
 def test_sliding_layers_read_at_most_their_window():

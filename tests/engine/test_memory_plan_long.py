@@ -89,12 +89,12 @@ def test_the_kv_pool_the_plan_gives_the_engine_holds_every_sequence_and_its_look
     assert engine_blocks >= prompts * 8 * math.ceil((128 + response + 1) / KV_BLOCK_TOKENS)
 
 
-def test_an_fp8_kv_cache_halves_the_pool():
-    model = shape("1.5b")
-    bf16, fp8 = RunShape(8, 8, 128, 32768), RunShape(8, 8, 128, 32768, kv_cache_bytes=1)
-    assert needed_kv_gib(model, fp8) == needed_kv_gib(model, bf16) / 2
+def test_an_fp8_kv_cache_takes_132_of_bf16s_256_bytes_a_head_vector():
+    model = shape("1.5b")  # 128-dim heads: 128 e4m3 values and a float32 scale
+    bf16, fp8 = RunShape(8, 8, 128, 32768), RunShape(8, 8, 128, 32768, kv_cache_dtype="fp8")
+    assert needed_kv_gib(model, fp8) == pytest.approx(needed_kv_gib(model, bf16) * 132 / 256)
     assert estimate(model, fp8, plan_memory(model, fp8, {}, H200_GIB * GiB, 1000 * GiB).settings)[0][
-        "rollout"]["kv cache"] == needed_kv_gib(model, bf16) / 2 * GiB
+        "rollout"]["kv cache"] == pytest.approx(needed_kv_gib(model, bf16) * 132 / 256 * GiB)
 
 
 def test_plan_takes_the_workload_flags_of_bench_train(capsys):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from reinforge.models.kv_layout import fp8_block_bytes
+
 FP8_MAX = 448.0
 """The largest finite float8 e4m3 (fn) value."""
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -29,8 +31,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def block_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes of one block of one layer's K (or V) in the fp8 layout: the values, then one float32 scale per vector."""
-    return block_size * num_kv_heads * (head_dim + 4)
+    """Bytes of one block of one layer's K (or V) in the fp8 layout: the values, then one float32 scale per vector
+    (``models/kv_layout.py``, which the memory planner and the bandwidth floor count by too)."""
+    return fp8_block_bytes(block_size, num_kv_heads, head_dim)
 
 
 @dataclass
@@ -90,7 +93,7 @@ def layer_caches(cache: Tensor, num_kv_heads: int, head_dim: int, dtype: torch.d
                                                                                                QuantizedCache]:
     """One layer's fp8 cache (2, num_blocks, block_bytes) uint8 as its K and V ``QuantizedCache``."""
     num_blocks, num_bytes = cache.shape[1], cache.shape[2]
-    block_size = num_bytes // (num_kv_heads * (head_dim + 4))
+    block_size = num_bytes // block_bytes(1, num_kv_heads, head_dim)
     value_bytes = block_size * num_kv_heads * head_dim
 
     def split(entry: Tensor) -> QuantizedCache:

@@ -1,0 +1,33 @@
+"""`reinforge bench rollout --context-sweep --kv-cache-dtype`: the sweep's floor counts the engine's KV cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reinforge.bench.floor import COPY_BYTES_PER_S, context_floor_ms, kv_token_bytes
+from reinforge.bench.rollout import TINY
+from reinforge.cli import main
+from reinforge.engine.memory_plan import ModelShape
+
+
+def test_the_fp8_sweep_sets_each_step_beside_the_floor_of_an_fp8_cache(tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    assert main(["bench", "rollout", "--cpu", "--context-sweep", "--kv-cache-dtype", "fp8", "--gen-len", "40",
+                 "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["context_sweep"]
+    shape = ModelShape.from_hf_config({"model_type": "qwen2", **TINY})
+    # 2 layers x (K, V) x 2 KV heads x (16 e4m3 values + a float32 scale), against 256 bytes in float32
+    assert sweep["kv_cache_dtype"] == "fp8" and sweep["kv_bytes_per_token"] == kv_token_bytes(shape, "fp8") == 160
+    for row in sweep["buckets"]:
+        assert row["floor_ms"] == pytest.approx(context_floor_ms(shape, 2, round(row["mean_context"]), "fp8", 4,
+                                                                 COPY_BYTES_PER_S))
+        assert row["floor_ms"] < context_floor_ms(shape, 2, round(row["mean_context"]), "auto", 4, COPY_BYTES_PER_S)
+    assert "KV cache fp8 (160 bytes a token)" in capsys.readouterr().out
+
+
+def test_the_kv_cache_dtype_belongs_to_the_context_sweep(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "rollout", "--cpu", "--kv-cache-dtype", "fp8"])
+    assert "--kv-cache-dtype fp8 applies to --context-sweep" in capsys.readouterr().err
