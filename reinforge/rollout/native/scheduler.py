@@ -121,7 +121,12 @@ class Scheduler:
             step = self.schedule_prefill()
             if step is not None:
                 return step
-        return self._schedule_decode() if self.running else None
+        if not self.running:
+            return None
+        step = self._schedule_decode()
+        if not step.seqs:  # every running sequence was preempted: one alone outgrows the cache (refused in one line)
+            return self.schedule_prefill()
+        return step
 
     def schedule_prefill(self) -> ScheduledStep | None:
         """A prefill of the waiting sequences that fit (first come, first served), or None when none fits."""
@@ -141,9 +146,9 @@ class Scheduler:
             if not self.block_manager.can_allocate(self._blocks_to_admit(seq, cached)):
                 if not self.running and not step.seqs:
                     raise RuntimeError(
-                        f"a prompt of {seq.num_tokens} tokens with n={seq.num_samples} needs "
+                        f"a sequence of {seq.num_tokens} tokens with n={seq.num_samples} needs "
                         f"{self._blocks_to_admit(seq, [])} KV blocks but the cache has {self.block_manager.num_blocks}; "
-                        "raise gpu_memory_utilization (or num_kv_blocks) or shorten the prompt")
+                        "raise gpu_memory_utilization (or num_kv_blocks), or shorten the prompt or max_tokens")
                 break
             self.waiting.popleft()
             num_tokens += seq.num_tokens
@@ -205,7 +210,8 @@ class Scheduler:
                     self.block_manager.append_block(seq.block_table)
                 scheduled.append(seq)
         self.running = scheduled
-        return ScheduledStep(is_prefill=False, seqs=scheduled)
+        # a copy: sequences admitted while this step is in flight join ``running``, never the step's own list
+        return ScheduledStep(is_prefill=False, seqs=list(scheduled))
 
     def schedule_ahead(self, in_flight: list[Sequence], batch_arrivals: bool = False) -> ScheduledStep | None:
         """The step to launch while a decode step of ``in_flight`` runs, before its tokens are read back.
@@ -284,6 +290,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.version += 1
         self._release(seq)
+        seq.seq_id = self.new_seq_id()  # a new id: re-admitted into its old row, it must not keep the runner's copy
         seq.status = SequenceStatus.WAITING
         seq.waiting_since = self.num_decode_steps
         self.waiting.appendleft(seq)
