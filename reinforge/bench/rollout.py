@@ -241,7 +241,7 @@ def bench_main(argv: list[str]) -> int:
     max_model_len = max(settings["prompt_len"] + settings["gen_len"], max(check_lengths) + check_tokens) + 16
     num_seqs = settings["num_prompts"] * settings["n"]
     engine_kwargs = dict(eos_token_ids=[arch["vocab_size"] - 1], max_model_len=max_model_len,
-                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5)
+                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5, weights_fixed=True)
 
     if not args.skip_greedy_check and not args.profile:
         check_prompts = random_prompts(len(check_lengths), check_lengths, arch["vocab_size"], seed=1)
@@ -288,7 +288,8 @@ def run_context_sweep(args: argparse.Namespace, results: dict, model: nn.Module,
     prompts = random_prompts(settings["num_prompts"], [settings["prompt_len"]], vocab_size, seed=2)
     num_seqs = settings["num_prompts"] * settings["n"]
     engine_kwargs = dict(eos_token_ids=[vocab_size - 1], max_model_len=settings["prompt_len"] + settings["gen_len"] + 16,
-                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5, kv_cache_dtype=args.kv_cache_dtype)
+                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5, kv_cache_dtype=args.kv_cache_dtype,
+                         weights_fixed=True)
     rate = args.bandwidth_tbps * 1e12 if args.bandwidth_tbps else COPY_BYTES_PER_S
     results["model"] = "tiny" if args.cpu else args.model or "0.5b"
     results["context_sweep"] = context_sweep(model, prompts, settings["n"], settings["gen_len"], engine_kwargs, rate)

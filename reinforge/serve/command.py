@@ -87,8 +87,10 @@ def build_client(model: Any, tokenizer: Any, rollout: str, max_model_len: int, g
 
         reason = unsupported_reason(model)
         if reason is None:
+            # nothing trains the served model: the engine reads its weights in place rather than copying them
             engine = NativeEngine(model, eos_token_ids=eos_ids, max_model_len=max_model_len,
-                                  gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
+                                  gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                                  weights_fixed=True)
             return AsyncEngineClient(engine), "native"
         logger.warning(hf_fallback_notice(reason))
     from reinforge.rollout.hf import HFEngine

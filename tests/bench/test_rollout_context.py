@@ -31,3 +31,20 @@ def test_the_kv_cache_dtype_belongs_to_the_context_sweep(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "rollout", "--cpu", "--kv-cache-dtype", "fp8"])
     assert "--kv-cache-dtype fp8 applies to --context-sweep" in capsys.readouterr().err
+
+
+def test_the_rollout_benches_read_the_models_weights_in_place(monkeypatch, tmp_path):
+    """Nothing trains the benchmarked model: its engines share its weights rather than holding a second copy."""
+    import reinforge.rollout.native as native
+
+    engines = []
+
+    class Recorded(native.NativeEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(native, "NativeEngine", Recorded)
+    assert main(["bench", "rollout", "--cpu", "--context-sweep", "--gen-len", "8", "--out", str(tmp_path / "s.json")]) == 0
+    assert main(["bench", "rollout", "--cpu", "--skip-hf", "--skip-greedy-check", "--out", str(tmp_path / "r.json")]) == 0
+    assert len(engines) == 2 and all(engine.runner.decoder.weights_fixed for engine in engines)

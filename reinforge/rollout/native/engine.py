@@ -76,7 +76,7 @@ class NativeEngine:
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", weights_fixed: bool = False):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -96,7 +96,10 @@ class NativeEngine:
         preempted long sequence's recompute) runs in chunks, each over the ones before through the cache. None:
         max_num_batched_tokens, the step size the activation memory is reserved for. kv_cache_dtype: auto (the
         model dtype) or fp8 (e4m3 keys and values with a float32 scale per token and KV head, kv_quant.py; about
-        twice the tokens in the same memory, each decode step reading half the bytes).
+        twice the tokens in the same memory, each decode step reading half the bytes). weights_fixed: the caller
+        says the model's weights never change while the engine lives (serving, benchmarks: nothing trains), so the
+        engine reads every weight it would copy unchanged in place (the model's storage, not a copy of its own; the
+        q|k|v and gate|up groups it concatenates stay copies): Qwen3-30B-A3B's experts then exist once on the device.
         max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
         arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
         prefill each at the first step after it arrives. The defaults (16, 1/16) are among the fastest pairs on the
@@ -131,7 +134,7 @@ class NativeEngine:
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [],
                                   device=device,
                                   max_prefill_chunk_tokens=max_prefill_chunk_tokens or max_num_batched_tokens,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, weights_fixed=weights_fixed)
         self.sampler = Sampler(use_triton)
         self.scheduler: Scheduler | None = None
         self.last_metrics: dict[str, float] = {}

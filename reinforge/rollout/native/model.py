@@ -17,6 +17,8 @@ Frozen weights are read in place instead (``weights_read_in_place``): a LoRA act
 engine shares the storage of every frozen parameter it would copy unchanged (experts, routers, norms,
 embeddings, unadapted projections) and copies only what it must change or concatenate (the adapted layers, which
 get W + s B A, and the q|k|v and gate|up groups). Qwen3-30B-A3B's 57 GiB of experts then exist once on the device.
+A caller whose weights never change while the engine reads them (``weights_fixed``: serving, the rollout
+benchmarks) has every parameter read so, trainable or not.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def whole(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def weights_read_in_place(model: nn.Module) -> dict[int, Tensor]:
+def weights_read_in_place(model: nn.Module, fixed: bool = False) -> dict[int, Tensor]:
     """id(parameter) -> parameter, for the parameters of ``model`` the engine reads in place instead of copying.
 
     Those are the frozen parameters of a model that trains others (a LoRA actor's base), except the base weights
@@ -141,17 +143,19 @@ def weights_read_in_place(model: nn.Module) -> dict[int, Tensor]:
     off-policy modes) is copied whole: its syncs overwrite it while the engine may still read the last version.
     Under FSDP only the sharded parameters qualify (DTensors on a mesh of one, whose local shard is the whole
     parameter and stays where it is): a gathered parameter's storage is freed when FSDP reshards it.
+    ``fixed``: the caller says no parameter of ``model`` changes while the engine reads it (nothing trains:
+    serving, benchmarks), so every parameter qualifies, trainable or not.
     """
     from torch.distributed.fsdp import FSDPModule
 
     parameters = list(model.parameters())
-    if not any(parameter.requires_grad for parameter in parameters):
+    if not fixed and not any(parameter.requires_grad for parameter in parameters):
         return {}
     adapted = {id(parameter) for module in model.modules() if isinstance(getattr(module, "base_layer", None), nn.Module)
                for parameter in module.base_layer.parameters()}
     sharded = any(isinstance(module, FSDPModule) for module in model.modules())
     return {id(parameter): parameter for parameter in parameters
-            if not parameter.requires_grad and id(parameter) not in adapted
+            if (fixed or not parameter.requires_grad) and id(parameter) not in adapted
             and (isinstance(parameter, DTensor) and parameter.device_mesh.size() == 1
                  if sharded else not isinstance(parameter, DTensor))}
 
@@ -170,7 +174,7 @@ class ModelWeights:
         model = decoder.model
         self.layers: list[LayerWeights] = []
         self._pairs: list[tuple[Tensor, Parts]] = []
-        self._in_place = weights_read_in_place(model)
+        self._in_place = weights_read_in_place(model, decoder.weights_fixed)
         self.shared: dict[int, tuple[Tensor, Tensor]] = {}
         """id(weight the forward reads) -> (that weight, the frozen parameter whose storage it is)."""
         inner = decoder_module(model)
@@ -267,7 +271,8 @@ class PagedDecoder:
     ``load_weights`` must run before ``forward`` (the engine does it at wake-up).
     """
 
-    def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool, device: torch.device | None = None):
+    def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool, device: torch.device | None = None,
+                 weights_fixed: bool = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the native rollout engine cannot run this model: {reason}; "
@@ -275,6 +280,8 @@ class PagedDecoder:
         self.model = model
         self.max_model_len = max_model_len
         self.use_triton = use_triton
+        self.weights_fixed = weights_fixed
+        """The model's weights never change while this decoder reads them: all are read in place where they can be."""
         spec: ArchitectureSpec = native_architecture_spec(model.config)
         self.spec = spec
         config = text_config(model.config)
