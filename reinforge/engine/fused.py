@@ -40,7 +40,12 @@ from torch import Tensor, nn
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec
-from reinforge.models.vision import is_vision_language, keep_vision_tower_attention, language_model_spec
+from reinforge.models.vision import (
+    is_vision_language,
+    keep_vision_tower_attention,
+    language_model_spec,
+    use_batched_vision_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -382,6 +387,7 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     use_varlen_attention(model)
     if is_vision_language(getattr(model, "config", None)):
         keep_vision_tower_attention(model)
+        use_batched_vision_attention(model)  # one attention call per vision layer, not one per image or window
     spec = model_spec(model)
     output_embeddings = getattr(model, "get_output_embeddings", None)
     if spec is None and callable(output_embeddings) and output_embeddings() is not None:  # a causal LM

@@ -176,3 +176,55 @@ def language_model_spec(config):
     language = copy.copy(config.get_text_config())
     language.model_type = LANGUAGE_FAMILIES[config.model_type]
     return architecture_spec(language)
+
+
+def segment_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scaling: float) -> Tensor:
+    """Bidirectional attention within each segment of a packed row, in one SDPA call over the segments padded
+    to the longest one (its keys masked); query, key, value and the result: (tokens, heads, head dim)."""
+    import torch.nn.functional as F
+
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    longest = max(lengths)
+    starts = torch.tensor(cu_seqlens[:-1].tolist(), device=query.device)
+    offsets = torch.arange(longest, device=query.device)
+    valid = offsets[None, :] < torch.tensor(lengths, device=query.device)[:, None]  # (segments, longest)
+    index = torch.where(valid, starts[:, None] + offsets[None, :], 0)
+
+    def padded(tensor: Tensor) -> Tensor:  # (segments, heads, longest, head dim)
+        return tensor[index].transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value), attn_mask=valid[:, None, None, :],
+                                         scale=scaling)
+    return out.transpose(1, 2)[valid]
+
+
+def _vision_attention_forward(self, hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings=None,
+                              max_seqlen: int | None = None, **kwargs) -> Tensor:
+    """transformers' vision attention of Qwen2.5-VL and Qwen3-VL, its images and windows in one SDPA call
+    (transformers makes one call per image or window where no flash kernel is installed)."""
+    tokens = hidden_states.shape[0]
+    query, key, value = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    query, key = self._rotate_vision(query, key, cos, sin)
+    return self.proj(segment_attention(query, key, value, cu_seqlens, self.scaling).reshape(tokens, -1))
+
+
+def use_batched_vision_attention(model) -> int:
+    """Swap the forward of each attention module of the model's vision tower for ``_vision_attention_forward``;
+    returns how many (0 without a tower of the known shape)."""
+    import sys
+    import types
+
+    tower = vision_tower(model)
+    if tower is None:
+        return 0
+    count = 0
+    for module in tower.modules():
+        modeling = sys.modules.get(type(module).__module__)
+        rotate = getattr(modeling, "apply_rotary_pos_emb_vision", None)
+        if (type(module).__name__.endswith("VisionAttention") and rotate is not None
+                and all(hasattr(module, name) for name in ("qkv", "proj", "num_heads", "scaling"))):
+            module._rotate_vision = rotate
+            module.forward = types.MethodType(_vision_attention_forward, module)
+            count += 1
+    return count

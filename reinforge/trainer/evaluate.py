@@ -41,7 +41,7 @@ def evaluate(config: Config) -> dict[str, float]:
     check_tools(config.rollout.multi_turn.format, tools)  # before the model loads, as train does
     from reinforge.models.vision import processor_for
 
-    processor = processor_for(config.model.tokenizer_path or config.model.path, config.model.trust_remote_code,
+    processor = processor_for(config.model.path, config.model.trust_remote_code,
                               config.data.chat_template)
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",
                                     tool_schemas=[tool.schema for tool in tools.values()], processor=processor)

@@ -14,10 +14,17 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config
 from reinforge.models import load_causal_lm, save_hf_folder
+from reinforge.models.vision import is_vision_language, load_processor
 from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
 
 logger = logging.getLogger(__name__)
@@ -86,6 +93,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     if (adapter_folder / "adapter_config.json").is_file():
         return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype, config if classifier else None)
     # a reward model of `reinforge rm` stays a sequence classifier: its score head is in the state, no lm_head
+    if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
+        model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32)
+        model.load_state_dict(state, strict=False)
+        return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype)
     model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
     model.load_state_dict(state)
     return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)

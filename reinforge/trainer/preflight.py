@@ -225,8 +225,12 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
     schemas = [tool.schema for tool in tools.values()]
-    processor = processor_for(config.model.tokenizer_path or config.model.path, config.model.trust_remote_code,
+    processor = processor_for(config.model.path, config.model.trust_remote_code,
                               config.data.chat_template)  # a vision-language model's: rows may hold images
+    if processor is not None and critic_enabled(config):
+        raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} trains a critic, and "
+                          f"{config.model.path} is a vision-language model, whose critic reinforge does not build; "
+                          "use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
     train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas, processor=processor)
     if not (model_score_source(config) is not None and config.reward.combine.mode == "replace"):  # else no rule scores
         check_rows_can_be_scored(train_set, config.reward, custom_scorer, reward_functions)

@@ -79,7 +79,7 @@ class SFTTrainer(SupervisedRun):
                                         trust_remote_code=config.model.trust_remote_code)
         if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
             self.tokenizer.chat_template = data.chat_template
-        self.processor = processor_for(config.model.tokenizer_path or config.model.path,
+        self.processor = processor_for(config.model.path,
                                        config.model.trust_remote_code, data.chat_template)  # None: a text model
         pad_token_id = get_pad_token_id(self.tokenizer)
         self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),

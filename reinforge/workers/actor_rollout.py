@@ -57,7 +57,7 @@ class ActorRolloutWorker(Worker):
                                         trust_remote_code=config.model.trust_remote_code)
         if config.data.chat_template:  # saved with every checkpoint's hf/: the model is served in the format it learned
             self.tokenizer.chat_template = config.data.chat_template
-        self.processor = processor_for(config.model.tokenizer_path or config.model.path,
+        self.processor = processor_for(config.model.path,
                                        config.model.trust_remote_code, config.data.chat_template)
         """A vision-language model's processor (None for text models), saved with every checkpoint's hf/."""
         if rollout_only:

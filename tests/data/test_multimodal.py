@@ -141,3 +141,21 @@ def test_sft_conversations_with_images_expand_pads_untrained(tmp_path, processor
     assert batch[MULTI_MODAL_KEY][0]["image_grid_thw"].tolist() == [[1, 4, 4]]
     with pytest.raises(ValueError, match="cannot pack conversations with images"):
         pack_examples(dataset.examples, 256)
+
+
+def test_a_vision_language_run_with_a_critic_is_refused_before_any_model_loads(tmp_path):
+    from reinforge.config import ConfigError, load_config
+    from reinforge.demo import vision_reward
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.trainer.preflight import preflight
+
+    model = save_tiny_vlm(tmp_path / "vlm")
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([png((1, 2, 3))]) for _ in range(4)]), path)
+    overrides = [f"model.path={model}", f"data.train_files=[{path}]", "data.train_batch_size=2", "trainer.device=cpu",
+                 f"trainer.output_dir={tmp_path / 'run'}", "reward.num_workers=0",
+                 f"reward.custom_function={vision_reward.__file__}:compute_score"]
+    with pytest.raises(ConfigError, match="vision-language model, whose critic reinforge does not build"):
+        preflight(load_config(None, [*overrides, "algorithm.adv_estimator=gae"]))
+    checked = preflight(load_config(None, [*overrides, "algorithm.adv_estimator=grpo", "rollout.n=2"]))
+    assert checked.train_set.processor is not None and checked.train_set[0].images

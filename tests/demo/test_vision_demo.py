@@ -7,6 +7,7 @@ import random
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from reinforge.demo.vision_reward import compute_score
@@ -53,5 +54,15 @@ def test_a_short_sft_then_grpo_run_raises_held_out_accuracy(tmp_path):
     result = run_vision_demo(tmp_path / "run", settings=settings, task=task, device="cpu", loggers=("jsonl",),
                              plots=False)
     assert result["after"] - result["before"] >= 0.25, result
-    assert (tmp_path / "run" / "final_model" / "preprocessor_config.json").is_file() or \
-        (tmp_path / "run" / "final_model" / "processor_config.json").is_file()
+    from transformers import AutoModelForImageTextToText
+
+    from reinforge.models.vision import load_processor
+    from reinforge.trainer.export import export_checkpoint
+
+    models = []
+    for folder in (tmp_path / "run" / "final_model", export_checkpoint(tmp_path / "run", tmp_path / "exported")):
+        models.append(AutoModelForImageTextToText.from_pretrained(folder))
+        assert type(models[-1]).__name__ == "Qwen2_5_VLForConditionalGeneration"
+        assert load_processor(folder).image_processor.patch_size == 8
+    for (name, final), (_, exported) in zip(models[0].state_dict().items(), models[1].state_dict().items(), strict=True):
+        assert torch.equal(final, exported), name

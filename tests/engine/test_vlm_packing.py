@@ -1,7 +1,5 @@
 """Packed passes of vision-language models against transformers' padded forward of the processor's batch."""
 
-import copy
-
 import pytest
 import torch
 from PIL import Image
@@ -111,8 +109,7 @@ def test_packed_positions_and_pixels_are_the_processors(arch):
 @pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize("train_vision", [False, True])
 def test_packed_loss_and_gradients_equal_the_padded_forward(arch, train_vision):
-    packed_model = vlm(arch, seed=1)
-    padded_model = copy.deepcopy(packed_model)
+    packed_model, padded_model = vlm(arch, seed=1), build_tiny_vlm(arch, seed=1)  # transformers' modules as they are
     for model in (packed_model, padded_model):
         freeze_vision_tower(model, frozen=not train_vision)
     batch = vlm_batch(build_tiny_processor(arch))
@@ -152,8 +149,7 @@ def test_the_language_models_fast_path_gives_the_padded_forwards_loss_and_gradie
     here); the vision tower's modules are left to transformers or swapped for the same math."""
     from reinforge.engine.fused import fuse_elementwise, model_spec, use_packed_attention_layout
 
-    packed_model = vlm(arch, seed=4)
-    padded_model = copy.deepcopy(packed_model)
+    packed_model, padded_model = vlm(arch, seed=4), build_tiny_vlm(arch, seed=4)
     assert model_spec(packed_model).model_type == {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}[arch]
     assert fuse_elementwise(packed_model, compile=False) > 0
     assert use_packed_attention_layout(packed_model) == packed_model.config.text_config.num_hidden_layers
@@ -168,3 +164,24 @@ def test_the_language_models_fast_path_gives_the_padded_forwards_loss_and_gradie
                                            strict=True):
         if packed.grad is not None or padded.grad is not None:
             torch.testing.assert_close(packed.grad, padded.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_vision_towers_one_call_attention_is_transformers_per_image_attention(arch):
+    from reinforge.models.vision import use_batched_vision_attention
+
+    swapped, original = build_tiny_vlm(arch, seed=6), build_tiny_vlm(arch, seed=6)
+    assert use_batched_vision_attention(swapped) == swapped.config.vision_config.depth
+    images = concat_image_inputs([row for row in vlm_batch(build_tiny_processor(arch), samples=1)[MULTI_MODAL_KEY]
+                                  if row])
+    outputs = []
+    for model in (swapped, original):
+        pixels = images["pixel_values"].clone().requires_grad_()
+        embeddings = model.model.get_image_features(pixels, images["image_grid_thw"], return_dict=True).pooler_output
+        torch.cat(embeddings).square().sum().backward()
+        outputs.append((torch.cat(embeddings), pixels.grad))
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(swapped.model.visual.named_parameters(), original.model.visual.named_parameters(),
+                                 strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
