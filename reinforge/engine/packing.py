@@ -120,8 +120,8 @@ def prompt_groups(batch: Batch) -> list[list[int]]:
     groups: dict[bytes, list[int]] = {}
     for row in range(prompts.shape[0]):
         key = prompts[row][valid[row]].tobytes()
-        if images is not None and images[row]:  # the same text with other images is another prompt
-            key += b"|" + images[row]["pixel_values"].numpy().tobytes()
+        if images is not None and images[row]:  # the same text with other images is another prompt: the n samples of
+            key += b"|%d" % id(images[row])  # a prompt share its inputs' dict (repeat, index and pickling keep it)
         groups.setdefault(key, []).append(row)
     return list(groups.values())
 
