@@ -32,6 +32,50 @@ def _agent_loops_as_they_were():
     AGENT_LOOPS.update(before)
 
 
+ONE_WORKER = {"tests/controller/test_ray_backend.py": "ray", "tests/controller/test_ray_trainer.py": "ray"}
+"""Files that run in one ``make test`` worker, under one name: they share the session's Ray instance (``ray_cluster``,
+tens of seconds to start on a 2-core machine), which a second worker would start again."""
+
+LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer.py", "tests/trainer/modes/test_async_mode.py",
+                 "tests/test_api.py", "tests/engine/test_fused.py", "tests/rollout/test_native_families.py")
+"""Work units that take the longest (about 1-2 minutes each with ``-n 2``), handed out first: the two workers then
+end within a short file of each other, where one of these starting last would keep one worker busy alone."""
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of ``ONE_WORKER`` as one unit, and the units of ``LONGEST_FIRST`` handed out
+    first (then the others, most tests first, as loadfile orders them)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongestFirst(OrderedDict):
+        """The work queue, reordered once when the first unit is taken (after it is filled)."""
+
+        ordered = False
+
+        def popitem(self, last: bool = True):
+            if not self.ordered:
+                self.ordered = True
+                for scope in reversed(LONGEST_FIRST):
+                    if scope in self:
+                        self.move_to_end(scope, last=False)
+            return super().popitem(last=last)
+
+    class Scheduling(LoadFileScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = LongestFirst()
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_WORKER.get(path, path)
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
