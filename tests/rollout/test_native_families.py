@@ -23,6 +23,9 @@ UNWINDOWED = ("llama", "olmo2")
 WINDOW = 6
 PROMPT_LENGTHS = [13, 5, 21]
 NUM_NEW_TOKENS = 10
+INTERPRETED_NEW_TOKENS = 4
+"""On the Triton path in the interpreter: still decodes the 5-token prompt past the window and the 13-token one across
+a block, in a third of the interpreter's time."""
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -85,7 +88,9 @@ def test_sampled_log_probs_are_a_transformers_forwards(family, use_triton):
     triton_path(use_triton)
     model = family_model(family)
     engine = make_engine(model, use_triton)
-    sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
+    interpreted = use_triton and DEVICE == "cpu"
+    sampling = SamplingParams(n=2, max_tokens=INTERPRETED_NEW_TOKENS if interpreted else NUM_NEW_TOKENS,
+                              temperature=1.0, seed=7)
     batch = prompts(PROMPT_LENGTHS, seed=2)
     completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in batch])
     for prompt, samples in zip(batch, completions, strict=True):
