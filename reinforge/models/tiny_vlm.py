@@ -108,7 +108,7 @@ def build_tiny_processor(arch: str = "qwen2_5_vl", tokenizer: PreTrainedTokenize
     _check_arch(arch)
     tokenizer = tokenizer or build_vision_tokenizer()
     image_processor = Qwen2VLImageProcessorPil(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2,
-                                               min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+                                               size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
     return image_only_processor(PROCESSOR_CLASSES[arch], image_processor, tokenizer)
 
 
