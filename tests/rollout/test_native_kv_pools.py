@@ -1,5 +1,11 @@
-"""The native engine's KV blocks under pressure: preempted sequences resume with generate's tokens, and a sequence
-re-admitted into its old row decodes through its new blocks."""
+"""The native engine's KV blocks: per-layer-group pools and preemption.
+
+Models whose sliding layers sit beside full ones (Gemma 2, Gemma 3, Qwen2 with ``max_window_layers``) keep one
+cache and block pool per window: with a window smaller than the sequence, greedy tokens are generate's and
+log-probs a transformers forward's within 1e-5 while the sliding pool gives back the blocks behind its window, also
+through preemption under a tiny pool and prefix-cache hits. Preempted sequences resume with generate's tokens, and a
+sequence re-admitted into its old row decodes through its new blocks.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,13 @@ import torch
 from reinforge.models.tiny import build_tiny_causal_lm
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
+from reinforge.rollout.native.block_manager import RELEASED
+from reinforge.rollout.native.model_runner import layer_groups
 from reinforge.rollout.native.sequence import Sequence
+
+WINDOW = 6
+GROUPED = [("gemma2", 4), ("gemma3_text", 6), ("qwen2", 4)]
+"""Tiny models whose sliding layers (window WINDOW) sit beside full ones, and their layer counts."""
 
 
 def tiny_model(family: str, window: int | None = None, num_layers: int = 4) -> torch.nn.Module:
@@ -26,6 +38,12 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     return output[0, len(prompt):].tolist()
+
+
+def hf_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def make_engine(model: torch.nn.Module, **options) -> NativeEngine:
@@ -75,3 +93,127 @@ def test_a_sequence_that_outgrows_the_whole_cache_is_refused_in_one_line():
     greedy = SamplingParams(max_tokens=10, temperature=0.0)
     with pytest.raises(RuntimeError, match=r"needs \d+ KV blocks but the cache has 4; raise gpu_memory_utilization"):
         engine.generate([GenerationRequest(prompts([5])[0], greedy)])
+
+
+def test_layers_group_by_window_only_when_full_and_sliding_layers_mix():
+    assert layer_groups([None, None, None]) == [[0, 1, 2]]
+    assert layer_groups([8, 8, 8]) == [[0, 1, 2]]
+    assert layer_groups([8, 4, 8]) == [[0, 1, 2]]  # every layer slides: one pool, released behind the widest window
+    assert layer_groups([6, None, 6, None]) == [[1, 3], [0, 2]]
+    assert layer_groups([512, 512, None, 1024, None]) == [[2, 4], [0, 1], [3]]
+
+
+def test_a_model_with_one_window_keeps_one_pool_and_one_cache_tensor():
+    engine = make_engine(tiny_model("llama", num_layers=2))
+    engine.wake_up()
+    assert engine.scheduler.group_managers == () and isinstance(engine.runner.kv_cache, torch.Tensor)
+    assert engine.runner.kv_cache.shape[0] == 2
+
+
+def held_blocks(engine: NativeEngine) -> list[tuple[int, list[int]]]:
+    """Wraps the scheduler's ``finish`` to record, as each sequence finishes (before it hands its blocks back), how
+    many blocks it holds in the full pool and in each other pool (the list returned fills as it runs)."""
+    scheduler = engine.scheduler
+    record: list[tuple[int, list[int]]] = []
+    original = scheduler.finish
+
+    def finish(finished):
+        for seq in finished:
+            record.append((len([block for block in seq.block_table if block != RELEASED]),
+                           [len([block for block in table if block != RELEASED]) for table in seq.group_tables]))
+        original(finished)
+
+    scheduler.finish = finish
+    return record
+
+
+@pytest.mark.parametrize("family, num_layers", GROUPED)
+def test_sliding_layers_give_blocks_back_while_tokens_are_generates(family, num_layers):
+    model = tiny_model(family, WINDOW, num_layers)
+    engine = make_engine(model, block_size=2)
+    engine.wake_up()
+    assert [manager.sliding_window for manager in engine.scheduler.pools] == [None, WINDOW]
+    record = held_blocks(engine)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    batch = prompts([13, 5, 21], seed=3)
+    completions = engine.generate([GenerationRequest(prompt, greedy) for prompt in batch])
+    for prompt, (completion,) in zip(batch, completions, strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, 24)
+    # the window's keys span at most WINDOW / 2 + 1 blocks of 2, and the full layers keep every block
+    assert sorted(full for full, _ in record) == [-(-(length + 23) // 2) for length in (5, 13, 21)]
+    assert all(0 < group[0] <= -(-WINDOW // 2) + 1 for _, group in record), record
+
+
+@pytest.mark.parametrize("family, num_layers", GROUPED[:2])
+def test_sampled_log_probs_through_layer_groups_are_a_transformers_forwards(family, num_layers):
+    model = tiny_model(family, WINDOW, num_layers)
+    engine = make_engine(model, block_size=2)
+    sampling = SamplingParams(n=2, max_tokens=16, temperature=1.0, seed=7)
+    batch = prompts([13, 19], seed=2)
+    completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in batch])
+    for prompt, samples in zip(batch, completions, strict=True):
+        for sample in samples:
+            expected = hf_log_probs(model, prompt, sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_under_a_tiny_pool_with_layer_groups_resumes_as_generate_continues(prefix_caching):
+    model = tiny_model("gemma2", WINDOW)
+    engine = make_engine(model, block_size=2, num_kv_blocks=14, enable_prefix_caching=prefix_caching)
+    greedy = SamplingParams(n=4, max_tokens=20, temperature=0.0)
+    [prompt] = prompts([8], seed=8)
+    [samples] = engine.generate([GenerationRequest(prompt, greedy)])
+    assert engine.last_metrics["rollout/num_preempted"] > 0
+    assert [completion.token_ids for completion in samples] == [hf_greedy(model, prompt, 20)] * 4
+
+
+def test_a_prefix_cache_hit_takes_the_prefix_from_every_pool():
+    model = tiny_model("gemma3_text", WINDOW, 6)
+    engine = make_engine(model, block_size=2, enable_prefix_caching=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    first_prompt = prompts([17], seed=4)[0]
+    (first,), = engine.generate([GenerationRequest(first_prompt, greedy)])
+    second_prompt = first_prompt + first.token_ids + prompts([3], seed=5)[0]
+    hits_before = engine.counters.prefix_hit_tokens
+    (second,), = engine.generate([GenerationRequest(second_prompt, greedy)])
+    assert engine.counters.prefix_hit_tokens > hits_before
+    assert second.token_ids == hf_greedy(model, second_prompt, 8)
+    torch.testing.assert_close(torch.tensor(second.log_probs), hf_log_probs(model, second_prompt, second.token_ids),
+                               atol=1e-5, rtol=0)
+
+
+def test_the_sliding_pool_is_no_larger_than_its_windows_need():
+    """num_kv_blocks sizes the full layers' pool; the sliding layers' pool gets no more than one full-length
+    sequence plus every other sequence's window and block being filled."""
+    engine = NativeEngine(tiny_model("gemma2", WINDOW), eos_token_ids=[], max_model_len=64, use_triton=False,
+                          block_size=2, max_num_seqs=4, num_kv_blocks=100)
+    engine.wake_up()
+    full, sliding = [manager.num_blocks for manager in engine.scheduler.pools]
+    assert (full, sliding) == (100, 32 + 3 * (3 + 2))
+    assert [cache.shape[2] for cache in engine.runner.kv_caches] == [101, sliding + 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, num_layers", GROUPED)
+def test_on_the_gpu_layer_groups_through_kernels_and_graphs_equal_transformers(family, num_layers):
+    """float32 through the Triton kernels and decode graphs (each group's tables and slots static inputs, padding
+    rows in each group's spare block), a pool small enough to preempt: generate's tokens, the sliding pool holding
+    its window's blocks."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_model(family, WINDOW, num_layers).cuda()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=2, max_num_seqs=8, num_kv_blocks=40)
+    assert engine.runner.decoder.use_triton and engine.runner.cuda_graph_batch_sizes
+    engine.wake_up()
+    record = held_blocks(engine)
+    greedy = SamplingParams(n=3, max_tokens=24, temperature=0.0)
+    batch = prompts([13, 21], seed=3)
+    completions = engine.generate([GenerationRequest(prompt, greedy) for prompt in batch])
+    assert engine.last_metrics["rollout/num_preempted"] > 0
+    for prompt, samples in zip(batch, completions, strict=True):
+        input_ids = torch.tensor([prompt], device="cuda")
+        expected = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=24,
+                                  min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert [sample.token_ids for sample in samples] == [expected[0, len(prompt):].tolist()] * 3
+    assert all(0 < group[0] <= -(-WINDOW // 2) + 1 for _, group in record), record

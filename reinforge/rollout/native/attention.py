@@ -71,6 +71,9 @@ class AttentionMetadata:
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
     num_decode_splits: int = 1
+    per_layer: list[AttentionMetadata] | None = None
+    """Each layer's metadata when the layers' caches form several groups (``model_runner.layer_groups``: a group's
+    slots and block tables are its own); None: every layer reads this one."""
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,

@@ -21,8 +21,8 @@ one being filled) however long it gets. Its table keeps its length, the released
 ``RELEASED``, so block indices still map positions; no kernel reads them (the window masks them out, and
 the decode kernel starts its loop at the window). With prefix caching, a released block is registered
 first, exactly as at the sequence's release, so the prefix stays reusable while it is cached. A model with
-full layers beside its sliding ones (Gemma 2 and 3) keeps every block: one table serves all layers, and the
-sliding layers only mask (and skip reading) the keys before their window.
+full layers beside its sliding ones (Gemma 2 and 3) has one manager per window, each over its layers' own
+cache (scheduler.py, model_runner.py): the sliding layers' manager releases as above, the full layers' keeps all.
 """
 
 from __future__ import annotations

@@ -171,10 +171,14 @@ class NativeEngine:
         if self.runner.kv_cache is None:
             self.runner.allocate_kv_cache(self._num_kv_blocks())
         self.runner.forget_block_tables()
-        manager = BlockManager(self.runner.num_kv_blocks, self.block_size, self.enable_prefix_caching,
-                               self.runner.decoder.sliding_window, self.runner.decoder.rotary.original_length)
-        self.scheduler = Scheduler(manager, self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
-                                   self.admission_fraction)
+        switch_length = self.runner.decoder.rotary.original_length
+        windows = self.runner.group_windows
+        if len(windows) == 1:  # one cache group: the window when every layer slides
+            windows = [self.runner.decoder.sliding_window]
+        managers = [BlockManager(num_blocks, self.block_size, self.enable_prefix_caching, window, switch_length)
+                    for num_blocks, window in zip(self.runner.group_num_kv_blocks, windows, strict=True)]
+        self.scheduler = Scheduler(managers[0], self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
+                                   self.admission_fraction, tuple(managers[1:]))
 
     def sleep(self, abandon: bool = False) -> None:
         """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``).
@@ -215,7 +219,8 @@ class NativeEngine:
         """The weights changed: cached keys and values were computed with the old ones."""
         if self.scheduler is not None:
             with self._step_lock:
-                self.scheduler.block_manager.reset_prefix_cache()
+                for manager in self.scheduler.pools:
+                    manager.reset_prefix_cache()
 
     @torch.no_grad()
     def add_to_weights(self, deltas: Iterable[tuple[nn.Module, Tensor]]) -> None:
@@ -234,16 +239,49 @@ class NativeEngine:
             destination.copy_(destination.float().add_(delta))
         self._invalidate_prefix_cache()
 
-    def _num_kv_blocks(self) -> int:
+    def _useful_blocks(self, window: int | None) -> int:
+        """The most blocks a cache group whose layers attend through ``window`` can hold at once."""
         full = -(-self.max_model_len // self.block_size)
         useful = self.max_num_seqs * full
-        window = self.runner.decoder.sliding_window
         if window is not None:  # a sequence holds its window's blocks and the one it fills (one full-length prefill)
             useful = min(useful, full + (self.max_num_seqs - 1) * (-(-(window - 1) // self.block_size) + 2))
+        return useful
+
+    def _num_kv_blocks(self) -> int | list[int]:
+        """The cache's blocks; with several layer groups, each group's (see ``_group_num_kv_blocks``)."""
+        if len(self.runner.layer_groups) > 1:
+            return self._group_num_kv_blocks()
+        useful = self._useful_blocks(self.runner.decoder.sliding_window)
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.device.type != "cuda":
             return useful
+        return min(int(self._kv_cache_budget() // self.runner.kv_bytes_per_block()), useful)
+
+    def _group_num_kv_blocks(self) -> list[int]:
+        """Each layer group's blocks: a sliding group holds no more than the full group does, nor more than its
+        windows of ``max_num_seqs`` sequences. num_kv_blocks (or the memory budget) sets the full group's count F;
+        each other group gets min(F, what it can use), and from a memory budget F is the largest that fits."""
+        runner = self.runner
+        useful = [self._useful_blocks(window) for window in runner.group_windows]
+        if self.num_kv_blocks is not None:
+            return [min(self.num_kv_blocks, cap) if index else self.num_kv_blocks for index, cap in enumerate(useful)]
+        if self.device.type != "cuda":
+            return useful
+        budget = self._kv_cache_budget()
+        sizes = [runner.kv_bytes_per_block(group) for group in range(len(useful))]
+
+        def cost(first: int) -> int:
+            return sum(size * min(first, cap) for size, cap in zip(sizes, useful, strict=True))
+
+        low, high = 0, useful[0]
+        while low < high:  # the largest count of the first group whose groups fit the budget
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if cost(middle) <= budget else (low, middle - 1)
+        return [min(low, cap) for cap in useful]
+
+    def _kv_cache_budget(self) -> float:
+        """Bytes of device memory the KV cache may take (see ``gpu_memory_utilization``), at least a block's."""
         free, total = torch.cuda.mem_get_info(self.device)
         # blocks the caching allocator holds but no tensor uses (the training step's) are free here too: the
         # cache is allocated from them, or, failing that, the allocator releases them and asks the device
@@ -253,12 +291,11 @@ class NativeEngine:
         activations = (self.max_num_batched_tokens * (4 * config.intermediate_size + 8 * config.hidden_size)
                        * element_size + self.max_num_seqs * config.vocab_size * 16 + (256 << 20))
         budget = total * self.gpu_memory_utilization - (total - free) - activations
-        num_blocks = int(budget // self.runner.kv_bytes_per_block())
-        if num_blocks < 1:
+        if budget < self.runner.kv_bytes_per_block():
             raise RuntimeError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for the KV cache "
                 f"({(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB already in use); raise it")
-        return min(num_blocks, useful)
+        return budget
 
     # ---- entry points -----------------------------------------------------------------------
 
@@ -415,6 +452,8 @@ class NativeEngine:
         logits = self.runner.prefill(step.seqs)
         self.counters.count_prefill(step.seqs)
         self.runner.copy_blocks(step.block_copies)
+        for group, copies in step.group_block_copies.items():
+            self.runner.copy_blocks(copies, group + 1)
         sample_seqs = [seq for group in step.samples for seq in group]
         rows = [index for index, group in enumerate(step.samples) for _ in group]
         if len(rows) != len(step.seqs):

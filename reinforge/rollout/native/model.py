@@ -377,8 +377,11 @@ class PagedDecoder:
         if images is not None:
             hidden = images.place(hidden)
         residual: Tensor | None = None  # the residual stream is residual + hidden
+        metas = meta.per_layer  # layer groups: each layer reads its group's slots and tables
         for index, weights in enumerate(model_weights.layers):
             attention, mlp, cache = self.attention[index], self.mlps[index], kv_cache[index]
+            if metas is not None:
+                meta = metas[index]
             if placement == "post":  # OLMo 2: the sublayers read the stream itself and normalise their output
                 residual = hidden if residual is None else residual + hidden
                 hidden = norm(weights["post_attention_layernorm"], attention.forward(weights, residual, positions,

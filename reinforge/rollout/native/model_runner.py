@@ -11,11 +11,19 @@ write to a spare block nobody reads). Once the longest context reaches ``decode_
 the paged attention splits each context across programs (``decode_kernels.decode_num_splits``, a count fixed
 per batch size), so a batch size has at most two decode graphs: unsplit and split. Prefill steps of up to 2,048 tokens replay graphs too, from
 the second step of a padded shape on (``prefill_graphs.py``); larger ones run eagerly.
+
+Layer groups (``layer_groups``): when some layers attend through a window and others do not (Gemma 2 and 3,
+Qwen2 with ``max_window_layers``), each window's layers have their own cache tensor (``kv_caches``), block pool
+and block tables (``Sequence.group_tables``), so a sliding group needs no more than its window of blocks per
+sequence. Each layer then reads its group's cache, slots and block tables (``AttentionMetadata.per_layer``);
+decode graphs hold each group's tables as static inputs, and prefill steps run eagerly. A model whose layers share
+one window (or none) has one group and runs as if groups did not exist.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -36,6 +44,16 @@ def to_device(array: np.ndarray, device: torch.device) -> Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor
+
+
+def layer_groups(windows: list[int | None]) -> list[list[int]]:
+    """The layers of each cache group, from each layer's window (None: full attention): one group per distinct
+    window, full attention first, when some layers are full and others slide; else one group of every layer (when
+    every layer slides, blocks behind the widest window are released)."""
+    distinct = sorted(set(windows), key=lambda window: -1 if window is None else window)
+    if len(distinct) == 1 or None not in distinct:
+        return [list(range(len(windows)))]
+    return [[index for index, window in enumerate(windows) if window == key] for key in distinct]
 
 
 def prefill_chunks(starts: list[int], stops: list[int], budget: int | None) -> list[list[tuple[int, int, int]]]:
@@ -80,9 +98,23 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.device = self.decoder.device
         self.cuda_graph_batch_sizes = sorted(size for size in cuda_graph_batch_sizes if size <= max_num_seqs)
-        self.kv_cache: Tensor | None = None
+        self.kv_cache: Tensor | list[Tensor] | None = None
+        """What the decoder reads layer by layer: the cache tensor (layers first), or with several layer groups,
+        a list of each layer's view of its group's tensor."""
         self.spare_block = -1
         self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        windows = [layer.sliding_window for layer in self.decoder.spec.layers]
+        self.layer_groups = layer_groups(windows)
+        self.group_windows = [windows[layers[0]] for layers in self.layer_groups]
+        """Each group's window (None: full attention); one group for most models."""
+        self.kv_caches: list[Tensor] = []
+        """Each group's cache tensor (its layers first), while allocated."""
+        self.spare_blocks: list[int] = []
+        num_extra = len(self.layer_groups) - 1
+        self.group_table_host = [np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+                                 for _ in range(num_extra)]
+        self._group_row_owner = [[-1] * max_num_seqs for _ in range(num_extra)]
+        self._group_row_num_blocks = [[0] * max_num_seqs for _ in range(num_extra)]
         self._row_owner = [-1] * max_num_seqs
         self._row_num_blocks = [0] * max_num_seqs
         self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -137,23 +169,42 @@ class ModelRunner:
         if self.multimodal is not None:
             self.multimodal.tower.free()
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self, group: int | None = None) -> int:
+        """Bytes of one block of every layer's cache, or of layer group ``group``'s layers only."""
         if self.kv_cache_dtype == "fp8":
             _, heads, dim = self.decoder.cache_entry
-            return self.decoder.num_layers * 2 * block_bytes(self.block_size, heads, dim)
-        return self.decoder.kv_bytes_per_block(self.block_size)
+            every_layer = self.decoder.num_layers * 2 * block_bytes(self.block_size, heads, dim)
+        else:
+            every_layer = self.decoder.kv_bytes_per_block(self.block_size)
+        if group is None:
+            return every_layer
+        return every_layer // self.decoder.num_layers * len(self.layer_groups[group])
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int | list[int]) -> None:
         """The decoder's ``kv_cache_shape`` with num_blocks + 1 blocks; the extra block takes graph padding.
-        fp8: (layers, 2, num_blocks + 1, block bytes) uint8, each block its values then their scales (kv_quant.py)."""
-        self.spare_block = num_blocks
+        fp8: (layers, 2, num_blocks + 1, block bytes) uint8, each block its values then their scales (kv_quant.py).
+        With several layer groups, num_blocks lists each group's blocks and each group gets its own tensor."""
+        counts = [num_blocks] * len(self.layer_groups) if isinstance(num_blocks, int) else list(num_blocks)
+        self.kv_caches = [self._cache_tensor(len(layers), count)
+                          for layers, count in zip(self.layer_groups, counts, strict=True)]
+        self.spare_blocks = counts
+        self.spare_block = counts[0]
+        if len(self.layer_groups) == 1:
+            self.kv_cache = self.kv_caches[0]
+            return
+        views: list[Tensor | None] = [None] * self.decoder.num_layers
+        for layers, cache in zip(self.layer_groups, self.kv_caches, strict=True):
+            for position, layer in enumerate(layers):
+                views[layer] = cache[position]
+        self.kv_cache = views
+
+    def _cache_tensor(self, num_layers: int, num_blocks: int) -> Tensor:
         if self.kv_cache_dtype == "fp8":
             _, heads, dim = self.decoder.cache_entry
-            shape = (self.decoder.num_layers, 2, num_blocks + 1, block_bytes(self.block_size, heads, dim))
-            self.kv_cache = torch.zeros(shape, dtype=torch.uint8, device=self.device)
-            return
-        self.kv_cache = torch.zeros(self.decoder.kv_cache_shape(num_blocks + 1, self.block_size),
-                                    dtype=self.decoder.dtype, device=self.device)
+            shape = (num_layers, 2, num_blocks + 1, block_bytes(self.block_size, heads, dim))
+            return torch.zeros(shape, dtype=torch.uint8, device=self.device)
+        shape = (num_layers, *self.decoder.kv_cache_shape(num_blocks + 1, self.block_size)[1:])
+        return torch.zeros(shape, dtype=self.decoder.dtype, device=self.device)
 
     def attention_caches(self, layer: int) -> tuple[Tensor | QuantizedCache, Tensor | QuantizedCache]:
         """Layer ``layer``'s K and V caches as the attention kernels take them (fp8: ``QuantizedCache`` views)."""
@@ -168,15 +219,23 @@ class ModelRunner:
         recorded owner could match a different sequence of the same id (and block count) and keep its stale blocks."""
         self._row_owner = [-1] * self.max_num_seqs
         self._row_num_blocks = [0] * self.max_num_seqs
+        self._group_row_owner = [[-1] * self.max_num_seqs for _ in self._group_row_owner]
+        self._group_row_num_blocks = [[0] * self.max_num_seqs for _ in self._group_row_num_blocks]
 
     @property
     def num_kv_blocks(self) -> int:
-        """Blocks the scheduler may hand out (the cache's spare block excluded)."""
-        return self.kv_cache.shape[2] - 1
+        """Blocks the scheduler may hand out (the cache's spare block excluded), of the first layer group."""
+        return self.kv_caches[0].shape[2] - 1
+
+    @property
+    def group_num_kv_blocks(self) -> list[int]:
+        """Each layer group's blocks (spare blocks excluded)."""
+        return [cache.shape[2] - 1 for cache in self.kv_caches]
 
     def free_kv_cache(self) -> None:
         self.drop_cuda_graphs()
         self.kv_cache = None
+        self.kv_caches = []
 
     def drop_cuda_graphs(self) -> None:
         self._prefill_graphs = None
@@ -187,12 +246,14 @@ class ModelRunner:
         self._graph_pool = None
         self._graph_parameter_pointers = ()
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]], group: int = 0) -> None:
+        """Copy (source, destination) blocks of layer group ``group``'s cache."""
         if not copies:
             return
         source = torch.tensor([copy[0] for copy in copies], device=self.device)
         destination = torch.tensor([copy[1] for copy in copies], device=self.device)
-        self.kv_cache[:, :, destination] = self.kv_cache[:, :, source]
+        cache = self.kv_caches[group]
+        cache[:, :, destination] = cache[:, :, source]
 
     def _to_device(self, array: np.ndarray) -> Tensor:
         return to_device(array, self.device)
@@ -240,12 +301,10 @@ class ModelRunner:
             self.multimodal.prefill_inputs([seq.request_key for seq in seqs], starts, contexts)
         if images is not None:  # image pad tokens carry their images' keys (multimodal.py), never embedded
             token_ids = np.where(token_ids < 0, self.multimodal.image_token_id, token_ids)
-        graphs = self._graphs_for_prefill() if images is None else None
+        graphs = self._graphs_for_prefill() if images is None and not self.group_table_host else None
         if graphs is not None or any(starts):
             # every context token's slot (the packed path reads the cached and new keys through them)
-            context_slots = np.concatenate([
-                np.asarray(seq.block_table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
-                + np.arange(length) % self.block_size for seq, length in zip(seqs, contexts, strict=True)])
+            context_slots = self._context_slots([seq.block_table for seq in seqs], contexts)
         if graphs is not None:
             padded = pad_prefill(token_ids, positions, slots, seq_lens, context_slots, contexts,
                                  self.spare_block * self.block_size)
@@ -274,8 +333,39 @@ class ModelRunner:
             meta.context_slots = self._to_device(context_slots)
             meta.cu_seqlens_q = self._to_device(np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32))
             meta.cu_seqlens_k = self._to_device(np.concatenate([[0], np.cumsum(contexts)]).astype(np.int32))
+        if self.group_table_host:
+            group_metas = [meta]
+            for group in range(len(self.group_table_host)):
+                tables = [seq.group_tables[group] for seq in seqs]
+                group_slots = np.concatenate([
+                    np.asarray(table, dtype=np.int64)[np.arange(start, stop) // self.block_size] * self.block_size
+                    + np.arange(start, stop) % self.block_size
+                    for table, start, stop in zip(tables, starts, stops, strict=True)])
+                group_meta = replace(meta, slot_mapping=self._to_device(group_slots), prefix_visible={})
+                if any(starts):
+                    group_tables = np.zeros((len(seqs), max(len(table) for table in tables)), dtype=np.int64)
+                    for row, table in enumerate(tables):
+                        group_tables[row, :len(table)] = table
+                    group_meta.block_tables = self._to_device(group_tables)
+                    group_meta.context_slots = self._to_device(self._context_slots(tables, contexts))
+                group_metas.append(group_meta)
+            meta.per_layer = self._per_layer(group_metas)
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index), images=images)
+
+    def _context_slots(self, tables: list[list[int]], contexts: list[int]) -> np.ndarray:
+        """The cache slot of every context token of each sequence, through its table ``tables[i]``."""
+        return np.concatenate([
+            np.asarray(table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
+            + np.arange(length) % self.block_size for table, length in zip(tables, contexts, strict=True)])
+
+    def _per_layer(self, group_metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
+        """Each layer's metadata: its group's."""
+        per_layer: list[AttentionMetadata] = [group_metas[0]] * self.decoder.num_layers
+        for layers, group_meta in zip(self.layer_groups, group_metas, strict=True):
+            for layer in layers:
+                per_layer[layer] = group_meta
+        return per_layer
 
     def _graphs_for_prefill(self) -> PrefillGraphs | None:
         """The prefill graphs, where prefill steps may replay them: CUDA graphs on (as for decode steps) and the
@@ -331,11 +421,33 @@ class ModelRunner:
             "context_lens": context_lens,
             "block_tables": block_tables,
         }
+        if self.group_table_host:
+            self._group_decode_inputs(seqs, rows, positions, inputs)
         if self.multimodal is not None:
             inputs["rope_positions"] = positions + self.row_rope_delta[rows]
         if not lookahead:
             inputs["input_ids"] = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))
         return inputs
+
+    def _group_decode_inputs(self, seqs: list[Sequence], rows: np.ndarray, positions: np.ndarray,
+                             inputs: dict[str, np.ndarray]) -> None:
+        """The other layer groups' block tables and slots (``block_tables_{g}``, ``slot_mapping_{g}``, g from 1), their
+        host rows kept as ``_decode_inputs`` keeps the first group's. A released entry (``RELEASED``) stays as it
+        was in the row: no query reads it."""
+        for group, host in enumerate(self.group_table_host):
+            owners, num_blocks = self._group_row_owner[group], self._group_row_num_blocks[group]
+            for seq in seqs:
+                row, table = seq.row, seq.group_tables[group]
+                if owners[row] != seq.seq_id:
+                    host[row, :len(table)] = table
+                    owners[row] = seq.seq_id
+                elif num_blocks[row] != len(table):
+                    host[row, num_blocks[row]:len(table)] = table[num_blocks[row]:]
+                num_blocks[row] = len(table)
+            block_tables = host[rows]
+            blocks = block_tables[np.arange(len(seqs)), positions // self.block_size].astype(np.int64)
+            inputs[f"slot_mapping_{group + 1}"] = blocks * self.block_size + positions % self.block_size
+            inputs[f"block_tables_{group + 1}"] = block_tables
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence], next_input_ids: Tensor | None = None) -> Tensor:
@@ -373,6 +485,10 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], is_prefill=False,
                                  block_tables=tensors["block_tables"], context_lens=tensors["context_lens"],
                                  num_decode_splits=num_splits)
+        if self.group_table_host:
+            meta.per_layer = self._per_layer([meta, *(
+                replace(meta, slot_mapping=tensors[f"slot_mapping_{group}"], block_tables=tensors[f"block_tables_{group}"])
+                for group in range(1, len(self.layer_groups)))])
         return self.decoder.forward(tensors["input_ids"], tensors.get("rope_positions", tensors["positions"]),
                                     self.kv_cache, meta)
 
@@ -386,6 +502,9 @@ class ModelRunner:
         static["slot_mapping"][start:stop].fill_(self.spare_block * self.block_size)
         static["context_lens"][start:stop].fill_(1)
         static["block_tables"][start:stop].fill_(self.spare_block)
+        for group in range(1, len(self.layer_groups)):  # each group's own spare block
+            static[f"slot_mapping_{group}"][start:stop].fill_(self.spare_blocks[group] * self.block_size)
+            static[f"block_tables_{group}"][start:stop].fill_(self.spare_blocks[group])
 
     @torch.no_grad()
     def capture_cuda_graph(self, size: int, num_splits: int = 1) -> None:
@@ -408,6 +527,10 @@ class ModelRunner:
             }
             if self.multimodal is not None:
                 self._graph_inputs["rope_positions"] = torch.zeros(largest, dtype=torch.int64, device=self.device)
+            for group in range(1, len(self.layer_groups)):
+                self._graph_inputs[f"slot_mapping_{group}"] = torch.zeros(largest, dtype=torch.int64, device=self.device)
+                self._graph_inputs[f"block_tables_{group}"] = torch.zeros(largest, self.max_blocks_per_seq,
+                                                                          dtype=torch.int32, device=self.device)
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)

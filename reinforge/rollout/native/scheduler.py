@@ -12,6 +12,15 @@ caching, a released sequence's full blocks stay cached (see block_manager.py) an
 sequence whose tokens start with cached blocks takes them and prefills only the rest
 (``seq.num_cached_tokens``): the next turn of a multi-turn trajectory, or a preempted sequence.
 
+Layer groups: a model whose layers attend through different windows (Gemma 2 and 3: sliding layers beside
+full ones; Qwen2 with ``max_window_layers``) keeps one cache and one block pool per window (``pools``, the
+first for ``block_manager``'s group, the others' tables in ``seq.group_tables``). Every table of a sequence
+has the same length and grows at the same steps, so admission, growth and preemption ask every pool for its
+blocks; a sliding group gives back the blocks behind its window as the sequence grows, so it holds at most its
+window's blocks and the one being filled, while a full group keeps all. A prefix-cache hit takes the blocks
+every pool has cached for the prefix (the shortest of the pools' matches), so a sliding group's pool, where
+released blocks are soon reused, bounds the hits of such models. A model with one window (or none) has one pool.
+
 Steps ahead: the engine launches a decode step and reads its tokens back only after launching
 the next step, so the host's bookkeeping overlaps the device's work. ``schedule_ahead`` decides
 that next step while a decode step is in flight, from the sequences as they stand before its
@@ -53,6 +62,8 @@ class ScheduledStep:
     seqs: list[Sequence]
     samples: list[list[Sequence]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    group_block_copies: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """The block copies of the other layer groups' pools, by index in ``Scheduler.group_managers``."""
     continued_rows: list[int] | None = None
     """A decode step scheduled ahead: the rows of the step in flight that its first sequences continue, in order
     (each one's input is the token that row sampled, not yet read back); None for a step scheduled from the
@@ -61,12 +72,16 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_admission_wait: int = 0, admission_fraction: float = 0.0):
+                 max_admission_wait: int = 0, admission_fraction: float = 0.0,
+                 group_managers: tuple[BlockManager, ...] = ()):
         """max_admission_wait: decode steps the oldest arrival may wait for others to join its prefill;
         admission_fraction: waiting samples, as a fraction of the running ones, that are prefilled at once
         (both only when batching arrivals; see the module docstring). The block manager's ``rope_switch_length``
-        (LongRoPE) is where a sequence is prefilled again (``recompute``)."""
+        (LongRoPE) is where a sequence is prefilled again (``recompute``). group_managers: the pools of the other
+        layer groups (see the module docstring), same block size."""
         self.block_manager = block_manager
+        self.group_managers = group_managers
+        self.pools = (block_manager, *group_managers)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_admission_wait = max_admission_wait
@@ -97,9 +112,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _blocks_to_admit(self, seq: Sequence, cached: list[int]) -> int:
-        """Free blocks that admitting ``seq`` uses up, taking the cached blocks ``cached`` of its prefix."""
-        manager = self.block_manager
+    def _blocks_to_admit(self, seq: Sequence, cached: list[int], manager: BlockManager | None = None) -> int:
+        """Free blocks of ``manager`` (default ``block_manager``) that admitting ``seq`` uses up, taking the cached
+        blocks ``cached`` of its prefix."""
+        manager = manager or self.block_manager
         num_copies = seq.num_samples - 1 if seq.num_tokens % manager.block_size else 0
         return manager.num_blocks_for(seq.num_tokens) - len(cached) + manager.num_blocks_taken(cached) + num_copies
 
@@ -138,22 +154,32 @@ class Scheduler:
             if num_running + seq.num_samples > self.max_num_seqs:
                 break
             cached = self.block_manager.match_prefix(seq.token_ids, seq.block_keys)
+            group_cached = [manager.match_prefix(seq.token_ids, seq.block_keys) for manager in self.group_managers]
+            if group_cached:  # a hit needs the prefix's blocks in every pool
+                num_hit = min(len(cached), *(len(blocks) for blocks in group_cached))
+                cached, group_cached = cached[:num_hit], [blocks[:num_hit] for blocks in group_cached]
             num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
             # the whole context counts: a prefill after a cache hit gathers every cached key and value of its
             # sequences (attention.prefill_attention_with_prefix), as much memory as a full prefill's grid
             if step.seqs and num_tokens + seq.num_tokens > self.max_num_batched_tokens:
                 break
-            if not self.block_manager.can_allocate(self._blocks_to_admit(seq, cached)):
+            short = next((manager for manager, blocks in zip(self.pools, [cached, *group_cached], strict=True)
+                          if not manager.can_allocate(self._blocks_to_admit(seq, blocks, manager))), None)
+            if short is not None:
                 if not self.running and not step.seqs:
+                    pool = "" if not self.group_managers else \
+                        f" (the pool of the layers with window {short.sliding_window})"
                     raise RuntimeError(
                         f"a sequence of {seq.num_tokens} tokens with n={seq.num_samples} needs "
-                        f"{self._blocks_to_admit(seq, [])} KV blocks but the cache has {self.block_manager.num_blocks}; "
-                        "raise gpu_memory_utilization (or num_kv_blocks), or shorten the prompt or max_tokens")
+                        f"{self._blocks_to_admit(seq, [], short)} KV blocks but the cache has {short.num_blocks}"
+                        f"{pool}; raise gpu_memory_utilization (or num_kv_blocks), or shorten the prompt or max_tokens")
                 break
             self.waiting.popleft()
             num_tokens += seq.num_tokens
             num_running += seq.num_samples
             seq.block_table = self.block_manager.allocate(seq.num_tokens, cached)
+            seq.group_tables = [manager.allocate(seq.num_tokens, blocks)
+                                for manager, blocks in zip(self.group_managers, group_cached, strict=True)]
             seq.num_cached_tokens = seq.num_tokens - num_new
             seq.cache_epoch = self.block_manager.epoch
             group = [seq]
@@ -162,6 +188,11 @@ class Scheduler:
                 child.block_table, copy = self.block_manager.fork(seq.block_table, seq.num_tokens)
                 if copy is not None:
                     step.block_copies.append(copy)
+                for index, manager in enumerate(self.group_managers):
+                    table, copy = manager.fork(seq.group_tables[index], seq.num_tokens)
+                    child.group_tables.append(table)
+                    if copy is not None:
+                        step.group_block_copies.setdefault(index, []).append(copy)
                 group.append(child)
             seq.num_samples = 1
             for member in group:
@@ -177,20 +208,37 @@ class Scheduler:
         self.running.append(seq)
 
     def _release_out_of_window(self, seqs: list[Sequence]) -> None:
-        """Blocks no query of ``seqs`` reads again go back to the pool (every layer slides; see block_manager.py).
-        The step in flight, if any, decodes each sequence's last token, so its window starts no earlier."""
+        """Blocks no query of ``seqs`` reads again go back to their pool (the pools of sliding layers; see
+        block_manager.py). The step in flight, if any, decodes each sequence's last token, so its window starts
+        no earlier."""
         manager = self.block_manager
-        if manager.sliding_window is None:
-            return
-        for seq in seqs:
-            manager.release_out_of_window(seq.block_table, len(seq.token_ids) - 1,
-                                          seq.token_ids if seq.keep_prefix else None, seq.block_keys, seq.cache_epoch)
+        if manager.sliding_window is not None:
+            for seq in seqs:
+                manager.release_out_of_window(seq.block_table, len(seq.token_ids) - 1, seq.token_ids
+                                              if seq.keep_prefix else None, seq.block_keys, seq.cache_epoch)
+        for index, manager in enumerate(self.group_managers):
+            if manager.sliding_window is not None:
+                for seq in seqs:
+                    manager.release_out_of_window(seq.group_tables[index], len(seq.token_ids) - 1, seq.token_ids
+                                                  if seq.keep_prefix else None, seq.block_keys, seq.cache_epoch)
+
+    def _can_allocate(self, num_blocks: int) -> bool:
+        """Whether every pool has ``num_blocks`` free blocks."""
+        return all(manager.can_allocate(num_blocks) for manager in self.pools)
+
+    def _append_block(self, seq: Sequence) -> None:
+        """Grow each of ``seq``'s tables by a block."""
+        self.block_manager.append_block(seq.block_table)
+        for manager, table in zip(self.group_managers, seq.group_tables, strict=True):
+            manager.append_block(table)
 
     def _schedule_decode(self) -> ScheduledStep:
         self.num_decode_steps += 1
         self._release_out_of_window(self.running)
         block_size = self.block_manager.block_size
         growing = [seq for seq in self.running if len(seq.block_table) * block_size < seq.num_tokens]
+        if self.group_managers:
+            return self._schedule_grouped_decode(growing)
         if self.block_manager.can_allocate(len(growing)):
             for seq in growing:
                 self.block_manager.append_block(seq.block_table)
@@ -211,6 +259,28 @@ class Scheduler:
                 scheduled.append(seq)
         self.running = scheduled
         # a copy: sequences admitted while this step is in flight join ``running``, never the step's own list
+        return ScheduledStep(is_prefill=False, seqs=list(scheduled))
+
+    def _schedule_grouped_decode(self, growing: list[Sequence]) -> ScheduledStep:
+        """``_schedule_decode`` for several pools: a sequence grows (or preempts) in every pool at once."""
+        if self._can_allocate(len(growing)):
+            for seq in growing:
+                self._append_block(seq)
+            return ScheduledStep(is_prefill=False, seqs=list(self.running))
+        scheduled: list[Sequence] = []
+        queue = deque(self.running)
+        while queue:
+            seq = queue.popleft()
+            while self.block_manager.needs_block(seq.block_table, seq.num_tokens) and not self._can_allocate(1):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                if self.block_manager.needs_block(seq.block_table, seq.num_tokens):
+                    self._append_block(seq)
+                scheduled.append(seq)
+        self.running = scheduled
         return ScheduledStep(is_prefill=False, seqs=list(scheduled))
 
     def schedule_ahead(self, in_flight: list[Sequence], batch_arrivals: bool = False) -> ScheduledStep | None:
@@ -274,6 +344,13 @@ class Scheduler:
         growing = [seq for seq in seqs if len(seq.block_table) * block_size <= len(seq.token_ids)]  # every step
         if not self.block_manager.can_allocate(len(growing)):
             return False
+        if self.group_managers:
+            if not self._can_allocate(len(growing)):
+                return False
+            for seq in growing:
+                self._append_block(seq)
+            self.num_decode_steps += 1
+            return True
         for seq in growing:
             self.block_manager.append_block(seq.block_table)
         self.num_decode_steps += 1
@@ -283,6 +360,9 @@ class Scheduler:
         # every token but the last has its keys and values in the cache (the last is decoded next, if ever)
         self.block_manager.free(seq.block_table, seq.token_ids if seq.keep_prefix else None, seq.num_tokens - 1,
                                 seq.block_keys, seq.cache_epoch)
+        for manager, table in zip(self.group_managers, seq.group_tables, strict=True):
+            manager.free(table, seq.token_ids if seq.keep_prefix else None, seq.num_tokens - 1, seq.block_keys,
+                         seq.cache_epoch)
         seq.num_cached_tokens = 0
         self.free_rows.append(seq.row)
         seq.row = -1

@@ -39,6 +39,9 @@ class Sequence:
         self.num_samples = num_samples
         """Samples this waiting sequence stands for: n before its first prefill, 1 after."""
         self.block_table: list[int] = []
+        self.group_tables: list[list[int]] = []
+        """The block tables of the cache's other layer groups (``Scheduler.pools`` 1..), each as long as
+        ``block_table``; empty when every layer reads one table (see scheduler.py)."""
         self.block_keys: list[BlockKey] = []
         """Prefix-cache keys of this sequence's full blocks computed so far (see ``BlockManager.block_key_chain``)."""
         self.num_cached_tokens = 0
