@@ -24,7 +24,6 @@ import gc
 import hashlib
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -192,7 +191,7 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
                                   max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens,
                                   kv_cache_dtype=rollout.kv_cache_dtype)
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
-                engine.num_kv_blocks = max(math.ceil(rollout.kv_cache_gib * GiB / engine.runner.kv_bytes_per_block()), 1)
+                engine.kv_cache_bytes = int(rollout.kv_cache_gib * GiB)
             return engine
         logging.getLogger(__name__).warning(hf_fallback_notice(reason))
     from reinforge.rollout.hf import HFEngine

@@ -217,3 +217,19 @@ def test_on_the_gpu_layer_groups_through_kernels_and_graphs_equal_transformers(f
                                   min_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert [sample.token_ids for sample in samples] == [expected[0, len(prompt):].tolist()] * 3
     assert all(0 < group[0] <= -(-WINDOW // 2) + 1 for _, group in record), record
+
+
+def test_a_cache_of_given_bytes_holds_more_full_layer_blocks_when_sliding_layers_need_fewer():
+    """kv_cache_bytes (the memory planner's size) split between the pools: the sliding pool takes what its windows
+    can use and the full pool the rest, more blocks than the same bytes give a single pool."""
+    model = tiny_model("gemma2", WINDOW)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, use_triton=False, block_size=2, max_num_seqs=4)
+    per_block = engine.runner.kv_bytes_per_block()  # every layer's bytes; each group has half the layers
+    engine.kv_cache_bytes = 60 * per_block
+    engine.wake_up()
+    assert [manager.num_blocks for manager in engine.scheduler.pools] == [120 - 47, 47]
+    assert sum(cache.numel() * cache.element_size() for cache in engine.runner.kv_caches) <= 62 * per_block
+    single = NativeEngine(tiny_model("llama"), eos_token_ids=[], max_model_len=64, use_triton=False, block_size=2,
+                          max_num_seqs=4, kv_cache_bytes=60 * per_block)
+    single.wake_up()
+    assert single.scheduler.block_manager.num_blocks == 60 * per_block // single.runner.kv_bytes_per_block()

@@ -76,7 +76,7 @@ class NativeEngine:
                  free_on_sleep: bool = True, empty_cache_on_sleep: bool = False, enable_prefix_caching: bool = True,
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None,
-                 kv_cache_dtype: str = "auto", weights_fixed: bool = False):
+                 kv_cache_dtype: str = "auto", weights_fixed: bool = False, kv_cache_bytes: int | None = None):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -100,6 +100,10 @@ class NativeEngine:
         says the model's weights never change while the engine lives (serving, benchmarks: nothing trains), so the
         engine reads every weight it would copy unchanged in place (the model's storage, not a copy of its own; the
         q|k|v and gate|up groups it concatenates stay copies): Qwen3-30B-A3B's experts then exist once on the device.
+        kv_cache_bytes: the KV cache's size in bytes (the memory planner's ``rollout.kv_cache_gib``), in place of
+        gpu_memory_utilization's sizing; num_kv_blocks overrides it. A model whose full and sliding layers keep
+        separate pools (Gemma 2 and 3) splits it between them by what each can use, so at long contexts the same
+        bytes hold more sequences.
         max_admission_wait (decode steps) and admission_fraction (of the running samples) bound how long requests
         arriving through ``generate_async`` wait for others to join their prefill (see scheduler.py); 0 and 0.0
         prefill each at the first step after it arrives. The defaults (16, 1/16) are among the fastest pairs on the
@@ -124,6 +128,7 @@ class NativeEngine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.num_kv_blocks = num_kv_blocks
+        self.kv_cache_bytes = kv_cache_bytes
         self.free_on_sleep = free_on_sleep
         self.empty_cache_on_sleep = empty_cache_on_sleep
         self.enable_prefix_caching = enable_prefix_caching
@@ -254,21 +259,27 @@ class NativeEngine:
         useful = self._useful_blocks(self.runner.decoder.sliding_window)
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
+        if self.kv_cache_bytes is not None:
+            return max(-(-self.kv_cache_bytes // self.runner.kv_bytes_per_block()), 1)
         if self.device.type != "cuda":
             return useful
         return min(int(self._kv_cache_budget() // self.runner.kv_bytes_per_block()), useful)
 
     def _group_num_kv_blocks(self) -> list[int]:
         """Each layer group's blocks: a sliding group holds no more than the full group does, nor more than its
-        windows of ``max_num_seqs`` sequences. num_kv_blocks (or the memory budget) sets the full group's count F;
-        each other group gets min(F, what it can use), and from a memory budget F is the largest that fits."""
+        windows of ``max_num_seqs`` sequences. num_kv_blocks (or a memory budget: kv_cache_bytes, or else
+        gpu_memory_utilization's) sets the full group's count F; each other group gets min(F, what it can use), and
+        from a memory budget F is the largest that fits (at least 1)."""
         runner = self.runner
         useful = [self._useful_blocks(window) for window in runner.group_windows]
         if self.num_kv_blocks is not None:
             return [min(self.num_kv_blocks, cap) if index else self.num_kv_blocks for index, cap in enumerate(useful)]
-        if self.device.type != "cuda":
+        if self.kv_cache_bytes is not None:
+            budget = self.kv_cache_bytes
+        elif self.device.type != "cuda":
             return useful
-        budget = self._kv_cache_budget()
+        else:
+            budget = self._kv_cache_budget()
         sizes = [runner.kv_bytes_per_block(group) for group in range(len(useful))]
 
         def cost(first: int) -> int:
@@ -278,7 +289,7 @@ class NativeEngine:
         while low < high:  # the largest count of the first group whose groups fit the budget
             middle = (low + high + 1) // 2
             low, high = (middle, high) if cost(middle) <= budget else (low, middle - 1)
-        return [min(low, cap) for cap in useful]
+        return [min(max(low, 1), cap) for cap in useful]
 
     def _kv_cache_budget(self) -> float:
         """Bytes of device memory the KV cache may take (see ``gpu_memory_utilization``), at least a block's."""
