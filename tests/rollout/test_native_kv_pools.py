@@ -233,3 +233,10 @@ def test_a_cache_of_given_bytes_holds_more_full_layer_blocks_when_sliding_layers
                           max_num_seqs=4, kv_cache_bytes=60 * per_block)
     single.wake_up()
     assert single.scheduler.block_manager.num_blocks == 60 * per_block // single.runner.kv_bytes_per_block()
+
+
+def test_a_sequence_that_outgrows_a_pool_is_refused_naming_the_pool():
+    engine = make_engine(tiny_model("gemma2", WINDOW), block_size=2, num_kv_blocks=6)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+    with pytest.raises(RuntimeError, match=r"needs \d+ KV blocks but the cache has 6 \(the full-attention layers' pool\)"):
+        engine.generate([GenerationRequest(prompts([5])[0], greedy)])

@@ -167,8 +167,8 @@ class Scheduler:
                           if not manager.can_allocate(self._blocks_to_admit(seq, blocks, manager))), None)
             if short is not None:
                 if not self.running and not step.seqs:
-                    pool = "" if not self.group_managers else \
-                        f" (the pool of the layers with window {short.sliding_window})"
+                    pool = "" if not self.group_managers else " (the full-attention layers' pool)" \
+                        if short.sliding_window is None else f" (the pool of the layers with window {short.sliding_window})"
                     raise RuntimeError(
                         f"a sequence of {seq.num_tokens} tokens with n={seq.num_samples} needs "
                         f"{self._blocks_to_admit(seq, [], short)} KV blocks but the cache has {short.num_blocks}"
