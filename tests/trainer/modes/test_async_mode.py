@@ -248,7 +248,7 @@ def test_a_killed_deterministic_async_run_resumes_to_the_uninterrupted_runs_metr
         tiny_model_dir, arithmetic_data_dir, tmp_path, separate_rollout):
     settings = {"reward.num_workers": 0, "actor.use_kl_loss": True, "trainer.mode": "async",
                 "trainer.async_deterministic": True, "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
-                "trainer.total_steps": 4, "trainer.save_every": 2, "trainer.keep_last": 3,
+                "trainer.total_steps": 5, "trainer.save_every": 2, "trainer.keep_last": 3,
                 "trainer.separate_rollout": separate_rollout}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert train_in_a_process(base_args(tiny_model_dir, arithmetic_data_dir, whole, **settings)).returncode == 0
