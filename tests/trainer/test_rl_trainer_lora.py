@@ -83,7 +83,7 @@ def test_lora_run_with_kl_checkpoint_and_export(tiny_model_dir, arithmetic_data_
 
 @pytest.mark.slow
 def test_lora_resume_after_sigkill_matches_an_uninterrupted_run(tiny_model_dir, arithmetic_data_dir, tmp_path):
-    common = {**LORA, "trainer.total_steps": 6, "trainer.save_every": 2, "trainer.keep_last": 3,
+    common = {**LORA, "trainer.total_steps": 5, "trainer.save_every": 2, "trainer.keep_last": 3,
               "actor.mini_batch_size": 2, "actor.shuffle": True, "actor.use_kl_loss": True,
               "algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive"}
     reference_dir = tmp_path / "reference"
