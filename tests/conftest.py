@@ -36,10 +36,11 @@ ONE_WORKER = {"tests/controller/test_ray_backend.py": "ray", "tests/controller/t
 """Files that run in one ``make test`` worker, under one name: they share the session's Ray instance (``ray_cluster``,
 tens of seconds to start on a 2-core machine), which a second worker would start again."""
 
-LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer.py", "tests/trainer/modes/test_async_mode.py",
-                 "tests/test_api.py", "tests/engine/test_fused.py", "tests/rollout/test_native_families.py")
-"""Work units that take the longest (about 1-2 minutes each with ``-n 2``), handed out first: the two workers then
-end within a short file of each other, where one of these starting last would keep one worker busy alone."""
+LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer_stop_signals.py", "tests/demo/test_vision_demo.py",
+                 "tests/trainer/test_rl_trainer.py", "tests/trainer/test_rl_trainer_lora.py",
+                 "tests/engine/test_families.py", "tests/trainer/modes/test_async_mode.py", "tests/engine/test_fused.py")
+"""Work units that take the longest (half a minute to three minutes each with ``-n 2``), handed out first: the two
+workers then end within a short file of each other, where one of these starting last would keep one worker busy alone."""
 
 
 def pytest_xdist_make_scheduler(config, log):
