@@ -150,3 +150,37 @@ def test_reply_text_holds_back_what_the_end_of_the_reply_may_take_away():
     reply = ReplyText(lambda ids: "".join(map(chr, ids)) + "\ufffd", lambda ids: ids, [], False)
     assert reply.add(ord("x")) == "x"  # an incomplete character at the end waits for its next bytes
     assert reply.finish("xy") == "y"
+
+
+def test_the_engine_hands_a_streamed_requests_tokens_over_as_it_samples_them_and_leaves_others_alone():
+    """generate_async's on_token: each sample's tokens and log-probs, in order, on the event loop, before the
+    completions; a request without it, sampled in the same steps, is what it is alone."""
+    import threading
+
+    from reinforge.models.tiny import build_tiny_causal_lm
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm(vocab_size=128, seed=5).eval()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=4, max_num_seqs=8, num_kv_blocks=64)
+    streamed_request = GenerationRequest([5, 9, 40, 41], SamplingParams(n=2, max_tokens=9, temperature=1.0, seed=3))
+    plain_request = GenerationRequest([7, 8, 9], SamplingParams(max_tokens=6, temperature=1.0, seed=4))
+    tokens: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+    threads = set()
+
+    def on_token(sample_index: int, token_id: int, log_prob: float) -> None:
+        threads.add(threading.current_thread())
+        tokens[sample_index].append((token_id, log_prob))
+
+    async def main():
+        return await asyncio.gather(engine.generate_async(streamed_request, on_token),
+                                    engine.generate_async(plain_request))
+
+    streamed, plain = asyncio.run(main())
+    assert threads == {threading.main_thread()}
+    for index, completion in enumerate(streamed):
+        assert [token for token, _ in tokens[index]] == completion.token_ids and len(completion.token_ids) == 9
+        assert [log_prob for _, log_prob in tokens[index]] == pytest.approx(completion.log_probs)
+    [alone] = engine.generate([plain_request])[0]
+    assert plain[0].token_ids == alone.token_ids and plain[0].log_probs == pytest.approx(alone.log_probs, abs=1e-5)
+    assert engine._streams == {}
