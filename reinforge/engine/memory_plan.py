@@ -14,11 +14,11 @@ devices of a role). Phases:
   parameters gathered while that copy is made, the KV cache and the engine's activations;
 - ``update``: master weights, gradients, optimizer state, the gathered parameters of the root
   and two decoder layers, the activations of one micro-batch (with checkpointed layers keeping
-  only their input) and the logits kept for the backward (or one chunk of them), plus the
-  engine's memory when it stays allocated between rollouts.
+  only their input), the logits kept for the backward (or one chunk of them) and the output projection's
+  weight gradient made beside them, plus the engine's memory when it stays allocated between rollouts.
 
 Activations per token and decoder layer are ``ACT_HIDDEN x hidden + ACT_KV x (k and v width) +
-ACT_MLP x intermediate`` values of the compute dtype on CUDA (compiled layers, flash attention),
+ACT_MLP x intermediate`` (plus ``ACT_NORM`` x hidden for each norm past two, Gemma 2 and 3) values of the compute dtype on CUDA (compiled layers, flash attention),
 counted for the largest micro-batch the update really makes (``micro_batch_split``: a prompt's
 samples stay together, so 64k-token micro-batches of the standard workload hold 54,912 tokens). The
 constants were fitted to the update peaks the allocator reported on an H200 (2026-12-01 and 12-02,
@@ -59,6 +59,13 @@ KV_BLOCK_TOKENS = 16
 # bytes saved per token per decoder layer for the backward, in units of the compute dtype's size:
 # ACT_HIDDEN x hidden + ACT_KV x (k and v width) + ACT_MLP x intermediate
 ACT_HIDDEN, ACT_KV, ACT_MLP = 9.5, 2, 2.4
+ACT_NORM = 3
+"""Values x hidden per token kept by each norm of a layer beyond its two (Gemma 2 and 3 also norm the attention's and
+the MLP's outputs; their ``* (1 + w)`` norm keeps float32 values for the backward). Sized from the tensors one eager
+layer saves, scaled by Qwen2.5's fitted-to-eager factor (``tests/engine/test_memory_plan_activations.py``: Gemma 2's
+widths need at least 2.7)."""
+FOUR_NORM_FAMILIES = ("gemma2", "gemma3", "gemma3_text")
+"""Families whose decoder layer has four RMSNorms (before and after attention, before and after the MLP)."""
 ACT_ROUTED, ACT_ROUTER = 2, 3
 """A mixture-of-experts layer's extra values per token: top_k x hidden for its sorted inputs and unweighted
 outputs, and experts x 3 for the router's logits and float32 probabilities (counted from the code, not fitted)."""
@@ -116,6 +123,8 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    norms_per_layer: int = 2
+    """RMSNorms of a decoder layer: 2 (before attention and before the MLP), 4 for ``FOUR_NORM_FAMILIES``."""
     attention_windows: tuple[int, ...] = ()
     """Each layer's sliding window (keys a query sees, itself included; 0 for the whole context), from
     ``layer_windows``; empty: every layer sees the whole context."""
@@ -144,6 +153,7 @@ class ModelShape:
                        qk_nope_head_dim=int(text.get("qk_nope_head_dim") or 0) if mla else 0,
                        qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if mla else 0,
                        v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0,
+                       norms_per_layer=4 if text.get("model_type") in FOUR_NORM_FAMILIES else 2,
                        attention_windows=layer_windows(text))
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
@@ -322,7 +332,7 @@ class ModelShape:
             kv_width = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         else:
             kv_width = 2 * self.num_kv_heads * self.head_dim
-        base = ACT_HIDDEN * self.hidden_size + ACT_KV * kv_width
+        base = (ACT_HIDDEN + ACT_NORM * max(self.norms_per_layer - 2, 0)) * self.hidden_size + ACT_KV * kv_width
         dense = base + ACT_MLP * self.intermediate_size
         sparse = (base + ACT_MLP * self.active_intermediate_size + ACT_ROUTED * self.experts_per_token * self.hidden_size
                   + ACT_ROUTER * self.num_experts)
@@ -588,8 +598,10 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
                                       + 4 * shape.hidden_size * dtype_bytes)
     rows = tokens * run.response_fraction
     logits = rows * shape.vocab_size * dtype_bytes
-    update["logits"] = logits if logits <= settings.logits_buffer_gib * GiB else (
-        LOGITS_CHUNK_ROWS * shape.vocab_size * (2 * dtype_bytes + 8))
+    kept = logits <= settings.logits_buffer_gib * GiB
+    update["logits"] = logits if kept else LOGITS_CHUNK_ROWS * shape.vocab_size * (2 * dtype_bytes + 8)
+    # the output projection's weight gradient, made beside the logits (engine.log_probs; float32 when chunked)
+    update["head gradient"] = shape.vocab_size * shape.hidden_size * (dtype_bytes if kept else 4)
     if settings.keep_rollout_memory or run.off_policy:
         update["rollout weight copy"] = engine_weights
         update["kv cache"] = kv_cache
