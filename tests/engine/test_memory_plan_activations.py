@@ -147,3 +147,56 @@ def test_qwen25_standard_workload_settings_are_unchanged(gpu_gib):
         plan = plan_memory(ModelShape.from_hf_config(SHAPES[name].config), STANDARD, {}, gpu_gib * GiB, 120 * GiB)
         assert (plan.settings.micro_batch_tokens, plan.settings.checkpoint_layers,
                 plan.settings.logits_buffer_gib) == settings, name
+
+
+def _cuda_bytes_per_token(name: str, num_layers: int = 4) -> float:
+    """Device bytes a packed forward with grad keeps per token and layer on the CUDA fast path (compiled layers,
+    fused norms and MLP, the soft-cap kernel where the family has one): 8k tokens against 4k."""
+    import torch._dynamo
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.engine.forward import _attention_kwargs
+    from reinforge.engine.fused import prepare_for_training
+    from reinforge.engine.packing import PackedRows
+
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    keys = dict(SHAPES[name].config)
+    family = keys.pop("model_type")
+    config = AutoConfig.for_model(family, **(keys | {"num_hidden_layers": num_layers, "vocab_size": 256}))
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16)
+    prepare_for_training(model, device)
+
+    empty = torch.empty(0, dtype=torch.long, device=device)
+
+    def kept(tokens: int) -> int:
+        lengths = [1024] * (tokens // 1024)
+        bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        packed = PackedRows(input_ids=torch.randint(0, 256, (1, tokens), device=device),
+                            position_ids=torch.arange(1024, device=device).repeat(len(lengths))[None],
+                            cu_seqlens=bounds, max_length=1024, cu_seqlens_k=bounds, max_key_length=1024,
+                            kv_index=None, lengths=lengths, key_lengths=lengths, predictor_index=empty,
+                            response_targets=empty, response_index=empty, response_shape=(0, 0), last_index=empty)
+        kwargs = _attention_kwargs(packed, torch.bfloat16, model.config)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = model.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                          attention_mask={"full_attention": None, "sliding_attention": None}, **kwargs)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        del out
+        return held
+
+    kept(4096), kept(8192)  # compile first
+    return (kept(8192) - kept(4096)) / (4096 * num_layers)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gemma2_compiled_layer_activations_fit_the_plan_on_the_gpu():
+    gemma, qwen = _cuda_bytes_per_token("gemma2-2b"), _cuda_bytes_per_token("1.5b")
+    print(f"bytes per token and layer on CUDA: gemma2-2b {gemma:.0f} (planned {planned_bytes_per_token('gemma2-2b')}), "
+          f"1.5b {qwen:.0f} (planned {planned_bytes_per_token('1.5b')})")
+    assert planned_bytes_per_token("gemma2-2b") >= gemma
+    assert planned_bytes_per_token("gemma2-2b") / planned_bytes_per_token("1.5b") >= gemma / qwen
