@@ -78,8 +78,8 @@ def test_the_split_count_follows_the_batch_and_not_the_context_past_the_threshol
 def test_engine_decodes_through_split_attention_as_generate_does(monkeypatch):
     """The runner's split count reaches every layer's kernel: greedy tokens and a sampled row's log-probs are
     transformers' (a window smaller than the context on the sliding layers)."""
-    model = build_tiny_causal_lm("mistral", vocab_size=128, num_layers=2, sliding_window=40, seed=3,
-                                 max_position_embeddings=256).to(DEVICE).eval()
+    model = build_tiny_causal_lm("mistral", vocab_size=128, num_layers=2, sliding_window=24, seed=3,
+                                 max_position_embeddings=128).to(DEVICE).eval()
     monkeypatch.setattr(ModelRunner, "decode_splits", lambda self, batch, max_context_len: 3)
     monkeypatch.setattr(decode_kernels, "MIN_CHUNK_TOKENS", 16)
     launched = []
@@ -91,8 +91,8 @@ def test_engine_decodes_through_split_attention_as_generate_does(monkeypatch):
 
     monkeypatch.setattr(triton_kernels, "paged_decode_attention", recording)
     generator = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 128, (150,), generator=generator).tolist()
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=192, block_size=8, max_num_seqs=4, use_triton=True)
+    prompt = torch.randint(0, 128, (72,), generator=generator).tolist()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=4, use_triton=True)
     outputs = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.0)),
                                GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.8, seed=2))])
     assert launched and set(launched) == {3}
