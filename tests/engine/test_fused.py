@@ -100,11 +100,11 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+    eager = Qwen2ForCausalLM(Qwen2Config(**{**SIZES, "num_hidden_layers": 1}))
     use_varlen_attention(eager)
     compiled = copy.deepcopy(eager)
     # aot_eager: the same tracing and autograd split as inductor, runnable without a GPU
-    assert compile_decoder_layers(compiled, backend="aot_eager") == SIZES["num_hidden_layers"]
+    assert compile_decoder_layers(compiled, backend="aot_eager") == 1
     import torch.fx.experimental._config
 
     # no duck sizing: a packed_kv_index as long as the hidden size recompiled every layer on the H200
