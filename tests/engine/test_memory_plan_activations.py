@@ -149,9 +149,10 @@ def test_qwen25_standard_workload_settings_are_unchanged(gpu_gib):
                 plan.settings.logits_buffer_gib) == settings, name
 
 
-def _cuda_bytes_per_token(name: str, num_layers: int = 4) -> float:
-    """Device bytes a packed forward with grad keeps per token and layer on the CUDA fast path (compiled layers,
-    fused norms and MLP, the soft-cap kernel where the family has one): 8k tokens against 4k."""
+def _cuda_bytes_per_token(name: str) -> float:
+    """Device bytes a packed forward with grad keeps per token and decoder layer on the CUDA fast path (compiled
+    layers, fused norms and MLP, the soft-cap kernel where the family has one): 8k tokens against 4k, three layers
+    against one (what the embedding and the final norm keep cancels)."""
     import torch._dynamo
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -163,14 +164,15 @@ def _cuda_bytes_per_token(name: str, num_layers: int = 4) -> float:
     device = torch.device("cuda")
     keys = dict(SHAPES[name].config)
     family = keys.pop("model_type")
-    config = AutoConfig.for_model(family, **(keys | {"num_hidden_layers": num_layers, "vocab_size": 256}))
+    config = AutoConfig.for_model(family, **(keys | {"num_hidden_layers": 3, "vocab_size": 256}))
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16)
     prepare_for_training(model, device)
-
+    layers = model.model.layers
     empty = torch.empty(0, dtype=torch.long, device=device)
 
-    def kept(tokens: int) -> int:
+    def kept(tokens: int, num_layers: int) -> int:
+        model.model.layers, model.config.num_hidden_layers = torch.nn.ModuleList(layers[:num_layers]), num_layers
         lengths = [1024] * (tokens // 1024)
         bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
         packed = PackedRows(input_ids=torch.randint(0, 256, (1, tokens), device=device),
@@ -188,8 +190,9 @@ def _cuda_bytes_per_token(name: str, num_layers: int = 4) -> float:
         del out
         return held
 
-    kept(4096), kept(8192)  # compile first
-    return (kept(8192) - kept(4096)) / (4096 * num_layers)
+    kept(4096, 3), kept(8192, 3)  # compile first
+    per_token = [(kept(8192, count) - kept(4096, count)) / 4096 for count in (3, 1)]
+    return (per_token[0] - per_token[1]) / 2
 
 
 @pytest.mark.gpu
