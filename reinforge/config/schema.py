@@ -25,6 +25,8 @@ class DataConfig:
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     """Column of the prompt: a list of chat messages, or a string (fed as it is unless apply_chat_template=true)."""
+    image_key: Optional[str] = None
+    """Column of a row's images (a list, or one image); None reads ``images``, else ``image``."""
     train_batch_size: int = 8
     """Prompts per step. Each is sampled rollout.n times."""
     val_batch_size: Optional[int] = None

@@ -25,6 +25,8 @@ class SFTDataConfig:
     """Held-out conversations for the validation loss; empty skips validation."""
     messages_key: str = "messages"
     """Column with the list of {role, content} messages."""
+    image_key: Optional[str] = None
+    """Column of a conversation's images (a list, or one image); None reads ``images``, else ``image``."""
     max_length: int = 1024
     """Tokens of one conversation (and of one packed row) after the chat template."""
     truncation: str = "drop"

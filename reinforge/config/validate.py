@@ -146,6 +146,7 @@ def validate_sft_config(config: SFTConfig) -> None:
     """The SFT run's checks: its data section, its token budget, then the run and optimizer checks RL shares."""
     data, trainer = config.data, config.trainer
     choose("data.truncation", data.truncation, SFT_TRUNCATION_MODES)
+    validate_image_key(data.image_key, data.messages_key, "messages_key")
     for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
                        ("data.max_length", data.max_length)):
         if value < 1:
@@ -163,10 +164,23 @@ def validate_sft_config(config: SFTConfig) -> None:
     validate_update("trainer", trainer)
 
 
+def validate_image_key(image_key: str | None, text_key: str, text_name: str) -> None:
+    """data.image_key names a column of its own (or is null)."""
+    if image_key is None:
+        return
+    if not isinstance(image_key, str) or not image_key:
+        raise ConfigError(f"data.image_key={image_key!r} is not a column name; give the column of the images, or "
+                          "null to read 'images' (else 'image')")
+    if image_key == text_key:
+        raise ConfigError(f"data.image_key={image_key!r} is also data.{text_name}; the images need a column of their "
+                          "own")
+
+
 def validate_config(config: Config) -> None:
     """Raise ConfigError with the fix in the message when fields disagree."""
     data, actor, rollout, algorithm, trainer = config.data, config.actor, config.rollout, config.algorithm, config.trainer
     choose("data.truncation", data.truncation, TRUNCATION_MODES)
+    validate_image_key(data.image_key, data.prompt_key, "prompt_key")
     validate_sample_limits(data)
     validate_model_dtype(config.model.dtype)
     if not rollout.name or not isinstance(rollout.name, str):  # which names exist is trainer/preflight.py's check

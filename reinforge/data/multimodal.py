@@ -11,6 +11,9 @@ Two formats are read, for RL prompts and SFT conversations alike:
   order). A conversation with images and no image part at all gets them at the start of its first
   user message, as TRL does.
 
+``data.image_key`` names another column to read the images from (then only that one, and a row
+without it is refused naming the key).
+
 Every image is opened when the dataset is built: a missing file, bytes that are no image and a
 count of images that differs from the count of placeholders each raise one line naming the row,
 before any model loads. The processor (``AutoProcessor``) renders nothing itself: the chat
@@ -42,9 +45,14 @@ IMAGE_COLUMNS = ("images", "image")
 IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data:image/...;base64 URI"
 
 
-def row_image_sources(row: dict[str, Any]) -> list[Any]:
-    """The row's images as given (the ``images`` column, else ``image``); [] when it has none."""
-    for column in IMAGE_COLUMNS:
+def row_image_sources(row: dict[str, Any], image_key: str | None = None, where: str = "the row") -> list[Any]:
+    """The row's images as given: the ``image_key`` column (data.image_key), or without one the ``images`` column,
+    else ``image``; [] when it has none. A row that lacks a named column raises one line naming the key."""
+    if image_key is not None and image_key not in row:
+        columns = ", ".join(sorted(map(str, row))) or "none"
+        raise ValueError(f"{where} has no {image_key!r} column (data.image_key); this row has: {columns}; set "
+                         "data.image_key to the column that holds its images, or null to read 'images' or 'image'")
+    for column in IMAGE_COLUMNS if image_key is None else (image_key,):
         value = row.get(column)
         if value is None:
             continue
@@ -52,6 +60,13 @@ def row_image_sources(row: dict[str, Any]) -> list[Any]:
             return [item for item in list(value) if item is not None]
         return [value]
     return []
+
+
+def image_column(row: dict[str, Any], image_key: str | None = None) -> str:
+    """The name of the column the row's images come from (for messages)."""
+    if image_key is not None:
+        return image_key
+    return next((column for column in IMAGE_COLUMNS if row.get(column) is not None), IMAGE_COLUMNS[0])
 
 
 def _image_bytes(source: Any) -> tuple[bytes | None, str | None]:
@@ -99,9 +114,12 @@ def load_image(source: Any, where: str, number: int):
                          "as PNG or JPEG") from None
 
 
-def load_row_images(row: dict[str, Any], where: str) -> list[Any]:
-    """Every image of the row, opened (so that a broken one fails at load); [] without images."""
-    return [load_image(source, where, number) for number, source in enumerate(row_image_sources(row))]
+def load_row_images(row: dict[str, Any], where: str, image_key: str | None = None) -> list[Any]:
+    """Every image of the row (its ``image_key`` column, see row_image_sources), opened (so that a broken one fails
+    at load); [] without images. Errors name the row and the column."""
+    sources = row_image_sources(row, image_key, where)
+    column = f"{where}, column {image_column(row, image_key)!r}"
+    return [load_image(source, column, number) for number, source in enumerate(sources)]
 
 
 def _is_image_part(part: Any) -> bool:

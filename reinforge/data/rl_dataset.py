@@ -35,6 +35,7 @@ from reinforge.data.files import Row, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
     encode_multimodal_prompt,
+    image_column,
     image_inputs,
     load_image,
     load_row_images,
@@ -238,10 +239,11 @@ def _checked_optional_str(row: Row, key: str, where: str) -> str | None:
 def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
                 tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> dict[str, Any] | None:
     """The PromptExample fields of one row (all but ``index``), or None when it is filtered as overlong."""
-    images = load_row_images(row, where)
+    images = load_row_images(row, where, config.image_key)
     if images and processor is None:
-        raise ValueError(f"{where} has {len(images)} image(s), but the model is text-only (it has no image "
-                         "processor); train a vision-language model (Qwen2.5-VL, Qwen3-VL) or drop the images column")
+        raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row, config.image_key)!r} "
+                         "column, but the model is text-only (it has no image processor); train a vision-language "
+                         "model (Qwen2.5-VL, Qwen3-VL) or drop that column")
     prompt = _checked_prompt(row, config.prompt_key, where, content_parts=processor is not None)
     if processor is not None:
         check_image_count(prompt, len(images), where)
@@ -288,5 +290,5 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
         "ability": _checked_optional_str(row, "ability", where),
         "columns": {key: value for key, value in row.items() if key not in (config.prompt_key, *SCHEMA_COLUMNS)},
         "agent_name": agent_name or None,
-        "images": tuple(row_image_sources(row)),
+        "images": tuple(row_image_sources(row, config.image_key, where)),
     }

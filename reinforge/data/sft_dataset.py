@@ -36,6 +36,7 @@ import torch
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
+    image_column,
     image_inputs,
     load_image,
     load_row_images,
@@ -120,7 +121,7 @@ class SFTDataset:
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
                  messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
-                 name: str = "train", processor: Any = None):
+                 name: str = "train", processor: Any = None, image_key: str | None = None):
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
         files = expand_data_files(files, f"data.{name}_files")
@@ -138,10 +139,11 @@ class SFTDataset:
                     break
                 num_rows += 1
                 where = f"row {row_number} of {path}"
-                images = load_row_images(row, where)
+                images = load_row_images(row, where, image_key)
                 if images and processor is None:
-                    raise ValueError(f"{where} has {len(images)} image(s), but the model is text-only (it has no "
-                                     "image processor); train a vision-language model or drop the images column")
+                    raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row, image_key)!r} "
+                                     "column, but the model is text-only (it has no image processor); train a "
+                                     "vision-language model or drop that column")
                 messages = _checked_messages(row, messages_key, where, content_parts=processor is not None)
                 tools = _checked_tools(row, where)
                 if processor is not None:
@@ -150,7 +152,7 @@ class SFTDataset:
                 try:
                     example = tokenize_conversation(tokenizer, messages, chat_template, tools)
                     if images:
-                        example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row)))
+                        example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row, image_key, where)))
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
                 except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content

@@ -109,7 +109,8 @@ class SFTTrainer(SupervisedRun):
         data = self.config.data
         dataset = SFTDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
                              messages_key=data.messages_key, chat_template=data.chat_template,
-                             max_samples=max_samples, name=split, processor=self.processor)
+                             max_samples=max_samples, name=split, processor=self.processor,
+                             image_key=data.image_key)
         return pack_examples(dataset.examples, data.max_length) if data.packing else dataset.examples
 
     # ---- the step ---------------------------------------------------------------------

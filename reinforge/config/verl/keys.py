@@ -484,7 +484,7 @@ VERL_KEYS: dict[str, Translation] = {
     "data.datagen.*": NoEquivalent("reinforge has no dynamic data generation"),
     "data.apply_chat_template_kwargs": NoEquivalent("set data.chat_template to a template instead"),
     "data.tool_config_path": Rename("rollout.multi_turn.tool_config_path", _unset_if(None)),
-    "data.image_key": MULTIMODAL,
+    "data.image_key": Rename("data.image_key", _unset_if("images")),
     "data.video_key": MULTIMODAL,
     "data.image_patch_size": MULTIMODAL,
     "data.return_multi_modal_inputs": MULTIMODAL,
