@@ -211,7 +211,7 @@ def test_triton_path_samples_what_a_forward_gives(vlm):
     pytest.importorskip("triton")
     model, processor = vlm
     encoded = [encode(processor, 2, seed=5), encode(processor, 0, seed=6)]
-    sampling = SamplingParams(max_tokens=5, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    sampling = SamplingParams(max_tokens=3, temperature=1.0, n=2, seed=3, ignore_eos=True)
     completions = make_engine(model, use_triton=True).generate([request_of(inputs, sampling) for inputs in encoded])
     for inputs, samples in zip(encoded, completions, strict=True):
         for sample in samples:
