@@ -17,6 +17,9 @@ devices of a role). Phases:
   only their input), the logits kept for the backward (or one chunk of them) and the output projection's
   weight gradient made beside them, plus the engine's memory when it stays allocated between rollouts.
 
+A vision-language model's tower is counted apart (``VisionShape``, ``add_vision_tower``): its weights, the
+engine's copy, the activations of its patches, and its gradients and optimizer state when it trains.
+
 Activations per token and decoder layer are ``ACT_HIDDEN x hidden + ACT_KV x (k and v width) +
 ACT_MLP x intermediate`` (plus ``ACT_NORM`` x hidden for each norm past two, Gemma 2 and 3) values of the compute dtype on CUDA (compiled layers, flash attention),
 counted for the largest micro-batch the update really makes (``micro_batch_split``: a prompt's
@@ -89,6 +92,105 @@ class MemoryPlanError(ValueError):
     """The run cannot fit; the message names the largest consumers and what would make it fit."""
 
 
+VISION_DEFAULTS = {
+    "qwen2_vl": dict(depth=32, embed_dim=1280, mlp_ratio=4, patch_size=14),
+    "qwen2_5_vl": dict(depth=32, hidden_size=3584, intermediate_size=3420, patch_size=14, out_hidden_size=3584),
+    "qwen3_vl": dict(depth=27, hidden_size=1152, intermediate_size=4304, patch_size=16, out_hidden_size=3584,
+                     num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24)),
+}
+"""transformers' defaults of each vision-language family's ``vision_config`` (a config.json may leave them out)."""
+VISION_WORKING_HIDDEN, VISION_WORKING_MLP = 6, 3
+"""Values per patch that one vision block holds at once in a forward without gradients: x hidden (residual, norm,
+q, k, v, attention output) and x intermediate (the MLP's gate, up and product)."""
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The sizes of a vision-language model's vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), from ``vision_config``.
+
+    An image of H x W pixels is (H / patch) x (W / patch) patches (a 448 x 448 image at 14 pixels: 1024), which
+    the merger turns into patches / merge^2 image tokens of the language model (256). Every block is full
+    multi-head attention over the patches' width and an MLP (Qwen2.5-VL's gated, with biases; the others' two
+    linear layers); Qwen3-VL adds learned position embeddings and a merger per deepstack layer.
+    """
+
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    out_hidden_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    merge_size: int = 2
+    deepstack_mergers: int = 0
+    position_embeddings: int = 0
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> VisionShape | None:
+        """The tower of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json; None for any other model (a text-only one)."""
+        vision, family = config.get("vision_config"), str(config.get("model_type"))
+        if not isinstance(vision, dict) or family not in VISION_DEFAULTS:
+            return None
+        values = VISION_DEFAULTS[family] | {
+            key: value for key, value in vision.items() if value is not None}
+        text = config.get("text_config") or config
+        try:
+            if family == "qwen2_vl":  # embed_dim is the tower's width, hidden_size the merger's output
+                hidden = int(values["embed_dim"])
+                width, out = int(hidden * float(values.get("mlp_ratio", 4))), int(values.get("hidden_size")
+                                                                                 or text["hidden_size"])
+            else:
+                hidden, width = int(values["hidden_size"]), int(values["intermediate_size"])
+                out = int(values.get("out_hidden_size") or text["hidden_size"])
+            deepstack = values.get("deepstack_visual_indexes") or () if family == "qwen3_vl" else ()
+            return cls(family=family, hidden_size=hidden, intermediate_size=width, depth=int(values["depth"]),
+                       out_hidden_size=out, patch_size=int(values.get("patch_size") or 14),
+                       temporal_patch_size=int(values.get("temporal_patch_size") or 2),
+                       in_channels=int(values.get("in_channels") or values.get("in_chans") or 3),
+                       merge_size=int(values.get("spatial_merge_size") or 2), deepstack_mergers=len(deepstack),
+                       position_embeddings=int(values.get("num_position_embeddings") or 0)
+                       if family == "qwen3_vl" else 0)
+        except (KeyError, TypeError, ValueError) as error:
+            raise MemoryPlanError(f"the model's vision_config has no whole-number size {error}; the planner needs its "
+                                  "depth, hidden_size and intermediate_size (embed_dim and mlp_ratio for "
+                                  "Qwen2-VL)") from None
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the tower: patch embedding, blocks, merger(s) (Qwen2.5-VL-3B's: 0.67B)."""
+        hidden, width, merged = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_size ** 2
+        layer_norm = self.family != "qwen2_5_vl"  # LayerNorm (weight and bias); Qwen2.5-VL's RMSNorm has a weight
+        norm = 2 * hidden if layer_norm else hidden
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size ** 2 * hidden
+        patch += hidden if self.family == "qwen3_vl" else 0  # Qwen3-VL's patch projection has a bias
+        attention = 3 * hidden * hidden + 3 * hidden + hidden * hidden + hidden
+        mlp = (3 * hidden * width + 2 * width + hidden if self.family == "qwen2_5_vl"
+               else 2 * hidden * width + width + hidden)
+        block = 2 * norm + attention + mlp
+        projection = merged * merged + merged + merged * self.out_hidden_size + self.out_hidden_size
+        merger = norm + projection  # its norm is over one patch's width before the merge
+        deepstack = self.deepstack_mergers * (2 * merged + projection)  # normed after the merge
+        return patch + self.position_embeddings * hidden + self.depth * block + merger + deepstack
+
+    def patches(self, image_tokens: int) -> int:
+        """Patches the tower encodes for this many image tokens of the language model."""
+        return image_tokens * self.merge_size ** 2
+
+    def working_bytes_per_patch(self, dtype_bytes: int) -> int:
+        """A forward without gradients (a frozen tower, the rollout's prefill): the pixels of a patch (float32)
+        and what one block holds for it at once; nothing is kept from block to block but the hidden state."""
+        pixels = 4 * self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        return pixels + dtype_bytes * (VISION_WORKING_HIDDEN * self.hidden_size
+                                       + VISION_WORKING_MLP * self.intermediate_size)
+
+    def activation_bytes_per_patch(self, dtype_bytes: int, eager: bool = False) -> int:
+        """A trained tower: what its blocks save per patch for the backward (the decoder layer's constants, with
+        full multi-head attention's k and v of the tower's width), over every block."""
+        values = ACT_HIDDEN * self.hidden_size + ACT_KV * 2 * self.hidden_size + ACT_MLP * self.intermediate_size
+        return int(dtype_bytes * values * self.depth * (EAGER_ACTIVATION_FACTOR if eager else 1.0))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only transformer that memory depends on (read from its config.json).
@@ -128,6 +230,8 @@ class ModelShape:
     attention_windows: tuple[int, ...] = ()
     """Each layer's sliding window (keys a query sees, itself included; 0 for the whole context), from
     ``layer_windows``; empty: every layer sees the whole context."""
+    vision: VisionShape | None = None
+    """A vision-language model's vision tower (counted apart: ``num_params`` and the rest are the language model's)."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -154,7 +258,7 @@ class ModelShape:
                        qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if mla else 0,
                        v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0,
                        norms_per_layer=4 if text.get("model_type") in FOUR_NORM_FAMILIES else 2,
-                       attention_windows=layer_windows(text))
+                       attention_windows=layer_windows(text), vision=VisionShape.from_hf_config(config))
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
@@ -407,6 +511,11 @@ class RunShape:
     ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
     kv_cache_dtype: str = "auto"
     """rollout.kv_cache_dtype: auto (the compute dtype) or fp8 (a byte a value plus a float32 scale per vector)."""
+    image_tokens: int = 0
+    """A vision-language model: the language model's image tokens of one prompt at most (the prompt's length bounds
+    them: data.max_prompt_length); its tower encodes ``VisionShape.patches`` of them. Ignored for a text model."""
+    train_vision: bool = False
+    """actor.freeze_vision_tower=false: the tower's gradients, optimizer state and saved activations count too."""
 
     @property
     def sequences(self) -> int:
@@ -537,6 +646,59 @@ def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
     return sequences * blocks * shape.kv_block_bytes(KV_BLOCK_TOKENS, run.kv_cache_dtype, run.dtype_bytes) / GiB
 
 
+@functools.lru_cache(maxsize=4096)
+def micro_batch_prompts(run: RunShape, budget: int) -> int:
+    """Prompt copies (each with its images) in the largest micro-batch, at most: its tokens over the smallest item's
+    (a prompt with as many of its responses as fit, ``split_group``), and no more than the mini-batch's items."""
+    groups = max(-(-run.prompts // max(run.num_mini_batches, 1)) // run.num_devices, 1)
+    items = split_group(run.prompt_length, [run.response_length] * run.samples_per_prompt, budget)
+    _, tokens = micro_batch_split(run, budget)
+    return min(-(-tokens // min(cost for _, cost in items)), len(items) * groups)
+
+
+def add_vision_tower(phases: dict[str, dict[str, float]], host: dict[str, float], shape: ModelShape, run: RunShape,
+                     settings: Settings, resident: dict[str, float]) -> None:
+    """The vision tower's consumers, in place: its weights (float32 masters, or the base dtype under LoRA) beside
+    the language model's, its copy in the rollout engine (``rollout.native.multimodal.VisionTower``, whole on every
+    device), its gradients and optimizer state when trained, and its activations: a frozen tower runs forward only
+    (one block's working set for the micro-batch's patches), a trained one keeps every block's for the backward."""
+    tower, devices, dtype_bytes = shape.vision, run.num_devices, run.dtype_bytes
+    assert tower is not None
+    params, trained = tower.num_params, run.train_vision and not run.lora_rank
+    weights = (dtype_bytes if run.lora_rank else 4) * params / devices
+    offloaded = settings.param_offload
+    update, rollout = phases["update"], phases["rollout"]
+    placed = [(offloaded, "vision tower", weights)]  # (on the host, name, bytes)
+    if trained:
+        placed += [(offloaded, "vision gradients", 4 * params / devices),
+                   (offloaded or settings.optimizer_offload, "vision optimizer state", 8 * params / devices)]
+    if run.reference and not run.lora_rank:  # the reference model's tower
+        placed.append((settings.ref_offload, "reference", dtype_bytes * params / devices))
+    if run.off_policy:
+        placed.append((False, "off-policy rollout model", dtype_bytes * params))
+    for on_host, name, value in placed:
+        if on_host:
+            host[name] = host.get(name, 0.0) + value
+            continue
+        if name != "vision gradients":  # held in every phase (gradients only in the update)
+            resident[name] = resident.get(name, 0.0) + value
+            rollout[name] = rollout.get(name, 0.0) + value
+        update[name] = update.get(name, 0.0) + value
+    copy = dtype_bytes * params
+    rollout["vision tower copy"] = copy
+    if devices > 1:
+        rollout["gathered parameters"] += dtype_bytes * params
+    prefill_tokens = min(ENGINE_MAX_BATCHED_TOKENS, max(run.prompts // devices, 1) * run.image_tokens)  # once a prompt
+    rollout["vision activations"] = tower.patches(prefill_tokens) * tower.working_bytes_per_patch(dtype_bytes)
+    if "rollout weight copy" in update:
+        update["vision tower copy"] = copy
+    if run.off_policy:
+        update["rollout vision activations"] = rollout["vision activations"]
+    patches = tower.patches(micro_batch_prompts(run, settings.micro_batch_tokens) * run.image_tokens)
+    update["vision activations"] = patches * (tower.activation_bytes_per_patch(dtype_bytes, run.eager) if trained
+                                              else tower.working_bytes_per_patch(dtype_bytes))
+
+
 def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Bytes per consumer: ``({"rollout": {...}, "update": {...}}, host)``, per device."""
     devices, dtype_bytes, params = run.num_devices, run.dtype_bytes, shape.num_params
@@ -608,7 +770,9 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     if run.off_policy:  # the rollout generates while the update runs
         update["rollout activations"] = engine_activations
     phases = {"rollout": rollout, "update": update}
-    kept = {name: update[name] for name in ("rollout weight copy", "kv cache") if name in update}
+    if shape.vision is not None:
+        add_vision_tower(phases, host, shape, run, settings, resident)
+    kept = {name: update[name] for name in ("rollout weight copy", "vision tower copy", "kv cache") if name in update}
     if run.reward_model is not None:
         phases["reward"] = reward_phase(run, settings, resident | kept)
     if run.judge is not None:
@@ -654,6 +818,8 @@ class MemoryPlan:
     host: dict[str, float]
     gpu_budget: float
     host_budget: float
+    vision: str = ""
+    """A vision-language model: one line on its tower (``vision_line``)."""
 
     @property
     def peak(self) -> tuple[str, float]:
@@ -694,6 +860,8 @@ class MemoryPlan:
             judge = self.phases["judge"]
             lines.append(f"  device, judge: {sum(judge.values()) / GiB:.1f} GiB with the judge's {judge['judge'] / GiB:.1f} "
                          f"GiB of weights and its {judge['judge kv cache'] / GiB:.1f} GiB KV cache")
+        if self.vision:
+            lines.append("  " + self.vision)
         if self.host:
             lines.append("  host: " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in self.host.items()) + " GiB")
         return "\n".join(lines)
@@ -748,7 +916,18 @@ def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str,
           host_bytes: float) -> MemoryPlan:
     phases, host = estimate(shape, run, settings)
     return MemoryPlan(dataclasses.replace(settings), set(given), phases, host, gpu_bytes * HEADROOM,
-                      host_bytes * HEADROOM)
+                      host_bytes * HEADROOM, vision_line(shape, run))
+
+
+def vision_line(shape: ModelShape, run: RunShape) -> str:
+    """The plan's line on a vision tower ("" for a text model): its size, whether it trains, the patches counted."""
+    tower = shape.vision
+    if tower is None:
+        return ""
+    state = "trained" if run.train_vision and not run.lora_rank else "frozen"
+    return (f"vision tower: {tower.num_params / 1e9:.2f}B parameters, {state} (actor.freeze_vision_tower), up to "
+            f"{tower.patches(run.image_tokens)} patches a prompt ({run.image_tokens} image tokens of "
+            f"{tower.merge_size ** 2} patches, data.max_prompt_length)")
 
 
 def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str, Any], gpu_bytes: float,

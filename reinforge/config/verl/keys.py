@@ -268,7 +268,7 @@ PROFILING = NoEquivalent("reinforge logs timing_s/* each step; for traces run `r
                          "PyTorch's profiler")
 MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a row's agent_name column picks its "
                           "loop, rollout.multi_turn.* configures them)")
-MULTIMODAL = NoEquivalent("reinforge reads a row's images from its images (or image) column and makes their pixels with the model's own processor as it is saved; it reads no video or audio")
+MULTIMODAL = NoEquivalent("reinforge reads a row's images from its data.image_key column (else images or image) and makes their pixels with the model's own processor as it is saved; it reads no video or audio")
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")

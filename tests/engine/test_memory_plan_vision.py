@@ -1,0 +1,115 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from reinforge.bench.shapes import shape_config
+from reinforge.engine.memory_plan import GiB, ModelShape, RunShape, Settings, VisionShape, estimate
+
+TEXT = dict(hidden_size=96, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=100,
+            bos_token_id=None, eos_token_id=None)
+TOWER_PARAMS_3B = 668_684_288
+"""Qwen2.5-VL-3B's vision tower as transformers builds it (0.67B)."""
+
+
+def vl_config(family: str, vision: dict) -> dict:
+    return json.loads(AutoConfig.for_model(family, vision_config=vision, text_config=TEXT).to_json_string())
+
+
+def tower_of(family: str, vision: dict):
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    cls = {"qwen2_vl": Qwen2VisionTransformerPretrainedModel, "qwen2_5_vl": Qwen2_5_VisionTransformerPretrainedModel,
+           "qwen3_vl": Qwen3VLVisionModel}[family]
+    with torch.device("meta"):
+        return cls._from_config(AutoConfig.for_model(family, vision_config=vision, text_config=TEXT).vision_config)
+
+
+@pytest.mark.parametrize("family, vision", [
+    ("qwen2_vl", dict(depth=3, embed_dim=64, hidden_size=96, num_heads=4, mlp_ratio=4)),
+    ("qwen2_5_vl", dict(depth=3, hidden_size=64, intermediate_size=80, num_heads=4, out_hidden_size=96)),
+    ("qwen3_vl", dict(depth=3, hidden_size=64, intermediate_size=80, num_heads=4, out_hidden_size=96,
+                      num_position_embeddings=144, deepstack_visual_indexes=[0, 2])),
+    ("qwen2_5_vl", shape_config("qwen2.5-vl-3b")["vision_config"]),
+])
+def test_the_towers_parameters_are_those_transformers_builds(family, vision):
+    config = vl_config(family, vision)
+    tower = VisionShape.from_hf_config(config)
+    assert tower is not None and tower.family == family
+    assert tower.num_params == sum(parameter.numel() for parameter in tower_of(family, vision).parameters())
+    assert ModelShape.from_hf_config(config).vision == tower
+
+
+def test_a_text_model_has_no_tower_and_no_vision_consumers():
+    shape = ModelShape.from_hf_config({"model_type": "qwen2", **TEXT})
+    assert shape.vision is None
+    phases, _ = estimate(shape, RunShape(8, 4, 64, 64, image_tokens=64), Settings())
+    assert not any("vision" in name for phase in phases.values() for name in phase)
+
+
+def bench_shape() -> tuple[ModelShape, RunShape]:
+    """The qwen2.5-vl-3b bench: 64 prompts x 8, one 448 x 448 image (256 image tokens) and 128 letters a prompt."""
+    shape = ModelShape.from_hf_config(vl_config("qwen2_5_vl", shape_config("qwen2.5-vl-3b")["vision_config"])
+                                      | {"text_config": {k: v for k, v in shape_config("qwen2.5-vl-3b").items()
+                                                         if k != "vision_config"}})
+    return shape, RunShape(64, 8, 400, 512, image_tokens=256)
+
+
+def test_the_bench_shapes_tower_is_counted_frozen_or_trained():
+    shape, run = bench_shape()
+    tower = shape.vision
+    assert tower is not None and tower.num_params == TOWER_PARAMS_3B and tower.patches(256) == 1024  # (448/14)^2
+    settings = Settings(micro_batch_tokens=24576)
+    text_only, _ = estimate(dataclasses.replace(shape, vision=None), run, settings)
+    frozen, _ = estimate(shape, run, settings)
+    trained, _ = estimate(shape, dataclasses.replace(run, train_vision=True), settings)
+    for phases in (frozen, trained):
+        assert phases["update"]["vision tower"] == phases["rollout"]["vision tower"] == 4 * TOWER_PARAMS_3B
+        assert phases["rollout"]["vision tower copy"] == phases["update"]["vision tower copy"] == 2 * TOWER_PARAMS_3B
+        for name, value in text_only["update"].items():  # the language model's consumers are as they were
+            assert phases["update"][name] == value
+    assert "vision gradients" not in frozen["update"] and "vision optimizer state" not in frozen["update"]
+    assert trained["update"]["vision gradients"] == 4 * TOWER_PARAMS_3B
+    assert trained["update"]["vision optimizer state"] == trained["rollout"]["vision optimizer state"] == (
+        8 * TOWER_PARAMS_3B)
+    assert "vision gradients" not in trained["rollout"]
+    # 24k-token micro-batches hold five prompts (400 + 8 x 512 tokens each): 5120 patches, kept by every block
+    # when trained, one block's working set when frozen
+    assert frozen["update"]["vision activations"] == 5120 * tower.working_bytes_per_patch(2)
+    assert trained["update"]["vision activations"] == 5120 * tower.activation_bytes_per_patch(2)
+    assert 3 * GiB < trained["update"]["vision activations"] < 10 * GiB
+    assert frozen["update"]["vision activations"] < 0.5 * GiB
+    # the rollout's prefill encodes at most the engine's batched tokens of images at once
+    assert frozen["rollout"]["vision activations"] == 4 * 16384 * tower.working_bytes_per_patch(2)
+
+
+def test_lora_and_offload_move_the_tower_as_the_language_model():
+    shape, run = bench_shape()
+    lora, _ = estimate(shape, dataclasses.replace(run, lora_rank=32, train_vision=True), Settings())
+    assert lora["update"]["vision tower"] == 2 * TOWER_PARAMS_3B and "vision gradients" not in lora["update"]
+    phases, host = estimate(shape, dataclasses.replace(run, train_vision=True), Settings(param_offload=True))
+    assert host["vision tower"] == 4 * TOWER_PARAMS_3B and host["vision optimizer state"] == 8 * TOWER_PARAMS_3B
+    assert "vision tower" not in phases["update"] and "vision gradients" not in phases["update"]
+    two, _ = estimate(shape, dataclasses.replace(run, num_devices=2, reference=True), Settings())
+    assert two["update"]["vision tower"] == 2 * TOWER_PARAMS_3B  # sharded
+    assert two["rollout"]["vision tower copy"] == 2 * TOWER_PARAMS_3B  # the engine's copy is whole
+    one, _ = estimate(shape, dataclasses.replace(run, num_devices=2), Settings())
+    assert two["update"]["reference"] - one["update"].get("reference", 0) > TOWER_PARAMS_3B
+
+
+def test_plan_of_the_vl_bench_shape_shows_the_tower(capsys):
+    from reinforge.cli import main
+
+    arguments = ["plan", "--model", "qwen2.5-vl-3b", "--prompt-tokens", "400", "--gpu-memory-gib", "141",
+                 "--host-memory-gib", "1000", "trainer.device=cuda"]
+    assert main(arguments) == 0
+    frozen = capsys.readouterr().out
+    assert "vision tower: 0.67B parameters, frozen (actor.freeze_vision_tower), up to 1600 patches a prompt" in frozen
+    assert "vision tower 2.5" in frozen and "vision optimizer state" not in frozen
+    assert main([*arguments, "actor.freeze_vision_tower=false"]) == 0
+    trained = capsys.readouterr().out
+    assert "0.67B parameters, trained" in trained and "vision optimizer state 5.0" in trained
