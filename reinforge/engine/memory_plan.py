@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from reinforge.engine.micro_batches import micro_batch_loads, split_group
-from reinforge.models.kv_layout import kv_block_bytes
+from reinforge.models.kv_layout import kv_block_bytes, pool_blocks, window_pool_blocks
 
 GiB = 2**30
 OVERHEAD_BYTES = 3 * GiB
@@ -634,16 +634,46 @@ def pinned_model_bytes(shape: ModelShape, devices: int, value_bytes: int, lora_r
     return pinned_bytes(shapes, devices, value_bytes, power_of_two)
 
 
-def needed_kv_gib(shape: ModelShape, run: RunShape) -> float:
-    """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length.
+def needed_kv_gib(shape: ModelShape, run: RunShape, share: int = 1) -> float:
+    """A KV cache that holds every sequence of a step (up to the engine's concurrency) at full length; with
+    ``share`` > 1, one ``share``-th of them.
 
     The native engine gives a sequence whole blocks of ``KV_BLOCK_TOKENS`` and a decode step launched ahead
     room for one token more than it holds, so a sequence takes ceil((prompt + response + 1) / block) blocks;
     a pool a block short per sequence preempts sequences at the end of a rollout and prefills them again.
+    Layers with a sliding window keep a pool per window that needs no more than one full-length sequence and
+    every other sequence's window (``kv_pool_blocks``), so Gemma 2 and 3 at long responses ask for far less.
     """
-    sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS)
-    blocks = -(-(run.prompt_length + run.response_length + 1) // KV_BLOCK_TOKENS)
-    return sequences * blocks * shape.kv_block_bytes(KV_BLOCK_TOKENS, run.kv_cache_dtype, run.dtype_bytes) / GiB
+    block_bytes, counts = kv_pool_blocks(shape, run, share)
+    return sum(size * count for size, count in zip(block_bytes, counts, strict=True)) / GiB
+
+
+def kv_layer_groups(windows: tuple[int, ...], num_layers: int) -> list[tuple[int | None, int]]:
+    """The native engine's KV pools as (window or None for full attention, layers): one per distinct window,
+    full attention first, where full and sliding layers mix; else one pool of every layer, through the widest
+    window when every layer slides."""
+    if not windows:
+        return [(None, num_layers)]
+    distinct = sorted(set(windows))
+    if len(distinct) == 1 or 0 not in distinct:
+        return [(distinct[-1] or None, num_layers)]
+    return [(window or None, windows.count(window)) for window in distinct]
+
+
+def kv_pool_blocks(shape: ModelShape, run: RunShape, share: int = 1) -> tuple[list[float], list[float]]:
+    """Each KV pool's bytes a block and the blocks it needs to hold every sequence of a step (up to the engine's
+    concurrency, ``ENGINE_MAX_NUM_SEQS``) plus the lookahead token: the first pool each sequence's blocks, each
+    other pool what the engine's split gives it (``models/kv_layout.py``'s ``pool_blocks``); with ``share`` > 1,
+    for one ``share``-th of the sequences."""
+    sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS) / share
+    length = run.prompt_length + run.response_length
+    every_layer = shape.kv_block_bytes(KV_BLOCK_TOKENS, run.kv_cache_dtype, run.dtype_bytes)
+    groups = kv_layer_groups(shape.attention_windows, shape.num_layers)
+    caps = [window_pool_blocks(window, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS) for window, _ in groups]
+    first = sequences * -(-(length + 1) // KV_BLOCK_TOKENS)
+    if len(groups) == 1:  # one pool: the engine takes every block the bytes hold
+        return [every_layer], [min(first, caps[0]) if groups[0][0] is not None else first]
+    return [every_layer / shape.num_layers * layers for _, layers in groups], pool_blocks(first, caps)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -796,13 +826,13 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
     micro = [(size, per_micro_batch * (micro_batch_split(run, size)[0] - fewest)) for size in sizes]
     quarter = max(shape.num_layers // 4, 1)
     layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
-    needed = needed_kv_gib(shape, run)
     return {
         "keep_rollout_memory": [(True, 0.0)] if run.off_policy else [(True, 0.0), (False, 0.03)],
         "micro_batch_tokens": micro,
         "logits_buffer_gib": [(24.0, 0.0), (0.0, 0.04)],
         "checkpoint_layers": [(count, CHECKPOINT_COST * count / shape.num_layers) for count in layers],
-        "kv_cache_gib": [(0.0, 0.0)] + [(round(needed / factor, 3), cost) for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))],
+        "kv_cache_gib": [(0.0, 0.0)] + [(round(needed_kv_gib(shape, run, factor), 3), cost)
+                                        for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))],
         "ref_offload": [(False, 0.0)] if lora else [(False, 0.0), (True, 0.2)],
         "optimizer_offload": [(False, 0.0), (True, 1.0)],
         "param_offload": [(False, 0.0), (True, 3.0)],

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
 from reinforge.rollout.base import Completion, GenerationRequest
 from reinforge.rollout.native.async_driver import AsyncDriver
 from reinforge.rollout.native.block_manager import BlockManager
@@ -246,11 +247,7 @@ class NativeEngine:
 
     def _useful_blocks(self, window: int | None) -> int:
         """The most blocks a cache group whose layers attend through ``window`` can hold at once."""
-        full = -(-self.max_model_len // self.block_size)
-        useful = self.max_num_seqs * full
-        if window is not None:  # a sequence holds its window's blocks and the one it fills (one full-length prefill)
-            useful = min(useful, full + (self.max_num_seqs - 1) * (-(-(window - 1) // self.block_size) + 2))
-        return useful
+        return window_pool_blocks(window, self.max_num_seqs, self.max_model_len, self.block_size)
 
     def _num_kv_blocks(self) -> int | list[int]:
         """The cache's blocks; with several layer groups, each group's (see ``_group_num_kv_blocks``)."""
@@ -280,16 +277,7 @@ class NativeEngine:
             return useful
         else:
             budget = self._kv_cache_budget()
-        sizes = [runner.kv_bytes_per_block(group) for group in range(len(useful))]
-
-        def cost(first: int) -> int:
-            return sum(size * min(first, cap) for size, cap in zip(sizes, useful, strict=True))
-
-        low, high = 0, useful[0]
-        while low < high:  # the largest count of the first group whose groups fit the budget
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if cost(middle) <= budget else (low, middle - 1)
-        return [min(max(low, 1), cap) for cap in useful]
+        return split_pool_blocks(budget, [runner.kv_bytes_per_block(group) for group in range(len(useful))], useful)
 
     def _kv_cache_budget(self) -> float:
         """Bytes of device memory the KV cache may take (see ``gpu_memory_utilization``), at least a block's."""

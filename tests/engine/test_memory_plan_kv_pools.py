@@ -1,0 +1,105 @@
+"""The memory planner's KV cache for models whose full and sliding layers keep separate pools.
+
+The plan asks for the bytes from which the native engine's split (``models/kv_layout.py``) gives its full pool
+every sequence of a step plus the lookahead token and each sliding pool what it can use: one full-length sequence
+and every other sequence's window. Gemma 2 and Gemma 3 at long responses ask for far less than a cache of every
+layer at full length; models without windows are planned as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from reinforge.bench.shapes import shape_config
+from reinforge.engine.memory_plan import (
+    ENGINE_MAX_NUM_SEQS,
+    KV_BLOCK_TOKENS,
+    GiB,
+    ModelShape,
+    RunShape,
+    kv_pool_blocks,
+    needed_kv_gib,
+)
+from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
+from reinforge.models.tiny import build_tiny_causal_lm
+from reinforge.rollout.native import NativeEngine
+
+GEMMA3_4B = dict(
+    model_type="gemma3_text", vocab_size=262208, hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, intermediate_size=10240, sliding_window=1024,
+    layer_types=["full_attention" if (index + 1) % 6 == 0 else "sliding_attention" for index in range(34)],
+    query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+"""A Gemma-3-4B-like text model: five sliding layers (window 1,024) per full one."""
+
+PROMPT, RESPONSE, PROMPTS, SAMPLES = 128, 8192, 16, 8
+
+
+def run_shape(response: int = RESPONSE, dtype_bytes: int = 2) -> RunShape:
+    return RunShape(prompts=PROMPTS, samples_per_prompt=SAMPLES, prompt_length=PROMPT, response_length=response,
+                    dtype_bytes=dtype_bytes)
+
+
+def every_layer_gib(shape: ModelShape, run: RunShape) -> float:
+    """A cache that keeps every layer's keys for every sequence at full length."""
+    blocks = -(-(run.prompt_length + run.response_length + 1) // KV_BLOCK_TOKENS)
+    return run.sequences * blocks * shape.kv_block_bytes(KV_BLOCK_TOKENS, run.kv_cache_dtype, run.dtype_bytes) / GiB
+
+
+@pytest.mark.parametrize("config, window, response, most", [
+    (shape_config("gemma2-2b"), 4096, 8192, 1.0), (shape_config("gemma2-2b"), 4096, 32768, 0.76),
+    (GEMMA3_4B, 1024, 8192, 0.6), (GEMMA3_4B, 1024, 32768, 0.29)])
+def test_the_engine_split_of_the_planned_bytes_holds_every_sequence(config, window, response, most):
+    """The engine's split of the planned bytes gives the full pool every sequence's blocks plus the lookahead and
+    the sliding pool what the engine lets it use; the plan is at most ``most`` of a cache of every layer."""
+    shape, run = ModelShape.from_hf_config(config), run_shape(response)
+    sizes, counts = kv_pool_blocks(shape, run)
+    length = PROMPT + response
+    caps = [window_pool_blocks(None, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS),
+            window_pool_blocks(window, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS)]
+    assert split_pool_blocks(needed_kv_gib(shape, run) * GiB, sizes, caps) == counts
+    assert counts[0] == run.sequences * -(-(length + 1) // KV_BLOCK_TOKENS)
+    assert counts[1] == min(counts[0], caps[1])
+    assert needed_kv_gib(shape, run) <= most * every_layer_gib(shape, run)
+
+
+@pytest.mark.parametrize("family, layers, window", [("gemma2", 4, 4096), ("gemma3_text", 6, 1024)])
+def test_an_engine_given_the_planned_bytes_holds_every_sequence_in_each_pool(family, layers, window):
+    """A tiny model of the same layer pattern: the engine's pools from the plan's bytes are the plan's counts."""
+    model = build_tiny_causal_lm(family, vocab_size=128, num_layers=layers, sliding_window=window).eval()
+    shape, run = ModelShape.from_hf_config(model.config.to_dict()), run_shape(dtype_bytes=4)
+    planned = math.ceil(needed_kv_gib(shape, run) * GiB)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=PROMPT + RESPONSE, use_triton=False,
+                          device=torch.device("cpu"), kv_cache_bytes=planned)
+    counts = engine._num_kv_blocks()
+    assert counts == kv_pool_blocks(shape, run)[1]
+    assert counts[0] >= run.sequences * -(-(PROMPT + RESPONSE + 1) // KV_BLOCK_TOKENS)
+    held = sum(engine.runner.kv_bytes_per_block(group) * count for group, count in enumerate(counts))
+    assert planned - engine.runner.kv_bytes_per_block(0) < held <= planned
+
+
+def held_sequences(shape: ModelShape, run: RunShape, kv_cache_gib: float) -> float:
+    """Full-length sequences the engine's split of ``kv_cache_gib`` holds in its full-attention pool."""
+    sizes, _ = kv_pool_blocks(shape, run)
+    length = run.prompt_length + run.response_length
+    caps = [window_pool_blocks(window, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS)
+            for window in (None, shape.attention_windows[0])]
+    return split_pool_blocks(kv_cache_gib * GiB, sizes, caps)[0] / -(-(length + 1) // KV_BLOCK_TOKENS)
+
+
+@pytest.mark.parametrize("share", [2, 4, 8])
+def test_a_smaller_planned_cache_holds_its_share_of_the_sequences(share):
+    """The planner's smaller caches are priced as holding a half, a quarter, an eighth of the sequences: the
+    engine's split of each holds that many."""
+    shape, run = ModelShape.from_hf_config(GEMMA3_4B), run_shape(32768)
+    held = held_sequences(shape, run, round(needed_kv_gib(shape, run, share), 3))
+    assert run.sequences / share - 0.01 < held < run.sequences / share + 0.01
+
+
+@pytest.mark.parametrize("size", ["0.5b", "7b"])
+def test_models_without_windows_keep_every_layer_at_full_length(size):
+    shape, run = ModelShape.from_hf_config(shape_config(size)), run_shape()
+    assert needed_kv_gib(shape, run) == every_layer_gib(shape, run)
