@@ -49,8 +49,8 @@ def test_the_reward_is_the_exact_count():
 def test_a_short_sft_then_grpo_run_raises_held_out_accuracy(tmp_path):
     from reinforge.demo.vision_runner import VisionDemoSettings, run_vision_demo
 
-    settings = VisionDemoSettings(sft_steps=200, total_steps=3, test_every=3, save_every=3, num_val=32)
-    task = VisionDemoTask(num_train=200, num_test=32, num_sft=3000)
+    settings = VisionDemoSettings(sft_steps=200, total_steps=6, test_every=6, save_every=6, num_val=64)
+    task = VisionDemoTask(num_train=200, num_test=64, num_sft=3000)
     result = run_vision_demo(tmp_path / "run", settings=settings, task=task, device="cpu", loggers=("jsonl",),
                              plots=False)
     assert result["after"] - result["before"] >= 0.25, result
