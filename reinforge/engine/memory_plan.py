@@ -648,6 +648,12 @@ def needed_kv_gib(shape: ModelShape, run: RunShape, share: int = 1) -> float:
     return sum(size * count for size, count in zip(block_bytes, counts, strict=True)) / GiB
 
 
+def rollout_concurrency(sequences: int, num_devices: int) -> int:
+    """The native engine's ``max_num_seqs`` where the planner sizes its cache: one device's sequences of a step,
+    at most ``ENGINE_MAX_NUM_SEQS``; a sliding pool then holds the windows of those sequences only."""
+    return min(sequences // num_devices or 1, ENGINE_MAX_NUM_SEQS)
+
+
 def kv_layer_groups(windows: tuple[int, ...], num_layers: int) -> list[tuple[int | None, int]]:
     """The native engine's KV pools as (window or None for full attention, layers): one per distinct window,
     full attention first, where full and sliding layers mix; else one pool of every layer, through the widest
@@ -662,14 +668,15 @@ def kv_layer_groups(windows: tuple[int, ...], num_layers: int) -> list[tuple[int
 
 def kv_pool_blocks(shape: ModelShape, run: RunShape, share: int = 1) -> tuple[list[float], list[float]]:
     """Each KV pool's bytes a block and the blocks it needs to hold every sequence of a step (up to the engine's
-    concurrency, ``ENGINE_MAX_NUM_SEQS``) plus the lookahead token: the first pool each sequence's blocks, each
+    concurrency, ``rollout_concurrency``) plus the lookahead token: the first pool each sequence's blocks, each
     other pool what the engine's split gives it (``models/kv_layout.py``'s ``pool_blocks``); with ``share`` > 1,
     for one ``share``-th of the sequences."""
-    sequences = min(run.sequences // run.num_devices or 1, ENGINE_MAX_NUM_SEQS) / share
+    concurrency = rollout_concurrency(run.sequences, run.num_devices)
+    sequences = concurrency / share
     length = run.prompt_length + run.response_length
     every_layer = shape.kv_block_bytes(KV_BLOCK_TOKENS, run.kv_cache_dtype, run.dtype_bytes)
     groups = kv_layer_groups(shape.attention_windows, shape.num_layers)
-    caps = [window_pool_blocks(window, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS) for window, _ in groups]
+    caps = [window_pool_blocks(window, concurrency, length, KV_BLOCK_TOKENS) for window, _ in groups]
     first = sequences * -(-(length + 1) // KV_BLOCK_TOKENS)
     if len(groups) == 1:  # one pool: the engine takes every block the bytes hold
         return [every_layer], [min(first, caps[0]) if groups[0][0] is not None else first]

@@ -37,9 +37,9 @@ def kv_block_bytes(num_layers: int, entries: int, num_kv_heads: int, head_dim: i
 
 def window_pool_blocks(window: int | None, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
     """The most blocks a pool whose layers attend through ``window`` keys (None: the whole context) can use at
-    once: every sequence at ``max_model_len``; with a window, one full-length sequence (a prefill) and every
-    other sequence's window and the block it fills, plus one."""
-    full = -(-max_model_len // block_size)
+    once: every sequence at ``max_model_len`` and the token a decode step launched ahead writes; with a window,
+    one such full-length sequence (a prefill) and every other sequence's window and the block it fills, plus one."""
+    full = -(-(max_model_len + 1) // block_size)
     useful = max_num_seqs * full
     if window is not None:
         useful = min(useful, full + (max_num_seqs - 1) * (-(-(window - 1) // block_size) + 2))

@@ -40,7 +40,7 @@ from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids
 from reinforge.engine.fsdp import unsharded
 from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_name, merged_weights
-from reinforge.engine.memory_plan import GiB
+from reinforge.engine.memory_plan import GiB, rollout_concurrency
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.registry import get_rollout_engine
@@ -189,7 +189,7 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
                                   free_on_sleep=rollout.free_cache_engine,
                                   enable_prefix_caching=rollout.enable_prefix_caching, device=device,
                                   max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens,
-                                  kv_cache_dtype=rollout.kv_cache_dtype)
+                                  kv_cache_dtype=rollout.kv_cache_dtype, **planned_concurrency(config))
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                 engine.kv_cache_bytes = int(rollout.kv_cache_gib * GiB)
             return engine
@@ -197,6 +197,15 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
     from reinforge.rollout.hf import HFEngine
 
     return HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)
+
+
+def planned_concurrency(config: Config) -> dict[str, int]:
+    """Where the memory planner sizes the native engine's cache, the engine's ``max_num_seqs`` it sized it for:
+    one device's sequences of a step (more requests wait their turn)."""
+    if config.rollout.gpu_memory_utilization is not None:
+        return {}
+    sequences = config.data.train_batch_size * config.rollout.n
+    return {"max_num_seqs": rollout_concurrency(sequences, config.trainer.nnodes * config.trainer.devices_per_node)}
 
 
 def stop_token_ids(config: Config, tokenizer: Any, model: torch.nn.Module) -> list[int]:

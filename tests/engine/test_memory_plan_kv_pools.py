@@ -14,18 +14,20 @@ import pytest
 import torch
 
 from reinforge.bench.shapes import shape_config
+from reinforge.config.schema import Config
 from reinforge.engine.memory_plan import (
-    ENGINE_MAX_NUM_SEQS,
     KV_BLOCK_TOKENS,
     GiB,
     ModelShape,
     RunShape,
     kv_pool_blocks,
     needed_kv_gib,
+    plan_memory,
 )
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
 from reinforge.models.tiny import build_tiny_causal_lm
 from reinforge.rollout.native import NativeEngine
+from reinforge.workers.rollout_side import planned_concurrency
 
 GEMMA3_4B = dict(
     model_type="gemma3_text", vocab_size=262208, hidden_size=2560, num_hidden_layers=34, num_attention_heads=8,
@@ -50,16 +52,16 @@ def every_layer_gib(shape: ModelShape, run: RunShape) -> float:
 
 
 @pytest.mark.parametrize("config, window, response, most", [
-    (shape_config("gemma2-2b"), 4096, 8192, 1.0), (shape_config("gemma2-2b"), 4096, 32768, 0.76),
-    (GEMMA3_4B, 1024, 8192, 0.6), (GEMMA3_4B, 1024, 32768, 0.29)])
+    (shape_config("gemma2-2b"), 4096, 8192, 0.76), (shape_config("gemma2-2b"), 4096, 32768, 0.6),
+    (GEMMA3_4B, 1024, 8192, 0.3), (GEMMA3_4B, 1024, 32768, 0.2)])
 def test_the_engine_split_of_the_planned_bytes_holds_every_sequence(config, window, response, most):
     """The engine's split of the planned bytes gives the full pool every sequence's blocks plus the lookahead and
     the sliding pool what the engine lets it use; the plan is at most ``most`` of a cache of every layer."""
     shape, run = ModelShape.from_hf_config(config), run_shape(response)
     sizes, counts = kv_pool_blocks(shape, run)
     length = PROMPT + response
-    caps = [window_pool_blocks(None, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS),
-            window_pool_blocks(window, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS)]
+    caps = [window_pool_blocks(None, run.sequences, length, KV_BLOCK_TOKENS),
+            window_pool_blocks(window, run.sequences, length, KV_BLOCK_TOKENS)]
     assert split_pool_blocks(needed_kv_gib(shape, run) * GiB, sizes, caps) == counts
     assert counts[0] == run.sequences * -(-(length + 1) // KV_BLOCK_TOKENS)
     assert counts[1] == min(counts[0], caps[1])
@@ -73,7 +75,7 @@ def test_an_engine_given_the_planned_bytes_holds_every_sequence_in_each_pool(fam
     shape, run = ModelShape.from_hf_config(model.config.to_dict()), run_shape(dtype_bytes=4)
     planned = math.ceil(needed_kv_gib(shape, run) * GiB)
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=PROMPT + RESPONSE, use_triton=False,
-                          device=torch.device("cpu"), kv_cache_bytes=planned)
+                          device=torch.device("cpu"), kv_cache_bytes=planned, max_num_seqs=run.sequences)
     counts = engine._num_kv_blocks()
     assert counts == kv_pool_blocks(shape, run)[1]
     assert counts[0] >= run.sequences * -(-(PROMPT + RESPONSE + 1) // KV_BLOCK_TOKENS)
@@ -85,7 +87,7 @@ def held_sequences(shape: ModelShape, run: RunShape, kv_cache_gib: float) -> flo
     """Full-length sequences the engine's split of ``kv_cache_gib`` holds in its full-attention pool."""
     sizes, _ = kv_pool_blocks(shape, run)
     length = run.prompt_length + run.response_length
-    caps = [window_pool_blocks(window, ENGINE_MAX_NUM_SEQS, length, KV_BLOCK_TOKENS)
+    caps = [window_pool_blocks(window, run.sequences, length, KV_BLOCK_TOKENS)
             for window in (None, shape.attention_windows[0])]
     return split_pool_blocks(kv_cache_gib * GiB, sizes, caps)[0] / -(-(length + 1) // KV_BLOCK_TOKENS)
 
@@ -99,7 +101,31 @@ def test_a_smaller_planned_cache_holds_its_share_of_the_sequences(share):
     assert run.sequences / share - 0.01 < held < run.sequences / share + 0.01
 
 
+@pytest.mark.parametrize("response, share", [(8192, 1), (32768, 2)])
+def test_gemma3_plans_hold_more_sequences(response, share):
+    """On an H200 the plan's cache holds all 128 sequences at 8k tokens and half of them at 32k (a cache sized as
+    if every layer kept the whole context holds half and an eighth)."""
+    shape, run = ModelShape.from_hf_config(GEMMA3_4B), run_shape(response)
+    plan = plan_memory(shape, run, {}, 139 * GiB, 1000 * GiB)
+    assert plan.fits and not plan.settings.optimizer_offload
+    held = held_sequences(shape, run, plan.settings.kv_cache_gib or needed_kv_gib(shape, run))
+    assert held >= run.sequences / share - 0.01
+
+
 @pytest.mark.parametrize("size", ["0.5b", "7b"])
 def test_models_without_windows_keep_every_layer_at_full_length(size):
     shape, run = ModelShape.from_hf_config(shape_config(size)), run_shape()
     assert needed_kv_gib(shape, run) == every_layer_gib(shape, run)
+
+
+def test_the_rollout_engine_runs_the_sequences_its_planned_cache_was_sized_for():
+    """Where the planner sizes the cache, the engine's max_num_seqs is one device's sequences of a step (the
+    concurrency the plan's sliding pools hold windows for); a cache sized by gpu_memory_utilization keeps 512."""
+    config = Config()
+    config.data.train_batch_size, config.rollout.n, config.trainer.devices_per_node = 16, 8, 2
+    config.rollout.gpu_memory_utilization = None
+    assert planned_concurrency(config) == {"max_num_seqs": 64}
+    config.data.train_batch_size = 1024
+    assert planned_concurrency(config) == {"max_num_seqs": 512}
+    config.rollout.gpu_memory_utilization = 0.5
+    assert planned_concurrency(config) == {}
