@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from reinforge.rollout.native.kv_quant import QuantizedCache
+from reinforge.rollout.native.kv_quant import QuantizedCache, kernel_cache_args
 
 SPLIT_MIN_CONTEXT = 1024
 """The longest context (tokens) from which a decode step splits the context across programs."""
@@ -260,11 +260,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     quantized = isinstance(k_cache, QuantizedCache)
-    if quantized:
-        k_values, v_values, k_scales, v_scales = k_cache.values, v_cache.values, k_cache.scales, v_cache.scales
-        stride_scale_block = k_scales.stride(0)
-    else:
-        k_values, v_values, k_scales, v_scales, stride_scale_block = k_cache, v_cache, q, q, 0  # scales not read
+    k_values, v_values, k_scales, v_scales, stride_scale_block = kernel_cache_args(k_cache, v_cache, q)
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a view into the fused q|k|v output
     if batch == 0:

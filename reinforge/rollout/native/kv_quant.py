@@ -76,6 +76,15 @@ class QuantizedCache:
         self.scales[blocks, offsets] = scales
 
 
+def kernel_cache_args(k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
+                      placeholder: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """What a Triton kernel reading or writing the cache takes: (k values, v values, k scales, v scales, the scales'
+    block stride). A bf16 cache has no scales: ``placeholder`` (any tensor) stands in for them, stride 0, not read."""
+    if isinstance(k_cache, QuantizedCache):
+        return k_cache.values, v_cache.values, k_cache.scales, v_cache.scales, k_cache.scales.stride(0)
+    return k_cache, v_cache, placeholder, placeholder, 0
+
+
 def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     """x (..., dim) as float8 e4m3 values (..., dim) and float32 scales (...,), one per vector (amax / 448)."""
     x32 = x.float()

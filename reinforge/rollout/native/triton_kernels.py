@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reinforge.rollout.native.decode_kernels import _INTERPRETED, _finite_or_zero, paged_decode_attention
-from reinforge.rollout.native.kv_quant import QuantizedCache
+from reinforge.rollout.native.kv_quant import QuantizedCache, kernel_cache_args
 
 __all__ = ["act_and_mul", "paged_decode_attention", "rms_norm", "rope_and_write_cache", "sample", "silu_and_mul"]
 
@@ -190,11 +190,7 @@ def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, si
         cos = sin = q  # not read
     num_pass = head_dim - 2 * half
     quantized = isinstance(k_cache, QuantizedCache)
-    if quantized:
-        k_values, v_values, k_scales, v_scales = k_cache.values, v_cache.values, k_cache.scales, v_cache.scales
-        stride_scale_block = k_scales.stride(0)
-    else:
-        k_values, v_values, k_scales, v_scales, stride_scale_block = k_cache, v_cache, q, q, 0  # scales not read
+    k_values, v_values, k_scales, v_scales, stride_scale_block = kernel_cache_args(k_cache, v_cache, q)
     _rope_and_cache_kernel[(num_tokens,)](
         q, k, v, cos, sin, positions, slot_mapping, k_values, v_values, k_scales, v_scales,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_values.stride(0), k_values.stride(1),
