@@ -23,10 +23,18 @@ import random
 import string
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
-from trl_runs import Clock, add_run_options, known_settings, reset_peak_memory, run_modes, step_clock, step_record
+from trl_runs import (
+    Clock,
+    add_grpo_workload_options,
+    add_run_options,
+    known_settings,
+    reset_peak_memory,
+    run_modes,
+    step_clock,
+    step_record,
+)
 
 
 def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict:
@@ -80,14 +88,7 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--response-tokens", type=int, default=512)
-    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="cap the process at this much GPU memory")
+    add_grpo_workload_options(parser)
     parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (peft)")
     parser.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj",
                         help="its projections, comma-separated")

@@ -21,10 +21,18 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
-from trl_runs import Clock, add_run_options, known_settings, reset_peak_memory, run_modes, step_clock, step_record
+from trl_runs import (
+    Clock,
+    add_grpo_workload_options,
+    add_run_options,
+    known_settings,
+    reset_peak_memory,
+    run_modes,
+    step_clock,
+    step_record,
+)
 
 
 def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict:
@@ -81,14 +89,7 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--prompt-tokens", type=int, default=128, help="random letters beside each prompt's image")
-    parser.add_argument("--response-tokens", type=int, default=512)
-    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="cap the process at this much GPU memory")
+    add_grpo_workload_options(parser, prompt_tokens_help="random letters beside each prompt's image")
     parser.add_argument("--train-vision-tower", action="store_true",
                         help="train the vision tower too (reinforge: actor.freeze_vision_tower=false)")
     add_run_options(parser)

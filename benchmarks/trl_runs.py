@@ -36,6 +36,18 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None)
 
 
+def add_grpo_workload_options(parser: argparse.ArgumentParser, prompt_tokens_help: str | None = None) -> None:
+    """The GRPO workload both GRPO scripts take: model folder, steps, batch shape and lengths, memory cap."""
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help=prompt_tokens_help)
+    parser.add_argument("--response-tokens", type=int, default=512)
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="cap the process at this much GPU memory")
+
+
 class Clock:
     """Seconds since the script started, the deadline, and one printed line per phase."""
 
