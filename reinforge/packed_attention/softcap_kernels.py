@@ -69,6 +69,18 @@ if triton is not None:
         return scores, capped
 
     @triton.jit
+    def _key_range(first_row, q_len, k_len, window, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """[lo, hi): the keys a block of BLOCK_M queries from ``first_row`` sees, from the first one's window (at a
+        key-block start) to the last one's position."""
+        hi = tl.minimum(k_len, first_row + BLOCK_M + k_len - q_len)
+        if HAS_WINDOW:
+            lo = (tl.maximum(first_row + k_len - q_len - window + 1, 0) // BLOCK_N) * BLOCK_N
+        else:
+            lo = hi * 0
+        return lo, hi
+
+    @triton.jit
     def _visible(positions, cols, k_len, window, start, lo, hi, HAS_WINDOW: tl.constexpr, STATIC: tl.constexpr):
         """Keys ``cols`` (N,) each query at key position ``positions`` (M,) sees: (M, N).
 
@@ -104,12 +116,7 @@ if triton is not None:
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-        # the keys this block's queries see: from the first one's window to the last one's position
-        hi = tl.minimum(k_len, first_row + BLOCK_M + k_len - q_len)
-        if HAS_WINDOW:
-            lo = (tl.maximum(first_row + k_len - q_len - window + 1, 0) // BLOCK_N) * BLOCK_N
-        else:
-            lo = 0
+        lo, hi = _key_range(first_row, q_len, k_len, window, HAS_WINDOW, BLOCK_M, BLOCK_N)
         # STATIC_KEYS is 0 when compiled; Triton's interpreter loops only between Python ints, so there every
         # program visits every key block of the longest segment (the mask drops what it must not see)
         for start in range(0 if STATIC_KEYS else lo, STATIC_KEYS if STATIC_KEYS else hi, BLOCK_N):
@@ -229,11 +236,7 @@ if triton is not None:
         lse = tl.load(lse_ptr + head * total_q + tokens, mask=row_valid, other=0.0)
         delta = tl.load(delta_ptr + head * total_q + tokens, mask=row_valid, other=0.0)
         grad_q = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-        hi = tl.minimum(k_len, first_row + BLOCK_M + k_len - q_len)
-        if HAS_WINDOW:
-            lo = (tl.maximum(first_row + k_len - q_len - window + 1, 0) // BLOCK_N) * BLOCK_N
-        else:
-            lo = 0
+        lo, hi = _key_range(first_row, q_len, k_len, window, HAS_WINDOW, BLOCK_M, BLOCK_N)
         for start in range(0 if STATIC_KEYS else lo, STATIC_KEYS if STATIC_KEYS else hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             key_tokens = (k_start + cols).to(tl.int64)
