@@ -233,36 +233,11 @@ class Scheduler:
             manager.append_block(table)
 
     def _schedule_decode(self) -> ScheduledStep:
+        """One decode token for every running sequence; a sequence grows (or preempts) in every pool at once."""
         self.num_decode_steps += 1
         self._release_out_of_window(self.running)
         block_size = self.block_manager.block_size
         growing = [seq for seq in self.running if len(seq.block_table) * block_size < seq.num_tokens]
-        if self.group_managers:
-            return self._schedule_grouped_decode(growing)
-        if self.block_manager.can_allocate(len(growing)):
-            for seq in growing:
-                self.block_manager.append_block(seq.block_table)
-            return ScheduledStep(is_prefill=False, seqs=list(self.running))
-        scheduled: list[Sequence] = []
-        queue = deque(self.running)
-        while queue:
-            seq = queue.popleft()
-            while self.block_manager.needs_block(seq.block_table, seq.num_tokens) and \
-                    not self.block_manager.can_allocate(1):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                if self.block_manager.needs_block(seq.block_table, seq.num_tokens):
-                    self.block_manager.append_block(seq.block_table)
-                scheduled.append(seq)
-        self.running = scheduled
-        # a copy: sequences admitted while this step is in flight join ``running``, never the step's own list
-        return ScheduledStep(is_prefill=False, seqs=list(scheduled))
-
-    def _schedule_grouped_decode(self, growing: list[Sequence]) -> ScheduledStep:
-        """``_schedule_decode`` for several pools: a sequence grows (or preempts) in every pool at once."""
         if self._can_allocate(len(growing)):
             for seq in growing:
                 self._append_block(seq)
@@ -281,6 +256,7 @@ class Scheduler:
                     self._append_block(seq)
                 scheduled.append(seq)
         self.running = scheduled
+        # a copy: sequences admitted while this step is in flight join ``running``, never the step's own list
         return ScheduledStep(is_prefill=False, seqs=list(scheduled))
 
     def schedule_ahead(self, in_flight: list[Sequence], batch_arrivals: bool = False) -> ScheduledStep | None:
