@@ -241,3 +241,29 @@ def test_a_sequence_that_outgrows_a_pool_is_refused_naming_the_pool():
     greedy = SamplingParams(max_tokens=10, temperature=0.0)
     with pytest.raises(RuntimeError, match=r"needs \d+ KV blocks but the cache has 6 \(the full-attention layers' pool\)"):
         engine.generate([GenerationRequest(prompts([5])[0], greedy)])
+
+
+def test_block_metrics_count_every_pool():
+    """kv_blocks_total and kv_blocks_used_peak add up the full and the sliding pool; the peak share is the fullest
+    pool's, read at the same points as the engine reads its peaks (before sequences that finished hand blocks back)."""
+    model = tiny_model("gemma2", WINDOW)
+    engine = make_engine(model, block_size=2, num_kv_blocks=40)
+    engine.wake_up()
+    pools = engine.scheduler.pools
+    used, full_used, shares = [], [], []
+    original = engine.scheduler.finish
+
+    def finish(finished):
+        used.append(sum(manager.num_used_blocks for manager in pools))
+        full_used.append(pools[0].num_used_blocks)
+        shares.append(max(manager.num_used_blocks / manager.num_blocks for manager in pools))
+        original(finished)
+
+    engine.scheduler.finish = finish
+    greedy = SamplingParams(n=2, max_tokens=20, temperature=0.0)
+    engine.generate([GenerationRequest(prompt, greedy) for prompt in prompts([13, 5], seed=6)])
+    metrics = engine.last_metrics
+    assert [manager.sliding_window for manager in pools] == [None, WINDOW]
+    assert metrics["rollout/kv_blocks_total"] == pools[0].num_blocks + pools[1].num_blocks
+    assert metrics["rollout/kv_blocks_used_peak"] == max(used) > max(full_used)
+    assert metrics["rollout/kv_blocks_used_peak_share"] == pytest.approx(max(shares))

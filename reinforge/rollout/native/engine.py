@@ -21,6 +21,8 @@ and template); samples are those of a full prefill, up to float rounding. The ca
 values of older weights are never reused. ``counts`` and the metrics
 ``rollout/prefix_cache_hit_tokens``, ``rollout/prefill_tokens`` and ``rollout/prefix_cache_hit_rate`` count it,
 beside the steps (``rollout/num_prefill_steps``, ``rollout/num_decode_steps``, ``rollout/decode_batch_mean``).
+``rollout/kv_blocks_total`` and ``rollout/kv_blocks_used_peak`` count the KV blocks of every pool (a model with
+several windows keeps one per window), and ``rollout/kv_blocks_used_peak_share`` is the fullest pool's peak share.
 
 Hybrid engine: the engine runs the trainer's model from its own copy of the weights (q|k|v and
 gate|up concatenated, one matrix product each; see ``model.py``). ``wake_up`` makes the copy
@@ -157,6 +159,7 @@ class NativeEngine:
         self._num_generated_tokens = 0
         self.counters = EngineCounters()
         self._peak_blocks_used = 0
+        self._peak_blocks_share = 0.0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
         self._in_flight: LaunchedStep | None = None
 
@@ -491,7 +494,7 @@ class NativeEngine:
             elif switch is not None and len(seq.token_ids) == switch + 1:
                 switched.append(seq)
         self._num_generated_tokens += appended
-        self._peak_blocks_used = max(self._peak_blocks_used, self.scheduler.block_manager.num_used_blocks)
+        self._note_blocks_used()
         self.scheduler.finish(finished)
         if switched:
             self.scheduler.recompute(switched)
@@ -506,6 +509,14 @@ class NativeEngine:
                     state.on_done(list(state.completions))
 
     # ---- metrics ----------------------------------------------------------------------------
+
+    def _note_blocks_used(self) -> None:
+        """Keep the span's peaks of the blocks in use over every pool, and of the fullest pool's share of its blocks
+        (the pool that preempts first; a model with several windows has one pool per window)."""
+        pools = self.scheduler.pools
+        self._peak_blocks_used = max(self._peak_blocks_used, sum(manager.num_used_blocks for manager in pools))
+        self._peak_blocks_share = max(self._peak_blocks_share,
+                                      max(manager.num_used_blocks / manager.num_blocks for manager in pools))
 
     def counts(self) -> dict[str, float]:
         """Totals over the engine's life (``EngineCounters.reading``); ``count_metrics`` of two readings gives a span's.
@@ -529,7 +540,7 @@ class NativeEngine:
     def _start_metrics(self) -> tuple[float, int, int, float, dict[str, float]]:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._peak_blocks_used = 0
+        self._peak_blocks_used, self._peak_blocks_share = 0, 0.0
         return (time.perf_counter(), self._num_generated_tokens, self.scheduler.num_preempted,
                 self.runner.capture_seconds, self.counts())
 
@@ -543,8 +554,9 @@ class NativeEngine:
             "rollout/num_generated_tokens": float(num_tokens),
             "rollout/time_s": elapsed,
             "rollout/num_preempted": float(scheduler.num_preempted - start_preempted),
-            "rollout/kv_blocks_total": float(scheduler.block_manager.num_blocks),
+            "rollout/kv_blocks_total": float(sum(manager.num_blocks for manager in scheduler.pools)),
             "rollout/kv_blocks_used_peak": float(self._peak_blocks_used),
+            "rollout/kv_blocks_used_peak_share": self._peak_blocks_share,
             "rollout/cuda_graph_capture_s": self.runner.capture_seconds - start_capture,
         }
         metrics |= count_metrics(start_counts, self.counts())
