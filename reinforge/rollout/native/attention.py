@@ -76,6 +76,16 @@ class AttentionMetadata:
     slots and block tables are its own); None: every layer reads this one."""
 
 
+def per_layer_metadata(layer_groups: list[list[int]], group_metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
+    """Each layer's metadata when the layers' caches form groups: ``group_metas[g]`` for the layers of
+    ``layer_groups[g]``."""
+    per_layer: list[AttentionMetadata] = [group_metas[0]] * sum(len(layers) for layers in layer_groups)
+    for layers, group_meta in zip(layer_groups, group_metas, strict=True):
+        for layer in layers:
+            per_layer[layer] = group_meta
+    return per_layer
+
+
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
                    slot_mapping: Tensor) -> None:
     """k, v: (tokens, kv_heads, dim) into caches of shape (num_blocks, block_size, kv_heads, dim) (fp8 ones
@@ -157,16 +167,16 @@ def prefill_attention_with_prefix(q: Tensor, k_cache: Tensor, v_cache: Tensor, m
     sequence sits at position prefix_len + i and sees the keys at positions 0..prefix_len + i (the last
     ``window`` of them when the layer slides).
     """
-    assert meta.seq_lens is not None and meta.block_tables is not None and meta.context_lens is not None
-    assert meta.prefix_lens is not None and meta.batch_index is not None and meta.token_index is not None
-    assert meta.max_context_len > 0
+    assert meta.seq_lens is not None and meta.max_context_len > 0
     num_seqs, max_len = len(meta.seq_lens), max(meta.seq_lens)
     if (softcap is not None and q.is_cuda and meta.context_slots is not None and meta.cu_seqlens_q is not None
-            and softcap_kernel_runs_on(q.device, q.dtype, q.shape[-1])):
+            and softcap_kernel_runs_on(q.device, q.dtype, q.shape[-1])):  # what a prefill graph runs (no tables)
         k = cache_rows(k_cache, meta.context_slots)  # (context tokens, kv_heads, dim)
         v = cache_rows(v_cache, meta.context_slots)
         return softcap_varlen_attention(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, max_len, meta.max_context_len,
                                         scale, softcap, window)
+    assert meta.block_tables is not None and meta.context_lens is not None
+    assert meta.prefix_lens is not None and meta.batch_index is not None and meta.token_index is not None
     group = q.shape[1] // k_cache.shape[2]
     max_context = meta.max_context_len
     block_tables = meta.block_tables[:, : -(-max_context // k_cache.shape[1])].long()

@@ -16,8 +16,8 @@ Layer groups (``layer_groups``): when some layers attend through a window and ot
 Qwen2 with ``max_window_layers``), each window's layers have their own cache tensor (``kv_caches``), block pool
 and block tables (``Sequence.group_tables``), so a sliding group needs no more than its window of blocks per
 sequence. Each layer then reads its group's cache, slots and block tables (``AttentionMetadata.per_layer``);
-decode graphs hold each group's tables as static inputs, and prefill steps run eagerly. A model whose layers share
-one window (or none) has one group and runs as if groups did not exist.
+decode graphs hold each group's tables as static inputs, prefill graphs each group's slots. A model whose layers
+share one window (or none) has one group and runs as if groups did not exist.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from reinforge.rollout.native.attention import AttentionMetadata
+from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
+from reinforge.rollout.native.attention import AttentionMetadata, per_layer_metadata
 from reinforge.rollout.native.decode_kernels import decode_num_splits, num_sms
 from reinforge.rollout.native.kv_quant import KV_CACHE_DTYPES, QuantizedCache, block_bytes, fp8_refusal, layer_caches
 from reinforge.rollout.native.model import PagedDecoder, whole
@@ -288,10 +289,10 @@ class ModelRunner:
         token_ids = np.concatenate([np.asarray(seq.token_ids[start:stop], dtype=np.int64)
                                     for seq, start, stop in zip(seqs, starts, stops, strict=True)])
         positions = np.concatenate([np.arange(start, stop) for start, stop in zip(starts, stops, strict=True)])
-        slots = np.concatenate([
-            np.asarray(seq.block_table, dtype=np.int64)[np.arange(start, stop) // self.block_size]
-            * self.block_size + np.arange(start, stop) % self.block_size
-            for seq, start, stop in zip(seqs, starts, stops, strict=True)])
+        pool_tables = [[seq.block_table for seq in seqs],
+                       *([seq.group_tables[group] for seq in seqs] for group in range(len(self.group_table_host)))]
+        pool_slots = [self._token_slots(tables, starts, stops) for tables in pool_tables]
+        slots = pool_slots[0]
         contexts = stops
         # the decoder reads positions only to look up rotary rows (LongRoPE: see rotary_tables.py); a chunk's
         # rows are those of its whole sequence's prefill
@@ -301,13 +302,14 @@ class ModelRunner:
             self.multimodal.prefill_inputs([seq.request_key for seq in seqs], starts, contexts)
         if images is not None:  # image pad tokens carry their images' keys (multimodal.py), never embedded
             token_ids = np.where(token_ids < 0, self.multimodal.image_token_id, token_ids)
-        graphs = self._graphs_for_prefill() if images is None and not self.group_table_host else None
+        graphs = self._graphs_for_prefill() if images is None else None
         if graphs is not None or any(starts):
-            # every context token's slot (the packed path reads the cached and new keys through them)
-            context_slots = self._context_slots([seq.block_table for seq in seqs], contexts)
+            # every context token's slot in each pool (the packed path reads the cached and new keys through them)
+            pool_context_slots = [self._context_slots(tables, contexts) for tables in pool_tables]
+            context_slots = pool_context_slots[0]
         if graphs is not None:
-            padded = pad_prefill(token_ids, positions, slots, seq_lens, context_slots, contexts,
-                                 self.spare_block * self.block_size)
+            padded = pad_prefill(token_ids, positions, pool_slots, seq_lens, pool_context_slots, contexts,
+                                 [spare * self.block_size for spare in self.spare_blocks])
             if padded is not None and graphs.wants(padded.key):
                 before = graphs.capture_seconds
                 logits = graphs.run(padded, self.kv_cache)
@@ -335,23 +337,25 @@ class ModelRunner:
             meta.cu_seqlens_k = self._to_device(np.concatenate([[0], np.cumsum(contexts)]).astype(np.int32))
         if self.group_table_host:
             group_metas = [meta]
-            for group in range(len(self.group_table_host)):
-                tables = [seq.group_tables[group] for seq in seqs]
-                group_slots = np.concatenate([
-                    np.asarray(table, dtype=np.int64)[np.arange(start, stop) // self.block_size] * self.block_size
-                    + np.arange(start, stop) % self.block_size
-                    for table, start, stop in zip(tables, starts, stops, strict=True)])
-                group_meta = replace(meta, slot_mapping=self._to_device(group_slots), prefix_visible={})
+            for pool in range(1, len(pool_tables)):
+                tables = pool_tables[pool]
+                group_meta = replace(meta, slot_mapping=self._to_device(pool_slots[pool]), prefix_visible={})
                 if any(starts):
                     group_tables = np.zeros((len(seqs), max(len(table) for table in tables)), dtype=np.int64)
                     for row, table in enumerate(tables):
                         group_tables[row, :len(table)] = table
                     group_meta.block_tables = self._to_device(group_tables)
-                    group_meta.context_slots = self._to_device(self._context_slots(tables, contexts))
+                    group_meta.context_slots = self._to_device(pool_context_slots[pool])
                 group_metas.append(group_meta)
-            meta.per_layer = self._per_layer(group_metas)
+            meta.per_layer = per_layer_metadata(self.layer_groups, group_metas)
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
                                     logits_indices=self._to_device(last_index), images=images)
+
+    def _token_slots(self, tables: list[list[int]], starts: list[int], stops: list[int]) -> np.ndarray:
+        """The cache slot of each sequence's tokens starts[i]..stops[i], through its table ``tables[i]``."""
+        return np.concatenate([
+            np.asarray(table, dtype=np.int64)[np.arange(start, stop) // self.block_size] * self.block_size
+            + np.arange(start, stop) % self.block_size for table, start, stop in zip(tables, starts, stops, strict=True)])
 
     def _context_slots(self, tables: list[list[int]], contexts: list[int]) -> np.ndarray:
         """The cache slot of every context token of each sequence, through its table ``tables[i]``."""
@@ -359,23 +363,24 @@ class ModelRunner:
             np.asarray(table, dtype=np.int64)[np.arange(length) // self.block_size] * self.block_size
             + np.arange(length) % self.block_size for table, length in zip(tables, contexts, strict=True)])
 
-    def _per_layer(self, group_metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
-        """Each layer's metadata: its group's."""
-        per_layer: list[AttentionMetadata] = [group_metas[0]] * self.decoder.num_layers
-        for layers, group_meta in zip(self.layer_groups, group_metas, strict=True):
-            for layer in layers:
-                per_layer[layer] = group_meta
-        return per_layer
-
     def _graphs_for_prefill(self) -> PrefillGraphs | None:
         """The prefill graphs, where prefill steps may replay them: CUDA graphs on (as for decode steps) and the
-        flash prefix path in use, with no capture having failed."""
+        packed path running on the device alone (``packed_prefill_on_device``), with no capture having failed."""
         if self._prefill_graphs_off or not self.cuda_graph_batch_sizes or self.device.type != "cuda" \
-                or not self.decoder.flash_prefix or self.kv_cache is None:
+                or not self.packed_prefill_on_device() or self.kv_cache is None:
             return None
         if self._prefill_graphs is None:
-            self._prefill_graphs = PrefillGraphs(self.decoder, self.device)
+            self._prefill_graphs = PrefillGraphs(self.decoder, self.device, self.layer_groups)
         return self._prefill_graphs
+
+    def packed_prefill_on_device(self) -> bool:
+        """Whether a prefill over cached keys runs from slots and offsets alone, no host sync (what a graph
+        captures): the flash kernel, or for soft-capped scores (Gemma 2) the soft-cap kernels; MLA runs the
+        reference."""
+        decoder = self.decoder
+        if decoder.spec.attn_softcap is None or decoder.spec.mla is not None:
+            return decoder.flash_prefix
+        return decoder.use_triton and softcap_kernel_runs_on(self.device, decoder.dtype, decoder.cache_entry[2])
 
     def decode_splits(self, batch: int, max_context_len: int) -> int:
         """Programs each (sequence, KV head) of a decode step's paged attention is split across (1 off the Triton
@@ -486,7 +491,7 @@ class ModelRunner:
                                  block_tables=tensors["block_tables"], context_lens=tensors["context_lens"],
                                  num_decode_splits=num_splits)
         if self.group_table_host:
-            meta.per_layer = self._per_layer([meta, *(
+            meta.per_layer = per_layer_metadata(self.layer_groups, [meta, *(
                 replace(meta, slot_mapping=tensors[f"slot_mapping_{group}"], block_tables=tensors[f"block_tables_{group}"])
                 for group in range(1, len(self.layer_groups)))])
         return self.decoder.forward(tensors["input_ids"], tensors.get("rope_positions", tensors["positions"]),
