@@ -14,7 +14,8 @@ engine's samples for the same logits. Requests without a seed use transformers' 
 A vision-language model (Qwen2.5-VL, Qwen3-VL) generates from each request's ``multi_modal_inputs``
 too: the rows' pixel values and grids go to ``generate`` with the image tokens marked, so the model
 places its vision tower's embeddings and computes its M-RoPE positions itself; a prompt's n samples
-are n rows, each with its images.
+are n rows, each with its images. The tower still encodes each prompt's images once: its call on the
+n copies encodes the first and repeats the embeddings to the other rows (``_encode_each_prompt_once``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.utils import ModelOutput
 
+from reinforge.models.vision import vision_tower
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.native.sampling import truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
@@ -94,6 +99,65 @@ def _image_kwargs(model: nn.Module, input_ids: Tensor, row_images: list[dict[str
     return {"pixel_values": torch.cat([row["pixel_values"] for row in present]).to(device),
             "image_grid_thw": torch.cat([row["image_grid_thw"] for row in present]).to(device),
             "mm_token_type_ids": (input_ids == model.config.image_token_id).int().to(device)}
+
+
+def _spans(counts: list[int], copies: int) -> tuple[Tensor, Tensor]:
+    """For items whose counts[p] rows each appear ``copies`` times in a row (prompt p's copies, then p + 1's):
+    the index of the first copy's rows among all, and the index repeating those first rows to every copy."""
+    starts = [sum(counts[:index]) for index in range(len(counts))]
+    first = torch.cat([torch.arange(copies * start, copies * start + count)
+                       for start, count in zip(starts, counts, strict=True)])
+    repeat = torch.cat([torch.arange(start, start + count).repeat(copies) for start, count in zip(starts, counts,
+                                                                                                   strict=True)])
+    return first, repeat
+
+
+def _repeat_rows(value, indices: dict[int, Tensor]):
+    """``value`` (a tensor, a list or tuple of them, or a ModelOutput of them) with every tensor whose first
+    dimension is a key of ``indices`` indexed by it along that dimension."""
+    if isinstance(value, Tensor):
+        index = indices.get(value.shape[0]) if value.dim() else None
+        return value if index is None else value.index_select(0, index.to(value.device))
+    if isinstance(value, ModelOutput):
+        for key in list(value.keys()):
+            value[key] = _repeat_rows(value[key], indices)
+        return value
+    if isinstance(value, list | tuple):
+        return type(value)(_repeat_rows(item, indices) for item in value)
+    return value
+
+
+@contextmanager
+def _encode_each_prompt_once(model: nn.Module, images: list[dict[str, Tensor]], copies: int) -> Iterator[None]:
+    """While ``generate`` runs on ``copies`` rows of each prompt of ``images`` (its pixel values and grids, rows in
+    prompt order), the vision tower encodes each prompt's images once: a call on the copies encodes the first copy
+    and repeats its patches' and merged tokens' rows (deepstack features included) to the other copies, which
+    hold the same images. Any other call runs unchanged."""
+    tower = vision_tower(model)
+    if tower is None or copies == 1 or not images:
+        yield
+        return
+    grids = [row["image_grid_thw"] for row in images]
+    patches = [int(grid.prod(-1).sum()) for grid in grids]
+    merged = [count // tower.spatial_merge_size ** 2 for count in patches]
+    first_patches, repeat_patches = _spans(patches, copies)
+    first_images, _ = _spans([len(grid) for grid in grids], copies)
+    _, repeat_merged = _spans(merged, copies)
+    encode = tower.forward
+
+    def forward(pixel_values: Tensor, grid_thw: Tensor | None = None, **kwargs):
+        if grid_thw is None or pixel_values.shape[0] != copies * sum(patches) or \
+                grid_thw.shape[0] != copies * len(first_images):
+            return encode(pixel_values, grid_thw=grid_thw, **kwargs)
+        output = encode(pixel_values[first_patches.to(pixel_values.device)],
+                        grid_thw=grid_thw[first_images.to(grid_thw.device)], **kwargs)
+        return _repeat_rows(output, {sum(patches): repeat_patches, sum(merged): repeat_merged})
+
+    tower.forward = forward
+    try:
+        yield
+    finally:
+        del tower.forward
 
 
 class HFEngine:
@@ -181,10 +245,12 @@ class HFEngine:
                 attention_mask = attention_mask.repeat_interleave(sampling.n, dim=0)
                 kwargs["num_return_sequences"] = 1
             kwargs |= _image_kwargs(self.model, input_ids, [row for row in images for _ in range(sampling.n)], device)
+        prompt_images = [row for row in images if row] if images is not None else []
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    _encode_each_prompt_once(self.model, prompt_images, sampling.n):
                 output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                              **kwargs)
         finally:

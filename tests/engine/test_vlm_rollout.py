@@ -1,6 +1,7 @@
 """The hf rollout backend on vision-language models: transformers' greedy tokens, and log-probs the packed engine
 computes for the same samples."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.packing import attach_plan
 from reinforge.models.tiny_vlm import build_tiny_processor
+from reinforge.models.vision import vision_tower
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.hf import HFEngine
@@ -87,3 +89,32 @@ def test_seeded_samples_of_a_prompt_with_images_keep_their_seed_and_see_the_imag
     same = engine.generate([GenerationRequest(request.prompt_token_ids, SamplingParams(
         max_tokens=6, temperature=0.0, ignore_eos=True), multi_modal_inputs=request.multi_modal_inputs)])[0][0]
     assert changed.log_probs != same.log_probs
+
+
+@pytest.mark.parametrize("arch, sampling", [
+    ("qwen2_5_vl", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=2)),
+    ("qwen2_5_vl", SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, n=3, seed=7)),
+    ("qwen3_vl", SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, n=3, seed=7)),
+])
+def test_the_vision_tower_encodes_each_prompts_images_once_for_its_n_samples(arch, sampling):
+    """n samples of prompts with images: the tower embeds every image patch once, and each sample is the one
+    generated alone (n=1 at its sample index; greedy: transformers' greedy tokens), log-probs included."""
+    model, processor = vlm(arch, seed=2), build_tiny_processor(arch)
+    prompts = vlm_batch(processor, samples=1)
+    engine = HFEngine(model, pad_token_id=processor.tokenizer.pad_token_id,
+                      eos_token_ids=[processor.tokenizer.eos_token_id])
+    encoded = []
+    handle = vision_tower(model).patch_embed.register_forward_pre_hook(
+        lambda module, args: encoded.append(args[0].shape[0]))
+    try:
+        together = engine.generate(requests_of(prompts, sampling))
+    finally:
+        handle.remove()
+    patches = sum(int(row["image_grid_thw"].prod(-1).sum()) for row in prompts[MULTI_MODAL_KEY] if row)
+    assert encoded == [patches]
+    for sample in range(sampling.n):
+        alone = engine.generate(requests_of(prompts, dataclasses.replace(sampling, n=1, first_sample=sample)))
+        for row in range(len(prompts)):
+            assert together[row][sample].token_ids == alone[row][0].token_ids
+            torch.testing.assert_close(torch.tensor(together[row][sample].log_probs),
+                                       torch.tensor(alone[row][0].log_probs), atol=1e-5, rtol=0)
