@@ -9,6 +9,9 @@ sequence re-admitted into its old row decodes through its new blocks.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +21,9 @@ from reinforge.rollout.native import NativeEngine
 from reinforge.rollout.native.block_manager import RELEASED
 from reinforge.rollout.native.model_runner import layer_groups
 from reinforge.rollout.native.sequence import Sequence
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from transformers_reference import hf_greedy, recomputed_log_probs  # noqa: E402
 
 WINDOW = 6
 GROUPED = [("gemma2", 4), ("gemma3_text", 6), ("qwen2", 4)]
@@ -31,19 +37,6 @@ def tiny_model(family: str, window: int | None = None, num_layers: int = 4) -> t
 def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (length,), generator=generator).tolist() for length in lengths]
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    input_ids = torch.tensor([prompt])
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return output[0, len(prompt):].tolist()
-
-
-def hf_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
 def make_engine(model: torch.nn.Module, **options) -> NativeEngine:
@@ -153,7 +146,7 @@ def test_sampled_log_probs_through_layer_groups_are_a_transformers_forwards(fami
     completions = engine.generate([GenerationRequest(prompt, sampling) for prompt in batch])
     for prompt, samples in zip(batch, completions, strict=True):
         for sample in samples:
-            expected = hf_log_probs(model, prompt, sample.token_ids)
+            expected = recomputed_log_probs(model, prompt, sample.token_ids)
             torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
 
 
@@ -179,7 +172,7 @@ def test_a_prefix_cache_hit_takes_the_prefix_from_every_pool():
     (second,), = engine.generate([GenerationRequest(second_prompt, greedy)])
     assert engine.counters.prefix_hit_tokens > hits_before
     assert second.token_ids == hf_greedy(model, second_prompt, 8)
-    torch.testing.assert_close(torch.tensor(second.log_probs), hf_log_probs(model, second_prompt, second.token_ids),
+    torch.testing.assert_close(torch.tensor(second.log_probs), recomputed_log_probs(model, second_prompt, second.token_ids),
                                atol=1e-5, rtol=0)
 
 

@@ -6,10 +6,16 @@ decode at 8k and 32k contexts, where the engine picks the split count itself, ag
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from transformers_reference import hf_greedy, recomputed_log_probs  # noqa: E402
 
 from reinforge.models.tiny import build_tiny_causal_lm  # noqa: E402
 from reinforge.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
@@ -100,23 +106,6 @@ def test_engine_decodes_through_split_attention_as_generate_does(monkeypatch):
     sampled = outputs[1][0]
     torch.testing.assert_close(torch.tensor(sampled.log_probs), recomputed_log_probs(model, prompt, sampled.token_ids,
                                                                                      0.8), atol=1e-5, rtol=0)
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt], device=device)
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return output[0, len(prompt):].tolist()
-
-
-def recomputed_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[int],
-                         temperature: float = 1.0) -> torch.Tensor:
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens], device=device)).logits[0, len(prompt) - 1:-1].float()
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    return log_probs.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0].cpu()
 
 
 @pytest.mark.gpu

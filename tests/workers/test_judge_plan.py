@@ -2,6 +2,8 @@
 with its engine's weight copy, KV cache and activations; the policy as its own judge costs nothing."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,9 +11,10 @@ from reinforge.config import Config
 from reinforge.engine.memory_plan import GiB, ModelShape
 from reinforge.workers.memory_settings import memory_plan
 
-QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                   num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True, model_type="qwen2",
-                   architectures=["Qwen2ForCausalLM"])
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from plan_configs import QWEN25_1_5B, standard_config  # noqa: E402
+
+QWEN25_1_5B = dict(QWEN25_1_5B, architectures=["Qwen2ForCausalLM"])
 QWEN25_0_5B = dict(QWEN25_1_5B, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                    intermediate_size=4864)
 
@@ -23,13 +26,7 @@ def model_folder(path, config: dict):
 
 
 def judged_config(policy, judge_path: str | None) -> Config:
-    config = Config()
-    config.model.path = str(policy)
-    config.trainer.device = "cuda"
-    config.trainer.gpu_memory_gib = 139.0
-    config.rollout.name = "native"
-    config.data.train_batch_size, config.rollout.n = 64, 8
-    config.data.max_prompt_length, config.data.max_response_length = 128, 512
+    config = standard_config(policy)
     if judge_path is not None:
         config.reward.judge.enable = True
         config.reward.judge.model_path = judge_path

@@ -1,6 +1,8 @@
 """The memory planner counts the reward model: on the host between calls, on the device in its scoring phase."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,8 +10,9 @@ from reinforge.config import Config
 from reinforge.engine.memory_plan import GiB, ModelShape, reward_model_params
 from reinforge.workers.memory_settings import memory_plan
 
-QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                   num_key_value_heads=2, intermediate_size=8960, tie_word_embeddings=True, model_type="qwen2")
+sys.path.insert(0, str(Path(__file__).parents[1]))
+import plan_configs  # noqa: E402
+from plan_configs import QWEN25_1_5B  # noqa: E402
 
 
 @pytest.fixture
@@ -23,13 +26,7 @@ def folders(tmp_path):
 
 
 def standard_config(policy, reward_model=None, **reward_model_settings) -> Config:
-    config = Config()
-    config.model.path = str(policy)
-    config.trainer.device = "cuda"
-    config.trainer.gpu_memory_gib = 139.0
-    config.rollout.name = "native"
-    config.data.train_batch_size, config.rollout.n = 64, 8
-    config.data.max_prompt_length, config.data.max_response_length = 128, 512
+    config = plan_configs.standard_config(policy)
     if reward_model is not None:
         config.reward.reward_model.enable = True
         config.reward.reward_model.model_path = str(reward_model)

@@ -1,12 +1,18 @@
-"""Tiny Qwen2, Qwen3 and Llama models built in code, and helpers comparing with transformers."""
+"""Tiny Qwen2, Qwen3 and Llama models built in code, and the helpers comparing with transformers (tests/
+transformers_reference.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
+
+sys.path.insert(0, str(Path(__file__).parents[2]))
+from transformers_reference import hf_greedy, recomputed_log_probs  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=256)
@@ -30,25 +36,8 @@ def random_prompts(lengths: list[int], seed: int = 1, vocab_size: int = 128) -> 
     return [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([prompt], device=device)
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return output[0, len(prompt):].tolist()
-
-
-def recomputed_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[int],
-                         temperature: float = 1.0) -> torch.Tensor:
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens], device=device)).logits[0, len(prompt) - 1:-1].float()
-    log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    return log_probs.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0].cpu()
-
-
 @pytest.fixture(scope="session")
 def tiny():
-    """The helpers above, for tests (pytest imports test modules by path, so they cannot import conftest)."""
+    """The helpers of this folder, for tests (pytest imports test modules by path, so they cannot import conftest)."""
     return SimpleNamespace(build=build_tiny, prompts=random_prompts, hf_greedy=hf_greedy,
                            recomputed_log_probs=recomputed_log_probs)

@@ -143,52 +143,14 @@ def test_a_model_with_several_kv_pools_pads_each_pools_slots_for_its_prefill_gra
     assert prefills[1][0][1] is not None
 
 
-@pytest.mark.gpu
-def test_graphed_prefill_steps_match_eager_ones(tiny):
-    # a multi-turn pattern run three times: a prefill shape met once runs eagerly, the second time it is
-    # captured (against an eager forward of the same inputs), the third time replayed
-    model = tiny.build("qwen2", device="cuda").to(torch.bfloat16)
-    prompts = tiny.prompts([9, 30, 17, 44])
+def multi_turn_runs(model: torch.nn.Module, prompts: list[list[int]]) -> list[list]:
+    """A multi-turn pattern run three times, with prefill graphs and without (two lists of each round's second
+    turns): a prefill shape met once runs eagerly, the second time it is captured (against an eager forward of
+    the same inputs), the third time replayed."""
     results = []
     for graphs in (True, False):
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, max_num_seqs=16, enable_prefix_caching=True,
                               cuda_graph_batch_sizes=(1, 2, 4, 8, 16) if graphs else ())
-        assert engine.runner.decoder.flash_prefix
-        outputs = []
-        for _ in range(3):
-            first = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=12, temperature=0.0)) for p in prompts])
-            second = [p + samples[0].token_ids + [5, 6, 7] for p, samples in zip(prompts, first, strict=True)]
-            outputs.append(engine.generate([GenerationRequest(p, SamplingParams(max_tokens=12, temperature=0.0))
-                                            for p in second]))
-        graphs_used = engine.runner._prefill_graphs
-        assert (graphs_used is not None and len(graphs_used._graphs) > 0) == graphs
-        results.append(outputs)
-        engine.sleep()
-    for graphed_run, eager_run in zip(*results, strict=True):
-        for graphed, eager in zip(graphed_run, eager_run, strict=True):
-            a, b = graphed[0], eager[0]
-            common = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
-                          len(a.token_ids))
-            assert common >= 4  # bf16 may part ways at a near tie, not at once
-            torch.testing.assert_close(torch.tensor(a.log_probs[:common]), torch.tensor(b.log_probs[:common]),
-                                       atol=5e-2, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family, num_layers, dtype", [("gemma2", 4, torch.float32),
-                                                       ("gemma3_text", 6, torch.bfloat16)])
-def test_graphed_prefill_steps_of_a_model_with_several_kv_pools_match_eager_ones(tiny, family, num_layers, dtype):
-    """Full and sliding layers in separate pools, a window (6) smaller than every prompt: the multi-turn pattern of
-    the test above captures and replays prefill graphs (Gemma 2's soft-capped layers through the soft-cap kernels,
-    in float32; Gemma 3's through the flash kernel, in bf16), with the eager steps' greedy tokens and log-probs."""
-    model = build_tiny_causal_lm(family, vocab_size=128, num_layers=num_layers, sliding_window=6, seed=3)
-    model = model.to("cuda", dtype).eval()
-    prompts = tiny.prompts([9, 30, 17, 44])
-    results = []
-    for graphs in (True, False):
-        engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, max_num_seqs=16, enable_prefix_caching=True,
-                              cuda_graph_batch_sizes=(1, 2, 4, 8, 16) if graphs else ())
-        assert len(engine.runner.layer_groups) == 2
         assert engine.runner.packed_prefill_on_device()
         outputs = []
         for _ in range(3):
@@ -200,15 +162,36 @@ def test_graphed_prefill_steps_of_a_model_with_several_kv_pools_match_eager_ones
         assert (graphs_used is not None and len(graphs_used._graphs) > 0) == graphs
         results.append(outputs)
         engine.sleep()
-    for graphed_run, eager_run in zip(*results, strict=True):
+    return results
+
+
+def assert_runs_agree(graphed_runs: list, eager_runs: list, exact: bool) -> None:
+    """Every sample's greedy tokens and log-probs equal (exact: float32, log-probs within 1e-4); in bf16, equal
+    for at least 4 tokens (a near tie may part them) and log-probs within 5e-2 until they part."""
+    for graphed_run, eager_run in zip(graphed_runs, eager_runs, strict=True):
         for graphed, eager in zip(graphed_run, eager_run, strict=True):
             a, b = graphed[0], eager[0]
-            if dtype == torch.float32:
-                assert a.token_ids == b.token_ids
-                torch.testing.assert_close(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-4, rtol=0)
-                continue
             common = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y),
                           len(a.token_ids))
-            assert common >= 4  # bf16 may part ways at a near tie, not at once
+            assert common == len(a.token_ids) if exact else common >= 4
             torch.testing.assert_close(torch.tensor(a.log_probs[:common]), torch.tensor(b.log_probs[:common]),
-                                       atol=5e-2, rtol=0)
+                                       atol=1e-4 if exact else 5e-2, rtol=0)
+
+
+@pytest.mark.gpu
+def test_graphed_prefill_steps_match_eager_ones(tiny):
+    model = tiny.build("qwen2", device="cuda").to(torch.bfloat16)
+    assert_runs_agree(*multi_turn_runs(model, tiny.prompts([9, 30, 17, 44])), exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, num_layers, dtype", [("gemma2", 4, torch.float32),
+                                                       ("gemma3_text", 6, torch.bfloat16)])
+def test_graphed_prefill_steps_of_a_model_with_several_kv_pools_match_eager_ones(tiny, family, num_layers, dtype):
+    """Full and sliding layers in separate pools, a window (6) smaller than every prompt: prefill graphs are
+    captured and replayed (Gemma 2's soft-capped layers through the soft-cap kernels, in float32; Gemma 3's
+    through the flash kernel, in bf16), with the eager steps' greedy tokens and log-probs."""
+    model = build_tiny_causal_lm(family, vocab_size=128, num_layers=num_layers, sliding_window=6, seed=3)
+    model = model.to("cuda", dtype).eval()
+    assert len(NativeEngine(model, eos_token_ids=[], max_model_len=256).runner.layer_groups) == 2
+    assert_runs_agree(*multi_turn_runs(model, tiny.prompts([9, 30, 17, 44])), exact=dtype == torch.float32)
