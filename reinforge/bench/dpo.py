@@ -1,14 +1,16 @@
 """``reinforge bench dpo``: DPO steps of ``reinforge dpo`` on a fixed workload, TRL's DPOTrainer beside it.
 
     reinforge bench dpo [--model 1.5b] [--trl] [--trl-deadline-s 300] [--trl-precompute-ref] [--steps 4]
-                        [--pairs 64] [--prompt-tokens 128] [--response-tokens 512] [--max-tokens 16384]
-                        [--checkpointing on|off] [--json out.json]
+                        [--pairs 64] [--prompt-tokens 128] [--response-tokens 512] [--max-tokens auto|N]
+                        [--checkpointing auto|on|off] [--json out.json]
     reinforge bench dpo --cpu          (a tiny model and workload: the smoke test)
 
 The workload: ``--pairs`` pairs a step, each a prompt of ``--prompt-tokens`` random letters and two
 completions of ``--response-tokens`` tokens (random letters, then EOS), on a model of the bench shape
 ``--model`` with random weights and the character tokenizer (one token a letter), bf16 compute with float32
-master weights, AdamW lr 1e-6, beta 0.1, the sigmoid loss. The step time is the median wall time of steps
+master weights, AdamW lr 1e-6, beta 0.1, the sigmoid loss; the micro-batch budget and gradient checkpointing
+are the memory planner's unless ``--max-tokens`` or ``--checkpointing`` fix them, and the printed line names the
+plan. The step time is the median wall time of steps
 2.. (the first warms up); the reference pass (once, before step 1) is reported apart, as are the packed
 tokens a step computes (a pair's prompt once). The reference pass covers every pair of the run (``--pairs`` x
 ``--steps``) and compiles the graphs the steps then run, in its first micro-batch, timed apart; its pairs a
@@ -68,12 +70,14 @@ def run_reinforge(args: argparse.Namespace, model_dir: Path, folder: Path) -> di
                  "optim.warmup_ratio=0", "optim.schedule=constant", "dpo.beta=0.1", "dpo.loss_type=sigmoid",
                  f"model.dtype={'float32' if args.cpu else 'bfloat16'}",
                  f"trainer.device={'cpu' if args.cpu else 'auto'}",
-                 f"model.gradient_checkpointing={'true' if args.checkpointing == 'on' else 'false'}"]
+                 "model.gradient_checkpointing=" + {"on": "true", "off": "false"}.get(args.checkpointing, "auto")]
     marks: dict[str, list[float]] = {"steps": []}
     reference: dict[str, float] = {}
+    plan: dict[str, str] = {}
 
     class TimedDPOTrainer(DPOTrainer):
         def before_training(self) -> None:
+            plan["line"] = self.memory_plan.line
             super().before_training()
             reference.update(self.reference_metrics)
 
@@ -96,7 +100,7 @@ def run_reinforge(args: argparse.Namespace, model_dir: Path, folder: Path) -> di
             "reference_pass_pairs": int(reference["reference/num_pairs"]),
             "reference_first_micro_batch_s": reference["timing_s/reference_first_micro_batch"],
             "reference_pairs_per_s": reference["perf/reference_pairs_per_s"],
-            "training_pairs_per_s": args.pairs / step_s, "pairs": args.pairs,
+            "training_pairs_per_s": args.pairs / step_s, "pairs": args.pairs, "memory_plan": plan["line"],
             "packed_tokens_per_step": args.pairs * (args.prompt_tokens + 2 * args.response_tokens),
             "peak_memory_gb": 0.0 if args.cpu else torch.cuda.max_memory_allocated() / 2**30}
 
@@ -133,6 +137,16 @@ def run_trl(args: argparse.Namespace, model_dir: Path, folder: Path) -> dict:
     return json.loads(out.read_text()).get("best") or {"error": "every TRL run failed (see its output above)"}
 
 
+def _budget(value: str) -> int | str:
+    """--max-tokens: auto or a number of tokens."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither auto nor a number of tokens") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reinforge bench dpo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="1.5b", help="a bench shape (reinforge.bench.shapes), default 1.5b")
@@ -150,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pairs", type=int, default=64, help="pairs a step")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--response-tokens", type=int, default=512, help="tokens of each completion")
-    parser.add_argument("--max-tokens", type=int, default=16384, help="packed tokens of one micro-batch")
-    parser.add_argument("--checkpointing", choices=["on", "off"], default="off",
-                        help="gradient checkpointing of every decoder layer (off: 1.5B at 16k tokens fits an H200)")
+    parser.add_argument("--max-tokens", type=_budget, default="auto",
+                        help="packed tokens of one micro-batch (auto: the memory planner's choice)")
+    parser.add_argument("--checkpointing", choices=["auto", "on", "off"], default="auto",
+                        help="gradient checkpointing of every decoder layer (auto: the memory planner's choice)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     return parser
 
@@ -161,7 +176,8 @@ def dpo_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu:
         args.pairs, args.prompt_tokens, args.response_tokens, args.steps = 4, 8, 16, 2
-        args.max_tokens = max(args.max_tokens, 2 * (args.prompt_tokens + args.response_tokens))
+        if args.max_tokens != "auto":
+            args.max_tokens = max(args.max_tokens, 2 * (args.prompt_tokens + args.response_tokens))
         if args.trl:
             raise SystemExit("reinforge bench dpo: --trl compares on a GPU; drop --trl or --cpu")
     elif not torch.cuda.is_available():
@@ -178,7 +194,7 @@ def dpo_main(argv: list[str]) -> int:
               f"{ours['reference_pass_s']:.2f} s for {ours['reference_pass_pairs']} pairs (its first micro-batch, "
               f"compiling, {ours['reference_first_micro_batch_s']:.2f} s; then {ours['reference_pairs_per_s']:.1f} "
               f"pairs/s), step 1 {ours['step_times_s'][0]:.2f} s, peak "
-              f"{ours['peak_memory_gb']:.1f} GiB", flush=True)
+              f"{ours['peak_memory_gb']:.1f} GiB; {ours['memory_plan']}", flush=True)
         if args.trl:
             gc.collect()  # the trainer's model and optimizer, before TRL's process takes the device
             torch.cuda.empty_cache()

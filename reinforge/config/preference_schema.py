@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from reinforge.config.errors import ConfigError
 from reinforge.config.loader import load_structured
@@ -64,9 +64,10 @@ class PreferenceTrainerConfig(RunConfig, UpdateConfig):
 
     output_dir: str = "runs/preference"
     """The run folder: config.yaml, metrics.jsonl, checkpoints/step_N/{actor_state.pt, hf/}."""
-    max_tokens_per_micro_batch: int = 16384
-    """A fixed budget of packed tokens; a pair (its prompt once, both completions) never splits, so it must be at
-    least 2 x data.max_length."""
+    max_tokens_per_micro_batch: Union[int, str] = "auto"
+    """Packed tokens of one forward and backward; a pair (its prompt once, both completions) never splits, so a
+    number must be at least 2 x data.max_length. auto: on a GPU the memory planner's largest budget that fits
+    (with model.gradient_checkpointing=auto, its recompute), on the CPU 16384."""
 
 
 @dataclass
@@ -119,7 +120,10 @@ def validate_preference_config(config: RMConfig | DPOConfig) -> None:
     validate_sample_limits(data)  # type: ignore[arg-type]  # the same two fields as SFT's
     validate_model_dtype(config.model.dtype)
     validate_lora(config.model.lora)
-    if trainer.max_tokens_per_micro_batch < 2 * data.max_length:
+    budget = trainer.max_tokens_per_micro_batch
+    if isinstance(budget, str) and budget != "auto" or isinstance(budget, bool):
+        raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget!r} must be a number of tokens or auto")
+    if budget != "auto" and budget < 2 * data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"2 x data.max_length={2 * data.max_length}, so one pair (its prompt and both completions) "
                           "may not fit one micro-batch; raise it")

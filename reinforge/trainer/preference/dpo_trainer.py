@@ -14,6 +14,9 @@ run reads them back; should that file be missing, they are scored again by the r
 the scoring pass of a fresh run uses the policy itself before its first step: the same weights, so no second
 model is held in memory.
 
+Validation scores its pairs the same way (``PreferenceRun.score_pairs``), so it compiles nothing of its own. The
+micro-batch budget and gradient checkpointing are the memory planner's unless set (``memory_plan.py``).
+
 Metrics (TRL's DPOTrainer's names): ``rewards/chosen`` and ``rewards/rejected`` (the mean implicit reward
 beta * (logp - logp_ref)), ``rewards/accuracies`` (the share of pairs whose chosen reward is higher),
 ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``num_tokens``, with ``eval_`` before each on the
@@ -35,13 +38,13 @@ from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
 from reinforge.engine.distributed import all_reduce, barrier
 from reinforge.engine.forward import response_log_probs
-from reinforge.engine.fsdp import reshard, shard_model
+from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
-from reinforge.trainer.preference.ranks import PairValues, gather_from_ranks
+from reinforge.trainer.preference.ranks import PairValues
 from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
 logger = logging.getLogger(__name__)
@@ -57,8 +60,8 @@ class DPOTrainer(PreferenceRun):
         self.num_tokens = 0.0
         self.peft_model: nn.Module | None = None
         self.reference: dict[str, Tensor] = {}
+        self._device_reference: dict[str, Tensor] = {}
         self.reference_metrics: dict[str, float] = {}
-        self._pass_start, self._first_micro_batch = 0.0, None
         """The reference pass's time and pairs, logged with the first step after it."""
         super().__init__(config)
 
@@ -102,22 +105,30 @@ class DPOTrainer(PreferenceRun):
             logger.warning("%s belongs to other pairs or another reference model; scoring them again", path)
         untrained = self.step == 0 and self.config.dpo.reference_path in (None, self.config.model.path)
         model = self.model if untrained else self._load_reference()
-        self._pass_start, self._first_micro_batch = time.perf_counter(), None
+        start, first = time.perf_counter(), []
+
+        def time_first_micro_batch(micro: Batch) -> None:  # timed apart: it compiles (one wait for the device)
+            real_pairs = all_reduce([float((micro["pair_weight"] > 0).sum()) / 2], self.device)[0]
+            first.append((time.perf_counter() - start, real_pairs))
+
+        self.on_first_micro_batch = time_first_micro_batch
         loaders = {"train": PairLoader(self.train_set.pairs, self.config.data.batch_size, self.pad_token_id,
                                        shuffle=False)}
         if self.val_loader is not None:
             loaders["val"] = self.val_loader
-        self.reference = {split: self.sequence_logps_of(model, loader) for split, loader in loaders.items()}
+        self.reference = {split: self.score_pairs(model, loader, self._sequence_logps)
+                          for split, loader in loaders.items()}
+        self.on_first_micro_batch = None
         if model is not self.model:
             del model
-        seconds = time.perf_counter() - self._pass_start
+        seconds = time.perf_counter() - start
         if self.rank == 0:
             staging = path.with_name(path.name + ".tmp")
             torch.save({"key": key, **self.reference}, staging)
             os.replace(staging, path)
         barrier()
         num_pairs = sum(len(loader.pairs) for loader in loaders.values())
-        first_seconds, first_pairs = self._first_micro_batch or (0.0, 0.0)
+        first_seconds, first_pairs = first[0] if first else (0.0, 0.0)
         # after the first micro-batch, which compiles the layers' graphs (the steps then reuse them)
         steady = ((num_pairs - first_pairs) / (seconds - first_seconds) if num_pairs > first_pairs
                   else num_pairs / max(seconds, 1e-9))  # all in one micro-batch
@@ -133,63 +144,37 @@ class DPOTrainer(PreferenceRun):
         prepare_for_training(reference, self.device)
         return shard_model(reference, self.device, self.config.model.dtype)
 
-    def sequence_logps_of(self, model: nn.Module, loader: PairLoader) -> Tensor:
-        """(pairs, 2): the log-prob of each pair's chosen and rejected completion under ``model``.
-
-        The pass is the training forward itself, in training mode with grad on, each micro-batch's graph dropped
-        as soon as its log-probs are read: the compiled decoder layers then run the graphs the training step runs
-        (a no-grad pass would compile variants of its own, which on a 1.5B model cost more than the whole pass),
-        in micro-batches of the training budget. A model with active dropout is scored in eval mode instead, so
-        the reference is deterministic. The log-probs stay on the device until the end of the pass: one copy to
-        the host, no sync per micro-batch.
-        """
-        out = torch.zeros(len(loader.pairs), 2)
-        was_training = model.training
-        model.train(not has_active_dropout(model))
-        indices, values = [], []
-        for batch in loader.batches_of_one_pass():
-            for micro in self.micro_batches(batch):
-                logps = self._sequence_logps(model, micro).detach()
-                real = micro["pair_weight"] > 0
-                sides = torch.arange(len(micro), device=real.device) % 2
-                indices.append(torch.stack([micro["pair_index"][real], sides[real]]))
-                values.append(logps[real])
-                if self._first_micro_batch is None:  # timed apart: it compiles (one wait for the device)
-                    pairs = all_reduce([float(real.sum()) / 2], self.device)[0]
-                    self._first_micro_batch = (time.perf_counter() - self._pass_start, pairs)
-        gathered = gather_from_ranks({"index": torch.cat(indices, dim=1).T, "logp": torch.cat(values).float()})
-        rows, sides = gathered["index"].T
-        out[rows, sides] = gathered["logp"]
-        model.train(was_training)
-        reshard(model)
-        return out
-
     def _sequence_logps(self, model: nn.Module, micro: Batch) -> Tensor:
         """(rows,): each completion's summed log-prob (per-token mean for ipo)."""
-        log_probs, _ = response_log_probs(model, micro)  # in model.dtype: the FSDP units' compute dtype
+        # in model.dtype (the FSDP units' compute dtype); logits up to the plan's buffer kept for the backward
+        log_probs, _ = response_log_probs(model, micro, max_logits_bytes=self.memory_plan.max_logits_bytes)
         mask = micro["response_mask"]
         logps = (log_probs * mask).sum(-1)
         return logps / mask.sum(-1).clamp(min=1) if self.config.dpo.loss_type == "ipo" else logps
 
     # ---- the step ---------------------------------------------------------------------
-    def _pair_terms(self, micro: Batch, split: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """(per-pair loss, chosen rewards, rejected rewards, policy log-probs (pairs, 2), pair weights)."""
-        logps = self._sequence_logps(self.model, micro)
-        reference = self.reference[split][micro["pair_index"][0::2].cpu()].to(logps.device)
-        loss, chosen_rewards, rejected_rewards = dpo_loss(
-            logps[0::2], logps[1::2], reference[:, 0], reference[:, 1], beta=self.config.dpo.beta,
-            loss_type=self.config.dpo.loss_type, label_smoothing=self.config.dpo.label_smoothing)
-        return loss, chosen_rewards, rejected_rewards, logps.detach().view(-1, 2), micro["pair_weight"][0::2]
+    def _reference_on_device(self, split: str) -> Tensor:
+        """(pairs, 2) reference log-probs of ``split`` on the device, copied there once."""
+        if split not in self._device_reference:
+            self._device_reference[split] = self.reference[split].to(self.device)
+        return self._device_reference[split]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         update, micro_batches = self.update(batch)
         tally = PairValues()
+        reference_logps = self._reference_on_device("train")
+        loss_settings = self.config.dpo
         for micro, counts in micro_batches:
-            loss, chosen_rewards, rejected_rewards, logps, weights = self._pair_terms(micro, "train")
+            logps = self._sequence_logps(self.model, micro)
+            reference = reference_logps[micro["pair_index"][0::2]]  # indexed on the device: no wait for it
+            loss, chosen_rewards, rejected_rewards = dpo_loss(
+                logps[0::2], logps[1::2], reference[:, 0], reference[:, 1], beta=loss_settings.beta,
+                loss_type=loss_settings.loss_type, label_smoothing=loss_settings.label_smoothing)
+            weights = micro["pair_weight"][0::2]
             total = (loss * weights).sum() / (counts.num_sequences / 2)
             update.backward(total, {"preference_loss": total})
-            tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[:, 0],
-                      logp_rejected=logps[:, 1])
+            tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[0::2],
+                      logp_rejected=logps[1::2])
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
         reference_metrics, self.reference_metrics = self.reference_metrics, {}
@@ -198,20 +183,18 @@ class DPOTrainer(PreferenceRun):
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"], **reference_metrics}
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
+        """The metrics and the loss on the validation pairs, ``eval_`` before each name, from log-probs scored as
+        the reference pass scores them (``score_pairs``: the training graphs, no compile of its own)."""
         if self.val_loader is None:
             return {}
-        self.model.eval()
-        tally = PairValues()
-        for batch in self.val_loader.batches_of_one_pass():
-            for micro in self.micro_batches(batch):
-                loss, chosen_rewards, rejected_rewards, logps, weights = self._pair_terms(micro, "val")
-                tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[:, 0],
-                          logp_rejected=logps[:, 1], loss=loss)
-        self.model.train()
-        values = tally.gathered()
-        metrics = dpo_metrics(values) | {"loss": float(values["loss"].mean())}
+        logps = self.score_pairs(self.model, self.val_loader, self._sequence_logps)
+        reference, settings = self.reference["val"], self.config.dpo
+        loss, chosen, rejected = dpo_loss(logps[:, 0], logps[:, 1], reference[:, 0], reference[:, 1],
+                                          beta=settings.beta, loss_type=settings.loss_type,
+                                          label_smoothing=settings.label_smoothing)
+        values = {"chosen": chosen, "rejected": rejected, "logp_chosen": logps[:, 0], "logp_rejected": logps[:, 1]}
+        metrics = dpo_metrics(values) | {"loss": float(loss.mean())}
         return {f"eval_{key}": value for key, value in metrics.items()}
 
     def checkpoint_extras(self) -> dict[str, float]:
@@ -220,13 +203,6 @@ class DPOTrainer(PreferenceRun):
     def load_checkpoint_state(self, folder: Path, state) -> None:
         super().load_checkpoint_state(folder, state)
         self.num_tokens = float(state.get("num_tokens", 0.0))
-
-
-def has_active_dropout(model: nn.Module) -> bool:
-    """Whether a forward in training mode would drop activations: a dropout module or attention dropout above 0."""
-    config = getattr(model, "config", None)
-    return (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
-            or any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules()))
 
 
 def dpo_metrics(values: dict[str, Tensor]) -> dict[str, float]:

@@ -2,21 +2,25 @@
 
 ``pair_micro_batches`` cuts a batch of pairs into token-budget micro-batches that never split a pair (both
 completions must be in one forward for the pair's loss) and packs each with shared prompts, so a pair costs
-its prompt once plus its two completions. ``PreferenceRun`` is the SFT trainer's run (``run_loop.SupervisedRun``:
+its prompt once plus its two completions; a step's pairs go into the fewest micro-batches the budget allows,
+spread longest first so their sizes are even. ``PreferenceRun`` is the SFT trainer's run (``run_loop.SupervisedRun``:
 one run folder, atomic checkpoints, exact resume, metrics.jsonl) with pairs for data, on one process or every
 rank of a group (``ranks.py``: rank 0 holds the run folder, each rank trains on its share of the pairs); a
-subclass loads its model (``models.py``) and writes ``train_step`` and ``validate``.
+subclass loads its model (``models.py``) and writes ``train_step`` and ``validate``. Before the model loads, the
+memory plan (``memory_plan.py``) sets the micro-batch budget and recompute left ``auto``; ``score_pairs`` scores
+pairs with the training forward (DPO's reference pass, both trainers' validation).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from reinforge.config import config_to_dict
 from reinforge.config.errors import ConfigError
@@ -25,6 +29,7 @@ from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
+from reinforge.engine.fsdp import reshard
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
@@ -34,12 +39,16 @@ from reinforge.models import load_tokenizer, save_hf_folder, warn_if_beyond_cont
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state
-from reinforge.trainer.preference.ranks import SilentTracker, rank_share
+from reinforge.trainer.preference.memory_plan import PreferencePlan, apply_preference_plan
+from reinforge.trainer.preference.ranks import SilentTracker, gather_from_ranks, rank_share
 from reinforge.trainer.preflight import check_devices, check_loggers, require_logger_packages, require_model_and_data
 from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
 logger = logging.getLogger(__name__)
+
+PairScore = Callable[[torch.nn.Module, Batch], Tensor]
+"""(model, micro-batch on the device) -> a value per row (rows,): a completion's log-prob, a reward."""
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.prompt_key", "data.chosen_key",
                   "data.rejected_key", "data.margin_key", "data.chat_template", "data.batch_size", "data.max_length",
@@ -106,6 +115,8 @@ class PreferenceRun(SupervisedRun):
     config: RMConfig | DPOConfig
     need_prompt = False
     """Refuse pairs without a common beginning (DPO's loss is on the completions that follow a prompt)."""
+    on_first_micro_batch: Callable[[Batch], None] | None = None
+    """Called once by ``score_pairs`` after its next first micro-batch (DPO times its reference pass's)."""
 
     def __init__(self, config: RMConfig | DPOConfig):
         self.config = config
@@ -131,6 +142,7 @@ class PreferenceRun(SupervisedRun):
         self.val_loader = None if self.val_set is None else PairLoader(self.val_set.pairs, data.val_batch_size,
                                                                         self.pad_token_id, shuffle=False)
         self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
+        self.memory_plan = self._plan_memory()
         self.model = self.load_model()
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.optim)
@@ -170,6 +182,19 @@ class PreferenceRun(SupervisedRun):
                                  keys=preference_keys(self.config), chat_template=data.chat_template,
                                  max_samples=max_samples, need_prompt=self.need_prompt, name=split)
 
+    def _plan_memory(self) -> PreferencePlan:
+        """The micro-batch budget and recompute for this device, model and pairs (``memory_plan.py``), applied to
+        the config and logged in one line; a run that cannot fit is refused before the model loads."""
+        pairs = [*self.train_set.pairs, *(self.val_set.pairs if self.val_set is not None else [])]
+        try:
+            plan = apply_preference_plan(self.config, pairs, self.device, self.world_size)
+        except BaseException:
+            self.release_run_folder()
+            raise
+        if self.rank == 0:
+            logger.info("%s", plan.line)
+        return plan
+
     def load_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
@@ -178,7 +203,40 @@ class PreferenceRun(SupervisedRun):
         scoring); every rank makes the same number."""
         budget = self.config.trainer.max_tokens_per_micro_batch
         for micro in pair_micro_batches(rank_share(batch), budget, "response_mask"):
-            yield micro.to(self.device)
+            yield micro.to(self.device, non_blocking=True)
+
+    def score_pairs(self, model: torch.nn.Module, loader: PairLoader, score: PairScore) -> Tensor:
+        """(pairs, 2): ``score(model, micro)`` of each pair's chosen and rejected row, for every pair of ``loader``.
+
+        The pass is the training forward itself, in training mode with grad on, each micro-batch's graph dropped
+        as soon as its scores are read: the compiled decoder layers then run the graphs the training step runs
+        (a no-grad or eval-mode pass would compile variants of its own, which on a 1.5B model cost more than
+        the whole pass), in micro-batches of the training budget. A model with active dropout is scored in eval
+        mode instead, so the scores are deterministic. The scores stay on the device until the end of the pass:
+        one copy to the host, no wait for the device per micro-batch. ``on_first_micro_batch`` (if set) is
+        called once the first micro-batch's scores are queued.
+        """
+        out = torch.zeros(len(loader.pairs), 2)
+        was_training = model.training
+        model.train(not has_active_dropout(model))
+        indices, weights, values = [], [], []
+        for batch in loader.batches_of_one_pass():
+            for micro in self.micro_batches(batch):
+                values.append(score(model, micro).detach().float())
+                indices.append(micro["pair_index"])
+                weights.append(micro["pair_weight"])
+                if self.on_first_micro_batch is not None:
+                    self.on_first_micro_batch(micro)
+                    self.on_first_micro_batch = None
+        model.train(was_training)
+        reshard(model)
+        pair_index, real = torch.cat(indices).cpu(), torch.cat(weights).cpu() > 0
+        sides = torch.arange(len(real)) % 2  # rows 2i and 2i + 1 of every micro-batch: chosen, rejected
+        gathered = gather_from_ranks({"index": torch.stack([pair_index[real], sides[real]], dim=1),
+                                      "value": torch.cat(values).cpu()[real]})
+        rows, columns = gathered["index"].T
+        out[rows, columns] = gathered["value"]
+        return out
 
     def update(self, batch: Batch) -> tuple[ModelUpdate, Iterator[tuple[Batch, MiniBatchCounts]]]:
         """One optimizer step over ``batch``: the update and its micro-batches of this rank's share of the pairs,
@@ -208,3 +266,10 @@ class PreferenceRun(SupervisedRun):
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
 
 
+
+
+def has_active_dropout(model: torch.nn.Module) -> bool:
+    """Whether a forward in training mode would drop activations: a dropout module or attention dropout above 0."""
+    config = getattr(model, "config", None)
+    return (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+            or any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules()))

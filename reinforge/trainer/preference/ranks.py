@@ -54,19 +54,23 @@ def gather_from_ranks(values: dict[str, Tensor]) -> dict[str, Tensor]:
 
 class PairValues:
     """Per-pair values (rewards, log-probs, losses) of the real pairs, collected over micro-batches and gathered
-    over the ranks: what the metrics of a step or a validation pass read."""
+    over the ranks: what the metrics of a step read. They stay where they were computed until ``gathered``, so
+    collecting them makes the host wait for the device nowhere inside the step's loop."""
 
     def __init__(self) -> None:
         self.parts: dict[str, list[Tensor]] = defaultdict(list)
+        self.real: list[Tensor] = []
 
     def add(self, real: Tensor, **values: Tensor) -> None:
         """``real`` (pairs,): the micro-batch's pairs that count (not a rank's padding pair); each value (pairs,)."""
+        self.real.append(real.detach())
         for name, tensor in values.items():
-            self.parts[name].append(tensor.detach()[real].float().cpu())
+            self.parts[name].append(tensor.detach().float())
 
     def gathered(self) -> dict[str, Tensor]:
         """Every rank's values of each name. Collective: every rank calls it."""
-        return gather_from_ranks({name: torch.cat(parts) for name, parts in sorted(self.parts.items())})
+        real = torch.cat(self.real).cpu()
+        return gather_from_ranks({name: torch.cat(parts).cpu()[real] for name, parts in sorted(self.parts.items())})
 
 
 class SilentTracker:

@@ -108,23 +108,16 @@ class RewardModelTrainer(PreferenceRun):
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """The reward metrics and the loss on the validation pairs, ``eval_`` before each name."""
+        """The reward metrics and the loss on the validation pairs, ``eval_`` before each name, from rewards scored
+        by the training forward (``score_pairs``: the training graphs, no compile of its own)."""
         if self.val_loader is None:
             return {}
-        self.model.eval()
-        tally = PairValues()
-        coefficient = self.config.rm.center_rewards_coefficient
-        for batch in self.val_loader.batches_of_one_pass():
-            for micro in self.micro_batches(batch):
-                chosen, rejected, weights = self._pair_rewards(micro)
-                losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
-                tally.add(weights > 0, chosen=chosen, rejected=rejected, loss=losses)
-        self.model.train()
-        values = tally.gathered()
-        metrics = reward_metrics(values["chosen"], values["rejected"])
-        metrics["loss"] = float(values["loss"].mean())
+        rewards = self.score_pairs(self.model, self.val_loader, _row_rewards)
+        margins = torch.tensor([pair.margin for pair in self.val_loader.pairs], dtype=torch.float32)
+        losses = bradley_terry_loss(rewards[:, 0], rewards[:, 1], margins, self.config.rm.center_rewards_coefficient)
+        metrics = reward_metrics(rewards[:, 0], rewards[:, 1])
+        metrics["loss"] = float(losses.mean())
         return {f"eval_{key}": value for key, value in metrics.items()}
 
     def checkpoint_extras(self) -> dict[str, float]:
@@ -133,6 +126,11 @@ class RewardModelTrainer(PreferenceRun):
     def load_checkpoint_state(self, folder, state) -> None:
         super().load_checkpoint_state(folder, state)
         self.num_tokens = float(state.get("num_tokens", 0.0))
+
+
+def _row_rewards(model: nn.Module, micro: Batch) -> Tensor:
+    """(rows,): the reward of each row, at its last token."""
+    return last_token_scores(model, micro).squeeze(-1)
 
 
 def reward_metrics(chosen: Tensor, rejected: Tensor) -> dict[str, float]:

@@ -154,3 +154,37 @@ def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path):
     assert main(["dpo", *args]) == 0
     for a, b in zip(metrics_of(straight), metrics_of(resumed), strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+
+
+def test_validation_scores_pairs_with_the_training_forward_to_the_metrics_of_a_no_grad_pass(pair_args, pairs_dir,
+                                                                                          tmp_path):
+    from reinforge.algorithms.preference_losses import dpo_loss
+    from reinforge.trainer.preference.dpo_trainer import dpo_metrics
+
+    config = load_dpo_config(None, pair_args(tmp_path / "run", **{"trainer.total_steps": 1,
+                                                                   "data.val_files": f"[{pairs_dir / 'val.jsonl'}]",
+                                                                   "data.val_batch_size": 6}))
+    trainer = DPOTrainer(config)
+    trainer.fit()  # one step: the policy has moved from its reference
+    values: dict[str, list[torch.Tensor]] = {"chosen": [], "rejected": [], "logp_chosen": [], "logp_rejected": [],
+                                             "loss": []}
+    trainer.model.eval()
+    with torch.no_grad():  # what a separate evaluation pass gives, micro-batch by micro-batch
+        for batch in trainer.val_loader.batches_of_one_pass():
+            for micro in trainer.micro_batches(batch):
+                logps = trainer._sequence_logps(trainer.model, micro)
+                reference = trainer.reference["val"][micro["pair_index"][0::2]]
+                loss, chosen, rejected = dpo_loss(logps[0::2], logps[1::2], reference[:, 0], reference[:, 1],
+                                                  beta=config.dpo.beta)
+                for name, value in (("chosen", chosen), ("rejected", rejected), ("logp_chosen", logps[0::2]),
+                                    ("logp_rejected", logps[1::2]), ("loss", loss)):
+                    values[name].append(value)
+    trainer.model.train()
+    together = {name: torch.cat(parts) for name, parts in values.items()}
+    expected = {f"eval_{key}": value for key, value in dpo_metrics(together).items()}
+    expected["eval_loss"] = float(together["loss"].mean())
+    measured = trainer.validate()
+    assert measured.keys() == expected.keys() and expected["eval_rewards/margins"] != 0.0
+    for key, value in expected.items():
+        assert measured[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert trainer.model.training

@@ -76,6 +76,52 @@ def test_the_reference_pass_compiles_the_graphs_the_training_step_runs(pair_args
         trainer.release_run_folder()
 
 
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_validation_runs_the_training_graphs_and_compiles_nothing_of_its_own(pair_args, pairs_dir, tmp_path, command):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from reinforge.config.preference_schema import load_dpo_config, load_rm_config
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+    from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    load, trainer_class = (load_dpo_config, DPOTrainer) if command == "dpo" else (load_rm_config, RewardModelTrainer)
+    config = load(None, pair_args(tmp_path / command, **{"trainer.device": "cuda", "model.dtype": "bfloat16",
+                                                         "data.val_files": f"[{pairs_dir / 'val.jsonl'}]"}))
+    trainer = trainer_class(config)
+    try:
+        trainer.resume()
+        trainer.before_training()
+        trainer.train_step(trainer.train_loader.next_batch())
+        compiled = counters["stats"]["unique_graphs"]
+        metrics = trainer.validate()
+        assert counters["stats"]["unique_graphs"] == compiled
+        assert all(math.isfinite(value) for value in metrics.values()) and trainer.model.training
+    finally:
+        trainer.tracker.close()
+        trainer.release_run_folder()
+
+
+def test_the_plan_sizes_micro_batches_for_the_device_and_logs_one_line(pair_args, tmp_path, caplog):
+    from reinforge.config.preference_schema import load_dpo_config
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    config = load_dpo_config(None, pair_args(tmp_path / "dpo", **{"trainer.device": "cuda", "model.dtype": "bfloat16",
+                                                                   "trainer.max_tokens_per_micro_batch": "auto"}))
+    with caplog.at_level("INFO"):
+        trainer = DPOTrainer(config)
+    try:
+        assert trainer.memory_plan.plan is not None and isinstance(config.trainer.max_tokens_per_micro_batch, int)
+        assert config.model.gradient_checkpointing is False  # a tiny model fits any GPU whole
+        [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("memory plan")]
+        assert line == trainer.memory_plan.line and "\n" not in line
+    finally:
+        trainer.tracker.close()
+        trainer.release_run_folder()
+
+
 @pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
 def test_the_reward_model_trains_sharded_with_compiled_layers_in_bf16(pair_args, tmp_path, lora):
     import torch._dynamo

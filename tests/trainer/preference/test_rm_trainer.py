@@ -186,3 +186,31 @@ def test_the_reward_models_fused_layers_score_as_transformers_own(tiny_model_dir
     with torch.no_grad():
         torch.testing.assert_close(last_token_scores(fused, batch), last_token_scores(model, batch),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_validation_scores_pairs_with_the_training_forward_to_the_metrics_of_a_no_grad_pass(pair_args, pairs_dir,
+                                                                                          tmp_path):
+    from reinforge.algorithms.preference_losses import bradley_terry_loss
+    from reinforge.trainer.preference.rm_trainer import reward_metrics
+
+    config = load_rm_config(None, pair_args(tmp_path / "run", **{"trainer.total_steps": 1,
+                                                                  "data.val_files": f"[{pairs_dir / 'val.jsonl'}]",
+                                                                  "data.val_batch_size": 6,
+                                                                  "rm.center_rewards_coefficient": 0.01}))
+    trainer = RewardModelTrainer(config)
+    trainer.fit()
+    chosen, rejected, losses = [], [], []
+    trainer.model.eval()
+    with torch.no_grad():  # what a separate evaluation pass gives, micro-batch by micro-batch
+        for batch in trainer.val_loader.batches_of_one_pass():
+            for micro in trainer.micro_batches(batch):
+                rewards = last_token_scores(trainer.model, micro).squeeze(-1)
+                chosen.append(rewards[0::2])
+                rejected.append(rewards[1::2])
+                losses.append(bradley_terry_loss(rewards[0::2], rewards[1::2], micro["margin"][0::2], 0.01))
+    trainer.model.train()
+    expected = reward_metrics(torch.cat(chosen), torch.cat(rejected)) | {"loss": float(torch.cat(losses).mean())}
+    measured = trainer.validate()
+    assert measured.keys() == {f"eval_{key}" for key in expected}
+    for key, value in expected.items():
+        assert measured[f"eval_{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
