@@ -1,14 +1,29 @@
-"""The Triton grouped GEMM of the experts (rollout/native/moe_kernels.py), run by Triton's interpreter on the CPU
+"""The Triton grouped GEMMs of the experts (rollout/native/moe_kernels.py), run by Triton's interpreter on the CPU
 and against torch's grouped GEMM on the GPU."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from reinforge.rollout.native.moe_kernels import TILE_CONFIGS, ExpertKernelChoice, TileConfig, expert_matmul  # noqa: E402
+from reinforge.rollout.native import moe_kernels  # noqa: E402
+from reinforge.rollout.native.moe import experts_forward  # noqa: E402
+from reinforge.rollout.native.moe_kernels import (  # noqa: E402
+    TILE_CONFIGS,
+    DecodeTiles,
+    ExpertKernelChoice,
+    SwappedExperts,
+    TileConfig,
+    expert_bounds,
+    expert_down_scatter,
+    expert_gate_up_silu,
+    expert_matmul,
+    swapped_experts,
+)
 
 
 def sorted_rows(counts: list[int], inner: int, dtype: torch.dtype, device: str = "cpu"):
@@ -34,46 +49,182 @@ def test_each_experts_rows_meet_its_own_weights_across_row_blocks_and_ragged_edg
     torch.testing.assert_close(got, reference(rows, weight, bounds), atol=1e-4, rtol=1e-4)
 
 
-def test_the_experts_of_a_layer_through_the_triton_kernel_equal_the_gathered_experts():
-    """experts_forward's grouped path with the Triton kernel for both products (an expert no token picked)."""
-    from reinforge.rollout.native.moe import experts_forward
+ROWS_PER_EXPERT = [0, 1, 7, 32, 65, 25, 0]
+"""Experts with no rows (the last one too), one row, fewer rows than a block, a block's worth and more than two
+blocks; two slots per token over 65 tokens."""
 
+
+def routed(counts: list[int], top_k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, top_k) expert ids giving expert e ``counts[e]`` assignments, no token twice to one expert (the counts
+    sum to top_k times the largest), and routing weights."""
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens = max(counts)
+    assert sum(counts) == top_k * num_tokens
+    slots = [expert for expert, count in enumerate(counts) for _ in range(count)]
+    ids = torch.tensor(slots).view(top_k, num_tokens).T  # token t: slots t, t + tokens, ...: distinct experts
+    ids = ids[torch.randperm(num_tokens, generator=generator)].contiguous()
+    return ids, torch.rand(num_tokens, top_k, generator=generator)
+
+
+def layer(num_experts: int, hidden_size: int, inter: int, seed: int = 1, scale: float = 0.2):
+    generator = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden_size, generator=generator) * scale
+    down = torch.randn(num_experts, inter, hidden_size, generator=generator).transpose(1, 2) * scale  # a view
+    return gate_up, down
+
+
+def per_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor) -> torch.Tensor:
+    """The experts as plain matmuls, expert by expert over the tokens that picked it, in float64."""
+    hidden, weights, gate_up, down = hidden.double(), weights.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(hidden)
+    for expert in range(gate_up.shape[0]):
+        tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
+        gate, up = (hidden[tokens] @ gate_up[expert].T).chunk(2, dim=-1)
+        out.index_add_(0, tokens, weights[tokens, slots, None] * ((torch.nn.functional.silu(gate) * up) @ down[expert].T))
+    return out
+
+
+SMALL_TILES = (DecodeTiles(block_t=16, block_n=16, block_k=16), DecodeTiles(block_t=32, block_n=32, block_k=32))
+
+
+@pytest.mark.parametrize("tiles", SMALL_TILES, ids=["t16", "t32"])
+def test_the_swapped_kernels_give_every_expert_its_own_rows_in_float32(tiles):
+    """gate|up with silu, then down weighted and put back in token order, against per-expert matmuls: 0, 1, 7, 32
+    and 65 rows per expert over blocks of 16 and 32 slots; hidden (40) and inter (24) not multiples of the blocks."""
+    top_k, hidden_size, inter = 2, 40, 24
+    counts = ROWS_PER_EXPERT
+    expert_ids, weights = routed(counts, top_k)
+    hidden = torch.randn(expert_ids.shape[0], hidden_size, generator=torch.Generator().manual_seed(2))
+    gate_up, down = layer(len(counts), hidden_size, inter)
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1))
+    per_assignment = swapped_experts(hidden, sorted_ids, order, weights.reshape(-1), gate_up, down,
+                                     SwappedExperts(tiles, tiles))
+    assert per_assignment.dtype == torch.float32
+    got = per_assignment.view(-1, top_k, hidden_size).sum(dim=1)
+    torch.testing.assert_close(got.double(), per_expert(hidden, expert_ids, weights, gate_up, down), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_the_swapped_products_round_as_torchs_bf16_products_and_activation():
+    """bf16: each product rounded to bf16, silu rounded before the multiply by up, the down product rounded before
+    its bf16 routing weight, as the grouped-GEMM path rounds them; float32 routing weights give float32 rows."""
+    top_k, hidden_size, inter = 2, 48, 32
+    counts = [9, 0, 1, 32, 22, 0]
+    expert_ids, weights = routed(counts, top_k, seed=3)
+    hidden = torch.randn(expert_ids.shape[0], hidden_size, generator=torch.Generator().manual_seed(4))
+    gate_up, down = layer(len(counts), hidden_size, inter, seed=5)
+    hidden, gate_up, down = hidden.bfloat16(), gate_up.bfloat16(), down.bfloat16()
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1))
+    bounds = expert_bounds(sorted_ids, len(counts))
+    assert bounds.tolist() == [0, *torch.tensor(counts).cumsum(0).tolist()]
+    tiles = DecodeTiles(block_t=16, block_n=16, block_k=16)
+    activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles)
+    tokens = hidden[order // top_k].float()
+    expected_gate_up = torch.cat([tokens[bounds[e]:bounds[e + 1]] @ gate_up[e].float().T
+                                  for e in range(len(counts))]).bfloat16()
+    gate, up = expected_gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(activated, torch.nn.functional.silu(gate) * up, atol=1e-2, rtol=1e-2)
+    for routing in (weights.reshape(-1).bfloat16(), weights.reshape(-1)):
+        got = expert_down_scatter(activated, down, bounds, order, routing, tiles)
+        assert got.dtype == routing.dtype
+        products = torch.cat([activated[bounds[e]:bounds[e + 1]].float() @ down[e].float().T
+                              for e in range(len(counts))]).bfloat16()
+        expected = torch.empty_like(got).index_copy_(0, order, products * routing[order, None])
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+
+
+def test_the_experts_of_a_layer_through_the_picked_kernels_equal_the_gathered_experts():
+    """experts_forward with the choice's pick already made: the swapped kernels, then the tiled kernel for both
+    products (an expert no token picked), each equal to the gathered experts."""
     generator = torch.Generator().manual_seed(3)
     num_tokens, top_k, num_experts, hidden_size, inter = 11, 2, 5, 32, 16
     hidden = torch.randn(num_tokens, hidden_size, generator=generator)
     expert_ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), generator=generator)
     weights = torch.rand(num_tokens, top_k, generator=generator)
-    gate_up = torch.randn(num_experts, 2 * inter, hidden_size, generator=generator)
-    down = torch.randn(num_experts, hidden_size, inter, generator=generator)
-    calls = []
-
-    def triton_always(rows, weight, bounds, torch_matmul):
-        calls.append(tuple(weight.shape))
-        return expert_matmul(rows, weight, bounds, TileConfig(block_m=16, block_n=16, block_k=16))
-
-    got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=triton_always)
+    gate_up, down = layer(num_experts, hidden_size, inter, seed=6)
     gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
-    torch.testing.assert_close(got, gathered, atol=1e-4, rtol=1e-4)
-    assert calls == [tuple(gate_up.shape), tuple(down.shape)]
+    choice = ExpertKernelChoice()
+    key = choice.key(expert_ids.reshape(-1), weights.reshape(-1), gate_up, down)
+    for picked in (SwappedExperts(SMALL_TILES[0], SMALL_TILES[1]), TileConfig(block_m=16, block_n=16, block_k=16)):
+        choice.picked[key] = picked
+        got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
+        torch.testing.assert_close(got, gathered, atol=1e-5, rtol=1e-5)
+
+
+def test_the_choice_keeps_the_fastest_candidate_and_drops_failing_or_wrong_ones(monkeypatch, caplog):
+    """Timings stubbed (no GPU here): the swapped pair wins when its products are timed faster than torch's; a tiling
+    that fails to run and a tiled kernel whose output is wrong are each dropped in one line, the rest still timed."""
+    generator = torch.Generator().manual_seed(7)
+    num_tokens, top_k, num_experts, hidden_size, inter = 6, 2, 4, 16, 16
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator)
+    expert_ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=generator)
+    weights = torch.rand(num_tokens, top_k, generator=generator)
+    gate_up, down = layer(num_experts, hidden_size, inter, seed=8)
+    broken = DecodeTiles(block_t=16, block_n=16, block_k=16, num_warps=3)  # stubbed below to fail
+    wrong = TileConfig(block_m=16, block_n=16, block_k=16)
+    choice = ExpertKernelChoice(tiles=(SMALL_TILES[0], broken), tile_configs=(wrong,))
+    real_gate_up, real_matmul = moe_kernels.expert_gate_up_silu, moe_kernels.expert_matmul
+
+    def gate_up_or_fail(*args):
+        if args[-1] == broken:
+            raise RuntimeError("out of resources: shared memory\nsecond line")
+        return real_gate_up(*args)
+
+    monkeypatch.setattr(moe_kernels, "expert_gate_up_silu", gate_up_or_fail)
+    monkeypatch.setattr(moe_kernels, "expert_matmul", lambda *args: real_matmul(*args) + 1.0)
+    timed = []
+
+    def torch_first_and_slowest(self, run):
+        timed.append(run)
+        return 2.0 if len(timed) == 1 else 0.5
+
+    monkeypatch.setattr(ExpertKernelChoice, "_time", torch_first_and_slowest)
+    with caplog.at_level(logging.INFO, logger=moe_kernels.__name__):
+        got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
+    (picked,) = choice.picked.values()
+    assert picked == SwappedExperts(SMALL_TILES[0], SMALL_TILES[0])
+    assert choice.failed == {f"swapped gate_up {broken}", str(wrong)}
+    dropped = [record.getMessage() for record in caplog.records if "dropped" in record.getMessage()]
+    assert len(dropped) == 2 and all("\n" not in line for line in dropped)
+    assert "out of resources: shared memory" in dropped[0] and "differs from torch's" in dropped[1]
+    gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
+    torch.testing.assert_close(got, gathered, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
-def test_the_timed_choice_gives_torchs_grouped_gemm_products_in_bf16():
+def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
     from reinforge.rollout.native.moe import _grouped_mm
 
     counts = torch.randint(0, 64, (128,), generator=torch.Generator().manual_seed(2)).tolist()
     rows, bounds = sorted_rows(counts, inner=2048, dtype=torch.bfloat16, device="cuda")
     weight = torch.randn(128, 1536, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
     offsets = bounds[1:].contiguous()
-
-    def grouped(rows_: torch.Tensor, weight_: torch.Tensor) -> torch.Tensor:
-        return _grouped_mm(rows_, weight_.transpose(1, 2), offs=offsets)
-
-    triton_out, torch_out = expert_matmul(rows, weight, bounds), grouped(rows, weight)
-    torch.testing.assert_close(triton_out.float(), torch_out.float(), atol=2e-2, rtol=2e-2)
-    choice = ExpertKernelChoice()
-    torch.testing.assert_close(choice(rows, weight, bounds, grouped).float(), torch_out.float(), atol=2e-2, rtol=2e-2)
-    assert len(choice.picked) == 1 and not choice.failed
+    torch_out = _grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
     for config in TILE_CONFIGS:
         torch.testing.assert_close(expert_matmul(rows, weight, bounds, config).float(), torch_out.float(),
                                    atol=2e-2, rtol=2e-2)
+    order = torch.arange(rows.shape[0], device="cuda")  # top_k 1: each sorted row is its own token
+    gate, up = torch_out.chunk(2, dim=-1)
+    for tiles in moe_kernels.DECODE_TILES:
+        torch.testing.assert_close(expert_gate_up_silu(rows, weight, bounds, order, 1, tiles).float(),
+                                   (torch.nn.functional.silu(gate) * up).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_the_timed_choice_gives_torchs_experts_in_bf16():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    num_tokens, top_k, num_experts, hidden_size, inter = 256, 8, 128, 2048, 768
+    hidden = torch.randn(num_tokens, hidden_size, device="cuda", dtype=torch.bfloat16, generator=generator)
+    scores = torch.randn(num_tokens, num_experts, device="cuda", generator=generator)
+    weights, expert_ids = scores.softmax(-1).topk(top_k, dim=-1)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden_size, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(num_experts, hidden_size, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    weights = weights.bfloat16()
+    expected = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True)
+    choice = ExpertKernelChoice()
+    got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert len(choice.picked) == 1 and not choice.failed, choice.failed
+    (timings,) = choice.timings.values()
+    assert {"torch", *map(str, TILE_CONFIGS)} <= timings.keys()

@@ -14,8 +14,9 @@ expert, the fused gate|up and the down products run as one grouped GEMM each ove
 batch (``offsets`` int32 cumulative ends, counted with ``histc``), each output row is scaled by its
 routing weight, put back in token order and summed over the k experts of its token. Nothing waits for
 the host, so a decode step's CUDA graph captures it. A decode step's few rows per expert make the products
-bound by reading each expert's weights once; there the Triton grouped GEMM of ``moe_kernels.py`` runs where
-it was timed faster than torch's. Grouped GEMMs run on CUDA in bf16; elsewhere (the
+bound by reading each expert's weights once; there the Triton kernels of ``moe_kernels.py`` (the swapped
+products, which also gather, activate, weight and put back the rows) run where they were timed faster than
+torch's. Grouped GEMMs run on CUDA in bf16; elsewhere (the
 CPU, float32) each assignment's expert weights are gathered and applied with one batched product, which
 is what the tests compare with transformers in float32.
 """
@@ -135,38 +136,60 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     two products as grouped GEMMs over the assignments sorted by expert; otherwise each assignment's
     weights are gathered (memory grows with tokens * top_k: the CPU and test path). ``activate`` turns the
     (assignments, 2 * inter) gate|up products into (assignments, inter) (the Triton kernel on the GPU path).
-    ``kernels``: on the grouped path, picks torch's grouped GEMM or the Triton one of ``moe_kernels`` per shape.
+    ``kernels``: on the grouped path, picks torch's grouped GEMMs or the Triton kernels of ``moe_kernels`` per
+    shape (the swapped ones compute silu: ``MoEMLP`` passes it only for silu experts).
     """
     num_tokens, top_k = expert_ids.shape
-    num_experts = gate_up.shape[0]
     flat_ids = expert_ids.reshape(-1)
     flat_weights = weights.reshape(-1)
     if grouped is None:
         grouped = grouped_mm_applies(hidden)
     if grouped:
         sorted_ids, order = torch.sort(flat_ids)
-        tokens = hidden.index_select(0, order // top_k)
-        counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()  # histc: floats on CPU
-        offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), dim=0,
-                               dtype=torch.int32)
-        def grouped_matmul(rows: Tensor, weight: Tensor) -> Tensor:  # rows @ weight[e]^T, expert by expert
-            return _grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+
+        def tiled(matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
+            return grouped_experts(hidden, sorted_ids, order, flat_weights, gate_up, down, top_k, activate, matmul)
 
         if kernels is None:
-            activated = activate(grouped_matmul(tokens, gate_up))
-            out = grouped_matmul(activated, down)
+            per_assignment = tiled(None)
         else:
-            bounds = F.pad(offsets, (1, 0))
-            activated = activate(kernels(tokens, gate_up, bounds, grouped_matmul))
-            out = kernels(activated.contiguous(), down, bounds, grouped_matmul)
-        out = out * flat_weights.index_select(0, order).unsqueeze(-1)
-        per_assignment = torch.empty_like(out).index_copy_(0, order, out)
+            per_assignment = kernels(hidden, sorted_ids, order, flat_weights, gate_up, down, tiled)
     else:
         tokens = hidden.repeat_interleave(top_k, dim=0).unsqueeze(1)  # (tokens * top_k, 1, hidden)
         activated = activate(torch.bmm(tokens, gate_up[flat_ids].transpose(1, 2)).squeeze(1))
         out = torch.bmm(activated.unsqueeze(1), down[flat_ids].transpose(1, 2)).squeeze(1)
         per_assignment = out * flat_weights.unsqueeze(-1)
     return per_assignment.view(num_tokens, top_k, -1).sum(dim=1).to(hidden.dtype)
+
+
+def grouped_experts(hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                    down: Tensor, top_k: int, activate: Callable[[Tensor], Tensor] = silu_and_mul,
+                    matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> Tensor:
+    """Every assignment's weighted expert output, (assignments, hidden) in assignment order, as two grouped GEMMs.
+
+    sorted_ids, order: the flat expert ids sorted and the assignment (token * top_k + slot) at each sorted position;
+    routing: (assignments,) the routing weights in assignment order. The rows are gathered in sorted order,
+    ``activate`` runs between the products, each row is scaled by its routing weight and put back in assignment
+    order. ``matmul(rows, weight, bounds)`` runs each product (bounds: (experts + 1,) int32, 0 then each expert's
+    cumulative end); None runs torch's grouped GEMM.
+    """
+    num_experts = gate_up.shape[0]
+    tokens = hidden.index_select(0, order // top_k)
+    counted = sorted_ids.float() if sorted_ids.device.type == "cpu" else sorted_ids.int()  # histc: floats on CPU
+    offsets = torch.cumsum(torch.histc(counted, bins=num_experts, min=0, max=num_experts - 1), dim=0,
+                           dtype=torch.int32)
+    if matmul is None:
+        def product(rows: Tensor, weight: Tensor) -> Tensor:  # rows @ weight[e]^T, expert by expert
+            return _grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    else:
+        bounds = F.pad(offsets, (1, 0))
+
+        def product(rows: Tensor, weight: Tensor) -> Tensor:
+            return matmul(rows.contiguous(), weight, bounds)
+
+    out = product(activate(product(tokens, gate_up)), down)
+    out = out * routing.index_select(0, order).unsqueeze(-1)
+    return torch.empty_like(out).index_copy_(0, order, out)
 
 
 _EXPERT_KERNELS: list[ExpertKernelChoice] = []

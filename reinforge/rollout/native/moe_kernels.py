@@ -1,14 +1,22 @@
-"""A Triton grouped GEMM for the experts of a decode step, and the timing that picks it over torch's.
+"""Triton grouped GEMMs for the experts of a decode step, and the timing that picks them over torch's.
 
 A decode step of B sequences sends B * top_k rows to the experts, a few dozen each, so the expert products are
-bound by reading every expert's weights once. ``expert_matmul`` runs ``rows_e @ W_e^T`` for every expert e over
-the rows sorted by expert: one program per (expert, block of output columns) streams that block of W_e once
-and multiplies every row of the expert with it (more than ``BLOCK_M`` rows read it again per block of rows).
-Its bounds are read on the device, so a CUDA graph captures it.
+bound by reading every expert's weights once. Two kernel families run over the assignments sorted by expert, their
+bounds read on the device, so a CUDA graph captures them:
 
-torch's grouped GEMM (CUTLASS) is the default. ``ExpertKernelChoice`` times it and a few tilings of the Triton
-kernel once per shape and row count, outside graph capture (the decode graph's warm-up forward runs first), and
-keeps the fastest; a kernel that fails to compile or run leaves torch's in place, said in one line.
+- the swapped kernels compute ``W_e @ x^T``: the weight's output columns fill the MMA's M side and the expert's few
+  rows its N side (16 to 64 slots), each program streaming one block of W_e's rows along K. ``expert_gate_up_silu``
+  gathers each slot's hidden row itself and applies silu(gate) * up in its epilogue (gate and up columns in one
+  program); ``expert_down_scatter`` weights each row by its routing weight and writes it at its assignment's row.
+  A layer's experts are then three launches (``expert_bounds``'s search and the two products) where torch's path
+  has the gather, the histogram and its sum, two grouped GEMMs, the activation, the weighting and the un-permute.
+- ``expert_matmul`` runs ``rows_e @ W_e^T`` one product at a time, one program per (expert, block of output
+  columns), the rows gathered, activated, weighted and put back by torch.
+
+torch's grouped GEMM (CUTLASS) is the default. ``ExpertKernelChoice`` times it, the tilings of each swapped
+product and those of the tiled kernel once per shape and row count, outside graph capture (the decode graph's
+warm-up forward runs first), and keeps the fastest; a candidate that fails to compile or run, or gives other
+numbers than torch's, is dropped in one line and the others (torch's at least) stay.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 logger = logging.getLogger(__name__)
-
 
 
 @triton.jit
@@ -53,6 +60,97 @@ def _expert_matmul_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, stride_row,
                  mask=row_mask[:, None] & (cols[None, :] < num_cols))
 
 
+@triton.jit
+def _rounded(x, dtype: tl.constexpr, BITWISE: tl.constexpr):
+    """float32 x rounded to ``dtype`` (to nearest, ties to even), as float32. ``BITWISE`` rounds to bf16 on the
+    float32 bits: Triton's interpreter truncates its bf16 casts."""
+    if BITWISE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, stride_hidden, stride_expert,
+                         stride_n, stride_k, stride_out, num_inter, TOP_K: tl.constexpr, NUM_INNER: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+    """out[s, j] = silu(gate_e(x)) * up_e(x) for the expert e of sorted slot s and the inter columns j of this program;
+    x is the hidden row of the slot's token (order[s] // TOP_K), gathered here. Products are W @ x^T: the weight's
+    columns fill the MMA's M side, the expert's few slots its N side."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < num_inter
+    inner = tl.arange(0, BLOCK_K)
+    start = tl.load(bounds_ptr + expert)
+    end = tl.load(bounds_ptr + expert + 1)
+    weight = weight_ptr + expert.to(tl.int64) * stride_expert
+    gate_rows = weight + cols[:, None].to(tl.int64) * stride_n
+    up_rows = weight + (cols[:, None] + num_inter).to(tl.int64) * stride_n
+    for offset in range(0, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
+        slots = start + offset + tl.arange(0, BLOCK_T)
+        slot_mask = slots < end
+        tokens = tl.load(order_ptr + slots, mask=slot_mask, other=0) // TOP_K
+        x_rows = hidden_ptr + tokens[:, None].to(tl.int64) * stride_hidden
+        gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for k in range(0, NUM_INNER, BLOCK_K):
+            ks = k + inner
+            k_mask = ks < NUM_INNER
+            x = tl.load(x_rows + ks[None, :], mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+            up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+            if UPCAST:
+                x, gate_w, up_w = x.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
+            gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
+            up = tl.dot(up_w, tl.trans(x), up, input_precision=PRECISION)
+        # rounded as torch's products and the activation kernel round them (triton_kernels.act_and_mul)
+        dtype = out_ptr.dtype.element_ty
+        gate = _rounded(gate, dtype, UPCAST)
+        activated = _rounded(gate / (1.0 + tl.exp(-gate)), dtype, UPCAST) * _rounded(up, dtype, UPCAST)
+        tl.store(out_ptr + slots[None, :].to(tl.int64) * stride_out + cols[:, None],
+                 _rounded(activated, dtype, UPCAST).to(dtype), mask=slot_mask[None, :] & col_mask[:, None])
+
+
+@triton.jit
+def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, routing_ptr, stride_row,
+                         stride_expert, stride_n, stride_k, stride_out, num_cols, NUM_INNER: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+    """out[order[s], n] = routing[order[s]] * (rows[s] @ W_e^T)[n] for the expert e of sorted slot s: the down
+    product, weighted by the assignment's routing weight and put back in assignment order."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < num_cols
+    inner = tl.arange(0, BLOCK_K)
+    start = tl.load(bounds_ptr + expert)
+    end = tl.load(bounds_ptr + expert + 1)
+    weight_rows = weight_ptr + expert.to(tl.int64) * stride_expert + cols[:, None].to(tl.int64) * stride_n
+    for offset in range(0, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
+        slots = start + offset + tl.arange(0, BLOCK_T)
+        slot_mask = slots < end
+        x_rows = rows_ptr + slots[:, None].to(tl.int64) * stride_row
+        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+        for k in range(0, NUM_INNER, BLOCK_K):
+            ks = k + inner
+            k_mask = ks < NUM_INNER
+            x = tl.load(x_rows + ks[None, :], mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(weight_rows + ks[None, :] * stride_k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            if UPCAST:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+        assignments = tl.load(order_ptr + slots, mask=slot_mask, other=0)
+        routing = tl.load(routing_ptr + assignments, mask=slot_mask, other=0.0).to(tl.float32)
+        # the product rounded to the rows' dtype, then weighted in the output's dtype, as torch computes it
+        weighted = _rounded(acc, rows_ptr.dtype.element_ty, UPCAST) * routing[None, :]
+        if out_ptr.dtype.element_ty != tl.float32:
+            weighted = _rounded(weighted, out_ptr.dtype.element_ty, UPCAST)
+        tl.store(out_ptr + assignments[None, :].to(tl.int64) * stride_out + cols[:, None],
+                 weighted.to(out_ptr.dtype.element_ty), mask=slot_mask[None, :] & col_mask[:, None])
+
+
 _INTERPRETED = isinstance(_expert_matmul_kernel, InterpretedFunction)
 
 
@@ -64,6 +162,10 @@ class TileConfig:
     block_k: int = 128
     num_stages: int = 3
     num_warps: int = 4
+
+    def __str__(self) -> str:
+        return (f"tiled m{self.block_m} n{self.block_n} k{self.block_k} stages {self.num_stages} "
+                f"warps {self.num_warps}")
 
 
 TILE_CONFIGS = (TileConfig(), TileConfig(block_n=128, block_k=64, num_stages=4), TileConfig(block_k=64, num_stages=4))
@@ -91,50 +193,239 @@ def expert_matmul(rows: Tensor, weight: Tensor, bounds: Tensor, config: TileConf
     return out
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """A tiling of the swapped products (``expert_gate_up_silu``, ``expert_down_scatter``)."""
+
+    block_t: int = 64
+    """Slots per block (the MMA's N side): an expert with more reads its weight block again per block of slots."""
+    block_n: int = 64
+    """Weight columns per program (the MMA's M side)."""
+    block_k: int = 128
+    num_stages: int = 4
+    num_warps: int = 4
+
+    def __str__(self) -> str:
+        return f"t{self.block_t} n{self.block_n} k{self.block_k} stages {self.num_stages} warps {self.num_warps}"
+
+
+DECODE_TILES = (DecodeTiles(), DecodeTiles(block_n=128, block_k=64), DecodeTiles(block_n=128, num_stages=3, num_warps=8),
+                DecodeTiles(block_t=32), DecodeTiles(block_t=32, block_n=128, num_warps=8),
+                DecodeTiles(block_t=32, block_k=256, num_stages=3), DecodeTiles(block_t=16, block_k=256, num_stages=3),
+                DecodeTiles(block_t=16, block_k=128, num_stages=5))
+"""The tilings ``ExpertKernelChoice`` times for each of the two swapped products: 64 slots cover the experts of a
+512-sequence step in one pass, 16 and 32 those of smaller steps; the blocks, stages and warps set how many weight
+bytes each SM keeps in flight."""
+
+
+def _dot_options(dtype: torch.dtype) -> dict[str, object]:
+    """float32 products in float32 (the exact path of the tests), 16-bit ones on the MMA. Triton's interpreter
+    multiplies bf16 operands wrongly and truncates bf16 casts, so there (``UPCAST``) the operands are widened to
+    float32 first (the MMA's products are exact in float32 too) and roundings to bf16 are done on the bits."""
+    upcast = _INTERPRETED and dtype != torch.float32
+    if upcast and dtype != torch.bfloat16:
+        raise ValueError(f"the expert kernels run {dtype} on the GPU only; Triton's interpreter runs float32 and bf16")
+    return {"PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+
+
+def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: Tensor, top_k: int,
+                        tiles: DecodeTiles = DecodeTiles()) -> Tensor:
+    """silu(gate_e(x)) * up_e(x) for every assignment, in the order sorted by expert.
+
+    hidden: (tokens, hidden), rows contiguous; gate_up: (experts, 2 * inter, hidden), gate rows first, any strides;
+    bounds: (experts + 1,) 0 then each expert's cumulative end over the sorted assignments; order: (tokens * top_k,)
+    the assignment (token * top_k + slot) at each sorted position. Returns (tokens * top_k, inter) in hidden's dtype.
+    """
+    num_experts, two_inter, num_inner = gate_up.shape
+    inter = two_inter // 2
+    out = torch.empty(order.shape[0], inter, dtype=hidden.dtype, device=hidden.device)
+    grid = (num_experts, triton.cdiv(inter, tiles.block_n))
+    _gate_up_silu_kernel[grid](hidden, gate_up, out, bounds, order, hidden.stride(0), gate_up.stride(0),
+                               gate_up.stride(1), gate_up.stride(2), out.stride(0), inter, TOP_K=top_k,
+                               NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+                               BLOCK_K=tiles.block_k, **_dot_options(hidden.dtype),
+                               STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
+                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: Tensor, routing: Tensor,
+                        tiles: DecodeTiles = DecodeTiles()) -> Tensor:
+    """routing[a] * down_e(activated[s]) at row a = order[s] for every sorted position s (e its expert).
+
+    activated: (assignments, inter) sorted by expert, rows contiguous; down: (experts, hidden, inter), any strides;
+    routing: (assignments,) in assignment order. Returns (assignments, hidden) in assignment order, in the dtype
+    torch gives a product of activated's and routing's dtypes.
+    """
+    num_experts, num_cols, num_inner = down.shape
+    out = torch.empty(order.shape[0], num_cols, dtype=torch.result_type(activated, routing), device=activated.device)
+    grid = (num_experts, triton.cdiv(num_cols, tiles.block_n))
+    _down_scatter_kernel[grid](activated, down, out, bounds, order, routing, activated.stride(0), down.stride(0),
+                               down.stride(1), down.stride(2), out.stride(0), num_cols, NUM_INNER=num_inner,
+                               BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                               **_dot_options(activated.dtype),
+                               STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
+                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+_EXPERT_RANGES: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def expert_bounds(sorted_ids: Tensor, num_experts: int) -> Tensor:
+    """(experts + 1,) int32: 0, then each expert's cumulative end over ``sorted_ids`` (one search on the device)."""
+    key = (sorted_ids.device, num_experts)
+    experts = _EXPERT_RANGES.get(key)
+    if experts is None:
+        experts = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+        if not (sorted_ids.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured one is filled on replay
+            _EXPERT_RANGES[key] = experts
+    return torch.searchsorted(sorted_ids, experts, out_int32=True)
+
+
+@dataclass(frozen=True)
+class SwappedExperts:
+    """Both products as the swapped kernels, each with its own tiling."""
+
+    gate_up: DecodeTiles
+    down: DecodeTiles
+
+    def __str__(self) -> str:
+        return f"swapped (gate|up {self.gate_up}; down {self.down})"
+
+
+def swapped_experts(hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                    down: Tensor, tiles: SwappedExperts) -> Tensor:
+    """Every assignment's weighted expert output, (assignments, hidden) in assignment order: three launches (the
+    bounds, gate|up with the activation, down with the weighting and the un-permute)."""
+    hidden, order, routing = hidden.contiguous(), order.contiguous(), routing.contiguous()
+    bounds = expert_bounds(sorted_ids, gate_up.shape[0])
+    top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
+    activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles.gate_up)
+    return expert_down_scatter(activated, down, bounds, order, routing, tiles.down)
+
+
 MAX_ROWS_PER_EXPERT = 64
-"""The Triton kernel is a candidate while the rows average at most this many per expert (decode steps); longer
+"""The Triton kernels are candidates while the rows average at most this many per expert (decode steps); longer
 batches (prefill) are compute-bound, where torch's grouped GEMM is the one to run."""
+
+Candidate = TileConfig | SwappedExperts | None
+"""How the experts run: None torch's grouped GEMMs, a ``TileConfig`` the tiled kernel for both products (with the
+activation, weighting and un-permute in torch), a ``SwappedExperts`` the swapped kernels."""
+
+TiledExperts = Callable[[Callable[[Tensor, Tensor, Tensor], Tensor] | None], Tensor]
+"""``moe.grouped_experts`` bound to a layer's inputs: given a grouped GEMM ``(rows, weight, bounds)`` (None: torch's),
+every assignment's weighted expert output in assignment order."""
 
 
 class ExpertKernelChoice:
-    """Which grouped GEMM runs the experts, per (rows rounded up to a power of two, experts, cols, inner, dtype):
-    torch's unless a tiling of Triton's (``TILE_CONFIGS``) was timed faster. Timing needs a stream that is not
-    capturing; inside a capture an untimed shape runs torch's."""
+    """Which kernels run the experts, per (assignments rounded up to a power of two, experts, gate|up and down
+    shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster. The swapped kernels are
+    timed tiling by tiling for each product, then as a pair against torch's and the tiled kernel's tilings
+    (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
+    rounding, is dropped in one line. Timing needs a stream that is not capturing; inside a capture an untimed
+    shape runs torch's."""
 
-    def __init__(self, repeats: int = 5):
+    def __init__(self, repeats: int = 5, tiles: tuple[DecodeTiles, ...] = DECODE_TILES,
+                 tile_configs: tuple[TileConfig, ...] = TILE_CONFIGS):
         self.repeats = repeats
-        self.picked: dict[tuple, TileConfig | None] = {}
-        """key -> the Triton tiling that runs it, or None for torch's grouped GEMM."""
-        self.failed = False
+        self.tiles = tiles
+        self.tile_configs = tile_configs
+        self.picked: dict[tuple, Candidate] = {}
+        """key -> the candidate that runs it."""
+        self.timings: dict[tuple, dict[str, float]] = {}
+        """key -> milliseconds of each candidate timed (the swapped products also alone, per tiling)."""
+        self.failed: set[str] = set()
+        """Candidates (their ``str``) dropped for failing or differing from torch's."""
 
-    def __call__(self, rows: Tensor, weight: Tensor, bounds: Tensor,
-                 torch_matmul: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-        """``torch_matmul(rows, weight)``, or ``expert_matmul`` where it was timed faster."""
-        config = self._config_for(rows, weight, bounds, torch_matmul)
-        return torch_matmul(rows, weight) if config is None else expert_matmul(rows, weight, bounds, config)
+    def __call__(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                 down: Tensor, tiled: TiledExperts) -> Tensor:
+        """Every assignment's weighted expert output, (assignments, hidden) in assignment order, by the picked
+        candidate (``tiled(None)`` is torch's)."""
+        candidate = self._candidate_for(hidden, sorted_ids, order, routing, gate_up, down, tiled)
+        if isinstance(candidate, SwappedExperts):
+            return swapped_experts(hidden, sorted_ids, order, routing, gate_up, down, candidate)
+        if isinstance(candidate, TileConfig):
+            return tiled(lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, candidate))
+        return tiled(None)
 
-    def _config_for(self, rows: Tensor, weight: Tensor, bounds: Tensor,
-                    torch_matmul: Callable[[Tensor, Tensor], Tensor]) -> TileConfig | None:
-        if self.failed or rows.shape[0] > MAX_ROWS_PER_EXPERT * weight.shape[0]:
+    def key(self, order: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor) -> tuple:
+        return (triton.next_power_of_2(order.shape[0]), *gate_up.shape, down.shape[1], gate_up.dtype, routing.dtype)
+
+    def _candidate_for(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                       down: Tensor, tiled: TiledExperts) -> Candidate:
+        if order.shape[0] > MAX_ROWS_PER_EXPERT * gate_up.shape[0]:
             return None
-        key = (triton.next_power_of_2(rows.shape[0]), *weight.shape, rows.dtype)  # prefills vary: rows by octave
-        if key not in self.picked:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            timings: dict[TileConfig | None, float] = {None: self._time(lambda: torch_matmul(rows, weight))}
-            try:
-                for config in TILE_CONFIGS:
-                    timings[config] = self._time(lambda config=config: expert_matmul(rows, weight, bounds, config))
-            except Exception as error:  # noqa: BLE001 (a kernel the device cannot compile or run: keep torch's)
-                self.failed = True
-                logger.warning("the Triton expert kernel failed (%s: %s); the experts run torch's grouped GEMM",
-                               type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-                return None
-            self.picked[key] = min(timings, key=timings.__getitem__)
-            logger.info("experts of %d rows x %s: torch's grouped GEMM %.3f ms, Triton's tilings %s ms; running %s",
-                        rows.shape[0], tuple(weight.shape), timings[None],
-                        "/".join(f"{timings[config]:.3f}" for config in TILE_CONFIGS), self.picked[key] or "torch's")
-        return self.picked[key]
+        key = self.key(order, routing, gate_up, down)  # prefills vary: rows by octave
+        if key in self.picked:
+            return self.picked[key]
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        expected = tiled(None)
+        timings = {"torch": self._time(lambda: tiled(None))}
+        runs: dict[Candidate, Callable[[], Tensor]] = {None: lambda: tiled(None)}
+        for config in self.tile_configs:
+            runs[config] = lambda config=config: tiled(
+                lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, config))
+        swapped = self._swapped_tiles(hidden, sorted_ids, order, routing, gate_up, down, timings)
+        if swapped is not None:
+            runs[swapped] = lambda: swapped_experts(hidden, sorted_ids, order, routing, gate_up, down, swapped)
+        best: Candidate = None
+        for candidate, run in runs.items():
+            if candidate is None or str(candidate) in self.failed:
+                continue
+            milliseconds = self._checked_time(str(candidate), run, expected)
+            if milliseconds is not None:
+                timings[str(candidate)] = milliseconds
+                if milliseconds < timings[str(best) if best is not None else "torch"]:
+                    best = candidate
+        self.picked[key], self.timings[key] = best, timings
+        logger.info("experts of %d assignments x %s: %s; running %s", order.shape[0], tuple(gate_up.shape),
+                    ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()), best or "torch's grouped GEMMs")
+        return best
+
+    def _swapped_tiles(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                       down: Tensor, timings: dict[str, float]) -> SwappedExperts | None:
+        """The fastest tiling of each swapped product, timed alone (the down product on the gate|up one's output)."""
+        bounds = expert_bounds(sorted_ids, gate_up.shape[0])
+        top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
+        gate_up_tiles = self._fastest_tiles("gate_up", timings, lambda tiles: lambda: expert_gate_up_silu(
+            hidden, gate_up, bounds, order, top_k, tiles))
+        if gate_up_tiles is None:
+            return None
+        activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, gate_up_tiles)
+        down_tiles = self._fastest_tiles("down", timings, lambda tiles: lambda: expert_down_scatter(
+            activated, down, bounds, order, routing, tiles))
+        return None if down_tiles is None else SwappedExperts(gate_up_tiles, down_tiles)
+
+    def _fastest_tiles(self, product: str, timings: dict[str, float],
+                       runner: Callable[[DecodeTiles], Callable[[], Tensor]]) -> DecodeTiles | None:
+        fastest: tuple[float, DecodeTiles] | None = None
+        for tiles in self.tiles:
+            name = f"swapped {product} {tiles}"
+            milliseconds = None if name in self.failed else self._checked_time(name, runner(tiles), None)
+            if milliseconds is not None:
+                timings[name] = milliseconds
+                if fastest is None or milliseconds < fastest[0]:
+                    fastest = (milliseconds, tiles)
+        return None if fastest is None else fastest[1]
+
+    def _checked_time(self, name: str, run: Callable[[], Tensor], expected: Tensor | None) -> float | None:
+        """Milliseconds per ``run()``, or None (dropped in one line) when it fails or its output is not ``expected``
+        within bf16 rounding."""
+        try:
+            out = run()
+            if expected is not None:
+                scale = expected.float().abs().max().clamp(min=1e-6)
+                error = float((out.float() - expected.float()).abs().max() / scale)
+                if not error <= 2e-2:
+                    raise ValueError(f"its output differs from torch's by {error:.2g} of the largest value")
+            return self._time(run)
+        except Exception as error:  # noqa: BLE001 (a kernel the device cannot compile or run: keep torch's)
+            self.failed.add(name)
+            logger.warning("the Triton expert kernel %s is dropped (%s: %s); the experts run another candidate",
+                           name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            return None
 
     def _time(self, run: Callable[[], Tensor]) -> float:
         run()  # compiles, picks its kernels
