@@ -61,21 +61,21 @@ def _expert_matmul_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, stride_row,
 
 
 @triton.jit
-def _rounded(x, dtype: tl.constexpr, BITWISE: tl.constexpr):
-    """float32 x rounded to ``dtype`` (to nearest, ties to even), as float32. ``BITWISE`` rounds to bf16 on the
-    float32 bits: Triton's interpreter truncates its bf16 casts."""
+def _rounded(x, like_ptr, BITWISE: tl.constexpr):
+    """float32 x rounded to the element type of ``like_ptr`` (to nearest, ties to even), as float32. ``BITWISE``
+    rounds to bf16 on the float32 bits: Triton's interpreter truncates its bf16 casts."""
     if BITWISE:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
-    return x.to(dtype).to(tl.float32)
+    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
 def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, stride_hidden, stride_expert,
                          stride_n, stride_k, stride_out, num_inter, TOP_K: tl.constexpr, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     """out[s, j] = silu(gate_e(x)) * up_e(x) for the expert e of sorted slot s and the inter columns j of this program;
     x is the hidden row of the slot's token (order[s] // TOP_K), gathered here. Products are W @ x^T: the weight's
     columns fill the MMA's M side, the expert's few slots its N side."""
@@ -97,9 +97,13 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
         up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         for k in range(0, NUM_INNER, BLOCK_K):
             ks = k + inner
-            k_mask = ks < NUM_INNER
-            x = tl.load(x_rows + ks[None, :], mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-            w_mask = col_mask[:, None] & k_mask[None, :]
+            if EVEN_K:  # masks constant along K: 16-byte loads
+                x_mask = slot_mask[:, None]
+                w_mask = col_mask[:, None]
+            else:
+                x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
+                w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
             gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
             up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
             if UPCAST:
@@ -107,18 +111,18 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
             gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
             up = tl.dot(up_w, tl.trans(x), up, input_precision=PRECISION)
         # rounded as torch's products and the activation kernel round them (triton_kernels.act_and_mul)
-        dtype = out_ptr.dtype.element_ty
-        gate = _rounded(gate, dtype, UPCAST)
-        activated = _rounded(gate / (1.0 + tl.exp(-gate)), dtype, UPCAST) * _rounded(up, dtype, UPCAST)
+        gate = _rounded(gate, out_ptr, UPCAST)
+        activated = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr, UPCAST) * _rounded(up, out_ptr, UPCAST)
         tl.store(out_ptr + slots[None, :].to(tl.int64) * stride_out + cols[:, None],
-                 _rounded(activated, dtype, UPCAST).to(dtype), mask=slot_mask[None, :] & col_mask[:, None])
+                 _rounded(activated, out_ptr, UPCAST).to(out_ptr.dtype.element_ty),
+                 mask=slot_mask[None, :] & col_mask[:, None])
 
 
 @triton.jit
 def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, routing_ptr, stride_row,
                          stride_expert, stride_n, stride_k, stride_out, num_cols, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     """out[order[s], n] = routing[order[s]] * (rows[s] @ W_e^T)[n] for the expert e of sorted slot s: the down
     product, weighted by the assignment's routing weight and put back in assignment order."""
     expert = tl.program_id(0)
@@ -135,18 +139,23 @@ def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, r
         acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
         for k in range(0, NUM_INNER, BLOCK_K):
             ks = k + inner
-            k_mask = ks < NUM_INNER
-            x = tl.load(x_rows + ks[None, :], mask=slot_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(weight_rows + ks[None, :] * stride_k, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            if EVEN_K:
+                x_mask = slot_mask[:, None]
+                w_mask = col_mask[:, None]
+            else:
+                x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
+                w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
             if UPCAST:
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         assignments = tl.load(order_ptr + slots, mask=slot_mask, other=0)
         routing = tl.load(routing_ptr + assignments, mask=slot_mask, other=0.0).to(tl.float32)
         # the product rounded to the rows' dtype, then weighted in the output's dtype, as torch computes it
-        weighted = _rounded(acc, rows_ptr.dtype.element_ty, UPCAST) * routing[None, :]
+        weighted = _rounded(acc, rows_ptr, UPCAST) * routing[None, :]
         if out_ptr.dtype.element_ty != tl.float32:
-            weighted = _rounded(weighted, out_ptr.dtype.element_ty, UPCAST)
+            weighted = _rounded(weighted, out_ptr, UPCAST)
         tl.store(out_ptr + assignments[None, :].to(tl.int64) * stride_out + cols[:, None],
                  weighted.to(out_ptr.dtype.element_ty), mask=slot_mask[None, :] & col_mask[:, None])
 
@@ -209,13 +218,20 @@ class DecodeTiles:
         return f"t{self.block_t} n{self.block_n} k{self.block_k} stages {self.num_stages} warps {self.num_warps}"
 
 
-DECODE_TILES = (DecodeTiles(), DecodeTiles(block_n=128, block_k=64), DecodeTiles(block_n=128, num_stages=3, num_warps=8),
-                DecodeTiles(block_t=32), DecodeTiles(block_t=32, block_n=128, num_warps=8),
-                DecodeTiles(block_t=32, block_k=256, num_stages=3), DecodeTiles(block_t=16, block_k=256, num_stages=3),
-                DecodeTiles(block_t=16, block_k=128, num_stages=5))
+DECODE_TILES = (
+    DecodeTiles(block_k=64),
+    DecodeTiles(num_stages=3),
+    DecodeTiles(block_n=128, block_k=64, num_stages=3, num_warps=8),
+    DecodeTiles(block_t=32, block_k=64, num_stages=5),
+    DecodeTiles(block_t=32),
+    DecodeTiles(block_t=32, block_n=128, block_k=64, num_warps=8),
+    DecodeTiles(block_t=16),
+    DecodeTiles(block_t=16, block_n=128, num_stages=3, num_warps=8),
+)
 """The tilings ``ExpertKernelChoice`` times for each of the two swapped products: 64 slots cover the experts of a
-512-sequence step in one pass, 16 and 32 those of smaller steps; the blocks, stages and warps set how many weight
-bytes each SM keeps in flight."""
+512-sequence step in one pass, 16 and 32 those of smaller steps; the blocks and stages set how many weight bytes
+each program keeps in flight and the shared memory it takes (stages x (2 x block_n + block_t) x block_k x 2 bytes
+for gate|up in bf16, 96 to 204 KiB here), so how many programs an SM holds."""
 
 
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
@@ -243,7 +259,8 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
     _gate_up_silu_kernel[grid](hidden, gate_up, out, bounds, order, hidden.stride(0), gate_up.stride(0),
                                gate_up.stride(1), gate_up.stride(2), out.stride(0), inter, TOP_K=top_k,
                                NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
-                               BLOCK_K=tiles.block_k, **_dot_options(hidden.dtype),
+                               BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
+                               **_dot_options(hidden.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -263,7 +280,7 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
     _down_scatter_kernel[grid](activated, down, out, bounds, order, routing, activated.stride(0), down.stride(0),
                                down.stride(1), down.stride(2), out.stride(0), num_cols, NUM_INNER=num_inner,
                                BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                               **_dot_options(activated.dtype),
+                               EVEN_K=num_inner % tiles.block_k == 0, **_dot_options(activated.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
