@@ -47,10 +47,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto", offload: bool = False,
-                roots: Iterable[nn.Module] | None = None) -> nn.Module:
+                roots: Iterable[nn.Module] | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Apply FSDP2 in place: one unit per decoder layer, then each of ``roots`` (default: the model).
 
-    Parameters must be float32 (the master weights). Returns ``model``.
+    Parameters must be float32 (the master weights). ``reshard_after_forward=False`` keeps each decoder layer's
+    gathered compute-dtype parameters from its forward to its backward, which then gathers nothing again (the
+    whole model's compute-dtype copy is held meanwhile). Returns ``model``.
     """
     init_distributed(device_type=device.type)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -61,7 +63,8 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
     pin = register_host_memory if offload and device.type == "cuda" else None
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                    reshard_after_forward=reshard_after_forward)
         layer.reinforge_compute_dtype = dtype
         if pin is not None:
             pin_offloaded_shards(layer, pin)

@@ -69,7 +69,8 @@ class DPOTrainer(PreferenceRun):
         model = self._load(self.config.model.path, load_dtype(self.config.model, self.device))
         self.model_class = type(model)  # before sharding wraps the class
         self.peft_model = prepare_trained_model(model, self.config.model, self.device,
-                                                seed=self.config.trainer.seed)
+                                                seed=self.config.trainer.seed,
+                                                keep_gathered=self.memory_plan.keep_gathered)
         return model
 
     def _load(self, path: str, dtype: torch.dtype = torch.float32) -> nn.Module:

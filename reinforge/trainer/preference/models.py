@@ -31,9 +31,11 @@ def load_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
 
 
 def prepare_trained_model(model: nn.Module, config: ModelConfig, device: torch.device, *, seed: int,
-                          head: str | None = None, roots: Sequence[nn.Module] | None = None) -> nn.Module | None:
+                          head: str | None = None, roots: Sequence[nn.Module] | None = None,
+                          keep_gathered: bool = False) -> nn.Module | None:
     """Make the loaded ``model`` ready to train, in place (see the module's docstring); returns the PeftModel
-    around it with ``model.lora``, else None."""
+    around it with ``model.lora``, else None. ``keep_gathered``: each layer's gathered parameters stay from its
+    forward to its backward (the memory plan's choice on one device)."""
     prepare_for_training(model, device)
     setting = config.gradient_checkpointing
     checkpoint_decoder_layers(model, len(decoder_layers(model)) if setting is True
@@ -44,5 +46,5 @@ def prepare_trained_model(model: nn.Module, config: ModelConfig, device: torch.d
         for parameter in model.parameters():
             if parameter.requires_grad:
                 parameter.data = parameter.data.float()
-    shard_model(model, device, config.dtype, roots=roots)
+    shard_model(model, device, config.dtype, roots=roots, reshard_after_forward=not keep_gathered)
     return peft_model

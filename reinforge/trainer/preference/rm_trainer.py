@@ -74,7 +74,8 @@ class RewardModelTrainer(PreferenceRun):
         self.model_class = type(model)  # before sharding wraps the class
         # the packed forward calls the backbone and the head apart (engine.forward.last_token_scores)
         self.peft_model = prepare_trained_model(model, model_config, self.device, seed=self.config.trainer.seed,
-                                                head="score", roots=[model.base_model, model.score])
+                                                head="score", roots=[model.base_model, model.score],
+                                                keep_gathered=self.memory_plan.keep_gathered)
         return model
 
     def write_checkpoint(self, folder: Path) -> None:

@@ -92,7 +92,8 @@ def test_the_plan_is_applied_to_the_configs_auto_settings_only(pair_args, tmp_pa
     assert config.model.gradient_checkpointing is False
     assert planned.line.startswith("memory plan: trainer.max_tokens_per_micro_batch=65536 (auto; 1 micro-batch(es) a "
                                    "step of up to 7200 tokens, 8 pairs of up to 100 + 2 x 400), "
-                                   "model.gradient_checkpointing=False (auto), logits kept; peak ")
+                                   "model.gradient_checkpointing=False (auto), logits kept, parameters kept gathered "
+                                   "for the backward; peak ")
     rm = load_rm_config(None, pair_args(tmp_path / "rm", **{"trainer.max_tokens_per_micro_batch": 2048,
                                                             "model.gradient_checkpointing": True}))
     apply_preference_plan(rm, pairs, torch.device("cpu"), 1, gpu_bytes=8 * GiB)
@@ -136,3 +137,22 @@ def test_a_steps_pairs_split_into_the_fewest_micro_batches_of_even_sizes():
                                                           .sum()) for row in range(1, len(piece), 2)) for piece in micro]
     assert len(micro) == -(-sum(costs) // 1000) and max(loads) <= 1000 and max(loads) - min(loads) <= max(costs)
     assert sorted(row for piece in micro for row in piece.meta["rows"]) == list(range(80))  # every pair, whole
+
+
+def test_parameters_kept_gathered_from_forward_to_backward_give_the_same_update(pair_args, tmp_path, monkeypatch):
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    def weights_after_one_step(run_dir, gpu_bytes):
+        planned = functools.partial(apply_preference_plan, gpu_bytes=gpu_bytes)
+        monkeypatch.setattr(pairs_module, "apply_preference_plan", planned)
+        trainer = DPOTrainer(load_dpo_config(None, pair_args(run_dir, **{"trainer.total_steps": 1,
+                                                                          "trainer.max_tokens_per_micro_batch": 96})))
+        trainer.fit()
+        weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+        return trainer.memory_plan.keep_gathered, weights
+
+    kept, gathered_once = weights_after_one_step(tmp_path / "kept", 8 * GiB)  # one device with room: kept
+    resharded, gathered_twice = weights_after_one_step(tmp_path / "resharded", None)  # the CPU: gathered again
+    assert kept and not resharded
+    for name, value in gathered_once.items():
+        torch.testing.assert_close(value, gathered_twice[name], atol=1e-6, rtol=1e-6)
