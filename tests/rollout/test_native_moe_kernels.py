@@ -85,18 +85,24 @@ def per_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     return out
 
 
-SMALL_TILES = (DecodeTiles(block_t=16, block_n=16, block_k=16), DecodeTiles(block_t=32, block_n=32, block_k=32))
+SMALL_TILES = (DecodeTiles(block_t=16, block_n=16, block_k=16), DecodeTiles(block_t=32, block_n=32, block_k=32),
+               DecodeTiles(block_t=16, block_n=16, block_k=16, weight_tma=True))
 
 
-@pytest.mark.parametrize("tiles", SMALL_TILES, ids=["t16", "t32"])
+@pytest.mark.parametrize("tiles", SMALL_TILES, ids=["t16", "t32", "t16-tma"])
 def test_the_swapped_kernels_give_every_expert_its_own_rows_in_float32(tiles):
     """gate|up with silu, then down weighted and put back in token order, against per-expert matmuls: 0, 1, 7, 32
-    and 65 rows per expert over blocks of 16 and 32 slots; hidden (40) and inter (24) not multiples of the blocks."""
-    top_k, hidden_size, inter = 2, 40, 24
+    and 65 rows per expert over blocks of 16 and 32 slots; hidden (24) and inter (20) not multiples of the blocks
+    (a TMA read zero-fills past the inner dimension; gate columns past inter read up rows, which no output keeps)."""
+    top_k, hidden_size, inter = 2, 24, 20
     counts = ROWS_PER_EXPERT
     expert_ids, weights = routed(counts, top_k)
     hidden = torch.randn(expert_ids.shape[0], hidden_size, generator=torch.Generator().manual_seed(2))
     gate_up, down = layer(len(counts), hidden_size, inter)
+    assert not moe_kernels.tma_loadable(down)
+    if tiles.weight_tma:
+        down = down.contiguous()
+        assert moe_kernels.tma_loadable(gate_up) and moe_kernels.tma_loadable(down)
     sorted_ids, order = torch.sort(expert_ids.reshape(-1))
     per_assignment = swapped_experts(hidden, sorted_ids, order, weights.reshape(-1), gate_up, down,
                                      SwappedExperts(tiles, tiles))
@@ -194,21 +200,31 @@ def test_the_choice_keeps_the_fastest_candidate_and_drops_failing_or_wrong_ones(
 
 @pytest.mark.gpu
 def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
+    """Every tiling of each kernel (the TMA ones included) on the Qwen3-30B-A3B expert shapes, against torch's
+    grouped GEMM: gate|up with silu, and down weighted by float32 routing weights in assignment order."""
     from reinforge.rollout.native.moe import _grouped_mm
 
     counts = torch.randint(0, 64, (128,), generator=torch.Generator().manual_seed(2)).tolist()
     rows, bounds = sorted_rows(counts, inner=2048, dtype=torch.bfloat16, device="cuda")
     weight = torch.randn(128, 1536, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(128, 2048, 768, device="cuda", dtype=torch.bfloat16) * 0.02
     offsets = bounds[1:].contiguous()
     torch_out = _grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
     for config in TILE_CONFIGS:
         torch.testing.assert_close(expert_matmul(rows, weight, bounds, config).float(), torch_out.float(),
                                    atol=2e-2, rtol=2e-2)
-    order = torch.arange(rows.shape[0], device="cuda")  # top_k 1: each sorted row is its own token
+    order = torch.randperm(rows.shape[0], device="cuda")  # top_k 1: sorted row s is token order[s]
+    hidden = torch.empty_like(rows).index_copy_(0, order, rows)
     gate, up = torch_out.chunk(2, dim=-1)
+    activated = (torch.nn.functional.silu(gate) * up).contiguous()
+    routing = torch.rand(rows.shape[0], device="cuda")
+    down_out = _grouped_mm(activated, down.transpose(1, 2), offs=offsets) * routing[order, None]
+    expected_down = torch.empty_like(down_out).index_copy_(0, order, down_out)
     for tiles in moe_kernels.DECODE_TILES:
-        torch.testing.assert_close(expert_gate_up_silu(rows, weight, bounds, order, 1, tiles).float(),
-                                   (torch.nn.functional.silu(gate) * up).float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(expert_gate_up_silu(hidden, weight, bounds, order, 1, tiles).float(),
+                                   activated.float(), atol=2e-2, rtol=2e-2, msg=lambda text, tiles=tiles: f"{tiles}: {text}")
+        torch.testing.assert_close(expert_down_scatter(activated, down, bounds, order, routing, tiles),
+                                   expected_down, atol=2e-2, rtol=2e-2, msg=lambda text, tiles=tiles: f"{tiles}: {text}")
 
 
 @pytest.mark.gpu

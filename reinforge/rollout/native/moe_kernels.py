@@ -75,19 +75,24 @@ def _rounded(x, like_ptr, BITWISE: tl.constexpr):
 def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, stride_hidden, stride_expert,
                          stride_n, stride_k, stride_out, num_inter, TOP_K: tl.constexpr, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     """out[s, j] = silu(gate_e(x)) * up_e(x) for the expert e of sorted slot s and the inter columns j of this program;
     x is the hidden row of the slot's token (order[s] // TOP_K), gathered here. Products are W @ x^T: the weight's
-    columns fill the MMA's M side, the expert's few slots its N side."""
+    columns fill the MMA's M side, the expert's few slots its N side. ``WEIGHT_TMA``: weight_ptr is a
+    (experts, 2 * inter, hidden) tensor descriptor of (1, BLOCK_N, BLOCK_K) blocks (gate columns past inter read up
+    rows, which only masked outputs use)."""
     expert = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_col = tl.program_id(1) * BLOCK_N
+    cols = first_col + tl.arange(0, BLOCK_N)
     col_mask = cols < num_inter
     inner = tl.arange(0, BLOCK_K)
     start = tl.load(bounds_ptr + expert)
     end = tl.load(bounds_ptr + expert + 1)
-    weight = weight_ptr + expert.to(tl.int64) * stride_expert
-    gate_rows = weight + cols[:, None].to(tl.int64) * stride_n
-    up_rows = weight + (cols[:, None] + num_inter).to(tl.int64) * stride_n
+    if not WEIGHT_TMA:
+        weight = weight_ptr + expert.to(tl.int64) * stride_expert
+        gate_rows = weight + cols[:, None].to(tl.int64) * stride_n
+        up_rows = weight + (cols[:, None] + num_inter).to(tl.int64) * stride_n
     for offset in range(0, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
         slots = start + offset + tl.arange(0, BLOCK_T)
         slot_mask = slots < end
@@ -104,8 +109,12 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
                 x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
                 w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
             x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-            gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
-            up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+            if WEIGHT_TMA:
+                gate_w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
+                up_w = weight_ptr.load([expert, first_col + num_inter, k]).reshape(BLOCK_N, BLOCK_K)
+            else:
+                gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+                up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
             if UPCAST:
                 x, gate_w, up_w = x.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
             gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
@@ -122,16 +131,20 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
 def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, routing_ptr, stride_row,
                          stride_expert, stride_n, stride_k, stride_out, num_cols, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     """out[order[s], n] = routing[order[s]] * (rows[s] @ W_e^T)[n] for the expert e of sorted slot s: the down
-    product, weighted by the assignment's routing weight and put back in assignment order."""
+    product, weighted by the assignment's routing weight and put back in assignment order. ``WEIGHT_TMA``:
+    weight_ptr is a (experts, hidden, inter) tensor descriptor of (1, BLOCK_N, BLOCK_K) blocks."""
     expert = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first_col = tl.program_id(1) * BLOCK_N
+    cols = first_col + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
     inner = tl.arange(0, BLOCK_K)
     start = tl.load(bounds_ptr + expert)
     end = tl.load(bounds_ptr + expert + 1)
-    weight_rows = weight_ptr + expert.to(tl.int64) * stride_expert + cols[:, None].to(tl.int64) * stride_n
+    if not WEIGHT_TMA:
+        weight_rows = weight_ptr + expert.to(tl.int64) * stride_expert + cols[:, None].to(tl.int64) * stride_n
     for offset in range(0, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
         slots = start + offset + tl.arange(0, BLOCK_T)
         slot_mask = slots < end
@@ -146,7 +159,10 @@ def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, r
                 x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
                 w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
             x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-            w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+            if WEIGHT_TMA:
+                w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
+            else:
+                w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
             if UPCAST:
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
@@ -213,9 +229,13 @@ class DecodeTiles:
     block_k: int = 128
     num_stages: int = 4
     num_warps: int = 4
+    weight_tma: bool = False
+    """Load the weight blocks by TMA (Hopper's tensor memory accelerator) instead of through pointers; needs the
+    weight's inner dimension contiguous and 16-byte aligned rows."""
 
     def __str__(self) -> str:
-        return f"t{self.block_t} n{self.block_n} k{self.block_k} stages {self.num_stages} warps {self.num_warps}"
+        return (f"t{self.block_t} n{self.block_n} k{self.block_k} stages {self.num_stages} warps {self.num_warps}"
+                + (" tma" if self.weight_tma else ""))
 
 
 DECODE_TILES = (
@@ -226,12 +246,18 @@ DECODE_TILES = (
     DecodeTiles(block_t=32),
     DecodeTiles(block_t=32, block_n=128, block_k=64, num_warps=8),
     DecodeTiles(block_t=16),
-    DecodeTiles(block_t=16, block_n=128, num_stages=3, num_warps=8),
+    DecodeTiles(block_t=16, block_n=128, block_k=64, num_warps=8),
+    DecodeTiles(block_k=64, weight_tma=True),
+    DecodeTiles(num_stages=3, weight_tma=True),
+    DecodeTiles(block_n=128, block_k=64, num_stages=3, num_warps=8, weight_tma=True),
+    DecodeTiles(block_t=32, weight_tma=True),
+    DecodeTiles(block_t=16, weight_tma=True),
 )
 """The tilings ``ExpertKernelChoice`` times for each of the two swapped products: 64 slots cover the experts of a
 512-sequence step in one pass, 16 and 32 those of smaller steps; the blocks and stages set how many weight bytes
 each program keeps in flight and the shared memory it takes (stages x (2 x block_n + block_t) x block_k x 2 bytes
-for gate|up in bf16, 96 to 204 KiB here), so how many programs an SM holds."""
+for gate|up in bf16, 96 to 164 KiB here), so how many programs an SM holds. The TMA ones read the weight
+blocks without the pointer arithmetic and registers of a pointer load."""
 
 
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
@@ -242,6 +268,26 @@ def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     if upcast and dtype != torch.bfloat16:
         raise ValueError(f"the expert kernels run {dtype} on the GPU only; Triton's interpreter runs float32 and bf16")
     return {"PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
+
+
+def tma_loadable(weight: Tensor) -> bool:
+    """Whether TMA can read ``weight`` (experts, cols, inner): the inner dimension contiguous, the other strides and
+    the base 16-byte aligned."""
+    size = weight.element_size()
+    return (weight.stride(-1) == 1 and weight.data_ptr() % 16 == 0
+            and all(stride * size % 16 == 0 for stride in weight.stride()[:-1]))
+
+
+def _weight_operand(weight: Tensor, tiles: DecodeTiles) -> object:
+    """The weight as the swapped kernels read it: a tensor, or a tensor descriptor of (1, block_n, block_k) blocks."""
+    if not tiles.weight_tma:
+        return weight
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not tma_loadable(weight):
+        raise ValueError(f"TMA cannot read the expert weight of strides {tuple(weight.stride())}: its inner dimension "
+                         "is not contiguous with 16-byte aligned rows; a pointer tiling runs it")
+    return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [1, tiles.block_n, tiles.block_k])
 
 
 def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: Tensor, top_k: int,
@@ -256,11 +302,11 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
     inter = two_inter // 2
     out = torch.empty(order.shape[0], inter, dtype=hidden.dtype, device=hidden.device)
     grid = (num_experts, triton.cdiv(inter, tiles.block_n))
-    _gate_up_silu_kernel[grid](hidden, gate_up, out, bounds, order, hidden.stride(0), gate_up.stride(0),
+    _gate_up_silu_kernel[grid](hidden, _weight_operand(gate_up, tiles), out, bounds, order, hidden.stride(0), gate_up.stride(0),
                                gate_up.stride(1), gate_up.stride(2), out.stride(0), inter, TOP_K=top_k,
                                NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
                                BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
-                               **_dot_options(hidden.dtype),
+                               WEIGHT_TMA=tiles.weight_tma, **_dot_options(hidden.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -277,10 +323,11 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
     num_experts, num_cols, num_inner = down.shape
     out = torch.empty(order.shape[0], num_cols, dtype=torch.result_type(activated, routing), device=activated.device)
     grid = (num_experts, triton.cdiv(num_cols, tiles.block_n))
-    _down_scatter_kernel[grid](activated, down, out, bounds, order, routing, activated.stride(0), down.stride(0),
+    _down_scatter_kernel[grid](activated, _weight_operand(down, tiles), out, bounds, order, routing, activated.stride(0), down.stride(0),
                                down.stride(1), down.stride(2), out.stride(0), num_cols, NUM_INNER=num_inner,
                                BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                               EVEN_K=num_inner % tiles.block_k == 0, **_dot_options(activated.dtype),
+                               EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
+                               **_dot_options(activated.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -406,19 +453,21 @@ class ExpertKernelChoice:
         """The fastest tiling of each swapped product, timed alone (the down product on the gate|up one's output)."""
         bounds = expert_bounds(sorted_ids, gate_up.shape[0])
         top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
-        gate_up_tiles = self._fastest_tiles("gate_up", timings, lambda tiles: lambda: expert_gate_up_silu(
+        gate_up_tiles = self._fastest_tiles("gate_up", gate_up, timings, lambda tiles: lambda: expert_gate_up_silu(
             hidden, gate_up, bounds, order, top_k, tiles))
         if gate_up_tiles is None:
             return None
         activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, gate_up_tiles)
-        down_tiles = self._fastest_tiles("down", timings, lambda tiles: lambda: expert_down_scatter(
+        down_tiles = self._fastest_tiles("down", down, timings, lambda tiles: lambda: expert_down_scatter(
             activated, down, bounds, order, routing, tiles))
         return None if down_tiles is None else SwappedExperts(gate_up_tiles, down_tiles)
 
-    def _fastest_tiles(self, product: str, timings: dict[str, float],
+    def _fastest_tiles(self, product: str, weight: Tensor, timings: dict[str, float],
                        runner: Callable[[DecodeTiles], Callable[[], Tensor]]) -> DecodeTiles | None:
         fastest: tuple[float, DecodeTiles] | None = None
         for tiles in self.tiles:
+            if tiles.weight_tma and not tma_loadable(weight):
+                continue
             name = f"swapped {product} {tiles}"
             milliseconds = None if name in self.failed else self._checked_time(name, runner(tiles), None)
             if milliseconds is not None:
