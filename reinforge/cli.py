@@ -69,11 +69,14 @@ def _plan(argv: list[str]) -> int:
     ``--model SHAPE`` plans a shape of ``reinforge bench train`` (its config.json, the bench's workload and the
     shape's LoRA adapter, before the command line's overrides) without any model folder. ``--prompts``, ``--n``,
     ``--prompt-tokens`` and ``--response-tokens`` set the workload as ``bench train`` names it (e.g. long
-    responses: ``--prompts 8 --response-tokens 32768``)."""
+    responses: ``--prompts 8 --response-tokens 32768``). ``--image-size W[xH]`` (pixels) sets a vision-language
+    model's image tokens a prompt (data.max_image_tokens) for one image of that size; a vision-language shape's
+    prompts hold one such image (448 x 448 by default, as ``bench train``'s) beside their ``--prompt-tokens``."""
     sizes = argparse.ArgumentParser(prog="reinforge plan", add_help=False)
     sizes.add_argument("--gpu-memory-gib", type=float, default=None)
     sizes.add_argument("--host-memory-gib", type=float, default=None)
     sizes.add_argument("--model", default=None)
+    sizes.add_argument("--image-size", default=None)
     for flag in PLAN_WORKLOAD_FLAGS:
         sizes.add_argument(flag, type=int, default=None)
     known, rest = sizes.parse_known_args(argv)
@@ -83,7 +86,7 @@ def _plan(argv: list[str]) -> int:
 
         folder = Path(tempfile.mkdtemp(prefix="reinforge_plan_"))
         try:
-            return _plan_run(rest, known, _shape_overrides(known.model, folder))
+            return _plan_run(rest, known, _shape_overrides(known.model, folder) + _shape_image_overrides(known))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     return _plan_run(rest, known, [])
@@ -106,10 +109,41 @@ def _shape_overrides(name: str, folder: Path) -> list[str]:
     return [f"model.path={write_shape_config(name, folder)}", *STANDARD_WORKLOAD, *SHAPES[name].config_overrides()]
 
 
+def _image_side(value: str) -> tuple[int, int]:
+    """(width, height) of ``--image-size`` W or WxH, in pixels."""
+    from reinforge.config import ConfigError
+
+    try:
+        sides = [int(side) for side in value.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) < 1:
+        raise ConfigError(f"--image-size {value} (command line) is no image size; give pixels a side (448) or "
+                          "width x height (640x480)")
+    return sides[0], sides[-1]
+
+
+def _shape_image_overrides(known: argparse.Namespace) -> list[str]:
+    """A vision-language shape's image tokens (one image of ``--image-size``, by default the bench's 448 x 448) and
+    its prompt length: ``--prompt-tokens`` of text (128 by default) and the image's tokens. Consumes
+    ``known.prompt_tokens`` and ``known.image_size``."""
+    from reinforge.bench.shapes import SHAPES, shape_config
+    from reinforge.bench.vision import IMAGE_SIDE
+    from reinforge.engine.memory_plan import VisionShape
+
+    tower = VisionShape.from_hf_config(shape_config(known.model)) if SHAPES[known.model].vision else None
+    if tower is None:
+        return []
+    image_tokens = tower.image_tokens(*_image_side(known.image_size or str(IMAGE_SIDE)))
+    text_tokens = known.prompt_tokens or 128
+    known.prompt_tokens = known.image_size = None
+    return [f"data.max_image_tokens={image_tokens}", f"data.max_prompt_length={text_tokens + image_tokens}"]
+
+
 def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[str]) -> int:
     config_path, overrides = _config_arguments(
         rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE] [--prompts P] [--n N] "
-                   "[--prompt-tokens T] [--response-tokens R]",
+                   "[--prompt-tokens T] [--response-tokens R] [--image-size W[xH]]",
         description="Print the memory plan of a run on a card of any size, from any machine (reads only the "
         "model's config.json); exit 2 with one line if it cannot fit.",
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
@@ -123,6 +157,9 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     overrides = [*shape_overrides, *workload, *overrides,
                  *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
     config = load_config(config_path, overrides)  # the schema's rules; none asks this machine for the device
+    if known.image_size is not None:
+        config.data.max_image_tokens = _image_tokens_of(config.model.path, known.image_size,
+                                                        config.data.max_prompt_length)
     from reinforge.trainer.preflight import check_config
 
     check_config(config)  # the rules of reinforge train, except the device checks of preflight
@@ -141,6 +178,24 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
         check_target_modules(config.model.lora, config.model.path)
     print(memory_plan(config).table())  # MemoryPlanError (a ValueError): one line, exit 2, as train
     return 0
+
+
+def _image_tokens_of(model_path: str, image_size: str, max_prompt_length: int) -> int:
+    """The image tokens of one ``image_size`` image for the vision-language model at ``model_path`` (its config.json),
+    which the prompt's ``max_prompt_length`` tokens must hold."""
+    from reinforge.config import ConfigError
+    from reinforge.engine.memory_plan import ModelShape
+
+    tower = ModelShape.from_model_path(model_path).vision if model_path else None
+    if tower is None:
+        raise ConfigError(f"--image-size {image_size} (command line) counts a vision-language model's image tokens, "
+                          f"and model.path={model_path or 'null'} has no vision tower; drop --image-size")
+    tokens = tower.image_tokens(*_image_side(image_size))
+    if tokens > max_prompt_length:
+        raise ConfigError(f"--image-size {image_size} (command line) makes {tokens} image tokens a prompt, more than "
+                          f"data.max_prompt_length={max_prompt_length}; raise max_prompt_length to hold the image "
+                          "and its text")
+    return tokens
 
 
 def _sft(argv: list[str]) -> int:

@@ -139,6 +139,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.data.max_prompt_length = args.prompt_tokens
     if getattr(args, "vision_prompts", None) is not None:  # the letters, the image's tokens and the chat template's
         config.data.max_prompt_length = args.vision_prompts.prompt_length
+        config.data.max_image_tokens = args.vision_prompts.image_tokens  # the planner counts these patches
     config.data.max_response_length = args.response_tokens
     config.rollout.name = args.rollout
     config.rollout.n = args.n

@@ -119,6 +119,11 @@ class VisionPrompts:
         """Tokens of each prompt (all are as long: one image of the same size, as many letters)."""
         return self._encoded(0)["input_ids"].shape[1]
 
+    @property
+    def image_tokens(self) -> int:
+        """Image tokens of each prompt: its image's patches over merge_size^2 (256 for 448 x 448 at 14 pixels)."""
+        return int(self._encoded(0)["image_grid_thw"].prod(-1).max()) // self.processor.image_processor.merge_size ** 2
+
     @lru_cache(maxsize=1)  # noqa: B019  (one instance a run; each step asks twice)
     def _encoded(self, step: int) -> dict:
         args = self.args

@@ -240,6 +240,10 @@ def validate_config(config: Config) -> None:
                         ("data.max_response_length", data.max_response_length)):
         if length < 1:
             raise ConfigError(f"{key}={length} must be at least 1 (tokens)")
+    if data.max_image_tokens is not None and not 1 <= data.max_image_tokens <= data.max_prompt_length:
+        raise ConfigError(f"data.max_image_tokens={data.max_image_tokens} must be between 1 and "
+                          f"data.max_prompt_length={data.max_prompt_length} (a prompt's image tokens are among its "
+                          "tokens); set it to the image tokens of your largest prompt, or null")
     longest = data.max_prompt_length + data.max_response_length
     _check_memory_settings(config)
     budgets = (("actor", actor.max_tokens_per_micro_batch), ("ref", config.ref.max_tokens_per_micro_batch),

@@ -263,6 +263,12 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
     except Exception as error:  # the template's own error (jinja2 TypeError/UndefinedError) on odd message content
         raise ValueError(f"{where}: the chat template cannot render this prompt ({type(error).__name__}: {error}); "
                          "give each message's 'content' as a string") from None
+    if images and config.max_image_tokens is not None:
+        image_tokens = prompt_ids.count(processor.image_token_id)
+        if image_tokens > config.max_image_tokens:
+            raise ValueError(f"{where} has {image_tokens} image tokens, more than data.max_image_tokens="
+                             f"{config.max_image_tokens}, by which the memory plan counts the vision tower's patches; "
+                             "raise max_image_tokens (or null: max_prompt_length) or give the row smaller images")
     limit = config.max_prompt_length
     if len(prompt_ids) > limit:
         if config.filter_overlong_prompts:

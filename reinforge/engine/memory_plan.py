@@ -173,6 +173,13 @@ class VisionShape:
         deepstack = self.deepstack_mergers * (2 * merged + projection)  # normed after the merge
         return patch + self.position_embeddings * hidden + self.depth * block + merger + deepstack
 
+    def image_tokens(self, width: int, height: int) -> int:
+        """The language model's tokens for one image of ``width`` x ``height`` pixels: its sides rounded to whole
+        merged patches (patch_size x merge_size pixels; the processor's resize, within its pixel bounds), one token
+        each."""
+        side = self.patch_size * self.merge_size
+        return max(round(width / side), 1) * max(round(height / side), 1)
+
     def patches(self, image_tokens: int) -> int:
         """Patches the tower encodes for this many image tokens of the language model."""
         return image_tokens * self.merge_size ** 2
@@ -512,8 +519,8 @@ class RunShape:
     kv_cache_dtype: str = "auto"
     """rollout.kv_cache_dtype: auto (the compute dtype) or fp8 (a byte a value plus a float32 scale per vector)."""
     image_tokens: int = 0
-    """A vision-language model: the language model's image tokens of one prompt at most (the prompt's length bounds
-    them: data.max_prompt_length); its tower encodes ``VisionShape.patches`` of them. Ignored for a text model."""
+    """A vision-language model: the language model's image tokens of one prompt at most (data.max_image_tokens, else
+    the prompt's length bounds them); its tower encodes ``VisionShape.patches`` of them. Ignored for a text model."""
     train_vision: bool = False
     """actor.freeze_vision_tower=false: the tower's gradients, optimizer state and saved activations count too."""
 
@@ -962,9 +969,11 @@ def vision_line(shape: ModelShape, run: RunShape) -> str:
     if tower is None:
         return ""
     state = "trained" if run.train_vision and not run.lora_rank else "frozen"
+    bound = "data.max_image_tokens" if run.image_tokens < run.prompt_length else \
+        "every prompt token; data.max_image_tokens counts fewer"
     return (f"vision tower: {tower.num_params / 1e9:.2f}B parameters, {state} (actor.freeze_vision_tower), up to "
             f"{tower.patches(run.image_tokens)} patches a prompt ({run.image_tokens} image tokens of "
-            f"{tower.merge_size ** 2} patches, data.max_prompt_length)")
+            f"{tower.merge_size ** 2} patches, {bound})")
 
 
 def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str, Any], gpu_bytes: float,

@@ -76,7 +76,7 @@ def run_shape(config: Config) -> RunShape:
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
                     kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")),
-                    image_tokens=config.data.max_prompt_length,  # a VLM's prompt holds at most this many image tokens
+                    image_tokens=config.data.max_image_tokens or config.data.max_prompt_length,
                     train_vision=not config.actor.freeze_vision_tower)
 
 

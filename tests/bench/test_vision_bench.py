@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from reinforge.bench.shapes import SHAPES
-from reinforge.bench.train import parse_args, run_variant, write_model
+from reinforge.bench.train import build_config, parse_args, run_variant, write_model
 from reinforge.bench.vision import VisionPrompts
 
 QWEN25_VL_3B_PARAMS = 3.75
@@ -44,6 +44,10 @@ def test_prompts_are_the_processors_with_one_image_each(tiny_vl_dir):
         assert int((row == config.image_token_id).sum()) == int(grid.prod()) // merge**2
     assert batch["input_ids"].shape[1] == prompts.prompt_length
     assert torch.equal(prompts.batch(0)["input_ids"], batch["input_ids"])  # the same prompts when asked again
+    # the run's plan counts the tower's patches of these image tokens, not of every prompt token
+    assert prompts.image_tokens == int(batch.non_tensors["multi_modal_inputs"][0]["image_grid_thw"].prod()) // merge**2
+    args.vision_prompts = prompts
+    assert build_config(tiny_vl_dir, args).data.max_image_tokens == prompts.image_tokens < prompts.prompt_length
 
 
 @pytest.mark.slow

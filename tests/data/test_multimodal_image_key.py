@@ -78,3 +78,15 @@ def test_image_key_is_checked_in_the_config():
         validate_image_key("prompt", "prompt", "prompt_key")
     with pytest.raises(ConfigError, match="data.image_key='' is not a column name"):
         validate_image_key("", "prompt", "prompt_key")
+
+
+def test_a_prompt_with_more_image_tokens_than_data_max_image_tokens_is_refused_naming_the_row(tmp_path, processor):
+    """The memory plan counts the vision tower's patches by data.max_image_tokens: a prompt holding more is refused
+    as it loads (a 32 x 32 image is 4 image tokens of the tiny processor)."""
+    path = write(tmp_path, [row(images=[png((255, 0, 0))])])
+    dataset = RLDataset(path, processor.tokenizer, DataConfig(max_prompt_length=256, max_image_tokens=4),
+                        processor=processor)
+    assert dataset[0].prompt_ids.count(processor.image_token_id) == 4
+    with pytest.raises(ValueError, match=r"row 0 of .* has 4 image tokens, more than data.max_image_tokens=3, by "
+                                         r"which the memory plan counts the vision tower's patches; raise"):
+        RLDataset(path, processor.tokenizer, DataConfig(max_prompt_length=256, max_image_tokens=3), processor=processor)

@@ -104,12 +104,67 @@ def test_lora_and_offload_move_the_tower_as_the_language_model():
 def test_plan_of_the_vl_bench_shape_shows_the_tower(capsys):
     from reinforge.cli import main
 
-    arguments = ["plan", "--model", "qwen2.5-vl-3b", "--prompt-tokens", "400", "--gpu-memory-gib", "141",
-                 "--host-memory-gib", "1000", "trainer.device=cuda"]
+    arguments = ["plan", "--model", "qwen2.5-vl-3b", "--gpu-memory-gib", "141", "--host-memory-gib", "1000",
+                 "trainer.device=cuda"]
     assert main(arguments) == 0
     frozen = capsys.readouterr().out
-    assert "vision tower: 0.67B parameters, frozen (actor.freeze_vision_tower), up to 1600 patches a prompt" in frozen
+    # the standard workload's one 448 x 448 image a prompt: 256 image tokens, not every one of its 128 + 256 tokens
+    assert ("vision tower: 0.67B parameters, frozen (actor.freeze_vision_tower), up to 1024 patches a prompt (256 "
+            "image tokens of 4 patches, data.max_image_tokens)") in frozen
     assert "vision tower 2.5" in frozen and "vision optimizer state" not in frozen
     assert main([*arguments, "actor.freeze_vision_tower=false"]) == 0
     trained = capsys.readouterr().out
     assert "0.67B parameters, trained" in trained and "vision optimizer state 5.0" in trained
+
+
+@pytest.mark.parametrize("flags, image_tokens, prompt_length", [
+    ([], 256, 128 + 256),
+    (["--image-size", "224"], 64, 128 + 64),
+    (["--image-size", "640x480", "--prompt-tokens", "300"], 23 * 17, 300 + 23 * 17),  # sides rounded to 28 pixels
+])
+def test_plan_of_the_vl_bench_shape_counts_the_image_tokens_of_its_image_size(monkeypatch, flags, image_tokens,
+                                                                             prompt_length):
+    from reinforge.cli import main
+    from reinforge.workers import memory_settings
+
+    seen = []
+    monkeypatch.setattr(memory_settings, "memory_plan", lambda config: seen.append(config) or _Plan())
+    assert main(["plan", "--model", "qwen2.5-vl-3b", *flags, "--gpu-memory-gib", "141", "trainer.device=cuda"]) == 0
+    [config] = seen
+    assert (config.data.max_image_tokens, config.data.max_prompt_length) == (image_tokens, prompt_length)
+    assert memory_settings.run_shape(config).image_tokens == image_tokens
+
+
+class _Plan:
+    def table(self) -> str:
+        return "a plan"
+
+
+def test_plan_of_a_model_folder_takes_the_image_size_or_else_counts_every_prompt_token(tmp_path, capsys):
+    """A folder of the shape's config.json: --image-size counts one image's tokens, which must fit the prompt;
+    without it every prompt token counts as an image token, and the line says how to count fewer."""
+    from reinforge.bench.shapes import write_shape_config
+    from reinforge.cli import main
+    from reinforge.config import ConfigError, load_config
+    from reinforge.config.validate import validate_config
+
+    folder = write_shape_config("qwen2.5-vl-3b", tmp_path / "vl")
+    arguments = ["plan", f"model.path={folder}", "data.max_prompt_length=400", "--gpu-memory-gib", "141",
+                 "--host-memory-gib", "1000", "trainer.device=cuda"]
+    assert main([*arguments, "--image-size", "448"]) == 0
+    assert "up to 1024 patches a prompt (256 image tokens of 4 patches, data.max_image_tokens)" in capsys.readouterr().out
+    assert main(arguments) == 0
+    assert ("up to 1600 patches a prompt (400 image tokens of 4 patches, every prompt token; data.max_image_tokens "
+            "counts fewer)") in capsys.readouterr().out
+    assert main([*arguments, "--image-size", "1036"]) == 2
+    assert ("--image-size 1036 (command line) makes 1369 image tokens a prompt, more than data.max_prompt_length=400; "
+            "raise max_prompt_length") in capsys.readouterr().err
+    text = write_shape_config("0.5b", tmp_path / "text")
+    assert main(["plan", f"model.path={text}", "--image-size", "448", "--gpu-memory-gib", "141",
+                 "trainer.device=cuda"]) == 2
+    assert (f"--image-size 448 (command line) counts a vision-language model's image tokens, and model.path={text} "
+            "has no vision tower; drop --image-size") in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"data.max_image_tokens=500 must be between 1 and "
+                                          r"data.max_prompt_length=400"):
+        validate_config(load_config(None, [f"model.path={folder}", "data.max_prompt_length=400",
+                                           "data.max_image_tokens=500"]))
