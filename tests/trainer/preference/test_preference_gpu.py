@@ -139,3 +139,18 @@ def test_the_reward_model_trains_sharded_with_compiled_layers_in_bf16(pair_args,
     assert all(math.isfinite(record["train/loss"]) and 0 < record["train/grad_norm"] < math.inf for record in records)
     folder = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "hf"
     AutoModelForSequenceClassification.from_pretrained(folder)  # what reward.reward_model loads
+
+
+def test_a_step_in_many_micro_batches_with_parameters_kept_gathered_equals_one_in_one(pair_args, tmp_path):
+    from reinforge.config.preference_schema import load_dpo_config
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    grad_norms = []
+    for budget in (96, 4096):
+        config = load_dpo_config(None, pair_args(tmp_path / str(budget), **{
+            "trainer.device": "cuda", "model.dtype": "bfloat16", "trainer.total_steps": 1, "data.shuffle": False,
+            "trainer.max_tokens_per_micro_batch": budget}))
+        trainer = DPOTrainer(config)
+        assert trainer.memory_plan.keep_gathered  # one GPU with room: gathered once, gradients reduced once a step
+        grad_norms.append(trainer.fit()["train/grad_norm"])
+    assert grad_norms[0] == pytest.approx(grad_norms[1], rel=2e-2)

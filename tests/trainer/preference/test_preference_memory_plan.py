@@ -139,7 +139,7 @@ def test_a_steps_pairs_split_into_the_fewest_micro_batches_of_even_sizes():
     assert sorted(row for piece in micro for row in piece.meta["rows"]) == list(range(80))  # every pair, whole
 
 
-def test_parameters_kept_gathered_from_forward_to_backward_give_the_same_update(pair_args, tmp_path, monkeypatch):
+def test_parameters_kept_gathered_and_gradients_reduced_once_a_step_give_the_same_update(pair_args, tmp_path, monkeypatch):
     from reinforge.trainer.preference.dpo_trainer import DPOTrainer
 
     def weights_after_one_step(run_dir, gpu_bytes):
@@ -147,6 +147,8 @@ def test_parameters_kept_gathered_from_forward_to_backward_give_the_same_update(
         monkeypatch.setattr(pairs_module, "apply_preference_plan", planned)
         trainer = DPOTrainer(load_dpo_config(None, pair_args(run_dir, **{"trainer.total_steps": 1,
                                                                           "trainer.max_tokens_per_micro_batch": 96})))
+        batch = trainer.train_loader.batches_of_one_pass()[0]
+        assert len(list(pair_micro_batches(batch, 96, "response_mask"))) > 2  # gradients accumulated over several
         trainer.fit()
         weights = {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
         return trainer.memory_plan.keep_gathered, weights
