@@ -198,6 +198,31 @@ def test_the_choice_keeps_the_fastest_candidate_and_drops_failing_or_wrong_ones(
     torch.testing.assert_close(got, gathered, atol=1e-5, rtol=1e-5)
 
 
+def test_the_choice_times_its_candidates_on_assignments_spread_over_the_experts(monkeypatch):
+    """A decode graph's warm-up runs identical padding tokens, which all pick the same experts; the candidates are
+    timed on the call's number of assignments spread over the experts, and the call still returns its own
+    routing's output."""
+    num_tokens, top_k, num_experts, hidden_size, inter = 16, 2, 8, 16, 16
+    hidden = torch.randn(1, hidden_size, generator=torch.Generator().manual_seed(9)).expand(num_tokens, -1).contiguous()
+    expert_ids = torch.tensor([[3, 5]]).expand(num_tokens, -1)
+    weights = torch.full((num_tokens, top_k), 0.5)
+    gate_up, down = layer(num_experts, hidden_size, inter, seed=10)
+    experts_used = []
+    real_gate_up = moe_kernels.expert_gate_up_silu
+
+    def counting(hidden, gate_up, bounds, *args):
+        experts_used.append(int((bounds.diff() > 0).sum()))
+        return real_gate_up(hidden, gate_up, bounds, *args)
+
+    monkeypatch.setattr(moe_kernels, "expert_gate_up_silu", counting)
+    monkeypatch.setattr(ExpertKernelChoice, "_time", lambda self, run: 1.0)
+    choice = ExpertKernelChoice(tiles=SMALL_TILES[:1], tile_configs=())
+    got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
+    assert experts_used and min(experts_used) >= num_experts - 2, experts_used
+    gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
+    torch.testing.assert_close(got, gathered, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
     """Every tiling of each kernel (the TMA ones included) on the Qwen3-30B-A3B expert shapes, against torch's

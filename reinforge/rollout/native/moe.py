@@ -147,11 +147,11 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     if grouped:
         sorted_ids, order = torch.sort(flat_ids)
 
-        def tiled(matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
+        def tiled(sorted_ids: Tensor, order: Tensor, matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
             return grouped_experts(hidden, sorted_ids, order, flat_weights, gate_up, down, top_k, activate, matmul)
 
         if kernels is None:
-            per_assignment = tiled(None)
+            per_assignment = tiled(sorted_ids, order, None)
         else:
             per_assignment = kernels(hidden, sorted_ids, order, flat_weights, gate_up, down, tiled)
     else:

@@ -15,7 +15,8 @@ bounds read on the device, so a CUDA graph captures them:
 
 torch's grouped GEMM (CUTLASS) is the default. ``ExpertKernelChoice`` times it, the tilings of each swapped
 product and those of the tiled kernel once per shape and row count, outside graph capture (the decode graph's
-warm-up forward runs first), and keeps the fastest; a candidate that fails to compile or run, or gives other
+warm-up forward runs first), on that many assignments spread over the experts (the warm-up's padding tokens all
+pick the same experts), and keeps the fastest; a candidate that fails to compile or run, or gives other
 numbers than torch's, is dropped in one line and the others (torch's at least) stay.
 """
 
@@ -377,16 +378,27 @@ Candidate = TileConfig | SwappedExperts | None
 """How the experts run: None torch's grouped GEMMs, a ``TileConfig`` the tiled kernel for both products (with the
 activation, weighting and un-permute in torch), a ``SwappedExperts`` the swapped kernels."""
 
-TiledExperts = Callable[[Callable[[Tensor, Tensor, Tensor], Tensor] | None], Tensor]
-"""``moe.grouped_experts`` bound to a layer's inputs: given a grouped GEMM ``(rows, weight, bounds)`` (None: torch's),
-every assignment's weighted expert output in assignment order."""
+TiledExperts = Callable[[Tensor, Tensor, Callable[[Tensor, Tensor, Tensor], Tensor] | None], Tensor]
+"""``moe.grouped_experts`` bound to a layer's hidden states, routing weights and expert weights: given the sorted
+expert ids, the order and a grouped GEMM ``(rows, weight, bounds)`` (None: torch's), every assignment's weighted
+expert output in assignment order."""
+
+
+def spread_assignments(num_assignments: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Sorted expert ids and order of ``num_assignments`` assignments drawn uniformly over the experts (a fixed seed):
+    what the candidates are timed on, since the call that triggers the timing may route otherwise (a decode graph's
+    warm-up runs identical padding tokens, which all pick the same experts)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, num_experts, (num_assignments,), generator=generator, device=device)
+    return torch.sort(ids)
 
 
 class ExpertKernelChoice:
     """Which kernels run the experts, per (assignments rounded up to a power of two, experts, gate|up and down
-    shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster. The swapped kernels are
-    timed tiling by tiling for each product, then as a pair against torch's and the tiled kernel's tilings
-    (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
+    shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster. Candidates are timed on the
+    call's hidden states and weights with its number of assignments spread over the experts at random
+    (``spread_assignments``). The swapped kernels are timed tiling by tiling for each product, then as a pair
+    against torch's and the tiled kernel's tilings (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
     rounding, is dropped in one line. Timing needs a stream that is not capturing; inside a capture an untimed
     shape runs torch's."""
 
@@ -405,19 +417,19 @@ class ExpertKernelChoice:
     def __call__(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
                  down: Tensor, tiled: TiledExperts) -> Tensor:
         """Every assignment's weighted expert output, (assignments, hidden) in assignment order, by the picked
-        candidate (``tiled(None)`` is torch's)."""
-        candidate = self._candidate_for(hidden, sorted_ids, order, routing, gate_up, down, tiled)
+        candidate (``tiled(sorted_ids, order, None)`` is torch's)."""
+        candidate = self._candidate_for(hidden, order, routing, gate_up, down, tiled)
         if isinstance(candidate, SwappedExperts):
             return swapped_experts(hidden, sorted_ids, order, routing, gate_up, down, candidate)
         if isinstance(candidate, TileConfig):
-            return tiled(lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, candidate))
-        return tiled(None)
+            return tiled(sorted_ids, order, lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, candidate))
+        return tiled(sorted_ids, order, None)
 
     def key(self, order: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor) -> tuple:
         return (triton.next_power_of_2(order.shape[0]), *gate_up.shape, down.shape[1], gate_up.dtype, routing.dtype)
 
-    def _candidate_for(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
-                       down: Tensor, tiled: TiledExperts) -> Candidate:
+    def _candidate_for(self, hidden: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
+                       tiled: TiledExperts) -> Candidate:
         if order.shape[0] > MAX_ROWS_PER_EXPERT * gate_up.shape[0]:
             return None
         key = self.key(order, routing, gate_up, down)  # prefills vary: rows by octave
@@ -425,18 +437,19 @@ class ExpertKernelChoice:
             return self.picked[key]
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        expected = tiled(None)
-        timings = {"torch": self._time(lambda: tiled(None))}
-        runs: dict[Candidate, Callable[[], Tensor]] = {None: lambda: tiled(None)}
+        sorted_ids, order = spread_assignments(order.shape[0], gate_up.shape[0], hidden.device)
+        expected = tiled(sorted_ids, order, None)
+        timings = {"torch": self._time(lambda: tiled(sorted_ids, order, None))}
+        runs: dict[Candidate, Callable[[], Tensor]] = {}
         for config in self.tile_configs:
             runs[config] = lambda config=config: tiled(
-                lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, config))
+                sorted_ids, order, lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, config))
         swapped = self._swapped_tiles(hidden, sorted_ids, order, routing, gate_up, down, timings)
         if swapped is not None:
             runs[swapped] = lambda: swapped_experts(hidden, sorted_ids, order, routing, gate_up, down, swapped)
         best: Candidate = None
         for candidate, run in runs.items():
-            if candidate is None or str(candidate) in self.failed:
+            if str(candidate) in self.failed:
                 continue
             milliseconds = self._checked_time(str(candidate), run, expected)
             if milliseconds is not None:
@@ -444,8 +457,9 @@ class ExpertKernelChoice:
                 if milliseconds < timings[str(best) if best is not None else "torch"]:
                     best = candidate
         self.picked[key], self.timings[key] = best, timings
-        logger.info("experts of %d assignments x %s: %s; running %s", order.shape[0], tuple(gate_up.shape),
-                    ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()), best or "torch's grouped GEMMs")
+        logger.info("experts of %d assignments x %s (timed spread over the experts): %s; running %s", order.shape[0],
+                    tuple(gate_up.shape), ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()),
+                    best or "torch's grouped GEMMs")
         return best
 
     def _swapped_tiles(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
