@@ -38,8 +38,8 @@ class DataConfig:
     max_image_tokens: Optional[int] = None
     """A vision-language model's image tokens in one prompt at most (each image's patches over merge_size^2,
     summed: 256 for one 448 x 448 image at Qwen2.5-VL's 14-pixel patches merged 2 x 2). The memory planner counts
-    the vision tower's patches from it, and a prompt with more is refused as it loads. None: every prompt token
-    could be an image token (data.max_prompt_length of them)."""
+    the vision tower's patches from it, and a prompt with more is refused as it loads. None: a run counts the most
+    its prompts hold once they are read (``reinforge plan``, which reads no data, every prompt token)."""
     filter_overlong_prompts: bool = True
     """Drop prompts longer than max_prompt_length (and report how many) instead of truncating."""
     truncation: str = "error"

@@ -39,6 +39,7 @@ from reinforge.config.sft_schema import SFTConfig
 from reinforge.config.validate import choose, model_score_source, validate_config, validate_sft_config
 from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules
+from reinforge.engine.memory_plan import ModelShape
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
@@ -50,7 +51,7 @@ from reinforge.serve.agents import register_configured_agents
 from reinforge.tracking import TRACKING_BACKENDS, backend_problem, missing_backend_package
 from reinforge.trainer.ineffective_settings import warn_ineffective_settings
 from reinforge.trainer.modes.partial import refuse_agent_rows
-from reinforge.workers.memory_settings import apply_memory_plan
+from reinforge.workers.memory_settings import apply_memory_plan, has_auto_settings
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +214,11 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     custom_scorer = load_reward_function(config.reward, reward_functions)  # a broken one fails before any model
     check_reward_model_settings(config)
     check_judge_settings(config)
-    apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
+    # a vision-language model's plan counts the image tokens of its rows (unless data.max_image_tokens bounds them)
+    plan_after_data = config.data.max_image_tokens is None and has_auto_settings(config) and \
+        ModelShape.from_model_path(config.model.path).vision is not None
+    if not plan_after_data:
+        apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
                            "data.max_prompt_length + data.max_response_length")
@@ -247,7 +252,19 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                           for example in val_set.examples), tools)
     check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
                       for example in dataset.examples), tokenizer, config.data.chat_template)
+    if plan_after_data:
+        if processor is not None:
+            config.data.max_image_tokens = most_image_tokens([train_set, val_set], processor.image_token_id)
+        apply_memory_plan(config)
     return Checked(tokenizer, tools, custom_scorer, train_set, val_set)
+
+
+def most_image_tokens(datasets: Sequence[RLDataset | None], image_token_id: int) -> int | None:
+    """The most image tokens a prompt of ``datasets`` holds (what a vision-language run's memory plan counts the
+    tower's patches by, as data.max_image_tokens); None when no prompt has an image."""
+    most = max((example.prompt_ids.count(image_token_id) for dataset in datasets if dataset is not None
+                for example in dataset.examples), default=0)
+    return most or None
 
 
 def check_reward_model_settings(config: Config) -> None:

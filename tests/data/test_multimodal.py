@@ -143,19 +143,44 @@ def test_sft_conversations_with_images_expand_pads_untrained(tmp_path, processor
         pack_examples(dataset.examples, 256)
 
 
-def test_a_vision_language_run_with_a_critic_is_refused_before_any_model_loads(tmp_path):
-    from reinforge.config import ConfigError, load_config
+def vlm_run(tmp_path, rows: list[dict]) -> list[str]:
+    """Overrides of a GRPO run of a tiny VLM on ``rows`` (written to a parquet file), on the CPU."""
     from reinforge.demo import vision_reward
     from reinforge.models.tiny_vlm import save_tiny_vlm
-    from reinforge.trainer.preflight import preflight
 
     model = save_tiny_vlm(tmp_path / "vlm")
     path = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([verl_row([png((1, 2, 3))]) for _ in range(4)]), path)
-    overrides = [f"model.path={model}", f"data.train_files=[{path}]", "data.train_batch_size=2", "trainer.device=cpu",
-                 f"trainer.output_dir={tmp_path / 'run'}", "reward.num_workers=0",
-                 f"reward.custom_function={vision_reward.__file__}:compute_score"]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return [f"model.path={model}", f"data.train_files=[{path}]", "data.train_batch_size=2", "trainer.device=cpu",
+            f"trainer.output_dir={tmp_path / 'run'}", "reward.num_workers=0",
+            f"reward.custom_function={vision_reward.__file__}:compute_score"]
+
+
+def test_a_vision_language_run_with_a_critic_is_refused_before_any_model_loads(tmp_path):
+    from reinforge.config import ConfigError, load_config
+    from reinforge.trainer.preflight import preflight
+
+    overrides = vlm_run(tmp_path, [verl_row([png((1, 2, 3))]) for _ in range(4)])
     with pytest.raises(ConfigError, match="vision-language model, whose critic reinforge does not build"):
         preflight(load_config(None, [*overrides, "algorithm.adv_estimator=gae"]))
     checked = preflight(load_config(None, [*overrides, "algorithm.adv_estimator=grpo", "rollout.n=2"]))
     assert checked.train_set.processor is not None and checked.train_set[0].images
+
+
+def test_a_vision_language_runs_memory_plan_counts_the_image_tokens_of_its_rows(tmp_path):
+    """data.max_image_tokens unset: the plan counts the most image tokens a row holds (a 64 x 64 image: 16 tokens
+    of the tiny processor), not every prompt token; set, the rows must keep to it."""
+    from reinforge.config import load_config
+    from reinforge.trainer.preflight import preflight
+    from reinforge.workers.memory_settings import run_shape
+
+    overrides = vlm_run(tmp_path, [verl_row([png((1, 2, 3))]), verl_row([png((1, 2, 3), size=(64, 64))])] * 2)
+    counted = load_config(None, [*overrides, "rollout.n=2"])
+    preflight(counted)
+    assert counted.data.max_image_tokens == 16 and run_shape(counted).image_tokens == 16
+    assert counted.actor.max_tokens_per_micro_batch != "auto"  # the plan resolved its settings
+    given = load_config(None, [*overrides, "rollout.n=2", "data.max_image_tokens=20"])
+    preflight(given)
+    assert given.data.max_image_tokens == 20
+    with pytest.raises(ValueError, match=r"row 1 of .* has 16 image tokens, more than data.max_image_tokens=8"):
+        preflight(load_config(None, [*overrides, "rollout.n=2", "data.max_image_tokens=8"]))
