@@ -139,14 +139,19 @@ def test_a_steps_pairs_split_into_the_fewest_micro_batches_of_even_sizes():
     assert sorted(row for piece in micro for row in piece.meta["rows"]) == list(range(80))  # every pair, whole
 
 
-def test_parameters_kept_gathered_and_gradients_reduced_once_a_step_give_the_same_update(pair_args, tmp_path, monkeypatch):
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_parameters_kept_gathered_and_gradients_reduced_once_a_step_give_the_same_update(pair_args, tmp_path,
+                                                                                       monkeypatch, command):
     from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+    from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+
+    load, trainer_class = (load_dpo_config, DPOTrainer) if command == "dpo" else (load_rm_config, RewardModelTrainer)
 
     def weights_after_one_step(run_dir, gpu_bytes):
         planned = functools.partial(apply_preference_plan, gpu_bytes=gpu_bytes)
         monkeypatch.setattr(pairs_module, "apply_preference_plan", planned)
-        trainer = DPOTrainer(load_dpo_config(None, pair_args(run_dir, **{"trainer.total_steps": 1,
-                                                                          "trainer.max_tokens_per_micro_batch": 96})))
+        trainer = trainer_class(load(None, pair_args(run_dir, **{"trainer.total_steps": 1,
+                                                                 "trainer.max_tokens_per_micro_batch": 96})))
         batch = trainer.train_loader.batches_of_one_pass()[0]
         assert len(list(pair_micro_batches(batch, 96, "response_mask"))) > 2  # gradients accumulated over several
         trainer.fit()
