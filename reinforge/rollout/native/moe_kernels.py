@@ -114,8 +114,10 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
                 gate_w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
                 up_w = weight_ptr.load([expert, first_col + num_inter, k]).reshape(BLOCK_N, BLOCK_K)
             else:
-                gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
-                up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+                # each weight byte is read once: keep the rows (read by every program of the expert) in L2 instead
+                gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0,
+                                 eviction_policy="evict_first")
+                up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first")
             if UPCAST:
                 x, gate_w, up_w = x.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
             gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
@@ -163,7 +165,7 @@ def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, r
             if WEIGHT_TMA:
                 w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
             else:
-                w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0)
+                w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first")
             if UPCAST:
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
