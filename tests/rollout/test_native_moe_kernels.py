@@ -18,10 +18,10 @@ from reinforge.rollout.native.moe_kernels import (  # noqa: E402
     ExpertKernelChoice,
     SwappedExperts,
     TileConfig,
-    expert_bounds,
     expert_down_scatter,
     expert_gate_up_silu,
     expert_matmul,
+    expert_order,
     swapped_experts,
 )
 
@@ -103,8 +103,7 @@ def test_the_swapped_kernels_give_every_expert_its_own_rows_in_float32(tiles):
     if tiles.weight_tma:
         down = down.contiguous()
         assert moe_kernels.tma_loadable(gate_up) and moe_kernels.tma_loadable(down)
-    sorted_ids, order = torch.sort(expert_ids.reshape(-1))
-    per_assignment = swapped_experts(hidden, sorted_ids, order, weights.reshape(-1), gate_up, down,
+    per_assignment = swapped_experts(hidden, expert_ids.reshape(-1), weights.reshape(-1), gate_up, down,
                                      SwappedExperts(tiles, tiles))
     assert per_assignment.dtype == torch.float32
     got = per_assignment.view(-1, top_k, hidden_size).sum(dim=1)
@@ -112,18 +111,28 @@ def test_the_swapped_kernels_give_every_expert_its_own_rows_in_float32(tiles):
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_assignments", [0, 1, 7, 600])
+def test_the_counting_sort_gives_a_stable_sorts_order_and_each_experts_bounds(num_assignments):
+    """Experts with no assignment (the first and last among them), chunks of 256 and a partial last chunk."""
+    num_experts = 9
+    expert_ids = torch.randint(1, num_experts - 1, (num_assignments,), generator=torch.Generator().manual_seed(11))
+    bounds, order = expert_order(expert_ids, num_experts, block=256)
+    sorted_ids, expected_order = torch.sort(expert_ids, stable=True)
+    assert order.tolist() == expected_order.tolist()
+    counts = torch.bincount(expert_ids, minlength=num_experts)
+    assert bounds.tolist() == [0, *counts.cumsum(0).tolist()]
+
+
 def test_the_swapped_products_round_as_torchs_bf16_products_and_activation():
     """bf16: each product rounded to bf16, silu rounded before the multiply by up, the down product rounded before
     its bf16 routing weight, as the grouped-GEMM path rounds them; float32 routing weights give float32 rows."""
     top_k, hidden_size, inter = 2, 48, 32
-    counts = [9, 0, 1, 32, 22, 0]
+    counts = [9, 0, 1, 20, 10, 0]
     expert_ids, weights = routed(counts, top_k, seed=3)
     hidden = torch.randn(expert_ids.shape[0], hidden_size, generator=torch.Generator().manual_seed(4))
     gate_up, down = layer(len(counts), hidden_size, inter, seed=5)
     hidden, gate_up, down = hidden.bfloat16(), gate_up.bfloat16(), down.bfloat16()
-    sorted_ids, order = torch.sort(expert_ids.reshape(-1))
-    bounds = expert_bounds(sorted_ids, len(counts))
-    assert bounds.tolist() == [0, *torch.tensor(counts).cumsum(0).tolist()]
+    bounds, order = expert_order(expert_ids.reshape(-1), len(counts))
     tiles = DecodeTiles(block_t=16, block_n=16, block_k=16)
     activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles)
     tokens = hidden[order // top_k].float()

@@ -145,15 +145,14 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     if grouped is None:
         grouped = grouped_mm_applies(hidden)
     if grouped:
-        sorted_ids, order = torch.sort(flat_ids)
-
-        def tiled(sorted_ids: Tensor, order: Tensor, matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
+        def tiled(flat_ids: Tensor, matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
+            sorted_ids, order = torch.sort(flat_ids)
             return grouped_experts(hidden, sorted_ids, order, flat_weights, gate_up, down, top_k, activate, matmul)
 
         if kernels is None:
-            per_assignment = tiled(sorted_ids, order, None)
+            per_assignment = tiled(flat_ids, None)
         else:
-            per_assignment = kernels(hidden, sorted_ids, order, flat_weights, gate_up, down, tiled)
+            per_assignment = kernels(hidden, flat_ids, flat_weights, gate_up, down, tiled)
     else:
         tokens = hidden.repeat_interleave(top_k, dim=0).unsqueeze(1)  # (tokens * top_k, 1, hidden)
         activated = activate(torch.bmm(tokens, gate_up[flat_ids].transpose(1, 2)).squeeze(1))

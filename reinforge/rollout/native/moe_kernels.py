@@ -8,8 +8,9 @@ bounds read on the device, so a CUDA graph captures them:
   rows its N side (16 to 64 slots), each program streaming one block of W_e's rows along K. ``expert_gate_up_silu``
   gathers each slot's hidden row itself and applies silu(gate) * up in its epilogue (gate and up columns in one
   program); ``expert_down_scatter`` weights each row by its routing weight and writes it at its assignment's row.
-  A layer's experts are then three launches (``expert_bounds``'s search and the two products) where torch's path
-  has the gather, the histogram and its sum, two grouped GEMMs, the activation, the weighting and the un-permute.
+  A layer's experts are then three launches (``expert_order``'s counting sort and the two products) where torch's
+  path has the sort, the gather, the histogram and its sum, two grouped GEMMs, the activation, the weighting and
+  the un-permute.
 - ``expert_matmul`` runs ``rows_e @ W_e^T`` one product at a time, one program per (expert, block of output
   columns), the rows gathered, activated, weighted and put back by torch.
 
@@ -336,18 +337,40 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
     return out
 
 
-_EXPERT_RANGES: dict[tuple[torch.device, int], Tensor] = {}
+@triton.jit
+def _expert_order_kernel(ids_ptr, order_ptr, bounds_ptr, num_assignments, num_experts, NUM_CHUNKS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Program e: bounds[e] = assignments with an expert below e, and order[bounds[e] + i] = the i-th assignment of
+    expert e (a stable counting sort, one expert per program)."""
+    expert = tl.program_id(0)
+    start = 0
+    for chunk in range(0, NUM_CHUNKS * BLOCK, BLOCK):
+        offsets = chunk + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offsets, mask=offsets < num_assignments, other=num_experts)
+        start += tl.sum((ids < expert).to(tl.int32), axis=0)
+    tl.store(bounds_ptr + expert, start)
+    tl.store(bounds_ptr + num_experts, num_assignments, mask=expert == num_experts - 1)
+    filled = start
+    for chunk in range(0, NUM_CHUNKS * BLOCK, BLOCK):
+        offsets = chunk + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offsets, mask=offsets < num_assignments, other=num_experts)
+        mine = (ids == expert).to(tl.int32)
+        tl.store(order_ptr + filled + tl.cumsum(mine, axis=0) - 1, offsets, mask=mine != 0)
+        filled += tl.sum(mine, axis=0)
 
 
-def expert_bounds(sorted_ids: Tensor, num_experts: int) -> Tensor:
-    """(experts + 1,) int32: 0, then each expert's cumulative end over ``sorted_ids`` (one search on the device)."""
-    key = (sorted_ids.device, num_experts)
-    experts = _EXPERT_RANGES.get(key)
-    if experts is None:
-        experts = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
-        if not (sorted_ids.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured one is filled on replay
-            _EXPERT_RANGES[key] = experts
-    return torch.searchsorted(sorted_ids, experts, out_int32=True)
+def expert_order(expert_ids: Tensor, num_experts: int, block: int = 1024) -> tuple[Tensor, Tensor]:
+    """The assignments sorted by expert in one launch: bounds (experts + 1,) int32, 0 then each expert's cumulative
+    end, and order (assignments,) int64, the assignment at each sorted position (a stable sort's order).
+
+    expert_ids: (assignments,) flat expert ids, token-major."""
+    expert_ids = expert_ids.contiguous()
+    order = torch.empty(expert_ids.shape[0], dtype=torch.int64, device=expert_ids.device)
+    bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=expert_ids.device)
+    _expert_order_kernel[(num_experts,)](expert_ids, order, bounds, expert_ids.shape[0], num_experts,
+                                         NUM_CHUNKS=max(triton.cdiv(expert_ids.shape[0], block), 1), BLOCK=block,
+                                         num_warps=4)
+    return bounds, order
 
 
 @dataclass(frozen=True)
@@ -361,12 +384,13 @@ class SwappedExperts:
         return f"swapped (gate|up {self.gate_up}; down {self.down})"
 
 
-def swapped_experts(hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
-                    down: Tensor, tiles: SwappedExperts) -> Tensor:
-    """Every assignment's weighted expert output, (assignments, hidden) in assignment order: three launches (the
-    bounds, gate|up with the activation, down with the weighting and the un-permute)."""
-    hidden, order, routing = hidden.contiguous(), order.contiguous(), routing.contiguous()
-    bounds = expert_bounds(sorted_ids, gate_up.shape[0])
+def swapped_experts(hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
+                    tiles: SwappedExperts) -> Tensor:
+    """Every assignment's weighted expert output, (assignments, hidden) in assignment order, from the flat expert ids
+    and routing weights (token-major): three launches (``expert_order``, gate|up with the activation, down with the
+    weighting and the un-permute)."""
+    hidden, routing = hidden.contiguous(), routing.contiguous()
+    bounds, order = expert_order(expert_ids, gate_up.shape[0])
     top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
     activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles.gate_up)
     return expert_down_scatter(activated, down, bounds, order, routing, tiles.down)
@@ -380,19 +404,18 @@ Candidate = TileConfig | SwappedExperts | None
 """How the experts run: None torch's grouped GEMMs, a ``TileConfig`` the tiled kernel for both products (with the
 activation, weighting and un-permute in torch), a ``SwappedExperts`` the swapped kernels."""
 
-TiledExperts = Callable[[Tensor, Tensor, Callable[[Tensor, Tensor, Tensor], Tensor] | None], Tensor]
-"""``moe.grouped_experts`` bound to a layer's hidden states, routing weights and expert weights: given the sorted
-expert ids, the order and a grouped GEMM ``(rows, weight, bounds)`` (None: torch's), every assignment's weighted
-expert output in assignment order."""
+TiledExperts = Callable[[Tensor, Callable[[Tensor, Tensor, Tensor], Tensor] | None], Tensor]
+"""``moe.grouped_experts`` bound to a layer's hidden states, routing weights and expert weights: given the flat
+expert ids (sorted there with ``torch.sort``) and a grouped GEMM ``(rows, weight, bounds)`` (None: torch's), every
+assignment's weighted expert output in assignment order."""
 
 
-def spread_assignments(num_assignments: int, num_experts: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Sorted expert ids and order of ``num_assignments`` assignments drawn uniformly over the experts (a fixed seed):
-    what the candidates are timed on, since the call that triggers the timing may route otherwise (a decode graph's
-    warm-up runs identical padding tokens, which all pick the same experts)."""
+def spread_assignments(num_assignments: int, num_experts: int, device: torch.device) -> Tensor:
+    """Flat expert ids of ``num_assignments`` assignments drawn uniformly over the experts (a fixed seed): what the
+    candidates are timed on, since the call that triggers the timing may route otherwise (a decode graph's warm-up
+    runs identical padding tokens, which all pick the same experts)."""
     generator = torch.Generator(device=device).manual_seed(0)
-    ids = torch.randint(0, num_experts, (num_assignments,), generator=generator, device=device)
-    return torch.sort(ids)
+    return torch.randint(0, num_experts, (num_assignments,), generator=generator, device=device)
 
 
 class ExpertKernelChoice:
@@ -416,39 +439,40 @@ class ExpertKernelChoice:
         self.failed: set[str] = set()
         """Candidates (their ``str``) dropped for failing or differing from torch's."""
 
-    def __call__(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
-                 down: Tensor, tiled: TiledExperts) -> Tensor:
+    def __call__(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
+                 tiled: TiledExperts) -> Tensor:
         """Every assignment's weighted expert output, (assignments, hidden) in assignment order, by the picked
-        candidate (``tiled(sorted_ids, order, None)`` is torch's)."""
-        candidate = self._candidate_for(hidden, order, routing, gate_up, down, tiled)
+        candidate (``tiled(expert_ids, None)`` is torch's). expert_ids, routing: (assignments,), token-major."""
+        candidate = self._candidate_for(hidden, expert_ids, routing, gate_up, down, tiled)
         if isinstance(candidate, SwappedExperts):
-            return swapped_experts(hidden, sorted_ids, order, routing, gate_up, down, candidate)
+            return swapped_experts(hidden, expert_ids, routing, gate_up, down, candidate)
         if isinstance(candidate, TileConfig):
-            return tiled(sorted_ids, order, lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, candidate))
-        return tiled(sorted_ids, order, None)
+            return tiled(expert_ids, lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, candidate))
+        return tiled(expert_ids, None)
 
-    def key(self, order: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor) -> tuple:
-        return (triton.next_power_of_2(order.shape[0]), *gate_up.shape, down.shape[1], gate_up.dtype, routing.dtype)
+    def key(self, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor) -> tuple:
+        return (triton.next_power_of_2(expert_ids.shape[0]), *gate_up.shape, down.shape[1], gate_up.dtype,
+                routing.dtype)
 
-    def _candidate_for(self, hidden: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
+    def _candidate_for(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
                        tiled: TiledExperts) -> Candidate:
-        if order.shape[0] > MAX_ROWS_PER_EXPERT * gate_up.shape[0]:
+        if expert_ids.shape[0] > MAX_ROWS_PER_EXPERT * gate_up.shape[0]:
             return None
-        key = self.key(order, routing, gate_up, down)  # prefills vary: rows by octave
+        key = self.key(expert_ids, routing, gate_up, down)  # prefills vary: rows by octave
         if key in self.picked:
             return self.picked[key]
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        sorted_ids, order = spread_assignments(order.shape[0], gate_up.shape[0], hidden.device)
-        expected = tiled(sorted_ids, order, None)
-        timings = {"torch": self._time(lambda: tiled(sorted_ids, order, None))}
+        expert_ids = spread_assignments(expert_ids.shape[0], gate_up.shape[0], hidden.device)
+        expected = tiled(expert_ids, None)
+        timings = {"torch": self._time(lambda: tiled(expert_ids, None))}
         runs: dict[Candidate, Callable[[], Tensor]] = {}
         for config in self.tile_configs:
             runs[config] = lambda config=config: tiled(
-                sorted_ids, order, lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, config))
-        swapped = self._swapped_tiles(hidden, sorted_ids, order, routing, gate_up, down, timings)
+                expert_ids, lambda rows, weight, bounds: expert_matmul(rows, weight, bounds, config))
+        swapped = self._swapped_tiles(hidden, expert_ids, routing, gate_up, down, timings)
         if swapped is not None:
-            runs[swapped] = lambda: swapped_experts(hidden, sorted_ids, order, routing, gate_up, down, swapped)
+            runs[swapped] = lambda: swapped_experts(hidden, expert_ids, routing, gate_up, down, swapped)
         best: Candidate = None
         for candidate, run in runs.items():
             if str(candidate) in self.failed:
@@ -459,15 +483,15 @@ class ExpertKernelChoice:
                 if milliseconds < timings[str(best) if best is not None else "torch"]:
                     best = candidate
         self.picked[key], self.timings[key] = best, timings
-        logger.info("experts of %d assignments x %s (timed spread over the experts): %s; running %s", order.shape[0],
-                    tuple(gate_up.shape), ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()),
-                    best or "torch's grouped GEMMs")
+        logger.info("experts of %d assignments x %s (timed spread over the experts): %s; running %s",
+                    expert_ids.shape[0], tuple(gate_up.shape),
+                    ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()), best or "torch's grouped GEMMs")
         return best
 
-    def _swapped_tiles(self, hidden: Tensor, sorted_ids: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
-                       down: Tensor, timings: dict[str, float]) -> SwappedExperts | None:
+    def _swapped_tiles(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
+                       timings: dict[str, float]) -> SwappedExperts | None:
         """The fastest tiling of each swapped product, timed alone (the down product on the gate|up one's output)."""
-        bounds = expert_bounds(sorted_ids, gate_up.shape[0])
+        bounds, order = expert_order(expert_ids, gate_up.shape[0])
         top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
         gate_up_tiles = self._fastest_tiles("gate_up", gate_up, timings, lambda tiles: lambda: expert_gate_up_silu(
             hidden, gate_up, bounds, order, top_k, tiles))
