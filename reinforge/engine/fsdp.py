@@ -196,13 +196,13 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tens
         dist.all_reduce(sharded_square, group=group)
         sharded_square = sharded_square.to(device)
     total_norm = (sharded_square + _sum_of_squares(replicated, device)).sqrt()
-    clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    if torch.isfinite(total_norm):
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for grad in local:
-            by_device.setdefault(grad.device, []).append(grad)
-        for device_grads in by_device.values():
-            torch._foreach_mul_(device_grads, clip_coef.to(device_grads[0].device))
+    # a norm that is not finite leaves the gradients as they are (times 1), read on the device: no wait for it
+    clip_coef = torch.where(torch.isfinite(total_norm), (max_norm / (total_norm + 1e-6)).clamp(max=1.0), 1.0)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for grad in local:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device_grads in by_device.values():
+        torch._foreach_mul_(device_grads, clip_coef.to(device_grads[0].device))
     return total_norm
 
 

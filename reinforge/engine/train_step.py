@@ -24,6 +24,7 @@ that normalise the loss include them too.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -86,6 +87,9 @@ class UpdateSettings:
     seed: int = 0
     mask_key: str = "response_mask"
     """The tokens that count for the loss normaliser and the metric weights."""
+    skip_on_device: bool = False
+    """With torch's fused AdamW, a step whose gradient norm is not finite is skipped by the optimizer's own kernel
+    (its ``found_inf``), so the host queues the step without waiting for the backward to end."""
 
 
 def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
@@ -112,6 +116,11 @@ def mini_batch_counts(mini_batch: Batch, mask_key: str, device: torch.device) ->
     return MiniBatchCounts(num_tokens=num_tokens, num_sequences=num_sequences, max_response_length=mask.shape[1])
 
 
+def fused_adamw(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's AdamW with its fused kernel, which skips a step itself when told ``found_inf``."""
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
 class ModelUpdate:
     """The optimizer steps of one training step, timed to the device's end; the caller runs each forward and loss.
 
@@ -134,8 +143,10 @@ class ModelUpdate:
         self.sums: dict[str, float | Tensor] = defaultdict(float)
         self.weights: dict[str, float] = defaultdict(float)
         self.loss_sums: dict[str, float | Tensor] = defaultdict(float)
-        self.grad_norms: list[float] = []
+        self.grad_norms: list[float | Tensor] = []
+        """Each optimizer step's gradient norm (a device scalar until ``metrics`` reads it)."""
         self.num_skipped = 0
+        self.skips_on_device = settings.skip_on_device and fused_adamw(optimizer)
         self.computed_tokens = 0
         self.attention_layers = attention_layers(model)
         self.computed_attention_flops = 0.0
@@ -170,12 +181,20 @@ class ModelUpdate:
                     self.computed_attention_flops += self._attention_flops(micro, plan)
                     yield micro.to(self.device, non_blocking=True), counts
                 grad_norm = clip_grad_norm_(self.model.parameters(), settings.grad_clip)
-                if torch.isfinite(grad_norm):
-                    optimizer.step()
+                if self.skips_on_device:  # counted in metrics, where the norm is read back
+                    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+                    try:
+                        optimizer.step()
+                    finally:
+                        del optimizer.found_inf
+                    self.grad_norms.append(grad_norm)
                 else:
-                    self.num_skipped += 1
+                    if torch.isfinite(grad_norm):
+                        optimizer.step()
+                    else:
+                        self.num_skipped += 1
+                    self.grad_norms.append(float(grad_norm))
                 self.scheduler.step()
-                self.grad_norms.append(float(grad_norm))
         optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -236,12 +255,14 @@ class ModelUpdate:
         loss_sums = {key: float(value) for key, value in self.loss_sums.items()}
         weights = dict(self.weights)
         _sum_over_ranks(sums, weights, loss_sums, device=self.device)
-        num_steps = max(len(self.grad_norms), 1)
+        norms = [float(norm) for norm in self.grad_norms]
+        num_steps = max(len(norms), 1)
         result = {key: sums[key] / max(weights[key], 1e-12) for key in sums}
         result |= {key: value / num_steps for key, value in loss_sums.items()}
-        finite = [g for g in self.grad_norms if g == g and g != float("inf")]
+        finite = [g for g in norms if math.isfinite(g)]
         result["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
-        result["num_skipped_steps"] = float(self.num_skipped)
+        skipped = len(norms) - len(finite) if self.skips_on_device else self.num_skipped
+        result["num_skipped_steps"] = float(skipped)
         result["lr"] = self.scheduler.get_last_lr()[0]
         result = {f"{role}/{key}": value for key, value in result.items()}
         result |= update_perf_metrics(role, self.model, self.num_tokens, self.seconds, self.device,

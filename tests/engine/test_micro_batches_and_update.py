@@ -168,6 +168,31 @@ def test_non_finite_gradient_skips_the_step():
         assert torch.equal(old, new)
 
 
+@pytest.mark.parametrize("scale", [float("nan"), 1.0], ids=["non-finite", "finite"])
+def test_the_fused_optimizer_skips_a_non_finite_step_on_the_device_as_the_host_would(scale):
+    """skip_on_device: torch's fused AdamW reads the step's found_inf itself; the host never waits before it."""
+    weights = []
+    for on_device in (True, False):
+        model = varlen_lm(seed=3)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
+        settings = UpdateSettings(max_tokens_per_micro_batch=16384, grad_clip=1.0, skip_on_device=on_device)
+        update = ModelUpdate(model, optimizer, scheduler, settings, torch.device("cpu"))
+        assert update.skips_on_device == on_device
+        for micro, _ in update.micro_batches(make_rollout_batch()):
+            log_probs, _ = response_log_probs(model, micro)
+            update.backward(log_probs.sum() * scale, {})
+        metrics = update.metrics("actor")
+        assert metrics["actor/num_skipped_steps"] == (1 if scale != scale else 0)
+        assert not hasattr(optimizer, "found_inf")  # never left for a later step to read
+        if scale != scale:
+            assert all(torch.equal(old, new) for old, new in zip(before, model.parameters(), strict=True))
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for on_device, on_host in zip(*weights, strict=True):
+        torch.testing.assert_close(on_device, on_host, atol=0.0, rtol=0.0)
+
+
 def test_learning_rate_schedules():
     constant = OptimConfig(lr=1.0, warmup_steps=2)
     assert [lr_multiplier(s, 10, constant) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]

@@ -153,7 +153,7 @@ class PreferenceRun(SupervisedRun):
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
         self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                               grad_clip=trainer.grad_clip, seed=trainer.seed,
-                                              mask_key="response_mask")
+                                              mask_key="response_mask", skip_on_device=True)
         self.tracker = (Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
                                 project=trainer.project_name, experiment=trainer.experiment_name)
                         if self.rank == 0 else SilentTracker())
