@@ -250,17 +250,20 @@ def collate_pairs(pairs: Sequence[PreferencePair], pair_indices: Sequence[int], 
     prompt_width = max(len(prompt) for prompt, _ in sequences)
     response_width = max(max(len(response) for _, response in sequences), 1)
     rows = len(sequences)
-    prompts = torch.full((rows, prompt_width), pad_token_id, dtype=torch.long)
-    responses = torch.full((rows, response_width), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
-    response_mask = torch.zeros((rows, response_width), dtype=torch.long)
+    # filled in numpy, which copies a list of ids into a row in one call (a step of 64 pairs in a few ms)
+    prompt_ids = np.full((rows, prompt_width), pad_token_id, dtype=np.int64)
+    response_ids = np.full((rows, response_width), pad_token_id, dtype=np.int64)
+    prompt_attended = np.zeros((rows, prompt_width), dtype=np.int64)
+    response_attended = np.zeros((rows, response_width), dtype=np.int64)
     for row, (prompt, response) in enumerate(sequences):
         if prompt:
-            prompts[row, prompt_width - len(prompt):] = torch.tensor(prompt)
-            prompt_mask[row, prompt_width - len(prompt):] = 1
+            prompt_ids[row, prompt_width - len(prompt):] = prompt
+            prompt_attended[row, prompt_width - len(prompt):] = 1
         if response:
-            responses[row, :len(response)] = torch.tensor(response)
-            response_mask[row, :len(response)] = 1
+            response_ids[row, :len(response)] = response
+            response_attended[row, :len(response)] = 1
+    prompts, responses = torch.from_numpy(prompt_ids), torch.from_numpy(response_ids)
+    prompt_mask, response_mask = torch.from_numpy(prompt_attended), torch.from_numpy(response_attended)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
     margins = torch.tensor([pair.margin for pair in pairs], dtype=torch.float32).repeat_interleave(2)
