@@ -232,6 +232,69 @@ def test_the_choice_times_its_candidates_on_assignments_spread_over_the_experts(
     torch.testing.assert_close(got, gathered, atol=1e-5, rtol=1e-5)
 
 
+HOPPER_COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from reinforge.rollout.native import moe_kernels
+
+SIGNATURES = {  # the Qwen3-30B-A3B expert shapes, bf16, as the launchers pass them
+    "gate_up": (moe_kernels._gate_up_silu_kernel, 2048, dict(
+        hidden_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", bounds_ptr="*i32", order_ptr="*i64",
+        stride_hidden="i32", stride_expert="i32", stride_n="i32", stride_out="i32", num_inter="i32"), dict(TOP_K=8)),
+    "down": (moe_kernels._down_scatter_kernel, 768, dict(
+        rows_ptr="*bf16", weight_ptr="*bf16", out_ptr="*bf16", bounds_ptr="*i32", order_ptr="*i64",
+        routing_ptr="*bf16", stride_row="i32", stride_expert="i32", stride_n="i32", stride_out="i32",
+        num_cols="i32"), {}),
+}
+results = []
+for tiles in moe_kernels.DECODE_TILES:
+    for product, (kernel, inner, arguments, extra) in SIGNATURES.items():
+        signature = {name: "constexpr" for name in kernel.arg_names} | arguments
+        if tiles.weight_tma:
+            signature["weight_ptr"] = f"tensordesc<bf16[1, {tiles.block_n}, {tiles.block_k}]>"
+        constants = dict(stride_k=1, NUM_INNER=inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+                         BLOCK_K=tiles.block_k, EVEN_K=True, WEIGHT_TMA=tiles.weight_tma, PRECISION="tf32",
+                         UPCAST=False, STATIC_LOOP_END=0) | extra
+        aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in arguments.items()
+                   if name in signature and signature[name] == kind}  # 16-byte pointers and strides, as launched
+        source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
+                           constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+        ttgir = compiled.asm["ttgir"]
+        results.append(dict(tiles=str(tiles), product=product, shared=compiled.metadata.shared,
+                            async_copies=ttgir.count("async_copy_global_to_local"),
+                            tma_copies=ttgir.count("async_tma_copy")))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipelined():
+    """Each tiling of both swapped products compiled for sm_90 (no GPU needed; Triton's own ptxas), outside the
+    interpreter: the weight loads run as asynchronous copies (TMA for the TMA tilings) in num_stages buffers, and the
+    shared memory fits an H100/H200 SM (227 KiB)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert len(results) == 2 * len(moe_kernels.DECODE_TILES)
+    for result, tiles in zip(results, [tiles for tiles in moe_kernels.DECODE_TILES for _ in range(2)], strict=True):
+        assert result["shared"] <= 227 * 1024, result
+        pipelined = result["tma_copies"] if tiles.weight_tma else result["async_copies"]
+        assert pipelined >= tiles.num_stages - 1, result
+
+
 @pytest.mark.gpu
 def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
     """Every tiling of each kernel (the TMA ones included) on the Qwen3-30B-A3B expert shapes, against torch's
