@@ -255,7 +255,9 @@ DECODE_TILES = (
     DecodeTiles(num_stages=3, weight_tma=True),
     DecodeTiles(block_n=128, block_k=64, num_stages=3, num_warps=8, weight_tma=True),
     DecodeTiles(block_t=32, weight_tma=True),
+    DecodeTiles(block_t=32, block_k=64, num_stages=5, weight_tma=True),
     DecodeTiles(block_t=16, weight_tma=True),
+    DecodeTiles(block_t=16, block_k=64, num_stages=6, weight_tma=True),
 )
 """The tilings ``ExpertKernelChoice`` times for each of the two swapped products: 64 slots cover the experts of a
 512-sequence step in one pass, 16 and 32 those of smaller steps; the blocks and stages set how many weight bytes
