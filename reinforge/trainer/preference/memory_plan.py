@@ -268,7 +268,8 @@ def apply_preference_plan(config: RMConfig | DPOConfig, pairs: Sequence[Preferen
             trainer.max_tokens_per_micro_batch = max(CPU_MICRO_BATCH_TOKENS, longest)
         return PreferencePlan(f"memory plan ({device.type}): trainer.max_tokens_per_micro_batch="
                               f"{trainer.max_tokens_per_micro_batch} ({'auto: a fixed budget' if chosen else 'set'}), "
-                              f"model.gradient_checkpointing={model.gradient_checkpointing}")
+                              f"model.gradient_checkpointing={model.gradient_checkpointing}"
+                              + (" (no layer recomputed)" if model.gradient_checkpointing == AUTO else ""))
     shape = ModelShape.from_model_path(model.path)
     pair = pair_shape_of(config, pairs, device, num_devices)
     if gpu_bytes is None:
