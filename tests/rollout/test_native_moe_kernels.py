@@ -178,7 +178,8 @@ def test_the_choice_keeps_the_fastest_candidate_and_drops_failing_or_wrong_ones(
     gate_up, down = layer(num_experts, hidden_size, inter, seed=8)
     broken = DecodeTiles(block_t=16, block_n=16, block_k=16, num_warps=3)  # stubbed below to fail
     wrong = TileConfig(block_m=16, block_n=16, block_k=16)
-    choice = ExpertKernelChoice(tiles=(SMALL_TILES[0], broken), tile_configs=(wrong,))
+    choice = ExpertKernelChoice(tiles={"gate_up": (SMALL_TILES[0], broken), "down": (SMALL_TILES[0], broken)},
+                                tile_configs=(wrong,))
     real_gate_up, real_matmul = moe_kernels.expert_gate_up_silu, moe_kernels.expert_matmul
 
     def gate_up_or_fail(*args):
@@ -225,7 +226,7 @@ def test_the_choice_times_its_candidates_on_assignments_spread_over_the_experts(
 
     monkeypatch.setattr(moe_kernels, "expert_gate_up_silu", counting)
     monkeypatch.setattr(ExpertKernelChoice, "_time", lambda self, run: 1.0)
-    choice = ExpertKernelChoice(tiles=SMALL_TILES[:1], tile_configs=())
+    choice = ExpertKernelChoice(tiles={"gate_up": SMALL_TILES[:1], "down": SMALL_TILES[:1]}, tile_configs=())
     got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
     assert experts_used and min(experts_used) >= num_experts - 2, experts_used
     gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
@@ -249,8 +250,8 @@ SIGNATURES = {  # the Qwen3-30B-A3B expert shapes, bf16, as the launchers pass t
         num_cols="i32"), {}),
 }
 results = []
-for tiles in moe_kernels.DECODE_TILES:
-    for product, (kernel, inner, arguments, extra) in SIGNATURES.items():
+for product, (kernel, inner, arguments, extra) in SIGNATURES.items():
+    for tiles in moe_kernels.PRODUCT_TILES[product]:
         signature = {name: "constexpr" for name in kernel.arg_names} | arguments
         if tiles.weight_tma:
             signature["weight_ptr"] = f"tensordesc<bf16[1, {tiles.block_n}, {tiles.block_k}]>"
@@ -288,8 +289,8 @@ def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipeline
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
-    assert len(results) == 2 * len(moe_kernels.DECODE_TILES)
-    for result, tiles in zip(results, [tiles for tiles in moe_kernels.DECODE_TILES for _ in range(2)], strict=True):
+    tilings = [tiles for product in ("gate_up", "down") for tiles in moe_kernels.PRODUCT_TILES[product]]
+    for result, tiles in zip(results, tilings, strict=True):
         assert result["shared"] <= 227 * 1024, result
         pipelined = result["tma_copies"] if tiles.weight_tma else result["async_copies"]
         assert pipelined >= tiles.num_stages - 1, result
@@ -317,9 +318,10 @@ def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
     routing = torch.rand(rows.shape[0], device="cuda")
     down_out = _grouped_mm(activated, down.transpose(1, 2), offs=offsets) * routing[order, None]
     expected_down = torch.empty_like(down_out).index_copy_(0, order, down_out)
-    for tiles in moe_kernels.DECODE_TILES:
+    for tiles in moe_kernels.PRODUCT_TILES["gate_up"]:
         torch.testing.assert_close(expert_gate_up_silu(hidden, weight, bounds, order, 1, tiles).float(),
                                    activated.float(), atol=2e-2, rtol=2e-2, msg=lambda text, tiles=tiles: f"{tiles}: {text}")
+    for tiles in moe_kernels.PRODUCT_TILES["down"]:
         torch.testing.assert_close(expert_down_scatter(activated, down, bounds, order, routing, tiles),
                                    expected_down, atol=2e-2, rtol=2e-2, msg=lambda text, tiles=tiles: f"{tiles}: {text}")
 

@@ -265,6 +265,18 @@ each program keeps in flight and the shared memory it takes (stages x (2 x block
 for gate|up in bf16, 96 to 164 KiB here), so how many programs an SM holds. The TMA ones read the weight
 blocks without the pointer arithmetic and registers of a pointer load."""
 
+WIDE_K_DOWN_TILES = (
+    DecodeTiles(block_k=256, num_stages=3),
+    DecodeTiles(block_k=256, num_stages=3, weight_tma=True),
+    DecodeTiles(block_t=32, block_k=256, num_stages=4),
+    DecodeTiles(block_t=32, block_k=256, num_stages=4, weight_tma=True),
+)
+"""Down-product tilings reading 512 contiguous bytes of each weight row per block (the gate|up kernel, with two
+weight blocks a stage, has no room for them)."""
+
+PRODUCT_TILES = {"gate_up": DECODE_TILES, "down": DECODE_TILES + WIDE_K_DOWN_TILES}
+"""The tilings ``ExpertKernelChoice`` times for each swapped product."""
+
 
 def _dot_options(dtype: torch.dtype) -> dict[str, object]:
     """float32 products in float32 (the exact path of the tests), 16-bit ones on the MMA. Triton's interpreter
@@ -429,7 +441,7 @@ class ExpertKernelChoice:
     rounding, is dropped in one line. Timing needs a stream that is not capturing; inside a capture an untimed
     shape runs torch's."""
 
-    def __init__(self, repeats: int = 5, tiles: tuple[DecodeTiles, ...] = DECODE_TILES,
+    def __init__(self, repeats: int = 5, tiles: dict[str, tuple[DecodeTiles, ...]] = PRODUCT_TILES,
                  tile_configs: tuple[TileConfig, ...] = TILE_CONFIGS):
         self.repeats = repeats
         self.tiles = tiles
@@ -507,7 +519,7 @@ class ExpertKernelChoice:
     def _fastest_tiles(self, product: str, weight: Tensor, timings: dict[str, float],
                        runner: Callable[[DecodeTiles], Callable[[], Tensor]]) -> DecodeTiles | None:
         fastest: tuple[float, DecodeTiles] | None = None
-        for tiles in self.tiles:
+        for tiles in self.tiles[product]:
             if tiles.weight_tma and not tma_loadable(weight):
                 continue
             name = f"swapped {product} {tiles}"
