@@ -159,7 +159,7 @@ def test_the_experts_of_a_layer_through_the_picked_kernels_equal_the_gathered_ex
     weights = torch.rand(num_tokens, top_k, generator=generator)
     gate_up, down = layer(num_experts, hidden_size, inter, seed=6)
     gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
-    choice = ExpertKernelChoice()
+    choice = ExpertKernelChoice(min_expert_bytes=0)
     key = choice.key(expert_ids.reshape(-1), weights.reshape(-1), gate_up, down)
     for picked in (SwappedExperts(SMALL_TILES[0], SMALL_TILES[1]), TileConfig(block_m=16, block_n=16, block_k=16)):
         choice.picked[key] = picked
@@ -179,7 +179,7 @@ def test_the_choice_keeps_the_fastest_candidate_and_drops_failing_or_wrong_ones(
     broken = DecodeTiles(block_t=16, block_n=16, block_k=16, num_warps=3)  # stubbed below to fail
     wrong = TileConfig(block_m=16, block_n=16, block_k=16)
     choice = ExpertKernelChoice(tiles={"gate_up": (SMALL_TILES[0], broken), "down": (SMALL_TILES[0], broken)},
-                                tile_configs=(wrong,))
+                                tile_configs=(wrong,), min_expert_bytes=0)
     real_gate_up, real_matmul = moe_kernels.expert_gate_up_silu, moe_kernels.expert_matmul
 
     def gate_up_or_fail(*args):
@@ -226,11 +226,27 @@ def test_the_choice_times_its_candidates_on_assignments_spread_over_the_experts(
 
     monkeypatch.setattr(moe_kernels, "expert_gate_up_silu", counting)
     monkeypatch.setattr(ExpertKernelChoice, "_time", lambda self, run: 1.0)
-    choice = ExpertKernelChoice(tiles={"gate_up": SMALL_TILES[:1], "down": SMALL_TILES[:1]}, tile_configs=())
+    choice = ExpertKernelChoice(tiles={"gate_up": SMALL_TILES[:1], "down": SMALL_TILES[:1]}, tile_configs=(),
+                                min_expert_bytes=0)
     got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
     assert experts_used and min(experts_used) >= num_experts - 2, experts_used
     gathered = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False)
     torch.testing.assert_close(got, gathered, atol=1e-5, rtol=1e-5)
+
+
+def test_small_layers_run_torchs_grouped_gemms_untimed(monkeypatch):
+    """Experts lighter than ``min_expert_bytes`` (tiny test models) compile and time nothing."""
+    monkeypatch.setattr(ExpertKernelChoice, "_time", lambda self, run: pytest.fail("timed a small layer"))
+    generator = torch.Generator().manual_seed(12)
+    hidden = torch.randn(4, 16, generator=generator)
+    expert_ids = torch.randint(0, 4, (4, 2), generator=generator)
+    weights = torch.rand(4, 2, generator=generator)
+    gate_up, down = layer(4, 16, 16, seed=13)
+    choice = ExpertKernelChoice()
+    got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
+    assert not choice.picked and not choice.timings
+    torch.testing.assert_close(got, experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=False),
+                               atol=1e-5, rtol=1e-5)
 
 
 HOPPER_COMPILE = """

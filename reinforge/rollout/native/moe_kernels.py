@@ -414,6 +414,11 @@ MAX_ROWS_PER_EXPERT = 64
 """The Triton kernels are candidates while the rows average at most this many per expert (decode steps); longer
 batches (prefill) are compute-bound, where torch's grouped GEMM is the one to run."""
 
+MIN_EXPERT_BYTES = 64 << 20
+"""The Triton kernels are candidates for layers whose experts weigh at least this much (every MoE model worth
+serving: 0.8 to 1.2 GB a layer for OLMoE, DeepSeek-V2-Lite and Qwen3-30B-A3B); below, compiling and timing them
+costs more than they could save, and torch's grouped GEMMs run untimed."""
+
 Candidate = TileConfig | SwappedExperts | None
 """How the experts run: None torch's grouped GEMMs, a ``TileConfig`` the tiled kernel for both products (with the
 activation, weighting and un-permute in torch), a ``SwappedExperts`` the swapped kernels."""
@@ -434,7 +439,8 @@ def spread_assignments(num_assignments: int, num_experts: int, device: torch.dev
 
 class ExpertKernelChoice:
     """Which kernels run the experts, per (assignments rounded up to a power of two, experts, gate|up and down
-    shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster. Candidates are timed on the
+    shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster (for decode-sized batches of
+    layers of ``min_expert_bytes`` or more). Candidates are timed on the
     call's hidden states and weights with its number of assignments spread over the experts at random
     (``spread_assignments``). The swapped kernels are timed tiling by tiling for each product, then as a pair
     against torch's and the tiled kernel's tilings (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
@@ -442,8 +448,9 @@ class ExpertKernelChoice:
     shape runs torch's."""
 
     def __init__(self, repeats: int = 5, tiles: dict[str, tuple[DecodeTiles, ...]] = PRODUCT_TILES,
-                 tile_configs: tuple[TileConfig, ...] = TILE_CONFIGS):
+                 tile_configs: tuple[TileConfig, ...] = TILE_CONFIGS, min_expert_bytes: int = MIN_EXPERT_BYTES):
         self.repeats = repeats
+        self.min_expert_bytes = min_expert_bytes
         self.tiles = tiles
         self.tile_configs = tile_configs
         self.picked: dict[tuple, Candidate] = {}
@@ -470,7 +477,8 @@ class ExpertKernelChoice:
 
     def _candidate_for(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
                        tiled: TiledExperts) -> Candidate:
-        if expert_ids.shape[0] > MAX_ROWS_PER_EXPERT * gate_up.shape[0]:
+        if (expert_ids.shape[0] > MAX_ROWS_PER_EXPERT * gate_up.shape[0]
+                or gate_up.nbytes + down.nbytes < self.min_expert_bytes):
             return None
         key = self.key(expert_ids, routing, gate_up, down)  # prefills vary: rows by octave
         if key in self.picked:
