@@ -284,14 +284,21 @@ for product, (kernel, inner, arguments, extra) in SIGNATURES.items():
         results.append(dict(tiles=str(tiles), product=product, shared=compiled.metadata.shared,
                             async_copies=ttgir.count("async_copy_global_to_local"),
                             tma_copies=ttgir.count("async_tma_copy")))
+kernel = moe_kernels._expert_order_kernel
+signature = {name: "constexpr" for name in kernel.arg_names} | dict(
+    ids_ptr="*i64", order_ptr="*i64", bounds_ptr="*i32", num_assignments="i32", num_experts="i32")
+compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs={
+    (kernel.arg_names.index("NUM_CHUNKS"),): 4, (kernel.arg_names.index("BLOCK"),): 1024}),
+    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+results.append(dict(product="order", shared=compiled.metadata.shared))
 print(json.dumps(results))
 """
 
 
 @pytest.mark.slow
 def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipelined():
-    """Each tiling of both swapped products compiled for sm_90 (no GPU needed; Triton's own ptxas), outside the
-    interpreter: the weight loads run as asynchronous copies (TMA for the TMA tilings) in num_stages buffers, and the
+    """Each tiling of both swapped products, and the counting sort, compiled for sm_90 (no GPU needed; Triton's own
+    ptxas), outside the interpreter: the weight loads run as asynchronous copies (TMA for the TMA tilings) in num_stages buffers, and the
     shared memory fits an H100/H200 SM (227 KiB)."""
     import json
     import os
@@ -305,6 +312,7 @@ def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipeline
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
+    assert results.pop()["product"] == "order"  # the counting sort compiles too
     tilings = [tiles for product in ("gate_up", "down") for tiles in moe_kernels.PRODUCT_TILES[product]]
     for result, tiles in zip(results, tilings, strict=True):
         assert result["shared"] <= 227 * 1024, result
