@@ -265,16 +265,26 @@ each program keeps in flight and the shared memory it takes (stages x (2 x block
 for gate|up in bf16, 96 to 164 KiB here), so how many programs an SM holds. The TMA ones read the weight
 blocks without the pointer arithmetic and registers of a pointer load."""
 
-WIDE_K_DOWN_TILES = (
+WIDE_GATE_UP_TILES = (
+    DecodeTiles(block_n=128, block_k=64, num_stages=4, num_warps=8, weight_tma=True),
+    DecodeTiles(block_t=32, block_n=256, block_k=64, num_stages=3, num_warps=8),
+    DecodeTiles(block_t=32, block_n=256, block_k=64, num_stages=3, num_warps=8, weight_tma=True),
+)
+"""Gate|up tilings of 128 and 256 weight columns a program: each program reads its expert's rows from L2 once per
+K block, so wider blocks cut that traffic (half the weight bytes at 64 columns and 64 slots)."""
+
+WIDE_DOWN_TILES = (
     DecodeTiles(block_k=256, num_stages=3),
     DecodeTiles(block_k=256, num_stages=3, weight_tma=True),
     DecodeTiles(block_t=32, block_k=256, num_stages=4),
     DecodeTiles(block_t=32, block_k=256, num_stages=4, weight_tma=True),
+    DecodeTiles(block_n=256, block_k=64, num_warps=8),
+    DecodeTiles(block_n=256, block_k=64, num_warps=8, weight_tma=True),
 )
-"""Down-product tilings reading 512 contiguous bytes of each weight row per block (the gate|up kernel, with two
-weight blocks a stage, has no room for them)."""
+"""Down-product tilings reading 512 contiguous bytes of each weight row per block, or 256 weight columns a program
+(the gate|up kernel, with two weight blocks a stage, has no room for them)."""
 
-PRODUCT_TILES = {"gate_up": DECODE_TILES, "down": DECODE_TILES + WIDE_K_DOWN_TILES}
+PRODUCT_TILES = {"gate_up": DECODE_TILES + WIDE_GATE_UP_TILES, "down": DECODE_TILES + WIDE_DOWN_TILES}
 """The tilings ``ExpertKernelChoice`` times for each swapped product."""
 
 
