@@ -3,11 +3,12 @@
 A decode step of B sequences sends 8 B (token, expert) assignments to 128 experts (about 32 each at 512
 sequences, 8 at 128), so every expert's weights are read (a smaller step may leave an expert unpicked: its bytes
 are left out): the floor of the step's 48 expert layers is those bytes (57 GiB in bf16 at 512) over the device copy
-rate (``bench.floor.COPY_BYTES_PER_S``). The layers run as the engine's decode graph runs them (router, sort by expert, the expert kernels, weighting and sum), captured in one CUDA graph
-over four layers' distinct weights (no layer's weights are in L2 when it runs), replayed and timed: once with
-torch's grouped GEMM alone, once with the kernels the engine picks (``moe_kernels.ExpertKernelChoice``), at 128,
-256 and 512 sequences. Each line gives the step's milliseconds, the weight bytes read per second and the share of
-the floor's speed, then what the choice timed for that shape.
+rate (``bench.floor.COPY_BYTES_PER_S``). The layers run as the engine's decode graph runs them (router, sort by
+expert, the expert kernels, weighting and sum), captured in one CUDA graph over four layers' distinct weights (no
+layer's weights are in L2 when it runs), replayed and timed: once with torch's grouped GEMM alone, once with the
+kernels the engine picks (``moe_kernels.ExpertKernelChoice``), at 128, 256 and 512 sequences. Each line gives the
+step's milliseconds, the weight bytes read per second and the share of the floor's speed, then what the choice
+timed for one layer of that shape (on assignments spread over the experts).
 Run: ``pytest -q -s -m gpu tests/rollout/test_native_moe_decode_floor.py``.
 """
 
@@ -44,8 +45,8 @@ def test_the_30b_a3b_expert_layers_of_a_decode_step_run_near_the_weight_read_flo
     def weights(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
 
-    layers = [(weights(num_experts, hidden), weights(num_experts, 2 * inter, hidden), weights(num_experts, hidden, inter))
-              for _ in range(distinct)]
+    layers = [(weights(num_experts, hidden), weights(num_experts, 2 * inter, hidden),
+               weights(num_experts, hidden, inter)) for _ in range(distinct)]
     choice = ExpertKernelChoice()  # one per process, as the engine's
     fractions = {}
     for num_sequences in SEQUENCES:

@@ -81,7 +81,8 @@ def per_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     for expert in range(gate_up.shape[0]):
         tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
         gate, up = (hidden[tokens] @ gate_up[expert].T).chunk(2, dim=-1)
-        out.index_add_(0, tokens, weights[tokens, slots, None] * ((torch.nn.functional.silu(gate) * up) @ down[expert].T))
+        activated = torch.nn.functional.silu(gate) * up
+        out.index_add_(0, tokens, weights[tokens, slots, None] * (activated @ down[expert].T))
     return out
 
 
@@ -298,8 +299,8 @@ print(json.dumps(results))
 @pytest.mark.slow
 def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipelined():
     """Each tiling of both swapped products, and the counting sort, compiled for sm_90 (no GPU needed; Triton's own
-    ptxas), outside the interpreter: the weight loads run as asynchronous copies (TMA for the TMA tilings) in num_stages buffers, and the
-    shared memory fits an H100/H200 SM (227 KiB)."""
+    ptxas), outside the interpreter: the weight loads run as asynchronous copies (TMA for the TMA tilings) in
+    num_stages buffers, and the shared memory fits an H100/H200 SM (227 KiB)."""
     import json
     import os
     import subprocess
@@ -344,10 +345,12 @@ def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
     expected_down = torch.empty_like(down_out).index_copy_(0, order, down_out)
     for tiles in moe_kernels.PRODUCT_TILES["gate_up"]:
         torch.testing.assert_close(expert_gate_up_silu(hidden, weight, bounds, order, 1, tiles).float(),
-                                   activated.float(), atol=2e-2, rtol=2e-2, msg=lambda text, tiles=tiles: f"{tiles}: {text}")
+                                   activated.float(), atol=2e-2, rtol=2e-2,
+                                   msg=lambda text, tiles=tiles: f"{tiles}: {text}")
     for tiles in moe_kernels.PRODUCT_TILES["down"]:
         torch.testing.assert_close(expert_down_scatter(activated, down, bounds, order, routing, tiles),
-                                   expected_down, atol=2e-2, rtol=2e-2, msg=lambda text, tiles=tiles: f"{tiles}: {text}")
+                                   expected_down, atol=2e-2, rtol=2e-2,
+                                   msg=lambda text, tiles=tiles: f"{tiles}: {text}")
 
 
 @pytest.mark.gpu

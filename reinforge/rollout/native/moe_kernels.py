@@ -330,9 +330,9 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
     inter = two_inter // 2
     out = torch.empty(order.shape[0], inter, dtype=hidden.dtype, device=hidden.device)
     grid = (num_experts, triton.cdiv(inter, tiles.block_n))
-    _gate_up_silu_kernel[grid](hidden, _weight_operand(gate_up, tiles), out, bounds, order, hidden.stride(0), gate_up.stride(0),
-                               gate_up.stride(1), gate_up.stride(2), out.stride(0), inter, TOP_K=top_k,
-                               NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+    _gate_up_silu_kernel[grid](hidden, _weight_operand(gate_up, tiles), out, bounds, order, hidden.stride(0),
+                               gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), out.stride(0), inter,
+                               TOP_K=top_k, NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
                                BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
                                WEIGHT_TMA=tiles.weight_tma, **_dot_options(hidden.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
@@ -351,8 +351,9 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
     num_experts, num_cols, num_inner = down.shape
     out = torch.empty(order.shape[0], num_cols, dtype=torch.result_type(activated, routing), device=activated.device)
     grid = (num_experts, triton.cdiv(num_cols, tiles.block_n))
-    _down_scatter_kernel[grid](activated, _weight_operand(down, tiles), out, bounds, order, routing, activated.stride(0), down.stride(0),
-                               down.stride(1), down.stride(2), out.stride(0), num_cols, NUM_INNER=num_inner,
+    _down_scatter_kernel[grid](activated, _weight_operand(down, tiles), out, bounds, order, routing,
+                               activated.stride(0), down.stride(0), down.stride(1), down.stride(2), out.stride(0),
+                               num_cols, NUM_INNER=num_inner,
                                BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                                EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
                                **_dot_options(activated.dtype),
@@ -450,10 +451,10 @@ def spread_assignments(num_assignments: int, num_experts: int, device: torch.dev
 class ExpertKernelChoice:
     """Which kernels run the experts, per (assignments rounded up to a power of two, experts, gate|up and down
     shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster (for decode-sized batches of
-    layers of ``min_expert_bytes`` or more). Candidates are timed on the
-    call's hidden states and weights with its number of assignments spread over the experts at random
-    (``spread_assignments``). The swapped kernels are timed tiling by tiling for each product, then as a pair
-    against torch's and the tiled kernel's tilings (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
+    layers of ``min_expert_bytes`` or more). Candidates are timed on the call's hidden states and weights with its
+    number of assignments spread over the experts at random (``spread_assignments``). The swapped kernels are timed
+    tiling by tiling for each product, then as a pair against torch's and the tiled kernel's tilings
+    (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
     rounding, is dropped in one line. Timing needs a stream that is not capturing; inside a capture an untimed
     shape runs torch's."""
 
