@@ -35,13 +35,19 @@ sandbox-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
 	  else echo "note: bubblewrap (bwrap) is missing, tests/sandbox will be skipped; install it: sudo apt-get install -y bubblewrap"; fi; }
 
-# pytest exits 5 when it collects nothing; that is not a failure of the code under test.
+# Each run keeps its files in a folder of its own (pytest's default, /tmp/pytest-of-USER, is shared by every run on
+# the machine, and a run there removes the folders of older runs, even of one still going): removed when the run
+# passes, kept and named when it fails. pytest exits 5 when it collects nothing; that is not a failure of the code
+# under test.
+PYTEST_RUN = tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/reinforge-tests.XXXXXX") || exit 1;
+PYTEST_END = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
+	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; else echo "the failed run's files are in $$tmp"; fi; exit $$rc
 test: $(STAMP) sandbox-deps
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
 
 # the suite without the tests that take more than 5 s each on a 2-core CPU (@pytest.mark.slow)
 test-fast: $(STAMP) sandbox-deps
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
 
 # The standard training table on a GPU: every size in a process of its own, TRL's GRPOTrainer beside each, one
 # markdown table printed last; each case's JSON lands in $(BENCH_OUT). In parts, when one sitting is too short for

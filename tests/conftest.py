@@ -36,11 +36,17 @@ ONE_WORKER = {"tests/controller/test_ray_backend.py": "ray", "tests/controller/t
 """Files that run in one ``make test`` worker, under one name: they share the session's Ray instance (``ray_cluster``,
 tens of seconds to start on a 2-core machine), which a second worker would start again."""
 
-LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer_stop_signals.py", "tests/demo/test_vision_demo.py",
-                 "tests/trainer/test_rl_trainer.py", "tests/trainer/test_rl_trainer_lora.py",
-                 "tests/engine/test_families.py", "tests/trainer/modes/test_async_mode.py", "tests/engine/test_fused.py")
-"""Work units that take the longest (half a minute to three minutes each with ``-n 2``), handed out first: the two
-workers then end within a short file of each other, where one of these starting last would keep one worker busy alone."""
+LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer.py", "tests/trainer/test_rl_trainer_stop_signals.py",
+                 "tests/trainer/modes/test_async_mode.py", "tests/trainer/test_rl_trainer_lora.py",
+                 "tests/rollout/test_native_vlm.py", "tests/test_api.py", "tests/rollout/test_native_long_decode.py",
+                 "tests/engine/test_families.py", "tests/demo/test_vision_demo.py", "tests/bench/test_sizes.py",
+                 "tests/config/verl/test_upstream_commands.py", "tests/trainer/test_run_loop.py",
+                 "tests/engine/test_fused.py", "tests/rollout/native/test_triton_kernels.py",
+                 "tests/rollout/test_native_moe.py")
+"""Work units that take the longest (15 s to three minutes each with ``-n 2``), longest first, handed out first: the
+two workers then end within a short file of each other. Loadfile's own order (most tests first) would hand out late
+the files of a few long tests (test_api.py, test_run_loop.py, test_sizes.py), and one of them starting last keeps one
+worker busy alone."""
 
 
 def pytest_xdist_make_scheduler(config, log):
