@@ -83,8 +83,12 @@ def test_the_30b_a3b_expert_layers_of_a_decode_step_run_near_the_weight_read_flo
               f"{fractions[num_sequences]:.0%} of the floor with the engine's kernels "
               f"({choice.picked.get(key) or 'torch'}); {torch_ms:.2f} ms, {floor_ms / torch_ms:.0%} with torch's "
               f"grouped GEMM alone; floor {floor_ms:.2f} ms at {COPY_BYTES_PER_S / 1e12:.2f} TB/s")
+        expert_bytes = {"swapped gate_up": layers[0][1].nbytes, "swapped down": layers[0][2].nbytes}
         for name, milliseconds in sorted(choice.timings.get(key, {}).items(), key=lambda item: item[1]):
-            print(f"  one layer's experts, {name}: {milliseconds:.3f} ms")
+            read = next((size for prefix, size in expert_bytes.items() if name.startswith(prefix)),
+                        layers[0][1].nbytes + layers[0][2].nbytes)  # a product alone, or both
+            print(f"  one layer's experts, {name}: {milliseconds:.3f} ms, "
+                  f"{read / milliseconds / 1e9:.2f} TB/s of expert weights")
         if choice.failed:
             print(f"  dropped: {', '.join(sorted(choice.failed))}")
     assert fractions[512] >= TARGET_FRACTION, (f"the expert layers of 512 sequences run at {fractions[512]:.0%} of "
