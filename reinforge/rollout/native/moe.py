@@ -145,8 +145,8 @@ def experts_forward(hidden: Tensor, expert_ids: Tensor, weights: Tensor, gate_up
     if grouped is None:
         grouped = grouped_mm_applies(hidden)
     if grouped:
-        def tiled(flat_ids: Tensor, matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
-            sorted_ids, order = torch.sort(flat_ids)
+        def tiled(ids: Tensor, matmul: Callable[[Tensor, Tensor, Tensor], Tensor] | None) -> Tensor:
+            sorted_ids, order = torch.sort(ids)
             return grouped_experts(hidden, sorted_ids, order, flat_weights, gate_up, down, top_k, activate, matmul)
 
         if kernels is None:
