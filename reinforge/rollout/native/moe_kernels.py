@@ -269,9 +269,14 @@ WIDE_GATE_UP_TILES = (
     DecodeTiles(block_n=128, block_k=64, num_stages=4, num_warps=8, weight_tma=True),
     DecodeTiles(block_t=32, block_n=256, block_k=64, num_stages=3, num_warps=8),
     DecodeTiles(block_t=32, block_n=256, block_k=64, num_stages=3, num_warps=8, weight_tma=True),
+    DecodeTiles(block_n=32, block_k=256, num_stages=3),
+    DecodeTiles(block_n=32, block_k=256, num_stages=3, weight_tma=True),
+    DecodeTiles(block_t=32, block_n=32, block_k=256, num_stages=4, weight_tma=True),
 )
 """Gate|up tilings of 128 and 256 weight columns a program: each program reads its expert's rows from L2 once per
-K block, so wider blocks cut that traffic (half the weight bytes at 64 columns and 64 slots)."""
+K block, so wider blocks cut that traffic (half the weight bytes at 64 columns and 64 slots); and of 32 columns
+(gate and up: 64 weight rows, below the 64 of Hopper's wgmma, so Ampere's MMA) reading 512 contiguous bytes of
+each weight row a block."""
 
 WIDE_DOWN_TILES = (
     DecodeTiles(block_k=256, num_stages=3),
