@@ -74,110 +74,150 @@ def _rounded(x, like_ptr, BITWISE: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, up_rows, expert, first_col, cols,
+                        col_mask, start, end, offset, stride_hidden, stride_k, stride_out, num_inter,
+                        TOP_K: tl.constexpr, NUM_INNER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of BLOCK_T slots from ``start + offset`` of ``_gate_up_silu_kernel``."""
+    inner = tl.arange(0, BLOCK_K)
+    slots = start + offset + tl.arange(0, BLOCK_T)
+    slot_mask = slots < end
+    tokens = tl.load(order_ptr + slots, mask=slot_mask, other=0) // TOP_K
+    x_rows = hidden_ptr + tokens[:, None].to(tl.int64) * stride_hidden
+    gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k in range(0, NUM_INNER, BLOCK_K):
+        ks = k + inner
+        if EVEN_K:  # masks constant along K: 16-byte loads
+            x_mask = slot_mask[:, None]
+            w_mask = col_mask[:, None]
+        else:
+            x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
+            w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+        # the weights first: their loads need nothing the slots' loads wait for
+        if WEIGHT_TMA:
+            gate_w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
+            up_w = weight_ptr.load([expert, first_col + num_inter, k]).reshape(BLOCK_N, BLOCK_K)
+        else:
+            # each weight byte is read once: keep the rows (read by every program of the expert) in L2 instead
+            gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0,
+                             eviction_policy="evict_first")
+            up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if UPCAST:
+            x, gate_w, up_w = x.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
+        gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
+        up = tl.dot(up_w, tl.trans(x), up, input_precision=PRECISION)
+    # rounded as torch's products and the activation kernel round them (triton_kernels.act_and_mul)
+    gate = _rounded(gate, out_ptr, UPCAST)
+    activated = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr, UPCAST) * _rounded(up, out_ptr, UPCAST)
+    tl.store(out_ptr + slots[None, :].to(tl.int64) * stride_out + cols[:, None],
+             _rounded(activated, out_ptr, UPCAST).to(out_ptr.dtype.element_ty),
+             mask=slot_mask[None, :] & col_mask[:, None])
+
+
+@triton.jit
 def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, stride_hidden, stride_expert,
                          stride_n, stride_k, stride_out, num_inter, TOP_K: tl.constexpr, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, EAGER: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     """out[s, j] = silu(gate_e(x)) * up_e(x) for the expert e of sorted slot s and the inter columns j of this program;
     x is the hidden row of the slot's token (order[s] // TOP_K), gathered here. Products are W @ x^T: the weight's
     columns fill the MMA's M side, the expert's few slots its N side. ``WEIGHT_TMA``: weight_ptr is a
     (experts, 2 * inter, hidden) tensor descriptor of (1, BLOCK_N, BLOCK_K) blocks (gate columns past inter read up
-    rows, which only masked outputs use)."""
+    rows, which only masked outputs use). ``EAGER``: the first block of slots runs whatever the expert's bounds,
+    so its weight loads start before the bounds arrive (an expert without rows reads its weights for nothing)."""
     expert = tl.program_id(0)
     first_col = tl.program_id(1) * BLOCK_N
     cols = first_col + tl.arange(0, BLOCK_N)
     col_mask = cols < num_inter
-    inner = tl.arange(0, BLOCK_K)
     start = tl.load(bounds_ptr + expert)
     end = tl.load(bounds_ptr + expert + 1)
+    gate_rows = weight_ptr
+    up_rows = weight_ptr
     if not WEIGHT_TMA:
         weight = weight_ptr + expert.to(tl.int64) * stride_expert
         gate_rows = weight + cols[:, None].to(tl.int64) * stride_n
         up_rows = weight + (cols[:, None] + num_inter).to(tl.int64) * stride_n
-    for offset in range(0, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
-        slots = start + offset + tl.arange(0, BLOCK_T)
-        slot_mask = slots < end
-        tokens = tl.load(order_ptr + slots, mask=slot_mask, other=0) // TOP_K
-        x_rows = hidden_ptr + tokens[:, None].to(tl.int64) * stride_hidden
-        gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-        up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-        for k in range(0, NUM_INNER, BLOCK_K):
-            ks = k + inner
-            if EVEN_K:  # masks constant along K: 16-byte loads
-                x_mask = slot_mask[:, None]
-                w_mask = col_mask[:, None]
-            else:
-                x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
-                w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
-            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-            if WEIGHT_TMA:
-                gate_w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
-                up_w = weight_ptr.load([expert, first_col + num_inter, k]).reshape(BLOCK_N, BLOCK_K)
-            else:
-                # each weight byte is read once: keep the rows (read by every program of the expert) in L2 instead
-                gate_w = tl.load(gate_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0,
-                                 eviction_policy="evict_first")
-                up_w = tl.load(up_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            if UPCAST:
-                x, gate_w, up_w = x.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
-            gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
-            up = tl.dot(up_w, tl.trans(x), up, input_precision=PRECISION)
-        # rounded as torch's products and the activation kernel round them (triton_kernels.act_and_mul)
-        gate = _rounded(gate, out_ptr, UPCAST)
-        activated = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr, UPCAST) * _rounded(up, out_ptr, UPCAST)
-        tl.store(out_ptr + slots[None, :].to(tl.int64) * stride_out + cols[:, None],
-                 _rounded(activated, out_ptr, UPCAST).to(out_ptr.dtype.element_ty),
-                 mask=slot_mask[None, :] & col_mask[:, None])
+    first_loop_offset: tl.constexpr = BLOCK_T if EAGER else 0
+    if EAGER:
+        _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, up_rows, expert, first_col, cols,
+                            col_mask, start, end, 0, stride_hidden, stride_k, stride_out, num_inter, TOP_K,
+                            NUM_INNER, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+    # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only to Python ints (see the launcher)
+    for offset in range(first_loop_offset, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
+        _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, up_rows, expert, first_col, cols,
+                            col_mask, start, end, offset, stride_hidden, stride_k, stride_out, num_inter, TOP_K,
+                            NUM_INNER, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+
+
+@triton.jit
+def _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, weight_rows, expert, first_col, cols,
+                        col_mask, start, end, offset, stride_row, stride_k, stride_out, NUM_INNER: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of BLOCK_T slots from ``start + offset`` of ``_down_scatter_kernel``."""
+    inner = tl.arange(0, BLOCK_K)
+    slots = start + offset + tl.arange(0, BLOCK_T)
+    slot_mask = slots < end
+    x_rows = rows_ptr + slots[:, None].to(tl.int64) * stride_row
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k in range(0, NUM_INNER, BLOCK_K):
+        ks = k + inner
+        if EVEN_K:
+            x_mask = slot_mask[:, None]
+            w_mask = col_mask[:, None]
+        else:
+            x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
+            w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+        if WEIGHT_TMA:
+            w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
+        else:
+            w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    assignments = tl.load(order_ptr + slots, mask=slot_mask, other=0)
+    routing = tl.load(routing_ptr + assignments, mask=slot_mask, other=0.0).to(tl.float32)
+    # the product rounded to the rows' dtype, then weighted in the output's dtype, as torch computes it
+    weighted = _rounded(acc, rows_ptr, UPCAST) * routing[None, :]
+    if out_ptr.dtype.element_ty != tl.float32:
+        weighted = _rounded(weighted, out_ptr, UPCAST)
+    tl.store(out_ptr + assignments[None, :].to(tl.int64) * stride_out + cols[:, None],
+             weighted.to(out_ptr.dtype.element_ty), mask=slot_mask[None, :] & col_mask[:, None])
 
 
 @triton.jit
 def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, routing_ptr, stride_row,
                          stride_expert, stride_n, stride_k, stride_out, num_cols, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, EAGER: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
     """out[order[s], n] = routing[order[s]] * (rows[s] @ W_e^T)[n] for the expert e of sorted slot s: the down
     product, weighted by the assignment's routing weight and put back in assignment order. ``WEIGHT_TMA``:
-    weight_ptr is a (experts, hidden, inter) tensor descriptor of (1, BLOCK_N, BLOCK_K) blocks."""
+    weight_ptr is a (experts, hidden, inter) tensor descriptor of (1, BLOCK_N, BLOCK_K) blocks; ``EAGER`` as in
+    ``_gate_up_silu_kernel``."""
     expert = tl.program_id(0)
     first_col = tl.program_id(1) * BLOCK_N
     cols = first_col + tl.arange(0, BLOCK_N)
     col_mask = cols < num_cols
-    inner = tl.arange(0, BLOCK_K)
     start = tl.load(bounds_ptr + expert)
     end = tl.load(bounds_ptr + expert + 1)
+    weight_rows = weight_ptr
     if not WEIGHT_TMA:
         weight_rows = weight_ptr + expert.to(tl.int64) * stride_expert + cols[:, None].to(tl.int64) * stride_n
-    for offset in range(0, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
-        slots = start + offset + tl.arange(0, BLOCK_T)
-        slot_mask = slots < end
-        x_rows = rows_ptr + slots[:, None].to(tl.int64) * stride_row
-        acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-        for k in range(0, NUM_INNER, BLOCK_K):
-            ks = k + inner
-            if EVEN_K:
-                x_mask = slot_mask[:, None]
-                w_mask = col_mask[:, None]
-            else:
-                x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
-                w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
-            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
-            if WEIGHT_TMA:
-                w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
-            else:
-                w = tl.load(weight_rows + ks[None, :] * stride_k, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            if UPCAST:
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-        assignments = tl.load(order_ptr + slots, mask=slot_mask, other=0)
-        routing = tl.load(routing_ptr + assignments, mask=slot_mask, other=0.0).to(tl.float32)
-        # the product rounded to the rows' dtype, then weighted in the output's dtype, as torch computes it
-        weighted = _rounded(acc, rows_ptr, UPCAST) * routing[None, :]
-        if out_ptr.dtype.element_ty != tl.float32:
-            weighted = _rounded(weighted, out_ptr, UPCAST)
-        tl.store(out_ptr + assignments[None, :].to(tl.int64) * stride_out + cols[:, None],
-                 weighted.to(out_ptr.dtype.element_ty), mask=slot_mask[None, :] & col_mask[:, None])
+    first_loop_offset: tl.constexpr = BLOCK_T if EAGER else 0
+    if EAGER:
+        _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, weight_rows, expert, first_col,
+                            cols, col_mask, start, end, 0, stride_row, stride_k, stride_out, NUM_INNER, BLOCK_T,
+                            BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+    for offset in range(first_loop_offset, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
+        _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, weight_rows, expert, first_col,
+                            cols, col_mask, start, end, offset, stride_row, stride_k, stride_out, NUM_INNER, BLOCK_T,
+                            BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
 
 
 _INTERPRETED = isinstance(_expert_matmul_kernel, InterpretedFunction)
@@ -236,10 +276,13 @@ class DecodeTiles:
     weight_tma: bool = False
     """Load the weight blocks by TMA (Hopper's tensor memory accelerator) instead of through pointers; needs the
     weight's inner dimension contiguous and 16-byte aligned rows."""
+    eager: bool = False
+    """Run the first block of slots whatever the expert's bounds, so its weight loads do not wait for them (an
+    expert without rows reads its weights for nothing: for steps that give every expert rows)."""
 
     def __str__(self) -> str:
         return (f"t{self.block_t} n{self.block_n} k{self.block_k} stages {self.num_stages} warps {self.num_warps}"
-                + (" tma" if self.weight_tma else ""))
+                + (" tma" if self.weight_tma else "") + (" eager" if self.eager else ""))
 
 
 DECODE_TILES = (
@@ -289,7 +332,17 @@ WIDE_DOWN_TILES = (
 """Down-product tilings reading 512 contiguous bytes of each weight row per block, or 256 weight columns a program
 (the gate|up kernel, with two weight blocks a stage, has no room for them)."""
 
-PRODUCT_TILES = {"gate_up": DECODE_TILES + WIDE_GATE_UP_TILES, "down": DECODE_TILES + WIDE_DOWN_TILES}
+EAGER_TILES = (
+    DecodeTiles(block_k=64, eager=True),
+    DecodeTiles(block_k=64, weight_tma=True, eager=True),
+    DecodeTiles(num_stages=3, weight_tma=True, eager=True),
+    DecodeTiles(block_n=128, block_k=64, num_stages=3, num_warps=8, weight_tma=True, eager=True),
+)
+"""Tilings of 64 slots whose first block does not wait for the expert's bounds (``DecodeTiles.eager``)."""
+
+PRODUCT_TILES = {"gate_up": DECODE_TILES + WIDE_GATE_UP_TILES + EAGER_TILES,
+                 "down": DECODE_TILES + WIDE_DOWN_TILES + EAGER_TILES
+                 + (DecodeTiles(block_n=256, block_k=64, num_warps=8, weight_tma=True, eager=True),)}
 """The tilings ``ExpertKernelChoice`` times for each swapped product."""
 
 
@@ -339,7 +392,7 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
                                gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), out.stride(0), inter,
                                TOP_K=top_k, NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
                                BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
-                               WEIGHT_TMA=tiles.weight_tma, **_dot_options(hidden.dtype),
+                               WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager, **_dot_options(hidden.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -361,7 +414,7 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
                                num_cols, NUM_INNER=num_inner,
                                BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                                EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
-                               **_dot_options(activated.dtype),
+                               EAGER=tiles.eager, **_dot_options(activated.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
