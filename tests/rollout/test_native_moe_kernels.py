@@ -88,16 +88,21 @@ def per_expert(hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
 
 SMALL_TILES = (DecodeTiles(block_t=16, block_n=16, block_k=16), DecodeTiles(block_t=32, block_n=32, block_k=32),
                DecodeTiles(block_t=16, block_n=16, block_k=16, weight_tma=True),
-               DecodeTiles(block_t=16, block_n=16, block_k=16, weight_tma=True, eager=True))
+               DecodeTiles(block_t=16, block_n=16, block_k=16, weight_tma=True, eager=True),
+               DecodeTiles(block_t=16, block_n=16, block_k=16, rotate_k=True),
+               DecodeTiles(block_t=16, block_n=16, block_k=16, weight_tma=True, rotate_k=True))
 
 
-@pytest.mark.parametrize("tiles", SMALL_TILES, ids=["t16", "t32", "t16-tma", "t16-tma-eager"])
+@pytest.mark.parametrize("tiles", SMALL_TILES, ids=["t16", "t32", "t16-tma", "t16-tma-eager", "t16-rotated",
+                                                    "t16-tma-rotated"])
 def test_the_swapped_kernels_give_every_expert_its_own_rows_in_float32(tiles):
     """gate|up with silu, then down weighted and put back in token order, against per-expert matmuls: 0, 1, 7, 32
     and 65 rows per expert over blocks of 16 and 32 slots; hidden (24) and inter (20) not multiples of the blocks
     (a TMA read zero-fills past the inner dimension; gate columns past inter read up rows, which no output keeps;
-    an eager first block of an expert without rows writes nothing)."""
+    an eager first block of an expert without rows writes nothing; rotated K loops sum the same blocks)."""
     top_k, hidden_size, inter = 2, 24, 20
+    if tiles.rotate_k:  # K loops rotate over whole blocks: 3 of them for gate|up, 2 for down
+        hidden_size, inter = 48, 32
     counts = ROWS_PER_EXPERT
     expert_ids, weights = routed(counts, top_k)
     hidden = torch.randn(expert_ids.shape[0], hidden_size, generator=torch.Generator().manual_seed(2))

@@ -74,11 +74,22 @@ def _rounded(x, like_ptr, BITWISE: tl.constexpr):
 
 
 @triton.jit
+def _rotated(step, expert, first_col, NUM_INNER: tl.constexpr, BLOCK_K: tl.constexpr, ROTATE_K: tl.constexpr):
+    """The K offset of a program's ``step``: with ``ROTATE_K`` (NUM_INNER a multiple of BLOCK_K) each program starts
+    at its own block of K and wraps around, so programs running together read different columns of their weight rows
+    (rows a power of two bytes apart would otherwise send them all to the same DRAM channels at once)."""
+    if ROTATE_K:
+        num_blocks: tl.constexpr = NUM_INNER // BLOCK_K
+        return ((step // BLOCK_K + expert * 5 + first_col // 16) % num_blocks) * BLOCK_K
+    return step
+
+
+@triton.jit
 def _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, up_rows, expert, first_col, cols,
                         col_mask, start, end, offset, stride_hidden, stride_k, stride_out, num_inter,
                         TOP_K: tl.constexpr, NUM_INNER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
-                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        ROTATE_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One block of BLOCK_T slots from ``start + offset`` of ``_gate_up_silu_kernel``."""
     inner = tl.arange(0, BLOCK_K)
     slots = start + offset + tl.arange(0, BLOCK_T)
@@ -87,7 +98,8 @@ def _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, u
     x_rows = hidden_ptr + tokens[:, None].to(tl.int64) * stride_hidden
     gate = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for k in range(0, NUM_INNER, BLOCK_K):
+    for step in range(0, NUM_INNER, BLOCK_K):
+        k = _rotated(step, expert, first_col, NUM_INNER, BLOCK_K, ROTATE_K)
         ks = k + inner
         if EVEN_K:  # masks constant along K: 16-byte loads
             x_mask = slot_mask[:, None]
@@ -122,7 +134,8 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
                          stride_n, stride_k, stride_out, num_inter, TOP_K: tl.constexpr, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, EAGER: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         ROTATE_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                         STATIC_LOOP_END: tl.constexpr):
     """out[s, j] = silu(gate_e(x)) * up_e(x) for the expert e of sorted slot s and the inter columns j of this program;
     x is the hidden row of the slot's token (order[s] // TOP_K), gathered here. Products are W @ x^T: the weight's
     columns fill the MMA's M side, the expert's few slots its N side. ``WEIGHT_TMA``: weight_ptr is a
@@ -145,26 +158,30 @@ def _gate_up_silu_kernel(hidden_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr,
     if EAGER:
         _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, up_rows, expert, first_col, cols,
                             col_mask, start, end, 0, stride_hidden, stride_k, stride_out, num_inter, TOP_K,
-                            NUM_INNER, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+                            NUM_INNER, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, ROTATE_K, PRECISION,
+                            UPCAST)
     # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only to Python ints (see the launcher)
     for offset in range(first_loop_offset, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
         _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, up_rows, expert, first_col, cols,
                             col_mask, start, end, offset, stride_hidden, stride_k, stride_out, num_inter, TOP_K,
-                            NUM_INNER, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+                            NUM_INNER, BLOCK_T, BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, ROTATE_K, PRECISION,
+                            UPCAST)
 
 
 @triton.jit
 def _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, weight_rows, expert, first_col, cols,
                         col_mask, start, end, offset, stride_row, stride_k, stride_out, NUM_INNER: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                        WEIGHT_TMA: tl.constexpr, ROTATE_K: tl.constexpr, PRECISION: tl.constexpr,
+                        UPCAST: tl.constexpr):
     """One block of BLOCK_T slots from ``start + offset`` of ``_down_scatter_kernel``."""
     inner = tl.arange(0, BLOCK_K)
     slots = start + offset + tl.arange(0, BLOCK_T)
     slot_mask = slots < end
     x_rows = rows_ptr + slots[:, None].to(tl.int64) * stride_row
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for k in range(0, NUM_INNER, BLOCK_K):
+    for step in range(0, NUM_INNER, BLOCK_K):
+        k = _rotated(step, expert, first_col, NUM_INNER, BLOCK_K, ROTATE_K)
         ks = k + inner
         if EVEN_K:
             x_mask = slot_mask[:, None]
@@ -195,7 +212,8 @@ def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, r
                          stride_expert, stride_n, stride_k, stride_out, num_cols, NUM_INNER: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, EAGER: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                         ROTATE_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                         STATIC_LOOP_END: tl.constexpr):
     """out[order[s], n] = routing[order[s]] * (rows[s] @ W_e^T)[n] for the expert e of sorted slot s: the down
     product, weighted by the assignment's routing weight and put back in assignment order. ``WEIGHT_TMA``:
     weight_ptr is a (experts, hidden, inter) tensor descriptor of (1, BLOCK_N, BLOCK_K) blocks; ``EAGER`` as in
@@ -213,11 +231,11 @@ def _down_scatter_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, order_ptr, r
     if EAGER:
         _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, weight_rows, expert, first_col,
                             cols, col_mask, start, end, 0, stride_row, stride_k, stride_out, NUM_INNER, BLOCK_T,
-                            BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+                            BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, ROTATE_K, PRECISION, UPCAST)
     for offset in range(first_loop_offset, STATIC_LOOP_END if STATIC_LOOP_END else end - start, BLOCK_T):
         _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, weight_rows, expert, first_col,
                             cols, col_mask, start, end, offset, stride_row, stride_k, stride_out, NUM_INNER, BLOCK_T,
-                            BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, PRECISION, UPCAST)
+                            BLOCK_N, BLOCK_K, EVEN_K, WEIGHT_TMA, ROTATE_K, PRECISION, UPCAST)
 
 
 _INTERPRETED = isinstance(_expert_matmul_kernel, InterpretedFunction)
@@ -280,9 +298,14 @@ class DecodeTiles:
     """Run the first block of slots whatever the expert's bounds, so its weight loads do not wait for them (an
     expert without rows reads its weights for nothing: for steps that give every expert rows)."""
 
+    rotate_k: bool = False
+    """Start each program's K loop at its own block of K (``_rotated``); needs the inner size a multiple of block_k
+    (otherwise the loop starts at 0)."""
+
     def __str__(self) -> str:
         return (f"t{self.block_t} n{self.block_n} k{self.block_k} stages {self.num_stages} warps {self.num_warps}"
-                + (" tma" if self.weight_tma else "") + (" eager" if self.eager else ""))
+                + (" tma" if self.weight_tma else "") + (" eager" if self.eager else "")
+                + (" rotated" if self.rotate_k else ""))
 
 
 DECODE_TILES = (
@@ -340,8 +363,15 @@ EAGER_TILES = (
 )
 """Tilings of 64 slots whose first block does not wait for the expert's bounds (``DecodeTiles.eager``)."""
 
-PRODUCT_TILES = {"gate_up": DECODE_TILES + WIDE_GATE_UP_TILES + EAGER_TILES,
-                 "down": DECODE_TILES + WIDE_DOWN_TILES + EAGER_TILES
+ROTATED_TILES = (
+    DecodeTiles(block_k=64, rotate_k=True),
+    DecodeTiles(block_k=64, weight_tma=True, rotate_k=True),
+    DecodeTiles(num_stages=3, weight_tma=True, rotate_k=True),
+)
+"""Tilings of 64 slots whose programs start their K loops at different blocks (``DecodeTiles.rotate_k``)."""
+
+PRODUCT_TILES = {"gate_up": DECODE_TILES + WIDE_GATE_UP_TILES + EAGER_TILES + ROTATED_TILES,
+                 "down": DECODE_TILES + WIDE_DOWN_TILES + EAGER_TILES + ROTATED_TILES
                  + (DecodeTiles(block_n=256, block_k=64, num_warps=8, weight_tma=True, eager=True),)}
 """The tilings ``ExpertKernelChoice`` times for each swapped product."""
 
@@ -392,7 +422,8 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
                                gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), out.stride(0), inter,
                                TOP_K=top_k, NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
                                BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
-                               WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager, **_dot_options(hidden.dtype),
+                               WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager,
+                               ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0, **_dot_options(hidden.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -414,7 +445,8 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
                                num_cols, NUM_INNER=num_inner,
                                BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                                EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
-                               EAGER=tiles.eager, **_dot_options(activated.dtype),
+                               EAGER=tiles.eager, ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0,
+                               **_dot_options(activated.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
