@@ -6,7 +6,7 @@ are left out): the floor of the step's 48 expert layers is those bytes (57 GiB i
 rate (``bench.floor.COPY_BYTES_PER_S``). The layers run as the engine's decode graph runs them (router, sort by
 expert, the expert kernels, weighting and sum), captured in one CUDA graph over four layers' distinct weights (no
 layer's weights are in L2 when it runs), replayed and timed: once with torch's grouped GEMM alone, once with the
-kernels the engine picks (``moe_kernels.ExpertKernelChoice``), at 128, 256 and 512 sequences. Each line gives the
+kernels the engine picks (``moe_choice.ExpertKernelChoice``), at 128, 256 and 512 sequences. Each line gives the
 step's milliseconds, the weight bytes read per second and the share of the floor's speed, then what the choice
 timed for one layer of that shape (on assignments spread over the experts).
 Run: ``pytest -q -s -m gpu tests/rollout/test_native_moe_decode_floor.py``.
@@ -33,7 +33,7 @@ def test_the_30b_a3b_expert_layers_of_a_decode_step_run_near_the_weight_read_flo
     from transformers import AutoConfig
 
     from reinforge.rollout.native import triton_kernels
-    from reinforge.rollout.native.moe_kernels import ExpertKernelChoice
+    from reinforge.rollout.native.moe_choice import ExpertKernelChoice
 
     keys = shape_config("qwen3-30b-a3b")
     config = AutoConfig.for_model(keys.pop("model_type"), **keys)

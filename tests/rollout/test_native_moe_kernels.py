@@ -1,5 +1,5 @@
-"""The Triton grouped GEMMs of the experts (rollout/native/moe_kernels.py), run by Triton's interpreter on the CPU
-and against torch's grouped GEMM on the GPU."""
+"""The Triton grouped GEMMs of the experts (rollout/native/moe_kernels.py) and their timed choice (moe_choice.py),
+run by Triton's interpreter on the CPU and against torch's grouped GEMM on the GPU."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from reinforge.rollout.native import moe_kernels  # noqa: E402
+from reinforge.rollout.native import moe_choice, moe_kernels  # noqa: E402
 from reinforge.rollout.native.moe import experts_forward  # noqa: E402
+from reinforge.rollout.native.moe_choice import TILE_CONFIGS, ExpertKernelChoice  # noqa: E402
 from reinforge.rollout.native.moe_kernels import (  # noqa: E402
-    TILE_CONFIGS,
     DecodeTiles,
-    ExpertKernelChoice,
     SwappedExperts,
     TileConfig,
     expert_down_scatter,
@@ -204,7 +203,7 @@ def test_the_choice_keeps_the_fastest_candidate_and_drops_failing_or_wrong_ones(
         return 2.0 if len(timed) == 1 else 0.5
 
     monkeypatch.setattr(ExpertKernelChoice, "_time", torch_first_and_slowest)
-    with caplog.at_level(logging.INFO, logger=moe_kernels.__name__):
+    with caplog.at_level(logging.INFO, logger=moe_choice.__name__):
         got = experts_forward(hidden, expert_ids, weights, gate_up, down, grouped=True, kernels=choice)
     (picked,) = choice.picked.values()
     assert picked == SwappedExperts(SMALL_TILES[0], SMALL_TILES[0])
@@ -262,7 +261,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from reinforge.rollout.native import moe_kernels
+from reinforge.rollout.native import moe_choice, moe_kernels
 
 SIGNATURES = {  # the Qwen3-30B-A3B expert shapes, bf16, as the launchers pass them
     "gate_up": (moe_kernels._gate_up_silu_kernel, 2048, dict(
@@ -275,7 +274,7 @@ SIGNATURES = {  # the Qwen3-30B-A3B expert shapes, bf16, as the launchers pass t
 }
 results = []
 for product, (kernel, inner, arguments, extra) in SIGNATURES.items():
-    for tiles in moe_kernels.PRODUCT_TILES[product]:
+    for tiles in moe_choice.PRODUCT_TILES[product]:
         signature = {name: "constexpr" for name in kernel.arg_names} | arguments
         if tiles.weight_tma:
             signature["weight_ptr"] = f"tensordesc<bf16[1, {tiles.block_n}, {tiles.block_k}]>"
@@ -321,7 +320,7 @@ def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipeline
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
     assert results.pop()["product"] == "order"  # the counting sort compiles too
-    tilings = [tiles for product in ("gate_up", "down") for tiles in moe_kernels.PRODUCT_TILES[product]]
+    tilings = [tiles for product in ("gate_up", "down") for tiles in moe_choice.PRODUCT_TILES[product]]
     for result, tiles in zip(results, tilings, strict=True):
         assert result["shared"] <= 227 * 1024, result
         pipelined = result["tma_copies"] if tiles.weight_tma else result["async_copies"]
@@ -350,11 +349,11 @@ def test_the_triton_kernels_give_torchs_grouped_gemm_products_in_bf16():
     routing = torch.rand(rows.shape[0], device="cuda")
     down_out = _grouped_mm(activated, down.transpose(1, 2), offs=offsets) * routing[order, None]
     expected_down = torch.empty_like(down_out).index_copy_(0, order, down_out)
-    for tiles in moe_kernels.PRODUCT_TILES["gate_up"]:
+    for tiles in moe_choice.PRODUCT_TILES["gate_up"]:
         torch.testing.assert_close(expert_gate_up_silu(hidden, weight, bounds, order, 1, tiles).float(),
                                    activated.float(), atol=2e-2, rtol=2e-2,
                                    msg=lambda text, tiles=tiles: f"{tiles}: {text}")
-    for tiles in moe_kernels.PRODUCT_TILES["down"]:
+    for tiles in moe_choice.PRODUCT_TILES["down"]:
         torch.testing.assert_close(expert_down_scatter(activated, down, bounds, order, routing, tiles),
                                    expected_down, atol=2e-2, rtol=2e-2,
                                    msg=lambda text, tiles=tiles: f"{tiles}: {text}")

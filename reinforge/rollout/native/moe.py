@@ -34,7 +34,7 @@ from reinforge.models.architectures import LayerSpec, MoESpec
 from reinforge.rollout.native.layers import BlockContext
 
 if TYPE_CHECKING:
-    from reinforge.rollout.native.moe_kernels import ExpertKernelChoice
+    from reinforge.rollout.native.moe_choice import ExpertKernelChoice
 
 
 def deepseek_router(model_type: str) -> bool:
@@ -195,9 +195,9 @@ _EXPERT_KERNELS: list[ExpertKernelChoice] = []
 
 
 def expert_kernel_choice() -> ExpertKernelChoice:
-    """The one ``moe_kernels.ExpertKernelChoice`` of the process: every layer and engine shares its timings."""
+    """The one ``moe_choice.ExpertKernelChoice`` of the process: every layer and engine shares its timings."""
     if not _EXPERT_KERNELS:
-        from reinforge.rollout.native.moe_kernels import ExpertKernelChoice
+        from reinforge.rollout.native.moe_choice import ExpertKernelChoice
 
         _EXPERT_KERNELS.append(ExpertKernelChoice())
     return _EXPERT_KERNELS[0]
