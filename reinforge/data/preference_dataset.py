@@ -287,6 +287,8 @@ class PairLoader:
         self.batch_size, self.pad_token_id, self.shuffle, self.seed = batch_size, pad_token_id, shuffle, seed
         self.epoch = 0
         self.position = 0
+        self._peeked: tuple[tuple[int, int], Batch] | None = None
+        """(epoch, position) and the batch ``peek_batch`` built for them."""
 
     def __len__(self) -> int:
         return -(-len(self.pairs) // self.batch_size)
@@ -294,13 +296,27 @@ class PairLoader:
     def _batch(self, indices: Sequence[int]) -> Batch:
         return collate_pairs([self.pairs[index] for index in indices], indices, self.pad_token_id)
 
+    def _upcoming(self) -> tuple[int, int]:
+        """(epoch, position) of the batch ``next_batch`` returns next."""
+        return (self.epoch + 1, 0) if self.position >= len(self) else (self.epoch, self.position)
+
+    def _batch_at(self, epoch: int, position: int) -> Batch:
+        if self._peeked is not None and self._peeked[0] == (epoch, position):
+            return self._peeked[1]
+        order = epoch_order(len(self.pairs), self.seed, epoch, self.shuffle)
+        return self._batch(order[position * self.batch_size:(position + 1) * self.batch_size].tolist())
+
     def next_batch(self) -> Batch:
-        if self.position >= len(self):
-            self.epoch, self.position = self.epoch + 1, 0
-        order = epoch_order(len(self.pairs), self.seed, self.epoch, self.shuffle)
-        indices = order[self.position * self.batch_size:(self.position + 1) * self.batch_size].tolist()
-        self.position += 1
-        return self._batch(indices)
+        self.epoch, position = self._upcoming()
+        batch = self._batch_at(self.epoch, position)
+        self.position, self._peeked = position + 1, None
+        return batch
+
+    def peek_batch(self) -> Batch:
+        """The batch ``next_batch`` returns next (the same object), built now; the loader does not advance."""
+        upcoming = self._upcoming()
+        self._peeked = (upcoming, self._batch_at(*upcoming))
+        return self._peeked[1]
 
     def batches_of_one_pass(self) -> list[Batch]:
         """Every pair once, in order (validation, the reference pass)."""
@@ -312,3 +328,4 @@ class PairLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._peeked = None

@@ -100,3 +100,23 @@ def test_a_pair_is_two_rows_with_one_prompt(tokenizer):
     assert batch["response_mask"].sum(-1).tolist() == [4, 3, 2, 3]
     assert text(tokenizer, batch["input_ids"][1][batch["attention_mask"][1].bool()]) == "Q:no<|im_end|>"
     assert batch["position_ids"][0].tolist()[-4:] == [2, 3, 4, 5]
+
+
+def test_a_peeked_batch_is_the_next_one_and_the_loader_does_not_advance():
+    import torch
+
+    from reinforge.data.preference_dataset import PairLoader, PreferencePair
+
+    pairs = [PreferencePair([1, 2], [3 + index], [4]) for index in range(5)]
+    loader, plain = PairLoader(pairs, 2, 0, seed=3), PairLoader(pairs, 2, 0, seed=3)
+    for step in range(7):  # three batches an epoch: across two epoch boundaries
+        state = loader.state_dict()
+        peeked = loader.peek_batch() if step % 2 == 0 else None
+        assert loader.state_dict() == state
+        batch = loader.next_batch()
+        assert peeked is None or peeked is batch
+        assert torch.equal(batch["pair_index"], plain.next_batch()["pair_index"])
+        assert loader.state_dict() == plain.state_dict()
+    loader.peek_batch()
+    loader.load_state_dict({"epoch": 0, "position": 0})  # a resumed loader never returns what was peeked before
+    assert torch.equal(loader.next_batch()["pair_index"], PairLoader(pairs, 2, 0, seed=3).next_batch()["pair_index"])

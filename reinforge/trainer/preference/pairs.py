@@ -13,6 +13,7 @@ pairs with the training forward (DPO's reference pass, both trainers' validation
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +34,7 @@ from reinforge.engine.fsdp import fsdp_units, reshard
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
-from reinforge.engine.packing import attach_plan
+from reinforge.engine.packing import PLAN_KEY, attach_plan
 from reinforge.engine.train_step import MiniBatchCounts, ModelUpdate, UpdateSettings
 from reinforge.models import load_tokenizer, save_hf_folder, warn_if_beyond_context
 from reinforge.protocol import Batch
@@ -121,6 +122,8 @@ class PreferenceRun(SupervisedRun):
     """Refuse pairs without a common beginning (DPO's loss is on the completions that follow a prompt)."""
     on_first_micro_batch: Callable[[Batch], None] | None = None
     """Called once by ``score_pairs`` after its next first micro-batch (DPO times its reference pass's)."""
+    _prepared: tuple[Batch, list[Batch]] | None = None
+    """The next step's batch and its micro-batches (``prepare_next_step``)."""
 
     def __init__(self, config: RMConfig | DPOConfig):
         self.config = config
@@ -242,11 +245,28 @@ class PreferenceRun(SupervisedRun):
         out[rows, columns] = gathered["value"]
         return out
 
+    def prepare_next_step(self) -> None:
+        """Build the next step's batch and micro-batches now (packing plans made; on CUDA in page-locked memory, so
+        their copies to the device do not wait), while the device runs this step's last micro-batch: that step
+        then starts on the device at once. One process only (making them is agreed over the ranks)."""
+        if self.world_size > 1 or self.step + 1 >= self.total_steps:
+            return
+        batch = self.train_loader.peek_batch()
+        budget = self.config.trainer.max_tokens_per_micro_batch
+        pieces = list(pair_micro_batches(batch, budget, "response_mask"))
+        self._prepared = (batch, [page_locked(piece) for piece in pieces] if self.device.type == "cuda" else pieces)
+
     def update(self, batch: Batch) -> tuple[ModelUpdate, Iterator[tuple[Batch, MiniBatchCounts]]]:
         """One optimizer step over ``batch``: the update and its micro-batches of this rank's share of the pairs,
-        each with the counts of the whole batch over every rank."""
+        each with the counts of the whole batch over every rank (those ``prepare_next_step`` made, if it made
+        this batch's)."""
+        split: Callable[[Batch, int, str], Iterator[Batch]] = pair_micro_batches
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] is batch:
+            pieces = prepared[1]
+            split = lambda mini_batch, budget, mask_key: iter(pieces)  # noqa: E731
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
-                             split=pair_micro_batches)
+                             split=split)
         micro_batches = update.micro_batches(rank_share(batch))
         if self.memory_plan.keep_gathered:
             micro_batches = self._gathered_until_the_last(micro_batches)
@@ -287,6 +307,18 @@ class PreferenceRun(SupervisedRun):
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
 
 
+
+
+def page_locked(piece: Batch) -> Batch:
+    """``piece`` with its tensors and its packing plan's in page-locked host memory (CUDA)."""
+    locked = Batch({key: value.pin_memory() for key, value in piece.tensors.items()}, dict(piece.non_tensors),
+                   dict(piece.meta))
+    plan = piece.meta.get(PLAN_KEY)
+    if plan is not None:
+        locked.meta[PLAN_KEY] = dataclasses.replace(plan, **{
+            field.name: getattr(plan, field.name).pin_memory() for field in dataclasses.fields(plan)
+            if isinstance(getattr(plan, field.name), Tensor)})
+    return locked
 
 
 def has_active_dropout(model: torch.nn.Module) -> bool:

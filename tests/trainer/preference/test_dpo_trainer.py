@@ -188,3 +188,29 @@ def test_validation_scores_pairs_with_the_training_forward_to_the_metrics_of_a_n
     for key, value in expected.items():
         assert measured[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert trainer.model.training
+
+
+def test_each_steps_pairs_are_cut_once_the_next_steps_while_the_device_runs_the_last_micro_batch(
+        pair_args, tmp_path, monkeypatch):
+    from reinforge.trainer.preference import pairs as pairs_module
+
+    cut: list = []  # the batches themselves: their ids could be reused once freed
+    original = pairs_module.pair_micro_batches
+
+    def counted(batch, max_tokens, mask_key):
+        cut.append(batch)
+        return original(batch, max_tokens, mask_key)
+
+    monkeypatch.setattr(pairs_module, "pair_micro_batches", counted)
+    trainer = DPOTrainer(load_dpo_config(None, pair_args(tmp_path / "run", **{"trainer.total_steps": 3,
+                                                                               "trainer.max_tokens_per_micro_batch": 96})))
+    trained: list = []
+    original_update = trainer.update
+
+    def update(batch):
+        trained.append(batch)
+        return original_update(batch)
+
+    trainer.update = update
+    trainer.fit()
+    assert len(trained) == 3 and all(sum(piece is batch for piece in cut) == 1 for batch in trained)
