@@ -5,8 +5,8 @@ We register one attention implementation with transformers, ``reinforge_varlen``
 activation checkpointing replays), it runs causal attention inside each sequence: on CUDA in
 bf16/fp16 with PyTorch's flash varlen kernel (no padding, no mask), elsewhere with one masked
 SDPA call over the sequences unpacked into a padded batch. With shared prompts
-(``engine.packing``) the key side of each segment is gathered by ``packed_kv_index`` and may be
-longer than its query side; the causal mask is then aligned to the end of the keys (query i
+(``engine.packing``) the key side of each segment is gathered by ``packed_kv_index`` (``GatherRows``: the
+gradients of a repeated row summed in float32) and may be longer than its query side; the causal mask is then aligned to the end of the keys (query i
 of a segment with q queries and k keys sees keys up to i + k - q), which is how the flash
 kernel aligns it; ``flash_runs_shared_segments`` checks that once per device, and segments fall
 back to masked SDPA if it does not. Without it (``generate`` with padding masks, a KV cache) it is plain SDPA,
@@ -120,6 +120,25 @@ def _explicit_forward(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     return out.transpose(1, 2).contiguous()
 
 
+class GatherRows(torch.autograd.Function):
+    """``values.index_select(0, index)`` whose backward sums the gradients of a repeated row (a shared prompt's keys
+    and values, gathered once for its own segment and once for each of its responses) in float32: index_add on
+    bfloat16 serialises the atomic adds of neighbouring values, several times slower than on float32."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = values.shape[0]
+        return values.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (index,) = ctx.saved_tensors
+        total = grad.new_zeros((ctx.num_rows, *grad.shape[1:]), dtype=torch.float32)
+        total.index_add_(0, index, grad.float())
+        return total.to(grad.dtype), None
+
+
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict, window: int | None = None,
                      softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention inside each packed segment: q (tokens, heads, dim), k/v (tokens, kv_heads, dim) -> like q.
@@ -132,7 +151,7 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kwargs: dict
     kv_index = kwargs.get("packed_kv_index")
     cu_seqlens_k, max_key_length = cu_seqlens, kwargs["packed_max_length"]
     if kv_index is not None:
-        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        k, v = GatherRows.apply(k, kv_index), GatherRows.apply(v, kv_index)
         cu_seqlens_k, max_key_length = kwargs["packed_cu_seqlens_k"], kwargs["packed_max_length_k"]
     on_flash_device = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     if (on_flash_device and softcap is None and sinks is None and _VARLEN_KERNEL is not None

@@ -206,3 +206,24 @@ def test_flash_varlen_with_grouped_heads_matches_sdpa_per_segment_on_the_gpu(nat
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad.float(), expected_grad.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_shared_key_rows_sum_their_gradients_in_float32_and_compile_without_a_break():
+    import torch._dynamo
+
+    from reinforge.engine.attention import GatherRows
+
+    def loss_of(keys: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (GatherRows.apply(keys, index) * weight).sum()
+
+    generator = torch.Generator().manual_seed(0)
+    for rows in (12, 20):  # a prompt's 4 keys gathered for its own segment and each of two responses, then theirs
+        keys = torch.randn(rows, 2, 8, generator=generator).to(torch.bfloat16).requires_grad_(True)
+        index = torch.cat([torch.arange(4), torch.arange(4), torch.arange(4, rows // 2 + 2), torch.arange(4),
+                           torch.arange(rows // 2 + 2, rows)])
+        weight = torch.randn(len(index), 2, 8, generator=generator).to(torch.bfloat16)
+        compiled = torch.compile(loss_of, backend="aot_eager", dynamic=True)
+        compiled(keys, index, weight).backward()
+        expected = torch.zeros(rows, 2, 8).index_add_(0, index, weight.float()).to(torch.bfloat16)
+        assert torch.equal(keys.grad, expected)  # each row's sum rounded to bfloat16 once
+    assert torch._dynamo.explain(loss_of)(keys, index, weight).graph_break_count == 0
