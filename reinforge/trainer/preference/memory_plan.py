@@ -11,8 +11,9 @@ vocabulary. DPO's stored reference log-probs take 8 bytes a pair; a reference mo
 policy for one training forward at a time, before any gradient exists.
 
 Settings left ``auto`` get the fastest values that fit (the fewest micro-batches, then the fewest recomputed
-layers, logits kept for the backward: the RL planner's costs, the update being the whole step); a value a user
-gave is kept, and a run that cannot fit is refused in one line before the model loads. On the CPU ``auto`` keeps
+layers, logits kept for the backward: the RL planner's costs, the update being the whole step; on one device,
+parameters kept gathered from each forward to its backward, so a step gathers them and reduces the gradients
+once, when the whole model's compute-dtype copy fits beside the rest); a value a user gave is kept, and a run that cannot fit is refused in one line before the model loads. On the CPU ``auto`` keeps
 a fixed budget (``CPU_MICRO_BATCH_TOKENS``, or the longest pair) and recomputes nothing.
 """
 
