@@ -38,8 +38,9 @@ tens of seconds to start on a 2-core machine), which a second worker would start
 
 LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer.py", "tests/trainer/test_rl_trainer_stop_signals.py",
                  "tests/trainer/modes/test_async_mode.py", "tests/trainer/test_rl_trainer_lora.py",
-                 "tests/rollout/test_native_vlm.py", "tests/test_api.py", "tests/rollout/test_native_long_decode.py",
-                 "tests/engine/test_families.py", "tests/demo/test_vision_demo.py", "tests/bench/test_sizes.py",
+                 "tests/rollout/test_native_moe_kernels.py", "tests/rollout/test_native_vlm.py", "tests/test_api.py",
+                 "tests/rollout/test_native_long_decode.py", "tests/engine/test_families.py",
+                 "tests/demo/test_vision_demo.py", "tests/bench/test_sizes.py",
                  "tests/config/verl/test_upstream_commands.py", "tests/trainer/test_run_loop.py",
                  "tests/engine/test_fused.py", "tests/rollout/native/test_triton_kernels.py",
                  "tests/rollout/test_native_moe.py")
