@@ -12,7 +12,8 @@ the policy ratio must compare like with like.
 
 A vision-language model (Qwen2.5-VL, Qwen3-VL) runs the same way: its vision tower once over the
 images of the packed row, their embeddings in place of the image tokens, and the language model
-over the packed row with M-RoPE position ids that restart with each sequence (``packing.vision_model_kwargs``).
+over the packed row with M-RoPE position ids that restart with each sequence (``packing.vision_model_kwargs``);
+an image-token id outside the sequence's images is text (``models.vision.image_tokens_as_text``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linea
 from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
-from reinforge.models.vision import is_vision_language
+from reinforge.models.vision import image_tokens_as_text, is_vision_language
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
 
@@ -121,13 +122,14 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     captured: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
-    inputs = {"position_ids": packed.position_ids}
+    inputs, text_tokens = {"position_ids": packed.position_ids}, None
     if is_vision_language(model.config):  # M-RoPE positions, and the images for the vision tower
-        inputs = vision_model_kwargs(micro, model.config, device)
+        inputs, text_tokens = vision_model_kwargs(micro, model.config, device)
     try:
-        model(input_ids=packed.input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
-              logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
-              **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
+        with image_tokens_as_text(model, packed.input_ids, text_tokens) as input_ids:
+            model(input_ids=input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
+                  logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
+                  **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
     finally:
         hook.remove()
     hidden = captured[-1][0, packed.predictor_index]

@@ -25,7 +25,8 @@ Images. A vision-language micro-batch carries each row's pixels (``data.multimod
 it (a prompt shared by a group's rows once), for the vision tower to run on once, and every
 packed token's M-RoPE position ids (``models.vision``), computed per sequence over its
 ``[prompt | response]`` so that they restart with each. Rows with identical prompt tokens but
-different images are different prompts.
+different images are different prompts. An image-token id outside a sequence's images (a policy can
+sample it) is text there, as the rollout engines embed it: text positions, its own embedding.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reinforge.models.vision import sequence_rope_positions
+from reinforge.models.vision import image_token_mask, sequence_rope_positions
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
 PLAN_KEY = "packing_plan"
@@ -247,6 +248,9 @@ class PackedVisionInputs:
     """(patches, patch dim): the patches of the images in the packed row, in the order of their tokens; None without."""
     image_grid_thw: Tensor | None
     """(images, 3): those images' grids."""
+    text_tokens: Tensor | None = None
+    """(1, tokens) bool: the packed tokens whose id is the image token's but that belong to none of their sequence's
+    images (``models.vision.image_token_mask``): text, at text positions; None where there are none."""
 
 
 def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionInputs:
@@ -266,38 +270,40 @@ def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionI
         row_inputs = inputs[row] if inputs is not None and inputs[row] else {}
         grid = row_inputs.get("image_grid_thw")
         grid = grid.cpu() if grid is not None else None  # where the plan is: pixels move to the device only packed
-        positions[:, flat], _ = sequence_rope_positions(config, ids, grid)
-        is_image = ids == config.image_token_id
-        if grid is None or not bool(is_image.any()):
+        try:
+            positions[:, flat], _ = sequence_rope_positions(config, ids, grid)
+        except ValueError as error:
+            raise ValueError(f"row {row} of the micro-batch: {error}") from None
+        if grid is None:
             continue
+        is_image = image_token_mask(config, ids, grid)  # an image-token id outside the row's images is text
         tokens_per_image = grid.prod(-1) // (merge * merge)
-        if int(tokens_per_image.sum()) != int(is_image.sum()):
-            raise ValueError(f"row {row} of the micro-batch has {int(is_image.sum())} image tokens but its images "
-                             f"make {int(tokens_per_image.sum())}; the token ids and the pixels must come from one "
-                             "processor call")
         image_of_token[flat[is_image]] = len(grids) + torch.repeat_interleave(
             torch.arange(len(grid)), tokens_per_image)
         patches += list(row_inputs["pixel_values"].split(grid.prod(-1).tolist()))
         grids += list(grid)
     packed_positions = positions[:, plan.source_index].unsqueeze(1)
     packed_images = image_of_token[plan.source_index]
+    text_tokens = ((input_ids.reshape(-1)[plan.source_index] == config.image_token_id) & (packed_images < 0))[None]
+    text_tokens = text_tokens if bool(text_tokens.any()) else None
     used = packed_images[packed_images >= 0]
     if used.numel() == 0:
-        return PackedVisionInputs(packed_positions, None, None)
+        return PackedVisionInputs(packed_positions, None, None, text_tokens)
     order, counts = torch.unique_consecutive(used, return_counts=True)
     expected = torch.stack([grids[index].prod() // (merge * merge) for index in order.tolist()])
     if order.unique().numel() != order.numel() or not torch.equal(counts, expected):
         raise ValueError("an image's tokens are split across the packed row; pack whole sequences")
     return PackedVisionInputs(packed_positions, torch.cat([patches[index] for index in order.tolist()]),
-                              torch.stack([grids[index] for index in order.tolist()]))
+                              torch.stack([grids[index] for index in order.tolist()]), text_tokens)
 
 
-def vision_model_kwargs(micro: Batch, config, device: torch.device) -> dict:
+def vision_model_kwargs(micro: Batch, config, device: torch.device) -> tuple[dict, Tensor | None]:
     """The keyword arguments a VLM's forward takes for the packed row of ``micro``: M-RoPE ``position_ids``
-    (3, 1, tokens) and, when the row holds images, their ``pixel_values`` and ``image_grid_thw``."""
+    (3, 1, tokens) and, when the row holds images, their ``pixel_values`` and ``image_grid_thw``; and the packed
+    tokens whose image-token id is text (``PackedVisionInputs.text_tokens``, for ``models.vision.image_tokens_as_text``)."""
     vision = pack_vision_inputs(micro, plan_of(micro), config)
     kwargs = {"position_ids": vision.position_ids.to(device, non_blocking=True)}
     if vision.pixel_values is not None:
         kwargs |= {"pixel_values": vision.pixel_values.to(device, non_blocking=True),
                    "image_grid_thw": vision.image_grid_thw.to(device, non_blocking=True)}
-    return kwargs
+    return kwargs, vision.text_tokens

@@ -17,8 +17,10 @@ uses.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,16 +87,46 @@ def _merge_size(config) -> int:
     return int(config.vision_config.spatial_merge_size)
 
 
+def image_token_mask(config, input_ids: Tensor, image_grid_thw: Tensor | None) -> Tensor:
+    """Which tokens of one sequence (no padding) are its images' (bool, tokens).
+
+    ``image_grid_thw`` (images, 3) describes the sequence's runs of ``image_token_id`` in order: each run takes the
+    next images whose token counts fit in what is left of it. An image-token id outside those images (the policy
+    sampled it, or an SFT completion holds it; alone or right after an image's run) is text: the engines embed it
+    as text at text positions. Raises ValueError when the runs cannot hold every image of the grid.
+    """
+    merge = _merge_size(config)
+    is_token = input_ids == config.image_token_id
+    mask = torch.zeros_like(is_token)
+    counts = [] if image_grid_thw is None else (image_grid_thw.prod(-1) // (merge * merge)).tolist()
+    index = 0  # the next image
+    start = 0
+    for image, run in itertools.groupby(is_token.tolist()):
+        length = len(list(run))
+        if image:
+            end = start
+            while index < len(counts) and end + counts[index] <= start + length:
+                end += counts[index]
+                index += 1
+            mask[start:end] = True
+        start += length
+    if index < len(counts):
+        raise ValueError(f"the sequence's runs of image token {config.image_token_id} hold {index} of the "
+                         f"{len(counts)} images of its image_grid_thw; the prompt's token ids must come from the "
+                         "processor that made image_grid_thw")
+    return mask
+
+
 def sequence_rope_positions(config, input_ids: Tensor, image_grid_thw: Tensor | None) -> tuple[Tensor, int]:
     """M-RoPE position ids (3, tokens) of one sequence (no padding) and its rope delta.
 
     ``image_grid_thw`` (images in the sequence, 3): each image's (time, height, width) in patches, in the order
-    its ``image_token_id`` runs appear. Images only (no video): time positions of an image are all the
-    image's start, as in transformers' ``get_rope_index`` for still images.
+    its ``image_token_id`` runs appear (``image_token_mask``: an image-token id outside them is text). Images only
+    (no video): time positions of an image are all the image's start, as in transformers' ``get_rope_index`` for
+    still images.
     """
-    image_token_id = config.image_token_id
     merge = _merge_size(config)
-    is_image = (input_ids == image_token_id).tolist()
+    is_image = image_token_mask(config, input_ids, image_grid_thw).tolist()
     grids = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
     parts: list[Tensor] = []
     current = 0
@@ -117,12 +149,44 @@ def sequence_rope_positions(config, input_ids: Tensor, image_grid_thw: Tensor | 
             current += max(height, width)
             cursor += count
             length -= count
-        if length < 0:
-            raise ValueError("an image's grid does not match its run of image tokens; the prompt's token ids must "
-                             "come from the processor that made image_grid_thw")
     positions = torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
     delta = int(positions.max()) + 1 - cursor if cursor else 0
     return positions.long(), delta
+
+
+def _substitute_id(config) -> int:
+    """A text id that no vision rule reads (not the image, video or vision start/end tokens)."""
+    special = {getattr(config, f"{name}_token_id", None) for name in ("image", "video", "vision_start", "vision_end")}
+    return next(token for token in range(len(special) + 1) if token not in special)
+
+
+@contextlib.contextmanager
+def image_tokens_as_text(model, input_ids: Tensor, text_tokens: Tensor | None) -> Iterator[Tensor]:
+    """Yields the ``input_ids`` to give the VLM ``model`` so that its image-token ids marked in ``text_tokens``
+    (same shape; None or none marked: ``input_ids`` as they are) are text: they are replaced by another id, so
+    that transformers places image features and (Qwen3-VL) deepstack features at the images' tokens only and
+    counts them alone, and while the context is open the model's input embedding gives those positions the image
+    token's own embedding (gradients reach its row). Position ids must come from ``image_token_mask`` (the packed
+    path passes them) or from ``mm_token_type_ids`` marking the images' tokens only."""
+    if text_tokens is None or not bool(text_tokens.any()):
+        yield input_ids
+        return
+    embedding = model.get_input_embeddings()
+    token_id = model.config.image_token_id
+    marked = text_tokens.to(input_ids.device)
+
+    def embed_as_text(module, args, output):
+        ids = args[0] if args else None
+        if ids is None or ids.shape != marked.shape:  # a decode step's tokens: nothing of the prompt's to change
+            return output
+        own = module.weight[token_id].to(output.dtype)
+        return torch.where(marked.to(output.device).unsqueeze(-1), own, output)
+
+    handle = embedding.register_forward_hook(embed_as_text)
+    try:
+        yield torch.where(marked, torch.full_like(input_ids, _substitute_id(model.config)), input_ids)
+    finally:
+        handle.remove()
 
 
 def keep_vision_tower_attention(model, implementation: str = "sdpa") -> None:

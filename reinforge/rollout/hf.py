@@ -13,7 +13,8 @@ engine's samples for the same logits. Requests without a seed use transformers' 
 
 A vision-language model (Qwen2.5-VL, Qwen3-VL) generates from each request's ``multi_modal_inputs``
 too: the rows' pixel values and grids go to ``generate`` with the image tokens marked, so the model
-places its vision tower's embeddings and computes its M-RoPE positions itself; a prompt's n samples
+places its vision tower's embeddings and computes its M-RoPE positions itself (an image-token id outside the
+row's images, as an earlier turn may have sampled, is text: ``models.vision.image_tokens_as_text``); a prompt's n samples
 are n rows, each with its images. The tower still encodes each prompt's images once: its call on the
 n copies encodes the first and repeats the embeddings to the other rows (``_encode_each_prompt_once``).
 """
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.utils import ModelOutput
 
-from reinforge.models.vision import vision_tower
+from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.native.sampling import truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
@@ -91,14 +92,22 @@ class _TokenLogProbs(LogitsProcessor):
         return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(len(sequences), 0)
 
 
-def _image_kwargs(model: nn.Module, input_ids: Tensor, row_images: list[dict[str, Tensor] | None],
-                  device: torch.device) -> dict[str, Tensor]:
-    """``generate``'s image arguments for these rows: their pixel values and grids in row order, and the image tokens
-    marked (``mm_token_type_ids``, from which the model computes its M-RoPE positions)."""
+def _image_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                  row_images: list[dict[str, Tensor] | None], device: torch.device) -> tuple[dict[str, Tensor], Tensor]:
+    """``generate``'s image arguments for these rows: their pixel values and grids in row order, and the images'
+    tokens marked (``mm_token_type_ids``, from which the model computes its M-RoPE positions); and the tokens whose
+    image-token id is text (outside the row's images, e.g. sampled in an earlier turn) for ``image_tokens_as_text``."""
     present = [row for row in row_images if row]
-    return {"pixel_values": torch.cat([row["pixel_values"] for row in present]).to(device),
-            "image_grid_thw": torch.cat([row["image_grid_thw"] for row in present]).to(device),
-            "mm_token_type_ids": (input_ids == model.config.image_token_id).int().to(device)}
+    is_image = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, images in enumerate(row_images):
+        attended = attention_mask[row].bool()
+        grid = images.get("image_grid_thw") if images else None
+        is_image[row, attended] = image_token_mask(model.config, input_ids[row][attended],
+                                                   grid.cpu() if grid is not None else None)
+    kwargs = {"pixel_values": torch.cat([row["pixel_values"] for row in present]).to(device),
+              "image_grid_thw": torch.cat([row["image_grid_thw"] for row in present]).to(device),
+              "mm_token_type_ids": is_image.int().to(device)}
+    return kwargs, (input_ids == model.config.image_token_id) & ~is_image
 
 
 def _spans(counts: list[int], copies: int) -> tuple[Tensor, Tensor]:
@@ -239,19 +248,23 @@ class HFEngine:
                           min_p=sampling.min_p if sampling.min_p > 0 else None)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
+        text_tokens = None
         if images is not None and any(images):
             if kwargs["num_return_sequences"] > 1:  # n rows per prompt, each with its images
                 input_ids = input_ids.repeat_interleave(sampling.n, dim=0)
                 attention_mask = attention_mask.repeat_interleave(sampling.n, dim=0)
                 kwargs["num_return_sequences"] = 1
-            kwargs |= _image_kwargs(self.model, input_ids, [row for row in images for _ in range(sampling.n)], device)
+            image_kwargs, text_tokens = _image_kwargs(self.model, input_ids, attention_mask,
+                                                      [row for row in images for _ in range(sampling.n)], device)
+            kwargs |= image_kwargs
         prompt_images = [row for row in images if row] if images is not None else []
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                    _encode_each_prompt_once(self.model, prompt_images, sampling.n):
-                output = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                    _encode_each_prompt_once(self.model, prompt_images, sampling.n), \
+                    image_tokens_as_text(self.model, input_ids.to(device), text_tokens) as model_input_ids:
+                output = self.model.generate(input_ids=model_input_ids, attention_mask=attention_mask.to(device),
                                              **kwargs)
         finally:
             self.model.train(was_training)

@@ -27,7 +27,7 @@ from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
-from reinforge.models.vision import is_vision_language, processor_for
+from reinforge.models.vision import image_token_mask, image_tokens_as_text, is_vision_language, processor_for
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import preflight_sft
@@ -46,22 +46,36 @@ def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
     responses = micro["responses"]
     # Without an attention mask, transformers reads sequence boundaries from restarting position ids.
     attention_mask = None if micro.meta.get("packed") else micro["attention_mask"]
-    inputs = {"position_ids": micro["position_ids"]}
+    inputs, text_tokens = {"position_ids": micro["position_ids"]}, None
     if is_vision_language(model.config):
-        inputs = vision_inputs(model, micro)
-    logits = model(input_ids=micro["input_ids"], attention_mask=attention_mask, use_cache=False, **inputs).logits
+        inputs, text_tokens = vision_inputs(model, micro)
+    with image_tokens_as_text(model, micro["input_ids"], text_tokens) as input_ids:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs).logits
     return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
 
 
-def vision_inputs(model: torch.nn.Module, micro: Batch) -> dict[str, Tensor]:
-    """A VLM's forward arguments for the padded micro-batch: its rows' pixels and grids, the image tokens marked."""
+def vision_inputs(model: torch.nn.Module, micro: Batch) -> tuple[dict[str, Tensor], Tensor | None]:
+    """A VLM's forward arguments for the padded micro-batch: its rows' pixels and grids, the images' tokens marked
+    (``mm_token_type_ids``); and the tokens whose image-token id is text (outside the row's images, e.g. in a
+    completion), None where there are none (``models.vision.image_tokens_as_text``)."""
     device = micro["input_ids"].device
-    inputs = {"mm_token_type_ids": (micro["input_ids"] == model.config.image_token_id).int()}
-    rows = [row for row in micro.non_tensors.get(MULTI_MODAL_KEY, []) if row]
+    input_ids, attention = micro["input_ids"].cpu(), micro["attention_mask"].cpu().bool()
+    row_inputs = micro.non_tensors.get(MULTI_MODAL_KEY) or [None] * len(input_ids)
+    is_image = torch.zeros_like(attention)
+    for row, images in enumerate(row_inputs):
+        grid = images.get("image_grid_thw") if images else None
+        try:
+            is_image[row, attention[row]] = image_token_mask(model.config, input_ids[row][attention[row]],
+                                                             grid.cpu() if grid is not None else None)
+        except ValueError as error:
+            raise ValueError(f"row {row} of the SFT micro-batch: {error}") from None
+    text_tokens = (input_ids == model.config.image_token_id) & ~is_image
+    inputs = {"mm_token_type_ids": is_image.int().to(device)}
+    rows = [row for row in row_inputs if row]
     if rows:
         inputs |= {"pixel_values": torch.cat([row["pixel_values"] for row in rows]).to(device),
                    "image_grid_thw": torch.cat([row["image_grid_thw"] for row in rows]).to(device)}
-    return inputs
+    return inputs, text_tokens.to(device) if bool(text_tokens.any()) else None
 
 
 class SFTTrainer(SupervisedRun):
