@@ -46,9 +46,10 @@ def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
     responses = micro["responses"]
     # Without an attention mask, transformers reads sequence boundaries from restarting position ids.
     attention_mask = None if micro.meta.get("packed") else micro["attention_mask"]
-    inputs, text_tokens = {"position_ids": micro["position_ids"]}, None
     if is_vision_language(model.config):
         inputs, text_tokens = vision_inputs(model, micro)
+    else:
+        inputs, text_tokens = {"position_ids": micro["position_ids"]}, None
     with image_tokens_as_text(model, micro["input_ids"], text_tokens) as input_ids:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs).logits
     return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
@@ -60,7 +61,8 @@ def vision_inputs(model: torch.nn.Module, micro: Batch) -> tuple[dict[str, Tenso
     completion), None where there are none (``models.vision.image_tokens_as_text``)."""
     device = micro["input_ids"].device
     input_ids, attention = micro["input_ids"].cpu(), micro["attention_mask"].cpu().bool()
-    row_inputs = micro.non_tensors.get(MULTI_MODAL_KEY) or [None] * len(input_ids)
+    row_inputs = micro.non_tensors.get(MULTI_MODAL_KEY)
+    row_inputs = [None] * len(input_ids) if row_inputs is None else list(row_inputs)
     is_image = torch.zeros_like(attention)
     for row, images in enumerate(row_inputs):
         grid = images.get("image_grid_thw") if images else None
