@@ -107,6 +107,7 @@ def test_packed_and_sft_log_probs_of_sampled_image_tokens_are_the_native_engines
         log_probs, _ = response_log_probs(model, attach_plan(Batch(dict(batch.tensors), dict(batch.non_tensors), {}),
                                                              share_prompts=share))
         torch.testing.assert_close(log_probs * batch["response_mask"], expected, rtol=0, atol=1e-5)
+    batch.tensors["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # as SFT batches have
     with torch.no_grad():
         sft = token_log_probs(build_tiny_vlm(arch, seed=5), batch) * batch["response_mask"]
     torch.testing.assert_close(sft, expected, rtol=0, atol=1e-5)
@@ -172,3 +173,40 @@ def test_a_grpo_step_of_the_vision_demo_trains_on_sampled_image_tokens(tmp_path,
     metrics = RLTrainer(load_config(None, [*overrides, "trainer.val_before_train=false"])).fit()
     actor = {key: value for key, value in metrics.items() if key.startswith("actor/")}
     assert len(sampled) >= 4 and actor and all(torch.isfinite(torch.tensor(float(value))) for value in actor.values())
+
+
+def test_gradients_reach_the_image_tokens_own_embedding_as_a_text_tokens_would():
+    """Qwen2.5-VL (no deepstack) through transformers with inputs_embeds built by hand, image features at the
+    images' tokens only, against the packed pass: the same loss gradients, the image token's embedding row too."""
+    from reinforge.models.vision import image_token_mask as mask_of
+
+    batch, _ = sampled_with_image_tokens(build_tiny_vlm("qwen2_5_vl", seed=5), build_tiny_processor("qwen2_5_vl"))
+    packed_model, reference = build_tiny_vlm("qwen2_5_vl", seed=5), build_tiny_vlm("qwen2_5_vl", seed=5)
+    prepare_for_training(packed_model, torch.device("cpu"))
+    weights = torch.linspace(-1, 1, batch["responses"].numel()).view_as(batch["response_mask"]) * batch["response_mask"]
+    log_probs, _ = response_log_probs(packed_model, attach_plan(batch, share_prompts=False))
+    (log_probs * weights).sum().backward()
+    config = reference.config
+    total = torch.zeros(())
+    for row in range(len(batch)):
+        attended = batch["attention_mask"][row].bool()
+        ids = batch["input_ids"][row][attended]
+        images = batch[MULTI_MODAL_KEY][row]
+        positions, _ = sequence_rope_positions(config, ids, images["image_grid_thw"])
+        embeds = reference.get_input_embeddings()(ids)
+        features = torch.cat(reference.model.get_image_features(images["pixel_values"], images["image_grid_thw"],
+                                                                return_dict=True).pooler_output)
+        embeds = embeds.masked_scatter(mask_of(config, ids, images["image_grid_thw"])[:, None], features)
+        logits = reference(inputs_embeds=embeds[None], position_ids=positions[:, None], use_cache=False).logits[0]
+        length = int(batch["response_mask"][row].sum())
+        targets = batch["responses"][row, :length]
+        start = len(ids) - length - 1  # the prompt's last token predicts the first response token
+        row_log_probs = torch.log_softmax(logits[start:start + length].float(), -1).gather(-1, targets[:, None])[:, 0]
+        total = total + (row_log_probs * weights[row, :length]).sum()
+    total.backward()
+    image_row = packed_model.get_input_embeddings().weight.grad[config.image_token_id]
+    assert image_row.abs().sum() > 0
+    for (name, packed), (_, expected) in zip(packed_model.named_parameters(), reference.named_parameters(),
+                                             strict=True):
+        if packed.grad is not None or expected.grad is not None:
+            torch.testing.assert_close(packed.grad, expected.grad, rtol=1e-4, atol=1e-5, msg=name)
