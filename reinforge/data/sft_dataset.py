@@ -18,7 +18,8 @@ ids restart at each one, which keeps attention within each conversation.
 
 Conversations with images (an ``images`` column with ``<image>`` placeholders, or image content parts; see
 ``multimodal.py``) need the model's processor: each image's one pad token of the rendering becomes the image's
-merged patches, as the processor expands it, never trained; their pixels are made when a batch is collated.
+merged patches, as the processor expands it, never trained; their pixels are made when a batch first holds the
+row, and the loader keeps them (within a byte budget) for the later epochs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import (
@@ -60,7 +62,8 @@ class SFTExample:
     position_ids: list[int]
     """0.. per conversation; a packed row restarts them at each conversation."""
     images: tuple = ()
-    """The conversation's images as the file gives them (opened again when a batch is collated)."""
+    """The conversation's images as the file gives them (opened and processed when a batch first holds the row;
+    ``SFTLoader`` keeps the result, ``ImageInputsCache``)."""
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
@@ -256,13 +259,41 @@ def pack_examples(examples: Sequence[SFTExample], max_length: int) -> list[SFTEx
     return rows
 
 
+def example_image_inputs(example: SFTExample, processor: Any) -> dict[str, Tensor]:
+    """The pixel values and grids of the example's images, as ``processor`` makes them ({} without images)."""
+    return image_inputs(processor, [load_image(source, "an SFT row", number)
+                                    for number, source in enumerate(example.images)])
+
+
+class ImageInputsCache:
+    """Each row's processed images (``example_image_inputs``), kept by row index once made while their bytes fit in
+    ``max_bytes``; rows past that are processed at every use. The rows and the processor are fixed: a kept entry is
+    what processing the row again would give."""
+
+    def __init__(self, processor: Any, max_bytes: int = 1 << 30):
+        self.processor = processor
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.entries: dict[int, dict[str, Tensor]] = {}
+
+    def get(self, index: int, example: SFTExample) -> dict[str, Tensor]:
+        inputs = self.entries.get(index)
+        if inputs is None:
+            inputs = example_image_inputs(example, self.processor)
+            size = sum(value.numel() * value.element_size() for value in inputs.values())
+            if self.bytes + size <= self.max_bytes:
+                self.entries[index] = inputs
+                self.bytes += size
+        return inputs
+
+
 def collate_sft(rows: Sequence[SFTExample], pad_token_id: int, packed: bool = False,
-                processor: Any = None) -> Batch:
+                processor: Any = None, images: Sequence[dict[str, Tensor]] | None = None) -> Batch:
     """Rows as ``[left-padded prompt | right-padded response]``; the prompt ends before the first trained token.
 
     tensors: prompts (B, P), responses (B, R), input_ids / attention_mask / position_ids (B, P + R),
     loss_mask (B, R) float. non_tensors: ``multi_modal_inputs`` when a row has images (``processor`` makes
-    their pixels). meta: ``packed``.
+    their pixels, or ``images`` gives each row's already made). meta: ``packed``.
     """
     splits = [example.loss_mask.index(1) for example in rows]
     prompt_width = max(splits)
@@ -281,9 +312,8 @@ def collate_sft(rows: Sequence[SFTExample], pad_token_id: int, packed: bool = Fa
         loss_mask[row, start:stop] = torch.tensor(example.loss_mask, dtype=torch.float32)
     non_tensors = {}
     if any(example.images for example in rows):
-        non_tensors[MULTI_MODAL_KEY] = [
-            image_inputs(processor, [load_image(source, "an SFT row", number)
-                                     for number, source in enumerate(example.images)]) for example in rows]
+        non_tensors[MULTI_MODAL_KEY] = list(images) if images is not None else [
+            example_image_inputs(example, processor) for example in rows]
     return Batch.from_dict(
         tensors={"prompts": input_ids[:, :prompt_width], "responses": input_ids[:, prompt_width:],
                  "input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
@@ -302,6 +332,8 @@ class SFTLoader:
                  shuffle: bool = True, seed: int = 1, processor: Any = None):
         self.rows = list(rows)
         self.processor = processor
+        self.images = ImageInputsCache(processor) if processor is not None else None
+        """Each row's pixels, made once (the vision SFT would run the image processor at every step)."""
         self.batch_size = batch_size
         self.pad_token_id = pad_token_id
         self.packed = packed
@@ -321,12 +353,19 @@ class SFTLoader:
             self.epoch, self.position = self.epoch + 1, 0
         order = self._order(self.epoch)[self.position * self.batch_size:(self.position + 1) * self.batch_size]
         self.position += 1
-        return collate_sft([self.rows[index] for index in order], self.pad_token_id, self.packed, self.processor)
+        return self._collate([int(index) for index in order])
 
     def batches_of_one_pass(self) -> list[Batch]:
         """Every row once, in order (for validation)."""
-        return [collate_sft(self.rows[start:start + self.batch_size], self.pad_token_id, self.packed, self.processor)
+        return [self._collate(list(range(start, min(start + self.batch_size, len(self.rows)))))
                 for start in range(0, len(self.rows), self.batch_size)]
+
+    def _collate(self, indices: list[int]) -> Batch:
+        rows = [self.rows[index] for index in indices]
+        images = None
+        if self.images is not None and any(example.images for example in rows):
+            images = [self.images.get(index, self.rows[index]) for index in indices]
+        return collate_sft(rows, self.pad_token_id, self.packed, self.processor, images)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
