@@ -175,14 +175,14 @@ def image_tokens_as_text(model, input_ids: Tensor, text_tokens: Tensor | None) -
     token_id = model.config.image_token_id
     marked = text_tokens.to(input_ids.device)
 
-    def embed_as_text(module, args, output):
-        ids = args[0] if args else None
+    def embed_as_text(module, args, kwargs, output):
+        ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
         if ids is None or ids.shape != marked.shape:  # a decode step's tokens: nothing of the prompt's to change
             return output
         own = module.weight[token_id].to(output.dtype)
         return torch.where(marked.to(output.device).unsqueeze(-1), own, output)
 
-    handle = embedding.register_forward_hook(embed_as_text)
+    handle = embedding.register_forward_hook(embed_as_text, with_kwargs=True)
     try:
         yield torch.where(marked, torch.full_like(input_ids, _substitute_id(model.config)), input_ids)
     finally:

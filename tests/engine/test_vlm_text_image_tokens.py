@@ -210,3 +210,26 @@ def test_gradients_reach_the_image_tokens_own_embedding_as_a_text_tokens_would()
                                              strict=True):
         if packed.grad is not None or expected.grad is not None:
             torch.testing.assert_close(packed.grad, expected.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHES)
+def test_packed_bf16_fast_path_gives_sampled_image_tokens_the_engines_log_probs_on_the_gpu(arch):
+    """The packed training pass on CUDA (fused language model, compiled layers, flash varlen attention, bfloat16)
+    on the CPU engine's float32 samples holding the image token."""
+    from reinforge.engine.fused import describe_training_path
+
+    device = torch.device("cuda")
+    batch, expected = sampled_with_image_tokens(build_tiny_vlm(arch, seed=5), build_tiny_processor(arch))
+    model = build_tiny_vlm(arch, seed=5).to(device, torch.bfloat16)
+    prepare_for_training(model, device)
+    assert "fast path" in describe_training_path(model, device)
+    for share in (False, True):
+        model.zero_grad()
+        log_probs, _ = response_log_probs(model, attach_plan(Batch(dict(batch.to(device).tensors),
+                                                                   dict(batch.non_tensors), {}), share_prompts=share))
+        torch.testing.assert_close((log_probs * batch["response_mask"].to(device)).float().cpu(), expected,
+                                   atol=5e-2, rtol=5e-2)
+        (log_probs * batch["response_mask"].to(device)).sum().backward()
+        grads = [parameter.grad for parameter in model.model.language_model.parameters()]
+        assert all(grad is not None and torch.isfinite(grad).all() for grad in grads)
