@@ -145,6 +145,30 @@ def test_hf_backend_prompts_holding_a_sampled_image_token_give_the_packed_log_pr
     torch.testing.assert_close(log_probs, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_native_engine_prompts_holding_a_sampled_image_token_give_the_hf_backends_tokens_and_log_probs(arch):
+    """Multi-turn prompts whose earlier turns hold the image token, apart and right after the image's run: the
+    native engine reads those ids as text, as the hf backend does (greedy tokens equal, log-probs within 1e-5)."""
+    processor = build_tiny_processor(arch)
+    image = tiny_vlm_config(arch).image_token_id
+    inputs = encode(processor, 1, seed=9)
+    ids = inputs["input_ids"][0].tolist()
+    turn = processor.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    last = max(index for index, token in enumerate(ids) if token == image)
+    prompts = [ids + [17, image, 23, image] + turn, ids[:last + 1] + [image] + ids[last + 1:] + turn]
+    images = {name: inputs[name] for name in ("pixel_values", "image_grid_thw")}
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, n=1, ignore_eos=True)
+    requests = [GenerationRequest(prompt, sampling, multi_modal_inputs=images) for prompt in prompts]
+    hf = HFEngine(build_tiny_vlm(arch, seed=2), pad_token_id=processor.tokenizer.pad_token_id,
+                  eos_token_ids=[processor.tokenizer.eos_token_id]).generate(requests)
+    native = NativeEngine(build_tiny_vlm(arch, seed=2), eos_token_ids=[], max_model_len=256, block_size=8,
+                          max_num_seqs=4).generate(requests)
+    for (hf_sample,), (native_sample,) in zip(hf, native, strict=True):
+        assert native_sample.token_ids == hf_sample.token_ids
+        torch.testing.assert_close(torch.tensor(native_sample.log_probs), torch.tensor(hf_sample.log_probs),
+                                   rtol=0, atol=1e-5)
+
+
 def test_a_grpo_step_of_the_vision_demo_trains_on_sampled_image_tokens(tmp_path, monkeypatch):
     """The vision demo's GRPO on its tiny VLM, every rollout sample's first token the image token."""
     from reinforge.config import load_config

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec, text_config
-from reinforge.models.vision import sequence_rope_positions
+from reinforge.models.vision import image_token_mask, sequence_rope_positions
 from reinforge.rollout.base import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -284,9 +284,12 @@ class MultimodalPrompt:
         self.pixel_values = inputs["pixel_values"]
         grids = inputs["image_grid_thw"].reshape(-1, 3).tolist()
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
-        image_token_id = config.image_token_id
         merge = config.vision_config.spatial_merge_size
-        is_image = prompt == image_token_id
+        try:  # the images' tokens; an image-token id outside them (an earlier turn sampled it) is text
+            is_image = image_token_mask(config, torch.from_numpy(prompt),
+                                        inputs["image_grid_thw"].reshape(-1, 3).cpu()).numpy()
+        except ValueError as error:
+            raise ValueError(f"request {request.request_id!r}: its image tokens do not hold its images: {error}") from None
         self.spans: list[ImageSpan] = []
         index = patch = 0
         for grid in grids:
