@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -829,6 +830,40 @@ def peak_bytes(phases: dict[str, dict[str, float]]) -> tuple[str, float]:
     return name, sum(phases[name].values()) + OVERHEAD_BYTES
 
 
+CHUNKED_LOGITS_COST = 0.04
+"""Step-time fraction of recomputing the logits chunk by chunk in the backward instead of keeping them."""
+
+
+def checkpoint_choices(shape: ModelShape) -> list[tuple[int, float]]:
+    """The recomputed decoder layers a plan may choose (none, each quarter, all), fewest first, with the step-time
+    fraction each adds (``CHECKPOINT_COST``)."""
+    quarter = max(shape.num_layers // 4, 1)
+    layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
+    return [(count, CHECKPOINT_COST * count / shape.num_layers) for count in layers]
+
+
+def cheapest_plan(choices: dict[str, list[tuple[Any, float]]], make: Callable[[dict[str, Any]], MemoryPlan],
+                  size: Callable[[MemoryPlan], float]) -> tuple[MemoryPlan | None, MemoryPlan]:
+    """Every combination of ``choices`` (a setting's name: its values with the step-time fraction each adds,
+    fastest first) made a plan by ``make`` (the values by name): (the cheapest plan that fits, on a tie the first
+    tried, or None; the plan of least ``size`` among those that do not fit, or the cheapest when every one fits)."""
+    best: tuple[float, MemoryPlan] | None = None
+    closest: tuple[float, MemoryPlan] | None = None
+    for combination in itertools.product(*choices.values()):
+        cost = sum(value_cost for _, value_cost in combination)
+        if best is not None and cost >= best[0]:
+            continue
+        plan = make({name: value for name, (value, _) in zip(choices, combination, strict=True)})
+        if plan.fits:
+            best = (cost, plan)
+        else:
+            plan_size = size(plan)
+            if closest is None or plan_size < closest[0]:
+                closest = (plan_size, plan)
+    assert best is not None or closest is not None
+    return (best[1] if best else None), (closest[1] if closest else best[1])  # type: ignore[index]
+
+
 def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tuple[Any, float]]]:
     """Each setting's values, fastest first, with the cost of each: the step-time fraction it roughly adds
     (``MICRO_BATCH_OVERHEAD_TOKENS`` and ``CHECKPOINT_COST`` say where the first two come from; an optimizer
@@ -838,13 +873,11 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
     fewest = micro_batch_split(run, sizes[0])[0]
     per_micro_batch = UPDATE_SHARE * MICRO_BATCH_OVERHEAD_TOKENS / max(run.mini_batch_tokens, 1)
     micro = [(size, per_micro_batch * (micro_batch_split(run, size)[0] - fewest)) for size in sizes]
-    quarter = max(shape.num_layers // 4, 1)
-    layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
     return {
         "keep_rollout_memory": [(True, 0.0)] if run.off_policy else [(True, 0.0), (False, 0.03)],
         "micro_batch_tokens": micro,
-        "logits_buffer_gib": [(24.0, 0.0), (0.0, 0.04)],
-        "checkpoint_layers": [(count, CHECKPOINT_COST * count / shape.num_layers) for count in layers],
+        "logits_buffer_gib": [(24.0, 0.0), (0.0, CHUNKED_LOGITS_COST)],
+        "checkpoint_layers": checkpoint_choices(shape),
         "kv_cache_gib": [(0.0, 0.0)] + [(round(needed_kv_gib(shape, run, factor), 3), cost)
                                         for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))],
         "ref_offload": [(False, 0.0)] if lora else [(False, 0.0), (True, 0.2)],
@@ -938,22 +971,8 @@ def _search(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: 
     """(the cheapest plan that fits or None, the smallest plan tried)."""
     options = _options(shape, run, lora=bool(run.lora_rank))
     choices = {name: ([(given[name], 0.0)] if name in given else values) for name, values in options.items()}
-    best: tuple[float, MemoryPlan] | None = None
-    closest: tuple[float, MemoryPlan] | None = None
-    for combination in itertools.product(*choices.values()):
-        cost = sum(value_cost for _, value_cost in combination)
-        if best is not None and cost >= best[0]:
-            continue
-        settings = Settings(**{name: value for name, (value, _) in zip(choices, combination, strict=True)})
-        plan = _make(shape, run, settings, given, gpu_bytes, host_bytes)
-        if plan.fits:
-            best = (cost, plan)
-        else:
-            size = plan.peak[1] / max(plan.gpu_budget, 1) + plan.host_total / max(plan.host_budget, 1)
-            if closest is None or size < closest[0]:
-                closest = (size, plan)
-    assert best is not None or closest is not None
-    return (best[1] if best else None), (closest[1] if closest else best[1])  # type: ignore[index]
+    return cheapest_plan(choices, lambda values: _make(shape, run, Settings(**values), given, gpu_bytes, host_bytes),
+                         lambda plan: plan.peak[1] / max(plan.gpu_budget, 1) + plan.host_total / max(plan.host_budget, 1))
 
 
 def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str, Any], gpu_bytes: float,

@@ -20,7 +20,6 @@ a fixed budget (``CPU_MICRO_BATCH_TOKENS``, or the longest pair) and recomputes 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from reinforge.data.preference_dataset import PreferencePair
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES
 from reinforge.engine.memory_plan import (
-    CHECKPOINT_COST,
+    CHUNKED_LOGITS_COST,
     HEADROOM,
     LORA_PROJECTIONS,
     MICRO_BATCH_CANDIDATES,
@@ -43,6 +42,8 @@ from reinforge.engine.memory_plan import (
     ModelShape,
     RunShape,
     Settings,
+    cheapest_plan,
+    checkpoint_choices,
     estimate,
     micro_batch_split,
 )
@@ -51,8 +52,6 @@ from reinforge.workers.memory_settings import _adapted_projections
 AUTO = "auto"
 CPU_MICRO_BATCH_TOKENS = 16384
 """The budget ``auto`` gives on the CPU (no device memory to plan for)."""
-CHUNKED_LOGITS_COST = 0.04
-"""Step-time fraction of recomputing the logits chunk by chunk instead of keeping them (the RL planner's)."""
 GATHER_COST = 0.015
 """Step-time fraction of gathering each layer's parameters again for its backward: on one H200 a 1.5B DPO step in
 two micro-batches spent about 3% of its 1.38 s on the copies of its four gathers a layer."""
@@ -124,12 +123,10 @@ def _choices(shape: ModelShape, pair: PairShape) -> dict[str, list[tuple[Any, fl
     sizes = [size for size in MICRO_BATCH_CANDIDATES if size >= pair.pair_tokens] or [pair.pair_tokens]
     fewest = micro_batches_of(pair, sizes[0])[0]
     step_tokens = max(pair.run().mini_batch_tokens, 1)
-    quarter = max(shape.num_layers // 4, 1)
-    layers = sorted({0, quarter, 2 * quarter, 3 * quarter, shape.num_layers})
     return {
         "micro_batch_tokens": [(size, MICRO_BATCH_OVERHEAD_TOKENS * (micro_batches_of(pair, size)[0] - fewest)
                                 / step_tokens) for size in sizes],
-        "checkpoint_layers": [(count, CHECKPOINT_COST * count / shape.num_layers) for count in layers],
+        "checkpoint_layers": checkpoint_choices(shape),
         "logits_buffer_gib": [(24.0, 0.0), (0.0, CHUNKED_LOGITS_COST)] if pair.vocabulary_logits else [(24.0, 0.0)],
         "keep_gathered": [(True, 0.0), (False, GATHER_COST)] if pair.num_devices == 1 else [(False, 0.0)],
     }
@@ -146,23 +143,13 @@ def _search(shape: ModelShape, pair: PairShape, given: dict[str, Any],
     """(the cheapest plan that fits or None, the smallest plan tried); on a tie, the larger micro-batch."""
     choices = {name: ([(given[name], 0.0)] if name in given else values)
                for name, values in _choices(shape, pair).items()}
-    best: tuple[float, MemoryPlan] | None = None
-    smallest: MemoryPlan | None = None
-    for combination in itertools.product(*choices.values()):
-        cost = sum(value_cost for _, value_cost in combination)
-        if best is not None and cost >= best[0]:
-            continue
-        settings = PairSettings(**{name: value for name, (value, _) in zip(choices, combination, strict=True)})
-        plan = MemoryPlan(settings, set(given), estimate_pairs(shape, pair, settings), {}, gpu_bytes * HEADROOM,
+
+    def make(values: dict[str, Any]) -> MemoryPlan:
+        settings = PairSettings(**values)
+        return MemoryPlan(settings, set(given), estimate_pairs(shape, pair, settings), {}, gpu_bytes * HEADROOM,
                           float("inf"))
-        if plan.fits:
-            best = (cost, plan)
-        elif smallest is None or plan.peak[1] < smallest.peak[1]:
-            smallest = plan
-    if best is not None:
-        return best[1], best[1]
-    assert smallest is not None
-    return None, smallest
+
+    return cheapest_plan(choices, make, lambda plan: plan.peak[1])
 
 
 def plan_pairs(shape: ModelShape, pair: PairShape, given: dict[str, Any], gpu_bytes: float,
