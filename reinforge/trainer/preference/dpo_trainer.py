@@ -43,7 +43,7 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
-from reinforge.trainer.preference.pairs import LAST_MICRO_BATCH, PreferenceRun
+from reinforge.trainer.preference.pairs import PreferenceRun
 from reinforge.trainer.preference.ranks import PairValues
 from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
@@ -173,8 +173,6 @@ class DPOTrainer(PreferenceRun):
                 loss_type=loss_settings.loss_type, label_smoothing=loss_settings.label_smoothing)
             weights = micro["pair_weight"][0::2]
             total = (loss * weights).sum() / (counts.num_sequences / 2)
-            if micro.meta.get(LAST_MICRO_BATCH):  # the device runs its forward meanwhile
-                self.prepare_next_step()
             update.backward(total, {"preference_loss": total})
             tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[0::2],
                       logp_rejected=logps[1::2])

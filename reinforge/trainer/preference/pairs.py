@@ -247,7 +247,7 @@ class PreferenceRun(SupervisedRun):
 
     def prepare_next_step(self) -> None:
         """Build the next step's batch and micro-batches now (packing plans made; on CUDA in page-locked memory, so
-        their copies to the device do not wait), while the device runs this step's last micro-batch: that step
+        their copies to the device do not wait), while the device runs this step's last backward: that step
         then starts on the device at once. One process only (making them is agreed over the ranks)."""
         if self.world_size > 1 or self.step + 1 >= self.total_steps:
             return
@@ -270,7 +270,14 @@ class PreferenceRun(SupervisedRun):
         micro_batches = update.micro_batches(rank_share(batch))
         if self.memory_plan.keep_gathered:
             micro_batches = self._gathered_until_the_last(micro_batches)
-        return update, micro_batches
+        return update, self._then_the_next_step(micro_batches)
+
+    def _then_the_next_step(self, micro_batches: Iterator[tuple[Batch, MiniBatchCounts]]
+                            ) -> Iterator[tuple[Batch, MiniBatchCounts]]:
+        """The micro-batches, then ``prepare_next_step`` once the step has queued the last one's backward (the
+        device runs it meanwhile)."""
+        yield from micro_batches
+        self.prepare_next_step()
 
     def _gathered_until_the_last(self, micro_batches: Iterator[tuple[Batch, MiniBatchCounts]]
                                  ) -> Iterator[tuple[Batch, MiniBatchCounts]]:

@@ -32,7 +32,7 @@ from reinforge.engine.forward import last_token_scores
 from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
-from reinforge.trainer.preference.pairs import LAST_MICRO_BATCH, PreferenceRun
+from reinforge.trainer.preference.pairs import PreferenceRun
 from reinforge.trainer.preference.ranks import PairValues
 from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
@@ -99,8 +99,6 @@ class RewardModelTrainer(PreferenceRun):
             chosen, rejected, weights = self._pair_rewards(micro)
             losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
             loss = (losses * weights).sum() / (counts.num_sequences / 2)
-            if micro.meta.get(LAST_MICRO_BATCH):  # the device runs its forward meanwhile
-                self.prepare_next_step()
             update.backward(loss, {"preference_loss": loss})
             tally.add(weights > 0, chosen=chosen, rejected=rejected)
         metrics = update.metrics("train")
