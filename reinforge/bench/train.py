@@ -622,7 +622,9 @@ def bench_train_main(argv: list[str]) -> int:
         if args.reward_model is not None:
             args.reward_model_dir = write_reward_model(Path(scratch), tiny=args.cpu, size=args.reward_model)
         result = run_variant(args, model_dir)
-    result["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result["settings"] = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()
+                          if isinstance(value, str | int | float | bool | list | Path | None)}  # the options, not
+    # the objects a run keeps on them (a vision-language shape's prompts)
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
     result["torch"] = torch.__version__
     if result["device"] != "cpu":

@@ -3,12 +3,14 @@ tiny step on the CPU through the native engine."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from reinforge.bench.shapes import SHAPES
-from reinforge.bench.train import build_config, parse_args, run_variant, write_model
+from reinforge.bench.train import bench_train_main, build_config, parse_args, run_variant, write_model
 from reinforge.bench.vision import VisionPrompts
 
 QWEN25_VL_3B_PARAMS = 3.75
@@ -58,6 +60,16 @@ def test_a_tiny_step_rolls_out_with_the_native_engine_and_times_the_vision_tower
     [step] = result["steps"]
     assert step["response_tokens"] == args.prompts * args.n * args.response_tokens
     assert 0 < step["rollout_vision_encode_s"] < step["rollout_s"]
+
+
+@pytest.mark.slow
+def test_the_results_file_holds_the_options_and_not_the_prompt_objects(tiny_vl_dir, tmp_path):
+    path = tmp_path / "result.json"
+    assert bench_train_main(["--model", "qwen2.5-vl-3b", "--cpu", "--steps", "1", "--model-dir", str(tiny_vl_dir),
+                             "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert len(result["steps"]) == 1 and result["settings"]["model"] == "qwen2.5-vl-3b"
+    assert "vision_prompts" not in result["settings"]
 
 
 def test_the_shape_folder_loads_and_its_processor_makes_256_image_tokens_of_a_448_image(tmp_path, monkeypatch):
