@@ -5,14 +5,16 @@ The policy is loaded and sharded as the RL actor is (float32 master weights, FSD
 number of layers recomputes their activations; ``model.lora`` trains adapters, the base frozen). A pair's two
 completions go through one packed forward that computes their prompt once (``engine.packing``); each
 completion's log-prob is the sum over its tokens (the mean for ``ipo``). The reference model's log-probs are
-computed once, before the first step, in one pass over the training and validation pairs, and stored in the run
-folder (``reference_logps.pt``, keyed by the pairs' token ids, the reference model and the dtype). That pass is
-the training forward itself, so the compiled layers compile nothing of their own for it; its time and pairs are
-logged, and reported with the first step as ``timing_s/reference_pass`` and ``reference/num_pairs``. A resumed
-run reads them back; should that file be missing, they are scored again by the reference model loaded from
-``dpo.reference_path`` (``model.path`` when unset), never by the resumed policy. Without a separate reference,
-the scoring pass of a fresh run uses the policy itself before its first step: the same weights, so no second
-model is held in memory.
+computed once, in one pass over the training and validation pairs, and stored in the run folder
+(``reference_logps.pt``, keyed by the pairs' token ids, the reference model, the dtype and the loss type:
+``reference_logps.py``). That pass is the training forward itself, so the compiled layers compile nothing of their
+own for it; its time and pairs are logged, and reported with the first step as ``timing_s/reference_pass`` and
+``reference/num_pairs``. It runs before a resumed run's checkpoint loads: in every run it scores the initial policy
+(or the model at ``dpo.reference_path``), never the resumed one, with no optimizer state in memory, as the memory
+plan counts it. A resumed run reads the file back; one that lacks it, or whose file is cut short or was scored for
+other pairs, another reference, dtype or loss (a warning line says which), scores them again and gets what the
+first pass gave. Without a separate reference the pass scores the policy itself, before its weights change: no
+second model is held in memory.
 
 Validation scores its pairs the same way (``PreferenceRun.score_pairs``), so it compiles nothing of its own. The
 micro-batch budget and gradient checkpointing are the memory planner's unless set (``memory_plan.py``).
@@ -26,7 +28,6 @@ validation pairs, and ``train/loss``, ``train/lr``, ``train/grad_norm``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from reinforge.algorithms.preference_losses import dpo_loss
 from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
+from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import all_reduce, barrier
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import shard_model
@@ -45,11 +47,10 @@ from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
 from reinforge.trainer.preference.ranks import PairValues
+from reinforge.trainer.preference.reference_logps import REFERENCE_FILE, read_reference, save_reference
 from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
 logger = logging.getLogger(__name__)
-
-REFERENCE_FILE = "reference_logps.pt"
 
 
 class DPOTrainer(PreferenceRun):
@@ -91,21 +92,30 @@ class DPOTrainer(PreferenceRun):
         return {"train": self.train_set.fingerprint(),
                 "val": self.val_set.fingerprint() if self.val_set is not None else "",
                 "reference": self.config.dpo.reference_path or self.config.model.path,
-                "dtype": self.config.model.dtype, "loss_type": self.config.dpo.loss_type}
+                "dtype": str(compute_dtype(self.device, self.config.model.dtype)).removeprefix("torch."),
+                "loss_type": self.config.dpo.loss_type}
 
-    def before_training(self) -> None:
-        """Read the stored reference log-probs, or score them (the policy is the reference before step 1)."""
+    def resume(self) -> None:
+        """Score the reference log-probs (or read them back), then restore the checkpoint: the reference pass runs
+        while the policy holds its initial weights and no optimizer state exists, in a resumed run as in a fresh one."""
+        self.score_reference()
+        super().resume()
+
+    def score_reference(self) -> None:
+        """Read the stored reference log-probs if they are this run's, else score them and store them."""
         path = self.run_dir / REFERENCE_FILE
         key = self._reference_key()
-        if path.is_file():
-            stored = torch.load(path, map_location="cpu", weights_only=True)
-            if stored.get("key") == key:
-                self.reference = {split: stored[split] for split in ("train", "val") if split in stored}
-                logger.info("reference log-probs read from %s", path)
-                return
-            logger.warning("%s belongs to other pairs or another reference model; scoring them again", path)
-        untrained = self.step == 0 and self.config.dpo.reference_path in (None, self.config.model.path)
-        model = self.model if untrained else self._load_reference()
+        pairs_per_split = {"train": len(self.train_set.pairs)}
+        if self.val_set is not None:
+            pairs_per_split["val"] = len(self.val_set.pairs)
+        stored = read_reference(path, key, pairs_per_split)
+        read_on_every_rank = not all_reduce([float(stored is None)], self.device, op="max")[0]
+        if stored is not None and read_on_every_rank:  # else every rank scores them: the pass is collective
+            self.reference = stored
+            logger.info("reference log-probs read from %s", path)
+            return
+        separate = self.config.dpo.reference_path not in (None, self.config.model.path)
+        model = self._load_reference() if separate else self.model  # not yet trained nor restored: the initial policy
         start, first = time.perf_counter(), []
 
         def time_first_micro_batch(micro: Batch) -> None:  # timed apart: it compiles (one wait for the device)
@@ -124,9 +134,7 @@ class DPOTrainer(PreferenceRun):
             del model
         seconds = time.perf_counter() - start
         if self.rank == 0:
-            staging = path.with_name(path.name + ".tmp")
-            torch.save({"key": key, **self.reference}, staging)
-            os.replace(staging, path)
+            save_reference(path, key, self.reference)
         barrier()
         num_pairs = sum(len(loader.pairs) for loader in loaders.values())
         first_seconds, first_pairs = first[0] if first else (0.0, 0.0)

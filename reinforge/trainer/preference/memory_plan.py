@@ -8,7 +8,8 @@ longest completion of the run's pairs (training and validation), cut into micro-
 rollout adds (the engine's weights, its KV cache) is absent. A reward model computes no logits over the
 vocabulary. DPO's stored reference log-probs take 8 bytes a pair; a reference model loaded from
 ``dpo.reference_path`` exists only during the reference pass, a phase of its own: its float32 shards beside the
-policy for one training forward at a time, before any gradient exists.
+policy for one training forward at a time, before any gradient or optimizer state exists (a resumed run scores
+before its checkpoint loads).
 
 Settings left ``auto`` get the fastest values that fit (the fewest micro-batches, then the fewest recomputed
 layers, logits kept for the backward: the RL planner's costs, the update being the whole step; on one device,
@@ -112,7 +113,7 @@ def estimate_pairs(shape: ModelShape, pair: PairShape, settings: Settings) -> di
         update.pop("head gradient")
     estimated = {"update": update}
     if pair.reference_model:
-        reference = {name: value for name, value in update.items() if name != "gradients"}
+        reference = {name: value for name, value in update.items() if name not in ("gradients", "optimizer state")}
         reference["reference model"] = 4 * shape.num_params / pair.num_devices  # loaded in float32, sharded
         estimated["reference pass"] = reference
     return estimated

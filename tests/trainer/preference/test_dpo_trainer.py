@@ -1,6 +1,6 @@
 """reinforge dpo: the first step's policy is its reference, the packed pair equals its two sequences run apart,
-the reference log-probs are scored once and never from a resumed policy, and the update does not depend on the
-micro-batch split."""
+the reference log-probs are scored once, from the initial model in a resumed run too, and never read from a file
+that is not the run's, and the update does not depend on the micro-batch split."""
 
 from __future__ import annotations
 
@@ -61,20 +61,105 @@ def test_a_pair_runs_its_prompt_once_and_scores_as_its_two_sequences_apart(tiny_
         torch.testing.assert_close(together[row], apart[row], atol=1e-5, rtol=1e-5)
 
 
-def test_the_reference_is_scored_once_and_a_resumed_run_never_scores_it_with_its_policy(pair_args, tmp_path):
+@pytest.mark.parametrize("separate_reference", [False, True], ids=["policy", "reference_path"])
+def test_a_resumed_run_without_its_reference_file_scores_the_initial_model_before_its_checkpoint_loads(
+        pair_args, tiny_model_dir, tmp_path, monkeypatch, separate_reference):
+    settings: dict = {"trainer.total_steps": 4}
+    if separate_reference:
+        settings["dpo.reference_path"] = shutil.copytree(tiny_model_dir, tmp_path / "reference")
     straight = tmp_path / "straight"
-    assert main(["dpo", *pair_args(straight, **{"trainer.total_steps": 4})]) == 0
+    assert main(["dpo", *pair_args(straight, **settings)]) == 0
     stored = torch.load(straight / REFERENCE_FILE, weights_only=True)
     resumed = tmp_path / "resumed"
-    args = pair_args(resumed, **{"trainer.total_steps": 4, "trainer.save_every": 2})
+    args = pair_args(resumed, **settings, **{"trainer.save_every": 2})
     assert main(["dpo", *args]) == 0
     shutil.rmtree(sorted((resumed / "checkpoints").glob("step_*"))[-1])  # stopped after the step-2 checkpoint
-    (resumed / REFERENCE_FILE).unlink()  # and its reference file lost: the reference model is loaded again
+    (resumed / REFERENCE_FILE).unlink()  # and its reference file lost
+    passes = []
+    score_pairs = DPOTrainer.score_pairs
+
+    def observed(self, model, loader, score):
+        passes.append({"policy": model is self.model, "optimizer_state": len(self.optimizer.state), "step": self.step})
+        return score_pairs(self, model, loader, score)
+
+    monkeypatch.setattr(DPOTrainer, "score_pairs", observed)
     assert main(["dpo", *args]) == 0
-    torch.testing.assert_close(torch.load(resumed / REFERENCE_FILE, weights_only=True)["train"], stored["train"])
+    # the policy as loaded from model.path (or the reference model), scored beside no optimizer state
+    assert passes == [{"policy": not separate_reference, "optimizer_state": 0, "step": 0}]
+    assert torch.equal(torch.load(resumed / REFERENCE_FILE, weights_only=True)["train"], stored["train"])
     for a, b in zip(metrics_of(straight), metrics_of(resumed), strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-4, abs=1e-7)
+
+
+def _cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _scored_for_ipo(path: Path) -> None:
+    stored = torch.load(path, weights_only=True)
+    torch.save({**stored, "key": {**stored["key"], "loss_type": "ipo"}}, path)
+
+
+def _one_pair_short(path: Path) -> None:
+    stored = torch.load(path, weights_only=True)
+    torch.save({**stored, "train": stored["train"][:-1]}, path)
+
+
+@pytest.mark.parametrize(("spoil", "problem"), [
+    (_cut_short, "cannot be read (cut short, or not written by torch.save)"),
+    (_scored_for_ipo, "holds the reference log-probs of loss_type 'ipo' (this run: 'sigmoid')"),
+    (_one_pair_short, "holds (31, 2) train log-probs where the run's 32 train pairs need (32, 2)"),
+], ids=["cut_short", "another_loss", "a_pair_short"])
+def test_a_reference_file_cut_short_or_of_another_run_is_never_used_but_scored_again(pair_args, tmp_path, caplog,
+                                                                                     spoil, problem):
+    run_dir = tmp_path / "run"
+    args = pair_args(run_dir, **{"trainer.total_steps": 4, "trainer.save_every": 2})
+    assert main(["dpo", *args]) == 0
+    reference_file = run_dir / REFERENCE_FILE
+    scored, steps = torch.load(reference_file, weights_only=True), metrics_of(run_dir)
+    shutil.rmtree(sorted((run_dir / "checkpoints").glob("step_*"))[-1])
+    spoil(reference_file)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert main(["dpo", *args]) == 0
+    assert [record.getMessage() for record in caplog.records if REFERENCE_FILE in record.getMessage()] == [
+        f"{reference_file} {problem}; the reference log-probs are scored again and the file replaced"]
+    rescored = torch.load(reference_file, weights_only=True)
+    assert rescored["key"] == scored["key"] and torch.equal(rescored["train"], scored["train"])
+    for a, b in zip(steps, metrics_of(run_dir), strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+
+
+def test_the_reference_file_keys_the_dtype_the_forward_computes_in(pair_args, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    assert main(["dpo", *pair_args(run_dir, **{"trainer.total_steps": 1, "model.dtype": "float32"})]) == 0
+    caplog.clear()
+    with caplog.at_level("INFO"):  # a new run in the folder, at auto: float32 on the CPU, as the file was scored
+        assert main(["dpo", *pair_args(run_dir, **{"trainer.total_steps": 1, "model.dtype": "auto",
+                                                  "trainer.resume": "never"})]) == 0
+    messages = [record.getMessage() for record in caplog.records if "reference log-probs" in record.getMessage()]
+    assert messages == [f"reference log-probs read from {run_dir / REFERENCE_FILE}"]
+    assert torch.load(run_dir / REFERENCE_FILE, weights_only=True)["key"]["dtype"] == "float32"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full, a device whose every write fails")
+def test_a_reference_file_that_cannot_be_written_stops_the_run_in_one_line_and_leaves_the_old_one_whole(
+        pair_args, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["dpo", *pair_args(run_dir, **{"trainer.total_steps": 1})]) == 0
+    reference_file = run_dir / REFERENCE_FILE
+    written = reference_file.read_bytes()
+    staging = run_dir / f"{REFERENCE_FILE}.tmp"
+    staging.symlink_to("/dev/full")  # the disk is full by the time the file is written
+    capsys.readouterr()
+    args = pair_args(run_dir, **{"trainer.total_steps": 1, "trainer.resume": "never", "dpo.loss_type": "ipo"})
+    assert main(["dpo", *args]) == 2  # another loss: the log-probs are scored again, then cannot be stored
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert line == (f"error: cannot write {reference_file} (the reference log-probs): No space left on device; free "
+                    "space on its disk, or set trainer.output_dir to a folder on another disk, and run the same "
+                    "command again")
+    assert reference_file.read_bytes() == written and not staging.is_symlink() and not staging.exists()
 
 
 def _weights_after_one_step(pair_args, run_dir: Path, budget: int, loss_type: str) -> dict[str, torch.Tensor]:

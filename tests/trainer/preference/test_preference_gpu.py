@@ -65,8 +65,7 @@ def test_the_reference_pass_compiles_the_graphs_the_training_step_runs(pair_args
                                                                    "model.dtype": "bfloat16"}))
     trainer = DPOTrainer(config)
     try:
-        trainer.resume()
-        trainer.before_training()
+        trainer.resume()  # the reference pass, then the checkpoint (none here)
         compiled = counters["stats"]["unique_graphs"]
         assert compiled > 0  # the decoder layers, norms and gates of the reference pass
         trainer.train_step(trainer.train_loader.next_batch())
@@ -92,8 +91,7 @@ def test_validation_runs_the_training_graphs_and_compiles_nothing_of_its_own(pai
                                                          "data.val_files": f"[{pairs_dir / 'val.jsonl'}]"}))
     trainer = trainer_class(config)
     try:
-        trainer.resume()
-        trainer.before_training()
+        trainer.resume()  # dpo scores its reference first
         trainer.train_step(trainer.train_loader.next_batch())
         compiled = counters["stats"]["unique_graphs"]
         metrics = trainer.validate()

@@ -69,13 +69,14 @@ def test_a_budget_the_user_set_that_cannot_fit_is_refused_with_auto_as_the_fix()
         "it would fit with trainer.max_tokens_per_micro_batch=auto and model.gradient_checkpointing=auto")
 
 
-def test_a_reward_model_keeps_no_logits_and_a_loaded_reference_has_a_phase_of_its_own():
+def test_a_reward_model_keeps_no_logits_and_a_loaded_reference_has_a_phase_of_its_own_before_any_optimizer_state():
     settings = plan_pairs(QWEN_1_5B, STANDARD, {}, 141 * GiB).settings
     reward = estimate_pairs(QWEN_1_5B, PairShape(64, 128, 512, vocabulary_logits=False), settings)
     assert "logits" not in reward["update"] and set(reward) == {"update"}
     dpo = estimate_pairs(QWEN_1_5B, PairShape(64, 128, 512, reference_model=True), settings)
     reference = dpo["reference pass"]
     assert "gradients" not in reference and reference["reference model"] == 4 * QWEN_1_5B.num_params
+    assert "optimizer state" not in reference  # a resumed run scores before its checkpoint's state loads
 
 
 def test_the_plan_is_applied_to_the_configs_auto_settings_only(pair_args, tmp_path):
