@@ -285,7 +285,8 @@ class SupervisedRun(TrainingRun):
     val_loader: Any
 
     def before_training(self) -> None:
-        """Runs after the checkpoint is restored, before the first step (DPO's reference pass)."""
+        """Runs after the checkpoint is restored, before the first step (DPO scores its reference earlier, in
+        ``resume``, before the checkpoint loads)."""
 
     def fit(self) -> dict[str, Any]:
         """Train to ``total_steps``; returns the last step's metrics (with the final validation's)."""
