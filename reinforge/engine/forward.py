@@ -13,11 +13,15 @@ the policy ratio must compare like with like.
 A vision-language model (Qwen2.5-VL, Qwen3-VL) runs the same way: its vision tower once over the
 images of the packed row, their embeddings in place of the image tokens, and the language model
 over the packed row with M-RoPE position ids that restart with each sequence (``packing.vision_model_kwargs``);
-an image-token id outside the sequence's images is text (``models.vision.image_tokens_as_text``).
+an image-token id outside the sequence's images is text (``models.vision.image_tokens_as_text``). Given a frozen
+tower's embeddings of the batch's images (``engine.image_embeddings``, encoded once per step), the forward
+takes no pixels: the embeddings (and Qwen3-VL's deepstack features) go in place of the image tokens' as the
+tower's would (``models.vision.image_embeddings_in_place``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -26,11 +30,12 @@ from torch import Tensor, nn
 from reinforge.engine.attention import NAME as ATTENTION_NAME
 from reinforge.engine.attention import flash_applies, flash_runs_shared_segments, flex_runs_on
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
+from reinforge.engine.image_embeddings import ImageEmbeddingCache
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
-from reinforge.models.vision import image_tokens_as_text, is_vision_language
+from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
 
@@ -106,12 +111,15 @@ def _attention_kwargs(packed: PackedRows, compute_dtype: torch.dtype, config=Non
 
 def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0, with_entropy: bool = False,
                        max_logits_bytes: int = MAX_LOGITS_BYTES,
-                       with_sum_pi_squared: bool = False) -> tuple[Tensor, ...]:
+                       with_sum_pi_squared: bool = False,
+                       image_embeddings: ImageEmbeddingCache | None = None) -> tuple[Tensor, ...]:
     """Log-prob of each response token (B, R) and, if asked, the entropy at each position; float32.
 
     Logits of at most ``max_logits_bytes`` are kept for the backward (``engine.log_probs``; the memory
     planner's ``actor.logits_buffer_gib``), larger ones are recomputed chunk by chunk.
     with_sum_pi_squared (scoring only, no grad) adds a third output, sum_v pi(v)^2 at each position.
+    image_embeddings: a vision-language model's frozen-tower image embeddings, prepared for the batch ``micro`` is cut
+    from (``engine.image_embeddings``); the forward then takes them instead of running the tower on the pixels.
 
     ``model`` is a causal LM; its last hidden state over the packed row is caught by a hook on
     its decoder, and the output projection runs fused with the log-softmax.
@@ -122,11 +130,13 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     captured: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
-    inputs, text_tokens = {"position_ids": packed.position_ids}, None
-    if is_vision_language(model.config):  # M-RoPE positions, and the images for the vision tower
-        inputs, text_tokens = vision_model_kwargs(micro, model.config, device)
+    inputs, text_tokens, cached = {"position_ids": packed.position_ids}, None, None
+    if is_vision_language(model.config):  # M-RoPE positions, and the images for the vision tower (or their embeddings)
+        inputs, text_tokens, cached = vision_model_kwargs(micro, model.config, device, image_embeddings)
     try:
-        with image_tokens_as_text(model, packed.input_ids, text_tokens) as input_ids:
+        with (image_tokens_as_text(model, packed.input_ids, text_tokens) as input_ids,
+              image_embeddings_in_place(model, cached.image_mask, cached.embeddings, cached.deepstack)
+              if cached is not None else contextlib.nullcontext()):
             model(input_ids=input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
                   logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
                   **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))

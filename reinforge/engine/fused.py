@@ -306,7 +306,8 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
         else:
             attention = "flash varlen attention in the packed layout"
         windows = ", sliding windows in the kernel" if spec.windowed else ""
-        tower = ("; the vision tower in transformers' modules, once per micro-batch over its images"
+        tower = ("; the vision tower in transformers' modules, once per step over the batch's images when frozen, "
+                 "else once per micro-batch over its images"
                  if is_vision_language(model.config) else "")
         return (f"packed training of {model_type}: fast path for {spec.model_type} (fused norms and MLP, "
                 f"{attention}{windows}, compiled decoder layers){tower}")

@@ -24,7 +24,8 @@ Images. A vision-language micro-batch carries each row's pixels (``data.multimod
 ``pack_vision_inputs`` gives the packed row's images, in the order their image tokens appear in
 it (a prompt shared by a group's rows once), for the vision tower to run on once, and every
 packed token's M-RoPE position ids (``models.vision``), computed per sequence over its
-``[prompt | response]`` so that they restart with each. Rows with identical prompt tokens but
+``[prompt | response]`` so that they restart with each. A frozen tower's embeddings of the batch's images,
+encoded once per step (``engine.image_embeddings``), take the place of those pixels. Rows with identical prompt tokens but
 different images are different prompts. An image-token id outside a sequence's images (a policy can
 sample it) is text there, as the rollout engines embed it: text positions, its own embedding.
 """
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from reinforge.engine.image_embeddings import CachedImages, ImageEmbeddingCache
 from reinforge.models.vision import image_token_mask, sequence_rope_positions
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
@@ -251,6 +253,11 @@ class PackedVisionInputs:
     text_tokens: Tensor | None = None
     """(1, tokens) bool: the packed tokens whose id is the image token's but that belong to none of their sequence's
     images (``models.vision.image_token_mask``): text, at text positions; None where there are none."""
+    image_mask: Tensor | None = None
+    """(1, tokens) bool: the packed tokens that are their sequence's images' tokens; None without images."""
+    image_sources: list[tuple[Tensor, int]] | None = None
+    """Each image of ``pixel_values`` as its row's inputs hold it: (the row's ``pixel_values`` tensor itself, the
+    image's index among the row's images), in packed order (``engine.image_embeddings`` names images by them)."""
 
 
 def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionInputs:
@@ -264,6 +271,7 @@ def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionI
     image_of_token = torch.full((num_rows * width,), -1, dtype=torch.long)
     patches: list[Tensor] = []
     grids: list[Tensor] = []
+    sources: list[tuple[Tensor, int]] = []
     for row in range(num_rows):
         flat = torch.nonzero(attention[row]).squeeze(-1) + row * width
         ids = input_ids[row][attention[row]]
@@ -282,6 +290,7 @@ def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionI
             torch.arange(len(grid)), tokens_per_image)
         patches += list(row_inputs["pixel_values"].split(grid.prod(-1).tolist()))
         grids += list(grid)
+        sources += [(row_inputs["pixel_values"], index) for index in range(len(grid))]
     packed_positions = positions[:, plan.source_index].unsqueeze(1)
     packed_images = image_of_token[plan.source_index]
     text_tokens = ((input_ids.reshape(-1)[plan.source_index] == config.image_token_id) & (packed_images < 0))[None]
@@ -294,16 +303,24 @@ def pack_vision_inputs(micro: Batch, plan: PackingPlan, config) -> PackedVisionI
     if order.unique().numel() != order.numel() or not torch.equal(counts, expected):
         raise ValueError("an image's tokens are split across the packed row; pack whole sequences")
     return PackedVisionInputs(packed_positions, torch.cat([patches[index] for index in order.tolist()]),
-                              torch.stack([grids[index] for index in order.tolist()]), text_tokens)
+                              torch.stack([grids[index] for index in order.tolist()]), text_tokens,
+                              image_mask=(packed_images >= 0)[None],
+                              image_sources=[sources[index] for index in order.tolist()])
 
 
-def vision_model_kwargs(micro: Batch, config, device: torch.device) -> tuple[dict, Tensor | None]:
+def vision_model_kwargs(micro: Batch, config, device: torch.device, image_embeddings: ImageEmbeddingCache | None = None
+                        ) -> tuple[dict, Tensor | None, CachedImages | None]:
     """The keyword arguments a VLM's forward takes for the packed row of ``micro``: M-RoPE ``position_ids``
-    (3, 1, tokens) and, when the row holds images, their ``pixel_values`` and ``image_grid_thw``; and the packed
-    tokens whose image-token id is text (``PackedVisionInputs.text_tokens``, for ``models.vision.image_tokens_as_text``)."""
+    (3, 1, tokens) and, when the row holds images, their ``pixel_values`` and ``image_grid_thw``; the packed
+    tokens whose image-token id is text (``PackedVisionInputs.text_tokens``, for ``models.vision.image_tokens_as_text``);
+    and, when ``image_embeddings`` is prepared for the batch, the row's cached image embeddings instead of its
+    pixels (for ``models.vision.image_embeddings_in_place``), else None."""
     vision = pack_vision_inputs(micro, plan_of(micro), config)
     kwargs = {"position_ids": vision.position_ids.to(device, non_blocking=True)}
-    if vision.pixel_values is not None:
-        kwargs |= {"pixel_values": vision.pixel_values.to(device, non_blocking=True),
-                   "image_grid_thw": vision.image_grid_thw.to(device, non_blocking=True)}
-    return kwargs, vision.text_tokens
+    if vision.pixel_values is None:
+        return kwargs, vision.text_tokens, None
+    if image_embeddings is not None and image_embeddings.ready:
+        return kwargs, vision.text_tokens, image_embeddings.packed(vision.image_sources, vision.image_mask)
+    kwargs |= {"pixel_values": vision.pixel_values.to(device, non_blocking=True),
+               "image_grid_thw": vision.image_grid_thw.to(device, non_blocking=True)}
+    return kwargs, vision.text_tokens, None

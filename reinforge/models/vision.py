@@ -189,6 +189,38 @@ def image_tokens_as_text(model, input_ids: Tensor, text_tokens: Tensor | None) -
         handle.remove()
 
 
+@contextlib.contextmanager
+def image_embeddings_in_place(model, image_mask: Tensor, embeddings: Tensor,
+                              deepstack: list[Tensor] | None = None) -> Iterator[None]:
+    """While the context is open, the VLM ``model``'s forward over a row of ``image_mask.shape[1]`` tokens, given no
+    pixels, puts ``embeddings`` (image tokens, hidden), in order, at the tokens ``image_mask`` (1, tokens) marks,
+    as transformers puts its vision tower's output there; Qwen3-VL's ``deepstack`` features (per deepstack layer,
+    (image tokens, hidden)) reach its language model as transformers hands them over."""
+    positions = torch.nonzero(image_mask[0]).squeeze(-1)
+
+    def place_images(module, args, output):
+        if output.shape[:2] != image_mask.shape:  # another row's (a decode step's) embeddings
+            return output
+        rows = torch.zeros_like(positions)
+        return output.index_put((rows, positions), embeddings.to(output.device, output.dtype))
+
+    def add_deepstack(module, args, kwargs):
+        hidden = kwargs.get("inputs_embeds")
+        if hidden is None or hidden.shape[:2] != image_mask.shape or kwargs.get("deepstack_visual_embeds") is not None:
+            return None
+        return args, kwargs | {"visual_pos_masks": image_mask, "deepstack_visual_embeds": list(deepstack)}
+
+    handles = [model.get_input_embeddings().register_forward_hook(place_images)]
+    if deepstack:
+        language_model = model.model.language_model
+        handles.append(language_model.register_forward_pre_hook(add_deepstack, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def keep_vision_tower_attention(model, implementation: str = "sdpa") -> None:
     """Give the vision tower of ``model`` (a VLM) ``implementation`` back after the whole model was switched to the
     packed varlen attention: the tower separates its images itself (its own ``cu_seqlens``), and must not read the

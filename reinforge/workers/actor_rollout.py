@@ -23,6 +23,7 @@ from reinforge.engine.device import compute_dtype, peak_memory_gb, resolve_devic
 from reinforge.engine.forward import ScoringPass, response_log_probs
 from reinforge.engine.fsdp import decoder_layers, shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.image_embeddings import ImageEmbeddingCache, images_of_step
 from reinforge.engine.lora import add_lora, lora_scaling
 from reinforge.engine.memory_plan import GiB
 from reinforge.engine.moe import prepare_moe_training, router_aux_loss_coef, without_router_logits_output
@@ -30,7 +31,7 @@ from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
-from reinforge.models.vision import freeze_vision_tower, processor_for
+from reinforge.models.vision import freeze_vision_tower, is_vision_language, processor_for
 from reinforge.protocol import Batch
 from reinforge.rollout.base import RolloutEngine, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
@@ -101,6 +102,9 @@ class ActorRolloutWorker(Worker):
             if rollout_copy is None else RolloutSide.on_rollout_copy(config, self.device, self.tokenizer, rollout_copy))
         shard_model(self.model, self.device, config.model.dtype, offload=offload)
         self.model.train()
+        self.image_embeddings = (ImageEmbeddingCache(self.model, self.device)
+                                 if is_vision_language(self.model.config) else None)
+        """A vision-language model's frozen-tower image embeddings, encoded once per step (None for text models)."""
         num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
         self.update_settings = UpdateSettings(
             num_mini_batches=num_mini_batches, epochs=config.actor.ppo_epochs,
@@ -157,11 +161,13 @@ class ActorRolloutWorker(Worker):
         Also sum_pi_squared (B, R), sum_v pi(v)^2 per position, when algorithm.adv_estimator needs it.
         """
         with_sum_pi_squared = ADVANTAGE_ESTIMATORS[self.config.algorithm.adv_estimator].needs_sum_pi_squared
+        self._prepare_images(batch)
         with ScoringPass(self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device) as scoring:
             for micro in scoring:
                 scoring.add(*response_log_probs(self.model, micro, self.config.rollout.temperature, with_entropy=True,
                                                 max_logits_bytes=self.max_logits_bytes,
-                                                with_sum_pi_squared=with_sum_pi_squared))
+                                                with_sum_pi_squared=with_sum_pi_squared,
+                                                image_embeddings=self.image_embeddings))
         log_probs, entropy, *sum_pi_squared = scoring.outputs()
         output = Batch.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
         if with_sum_pi_squared:
@@ -177,40 +183,53 @@ class ActorRolloutWorker(Worker):
         if self.peft_model is None:
             raise RuntimeError("compute_ref_log_prob on the actor needs model.lora.rank > 0; without LoRA the "
                                "reference policy is its own worker (workers.reference)")
+        self._prepare_images(batch)  # the adapters leave a frozen tower alone: its embeddings are the base model's
         with (self.peft_model.disable_adapter(),
               ScoringPass(self.model, batch, self.config.actor.max_tokens_per_micro_batch, self.device) as scoring):
             for micro in scoring:
                 scoring.add(response_log_probs(self.model, micro, self.config.rollout.temperature,
-                                               max_logits_bytes=self.max_logits_bytes)[0])
+                                               max_logits_bytes=self.max_logits_bytes,
+                                               image_embeddings=self.image_embeddings)[0])
         (log_probs,) = scoring.outputs()
         return Batch.from_dict(tensors={"ref_log_probs": log_probs})
+
+    def _prepare_images(self, batch: Batch) -> None:
+        """A frozen tower encodes the batch's images not encoded yet this step (``engine.image_embeddings``); they
+        stay for the step's update."""
+        if self.image_embeddings is not None:
+            self.image_embeddings.prepare(batch)
 
     # ---- training -----------------------------------------------------------------
     @register(dispatch=Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """Policy-gradient update over the batch; returns ``actor/*`` metrics."""
+        """Policy-gradient update over the batch; returns ``actor/*`` metrics. The step's image embeddings
+        (``engine.image_embeddings``) are dropped after it."""
         on_policy = "old_log_probs" not in batch and "proximal_alpha" not in batch
         first_micro: tuple[torch.Tensor, ...] = ()
         settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
         recorder = self.router_recorder
-        for micro, counts in update.micro_batches(batch, no_grad_rows(self.config, batch, self.router_aux_loss_coef)):
-            forward_only = micro.meta.get(FORWARD_ONLY, False)
-            with torch.no_grad() if forward_only else contextlib.nullcontext():
-                with recorder.recording_forward() if recorder else contextlib.nullcontext():
-                    log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
-                                                            with_entropy=True, max_logits_bytes=self.max_logits_bytes)
-                router = recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only) if recorder \
-                    else None
-                loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
-                                           self.router_aux_loss_coef)
-            if on_policy and "rollout_log_probs" in micro and not first_micro:
-                # compared after the update: reading it back here would stall the device mid-update
-                first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])
-            if forward_only:  # every advantage of these rows is 0: their loss has no gradient
-                update.record(metrics)
-            else:
-                update.backward(loss, metrics)
+        with images_of_step(self.image_embeddings, batch):
+            for micro, counts in update.micro_batches(batch, no_grad_rows(self.config, batch,
+                                                                          self.router_aux_loss_coef)):
+                forward_only = micro.meta.get(FORWARD_ONLY, False)
+                with torch.no_grad() if forward_only else contextlib.nullcontext():
+                    with recorder.recording_forward() if recorder else contextlib.nullcontext():
+                        log_probs, entropy = response_log_probs(self.model, micro, self.config.rollout.temperature,
+                                                                with_entropy=True,
+                                                                max_logits_bytes=self.max_logits_bytes,
+                                                                image_embeddings=self.image_embeddings)
+                    router = (recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only)
+                              if recorder else None)
+                    loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
+                                               self.router_aux_loss_coef)
+                if on_policy and "rollout_log_probs" in micro and not first_micro:
+                    # compared after the update: reading it back here would stall the device mid-update
+                    first_micro = (log_probs.detach(), micro["rollout_log_probs"], micro["response_mask"])
+                if forward_only:  # every advantage of these rows is 0: their loss has no gradient
+                    update.record(metrics)
+                else:
+                    update.backward(loss, metrics)
         result = update.metrics("actor")
         if first_micro:
             result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro))

@@ -13,8 +13,10 @@ from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import ScoringPass, response_log_probs
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.image_embeddings import ImageEmbeddingCache, images_of_step
 from reinforge.engine.moe import without_router_logits_output
 from reinforge.models import load_causal_lm
+from reinforge.models.vision import is_vision_language
 from reinforge.protocol import Batch
 from reinforge.workers.memory_settings import apply_memory_plan
 
@@ -35,12 +37,17 @@ class ReferenceWorker(Worker):
         prepare_for_training(self.model, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.param_offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch
+        self.image_embeddings = (ImageEmbeddingCache(self.model, self.device)
+                                 if is_vision_language(self.model.config) else None)
+        """A vision-language model's image embeddings: its tower runs once per image of a batch."""
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """ref_log_probs (B, R) of the response tokens under the frozen reference policy, at the rollout temperature."""
-        with ScoringPass(self.model, batch, self.max_tokens, self.device) as scoring:
+        with (images_of_step(self.image_embeddings, batch),
+              ScoringPass(self.model, batch, self.max_tokens, self.device) as scoring):
             for micro in scoring:
-                scoring.add(response_log_probs(self.model, micro, self.config.rollout.temperature)[0])
+                scoring.add(response_log_probs(self.model, micro, self.config.rollout.temperature,
+                                               image_embeddings=self.image_embeddings)[0])
         (log_probs,) = scoring.outputs()
         return Batch.from_dict(tensors={"ref_log_probs": log_probs})
