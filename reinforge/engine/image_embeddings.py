@@ -27,10 +27,11 @@ from torch import Tensor, nn
 from reinforge.models.vision import is_vision_language, vision_tower
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 
-ENCODE_PATCHES = 16384
-"""Patches per call of the tower when it encodes a batch's images (16 images of 448 x 448 pixels at 14-pixel
-patches): one block's working set for them (``engine.memory_plan.VisionShape.working_bytes_per_patch``; 0.66 GB
-for Qwen2.5-VL-3B in bf16) is all the encoding adds to the device's memory."""
+ENCODE_PATCHES = 4096
+"""Patches per call of the tower when it encodes a batch's images (4 images of 448 x 448 pixels at 14-pixel
+patches): one block's working set for them (``engine.memory_plan.VisionShape.working_bytes_per_patch``; 0.17 GB
+for Qwen2.5-VL-3B in bf16) is what the encoding adds to the device's memory, beside the embeddings it keeps (the memory planner counts
+both)."""
 
 
 @dataclass
@@ -107,14 +108,17 @@ class ImageEmbeddingCache:
 
     def prepare(self, batch: Batch) -> bool:
         """Encode the images of ``batch`` that are not cached yet and drop those of other batches; False (and
-        nothing cached) when the tower is trained or the batch holds no image."""
-        inputs = batch.non_tensors.get(MULTI_MODAL_KEY)
-        if not self.applies or inputs is None:
+        nothing cached) when the tower is trained or the batch holds no image.
+
+        Collective under FSDP: every rank gathers the root unit's parameters (the tower's among them), whether or
+        not its own part of the batch has an image to encode."""
+        if not self.applies:
             self.clear()
             return False
         rows: dict[int, tuple[Tensor, list[bytes]]] = {}
         wanted: dict[bytes, tuple[Tensor, Tensor]] = {}  # name -> (patches, grid)
-        for row_inputs in inputs:
+        inputs = batch.non_tensors.get(MULTI_MODAL_KEY)
+        for row_inputs in inputs if inputs is not None else []:
             pixels = row_inputs.get("pixel_values") if row_inputs else None
             if pixels is None:
                 continue
@@ -139,8 +143,6 @@ class ImageEmbeddingCache:
 
     @torch.no_grad()
     def _encode(self, images: list[tuple[bytes, Tensor, Tensor]]) -> None:
-        if not images:
-            return
         tower = vision_tower(self.model)
         merge = int(self.model.config.vision_config.spatial_merge_size)
         chunks: list[list[tuple[bytes, Tensor, Tensor]]] = [[]]
@@ -153,7 +155,7 @@ class ImageEmbeddingCache:
             patches += image[1].shape[0]
         with _root_gathered(self.model):
             dtype = next(tower.parameters()).dtype
-            for chunk in chunks:
+            for chunk in chunks if images else []:
                 pixels = torch.cat([piece for _, piece, _ in chunk]).to(self.device, dtype, non_blocking=True)
                 grids = torch.stack([grid for _, _, grid in chunk]).to(self.device, non_blocking=True)
                 output = tower(pixels, grid_thw=grids)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reinforge.engine.image_embeddings import ENCODE_PATCHES as VISION_ENCODE_PATCHES
 from reinforge.engine.micro_batches import micro_batch_loads, split_group
 from reinforge.models.kv_layout import kv_block_bytes, pool_blocks, window_pool_blocks
 
@@ -705,8 +706,10 @@ def add_vision_tower(phases: dict[str, dict[str, float]], host: dict[str, float]
                      settings: Settings, resident: dict[str, float]) -> None:
     """The vision tower's consumers, in place: its weights (float32 masters, or the base dtype under LoRA) beside
     the language model's, its copy in the rollout engine (``rollout.native.multimodal.VisionTower``, whole on every
-    device), its gradients and optimizer state when trained, and its activations: a frozen tower runs forward only
-    (one block's working set for the micro-batch's patches), a trained one keeps every block's for the backward."""
+    device), its gradients and optimizer state when trained, and its activations: a frozen tower encodes the step's
+    images once, forward only (one block's working set for ``VISION_ENCODE_PATCHES`` patches), and their embeddings
+    stay for the step (the actor's, and the reference's beside them during its pass); a trained one runs per
+    micro-batch and keeps every block's activations for the backward."""
     tower, devices, dtype_bytes = shape.vision, run.num_devices, run.dtype_bytes
     assert tower is not None
     params, trained = tower.num_params, run.train_vision and not run.lora_rank
@@ -739,9 +742,16 @@ def add_vision_tower(phases: dict[str, dict[str, float]], host: dict[str, float]
         update["vision tower copy"] = copy
     if run.off_policy:
         update["rollout vision activations"] = rollout["vision activations"]
-    patches = tower.patches(micro_batch_prompts(run, settings.micro_batch_tokens) * run.image_tokens)
-    update["vision activations"] = patches * (tower.activation_bytes_per_patch(dtype_bytes, run.eager) if trained
-                                              else tower.working_bytes_per_patch(dtype_bytes))
+    if trained:
+        patches = tower.patches(micro_batch_prompts(run, settings.micro_batch_tokens) * run.image_tokens)
+        update["vision activations"] = patches * tower.activation_bytes_per_patch(dtype_bytes, run.eager)
+        return
+    step_image_tokens = max(run.prompts // devices, 1) * run.image_tokens
+    patches = min(max(VISION_ENCODE_PATCHES, tower.patches(run.image_tokens)), tower.patches(step_image_tokens))
+    update["vision activations"] = patches * tower.working_bytes_per_patch(dtype_bytes)
+    copies = 2 if run.reference and not run.lora_rank else 1
+    update["image embeddings"] = (copies * step_image_tokens * tower.out_hidden_size * dtype_bytes
+                                  * (1 + tower.deepstack_mergers))
 
 
 def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict[str, dict[str, float]], dict[str, float]]:

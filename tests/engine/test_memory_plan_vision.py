@@ -78,8 +78,13 @@ def test_the_bench_shapes_tower_is_counted_frozen_or_trained():
         8 * TOWER_PARAMS_3B)
     assert "vision gradients" not in trained["rollout"]
     # 24k-token micro-batches hold five prompts (400 + 8 x 512 tokens each): 5120 patches, kept by every block
-    # when trained, one block's working set when frozen
-    assert frozen["update"]["vision activations"] == 5120 * tower.working_bytes_per_patch(2)
+    # when trained; frozen, the step's 64 images go through the tower once, 4096 patches a call, one block's
+    # working set, and their 64 x 256 embeddings of the language model's width stay for the step
+    assert frozen["update"]["vision activations"] == 4096 * tower.working_bytes_per_patch(2)
+    assert frozen["update"]["image embeddings"] == 64 * 256 * 2048 * 2
+    assert "image embeddings" not in trained["update"]
+    with_reference, _ = estimate(shape, dataclasses.replace(run, reference=True), settings)
+    assert with_reference["update"]["image embeddings"] == 2 * frozen["update"]["image embeddings"]
     assert trained["update"]["vision activations"] == 5120 * tower.activation_bytes_per_patch(2)
     assert 3 * GiB < trained["update"]["vision activations"] < 10 * GiB
     assert frozen["update"]["vision activations"] < 0.5 * GiB

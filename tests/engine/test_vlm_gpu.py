@@ -47,6 +47,39 @@ def test_packed_bf16_training_pass_matches_the_padded_forward_on_the_gpu(arch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHES)
+def test_cached_image_embeddings_give_the_per_micro_batch_pass_on_the_gpu(arch):
+    """bf16 on the fast path: the frozen tower's embeddings encoded once (engine.image_embeddings) give the log-probs
+    and language-model gradients of the tower run inside each forward, and the forwards run no tower."""
+    from reinforge.engine.image_embeddings import ImageEmbeddingCache
+    from reinforge.models.vision import vision_tower
+
+    device = torch.device("cuda")
+    model = build_tiny_vlm(arch, seed=8).to(device, torch.bfloat16)
+    freeze_vision_tower(model)
+    prepare_for_training(model, device)
+    batch = vlm_batch(build_tiny_processor(arch), samples=4, response_width=24, seed=8).to(device)
+    results, calls = [], []
+    vision_tower(model).register_forward_pre_hook(lambda module, args: calls.append(1))
+    for cached in (False, True):
+        cache = ImageEmbeddingCache(model, device)
+        if cached:
+            assert cache.prepare(batch) and cache.num_tower_calls == 1
+        tower_calls = len(calls)
+        model.zero_grad()
+        micro = attach_plan(Batch(dict(batch.tensors), dict(batch.non_tensors), {}), share_prompts=True)
+        log_probs, _ = response_log_probs(model, micro, image_embeddings=cache)
+        (-(log_probs * batch["advantages"]).sum() / batch["response_mask"].sum()).backward()
+        assert len(calls) - tower_calls == (0 if cached else 1)
+        results.append((log_probs.detach(), [parameter.grad.float() for parameter in
+                                             model.model.language_model.parameters()]))
+    (expected, expected_grads), (got, grads) = results
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, atol=2e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rollout", ["hf", "native"])
 def test_a_short_vision_demo_runs_sft_and_grpo_on_the_gpu(tmp_path, rollout):
     from reinforge.demo.vision_runner import VisionDemoSettings, run_vision_demo

@@ -138,6 +138,13 @@ def test_an_image_token_id_outside_the_images_stays_text_with_cached_embeddings(
     assert calls == []
 
 
+def counted(method, calls: list[int]):
+    def call(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+    return call
+
+
 def test_the_actor_and_reference_encode_each_image_once_per_step_and_update_as_without_the_cache(tmp_path):
     """Through the workers (FSDP on one CPU rank): old log-probs, reference log-probs and a two-epoch update run
     the actor's tower once and the reference's once; the update's metrics and weights are those of the tower run
@@ -158,10 +165,14 @@ def test_the_actor_and_reference_encode_each_image_once_per_step_and_update_as_w
         if not cached:
             actor.image_embeddings = reference.image_embeddings = None
         scored = batch.union(actor.compute_log_prob(batch)).union(reference.compute_ref_log_prob(batch))
+        gathers: list[int] = []
+        actor.model.unshard = counted(actor.model.unshard, gathers)
         metrics = actor.update_actor(scored)
         weights = {name: parameter.full_tensor().detach().clone() for name, parameter in
                    actor.model.named_parameters() if parameter.requires_grad}
         results.append((scored, metrics, weights))
+        # a collective: the update gathers the tower's unit though it has no image left to encode
+        assert len(gathers) == int(cached)
         if cached:
             assert len(actor_calls) == len(reference_calls) == 1
             assert not actor.image_embeddings.ready and not reference.image_embeddings.ready
