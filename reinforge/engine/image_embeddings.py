@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,10 @@ ENCODE_PATCHES = 4096
 patches): one block's working set for them (``engine.memory_plan.VisionShape.working_bytes_per_patch``; 0.17 GB
 for Qwen2.5-VL-3B in bf16) is what the encoding adds to the device's memory, beside the embeddings it keeps (the memory planner counts
 both)."""
+
+
+HASH_THREADS = 8
+"""Threads that name a batch's new images (a 448 x 448 image's patches are 4.8 MB, ~3 ms of SHA-256 on one core)."""
 
 
 @dataclass
@@ -53,11 +59,18 @@ class _Encoded:
 
 
 def image_digest(pixels: Tensor, grid: Tensor) -> bytes:
-    """The name of one image: a digest of its patches (``pixels``, (patches, patch dim)) and its grid (3,)."""
-    digest = hashlib.blake2b(digest_size=20)
-    digest.update(str((pixels.dtype, tuple(pixels.shape), [int(size) for size in grid])).encode())
+    """The name of one image: a SHA-256 digest of its patches (``pixels``, (patches, patch dim)) and its grid (3,)."""
+    digest = hashlib.sha256(str((pixels.dtype, tuple(pixels.shape), [int(size) for size in grid])).encode())
     digest.update(pixels.detach().cpu().contiguous().view(torch.uint8).numpy().data)
     return digest.digest()
+
+
+def _digests(images: list[tuple[Tensor, Tensor]]) -> list[bytes]:
+    """``image_digest`` of each (pixels, grid), on up to ``HASH_THREADS`` threads (hashlib releases the GIL)."""
+    if len(images) < 2:
+        return [image_digest(*image) for image in images]
+    with ThreadPoolExecutor(min(HASH_THREADS, len(images), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda image: image_digest(*image), images))
 
 
 @contextlib.contextmanager
@@ -116,49 +129,46 @@ class ImageEmbeddingCache:
             self.clear()
             return False
         rows: dict[int, tuple[Tensor, list[bytes]]] = {}
-        wanted: dict[bytes, tuple[Tensor, Tensor]] = {}  # name -> (patches, grid)
+        images: dict[int, list[tuple[Tensor, Tensor]]] = {}  # id(a row's pixel_values) -> its images' (patches, grid)
         inputs = batch.non_tensors.get(MULTI_MODAL_KEY)
         for row_inputs in inputs if inputs is not None else []:
             pixels = row_inputs.get("pixel_values") if row_inputs else None
-            if pixels is None:
+            if pixels is None or id(pixels) in images:  # the n samples of a prompt share its tensor
                 continue
             grid = row_inputs["image_grid_thw"].cpu()
-            pieces = pixels.split(grid.prod(-1).tolist())
-            names = self._names(pixels, grid, pieces, rows)
-            rows[id(pixels)] = (pixels, names)
-            for name, piece, image_grid in zip(names, pieces, grid, strict=True):
-                wanted.setdefault(name, (piece, image_grid))
+            images[id(pixels)] = list(zip(pixels.split(grid.prod(-1).tolist()), grid, strict=True))
+            known = self._rows.get(id(pixels))  # the same tensor in the step's earlier pass: named already
+            rows[id(pixels)] = (pixels, known[1] if known is not None and known[0] is pixels else [])
+        new = [(key, image) for key, (_, names) in rows.items() if not names for image in images[key]]
+        for (key, _), name in zip(new, _digests([image for _, image in new]), strict=True):
+            rows[key][1].append(name)
+        wanted: dict[bytes, tuple[Tensor, Tensor]] = {}  # name -> (patches, grid)
+        for key, (_, names) in rows.items():
+            for name, image in zip(names, images[key], strict=True):
+                wanted.setdefault(name, image)
         self._rows = rows
         self._images = {name: encoded for name, encoded in self._images.items() if name in wanted}
         self._encode([(name, *wanted[name]) for name in wanted if name not in self._images])
         return bool(rows)
 
-    def _names(self, pixels: Tensor, grid: Tensor, pieces: tuple[Tensor, ...],
-               rows: dict[int, tuple[Tensor, list[bytes]]]) -> list[bytes]:
-        for seen in (rows, self._rows):  # the n samples of a prompt share its tensor; so may the batch's next pass
-            known = seen.get(id(pixels))
-            if known is not None and known[0] is pixels:
-                return known[1]
-        return [image_digest(piece, image_grid) for piece, image_grid in zip(pieces, grid, strict=True)]
-
     @torch.no_grad()
     def _encode(self, images: list[tuple[bytes, Tensor, Tensor]]) -> None:
         tower = vision_tower(self.model)
         merge = int(self.model.config.vision_config.spatial_merge_size)
-        chunks: list[list[tuple[bytes, Tensor, Tensor]]] = [[]]
+        chunks: list[list[tuple[bytes, Tensor, Tensor]]] = []
         patches = 0
         for image in images:
-            if chunks[-1] and patches + image[1].shape[0] > self.max_patches:
+            if not chunks or patches + image[1].shape[0] > self.max_patches:
                 chunks.append([])
                 patches = 0
             chunks[-1].append(image)
             patches += image[1].shape[0]
-        with _root_gathered(self.model):
+        with _root_gathered(self.model):  # on every rank, even with nothing to encode: a collective
             dtype = next(tower.parameters()).dtype
-            for chunk in chunks if images else []:
+            for chunk in chunks:
                 pixels = torch.cat([piece for _, piece, _ in chunk]).to(self.device, dtype, non_blocking=True)
                 grids = torch.stack([grid for _, _, grid in chunk]).to(self.device, non_blocking=True)
-                output = tower(pixels, grid_thw=grids)
+                output = tower(pixels, grid_thw=grids, return_dict=True)
                 sizes = (grids.prod(-1) // (merge * merge)).tolist()
                 embeddings = output.pooler_output.split(sizes)
                 deepstack = [feature.split(sizes) for feature in (getattr(output, "deepstack_features", None) or [])]
