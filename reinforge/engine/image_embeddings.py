@@ -45,7 +45,7 @@ class CachedImages:
     """The cached embeddings of a packed row's images and where they go in it."""
 
     image_mask: Tensor
-    """(1, tokens) bool: the packed tokens that are image tokens of their sequence's images."""
+    """(1, tokens) bool, on the CPU: the packed tokens that are image tokens of their sequence's images."""
     embeddings: Tensor
     """(image tokens, hidden): the merged embeddings of those tokens, in packed order."""
     deepstack: list[Tensor] = field(default_factory=list)
@@ -188,8 +188,7 @@ class ImageEmbeddingCache:
                                    "for; call ImageEmbeddingCache.prepare(batch) with the batch it is cut from")
             encoded.append(self._images[known[1][index]])
         deepstack = [torch.cat(features) for features in zip(*(image.deepstack for image in encoded), strict=True)]
-        return CachedImages(image_mask.to(self.device, non_blocking=True),
-                            torch.cat([image.embeddings for image in encoded]), deepstack)
+        return CachedImages(image_mask, torch.cat([image.embeddings for image in encoded]), deepstack)
 
 
 @contextlib.contextmanager

@@ -195,14 +195,15 @@ def image_embeddings_in_place(model, image_mask: Tensor, embeddings: Tensor,
     """While the context is open, the VLM ``model``'s forward over a row of ``image_mask.shape[1]`` tokens, given no
     pixels, puts ``embeddings`` (image tokens, hidden), in order, at the tokens ``image_mask`` (1, tokens) marks,
     as transformers puts its vision tower's output there; Qwen3-VL's ``deepstack`` features (per deepstack layer,
-    (image tokens, hidden)) reach its language model as transformers hands them over."""
-    positions = torch.nonzero(image_mask[0]).squeeze(-1)
+    (image tokens, hidden)) reach its language model as transformers hands them over. A mask on the CPU is read
+    there (no wait for the device)."""
+    positions = torch.nonzero(image_mask[0].cpu()).squeeze(-1).to(embeddings.device, non_blocking=True)
+    image_mask = image_mask.to(embeddings.device, non_blocking=True)
 
     def place_images(module, args, output):
         if output.shape[:2] != image_mask.shape:  # another row's (a decode step's) embeddings
             return output
-        rows = torch.zeros_like(positions)
-        return output.index_put((rows, positions), embeddings.to(output.device, output.dtype))
+        return output.index_put((torch.zeros_like(positions), positions), embeddings.to(output.device, output.dtype))
 
     def add_deepstack(module, args, kwargs):
         hidden = kwargs.get("inputs_embeds")
