@@ -24,10 +24,11 @@ Images. A vision-language micro-batch carries each row's pixels (``data.multimod
 ``pack_vision_inputs`` gives the packed row's images, in the order their image tokens appear in
 it (a prompt shared by a group's rows once), for the vision tower to run on once, and every
 packed token's M-RoPE position ids (``models.vision``), computed per sequence over its
-``[prompt | response]`` so that they restart with each. A frozen tower's embeddings of the batch's images,
-encoded once per step (``engine.image_embeddings``), take the place of those pixels. Rows with identical prompt tokens but
-different images are different prompts. An image-token id outside a sequence's images (a policy can
-sample it) is text there, as the rollout engines embed it: text positions, its own embedding.
+``[prompt | response]`` so that they restart with each. A frozen tower's embeddings of the batch's
+images, encoded once per step (``engine.image_embeddings``), take the place of those pixels. Rows with
+identical prompt tokens but different images are different prompts. An image-token id outside a
+sequence's images (a policy can sample it) is text there, as the rollout engines embed it: text
+positions, its own embedding.
 """
 
 from __future__ import annotations
