@@ -309,12 +309,15 @@ def _vision_attention_forward(self, hidden_states: Tensor, cu_seqlens: Tensor, p
 def use_batched_vision_attention(model) -> int:
     """Swap the forward of each attention module of the model's vision tower for ``_vision_attention_forward``;
     returns how many (0 without a tower of the known shape)."""
+    tower = vision_tower(model)
+    return 0 if tower is None else batch_tower_attention(tower)
+
+
+def batch_tower_attention(tower) -> int:
+    """``use_batched_vision_attention`` on a vision tower module itself (the rollout engine's copy of one)."""
     import sys
     import types
 
-    tower = vision_tower(model)
-    if tower is None:
-        return 0
     count = 0
     for module in tower.modules():
         modeling = sys.modules.get(type(module).__module__)

@@ -247,6 +247,36 @@ def test_the_vision_tower_hands_each_layers_windows_to_one_varlen_call(vlm, monk
     torch.testing.assert_close(embeddings, torch.cat(expected), atol=1e-5, rtol=0)
 
 
+def test_the_vision_tower_copy_on_sdpa_makes_one_attention_call_a_layer(vlm, monkeypatch):
+    """Without the flash path (the CPU, or a probe that disagrees) the copy attends over all the images and windows
+    of a layer in one SDPA call, as packed training runs the tower, not one call per window; same embeddings."""
+    model, processor = vlm
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return sdpa(*args, **kwargs)
+
+    tower = VisionTower(torch.float32, torch.device("cpu"))
+    tower.load(model, whole)
+    assert tower.attention == "sdpa" and tower.batched
+    inputs = encode(processor, 2, seed=4)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    embeddings, _ = tower.encode(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert len(calls) == len(tower.module.blocks)  # one a layer, every image (and window) in it
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    with torch.no_grad():
+        expected = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+    torch.testing.assert_close(embeddings, torch.cat(expected), atol=1e-5, rtol=0)
+    tower.free()  # a copy made again (after the engine's memory was freed) attends the same way
+    tower.load(model, whole)
+    calls.clear()
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    tower.encode(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert len(calls) == len(tower.module.blocks)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_the_vision_tower_copy_attends_with_flash_varlen_in_bfloat16_on_the_gpu(architecture):

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec, text_config
-from reinforge.models.vision import image_token_mask, sequence_rope_positions
+from reinforge.models.vision import batch_tower_attention, image_token_mask, sequence_rope_positions
 from reinforge.rollout.base import GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -164,13 +164,16 @@ class VisionTower:
     """The engine's own copy of the model's vision tower, refreshed in place at each weight sync like the decoder's.
 
     On CUDA in bf16/fp16 it attends with ``VISION_FLASH`` once a probe (a 224 x 224 image through both) finds it
-    agrees with SDPA; elsewhere, or if it does not, with SDPA (``attention`` says which)."""
+    agrees with SDPA; elsewhere, or if it does not, with SDPA (``attention`` says which), one call per layer over
+    all the images and windows (``batched``) where the tower's attention modules have the known shape."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype = dtype
         self.device = device
         self.module: nn.Module | None = None
         self.attention = "sdpa"
+        self.batched = False  # SDPA over every image and window of a layer at once (``batch_tower_attention``)
+        self._batched_module = False
         self._probed = False
 
     @torch.no_grad()
@@ -190,7 +193,7 @@ class VisionTower:
             for name, buffer in source.named_buffers():
                 owner, _, leaf = name.rpartition(".")
                 module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=self.device)
-            self.module = module
+            self.module, self._batched_module = module, False
             module.config._attn_implementation = self.attention
         targets = dict(itertools.chain(self.module.named_parameters(), self.module.named_buffers()))
         for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
@@ -198,10 +201,16 @@ class VisionTower:
                 continue
             target = targets[name.replace(".base_layer", "")]
             target.copy_(whole(tensor).detach().to(target.dtype))
-        if not self._probed and self._flash_may_apply():
+        if not self._probed:
             self._probed = True
-            self.attention = VISION_FLASH if self._flash_agrees() else "sdpa"
-            self.module.config._attn_implementation = self.attention
+            if self._flash_may_apply():
+                self.attention = VISION_FLASH if self._flash_agrees() else "sdpa"
+                self.module.config._attn_implementation = self.attention
+            self.batched = self.attention == "sdpa"
+        if self.batched and not self._batched_module:
+            # one SDPA call per layer over all the images and windows, as packed training runs the tower
+            # (transformers' SDPA path makes one call per image or window: tens of thousands a rollout)
+            self.batched = self._batched_module = batch_tower_attention(self.module) > 0
 
     def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
         """id(linear layer of ``model``'s vision tower, or the LoRA wrapper around one) -> the copy's weight."""
