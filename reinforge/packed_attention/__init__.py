@@ -36,17 +36,19 @@ def padded_packed_attention(q: Tensor, k: Tensor, v: Tensor, query_lengths: list
     on the CPU, where rollout batches hold hundreds of short sequences.
     """
     groups = q.shape[1] // k.shape[1]
+    segments, longest_query, longest_key = len(query_lengths), max(query_lengths), max(key_lengths)
     q_sizes = torch.tensor(query_lengths, device=q.device)
     k_sizes = torch.tensor(key_lengths, device=q.device)
-    q_valid = torch.arange(max(query_lengths), device=q.device)[None, :] < q_sizes[:, None]
-    k_valid = torch.arange(max(key_lengths), device=q.device)[None, :] < k_sizes[:, None]
+    q_valid = torch.arange(longest_query, device=q.device)[None, :] < q_sizes[:, None]
+    k_valid = torch.arange(longest_key, device=q.device)[None, :] < k_sizes[:, None]
+    q_index = _padded_index(q_sizes, longest_query, q.shape[0])
+    k_index = _padded_index(k_sizes, longest_key, k.shape[0])
 
-    def padded(tensor: Tensor, valid: Tensor) -> Tensor:  # row-major order of ``valid`` is the packed order
-        out = tensor.new_zeros(*valid.shape, *tensor.shape[1:])
-        out[valid] = tensor
-        return out.transpose(1, 2)  # (segments, heads, longest, dim)
+    def padded(tensor: Tensor, index: Tensor, longest: int) -> Tensor:
+        out = tensor.new_zeros(segments * longest, *tensor.shape[1:]).index_copy(0, index, tensor)
+        return out.view(segments, longest, *tensor.shape[1:]).transpose(1, 2)  # (segments, heads, longest, dim)
 
-    qp, kp, vp = padded(q, q_valid), padded(k, k_valid), padded(v, k_valid)
+    qp, kp, vp = padded(q, q_index, longest_query), padded(k, k_index, longest_key), padded(v, k_index, longest_key)
     if groups > 1:
         kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)
     # query i sees key j <= i + (keys - queries): causal, aligned to the end of the segment's keys
@@ -62,7 +64,20 @@ def padded_packed_attention(q: Tensor, k: Tensor, v: Tensor, query_lengths: list
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask[:, None], scale=scale)
     else:
         out = explicit_attention(qp, kp, vp, mask[:, None], scale, softcap, sinks)
-    return out.transpose(1, 2)[q_valid]
+    return out.transpose(1, 2).reshape(segments * longest_query, out.shape[1], out.shape[-1])[q_index]
+
+
+def _padded_index(sizes: Tensor, longest: int, tokens: int) -> Tensor:
+    """Where each of the ``tokens`` packed tokens (segments of ``sizes`` side by side) sits in the row-major
+    (segments, longest) padded layout.
+
+    Computed from the sizes, not by boolean-mask indexing: the mask's indices depend on its data, which
+    splits a ``torch.compile`` graph in two (a compiled decoder layer on a path without flash attention).
+    """
+    ends = torch.cumsum(sizes, 0)
+    token = torch.arange(tokens, device=sizes.device)
+    segment = torch.searchsorted(ends, token, right=True)
+    return token + segment * longest - (ends - sizes)[segment]
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None = None,
