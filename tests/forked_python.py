@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from multiprocessing import forkserver, popen_forkserver
 from pathlib import Path
 
@@ -99,6 +100,11 @@ def _child(argv: list[str], env: dict[str, str], cwd: str | None, stdout: str, s
         runpy.run_path(argv[0], run_name="__main__")
 
 
+def _remove(folder: str, owner: int) -> None:
+    if os.getpid() == owner:  # not in a fork of the test process that exits
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class ForkedPython:
     """``subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd)`` on a forked, preloaded interpreter.
 
@@ -108,8 +114,12 @@ class ForkedPython:
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
                  stdout: int | None = None, stderr: int | None = None):
-        self._folder = tempfile.mkdtemp(prefix="forked-python-")
         devnull = os.devnull
+        kept = stdout != subprocess.DEVNULL or stderr not in (subprocess.DEVNULL, subprocess.STDOUT)
+        # the output files' folder, only when some output is kept: removed by communicate, or else when this object
+        # is collected or the test process exits
+        self._folder = tempfile.mkdtemp(prefix="forked-python-") if kept else None
+        self._remove_folder = weakref.finalize(self, _remove, self._folder, os.getpid()) if kept else None
         self._stdout = devnull if stdout == subprocess.DEVNULL else os.path.join(self._folder, "stdout")
         if stderr == subprocess.STDOUT:
             self._stderr = self._stdout
@@ -150,7 +160,8 @@ class ForkedPython:
         try:
             return self.output()
         finally:
-            shutil.rmtree(self._folder, ignore_errors=True)
+            if self._remove_folder is not None:
+                self._remove_folder()
 
     def send_signal(self, signum: int) -> None:
         if self._process.exitcode is None:
