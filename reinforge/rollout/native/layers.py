@@ -8,7 +8,8 @@ blocks, an attention block and an MLP block, which ``PagedDecoder`` picks per la
   into that copy (None: the block has no such weight). The decoder makes and refreshes the copies and hands
   the layer's copies to ``forward`` as one dict, so names are unique within a layer.
 - ``float32_copies``: copy names kept in float32 whatever the model dtype (a router kept in float32).
-- ``forward(weights, x, ...)``: the block's output for packed tokens x (tokens, hidden).
+- ``forward(weights, x, ...)``: the block's output for packed tokens x (tokens, hidden); an MLP block's also
+  takes ``decode``, whether x is a decode step's.
 
 An attention block also says what one token's cache entry is (``cache_entry``: (entries, heads, dim); k and v
 of the KV heads here, one latent head for MLA) and reads its layer's slice of the cache,
@@ -20,7 +21,7 @@ transformers' own math.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from reinforge.rollout.native.attention import (
 )
 from reinforge.rollout.native.kv_quant import layer_caches
 from reinforge.rollout.native.rotary_tables import RotaryTables
+
+if TYPE_CHECKING:
+    from reinforge.rollout.native.dense_choice import DenseMLPChoice
 
 Parts = list[Tensor] | None
 """Source tensors concatenated along dim 0 into one copy; None: no such weight."""
@@ -184,13 +188,20 @@ def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class DenseMLP:
-    """down(act(gate(x)) * up(x)), gate and up as one product (Phi-3's gate_up_proj as it is stored)."""
+    """down(act(gate(x)) * up(x)), gate and up as one product (Phi-3's gate_up_proj as it is stored). On the
+    Triton path a decode step's products run by the kernels ``dense_choice.DenseMLPChoice`` timed fastest for
+    its rows (cuBLAS's, or the swapped ones of ``dense_kernels.py``)."""
 
     float32_copies: frozenset[str] = frozenset()
 
     def __init__(self, context: BlockContext, layer: LayerSpec):
         self.context = context
         self.activation = context.spec.activation
+        self.kernels: DenseMLPChoice | None = None
+        if context.use_triton:
+            from reinforge.rollout.native.dense_choice import dense_mlp_choice
+
+            self.kernels = dense_mlp_choice()
 
     def sources(self, mlp: nn.Module) -> dict[str, Parts]:
         if self.context.spec.fused_gate_up:
@@ -200,7 +211,13 @@ class DenseMLP:
         return {"gate_up_weight": gate_up[0], "gate_up_bias": gate_up[1], "down_weight": [mlp.down_proj.weight],
                 "down_bias": None if mlp.down_proj.bias is None else [mlp.down_proj.bias]}
 
-    def forward(self, weights: LayerWeights, x: Tensor) -> Tensor:
+    def forward(self, weights: LayerWeights, x: Tensor, decode: bool = False) -> Tensor:
+        """x: (tokens, hidden) -> (tokens, hidden); ``decode``: x is a decode step's (one token a sequence)."""
+        if decode and self.kernels is not None and x.is_cuda:
+            from reinforge.rollout.native.dense_kernels import MLPWeights
+
+            return self.kernels(x, MLPWeights(weights["gate_up_weight"], weights["gate_up_bias"],
+                                              weights["down_weight"], weights["down_bias"]), self.activation)
         gate_up = F.linear(x, weights["gate_up_weight"], weights["gate_up_bias"])
         if self.context.use_triton:
             from reinforge.rollout.native import triton_kernels

@@ -378,6 +378,7 @@ class PagedDecoder:
             hidden = images.place(hidden)
         residual: Tensor | None = None  # the residual stream is residual + hidden
         metas = meta.per_layer  # layer groups: each layer reads its group's slots and tables
+        decode = not meta.is_prefill
         for index, weights in enumerate(model_weights.layers):
             attention, mlp, cache = self.attention[index], self.mlps[index], kv_cache[index]
             if metas is not None:
@@ -387,7 +388,7 @@ class PagedDecoder:
                 hidden = norm(weights["post_attention_layernorm"], attention.forward(weights, residual, positions,
                                                                                       cache, meta))
                 residual = residual + hidden
-                hidden = norm(weights["post_feedforward_layernorm"], mlp.forward(weights, residual))
+                hidden = norm(weights["post_feedforward_layernorm"], mlp.forward(weights, residual, decode))
                 continue
             if residual is None:
                 residual = hidden.clone()
@@ -398,10 +399,10 @@ class PagedDecoder:
             if placement == "sandwich":
                 hidden = norm(weights["post_attention_layernorm"], hidden)
                 normed = norm(weights["pre_feedforward_layernorm"], hidden, residual)
-                hidden = norm(weights["post_feedforward_layernorm"], mlp.forward(weights, normed))
+                hidden = norm(weights["post_feedforward_layernorm"], mlp.forward(weights, normed, decode))
             else:
                 normed = norm(weights["post_attention_layernorm"], hidden, residual)
-                hidden = mlp.forward(weights, normed)
+                hidden = mlp.forward(weights, normed, decode)
             if images is not None:
                 hidden, residual = images.add_deepstack(index, hidden, residual)
         if logits_indices is not None:  # index_select: no host sync, so a prefill graph may capture it

@@ -257,8 +257,9 @@ class MoEMLP:
                 "shared_gate_up": None if shared is None else [shared.gate_proj.weight, shared.up_proj.weight],
                 "shared_down": None if shared is None else [shared.down_proj.weight]}
 
-    def forward(self, weights: dict[str, Tensor | None], x: Tensor) -> Tensor:
-        """x: (tokens, hidden) -> (tokens, hidden) in x's dtype."""
+    def forward(self, weights: dict[str, Tensor | None], x: Tensor, decode: bool = False) -> Tensor:
+        """x: (tokens, hidden) -> (tokens, hidden) in x's dtype (the experts' kernels go by the rows, not
+        ``decode``)."""
         routing_weights, expert_ids = route(x, weights["router"], weights["correction_bias"], self.spec,
                                             self.deepseek)
         out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"],

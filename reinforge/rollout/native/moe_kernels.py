@@ -56,7 +56,7 @@ def _expert_matmul_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, stride_row,
 
 
 @triton.jit
-def _rounded(x, like_ptr, BITWISE: tl.constexpr):
+def rounded_like(x, like_ptr, BITWISE: tl.constexpr):
     """float32 x rounded to the element type of ``like_ptr`` (to nearest, ties to even), as float32. ``BITWISE``
     rounds to bf16 on the float32 bits: Triton's interpreter truncates its bf16 casts."""
     if BITWISE:
@@ -115,10 +115,10 @@ def _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, u
         gate = tl.dot(gate_w, tl.trans(x), gate, input_precision=PRECISION)
         up = tl.dot(up_w, tl.trans(x), up, input_precision=PRECISION)
     # rounded as torch's products and the activation kernel round them (triton_kernels.act_and_mul)
-    gate = _rounded(gate, out_ptr, UPCAST)
-    activated = _rounded(gate / (1.0 + tl.exp(-gate)), out_ptr, UPCAST) * _rounded(up, out_ptr, UPCAST)
+    gate = rounded_like(gate, out_ptr, UPCAST)
+    activated = rounded_like(gate / (1.0 + tl.exp(-gate)), out_ptr, UPCAST) * rounded_like(up, out_ptr, UPCAST)
     tl.store(out_ptr + slots[None, :].to(tl.int64) * stride_out + cols[:, None],
-             _rounded(activated, out_ptr, UPCAST).to(out_ptr.dtype.element_ty),
+             rounded_like(activated, out_ptr, UPCAST).to(out_ptr.dtype.element_ty),
              mask=slot_mask[None, :] & col_mask[:, None])
 
 
@@ -193,9 +193,9 @@ def _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, w
     assignments = tl.load(order_ptr + slots, mask=slot_mask, other=0)
     routing = tl.load(routing_ptr + assignments, mask=slot_mask, other=0.0).to(tl.float32)
     # the product rounded to the rows' dtype, then weighted in the output's dtype, as torch computes it
-    weighted = _rounded(acc, rows_ptr, UPCAST) * routing[None, :]
+    weighted = rounded_like(acc, rows_ptr, UPCAST) * routing[None, :]
     if out_ptr.dtype.element_ty != tl.float32:
-        weighted = _rounded(weighted, out_ptr, UPCAST)
+        weighted = rounded_like(weighted, out_ptr, UPCAST)
     tl.store(out_ptr + assignments[None, :].to(tl.int64) * stride_out + cols[:, None],
              weighted.to(out_ptr.dtype.element_ty), mask=slot_mask[None, :] & col_mask[:, None])
 
@@ -296,13 +296,13 @@ class DecodeTiles:
                 + (" rotated" if self.rotate_k else ""))
 
 
-def _dot_options(dtype: torch.dtype) -> dict[str, object]:
+def dot_options(dtype: torch.dtype) -> dict[str, object]:
     """float32 products in float32 (the exact path of the tests), 16-bit ones on the MMA. Triton's interpreter
     multiplies bf16 operands wrongly and truncates bf16 casts, so there (``UPCAST``) the operands are widened to
     float32 first (the MMA's products are exact in float32 too) and roundings to bf16 are done on the bits."""
     upcast = _INTERPRETED and dtype != torch.float32
     if upcast and dtype != torch.bfloat16:
-        raise ValueError(f"the expert kernels run {dtype} on the GPU only; Triton's interpreter runs float32 and bf16")
+        raise ValueError(f"the swapped kernels run {dtype} on the GPU only; Triton's interpreter runs float32 and bf16")
     return {"PRECISION": "ieee" if dtype == torch.float32 or upcast else "tf32", "UPCAST": upcast}
 
 
@@ -343,7 +343,7 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
                                TOP_K=top_k, NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
                                BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
                                WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager,
-                               ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0, **_dot_options(hidden.dtype),
+                               ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0, **dot_options(hidden.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -366,7 +366,7 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
                                BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                                EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
                                EAGER=tiles.eager, ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0,
-                               **_dot_options(activated.dtype),
+                               **dot_options(activated.dtype),
                                STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
                                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

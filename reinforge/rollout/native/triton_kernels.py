@@ -207,6 +207,16 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
+def gated_activation(gate, ACTIVATION: tl.constexpr):
+    """act(gate) in float32 for a float32 gate, ``ACTIVATION`` a value of ``ACTIVATIONS``."""
+    if ACTIVATION == 0:
+        return gate / (1.0 + tl.exp(-gate))
+    # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (exp(2u) + 1)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    return 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+
+
+@triton.jit
 def _act_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols, ACTIVATION: tl.constexpr,
                         BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -214,12 +224,7 @@ def _act_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, num_cols, A
     mask = cols < num_cols
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + num_cols + cols, mask=mask, other=0.0)
-    gate32 = gate.to(tl.float32)
-    if ACTIVATION == 0:
-        activated = gate32 / (1.0 + tl.exp(-gate32))
-    else:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(u) = 1 - 2 / (exp(2u) + 1)
-        inner = 0.7978845608028654 * (gate32 + 0.044715 * gate32 * gate32 * gate32)
-        activated = 0.5 * gate32 * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
+    activated = gated_activation(gate.to(tl.float32), ACTIVATION)
     out = activated.to(gate.dtype).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 

@@ -1,0 +1,252 @@
+"""Which kernels run a decode step's gated MLP: cuBLAS or the Triton ones of ``dense_kernels.py``, timed.
+
+A decode step's MLP products are bound by reading the weights; whether cuBLAS's tiling or a swapped Triton tiling
+comes closer to the device's copy rate depends on the shape, the number of rows and the device, so
+``DenseMLPChoice`` times the candidates once per (shape, rows), outside graph capture (the decode graph's warm-up
+forward runs first), and keeps the fastest for each product: cuBLAS, or one of the tilings (``GATE_UP_TILES``,
+``DOWN_TILES``; the down product also split along K, ``down_splits``). Each candidate is timed replayed from a CUDA
+graph, as the decode step runs it, after a write that evicts the weights from L2, as the other layers' reads do.
+A candidate that fails to compile or run, or gives other numbers than cuBLAS, is dropped in one line and cuBLAS
+stays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import Tensor
+
+from reinforge.rollout.native import dense_kernels, triton_kernels
+from reinforge.rollout.native.dense_kernels import DenseKernels, DenseTiles, MLPWeights
+
+logger = logging.getLogger(__name__)
+
+GATE_UP_TILES = (
+    DenseTiles(block_t=16, block_n=16, block_k=256, num_stages=3),
+    DenseTiles(block_t=16, block_n=32, block_k=128, num_stages=3),
+    DenseTiles(block_t=16, block_n=64, block_k=128, num_stages=4),
+    DenseTiles(block_t=16, block_n=32, block_k=256, num_stages=4),
+    DenseTiles(block_t=16, block_n=64, block_k=128, num_stages=4, weight_tma=True),
+    DenseTiles(block_t=32, block_n=64, block_k=128, num_stages=4),
+    DenseTiles(block_t=32, block_n=64, block_k=128, num_stages=4, weight_tma=True),
+    DenseTiles(block_t=32, block_n=32, block_k=128, num_stages=3),
+    DenseTiles(block_t=32, block_n=32, block_k=256, num_stages=3),
+    DenseTiles(block_t=64, block_n=32, block_k=128, num_stages=3),
+    DenseTiles(block_t=64, block_n=64, block_k=128, num_stages=3),
+    DenseTiles(block_t=64, block_n=64, block_k=128, num_stages=3, weight_tma=True),
+    DenseTiles(block_t=64, block_n=128, block_k=64, num_stages=3, num_warps=8, weight_tma=True),
+    DenseTiles(block_t=128, block_n=64, block_k=64, num_stages=4, num_warps=8),
+    DenseTiles(block_t=128, block_n=64, block_k=64, num_stages=4, num_warps=8, weight_tma=True),
+)
+"""Gate|up tilings: stages x (2 x block_n + block_t) x block_k x 2 bytes of shared memory in bf16 (48 to 164 KiB),
+which sets how many weight bytes a program keeps in flight and how many programs an SM holds. The product cannot
+split along K (the activation needs whole sums), so narrower blocks of weight rows (16 and 32) make more, smaller
+programs, several an SM, where 64 rows give about one program an SM (140 for a 1.5B model's 8960 inter columns)
+and a second wave on a few SMs."""
+
+DOWN_TILES = (
+    DenseTiles(block_t=16, block_n=32, block_k=128, num_stages=3),
+    DenseTiles(block_t=16, block_n=64, block_k=128, num_stages=4),
+    DenseTiles(block_t=16, block_n=64, block_k=256, num_stages=4),
+    DenseTiles(block_t=16, block_n=64, block_k=128, num_stages=4, weight_tma=True),
+    DenseTiles(block_t=32, block_n=32, block_k=128, num_stages=3),
+    DenseTiles(block_t=32, block_n=64, block_k=128, num_stages=4),
+    DenseTiles(block_t=32, block_n=64, block_k=256, num_stages=3, weight_tma=True),
+    DenseTiles(block_t=64, block_n=64, block_k=128, num_stages=4),
+    DenseTiles(block_t=64, block_n=64, block_k=128, num_stages=4, weight_tma=True),
+    DenseTiles(block_t=64, block_n=128, block_k=128, num_stages=3, num_warps=8, weight_tma=True),
+    DenseTiles(block_t=128, block_n=64, block_k=128, num_stages=3, num_warps=8),
+    DenseTiles(block_t=128, block_n=64, block_k=128, num_stages=3, num_warps=8, weight_tma=True),
+)
+"""Down tilings (stages x (block_n + block_t) x block_k x 2 bytes, 36 to 160 KiB), each also split along K
+(``down_splits``): a 1.5B model's 1536 output columns are 24 blocks of 64."""
+
+MAX_DECODE_ROWS = 256
+"""The Triton kernels are candidates for decode steps of at most this many rows; larger steps are closer to
+compute-bound, where cuBLAS's tiling is the one to run."""
+
+MIN_MLP_BYTES = 16 << 20
+"""The Triton kernels are candidates for MLPs whose weights weigh at least this much (a 0.5B model's: 26 MB a layer);
+below, compiling and timing them costs more than they could save, and cuBLAS runs untimed."""
+
+
+def candidate_tiles(tiles: tuple[DenseTiles, ...], num_rows: int) -> list[DenseTiles]:
+    """The tilings worth timing for ``num_rows`` rows: blocks of rows no wider than the rows rounded up to a power
+    of two (at least 16, the MMA's narrowest), so no program multiplies rows that are all padding."""
+    widest = max(16, triton.next_power_of_2(num_rows))
+    return [tile for tile in tiles if tile.block_t <= widest]
+
+
+def down_splits(tiles: DenseTiles, num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> list[int]:
+    """The K splits to time a down tiling with: none, and the split that gives every SM about one program, and twice
+    that (at most one K block per program)."""
+    output_blocks = triton.cdiv(num_rows, tiles.block_t) * triton.cdiv(num_cols, tiles.block_n)
+    filling = max(1, round(num_sms / output_blocks))
+    num_blocks = triton.cdiv(num_inner, tiles.block_k)
+    return sorted({min(split, num_blocks) for split in (1, filling, 2 * filling)})
+
+
+def cublas_mlp(x: Tensor, weights: MLPWeights, activation: str) -> Tensor:
+    """The MLP as the Triton path runs it without the choice: cuBLAS products and ``triton_kernels.act_and_mul``."""
+    activated = triton_kernels.act_and_mul(F.linear(x, weights.gate_up, weights.gate_up_bias), activation)
+    return F.linear(activated, weights.down, weights.down_bias)
+
+
+class DenseMLPChoice:
+    """Which kernels run a gated MLP, per (rows, gate|up and down shapes, biases, activation, dtype): cuBLAS unless
+    a Triton tiling of a product was timed faster (for decode steps of ``max_rows`` or fewer, of MLPs of
+    ``min_weight_bytes`` or more). Each product is timed alone on the call's rows and weights (down on cuBLAS's
+    gate|up output), then the picked pair against cuBLAS's MLP. A candidate that fails to compile or run, or
+    whose output is not cuBLAS's within bf16 rounding, is dropped in one line. Timing needs a stream that is not
+    capturing; inside a capture an untimed shape runs cuBLAS."""
+
+    def __init__(self, repeats: int = 10, gate_up_tiles: tuple[DenseTiles, ...] = GATE_UP_TILES,
+                 down_tiles: tuple[DenseTiles, ...] = DOWN_TILES, max_rows: int = MAX_DECODE_ROWS,
+                 min_weight_bytes: int = MIN_MLP_BYTES):
+        self.repeats = repeats
+        self.gate_up_tiles = gate_up_tiles
+        self.down_tiles = down_tiles
+        self.max_rows = max_rows
+        self.min_weight_bytes = min_weight_bytes
+        self.picked: dict[tuple, DenseKernels | None] = {}
+        """key -> the kernels that run it (None: cuBLAS for both products)."""
+        self.timings: dict[tuple, dict[str, float]] = {}
+        """key -> milliseconds of each candidate timed."""
+        self.failed: set[str] = set()
+        """Candidates (their names) dropped for failing or differing from cuBLAS."""
+
+    def __call__(self, x: Tensor, weights: MLPWeights, activation: str) -> Tensor:
+        """down(act(gate(x)) * up(x)) for x (rows, hidden) by the picked kernels. Returns (rows, hidden)."""
+        kernels = self.kernels_for(x, weights, activation)
+        if kernels is None:
+            return cublas_mlp(x, weights, activation)
+        return dense_kernels.gated_mlp(x, weights, activation, kernels)
+
+    def key(self, x: Tensor, weights: MLPWeights, activation: str) -> tuple:
+        return (x.shape[0], *weights.gate_up.shape, weights.down.shape[0], weights.gate_up_bias is not None,
+                weights.down_bias is not None, activation, x.dtype)
+
+    def kernels_for(self, x: Tensor, weights: MLPWeights, activation: str) -> DenseKernels | None:
+        """The picked kernels for this call's key, timed now when the key is new and the stream is not capturing."""
+        if x.shape[0] > self.max_rows or sum(weight.nbytes for weight in weights if weight is not None) \
+                < self.min_weight_bytes:
+            return None
+        key = self.key(x, weights, activation)
+        if key in self.picked:
+            return self.picked[key]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        x = x.contiguous()
+        timings: dict[str, float] = {}
+        try:
+            picked = self._timed_pick(x, weights, activation, timings)
+        except Exception as error:  # noqa: BLE001 (cuBLAS's own timing failed: run it untimed)
+            logger.warning("the gated MLP of %d rows x %s could not be timed (%s: %s); cuBLAS runs it", x.shape[0],
+                           tuple(weights.gate_up.shape), type(error).__name__,
+                           str(error).splitlines()[0] if str(error) else "")
+            picked = None
+        self.picked[key], self.timings[key] = picked, timings
+        logger.info("gated MLP of %d rows x %s: %s; running %s", x.shape[0], tuple(weights.gate_up.shape),
+                    ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()), picked or "cuBLAS")
+        return picked
+
+    def _timed_pick(self, x: Tensor, weights: MLPWeights, activation: str,
+                    timings: dict[str, float]) -> DenseKernels | None:
+        gate_up_linear = lambda: triton_kernels.act_and_mul(  # noqa: E731
+            F.linear(x, weights.gate_up, weights.gate_up_bias), activation)
+        activated = gate_up_linear()
+        gate_up_tiles = self._fastest("gate|up", gate_up_linear, [
+            (tiles, lambda tiles=tiles: dense_kernels.gate_up_act(x, weights.gate_up, weights.gate_up_bias,
+                                                                 activation, tiles))
+            for tiles in candidate_tiles(self.gate_up_tiles, x.shape[0])
+            if not tiles.weight_tma or dense_kernels.tma_loadable(weights.gate_up)], timings)
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        num_cols, num_inner = weights.down.shape
+        down_candidates = [dataclasses.replace(tiles, split_k=split)
+                           for tiles in candidate_tiles(self.down_tiles, x.shape[0])
+                           if not tiles.weight_tma or dense_kernels.tma_loadable(weights.down)
+                           for split in down_splits(tiles, x.shape[0], num_cols, num_inner, num_sms)]
+        down_tiles = self._fastest("down", lambda: F.linear(activated, weights.down, weights.down_bias), [
+            (tiles, lambda tiles=tiles: dense_kernels.down(activated, weights.down, weights.down_bias, tiles))
+            for tiles in down_candidates], timings)
+        if gate_up_tiles is None and down_tiles is None:
+            return None
+        picked = DenseKernels(gate_up_tiles, down_tiles)
+        timings["cuBLAS MLP"] = self._time(lambda: cublas_mlp(x, weights, activation))
+        milliseconds = self._checked_time(str(picked), lambda: dense_kernels.gated_mlp(x, weights, activation, picked),
+                                          cublas_mlp(x, weights, activation))
+        if milliseconds is None:
+            return None
+        timings[f"{picked} MLP"] = milliseconds
+        return picked if milliseconds < timings["cuBLAS MLP"] else None
+
+    def _fastest(self, product: str, cublas: Callable[[], Tensor],
+                 candidates: list[tuple[DenseTiles, Callable[[], Tensor]]],
+                 timings: dict[str, float]) -> DenseTiles | None:
+        """The tiling timed faster than cuBLAS for one product, or None (cuBLAS)."""
+        expected = cublas()
+        fastest: tuple[float, DenseTiles | None] = (self._time(cublas), None)
+        timings[f"{product} cuBLAS"] = fastest[0]
+        for tiles, run in candidates:
+            name = f"{product} {tiles}"
+            milliseconds = None if name in self.failed else self._checked_time(name, run, expected)
+            if milliseconds is not None:
+                timings[name] = milliseconds
+                if milliseconds < fastest[0]:
+                    fastest = (milliseconds, tiles)
+        return fastest[1]
+
+    def _checked_time(self, name: str, run: Callable[[], Tensor], expected: Tensor) -> float | None:
+        """Milliseconds per ``run()``, or None (dropped in one line) when it fails or its output is not ``expected``
+        within bf16 rounding."""
+        try:
+            out = run()
+            scale = expected.float().abs().max().clamp(min=1e-6)
+            error = float((out.float() - expected.float()).abs().max() / scale)
+            if not error <= 2e-2:
+                raise ValueError(f"its output differs from cuBLAS's by {error:.2g} of the largest value")
+            return self._time(run)
+        except Exception as error:  # noqa: BLE001 (a kernel the device cannot compile or run: keep cuBLAS)
+            self.failed.add(name)
+            logger.warning("the dense MLP kernel %s is dropped (%s: %s); cuBLAS or another tiling runs it", name,
+                           type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            return None
+
+    def _time(self, run: Callable[[], Tensor]) -> float:
+        """Milliseconds per ``run()`` replayed from a CUDA graph, each run after a write of the L2's size (so the
+        weights come from DRAM, as in a decode step), that write's own time taken off."""
+        run()  # compiles, picks its kernels
+        torch.cuda.synchronize()
+        device = torch.cuda.current_device()
+        flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8, device="cuda")
+        flushed = self._graph_time(lambda: (flush.zero_(), run()))
+        return max(flushed - self._graph_time(flush.zero_), 0.0)
+
+    def _graph_time(self, run: Callable[[], object]) -> float:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a training worker on another thread (trainer.separate_rollout) may launch meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(self.repeats):
+                run()
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / self.repeats
+
+
+_DENSE_KERNELS: list[DenseMLPChoice] = []
+
+
+def dense_mlp_choice() -> DenseMLPChoice:
+    """The one ``DenseMLPChoice`` of the process: every layer and engine shares its timings."""
+    if not _DENSE_KERNELS:
+        _DENSE_KERNELS.append(DenseMLPChoice())
+    return _DENSE_KERNELS[0]

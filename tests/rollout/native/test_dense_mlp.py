@@ -1,0 +1,332 @@
+"""The decode step's gated-MLP kernels (rollout/native/dense_kernels.py) and their timed choice against cuBLAS
+(dense_choice.py): Triton's interpreter on the CPU, the device's kernels and timings on the GPU.
+
+Run the GPU ones with ``pytest -q -s -m gpu tests/rollout/native/test_dense_mlp.py`` (the floor test prints its
+numbers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from reinforge.rollout.native import dense_choice, dense_kernels  # noqa: E402
+from reinforge.rollout.native.dense_choice import DenseMLPChoice, cublas_mlp  # noqa: E402
+from reinforge.rollout.native.dense_kernels import DenseKernels, DenseTiles, MLPWeights  # noqa: E402
+
+REFERENCE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def mlp_weights(hidden: int, inter: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> MLPWeights:
+    generator = torch.Generator().manual_seed(seed)
+
+    def values(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+    return MLPWeights(values(2 * inter, hidden), values(2 * inter) if bias else None, values(hidden, inter),
+                      values(hidden) if bias else None)
+
+
+def linear_mlp(x: torch.Tensor, weights: MLPWeights, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(gate) * up and the MLP's output by F.linear, in float64."""
+    x, weights = x.double(), MLPWeights(*(None if weight is None else weight.double() for weight in weights))
+    gate, up = F.linear(x, weights.gate_up, weights.gate_up_bias).chunk(2, dim=-1)
+    activated = REFERENCE_ACTIVATIONS[activation](gate) * up
+    return activated, F.linear(activated, weights.down, weights.down_bias)
+
+
+CASES = [  # rows, bias, activation, tiling (gate|up and down), down's K split
+    (1, False, "silu", DenseTiles(block_t=16, block_n=16, block_k=16), 1),
+    (1, True, "gelu_tanh", DenseTiles(block_t=16, block_n=16, block_k=16, weight_tma=True), 3),
+    (7, True, "silu", DenseTiles(block_t=16, block_n=32, block_k=32), 2),
+    (7, False, "gelu_tanh", DenseTiles(block_t=16, block_n=16, block_k=16), 4),
+    (32, False, "silu", DenseTiles(block_t=32, block_n=16, block_k=16, weight_tma=True), 1),
+    (32, True, "gelu_tanh", DenseTiles(block_t=16, block_n=16, block_k=16), 3),
+    (129, True, "silu", DenseTiles(block_t=64, block_n=32, block_k=32), 2),
+    (129, False, "gelu_tanh", DenseTiles(block_t=64, block_n=32, block_k=32, weight_tma=True), 1),
+]
+
+
+@pytest.mark.parametrize(("rows", "bias", "activation", "tiles", "split"), CASES,
+                         ids=[f"{rows}rows-{'bias' if bias else 'nobias'}-{activation}-{'tma' if tiles.weight_tma else 'ptr'}"
+                              f"-split{split}" for rows, bias, activation, tiles, split in CASES])
+def test_the_kernels_equal_the_linear_mlp_in_float32(rows, bias, activation, tiles, split):
+    """gate|up with the biases and activation, then down split along K or not, against F.linear in float64: rows
+    below, at and past a block, hidden (48) and inter (40) not multiples of the blocks (the last K split shorter,
+    a TMA read zero-filling past the inner size, gate columns past inter reading up rows no output keeps)."""
+    weights = mlp_weights(hidden=48, inter=40, bias=bias, seed=rows)
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(100 + rows))
+    expected_activated, expected = linear_mlp(x, weights, activation)
+    activated = dense_kernels.gate_up_act(x, weights.gate_up, weights.gate_up_bias, activation, tiles)
+    torch.testing.assert_close(activated.double(), expected_activated, atol=1e-5, rtol=1e-5)
+    out = dense_kernels.down(activated, weights.down, weights.down_bias, dataclasses.replace(tiles, split_k=split))
+    assert out.shape == (rows, 48) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_bf16_kernels_round_as_cublas_and_the_activation_kernel_do():
+    """In bf16 each product is summed in float32 and rounded once after its bias, the activation and the product
+    with up each rounded (as cuBLAS and ``act_and_mul`` round them on the GPU), and the split down product's float32
+    partial sums added before its one rounding: the kernels give those numbers, a value differing by at most one bf16
+    step where float32 sums in another order round the other way."""
+    weights = mlp_weights(hidden=64, inter=48, bias=True, seed=5, dtype=torch.bfloat16)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    tiles = DenseTiles(block_t=16, block_n=16, block_k=32, split_k=2)
+    gate, up = (F.linear(x.float(), weights.gate_up.float()) + weights.gate_up_bias.float()).bfloat16().chunk(2, -1)
+    expected_activated = (F.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
+    activated = dense_kernels.gate_up_act(x, weights.gate_up, weights.gate_up_bias, "silu", tiles)
+    assert activated.dtype == torch.bfloat16
+    torch.testing.assert_close(activated, expected_activated, atol=0, rtol=2 ** -7)
+    assert (activated == expected_activated).float().mean() > 0.95
+    expected = (F.linear(activated.float(), weights.down.float()) + weights.down_bias.float()).bfloat16()
+    got = dense_kernels.down(activated, weights.down, weights.down_bias, tiles)
+    torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)
+    assert (got == expected).float().mean() > 0.95
+
+
+def stub_times_later_candidates_faster(monkeypatch) -> None:
+    """Timings stubbed (no GPU here): each run is timed faster than the one before, so cuBLAS (timed first for each
+    product and for the MLP) loses to every tiling that runs and equals it."""
+    counter = itertools.count()
+    monkeypatch.setattr(DenseMLPChoice, "_time", lambda self, run: (run(), 1000.0 - next(counter))[1])
+
+
+def test_the_choice_keeps_the_fastest_tilings_and_drops_failing_or_wrong_ones(monkeypatch, caplog):
+    """A tiling that fails to run and one whose output is wrong are each dropped in one line; the rest are timed and
+    the fastest runs the layer, giving the MLP's numbers."""
+    weights = mlp_weights(hidden=32, inter=32, bias=False, seed=7)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(8))
+    good, broken, wrong = (DenseTiles(block_t=16, block_n=16, block_k=16), DenseTiles(block_t=16, block_n=16,
+                           block_k=16, num_warps=2), DenseTiles(block_t=16, block_n=32, block_k=16))
+    real_gate_up, real_down = dense_kernels.gate_up_act, dense_kernels.down
+
+    def gate_up_or_fail(x, gate_up, bias, activation, tiles):
+        if tiles == broken:
+            raise RuntimeError("out of resources: shared memory\nsecond line")
+        return real_gate_up(x, gate_up, bias, activation, tiles)
+
+    def down_or_wrong(x, weight, bias, tiles):
+        return real_down(x, weight, bias, tiles) + (1.0 if tiles.block_n == 32 else 0.0)
+
+    monkeypatch.setattr(dense_kernels, "gate_up_act", gate_up_or_fail)
+    monkeypatch.setattr(dense_kernels, "down", down_or_wrong)
+    stub_times_later_candidates_faster(monkeypatch)
+    choice = DenseMLPChoice(gate_up_tiles=(good, broken), down_tiles=(wrong, good), min_weight_bytes=0)
+    with caplog.at_level(logging.INFO, logger=dense_choice.__name__):
+        got = choice(x, weights, "silu")
+    (picked,) = choice.picked.values()
+    good_split = dataclasses.replace(good, split_k=2)  # down splits of 1 and 2 (two K blocks), the last timed fastest
+    assert picked == DenseKernels(good, good_split)
+    wrong_split = dataclasses.replace(wrong, split_k=2)
+    assert choice.failed == {f"gate|up {broken}", f"down {wrong}", f"down {wrong_split}"}
+    dropped = [record.getMessage() for record in caplog.records if "dropped" in record.getMessage()]
+    assert len(dropped) == 3 and all("\n" not in line for line in dropped)
+    assert "out of resources: shared memory" in dropped[0]
+    assert all("differs from cuBLAS's" in line for line in dropped[1:])
+    torch.testing.assert_close(got.double(), linear_mlp(x, weights, "silu")[1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_choice_runs_cublas_when_every_candidate_raises(monkeypatch, caplog):
+    weights = mlp_weights(hidden=32, inter=32, bias=True, seed=9)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(10))
+
+    def fail(*args):
+        raise RuntimeError("PTXAS error")
+
+    monkeypatch.setattr(dense_kernels, "gate_up_act", fail)
+    monkeypatch.setattr(dense_kernels, "down", fail)
+    stub_times_later_candidates_faster(monkeypatch)
+    tiles = (DenseTiles(block_t=16, block_n=16, block_k=16),)
+    choice = DenseMLPChoice(gate_up_tiles=tiles, down_tiles=tiles, min_weight_bytes=0)
+    with caplog.at_level(logging.INFO, logger=dense_choice.__name__):
+        got = choice(x, weights, "gelu_tanh")
+    assert list(choice.picked.values()) == [None]
+    assert "running cuBLAS" in caplog.records[-1].getMessage()
+    torch.testing.assert_close(got, cublas_mlp(x, weights, "gelu_tanh"))
+
+
+def test_the_choice_keeps_cublas_for_a_product_no_tiling_beats():
+    """Timings as given: the down tilings lose to cuBLAS, the gate|up one wins; the MLP then runs the Triton gate|up
+    and cuBLAS's down, the pair timed faster than cuBLAS's MLP."""
+    weights = mlp_weights(hidden=32, inter=32, bias=False, seed=11)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(12))
+    tiles = DenseTiles(block_t=16, block_n=16, block_k=16)
+    times = iter([2.0, 1.0,  # gate|up: cuBLAS, the tiling
+                  1.0, 3.0, 3.0,  # down: cuBLAS, the tiling unsplit and split in two
+                  2.5, 2.0])  # the MLP: cuBLAS's, then the pair's
+
+    class Timed(DenseMLPChoice):
+        def _time(self, run):
+            run()
+            return next(times)
+
+    choice = Timed(gate_up_tiles=(tiles,), down_tiles=(tiles,), min_weight_bytes=0)
+    got = choice(x, weights, "silu")
+    assert choice.picked == {choice.key(x, weights, "silu"): DenseKernels(tiles, None)}
+    assert next(times, None) is None
+    torch.testing.assert_close(got.double(), linear_mlp(x, weights, "silu")[1], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_sized_and_small_mlps_run_cublas_untimed(monkeypatch):
+    """More rows than ``max_rows`` (a prefill) or weights lighter than ``min_weight_bytes`` (tiny test models)
+    compile and time nothing."""
+    monkeypatch.setattr(DenseMLPChoice, "_time", lambda self, run: pytest.fail("timed an MLP outside the bounds"))
+    weights = mlp_weights(hidden=32, inter=32, bias=False, seed=13)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(14))
+    for choice in (DenseMLPChoice(max_rows=8, min_weight_bytes=0), DenseMLPChoice()):
+        torch.testing.assert_close(choice(x, weights, "silu"), cublas_mlp(x, weights, "silu"))
+        assert not choice.picked and not choice.timings
+
+
+def test_the_down_splits_fill_the_sms():
+    """The 1.5B down product (1536 columns, 8960 inner) at 128 rows in blocks of 64 x 64: 48 output blocks, so
+    splits of 3 and 6 give 144 and 288 programs for 132 SMs."""
+    tiles = DenseTiles(block_t=64, block_n=64, block_k=128)
+    assert dense_choice.down_splits(tiles, 128, 1536, 8960, 132) == [1, 3, 6]
+    assert dense_choice.down_splits(tiles, 128, 1536, 256, 132) == [1, 2]  # at most one K block a program
+    assert [tile.block_t for tile in dense_choice.candidate_tiles(dense_choice.DOWN_TILES, 7)] \
+        == [16] * len([tile for tile in dense_choice.DOWN_TILES if tile.block_t == 16])
+
+
+HOPPER_COMPILE = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from reinforge.rollout.native import dense_choice, dense_kernels
+
+KERNELS = {  # the Qwen2.5-1.5B MLP in bf16 (down split in three), as the launchers pass them
+    "gate_up": (dense_kernels._gate_up_act_kernel, 1536, dict(
+        x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", num_rows="i32", stride_x="i32",
+        stride_w="i32", stride_out="i32", inter="i32"), dict(HAS_BIAS=False, ACTIVATION=0), dense_choice.GATE_UP_TILES),
+    "down": (dense_kernels._down_kernel, 8960, dict(
+        x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", num_rows="i32",
+        stride_x="i32", stride_w="i32", stride_out="i32", num_cols="i32"),
+        dict(HAS_BIAS=False, SPLIT=3, K_PER_SPLIT=3072), dense_choice.DOWN_TILES),
+}
+results = []
+for product, (kernel, inner, arguments, extra, tilings) in KERNELS.items():
+    for tiles in tilings:
+        signature = {name: "constexpr" for name in kernel.arg_names} | arguments
+        if tiles.weight_tma:
+            signature["weight_ptr"] = f"tensordesc<bf16[{tiles.block_n}, {tiles.block_k}]>"
+        constants = dict(NUM_INNER=inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                         EVEN_K=True, WEIGHT_TMA=tiles.weight_tma, PRECISION="tf32", UPCAST=False) | extra
+        aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in arguments.items()
+                   if name in signature and signature[name] == kind}  # 16-byte pointers and strides, as launched
+        source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
+                           constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+        ttgir = compiled.asm["ttgir"]
+        results.append(dict(product=product, tiles=str(tiles), shared=compiled.metadata.shared,
+                            async_copies=ttgir.count("async_copy_global_to_local"),
+                            tma_copies=ttgir.count("async_tma_copy")))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_every_dense_tiling_compiles_for_hopper_with_its_weight_loads_pipelined():
+    """Each tiling of both products compiled for sm_90 (no GPU needed; Triton's own ptxas), outside the interpreter:
+    the weight loads run as asynchronous copies (TMA for the TMA tilings) in num_stages buffers, and the shared
+    memory fits an H100/H200 SM (227 KiB)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
+    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    tilings = [*dense_choice.GATE_UP_TILES, *dense_choice.DOWN_TILES]
+    for result, tiles in zip(results, tilings, strict=True):
+        assert result["shared"] <= 227 * 1024, result
+        pipelined = result["tma_copies"] if tiles.weight_tma else result["async_copies"]
+        assert pipelined >= tiles.num_stages - 1, result
+
+
+@pytest.mark.gpu
+def test_greedy_tokens_are_the_same_with_the_dense_kernels_on_and_off(tiny, monkeypatch):
+    """A tiny model in float32 decodes the same tokens with the Triton MLP kernels (forced: every tiling that runs
+    is timed faster than cuBLAS) as with cuBLAS alone, CUDA graphs on."""
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = tiny.build("qwen2", device="cuda")
+    prompts = tiny.prompts([3, 17, 40, 5])
+    results = {}
+    for name, choice in (("off", DenseMLPChoice(max_rows=0)), ("on", DenseMLPChoice(min_weight_bytes=0))):
+        monkeypatch.setattr(dense_choice, "_DENSE_KERNELS", [choice])
+        if name == "on":
+            stub_times_later_candidates_faster(monkeypatch)
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=16)
+        completions = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0.0, n=2))
+                                       for prompt in prompts])
+        results[name] = [[sample.token_ids for sample in samples] for samples in completions]
+        engine.sleep()
+        if name == "on":
+            assert choice.picked and all(kernels is not None for kernels in choice.picked.values()), choice.timings
+        else:
+            assert not choice.picked
+    assert results["on"] == results["off"]
+
+
+@pytest.mark.gpu
+def test_the_15b_mlp_of_a_decode_step_against_cublas_and_the_weight_read_floor():
+    """The Qwen2.5-1.5B MLP (hidden 1536, inter 8960, bf16) of a decode step at 1 to 256 sequences: 28 layers over
+    four distinct weight sets captured in one CUDA graph (no layer's weights in L2 when it runs), replayed and timed
+    with cuBLAS and with the choice's kernels. Prints per batch the milliseconds a layer, the share of the
+    weight-read floor's speed (``bench.floor.COPY_BYTES_PER_S``) and the picked kernels; asserts the choice's
+    numbers are cuBLAS's within bf16 rounding and never slower than cuBLAS by more than timing noise."""
+    from reinforge.bench.floor import COPY_BYTES_PER_S
+
+    hidden, inter, num_layers, distinct = 1536, 8960, 28, 4
+    layers = [mlp_weights(hidden, inter, bias=False, seed=seed, dtype=torch.bfloat16, device="cuda")
+              for seed in range(distinct)]
+    layers = [MLPWeights(w.gate_up * 0.1, None, w.down * 0.1, None) for w in layers]
+    layer_bytes = sum(weight.nbytes for weight in layers[0] if weight is not None)
+    floor_ms = layer_bytes / COPY_BYTES_PER_S * 1e3
+    choice = DenseMLPChoice()
+    lines = []
+    for rows in (1, 8, 16, 32, 64, 128, 192, 256):
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        expected = cublas_mlp(x, layers[0], "silu")
+        got = choice(x, layers[0], "silu")
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+        def step(run, x: torch.Tensor = x) -> float:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for index in range(num_layers):
+                    run(x, layers[index % distinct], "silu")
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 5 / num_layers
+
+        cublas_ms, chosen_ms = step(cublas_mlp), step(choice)
+        picked = choice.picked[choice.key(x, layers[0], "silu")]
+        lines.append(f"{rows:4d} rows: cuBLAS {cublas_ms:.4f} ms ({floor_ms / cublas_ms:.0%} of floor speed), "
+                     f"chosen {chosen_ms:.4f} ms ({floor_ms / chosen_ms:.0%}); floor {floor_ms:.4f} ms; "
+                     f"running {picked or 'cuBLAS'}")
+        assert chosen_ms <= cublas_ms * 1.1, lines[-1]
+    print("\n" + "\n".join(lines))
+    for key, timings in choice.timings.items():
+        print(key[0], "rows:", ", ".join(f"{name} {ms:.4f}" for name, ms in timings.items()))
