@@ -119,6 +119,8 @@ class DenseMLPChoice:
         """key -> milliseconds of each candidate timed."""
         self.failed: set[str] = set()
         """Candidates (their names) dropped for failing or differing from cuBLAS."""
+        self._flush: Tensor | None = None
+        self._flush_milliseconds = 0.0
 
     def __call__(self, x: Tensor, weights: MLPWeights, activation: str) -> Tensor:
         """down(act(gate(x)) * up(x)) for x (rows, hidden) by the picked kernels. Returns (rows, hidden)."""
@@ -150,6 +152,8 @@ class DenseMLPChoice:
                            tuple(weights.gate_up.shape), type(error).__name__,
                            str(error).splitlines()[0] if str(error) else "")
             picked = None
+        finally:
+            self._flush = None
         self.picked[key], self.timings[key] = picked, timings
         logger.info("gated MLP of %d rows x %s: %s; running %s", x.shape[0], tuple(weights.gate_up.shape),
                     ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()), picked or "cuBLAS")
@@ -222,17 +226,26 @@ class DenseMLPChoice:
         weights come from DRAM, as in a decode step), that write's own time taken off."""
         run()  # compiles, picks its kernels
         torch.cuda.synchronize()
-        device = torch.cuda.current_device()
-        flush = torch.empty(torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8, device="cuda")
-        flushed = self._graph_time(lambda: (flush.zero_(), run()))
-        return max(flushed - self._graph_time(flush.zero_), 0.0)
+        if self._flush is None:
+            size = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+            self._flush = torch.empty(size, dtype=torch.uint8, device="cuda")
+            self._flush_milliseconds = self._graph_time(self._flush.zero_)
+        flush = self._flush
+        return max(self._graph_time(lambda: (flush.zero_(), run())) - self._flush_milliseconds, 0.0)
 
     def _graph_time(self, run: Callable[[], object]) -> float:
-        graph = torch.cuda.CUDAGraph()
+        # capture_begin rather than torch.cuda.graph, which collects garbage and empties the cache at each capture;
         # thread_local: a training worker on another thread (trainer.separate_rollout) may launch meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(self.repeats):
-                run()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(self.repeats):
+                    run()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
