@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reinforge.rollout.native import triton_kernels
-from reinforge.rollout.native.moe_kernels import dot_options, rounded_like
+from reinforge.rollout.native.moe_kernels import _INTERPRETED, dot_options, rounded_like
 from reinforge.rollout.native.triton_kernels import ACTIVATIONS, gated_activation
 
 
@@ -64,7 +64,8 @@ class DenseTiles:
                 + f" stages {self.num_stages} warps {self.num_warps}" + (" tma" if self.weight_tma else ""))
 
 
-@triton.jit
+# the row count is not specialised on (== 1, multiple of 16), so every decode batch size runs one compiled kernel
+@triton.jit(do_not_specialize=["num_rows"])
 def _gate_up_act_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, num_rows, stride_x, stride_w, stride_out, inter,
                         NUM_INNER: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -115,14 +116,18 @@ def _gate_up_act_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, num_rows, stride_x
              mask=row_mask[None, :] & col_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "blocks_per_split"])
 def _down_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, partial_ptr, num_rows, stride_x, stride_w, stride_out,
-                 num_cols, NUM_INNER: tl.constexpr, K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """(x @ W^T)[t, n] over the K range of split ``program_id(2)`` for this program's rows t and columns n: with one
-    split, plus the bias, rounded into out; else the float32 sum into partial (SPLIT, rows, cols).
-    ``WEIGHT_TMA``: weight_ptr is a (hidden, inter) tensor descriptor of (BLOCK_N, BLOCK_K) blocks."""
+                 num_cols, blocks_per_split, NUM_INNER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 STATIC_BLOCKS_PER_SPLIT: tl.constexpr):
+    """(x @ W^T)[t, n] over the K range of split ``program_id(2)`` (blocks_per_split blocks of K) for this program's
+    rows t and columns n: unsplit (``SPLIT`` false), plus the bias, rounded into out; else the float32 sum into
+    partial (splits, rows, cols). ``WEIGHT_TMA``: weight_ptr is a (hidden, inter) tensor descriptor of (BLOCK_N, BLOCK_K)
+    blocks. The split's width is a runtime count of blocks (so the compiler still knows each K offset is a multiple
+    of BLOCK_K, for 16-byte asynchronous copies), and batch sizes splitting K differently share one compiled kernel;
+    ``STATIC_BLOCKS_PER_SPLIT`` is 0 when compiled (Triton's interpreter loops only to Python ints)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     first_col = tl.program_id(1) * BLOCK_N
     cols = first_col + tl.arange(0, BLOCK_N)
@@ -135,8 +140,8 @@ def _down_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, partial_ptr, num_rows, st
     if not WEIGHT_TMA:
         weight_rows = weight_ptr + cols[:, None].to(tl.int64) * stride_w
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    for step in range(0, K_PER_SPLIT, BLOCK_K):
-        k = split * K_PER_SPLIT + step
+    for step in range(0, STATIC_BLOCKS_PER_SPLIT if STATIC_BLOCKS_PER_SPLIT else blocks_per_split):
+        k = (split * blocks_per_split + step) * BLOCK_K
         ks = k + inner
         if EVEN_K:
             x_mask = row_mask[:, None]
@@ -153,7 +158,7 @@ def _down_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, partial_ptr, num_rows, st
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
     out_mask = row_mask[None, :] & col_mask[:, None]
-    if SPLIT == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None],
@@ -163,7 +168,7 @@ def _down_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, partial_ptr, num_rows, st
                  mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _split_sum_kernel(partial_ptr, bias_ptr, out_ptr, num_rows, num_cols, stride_out, SPLIT: tl.constexpr,
                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, UPCAST: tl.constexpr):
     """out[t] = the SPLIT float32 partial rows t added in split order, plus the bias, rounded once."""
@@ -241,10 +246,12 @@ def down(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: DenseTiles = Den
     options = dot_options(x.dtype)
     grid = (triton.cdiv(num_rows, tiles.block_t), triton.cdiv(num_cols, tiles.block_n), num_splits)
     _down_kernel[grid](x, _weight_operand(weight, tiles), weight if bias is None else bias, out, partial, num_rows,
-                       x.stride(0), weight.stride(0), out.stride(0), num_cols, NUM_INNER=num_inner, K_PER_SPLIT=span,
-                       HAS_BIAS=bias is not None, SPLIT=num_splits, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+                       x.stride(0), weight.stride(0), out.stride(0), num_cols, span // tiles.block_k,
+                       NUM_INNER=num_inner,
+                       HAS_BIAS=bias is not None, SPLIT=num_splits > 1, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
                        BLOCK_K=tiles.block_k, EVEN_K=num_inner % span == 0, WEIGHT_TMA=tiles.weight_tma, **options,
-                       num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                       STATIC_BLOCKS_PER_SPLIT=span // tiles.block_k if _INTERPRETED else 0, num_warps=tiles.num_warps,
+                       num_stages=tiles.num_stages)
     if num_splits > 1:
         block = min(triton.next_power_of_2(num_cols), 1024)
         _split_sum_kernel[(num_rows, triton.cdiv(num_cols, block))](

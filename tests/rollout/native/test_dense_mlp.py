@@ -208,8 +208,8 @@ KERNELS = {  # the Qwen2.5-1.5B MLP in bf16 (down split in three), as the launch
         stride_w="i32", stride_out="i32", inter="i32"), dict(HAS_BIAS=False, ACTIVATION=0), dense_choice.GATE_UP_TILES),
     "down": (dense_kernels._down_kernel, 8960, dict(
         x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", num_rows="i32",
-        stride_x="i32", stride_w="i32", stride_out="i32", num_cols="i32"),
-        dict(HAS_BIAS=False, SPLIT=3, K_PER_SPLIT=3072), dense_choice.DOWN_TILES),
+        stride_x="i32", stride_w="i32", stride_out="i32", num_cols="i32", blocks_per_split="i32"),
+        dict(HAS_BIAS=False, SPLIT=True, STATIC_BLOCKS_PER_SPLIT=0), dense_choice.DOWN_TILES),
 }
 results = []
 for product, (kernel, inner, arguments, extra, tilings) in KERNELS.items():
@@ -220,7 +220,7 @@ for product, (kernel, inner, arguments, extra, tilings) in KERNELS.items():
         constants = dict(NUM_INNER=inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                          EVEN_K=True, WEIGHT_TMA=tiles.weight_tma, PRECISION="tf32", UPCAST=False) | extra
         aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in arguments.items()
-                   if name in signature and signature[name] == kind}  # 16-byte pointers and strides, as launched
+                   if signature[name] == kind and name not in ("num_rows", "blocks_per_split")}  # as launched
         source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
