@@ -4,9 +4,9 @@ On the rollout bench's workload and model it times, after a warm-up rollout:
 - the engine's phases over a whole rollout, each synchronized (prefill, decode forward, sampling, reading
   tokens back and bookkeeping): no overlap, so their sum exceeds an untimed rollout's time, also reported;
 - the pieces on the device alone at the largest decode batch: the captured decode graph, one layer's fused
-  q|k|v product, paged attention at the mean context, o projection and gated MLP, the LM head and the
-  sampler kernel. The layers' pieces times the layer count plus the head and the sampler make up
-  ``pieces_sum_ms``, next to the graph replay they compose.
+  q|k|v product, paged attention at the mean context, o projection and gated MLP (by the kernels a decode step
+  of that batch picked), the LM head and the sampler kernel. The layers' pieces times the layer count plus the
+  head and the sampler make up ``pieces_sum_ms``, next to the graph replay they compose.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ def profile_rollout(model: nn.Module, requests: list[GenerationRequest], engine_
                                                            dtype=torch.bfloat16)
     result["qkv_ms"] = bench(lambda: nn.functional.linear(hidden, layer["qkv_weight"], layer["qkv_bias"]))
     attention_out = torch.randn(batch, decoder.attention[0].q_size, device=device, dtype=torch.bfloat16)
-    o_proj, mlp = model.model.layers[0].self_attn.o_proj, model.model.layers[0].mlp
+    o_proj = model.model.layers[0].self_attn.o_proj
     result["o_proj_ms"] = bench(lambda: o_proj(attention_out))
-    result["mlp_ms"] = bench(lambda: mlp.down_proj(triton_kernels.silu_and_mul(
-        nn.functional.linear(hidden, layer["gate_up_weight"], layer["gate_up_bias"]))))
+    # the decoder's MLP block as a decode step runs it: the kernels its choice picked for this batch (dense_choice.py)
+    result["mlp_ms"] = bench(lambda: decoder.mlps[0].forward(layer, hidden, decode=True))
     result["lm_head_ms"] = bench(lambda: model.lm_head(hidden))
     logits = torch.randn(batch, shape.vocab_size, device=device, dtype=torch.bfloat16)
     ones, seeds = torch.ones(batch, device=device), torch.arange(batch, device=device, dtype=torch.int64)

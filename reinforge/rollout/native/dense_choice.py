@@ -83,12 +83,12 @@ def candidate_tiles(tiles: tuple[DenseTiles, ...], num_rows: int) -> list[DenseT
 
 
 def down_splits(tiles: DenseTiles, num_rows: int, num_cols: int, num_inner: int, num_sms: int) -> list[int]:
-    """The K splits to time a down tiling with: none, and the split that gives every SM about one program, and twice
-    that (at most one K block per program)."""
+    """The K splits to time a down tiling with: none, and those giving one, two or four programs an SM, rounded down
+    (no SM runs a second wave while others idle) and, for one an SM, up; at most one K block a program."""
     output_blocks = triton.cdiv(num_rows, tiles.block_t) * triton.cdiv(num_cols, tiles.block_n)
-    filling = max(1, round(num_sms / output_blocks))
     num_blocks = triton.cdiv(num_inner, tiles.block_k)
-    return sorted({min(split, num_blocks) for split in (1, filling, 2 * filling)})
+    splits = {1, triton.cdiv(num_sms, output_blocks)} | {per_sm * num_sms // output_blocks for per_sm in (1, 2, 4)}
+    return sorted({min(split, num_blocks) for split in splits if split >= 1})
 
 
 def cublas_mlp(x: Tensor, weights: MLPWeights, activation: str) -> Tensor:

@@ -187,10 +187,12 @@ def test_prefill_sized_and_small_mlps_run_cublas_untimed(monkeypatch):
 
 def test_the_down_splits_fill_the_sms():
     """The 1.5B down product (1536 columns, 8960 inner) at 128 rows in blocks of 64 x 64: 48 output blocks, so
-    splits of 3 and 6 give 144 and 288 programs for 132 SMs."""
+    splits of 2, 3, 5 and 11 give 96, 144, 240 and 528 programs for 132 SMs (at most one, two and four an SM, and
+    one wave and a bit)."""
     tiles = DenseTiles(block_t=64, block_n=64, block_k=128)
-    assert dense_choice.down_splits(tiles, 128, 1536, 8960, 132) == [1, 3, 6]
+    assert dense_choice.down_splits(tiles, 128, 1536, 8960, 132) == [1, 2, 3, 5, 11]
     assert dense_choice.down_splits(tiles, 128, 1536, 256, 132) == [1, 2]  # at most one K block a program
+    assert dense_choice.down_splits(tiles, 256, 8192, 8192, 132) == [1]  # 512 output blocks: no split
     assert [tile.block_t for tile in dense_choice.candidate_tiles(dense_choice.DOWN_TILES, 7)] \
         == [16] * len([tile for tile in dense_choice.DOWN_TILES if tile.block_t == 16])
 
