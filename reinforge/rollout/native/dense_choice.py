@@ -5,7 +5,7 @@ comes closer to the device's copy rate depends on the shape, the number of rows 
 ``DenseMLPChoice`` times the candidates once per (shape, rows), outside graph capture (the decode graph's warm-up
 forward runs first), and keeps the fastest for each product: cuBLAS, or one of the tilings (``GATE_UP_TILES``,
 ``DOWN_TILES``; the down product also split along K, ``down_splits``). Each candidate is timed replayed from a CUDA
-graph, as the decode step runs it, after a write that evicts the weights from L2, as the other layers' reads do.
+graph, as the decode step runs it, after a read that evicts the weights from L2, as the other layers' reads do.
 A candidate that fails to compile or run, or gives other numbers than cuBLAS, is dropped in one line and cuBLAS
 stays.
 """
@@ -121,6 +121,7 @@ class DenseMLPChoice:
         """Candidates (their names) dropped for failing or differing from cuBLAS."""
         self._flush: Tensor | None = None
         self._flush_milliseconds = 0.0
+        self._stream: torch.cuda.Stream | None = None
 
     def __call__(self, x: Tensor, weights: MLPWeights, activation: str) -> Tensor:
         """down(act(gate(x)) * up(x)) for x (rows, hidden) by the picked kernels. Returns (rows, hidden)."""
@@ -222,21 +223,25 @@ class DenseMLPChoice:
             return None
 
     def _time(self, run: Callable[[], Tensor]) -> float:
-        """Milliseconds per ``run()`` replayed from a CUDA graph, each run after a write of the L2's size (so the
-        weights come from DRAM, as in a decode step), that write's own time taken off."""
+        """Milliseconds per ``run()`` replayed from a CUDA graph, each run after a read of twice the L2's size (so
+        the weights come from DRAM and the L2 holds clean lines, as after the other layers' weight reads in a decode
+        step), that read's own time taken off."""
         run()  # compiles, picks its kernels
         torch.cuda.synchronize()
         if self._flush is None:
             size = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-            self._flush = torch.empty(size, dtype=torch.uint8, device="cuda")
-            self._flush_milliseconds = self._graph_time(self._flush.zero_)
+            self._flush = torch.zeros(size // 2, dtype=torch.float32, device="cuda")
+            self._flush_milliseconds = self._graph_time(self._flush.sum)
         flush = self._flush
-        return max(self._graph_time(lambda: (flush.zero_(), run())) - self._flush_milliseconds, 0.0)
+        return max(self._graph_time(lambda: (flush.sum(), run())) - self._flush_milliseconds, 0.0)
 
     def _graph_time(self, run: Callable[[], object]) -> float:
         # capture_begin rather than torch.cuda.graph, which collects garbage and empties the cache at each capture;
-        # thread_local: a training worker on another thread (trainer.separate_rollout) may launch meanwhile
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        # one side stream for every capture (cuBLAS keeps a workspace per stream); thread_local: a training worker
+        # on another thread (trainer.separate_rollout) may launch meanwhile
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        graph, stream = torch.cuda.CUDAGraph(), self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             graph.capture_begin(capture_error_mode="thread_local")

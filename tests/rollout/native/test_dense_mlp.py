@@ -260,6 +260,33 @@ def test_every_dense_tiling_compiles_for_hopper_with_its_weight_loads_pipelined(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_tiling_gives_cublas_products_in_bf16(bias):
+    """Every tiling of both products (TMA ones included, down at each of its K splits) on the 1.5B MLP shape at 1, 7,
+    32, 129 and 256 rows, against cuBLAS and ``act_and_mul``, with and without biases, SiLU and GELU-tanh."""
+    hidden, inter = 1536, 8960
+    weights = mlp_weights(hidden, inter, bias=bias, seed=1, dtype=torch.bfloat16, device="cuda")
+    weights = MLPWeights(weights.gate_up * 0.1, weights.gate_up_bias, weights.down * 0.1, weights.down_bias)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows, activation in zip((1, 7, 32, 129, 256), ("silu", "gelu_tanh") * 3, strict=False):
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        activated = dense_choice.triton_kernels.act_and_mul(F.linear(x, weights.gate_up, weights.gate_up_bias),
+                                                            activation)
+        expected = F.linear(activated, weights.down, weights.down_bias)
+        for tiles in dense_choice.GATE_UP_TILES:
+            got = dense_kernels.gate_up_act(x, weights.gate_up, weights.gate_up_bias, activation, tiles)
+            torch.testing.assert_close(got.float(), activated.float(), atol=2e-2, rtol=2e-2,
+                                       msg=lambda text, tiles=tiles, rows=rows: f"{rows} rows, {tiles}: {text}")
+        for tiles in dense_choice.DOWN_TILES:
+            for split in dense_choice.down_splits(tiles, rows, hidden, inter, num_sms):
+                split_tiles = dataclasses.replace(tiles, split_k=split)
+                got = dense_kernels.down(activated, weights.down, weights.down_bias, split_tiles)
+                torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2,
+                                           msg=lambda text, tiles=split_tiles, rows=rows: f"{rows} rows, {tiles}: "
+                                                                                          f"{text}")
+
+
+@pytest.mark.gpu
 def test_greedy_tokens_are_the_same_with_the_dense_kernels_on_and_off(tiny, monkeypatch):
     """A tiny model in float32 decodes the same tokens with the Triton MLP kernels (forced: every tiling that runs
     is timed faster than cuBLAS) as with cuBLAS alone, CUDA graphs on."""
