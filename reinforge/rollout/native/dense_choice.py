@@ -91,6 +91,11 @@ def down_splits(tiles: DenseTiles, num_rows: int, num_cols: int, num_inner: int,
     return sorted({min(split, num_blocks) for split in splits if split >= 1})
 
 
+def readable(tiles: DenseTiles, weight: Tensor) -> bool:
+    """Whether the kernels can read ``weight`` with ``tiles``: contiguous rows, and for TMA 16-byte aligned ones."""
+    return weight.stride(-1) == 1 and (not tiles.weight_tma or dense_kernels.tma_loadable(weight))
+
+
 def cublas_mlp(x: Tensor, weights: MLPWeights, activation: str) -> Tensor:
     """The MLP as the Triton path runs it without the choice: cuBLAS products and ``triton_kernels.act_and_mul``."""
     activated = triton_kernels.act_and_mul(F.linear(x, weights.gate_up, weights.gate_up_bias), activation)
@@ -131,8 +136,12 @@ class DenseMLPChoice:
         return dense_kernels.gated_mlp(x, weights, activation, kernels)
 
     def key(self, x: Tensor, weights: MLPWeights, activation: str) -> tuple:
+        """What the pick depends on: the rows, the shapes, the biases, the activation, the dtype and how the kernels
+        can read each weight (contiguous rows; by TMA), so a layer whose weights lie otherwise is timed apart."""
+        layouts = tuple((weight.stride(-1) == 1, dense_kernels.tma_loadable(weight))
+                        for weight in (weights.gate_up, weights.down))
         return (x.shape[0], *weights.gate_up.shape, weights.down.shape[0], weights.gate_up_bias is not None,
-                weights.down_bias is not None, activation, x.dtype)
+                weights.down_bias is not None, activation, x.dtype, layouts)
 
     def kernels_for(self, x: Tensor, weights: MLPWeights, activation: str) -> DenseKernels | None:
         """The picked kernels for this call's key, timed now when the key is new and the stream is not capturing."""
@@ -168,13 +177,11 @@ class DenseMLPChoice:
         gate_up_tiles = self._fastest("gate|up", gate_up_linear, [
             (tiles, lambda tiles=tiles: dense_kernels.gate_up_act(x, weights.gate_up, weights.gate_up_bias,
                                                                  activation, tiles))
-            for tiles in candidate_tiles(self.gate_up_tiles, x.shape[0])
-            if not tiles.weight_tma or dense_kernels.tma_loadable(weights.gate_up)], timings)
+            for tiles in candidate_tiles(self.gate_up_tiles, x.shape[0]) if readable(tiles, weights.gate_up)], timings)
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
         num_cols, num_inner = weights.down.shape
         down_candidates = [dataclasses.replace(tiles, split_k=split)
-                           for tiles in candidate_tiles(self.down_tiles, x.shape[0])
-                           if not tiles.weight_tma or dense_kernels.tma_loadable(weights.down)
+                           for tiles in candidate_tiles(self.down_tiles, x.shape[0]) if readable(tiles, weights.down)
                            for split in down_splits(tiles, x.shape[0], num_cols, num_inner, num_sms)]
         down_tiles = self._fastest("down", lambda: F.linear(activated, weights.down, weights.down_bias), [
             (tiles, lambda tiles=tiles: dense_kernels.down(activated, weights.down, weights.down_bias, tiles))

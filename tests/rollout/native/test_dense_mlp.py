@@ -174,6 +174,26 @@ def test_the_choice_keeps_cublas_for_a_product_no_tiling_beats():
     torch.testing.assert_close(got.double(), linear_mlp(x, weights, "silu")[1], atol=1e-5, rtol=1e-5)
 
 
+def test_a_layer_whose_weights_lie_otherwise_is_timed_apart(monkeypatch):
+    """Two layers of one shape, the second's down weight a transposed view (rows not contiguous, as no kernel reads
+    them): the second gets its own pick, cuBLAS's down, instead of the first's kernels; no tiling is dropped, so the
+    first layer's layout keeps its kernels."""
+    stub_times_later_candidates_faster(monkeypatch)
+    tiles = (DenseTiles(block_t=16, block_n=16, block_k=16),)
+    choice = DenseMLPChoice(gate_up_tiles=tiles, down_tiles=tiles, min_weight_bytes=0)
+    first = mlp_weights(hidden=32, inter=32, bias=False, seed=15)
+    second = first._replace(down=first.down.T.contiguous().T)
+    assert second.down.stride(-1) != 1
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(16))
+    for weights in (first, second):
+        torch.testing.assert_close(choice(x, weights, "silu").double(), linear_mlp(x, weights, "silu")[1], atol=1e-5,
+                                   rtol=1e-5)
+    assert choice.picked[choice.key(x, first, "silu")] == DenseKernels(tiles[0], dataclasses.replace(tiles[0],
+                                                                                                    split_k=2))
+    assert choice.picked[choice.key(x, second, "silu")] == DenseKernels(tiles[0], None)
+    assert not choice.failed
+
+
 def test_prefill_sized_and_small_mlps_run_cublas_untimed(monkeypatch):
     """More rows than ``max_rows`` (a prefill) or weights lighter than ``min_weight_bytes`` (tiny test models)
     compile and time nothing."""
