@@ -7,7 +7,8 @@ forward runs first), and keeps the fastest for each product: cuBLAS, or one of t
 ``DOWN_TILES``; the down product also split along K, ``down_splits``). Each candidate is timed replayed from a CUDA
 graph, as the decode step runs it, after a read that evicts the weights from L2, as the other layers' reads do.
 A candidate that fails to compile or run, or gives other numbers than cuBLAS, is dropped in one line and cuBLAS
-stays.
+stays. The attention's q|k|v and o products of a decode step are chosen the same way (``DenseMLPChoice.linear``:
+cuBLAS or the down kernel's tilings and splits).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ MIN_MLP_BYTES = 16 << 20
 """The Triton kernels are candidates for MLPs whose weights weigh at least this much (a 0.5B model's: 26 MB a layer);
 below, compiling and timing them costs more than they could save, and cuBLAS runs untimed."""
 
+MIN_LINEAR_BYTES = 4 << 20
+"""The same for a single product (``DenseMLPChoice.linear``: the attention's q|k|v and o products; a 1.5B model's
+weigh 6.3 and 4.7 MB)."""
+
 
 def candidate_tiles(tiles: tuple[DenseTiles, ...], num_rows: int) -> list[DenseTiles]:
     """The tilings worth timing for ``num_rows`` rows: blocks of rows no wider than the rows rounded up to a power
@@ -112,14 +117,16 @@ class DenseMLPChoice:
 
     def __init__(self, repeats: int = 10, gate_up_tiles: tuple[DenseTiles, ...] = GATE_UP_TILES,
                  down_tiles: tuple[DenseTiles, ...] = DOWN_TILES, max_rows: int = MAX_DECODE_ROWS,
-                 min_weight_bytes: int = MIN_MLP_BYTES):
+                 min_weight_bytes: int = MIN_MLP_BYTES, min_linear_bytes: int = MIN_LINEAR_BYTES):
         self.repeats = repeats
         self.gate_up_tiles = gate_up_tiles
         self.down_tiles = down_tiles
         self.max_rows = max_rows
         self.min_weight_bytes = min_weight_bytes
-        self.picked: dict[tuple, DenseKernels | None] = {}
-        """key -> the kernels that run it (None: cuBLAS for both products)."""
+        self.min_linear_bytes = min_linear_bytes
+        self.picked: dict[tuple, DenseKernels | DenseTiles | None] = {}
+        """key -> the kernels that run it: an MLP's ``DenseKernels``, a single product's tiling (``linear``), None
+        for cuBLAS."""
         self.timings: dict[tuple, dict[str, float]] = {}
         """key -> milliseconds of each candidate timed."""
         self.failed: set[str] = set()
@@ -169,6 +176,49 @@ class DenseMLPChoice:
                     ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()), picked or "cuBLAS")
         return picked
 
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """x @ weight^T + bias for a decode step's x (rows, inner), weight (cols, inner): the attention's q|k|v and o
+        products, by the down kernel's tiling (and K split) timed fastest for the rows and shape, or cuBLAS."""
+        tiles = self.linear_tiles_for(x, weight, bias)
+        if tiles is None:
+            return F.linear(x, weight, bias)
+        return dense_kernels.down(x.contiguous(), weight, bias, tiles)
+
+    def linear_tiles_for(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> DenseTiles | None:
+        """The picked tiling for a single product, timed now as ``kernels_for`` times an MLP's."""
+        if x.shape[0] > self.max_rows or weight.nbytes < self.min_linear_bytes:
+            return None
+        key = ("linear", x.shape[0], *weight.shape, bias is not None, x.dtype, weight.stride(-1) == 1,
+               dense_kernels.tma_loadable(weight))
+        if key in self.picked:
+            return self.picked[key]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        x = x.contiguous()
+        timings: dict[str, float] = {}
+        try:
+            picked = self._fastest("linear", lambda: F.linear(x, weight, bias), [
+                (tiles, lambda tiles=tiles: dense_kernels.down(x, weight, bias, tiles))
+                for tiles in self._split_candidates(x, weight)], timings)
+        except Exception as error:  # noqa: BLE001 (cuBLAS's own timing failed: run it untimed)
+            logger.warning("the product of %d rows x %s could not be timed (%s: %s); cuBLAS runs it", x.shape[0],
+                           tuple(weight.shape), type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            picked = None
+        finally:
+            self._flush = None
+        self.picked[key], self.timings[key] = picked, timings
+        logger.info("product of %d rows x %s: %s; running %s", x.shape[0], tuple(weight.shape),
+                    ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()), picked or "cuBLAS")
+        return picked
+
+    def _split_candidates(self, x: Tensor, weight: Tensor) -> list[DenseTiles]:
+        """The down tilings that can read ``weight`` (cols, inner), each at its K splits for x's rows."""
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        num_cols, num_inner = weight.shape
+        return [dataclasses.replace(tiles, split_k=split)
+                for tiles in candidate_tiles(self.down_tiles, x.shape[0]) if readable(tiles, weight)
+                for split in down_splits(tiles, x.shape[0], num_cols, num_inner, num_sms)]
+
     def _timed_pick(self, x: Tensor, weights: MLPWeights, activation: str,
                     timings: dict[str, float]) -> DenseKernels | None:
         gate_up_linear = lambda: triton_kernels.act_and_mul(  # noqa: E731
@@ -178,14 +228,9 @@ class DenseMLPChoice:
             (tiles, lambda tiles=tiles: dense_kernels.gate_up_act(x, weights.gate_up, weights.gate_up_bias,
                                                                  activation, tiles))
             for tiles in candidate_tiles(self.gate_up_tiles, x.shape[0]) if readable(tiles, weights.gate_up)], timings)
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        num_cols, num_inner = weights.down.shape
-        down_candidates = [dataclasses.replace(tiles, split_k=split)
-                           for tiles in candidate_tiles(self.down_tiles, x.shape[0]) if readable(tiles, weights.down)
-                           for split in down_splits(tiles, x.shape[0], num_cols, num_inner, num_sms)]
         down_tiles = self._fastest("down", lambda: F.linear(activated, weights.down, weights.down_bias), [
             (tiles, lambda tiles=tiles: dense_kernels.down(activated, weights.down, weights.down_bias, tiles))
-            for tiles in down_candidates], timings)
+            for tiles in self._split_candidates(x, weights.down)], timings)
         if gate_up_tiles is None and down_tiles is None:
             return None
         picked = DenseKernels(gate_up_tiles, down_tiles)

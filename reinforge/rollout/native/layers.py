@@ -101,7 +101,8 @@ def concatenated(linears: tuple[nn.Linear, ...]) -> tuple[Parts, Parts]:
 
 class DenseAttention:
     """Rotary attention with grouped KV heads: rotary of the layer's kind (global, local or none; whole or
-    partial), q/k norms per head or over the projection, a sliding window and a score soft-cap per the table."""
+    partial), q/k norms per head or over the projection, a sliding window and a score soft-cap per the table. On
+    the Triton path a decode step's q|k|v and o products run by what ``DenseMLPChoice.linear`` timed fastest."""
 
     float32_copies: frozenset[str] = frozenset()
 
@@ -118,6 +119,12 @@ class DenseAttention:
         self.window = layer.sliding_window
         self.rope = layer.rope
         self.cache_entry = (2, self.num_kv_heads, self.head_dim)
+        self.products: DenseMLPChoice | None = None
+        """On the Triton path, what runs a decode step's q|k|v and o products (``DenseMLPChoice.linear``)."""
+        if context.use_triton:
+            from reinforge.rollout.native.dense_choice import dense_mlp_choice
+
+            self.products = dense_mlp_choice()
 
     def sources(self, attention: nn.Module) -> dict[str, Parts]:
         if self.context.spec.fused_qkv:
@@ -135,7 +142,8 @@ class DenseAttention:
                 meta: AttentionMetadata) -> Tensor:
         context = self.context
         num_tokens = x.shape[0]
-        qkv = F.linear(x, weights["qkv_weight"], weights["qkv_bias"])
+        linear = self.products.linear if self.products is not None and not meta.is_prefill and x.is_cuda else F.linear
+        qkv = linear(x, weights["qkv_weight"], weights["qkv_bias"])
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if context.spec.qk_norm == "projection":  # OLMo 2: over all heads of the projection, before the split
             q, k = context.norm(weights["q_norm"], q), context.norm(weights["k_norm"], k)
@@ -173,7 +181,7 @@ class DenseAttention:
                                                         num_splits=meta.num_decode_splits)
         else:
             out = decode_attention(q, k_cache, v_cache, meta, self.scale, window, softcap)
-        return F.linear(out.reshape(num_tokens, self.q_size), weights["o_weight"], weights["o_bias"])
+        return linear(out.reshape(num_tokens, self.q_size), weights["o_weight"], weights["o_bias"])
 
 
 def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

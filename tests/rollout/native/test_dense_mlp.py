@@ -205,6 +205,22 @@ def test_prefill_sized_and_small_mlps_run_cublas_untimed(monkeypatch):
         assert not choice.picked and not choice.timings
 
 
+def test_a_single_product_runs_the_fastest_down_tiling_or_cublas(monkeypatch):
+    """``linear`` (the attention's q|k|v and o products): the tiling timed fastest, at its K split, gives F.linear's
+    numbers with the bias; a product lighter than ``min_linear_bytes`` runs cuBLAS untimed."""
+    stub_times_later_candidates_faster(monkeypatch)
+    tiles = DenseTiles(block_t=16, block_n=16, block_k=16)
+    choice = DenseMLPChoice(down_tiles=(tiles,), min_linear_bytes=0)
+    generator = torch.Generator().manual_seed(17)
+    weight, bias = torch.randn(40, 48, generator=generator), torch.randn(40, generator=generator)
+    x = torch.randn(6, 48, generator=generator)
+    torch.testing.assert_close(choice.linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    assert list(choice.picked.values()) == [dataclasses.replace(tiles, split_k=3)]  # 3 K blocks: splits 1 to 3
+    untimed = DenseMLPChoice(down_tiles=(tiles,))
+    torch.testing.assert_close(untimed.linear(x, weight, bias), F.linear(x, weight, bias))
+    assert not untimed.picked
+
+
 def test_the_down_splits_fill_the_sms():
     """The 1.5B down product (1536 columns, 8960 inner) at 128 rows in blocks of 64 x 64: 48 output blocks, so
     splits of 2, 3, 5 and 11 give 96, 144, 240 and 528 programs for 132 SMs (at most one, two and four an SM, and
@@ -308,15 +324,16 @@ def test_every_tiling_gives_cublas_products_in_bf16(bias):
 
 @pytest.mark.gpu
 def test_greedy_tokens_are_the_same_with_the_dense_kernels_on_and_off(tiny, monkeypatch):
-    """A tiny model in float32 decodes the same tokens with the Triton MLP kernels (forced: every tiling that runs
-    is timed faster than cuBLAS) as with cuBLAS alone, CUDA graphs on."""
+    """A tiny model in float32 decodes the same tokens with the Triton MLP, q|k|v and o kernels (forced: every tiling
+    that runs is timed faster than cuBLAS) as with cuBLAS alone, CUDA graphs on."""
     from reinforge.rollout.base import GenerationRequest, SamplingParams
     from reinforge.rollout.native import NativeEngine
 
     model = tiny.build("qwen2", device="cuda")
     prompts = tiny.prompts([3, 17, 40, 5])
     results = {}
-    for name, choice in (("off", DenseMLPChoice(max_rows=0)), ("on", DenseMLPChoice(min_weight_bytes=0))):
+    for name, choice in (("off", DenseMLPChoice(max_rows=0)),
+                         ("on", DenseMLPChoice(min_weight_bytes=0, min_linear_bytes=0))):
         monkeypatch.setattr(dense_choice, "_DENSE_KERNELS", [choice])
         if name == "on":
             stub_times_later_candidates_faster(monkeypatch)
@@ -327,6 +344,7 @@ def test_greedy_tokens_are_the_same_with_the_dense_kernels_on_and_off(tiny, monk
         engine.sleep()
         if name == "on":
             assert choice.picked and all(kernels is not None for kernels in choice.picked.values()), choice.timings
+            assert any(key[0] == "linear" for key in choice.picked)
         else:
             assert not choice.picked
     assert results["on"] == results["off"]
