@@ -350,13 +350,43 @@ def test_greedy_tokens_are_the_same_with_the_dense_kernels_on_and_off(tiny, monk
     assert results["on"] == results["off"]
 
 
+def graph_milliseconds(run_layer, num_layers: int) -> float:
+    """Milliseconds a layer of ``run_layer(index)`` over ``num_layers`` layers captured in one CUDA graph, replayed."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for index in range(num_layers):
+            run_layer(index)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 5 / num_layers
+
+
+def fastest_timings(timings: dict[str, float], per_product: int = 3) -> str:
+    """cuBLAS's timings and the ``per_product`` fastest tilings of each product, as one line."""
+    kept = {name: ms for name, ms in timings.items() if "cuBLAS" in name or name.endswith(" MLP")}
+    for product in ("gate|up", "down", "linear"):
+        tilings = sorted((ms, name) for name, ms in timings.items() if name.startswith(product + " t"))
+        kept |= {name: ms for ms, name in tilings[:per_product]}
+    return ", ".join(f"{name} {ms:.4f}" for name, ms in kept.items())
+
+
+SEQUENCES = (1, 8, 16, 32, 64, 128, 192, 256)
+
+
 @pytest.mark.gpu
 def test_the_15b_mlp_of_a_decode_step_against_cublas_and_the_weight_read_floor():
     """The Qwen2.5-1.5B MLP (hidden 1536, inter 8960, bf16) of a decode step at 1 to 256 sequences: 28 layers over
     four distinct weight sets captured in one CUDA graph (no layer's weights in L2 when it runs), replayed and timed
     with cuBLAS and with the choice's kernels. Prints per batch the milliseconds a layer, the share of the
-    weight-read floor's speed (``bench.floor.COPY_BYTES_PER_S``) and the picked kernels; asserts the choice's
-    numbers are cuBLAS's within bf16 rounding and never slower than cuBLAS by more than timing noise."""
+    weight-read floor's speed (``bench.floor.COPY_BYTES_PER_S``) and the picked kernels, then what the choice timed
+    (cuBLAS and the three fastest tilings of each product); asserts the choice's numbers are cuBLAS's within bf16
+    rounding and never slower than cuBLAS by more than timing noise."""
     from reinforge.bench.floor import COPY_BYTES_PER_S
 
     hidden, inter, num_layers, distinct = 1536, 8960, 28, 4
@@ -367,33 +397,51 @@ def test_the_15b_mlp_of_a_decode_step_against_cublas_and_the_weight_read_floor()
     floor_ms = layer_bytes / COPY_BYTES_PER_S * 1e3
     choice = DenseMLPChoice()
     lines = []
-    for rows in (1, 8, 16, 32, 64, 128, 192, 256):
+    for rows in SEQUENCES:
         x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
         expected = cublas_mlp(x, layers[0], "silu")
         got = choice(x, layers[0], "silu")
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
-
-        def step(run, x: torch.Tensor = x) -> float:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for index in range(num_layers):
-                    run(x, layers[index % distinct], "silu")
-            graph.replay()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 5 / num_layers
-
-        cublas_ms, chosen_ms = step(cublas_mlp), step(choice)
+        cublas_ms, chosen_ms = (graph_milliseconds(lambda index, run=run, x=x: run(x, layers[index % distinct], "silu"),
+                                                   num_layers) for run in (cublas_mlp, choice))
         picked = choice.picked[choice.key(x, layers[0], "silu")]
         lines.append(f"{rows:4d} rows: cuBLAS {cublas_ms:.4f} ms ({floor_ms / cublas_ms:.0%} of floor speed), "
                      f"chosen {chosen_ms:.4f} ms ({floor_ms / chosen_ms:.0%}); floor {floor_ms:.4f} ms; "
                      f"running {picked or 'cuBLAS'}")
         assert chosen_ms <= cublas_ms * 1.1, lines[-1]
-    print("\n" + "\n".join(lines))
+    print("\nMLP a layer\n" + "\n".join(lines))
     for key, timings in choice.timings.items():
-        print(key[0], "rows:", ", ".join(f"{name} {ms:.4f}" for name, ms in timings.items()))
+        print(key[0], "rows:", fastest_timings(timings))
+
+
+@pytest.mark.gpu
+def test_the_15b_attention_products_of_a_decode_step_against_cublas_and_the_weight_read_floor():
+    """The Qwen2.5-1.5B q|k|v (2048 x 1536, with its bias) and o (1536 x 1536) products of a decode step at 1 to 256
+    sequences, as the MLP test times them: per batch and product the milliseconds a layer with cuBLAS and with the
+    choice's pick (``DenseMLPChoice.linear``), beside the weight-read floor."""
+    from reinforge.bench.floor import COPY_BYTES_PER_S
+
+    num_layers, distinct = 28, 8
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    products = {name: [(torch.randn(cols, 1536, device="cuda", generator=generator).bfloat16() * 0.02,
+                        torch.randn(cols, device="cuda", generator=generator).bfloat16() if bias else None)
+                       for _ in range(distinct)] for name, cols, bias in (("qkv", 2048, True), ("o", 1536, False))}
+    choice = DenseMLPChoice()
+    lines = []
+    for rows in SEQUENCES:
+        x = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
+        for name, weights in products.items():
+            floor_ms = weights[0][0].nbytes / COPY_BYTES_PER_S * 1e3
+            torch.testing.assert_close(choice.linear(x, *weights[0]).float(), F.linear(x, *weights[0]).float(),
+                                       atol=2e-2, rtol=2e-2)
+            cublas_ms, chosen_ms = (graph_milliseconds(
+                lambda index, run=run, x=x, weights=weights: run(x, *weights[index % distinct]), num_layers)
+                for run in (F.linear, choice.linear))
+            picked = choice.linear_tiles_for(x, *weights[0])
+            lines.append(f"{rows:4d} rows, {name}: cuBLAS {cublas_ms:.4f} ms ({floor_ms / cublas_ms:.0%} of floor "
+                         f"speed), chosen {chosen_ms:.4f} ms ({floor_ms / chosen_ms:.0%}); floor {floor_ms:.4f} ms; "
+                         f"running {picked or 'cuBLAS'}")
+            assert chosen_ms <= cublas_ms * 1.1, lines[-1]
+    print("\nattention products a layer\n" + "\n".join(lines))
+    for key, timings in choice.timings.items():
+        print(key[1], "rows", key[2:4], ":", fastest_timings(timings))
