@@ -296,6 +296,8 @@ class DenseMLPChoice:
         graph, stream = torch.cuda.CUDAGraph(), self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
+            run()  # on the capture stream first: cuBLAS's workspace for it is allocated outside the capture
+            stream.synchronize()
             graph.capture_begin(capture_error_mode="thread_local")
             try:
                 for _ in range(self.repeats):
