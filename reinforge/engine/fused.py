@@ -218,10 +218,9 @@ def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_e
         return self._transformers_forward(hidden_states, position_embeddings=position_embeddings,
                                           attention_mask=attention_mask, **kwargs)
     spec: ArchitectureSpec = self._spec
-    layer = spec.layers[self.layer_idx]
     tokens = hidden_states.shape[1]
     q, k, v = _project_qkv(self, hidden_states, tokens)
-    if layer.rope != "none":
+    if self._layer_rope:
         cos, sin = (table[0] for table in position_embeddings)  # (tokens, rotary dim)
         rotary_dim = cos.shape[-1]
         if rotary_dim == q.shape[-1]:
@@ -230,7 +229,7 @@ def _packed_attention_forward(self: nn.Module, hidden_states: Tensor, position_e
             q_rot, k_rot = apply_rotary(q[..., :rotary_dim], k[..., :rotary_dim], cos, sin)
             q = torch.cat((q_rot, q[..., rotary_dim:]), dim=-1)
             k = torch.cat((k_rot, k[..., rotary_dim:]), dim=-1)
-    out = packed_attention(q, k, v, self.scaling, kwargs, window=layer.sliding_window, softcap=spec.attn_softcap)
+    out = packed_attention(q, k, v, self.scaling, kwargs, window=self._layer_window, softcap=spec.attn_softcap)
     return self.o_proj(out.reshape(1, tokens, -1)), None
 
 
@@ -247,6 +246,11 @@ def use_packed_attention_layout(model: nn.Module) -> int:
         if (type(module).__module__ == own and type(module).__name__.endswith("Attention")
                 and isinstance(getattr(module, "layer_idx", None), int) and _plain_linears(module, *projections)):
             module._spec = spec
+            # the layer's own differences as plain values: the compiled layers guard on these, equal from layer to
+            # layer, so layers alike share one graph (indexing the table by ``layer_idx`` guarded on the index:
+            # one compilation per layer)
+            layer = spec.layers[module.layer_idx]
+            module._layer_rope, module._layer_window = layer.rope != "none", layer.sliding_window
             module._transformers_forward = module.forward
             module.forward = types.MethodType(_packed_attention_forward, module)
             count += 1

@@ -125,6 +125,34 @@ def test_compiled_decoder_layers_match_eager_in_packed_passes_and_leave_generati
     assert dict(torch._dynamo.utils.counters["frames"]) == counters
 
 
+@pytest.mark.slow
+def test_compiled_layers_alike_share_one_graph_per_grad_mode_and_windowed_layers_one_more():
+    """Dynamo compiles one graph per distinct layer, not per layer: a 4-layer Qwen2 whose last two layers have a
+    sliding window compiles two graphs for a pass with grad and two without, and gives what eager does."""
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**SIZES, "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 4,
+                            "max_window_layers": 2})
+    eager = Qwen2ForCausalLM(config)
+    use_varlen_attention(eager)
+    assert use_packed_attention_layout(eager) == 4
+    compiled = copy.deepcopy(eager)
+    assert compile_decoder_layers(compiled, backend="eager") == 4
+    batch = rollout_rows(3, 5, 6, left_padding={1: 2})
+    outputs = [log_probs_and_grads(model, batch) for model in (eager, compiled)]
+    torch.testing.assert_close(outputs[1][0], outputs[0][0], rtol=0, atol=0)
+    with torch.no_grad():
+        scored = response_log_probs(compiled, batch)[0]
+    torch.testing.assert_close(scored, outputs[0][0], rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 4  # (full, windowed) x (grad, no grad)
+
+
 @pytest.mark.parametrize("config_class,model_class", [(Qwen2Config, Qwen2ForCausalLM), (Qwen3Config, Qwen3ForCausalLM),
                                                       (LlamaConfig, LlamaForCausalLM)])
 def test_packed_attention_layout_matches_transformers_and_leaves_generation_alone(config_class, model_class):
