@@ -116,18 +116,18 @@ def _gate_up_act_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, num_rows, stride_x
              mask=row_mask[None, :] & col_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["num_rows", "blocks_per_split"])
+@triton.jit(do_not_specialize=["num_rows", "blocks_per_split", "num_splits"])
 def _down_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, partial_ptr, num_rows, stride_x, stride_w, stride_out,
-                 num_cols, blocks_per_split, NUM_INNER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 WEIGHT_TMA: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 STATIC_BLOCKS_PER_SPLIT: tl.constexpr):
+                 num_cols, blocks_per_split, num_splits, NUM_INNER: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHT_TMA: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr, STATIC_BLOCKS_PER_SPLIT: tl.constexpr):
     """(x @ W^T)[t, n] over the K range of split ``program_id(2)`` (blocks_per_split blocks of K) for this program's
-    rows t and columns n: unsplit (``SPLIT`` false), plus the bias, rounded into out; else the float32 sum into
-    partial (splits, rows, cols). ``WEIGHT_TMA``: weight_ptr is a (hidden, inter) tensor descriptor of (BLOCK_N, BLOCK_K)
-    blocks. The split's width is a runtime count of blocks (so the compiler still knows each K offset is a multiple
-    of BLOCK_K, for 16-byte asynchronous copies), and batch sizes splitting K differently share one compiled kernel;
-    ``STATIC_BLOCKS_PER_SPLIT`` is 0 when compiled (Triton's interpreter loops only to Python ints)."""
+    rows t and columns n: with one split, plus the bias, rounded into out; else the float32 sum into partial
+    (num_splits, rows, cols). ``WEIGHT_TMA``: weight_ptr is a (hidden, inter) tensor descriptor of (BLOCK_N,
+    BLOCK_K) blocks. The split is a runtime value, counted in blocks (so the compiler still knows each K offset is a
+    multiple of BLOCK_K, for 16-byte asynchronous copies), and K is always masked: every batch size and split runs
+    one compiled kernel. ``STATIC_BLOCKS_PER_SPLIT`` is 0 when compiled (Triton's interpreter loops only to Python
+    ints)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     first_col = tl.program_id(1) * BLOCK_N
     cols = first_col + tl.arange(0, BLOCK_N)
@@ -143,29 +143,22 @@ def _down_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, partial_ptr, num_rows, st
     for step in range(0, STATIC_BLOCKS_PER_SPLIT if STATIC_BLOCKS_PER_SPLIT else blocks_per_split):
         k = (split * blocks_per_split + step) * BLOCK_K
         ks = k + inner
-        if EVEN_K:
-            x_mask = row_mask[:, None]
-            w_mask = col_mask[:, None]
-        else:
-            x_mask = row_mask[:, None] & (ks[None, :] < NUM_INNER)
-            w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
-        if WEIGHT_TMA:
+        if WEIGHT_TMA:  # past the inner size, TMA reads zeros
             w = weight_ptr.load([first_col, k])
         else:
-            w = tl.load(weight_rows + ks[None, :], mask=w_mask, other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)
+            w = tl.load(weight_rows + ks[None, :], mask=col_mask[:, None] & (ks[None, :] < NUM_INNER), other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks[None, :] < NUM_INNER), other=0.0)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
     out_mask = row_mask[None, :] & col_mask[:, None]
-    if not SPLIT:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None],
-                 rounded_like(acc, out_ptr, UPCAST).to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(partial_ptr + (split * num_rows + rows[None, :]).to(tl.int64) * num_cols + cols[:, None], acc,
-                 mask=out_mask)
+    # one of the two stores writes: the rounded sum (unsplit) or the float32 partial sum
+    tl.store(partial_ptr + (split * num_rows + rows[None, :]).to(tl.int64) * num_cols + cols[:, None], acc,
+             mask=out_mask & (num_splits > 1))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None],
+             rounded_like(acc, out_ptr, UPCAST).to(out_ptr.dtype.element_ty), mask=out_mask & (num_splits == 1))
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -241,15 +234,16 @@ def down(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: DenseTiles = Den
     out = torch.empty(num_rows, num_cols, dtype=x.dtype, device=x.device)
     span = k_per_split(num_inner, tiles)
     num_splits = triton.cdiv(num_inner, span)
-    partial = out if num_splits == 1 else torch.empty(num_splits, num_rows, num_cols, dtype=torch.float32,
-                                                      device=x.device)
+    # (splits, rows, cols) float32 partial sums; unsplit, a placeholder of one element (its store is masked off) that
+    # keeps the kernel compiled for float32 partials
+    partial = torch.empty(num_splits * num_rows * num_cols if num_splits > 1 else 1, dtype=torch.float32,
+                          device=x.device)
     options = dot_options(x.dtype)
     grid = (triton.cdiv(num_rows, tiles.block_t), triton.cdiv(num_cols, tiles.block_n), num_splits)
     _down_kernel[grid](x, _weight_operand(weight, tiles), weight if bias is None else bias, out, partial, num_rows,
-                       x.stride(0), weight.stride(0), out.stride(0), num_cols, span // tiles.block_k,
-                       NUM_INNER=num_inner,
-                       HAS_BIAS=bias is not None, SPLIT=num_splits > 1, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
-                       BLOCK_K=tiles.block_k, EVEN_K=num_inner % span == 0, WEIGHT_TMA=tiles.weight_tma, **options,
+                       x.stride(0), weight.stride(0), out.stride(0), num_cols, span // tiles.block_k, num_splits,
+                       NUM_INNER=num_inner, HAS_BIAS=bias is not None, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+                       BLOCK_K=tiles.block_k, WEIGHT_TMA=tiles.weight_tma, **options,
                        STATIC_BLOCKS_PER_SPLIT=span // tiles.block_k if _INTERPRETED else 0, num_warps=tiles.num_warps,
                        num_stages=tiles.num_stages)
     if num_splits > 1:

@@ -243,11 +243,12 @@ from reinforge.rollout.native import dense_choice, dense_kernels
 KERNELS = {  # the Qwen2.5-1.5B MLP in bf16 (down split in three), as the launchers pass them
     "gate_up": (dense_kernels._gate_up_act_kernel, 1536, dict(
         x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", num_rows="i32", stride_x="i32",
-        stride_w="i32", stride_out="i32", inter="i32"), dict(HAS_BIAS=False, ACTIVATION=0), dense_choice.GATE_UP_TILES),
+        stride_w="i32", stride_out="i32", inter="i32"), dict(HAS_BIAS=False, ACTIVATION=0, EVEN_K=True),
+        dense_choice.GATE_UP_TILES),
     "down": (dense_kernels._down_kernel, 8960, dict(
         x_ptr="*bf16", weight_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", partial_ptr="*fp32", num_rows="i32",
-        stride_x="i32", stride_w="i32", stride_out="i32", num_cols="i32", blocks_per_split="i32"),
-        dict(HAS_BIAS=False, SPLIT=True, STATIC_BLOCKS_PER_SPLIT=0), dense_choice.DOWN_TILES),
+        stride_x="i32", stride_w="i32", stride_out="i32", num_cols="i32", blocks_per_split="i32", num_splits="i32"),
+        dict(HAS_BIAS=False, STATIC_BLOCKS_PER_SPLIT=0), dense_choice.DOWN_TILES),
 }
 results = []
 for product, (kernel, inner, arguments, extra, tilings) in KERNELS.items():
@@ -256,9 +257,9 @@ for product, (kernel, inner, arguments, extra, tilings) in KERNELS.items():
         if tiles.weight_tma:
             signature["weight_ptr"] = f"tensordesc<bf16[{tiles.block_n}, {tiles.block_k}]>"
         constants = dict(NUM_INNER=inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                         EVEN_K=True, WEIGHT_TMA=tiles.weight_tma, PRECISION="tf32", UPCAST=False) | extra
+                         WEIGHT_TMA=tiles.weight_tma, PRECISION="tf32", UPCAST=False) | extra
         aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in arguments.items()
-                   if signature[name] == kind and name not in ("num_rows", "blocks_per_split")}  # as launched
+                   if signature[name] == kind and name not in ("num_rows", "blocks_per_split", "num_splits")}
         source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                            constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
