@@ -233,6 +233,30 @@ def test_the_down_splits_fill_the_sms():
         == [16] * len([tile for tile in dense_choice.DOWN_TILES if tile.block_t == 16])
 
 
+def test_the_decoder_marks_decode_steps_for_the_mlp_and_prefill_steps_not(tiny, monkeypatch):
+    """What the choice keys on: the decoder tells each MLP block whether it runs a decode step (one token a sequence)
+    or a prefill, so prefills keep cuBLAS's products."""
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+    from reinforge.rollout.native.layers import DenseMLP
+
+    calls = []
+    forward = DenseMLP.forward
+
+    def recording(self, weights, x, decode=False):
+        calls.append((x.shape[0], decode))
+        return forward(self, weights, x, decode)
+
+    monkeypatch.setattr(DenseMLP, "forward", recording)
+    model = tiny.build("qwen2")
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4)
+    engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=3, temperature=0.0))
+                     for prompt in tiny.prompts([5, 9])])
+    assert (14, False) in calls  # both prompts in one prefill, each layer
+    assert (2, True) in calls  # both sequences in a decode step
+    assert {decode for rows, decode in calls if rows == 14} == {False}
+
+
 HOPPER_COMPILE = """
 import json
 import triton
