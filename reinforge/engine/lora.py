@@ -63,11 +63,23 @@ def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module
                    and module.down_proj.dim() == 3] or None
         if experts and targets != ["all-linear"]:
             targets = linear_targets(model, targets) or targets
-    excluded = [*(experts or []), *([head] if head else [])] or None
+    excluded = [*(experts or []), *([head] if head else []), *_frozen_tower_linears(model)] or None
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, exclude_modules=excluded,
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
                           lora_dropout=config.dropout, bias="none", task_type=None if head else "CAUSAL_LM",
                           base_model_name_or_path=base_model_path or None)
+
+
+def _frozen_tower_linears(model: nn.Module | None) -> list[str]:
+    """The linear layers of a vision-language model's frozen vision tower (``actor.freeze_vision_tower``): a frozen
+    tower gets no adapter, whatever the targets name (Qwen2.5-VL's tower MLP has ``gate_proj`` ... ``down_proj``)."""
+    from reinforge.models.vision import vision_tower
+
+    tower = vision_tower(model) if model is not None else None
+    if tower is None or any(parameter.requires_grad for parameter in tower.parameters()):
+        return []
+    prefix = next(name for name, module in model.named_modules() if module is tower)
+    return [f"{prefix}.{name}" for name, module in tower.named_modules() if isinstance(module, nn.Linear)]
 
 
 def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", seed: int = 0,

@@ -209,3 +209,22 @@ def test_default_targets_on_a_mixture_of_experts_adapt_linear_layers_and_leave_t
     adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in peft_model.named_parameters() if ".lora_A." in name}
     assert adapted and all(name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) for name in adapted)
     assert not any(type(module).__name__ == "ParamWrapper" for module in peft_model.modules())
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen-tower", "trained-tower"])
+def test_a_frozen_vision_tower_gets_no_adapters_and_a_trained_one_does(frozen):
+    """Qwen2.5-VL's tower MLP shares the language model's projection names: the default targets match it, but a
+    tower frozen by ``actor.freeze_vision_tower`` stays whole (no adapter, nothing trained in it)."""
+    from reinforge.models.tiny_vlm import build_tiny_vlm
+    from reinforge.models.vision import freeze_vision_tower
+
+    model = build_tiny_vlm("qwen2_5_vl")
+    freeze_vision_tower(model, frozen)
+    add_lora(model, LoraConfig(rank=4))
+    adapted = [name for name, _ in model.named_parameters() if ".lora_" in name]
+    in_tower = [name for name in adapted if ".visual." in name]
+    assert any(".language_model." in name for name in adapted)
+    assert bool(in_tower) is not frozen
+    trained_in_tower = [name for name, parameter in model.named_parameters()
+                        if ".visual." in name and parameter.requires_grad]
+    assert bool(trained_in_tower) is not frozen
