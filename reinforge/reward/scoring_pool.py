@@ -262,6 +262,18 @@ def _stop_workers(workers: list[_Worker]) -> None:
         worker.kill()
 
 
+def _preload_in_forkserver() -> None:
+    """Add this module to what multiprocessing's forkserver imports when it starts (the first pool of the process
+    starts it), after whatever the process asked for already: each worker is then a fork of an interpreter that
+    has ``reinforge.reward`` imported, instead of importing it again (0.1 s of CPU a pool of four, every run). A
+    forkserver already running keeps what it has; its workers import the module themselves, as before."""
+    from multiprocessing import forkserver
+
+    preload = list(getattr(getattr(forkserver, "_forkserver", None), "_preload_modules", None) or ["__main__"])
+    if __name__ not in preload:
+        forkserver.set_forkserver_preload([*preload, __name__])
+
+
 class ScoringPool:
     """``num_workers`` scorer processes; ``run`` gives each job at most ``timeout_s`` seconds (and each worker
     at most ``max_memory_mb`` of heap; None: no cap)."""
@@ -274,6 +286,8 @@ class ScoringPool:
             raise ValueError(f"reward.timeout_s={timeout_s} must be positive")
         methods = multiprocessing.get_all_start_methods()
         self._context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in methods:
+            _preload_in_forkserver()
         self.timeout_s = timeout_s
         self.custom_function = custom_function
         self.max_memory_mb = max_memory_mb
