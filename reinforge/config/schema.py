@@ -17,6 +17,9 @@ TRUNCATION_MODES = ("error", "left", "right")
 FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 """The values of algorithm.filter_groups.metric."""
 
+DECODE_PRODUCTS = ("cublas", "timed")
+"""The values of rollout.decode_products: what runs a native decode step's products (see RolloutConfig)."""
+
 
 @dataclass
 class DataConfig:
@@ -295,6 +298,11 @@ class RolloutConfig:
     """Native engine: auto keeps the KV cache in the model dtype; fp8 stores e4m3 keys and values with a float32
     scale per token and KV head (about twice the tokens in the same memory, half the bytes read per decode step,
     at some log-prob mismatch against the trainer: see docs/long_responses.md). Not for MLA models."""
+    decode_products: str = "cublas"
+    """Native engine on a GPU: what runs a decode step's q|k|v, o and MLP products (up to 256 sequences). cublas:
+    torch's products. timed: at each decode batch size's first step the engine times swapped Triton kernels
+    (``rollout/native/dense_kernels.py``) against cuBLAS for each product and keeps the faster; a kernel that fails
+    or disagrees is dropped in one line. Prefill keeps cuBLAS."""
     segment_tokens: Optional[int] = None
     """trainer.mode=async: generate in segments of this many tokens (a divisor of data.max_response_length);
     a weight sync lands between segments, where unfinished samples are interrupted and resumed under the new

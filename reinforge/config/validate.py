@@ -10,6 +10,7 @@ from __future__ import annotations
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import (
     COMBINE_MODES,
+    DECODE_PRODUCTS,
     FILTER_METRICS,
     JUDGE_PARSE_RULES,
     REMOTE_PROTOCOLS,
@@ -299,6 +300,7 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"rollout.max_prefill_chunk_tokens={rollout.max_prefill_chunk_tokens} must be a positive "
                           "token count (or null: 16384)")
     choose("rollout.kv_cache_dtype", rollout.kv_cache_dtype, ("auto", "fp8"))
+    choose("rollout.decode_products", rollout.decode_products, DECODE_PRODUCTS)
     if rollout.val_kwargs.n < 1:
         raise ConfigError(f"rollout.val_kwargs.n={rollout.val_kwargs.n} must be at least 1")
     for key in ("nnodes", "devices_per_node"):

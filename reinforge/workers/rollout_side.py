@@ -189,7 +189,8 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
                                   free_on_sleep=rollout.free_cache_engine,
                                   enable_prefix_caching=rollout.enable_prefix_caching, device=device,
                                   max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens,
-                                  kv_cache_dtype=rollout.kv_cache_dtype, **planned_concurrency(config))
+                                  kv_cache_dtype=rollout.kv_cache_dtype, decode_products=rollout.decode_products,
+                                  **planned_concurrency(config))
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                 engine.kv_cache_bytes = int(rollout.kv_cache_gib * GiB)
             return engine

@@ -63,6 +63,13 @@ def test_wrong_type_names_key_value_and_type():
         load_config(None, ["rollout.n=many"])
 
 
+def test_the_decode_products_choice_defaults_to_cublas_and_refuses_other_values():
+    assert load_config(None, []).rollout.decode_products == "cublas"
+    assert load_config(None, ["rollout.decode_products=timed"]).rollout.decode_products == "timed"
+    with pytest.raises(ConfigError, match=r"rollout\.decode_products"):
+        load_config(None, ["rollout.decode_products=fast"])
+
+
 def test_section_set_as_value_is_explained():
     with pytest.raises(ConfigError, match="is a section"):
         load_config(None, ["actor=3"])

@@ -73,6 +73,9 @@ class BlockContext:
     use_triton: bool
     flash_prefix: bool
     rotary: RotaryTables
+    timed_products: bool = False
+    """A decode step's q|k|v, o and MLP products run by what ``dense_choice.DenseMLPChoice`` timed fastest
+    (rollout.decode_products=timed); else cuBLAS's."""
 
     @property
     def eps(self) -> float:
@@ -102,7 +105,8 @@ def concatenated(linears: tuple[nn.Linear, ...]) -> tuple[Parts, Parts]:
 class DenseAttention:
     """Rotary attention with grouped KV heads: rotary of the layer's kind (global, local or none; whole or
     partial), q/k norms per head or over the projection, a sliding window and a score soft-cap per the table. On
-    the Triton path a decode step's q|k|v and o products run by what ``DenseMLPChoice.linear`` timed fastest."""
+    the Triton path with ``timed_products`` a decode step's q|k|v and o products run by what
+    ``DenseMLPChoice.linear`` timed fastest."""
 
     float32_copies: frozenset[str] = frozenset()
 
@@ -121,7 +125,7 @@ class DenseAttention:
         self.cache_entry = (2, self.num_kv_heads, self.head_dim)
         self.products: DenseMLPChoice | None = None
         """On the Triton path, what runs a decode step's q|k|v and o products (``DenseMLPChoice.linear``)."""
-        if context.use_triton:
+        if context.timed_products:
             from reinforge.rollout.native.dense_choice import dense_mlp_choice
 
             self.products = dense_mlp_choice()
@@ -206,7 +210,7 @@ class DenseMLP:
         self.context = context
         self.activation = context.spec.activation
         self.kernels: DenseMLPChoice | None = None
-        if context.use_triton:
+        if context.timed_products:
             from reinforge.rollout.native.dense_choice import dense_mlp_choice
 
             self.kernels = dense_mlp_choice()

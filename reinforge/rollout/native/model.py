@@ -50,6 +50,8 @@ NORM_NAMES = {"pre": ("input_layernorm", "post_attention_layernorm"),
               "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
 """The norms of a layer of each placement, as transformers names them (their copies keep the names)."""
 
+DECODE_PRODUCTS = ("cublas", "timed")
+"""What may run a decode step's products (``rollout.decode_products``): cuBLAS alone, or what ``dense_choice`` timed."""
 
 def attention_block(context: BlockContext, index: int,
                     mla_tables: tuple[Tensor, Tensor] | None = None) -> DenseAttention | MLAAttention:
@@ -272,7 +274,7 @@ class PagedDecoder:
     """
 
     def __init__(self, model: nn.Module, max_model_len: int, use_triton: bool, device: torch.device | None = None,
-                 weights_fixed: bool = False):
+                 weights_fixed: bool = False, decode_products: str = "cublas"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the native rollout engine cannot run this model: {reason}; "
@@ -280,6 +282,10 @@ class PagedDecoder:
         self.model = model
         self.max_model_len = max_model_len
         self.use_triton = use_triton
+        if decode_products not in DECODE_PRODUCTS:
+            raise ValueError(f"decode_products={decode_products!r} is not one of {', '.join(DECODE_PRODUCTS)} "
+                             "(rollout.decode_products)")
+        self.decode_products = decode_products
         self.weights_fixed = weights_fixed
         """The model's weights never change while this decoder reads them: all are read in place where they can be."""
         spec: ArchitectureSpec = native_architecture_spec(model.config)
@@ -301,7 +307,8 @@ class PagedDecoder:
         self.rotary = RotaryTables(inner, set() if multimodal else kinds, max_model_len, self.dtype, self.device, rope)
         if multimodal:
             self.rotary.tables["global"] = MropeLayout(model, self.dtype, self.device).text_table(max_model_len)
-        self.context = BlockContext(spec, config, self.dtype, use_triton, self.flash_prefix, self.rotary)
+        self.context = BlockContext(spec, config, self.dtype, use_triton, self.flash_prefix, self.rotary,
+                                    timed_products=use_triton and decode_products == "timed")
         mla_tables = None if spec.mla is None else \
             mla_rotary_tables(inner.rotary_emb, max_model_len, self.dtype, self.device)
         self.attention = [attention_block(self.context, index, mla_tables) for index in range(self.num_layers)]

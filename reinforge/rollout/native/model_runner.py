@@ -80,11 +80,12 @@ def prefill_chunks(starts: list[int], stops: list[int], budget: int | None) -> l
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
-                 max_prefill_chunk_tokens: int | None = None, kv_cache_dtype: str = "auto", weights_fixed: bool = False):
+                 max_prefill_chunk_tokens: int | None = None, kv_cache_dtype: str = "auto", weights_fixed: bool = False,
+                 decode_products: str = "cublas"):
         """max_prefill_chunk_tokens: the most new tokens one prefill forward runs (None: no limit);
         kv_cache_dtype: auto (the model dtype) or fp8 (e4m3 with a scale per vector, kv_quant.py); weights_fixed:
         the model's weights never change, so the decoder reads them in place (``model.weights_read_in_place``)."""
-        self.decoder = PagedDecoder(model, max_model_len, use_triton, device, weights_fixed)
+        self.decoder = PagedDecoder(model, max_model_len, use_triton, device, weights_fixed, decode_products)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk_tokens = max_prefill_chunk_tokens
@@ -149,7 +150,7 @@ class ModelRunner:
         if model is not self.decoder.model:
             self.decoder.free_weights()
             self.decoder = PagedDecoder(model, self.decoder.max_model_len, self.decoder.use_triton, self.decoder.device,
-                                        self.decoder.weights_fixed)
+                                        self.decoder.weights_fixed, self.decoder.decode_products)
         if loaded:
             self.load_weights()
         if self.decoder.parameter_pointers() != self._graph_parameter_pointers:

@@ -257,6 +257,24 @@ def test_the_decoder_marks_decode_steps_for_the_mlp_and_prefill_steps_not(tiny, 
     assert {decode for rows, decode in calls if rows == 14} == {False}
 
 
+@pytest.mark.parametrize("decode_products", ["cublas", "timed"])
+def test_the_timed_products_serve_the_decoder_only_when_asked(tiny, decode_products):
+    """rollout.decode_products: cublas (the default) leaves every product to torch; timed gives each dense MLP and
+    attention block the process's choice; another value is refused naming the key."""
+    from reinforge.rollout.native.model import PagedDecoder
+
+    model = tiny.build("qwen2")
+    decoder = PagedDecoder(model, 64, use_triton=True, device=torch.device("cpu"), decode_products=decode_products)
+    chosen = [block.kernels for block in decoder.mlps] + [block.products for block in decoder.attention]
+    if decode_products == "timed":
+        assert all(choice is dense_choice.dense_mlp_choice() for choice in chosen)
+    else:
+        assert all(choice is None for choice in chosen)
+    assert PagedDecoder(model, 64, use_triton=True, device=torch.device("cpu")).context.timed_products is False
+    with pytest.raises(ValueError, match="rollout.decode_products"):
+        PagedDecoder(model, 64, use_triton=True, device=torch.device("cpu"), decode_products="fast")
+
+
 HOPPER_COMPILE = """
 import json
 import triton
@@ -362,7 +380,7 @@ def test_greedy_tokens_are_the_same_with_the_dense_kernels_on_and_off(tiny, monk
         monkeypatch.setattr(dense_choice, "_DENSE_KERNELS", [choice])
         if name == "on":
             stub_times_later_candidates_faster(monkeypatch)
-        engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=16)
+        engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, max_num_seqs=16, decode_products="timed")
         completions = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0.0, n=2))
                                        for prompt in prompts])
         results[name] = [[sample.token_ids for sample in samples] for samples in completions]
