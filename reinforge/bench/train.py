@@ -274,7 +274,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     rows: list[dict] = []
     stopped_early = False
     for step in range(args.steps):
-        if rows and past_deadline(args, rows[-1]["step_s"]):
+        if rows and past_deadline(args, rows[-1]["step_s"] - rows[-1]["compile_s"]):
             print(f"stopping after {len(rows)} of {args.steps} steps: one more would end past --deadline-s "
                   f"{args.deadline_s:g}", flush=True)
             stopped_early = True
@@ -293,7 +293,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             timing[name] = time.perf_counter() - start
             return result
 
-        step_start = time.perf_counter()
+        step_start, compiled_before = time.perf_counter(), compile_seconds()
         generated = timed("rollout", actor.generate, prompt_batch(args, vocab_size, step), rollout_sampling(args), step)
         phase_peaks, host = {}, host_memory_gb()  # sampled at the rollout's end and the step's end
         if device.type == "cuda":
@@ -329,6 +329,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         mfu = metrics.get("perf/mfu/actor")
         floor = measured_floor(model_shape, batch, config, args)
         row = {"step": step + 1, "step_s": step_time, **{f"{k}_s": v for k, v in timing.items()},
+               "compile_s": compile_seconds() - compiled_before,
                "update_tokens": tokens, "computed_tokens": computed,
                "update_tokens_per_s": tokens / timing["update_actor"], "mfu": mfu,
                "mfu_workload_tokens": mfu * tokens / computed if mfu is not None else None,
@@ -378,8 +379,16 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     return result
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling frames with torch.compile (dynamo, AOTAutograd and inductor)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+
 def past_deadline(args: argparse.Namespace, last_step_s: float) -> bool:
-    """Whether a step as long as the last one would end past the single case's ``--deadline-s``."""
+    """Whether a step as long as the last one (less what it spent compiling, which the next does not repeat) would
+    end past the single case's ``--deadline-s``."""
     deadline = getattr(args, "deadline_at", None)
     return deadline is not None and time.monotonic() + last_step_s > deadline
 

@@ -29,3 +29,38 @@ def test_a_step_reports_its_floor_and_no_step_starts_past_the_deadline(tmp_path,
     assert step["rollout_floor_s"] == pytest.approx(floor.seconds) and step["rollout_floor_decode_steps"] == 8
     assert step["rollout_over_floor"] == pytest.approx(step["rollout_s"] / floor.seconds)
     assert results["floor"] == {"bandwidth_tbps": 2.0, "kv_cache_dtype": "auto", "value_bytes": 4}
+
+
+@pytest.mark.slow
+def test_the_next_step_is_estimated_without_the_compilation_the_first_one_paid(tmp_path, monkeypatch):
+    """A first step that spent most of its time compiling does not stop the bench at a deadline that leaves room
+    for a step without it: each step records its compile seconds, and the estimate leaves them out."""
+    import time
+
+    import torch
+
+    from reinforge.bench import train
+    from reinforge.models import save_tiny_model
+
+    before = train.compile_seconds()
+    torch.compile(lambda x: x.sin().cos(), backend="eager", dynamic=True)(torch.randn(4))
+    assert train.compile_seconds() > before  # the counter reads torch.compile's own clock
+
+    compiled = iter([0.0, 30.0, 30.0])  # the first step compiles for 30 s, the second for none
+    monkeypatch.setattr(train, "compile_seconds", lambda: next(compiled, 30.0))
+    scored, slept = train.scored_batch, []
+
+    def first_step_long(*args, **kwargs):  # the first step takes 6 s, standing in for its compilation
+        if not slept:
+            slept.append(time.sleep(6.0))
+        return scored(*args, **kwargs)
+
+    monkeypatch.setattr(train, "scored_batch", first_step_long)
+    model_dir = save_tiny_model(tmp_path / "model", arch="qwen2")
+    out = tmp_path / "bench.json"
+    # 10 s: a second step as long as the first would end past it; one without the compilation would not
+    assert main(["bench", "train", "--cpu", "--steps", "2", "--deadline-s", "10", "--model-dir", str(model_dir),
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert len(results["steps"]) == 2 and not results.get("stopped_at_deadline")
+    assert [step["compile_s"] for step in results["steps"]] == [30.0, 0.0]
