@@ -33,7 +33,12 @@ from multiprocessing import forkserver, popen_forkserver
 from pathlib import Path
 
 PRELOAD = ["torch", "torch.distributed", "transformers", "reinforge.cli", "reinforge.trainer.rl_trainer",
-           "reinforge.workers.actor_rollout", "reinforge.engine.fsdp"]
+           "reinforge.workers.actor_rollout", "reinforge.engine.fsdp", "reinforge.rollout.hf",
+           "reinforge.rollout.native.engine", "reinforge.stop_signals", "reinforge.cli_errors",
+           "reinforge.models.random_weights", "pandas", "pyarrow.parquet", "triton", "cloudpickle", "psutil",
+           "forked_python_warmup"]
+"""What a ``reinforge train`` run imports (a run's first second on a 2-core machine when a fork imports it again),
+then ``forked_python_warmup``: the first config a process loads costs it several times what the next ones do."""
 
 _server = None
 _launch_lock = threading.Lock()
@@ -51,8 +56,20 @@ def _forkserver():
         tests = str(Path(__file__).parent)
         if tests not in sys.path:  # the server unpickles _child from this module by name
             sys.path.insert(0, tests)
-        _server = forkserver.ForkServer()
-        _server.set_forkserver_preload(PRELOAD)
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(PRELOAD)
+        # the server imports PRELOAD before it takes this process's sys.path: it finds forked_python_warmup, which
+        # is in tests/, through PYTHONPATH
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (tests, saved) if path)
+        try:
+            server.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+        _server = server
     return _server
 
 
