@@ -3,8 +3,9 @@
 ``trl_grpo.py`` and ``trl_dpo.py`` import it as a sibling module (Python puts a script's own folder first on
 ``sys.path``). A run's step time is the median time between optimizer steps 2.. ; ``--checkpointing auto`` tries
 without gradient checkpointing and, when that runs out of memory, with it, as TRL's users would; ``both`` runs
-each and the faster one counts. ``--deadline-s`` bounds the whole script: a run still training then stops after
-its current step and reports the steps it made (``stopped_at_deadline``), and no further try starts. Each phase
+each and the faster one counts. ``--deadline-s`` bounds the whole script: a run still training stops between steps once the
+deadline has passed or a step as long as the last one would end past it, and reports the steps it made
+(``stopped_at_deadline``); no further try starts. Each phase
 (model loaded, trainer built, steps) is printed with its time as it ends, so the output of a script killed from
 outside still says where it was.
 """
@@ -61,6 +62,10 @@ class Clock:
     def passed(self) -> bool:
         return self.deadline_s is not None and self.elapsed() >= self.deadline_s
 
+    def would_pass(self, seconds: float) -> bool:
+        """Whether something taking ``seconds`` from now would end past the deadline."""
+        return self.deadline_s is not None and self.elapsed() + seconds > self.deadline_s
+
     def phase(self, name: str) -> float:
         """Print that ``name`` ended; returns the time it ended."""
         now = time.perf_counter()
@@ -74,16 +79,22 @@ class Clock:
 
 def step_clock(clock: Clock) -> tuple[Any, list[float]]:
     """A transformers ``TrainerCallback`` that records the time of each optimizer step's end (after the device is
-    done) and stops training at the deadline, and the list it records into."""
+    done) and stops training at the deadline, or before a step as long as the last one would end past it (so the
+    script still writes its results in time), and the list it records into."""
     from transformers import TrainerCallback
 
     times: list[float] = []
+    began: list[float] = []
 
     class StepTimes(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            began.append(time.perf_counter())
+
         def on_step_end(self, args, state, control, **kwargs):
             clock.synchronize()
             times.append(clock.phase(f"step {len(times) + 1}"))
-            if clock.passed():
+            last = times[-1] - (times[-2] if len(times) > 1 else began[-1] if began else times[-1])
+            if clock.passed() or clock.would_pass(last):
                 control.should_training_stop = True
 
     return StepTimes(), times

@@ -135,6 +135,9 @@ class CaseRunner:
         if shape.lora_rank:  # the shape trains an adapter: TRL trains the same one (peft)
             passed += ["--lora-rank", str(shape.lora_rank), "--lora-targets", ",".join(shape.lora_targets)]
         command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed]
+        left = self.seconds_left()
+        if left is not None:  # it stops between steps before this one ends it, and writes the steps it made
+            command += ["--deadline-s", f"{max(left - 2 * MARGIN_S, 1.0):.0f}"]
         self.run_case("trl", size, command, path)
 
     def run_case(self, kind: str, size: str, command: list[str], path: Path) -> None:

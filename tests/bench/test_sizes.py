@@ -143,3 +143,20 @@ def test_a_bench_train_case_gets_the_time_left_as_its_own_deadline(tmp_path, mon
     case.args.deadline_s = None
     case.run_reinforge("1.5b", tmp_path / "model")
     assert "--deadline-s" not in commands[-1]
+
+
+def test_trls_case_gets_the_time_left_as_its_own_deadline(tmp_path, monkeypatch):
+    """TRL's script stops between steps before the bench's deadline and writes the steps it made, instead of being
+    ended with its results unwritten."""
+    args = argparse.Namespace(deadline_s=300.0, case_options=["--steps", "2"])
+    case = sizes.CaseRunner(args, [], tmp_path, {})
+    commands = []
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path: commands.append(command))
+    case.run_trl("qwen2.5-vl-3b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    [command] = commands
+    assert command[1].endswith("trl_grpo_vl.py")
+    deadline = float(command[command.index("--deadline-s") + 1])
+    assert 300 - 2 * sizes.MARGIN_S - 2 <= deadline <= 300 - 2 * sizes.MARGIN_S
+    case.args.deadline_s = None
+    case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    assert "--deadline-s" not in commands[-1]
