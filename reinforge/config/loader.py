@@ -8,6 +8,7 @@ schema expects.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -299,12 +300,18 @@ def _expand_home(config: Any) -> None:
                                   for item in value])
 
 
+@functools.cache
+def _schema_defaults(schema: type) -> Any:
+    """``OmegaConf.structured(schema)``, built once: a copy of it takes a sixth of the time of building it again."""
+    return OmegaConf.structured(schema)
+
+
 def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
                     tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> T:
     """An instance of the dataclass ``schema``: its defaults, then the YAML at ``path``, then the nested
     sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides."""
     known = schema_keys(schema)
-    merged = OmegaConf.structured(schema)
+    merged = copy.deepcopy(_schema_defaults(schema))  # the layers below update it in place
     sources: dict[str, str] = {}
     if path is not None:
         path = Path(path)

@@ -57,3 +57,16 @@ def test_values_omegaconf_converts_or_resolves_come_out_as_it_gives_them():
     assert result["actor"]["optim"]["lr"] == 1.0 and isinstance(result["actor"]["optim"]["lr"], float)
     assert result["trainer"]["output_dir"] == "/runs/x"
     assert result["trainer"]["experiment_name"] == "reinforge-b"
+
+
+def test_each_load_starts_from_the_schemas_defaults():
+    """load_config copies one OmegaConf tree of the schema's defaults: what a load sets stays in its own config."""
+    from reinforge.config.schema import Config
+
+    first = load_config(None, ["model.path=/a", "reward.kwargs.k=1", "data.train_files=[x.parquet]",
+                               "trainer.total_steps=7"], validate=False)
+    second = load_config(None, ["model.path=/b"], validate=False)
+    defaults = Config()
+    assert (first.reward.kwargs, first.data.train_files, first.trainer.total_steps) == ({"k": 1}, ["x.parquet"], 7)
+    assert second.reward.kwargs == defaults.reward.kwargs and second.data.train_files == defaults.data.train_files
+    assert second.trainer.total_steps == defaults.trainer.total_steps and second.model.path == "/b"
