@@ -36,15 +36,16 @@ ONE_WORKER = {"tests/controller/test_ray_backend.py": "ray", "tests/controller/t
 """Files that run in one ``make test`` worker, under one name: they share the session's Ray instance (``ray_cluster``,
 tens of seconds to start on a 2-core machine), which a second worker would start again."""
 
-LONGEST_FIRST = ("ray", "tests/trainer/test_rl_trainer.py", "tests/trainer/test_rl_trainer_stop_signals.py",
-                 "tests/trainer/modes/test_async_mode.py", "tests/trainer/test_rl_trainer_lora.py",
-                 "tests/rollout/test_native_moe_kernels.py", "tests/rollout/test_native_vlm.py", "tests/test_api.py",
-                 "tests/rollout/test_native_long_decode.py", "tests/engine/test_families.py",
-                 "tests/demo/test_vision_demo.py", "tests/bench/test_sizes.py",
-                 "tests/config/verl/test_upstream_commands.py", "tests/trainer/test_run_loop.py",
-                 "tests/engine/test_fused.py", "tests/rollout/native/test_triton_kernels.py",
-                 "tests/rollout/test_native_moe.py")
-"""Work units that take the longest (15 s to three minutes each with ``-n 2``), longest first, handed out first: the
+LONGEST_FIRST = ("ray", "tests/trainer/modes/test_async_mode.py", "tests/trainer/test_rl_trainer_stop_signals.py",
+                 "tests/trainer/test_rl_trainer.py", "tests/rollout/test_native_moe_kernels.py",
+                 "tests/demo/test_vision_demo.py", "tests/demo/test_demo.py", "tests/test_api.py",
+                 "tests/trainer/test_rl_trainer_lora.py", "tests/rollout/test_native_vlm.py", "tests/bench/test_sizes.py",
+                 "tests/config/verl/test_upstream_commands.py", "tests/sandbox/test_client.py",
+                 "tests/rollout/test_native_long_decode.py", "tests/trainer/test_run_loop.py",
+                 "tests/engine/test_families.py", "tests/rollout/test_native_moe.py", "tests/sandbox/test_server.py",
+                 "tests/agent/test_retool_recipe.py", "tests/demo/test_agent_demo.py",
+                 "tests/rollout/native/test_triton_kernels.py", "tests/engine/test_fused.py")
+"""Work units that take the longest (10 s to two minutes each with ``-n 2``), longest first, handed out first: the
 two workers then end within a short file of each other. Loadfile's own order (most tests first) would hand out late
 the files of a few long tests (test_api.py, test_run_loop.py, test_sizes.py), and one of them starting last keeps one
 worker busy alone."""
