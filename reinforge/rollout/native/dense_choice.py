@@ -151,7 +151,7 @@ class DenseMLPChoice:
                 weights.down_bias is not None, activation, x.dtype, layouts)
 
     def kernels_for(self, x: Tensor, weights: MLPWeights, activation: str) -> DenseKernels | None:
-        """The picked kernels for this call's key, timed now when the key is new and the stream is not capturing."""
+        """The picked kernels for the call's key, timed now when the key is new and the stream is not capturing."""
         if x.shape[0] > self.max_rows or sum(weight.nbytes for weight in weights if weight is not None) \
                 < self.min_weight_bytes:
             return None
