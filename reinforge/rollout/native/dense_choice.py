@@ -158,23 +158,9 @@ class DenseMLPChoice:
         key = self.key(x, weights, activation)
         if key in self.picked:
             return self.picked[key]
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
         x = x.contiguous()
-        timings: dict[str, float] = {}
-        try:
-            picked = self._timed_pick(x, weights, activation, timings)
-        except Exception as error:  # noqa: BLE001 (cuBLAS's own timing failed: run it untimed)
-            logger.warning("the gated MLP of %d rows x %s could not be timed (%s: %s); cuBLAS runs it", x.shape[0],
-                           tuple(weights.gate_up.shape), type(error).__name__,
-                           str(error).splitlines()[0] if str(error) else "")
-            picked = None
-        finally:
-            self._flush = None
-        self.picked[key], self.timings[key] = picked, timings
-        logger.info("gated MLP of %d rows x %s: %s; running %s", x.shape[0], tuple(weights.gate_up.shape),
-                    ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()), picked or "cuBLAS")
-        return picked
+        return self._pick(key, x, f"the gated MLP of {x.shape[0]} rows x {tuple(weights.gate_up.shape)}",
+                          lambda timings: self._timed_pick(x, weights, activation, timings))
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x @ weight^T + bias for a decode step's x (rows, inner), weight (cols, inner): the attention's q|k|v and o
@@ -192,23 +178,29 @@ class DenseMLPChoice:
                dense_kernels.tma_loadable(weight))
         if key in self.picked:
             return self.picked[key]
+        x = x.contiguous()
+        return self._pick(key, x, f"the product of {x.shape[0]} rows x {tuple(weight.shape)}",
+                          lambda timings: self._fastest("linear", lambda: F.linear(x, weight, bias), [
+                              (tiles, lambda tiles=tiles: dense_kernels.down(x, weight, bias, tiles))
+                              for tiles in self._split_candidates(x, weight)], timings))
+
+    def _pick(self, key: tuple, x: Tensor, what: str, timed_pick):
+        """The pick for a new ``key``, timed now by ``timed_pick(timings)`` and kept, unless the stream is capturing
+        (cuBLAS then runs, untimed); a failure of the timing itself keeps cuBLAS, said in one line."""
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        x = x.contiguous()
         timings: dict[str, float] = {}
         try:
-            picked = self._fastest("linear", lambda: F.linear(x, weight, bias), [
-                (tiles, lambda tiles=tiles: dense_kernels.down(x, weight, bias, tiles))
-                for tiles in self._split_candidates(x, weight)], timings)
+            picked = timed_pick(timings)
         except Exception as error:  # noqa: BLE001 (cuBLAS's own timing failed: run it untimed)
-            logger.warning("the product of %d rows x %s could not be timed (%s: %s); cuBLAS runs it", x.shape[0],
-                           tuple(weight.shape), type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            logger.warning("%s could not be timed (%s: %s); cuBLAS runs it", what, type(error).__name__,
+                           str(error).splitlines()[0] if str(error) else "")
             picked = None
         finally:
             self._flush = None
         self.picked[key], self.timings[key] = picked, timings
-        logger.info("product of %d rows x %s: %s; running %s", x.shape[0], tuple(weight.shape),
-                    ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()), picked or "cuBLAS")
+        logger.info("%s: %s; running %s", what, ", ".join(f"{name} {ms:.4f} ms" for name, ms in timings.items()),
+                    picked or "cuBLAS")
         return picked
 
     def _split_candidates(self, x: Tensor, weight: Tensor) -> list[DenseTiles]:
