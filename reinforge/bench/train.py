@@ -380,9 +380,12 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
 
 
 def compile_seconds() -> float:
-    """Seconds this process has spent compiling frames with torch.compile (dynamo, AOTAutograd and inductor)."""
-    from torch._dynamo.utils import compilation_time_metrics
-
+    """Seconds this process has spent compiling frames with torch.compile (dynamo, AOTAutograd and inductor); 0 where
+    torch keeps no such clock."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
 
 
