@@ -55,6 +55,8 @@ class Clock:
     def __init__(self, deadline_s: float | None, cpu: bool) -> None:
         self.start = time.perf_counter()
         self.deadline_s, self.cpu = deadline_s, cpu
+        self.stopped_early = False
+        """A run stopped before a step that would have ended past the deadline."""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -96,6 +98,7 @@ def step_clock(clock: Clock) -> tuple[Any, list[float]]:
             last = times[-1] - (times[-2] if len(times) > 1 else began[-1] if began else times[-1])
             if clock.passed() or clock.would_pass(last):
                 control.should_training_stop = True
+                clock.stopped_early = not clock.passed()
 
     return StepTimes(), times
 
@@ -123,7 +126,7 @@ def step_record(clock: Clock, checkpointing: bool, start: float, times: list[flo
         record["step_s"] = statistics.median(step_times[1:] or step_times)
     else:
         record["error"] = "no optimizer step finished"
-    if clock.passed():
+    if clock.passed() or clock.stopped_early:
         record["stopped_at_deadline"] = True
     return record
 

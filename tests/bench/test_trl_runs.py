@@ -24,6 +24,8 @@ def test_training_stops_before_a_step_as_long_as_the_last_would_pass_the_deadlin
     assert not control.should_training_stop
     now[0] = 80.0  # a second of 30 s: a third would end at 110 s, past it
     callback.on_step_end(None, None, control)
-    assert control.should_training_stop and len(times) == 2
+    assert control.should_training_stop and len(times) == 2 and clock.stopped_early
+    record = trl_runs.step_record(clock, False, 10.0, times, [])
+    assert record["stopped_at_deadline"] and record["step_times_s"] == [40.0, 30.0] and record["step_s"] == 30.0
     unbounded = trl_runs.Clock(deadline_s=None, cpu=True)
     assert not unbounded.would_pass(1e9) and not unbounded.passed()
