@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reinforge.rollout.native import triton_kernels
-from reinforge.rollout.native.moe_kernels import _INTERPRETED, dot_options, rounded_like
+from reinforge.rollout.native.moe_kernels import _INTERPRETED, dot_options, k_masks, rounded_like
 from reinforge.rollout.native.triton_kernels import ACTIVATIONS, gated_activation
 
 
@@ -89,12 +89,7 @@ def _gate_up_act_kernel(x_ptr, weight_ptr, bias_ptr, out_ptr, num_rows, stride_x
     up = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for k in range(0, NUM_INNER, BLOCK_K):
         ks = k + inner
-        if EVEN_K:  # masks constant along K: 16-byte loads
-            x_mask = row_mask[:, None]
-            w_mask = col_mask[:, None]
-        else:
-            x_mask = row_mask[:, None] & (ks[None, :] < NUM_INNER)
-            w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+        x_mask, w_mask = k_masks(row_mask, col_mask, ks, NUM_INNER, EVEN_K)
         if WEIGHT_TMA:
             gate_w = weight_ptr.load([first_col, k])
             up_w = weight_ptr.load([first_col + inter, k])

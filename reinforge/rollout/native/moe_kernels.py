@@ -56,6 +56,20 @@ def _expert_matmul_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, stride_row,
 
 
 @triton.jit
+def k_masks(row_mask, col_mask, ks, NUM_INNER, EVEN_K: tl.constexpr):
+    """The load masks of the rows (tokens) and of the weight rows at K offsets ``ks``: constant along K when every
+    K block is whole (EVEN_K), so the loads stay 16-byte vectors."""
+    if EVEN_K:
+        x_mask = row_mask[:, None]
+        w_mask = col_mask[:, None]
+    else:
+        inside = ks[None, :] < NUM_INNER
+        x_mask = row_mask[:, None] & inside
+        w_mask = col_mask[:, None] & inside
+    return x_mask, w_mask
+
+
+@triton.jit
 def rounded_like(x, like_ptr, BITWISE: tl.constexpr):
     """float32 x rounded to the element type of ``like_ptr`` (to nearest, ties to even), as float32. ``BITWISE``
     rounds to bf16 on the float32 bits: Triton's interpreter truncates its bf16 casts."""
@@ -94,12 +108,7 @@ def _gate_up_silu_block(hidden_ptr, weight_ptr, out_ptr, order_ptr, gate_rows, u
     for step in range(0, NUM_INNER, BLOCK_K):
         k = _rotated(step, expert, first_col, NUM_INNER, BLOCK_K, ROTATE_K)
         ks = k + inner
-        if EVEN_K:  # masks constant along K: 16-byte loads
-            x_mask = slot_mask[:, None]
-            w_mask = col_mask[:, None]
-        else:
-            x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
-            w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+        x_mask, w_mask = k_masks(slot_mask, col_mask, ks, NUM_INNER, EVEN_K)
         # the weights first: their loads need nothing the slots' loads wait for
         if WEIGHT_TMA:
             gate_w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
@@ -176,12 +185,7 @@ def _down_scatter_block(rows_ptr, weight_ptr, out_ptr, order_ptr, routing_ptr, w
     for step in range(0, NUM_INNER, BLOCK_K):
         k = _rotated(step, expert, first_col, NUM_INNER, BLOCK_K, ROTATE_K)
         ks = k + inner
-        if EVEN_K:
-            x_mask = slot_mask[:, None]
-            w_mask = col_mask[:, None]
-        else:
-            x_mask = slot_mask[:, None] & (ks[None, :] < NUM_INNER)
-            w_mask = col_mask[:, None] & (ks[None, :] < NUM_INNER)
+        x_mask, w_mask = k_masks(slot_mask, col_mask, ks, NUM_INNER, EVEN_K)
         if WEIGHT_TMA:
             w = weight_ptr.load([expert, first_col, k]).reshape(BLOCK_N, BLOCK_K)
         else:
