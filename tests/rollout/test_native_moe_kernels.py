@@ -4,11 +4,16 @@ run by Triton's interpreter on the CPU and against torch's grouped GEMM on the G
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from compiled_outside_interpreter import compile_report  # noqa: E402
 
 from reinforge.rollout.native import moe_choice, moe_kernels  # noqa: E402
 from reinforge.rollout.native.moe import experts_forward  # noqa: E402
@@ -307,18 +312,7 @@ def test_every_swapped_tiling_compiles_for_hopper_with_its_weight_loads_pipeline
     """Each tiling of both swapped products, and the counting sort, compiled for sm_90 (no GPU needed; Triton's own
     ptxas), outside the interpreter: the weight loads run as asynchronous copies (TMA for the TMA tilings) in
     num_stages buffers, and the shared memory fits an H100/H200 SM (227 KiB)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+    results = compile_report(HOPPER_COMPILE)
     assert results.pop()["product"] == "order"  # the counting sort compiles too
     tilings = [tiles for product in ("gate_up", "down") for tiles in moe_choice.PRODUCT_TILES[product]]
     for result, tiles in zip(results, tilings, strict=True):

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from compiled_outside_interpreter import compile_report  # noqa: E402  (tests/: conftest.py)
+
 from reinforge.rollout.native import dense_choice, dense_kernels  # noqa: E402
 from reinforge.rollout.native.dense_choice import DenseMLPChoice, cublas_mlp  # noqa: E402
 from reinforge.rollout.native.dense_kernels import DenseKernels, DenseTiles, MLPWeights  # noqa: E402
@@ -319,18 +321,7 @@ def test_every_dense_tiling_compiles_for_hopper_with_its_weight_loads_pipelined(
     """Each tiling of both products compiled for sm_90 (no GPU needed; Triton's own ptxas), outside the interpreter:
     the weight loads run as asynchronous copies (TMA for the TMA tilings) in num_stages buffers, and the shared
     memory fits an H100/H200 SM (227 KiB)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])
-    done = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.splitlines()[-1])
+    results = compile_report(HOPPER_COMPILE)
     tilings = [*dense_choice.GATE_UP_TILES, *dense_choice.DOWN_TILES]
     for result, tiles in zip(results, tilings, strict=True):
         assert result["shared"] <= 227 * 1024, result
