@@ -8,7 +8,7 @@ image of the batch once, many images per tower call (at most ``ENCODE_PATCHES`` 
 when it is larger), without gradients, and keeps the merged embeddings (and Qwen3-VL's deepstack features) on the
 device; the packed forwards take them in place of the pixels (``models.vision.image_embeddings_in_place``).
 
-Images are named by the content of their patches and their grid (a BLAKE2 digest), so the n samples of a prompt,
+Images are named by the content of their patches and their grid (a SHA-256 digest), so the n samples of a prompt,
 and the same image in another prompt, are one image; a row's ``pixel_values`` tensor seen again (the same
 object) is not hashed again. The cache holds the images of the last batch prepared: ``prepare`` drops the
 others, and the worker clears it after the update, so nothing outlives a step.

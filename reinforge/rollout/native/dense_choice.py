@@ -24,6 +24,7 @@ from torch import Tensor
 
 from reinforge.rollout.native import dense_kernels, triton_kernels
 from reinforge.rollout.native.dense_kernels import DenseKernels, DenseTiles, MLPWeights
+from reinforge.rollout.native.timed_choice import CheckedTimings
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +108,15 @@ def cublas_mlp(x: Tensor, weights: MLPWeights, activation: str) -> Tensor:
     return F.linear(activated, weights.down, weights.down_bias)
 
 
-class DenseMLPChoice:
+class DenseMLPChoice(CheckedTimings):
     """Which kernels run a gated MLP, per (rows, gate|up and down shapes, biases, activation, dtype): cuBLAS unless
     a Triton tiling of a product was timed faster (for decode steps of ``max_rows`` or fewer, of MLPs of
     ``min_weight_bytes`` or more). Each product is timed alone on the call's rows and weights (down on cuBLAS's
     gate|up output), then the picked pair against cuBLAS's MLP. A candidate that fails to compile or run, or
     whose output is not cuBLAS's within bf16 rounding, is dropped in one line. Timing needs a stream that is not
     capturing; inside a capture an untimed shape runs cuBLAS."""
+
+    reference, candidates, fallback = "cuBLAS's", "the dense MLP kernel", "cuBLAS or another tiling runs it"
 
     def __init__(self, repeats: int = 10, gate_up_tiles: tuple[DenseTiles, ...] = GATE_UP_TILES,
                  down_tiles: tuple[DenseTiles, ...] = DOWN_TILES, max_rows: int = MAX_DECODE_ROWS,
@@ -129,8 +132,7 @@ class DenseMLPChoice:
         for cuBLAS."""
         self.timings: dict[tuple, dict[str, float]] = {}
         """key -> milliseconds of each candidate timed."""
-        self.failed: set[str] = set()
-        """Candidates (their names) dropped for failing or differing from cuBLAS."""
+        super().__init__()  # self.failed: candidates (their names) dropped
         self._flush: Tensor | None = None
         self._flush_milliseconds = 0.0
         self._stream: torch.cuda.Stream | None = None
@@ -249,22 +251,6 @@ class DenseMLPChoice:
                 if milliseconds < fastest[0]:
                     fastest = (milliseconds, tiles)
         return fastest[1]
-
-    def _checked_time(self, name: str, run: Callable[[], Tensor], expected: Tensor) -> float | None:
-        """Milliseconds per ``run()``, or None (dropped in one line) when it fails or its output is not ``expected``
-        within bf16 rounding."""
-        try:
-            out = run()
-            scale = expected.float().abs().max().clamp(min=1e-6)
-            error = float((out.float() - expected.float()).abs().max() / scale)
-            if not error <= 2e-2:
-                raise ValueError(f"its output differs from cuBLAS's by {error:.2g} of the largest value")
-            return self._time(run)
-        except Exception as error:  # noqa: BLE001 (a kernel the device cannot compile or run: keep cuBLAS)
-            self.failed.add(name)
-            logger.warning("the dense MLP kernel %s is dropped (%s: %s); cuBLAS or another tiling runs it", name,
-                           type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-            return None
 
     def _time(self, run: Callable[[], Tensor]) -> float:
         """Milliseconds per ``run()`` replayed from a CUDA graph, each run after a read of twice the L2's size (so

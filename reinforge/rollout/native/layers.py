@@ -124,7 +124,7 @@ class DenseAttention:
         self.rope = layer.rope
         self.cache_entry = (2, self.num_kv_heads, self.head_dim)
         self.products: DenseMLPChoice | None = None
-        """On the Triton path, what runs a decode step's q|k|v and o products (``DenseMLPChoice.linear``)."""
+        """With ``timed_products``, what runs a decode step's q|k|v and o products (``DenseMLPChoice.linear``)."""
         if context.timed_products:
             from reinforge.rollout.native.dense_choice import dense_mlp_choice
 
@@ -200,8 +200,8 @@ def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class DenseMLP:
-    """down(act(gate(x)) * up(x)), gate and up as one product (Phi-3's gate_up_proj as it is stored). On the
-    Triton path a decode step's products run by the kernels ``dense_choice.DenseMLPChoice`` timed fastest for
+    """down(act(gate(x)) * up(x)), gate and up as one product (Phi-3's gate_up_proj as it is stored). With
+    ``timed_products`` a decode step's products run by the kernels ``dense_choice.DenseMLPChoice`` timed fastest for
     its rows (cuBLAS's, or the swapped ones of ``dense_kernels.py``)."""
 
     float32_copies: frozenset[str] = frozenset()

@@ -53,6 +53,7 @@ NORM_NAMES = {"pre": ("input_layernorm", "post_attention_layernorm"),
 DECODE_PRODUCTS = ("cublas", "timed")
 """What may run a decode step's products (``rollout.decode_products``): cuBLAS alone, or what ``dense_choice`` timed."""
 
+
 def attention_block(context: BlockContext, index: int,
                     mla_tables: tuple[Tensor, Tensor] | None = None) -> DenseAttention | MLAAttention:
     """The attention block of layer ``index`` (MLA's reads ``mla_tables``, the model's ``mla_rotary_tables``)."""

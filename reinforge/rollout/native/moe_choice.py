@@ -20,6 +20,7 @@ from torch import Tensor
 
 from reinforge.rollout.native import moe_kernels
 from reinforge.rollout.native.moe_kernels import DecodeTiles, SwappedExperts, TileConfig
+from reinforge.rollout.native.timed_choice import CheckedTimings
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def spread_assignments(num_assignments: int, num_experts: int, device: torch.dev
     return torch.randint(0, num_experts, (num_assignments,), generator=generator, device=device)
 
 
-class ExpertKernelChoice:
+class ExpertKernelChoice(CheckedTimings):
     """Which kernels run the experts, per (assignments rounded up to a power of two, experts, gate|up and down
     shapes, dtypes): torch's grouped GEMMs unless a Triton candidate was timed faster (for decode-sized batches of
     layers of ``min_expert_bytes`` or more). Candidates are timed on the call's hidden states and weights with its
@@ -130,6 +131,8 @@ class ExpertKernelChoice:
     (``TILE_CONFIGS``). A candidate that fails to compile or run, or whose output is not torch's within bf16
     rounding, is dropped in one line. Timing needs a stream that is not capturing; inside a capture an untimed
     shape runs torch's."""
+
+    reference, candidates, fallback = "torch's", "the Triton expert kernel", "the experts run another candidate"
 
     def __init__(self, repeats: int = 5, tiles: dict[str, tuple[DecodeTiles, ...]] = PRODUCT_TILES,
                  tile_configs: tuple[TileConfig, ...] = TILE_CONFIGS, min_expert_bytes: int = MIN_EXPERT_BYTES):
@@ -141,8 +144,7 @@ class ExpertKernelChoice:
         """key -> the candidate that runs it."""
         self.timings: dict[tuple, dict[str, float]] = {}
         """key -> milliseconds of each candidate timed (the swapped products also alone, per tiling)."""
-        self.failed: set[str] = set()
-        """Candidates (their ``str``) dropped for failing or differing from torch's."""
+        super().__init__()  # self.failed: candidates (their ``str``) dropped
 
     def __call__(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
                  tiled: TiledExperts) -> Tensor:
@@ -222,23 +224,6 @@ class ExpertKernelChoice:
                 if fastest is None or milliseconds < fastest[0]:
                     fastest = (milliseconds, tiles)
         return None if fastest is None else fastest[1]
-
-    def _checked_time(self, name: str, run: Callable[[], Tensor], expected: Tensor | None) -> float | None:
-        """Milliseconds per ``run()``, or None (dropped in one line) when it fails or its output is not ``expected``
-        within bf16 rounding."""
-        try:
-            out = run()
-            if expected is not None:
-                scale = expected.float().abs().max().clamp(min=1e-6)
-                error = float((out.float() - expected.float()).abs().max() / scale)
-                if not error <= 2e-2:
-                    raise ValueError(f"its output differs from torch's by {error:.2g} of the largest value")
-            return self._time(run)
-        except Exception as error:  # noqa: BLE001 (a kernel the device cannot compile or run: keep torch's)
-            self.failed.add(name)
-            logger.warning("the Triton expert kernel %s is dropped (%s: %s); the experts run another candidate",
-                           name, type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-            return None
 
     def _time(self, run: Callable[[], Tensor]) -> float:
         run()  # compiles, picks its kernels
