@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from reinforge.models.export import fsync_directory_entry
 from reinforge.tracking.jsonl import write_failure
 
 logger = logging.getLogger(__name__)
@@ -82,11 +83,7 @@ def save_reference(path: Path, key: dict[str, str], values: dict[str, Tensor]) -
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, path)
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)  # the rename itself reaches the disk
-        finally:
-            os.close(folder)
+        fsync_directory_entry(path.parent)  # the rename itself reaches the disk
     except OSError as error:
         staging.unlink(missing_ok=True)
         raise write_failure(path, error, "the reference log-probs") from None
