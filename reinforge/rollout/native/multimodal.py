@@ -173,7 +173,6 @@ class VisionTower:
         self.module: nn.Module | None = None
         self.attention = "sdpa"
         self.batched = False  # SDPA over every image and window of a layer at once (``batch_tower_attention``)
-        self._batched_module = False
         self._probed = False
 
     @torch.no_grad()
@@ -193,8 +192,10 @@ class VisionTower:
             for name, buffer in source.named_buffers():
                 owner, _, leaf = name.rpartition(".")
                 module.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=self.device)
-            self.module, self._batched_module = module, False
+            self.module = module
             module.config._attn_implementation = self.attention
+            if self.batched:  # a copy made again after the engine's memory was freed attends as the first did
+                batch_tower_attention(module)
         targets = dict(itertools.chain(self.module.named_parameters(), self.module.named_buffers()))
         for name, tensor in itertools.chain(source.named_parameters(), source.named_buffers()):
             if ".lora_" in name:  # a LoRA actor's adapters: the engine adds their product (``linear_slices``)
@@ -206,11 +207,9 @@ class VisionTower:
             if self._flash_may_apply():
                 self.attention = VISION_FLASH if self._flash_agrees() else "sdpa"
                 self.module.config._attn_implementation = self.attention
-            self.batched = self.attention == "sdpa"
-        if self.batched and not self._batched_module:
             # one SDPA call per layer over all the images and windows, as packed training runs the tower
             # (transformers' SDPA path makes one call per image or window: tens of thousands a rollout)
-            self.batched = self._batched_module = batch_tower_attention(self.module) > 0
+            self.batched = self.attention == "sdpa" and batch_tower_attention(self.module) > 0
 
     def linear_slices(self, model: nn.Module) -> dict[int, Tensor]:
         """id(linear layer of ``model``'s vision tower, or the LoRA wrapper around one) -> the copy's weight."""
