@@ -124,6 +124,8 @@ def step_record(clock: Clock, checkpointing: bool, start: float, times: list[flo
                               "ignored_settings": ignored, **extra}
     if step_times:
         record["step_s"] = statistics.median(step_times[1:] or step_times)
+        if len(step_times) == 1:  # from train begin: its data, warm-up and one step, not a steady step
+            record["first_step_only"] = True
     else:
         record["error"] = "no optimizer step finished"
     if clock.passed() or clock.stopped_early:
@@ -156,6 +158,7 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
     if best is None:
         print("trl: every run failed")
         return 1
-    print(f"trl: step {best['step_s']:.2f} s (checkpointing {'on' if best['checkpointing'] else 'off'}), "
+    only = ", first step only: from training's start" if best.get("first_step_only") else ""
+    print(f"trl: step {best['step_s']:.2f} s (checkpointing {'on' if best['checkpointing'] else 'off'}{only}), "
           f"peak {best['peak_memory_gb']:.1f} GiB")
     return 0

@@ -228,7 +228,8 @@ def summary(result: dict) -> str:
         return f"{case['status']} after {case['wall_s']:.0f} s"
     if case["kind"] == "trl":
         best = result["best"]
-        return f"TRL step {best['step_s']:.2f} s, peak {best['peak_memory_gb']:.1f} GiB"
+        only = " (first step only, from training's start)" if best.get("first_step_only") else ""
+        return f"TRL step {best['step_s']:.2f} s{only}, peak {best['peak_memory_gb']:.1f} GiB"
     median = result["median"]
     return (f"step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
             f"update {median.get('update_actor_s', 0):.2f} s, peak {median.get('peak_memory_gb', 0):.1f} GiB")

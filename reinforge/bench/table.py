@@ -135,7 +135,7 @@ def render_table(results: list[dict]) -> str:
     add("planner's estimate GiB, update", "reinforge",
         lambda r: _number(r.get("plan", {}).get("estimated_gb", {}).get("update"), "{:.1f}"))
     if any("trl" in columns[key] for key in keys):
-        add("TRL step s", "trl", lambda r: _number((r.get("best") or {}).get("step_s"), "{:.2f}"))
+        add("TRL step s", "trl", _trl_step)
         add("TRL peak GiB", "trl", lambda r: _number((r.get("best") or {}).get("peak_memory_gb"), "{:.1f}"))
         add("TRL gradient checkpointing", "trl", lambda r: "yes" if r["best"]["checkpointing"] else "no")
         rows.append(("TRL step / reinforge step", [_ratio(columns[key]) for key in keys]))
@@ -167,7 +167,7 @@ def family_table(columns: dict[tuple, dict[str, dict]], keys: list[tuple], label
                  _cell(ours, lambda r: _number(r["median"].get("update_actor_s"), "{:.2f}")),
                  _cell(ours, lambda r: _number(r["median"].get("mfu"), "{:.1%}")),
                  _cell(ours, lambda r: _number(r["median"].get("peak_memory_gb"), "{:.1f}")),
-                 _cell(trl, lambda r: _number((r.get("best") or {}).get("step_s"), "{:.2f}")),
+                 _cell(trl, _trl_step),
                  _ratio(columns[key])][:len(names)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -248,6 +248,16 @@ def _cell(result: dict | None, cell) -> str:
         return "–"
 
 
+FIRST_STEP_ONLY = " (first step only)"
+"""Beside a TRL time from a run that made one step: it counts from training's start (data, warm-up), not a steady
+step, so it and its ratio are not the medians the other cells are."""
+
+
+def _trl_step(result: dict) -> str:
+    best = result.get("best") or {}
+    return _number(best.get("step_s"), "{:.2f}") + (FIRST_STEP_ONLY if best.get("first_step_only") else "")
+
+
 def _ratio(column: dict[str, dict]) -> str:
     ours, theirs = column.get("reinforge"), column.get("trl")
     try:
@@ -255,7 +265,9 @@ def _ratio(column: dict[str, dict]) -> str:
         trl_step = theirs["best"]["step_s"]
     except (KeyError, TypeError):
         return "–"
-    return f"{trl_step / step:.1f}" if step else "–"
+    if not step:
+        return "–"
+    return f"{trl_step / step:.1f}" + (FIRST_STEP_ONLY if theirs["best"].get("first_step_only") else "")
 
 
 def table_main(argv: list[str]) -> int:

@@ -359,7 +359,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
             row["reserved_peak_gb"] = stats.get("reserved_bytes.all.peak", 0) / 2**30
         rows.append(row)
         print(json.dumps({"variant": args.variant, **row}), flush=True)
-    measured = rows[1:] or rows
+    measured = measured_steps(rows, args.steps if args.profile else None)
     summary = {key: statistics.median(r[key] for r in measured) for key in rows[0]
                if all(isinstance(r.get(key), float) for r in measured)}
     for key in ("peak_memory_gb", "rollout_peak_gb", "reward_model_peak_gb", "update_peak_gb", "host_rssanon_gb", "host_rssfile_gb",
@@ -377,6 +377,13 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                           "consumers_gb": {phase: {k: v / 2**30 for k, v in items.items()}
                                            for phase, items in plan.phases.items()}}
     return result
+
+
+def measured_steps(rows: list[dict], profiled_step: int | None) -> list[dict]:
+    """The steps the medians are taken over: those after the first (which compiles), less the one whose update
+    ran under the profiler (its time inflated), unless nothing else is left."""
+    kept = [row for row in rows[1:] if row["step"] != profiled_step]
+    return kept or rows[1:] or rows
 
 
 def compile_seconds() -> float:

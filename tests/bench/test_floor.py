@@ -107,3 +107,13 @@ def test_latent_attention_reads_its_latent_and_rotary_key():
         model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
         intermediate_size=10944, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
     assert rollout_floor(mla, [0], [100]).kv_bytes == 27 * (512 + 64) * 2 * sum(range(100))
+
+
+def test_the_medians_leave_out_the_first_step_and_the_profiled_one():
+    from reinforge.bench.train import measured_steps
+
+    rows = [{"step": step} for step in (1, 2, 3, 4, 5)]
+    assert [row["step"] for row in measured_steps(rows, None)] == [2, 3, 4, 5]
+    assert [row["step"] for row in measured_steps(rows, 5)] == [2, 3, 4]
+    assert [row["step"] for row in measured_steps(rows[:2], 2)] == [2]  # nothing else left: the profiled one
+    assert [row["step"] for row in measured_steps(rows[:1], None)] == [1]

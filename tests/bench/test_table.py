@@ -78,6 +78,20 @@ def test_the_table_of_two_runs_names_command_machine_versions_commit_and_date(tm
         assert all(re.fullmatch(r"[\d.]+%?|yes|no|–|OOM", cell) for cell in cells), cells
 
 
+def test_a_trl_run_of_one_step_is_marked_in_its_cells_and_ratio(tmp_path, capsys):
+    folder = tmp_path / "run"
+    write(folder, "reinforge_0.5b.json", reinforge_case("0.5b", 4.0))
+    one_step = trl_case("0.5b", 40.0)
+    one_step["best"]["first_step_only"] = True
+    write(folder, "trl_0.5b.json", one_step)
+    assert main(["bench", "table", str(folder)]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows["TRL step s"] == ["40.00 (first step only)"]
+    assert rows["TRL step / reinforge step"] == ["10.0 (first step only)"]
+    assert out.splitlines()[-1].endswith("| 40.00 (first step only) | 10.0 (first step only) |")
+
+
 def test_a_later_folder_replaces_a_case_and_differing_options_name_their_columns(tmp_path, capsys):
     write(tmp_path / "a", "reinforge_0.5b.json", reinforge_case("0.5b", 3.0))
     write(tmp_path / "b", "reinforge_0.5b.json", reinforge_case("0.5b", 2.5))

@@ -29,3 +29,10 @@ def test_training_stops_before_a_step_as_long_as_the_last_would_pass_the_deadlin
     assert record["stopped_at_deadline"] and record["step_times_s"] == [40.0, 30.0] and record["step_s"] == 30.0
     unbounded = trl_runs.Clock(deadline_s=None, cpu=True)
     assert not unbounded.would_pass(1e9) and not unbounded.passed()
+
+
+def test_a_run_of_one_step_says_its_time_is_the_first_step_only():
+    clock = trl_runs.Clock(deadline_s=None, cpu=True)
+    record = trl_runs.step_record(clock, False, 10.0, [60.0], [])
+    assert record["step_s"] == 50.0 and record["first_step_only"]
+    assert "first_step_only" not in trl_runs.step_record(clock, False, 10.0, [60.0, 80.0], [])
