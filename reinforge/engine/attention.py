@@ -24,7 +24,9 @@ soft-cap or sink.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from functools import cache
 
 import torch
@@ -80,6 +82,30 @@ def _register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
+class AttentionCalls:
+    """What the varlen attention received while watched (``watch_attention_calls``): calls with the packed
+    forward's arguments and calls without them."""
+
+    def __init__(self) -> None:
+        self.packed = 0
+        self.unpacked = 0
+
+
+_WATCHERS: list[AttentionCalls] = []
+
+
+@contextlib.contextmanager
+def watch_attention_calls() -> Iterator[AttentionCalls]:
+    """Count the varlen attention's calls, with and without ``packed_cu_seqlens``, inside the block (run it eagerly:
+    a compiled region does not count)."""
+    calls = AttentionCalls()
+    _WATCHERS.append(calls)
+    try:
+        yield calls
+    finally:
+        _WATCHERS.remove(calls)
+
+
 def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                              attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              **kwargs) -> tuple[Tensor, None]:
@@ -87,6 +113,12 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     cu_seqlens = kwargs.get("packed_cu_seqlens")
+    if _WATCHERS:
+        for calls in _WATCHERS:
+            if cu_seqlens is None:
+                calls.unpacked += 1
+            else:
+                calls.packed += 1
     if cu_seqlens is None:
         if softcap is None and sinks is None:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward

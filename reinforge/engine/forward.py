@@ -28,13 +28,14 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.engine.attention import NAME as ATTENTION_NAME
-from reinforge.engine.attention import flash_applies, flash_runs_shared_segments, flex_runs_on
+from reinforge.engine.attention import flash_applies, flash_runs_shared_segments, flex_runs_on, watch_attention_calls
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.image_embeddings import ImageEmbeddingCache
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
+from reinforge.models.architectures import architecture_spec
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
@@ -73,6 +74,62 @@ def logit_transform(config) -> tuple[float, float | None]:
     if divisor:
         multiplier /= float(divisor)
     return multiplier, getattr(config, "final_logit_softcapping", None)
+
+
+PACKS_ROWS = "_reinforge_packs_rows"
+"""The attribute a model keeps its answer of ``packs_rows`` in."""
+
+
+def packs_rows(model: nn.Module, config, call) -> bool:
+    """Whether ``model``'s attention takes packed rows: it runs through reinforge's varlen attention and every call
+    receives the packed forward's arguments. Families of the architecture table (and the vision-language models)
+    do; another model is probed once, eagerly, with two sequences of two tokens through ``call`` (its usual entry:
+    FSDP's hooks live there), and the answer is kept on the model. A model whose modeling code drops those
+    arguments on the way to its attention (GPT-2, OPT, StableLM in transformers 5), or calls no attention function
+    of transformers' table (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded.
+    """
+    known = getattr(model, PACKS_ROWS, None)
+    if known is not None:
+        return known
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        known = False
+    elif architecture_spec(config) is not None or is_vision_language(config):
+        known = True
+    else:
+        device = next(model.parameters()).device
+        bounds = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
+        probe = {"packed_cu_seqlens": bounds, "packed_max_length": 2, "packed_cu_seqlens_k": bounds,
+                 "packed_max_length_k": 2, "packed_kv_index": None, "packed_lengths": [2, 2],
+                 "packed_key_lengths": [2, 2]}
+        with watch_attention_calls() as calls, torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            call(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+                 position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
+                 attention_mask=_no_mask(config, device), use_cache=False, **probe)
+        known = calls.packed > 0 and calls.unpacked == 0
+    setattr(model, PACKS_ROWS, known)
+    return known
+
+
+def _padded_hidden(call, micro: Batch, device: torch.device, **extra) -> Tensor:
+    """The last hidden state (B, T, H) of the micro-batch's padded rows, through the model's own masked attention:
+    the path of a model whose attention does not take packed rows."""
+    attention_mask = micro["attention_mask"]
+    position_ids = micro["position_ids"] if "position_ids" in micro.keys() else build_position_ids(attention_mask)
+    if position_ids.dim() != 2:
+        raise ValueError(f"a padded forward takes (rows, tokens) position ids, got {tuple(position_ids.shape)}")
+    return call(input_ids=micro["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False, **extra)
+
+
+def _response_positions(micro: Batch) -> tuple[int, Tensor]:
+    """The prompt width and the response tokens' mask (B, R): the hidden state at width - 1 + t predicts token t."""
+    width = micro["prompts"].shape[1]
+    return width, micro["attention_mask"][:, width:].bool()
+
+
+def _scattered(values: Tensor, valid: Tensor) -> Tensor:
+    """(valid tokens,) -> (B, R) with zeros elsewhere."""
+    return values.new_zeros(valid.shape).masked_scatter(valid, values)
 
 
 def _check_varlen(config) -> None:
@@ -122,8 +179,12 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     from (``engine.image_embeddings``); the forward then takes them instead of running the tower on the pixels.
 
     ``model`` is a causal LM; its last hidden state over the packed row is caught by a hook on
-    its decoder, and the output projection runs fused with the log-softmax.
+    its decoder, and the output projection runs fused with the log-softmax. A model whose attention does not take
+    packed rows (``packs_rows``) runs the micro-batch's padded rows instead, with the same projection.
     """
+    if not packs_rows(model, model.config, model):
+        return _padded_response_log_probs(model, micro, temperature, with_entropy, max_logits_bytes,
+                                          with_sum_pi_squared)
     _check_varlen(model.config)
     packed = pack_rows(unshared_where_factors_differ(model, micro))
     device = packed.input_ids.device
@@ -157,8 +218,41 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
             unpack_responses(entropy, packed) if with_entropy else None)
 
 
+def _padded_response_log_probs(model: nn.Module, micro: Batch, temperature: float, with_entropy: bool,
+                               max_logits_bytes: int, with_sum_pi_squared: bool) -> tuple[Tensor, ...]:
+    """``response_log_probs`` over the micro-batch's padded rows (no packing, no shared prompts)."""
+    device = micro["input_ids"].device
+    captured: list[Tensor] = []
+    hook = model.get_decoder().register_forward_hook(
+        lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        _padded_hidden(model, micro, device, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+    finally:
+        hook.remove()
+    width, valid = _response_positions(micro)
+    hidden = captured[-1][:, width - 1:-1][valid]
+    targets = micro["responses"][valid]
+    weight = model.get_output_embeddings().weight
+    logit_scale, softcap = logit_transform(model.config)
+    if with_sum_pi_squared:
+        outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, targets, temperature,
+                                                      max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
+                                                      softcap=softcap)
+        return tuple(_scattered(output, valid) for output in outputs)
+    log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, targets, temperature,
+                                          max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
+                                          softcap=softcap)
+    return _scattered(log_probs, valid), _scattered(entropy, valid) if with_entropy else None
+
+
 def response_values(model: nn.Module, micro: Batch) -> Tensor:
     """Value of the state before each response token (B, R), float32; ``model`` is a ValueModel."""
+    if not packs_rows(model.backbone, model.backbone.config, model.backbone):
+        width, valid = _response_positions(micro)
+        outputs = _padded_hidden(model.backbone, micro, micro["input_ids"].device)
+        head = model.value_head
+        hidden = outputs.last_hidden_state[:, width - 1:-1][valid]
+        return _scattered(head(hidden.to(head.weight.dtype)).squeeze(-1).float(), valid)
     _check_varlen(model.backbone.config)
     packed = pack_rows(unshared_where_factors_differ(model, micro))
     outputs = model.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,
@@ -177,6 +271,14 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
     (``base_model``) runs over the packed row and its ``score`` head reads only the last tokens.
     """
     backbone = model.base_model
+    if not packs_rows(backbone, backbone.config, backbone):
+        outputs = _padded_hidden(backbone, micro, micro["input_ids"].device)
+        attention_mask = micro["attention_mask"]
+        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        last = (attention_mask.bool() * positions).argmax(dim=1)  # the last attended token of each row
+        hidden = outputs.last_hidden_state[torch.arange(len(last), device=last.device), last]
+        head = model.score
+        return head(hidden.to(head.weight.dtype)).float()
     _check_varlen(backbone.config)
     packed = pack_rows(unshared_where_factors_differ(model, micro))
     outputs = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids,

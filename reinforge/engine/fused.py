@@ -299,6 +299,13 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
     """The one line a run prints about its packed training passes: the path, why, and what it costs."""
     spec = model_spec(model)
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    if getattr(model, "_reinforge_packs_rows", True) is False:  # engine.forward.PACKS_ROWS
+        compiled = ("decoder layers compiled" if device.type == "cuda" and _compilable(model)
+                    else "decoder layers eager")
+        return (f"training passes of {model_type}: transformers modules for {model_type} over padded rows, not packed "
+                "ones: its layers cannot keep packed sequences apart (its attention does not take reinforge's "
+                f"varlen arguments, or state runs along the row); no fused kernels, {compiled}, expect ~2-3x slower "
+                "updates than a family of the table (padding is computed, prompts are not shared)")
     if device.type != "cuda":
         return (f"packed training of {model_type}: transformers' modules with reinforge's varlen attention "
                 f"(the fused kernels run on CUDA only; on {device.type} the modules are exact and unfused)")
@@ -343,11 +350,12 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     """For a family outside the table: two sequences in one packed row give the log-probs of each alone.
 
     Any causal LM runs through transformers' modules with the varlen attention, which keeps packed
-    sequences apart. A model that keeps state along the row (recurrent or linear-attention layers,
-    attention limited only by its masks) would mix them and train silently wrong: it is refused here,
-    in one line, before any step. Three forwards of a few tokens.
+    sequences apart. A model whose attention does not take packed rows runs padded rows
+    (``engine.forward.packs_rows``). One that still mixes packed sequences (recurrent or linear-attention layers
+    beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
+    fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens.
     """
-    from reinforge.engine.forward import build_position_ids, response_log_probs
+    from reinforge.engine.forward import PACKS_ROWS, build_position_ids, packs_rows, response_log_probs
     from reinforge.protocol import Batch
 
     model_type = getattr(model.config, "model_type", type(model).__name__)
@@ -360,22 +368,27 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "response_mask": torch.ones(2, 5),
                                      "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
                                      "position_ids": build_position_ids(attention_mask)}).to(device)
+    tolerance = PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1)
     was_training = model.training
     model.eval()
     try:
-        packed = response_log_probs(model, batch)[0].float()
-        alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
+        for _ in range(2):  # packed rows, then (if they mix) padded ones
+            padded = not packs_rows(model, model.config, model)
+            packed = response_log_probs(model, batch)[0].float()
+            alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
+            gap = float((packed - alone).abs().max())
+            if gap <= tolerance or padded:
+                break
+            setattr(model, PACKS_ROWS, False)  # its packed sequences mix: padded rows from here on
     except Exception as error:
         first_line = str(error).splitlines()[0] if str(error) else ""
-        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) cannot run reinforge's packed "
-                         f"training passes ({type(error).__name__}: {first_line})") from error
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) cannot run reinforge's training "
+                         f"passes ({type(error).__name__}: {first_line})") from error
     finally:
         model.train(was_training)
-    gap = float((packed - alone).abs().max())
-    if gap > PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1):
-        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes sequences packed in one row "
-                         f"(log-probs move by {gap:.3g} beside another sequence: its layers carry state along the "
-                         "row, or limit attention only by masks); reinforge cannot train it packed")
+    if gap > tolerance:
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes the rows of a batch (log-probs "
+                         f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
 
 
 def prepare_for_training(model: nn.Module, device: torch.device) -> None:

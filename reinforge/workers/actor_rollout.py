@@ -31,6 +31,7 @@ from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
+from reinforge.models.dropout import disable_dropout, dropout_line
 from reinforge.models.vision import freeze_vision_tower, is_vision_language, processor_for
 from reinforge.protocol import Batch
 from reinforge.rollout.base import RolloutEngine, SamplingParams
@@ -77,6 +78,8 @@ class ActorRolloutWorker(Worker):
                                     dtype=compute_dtype(self.device, config.model.dtype) if lora.rank else torch.float32,
                                     device=self.device, trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
+        if dropped := disable_dropout(self.model):
+            logger.info(dropout_line(self.model, dropped))
         # off-policy modes: the rollout's own copy, refreshed only by sync_rollout_weights
         rollout_copy = (rollout_copy_of(self.model, compute_dtype(self.device, config.model.dtype))
                         if config.trainer.mode != "sync" and not config.trainer.separate_rollout else None)

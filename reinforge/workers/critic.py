@@ -6,6 +6,7 @@ are the two root units, since the packed forward calls them one after the other.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -20,9 +21,12 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings
 from reinforge.models import ValueModel
+from reinforge.models.dropout import disable_dropout, dropout_line
 from reinforge.protocol import Batch
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 from reinforge.workers.memory_settings import apply_memory_plan
+
+logger = logging.getLogger(__name__)
 
 
 class CriticWorker(Worker):
@@ -35,6 +39,8 @@ class CriticWorker(Worker):
         self.model = ValueModel.from_pretrained(critic.model_path or config.model.path, dtype=torch.float32,
                                                 device="cpu" if critic.param_offload else self.device,
                                                 gradient_checkpointing=bool(config.model.gradient_checkpointing))
+        if dropped := disable_dropout(self.model.backbone):
+            logger.info(dropout_line(self.model.backbone, dropped))
         prepare_for_training(self.model.backbone, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])

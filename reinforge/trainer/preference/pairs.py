@@ -37,6 +37,7 @@ from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_schedule
 from reinforge.engine.packing import PLAN_KEY, attach_plan
 from reinforge.engine.train_step import MiniBatchCounts, ModelUpdate, UpdateSettings
 from reinforge.models import load_tokenizer, save_hf_folder, warn_if_beyond_context
+from reinforge.models.dropout import active_dropout
 from reinforge.protocol import Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state
@@ -329,7 +330,5 @@ def page_locked(piece: Batch) -> Batch:
 
 
 def has_active_dropout(model: torch.nn.Module) -> bool:
-    """Whether a forward in training mode would drop activations: a dropout module or attention dropout above 0."""
-    config = getattr(model, "config", None)
-    return (float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
-            or any(isinstance(module, torch.nn.Dropout) and module.p > 0 for module in model.modules()))
+    """Whether a forward in training mode would drop activations (``models.dropout.active_dropout``)."""
+    return bool(active_dropout(model))

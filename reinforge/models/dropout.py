@@ -1,0 +1,64 @@
+"""Dropout in a loaded model: where it is on, and switching it off.
+
+A checkpoint's config may ask for dropout (GPT-2's ``resid_pdrop``, OPT's ``dropout``, a fine-tune's
+``attention_dropout``). Its modules then drop activations in training mode through ``nn.Dropout`` modules, float
+attributes handed to ``nn.functional.dropout`` (OPT's layers) or the attention function's ``dropout`` argument
+(read from the module's ``attention_dropout``). RL compares the training forward's log-probs with the rollout's
+(the policy ratio, the mismatch metrics), and the rollout never drops, so the RL workers switch it all off.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+RATE_WORDS = ("dropout", "pdrop")
+"""A config key or module attribute holding a dropout rate has one of these in its name."""
+
+
+def _is_rate(name: str, value) -> bool:
+    return (any(word in name for word in RATE_WORDS) and isinstance(value, float)
+            and not isinstance(value, bool) and value > 0)
+
+
+def active_dropout(model: nn.Module) -> list[str]:
+    """Each place ``model`` drops activations in training mode: config keys, modules' rates, dropout modules."""
+    found = []
+    config = getattr(model, "config", None)
+    if config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for source in {id(config): config, id(text): text}.values():
+            found += [f"config.{key}={value}" for key, value in vars(source).items() if _is_rate(key, value)]
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            found.append(f"{name or 'model'} (p={module.p})")
+        found += [f"{name}.{key}={value}" for key, value in vars(module).items()
+                  if not key.startswith("_") and _is_rate(key, value)]
+    return found
+
+
+def disable_dropout(model: nn.Module) -> list[str]:
+    """Set every dropout rate of ``model`` (config, modules, dropout modules) to 0; returns what was on
+    (``active_dropout``'s list, config keys first), empty when nothing was."""
+    found = active_dropout(model)
+    config = getattr(model, "config", None)
+    if config is not None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for source in {id(config): config, id(text): text}.values():
+            for key, value in list(vars(source).items()):
+                if _is_rate(key, value):
+                    setattr(source, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if not key.startswith("_") and _is_rate(key, value):
+                setattr(module, key, 0.0)
+    return found
+
+
+def dropout_line(model: nn.Module, found: list[str]) -> str:
+    """The one line a worker logs when it switched dropout off."""
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return (f"dropout off for RL: {model_type} drops activations in training mode ({shown}); the policy ratio "
+            "compares training log-probs with the rollout's, which never drops")

@@ -1,0 +1,110 @@
+"""Models whose attention cannot take packed rows run their padded rows, exactly.
+
+StableLM's modeling code (transformers 5) drops the forward's keyword arguments on the way to its attention, and
+Falcon calls no attention function of transformers' table: packed, their sequences would attend to each other.
+``engine.forward.packs_rows`` probes a model outside the architecture table once; such a model runs the
+micro-batch's padded rows through its own masked attention, and its log-probs, values and gradients equal
+transformers' padded forward. Tiny fp32 models, dropout off.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from reinforge.engine.attention import use_varlen_attention
+from reinforge.engine.forward import PACKS_ROWS, packs_rows, response_log_probs
+from reinforge.engine.packing import attach_plan
+from reinforge.protocol import Batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_families import loss_of, padded_reference  # noqa: E402
+from test_packing import grouped_batch  # noqa: E402
+
+SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+             max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+UNPACKED = {"stablelm": dict(SIZES, num_key_value_heads=2), "falcon": dict(SIZES, new_decoder_architecture=True,
+                                                                            num_kv_heads=2)}
+
+
+def tiny(arch: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **UNPACKED[arch])).float().eval()
+
+
+@pytest.mark.parametrize("arch", sorted(UNPACKED))
+def test_a_model_whose_attention_cannot_pack_runs_padded_and_equals_transformers(arch):
+    model = tiny(arch)
+    batch = grouped_batch(num_prompts=2, samples=3)
+    reference, expected_lp, expected_ent = padded_reference(model, batch, temperature=0.7)
+    loss_of(expected_lp, expected_ent, batch).backward()
+    use_varlen_attention(model)
+    assert not packs_rows(model, model.config, model) and getattr(model, PACKS_ROWS) is False
+    micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=True)
+    log_probs, entropy = response_log_probs(model, micro, temperature=0.7, with_entropy=True)
+    loss_of(log_probs, entropy, batch).backward()
+    torch.testing.assert_close(log_probs, expected_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_ent, atol=1e-5, rtol=1e-5)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if theirs.grad is not None:
+            torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_probe_would_have_caught_the_packed_error():
+    """Forced onto the packed path, StableLM's sequences attend across each other: the probe is what saves it."""
+    model = tiny("stablelm")
+    batch = grouped_batch(num_prompts=2, samples=3)
+    _, expected, _ = padded_reference(model, batch, temperature=1.0)
+    use_varlen_attention(model)
+    forced = copy.deepcopy(model)
+    setattr(forced, PACKS_ROWS, True)
+    micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=False)
+    with torch.no_grad():
+        packed, _ = response_log_probs(forced, micro)
+    assert (packed - expected).abs().max() > 1e-3
+
+
+def test_a_family_of_the_table_packs_without_a_probe():
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm("qwen2", vocab_size=64)
+    use_varlen_attention(model)
+    calls = []
+    assert packs_rows(model, model.config, lambda **kwargs: calls.append(kwargs)) and not calls
+
+
+def test_one_grpo_step_of_a_padded_model_with_dropout_keeps_rollout_and_training_together(
+        arithmetic_data_dir, tmp_path, caplog):
+    """StableLM with its config's dropout on, through ``reinforge train``: dropout off (one line), padded rows,
+    and the training forward gives the rollout's probabilities."""
+    import json
+    import logging
+
+    from reinforge.cli import main
+    from reinforge.models.export import save_hf_folder
+    from reinforge.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    options = dict(UNPACKED["stablelm"], vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                   eos_token_id=tokenizer.eos_token_id, hidden_dropout=0.1, attention_dropout=0.1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("stablelm", **options)).float()
+    model_dir = save_hf_folder(model, tokenizer, tmp_path / "stablelm")
+    run_dir = tmp_path / "run"
+    args = {"model.path": model_dir, "data.train_files": f"[{arithmetic_data_dir / 'train.parquet'}]",
+            "data.train_batch_size": 2, "data.max_prompt_length": 64, "data.max_response_length": 12,
+            "rollout.n": 2, "rollout.name": "hf", "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]",
+            "trainer.total_steps": 1, "trainer.val_before_train": False, "actor.optim.lr": 1e-3}
+    with caplog.at_level(logging.INFO):
+        assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith("dropout off for RL: stablelm") for line in messages)
+    assert any(line.startswith("training passes of stablelm: transformers modules for stablelm over padded rows")
+               for line in messages)
+    [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["training/rollout_probs_diff_max"] < 1e-4

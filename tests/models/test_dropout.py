@@ -1,0 +1,37 @@
+"""Dropout found and switched off in every form a checkpoint's modules use it (models.dropout)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from reinforge.models.dropout import active_dropout, disable_dropout, dropout_line
+from reinforge.models.tiny import build_tiny_causal_lm
+
+CONFIGS = {
+    "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),  # nn.Dropout modules
+    "opt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                word_embed_proj_dim=32, max_position_embeddings=64),  # float rates handed to F.dropout
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_a_model_with_dropout_forwards_in_training_mode_as_in_eval_once_it_is_off(arch):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **CONFIGS[arch])).float().train()
+    ids = torch.randint(0, 64, (2, 9))
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # dropout is on
+    found = disable_dropout(model)
+    assert found and found[0].startswith("config.") and not active_dropout(model)
+    line = dropout_line(model, found)
+    assert line.startswith(f"dropout off for RL: {arch} drops activations") and "\n" not in line
+    trained = model(input_ids=ids).logits
+    with torch.no_grad():
+        evaluated = model.eval()(input_ids=ids).logits
+    torch.testing.assert_close(trained, evaluated)
+
+
+def test_a_model_without_dropout_reports_nothing():
+    model = build_tiny_causal_lm("qwen2", vocab_size=64)
+    assert active_dropout(model) == [] and disable_dropout(model) == []
