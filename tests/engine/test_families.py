@@ -74,7 +74,12 @@ def loss_of(log_probs, entropy, batch: Batch):
 @pytest.mark.parametrize("share_prompts", [False, True])
 @pytest.mark.parametrize("arch", [*TABLE, OUTSIDE, SINKS, *MASK_WINDOWS])
 def test_packed_pass_equals_transformers_padded_forward(arch, share_prompts):
-    model = tiny_model(arch)
+    assert_pass_equals_transformers_padded_forward(tiny_model(arch), share_prompts)
+
+
+def assert_pass_equals_transformers_padded_forward(model, share_prompts: bool) -> None:
+    """``response_log_probs`` of ``model`` (varlen attention switched on here) gives the log-probs, entropy and
+    gradients of transformers' padded forward with eager attention."""
     batch = grouped_batch(num_prompts=2, samples=3)
     reference, expected_lp, expected_ent = padded_reference(model, batch, temperature=0.7)
     loss_of(expected_lp, expected_ent, batch).backward()

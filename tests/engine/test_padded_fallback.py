@@ -23,7 +23,7 @@ from reinforge.engine.packing import attach_plan
 from reinforge.protocol import Batch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_families import loss_of, padded_reference  # noqa: E402
+from test_families import assert_pass_equals_transformers_padded_forward, padded_reference  # noqa: E402
 from test_packing import grouped_batch  # noqa: E402
 
 SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -40,19 +40,8 @@ def tiny(arch: str):
 @pytest.mark.parametrize("arch", sorted(UNPACKED))
 def test_a_model_whose_attention_cannot_pack_runs_padded_and_equals_transformers(arch):
     model = tiny(arch)
-    batch = grouped_batch(num_prompts=2, samples=3)
-    reference, expected_lp, expected_ent = padded_reference(model, batch, temperature=0.7)
-    loss_of(expected_lp, expected_ent, batch).backward()
-    use_varlen_attention(model)
-    assert not packs_rows(model, model.config, model) and getattr(model, PACKS_ROWS) is False
-    micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=True)
-    log_probs, entropy = response_log_probs(model, micro, temperature=0.7, with_entropy=True)
-    loss_of(log_probs, entropy, batch).backward()
-    torch.testing.assert_close(log_probs, expected_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy, expected_ent, atol=1e-5, rtol=1e-5)
-    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        if theirs.grad is not None:
-            torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
+    assert getattr(model, PACKS_ROWS) is False
 
 
 def test_the_probe_would_have_caught_the_packed_error():
