@@ -80,17 +80,18 @@ PACKS_ROWS = "_reinforge_packs_rows"
 """The attribute a model keeps its answer of ``packs_rows`` in."""
 
 
-def packs_rows(model: nn.Module, config, call) -> bool:
+def packs_rows(model: nn.Module) -> bool:
     """Whether ``model``'s attention takes packed rows: it runs through reinforge's varlen attention and every call
     receives the packed forward's arguments. Families of the architecture table (and the vision-language models)
-    do; another model is probed once, eagerly, with two sequences of two tokens through ``call`` (its usual entry:
-    FSDP's hooks live there), and the answer is kept on the model. A model whose modeling code drops those
-    arguments on the way to its attention (GPT-2, OPT, StableLM in transformers 5), or calls no attention function
-    of transformers' table (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded.
+    do; another model is probed once, eagerly, with two sequences of two tokens through its own forward (FSDP's
+    hooks live there), and the answer is kept on the model. A model whose modeling code drops those arguments on
+    the way to its attention (StableLM in transformers 5), or calls no attention function of transformers' table
+    (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded.
     """
     known = getattr(model, PACKS_ROWS, None)
     if known is not None:
         return known
+    config = model.config
     if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
         known = False
     elif architecture_spec(config) is not None or is_vision_language(config):
@@ -102,23 +103,23 @@ def packs_rows(model: nn.Module, config, call) -> bool:
                  "packed_max_length_k": 2, "packed_kv_index": None, "packed_lengths": [2, 2],
                  "packed_key_lengths": [2, 2]}
         with watch_attention_calls() as calls, torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            call(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
-                 position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
-                 attention_mask=_no_mask(config, device), use_cache=False, **probe)
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+                  position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
+                  attention_mask=_no_mask(config, device), use_cache=False, **probe)
         known = calls.packed > 0 and calls.unpacked == 0
     setattr(model, PACKS_ROWS, known)
     return known
 
 
-def _padded_hidden(call, micro: Batch, device: torch.device, **extra) -> Tensor:
-    """The last hidden state (B, T, H) of the micro-batch's padded rows, through the model's own masked attention:
-    the path of a model whose attention does not take packed rows."""
+def _padded_hidden(model: nn.Module, micro: Batch, **extra):
+    """``model``'s outputs over the micro-batch's padded rows, through its own masked attention: the path of a model
+    whose attention does not take packed rows."""
     attention_mask = micro["attention_mask"]
     position_ids = micro["position_ids"] if "position_ids" in micro.keys() else build_position_ids(attention_mask)
     if position_ids.dim() != 2:
         raise ValueError(f"a padded forward takes (rows, tokens) position ids, got {tuple(position_ids.shape)}")
-    return call(input_ids=micro["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False, **extra)
+    return model(input_ids=micro["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False, **extra)
 
 
 def _response_positions(micro: Batch) -> tuple[int, Tensor]:
@@ -182,74 +183,66 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     its decoder, and the output projection runs fused with the log-softmax. A model whose attention does not take
     packed rows (``packs_rows``) runs the micro-batch's padded rows instead, with the same projection.
     """
-    if not packs_rows(model, model.config, model):
-        return _padded_response_log_probs(model, micro, temperature, with_entropy, max_logits_bytes,
-                                          with_sum_pi_squared)
+    if not packs_rows(model):  # padded rows, no shared prompts: hidden state at width - 1 + t predicts token t
+        width, valid = _response_positions(micro)
+        with _last_hidden_state(model) as captured:
+            _padded_hidden(model, micro, logits_to_keep=torch.empty(0, dtype=torch.long, device=valid.device))
+        return _response_projection(model, captured[-1][:, width - 1:-1][valid], micro["responses"][valid],
+                                    lambda values: _scattered(values, valid), temperature, with_entropy,
+                                    max_logits_bytes, with_sum_pi_squared)
     _check_varlen(model.config)
     packed = pack_rows(unshared_where_factors_differ(model, micro))
     device = packed.input_ids.device
-    captured: list[Tensor] = []
-    hook = model.get_decoder().register_forward_hook(
-        lambda module, args, output: captured.append(output.last_hidden_state))
     inputs, text_tokens, cached = {"position_ids": packed.position_ids}, None, None
     if is_vision_language(model.config):  # M-RoPE positions, and the images for the vision tower (or their embeddings)
         inputs, text_tokens, cached = vision_model_kwargs(micro, model.config, device, image_embeddings)
-    try:
-        with (image_tokens_as_text(model, packed.input_ids, text_tokens) as input_ids,
-              image_embeddings_in_place(model, cached.image_mask, cached.embeddings, cached.deepstack)
-              if cached is not None else contextlib.nullcontext()):
-            model(input_ids=input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
-                  logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
-                  **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
-    finally:
-        hook.remove()
-    hidden = captured[-1][0, packed.predictor_index]
-    weight = model.get_output_embeddings().weight
-    logit_scale, softcap = logit_transform(model.config)
-    if with_sum_pi_squared:
-        outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, packed.response_targets,
-                                                      temperature, max_logits_bytes=max_logits_bytes,
-                                                      logit_scale=logit_scale, softcap=softcap)
-        return tuple(unpack_responses(output, packed) for output in outputs)
-    log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, packed.response_targets, temperature,
-                                          max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
-                                          softcap=softcap)
-    return (unpack_responses(log_probs, packed),
-            unpack_responses(entropy, packed) if with_entropy else None)
+    with (_last_hidden_state(model) as captured,
+          image_tokens_as_text(model, packed.input_ids, text_tokens) as input_ids,
+          image_embeddings_in_place(model, cached.image_mask, cached.embeddings, cached.deepstack)
+          if cached is not None else contextlib.nullcontext()):
+        model(input_ids=input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
+              logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
+              **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
+    return _response_projection(model, captured[-1][0, packed.predictor_index], packed.response_targets,
+                                lambda values: unpack_responses(values, packed), temperature, with_entropy,
+                                max_logits_bytes, with_sum_pi_squared)
 
 
-def _padded_response_log_probs(model: nn.Module, micro: Batch, temperature: float, with_entropy: bool,
-                               max_logits_bytes: int, with_sum_pi_squared: bool) -> tuple[Tensor, ...]:
-    """``response_log_probs`` over the micro-batch's padded rows (no packing, no shared prompts)."""
-    device = micro["input_ids"].device
+@contextlib.contextmanager
+def _last_hidden_state(model: nn.Module) -> Iterator[list[Tensor]]:
+    """A list that receives the causal LM's last hidden state from each forward inside the block (a hook on its
+    decoder)."""
     captured: list[Tensor] = []
     hook = model.get_decoder().register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
     try:
-        _padded_hidden(model, micro, device, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+        yield captured
     finally:
         hook.remove()
-    width, valid = _response_positions(micro)
-    hidden = captured[-1][:, width - 1:-1][valid]
-    targets = micro["responses"][valid]
+
+
+def _response_projection(model: nn.Module, hidden: Tensor, targets: Tensor, unpack, temperature: float,
+                         with_entropy: bool, max_logits_bytes: int, with_sum_pi_squared: bool) -> tuple[Tensor, ...]:
+    """The response tokens' log-probs (and entropy, or sum_v pi(v)^2) from their predictors' hidden states, the
+    output projection fused with the log-softmax; ``unpack`` lays each (tokens,) output out as (B, R)."""
     weight = model.get_output_embeddings().weight
     logit_scale, softcap = logit_transform(model.config)
     if with_sum_pi_squared:
         outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, targets, temperature,
                                                       max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
                                                       softcap=softcap)
-        return tuple(_scattered(output, valid) for output in outputs)
+        return tuple(unpack(output) for output in outputs)
     log_probs, entropy = linear_log_probs(hidden.to(weight.dtype), weight, targets, temperature,
                                           max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,
                                           softcap=softcap)
-    return _scattered(log_probs, valid), _scattered(entropy, valid) if with_entropy else None
+    return unpack(log_probs), unpack(entropy) if with_entropy else None
 
 
 def response_values(model: nn.Module, micro: Batch) -> Tensor:
     """Value of the state before each response token (B, R), float32; ``model`` is a ValueModel."""
-    if not packs_rows(model.backbone, model.backbone.config, model.backbone):
+    if not packs_rows(model.backbone):
         width, valid = _response_positions(micro)
-        outputs = _padded_hidden(model.backbone, micro, micro["input_ids"].device)
+        outputs = _padded_hidden(model.backbone, micro)
         head = model.value_head
         hidden = outputs.last_hidden_state[:, width - 1:-1][valid]
         return _scattered(head(hidden.to(head.weight.dtype)).squeeze(-1).float(), valid)
@@ -271,8 +264,8 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
     (``base_model``) runs over the packed row and its ``score`` head reads only the last tokens.
     """
     backbone = model.base_model
-    if not packs_rows(backbone, backbone.config, backbone):
-        outputs = _padded_hidden(backbone, micro, micro["input_ids"].device)
+    if not packs_rows(backbone):
+        outputs = _padded_hidden(backbone, micro)
         attention_mask = micro["attention_mask"]
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         last = (attention_mask.bool() * positions).argmax(dim=1)  # the last attended token of each row

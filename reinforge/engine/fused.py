@@ -299,7 +299,9 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
     """The one line a run prints about its packed training passes: the path, why, and what it costs."""
     spec = model_spec(model)
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    if getattr(model, "_reinforge_packs_rows", True) is False:  # engine.forward.PACKS_ROWS
+    from reinforge.engine.forward import PACKS_ROWS
+
+    if getattr(model, PACKS_ROWS, True) is False:
         compiled = ("decoder layers compiled" if device.type == "cuda" and _compilable(model)
                     else "decoder layers eager")
         return (f"training passes of {model_type}: transformers modules for {model_type} over padded rows, not packed "
@@ -373,7 +375,7 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     model.eval()
     try:
         for _ in range(2):  # packed rows, then (if they mix) padded ones
-            padded = not packs_rows(model, model.config, model)
+            padded = not packs_rows(model)
             packed = response_log_probs(model, batch)[0].float()
             alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
             gap = float((packed - alone).abs().max())

@@ -20,19 +20,27 @@ def _is_rate(name: str, value) -> bool:
             and not isinstance(value, bool) and value > 0)
 
 
+def _configs(model: nn.Module) -> list:
+    """The model's config and its text config, once each (a vision-language model has both)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return list({id(config): config, id(text): text}.values())
+
+
+def _rates(owner) -> list[tuple[str, float]]:
+    """The dropout rates above 0 among an object's public attributes (a config's keys, a module's floats)."""
+    return [(key, value) for key, value in vars(owner).items() if not key.startswith("_") and _is_rate(key, value)]
+
+
 def active_dropout(model: nn.Module) -> list[str]:
     """Each place ``model`` drops activations in training mode: config keys, modules' rates, dropout modules."""
-    found = []
-    config = getattr(model, "config", None)
-    if config is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for source in {id(config): config, id(text): text}.values():
-            found += [f"config.{key}={value}" for key, value in vars(source).items() if _is_rate(key, value)]
+    found = [f"config.{key}={value}" for config in _configs(model) for key, value in _rates(config)]
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p > 0:
             found.append(f"{name or 'model'} (p={module.p})")
-        found += [f"{name}.{key}={value}" for key, value in vars(module).items()
-                  if not key.startswith("_") and _is_rate(key, value)]
+        found += [f"{name}.{key}={value}" for key, value in _rates(module)]
     return found
 
 
@@ -40,19 +48,11 @@ def disable_dropout(model: nn.Module) -> list[str]:
     """Set every dropout rate of ``model`` (config, modules, dropout modules) to 0; returns what was on
     (``active_dropout``'s list, config keys first), empty when nothing was."""
     found = active_dropout(model)
-    config = getattr(model, "config", None)
-    if config is not None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for source in {id(config): config, id(text): text}.values():
-            for key, value in list(vars(source).items()):
-                if _is_rate(key, value):
-                    setattr(source, key, 0.0)
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for key, value in list(vars(module).items()):
-            if not key.startswith("_") and _is_rate(key, value):
-                setattr(module, key, 0.0)
+    for owner in [*_configs(model), *model.modules()]:
+        if isinstance(owner, nn.Dropout):
+            owner.p = 0.0
+        for key, _ in _rates(owner):
+            setattr(owner, key, 0.0)
     return found
 
 

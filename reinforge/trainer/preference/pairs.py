@@ -226,7 +226,7 @@ class PreferenceRun(SupervisedRun):
         """
         out = torch.zeros(len(loader.pairs), 2)
         was_training = model.training
-        model.train(not has_active_dropout(model))
+        model.train(not active_dropout(model))
         indices, weights, values = [], [], []
         for batch in loader.batches_of_one_pass():
             for micro in self.micro_batches(batch):
@@ -327,8 +327,3 @@ def page_locked(piece: Batch) -> Batch:
             field.name: getattr(plan, field.name).pin_memory() for field in dataclasses.fields(plan)
             if isinstance(getattr(plan, field.name), Tensor)})
     return locked
-
-
-def has_active_dropout(model: torch.nn.Module) -> bool:
-    """Whether a forward in training mode would drop activations (``models.dropout.active_dropout``)."""
-    return bool(active_dropout(model))

@@ -439,13 +439,17 @@ def test_the_15b_mlp_of_a_decode_step_against_cublas_and_the_weight_read_floor()
         cublas_ms, chosen_ms = (graph_milliseconds(lambda index, run=run, x=x: run(x, layers[index % distinct], "silu"),
                                                    num_layers) for run in (cublas_mlp, choice))
         picked = choice.picked[choice.key(x, layers[0], "silu")]
-        lines.append(f"{rows:4d} rows: cuBLAS {cublas_ms:.4f} ms ({floor_ms / cublas_ms:.0%} of floor speed), "
-                     f"chosen {chosen_ms:.4f} ms ({floor_ms / chosen_ms:.0%}); floor {floor_ms:.4f} ms; "
-                     f"running {picked or 'cuBLAS'}")
+        lines.append(timing_line(f"{rows:4d} rows", cublas_ms, chosen_ms, floor_ms, picked))
         assert chosen_ms <= cublas_ms * 1.1, lines[-1]
     print("\nMLP a layer\n" + "\n".join(lines))
     for key, timings in choice.timings.items():
         print(key[0], "rows:", fastest_timings(timings))
+
+
+def timing_line(label: str, cublas_ms: float, chosen_ms: float, floor_ms: float, picked) -> str:
+    """One line of a GPU timing test: cuBLAS and the choice against the weight-read floor, and what the choice runs."""
+    return (f"{label}: cuBLAS {cublas_ms:.4f} ms ({floor_ms / cublas_ms:.0%} of floor speed), chosen {chosen_ms:.4f} "
+            f"ms ({floor_ms / chosen_ms:.0%}); floor {floor_ms:.4f} ms; running {picked or 'cuBLAS'}")
 
 
 @pytest.mark.gpu
@@ -472,9 +476,7 @@ def test_the_15b_attention_products_of_a_decode_step_against_cublas_and_the_weig
                 lambda index, run=run, x=x, weights=weights: run(x, *weights[index % distinct]), num_layers)
                 for run in (F.linear, choice.linear))
             picked = choice.linear_tiles_for(x, *weights[0])
-            lines.append(f"{rows:4d} rows, {name}: cuBLAS {cublas_ms:.4f} ms ({floor_ms / cublas_ms:.0%} of floor "
-                         f"speed), chosen {chosen_ms:.4f} ms ({floor_ms / chosen_ms:.0%}); floor {floor_ms:.4f} ms; "
-                         f"running {picked or 'cuBLAS'}")
+            lines.append(timing_line(f"{rows:4d} rows, {name}", cublas_ms, chosen_ms, floor_ms, picked))
             assert chosen_ms <= cublas_ms * 1.1, lines[-1]
     print("\nattention products a layer\n" + "\n".join(lines))
     for key, timings in choice.timings.items():
