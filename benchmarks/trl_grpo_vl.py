@@ -11,7 +11,10 @@ one user turn of one random 448 x 448 image and 128 random letters (``reinforge.
 images as the dataset's ``image`` column beside conversational prompts, applies the processor's chat template
 and generates with transformers' ``generate`` (no vLLM); bf16, beta 0, one optimizer step per generation batch
 of all completions, AdamW lr 1e-6, the vision tower frozen as reinforge's is by default (``actor.freeze_vision_tower``;
-``--train-vision-tower`` trains it, TRL's own default). The step time is the median time between optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--cpu``
+``--train-vision-tower`` trains it, TRL's own default). The dataset's images are decoded by 8 loader processes
+(``--loader-workers``): transformers' Trainer fetches a batch for each gradient-accumulation micro-step and TRL's
+loader returns the whole generation batch each time, so one process alone decodes 32 x 512 images a step and
+leaves the GPU idle for most of it. The step time is the median time between optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--cpu``
 runs the same setup on the CPU in float32 on a tiny model folder (``bench train --model qwen2.5-vl-3b --cpu``'s),
 a smoke test.
 """
@@ -19,6 +22,7 @@ a smoke test.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 
@@ -65,7 +69,8 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
                   gradient_checkpointing=checkpointing, max_steps=workload.steps, logging_steps=1, report_to="none",
                   use_vllm=False, temperature=1.0, save_strategy="no", seed=0, loss_type="dapo",
                   generation_kwargs={"min_new_tokens": workload.response_tokens}, shuffle_dataset=False,
-                  log_completions=False)
+                  log_completions=False, dataloader_num_workers=workload.loader_workers,
+                  dataloader_persistent_workers=workload.loader_workers > 0)
     settings, ignored = known_settings(GRPOConfig, wanted)
     config = GRPOConfig(**settings)
     processor = load_processor(workload.model_dir)
@@ -92,8 +97,13 @@ def main(argv: list[str]) -> int:
     add_grpo_workload_options(parser, prompt_tokens_help="random letters beside each prompt's image")
     parser.add_argument("--train-vision-tower", action="store_true",
                         help="train the vision tower too (reinforge: actor.freeze_vision_tower=false)")
+    parser.add_argument("--loader-workers", type=int, default=None,
+                        help="processes decoding the dataset's images (transformers' dataloader_num_workers; "
+                             "default: 8 on a GPU, at most the CPU count, 0 with --cpu)")
     add_run_options(parser)
     args = parser.parse_args(argv)
+    if args.loader_workers is None:
+        args.loader_workers = 0 if args.cpu else min(8, os.cpu_count() or 1)
     if args.gpu_memory_gib is not None and not args.cpu:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total))

@@ -6,7 +6,8 @@ On the rollout bench's workload and model it times, after a warm-up rollout:
 - the pieces on the device alone at the largest decode batch: the captured decode graph, one layer's fused
   q|k|v product, paged attention at the mean context, o projection and gated MLP (by the kernels a decode step
   of that batch picked), the LM head and the sampler kernel. The layers' pieces times the layer count plus the
-  head and the sampler make up ``pieces_sum_ms``, next to the graph replay they compose.
+  head and the sampler make up ``pieces_sum_ms``, next to the graph replay they compose;
+- every kernel of the captured decode step under torch.profiler: launches and device time a step.
 """
 
 from __future__ import annotations
@@ -97,8 +98,29 @@ def profile_rollout(model: nn.Module, requests: list[GenerationRequest], engine_
     result["sampler_ms"] = bench(lambda: triton_kernels.sample(logits, ones, zeros, minus_inf, seeds, seeds))
     per_layer = result["qkv_ms"] + result["attention_ms"] + result["o_proj_ms"] + result["mlp_ms"]
     result["pieces_sum_ms"] = len(model.model.layers) * per_layer + result["lm_head_ms"] + result["sampler_ms"]
+    result["graph_kernels"] = _graph_kernels(runner._graphs[batch].replay)
     engine.sleep()
     return result
+
+
+def _graph_kernels(replay, replays: int = 20) -> list[dict]:
+    """The kernels of a captured decode step by device time: name, launches and microseconds per replay."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels[event.name]
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    return sorted(({"kernel": name, "launches_per_step": count / replays, "us_per_step": total / replays}
+                   for name, (count, total) in kernels.items()), key=lambda row: -row["us_per_step"])
 
 
 def print_profile(result: dict) -> None:
@@ -109,3 +131,8 @@ def print_profile(result: dict) -> None:
               "pieces_sum_ms")
     print(f"decode step at batch {result['batch']}, mean context {result['mean_context']} (ms; layer pieces for one "
           "layer): " + ", ".join(f"{name.removesuffix('_ms')} {result[name]:.3f}" for name in pieces))
+    rows = result.get("graph_kernels", [])
+    total = sum(row["us_per_step"] for row in rows)
+    print(f"the captured decode step's kernels (torch.profiler, {total:.0f} us of device time a step):")
+    for row in rows[:25]:
+        print(f"  {row['us_per_step']:8.1f} us  {row['launches_per_step']:5.0f} x  {row['kernel'][:110]}")
