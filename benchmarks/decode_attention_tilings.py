@@ -1,11 +1,13 @@
-"""Paged decode attention of the 1.5B shape under each tiling, against a device copy of the same bytes (CUDA).
+"""Paged decode attention under each tiling, against a device copy of the same bytes (CUDA).
 
-    python3 benchmarks/decode_attention_tilings.py OUT.json
+    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|0.5b]
 
-12 query heads, 2 KV heads, head dim 128, pages of 16 tokens, random block tables; for 128 x 4,096, 128 x 8,192 and
-8 x 8,192 (sequences x context) it times ``decode_kernels.paged_decode_attention`` at each block size, warp count,
-stage count and split count (the engine's own split count, none, and twice the engine's) and prints the engine's
-setting beside the fastest. Results go to OUT.json after each shape.
+Pages of 16 tokens, random block tables. ``1.5b``: 12 query heads, 2 KV heads, head dim 128, at 128 x 4,096,
+128 x 8,192 and 8 x 8,192 (sequences x context). ``0.5b``: 14 query heads, 2 KV heads, head dim 64, at the standard
+workload's 512 sequences and contexts of 256, 384 and 640 tokens. It times ``decode_kernels.paged_decode_attention``
+at each block size, warp count, stage count and split count (the engine's own split count, none, and twice the
+engine's; chunks of 64 tokens or more for the short contexts) and prints the engine's setting beside the fastest.
+Results go to OUT.json after each shape.
 """
 
 from __future__ import annotations
@@ -20,16 +22,18 @@ import triton.testing
 
 from reinforge.rollout.native import decode_kernels
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 12, 2, 128, 16
-CASES = ((128, 4096), (128, 8192), (8, 8192))
+PAGE = 16
+SHAPES = {"1.5b": dict(heads=12, kv_heads=2, head_dim=128, cases=((128, 4096), (128, 8192), (8, 8192))),
+          "0.5b": dict(heads=14, kv_heads=2, head_dim=64, cases=((512, 256), (512, 384), (512, 640)))}
 
 
 def bench(function) -> float:
     return triton.testing.do_bench(function, warmup=10, rep=60, return_mode="median")
 
 
-def time_case(batch: int, context: int, sms: int) -> dict:
+def time_case(shape: dict, batch: int, context: int, sms: int) -> dict:
     """Every tiling of ``batch`` sequences at ``context`` tokens, the engine's setting and the copy rate."""
+    HEADS, KV_HEADS, HEAD_DIM = shape["heads"], shape["kv_heads"], shape["head_dim"]  # noqa: N806
     device = torch.device("cuda")
     blocks = batch * (-(-context // PAGE))
     k = torch.randn(blocks + 1, PAGE, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
@@ -40,10 +44,15 @@ def time_case(batch: int, context: int, sms: int) -> dict:
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
     copy_ms = bench(lambda: k.view(-1)[: kv_bytes // 4].clone())  # reads and writes half the bytes
     engine_splits = decode_kernels.decode_num_splits(batch, KV_HEADS, context, sms)
+    short = context < decode_kernels.SPLIT_MIN_CONTEXT
     cases = []
     for block_n, warps, stages, splits in itertools.product(
-            (32, 64, 128), (4, 8), (2, 3), sorted({1, engine_splits, 2 * engine_splits})):
-        options = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+            (16, 32, 64, 128) if short else (32, 64, 128), (2, 4, 8) if short else (4, 8),
+            (1, 2, 3, 4) if short else (2, 3), (1, 2, 4) if short else sorted({1, engine_splits, 2 * engine_splits})):
+        if short and splits > 1 and block_n > 64:
+            continue
+        options = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits,
+                       min_chunk_tokens=64 if short else None)
         ms = bench(functools.partial(decode_kernels.paged_decode_attention, q, k, v, tables, lengths,
                                      HEAD_DIM ** -0.5, **options))
         cases.append({"block_n": block_n, "warps": warps, "stages": stages, "splits": splits, "ms": ms,
@@ -54,12 +63,13 @@ def time_case(batch: int, context: int, sms: int) -> dict:
             "engine": engine, "fastest": min(cases, key=lambda case: case["ms"]), "cases": cases}
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, shape_name: str) -> None:
     torch.manual_seed(0)
     sms = decode_kernels.num_sms(torch.device("cuda"))
+    shape = SHAPES[shape_name]
     results = []
-    for batch, context in CASES:
-        result = time_case(batch, context, sms)
+    for batch, context in shape["cases"]:
+        result = time_case(shape, batch, context, sms)
         results.append(result)
         engine, fastest = result["engine"], result["fastest"]
         print(f"{batch} x {context}: engine's setting {engine['ms']:.3f} ms ({engine['tbps']:.2f} TB/s); fastest "
@@ -70,4 +80,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--shape" else "1.5b")
