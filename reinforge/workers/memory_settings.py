@@ -196,6 +196,31 @@ _DEVICE_OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|\b(CUDA|HIP|XPU|MPS)( erro
 """A device's out-of-memory error in an error's text (a worker's, relayed by Ray), not any text naming memory."""
 
 
+_TORCH_OOM_FIGURES = (("tried to allocate", re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")),
+                      ("free", re.compile(r"of which ([\d.]+ [KMGT]?i?B) is free")),
+                      ("reserved by PyTorch but unallocated",
+                       re.compile(r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated")))
+"""The figures of torch's out-of-memory message kept in the one line (its advice and the rest are left out)."""
+
+
+def _allocator_state(text: str) -> str:
+    """'; tried to allocate 2.00 GiB, 1.23 GiB free, ...' from torch's message, or '' when it has none of them."""
+    figures = [f"{name} {match.group(1)}" if name == "tried to allocate" else f"{match.group(1)} {name}"
+               for name, pattern in _TORCH_OOM_FIGURES if (match := pattern.search(text))]
+    return f"; {', '.join(figures)}" if figures else ""
+
+
+def _raised_at(error: BaseException) -> str:
+    """'; at reinforge/x.py:12 (function)', the innermost frame of reinforge's own code the error passed through."""
+    frame, found = error.__traceback__, None
+    while frame is not None:
+        path = frame.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/reinforge/" in path and "/tests/" not in path:
+            found = (path[path.rindex("/reinforge/") + 1:], frame.tb_lineno, frame.tb_frame.f_code.co_name)
+        frame = frame.tb_next
+    return f"; at {found[0]}:{found[1]} ({found[2]})" if found else ""
+
+
 def describe_out_of_memory(error: BaseException) -> str | None:
     """One line for a device's out-of-memory error anywhere in ``error``'s chain (a worker's too), else None."""
     chain, seen = [], error
@@ -208,9 +233,9 @@ def describe_out_of_memory(error: BaseException) -> str | None:
         return None
     first_line = (str(oom).strip().splitlines() or [type(oom).__name__])[0]
     where = f"in a worker ({first_line[:160]})" if not isinstance(oom, torch.OutOfMemoryError) else "on the device"
-    measured = ""
+    measured = _allocator_state(str(oom)) + _raised_at(oom)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        measured = f"; measured peak {torch.cuda.max_memory_allocated() / GiB:.1f} GiB"
+        measured += f"; measured peak {torch.cuda.max_memory_allocated() / GiB:.1f} GiB"
     plan = ""
     if _last_plan is not None:
         phase, peak = _last_plan.peak

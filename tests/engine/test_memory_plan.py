@@ -328,6 +328,7 @@ def test_out_of_memory_becomes_one_line():
         message = describe_out_of_memory(error)
     assert message is not None and "\n" not in message
     assert "REINFORGE_DEBUG=1" in message and "max_tokens_per_micro_batch" in message
+    assert "tried to allocate 20.00 GiB" in message
     assert describe_out_of_memory(ValueError("bad value")) is None
     relayed = RuntimeError("worker group 'actor_rollout' rank 0 raised in update_actor: torch.OutOfMemoryError: CUDA "
                            "out of memory. Tried to allocate 2.00 GiB")
@@ -335,6 +336,25 @@ def test_out_of_memory_becomes_one_line():
     # a failure whose message merely speaks of memory is its own line, not an out-of-memory report
     assert describe_out_of_memory(RuntimeError("the scorer failed on all 16 samples (0 timed out, 0 ran out of "
                                                "memory); it raised ZeroDivisionError")) is None
+
+
+def test_out_of_memory_line_keeps_torchs_figures_and_where_it_was_raised():
+    from reinforge.workers import memory_settings
+
+    text = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "1.23 GiB is free. Including non-PyTorch memory, this process has 138.57 GiB memory in use. Of the "
+            "allocated memory 50.00 GiB is allocated by PyTorch, and 87.00 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting ...")
+    message = memory_settings.describe_out_of_memory(torch.OutOfMemoryError(text))
+    assert "; tried to allocate 2.00 GiB, 1.23 GiB free, 87.00 GiB reserved by PyTorch but unallocated" in message
+    assert "\n" not in message
+    from reinforge.rollout.noise import uniform_from_bits
+
+    try:  # the innermost frame of reinforge's code an error passed through names the phase that ran out
+        uniform_from_bits(None)
+    except TypeError as error:
+        assert memory_settings._raised_at(error).startswith("; at reinforge/rollout/noise.py:")
+        assert memory_settings._raised_at(error).endswith(" (uniform_from_bits)")
 
 
 def test_partial_checkpointing_gives_the_same_gradients(tiny_model_dir):

@@ -274,12 +274,13 @@ def _gumbel_of_uniforms(uniforms_ptr, out_ptr, count, FAST_LOG: tl.constexpr, BL
 @pytest.mark.gpu
 def test_the_compiled_samplers_noise_is_gumbel_to_float32_precision_at_every_uniform():
     """The fast noise (approximate log2 where it is accurate, a series for -log(u) as u nears 1) against float64
-    at each of the 2^23 uniforms the hash can give: within 4e-7 everywhere, the largest noise included."""
+    at each of the 2^23 uniforms the hash can give: within 4e-7 of max(|noise|, 1), as float32 rounding allows (the
+    accurate float32 logarithms are within 1.4e-7), the largest noise included."""
     uniforms = ((torch.arange(2**23, dtype=torch.float32) + 0.5) / 2**23).cuda()
     fast = torch.empty_like(uniforms)
     _gumbel_of_uniforms[(2**23 // 1024,)](uniforms, fast, 2**23, FAST_LOG=True, BLOCK=1024)
     exact = -torch.log(-torch.log(uniforms.double()))
-    assert float((fast.double() - exact).abs().max()) < 4e-7
+    assert float(((fast.double() - exact).abs() / exact.abs().clamp(min=1)).max()) < 4e-7
     assert float(fast.max()) > 16.0  # u = 1 - 2^-24 gives the largest noise, finite
 
 
