@@ -260,3 +260,30 @@ def test_block_metrics_count_every_pool():
     assert metrics["rollout/kv_blocks_total"] == pools[0].num_blocks + pools[1].num_blocks
     assert metrics["rollout/kv_blocks_used_peak"] == max(used) > max(full_used)
     assert metrics["rollout/kv_blocks_used_peak_share"] == pytest.approx(max(shares))
+
+
+@pytest.mark.parametrize(("family", "window"), [("llama", None), ("gemma2", WINDOW)])
+def test_a_cache_that_fits_only_a_layer_at_a_time_runs_as_one_tensor_does(monkeypatch, family, window):
+    """The device's free memory in pieces (cached segments partly in use after a training step): the one tensor
+    of a layer group's cache fails to allocate, each layer's tensor is allocated instead, and preemption,
+    copy-on-write of shared blocks and the prefix cache run on it as on one tensor."""
+    zeros = torch.zeros
+
+    def no_room_for_all_layers(*shape, **kwargs):
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if len(dims) == 6:  # (layers, 2, blocks, block size, KV heads, head dim): every layer's cache at once
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 61.51 GiB")
+        return zeros(*shape, **kwargs)
+
+    model = tiny_model(family, window)
+    monkeypatch.setattr(torch, "zeros", no_room_for_all_layers)
+    engine = make_engine(model, block_size=2, num_kv_blocks=14, enable_prefix_caching=True)
+    greedy = SamplingParams(n=4, max_tokens=20, temperature=0.0)
+    [prompt] = prompts([8], seed=8)
+    [samples] = engine.generate([GenerationRequest(prompt, greedy)])
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert all(isinstance(cache, list) for cache in engine.runner.kv_caches)
+    assert engine.last_metrics["rollout/num_preempted"] > 0
+    assert [completion.token_ids for completion in samples] == [hf_greedy(model, prompt, 20)] * 4
+    [again] = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=20, temperature=0.0))])
+    assert again[0].token_ids == samples[0].token_ids

@@ -22,6 +22,7 @@ share one window (or none) has one group and runs as if groups did not exist.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -37,6 +38,8 @@ from reinforge.rollout.native.model import PagedDecoder, whole
 from reinforge.rollout.native.multimodal import MultimodalPrompts, is_vision_language
 from reinforge.rollout.native.prefill_graphs import PrefillGraphs, pad_prefill
 from reinforge.rollout.native.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> Tensor:
@@ -101,16 +104,17 @@ class ModelRunner:
         self.device = self.decoder.device
         self.cuda_graph_batch_sizes = sorted(size for size in cuda_graph_batch_sizes if size <= max_num_seqs)
         self.kv_cache: Tensor | list[Tensor] | None = None
-        """What the decoder reads layer by layer: the cache tensor (layers first), or with several layer groups,
-        a list of each layer's view of its group's tensor."""
+        """What the decoder reads layer by layer: the cache tensor (layers first), or with several layer groups
+        (or a cache allocated a layer at a time), a list of each layer's tensor."""
         self.spare_block = -1
         self.block_table_host = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         windows = [layer.sliding_window for layer in self.decoder.spec.layers]
         self.layer_groups = layer_groups(windows)
         self.group_windows = [windows[layers[0]] for layers in self.layer_groups]
         """Each group's window (None: full attention); one group for most models."""
-        self.kv_caches: list[Tensor] = []
-        """Each group's cache tensor (its layers first), while allocated."""
+        self.kv_caches: list[Tensor | list[Tensor]] = []
+        """Each group's cache tensor (its layers first), or its layers' tensors (``_cache_tensor``), while
+        allocated."""
         self.spare_blocks: list[int] = []
         num_extra = len(self.layer_groups) - 1
         self.group_table_host = [np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
@@ -200,13 +204,26 @@ class ModelRunner:
                 views[layer] = cache[position]
         self.kv_cache = views
 
-    def _cache_tensor(self, num_layers: int, num_blocks: int) -> Tensor:
+    def _cache_tensor(self, num_layers: int, num_blocks: int) -> Tensor | list[Tensor]:
+        """One tensor, layers first; or, when the device's free memory is cut into pieces none of which holds it
+        (the allocator's cached segments partly in use, as after a training step), a list of each layer's tensor:
+        indexed by layer, the two read alike."""
         if self.kv_cache_dtype == "fp8":
             _, heads, dim = self.decoder.cache_entry
             shape = (num_layers, 2, num_blocks + 1, block_bytes(self.block_size, heads, dim))
-            return torch.zeros(shape, dtype=torch.uint8, device=self.device)
-        shape = (num_layers, *self.decoder.kv_cache_shape(num_blocks + 1, self.block_size)[1:])
-        return torch.zeros(shape, dtype=self.decoder.dtype, device=self.device)
+            dtype = torch.uint8
+        else:
+            shape = (num_layers, *self.decoder.kv_cache_shape(num_blocks + 1, self.block_size)[1:])
+            dtype = self.decoder.dtype
+        try:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            if num_layers == 1:
+                raise
+        layers = [torch.zeros(shape[1:], dtype=dtype, device=self.device) for _ in range(num_layers)]
+        logger.info("KV cache: one tensor of %.2f GiB did not fit in the device's free memory, which is in pieces; "
+                    "it is allocated as %d tensors, one a layer", num_layers * layers[0].nbytes / 2**30, num_layers)
+        return layers
 
     def attention_caches(self, layer: int) -> tuple[Tensor | QuantizedCache, Tensor | QuantizedCache]:
         """Layer ``layer``'s K and V caches as the attention kernels take them (fp8: ``QuantizedCache`` views)."""
@@ -227,12 +244,12 @@ class ModelRunner:
     @property
     def num_kv_blocks(self) -> int:
         """Blocks the scheduler may hand out (the cache's spare block excluded), of the first layer group."""
-        return self.kv_caches[0].shape[2] - 1
+        return self.kv_caches[0][0].shape[1] - 1
 
     @property
     def group_num_kv_blocks(self) -> list[int]:
         """Each layer group's blocks (spare blocks excluded)."""
-        return [cache.shape[2] - 1 for cache in self.kv_caches]
+        return [cache[0].shape[1] - 1 for cache in self.kv_caches]
 
     def free_kv_cache(self) -> None:
         self.drop_cuda_graphs()
@@ -255,7 +272,11 @@ class ModelRunner:
         source = torch.tensor([copy[0] for copy in copies], device=self.device)
         destination = torch.tensor([copy[1] for copy in copies], device=self.device)
         cache = self.kv_caches[group]
-        cache[:, :, destination] = cache[:, :, source]
+        if isinstance(cache, list):  # a tensor a layer
+            for layer in cache:
+                layer[:, destination] = layer[:, source]
+        else:
+            cache[:, :, destination] = cache[:, :, source]
 
     def _to_device(self, array: np.ndarray) -> Tensor:
         return to_device(array, self.device)
