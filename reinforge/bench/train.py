@@ -360,6 +360,11 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         rows.append(row)
         print(json.dumps({"variant": args.variant, **row}), flush=True)
     measured = measured_steps(rows, args.steps if args.profile else None)
+    left_out = [row["step"] for row in rows[1:] if row not in measured]
+    if left_out:
+        print(f"medians over steps {', '.join(str(row['step']) for row in measured)}; left out step(s) "
+              f"{', '.join(map(str, left_out))} (profiled, or compiled again for more than {RECOMPILE_S:.0f} s)",
+              flush=True)
     summary = {key: statistics.median(r[key] for r in measured) for key in rows[0]
                if all(isinstance(r.get(key), float) for r in measured)}
     for key in ("peak_memory_gb", "rollout_peak_gb", "reward_model_peak_gb", "update_peak_gb", "host_rssanon_gb", "host_rssfile_gb",
@@ -367,7 +372,8 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         summary[key] = max((r.get(key) or 0.0) for r in rows)
     # the process's peak resident host memory (pinned buffers included), in GiB: what a host's RAM must hold
     summary["host_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    result = {"variant": args.variant, "steps": rows, "median": summary, "shape": shape_summary(args, model_dir, config),
+    result = {"variant": args.variant, "steps": rows, "median": summary,
+              "median_steps": [row["step"] for row in measured], "shape": shape_summary(args, model_dir, config),
               "floor": {"bandwidth_tbps": args.bandwidth_tbps, **floor_dtypes(config, args)}}
     if stopped_early:
         result["stopped_at_deadline"] = True
@@ -379,10 +385,15 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
     return result
 
 
+RECOMPILE_S = 1.0
+"""A step after the first that spent longer than this compiling (a graph torch.compile made again) is no steady step."""
+
+
 def measured_steps(rows: list[dict], profiled_step: int | None) -> list[dict]:
-    """The steps the medians are taken over: those after the first (which compiles), less the one whose update
-    ran under the profiler (its time inflated), unless nothing else is left."""
-    kept = [row for row in rows[1:] if row["step"] != profiled_step]
+    """The steps the medians are taken over: the steady ones. Those after the first (which compiles), less the one
+    whose update ran under the profiler (its time inflated) and any that compiled again for longer than
+    ``RECOMPILE_S`` (each row's ``compile_s``), unless nothing else is left."""
+    kept = [row for row in rows[1:] if row["step"] != profiled_step and (row.get("compile_s") or 0.0) <= RECOMPILE_S]
     return kept or rows[1:] or rows
 
 

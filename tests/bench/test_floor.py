@@ -109,7 +109,7 @@ def test_latent_attention_reads_its_latent_and_rotary_key():
     assert rollout_floor(mla, [0], [100]).kv_bytes == 27 * (512 + 64) * 2 * sum(range(100))
 
 
-def test_the_medians_leave_out_the_first_step_and_the_profiled_one():
+def test_the_medians_leave_out_the_first_step_the_profiled_one_and_any_that_compiled_again():
     from reinforge.bench.train import measured_steps
 
     rows = [{"step": step} for step in (1, 2, 3, 4, 5)]
@@ -117,3 +117,6 @@ def test_the_medians_leave_out_the_first_step_and_the_profiled_one():
     assert [row["step"] for row in measured_steps(rows, 5)] == [2, 3, 4]
     assert [row["step"] for row in measured_steps(rows[:2], 2)] == [2]  # nothing else left: the profiled one
     assert [row["step"] for row in measured_steps(rows[:1], None)] == [1]
+    compiled = [{"step": step, "compile_s": seconds} for step, seconds in ((1, 19.9), (2, 4.5), (3, 0.0), (4, 0.2))]
+    assert [row["step"] for row in measured_steps(compiled, None)] == [3, 4]
+    assert [row["step"] for row in measured_steps(compiled[:2], None)] == [2]  # nothing steady: the second step
