@@ -33,7 +33,7 @@ from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.image_embeddings import ImageEmbeddingCache
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.longrope import unshared_where_factors_differ
-from reinforge.engine.micro_batches import iter_balanced_micro_batches, rows_in_batch_order
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_padded_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
 from reinforge.models.architectures import architecture_spec
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language
@@ -109,6 +109,17 @@ def packs_rows(model: nn.Module) -> bool:
         known = calls.packed > 0 and calls.unpacked == 0
     setattr(model, PACKS_ROWS, known)
     return known
+
+
+def runs_padded(model: nn.Module) -> bool:
+    """Whether a training or scoring pass over ``model`` runs padded rows (``packs_rows`` of the module whose attention
+    takes them: a value model's backbone, a sequence classifier's base model, else the causal LM itself)."""
+    module = model
+    if isinstance(getattr(model, "value_head", None), nn.Module) and hasattr(model, "backbone"):
+        module = model.backbone
+    elif isinstance(getattr(model, "score", None), nn.Module) and hasattr(model, "base_model"):
+        module = model.base_model
+    return getattr(module, "config", None) is not None and not packs_rows(module)
 
 
 def _padded_hidden(model: nn.Module, micro: Batch, **extra):
@@ -314,7 +325,9 @@ class ScoringPass:
         reshard(self.model)
 
     def __iter__(self) -> Iterator[Batch]:
-        for micro in iter_balanced_micro_batches(self.batch, self.max_tokens, share_prompts=True):
+        pieces = (iter_padded_micro_batches(self.batch, self.max_tokens) if runs_padded(self.model)
+                  else iter_balanced_micro_batches(self.batch, self.max_tokens, share_prompts=True))
+        for micro in pieces:
             self.pieces.append(micro)
             yield micro.to(self.device)
 

@@ -11,6 +11,9 @@ prompt is computed once, ``engine.packing``) and a group costs its prompt once p
 responses. Each micro-batch carries its packing plan, made here on the CPU. The update does
 not depend on the split: losses are normalised by the mini-batch's global counts.
 
+``iter_padded_micro_batches`` (the RL workers' passes over a model that runs padded rows): the same padded cost,
+rows taken longest first, each micro-batch carrying its rows as the packed ones do.
+
 ``split_by_token_budget`` (the SFT trainer, whose forward sees padded rows): sequences are laid out as ``[left-padded prompt | right-padded response]``. A micro-batch
 costs ``rows x (longest prompt + longest response)`` tokens once the padding columns shared
 by all its rows are trimmed; we cut micro-batches greedily, in order, so that cost stays
@@ -102,6 +105,37 @@ def _longest_first(lengths: list[int], num_bins: int) -> list[list[int]]:
         bins[target].append(row)
         heapq.heappush(heap, (load + lengths[row], target))
     return bins
+
+
+def iter_padded_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "response_mask") -> Iterator[Batch]:
+    """Micro-batches for forwards over padded rows (a model whose attention does not take packed rows,
+    ``engine.forward.runs_padded``): a micro-batch costs ``rows x (longest prompt + longest response)``, padding
+    included, so rows are taken longest first and cut greedily where that cost would pass ``max_tokens`` (a row
+    longer than the budget alone). Each carries its rows (``meta["rows"]``) and no packing plan; every rank runs as
+    many as the rank with the most, the extra ones a row without loss tokens."""
+    prompt_lengths, response_lengths = (lengths.tolist() for lengths in sequence_extents(batch))
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest_prompt, longest_response = 0, 1  # trim_padding keeps one response column of an empty response
+    for row in sorted(range(len(batch)), key=lambda row: -(prompt_lengths[row] + response_lengths[row])):
+        prompt, response = max(longest_prompt, prompt_lengths[row]), max(longest_response, response_lengths[row])
+        if current and (len(current) + 1) * (prompt + response) > max_tokens:
+            chunks.append(current)
+            current, prompt, response = [], prompt_lengths[row], max(response_lengths[row], 1)
+        current.append(row)
+        longest_prompt, longest_response = prompt, response
+    if current:
+        chunks.append(current)
+    count = int(all_reduce([float(len(chunks))], torch.device("cpu"), op="max")[0])
+    for rows in chunks + [[] for _ in range(count - len(chunks))]:
+        if rows:
+            piece = trim_padding(batch.index(sorted(rows)))
+            piece.meta["rows"] = sorted(rows)
+        else:
+            piece = trim_padding(batch.index([0]))
+            piece[mask_key] = torch.zeros_like(piece[mask_key])
+            piece.meta["rows"] = [-1]
+        yield piece
 
 
 def micro_batch_loads(costs: list[int], max_tokens: int) -> list[int]:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from reinforge.engine.distributed import all_reduce, world_size
 from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
-from reinforge.engine.micro_batches import iter_balanced_micro_batches, split_by_token_budget
+from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_padded_micro_batches, split_by_token_budget
 from reinforge.engine.packing import PLAN_KEY, PackingPlan
 from reinforge.engine.perf import attention_flops, attention_layers, update_perf_metrics
 from reinforge.protocol import Batch
@@ -50,6 +50,11 @@ for the metrics and ``ModelUpdate.record``s them, with no backward."""
 def packed_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
     """Token-balanced micro-batches, packed without padding, a prompt's rows together (the RL workers)."""
     return iter_balanced_micro_batches(batch, max_tokens, mask_key, share_prompts=True)
+
+
+def padded_row_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
+    """Micro-batches by padded cost, longest rows first (the RL workers, for a model that runs padded rows)."""
+    return iter_padded_micro_batches(batch, max_tokens, mask_key)
 
 
 def padded_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> list[Batch]:
@@ -136,7 +141,11 @@ class ModelUpdate:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings, device: torch.device,
-                 split: MicroBatchFn = packed_micro_batches):
+                 split: MicroBatchFn | None = None):
+        from reinforge.engine.forward import runs_padded
+
+        if split is None:  # the RL workers' default: packed rows, or padded ones for a model that cannot pack
+            split = padded_row_micro_batches if runs_padded(model) else packed_micro_batches
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.settings, self.device, self.split = settings, device, split
         self.loss_scale = float(world_size()) if fsdp_units(model) else 1.0

@@ -98,3 +98,32 @@ def test_one_grpo_step_of_a_padded_model_with_dropout_keeps_rollout_and_training
                for line in messages)
     [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["training/rollout_probs_diff_max"] < 1e-4
+
+
+def test_a_padded_models_micro_batches_keep_their_padded_tokens_within_the_budget():
+    """The passes of a model that runs padded rows cut micro-batches by rows x (longest prompt + longest response),
+    padding counted, so a long response does not pad a budget's worth of short rows to its length; the scoring pass
+    over them gives the log-probs of one pass over the whole batch."""
+    from reinforge.engine.forward import ScoringPass, runs_padded
+    from reinforge.engine.micro_batches import iter_padded_micro_batches, sequence_extents
+
+    model = tiny("stablelm")
+    use_varlen_attention(model)
+    assert runs_padded(model)
+    batch = grouped_batch(num_prompts=3, samples=4)
+    budget = 40
+    pieces = list(iter_padded_micro_batches(batch, budget))
+    assert sorted(row for piece in pieces for row in piece.meta["rows"]) == list(range(len(batch)))
+    for piece in pieces:  # each trimmed to its own rows' longest prompt and response
+        prompts, responses = sequence_extents(piece)
+        assert piece["input_ids"].shape[1] == int(prompts.max()) + max(int(responses.max()), 1)
+        assert len(piece) * piece["input_ids"].shape[1] <= budget
+    assert len(pieces) < len(batch)  # not one row each
+    with torch.no_grad():
+        whole, _ = response_log_probs(model, batch)
+    with ScoringPass(model, batch, budget, torch.device("cpu")) as scoring:
+        for micro in scoring:
+            scoring.add(response_log_probs(model, micro)[0])
+    (scored,) = scoring.outputs()
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(scored[mask], whole[mask], atol=1e-5, rtol=0)
