@@ -59,7 +59,8 @@ def time_case(shape: dict, batch: int, context: int, sms: int) -> dict:
                       "tbps": kv_bytes / ms / 1e9})
     engine = next(case for case in cases
                   if (case["block_n"], case["warps"], case["stages"], case["splits"])
-                  == (64, decode_kernels.default_num_warps(HEAD_DIM, engine_splits, False), 2, engine_splits))
+                  == (64, decode_kernels.default_num_warps(HEAD_DIM, engine_splits, False),
+                      decode_kernels.default_num_stages(engine_splits), engine_splits))
     return {"batch": batch, "context": context, "kv_gb": kv_bytes / 1e9, "copy_tbps": kv_bytes / copy_ms / 1e9,
             "engine": engine, "fastest": min(cases, key=lambda case: case["ms"]), "cases": cases}
 

@@ -239,20 +239,34 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context_len: int, sm_co
     return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * sm_count // (batch * num_kv_heads))))
 
 
-def default_num_warps(head_dim: int, num_splits: int, quantized: bool) -> int:
-    """Warps of a decode attention program: 2 for the unsplit bf16 kernel on heads of 64 dims or fewer, else 4.
+MANY_SPLITS = 32
+"""From this many splits (a few sequences with long contexts) a split program runs 8 warps and 3 stages."""
 
-    Measured on an H200 (``benchmarks/decode_attention_tilings.py --shape 0.5b``): 512 sequences of 14 query and
-    2 KV heads of 64 dims at contexts of 256, 384 and 640 tokens run 9-16% faster on 2 warps than on 4, the fastest
-    tiling at each context; heads of 128 dims were measured fastest on 4 warps or more.
+
+def default_num_warps(head_dim: int, num_splits: int, quantized: bool) -> int:
+    """Warps of a decode attention program: 2 for the unsplit bf16 kernel on heads of 64 dims or fewer, 8 for the
+    split kernel cut into ``MANY_SPLITS`` or more, else 4.
+
+    Measured on an H200 (``benchmarks/decode_attention_tilings.py``): 512 sequences of 14 query and 2 KV heads of
+    64 dims at contexts of 256, 384 and 640 tokens run 9-16% faster on 2 warps than on 4 (``--shape 0.5b``), the
+    fastest tiling at each context; 8 sequences of 12 query and 2 KV heads of 128 dims at 8,192 tokens, in 64
+    splits, read their cache at 1.30 TB/s on 8 warps and 3 stages against 0.89 on 4 and 2, the fastest tiling there.
     """
+    if num_splits >= MANY_SPLITS:
+        return 8
     return 2 if head_dim <= 64 and num_splits <= 1 and not quantized else 4
+
+
+def default_num_stages(num_splits: int) -> int:
+    """Pipeline stages of a decode attention program: 3 with ``MANY_SPLITS`` or more splits, else 2."""
+    return 3 if num_splits >= MANY_SPLITS else 2
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
                            block_tables: Tensor, context_lens: Tensor,
                            scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
-                           num_warps: int | None = None, num_stages: int = 2, num_splits: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           num_splits: int | None = None,
                            min_chunk_tokens: int | None = None) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
@@ -264,7 +278,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     num_splits: chunks of each context read by separate programs and merged (1: the unsplit kernel); None
     picks ``decode_num_splits`` from the longest context (a device read: the engine passes it from the host);
     min_chunk_tokens: the fewest tokens a split program reads, a sequence's last chunk aside (None:
-    ``MIN_CHUNK_TOKENS``). num_warps: None gives ``default_num_warps``.
+    ``MIN_CHUNK_TOKENS``). num_warps, num_stages: None gives ``default_num_warps``, ``default_num_stages``.
     Returns (batch, heads, head_dim).
     """
     batch, num_heads, head_dim = q.shape
@@ -280,6 +294,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     num_splits = min(num_splits, MAX_SPLITS)
     if num_warps is None:
         num_warps = default_num_warps(head_dim, num_splits, quantized)
+    if num_stages is None:
+        num_stages = default_num_stages(num_splits)
     block_n = max(block_n, page, 16)
     # compiled, each program loops over its own blocks; Triton's interpreter cannot loop from or to a loaded
     # value, so there every program loops over the longest context (blocks outside its range are masked)
