@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from reinforge.models.export import fsync_directory_entry
+
 logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "step_"
@@ -59,14 +61,6 @@ def _hash_and_fsync(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _data_files(folder: Path) -> list[Path]:
     return sorted(path for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST_FILE)
 
@@ -83,7 +77,7 @@ def seal(folder: Path, step: int) -> dict[str, Any]:
         handle.flush()
         os.fsync(handle.fileno())
     for sub in sorted({path.parent for path in folder.rglob("*")} | {folder}):
-        _fsync_folder(sub)
+        fsync_directory_entry(sub)
     return manifest
 
 
@@ -208,7 +202,7 @@ class CheckpointManager:
         if final.exists():
             shutil.rmtree(final)
         temporary.rename(final)
-        _fsync_folder(self.root)
+        fsync_directory_entry(self.root)
         pointer = self.root / ".latest.tmp"
         pointer.write_text(final.name + "\n")
         with open(pointer, "rb") as handle:
