@@ -44,6 +44,7 @@ import torch
 
 from reinforge.bench.floor import COPY_BYTES_PER_S
 from reinforge.bench.shapes import QWEN25_SIZES, SHAPES, shape_config
+from reinforge.config.schema import DECODE_PRODUCTS
 
 QWEN25_SHAPES = {size: shape_config(size) for size in QWEN25_SIZES}
 """The Qwen2.5 architectures (random weights)."""
@@ -473,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout", choices=["native", "hf"], default="native")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the native engine's KV cache: auto (the model dtype) or fp8 (rollout.kv_cache_dtype)")
-    parser.add_argument("--decode-products", choices=["cublas", "timed"], default="cublas",
+    parser.add_argument("--decode-products", choices=DECODE_PRODUCTS, default="cublas",
                         help="what runs the native engine's decode-step products (rollout.decode_products)")
     parser.add_argument("--checkpointing", type=_checkpointing, default=None, metavar="all|none|K",
                         help="activation checkpointing of all, none or the first K layers (default: the planner's)")

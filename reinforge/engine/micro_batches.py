@@ -24,7 +24,7 @@ what lets gradient accumulation give the same update whatever the split.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -64,8 +64,7 @@ def iter_balanced_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "
             piece = trim_padding(batch.index(rows))
             piece.meta["rows"] = rows
         else:
-            piece = batch.index([0])
-            piece[mask_key] = torch.zeros_like(piece[mask_key])
+            piece = without_loss_tokens(batch, mask_key)
             piece.meta["rows"] = [-1]
         yield attach_plan(piece, share_prompts)
 
@@ -114,28 +113,46 @@ def iter_padded_micro_batches(batch: Batch, max_tokens: int, mask_key: str = "re
     longer than the budget alone). Each carries its rows (``meta["rows"]``) and no packing plan; every rank runs as
     many as the rank with the most, the extra ones a row without loss tokens."""
     prompt_lengths, response_lengths = (lengths.tolist() for lengths in sequence_extents(batch))
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    longest_prompt, longest_response = 0, 1  # trim_padding keeps one response column of an empty response
-    for row in sorted(range(len(batch)), key=lambda row: -(prompt_lengths[row] + response_lengths[row])):
-        prompt, response = max(longest_prompt, prompt_lengths[row]), max(longest_response, response_lengths[row])
-        if current and (len(current) + 1) * (prompt + response) > max_tokens:
-            chunks.append(current)
-            current, prompt, response = [], prompt_lengths[row], max(response_lengths[row], 1)
-        current.append(row)
-        longest_prompt, longest_response = prompt, response
-    if current:
-        chunks.append(current)
+    longest_first = sorted(range(len(batch)), key=lambda row: -(prompt_lengths[row] + response_lengths[row]))
+    # trim_padding keeps one response column of an empty response: it counts
+    chunks = _padded_chunks(prompt_lengths, response_lengths, longest_first, max_tokens, min_response=1)
     count = int(all_reduce([float(len(chunks))], torch.device("cpu"), op="max")[0])
     for rows in chunks + [[] for _ in range(count - len(chunks))]:
         if rows:
             piece = trim_padding(batch.index(sorted(rows)))
             piece.meta["rows"] = sorted(rows)
         else:
-            piece = trim_padding(batch.index([0]))
-            piece[mask_key] = torch.zeros_like(piece[mask_key])
+            piece = trim_padding(without_loss_tokens(batch, mask_key))
             piece.meta["rows"] = [-1]
         yield piece
+
+
+def without_loss_tokens(batch: Batch, mask_key: str) -> Batch:
+    """One row of ``batch`` with its loss tokens masked out: a micro-batch that adds nothing (a rank with fewer
+    micro-batches than another runs it, so their collectives pair up)."""
+    row = batch.index([0])
+    row[mask_key] = torch.zeros_like(row[mask_key])
+    return row
+
+
+def _padded_chunks(prompt_lengths: list[int], response_lengths: list[int], order: Iterable[int], max_tokens: int,
+                   min_response: int = 0) -> list[list[int]]:
+    """The rows taken in ``order``, cut greedily where ``rows x (longest prompt + longest response)`` would pass
+    ``max_tokens`` (a row longer than the budget alone); a response counts at least ``min_response`` columns."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest_prompt, longest_response = 0, min_response
+    for row in order:
+        prompt = max(longest_prompt, prompt_lengths[row])
+        response = max(longest_response, response_lengths[row])
+        if current and (len(current) + 1) * (prompt + response) > max_tokens:
+            chunks.append(current)
+            current, prompt, response = [], prompt_lengths[row], max(response_lengths[row], min_response)
+        current.append(row)
+        longest_prompt, longest_response = prompt, response
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def micro_batch_loads(costs: list[int], max_tokens: int) -> list[int]:
@@ -205,19 +222,9 @@ def sequence_extents(batch: Batch) -> tuple[Tensor, Tensor]:
 
 def split_by_token_budget(batch: Batch, max_tokens: int) -> list[Batch]:
     """Consecutive micro-batches whose padded token count stays within ``max_tokens``."""
-    prompt_lengths, response_lengths = sequence_extents(batch)
-    chunks: list[Batch] = []
-    start, longest_prompt, longest_response = 0, 0, 0
-    for row in range(len(batch)):
-        prompt, response = int(prompt_lengths[row]), int(response_lengths[row])
-        new_prompt, new_response = max(longest_prompt, prompt), max(longest_response, response)
-        rows = row - start + 1
-        if rows > 1 and rows * (new_prompt + new_response) > max_tokens:
-            chunks.append(trim_padding(batch.index(slice(start, row))))
-            start, new_prompt, new_response = row, prompt, response
-        longest_prompt, longest_response = new_prompt, new_response
-    chunks.append(trim_padding(batch.index(slice(start, len(batch)))))
-    return chunks
+    prompt_lengths, response_lengths = (lengths.tolist() for lengths in sequence_extents(batch))
+    return [trim_padding(batch.index(slice(rows[0], rows[-1] + 1)))
+            for rows in _padded_chunks(prompt_lengths, response_lengths, range(len(batch)), max_tokens)]
 
 
 def trim_padding(batch: Batch) -> Batch:

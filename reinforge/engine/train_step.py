@@ -34,8 +34,14 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.engine.distributed import all_reduce, world_size
+from reinforge.engine.forward import runs_padded
 from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
-from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_padded_micro_batches, split_by_token_budget
+from reinforge.engine.micro_batches import (
+    iter_balanced_micro_batches,
+    iter_padded_micro_batches,
+    split_by_token_budget,
+    without_loss_tokens,
+)
 from reinforge.engine.packing import PLAN_KEY, PackingPlan
 from reinforge.engine.perf import attention_flops, attention_layers, update_perf_metrics
 from reinforge.protocol import Batch
@@ -50,11 +56,6 @@ for the metrics and ``ModelUpdate.record``s them, with no backward."""
 def packed_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
     """Token-balanced micro-batches, packed without padding, a prompt's rows together (the RL workers)."""
     return iter_balanced_micro_batches(batch, max_tokens, mask_key, share_prompts=True)
-
-
-def padded_row_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator[Batch]:
-    """Micro-batches by padded cost, longest rows first (the RL workers, for a model that runs padded rows)."""
-    return iter_padded_micro_batches(batch, max_tokens, mask_key)
 
 
 def padded_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> list[Batch]:
@@ -107,13 +108,6 @@ def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
         tallies[index][key] = total
 
 
-def _without_loss_tokens(mini_batch: Batch, mask_key: str) -> Batch:
-    """One row of the mini-batch with its loss tokens masked out: a micro-batch that adds nothing."""
-    row = mini_batch.index([0])
-    row[mask_key] = torch.zeros_like(row[mask_key])
-    return row
-
-
 def mini_batch_counts(mini_batch: Batch, mask_key: str, device: torch.device) -> MiniBatchCounts:
     mask = mini_batch[mask_key]
     num_tokens, num_sequences = all_reduce(
@@ -142,10 +136,8 @@ class ModelUpdate:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, settings: UpdateSettings, device: torch.device,
                  split: MicroBatchFn | None = None):
-        from reinforge.engine.forward import runs_padded
-
-        if split is None:  # the RL workers' default: packed rows, or padded ones for a model that cannot pack
-            split = padded_row_micro_batches if runs_padded(model) else packed_micro_batches
+        if split is None:  # the RL workers' default: packed rows, or padded ones by padded cost for a model that cannot pack
+            split = iter_padded_micro_batches if runs_padded(model) else packed_micro_batches
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.settings, self.device, self.split = settings, device, split
         self.loss_scale = float(world_size()) if fsdp_units(model) else 1.0
@@ -234,7 +226,7 @@ class ModelUpdate:
             yield from self.split(mini_batch, budget, mask_key)
             return
         for rows, forward_only in ((frozen.nonzero().flatten(), True), ((~frozen).nonzero().flatten(), False)):
-            part = mini_batch.index(rows.tolist()) if len(rows) else _without_loss_tokens(mini_batch, mask_key)
+            part = mini_batch.index(rows.tolist()) if len(rows) else without_loss_tokens(mini_batch, mask_key)
             for micro in self.split(part, budget, mask_key):
                 micro.meta[FORWARD_ONLY] = forward_only
                 yield micro
