@@ -1,29 +1,36 @@
 """Paged decode attention under each tiling, against a device copy of the same bytes (CUDA).
 
-    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|0.5b]
+    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|1.5b-long|0.5b|0.5b-long] [--fp8]
 
 Pages of 16 tokens, random block tables. ``1.5b``: 12 query heads, 2 KV heads, head dim 128, at 128 x 4,096,
-128 x 8,192 and 8 x 8,192 (sequences x context). ``0.5b``: 14 query heads, 2 KV heads, head dim 64, at the standard
-workload's 512 sequences and contexts of 256, 384 and 640 tokens. It times ``decode_kernels.paged_decode_attention``
-at each block size, warp count, stage count and split count (the engine's own split count, none, and twice the
-engine's; chunks of 64 tokens or more for the short contexts) and prints the engine's setting beside the fastest.
+128 x 8,192 and 8 x 8,192 (sequences x context); ``1.5b-long`` the same heads at the contexts a long rollout
+passes through (128 sequences from 1,024 to 16,384 tokens, 64 at 32,768). ``0.5b``: 14 query heads, 2 KV heads,
+head dim 64, at the standard workload's 512 sequences and contexts of 256, 384 and 640 tokens; ``0.5b-long`` the
+same heads at 128 x 2,048 and 128 x 8,192. ``--fp8``: the cache in the engine's fp8 layout (e4m3 values, a
+float32 scale per vector). It times ``decode_kernels.paged_decode_attention`` at each block size, warp count,
+stage count and split count (the engine's own split count, none, and twice the engine's; chunks of 64 tokens or
+more for the short contexts) and prints the engine's setting (``decode_kernels.decode_tiling``) beside the fastest.
 Results go to OUT.json after each shape.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import json
-import sys
 
 import torch
 import triton.testing
 
-from reinforge.rollout.native import decode_kernels
+from reinforge.rollout.native import decode_kernels, kv_quant
+from reinforge.rollout.native.kv_quant import QuantizedCache
 
 PAGE = 16
 SHAPES = {"1.5b": dict(heads=12, kv_heads=2, head_dim=128, cases=((128, 4096), (128, 8192), (8, 8192))),
+          "1.5b-long": dict(heads=12, kv_heads=2, head_dim=128,
+                            cases=((128, 1024), (128, 2048), (128, 4096), (128, 8192), (128, 16384), (64, 32768))),
+          "0.5b-long": dict(heads=14, kv_heads=2, head_dim=64, cases=((128, 2048), (128, 8192))),
           "0.5b": dict(heads=14, kv_heads=2, head_dim=64, cases=((512, 256), (512, 384), (512, 640)))}
 
 
@@ -31,7 +38,7 @@ def bench(function) -> float:
     return triton.testing.do_bench(function, warmup=10, rep=60, return_mode="median")
 
 
-def time_case(shape: dict, batch: int, context: int, sms: int) -> dict:
+def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False) -> dict:
     """Every tiling of ``batch`` sequences at ``context`` tokens, the engine's setting and the copy rate."""
     HEADS, KV_HEADS, HEAD_DIM = shape["heads"], shape["kv_heads"], shape["head_dim"]  # noqa: N806
     device = torch.device("cuda")
@@ -43,43 +50,54 @@ def time_case(shape: dict, batch: int, context: int, sms: int) -> dict:
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
     copy_ms = bench(lambda: k.view(-1)[: kv_bytes // 4].clone())  # reads and writes half the bytes
+    if fp8:  # e4m3 values and a float32 scale per token and KV head, as the engine's fp8 cache keeps them
+        k, v = (QuantizedCache(*kv_quant.quantize(x), torch.bfloat16) for x in (k, v))
+        kv_bytes = 2 * batch * context * KV_HEADS * (HEAD_DIM + 4)
+    tiling = decode_kernels.decode_tiling(batch, KV_HEADS, HEAD_DIM, context, sms, fp8)
     engine_splits = decode_kernels.decode_num_splits(batch, KV_HEADS, context, sms)
     short = context < decode_kernels.SPLIT_MIN_CONTEXT
+
+    def timed(**options) -> dict:
+        ms = bench(functools.partial(decode_kernels.paged_decode_attention, q, k, v, tables, lengths,
+                                     HEAD_DIM ** -0.5, **options))
+        return {"block_n": options["block_n"], "warps": options["num_warps"], "stages": options["num_stages"],
+                "splits": options["num_splits"], "ms": ms, "tbps": kv_bytes / ms / 1e9}
+
     cases = []
     for block_n, warps, stages, splits in itertools.product(
             (16, 32, 64, 128) if short else (32, 64, 128), (2, 4, 8) if short else (4, 8),
             (1, 2, 3, 4) if short else (2, 3), (1, 2, 4) if short else sorted({1, engine_splits, 2 * engine_splits})):
         if short and splits > 1 and block_n > 64:
             continue
-        options = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits,
-                       min_chunk_tokens=64 if short else None)
-        ms = bench(functools.partial(decode_kernels.paged_decode_attention, q, k, v, tables, lengths,
-                                     HEAD_DIM ** -0.5, **options))
-        cases.append({"block_n": block_n, "warps": warps, "stages": stages, "splits": splits, "ms": ms,
-                      "tbps": kv_bytes / ms / 1e9})
-    engine = next(case for case in cases
-                  if (case["block_n"], case["warps"], case["stages"], case["splits"])
-                  == (64, decode_kernels.default_num_warps(HEAD_DIM, engine_splits, False),
-                      decode_kernels.default_num_stages(engine_splits), engine_splits))
+        cases.append(timed(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits,
+                           min_chunk_tokens=64 if short else None))
+    engine = timed(**tiling.options() | {
+        "num_warps": tiling.num_warps or decode_kernels.default_num_warps(HEAD_DIM, tiling.splits, fp8),
+        "num_stages": tiling.num_stages or decode_kernels.default_num_stages(tiling.splits)})
     return {"batch": batch, "context": context, "kv_gb": kv_bytes / 1e9, "copy_tbps": kv_bytes / copy_ms / 1e9,
-            "engine": engine, "fastest": min(cases, key=lambda case: case["ms"]), "cases": cases}
+            "fp8": fp8, "engine": engine, "fastest": min(cases, key=lambda case: case["ms"]), "cases": cases}
 
 
-def main(out_path: str, shape_name: str) -> None:
+def main(out_path: str, shape_name: str, fp8: bool) -> None:
     torch.manual_seed(0)
     sms = decode_kernels.num_sms(torch.device("cuda"))
     shape = SHAPES[shape_name]
     results = []
     for batch, context in shape["cases"]:
-        result = time_case(shape, batch, context, sms)
+        result = time_case(shape, batch, context, sms, fp8)
         results.append(result)
         engine, fastest = result["engine"], result["fastest"]
-        print(f"{batch} x {context}: engine's setting {engine['ms']:.3f} ms ({engine['tbps']:.2f} TB/s); fastest "
-              f"{fastest}; copy {result['copy_tbps']:.2f} TB/s", flush=True)
+        print(f"{batch} x {context}{' fp8' if fp8 else ''}: engine's setting {engine} ; fastest {fastest}; copy "
+              f"{result['copy_tbps']:.2f} TB/s", flush=True)
         torch.cuda.empty_cache()
         with open(out_path, "w") as file:
             json.dump(results, file, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "--shape" else "1.5b")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the JSON results")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    parser.add_argument("--fp8", action="store_true", help="an fp8 cache (e4m3, a float32 scale per vector)")
+    args = parser.parse_args()
+    main(args.out, args.shape, args.fp8)

@@ -81,7 +81,7 @@ def profile_rollout(model: nn.Module, requests: list[GenerationRequest], engine_
     lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
     result["attention_ms"] = bench(lambda: triton_kernels.paged_decode_attention(
         q, k_cache, v_cache, tables.to(torch.int32), lengths, decoder.spec.attn_scale,
-        num_splits=runner.decode_splits(batch, context)))  # as the decode graph runs it, no device read
+        **runner.decode_tiling(batch, context).options()))  # as the decode graph runs it, no device read
     layer, hidden = decoder.weights.layers[0], torch.randn(batch, shape.hidden_size, device=device,
                                                            dtype=torch.bfloat16)
     result["qkv_ms"] = bench(lambda: nn.functional.linear(hidden, layer["qkv_weight"], layer["qkv_bias"]))

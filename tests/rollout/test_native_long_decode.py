@@ -20,7 +20,7 @@ from transformers_reference import hf_greedy, recomputed_log_probs  # noqa: E402
 from reinforge.models.tiny import build_tiny_causal_lm  # noqa: E402
 from reinforge.rollout.base import GenerationRequest, SamplingParams  # noqa: E402
 from reinforge.rollout.native import NativeEngine, decode_kernels, triton_kernels  # noqa: E402
-from reinforge.rollout.native.attention import AttentionMetadata, decode_attention  # noqa: E402
+from reinforge.rollout.native.attention import AttentionMetadata, DecodeTiling, decode_attention  # noqa: E402
 from reinforge.rollout.native.model_runner import ModelRunner  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,13 +80,38 @@ def test_the_split_count_follows_the_batch_and_not_the_context_past_the_threshol
     assert decode_kernels.decode_num_splits(1024, 8, 32768, 132) == 1  # the batch alone fills the device
 
 
+def test_a_batch_that_fills_the_sms_reads_long_contexts_unsplit_in_128_token_blocks():
+    tiling = decode_kernels.decode_tiling
+    long_unsplit = DecodeTiling(splits=1, block_n=128, num_warps=4, num_stages=3)
+    assert tiling(128, 2, 128, decode_kernels.SPLIT_MIN_CONTEXT - 1, 132, False) == DecodeTiling()
+    assert tiling(128, 2, 128, 4200, 132, False) == long_unsplit  # 256 programs: two waves 97% full
+    assert tiling(128, 2, 128, 32768, 132, False) == long_unsplit  # one graph per batch size once long
+    assert tiling(128, 2, 96, 4200, 132, False) == long_unsplit  # Phi-3's heads pad to 128 dims
+    split = DecodeTiling(splits=decode_kernels.decode_num_splits(128, 2, 4200, 132))
+    assert split.splits > 1
+    assert tiling(128, 2, 128, 4200, 132, True) == split  # fp8: the split tiling
+    assert tiling(128, 2, 256, 4200, 132, False) == split  # 256-dim heads: 128-token blocks would not fit
+    assert tiling(80, 2, 128, 4200, 132, False).splits > 1  # 160 programs: a second wave 21% full
+    assert tiling(64, 2, 128, 32768, 132, False).splits > 1  # 128 programs leave SMs idle
+
+
+def test_the_unsplit_kernel_in_128_token_blocks_is_the_reference():
+    q, k_cache, v_cache, tables, lengths = paged_inputs([1, 130, 300, 257], 6, 2, 24, 16)
+    expected = reference(q, k_cache, v_cache, tables, lengths, 0.3)
+    out = triton_kernels.paged_decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE),
+                                                tables.to(DEVICE), lengths.to(DEVICE), 0.3,
+                                                **DecodeTiling(splits=1, block_n=128, num_warps=4,
+                                                               num_stages=3).options())
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_engine_decodes_through_split_attention_as_generate_does(monkeypatch):
     """The runner's split count reaches every layer's kernel: greedy tokens and a sampled row's log-probs are
     transformers' (a window smaller than the context on the sliding layers)."""
     model = build_tiny_causal_lm("mistral", vocab_size=128, num_layers=2, sliding_window=24, seed=3,
                                  max_position_embeddings=128).to(DEVICE).eval()
-    monkeypatch.setattr(ModelRunner, "decode_splits", lambda self, batch, max_context_len: 3)
+    monkeypatch.setattr(ModelRunner, "decode_tiling", lambda self, batch, max_context_len: DecodeTiling(splits=3))
     monkeypatch.setattr(decode_kernels, "MIN_CHUNK_TOKENS", 16)
     launched = []
     kernel = triton_kernels.paged_decode_attention
@@ -112,7 +137,8 @@ def test_engine_decodes_through_split_attention_as_generate_does(monkeypatch):
 @pytest.mark.parametrize("window", [None, 1000])
 def test_split_kernel_at_8k_and_32k_contexts_on_gpu(window):
     """bf16, Qwen2.5-1.5B's heads (12 query, 2 KV, dim 128), pages of 16: the split count the engine would pick,
-    against the unsplit kernel and a float32 reference."""
+    and the unsplit kernel in the 128-token blocks of a batch that fills the SMs, against the unsplit kernel's
+    default tiling and a float32 reference."""
     q, k_cache, v_cache, tables, lengths = paged_inputs([8192, 32768, 300, 5000], 12, 2, 128, 16,
                                                         dtype=torch.bfloat16, device="cuda")
     num_splits = decode_kernels.decode_num_splits(4, 2, 32768, decode_kernels.num_sms(q.device))
@@ -121,9 +147,13 @@ def test_split_kernel_at_8k_and_32k_contexts_on_gpu(window):
                                                   num_splits=num_splits)
     unsplit = triton_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 128**-0.5, window=window,
                                                     num_splits=1)
+    blocks_128 = triton_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, 128**-0.5,
+                                                       window=window, **decode_kernels.decode_tiling(
+                                                           128, 2, 128, 32768, 132, False).options())
     expected = reference(q, k_cache, v_cache, tables, lengths, 128**-0.5, window)
     torch.testing.assert_close(split.float(), expected, atol=2e-2, rtol=2e-2)
     assert (split.float() - expected).abs().max() <= (unsplit.float() - expected).abs().max() + 1e-2
+    torch.testing.assert_close(blocks_128.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
@@ -139,7 +169,7 @@ def test_engine_at_long_contexts_matches_transformers_on_gpu(family, prompt_len,
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=prompt_len + 64, max_num_seqs=8)
     outputs = engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=0.0)),
                                GenerationRequest(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=5))])
-    assert any(num_splits > 1 for _, num_splits in engine.runner._captured)
+    assert any(tiling.splits > 1 for _, tiling in engine.runner._captured)
     assert outputs[0][0].token_ids == hf_greedy(model, prompt, 8)
     sampled = outputs[1][0]
     torch.testing.assert_close(torch.tensor(sampled.log_probs), recomputed_log_probs(model, prompt, sampled.token_ids),
@@ -161,7 +191,7 @@ def test_split_decode_keeps_bf16_samples_of_the_unsplit_path_on_gpu(monkeypatch)
         engine = NativeEngine(model, eos_token_ids=[], max_model_len=8192 + 64, max_num_seqs=8)
         outputs = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=32, temperature=0.0))
                                    for p in prompts])
-        assert any(num_splits > 1 for _, num_splits in engine.runner._captured) == split
+        assert any(tiling.splits > 1 for _, tiling in engine.runner._captured) == split
         engine.sleep()
         return [sample[0] for sample in outputs]
 

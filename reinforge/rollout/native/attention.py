@@ -35,6 +35,23 @@ from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on, s
 from reinforge.rollout.native.kv_quant import QuantizedCache
 
 
+@dataclass(frozen=True)
+class DecodeTiling:
+    """How a decode step's paged attention is launched: the chunks each (sequence, KV head) is split into, the
+    tokens a loop iteration reads, warps and pipeline stages (None: ``decode_kernels.default_num_warps``,
+    ``default_num_stages``)."""
+
+    splits: int = 1
+    block_n: int = 64
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def options(self) -> dict[str, int | None]:
+        """``paged_decode_attention``'s keyword arguments for this tiling."""
+        return dict(num_splits=self.splits, block_n=self.block_n, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
+
+
 @dataclass
 class AttentionMetadata:
     """Where each token's keys and values go, and what each query may see.
@@ -43,8 +60,8 @@ class AttentionMetadata:
     Prefill: seq_lens lists the packed sequences' lengths; batch_index, token_index (tokens,)
     place each packed token in a (num_seqs, max_seq_len) grid.
     Decode: block_tables (batch, max_blocks) and context_lens (batch,), one token per sequence;
-    num_decode_splits, the programs each sequence's paged attention is split across on the Triton path
-    (``decode_kernels.paged_decode_attention``; fixed when a decode graph is captured).
+    decode_tiling, how the Triton path launches the paged attention (``decode_kernels.decode_tiling``: split count,
+    block, warps, stages; fixed when a decode graph is captured).
     Prefill after a prefix-cache hit: also block_tables and context_lens (every token, cached ones
     included), prefix_lens (num_seqs,), the cached tokens before each sequence's first packed one, and
     max_context_len, the largest context length (known on the host: reading it from context_lens would
@@ -70,7 +87,7 @@ class AttentionMetadata:
     context_lengths: list[int] | None = None
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
-    num_decode_splits: int = 1
+    decode_tiling: DecodeTiling = DecodeTiling()
     per_layer: list[AttentionMetadata] | None = None
     """Each layer's metadata when the layers' caches form several groups (``model_runner.layer_groups``: a group's
     slots and block tables are its own); None: every layer reads this one."""

@@ -182,7 +182,7 @@ class DenseAttention:
 
             out = triton_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                                         self.scale, softcap, window,
-                                                        num_splits=meta.num_decode_splits)
+                                                        **meta.decode_tiling.options())
         else:
             out = decode_attention(q, k_cache, v_cache, meta, self.scale, window, softcap)
         return linear(out.reshape(num_tokens, self.q_size), weights["o_weight"], weights["o_bias"])

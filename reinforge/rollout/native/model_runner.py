@@ -8,8 +8,8 @@ live in a host array with one row per running sequence, updated only when a sequ
 blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
 graphs captured for a set of batch sizes (padded up to the next captured size; padding rows
 write to a spare block nobody reads). Once the longest context reaches ``decode_kernels.SPLIT_MIN_CONTEXT``,
-the paged attention splits each context across programs (``decode_kernels.decode_num_splits``, a count fixed
-per batch size), so a batch size has at most two decode graphs: unsplit and split. Prefill steps of up to 2,048 tokens replay graphs too, from
+the paged attention's launch (``decode_kernels.decode_tiling``: split count, block, warps, stages) is fixed per
+batch size once the longest context reaches a threshold, so a batch size has at most two decode graphs. Prefill steps of up to 2,048 tokens replay graphs too, from
 the second step of a padded shape on (``prefill_graphs.py``); larger ones run eagerly.
 
 Layer groups (``layer_groups``): when some layers attend through a window and others do not (Gemma 2 and 3,
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.rollout.native.attention import AttentionMetadata, per_layer_metadata
-from reinforge.rollout.native.decode_kernels import decode_num_splits, num_sms
+from reinforge.rollout.native.decode_kernels import DecodeTiling, decode_tiling, num_sms
 from reinforge.rollout.native.kv_quant import KV_CACHE_DTYPES, QuantizedCache, block_bytes, fp8_refusal, layer_caches
 from reinforge.rollout.native.model import PagedDecoder, whole
 from reinforge.rollout.native.multimodal import MultimodalPrompts, is_vision_language
@@ -123,13 +123,13 @@ class ModelRunner:
         self._group_row_num_blocks = [[0] * max_num_seqs for _ in range(num_extra)]
         self._row_owner = [-1] * max_num_seqs
         self._row_num_blocks = [0] * max_num_seqs
-        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        """Decode graphs by (batch size, attention splits)."""
+        self._captured: dict[tuple[int, DecodeTiling], torch.cuda.CUDAGraph] = {}
+        """Decode graphs by (batch size, attention tiling)."""
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         """The decode graph each batch size replayed last (what a profile of the current step replays)."""
         self._graph_pool = None
         self._graph_inputs: dict[str, Tensor] = {}
-        self._graph_logits: dict[tuple[int, int], Tensor] = {}
+        self._graph_logits: dict[tuple[int, DecodeTiling], Tensor] = {}
         self._graph_parameter_pointers: tuple[int, ...] = ()
         self.capture_seconds = 0.0
         """Time spent capturing CUDA graphs (warm-up forward included), summed over the runner's life."""
@@ -404,14 +404,15 @@ class ModelRunner:
             return decoder.flash_prefix
         return decoder.use_triton and softcap_kernel_runs_on(self.device, decoder.dtype, decoder.cache_entry[2])
 
-    def decode_splits(self, batch: int, max_context_len: int) -> int:
-        """Programs each (sequence, KV head) of a decode step's paged attention is split across (1 off the Triton
+    def decode_tiling(self, batch: int, max_context_len: int) -> DecodeTiling:
+        """How a decode step's paged attention is launched (``decode_kernels.decode_tiling``; unsplit off the Triton
         path and for latent attention, which has its own kernel)."""
         decoder = self.decoder
         if not decoder.use_triton or self.device.type != "cuda" or \
                 not all(hasattr(block, "num_kv_heads") for block in decoder.attention):
-            return 1
-        return decode_num_splits(batch, decoder.cache_entry[1], max_context_len, num_sms(self.device))
+            return DecodeTiling()
+        return decode_tiling(batch, decoder.cache_entry[1], decoder.cache_entry[2], max_context_len,
+                             num_sms(self.device), self.kv_cache_dtype == "fp8")
 
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
         # runs at every decode step on the host while the device works: Python lists for the per-row
@@ -492,8 +493,8 @@ class ModelRunner:
             if next_input_ids is not None:
                 tensors["input_ids"] = next_input_ids
             self.last_decode_positions = tensors["positions"]
-            return self._decode_forward(tensors, self.decode_splits(batch, max_context_len))
-        key = (graph_size, self.decode_splits(graph_size, max_context_len))
+            return self._decode_forward(tensors, self.decode_tiling(batch, max_context_len))
+        key = (graph_size, self.decode_tiling(graph_size, max_context_len))
         if key not in self._captured:
             self.capture_cuda_graph(*key)
         static = self._graph_inputs
@@ -508,10 +509,10 @@ class ModelRunner:
         self.last_decode_positions = static["positions"][:batch]
         return self._graph_logits[key][:batch]
 
-    def _decode_forward(self, tensors: dict[str, Tensor], num_splits: int) -> Tensor:
+    def _decode_forward(self, tensors: dict[str, Tensor], tiling: DecodeTiling) -> Tensor:
         meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], is_prefill=False,
                                  block_tables=tensors["block_tables"], context_lens=tensors["context_lens"],
-                                 num_decode_splits=num_splits)
+                                 decode_tiling=tiling)
         if self.group_table_host:
             meta.per_layer = per_layer_metadata(self.layer_groups, [meta, *(
                 replace(meta, slot_mapping=tensors[f"slot_mapping_{group}"], block_tables=tensors[f"block_tables_{group}"])
@@ -534,8 +535,8 @@ class ModelRunner:
             static[f"block_tables_{group}"][start:stop].fill_(self.spare_blocks[group])
 
     @torch.no_grad()
-    def capture_cuda_graph(self, size: int, num_splits: int = 1) -> None:
-        """Capture the decode forward for batch ``size`` (its attention split ``num_splits`` ways) when a step
+    def capture_cuda_graph(self, size: int, tiling: DecodeTiling | None = None) -> None:
+        """Capture the decode forward for batch ``size`` (its attention launched as ``tiling``) when a step
         first needs it.
 
         Capturing lazily matters for the hybrid engine: every wake-up gathers the weights anew,
@@ -543,6 +544,7 @@ class ModelRunner:
         two sizes of the whole set. All graphs share one memory pool.
         """
         start = time.perf_counter()
+        tiling = tiling or DecodeTiling()
         if not self._graph_inputs:
             largest = self.cuda_graph_batch_sizes[-1]
             self._graph_inputs = {
@@ -562,14 +564,14 @@ class ModelRunner:
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)
         views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
-        self._decode_forward(views, num_splits)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
+        self._decode_forward(views, tiling)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: a training worker on another thread of this process (trainer.separate_rollout) may
         # launch kernels and allocate while this thread captures
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-            self._graph_logits[size, num_splits] = self._decode_forward(views, num_splits)
-        self._captured[size, num_splits] = graph
+            self._graph_logits[size, tiling] = self._decode_forward(views, tiling)
+        self._captured[size, tiling] = graph
         self._graphs[size] = graph
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - start
