@@ -48,11 +48,10 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
     tables = torch.randperm(blocks, device=device).view(batch, -1).to(torch.int32)
     lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = 2 * batch * context * KV_HEADS * (HEAD_DIM + 4 if fp8 else HEAD_DIM * 2)
     copy_ms = bench(lambda: k.view(-1)[: kv_bytes // 4].clone())  # reads and writes half the bytes
     if fp8:  # e4m3 values and a float32 scale per token and KV head, as the engine's fp8 cache keeps them
         k, v = (QuantizedCache(*kv_quant.quantize(x), torch.bfloat16) for x in (k, v))
-        kv_bytes = 2 * batch * context * KV_HEADS * (HEAD_DIM + 4)
     tiling = decode_kernels.decode_tiling(batch, KV_HEADS, HEAD_DIM, context, sms, fp8)
     engine_splits = decode_kernels.decode_num_splits(batch, KV_HEADS, context, sms)
     short = context < decode_kernels.SPLIT_MIN_CONTEXT

@@ -86,15 +86,16 @@ def test_the_rotary_and_cache_kernel_quantises_as_the_pytorch_write_does():
     assert (k_fp8.rows(slots[2:3].to(DEVICE))[0, 1] == 0).all()
 
 
-@pytest.mark.parametrize(("window", "softcap", "num_splits"), [
-    (None, None, 1), (9, 0.5, 1), pytest.param(None, None, 3, marks=pytest.mark.slow),
-    pytest.param(37, None, 4, marks=pytest.mark.slow)])
-def test_fp8_decode_attention_is_the_pytorch_path_over_the_same_cache(window, softcap, num_splits):
+@pytest.mark.parametrize(("window", "softcap", "num_splits", "block_n"), [
+    (None, None, 1, 16), (9, 0.5, 1, 16), (None, None, 2, 128), pytest.param(None, None, 3, 16, marks=pytest.mark.slow),
+    pytest.param(37, None, 4, 16, marks=pytest.mark.slow)])
+def test_fp8_decode_attention_is_the_pytorch_path_over_the_same_cache(window, softcap, num_splits, block_n):
     """The kernels dequantise each vector by its scale as they read it: they give what the PyTorch reference
-    gives over the dequantised cache, and stay near the unquantised attention."""
+    gives over the dequantised cache, and stay near the unquantised attention (128-token blocks: the tiling of a
+    long fp8 decode, over contexts of several blocks)."""
     generator = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, page, num_blocks = 6, 2, 24, 4, 80
-    lengths = torch.tensor([1, 9, 40, 70], dtype=torch.int32)
+    lengths = torch.tensor([1, 9, 40, 70] if block_n < 128 else [1, 9, 140, 300], dtype=torch.int32)
     max_blocks = -(-int(lengths.max()) // page)
     tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in lengths])
     tables = tables.to(torch.int32)
@@ -108,8 +109,8 @@ def test_fp8_decode_attention_is_the_pytorch_path_over_the_same_cache(window, so
                              context_lens=lengths.to(DEVICE))
     expected = decode_attention(q.to(DEVICE), k_fp8, v_fp8, meta, 0.3, window, softcap)
     out = triton_kernels.paged_decode_attention(q.to(DEVICE), k_fp8, v_fp8, tables.to(DEVICE), lengths.to(DEVICE),
-                                                0.3, softcap, window, block_n=16, num_splits=num_splits,
-                                                min_chunk_tokens=16)
+                                                0.3, softcap, window, block_n=block_n, num_splits=num_splits,
+                                                num_stages=3 if block_n == 128 else None, min_chunk_tokens=16)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     unquantized = decode_attention(q, k.view(num_blocks, page, kv_heads, dim), v.view(num_blocks, page, kv_heads, dim),
                                    AttentionMetadata(slot_mapping=torch.empty(0), is_prefill=False,
