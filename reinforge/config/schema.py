@@ -296,8 +296,9 @@ class RolloutConfig:
     activation memory stays bounded. None: 16384, the prefill step size the engine reserves memory for."""
     kv_cache_dtype: str = "auto"
     """Native engine: auto keeps the KV cache in the model dtype; fp8 stores e4m3 keys and values with a float32
-    scale per token and KV head (about twice the tokens in the same memory, half the bytes read per decode step,
-    at some log-prob mismatch against the trainer: see docs/long_responses.md). Not for MLA models."""
+    scale per token and KV head (about twice the tokens in the same memory and half the bytes read per decode step,
+    though on an H200 its decode is slower than bf16's; at some log-prob mismatch against the trainer: see
+    docs/long_responses.md). Not for MLA models."""
     decode_products: str = "cublas"
     """Native engine on a GPU: what runs a decode step's q|k|v, o and MLP products (up to 256 sequences). cublas:
     torch's products. timed: at each decode batch size's first step the engine times swapped Triton kernels
