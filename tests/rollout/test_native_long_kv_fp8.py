@@ -86,6 +86,33 @@ def test_the_rotary_and_cache_kernel_quantises_as_the_pytorch_write_does():
     assert (k_fp8.rows(slots[2:3].to(DEVICE))[0, 1] == 0).all()
 
 
+@pytest.mark.parametrize(("num_splits", "block_n", "value_scale"), [(1, 16, 1.0), (2, 128, 1.0), (1, 16, 1e-3)])
+def test_bf16_fp8_decode_attention_runs_its_products_in_float16_to_the_reference(num_splits, block_n, value_scale):
+    """A bf16 query over an fp8 cache: the products run in float16 (the values' weights scaled into float16's normal
+    range), and match float32 attention over the dequantised cache to bf16 rounding, values of any magnitude."""
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, page, num_blocks = 6, 2, 32, 16, 40
+    lengths = torch.tensor([1, 17, 150, 300], dtype=torch.int32)
+    max_blocks = -(-int(lengths.max()) // page)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:max_blocks] for _ in lengths]).to(
+        torch.int32)
+    k = torch.randn(num_blocks * page, kv_heads, dim, generator=generator)
+    v = torch.randn(num_blocks * page, kv_heads, dim, generator=generator) * value_scale
+    q = torch.randn(len(lengths), heads, dim, generator=generator) * 3
+    _, (k_fp8, v_fp8) = fp8_layer_cache(num_blocks, page, kv_heads, dim, torch.bfloat16)
+    slots = torch.arange(num_blocks * page, device=DEVICE)
+    k_fp8.write(k.to(DEVICE), slots)
+    v_fp8.write(v.to(DEVICE), slots)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), is_prefill=False, block_tables=tables, context_lens=lengths)
+    k_deq, v_deq = (dequantize(cache.values.cpu(), cache.scales.cpu(), torch.float32) for cache in (k_fp8, v_fp8))
+    expected = decode_attention(q.bfloat16().float(), k_deq, v_deq, meta, dim**-0.5)
+    out = triton_kernels.paged_decode_attention(q.to(DEVICE, torch.bfloat16), k_fp8, v_fp8, tables.to(DEVICE),
+                                                lengths.to(DEVICE), dim**-0.5, block_n=block_n, num_splits=num_splits,
+                                                min_chunk_tokens=16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2 * value_scale, rtol=2e-2)
+
+
 @pytest.mark.parametrize(("window", "softcap", "num_splits", "block_n"), [
     (None, None, 1, 16), (9, 0.5, 1, 16), (None, None, 2, 128), pytest.param(None, None, 3, 16, marks=pytest.mark.slow),
     pytest.param(37, None, 4, 16, marks=pytest.mark.slow)])

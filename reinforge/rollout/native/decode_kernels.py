@@ -70,9 +70,17 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
                    HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr):
     """The online softmax over positions loop_start..loop_end (a multiple of BLOCK_N apart), of which those in
     first_visible..visible_end count; blocks outside them are never read. QUANTIZED: the cache holds fp8 vectors,
-    each with a float32 scale (kv_quant.py): a key's scale multiplies its scores, a value's its probability."""
+    each with a float32 scale (kv_quant.py): a key's scale multiplies its scores, a value's its probability.
+
+    Off the IEEE (float32) path the fp8 products run in float16: e4m3 widens to float16 in one instruction per
+    pair of values (to bfloat16 it takes another per value, which made the kernel bound by converting), every
+    e4m3 value is exact in float16, and the query's bfloat16 values are too above float16's smallest normal.
+    The values' weights (probability x scale) are taken times 448, so that they stay in float16's normal range
+    (a value's weight is then its probability times its vector's largest magnitude), and the sum divided back."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = (dims < HEAD_DIM)[None, :]
+    if QUANTIZED and not IEEE:
+        q = q.to(tl.float16)
     for start in range(loop_start, loop_end, BLOCK_N):
         positions = start + tl.arange(0, BLOCK_N)
         valid = (positions < visible_end) & (positions >= first_visible)
@@ -82,7 +90,7 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
         k = tl.load(k_cache_ptr + offsets, mask=valid[:, None] & dim_mask, other=0.0)
         if QUANTIZED:
             scale_offsets = block_ids * stride_scale_block + (positions % PAGE) * NUM_KV_HEADS + kv_head
-            k = k.to(q.dtype)
+            k = k.to(q.dtype)  # float16 off the IEEE path (q was widened above)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -103,12 +111,16 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
         weights = probs
         if QUANTIZED:
             weights = probs * tl.load(v_scales_ptr + scale_offsets, mask=valid, other=0.0)[None, :]
+            if not IEEE:
+                weights = weights * 448.0
             v = v.to(q.dtype)
         if IEEE:
             acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
         running_max = new_max
+    if QUANTIZED and not IEEE:
+        acc = acc * (1.0 / 448.0)
     return running_max, running_sum, acc
 
 
