@@ -1,8 +1,9 @@
 """``reinforge bench rollout --context-sweep``: the decode step's time against the context it reads.
 
 A few sequences (``--num-prompts`` x ``--n``, 8 x 1 by default) of one prompt length (128) decode to
-``--gen-len`` tokens (32,640 by default: contexts up to 32k), EOS ignored, after a short warm-up rollout
-that compiles the kernels and captures the CUDA graph of their batch. Each engine step is timed from
+``--gen-len`` tokens (32,640 by default: contexts up to 32k), EOS ignored, after short warm-up rollouts
+that compile the kernels and capture the CUDA graphs of their batch, at short contexts and past the
+long-context threshold (``decode_kernels.SPLIT_MIN_CONTEXT``). Each engine step is timed from
 outside: a decode step is launched ahead and read back during the next one, so in the steady state the
 wall time between the ends of two steps is one step's. Steps are grouped by the context their
 sequences hold (power-of-two buckets: up to 256, 512, ... 32k tokens) and each bucket's mean step time
@@ -72,6 +73,7 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
     """Decode ``prompts`` (one length) x ``n`` to ``gen_len`` tokens; each decode step's time by context bucket,
     beside the floor of the engine's KV cache dtype (``engine_kwargs["kv_cache_dtype"]``, auto by default)."""
     from reinforge.rollout.native import NativeEngine
+    from reinforge.rollout.native.decode_kernels import SPLIT_MIN_CONTEXT
 
     if len({len(prompt) for prompt in prompts}) != 1:
         raise ValueError("the context sweep times sequences of one context; give prompts of one length")
@@ -80,6 +82,10 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
     engine = NativeEngine(model, **engine_kwargs)
     warmup = SamplingParams(max_tokens=8, n=n, ignore_eos=True)
     engine.generate([GenerationRequest(prompt, warmup) for prompt in prompts])  # kernels and this batch's graph
+    if prompt_len + gen_len > SPLIT_MIN_CONTEXT:  # and those of contexts past the long-context threshold, so that
+        long_len = SPLIT_MIN_CONTEXT + 8  # no bucket's mean holds a compilation or a graph capture
+        engine.generate([GenerationRequest((prompt * -(-long_len // len(prompt)))[:long_len], warmup)
+                         for prompt in prompts])
     sampling = SamplingParams(max_tokens=gen_len, temperature=1.0, top_p=1.0, top_k=-1, n=n, ignore_eos=True)
     requests = [GenerationRequest(prompt, sampling, request_id=str(i)) for i, prompt in enumerate(prompts)]
     steps: list[tuple[int, float]] = []

@@ -48,3 +48,25 @@ def test_the_rollout_benches_read_the_models_weights_in_place(monkeypatch, tmp_p
     assert main(["bench", "rollout", "--cpu", "--context-sweep", "--gen-len", "8", "--out", str(tmp_path / "s.json")]) == 0
     assert main(["bench", "rollout", "--cpu", "--skip-hf", "--skip-greedy-check", "--out", str(tmp_path / "r.json")]) == 0
     assert len(engines) == 2 and all(engine.runner.decoder.weights_fixed for engine in engines)
+
+
+def test_the_sweep_warms_up_past_the_long_context_threshold_before_it_times(monkeypatch, tmp_path):
+    """No bucket's mean holds the compilation or the graph capture of the long-context attention: a warm-up
+    rollout of prompts past the threshold runs first, at the timed batch."""
+    import reinforge.rollout.native as native
+    from reinforge.rollout.native import decode_kernels
+
+    monkeypatch.setattr(decode_kernels, "SPLIT_MIN_CONTEXT", 32)
+    rollouts = []
+
+    class Recorded(native.NativeEngine):
+        def generate(self, requests):
+            rollouts.append([(len(request.prompt_token_ids), request.sampling.max_tokens) for request in requests])
+            return super().generate(requests)
+
+    monkeypatch.setattr(native, "NativeEngine", Recorded)
+    assert main(["bench", "rollout", "--cpu", "--context-sweep", "--gen-len", "40", "--out", str(tmp_path / "s.json")]) == 0
+    (short, long, timed) = rollouts
+    assert len(short) == len(long) == len(timed)
+    assert all(length > 32 and tokens == 8 for length, tokens in long)
+    assert all(tokens == 40 for _, tokens in timed)
