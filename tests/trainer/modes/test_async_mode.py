@@ -25,7 +25,8 @@ from reinforge.trainer.modes.trainer_calls import TrainerCalls
 from ..test_rl_trainer import base_args, read_metrics, sigkill_at_step, train_in_a_process
 
 NOT_COMPARED = ("timing_s/", "perf/", "rollout/tokens_per_s", "async/")
-ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff", "training/rollout_actor_probs_pearson_corr")
+ROLLOUT_VS_TRAINER = ("training/rollout_probs_diff", "training/rollout_log_probs_diff",
+                      "training/rollout_actor_probs_pearson_corr")
 """The rollout copy runs transformers' attention, the training model the packed varlen path: ~1e-10 apart, and
 a correlation of such probabilities within float32 rounding of 1 (0.99999994 against 1.0 with transformers 5.24)."""
 
