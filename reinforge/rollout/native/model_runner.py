@@ -7,10 +7,11 @@ tensors (token ids, positions, cache slots, block tables) and returns logits. Bl
 live in a host array with one row per running sequence, updated only when a sequence gains
 blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
 graphs captured for a set of batch sizes (padded up to the next captured size; padding rows
-write to a spare block nobody reads). Once the longest context reaches ``decode_kernels.SPLIT_MIN_CONTEXT``,
-the paged attention's launch (``decode_kernels.decode_tiling``: split count, block, warps, stages) is fixed per
-batch size once the longest context reaches a threshold, so a batch size has at most two decode graphs. Prefill steps of up to 2,048 tokens replay graphs too, from
-the second step of a padded shape on (``prefill_graphs.py``); larger ones run eagerly.
+write to a spare block nobody reads). The paged attention's launch (``decode_kernels.decode_tiling``: split
+count, block, warps, stages) depends on the contexts only through whether the longest has reached
+``decode_kernels.SPLIT_MIN_CONTEXT``, so a batch size has at most two decode graphs. Prefill steps of up to 2,048
+tokens replay graphs too, from the second step of a padded shape on (``prefill_graphs.py``); larger ones run
+eagerly.
 
 Layer groups (``layer_groups``): when some layers attend through a window and others do not (Gemma 2 and 3,
 Qwen2 with ``max_window_layers``), each window's layers have their own cache tensor (``kv_caches``), block pool
