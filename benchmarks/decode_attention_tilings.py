@@ -52,7 +52,8 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
     copy_ms = bench(lambda: k.view(-1)[: kv_bytes // 4].clone())  # reads and writes half the bytes
     if fp8:  # e4m3 values and a float32 scale per token and KV head, as the engine's fp8 cache keeps them
         k, v = (QuantizedCache(*kv_quant.quantize(x), torch.bfloat16) for x in (k, v))
-    tiling = decode_kernels.decode_tiling(batch, KV_HEADS, HEAD_DIM, context, sms, fp8)
+    tiling = decode_kernels.decode_tiling(batch, KV_HEADS, HEAD_DIM, context, sms, fp8,
+                                          decode_kernels.shared_memory_per_program(device))
     engine_splits = decode_kernels.decode_num_splits(batch, KV_HEADS, context, sms)
     short = context < decode_kernels.SPLIT_MIN_CONTEXT
 

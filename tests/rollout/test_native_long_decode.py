@@ -96,6 +96,24 @@ def test_a_batch_that_fills_the_sms_reads_long_contexts_unsplit_in_128_token_blo
     assert tiling(64, 2, 128, 32768, 132, False).splits > 1  # 128 programs leave SMs idle
 
 
+def test_the_tiling_keeps_to_the_devices_shared_memory():
+    """3 stages of 128-token blocks of 128-dim heads take 192 KiB of shared memory: an H200 gives a program 227 KiB,
+    an A100 163, an L40S or RTX 4090 99."""
+    tiling, h200, a100, l40s = decode_kernels.decode_tiling, 232_448, 166_912, 101_376
+    assert tiling(128, 2, 128, 4200, 132, False, h200) == DecodeTiling(1, 128, 4, 3)
+    assert tiling(108, 2, 128, 4200, 108, False, a100) == DecodeTiling(1, 128, 4, 2)  # two full waves
+    fallback = tiling(128, 2, 128, 4200, 142, False, l40s)
+    assert fallback.block_n == 64 and fallback.splits > 1
+    assert tiling(128, 2, 128, 4200, 108, True, a100).num_stages == 2  # fp8 too
+    many = tiling(1, 2, 128, 32768, 142, False, l40s)  # 64 splits: 3 stages of 64-token blocks would not fit
+    assert many.splits == decode_kernels.MAX_SPLITS and many.num_stages == 2
+    assert tiling(512, 8, 256, 200, 142, False, l40s) == DecodeTiling(splits=1, block_n=32, num_stages=2)
+    for shared_memory, device_tiling in ((h200, tiling(1, 2, 256, 32768, 132, False, h200)),
+                                         (l40s, tiling(512, 8, 256, 200, 142, False, l40s))):
+        stages = device_tiling.num_stages or decode_kernels.default_num_stages(device_tiling.splits)
+        assert decode_kernels.fits_shared_memory(device_tiling.block_n, 256, stages, shared_memory)
+
+
 def test_the_unsplit_kernel_in_128_token_blocks_is_the_reference():
     q, k_cache, v_cache, tables, lengths = paged_inputs([1, 130, 300, 257], 6, 2, 24, 16)
     expected = reference(q, k_cache, v_cache, tables, lengths, 0.3)

@@ -230,6 +230,21 @@ def _merge_splits_kernel(partial_max_ptr, partial_sum_ptr, partial_acc_ptr, cont
 
 
 @cache
+def shared_memory_per_program(device: torch.device) -> int | None:
+    """The most shared memory (bytes) one program may take on a CUDA device, by opting in (None elsewhere: Triton's
+    interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    value = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+    if value:
+        return int(value)
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+@cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the CPU's cores elsewhere, for the interpreter)."""
     if device.type == "cuda":
@@ -259,9 +274,25 @@ WAVE_EFFICIENCY = 0.85
 (programs / (waves x SMs), one program resident per SM) reads its contexts unsplit, in 128-token blocks."""
 
 
+SHARED_MEMORY_MARGIN = 16 << 10
+"""Shared memory (bytes) a decode attention program takes besides its pipelined K and V blocks (the query, the
+layout conversions of its products) in ``fits_shared_memory``'s estimate."""
+
+
+def fits_shared_memory(block_n: int, head_dim: int, num_stages: int, shared_memory: int | None) -> bool:
+    """Whether a program reading ``block_n``-token blocks of K and V in ``num_stages`` stages fits in
+    ``shared_memory`` bytes (None: no limit, as in Triton's interpreter). Counted at 2 bytes a value whatever the
+    cache holds (an fp8 block is widened to float16 on the way to the products)."""
+    if shared_memory is None:
+        return True
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    return num_stages * block_n * head_dim_pad * 2 * 2 + SHARED_MEMORY_MARGIN <= shared_memory
+
+
 def decode_tiling(batch: int, num_kv_heads: int, head_dim: int, max_context_len: int, sm_count: int,
-                  quantized: bool) -> DecodeTiling:
-    """The tiling of a decode step's paged attention.
+                  quantized: bool, shared_memory: int | None = None) -> DecodeTiling:
+    """The tiling of a decode step's paged attention on a device of ``sm_count`` SMs whose programs may take
+    ``shared_memory`` bytes each (None: no limit).
 
     Below ``SPLIT_MIN_CONTEXT`` the unsplit kernel in 64-token blocks. Past it, a model-dtype cache of heads of 128
     dims or fewer whose batch alone fills the SMs' waves (``WAVE_EFFICIENCY``) stays unsplit and reads 128-token
@@ -274,17 +305,26 @@ def decode_tiling(batch: int, num_kv_heads: int, head_dim: int, max_context_len:
     programs read 128-token blocks in 3 stages too, 20-23% faster than 64-token blocks in 2 stages from 4,096 to
     32,768 tokens (``--fp8``). Like the split count, the tiling depends on the contexts only through
     ``SPLIT_MIN_CONTEXT``, so a captured decode graph stays valid as they grow.
+
+    Stages past what the device's shared memory holds (``fits_shared_memory``: 3 stages of 128-token blocks of
+    128-dim heads take 192 KiB, more than an A100's 163) drop to 2, the 128-token tilings to the 64-token ones
+    where even 2 stages do not fit (GPUs of about 100 KiB a program), and 64-token blocks to 32-token ones where
+    theirs do not (256-dim heads there).
     """
     programs = batch * num_kv_heads
-    long = max_context_len >= SPLIT_MIN_CONTEXT
-    if long and head_dim <= 128 and quantized:
-        return DecodeTiling(splits=decode_num_splits(batch, num_kv_heads, max_context_len, sm_count), block_n=128,
-                            num_warps=4, num_stages=3)
-    if long and head_dim <= 128 and programs >= sm_count:
-        waves = -(-programs // sm_count)
-        if programs / (waves * sm_count) >= WAVE_EFFICIENCY:
-            return DecodeTiling(splits=1, block_n=128, num_warps=4, num_stages=3)
-    return DecodeTiling(splits=decode_num_splits(batch, num_kv_heads, max_context_len, sm_count))
+    splits = decode_num_splits(batch, num_kv_heads, max_context_len, sm_count)
+    stages = next((stages for stages in (3, 2) if fits_shared_memory(128, head_dim, stages, shared_memory)), None)
+    if max_context_len >= SPLIT_MIN_CONTEXT and head_dim <= 128 and stages is not None:
+        if quantized:
+            return DecodeTiling(splits=splits, block_n=128, num_warps=4, num_stages=stages)
+        waves = -(-programs // sm_count) if programs >= sm_count else 0
+        if waves and programs / (waves * sm_count) >= WAVE_EFFICIENCY:
+            return DecodeTiling(splits=1, block_n=128, num_warps=4, num_stages=stages)
+    if fits_shared_memory(64, head_dim, default_num_stages(splits), shared_memory):
+        return DecodeTiling(splits=splits)
+    if fits_shared_memory(64, head_dim, 2, shared_memory):
+        return DecodeTiling(splits=splits, num_stages=2)
+    return DecodeTiling(splits=splits, block_n=32, num_stages=2)
 
 
 def default_num_warps(head_dim: int, num_splits: int, quantized: bool) -> int:

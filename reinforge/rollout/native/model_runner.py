@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.rollout.native.attention import AttentionMetadata, per_layer_metadata
-from reinforge.rollout.native.decode_kernels import DecodeTiling, decode_tiling, num_sms
+from reinforge.rollout.native.decode_kernels import DecodeTiling, decode_tiling, num_sms, shared_memory_per_program
 from reinforge.rollout.native.kv_quant import KV_CACHE_DTYPES, QuantizedCache, block_bytes, fp8_refusal, layer_caches
 from reinforge.rollout.native.model import PagedDecoder, whole
 from reinforge.rollout.native.multimodal import MultimodalPrompts, is_vision_language
@@ -413,7 +413,7 @@ class ModelRunner:
                 not all(hasattr(block, "num_kv_heads") for block in decoder.attention):
             return DecodeTiling()
         return decode_tiling(batch, decoder.cache_entry[1], decoder.cache_entry[2], max_context_len,
-                             num_sms(self.device), self.kv_cache_dtype == "fp8")
+                             num_sms(self.device), self.kv_cache_dtype == "fp8", shared_memory_per_program(self.device))
 
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
         # runs at every decode step on the host while the device works: Python lists for the per-row
