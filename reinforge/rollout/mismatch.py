@@ -18,10 +18,10 @@ def rollout_mismatch_metrics(training_log_probs: Tensor, rollout_log_probs: Tens
     valid = response_mask.bool()
     if not valid.any():
         return {}
-    train_probs = training_log_probs.float()[valid].exp()
-    rollout_probs = rollout_log_probs.float()[valid].exp()
+    train_valid, rollout_valid = training_log_probs.float()[valid], rollout_log_probs.float()[valid]
+    train_probs, rollout_probs = train_valid.exp(), rollout_valid.exp()
     difference = (train_probs - rollout_probs).abs()
-    log_difference = (training_log_probs.float()[valid] - rollout_log_probs.float()[valid]).abs()
+    log_difference = (train_valid - rollout_valid).abs()
     metrics = {"training/rollout_probs_diff_mean": float(difference.mean()),
                "training/rollout_probs_diff_max": float(difference.max()),
                "training/rollout_log_probs_diff_mean": float(log_difference.mean()),

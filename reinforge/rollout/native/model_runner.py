@@ -536,7 +536,7 @@ class ModelRunner:
             static[f"block_tables_{group}"][start:stop].fill_(self.spare_blocks[group])
 
     @torch.no_grad()
-    def capture_cuda_graph(self, size: int, tiling: DecodeTiling | None = None) -> None:
+    def capture_cuda_graph(self, size: int, tiling: DecodeTiling) -> None:
         """Capture the decode forward for batch ``size`` (its attention launched as ``tiling``) when a step
         first needs it.
 
@@ -545,7 +545,6 @@ class ModelRunner:
         two sizes of the whole set. All graphs share one memory pool.
         """
         start = time.perf_counter()
-        tiling = tiling or DecodeTiling()
         if not self._graph_inputs:
             largest = self.cuda_graph_batch_sizes[-1]
             self._graph_inputs = {
