@@ -23,6 +23,7 @@ import triton
 from torch import Tensor
 
 from reinforge.rollout.native import dense_kernels, triton_kernels
+from reinforge.rollout.native.compile_ahead import compile_ahead
 from reinforge.rollout.native.dense_kernels import DenseKernels, DenseTiles, MLPWeights
 from reinforge.rollout.native.timed_choice import CheckedTimings
 
@@ -239,13 +240,16 @@ class DenseMLPChoice(CheckedTimings):
     def _fastest(self, product: str, cublas: Callable[[], Tensor],
                  candidates: list[tuple[DenseTiles, Callable[[], Tensor]]],
                  timings: dict[str, float]) -> DenseTiles | None:
-        """The tiling timed faster than cuBLAS for one product, or None (cuBLAS)."""
+        """The tiling timed faster than cuBLAS for one product, or None (cuBLAS). The tilings' kernels are compiled
+        together first, on threads (``compile_ahead``)."""
+        candidates = [(tiles, run) for tiles, run in candidates if f"{product} {tiles}" not in self.failed]
+        compile_ahead([run for _, run in candidates], f"{product} tilings")
         expected = cublas()
         fastest: tuple[float, DenseTiles | None] = (self._time(cublas), None)
         timings[f"{product} cuBLAS"] = fastest[0]
         for tiles, run in candidates:
             name = f"{product} {tiles}"
-            milliseconds = None if name in self.failed else self._checked_time(name, run, expected)
+            milliseconds = self._checked_time(name, run, expected)
             if milliseconds is not None:
                 timings[name] = milliseconds
                 if milliseconds < fastest[0]:

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reinforge.rollout.native import triton_kernels
+from reinforge.rollout.native.compile_ahead import launch
 from reinforge.rollout.native.moe_kernels import _INTERPRETED, dot_options, k_masks, rounded_like
 from reinforge.rollout.native.triton_kernels import ACTIVATIONS, gated_activation
 
@@ -204,12 +205,11 @@ def gate_up_act(x: Tensor, gate_up: Tensor, bias: Tensor | None, activation: str
     inter = gate_up.shape[0] // 2
     out = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(num_rows, tiles.block_t), triton.cdiv(inter, tiles.block_n))
-    _gate_up_act_kernel[grid](x, _weight_operand(gate_up, tiles), gate_up if bias is None else bias, out, num_rows,
-                              x.stride(0), gate_up.stride(0), out.stride(0), inter, NUM_INNER=num_inner,
-                              HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], BLOCK_T=tiles.block_t,
-                              BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
-                              WEIGHT_TMA=tiles.weight_tma, **dot_options(x.dtype), num_warps=tiles.num_warps,
-                              num_stages=tiles.num_stages)
+    launch(_gate_up_act_kernel, grid, x, _weight_operand(gate_up, tiles), gate_up if bias is None else bias, out,
+           num_rows, x.stride(0), gate_up.stride(0), out.stride(0), inter, NUM_INNER=num_inner,
+           HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[activation], BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+           BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
+           **dot_options(x.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
@@ -235,17 +235,17 @@ def down(x: Tensor, weight: Tensor, bias: Tensor | None, tiles: DenseTiles = Den
                           device=x.device)
     options = dot_options(x.dtype)
     grid = (triton.cdiv(num_rows, tiles.block_t), triton.cdiv(num_cols, tiles.block_n), num_splits)
-    _down_kernel[grid](x, _weight_operand(weight, tiles), weight if bias is None else bias, out, partial, num_rows,
-                       x.stride(0), weight.stride(0), out.stride(0), num_cols, span // tiles.block_k, num_splits,
-                       NUM_INNER=num_inner, HAS_BIAS=bias is not None, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
-                       BLOCK_K=tiles.block_k, WEIGHT_TMA=tiles.weight_tma, **options,
-                       STATIC_BLOCKS_PER_SPLIT=span // tiles.block_k if _INTERPRETED else 0, num_warps=tiles.num_warps,
-                       num_stages=tiles.num_stages)
+    launch(_down_kernel, grid, x, _weight_operand(weight, tiles), weight if bias is None else bias, out, partial,
+           num_rows, x.stride(0), weight.stride(0), out.stride(0), num_cols, span // tiles.block_k, num_splits,
+           NUM_INNER=num_inner, HAS_BIAS=bias is not None, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
+           BLOCK_K=tiles.block_k, WEIGHT_TMA=tiles.weight_tma, **options,
+           STATIC_BLOCKS_PER_SPLIT=span // tiles.block_k if _INTERPRETED else 0, num_warps=tiles.num_warps,
+           num_stages=tiles.num_stages)
     if num_splits > 1:
         block = min(triton.next_power_of_2(num_cols), 1024)
-        _split_sum_kernel[(num_rows, triton.cdiv(num_cols, block))](
-            partial, weight if bias is None else bias, out, num_rows, num_cols, out.stride(0), SPLIT=num_splits,
-            HAS_BIAS=bias is not None, BLOCK=block, UPCAST=options["UPCAST"], num_warps=4)
+        launch(_split_sum_kernel, (num_rows, triton.cdiv(num_cols, block)), partial, weight if bias is None else bias,
+               out, num_rows, num_cols, out.stride(0), SPLIT=num_splits, HAS_BIAS=bias is not None, BLOCK=block,
+               UPCAST=options["UPCAST"], num_warps=4)
     return out
 
 

@@ -19,6 +19,7 @@ import triton
 from torch import Tensor
 
 from reinforge.rollout.native import moe_kernels
+from reinforge.rollout.native.compile_ahead import compile_ahead
 from reinforge.rollout.native.moe_kernels import DecodeTiles, SwappedExperts, TileConfig
 from reinforge.rollout.native.timed_choice import CheckedTimings
 
@@ -173,6 +174,7 @@ class ExpertKernelChoice(CheckedTimings):
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         expert_ids = spread_assignments(expert_ids.shape[0], gate_up.shape[0], hidden.device)
+        self._compile_candidates(hidden, expert_ids, routing, gate_up, down, tiled)
         expected = tiled(expert_ids, None)
         timings = {"torch": self._time(lambda: tiled(expert_ids, None))}
         runs: dict[Candidate, Callable[[], Tensor]] = {}
@@ -197,6 +199,26 @@ class ExpertKernelChoice(CheckedTimings):
                     ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()), best or "torch's grouped GEMMs")
         return best
 
+    def _compile_candidates(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
+                            tiled: TiledExperts) -> None:
+        """Every candidate's kernels compiled at once, on threads (``compile_ahead``), before any is timed."""
+        bounds, order = moe_kernels.expert_order(expert_ids, gate_up.shape[0])
+        top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
+        activated = torch.empty(order.shape[0], gate_up.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
+        runs: list[Callable[[], Tensor]] = [
+            lambda config=config: tiled(expert_ids, lambda rows, weight, bounds: moe_kernels.expert_matmul(
+                rows, weight, bounds, config)) for config in self.tile_configs if str(config) not in self.failed]
+        runs += [lambda tiles=tiles: moe_kernels.expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles)
+                 for tiles in self._product_tiles("gate_up", gate_up)]
+        runs += [lambda tiles=tiles: moe_kernels.expert_down_scatter(activated, down, bounds, order, routing, tiles)
+                 for tiles in self._product_tiles("down", down)]
+        compile_ahead(runs, f"the expert kernels of {tuple(gate_up.shape)}")
+
+    def _product_tiles(self, product: str, weight: Tensor) -> list[DecodeTiles]:
+        """The tilings of a swapped product that can read ``weight`` and were not dropped."""
+        return [tiles for tiles in self.tiles[product] if (not tiles.weight_tma or moe_kernels.tma_loadable(weight))
+                and f"swapped {product} {tiles}" not in self.failed]
+
     def _swapped_tiles(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
                        timings: dict[str, float]) -> SwappedExperts | None:
         """The fastest tiling of each swapped product, timed alone (the down product on the gate|up one's output)."""
@@ -214,11 +236,9 @@ class ExpertKernelChoice(CheckedTimings):
     def _fastest_tiles(self, product: str, weight: Tensor, timings: dict[str, float],
                        runner: Callable[[DecodeTiles], Callable[[], Tensor]]) -> DecodeTiles | None:
         fastest: tuple[float, DecodeTiles] | None = None
-        for tiles in self.tiles[product]:
-            if tiles.weight_tma and not moe_kernels.tma_loadable(weight):
-                continue
+        for tiles in self._product_tiles(product, weight):
             name = f"swapped {product} {tiles}"
-            milliseconds = None if name in self.failed else self._checked_time(name, runner(tiles), None)
+            milliseconds = self._checked_time(name, runner(tiles), None)
             if milliseconds is not None:
                 timings[name] = milliseconds
                 if fastest is None or milliseconds < fastest[0]:

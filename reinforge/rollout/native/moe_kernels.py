@@ -28,6 +28,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from reinforge.rollout.native.compile_ahead import launch
+
 
 @triton.jit
 def _expert_matmul_kernel(rows_ptr, weight_ptr, out_ptr, bounds_ptr, stride_row, stride_expert, stride_n, stride_k,
@@ -264,11 +266,10 @@ def expert_matmul(rows: Tensor, weight: Tensor, bounds: Tensor, config: TileConf
     # compiled, each program loops over its expert's rows; Triton's interpreter cannot loop to a loaded value, so
     # there every program loops over all rows (those past its expert's end are masked)
     static_loop_end = max(rows.shape[0], 1) if _INTERPRETED else 0
-    _expert_matmul_kernel[grid](rows, weight, out, bounds, rows.stride(0), weight.stride(0), weight.stride(1),
-                                weight.stride(2), out.stride(0), num_cols, NUM_INNER=num_inner,
-                                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                STATIC_LOOP_END=static_loop_end, num_warps=config.num_warps,
-                                num_stages=config.num_stages)
+    launch(_expert_matmul_kernel, grid, rows, weight, out, bounds, rows.stride(0), weight.stride(0), weight.stride(1),
+           weight.stride(2), out.stride(0), num_cols, NUM_INNER=num_inner, BLOCK_M=config.block_m,
+           BLOCK_N=config.block_n, BLOCK_K=config.block_k, STATIC_LOOP_END=static_loop_end, num_warps=config.num_warps,
+           num_stages=config.num_stages)
     return out
 
 
@@ -342,14 +343,13 @@ def expert_gate_up_silu(hidden: Tensor, gate_up: Tensor, bounds: Tensor, order: 
     inter = two_inter // 2
     out = torch.empty(order.shape[0], inter, dtype=hidden.dtype, device=hidden.device)
     grid = (num_experts, triton.cdiv(inter, tiles.block_n))
-    _gate_up_silu_kernel[grid](hidden, _weight_operand(gate_up, tiles), out, bounds, order, hidden.stride(0),
-                               gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), out.stride(0), inter,
-                               TOP_K=top_k, NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n,
-                               BLOCK_K=tiles.block_k, EVEN_K=num_inner % tiles.block_k == 0,
-                               WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager,
-                               ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0, **dot_options(hidden.dtype),
-                               STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
-                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    launch(_gate_up_silu_kernel, grid, hidden, _weight_operand(gate_up, tiles), out, bounds, order, hidden.stride(0),
+           gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), out.stride(0), inter, TOP_K=top_k,
+           NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+           EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager,
+           ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0, **dot_options(hidden.dtype),
+           STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0, num_warps=tiles.num_warps,
+           num_stages=tiles.num_stages)
     return out
 
 
@@ -364,15 +364,13 @@ def expert_down_scatter(activated: Tensor, down: Tensor, bounds: Tensor, order: 
     num_experts, num_cols, num_inner = down.shape
     out = torch.empty(order.shape[0], num_cols, dtype=torch.result_type(activated, routing), device=activated.device)
     grid = (num_experts, triton.cdiv(num_cols, tiles.block_n))
-    _down_scatter_kernel[grid](activated, _weight_operand(down, tiles), out, bounds, order, routing,
-                               activated.stride(0), down.stride(0), down.stride(1), down.stride(2), out.stride(0),
-                               num_cols, NUM_INNER=num_inner,
-                               BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                               EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma,
-                               EAGER=tiles.eager, ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0,
-                               **dot_options(activated.dtype),
-                               STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0,
-                               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    launch(_down_scatter_kernel, grid, activated, _weight_operand(down, tiles), out, bounds, order, routing,
+           activated.stride(0), down.stride(0), down.stride(1), down.stride(2), out.stride(0), num_cols,
+           NUM_INNER=num_inner, BLOCK_T=tiles.block_t, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+           EVEN_K=num_inner % tiles.block_k == 0, WEIGHT_TMA=tiles.weight_tma, EAGER=tiles.eager,
+           ROTATE_K=tiles.rotate_k and num_inner % tiles.block_k == 0, **dot_options(activated.dtype),
+           STATIC_LOOP_END=max(order.shape[0], 1) if _INTERPRETED else 0, num_warps=tiles.num_warps,
+           num_stages=tiles.num_stages)
     return out
 
 
@@ -406,9 +404,8 @@ def expert_order(expert_ids: Tensor, num_experts: int, block: int = 1024) -> tup
     expert_ids = expert_ids.contiguous()
     order = torch.empty(expert_ids.shape[0], dtype=torch.int64, device=expert_ids.device)
     bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=expert_ids.device)
-    _expert_order_kernel[(num_experts,)](expert_ids, order, bounds, expert_ids.shape[0], num_experts,
-                                         NUM_CHUNKS=max(triton.cdiv(expert_ids.shape[0], block), 1), BLOCK=block,
-                                         num_warps=4)
+    launch(_expert_order_kernel, (num_experts,), expert_ids, order, bounds, expert_ids.shape[0], num_experts,
+           NUM_CHUNKS=max(triton.cdiv(expert_ids.shape[0], block), 1), BLOCK=block, num_warps=4)
     return bounds, order
 
 
