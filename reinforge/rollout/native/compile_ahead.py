@@ -42,28 +42,37 @@ def compile_ahead(runs: Iterable[Callable[[], object]], what: str, threads: int 
     """Compile every Triton kernel that ``runs`` start through ``launch``, on ``threads`` threads (by default one a
     CPU core, at most ``MAX_THREADS``), running none of them. The runs' torch work still runs (on outputs left
     unwritten) and their results are dropped. Does nothing without CUDA, under Triton's interpreter or inside
-    another asynchronous compile; a run that raises is skipped (its own timed run says why)."""
+    another asynchronous compile; a run that raises is skipped (its own timed run says why), and a failure of the
+    asynchronous compile itself leaves every candidate to compile when it is first timed, said in one line."""
     runs = list(runs)
     if (len(runs) < 2 or not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
             or not hasattr(triton, "AsyncCompileMode") or _COMPILING_ONLY.get()):
         return
     threads = threads or min(len(runs), max((os.cpu_count() or 1), 1), MAX_THREADS)
     start = time.perf_counter()
-    skipped = 0
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="triton-compile") as pool:
-        try:
-            with triton.AsyncCompileMode(pool, ignore_errors=True):
-                token = _COMPILING_ONLY.set(True)
-                try:
-                    for run in runs:
-                        try:
-                            run()
-                        except Exception:  # noqa: BLE001 (the candidate's timed run raises it again, in one line)
-                            skipped += 1
-                finally:
-                    _COMPILING_ONLY.reset(token)
-        except RuntimeError as error:  # another asynchronous compile is active: compile as the runs come
-            logger.debug("%s: not compiled ahead (%s)", what, error)
-            return
+    try:
+        skipped = _compile_on_threads(runs, threads)
+    except Exception as error:  # noqa: BLE001 (the candidates then compile one by one, as they are timed)
+        logger.warning("%s: not compiled ahead (%s: %s); each compiles when it is first timed", what,
+                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return
     logger.info("%s: %d candidates compiled ahead on %d threads in %.1f s%s", what, len(runs), threads,
                 time.perf_counter() - start, f" ({skipped} could not start)" if skipped else "")
+
+
+def _compile_on_threads(runs: list[Callable[[], object]], threads: int) -> int:
+    """Every run started with ``launch`` compiling only, inside Triton's asynchronous compile; returns how many
+    runs raised (skipped)."""
+    skipped = 0
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="triton-compile") as pool:
+        with triton.AsyncCompileMode(pool, ignore_errors=True):
+            token = _COMPILING_ONLY.set(True)
+            try:
+                for run in runs:
+                    try:
+                        run()
+                    except Exception:  # noqa: BLE001 (the candidate's timed run raises it again, in one line)
+                        skipped += 1
+            finally:
+                _COMPILING_ONLY.reset(token)
+    return skipped
