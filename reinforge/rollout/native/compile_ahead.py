@@ -27,7 +27,7 @@ _COMPILING_ONLY = contextvars.ContextVar("reinforge_compiling_only", default=Fal
 """Whether ``launch`` compiles without running (set inside ``compile_ahead``)."""
 
 MAX_THREADS = 16
-"""At most this many compiles at once (each holds an MLIR context of some 100 MB)."""
+"""At most this many compiles at once (each holds its own MLIR context and ptxas process)."""
 
 
 def launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
