@@ -55,8 +55,8 @@ order = torch.zeros(tokens * top_k, dtype=torch.int64)
 bounds = torch.zeros(experts + 1, dtype=torch.int32)
 routing = torch.rand(tokens * top_k)
 activated = torch.empty(tokens * top_k, inter, dtype=torch.bfloat16)
-moe_tiles = [DecodeTiles(block_t=16), DecodeTiles(block_k=64), DecodeTiles(block_t=32, num_stages=3)]
-dense_tiles = [DenseTiles(block_t=16, block_n=32, block_k=128), DenseTiles(block_t=16, block_n=64, block_k=128, split_k=2)]
+moe_tiles = [DecodeTiles(block_t=16), DecodeTiles(block_k=64)]
+dense_tiles = [DenseTiles(block_t=16, block_n=64, block_k=128, split_k=2)]
 runs = [lambda t=t: moe_kernels.expert_gate_up_silu(x, gate_up, bounds, order, top_k, t) for t in moe_tiles]
 runs += [lambda t=t: moe_kernels.expert_down_scatter(activated, down, bounds, order, routing, t) for t in moe_tiles]
 runs += [lambda t=t: dense_kernels.down(x, down[0].T.contiguous(), None, t) for t in dense_tiles]
@@ -74,7 +74,7 @@ def test_candidates_compile_together_for_hopper_on_threads_and_none_runs():
     land in the kernels' caches, where the timed runs find them; none is launched (the driver here can launch
     nothing), a run that raises is skipped."""
     report = compile_report(COMPILE_WITHOUT_DEVICE)[0]
-    assert report["caches"] == {"_gate_up_silu_kernel": 3, "_down_scatter_kernel": 3, "_down_kernel": 2,
+    assert report["caches"] == {"_gate_up_silu_kernel": 2, "_down_scatter_kernel": 2, "_down_kernel": 1,
                                 "_split_sum_kernel": 1}
     assert report["threads"] == ["triton-compile"]
 
