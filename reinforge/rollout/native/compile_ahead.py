@@ -3,7 +3,7 @@
 A timed choice (``dense_choice.DenseMLPChoice``, ``moe_choice.ExpertKernelChoice``) tries tens of tilings, each a
 kernel of its own to compile: one after another that is most of a first step's warm-up (a second or two each).
 Most of a compile runs outside the interpreter lock (MLIR's passes, LLVM, ptxas), so the compiles overlap on
-threads. Inside ``compiling_ahead``, every kernel started through ``launch`` is handed to Triton's asynchronous
+threads. Inside ``compile_ahead``, every kernel started through ``launch`` is handed to Triton's asynchronous
 compile (``triton.AsyncCompileMode``) and not run; leaving it waits for every compile. The choice then times its
 candidates as before, each finding its kernel compiled. A compile that fails is left to the candidate's own run,
 which drops it in one line as before.
@@ -48,7 +48,7 @@ def compile_ahead(runs: Iterable[Callable[[], object]], what: str, threads: int 
     if (len(runs) < 2 or not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
             or not hasattr(triton, "AsyncCompileMode") or _COMPILING_ONLY.get()):
         return
-    threads = threads or min(len(runs), max((os.cpu_count() or 1), 1), MAX_THREADS)
+    threads = threads or min(len(runs), os.cpu_count() or 1, MAX_THREADS)
     start = time.perf_counter()
     try:
         skipped = _compile_on_threads(runs, threads)

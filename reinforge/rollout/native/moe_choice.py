@@ -174,14 +174,16 @@ class ExpertKernelChoice(CheckedTimings):
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         expert_ids = spread_assignments(expert_ids.shape[0], gate_up.shape[0], hidden.device)
-        self._compile_candidates(hidden, expert_ids, routing, gate_up, down, tiled)
-        expected = tiled(expert_ids, None)
-        timings = {"torch": self._time(lambda: tiled(expert_ids, None))}
         runs: dict[Candidate, Callable[[], Tensor]] = {}
         for config in self.tile_configs:
             runs[config] = lambda config=config: tiled(
                 expert_ids, lambda rows, weight, bounds: moe_kernels.expert_matmul(rows, weight, bounds, config))
-        swapped = self._swapped_tiles(hidden, expert_ids, routing, gate_up, down, timings)
+        bounds, order = moe_kernels.expert_order(expert_ids, gate_up.shape[0])
+        self._compile_candidates(hidden, bounds, order, routing, gate_up, down,
+                                 [run for config, run in runs.items() if str(config) not in self.failed])
+        expected = tiled(expert_ids, None)
+        timings = {"torch": self._time(lambda: tiled(expert_ids, None))}
+        swapped = self._swapped_tiles(hidden, bounds, order, routing, gate_up, down, timings)
         if swapped is not None:
             runs[swapped] = lambda: moe_kernels.swapped_experts(hidden, expert_ids, routing, gate_up, down, swapped)
         best: Candidate = None
@@ -199,15 +201,13 @@ class ExpertKernelChoice(CheckedTimings):
                     ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()), best or "torch's grouped GEMMs")
         return best
 
-    def _compile_candidates(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
-                            tiled: TiledExperts) -> None:
-        """Every candidate's kernels compiled at once, on threads (``compile_ahead``), before any is timed."""
-        bounds, order = moe_kernels.expert_order(expert_ids, gate_up.shape[0])
+    def _compile_candidates(self, hidden: Tensor, bounds: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                            down: Tensor, tiled_runs: list[Callable[[], Tensor]]) -> None:
+        """Every candidate's kernels compiled at once, on threads (``compile_ahead``), before any is timed: the tiled
+        kernel's runs and each swapped product's tilings (bounds, order: ``expert_order`` of the timed assignments)."""
         top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
         activated = torch.empty(order.shape[0], gate_up.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
-        runs: list[Callable[[], Tensor]] = [
-            lambda config=config: tiled(expert_ids, lambda rows, weight, bounds: moe_kernels.expert_matmul(
-                rows, weight, bounds, config)) for config in self.tile_configs if str(config) not in self.failed]
+        runs = list(tiled_runs)
         runs += [lambda tiles=tiles: moe_kernels.expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles)
                  for tiles in self._product_tiles("gate_up", gate_up)]
         runs += [lambda tiles=tiles: moe_kernels.expert_down_scatter(activated, down, bounds, order, routing, tiles)
@@ -219,10 +219,9 @@ class ExpertKernelChoice(CheckedTimings):
         return [tiles for tiles in self.tiles[product] if (not tiles.weight_tma or moe_kernels.tma_loadable(weight))
                 and f"swapped {product} {tiles}" not in self.failed]
 
-    def _swapped_tiles(self, hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up: Tensor, down: Tensor,
-                       timings: dict[str, float]) -> SwappedExperts | None:
+    def _swapped_tiles(self, hidden: Tensor, bounds: Tensor, order: Tensor, routing: Tensor, gate_up: Tensor,
+                       down: Tensor, timings: dict[str, float]) -> SwappedExperts | None:
         """The fastest tiling of each swapped product, timed alone (the down product on the gate|up one's output)."""
-        bounds, order = moe_kernels.expert_order(expert_ids, gate_up.shape[0])
         top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
         gate_up_tiles = self._fastest_tiles("gate_up", gate_up, timings, lambda tiles: lambda: (
             moe_kernels.expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles)))
