@@ -18,6 +18,13 @@ tokens at step t; a step runs while any sequence is live. The prefill (compute-b
 sampler are left out, so a rollout's time over its floor says how far its decode is from the device's
 limit. Qwen2.5-1.5B with 128 sequences of 128 + 8,192 tokens: 28,672 bytes of KV per token, 3.1 GB
 of weights, 36.3 s; with an fp8 cache 14,784 bytes per token, 21.7 s.
+
+With many live sequences a step's weight products stop being bound by reading the weights: at 512
+sequences Gemma-2-2B's products are 2.7 TFLOP a step, 3.3 ms at the 799 TFLOP/s a bf16 product reached on
+the same H200 (``MATMUL_FLOPS_PER_S``), against 1.3 ms to read their 5.2 GB. ``RolloutFloor.roofline_seconds``
+counts each step's products at the longer of the two (2 FLOPs per weight a token reads, a mixture of experts'
+layers at their top-k experts a token) beside the KV read, which stays bound by bytes (a query head does 2
+FLOPs per byte of K and V it reads, far below the device's ratio of about 190).
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from reinforge.engine.memory_plan import ModelShape
-from reinforge.engine.perf import capped_sum
+from reinforge.engine.perf import MEASURED_BF16_FLOPS, capped_sum
 
 COPY_BYTES_PER_S = 4.19e12
 """Bytes per second a device-to-device copy reached on this project's H200 (2026-12-02, BENCHMARKS.md's
 decode-step profile): the most its memory gave; ``--bandwidth-tbps`` of the benches sets another device's."""
+
+MATMUL_FLOPS_PER_S = MEASURED_BF16_FLOPS["H200"]
+"""FLOP/s a bf16 matrix product reached on the same H200 (``engine.perf``): the roofline's compute side."""
 
 
 @dataclass(frozen=True)
@@ -43,10 +53,16 @@ class RolloutFloor:
     """Read from the KV cache over all steps."""
     weight_bytes: float
     """Read from the weights over all steps."""
+    roofline_seconds: float = 0.0
+    """The floor with each step's weight products at the longer of reading their weights and computing them at
+    the matrix-product rate (``MATMUL_FLOPS_PER_S``); the KV read stays at the copy rate. At least ``seconds``."""
+    product_flops: float = 0.0
+    """The weight products' FLOPs over all steps."""
 
     def as_dict(self) -> dict[str, float]:
         return {"rollout_floor_s": self.seconds, "rollout_floor_decode_steps": float(self.decode_steps),
-                "rollout_floor_kv_gb": self.kv_bytes / 1e9, "rollout_floor_weight_gb": self.weight_bytes / 1e9}
+                "rollout_floor_kv_gb": self.kv_bytes / 1e9, "rollout_floor_weight_gb": self.weight_bytes / 1e9,
+                "rollout_floor_roofline_s": self.roofline_seconds, "rollout_floor_product_tflop": self.product_flops / 1e12}
 
 
 def decode_weight_bytes(shape: ModelShape, num_live: np.ndarray, value_bytes: float = 2.0) -> np.ndarray:
@@ -62,6 +78,14 @@ def decode_weight_bytes(shape: ModelShape, num_live: np.ndarray, value_bytes: fl
     return (dense + shape.num_sparse_layers * touched * per_expert) * value_bytes
 
 
+def decode_product_flops(shape: ModelShape, num_live: np.ndarray) -> np.ndarray:
+    """FLOPs of one decode step's weight products with ``num_live`` sequences (an array of steps' batch sizes): 2 a
+    weight a token multiplies, every weight but the input embeddings of an untied model, of a mixture-of-experts
+    layer only the ``experts_per_token`` experts a token runs through."""
+    params = shape.num_active_params - (0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size)
+    return 2.0 * params * np.asarray(num_live, dtype=np.float64)
+
+
 def kv_token_bytes(shape: ModelShape, kv_cache_dtype: str = "auto", value_bytes: float = 2.0) -> float:
     """Bytes the rollout's KV cache holds per token over every layer: the model dtype's ``value_bytes`` a value
     (``kv_cache_dtype="auto"``), or fp8's byte a value plus a float32 scale per KV head (132 bytes for each
@@ -71,10 +95,10 @@ def kv_token_bytes(shape: ModelShape, kv_cache_dtype: str = "auto", value_bytes:
 
 def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
                   kv_cache_dtype: str = "auto", value_bytes: float = 2.0,
-                  bytes_per_s: float = COPY_BYTES_PER_S) -> RolloutFloor:
+                  bytes_per_s: float = COPY_BYTES_PER_S, flops_per_s: float = MATMUL_FLOPS_PER_S) -> RolloutFloor:
     """The floor of decoding ``response_lengths`` tokens after ``prompt_lengths`` (one entry per sequence, all
     sequences decoding together), with weights of ``value_bytes`` a value (2: bf16) and the KV cache of
-    ``kv_cache_dtype`` (auto: the weights' dtype; fp8)."""
+    ``kv_cache_dtype`` (auto: the weights' dtype; fp8); its roofline with products at ``flops_per_s``."""
     if len(prompt_lengths) != len(response_lengths):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses; "
                          "give one of each per sequence")
@@ -85,9 +109,13 @@ def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_len
     windows = shape.attention_windows or (0,) * shape.num_layers
     kv_tokens = sum(float(capped_sum(prompts, responses, window).sum()) for window in windows)
     live = len(responses) - np.searchsorted(np.sort(responses), np.arange(1, steps + 1), side="left")
-    weights = float(decode_weight_bytes(shape, live, value_bytes).sum())
+    step_weights = decode_weight_bytes(shape, live, value_bytes)
+    step_flops = decode_product_flops(shape, live)
+    weights, flops = float(step_weights.sum()), float(step_flops.sum())
     kv_bytes = kv_tokens * per_layer
-    return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights)
+    products = float(np.maximum(step_weights / bytes_per_s, step_flops / flops_per_s).sum())
+    return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights,
+                        kv_bytes / bytes_per_s + products, flops)
 
 
 def context_floor_ms(shape: ModelShape, num_sequences: int, context: int, kv_cache_dtype: str = "auto",

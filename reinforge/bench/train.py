@@ -19,7 +19,9 @@ tokens the model ran, ``mfu_workload_tokens`` all 512 x 640 of the workload, whi
 prompts are shared; a mixture of experts counts its active parameters; ``mfu_with_attention`` adds the
 attention products, ``engine.perf``) and peak memory. Each step's rollout is set against its memory-bandwidth
 floor (``floor.py``: the KV cache and weight bytes its decode steps must read, for the lengths it generated,
-over ``--bandwidth-tbps``): ``rollout_floor_s`` and ``rollout_over_floor``. Long responses
+over ``--bandwidth-tbps``): ``rollout_floor_s`` and ``rollout_over_floor``; ``rollout_floor_roofline_s`` and
+``rollout_over_roofline`` count each step's weight products at the longer of their reads and their FLOPs at
+the matrix rate, which many live sequences make the bound. Long responses
 (``--prompts 16 --response-tokens 16384``) take minutes a step: ``--deadline-s`` starts no step that would
 end past it. ``--cpu`` runs a tiny model of the shape's family as a smoke test (no timing claims).
 
@@ -42,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from reinforge.bench.floor import COPY_BYTES_PER_S
+from reinforge.bench.floor import COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S
 from reinforge.bench.shapes import QWEN25_SIZES, SHAPES, shape_config
 from reinforge.config.schema import DECODE_PRODUCTS
 
@@ -337,6 +339,7 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
                "mfu_measured_peak": metrics.get("perf/mfu_measured_peak/actor"),
                "mfu_with_attention": metrics.get("perf/mfu_with_attention/actor"),
                **floor.as_dict(), "rollout_over_floor": timing["rollout"] / floor.seconds if floor.seconds else None,
+               "rollout_over_roofline": timing["rollout"] / floor.roofline_seconds if floor.roofline_seconds else None,
                "response_tokens": float(batch["response_mask"].sum()),
                "pg_loss": metrics.get("actor/pg_loss"), "grad_norm": metrics.get("actor/grad_norm"),
                "kl_loss": metrics.get("actor/kl_loss"),
@@ -692,6 +695,10 @@ def bench_train_main(argv: list[str]) -> int:
               f"{median['rollout_floor_decode_steps']:.0f} decode steps at {args.bandwidth_tbps:g} TB/s "
               f"(KV {median['rollout_floor_kv_gb']:.0f} GB as {getattr(args, 'kv_cache_dtype', 'auto')}, weights {median['rollout_floor_weight_gb']:.0f} GB read); "
               f"rollout / floor {median.get('rollout_over_floor') or 0:.2f}")
+        if median.get("rollout_floor_roofline_s", 0) > median["rollout_floor_s"] * 1.01:
+            print(f"  with the products' {median['rollout_floor_product_tflop']:.0f} TFLOP at {MATMUL_FLOPS_PER_S / 1e12:.0f} "
+                  f"TFLOP/s where they take longer than their weight reads: {median['rollout_floor_roofline_s']:.2f} s; "
+                  f"rollout / that {median.get('rollout_over_roofline') or 0:.2f}")
     if phases:
         print("  rollout phases (medians, s): " + ", ".join(f"{name} {value:.3f}" for name, value in phases.items()))
     return 0

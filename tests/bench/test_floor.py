@@ -5,7 +5,9 @@ import pytest
 
 from reinforge.bench.floor import (
     COPY_BYTES_PER_S,
+    MATMUL_FLOPS_PER_S,
     context_floor_ms,
+    decode_product_flops,
     decode_weight_bytes,
     kv_token_bytes,
     rollout_floor,
@@ -120,3 +122,27 @@ def test_the_medians_leave_out_the_first_step_the_profiled_one_and_any_that_comp
     compiled = [{"step": step, "compile_s": seconds} for step, seconds in ((1, 19.9), (2, 4.5), (3, 0.0), (4, 0.2))]
     assert [row["step"] for row in measured_steps(compiled, None)] == [3, 4]
     assert [row["step"] for row in measured_steps(compiled[:2], None)] == [2]  # nothing steady: the second step
+
+
+def test_the_roofline_counts_products_that_many_sequences_make_compute_bound():
+    gemma = shape("gemma2-2b")
+    flops = decode_product_flops(gemma, np.array([512]))[0]
+    assert flops == pytest.approx(2 * gemma.num_params * 512)  # tied embeddings: the head's weights are counted once
+    assert flops == pytest.approx(2.68e12, rel=0.01)
+    floor = rollout_floor(gemma, [128] * 512, [512] * 512)
+    # each step's products take 3.35 ms at the matrix rate against 1.25 ms to read their weights
+    steps_compute = floor.decode_steps * flops / MATMUL_FLOPS_PER_S
+    assert floor.roofline_seconds == pytest.approx(floor.kv_bytes / COPY_BYTES_PER_S + steps_compute)
+    assert floor.roofline_seconds > floor.seconds + 1.0
+    assert floor.product_flops == pytest.approx(floor.decode_steps * flops)
+    # 128 sequences of the 1.5B model read their weights longer than they multiply them: the two floors agree
+    long = rollout_floor(shape("1.5b"), [128] * 128, [8192] * 128)
+    assert long.roofline_seconds == pytest.approx(long.seconds)
+    assert set(long.as_dict()) >= {"rollout_floor_roofline_s", "rollout_floor_product_tflop"}
+
+
+def test_a_mixture_of_experts_multiplies_only_the_experts_a_token_runs_through():
+    moe = shape("olmoe-1b-7b")
+    assert decode_product_flops(moe, np.array([1]))[0] == pytest.approx(
+        2 * (moe.num_active_params - moe.vocab_size * moe.hidden_size))
+    assert moe.num_active_params < moe.num_params / 4
