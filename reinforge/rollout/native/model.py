@@ -364,19 +364,30 @@ class PagedDecoder:
         return tuple(tensor.data_ptr() for tensor in (self.weights.tensors() if self.weights else ()))
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                logits_indices: Tensor | None = None, images: PrefillImages | None = None) -> Tensor:
+                logits_indices: Tensor | None = None, images: PrefillImages | None = None,
+                final_softcap: bool = True) -> Tensor:
         """Logits (rows, vocab) in the model dtype at ``logits_indices`` (every token when None).
 
         input_ids, positions: (tokens,); kv_cache: ``kv_cache_shape``. images: a multimodal prefill's image
         embeddings, deepstack features and M-RoPE cos/sin (``multimodal.py``; positions are then ignored).
+        final_softcap: cap the logits as the model does (Gemma 2's ``final_logit_softcapping``, in the model dtype
+        like transformers); False leaves them to the engine's sampler, which caps them in float32 as it reads
+        them (``Sampler``'s ``softcap``, ``final_logit_softcap``): one pass over the logits instead of three
+        elementwise kernels, and the trainer's log-probs cap in float32 too.
         """
         if images is not None:
             with images.rotary(self.rotary) as rows:
-                return self._forward(input_ids, rows, kv_cache, meta, logits_indices, images)
-        return self._forward(input_ids, positions, kv_cache, meta, logits_indices)
+                return self._forward(input_ids, rows, kv_cache, meta, logits_indices, images, final_softcap)
+        return self._forward(input_ids, positions, kv_cache, meta, logits_indices, final_softcap=final_softcap)
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """The cap of the output logits (Gemma 2), None for a model without one."""
+        return self.spec.final_softcap
 
     def _forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                 logits_indices: Tensor | None, images: PrefillImages | None = None) -> Tensor:
+                 logits_indices: Tensor | None, images: PrefillImages | None = None,
+                 final_softcap: bool = True) -> Tensor:
         assert self.weights is not None, "load_weights() runs before the first forward"
         model_weights, norm, placement = self.weights, self.context.norm, self.spec.norm_placement
         hidden = F.embedding(input_ids, model_weights.embed)
@@ -416,7 +427,7 @@ class PagedDecoder:
         if logits_indices is not None:  # index_select: no host sync, so a prefill graph may capture it
             hidden, residual = hidden.index_select(0, logits_indices), residual.index_select(0, logits_indices)
         logits = F.linear(norm(model_weights.final_norm, hidden, residual), model_weights.lm_head)
-        if self.spec.final_softcap is not None:
+        if final_softcap and self.spec.final_softcap is not None:
             cap = self.spec.final_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -3,7 +3,8 @@
 The runner owns the KV cache (allocated by ``allocate_kv_cache`` at wake-up, freed at sleep)
 and, through its decoder, the copy of the weights (``load_weights`` at wake-up and at a weight
 sync while loaded, ``free_weights`` at sleep). It turns sequences into packed input
-tensors (token ids, positions, cache slots, block tables) and returns logits. Block tables
+tensors (token ids, positions, cache slots, block tables) and returns logits (uncapped: a final logit soft-cap
+is the sampler's, ``PagedDecoder.forward``'s ``final_softcap``). Block tables
 live in a host array with one row per running sequence, updated only when a sequence gains
 blocks, so a decode step copies rows instead of rebuilding lists. Decode steps replay CUDA
 graphs captured for a set of batch sizes (padded up to the next captured size; padding rows
@@ -372,7 +373,7 @@ class ModelRunner:
                 group_metas.append(group_meta)
             meta.per_layer = per_layer_metadata(self.layer_groups, group_metas)
         return self.decoder.forward(self._to_device(token_ids), self._to_device(positions), self.kv_cache, meta,
-                                    logits_indices=self._to_device(last_index), images=images)
+                                    logits_indices=self._to_device(last_index), images=images, final_softcap=False)
 
     def _token_slots(self, tables: list[list[int]], starts: list[int], stops: list[int]) -> np.ndarray:
         """The cache slot of each sequence's tokens starts[i]..stops[i], through its table ``tables[i]``."""
@@ -519,7 +520,7 @@ class ModelRunner:
                 replace(meta, slot_mapping=tensors[f"slot_mapping_{group}"], block_tables=tensors[f"block_tables_{group}"])
                 for group in range(1, len(self.layer_groups)))])
         return self.decoder.forward(tensors["input_ids"], tensors.get("rope_positions", tensors["positions"]),
-                                    self.kv_cache, meta)
+                                    self.kv_cache, meta, final_softcap=False)
 
     def _fill_padding(self, start: int, stop: int) -> None:
         """Rows start..stop of the graph inputs become padding: one token, written to the spare block."""

@@ -183,7 +183,8 @@ class PrefillGraphs:
         meta = metas[0]
         if key.num_pools > 1:
             meta.per_layer = per_layer_metadata(self.layer_groups, metas)
-        return self.decoder.forward(sections["token_ids"], sections["positions"], kv_cache, meta, logits_indices=rows)
+        return self.decoder.forward(sections["token_ids"], sections["positions"], kv_cache, meta, logits_indices=rows,
+                                    final_softcap=False)
 
     def _capture(self, key: PrefillKey, kv_cache: Tensor | list[Tensor], num_seqs: int) -> bool:
         """Capture ``key`` after an eager forward of the uploaded inputs (its warm-up and reference)."""

@@ -10,7 +10,10 @@ the sampled token under softmax(logits/temperature), before truncation (raw log-
 greedy rows), computed from the same logits that were sampled. The thresholds are formed
 here, with PyTorch and only for the rows' options in use; on CUDA two Triton kernels do the
 rest (one reads each slice of the vocabulary once, one merges a row's slices), elsewhere a
-PyTorch path computes the same noise.
+PyTorch path computes the same noise. A model whose output logits are soft-capped (Gemma 2) hands them over
+uncapped: the sampler caps them in float32, cap * tanh(logit / cap), before the temperature, as the trainer's
+log-prob kernels do (the kernel as it reads each logit; up front where thresholds need the capped values, and on
+the PyTorch path).
 """
 
 from __future__ import annotations
@@ -91,13 +94,24 @@ def truncation_thresholds(scaled_logits: Tensor, top_k: Tensor, top_p: Tensor) -
     return thresholds
 
 
+def soft_capped(logits: Tensor, softcap: float) -> Tensor:
+    """softcap * tanh(logits / softcap) in float32."""
+    return softcap * torch.tanh(logits.float() / softcap)
+
+
 class Sampler:
-    def __init__(self, use_triton: bool):
+    def __init__(self, use_triton: bool, softcap: float | None = None):
+        """softcap: the model's final logit soft-cap (Gemma 2), applied here to the uncapped logits it is given."""
         self.use_triton = use_triton
+        self.softcap = softcap
 
     def __call__(self, logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor]:
         """Sampled token ids (rows,) int64 and their log-probs (rows,) float32. logits: (rows, vocab)."""
         rows = logits.shape[0]
+        softcap = self.softcap
+        if softcap is not None and (params.needs_truncation or params.needs_min_p or not self.use_triton):
+            # the thresholds and the kernel must see the same capped values: cap once, here
+            logits, softcap = soft_capped(logits, softcap), None
         thresholds = torch.full((rows,), float("-inf"), device=logits.device)
         if params.needs_truncation:
             thresholds = truncation_thresholds(logits.float() * params.inv_temperatures[:, None], params.top_k,
@@ -110,7 +124,7 @@ class Sampler:
             from reinforge.rollout.native import triton_kernels
 
             return triton_kernels.sample(logits, params.inv_temperatures, params.greedy, thresholds,
-                                         params.sample_seeds, params.positions)
+                                         params.sample_seeds, params.positions, softcap=softcap)
         return self._sample_torch(logits, params, thresholds)
 
     @staticmethod

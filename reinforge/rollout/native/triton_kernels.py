@@ -297,9 +297,16 @@ def _gumbel(uniform, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
+def _capped(x, softcap):
+    """softcap * tanh(x / softcap), tanh(u) = 2 sigmoid(2u) - 1 as the trainer's log-prob kernels take it."""
+    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
+
+
+@triton.jit
 def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures_ptr, greedy_ptr, thresholds_ptr,
                          sample_seeds_ptr, positions_ptr, split_max_ptr, split_sum_ptr, split_best_ptr, split_index_ptr,
-                         BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, FAST_LOG: tl.constexpr):
+                         softcap, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, FAST_LOG: tl.constexpr,
+                         HAS_SOFTCAP: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_logits
@@ -318,7 +325,10 @@ def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures
     for block in range(BLOCKS_PER_SPLIT):  # the last split's blocks past the vocabulary are all masked
         cols = (split * BLOCKS_PER_SPLIT + block) * BLOCK_V + lanes
         in_vocab = cols < vocab_size
-        x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32) * inv_temperature
+        x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
+        if HAS_SOFTCAP:  # masked columns stay -inf
+            x = tl.where(in_vocab, _capped(x, softcap), float("-inf"))
+        x = x * inv_temperature
         # online softmax with one exp per logit: exp(smaller - larger) either scales the lane's sum
         # down to a new maximum or is the new term (zero while the lane has seen only -inf)
         new_max = tl.maximum(lane_max, x)
@@ -345,8 +355,8 @@ def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures
 
 @triton.jit
 def _sample_combine_kernel(logits_ptr, stride_logits, vocab_size, num_splits, inv_temperatures_ptr, split_max_ptr,
-                           split_sum_ptr, split_best_ptr, split_index_ptr, tokens_ptr, log_probs_ptr,
-                           SPLITS_PAD: tl.constexpr):
+                           split_sum_ptr, split_best_ptr, split_index_ptr, tokens_ptr, log_probs_ptr, softcap,
+                           SPLITS_PAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     row = tl.program_id(0)
     splits = tl.arange(0, SPLITS_PAD)
     valid = splits < num_splits
@@ -361,6 +371,8 @@ def _sample_combine_kernel(logits_ptr, stride_logits, vocab_size, num_splits, in
     best = tl.max(split_best, axis=0)
     token = tl.min(tl.where(split_best == best, split_index, vocab_size), axis=0)
     chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + token).to(tl.float32)
+    if HAS_SOFTCAP:
+        chosen = _capped(chosen, softcap)
     chosen = chosen * tl.load(inv_temperatures_ptr + row)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(log_probs_ptr + row, chosen - (row_max + tl.log(total)))
@@ -368,14 +380,15 @@ def _sample_combine_kernel(logits_ptr, stride_logits, vocab_size, num_splits, in
 
 def sample(logits: Tensor, inv_temperatures: Tensor, greedy: Tensor, thresholds: Tensor, sample_seeds: Tensor,
            positions: Tensor, block_v: int = 1024, blocks_per_split: int = 8,
-           num_warps: int = 4) -> tuple[Tensor, Tensor]:
+           num_warps: int = 4, softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """Gumbel-max sample of each row of ``logits * inv_temperature`` at or above its threshold.
 
     logits: (batch, vocab) any float dtype, rows contiguous; the other inputs (batch,); positions
     are those of the tokens being sampled. Each row's vocabulary is cut into splits of
     ``block_v * blocks_per_split`` columns, read once by one program each; a second kernel merges
     a row's splits. Returns token ids (batch,) int64 and their log-probs (batch,) float32 under
-    the untruncated tempered distribution.
+    the untruncated tempered distribution. ``softcap``: each logit is first capped in float32,
+    softcap * tanh(logit / softcap), as it is read (the thresholds are of capped logits).
     """
     batch, vocab_size = logits.shape
     block_v = min(block_v, max(64, triton.next_power_of_2(vocab_size)))
@@ -385,11 +398,13 @@ def sample(logits: Tensor, inv_temperatures: Tensor, greedy: Tensor, thresholds:
     split_index = torch.empty(batch, num_splits, dtype=torch.int32, device=logits.device)
     _sample_split_kernel[(batch, num_splits)](
         logits, logits.stride(0), vocab_size, inv_temperatures, greedy, thresholds, sample_seeds, positions,
-        split_max, split_sum, split_best, split_index, BLOCK_V=block_v, BLOCKS_PER_SPLIT=blocks_per_split,
-        FAST_LOG=not _INTERPRETED, num_warps=num_warps)
+        split_max, split_sum, split_best, split_index, float(softcap or 1.0), BLOCK_V=block_v,
+        BLOCKS_PER_SPLIT=blocks_per_split, FAST_LOG=not _INTERPRETED, HAS_SOFTCAP=softcap is not None,
+        num_warps=num_warps)
     tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
     log_probs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _sample_combine_kernel[(batch,)](
         logits, logits.stride(0), vocab_size, num_splits, inv_temperatures, split_max, split_sum, split_best,
-        split_index, tokens, log_probs, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=1)
+        split_index, tokens, log_probs, float(softcap or 1.0), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        HAS_SOFTCAP=softcap is not None, num_warps=1)
     return tokens, log_probs

@@ -362,3 +362,25 @@ def test_paged_decode_attention_with_windows_and_softcaps_is_the_pytorch_paths(w
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
     if window is not None:  # and the window matters
         assert not torch.allclose(expected, decode_attention(q, k_cache, v_cache, meta, 0.3, None, softcap))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("truncate", [False, True], ids=["kernel-caps", "thresholds-cap-first"])
+def test_a_soft_capped_model_samples_as_if_its_logits_were_capped_in_float32(dtype, truncate):
+    rows, vocab_size, cap = 12, 1300, 30.0
+    inputs = random_sampling_inputs(rows, vocab_size, dtype, seed=5)
+    logits = (inputs["logits"].float() * 40.0).to(dtype)  # reaching past the cap, where tanh bends
+    params = SamplingTensors(
+        inv_temperatures=inputs["inv_temperatures"], greedy=inputs["greedy"],
+        top_k=torch.full((rows,), 50 if truncate else 0, dtype=torch.int64, device=DEVICE),
+        top_p=torch.full((rows,), 0.9 if truncate else 1.0, device=DEVICE),
+        log_min_p=torch.full((rows,), float("-inf"), device=DEVICE), sample_seeds=inputs["sample_seeds"],
+        needs_truncation=truncate, needs_min_p=False, positions=inputs["positions"])
+    capped = cap * torch.tanh(logits.float() / cap)
+    expected_tokens, expected_log_probs = Sampler(use_triton=False)(capped, params)
+    for use_triton in (True, False):
+        tokens, log_probs = Sampler(use_triton=use_triton, softcap=cap)(logits, params)
+        assert tokens.tolist() == expected_tokens.tolist(), use_triton
+        torch.testing.assert_close(log_probs, expected_log_probs, atol=2e-5, rtol=1e-5)
+    uncapped_tokens, _ = Sampler(use_triton=True)(logits, params)
+    assert uncapped_tokens.tolist() != expected_tokens.tolist()  # the cap changes what is sampled here
