@@ -146,7 +146,7 @@ class NativeEngine:
                                   max_prefill_chunk_tokens=max_prefill_chunk_tokens or max_num_batched_tokens,
                                   kv_cache_dtype=kv_cache_dtype, weights_fixed=weights_fixed,
                                   decode_products=decode_products)
-        self.sampler = Sampler(use_triton, softcap=self.runner.decoder.final_logit_softcap)
+        self.sampler = Sampler(use_triton, softcap=self.runner.decoder.spec.final_softcap)
         self.scheduler: Scheduler | None = None
         self.last_metrics: dict[str, float] = {}
         self._seed_generator = np.random.default_rng(seed)

@@ -372,18 +372,13 @@ class PagedDecoder:
         embeddings, deepstack features and M-RoPE cos/sin (``multimodal.py``; positions are then ignored).
         final_softcap: cap the logits as the model does (Gemma 2's ``final_logit_softcapping``, in the model dtype
         like transformers); False leaves them to the engine's sampler, which caps them in float32 as it reads
-        them (``Sampler``'s ``softcap``, ``final_logit_softcap``): one pass over the logits instead of three
+        them (``Sampler``'s ``softcap``): one pass over the logits instead of three
         elementwise kernels, and the trainer's log-probs cap in float32 too.
         """
         if images is not None:
             with images.rotary(self.rotary) as rows:
                 return self._forward(input_ids, rows, kv_cache, meta, logits_indices, images, final_softcap)
         return self._forward(input_ids, positions, kv_cache, meta, logits_indices, final_softcap=final_softcap)
-
-    @property
-    def final_logit_softcap(self) -> float | None:
-        """The cap of the output logits (Gemma 2), None for a model without one."""
-        return self.spec.final_softcap
 
     def _forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                  logits_indices: Tensor | None, images: PrefillImages | None = None,

@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import libdevice
 
-from reinforge.rollout.native.decode_kernels import _INTERPRETED, _finite_or_zero, paged_decode_attention
+from reinforge.rollout.native.decode_kernels import _INTERPRETED, _finite_or_zero, _softcapped, paged_decode_attention
 from reinforge.rollout.native.kv_quant import QuantizedCache, kernel_cache_args
 
 __all__ = ["act_and_mul", "paged_decode_attention", "rms_norm", "rope_and_write_cache", "sample", "silu_and_mul"]
@@ -297,12 +297,6 @@ def _gumbel(uniform, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
-def _capped(x, softcap):
-    """softcap * tanh(x / softcap), tanh(u) = 2 sigmoid(2u) - 1 as the trainer's log-prob kernels take it."""
-    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
-
-
-@triton.jit
 def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures_ptr, greedy_ptr, thresholds_ptr,
                          sample_seeds_ptr, positions_ptr, split_max_ptr, split_sum_ptr, split_best_ptr, split_index_ptr,
                          softcap, BLOCK_V: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, FAST_LOG: tl.constexpr,
@@ -327,7 +321,7 @@ def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures
         in_vocab = cols < vocab_size
         x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
         if HAS_SOFTCAP:  # masked columns stay -inf
-            x = tl.where(in_vocab, _capped(x, softcap), float("-inf"))
+            x = tl.where(in_vocab, _softcapped(x, softcap), float("-inf"))
         x = x * inv_temperature
         # online softmax with one exp per logit: exp(smaller - larger) either scales the lane's sum
         # down to a new maximum or is the new term (zero while the lane has seen only -inf)
@@ -372,7 +366,7 @@ def _sample_combine_kernel(logits_ptr, stride_logits, vocab_size, num_splits, in
     token = tl.min(tl.where(split_best == best, split_index, vocab_size), axis=0)
     chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + token).to(tl.float32)
     if HAS_SOFTCAP:
-        chosen = _capped(chosen, softcap)
+        chosen = _softcapped(chosen, softcap)
     chosen = chosen * tl.load(inv_temperatures_ptr + row)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(log_probs_ptr + row, chosen - (row_max + tl.log(total)))
