@@ -96,6 +96,80 @@ def test_router_ties_pick_the_experts_transformers_picks(family):
     assert_same_routing((expected_weights, expected_ids), got)
 
 
+FUSED_ROUTER_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
+"""The softmax routers without groups, whose choice the GPU path computes in one Triton kernel."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("family", FUSED_ROUTER_FAMILIES)
+def test_the_fused_router_kernel_routes_as_transformers(family, dtype):
+    """``moe_kernels.softmax_topk`` (Triton's interpreter on the CPU; bf16 casts on the GPU only) against
+    transformers' gate on random scores, top-3, more tokens than one program holds; each token's experts come
+    sorted by weight."""
+    pytest.importorskip("triton")
+    from reinforge.rollout.native.moe import fused_router_applies
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_tiny_causal_lm(family, seed=1, num_experts_per_tok=3).to(dtype)
+    spec = architecture_spec(model.config).moe
+    assert fused_router_applies(spec, deepseek_router(model.config.model_type))
+    gate = moe_block(model).gate
+    torch.manual_seed(0)
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.5)
+    hidden = torch.randn(37, model.config.hidden_size, dtype=dtype)
+    _, expected_weights, expected_ids = gate(hidden)
+    weights, ids = route(hidden.to(device), gate.weight.to(device), None, spec, False, fused=True)
+    assert_same_routing((expected_weights, expected_ids), (weights.cpu(), ids.cpu()))
+    assert torch.equal(weights, weights.sort(dim=-1, descending=True).values)
+
+
+@pytest.mark.parametrize("family", FUSED_ROUTER_FAMILIES)
+def test_the_fused_router_gives_a_tied_kth_score_to_the_lower_experts(family):
+    """Scores tied across the top-k boundary go to the lowest expert ids, as CUDA's ``topk`` keeps them (it
+    gathers the scores above the k-th, then the k-th's ties in index order); the CPU ``topk`` may keep others."""
+    pytest.importorskip("triton")
+    model = build_tiny_causal_lm(family, seed=2)
+    spec = architecture_spec(model.config).moe
+    num_experts, top_k = spec.num_experts, spec.top_k
+    rows = [[0.0] * num_experts, [1.0] + [2.0] * (num_experts - 1), [-1.0] * (num_experts - 3) + [3.0, 1.0, 1.0]]
+    gate, hidden = router_with_scores(model, rows)
+    _, expected_weights, _ = gate(hidden)
+    expected_ids = torch.tensor([list(range(top_k)), list(range(1, top_k + 1)),
+                                 [num_experts - 3] + list(range(top_k - 1))])
+    if top_k > 1:  # the third row: the 3.0, then the tie of -1.0s or 1.0s at the boundary
+        expected_ids[2, 1:] = torch.tensor([num_experts - 2, num_experts - 1][:top_k - 1]
+                                           + list(range(max(top_k - 3, 0))))
+    weights, ids = route(hidden, gate.weight, None, spec, False, fused=True)
+    assert torch.equal(ids.sort(dim=-1).values, expected_ids.sort(dim=-1).values)
+    torch.testing.assert_close(weights, expected_weights.sort(dim=-1, descending=True).values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [64, 128])
+def test_the_fused_router_keeps_the_experts_cuda_topk_keeps_on_tied_bf16_logits(num_experts):
+    """bf16 logits on a coarse grid (ties at the top-k boundary in most rows): the kernel's experts are the ones
+    torch.topk on CUDA keeps from the float32 softmax, what transformers' routers run in training."""
+    from reinforge.rollout.native.moe_kernels import softmax_topk
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(4096, num_experts, device="cuda", generator=generator) * 4).round().div(4).bfloat16()
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    expected_weights, expected_ids = torch.topk(probs, 8, dim=-1)
+    expected_weights = (expected_weights / expected_weights.sum(dim=-1, keepdim=True)).bfloat16()
+    weights, ids = softmax_topk(logits, 8, True, weights_dtype=torch.bfloat16)
+    assert torch.equal(ids.sort(dim=-1).values, expected_ids.sort(dim=-1).values)
+    torch.testing.assert_close(weights.float(), expected_weights.float(), atol=0, rtol=2 ** -8)
+
+
+def test_the_fused_router_refuses_more_experts_than_it_holds_in_one_line():
+    pytest.importorskip("triton")
+    from reinforge.rollout.native.moe_kernels import MAX_ROUTED_EXPERTS, softmax_topk
+
+    with pytest.raises(ValueError, match=f"at most {MAX_ROUTED_EXPERTS} experts"):
+        softmax_topk(torch.zeros(2, MAX_ROUTED_EXPERTS + 1), 2, True)
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_group_limited_routing_keeps_the_best_groups(family):
     """8 experts in 4 groups of 2, 2 groups kept. Token 0: the single best expert (6) lifts its group (V2 keeps

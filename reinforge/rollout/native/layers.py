@@ -154,9 +154,9 @@ class DenseAttention:
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if context.spec.qk_norm == "head":
-            q = context.norm(weights["q_norm"], q.contiguous())
-            k = context.norm(weights["k_norm"], k.contiguous())
+        if context.spec.qk_norm == "head":  # the Triton norm reads the heads in place in the q|k|v row
+            q = context.norm(weights["q_norm"], q)
+            k = context.norm(weights["k_norm"], k)
         k_cache, v_cache = (cache[0], cache[1]) if cache.dtype != torch.uint8 else \
             layer_caches(cache, self.num_kv_heads, self.head_dim, q.dtype)  # fp8 (kv_quant.py)
         cos, sin = context.rotary.cos_sin(self.rope)

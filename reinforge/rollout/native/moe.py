@@ -7,7 +7,9 @@ V3, V3's correction bias counted for the choice only), top-k renormalisation, th
 factor and the dtype the weights are cast to, each exactly as transformers' router modules do it (the
 same ``topk`` calls, so ties pick the same experts). The router's logits are computed in the model
 dtype, or in float32 from a float32 copy of the router for DeepSeek, whose routers keep their weight
-and logits in float32.
+and logits in float32. On the GPU path, a softmax router without groups (Qwen3-MoE, OLMoE, Mixtral)
+runs everything after its logits as one Triton kernel (``moe_kernels.softmax_topk``: the same float32
+softmax, the same experts, a tied k-th score going to the lower expert as in torch's ``topk``).
 
 The experts follow transformers' ``grouped_mm`` path: the (token, expert) assignments are sorted by
 expert, the fused gate|up and the down products run as one grouped GEMM each over the whole sorted
@@ -43,13 +45,23 @@ def deepseek_router(model_type: str) -> bool:
     return model_type in ("deepseek_v2", "deepseek_v3")
 
 
+def fused_router_applies(spec: MoESpec, deepseek: bool) -> bool:
+    """Whether ``moe_kernels.softmax_topk`` computes the router's choice: softmax scores, a plain top-k (no groups, no
+    correction bias) and sorted, as Qwen3-MoE, OLMoE and Mixtral route."""
+    from reinforge.rollout.native.moe_kernels import MAX_ROUTED_EXPERTS
+
+    return (spec.scoring == "softmax" and spec.group_score is None and not spec.correction_bias and not deepseek
+            and spec.num_experts <= MAX_ROUTED_EXPERTS)
+
+
 @torch.no_grad()
 def route(hidden: Tensor, router: Tensor, correction_bias: Tensor | None, spec: MoESpec,
-          deepseek: bool) -> tuple[Tensor, Tensor]:
+          deepseek: bool, fused: bool = False) -> tuple[Tensor, Tensor]:
     """The experts each token is sent to and their weights, as transformers' router for ``spec`` computes them.
 
     hidden: (tokens, hidden); router: (experts, hidden); correction_bias: (experts,) or None; ``deepseek``:
-    see ``deepseek_router``.
+    see ``deepseek_router``; ``fused``: everything after the logits in one Triton kernel (``softmax_topk``; only
+    where ``fused_router_applies``).
     Returns weights (tokens, top_k), float32 or the logits' dtype (``spec.weights_dtype``), and expert ids
     (tokens, top_k) int64.
     """
@@ -57,6 +69,11 @@ def route(hidden: Tensor, router: Tensor, correction_bias: Tensor | None, spec: 
         logits = F.linear(hidden.float(), router.float())
     else:
         logits = F.linear(hidden, router)
+    if fused:
+        from reinforge.rollout.native.moe_kernels import softmax_topk
+
+        return softmax_topk(logits, spec.top_k, spec.norm_topk_prob, spec.routed_scaling_factor,
+                            logits.dtype if spec.weights_dtype == "logits" else torch.float32)
     if spec.scoring == "softmax":
         scores = logits.softmax(dim=-1, dtype=torch.float32)
     elif spec.scoring == "sigmoid":
@@ -239,6 +256,7 @@ class MoEMLP:
         self.float32_copies = frozenset({"router", "correction_bias"} if self.deepseek else {"correction_bias"})
         self.activate = silu_and_mul
         self.kernels: ExpertKernelChoice | None = None
+        self.fused_router = context.use_triton and fused_router_applies(self.spec, self.deepseek)
         if context.use_triton:
             from reinforge.rollout.native import triton_kernels
 
@@ -261,7 +279,7 @@ class MoEMLP:
         """x: (tokens, hidden) -> (tokens, hidden) in x's dtype (the experts' kernels go by the rows, not
         ``decode``)."""
         routing_weights, expert_ids = route(x, weights["router"], weights["correction_bias"], self.spec,
-                                            self.deepseek)
+                                            self.deepseek, self.fused_router)
         out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"],
                               activate=self.activate, kernels=self.kernels)
         if weights["shared_gate_up"] is not None:

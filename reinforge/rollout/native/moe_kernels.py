@@ -14,6 +14,9 @@ bounds read on the device, so a CUDA graph captures them:
 - ``expert_matmul`` runs ``rows_e @ W_e^T`` one product at a time, one program per (expert, block of output
   columns), the rows gathered, activated, weighted and put back by torch.
 
+``softmax_topk`` is the router after its logits product: softmax in float32, the top k, their renormalisation,
+the routed scaling factor and the cast, one launch where torch's path has six.
+
 Everything also runs in Triton's interpreter (the CPU tests), which loops only to Python ints and mishandles bf16
 products and casts; the kernels take constants that work around both there.
 """
@@ -430,3 +433,68 @@ def swapped_experts(hidden: Tensor, expert_ids: Tensor, routing: Tensor, gate_up
     top_k = max(order.shape[0] // max(hidden.shape[0], 1), 1)
     activated = expert_gate_up_silu(hidden, gate_up, bounds, order, top_k, tiles.gate_up)
     return expert_down_scatter(activated, down, bounds, order, routing, tiles.down)
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_logits, scaling,
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORMALIZE: tl.constexpr, SCALE: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Programs of BLOCK_T tokens: each token's softmax over its experts' logits in float32 (max, exp, sum, then
+    each exp over the sum, as torch's softmax; its exp and sum round within a few float32 ulps of torch's, which
+    moves no choice between distinct logits and none between tied ones), its TOP_K best by value (ties to the lower expert, as torch's top-k
+    keeps the lower indices of a tied k-th value), divided by their sum (NORMALIZE), times ``scaling`` (SCALE),
+    stored in the weights' dtype."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    row_mask = rows < num_tokens
+    expert_mask = experts < num_experts
+    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_logits + experts[None, :],
+                     mask=row_mask[:, None] & expert_mask[None, :], other=0.0).to(tl.float32)
+    logits = tl.where(expert_mask[None, :], logits, float("-inf"))  # rows past the last token stay finite
+    peak = tl.max(logits, axis=1)
+    exps = tl.exp(logits - peak[:, None])
+    probs = exps / tl.sum(exps, axis=1)[:, None]
+    probs = tl.where(expert_mask[None, :], probs, -1.0)  # padding experts are never picked
+    slots = tl.arange(0, K_PAD)
+    values = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    ids = tl.zeros([BLOCK_T, K_PAD], tl.int64)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        expert = tl.argmax(probs, axis=1, tie_break_left=True)
+        values = tl.where(slots[None, :] == slot, best[:, None], values)
+        ids = tl.where(slots[None, :] == slot, expert[:, None].to(tl.int64), ids)
+        probs = tl.where(experts[None, :] == expert[:, None], -1.0, probs)
+    if NORMALIZE:
+        values = values / tl.sum(values, axis=1)[:, None]
+    if SCALE:
+        values = values * scaling
+    out = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    mask = row_mask[:, None] & (slots < TOP_K)[None, :]
+    tl.store(weights_ptr + out, values.to(weights_ptr.dtype.element_ty), mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
+
+
+MAX_ROUTED_EXPERTS = 512
+"""``softmax_topk`` keeps a token's scores in registers: routers of up to this many experts."""
+
+
+def softmax_topk(logits: Tensor, top_k: int, normalize: bool, scaling: float = 1.0,
+                 weights_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """The router's choice from its logits (tokens, experts), rows contiguous: the top_k experts of each token's
+    float32 softmax, sorted by score, and their scores (divided by their sum when ``normalize``, times ``scaling``)
+    in ``weights_dtype``. Returns weights (tokens, top_k) and expert ids (tokens, top_k) int64."""
+    num_tokens, num_experts = logits.shape
+    if not 0 < top_k <= num_experts <= MAX_ROUTED_EXPERTS:
+        raise ValueError(f"softmax_topk picks 1 to {num_experts} of at most {MAX_ROUTED_EXPERTS} experts; "
+                         f"got top_k={top_k} of {num_experts}")
+    logits = logits.contiguous()
+    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(16, 4096 // block_e))
+    if num_tokens:
+        _softmax_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+            logits, weights, ids, num_tokens, num_experts, logits.stride(0), float(scaling), TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), NORMALIZE=normalize, SCALE=scaling != 1.0, BLOCK_T=block_t,
+            BLOCK_E=block_e, num_warps=4)
+    return weights, ids
