@@ -74,7 +74,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     _add_rms_norm_kernel[(rows,)](
         x2, residual2, weight, out, x2.stride(0), stride_inner, residual2.stride(0), out.stride(0), num_cols, eps,
         INNER=inner, HAS_RESIDUAL=residual is not None, NORM_KIND=NORM_KINDS[kind],
-        BLOCK=triton.next_power_of_2(num_cols), num_warps=1 if num_cols <= 256 else 4)  # a head's row: one warp
+        BLOCK=triton.next_power_of_2(num_cols), num_warps=4)
     return out.view(shape)
 
 
