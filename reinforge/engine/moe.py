@@ -109,16 +109,24 @@ class RouterOutputs:
     """Experts no token chose, averaged over layers."""
 
 
+RECORD_ATTRIBUTE = "reinforge_routing"
+"""The router attribute a recording hook stores its (logits, expert ids) in."""
+
+
 class RouterRecorder:
     """Forward hooks on the routers of ``model``'s MoE blocks; they keep references while ``recording()``.
 
-    Register before ``torch.compile`` wraps the decoder layers, so the compiled graphs contain the hooks.
+    Register before ``torch.compile`` wraps the decoder layers, so the compiled graphs contain the hooks. Each hook
+    stores its router's outputs on the router itself (``RECORD_ATTRIBUTE``), not in a list they all append to: the
+    compiled layers would guard on that list, whose length and items differ from one layer to the next, and compile
+    once per layer (a 48-layer model: 48 compiles of each of its layer graphs).
     """
 
     def __init__(self, model: nn.Module):
         self.routers = [block.gate for block in moe_blocks(model)]
         self.recording = False
-        self.captured: list[tuple[Tensor, Tensor]] = []
+        for router in self.routers:
+            setattr(router, RECORD_ATTRIBUTE, None)
         self.handles = [router.register_forward_hook(self._keep) for router in self.routers]
 
     @classmethod
@@ -128,21 +136,29 @@ class RouterRecorder:
 
     def _keep(self, module: nn.Module, args, output) -> None:
         if self.recording and isinstance(output, tuple) and len(output) >= 3:
-            self.captured.append((output[0], output[2]))  # (tokens, experts) logits, (tokens, top_k) expert ids
+            # (tokens, experts) logits, (tokens, top_k) expert ids
+            setattr(module, RECORD_ATTRIBUTE, (output[0], output[2]))
 
     @contextlib.contextmanager
     def recording_forward(self) -> Iterator[None]:
         """Record the routers of the forwards run inside (not their recomputation in the backward)."""
-        self.captured = []
+        self._forget()
         self.recording = True
         try:
             yield
         finally:
             self.recording = False
 
+    def _forget(self) -> list[tuple[Tensor, Tensor]]:
+        """What the routers recorded, in layer order, each record dropped."""
+        captured = [getattr(router, RECORD_ATTRIBUTE, None) for router in self.routers]
+        for router in self.routers:
+            setattr(router, RECORD_ATTRIBUTE, None)
+        return [record for record in captured if record is not None]
+
     def take(self, with_grad: bool) -> RouterOutputs | None:
         """The statistics of what was recorded (then forgotten); None when no router ran."""
-        captured, self.captured = self.captured, []
+        captured = self._forget()
         if not captured:
             return None
         return router_outputs([logits for logits, _ in captured], [ids for _, ids in captured], with_grad)

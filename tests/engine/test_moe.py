@@ -192,6 +192,35 @@ def test_compiled_moe_layer_records_its_router_without_graph_breaks(device, back
     assert recorded is not None and recorded.load_imbalance >= 1.0 and recorder.take(with_grad=False) is None
 
 
+def test_recording_routers_compiles_one_graph_for_every_layer():
+    """Each layer's hook keeps its router's outputs on the router, so the compiled layers, alike but for their
+    weights, share one graph while recording (hooks appending to one list made dynamo guard on its length and items
+    and compile each layer anew), and record what the uncompiled model does."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from reinforge.engine.fsdp import decoder_layers
+
+    torch.manual_seed(0)
+    model = tiny_moe("qwen3_moe", experts_implementation="grouped_mm", num_hidden_layers=3)
+    recorder = RouterRecorder(model)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    with recorder.recording_forward():
+        model(input_ids, use_cache=False)
+    expected = recorder.take(with_grad=False)
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend="eager", dynamic=True)
+    for _ in range(2):
+        with recorder.recording_forward():
+            model(input_ids, use_cache=False)
+        got = recorder.take(with_grad=False)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        for name in ("aux_loss", "load_imbalance", "unused_experts"):
+            torch.testing.assert_close(getattr(got, name), getattr(expected, name))
+
+
 def test_reference_worker_scores_a_moe_model_whose_config_asks_for_router_logits(tmp_path):
     from reinforge.models import build_char_tokenizer
     from reinforge.models.export import save_hf_folder
