@@ -162,6 +162,22 @@ def test_the_fused_router_keeps_the_experts_cuda_topk_keeps_on_tied_bf16_logits(
     torch.testing.assert_close(weights.float(), expected_weights.float(), atol=0, rtol=2 ** -8)
 
 
+@pytest.mark.parametrize(("top_k", "normalize", "scaling"), [(1, False, 1.0), (3, False, 2.5), (10, True, 0.5)])
+def test_the_fused_router_kernel_scales_and_renormalises_as_torch(top_k, normalize, scaling):
+    """One expert, unnormalised scores times a scaling factor, every expert picked: a ragged expert count (10)."""
+    pytest.importorskip("triton")
+    from reinforge.rollout.native.moe_kernels import softmax_topk
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(19, 10, generator=torch.Generator().manual_seed(3))
+    expected_weights, expected_ids = torch.topk(logits.softmax(dim=-1, dtype=torch.float32), top_k, dim=-1)
+    if normalize:
+        expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+    weights, ids = softmax_topk(logits.to(device), top_k, normalize, scaling)
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(weights.cpu(), expected_weights * scaling)
+
+
 def test_the_fused_router_refuses_more_experts_than_it_holds_in_one_line():
     pytest.importorskip("triton")
     from reinforge.rollout.native.moe_kernels import MAX_ROUTED_EXPERTS, softmax_topk
