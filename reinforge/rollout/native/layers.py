@@ -154,7 +154,8 @@ class DenseAttention:
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if context.spec.qk_norm == "head":  # the Triton norm reads the heads in place in the q|k|v row
+        head_norms = context.spec.qk_norm == "head"
+        if head_norms and not context.use_triton:  # the Triton path normalises the heads in its rotary kernel
             q = context.norm(weights["q_norm"], q)
             k = context.norm(weights["k_norm"], k)
         k_cache, v_cache = (cache[0], cache[1]) if cache.dtype != torch.uint8 else \
@@ -163,7 +164,9 @@ class DenseAttention:
         if context.use_triton:
             from reinforge.rollout.native import triton_kernels
 
-            triton_kernels.rope_and_write_cache(q, k, v, cos, sin, positions, meta.slot_mapping, k_cache, v_cache)
+            triton_kernels.rope_and_write_cache(
+                q, k, v, cos, sin, positions, meta.slot_mapping, k_cache, v_cache,
+                (weights["q_norm"], weights["k_norm"], context.eps, context.spec.norm) if head_norms else None)
         else:
             if cos is not None:
                 cos, sin = cos[positions], sin[positions]

@@ -109,16 +109,45 @@ def _quantized(x, inverse_scale, cache_ptr, ROUND_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _norm_heads_in_place(x_ptr, stride_x, token, heads, head_mask, weight_ptr, eps, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, NORM_KIND: tl.constexpr):
+    """RMSNorm of each of ``heads`` of one token over its dims, written back in place (``_add_rms_norm_kernel``'s
+    arithmetic for ``NORM_KIND``)."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]
+    pointers = x_ptr + token * stride_x + heads[:, None] * HEAD_DIM + dims[None, :]
+    x = tl.load(pointers, mask=mask, other=0.0)
+    x32 = x.to(tl.float32)
+    inverse = tl.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + eps)[:, None]
+    weight = tl.load(weight_ptr + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+    if NORM_KIND == 0:
+        out = (x32 * inverse).to(x.dtype).to(tl.float32) * weight
+    elif NORM_KIND == 1:
+        out = x32 * inverse * (1.0 + weight)
+    else:
+        out = x32 * inverse * weight
+    tl.store(pointers, out.to(x.dtype), mask=mask)
+
+
+@triton.jit
 def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
-                           k_scales_ptr, v_scales_ptr, stride_q, stride_k, stride_v, stride_cos, stride_block,
-                           stride_token, stride_scale_block,
+                           k_scales_ptr, v_scales_ptr, q_norm_ptr, k_norm_ptr, eps, stride_q, stride_k, stride_v,
+                           stride_cos, stride_block, stride_token, stride_scale_block,
                            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                            KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                            HALF: tl.constexpr, HALF_PAD: tl.constexpr, PASS_PAD: tl.constexpr, PAGE: tl.constexpr,
-                           QUANTIZED: tl.constexpr, ROUND_FIRST: tl.constexpr):
+                           QUANTIZED: tl.constexpr, ROUND_FIRST: tl.constexpr, QK_NORM: tl.constexpr,
+                           NORM_KIND: tl.constexpr):
     token = tl.program_id(0)
     kv_heads = tl.arange(0, KV_HEADS_PAD)
     kv_mask = kv_heads < NUM_KV_HEADS
+    if QK_NORM:  # each head of q and k normalised in place first (Qwen3, Gemma 3), then rotated as below
+        q_heads = tl.arange(0, HEADS_PAD)
+        _norm_heads_in_place(q_ptr, stride_q, token, q_heads, q_heads < NUM_HEADS, q_norm_ptr, eps, HEAD_DIM,
+                             HEAD_DIM_PAD, NORM_KIND)
+        _norm_heads_in_place(k_ptr, stride_k, token, kv_heads, kv_mask, k_norm_ptr, eps, HEAD_DIM, HEAD_DIM_PAD,
+                             NORM_KIND)
+        tl.debug_barrier()  # the stores above are read back by other threads of the program
     slot = tl.load(slots_ptr + token).to(tl.int64)
     block, offset = slot // PAGE, slot % PAGE
     cache_row = block * stride_block + offset * stride_token + kv_heads[:, None] * HEAD_DIM
@@ -181,13 +210,15 @@ def _rope_and_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, positions_ptr,
 
 
 def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, sin: Tensor | None, positions: Tensor,
-                         slot_mapping: Tensor, k_cache: Tensor | QuantizedCache,
-                         v_cache: Tensor | QuantizedCache) -> None:
-    """Rotate q and k in place and write k, v into the paged cache at ``slot_mapping``.
+                         slot_mapping: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
+                         qk_norm: tuple[Tensor, Tensor, float, str] | None = None) -> None:
+    """Rotate q and k in place and write k, v into the paged cache at ``slot_mapping``; with ``qk_norm`` (q's norm
+    weight, k's, eps and the ``NORM_KINDS`` kind) each head of q and k is first RMS-normalised in place.
 
     q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim), last two dims contiguous;
     cos, sin: (max_positions, rotary_dim), rotary_dim <= head_dim (the first rotary_dim dims rotate, the
-    rest pass), or None for a layer without rotary embedding (q and k stay, k and v are only written);
+    rest pass), or None for a layer without rotary embedding (q and k stay, or are only normalised, and k and v
+    are written);
     k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), or fp8 ``QuantizedCache``s (each head vector
     quantised with its own scale, kv_quant.py).
     """
@@ -199,15 +230,16 @@ def rope_and_write_cache(q: Tensor, k: Tensor, v: Tensor, cos: Tensor | None, si
     num_pass = head_dim - 2 * half
     quantized = isinstance(k_cache, QuantizedCache)
     k_values, v_values, k_scales, v_scales, stride_scale_block = kernel_cache_args(k_cache, v_cache, q)
+    q_norm, k_norm, eps, kind = qk_norm if qk_norm is not None else (q, q, 0.0, "llama")  # unread placeholders
     _rope_and_cache_kernel[(num_tokens,)](
-        q, k, v, cos, sin, positions, slot_mapping, k_values, v_values, k_scales, v_scales,
+        q, k, v, cos, sin, positions, slot_mapping, k_values, v_values, k_scales, v_scales, q_norm, k_norm, eps,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_values.stride(0), k_values.stride(1),
         stride_scale_block,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
         KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), HALF=half, HALF_PAD=triton.next_power_of_2(max(half, 1)),
         PASS_PAD=triton.next_power_of_2(num_pass) if num_pass else 0, PAGE=k_values.shape[1], QUANTIZED=quantized,
-        ROUND_FIRST=quantized and _INTERPRETED, num_warps=4)
+        ROUND_FIRST=quantized and _INTERPRETED, QK_NORM=qk_norm is not None, NORM_KIND=NORM_KINDS[kind], num_warps=4)
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}

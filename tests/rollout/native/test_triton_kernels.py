@@ -356,6 +356,45 @@ def test_rope_and_write_cache_rotates_the_rotary_dims_only(head_dim, rotary_dim)
     torch.testing.assert_close(v_cache.cpu().flatten(0, 1)[slots], v, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16_ON_GPU])
+@pytest.mark.parametrize(("kind", "head_dim", "rotary_dim"), [("llama", 32, 32), ("gemma", 24, 12), ("llama", 16, 0)])
+def test_rope_with_head_norms_is_the_norm_then_the_rope(kind, head_dim, rotary_dim, dtype):
+    """Qwen3's and Gemma 3's q and k norms inside the rotary kernel: q, k and v as views of each token's q|k|v row,
+    as a layer hands them over; the row's q and k become what the norm kernel and then the rotary kernel give, with
+    partial rotary and without rotary (each head still normalised), and the cache gets the same k and v."""
+    generator = torch.Generator().manual_seed(10)
+    num_tokens, num_heads, num_kv_heads = 5, 4, 2
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=generator).to(dtype)
+    q_weight, k_weight = ((torch.randn(head_dim, generator=generator) / 4 + (kind != "gemma")).to(dtype)
+                          for _ in range(2))
+    positions, slots = torch.tensor([3, 0, 9, 5, 1]), torch.tensor([2, 7, 4, 0, 11])
+    if rotary_dim:
+        angles = torch.arange(16).float()[:, None] * torch.rand(rotary_dim // 2, generator=generator)[None, :]
+        cos, sin = (f(torch.cat([angles, angles], -1)).to(DEVICE) for f in (torch.cos, torch.sin))
+    else:
+        cos = sin = None
+
+    def run(fused: bool):
+        row = qkv.clone().to(DEVICE)
+        q, k, v = row.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, num_heads, head_dim)
+        k, v = k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+        weights = q_weight.to(DEVICE), k_weight.to(DEVICE)
+        if not fused:
+            q, k = (triton_kernels.rms_norm(x, w, 1e-6, kind=kind) for x, w in zip((q, k), weights, strict=True))
+        caches = [torch.zeros(3, 4, num_kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+        triton_kernels.rope_and_write_cache(q, k, v, cos, sin, positions.to(DEVICE), slots.to(DEVICE), *caches,
+                                            (*weights, 1e-6, kind) if fused else None)
+        return q.cpu(), k.cpu(), *(cache.cpu() for cache in caches)
+
+    # the interpreter sums as numpy does either way; compiled, the two reductions may differ in their order
+    close = {"atol": 0, "rtol": 0} if DEVICE == "cpu" else \
+        {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 8e-3, "rtol": 1.6e-2}
+    for fused_part, separate_part in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(fused_part, separate_part, **close)
+
+
 @pytest.mark.parametrize(("window", "softcap"), [(5, None), (None, 0.5), (9, 0.5)])
 def test_paged_decode_attention_with_windows_and_softcaps_is_the_pytorch_paths(window, softcap):
     """Context lengths inside and past the window, a head dim that is no power of two; table entries before
