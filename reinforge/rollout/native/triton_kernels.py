@@ -31,15 +31,12 @@ gemma multiplies by (1 + w) in float32 and olmo by w in float32, each rounding o
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_x_inner, stride_r, stride_o,
-                         num_cols, eps, INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_KIND: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """Row r of x at (r // INNER) * stride_x + (r % INNER) * stride_x_inner (INNER: heads of a (tokens, heads, dim)
-    view, 1 for a matrix)."""
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, num_cols, eps,
+                         HAS_RESIDUAL: tl.constexpr, NORM_KIND: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
-    x = tl.load(x_ptr + (row // INNER) * stride_x + (row % INNER) * stride_x_inner + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
@@ -63,18 +60,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     kind: one of ``NORM_KINDS``.
     """
     shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    residual2 = residual.view(-1, shape[-1]) if residual is not None else x2
     num_cols = shape[-1]
-    if residual is None and x.dim() == 3 and x.stride(-1) == 1:  # (tokens, heads, dim) views of a q|k|v row: no copy
-        x2, inner, stride_inner = x, shape[1], x.stride(1)
-    else:
-        x2, inner, stride_inner = x.reshape(-1, num_cols), 1, 0
-    rows = x.numel() // num_cols
-    out = torch.empty(rows, num_cols, dtype=x.dtype, device=x.device)
-    residual2 = residual.view(-1, num_cols) if residual is not None else out
-    _add_rms_norm_kernel[(rows,)](
-        x2, residual2, weight, out, x2.stride(0), stride_inner, residual2.stride(0), out.stride(0), num_cols, eps,
-        INNER=inner, HAS_RESIDUAL=residual is not None, NORM_KIND=NORM_KINDS[kind],
-        BLOCK=triton.next_power_of_2(num_cols), num_warps=4)
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, residual2, weight, out, x2.stride(0), residual2.stride(0), out.stride(0), num_cols, eps,
+        HAS_RESIDUAL=residual is not None, NORM_KIND=NORM_KINDS[kind], BLOCK=triton.next_power_of_2(num_cols),
+        num_warps=4)
     return out.view(shape)
 
 
