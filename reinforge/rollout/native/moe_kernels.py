@@ -15,7 +15,8 @@ bounds read on the device, so a CUDA graph captures them:
   columns), the rows gathered, activated, weighted and put back by torch.
 
 ``softmax_topk`` is the router after its logits product: softmax in float32, the top k, their renormalisation,
-the routed scaling factor and the cast, one launch where torch's path has six.
+the routed scaling factor and the cast, one launch where torch's path has seven (a cast, the softmax, the top-k and
+its sort, the sum, the division and the cast back).
 
 Everything also runs in Triton's interpreter (the CPU tests), which loops only to Python ints and mishandles bf16
 products and casts; the kernels take constants that work around both there.
@@ -441,9 +442,9 @@ def _softmax_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_exper
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """Programs of BLOCK_T tokens: each token's softmax over its experts' logits in float32 (max, exp, sum, then
     each exp over the sum, as torch's softmax; its exp and sum round within a few float32 ulps of torch's, which
-    moves no choice between distinct logits and none between tied ones), its TOP_K best by value (ties to the lower expert, as torch's top-k
-    keeps the lower indices of a tied k-th value), divided by their sum (NORMALIZE), times ``scaling`` (SCALE),
-    stored in the weights' dtype."""
+    moves no choice between distinct logits and none between tied ones), its TOP_K best by value (ties to the
+    lower expert, as torch's top-k keeps the lower indices of a tied k-th value), divided by their sum
+    (NORMALIZE), times ``scaling`` (SCALE), stored in the weights' dtype."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_mask = rows < num_tokens

@@ -31,6 +31,18 @@ gemma multiplies by (1 + w) in float32 and olmo by w in float32, each rounding o
 
 
 @triton.jit
+def _normalized(x, inverse, weight, NORM_KIND: tl.constexpr):
+    """x (any shape, the model dtype) times its rows' 1 / RMS ``inverse`` and the float32 ``weight``, as
+    ``NORM_KINDS`` says for ``NORM_KIND``; float32."""
+    x32 = x.to(tl.float32)
+    if NORM_KIND == 0:
+        return (x32 * inverse).to(x.dtype).to(tl.float32) * weight
+    if NORM_KIND == 1:
+        return x32 * inverse * (1.0 + weight)
+    return x32 * inverse * weight
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, stride_r, stride_o, num_cols, eps,
                          HAS_RESIDUAL: tl.constexpr, NORM_KIND: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -44,12 +56,7 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_x, str
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / num_cols
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if NORM_KIND == 0:
-        out = (x32 * tl.rsqrt(variance + eps)).to(x.dtype).to(tl.float32) * weight
-    elif NORM_KIND == 1:
-        out = x32 * tl.rsqrt(variance + eps) * (1.0 + weight)
-    else:
-        out = x32 * tl.rsqrt(variance + eps) * weight
+    out = _normalized(x, tl.rsqrt(variance + eps), weight, NORM_KIND)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -104,8 +111,7 @@ def _quantized(x, inverse_scale, cache_ptr, ROUND_FIRST: tl.constexpr):
 @triton.jit
 def _norm_heads_in_place(x_ptr, stride_x, token, heads, head_mask, weight_ptr, eps, HEAD_DIM: tl.constexpr,
                          HEAD_DIM_PAD: tl.constexpr, NORM_KIND: tl.constexpr):
-    """RMSNorm of each of ``heads`` of one token over its dims, written back in place (``_add_rms_norm_kernel``'s
-    arithmetic for ``NORM_KIND``)."""
+    """RMSNorm of each of ``heads`` of one token over its dims, written back in place (``_normalized``)."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = head_mask[:, None] & (dims < HEAD_DIM)[None, :]
     pointers = x_ptr + token * stride_x + heads[:, None] * HEAD_DIM + dims[None, :]
@@ -113,13 +119,7 @@ def _norm_heads_in_place(x_ptr, stride_x, token, heads, head_mask, weight_ptr, e
     x32 = x.to(tl.float32)
     inverse = tl.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + eps)[:, None]
     weight = tl.load(weight_ptr + dims, mask=dims < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
-    if NORM_KIND == 0:
-        out = (x32 * inverse).to(x.dtype).to(tl.float32) * weight
-    elif NORM_KIND == 1:
-        out = x32 * inverse * (1.0 + weight)
-    else:
-        out = x32 * inverse * weight
-    tl.store(pointers, out.to(x.dtype), mask=mask)
+    tl.store(pointers, _normalized(x, inverse, weight, NORM_KIND).to(x.dtype), mask=mask)
 
 
 @triton.jit
