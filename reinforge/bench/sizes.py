@@ -134,7 +134,8 @@ class CaseRunner:
         script = script.with_name(shape.trl_script)  # its workload's twin (a vision-language shape's has images)
         if shape.lora_rank:  # the shape trains an adapter: TRL trains the same one (peft)
             passed += ["--lora-rank", str(shape.lora_rank), "--lora-targets", ",".join(shape.lora_targets)]
-        command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed]
+        command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed,
+                   "--checkpointing", getattr(self.args, "trl_checkpointing", "auto")]
         left = self.seconds_left()
         if left is not None:  # it stops between steps before this one ends it, and writes the steps it made
             command += ["--deadline-s", f"{max(left - 2 * MARGIN_S, 1.0):.0f}"]

@@ -458,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trl", action="store_true",
                         help="also run TRL's GRPOTrainer on each size's workload (benchmarks/trl_grpo.py of a source "
                              "checkout), in a process of its own, and compare")
+    parser.add_argument("--trl-checkpointing", choices=["auto", "both", "on", "off"], default="auto",
+                        help="TRL's gradient checkpointing with --trl (auto: off, then on if off runs out of memory; "
+                             "on skips the try without it where that is known not to fit)")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="write each case's JSON into DIR (with several sizes or --trl: bench_out by default; "
                              "`reinforge bench table DIR` prints their table again)")
@@ -498,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RUN_OPTIONS = ("model", "trl", "out", "deadline_s", "model_dir", "json", "profile", "help")
+RUN_OPTIONS = ("model", "trl", "trl_checkpointing", "out", "deadline_s", "model_dir", "json", "profile", "help")
 """Options of the invocation rather than of one case: they are not passed on to each size's process."""
 
 
@@ -535,6 +538,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.trl and (args.lora or args.variant != "grpo" or args.cpu):
         parser.error("--trl compares the grpo variant on a GPU (TRL's GRPOTrainer, full fine-tuning); "
                      "drop --trl, or --lora / --variant / --cpu")
+    if args.trl_checkpointing != "auto" and not args.trl:
+        parser.error(f"--trl-checkpointing {args.trl_checkpointing} sets TRL's checkpointing; it needs --trl")
     if args.cpu:
         args.prompts, args.n, args.prompt_tokens, args.response_tokens = 2, 2, 8, 8
         args.rollout, args.steps = "hf", min(args.steps, 2)

@@ -32,6 +32,7 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # CPU-only installs: the padded path serves soft-capped layers there
     triton = None
 
@@ -270,22 +271,54 @@ def _is_interpreted() -> bool:
     return isinstance(_forward_kernel, InterpretedFunction)
 
 
-FORWARD_BLOCKS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 32, 4, 3), 512: (32, 32, 4, 2)}
-"""Row bytes of q (head dim padded to a power of two, times 2 for bf16/fp16, 4 for float32) over 2, at most ->
-BLOCK_M, BLOCK_N, warps, stages of the forward: a (64, 32) tile at bf16 head dim 256 keeps q and three stages of
-k and v in shared memory on sm_80/sm_90 (float32 at 256 takes the 512 row)."""
-BACKWARD_BLOCKS = {64: (32, 64, 4, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1), 512: (16, 32, 8, 1)}
-"""The same for both backward kernels: dk and dv (BLOCK_N x head dim each, float32) stay in registers."""
+Tiling = tuple[int, int, int, int]
+"""BLOCK_M, BLOCK_N, warps, stages."""
+
+FORWARD_BLOCKS: dict[int, tuple[Tiling, ...]] = {
+    64: ((64, 64, 4, 3),), 128: ((64, 64, 4, 3),), 256: ((64, 32, 4, 2),), 512: ((32, 32, 4, 2),)}
+"""Row bytes of q (head dim padded to a power of two, times 2 for bf16/fp16, 4 for float32) over 2, at most -> the
+forward's tilings, fastest first; where a device lacks the shared memory for one, the next is taken (``_launch``).
+A (64, 32) tile at bf16 head dim 256 keeps q and two stages of k and v in 48 KiB (float32 at 256 takes the 512 row).
+The 256 row is the fastest of 60 tilings at Gemma 2's training shape on an H200
+(``benchmarks/softcap_attention_tilings.py``)."""
+BACKWARD_KV_BLOCKS: dict[int, tuple[Tiling, ...]] = {
+    64: ((32, 64, 4, 2),), 128: ((32, 64, 8, 2),), 256: ((64, 32, 4, 2), (32, 32, 8, 1)), 512: ((16, 32, 8, 1),)}
+"""The same for the backward's dk and dv kernel: dk and dv (BLOCK_N x head dim each, float32) stay in registers.
+The 256 row: the fastest of 40 tilings, as above (161 KiB of shared memory, an H100's or an A100's), then one in
+66 KiB for devices with less (sm_86, sm_89: 99 KiB)."""
+BACKWARD_Q_BLOCKS: dict[int, tuple[Tiling, ...]] = {
+    64: ((32, 64, 4, 2),), 128: ((32, 64, 8, 2),), 256: ((64, 32, 4, 1), (32, 32, 8, 1)), 512: ((16, 32, 8, 1),)}
+"""The same for the backward's dq kernel: dq (BLOCK_M x head dim, float32) stays in registers. The 256 row: the
+fastest of 40 tilings, as above (96 KiB), then one in 64 KiB."""
+
+_FITTING: dict[tuple, int] = {}
+"""(kernel, device index, tilings) -> the first of the tilings that launched on that device."""
 
 
-def _blocks(table: dict[int, tuple[int, int, int, int]], head_dim_pad: int,
-            dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _blocks(table: dict[int, tuple[Tiling, ...]], head_dim_pad: int, dtype: torch.dtype) -> tuple[Tiling, ...]:
     width = head_dim_pad * dtype.itemsize // 2
-    for limit, blocks in sorted(table.items()):
+    for limit, tilings in sorted(table.items()):
         if width <= limit:
-            return blocks
+            return tilings
     raise ValueError(f"soft-capped attention: head dim {head_dim_pad} in {dtype} is over the kernels' largest "
                      f"tiles; those layers need the padded path")
+
+
+def _launch(kernel, tilings: tuple[Tiling, ...], grid, device: torch.device, *args, **constants) -> None:
+    """``kernel`` on the first of ``tilings`` whose shared memory the device has (``grid(BLOCK_M, BLOCK_N)`` its
+    grid); the one that launched is remembered per device. The last tiling's failure is raised."""
+    key = (kernel, device.index, tilings)
+    for index in range(_FITTING.get(key, 0), len(tilings)):
+        block_m, block_n, warps, stages = tilings[index]
+        try:
+            kernel[grid(block_m, block_n)](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                           num_stages=stages, **constants)
+        except OutOfResources:  # raised as the kernel loads, before it runs: nothing was written
+            if index + 1 == len(tilings):
+                raise
+            continue
+        _FITTING[key] = index
+        return
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor) -> None:
@@ -305,7 +338,8 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, max_length: int,
-             max_key_length: int, scale: float, softcap: float, window: int) -> tuple[Tensor, Tensor]:
+             max_key_length: int, scale: float, softcap: float, window: int,
+             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
     _check(q, k, v, cu_seqlens, cu_seqlens_k)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads, head_dim = q.shape
@@ -315,20 +349,22 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: 
     if total_q == 0 or num_segments == 0:
         return out, lse
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, warps, stages = _blocks(FORWARD_BLOCKS, head_dim_pad, q.dtype)
-    grid = (triton.cdiv(max_length, block_m), num_segments, heads)
-    _forward_kernel[grid](
-        q, k, v, out, lse, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window, total_q,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SOFTCAP=bool(softcap), HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
-        STATIC_KEYS=max_key_length if _is_interpreted() else 0, num_warps=warps, num_stages=stages)
+    tilings = (blocks,) if blocks else _blocks(FORWARD_BLOCKS, head_dim_pad, q.dtype)
+    _launch(_forward_kernel, tilings, lambda block_m, _: (triton.cdiv(max_length, block_m), num_segments, heads),
+            q.device, q, k, v, out, lse, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window, total_q,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            GROUP=heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HAS_SOFTCAP=bool(softcap),
+            HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
+            STATIC_KEYS=max_key_length if _is_interpreted() else 0)
     return out, lse
 
 
 def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
               cu_seqlens_k: Tensor, max_length: int, max_key_length: int, scale: float, softcap: float,
-              window: int) -> tuple[Tensor, Tensor, Tensor]:
+              window: int, kv_blocks: tuple[int, int, int, int] | None = None,
+              q_blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv; ``kv_blocks`` and ``q_blocks`` (BLOCK_M, BLOCK_N, warps, stages) replace each kernel's tiling
+    from the tables (``benchmarks/softcap_attention_tilings.py`` times them)."""
     q, k, v, grad_out = (_last_dim_contiguous(x) for x in (q, k, v, grad_out.to(q.dtype)))
     total_q, heads, head_dim = q.shape
     # zeros: tokens outside every segment (none in a packed row) get no gradient
@@ -339,20 +375,22 @@ def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     # delta_i = sum_d dO_i O_i: the softmax's backward term of each row, (heads, tokens) like lse
     delta = (grad_out.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, warps, stages = _blocks(BACKWARD_BLOCKS, head_dim_pad, q.dtype)
-    common = dict(GROUP=heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m,
-                  BLOCK_N=block_n, HAS_SOFTCAP=bool(softcap), HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32,
-                  num_warps=warps, num_stages=stages)
+    kv_tilings = (kv_blocks,) if kv_blocks else _blocks(BACKWARD_KV_BLOCKS, head_dim_pad, q.dtype)
+    q_tilings = (q_blocks,) if q_blocks else _blocks(BACKWARD_Q_BLOCKS, head_dim_pad, q.dtype)
+    common = dict(GROUP=heads // k.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HAS_SOFTCAP=bool(softcap),
+                  HAS_WINDOW=window > 0, IEEE=q.dtype == torch.float32)
     interpreted = _is_interpreted()
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), grad_out.stride(0),
                grad_out.stride(1))
-    _backward_kv_kernel[(triton.cdiv(max_key_length, block_n), num_segments, k.shape[1])](
-        q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window,
-        total_q, *strides, grad_k.stride(0), grad_k.stride(1), STATIC_QUERIES=max_length if interpreted else 0,
-        **common)
-    _backward_q_kernel[(triton.cdiv(max_length, block_m), num_segments, heads)](
-        q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window, total_q,
-        *strides, grad_q.stride(0), grad_q.stride(1), STATIC_KEYS=max_key_length if interpreted else 0, **common)
+    _launch(_backward_kv_kernel, kv_tilings,
+            lambda _, block_n: (triton.cdiv(max_key_length, block_n), num_segments, k.shape[1]), q.device,
+            q, k, v, grad_out, lse, delta, grad_k, grad_v, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window,
+            total_q, *strides, grad_k.stride(0), grad_k.stride(1), STATIC_QUERIES=max_length if interpreted else 0,
+            **common)
+    _launch(_backward_q_kernel, q_tilings, lambda block_m, _: (triton.cdiv(max_length, block_m), num_segments, heads),
+            q.device, q, k, v, grad_out, lse, delta, grad_q, cu_seqlens, cu_seqlens_k, scale, softcap or 1.0, window,
+            total_q, *strides, grad_q.stride(0), grad_q.stride(1), STATIC_KEYS=max_key_length if interpreted else 0,
+            **common)
     return grad_q, grad_k, grad_v
 
 

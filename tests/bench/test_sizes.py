@@ -160,3 +160,23 @@ def test_trls_case_gets_the_time_left_as_its_own_deadline(tmp_path, monkeypatch)
     case.args.deadline_s = None
     case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
     assert "--deadline-s" not in commands[-1]
+
+
+def test_trls_checkpointing_setting_reaches_its_script(tmp_path, monkeypatch):
+    """``--trl-checkpointing on`` skips TRL's try without checkpointing (a shape known not to fit without it)."""
+    args = parse_args(["--model", "1.5b", "--trl", "--trl-checkpointing", "on", "--steps", "2"])
+    assert args.case_options == ["--steps", "2"]  # TRL's setting, not the reinforge case's
+    case = sizes.CaseRunner(args, [], tmp_path, {})
+    commands = []
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path: commands.append(command))
+    case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    assert commands[-1][commands[-1].index("--checkpointing") + 1] == "on"
+    args.trl_checkpointing = "auto"
+    case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    assert commands[-1][commands[-1].index("--checkpointing") + 1] == "auto"
+
+
+def test_trl_checkpointing_without_trl_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "1.5b", "--trl-checkpointing", "on"])
+    assert "it needs --trl" in capsys.readouterr().err

@@ -150,3 +150,32 @@ def test_packed_attention_routes_soft_capped_layers_to_the_kernels(shared, windo
     for name, value, reference in zip(("out", "dq", "dk", "dv"), got, expected, strict=True):
         error = (value.float().cpu() - reference).norm() / reference.norm()
         assert error < 1e-2, f"{name}: relative error {float(error):.2e}"
+
+
+def test_a_tiling_the_device_lacks_shared_memory_for_gives_way_to_the_next(monkeypatch):
+    """The fastest backward tiling at head dim 256 needs 161 KiB of shared memory; a device with less (sm_86,
+    sm_89) takes the next tiling, remembered per device, and the last tiling's failure is raised."""
+    from triton.runtime.errors import OutOfResources
+
+    from reinforge.packed_attention import softcap_kernels
+
+    launched = []
+
+    class Kernel:  # stands in for a Triton kernel: the 64-row tiling does not fit this "device"
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+                if BLOCK_M == 64:
+                    raise OutOfResources(164352, 101376, "shared memory")
+                launched.append((grid, BLOCK_M, BLOCK_N, num_warps, num_stages, args, constants))
+            return launch
+
+    kernel, tilings = Kernel(), ((64, 32, 4, 2), (32, 32, 8, 1))
+    monkeypatch.setattr(softcap_kernels, "_FITTING", {})
+    device = torch.device("cpu")
+    softcap_kernels._launch(kernel, tilings, lambda m, n: (640 // m, n), device, "x", GROUP=2)
+    assert launched == [((20, 32), 32, 32, 8, 1, ("x",), {"GROUP": 2})]
+    assert softcap_kernels._FITTING == {(kernel, None, tilings): 1}
+    softcap_kernels._launch(kernel, tilings, lambda m, n: (640 // m, n), device, "y", GROUP=2)
+    assert len(launched) == 2  # straight to the tiling that fits
+    with pytest.raises(OutOfResources):
+        softcap_kernels._launch(kernel, tilings[:1], lambda m, n: (1, 1), device)
