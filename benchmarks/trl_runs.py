@@ -3,11 +3,13 @@
 ``trl_grpo.py`` and ``trl_dpo.py`` import it as a sibling module (Python puts a script's own folder first on
 ``sys.path``). A run's step time is the median time between optimizer steps 2.. ; ``--checkpointing auto`` tries
 without gradient checkpointing and, when that runs out of memory, with it, as TRL's users would; ``both`` runs
-each and the faster one counts. ``--deadline-s`` bounds the whole script: a run still training stops between steps once the
-deadline has passed or a step as long as the last one would end past it, and reports the steps it made
-(``stopped_at_deadline``); no further try starts. Each phase
-(model loaded, trainer built, steps) is printed with its time as it ends, so the output of a script killed from
-outside still says where it was.
+each and the faster one counts. ``--deadline-s`` bounds the script's steps: a run still training stops between
+steps once the deadline has passed or a step as long as the last one would end past it, and reports the steps it
+made (``stopped_at_deadline``); no further try starts. The first step is no such measure (it counts the data and
+the warm-up from training's start, and took 2 to 3.5 times the next on the shapes measured), so a second step
+always starts. The results are written (``--json``, replaced whole) as each step ends, so a script ended from
+outside keeps the steps it made. Each phase (model loaded, trainer built, steps) is printed with its time as it
+ends, so the output of a script killed from outside still says where it was.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None)
 
 
+def write_results(path: Path | None, results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Write the runs and the fastest finished one (``best``) to ``path`` whole (a new file renamed over the old:
+    a reader never sees half of it); returns ``best``."""
+    finished = [result for result in results if "step_s" in result]
+    best = min(finished, key=lambda result: result["step_s"]) if finished else None
+    if path is not None:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"runs": results, "best": best}, indent=1))
+        partial.replace(path)
+    return best
+
+
 def add_grpo_workload_options(parser: argparse.ArgumentParser, prompt_tokens_help: str | None = None) -> None:
     """The GRPO workload both GRPO scripts take: model folder, steps, batch shape and lengths, memory cap."""
     parser.add_argument("--model-dir", type=Path, required=True)
@@ -57,6 +71,10 @@ class Clock:
         self.deadline_s, self.cpu = deadline_s, cpu
         self.stopped_early = False
         """A run stopped before a step that would have ended past the deadline."""
+        self.marks: dict[str, float] = {}
+        """Each phase's end (``perf_counter``), by name."""
+        self.on_step: Callable[[list[float]], None] | None = None
+        """Called with the steps' end times as each step ends (``run_modes`` writes the results so far)."""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -72,6 +90,7 @@ class Clock:
         """Print that ``name`` ended; returns the time it ended."""
         now = time.perf_counter()
         print(f"trl: {name} at {now - self.start:.1f} s", flush=True)
+        self.marks[name] = now
         return now
 
     def synchronize(self) -> None:
@@ -81,21 +100,20 @@ class Clock:
 
 def step_clock(clock: Clock) -> tuple[Any, list[float]]:
     """A transformers ``TrainerCallback`` that records the time of each optimizer step's end (after the device is
-    done) and stops training at the deadline, or before a step as long as the last one would end past it (so the
-    script still writes its results in time), and the list it records into."""
+    done), hands the times to ``clock.on_step``, and stops training at the deadline, or before a step as long as
+    the last one would end past it (so the script still writes its results in time; not after the first, which
+    counts the warm-up), and the list it records into."""
     from transformers import TrainerCallback
 
     times: list[float] = []
-    began: list[float] = []
 
     class StepTimes(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            began.append(time.perf_counter())
-
         def on_step_end(self, args, state, control, **kwargs):
             clock.synchronize()
             times.append(clock.phase(f"step {len(times) + 1}"))
-            last = times[-1] - (times[-2] if len(times) > 1 else began[-1] if began else times[-1])
+            if clock.on_step is not None:
+                clock.on_step(times)
+            last = times[-1] - times[-2] if len(times) > 1 else 0.0
             if clock.passed() or clock.would_pass(last):
                 control.should_training_stop = True
                 clock.stopped_early = not clock.passed()
@@ -137,7 +155,15 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
     """Run ``run(checkpointing)`` for each mode of ``args.checkpointing``; print and write the results (the best
     in ``best``); returns the script's exit status."""
     results: list[dict[str, Any]] = []
+
+    def steps_so_far(checkpointing: bool) -> Callable[[list[float]], None]:
+        def write(times: list[float]) -> None:
+            start = clock.marks.get("trainer built", clock.start)
+            write_results(args.json, [*results, step_record(clock, checkpointing, start, times, [])])
+        return write
+
     for checkpointing in MODES[args.checkpointing]:
+        clock.on_step = steps_so_far(checkpointing)
         if args.checkpointing == "auto" and any("step_s" in result for result in results):
             break  # it fit without checkpointing
         if results and clock.passed():
@@ -151,10 +177,8 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
         if not clock.cpu:
             torch.cuda.empty_cache()
         print(json.dumps(results[-1]), flush=True)
-    finished = [result for result in results if "step_s" in result]
-    best = min(finished, key=lambda result: result["step_s"]) if finished else None
-    if args.json:
-        args.json.write_text(json.dumps({"runs": results, "best": best}, indent=1))
+    clock.on_step = None
+    best = write_results(args.json, results)
     if best is None:
         print("trl: every run failed")
         return 1

@@ -87,6 +87,22 @@ def test_a_process_past_the_deadline_is_ended_with_its_children_and_reported(tmp
     assert status == "timeout" and exit_code is not None and tail == ["started"]
 
 
+def test_trls_steps_written_before_the_deadline_ended_it_stand(tmp_path, monkeypatch):
+    """TRL's script writes its results as each step ends; ended during its second step, its first is reported."""
+    monkeypatch.setattr(sizes, "MIN_CASE_S", 0.0)
+    monkeypatch.setattr(sizes, "MARGIN_S", 0.0)
+    path = tmp_path / "trl_7b.json"
+    best = {"checkpointing": False, "step_times_s": [200.0], "step_s": 200.0, "first_step_only": True,
+            "peak_memory_gb": 90.0}
+    code = (f"import json, pathlib, time; pathlib.Path({str(path)!r}).write_text(json.dumps("
+            f"{{'runs': [{best!r}], 'best': {best!r}}})); print('step 1', flush=True); time.sleep(60)")
+    case = runner(tmp_path, 3.0)
+    case.run_case("trl", "7b", [sys.executable, "-c", code], path)
+    [result] = case.results
+    assert result["case"]["status"] == "ok" and result["best"]["ended_at_deadline"]
+    assert sizes.summary(result) == "TRL step 200.00 s (first step only, from training's start), peak 90.0 GiB"
+
+
 def test_a_case_that_cannot_start_in_time_is_skipped_and_an_oom_is_named(tmp_path, monkeypatch):
     assert runner(tmp_path, 10.0).run_process("case", [sys.executable, "-c", "print(1)"])[0] == "skipped"
     code = "import sys; print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB'); sys.exit(1)"
