@@ -34,6 +34,7 @@ from trl_runs import (
     run_modes,
     step_clock,
     step_record,
+    time_generation,
 )
 
 
@@ -77,6 +78,7 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
                                  target_modules=workload.lora_targets.split(","), task_type="CAUSAL_LM")
         config.learning_rate = 1e-5  # reinforge's LoRA learning rate
     callback, times = step_clock(clock)
+    time_generation(clock)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[callback],
                           **({"peft_config": peft_config} if peft_config is not None else {}))

@@ -36,6 +36,7 @@ from trl_runs import (
     run_modes,
     step_clock,
     step_record,
+    time_generation,
 )
 
 
@@ -84,6 +85,7 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
         model.model.visual.requires_grad_(False)
     clock.phase("model loaded")
     callback, times = step_clock(clock)
+    time_generation(clock)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=processor, callbacks=[callback])
     start = clock.phase("trainer built")

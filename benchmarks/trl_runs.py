@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import statistics
@@ -75,6 +76,8 @@ class Clock:
         """Each phase's end (``perf_counter``), by name."""
         self.on_step: Callable[[list[float]], None] | None = None
         """Called with the steps' end times as each step ends (``run_modes`` writes the results so far)."""
+        self.generate_s: list[float] = []
+        """Seconds of each call of transformers' ``generate`` in the running try (``time_generation``)."""
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -96,6 +99,31 @@ class Clock:
     def synchronize(self) -> None:
         if not self.cpu:
             torch.cuda.synchronize()
+
+
+def time_generation(clock: Clock) -> None:
+    """Time every call of transformers' ``generate`` (synchronized on both ends) into ``clock.generate_s``, emptied
+    here for a new try. TRL generates a step's completions in one call, so a run that made one step still says how
+    long its generation took: a step cannot be shorter than it."""
+    from transformers.generation.utils import GenerationMixin
+
+    clock.generate_s.clear()
+    if getattr(GenerationMixin.generate, "timed_by_the_bench", False):
+        return
+    original = GenerationMixin.generate
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        clock.synchronize()
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            clock.synchronize()
+            clock.generate_s.append(time.perf_counter() - start)
+
+    generate.timed_by_the_bench = True
+    GenerationMixin.generate = generate
 
 
 def step_clock(clock: Clock) -> tuple[Any, list[float]]:
@@ -140,6 +168,8 @@ def step_record(clock: Clock, checkpointing: bool, start: float, times: list[flo
     record: dict[str, Any] = {"checkpointing": checkpointing, "step_times_s": step_times,
                               "peak_memory_gb": 0.0 if clock.cpu else torch.cuda.max_memory_allocated() / 2**30,
                               "ignored_settings": ignored, **extra}
+    if clock.generate_s:
+        record["generate_s"] = list(clock.generate_s)
     if step_times:
         record["step_s"] = statistics.median(step_times[1:] or step_times)
         if len(step_times) == 1:  # from train begin: its data, warm-up and one step, not a steady step
@@ -156,14 +186,18 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
     in ``best``); returns the script's exit status."""
     results: list[dict[str, Any]] = []
 
+    made: list[float] = []  # the running try's step times (kept in its record if it then runs out of memory)
+
     def steps_so_far(checkpointing: bool) -> Callable[[list[float]], None]:
         def write(times: list[float]) -> None:
             start = clock.marks.get("trainer built", clock.start)
-            write_results(args.json, [*results, step_record(clock, checkpointing, start, times, [])])
+            record = step_record(clock, checkpointing, start, times, [])
+            made[:] = record["step_times_s"]
+            write_results(args.json, [*results, record])
         return write
 
     for checkpointing in MODES[args.checkpointing]:
-        clock.on_step = steps_so_far(checkpointing)
+        clock.on_step, made[:] = steps_so_far(checkpointing), []
         if args.checkpointing == "auto" and any("step_s" in result for result in results):
             break  # it fit without checkpointing
         if results and clock.passed():
@@ -172,7 +206,8 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
         try:
             results.append(run(checkpointing))
         except torch.OutOfMemoryError as error:
-            results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}"})
+            results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}",
+                            **({"step_times_s_before_the_error": list(made)} if made else {})})
         gc.collect()  # the failed trainer's cycles, before its memory goes back
         if not clock.cpu:
             torch.cuda.empty_cache()

@@ -138,6 +138,7 @@ def render_table(results: list[dict]) -> str:
         lambda r: _number(r.get("plan", {}).get("estimated_gb", {}).get("update"), "{:.1f}"))
     if any("trl" in columns[key] for key in keys):
         add("TRL step s", "trl", _trl_step)
+        add("TRL generate s, each call", "trl", _trl_generate)
         add("TRL peak GiB", "trl", lambda r: _number((r.get("best") or {}).get("peak_memory_gb"), "{:.1f}"))
         add("TRL gradient checkpointing", "trl", lambda r: "yes" if r["best"]["checkpointing"] else "no")
         rows.append(("TRL step / reinforge step", [_ratio(columns[key]) for key in keys]))
@@ -253,6 +254,13 @@ def _cell(result: dict | None, cell) -> str:
 FIRST_STEP_ONLY = " (first step only)"
 """Beside a TRL time from a run that made one step: it counts from training's start (data, warm-up), not a steady
 step, so it and its ratio are not the medians the other cells are."""
+
+
+def _trl_generate(result: dict) -> str:
+    """The seconds of each ``generate`` call of TRL's run (one a step): a step is at least its generation, so a
+    run of one step still bounds its steady step from below."""
+    calls = (result.get("best") or {}).get("generate_s") or []
+    return ", ".join(f"{seconds:.2f}" for seconds in calls) or "–"
 
 
 def _trl_step(result: dict) -> str:

@@ -83,11 +83,13 @@ def test_a_trl_run_of_one_step_is_marked_in_its_cells_and_ratio(tmp_path, capsys
     write(folder, "reinforge_0.5b.json", reinforge_case("0.5b", 4.0))
     one_step = trl_case("0.5b", 40.0)
     one_step["best"]["first_step_only"] = True
+    one_step["best"]["generate_s"] = [31.5]
     write(folder, "trl_0.5b.json", one_step)
     assert main(["bench", "table", str(folder)]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert rows["TRL step s"] == ["40.00 (first step only)"]
+    assert rows["TRL generate s, each call"] == ["31.50"]  # its steady step is at least this
     assert rows["TRL step / reinforge step"] == ["10.0 (first step only)"]
     assert out.splitlines()[-1].endswith("| 40.00 (first step only) | 10.0 (first step only) |")
 

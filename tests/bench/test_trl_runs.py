@@ -78,3 +78,53 @@ def test_a_run_of_one_step_says_its_time_is_the_first_step_only():
     record = trl_runs.step_record(clock, False, 10.0, [60.0], [])
     assert record["step_s"] == 50.0 and record["first_step_only"]
     assert "first_step_only" not in trl_runs.step_record(clock, False, 10.0, [60.0, 80.0], [])
+
+
+def test_a_try_that_runs_out_of_memory_after_a_step_keeps_its_step_times(monkeypatch, tmp_path):
+    import argparse
+    import json
+
+    import torch
+
+    now = [0.0]
+    monkeypatch.setattr(trl_runs.time, "perf_counter", lambda: now[0])
+    clock = trl_runs.Clock(deadline_s=None, cpu=True)
+
+    def run(checkpointing: bool) -> dict:
+        callback, times = trl_runs.step_clock(clock)
+        start = clock.phase("trainer built")
+        now[0] += 50.0
+        callback.on_step_end(None, None, SimpleNamespace(should_training_stop=False))
+        if not checkpointing:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        now[0] += 20.0
+        callback.on_step_end(None, None, SimpleNamespace(should_training_stop=False))
+        return trl_runs.step_record(clock, checkpointing, start, times, [])
+
+    path = tmp_path / "trl.json"
+    assert trl_runs.run_modes(argparse.Namespace(checkpointing="auto", json=path), clock, run) == 0
+    runs = json.loads(path.read_text())["runs"]
+    assert runs[0]["error"].startswith("out of memory") and runs[0]["step_times_s_before_the_error"] == [50.0]
+    assert runs[1]["step_times_s"] == [50.0, 20.0] and "step_times_s_before_the_error" not in runs[1]
+
+
+def test_each_generate_call_is_timed_into_the_record(monkeypatch):
+    """TRL generates a step's completions in one ``generate`` call; its time is in the record, so a run of one
+    step still bounds its steps from below."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.generation.utils import GenerationMixin
+
+    monkeypatch.setattr(GenerationMixin, "generate", GenerationMixin.generate)  # put back after the test
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    clock = trl_runs.Clock(deadline_s=None, cpu=True)
+    clock.generate_s.append(9.0)  # a failed try's calls: emptied for the next
+    trl_runs.time_generation(clock)
+    trl_runs.time_generation(clock)  # a second try: wrapped once
+    for _ in range(2):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert len(clock.generate_s) == 2 and all(0 < seconds < 9.0 for seconds in clock.generate_s)
+    record = trl_runs.step_record(clock, False, 0.0, [1.0], [])
+    assert record["generate_s"] == clock.generate_s
