@@ -7,9 +7,10 @@ each and the faster one counts. ``--deadline-s`` bounds the script's steps: a ru
 steps once the deadline has passed or a step as long as the last one would end past it, and reports the steps it
 made (``stopped_at_deadline``); no further try starts. The first step is no such measure (it counts the data and
 the warm-up from training's start, and took 2 to 3.5 times the next on the shapes measured), so a second step
-always starts. The results are written (``--json``, replaced whole) as each step ends, so a script ended from
-outside keeps the steps it made. Each phase (model loaded, trainer built, steps) is printed with its time as it
-ends, so the output of a script killed from outside still says where it was.
+always starts. The results are written (``--json``, replaced whole) as each step and each ``generate`` call ends,
+so a script ended from outside keeps the steps it made and the generation of the step it was in. Each phase
+(model loaded, trainer built, steps) is printed with its time as it ends, so the output of a script killed from
+outside still says where it was.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ class Clock:
         """A run stopped before a step that would have ended past the deadline."""
         self.marks: dict[str, float] = {}
         """Each phase's end (``perf_counter``), by name."""
-        self.on_step: Callable[[list[float]], None] | None = None
-        """Called with the steps' end times as each step ends (``run_modes`` writes the results so far)."""
+        self.step_ends: list[float] = []
+        """The running try's optimizer steps' ends (``step_clock``)."""
+        self.on_progress: Callable[[], None] | None = None
+        """Called as each step and each ``generate`` call ends (``run_modes`` writes the results so far)."""
         self.generate_s: list[float] = []
         """Seconds of each call of transformers' ``generate`` in the running try (``time_generation``)."""
 
@@ -121,6 +124,8 @@ def time_generation(clock: Clock) -> None:
         finally:
             clock.synchronize()
             clock.generate_s.append(time.perf_counter() - start)
+            if clock.on_progress is not None:  # a run ended during its next update keeps this call's time
+                clock.on_progress()
 
     generate.timed_by_the_bench = True
     GenerationMixin.generate = generate
@@ -128,19 +133,20 @@ def time_generation(clock: Clock) -> None:
 
 def step_clock(clock: Clock) -> tuple[Any, list[float]]:
     """A transformers ``TrainerCallback`` that records the time of each optimizer step's end (after the device is
-    done), hands the times to ``clock.on_step``, and stops training at the deadline, or before a step as long as
+    done) into ``clock.step_ends``, calls ``clock.on_progress``, and stops training at the deadline, or before a step as long as
     the last one would end past it (so the script still writes its results in time; not after the first, which
     counts the warm-up), and the list it records into."""
     from transformers import TrainerCallback
 
     times: list[float] = []
+    clock.step_ends = times
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             clock.synchronize()
             times.append(clock.phase(f"step {len(times) + 1}"))
-            if clock.on_step is not None:
-                clock.on_step(times)
+            if clock.on_progress is not None:
+                clock.on_progress()
             last = times[-1] - times[-2] if len(times) > 1 else 0.0
             if clock.passed() or clock.would_pass(last):
                 control.should_training_stop = True
@@ -188,16 +194,16 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
 
     made: list[float] = []  # the running try's step times (kept in its record if it then runs out of memory)
 
-    def steps_so_far(checkpointing: bool) -> Callable[[list[float]], None]:
-        def write(times: list[float]) -> None:
+    def steps_so_far(checkpointing: bool) -> Callable[[], None]:
+        def write() -> None:
             start = clock.marks.get("trainer built", clock.start)
-            record = step_record(clock, checkpointing, start, times, [])
+            record = step_record(clock, checkpointing, start, clock.step_ends, [])
             made[:] = record["step_times_s"]
             write_results(args.json, [*results, record])
         return write
 
     for checkpointing in MODES[args.checkpointing]:
-        clock.on_step, made[:] = steps_so_far(checkpointing), []
+        clock.on_progress, made[:] = steps_so_far(checkpointing), []
         if args.checkpointing == "auto" and any("step_s" in result for result in results):
             break  # it fit without checkpointing
         if results and clock.passed():
@@ -212,7 +218,7 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
         if not clock.cpu:
             torch.cuda.empty_cache()
         print(json.dumps(results[-1]), flush=True)
-    clock.on_step = None
+    clock.on_progress = None
     best = write_results(args.json, results)
     if best is None:
         print("trl: every run failed")

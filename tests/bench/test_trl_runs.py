@@ -128,3 +128,41 @@ def test_each_generate_call_is_timed_into_the_record(monkeypatch):
     assert len(clock.generate_s) == 2 and all(0 < seconds < 9.0 for seconds in clock.generate_s)
     record = trl_runs.step_record(clock, False, 0.0, [1.0], [])
     assert record["generate_s"] == clock.generate_s
+
+
+def test_a_generate_call_that_ends_writes_the_results_too(monkeypatch, tmp_path):
+    """Ended from outside in its second step's update, a run still says how long that step's generation took."""
+    import argparse
+    import json
+
+    from transformers.generation.utils import GenerationMixin
+
+    monkeypatch.setattr(GenerationMixin, "generate", GenerationMixin.generate)  # put back after the test
+    now = [0.0]
+    monkeypatch.setattr(trl_runs.time, "perf_counter", lambda: now[0])
+
+    class Model(GenerationMixin):  # stands in for a model: its generate takes 30 s of the clock
+        pass
+
+    monkeypatch.setattr(GenerationMixin, "generate", lambda self: now.__setitem__(0, now[0] + 30.0))
+    clock = trl_runs.Clock(deadline_s=None, cpu=True)
+    path = tmp_path / "trl.json"
+    written = []
+
+    def run(checkpointing: bool) -> dict:
+        callback, times = trl_runs.step_clock(clock)
+        trl_runs.time_generation(clock)
+        clock.phase("trainer built")
+        Model().generate()
+        now[0] += 10.0
+        callback.on_step_end(None, None, SimpleNamespace(should_training_stop=False))
+        Model().generate()
+        written.append(json.loads(path.read_text()))
+        raise KeyboardInterrupt  # ended from outside
+
+    try:
+        trl_runs.run_modes(argparse.Namespace(checkpointing="off", json=path), clock, run)
+    except KeyboardInterrupt:
+        pass
+    [best] = [record["best"] for record in written]
+    assert best["step_times_s"] == [40.0] and best["generate_s"] == [30.0, 30.0]
