@@ -86,7 +86,8 @@ def packs_rows(model: nn.Module) -> bool:
     do; another model is probed once, eagerly, with two sequences of two tokens through its own forward (FSDP's
     hooks live there), and the answer is kept on the model. A model whose modeling code drops those arguments on
     the way to its attention (StableLM in transformers 5), or calls no attention function of transformers' table
-    (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded.
+    (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded, as does one whose
+    layers fail on a packed row (Mamba).
     """
     known = getattr(model, PACKS_ROWS, None)
     if known is not None:
@@ -102,11 +103,15 @@ def packs_rows(model: nn.Module) -> bool:
         probe = {"packed_cu_seqlens": bounds, "packed_max_length": 2, "packed_cu_seqlens_k": bounds,
                  "packed_max_length_k": 2, "packed_kv_index": None, "packed_lengths": [2, 2],
                  "packed_key_lengths": [2, 2]}
-        with watch_attention_calls() as calls, torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
-                  position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
-                  attention_mask=_no_mask(config, device), use_cache=False, **probe)
-        known = calls.packed > 0 and calls.unpacked == 0
+        try:
+            with watch_attention_calls() as calls, torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+                      position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
+                      attention_mask=_no_mask(config, device), use_cache=False, **probe)
+            known = calls.packed > 0 and calls.unpacked == 0
+        except Exception:  # noqa: BLE001 (layers that take no packed row at all: padded rows)
+            # Mamba's mixer reads the mask as padding; a model that fails padded too is refused by its probe
+            known = False
     setattr(model, PACKS_ROWS, known)
     return known
 
@@ -219,12 +224,28 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
                                 max_logits_bytes, with_sum_pi_squared)
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder (the module that returns ``last_hidden_state``): ``get_decoder()``, or where that
+    gives the causal LM itself (Llama 4's text model, whose base-model prefix names no attribute), the child that
+    holds its decoder blocks."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if decoder is not model:
+        return decoder
+    from reinforge.engine.fsdp import decoder_layers
+
+    first = decoder_layers(model)[0]
+    for child in model.children():
+        if any(module is first for module in child.modules()):
+            return child
+    return model
+
+
 @contextlib.contextmanager
 def _last_hidden_state(model: nn.Module) -> Iterator[list[Tensor]]:
     """A list that receives the causal LM's last hidden state from each forward inside the block (a hook on its
     decoder)."""
     captured: list[Tensor] = []
-    hook = model.get_decoder().register_forward_hook(
+    hook = decoder_of(model).register_forward_hook(
         lambda module, args, output: captured.append(output.last_hidden_state))
     try:
         yield captured

@@ -36,14 +36,25 @@ from reinforge.engine.distributed import init_distributed
 from reinforge.engine.memory_plan import shard_aligned
 from reinforge.engine.offload import HostOffloadedAdamW
 
+LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "layer")
+"""What transformers' families call their decoder blocks (Llama's ``layers``, GPT-2's ``h``, MPT's ``blocks``)."""
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of an HF model: the first ModuleList named ``layers`` (or ``h``)."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h") and len(module) > 0:
-            return list(module)
-    raise ValueError(f"{type(model).__name__} has no ModuleList named 'layers' or 'h'; "
-                     "the engine shards one decoder layer per FSDP unit and cannot find them")
+    """The repeated blocks of an HF model: the first ModuleList named by the first name of ``LAYER_LIST_NAMES``
+    any of its lists has, else the ModuleList of blocks of one class holding the most parameters."""
+    lists = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) > 0]
+    for wanted in LAYER_LIST_NAMES:  # in this order: a vision-language model's language layers before its tower's blocks
+        for name, module in lists:
+            if name.rsplit(".", 1)[-1] == wanted:
+                return list(module)
+    uniform = [module for _, module in lists if len({type(block) for block in module}) == 1]
+    if uniform:
+        return list(max(uniform, key=lambda module: sum(p.numel() for p in module.parameters())))
+    raise ValueError(f"{type(model).__name__} has no ModuleList of decoder blocks (named "
+                     f"{', '.join(LAYER_LIST_NAMES)} or otherwise); the engine shards one decoder layer per FSDP "
+                     "unit and cannot find them")
 
 
 def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto", offload: bool = False,

@@ -244,7 +244,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
-        text = config.get("text_config") or config
+        text = standard_sizes(config.get("text_config") or config)
         try:
             hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
             experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
@@ -451,6 +451,58 @@ class ModelShape:
                   + ACT_ROUTER * self.num_experts)
         values = (self.num_sparse_layers * sparse + (self.num_layers - self.num_sparse_layers) * dense) / self.num_layers
         return int(dtype_bytes * values * (EAGER_ACTIVATION_FACTOR if eager else 1.0))
+
+
+SIZE_ALIASES = {
+    "hidden_size": ("n_embd", "d_model", "model_dim", "dim"),
+    "num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+    "num_attention_heads": ("n_head", "n_heads", "num_heads"),
+    "num_key_value_heads": ("num_kv_heads", "n_head_kv", "kv_n_heads"),
+    "intermediate_size": ("n_inner", "ffn_dim", "ffn_hidden_size", "d_ff", "inner_hidden_size"),
+    "num_local_experts": ("moe_num_experts",),
+    "num_experts_per_tok": ("moe_top_k",),
+}
+"""Where a family's config.json keeps a standard size under its own name (GPT-2's n_embd, OPT's ffn_dim, Falcon's
+num_kv_heads, DBRX's nested ffn_config and attn_config), after transformers' own map of each config class."""
+
+
+def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
+    """``text`` (a decoder's config as a dict) with the standard size keys the planner reads filled in from the
+    family's own names: the config class's ``attribute_map``, then ``SIZE_ALIASES`` (top level, then DBRX-style
+    nested ``ffn_config``/``attn_config``). Where the family's config has no such size at all, as transformers
+    builds it, the model's own convention stands in: an MLP of ``expansion_ratio`` (MPT) or 4 x hidden (GPT-2,
+    BLOOM, Falcon, GPT-J, CodeGen), one attention head for a model without attention (Mamba). Keys the config
+    already has are kept; a known family's missing size stays missing (the planner says so)."""
+    values = dict(text)
+    defaults: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    try:
+        from transformers import CONFIG_MAPPING
+
+        config_class = CONFIG_MAPPING[values.get("model_type")]
+        aliases = dict(getattr(config_class, "attribute_map", {}) or {})
+        defaults = config_class().to_dict()
+    except Exception:  # noqa: BLE001 (no transformers, an unknown or composite type: the names as they are)
+        pass
+    nested = [values] + [values[name] for name in ("attn_config", "ffn_config") if isinstance(values.get(name), dict)]
+    for standard, names in SIZE_ALIASES.items():
+        if values.get(standard) is not None:
+            continue
+        own = aliases.get(standard)
+        found = [part[name] for part in nested for name in ((own,) if own else ()) + names
+                 if part.get(name) is not None]
+        if found:
+            values[standard] = found[0]
+    if values.get("num_local_experts") and values.get("intermediate_size") is not None:
+        values.setdefault("moe_intermediate_size", values["intermediate_size"])
+    hidden = values.get("hidden_size")
+    if defaults and isinstance(hidden, int):
+        if values.get("intermediate_size") is None and "intermediate_size" not in defaults:
+            values["intermediate_size"] = int(float(values.get("expansion_ratio") or 4) * hidden)
+        if (values.get("num_attention_heads") is None and "num_attention_heads" not in defaults
+                and "num_attention_heads" not in aliases):
+            values["num_attention_heads"] = 1
+    return values
 
 
 def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:

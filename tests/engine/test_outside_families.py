@@ -1,0 +1,144 @@
+"""Causal LMs outside the architecture table that name their sizes and blocks their own way, or have no attention:
+each is planned, sharded, probed and trained through its transformers modules instead of being refused.
+
+GPT-2 (``n_embd``, blocks in ``h``, an implicit 4 x hidden MLP), OPT (``ffn_dim``), Falcon, BLOOM, MPT
+(``d_model``, blocks in ``blocks``), DBRX (sizes nested in ``attn_config`` and ``ffn_config``), Mamba (no
+attention: its mixer reads the mask as padding, so it runs padded rows) and Llama 4's text model (whose decoder
+``get_decoder`` does not find).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from reinforge.cli import main
+from reinforge.engine.forward import PACKS_ROWS, decoder_of, packs_rows, response_log_probs
+from reinforge.engine.fsdp import decoder_layers
+from reinforge.engine.fused import check_packed_sequences_stay_apart
+from reinforge.engine.memory_plan import MemoryPlanError, ModelShape
+from reinforge.models.tiny import build_char_tokenizer, save_hf_folder
+from reinforge.protocol import Batch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_families import assert_pass_equals_transformers_padded_forward  # noqa: E402
+
+TINY = {
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+    "opt": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96, word_embed_proj_dim=64,
+                max_position_embeddings=128),
+    "falcon": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4),
+    "mpt": dict(d_model=64, n_layers=2, n_heads=4, expansion_ratio=3, max_seq_len=128),
+    "dbrx": dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=128,
+                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2}),
+    "mamba": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, state_size=8),
+    "llama4_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=4),
+}
+SIZES = {  # hidden, layers, heads, KV heads (Falcon's multi-query: one), MLP width (an expert's), experts
+    "gpt2": (64, 2, 4, 4, 256, 0), "opt": (64, 2, 4, 4, 96, 0), "falcon": (64, 2, 4, 1, 256, 0),
+    "bloom": (64, 2, 4, 4, 256, 0), "mpt": (64, 2, 4, 4, 192, 0), "dbrx": (64, 2, 4, 2, 48, 4),
+    "mamba": (64, 2, 1, 1, 128, 0),
+}
+
+
+def tiny_config(model_type: str, vocab_size: int = 64):
+    return AutoConfig.for_model(model_type, vocab_size=vocab_size, **TINY[model_type])
+
+
+def tiny_model(model_type: str, vocab_size: int = 64):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size)).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(SIZES))
+def test_the_planner_reads_each_familys_own_size_names(model_type):
+    shape = ModelShape.from_hf_config(tiny_config(model_type).to_dict())
+    hidden, layers, heads, kv_heads, width, experts = SIZES[model_type]
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads) == (hidden, layers, heads, kv_heads)
+    assert (shape.expert_intermediate_size if experts else shape.intermediate_size) == width
+    assert shape.num_experts == experts and shape.experts_per_token == (2 if experts else 0)
+    assert shape.num_params > 0
+
+
+def test_a_known_family_missing_a_size_is_still_named_in_one_line():
+    config = tiny_config("mpt").to_dict() | {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                               "num_attention_heads": 4}
+    with pytest.raises(MemoryPlanError, match="config.json has no 'intermediate_size'"):
+        ModelShape.from_hf_config(config)
+
+
+def test_decoder_blocks_are_found_whatever_their_list_is_called():
+    mpt = tiny_model("mpt")
+    assert decoder_layers(mpt) == list(mpt.transformer.blocks)
+
+    class Stack(torch.nn.Module):  # blocks under a name no family uses, beside a list of another kind
+        def __init__(self):
+            super().__init__()
+            self.heads = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()])
+            self.stages = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    stack = Stack()
+    assert decoder_layers(stack) == list(stack.stages)
+    with pytest.raises(ValueError, match="no ModuleList of decoder blocks"):
+        decoder_layers(torch.nn.Linear(2, 2))
+
+
+def _batch(vocab: int) -> Batch:
+    from reinforge.engine.forward import build_position_ids
+
+    generator = torch.Generator().manual_seed(0)
+    prompts, responses = torch.randint(3, vocab, (2, 4), generator=generator), torch.randint(3, vocab, (2, 3),
+                                                                                           generator=generator)
+    attention_mask = torch.ones(2, 7, dtype=torch.long)
+    return Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "response_mask": torch.ones(2, 3),
+                                    "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+                                    "position_ids": build_position_ids(attention_mask)})
+
+
+def test_a_model_whose_layers_take_no_packed_row_runs_padded_rows():
+    """Mamba's mixer multiplies by the attention mask, which a packed forward hands over as a placeholder: the
+    probe takes padded rows instead of refusing the model, and the log-probs are those of its own forward."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    model = tiny_model("mamba")
+    use_varlen_attention(model)
+    assert not packs_rows(model) and getattr(model, PACKS_ROWS) is False
+    check_packed_sequences_stay_apart(model)
+    batch = _batch(64)
+    log_probs = response_log_probs(model, batch)[0]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits[:, 3:-1].log_softmax(-1)
+    expected = logits.gather(-1, batch["responses"][..., None])[..., 0]
+    torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
+    model = tiny_model("llama4_text")
+    assert model.get_decoder() is model  # transformers' lookup gives the causal LM back
+    assert decoder_of(model) is model.model
+    assert_pass_equals_transformers_padded_forward(model.train(), share_prompts=True)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba"])
+def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithmetic_data_dir, tmp_path):
+    tokenizer = build_char_tokenizer(())
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, **TINY[model_type]))
+    folder = save_hf_folder(model, tokenizer, tmp_path / "model")
+    run = tmp_path / "run"
+    args = {"model.path": folder, "data.train_files": f"[{arithmetic_data_dir / 'train.parquet'}]",
+            "data.train_batch_size": 2, "data.max_prompt_length": 64, "data.max_response_length": 8,
+            "rollout.n": 2, "rollout.name": "hf", "trainer.output_dir": run, "trainer.loggers": "[jsonl]",
+            "trainer.total_steps": 1, "trainer.val_before_train": False}
+    assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
+    [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert row["actor/num_skipped_steps"] == 0 and row["training/rollout_probs_diff_max"] < 1e-4
