@@ -469,7 +469,8 @@ num_kv_heads, DBRX's nested ffn_config and attn_config), after transformers' own
 def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     """``text`` (a decoder's config as a dict) with the standard size keys the planner reads filled in from the
     family's own names: the config class's ``attribute_map``, then ``SIZE_ALIASES`` (top level, then DBRX-style
-    nested ``ffn_config``/``attn_config``). Where the family's config has no such size at all, as transformers
+    nested ``ffn_config``/``attn_config``), then the config class's own properties (NemotronH counts its layers
+    from its block pattern). Where the family's config has no such size at all, as transformers
     builds it, the model's own convention stands in: an MLP of ``expansion_ratio`` (MPT) or 4 x hidden (GPT-2,
     BLOOM, Falcon, GPT-J, CodeGen), one attention head for a model without attention (Mamba). Keys the config
     already has are kept; a known family's missing size stays missing (the planner says so)."""
@@ -493,6 +494,19 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
                  if part.get(name) is not None]
         if found:
             values[standard] = found[0]
+    derived = [key for key in SIZE_ALIASES if values.get(key) is None and defaults and key not in defaults]
+    if derived:  # sizes the config class computes rather than stores (NemotronH's layers, from its block pattern)
+        try:
+            built = config_class.from_dict(values)
+            values |= {key: getattr(built, key) for key in derived if isinstance(getattr(built, key, None), int)}
+        except Exception:  # noqa: BLE001 (the config does not build: the conventions below, or the planner's error)
+            pass
+    if values.get("num_hidden_layers") is None:  # a hybrid's layers, one entry of its block pattern each
+        patterns = [values.get(key) for key in ("layer_types", aliases.get("layer_types"), "layers_block_type",
+                                                  "block_types", "hybrid_override_pattern") if key]
+        lengths = [len(pattern) for pattern in patterns if isinstance(pattern, (list, str)) and pattern]
+        if lengths:
+            values["num_hidden_layers"] = lengths[0]
     if values.get("num_local_experts") and values.get("intermediate_size") is not None:
         values.setdefault("moe_intermediate_size", values["intermediate_size"])
     hidden = values.get("hidden_size")

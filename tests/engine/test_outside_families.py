@@ -2,7 +2,8 @@
 each is planned, sharded, probed and trained through its transformers modules instead of being refused.
 
 GPT-2 (``n_embd``, blocks in ``h``, an implicit 4 x hidden MLP), OPT (``ffn_dim``), Falcon, BLOOM, MPT
-(``d_model``, blocks in ``blocks``), DBRX (sizes nested in ``attn_config`` and ``ffn_config``), Mamba (no
+(``d_model``, blocks in ``blocks``), DBRX (sizes nested in ``attn_config`` and ``ffn_config``), NemotronH (layers
+counted by its block pattern), Mamba (no
 attention: its mixer reads the mask as padding, so it runs padded rows) and Llama 4's text model (whose decoder
 ``get_decoder`` does not find).
 """
@@ -49,7 +50,15 @@ SIZES = {  # hidden, layers, heads, KV heads (Falcon's multi-query: one), MLP wi
 }
 
 
+def known(model_type: str) -> None:
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type!r}")
+
+
 def tiny_config(model_type: str, vocab_size: int = 64):
+    known(model_type)
     return AutoConfig.for_model(model_type, vocab_size=vocab_size, **TINY[model_type])
 
 
@@ -66,6 +75,16 @@ def test_the_planner_reads_each_familys_own_size_names(model_type):
     assert (shape.expert_intermediate_size if experts else shape.intermediate_size) == width
     assert shape.num_experts == experts and shape.experts_per_token == (2 if experts else 0)
     assert shape.num_params > 0
+
+
+def test_a_hybrids_layer_count_comes_from_its_block_pattern(tmp_path):
+    """NemotronH's config.json stores no num_hidden_layers: its layers are its block pattern's entries."""
+    known("nemotron_h")
+    config = AutoConfig.for_model("nemotron_h", hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    config.save_pretrained(tmp_path)
+    assert "num_hidden_layers" not in json.loads((tmp_path / "config.json").read_text())
+    shape = ModelShape.from_model_path(str(tmp_path))
+    assert shape.num_layers == config.num_hidden_layers == len(config.layers_block_type)
 
 
 def test_a_known_family_missing_a_size_is_still_named_in_one_line():
