@@ -124,7 +124,7 @@ def time_generation(clock: Clock) -> None:
         finally:
             clock.synchronize()
             clock.generate_s.append(time.perf_counter() - start)
-            if clock.on_progress is not None:  # a run ended during its next update keeps this call's time
+            if clock.on_progress is not None:  # a run ended in its next update keeps the generation's time
                 clock.on_progress()
 
     generate.timed_by_the_bench = True
