@@ -466,6 +466,22 @@ SIZE_ALIASES = {
 num_kv_heads, DBRX's nested ffn_config and attn_config), after transformers' own map of each config class."""
 
 
+CORE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+@functools.cache
+def _config_class(model_type: str | None) -> tuple[Any, dict[str, str], dict[str, Any]]:
+    """transformers' config class of ``model_type``, its attribute map and its defaults (None, {}, {} where there is
+    no transformers, or the type is unknown or has no default config)."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        config_class = CONFIG_MAPPING[model_type]
+        return config_class, dict(getattr(config_class, "attribute_map", {}) or {}), config_class().to_dict()
+    except Exception:  # noqa: BLE001 (the names as they are)
+        return None, {}, {}
+
+
 def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     """``text`` (a decoder's config as a dict) with the standard size keys the planner reads filled in from the
     family's own names: the config class's ``attribute_map``, then ``SIZE_ALIASES`` (top level, then DBRX-style
@@ -475,16 +491,8 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     BLOOM, Falcon, GPT-J, CodeGen), one attention head for a model without attention (Mamba). Keys the config
     already has are kept; a known family's missing size stays missing (the planner says so)."""
     values = dict(text)
-    defaults: dict[str, Any] = {}
-    aliases: dict[str, str] = {}
-    try:
-        from transformers import CONFIG_MAPPING
-
-        config_class = CONFIG_MAPPING[values.get("model_type")]
-        aliases = dict(getattr(config_class, "attribute_map", {}) or {})
-        defaults = config_class().to_dict()
-    except Exception:  # noqa: BLE001 (no transformers, an unknown or composite type: the names as they are)
-        pass
+    model_type = values.get("model_type")
+    config_class, aliases, defaults = _config_class(model_type if isinstance(model_type, str) else None)
     nested = [values] + [values[name] for name in ("attn_config", "ffn_config") if isinstance(values.get(name), dict)]
     for standard, names in SIZE_ALIASES.items():
         if values.get(standard) is not None:
@@ -494,7 +502,7 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
                  if part.get(name) is not None]
         if found:
             values[standard] = found[0]
-    derived = [key for key in SIZE_ALIASES if values.get(key) is None and defaults and key not in defaults]
+    derived = [key for key in CORE_SIZES if values.get(key) is None and defaults and key not in defaults]
     if derived:  # sizes the config class computes rather than stores (NemotronH's layers, from its block pattern)
         try:
             built = config_class.from_dict(values)
