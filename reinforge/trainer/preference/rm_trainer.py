@@ -29,7 +29,7 @@ from transformers import AutoModelForSequenceClassification
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.engine.forward import last_token_scores
-from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path
+from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path, read_model_config
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -44,6 +44,7 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
     tokenizer's pad id in its config (transformers' own forward pools the last token that is not padding)."""
     if is_local_path(path):
         check_model_folder(path)
+        attn_implementation = _classifier_attention(path, trust_remote_code, attn_implementation)
     with hub_errors_explained(path):
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -55,6 +56,26 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
     model.config.pad_token_id = pad_token_id
     model.config.use_cache = False
     return model.to(device)
+
+
+def _classifier_attention(path: str, trust_remote_code: bool, attn_implementation: str) -> str:
+    """The attention implementation transformers' sequence classifier of the model at ``path`` runs (``sdpa`` becomes
+    ``eager`` for a class without SDPA, MPT's); a family without such a class is refused in one line, before any
+    weight loads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+
+    config = read_model_config(path, trust_remote_code)
+    if trust_remote_code and getattr(config, "auto_map", None):
+        return attn_implementation  # the folder's own code decides
+    model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
+    if model_class is None:
+        raise ValueError(f"model.path={path} is a {config.model_type!r} model, for which transformers has no "
+                         "sequence-classification class (AutoModelForSequenceClassification); reinforge rm trains "
+                         "a one-label head on that class, so start from a model of a family that has one (Llama, "
+                         "Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
+    if attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
+        return "eager"
+    return attn_implementation
 
 
 class RewardModelTrainer(PreferenceRun):

@@ -214,3 +214,28 @@ def test_validation_scores_pairs_with_the_training_forward_to_the_metrics_of_a_n
     assert measured.keys() == {f"eval_{key}" for key in expected}
     for key, value in expected.items():
         assert measured[f"eval_{key}"] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def _outside_family_folder(tmp_path: Path, model_type: str, **sizes) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.models.tiny import build_char_tokenizer, save_hf_folder
+
+    tokenizer = build_char_tokenizer(())
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, **sizes)
+    return save_hf_folder(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / model_type)
+
+
+def test_a_family_whose_classifier_has_no_sdpa_trains_with_eager_attention(pair_args, tmp_path):
+    folder = _outside_family_folder(tmp_path, "mpt", d_model=64, n_layers=2, n_heads=4, max_seq_len=128)
+    assert main(["rm", *pair_args(tmp_path / "run", **{"model.path": folder, "trainer.total_steps": 1})]) == 0
+
+
+def test_a_family_without_a_sequence_classifier_is_refused_in_one_line(pair_args, tmp_path, capsys):
+    folder = _outside_family_folder(tmp_path, "mamba", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                    state_size=8)
+    assert main(["rm", *pair_args(tmp_path / "run", **{"model.path": folder})]) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert "'mamba' model, for which transformers has no sequence-classification class" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
