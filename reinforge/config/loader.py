@@ -156,11 +156,18 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
 
             sibling = close_sibling(dotted, known, cutoff=0.75)
             hint = verl_hint(dotted, value) or verl_leaf_hint(dotted)
+            renamed = re.search(r"reinforge calls it ([\w.]+)", hint or "")
+            if renamed and renamed.group(1) not in known:  # verl's RL key, read by another command (sft, rm, dpo)
+                hint = None
             if not prefix and key in ("defaults", "hydra"):  # a verl (Hydra) config file
                 hint = ("Hydra's defaults list and hydra: section are not read here: a reinforge config is plain YAML "
                         "with only the keys that differ from reinforge/config/defaults.yaml (reinforge config from-verl "
                         "translates a verl command line)")
                 dotted = key
+            section, _, leaf = dotted.rpartition(".")
+            other_command = f"{section}.{leaf.removeprefix('train_')}" if section else leaf.removeprefix("train_")
+            if leaf.startswith("train_") and other_command in known:  # the RL key in sft/rm/dpo (batch_size)
+                sibling = other_command
             if sibling and (hint is None or "has no equivalent" in hint):  # a typo, not verl's Megatron key
                 hint = f"did you mean {sibling}?"
             if hint is None:

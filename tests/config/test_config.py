@@ -191,6 +191,15 @@ def test_a_verl_key_names_its_translation_not_a_neighbour(override, message):
     assert str(error.value).startswith(message)
 
 
+def test_an_rl_key_given_to_sft_names_sfts_own_key_not_a_verl_translation():
+    """data.train_batch_size is verl's RL key and reinforge train's; reinforge sft calls its batch data.batch_size."""
+    from reinforge.config import load_sft_config
+
+    with pytest.raises(ConfigError) as error:
+        load_sft_config(None, ["data.train_batch_size=4"])
+    assert str(error.value) == "unknown key data.train_batch_size (command line); did you mean data.batch_size?"
+
+
 def test_a_verl_section_in_yaml_names_a_translation(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("actor_rollout_ref:\n  actor:\n    kl_loss_coef: 0.01\n    ppo_epochs: 2\n")
