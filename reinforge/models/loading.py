@@ -163,13 +163,21 @@ def _declared_model_type(path: str) -> str | None:
         return None
 
 
-def _supports_sdpa(path: str, trust_remote_code: bool) -> bool:
-    """Whether transformers' class for the model at ``path`` runs SDPA (False for Gemma 2, whose soft-cap it cannot)."""
+def _supports_sdpa(path: str, trust_remote_code: bool, mapping=None) -> bool:
+    """Whether transformers' class for the model at ``path`` in ``mapping`` (the causal LMs by default; the bodies
+    for a critic) runs SDPA (False for Gemma 2, whose soft-cap it cannot, and for MPT and Mamba)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = read_model_config(path, trust_remote_code)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    model_class = (MODEL_FOR_CAUSAL_LM_MAPPING if mapping is None else mapping).get(type(config), None)
     return model_class is None or getattr(model_class, "_supports_sdpa", True) is not False
+
+
+def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, mapping=None) -> str:
+    """``attn_implementation``, except ``sdpa`` becomes ``eager`` where the model's class cannot run SDPA."""
+    if attn_implementation == "sdpa" and not _supports_sdpa(path, trust_remote_code, mapping):
+        return "eager"
+    return attn_implementation
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,
@@ -192,8 +200,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     device = torch.device(device)
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     with hub_errors_explained(path):
-        if not _supports_sdpa(path, trust_remote_code) and attn_implementation == "sdpa":
-            attn_implementation = "eager"  # Gemma 2: SDPA cannot soft-cap; the RL workers then set their own
+        # Gemma 2: SDPA cannot soft-cap; the RL workers then set their own
+        attn_implementation = attention_for(path, trust_remote_code, attn_implementation)
         if random:
             model = build_random_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                            attn_implementation=attn_implementation)

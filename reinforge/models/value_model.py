@@ -18,6 +18,7 @@ from transformers import AutoModel, PreTrainedModel
 
 from reinforge.models.export import atomic_folder
 from reinforge.models.loading import (
+    attention_for,
     check_model_folder,
     enable_gradient_checkpointing,
     hub_errors_explained,
@@ -37,11 +38,19 @@ def build_value_head(hidden_size: int, seed: int = 0) -> nn.Linear:
     return head
 
 
+def output_width(backbone: nn.Module) -> int:
+    """The width of the body's last hidden state: its token embeddings' (the width the LM head reads, tied or not;
+    OPT projects its hidden size out to it), else ``hidden_size``."""
+    embeddings = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
+    width = getattr(embeddings, "embedding_dim", None)
+    return int(width) if isinstance(width, int) and width > 0 else int(backbone.config.hidden_size)
+
+
 class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel, value_head: nn.Linear | None = None, seed: int = 0):
         super().__init__()
         self.backbone = backbone
-        self.value_head = value_head if value_head is not None else build_value_head(backbone.config.hidden_size, seed)
+        self.value_head = value_head if value_head is not None else build_value_head(output_width(backbone), seed)
 
     @property
     def config(self):
@@ -69,10 +78,13 @@ class ValueModel(nn.Module):
             if (Path(path) / VALUE_HEAD_FILE).is_file():
                 head_path = Path(path) / VALUE_HEAD_FILE
         with hub_errors_explained(path):
+            from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+            attn_implementation = attention_for(path, trust_remote_code, attn_implementation, MODEL_MAPPING)
             backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  attn_implementation=attn_implementation)
         backbone.config.use_cache = False
-        value_head = build_value_head(backbone.config.hidden_size, seed)
+        value_head = build_value_head(output_width(backbone), seed)
         if head_path is not None:
             value_head.load_state_dict(load_file(head_path))
         model = cls(backbone, value_head).to(device)

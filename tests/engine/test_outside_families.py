@@ -161,3 +161,21 @@ def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithm
     assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
     [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert row["actor/num_skipped_steps"] == 0 and row["training/rollout_probs_diff_max"] < 1e-4
+
+
+def test_a_critic_reads_the_bodys_output_width_and_attention(tmp_path):
+    """OPT projects its hidden size out to its embeddings' width (the critic's head reads that); MPT's and Mamba's
+    bodies run no SDPA (the critic loads them eager)."""
+    from reinforge.models.value_model import ValueModel
+
+    tokenizer = build_char_tokenizer(())
+    options = {"opt": dict(TINY["opt"], word_embed_proj_dim=48), "mpt": TINY["mpt"], "mamba": TINY["mamba"]}
+    for model_type, sizes in options.items():
+        known(model_type)
+        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                      **sizes)
+        folder = save_hf_folder(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / model_type)
+        critic = ValueModel.from_pretrained(folder)
+        assert critic.value_head.in_features == (48 if model_type == "opt" else 64)
+        values = critic(torch.randint(3, 40, (2, 5)), torch.ones(2, 5, dtype=torch.long))
+        assert values.shape == (2, 5) and torch.isfinite(values).all()

@@ -29,7 +29,13 @@ from transformers import AutoModelForSequenceClassification
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.engine.forward import last_token_scores
-from reinforge.models.loading import check_model_folder, hub_errors_explained, is_local_path, read_model_config
+from reinforge.models.loading import (
+    attention_for,
+    check_model_folder,
+    hub_errors_explained,
+    is_local_path,
+    read_model_config,
+)
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -73,9 +79,7 @@ def _classifier_attention(path: str, trust_remote_code: bool, attn_implementatio
                          "sequence-classification class (AutoModelForSequenceClassification); reinforge rm trains "
                          "a one-label head on that class, so start from a model of a family that has one (Llama, "
                          "Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
-    if attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
-        return "eager"
-    return attn_implementation
+    return attention_for(path, trust_remote_code, attn_implementation, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING)
 
 
 class RewardModelTrainer(PreferenceRun):
