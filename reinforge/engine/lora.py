@@ -22,6 +22,7 @@ the adapters into plain weights, ``write_adapter_folder`` writes peft's own form
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -100,6 +101,13 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
     experts = bool(moe_blocks(model))
     if experts:
         logger.info("LoRA on a mixture of experts: %s", EXPERTS_NOTE)
+    chosen = _targets_for(model, config, head)
+    _refuse_transposed_layers(model, chosen, head)
+    if chosen is not config:
+        logger.info("LoRA: %s has none of model.lora.target_modules' default layers (%s); its adapters go on its "
+                    "linear layers %s", type(model).__name__, ", ".join(config.target_modules),
+                    ", ".join(chosen.target_modules))
+    config = chosen
     try:
         with (torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []),
               _named_layers_only(model) if experts else contextlib.nullcontext()):
@@ -111,8 +119,57 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
     except ValueError as error:
         if "not found in the base model" in str(error) or "Target modules" in str(error):
             raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "
-                             f"{type(model).__name__}; name its linear layers, e.g. q_proj, v_proj") from error
+                             f"{type(model).__name__}; name some of its linear layers "
+                             f"({', '.join(linear_layer_names(model, head)) or 'none found'}), or all-linear") from error
         raise
+
+
+def linear_layer_names(model: nn.Module, head: str | None = None) -> list[str]:
+    """The distinct last names of ``model``'s linear layers (transformers' Conv1D, GPT-2's, included), its output
+    head and a classification ``head`` left out."""
+    from transformers.pytorch_utils import Conv1D
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skipped = {output, getattr(model, head, None) if head else None} - {None}
+    names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, (nn.Linear, Conv1D)) and module not in skipped]
+    return list(dict.fromkeys(names))
+
+
+STATE_SPACE_FAMILIES = ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h")
+STATE_SPACE_MIXER_LAYERS = {"out_proj", "conv1d"}
+"""Layers of a state-space mixer that peft gives no adapter (it refuses them by name in these families)."""
+
+
+def _refuse_transposed_layers(model: nn.Module, config: LoraConfig, head: str | None) -> None:
+    """GPT-2-style layers (transformers' Conv1D) keep their weights transposed, (in, out): the adapters' merges
+    into the rollout's and the checkpoints' weights read (out, in), so adapters on them are refused in one line."""
+    from transformers.pytorch_utils import Conv1D
+
+    targets = set(config.target_modules)
+    transposed = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, Conv1D) and ("all-linear" in targets
+                                                            or name.rsplit(".", 1)[-1] in targets)})
+    if transposed:
+        raise ValueError(f"model.lora: {type(model).__name__}'s layers {', '.join(transposed)} are transformers' "
+                         "Conv1D, whose weights are stored transposed, and reinforge merges adapters only into "
+                         "linear layers; train this model without adapters (model.lora.rank=0)")
+
+
+def _targets_for(model: nn.Module, config: LoraConfig, head: str | None) -> LoraConfig:
+    """``config``, or where its targets are the default and name no layer of ``model`` (GPT-2's c_attn, Mamba's
+    in_proj), a copy with its linear layers' names (``add_lora`` says so in one line)."""
+    from reinforge.config.schema import LoraConfig
+
+    default = LoraConfig().target_modules  # the projections of Llama-style families
+    if list(config.target_modules) != default:
+        return config
+    names = set(linear_layer_names(model, head))
+    if names & set(default):
+        return config
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    kept = sorted(names - (STATE_SPACE_MIXER_LAYERS if model_type in STATE_SPACE_FAMILIES else set()))
+    return dataclasses.replace(config, target_modules=kept or ["all-linear"])
 
 
 @contextlib.contextmanager

@@ -179,3 +179,24 @@ def test_a_critic_reads_the_bodys_output_width_and_attention(tmp_path):
         assert critic.value_head.in_features == (48 if model_type == "opt" else 64)
         values = critic(torch.randint(3, 40, (2, 5)), torch.ones(2, 5, dtype=torch.long))
         assert values.shape == (2, 5) and torch.isfinite(values).all()
+
+
+def test_lora_adapts_a_family_without_llama_style_projections_or_refuses_in_one_line(caplog):
+    """Default targets that name no layer of the model become its linear layers (Mamba: not the mixer's out_proj,
+    which peft refuses); GPT-2's transposed Conv1D layers are refused; targets the user named that match nothing
+    list the model's layers."""
+    import logging
+
+    from reinforge.config.schema import LoraConfig
+    from reinforge.engine.lora import add_lora, lora_layers
+
+    with caplog.at_level(logging.INFO, logger="reinforge.engine.lora"):
+        adapted = add_lora(tiny_model("mamba"), LoraConfig(rank=4))
+    assert {layer_name.rsplit(".", 1)[-1] for layer_name, module in adapted.named_modules()
+            if module in lora_layers(adapted)} == {"dt_proj", "in_proj", "x_proj"}
+    assert "its adapters go on its linear layers dt_proj, in_proj, x_proj" in caplog.text
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel's layers c_attn, c_fc, c_proj are transformers' Conv1D"):
+        add_lora(tiny_model("gpt2"), LoraConfig(rank=4))
+    with pytest.raises(ValueError, match=r"target_modules=\['wq'\] matches no layer of MptForCausalLM; name some of "
+                                         r"its linear layers \(Wqkv, out_proj, up_proj, down_proj\)"):
+        add_lora(tiny_model("mpt"), LoraConfig(rank=4, target_modules=["wq"]))
