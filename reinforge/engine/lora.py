@@ -102,7 +102,6 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
     if experts:
         logger.info("LoRA on a mixture of experts: %s", EXPERTS_NOTE)
     chosen = _targets_for(model, config, head)
-    _refuse_transposed_layers(model, chosen, head)
     if chosen is not config:
         logger.info("LoRA: %s has none of model.lora.target_modules' default layers (%s); its adapters go on its "
                     "linear layers %s", type(model).__name__, ", ".join(config.target_modules),
@@ -139,21 +138,6 @@ def linear_layer_names(model: nn.Module, head: str | None = None) -> list[str]:
 STATE_SPACE_FAMILIES = ("mamba", "mamba2", "falcon_mamba", "falcon_h1", "nemotron_h")
 STATE_SPACE_MIXER_LAYERS = {"out_proj", "conv1d"}
 """Layers of a state-space mixer that peft gives no adapter (it refuses them by name in these families)."""
-
-
-def _refuse_transposed_layers(model: nn.Module, config: LoraConfig, head: str | None) -> None:
-    """GPT-2-style layers (transformers' Conv1D) keep their weights transposed, (in, out): the adapters' merges
-    into the rollout's and the checkpoints' weights read (out, in), so adapters on them are refused in one line."""
-    from transformers.pytorch_utils import Conv1D
-
-    targets = set(config.target_modules)
-    transposed = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, Conv1D) and ("all-linear" in targets
-                                                            or name.rsplit(".", 1)[-1] in targets)})
-    if transposed:
-        raise ValueError(f"model.lora: {type(model).__name__}'s layers {', '.join(transposed)} are transformers' "
-                         "Conv1D, whose weights are stored transposed, and reinforge merges adapters only into "
-                         "linear layers; train this model without adapters (model.lora.rank=0)")
 
 
 def _targets_for(model: nn.Module, config: LoraConfig, head: str | None) -> LoraConfig:
@@ -275,9 +259,10 @@ def merged_weights(peft_model: nn.Module) -> Iterator[None]:
     try:
         for layer, delta in lora_deltas(peft_model):
             base = layer.get_base_layer()
-            merged = (base.weight.detach().float() + delta).to(base.weight.dtype)
+            transposed = _is_conv1d(base)  # GPT-2's layers keep W as (in, out)
+            merged = (base.weight.detach().float() + (delta.T if transposed else delta)).to(base.weight.dtype)
             # the forward reads the merged tensor; the registered parameters stay FSDP's own
-            base.forward = functools.partial(_linear, weight=merged, bias=base.bias)
+            base.forward = functools.partial(_conv1d if transposed else _linear, weight=merged, bias=base.bias)
             layer.merged_adapters.append(ADAPTER_NAME)
             swapped.append((layer, base))
         yield
@@ -291,11 +276,39 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return nn.functional.linear(x, weight, bias)
 
 
-def merge_lora_weights(state: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
+def _conv1d(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """transformers' Conv1D forward (GPT-2's linear layer, W stored (in, out)) on the merged ``weight``."""
+    return torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(*x.shape[:-1], weight.size(-1))
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def transposed_layers(model: nn.Module) -> frozenset[str]:
+    """The names of ``model``'s layers that store their weight transposed, (in, out): transformers' Conv1D (GPT-2's
+    c_attn, c_fc, c_proj), without peft's ``base_layer`` wrapping. An adapter's B A is (out, in): merged into them
+    it is transposed (``merge_lora_weights``, ``merged_by_name``)."""
+    return frozenset(name.removesuffix(".base_layer") for name, module in model.named_modules() if _is_conv1d(module))
+
+
+def _delta_for(prefix: str, delta: Tensor, transposed: frozenset[str]) -> Tensor:
+    """``delta`` in the layout of the weight at ``prefix`` (names may carry peft's or a wrapper's leading parts)."""
+    for name in transposed:
+        if prefix == name or prefix.endswith(f".{name}") or name.endswith(f".{prefix}"):
+            return delta.T
+    return delta
+
+
+def merge_lora_weights(state: dict[str, Tensor], scaling: float,
+                       transposed: frozenset[str] = frozenset()) -> dict[str, Tensor]:
     """Plain weights from an adapted model's state dict, in place: W + scaling * B A; the adapters dropped.
 
     Accepts the adapted names (``q_proj.base_layer.weight``) or plain base names with the adapter
     tensors added (``q_proj.weight`` and ``q_proj.lora_A.default.weight``). Returns ``state``.
+    ``transposed``: the layers whose weight is (in, out) (``transposed_layers``).
     """
     marker_a = f".lora_A.{ADAPTER_NAME}.weight"
     for name in [name for name in state if ".base_layer." in name]:
@@ -305,14 +318,16 @@ def merge_lora_weights(state: dict[str, Tensor], scaling: float) -> dict[str, Te
         lora_a = state.pop(name_a)
         lora_b = state.pop(f"{prefix}.lora_B.{ADAPTER_NAME}.weight")
         weight = state[f"{prefix}.weight"]
-        state[f"{prefix}.weight"] = (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+        delta = _delta_for(prefix, scaling * (lora_b.float() @ lora_a.float()), transposed)
+        state[f"{prefix}.weight"] = (weight.float() + delta).to(weight.dtype)
     leftover = [name for name in state if ".lora_" in name]
     if leftover:
         raise ValueError(f"adapter tensor {leftover[0]} has no lora_A/lora_B partner; the state is not one adapter")
     return state
 
 
-def merged_by_name(state: dict[str, Tensor], scaling: float) -> Iterator[tuple[str, Tensor]]:
+def merged_by_name(state: dict[str, Tensor], scaling: float,
+                   transposed: frozenset[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
     """(plain name, tensor) for an adapted model's named tensors, each adapted weight merged only when reached.
 
     Unlike ``merge_lora_weights`` nothing is kept: one merged weight exists at a time.
@@ -325,7 +340,8 @@ def merged_by_name(state: dict[str, Tensor], scaling: float) -> Iterator[tuple[s
             prefix = name[:name.index(marker)]
             lora_a = state[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"]
             lora_b = state[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"]
-            tensor = (tensor.float() + scaling * (lora_b.float() @ lora_a.float())).to(tensor.dtype)
+            delta = _delta_for(prefix, scaling * (lora_b.float() @ lora_a.float()), transposed)
+            tensor = (tensor.float() + delta).to(tensor.dtype)
         yield name.replace(marker, "."), tensor
 
 
@@ -342,6 +358,9 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
     peft_names = {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().contiguous().cpu()
                   for name, tensor in adapters.items()}
     save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapted = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in adapters if ".lora_A." in name})
+    if adapted and list(config.target_modules) != ["all-linear"] and not set(adapted) <= set(config.target_modules):
+        config = dataclasses.replace(config, target_modules=adapted)  # the layers add_lora chose for this family
     peft_config = _peft_config(config, base_model_path).to_dict()
     (folder / "adapter_config.json").write_text(json.dumps(_jsonable(peft_config), indent=2, sort_keys=True) + "\n")
 

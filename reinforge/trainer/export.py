@@ -22,7 +22,7 @@ from transformers import (
     AutoTokenizer,
 )
 
-from reinforge.engine.lora import merge_lora_weights, read_adapter_config
+from reinforge.engine.lora import merge_lora_weights, read_adapter_config, transposed_layers
 from reinforge.models import load_causal_lm, save_hf_folder
 from reinforge.models.vision import is_vision_language, load_processor
 from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
@@ -115,7 +115,7 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
             else AutoModelForSequenceClassification.from_pretrained(base_path, config=classifier_config,
                                                                     dtype=torch.float32))
     state = base.state_dict() | adapters
-    base.load_state_dict(merge_lora_weights(state, scaling))
+    base.load_state_dict(merge_lora_weights(state, scaling, transposed_layers(base)))
     save_hf_folder(base, tokenizer, out_dir, dtype=dtype)
     shutil.copytree(adapter_folder, out_dir / "adapter")  # written with actor_state.pt, from the same tensors
     return out_dir

@@ -23,7 +23,13 @@ from reinforge.engine.fsdp import (
     full_training_state,
     load_full_training_state,
 )
-from reinforge.engine.lora import adapter_state, lora_scaling, merge_lora_weights, write_adapter_folder
+from reinforge.engine.lora import (
+    adapter_state,
+    lora_scaling,
+    merge_lora_weights,
+    transposed_layers,
+    write_adapter_folder,
+)
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
 
@@ -103,7 +109,7 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
     if rank() == 0:
         if lora is not None:
             write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path)
-            merge_lora_weights(state, lora_scaling(lora))
+            merge_lora_weights(state, lora_scaling(lora), transposed_layers(model))
         with torch.device("meta"):
             plain = model_class(model.config)
         plain.load_state_dict(state, assign=True, strict=False)

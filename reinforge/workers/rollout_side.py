@@ -39,7 +39,7 @@ from reinforge.engine.device import autocast_context, compute_dtype
 from reinforge.engine.distributed import world_size
 from reinforge.engine.forward import build_position_ids
 from reinforge.engine.fsdp import unsharded
-from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_name, merged_weights
+from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_name, merged_weights, transposed_layers
 from reinforge.engine.memory_plan import GiB, rollout_concurrency
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
@@ -235,7 +235,7 @@ def full_weights_on_cpu(model: torch.nn.Module, dtype: torch.dtype, rank: int,
             if rank == 0:
                 weights[plain_name(name)] = value.detach().to("cpu", dtype, copy=True)  # the gathered storage is freed
     if lora_scale is not None and rank == 0:
-        merge_lora_weights(weights, lora_scale)  # the plain model's names and weights
+        merge_lora_weights(weights, lora_scale, transposed_layers(model))  # the plain model's names and weights
     return weights if rank == 0 else None
 
 
@@ -291,7 +291,7 @@ class RolloutSide:
         with torch.no_grad(), unsharded(model):
             gathered = {plain_name(name): parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
                         for name, parameter in model.named_parameters()}
-            named = (merged_by_name(gathered, lora_scale) if lora_scale is not None
+            named = (merged_by_name(gathered, lora_scale, transposed_layers(model)) if lora_scale is not None
                      else gathered.items())  # LoRA: one merged layer at a time
             for key, value in named:
                 if key not in targets:

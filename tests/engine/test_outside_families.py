@@ -10,6 +10,7 @@ attention: its mixer reads the mask as padding, so it runs padded rows) and Llam
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -181,10 +182,9 @@ def test_a_critic_reads_the_bodys_output_width_and_attention(tmp_path):
         assert values.shape == (2, 5) and torch.isfinite(values).all()
 
 
-def test_lora_adapts_a_family_without_llama_style_projections_or_refuses_in_one_line(caplog):
+def test_lora_adapts_a_family_without_llama_style_projections(caplog):
     """Default targets that name no layer of the model become its linear layers (Mamba: not the mixer's out_proj,
-    which peft refuses); GPT-2's transposed Conv1D layers are refused; targets the user named that match nothing
-    list the model's layers."""
+    which peft refuses); targets the user named that match nothing list the model's layers."""
     import logging
 
     from reinforge.config.schema import LoraConfig
@@ -195,8 +195,48 @@ def test_lora_adapts_a_family_without_llama_style_projections_or_refuses_in_one_
     assert {layer_name.rsplit(".", 1)[-1] for layer_name, module in adapted.named_modules()
             if module in lora_layers(adapted)} == {"dt_proj", "in_proj", "x_proj"}
     assert "its adapters go on its linear layers dt_proj, in_proj, x_proj" in caplog.text
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel's layers c_attn, c_fc, c_proj are transformers' Conv1D"):
-        add_lora(tiny_model("gpt2"), LoraConfig(rank=4))
     with pytest.raises(ValueError, match=r"target_modules=\['wq'\] matches no layer of MptForCausalLM; name some of "
                                          r"its linear layers \(Wqkv, out_proj, up_proj, down_proj\)"):
         add_lora(tiny_model("mpt"), LoraConfig(rank=4, target_modules=["wq"]))
+
+
+def test_adapters_on_gpt2s_transposed_layers_merge_as_peft_applies_them(tmp_path):
+    """GPT-2's c_attn, c_fc and c_proj are transformers' Conv1D, weights stored (in, out): the rollout's merged
+    forward, the checkpoint's merged weights and the adapter folder all give peft's own adapted model."""
+    from peft import PeftModel
+
+    from reinforge.config.schema import LoraConfig
+    from reinforge.engine.lora import (
+        adapter_state,
+        add_lora,
+        lora_layers,
+        merge_lora_weights,
+        merged_weights,
+        transposed_layers,
+        write_adapter_folder,
+    )
+
+    model = tiny_model("gpt2")
+    plain = copy.deepcopy(model)
+    config = LoraConfig(rank=4, alpha=8.0)
+    adapted = add_lora(model, config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in lora_layers(adapted):
+            layer.lora_B["default"].weight.normal_(0.0, 0.2, generator=generator)
+    input_ids = torch.randint(3, 60, (2, 9), generator=generator)
+    with torch.no_grad():
+        expected = adapted(input_ids=input_ids).logits
+        with merged_weights(adapted):
+            torch.testing.assert_close(model(input_ids=input_ids).logits, expected, atol=1e-5, rtol=1e-5)
+    assert expected.sub(plain(input_ids=input_ids).logits).abs().max() > 1e-2  # the adapters do change it
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    write_adapter_folder(tmp_path / "adapter", adapter_state(state), config, "")
+    merged = merge_lora_weights(state, config.alpha / config.rank, transposed_layers(model))
+    merged = {name.removeprefix("base_model.model."): tensor for name, tensor in merged.items()}
+    checkpoint = copy.deepcopy(plain)
+    checkpoint.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(checkpoint(input_ids=input_ids).logits, expected, atol=1e-5, rtol=1e-5)
+        reloaded = PeftModel.from_pretrained(copy.deepcopy(plain), tmp_path / "adapter")
+        torch.testing.assert_close(reloaded(input_ids=input_ids).logits, expected, atol=1e-5, rtol=1e-5)
