@@ -65,15 +65,17 @@ def logit_transform(config) -> tuple[float, float | None]:
     """(multiplier, final soft-cap) that the causal LM applies to ``lm_head``'s output, from its config.
 
     Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides, Gemma's
-    ``final_logit_softcapping`` caps after them: the log-probs are those of the logits the
-    model itself returns.
+    ``final_logit_softcapping`` (RecurrentGemma's ``logits_soft_cap``) caps after them: the
+    log-probs are those of the logits the model itself returns. A family whose head does something
+    else is found by the start-up probe (``engine.fused.check_packed_sequences_stay_apart``).
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     multiplier = float(getattr(config, "logit_scale", None) or 1.0)
     divisor = getattr(config, "logits_scaling", None)
     if divisor:
         multiplier /= float(divisor)
-    return multiplier, getattr(config, "final_logit_softcapping", None)
+    cap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+    return multiplier, cap
 
 
 PACKS_ROWS = "_reinforge_packs_rows"

@@ -398,6 +398,21 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     if gap > tolerance:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes the rows of a batch (log-probs "
                          f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
+    # the log-probs come from the decoder's last hidden state through lm_head and the head's known transforms
+    # (engine.forward.logit_transform); a head that does more would train on other probabilities than it samples
+    was_training = model.training
+    model.eval()
+    try:
+        own = torch.cat([model(input_ids=batch["input_ids"][row:row + 1], use_cache=False).logits[:, 3:-1].float()
+                         .log_softmax(-1).gather(-1, responses[row:row + 1, :, None].to(device))[..., 0]
+                         for row in range(2)])
+    finally:
+        model.train(was_training)
+    head_gap = float((own - alone).abs().max())
+    if head_gap > tolerance:
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) computes its logits beyond lm_head in a "
+                         f"way reinforge does not reproduce (log-probs {head_gap:.3g} from the model's own); "
+                         "training it would follow other probabilities than it samples")
 
 
 def prepare_for_training(model: nn.Module, device: torch.device) -> None:

@@ -140,6 +140,46 @@ def test_a_model_whose_layers_take_no_packed_row_runs_padded_rows():
     torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_recurrent_gemmas_logit_soft_cap_is_applied_as_the_model_applies_it():
+    """RecurrentGemma caps its logits (``logits_soft_cap``): the training log-probs are those of its own forward."""
+    known("recurrent_gemma")
+    config = AutoConfig.for_model("recurrent_gemma", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, lru_width=64,
+                                  attention_window_size=16, block_types=["recurrent", "attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logits near the cap of 30, where it matters
+    batch = _batch(64)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits[:, 3:-1].log_softmax(-1)
+    expected = logits.gather(-1, batch["responses"][..., None])[..., 0]
+    from reinforge.engine.attention import use_varlen_attention
+
+    use_varlen_attention(model)
+    check_packed_sequences_stay_apart(model)
+    torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_that_changes_the_logits_beyond_lm_head_is_refused_in_one_line():
+    """Training on other probabilities than the rollout samples would be a silent failure: the probe compares the
+    log-probs with the model's own forward once, at start."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    model = tiny_model("gpt2")
+    original = model.forward
+
+    def doubled(*args, **kwargs):  # a head that scales its logits where reinforge does not know to
+        output = original(*args, **kwargs)
+        output.logits = output.logits * 2.0
+        return output
+
+    model.forward = doubled
+    use_varlen_attention(model)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel \(model_type='gpt2'\) computes its logits beyond lm_head"):
+        check_packed_sequences_stay_apart(model)
+
+
 def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
     model = tiny_model("llama4_text")
     assert model.get_decoder() is model  # transformers' lookup gives the causal LM back
