@@ -201,6 +201,8 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     its decoder, and the output projection runs fused with the log-softmax. A model whose attention does not take
     packed rows (``packs_rows``) runs the micro-batch's padded rows instead, with the same projection.
     """
+    if getattr(model, OWN_LOGITS, False):  # a head reinforge does not reproduce: its own logits, whole
+        return _own_logits_log_probs(model, micro, temperature, with_entropy, with_sum_pi_squared)
     if not packs_rows(model):  # padded rows, no shared prompts: hidden state at width - 1 + t predicts token t
         width, valid = _response_positions(micro)
         with _last_hidden_state(model) as captured:
@@ -240,6 +242,29 @@ def decoder_of(model: nn.Module) -> nn.Module:
         if any(module is first for module in child.modules()):
             return child
     return model
+
+
+OWN_LOGITS = "_reinforge_own_logits"
+"""Set on a model whose head transforms its logits beyond ``lm_head`` and ``logit_transform`` (found by the start-up
+probe): its log-probs are read from the logits its own forward returns, over padded rows."""
+
+
+def _own_logits_log_probs(model: nn.Module, micro: Batch, temperature: float, with_entropy: bool,
+                          with_sum_pi_squared: bool) -> tuple[Tensor, ...]:
+    """``response_log_probs`` from the logits the causal LM itself returns (every vocabulary entry of every response
+    position at once, in float32: more memory than the fused projection, which never holds them all)."""
+    width, valid = _response_positions(micro)
+    logits = _padded_hidden(model, micro).logits[:, width - 1:-1][valid].float()
+    logits = logits / (temperature if temperature > 0 else 1.0)
+    log_softmax = logits.log_softmax(-1)
+    log_probs = log_softmax.gather(-1, micro["responses"][valid][:, None])[:, 0]
+    if not (with_entropy or with_sum_pi_squared):
+        return _scattered(log_probs, valid), None
+    probs = log_softmax.exp()
+    entropy = _scattered(-(probs * log_softmax).sum(-1), valid)
+    if with_sum_pi_squared:
+        return _scattered(log_probs, valid), entropy, _scattered(probs.square().sum(-1), valid)
+    return _scattered(log_probs, valid), entropy
 
 
 @contextlib.contextmanager

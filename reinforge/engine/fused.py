@@ -357,7 +357,7 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
     fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens.
     """
-    from reinforge.engine.forward import PACKS_ROWS, build_position_ids, packs_rows, response_log_probs
+    from reinforge.engine.forward import OWN_LOGITS, PACKS_ROWS, build_position_ids, packs_rows, response_log_probs
     from reinforge.protocol import Batch
 
     model_type = getattr(model.config, "model_type", type(model).__name__)
@@ -409,10 +409,12 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     finally:
         model.train(was_training)
     head_gap = float((own - alone).abs().max())
-    if head_gap > tolerance:
-        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) computes its logits beyond lm_head in a "
-                         f"way reinforge does not reproduce (log-probs {head_gap:.3g} from the model's own); "
-                         "training it would follow other probabilities than it samples")
+    if head_gap > tolerance:  # training would follow other probabilities than the model samples
+        setattr(model, OWN_LOGITS, True)
+        logger.warning("%s (model_type=%r) computes its logits beyond lm_head in a way reinforge does not reproduce "
+                       "(log-probs %.3g from the model's own): its training passes read the logits its own forward "
+                       "returns, over padded rows, every vocabulary entry at once (more memory, slower)",
+                       type(model).__name__, model_type, head_gap)
 
 
 def prepare_for_training(model: nn.Module, device: torch.device) -> None:

@@ -161,9 +161,11 @@ def test_recurrent_gemmas_logit_soft_cap_is_applied_as_the_model_applies_it():
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_head_that_changes_the_logits_beyond_lm_head_is_refused_in_one_line():
+def test_a_head_that_changes_the_logits_beyond_lm_head_trains_on_its_own_logits(caplog):
     """Training on other probabilities than the rollout samples would be a silent failure: the probe compares the
-    log-probs with the model's own forward once, at start."""
+    log-probs with the model's own forward once, at start, and a head it does not reproduce is read whole."""
+    import logging
+
     from reinforge.engine.attention import use_varlen_attention
 
     model = tiny_model("gpt2")
@@ -176,8 +178,20 @@ def test_a_head_that_changes_the_logits_beyond_lm_head_is_refused_in_one_line():
 
     model.forward = doubled
     use_varlen_attention(model)
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel \(model_type='gpt2'\) computes its logits beyond lm_head"):
+    with caplog.at_level(logging.WARNING, logger="reinforge.engine.fused"):
         check_packed_sequences_stay_apart(model)
+    assert "GPT2LMHeadModel (model_type='gpt2') computes its logits beyond lm_head" in caplog.text
+    batch = _batch(64)
+    with torch.no_grad():
+        logits = (doubled(input_ids=batch["input_ids"]).logits[:, 3:-1] / 0.7).log_softmax(-1)
+    log_probs, entropy, sum_pi_squared = response_log_probs(model, batch, temperature=0.7, with_entropy=True,
+                                                            with_sum_pi_squared=True)
+    torch.testing.assert_close(log_probs, logits.gather(-1, batch["responses"][..., None])[..., 0])
+    torch.testing.assert_close(entropy, -(logits.exp() * logits).sum(-1))
+    torch.testing.assert_close(sum_pi_squared, logits.exp().square().sum(-1))
+    assert response_log_probs(model, batch)[1] is None
+    log_probs.sum().backward()  # the update's gradients flow through the model's own head
+    assert model.transformer.h[0].attn.c_attn.weight.grad.abs().sum() > 0
 
 
 def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
