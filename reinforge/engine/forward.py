@@ -126,6 +126,8 @@ def runs_padded(model: nn.Module) -> bool:
         module = model.backbone
     elif isinstance(getattr(model, "score", None), nn.Module) and hasattr(model, "base_model"):
         module = model.base_model
+    if getattr(model, OWN_LOGITS, False):  # a head read whole runs padded rows (``_own_logits_log_probs``)
+        return True
     return getattr(module, "config", None) is not None and not packs_rows(module)
 
 

@@ -181,6 +181,9 @@ def test_a_head_that_changes_the_logits_beyond_lm_head_trains_on_its_own_logits(
     with caplog.at_level(logging.WARNING, logger="reinforge.engine.fused"):
         check_packed_sequences_stay_apart(model)
     assert "GPT2LMHeadModel (model_type='gpt2') computes its logits beyond lm_head" in caplog.text
+    from reinforge.engine.forward import runs_padded
+
+    assert runs_padded(model)  # its micro-batches are sized for padded rows
     batch = _batch(64)
     with torch.no_grad():
         logits = (doubled(input_ids=batch["input_ids"]).logits[:, 3:-1] / 0.7).log_softmax(-1)
