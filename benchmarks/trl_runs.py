@@ -133,9 +133,9 @@ def time_generation(clock: Clock) -> None:
 
 def step_clock(clock: Clock) -> tuple[Any, list[float]]:
     """A transformers ``TrainerCallback`` that records the time of each optimizer step's end (after the device is
-    done) into ``clock.step_ends``, calls ``clock.on_progress``, and stops training at the deadline, or before a step as long as
-    the last one would end past it (so the script still writes its results in time; not after the first, which
-    counts the warm-up), and the list it records into."""
+    done) into ``clock.step_ends``, calls ``clock.on_progress``, and stops training at the deadline, or before a
+    step as long as the last one would end past it (so the script still writes its results in time; not after the
+    first, which counts the warm-up), and the list it records into."""
     from transformers import TrainerCallback
 
     times: list[float] = []
@@ -192,18 +192,13 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
     in ``best``); returns the script's exit status."""
     results: list[dict[str, Any]] = []
 
-    made: list[float] = []  # the running try's step times (kept in its record if it then runs out of memory)
-
-    def steps_so_far(checkpointing: bool) -> Callable[[], None]:
-        def write() -> None:
-            start = clock.marks.get("trainer built", clock.start)
-            record = step_record(clock, checkpointing, start, clock.step_ends, [])
-            made[:] = record["step_times_s"]
-            write_results(args.json, [*results, record])
-        return write
+    def so_far(checkpointing: bool) -> dict[str, Any]:
+        """The running try's record from the steps it has made."""
+        return step_record(clock, checkpointing, clock.marks.get("trainer built", clock.start), clock.step_ends, [])
 
     for checkpointing in MODES[args.checkpointing]:
-        clock.on_progress, made[:] = steps_so_far(checkpointing), []
+        clock.step_ends = []  # a try that fails before its first step has made none
+        clock.on_progress = lambda mode=checkpointing: write_results(args.json, [*results, so_far(mode)])
         if args.checkpointing == "auto" and any("step_s" in result for result in results):
             break  # it fit without checkpointing
         if results and clock.passed():
@@ -212,8 +207,9 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
         try:
             results.append(run(checkpointing))
         except torch.OutOfMemoryError as error:
+            made = so_far(checkpointing)["step_times_s"]  # kept in the record of a try that then ran out of memory
             results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}",
-                            **({"step_times_s_before_the_error": list(made)} if made else {})})
+                            **({"step_times_s_before_the_error": made} if made else {})})
         gc.collect()  # the failed trainer's cycles, before its memory goes back
         if not clock.cpu:
             torch.cuda.empty_cache()

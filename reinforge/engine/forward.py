@@ -126,7 +126,7 @@ def runs_padded(model: nn.Module) -> bool:
         module = model.backbone
     elif isinstance(getattr(model, "score", None), nn.Module) and hasattr(model, "base_model"):
         module = model.base_model
-    if getattr(model, OWN_LOGITS, False):  # a head read whole runs padded rows (``_own_logits_log_probs``)
+    if getattr(model, OWN_LOGITS, False):  # a head read whole runs padded rows (``own_logits_log_probs``)
         return True
     return getattr(module, "config", None) is not None and not packs_rows(module)
 
@@ -204,7 +204,7 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     packed rows (``packs_rows``) runs the micro-batch's padded rows instead, with the same projection.
     """
     if getattr(model, OWN_LOGITS, False):  # a head reinforge does not reproduce: its own logits, whole
-        return _own_logits_log_probs(model, micro, temperature, with_entropy, with_sum_pi_squared)
+        return own_logits_log_probs(model, micro, temperature, with_entropy, with_sum_pi_squared)
     if not packs_rows(model):  # padded rows, no shared prompts: hidden state at width - 1 + t predicts token t
         width, valid = _response_positions(micro)
         with _last_hidden_state(model) as captured:
@@ -251,7 +251,7 @@ OWN_LOGITS = "_reinforge_own_logits"
 probe): its log-probs are read from the logits its own forward returns, over padded rows."""
 
 
-def _own_logits_log_probs(model: nn.Module, micro: Batch, temperature: float, with_entropy: bool,
+def own_logits_log_probs(model: nn.Module, micro: Batch, temperature: float, with_entropy: bool,
                           with_sum_pi_squared: bool) -> tuple[Tensor, ...]:
     """``response_log_probs`` from the logits the causal LM itself returns (every vocabulary entry of every response
     position at once, in float32: more memory than the fused projection, which never holds them all)."""

@@ -357,7 +357,14 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
     fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens.
     """
-    from reinforge.engine.forward import OWN_LOGITS, PACKS_ROWS, build_position_ids, packs_rows, response_log_probs
+    from reinforge.engine.forward import (
+        OWN_LOGITS,
+        PACKS_ROWS,
+        build_position_ids,
+        own_logits_log_probs,
+        packs_rows,
+        response_log_probs,
+    )
     from reinforge.protocol import Batch
 
     model_type = getattr(model.config, "model_type", type(model).__name__)
@@ -393,21 +400,17 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
             if gap <= tolerance or padded:
                 break
             setattr(model, PACKS_ROWS, False)  # its packed sequences mix: padded rows from here on
+        if gap <= tolerance:
+            # the log-probs come from the decoder's last hidden state through lm_head and the head's known transforms
+            # (engine.forward.logit_transform); a head that does more would train on other probabilities than it
+            # samples
+            own = torch.cat([own_logits_log_probs(model, batch.index([row]), 1.0, False, False)[0].float()
+                             for row in range(2)])
     finally:
         model.train(was_training)
     if gap > tolerance:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes the rows of a batch (log-probs "
                          f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
-    # the log-probs come from the decoder's last hidden state through lm_head and the head's known transforms
-    # (engine.forward.logit_transform); a head that does more would train on other probabilities than it samples
-    was_training = model.training
-    model.eval()
-    try:
-        own = torch.cat([model(input_ids=batch["input_ids"][row:row + 1], use_cache=False).logits[:, 3:-1].float()
-                         .log_softmax(-1).gather(-1, responses[row:row + 1, :, None].to(device))[..., 0]
-                         for row in range(2)])
-    finally:
-        model.train(was_training)
     head_gap = float((own - alone).abs().max())
     if head_gap > tolerance:  # training would follow other probabilities than the model samples
         setattr(model, OWN_LOGITS, True)

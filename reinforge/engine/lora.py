@@ -126,12 +126,10 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
 def linear_layer_names(model: nn.Module, head: str | None = None) -> list[str]:
     """The distinct last names of ``model``'s linear layers (transformers' Conv1D, GPT-2's, included), its output
     head and a classification ``head`` left out."""
-    from transformers.pytorch_utils import Conv1D
-
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skipped = {output, getattr(model, head, None) if head else None} - {None}
     names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, (nn.Linear, Conv1D)) and module not in skipped]
+             if (isinstance(module, nn.Linear) or _is_conv1d(module)) and module not in skipped]
     return list(dict.fromkeys(names))
 
 

@@ -502,7 +502,8 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
                  if part.get(name) is not None]
         if found:
             values[standard] = found[0]
-    derived = [key for key in CORE_SIZES if values.get(key) is None and defaults and key not in defaults]
+    derived = [key for key in CORE_SIZES
+               if values.get(key) is None and isinstance(getattr(config_class, key, None), property)]
     if derived:  # sizes the config class computes rather than stores (NemotronH's layers, from its block pattern)
         try:
             built = config_class.from_dict(values)

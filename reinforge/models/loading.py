@@ -163,21 +163,22 @@ def _declared_model_type(path: str) -> str | None:
         return None
 
 
-def _supports_sdpa(path: str, trust_remote_code: bool, mapping=None) -> bool:
-    """Whether transformers' class for the model at ``path`` in ``mapping`` (the causal LMs by default; the bodies
-    for a critic) runs SDPA (False for Gemma 2, whose soft-cap it cannot, and for MPT and Mamba)."""
+def sdpa_or_eager(model_class: type | None, attn_implementation: str) -> str:
+    """``attn_implementation``, except ``sdpa`` becomes ``eager`` for a model class that cannot run SDPA (Gemma 2,
+    whose soft-cap it cannot, MPT, Mamba)."""
+    if attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
+        return "eager"
+    return attn_implementation
+
+
+def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, mapping=None) -> str:
+    """``sdpa_or_eager`` for transformers' class of the model at ``path`` in ``mapping`` (the causal LMs by default;
+    the bodies for a critic)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = read_model_config(path, trust_remote_code)
     model_class = (MODEL_FOR_CAUSAL_LM_MAPPING if mapping is None else mapping).get(type(config), None)
-    return model_class is None or getattr(model_class, "_supports_sdpa", True) is not False
-
-
-def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, mapping=None) -> str:
-    """``attn_implementation``, except ``sdpa`` becomes ``eager`` where the model's class cannot run SDPA."""
-    if attn_implementation == "sdpa" and not _supports_sdpa(path, trust_remote_code, mapping):
-        return "eager"
-    return attn_implementation
+    return sdpa_or_eager(model_class, attn_implementation)
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,

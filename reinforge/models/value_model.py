@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from reinforge.models.export import atomic_folder
 from reinforge.models.loading import (
@@ -78,8 +79,6 @@ class ValueModel(nn.Module):
             if (Path(path) / VALUE_HEAD_FILE).is_file():
                 head_path = Path(path) / VALUE_HEAD_FILE
         with hub_errors_explained(path):
-            from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
             attn_implementation = attention_for(path, trust_remote_code, attn_implementation, MODEL_MAPPING)
             backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                  attn_implementation=attn_implementation)

@@ -339,7 +339,7 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, max_length: int,
              max_key_length: int, scale: float, softcap: float, window: int,
-             blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+             blocks: Tiling | None = None) -> tuple[Tensor, Tensor]:
     _check(q, k, v, cu_seqlens, cu_seqlens_k)
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     total_q, heads, head_dim = q.shape
@@ -361,8 +361,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: 
 
 def _backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
               cu_seqlens_k: Tensor, max_length: int, max_key_length: int, scale: float, softcap: float,
-              window: int, kv_blocks: tuple[int, int, int, int] | None = None,
-              q_blocks: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              window: int, kv_blocks: Tiling | None = None,
+              q_blocks: Tiling | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv; ``kv_blocks`` and ``q_blocks`` (BLOCK_M, BLOCK_N, warps, stages) replace each kernel's tiling
     from the tables (``benchmarks/softcap_attention_tilings.py`` times them)."""
     q, k, v, grad_out = (_last_dim_contiguous(x) for x in (q, k, v, grad_out.to(q.dtype)))

@@ -30,11 +30,11 @@ from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.engine.forward import last_token_scores
 from reinforge.models.loading import (
-    attention_for,
     check_model_folder,
     hub_errors_explained,
     is_local_path,
     read_model_config,
+    sdpa_or_eager,
 )
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
@@ -79,7 +79,7 @@ def _classifier_attention(path: str, trust_remote_code: bool, attn_implementatio
                          "sequence-classification class (AutoModelForSequenceClassification); reinforge rm trains "
                          "a one-label head on that class, so start from a model of a family that has one (Llama, "
                          "Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
-    return attention_for(path, trust_remote_code, attn_implementation, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING)
+    return sdpa_or_eager(model_class, attn_implementation)
 
 
 class RewardModelTrainer(PreferenceRun):
