@@ -207,9 +207,10 @@ def run_modes(args: argparse.Namespace, clock: Clock, run: Callable[[bool], dict
         try:
             results.append(run(checkpointing))
         except torch.OutOfMemoryError as error:
-            made = so_far(checkpointing)["step_times_s"]  # kept in the record of a try that then ran out of memory
+            made = so_far(checkpointing)  # its steps and generate calls stay in the record of a try that then ran out
             results.append({"checkpointing": checkpointing, "error": f"out of memory: {str(error).splitlines()[0]}",
-                            **({"step_times_s_before_the_error": made} if made else {})})
+                            **({"step_times_s_before_the_error": made["step_times_s"]} if made["step_times_s"] else {}),
+                            **({"generate_s": made["generate_s"]} if "generate_s" in made else {})})
         gc.collect()  # the failed trainer's cycles, before its memory goes back
         if not clock.cpu:
             torch.cuda.empty_cache()

@@ -138,7 +138,7 @@ def render_table(results: list[dict]) -> str:
         lambda r: _number(r.get("plan", {}).get("estimated_gb", {}).get("update"), "{:.1f}"))
     if any("trl" in columns[key] for key in keys):
         add("TRL step s", "trl", _trl_step)
-        add("TRL generate s, each call", "trl", _trl_generate)
+        rows.append(("TRL generate s, each call", [_trl_generate(columns[key].get("trl")) for key in keys]))
         add("TRL peak GiB", "trl", lambda r: _number((r.get("best") or {}).get("peak_memory_gb"), "{:.1f}"))
         add("TRL gradient checkpointing", "trl", lambda r: "yes" if r["best"]["checkpointing"] else "no")
         rows.append(("TRL step / reinforge step", [_ratio(columns[key]) for key in keys]))
@@ -256,11 +256,20 @@ FIRST_STEP_ONLY = " (first step only)"
 step, so it and its ratio are not the medians the other cells are."""
 
 
-def _trl_generate(result: dict) -> str:
+def _trl_generate(result: dict | None) -> str:
     """The seconds of each ``generate`` call of TRL's run (one a step): a step is at least its generation, so a
-    run of one step still bounds its steady step from below."""
-    calls = (result.get("best") or {}).get("generate_s") or []
-    return ", ".join(f"{seconds:.2f}" for seconds in calls) or "–"
+    run of one step, or one that then ran out of memory or time, still bounds its steady step from below. Without
+    a finished run, the calls of the last try that made any, beside what stopped it."""
+    if result is None:
+        return "–"
+    best = result.get("best") or {}
+    calls = best.get("generate_s") or next((run["generate_s"] for run in reversed(result.get("runs") or [])
+                                             if run.get("generate_s")), [])
+    timed = ", ".join(f"{seconds:.2f}" for seconds in calls)
+    status = result["case"].get("status", "ok")
+    if status == "ok":
+        return timed or "–"
+    return f"{timed} ({status})" if timed else status
 
 
 def _trl_step(result: dict) -> str:

@@ -150,7 +150,7 @@ def test_a_bench_train_case_gets_the_time_left_as_its_own_deadline(tmp_path, mon
     args = argparse.Namespace(deadline_s=300.0, case_options=["--steps", "2"])
     case = sizes.CaseRunner(args, [], tmp_path, {})
     commands = []
-    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path: commands.append(command))
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path, env=None: commands.append(command))
     case.run_reinforge("1.5b", tmp_path / "model")
     [command] = commands
     deadline = float(command[command.index("--deadline-s") + 1])
@@ -167,7 +167,7 @@ def test_trls_case_gets_the_time_left_as_its_own_deadline(tmp_path, monkeypatch)
     args = argparse.Namespace(deadline_s=300.0, case_options=["--steps", "2"])
     case = sizes.CaseRunner(args, [], tmp_path, {})
     commands = []
-    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path: commands.append(command))
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path, env=None: commands.append(command))
     case.run_trl("qwen2.5-vl-3b", tmp_path / "model", tmp_path / "trl_grpo.py")
     [command] = commands
     assert command[1].endswith("trl_grpo_vl.py")
@@ -184,7 +184,7 @@ def test_trls_checkpointing_setting_reaches_its_script(tmp_path, monkeypatch):
     assert args.case_options == ["--steps", "2"]  # TRL's setting, not the reinforge case's
     case = sizes.CaseRunner(args, [], tmp_path, {})
     commands = []
-    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path: commands.append(command))
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path, env=None: commands.append(command))
     case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
     assert commands[-1][commands[-1].index("--checkpointing") + 1] == "on"
     args.trl_checkpointing = "auto"
@@ -196,3 +196,11 @@ def test_trl_checkpointing_without_trl_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--model", "1.5b", "--trl-checkpointing", "on"])
     assert "it needs --trl" in capsys.readouterr().err
+
+
+def test_trl_runs_with_expandable_segments_unless_the_allocator_is_configured():
+    """TRL's update allocates beside what ``generate`` left; its process gets PyTorch's expandable segments so that
+    fragments do not end it, and a user's own allocator setting is kept."""
+    assert sizes.trl_environment({"PATH": "/bin"}) == {"PATH": "/bin", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert sizes.trl_environment(mine) == mine

@@ -94,6 +94,19 @@ def test_a_trl_run_of_one_step_is_marked_in_its_cells_and_ratio(tmp_path, capsys
     assert out.splitlines()[-1].endswith("| 40.00 (first step only) | 10.0 (first step only) |")
 
 
+def test_the_generate_calls_of_a_trl_run_that_ran_out_of_memory_are_shown_beside_its_status(tmp_path, capsys):
+    folder = tmp_path / "run"
+    write(folder, "reinforge_0.5b.json", reinforge_case("0.5b", 4.0))
+    failed = trl_case("0.5b", None, status="OOM")
+    failed["runs"] = [{"checkpointing": True, "error": "out of memory: CUDA out of memory.",
+                       "step_times_s_before_the_error": [200.0], "generate_s": [150.0, 60.25]}]
+    write(folder, "trl_0.5b.json", failed)
+    assert main(["bench", "table", str(folder)]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["TRL step s"] == ["OOM"]
+    assert rows["TRL generate s, each call"] == ["150.00, 60.25 (OOM)"]
+
+
 def test_a_later_folder_replaces_a_case_and_differing_options_name_their_columns(tmp_path, capsys):
     write(tmp_path / "a", "reinforge_0.5b.json", reinforge_case("0.5b", 3.0))
     write(tmp_path / "b", "reinforge_0.5b.json", reinforge_case("0.5b", 2.5))

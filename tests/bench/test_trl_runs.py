@@ -92,10 +92,13 @@ def test_a_try_that_runs_out_of_memory_after_a_step_keeps_its_step_times(monkeyp
 
     def run(checkpointing: bool) -> dict:
         callback, times = trl_runs.step_clock(clock)
+        clock.generate_s.clear()  # as time_generation does for each try
         start = clock.phase("trainer built")
         now[0] += 50.0
+        clock.generate_s.append(40.0)
         callback.on_step_end(None, None, SimpleNamespace(should_training_stop=False))
         if not checkpointing:
+            clock.generate_s.append(30.0)  # the second step's generation ended, then its update ran out of memory
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         now[0] += 20.0
         callback.on_step_end(None, None, SimpleNamespace(should_training_stop=False))
@@ -105,6 +108,7 @@ def test_a_try_that_runs_out_of_memory_after_a_step_keeps_its_step_times(monkeyp
     assert trl_runs.run_modes(argparse.Namespace(checkpointing="auto", json=path), clock, run) == 0
     runs = json.loads(path.read_text())["runs"]
     assert runs[0]["error"].startswith("out of memory") and runs[0]["step_times_s_before_the_error"] == [50.0]
+    assert runs[0]["generate_s"] == [40.0, 30.0]  # a lower bound of the steady step it did not finish
     assert runs[1]["step_times_s"] == [50.0, 20.0] and "step_times_s_before_the_error" not in runs[1]
 
 

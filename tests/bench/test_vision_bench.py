@@ -103,7 +103,7 @@ def test_trl_runs_its_vision_language_script_beside_the_shape(tmp_path, monkeypa
     args = parse_args(["--model", "qwen2.5-vl-3b", "--trl", "--steps", "2"])
     runner = sizes.CaseRunner(args, [], tmp_path, {})
     commands = []
-    monkeypatch.setattr(runner, "run_case", lambda kind, size, command, path: commands.append(command))
+    monkeypatch.setattr(runner, "run_case", lambda kind, size, command, path, env=None: commands.append(command))
     runner.run_trl("qwen2.5-vl-3b", tmp_path / "model", Path("benchmarks") / "trl_grpo.py")
     runner.run_trl("3b", tmp_path / "model", Path("benchmarks") / "trl_grpo.py")
     assert [Path(command[1]).name for command in commands] == ["trl_grpo_vl.py", "trl_grpo.py"]
