@@ -216,6 +216,12 @@ class ActorConfig(UpdateConfig):
     """Keep the AdamW moments and a float32 master copy on the CPU, where the step runs (engine.offload), while
     parameters and gradients stay on the device: 12 bytes per parameter leave the device for 12 of host memory.
     Implied by param_offload. auto: only when the memory planner needs the room."""
+    keep_gathered: Union[bool, str] = "auto"
+    """One device only: the update gathers each layer's parameters (in the compute dtype) once a mini-batch and keeps
+    them from the first micro-batch's forward to the last one's backward, and accumulates the gradients unreduced
+    (float32) until then, instead of gathering for every forward and backward and reducing after each. Saves those
+    copies (about 6% of a 2.6B model's update in 14 micro-batches) for the model's compute-dtype copy in memory.
+    auto: when the memory planner finds the room; false with several devices or param_offload."""
 
 
 @dataclass

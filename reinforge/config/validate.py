@@ -351,6 +351,7 @@ def _check_memory_settings(config: Config) -> None:
         "actor.optimizer_offload": (config.actor.optimizer_offload, (bool,), "true or false"),
         "actor.param_offload": (config.actor.param_offload, (bool,), "true or false"),
         "ref.param_offload": (config.ref.param_offload, (bool,), "true or false"),
+        "actor.keep_gathered": (config.actor.keep_gathered, (bool,), "true or false"),
     }
     for key, (value, types, what) in kinds.items():
         if value == "auto":
@@ -358,6 +359,14 @@ def _check_memory_settings(config: Config) -> None:
         wrong_bool = isinstance(value, bool) and bool not in types
         if wrong_bool or not isinstance(value, types) or (not isinstance(value, bool) and value < 0):
             raise ConfigError(f"{key}={value!r} must be auto or {what}")
+    if config.actor.keep_gathered is True:
+        devices = config.trainer.nnodes * config.trainer.devices_per_node
+        if devices > 1:
+            raise ConfigError(f"actor.keep_gathered=true keeps one device's whole model gathered, but the run has "
+                              f"{devices} devices (trainer.nnodes x trainer.devices_per_node); set it to auto or false")
+        if config.actor.param_offload is True:
+            raise ConfigError("actor.keep_gathered=true with actor.param_offload=true: parameters streamed from the "
+                              "host are gathered for each use; set one of them to auto or false")
     fraction = config.rollout.gpu_memory_utilization
     if fraction is not None and not 0.0 < fraction <= 1.0:
         raise ConfigError(f"rollout.gpu_memory_utilization={fraction} must be in (0, 1], or null to let the "

@@ -86,14 +86,54 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     return model
 
 
-def fsdp_params(unit: nn.Module) -> list:
-    """The FSDPParam records of one ``fully_shard`` unit (torch 2.11 keeps one group, later versions a list)."""
+def _param_groups(unit: nn.Module) -> list:
+    """The FSDPParamGroups of one ``fully_shard`` unit (torch 2.11 keeps one group, later versions a list)."""
     state = unit._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
-    return [param for group in groups for param in group.fsdp_params]
+    return list(groups)
+
+
+def fsdp_params(unit: nn.Module) -> list:
+    """The FSDPParam records of one ``fully_shard`` unit."""
+    return [param for group in _param_groups(unit) for param in group.fsdp_params]
+
+
+def reshards_after_forward(unit: FSDPModule) -> bool:
+    """Whether ``unit`` frees its gathered parameters after its forward."""
+    return any(group.post_forward_mesh_info is not None for group in _param_groups(unit))
+
+
+def reduce_gradients_now(units: Iterable[FSDPModule], now: bool) -> None:
+    """Each unit reduces its gradients and frees its gathered parameters after its next backward (``now``), or
+    keeps both: the unreduced gradients accumulate (in FSDP's reduce dtype) until a backward that reduces."""
+    for unit in units:
+        unit.set_requires_gradient_sync(now, recurse=False)
+        unit.set_reshard_after_backward(now, recurse=False)
+
+
+@contextlib.contextmanager
+def kept_gathered(model: nn.Module) -> Iterator[list[FSDPModule]]:
+    """Inside the block no unit of ``model`` frees its gathered parameters after its forward; the caller says with
+    ``reduce_gradients_now`` which backward reduces. On leaving, every unit resumes its own setting, reduces after
+    each backward and frees what it still holds. Yields the units."""
+    units = fsdp_units(model)
+    # the decoder layers only: a root unit keeps its parameters after its forward (the head's weight is read after
+    # it) from FSDP's lazy initialisation on, which may not have run yet
+    layers = {id(layer) for layer in decoder_layers(model)}
+    resharding = [unit for unit in units if id(unit) in layers and reshards_after_forward(unit)]
+    for unit in resharding:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield units
+    finally:
+        for unit in resharding:
+            unit.set_reshard_after_forward(True, recurse=False)
+        reduce_gradients_now(units, True)
+        for unit in units:
+            unit.reshard()
 
 
 def pin_offloaded_shards(unit: nn.Module, register: Callable[[Tensor], bool]) -> int:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from reinforge.engine.distributed import all_reduce, world_size
 from reinforge.engine.forward import runs_padded
-from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units
+from reinforge.engine.fsdp import clip_grad_norm_, fsdp_units, kept_gathered, reduce_gradients_now
 from reinforge.engine.micro_batches import (
     iter_balanced_micro_batches,
     iter_padded_micro_batches,
@@ -96,6 +96,9 @@ class UpdateSettings:
     skip_on_device: bool = False
     """With torch's fused AdamW, a step whose gradient norm is not finite is skipped by the optimizer's own kernel
     (its ``found_inf``), so the host queues the step without waiting for the backward to end."""
+    keep_gathered: bool = False
+    """One device: every FSDP unit keeps its gathered parameters through the update, and a mini-batch's gradients
+    are reduced once, by its last micro-batch's backward (``engine.fsdp.kept_gathered``), not after each."""
 
 
 def _sum_over_ranks(*tallies: dict[str, float], device: torch.device) -> None:
@@ -118,6 +121,19 @@ def mini_batch_counts(mini_batch: Batch, mask_key: str, device: torch.device) ->
 def fused_adamw(optimizer: torch.optim.Optimizer) -> bool:
     """torch's AdamW with its fused kernel, which skips a step itself when told ``found_inf``."""
     return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
+def _marking_the_last(items: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
+    """(item, whether it is the last) for each item, reading one ahead."""
+    iterator = iter(items)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield current, False
+        current = following
+    yield current, True
 
 
 class ModelUpdate:
@@ -163,8 +179,22 @@ class ModelUpdate:
         under a loss linear in it): they go into micro-batches of their own, marked ``FORWARD_ONLY``,
         which come first; the counts that normalise the loss still include them.
         """
-        settings, optimizer = self.settings, self.optimizer
         start = time.perf_counter()
+        if self.settings.keep_gathered and world_size() == 1 and fsdp_units(self.model):
+            with kept_gathered(self.model) as units:
+                yield from self._steps(batch, no_grad_rows, units)
+        else:
+            yield from self._steps(batch, no_grad_rows, [])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        self.num_tokens += float(batch["attention_mask"].sum()) * self.settings.epochs
+
+    def _steps(self, batch: Batch, no_grad_rows: Tensor | None, gathered: list[nn.Module]
+               ) -> Iterator[tuple[Batch, MiniBatchCounts]]:
+        """The loop of ``micro_batches``; with ``gathered`` units, only each mini-batch's last micro-batch reduces
+        their gradients."""
+        settings, optimizer = self.settings, self.optimizer
         generator = torch.Generator().manual_seed(settings.seed)
         for _ in range(settings.epochs):
             order = torch.randperm(len(batch), generator=generator) if settings.shuffle else torch.arange(len(batch))
@@ -174,7 +204,9 @@ class ModelUpdate:
                 counts = mini_batch_counts(mini_batch, settings.mask_key, self.device)
                 optimizer.zero_grad(set_to_none=True)
                 frozen = None if no_grad_rows is None else no_grad_rows if whole else no_grad_rows[mini_rows]
-                for micro in self._split(mini_batch, frozen):
+                for micro, last in _marking_the_last(self._split(mini_batch, frozen)):
+                    if gathered:
+                        reduce_gradients_now(gathered, last)
                     self._weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
                     plan = micro.meta.get(PLAN_KEY)
                     tokens = plan.num_tokens if plan is not None else micro["attention_mask"].numel()
@@ -197,10 +229,6 @@ class ModelUpdate:
                     self.grad_norms.append(float(grad_norm))
                 self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds += time.perf_counter() - start
-        self.num_tokens += float(batch["attention_mask"].sum()) * settings.epochs
 
     def _attention_flops(self, micro: Batch, plan: PackingPlan | None) -> float:
         """The attention products' FLOPs of a micro-batch's passes (its packed segments, else its rows)."""

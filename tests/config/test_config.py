@@ -138,6 +138,10 @@ def test_malformed_override_and_missing_file(tmp_path):
     (["model.lora.rank=8", "model.lora.alpha=0"], r"model.lora.alpha=0.0 scales the adapters. output by alpha / rank"),
     (["model.lora.rank=8", "model.lora.target_modules=[q_proj,lm_head]"],
      "names lm_head, outside the decoder layers"),
+    (["actor.keep_gathered=true", "trainer.devices_per_node=2"],
+     r"actor.keep_gathered=true keeps one device's whole model gathered, but the run has 2 devices"),
+    (["actor.keep_gathered=true", "actor.param_offload=true"], "parameters streamed from the host"),
+    (["actor.keep_gathered=sometimes"], r"actor.keep_gathered='sometimes' must be auto or true or false"),
 ])
 def test_cross_field_rules_fail_before_any_model_loads(overrides, message):
     with pytest.raises(ConfigError, match=message):

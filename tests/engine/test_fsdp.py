@@ -231,3 +231,55 @@ def test_offloaded_shards_are_pinned_at_their_exact_size_on_cuda():
         params = fsdp_params(unit)
         assert len({p._sharded_param_data.untyped_storage().data_ptr() for p in params}) == 1
         assert all(p._sharded_param_data.is_pinned() for p in params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_update_that_keeps_the_parameters_gathered_gathers_and_reduces_once_a_mini_batch_to_the_same_step(
+        monkeypatch, dtype):
+    """``UpdateSettings.keep_gathered`` on one device: each layer is gathered once a mini-batch and its gradients are
+    reduced by the last micro-batch's backward (accumulated in float32 under a bfloat16 compute dtype until
+    then), and the step equals the one that gathers for every forward and backward and reduces after each."""
+    from test_micro_batches_and_update import on_policy_update
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from reinforge.config.schema import OptimConfig
+    from reinforge.engine.fsdp import decoder_layers, reshards_after_forward
+    from reinforge.engine.optim import build_scheduler
+    from reinforge.engine.train_step import UpdateSettings
+
+    calls = {"gather": 0, "reduce": 0}
+    unshard, reduce = _fsdp_param_group.FSDPParamGroup.unshard, _fsdp_param_group.foreach_reduce
+
+    def counted_unshard(group, *args, **kwargs):  # one that gathers (on one device: copies into the gathered copy)
+        calls["gather"] += group._all_gather_result is None and not group.is_unsharded
+        return unshard(group, *args, **kwargs)
+
+    def counted_reduce(*args, **kwargs):
+        calls["reduce"] += 1
+        return reduce(*args, **kwargs)
+
+    monkeypatch.setattr(_fsdp_param_group.FSDPParamGroup, "unshard", counted_unshard)
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted_reduce)
+    base = varlen_lm(seed=6).train()
+    batch = make_rollout_batch(rows=6, seed=8)
+    results = {}
+    for keep in (False, True):
+        model = shard_model(copy.deepcopy(base), torch.device("cpu"), dtype)
+        layers = len(decoder_layers(model))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
+        settings = UpdateSettings(max_tokens_per_micro_batch=12, grad_clip=1e9, num_mini_batches=2,
+                                  keep_gathered=keep)
+        calls.update(gather=0, reduce=0)
+        metrics = on_policy_update(model, optimizer, scheduler, batch, settings)
+        results[keep] = ({name: p.full_tensor().detach().clone() for name, p in model.named_parameters()},
+                         metrics["actor/grad_norm"], dict(calls))
+        assert all(reshards_after_forward(layer) for layer in decoder_layers(model))  # its own setting again
+        assert {param.sharded_state.name for unit in fsdp_units(model) for param in fsdp_params(unit)} == {"SHARDED"}
+    (plain, plain_norm, plain_calls), (kept, kept_norm, kept_calls) = results[False], results[True]
+    assert plain_calls["reduce"] > kept_calls["reduce"] == 2 * (layers + 1)  # two mini-batches: once each
+    assert plain_calls["gather"] >= 2 * kept_calls["gather"]
+    assert kept_calls["gather"] == 2 * (layers + 1)  # every layer and the root, once a mini-batch
+    assert kept_norm == pytest.approx(plain_norm, rel=1e-6)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(kept[name], tensor, atol=0, rtol=0, msg=name)

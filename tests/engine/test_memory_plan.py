@@ -129,7 +129,7 @@ def test_fastest_settings_on_a_large_device_and_smaller_ones_on_smaller_devices(
     small = shape("0.5b")
     roomy = plan_memory(small, STANDARD, {}, 139 * GiB, 128 * GiB)
     assert roomy.settings == Settings(micro_batch_tokens=65536, checkpoint_layers=0, logits_buffer_gib=24.0,
-                                      kv_cache_gib=0.0, keep_rollout_memory=True)
+                                      kv_cache_gib=0.0, keep_rollout_memory=True, keep_gathered=True)
     tight = plan_memory(small, STANDARD, {}, 40 * GiB, 128 * GiB)
     assert tight.fits and tight.peak[1] <= 40 * GiB
     assert tight.settings.micro_batch_tokens < 65536 or tight.settings.checkpoint_layers > 0

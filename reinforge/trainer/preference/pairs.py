@@ -30,7 +30,7 @@ from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
-from reinforge.engine.fsdp import fsdp_units, reshard
+from reinforge.engine.fsdp import fsdp_units, reduce_gradients_now, reshard
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
@@ -288,10 +288,7 @@ class PreferenceRun(SupervisedRun):
         (``PreferencePlan.keep_gathered``): a device of several would hold every rank's gradients whole."""
         units = fsdp_units(self.model)
         for micro, counts in micro_batches:
-            last = bool(micro.meta.get(LAST_MICRO_BATCH, True))
-            for unit in units:
-                unit.set_requires_gradient_sync(last, recurse=False)
-                unit.set_reshard_after_backward(last, recurse=False)
+            reduce_gradients_now(units, bool(micro.meta.get(LAST_MICRO_BATCH, True)))
             yield micro, counts
 
     # ---- the run ------------------------------------------------------------------------
