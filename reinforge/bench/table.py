@@ -118,6 +118,7 @@ def render_table(results: list[dict]) -> str:
     add("checkpointed layers (planner)", "reinforge", lambda r: _setting(r, "checkpoint_layers", "{:d}"))
     add("optimizer on the CPU (planner)", "reinforge", lambda r: _setting(r, "optimizer_offload", "yes/no"))
     add("rollout memory kept (planner)", "reinforge", lambda r: _setting(r, "keep_rollout_memory", "yes/no"))
+    add("layers kept gathered in the update (planner)", "reinforge", lambda r: _setting(r, "keep_gathered", "yes/no"))
     add("step s", "reinforge", lambda r: _number(r["median"].get("step_s"), "{:.2f}"))
     add("rollout s", "reinforge", lambda r: _number(r["median"].get("rollout_s"), "{:.2f}"))
     add("update s", "reinforge", lambda r: _number(r["median"].get("update_actor_s"), "{:.2f}"))
