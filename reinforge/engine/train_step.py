@@ -204,7 +204,9 @@ class ModelUpdate:
                 counts = mini_batch_counts(mini_batch, settings.mask_key, self.device)
                 optimizer.zero_grad(set_to_none=True)
                 frozen = None if no_grad_rows is None else no_grad_rows if whole else no_grad_rows[mini_rows]
-                for micro, last in _marking_the_last(self._split(mini_batch, frozen)):
+                micro_batches = self._split(mini_batch, frozen)
+                for micro, last in (_marking_the_last(micro_batches) if gathered  # built one ahead
+                                    else ((micro, True) for micro in micro_batches)):
                     if gathered:
                         reduce_gradients_now(gathered, last)
                     self._weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
