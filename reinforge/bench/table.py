@@ -273,8 +273,18 @@ def _trl_generate(result: dict | None) -> str:
     return f"{timed} ({status})" if timed else status
 
 
+def _steady_lower_bound(best: dict) -> float | None:
+    """A run of one step whose next step's ``generate`` call ended before the run did: its steady step is longer
+    than that generation (a step is at least its generation, and the first call's warm-up is not in the second)."""
+    calls = best.get("generate_s") or []
+    return float(calls[1]) if best.get("first_step_only") and len(calls) >= 2 else None
+
+
 def _trl_step(result: dict) -> str:
     best = result.get("best") or {}
+    bound = _steady_lower_bound(best)
+    if bound is not None:
+        return f"more than {bound:.2f} (its second step's generation alone; its first step {best['step_s']:.2f})"
     return _number(best.get("step_s"), "{:.2f}") + (FIRST_STEP_ONLY if best.get("first_step_only") else "")
 
 
@@ -287,6 +297,9 @@ def _ratio(column: dict[str, dict]) -> str:
         return "–"
     if not step:
         return "–"
+    bound = _steady_lower_bound(theirs["best"])
+    if bound is not None:
+        return f"more than {int(bound / step * 10) / 10:.1f}"  # rounded down: a lower bound
     return f"{trl_step / step:.1f}" + (FIRST_STEP_ONLY if theirs["best"].get("first_step_only") else "")
 
 

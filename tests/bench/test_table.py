@@ -94,6 +94,22 @@ def test_a_trl_run_of_one_step_is_marked_in_its_cells_and_ratio(tmp_path, capsys
     assert out.splitlines()[-1].endswith("| 40.00 (first step only) | 10.0 (first step only) |")
 
 
+def test_a_trl_run_ended_in_its_second_step_bounds_its_steady_step_by_that_steps_generation(tmp_path, capsys):
+    """TRL made one step and its second ``generate`` call ended before the deadline ended the run: its steady step
+    is longer than that generation, and the ratio is at least the generation over reinforge's step."""
+    folder = tmp_path / "run"
+    write(folder, "reinforge_0.5b.json", reinforge_case("0.5b", 19.83))
+    one_step = trl_case("0.5b", 285.37)
+    one_step["best"].update(first_step_only=True, generate_s=[270.9, 136.27], stopped_at_deadline=True)
+    write(folder, "trl_0.5b.json", one_step)
+    assert main(["bench", "table", str(folder)]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows["TRL step s"] == ["more than 136.27 (its second step's generation alone; its first step 285.37)"]
+    assert rows["TRL step / reinforge step"] == ["more than 6.8"]  # 6.87, rounded down
+    assert out.splitlines()[-1].endswith("| more than 6.8 |")
+
+
 def test_the_generate_calls_of_a_trl_run_that_ran_out_of_memory_are_shown_beside_its_status(tmp_path, capsys):
     folder = tmp_path / "run"
     write(folder, "reinforge_0.5b.json", reinforge_case("0.5b", 4.0))
