@@ -548,6 +548,9 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.fsdp_config.optimizer_offload": Rename("actor.optimizer_offload", _only_if_true),
     f"{_ACTOR}.fsdp_config.offload_policy": Rename("actor.param_offload", _only_if_true),
     **_each(f"{_ACTOR}.fsdp_config", FSDP_DETAILS, FSDP_DETAIL),
+    f"{_ACTOR}.fsdp_config.reshard_after_forward": NoEquivalent(
+        "the memory planner decides whether the update keeps each layer's gathered parameters from forward to "
+        "backward (actor.keep_gathered, on one device with room)"),
     f"{_ACTOR}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
     f"{_ACTOR}.strategy": FSDP2,
     f"{_ACTOR}.ulysses_sequence_parallel_size": PARALLELISM,
