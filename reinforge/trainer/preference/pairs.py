@@ -30,7 +30,7 @@ from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
-from reinforge.engine.fsdp import fsdp_units, reduce_gradients_now, reshard
+from reinforge.engine.fsdp import reshard
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
@@ -49,9 +49,6 @@ from reinforge.workers.checkpointing import load_training_state, save_training_s
 
 logger = logging.getLogger(__name__)
 
-LAST_MICRO_BATCH = "last_micro_batch"
-"""``Batch.meta`` key of a pair micro-batch: whether it is the last of its batch."""
-
 PairScore = Callable[[torch.nn.Module, Batch], Tensor]
 """(model, micro-batch on the device) -> a value per row (rows,): a completion's log-prob, a reward."""
 
@@ -66,13 +63,13 @@ def pair_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator
     """Micro-batches of whole pairs (rows 2i and 2i + 1 together) of at most ``max_tokens`` packed tokens (a
     larger pair goes alone), balanced longest first, the same number on every rank (a rank short of pairs
     gives a copy of its first pair with ``pair_weight`` and ``mask_key`` zero). Each carries its packing plan
-    with shared prompts, ``meta['rows']`` and ``meta[LAST_MICRO_BATCH]``."""
+    with shared prompts and ``meta['rows']``."""
     attention = batch["attention_mask"]
     lengths = attention.sum(-1).tolist()
     prompt_lengths = attention[:, :batch["prompts"].shape[1]].sum(-1).tolist()
     costs = [lengths[2 * pair] + lengths[2 * pair + 1] - prompt_lengths[2 * pair] for pair in range(len(batch) // 2)]
     num_micro = int(all_reduce([float(_fewest_bins(costs, max_tokens))], torch.device("cpu"), op="max")[0])
-    for position, pairs in enumerate(_longest_first(costs, num_micro)):
+    for pairs in _longest_first(costs, num_micro):
         rows = sorted(row for pair in pairs for row in (2 * pair, 2 * pair + 1))
         if rows:
             piece = trim_padding(batch.index(rows))
@@ -82,7 +79,6 @@ def pair_micro_batches(batch: Batch, max_tokens: int, mask_key: str) -> Iterator
             piece[mask_key] = torch.zeros_like(piece[mask_key])
             piece["pair_weight"] = torch.zeros_like(piece["pair_weight"])
             piece.meta["rows"] = [-1]
-        piece.meta[LAST_MICRO_BATCH] = position == num_micro - 1
         yield attach_plan(piece, share_prompts=True)
 
 
@@ -157,7 +153,8 @@ class PreferenceRun(SupervisedRun):
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
         self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
                                               grad_clip=trainer.grad_clip, seed=trainer.seed,
-                                              mask_key="response_mask", skip_on_device=True)
+                                              mask_key="response_mask", skip_on_device=True,
+                                              keep_gathered=self.memory_plan.keep_gathered)
         self.tracker = (Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
                                 project=trainer.project_name, experiment=trainer.experiment_name)
                         if self.rank == 0 else SilentTracker())
@@ -268,10 +265,7 @@ class PreferenceRun(SupervisedRun):
             split = lambda mini_batch, budget, mask_key: iter(pieces)  # noqa: E731
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
                              split=split)
-        micro_batches = update.micro_batches(rank_share(batch))
-        if self.memory_plan.keep_gathered:
-            micro_batches = self._gathered_until_the_last(micro_batches)
-        return update, self._then_the_next_step(micro_batches)
+        return update, self._then_the_next_step(update.micro_batches(rank_share(batch)))
 
     def _then_the_next_step(self, micro_batches: Iterator[tuple[Batch, MiniBatchCounts]]
                             ) -> Iterator[tuple[Batch, MiniBatchCounts]]:
@@ -279,17 +273,6 @@ class PreferenceRun(SupervisedRun):
         device runs it meanwhile)."""
         yield from micro_batches
         self.prepare_next_step()
-
-    def _gathered_until_the_last(self, micro_batches: Iterator[tuple[Batch, MiniBatchCounts]]
-                                 ) -> Iterator[tuple[Batch, MiniBatchCounts]]:
-        """The micro-batches, each layer's parameters gathered once a step and its gradients reduced once: every
-        backward but the last keeps the parameters gathered and accumulates the unsharded gradients (in float32,
-        FSDP's reduce dtype), which the last one reduces. One device with room for the gathered copy only
-        (``PreferencePlan.keep_gathered``): a device of several would hold every rank's gradients whole."""
-        units = fsdp_units(self.model)
-        for micro, counts in micro_batches:
-            reduce_gradients_now(units, bool(micro.meta.get(LAST_MICRO_BATCH, True)))
-            yield micro, counts
 
     # ---- the run ------------------------------------------------------------------------
     def save(self) -> Path:
