@@ -1068,6 +1068,8 @@ def _search(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_bytes: 
     """(the cheapest plan that fits or None, the smallest plan tried)."""
     options = _options(shape, run, lora=bool(run.lora_rank))
     choices = {name: ([(given[name], 0.0)] if name in given else values) for name, values in options.items()}
+    if given.get("keep_gathered") is True:  # kept as set: no plan streams the parameters instead
+        choices["param_offload"] = [(False, 0.0)]
     return cheapest_plan(choices, lambda values: _make(shape, run, Settings(**values), given, gpu_bytes, host_bytes),
                          lambda plan: plan.peak[1] / max(plan.gpu_budget, 1) + plan.host_total / max(plan.host_budget, 1))
 

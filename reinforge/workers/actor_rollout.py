@@ -113,7 +113,7 @@ class ActorRolloutWorker(Worker):
             num_mini_batches=num_mini_batches, epochs=config.actor.ppo_epochs,
             max_tokens_per_micro_batch=config.actor.max_tokens_per_micro_batch,
             grad_clip=config.actor.grad_clip, shuffle=config.actor.shuffle, seed=config.trainer.seed,
-            keep_gathered=config.actor.keep_gathered is True and config.actor.param_offload is not True)
+            keep_gathered=config.actor.keep_gathered is True)
         self.optimizer = build_optimizer(self.model, config.actor.optim,
                                          offload=config.actor.optimizer_offload and not config.actor.param_offload)
         self.scheduler = build_scheduler(self.optimizer, total_training_steps * num_mini_batches * config.actor.ppo_epochs,

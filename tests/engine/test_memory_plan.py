@@ -575,3 +575,14 @@ def test_a_lora_actors_rollout_counts_the_frozen_base_once():
         assert estimate(moe, copied, Settings())[0]["rollout"]["rollout weight copy"] == 2 * moe.num_params
     offloaded = estimate(moe, run, Settings(param_offload=True))[0]["rollout"]
     assert offloaded["rollout weight copy"] == 2 * moe.num_params
+
+
+def test_layers_kept_gathered_as_set_are_never_traded_for_streamed_parameters():
+    """actor.keep_gathered=true stays as set: a plan that would need the parameters on the host is refused instead
+    of dropping it."""
+    big = shape("7b")
+    assert plan_memory(big, STANDARD, {}, 40 * GiB, 192 * GiB).settings.param_offload  # auto: streamed, not kept
+    with pytest.raises(MemoryPlanError):
+        plan_memory(big, STANDARD, {"keep_gathered": True}, 40 * GiB, 192 * GiB)
+    kept = plan_memory(shape("0.5b"), STANDARD, {"keep_gathered": True}, 139 * GiB, 128 * GiB)
+    assert kept.settings.keep_gathered and not kept.settings.param_offload
