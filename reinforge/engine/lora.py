@@ -300,6 +300,13 @@ def _delta_for(prefix: str, delta: Tensor, transposed: frozenset[str]) -> Tensor
     return delta
 
 
+def _merged(prefix: str, weight: Tensor, lora_a: Tensor, lora_b: Tensor, scaling: float,
+            transposed: frozenset[str]) -> Tensor:
+    """W + scaling * B A in float32, back in W's dtype and layout (the layer at ``prefix``)."""
+    delta = _delta_for(prefix, scaling * (lora_b.float() @ lora_a.float()), transposed)
+    return (weight.float() + delta).to(weight.dtype)
+
+
 def merge_lora_weights(state: dict[str, Tensor], scaling: float,
                        transposed: frozenset[str] = frozenset()) -> dict[str, Tensor]:
     """Plain weights from an adapted model's state dict, in place: W + scaling * B A; the adapters dropped.
@@ -315,9 +322,7 @@ def merge_lora_weights(state: dict[str, Tensor], scaling: float,
         prefix = name_a[:-len(marker_a)]
         lora_a = state.pop(name_a)
         lora_b = state.pop(f"{prefix}.lora_B.{ADAPTER_NAME}.weight")
-        weight = state[f"{prefix}.weight"]
-        delta = _delta_for(prefix, scaling * (lora_b.float() @ lora_a.float()), transposed)
-        state[f"{prefix}.weight"] = (weight.float() + delta).to(weight.dtype)
+        state[f"{prefix}.weight"] = _merged(prefix, state[f"{prefix}.weight"], lora_a, lora_b, scaling, transposed)
     leftover = [name for name in state if ".lora_" in name]
     if leftover:
         raise ValueError(f"adapter tensor {leftover[0]} has no lora_A/lora_B partner; the state is not one adapter")
@@ -338,8 +343,7 @@ def merged_by_name(state: dict[str, Tensor], scaling: float,
             prefix = name[:name.index(marker)]
             lora_a = state[f"{prefix}.lora_A.{ADAPTER_NAME}.weight"]
             lora_b = state[f"{prefix}.lora_B.{ADAPTER_NAME}.weight"]
-            delta = _delta_for(prefix, scaling * (lora_b.float() @ lora_a.float()), transposed)
-            tensor = (tensor.float() + delta).to(tensor.dtype)
+            tensor = _merged(prefix, tensor, lora_a, lora_b, scaling, transposed)
         yield name.replace(marker, "."), tensor
 
 
