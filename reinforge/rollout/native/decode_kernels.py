@@ -19,6 +19,7 @@ programs, the ones past its chunks store nothing, and the merge reads only its c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -67,9 +68,12 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
                    loop_end, first_visible, visible_end, scale, softcap, running_max, running_sum, acc, stride_block,
                    stride_token, stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr, row_first_visible=None,
+                   PER_ROW: tl.constexpr = False):
     """The online softmax over positions loop_start..loop_end (a multiple of BLOCK_N apart), of which those in
-    first_visible..visible_end count; blocks outside them are never read. QUANTIZED: the cache holds fp8 vectors,
+    first_visible..visible_end count; blocks outside them are never read. PER_ROW: each query row sees only the
+    positions from its own ``row_first_visible`` on (at or after first_visible; the rows of several sequences
+    reading one shared block table, each with its window). QUANTIZED: the cache holds fp8 vectors,
     each with a float32 scale (kv_quant.py): a key's scale multiplies its scores, a value's its probability.
 
     Off the IEEE (float32) path the fp8 products run in float16: e4m3 widens to float16 in one instruction per
@@ -100,7 +104,11 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
         scores = scores * scale
         if HAS_SOFTCAP:
             scores = _softcapped(scores, softcap)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        if PER_ROW:
+            scores = tl.where(valid[None, :] & (positions[None, :] >= row_first_visible[:, None]), scores,
+                              float("-inf"))
+        else:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         # a block with no visible key (only the interpreter visits one) leaves the maximum at -inf
         finite_max = _finite_or_zero(new_max)
@@ -127,30 +135,89 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
 @triton.jit
 def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr,
                                    context_lens_ptr, out_ptr, scale, softcap, window, stride_q, stride_o, stride_table,
-                                   stride_block, stride_token, stride_scale_block, NUM_KV_HEADS: tl.constexpr,
+                                   stride_block, stride_token, stride_scale_block, prefix_lens_ptr, state_max_ptr,
+                                   state_sum_ptr, state_acc_ptr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
                                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                                   HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
+                                   HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, STATIC_LOOP_END: tl.constexpr,
+                                   HAS_PREFIX: tl.constexpr = False):
+    """HAS_PREFIX: a sequence whose ``prefix_lens`` entry is p > 0 starts from the online softmax's state over its
+    first p positions (``_shared_prefix_kernel``'s, in the state buffers) and reads only the positions after them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     group = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    group_mask = group < GROUP
+    mask = group_mask[:, None] & (dims < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + group
     q = tl.load(q_ptr + seq * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
     first_visible = _first_visible(context_len, window, HAS_WINDOW)
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    if HAS_PREFIX:
+        prefix_len = tl.load(prefix_lens_ptr + seq)
+        shared = group_mask & (prefix_len > 0)
+        rows = seq * NUM_HEADS + heads
+        running_max = tl.load(state_max_ptr + rows, mask=shared, other=float("-inf"))
+        running_sum = tl.load(state_sum_ptr + rows, mask=shared, other=0.0)
+        acc = tl.load(state_acc_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask & shared[:, None],
+                      other=0.0)
+        first_visible = tl.maximum(first_visible, prefix_len)
     # STATIC_LOOP_END is 0 when compiled; Triton's interpreter loops only from and to Python ints (see the launcher)
     running_max, running_sum, acc = _attend_blocks(
         q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + seq * stride_table, kv_head,
         0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
         STATIC_LOOP_END if STATIC_LOOP_END else context_len, first_visible, context_len, scale, softcap,
-        tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
-        tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_block, stride_token, stride_scale_block,
+        running_max, running_sum, acc, stride_block, stride_token, stride_scale_block,
         NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=mask)
+
+
+@triton.jit
+def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr,
+                          context_lens_ptr, members_ptr, group_prefix_lens_ptr, state_max_ptr, state_sum_ptr,
+                          state_acc_ptr, scale, softcap, window, stride_q, stride_table, stride_block, stride_token,
+                          stride_scale_block, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                          GROUP_PAD: tl.constexpr, MEMBERS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                          HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr,
+                          STATIC_LOOP_END: tl.constexpr):
+    """One program per (group of sequences sharing their first blocks, KV head): the query rows of every member
+    (its heads of this KV head) read the shared blocks once, as one product per block, and each member's state of
+    the online softmax over them (max, sum, unnormalised output, float32) goes to the state buffers, from which the
+    unsplit kernel goes on over the member's own blocks. ``members`` (groups, MEMBERS_PAD) names each group's
+    sequences (-1 pads); the first one's block table is read."""
+    group_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, MEMBERS_PAD * GROUP_PAD)
+    member = rows // GROUP_PAD
+    in_group = rows % GROUP_PAD
+    seq = tl.load(members_ptr + group_id * MEMBERS_PAD + member)
+    used = (seq >= 0) & (in_group < GROUP)
+    seq = tl.where(used, seq, 0)
+    leader = tl.load(members_ptr + group_id * MEMBERS_PAD)
+    prefix_len = tl.load(group_prefix_lens_ptr + group_id)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = used[:, None] & (dims < HEAD_DIM)[None, :]
+    heads = kv_head * GROUP + in_group
+    q = tl.load(q_ptr + seq[:, None] * stride_q + heads[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    row_first = _first_visible(tl.load(context_lens_ptr + seq, mask=used, other=0), window, HAS_WINDOW)
+    first_read = tl.min(tl.where(used, row_first, prefix_len), axis=0)
+    running_max, running_sum, acc = _attend_blocks(
+        q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr + leader * stride_table, kv_head,
+        0 if STATIC_LOOP_END else (first_read // BLOCK_N) * BLOCK_N, STATIC_LOOP_END if STATIC_LOOP_END else prefix_len,
+        first_read, prefix_len, scale, softcap, tl.full([MEMBERS_PAD * GROUP_PAD], float("-inf"), tl.float32),
+        tl.zeros([MEMBERS_PAD * GROUP_PAD], tl.float32), tl.zeros([MEMBERS_PAD * GROUP_PAD, HEAD_DIM_PAD], tl.float32),
+        stride_block, stride_token, stride_scale_block, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE,
+        HAS_SOFTCAP, QUANTIZED, row_first, True)
+    state_rows = seq * NUM_HEADS + heads
+    tl.store(state_max_ptr + state_rows, running_max, mask=used)
+    tl.store(state_sum_ptr + state_rows, running_sum, mask=used)
+    tl.store(state_acc_ptr + state_rows[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -346,12 +413,69 @@ def default_num_stages(num_splits: int) -> int:
     return 3 if num_splits >= MANY_SPLITS else 2
 
 
+@dataclass
+class SharedPrefix:
+    """Sequences of a decode batch that share their first blocks (the n samples of a prompt share its full
+    blocks): each group's shared blocks are read once for all its members (``_shared_prefix_kernel``)."""
+
+    members: Tensor
+    """(groups, members) int32: each group's sequences (rows of the batch), -1 where a group has fewer."""
+    group_prefix_lens: Tensor
+    """(groups,) int32: the positions the group's members share (whole blocks)."""
+    prefix_lens: Tensor
+    """(batch,) int32: each sequence's shared positions, 0 for one in no group."""
+
+
+def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int], page: int,
+                         max_members: int = 16, min_blocks: int = 1) -> tuple[list[list[int]], list[int]]:
+    """(each group's member rows, its shared positions) of a decode batch: sequences whose tables start with the
+    same blocks, grouped by their first block, at most ``max_members`` a group (a larger set is cut into several),
+    sharing the whole blocks all of them start with (``min_blocks`` or more), each below every member's context.
+    A table entry below 0 (a block given back, outside a window) is never shared."""
+    by_first: dict[int, list[int]] = {}
+    for row, table in enumerate(block_tables):
+        if table and table[0] >= 0 and context_lens[row] > page:
+            by_first.setdefault(table[0], []).append(row)
+    groups, lengths = [], []
+    for rows in by_first.values():
+        for start in range(0, len(rows), max_members):
+            members = rows[start:start + max_members]
+            if len(members) < 2:
+                continue
+            limit = min(context_lens[row] for row in members) // page  # whole blocks below every context
+            shared = 0
+            first = block_tables[members[0]]
+            while (shared < limit and first[shared] >= 0
+                   and all(len(block_tables[row]) > shared and block_tables[row][shared] == first[shared]
+                           for row in members)):
+                shared += 1
+            if shared >= min_blocks:
+                groups.append(members)
+                lengths.append(shared * page)
+    return groups, lengths
+
+
+def shared_prefix(block_tables: list[list[int]], context_lens: list[int], page: int, device: torch.device | str,
+                  max_members: int = 16, min_blocks: int = 1) -> SharedPrefix | None:
+    """``shared_prefix_groups`` as the kernels' tensors; None when no sequences share a block."""
+    groups, lengths = shared_prefix_groups(block_tables, context_lens, page, max_members, min_blocks)
+    if not groups:
+        return None
+    width = max(len(members) for members in groups)
+    members = torch.full((len(groups), width), -1, dtype=torch.int32)
+    prefix_lens = torch.zeros(len(block_tables), dtype=torch.int32)
+    for index, (rows, length) in enumerate(zip(groups, lengths, strict=True)):
+        members[index, :len(rows)] = torch.tensor(rows, dtype=torch.int32)
+        prefix_lens[rows] = length
+    return SharedPrefix(members.to(device), torch.tensor(lengths, dtype=torch.int32).to(device), prefix_lens.to(device))
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,
                            block_tables: Tensor, context_lens: Tensor,
                            scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
                            num_warps: int | None = None, num_stages: int | None = None,
                            num_splits: int | None = None,
-                           min_chunk_tokens: int | None = None) -> Tensor:
+                           min_chunk_tokens: int | None = None, prefix: SharedPrefix | None = None) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
     q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), or fp8
@@ -363,7 +487,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     picks ``decode_num_splits`` from the longest context (a device read: the engine passes it from the host);
     min_chunk_tokens: the fewest tokens a split program reads, a sequence's last chunk aside (None:
     ``MIN_CHUNK_TOKENS``). num_warps, num_stages: None gives ``default_num_warps``, ``default_num_stages``.
-    Returns (batch, heads, head_dim).
+    prefix: groups of sequences whose first blocks are the same blocks (``shared_prefix``), read once a group
+    (the unsplit kernel only). Returns (batch, heads, head_dim).
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -389,11 +514,17 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
                   IEEE=q.dtype == torch.float32, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
                   STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
     if num_splits <= 1:
+        state: tuple[Tensor, ...] = (context_lens,) * 4  # not read without a prefix
+        if prefix is not None:
+            state = _shared_prefix_state(q, k_values, v_values, k_scales, v_scales, block_tables, context_lens,
+                                         scale, softcap, window, stride_scale_block, prefix, shared)
         _paged_decode_attention_kernel[(batch, num_kv_heads)](
             q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, out, scale, softcap or 1.0,
             window or 0, q.stride(0), out.stride(0), block_tables.stride(0), k_values.stride(0), k_values.stride(1),
-            stride_scale_block, **shared)
+            stride_scale_block, *state, NUM_HEADS=num_heads, HAS_PREFIX=prefix is not None, **shared)
         return out
+    if prefix is not None:
+        raise ValueError("a shared prefix is read by the unsplit kernel only (num_splits=1)")
     min_chunk_blocks = max(1, (min_chunk_tokens or MIN_CHUNK_TOKENS) // block_n)
     partial_max = torch.empty(2, batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -407,6 +538,34 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
         NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
         MIN_CHUNK_BLOCKS=min_chunk_blocks, num_warps=4)
     return out
+
+
+def _shared_prefix_state(q: Tensor, k_values: Tensor, v_values: Tensor, k_scales: Tensor, v_scales: Tensor,
+                         block_tables: Tensor, context_lens: Tensor, scale: float, softcap: float | None,
+                         window: int | None, stride_scale_block: int, prefix: SharedPrefix, shared: dict
+                         ) -> tuple[Tensor, ...]:
+    """(each sequence's shared positions, and the online softmax's max, sum and output over them) for the unsplit
+    kernel: ``_shared_prefix_kernel`` over every group."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, group = shared["NUM_KV_HEADS"], shared["GROUP"]
+    group_pad = triton.next_power_of_2(group)
+    members_pad = max(triton.next_power_of_2(prefix.members.shape[1]), -(-16 // group_pad))
+    members = prefix.members
+    if members.shape[1] < members_pad:
+        members = torch.nn.functional.pad(members, (0, members_pad - members.shape[1]), value=-1)
+    state_max = torch.empty(2, batch, num_heads, dtype=torch.float32, device=q.device)
+    state_acc = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    static_loop_end = int(prefix.group_prefix_lens.max()) if _INTERPRETED else 0
+    _shared_prefix_kernel[(members.shape[0], num_kv_heads)](
+        q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, members, prefix.group_prefix_lens,
+        state_max[0], state_max[1], state_acc, scale, softcap or 1.0, window or 0, q.stride(0),
+        block_tables.stride(0), k_values.stride(0), k_values.stride(1), stride_scale_block, NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, MEMBERS_PAD=members_pad,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=shared["HEAD_DIM_PAD"], PAGE=shared["PAGE"], BLOCK_N=shared["BLOCK_N"],
+        IEEE=shared["IEEE"], HAS_SOFTCAP=shared["HAS_SOFTCAP"], HAS_WINDOW=shared["HAS_WINDOW"],
+        QUANTIZED=shared["QUANTIZED"], STATIC_LOOP_END=static_loop_end, num_warps=shared["num_warps"],
+        num_stages=shared["num_stages"])
+    return prefix.prefix_lens, state_max[0], state_max[1], state_acc
 
 
 _INTERPRETED = isinstance(_paged_decode_attention_kernel, InterpretedFunction)
