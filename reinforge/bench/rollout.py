@@ -191,6 +191,9 @@ def bench_main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="with --context-sweep: the engine's KV cache, auto (the model dtype) or fp8 "
                              "(rollout.kv_cache_dtype); the floor counts its bytes")
+    parser.add_argument("--shared-prefix-decode", choices=["on", "off"], default="on",
+                        help="whether a decode step reads a prompt's blocks once for its n samples (on) or once for "
+                             "each sample (off)")
     parser.add_argument("--model", default=None, metavar="SHAPE",
                         help="a model shape of reinforge.bench.shapes, random weights (default: Qwen2.5-0.5B)")
     parser.add_argument("--bandwidth-tbps", type=float, default=None, metavar="TB/S",
@@ -241,7 +244,9 @@ def bench_main(argv: list[str]) -> int:
     max_model_len = max(settings["prompt_len"] + settings["gen_len"], max(check_lengths) + check_tokens) + 16
     num_seqs = settings["num_prompts"] * settings["n"]
     engine_kwargs = dict(eos_token_ids=[arch["vocab_size"] - 1], max_model_len=max_model_len,
-                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5, weights_fixed=True)
+                         max_num_seqs=max(num_seqs, 8), gpu_memory_utilization=0.5, weights_fixed=True,
+                         shared_prefix_decode=args.shared_prefix_decode == "on")
+    results["shared_prefix_decode"] = args.shared_prefix_decode
 
     if not args.skip_greedy_check and not args.profile:
         check_prompts = random_prompts(len(check_lengths), check_lengths, arch["vocab_size"], seed=1)

@@ -8,12 +8,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_native_long_decode import reference  # noqa: E402
 
 from reinforge.rollout.native import decode_kernels  # noqa: E402
@@ -42,15 +44,20 @@ def grouped_inputs(groups: list[tuple[int, int]], singles: list[int], num_heads:
 
 
 def test_groups_are_sequences_starting_with_the_same_blocks_below_every_members_context():
-    tables = [[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 4, 3], [5, 6, 10, 11], [12, 13, 14, 15], [5, 6, 16, 17],
-              [-1, -1, 20, 21], [-1, -1, 22, 23]]
-    contexts = [50, 60, 40, 33, 60, 47, 60, 60]
-    groups, lengths = decode_kernels.shared_prefix_groups(tables, contexts, page=16)
-    # the first three share two blocks (the third differs in its third); 3 and 5 share two, but 3's context of 33
-    # leaves only its first two blocks whole; released entries (-1, outside a window) are never shared
-    assert groups == [[0, 1, 2], [3, 5]] and lengths == [32, 32]
-    assert decode_kernels.shared_prefix_groups(tables, contexts, page=16, max_members=2)[0] == [[0, 1], [3, 5]]
-    assert decode_kernels.shared_prefix_groups(tables, contexts, page=16, min_blocks=3)[0] == []
+    tables = np.array([[7, 8, 9, 1], [7, 8, 9, 2], [7, 8, 4, 3], [5, 6, 10, 11], [12, 13, 14, 15], [5, 6, 16, 17],
+                       [-1, -1, 20, 21], [-1, -1, 22, 23]])
+    contexts = np.array([50, 60, 40, 33, 60, 47, 60, 60])
+    members, group_lens, prefix_lens = decode_kernels.shared_prefix_arrays(tables, contexts, page=16, max_members=4)
+    # 3 and 5 share two blocks; the first three share two (the third differs in its third block); 3's context of
+    # 33 leaves only its first two blocks whole; released entries (-1, outside a window) are never shared
+    assert members.tolist() == [[3, 5, -1, -1], [0, 1, 2, -1]] and group_lens.tolist() == [32, 32]
+    assert prefix_lens.tolist() == [32, 32, 32, 32, 0, 32, 0, 0]
+    two = decode_kernels.shared_prefix_arrays(tables, contexts, page=16, max_members=2)[0]
+    assert two.tolist() == [[3, 5], [0, 1]]  # the first three cut into two and one: one alone is no group
+    assert decode_kernels.shared_prefix(tables, contexts, page=16, device="cpu", min_blocks=3) is None
+    tables[1, 0] = 30  # 0 and 2 still share their first two blocks
+    members, group_lens, _ = decode_kernels.shared_prefix_arrays(tables, contexts, page=16)
+    assert sorted(map(sorted, (row[row >= 0].tolist() for row in members))) == [[0, 2], [3, 5]]
 
 
 @pytest.mark.parametrize(("num_heads", "window", "softcap"), [(6, None, None), (4, 37, None), (2, None, 0.5),
@@ -97,3 +104,89 @@ def test_a_shared_prefix_is_for_the_unsplit_kernel():
         decode_kernels.paged_decode_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
                                               torch.tensor(lengths, dtype=torch.int32), 0.25, num_splits=2,
                                               prefix=prefix)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_the_samples_of_a_prompt_decode_through_their_shared_blocks_as_generate_does(monkeypatch, family):
+    """Four samples of a 37-token prompt share its four whole blocks of 8: every decode step reads them once for the
+    four (a Gemma 2 model: its sliding and full layers' tables each); greedy tokens are transformers' and a sampled
+    row's log-probs are its forward's."""
+    from transformers_reference import hf_greedy, recomputed_log_probs
+
+    from reinforge.models.tiny import build_tiny_causal_lm
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine, triton_kernels
+
+    model = build_tiny_causal_lm(family, vocab_size=128, num_layers=2, seed=3, max_position_embeddings=96,
+                                 **({"sliding_window": 16} if family == "gemma2" else {})).eval()
+    groups = []
+    kernel = triton_kernels.paged_decode_attention
+
+    def recording(*args, **kwargs):
+        prefix = kwargs.get("prefix")
+        groups.append(None if prefix is None else prefix.members[prefix.members[:, 0] >= 0].tolist())
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "paged_decode_attention", recording)
+    prompt = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8, use_triton=True)
+    outputs = engine.generate([GenerationRequest(prompt, SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=2)),
+                               GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0.0))])
+    assert any(group and any(len([row for row in members if row >= 0]) >= 3 for members in group)
+               for group in groups)  # the samples of the prompt read their blocks as one group
+    assert outputs[1][0].token_ids == hf_greedy(model, prompt, 6)
+    for sampled in outputs[0]:
+        torch.testing.assert_close(torch.tensor(sampled.log_probs),
+                                   recomputed_log_probs(model, prompt, sampled.token_ids, 0.8), atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "softcap"),
+                         [(12, 2, 128, None), (14, 2, 64, None), (8, 4, 256, 50.0), (32, 32, 96, None)])
+def test_shared_prefix_decode_at_the_standard_workloads_shapes_on_gpu(num_heads, num_kv_heads, head_dim, softcap):
+    """bf16, pages of 16: 64 prompts of 128 tokens x 8 samples at contexts of 129 to 640 (Qwen2.5-1.5B's, 0.5B's,
+    Gemma-2-2B's and Phi-3-mini's heads), against the kernel that reads every sequence's blocks and a float32
+    reference."""
+    page = 16
+    q, k_cache, v_cache, tables, lengths = grouped_inputs([(8, 640)] * 64, [], num_heads, num_kv_heads, head_dim,
+                                                          page, prefix_blocks=8)
+    lengths = torch.randint(129, 641, (len(lengths),), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    table_tensor = torch.tensor(tables, dtype=torch.int32)
+    scale = head_dim**-0.5
+    expected = reference(q, k_cache, v_cache, table_tensor, lengths, scale, None, softcap)
+    args = [tensor.to("cuda") for tensor in (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), table_tensor,
+                                             lengths)]
+    prefix = decode_kernels.shared_prefix(tables, lengths.tolist(), page, "cuda")
+    assert prefix is not None and len(prefix.group_prefix_lens) == 64
+    shared = decode_kernels.paged_decode_attention(*args, scale, softcap, num_splits=1, prefix=prefix)
+    plain = decode_kernels.paged_decode_attention(*args, scale, softcap, num_splits=1)
+    torch.testing.assert_close(shared.float().cpu(), expected, atol=2e-2, rtol=2e-2)
+    assert (shared.float().cpu() - expected).abs().max() <= (plain.float().cpu() - expected).abs().max() + 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "phi3"])
+def test_engine_decodes_a_prompts_samples_through_their_shared_blocks_as_generate_does_on_gpu(family):
+    """float32, CUDA graphs on: 8 samples of each of 4 prompts; greedy tokens are transformers' and every sampled
+    row's log-probs are its forward's."""
+    from transformers_reference import hf_greedy, recomputed_log_probs
+
+    from reinforge.models.tiny import build_tiny_causal_lm
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm(family, vocab_size=128, num_layers=2, seed=3,
+                                 max_position_embeddings=256).to("cuda").eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (length,), generator=generator).tolist() for length in (40, 64, 77, 129)]
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=16, max_num_seqs=64)
+    requests = [GenerationRequest(prompt, SamplingParams(n=8, max_tokens=24, temperature=0.9, seed=index))
+                for index, prompt in enumerate(prompts)]
+    requests += [GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0.0)) for prompt in prompts]
+    outputs = engine.generate(requests)
+    for prompt, output in zip(prompts, outputs[len(prompts):], strict=True):
+        assert output[0].token_ids == hf_greedy(model, prompt, 24)
+    for prompt, samples in zip(prompts, outputs[:len(prompts)], strict=True):
+        for sample in samples:
+            torch.testing.assert_close(torch.tensor(sample.log_probs),
+                                       recomputed_log_probs(model, prompt, sample.token_ids, 0.9), atol=1e-4, rtol=0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch import Tensor
 from reinforge.packed_attention import padded_packed_attention
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on, softcap_varlen_attention
 from reinforge.rollout.native.kv_quant import QuantizedCache
+
+if TYPE_CHECKING:
+    from reinforge.rollout.native.decode_kernels import SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ class AttentionMetadata:
     cu_seqlens_q: Tensor | None = None
     cu_seqlens_k: Tensor | None = None
     decode_tiling: DecodeTiling = DecodeTiling()
+    shared_prefix: SharedPrefix | None = None
+    """Decode: the groups of sequences whose first blocks are the same (``decode_kernels.SharedPrefix``), read once
+    a group by the unsplit Triton kernel; None: each sequence reads its own."""
     per_layer: list[AttentionMetadata] | None = None
     """Each layer's metadata when the layers' caches form several groups (``model_runner.layer_groups``: a group's
     slots and block tables are its own); None: every layer reads this one."""

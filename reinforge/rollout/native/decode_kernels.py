@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -426,48 +427,65 @@ class SharedPrefix:
     """(batch,) int32: each sequence's shared positions, 0 for one in no group."""
 
 
-def shared_prefix_groups(block_tables: list[list[int]], context_lens: list[int], page: int,
-                         max_members: int = 16, min_blocks: int = 1) -> tuple[list[list[int]], list[int]]:
-    """(each group's member rows, its shared positions) of a decode batch: sequences whose tables start with the
-    same blocks, grouped by their first block, at most ``max_members`` a group (a larger set is cut into several),
-    sharing the whole blocks all of them start with (``min_blocks`` or more), each below every member's context.
-    A table entry below 0 (a block given back, outside a window) is never shared."""
-    by_first: dict[int, list[int]] = {}
-    for row, table in enumerate(block_tables):
-        if table and table[0] >= 0 and context_lens[row] > page:
-            by_first.setdefault(table[0], []).append(row)
-    groups, lengths = [], []
-    for rows in by_first.values():
-        for start in range(0, len(rows), max_members):
-            members = rows[start:start + max_members]
-            if len(members) < 2:
-                continue
-            limit = min(context_lens[row] for row in members) // page  # whole blocks below every context
-            shared = 0
-            first = block_tables[members[0]]
-            while (shared < limit and first[shared] >= 0
-                   and all(len(block_tables[row]) > shared and block_tables[row][shared] == first[shared]
-                           for row in members)):
-                shared += 1
-            if shared >= min_blocks:
-                groups.append(members)
-                lengths.append(shared * page)
-    return groups, lengths
+SHARED_PREFIX_MEMBERS = 8
+"""The most sequences one shared-prefix program reads for (a larger set sharing blocks is cut into groups of this
+many): 8 members of 6 query heads a KV head (Qwen2.5-1.5B) are 64 query rows a product."""
 
 
-def shared_prefix(block_tables: list[list[int]], context_lens: list[int], page: int, device: torch.device | str,
-                  max_members: int = 16, min_blocks: int = 1) -> SharedPrefix | None:
-    """``shared_prefix_groups`` as the kernels' tensors; None when no sequences share a block."""
-    groups, lengths = shared_prefix_groups(block_tables, context_lens, page, max_members, min_blocks)
-    if not groups:
+def shared_prefix_arrays(block_tables: np.ndarray, context_lens: np.ndarray, page: int,
+                         max_members: int = SHARED_PREFIX_MEMBERS, min_blocks: int = 1
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(members (groups, max_members) int32, -1 padded; each group's shared positions (groups,); each row's shared
+    positions (batch,), 0 outside every group) of a decode batch's block tables (batch, max_blocks) and contexts.
+
+    A group is rows whose tables start with the same block (at most ``max_members`` of them: a larger set is cut
+    into several), sharing the whole blocks all of them start with, ``min_blocks`` or more, each below every
+    member's context. A table entry below 0 (a block given back, outside a window) is never shared. Numpy over the
+    whole batch at once: it runs on the host at every decode step."""
+    batch = len(context_lens)
+    no_groups = (np.full((0, max_members), -1, np.int32), np.zeros(0, np.int32), np.zeros(batch, np.int32))
+    if batch < 2 or block_tables.shape[1] == 0:
+        return no_groups
+    first = block_tables[:, 0]
+    rows = np.flatnonzero((first >= 0) & (context_lens > page))
+    rows = rows[np.argsort(first[rows], kind="stable")]
+    if len(rows) < 2:
+        return no_groups
+    starts = np.flatnonzero(np.r_[True, first[rows][1:] != first[rows][:-1]])  # runs of one first block
+    run = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(rows)]))
+    rank = np.arange(len(rows)) - starts[run]
+    chunk_starts = np.flatnonzero(np.r_[True, (run[1:] != run[:-1]) | (rank[1:] % max_members == 0)])
+    chunk = np.repeat(np.arange(len(chunk_starts)), np.diff(np.r_[chunk_starts, len(rows)]))
+    leaders = rows[chunk_starts][chunk]
+    tables = block_tables[rows]
+    same = (tables == block_tables[leaders]) & (tables >= 0)
+    leading = np.cumprod(same, axis=1).sum(axis=1)  # each row's leading blocks shared with its chunk's first
+    whole = np.minimum(leading, context_lens[rows] // page)
+    shared = np.minimum.reduceat(whole, chunk_starts)
+    sizes = np.diff(np.r_[chunk_starts, len(rows)])
+    kept = (sizes >= 2) & (shared >= min_blocks)
+    if not kept.any():
+        return no_groups
+    index = np.full(len(chunk_starts), -1)
+    index[kept] = np.arange(int(kept.sum()))
+    members = np.full((int(kept.sum()), max_members), -1, np.int32)
+    in_kept = kept[chunk]
+    members[index[chunk][in_kept], (np.arange(len(rows)) - chunk_starts[chunk])[in_kept]] = rows[in_kept]
+    group_lens = (shared[kept] * page).astype(np.int32)
+    prefix_lens = np.zeros(batch, np.int32)
+    prefix_lens[rows[in_kept]] = group_lens[index[chunk][in_kept]]
+    return members, group_lens, prefix_lens
+
+
+def shared_prefix(block_tables: list[list[int]] | np.ndarray, context_lens: list[int] | np.ndarray, page: int,
+                  device: torch.device | str, max_members: int = SHARED_PREFIX_MEMBERS,
+                  min_blocks: int = 1) -> SharedPrefix | None:
+    """``shared_prefix_arrays`` as the kernels' tensors; None when no sequences share a block."""
+    members, group_lens, prefix_lens = shared_prefix_arrays(np.asarray(block_tables), np.asarray(context_lens), page,
+                                                            max_members, min_blocks)
+    if not len(group_lens):
         return None
-    width = max(len(members) for members in groups)
-    members = torch.full((len(groups), width), -1, dtype=torch.int32)
-    prefix_lens = torch.zeros(len(block_tables), dtype=torch.int32)
-    for index, (rows, length) in enumerate(zip(groups, lengths, strict=True)):
-        members[index, :len(rows)] = torch.tensor(rows, dtype=torch.int32)
-        prefix_lens[rows] = length
-    return SharedPrefix(members.to(device), torch.tensor(lengths, dtype=torch.int32).to(device), prefix_lens.to(device))
+    return SharedPrefix(*(torch.from_numpy(array).to(device) for array in (members, group_lens, prefix_lens)))
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache: Tensor | QuantizedCache,

@@ -80,7 +80,7 @@ class NativeEngine:
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None,
                  kv_cache_dtype: str = "auto", weights_fixed: bool = False, kv_cache_bytes: int | None = None,
-                 decode_products: str = "cublas"):
+                 decode_products: str = "cublas", shared_prefix_decode: bool = True):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -105,6 +105,8 @@ class NativeEngine:
         engine reads every weight it would copy unchanged in place (the model's storage, not a copy of its own; the
         q|k|v and gate|up groups it concatenates stay copies): Qwen3-30B-A3B's experts then exist once on the device.
         decode_products: cublas, or timed (``rollout.decode_products``: swapped Triton kernels where timed faster).
+        shared_prefix_decode: a decode step reads the blocks several sequences share (a prompt's n samples) once for
+        all of them (``decode_kernels.SharedPrefix``; the Triton path's unsplit kernel).
         kv_cache_bytes: the KV cache's size in bytes (the memory planner's ``rollout.kv_cache_gib``), in place of
         gpu_memory_utilization's sizing; num_kv_blocks overrides it. A model whose full and sliding layers keep
         separate pools (Gemma 2 and 3) splits it between them by what each can use, so at long contexts the same
@@ -145,7 +147,7 @@ class NativeEngine:
                                   device=device,
                                   max_prefill_chunk_tokens=max_prefill_chunk_tokens or max_num_batched_tokens,
                                   kv_cache_dtype=kv_cache_dtype, weights_fixed=weights_fixed,
-                                  decode_products=decode_products)
+                                  decode_products=decode_products, shared_prefix_decode=shared_prefix_decode)
         self.sampler = Sampler(use_triton, softcap=self.runner.decoder.spec.final_softcap)
         self.scheduler: Scheduler | None = None
         self.last_metrics: dict[str, float] = {}

@@ -184,7 +184,7 @@ class DenseAttention:
             from reinforge.rollout.native import triton_kernels
 
             out = triton_kernels.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                        self.scale, softcap, window,
+                                                        self.scale, softcap, window, prefix=meta.shared_prefix,
                                                         **meta.decode_tiling.options())
         else:
             out = decode_attention(q, k_cache, v_cache, meta, self.scale, window, softcap)

@@ -34,7 +34,16 @@ from torch import Tensor, nn
 
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.rollout.native.attention import AttentionMetadata, per_layer_metadata
-from reinforge.rollout.native.decode_kernels import DecodeTiling, decode_tiling, num_sms, shared_memory_per_program
+from reinforge.rollout.native.decode_kernels import (
+    _INTERPRETED,
+    SHARED_PREFIX_MEMBERS,
+    DecodeTiling,
+    SharedPrefix,
+    decode_tiling,
+    num_sms,
+    shared_memory_per_program,
+    shared_prefix_arrays,
+)
 from reinforge.rollout.native.kv_quant import KV_CACHE_DTYPES, QuantizedCache, block_bytes, fp8_refusal, layer_caches
 from reinforge.rollout.native.model import PagedDecoder, whole
 from reinforge.rollout.native.multimodal import MultimodalPrompts, is_vision_language
@@ -86,10 +95,13 @@ class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
                  max_prefill_chunk_tokens: int | None = None, kv_cache_dtype: str = "auto", weights_fixed: bool = False,
-                 decode_products: str = "cublas"):
+                 decode_products: str = "cublas", shared_prefix_decode: bool = True):
         """max_prefill_chunk_tokens: the most new tokens one prefill forward runs (None: no limit);
         kv_cache_dtype: auto (the model dtype) or fp8 (e4m3 with a scale per vector, kv_quant.py); weights_fixed:
-        the model's weights never change, so the decoder reads them in place (``model.weights_read_in_place``)."""
+        the model's weights never change, so the decoder reads them in place (``model.weights_read_in_place``);
+        shared_prefix_decode: an unsplit Triton decode step reads the blocks several sequences share (the n samples
+        of a prompt) once for all of them (``decode_kernels.SharedPrefix``)."""
+        self.shared_prefix_decode = shared_prefix_decode
         self.decoder = PagedDecoder(model, max_model_len, use_triton, device, weights_fixed, decode_products)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -459,6 +471,24 @@ class ModelRunner:
             inputs["input_ids"] = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))
         return inputs
 
+    def _add_shared_prefixes(self, inputs: dict[str, np.ndarray]) -> None:
+        """Each layer group's sequences that share blocks (``decode_kernels.shared_prefix_arrays``) into ``inputs``:
+        ``prefix_members``, ``group_prefix_lens`` and ``prefix_lens`` (with ``_{g}`` for the groups from 1)."""
+        for group in range(len(self.layer_groups)):
+            suffix = f"_{group}" if group else ""
+            members, group_lens, prefix_lens = shared_prefix_arrays(inputs[f"block_tables{suffix}"],
+                                                                    inputs["context_lens"], self.block_size)
+            inputs[f"prefix_members{suffix}"] = members
+            inputs[f"group_prefix_lens{suffix}"] = group_lens
+            inputs[f"prefix_lens{suffix}"] = prefix_lens
+
+    def _shares_prefixes(self) -> bool:
+        """Whether decode steps read shared blocks once a group: the Triton kernels on CUDA, the model's attention
+        ones (latent attention has its own kernel)."""
+        return (self.shared_prefix_decode and self.decoder.use_triton
+                and (self.device.type == "cuda" or _INTERPRETED)
+                and all(hasattr(block, "num_kv_heads") for block in self.decoder.attention))
+
     def _group_decode_inputs(self, seqs: list[Sequence], rows: np.ndarray, positions: np.ndarray,
                              inputs: dict[str, np.ndarray]) -> None:
         """The other layer groups' block tables and slots (``block_tables_{g}``, ``slot_mapping_{g}``, g from 1), their
@@ -490,19 +520,29 @@ class ModelRunner:
         batch = len(seqs)
         max_context_len = int(inputs["context_lens"].max()) if batch else 0
         graph_size = next((size for size in self.cuda_graph_batch_sizes if size >= batch), None)
+        tiling = self.decode_tiling(batch if graph_size is None or not self.cuda_graph_batch_sizes else graph_size,
+                                    max_context_len)
+        if tiling.splits == 1 and self._shares_prefixes():  # only the unsplit kernel reads them
+            self._add_shared_prefixes(inputs)
         if graph_size is None or not self.cuda_graph_batch_sizes:
             tensors = {name: self._to_device(array) for name, array in inputs.items()}
             if next_input_ids is not None:
                 tensors["input_ids"] = next_input_ids
             self.last_decode_positions = tensors["positions"]
-            return self._decode_forward(tensors, self.decode_tiling(batch, max_context_len))
-        key = (graph_size, self.decode_tiling(graph_size, max_context_len))
+            return self._decode_forward(tensors, tiling)
+        key = (graph_size, tiling)
         if key not in self._captured:
             self.capture_cuda_graph(*key)
         static = self._graph_inputs
         if batch < graph_size:
             self._fill_padding(batch, graph_size)
         for name, array in inputs.items():
+            if name.startswith(("prefix_members", "group_prefix_lens")):  # groups, not rows: the unused ones empty
+                whole = np.full((len(static[name]), *array.shape[1:]), -1 if name.startswith("prefix") else 0,
+                                dtype=array.dtype)
+                whole[:len(array)] = array
+                static[name].copy_(torch.from_numpy(whole).pin_memory(), non_blocking=True)
+                continue
             static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
         if next_input_ids is not None:
             static["input_ids"][:batch].copy_(next_input_ids)
@@ -512,12 +552,19 @@ class ModelRunner:
         return self._graph_logits[key][:batch]
 
     def _decode_forward(self, tensors: dict[str, Tensor], tiling: DecodeTiling) -> Tensor:
+        def prefix(suffix: str) -> SharedPrefix | None:
+            members = tensors.get(f"prefix_members{suffix}")
+            if tiling.splits > 1 or members is None or not len(members):
+                return None
+            return SharedPrefix(members, tensors[f"group_prefix_lens{suffix}"], tensors[f"prefix_lens{suffix}"])
+
         meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], is_prefill=False,
                                  block_tables=tensors["block_tables"], context_lens=tensors["context_lens"],
-                                 decode_tiling=tiling)
+                                 decode_tiling=tiling, shared_prefix=prefix(""))
         if self.group_table_host:
             meta.per_layer = per_layer_metadata(self.layer_groups, [meta, *(
-                replace(meta, slot_mapping=tensors[f"slot_mapping_{group}"], block_tables=tensors[f"block_tables_{group}"])
+                replace(meta, slot_mapping=tensors[f"slot_mapping_{group}"], block_tables=tensors[f"block_tables_{group}"],
+                        shared_prefix=prefix(f"_{group}"))
                 for group in range(1, len(self.layer_groups)))])
         return self.decoder.forward(tensors["input_ids"], tensors.get("rope_positions", tensors["positions"]),
                                     self.kv_cache, meta, final_softcap=False)
@@ -532,6 +579,9 @@ class ModelRunner:
         static["slot_mapping"][start:stop].fill_(self.spare_block * self.block_size)
         static["context_lens"][start:stop].fill_(1)
         static["block_tables"][start:stop].fill_(self.spare_block)
+        for name in ("prefix_lens", *(f"prefix_lens_{group}" for group in range(1, len(self.layer_groups)))):
+            if name in static:
+                static[name][start:stop].zero_()
         for group in range(1, len(self.layer_groups)):  # each group's own spare block
             static[f"slot_mapping_{group}"][start:stop].fill_(self.spare_blocks[group] * self.block_size)
             static[f"block_tables_{group}"][start:stop].fill_(self.spare_blocks[group])
@@ -561,10 +611,20 @@ class ModelRunner:
                 self._graph_inputs[f"slot_mapping_{group}"] = torch.zeros(largest, dtype=torch.int64, device=self.device)
                 self._graph_inputs[f"block_tables_{group}"] = torch.zeros(largest, self.max_blocks_per_seq,
                                                                           dtype=torch.int32, device=self.device)
+            if self._shares_prefixes():  # at most half the rows form groups (two members or more)
+                for group in range(len(self.layer_groups)):
+                    suffix = f"_{group}" if group else ""
+                    self._graph_inputs[f"prefix_members{suffix}"] = torch.full(
+                        (max(largest // 2, 1), SHARED_PREFIX_MEMBERS), -1, dtype=torch.int32, device=self.device)
+                    self._graph_inputs[f"group_prefix_lens{suffix}"] = torch.zeros(
+                        max(largest // 2, 1), dtype=torch.int32, device=self.device)
+                    self._graph_inputs[f"prefix_lens{suffix}"] = torch.zeros(largest, dtype=torch.int32,
+                                                                             device=self.device)
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)
-        views = {name: tensor[:size] for name, tensor in self._graph_inputs.items()}
+        views = {name: tensor[:max(size // 2, 1)] if name.startswith(("prefix_members", "group_prefix_lens"))
+                 else tensor[:size] for name, tensor in self._graph_inputs.items()}
         self._decode_forward(views, tiling)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
