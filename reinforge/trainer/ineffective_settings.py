@@ -91,7 +91,7 @@ IGNORED_WHEN: list[IgnoredWhen] = [
                 "set algorithm.adv_estimator=gdpo"),
     IgnoredWhen(("rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.free_cache_engine",
                  "rollout.enable_prefix_caching", "rollout.max_prefill_chunk_tokens",
-                 "rollout.kv_cache_dtype", "rollout.decode_products"),
+                 "rollout.kv_cache_dtype", "rollout.decode_products", "rollout.shared_prefix_decode"),
                 lambda config: config.rollout.name == "hf", "they are settings of the native engine and rollout.name "
                 "is hf", "set rollout.name=native"),
     IgnoredWhen(("trainer.max_staleness", "trainer.trigger_sync_steps", "trainer.async_deterministic",

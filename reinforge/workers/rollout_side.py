@@ -190,7 +190,7 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
                                   enable_prefix_caching=rollout.enable_prefix_caching, device=device,
                                   max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens,
                                   kv_cache_dtype=rollout.kv_cache_dtype, decode_products=rollout.decode_products,
-                                  **planned_concurrency(config))
+                                  shared_prefix_decode=rollout.shared_prefix_decode, **planned_concurrency(config))
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                 engine.kv_cache_bytes = int(rollout.kv_cache_gib * GiB)
             return engine
