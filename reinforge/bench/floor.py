@@ -58,11 +58,17 @@ class RolloutFloor:
     the matrix-product rate (``MATMUL_FLOPS_PER_S``); the KV read stays at the copy rate. At least ``seconds``."""
     product_flops: float = 0.0
     """The weight products' FLOPs over all steps."""
+    shared_prompt_seconds: float | None = None
+    """The floor when each group of samples of one prompt reads its prompt's whole blocks once a step (on the
+    full-attention layers; ``rollout.shared_prefix_decode``); None without groups."""
 
     def as_dict(self) -> dict[str, float]:
+        shared = {} if self.shared_prompt_seconds is None else {"rollout_floor_shared_prompts_s":
+                                                                 self.shared_prompt_seconds}
         return {"rollout_floor_s": self.seconds, "rollout_floor_decode_steps": float(self.decode_steps),
                 "rollout_floor_kv_gb": self.kv_bytes / 1e9, "rollout_floor_weight_gb": self.weight_bytes / 1e9,
-                "rollout_floor_roofline_s": self.roofline_seconds, "rollout_floor_product_tflop": self.product_flops / 1e12}
+                "rollout_floor_roofline_s": self.roofline_seconds, "rollout_floor_product_tflop": self.product_flops / 1e12,
+                **shared}
 
 
 def decode_weight_bytes(shape: ModelShape, num_live: np.ndarray, value_bytes: float = 2.0) -> np.ndarray:
@@ -93,12 +99,31 @@ def kv_token_bytes(shape: ModelShape, kv_cache_dtype: str = "auto", value_bytes:
     return shape.kv_block_bytes(1, kv_cache_dtype, value_bytes)
 
 
+def shared_prompt_tokens(prompt_lengths: np.ndarray, responses: np.ndarray, groups: Sequence[int], page: int
+                         ) -> float:
+    """Cached tokens a layer's decode steps read fewer when each group of sequences (``groups``: one id per
+    sequence, samples of one prompt) reads its prompt's whole blocks once a step: the group's whole-block prompt
+    tokens S, read by each of its L live members before, once while any lives, sum R - max R over its responses R."""
+    saved = 0.0
+    ids = np.asarray(groups)
+    for group in np.unique(ids):
+        members = ids == group
+        if members.sum() < 2:
+            continue
+        shared = float(prompt_lengths[members].min()) // page * page
+        saved += shared * float(responses[members].sum() - responses[members].max())
+    return saved
+
+
 def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_lengths: Sequence[int],
                   kv_cache_dtype: str = "auto", value_bytes: float = 2.0,
-                  bytes_per_s: float = COPY_BYTES_PER_S, flops_per_s: float = MATMUL_FLOPS_PER_S) -> RolloutFloor:
+                  bytes_per_s: float = COPY_BYTES_PER_S, flops_per_s: float = MATMUL_FLOPS_PER_S,
+                  groups: Sequence[int] | None = None, page: int = 16) -> RolloutFloor:
     """The floor of decoding ``response_lengths`` tokens after ``prompt_lengths`` (one entry per sequence, all
     sequences decoding together), with weights of ``value_bytes`` a value (2: bf16) and the KV cache of
-    ``kv_cache_dtype`` (auto: the weights' dtype; fp8); its roofline with products at ``flops_per_s``."""
+    ``kv_cache_dtype`` (auto: the weights' dtype; fp8); its roofline with products at ``flops_per_s``. With
+    ``groups`` (a prompt id per sequence) also the floor when a group's prompt blocks of ``page`` tokens are read
+    once a step (``shared_prompt_tokens``; sliding-window layers counted without it)."""
     if len(prompt_lengths) != len(response_lengths):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses; "
                          "give one of each per sequence")
@@ -114,8 +139,13 @@ def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_len
     weights, flops = float(step_weights.sum()), float(step_flops.sum())
     kv_bytes = kv_tokens * per_layer
     products = float(np.maximum(step_weights / bytes_per_s, step_flops / flops_per_s).sum())
+    shared = None
+    if groups is not None:
+        full_layers = sum(1 for window in windows if not window)
+        kv_shared = kv_bytes - full_layers * per_layer * shared_prompt_tokens(prompts, responses, groups, page)
+        shared = (kv_shared + weights) / bytes_per_s
     return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights,
-                        kv_bytes / bytes_per_s + products, flops)
+                        kv_bytes / bytes_per_s + products, flops, shared)
 
 
 def context_floor_ms(shape: ModelShape, num_sequences: int, context: int, kv_cache_dtype: str = "auto",

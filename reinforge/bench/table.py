@@ -129,6 +129,8 @@ def render_table(results: list[dict]) -> str:
         lambda r: _number(r["median"].get("mfu_with_attention"), "{:.1%}"))
     add("rollout bandwidth floor s", "reinforge", lambda r: _number(r["median"].get("rollout_floor_s"), "{:.2f}"))
     add("rollout / floor", "reinforge", lambda r: _number(r["median"].get("rollout_over_floor"), "{:.2f}"))
+    add("rollout floor s, a prompt's blocks read once for its samples", "reinforge",
+        lambda r: _number(r["median"].get("rollout_floor_shared_prompts_s"), "{:.2f}"))
     add("rollout floor s, products at the matrix rate", "reinforge",
         lambda r: _number(r["median"].get("rollout_floor_roofline_s"), "{:.2f}"))
     add("peak GiB, rollout", "reinforge", lambda r: _number(r["median"].get("rollout_peak_gb"), "{:.1f}"))

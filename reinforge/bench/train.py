@@ -429,10 +429,15 @@ def measured_floor(model_shape, batch, config, args: argparse.Namespace):
     """The rollout's bandwidth floor (``floor.py``) for the prompt and response lengths this step generated."""
     from reinforge.bench.floor import rollout_floor
     from reinforge.engine.micro_batches import sequence_extents
+    from reinforge.rollout.native.engine import BLOCK_SIZE
 
     prompt_lengths, response_lengths = sequence_extents(batch)
+    groups = None
+    if config.rollout.name == "native" and config.rollout.shared_prefix_decode and "uid" in batch:
+        groups = [str(uid) for uid in batch["uid"]]  # a prompt's samples read its blocks once a step
     return rollout_floor(model_shape, prompt_lengths.tolist(), response_lengths.tolist(),
-                         **floor_dtypes(config, args), bytes_per_s=args.bandwidth_tbps * 1e12)
+                         **floor_dtypes(config, args), bytes_per_s=args.bandwidth_tbps * 1e12, groups=groups,
+                         page=BLOCK_SIZE)
 
 
 def shape_summary(args: argparse.Namespace, model_dir: Path, config) -> dict:

@@ -146,3 +146,22 @@ def test_a_mixture_of_experts_multiplies_only_the_experts_a_token_runs_through()
     assert decode_product_flops(moe, np.array([1]))[0] == pytest.approx(
         2 * (moe.num_active_params - moe.vocab_size * moe.hidden_size))
     assert moe.num_active_params < moe.num_params / 4
+
+
+def test_a_prompts_samples_that_read_its_blocks_once_a_step_save_all_but_one_read_of_its_whole_blocks():
+    """Two prompts of 40 tokens (two whole blocks of 16) with three samples each: while L of a prompt's samples
+    live, a step reads its 32 whole-block tokens once instead of L times; the 8 tokens of its partial block and the
+    generated ones stay each sample's own."""
+    model = shape("0.5b")
+    responses = [10, 30, 20, 5, 5, 50]
+    plain = rollout_floor(model, [40] * 6, responses)
+    assert plain.shared_prompt_seconds is None and "rollout_floor_shared_prompts_s" not in plain.as_dict()
+    grouped = rollout_floor(model, [40] * 6, responses, groups=["a", "a", "a", "b", "b", "b"], page=16)
+    saved_tokens = 32 * ((10 + 30 + 20 - 30) + (5 + 5 + 50 - 50))
+    assert grouped.seconds == plain.seconds
+    assert grouped.shared_prompt_seconds == pytest.approx(
+        plain.seconds - saved_tokens * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S)
+    assert rollout_floor(model, [40] * 6, responses, groups=list(range(6))).shared_prompt_seconds == plain.seconds
+    standard = rollout_floor(model, [128] * 512, [512] * 512, groups=[row // 8 for row in range(512)])
+    assert standard.shared_prompt_seconds / standard.seconds == pytest.approx(
+        1 - 7 / 8 * 128 * 512 * 512 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S / standard.seconds)

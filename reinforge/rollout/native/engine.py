@@ -70,9 +70,13 @@ def _triton_available() -> bool:
     return True
 
 
+BLOCK_SIZE = 16
+"""Tokens a KV cache block holds unless the engine is given another size."""
+
+
 class NativeEngine:
     def __init__(self, model: nn.Module, *, eos_token_ids: list[int], max_model_len: int,
-                 gpu_memory_utilization: float = 0.5, block_size: int = 16, max_num_seqs: int = 512,
+                 gpu_memory_utilization: float = 0.5, block_size: int = BLOCK_SIZE, max_num_seqs: int = 512,
                  max_num_batched_tokens: int = 16384, num_kv_blocks: int | None = None,
                  cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_CUDA_GRAPH_BATCH_SIZES,
                  enforce_eager: bool = False, use_triton: bool | None = None, seed: int = 0,
