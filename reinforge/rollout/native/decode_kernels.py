@@ -69,8 +69,8 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
                    loop_end, first_visible, visible_end, scale, softcap, running_max, running_sum, acc, stride_block,
                    stride_token, stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr, row_first_visible=None,
-                   PER_ROW: tl.constexpr = False):
+                   HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr, row_first_visible,
+                   PER_ROW: tl.constexpr):
     """The online softmax over positions loop_start..loop_end (a multiple of BLOCK_N apart), of which those in
     first_visible..visible_end count; blocks outside them are never read. PER_ROW: each query row sees only the
     positions from its own ``row_first_visible`` on (at or after first_visible; the rows of several sequences
@@ -142,7 +142,7 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
                                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
                                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                    HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, STATIC_LOOP_END: tl.constexpr,
-                                   HAS_PREFIX: tl.constexpr = False):
+                                   HAS_PREFIX: tl.constexpr):
     """HAS_PREFIX: a sequence whose ``prefix_lens`` entry is p > 0 starts from the online softmax's state over its
     first p positions (``_shared_prefix_kernel``'s, in the state buffers) and reads only the positions after them."""
     seq = tl.program_id(0)
@@ -173,7 +173,7 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
         0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
         STATIC_LOOP_END if STATIC_LOOP_END else context_len, first_visible, context_len, scale, softcap,
         running_max, running_sum, acc, stride_block, stride_token, stride_scale_block,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED)
+        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=mask)
 
@@ -263,7 +263,7 @@ def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_
         tl.maximum(first_visible, chunk_start), chunk_end, scale, softcap,
         tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
         tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_block, stride_token, stride_scale_block,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED)
+        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False)
     rows = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     stored = group_mask & (split < num_chunks)
     tl.store(partial_max_ptr + rows, running_max, mask=stored)
