@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cache
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +33,6 @@ from torch import Tensor
 from reinforge.packed_attention import padded_packed_attention
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on, softcap_varlen_attention
 from reinforge.rollout.native.kv_quant import QuantizedCache
-
-if TYPE_CHECKING:
-    from reinforge.rollout.native.decode_kernels import SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -54,6 +50,19 @@ class DecodeTiling:
         """``paged_decode_attention``'s keyword arguments for this tiling."""
         return dict(num_splits=self.splits, block_n=self.block_n, num_warps=self.num_warps,
                     num_stages=self.num_stages)
+
+
+@dataclass
+class SharedPrefix:
+    """Sequences of a decode batch that share their first blocks (the n samples of a prompt share its full
+    blocks): each group's shared blocks are read once for all its members (``decode_kernels._shared_prefix_kernel``)."""
+
+    members: Tensor
+    """(groups, members) int32: each group's sequences (rows of the batch), -1 where a group has fewer."""
+    group_prefix_lens: Tensor
+    """(groups,) int32: the positions the group's members share (whole blocks)."""
+    prefix_lens: Tensor
+    """(batch,) int32: each sequence's shared positions, 0 for one in no group."""
 
 
 @dataclass
@@ -93,7 +102,7 @@ class AttentionMetadata:
     cu_seqlens_k: Tensor | None = None
     decode_tiling: DecodeTiling = DecodeTiling()
     shared_prefix: SharedPrefix | None = None
-    """Decode: the groups of sequences whose first blocks are the same (``decode_kernels.SharedPrefix``), read once
+    """Decode: the groups of sequences whose first blocks are the same (``SharedPrefix``), read once
     a group by the unsplit Triton kernel; None: each sequence reads its own."""
     per_layer: list[AttentionMetadata] | None = None
     """Each layer's metadata when the layers' caches form several groups (``model_runner.layer_groups``: a group's

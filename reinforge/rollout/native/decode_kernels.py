@@ -19,7 +19,6 @@ programs, the ones past its chunks store nothing, and the merge reads only its c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -29,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from reinforge.rollout.native.attention import DecodeTiling
+from reinforge.rollout.native.attention import DecodeTiling, SharedPrefix
 from reinforge.rollout.native.kv_quant import QuantizedCache, kernel_cache_args
 
 SPLIT_MIN_CONTEXT = 1024
@@ -412,19 +411,6 @@ def default_num_warps(head_dim: int, num_splits: int, quantized: bool) -> int:
 def default_num_stages(num_splits: int) -> int:
     """Pipeline stages of a decode attention program: 3 with ``MANY_SPLITS`` or more splits, else 2."""
     return 3 if num_splits >= MANY_SPLITS else 2
-
-
-@dataclass
-class SharedPrefix:
-    """Sequences of a decode batch that share their first blocks (the n samples of a prompt share its full
-    blocks): each group's shared blocks are read once for all its members (``_shared_prefix_kernel``)."""
-
-    members: Tensor
-    """(groups, members) int32: each group's sequences (rows of the batch), -1 where a group has fewer."""
-    group_prefix_lens: Tensor
-    """(groups,) int32: the positions the group's members share (whole blocks)."""
-    prefix_lens: Tensor
-    """(batch,) int32: each sequence's shared positions, 0 for one in no group."""
 
 
 SHARED_PREFIX_MEMBERS = 8

@@ -110,7 +110,7 @@ class NativeEngine:
         q|k|v and gate|up groups it concatenates stay copies): Qwen3-30B-A3B's experts then exist once on the device.
         decode_products: cublas, or timed (``rollout.decode_products``: swapped Triton kernels where timed faster).
         shared_prefix_decode: a decode step reads the blocks several sequences share (a prompt's n samples) once for
-        all of them (``decode_kernels.SharedPrefix``; the Triton path's unsplit kernel).
+        all of them (``attention.SharedPrefix``; the Triton path's unsplit kernel).
         kv_cache_bytes: the KV cache's size in bytes (the memory planner's ``rollout.kv_cache_gib``), in place of
         gpu_memory_utilization's sizing; num_kv_blocks overrides it. A model whose full and sliding layers keep
         separate pools (Gemma 2 and 3) splits it between them by what each can use, so at long contexts the same

@@ -33,12 +33,11 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
-from reinforge.rollout.native.attention import AttentionMetadata, per_layer_metadata
+from reinforge.rollout.native.attention import AttentionMetadata, SharedPrefix, per_layer_metadata
 from reinforge.rollout.native.decode_kernels import (
     _INTERPRETED,
     SHARED_PREFIX_MEMBERS,
     DecodeTiling,
-    SharedPrefix,
     decode_tiling,
     num_sms,
     shared_memory_per_program,
@@ -100,7 +99,7 @@ class ModelRunner:
         kv_cache_dtype: auto (the model dtype) or fp8 (e4m3 with a scale per vector, kv_quant.py); weights_fixed:
         the model's weights never change, so the decoder reads them in place (``model.weights_read_in_place``);
         shared_prefix_decode: an unsplit Triton decode step reads the blocks several sequences share (the n samples
-        of a prompt) once for all of them (``decode_kernels.SharedPrefix``)."""
+        of a prompt) once for all of them (``attention.SharedPrefix``)."""
         self.shared_prefix_decode = shared_prefix_decode
         self.decoder = PagedDecoder(model, max_model_len, use_triton, device, weights_fixed, decode_products)
         self.block_size = block_size
