@@ -155,6 +155,8 @@ def build_config(model_dir: Path, args: argparse.Namespace):
         config.actor.max_tokens_per_micro_batch = args.micro_tokens
     if args.optimizer_offload is not None:
         config.actor.optimizer_offload = args.optimizer_offload
+    if getattr(args, "keep_gathered", None) is not None:
+        config.actor.keep_gathered = args.keep_gathered
     config.trainer.gpu_memory_gib = args.gpu_memory_gib
     config.actor.optim.lr = 1e-6
     shape = SHAPES[args.model]
@@ -495,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="activation checkpointing of all, none or the first K layers (default: the planner's)")
     parser.add_argument("--optimizer-offload", type=_flag, default=None, metavar="true|false",
                         help="optimizer state on the CPU (default: the planner's)")
+    parser.add_argument("--keep-gathered", type=_flag, default=None, metavar="true|false",
+                        help="keep each layer gathered through a mini-batch of the update (actor.keep_gathered; "
+                             "default: the planner's)")
     parser.add_argument("--keep-rollout-memory", type=_flag, default=None, metavar="true|false",
                         help="keep the native engine's KV cache, weight copy and CUDA graphs between rollouts "
                              "(rollout.free_cache_engine=false)")

@@ -190,3 +190,9 @@ def test_engine_decodes_a_prompts_samples_through_their_shared_blocks_as_generat
         for sample in samples:
             torch.testing.assert_close(torch.tensor(sample.log_probs),
                                        recomputed_log_probs(model, prompt, sample.token_ids, 0.9), atol=1e-4, rtol=0)
+    # then a smaller batch: its graph is captured while the group buffers still hold the larger batch's groups
+    samples = engine.generate([GenerationRequest(prompts[1], SamplingParams(n=4, max_tokens=24, temperature=0.9,
+                                                                            seed=9))])[0]
+    for sample in samples:
+        torch.testing.assert_close(torch.tensor(sample.log_probs),
+                                   recomputed_log_probs(model, prompts[1], sample.token_ids, 0.9), atol=1e-4, rtol=0)

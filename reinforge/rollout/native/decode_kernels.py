@@ -180,7 +180,7 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
 @triton.jit
 def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr,
                           context_lens_ptr, members_ptr, group_prefix_lens_ptr, state_max_ptr, state_sum_ptr,
-                          state_acc_ptr, scale, softcap, window, stride_q, stride_table, stride_block, stride_token,
+                          state_acc_ptr, num_rows, scale, softcap, window, stride_q, stride_table, stride_block, stride_token,
                           stride_scale_block, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                           GROUP_PAD: tl.constexpr, MEMBERS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                           HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
@@ -190,17 +190,20 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scale
     (its heads of this KV head) read the shared blocks once, as one product per block, and each member's state of
     the online softmax over them (max, sum, unnormalised output, float32) goes to the state buffers, from which the
     unsplit kernel goes on over the member's own blocks. ``members`` (groups, MEMBERS_PAD) names each group's
-    sequences (-1 pads); the first one's block table is read."""
+    sequences (-1 pads); the first one's block table is read. A group naming a row outside the batch's
+    ``num_rows`` reads and writes nothing."""
     group_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, MEMBERS_PAD * GROUP_PAD)
     member = rows // GROUP_PAD
     in_group = rows % GROUP_PAD
     seq = tl.load(members_ptr + group_id * MEMBERS_PAD + member)
-    used = (seq >= 0) & (in_group < GROUP)
-    seq = tl.where(used, seq, 0)
     leader = tl.load(members_ptr + group_id * MEMBERS_PAD)
-    prefix_len = tl.load(group_prefix_lens_ptr + group_id)
+    whole_group = tl.max(tl.where(seq >= num_rows, 1, 0), axis=0) == 0
+    used = (seq >= 0) & (in_group < GROUP) & whole_group
+    seq = tl.where(used, seq, 0)
+    leader = tl.where(whole_group & (leader >= 0), leader, 0)
+    prefix_len = tl.where(whole_group, tl.load(group_prefix_lens_ptr + group_id), 0)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = used[:, None] & (dims < HEAD_DIM)[None, :]
     heads = kv_head * GROUP + in_group
@@ -562,7 +565,7 @@ def _shared_prefix_state(q: Tensor, k_values: Tensor, v_values: Tensor, k_scales
     static_loop_end = int(prefix.group_prefix_lens.max()) if _INTERPRETED else 0
     _shared_prefix_kernel[(members.shape[0], num_kv_heads)](
         q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, members, prefix.group_prefix_lens,
-        state_max[0], state_max[1], state_acc, scale, softcap or 1.0, window or 0, q.stride(0),
+        state_max[0], state_max[1], state_acc, batch, scale, softcap or 1.0, window or 0, q.stride(0),
         block_tables.stride(0), k_values.stride(0), k_values.stride(1), stride_scale_block, NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=group_pad, MEMBERS_PAD=members_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=shared["HEAD_DIM_PAD"], PAGE=shared["PAGE"], BLOCK_N=shared["BLOCK_N"],

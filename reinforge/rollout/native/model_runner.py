@@ -622,6 +622,11 @@ class ModelRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)
+        for name, tensor in self._graph_inputs.items():  # no group left from an earlier, larger batch
+            if name.startswith("prefix_members"):
+                tensor.fill_(-1)
+            elif name.startswith("group_prefix_lens"):
+                tensor.zero_()
         views = {name: tensor[:max(size // 2, 1)] if name.startswith(("prefix_members", "group_prefix_lens"))
                  else tensor[:size] for name, tensor in self._graph_inputs.items()}
         self._decode_forward(views, tiling)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
