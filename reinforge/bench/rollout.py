@@ -191,7 +191,7 @@ def bench_main(argv: list[str]) -> int:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="with --context-sweep: the engine's KV cache, auto (the model dtype) or fp8 "
                              "(rollout.kv_cache_dtype); the floor counts its bytes")
-    parser.add_argument("--shared-prefix-decode", choices=["on", "off"], default="on",
+    parser.add_argument("--shared-prefix-decode", choices=["on", "off"], default="off",
                         help="whether a decode step reads a prompt's blocks once for its n samples (on) or once for "
                              "each sample (off)")
     parser.add_argument("--model", default=None, metavar="SHAPE",

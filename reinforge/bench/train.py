@@ -148,7 +148,7 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.rollout.n = args.n
     config.rollout.kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
     config.rollout.decode_products = getattr(args, "decode_products", "cublas")
-    config.rollout.shared_prefix_decode = getattr(args, "shared_prefix_decode", "on") == "on"
+    config.rollout.shared_prefix_decode = getattr(args, "shared_prefix_decode", "off") == "on"
     if args.keep_rollout_memory is not None:
         config.rollout.free_cache_engine = not args.keep_rollout_memory
     if args.micro_tokens is not None:
@@ -490,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the native engine's KV cache: auto (the model dtype) or fp8 (rollout.kv_cache_dtype)")
     parser.add_argument("--decode-products", choices=DECODE_PRODUCTS, default="cublas",
                         help="what runs the native engine's decode-step products (rollout.decode_products)")
-    parser.add_argument("--shared-prefix-decode", choices=["on", "off"], default="on",
+    parser.add_argument("--shared-prefix-decode", choices=["on", "off"], default="off",
                         help="whether a decode step reads a prompt's blocks once for its samples "
                              "(rollout.shared_prefix_decode)")
     parser.add_argument("--checkpointing", type=_checkpointing, default=None, metavar="all|none|K",

@@ -305,10 +305,11 @@ class RolloutConfig:
     scale per token and KV head (about twice the tokens in the same memory and half the bytes read per decode step,
     though on an H200 its decode is slower than bf16's; at some log-prob mismatch against the trainer: see
     docs/long_responses.md). Not for MLA models."""
-    shared_prefix_decode: bool = True
-    """Native engine on a GPU: a decode step reads the cache blocks several sequences share (the prompt's whole blocks
-    of its n samples) once for all of them, and each sample's attention goes on over its own blocks; false: each
-    sample reads them itself. The unsplit decode kernel only (a batch that splits long contexts reads them apart)."""
+    shared_prefix_decode: bool = False
+    """Native engine on a GPU: true: a decode step reads the cache blocks several sequences share (the prompt's whole
+    blocks of its n samples) once for all of them, and each sample's attention goes on over its own blocks; false (the
+    default): each sample reads them itself. The unsplit decode kernel only (a batch that splits long contexts reads
+    them apart). On an H200 at the standard workload it changed the rollout by -1% to +4% (docs/long_responses.md)."""
     decode_products: str = "cublas"
     """Native engine on a GPU: what runs a decode step's q|k|v, o and MLP products (up to 256 sequences). cublas:
     torch's products. timed: at each decode batch size's first step the engine times swapped Triton kernels

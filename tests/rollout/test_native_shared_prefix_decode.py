@@ -129,7 +129,8 @@ def test_the_samples_of_a_prompt_decode_through_their_shared_blocks_as_generate_
 
     monkeypatch.setattr(triton_kernels, "paged_decode_attention", recording)
     prompt = torch.randint(0, 128, (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8, use_triton=True)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8, use_triton=True,
+                          shared_prefix_decode=True)
     outputs = engine.generate([GenerationRequest(prompt, SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=2)),
                                GenerationRequest(prompt, SamplingParams(max_tokens=6, temperature=0.0))])
     assert any(group and any(len([row for row in members if row >= 0]) >= 3 for members in group)
@@ -179,7 +180,8 @@ def test_engine_decodes_a_prompts_samples_through_their_shared_blocks_as_generat
                                  max_position_embeddings=256).to("cuda").eval()
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (length,), generator=generator).tolist() for length in (40, 64, 77, 129)]
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=16, max_num_seqs=64)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=256, block_size=16, max_num_seqs=64,
+                          shared_prefix_decode=True)
     requests = [GenerationRequest(prompt, SamplingParams(n=8, max_tokens=24, temperature=0.9, seed=index))
                 for index, prompt in enumerate(prompts)]
     requests += [GenerationRequest(prompt, SamplingParams(max_tokens=24, temperature=0.0)) for prompt in prompts]

@@ -43,7 +43,7 @@ WARNED = [
     ("rollout.max_prefill_chunk_tokens=4096", [], "settings of the native engine"),
     ("rollout.kv_cache_dtype=fp8", [], "settings of the native engine"),
     ("rollout.decode_products=timed", [], "settings of the native engine"),
-    ("rollout.shared_prefix_decode=false", [], "settings of the native engine"),
+    ("rollout.shared_prefix_decode=true", [], "settings of the native engine"),
     ("trainer.max_staleness=2", ["trainer.mode=one_step_off"], "they are settings of trainer.mode=async"),
     ("trainer.trigger_sync_steps=2", [], "they are settings of trainer.mode=async"),
     ("trainer.async_deterministic=true", ["trainer.mode=one_step_off"], "they are settings of trainer.mode=async"),

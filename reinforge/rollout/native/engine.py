@@ -84,7 +84,7 @@ class NativeEngine:
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None,
                  kv_cache_dtype: str = "auto", weights_fixed: bool = False, kv_cache_bytes: int | None = None,
-                 decode_products: str = "cublas", shared_prefix_decode: bool = True):
+                 decode_products: str = "cublas", shared_prefix_decode: bool = False):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the

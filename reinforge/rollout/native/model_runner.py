@@ -94,7 +94,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
                  max_prefill_chunk_tokens: int | None = None, kv_cache_dtype: str = "auto", weights_fixed: bool = False,
-                 decode_products: str = "cublas", shared_prefix_decode: bool = True):
+                 decode_products: str = "cublas", shared_prefix_decode: bool = False):
         """max_prefill_chunk_tokens: the most new tokens one prefill forward runs (None: no limit);
         kv_cache_dtype: auto (the model dtype) or fp8 (e4m3 with a scale per vector, kv_quant.py); weights_fixed:
         the model's weights never change, so the decoder reads them in place (``model.weights_read_in_place``);
