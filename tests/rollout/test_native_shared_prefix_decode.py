@@ -106,7 +106,7 @@ def test_a_shared_prefix_is_for_the_unsplit_kernel():
                                               prefix=prefix)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma2"])  # its full and sliding layers' tables; qwen2 on the GPU
 def test_the_samples_of_a_prompt_decode_through_their_shared_blocks_as_generate_does(monkeypatch, family):
     """Four samples of a 37-token prompt share its four whole blocks of 8: every decode step reads them once for the
     four (a Gemma 2 model: its sliding and full layers' tables each); greedy tokens are transformers' and a sampled
