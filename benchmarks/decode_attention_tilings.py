@@ -1,6 +1,6 @@
 """Paged decode attention under each tiling, against a device copy of the same bytes (CUDA).
 
-    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|1.5b-long|0.5b|0.5b-long] [--fp8]
+    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|1.5b-long|0.5b|0.5b-long|phi3-mini|olmo2-1b|gemma2-2b] [--fp8]
 
 Pages of 16 tokens, random block tables. ``1.5b``: 12 query heads, 2 KV heads, head dim 128, at 128 x 4,096,
 128 x 8,192 and 8 x 8,192 (sequences x context); ``1.5b-long`` the same heads at the contexts a long rollout
@@ -31,7 +31,11 @@ SHAPES = {"1.5b": dict(heads=12, kv_heads=2, head_dim=128, cases=((128, 4096), (
           "1.5b-long": dict(heads=12, kv_heads=2, head_dim=128,
                             cases=((128, 1024), (128, 2048), (128, 4096), (128, 8192), (128, 16384), (64, 32768))),
           "0.5b-long": dict(heads=14, kv_heads=2, head_dim=64, cases=((128, 2048), (128, 8192))),
-          "0.5b": dict(heads=14, kv_heads=2, head_dim=64, cases=((512, 256), (512, 384), (512, 640)))}
+          "0.5b": dict(heads=14, kv_heads=2, head_dim=64, cases=((512, 256), (512, 384), (512, 640))),
+          # the standard workload's decode of families that keep more K and V a token
+          "phi3-mini": dict(heads=32, kv_heads=32, head_dim=96, cases=((512, 256), (512, 384), (512, 640))),
+          "olmo2-1b": dict(heads=16, kv_heads=16, head_dim=128, cases=((512, 256), (512, 384), (512, 640))),
+          "gemma2-2b": dict(heads=8, kv_heads=4, head_dim=256, cases=((512, 256), (512, 384), (512, 640)))}
 
 
 def bench(function) -> float:
