@@ -6,10 +6,13 @@ Pages of 16 tokens, random block tables. ``1.5b``: 12 query heads, 2 KV heads, h
 128 x 8,192 and 8 x 8,192 (sequences x context); ``1.5b-long`` the same heads at the contexts a long rollout
 passes through (128 sequences from 1,024 to 16,384 tokens, 64 at 32,768). ``0.5b``: 14 query heads, 2 KV heads,
 head dim 64, at the standard workload's 512 sequences and contexts of 256, 384 and 640 tokens; ``0.5b-long`` the
-same heads at 128 x 2,048 and 128 x 8,192. ``--fp8``: the cache in the engine's fp8 layout (e4m3 values, a
+same heads at 128 x 2,048 and 128 x 8,192. ``phi3-mini`` (32 KV heads of 96 dims, one query head each),
+``olmo2-1b`` (16 of 128) and ``gemma2-2b`` (8 query heads on 4 KV heads of 256 dims, no soft-cap here): the standard
+workload's 512 sequences at 256, 384 and 640 tokens. ``--fp8``: the cache in the engine's fp8 layout (e4m3 values, a
 float32 scale per vector). It times ``decode_kernels.paged_decode_attention`` at each block size, warp count,
 stage count and split count (the engine's own split count, none, and twice the engine's; chunks of 64 tokens or
-more for the short contexts) and prints the engine's setting (``decode_kernels.decode_tiling``) beside the fastest.
+more for the short contexts) and prints the engine's setting (``decode_kernels.decode_tiling``) beside the fastest,
+then both in the grid's other order (``DecodeTiling.heads_first``).
 Results go to OUT.json after each shape.
 """
 
@@ -65,7 +68,8 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
         ms = bench(functools.partial(decode_kernels.paged_decode_attention, q, k, v, tables, lengths,
                                      HEAD_DIM ** -0.5, **options))
         return {"block_n": options["block_n"], "warps": options["num_warps"], "stages": options["num_stages"],
-                "splits": options["num_splits"], "ms": ms, "tbps": kv_bytes / ms / 1e9}
+                "splits": options["num_splits"], "heads_first": options.get("heads_first", False), "ms": ms,
+                "tbps": kv_bytes / ms / 1e9}
 
     cases = []
     for block_n, warps, stages, splits in itertools.product(
@@ -75,11 +79,17 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
             continue
         cases.append(timed(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits,
                            min_chunk_tokens=64 if short else None))
-    engine = timed(**tiling.options() | {
+    engine_options = tiling.options() | {
         "num_warps": tiling.num_warps or decode_kernels.default_num_warps(HEAD_DIM, tiling.splits, fp8),
-        "num_stages": tiling.num_stages or decode_kernels.default_num_stages(tiling.splits)})
+        "num_stages": tiling.num_stages or decode_kernels.default_num_stages(tiling.splits)}
+    engine = timed(**engine_options)
+    fastest = min(cases, key=lambda case: case["ms"])
+    # the grid's other order (KV heads first) for the engine's tiling and the fastest one
+    heads_first = [timed(**engine_options | {"heads_first": not engine_options["heads_first"]}),
+                   timed(block_n=fastest["block_n"], num_warps=fastest["warps"], num_stages=fastest["stages"],
+                         num_splits=fastest["splits"], min_chunk_tokens=64 if short else None, heads_first=True)]
     return {"batch": batch, "context": context, "kv_gb": kv_bytes / 1e9, "copy_tbps": kv_bytes / copy_ms / 1e9,
-            "fp8": fp8, "engine": engine, "fastest": min(cases, key=lambda case: case["ms"]), "cases": cases}
+            "fp8": fp8, "engine": engine, "fastest": fastest, "other_order": heads_first, "cases": cases}
 
 
 def main(out_path: str, shape_name: str, fp8: bool) -> None:
@@ -91,8 +101,8 @@ def main(out_path: str, shape_name: str, fp8: bool) -> None:
         result = time_case(shape, batch, context, sms, fp8)
         results.append(result)
         engine, fastest = result["engine"], result["fastest"]
-        print(f"{batch} x {context}{' fp8' if fp8 else ''}: engine's setting {engine} ; fastest {fastest}; copy "
-              f"{result['copy_tbps']:.2f} TB/s", flush=True)
+        print(f"{batch} x {context}{' fp8' if fp8 else ''}: engine's setting {engine} ; fastest {fastest}; in the "
+              f"grid's other order {result['other_order']}; copy {result['copy_tbps']:.2f} TB/s", flush=True)
         torch.cuda.empty_cache()
         with open(out_path, "w") as file:
             json.dump(results, file, indent=1)

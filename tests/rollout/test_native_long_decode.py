@@ -61,6 +61,18 @@ def test_split_decode_attention_is_the_reference(window, softcap, num_splits):
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_programs_launched_heads_first_give_the_reference(num_splits):
+    """The grid in (KV heads, sequences) order: every (sequence, KV head) program still reads its own rows, one
+    query head per KV head (as Phi-3 and OLMo 2 keep them) and heads of 24 dims."""
+    q, k_cache, v_cache, tables, lengths = paged_inputs([3, 40, 17], 2, 2, 24, 4)
+    expected = reference(q, k_cache, v_cache, tables, lengths, 0.3)
+    out = triton_kernels.paged_decode_attention(
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lengths.to(DEVICE), 0.3, block_n=16,
+        num_splits=num_splits, min_chunk_tokens=16, heads_first=True)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_split_and_unsplit_decode_attention_agree_on_a_batch_of_uneven_contexts():
     """Chunks of at least min_chunk_tokens: the 5-token sequence reads one chunk, the 100-token one four."""
     q, k_cache, v_cache, tables, lengths = (tensor.to(DEVICE) for tensor in paged_inputs([5, 100, 33], 4, 1, 16, 8))

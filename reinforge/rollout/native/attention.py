@@ -45,11 +45,14 @@ class DecodeTiling:
     block_n: int = 64
     num_warps: int | None = None
     num_stages: int | None = None
+    heads_first: bool = False
+    """The grid's order: programs launched together read one sequence's KV heads (True) or one KV head of many
+    sequences (``decode_kernels._sequence_and_head``)."""
 
-    def options(self) -> dict[str, int | None]:
+    def options(self) -> dict[str, int | bool | None]:
         """``paged_decode_attention``'s keyword arguments for this tiling."""
         return dict(num_splits=self.splits, block_n=self.block_n, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+                    num_stages=self.num_stages, heads_first=self.heads_first)
 
 
 @dataclass

@@ -141,11 +141,11 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
                                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
                                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                    HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, STATIC_LOOP_END: tl.constexpr,
-                                   HAS_PREFIX: tl.constexpr):
+                                   HAS_PREFIX: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """HAS_PREFIX: a sequence whose ``prefix_lens`` entry is p > 0 starts from the online softmax's state over its
-    first p positions (``_shared_prefix_kernel``'s, in the state buffers) and reads only the positions after them."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    first p positions (``_shared_prefix_kernel``'s, in the state buffers) and reads only the positions after them.
+    HEADS_FIRST: the grid is (KV heads, sequences), so programs launched together read one token's heads."""
+    seq, kv_head = _sequence_and_head(HEADS_FIRST)
     context_len = tl.load(context_lens_ptr + seq)
     group = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -175,6 +175,22 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
         NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=mask)
+
+
+@triton.jit
+def _sequence_and_head(HEADS_FIRST: tl.constexpr):
+    """A decode program's (sequence, KV head): the grid's first two axes, in the order HEADS_FIRST says. Programs
+    are launched with the first axis varying fastest, so with HEADS_FIRST those launched together read the heads
+    of one sequence's tokens, which lie side by side in a cache block (the cache lines two heads share are read
+    once from memory when the heads' slices are not a multiple of the line, 96-dim bf16 heads for one);
+    otherwise one head of many sequences."""
+    if HEADS_FIRST:
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    return seq, kv_head
 
 
 @triton.jit
@@ -243,9 +259,9 @@ def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_
                                GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                               MIN_CHUNK_BLOCKS: tl.constexpr, STATIC_LOOP_END: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+                               MIN_CHUNK_BLOCKS: tl.constexpr, STATIC_LOOP_END: tl.constexpr,
+                               HEADS_FIRST: tl.constexpr):
+    seq, kv_head = _sequence_and_head(HEADS_FIRST)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     first_visible, base, chunk_blocks, num_chunks = _chunks(context_len, window, HAS_WINDOW, NUM_SPLITS, BLOCK_N,
@@ -482,7 +498,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
                            scale: float, softcap: float | None = None, window: int | None = None, block_n: int = 64,
                            num_warps: int | None = None, num_stages: int | None = None,
                            num_splits: int | None = None,
-                           min_chunk_tokens: int | None = None, prefix: SharedPrefix | None = None) -> Tensor:
+                           min_chunk_tokens: int | None = None, prefix: SharedPrefix | None = None,
+                           heads_first: bool = False) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
     q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), or fp8
@@ -495,7 +512,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     min_chunk_tokens: the fewest tokens a split program reads, a sequence's last chunk aside (None:
     ``MIN_CHUNK_TOKENS``). num_warps, num_stages: None gives ``default_num_warps``, ``default_num_stages``.
     prefix: groups of sequences whose first blocks are the same blocks (``shared_prefix``), read once a group
-    (the unsplit kernel only). Returns (batch, heads, head_dim).
+    (the unsplit kernel only). heads_first: programs launched together read one sequence's KV heads, not one head
+    of many sequences (``_sequence_and_head``). Returns (batch, heads, head_dim).
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -525,20 +543,22 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
         if prefix is not None:
             state = _shared_prefix_state(q, k_values, v_values, k_scales, v_scales, block_tables, context_lens,
                                          scale, softcap, window, stride_scale_block, prefix, shared)
-        _paged_decode_attention_kernel[(batch, num_kv_heads)](
+        _paged_decode_attention_kernel[(num_kv_heads, batch) if heads_first else (batch, num_kv_heads)](
             q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, out, scale, softcap or 1.0,
             window or 0, q.stride(0), out.stride(0), block_tables.stride(0), k_values.stride(0), k_values.stride(1),
-            stride_scale_block, *state, NUM_HEADS=num_heads, HAS_PREFIX=prefix is not None, **shared)
+            stride_scale_block, *state, NUM_HEADS=num_heads, HAS_PREFIX=prefix is not None, HEADS_FIRST=heads_first,
+            **shared)
         return out
     if prefix is not None:
         raise ValueError("a shared prefix is read by the unsplit kernel only (num_splits=1)")
     min_chunk_blocks = max(1, (min_chunk_tokens or MIN_CHUNK_TOKENS) // block_n)
     partial_max = torch.empty(2, batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     partial_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _paged_decode_split_kernel[(num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)](
         q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, partial_max[0], partial_max[1],
         partial_acc, scale, softcap or 1.0, window or 0, q.stride(0), block_tables.stride(0), k_values.stride(0),
-        k_values.stride(1), stride_scale_block, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_CHUNK_BLOCKS=min_chunk_blocks, **shared)
+        k_values.stride(1), stride_scale_block, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_CHUNK_BLOCKS=min_chunk_blocks,
+        HEADS_FIRST=heads_first, **shared)
     _merge_splits_kernel[(batch, num_heads)](
         partial_max[0], partial_max[1], partial_acc, context_lens, out, window or 0, out.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=shared["HEAD_DIM_PAD"], HAS_WINDOW=window is not None,
