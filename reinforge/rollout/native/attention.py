@@ -47,7 +47,8 @@ class DecodeTiling:
     num_stages: int | None = None
     heads_first: bool = False
     """The grid's order: programs launched together read one sequence's KV heads (True) or one KV head of many
-    sequences (``decode_kernels._sequence_and_head``)."""
+    sequences (``decode_kernels._sequence_and_head``). Not chosen by ``decode_tiling`` yet: an option for the
+    tilings bench (``benchmarks/decode_attention_tilings.py``) to measure at many-head shapes."""
 
     def options(self) -> dict[str, int | bool | None]:
         """``paged_decode_attention``'s keyword arguments for this tiling."""

@@ -181,9 +181,9 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
 def _sequence_and_head(HEADS_FIRST: tl.constexpr):
     """A decode program's (sequence, KV head): the grid's first two axes, in the order HEADS_FIRST says. Programs
     are launched with the first axis varying fastest, so with HEADS_FIRST those launched together read the heads
-    of one sequence's tokens, which lie side by side in a cache block (the cache lines two heads share are read
-    once from memory when the heads' slices are not a multiple of the line, 96-dim bf16 heads for one);
-    otherwise one head of many sequences."""
+    of one sequence's tokens, which lie side by side in its cache blocks (a token's K or V is one row of every KV
+    head's slice: 6 KB at Phi-3-mini's 32 heads of 96 dims); otherwise one head's slice of many sequences'
+    blocks, a few hundred bytes of each row."""
     if HEADS_FIRST:
         seq = tl.program_id(1)
         kv_head = tl.program_id(0)
