@@ -12,7 +12,8 @@ workload's 512 sequences at 256, 384 and 640 tokens. ``--fp8``: the cache in the
 float32 scale per vector). It times ``decode_kernels.paged_decode_attention`` at each block size, warp count,
 stage count and split count (the engine's own split count, none, and twice the engine's; chunks of 64 tokens or
 more for the short contexts) and prints the engine's setting (``decode_kernels.decode_tiling``) beside the fastest,
-then both in the grid's other order (``DecodeTiling.heads_first``).
+then both in the grid's other order (``DecodeTiling.heads_first``) and with elementwise products
+(``DecodeTiling.elementwise``).
 Results go to OUT.json after each shape.
 """
 
@@ -68,8 +69,8 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
         ms = bench(functools.partial(decode_kernels.paged_decode_attention, q, k, v, tables, lengths,
                                      HEAD_DIM ** -0.5, **options))
         return {"block_n": options["block_n"], "warps": options["num_warps"], "stages": options["num_stages"],
-                "splits": options["num_splits"], "heads_first": options.get("heads_first", False), "ms": ms,
-                "tbps": kv_bytes / ms / 1e9}
+                "splits": options["num_splits"], "heads_first": options.get("heads_first", False),
+                "elementwise": options.get("elementwise", False), "ms": ms, "tbps": kv_bytes / ms / 1e9}
 
     cases = []
     for block_n, warps, stages, splits in itertools.product(
@@ -84,12 +85,14 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
         "num_stages": tiling.num_stages or decode_kernels.default_num_stages(tiling.splits)}
     engine = timed(**engine_options)
     fastest = min(cases, key=lambda case: case["ms"])
-    # the grid's other order (KV heads first) for the engine's tiling and the fastest one
-    heads_first = [timed(**engine_options | {"heads_first": not engine_options["heads_first"]}),
-                   timed(block_n=fastest["block_n"], num_warps=fastest["warps"], num_stages=fastest["stages"],
-                         num_splits=fastest["splits"], min_chunk_tokens=64 if short else None, heads_first=True)]
+    fastest_options = dict(block_n=fastest["block_n"], num_warps=fastest["warps"], num_stages=fastest["stages"],
+                           num_splits=fastest["splits"], min_chunk_tokens=64 if short else None)
+    # the grid's other order (KV heads first), and the elementwise products, for the engine's tiling and the fastest
+    variants = [timed(**engine_options | {"heads_first": True}), timed(**fastest_options, heads_first=True),
+                timed(**engine_options | {"elementwise": True}), timed(**fastest_options, elementwise=True),
+                timed(**fastest_options, heads_first=True, elementwise=True)]
     return {"batch": batch, "context": context, "kv_gb": kv_bytes / 1e9, "copy_tbps": kv_bytes / copy_ms / 1e9,
-            "fp8": fp8, "engine": engine, "fastest": fastest, "other_order": heads_first, "cases": cases}
+            "fp8": fp8, "engine": engine, "fastest": fastest, "variants": variants, "cases": cases}
 
 
 def main(out_path: str, shape_name: str, fp8: bool) -> None:
@@ -101,8 +104,8 @@ def main(out_path: str, shape_name: str, fp8: bool) -> None:
         result = time_case(shape, batch, context, sms, fp8)
         results.append(result)
         engine, fastest = result["engine"], result["fastest"]
-        print(f"{batch} x {context}{' fp8' if fp8 else ''}: engine's setting {engine} ; fastest {fastest}; in the "
-              f"grid's other order {result['other_order']}; copy {result['copy_tbps']:.2f} TB/s", flush=True)
+        print(f"{batch} x {context}{' fp8' if fp8 else ''}: engine's setting {engine} ; fastest {fastest}; heads "
+              f"first and elementwise {result['variants']}; copy {result['copy_tbps']:.2f} TB/s", flush=True)
         torch.cuda.empty_cache()
         with open(out_path, "w") as file:
             json.dump(results, file, indent=1)

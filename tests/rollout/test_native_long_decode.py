@@ -62,14 +62,20 @@ def test_split_decode_attention_is_the_reference(window, softcap, num_splits):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_programs_launched_heads_first_give_the_reference(num_splits):
-    """The grid in (KV heads, sequences) order: every (sequence, KV head) program still reads its own rows, one
-    query head per KV head (as Phi-3 and OLMo 2 keep them) and heads of 24 dims."""
-    q, k_cache, v_cache, tables, lengths = paged_inputs([3, 40, 17], 2, 2, 24, 4)
-    expected = reference(q, k_cache, v_cache, tables, lengths, 0.3)
+@pytest.mark.parametrize(("heads_first", "elementwise", "num_heads"), [(True, False, 2), (False, True, 2),
+                                                                      (True, True, 6)])
+def test_the_grids_order_and_the_elementwise_products_give_the_reference(num_splits, heads_first, elementwise,
+                                                                          num_heads):
+    """The grid in (KV heads, sequences) order: every (sequence, KV head) program still reads its own rows; the
+    scores and values as elementwise products, with one query head per KV head (as Phi-3 and OLMo 2 keep them,
+    no rows padded) or three; heads of 24 dims, a window and a soft-cap on the last case."""
+    q, k_cache, v_cache, tables, lengths = paged_inputs([3, 40, 17], num_heads, 2, 24, 4)
+    window, softcap = (9, 0.5) if num_heads == 6 else (None, None)
+    expected = reference(q, k_cache, v_cache, tables, lengths, 0.3, window, softcap)
     out = triton_kernels.paged_decode_attention(
-        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lengths.to(DEVICE), 0.3, block_n=16,
-        num_splits=num_splits, min_chunk_tokens=16, heads_first=True)
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), lengths.to(DEVICE), 0.3, softcap,
+        window, block_n=16, num_splits=num_splits, min_chunk_tokens=16, heads_first=heads_first,
+        elementwise=elementwise)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -94,6 +94,9 @@ def test_a_shared_prefix_over_an_fp8_cache_is_the_unshared_kernels_result():
     plain = decode_kernels.paged_decode_attention(q, k_fp8, v_fp8, table_tensor, context, 0.25, block_n=16,
                                                   num_splits=1)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    elementwise = decode_kernels.paged_decode_attention(q, k_fp8, v_fp8, table_tensor, context, 0.25, block_n=16,
+                                                        num_splits=1, prefix=prefix, elementwise=True)
+    torch.testing.assert_close(elementwise, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_a_shared_prefix_is_for_the_unsplit_kernel():

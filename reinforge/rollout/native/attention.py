@@ -49,11 +49,14 @@ class DecodeTiling:
     """The grid's order: programs launched together read one sequence's KV heads (True) or one KV head of many
     sequences (``decode_kernels._sequence_and_head``). Not chosen by ``decode_tiling`` yet: an option for the
     tilings bench (``benchmarks/decode_attention_tilings.py``) to measure at many-head shapes."""
+    elementwise: bool = False
+    """Scores and values as float32 products on the CUDA cores instead of matrix products (no query rows padded
+    to 16; ``decode_kernels._attend_blocks``). Like ``heads_first``, for the tilings bench to measure."""
 
     def options(self) -> dict[str, int | bool | None]:
         """``paged_decode_attention``'s keyword arguments for this tiling."""
         return dict(num_splits=self.splits, block_n=self.block_n, num_warps=self.num_warps,
-                    num_stages=self.num_stages, heads_first=self.heads_first)
+                    num_stages=self.num_stages, heads_first=self.heads_first, elementwise=self.elementwise)
 
 
 @dataclass

@@ -69,7 +69,7 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
                    stride_token, stride_scale_block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, QUANTIZED: tl.constexpr, row_first_visible,
-                   PER_ROW: tl.constexpr):
+                   PER_ROW: tl.constexpr, ELEMENTWISE: tl.constexpr):
     """The online softmax over positions loop_start..loop_end (a multiple of BLOCK_N apart), of which those in
     first_visible..visible_end count; blocks outside them are never read. PER_ROW: each query row sees only the
     positions from its own ``row_first_visible`` on (at or after first_visible; the rows of several sequences
@@ -80,7 +80,10 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
     pair of values (to bfloat16 it takes another per value, which made the kernel bound by converting), every
     e4m3 value is exact in float16, and the query's bfloat16 values are too above float16's smallest normal.
     The values' weights (probability x scale) are taken times 448, so that they stay in float16's normal range
-    (a value's weight is then its probability times its vector's largest magnitude), and the sum divided back."""
+    (a value's weight is then its probability times its vector's largest magnitude), and the sum divided back.
+
+    ELEMENTWISE: the scores and the weighted values as float32 products and sums on the CUDA cores, not as matrix
+    products: a KV head read by one query head (Phi-3, OLMo 2) needs no rows padded to the MMA's 16."""
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = (dims < HEAD_DIM)[None, :]
     if QUANTIZED and not IEEE:
@@ -95,7 +98,9 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
         if QUANTIZED:
             scale_offsets = block_ids * stride_scale_block + (positions % PAGE) * NUM_KV_HEADS + kv_head
             k = k.to(q.dtype)  # float16 off the IEEE path (q was widened above)
-        if IEEE:
+        if ELEMENTWISE:
+            scores = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        elif IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
@@ -122,7 +127,9 @@ def _attend_blocks(q, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, tabl
             if not IEEE:
                 weights = weights * 448.0
             v = v.to(q.dtype)
-        if IEEE:
+        if ELEMENTWISE:
+            acc = acc * correction[:, None] + tl.sum(weights[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:
             acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v)
@@ -141,7 +148,7 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
                                    HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
                                    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                    HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, STATIC_LOOP_END: tl.constexpr,
-                                   HAS_PREFIX: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                                   HAS_PREFIX: tl.constexpr, HEADS_FIRST: tl.constexpr, ELEMENTWISE: tl.constexpr):
     """HAS_PREFIX: a sequence whose ``prefix_lens`` entry is p > 0 starts from the online softmax's state over its
     first p positions (``_shared_prefix_kernel``'s, in the state buffers) and reads only the positions after them.
     HEADS_FIRST: the grid is (KV heads, sequences), so programs launched together read one token's heads."""
@@ -172,7 +179,8 @@ def _paged_decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr
         0 if STATIC_LOOP_END else (first_visible // BLOCK_N) * BLOCK_N,
         STATIC_LOOP_END if STATIC_LOOP_END else context_len, first_visible, context_len, scale, softcap,
         running_max, running_sum, acc, stride_block, stride_token, stride_scale_block,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False)
+        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False,
+        ELEMENTWISE)
     out = acc / running_sum[:, None]
     tl.store(out_ptr + seq * stride_o + heads[:, None] * HEAD_DIM + dims[None, :], out.to(q.dtype), mask=mask)
 
@@ -232,7 +240,7 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scale
         first_read, prefix_len, scale, softcap, tl.full([MEMBERS_PAD * GROUP_PAD], float("-inf"), tl.float32),
         tl.zeros([MEMBERS_PAD * GROUP_PAD], tl.float32), tl.zeros([MEMBERS_PAD * GROUP_PAD, HEAD_DIM_PAD], tl.float32),
         stride_block, stride_token, stride_scale_block, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE,
-        HAS_SOFTCAP, QUANTIZED, row_first, True)
+        HAS_SOFTCAP, QUANTIZED, row_first, True, False)
     state_rows = seq * NUM_HEADS + heads
     tl.store(state_max_ptr + state_rows, running_max, mask=used)
     tl.store(state_sum_ptr + state_rows, running_sum, mask=used)
@@ -260,7 +268,7 @@ def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_
                                PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                                HAS_WINDOW: tl.constexpr, QUANTIZED: tl.constexpr, NUM_SPLITS: tl.constexpr,
                                MIN_CHUNK_BLOCKS: tl.constexpr, STATIC_LOOP_END: tl.constexpr,
-                               HEADS_FIRST: tl.constexpr):
+                               HEADS_FIRST: tl.constexpr, ELEMENTWISE: tl.constexpr):
     seq, kv_head = _sequence_and_head(HEADS_FIRST)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
@@ -281,7 +289,8 @@ def _paged_decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_
         tl.maximum(first_visible, chunk_start), chunk_end, scale, softcap,
         tl.full([GROUP_PAD], float("-inf"), tl.float32), tl.zeros([GROUP_PAD], tl.float32),
         tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32), stride_block, stride_token, stride_scale_block,
-        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False)
+        NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, PAGE, BLOCK_N, IEEE, HAS_SOFTCAP, QUANTIZED, first_visible, False,
+        ELEMENTWISE)
     rows = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     stored = group_mask & (split < num_chunks)
     tl.store(partial_max_ptr + rows, running_max, mask=stored)
@@ -499,7 +508,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
                            num_warps: int | None = None, num_stages: int | None = None,
                            num_splits: int | None = None,
                            min_chunk_tokens: int | None = None, prefix: SharedPrefix | None = None,
-                           heads_first: bool = False) -> Tensor:
+                           heads_first: bool = False, elementwise: bool = False) -> Tensor:
     """One query token per sequence against its paged keys and values.
 
     q: (batch, heads, head_dim); k_cache, v_cache: (num_blocks, block_size, kv_heads, head_dim), or fp8
@@ -513,7 +522,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     ``MIN_CHUNK_TOKENS``). num_warps, num_stages: None gives ``default_num_warps``, ``default_num_stages``.
     prefix: groups of sequences whose first blocks are the same blocks (``shared_prefix``), read once a group
     (the unsplit kernel only). heads_first: programs launched together read one sequence's KV heads, not one head
-    of many sequences (``_sequence_and_head``). Returns (batch, heads, head_dim).
+    of many sequences (``_sequence_and_head``). elementwise: scores and values as float32 products on the CUDA
+    cores, the query heads of a KV head not padded to 16 rows (``_attend_blocks``). Returns (batch, heads, head_dim).
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -534,7 +544,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
     # compiled, each program loops over its own blocks; Triton's interpreter cannot loop from or to a loaded
     # value, so there every program loops over the longest context (blocks outside its range are masked)
     static_loop_end = int(context_lens.max()) if _INTERPRETED else 0
-    shared = dict(NUM_KV_HEADS=num_kv_heads, QUANTIZED=quantized, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+    group_pad = triton.next_power_of_2(group) if elementwise else max(16, triton.next_power_of_2(group))
+    shared = dict(NUM_KV_HEADS=num_kv_heads, QUANTIZED=quantized, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
                   HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page, BLOCK_N=block_n,
                   IEEE=q.dtype == torch.float32, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
                   STATIC_LOOP_END=static_loop_end, num_warps=num_warps, num_stages=num_stages)
@@ -547,7 +558,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
             q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, out, scale, softcap or 1.0,
             window or 0, q.stride(0), out.stride(0), block_tables.stride(0), k_values.stride(0), k_values.stride(1),
             stride_scale_block, *state, NUM_HEADS=num_heads, HAS_PREFIX=prefix is not None, HEADS_FIRST=heads_first,
-            **shared)
+            ELEMENTWISE=elementwise, **shared)
         return out
     if prefix is not None:
         raise ValueError("a shared prefix is read by the unsplit kernel only (num_splits=1)")
@@ -558,7 +569,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor | QuantizedCache, v_cache:
         q, k_values, v_values, k_scales, v_scales, block_tables, context_lens, partial_max[0], partial_max[1],
         partial_acc, scale, softcap or 1.0, window or 0, q.stride(0), block_tables.stride(0), k_values.stride(0),
         k_values.stride(1), stride_scale_block, NUM_HEADS=num_heads, NUM_SPLITS=num_splits, MIN_CHUNK_BLOCKS=min_chunk_blocks,
-        HEADS_FIRST=heads_first, **shared)
+        HEADS_FIRST=heads_first, ELEMENTWISE=elementwise, **shared)
     _merge_splits_kernel[(batch, num_heads)](
         partial_max[0], partial_max[1], partial_acc, context_lens, out, window or 0, out.stride(0),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=shared["HEAD_DIM_PAD"], HAS_WINDOW=window is not None,
