@@ -60,7 +60,8 @@ class RolloutFloor:
     """The weight products' FLOPs over all steps."""
     shared_prompt_seconds: float | None = None
     """The floor when each group of samples of one prompt reads its prompt's whole blocks once a step (on the
-    full-attention layers; ``rollout.shared_prefix_decode``); None without groups."""
+    full-attention layers and the sliding ones that never slide past the prompt; ``rollout.shared_prefix_decode``);
+    None without groups."""
 
     def as_dict(self) -> dict[str, float]:
         shared = {} if self.shared_prompt_seconds is None else {"rollout_floor_shared_prompts_s":
@@ -123,7 +124,8 @@ def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_len
     sequences decoding together), with weights of ``value_bytes`` a value (2: bf16) and the KV cache of
     ``kv_cache_dtype`` (auto: the weights' dtype; fp8); its roofline with products at ``flops_per_s``. With
     ``groups`` (a prompt id per sequence) also the floor when a group's prompt blocks of ``page`` tokens are read
-    once a step (``shared_prompt_tokens``; sliding-window layers counted without it)."""
+    once a step (``shared_prompt_tokens``; on the full-attention layers, and on sliding-window layers whose window
+    holds every sequence's whole context, where the prompt never leaves it)."""
     if len(prompt_lengths) != len(response_lengths):
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses; "
                          "give one of each per sequence")
@@ -141,8 +143,9 @@ def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_len
     products = float(np.maximum(step_weights / bytes_per_s, step_flops / flops_per_s).sum())
     shared = None
     if groups is not None:
-        full_layers = sum(1 for window in windows if not window)
-        kv_shared = kv_bytes - full_layers * per_layer * shared_prompt_tokens(prompts, responses, groups, page)
+        longest = float((prompts + responses).max()) if len(responses) else 0.0
+        sharing_layers = sum(1 for window in windows if not window or longest <= window)
+        kv_shared = kv_bytes - sharing_layers * per_layer * shared_prompt_tokens(prompts, responses, groups, page)
         shared = (kv_shared + weights) / bytes_per_s
     return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights,
                         kv_bytes / bytes_per_s + products, flops, shared)

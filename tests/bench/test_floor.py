@@ -165,3 +165,16 @@ def test_a_prompts_samples_that_read_its_blocks_once_a_step_save_all_but_one_rea
     standard = rollout_floor(model, [128] * 512, [512] * 512, groups=[row // 8 for row in range(512)])
     assert standard.shared_prompt_seconds / standard.seconds == pytest.approx(
         1 - 7 / 8 * 128 * 512 * 512 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S / standard.seconds)
+
+
+def test_a_window_that_holds_every_context_shares_the_prompt_and_one_that_slides_past_it_does_not():
+    """Phi-3-mini's layers all slide over 2,047 tokens: a 640-token context never leaves the window, so each of
+    its layers reads a prompt's blocks once a step; past the window the floor counts no saving on them."""
+    model = shape("phi3-mini")
+    groups = [row // 8 for row in range(16)]
+    short_plain = rollout_floor(model, [128] * 16, [512] * 16)
+    short = rollout_floor(model, [128] * 16, [512] * 16, groups=groups)
+    assert short.shared_prompt_seconds == pytest.approx(
+        short_plain.seconds - 7 / 8 * 128 * 16 * 512 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S)
+    long = rollout_floor(model, [128] * 16, [4096] * 16, groups=groups)
+    assert long.shared_prompt_seconds == long.seconds
