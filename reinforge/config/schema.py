@@ -309,7 +309,8 @@ class RolloutConfig:
     """Native engine on a GPU: true: a decode step reads the cache blocks several sequences share (the prompt's whole
     blocks of its n samples) once for all of them, and each sample's attention goes on over its own blocks; false (the
     default): each sample reads them itself. The unsplit decode kernel only (a batch that splits long contexts reads
-    them apart). On an H200 at the standard workload it changed the rollout by -1% to +4% (docs/long_responses.md)."""
+    them apart). On an H200 at the standard workload it made the decode between 4% shorter and 1% longer
+    (docs/long_responses.md)."""
     decode_products: str = "cublas"
     """Native engine on a GPU: what runs a decode step's q|k|v, o and MLP products (up to 256 sequences). cublas:
     torch's products. timed: at each decode batch size's first step the engine times swapped Triton kernels

@@ -90,6 +90,9 @@ def prefill_chunks(starts: list[int], stops: list[int], budget: int | None) -> l
     return chunks
 
 
+GROUP_INPUTS = ("prefix_members", "group_prefix_lens")
+"""The decode graph's inputs of shared-prefix groups (``attention.SharedPrefix``), one entry a group, not a row."""
+
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
@@ -481,6 +484,17 @@ class ModelRunner:
             inputs[f"group_prefix_lens{suffix}"] = group_lens
             inputs[f"prefix_lens{suffix}"] = prefix_lens
 
+    def _write_groups(self, inputs: dict[str, np.ndarray]) -> None:
+        """The decode graph's group buffers (``GROUP_INPUTS`` of each layer group) whole: ``inputs``' groups first,
+        every other one empty (no members, nothing shared), so no group of an earlier batch is left in them."""
+        for name, tensor in self._graph_inputs.items():
+            if name.startswith(GROUP_INPUTS):
+                whole = np.full(tuple(tensor.shape), -1 if name.startswith("prefix_members") else 0, dtype=np.int32)
+                array = inputs.get(name)
+                if array is not None:
+                    whole[:len(array)] = array
+                tensor.copy_(torch.from_numpy(whole).pin_memory(), non_blocking=True)
+
     def _shares_prefixes(self) -> bool:
         """Whether decode steps read shared blocks once a group: the Triton kernels on CUDA, the model's attention
         ones (latent attention has its own kernel)."""
@@ -519,8 +533,7 @@ class ModelRunner:
         batch = len(seqs)
         max_context_len = int(inputs["context_lens"].max()) if batch else 0
         graph_size = next((size for size in self.cuda_graph_batch_sizes if size >= batch), None)
-        tiling = self.decode_tiling(batch if graph_size is None or not self.cuda_graph_batch_sizes else graph_size,
-                                    max_context_len)
+        tiling = self.decode_tiling(batch if graph_size is None else graph_size, max_context_len)
         if tiling.splits == 1 and self._shares_prefixes():  # only the unsplit kernel reads them
             self._add_shared_prefixes(inputs)
         if graph_size is None or not self.cuda_graph_batch_sizes:
@@ -535,14 +548,11 @@ class ModelRunner:
         static = self._graph_inputs
         if batch < graph_size:
             self._fill_padding(batch, graph_size)
+        if "prefix_members" in inputs:
+            self._write_groups(inputs)
         for name, array in inputs.items():
-            if name.startswith(("prefix_members", "group_prefix_lens")):  # groups, not rows: the unused ones empty
-                whole = np.full((len(static[name]), *array.shape[1:]), -1 if name.startswith("prefix") else 0,
-                                dtype=array.dtype)
-                whole[:len(array)] = array
-                static[name].copy_(torch.from_numpy(whole).pin_memory(), non_blocking=True)
-                continue
-            static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+            if not name.startswith(GROUP_INPUTS):
+                static[name][:batch].copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
         if next_input_ids is not None:
             static["input_ids"][:batch].copy_(next_input_ids)
         graph = self._graphs[graph_size] = self._captured[key]
@@ -622,12 +632,8 @@ class ModelRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_parameter_pointers = self.decoder.parameter_pointers()
         self._fill_padding(0, size)
-        for name, tensor in self._graph_inputs.items():  # no group left from an earlier, larger batch
-            if name.startswith("prefix_members"):
-                tensor.fill_(-1)
-            elif name.startswith("group_prefix_lens"):
-                tensor.zero_()
-        views = {name: tensor[:max(size // 2, 1)] if name.startswith(("prefix_members", "group_prefix_lens"))
+        self._write_groups({})  # no group left from an earlier, larger batch
+        views = {name: tensor[:max(size // 2, 1)] if name.startswith(GROUP_INPUTS)
                  else tensor[:size] for name, tensor in self._graph_inputs.items()}
         self._decode_forward(views, tiling)  # warm-up: Triton compiles and cuBLAS picks its kernels outside capture
         torch.cuda.synchronize()
