@@ -85,10 +85,11 @@ def test_reading_shared_blocks_once_a_group_is_the_reference(num_heads, window, 
 def test_a_shared_prefix_over_an_fp8_cache_is_the_unshared_kernels_result():
     page = 4
     q, k_cache, v_cache, tables, lengths = grouped_inputs([(3, 26)], [13], 4, 2, 16, page, prefix_blocks=4)
-    k_fp8, v_fp8 = (QuantizedCache(*quantize(cache), torch.float32) for cache in (k_cache, v_cache))
-    table_tensor = torch.tensor(tables, dtype=torch.int32)
-    context = torch.tensor(lengths, dtype=torch.int32)
-    prefix = decode_kernels.shared_prefix(tables, lengths, page, "cpu")
+    k_fp8, v_fp8 = (QuantizedCache(*quantize(cache.to(DEVICE)), torch.float32) for cache in (k_cache, v_cache))
+    q = q.to(DEVICE)
+    table_tensor = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
+    context = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    prefix = decode_kernels.shared_prefix(tables, lengths, page, DEVICE)
     shared = decode_kernels.paged_decode_attention(q, k_fp8, v_fp8, table_tensor, context, 0.25, block_n=16,
                                                    num_splits=1, prefix=prefix)
     plain = decode_kernels.paged_decode_attention(q, k_fp8, v_fp8, table_tensor, context, 0.25, block_n=16,
@@ -109,6 +110,7 @@ def test_a_shared_prefix_is_for_the_unsplit_kernel():
                                               prefix=prefix)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="Triton's interpreter on CPU tensors; the engine test below runs on the GPU")
 @pytest.mark.parametrize("family", ["gemma2"])  # its full and sliding layers' tables; qwen2 on the GPU
 def test_the_samples_of_a_prompt_decode_through_their_shared_blocks_as_generate_does(monkeypatch, family):
     """Four samples of a 37-token prompt share its four whole blocks of 8: every decode step reads them once for the
