@@ -1,6 +1,6 @@
 """Paged decode attention under each tiling, against a device copy of the same bytes (CUDA).
 
-    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|1.5b-long|0.5b|0.5b-long|phi3-mini|olmo2-1b|gemma2-2b] [--fp8]
+    python3 benchmarks/decode_attention_tilings.py OUT.json [--shape 1.5b|1.5b-long|0.5b|0.5b-long|phi3-mini|olmo2-1b|gemma2-2b] [--fp8] [--candidates]
 
 Pages of 16 tokens, random block tables. ``1.5b``: 12 query heads, 2 KV heads, head dim 128, at 128 x 4,096,
 128 x 8,192 and 8 x 8,192 (sequences x context); ``1.5b-long`` the same heads at the contexts a long rollout
@@ -13,7 +13,8 @@ float32 scale per vector). It times ``decode_kernels.paged_decode_attention`` at
 stage count and split count (the engine's own split count, none, and twice the engine's; chunks of 64 tokens or
 more for the short contexts) and prints the engine's setting (``decode_kernels.decode_tiling``) beside the fastest,
 then both in the grid's other order (``DecodeTiling.heads_first``) and with elementwise products
-(``DecodeTiling.elementwise``).
+(``DecodeTiling.elementwise``). ``--candidates`` times only the engine's setting and 32-token blocks on 2 warps
+in 3 stages, unsplit, each in both grid orders (seconds a shape instead of minutes).
 Results go to OUT.json after each shape.
 """
 
@@ -46,8 +47,9 @@ def bench(function) -> float:
     return triton.testing.do_bench(function, warmup=10, rep=60, return_mode="median")
 
 
-def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False) -> dict:
-    """Every tiling of ``batch`` sequences at ``context`` tokens, the engine's setting and the copy rate."""
+def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False, candidates: bool = False) -> dict:
+    """Every tiling of ``batch`` sequences at ``context`` tokens (``candidates``: a few), the engine's setting and
+    the copy rate."""
     HEADS, KV_HEADS, HEAD_DIM = shape["heads"], shape["kv_heads"], shape["head_dim"]  # noqa: N806
     device = torch.device("cuda")
     blocks = batch * (-(-context // PAGE))
@@ -61,7 +63,7 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
     if fp8:  # e4m3 values and a float32 scale per token and KV head, as the engine's fp8 cache keeps them
         k, v = (QuantizedCache(*kv_quant.quantize(x), torch.bfloat16) for x in (k, v))
     tiling = decode_kernels.decode_tiling(batch, KV_HEADS, HEAD_DIM, context, sms, fp8,
-                                          decode_kernels.shared_memory_per_program(device))
+                                          decode_kernels.shared_memory_per_program(device), num_heads=HEADS)
     engine_splits = decode_kernels.decode_num_splits(batch, KV_HEADS, context, sms)
     short = context < decode_kernels.SPLIT_MIN_CONTEXT
 
@@ -72,6 +74,17 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
                 "splits": options["num_splits"], "heads_first": options.get("heads_first", False),
                 "elementwise": options.get("elementwise", False), "ms": ms, "tbps": kv_bytes / ms / 1e9}
 
+    engine_options = tiling.options() | {
+        "num_warps": tiling.num_warps or decode_kernels.default_num_warps(HEAD_DIM, tiling.splits, fp8),
+        "num_stages": tiling.num_stages or decode_kernels.default_num_stages(tiling.splits)}
+    if candidates:
+        small = dict(block_n=32, num_warps=2, num_stages=3, num_splits=1)
+        cases = [timed(**engine_options | {"heads_first": not tiling.heads_first}), timed(**small),
+                 timed(**small, heads_first=True)]
+        engine = timed(**engine_options)
+        return {"batch": batch, "context": context, "kv_gb": kv_bytes / 1e9, "copy_tbps": kv_bytes / copy_ms / 1e9,
+                "fp8": fp8, "engine": engine, "fastest": min([engine, *cases], key=lambda case: case["ms"]),
+                "variants": cases, "cases": cases}
     cases = []
     for block_n, warps, stages, splits in itertools.product(
             (16, 32, 64, 128) if short else (32, 64, 128), (2, 4, 8) if short else (4, 8),
@@ -80,9 +93,6 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
             continue
         cases.append(timed(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits,
                            min_chunk_tokens=64 if short else None))
-    engine_options = tiling.options() | {
-        "num_warps": tiling.num_warps or decode_kernels.default_num_warps(HEAD_DIM, tiling.splits, fp8),
-        "num_stages": tiling.num_stages or decode_kernels.default_num_stages(tiling.splits)}
     engine = timed(**engine_options)
     fastest = min(cases, key=lambda case: case["ms"])
     fastest_options = dict(block_n=fastest["block_n"], num_warps=fastest["warps"], num_stages=fastest["stages"],
@@ -95,13 +105,13 @@ def time_case(shape: dict, batch: int, context: int, sms: int, fp8: bool = False
             "fp8": fp8, "engine": engine, "fastest": fastest, "variants": variants, "cases": cases}
 
 
-def main(out_path: str, shape_name: str, fp8: bool) -> None:
+def main(out_path: str, shape_name: str, fp8: bool, candidates: bool = False) -> None:
     torch.manual_seed(0)
     sms = decode_kernels.num_sms(torch.device("cuda"))
     shape = SHAPES[shape_name]
     results = []
     for batch, context in shape["cases"]:
-        result = time_case(shape, batch, context, sms, fp8)
+        result = time_case(shape, batch, context, sms, fp8, candidates)
         results.append(result)
         engine, fastest = result["engine"], result["fastest"]
         print(f"{batch} x {context}{' fp8' if fp8 else ''}: engine's setting {engine} ; fastest {fastest}; heads "
@@ -116,5 +126,7 @@ if __name__ == "__main__":
     parser.add_argument("out", help="the JSON results")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     parser.add_argument("--fp8", action="store_true", help="an fp8 cache (e4m3, a float32 scale per vector)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="the engine's setting and 32-token blocks on 2 warps, each in both grid orders, only")
     args = parser.parse_args()
-    main(args.out, args.shape, args.fp8)
+    main(args.out, args.shape, args.fp8, args.candidates)

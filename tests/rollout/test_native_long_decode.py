@@ -114,6 +114,17 @@ def test_a_batch_that_fills_the_sms_reads_long_contexts_unsplit_in_128_token_blo
     assert tiling(64, 2, 128, 32768, 132, False).splits > 1  # 128 programs leave SMs idle
 
 
+def test_a_kv_head_read_by_one_query_head_is_launched_heads_first_when_unsplit():
+    tiling = decode_kernels.decode_tiling
+    assert tiling(512, 32, 96, 256, 132, False, num_heads=32) == DecodeTiling(heads_first=True)  # Phi-3-mini
+    assert tiling(512, 16, 128, 640, 132, False, 232_448, num_heads=16).heads_first  # OLMo-2-1B
+    assert not tiling(512, 2, 64, 256, 132, False, num_heads=14).heads_first  # grouped query heads
+    assert not tiling(512, 32, 96, 256, 132, False).heads_first  # query heads not known
+    assert not tiling(512, 32, 96, 256, 132, True, num_heads=32).heads_first  # an fp8 cache
+    split = tiling(2, 32, 96, 8192, 132, False, num_heads=32)
+    assert split.splits > 1 and not split.heads_first
+
+
 def test_the_tiling_keeps_to_the_devices_shared_memory():
     """3 stages of 128-token blocks of 128-dim heads take 192 KiB of shared memory: an H200 gives a program 227 KiB,
     an A100 163, an L40S or RTX 4090 99."""

@@ -47,11 +47,12 @@ class DecodeTiling:
     num_stages: int | None = None
     heads_first: bool = False
     """The grid's order: programs launched together read one sequence's KV heads (True) or one KV head of many
-    sequences (``decode_kernels._sequence_and_head``). Not chosen by ``decode_tiling`` yet: an option for the
-    tilings bench (``benchmarks/decode_attention_tilings.py``) to measure at many-head shapes."""
+    sequences (``decode_kernels._sequence_and_head``). ``decode_tiling`` chooses it for a KV head read by one query
+    head on the unsplit model-dtype path."""
     elementwise: bool = False
     """Scores and values as float32 products on the CUDA cores instead of matrix products (no query rows padded
-    to 16; ``decode_kernels._attend_blocks``). Like ``heads_first``, for the tilings bench to measure."""
+    to 16; ``decode_kernels._attend_blocks``). Not chosen by ``decode_tiling``: an option for the tilings bench
+    (``benchmarks/decode_attention_tilings.py``), where it measured slower at every shape timed."""
 
     def options(self) -> dict[str, int | bool | None]:
         """``paged_decode_attention``'s keyword arguments for this tiling."""

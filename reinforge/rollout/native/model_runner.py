@@ -428,7 +428,8 @@ class ModelRunner:
                 not all(hasattr(block, "num_kv_heads") for block in decoder.attention):
             return DecodeTiling()
         return decode_tiling(batch, decoder.cache_entry[1], decoder.cache_entry[2], max_context_len,
-                             num_sms(self.device), self.kv_cache_dtype == "fp8", shared_memory_per_program(self.device))
+                             num_sms(self.device), self.kv_cache_dtype == "fp8", shared_memory_per_program(self.device),
+                             num_heads=max(block.num_heads for block in decoder.attention))
 
     def _decode_inputs(self, seqs: list[Sequence], lookahead: int) -> dict[str, np.ndarray]:
         # runs at every decode step on the host while the device works: Python lists for the per-row
