@@ -10,6 +10,9 @@ tempers and truncates (top-k, top-p, min-p) each row's logits and adds the Gumbe
 ``rollout.noise`` (a hash of the sample's seed, the token's position and the column), so a
 request's samples depend on its seed alone, not on what shares its batch, and are the native
 engine's samples for the same logits. Requests without a seed use transformers' own sampling.
+Either way the rollout.* settings alone shape the distribution: the model's ``generation_config`` keeps its
+token ids and cache settings during ``generate`` and nothing else (a checkpoint's repetition penalty, forced EOS or
+banned n-grams would sample other probabilities than training computes), said in one line at start.
 
 A vision-language model (Qwen2.5-VL, Qwen3-VL) generates from each request's ``multi_modal_inputs``
 too: the rows' pixel values and grids go to ``generate`` with the image tokens marked, so the model
@@ -22,6 +25,7 @@ n copies encodes the first and repeats the embeddings to the other rows (``_enco
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,13 +33,62 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.utils import ModelOutput
 
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.native.sampling import truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
+
+logger = logging.getLogger(__name__)
+
+
+KEPT_GENERATION_FIELDS = ("bos_token_id", "decoder_start_token_id", "cache_implementation", "cache_config",
+                          "max_cache_len", "compile_config", "disable_compile")
+"""What of a model's ``generation_config`` a rollout keeps: token ids and cache settings. The rest (repetition
+penalty, forced BOS or EOS, banned n-grams, suppressed tokens, a minimum length, beams, its own temperature or
+top-k) would make it sample from other probabilities than the training passes compute."""
+
+
+def dropped_generation_settings(model: nn.Module) -> dict:
+    """The settings of ``model``'s generation_config that a rollout leaves out (``KEPT_GENERATION_FIELDS``), those
+    that differ from transformers' defaults."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        return {}
+    ignored = {*KEPT_GENERATION_FIELDS, "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config",
+               "use_cache", "return_dict_in_generate", "output_attentions", "output_hidden_states"}
+    return {name: value for name, value in own.to_diff_dict().items() if name not in ignored}
+
+
+@contextmanager
+def sampling_only_generation_config(model: nn.Module) -> Iterator[None]:
+    """``model.generation_config`` reduced to ``KEPT_GENERATION_FIELDS`` inside the block: ``generate`` fills every
+    setting the call leaves unset from it, so the checkpoint's processors would otherwise apply."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        yield
+        return
+    model.generation_config = GenerationConfig(**{name: getattr(own, name) for name in KEPT_GENERATION_FIELDS
+                                                  if getattr(own, name, None) is not None})
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
+def generate_fails(model: nn.Module, error: BaseException) -> str:
+    """The one line said when transformers' own ``generate`` fails on ``model``."""
+    import transformers
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    name = type(model).__name__.removeprefix("FSDP")  # FSDP2 renames the class it shards
+    return (f"transformers' generate fails on {name} (model_type={model_type!r}, from model.path's "
+            f"config.json) in rollout.name=hf ({reason}); set rollout.name=native where the native engine runs it, "
+            f"or use a transformers version (this is {transformers.__version__}) whose generate runs {model_type}")
 
 
 class _SeededSampler(LogitsProcessor):
@@ -179,6 +232,11 @@ class HFEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
         self.last_metrics: dict[str, float] = {}
+        dropped = dropped_generation_settings(model)
+        if dropped:
+            settings = ", ".join(f"{name}={value!r}" for name, value in sorted(dropped.items()))
+            logger.info("rollout.name=hf leaves out the model's generation_config settings %s: rollout.temperature, "
+                        "top_p, top_k and min_p alone shape the samples, the probabilities training computes", settings)
 
     def sync_weights(self, model: nn.Module) -> None:
         self.model = model
@@ -243,8 +301,8 @@ class HFEngine:
             kwargs.update(do_sample=False, num_return_sequences=1, temperature=None, top_p=None, top_k=None,
                           logits_processor=LogitsProcessorList([recorder, sampler]))
         elif not sampling.greedy:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
-                          top_k=sampling.top_k if sampling.top_k > 0 else None,
+            # top_k=0, not None: generate fills None with its own default of 50
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),
                           min_p=sampling.min_p if sampling.min_p > 0 else None)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
@@ -262,10 +320,15 @@ class HFEngine:
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                    sampling_only_generation_config(self.model), \
                     _encode_each_prompt_once(self.model, prompt_images, sampling.n), \
                     image_tokens_as_text(self.model, input_ids.to(device), text_tokens) as model_input_ids:
                 output = self.model.generate(input_ids=model_input_ids, attention_mask=attention_mask.to(device),
                                              **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except (ValueError, RuntimeError, TypeError, IndexError, KeyError, AttributeError) as error:
+            raise RuntimeError(generate_fails(self.model, error)) from error
         finally:
             self.model.train(was_training)
         generated = output.sequences[:, longest:].cpu()

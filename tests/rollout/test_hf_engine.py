@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from reinforge.models import build_tiny_causal_lm
@@ -79,3 +80,40 @@ def test_seeded_top_k_keeps_to_the_k_most_likely_tokens():
         top3 = set(engine.model(torch.tensor([[5, 6]])).logits[0, -1].topk(3).indices.tolist())
     drawn = {c.token_ids[0] for c in samples}
     assert drawn <= top3 and len(drawn) > 1
+
+
+def test_the_models_generation_config_does_not_shape_the_samples(caplog):
+    """A checkpoint's generation_config (forced EOS, a repetition penalty, suppressed tokens, its own top-k) is left
+    out, and an unset rollout top-k keeps every token: with equal logits, samples spread over the whole vocabulary."""
+    import logging
+
+    model = build_tiny_causal_lm(vocab_size=128, pad_token_id=0, eos_token_id=EOS)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every token equally likely (the head is tied to the embeddings)
+    model.generation_config.update(forced_eos_token_id=EOS, repetition_penalty=5.0, suppress_tokens=list(range(3, 100)),
+                                   top_k=4)
+    with caplog.at_level(logging.INFO, logger="reinforge.rollout.hf"):
+        engine = HFEngine(model, pad_token_id=0, eos_token_ids=[EOS])
+    assert "generation_config settings forced_eos_token_id=2, repetition_penalty=5.0" in caplog.text
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, n=16, ignore_eos=True)
+    [samples] = engine.generate([GenerationRequest([5, 6], sampling)])
+    tokens = {token for completion in samples for token in completion.token_ids}
+    assert len(tokens) > 80 and any(token < 100 for token in tokens)
+    torch.testing.assert_close(torch.tensor([lp for c in samples for lp in c.log_probs]),
+                               torch.full((16 * 16,), -torch.log(torch.tensor(128.0)).item()), atol=1e-4, rtol=0)
+    assert model.generation_config.repetition_penalty == 5.0  # the model's own config is back after the rollout
+
+
+def test_a_model_that_transformers_cannot_generate_with_is_named_in_one_line():
+    engine = make_engine()
+
+    def fails(*args, **kwargs):
+        raise ValueError("`get_mask_sizes` can only be called on Attention layers\nmore detail")
+
+    engine.model.generate = fails
+    with pytest.raises(RuntimeError, match=r"transformers' generate fails on Qwen2ForCausalLM \(model_type='qwen2', "
+                                           r"from model.path's config.json\) in rollout.name=hf \(ValueError: "
+                                           r"`get_mask_sizes` can only be called on Attention layers\); set "
+                                           r"rollout.name=native") as failed:
+        engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2))])
+    assert "\n" not in str(failed.value)
