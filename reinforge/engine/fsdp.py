@@ -319,7 +319,6 @@ def load_full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
     """Inverse of ``full_training_state``; every rank passes the same full state. Collective."""
     frozen = {name for name, tensor in model.state_dict(keep_vars=True).items()
               if isinstance(tensor, nn.Parameter) and not tensor.requires_grad}
-    options = StateDictOptions(full_state_dict=True)
     reshard(model)
     keys = set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=True,
                                                                                  strict=not frozen))
@@ -332,4 +331,7 @@ def load_full_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
         if "optimizer" in state:
             optimizer.load_full_state_dict(state["optimizer"])
     elif optimizer is not None and "optimizer" in state:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+        # not strict: a trained parameter that no step has given a gradient yet (BART's cross-attention in a causal LM,
+        # an expert no token was routed to) has no optimizer state to save; the model state was checked above
+        set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True, strict=False))

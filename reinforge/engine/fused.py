@@ -373,14 +373,19 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     high = min(int(getattr(model.get_output_embeddings(), "out_features", 64) or 64), 100)
     prompts = torch.randint(3, high, (2, 4), generator=generator)
     responses = torch.randint(3, high, (2, 5), generator=generator)
-    attention_mask = torch.ones(2, 9, dtype=torch.long)
-    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "response_mask": torch.ones(2, 5),
-                                     "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
-                                     "position_ids": build_position_ids(attention_mask)}).to(device)
+
+    def probe_batch(responses: torch.Tensor) -> Batch:
+        attention_mask = torch.ones(2, prompts.shape[1] + responses.shape[1], dtype=torch.long)
+        return Batch.from_dict(tensors={
+            "prompts": prompts, "responses": responses, "response_mask": torch.ones(responses.shape),
+            "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+            "position_ids": build_position_ids(attention_mask)}).to(device)
+
+    batch = probe_batch(responses)
     tolerance = PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1)
     was_training = model.training
     model.eval()
-    gap = float("inf")
+    gap, failure, future_gap = float("inf"), None, 0.0
     try:
         for _ in range(2):  # packed rows, then (if they mix or fail) padded ones
             padded = not packs_rows(model)
@@ -388,10 +393,9 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                 packed = response_log_probs(model, batch)[0].float()
                 alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
             except Exception as error:
-                if padded:
-                    first_line = str(error).splitlines()[0] if str(error) else ""
-                    raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) cannot run reinforge's "
-                                     f"training passes ({type(error).__name__}: {first_line})") from error
+                if padded:  # the decoder's last hidden state through lm_head fails even over padded rows
+                    failure = error
+                    break
                 # its layers do not take a packed row at all (a recurrent mixer that reads the attention mask
                 # as padding): padded rows from here on
                 setattr(model, PACKS_ROWS, False)
@@ -400,24 +404,54 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
             if gap <= tolerance or padded:
                 break
             setattr(model, PACKS_ROWS, False)  # its packed sequences mix: padded rows from here on
-        if gap <= tolerance:
+        if failure is not None or gap <= tolerance:
             # the log-probs come from the decoder's last hidden state through lm_head and the head's known transforms
             # (engine.forward.logit_transform); a head that does more would train on other probabilities than it
-            # samples
-            own = torch.cat([own_logits_log_probs(model, batch.index([row]), 1.0, False, False)[0].float()
-                             for row in range(2)])
+            # samples, and one that reshapes the hidden state first (Electra's generator head) fails there
+            try:
+                own = torch.cat([own_logits_log_probs(model, batch.index([row]), 1.0, False, False)[0].float()
+                                 for row in range(2)])
+                if failure is not None:
+                    alone = own
+                    gap = float((own_logits_log_probs(model, batch, 1.0, False, False)[0].float() - own).abs().max())
+                # a causal LM's log-prob of a token does not move with the tokens after it (generate never sees them)
+                early = own_logits_log_probs(model, probe_batch(responses[:, :2]).index([0]), 1.0, False, False)[0]
+                future_gap = float((early.float() - own[:1, :2]).abs().max())
+            except Exception as error:
+                raise ValueError(_own_forward_fails(model, model_type, device, error)) from error
     finally:
         model.train(was_training)
     if gap > tolerance:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes the rows of a batch (log-probs "
                          f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
+    if future_gap > tolerance:
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) reads the "
+                         f"tokens after each position (a token's log-prob moves by {future_gap:.3g} with what follows "
+                         "it), so it is no causal LM and would train on other probabilities than it samples; turn on its "
+                         "config's causal attention (is_decoder=true, causal=true) or use a causal LM")
     head_gap = float((own - alone).abs().max())
-    if head_gap > tolerance:  # training would follow other probabilities than the model samples
+    if failure is not None or head_gap > tolerance:  # training would follow other probabilities than the model samples
         setattr(model, OWN_LOGITS, True)
+        setattr(model, PACKS_ROWS, False)
+        how = (f"its last hidden state through lm_head fails ({_first_line(failure)})" if failure is not None
+               else f"log-probs {head_gap:.3g} from the model's own")
         logger.warning("%s (model_type=%r) computes its logits beyond lm_head in a way reinforge does not reproduce "
-                       "(log-probs %.3g from the model's own): its training passes read the logits its own forward "
-                       "returns, over padded rows, every vocabulary entry at once (more memory, slower)",
-                       type(model).__name__, model_type, head_gap)
+                       "(%s): its training passes read the logits its own forward returns, over padded rows, every "
+                       "vocabulary entry at once (more memory, slower)", type(model).__name__, model_type, how)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def _own_forward_fails(model: nn.Module, model_type: str, device: torch.device, error: BaseException) -> str:
+    """The one line that refuses a model whose own transformers forward fails over a few padded tokens."""
+    import transformers
+
+    return (f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) fails in transformers' "
+            f"own forward on {device.type} ({_first_line(error)}), so reinforge cannot train it; check the config's "
+            f"sizes, or use a transformers version (this is {transformers.__version__}) that runs {model_type}")
 
 
 def prepare_for_training(model: nn.Module, device: torch.device) -> None:

@@ -171,6 +171,25 @@ def sdpa_or_eager(model_class: type | None, attn_implementation: str) -> str:
     return attn_implementation
 
 
+def causal_lm_class(config) -> type:
+    """The class that loads the causal LM of ``config``: AutoModelForImageTextToText for a vision-language model,
+    AutoModelForCausalLM for a config in transformers' causal-LM table (or with its own code), else the transformers
+    class its ``architectures`` names for that config class (the text model of a multimodal family, saved with its
+    text config, as Emu3's ``emu3_text_model``, which the auto table does not list)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if is_vision_language(config):
+        return AutoModelForImageTextToText
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or getattr(config, "auto_map", None):
+        return AutoModelForCausalLM
+    for name in getattr(config, "architectures", None) or ():
+        named = getattr(transformers, name, None)
+        if isinstance(named, type) and getattr(named, "config_class", None) is type(config):
+            return named
+    return AutoModelForCausalLM
+
+
 def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, mapping=None) -> str:
     """``sdpa_or_eager`` for transformers' class of the model at ``path`` in ``mapping`` (the causal LMs by default;
     the bodies for a critic)."""
@@ -178,6 +197,9 @@ def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, 
 
     config = read_model_config(path, trust_remote_code)
     model_class = (MODEL_FOR_CAUSAL_LM_MAPPING if mapping is None else mapping).get(type(config), None)
+    if model_class is None and mapping is None:
+        named = causal_lm_class(config)
+        model_class = None if named.__name__.startswith("Auto") else named
     return sdpa_or_eager(model_class, attn_implementation)
 
 
@@ -207,9 +229,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
             model = build_random_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                            attn_implementation=attn_implementation)
         else:
-            vision_language = is_vision_language(read_model_config(path, trust_remote_code))  # the tower and the LM
-            auto_class = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+            model_class = causal_lm_class(read_model_config(path, trust_remote_code))  # a VLM: the tower and the LM
+            model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                                attn_implementation=attn_implementation, **placement)
     model.to(device)
     model.config.use_cache = False

@@ -9,6 +9,7 @@ depend on the number of ranks that wrote it.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -110,8 +111,12 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
         if lora is not None:
             write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path)
             merge_lora_weights(state, lora_scaling(lora), transposed_layers(model))
+        # built eagerly: a model that picks its attention classes by name at construction (GIT) knows no
+        # reinforge_varlen, and the folder is for inference anyway
+        config = copy.deepcopy(model.config)
+        config._attn_implementation = "eager"
         with torch.device("meta"):
-            plain = model_class(model.config)
+            plain = model_class(config)
         plain.load_state_dict(state, assign=True, strict=False)
         plain.tie_weights()
         if getattr(model, "generation_config", None) is not None:  # a classifier (a reward model) has none

@@ -1,5 +1,6 @@
 """Causal LMs outside the architecture table that name their sizes and blocks their own way, or have no attention:
-each is planned, sharded, probed and trained through its transformers modules instead of being refused.
+each is planned, sharded, probed and trained through its transformers modules instead of being refused; only a model
+whose own transformers forward fails is refused, in one line.
 
 GPT-2 (``n_embd``, blocks in ``h``, an implicit 4 x hidden MLP), OPT (``ffn_dim``), Falcon, BLOOM, MPT
 (``d_model``, blocks in ``blocks``), DBRX (sizes nested in ``attn_config`` and ``ffn_config``), NemotronH (layers
@@ -43,6 +44,15 @@ TINY = {
     "mamba": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, state_size=8),
     "llama4_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, intermediate_size=48, intermediate_size_mlp=96, num_local_experts=4),
+    "bart": dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, encoder_layers=2,
+                 encoder_attention_heads=4, encoder_ffn_dim=128, max_position_embeddings=128),
+    "electra": dict(hidden_size=64, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    intermediate_size=128, max_position_embeddings=128, is_decoder=True),
+    "codegen": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, rotary_dim=8),
+    "git": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                max_position_embeddings=128, vision_config={"hidden_size": 32, "num_hidden_layers": 1,
+                                                            "num_attention_heads": 2, "intermediate_size": 64,
+                                                            "image_size": 32, "patch_size": 16}),
 }
 SIZES = {  # hidden, layers, heads, KV heads (Falcon's multi-query: one), MLP width (an expert's), experts
     "gpt2": (64, 2, 4, 4, 256, 0), "opt": (64, 2, 4, 4, 96, 0), "falcon": (64, 2, 4, 1, 256, 0),
@@ -204,7 +214,7 @@ def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
     assert_pass_equals_transformers_padded_forward(model.train(), share_prompts=True)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mamba"])
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart"])
 def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithmetic_data_dir, tmp_path):
     tokenizer = build_char_tokenizer(())
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
@@ -218,7 +228,97 @@ def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithm
             "trainer.total_steps": 1, "trainer.val_before_train": False}
     assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
     [row] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # BART's generation_config forces EOS at the last token: the rollout leaves that out and samples what trains
     assert row["actor/num_skipped_steps"] == 0 and row["training/rollout_probs_diff_max"] < 1e-4
+
+
+def test_a_head_that_reshapes_the_hidden_state_trains_on_its_own_logits(caplog):
+    """Electra's generator head projects the hidden state to its embedding width before lm_head: the hidden state
+    through lm_head fails, so the probe reads the logits the model's own forward returns."""
+    import logging
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.forward import OWN_LOGITS
+
+    model = tiny_model("electra")
+    use_varlen_attention(model)
+    with caplog.at_level(logging.WARNING, logger="reinforge.engine.fused"):
+        check_packed_sequences_stay_apart(model)
+    assert getattr(model, OWN_LOGITS) is True and "its last hidden state through lm_head fails" in caplog.text
+    batch = _batch(64)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits[:, 3:-1].log_softmax(-1)
+    torch.testing.assert_close(response_log_probs(model, batch)[0],
+                               logits.gather(-1, batch["responses"][..., None])[..., 0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_whose_own_forward_fails_is_refused_in_one_line():
+    """CodeGen rotating more dimensions than a head has fails in transformers' forward itself: one line names the
+    model type, the failure and what to do."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    known("codegen")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("codegen", vocab_size=64,
+                                                                  **dict(TINY["codegen"], rotary_dim=32)))
+    use_varlen_attention(model)
+    with pytest.raises(ValueError) as refused:
+        check_packed_sequences_stay_apart(model)
+    message = str(refused.value)
+    assert "CodeGenForCausalLM (model_type='codegen', from model.path's config.json) fails in transformers' own " \
+           "forward on cpu (RuntimeError: " in message and "check the config's sizes" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("model_type,sizes", [
+    ("xlm", dict(emb_dim=64, n_layers=2, n_heads=4, causal=False)),
+    ("xlnet", dict(d_model=64, n_layer=2, n_head=4, d_inner=128, attn_type="bi")),
+])
+def test_a_model_that_reads_the_tokens_after_each_position_is_refused_in_one_line(model_type, sizes):
+    """XLM without ``causal`` and XLNet's bidirectional attention see the tokens after each position, which generate
+    never shows them: trained on whole sequences they would follow other probabilities than they sample."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    known(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **sizes))
+    use_varlen_attention(model)
+    with pytest.raises(ValueError, match=rf"\(model_type='{model_type}', from model.path's config.json\) reads the "
+                                         r"tokens after each position .* turn on its config's causal attention"):
+        check_packed_sequences_stay_apart(model)
+    if model_type == "xlm":  # its causal switch on, it trains
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64,
+                                                                      **dict(sizes, causal=True)))
+        use_varlen_attention(model)
+        check_packed_sequences_stay_apart(model)
+
+
+def test_a_checkpoint_of_a_model_that_builds_its_attention_by_name_is_written(tmp_path):
+    """GIT picks its attention classes by attn_implementation when it is built: the checkpoint's model is built
+    eager, not with the training passes' varlen attention, and loads back."""
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.workers.checkpointing import save_sharded_hf_folder
+
+    model = tiny_model("git")
+    use_varlen_attention(model)
+    save_sharded_hf_folder(model, type(model), build_char_tokenizer(()), tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    torch.testing.assert_close(reloaded.state_dict()["output.weight"], model.state_dict()["output.weight"])
+
+
+def test_a_text_model_that_the_auto_table_does_not_list_loads_by_its_architecture(tmp_path):
+    """Emu3's causal LM is saved with its text config (``emu3_text_model``), which AutoModelForCausalLM does not map:
+    the class its ``architectures`` names loads it."""
+    from reinforge.models.loading import load_causal_lm
+
+    known("emu3")
+    from transformers import Emu3ForCausalLM, Emu3TextConfig
+
+    tokenizer = build_char_tokenizer(())
+    config = Emu3TextConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+                            eos_token_id=tokenizer.eos_token_id, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    folder = save_hf_folder(Emu3ForCausalLM(config), tokenizer, tmp_path / "emu3")
+    assert type(load_causal_lm(str(folder), dtype=torch.float32, device="cpu")) is Emu3ForCausalLM
 
 
 def test_a_critic_reads_the_bodys_output_width_and_attention(tmp_path):
@@ -297,3 +397,23 @@ def test_adapters_on_gpt2s_transposed_layers_merge_as_peft_applies_them(tmp_path
         torch.testing.assert_close(checkpoint(input_ids=input_ids).logits, expected, atol=1e-5, rtol=1e-5)
         reloaded = PeftModel.from_pretrained(copy.deepcopy(plain), tmp_path / "adapter")
         torch.testing.assert_close(reloaded(input_ids=input_ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_trained_parameter_that_no_step_reached_resumes():
+    """BART's decoder as a causal LM never runs its cross-attention, so AdamW keeps no state for those weights: the
+    saved training state still loads into a fresh model and optimizer."""
+    from reinforge.engine.fsdp import full_training_state, load_full_training_state
+
+    model = tiny_model("bart").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    input_ids = torch.randint(3, 60, (2, 6))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    assert model.model.decoder.layers[0].encoder_attn.k_proj.weight not in optimizer.state
+    state = full_training_state(model, optimizer)
+    fresh = tiny_model("bart").train()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    load_full_training_state(fresh, fresh_optimizer, state)
+    torch.testing.assert_close(fresh.lm_head.weight, model.lm_head.weight)
+    torch.testing.assert_close(fresh_optimizer.state[fresh.lm_head.weight]["exp_avg"],
+                               optimizer.state[model.lm_head.weight]["exp_avg"])
