@@ -18,14 +18,12 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from reinforge.models.vision import is_vision_language
+from reinforge.models.classes import causal_lm_class
 
 logger = logging.getLogger(__name__)
 
@@ -169,25 +167,6 @@ def sdpa_or_eager(model_class: type | None, attn_implementation: str) -> str:
     if attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
         return "eager"
     return attn_implementation
-
-
-def causal_lm_class(config) -> type:
-    """The class that loads the causal LM of ``config``: AutoModelForImageTextToText for a vision-language model,
-    AutoModelForCausalLM for a config in transformers' causal-LM table (or with its own code), else the transformers
-    class its ``architectures`` names for that config class (the text model of a multimodal family, saved with its
-    text config, as Emu3's ``emu3_text_model``, which the auto table does not list)."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    if is_vision_language(config):
-        return AutoModelForImageTextToText
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or getattr(config, "auto_map", None):
-        return AutoModelForCausalLM
-    for name in getattr(config, "architectures", None) or ():
-        named = getattr(transformers, name, None)
-        if isinstance(named, type) and getattr(named, "config_class", None) is type(config):
-            return named
-    return AutoModelForCausalLM
 
 
 def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, mapping=None) -> str:

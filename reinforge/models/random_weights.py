@@ -48,7 +48,7 @@ def build_random_causal_lm(path: str | Path, *, dtype: torch.dtype, device: torc
     """The causal LM of a random-weights folder, built on ``device`` in ``dtype`` (the global generator untouched)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from reinforge.models.loading import causal_lm_class
+    from reinforge.models.classes import causal_lm_class
 
     seed = random_weights_seed(path)
     if seed is None:

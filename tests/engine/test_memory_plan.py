@@ -265,13 +265,14 @@ def test_reinforge_plan_refuses_a_size_that_is_no_memory(seven_b_folder, capsys,
 
 def test_a_run_that_cannot_fit_fails_before_loading_weights(tiny_model_dir, arithmetic_data_dir, tmp_path,
                                                             monkeypatch, capsys):
-    import reinforge.models.loading as loading
+    from transformers import AutoModelForCausalLM
+
     from reinforge.cli import main
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
     code = main(["train", f"model.path={tiny_model_dir}", f"data.train_files=[{arithmetic_data_dir}/train.parquet]",
                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.gpu_memory_gib=1", "trainer.device=cpu"])
     err = capsys.readouterr().err
