@@ -425,10 +425,13 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes the rows of a batch (log-probs "
                          f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
     if future_gap > tolerance:
+        switches = [name for name in ("causal", "is_causal", "is_decoder")
+                    if getattr(model.config, name, None) is False]  # a causal switch the config has, off
+        fix = (f"set {' and '.join(f'{name}=true' for name in switches)} in its config.json or use a causal LM"
+               if switches else "use a causal LM")
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) reads the "
                          f"tokens after each position (a token's log-prob moves by {future_gap:.3g} with what follows "
-                         "it), so it is no causal LM and would train on other probabilities than it samples; turn on its "
-                         "config's causal attention (is_decoder=true, causal=true) or use a causal LM")
+                         f"it), so it is no causal LM and would train on other probabilities than it samples; {fix}")
     head_gap = float((own - alone).abs().max())
     if failure is not None or head_gap > tolerance:  # training would follow other probabilities than the model samples
         setattr(model, OWN_LOGITS, True)
