@@ -355,7 +355,9 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     sequences apart. A model whose attention does not take packed rows runs padded rows
     (``engine.forward.packs_rows``). One that still mixes packed sequences (recurrent or linear-attention layers
     beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
-    fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens.
+    fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens, then
+    three greedy tokens from ``generate``, whose log-probs the training passes must give: a model whose generate
+    prepares other inputs than its forward reads (XLM appends a mask token and predicts it) is refused too.
     """
     from reinforge.engine.forward import (
         OWN_LOGITS,
@@ -441,6 +443,44 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
         logger.warning("%s (model_type=%r) computes its logits beyond lm_head in a way reinforge does not reproduce "
                        "(%s): its training passes read the logits its own forward returns, over padded rows, every "
                        "vocabulary entry at once (more memory, slower)", type(model).__name__, model_type, how)
+    generate_gap = _generate_gap(model, prompts[:1].to(device), probe_batch)
+    if generate_gap is not None and generate_gap > tolerance:
+        raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) samples in "
+                         f"transformers' generate from other probabilities than its forward gives the same tokens "
+                         f"(log-probs {generate_gap:.3g} apart: its generate prepares other inputs), so training would "
+                         "follow other probabilities than the rollout samples; reinforge cannot train it")
+
+
+GENERATE_PROBE_TOKENS = 3
+"""Tokens the start-up probe has ``generate`` choose greedily, to compare with the training passes' log-probs."""
+
+
+def _generate_gap(model: nn.Module, prompt: torch.Tensor, batch_of) -> float | None:
+    """Largest gap between the log-probs ``generate`` chose its greedy tokens from (its raw logits, before any
+    processor) and the training passes' for the same tokens after ``prompt`` (one row); None where the model has no
+    ``generate`` or it fails (the rollout reports that itself)."""
+    from reinforge.engine.forward import response_log_probs
+
+    if not callable(getattr(model, "generate", None)):
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                max_new_tokens=GENERATE_PROBE_TOKENS, output_logits=True, return_dict_in_generate=True,
+                                pad_token_id=int(prompt[0, 0]))
+        tokens = output.sequences[:, prompt.shape[1]:]
+        if tokens.shape[1] == 0 or not output.logits:
+            return None
+        logits = torch.stack(output.logits[:tokens.shape[1]], 1).float()
+        sampled = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+        rows = tokens.expand(2, -1).cpu()  # the probe's batch holds two rows; the first is this prompt's
+        trained = response_log_probs(model, batch_of(rows).index([0]))[0].float()
+        return float((trained - sampled).abs().max())
+    except Exception:
+        return None
+    finally:
+        model.train(was_training)
 
 
 def _first_line(error: BaseException) -> str:

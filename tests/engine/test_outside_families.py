@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from reinforge.cli import main
-from reinforge.engine.forward import PACKS_ROWS, decoder_of, packs_rows, response_log_probs
+from reinforge.engine.forward import PACKS_ROWS, build_position_ids, decoder_of, packs_rows, response_log_probs
 from reinforge.engine.fsdp import decoder_layers
 from reinforge.engine.fused import check_packed_sequences_stay_apart
 from reinforge.engine.memory_plan import MemoryPlanError, ModelShape
@@ -286,11 +286,37 @@ def test_a_model_that_reads_the_tokens_after_each_position_is_refused_in_one_lin
     with pytest.raises(ValueError, match=rf"\(model_type='{model_type}', from model.path's config.json\) reads the "
                                          r"tokens after each position .*" + re.escape(fix)):
         check_packed_sequences_stay_apart(model)
-    if model_type == "xlm":  # its causal switch on, it trains
+    if model_type == "xlm":  # causal, its generate still predicts a mask token appended to the inputs
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64,
                                                                       **dict(sizes, causal=True)))
         use_varlen_attention(model)
-        check_packed_sequences_stay_apart(model)
+        with pytest.raises(ValueError, match=r"\(model_type='xlm', from model.path's config.json\) samples in "
+                                             r"transformers' generate from other probabilities than its forward"):
+            check_packed_sequences_stay_apart(model)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba"])
+def test_generate_samples_from_the_training_passes_probabilities(model_type):
+    """The start-up probe's greedy tokens from generate, scored by the training passes: the same log-probs."""
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.fused import _generate_gap
+
+    known(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **TINY[model_type]))
+    use_varlen_attention(model)
+    check_packed_sequences_stay_apart(model)
+    prompts = torch.randint(3, 64, (2, 4), generator=torch.Generator().manual_seed(0))
+
+    def batch_of(responses):
+        mask = torch.ones(2, 4 + responses.shape[1], dtype=torch.long)
+        return Batch.from_dict(tensors={"prompts": prompts, "responses": responses,
+                                        "response_mask": torch.ones(responses.shape),
+                                        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": mask,
+                                        "position_ids": build_position_ids(mask)})
+
+    gap = _generate_gap(model, prompts[:1], batch_of)
+    assert gap is not None and gap < 1e-4
 
 
 def test_a_checkpoint_of_a_model_that_builds_its_attention_by_name_is_written(tmp_path):
