@@ -455,6 +455,7 @@ GENERATE_PROBE_TOKENS = 3
 """Tokens the start-up probe has ``generate`` choose greedily, to compare with the training passes' log-probs."""
 
 
+@torch.no_grad()
 def _generate_gap(model: nn.Module, prompt: torch.Tensor, batch_of) -> float | None:
     """Largest gap between the log-probs ``generate`` chose its greedy tokens from (its raw logits, before any
     processor) and the training passes' for the same tokens after ``prompt`` (one row); None where the model has no
