@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from reinforge.models.classes import causal_lm_class
+from reinforge.models.classes import causal_lm_class, named_class
 
 logger = logging.getLogger(__name__)
 
@@ -177,8 +177,7 @@ def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, 
     config = read_model_config(path, trust_remote_code)
     model_class = (MODEL_FOR_CAUSAL_LM_MAPPING if mapping is None else mapping).get(type(config), None)
     if model_class is None and mapping is None:
-        named = causal_lm_class(config)
-        model_class = None if named.__name__.startswith("Auto") else named
+        model_class = named_class(config)
     return sdpa_or_eager(model_class, attn_implementation)
 
 

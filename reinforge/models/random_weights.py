@@ -46,9 +46,9 @@ def random_weights_seed(path: str | Path) -> int | None:
 def build_random_causal_lm(path: str | Path, *, dtype: torch.dtype, device: torch.device,
                            trust_remote_code: bool = False, attn_implementation: str = "sdpa"):
     """The causal LM of a random-weights folder, built on ``device`` in ``dtype`` (the global generator untouched)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from reinforge.models.classes import causal_lm_class
+    from reinforge.models.classes import named_class
 
     seed = random_weights_seed(path)
     if seed is None:
@@ -61,11 +61,10 @@ def build_random_causal_lm(path: str | Path, *, dtype: torch.dtype, device: torc
         torch.manual_seed(seed)
         torch.set_default_dtype(DRAWN_DTYPE)
         try:
-            model_class = causal_lm_class(config)
-            model = (AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                      attn_implementation=attn_implementation)
-                     if model_class in (AutoModelForCausalLM, AutoModelForImageTextToText)
-                     else model_class._from_config(config, attn_implementation=attn_implementation))
+            named = named_class(config)
+            model = (named._from_config(config, attn_implementation=attn_implementation) if named is not None
+                     else AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                           attn_implementation=attn_implementation))
         finally:
             torch.set_default_dtype(previous)
     logger.info("model.path=%s holds random weights (%s, seed %d): built on %s from its config.json",
