@@ -404,8 +404,8 @@ def decode_tiling(batch: int, num_kv_heads: int, head_dim: int, max_context_len:
     A model-dtype cache read unsplit by one query head a KV head (every head kept: Phi-3, OLMo 2) launches its
     programs KV heads first (``DecodeTiling.heads_first``), so programs launched together read one token row's
     heads side by side: measured on an H200 (``benchmarks/decode_attention_tilings.py --candidates``) at 512
-    sequences of 256 tokens it read Phi-3-mini's 32 heads of 96 dims 4.5% faster (0.421 against 0.442 ms a layer)
-    and OLMo-2-1B's 16 of 128 2% faster.
+    sequences of 256, 384 and 640 tokens it read Phi-3-mini's 32 heads of 96 dims 5-7% faster (0.430 against 0.459
+    ms a layer at 256) and OLMo-2-1B's 16 of 128 2% faster.
 
     Stages past what the device's shared memory holds (``fits_shared_memory``: 3 stages of 128-token blocks of
     128-dim heads take 192 KiB, more than an A100's 163) drop to 2, the 128-token tilings to the 64-token ones

@@ -93,6 +93,7 @@ def prefill_chunks(starts: list[int], stops: list[int], budget: int | None) -> l
 GROUP_INPUTS = ("prefix_members", "group_prefix_lens")
 """The decode graph's inputs of shared-prefix groups (``attention.SharedPrefix``), one entry a group, not a row."""
 
+
 class ModelRunner:
     def __init__(self, model: nn.Module, *, block_size: int, max_num_seqs: int, max_model_len: int,
                  use_triton: bool, cuda_graph_batch_sizes: list[int], device: torch.device | None = None,
