@@ -27,6 +27,8 @@ from reinforge.serve.streaming import SSE_DONE, sse
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+SHUTDOWN_GRACE_S = 5.0
+"""On close (Ctrl-C), how long requests still being answered may take before they are cancelled."""
 
 
 class OpenAIEndpoint:
@@ -65,7 +67,7 @@ class OpenAIEndpoint:
         """Listen (port 0: any free port); returns the server's root URL."""
         from aiohttp import web
 
-        self._runner = web.AppRunner(self.application(), access_log=None)
+        self._runner = web.AppRunner(self.application(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
