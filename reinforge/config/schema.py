@@ -192,8 +192,10 @@ class ActorConfig(UpdateConfig):
     k2, k3; a trailing + keeps the estimator's value and takes the gradient of k2."""
     router_aux_loss_coef: Optional[float] = None
     """Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' Switch-style aux
-    loss over all MoE layers) added to the actor's loss; 0: none. None: the model config's router_aux_loss_coef
-    when its output_router_logits is true, else 0. The loss is logged as actor/moe/aux_loss either way, beside
+    loss over all MoE layers, a shared prompt's tokens counted once per sample as in a padded forward) added to the
+    actor's loss; 0: none. None: the model config's router_aux_loss_coef
+    when its output_router_logits is true, else 0 (DeepSeek V2/V3 configs never ask for one; set here, theirs counts
+    the experts their routers chose, V3's sigmoid scores normalised per token as its probabilities). The loss is logged as actor/moe/aux_loss either way, beside
     actor/moe/load_imbalance and actor/moe/unused_experts."""
     shuffle: bool = False
     """Shuffle samples between mini-batches."""

@@ -34,7 +34,7 @@ from reinforge.engine.image_embeddings import ImageEmbeddingCache
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
 from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_padded_micro_batches, rows_in_batch_order
-from reinforge.engine.packing import PackedRows, pack_rows, unpack_responses, vision_model_kwargs
+from reinforge.engine.packing import PackedRows, pack_rows, plan_of, unpack_responses, vision_model_kwargs
 from reinforge.models.architectures import architecture_spec
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
@@ -76,6 +76,16 @@ def logit_transform(config) -> tuple[float, float | None]:
         multiplier /= float(divisor)
     cap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
     return multiplier, cap
+
+
+UNCAPPED_HEAD = "_reinforge_uncapped_head"
+"""Set on a model whose config names a final soft-cap its own forward does not apply (``engine.fused``'s probe)."""
+
+
+def model_logit_transform(model: nn.Module) -> tuple[float, float | None]:
+    """``logit_transform`` of the model's config, without the cap where the model's forward leaves it out."""
+    multiplier, cap = logit_transform(model.config)
+    return multiplier, None if getattr(model, UNCAPPED_HEAD, False) else cap
 
 
 PACKS_ROWS = "_reinforge_packs_rows"
@@ -230,6 +240,16 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
                                 max_logits_bytes, with_sum_pi_squared)
 
 
+def routed_token_weights(model: nn.Module, micro: Batch) -> Tensor:
+    """(tokens,) float32 on ``micro``'s device, in the order ``response_log_probs`` just ran them through ``model``:
+    how many of the micro-batch's unshared, unpadded tokens each one stands for. A packed row's shared prompt tokens
+    stand for their group's rows (``PackingPlan.token_weights``); padded rows weigh their padding 0, as transformers'
+    attention mask does. A router's statistics weighted by them are those of transformers' padded forward."""
+    if getattr(model, OWN_LOGITS, False) or not packs_rows(model):
+        return micro["attention_mask"].reshape(-1).float()
+    return plan_of(micro).token_weights.to(micro["input_ids"].device, non_blocking=True)
+
+
 def decoder_of(model: nn.Module) -> nn.Module:
     """The causal LM's decoder (the module that returns ``last_hidden_state``): ``get_decoder()``, or where that
     gives the causal LM itself (Llama 4's text model, whose base-model prefix names no attribute), the child that
@@ -287,7 +307,7 @@ def _response_projection(model: nn.Module, hidden: Tensor, targets: Tensor, unpa
     """The response tokens' log-probs (and entropy, or sum_v pi(v)^2) from their predictors' hidden states, the
     output projection fused with the log-softmax; ``unpack`` lays each (tokens,) output out as (B, R)."""
     weight = model.get_output_embeddings().weight
-    logit_scale, softcap = logit_transform(model.config)
+    logit_scale, softcap = model_logit_transform(model)
     if with_sum_pi_squared:
         outputs = linear_log_probs_and_sum_pi_squared(hidden.to(weight.dtype), weight, targets, temperature,
                                                       max_logits_bytes=max_logits_bytes, logit_scale=logit_scale,

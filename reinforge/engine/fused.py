@@ -201,6 +201,8 @@ def _project_qkv(self: nn.Module, hidden_states: Tensor, tokens: int) -> tuple[T
         q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
     if spec.qk_norm == "projection":  # OLMo 2: over the whole projection, before the heads split
         q, k = self.q_norm(q), self.k_norm(k)
+    if spec.clip_qkv is not None:  # OLMoE: after the projection norms, as transformers clamps them
+        q, k, v = (tensor.clamp(-spec.clip_qkv, spec.clip_qkv) for tensor in (q, k, v))
     q, k, v = (tensor.reshape(tokens, -1, d) for tensor in (q, k, v))
     if spec.qk_norm == "head":  # Qwen3, Gemma 3: each head, before the rotary embedding
         q, k = self.q_norm(q), self.k_norm(k)
@@ -427,10 +429,12 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}) mixes the rows of a batch (log-probs "
                          f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
     if future_gap > tolerance:
-        switches = [name for name in ("causal", "is_causal", "is_decoder")
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        switches = [f"{name}=true" for name in ("causal", "is_causal", "is_decoder")
                     if getattr(model.config, name, None) is False]  # a causal switch the config has, off
-        fix = (f"set {' and '.join(f'{name}=true' for name in switches)} in its config.json or use a causal LM"
-               if switches else "use a causal LM")
+        switches += [f"{name}=false" for name in ("use_bidirectional_attention",) if getattr(text, name, None)]
+        fix = (f"set {' and '.join(switches)} in its config.json or use a causal LM" if switches
+               else "use a causal LM")
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) reads the "
                          f"tokens after each position (a token's log-prob moves by {future_gap:.3g} with what follows "
                          f"it), so it is no causal LM and would train on other probabilities than it samples; {fix}")
@@ -449,6 +453,36 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                          f"transformers' generate from other probabilities than its forward gives the same tokens "
                          f"(log-probs {generate_gap:.3g} apart: its generate prepares other inputs), so training would "
                          "follow other probabilities than the rollout samples; reinforge cannot train it")
+
+
+@torch.no_grad()
+def check_final_soft_cap(model: nn.Module) -> None:
+    """A family of the table whose config (a vision-language model's text config) names a final soft-cap: whether
+    the model's own forward applies it. transformers' Gemma3ForConditionalGeneration leaves its text config's cap out
+    in some versions and applies it in others; the log-probs follow the model's own logits. One forward of a few
+    tokens, only where a cap is named and the config is not the text config itself."""
+    from reinforge.engine.forward import UNCAPPED_HEAD, logit_transform
+
+    config = model.config
+    multiplier, cap = logit_transform(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if cap is None or text is config or getattr(model, "get_output_embeddings", lambda: None)() is None:
+        return
+    weight = model.get_output_embeddings().weight
+    input_ids = torch.arange(3, 9, device=weight.device)[None] % weight.shape[0]
+    was_training = model.training
+    model.eval()
+    try:
+        output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+    finally:
+        model.train(was_training)
+    own = output.logits.float()
+    plain = torch.nn.functional.linear(output.hidden_states[-1], weight).float() * multiplier
+    capped = torch.tanh(plain / cap) * cap
+    if (own - plain).abs().max() < (own - capped).abs().max():
+        setattr(model, UNCAPPED_HEAD, True)
+        logger.info("%s returns its logits without its text config's final_logit_softcapping=%s; training reads "
+                    "them uncapped too, as the model samples them", type(model).__name__, cap)
 
 
 GENERATE_PROBE_TOKENS = 3
@@ -510,6 +544,11 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     the modules keep transformers' forwards. Logs the path taken once per process.
     """
     use_varlen_attention(model)
+    # a MoE config's output_router_logits makes transformers' forward compute its aux loss against an attention mask
+    # a packed row does not have (an opaque scatter_add_ error); the actor's RouterRecorder computes it itself
+    from reinforge.engine.moe import without_router_logits_output
+
+    without_router_logits_output(model)
     if is_vision_language(getattr(model, "config", None)):
         keep_vision_tower_attention(model)
         use_batched_vision_attention(model)  # one attention call per vision layer, not one per image or window
@@ -517,6 +556,8 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     output_embeddings = getattr(model, "get_output_embeddings", None)
     if spec is None and callable(output_embeddings) and output_embeddings() is not None:  # a causal LM
         check_packed_sequences_stay_apart(model)
+    elif spec is not None:
+        check_final_soft_cap(model)
     _say_once(model, device)
     if device.type != "cuda":
         return

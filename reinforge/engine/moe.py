@@ -15,7 +15,11 @@ to each layer's logits and chosen experts; nothing runs in the hook, so a recomp
 layer stays identical and the host never waits. ``router_outputs`` turns them, after the forward,
 into device scalars: the load-balancing loss as transformers computes it for ``output_router_logits``
 (``num_experts`` x sum over experts of the share of top-k slots and the mean router probability, both
-pooled over all MoE layers), the load imbalance (most loaded expert's share over the mean share,
+pooled over all MoE layers) over a padded forward of the same sequences: a shared prompt's tokens, run once
+in a packed row, count once for each of its samples, and padding not at all (``token_weights``); the slots are
+the experts each router chose. transformers computes no such loss for DeepSeek V2 and V3, whose configs never ask
+for one; with ``actor.router_aux_loss_coef`` set, theirs takes the same form over their groups' and correction
+bias's choices, V3's sigmoid scores normalised per token as its probabilities, the load imbalance (most loaded expert's share over the mean share,
 averaged over layers) and the unused experts (experts no token chose, averaged over layers).
 Dropless routing drops no token.
 """
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from reinforge.models.architectures import architecture_spec
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -113,6 +119,12 @@ RECORD_ATTRIBUTE = "reinforge_routing"
 """The router attribute a recording hook stores its (logits, expert ids) in."""
 
 
+def _scoring(model: nn.Module) -> str:
+    """How the model's routers score experts: "sigmoid" (DeepSeek V3) or "softmax" (every other router)."""
+    spec = architecture_spec(getattr(model, "config", None))
+    return spec.moe.scoring if spec is not None and spec.moe is not None else "softmax"
+
+
 class RouterRecorder:
     """Forward hooks on the routers of ``model``'s MoE blocks; they keep references while ``recording()``.
 
@@ -124,6 +136,7 @@ class RouterRecorder:
 
     def __init__(self, model: nn.Module):
         self.routers = [block.gate for block in moe_blocks(model)]
+        self.scoring = _scoring(model)
         self.recording = False
         for router in self.routers:
             setattr(router, RECORD_ATTRIBUTE, None)
@@ -156,48 +169,84 @@ class RouterRecorder:
             setattr(router, RECORD_ATTRIBUTE, None)
         return [record for record in captured if record is not None]
 
-    def take(self, with_grad: bool) -> RouterOutputs | None:
-        """The statistics of what was recorded (then forgotten); None when no router ran."""
+    def take(self, with_grad: bool, token_weights: Tensor | None = None) -> RouterOutputs | None:
+        """The statistics of what was recorded (then forgotten); None when no router ran. ``token_weights``: how
+        many tokens each routed token stands for (``engine.forward.routed_token_weights``); None: 1 each."""
         captured = self._forget()
         if not captured:
             return None
-        return router_outputs([logits for logits, _ in captured], [ids for _, ids in captured], with_grad)
+        return router_outputs([logits for logits, _ in captured], [ids for _, ids in captured], with_grad,
+                              token_weights, self.scoring)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
 
-def expert_counts(expert_ids: Tensor, num_experts: int) -> Tensor:
-    """(num_experts,) float32: top-k slots that chose each expert; ``expert_ids`` (tokens, top_k)."""
+def expert_counts(expert_ids: Tensor, num_experts: int, token_weights: Tensor | None = None) -> Tensor:
+    """(num_experts,) float32: top-k slots that chose each expert, each token's slots counted ``token_weights``
+    times (None: once); ``expert_ids`` (tokens, top_k)."""
     flat = expert_ids.reshape(-1).long()
-    return torch.zeros(num_experts, dtype=torch.float32, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.float32))
+    counted = (torch.ones_like(flat, dtype=torch.float32) if token_weights is None
+               else token_weights.float()[:, None].expand(expert_ids.shape).reshape(-1))
+    return torch.zeros(num_experts, dtype=torch.float32, device=flat.device).scatter_add_(0, flat, counted)
 
 
-def load_balancing_loss(router_logits: list[Tensor], top_k: int) -> Tensor:
-    """transformers' ``load_balancing_loss_func`` without a mask: over the layers' (tokens, experts) logits,
-    num_experts x sum_e (top-k slots of expert e / rows) x (router probability of e summed / rows)."""
+def _checked_weights(token_weights: Tensor | None, rows: int) -> Tensor | None:
+    if token_weights is not None and token_weights.shape[0] != rows:
+        raise ValueError(f"a router saw {rows} tokens but the forward's token weights count {token_weights.shape[0]}; "
+                         "its MoE block routes other tokens than the forward's inputs, which the load-balance "
+                         "statistics cannot weigh")
+    return token_weights
+
+
+def router_probabilities(logits: Tensor, scoring: str = "softmax") -> Tensor:
+    """Each token's probability over the experts: a softmax router's softmax; a sigmoid router's (DeepSeek V3)
+    sigmoid scores normalised to sum to 1, the affinities its paper's balance loss reads."""
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        return scores / scores.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+    return torch.softmax(logits, dim=-1)
+
+
+def load_balancing_loss(router_logits: list[Tensor], top_k: int, token_weights: Tensor | None = None,
+                        expert_ids: list[Tensor] | None = None, scoring: str = "softmax") -> Tensor:
+    """transformers' ``load_balancing_loss_func`` over the layers' (tokens, experts) logits: num_experts x sum_e
+    (top-k slots of expert e / tokens) x (router probability of e summed / tokens), each token counted
+    ``token_weights`` times (transformers' attention mask is such a weight, 0 or 1; None: once each).
+
+    ``expert_ids``: the experts each router chose, per layer (None: the top-k of the probabilities, which is what a
+    softmax router without groups or a correction bias chooses; DeepSeek's routers choose otherwise).
+    ``scoring``: ``router_probabilities``'s."""
     num_experts = router_logits[0].shape[-1]
     slots = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     probs = torch.zeros_like(slots)
-    rows = 0
-    for logits in router_logits:
-        routing = torch.softmax(logits, dim=-1)
-        chosen = torch.topk(routing, top_k, dim=-1).indices
-        slots = slots + expert_counts(chosen, num_experts)
-        probs = probs + routing.float().sum(dim=0)
-        rows += logits.shape[0]
+    rows = torch.zeros((), dtype=torch.float32, device=slots.device)
+    for layer, logits in enumerate(router_logits):
+        weights = _checked_weights(token_weights, logits.shape[0])
+        routing = router_probabilities(logits, scoring)
+        chosen = torch.topk(routing, top_k, dim=-1).indices if expert_ids is None else expert_ids[layer]
+        slots = slots + expert_counts(chosen, num_experts, weights)
+        if weights is None:
+            probs = probs + routing.float().sum(dim=0)
+            rows = rows + logits.shape[0]
+        else:
+            probs = probs + (routing.float() * weights.float()[:, None]).sum(dim=0)
+            rows = rows + weights.float().sum()
+    rows = rows.clamp(min=1e-9)
     return num_experts * torch.sum((slots / rows) * (probs / rows))
 
 
-def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_grad: bool) -> RouterOutputs:
-    """Aux loss, load imbalance and unused experts of one forward's MoE layers (``RouterOutputs``)."""
+def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_grad: bool,
+                   token_weights: Tensor | None = None, scoring: str = "softmax") -> RouterOutputs:
+    """Aux loss, load imbalance and unused experts of one forward's MoE layers (``RouterOutputs``), over the
+    experts the routers chose, each token counted ``token_weights`` times (None: once)."""
     top_k = expert_ids[0].shape[-1]
     logits = router_logits if with_grad else [tensor.detach() for tensor in router_logits]
-    aux_loss = load_balancing_loss(logits, top_k)
+    aux_loss = load_balancing_loss(logits, top_k, token_weights, expert_ids, scoring)
     num_experts = router_logits[0].shape[-1]
-    counts = torch.stack([expert_counts(ids, num_experts) for ids in expert_ids])  # (layers, experts)
+    counts = torch.stack([expert_counts(ids, num_experts, _checked_weights(token_weights, ids.shape[0]))
+                          for ids in expert_ids])  # (layers, experts)
     mean = counts.sum(dim=1) / num_experts
     imbalance = (counts.max(dim=1).values / mean.clamp(min=1e-9)).mean()
     unused = (counts == 0).float().sum(dim=1).mean()

@@ -68,6 +68,10 @@ class PackingPlan:
     response_shape: tuple[int, int]
     last_index: Tensor
     """(B,): packed position of each row's last attended token (a classification head reads it)."""
+    token_weights: Tensor
+    """(tokens,) float32: how many sequences of the micro-batch each packed token stands for (a shared prompt's tokens
+    its group's rows, every other token 1), so a sum over the packed row weighted by them is the sum over the
+    unshared sequences (the routers' load-balancing loss)."""
 
     @property
     def num_tokens(self) -> int:
@@ -148,7 +152,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
     # compiled decoder layers then see one set of attention arguments, and no step of a run recompiles them
     # (a micro-batch of single rows made the 0.5B bench recompile once, its update 2.7 s slower that step)
     shared = share_prompts
-    sources, positions, kv_parts = [], [], []
+    sources, positions, kv_parts, weights = [], [], [], []
     query_lengths, key_lengths = [], []
     predictors: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_rows
     last = np.zeros(num_rows, dtype=np.int64)
@@ -160,6 +164,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
             response_tokens = len(response_at[row])
             sources += [prompt_at[row], response_at[row]]
             positions.append(np.arange(prompt_tokens + response_tokens))
+            weights.append(np.ones(prompt_tokens + response_tokens))
             query_lengths.append(prompt_tokens + response_tokens)
             predictors[row] = np.arange(cursor + prompt_tokens - 1, cursor + prompt_tokens + response_tokens - 1)
             cursor += prompt_tokens + response_tokens
@@ -168,6 +173,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
         prompt_span = np.arange(cursor, cursor + prompt_tokens)
         sources.append(prompt_at[rows[0]])
         positions.append(np.arange(prompt_tokens))
+        weights.append(np.full(prompt_tokens, float(len(rows))))
         query_lengths.append(prompt_tokens)
         key_lengths.append(prompt_tokens)
         kv_parts.append(prompt_span)
@@ -180,6 +186,7 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
             response_span = np.arange(cursor, cursor + response_tokens)
             sources.append(response_at[row])
             positions.append(np.arange(prompt_tokens, prompt_tokens + response_tokens))
+            weights.append(np.ones(response_tokens))
             query_lengths.append(response_tokens)
             key_lengths.append(prompt_tokens + response_tokens)
             kv_parts += [prompt_span, response_span]
@@ -194,7 +201,8 @@ def plan_packing(batch: Batch, share_prompts: bool = False) -> PackingPlan:
         kv_index=torch.from_numpy(np.concatenate(kv_parts).astype(np.int64)) if shared else None,
         predictor_index=torch.from_numpy(np.concatenate(predictors).astype(np.int64)),
         response_index=torch.from_numpy(response_flat[attention[:, prompt_width:]].astype(np.int64)),
-        response_shape=(num_rows, response_width), last_index=torch.from_numpy(last))
+        response_shape=(num_rows, response_width), last_index=torch.from_numpy(last),
+        token_weights=torch.from_numpy(np.concatenate(weights).astype(np.float32)))
 
 
 def attach_plan(batch: Batch, share_prompts: bool = False) -> Batch:

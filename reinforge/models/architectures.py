@@ -83,6 +83,8 @@ class ArchitectureSpec:
     layers: tuple[LayerSpec, ...]
     moe: MoESpec | None
     mla: MLASpec | None
+    clip_qkv: float | None = None
+    """OLMoE's clip_qkv: q (after its norm), k (after its norm) and v clamped to [-clip_qkv, clip_qkv]; None: no clamp."""
 
     @property
     def windowed(self) -> bool:
@@ -224,6 +226,10 @@ def architecture_spec(config) -> ArchitectureSpec | None:
     if model_type == "gemma3":
         config = text_config(config)
         model_type = "gemma3_text"
+    if model_type == "gemma3_text" and getattr(config, "use_bidirectional_attention", False):
+        # transformers' Gemma 3 then attends both ways (EmbeddingGemma); the table's layers are causal. Outside the
+        # table the start-up probe refuses it in one line: it reads the tokens after each position
+        return None
     mla = _mla_spec(config, model_type)
     head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla is not None else _head_dim(config)
     windows, ropes, moe_layers = (_layer_windows(config, model_type), _layer_ropes(config, model_type),
@@ -257,4 +263,5 @@ def architecture_spec(config) -> ArchitectureSpec | None:
         layers=layers,
         moe=_moe_spec(config, model_type),
         mla=mla,
+        clip_qkv=getattr(config, "clip_qkv", None) if model_type == "olmoe" else None,
     )

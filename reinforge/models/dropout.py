@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from torch import nn
 
-RATE_WORDS = ("dropout", "pdrop")
-"""A config key or module attribute holding a dropout rate has one of these in its name."""
+RATE_WORDS = ("dropout", "pdrop", "jitter")
+"""A config key or module attribute holding a dropout rate has one of these in its name (Mixtral's
+``router_jitter_noise`` / its MoE block's ``jitter_noise`` multiplies the MoE input by noise in training mode only)."""
 
 
 def _is_rate(name: str, value) -> bool:

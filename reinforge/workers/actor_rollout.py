@@ -20,7 +20,7 @@ from reinforge.algorithms import ADVANTAGE_ESTIMATORS
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
 from reinforge.engine.device import compute_dtype, peak_memory_gb, resolve_device
-from reinforge.engine.forward import ScoringPass, response_log_probs
+from reinforge.engine.forward import ScoringPass, response_log_probs, routed_token_weights
 from reinforge.engine.fsdp import decoder_layers, shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.image_embeddings import ImageEmbeddingCache, images_of_step
@@ -223,7 +223,8 @@ class ActorRolloutWorker(Worker):
                                                                 with_entropy=True,
                                                                 max_logits_bytes=self.max_logits_bytes,
                                                                 image_embeddings=self.image_embeddings)
-                    router = (recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only)
+                    router = (recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only,
+                                            token_weights=routed_token_weights(self.model, micro))
                               if recorder else None)
                     loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
                                                self.router_aux_loss_coef)

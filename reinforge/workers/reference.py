@@ -14,7 +14,6 @@ from reinforge.engine.forward import ScoringPass, response_log_probs
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.image_embeddings import ImageEmbeddingCache, images_of_step
-from reinforge.engine.moe import without_router_logits_output
 from reinforge.models import load_causal_lm
 from reinforge.models.vision import is_vision_language
 from reinforge.protocol import Batch
@@ -33,7 +32,6 @@ class ReferenceWorker(Worker):
                                     trust_remote_code=config.model.trust_remote_code,
                                     attn_implementation=config.model.attn_implementation)
         self.model.eval().requires_grad_(False)
-        without_router_logits_output(self.model)  # a MoE config's output_router_logits would break packed passes
         prepare_for_training(self.model, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=config.ref.param_offload)
         self.max_tokens = config.ref.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch

@@ -112,10 +112,11 @@ def test_windows_and_soft_caps_change_the_result(arch):
     assert (windowed - full).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("arch", TABLE)
-def test_fast_path_modules_equal_transformers_modules_in_packed_passes(arch):
+@pytest.mark.parametrize(("arch", "options"), [*[(arch, {}) for arch in TABLE], ("olmoe", {"clip_qkv": 0.5})],
+                         ids=[*TABLE, "olmoe-clip-qkv"])
+def test_fast_path_modules_equal_transformers_modules_in_packed_passes(arch, options):
     """The CUDA fast path's swapped forwards, run eagerly on the CPU: the same log-probs and gradients."""
-    reference = tiny_model(arch, seed=2)
+    reference = tiny_model(arch, seed=2, **options)
     use_varlen_attention(reference)
     swapped = copy.deepcopy(reference)
     assert fuse_elementwise(swapped, compile=False) > 0
@@ -136,6 +137,32 @@ def test_fast_path_modules_equal_transformers_modules_in_packed_passes(arch):
         prompts = batch["prompts"][:2].clamp(min=3)
         expected = reference.generate(prompts, max_new_tokens=3, do_sample=False)
         assert torch.equal(swapped.generate(prompts, max_new_tokens=3, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("cap", [2.0, None])
+def test_a_vision_language_gemma3_trains_on_the_logits_its_own_head_returns(cap):
+    """Its text config may name a final soft-cap that Gemma3ForConditionalGeneration does not apply (transformers 5):
+    the training passes follow the model's own logits, capped or not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.engine.forward import UNCAPPED_HEAD
+    from reinforge.engine.fused import check_final_soft_cap
+    from reinforge.models.tiny import tiny_config
+
+    text = tiny_config("gemma3_text", vocab_size=128, num_layers=2, sliding_window=WINDOW,
+                       final_logit_softcapping=cap).to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        text.pop(key, None)
+    config = AutoConfig.for_model("gemma3", text_config=text, mm_tokens_per_image=4, image_token_index=127,
+                                  boi_token_index=125, eoi_token_index=126,
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=28, patch_size=14))
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config).float()
+    check_final_soft_cap(model)
+    if cap is None:
+        assert not getattr(model, UNCAPPED_HEAD, False)
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", SINKS])

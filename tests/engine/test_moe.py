@@ -12,6 +12,7 @@ from reinforge.engine.moe import (
     router_aux_loss_coef,
     router_outputs,
     use_grouped_experts,
+    without_router_logits_output,
 )
 from reinforge.engine.train_step import MiniBatchCounts
 from reinforge.models.tiny import tiny_config
@@ -74,6 +75,60 @@ def test_recorded_aux_loss_is_transformers_load_balancing_loss(model_type):
     torch.testing.assert_close(recorded.aux_loss, outputs.aux_loss, atol=1e-6, rtol=1e-6)
     outputs_again = model(input_ids)  # not recording: nothing kept
     assert outputs_again is not None and recorder.take(with_grad=False) is None
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+def test_aux_loss_of_a_packed_pass_is_that_of_transformers_padded_forward(model_type, share_prompts):
+    """Shared prompts run once in a packed row but count once per sample; padding counts not at all."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_packing import grouped_batch
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.forward import response_log_probs, routed_token_weights
+    from reinforge.engine.packing import attach_plan
+
+    model = tiny_moe(model_type, experts_implementation="grouped_mm", output_router_logits=True,
+                     router_aux_loss_coef=0.01)
+    batch = grouped_batch(num_prompts=2, samples=3)
+    batch = batch.index([row for row in range(len(batch)) if batch["response_mask"][row].any()])
+    padded = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], labels=batch["input_ids"]).aux_loss
+    use_varlen_attention(model)
+    without_router_logits_output(model)
+    recorder = RouterRecorder(model)
+    micro = attach_plan(batch, share_prompts=share_prompts)
+    with recorder.recording_forward():
+        response_log_probs(model, micro)
+    weights = routed_token_weights(model, micro)
+    assert weights.shape[0] == micro.meta["packing_plan"].num_tokens and weights.max() == (3 if share_prompts else 1)
+    recorded = recorder.take(with_grad=False, token_weights=weights)
+    torch.testing.assert_close(recorded.aux_loss, padded, atol=1e-6, rtol=1e-6)
+    with recorder.recording_forward():
+        response_log_probs(model, micro)
+    with pytest.raises(ValueError, match="routes other tokens"):
+        recorder.take(with_grad=False, token_weights=weights[1:])
+
+
+def test_a_model_prepared_for_training_scores_packed_rows_whatever_its_output_router_logits():
+    """DPO, reward-model training and the judge prepare their models with ``prepare_for_training`` alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_packing import grouped_batch
+
+    from reinforge.engine.forward import response_log_probs
+    from reinforge.engine.fused import prepare_for_training
+    from reinforge.engine.packing import attach_plan
+
+    model = tiny_moe("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01)
+    prepare_for_training(model, torch.device("cpu"))
+    log_probs, _ = response_log_probs(model, attach_plan(grouped_batch(num_prompts=2, samples=2), share_prompts=True))
+    assert torch.isfinite(log_probs).all() and model.config.output_router_logits  # the config itself is kept
 
 
 def test_router_metrics_of_a_hand_built_routing():

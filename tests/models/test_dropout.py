@@ -13,6 +13,8 @@ CONFIGS = {
     "gpt2": dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64),  # nn.Dropout modules
     "opt": dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 word_embed_proj_dim=32, max_position_embeddings=64),  # float rates handed to F.dropout
+    "mixtral": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, router_jitter_noise=0.1),  # the router's input jitter
 }
 
 

@@ -451,6 +451,8 @@ ENGINE_VARIANTS = [(family, {}) for family in MOE_FAMILIES] + [
     ("qwen3_moe", {"num_layers": 4, "decoder_sparse_step": 2}),  # MoE on every second layer
     ("mixtral", {"sliding_window": 6}),  # a window smaller than the sequences
     ("deepseek_v2", {"num_layers": 3, "topk_method": "greedy", "q_lora_rank": 24}),
+    ("olmoe", {"clip_qkv": 0.5}),  # q, k and v clamped after their norms
+    ("deepseek_v2", {"mlp_bias": True, "random_biases": True}),  # the shared experts' biases
     # the Triton path (its norms, activation, rotary and decode kernels), interpreted on the CPU in float32
     pytest.param("qwen3_moe", {"use_triton": True}, marks=pytest.mark.slow),
     pytest.param("deepseek_v3", {"use_triton": True}, marks=pytest.mark.slow),
@@ -459,7 +461,7 @@ ENGINE_VARIANTS = [(family, {}) for family in MOE_FAMILIES] + [
 
 @pytest.mark.parametrize(("family", "options"), ENGINE_VARIANTS,
                          ids=[*MOE_FAMILIES, "qwen3_moe-mlp-only", "qwen3_moe-sparse-step", "mixtral-window",
-                              "deepseek_v2-greedy-q-lora", "qwen3_moe-triton", "deepseek_v3-triton"])
+                              "deepseek_v2-greedy-q-lora", "olmoe-clip-qkv", "deepseek_v2-mlp-bias", "qwen3_moe-triton", "deepseek_v3-triton"])
 def test_native_greedy_tokens_and_log_probs_match_transformers(family, options):
     """Packed prefill of prompts of several lengths, two samples each, decode steps in the paged (for DeepSeek
     compressed) cache: greedy tokens are transformers' argmax, log-probs those of one plain forward."""
@@ -468,9 +470,15 @@ def test_native_greedy_tokens_and_log_probs_match_transformers(family, options):
 
     options = dict(options)
     use_triton = options.pop("use_triton", False)
+    random_biases = options.pop("random_biases", False)
     if use_triton:
         pytest.importorskip("triton")
     model = build_tiny_causal_lm(family, seed=9, max_position_embeddings=128, **options).eval()
+    if random_biases:  # transformers starts them at zero
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, 0.2, generator=torch.Generator().manual_seed(0))
     spec = architecture_spec(model.config)
     if "mlp_only_layers" in options or "decoder_sparse_step" in options:
         assert not all(layer.moe for layer in spec.layers) and any(layer.moe for layer in spec.layers)

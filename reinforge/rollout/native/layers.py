@@ -151,6 +151,9 @@ class DenseAttention:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if context.spec.qk_norm == "projection":  # OLMo 2: over all heads of the projection, before the split
             q, k = context.norm(weights["q_norm"], q), context.norm(weights["k_norm"], k)
+        if context.spec.clip_qkv is not None:  # OLMoE: q and k after their norms, and v
+            clip = context.spec.clip_qkv
+            q, k, v = q.clamp(-clip, clip), k.clamp(-clip, clip), v.clamp(-clip, clip)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

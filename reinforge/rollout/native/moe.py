@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reinforge.models.architectures import LayerSpec, MoESpec
-from reinforge.rollout.native.layers import BlockContext
+from reinforge.rollout.native.layers import BlockContext, concatenated
 
 if TYPE_CHECKING:
     from reinforge.rollout.native.moe_choice import ExpertKernelChoice
@@ -273,7 +273,11 @@ class MoEMLP:
         return {"router": [gate.weight], "correction_bias": None if bias is None else [bias],
                 "experts_gate_up": [gate_up], "experts_down": [down],
                 "shared_gate_up": None if shared is None else [shared.gate_proj.weight, shared.up_proj.weight],
-                "shared_down": None if shared is None else [shared.down_proj.weight]}
+                "shared_down": None if shared is None else [shared.down_proj.weight],
+                # DeepSeek's mlp_bias: the shared experts' linears carry biases
+                "shared_gate_up_bias": None if shared is None else concatenated((shared.gate_proj, shared.up_proj))[1],
+                "shared_down_bias": None if shared is None or shared.down_proj.bias is None
+                else [shared.down_proj.bias]}
 
     def forward(self, weights: dict[str, Tensor | None], x: Tensor, decode: bool = False) -> Tensor:
         """x: (tokens, hidden) -> (tokens, hidden) in x's dtype (the experts' kernels go by the rows, not
@@ -283,5 +287,6 @@ class MoEMLP:
         out = experts_forward(x, expert_ids, routing_weights, weights["experts_gate_up"], weights["experts_down"],
                               activate=self.activate, kernels=self.kernels)
         if weights["shared_gate_up"] is not None:
-            out = out + F.linear(self.activate(F.linear(x, weights["shared_gate_up"])), weights["shared_down"])
+            out = out + F.linear(self.activate(F.linear(x, weights["shared_gate_up"], weights["shared_gate_up_bias"])),
+                                 weights["shared_down"], weights["shared_down_bias"])
         return out
