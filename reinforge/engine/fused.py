@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec
+from reinforge.models.head_probe import applies_final_softcap, names_a_text_config_cap
 from reinforge.models.vision import (
     is_vision_language,
     keep_vision_tower_attention,
@@ -455,31 +456,16 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                          "follow other probabilities than the rollout samples; reinforge cannot train it")
 
 
-@torch.no_grad()
 def check_final_soft_cap(model: nn.Module) -> None:
-    """A family of the table whose config (a vision-language model's text config) names a final soft-cap: whether
-    the model's own forward applies it. transformers' Gemma3ForConditionalGeneration leaves its text config's cap out
-    in some versions and applies it in others; the log-probs follow the model's own logits. One forward of a few
-    tokens, only where a cap is named and the config is not the text config itself."""
+    """A family of the table whose composite config (a vision-language model's) names a final soft-cap in its text
+    config: whether the model's own forward applies it (``models.head_probe``); the log-probs follow the model's own
+    logits."""
     from reinforge.engine.forward import UNCAPPED_HEAD, logit_transform
 
-    config = model.config
-    multiplier, cap = logit_transform(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if cap is None or text is config or getattr(model, "get_output_embeddings", lambda: None)() is None:
+    multiplier, cap = logit_transform(model.config)
+    if not names_a_text_config_cap(model.config, cap) or getattr(model, "get_output_embeddings", lambda: None)() is None:
         return
-    weight = model.get_output_embeddings().weight
-    input_ids = torch.arange(3, 9, device=weight.device)[None] % weight.shape[0]
-    was_training = model.training
-    model.eval()
-    try:
-        output = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-    finally:
-        model.train(was_training)
-    own = output.logits.float()
-    plain = torch.nn.functional.linear(output.hidden_states[-1], weight).float() * multiplier
-    capped = torch.tanh(plain / cap) * cap
-    if (own - plain).abs().max() < (own - capped).abs().max():
+    if not applies_final_softcap(model, cap, multiplier):
         setattr(model, UNCAPPED_HEAD, True)
         logger.info("%s returns its logits without its text config's final_logit_softcapping=%s; training reads "
                     "them uncapped too, as the model samples them", type(model).__name__, cap)

@@ -139,30 +139,56 @@ def test_fast_path_modules_equal_transformers_modules_in_packed_passes(arch, opt
         assert torch.equal(swapped.generate(prompts, max_new_tokens=3, do_sample=False), expected)
 
 
+def gemma3_vision_language(cap: float | None, vocab_size: int = 128):
+    """A tiny Gemma3ForConditionalGeneration (what AutoModelForCausalLM loads for Gemma 3 4B to 27B) whose text config
+    names ``cap`` as its final soft-cap."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.models.tiny import tiny_config
+
+    text = tiny_config("gemma3_text", vocab_size=vocab_size, num_layers=2, sliding_window=WINDOW,
+                       final_logit_softcapping=cap).to_dict()
+    for key in ("model_type", "transformers_version", "architectures"):
+        text.pop(key, None)
+    config = AutoConfig.for_model("gemma3", text_config=text, mm_tokens_per_image=4, image_token_index=vocab_size - 1,
+                                  boi_token_index=vocab_size - 3, eoi_token_index=vocab_size - 2,
+                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=28, patch_size=14))
+    torch.manual_seed(3)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
 @pytest.mark.parametrize("cap", [2.0, None])
 def test_a_vision_language_gemma3_trains_on_the_logits_its_own_head_returns(cap):
     """Its text config may name a final soft-cap that Gemma3ForConditionalGeneration does not apply (transformers 5):
     the training passes follow the model's own logits, capped or not."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from reinforge.engine.forward import UNCAPPED_HEAD
     from reinforge.engine.fused import check_final_soft_cap
-    from reinforge.models.tiny import tiny_config
 
-    text = tiny_config("gemma3_text", vocab_size=128, num_layers=2, sliding_window=WINDOW,
-                       final_logit_softcapping=cap).to_dict()
-    for key in ("model_type", "transformers_version", "architectures"):
-        text.pop(key, None)
-    config = AutoConfig.for_model("gemma3", text_config=text, mm_tokens_per_image=4, image_token_index=127,
-                                  boi_token_index=125, eoi_token_index=126,
-                                  vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                     num_attention_heads=2, image_size=28, patch_size=14))
-    torch.manual_seed(3)
-    model = AutoModelForCausalLM.from_config(config).float()
+    model = gemma3_vision_language(cap)
     check_final_soft_cap(model)
     if cap is None:
         assert not getattr(model, UNCAPPED_HEAD, False)
     assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
+
+
+def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic_data_dir, tmp_path, caplog):
+    """Gemma 3 4B to 27B load as the multimodal wrapper; text prompts run on its language model in the engine."""
+    from reinforge.models.export import save_hf_folder
+    from reinforge.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    model = gemma3_vision_language(2.0, vocab_size=len(tokenizer) + 3)
+    model_dir = save_hf_folder(model, tokenizer, tmp_path / "gemma3")
+    args = {"model.path": model_dir, "data.train_files": f"[{arithmetic_data_dir / 'train.parquet'}]",
+            "data.train_batch_size": 2, "data.max_prompt_length": 64, "data.max_response_length": 12,
+            "rollout.n": 2, "rollout.name": "native", "trainer.output_dir": tmp_path / "run",
+            "trainer.loggers": "[jsonl]", "trainer.total_steps": 1, "trainer.val_before_train": False}
+    with caplog.at_level("INFO"):
+        assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
+    assert "cannot run this model" not in caplog.text
+    [row] = _metrics(tmp_path / "run")
+    assert row["training/rollout_probs_diff_max"] < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["gemma2", SINKS])

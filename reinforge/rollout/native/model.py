@@ -23,12 +23,15 @@ benchmarks) has every parameter read so, trainable or not.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from reinforge.models.architectures import ArchitectureSpec, text_config
+from reinforge.models.head_probe import applies_final_softcap, names_a_text_config_cap
 from reinforge.rollout.native.attention import AttentionMetadata, flash_prefix_applies
 from reinforge.rollout.native.layers import ACTIVATIONS, BlockContext, DenseAttention, DenseMLP, LayerWeights, Parts
 from reinforge.rollout.native.mla import MLAAttention, mla_rotary_tables
@@ -70,7 +73,11 @@ def mlp_block(context: BlockContext, index: int) -> DenseMLP | MoEMLP:
 
 def decoder_module(model: nn.Module) -> nn.Module:
     """The module holding embed_tokens, layers, norm and rotary_emb (a vision-language model's language model)."""
-    return language_model(model) if is_vision_language(model.config) else model.model
+    if is_vision_language(model.config):
+        return language_model(model)
+    inner = model.model
+    # a multimodal wrapper run on text alone (Gemma 3's Gemma3ForConditionalGeneration): its language model
+    return inner if hasattr(inner, "layers") else getattr(inner, "language_model", inner)
 
 
 def _rope_dicts(config) -> list[dict]:
@@ -93,8 +100,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
         reason = multimodal_unsupported_reason(model)
         if reason is not None:
             return reason
-    elif not hasattr(model, "model") or not hasattr(model.model, "layers"):  # a multimodal wrapper's logits differ
-        return f"{type(model).__name__} keeps no decoder layers at model.layers (the engine runs text-only models)"
+    elif not hasattr(model, "model") or not hasattr(decoder_module(model), "layers"):
+        return (f"{type(model).__name__} keeps no decoder layers at model.layers or model.language_model.layers (the "
+                "engine runs text-only models and the vision-language families of models/vision.py)")
     if spec.moe is not None:
         reason = moe_unsupported_reason(config, spec.moe, decoder_module(model).layers)
         if reason is not None:
@@ -290,6 +298,9 @@ class PagedDecoder:
         self.weights_fixed = weights_fixed
         """The model's weights never change while this decoder reads them: all are read in place where they can be."""
         spec: ArchitectureSpec = native_architecture_spec(model.config)
+        if names_a_text_config_cap(model.config, spec.final_softcap) and \
+                not applies_final_softcap(model, spec.final_softcap):
+            spec = replace(spec, final_softcap=None)  # a wrapper whose head leaves its text config's cap out
         self.spec = spec
         config = text_config(model.config)
         inner = decoder_module(model)
