@@ -103,8 +103,8 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
         logger.info("LoRA on a mixture of experts: %s", EXPERTS_NOTE)
     chosen = _targets_for(model, config, head)
     if chosen is not config:
-        logger.info("LoRA: %s has none of model.lora.target_modules' default layers (%s); its adapters go on its "
-                    "linear layers %s", type(model).__name__, ", ".join(config.target_modules),
+        logger.info("LoRA: %s names its projections otherwise than model.lora.target_modules' defaults (%s); its "
+                    "adapters go on its linear layers %s", type(model).__name__, ", ".join(config.target_modules),
                     ", ".join(chosen.target_modules))
     config = chosen
     try:
@@ -112,6 +112,7 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
               _named_layers_only(model) if experts else contextlib.nullcontext()):
             torch.manual_seed(seed)
             peft_model = get_peft_model(model, _peft_config(config, base_model_path, model, head))
+            _say_unmatched_targets(model, config)
             if head:
                 getattr(model, head).requires_grad_(True)
             return peft_model
@@ -121,6 +122,17 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
                              f"{type(model).__name__}; name some of its linear layers "
                              f"({', '.join(linear_layer_names(model, head)) or 'none found'}), or all-linear") from error
         raise
+
+
+def _say_unmatched_targets(model: nn.Module, config: LoraConfig) -> None:
+    """One warning line naming the targets the user set that adapted no layer of this model (peft skips them)."""
+    if list(config.target_modules) == ["all-linear"]:
+        return
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    missed = [name for name in config.target_modules if name.rsplit(".", 1)[-1] not in adapted]
+    if missed and adapted:
+        logger.warning("model.lora.target_modules names %s, which match no linear layer of this %s; its adapters "
+                       "are on %s only", missed, type(model).__name__, ", ".join(sorted(adapted)))
 
 
 def linear_layer_names(model: nn.Module, head: str | None = None) -> list[str]:
@@ -139,17 +151,22 @@ STATE_SPACE_MIXER_LAYERS = {"out_proj", "conv1d"}
 
 
 def _targets_for(model: nn.Module, config: LoraConfig, head: str | None) -> LoraConfig:
-    """``config``, or where its targets are the default and name no layer of ``model`` (GPT-2's c_attn, Mamba's
-    in_proj), a copy with its linear layers' names (``add_lora`` says so in one line)."""
+    """``config``, or where its targets are the default: a copy with the family's own projections where the table
+    names them otherwise (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek's MLA q_a_proj ... kv_b_proj), or with
+    the model's linear layers where the defaults name none of them (GPT-2's c_attn, Mamba's in_proj); ``add_lora``
+    says so in one line."""
     from reinforge.config.schema import LoraConfig
 
     default = LoraConfig().target_modules  # the projections of Llama-style families
     if list(config.target_modules) != default:
         return config
     names = set(linear_layer_names(model, head))
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    family = [name for name in LINEAR_LAYERS.get(model_type, ()) if name in names]
+    if family and set(family) != set(default) & names:
+        return dataclasses.replace(config, target_modules=family)
     if names & set(default):
         return config
-    model_type = getattr(getattr(model, "config", None), "model_type", "")
     kept = sorted(names - (STATE_SPACE_MIXER_LAYERS if model_type in STATE_SPACE_FAMILIES else set()))
     return dataclasses.replace(config, target_modules=kept or ["all-linear"])
 

@@ -37,9 +37,9 @@ def compute_data_metrics(batch: Batch, max_response_length: int) -> dict[str, fl
         metrics |= _masked_stats("critic/values", batch["values"], mask)
         valid = mask.bool()
         returns, values = batch["returns"][valid], batch["values"][valid]
-        variance = returns.var(unbiased=False)
-        if variance > 0:
-            metrics["critic/vf_explained_var"] = float(1 - (returns - values).var(unbiased=False) / variance)
+        if returns.numel() > 1:  # verl's definition: unbiased variances, 1e-5 beside the returns' (equal returns
+            # would otherwise divide by their rounding noise)
+            metrics["critic/vf_explained_var"] = float(1 - (returns - values).var() / (returns.var() + 1e-5))
     metrics |= _stats("response_length", response_length)
     metrics["response_length/clip_ratio"] = float((response_length >= max_response_length).float().mean())
     metrics |= _stats("prompt_length", prompt_length)

@@ -211,6 +211,36 @@ def test_default_targets_on_a_mixture_of_experts_adapt_linear_layers_and_leave_t
     assert not any(type(module).__name__ == "ParamWrapper" for module in peft_model.modules())
 
 
+@pytest.mark.parametrize(("arch", "options", "expected"), [
+    ("phi3", {}, {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),  # fused projections
+    ("deepseek_v3", {"q_lora_rank": 16}, {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                          "gate_proj", "up_proj", "down_proj"}),  # MLA, and the dense/shared MLPs
+    ("deepseek_v2", {"q_lora_rank": None}, {"q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                                            "up_proj", "down_proj"}),
+    ("qwen2", {}, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+])
+def test_default_targets_adapt_every_projection_of_the_family_whatever_its_names(arch, options, expected, caplog):
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm(arch, **options)
+    with caplog.at_level("INFO"):
+        peft_model = add_lora(model, LoraConfig(rank=4))
+    adapted = {name.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for name, _ in peft_model.named_parameters()
+               if ".lora_A." in name}
+    assert adapted == expected
+    assert ("its adapters go on its linear layers" in caplog.text) == (arch != "qwen2")
+
+
+def test_a_target_that_adapts_no_layer_of_the_model_is_named_in_one_line(caplog):
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    with caplog.at_level("WARNING"):
+        add_lora(build_tiny_causal_lm("deepseek_v3", q_lora_rank=16), LoraConfig(rank=4, target_modules=[
+            "q_proj", "kv_b_proj", "o_proj"]))
+    assert "model.lora.target_modules names ['q_proj'], which match no linear layer of this DeepseekV3ForCausalLM; " \
+           "its adapters are on kv_b_proj, o_proj only" in caplog.text
+
+
 @pytest.mark.parametrize("frozen", [True, False], ids=["frozen-tower", "trained-tower"])
 def test_a_frozen_vision_tower_gets_no_adapters_and_a_trained_one_does(frozen):
     """Qwen2.5-VL's tower MLP shares the language model's projection names: the default targets match it, but a
