@@ -26,8 +26,10 @@ def build_tiny(architecture: str, device: str = "cpu", seed: int = 0) -> torch.n
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, head_dim=16))
     elif architecture == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, rope_theta=500000.0))
-    else:
-        raise ValueError(architecture)
+    else:  # any family of the architecture table, reinforge's tiny config of it
+        from reinforge.models.tiny import build_tiny_causal_lm
+
+        model = build_tiny_causal_lm(architecture, vocab_size=TINY["vocab_size"], seed=seed)
     return model.to(device).eval()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from reinforge.config.schema import LoraConfig
@@ -10,8 +11,9 @@ from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
 
 
-def test_merged_copy_generates_what_the_adapted_model_does(tiny):
-    model = tiny.build("qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])  # Phi-3's adapters sit on its fused qkv_proj and gate_up_proj
+def test_merged_copy_generates_what_the_adapted_model_does(tiny, arch):
+    model = tiny.build(arch)
     torch.manual_seed(0)
     peft_model = add_lora(model, LoraConfig(rank=4, alpha=8.0))
     with torch.no_grad():
