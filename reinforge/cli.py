@@ -176,6 +176,12 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
 
     if config.model.lora.rank > 0:  # train refuses adapters that match no layer before planning; so does plan
         check_target_modules(config.model.lora, config.model.path)
+    from reinforge.models import warn_if_beyond_context
+
+    # train warns of lengths past the model's positions; plan, which reads the same config.json, warns too
+    warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
+                           "data.max_prompt_length + data.max_response_length",
+                           f"the {known.model} shape" if shape_overrides and known.model else None)
     print(memory_plan(config).table())  # MemoryPlanError (a ValueError): one line, exit 2, as train
     return 0
 

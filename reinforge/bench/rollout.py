@@ -173,14 +173,16 @@ def environment(device: torch.device) -> dict:
 
 
 def bench_main(argv: list[str]) -> int:
+    from reinforge.bench.train import _positive_int, _positive_rate
+
     parser = argparse.ArgumentParser(prog="reinforge bench rollout", description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="tiny model on the CPU: a smoke test, no timing claims")
     parser.add_argument("--out", help="write the results as JSON to this path")
-    parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--n", type=int, default=None, help="samples per prompt")
-    parser.add_argument("--prompt-len", type=int, default=None)
-    parser.add_argument("--gen-len", type=int, default=None)
-    parser.add_argument("--hf-tokens", type=int, default=None, help="tokens per sample for the generate baseline")
+    parser.add_argument("--num-prompts", type=_positive_int, default=None)
+    parser.add_argument("--n", type=_positive_int, default=None, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=_positive_int, default=None)
+    parser.add_argument("--gen-len", type=_positive_int, default=None)
+    parser.add_argument("--hf-tokens", type=_positive_int, default=None, help="tokens per sample for the generate baseline")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers generate baseline")
     parser.add_argument("--skip-greedy-check", action="store_true")
     parser.add_argument("--profile", action="store_true",
@@ -196,7 +198,7 @@ def bench_main(argv: list[str]) -> int:
                              "each sample (off)")
     parser.add_argument("--model", default=None, metavar="SHAPE",
                         help="a model shape of reinforge.bench.shapes, random weights (default: Qwen2.5-0.5B)")
-    parser.add_argument("--bandwidth-tbps", type=float, default=None, metavar="TB/S",
+    parser.add_argument("--bandwidth-tbps", type=_positive_rate, default=None, metavar="TB/S",
                         help="the device memory rate the floor divides by (default: an H200's copy, bench.floor)")
     args = parser.parse_args(argv)
     from reinforge.bench.shapes import SHAPES

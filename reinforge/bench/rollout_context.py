@@ -91,6 +91,7 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
     steps: list[tuple[int, float]] = []
     state = {"end": None, "decoded": False}
     step = engine._step
+    warmup_steps = engine.counters.decode_steps  # the counters keep the warm-up rollouts' steps
 
     def timed_step(*args, **kwargs):
         before = engine.counters.decode_steps
@@ -98,7 +99,7 @@ def context_sweep(model: nn.Module, prompts: list[list[int]], n: int, gen_len: i
         now = time.perf_counter()
         decoded = engine.counters.decode_steps > before
         if decoded and state["decoded"]:  # the previous call launched a decode step too: steady state
-            steps.append((prompt_len + 1 + before, now - state["end"]))  # its sequences' cached tokens
+            steps.append((prompt_len + 1 + before - warmup_steps, now - state["end"]))  # its sequences' cached tokens
         state["end"], state["decoded"] = now, decoded
         return result
 

@@ -554,9 +554,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "drop --trl, or --lora / --variant / --cpu")
     if args.trl_checkpointing != "auto" and not args.trl:
         parser.error(f"--trl-checkpointing {args.trl_checkpointing} sets TRL's checkpointing; it needs --trl")
-    if args.cpu:
-        args.prompts, args.n, args.prompt_tokens, args.response_tokens = 2, 2, 8, 8
-        args.rollout, args.steps = "hf", min(args.steps, 2)
+    if args.cpu:  # a tiny workload, except where the command line asked for one of its sizes
+        for key, small in (("prompts", 2), ("n", 2), ("prompt_tokens", 8), ("response_tokens", 8)):
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, small)
+        # transformers' generate keeps no fp8 cache: --kv-cache-dtype fp8 needs the native engine (its PyTorch path)
+        args.rollout = "native" if args.kv_cache_dtype != "auto" else "hf"
+        args.steps = min(args.steps, 2)
     return args
 
 

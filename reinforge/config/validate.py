@@ -359,6 +359,9 @@ def _check_memory_settings(config: Config) -> None:
         wrong_bool = isinstance(value, bool) and bool not in types
         if wrong_bool or not isinstance(value, types) or (not isinstance(value, bool) and value < 0):
             raise ConfigError(f"{key}={value!r} must be auto or {what}")
+    if config.rollout.kv_cache_gib == 0:  # the planner reads 0 as "every sequence", the engine as an empty cache
+        raise ConfigError("rollout.kv_cache_gib=0 leaves the native engine no KV cache; set a positive size in GiB, "
+                          "or auto (room for every sequence of a step)")
     if config.actor.keep_gathered is True:
         devices = config.trainer.nnodes * config.trainer.devices_per_node
         if devices > 1:

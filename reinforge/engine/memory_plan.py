@@ -1109,7 +1109,7 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
     fixes = []
     user_set = [name for name in given if name not in forced]
     if user_set and _fits(shape, run, {name: given[name] for name in forced}, gpu_bytes, host_bytes):
-        fixes.append("set " + ", ".join(f"{SETTING_KEYS[name]}=auto" for name in user_set))
+        fixes.append(", ".join(f"{SETTING_KEYS[name]}=auto" for name in user_set))
     if not fixes:
         options = [("model.lora.rank=32", dataclasses.replace(run, lora_rank=32)),
                    (f"data.max_response_length={run.response_length // 2}",
@@ -1118,6 +1118,8 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                     dataclasses.replace(run, prompts=max(run.prompts // 2, 1))),
                    (f"{run.num_devices * 2} devices (trainer.devices_per_node)",
                     dataclasses.replace(run, num_devices=run.num_devices * 2))]
+        if run.kv_cache_dtype == "auto" and not shape.kv_lora_rank:  # half the KV bytes (docs/long_responses.md)
+            options.insert(1, ("rollout.kv_cache_dtype=fp8", dataclasses.replace(run, kv_cache_dtype="fp8")))
         fixes = [text for text, option in options if option != run and _fits(shape, option, given, gpu_bytes, host_bytes)]
         roomy = _search(shape, run, given, gpu_bytes, 64 * max(host_bytes, GiB))[0]
         if roomy is not None and roomy.host_total > host_bytes * HEADROOM:  # it fits on this device with more host memory

@@ -80,10 +80,11 @@ def check_model_folder(path: str | Path) -> None:
                                     f"missing shard(s), first {missing[0]}")
 
 
-def warn_if_beyond_context(path: str, tokens: int, source: str) -> bool:
+def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | None = None) -> bool:
     """Warn (one line) when a run's longest sequence outruns the positions the model was trained on.
 
-    ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message.
+    ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message; ``model``: how
+    the message names the model (default: the model at ``path``).
     Reads ``max_position_embeddings`` (times a ``rope_scaling`` factor) from a local folder's
     config.json; returns whether it warned. Positions past it still run (rotary embeddings have no
     table to overflow), which is why transformers only warns deep inside ``generate``.
@@ -100,9 +101,10 @@ def warn_if_beyond_context(path: str, tokens: int, source: str) -> bool:
     limit = int(limit * max(factor, 1.0))
     if tokens <= limit:
         return False
-    logger.warning("%s = %d tokens, more than the %d positions the model at %s was trained on "
+    logger.warning("%s = %d tokens, more than the %d positions %s was trained on "
                    "(max_position_embeddings in its config.json); what it computes past them is unreliable: "
-                   "shorten them or use a model with a longer context", source, tokens, limit, path)
+                   "shorten them or use a model with a longer context", source, tokens, limit,
+                   model or f"the model at {path}")
     return True
 
 

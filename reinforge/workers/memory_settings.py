@@ -149,8 +149,26 @@ def _plan(config: Config, gpu_bytes: float, host_bytes: float | None = None) -> 
     if host_bytes is None:
         host_bytes = config.trainer.host_memory_gib * GiB if config.trainer.host_memory_gib else host_memory_bytes()
     given = given_settings(config, shape.num_layers)
+    _check_kv_cache_holds_one_sequence(config, shape, run, given)
     forced = frozenset(name for name in given if _setting(config, SETTING_KEYS[name]) == AUTO)
     return shape, run, plan_memory(shape, run, given, gpu_bytes, host_bytes, forced)
+
+
+def _check_kv_cache_holds_one_sequence(config: Config, shape: ModelShape, run: RunShape, given: dict[str, Any]) -> None:
+    """A rollout.kv_cache_gib the user set must hold one sequence at full length: a smaller native cache fails in
+    the middle of the first rollout (the scheduler cannot re-admit a sequence that outgrew it)."""
+    from reinforge.engine.memory_plan import MemoryPlanError, rollout_concurrency
+
+    size = given.get("kv_cache_gib")
+    if not size or config.rollout.name != "native" or config.rollout.gpu_memory_utilization is not None:
+        return
+    one = needed_kv_gib(shape, run, share=rollout_concurrency(run.sequences, run.num_devices))
+    if size < one:
+        length = run.prompt_length + run.response_length
+        raise MemoryPlanError(
+            f"rollout.kv_cache_gib={size:g} cannot hold one sequence of data.max_prompt_length + "
+            f"data.max_response_length = {length} tokens ({one:.3g} GiB with rollout.kv_cache_dtype="
+            f"{run.kv_cache_dtype}); raise it to at least {math.ceil(one * 100) / 100:g}, or set it to auto")
 
 
 def memory_plan(config: Config, gpu_bytes: float | None = None, host_bytes: float | None = None) -> MemoryPlan:

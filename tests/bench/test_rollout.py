@@ -36,6 +36,7 @@ def test_the_context_sweep_times_decode_steps_by_context_bucket_beside_their_flo
     assert [row["context_up_to"] for row in buckets] == [32, 64, 128, 256]
     # every decode step after the first is timed: contexts 18 .. 215 (16 prompt tokens, 200 generated)
     assert sum(row["steps"] for row in buckets) == 198
+    assert [row["steps"] for row in buckets] == [15, 32, 64, 87]  # 18-32, 33-64, 65-128, 129-215: warm-ups not counted
     for row in buckets:
         assert row["context_up_to"] / 2 < row["mean_context"] <= row["context_up_to"]
         assert row["over_floor"] == pytest.approx(row["mean_step_ms"] / row["floor_ms"])
@@ -47,3 +48,11 @@ def test_context_buckets_are_powers_of_two():
     from reinforge.bench.rollout_context import context_bucket
 
     assert [context_bucket(c) for c in (1, 2, 3, 1024, 1025, 32768)] == [2, 2, 4, 1024, 2048, 32768]
+
+
+@pytest.mark.parametrize("flag, value", [("--bandwidth-tbps", "0"), ("--bandwidth-tbps", "-1"), ("--n", "0"),
+                                         ("--num-prompts", "0"), ("--gen-len", "-4")])
+def test_a_workload_flag_out_of_range_is_refused_by_its_name(flag, value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "rollout", "--cpu", flag, value])
+    assert exited.value.code == 2 and flag in capsys.readouterr().err

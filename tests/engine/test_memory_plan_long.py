@@ -111,3 +111,29 @@ def test_plan_takes_the_workload_flags_of_bench_train(capsys):
     assert main(["plan", "--model", "1.5b", "--prompts", "8", "--response-tokens", "32768", "--gpu-memory-gib", "139",
                  "--host-memory-gib", "1000", "trainer.device=cuda", "data.max_response_length=8192"]) == 0
     assert "KV cache of 14.2 GiB" in capsys.readouterr().out
+
+
+def test_a_kv_cache_size_that_cannot_hold_one_sequence_is_refused_in_one_line(capsys, caplog):
+    from reinforge.cli import main
+
+    workload = ["--model", "1.5b", "--prompts", "8", "--response-tokens", "32768", "--gpu-memory-gib", "139",
+                "--host-memory-gib", "1000", "trainer.device=cuda"]
+    assert main(["plan", *workload, "rollout.kv_cache_gib=0"]) == 2
+    assert "rollout.kv_cache_gib=0 leaves the native engine no KV cache" in capsys.readouterr().err
+    assert main(["plan", *workload, "rollout.kv_cache_gib=0.5"]) == 2
+    error = capsys.readouterr().err
+    assert ("rollout.kv_cache_gib=0.5 cannot hold one sequence of data.max_prompt_length + data.max_response_length "
+            "= 32896 tokens") in error and "raise it to at least 0.88" in error and error.count("\n") == 1
+    assert main(["plan", *workload, "rollout.kv_cache_gib=1"]) == 0
+    capsys.readouterr()
+    # past the shape's 32,768 positions: plan warns as train does, naming the shape
+    assert "more than the 32768 positions the 1.5b shape was trained on" in caplog.text
+
+
+def test_a_refused_long_plan_names_the_fp8_kv_cache_where_it_would_fit(capsys):
+    from reinforge.cli import main
+
+    assert main(["plan", "--model", "1.5b", "--prompts", "8", "--response-tokens", "65536", "--gpu-memory-gib", "24",
+                 "--host-memory-gib", "1000", "trainer.device=cuda"]) == 2
+    error = capsys.readouterr().err
+    assert "would fit with rollout.kv_cache_dtype=fp8" in error and "set " not in error.split("would fit")[1][:5]
