@@ -92,6 +92,12 @@ def _plan(argv: list[str]) -> int:
     return _plan_run(rest, known, [])
 
 
+def _shape_names() -> list[str]:
+    from reinforge.bench.shapes import SHAPES
+
+    return list(SHAPES)
+
+
 PLAN_WORKLOAD_FLAGS = {"--prompts": "data.train_batch_size", "--n": "rollout.n",
                        "--prompt-tokens": "data.max_prompt_length", "--response-tokens": "data.max_response_length"}
 """``reinforge plan``'s workload flags (those of ``reinforge bench train``) and the keys they set."""
@@ -145,7 +151,12 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
         rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE] [--prompts P] [--n N] "
                    "[--prompt-tokens T] [--response-tokens R] [--image-size W[xH]]",
         description="Print the memory plan of a run on a card of any size, from any machine (reads only the "
-        "model's config.json); exit 2 with one line if it cannot fit.",
+        "model's config.json); exit 2 with one line if it cannot fit. --gpu-memory-gib N: a card of N GiB (default: "
+        "this machine's); --host-memory-gib M: M GiB of host memory (default: this machine's); --model SHAPE: a "
+        "model shape of reinforge bench train, no model folder needed (" + ", ".join(_shape_names()) + "); "
+        "--prompts P, --n N, --prompt-tokens T, --response-tokens R: the workload (data.train_batch_size, rollout.n, "
+        "data.max_prompt_length, data.max_response_length); --image-size W[xH]: one image of that size a prompt "
+        "(vision-language models).",
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
 
     from reinforge.config import ConfigError, load_config
