@@ -45,6 +45,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     any of its lists has, else the ModuleList of blocks of one class holding the most parameters."""
     lists = [(name, module) for name, module in model.named_modules()
              if isinstance(module, nn.ModuleList) and len(module) > 0]
+    # a vision-language model's tower may name its blocks ``layers`` too, and come first (Gemma 3's SigLIP encoder,
+    # model.vision_tower.encoder.layers, before model.language_model.layers): prefer the lists of the language model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if isinstance(decoder, nn.Module) and decoder is not model:
+        inside = {id(module) for module in decoder.modules()}
+        lists = [item for item in lists if id(item[1]) in inside] or lists
     for wanted in LAYER_LIST_NAMES:  # in this order: a vision-language model's language layers before its tower's blocks
         for name, module in lists:
             if name.rsplit(".", 1)[-1] == wanted:

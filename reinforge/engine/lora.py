@@ -378,8 +378,14 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
                   for name, tensor in adapters.items()}
     save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapted = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in adapters if ".lora_A." in name})
-    if adapted and list(config.target_modules) != ["all-linear"] and not set(adapted) <= set(config.target_modules):
-        config = dataclasses.replace(config, target_modules=adapted)  # the layers add_lora chose for this family
+    if adapted and list(config.target_modules) != ["all-linear"] and set(adapted) != set(config.target_modules):
+        # the layers add_lora adapted, no more: a target that adapted nothing in training (a MoE's gate_proj/up_proj/
+        # down_proj, which peft >= 0.18 on transformers 5 maps onto the fused experts) would get a new, untrained
+        # adapter when peft loads the folder ("missing adapter keys")
+        config = dataclasses.replace(config, target_modules=adapted)
+    local = Path(base_model_path).expanduser() if base_model_path else None
+    if local is not None and local.is_dir():  # a relative model.path names nothing once read from another folder
+        base_model_path = str(local.resolve())
     peft_config = _peft_config(config, base_model_path).to_dict()
     (folder / "adapter_config.json").write_text(json.dumps(_jsonable(peft_config), indent=2, sort_keys=True) + "\n")
 

@@ -160,6 +160,7 @@ class ModelUpdate:
         self.sums: dict[str, float | Tensor] = defaultdict(float)
         self.weights: dict[str, float] = defaultdict(float)
         self.loss_sums: dict[str, float | Tensor] = defaultdict(float)
+        self._checked_optimizer = False
         self.grad_norms: list[float | Tensor] = []
         """Each optimizer step's gradient norm (a device scalar until ``metrics`` reads it)."""
         self.num_skipped = 0
@@ -216,6 +217,8 @@ class ModelUpdate:
                     self.computed_attention_flops += self._attention_flops(micro, plan)
                     yield micro.to(self.device, non_blocking=True), counts
                 grad_norm = clip_grad_norm_(self.model.parameters(), settings.grad_clip)
+                if not self._checked_optimizer:
+                    self._check_optimizer_steps_the_gradients()
                 if self.skips_on_device:  # counted in metrics, where the norm is read back
                     optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
                     try:
@@ -231,6 +234,20 @@ class ModelUpdate:
                     self.grad_norms.append(float(grad_norm))
                 self.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def _check_optimizer_steps_the_gradients(self) -> None:
+        """Once: where the backward left gradients on the model's parameters, some of them are the optimizer's. A
+        model whose parameters were replaced after its optimizer was built (its sharding units chosen wrong) would
+        otherwise report a gradient norm and step on nothing, and the run would learn nothing."""
+        self._checked_optimizer = True
+        reached = [parameter for parameter in self.model.parameters() if parameter.grad is not None]
+        if not reached:
+            return  # no backward in this mini-batch (its rows all forward-only)
+        held = {id(parameter) for group in self.optimizer.param_groups for parameter in group["params"]}
+        if not any(id(parameter) in held for parameter in reached):
+            raise RuntimeError(f"the backward reached {len(reached)} parameters of {type(self.model).__name__} and "
+                               "the optimizer holds none of them, so its steps would change nothing; this is a bug in "
+                               "how reinforge prepared the model: report it with the model's config.json")
 
     def _attention_flops(self, micro: Batch, plan: PackingPlan | None) -> float:
         """The attention products' FLOPs of a micro-batch's passes (its packed segments, else its rows)."""

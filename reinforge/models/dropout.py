@@ -45,10 +45,31 @@ def active_dropout(model: nn.Module) -> list[str]:
     return found
 
 
+ORIGINAL_RATES = "_reinforge_config_dropout"
+"""Set on a model by ``disable_dropout``: {id(config): {key: rate}} of the config rates it set to 0."""
+
+
+def restore_config_dropout(model: nn.Module, config) -> None:
+    """Put the rates ``disable_dropout`` zeroed back into ``config``, a deep copy of ``model.config`` about to be
+    saved (hf/ and export keep the checkpoint's own dropout settings for later fine-tuning)."""
+    originals = getattr(model, ORIGINAL_RATES, {})
+    pairs = [(config, model.config)]
+    if hasattr(config, "get_text_config"):
+        pairs.append((config.get_text_config(), model.config.get_text_config()))
+    for copied, live in pairs:
+        for key, value in originals.get(id(live), {}).items():
+            setattr(copied, key, value)
+
+
 def disable_dropout(model: nn.Module) -> list[str]:
     """Set every dropout rate of ``model`` (config, modules, dropout modules) to 0; returns what was on
     (``active_dropout``'s list, config keys first), empty when nothing was."""
     found = active_dropout(model)
+    originals = getattr(model, ORIGINAL_RATES, {})
+    for config in _configs(model):
+        originals.setdefault(id(config), dict(_rates(config)))
+    if any(originals.values()):
+        object.__setattr__(model, ORIGINAL_RATES, originals)  # not a module attribute torch tracks
     for owner in [*_configs(model), *model.modules()]:
         if isinstance(owner, nn.Dropout):
             owner.p = 0.0

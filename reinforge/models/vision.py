@@ -232,9 +232,11 @@ def keep_vision_tower_attention(model, implementation: str = "sdpa") -> None:
 
 
 def vision_tower(model):
-    """The vision encoder module of a VLM (``model.model.visual`` in Qwen2.5-VL and Qwen3-VL), or None."""
+    """The vision encoder module of a VLM (``model.model.visual`` in Qwen2.5-VL and Qwen3-VL; ``model.model.
+    vision_tower`` in Gemma 3's multimodal wrapper, which trains on text alone), or None."""
     inner = getattr(model, "model", model)
-    return getattr(inner, "visual", None)
+    tower = getattr(inner, "visual", None)
+    return tower if tower is not None else getattr(inner, "vision_tower", None)
 
 
 def freeze_vision_tower(model, frozen: bool = True) -> int:

@@ -69,7 +69,8 @@ def load_model(path: str, adapter: str | None, dtype_name: str, device: Any) -> 
         except ImportError:
             raise ValueError(f"{adapter} is a LoRA adapter and merging it needs peft; pip install 'reinforge[lora]' "
                              "or serve the merged model (RUN/checkpoints/step_N/hf)") from None
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        if not merge_adapter_folder(model, Path(adapter)):
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     model.eval()
     return model, tokenizer
 
@@ -161,3 +162,38 @@ def serve_main(argv: list[str]) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def merge_adapter_folder(model: Any, adapter: Path) -> bool:
+    """Merge a plain LoRA adapter folder (reinforge's ``adapter/``) into ``model`` by name, W + (alpha / r) B A, as
+    ``reinforge export`` does; False (nothing changed) for a folder this cannot read exactly (rank or alpha patterns,
+    DoRA, another PEFT method, names the model lacks): peft merges those.
+
+    Not peft's loader: on transformers 5 it maps every target named gate_proj/up_proj/down_proj of a DeepSeek, Qwen-MoE
+    or OLMoE model onto the fused experts, dropping the trained adapters of the dense and shared-expert MLPs."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from reinforge.engine.lora import ADAPTER_NAME, merge_lora_weights, transposed_layers
+
+    config_file, weights_file = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    if not (config_file.is_file() and weights_file.is_file()):
+        return False
+    saved = json.loads(config_file.read_text())
+    if (saved.get("peft_type", "LORA") != "LORA" or saved.get("use_dora") or saved.get("rank_pattern")
+            or saved.get("alpha_pattern") or saved.get("use_rslora") or saved.get("target_parameters")):
+        return False
+    state = model.state_dict()
+    adapters = {}
+    for name, tensor in load_file(str(weights_file)).items():
+        plain = name.removeprefix("base_model.model.")
+        for part in (".lora_A.", ".lora_B."):
+            plain = plain.replace(part, f"{part}{ADAPTER_NAME}.")
+        if f"{plain.split('.lora_')[0]}.weight" not in state:
+            return False
+        adapters[plain] = tensor
+    scaling = float(saved["lora_alpha"]) / int(saved["r"])
+    merged = merge_lora_weights(dict(state) | adapters, scaling, transposed_layers(model))
+    model.load_state_dict({name: tensor.to(state[name].device) for name, tensor in merged.items()})
+    return True

@@ -33,6 +33,7 @@ from reinforge.engine.lora import (
 )
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
+from reinforge.models.dropout import restore_config_dropout
 
 
 def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -114,6 +115,7 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
         # built eagerly: a model that picks its attention classes by name at construction (GIT) knows no
         # reinforge_varlen, and the folder is for inference anyway
         config = copy.deepcopy(model.config)
+        restore_config_dropout(model, config)
         config._attn_implementation = "eager"
         with torch.device("meta"):
             plain = model_class(config)

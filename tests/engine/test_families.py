@@ -174,6 +174,8 @@ def test_a_vision_language_gemma3_trains_on_the_logits_its_own_head_returns(cap)
 
 def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic_data_dir, tmp_path, caplog):
     """Gemma 3 4B to 27B load as the multimodal wrapper; text prompts run on its language model in the engine."""
+    from transformers import AutoModelForCausalLM
+
     from reinforge.models.export import save_hf_folder
     from reinforge.models.tiny import build_char_tokenizer
 
@@ -184,11 +186,21 @@ def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic
             "data.train_batch_size": 2, "data.max_prompt_length": 64, "data.max_response_length": 12,
             "rollout.n": 2, "rollout.name": "native", "trainer.output_dir": tmp_path / "run",
             "trainer.loggers": "[jsonl]", "trainer.total_steps": 1, "trainer.val_before_train": False}
+    args |= {"actor.entropy_coeff": 0.5, "actor.optim.lr": 1e-2, "trainer.save_every": 1}  # a gradient to step on
     with caplog.at_level("INFO"):
         assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
     assert "cannot run this model" not in caplog.text
     [row] = _metrics(tmp_path / "run")
     assert row["training/rollout_probs_diff_max"] < 1e-4
+    # the language model learns (FSDP's units are its layers, not the vision tower's), the frozen tower does not
+    [hf] = (tmp_path / "run").glob("checkpoints/*/hf")
+    trained = AutoModelForCausalLM.from_pretrained(hf).state_dict()
+    initial = model.state_dict()
+    language = [name for name in initial if ".language_model.layers." in name]
+    tower = [name for name in initial if ".vision_tower." in name]
+    assert language and tower
+    assert sum(not torch.equal(trained[name], initial[name]) for name in language) > len(language) // 2
+    assert all(torch.equal(trained[name], initial[name]) for name in tower)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", SINKS])

@@ -258,3 +258,37 @@ def test_a_frozen_vision_tower_gets_no_adapters_and_a_trained_one_does(frozen):
     trained_in_tower = [name for name, parameter in model.named_parameters()
                         if ".visual." in name and parameter.requires_grad]
     assert bool(trained_in_tower) is not frozen
+
+
+def test_a_deepseek_adapter_folder_names_what_was_adapted_and_serve_merges_every_adapter(tmp_path, monkeypatch):
+    """peft on transformers 5 loads a DeepSeek folder's gate/up/down adapters into the fused experts; the folder names
+    only the layers adapted, its base by an absolute path, and ``reinforge serve ADAPTER`` merges it by name."""
+    import json
+
+    from reinforge.engine.lora import adapter_state, write_adapter_folder
+    from reinforge.models.export import save_hf_folder
+    from reinforge.models.tiny import build_char_tokenizer, build_tiny_causal_lm
+    from reinforge.serve.command import load_model
+
+    tokenizer = build_char_tokenizer()
+    base = build_tiny_causal_lm("deepseek_v3", vocab_size=len(tokenizer), q_lora_rank=16, seed=1)
+    monkeypatch.chdir(tmp_path)
+    save_hf_folder(base, tokenizer, tmp_path / "base")
+    model = build_tiny_causal_lm("deepseek_v3", vocab_size=len(tokenizer), q_lora_rank=16, seed=1)
+    config = LoraConfig(rank=4, alpha=8.0)
+    peft_model = add_lora(model, config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
+    write_adapter_folder(tmp_path / "adapter", adapter_state(model.state_dict()), config, "base")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert set(saved["target_modules"]) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                                            "gate_proj", "up_proj", "down_proj"}
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    with torch.no_grad():
+        expected = peft_model(ids).logits
+    served, _ = load_model(str(tmp_path / "base"), str(tmp_path / "adapter"), "float32", torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, expected, atol=1e-5, rtol=1e-5)

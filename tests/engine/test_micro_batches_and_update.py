@@ -220,3 +220,17 @@ def test_items_just_over_half_the_budget_are_split_in_few_tries(monkeypatch):
     mixed = [4000 + (row * 37) % 1100 for row in range(3000)]
     loads = micro_batches.micro_batch_loads(mixed, 8192)
     assert max(loads) <= 8192 and sum(loads) == sum(mixed) and len(passes) < 30
+
+
+def test_an_optimizer_that_holds_none_of_the_parameters_the_backward_reached_stops_the_update():
+    """A run must not report a gradient norm and step on nothing: its first step says so in one line."""
+    model = varlen_lm(seed=3)
+    stranger = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(stranger.parameters(), lr=1e-2)
+    scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1e-2))
+    update = ModelUpdate(model, optimizer, scheduler, UpdateSettings(max_tokens_per_micro_batch=16384, grad_clip=1.0),
+                         torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"the backward reached \d+ parameters of .* and the optimizer holds none"):
+        for micro, _ in update.micro_batches(make_rollout_batch()):
+            log_probs, _ = response_log_probs(model, micro)
+            update.backward(log_probs.sum(), {})

@@ -37,3 +37,18 @@ def test_a_model_with_dropout_forwards_in_training_mode_as_in_eval_once_it_is_of
 def test_a_model_without_dropout_reports_nothing():
     model = build_tiny_causal_lm("qwen2", vocab_size=64)
     assert active_dropout(model) == [] and disable_dropout(model) == []
+
+
+def test_a_saved_config_keeps_the_checkpoints_own_dropout_rates():
+    """Dropout is off while RL trains; hf/ and export keep the rates the checkpoint came with, for later fine-tuning."""
+    import copy
+
+    from reinforge.models.dropout import restore_config_dropout
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **CONFIGS["gpt2"]))
+    rates = {key: getattr(model.config, key) for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    assert disable_dropout(model) and all(getattr(model.config, key) == 0 for key in rates)
+    saved = copy.deepcopy(model.config)
+    restore_config_dropout(model, saved)
+    assert {key: getattr(saved, key) for key in rates} == rates and all(rates.values())
+    assert all(getattr(model.config, key) == 0 for key in rates)  # the live model trains without dropout still
