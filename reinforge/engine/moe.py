@@ -113,6 +113,9 @@ class RouterOutputs:
     """The most loaded expert's share of top-k slots over the mean share, averaged over layers (1: balanced)."""
     unused_experts: Tensor
     """Experts no token chose, averaged over layers."""
+    expert_counts: Tensor | None = None
+    """(layers, experts) float32: the top-k slots that chose each expert (``token_weights``-weighted). They add up
+    over micro-batches and ranks, which ``pooled_routing_metrics`` turns into the whole update's balance."""
 
 
 RECORD_ATTRIBUTE = "reinforge_routing"
@@ -247,10 +250,34 @@ def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_g
     num_experts = router_logits[0].shape[-1]
     counts = torch.stack([expert_counts(ids, num_experts, _checked_weights(token_weights, ids.shape[0]))
                           for ids in expert_ids])  # (layers, experts)
-    mean = counts.sum(dim=1) / num_experts
+    imbalance, unused = routing_balance(counts)
+    return RouterOutputs(aux_loss=aux_loss, load_imbalance=imbalance, unused_experts=unused, expert_counts=counts)
+
+
+def routing_balance(counts: Tensor) -> tuple[Tensor, Tensor]:
+    """(load imbalance, unused experts) of (layers, experts) slot counts, each averaged over layers."""
+    mean = counts.sum(dim=1) / counts.shape[1]
     imbalance = (counts.max(dim=1).values / mean.clamp(min=1e-9)).mean()
     unused = (counts == 0).float().sum(dim=1).mean()
-    return RouterOutputs(aux_loss=aux_loss, load_imbalance=imbalance, unused_experts=unused)
+    return imbalance, unused
+
+
+def pooled_routing_metrics(counts: Tensor, role: str) -> dict[str, float]:
+    """``<role>/moe/load_imbalance`` and ``<role>/moe/unused_experts`` of an update's summed slot counts, summed
+    over the data-parallel ranks as well (collective): the routing of the whole batch, which does not change with
+    the number of ranks or the micro-batch budget as the mean of per-micro-batch values does."""
+    import torch.distributed as dist
+
+    from reinforge.engine.distributed import world_size
+
+    counts = counts.detach().float()
+    if world_size() > 1:
+        device = counts.device if dist.get_backend() != "nccl" else torch.device("cuda", torch.cuda.current_device())
+        summed = counts.to(device)
+        dist.all_reduce(summed)
+        counts = summed.to(counts.device)
+    imbalance, unused = routing_balance(counts)
+    return {f"{role}/moe/load_imbalance": float(imbalance), f"{role}/moe/unused_experts": float(unused)}
 
 
 def router_aux_loss_coef(model_config, configured: float | None) -> float:

@@ -26,7 +26,12 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.image_embeddings import ImageEmbeddingCache, images_of_step
 from reinforge.engine.lora import add_lora, lora_scaling
 from reinforge.engine.memory_plan import GiB
-from reinforge.engine.moe import prepare_moe_training, router_aux_loss_coef, without_router_logits_output
+from reinforge.engine.moe import (
+    pooled_routing_metrics,
+    prepare_moe_training,
+    router_aux_loss_coef,
+    without_router_logits_output,
+)
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
@@ -213,6 +218,7 @@ class ActorRolloutWorker(Worker):
         settings = replace(self.update_settings, seed=self.update_settings.seed + self.scheduler.last_epoch)
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, settings, self.device)
         recorder = self.router_recorder
+        routed = None  # (layers, experts) slots of the whole update on this rank
         with images_of_step(self.image_embeddings, batch):
             for micro, counts in update.micro_batches(batch, no_grad_rows(self.config, batch,
                                                                           self.router_aux_loss_coef)):
@@ -226,6 +232,9 @@ class ActorRolloutWorker(Worker):
                     router = (recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only,
                                             token_weights=routed_token_weights(self.model, micro))
                               if recorder else None)
+                    if router is not None and router.expert_counts is not None:
+                        slots = router.expert_counts.detach()
+                        routed = slots if routed is None else routed + slots
                     loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
                                                self.router_aux_loss_coef)
                 if on_policy and "rollout_log_probs" in micro and not first_micro:
@@ -236,6 +245,8 @@ class ActorRolloutWorker(Worker):
                 else:
                     update.backward(loss, metrics)
         result = update.metrics("actor")
+        if recorder is not None and routed is not None:  # every rank ran at least one micro-batch: all reach it
+            result |= pooled_routing_metrics(routed, "actor")
         if first_micro:
             result |= rollout_mismatch_metrics(*(tensor.cpu() for tensor in first_micro))
         return result | peak_memory_gb(self.device)

@@ -311,3 +311,14 @@ def test_actor_update_of_a_moe_model_on_cuda_runs_grouped_and_compiled(model_typ
     for metrics in (first, second):
         assert metrics["actor/moe/aux_loss"] > 0 and metrics["actor/moe/load_imbalance"] >= 1.0
         assert metrics["actor/grad_norm"] > 0 and metrics["perf/mfu/actor"] > 0
+
+
+def test_pooled_routing_metrics_are_the_whole_batchs_not_a_mean_over_micro_batches():
+    """Two micro-batches (or ranks) that each leave an expert unused, but not the same one: the batch uses all four."""
+    from reinforge.engine.moe import pooled_routing_metrics
+
+    first = router_outputs([torch.zeros(2, 4)], [torch.tensor([[0, 1], [0, 2]])], with_grad=False)
+    second = router_outputs([torch.zeros(2, 4)], [torch.tensor([[3, 1], [3, 2]])], with_grad=False)
+    assert first.unused_experts.item() == second.unused_experts.item() == 1.0  # the per-micro-batch mean says 1
+    pooled = pooled_routing_metrics(first.expert_counts + second.expert_counts, "actor")
+    assert pooled == {"actor/moe/load_imbalance": 1.0, "actor/moe/unused_experts": 0.0}
