@@ -27,6 +27,7 @@ validation pairs, and ``train/loss``, ``train/lr``, ``train/grad_norm``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -39,9 +40,10 @@ from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import all_reduce, barrier
-from reinforge.engine.forward import response_log_probs
+from reinforge.engine.forward import response_log_probs, routed_token_weights
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
+from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
 from reinforge.models import load_causal_lm
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
@@ -64,11 +66,19 @@ class DPOTrainer(PreferenceRun):
         self._device_reference: dict[str, Tensor] = {}
         self.reference_metrics: dict[str, float] = {}
         """The reference pass's time and pairs, logged with the first step after it."""
+        self.router_recorder: RouterRecorder | None = None
+        self.router_aux_loss_coef = 0.0
+        """A mixture of experts: the routers' load-balancing loss joins the DPO loss with the model config's
+        router_aux_loss_coef where its output_router_logits asks for it (as TRL's DPOTrainer adds it)."""
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
         model = self._load(self.config.model.path, load_dtype(self.config.model, self.device))
         self.model_class = type(model)  # before sharding wraps the class
+        self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
+        if moe_line:
+            logger.info(moe_line)
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, None)
         self.peft_model = prepare_trained_model(model, self.config.model, self.device,
                                                 seed=self.config.trainer.seed,
                                                 keep_gathered=self.memory_plan.keep_gathered)
@@ -173,21 +183,32 @@ class DPOTrainer(PreferenceRun):
         tally = PairValues()
         reference_logps = self._reference_on_device("train")
         loss_settings = self.config.dpo
+        recorder = self.router_recorder
         for micro, counts in micro_batches:
-            logps = self._sequence_logps(self.model, micro)
+            with recorder.recording_forward() if recorder else contextlib.nullcontext():
+                logps = self._sequence_logps(self.model, micro)
             reference = reference_logps[micro["pair_index"][0::2]]  # indexed on the device: no wait for it
             loss, chosen_rewards, rejected_rewards = dpo_loss(
                 logps[0::2], logps[1::2], reference[:, 0], reference[:, 1], beta=loss_settings.beta,
                 loss_type=loss_settings.loss_type, label_smoothing=loss_settings.label_smoothing)
             weights = micro["pair_weight"][0::2]
             total = (loss * weights).sum() / (counts.num_sequences / 2)
-            update.backward(total, {"preference_loss": total})
+            step_metrics = {"preference_loss": total}
+            router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
+                                    token_weights=routed_token_weights(self.model, micro)) if recorder else None)
+            if router is not None:  # this micro-batch's share of the mini-batch's pairs: the shares add up to 1
+                aux_loss = router.aux_loss * (weights.sum() / (counts.num_sequences / 2))
+                step_metrics["moe/aux_loss"] = aux_loss.detach()
+                if self.router_aux_loss_coef:
+                    total = total + self.router_aux_loss_coef * aux_loss
+            update.backward(total, step_metrics)
             tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[0::2],
                       logp_rejected=logps[1::2])
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
         reference_metrics, self.reference_metrics = self.reference_metrics, {}
         return {**dpo_metrics(tally.gathered()), "num_tokens": self.num_tokens,
+                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"]} if "train/moe/aux_loss" in metrics else {}),
                 "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"], **reference_metrics}

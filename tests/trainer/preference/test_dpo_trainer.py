@@ -299,3 +299,22 @@ def test_each_steps_pairs_are_cut_once_the_next_steps_while_the_device_runs_the_
     trainer.update = update
     trainer.fit()
     assert len(trained) == 3 and all(sum(piece is batch for piece in cut) == 1 for batch in trained)
+
+
+def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
+    """As TRL's DPOTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
+    load-balancing loss to the DPO loss (its gradient with it); the aux loss is logged either way."""
+    from reinforge.models.tiny import save_tiny_model
+
+    firsts = {}
+    for asks in (True, False):
+        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+                                    output_router_logits=asks, router_aux_loss_coef=0.5)
+        assert main(["dpo", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
+                                                                    "trainer.total_steps": 1})]) == 0
+        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+    for first in firsts.values():
+        assert first["train/moe/aux_loss"] > 0
+        assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the DPO loss: the policy is its reference
+    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
