@@ -75,14 +75,20 @@ def load_model(path: str, adapter: str | None, dtype_name: str, device: Any) -> 
     return model, tokenizer
 
 
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The tokens generation ends at: the tokenizer's EOS and the generation config's (Gemma's <end_of_turn>,
+    Llama 3's <|eot_id|>)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
+                  - {None})
+
+
 def build_client(model: Any, tokenizer: Any, rollout: str, max_model_len: int, gpu_memory_utilization: float,
                  max_num_seqs: int) -> tuple[Any, str]:
     """The token client over the chosen engine, and the engine's name."""
     from reinforge.agent.runner import AsyncEngineClient, BatchingClient
 
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    eos_ids = sorted({tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])}
-                     - {None})
+    eos_ids = eos_token_ids(model, tokenizer)
     if rollout == "native":
         from reinforge.rollout.native import NativeEngine, hf_fallback_notice, unsupported_reason
 
@@ -148,7 +154,8 @@ def serve_main(argv: list[str]) -> int:
         logger.warning("the tokenizer has no chat template: /v1/chat/completions answers 400; pass --chat-template")
     service = GenerationService(client, tokenizer, args.served_model_name or args.model, codec=codec,
                                 max_model_len=max_model_len, default_max_tokens=args.max_tokens,
-                                eos_token_ids=tuple(sorted({tokenizer.eos_token_id} - {None})))
+                                eos_token_ids=tuple(eos_token_ids(model, tokenizer)),
+                                vocab_size=model.get_input_embeddings().weight.shape[0])
     endpoint = OpenAIEndpoint(service, max_concurrency=args.max_concurrency)
 
     async def run() -> None:

@@ -72,7 +72,8 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
 
 class GenerationService:
     def __init__(self, client: TokenClient, tokenizer: Any, model_name: str, *, codec: ChatCodec | None,
-                 max_model_len: int, default_max_tokens: int = 1024, eos_token_ids: tuple[int, ...] = ()):
+                 max_model_len: int, default_max_tokens: int = 1024, eos_token_ids: tuple[int, ...] = (),
+                 vocab_size: int | None = None):
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -80,6 +81,7 @@ class GenerationService:
         self.max_model_len = max_model_len
         self.default_max_tokens = default_max_tokens
         self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size or len(tokenizer)
         self.num_requests = 0
 
     def _stop(self, body: dict[str, Any], training: bool) -> tuple[tuple[int, ...], list[str]]:
@@ -169,8 +171,10 @@ class GenerationService:
             for task in tasks:
                 task.cancel()
 
-    def _text(self, token_ids: list[int], finish_reason: str, cut: list[str]) -> tuple[str, str]:
-        ids = token_ids[:-1] if finish_reason == "stop" and token_ids and token_ids[-1] in self.eos_token_ids \
+    def _text(self, token_ids: list[int], finish_reason: str, cut: list[str],
+              stop_ids: tuple[int, ...] = ()) -> tuple[str, str]:
+        ids = token_ids[:-1] if finish_reason == "stop" and token_ids and token_ids[-1] in (*self.eos_token_ids,
+                                                                                              *stop_ids) \
             else token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         positions = [text.find(stop) for stop in cut if stop in text]
@@ -207,6 +211,9 @@ class GenerationService:
         tools = body.get("tools") or None
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)
+        if _integer(body, "top_logprobs", 0):
+            raise RequestError(f"top_logprobs={body['top_logprobs']} is not supported: the engine returns the log-prob "
+                               "of each sampled token only; send logprobs=true without top_logprobs")
         if training and num_samples != 1:
             raise RequestError(f"n={num_samples} in a trajectory; a trajectory samples one reply per call")
         stop_ids, cut = self._stop(body, training)
@@ -221,12 +228,22 @@ class GenerationService:
             request_id = new_id("chat")
         return ChatCall(body, session, messages, tools, cut, prompt_ids, continues, sampling, num_samples, request_id)
 
+    @staticmethod
+    def _dropped_stops(call: ChatCall) -> tuple[int, ...]:
+        """The stop tokens a reply's text leaves out: all of them, but none in a trajectory (its tokens are kept
+        whole and its replies are matched token for token)."""
+        return () if isinstance(call.session, TrajectorySession) else call.sampling.stop_token_ids
+
     def _chat_choice(self, call: ChatCall, index: int, completion: Completion) -> dict[str, Any]:
         """The choice of one completion (its message with the content and tool calls, finish_reason, logprobs)."""
-        reply, calls = self.codec.reply(list(completion.token_ids))
+        token_ids = list(completion.token_ids)
         finish_reason = completion.finish_reason
+        if (finish_reason == "stop" and token_ids and token_ids[-1] in self._dropped_stops(call)
+                and token_ids[-len(self.codec.renderer.eos_ids):] != self.codec.renderer.eos_ids):
+            token_ids = token_ids[:-1]  # a stop string of one token (or another EOS) is not part of the reply
+        reply, calls = self.codec.reply(token_ids)
         if call.cut:
-            reply["content"], finish_reason = self._text(list(completion.token_ids), finish_reason, call.cut)
+            reply["content"], finish_reason = self._text(token_ids, finish_reason, call.cut)
             calls = []
             reply.pop("tool_calls", None)
         choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
@@ -271,12 +288,13 @@ class GenerationService:
         call = self._chat_call(body, session)
         include_usage = self._include_usage(body)
         log_prob = self._log_prob if body.get("logprobs") else None
+        stopped = last_of(self._dropped_stops(call))  # a stop token ends the reply and is not part of it
         if call.cut:  # the content is the text up to a stop string, as _chat_choice makes it
-            choices = [StreamedChoice(ReplyText(self._decode, last_of(self.eos_token_ids), call.cut, False), log_prob)
+            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, False), log_prob)
                        for _ in range(call.num_samples)]
         else:
-            ending = tail_of_sequence(list(self.codec.renderer.eos_ids))
-            choices = [StreamedChoice(ReplyText(self._decode, ending, [], True), log_prob)
+            tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
+            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [], True), log_prob)
                        for _ in range(call.num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -331,6 +349,12 @@ class GenerationService:
             prompt_ids = list(prompt)
         else:
             raise RequestError("'prompt' must be a string or a list of token ids (one prompt per request)")
+        if not prompt_ids:
+            raise RequestError("'prompt' is empty; send at least one token")
+        wrong = [token for token in prompt_ids if isinstance(token, bool) or not 0 <= token < self.vocab_size]
+        if wrong:
+            raise RequestError(f"'prompt' holds token id {wrong[0]}, outside the model's vocabulary of "
+                               f"{self.vocab_size}; send ids from 0 to {self.vocab_size - 1}")
         stop_ids, cut = self._stop(body, False)
         sampling = self._sampling(body, len(prompt_ids), stop_ids)
         return prompt_ids, sampling, int(_integer(body, "n", 1) or 1), cut
@@ -357,7 +381,8 @@ class GenerationService:
         self.num_requests += 1
         choices = []
         for index, completion in enumerate(completions):
-            text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut)
+            text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut,
+                                             sampling.stop_token_ids)
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
             if self._wants_log_probs(body):
                 choice["logprobs"] = self._text_log_probs(self._log_probs(completion))
@@ -371,7 +396,7 @@ class GenerationService:
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         include_usage = self._include_usage(body)
         log_probs = self._wants_log_probs(body)
-        choices = [StreamedChoice(ReplyText(self._decode, last_of(self.eos_token_ids), cut, tool_calls=False),
+        choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, tool_calls=False),
                                   self._log_prob if log_probs else None) for _ in range(num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -396,7 +421,8 @@ class GenerationService:
                         yield chunk(index, choice.delta, None)
                     continue
                 completions.append(completion)
-                text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut)
+                text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut,
+                                                 sampling.stop_token_ids)
                 yield chunk(index, choice.text.finish(text), finish_reason)
             self.num_requests += 1
             if include_usage:

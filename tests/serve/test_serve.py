@@ -243,3 +243,71 @@ def test_a_lora_adapter_folder_is_merged_into_the_base_it_names(tiny_model_dir, 
     assert not any("lora" in name for name, _ in merged.named_parameters())
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_request_leaves_the_native_engine_serving_the_next(tiny_model_dir):
+    """A step that fails drops its sequences with its requests: the next request runs on a new scheduler."""
+    from reinforge.rollout.base import SamplingParams
+    from reinforge.serve.command import build_client, load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
+    client, name = build_client(model, tokenizer, "native", 96, 0.5, 8)
+    assert name == "native"
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+
+    async def calls():
+        with pytest.raises(IndexError):
+            await client.generate([5, 10 ** 6], greedy, "bad")
+        return [(await client.generate(prompt, greedy, f"good-{index}")).token_ids
+                for index, prompt in enumerate(([5, 6], [7, 8]))]
+
+    first, second = asyncio.run(calls())
+    assert len(first) == len(second) == 3
+
+
+def test_prompts_out_of_the_vocabulary_top_logprobs_and_one_token_stops_are_answered_as_openai_does(tool_tokenizer):
+    service = GenerationService(TextClient(tool_tokenizer, "H7ab"), tool_tokenizer, "scripted",
+                                codec=ChatCodec(tool_tokenizer), max_model_len=4096,
+                                eos_token_ids=(tool_tokenizer.eos_token_id,), vocab_size=len(tool_tokenizer))
+    served = Served(OpenAIEndpoint(service))
+    try:
+        client = served.client()
+        for prompt, wanted in (([5, 10 ** 6], "outside the model's vocabulary"), ("", "'prompt' is empty")):
+            with pytest.raises(openai.BadRequestError, match=wanted):
+                client.completions.create(model="x", prompt=prompt, max_tokens=3)
+        with pytest.raises(openai.BadRequestError, match="top_logprobs=3 is not supported"):
+            client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                           top_logprobs=3)
+    finally:
+        served.close()
+
+
+class StopAtClient:
+    """Samples the ids of ``text`` and stops at the first of the request's stop ids, as an engine does."""
+
+    def __init__(self, tokenizer, text: str):
+        self.ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        for end, token in enumerate(self.ids):
+            if token in sampling.stop_token_ids:
+                return Completion(self.ids[:end + 1], [-0.25] * (end + 1), "stop")
+        return Completion(self.ids, [-0.25] * len(self.ids), "length")
+
+
+def test_a_stop_string_of_one_token_is_not_part_of_the_reply(tool_tokenizer):
+    service = GenerationService(StopAtClient(tool_tokenizer, "H7abc"), tool_tokenizer, "scripted",
+                                codec=ChatCodec(tool_tokenizer), max_model_len=4096,
+                                eos_token_ids=(tool_tokenizer.eos_token_id,))
+    served = Served(OpenAIEndpoint(service))
+    try:
+        client = served.client()
+        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], stop=["7"])
+        assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("H", "stop")
+        streamed = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                  stop=["7"], stream=True)
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices) == "H"
+        text = client.completions.create(model="x", prompt="hi", stop=["a"], max_tokens=8)
+        assert (text.choices[0].text, text.choices[0].finish_reason) == ("H7", "stop")
+    finally:
+        served.close()

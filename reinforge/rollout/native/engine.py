@@ -349,8 +349,14 @@ class NativeEngine:
         return taken
 
     def _fail_pending(self, error: BaseException) -> None:
-        """Hand ``error`` to every request the engine holds (admitted or still incoming) and drop them."""
-        for state in self._take_requests():
+        """Hand ``error`` to every request the engine holds (admitted or still incoming) and drop them, with the
+        scheduler's sequences and the step in flight: left there, the next request's step would run the sequence
+        that failed again (and fail again, every request after it). The next ``wake_up`` makes a new scheduler."""
+        with self._step_lock:
+            taken = self._take_requests()
+            self._in_flight = None
+            self.scheduler = None
+        for state in taken:
             if state.on_error is not None:
                 state.on_error(error)
 

@@ -234,7 +234,9 @@ class ModelWeights:
                 destinations.append(destination[start:start + part.shape[0]])
                 sources.append(whole(part))
                 start += part.shape[0]
-        if sources and sources[0].device != destinations[0].device:  # parameters offloaded to the CPU
+        if not sources:  # every weight is read in place (weights_fixed): nothing to copy
+            return
+        if sources[0].device != destinations[0].device:  # parameters offloaded to the CPU
             for destination, source in zip(destinations, sources, strict=True):
                 destination.copy_(source)
         else:
