@@ -99,7 +99,7 @@ def build_client(model: Any, tokenizer: Any, rollout: str, max_model_len: int, g
                                   gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                                   weights_fixed=True)
             return AsyncEngineClient(engine), "native"
-        logger.warning(hf_fallback_notice(reason))
+        logger.warning(hf_fallback_notice(reason, "--rollout native"))
     from reinforge.rollout.hf import HFEngine
 
     return BatchingClient(HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)), "hf"

@@ -121,9 +121,9 @@ HF_BACKEND_SLOWDOWN = 20
 engine, roughly, as measured with small models on the GPU."""
 
 
-def hf_fallback_notice(reason: str) -> str:
-    """The one line said at start when rollout.name=native meets a model the engine cannot run."""
-    return (f"rollout.name=native cannot run this model: {reason}; rolling out with the hf backend "
+def hf_fallback_notice(reason: str, setting: str = "rollout.name=native") -> str:
+    """The one line said at start when ``setting`` (the native engine) meets a model the engine cannot run."""
+    return (f"{setting} cannot run this model: {reason}; rolling out with the hf backend "
             f"(transformers' generate) instead, roughly {HF_BACKEND_SLOWDOWN}x slower")
 
 
