@@ -105,7 +105,7 @@ class AsyncMode:
             metrics |= staleness_metrics(batch["token_versions"], batch["response_mask"], version)
             if not is_fresh(batch, version, self.updates % trigger):
                 batch = prepare_stale_batch(self.config, batch, self.calls.compute_log_prob,
-                                            self.updates, metrics)
+                                            self.updates, metrics, trigger_sync_steps=trigger)
             metrics |= self.calls.train_on_batch(batch, timing, metrics, step_start)
             self.updates += 1
         if self.updates % trigger == 0:

@@ -45,11 +45,14 @@ def proximal_alpha(token_versions: torch.Tensor, response_mask: torch.Tensor, up
 
 
 def prepare_stale_batch(config: Config, batch: Batch, compute_log_prob, update_index: int,
-                        metrics: dict[str, float]) -> Batch:
-    """Add what the decoupled loss needs: old_log_probs (proximal) and rollout_is_weights, or proximal_alpha."""
+                        metrics: dict[str, float], trigger_sync_steps: int | None = None) -> Batch:
+    """Add what the decoupled loss needs: old_log_probs (proximal) and rollout_is_weights, or proximal_alpha.
+
+    ``trigger_sync_steps``: the updates between two syncs in the calling mode, trainer.trigger_sync_steps when None
+    (one_step_off syncs after every update whatever that async key says, and passes 1)."""
     if config.trainer.proximal == "loglinear":
         batch["proximal_alpha"] = proximal_alpha(batch["token_versions"], batch["response_mask"], update_index,
-                                                 config.trainer.trigger_sync_steps)
+                                                 trigger_sync_steps or config.trainer.trigger_sync_steps)
         return batch
     batch = batch | compute_log_prob(batch)
     correction = config.algorithm.rollout_correction

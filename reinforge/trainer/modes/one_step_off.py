@@ -82,7 +82,7 @@ class OneStepOffMode:
         metrics = staleness_metrics(batch["token_versions"], batch["response_mask"], self.version)
         if not is_fresh(batch, self.version, 0):
             batch = prepare_stale_batch(self.config, batch, self.calls.compute_log_prob,
-                                        self.version, metrics)
+                                        self.version, metrics, trigger_sync_steps=1)  # a sync after every update
         metrics |= self.calls.train_on_batch(batch, timing, metrics, step_start)
         self.calls.sync_rollout_weights()
         self.version += 1

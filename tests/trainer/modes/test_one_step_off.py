@@ -25,6 +25,19 @@ def test_one_step_off_trains_one_version_behind_with_truncated_importance_weight
         assert row["actor/num_skipped_steps"] == 0  # a non-finite gradient would be skipped and counted here
 
 
+def test_the_loglinear_proximal_policy_of_one_step_off_ignores_the_async_sync_interval(
+        tiny_model_dir, arithmetic_data_dir, tmp_path):
+    """one_step_off syncs after every update: trainer.trigger_sync_steps, an async setting, changes nothing."""
+    runs = [run(tiny_model_dir, arithmetic_data_dir, tmp_path / f"run-{trigger}", **{
+        "trainer.mode": "one_step_off", "trainer.proximal": "loglinear", "trainer.trigger_sync_steps": trigger,
+        "actor.entropy_coeff": 0.5}) for trigger in (1, 2)]
+    for every, second in zip(*runs, strict=True):
+        for key in ("actor/ppo_kl", "actor/pg_loss", "actor/grad_norm"):
+            assert second[key] == every[key], key
+        assert all(value == value and abs(value) != float("inf") for value in second.values()
+                   if isinstance(value, float))
+
+
 def test_a_resumed_one_step_off_run_trains_the_same_prompts_at_every_step(tiny_model_dir, arithmetic_data_dir,
                                                                          tmp_path):
     """The checkpoint holds the prompts whose generation was in flight; the resumed run generates them again."""
