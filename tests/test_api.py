@@ -223,6 +223,28 @@ def test_a_peft_lora_config_becomes_model_lora():
     assert peft_settings(None) == {}
 
 
+def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from reinforge.api import peft_settings
+
+    lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=None, modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"peft_config sets modules_to_save=\['lm_head'\], which reinforge's LoRA"):
+        peft_settings(lora)
+
+
+def test_a_loaded_model_with_frozen_parameters_is_refused_not_trained_whole(tmp_path, tiny_model_dir):
+    """A TRL run keeps a caller's frozen parameters frozen; a saved copy would forget requires_grad."""
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.api.inputs import save_model_if_loaded
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.get_input_embeddings().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"the model was given with 1 parameter frozen \(requires_grad=False: "):
+        save_model_if_loaded(model, None, tmp_path / "model")
+
+
 def test_a_later_start_keeps_the_inputs_an_earlier_start_wrote_and_puts_other_ones_beside_them(tmp_path,
                                                                                                   tiny_model_dir):
     import torch

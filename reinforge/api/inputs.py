@@ -63,6 +63,15 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
         return str(model)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a path, a hub id or a loaded transformers model; got a {type(model).__name__}")
+    frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
+    if frozen and len(frozen) < len(list(model.parameters())):
+        # a TRL (transformers Trainer) run keeps them frozen; the saved folder forgets requires_grad and reinforge
+        # would train them
+        shown = ", ".join(frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
+        raise ValueError(f"the model was given with {len(frozen)} parameter{'s' if len(frozen) != 1 else ''} frozen "
+                         f"(requires_grad=False: {shown}); "
+                         "reinforge trains a saved copy of the model, which would train them too: pass the model "
+                         "unfrozen, or train adapters (peft_config)")
     tokenizer = processing_class
     if tokenizer is None:
         source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
@@ -137,6 +146,13 @@ def peft_settings(peft_config: Any) -> dict[str, Any]:
         return {}
     settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
                 "model.lora.dropout": float(getattr(peft_config, "lora_dropout", 0.0) or 0.0)}
+    unsupported = {"modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
+                   "exclude_modules": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
+    ignored = [f"{name}={getattr(peft_config, name)!r}" for name, default in unsupported.items()
+               if getattr(peft_config, name, default) not in (default, None, {}, [], False)]
+    if ignored:  # dropped, they left a part the caller asked to train frozen (modules_to_save) or changed the adapters
+        raise ValueError(f"peft_config sets {', '.join(ignored)}, which reinforge's LoRA (model.lora: rank, alpha, "
+                         "dropout, target_modules) does not do; remove them")
     targets = getattr(peft_config, "target_modules", None)
     if targets:
         if isinstance(targets, str):

@@ -16,7 +16,7 @@ AdamW is elementwise, so stepping chunks of a flat buffer equals stepping each p
 update is ``torch.optim.AdamW``'s (the tests compare bitwise). The host master copy starts equal
 to the device parameters and only this optimizer writes either (``pull_parameters`` re-reads
 them after a checkpoint is loaded into the model). A parameter whose gradient is None is
-stepped with a zero gradient (torch's AdamW would skip it); FSDP gives every trained one a gradient.
+left as it is, master copy and moments, as torch's AdamW skips it (its bias correction then counts the chunk's steps).
 
 Host memory: 12 bytes per trained parameter plus four pinned chunks (1 GiB at the default
 chunk), e.g. 85 GiB for a 7.6B model. Pinned buffers are sized to powers of two, which is what
@@ -120,7 +120,7 @@ class HostOffloadedAdamW(torch.optim.Optimizer):
         for segment in segments:
             destination = staging[segment.chunk_start:segment.chunk_start + segment.length]
             grad = parameters[segment.index].grad
-            if grad is None:
+            if grad is None:  # not stepped: step() puts its master copy and moments back after the chunk's step
                 destination.zero_()
             else:
                 destination.copy_(_flat(grad)[segment.param_start:segment.param_start + segment.length],
@@ -146,6 +146,13 @@ class HostOffloadedAdamW(torch.optim.Optimizer):
             self._upload_done[slot] = torch.cuda.Event()
             self._upload_done[slot].record()
 
+    def _segments_without_grad(self, position: int) -> list[tuple[int, int]]:
+        """The flat ranges [low, high) of chunk ``position`` whose parameter has no gradient this step."""
+        start, _, segments, _ = self.chunks[position]
+        parameters = self.param_groups[0]["params"]
+        return [(start + segment.chunk_start, start + segment.chunk_start + segment.length)
+                for segment in segments if parameters[segment.index].grad is None]
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 (torch's signature)
         if closure is not None:
@@ -164,7 +171,14 @@ class HostOffloadedAdamW(torch.optim.Optimizer):
                 host_group[key] = group[key]
             chunk = host_group["params"][0]
             chunk.grad = self.staging[position % 2][:stop - start]
+            # torch's AdamW skips a parameter whose gradient is None (one the backward did not reach: a VLM's tower or
+            # projector in a text-only step); a zero gradient would still decay it and move it by its moments
+            skipped = [(low, high, [buffer[low:high].clone() for buffer in (self.master, self.exp_avg, self.exp_avg_sq)])
+                       for low, high in self._segments_without_grad(position)]
             optimizer.step()
+            for low, high, saved in skipped:
+                for buffer, before in zip((self.master, self.exp_avg, self.exp_avg_sq), saved, strict=True):
+                    buffer[low:high].copy_(before)
             chunk.grad = None
             self._copy_parameters_in(position)
         return None

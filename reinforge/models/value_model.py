@@ -57,6 +57,13 @@ class ValueModel(nn.Module):
     def config(self):
         return self.backbone.config
 
+    def get_decoder(self) -> nn.Module:
+        """The backbone's decoder (a vision-language backbone's language model), so that ``engine.fsdp.
+        decoder_layers`` shards the language model's layers, not a vision tower's blocks that come first (Gemma 3's
+        SigLIP ``encoder.layers`` before ``language_model.layers``)."""
+        decoder = self.backbone.get_decoder() if hasattr(self.backbone, "get_decoder") else None
+        return decoder if isinstance(decoder, nn.Module) else self.backbone
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None) -> Tensor:
         """Values, float32 (batch, seq_len), for input_ids (batch, seq_len): one per position."""

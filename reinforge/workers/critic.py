@@ -22,6 +22,7 @@ from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings
 from reinforge.models import ValueModel
 from reinforge.models.dropout import disable_dropout, dropout_line
+from reinforge.models.vision import freeze_vision_tower
 from reinforge.protocol import Batch
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 from reinforge.workers.memory_settings import apply_memory_plan
@@ -41,6 +42,9 @@ class CriticWorker(Worker):
                                                 gradient_checkpointing=bool(config.model.gradient_checkpointing))
         if dropped := disable_dropout(self.model.backbone):
             logger.info(dropout_line(self.model.backbone, dropped))
+        # the critic reads text only: a vision-language backbone's tower gets no gradient (and an offloaded optimizer's
+        # zero-gradient step would decay it), so it is frozen, as the actor's is by default
+        freeze_vision_tower(self.model.backbone)
         prepare_for_training(self.model.backbone, self.device)
         shard_model(self.model, self.device, config.model.dtype, offload=critic.param_offload,
                     roots=[self.model.backbone, self.model.value_head])

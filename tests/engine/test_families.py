@@ -172,6 +172,24 @@ def test_a_vision_language_gemma3_trains_on_the_logits_its_own_head_returns(cap)
     assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
 
 
+def test_a_vision_language_gemma3_shards_and_adapts_its_language_model_in_every_role():
+    """The critic's value model and the preference trainers' model: FSDP units are the language model's layers, and
+    the tower, which text never reaches, is frozen and gets no adapter."""
+    from reinforge.config.schema import LoraConfig, ModelConfig
+    from reinforge.engine.fsdp import decoder_layers
+    from reinforge.models import ValueModel
+    from reinforge.trainer.preference.models import prepare_trained_model
+
+    model = gemma3_vision_language(None)
+    value_model = ValueModel(model.model)
+    assert {type(layer).__name__ for layer in decoder_layers(value_model)} == {"Gemma3DecoderLayer"}
+    config = ModelConfig(lora=LoraConfig(rank=4))
+    peft_model = prepare_trained_model(model, config, torch.device("cpu"), seed=0)
+    assert {type(layer).__name__ for layer in decoder_layers(model)} == {"FSDPGemma3DecoderLayer"}  # sharded
+    adapted = [name for name, _ in peft_model.named_parameters() if "lora_A" in name]
+    assert adapted and not any("vision_tower" in name for name in adapted)
+
+
 def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic_data_dir, tmp_path, caplog):
     """Gemma 3 4B to 27B load as the multimodal wrapper; text prompts run on its language model in the engine."""
     from transformers import AutoModelForCausalLM

@@ -145,3 +145,19 @@ def test_two_gloo_processes_save_and_load_whole_offloaded_state(tmp_path):
     for name, tensor in saved["model"].items():
         assert tensor.shape == shapes[name]
         assert torch.equal(reloaded["model"][name], tensor), name
+
+
+def test_a_parameter_the_backward_did_not_reach_is_left_as_torchs_adamw_leaves_it():
+    """A vision-language model's tower and projector in a text-only step: no gradient, no decay, no move."""
+    torch.manual_seed(0)
+    reached, missed = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    before, start = copy.deepcopy(missed.state_dict()), reached.weight.detach().clone()
+    named = [*(("reached." + name, p) for name, p in reached.named_parameters()),
+             *(("missed." + name, p) for name, p in missed.named_parameters())]
+    optimizer = HostOffloadedAdamW(named, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    for _ in range(2):
+        reached(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert all(torch.equal(missed.state_dict()[name], tensor) for name, tensor in before.items())
+    assert not torch.equal(reached.weight, start)  # the reached one did move

@@ -22,6 +22,7 @@ from reinforge.engine.fsdp import decoder_layers, shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.lora import add_lora
 from reinforge.engine.recompute import checkpoint_decoder_layers
+from reinforge.models.vision import freeze_vision_tower
 
 
 def load_dtype(model: ModelConfig, device: torch.device) -> torch.dtype:
@@ -36,6 +37,10 @@ def prepare_trained_model(model: nn.Module, config: ModelConfig, device: torch.d
     """Make the loaded ``model`` ready to train, in place (see the module's docstring); returns the PeftModel
     around it with ``model.lora``, else None. ``keep_gathered``: each layer's gathered parameters stay from its
     forward to its backward (the memory plan's choice on one device)."""
+    # the preference trainers read text only: a vision-language model's tower gets no gradient, so it is frozen, as
+    # the RL actor's is (actor.freeze_vision_tower); unfrozen, LoRA put adapters on its attention (SigLIP's q/k/v_proj)
+    # that the optimizer held and the adapter folder shipped, and that never changed
+    freeze_vision_tower(model)
     prepare_for_training(model, device)
     setting = config.gradient_checkpointing
     checkpoint_decoder_layers(model, len(decoder_layers(model)) if setting is True
