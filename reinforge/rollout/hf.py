@@ -31,6 +31,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
@@ -226,11 +227,15 @@ class HFEngine:
     reads_model_in_place = True
     """``generate`` runs on the training module itself."""
 
-    def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], max_batch_size: int = 256):
+    def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], max_batch_size: int = 256,
+                 seed: int = 0):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
+        self._seed_generator = np.random.default_rng(seed)
+        """Seeds of requests that bring none (as the native engine's): ``generate`` runs inside ``fork_rng``, which
+        restores the global RNG afterwards, so transformers' own sampling would draw the same numbers every call."""
         self.last_metrics: dict[str, float] = {}
         dropped = dropped_generation_settings(model)
         if dropped:
@@ -251,18 +256,22 @@ class HFEngine:
         results: list[list[Completion] | None] = [None] * len(requests)
         groups: dict[tuple[SamplingParams, bool], list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
-            seeded = request.sampling.seed is not None and not request.sampling.greedy
+            seeded = not request.sampling.greedy  # a request without a seed gets a fresh one below
             groups[(dataclasses.replace(request.sampling, seed=None, first_sample=0), seeded)].append(index)
         for (sampling, seeded), indices in groups.items():
             per_call = max(1, self.max_batch_size // sampling.n)
             for start in range(0, len(indices), per_call):
                 chunk = indices[start:start + per_call]
-                seeds = [(requests[i].sampling.seed, requests[i].sampling.first_sample) for i in chunk] if seeded else None
+                seeds = [(self._seed_of(requests[i].sampling), requests[i].sampling.first_sample)
+                         for i in chunk] if seeded else None
                 completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling,
                                                          seeds, [requests[i].multi_modal_inputs for i in chunk])
                 for index, samples in zip(chunk, completions, strict=True):
                     results[index] = samples
         return [samples for samples in results if samples is not None]
+
+    def _seed_of(self, sampling: SamplingParams) -> int:
+        return sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
 
     @torch.no_grad()
     def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams,

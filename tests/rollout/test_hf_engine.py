@@ -117,3 +117,13 @@ def test_a_model_that_transformers_cannot_generate_with_is_named_in_one_line():
                                            r"rollout.name=native") as failed:
         engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2))])
     assert "\n" not in str(failed.value)
+
+
+def test_unseeded_samples_are_fresh_draws_from_call_to_call():
+    """generate runs inside fork_rng, which puts the global generator back after it: requests without a seed get
+    theirs from the engine, so two calls (and two prompts) do not repeat one stream."""
+    engine = make_engine()
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, n=4)
+    first = [sample.token_ids for sample in engine.generate([GenerationRequest([5, 6, 7], sampling)])[0]]
+    second = [sample.token_ids for sample in engine.generate([GenerationRequest([5, 6, 7], sampling)])[0]]
+    assert first != second and len({tuple(ids) for ids in first}) > 1

@@ -79,13 +79,15 @@ def truncation_thresholds(scaled_logits: Tensor, top_k: Tensor, top_p: Tensor) -
     if bool((top_p < 1.0).any()):
         sorted_logits = scaled_logits.sort(dim=-1, descending=True).values
     else:
-        sorted_logits = scaled_logits.topk(int(top_k.max()), dim=-1).values
+        sorted_logits = scaled_logits.topk(min(int(top_k.max()), vocab_size), dim=-1).values  # top_k > vocab: all
     width = sorted_logits.shape[1]
     k = torch.where(top_k > 0, top_k.clamp(max=width), width)
     kth = sorted_logits.gather(1, (k - 1)[:, None])[:, 0]
     thresholds = torch.where(top_k > 0, kth, thresholds)
     if bool((top_p < 1.0).any()):
-        kept = torch.arange(width, device=scaled_logits.device)[None, :] < k[:, None]
+        # what top-k kept, its ties at the k-th logit included (as the threshold keeps them): the nucleus is
+        # formed over the very tokens that can be sampled
+        kept = sorted_logits >= thresholds[:, None]
         probs = torch.softmax(sorted_logits.masked_fill(~kept, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         num_kept = ((mass_before < top_p[:, None]) & kept).sum(dim=-1).clamp(min=1)

@@ -66,3 +66,13 @@ def test_sampling_follows_the_tempered_distribution():
     expected = torch.softmax(logits[0] / 0.5, 0)
     assert (frequencies - expected).abs().max() < 0.03
     torch.testing.assert_close(log_probs, torch.log_softmax(logits[0] / 0.5, 0)[tokens])
+
+
+def test_top_k_past_the_vocabulary_keeps_it_all_and_top_p_reads_the_ties_top_k_kept():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0, 0.0, 1.0, -0.5]]) / 1.5  # ids 1 and 6 tie at the 3rd logit
+    assert truncation_thresholds(logits, top_k=torch.tensor([100]), top_p=torch.tensor([1.0]))[0] <= logits.min()
+    # top-k 3 keeps 4 tokens (the tie); over them the top token holds 0.49 < 0.5, so top-p 0.5 keeps token 0 too
+    kept = torch.softmax(logits[0][logits[0] >= logits[0, 1]], 0)
+    assert kept.numel() == 4 and kept.max() < 0.5
+    threshold = truncation_thresholds(logits, top_k=torch.tensor([3]), top_p=torch.tensor([0.5]))[0]
+    assert threshold == logits[0, 0]
