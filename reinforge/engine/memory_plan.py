@@ -249,6 +249,7 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        given, config = config, with_family_defaults(config)
         text = standard_sizes(config.get("text_config") or config)
         try:
             hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
@@ -272,7 +273,7 @@ class ModelShape:
                        qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if mla else 0,
                        v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0,
                        norms_per_layer=4 if text.get("model_type") in FOUR_NORM_FAMILIES else 2,
-                       attention_windows=layer_windows(text), vision=VisionShape.from_hf_config(config))
+                       attention_windows=layer_windows(text), vision=VisionShape.from_hf_config(given))
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
@@ -485,6 +486,32 @@ def _config_class(model_type: str | None) -> tuple[Any, dict[str, str], dict[str
         return config_class, dict(getattr(config_class, "attribute_map", {}) or {}), config_class().to_dict()
     except Exception:  # noqa: BLE001 (the names as they are)
         return None, {}, {}
+
+
+def _under(given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with ``defaults`` filling the keys it leaves out, nested dicts (text_config) key by key."""
+    merged = dict(defaults)
+    for key, value in given.items():
+        merged[key] = (_under(value, defaults[key]) if isinstance(value, dict) and isinstance(defaults.get(key), dict)
+                       else value)
+    return merged
+
+
+def with_family_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with every key it leaves out taken from transformers' config class of its ``model_type``, built
+    from it: the values the model is built with. Released files rely on them (Gemma 2 and Gemma 3 leave out
+    ``tie_word_embeddings``, true; Gemma 3's multimodal files most of ``text_config``: heads, head_dim, vocab_size;
+    Gemma 3 its ``layer_types``, which the class derives from ``sliding_window_pattern``). The file's own values,
+    null ones included, stand; an unknown type or a config the class cannot build is left as it is."""
+    model_type = config.get("model_type")
+    config_class = _config_class(model_type if isinstance(model_type, str) else None)[0]
+    if config_class is None:
+        return config
+    try:
+        built = config_class.from_dict(config).to_dict()
+    except Exception:  # noqa: BLE001 (the file as it is: the planner names what it lacks)
+        return config
+    return _under(config, built)
 
 
 def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:

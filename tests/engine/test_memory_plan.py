@@ -17,10 +17,12 @@ from reinforge.engine.memory_plan import (
     RunShape,
     Settings,
     estimate,
+    layer_windows,
     lora_params,
     micro_batch_split,
     pinned_bytes,
     plan_memory,
+    with_family_defaults,
 )
 
 QWEN25 = {
@@ -587,3 +589,38 @@ def test_layers_kept_gathered_as_set_are_never_traded_for_streamed_parameters():
         plan_memory(big, STANDARD, {"keep_gathered": True}, 40 * GiB, 192 * GiB)
     kept = plan_memory(shape("0.5b"), STANDARD, {"keep_gathered": True}, 139 * GiB, 128 * GiB)
     assert kept.settings.keep_gathered and not kept.settings.param_offload
+
+
+RELEASED_CONFIGS = {  # as the released config.json files leave fields to the config class's defaults
+    "gemma-2-2b": {"model_type": "gemma2", "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
+                   "sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                   "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma-3-1b": {"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+                   "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+                   "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256},
+    "gemma-3-4b": {"model_type": "gemma3", "mm_tokens_per_image": 256, "image_token_index": 262144,
+                   "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "intermediate_size": 10240,
+                                   "num_hidden_layers": 34, "sliding_window": 1024,
+                                   "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+                   "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896,
+                                     "intermediate_size": 4304, "num_attention_heads": 16, "num_hidden_layers": 27,
+                                     "patch_size": 14, "vision_use_head": False}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_CONFIGS))
+def test_a_released_config_is_counted_with_the_defaults_transformers_builds_it_with(name):
+    """Gemma's files leave out tie_word_embeddings (true), Gemma 3's its layer_types (from sliding_window_pattern)
+    and its multimodal file most of text_config: the planner counts the model transformers builds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = RELEASED_CONFIGS[name]
+    shape = ModelShape.from_hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    language = sum(parameter.numel() for parameter_name, parameter in model.named_parameters()
+                   if "vision_tower" not in parameter_name and "multi_modal_projector" not in parameter_name)
+    assert shape.num_params == pytest.approx(language, rel=1e-3)
+    if name == "gemma-3-1b":  # four full-attention layers of 26, the rest windowed
+        assert layer_windows(with_family_defaults(config)).count(512) == 22
