@@ -99,11 +99,12 @@ def test_a_hybrids_layer_count_comes_from_its_block_pattern(tmp_path):
     assert shape.num_layers == config.num_hidden_layers == len(config.layers_block_type)
 
 
-def test_a_known_family_missing_a_size_is_still_named_in_one_line():
+def test_a_size_a_known_family_leaves_out_is_its_class_default_and_an_unknown_familys_is_named_in_one_line():
     config = tiny_config("mpt").to_dict() | {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                "num_attention_heads": 4}
+    assert ModelShape.from_hf_config(config).intermediate_size == 11008  # what transformers builds the model with
     with pytest.raises(MemoryPlanError, match="config.json has no 'intermediate_size'"):
-        ModelShape.from_hf_config(config)
+        ModelShape.from_hf_config(config | {"model_type": "not_a_family"})
 
 
 def test_decoder_blocks_are_found_whatever_their_list_is_called():
