@@ -18,6 +18,7 @@ the URL and the last error, since nothing could be learned from it.
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import time
@@ -36,6 +37,9 @@ MAX_BACKOFF_S = 30.0
 
 class RemoteRewardError(RuntimeError):
     """A request to the reward endpoint failed for good (after its retries)."""
+
+    retries: int = 0
+    """The retries the request used before failing (metrics)."""
 
 
 @dataclass
@@ -148,25 +152,30 @@ class RemoteReward:
         """(scores, retries used) of one request; RemoteRewardError after the last try."""
         body = json.dumps(request_body(samples, self.protocol)).encode("utf-8")
         retries = 0
-        while True:
-            wait = None
-            try:
-                return scores_of(self._post_once(url, body), len(samples), url), retries
-            except urllib.error.HTTPError as error:
-                if error.code not in RETRIED_STATUS:
-                    detail = error.read(300).decode("utf-8", "replace").strip().splitlines()
-                    raise RemoteRewardError(f"{url} answered HTTP {error.code}"
-                                            f"{': ' + detail[0] if detail else ''}") from None
-                reason, wait = f"HTTP {error.code}", _retry_after(error)
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
-                reason = str(getattr(error, "reason", error)) or type(error).__name__
-            except json.JSONDecodeError:
-                raise RemoteRewardError(f"{url} answered with something that is not JSON") from None
-            if retries >= self.max_retries:
-                raise RemoteRewardError(f"{url} failed {retries + 1} times, last: {reason} (timeout_s="
-                                        f"{self.timeout_s:g}, max_retries={self.max_retries})")
-            retries += 1
-            time.sleep(min(wait if wait is not None else self.backoff_s * 2 ** (retries - 1), MAX_BACKOFF_S))
+        try:
+            while True:
+                wait = None
+                try:
+                    return scores_of(self._post_once(url, body), len(samples), url), retries
+                except urllib.error.HTTPError as error:
+                    if error.code not in RETRIED_STATUS:
+                        detail = error.read(300).decode("utf-8", "replace").strip().splitlines()
+                        raise RemoteRewardError(f"{url} answered HTTP {error.code}"
+                                                f"{': ' + detail[0] if detail else ''}") from None
+                    reason, wait = f"HTTP {error.code}", _retry_after(error)
+                except (OSError, http.client.HTTPException) as error:  # URLError, timeouts and resets are OSErrors
+                    # HTTPException: the connection closed mid-answer (IncompleteRead), a garbled status line, ...
+                    reason = str(getattr(error, "reason", error)) or type(error).__name__
+                except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
+                    raise RemoteRewardError(f"{url} answered with something that is not JSON") from None
+                if retries >= self.max_retries:
+                    raise RemoteRewardError(f"{url} failed {retries + 1} times, last: {reason} (timeout_s="
+                                            f"{self.timeout_s:g}, max_retries={self.max_retries})")
+                retries += 1
+                time.sleep(min(wait if wait is not None else self.backoff_s * 2 ** (retries - 1), MAX_BACKOFF_S))
+        except RemoteRewardError as error:
+            error.retries = retries  # the retries it used, for reward/remote/retries
+            raise
 
     def score(self, samples: list[RemoteSample]) -> RemoteScores:
         """Every sample's score, in order; fallback_score where its request failed for good."""
@@ -180,7 +189,7 @@ class RemoteReward:
             try:
                 chunk_scores, used = future.result()
             except RemoteRewardError as error:
-                last_error, used = error, self.max_retries
+                last_error, used = error, error.retries
                 chunk_scores = [self.fallback_score] * len(chunk)
                 failed += len(chunk)
             scores.extend(chunk_scores)

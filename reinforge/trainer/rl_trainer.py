@@ -9,6 +9,7 @@ controller holds only the Batch and pure functions from ``reinforge.algorithms``
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -50,6 +51,8 @@ from reinforge.workers.judge import JudgeWorker
 from reinforge.workers.reference import ReferenceWorker
 from reinforge.workers.reward import RewardWorker
 from reinforge.workers.reward_model import RewardModelWorker
+
+logger = logging.getLogger(__name__)
 
 
 class RLTrainer(TrainingRun):
@@ -267,6 +270,11 @@ class RLTrainer(TrainingRun):
             scored = self.reward_model.compute_rm_score(batch)
         rule = rule_call.result() if rule_call is not None else None
         rm_scores = scored["rm_scores"].sum(-1)
+        cut = int(scored["rm_truncated"].sum())
+        if cut:
+            logger.warning("%d of %d reward-model inputs were longer than reward.reward_model.max_length and lost "
+                           "their end (the response's last tokens) before scoring (reward_model/truncated); raise "
+                           "reward.reward_model.max_length (a re-rendered chat template adds tokens)", cut, len(batch))
         scores = combine_scores(rm_scores, None if rule is None else rule["token_level_scores"].sum(-1), combine)
         result = rule if rule is not None else Batch()
         result["token_level_scores"] = place_on_last_token(scores, batch["response_mask"].cpu()).to(

@@ -122,3 +122,56 @@ def test_requests_spread_over_several_urls(server):
     client = RemoteReward(f"{first}, {second}", batch_size=1)
     assert client.urls == [first, second]
     assert client.score(SAMPLES[:4]).requests == 4
+
+
+def raw_server(answers: list[tuple[bytes, int]]) -> tuple[str, Callable[[], None], list[int]]:
+    """An endpoint whose i-th POST gets the raw body answers[i] (the last repeats) with the given Content-Length."""
+    calls: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(1)
+            data, length = answers[min(len(calls), len(answers)) - 1]
+            self.send_response(200)
+            self.send_header("Content-Length", str(length))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}/get_reward", httpd.shutdown, calls
+
+
+def test_an_answer_cut_short_is_retried_like_a_dropped_connection():
+    good = json.dumps({"scores": [1.0] * len(SAMPLES)}).encode()
+    url, stop, calls = raw_server([(good[:5], len(good) + 10), (good, len(good))])
+    try:
+        result = RemoteReward(url, batch_size=len(SAMPLES), max_retries=2, backoff_s=0.0).score(SAMPLES)
+    finally:
+        stop()
+    assert result.scores == [1.0] * len(SAMPLES) and result.retries == 1 and len(calls) == 2
+
+
+def test_an_answer_that_is_not_utf8_is_named_as_not_json():
+    url, stop, _ = raw_server([(b"\xff\xfe{}", 4)])
+    try:
+        with pytest.raises(RemoteRewardError, match="answered with something that is not JSON"):
+            RemoteReward(url, max_retries=0, backoff_s=0.0).score(SAMPLES)
+    finally:
+        stop()
+
+
+def test_retries_count_only_the_retries_a_failed_request_made(server):
+    def refuse_the_first_chunk(body, calls):
+        if body["query"][0].startswith("Q0"):
+            return 400, {"error": "bad field"}, {}
+        return length_scores(body, calls)
+
+    url = server(refuse_the_first_chunk)
+    result = RemoteReward(url, batch_size=3, max_retries=5, backoff_s=0.0).score(SAMPLES)
+    assert result.failed == 3 and result.retries == 0  # a 400 is not retried
