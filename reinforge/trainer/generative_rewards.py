@@ -38,6 +38,10 @@ from reinforge.workers.judge import judge_sampling
 logger = logging.getLogger(__name__)
 
 
+MAX_TIMEOUTS_IN_A_ROW = 3
+"""Steps in a row of a judge timing out on every sample after which the run stops (each scored only fallbacks)."""
+
+
 class JudgeScorer:
     name = "judge"
 
@@ -52,6 +56,8 @@ class JudgeScorer:
         self.temperature = config.rollout.temperature
         """compute_log_prob divides the logits by the rollout temperature (the judge worker's and the actor's)."""
         self.seed = config.trainer.seed
+        self.timeouts_in_a_row = 0
+        """Steps in a row whose judging ran out of reward.judge.timeout_s on every sample."""
         self.yes_no = None
         if settings.parse == "yes_no":
             self.yes_no = (answer_token_id(self.tokenizer, settings.yes_token, "reward.judge.yes_token"),
@@ -76,9 +82,17 @@ class JudgeScorer:
                 if problem is not None:
                     raise RuntimeError(problem)
         except WorkerTimeoutError:
+            self.timeouts_in_a_row += 1
+            if self.timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:  # every score a fallback: nothing left to learn from
+                raise RuntimeError(f"the judge took more than reward.judge.timeout_s={settings.timeout_s:g}s on every "
+                                   f"sample of {self.timeouts_in_a_row} steps in a row, so each scored the fallback "
+                                   f"{settings.fallback_score:g}; raise reward.judge.timeout_s or make the judge "
+                                   "faster (a smaller judge, a shorter reward.judge.max_tokens)") from None
             logger.warning("the judge took more than reward.judge.timeout_s=%gs on %d samples; they score %g "
                            "(reward/judge/timeouts)", settings.timeout_s, len(batch), settings.fallback_score)
             judgements = Judgements([settings.fallback_score] * len(batch), 0, timed_out=len(batch))
+        else:
+            self.timeouts_in_a_row = 0
         if judgements.malformed:
             logger.warning("%d of %d judgements had no score the rule parse=%s reads; they score %g "
                            "(reward/judge/malformed)", judgements.malformed, len(batch), settings.parse,

@@ -129,3 +129,34 @@ def test_a_judge_without_the_chat_template_it_is_asked_to_use_is_warned_about(ti
         check_judge_settings(load_config(None, [*judge, "reward.judge.chat_template=false"]))
         check_judge_settings(load_config(None, [*judge[:2], f"reward.judge.model_path={tiny_model_dir}", judge[3]]))
     assert not [record for record in caplog.records if record.levelname == "WARNING"]
+
+
+def test_a_judge_that_times_out_on_every_sample_three_steps_in_a_row_stops_the_run():
+    """A batch scored only by fallbacks teaches nothing: once is a warning, three steps in a row end the run."""
+    import sys
+    from types import SimpleNamespace
+
+    from reinforge.config.schema import Config
+    from reinforge.controller import WorkerTimeoutError
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.trainer.generative_rewards import JudgeScorer
+
+    def timed_out(*args, **kwargs):
+        raise WorkerTimeoutError("deadline")
+
+    call = SimpleNamespace(with_timeout=lambda seconds: timed_out)
+    config = Config()
+    config.reward.judge.model_path, config.reward.judge.parse = "policy", "yes_no"
+    config.reward.judge.template = "Is {response} right for {prompt}? Answer Y or N."
+    config.reward.judge.yes_token, config.reward.judge.no_token = "Y", "N"
+    tokenizer = build_char_tokenizer()
+    scorer = JudgeScorer(config, SimpleNamespace(compute_log_prob=call, generate=call), tokenizer)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "reward"))
+    from test_judge import policy_batch
+
+    batch = policy_batch(tokenizer, ["2+2?", "3*3?"], ["4", "it is 8"])
+    for _ in range(2):
+        scores, metrics = scorer(batch, step=1)
+        assert metrics["reward/judge/timeouts"] == len(batch)
+    with pytest.raises(RuntimeError, match="on every sample of 3 steps in a row"):
+        scorer(batch, step=3)
