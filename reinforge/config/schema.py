@@ -462,10 +462,11 @@ class JudgeConfig:
     temperature: float = 0.0
     """The judge's sampling temperature (0: greedy, the same judgement for the same input)."""
     max_prompt_length: int = 2048
-    """Tokens of the judge's prompt; a longer one is cut from the left of the response's side and counted."""
+    """Tokens of the judge's prompt; a longer one keeps its last tokens (where the judge is asked; its start, with
+    the beginning of the problem, is cut) and is counted in reward/judge/prompts_cut."""
     timeout_s: float = 600.0
     """Seconds the judging of one batch may take; past it every sample of the batch gets fallback_score (counted in
-    reward/judge/timeouts)."""
+    reward/judge/timeouts), and three such steps in a row stop the run."""
     fallback_score: float = 0.0
     """Score of a sample whose judgement could not be read (counted in reward/judge/malformed) or timed out."""
     trust_remote_code: bool = False
