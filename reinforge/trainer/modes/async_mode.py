@@ -117,11 +117,15 @@ class AsyncMode:
         now = time.perf_counter()
         window = max(now - self._last_step_end, 1e-9)
         idle = self.rollouter.idle_s - self._idle_mark
+        tokens = float(self.rollouter.tokens - self._tokens_mark)
+        busy = max(window - idle, 0.0)  # the rollouter's generating time since the last step ended
         metrics |= {"async/version": float(self.rollouter.version), "async/admitted": float(self.rollouter.admitted),
                     "async/ready_groups": float(len(self.rollouter.ready)),
                     "async/trainer_idle_fraction": min(1.0, timing["wait"] / window),
                     "async/rollouter_idle_fraction": min(1.0, idle / window),
-                    "async/rollout_tokens": float(self.rollouter.tokens - self._tokens_mark)}
+                    "async/rollout_tokens": tokens,
+                    # the names the sync trainer logs its generation under, over the same window
+                    "timing_s/gen": busy, "rollout/tokens_per_s": tokens / max(busy, 1e-9)}
         self._last_step_end, self._idle_mark, self._tokens_mark = now, self.rollouter.idle_s, self.rollouter.tokens
         self._record(positions, batch)
         return metrics

@@ -71,6 +71,8 @@ def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_mode
         assert row["actor/num_skipped_steps"] == 0  # a non-finite gradient would be skipped and counted here
         assert 0 <= row["async/trainer_idle_fraction"] <= 1 and 0 <= row["async/rollouter_idle_fraction"] <= 1
         assert "timing_s/old_log_prob" not in row  # loglinear needs no extra forward
+        assert row["timing_s/gen"] >= 0 and row["rollout/tokens_per_s"] >= 0  # the rollouter's, since the last step
+    assert sum(row["async/rollout_tokens"] for row in rows) > 0 and max(row["rollout/tokens_per_s"] for row in rows) > 0
     records = [json.loads(line) for line in (run_dir / "async_groups.jsonl").read_text().splitlines()]
     positions = [position for record in records for position in record["positions"]]
     assert [record["step"] for record in records] == [1, 2, 3, 4, 5]
