@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-_MARKER = "\u2063reinforge-assistant-marker\u2063"
+from reinforge.data.chat_template import ASSISTANT_MARKER, end_of_turn_token
 
 
 class ToolTurnRenderer:
@@ -38,15 +38,16 @@ class ToolTurnRenderer:
     too (``stop_ids``), not only at the tokenizer's EOS.
     """
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None, eos_text: str | None = None):
+    def __init__(self, tokenizer: Any, chat_template: str | None = None, eos_text: str | None = None,
+                 check_tool_turns: bool = True):
         self.tokenizer = tokenizer
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template to render tool turns with; set data.chat_template")
-        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARKER}]
+        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ASSISTANT_MARKER}]
         base_text = self._render(self._base, add_generation_prompt=False)
-        after = base_text[base_text.index(_MARKER) + len(_MARKER):]
-        self.eos_text = eos_text or _end_of_turn(tokenizer, after)
+        after = base_text[base_text.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+        self.eos_text = eos_text or end_of_turn_token(tokenizer, after)
         if not after.startswith(self.eos_text):
             raise ValueError(f"the chat template does not close an assistant turn with {self.eos_text!r} (it writes "
                              f"{after[:40]!r}); tool turns cannot be appended token for token")
@@ -57,8 +58,20 @@ class ToolTurnRenderer:
         """The end-of-turn token's ids, which close an assistant turn that a stop token ended."""
         self.stop_ids: tuple[int, ...] = tuple(self.eos_ids) if len(self.eos_ids) == 1 else ()
         """Token ids a turn stops at besides the rollout's own (the tokenizer's EOS, rollout.stop_token_ids)."""
-        self.increment_text([{"role": "tool", "content": "?"}])  # a template that cannot work fails here, when the
+        if check_tool_turns:
+            self.check_tool_turns()
+
+    def check_tool_turns(self) -> None:
+        """Raise one ValueError unless tool messages can follow an assistant turn as a token increment (a template
+        without a tool role, Gemma's and Mistral's, raises its own TemplateError: named here)."""
+        try:
+            self.increment_text([{"role": "tool", "content": "?"}])  # a template that cannot work fails here, when the
         # renderer is made (before any model loads, where the caller makes it then), not at a rollout's first tool turn
+        except ValueError:
+            raise
+        except Exception as error:  # jinja2's TemplateError from the template's raise_exception
+            raise ValueError(f"the chat template refuses a tool message after an assistant turn ({type(error).__name__}: "
+                             f"{error}); set data.chat_template to a template with a tool role") from None
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
@@ -85,23 +98,6 @@ class ToolTurnRenderer:
         byte-level token's string has a character per byte, at least one per character it decodes to). A text
         longer than n times this has more than n tokens."""
         return max((len(token) for token in self.tokenizer.get_vocab()), default=1) or 1
-
-
-def _end_of_turn(tokenizer: Any, after: str) -> str:
-    """The token that closes an assistant turn, given the template's text right after one: the tokenizer's EOS if
-    the text starts with it, else the longest special token it starts with."""
-    eos = tokenizer.eos_token
-    if eos and after.startswith(eos):
-        return eos
-    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    specials = {*getattr(tokenizer, "all_special_tokens", ()), *(token.content for token in decoder.values()
-                                                                 if getattr(token, "special", False))}
-    starting = [token for token in specials if token and after.startswith(token)]
-    if not starting:
-        raise ValueError(f"the chat template closes an assistant turn with {after[:40]!r}, which starts with neither the "
-                         f"tokenizer's EOS {eos!r} nor another special token, so a turn has no token to stop at; "
-                         "use a template whose assistant turns end with a special token")
-    return max(starting, key=len)
 
 
 def truncate_tokens(token_ids: list[int], limit: int, side: str) -> tuple[list[int], bool]:

@@ -49,3 +49,59 @@ def get_pad_token_id(tokenizer: Any) -> int:
             return int(token_id)
     raise ValueError("the tokenizer has neither a pad token nor an EOS token to pad prompts with; "
                      "set tokenizer.pad_token before building the data loader")
+
+
+ASSISTANT_MARKER = "\u2063reinforge-assistant-marker\u2063"
+"""Text no real reply holds: where the template puts an assistant's content, to read what it writes around it."""
+
+
+def end_of_turn_token(tokenizer: Any, after: str) -> str:
+    """The token that closes an assistant turn, given the template's text right after one: the tokenizer's EOS if
+    the text starts with it, else the longest special token it starts with."""
+    eos = tokenizer.eos_token
+    if eos and after.startswith(eos):
+        return eos
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {*getattr(tokenizer, "all_special_tokens", ()), *(token.content for token in decoder.values()
+                                                                 if getattr(token, "special", False))}
+    starting = [token for token in specials if token and after.startswith(token)]
+    if not starting:
+        raise ValueError(f"the chat template closes an assistant turn with {after[:40]!r}, which starts with neither the "
+                         f"tokenizer's EOS {eos!r} nor another special token, so a turn has no token to stop at; "
+                         "use a template whose assistant turns end with a special token")
+    return max(starting, key=len)
+
+
+def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> tuple[int, ...]:
+    """The id of the token the chat template closes an assistant turn with (Gemma's <end_of_turn>, Llama 3's
+    <|eot_id|>, Phi-3's <|end|>, ChatML's <|im_end|>), or () where there is no template, it cannot render a turn, or
+    it closes one with plain text."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        return ()
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                              {"role": "assistant", "content": ASSISTANT_MARKER}],
+                                             chat_template=template, tokenize=False, add_generation_prompt=False)
+        after = text[text.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+        ids = tokenizer(end_of_turn_token(tokenizer, after), add_special_tokens=False)["input_ids"]
+    except Exception:  # a template that refuses this shape, or no special token closes the turn
+        return ()
+    return tuple(ids) if len(ids) == 1 else ()
+
+
+def template_error_message(error: Exception, what: str) -> str:
+    """One line for an exception the chat template raised while rendering ``what`` ('this prompt'): the template's
+    own refusal (raise_exception: Gemma's 'System role not supported', Mistral's alternation rule) with its fix, or a
+    jinja2 error on odd message content."""
+    from jinja2.exceptions import TemplateError, UndefinedError
+
+    if isinstance(error, TemplateError) and not isinstance(error, UndefinedError):
+        hint = ("make the roles alternate user/assistant after an optional first system message (merge consecutive "
+                "user turns)") if "alternate" in str(error).lower() else \
+            ("merge the system message into the first user message (this model has no system role), or set "
+             "data.chat_template to a template that accepts one") if "system" in str(error).lower() else \
+            "change the messages to the shape the template accepts, or set data.chat_template"
+        return f"the model's chat template refuses {what} ({error}); {hint}"
+    return (f"the chat template cannot render {what} ({type(error).__name__}: {error}); give each message's "
+            "'content' as a string")

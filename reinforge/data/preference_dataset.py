@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from reinforge.data.chat_template import template_error_message
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
@@ -205,8 +206,7 @@ class PreferenceDataset:
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
                 except Exception as error:  # jinja2 errors on odd message content
-                    raise ValueError(f"{where}: the chat template cannot render this pair ({type(error).__name__}: "
-                                     f"{error}); give each message's 'content' as a string") from None
+                    raise ValueError(f"{where}: {template_error_message(error, 'this pair')}") from None
                 if pair.longest > max_length:
                     if truncation == "error":
                         raise ValueError(f"{where} has {pair.longest} tokens (prompt and the longer completion), more "

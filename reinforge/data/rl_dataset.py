@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from reinforge.config.schema import DataConfig
-from reinforge.data.chat_template import encode_prompt
+from reinforge.data.chat_template import encode_prompt, template_error_message
 from reinforge.data.files import Row, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
@@ -261,8 +261,7 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     except Exception as error:  # the template's own error (jinja2 TypeError/UndefinedError) on odd message content
-        raise ValueError(f"{where}: the chat template cannot render this prompt ({type(error).__name__}: {error}); "
-                         "give each message's 'content' as a string") from None
+        raise ValueError(f"{where}: {template_error_message(error, 'this prompt')}") from None
     if images and config.max_image_tokens is not None:
         image_tokens = prompt_ids.count(processor.image_token_id)
         if image_tokens > config.max_image_tokens:

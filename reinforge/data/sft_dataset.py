@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from reinforge.data.chat_template import template_end_of_turn_ids, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
@@ -85,6 +86,9 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], templat
                              "on; start it with a system or user message (or drop that message)")
         before = _render(tokenizer, messages[:index], template, add_generation_prompt=True, tools=tools)
         through = _render(tokenizer, messages[:index + 1], template, add_generation_prompt=False, tools=tools)
+        eos = getattr(tokenizer, "eos_token", None)
+        if eos and through.endswith(eos) and not text.startswith(through) and text.startswith(through[:-len(eos)]):
+            through = through[:-len(eos)]  # Phi-3's template ends a conversation (not a turn) with EOS
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
             raise ValueError(f"the chat template does not render message {index} as a continuation of the earlier "
                              "messages (it rewrites past turns), so assistant tokens cannot be located; set "
@@ -107,11 +111,12 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     loss_mask = [0] * len(input_ids)
-    eos_id = tokenizer.eos_token_id
+    # the template's end-of-turn (Gemma's <end_of_turn>, Phi-3's <|end|>), not only the tokenizer's EOS (<eos>, </s>)
+    turn_end_ids = set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id}
     for start, end in spans:
         inside = [position for position, (first, _) in enumerate(encoded["offset_mapping"]) if start <= first < end]
-        ends_of_turn = [position for position in inside if input_ids[position] == eos_id]
-        if ends_of_turn:
+        ends_of_turn = [position for position in inside if input_ids[position] in turn_end_ids]
+        if ends_of_turn:  # what follows (ChatML's newline, Phi-3's closing EOS) is not the reply's
             inside = [position for position in inside if position <= ends_of_turn[-1]]
         for position in inside:
             loss_mask[position] = 1
@@ -159,9 +164,7 @@ class SFTDataset:
                 except ValueError as error:
                     raise ValueError(f"{where}: {error}") from None
                 except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
-                    raise ValueError(f"{where}: the chat template cannot render this conversation "
-                                     f"({type(error).__name__}: {error}); give each message's 'content' as a "
-                                     "string") from None
+                    raise ValueError(f"{where}: {template_error_message(error, 'this conversation')}") from None
                 if not any(example.loss_mask):
                     self.num_without_assistant += 1
                     continue

@@ -11,6 +11,7 @@ shortened or reordered history, other tools) is rendered from its messages and s
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ def _same_reply(sent: dict[str, Any], returned: dict[str, Any]) -> bool:
             and sent.get("tool_calls", []) == returned.get("tool_calls", []))
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class CallRecord:
     """One chat call of a session: what it was asked, the exact prompt ids, and what the engine sampled."""
@@ -128,7 +132,13 @@ class ChatCodec:
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template, so chat messages cannot be rendered; serve a model "
                              "whose tokenizer_config.json has one or pass --chat-template FILE")
-        self.renderer = ToolTurnRenderer(tokenizer, self.chat_template)
+        self.renderer = ToolTurnRenderer(tokenizer, self.chat_template, check_tool_turns=False)
+        try:  # Gemma's and Mistral's templates have no tool role, Phi-3's ends a conversation with EOS: they still
+            self.renderer.check_tool_turns()  # chat; a continued conversation is then rendered again from messages
+            self.increments = True
+        except ValueError as error:
+            logger.warning("conversations are rendered whole on each call, not continued token for token: %s", error)
+            self.increments = False
         self.parser = get_tool_parser(tool_format)
 
     def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
@@ -147,7 +157,7 @@ class ChatCodec:
     def prompt_ids(self, session: ChatSession | None, messages: list[dict[str, Any]],
                    tools: Any) -> tuple[list[int], int | None]:
         """The prompt of a call and the index of the call it continues (None: rendered)."""
-        continued = session.continued_call(messages, tools) if session is not None else None
+        continued = session.continued_call(messages, tools) if session is not None and self.increments else None
         if continued is None:
             return self.render(messages, tools), None
         index, new_messages = continued

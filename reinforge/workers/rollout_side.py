@@ -210,8 +210,14 @@ def planned_concurrency(config: Config) -> dict[str, int]:
 
 
 def stop_token_ids(config: Config, tokenizer: Any, model: torch.nn.Module) -> list[int]:
-    """The tokenizer's EOS, the model's generation_config EOS ids and rollout.stop_token_ids."""
+    """The tokenizer's EOS, the model's generation_config EOS ids, rollout.stop_token_ids and the chat template's
+    end-of-turn token (a generation config that lists only <|end_of_text|> or <eos> must still stop at <|eot_id|>
+    or <end_of_turn>, where a templated prompt's answer ends)."""
     ids = {tokenizer.eos_token_id, *config.rollout.stop_token_ids}
+    if config.data.apply_chat_template is not False:
+        from reinforge.data.chat_template import template_end_of_turn_ids
+
+        ids |= set(template_end_of_turn_ids(tokenizer, config.data.chat_template))
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return sorted(i for i in ids if i is not None)
