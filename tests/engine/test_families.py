@@ -190,6 +190,23 @@ def test_a_vision_language_gemma3_shards_and_adapts_its_language_model_in_every_
     assert adapted and not any("vision_tower" in name for name in adapted)
 
 
+def test_a_vision_language_gemmas_critic_trains_its_language_model_with_the_tower_frozen(tmp_path):
+    from reinforge.config.schema import Config
+    from reinforge.engine.fsdp import decoder_layers
+    from reinforge.models.export import save_hf_folder
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.workers.critic import CriticWorker
+
+    tokenizer = build_char_tokenizer()
+    model_dir = save_hf_folder(gemma3_vision_language(None, vocab_size=len(tokenizer) + 3), tokenizer, tmp_path / "g3")
+    config = Config()
+    config.model.path, config.trainer.device = str(model_dir), "cpu"
+    critic = CriticWorker(config, total_training_steps=2)
+    tower = critic.model.backbone.vision_tower
+    assert not any(parameter.requires_grad for parameter in tower.parameters())
+    assert {type(layer).__name__ for layer in decoder_layers(critic.model)} == {"FSDPGemma3DecoderLayer"}
+
+
 def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic_data_dir, tmp_path, caplog):
     """Gemma 3 4B to 27B load as the multimodal wrapper; text prompts run on its language model in the engine."""
     from transformers import AutoModelForCausalLM
