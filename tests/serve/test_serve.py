@@ -311,3 +311,13 @@ def test_a_stop_string_of_one_token_is_not_part_of_the_reply(tool_tokenizer):
         assert (text.choices[0].text, text.choices[0].finish_reason) == ("H7", "stop")
     finally:
         served.close()
+
+
+def test_the_service_and_the_engine_end_replies_at_the_same_tokens(tiny_model_dir):
+    """The generation config's EOS ids (Gemma's <end_of_turn>, Llama 3's <|eot_id|>) end a reply and leave its text,
+    as the tokenizer's EOS does."""
+    from reinforge.serve.command import eos_token_ids, load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
+    assert eos_token_ids(model, tokenizer) == sorted({tokenizer.eos_token_id, 7})
