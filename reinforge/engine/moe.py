@@ -19,8 +19,9 @@ pooled over all MoE layers) over a padded forward of the same sequences: a share
 in a packed row, count once for each of its samples, and padding not at all (``token_weights``); the slots are
 the experts each router chose. transformers computes no such loss for DeepSeek V2 and V3, whose configs never ask
 for one; with ``actor.router_aux_loss_coef`` set, theirs takes the same form over their groups' and correction
-bias's choices, V3's sigmoid scores normalised per token as its probabilities, the load imbalance (most loaded expert's share over the mean share,
-averaged over layers) and the unused experts (experts no token chose, averaged over layers).
+bias's choices, V3's sigmoid scores normalised per token as its probabilities. Beside it: the load imbalance (most
+loaded expert's share over the mean share, averaged over layers) and the unused experts (experts no token chose,
+averaged over layers), from slot counts that add up over micro-batches and ranks.
 Dropless routing drops no token.
 """
 
@@ -109,13 +110,19 @@ class RouterOutputs:
 
     aux_loss: Tensor
     """transformers' load-balancing loss over all MoE layers (with grad when it was asked for)."""
-    load_imbalance: Tensor
-    """The most loaded expert's share of top-k slots over the mean share, averaged over layers (1: balanced)."""
-    unused_experts: Tensor
-    """Experts no token chose, averaged over layers."""
-    expert_counts: Tensor | None = None
+    expert_counts: Tensor
     """(layers, experts) float32: the top-k slots that chose each expert (``token_weights``-weighted). They add up
     over micro-batches and ranks, which ``pooled_routing_metrics`` turns into the whole update's balance."""
+
+    @property
+    def load_imbalance(self) -> Tensor:
+        """The most loaded expert's share of top-k slots over the mean share, averaged over layers (1: balanced)."""
+        return routing_balance(self.expert_counts)[0]
+
+    @property
+    def unused_experts(self) -> Tensor:
+        """Experts no token chose, averaged over layers."""
+        return routing_balance(self.expert_counts)[1]
 
 
 RECORD_ATTRIBUTE = "reinforge_routing"
@@ -213,45 +220,45 @@ def router_probabilities(logits: Tensor, scoring: str = "softmax") -> Tensor:
 
 
 def load_balancing_loss(router_logits: list[Tensor], top_k: int, token_weights: Tensor | None = None,
-                        expert_ids: list[Tensor] | None = None, scoring: str = "softmax") -> Tensor:
-    """transformers' ``load_balancing_loss_func`` over the layers' (tokens, experts) logits: num_experts x sum_e
-    (top-k slots of expert e / tokens) x (router probability of e summed / tokens), each token counted
-    ``token_weights`` times (transformers' attention mask is such a weight, 0 or 1; None: once each).
-
-    ``expert_ids``: the experts each router chose, per layer (None: the top-k of the probabilities, which is what a
-    softmax router without groups or a correction bias chooses; DeepSeek's routers choose otherwise).
-    ``scoring``: ``router_probabilities``'s."""
+                        scoring: str = "softmax") -> Tensor:
+    """transformers' ``load_balancing_loss_func`` over the layers' (tokens, experts) logits, each router choosing the
+    top-k of its probabilities (what a softmax router without groups or a correction bias chooses); see
+    ``_balancing_loss``."""
     num_experts = router_logits[0].shape[-1]
-    slots = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    slots = sum(expert_counts(torch.topk(router_probabilities(logits, scoring), top_k, dim=-1).indices, num_experts,
+                              _checked_weights(token_weights, logits.shape[0])) for logits in router_logits)
+    return _balancing_loss(router_logits, slots, token_weights, scoring)
+
+
+def _balancing_loss(router_logits: list[Tensor], slots: Tensor, token_weights: Tensor | None, scoring: str) -> Tensor:
+    """num_experts x sum_e (top-k slots of expert e / tokens) x (router probability of e summed / tokens), pooled
+    over the layers, each token counted ``token_weights`` times (transformers' attention mask is such a weight, 0 or
+    1; None: once each); ``slots``: (experts,) the layers' slot counts, weighted alike; ``scoring``:
+    ``router_probabilities``'s."""
     probs = torch.zeros_like(slots)
     rows = torch.zeros((), dtype=torch.float32, device=slots.device)
-    for layer, logits in enumerate(router_logits):
-        weights = _checked_weights(token_weights, logits.shape[0])
-        routing = router_probabilities(logits, scoring)
-        chosen = torch.topk(routing, top_k, dim=-1).indices if expert_ids is None else expert_ids[layer]
-        slots = slots + expert_counts(chosen, num_experts, weights)
-        if weights is None:
-            probs = probs + routing.float().sum(dim=0)
+    for logits in router_logits:
+        routing = router_probabilities(logits, scoring).float()
+        if token_weights is None:
+            probs = probs + routing.sum(dim=0)
             rows = rows + logits.shape[0]
         else:
-            probs = probs + (routing.float() * weights.float()[:, None]).sum(dim=0)
-            rows = rows + weights.float().sum()
+            probs = probs + (routing * token_weights.float()[:, None]).sum(dim=0)
+            rows = rows + token_weights.float().sum()
     rows = rows.clamp(min=1e-9)
-    return num_experts * torch.sum((slots / rows) * (probs / rows))
+    return slots.shape[0] * torch.sum((slots / rows) * (probs / rows))
 
 
 def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_grad: bool,
                    token_weights: Tensor | None = None, scoring: str = "softmax") -> RouterOutputs:
-    """Aux loss, load imbalance and unused experts of one forward's MoE layers (``RouterOutputs``), over the
-    experts the routers chose, each token counted ``token_weights`` times (None: once)."""
-    top_k = expert_ids[0].shape[-1]
-    logits = router_logits if with_grad else [tensor.detach() for tensor in router_logits]
-    aux_loss = load_balancing_loss(logits, top_k, token_weights, expert_ids, scoring)
+    """Aux loss and slot counts of one forward's MoE layers (``RouterOutputs``), over the experts the routers chose
+    (DeepSeek's groups and correction bias included), each token counted ``token_weights`` times (None: once)."""
     num_experts = router_logits[0].shape[-1]
     counts = torch.stack([expert_counts(ids, num_experts, _checked_weights(token_weights, ids.shape[0]))
                           for ids in expert_ids])  # (layers, experts)
-    imbalance, unused = routing_balance(counts)
-    return RouterOutputs(aux_loss=aux_loss, load_imbalance=imbalance, unused_experts=unused, expert_counts=counts)
+    logits = router_logits if with_grad else [tensor.detach() for tensor in router_logits]
+    return RouterOutputs(aux_loss=_balancing_loss(logits, counts.sum(dim=0), token_weights, scoring),
+                         expert_counts=counts)
 
 
 def routing_balance(counts: Tensor) -> tuple[Tensor, Tensor]:

@@ -232,7 +232,7 @@ class ActorRolloutWorker(Worker):
                     router = (recorder.take(with_grad=bool(self.router_aux_loss_coef) and not forward_only,
                                             token_weights=routed_token_weights(self.model, micro))
                               if recorder else None)
-                    if router is not None and router.expert_counts is not None:
+                    if router is not None:
                         slots = router.expert_counts.detach()
                         routed = slots if routed is None else routed + slots
                     loss, metrics = actor_loss(self.config, micro, counts, log_probs, entropy, on_policy, router,
