@@ -36,6 +36,7 @@ from reinforge.engine.longrope import unshared_where_factors_differ
 from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_padded_micro_batches, rows_in_batch_order
 from reinforge.engine.packing import PackedRows, pack_rows, plan_of, unpack_responses, vision_model_kwargs
 from reinforge.models.architectures import architecture_spec
+from reinforge.models.head_probe import kept_final_softcap
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
@@ -78,14 +79,11 @@ def logit_transform(config) -> tuple[float, float | None]:
     return multiplier, cap
 
 
-UNCAPPED_HEAD = "_reinforge_uncapped_head"
-"""Set on a model whose config names a final soft-cap its own forward does not apply (``engine.fused``'s probe)."""
-
-
 def model_logit_transform(model: nn.Module) -> tuple[float, float | None]:
-    """``logit_transform`` of the model's config, without the cap where the model's forward leaves it out."""
+    """``logit_transform`` of the model's config, without the cap where the model's forward leaves it out
+    (``models.head_probe``, asked by ``engine.fused.prepare_for_training``)."""
     multiplier, cap = logit_transform(model.config)
-    return multiplier, None if getattr(model, UNCAPPED_HEAD, False) else cap
+    return multiplier, kept_final_softcap(model, cap)
 
 
 PACKS_ROWS = "_reinforge_packs_rows"

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec
-from reinforge.models.head_probe import applies_final_softcap, names_a_text_config_cap
+from reinforge.models.head_probe import final_softcap
 from reinforge.models.vision import (
     is_vision_language,
     keep_vision_tower_attention,
@@ -458,15 +458,14 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
 
 def check_final_soft_cap(model: nn.Module) -> None:
     """A family of the table whose composite config (a vision-language model's) names a final soft-cap in its text
-    config: whether the model's own forward applies it (``models.head_probe``); the log-probs follow the model's own
-    logits."""
-    from reinforge.engine.forward import UNCAPPED_HEAD, logit_transform
+    config: whether the model's own forward applies it (``models.head_probe``, its answer kept on the model); the
+    log-probs follow the model's own logits."""
+    from reinforge.engine.forward import logit_transform
 
     multiplier, cap = logit_transform(model.config)
-    if not names_a_text_config_cap(model.config, cap) or getattr(model, "get_output_embeddings", lambda: None)() is None:
+    if cap is None or getattr(model, "get_output_embeddings", lambda: None)() is None:
         return
-    if not applies_final_softcap(model, cap, multiplier):
-        setattr(model, UNCAPPED_HEAD, True)
+    if final_softcap(model, cap, multiplier) is None:
         logger.info("%s returns its logits without its text config's final_logit_softcapping=%s; training reads "
                     "them uncapped too, as the model samples them", type(model).__name__, cap)
 

@@ -4,7 +4,7 @@ A composite config (a vision-language model's) names its language model's final 
 whether the wrapper's forward applies it depends on the class and the transformers version (Gemma 3's
 ``Gemma3ForConditionalGeneration`` leaves it out in transformers 5, its text-only ``Gemma3ForCausalLM`` applies it).
 The training passes and the native engine compute the logits themselves, so they ask the model: one forward of six
-tokens, its logits against its output projection of its last hidden state, capped and not.
+tokens, its logits against its output projection of its last hidden state, capped and not, asked once per model.
 """
 
 from __future__ import annotations
@@ -12,9 +12,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+ANSWER = "_reinforge_applies_final_softcap"
+"""The model attribute the probe keeps its answer in: asked once, before the model is sharded, and read by the
+training passes and the rollout engine built on the same model."""
+
+
+def final_softcap(model: nn.Module, cap: float | None, multiplier: float = 1.0) -> float | None:
+    """``cap``, or None where ``model``'s own forward leaves out the cap its composite config's text config names
+    (probed once per model, its answer kept: ``ANSWER``); a config that is its own text config keeps ``cap``."""
+    if not names_a_text_config_cap(model.config, cap):
+        return cap
+    answer = getattr(model, ANSWER, None)
+    if answer is None:
+        answer = _applies_final_softcap(model, cap, multiplier)
+        setattr(model, ANSWER, answer)
+    return cap if answer else None
+
+
+def kept_final_softcap(model: nn.Module, cap: float | None) -> float | None:
+    """``final_softcap``'s answer where the model was probed, else ``cap``: no forward (the training passes' hot
+    path, after sharding)."""
+    return None if getattr(model, ANSWER, None) is False else cap
+
 
 @torch.no_grad()
-def applies_final_softcap(model: nn.Module, cap: float, multiplier: float = 1.0) -> bool:
+def _applies_final_softcap(model: nn.Module, cap: float, multiplier: float) -> bool:
     """True when ``model``'s logits are its output projection (times ``multiplier``) capped at ``cap``, False when
     they are the projection uncapped."""
     weight = model.get_output_embeddings().weight

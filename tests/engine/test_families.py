@@ -162,13 +162,13 @@ def gemma3_vision_language(cap: float | None, vocab_size: int = 128):
 def test_a_vision_language_gemma3_trains_on_the_logits_its_own_head_returns(cap):
     """Its text config may name a final soft-cap that Gemma3ForConditionalGeneration does not apply (transformers 5):
     the training passes follow the model's own logits, capped or not."""
-    from reinforge.engine.forward import UNCAPPED_HEAD
     from reinforge.engine.fused import check_final_soft_cap
+    from reinforge.models.head_probe import ANSWER
 
     model = gemma3_vision_language(cap)
     check_final_soft_cap(model)
     if cap is None:
-        assert not getattr(model, UNCAPPED_HEAD, False)
+        assert getattr(model, ANSWER, None) is not False  # not marked as leaving a cap out
     assert_pass_equals_transformers_padded_forward(model, share_prompts=True)
 
 

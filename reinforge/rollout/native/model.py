@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from reinforge.models.architectures import ArchitectureSpec, text_config
-from reinforge.models.head_probe import applies_final_softcap, names_a_text_config_cap
+from reinforge.models.head_probe import final_softcap
 from reinforge.rollout.native.attention import AttentionMetadata, flash_prefix_applies
 from reinforge.rollout.native.layers import ACTIVATIONS, BlockContext, DenseAttention, DenseMLP, LayerWeights, Parts
 from reinforge.rollout.native.mla import MLAAttention, mla_rotary_tables
@@ -300,9 +300,8 @@ class PagedDecoder:
         self.weights_fixed = weights_fixed
         """The model's weights never change while this decoder reads them: all are read in place where they can be."""
         spec: ArchitectureSpec = native_architecture_spec(model.config)
-        if names_a_text_config_cap(model.config, spec.final_softcap) and \
-                not applies_final_softcap(model, spec.final_softcap):
-            spec = replace(spec, final_softcap=None)  # a wrapper whose head leaves its text config's cap out
+        # a wrapper whose head leaves its text config's cap out (asked once per model: training asked it already)
+        spec = replace(spec, final_softcap=final_softcap(model, spec.final_softcap))
         self.spec = spec
         config = text_config(model.config)
         inner = decoder_module(model)
