@@ -390,6 +390,20 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
     (folder / "adapter_config.json").write_text(json.dumps(_jsonable(peft_config), indent=2, sort_keys=True) + "\n")
 
 
+def read_adapter_weights(folder: Path) -> dict[str, Tensor]:
+    """The adapter tensors of a folder in peft's format, named as ``write_adapter_folder`` read them (the adapted HF
+    model's names, ``...lora_A.default.weight``)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for name, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
+        plain = name.removeprefix("base_model.model.")
+        for part in (".lora_A.", ".lora_B."):
+            plain = plain.replace(part, f"{part}{ADAPTER_NAME}.")
+        state[plain] = tensor
+    return state
+
+
 def read_adapter_config(folder: Path) -> tuple[float, str]:
     """(scaling alpha / rank, base model path) from an adapter folder's adapter_config.json."""
     saved = json.loads((folder / "adapter_config.json").read_text())

@@ -180,9 +180,7 @@ def merge_adapter_folder(model: Any, adapter: Path) -> bool:
     or OLMoE model onto the fused experts, dropping the trained adapters of the dense and shared-expert MLPs."""
     import json
 
-    from safetensors.torch import load_file
-
-    from reinforge.engine.lora import ADAPTER_NAME, merge_lora_weights, transposed_layers
+    from reinforge.engine.lora import merge_lora_weights, read_adapter_config, read_adapter_weights, transposed_layers
 
     config_file, weights_file = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
     if not (config_file.is_file() and weights_file.is_file()):
@@ -192,15 +190,10 @@ def merge_adapter_folder(model: Any, adapter: Path) -> bool:
             or saved.get("alpha_pattern") or saved.get("use_rslora") or saved.get("target_parameters")):
         return False
     state = model.state_dict()
-    adapters = {}
-    for name, tensor in load_file(str(weights_file)).items():
-        plain = name.removeprefix("base_model.model.")
-        for part in (".lora_A.", ".lora_B."):
-            plain = plain.replace(part, f"{part}{ADAPTER_NAME}.")
-        if f"{plain.split('.lora_')[0]}.weight" not in state:
-            return False
-        adapters[plain] = tensor
-    scaling = float(saved["lora_alpha"]) / int(saved["r"])
+    adapters = read_adapter_weights(adapter)
+    if any(f"{name.split('.lora_')[0]}.weight" not in state for name in adapters):
+        return False
+    scaling, _ = read_adapter_config(adapter)
     merged = merge_lora_weights(dict(state) | adapters, scaling, transposed_layers(model))
     model.load_state_dict({name: tensor.to(state[name].device) for name, tensor in merged.items()})
     return True
