@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from reinforge.data.chat_template import ASSISTANT_MARKER, end_of_turn_token
+from reinforge.data.chat_template import ASSISTANT_TURN, assistant_turn_text, end_of_turn_token
 
 
 class ToolTurnRenderer:
@@ -44,9 +44,7 @@ class ToolTurnRenderer:
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template to render tool turns with; set data.chat_template")
-        self._base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ASSISTANT_MARKER}]
-        base_text = self._render(self._base, add_generation_prompt=False)
-        after = base_text[base_text.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+        base_text, after = assistant_turn_text(tokenizer, self.chat_template)
         self.eos_text = eos_text or end_of_turn_token(tokenizer, after)
         if not after.startswith(self.eos_text):
             raise ValueError(f"the chat template does not close an assistant turn with {self.eos_text!r} (it writes "
@@ -79,7 +77,7 @@ class ToolTurnRenderer:
 
     def increment_text(self, tool_messages: list[dict[str, Any]]) -> str:
         """The text that follows the model's end-of-turn token: separator, tool turn(s), next assistant header."""
-        full = self._render(self._base + tool_messages, add_generation_prompt=True)
+        full = self._render(ASSISTANT_TURN + tool_messages, add_generation_prompt=True)
         if not full.startswith(self._base_text):
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
                              "it, so a trajectory's tokens cannot stay as sampled; use a template that keeps "

@@ -72,6 +72,18 @@ def end_of_turn_token(tokenizer: Any, after: str) -> str:
     return max(starting, key=len)
 
 
+ASSISTANT_TURN = [{"role": "user", "content": "?"}, {"role": "assistant", "content": ASSISTANT_MARKER}]
+"""A user turn and an assistant turn holding the marker: what the template writes around a reply."""
+
+
+def assistant_turn_text(tokenizer: Any, chat_template: str) -> tuple[str, str]:
+    """(``ASSISTANT_TURN`` rendered by ``chat_template``, the text after the assistant's content: its end of turn and
+    whatever the template writes after it)."""
+    text = tokenizer.apply_chat_template(ASSISTANT_TURN, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=False)
+    return text, text[text.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+
+
 def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> tuple[int, ...]:
     """The id of the token the chat template closes an assistant turn with (Gemma's <end_of_turn>, Llama 3's
     <|eot_id|>, Phi-3's <|end|>, ChatML's <|im_end|>), or () where there is no template, it cannot render a turn, or
@@ -80,11 +92,8 @@ def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -
     if not template:
         return ()
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
-                                              {"role": "assistant", "content": ASSISTANT_MARKER}],
-                                             chat_template=template, tokenize=False, add_generation_prompt=False)
-        after = text[text.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
-        ids = tokenizer(end_of_turn_token(tokenizer, after), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(end_of_turn_token(tokenizer, assistant_turn_text(tokenizer, template)[1]),
+                        add_special_tokens=False)["input_ids"]
     except Exception:  # a template that refuses this shape, or no special token closes the turn
         return ()
     return tuple(ids) if len(ids) == 1 else ()
