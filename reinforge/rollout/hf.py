@@ -9,7 +9,8 @@ Seeded requests sample by Gumbel-max inside ``generate``'s greedy search: a logi
 tempers and truncates (top-k, top-p, min-p) each row's logits and adds the Gumbel noise of
 ``rollout.noise`` (a hash of the sample's seed, the token's position and the column), so a
 request's samples depend on its seed alone, not on what shares its batch, and are the native
-engine's samples for the same logits. Requests without a seed use transformers' own sampling.
+engine's samples for the same logits. A request without a seed gets one from the engine (as the native engine
+gives it one): ``generate`` runs inside ``fork_rng``, so transformers' own sampling would draw one stream every call.
 Either way the rollout.* settings alone shape the distribution: the model's ``generation_config`` keeps its
 token ids and cache settings during ``generate`` and nothing else (a checkpoint's repetition penalty, forced EOS or
 banned n-grams would sample other probabilities than training computes), said in one line at start.
@@ -234,8 +235,7 @@ class HFEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
         self._seed_generator = np.random.default_rng(seed)
-        """Seeds of requests that bring none (as the native engine's): ``generate`` runs inside ``fork_rng``, which
-        restores the global RNG afterwards, so transformers' own sampling would draw the same numbers every call."""
+        """Seeds of requests that bring none (see the module docstring)."""
         self.last_metrics: dict[str, float] = {}
         dropped = dropped_generation_settings(model)
         if dropped:
@@ -254,16 +254,15 @@ class HFEngine:
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         results: list[list[Completion] | None] = [None] * len(requests)
-        groups: dict[tuple[SamplingParams, bool], list[int]] = defaultdict(list)
+        groups: dict[SamplingParams, list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
-            seeded = not request.sampling.greedy  # a request without a seed gets a fresh one below
-            groups[(dataclasses.replace(request.sampling, seed=None, first_sample=0), seeded)].append(index)
-        for (sampling, seeded), indices in groups.items():
+            groups[dataclasses.replace(request.sampling, seed=None, first_sample=0)].append(index)
+        for sampling, indices in groups.items():
             per_call = max(1, self.max_batch_size // sampling.n)
             for start in range(0, len(indices), per_call):
                 chunk = indices[start:start + per_call]
-                seeds = [(self._seed_of(requests[i].sampling), requests[i].sampling.first_sample)
-                         for i in chunk] if seeded else None
+                seeds = None if sampling.greedy else [(self._seed_of(requests[i].sampling),
+                                                       requests[i].sampling.first_sample) for i in chunk]
                 completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling,
                                                          seeds, [requests[i].multi_modal_inputs for i in chunk])
                 for index, samples in zip(chunk, completions, strict=True):
@@ -277,7 +276,7 @@ class HFEngine:
     def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams,
                               seeds: list[tuple[int, int]] | None = None,
                               images: list[dict[str, Tensor] | None] | None = None) -> list[list[Completion]]:
-        """``seeds``: each prompt's (request seed, first sample index), or None for unseeded sampling; ``images``: each
+        """``seeds``: each prompt's (request seed, first sample index), None for greedy search; ``images``: each
         prompt's ``multi_modal_inputs`` (None: none)."""
         device = next(self.model.parameters()).device
         longest = max(len(prompt) for prompt in prompts)
@@ -289,7 +288,7 @@ class HFEngine:
         stop_ids = sorted(set(self.eos_token_ids) | set(sampling.stop_token_ids))
         kwargs = dict(
             max_new_tokens=sampling.max_tokens,
-            do_sample=not sampling.greedy,
+            do_sample=False,
             num_return_sequences=sampling.n,
             pad_token_id=self.pad_token_id,
             eos_token_id=None if sampling.ignore_eos else stop_ids,
@@ -299,7 +298,7 @@ class HFEngine:
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
         recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature)
-        kwargs["logits_processor"] = LogitsProcessorList([recorder])  # before transformers' own sampling warpers
+        kwargs["logits_processor"] = LogitsProcessorList([recorder])
         if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
             sample_seeds = [sample_seed(seed, first + sample) for seed, first in seeds for sample in range(sampling.n)]
             prompt_lengths = [len(prompt) for prompt in prompts for _ in range(sampling.n)]
@@ -309,10 +308,6 @@ class HFEngine:
             sampler = _SeededSampler(sample_seeds, prompt_lengths, longest, sampling)
             kwargs.update(do_sample=False, num_return_sequences=1, temperature=None, top_p=None, top_k=None,
                           logits_processor=LogitsProcessorList([recorder, sampler]))
-        elif not sampling.greedy:
-            # top_k=0, not None: generate fills None with its own default of 50
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0),
-                          min_p=sampling.min_p if sampling.min_p > 0 else None)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         text_tokens = None
