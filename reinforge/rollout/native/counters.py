@@ -4,6 +4,7 @@
 sequences each decode step ran and the prefill steps' wall time; ``reading()`` turns them into
 ``rollout/*`` totals, and ``count_metrics`` of two readings gives a span's, with the prefix
 cache's hit rate and the mean decode batch (a rollout's metrics, or one benchmark run's).
+``combine_spans`` turns the metrics of several rollouts (the async mode's segments) into one step's.
 """
 
 from __future__ import annotations
@@ -56,3 +57,28 @@ def count_metrics(start: dict[str, float], end: dict[str, float]) -> dict[str, f
     steps = metrics["rollout/num_decode_steps"]
     metrics["rollout/decode_batch_mean"] = metrics["rollout/num_decode_rows"] / steps if steps else 0.0
     return metrics
+
+
+PEAK_METRICS = ("rollout/kv_blocks_total", "rollout/kv_blocks_used_peak", "rollout/kv_blocks_used_peak_share",
+                "rollout/peak_memory_gb")
+"""Span metrics whose combination is the largest value (a peak, or a pool's size), not the sum."""
+
+
+def combine_spans(spans: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several rollouts' spans as one span's: counts and seconds add up, peaks take the largest,
+    and the rates (tokens a second, the prefix cache's hit rate, the mean decode batch) come from the sums."""
+    total: dict[str, float] = {}
+    for span in spans:
+        for name, value in span.items():
+            merged = max if name in PEAK_METRICS else (lambda a, b: a + b)
+            total[name] = merged(total[name], value) if name in total else value
+    if "rollout/num_generated_tokens" in total and "rollout/time_s" in total:
+        seconds = total["rollout/time_s"]
+        total["rollout/tokens_per_s"] = total["rollout/num_generated_tokens"] / seconds if seconds > 0 else 0.0
+    if "rollout/prefill_tokens" in total:
+        hits, computed = total.get("rollout/prefix_cache_hit_tokens", 0.0), total["rollout/prefill_tokens"]
+        total["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
+    if "rollout/num_decode_steps" in total:
+        steps = total["rollout/num_decode_steps"]
+        total["rollout/decode_batch_mean"] = total.get("rollout/num_decode_rows", 0.0) / steps if steps else 0.0
+    return total

@@ -9,6 +9,10 @@ samples in flight then continue under the new weights (partial rollouts with
 (``DeviceTurns``); with ``trainer.separate_rollout`` the rollouter's segments run during the
 updates and only a sync waits for the segment in progress.
 
+Each step logs the rollouter's work since the step before: its generating time and rate (``timing_s/gen``,
+``rollout/tokens_per_s``) and the engine's own ``rollout/*`` counts and phases over those segments
+(``counters.combine_spans``: counts add up, peaks take the largest).
+
 Checkpoints hold every admitted group not yet trained on, with its tokens, log-probs and
 versions, so a resumed run loses none and repeats none. Which groups each step trained on is
 written to ``async_groups.jsonl`` in the run folder.
@@ -31,6 +35,7 @@ from typing import Any
 
 from reinforge.config.schema import Config
 from reinforge.protocol import Batch
+from reinforge.rollout.native.counters import combine_spans
 from reinforge.trainer.dynamic_sampling import concat_generated
 from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.device_turns import DeviceTurns
@@ -119,6 +124,7 @@ class AsyncMode:
         idle = self.rollouter.idle_s - self._idle_mark
         tokens = float(self.rollouter.tokens - self._tokens_mark)
         busy = max(window - idle, 0.0)  # the rollouter's generating time since the last step ended
+        metrics |= combine_spans(self.rollouter.take_spans())  # the engine's counts over the segments since then
         metrics |= {"async/version": float(self.rollouter.version), "async/admitted": float(self.rollouter.admitted),
                     "async/ready_groups": float(len(self.rollouter.ready)),
                     "async/trainer_idle_fraction": min(1.0, timing["wait"] / window),

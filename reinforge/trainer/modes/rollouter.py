@@ -37,7 +37,8 @@ class Rollouter:
                  score: Callable[[Batch], Batch], seed_of: Callable[[int, str], int], bound: StalenessBound,
                  sampling: SamplingParams, n: int, segment_tokens: int, batch_size: int, pad_token_id: int,
                  turns: DeviceTurns, hold_ahead: int | None = None):
-        self.next_prompts, self.generate, self.score, self.seed_of = next_prompts, generate, score, seed_of
+        self.next_prompts, self.score, self.seed_of = next_prompts, score, seed_of
+        self._generate = generate
         self.bound, self.sampling, self.n, self.segment_tokens = bound, sampling, n, segment_tokens
         self.batch_size, self.pad_token_id, self.turns = batch_size, pad_token_id, turns
         self.hold_ahead = hold_ahead
@@ -58,12 +59,28 @@ class Rollouter:
         """Groups a checkpoint held as ready, in their order: handed over again (scored) on the first turn."""
         self.idle_s = 0.0
         self.tokens = 0
+        self.spans: list[dict[str, float]] = []
+        """The ``rollout_metrics`` of every segment not yet taken by ``take_spans`` (the engine's counts and the
+        generation's phases)."""
         self.admission_log: list[tuple[int, int, int]] = []
         """(admitted after this admission, version, limit) at every admission, for auditing the bound."""
         self._error: BaseException | None = None
         self._stopping = False
         self._parked = False
         self._thread: threading.Thread | None = None
+
+    def generate(self, batch: Batch, sampling: SamplingParams) -> Batch:
+        """One segment's generation; its rollout metrics join ``spans``."""
+        output = self._generate(batch, sampling)
+        with self.condition:
+            self.spans.append(dict(output.meta.get("rollout_metrics", {})))
+        return output
+
+    def take_spans(self) -> list[dict[str, float]]:
+        """The rollout metrics of the segments since the last call."""
+        with self.condition:
+            spans, self.spans = self.spans, []
+        return spans
 
     # ---- the thread ----------------------------------------------------------------------
     def start(self) -> None:

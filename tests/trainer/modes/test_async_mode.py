@@ -65,7 +65,8 @@ def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_mode
     run_dir = tmp_path / "run"
     rows = run(tiny_model_dir, arithmetic_data_dir, run_dir, **{
         "trainer.mode": "async", "trainer.max_staleness": 1, "rollout.segment_tokens": 2,
-        "trainer.proximal": "loglinear", "trainer.total_steps": 5, "trainer.separate_rollout": True})
+        "trainer.proximal": "loglinear", "trainer.total_steps": 5, "trainer.separate_rollout": True,
+        "rollout.name": "native"})
     assert len(rows) == 5 and max(row["async/staleness_max"] for row in rows) >= 1.0
     for row in rows:
         assert row["actor/num_skipped_steps"] == 0  # a non-finite gradient would be skipped and counted here
@@ -73,6 +74,13 @@ def test_async_with_partial_rollouts_and_the_loglinear_proximal_policy(tiny_mode
         assert "timing_s/old_log_prob" not in row  # loglinear needs no extra forward
         assert row["timing_s/gen"] >= 0 and row["rollout/tokens_per_s"] >= 0  # the rollouter's, since the last step
     assert sum(row["async/rollout_tokens"] for row in rows) > 0 and max(row["rollout/tokens_per_s"] for row in rows) > 0
+    # the engine's own counts over the segments between steps: every token the rollouter kept was generated once
+    generated = sum(row.get("rollout/num_generated_tokens", 0.0) for row in rows)
+    assert generated >= sum(row["async/rollout_tokens"] for row in rows) > 0
+    for row in rows:
+        if row.get("rollout/num_decode_steps"):
+            assert row["rollout/decode_batch_mean"] == row["rollout/num_decode_rows"] / row["rollout/num_decode_steps"]
+            assert 0 < row["rollout/kv_blocks_used_peak"] <= row["rollout/kv_blocks_total"]
     records = [json.loads(line) for line in (run_dir / "async_groups.jsonl").read_text().splitlines()]
     positions = [position for record in records for position in record["positions"]]
     assert [record["step"] for record in records] == [1, 2, 3, 4, 5]
