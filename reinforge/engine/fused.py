@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import logging
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -431,11 +433,16 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                          f"move by {gap:.3g} beside another sequence, even in padded rows); reinforge cannot train it")
     if future_gap > tolerance:
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        switches = [f"{name}=true" for name in ("causal", "is_causal", "is_decoder")
-                    if getattr(model.config, name, None) is False]  # a causal switch the config has, off
-        switches += [f"{name}=false" for name in ("use_bidirectional_attention",) if getattr(text, name, None)]
-        fix = (f"set {' and '.join(switches)} in its config.json or use a causal LM" if switches
-               else "use a causal LM")
+        switches = {name: True for name in ("causal", "is_causal", "is_decoder")
+                    if getattr(model.config, name, None) is False}  # a causal switch the config has, off
+        switches |= {name: False for name in ("use_bidirectional_attention",) if getattr(text, name, None)}
+        # advised only where the model, switched so, reads no token after a position and generates from the
+        # probabilities its forward gives (XLM made causal still predicts a mask token its generate appends)
+        advised = switches and _switched_model_passes(model, switches, lambda: _reads_ahead(
+            model, probe_batch(responses).index([0]), probe_batch(responses[:, :2]).index([0])) <= tolerance and (
+            (_generate_gap(model, prompts[:1].to(device), probe_batch) or 0.0) <= tolerance))
+        settings = " and ".join(f"{name}={str(value).lower()}" for name, value in switches.items())
+        fix = f"set {settings} in its config.json or use a causal LM" if advised else "use a causal LM"
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) reads the "
                          f"tokens after each position (a token's log-prob moves by {future_gap:.3g} with what follows "
                          f"it), so it is no causal LM and would train on other probabilities than it samples; {fix}")
@@ -500,6 +507,50 @@ def _generate_gap(model: nn.Module, prompt: torch.Tensor, batch_of) -> float | N
     except Exception:
         return None
     finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def _reads_ahead(model: nn.Module, whole: Any, start: Any) -> float:
+    """How far a token's log-prob moves with the tokens after it: the model's own log-probs of ``start`` (the first
+    response tokens of one probe row) against the same tokens within ``whole`` (the row)."""
+    from reinforge.engine.forward import own_logits_log_probs
+
+    early = own_logits_log_probs(model, start, 1.0, False, False)[0].float()
+    full = own_logits_log_probs(model, whole, 1.0, False, False)[0].float()
+    return float((early - full[:, :early.shape[1]]).abs().max())
+
+
+def _switched_model_passes(model: nn.Module, switches: dict[str, bool], passes: Callable[[], bool]) -> bool:
+    """Whether ``passes()`` holds with the config's ``switches`` set, and the modules' attributes that copied them at
+    build time (those of the same names, as XLM's ``causal``, and ``is_causal``); everything is set back after."""
+    from reinforge.engine.forward import OWN_LOGITS, PACKS_ROWS
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    configs = (model.config, text)
+    # the training passes read the model's own logits over padded rows, which any head gives exactly
+    changed: list[tuple[Any, str, Any]] = [(model, name, getattr(model, name, None)) for name in (OWN_LOGITS, PACKS_ROWS)]
+    setattr(model, OWN_LOGITS, True)
+    setattr(model, PACKS_ROWS, False)
+    was_training = model.training
+    model.eval()
+    try:
+        for owner in [*configs, *model.modules()]:
+            # the attention modules' is_causal, which some families derive from the switch when they are built
+            is_config = any(owner is config for config in configs)
+            for name, value in [*switches.items(), *([] if is_config else [("is_causal", True)])]:
+                if isinstance(getattr(owner, name, None), bool) and getattr(owner, name) != value:
+                    changed.append((owner, name, getattr(owner, name)))
+                    setattr(owner, name, value)
+        return bool(passes())
+    except Exception:
+        return False
+    finally:
+        for owner, name, value in reversed(changed):
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         model.train(was_training)
 
 

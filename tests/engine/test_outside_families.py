@@ -272,15 +272,20 @@ def test_a_model_whose_own_forward_fails_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("model_type,sizes,fix", [
-    ("xlm", dict(emb_dim=64, n_layers=2, n_heads=4, causal=False), "set causal=true in its config.json or use a "),
+    # causal=true would not help: its generate still predicts a mask token appended to the inputs
+    ("xlm", dict(emb_dim=64, n_layers=2, n_heads=4, causal=False), "so it is no causal LM and would train on other "
+     "probabilities than it samples; use a causal LM"),
     ("xlnet", dict(d_model=64, n_layer=2, n_head=4, d_inner=128, attn_type="bi"), "; use a causal LM"),
+    ("bert", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+     "set is_decoder=true in its config.json or use a causal LM"),  # switched so, it passes the probe
     ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, use_bidirectional_attention=True),
      "set use_bidirectional_attention=false in its config.json"),  # an EmbeddingGemma: outside the table
 ])
 def test_a_model_that_reads_the_tokens_after_each_position_is_refused_in_one_line(model_type, sizes, fix):
     """XLM without ``causal`` and XLNet's bidirectional attention see the tokens after each position, which generate
-    never shows them: trained on whole sequences they would follow other probabilities than they sample."""
+    never shows them: trained on whole sequences they would follow other probabilities than they sample. A switch
+    is advised only where the model switched so passes the probe (an EmbeddingGemma's), never XLM's ``causal``."""
     from reinforge.engine.attention import use_varlen_attention
 
     known(model_type)
