@@ -18,7 +18,8 @@ devices of a role). Phases:
   weight gradient made beside them, plus the engine's memory when it stays allocated between rollouts.
 
 A vision-language model's tower is counted apart (``VisionShape``, ``add_vision_tower``): its weights, the
-engine's copy, the activations of its patches, and its gradients and optimizer state when it trains.
+engine's copy, the activations of its patches, and its gradients and optimizer state when it trains. A multimodal
+wrapper trained on text (Gemma 3 4B-27B) adds its tower's and projector's frozen weights (``wrapper_params``).
 
 Activations per token and decoder layer are ``ACT_HIDDEN x hidden + ACT_KV x (k and v width) +
 ACT_MLP x intermediate`` (plus ``ACT_NORM`` x hidden for each norm past two, Gemma 2 and 3) values of the compute dtype on CUDA (compiled layers, flash attention),
@@ -246,6 +247,9 @@ class ModelShape:
     ``layer_windows``; empty: every layer sees the whole context."""
     vision: VisionShape | None = None
     """A vision-language model's vision tower (counted apart: ``num_params`` and the rest are the language model's)."""
+    wrapper_params: int = 0
+    """Parameters a multimodal wrapper loads beside its language model that reinforge never runs (Gemma 3's vision
+    tower and projector, on text prompts): frozen weights, counted in memory only (``wrapper_params``)."""
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -273,7 +277,8 @@ class ModelShape:
                        qk_rope_head_dim=int(text.get("qk_rope_head_dim") or 0) if mla else 0,
                        v_head_dim=int(text.get("v_head_dim") or 0) if mla else 0,
                        norms_per_layer=4 if text.get("model_type") in FOUR_NORM_FAMILIES else 2,
-                       attention_windows=layer_windows(text), vision=VisionShape.from_hf_config(given))
+                       attention_windows=layer_windows(text), vision=(vision := VisionShape.from_hf_config(given)),
+                       wrapper_params=0 if vision is not None else wrapper_params(given))
         except KeyError as error:
             raise MemoryPlanError(f"the model's config.json has no {error.args[0]!r}; the planner needs the sizes of a "
                                   "decoder-only transformer (hidden_size, num_hidden_layers, num_attention_heads, "
@@ -473,6 +478,40 @@ num_kv_heads, DBRX's nested ffn_config and attn_config), after transformers' own
 
 
 CORE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+WRAPPER_PARTS = ("vision_config", "audio_config")
+"""Sub-configs of a multimodal wrapper whose modules its language model does not run."""
+
+
+def wrapper_params(config: dict[str, Any]) -> int:
+    """Parameters of a multimodal wrapper outside its language model and head (Gemma 3 4B's SigLIP tower and
+    projector: 0.42B), counted from the class reinforge loads, built on the meta device; 0 for a model without
+    such parts, or one transformers cannot build from this config."""
+    if not any(isinstance(config.get(name), dict) for name in WRAPPER_PARTS):
+        return 0
+    return _wrapper_params(json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=16)
+def _wrapper_params(config_json: str) -> int:
+    import torch
+    from transformers import CONFIG_MAPPING
+
+    from reinforge.models.classes import causal_lm_class
+
+    given = json.loads(config_json)
+    try:
+        config = CONFIG_MAPPING[given["model_type"]].from_dict(given)
+        with torch.device("meta"):
+            model = causal_lm_class(config).from_config(config)
+        language = {id(parameter) for parameter in model.get_decoder().parameters()}
+        head = model.get_output_embeddings()
+        if head is not None:
+            language |= {id(parameter) for parameter in head.parameters()}
+        return sum(parameter.numel() for parameter in model.parameters() if id(parameter) not in language)
+    except Exception:  # the planner counts the language model alone
+        return 0
 
 
 @functools.cache
@@ -889,7 +928,10 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     if run.reference and not run.lora_rank:
         (host if settings.ref_offload else resident)["reference"] = (
             pinned_model_bytes(shape, devices, dtype_bytes) if settings.ref_offload and not run.eager
-            else dtype_bytes * params / devices)
+            else dtype_bytes * params / devices) + dtype_bytes * shape.wrapper_params / devices
+    if shape.wrapper_params:  # frozen, in the masters' dtype (the base dtype under LoRA), sharded like them
+        (host if settings.param_offload else resident)["wrapper's unused weights"] = (
+            (dtype_bytes if run.lora_rank else 4) * shape.wrapper_params / devices)
     if run.critic:
         resident["critic"] = 16 * params / devices
     if run.off_policy:
@@ -1114,7 +1156,8 @@ def vision_line(shape: ModelShape, run: RunShape) -> str:
     """The plan's line on a vision tower ("" for a text model): its size, whether it trains, the patches counted."""
     tower = shape.vision
     if tower is None:
-        return ""
+        return (f"multimodal wrapper: {shape.wrapper_params / 1e9:.2f}B parameters beside the language model (its "
+                "vision tower and projector), loaded and frozen; prompts are text" if shape.wrapper_params else "")
     state = "trained" if run.train_vision and not run.lora_rank else "frozen"
     bound = "data.max_image_tokens" if run.image_tokens < run.prompt_length else \
         "every prompt token; data.max_image_tokens counts fewer"

@@ -173,3 +173,37 @@ def test_plan_of_a_model_folder_takes_the_image_size_or_else_counts_every_prompt
                                           r"data.max_prompt_length=400"):
         validate_config(load_config(None, [f"model.path={folder}", "data.max_prompt_length=400",
                                            "data.max_image_tokens=500"]))
+
+
+GEMMA3_4B_VISION = dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model",
+                        num_attention_heads=16, num_hidden_layers=27, patch_size=14, vision_use_head=False)
+GEMMA3_4B_TEXT = dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208)
+
+
+def test_a_multimodal_wrapper_trained_on_text_counts_its_towers_frozen_weights(tmp_path, capsys):
+    """Gemma 3 4B-27B load as their multimodal wrapper, whose SigLIP tower and projector (0.42B at 4B, 10% of the
+    model) the text prompts never run but every copy of the model holds."""
+    from reinforge.cli import main
+
+    config = dict(model_type="gemma3", vision_config=GEMMA3_4B_VISION, text_config=GEMMA3_4B_TEXT,
+                  mm_tokens_per_image=256)
+    shape = ModelShape.from_hf_config(config)
+    assert shape.vision is None and shape.wrapper_params == 419_816_304  # the tower and projector transformers builds
+    assert 3.8e9 < shape.num_params < 3.95e9  # the language model's own count is unchanged
+    text_only = dataclasses.replace(shape, wrapper_params=0)
+    run = RunShape(prompts=8, samples_per_prompt=4, prompt_length=256, response_length=256, reference=True)
+    for lora, masters in ((0, 4), (16, 2)):
+        phases, _ = estimate(shape, dataclasses.replace(run, lora_rank=lora), Settings())
+        without, _ = estimate(text_only, dataclasses.replace(run, lora_rank=lora), Settings())
+        grown = sum(phases["update"].values()) - sum(without["update"].values())
+        reference = 0 if lora else 2
+        assert grown == pytest.approx((masters + reference) * shape.wrapper_params)
+    assert ModelShape.from_hf_config(GEMMA3_4B_TEXT).wrapper_params == 0  # Gemma 3 1B's text model has none
+    folder = tmp_path / "gemma3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["plan", f"model.path={folder}", "--gpu-memory-gib", "141", "--host-memory-gib", "1000",
+                 "trainer.device=cuda"]) == 0
+    assert ("multimodal wrapper: 0.42B parameters beside the language model (its vision tower and projector), "
+            "loaded and frozen; prompts are text") in capsys.readouterr().out
