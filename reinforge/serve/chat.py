@@ -164,12 +164,13 @@ class ChatCodec:
         record = session.records[index]
         return record.prompt_ids + record.token_ids + self.increment(record, new_messages), index
 
-    def reply(self, token_ids: list[int]) -> tuple[dict[str, Any], list[ToolCall]]:
-        """The assistant message of sampled ids: text without the end-of-turn token, Hermes calls taken out."""
+    def reply(self, token_ids: list[int], reads_tool_calls: bool = True) -> tuple[dict[str, Any], list[ToolCall]]:
+        """The assistant message of sampled ids: text without the end-of-turn token, Hermes calls taken out (left in
+        the text when ``reads_tool_calls`` is false: the request sent no tools, or tool_choice "none")."""
         eos_ids = self.renderer.eos_ids
         body = token_ids[:-len(eos_ids)] if token_ids[-len(eos_ids):] == eos_ids else token_ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
-        calls = [call for call in self.parser.parse(text) if call.error is None]
+        calls = [call for call in self.parser.parse(text) if call.error is None] if reads_tool_calls else []
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:
             opening = text.find("<tool_call>")

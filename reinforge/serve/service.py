@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class ChatCall:
     session: ChatSession | None
     messages: list[dict[str, Any]]
     tools: Any
+    reads_tool_calls: bool
+    """Whether replies are parsed for tool calls: tools were sent and tool_choice is not "none"."""
     cut: list[str]
     """Stop strings of more than one token, cut from the text (outside trajectories)."""
     prompt_ids: list[int]
@@ -68,6 +71,22 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise RequestError(f"{key}={value!r} is invalid; send an integer of at least {low}")
     return value
+
+
+def _reads_tool_calls(tools: Any, tool_choice: Any) -> bool:
+    """Whether a chat request's replies are parsed for tool calls (OpenAI's tool_choice: "auto", the default with
+    tools, or "none"); raises RequestError for a choice the engine cannot honour."""
+    if tool_choice is None or tool_choice == "auto":
+        return bool(tools)
+    if tool_choice == "none":
+        return False
+    if not tools:
+        raise RequestError(f"tool_choice={tool_choice!r} without tools; send tools, or leave tool_choice out")
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        raise RequestError(f"tool_choice={json.dumps(tool_choice)} is not supported: the engine samples freely and "
+                           "cannot force a tool call; send tool_choice \"auto\" (the model calls tools when it "
+                           "chooses to) or \"none\"")
+    raise RequestError(f"tool_choice={tool_choice!r} is invalid; send \"auto\" or \"none\"")
 
 
 class GenerationService:
@@ -209,6 +228,7 @@ class GenerationService:
             raise RequestError("'messages' must be a non-empty list of {role, content} objects")
         messages = [normalize_message(message) for message in messages]
         tools = body.get("tools") or None
+        reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)
         if _integer(body, "top_logprobs", 0):
@@ -226,7 +246,8 @@ class GenerationService:
         else:
             sampling = self._sampling(body, len(prompt_ids), (*self.codec.renderer.stop_ids, *stop_ids))
             request_id = new_id("chat")
-        return ChatCall(body, session, messages, tools, cut, prompt_ids, continues, sampling, num_samples, request_id)
+        return ChatCall(body, session, messages, tools, reads_tool_calls, cut, prompt_ids, continues, sampling,
+                        num_samples, request_id)
 
     @staticmethod
     def _dropped_stops(call: ChatCall) -> tuple[int, ...]:
@@ -241,13 +262,14 @@ class GenerationService:
         if (finish_reason == "stop" and token_ids and token_ids[-1] in self._dropped_stops(call)
                 and token_ids[-len(self.codec.renderer.eos_ids):] != self.codec.renderer.eos_ids):
             token_ids = token_ids[:-1]  # a stop string of one token (or another EOS) is not part of the reply
-        reply, calls = self.codec.reply(token_ids)
+        reply, calls = self.codec.reply(token_ids, call.reads_tool_calls)
         if call.cut:
             reply["content"], finish_reason = self._text(token_ids, finish_reason, call.cut)
             calls = []
             reply.pop("tool_calls", None)
+        # a reply cut at max_tokens is "length" even after a whole call: the client must not take it for finished
         choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
-                                  "finish_reason": "tool_calls" if calls else finish_reason}
+                                  "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
         if call.body.get("logprobs"):
             choice["logprobs"] = {"content": self._log_probs(completion)}
         call.replies[index] = reply
@@ -294,7 +316,8 @@ class GenerationService:
                        for _ in range(call.num_samples)]
         else:
             tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
-            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [], True), log_prob)
+            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [], call.reads_tool_calls),
+                                      log_prob)
                        for _ in range(call.num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:

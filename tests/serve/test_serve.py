@@ -44,7 +44,8 @@ class Served:
 
 
 class TextClient:
-    """A token client answering every prompt with the ids of a fixed text and the end-of-turn token."""
+    """A token client answering every prompt with the ids of a fixed text and the end-of-turn token (cut at
+    max_tokens, as an engine cuts)."""
 
     def __init__(self, tokenizer, text: str, release: asyncio.Event | None = None):
         self.ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
@@ -53,7 +54,8 @@ class TextClient:
     async def generate(self, prompt_ids, sampling, request_id):
         if self.release is not None:
             await self.release.wait()
-        return Completion(self.ids, [-0.25] * len(self.ids), "stop")
+        ids = self.ids[:sampling.max_tokens]
+        return Completion(ids, [-0.25] * len(ids), "stop" if len(ids) == len(self.ids) else "length")
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,28 @@ def test_a_hermes_tool_call_comes_back_as_openai_tool_calls(tool_tokenizer):
         [with_calls] = [chunk for chunk in chunks if chunk.choices[0].delta.tool_calls]
         assert with_calls.choices[0].delta.tool_calls[0].function.name == "calc"
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        served.close()
+
+
+def test_tool_calls_are_read_only_when_tools_are_sent_and_a_cut_reply_finishes_with_length(tool_tokenizer):
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
+    served = served_text(tool_tokenizer, f"Let me.\n{call}\n{call}")
+    try:
+        client = served.client()
+        ask = [{"role": "user", "content": "2+3?"}]
+        for options in ({}, {"tools": [CALC], "tool_choice": "none"}):  # the text as sampled, as OpenAI answers
+            choice = client.chat.completions.create(model="m", messages=ask, **options).choices[0]
+            assert choice.message.content == f"Let me.\n{call}\n{call}" and not choice.message.tool_calls
+            assert choice.finish_reason == "stop"
+        # the first call whole, the second cut at max_tokens: the reply is cut, not a finished turn of calls
+        choice = client.chat.completions.create(model="m", messages=ask, tools=[CALC],
+                                                max_tokens=len(f"Let me.\n{call}\n<tool")).choices[0]
+        assert choice.finish_reason == "length" and len(choice.message.tool_calls) == 1
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=ask, tools=[CALC], tool_choice="required")
+        assert refused.value.body["message"].startswith('tool_choice="required" is not supported: the engine samples '
+                                                        "freely and cannot force a tool call")
     finally:
         served.close()
 
