@@ -35,6 +35,11 @@ TOOL_OUTPUT_PROBE = "reinforge-tool-output-probe"
 """A tool message's content that renders as itself: where the template shows the model a tool's output."""
 
 
+class ToolMessagesDropped(ValueError):
+    """The chat template writes nothing of a tool message's content (it has no tool role): the model would never see
+    a tool's output."""
+
+
 class ToolTurnRenderer:
     """Renders tool messages as token increments for one tokenizer and chat template.
 
@@ -78,7 +83,7 @@ class ToolTurnRenderer:
             raise ValueError(f"the chat template refuses a tool message after an assistant turn ({type(error).__name__}: "
                              f"{error}); set data.chat_template to a template with a tool role") from None
         if TOOL_OUTPUT_PROBE not in text:
-            raise ValueError(f"the chat template drops tool messages (after an assistant turn it writes {text[:60]!r} "
+            raise ToolMessagesDropped(f"the chat template drops tool messages (after an assistant turn it writes {text[:60]!r} "
                              "for one, without its content), so the model would never see a tool's output; set "
                              "data.chat_template to a template with a tool role")
 

@@ -73,6 +73,19 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A chat request's tools, checked to be OpenAI function schemas; None for none."""
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(tool.get("function"),
+                                                                                                   dict)
+            and isinstance(tool["function"].get("name"), str) for tool in tools):
+        raise RequestError(f"tools={str(tools)[:80]!r} is invalid; send a list of "
+                           '{"type": "function", "function": {"name", "description", "parameters"}} objects')
+    return tools
+
+
 def _reads_tool_calls(tools: Any, tool_choice: Any) -> bool:
     """Whether a chat request's replies are parsed for tool calls (OpenAI's tool_choice: "auto", the default with
     tools, or "none"); raises RequestError for a choice the engine cannot honour."""
@@ -106,7 +119,7 @@ class GenerationService:
     def _stop(self, body: dict[str, Any], training: bool) -> tuple[tuple[int, ...], list[str]]:
         """Stop strings of one token become stop ids; longer ones cut the text (outside trajectories)."""
         stop = body.get("stop")
-        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else [stop]
         if not all(isinstance(text, str) and text for text in strings):
             raise RequestError(f"stop={stop!r} is invalid; send a string or a list of strings")
         ids, cut = [], []
@@ -227,7 +240,7 @@ class GenerationService:
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {role, content} objects")
         messages = [normalize_message(message) for message in messages]
-        tools = body.get("tools") or None
+        tools = _tools(body.get("tools"))
         reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)

@@ -133,6 +133,13 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=5)
         assert error.value.body["message"] == "temperature=5 is out of range; send a number from 0.0 to 2.0"
+        tool_turn = {"role": "assistant", "content": None, "tool_calls": "calc(2)"}
+        for options, message in (({"stop": 3}, "stop=3 is invalid"), ({"tools": "calc"}, "tools='calc' is invalid"),
+                                 ({"messages": [tool_turn]}, "an assistant message's tool_calls is 'calc(2)'")):
+            with pytest.raises(openai.BadRequestError) as error:  # each was a 500 with a Python traceback's last line
+                client.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                  **options})
+            assert error.value.body["message"].startswith(message), error.value.body
         with pytest.raises(openai.NotFoundError, match="trajectory 'nope' is not open"):
             openai.OpenAI(base_url=served.url + "/t/nope/v1", api_key="none", max_retries=0).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}])
