@@ -5,8 +5,8 @@ turn the loop stops when the response budget is spent, at ``max_assistant_turns`
 ``max_user_turns``, or when the turn holds no tool call. Otherwise it runs the first
 ``max_parallel_calls`` calls concurrently; the calls past that are answered with a message
 saying they were not run and counted in ``tool_calls_cut`` (verl drops them silently). A
-malformed call, an unknown tool or a tool that raises becomes a tool message explaining the
-problem, with reward 0; the loop goes on. Tool output is cut to ``max_tool_response_length``
+malformed call, an unknown tool, arguments the tool cannot take (``BaseTool.arguments_problem``) or a tool
+that raises becomes a tool message explaining the problem, with reward 0; the loop goes on. Tool output is cut to ``max_tool_response_length``
 tokens (verl cuts characters). One ``max_tokens`` budget covers all sampled and tool tokens of
 the trajectory; a tool turn that would overflow it ends the trajectory (``tool_overflow``). A tool may return
 images to a vision-language model: its turn's image tokens count in the budget, and its images join the
@@ -174,6 +174,9 @@ class ToolAgentLoop(AgentLoop):
             return ToolResult(f"Unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools))}.", 0.0,
                               {"tool_error": 1.0})
         kwargs = tools_kwargs.get(call.name) or {}
+        problem = tool.arguments_problem(call.arguments, kwargs.get("execute_kwargs") or {})
+        if problem is not None:  # the model's mistake, not the tool's failure: it did not reach the tool
+            return ToolResult(f"Invalid arguments for tool {call.name!r}: {problem}.", 0.0, {"tool_error": 1.0})
         timeout = self.context.config.tool_timeout_s
         # asyncio.timeout, not wait_for: the tool runs in this task, so its SystemExit is caught below (in a task of
         # its own it would end the event loop), and its own TimeoutError is told apart from ours (scope.expired)
