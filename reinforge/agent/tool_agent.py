@@ -86,7 +86,7 @@ class ToolAgentLoop(AgentLoop):
                     closing = [] if list(completion.token_ids[-len(eos_ids):]) == eos_ids else eos_ids
                     trajectory.assistant_turns += 1
                     turn += 1
-                    calls = self.parser.parse(self.context.tokenizer.decode(completion.token_ids))
+                    calls = self.parser.parse(self._turn_text(completion))
                     state, trajectory.finish_reason = self._after_generation(trajectory, calls, budget,
                                                                              completion.finish_reason)
                 else:
@@ -113,6 +113,16 @@ class ToolAgentLoop(AgentLoop):
                 if isinstance(error, Exception):  # the trajectory stands; a leaking tool should still be seen
                     logger.warning("tool %r: release failed: %s: %s", name, type(error).__name__, error)
         return trajectory.output()
+
+    def _turn_text(self, completion: Any) -> str:
+        """The text of a sampled turn without the special token that ended it (Llama 3's JSON call is the whole turn:
+        the ``<|eot_id|>`` after it is not part of the call). A stop token that is no special token (Qwen's
+        ``</tool_call>`` as a rollout stop token) stays: it may close a call."""
+        token_ids = list(completion.token_ids)
+        if (completion.finish_reason == "stop" and token_ids
+                and token_ids[-1] in getattr(self.context.tokenizer, "all_special_ids", ())):
+            token_ids = token_ids[:-1]
+        return self.context.tokenizer.decode(token_ids)
 
     def _tool_turn(self, results: list[ToolResult]) -> tuple[list[int], dict | None]:
         """The tool turn's token ids (after the end-of-turn token) and, when its results hold images, their pixels."""

@@ -183,16 +183,17 @@ class ChatCodec:
         return record.prompt_ids + record.token_ids + self.increment(record, new_messages), index
 
     def reply(self, token_ids: list[int], reads_tool_calls: bool = True) -> tuple[dict[str, Any], list[ToolCall]]:
-        """The assistant message of sampled ids: text without the end-of-turn token, Hermes calls taken out (left in
+        """The assistant message of sampled ids: text without the end-of-turn token, tool calls taken out (left in
         the text when ``reads_tool_calls`` is false: the request sent no tools, or tool_choice "none")."""
         eos_ids = self.renderer.eos_ids
         body = token_ids[:-len(eos_ids)] if token_ids[-len(eos_ids):] == eos_ids else token_ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
         calls = [call for call in self.parser.parse(text) if call.error is None] if reads_tool_calls else []
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if calls:
-            opening = text.find("<tool_call>")
-            message["content"] = text[:opening].rstrip() if opening >= 0 else text
+        if calls:  # the content is the text before the calls (none when the turn is its calls: Llama 3's JSON)
+            marker = getattr(self.parser, "opening", None)
+            opening = text.find(marker or "<tool_call>")
+            message["content"] = text[:opening].rstrip() if opening >= 0 else "" if marker else text
             message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                                      for call in calls]
         return message, calls

@@ -325,12 +325,13 @@ class GenerationService:
         log_prob = self._log_prob if body.get("logprobs") else None
         stopped = last_of(self._dropped_stops(call))  # a stop token ends the reply and is not part of it
         if call.cut:  # the content is the text up to a stop string, as _chat_choice makes it
-            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, False), log_prob)
+            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, None), log_prob)
                        for _ in range(call.num_samples)]
         else:
             tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
-            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [], call.reads_tool_calls),
-                                      log_prob)
+            opening = getattr(self.codec.parser, "opening", None) or "<tool_call>"
+            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [],
+                                                opening if call.reads_tool_calls else None), log_prob)
                        for _ in range(call.num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -432,7 +433,7 @@ class GenerationService:
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         include_usage = self._include_usage(body)
         log_probs = self._wants_log_probs(body)
-        choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, tool_calls=False),
+        choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, None),
                                   self._log_prob if log_probs else None) for _ in range(num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:

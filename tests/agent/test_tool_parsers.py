@@ -1,4 +1,5 @@
-"""Hermes tool calls: well-formed calls are read, malformed ones come back with an explanation."""
+"""Tool calls in each format (Hermes, Llama 3's JSON, Mistral's): well-formed calls are read, malformed ones come back
+with an explanation, an answer has none."""
 
 from __future__ import annotations
 
@@ -41,8 +42,32 @@ def test_malformed_calls_carry_an_error(body, message):
     assert call.error is not None and message in call.error
 
 
+@pytest.mark.parametrize("format, text, expected", [
+    ("llama3_json", '{"name": "calc", "parameters": {"expr": "2;3"}}', [("calc", {"expr": "2;3"}, None)]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
+     [("a", {}, None), ("b", {"x": 1}, None)]),
+    ("llama3_json", "The answer is 5.", []),
+    ("llama3_json", '{"answer": 5}', []),  # a JSON answer, not a call
+    ("llama3_json", '{"name": "calc", "parameters": {"expr": ', [("", {}, "Invalid JSON in tool call")]),  # cut
+    ("llama3_json", '{"name": "calc", "parameters": [1]}', [("calc", {}, "must be a JSON object")]),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": "{}"}]',
+     [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("mistral", "No call here.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": ', [("", {}, "Invalid JSON in tool call")]),
+    ("mistral", "[TOOL_CALLS]a[ARGS]{bad", [("a", {}, "Invalid JSON in arguments for 'a'")]),
+    ("mistral", '[TOOL_CALLS] [{"arguments": {}}]', [("", {}, 'needs a "name"')]),
+])
+def test_each_format_reads_its_calls_and_explains_malformed_ones(format, text, expected):
+    calls = get_tool_parser(format).parse(text)
+    assert [(call.name, call.arguments) for call in calls] == [(name, arguments) for name, arguments, _ in expected]
+    for call, (_, _, error) in zip(calls, expected, strict=True):
+        assert call.error is None if error is None else error in call.error
+
+
 def test_unknown_format_lists_the_known_ones():
-    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: hermes"):
+    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: hermes, llama3_json, "
+                                         "mistral"):
         get_tool_parser("xml")
 
 

@@ -204,3 +204,24 @@ def test_a_template_that_cannot_show_a_tool_output_is_refused_in_one_line(family
     with pytest.raises(ValueError, match=r"the chat template " + refusal.replace("(", r"\(")) as refused:
         ToolTurnRenderer(family_tokenizer(family))
     assert "data.chat_template" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_llama31_trajectory_of_json_calls_equals_its_template_of_the_whole_conversation(scripted_client):
+    """Llama 3.1's own template and call format (``llama3_json``): one JSON call a turn, tool output as an ipython turn."""
+    tokenizer = family_tokenizer("llama3.1")
+    tool = FunctionTool(calculator)
+    calls = [_call("calculator", {"expression": "12*34"}), _call("calculator", {"expression": "408+1"})]
+    conversation = [{"role": "user", "content": "What is 12*34+1?"},
+                    {"role": "assistant", "tool_calls": [calls[0]]}, {"role": "tool", "content": "408"},
+                    {"role": "assistant", "tool_calls": [calls[1]]}, {"role": "tool", "content": "409"},
+                    {"role": "assistant", "content": "It is 409."}]
+    script = [json.dumps({"name": "calculator", "parameters": call["function"]["arguments"]}) for call in calls]
+    client = scripted_client(tokenizer, [*script, "It is 409."])
+    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tools=[tool.schema], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    context = AgentContext(tokenizer, client, MultiTurnConfig(format="llama3_json"), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    assert output.prompt_ids + output.response_ids == expected
+    assert output.metrics["num_tool_calls"] == 2 and output.metrics["tool_errors"] == 0 and output.num_turns == 6

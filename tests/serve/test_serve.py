@@ -121,6 +121,19 @@ def test_tool_calls_are_read_only_when_tools_are_sent_and_a_cut_reply_finishes_w
         served.close()
 
 
+@pytest.mark.parametrize("tool_format, text, content", [
+    ("hermes", 'Let me.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>', "Let me."),
+    ("llama3_json", '{"name": "calc", "parameters": {"expr": "2+3"}}', ""),  # the turn is the call
+    ("mistral", 'Let me. [TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2+3"}}]', "Let me."),
+])
+def test_each_formats_calls_come_back_as_tool_calls_with_the_text_before_them(tool_tokenizer, tool_format, text,
+                                                                             content):
+    codec = ChatCodec(tool_tokenizer, tool_format=tool_format)
+    reply, _ = codec.reply(tool_tokenizer(text, add_special_tokens=False)["input_ids"] + [tool_tokenizer.eos_token_id])
+    assert reply == {"role": "assistant", "content": content,
+                     "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "2+3"}}}]}
+
+
 def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(tool_tokenizer):
     served = served_text(tool_tokenizer, "one two three")
     try:
