@@ -73,6 +73,22 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,),
+}
+"""Request keys the engine has no way to honour, with the values that ask for nothing (accepted, as clients send
+them by default); any other value is refused rather than ignored."""
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for key, defaults in UNSUPPORTED_DEFAULTS.items():
+        value = body.get(key)
+        if value is not None and not any(value == default and type(value) is type(default) for default in defaults):
+            raise RequestError(f"{key}={json.dumps(value)[:80]} is not supported: the engine samples without it; "
+                               "leave it out")
+
+
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
     """A chat request's tools, checked to be OpenAI function schemas; None for none."""
     if not tools:
@@ -144,9 +160,14 @@ class GenerationService:
             raise RequestError(f"max_tokens={max_tokens} and the prompt's {prompt_length} tokens exceed the model's "
                                f"context of {self.max_model_len}; ask for at most {room}",
                                code="context_length_exceeded")
+        _refuse_unsupported(body)
+        top_k = body.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+            raise RequestError(f"top_k={top_k!r} is invalid; send an integer of at least 1 (-1 or 0: no top-k)")
         return SamplingParams(max_tokens=max_tokens or min(self.default_max_tokens, room),
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+                              top_k=-1 if top_k is None else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
                               seed=_integer(body, "seed", 0))
 

@@ -139,7 +139,7 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
     try:
         client = served.client()
         response = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                                  stop=["two"])
+                                                  stop=["two"], presence_penalty=0, response_format={"type": "text"})
         assert response.choices[0].message.content == "one " and response.choices[0].finish_reason == "stop"
         completion = client.completions.create(model="m", prompt="count:", logprobs=1, n=2)
         assert [choice.text for choice in completion.choices] == ["one two three"] * 2
@@ -148,11 +148,16 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
         assert error.value.body["message"] == "temperature=5 is out of range; send a number from 0.0 to 2.0"
         tool_turn = {"role": "assistant", "content": None, "tool_calls": "calc(2)"}
         for options, message in (({"stop": 3}, "stop=3 is invalid"), ({"tools": "calc"}, "tools='calc' is invalid"),
-                                 ({"messages": [tool_turn]}, "an assistant message's tool_calls is 'calc(2)'")):
+                                 ({"messages": [tool_turn]}, "an assistant message's tool_calls is 'calc(2)'"),
+                                 ({"response_format": {"type": "json_object"}}, 'response_format={"type": '
+                                  '"json_object"} is not supported: the engine samples without it'),
+                                 ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported")):
             with pytest.raises(openai.BadRequestError) as error:  # each was a 500 with a Python traceback's last line
                 client.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                   **options})
             assert error.value.body["message"].startswith(message), error.value.body
+        sampling = served.endpoint.service._sampling({"top_k": 5, "min_p": 0.1}, 3, ())  # vLLM's extra sampling keys
+        assert (sampling.top_k, sampling.min_p) == (5, 0.1)
         with pytest.raises(openai.NotFoundError, match="trajectory 'nope' is not open"):
             openai.OpenAI(base_url=served.url + "/t/nope/v1", api_key="none", max_retries=0).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}])
