@@ -5,8 +5,9 @@ cannot be read (bad JSON, no name) is returned with an ``error`` rather than dro
 answers it with a tool message explaining the problem, so the model sees what went wrong (verl
 drops such calls and only logs them). Built in: ``hermes`` (Qwen2.5, Qwen3, SmolLM3, Hermes:
 ``<tool_call>`` JSON), ``llama3_json`` (Llama 3.1-3.3: the turn is a JSON call, optionally after
-``<|python_tag|>``) and ``mistral`` (``[TOOL_CALLS]`` then a JSON list of calls, or the newer
-``[TOOL_CALLS]name[ARGS]{...}``).
+``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]`` then a JSON list of calls, or the newer
+``[TOOL_CALLS]name[ARGS]{...}``) and ``deepseek_v3`` (``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name``
+then the arguments in a json code block).
 """
 
 from __future__ import annotations
@@ -171,4 +172,36 @@ class MistralToolParser:
             if problem is not None or not values:
                 calls.append(ToolCall("", error=f"Invalid JSON in tool call: {problem or 'no call after the marker'}; "
                                                 f"write {self.shape}"))
+        return calls
+
+
+@register_tool_parser("deepseek_v3")
+class DeepSeekV3ToolParser:
+    """DeepSeek-V3's calls: ``<｜tool▁calls▁begin｜>``, then per call ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``,
+    a newline and the arguments in a json code block, ``<｜tool▁call▁end｜>``; then ``<｜tool▁calls▁end｜>``. A call
+    begun and not ended (cut), or whose arguments are not a JSON object, is a malformed call."""
+
+    opening = "<｜tool▁calls▁begin｜>"
+    call_begin, call_end, separator = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    shape = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>"
+
+    def parse(self, text: str) -> list[ToolCall]:
+        calls = []
+        for part in text.split(self.call_begin)[1:]:
+            body, ended, _ = part.partition(self.call_end)
+            if not ended:
+                calls.append(ToolCall("", error=f"A tool call was not closed with {self.call_end}, so it was not run; "
+                                                f"write {self.shape}"))
+                continue
+            _, _, named = body.partition(self.separator)
+            name, _, arguments = named.partition("\n")
+            arguments = arguments.strip().removeprefix("```json").removesuffix("```").strip()
+            try:
+                value = json.loads(arguments) if arguments else {}
+            except json.JSONDecodeError as error:
+                calls.append(ToolCall(name.strip(), error=f"Invalid JSON in arguments for {name.strip()!r}: "
+                                                          f"{error.msg}; write {self.shape}"))
+                continue
+            calls.append(_call_of({"name": name.strip(), "arguments": value}, ("arguments",), self.shape)
+                         if name.strip() else ToolCall("", error=f'A tool call needs a name: {self.shape}'))
         return calls

@@ -1,4 +1,4 @@
-"""Tool calls in each format (Hermes, Llama 3's JSON, Mistral's): well-formed calls are read, malformed ones come back
+"""Tool calls in each format (Hermes, Llama 3's JSON, Mistral's, DeepSeek-V3's): well-formed calls are read, malformed ones come back
 with an explanation, an answer has none."""
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ def test_malformed_calls_carry_an_error(body, message):
     assert call.error is not None and message in call.error
 
 
+DEEPSEEK_CALLS = ("Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{\"x\": 1}\n```"
+                  "<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>b\n```json\n{}\n```<｜tool▁call▁end｜>")
+DEEPSEEK_END = "<｜tool▁calls▁end｜>"
+
+
 @pytest.mark.parametrize("format, text, expected", [
     ("llama3_json", '{"name": "calc", "parameters": {"expr": "2;3"}}', [("calc", {"expr": "2;3"}, None)]),
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
@@ -57,6 +62,10 @@ def test_malformed_calls_carry_an_error(body, message):
     ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": ', [("", {}, "Invalid JSON in tool call")]),
     ("mistral", "[TOOL_CALLS]a[ARGS]{bad", [("a", {}, "Invalid JSON in arguments for 'a'")]),
     ("mistral", '[TOOL_CALLS] [{"arguments": {}}]', [("", {}, 'needs a "name"')]),
+    ("deepseek_v3", DEEPSEEK_CALLS + DEEPSEEK_END, [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("deepseek_v3", DEEPSEEK_CALLS[:-30], [("a", {"x": 1}, None), ("", {}, "was not closed")]),  # cut
+    ("deepseek_v3", DEEPSEEK_CALLS.replace('{"x": 1}', '{"x": '), [("a", {}, "Invalid JSON in arguments for 'a'"),
+                                                                    ("b", {}, None)]),
 ])
 def test_each_format_reads_its_calls_and_explains_malformed_ones(format, text, expected):
     calls = get_tool_parser(format).parse(text)
@@ -66,8 +75,8 @@ def test_each_format_reads_its_calls_and_explains_malformed_ones(format, text, e
 
 
 def test_unknown_format_lists_the_known_ones():
-    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: hermes, llama3_json, "
-                                         "mistral"):
+    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: deepseek_v3, hermes, "
+                                         "llama3_json, mistral"):
         get_tool_parser("xml")
 
 

@@ -125,6 +125,8 @@ def test_tool_calls_are_read_only_when_tools_are_sent_and_a_cut_reply_finishes_w
     ("hermes", 'Let me.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>', "Let me."),
     ("llama3_json", '{"name": "calc", "parameters": {"expr": "2+3"}}', ""),  # the turn is the call
     ("mistral", 'Let me. [TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2+3"}}]', "Let me."),
+    ("deepseek_v3", 'Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n'
+                    '{"expr": "2+3"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me."),
 ])
 def test_each_formats_calls_come_back_as_tool_calls_with_the_text_before_them(tool_tokenizer, tool_format, text,
                                                                              content):
