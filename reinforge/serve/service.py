@@ -261,6 +261,10 @@ class GenerationService:
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {role, content} objects")
         messages = [normalize_message(message) for message in messages]
+        if body.get("chat_template_kwargs"):  # vLLM's: Qwen3's enable_thinking, say
+            raise RequestError(f"chat_template_kwargs={json.dumps(body['chat_template_kwargs'])[:80]} is not supported: "
+                               "every call renders with the chat template's defaults (a continued conversation's tool "
+                               "turns too); serve with --chat-template FILE holding a template that renders as you need")
         tools = _tools(body.get("tools"))
         reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)

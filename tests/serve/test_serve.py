@@ -153,7 +153,9 @@ def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(to
                                  ({"messages": [tool_turn]}, "an assistant message's tool_calls is 'calc(2)'"),
                                  ({"response_format": {"type": "json_object"}}, 'response_format={"type": '
                                   '"json_object"} is not supported: the engine samples without it'),
-                                 ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported")):
+                                 ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+                                 ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+                                  'chat_template_kwargs={"enable_thinking": false} is not supported')):
             with pytest.raises(openai.BadRequestError) as error:  # each was a 500 with a Python traceback's last line
                 client.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "x"}],
                                                   **options})
