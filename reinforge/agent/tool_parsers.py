@@ -3,7 +3,9 @@
 A parser reads the decoded text of one assistant turn and returns the calls in it. A call that
 cannot be read (bad JSON, no name) is returned with an ``error`` rather than dropped: the loop
 answers it with a tool message explaining the problem, so the model sees what went wrong (verl
-drops such calls and only logs them). Built in: ``hermes`` (Qwen2.5, Qwen3, SmolLM3, Hermes:
+drops such calls and only logs them). A reasoning model's thinking, up to its last ``</think>``, is no
+place for calls (Qwen3's template takes a reply's content as the text after it, as vLLM's reasoning parsers do): a
+call written or a tag mentioned there is not read. Built in: ``hermes`` (Qwen2.5, Qwen3, SmolLM3, Hermes:
 ``<tool_call>`` JSON), ``llama3_json`` (Llama 3.1-3.3: the turn is a JSON call, optionally after
 ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]`` then a JSON list of calls, or the newer
 ``[TOOL_CALLS]name[ARGS]{...}``) and ``deepseek_v3`` (``<｜tool▁call▁begin｜>function<｜tool▁sep｜>name``
@@ -40,6 +42,15 @@ class ToolParser(Protocol):
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}
 
 
+REASONING_END = "</think>"
+
+
+def reasoning_end(text: str) -> int:
+    """Where a turn's text after its reasoning starts: after its last ``</think>``, or 0 when it has none."""
+    end = text.rfind(REASONING_END)
+    return 0 if end < 0 else end + len(REASONING_END)
+
+
 def register_tool_parser(name: str) -> Callable[[Callable[[], ToolParser]], Callable[[], ToolParser]]:
     def add(factory: Callable[[], ToolParser]) -> Callable[[], ToolParser]:
         if name in TOOL_PARSERS:
@@ -70,6 +81,7 @@ class HermesToolParser:
     opening = "<tool_call>"
 
     def parse(self, text: str) -> list[ToolCall]:
+        text = text[reasoning_end(text):]
         calls = [self._read(body.strip()) for body in self.pattern.findall(text)]
         last_end = max((match.end() for match in self.pattern.finditer(text)), default=0)
         if self.opening in text[last_end:]:
@@ -131,6 +143,7 @@ class Llama3JsonToolParser:
     shape = '{"name": ..., "parameters": {...}}'
 
     def parse(self, text: str) -> list[ToolCall]:
+        text = text[reasoning_end(text):]
         body = text.strip()
         if body.startswith(self.opening):
             body = body[len(self.opening):].strip()
@@ -154,6 +167,7 @@ class MistralToolParser:
     shape = '[TOOL_CALLS] [{"name": ..., "arguments": {...}}]'
 
     def parse(self, text: str) -> list[ToolCall]:
+        text = text[reasoning_end(text):]
         calls: list[ToolCall] = []
         for part in text.split(self.opening)[1:]:
             body = part.strip()
@@ -186,6 +200,7 @@ class DeepSeekV3ToolParser:
     shape = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>"
 
     def parse(self, text: str) -> list[ToolCall]:
+        text = text[reasoning_end(text):]
         calls = []
         for part in text.split(self.call_begin)[1:]:
             body, ended, _ = part.partition(self.call_end)

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
+from reinforge.agent.tool_parsers import ToolCall, get_tool_parser, reasoning_end
 from reinforge.agent.turn_tokens import ToolMessagesDropped, ToolTurnRenderer
 from reinforge.data.chat_template import template_error_message
 
@@ -192,7 +192,7 @@ class ChatCodec:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:  # the content is the text before the calls (none when the turn is its calls: Llama 3's JSON)
             marker = getattr(self.parser, "opening", None)
-            opening = text.find(marker or "<tool_call>")
+            opening = text.find(marker or "<tool_call>", reasoning_end(text))  # a tag its thinking mentions stays
             message["content"] = text[:opening].rstrip() if opening >= 0 else "" if marker else text
             message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                                      for call in calls]

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from reinforge.agent.tool_parsers import reasoning_end
 from reinforge.rollout.base import Completion
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class ReplyText:
                 return text[:min(positions)]
             text = text[:len(text) - _held_prefix(text, self.cut)]
         if self.tool_call_opening:
-            opening = text.find(self.tool_call_opening)
+            opening = text.find(self.tool_call_opening, reasoning_end(text))  # not a tag its thinking mentions
             if opening >= 0:
                 return text[:opening].rstrip()
             text = text[:len(text) - _held_prefix(text, [self.tool_call_opening])].rstrip()

@@ -16,6 +16,17 @@ def test_reads_calls_in_order_with_object_or_string_arguments():
         ("calculator", {"expression": "12*34"}, None), ("lookup", {"key": "a"}, None)]
 
 
+def test_calls_are_read_after_the_reasoning_not_in_it():
+    """Qwen3's template takes a reply's content as the text after its last </think>: a tag the thinking mentions, or
+    a call it drafts, is not a call."""
+    text = ('<think>\nI will write <tool_call> with {"name": "calc"} once I know the numbers.\n'
+            '<tool_call>{"name": "draft", "arguments": {}}</tool_call>\n</think>\n\n'
+            '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>')
+    assert [(call.name, call.arguments, call.error) for call in get_tool_parser("hermes").parse(text)] == [
+        ("calc", {"expr": "2+3"}, None)]
+    assert get_tool_parser("hermes").parse("<think>Maybe <tool_call> the calculator?</think>\n\nIt is 5.") == []
+
+
 def test_text_without_calls_has_none():
     assert get_tool_parser("hermes").parse("The answer is 408.") == []
     assert get_tool_parser("hermes").parse("</tool_call> is how a call ends.") == []

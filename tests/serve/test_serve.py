@@ -123,6 +123,8 @@ def test_tool_calls_are_read_only_when_tools_are_sent_and_a_cut_reply_finishes_w
 
 @pytest.mark.parametrize("tool_format, text, content", [
     ("hermes", 'Let me.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>', "Let me."),
+    ("hermes", '<think>\nUse <tool_call>.\n</think>\n\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n'
+               '</tool_call>', "<think>\nUse <tool_call>.\n</think>"),  # the thinking's mention of the tag stays
     ("llama3_json", '{"name": "calc", "parameters": {"expr": "2+3"}}', ""),  # the turn is the call
     ("mistral", 'Let me. [TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2+3"}}]', "Let me."),
     ("deepseek_v3", 'Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n'
