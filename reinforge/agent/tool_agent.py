@@ -5,8 +5,8 @@ turn the loop stops when the response budget is spent, at ``max_assistant_turns`
 ``max_user_turns``, or when the turn holds no tool call. Otherwise it runs the first
 ``max_parallel_calls`` calls concurrently; the calls past that are answered with a message
 saying they were not run and counted in ``tool_calls_cut`` (verl drops them silently). A
-malformed call, an unknown tool or a tool that raises becomes a tool message explaining the
-problem, with reward 0; the loop goes on. Tool output is cut to ``max_tool_response_length``
+malformed call, an unknown tool, arguments the tool cannot take (``BaseTool.arguments_problem``) or a tool
+that raises becomes a tool message explaining the problem, with reward 0; the loop goes on. Tool output is cut to ``max_tool_response_length``
 tokens (verl cuts characters). One ``max_tokens`` budget covers all sampled and tool tokens of
 the trajectory; a tool turn that would overflow it ends the trajectory (``tool_overflow``). A tool may return
 images to a vision-language model: its turn's image tokens count in the budget, and its images join the
@@ -86,7 +86,7 @@ class ToolAgentLoop(AgentLoop):
                     closing = [] if list(completion.token_ids[-len(eos_ids):]) == eos_ids else eos_ids
                     trajectory.assistant_turns += 1
                     turn += 1
-                    calls = self.parser.parse(self.context.tokenizer.decode(completion.token_ids))
+                    calls = self.parser.parse(self._turn_text(completion))
                     state, trajectory.finish_reason = self._after_generation(trajectory, calls, budget,
                                                                              completion.finish_reason)
                 else:
@@ -113,6 +113,16 @@ class ToolAgentLoop(AgentLoop):
                 if isinstance(error, Exception):  # the trajectory stands; a leaking tool should still be seen
                     logger.warning("tool %r: release failed: %s: %s", name, type(error).__name__, error)
         return trajectory.output()
+
+    def _turn_text(self, completion: Any) -> str:
+        """The text of a sampled turn without the special token that ended it (Llama 3's JSON call is the whole turn:
+        the ``<|eot_id|>`` after it is not part of the call). A stop token that is no special token (Qwen's
+        ``</tool_call>`` as a rollout stop token) stays: it may close a call."""
+        token_ids = list(completion.token_ids)
+        if (completion.finish_reason == "stop" and token_ids
+                and token_ids[-1] in getattr(self.context.tokenizer, "all_special_ids", ())):
+            token_ids = token_ids[:-1]
+        return self.context.tokenizer.decode(token_ids)
 
     def _tool_turn(self, results: list[ToolResult]) -> tuple[list[int], dict | None]:
         """The tool turn's token ids (after the end-of-turn token) and, when its results hold images, their pixels."""
@@ -174,6 +184,9 @@ class ToolAgentLoop(AgentLoop):
             return ToolResult(f"Unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools))}.", 0.0,
                               {"tool_error": 1.0})
         kwargs = tools_kwargs.get(call.name) or {}
+        problem = tool.arguments_problem(call.arguments, kwargs.get("execute_kwargs") or {})
+        if problem is not None:  # the model's mistake, not the tool's failure: it did not reach the tool
+            return ToolResult(f"Invalid arguments for tool {call.name!r}: {problem}.", 0.0, {"tool_error": 1.0})
         timeout = self.context.config.tool_timeout_s
         # asyncio.timeout, not wait_for: the tool runs in this task, so its SystemExit is caught below (in a task of
         # its own it would end the event loop), and its own TimeoutError is told apart from ours (scope.expired)

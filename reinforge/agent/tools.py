@@ -70,6 +70,13 @@ class BaseTool:
                 return f"{type(self).__name__}.{method.__name__}() {problem}"
         return None
 
+    def arguments_problem(self, arguments: dict[str, Any], execute_kwargs: dict[str, Any]) -> str | None:
+        """Why the model's arguments (with the row's ``execute_kwargs``) cannot reach the tool, or None. The loop answers such a call with it as the
+        model's mistake (``tool_error``), without running the tool: a tool that raised on them would count as a
+        failing tool (``ToolFailureCheck``). The default checks nothing: a class reads its own arguments (verl's
+        tools coerce them); ``FunctionTool`` checks them against its function."""
+        return None
+
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
         """Start a per-trajectory instance; returns its id."""
         return instance_id or uuid.uuid4().hex
@@ -79,6 +86,50 @@ class BaseTool:
 
     async def release(self, instance_id: str) -> None:
         """End the instance; free what ``create`` made."""
+
+
+JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: (isinstance(value, int) and not isinstance(value, bool))
+    or (isinstance(value, float) and value.is_integer()),
+    "number": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
+    "boolean": lambda value: isinstance(value, bool),
+    "array": lambda value: isinstance(value, list),
+    "object": lambda value: isinstance(value, dict),
+    "null": lambda value: value is None,
+}
+
+
+def _fits_json_type(value: Any, spec: dict[str, Any]) -> bool:
+    """Whether ``value`` is of the JSON type(s) a schema property names (a property without a known type fits all;
+    ``nullable`` lets None through, as transformers' get_json_schema writes an Optional)."""
+    types = spec.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    known = [JSON_TYPES[name] for name in types if name in JSON_TYPES]
+    if not known or (value is None and spec.get("nullable")):
+        return True
+    return any(check(value) for check in known)
+
+
+def schema_arguments_problem(schema: dict[str, Any], arguments: dict[str, Any],
+                             given: dict[str, Any] | None = None) -> str | None:
+    """Why ``arguments`` do not fit an OpenAI function schema (a required one missing, one it forbids, a value of
+    another JSON type than its property's), or None. ``given``: arguments the row supplies (``execute_kwargs``),
+    which count as present."""
+    parameters = schema["function"].get("parameters") or {}
+    properties = parameters.get("properties") or {}
+    missing = [name for name in parameters.get("required") or () if name not in arguments and name not in (given or {})]
+    if missing:
+        return f"missing required argument(s) {', '.join(map(repr, missing))}"
+    if parameters.get("additionalProperties") is False:
+        unknown = [name for name in arguments if name not in properties]
+        if unknown:
+            return f"unknown argument(s) {', '.join(map(repr, unknown))}; it takes {', '.join(map(repr, properties))}"
+    for name, value in arguments.items():
+        spec = properties.get(name)
+        if isinstance(spec, dict) and not _fits_json_type(value, spec):
+            return f"argument {name!r} is {json.dumps(value)[:40]}, not of type {spec['type']}"
+    return None
 
 
 def _binding_problem(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], partial: bool) -> str | None:
@@ -166,6 +217,21 @@ class FunctionTool(BaseTool):
         problem = _binding_problem(self.function, (), execute_kwargs, partial=True)
         name = getattr(self.function, "__qualname__", "the function")
         return None if problem is None else f"{name}() {problem}"
+
+    def arguments_problem(self, arguments: dict[str, Any], execute_kwargs: dict[str, Any]) -> str | None:
+        """The arguments against the schema (made from the function's type hints), then with the row's execute_kwargs
+        against its signature, as ``execute`` calls it."""
+        problem = schema_arguments_problem(self.schema, arguments, execute_kwargs)
+        if problem is not None:
+            return problem
+        try:
+            inspect.signature(self.function).bind(**arguments, **execute_kwargs)
+        except TypeError as error:
+            properties = (self.schema["function"].get("parameters") or {}).get("properties") or {}
+            return f"{error}; it takes {', '.join(map(repr, properties))}"
+        except ValueError:  # a builtin without a signature: nothing to check
+            pass
+        return None
 
     async def execute(self, instance_id: str, arguments: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         try:  # a tool's sys.exit() must not end the event loop (nor the run): it is a failed call like any other

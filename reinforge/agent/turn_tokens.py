@@ -3,22 +3,25 @@
 A trajectory's tokens are the prompt's, then what the engine sampled, then the tool turns we
 append, and so on; history is never decoded and tokenized again (a model may sample a
 non-canonical split of a text, which re-tokenizing would silently replace). A tool turn is the
-text the chat template adds to a conversation when tool messages follow an assistant turn:
+text the chat template writes after an assistant turn's end-of-turn token when tool messages follow it:
 
-    separator + render(base + tools, generation prompt)[len(render(base)):]
+    render(base + tools, generation prompt), after the end-of-turn token that follows base's assistant content
 
 where ``base`` ends with an assistant message. The model stops at its end-of-turn token
-(``<|im_end|>``, ``<|eot_id|>``); ``separator`` is what the template writes after that token
+(``<|im_end|>``, ``<|eot_id|>``); the increment starts with what the template writes after that token
 and before the next turn (``\\n`` for ChatML, nothing for Llama 3), which the model never
 generates: leaving it out (as verl did until v0.9, #6501) shifts every later turn by a token.
+A template that drops tool messages (OLMo 2's, Phi-3's: no tool role) or refuses them (Gemma's,
+Mistral's) is refused when the renderer is made.
 
 The boundary: the stream equals ``apply_chat_template`` of the whole conversation when the
 model's tokens are the tokenization the whole conversation's text gets at that place (a reply
-whose leading whitespace holds a newline is not: after ChatML's ``assistant\n`` the template's
-text merges the two newlines into one token, ``\n\n``, which the model sampled as two; an
-empty reply is not either, as the template drops the ``\n`` before it), and the template renders
-earlier turns the same whatever follows (true of ChatML/Qwen2.5 and Llama 3; not of templates that
-drop earlier reasoning, such as Qwen3's); ``increment`` raises if the second fails.
+whose leading whitespace holds a newline is not: after ChatML's ``assistant\\n`` the template's
+text merges the two newlines into one token, ``\\n\\n``, which the model sampled as two; an
+empty reply is not either, as the template drops the ``\\n`` before it), and the template renders
+earlier turns as the model sampled them (Qwen3's leaves an earlier turn's empty ``<think></think>``
+out, where the stream keeps it; a turn that thought is rendered as sampled). A template that does not
+write an earlier assistant's content as it was is refused: ``increment`` raises.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from reinforge.data.chat_template import ASSISTANT_TURN, assistant_turn_text, end_of_turn_token
+from reinforge.data.chat_template import ASSISTANT_MARKER, ASSISTANT_TURN, assistant_turn_text, end_of_turn_token
+
+TOOL_OUTPUT_PROBE = "reinforge-tool-output-probe"
+"""A tool message's content that renders as itself: where the template shows the model a tool's output."""
+
+
+class ToolMessagesDropped(ValueError):
+    """The chat template writes nothing of a tool message's content (it has no tool role): the model would never see
+    a tool's output."""
 
 
 class ToolTurnRenderer:
@@ -44,14 +55,14 @@ class ToolTurnRenderer:
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.chat_template:
             raise ValueError("the tokenizer has no chat template to render tool turns with; set data.chat_template")
-        base_text, after = assistant_turn_text(tokenizer, self.chat_template)
+        after = assistant_turn_text(tokenizer, self.chat_template)[1]
         self.eos_text = eos_text or end_of_turn_token(tokenizer, after)
         if not after.startswith(self.eos_text):
             raise ValueError(f"the chat template does not close an assistant turn with {self.eos_text!r} (it writes "
                              f"{after[:40]!r}); tool turns cannot be appended token for token")
         self.separator = after[len(self.eos_text):]
-        """Template text after the assistant's end-of-turn token, before the next turn."""
-        self._base_text = base_text
+        """Template text after the end-of-turn token of a conversation's last assistant turn (``\\n`` for ChatML,
+        nothing for Llama 3): what the whole conversation's template has past a trajectory's last token."""
         self.eos_ids = self.encode(self.eos_text)
         """The end-of-turn token's ids, which close an assistant turn that a stop token ended."""
         self.stop_ids: tuple[int, ...] = tuple(self.eos_ids) if len(self.eos_ids) == 1 else ()
@@ -60,29 +71,43 @@ class ToolTurnRenderer:
             self.check_tool_turns()
 
     def check_tool_turns(self) -> None:
-        """Raise one ValueError unless tool messages can follow an assistant turn as a token increment (a template
-        without a tool role, Gemma's and Mistral's, raises its own TemplateError: named here)."""
+        """Raise one ValueError unless tool messages can follow an assistant turn as a token increment that shows
+        the model their content (a template without a tool role either refuses one, as Gemma's and Mistral's
+        raise_exception does, named here, or drops it, as OLMo 2's and Phi-3's do)."""
         try:
-            self.increment_text([{"role": "tool", "content": "?"}])  # a template that cannot work fails here, when the
-        # renderer is made (before any model loads, where the caller makes it then), not at a rollout's first tool turn
+            text = self.increment_text([{"role": "tool", "content": TOOL_OUTPUT_PROBE}])  # a template that cannot
+            # work fails here, when the renderer is made (before any model loads, where the caller makes it then)
         except ValueError:
             raise
         except Exception as error:  # jinja2's TemplateError from the template's raise_exception
             raise ValueError(f"the chat template refuses a tool message after an assistant turn ({type(error).__name__}: "
                              f"{error}); set data.chat_template to a template with a tool role") from None
+        if TOOL_OUTPUT_PROBE not in text:
+            raise ToolMessagesDropped(f"the chat template drops tool messages (after an assistant turn it writes {text[:60]!r} "
+                             "for one, without its content), so the model would never see a tool's output; set "
+                             "data.chat_template to a template with a tool role")
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def increment_text(self, tool_messages: list[dict[str, Any]]) -> str:
-        """The text that follows the model's end-of-turn token: separator, tool turn(s), next assistant header."""
+        """The text that follows the model's end-of-turn token: separator, tool turn(s), next assistant header.
+
+        It is the whole conversation's text after the assistant turn's end-of-turn token, so a template may render
+        what comes before the assistant's content differently once more turns follow (Qwen3 leaves the empty
+        ``<think></think>`` out of an earlier turn): the model's tokens are kept as sampled either way."""
         full = self._render(ASSISTANT_TURN + tool_messages, add_generation_prompt=True)
-        if not full.startswith(self._base_text):
+        if full.count(ASSISTANT_MARKER) != 1:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow "
-                             "it, so a trajectory's tokens cannot stay as sampled; use a template that keeps "
-                             "earlier turns as they are")
-        return self.separator + full[len(self._base_text):]
+                             "it (its content is not written as it was), so a trajectory's tokens cannot stay as "
+                             "sampled; use a template that keeps earlier turns' content as it is")
+        rest = full[full.index(ASSISTANT_MARKER) + len(ASSISTANT_MARKER):]
+        if not rest.startswith(self.eos_text):
+            raise ValueError(f"the chat template closes an assistant turn that tool messages follow with "
+                             f"{rest[:40]!r}, not with {self.eos_text!r} as it closes a last turn; tool turns cannot "
+                             "be appended token for token")
+        return rest[len(self.eos_text):]
 
     def increment(self, tool_messages: list[dict[str, Any]]) -> list[int]:
         return list(self.tokenizer(self.increment_text(tool_messages), add_special_tokens=False)["input_ids"])

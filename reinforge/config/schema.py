@@ -245,7 +245,7 @@ class MultiTurnConfig:
     tool_config_path: Optional[str] = None
     """YAML tool config (a 'tools' list of class_name / config / tool_schema, as verl's); needed by tool_agent rows."""
     format: str = "hermes"
-    """Tool-call format the parser reads (a name in reinforge.agent.TOOL_PARSERS)."""
+    """Tool-call format the parser reads (a name in reinforge.agent.TOOL_PARSERS: hermes, llama3_json, mistral, deepseek_v3)."""
     max_assistant_turns: Optional[int] = None
     """Stop a trajectory after this many assistant turns; None: no limit but the response budget."""
     max_user_turns: Optional[int] = None

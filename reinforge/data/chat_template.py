@@ -99,18 +99,18 @@ def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -
     return tuple(ids) if len(ids) == 1 else ()
 
 
-def template_error_message(error: Exception, what: str) -> str:
+def template_error_message(error: Exception, what: str, setting: str = "data.chat_template") -> str:
     """One line for an exception the chat template raised while rendering ``what`` ('this prompt'): the template's
     own refusal (raise_exception: Gemma's 'System role not supported', Mistral's alternation rule) with its fix, or a
-    jinja2 error on odd message content."""
+    jinja2 error on odd message content. ``setting``: where another template is set (serve's --chat-template FILE)."""
     from jinja2.exceptions import TemplateError, UndefinedError
 
     if isinstance(error, TemplateError) and not isinstance(error, UndefinedError):
         hint = ("make the roles alternate user/assistant after an optional first system message (merge consecutive "
                 "user turns)") if "alternate" in str(error).lower() else \
             ("merge the system message into the first user message (this model has no system role), or set "
-             "data.chat_template to a template that accepts one") if "system" in str(error).lower() else \
-            "change the messages to the shape the template accepts, or set data.chat_template"
+             f"{setting} to a template that accepts one") if "system" in str(error).lower() else \
+            f"change the messages to the shape the template accepts, or set {setting}"
         return f"the model's chat template refuses {what} ({error}); {hint}"
     return (f"the chat template cannot render {what} ({type(error).__name__}: {error}); give each message's "
             "'content' as a string")

@@ -17,8 +17,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from reinforge.agent.tool_parsers import ToolCall, get_tool_parser
-from reinforge.agent.turn_tokens import ToolTurnRenderer
+from reinforge.agent.tool_parsers import ToolCall, get_tool_parser, reasoning_end
+from reinforge.agent.turn_tokens import ToolMessagesDropped, ToolTurnRenderer
+from reinforge.data.chat_template import template_error_message
 
 
 class RequestError(ValueError):
@@ -70,9 +71,13 @@ def normalize_message(message: Any) -> dict[str, Any]:
     normalized: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                   "content": text_of(message.get("content"))}
     if role == "assistant" and message.get("tool_calls"):
+        if not isinstance(message["tool_calls"], list) or not all(isinstance(call, dict) for call in
+                                                                   message["tool_calls"]):
+            raise RequestError(f"an assistant message's tool_calls is {str(message['tool_calls'])[:80]!r}; send a list "
+                               'of {"id", "type": "function", "function": {"name", "arguments"}} objects')
         calls = []
         for call in message["tool_calls"]:
-            function = (call or {}).get("function") or {}
+            function = call.get("function") or {}
             if not isinstance(function.get("name"), str):
                 raise RequestError("an assistant tool call needs function.name; send the tool_calls the server returned")
             calls.append({"type": "function", "function": {"name": function["name"],
@@ -133,17 +138,30 @@ class ChatCodec:
             raise ValueError("the tokenizer has no chat template, so chat messages cannot be rendered; serve a model "
                              "whose tokenizer_config.json has one or pass --chat-template FILE")
         self.renderer = ToolTurnRenderer(tokenizer, self.chat_template, check_tool_turns=False)
+        self.drops_tool_messages: str | None = None
+        """Why the template cannot show tool messages (it drops them), or None."""
         try:  # Gemma's and Mistral's templates have no tool role, Phi-3's ends a conversation with EOS: they still
             self.renderer.check_tool_turns()  # chat; a continued conversation is then rendered again from messages
             self.increments = True
         except ValueError as error:
+            if isinstance(error, ToolMessagesDropped):
+                self.drops_tool_messages = str(error)
             logger.warning("conversations are rendered whole on each call, not continued token for token: %s", error)
             self.increments = False
         self.parser = get_tool_parser(tool_format)
 
     def render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
-                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+        """The prompt ids of the messages; RequestError where the template refuses them (Gemma's system role) or
+        would drop their tool messages."""
+        if self.drops_tool_messages and any(message["role"] == "tool" for message in messages):
+            raise RequestError("the served model's chat template has no tool role: it would drop the tool messages, "
+                               "and the model would not see their content; send the tool's output in a user message, "
+                               "or serve with --chat-template FILE whose template has one")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.chat_template,
+                                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as error:  # jinja2's TemplateError from the template's raise_exception, or odd content
+            raise RequestError(template_error_message(error, "these messages", "--chat-template FILE")) from None
         return list(ids)
 
     def increment(self, record: CallRecord, new_messages: list[dict[str, Any]]) -> list[int]:
@@ -164,16 +182,18 @@ class ChatCodec:
         record = session.records[index]
         return record.prompt_ids + record.token_ids + self.increment(record, new_messages), index
 
-    def reply(self, token_ids: list[int]) -> tuple[dict[str, Any], list[ToolCall]]:
-        """The assistant message of sampled ids: text without the end-of-turn token, Hermes calls taken out."""
+    def reply(self, token_ids: list[int], reads_tool_calls: bool = True) -> tuple[dict[str, Any], list[ToolCall]]:
+        """The assistant message of sampled ids: text without the end-of-turn token, tool calls taken out (left in
+        the text when ``reads_tool_calls`` is false: the request sent no tools, or tool_choice "none")."""
         eos_ids = self.renderer.eos_ids
         body = token_ids[:-len(eos_ids)] if token_ids[-len(eos_ids):] == eos_ids else token_ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
-        calls = [call for call in self.parser.parse(text) if call.error is None]
+        calls = [call for call in self.parser.parse(text) if call.error is None] if reads_tool_calls else []
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if calls:
-            opening = text.find("<tool_call>")
-            message["content"] = text[:opening].rstrip() if opening >= 0 else text
+        if calls:  # the content is the text before the calls (none when the turn is its calls: Llama 3's JSON)
+            marker = getattr(self.parser, "opening", None)
+            opening = text.find(marker or "<tool_call>", reasoning_end(text))  # a tag its thinking mentions stays
+            message["content"] = text[:opening].rstrip() if opening >= 0 else "" if marker else text
             message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                                      for call in calls]
         return message, calls

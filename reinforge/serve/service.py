@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class ChatCall:
     session: ChatSession | None
     messages: list[dict[str, Any]]
     tools: Any
+    reads_tool_calls: bool
+    """Whether replies are parsed for tool calls: tools were sent and tool_choice is not "none"."""
     cut: list[str]
     """Stop strings of more than one token, cut from the text (outside trajectories)."""
     prompt_ids: list[int]
@@ -70,6 +73,51 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,),
+}
+"""Request keys the engine has no way to honour, with the values that ask for nothing (accepted, as clients send
+them by default); any other value is refused rather than ignored."""
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for key, defaults in UNSUPPORTED_DEFAULTS.items():
+        value = body.get(key)
+        if value is not None and not any(value == default and type(value) is type(default) for default in defaults):
+            raise RequestError(f"{key}={json.dumps(value)[:80]} is not supported: the engine samples without it; "
+                               "leave it out")
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A chat request's tools, checked to be OpenAI function schemas; None for none."""
+    if not tools:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(tool, dict) and tool.get("type", "function") == "function" and isinstance(tool.get("function"),
+                                                                                                   dict)
+            and isinstance(tool["function"].get("name"), str) for tool in tools):
+        raise RequestError(f"tools={str(tools)[:80]!r} is invalid; send a list of "
+                           '{"type": "function", "function": {"name", "description", "parameters"}} objects')
+    return tools
+
+
+def _reads_tool_calls(tools: Any, tool_choice: Any) -> bool:
+    """Whether a chat request's replies are parsed for tool calls (OpenAI's tool_choice: "auto", the default with
+    tools, or "none"); raises RequestError for a choice the engine cannot honour."""
+    if tool_choice is None or tool_choice == "auto":
+        return bool(tools)
+    if tool_choice == "none":
+        return False
+    if not tools:
+        raise RequestError(f"tool_choice={tool_choice!r} without tools; send tools, or leave tool_choice out")
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        raise RequestError(f"tool_choice={json.dumps(tool_choice)} is not supported: the engine samples freely and "
+                           "cannot force a tool call; send tool_choice \"auto\" (the model calls tools when it "
+                           "chooses to) or \"none\"")
+    raise RequestError(f"tool_choice={tool_choice!r} is invalid; send \"auto\" or \"none\"")
+
+
 class GenerationService:
     def __init__(self, client: TokenClient, tokenizer: Any, model_name: str, *, codec: ChatCodec | None,
                  max_model_len: int, default_max_tokens: int = 1024, eos_token_ids: tuple[int, ...] = (),
@@ -87,7 +135,7 @@ class GenerationService:
     def _stop(self, body: dict[str, Any], training: bool) -> tuple[tuple[int, ...], list[str]]:
         """Stop strings of one token become stop ids; longer ones cut the text (outside trajectories)."""
         stop = body.get("stop")
-        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else [stop]
         if not all(isinstance(text, str) and text for text in strings):
             raise RequestError(f"stop={stop!r} is invalid; send a string or a list of strings")
         ids, cut = [], []
@@ -112,9 +160,14 @@ class GenerationService:
             raise RequestError(f"max_tokens={max_tokens} and the prompt's {prompt_length} tokens exceed the model's "
                                f"context of {self.max_model_len}; ask for at most {room}",
                                code="context_length_exceeded")
+        _refuse_unsupported(body)
+        top_k = body.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+            raise RequestError(f"top_k={top_k!r} is invalid; send an integer of at least 1 (-1 or 0: no top-k)")
         return SamplingParams(max_tokens=max_tokens or min(self.default_max_tokens, room),
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+                              top_k=-1 if top_k is None else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
                               seed=_integer(body, "seed", 0))
 
@@ -208,7 +261,12 @@ class GenerationService:
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of {role, content} objects")
         messages = [normalize_message(message) for message in messages]
-        tools = body.get("tools") or None
+        if body.get("chat_template_kwargs"):  # vLLM's: Qwen3's enable_thinking, say
+            raise RequestError(f"chat_template_kwargs={json.dumps(body['chat_template_kwargs'])[:80]} is not supported: "
+                               "every call renders with the chat template's defaults (a continued conversation's tool "
+                               "turns too); serve with --chat-template FILE holding a template that renders as you need")
+        tools = _tools(body.get("tools"))
+        reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)
         if _integer(body, "top_logprobs", 0):
@@ -226,7 +284,8 @@ class GenerationService:
         else:
             sampling = self._sampling(body, len(prompt_ids), (*self.codec.renderer.stop_ids, *stop_ids))
             request_id = new_id("chat")
-        return ChatCall(body, session, messages, tools, cut, prompt_ids, continues, sampling, num_samples, request_id)
+        return ChatCall(body, session, messages, tools, reads_tool_calls, cut, prompt_ids, continues, sampling,
+                        num_samples, request_id)
 
     @staticmethod
     def _dropped_stops(call: ChatCall) -> tuple[int, ...]:
@@ -241,13 +300,14 @@ class GenerationService:
         if (finish_reason == "stop" and token_ids and token_ids[-1] in self._dropped_stops(call)
                 and token_ids[-len(self.codec.renderer.eos_ids):] != self.codec.renderer.eos_ids):
             token_ids = token_ids[:-1]  # a stop string of one token (or another EOS) is not part of the reply
-        reply, calls = self.codec.reply(token_ids)
+        reply, calls = self.codec.reply(token_ids, call.reads_tool_calls)
         if call.cut:
             reply["content"], finish_reason = self._text(token_ids, finish_reason, call.cut)
             calls = []
             reply.pop("tool_calls", None)
+        # a reply cut at max_tokens is "length" even after a whole call: the client must not take it for finished
         choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
-                                  "finish_reason": "tool_calls" if calls else finish_reason}
+                                  "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
         if call.body.get("logprobs"):
             choice["logprobs"] = {"content": self._log_probs(completion)}
         call.replies[index] = reply
@@ -290,11 +350,13 @@ class GenerationService:
         log_prob = self._log_prob if body.get("logprobs") else None
         stopped = last_of(self._dropped_stops(call))  # a stop token ends the reply and is not part of it
         if call.cut:  # the content is the text up to a stop string, as _chat_choice makes it
-            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, False), log_prob)
+            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, None), log_prob)
                        for _ in range(call.num_samples)]
         else:
             tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
-            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [], True), log_prob)
+            opening = getattr(self.codec.parser, "opening", None) or "<tool_call>"
+            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [],
+                                                opening if call.reads_tool_calls else None), log_prob)
                        for _ in range(call.num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -396,7 +458,7 @@ class GenerationService:
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         include_usage = self._include_usage(body)
         log_probs = self._wants_log_probs(body)
-        choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, tool_calls=False),
+        choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, None),
                                   self._log_prob if log_probs else None) for _ in range(num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:

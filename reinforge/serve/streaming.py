@@ -13,12 +13,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from reinforge.agent.tool_parsers import reasoning_end
 from reinforge.rollout.base import Completion
 
 logger = logging.getLogger(__name__)
-
-TOOL_CALL_OPENING = "<tool_call>"
-
 
 def _held_prefix(text: str, markers: list[str]) -> int:
     """The length of the longest end of ``text`` that a marker starts with (and is shorter than it)."""
@@ -52,15 +50,16 @@ class ReplyText:
     """The text of one streamed choice so far, and the deltas of it that are safe to send.
 
     decode: ids to text; body: the ids whose text the reply can hold (the tail the finished reply drops held
-    back); cut: stop strings that end the text; tool_calls: whether a ``<tool_call>`` ends the content.
+    back); cut: stop strings that end the text; tool_call_opening: the text that ends the content where tool calls
+    start (the parser's ``opening``, ``<tool_call>`` for Hermes), None when replies are not read for calls.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], body: Callable[[list[int]], list[int]],
-                 cut: list[str], tool_calls: bool):
+                 cut: list[str], tool_call_opening: str | None):
         self.decode = decode
         self.body = body
         self.cut = cut
-        self.tool_calls = tool_calls
+        self.tool_call_opening = tool_call_opening
         self.token_ids: list[int] = []
         self.sent = ""
 
@@ -72,11 +71,11 @@ class ReplyText:
             if positions:
                 return text[:min(positions)]
             text = text[:len(text) - _held_prefix(text, self.cut)]
-        if self.tool_calls:
-            opening = text.find(TOOL_CALL_OPENING)
+        if self.tool_call_opening:
+            opening = text.find(self.tool_call_opening, reasoning_end(text))  # not a tag its thinking mentions
             if opening >= 0:
                 return text[:opening].rstrip()
-            text = text[:len(text) - _held_prefix(text, [TOOL_CALL_OPENING])].rstrip()
+            text = text[:len(text) - _held_prefix(text, [self.tool_call_opening])].rstrip()
         return text
 
     def add(self, token_id: int) -> str:

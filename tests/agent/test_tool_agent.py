@@ -89,6 +89,24 @@ def test_errors_become_tool_messages_and_the_loop_goes_on(chatml_tokenizer, scri
     assert output.extra["tool_rewards"] == [0.0, 0.0, 0.0]
 
 
+def test_arguments_a_function_cannot_take_are_the_models_mistake_not_a_failing_tool(chatml_tokenizer, scripted_client):
+    from reinforge.agent.runner import tool_call_counts
+
+    script = [call("echo", text=3), call("echo", text="a", loud=True), call("echo"), call("echo", text="a"), "done"]
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, script))
+    text = tool_texts(chatml_tokenizer, output)
+    assert "Invalid arguments for tool 'echo': argument 'text' is 3, not of type string." in text
+    assert "Invalid arguments for tool 'echo': missing required argument(s) 'text'." in text
+    assert "got an unexpected keyword argument 'loud'; it takes 'text'" in text
+    # the tool answered the one call that reached it; the three it never saw are not counted as it failing
+    assert output.metrics["tool_errors"] == 3 and output.metrics["tool_raised"] == 0
+    assert tool_call_counts(output) == (1, 0)
+    # an argument the row supplies (execute_kwargs) is no missing one
+    output = run(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("echo"), "done"]),
+                 extra_info={"tools_kwargs": {"echo": {"execute_kwargs": {"text": "from the row"}}}})
+    assert "from the row" in tool_texts(chatml_tokenizer, output) and output.metrics["tool_errors"] == 0
+
+
 def gone(text: str) -> str:
     """A tool whose service is down for good.
 

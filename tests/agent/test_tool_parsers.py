@@ -1,4 +1,5 @@
-"""Hermes tool calls: well-formed calls are read, malformed ones come back with an explanation."""
+"""Tool calls in each format (Hermes, Llama 3's JSON, Mistral's, DeepSeek-V3's): well-formed calls are read, malformed ones come back
+with an explanation, an answer has none."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ def test_reads_calls_in_order_with_object_or_string_arguments():
     calls = get_tool_parser("hermes").parse(text)
     assert [(call.name, call.arguments, call.error) for call in calls] == [
         ("calculator", {"expression": "12*34"}, None), ("lookup", {"key": "a"}, None)]
+
+
+def test_calls_are_read_after_the_reasoning_not_in_it():
+    """Qwen3's template takes a reply's content as the text after its last </think>: a tag the thinking mentions, or
+    a call it drafts, is not a call."""
+    text = ('<think>\nI will write <tool_call> with {"name": "calc"} once I know the numbers.\n'
+            '<tool_call>{"name": "draft", "arguments": {}}</tool_call>\n</think>\n\n'
+            '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>')
+    assert [(call.name, call.arguments, call.error) for call in get_tool_parser("hermes").parse(text)] == [
+        ("calc", {"expr": "2+3"}, None)]
+    assert get_tool_parser("hermes").parse("<think>Maybe <tool_call> the calculator?</think>\n\nIt is 5.") == []
 
 
 def test_text_without_calls_has_none():
@@ -41,8 +53,41 @@ def test_malformed_calls_carry_an_error(body, message):
     assert call.error is not None and message in call.error
 
 
+DEEPSEEK_CALLS = ("Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>a\n```json\n{\"x\": 1}\n```"
+                  "<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>b\n```json\n{}\n```<｜tool▁call▁end｜>")
+DEEPSEEK_END = "<｜tool▁calls▁end｜>"
+
+
+@pytest.mark.parametrize("format, text, expected", [
+    ("llama3_json", '{"name": "calc", "parameters": {"expr": "2;3"}}', [("calc", {"expr": "2;3"}, None)]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}',
+     [("a", {}, None), ("b", {"x": 1}, None)]),
+    ("llama3_json", "The answer is 5.", []),
+    ("llama3_json", '{"answer": 5}', []),  # a JSON answer, not a call
+    ("llama3_json", '{"name": "calc", "parameters": {"expr": ', [("", {}, "Invalid JSON in tool call")]),  # cut
+    ("llama3_json", '{"name": "calc", "parameters": [1]}', [("calc", {}, "must be a JSON object")]),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": "{}"}]',
+     [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}', [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("mistral", "No call here.", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": ', [("", {}, "Invalid JSON in tool call")]),
+    ("mistral", "[TOOL_CALLS]a[ARGS]{bad", [("a", {}, "Invalid JSON in arguments for 'a'")]),
+    ("mistral", '[TOOL_CALLS] [{"arguments": {}}]', [("", {}, 'needs a "name"')]),
+    ("deepseek_v3", DEEPSEEK_CALLS + DEEPSEEK_END, [("a", {"x": 1}, None), ("b", {}, None)]),
+    ("deepseek_v3", DEEPSEEK_CALLS[:-30], [("a", {"x": 1}, None), ("", {}, "was not closed")]),  # cut
+    ("deepseek_v3", DEEPSEEK_CALLS.replace('{"x": 1}', '{"x": '), [("a", {}, "Invalid JSON in arguments for 'a'"),
+                                                                    ("b", {}, None)]),
+])
+def test_each_format_reads_its_calls_and_explains_malformed_ones(format, text, expected):
+    calls = get_tool_parser(format).parse(text)
+    assert [(call.name, call.arguments) for call in calls] == [(name, arguments) for name, arguments, _ in expected]
+    for call, (_, _, error) in zip(calls, expected, strict=True):
+        assert call.error is None if error is None else error in call.error
+
+
 def test_unknown_format_lists_the_known_ones():
-    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: hermes"):
+    with pytest.raises(ValueError, match="format='xml' is not a known tool-call format; known: deepseek_v3, hermes, "
+                                         "llama3_json, mistral"):
         get_tool_parser("xml")
 
 

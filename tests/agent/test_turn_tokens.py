@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,9 @@ from reinforge.agent import AgentContext, FunctionTool, ToolTurnRenderer, get_ag
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.models.tiny import build_char_tokenizer
 from reinforge.rollout.base import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from family_templates import family_tokenizer  # noqa: E402
 
 LLAMA3_TEMPLATE = (
     "{{ '<|begin_of_text|>' }}"
@@ -58,22 +63,23 @@ def _call(name: str, arguments: dict) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _conversation_and_script(call_text):
-    """The whole conversation (with tool results) and the assistant texts the 'model' samples."""
+def _conversation_and_script(call_text, thoughts=("", "", "")):
+    """The whole conversation (with tool results) and the assistant texts the 'model' samples, each turn's after
+    its thought (Qwen3's ``<think>`` block)."""
     first = [_call("calculator", {"expression": "12*34"})]
     second = [_call("calculator", {"expression": "408+1"}), _call("calculator", {"expression": "2*(3+4)"})]
     final = "12*34 = 408, so the answers are 409 and 14."
     conversation = [
         {"role": "system", "content": "Use the calculator."},
         {"role": "user", "content": "What is 12*34+1, and 2*(3+4)?"},
-        {"role": "assistant", "content": "", "tool_calls": first},
+        {"role": "assistant", "content": thoughts[0], "tool_calls": first},
         {"role": "tool", "content": "408"},
-        {"role": "assistant", "content": "", "tool_calls": second},
+        {"role": "assistant", "content": thoughts[1], "tool_calls": second},
         {"role": "tool", "content": "409"},
         {"role": "tool", "content": "14"},
-        {"role": "assistant", "content": final},
+        {"role": "assistant", "content": thoughts[2] + final},
     ]
-    script = [call_text(first), call_text(second), final]
+    script = [thoughts[0] + call_text(first), thoughts[1] + call_text(second), thoughts[2] + final]
     return conversation, script
 
 
@@ -87,11 +93,19 @@ def _hermes_llama(calls):
                    + "</tool_call>" for c in calls)
 
 
-@pytest.mark.parametrize("template", ["chatml", "llama3"])
+QWEN3_THOUGHTS = ("<think>\nMultiply first.\n</think>\n\n", "<think>\nNow both.\n</think>\n\n",
+                  "<think>\nDone.\n</think>\n\n")
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3", "qwen3"])
 def test_scripted_trajectory_equals_the_template_of_the_whole_conversation(template, chatml_tokenizer,
                                                                           scripted_client):
-    tokenizer = chatml_tokenizer if template == "chatml" else llama3_tokenizer()
-    conversation, script = _conversation_and_script(_hermes_chatml if template == "chatml" else _hermes_llama)
+    """Qwen3's template renders an earlier turn's header differently once more turns follow (it leaves out an empty
+    <think></think>): the increments are what it writes after each turn's end, so a turn that thought renders as
+    sampled."""
+    tokenizer = {"chatml": chatml_tokenizer, "llama3": llama3_tokenizer()}.get(template) or family_tokenizer("qwen3")
+    conversation, script = _conversation_and_script(_hermes_llama if template == "llama3" else _hermes_chatml,
+                                                    QWEN3_THOUGHTS if template == "qwen3" else ("", "", ""))
     tool = FunctionTool(calculator)
     prompt_ids = tokenizer.apply_chat_template(conversation[:2], tools=[tool.schema], add_generation_prompt=True,
                                                tokenize=True, return_dict=False)
@@ -103,7 +117,7 @@ def test_scripted_trajectory_equals_the_template_of_the_whole_conversation(templ
     expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
     stream = output.prompt_ids + output.response_ids
     separator = ToolTurnRenderer(tokenizer).separator
-    assert separator == ("\n" if template == "chatml" else "")
+    assert separator == ("" if template == "llama3" else "\n")
     assert stream == expected[:len(stream)]
     assert tokenizer.decode(expected[len(stream):]) == separator
     assert output.num_turns == 6 and output.finish_reason == "stop"
@@ -165,3 +179,49 @@ def test_a_template_closing_turns_with_plain_text_is_refused_naming_it(chatml_to
     with pytest.raises(ValueError, match=r"closes an assistant turn with '\\n\\n', which starts with neither the "
                                          r"tokenizer's EOS '<\|im_end\|>' nor another special token"):
         ToolTurnRenderer(chatml_tokenizer, chat_template=template)
+
+
+@pytest.mark.parametrize("family, increment", [
+    ("qwen3", "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"),
+    ("llama3.1", '<|start_header_id|>ipython<|end_header_id|>\n\n"7"<|eot_id|><|start_header_id|>assistant'
+                 '<|end_header_id|>\n\n'),
+    ("phi4-mini", "<|tool|>7<|end|><|assistant|>"),  # not the EOS its template closes a conversation with
+    ("smollm3", "\n<|im_start|>user\n7<|im_end|>\n<|im_start|>assistant\n"),
+    ("deepseek-v3", "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>7<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"),
+])
+def test_each_familys_tool_turn_is_what_its_template_writes_after_the_end_of_turn(family, increment):
+    tokenizer = family_tokenizer(family)
+    renderer = ToolTurnRenderer(tokenizer)
+    assert renderer.increment_text([{"role": "tool", "content": "7"}]) == increment
+    assert renderer.stop_ids == (tokenizer.convert_tokens_to_ids(renderer.eos_text),)
+
+
+@pytest.mark.parametrize("family, refusal", [
+    ("olmo2", "drops tool messages"), ("phi3", "drops tool messages"),  # no tool role: the output would be lost
+    ("mistral-v0.3", "refuses a tool message after an assistant turn (TemplateError: Tool call IDs"),
+])
+def test_a_template_that_cannot_show_a_tool_output_is_refused_in_one_line(family, refusal):
+    with pytest.raises(ValueError, match=r"the chat template " + refusal.replace("(", r"\(")) as refused:
+        ToolTurnRenderer(family_tokenizer(family))
+    assert "data.chat_template" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_llama31_trajectory_of_json_calls_equals_its_template_of_the_whole_conversation(scripted_client):
+    """Llama 3.1's own template and call format (``llama3_json``): one JSON call a turn, tool output as an ipython turn."""
+    tokenizer = family_tokenizer("llama3.1")
+    tool = FunctionTool(calculator)
+    calls = [_call("calculator", {"expression": "12*34"}), _call("calculator", {"expression": "408+1"})]
+    conversation = [{"role": "user", "content": "What is 12*34+1?"},
+                    {"role": "assistant", "tool_calls": [calls[0]]}, {"role": "tool", "content": "408"},
+                    {"role": "assistant", "tool_calls": [calls[1]]}, {"role": "tool", "content": "409"},
+                    {"role": "assistant", "content": "It is 409."}]
+    script = [json.dumps({"name": "calculator", "parameters": call["function"]["arguments"]}) for call in calls]
+    client = scripted_client(tokenizer, [*script, "It is 409."])
+    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tools=[tool.schema], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    context = AgentContext(tokenizer, client, MultiTurnConfig(format="llama3_json"), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    assert output.prompt_ids + output.response_ids == expected
+    assert output.metrics["num_tool_calls"] == 2 and output.metrics["tool_errors"] == 0 and output.num_turns == 6

@@ -14,6 +14,7 @@ from reinforge.data.chat_template import template_end_of_turn_ids
 from reinforge.data.rl_dataset import RLDataset
 from reinforge.data.sft_dataset import tokenize_conversation
 from reinforge.models.tiny import build_char_tokenizer
+from reinforge.serve.chat import RequestError
 
 GEMMA = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
          "{% for message in messages %}"
@@ -23,6 +24,12 @@ GEMMA = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System rol
          "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
          "{% endfor %}"
          "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+OLMO2 = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\n' + "
+         "message['content'] + '\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\n' + message['content'] + '\n' }}"
+         "{% elif message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\n'  + message['content'] + "
+         "eos_token + '\n' }}{% else %}{{ '<|assistant|>\n'  + message['content'] + eos_token }}{% endif %}{% endif %}"
+         "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}")
+"""OLMo 2 Instruct's: no tool role, so a tool message is dropped."""
 PHI3 = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
 
@@ -82,3 +89,19 @@ def test_serve_chats_with_a_template_that_has_no_tool_role(gemma):
     assert not codec.increments  # conversations are rendered whole each call
     ids = codec.render([{"role": "user", "content": "hi"}], None)
     assert gemma.decode(ids) == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    with pytest.raises(RequestError, match=r"^the model's chat template refuses these messages \(System role not "
+                                           r"supported\); merge the system message into the first user message"):
+        codec.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], None)
+
+
+def test_serve_refuses_tool_messages_a_template_without_a_tool_role_would_drop():
+    from reinforge.serve.chat import ChatCodec
+
+    olmo2 = family_tokenizer([], OLMO2)
+    olmo2.eos_token = olmo2.bos_token = "<|endoftext|>"
+    codec = ChatCodec(olmo2)
+    chat = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "Let me look."}]
+    assert olmo2.decode(codec.render(chat, None)).endswith("<|assistant|>\nLet me look.<|endoftext|><|assistant|>\n")
+    with pytest.raises(RequestError, match="the served model's chat template has no tool role: it would drop the "
+                                           "tool messages"):
+        codec.render([*chat, {"role": "tool", "content": "5"}], None)

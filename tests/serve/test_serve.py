@@ -44,7 +44,8 @@ class Served:
 
 
 class TextClient:
-    """A token client answering every prompt with the ids of a fixed text and the end-of-turn token."""
+    """A token client answering every prompt with the ids of a fixed text and the end-of-turn token (cut at
+    max_tokens, as an engine cuts)."""
 
     def __init__(self, tokenizer, text: str, release: asyncio.Event | None = None):
         self.ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
@@ -53,7 +54,8 @@ class TextClient:
     async def generate(self, prompt_ids, sampling, request_id):
         if self.release is not None:
             await self.release.wait()
-        return Completion(self.ids, [-0.25] * len(self.ids), "stop")
+        ids = self.ids[:sampling.max_tokens]
+        return Completion(ids, [-0.25] * len(ids), "stop" if len(ids) == len(self.ids) else "length")
 
 
 @pytest.fixture(scope="module")
@@ -97,18 +99,71 @@ def test_a_hermes_tool_call_comes_back_as_openai_tool_calls(tool_tokenizer):
         served.close()
 
 
+def test_tool_calls_are_read_only_when_tools_are_sent_and_a_cut_reply_finishes_with_length(tool_tokenizer):
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
+    served = served_text(tool_tokenizer, f"Let me.\n{call}\n{call}")
+    try:
+        client = served.client()
+        ask = [{"role": "user", "content": "2+3?"}]
+        for options in ({}, {"tools": [CALC], "tool_choice": "none"}):  # the text as sampled, as OpenAI answers
+            choice = client.chat.completions.create(model="m", messages=ask, **options).choices[0]
+            assert choice.message.content == f"Let me.\n{call}\n{call}" and not choice.message.tool_calls
+            assert choice.finish_reason == "stop"
+        # the first call whole, the second cut at max_tokens: the reply is cut, not a finished turn of calls
+        choice = client.chat.completions.create(model="m", messages=ask, tools=[CALC],
+                                                max_tokens=len(f"Let me.\n{call}\n<tool")).choices[0]
+        assert choice.finish_reason == "length" and len(choice.message.tool_calls) == 1
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="m", messages=ask, tools=[CALC], tool_choice="required")
+        assert refused.value.body["message"].startswith('tool_choice="required" is not supported: the engine samples '
+                                                        "freely and cannot force a tool call")
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("tool_format, text, content", [
+    ("hermes", 'Let me.\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>', "Let me."),
+    ("hermes", '<think>\nUse <tool_call>.\n</think>\n\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n'
+               '</tool_call>', "<think>\nUse <tool_call>.\n</think>"),  # the thinking's mention of the tag stays
+    ("llama3_json", '{"name": "calc", "parameters": {"expr": "2+3"}}', ""),  # the turn is the call
+    ("mistral", 'Let me. [TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2+3"}}]', "Let me."),
+    ("deepseek_v3", 'Let me.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>calc\n```json\n'
+                    '{"expr": "2+3"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me."),
+])
+def test_each_formats_calls_come_back_as_tool_calls_with_the_text_before_them(tool_tokenizer, tool_format, text,
+                                                                             content):
+    codec = ChatCodec(tool_tokenizer, tool_format=tool_format)
+    reply, _ = codec.reply(tool_tokenizer(text, add_special_tokens=False)["input_ids"] + [tool_tokenizer.eos_token_id])
+    assert reply == {"role": "assistant", "content": content,
+                     "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "2+3"}}}]}
+
+
 def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(tool_tokenizer):
     served = served_text(tool_tokenizer, "one two three")
     try:
         client = served.client()
         response = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
-                                                  stop=["two"])
+                                                  stop=["two"], presence_penalty=0, response_format={"type": "text"})
         assert response.choices[0].message.content == "one " and response.choices[0].finish_reason == "stop"
         completion = client.completions.create(model="m", prompt="count:", logprobs=1, n=2)
         assert [choice.text for choice in completion.choices] == ["one two three"] * 2
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=5)
         assert error.value.body["message"] == "temperature=5 is out of range; send a number from 0.0 to 2.0"
+        tool_turn = {"role": "assistant", "content": None, "tool_calls": "calc(2)"}
+        for options, message in (({"stop": 3}, "stop=3 is invalid"), ({"tools": "calc"}, "tools='calc' is invalid"),
+                                 ({"messages": [tool_turn]}, "an assistant message's tool_calls is 'calc(2)'"),
+                                 ({"response_format": {"type": "json_object"}}, 'response_format={"type": '
+                                  '"json_object"} is not supported: the engine samples without it'),
+                                 ({"presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
+                                 ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
+                                  'chat_template_kwargs={"enable_thinking": false} is not supported')):
+            with pytest.raises(openai.BadRequestError) as error:  # each was a 500 with a Python traceback's last line
+                client.chat.completions.create(**{"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                  **options})
+            assert error.value.body["message"].startswith(message), error.value.body
+        sampling = served.endpoint.service._sampling({"top_k": 5, "min_p": 0.1}, 3, ())  # vLLM's extra sampling keys
+        assert (sampling.top_k, sampling.min_p) == (5, 0.1)
         with pytest.raises(openai.NotFoundError, match="trajectory 'nope' is not open"):
             openai.OpenAI(base_url=served.url + "/t/nope/v1", api_key="none", max_retries=0).chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "x"}])

@@ -140,14 +140,15 @@ def test_reply_text_holds_back_what_the_end_of_the_reply_may_take_away():
     assert ending([1, 2, 7]) == [1, 2] and ending([1, 7, 8]) == [1] and ending([1, 8]) == [1, 8]
     assert last_of((9,))([1, 9]) == [1] and last_of((9,))([9, 1]) == [9, 1]
 
-    def streamed(text: str, cut: list[str], tool_calls: bool) -> list[str]:
-        reply = ReplyText(lambda ids: "".join(map(chr, ids)), lambda ids: ids, cut, tool_calls)
+    def streamed(text: str, cut: list[str], tool_call_opening: str | None) -> list[str]:
+        reply = ReplyText(lambda ids: "".join(map(chr, ids)), lambda ids: ids, cut, tool_call_opening)
         return [reply.add(ord(character)) for character in text]
 
-    assert streamed("ab st", ["stop"], False) == ["a", "b", " ", "", ""]  # "st" may begin "stop"
-    assert streamed("ab  <tool", [], True) == ["a", "b", "", "", "", "", "", "", ""]
-    assert streamed("a <b", [], True) == ["a", "", "", " <b"]
-    reply = ReplyText(lambda ids: "".join(map(chr, ids)) + "\ufffd", lambda ids: ids, [], False)
+    assert streamed("ab st", ["stop"], None) == ["a", "b", " ", "", ""]  # "st" may begin "stop"
+    assert streamed("ab  <tool", [], "<tool_call>") == ["a", "b", "", "", "", "", "", "", ""]
+    assert streamed("a <b", [], "<tool_call>") == ["a", "", "", " <b"]
+    assert streamed("a [TOOL", [], "[TOOL_CALLS]") == ["a", "", "", "", "", "", ""]  # Mistral's marker
+    reply = ReplyText(lambda ids: "".join(map(chr, ids)) + "\ufffd", lambda ids: ids, [], None)
     assert reply.add(ord("x")) == "x"  # an incomplete character at the end waits for its next bytes
     assert reply.finish("xy") == "y"
 
