@@ -93,7 +93,8 @@ class ToolAgentLoop(AgentLoop):
                     start = time.perf_counter()
                     results = await self._run_calls(calls, tools_kwargs, instances, trajectory)
                     trajectory.metrics["tool_calls"] += time.perf_counter() - start
-                    increment, turn_images = self._tool_turn(results)
+                    increment, turn_images = self._tool_turn(results, [
+                        call_id(call, trajectory.user_turns, index) for index, call in enumerate(calls)])
                     increment = closing + increment
                     if len(trajectory.response_ids) + len(increment) >= budget:
                         trajectory.metrics["tool_overflow"] = 1.0
@@ -124,10 +125,11 @@ class ToolAgentLoop(AgentLoop):
             token_ids = token_ids[:-1]
         return self.context.tokenizer.decode(token_ids)
 
-    def _tool_turn(self, results: list[ToolResult]) -> tuple[list[int], dict | None]:
+    def _tool_turn(self, results: list[ToolResult], call_ids: list[str]) -> tuple[list[int], dict | None]:
         """The tool turn's token ids (after the end-of-turn token) and, when its results hold images, their pixels."""
         images = [image for result in results for image in result.images]
-        messages = [tool_message(result.text, result.images) for result in results]
+        messages = [tool_message(result.text, result.images, identifier)
+                    for result, identifier in zip(results, call_ids, strict=True)]
         if not images:
             return self.renderer.increment(messages), None
         if self.context.processor is None:
@@ -291,3 +293,15 @@ class _Trajectory:
             response_log_probs=self.log_probs, num_turns=self.user_turns + self.assistant_turns + 1,
             finish_reason=self.finish_reason, metrics=self.metrics, extra={"tool_rewards": self.tool_rewards},
             multi_modal_inputs=self.images)
+
+
+CALL_ID_CHARS = 9
+"""Characters of a generated tool-call id: Mistral's templates accept only 9 alphanumeric ones."""
+
+
+def call_id(call: ToolCall, tool_turn: int, index: int) -> str:
+    """The ``tool_call_id`` of a call's result: the id the model wrote when a template can take it (9 alphanumeric
+    characters), else one made from the tool turn and the call's place in it, the same in every run."""
+    if call.id is not None and len(call.id) == CALL_ID_CHARS and call.id.isascii() and call.id.isalnum():
+        return call.id
+    return f"c{tool_turn % 10_000:04d}{index % 10_000:04d}"

@@ -19,11 +19,14 @@ from torch import Tensor
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
-def tool_message(text: str, images: tuple | list) -> dict[str, Any]:
-    """A tool message: plain text, or its images then its text as content parts."""
-    if not images:
-        return {"role": "tool", "content": text}
-    return {"role": "tool", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}
+def tool_message(text: str, images: tuple | list, call_id: str | None = None) -> dict[str, Any]:
+    """A tool message: plain text, or its images then its text as content parts; with ``tool_call_id`` when the
+    call has an id (a template may render it, as Mistral's does)."""
+    message: dict[str, Any] = {"role": "tool", "content": text} if not images else {
+        "role": "tool", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}
+    if call_id is not None:
+        message["tool_call_id"] = call_id
+    return message
 
 
 def encode_with_images(processor: Any, text: str, images: list) -> tuple[list[int], dict[str, Tensor]]:

@@ -27,6 +27,9 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     """Why the call could not be read; the loop answers it with this text instead of running a tool."""
+    id: str | None = None
+    """The id the model wrote for the call (Mistral's ``"id"``), which its tool result names; None where it wrote
+    none."""
 
 
 class ToolParser(Protocol):
@@ -113,7 +116,7 @@ def _call_of(call: Any, argument_keys: tuple[str, ...], shape: str) -> ToolCall:
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], error=f"The arguments of {call['name']!r} must be a JSON object, "
                                             f"not {type(arguments).__name__}")
-    return ToolCall(call["name"], arguments)
+    return ToolCall(call["name"], arguments, id=call["id"] if isinstance(call.get("id"), str) else None)
 
 
 def _json_values(text: str, separator: str) -> tuple[list[Any], str | None]:

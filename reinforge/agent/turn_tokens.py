@@ -33,6 +33,8 @@ from reinforge.data.chat_template import ASSISTANT_MARKER, ASSISTANT_TURN, assis
 
 TOOL_OUTPUT_PROBE = "reinforge-tool-output-probe"
 """A tool message's content that renders as itself: where the template shows the model a tool's output."""
+PROBE_CALL_ID = "c00000000"
+"""The probe's ``tool_call_id``, of the form the loop gives its results (``tool_agent.call_id``)."""
 
 
 class ToolMessagesDropped(ValueError):
@@ -75,7 +77,7 @@ class ToolTurnRenderer:
         the model their content (a template without a tool role either refuses one, as Gemma's and Mistral's
         raise_exception does, named here, or drops it, as OLMo 2's and Phi-3's do)."""
         try:
-            text = self.increment_text([{"role": "tool", "content": TOOL_OUTPUT_PROBE}])  # a template that cannot
+            text = self.increment_text([{"role": "tool", "content": TOOL_OUTPUT_PROBE, "tool_call_id": PROBE_CALL_ID}])  # a template that cannot
             # work fails here, when the renderer is made (before any model loads, where the caller makes it then)
         except ValueError:
             raise

@@ -188,17 +188,17 @@ def test_a_template_closing_turns_with_plain_text_is_refused_naming_it(chatml_to
     ("phi4-mini", "<|tool|>7<|end|><|assistant|>"),  # not the EOS its template closes a conversation with
     ("smollm3", "\n<|im_start|>user\n7<|im_end|>\n<|im_start|>assistant\n"),
     ("deepseek-v3", "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>7<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"),
+    ("mistral-v0.3", '[TOOL_RESULTS] {"content": 7, "call_id": "c00000000"}[/TOOL_RESULTS]'),  # needs the call's id
 ])
 def test_each_familys_tool_turn_is_what_its_template_writes_after_the_end_of_turn(family, increment):
     tokenizer = family_tokenizer(family)
     renderer = ToolTurnRenderer(tokenizer)
-    assert renderer.increment_text([{"role": "tool", "content": "7"}]) == increment
+    assert renderer.increment_text([{"role": "tool", "content": "7", "tool_call_id": "c00000000"}]) == increment
     assert renderer.stop_ids == (tokenizer.convert_tokens_to_ids(renderer.eos_text),)
 
 
 @pytest.mark.parametrize("family, refusal", [
     ("olmo2", "drops tool messages"), ("phi3", "drops tool messages"),  # no tool role: the output would be lost
-    ("mistral-v0.3", "refuses a tool message after an assistant turn (TemplateError: Tool call IDs"),
 ])
 def test_a_template_that_cannot_show_a_tool_output_is_refused_in_one_line(family, refusal):
     with pytest.raises(ValueError, match=r"the chat template " + refusal.replace("(", r"\(")) as refused:
@@ -223,5 +223,28 @@ def test_a_llama31_trajectory_of_json_calls_equals_its_template_of_the_whole_con
     output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
                                                                   prompt_ids=list(prompt_ids)))
     expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    assert output.prompt_ids + output.response_ids == expected
+    assert output.metrics["num_tool_calls"] == 2 and output.metrics["tool_errors"] == 0 and output.num_turns == 6
+
+
+def test_a_mistral_trajectory_answers_each_call_by_its_id_as_its_template_writes_the_conversation(scripted_client):
+    """Mistral's template takes a tool result only with the 9-character id of its call: the id the model wrote,
+    or (a call without one) an id of the tool turn and the call's place in it."""
+    tokenizer = family_tokenizer("mistral-v0.3")
+    tool = FunctionTool(calculator)
+    turns = ['[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "12*34"}, "id": "a1B2c3D4e"}]',
+             '[TOOL_CALLS] [{"name": "calculator", "arguments": {"expression": "408+1"}}]', "It is 409."]
+    conversation = [{"role": "user", "content": "What is 12*34+1?"},
+                    {"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "408",
+                                                                 "tool_call_id": "a1B2c3D4e"},
+                    {"role": "assistant", "content": turns[1]}, {"role": "tool", "content": "409",
+                                                                 "tool_call_id": "c00010000"},
+                    {"role": "assistant", "content": turns[2]}]
+    client = scripted_client(tokenizer, [" " + turn for turn in turns], eos_text="</s>")
+    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tokenize=True, return_dict=False)
+    context = AgentContext(tokenizer, client, MultiTurnConfig(format="mistral"), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
     assert output.prompt_ids + output.response_ids == expected
     assert output.metrics["num_tool_calls"] == 2 and output.metrics["tool_errors"] == 0 and output.num_turns == 6
