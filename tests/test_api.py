@@ -64,6 +64,7 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
                      learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
                                                             "optim.lr": 1e-5}
+    assert SFTConfig(num_train_epochs=2.0).to_overrides() == {"trainer.total_epochs": 2}
 
 
 def test_an_unknown_or_unfitting_setting_is_one_line():
@@ -73,6 +74,8 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(per_device_train_batch_size=12, num_generations=8).to_overrides()
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
         GRPOConfig(loss_type="sapo2").to_overrides()
+    with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):
+        GRPOConfig(num_train_epochs=0.5).to_overrides()
 
 
 def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -51,6 +50,13 @@ def _report_to(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"trainer.loggers": ["console", *names]}  # metrics.jsonl is written whatever the list says
 
 
+def _epochs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if float(value) != int(value) or value < 1:
+        raise ValueError(f"num_train_epochs={value}: reinforge runs whole passes over the data (1, 2, ...); for part "
+                         "of one, set max_steps")
+    return {"trainer.total_epochs": int(value)}
+
+
 def _max_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"trainer.total_steps": None if value is None or int(value) < 0 else int(value)}
 
@@ -75,7 +81,7 @@ def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 RUN_SETTINGS: dict[str, Override] = {
     "max_steps": ("trainer.total_steps", _max_steps),
-    "num_train_epochs": ("trainer.total_epochs", lambda value, settings: {"trainer.total_epochs": math.ceil(value)}),
+    "num_train_epochs": ("trainer.total_epochs", _epochs),
     "save_steps": ("trainer.save_every", _to("trainer.save_every")),
     "save_total_limit": ("trainer.keep_last", _to("trainer.keep_last")),
     "eval_steps": ("trainer.test_every", _to("trainer.test_every")),
