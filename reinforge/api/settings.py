@@ -122,6 +122,9 @@ GRPO_SETTINGS: dict[str, Override] = {
 
 """TRL's GRPOConfig names that mean here what they mean there -> (reinforge keys, for messages; the mapping)."""
 
+TRL_PER_DEVICE_TRAIN_BATCH_SIZE = 8
+"""TRL's default per_device_train_batch_size: what gradient_accumulation_steps multiplies when only it is given."""
+
 SFT_SETTINGS: dict[str, Override] = {
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
     "learning_rate": ("optim.lr", _to("optim.lr")),
@@ -184,9 +187,8 @@ class GRPOConfig(_TrainingArguments):
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
-        completions = self.settings.get("per_device_train_batch_size")
+        completions = _rows_per_step(self.settings)
         if completions is not None and "data.train_batch_size" not in _overrides_dict(self.overrides):
-            completions *= self.settings.get("gradient_accumulation_steps") or 1
             generations = int(self.settings.get("num_generations") or mapped.get("rollout.n") or 8)
             if completions % generations:
                 raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} "
@@ -204,10 +206,20 @@ class SFTConfig(_TrainingArguments):
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
-        rows = self.settings.get("per_device_train_batch_size")
+        rows = _rows_per_step(self.settings)
         if rows is not None and "data.batch_size" not in _overrides_dict(self.overrides):
-            mapped["data.batch_size"] = rows * (self.settings.get("gradient_accumulation_steps") or 1)
+            mapped["data.batch_size"] = rows
         return mapped
+
+
+def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
+    """per_device_train_batch_size x gradient_accumulation_steps (TRL's default of the first when only the second is
+    given); None when neither is."""
+    per_device = settings.get("per_device_train_batch_size")
+    accumulation = settings.get("gradient_accumulation_steps")
+    if per_device is None and accumulation is None:
+        return None
+    return int(per_device if per_device is not None else TRL_PER_DEVICE_TRAIN_BATCH_SIZE) * int(accumulation or 1)
 
 
 PREFERENCE_SETTINGS: dict[str, Override] = {
