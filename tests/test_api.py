@@ -67,7 +67,8 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
     # gradient_accumulation_steps alone multiplies TRL's default per_device_train_batch_size (8)
     assert GRPOConfig(gradient_accumulation_steps=4, num_generations=4).to_overrides()["data.train_batch_size"] == 8
     assert SFTConfig(gradient_accumulation_steps=4).to_overrides() == {"data.batch_size": 32}
-    assert SFTConfig(num_train_epochs=2.0).to_overrides() == {"trainer.total_epochs": 2}
+    assert SFTConfig(num_train_epochs=2.0, completion_only_loss=True,
+                     assistant_only_loss=None).to_overrides() == {"trainer.total_epochs": 2}
 
 
 def test_an_unknown_or_unfitting_setting_is_one_line():
@@ -79,6 +80,8 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(loss_type="sapo2").to_overrides()
     with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):
         GRPOConfig(num_train_epochs=0.5).to_overrides()
+    with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):
+        SFTConfig(assistant_only_loss=False).to_overrides()
 
 
 def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path):

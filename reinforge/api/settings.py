@@ -72,6 +72,17 @@ def _logged_every_step(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+    """completion_only_loss, assistant_only_loss: True (or None) is what reinforge's SFT does; False is refused."""
+
+    def check(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        if value is False:
+            raise ValueError(f"{name}=False: reinforge's SFT trains on the completion (the assistant's turns) only, "
+                             "never on the prompt; remove the setting, or give the whole text as the completion")
+        return {}
+    return check
+
+
 def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if value not in ("constant", "cosine", "constant_with_warmup"):
         raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are constant and cosine (after "
@@ -136,6 +147,8 @@ SFT_SETTINGS: dict[str, Override] = {
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
     "max_length": ("data.max_length", _to("data.max_length")),
     "packing": ("data.packing", _to("data.packing")),
+    "completion_only_loss": ("(always: the loss is on completions)", _trained_tokens("completion_only_loss")),
+    "assistant_only_loss": ("(always: the loss is on assistant turns)", _trained_tokens("assistant_only_loss")),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
@@ -223,7 +236,8 @@ def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
 
 
 PREFERENCE_SETTINGS: dict[str, Override] = {
-    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in ("packing",)},
+    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS
+       if name not in ("packing", "completion_only_loss", "assistant_only_loss")},
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
 }
