@@ -206,12 +206,15 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Cal
 
 
 def as_conversations(dataset: Any) -> Any:
-    """TRL's prompt/completion rows as one user and one assistant message; other data as it is."""
+    """TRL's conversational prompt/completion rows (chat messages) as one conversation; other data as it is (plain
+    text prompt/completion or text rows are tokenized as text, with no chat template, as in TRL)."""
     if isinstance(dataset, str | Path) or (isinstance(dataset, Sequence) and dataset
                                            and all(isinstance(item, str | Path) for item in dataset)):
         return dataset
     rows = _rows_of(dataset, "train")
     if rows and "messages" not in rows[0] and {"prompt", "completion"} <= set(rows[0]):
+        if all(isinstance(row["prompt"], str) and isinstance(row["completion"], str) for row in rows):
+            return rows
         converted = []
         for row in rows:
             prompt, completion = row.pop("prompt"), row.pop("completion")

@@ -78,7 +78,7 @@ def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]
     def check(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
         if value is False:
             raise ValueError(f"{name}=False: reinforge's SFT trains on the completion (the assistant's turns) only, "
-                             "never on the prompt; remove the setting, or give the whole text as the completion")
+                             "never on the prompt; remove the setting, or give each row as one plain 'text'")
         return {}
     return check
 
