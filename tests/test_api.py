@@ -152,6 +152,26 @@ def test_sft_trainer_takes_prompt_completion_pairs(tmp_path, tiny_model_dir):
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2]
 
 
+def test_a_model_given_loaded_holds_the_trained_weights_after_train(tmp_path, tiny_model_dir):
+    """TRL trains the object it is given; reinforge trains a saved copy and copies the result back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from reinforge import SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pairs = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    trainer = SFTTrainer(model=model, train_dataset=pairs, args=SFTConfig(
+        output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=4, max_length=32,
+        learning_rate=1e-2, report_to="none"))
+    trainer.train()
+    trained = AutoModelForCausalLM.from_pretrained(trainer.save_model()).state_dict()
+    assert any(not torch.equal(model.state_dict()[name], initial[name]) for name in initial)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):

@@ -13,7 +13,8 @@ A trainer runs in this process, on the same code as ``reinforge train``/``sft``:
 before any model loads, checkpoints and resume are the CLI's. What it is given becomes what the CLI would read:
 
 - ``model``: a path or hub id, or a loaded transformers model (saved into ``<output_dir>/initial_model``, with
-  ``processing_class``, the tokenizer, or the one its ``name_or_path`` names);
+  ``processing_class``, the tokenizer, or the one its ``name_or_path`` names; ``train`` copies the trained weights
+  back into it, as TRL trains the object it is given);
 - ``train_dataset``/``eval_dataset``: a ``datasets.Dataset``, a pandas frame, a list of dicts (written into
   ``<output_dir>/data`` as parquet), or files (parquet, JSONL, ``save_to_disk`` folders). Rows follow TRL's
   columns: ``prompt`` (a string, fed as it is unless ``data.apply_chat_template`` asks for the template, or chat

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from reinforge.api.inputs import (
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
+
+logger = logging.getLogger(__name__)
 
 
 def _load(spec: str) -> Any:
@@ -27,10 +30,21 @@ class _Trainer:
 
     config: Any
     trainer: Any
+    given_model: Any = None
+    """The model object the trainer was given (None for a path): ``train`` leaves the trained weights in it."""
 
     def train(self) -> dict[str, Any]:
-        """Run the training; the last step's metrics."""
-        return self.trainer.fit()
+        """Run the training; the last step's metrics. A model given loaded holds the trained weights after it, as
+        in TRL (reinforge trains a saved copy)."""
+        metrics = self.trainer.fit()
+        if self.given_model is not None:
+            from reinforge.trainer.export import load_trained_weights
+
+            if not load_trained_weights(self.output_dir, self.given_model):
+                logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
+                               "score head is not a causal LM's), which keeps its weights as they were; "
+                               "trainer.save_model() writes the trained model", type(self.given_model).__name__)
+        return metrics
 
     @property
     def output_dir(self) -> Path:
@@ -66,6 +80,7 @@ class GRPOTrainer(_Trainer):
         settings = peft_settings(peft_config) | settings
         self.reward_functions = reward_functions_of(reward_funcs, settings)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
         if eval_dataset is not None:
@@ -112,6 +127,7 @@ class _SupervisedTrainer(_Trainer):
         inputs = output_dir / "inputs"
         settings = peft_settings(peft_config) | settings
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
         if eval_dataset is not None:
