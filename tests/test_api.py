@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -242,8 +243,6 @@ def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():
 
 
 def test_a_peft_lora_config_becomes_model_lora():
-    from types import SimpleNamespace
-
     from reinforge.api import peft_settings
 
     lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.05, target_modules={"v_proj", "q_proj"})
@@ -252,9 +251,22 @@ def test_a_peft_lora_config_becomes_model_lora():
     assert peft_settings(None) == {}
 
 
-def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
-    from types import SimpleNamespace
+def test_peft_target_modules_all_linear_or_none_mean_what_they_mean_in_peft(tiny_model_dir):
+    from peft import LoraConfig
 
+    from reinforge.api import peft_settings
+    from reinforge.models.tiny import tiny_config
+
+    every_linear = peft_settings(LoraConfig(r=8, target_modules="all-linear"), str(tiny_model_dir))
+    assert every_linear["model.lora.target_modules"] == ["all-linear"]
+    # none named: peft's default for the architecture (reinforge's own default adapts every linear layer)
+    assert peft_settings(LoraConfig(r=8), str(tiny_model_dir))["model.lora.target_modules"] == ["q_proj", "v_proj"]
+    phi3 = SimpleNamespace(config=tiny_config("phi3"))
+    with pytest.raises(ValueError, match="peft_config names no target_modules and peft has no default for a phi3"):
+        peft_settings(LoraConfig(r=8), phi3)
+
+
+def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
     from reinforge.api import peft_settings
 
     lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=None, modules_to_save=["lm_head"])

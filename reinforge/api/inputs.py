@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import filecmp
 import itertools
+import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -140,8 +141,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def peft_settings(peft_config: Any) -> dict[str, Any]:
-    """A peft ``LoraConfig``'s rank, alpha, dropout and target modules as reinforge's ``model.lora`` keys."""
+def peft_settings(peft_config: Any, model: Any = None) -> dict[str, Any]:
+    """A peft ``LoraConfig``'s rank, alpha, dropout and target modules as reinforge's ``model.lora`` keys; no target
+    modules means peft's default for the architecture of ``model`` (a path, hub id or loaded model), as in peft."""
     if peft_config is None:
         return {}
     settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
@@ -154,12 +156,44 @@ def peft_settings(peft_config: Any) -> dict[str, Any]:
         raise ValueError(f"peft_config sets {', '.join(ignored)}, which reinforge's LoRA (model.lora: rank, alpha, "
                          "dropout, target_modules) does not do; remove them")
     targets = getattr(peft_config, "target_modules", None)
-    if targets:
-        if isinstance(targets, str):
-            raise ValueError(f"peft_config.target_modules={targets!r}: reinforge takes a list of module names "
-                             "(q_proj, v_proj, ...)")
-        settings["model.lora.target_modules"] = sorted(targets)
+    if targets == "all-linear":
+        targets = ["all-linear"]
+    elif isinstance(targets, str):
+        raise ValueError(f"peft_config.target_modules={targets!r}: reinforge takes a list of module names "
+                         "(q_proj, v_proj, ...) or 'all-linear', not a pattern")
+    elif not targets:
+        targets = _peft_default_targets(model)
+    settings["model.lora.target_modules"] = sorted(targets)
     return settings
+
+
+def _peft_default_targets(model: Any) -> list[str]:
+    """peft's target modules for a LoraConfig that names none: its list for the model's architecture."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = _model_type(model)
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if not targets:
+        raise ValueError(f"peft_config names no target_modules and peft has no default for "
+                         f"{'a ' + model_type if model_type else 'this'} model; name the layers (target_modules=['q_proj', 'v_proj', ...]) or 'all-linear'")
+    return list(targets)
+
+
+def _model_type(model: Any) -> str | None:
+    """``config.model_type`` of a loaded model, or of the config.json a path or hub id names; None if unreadable."""
+    if hasattr(model, "config"):
+        return getattr(model.config, "model_type", None)
+    if model is None:
+        return None
+    file = Path(str(model)).expanduser() / "config.json"
+    try:
+        if file.is_file():
+            return json.loads(file.read_text()).get("model_type")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model)).model_type
+    except (OSError, ValueError):
+        return None
 
 
 def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Callable[..., Any]] | None:

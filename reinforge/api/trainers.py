@@ -77,7 +77,7 @@ class GRPOTrainer(_Trainer):
             settings = args.to_overrides() | keyword_overrides(overrides)
             output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
         inputs = output_dir / "inputs"
-        settings = peft_settings(peft_config) | settings
+        settings = peft_settings(peft_config, model) | settings
         self.reward_functions = reward_functions_of(reward_funcs, settings)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         self.given_model = None if isinstance(model, str | Path) else model
@@ -125,7 +125,7 @@ class _SupervisedTrainer(_Trainer):
             settings = args.to_overrides() | keyword_overrides(overrides)
         output_dir = Path(settings.setdefault("trainer.output_dir", self.DEFAULT_OUTPUT_DIR))
         inputs = output_dir / "inputs"
-        settings = peft_settings(peft_config) | settings
+        settings = peft_settings(peft_config, model) | settings
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
