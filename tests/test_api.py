@@ -272,6 +272,13 @@ def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
     lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=None, modules_to_save=["lm_head"])
     with pytest.raises(ValueError, match=r"peft_config sets modules_to_save=\['lm_head'\], which reinforge's LoRA"):
         peft_settings(lora)
+    from peft import LoraConfig
+
+    # a MoE's experts (target_parameters) or another initialisation would be dropped without a word
+    for setting, shown in ((dict(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters="),
+                           (dict(init_lora_weights=False), "init_lora_weights=False")):
+        with pytest.raises(ValueError, match=f"peft_config sets {shown}"):
+            peft_settings(LoraConfig(r=8, target_modules=["q_proj"], **setting))
 
 
 def test_a_loaded_model_with_frozen_parameters_is_refused_not_trained_whole(tmp_path, tiny_model_dir):

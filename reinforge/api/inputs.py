@@ -149,9 +149,12 @@ def peft_settings(peft_config: Any, model: Any = None) -> dict[str, Any]:
     settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
                 "model.lora.dropout": float(getattr(peft_config, "lora_dropout", 0.0) or 0.0)}
     unsupported = {"modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
-                   "exclude_modules": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
+                   "exclude_modules": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
+                   "init_lora_weights": True, "target_parameters": None, "lora_bias": False,
+                   "trainable_token_indices": None, "layer_replication": None, "use_qalora": False,
+                   "alora_invocation_tokens": None, "loftq_config": {}}
     ignored = [f"{name}={getattr(peft_config, name)!r}" for name, default in unsupported.items()
-               if getattr(peft_config, name, default) not in (default, None, {}, [], False)]
+               if _set_otherwise(getattr(peft_config, name, default), default)]
     if ignored:  # dropped, they left a part the caller asked to train frozen (modules_to_save) or changed the adapters
         raise ValueError(f"peft_config sets {', '.join(ignored)}, which reinforge's LoRA (model.lora: rank, alpha, "
                          "dropout, target_modules) does not do; remove them")
@@ -165,6 +168,14 @@ def peft_settings(peft_config: Any, model: Any = None) -> dict[str, Any]:
         targets = _peft_default_targets(model)
     settings["model.lora.target_modules"] = sorted(targets)
     return settings
+
+
+def _set_otherwise(value: Any, default: Any) -> bool:
+    """Whether a peft setting differs from its default (an empty value stands for an empty default)."""
+    def empty(item: Any) -> bool:
+        return item is None or item is False or (isinstance(item, dict | list | tuple | set) and not item)
+
+    return value != default and not (empty(value) and empty(default))
 
 
 def _peft_default_targets(model: Any) -> list[str]:
