@@ -113,7 +113,8 @@ GRPO_SETTINGS: dict[str, Override] = {
         "actor." + key: item for key, item in _schedule(value, settings).items()}),
     "max_grad_norm": ("actor.grad_clip", _to("actor.grad_clip")),
     "num_generations": ("rollout.n", _to("rollout.n")),
-    "max_prompt_length": ("data.max_prompt_length", _to("data.max_prompt_length")),
+    "max_prompt_length": ("data.max_prompt_length (longer prompts cut on the left)", lambda value, settings: {
+        "data.max_prompt_length": value, "data.filter_overlong_prompts": False, "data.truncation": "left"}),
     "max_completion_length": ("data.max_response_length", _to("data.max_response_length")),
     "temperature": ("rollout.temperature", _to("rollout.temperature")),
     "top_p": ("rollout.top_p", _to("rollout.top_p")),
