@@ -106,6 +106,11 @@ def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path)
         assert [example.raw_prompt for example in dataset] == [row["prompt"] for row in rows], name
         assert [example.columns for example in dataset] == [{"answer": "2"}, {"answer": "4"}], name
         assert [example.ground_truth for example in dataset] == ["2", "4"], name  # verl's reward_model.ground_truth
+    # a column the first row lacks is kept (the others' values, None in that row)
+    [path] = write_dataset([{"prompt": "1+1="}, {"prompt": "2+2=", "answer": "4", "ground_truth": "4"}], tmp_path, "some")
+    examples = list(RLDataset(path, tokenizer, DataConfig(max_prompt_length=64)))
+    assert [(example.columns, example.ground_truth) for example in examples] == [({"answer": None}, None),
+                                                                                ({"answer": "4"}, "4")]
     assert write_dataset("data/train.parquet", tmp_path, "train") == ["data/train.parquet"]
     with pytest.raises(TypeError, match="train_dataset must be a datasets.Dataset, a pandas DataFrame"):
         write_dataset(42, tmp_path, "train")

@@ -104,6 +104,9 @@ def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
     for row in rows:
         if "ground_truth" in row and "reward_model" not in row:  # verl's place for it, read by every scorer
             row["reward_model"] = {"ground_truth": row.pop("ground_truth")}
+    # every row gets every column (None where it has none): parquet would keep only the first row's columns
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    rows = [{column: row.get(column) for column in columns} for row in rows]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
