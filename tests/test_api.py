@@ -64,7 +64,7 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
                                                                  "trainer.total_steps": None}
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
                      learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
-                                                            "optim.lr": 1e-5}
+                                                            "data.truncation": "right", "optim.lr": 1e-5}
     # as TRL's, a longer prompt is cut on the left, not dropped
     assert GRPOConfig(max_prompt_length=96).to_overrides() == {
         "data.max_prompt_length": 96, "data.filter_overlong_prompts": False, "data.truncation": "left"}

@@ -146,7 +146,8 @@ SFT_SETTINGS: dict[str, Override] = {
     "lr_scheduler_type": ("optim.schedule", lambda value, settings: {
         "optim." + key.removeprefix("optim."): item for key, item in _schedule(value, settings).items()}),
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
-    "max_length": ("data.max_length", _to("data.max_length")),
+    "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
+        "data.max_length": value, "data.truncation": "right"}),
     "packing": ("data.packing", _to("data.packing")),
     "completion_only_loss": ("(always: the loss is on completions)", _trained_tokens("completion_only_loss")),
     "assistant_only_loss": ("(always: the loss is on assistant turns)", _trained_tokens("assistant_only_loss")),
@@ -241,6 +242,7 @@ PREFERENCE_SETTINGS: dict[str, Override] = {
        if name not in ("packing", "completion_only_loss", "assistant_only_loss")},
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
+    "max_length": ("data.max_length (longer pairs dropped, counted in the log)", _to("data.max_length")),
 }
 
 
