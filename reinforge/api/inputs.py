@@ -260,15 +260,24 @@ def as_conversations(dataset: Any) -> Any:
                                            and all(isinstance(item, str | Path) for item in dataset)):
         return dataset
     rows = _rows_of(dataset, "train")
-    if rows and "messages" not in rows[0] and {"prompt", "completion"} <= set(rows[0]):
-        if all(isinstance(row["prompt"], str) and isinstance(row["completion"], str) for row in rows):
-            return rows
-        converted = []
-        for row in rows:
-            prompt, completion = row.pop("prompt"), row.pop("completion")
-            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                          else list(completion))
-            converted.append({"messages": prompt + completion, **row})
-        return converted
-    return rows
+    if not rows or "messages" in rows[0] or all(_is_plain_text(row) for row in rows):
+        return rows
+    converted = []
+    for row in rows:
+        if "prompt" not in row or "completion" not in row:
+            converted.append(row)  # the SFT data says what such a row lacks
+            continue
+        prompt, completion = row.pop("prompt"), row.pop("completion")
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                      else list(completion))
+        converted.append({"messages": prompt + completion, **row})
+    return converted
+
+
+def _is_plain_text(row: Mapping[str, Any]) -> bool:
+    """A string prompt and completion, or a string text (TRL's standard, not conversational, rows)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return True
+    return isinstance(row.get("text"), str) and prompt is None and completion is None

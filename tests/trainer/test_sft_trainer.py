@@ -87,9 +87,10 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     from reinforge.api.inputs import as_conversations
     from reinforge.data.sft_dataset import SFTDataset
 
-    rows = as_conversations([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"}])
+    rows = as_conversations([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"},
+                             {"text": "3+3=6"}])
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, {"text": "3+3=6"}]))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     pair, _, text = SFTDataset([path], tokenizer, max_length=512).examples
     assert tokenizer.decode(pair.input_ids) == "1+1=2<|im_end|>"
     assert trained_text(tokenizer, pair) == ["2<|im_end|>"]
