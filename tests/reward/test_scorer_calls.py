@@ -115,6 +115,14 @@ def test_trl_kind_gets_one_call_with_lists_of_the_batch_and_the_columns():
     assert named == {"completions": [[{"role": "assistant", "content": "5"}], "6"], "answer": ["4", "6"]}
     with pytest.raises(TypeError, match=r"returned 1.0 for 3 completions; return a list with one score \(or None\)"):
         run_job(ScoringJob(lambda completions, **kwargs: 1.0, kwargs, num_samples=3))
+    import numpy as np
+    import torch
+
+    for scores in (np.array([1.0, 0.0, 2.0]), torch.tensor([1.0, 0.0, 2.0])):  # TRL takes any sequence of scores
+        assert run_job(ScoringJob(lambda completions, scores=scores, **kwargs: scores, kwargs, num_samples=3)) == [
+            1.0, 0.0, 2.0]
+    with pytest.raises(TypeError, match=r"returned \[1.0, 0.0\] for 3 completions"):
+        run_job(ScoringJob(lambda completions, **kwargs: np.array([1.0, 0.0]), kwargs, num_samples=3))
 
 
 def test_verl_kind_gets_the_columns_it_names():
