@@ -181,6 +181,19 @@ def test_a_model_given_loaded_holds_the_trained_weights_after_train(tmp_path, ti
         torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path, tiny_model_dir):
+    from reinforge import SFTTrainer
+    from reinforge.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    trainer = SFTTrainer(model=str(tiny_model_dir), processing_class=tokenizer, args=SFTConfig(
+        output_dir=str(tmp_path / "sft"), max_steps=1, report_to="none"), train_dataset=[{"messages": [
+            {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}])
+    assert trainer.config.model.tokenizer_path == str(tmp_path / "sft" / "inputs" / "tokenizer")
+    assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):

@@ -89,6 +89,20 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
     return str(keep_beside_earlier(partial, folder, _same_folder, "a model"))
 
 
+def save_tokenizer_if_given(model: Any, processing_class: Any, folder: Path) -> str | None:
+    """The tokenizer given beside a model path or hub id, saved into ``folder`` (its path returned, for
+    model.tokenizer_path); None without one, or with a loaded model (whose folder holds it)."""
+    if processing_class is None or not isinstance(model, str | Path):
+        return None
+    if not hasattr(processing_class, "save_pretrained"):
+        raise TypeError(f"processing_class must be a transformers tokenizer or processor; got a "
+                        f"{type(processing_class).__name__}")
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    processing_class.save_pretrained(partial)
+    return str(keep_beside_earlier(partial, folder, _same_folder, "a tokenizer"))
+
+
 def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
     """Files as they are; a datasets.Dataset, pandas frame or list of dicts written to ``folder/name.parquet`` (or
     beside other rows an earlier start wrote there: ``keep_beside_earlier``)."""

@@ -12,6 +12,7 @@ from reinforge.api.inputs import (
     peft_settings,
     reward_functions_of,
     save_model_if_loaded,
+    save_tokenizer_if_given,
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
@@ -80,6 +81,9 @@ class GRPOTrainer(_Trainer):
         settings = peft_settings(peft_config, model) | settings
         self.reward_functions = reward_functions_of(reward_funcs, settings)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        tokenizer_path = save_tokenizer_if_given(model, processing_class, inputs / "tokenizer")
+        if tokenizer_path is not None:
+            settings["model.tokenizer_path"] = tokenizer_path
         self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
@@ -127,6 +131,9 @@ class _SupervisedTrainer(_Trainer):
         inputs = output_dir / "inputs"
         settings = peft_settings(peft_config, model) | settings
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        tokenizer_path = save_tokenizer_if_given(model, processing_class, inputs / "tokenizer")
+        if tokenizer_path is not None:
+            settings["model.tokenizer_path"] = tokenizer_path
         self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
