@@ -60,8 +60,8 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "trainer.total_steps": 10, "trainer.save_every": 5, "trainer.seed": 3, "data.seed": 3,
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
         "rollout.top_p": 0.9, "data.train_batch_size": 4}  # 8 x 2 completions a step = 4 prompts x 4
-    assert GRPOConfig(beta=0.0, max_steps=-1).to_overrides() == {"actor.use_kl_loss": False,
-                                                                 "trainer.total_steps": None}
+    assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides() == {
+        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
                      learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
                                                             "data.truncation": "right", "optim.lr": 1e-5}
@@ -82,6 +82,8 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(per_device_train_batch_size=12, num_generations=8).to_overrides()
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
         GRPOConfig(loss_type="sapo2").to_overrides()
+    with pytest.raises(ValueError, match=r"report_to='all': .* name the loggers"):
+        GRPOConfig(report_to="all").to_overrides()
     with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):
         GRPOConfig(num_train_epochs=0.5).to_overrides()
     with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):

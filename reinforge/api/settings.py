@@ -45,7 +45,10 @@ def _scale_rewards(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _report_to(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    names = [value] if isinstance(value, str) else list(value)
+    names = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if "all" in names:
+        raise ValueError("report_to='all': reinforge does not look for installed integrations; name the loggers "
+                         "(report_to=['wandb', 'tensorboard', 'mlflow'])")
     names = [name for name in names if name not in ("none", "console", "jsonl")]
     return {"trainer.loggers": ["console", *names]}  # metrics.jsonl is written whatever the list says
 
