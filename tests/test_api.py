@@ -82,6 +82,12 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(per_device_train_batch_size=12, num_generations=8).to_overrides()
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
         GRPOConfig(loss_type="sapo2").to_overrides()
+    # TRL's None defaults: equal weights, evaluation on reinforge's cadence; others in one line naming the setting
+    assert GRPOConfig(reward_weights=None, eval_steps=None).to_overrides() == {}
+    with pytest.raises(ValueError, match=r"beta=None is not a value GRPOConfig can use"):
+        GRPOConfig(beta=None).to_overrides()
+    with pytest.raises(ValueError, match=r"save_total_limit=None: reinforge keeps the last trainer.keep_last"):
+        SFTConfig(save_total_limit=None).to_overrides()
     with pytest.raises(ValueError, match=r"report_to='all': .* name the loggers"):
         GRPOConfig(report_to="all").to_overrides()
     with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):

@@ -60,6 +60,13 @@ def _epochs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"trainer.total_epochs": int(value)}
 
 
+def _keep_last(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value is None:
+        raise ValueError("save_total_limit=None: reinforge keeps the last trainer.keep_last checkpoints (2 unless "
+                         "set), never all of them; give the number to keep")
+    return {"trainer.keep_last": value}
+
+
 def _max_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {"trainer.total_steps": None if value is None or int(value) < 0 else int(value)}
 
@@ -97,8 +104,8 @@ RUN_SETTINGS: dict[str, Override] = {
     "max_steps": ("trainer.total_steps", _max_steps),
     "num_train_epochs": ("trainer.total_epochs", _epochs),
     "save_steps": ("trainer.save_every", _to("trainer.save_every")),
-    "save_total_limit": ("trainer.keep_last", _to("trainer.keep_last")),
-    "eval_steps": ("trainer.test_every", _to("trainer.test_every")),
+    "save_total_limit": ("trainer.keep_last", _keep_last),
+    "eval_steps": ("trainer.test_every", lambda value, settings: {} if value is None else {"trainer.test_every": value}),
     "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
     "logging_steps": ("(every step)", _logged_every_step),
     "report_to": ("trainer.loggers", _report_to),
@@ -128,7 +135,8 @@ GRPO_SETTINGS: dict[str, Override] = {
     "loss_type": ("actor.loss_agg_mode", _loss_type),
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
     "num_iterations": ("actor.ppo_epochs", _to("actor.ppo_epochs")),
-    "reward_weights": ("reward.weights", lambda value, settings: {"reward.weights": [float(w) for w in value]}),
+    "reward_weights": ("reward.weights", lambda value, settings: {} if value is None else {
+        "reward.weights": [float(weight) for weight in value]}),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
@@ -191,7 +199,10 @@ class _TrainingArguments:
         """reinforge's keys -> values: TRL's names mapped, then ``overrides`` (which win)."""
         mapped: dict[str, Any] = {}
         for name, value in self.settings.items():
-            mapped |= self.SETTINGS[name][1](value, self.settings)
+            try:
+                mapped |= self.SETTINGS[name][1](value, self.settings)
+            except TypeError as error:  # None or another type where the mapping does arithmetic on a number
+                raise ValueError(f"{name}={value!r} is not a value {type(self).__name__} can use ({error})") from None
         return mapped | _overrides_dict(self.overrides)
 
 
