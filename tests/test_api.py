@@ -202,6 +202,23 @@ def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path,
     assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
 
 
+def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from reinforge import DPOConfig, DPOTrainer
+    from reinforge.models import save_tiny_model
+
+    reference = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "other", seed=1))
+    pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(4)]
+    trainer = DPOTrainer(model=str(tiny_model_dir), ref_model=reference, train_dataset=pairs, args=DPOConfig(
+        output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, max_length=32, report_to="none"))
+    assert trainer.config.dpo.reference_path == str(tmp_path / "dpo" / "inputs" / "reference_model")
+    loss = trainer.train()["train/loss"]
+    assert loss != pytest.approx(math.log(2), abs=1e-4)  # the policy is not its own reference: the margins start apart
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):

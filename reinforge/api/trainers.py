@@ -135,6 +135,7 @@ class _SupervisedTrainer(_Trainer):
         if tokenizer_path is not None:
             settings["model.tokenizer_path"] = tokenizer_path
         self.given_model = None if isinstance(model, str | Path) else model
+        self._add_models(settings, processing_class, inputs)
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
         if eval_dataset is not None:
@@ -146,6 +147,9 @@ class _SupervisedTrainer(_Trainer):
 
     def _rows(self, dataset: Any) -> Any:
         return dataset
+
+    def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
+        """Settings for models beside the trained one (DPO's reference)."""
 
 
 class SFTTrainer(_SupervisedTrainer):
@@ -169,6 +173,19 @@ class DPOTrainer(_SupervisedTrainer):
     SCHEMA = "reinforge.config.preference_schema:DPOConfig"
     VALIDATE = "reinforge.config.preference_schema:validate_preference_config"
     TRAINER = "reinforge.trainer.preference.dpo_trainer:DPOTrainer"
+
+    def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, peft_config: Any = None, *, ref_model: Any = None,
+                 **overrides: Any) -> None:
+        """``ref_model``: TRL's reference model, a path, hub id or loaded model (``dpo.reference_path``); None: the
+        model's starting weights."""
+        self.ref_model = ref_model
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, **overrides)
+
+    def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
+        if self.ref_model is not None:
+            settings["dpo.reference_path"] = save_model_if_loaded(self.ref_model, processing_class,
+                                                                  inputs / "reference_model")
 
 
 class RewardTrainer(_SupervisedTrainer):
