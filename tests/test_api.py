@@ -236,7 +236,7 @@ def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, 
     assert [row["step"] for row in read_metrics(tmp_path / kind) if "train/loss" in row] == [1, 2]
 
 
-def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path, monkeypatch):
+def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path, monkeypatch, tiny_model_dir):
     import reinforge.trainer.rl_trainer as rl_trainer
     from reinforge import GRPOTrainer
     from reinforge.config import load_config
@@ -274,6 +274,15 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     assert made["config"].reward.combine.mode == "replace" and made["reward_functions"] is None
     with pytest.raises(ValueError, match="reward_funcs names 2 reward models"):
         GRPOTrainer(model="m", reward_funcs=["a/rm", "b/rm"], train_dataset=rows)
+    # a loaded reward model, as TRL takes it, is scored as one (a module is callable, but no reward function)
+    from transformers import AutoModelForSequenceClassification
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    GRPOTrainer(model="m", reward_funcs=[reward, reward_model], args=GRPOConfig(output_dir=str(tmp_path / "loaded")),
+                train_dataset=rows)
+    assert made["reward_functions"] == [reward]
+    assert made["config"].reward.reward_model.model_path == str(tmp_path / "loaded" / "inputs" / "reward_model")
+    assert (tmp_path / "loaded" / "inputs" / "reward_model" / "tokenizer_config.json").is_file()
 
 
 def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():

@@ -75,13 +75,22 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
                          "unfrozen, or train adapters (peft_config)")
     tokenizer = processing_class
     if tokenizer is None:
-        source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
-        if not source:
-            raise ValueError("the model was given loaded, without a name_or_path to load its tokenizer from; pass "
-                             "processing_class=tokenizer")
-        from reinforge.models import load_tokenizer
+        tokenizer = _own_tokenizer(model, "the model was given loaded, without a name_or_path to load its tokenizer "
+                                          "from; pass processing_class=tokenizer")
+    return _save_model_folder(model, tokenizer, folder)
 
-        tokenizer = load_tokenizer(source)
+
+def _own_tokenizer(model: Any, missing: str) -> Any:
+    """The tokenizer of the folder or hub id a loaded model came from; ``missing`` is the error without one."""
+    source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not source:
+        raise ValueError(missing)
+    from reinforge.models import load_tokenizer
+
+    return load_tokenizer(source)
+
+
+def _save_model_folder(model: Any, tokenizer: Any, folder: Path) -> str:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
@@ -224,9 +233,10 @@ def _model_type(model: Any) -> str | None:
         return None
 
 
-def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Callable[..., Any]] | None:
+def reward_functions_of(reward_funcs: Any, settings: dict[str, Any],
+                        folder: Path | None = None) -> list[Callable[..., Any]] | None:
     """The function objects of ``reward_funcs`` (one or a list: callables, ``path.py[:function]`` specs, or one reward
-    model's folder or hub id, as in TRL); None or [] -> None.
+    model: its folder, hub id or loaded model, saved into ``folder/reward_model``, as in TRL); None or [] -> None.
 
     A reward model goes into ``settings`` as ``reward.reward_model`` with its weight of ``reward.weights`` as
     ``reward.combine.rm_weight`` (summed with the functions, as TRL sums; alone, its score is the reward).
@@ -237,6 +247,14 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Cal
     functions: list[Callable[..., Any]] = []
     model_positions = []
     for position, item in enumerate(items):
+        if hasattr(item, "save_pretrained") and hasattr(item, "config"):  # a loaded reward model (a callable module)
+            if folder is None:
+                raise ValueError("reward_funcs holds a loaded model; pass its folder or hub id instead")
+            tokenizer = _own_tokenizer(item, "reward_funcs holds a loaded reward model without a name_or_path to "
+                                             "load its tokenizer from; save it with its tokenizer and pass the folder")
+            items[position] = _save_model_folder(item, tokenizer, folder / "reward_model")
+            model_positions.append(position)
+            continue
         if callable(item):
             functions.append(item)
             continue

@@ -79,7 +79,7 @@ class GRPOTrainer(_Trainer):
             output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
         inputs = output_dir / "inputs"
         settings = peft_settings(peft_config, model) | settings
-        self.reward_functions = reward_functions_of(reward_funcs, settings)
+        self.reward_functions = reward_functions_of(reward_funcs, settings, inputs)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         tokenizer_path = save_tokenizer_if_given(model, processing_class, inputs / "tokenizer")
         if tokenizer_path is not None:
