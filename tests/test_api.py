@@ -179,14 +179,19 @@ def test_a_model_given_loaded_holds_the_trained_weights_after_train(tmp_path, ti
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     pairs = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
-    trainer = SFTTrainer(model=model, train_dataset=pairs, args=SFTConfig(
-        output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=4, max_length=32,
-        learning_rate=1e-2, report_to="none"))
+    def args(max_steps):
+        return SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=max_steps, per_device_train_batch_size=4,
+                         max_length=32, learning_rate=1e-2, report_to="none")
+
+    trainer = SFTTrainer(model=model, train_dataset=pairs, args=args(1))
     trainer.train()
     trained = AutoModelForCausalLM.from_pretrained(trainer.save_model()).state_dict()
     assert any(not torch.equal(model.state_dict()[name], initial[name]) for name in initial)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+    # handed to the same run again, it continues it (the run's initial model, its checkpoint's weights)
+    again = SFTTrainer(model=model, train_dataset=pairs, args=args(2))
+    assert again.config.model.path == trainer.config.model.path == str(tmp_path / "sft" / "inputs" / "initial_model")
 
 
 def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path, tiny_model_dir):

@@ -58,12 +58,36 @@ def _same_table(first: Path, second: Path) -> bool:
         return False
 
 
+TRAINED_MARK = "reinforge_trained_from"
+"""The attribute a trainer sets on a model object it gave the trained weights to: (the run's initial model folder,
+the weights' fingerprint), so that the same object handed to a trainer of that run again resumes it."""
+
+
+def mark_trained(model: Any, initial_model: str) -> None:
+    """Record on ``model``, which now holds a run's trained weights, the folder that run started from."""
+    setattr(model, TRAINED_MARK, (initial_model, weights_fingerprint(model)))
+
+
+def weights_fingerprint(model: Any) -> tuple[float, ...]:
+    """Each parameter's sum, in float64 (no copy of the weights): tells weights changed since they were recorded."""
+    import torch
+
+    with torch.no_grad():
+        return tuple(float(parameter.sum(dtype=torch.float64)) for parameter in model.parameters())
+
+
 def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str:
-    """A path or hub id as it is; a loaded model (and its tokenizer) saved into ``folder``, whose path is returned."""
+    """A path or hub id as it is; a loaded model (and its tokenizer) saved into ``folder``, whose path is returned.
+    A model that a trainer of this run trained and left unchanged since (``mark_trained``) gives the run's initial
+    folder back: its weights are the run's latest checkpoint's, which the run resumes from."""
     if isinstance(model, str | Path):
         return str(model)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a path, a hub id or a loaded transformers model; got a {type(model).__name__}")
+    trained_from = getattr(model, TRAINED_MARK, None)
+    if (trained_from is not None and Path(trained_from[0]).parent == folder.parent
+            and Path(trained_from[0]).is_dir() and trained_from[1] == weights_fingerprint(model)):
+        return trained_from[0]
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
     if frozen and len(frozen) < len(list(model.parameters())):
         # a TRL (transformers Trainer) run keeps them frozen; the saved folder forgets requires_grad and reinforge

@@ -9,6 +9,7 @@ from typing import Any
 
 from reinforge.api.inputs import (
     as_conversations,
+    mark_trained,
     peft_settings,
     reward_functions_of,
     save_model_if_loaded,
@@ -41,7 +42,9 @@ class _Trainer:
         if self.given_model is not None:
             from reinforge.trainer.export import load_trained_weights
 
-            if not load_trained_weights(self.output_dir, self.given_model):
+            if load_trained_weights(self.output_dir, self.given_model):
+                mark_trained(self.given_model, self.config.model.path)
+            else:
                 logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
                                "score head is not a causal LM's), which keeps its weights as they were; "
                                "trainer.save_model() writes the trained model", type(self.given_model).__name__)
