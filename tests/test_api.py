@@ -351,6 +351,11 @@ def test_a_loaded_model_with_frozen_parameters_is_refused_not_trained_whole(tmp_
     model.get_input_embeddings().requires_grad_(False)
     with pytest.raises(ValueError, match=r"the model was given with 1 parameter frozen \(requires_grad=False: "):
         save_model_if_loaded(model, None, tmp_path / "model")
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"the model is a peft PeftModel.*LoraConfig as peft_config"):
+        save_model_if_loaded(adapted, None, tmp_path / "model")
 
 
 def test_a_later_start_keeps_the_inputs_an_earlier_start_wrote_and_puts_other_ones_beside_them(tmp_path,

@@ -84,6 +84,10 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
         return str(model)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a path, a hub id or a loaded transformers model; got a {type(model).__name__}")
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # its save_pretrained writes adapters only
+        raise ValueError(f"the model is a peft {type(model).__name__}; pass the model it wraps "
+                         "(model.get_base_model() before get_peft_model) and its LoraConfig as peft_config, as "
+                         "TRL takes them")
     trained_from = getattr(model, TRAINED_MARK, None)
     if (trained_from is not None and Path(trained_from[0]).parent == folder.parent
             and Path(trained_from[0]).is_dir() and trained_from[1] == weights_fingerprint(model)):
