@@ -277,6 +277,8 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     GRPOTrainer(model="m", reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
                 train_dataset=rows)
     assert made["config"].reward.combine.mode == "replace" and made["reward_functions"] is None
+    with pytest.raises(ValueError, match="GRPOTrainer has no train_dataset; pass train_dataset="):
+        GRPOTrainer(model="m", reward_funcs=reward, args=GRPOConfig(output_dir=str(tmp_path / "none")))
     with pytest.raises(ValueError, match="reward_funcs names 2 reward models"):
         GRPOTrainer(model="m", reward_funcs=["a/rm", "b/rm"], train_dataset=rows)
     # a loaded reward model, as TRL takes it, is scored as one (a module is callable, but no reward function)

@@ -27,6 +27,12 @@ def _load(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _check_train_data(config: Any, trainer: str) -> None:
+    if not config.data.train_files:
+        raise ValueError(f"{trainer} has no train_dataset; pass train_dataset= a datasets.Dataset, a pandas frame, a "
+                         "list of dicts or data files")
+
+
 class _Trainer:
     """What every API trainer has: ``config``, ``trainer`` (reinforge's own), ``train`` and ``save_model``."""
 
@@ -99,6 +105,7 @@ class GRPOTrainer(_Trainer):
 
         self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
                             "GRPOTrainer's settings")
+        _check_train_data(self.config, type(self).__name__)
         validate_config(self.config)
         from reinforge.trainer.rl_trainer import RLTrainer
 
@@ -145,6 +152,7 @@ class _SupervisedTrainer(_Trainer):
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
                             f"{type(self).__name__}'s settings")
+        _check_train_data(self.config, type(self).__name__)
         _load(self.VALIDATE)(self.config)
         self.trainer = _load(self.TRAINER)(self.config)
 
