@@ -189,6 +189,10 @@ def test_a_model_given_loaded_holds_the_trained_weights_after_train(tmp_path, ti
     assert any(not torch.equal(model.state_dict()[name], initial[name]) for name in initial)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+    # TRL's save_model(args.output_dir): the model's files beside the run's own, which stays resumable
+    assert trainer.save_model(str(tmp_path / "sft")) == tmp_path / "sft"
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft").state_dict()
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[name], trained[name]) for name in trained)
     # handed to the same run again, it continues it (the run's initial model, its checkpoint's weights)
     again = SFTTrainer(model=model, train_dataset=pairs, args=args(2))
     assert again.config.model.path == trainer.config.model.path == str(tmp_path / "sft" / "inputs" / "initial_model")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,22 @@ class _Trainer:
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
-        ``reinforge export`` writes it; returns the folder."""
+        ``reinforge export`` writes it; returns the folder. The run folder itself (TRL's
+        ``save_model(args.output_dir)``) gets the model's files beside the run's own."""
         from reinforge.trainer.export import export_checkpoint
 
-        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
-                                 force=True)
+        target = Path(output_dir) if output_dir else self.output_dir / "final_model"
+        if target.resolve() != self.output_dir.resolve():
+            return export_checkpoint(self.output_dir, target, force=True)
+        staged = self.output_dir / ".saved_model.partial"
+        shutil.rmtree(staged, ignore_errors=True)
+        export_checkpoint(self.output_dir, staged)
+        for path in sorted(staged.iterdir()):
+            if (self.output_dir / path.name).is_dir():
+                shutil.rmtree(self.output_dir / path.name)
+            path.replace(self.output_dir / path.name)
+        staged.rmdir()
+        return self.output_dir
 
 
 class GRPOTrainer(_Trainer):
