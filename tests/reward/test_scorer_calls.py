@@ -3,6 +3,7 @@ import pytest
 from reinforge.reward.scorer_calls import (
     accepted_keywords,
     build_call_kwargs,
+    completion_of,
     load_custom_scorer,
     parse_custom_function,
     takes_completions,
@@ -111,6 +112,8 @@ def test_trl_kind_gets_one_call_with_lists_of_the_batch_and_the_columns():
                       "ground_truth": [None, None, "6"], "extra_info": [{"i": 0}, {"i": 1}, {}],
                       "data_source": ["math"] * 3, "answer": ["4", "4", "6"], "trainer_state": state, "scale": 2}
     assert run_job(ScoringJob(trl_reward, kwargs, num_samples=3)) == [1.0, 0.0, 1.0]
+    prefilled = [*prompt, {"role": "assistant", "content": "It is "}]  # continued, as TRL's bootstrap
+    assert completion_of("4", prefilled) == [{"role": "assistant", "content": "It is 4"}]
     named = batch_call_kwargs(RewardFunction.of(lambda completions, answer: None), range(1, 3), samples, {}, state)
     assert named == {"completions": [[{"role": "assistant", "content": "5"}], "6"], "answer": ["4", "6"]}
     with pytest.raises(TypeError, match=r"returned 1.0 for 3 completions; return a list with one score \(or None\)"):
