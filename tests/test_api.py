@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,11 +60,19 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "trainer.total_steps": 10, "trainer.save_every": 5, "trainer.seed": 3, "data.seed": 3,
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
         "rollout.top_p": 0.9, "data.train_batch_size": 4}  # 8 x 2 completions a step = 4 prompts x 4
-    assert GRPOConfig(beta=0.0, max_steps=-1).to_overrides() == {"actor.use_kl_loss": False,
-                                                                 "trainer.total_steps": None}
+    assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides() == {
+        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
                      learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
-                                                            "optim.lr": 1e-5}
+                                                            "data.truncation": "right", "optim.lr": 1e-5}
+    # as TRL's, a longer prompt is cut on the left, not dropped
+    assert GRPOConfig(max_prompt_length=96).to_overrides() == {
+        "data.max_prompt_length": 96, "data.filter_overlong_prompts": False, "data.truncation": "left"}
+    # gradient_accumulation_steps alone multiplies TRL's default per_device_train_batch_size (8)
+    assert GRPOConfig(gradient_accumulation_steps=4, num_generations=4).to_overrides()["data.train_batch_size"] == 8
+    assert SFTConfig(gradient_accumulation_steps=4).to_overrides() == {"data.batch_size": 32}
+    assert SFTConfig(num_train_epochs=2.0, completion_only_loss=True,
+                     assistant_only_loss=None).to_overrides() == {"trainer.total_epochs": 2}
 
 
 def test_an_unknown_or_unfitting_setting_is_one_line():
@@ -73,6 +82,18 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(per_device_train_batch_size=12, num_generations=8).to_overrides()
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
         GRPOConfig(loss_type="sapo2").to_overrides()
+    # TRL's None defaults: equal weights, evaluation on reinforge's cadence; others in one line naming the setting
+    assert GRPOConfig(reward_weights=None, eval_steps=None).to_overrides() == {}
+    with pytest.raises(ValueError, match=r"beta=None is not a value GRPOConfig can use"):
+        GRPOConfig(beta=None).to_overrides()
+    with pytest.raises(ValueError, match=r"save_total_limit=None: reinforge keeps the last trainer.keep_last"):
+        SFTConfig(save_total_limit=None).to_overrides()
+    with pytest.raises(ValueError, match=r"report_to='all': .* name the loggers"):
+        GRPOConfig(report_to="all").to_overrides()
+    with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):
+        GRPOConfig(num_train_epochs=0.5).to_overrides()
+    with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):
+        SFTConfig(assistant_only_loss=False).to_overrides()
 
 
 def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path):
@@ -93,6 +114,11 @@ def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path)
         assert [example.raw_prompt for example in dataset] == [row["prompt"] for row in rows], name
         assert [example.columns for example in dataset] == [{"answer": "2"}, {"answer": "4"}], name
         assert [example.ground_truth for example in dataset] == ["2", "4"], name  # verl's reward_model.ground_truth
+    # a column the first row lacks is kept (the others' values, None in that row)
+    [path] = write_dataset([{"prompt": "1+1="}, {"prompt": "2+2=", "answer": "4", "ground_truth": "4"}], tmp_path, "some")
+    examples = list(RLDataset(path, tokenizer, DataConfig(max_prompt_length=64)))
+    assert [(example.columns, example.ground_truth) for example in examples] == [({"answer": None}, None),
+                                                                                ({"answer": "4"}, "4")]
     assert write_dataset("data/train.parquet", tmp_path, "train") == ["data/train.parquet"]
     with pytest.raises(TypeError, match="train_dataset must be a datasets.Dataset, a pandas DataFrame"):
         write_dataset(42, tmp_path, "train")
@@ -143,6 +169,65 @@ def test_sft_trainer_takes_prompt_completion_pairs(tmp_path, tiny_model_dir):
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2]
 
 
+def test_a_model_given_loaded_holds_the_trained_weights_after_train(tmp_path, tiny_model_dir):
+    """TRL trains the object it is given; reinforge trains a saved copy and copies the result back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from reinforge import SFTTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    pairs = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    def args(max_steps):
+        return SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=max_steps, per_device_train_batch_size=4,
+                         max_length=32, learning_rate=1e-2, report_to="none")
+
+    trainer = SFTTrainer(model=model, train_dataset=pairs, args=args(1))
+    trainer.train()
+    trained = AutoModelForCausalLM.from_pretrained(trainer.save_model()).state_dict()
+    assert any(not torch.equal(model.state_dict()[name], initial[name]) for name in initial)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+    # TRL's save_model(args.output_dir): the model's files beside the run's own, which stays resumable
+    assert trainer.save_model(str(tmp_path / "sft")) == tmp_path / "sft"
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "sft").state_dict()
+    assert saved.keys() == trained.keys() and all(torch.equal(saved[name], trained[name]) for name in trained)
+    # handed to the same run again, it continues it (the run's initial model, its checkpoint's weights)
+    again = SFTTrainer(model=model, train_dataset=pairs, args=args(2))
+    assert again.config.model.path == trainer.config.model.path == str(tmp_path / "sft" / "inputs" / "initial_model")
+
+
+def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path, tiny_model_dir):
+    from reinforge import SFTTrainer
+    from reinforge.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    trainer = SFTTrainer(model=str(tiny_model_dir), processing_class=tokenizer, args=SFTConfig(
+        output_dir=str(tmp_path / "sft"), max_steps=1, report_to="none"), train_dataset=[{"messages": [
+            {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}])
+    assert trainer.config.model.tokenizer_path == str(tmp_path / "sft" / "inputs" / "tokenizer")
+    assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
+
+
+def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from reinforge import DPOConfig, DPOTrainer
+    from reinforge.models import save_tiny_model
+
+    reference = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "other", seed=1))
+    pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(4)]
+    trainer = DPOTrainer(model=str(tiny_model_dir), ref_model=reference, train_dataset=pairs, args=DPOConfig(
+        output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, max_length=32, report_to="none"))
+    assert trainer.config.dpo.reference_path == str(tmp_path / "dpo" / "inputs" / "reference_model")
+    loss = trainer.train()["train/loss"]
+    assert loss != pytest.approx(math.log(2), abs=1e-4)  # the policy is not its own reference: the margins start apart
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):
@@ -160,7 +245,7 @@ def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, 
     assert [row["step"] for row in read_metrics(tmp_path / kind) if "train/loss" in row] == [1, 2]
 
 
-def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path, monkeypatch):
+def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path, monkeypatch, tiny_model_dir):
     import reinforge.trainer.rl_trainer as rl_trainer
     from reinforge import GRPOTrainer
     from reinforge.config import load_config
@@ -196,8 +281,19 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     GRPOTrainer(model="m", reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
                 train_dataset=rows)
     assert made["config"].reward.combine.mode == "replace" and made["reward_functions"] is None
+    with pytest.raises(ValueError, match="GRPOTrainer has no train_dataset; pass train_dataset="):
+        GRPOTrainer(model="m", reward_funcs=reward, args=GRPOConfig(output_dir=str(tmp_path / "none")))
     with pytest.raises(ValueError, match="reward_funcs names 2 reward models"):
         GRPOTrainer(model="m", reward_funcs=["a/rm", "b/rm"], train_dataset=rows)
+    # a loaded reward model, as TRL takes it, is scored as one (a module is callable, but no reward function)
+    from transformers import AutoModelForSequenceClassification
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    GRPOTrainer(model="m", reward_funcs=[reward, reward_model], args=GRPOConfig(output_dir=str(tmp_path / "loaded")),
+                train_dataset=rows)
+    assert made["reward_functions"] == [reward]
+    assert made["config"].reward.reward_model.model_path == str(tmp_path / "loaded" / "inputs" / "reward_model")
+    assert (tmp_path / "loaded" / "inputs" / "reward_model" / "tokenizer_config.json").is_file()
 
 
 def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():
@@ -213,8 +309,6 @@ def test_a_function_set_as_reward_custom_function_is_refused_in_one_line():
 
 
 def test_a_peft_lora_config_becomes_model_lora():
-    from types import SimpleNamespace
-
     from reinforge.api import peft_settings
 
     lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.05, target_modules={"v_proj", "q_proj"})
@@ -223,14 +317,34 @@ def test_a_peft_lora_config_becomes_model_lora():
     assert peft_settings(None) == {}
 
 
-def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
-    from types import SimpleNamespace
+def test_peft_target_modules_all_linear_or_none_mean_what_they_mean_in_peft(tiny_model_dir):
+    from peft import LoraConfig
 
+    from reinforge.api import peft_settings
+    from reinforge.models.tiny import tiny_config
+
+    every_linear = peft_settings(LoraConfig(r=8, target_modules="all-linear"), str(tiny_model_dir))
+    assert every_linear["model.lora.target_modules"] == ["all-linear"]
+    # none named: peft's default for the architecture (reinforge's own default adapts every linear layer)
+    assert peft_settings(LoraConfig(r=8), str(tiny_model_dir))["model.lora.target_modules"] == ["q_proj", "v_proj"]
+    phi3 = SimpleNamespace(config=tiny_config("phi3"))
+    with pytest.raises(ValueError, match="peft_config names no target_modules and peft has no default for a phi3"):
+        peft_settings(LoraConfig(r=8), phi3)
+
+
+def test_peft_settings_reinforge_does_not_apply_are_refused_in_one_line():
     from reinforge.api import peft_settings
 
     lora = SimpleNamespace(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=None, modules_to_save=["lm_head"])
     with pytest.raises(ValueError, match=r"peft_config sets modules_to_save=\['lm_head'\], which reinforge's LoRA"):
         peft_settings(lora)
+    from peft import LoraConfig
+
+    # a MoE's experts (target_parameters) or another initialisation would be dropped without a word
+    for setting, shown in ((dict(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters="),
+                           (dict(init_lora_weights=False), "init_lora_weights=False")):
+        with pytest.raises(ValueError, match=f"peft_config sets {shown}"):
+            peft_settings(LoraConfig(r=8, target_modules=["q_proj"], **setting))
 
 
 def test_a_loaded_model_with_frozen_parameters_is_refused_not_trained_whole(tmp_path, tiny_model_dir):
@@ -243,6 +357,11 @@ def test_a_loaded_model_with_frozen_parameters_is_refused_not_trained_whole(tmp_
     model.get_input_embeddings().requires_grad_(False)
     with pytest.raises(ValueError, match=r"the model was given with 1 parameter frozen \(requires_grad=False: "):
         save_model_if_loaded(model, None, tmp_path / "model")
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"the model is a peft PeftModel.*LoraConfig as peft_config"):
+        save_model_if_loaded(adapted, None, tmp_path / "model")
 
 
 def test_a_later_start_keeps_the_inputs_an_earlier_start_wrote_and_puts_other_ones_beside_them(tmp_path,

@@ -13,16 +13,17 @@ A trainer runs in this process, on the same code as ``reinforge train``/``sft``:
 before any model loads, checkpoints and resume are the CLI's. What it is given becomes what the CLI would read:
 
 - ``model``: a path or hub id, or a loaded transformers model (saved into ``<output_dir>/initial_model``, with
-  ``processing_class``, the tokenizer, or the one its ``name_or_path`` names);
+  ``processing_class``, the tokenizer, or the one its ``name_or_path`` names; ``train`` copies the trained weights
+  back into it, as TRL trains the object it is given);
 - ``train_dataset``/``eval_dataset``: a ``datasets.Dataset``, a pandas frame, a list of dicts (written into
-  ``<output_dir>/data`` as parquet), or files (parquet, JSONL, ``save_to_disk`` folders). Rows follow TRL's
+  ``<output_dir>/inputs`` as parquet), or files (parquet, JSONL, ``save_to_disk`` folders). Rows follow TRL's
   columns: ``prompt`` (a string, fed as it is unless ``data.apply_chat_template`` asks for the template, or chat
   messages), any other column reaching the reward functions by name; a ``ground_truth`` column becomes verl's
   ``reward_model.ground_truth``, which the built-in scorers and a function's ``ground_truth`` argument read;
 - ``reward_funcs``: one function or a list (TRL's kind, called once per batch, or verl's), weighted by
-  ``reward_weights``; a ``.py`` path with ``:function`` loads one from a file, any other string is a reward
-  model (``reward.reward_model``, its weighted score added); none: each row's ``data_source`` picks a built-in
-  scorer;
+  ``reward_weights``; a ``.py`` path with ``:function`` loads one from a file, any other string (or a
+  loaded sequence-classification model) is a reward model (``reward.reward_model``, its weighted score added);
+  none: each row's ``data_source`` picks a built-in scorer;
 - ``peft_config``: a peft ``LoraConfig``, as ``model.lora`` (rank, alpha, dropout, target modules);
 - ``args``: a ``GRPOConfig``/``SFTConfig`` (TRL's names where the meaning is the same, plus ``overrides``:
   reinforge's own keys, ``{"rollout.top_p": 0.9}``), or a reinforge ``Config``; ``**overrides`` on the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import filecmp
 import itertools
+import json
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -57,12 +58,40 @@ def _same_table(first: Path, second: Path) -> bool:
         return False
 
 
+TRAINED_MARK = "reinforge_trained_from"
+"""The attribute a trainer sets on a model object it gave the trained weights to: (the run's initial model folder,
+the weights' fingerprint), so that the same object handed to a trainer of that run again resumes it."""
+
+
+def mark_trained(model: Any, initial_model: str) -> None:
+    """Record on ``model``, which now holds a run's trained weights, the folder that run started from."""
+    setattr(model, TRAINED_MARK, (initial_model, weights_fingerprint(model)))
+
+
+def weights_fingerprint(model: Any) -> tuple[float, ...]:
+    """Each parameter's sum, in float64 (no copy of the weights): tells weights changed since they were recorded."""
+    import torch
+
+    with torch.no_grad():
+        return tuple(float(parameter.sum(dtype=torch.float64)) for parameter in model.parameters())
+
+
 def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str:
-    """A path or hub id as it is; a loaded model (and its tokenizer) saved into ``folder``, whose path is returned."""
+    """A path or hub id as it is; a loaded model (and its tokenizer) saved into ``folder``, whose path is returned.
+    A model that a trainer of this run trained and left unchanged since (``mark_trained``) gives the run's initial
+    folder back: its weights are the run's latest checkpoint's, which the run resumes from."""
     if isinstance(model, str | Path):
         return str(model)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a path, a hub id or a loaded transformers model; got a {type(model).__name__}")
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):  # its save_pretrained writes adapters only
+        raise ValueError(f"the model is a peft {type(model).__name__}; pass the model it wraps "
+                         "(model.get_base_model() before get_peft_model) and its LoraConfig as peft_config, as "
+                         "TRL takes them")
+    trained_from = getattr(model, TRAINED_MARK, None)
+    if (trained_from is not None and Path(trained_from[0]).parent == folder.parent
+            and Path(trained_from[0]).is_dir() and trained_from[1] == weights_fingerprint(model)):
+        return trained_from[0]
     frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
     if frozen and len(frozen) < len(list(model.parameters())):
         # a TRL (transformers Trainer) run keeps them frozen; the saved folder forgets requires_grad and reinforge
@@ -74,18 +103,41 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
                          "unfrozen, or train adapters (peft_config)")
     tokenizer = processing_class
     if tokenizer is None:
-        source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
-        if not source:
-            raise ValueError("the model was given loaded, without a name_or_path to load its tokenizer from; pass "
-                             "processing_class=tokenizer")
-        from reinforge.models import load_tokenizer
+        tokenizer = _own_tokenizer(model, "the model was given loaded, without a name_or_path to load its tokenizer "
+                                          "from; pass processing_class=tokenizer")
+    return _save_model_folder(model, tokenizer, folder)
 
-        tokenizer = load_tokenizer(source)
+
+def _own_tokenizer(model: Any, missing: str) -> Any:
+    """The tokenizer of the folder or hub id a loaded model came from; ``missing`` is the error without one."""
+    source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not source:
+        raise ValueError(missing)
+    from reinforge.models import load_tokenizer
+
+    return load_tokenizer(source)
+
+
+def _save_model_folder(model: Any, tokenizer: Any, folder: Path) -> str:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     return str(keep_beside_earlier(partial, folder, _same_folder, "a model"))
+
+
+def save_tokenizer_if_given(model: Any, processing_class: Any, folder: Path) -> str | None:
+    """The tokenizer given beside a model path or hub id, saved into ``folder`` (its path returned, for
+    model.tokenizer_path); None without one, or with a loaded model (whose folder holds it)."""
+    if processing_class is None or not isinstance(model, str | Path):
+        return None
+    if not hasattr(processing_class, "save_pretrained"):
+        raise TypeError(f"processing_class must be a transformers tokenizer or processor; got a "
+                        f"{type(processing_class).__name__}")
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    processing_class.save_pretrained(partial)
+    return str(keep_beside_earlier(partial, folder, _same_folder, "a tokenizer"))
 
 
 def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
@@ -103,6 +155,9 @@ def write_dataset(dataset: Any, folder: Path, name: str) -> list[str]:
     for row in rows:
         if "ground_truth" in row and "reward_model" not in row:  # verl's place for it, read by every scorer
             row["reward_model"] = {"ground_truth": row.pop("ground_truth")}
+    # every row gets every column (None where it has none): parquet would keep only the first row's columns
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    rows = [{column: row.get(column) for column in columns} for row in rows]
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -140,31 +195,76 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def peft_settings(peft_config: Any) -> dict[str, Any]:
-    """A peft ``LoraConfig``'s rank, alpha, dropout and target modules as reinforge's ``model.lora`` keys."""
+def peft_settings(peft_config: Any, model: Any = None) -> dict[str, Any]:
+    """A peft ``LoraConfig``'s rank, alpha, dropout and target modules as reinforge's ``model.lora`` keys; no target
+    modules means peft's default for the architecture of ``model`` (a path, hub id or loaded model), as in peft."""
     if peft_config is None:
         return {}
     settings = {"model.lora.rank": int(peft_config.r), "model.lora.alpha": float(peft_config.lora_alpha),
                 "model.lora.dropout": float(getattr(peft_config, "lora_dropout", 0.0) or 0.0)}
     unsupported = {"modules_to_save": None, "use_dora": False, "use_rslora": False, "layers_to_transform": None,
-                   "exclude_modules": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {}}
+                   "exclude_modules": None, "bias": "none", "rank_pattern": {}, "alpha_pattern": {},
+                   "init_lora_weights": True, "target_parameters": None, "lora_bias": False,
+                   "trainable_token_indices": None, "layer_replication": None, "use_qalora": False,
+                   "alora_invocation_tokens": None, "loftq_config": {}}
     ignored = [f"{name}={getattr(peft_config, name)!r}" for name, default in unsupported.items()
-               if getattr(peft_config, name, default) not in (default, None, {}, [], False)]
+               if _set_otherwise(getattr(peft_config, name, default), default)]
     if ignored:  # dropped, they left a part the caller asked to train frozen (modules_to_save) or changed the adapters
         raise ValueError(f"peft_config sets {', '.join(ignored)}, which reinforge's LoRA (model.lora: rank, alpha, "
                          "dropout, target_modules) does not do; remove them")
     targets = getattr(peft_config, "target_modules", None)
-    if targets:
-        if isinstance(targets, str):
-            raise ValueError(f"peft_config.target_modules={targets!r}: reinforge takes a list of module names "
-                             "(q_proj, v_proj, ...)")
-        settings["model.lora.target_modules"] = sorted(targets)
+    if targets == "all-linear":
+        targets = ["all-linear"]
+    elif isinstance(targets, str):
+        raise ValueError(f"peft_config.target_modules={targets!r}: reinforge takes a list of module names "
+                         "(q_proj, v_proj, ...) or 'all-linear', not a pattern")
+    elif not targets:
+        targets = _peft_default_targets(model)
+    settings["model.lora.target_modules"] = sorted(targets)
     return settings
 
 
-def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Callable[..., Any]] | None:
+def _set_otherwise(value: Any, default: Any) -> bool:
+    """Whether a peft setting differs from its default (an empty value stands for an empty default)."""
+    def empty(item: Any) -> bool:
+        return item is None or item is False or (isinstance(item, dict | list | tuple | set) and not item)
+
+    return value != default and not (empty(value) and empty(default))
+
+
+def _peft_default_targets(model: Any) -> list[str]:
+    """peft's target modules for a LoraConfig that names none: its list for the model's architecture."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = _model_type(model)
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if not targets:
+        raise ValueError(f"peft_config names no target_modules and peft has no default for "
+                         f"{'a ' + model_type if model_type else 'this'} model; name the layers (target_modules=['q_proj', 'v_proj', ...]) or 'all-linear'")
+    return list(targets)
+
+
+def _model_type(model: Any) -> str | None:
+    """``config.model_type`` of a loaded model, or of the config.json a path or hub id names; None if unreadable."""
+    if hasattr(model, "config"):
+        return getattr(model.config, "model_type", None)
+    if model is None:
+        return None
+    file = Path(str(model)).expanduser() / "config.json"
+    try:
+        if file.is_file():
+            return json.loads(file.read_text()).get("model_type")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model)).model_type
+    except (OSError, ValueError):
+        return None
+
+
+def reward_functions_of(reward_funcs: Any, settings: dict[str, Any],
+                        folder: Path | None = None) -> list[Callable[..., Any]] | None:
     """The function objects of ``reward_funcs`` (one or a list: callables, ``path.py[:function]`` specs, or one reward
-    model's folder or hub id, as in TRL); None or [] -> None.
+    model: its folder, hub id or loaded model, saved into ``folder/reward_model``, as in TRL); None or [] -> None.
 
     A reward model goes into ``settings`` as ``reward.reward_model`` with its weight of ``reward.weights`` as
     ``reward.combine.rm_weight`` (summed with the functions, as TRL sums; alone, its score is the reward).
@@ -175,6 +275,14 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Cal
     functions: list[Callable[..., Any]] = []
     model_positions = []
     for position, item in enumerate(items):
+        if hasattr(item, "save_pretrained") and hasattr(item, "config"):  # a loaded reward model (a callable module)
+            if folder is None:
+                raise ValueError("reward_funcs holds a loaded model; pass its folder or hub id instead")
+            tokenizer = _own_tokenizer(item, "reward_funcs holds a loaded reward model without a name_or_path to "
+                                             "load its tokenizer from; save it with its tokenizer and pass the folder")
+            items[position] = _save_model_folder(item, tokenizer, folder / "reward_model")
+            model_positions.append(position)
+            continue
         if callable(item):
             functions.append(item)
             continue
@@ -206,18 +314,30 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any]) -> list[Cal
 
 
 def as_conversations(dataset: Any) -> Any:
-    """TRL's prompt/completion rows as one user and one assistant message; other data as it is."""
+    """TRL's conversational prompt/completion rows (chat messages) as one conversation; other data as it is (plain
+    text prompt/completion or text rows are tokenized as text, with no chat template, as in TRL)."""
     if isinstance(dataset, str | Path) or (isinstance(dataset, Sequence) and dataset
                                            and all(isinstance(item, str | Path) for item in dataset)):
         return dataset
     rows = _rows_of(dataset, "train")
-    if rows and "messages" not in rows[0] and {"prompt", "completion"} <= set(rows[0]):
-        converted = []
-        for row in rows:
-            prompt, completion = row.pop("prompt"), row.pop("completion")
-            prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                          else list(completion))
-            converted.append({"messages": prompt + completion, **row})
-        return converted
-    return rows
+    if not rows or "messages" in rows[0] or all(_is_plain_text(row) for row in rows):
+        return rows
+    converted = []
+    for row in rows:
+        if "prompt" not in row or "completion" not in row:
+            converted.append(row)  # the SFT data says what such a row lacks
+            continue
+        prompt, completion = row.pop("prompt"), row.pop("completion")
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
+                      else list(completion))
+        converted.append({"messages": prompt + completion, **row})
+    return converted
+
+
+def _is_plain_text(row: Mapping[str, Any]) -> bool:
+    """A string prompt and completion, or a string text (TRL's standard, not conversational, rows)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return True
+    return isinstance(row.get("text"), str) and prompt is None and completion is None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,9 +45,26 @@ def _scale_rewards(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _report_to(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    names = [value] if isinstance(value, str) else list(value)
+    names = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if "all" in names:
+        raise ValueError("report_to='all': reinforge does not look for installed integrations; name the loggers "
+                         "(report_to=['wandb', 'tensorboard', 'mlflow'])")
     names = [name for name in names if name not in ("none", "console", "jsonl")]
     return {"trainer.loggers": ["console", *names]}  # metrics.jsonl is written whatever the list says
+
+
+def _epochs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if float(value) != int(value) or value < 1:
+        raise ValueError(f"num_train_epochs={value}: reinforge runs whole passes over the data (1, 2, ...); for part "
+                         "of one, set max_steps")
+    return {"trainer.total_epochs": int(value)}
+
+
+def _keep_last(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value is None:
+        raise ValueError("save_total_limit=None: reinforge keeps the last trainer.keep_last checkpoints (2 unless "
+                         "set), never all of them; give the number to keep")
+    return {"trainer.keep_last": value}
 
 
 def _max_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -66,6 +82,17 @@ def _logged_every_step(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+    """completion_only_loss, assistant_only_loss: True (or None) is what reinforge's SFT does; False is refused."""
+
+    def check(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        if value is False:
+            raise ValueError(f"{name}=False: reinforge's SFT trains on the completion (the assistant's turns) only, "
+                             "never on the prompt; remove the setting, or give each row as one plain 'text'")
+        return {}
+    return check
+
+
 def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if value not in ("constant", "cosine", "constant_with_warmup"):
         raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are constant and cosine (after "
@@ -75,10 +102,10 @@ def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 RUN_SETTINGS: dict[str, Override] = {
     "max_steps": ("trainer.total_steps", _max_steps),
-    "num_train_epochs": ("trainer.total_epochs", lambda value, settings: {"trainer.total_epochs": math.ceil(value)}),
+    "num_train_epochs": ("trainer.total_epochs", _epochs),
     "save_steps": ("trainer.save_every", _to("trainer.save_every")),
-    "save_total_limit": ("trainer.keep_last", _to("trainer.keep_last")),
-    "eval_steps": ("trainer.test_every", _to("trainer.test_every")),
+    "save_total_limit": ("trainer.keep_last", _keep_last),
+    "eval_steps": ("trainer.test_every", lambda value, settings: {} if value is None else {"trainer.test_every": value}),
     "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
     "logging_steps": ("(every step)", _logged_every_step),
     "report_to": ("trainer.loggers", _report_to),
@@ -96,7 +123,8 @@ GRPO_SETTINGS: dict[str, Override] = {
         "actor." + key: item for key, item in _schedule(value, settings).items()}),
     "max_grad_norm": ("actor.grad_clip", _to("actor.grad_clip")),
     "num_generations": ("rollout.n", _to("rollout.n")),
-    "max_prompt_length": ("data.max_prompt_length", _to("data.max_prompt_length")),
+    "max_prompt_length": ("data.max_prompt_length (longer prompts cut on the left)", lambda value, settings: {
+        "data.max_prompt_length": value, "data.filter_overlong_prompts": False, "data.truncation": "left"}),
     "max_completion_length": ("data.max_response_length", _to("data.max_response_length")),
     "temperature": ("rollout.temperature", _to("rollout.temperature")),
     "top_p": ("rollout.top_p", _to("rollout.top_p")),
@@ -107,7 +135,8 @@ GRPO_SETTINGS: dict[str, Override] = {
     "loss_type": ("actor.loss_agg_mode", _loss_type),
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
     "num_iterations": ("actor.ppo_epochs", _to("actor.ppo_epochs")),
-    "reward_weights": ("reward.weights", lambda value, settings: {"reward.weights": [float(w) for w in value]}),
+    "reward_weights": ("reward.weights", lambda value, settings: {} if value is None else {
+        "reward.weights": [float(weight) for weight in value]}),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
@@ -115,6 +144,9 @@ GRPO_SETTINGS: dict[str, Override] = {
 }
 
 """TRL's GRPOConfig names that mean here what they mean there -> (reinforge keys, for messages; the mapping)."""
+
+TRL_PER_DEVICE_TRAIN_BATCH_SIZE = 8
+"""TRL's default per_device_train_batch_size: what gradient_accumulation_steps multiplies when only it is given."""
 
 SFT_SETTINGS: dict[str, Override] = {
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
@@ -125,8 +157,11 @@ SFT_SETTINGS: dict[str, Override] = {
     "lr_scheduler_type": ("optim.schedule", lambda value, settings: {
         "optim." + key.removeprefix("optim."): item for key, item in _schedule(value, settings).items()}),
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
-    "max_length": ("data.max_length", _to("data.max_length")),
+    "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
+        "data.max_length": value, "data.truncation": "right"}),
     "packing": ("data.packing", _to("data.packing")),
+    "completion_only_loss": ("(always: the loss is on completions)", _trained_tokens("completion_only_loss")),
+    "assistant_only_loss": ("(always: the loss is on assistant turns)", _trained_tokens("assistant_only_loss")),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
@@ -164,7 +199,10 @@ class _TrainingArguments:
         """reinforge's keys -> values: TRL's names mapped, then ``overrides`` (which win)."""
         mapped: dict[str, Any] = {}
         for name, value in self.settings.items():
-            mapped |= self.SETTINGS[name][1](value, self.settings)
+            try:
+                mapped |= self.SETTINGS[name][1](value, self.settings)
+            except TypeError as error:  # None or another type where the mapping does arithmetic on a number
+                raise ValueError(f"{name}={value!r} is not a value {type(self).__name__} can use ({error})") from None
         return mapped | _overrides_dict(self.overrides)
 
 
@@ -178,9 +216,8 @@ class GRPOConfig(_TrainingArguments):
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
-        completions = self.settings.get("per_device_train_batch_size")
+        completions = _rows_per_step(self.settings)
         if completions is not None and "data.train_batch_size" not in _overrides_dict(self.overrides):
-            completions *= self.settings.get("gradient_accumulation_steps") or 1
             generations = int(self.settings.get("num_generations") or mapped.get("rollout.n") or 8)
             if completions % generations:
                 raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} "
@@ -198,16 +235,28 @@ class SFTConfig(_TrainingArguments):
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
-        rows = self.settings.get("per_device_train_batch_size")
+        rows = _rows_per_step(self.settings)
         if rows is not None and "data.batch_size" not in _overrides_dict(self.overrides):
-            mapped["data.batch_size"] = rows * (self.settings.get("gradient_accumulation_steps") or 1)
+            mapped["data.batch_size"] = rows
         return mapped
 
 
+def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
+    """per_device_train_batch_size x gradient_accumulation_steps (TRL's default of the first when only the second is
+    given); None when neither is."""
+    per_device = settings.get("per_device_train_batch_size")
+    accumulation = settings.get("gradient_accumulation_steps")
+    if per_device is None and accumulation is None:
+        return None
+    return int(per_device if per_device is not None else TRL_PER_DEVICE_TRAIN_BATCH_SIZE) * int(accumulation or 1)
+
+
 PREFERENCE_SETTINGS: dict[str, Override] = {
-    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in ("packing",)},
+    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS
+       if name not in ("packing", "completion_only_loss", "assistant_only_loss")},
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
+    "max_length": ("data.max_length (longer pairs dropped, counted in the log)", _to("data.max_length")),
 }
 
 

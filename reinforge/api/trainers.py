@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 from reinforge.api.inputs import (
     as_conversations,
+    mark_trained,
     peft_settings,
     reward_functions_of,
     save_model_if_loaded,
+    save_tokenizer_if_given,
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
+
+logger = logging.getLogger(__name__)
 
 
 def _load(spec: str) -> Any:
@@ -22,15 +28,34 @@ def _load(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _check_train_data(config: Any, trainer: str) -> None:
+    if not config.data.train_files:
+        raise ValueError(f"{trainer} has no train_dataset; pass train_dataset= a datasets.Dataset, a pandas frame, a "
+                         "list of dicts or data files")
+
+
 class _Trainer:
     """What every API trainer has: ``config``, ``trainer`` (reinforge's own), ``train`` and ``save_model``."""
 
     config: Any
     trainer: Any
+    given_model: Any = None
+    """The model object the trainer was given (None for a path): ``train`` leaves the trained weights in it."""
 
     def train(self) -> dict[str, Any]:
-        """Run the training; the last step's metrics."""
-        return self.trainer.fit()
+        """Run the training; the last step's metrics. A model given loaded holds the trained weights after it, as
+        in TRL (reinforge trains a saved copy)."""
+        metrics = self.trainer.fit()
+        if self.given_model is not None:
+            from reinforge.trainer.export import load_trained_weights
+
+            if load_trained_weights(self.output_dir, self.given_model):
+                mark_trained(self.given_model, self.config.model.path)
+            else:
+                logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
+                               "score head is not a causal LM's), which keeps its weights as they were; "
+                               "trainer.save_model() writes the trained model", type(self.given_model).__name__)
+        return metrics
 
     @property
     def output_dir(self) -> Path:
@@ -38,11 +63,22 @@ class _Trainer:
 
     def save_model(self, output_dir: str | Path | None = None) -> Path:
         """The latest checkpoint as an HF model folder (``<output_dir>/final_model`` unless given), as
-        ``reinforge export`` writes it; returns the folder."""
+        ``reinforge export`` writes it; returns the folder. The run folder itself (TRL's
+        ``save_model(args.output_dir)``) gets the model's files beside the run's own."""
         from reinforge.trainer.export import export_checkpoint
 
-        return export_checkpoint(self.output_dir, Path(output_dir) if output_dir else self.output_dir / "final_model",
-                                 force=True)
+        target = Path(output_dir) if output_dir else self.output_dir / "final_model"
+        if target.resolve() != self.output_dir.resolve():
+            return export_checkpoint(self.output_dir, target, force=True)
+        staged = self.output_dir / ".saved_model.partial"
+        shutil.rmtree(staged, ignore_errors=True)
+        export_checkpoint(self.output_dir, staged)
+        for path in sorted(staged.iterdir()):
+            if (self.output_dir / path.name).is_dir():
+                shutil.rmtree(self.output_dir / path.name)
+            path.replace(self.output_dir / path.name)
+        staged.rmdir()
+        return self.output_dir
 
 
 class GRPOTrainer(_Trainer):
@@ -63,9 +99,13 @@ class GRPOTrainer(_Trainer):
             settings = args.to_overrides() | keyword_overrides(overrides)
             output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
         inputs = output_dir / "inputs"
-        settings = peft_settings(peft_config) | settings
-        self.reward_functions = reward_functions_of(reward_funcs, settings)
+        settings = peft_settings(peft_config, model) | settings
+        self.reward_functions = reward_functions_of(reward_funcs, settings, inputs)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        tokenizer_path = save_tokenizer_if_given(model, processing_class, inputs / "tokenizer")
+        if tokenizer_path is not None:
+            settings["model.tokenizer_path"] = tokenizer_path
+        self.given_model = None if isinstance(model, str | Path) else model
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
         if eval_dataset is not None:
@@ -77,6 +117,7 @@ class GRPOTrainer(_Trainer):
 
         self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
                             "GRPOTrainer's settings")
+        _check_train_data(self.config, type(self).__name__)
         validate_config(self.config)
         from reinforge.trainer.rl_trainer import RLTrainer
 
@@ -110,19 +151,28 @@ class _SupervisedTrainer(_Trainer):
             settings = args.to_overrides() | keyword_overrides(overrides)
         output_dir = Path(settings.setdefault("trainer.output_dir", self.DEFAULT_OUTPUT_DIR))
         inputs = output_dir / "inputs"
-        settings = peft_settings(peft_config) | settings
+        settings = peft_settings(peft_config, model) | settings
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
+        tokenizer_path = save_tokenizer_if_given(model, processing_class, inputs / "tokenizer")
+        if tokenizer_path is not None:
+            settings["model.tokenizer_path"] = tokenizer_path
+        self.given_model = None if isinstance(model, str | Path) else model
+        self._add_models(settings, processing_class, inputs)
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
         if eval_dataset is not None:
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
                             f"{type(self).__name__}'s settings")
+        _check_train_data(self.config, type(self).__name__)
         _load(self.VALIDATE)(self.config)
         self.trainer = _load(self.TRAINER)(self.config)
 
     def _rows(self, dataset: Any) -> Any:
         return dataset
+
+    def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
+        """Settings for models beside the trained one (DPO's reference)."""
 
 
 class SFTTrainer(_SupervisedTrainer):
@@ -146,6 +196,19 @@ class DPOTrainer(_SupervisedTrainer):
     SCHEMA = "reinforge.config.preference_schema:DPOConfig"
     VALIDATE = "reinforge.config.preference_schema:validate_preference_config"
     TRAINER = "reinforge.trainer.preference.dpo_trainer:DPOTrainer"
+
+    def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, peft_config: Any = None, *, ref_model: Any = None,
+                 **overrides: Any) -> None:
+        """``ref_model``: TRL's reference model, a path, hub id or loaded model (``dpo.reference_path``); None: the
+        model's starting weights."""
+        self.ref_model = ref_model
+        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, **overrides)
+
+    def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
+        if self.ref_model is not None:
+            settings["dpo.reference_path"] = save_model_if_loaded(self.ref_model, processing_class,
+                                                                  inputs / "reference_model")
 
 
 class RewardTrainer(_SupervisedTrainer):

@@ -15,7 +15,8 @@ Messages = list[dict[str, Any]]
 
 def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | None = None,
                   tools: list[dict[str, Any]] | None = None) -> str:
-    """The text the model sees for ``prompt``, with the assistant turn opened.
+    """The text the model sees for ``prompt``, with the assistant turn opened; a prompt that ends with an assistant
+    message leaves that message open, to be continued (TRL's prefill: ``continue_final_message``).
 
     A string prompt counts as one user message. ``tools`` (OpenAI function schemas) go to the
     template, which shows them to the model as it was trained to see them.
@@ -26,8 +27,9 @@ def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | N
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(f"tokenizer {name!r} has no chat template; set data.chat_template to a Jinja template, "
                          "or data.apply_chat_template=false to feed string prompts as they are")
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                         tokenize=False, tools=tools or None)
+    prefilled = bool(messages) and messages[-1].get("role") == "assistant"
+    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=not prefilled,
+                                         continue_final_message=prefilled, tokenize=False, tools=tools or None)
 
 
 def encode_prompt(tokenizer: Any, prompt: Messages | str, apply_chat_template: bool = True,

@@ -16,6 +16,10 @@ micro-batching uses for RL: the "prompt" is everything before the first trained 
 loss mask covers the rest. With packing, several conversations share a row and the position
 ids restart at each one, which keeps attention within each conversation.
 
+Plain text rows, TRL's standard format (a ``prompt`` and ``completion`` string, or a ``text`` string), take no chat
+template: ``prompt + completion`` and the EOS token are tokenized as any text is (a BOS where the tokenizer adds one),
+and the completion and the EOS are trained (all of a ``text``).
+
 Conversations with images (an ``images`` column with ``<image>`` placeholders, or image content parts; see
 ``multimodal.py``) need the model's processor: each image's one pad token of the rendering becomes the image's
 merged patches, as the processor expands it, never trained; their pixels are made when a batch first holds the
@@ -152,19 +156,15 @@ class SFTDataset:
                     raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row, image_key)!r} "
                                      "column, but the model is text-only (it has no image processor); train a "
                                      "vision-language model or drop that column")
-                messages = _checked_messages(row, messages_key, where, content_parts=processor is not None)
-                tools = _checked_tools(row, where)
-                if processor is not None:
-                    check_image_count(messages, len(images), where)
-                    messages = with_image_parts(messages, len(images))
-                try:
-                    example = tokenize_conversation(tokenizer, messages, chat_template, tools)
+                plain = plain_text_pair(row, messages_key)
+                if plain is not None:
                     if images:
-                        example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row, image_key, where)))
-                except ValueError as error:
-                    raise ValueError(f"{where}: {error}") from None
-                except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
-                    raise ValueError(f"{where}: {template_error_message(error, 'this conversation')}") from None
+                        raise ValueError(f"{where} has images beside plain text; a row with images holds chat "
+                                         f"messages in {messages_key!r}")
+                    example = tokenize_text(tokenizer, *plain)
+                else:
+                    example = _tokenized_conversation(row, where, tokenizer, chat_template, messages_key, processor,
+                                                      images, image_key)
                 if not any(example.loss_mask):
                     self.num_without_assistant += 1
                     continue
@@ -231,6 +231,53 @@ def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | No
     return tools or None
 
 
+def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, chat_template: str | None,
+                            messages_key: str, processor: Any, images: list, image_key: str | None) -> SFTExample:
+    messages = _checked_messages(row, messages_key, where, content_parts=processor is not None)
+    tools = _checked_tools(row, where)
+    if processor is not None:
+        check_image_count(messages, len(images), where)
+        messages = with_image_parts(messages, len(images))
+    try:
+        example = tokenize_conversation(tokenizer, messages, chat_template, tools)
+        if images:
+            example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row, image_key, where)))
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
+        raise ValueError(f"{where}: {template_error_message(error, 'this conversation')}") from None
+    return example
+
+
+def plain_text_pair(row: dict[str, Any], messages_key: str = "messages") -> tuple[str, str] | None:
+    """(prompt, completion) of TRL's standard rows, plain text with no chat messages: a string ``prompt`` and
+    ``completion``, or a string ``text`` (language modeling: all of it is the completion); None for other rows."""
+    if row.get(messages_key) is not None:
+        return None
+    prompt, completion, text = row.get("prompt"), row.get("completion"), row.get("text")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return prompt, completion
+    if isinstance(text, str) and prompt is None and completion is None:
+        return "", text
+    return None
+
+
+def tokenize_text(tokenizer: Any, prompt: str, completion: str) -> SFTExample:
+    """Plain text as TRL's SFT tokenizes it, with no chat template: ``prompt + completion`` and the EOS token, with
+    the special tokens the tokenizer adds to any text (a BOS); the completion's tokens and the EOS are trained."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; SFT needs a fast "
+                         "tokenizer (tokenizer.json)")
+    eos = tokenizer.eos_token or ""
+    text = prompt + completion + ("" if completion.endswith(eos) else eos)
+    encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    input_ids = list(encoded["input_ids"])
+    # an added special token (BOS) spans no characters
+    loss_mask = [int(first >= len(prompt) and end > first) for first, end in encoded["offset_mapping"]]
+    loss_mask[0] = 0  # the first token has nothing before it to predict it from
+    return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
+
+
 def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]]:
     messages = row.get(key)
     if hasattr(messages, "tolist"):  # parquet's list column read as an array
@@ -238,7 +285,8 @@ def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: 
     if not isinstance(messages, list) or not messages:
         columns = ", ".join(sorted(row)) or "none"
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
-                         "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column)")
+                         "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column), or plain text "
+                         "as a 'prompt' and 'completion' string or a 'text' string")
     check_chat_messages(messages, where, content_parts)  # roles, content as text (null only beside tool_calls)
     return messages
 

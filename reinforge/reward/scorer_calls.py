@@ -145,8 +145,13 @@ def check_scorer_signature(fn: Scorer, name: str) -> None:
 
 
 def completion_of(text: str, prompt: Any) -> Any:
-    """A response as TRL passes it: the text, or one assistant message when the prompt is a chat."""
-    return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+    """A response as TRL passes it: the text, or one assistant message when the prompt is a chat (after the
+    prompt's own final assistant message, which the response continues, as TRL's bootstrap)."""
+    if not isinstance(prompt, list):
+        return text
+    last = prompt[-1] if prompt else {}
+    started = last.get("content") if isinstance(last, dict) and last.get("role") == "assistant" else None
+    return [{"role": "assistant", "content": (started if isinstance(started, str) else "") + text}]
 
 
 def build_call_kwargs(accepted: frozenset[str] | None, solution_str: str, ground_truth: Any,

@@ -125,6 +125,8 @@ def run_job(job: ScoringJob) -> Any:
     if inspect.isawaitable(value):  # an ``async def`` scorer (one that awaits a judge or a service): run it here
         value = asyncio.run(_awaited(value))
     if job.num_samples is not None:
+        if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):  # a numpy array or torch tensor, as TRL
+            value = value.tolist()                                          # takes any sequence of scores
         if not isinstance(value, list | tuple) or len(value) != job.num_samples:
             shown = repr(value) if len(repr(value)) < 80 else repr(value)[:77] + "..."
             raise TypeError(f"a reward function taking 'completions' (TRL's kind) returned {shown} for "

@@ -102,6 +102,24 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)
 
 
+def load_trained_weights(checkpoint: str | Path, model: torch.nn.Module) -> bool:
+    """Copy the trained weights of ``checkpoint`` (or a run folder's newest) into ``model``, a loaded model of the
+    architecture that was trained (a LoRA checkpoint's adapters merged into its weights, ``model`` being the base);
+    parameters the checkpoint does not hold (a frozen vision tower) stay as they are. False, with ``model``
+    unchanged, when the checkpoint holds weights ``model`` lacks (a reward model's score head on a causal LM)."""
+    folder = resolve_checkpoint(checkpoint)
+    state = torch.load(folder / "actor_state.pt", map_location="cpu", weights_only=True)["model"]
+    adapter_folder = folder / "adapter"
+    if (adapter_folder / "adapter_config.json").is_file():
+        scaling, _ = read_adapter_config(adapter_folder)
+        state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()} | state
+        state = merge_lora_weights(state, scaling, transposed_layers(model))
+    if set(state) - set(model.state_dict()):
+        return False
+    model.load_state_dict(state, strict=False)
+    return True
+
+
 def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokenizer, out_dir: Path,
                  dtype: torch.dtype | None, classifier_config=None) -> Path:
     """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters

@@ -80,6 +80,14 @@ def test_a_string_prompt_is_raw_text_unless_the_template_is_asked_for(tmp_path, 
     assert raw[0].ground_truth is None and raw[0].extra_info == {}
 
 
+def test_a_prompt_ending_with_an_assistant_message_is_continued(tmp_path, tiny_tokenizer):
+    """TRL's prefill: the final assistant message stays open (continue_final_message), no new turn after it."""
+    prompt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
+    dataset = RLDataset(write_jsonl(tmp_path / "train.jsonl", [{"data_source": "x", "prompt": prompt}]),
+                        tiny_tokenizer, config())
+    assert tiny_tokenizer.decode(dataset[0].prompt_ids) == "<|user|>hi<eos><|assistant|>It is"
+
+
 def test_prompt_key_names_the_column(tmp_path, tiny_tokenizer):
     path = write_jsonl(tmp_path / "train.jsonl", [{"question": [{"role": "user", "content": "hi"}], "data_source": "x"}])
     assert tiny_tokenizer.decode(RLDataset(path, tiny_tokenizer, config(prompt_key="question"))[0].prompt_ids) \

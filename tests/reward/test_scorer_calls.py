@@ -3,6 +3,7 @@ import pytest
 from reinforge.reward.scorer_calls import (
     accepted_keywords,
     build_call_kwargs,
+    completion_of,
     load_custom_scorer,
     parse_custom_function,
     takes_completions,
@@ -111,10 +112,20 @@ def test_trl_kind_gets_one_call_with_lists_of_the_batch_and_the_columns():
                       "ground_truth": [None, None, "6"], "extra_info": [{"i": 0}, {"i": 1}, {}],
                       "data_source": ["math"] * 3, "answer": ["4", "4", "6"], "trainer_state": state, "scale": 2}
     assert run_job(ScoringJob(trl_reward, kwargs, num_samples=3)) == [1.0, 0.0, 1.0]
+    prefilled = [*prompt, {"role": "assistant", "content": "It is "}]  # continued, as TRL's bootstrap
+    assert completion_of("4", prefilled) == [{"role": "assistant", "content": "It is 4"}]
     named = batch_call_kwargs(RewardFunction.of(lambda completions, answer: None), range(1, 3), samples, {}, state)
     assert named == {"completions": [[{"role": "assistant", "content": "5"}], "6"], "answer": ["4", "6"]}
     with pytest.raises(TypeError, match=r"returned 1.0 for 3 completions; return a list with one score \(or None\)"):
         run_job(ScoringJob(lambda completions, **kwargs: 1.0, kwargs, num_samples=3))
+    import numpy as np
+    import torch
+
+    for scores in (np.array([1.0, 0.0, 2.0]), torch.tensor([1.0, 0.0, 2.0])):  # TRL takes any sequence of scores
+        assert run_job(ScoringJob(lambda completions, scores=scores, **kwargs: scores, kwargs, num_samples=3)) == [
+            1.0, 0.0, 2.0]
+    with pytest.raises(TypeError, match=r"returned \[1.0, 0.0\] for 3 completions"):
+        run_job(ScoringJob(lambda completions, **kwargs: np.array([1.0, 0.0]), kwargs, num_samples=3))
 
 
 def test_verl_kind_gets_the_columns_it_names():

@@ -81,6 +81,22 @@ def test_a_rows_tools_column_is_rendered_by_the_template_and_not_trained(tokeniz
         SFTDataset([path], tokenizer, max_length=512, chat_template=TOOL_TEMPLATE)
 
 
+def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer, tmp_path):
+    """TRL's standard rows: a prompt and completion string (or a text string) are tokenized as text, the completion
+    and the EOS trained; the chat template would teach the model a format its plain prompts never have."""
+    from reinforge.api.inputs import as_conversations
+    from reinforge.data.sft_dataset import SFTDataset
+
+    rows = as_conversations([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4"},
+                             {"text": "3+3=6"}])
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pair, _, text = SFTDataset([path], tokenizer, max_length=512).examples
+    assert tokenizer.decode(pair.input_ids) == "1+1=2<|im_end|>"
+    assert trained_text(tokenizer, pair) == ["2<|im_end|>"]
+    assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
+
+
 def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
     template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     with pytest.raises(ValueError, match="continuation of the earlier"):
