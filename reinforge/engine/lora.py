@@ -194,7 +194,7 @@ def _named_layers_only(model: nn.Module) -> Iterator[None]:
 
 
 LINEAR_LAYERS = {
-    **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2"),
+    **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3"),
                     ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
     **dict.fromkeys(("qwen3_moe", "mixtral", "olmoe"), ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -217,10 +217,14 @@ def check_target_modules(config: LoraConfig, model_path: str) -> None:
         return
     file = Path(model_path).expanduser() / "config.json"
     try:
-        model_type = json.loads(file.read_text()).get("model_type")
+        model_config = json.loads(file.read_text())
+        model_type = model_config.get("model_type")
     except (OSError, ValueError, AttributeError):
         return  # no readable local config: the model's own loading says what is wrong
     linears = LINEAR_LAYERS.get(model_type)
+    if linears is not None and model_type in ("deepseek_v2", "deepseek_v3"):  # a query of low rank, or a whole one
+        absent = ("q_proj",) if model_config.get("q_lora_rank") else ("q_a_proj", "q_b_proj")
+        linears = tuple(name for name in linears if name not in absent)
     targets = list(config.target_modules)
     if linears is None or "all-linear" in targets:
         return

@@ -177,6 +177,15 @@ def test_target_modules_that_name_no_layer_fail_before_the_model_loads(tmp_path)
     check_target_modules(LoraConfig(rank=0, target_modules=["nope"]), str(tmp_path))  # LoRA off: nothing to check
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "some_new_arch"}))
     check_target_modules(LoraConfig(rank=8, target_modules=["nope"]), str(tmp_path))  # unknown: left to peft
+    # DeepSeek's query: q_a_proj and q_b_proj with a q_lora_rank (V3, V2), one q_proj without (V2-Lite)
+    for q_lora_rank, absent, present in ((1536, "q_proj", "q_a_proj"), (None, "q_a_proj", "q_proj")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "q_lora_rank": q_lora_rank}))
+        with pytest.raises(ValueError, match=r"names no linear layer of a deepseek_v3 model"):
+            check_target_modules(LoraConfig(rank=8, target_modules=[absent]), str(tmp_path))
+        check_target_modules(LoraConfig(rank=8, target_modules=[present]), str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "smollm3"}))
+    with pytest.raises(ValueError, match=r"names no linear layer of a smollm3 model; use some of q_proj"):
+        check_target_modules(LoraConfig(rank=8, target_modules=["qkv_proj"]), str(tmp_path))
 
 
 def test_lora_on_a_mixture_of_experts_adapts_attention_and_says_the_experts_stay_frozen(tmp_path, caplog):
