@@ -81,9 +81,9 @@ def test_a_rows_tools_column_is_rendered_by_the_template_and_not_trained(tokeniz
         SFTDataset([path], tokenizer, max_length=512, chat_template=TOOL_TEMPLATE)
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+def test_template_that_drops_earlier_turns_is_refused(tokenizer):
     template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    with pytest.raises(ValueError, match="continuation of the earlier"):
+    with pytest.raises(ValueError, match=r"^the chat template does not write the content of message 2 \(assistant\)"):
         tokenize_conversation(tokenizer, CONVERSATION, template)
 
 
