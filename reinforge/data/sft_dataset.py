@@ -5,14 +5,18 @@ The sequence trained is the whole conversation as the chat template renders it o
 generation prompt: a template that writes an earlier turn differently once later turns follow
 (Qwen3's and DeepSeek-R1's leave an earlier reply's ``<think>...</think>`` out) is trained on
 that text, as TRL's ``assistant_only_loss`` and verl's multi-turn SFT dataset train it. The loss
-covers what the template writes of each assistant message and its end-of-turn token. A
-message's part of the text is what changes when its content is replaced by a probe string (its
-tool calls and reasoning included). It starts where the conversation before it, rendered with
-the generation prompt, ends, when the text starts with that rendering (so ChatML's
-``<|im_start|>assistant\n`` header is not trained, Qwen3's ``<think>`` block is), and it ends at
-the end-of-turn token (EOS or the template's own, Gemma's ``<end_of_turn>``), trained, so the
-newline ChatML writes after ``<|im_end|>`` is not. For a template that renders a conversation's
-first messages as a prefix of the whole, this is exactly the text between the two renderings.
+covers what the template writes of each assistant message and its end-of-turn token:
+
+- a template with ``{% generation %}`` blocks marks those tokens itself, and they are exactly the
+  ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains;
+- otherwise a message's part of the text is what changes when its content is replaced by a
+  probe string (its tool calls and reasoning included). It starts where the conversation before
+  it, rendered with the generation prompt, ends, when the text starts with that rendering (so
+  ChatML's ``<|im_start|>assistant\n`` header is not trained, Qwen3's ``<think>`` block is), and it
+  ends at the end-of-turn token (EOS or the template's own, Gemma's ``<end_of_turn>``), trained,
+  so the newline ChatML writes after ``<|im_end|>`` is not. For a template that renders a
+  conversation's first messages as a prefix of the whole, this is exactly the text between the
+  two renderings.
 
 Tokens are assigned to spans by their character offsets in the one tokenization of the whole
 text (a token holding any of a reply's text is trained, as transformers counts them), which keeps
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +84,9 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_g
     return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, tools=tools)
 
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A ``{% generation %}`` block: the template marks what an assistant writes itself."""
 
 REPLY_PROBE = "\u2063reinforge-reply-probe\u2063"
 """An assistant message's content no real reply holds: where the template writes a reply is what it changes."""
@@ -142,6 +150,19 @@ def _reply_mask(tokenizer: Any, messages: list[dict[str, Any]], template: str, t
     return loss_mask
 
 
+def _marked_assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                           tools: list[dict[str, Any]] | None, input_ids: list[int]) -> list[int]:
+    """The tokens inside the template's ``{% generation %}`` blocks, as transformers' ``return_assistant_tokens_mask``
+    (TRL's ``assistant_only_loss``) gives them."""
+    encoded = tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True,
+                                            add_generation_prompt=False)
+    if list(encoded["input_ids"]) != input_ids:
+        raise ValueError("the chat template's {% generation %} rendering tokenizes differently from its text, so its "
+                         "marked tokens cannot be located; set data.chat_template to a template without them")
+    return list(encoded["assistant_masks"])
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
                           tools: list[dict[str, Any]] | None = None) -> SFTExample:
     """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
@@ -158,7 +179,10 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
                          "tokenizer (tokenizer.json)")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
-    loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
+    if GENERATION_BLOCK.search(template):
+        loss_mask = _marked_assistant_mask(tokenizer, messages, template, tools, input_ids)
+    else:
+        loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
     loss_mask[0] = 0  # the first token has nothing before it to predict it from
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 

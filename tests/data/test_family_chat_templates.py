@@ -156,3 +156,21 @@ def test_qwen3_multi_turn_trains_each_reply_as_the_whole_conversation_writes_it(
     example = tokenize_conversation(tokenizer, chat)
     assert tokenizer.decode(example.input_ids) == tokenizer.apply_chat_template(chat, tokenize=False)
     assert trained_runs(tokenizer, example) == ["3<|im_end|>", "<think>\nadd again\n</think>\n\n4<|im_end|>"]
+
+
+MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<start_of_turn>model\\n' }}"
+          "{% generation %}{{ m['content'] + '<end_of_turn>\\n' }}{% endgeneration %}"
+          "{% else %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] + '<end_of_turn>\\n' }}{% endif %}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+"""Gemma's with TRL's {% generation %} markers: the assistant's content, its <end_of_turn> and the newline after."""
+
+
+def test_a_template_with_generation_markers_trains_what_they_mark_as_trl_does(gemma):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "?"},
+            {"role": "assistant", "content": "Ok"}]
+    example = tokenize_conversation(gemma, chat, MARKED)
+    marked = gemma.apply_chat_template(chat, chat_template=MARKED, tokenize=True, return_dict=True,
+                                       return_assistant_tokens_mask=True)
+    assert example.input_ids == list(marked["input_ids"])
+    assert example.loss_mask == list(marked["assistant_masks"])  # TRL's assistant_only_loss
+    assert trained_runs(gemma, example) == ["Yo<end_of_turn>\n", "Ok<end_of_turn>\n"]
