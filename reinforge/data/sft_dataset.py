@@ -21,6 +21,10 @@ covers what the template writes of each assistant message and its end-of-turn to
 Tokens are assigned to spans by their character offsets in the one tokenization of the whole
 text (a token holding any of a reply's text is trained, as transformers counts them), which keeps
 the tokens exactly those the model sees at inference, merges at turn boundaries included.
+A row whose template would lose part of it is refused, naming the message: a system, user or
+tool message it does not write (OLMo 2's and Phi-3's have no tool role; Mistral's writes the
+system message only into a last user turn) or an assistant's ``tool_calls`` it ignores (the turn
+would train nothing but its end of turn).
 
 Rows then become ``[prompt | response]`` batches, the layout the engine's
 micro-batching uses for RL: the "prompt" is everything before the first trained token and the
@@ -90,6 +94,53 @@ GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 REPLY_PROBE = "\u2063reinforge-reply-probe\u2063"
 """An assistant message's content no real reply holds: where the template writes a reply is what it changes."""
+
+MESSAGE_PROBE = "reinforge-message-probe-{}"
+"""A system, user or tool message's content, plain ASCII so that ``tojson`` keeps it: whether the template writes it."""
+
+DROPPED_MESSAGE_FIX = {
+    "tool": "set data.chat_template to a template with a tool role, or keep rows without tool turns",
+    "system": "merge the system message into the first user message, or set data.chat_template to a template that "
+              "writes it",
+    "user": "set data.chat_template to a template that writes every user message",
+}
+
+
+def check_messages_rendered(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                            tools: list[dict[str, Any]] | None = None) -> None:
+    """Raise one line unless the template writes the content of each system, user and tool message and the
+    ``tool_calls`` of each assistant message. A template without a tool role (OLMo 2's, Phi-3's) drops a tool's
+    output, one that ignores ``tool_calls`` leaves a call turn nothing to train but its end of turn, and Mistral's
+    writes the system message only into a conversation's last user turn (none, when an assistant turn ends it)."""
+    probed = [dict(message, content=MESSAGE_PROBE.format(number)) if message["role"] != "assistant"
+              and isinstance(message.get("content"), str) else dict(message, content=message.get("content") or "")
+              for number, message in enumerate(messages)]
+    try:
+        text = _render(tokenizer, probed, template, False, tools)
+    except Exception:  # the template's own refusal, reported when the conversation is rendered
+        return
+    for number, message in enumerate(messages):
+        if probed[number]["content"] == MESSAGE_PROBE.format(number) and MESSAGE_PROBE.format(number) not in text:
+            raise ValueError(f"the chat template drops message {number} ({message['role']}): it writes none of its "
+                             f"content, so the model would be trained without it; {DROPPED_MESSAGE_FIX[message['role']]}")
+    for number, message in enumerate(messages):
+        if message["role"] != "assistant" or not message.get("tool_calls"):
+            continue
+        without_calls = {key: value for key, value in message.items() if key != "tool_calls"}
+        for content in dict.fromkeys((message["content"], "")):  # a template may not print a null content
+            chats = [[*messages[:number], dict(turn, content=content), *messages[number + 1:]]
+                     for turn in (message, without_calls)]
+            try:
+                with_calls, without = (_render(tokenizer, chat, template, False, tools) for chat in chats)
+            except Exception:
+                continue
+            if with_calls == without:
+                raise ValueError(f"the chat template drops the tool_calls of message {number} (assistant): it writes "
+                                 "the turn without them, so the model would learn to end it instead of calling; set "
+                                 "data.chat_template to a template that writes tool calls, or keep rows without tool "
+                                 "turns")
+            break
+
 
 def _common_prefix_length(first: str, second: str, limit: int) -> int:
     length = 0
@@ -173,6 +224,7 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     if messages[0]["role"] in TRAINED_ROLES:  # nothing renders before it, and it would be trained on no prompt
         raise ValueError("the conversation starts with an assistant message, which has no prompt to be trained "
                          "on; start it with a system or user message (or drop that message)")
+    check_messages_rendered(tokenizer, messages, template, tools)
     text = _render(tokenizer, messages, template, add_generation_prompt=False, tools=tools)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; SFT needs a fast "

@@ -146,6 +146,12 @@ def test_each_familys_sft_trains_exactly_the_replies_and_their_end_of_turn(famil
     assert "Be brief." in text or family == "mistral-v0.3"
 
 
+def test_mistrals_system_message_that_the_template_would_drop_is_refused():
+    with pytest.raises(ValueError, match=r"^the chat template drops message 0 \(system\): it writes none of its "
+                                         r"content.*; merge the system message into the first user message"):
+        tokenize_conversation(family_template_tokenizer("mistral-v0.3"), CHAT)
+
+
 def test_qwen3_multi_turn_trains_each_reply_as_the_whole_conversation_writes_it():
     """Qwen3's template leaves an earlier turn's reasoning out once another user turn follows (so a conversation's
     first turns do not render as a prefix of it): the sequence is the conversation as written, each turn trains

@@ -83,7 +83,7 @@ def test_a_rows_tools_column_is_rendered_by_the_template_and_not_trained(tokeniz
 
 def test_template_that_drops_earlier_turns_is_refused(tokenizer):
     template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    with pytest.raises(ValueError, match=r"^the chat template does not write the content of message 2 \(assistant\)"):
+    with pytest.raises(ValueError, match=r"^the chat template drops message 0 \(system\): it writes none of its content"):
         tokenize_conversation(tokenizer, CONVERSATION, template)
 
 
