@@ -3,7 +3,7 @@
 A row holds ``messages``: any number of turns with roles system, user, assistant and tool.
 The sequence trained is the whole conversation as the chat template renders it once, without a
 generation prompt: a template that writes an earlier turn differently once later turns follow
-(Qwen3's and DeepSeek-R1's leave an earlier reply's ``<think>...</think>`` out) is trained on
+(Qwen3's leaves an earlier reply's ``<think>...</think>`` out) is trained on
 that text, as TRL's ``assistant_only_loss`` and verl's multi-turn SFT dataset train it. The loss
 covers what the template writes of each assistant message and its end-of-turn token:
 
@@ -23,8 +23,9 @@ text (a token holding any of a reply's text is trained, as transformers counts t
 the tokens exactly those the model sees at inference, merges at turn boundaries included.
 A row whose template would lose part of it is refused, naming the message: a system, user or
 tool message it does not write (OLMo 2's and Phi-3's have no tool role; Mistral's writes the
-system message only into a last user turn) or an assistant's ``tool_calls`` it ignores (the turn
-would train nothing but its end of turn).
+system message only into a last user turn), an assistant's ``tool_calls`` it ignores (the turn
+would train nothing but its end of turn), or the reasoning of the reply a conversation ends with
+(DeepSeek-R1's drops every reply's).
 
 Rows then become ``[prompt | response]`` batches, the layout the engine's
 micro-batching uses for RL: the "prompt" is everything before the first trained token and the
@@ -140,6 +141,29 @@ def check_messages_rendered(tokenizer: Any, messages: list[dict[str, Any]], temp
                                  "data.chat_template to a template that writes tool calls, or keep rows without tool "
                                  "turns")
             break
+    check_last_reasoning_rendered(tokenizer, messages, template, tools)
+
+
+def check_last_reasoning_rendered(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                                  tools: list[dict[str, Any]] | None = None) -> None:
+    """Raise one line when the conversation ends with a reply that reasons (``</think>`` in its content, or a
+    ``reasoning_content``) and the template writes no more ``</think>`` with it than without it: DeepSeek-R1's
+    drops every reply's reasoning, so the model would learn to answer without thinking. (An earlier reply's
+    reasoning left out, as Qwen3's template leaves it, is what the model sees of it later: not refused.)"""
+    last = messages[-1]
+    reasoning = last.get("reasoning_content")
+    if last["role"] != "assistant" or not ("</think>" in (last.get("content") or "")
+                                           or (isinstance(reasoning, str) and reasoning.strip())):
+        return
+    try:
+        with_reply, without = (_render(tokenizer, chat, template, False, tools) for chat in (messages, messages[:-1]))
+    except Exception:  # the template's own refusal, reported when the conversation is rendered
+        return
+    if with_reply.count("</think>") <= without.count("</think>"):
+        raise ValueError(f"the chat template drops the reasoning (<think>...</think>) of message {len(messages) - 1} "
+                         "(assistant), the reply the conversation ends with, so the model would learn to answer "
+                         "without it; set data.chat_template to a template that writes a last reply's reasoning "
+                         "(TRL's training templates do), or drop the reasoning from the rows")
 
 
 def _common_prefix_length(first: str, second: str, limit: int) -> int:

@@ -55,6 +55,15 @@ DEEPSEEK_V3 = "{% if not add_generation_prompt is defined %}{% set add_generatio
 """DeepSeek-V3's: <｜User｜> / <｜Assistant｜>, <｜end▁of▁sentence｜>, tool outputs between
 <｜tool▁outputs▁begin｜> and <｜tool▁outputs▁end｜>, which is also the next turn's header."""
 
+DEEPSEEK_R1 = DEEPSEEK_V3.replace(
+    "{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}",
+    "{% set content = message['content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}").replace(
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}",
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+"""DeepSeek-R1's: DeepSeek-V3's, with every reply written without its reasoning (up to its last </think>) and a
+generation prompt that opens the reasoning."""
+
 MISTRAL_V3 = (
     "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
@@ -86,6 +95,10 @@ GEMMA3 = (
 """Gemma 3's (text): BOS, no system role (the system message opens the first user turn), strict alternation,
 <end_of_turn>."""
 
+FAMILY_DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                          "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                          "<｜tool▁outputs▁end｜>")
+
 FAMILIES = {
     "qwen3": (QWEN3, (), "<|im_end|>"),
     "llama3.1": (LLAMA31, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
@@ -95,9 +108,8 @@ FAMILIES = {
     "phi4-mini": (PHI4_MINI, ("<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|tool|>", "<|/tool|>"),
                   "<|endoftext|>"),
     "smollm3": (SMOLLM3, (), "<|im_end|>"),
-    "deepseek-v3": (DEEPSEEK_V3, ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                                  "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
-                                  "<｜tool▁outputs▁end｜>"), "<｜end▁of▁sentence｜>"),
+    "deepseek-v3": (DEEPSEEK_V3, FAMILY_DEEPSEEK_TOKENS, "<｜end▁of▁sentence｜>"),
+    "deepseek-r1": (DEEPSEEK_R1, FAMILY_DEEPSEEK_TOKENS, "<｜end▁of▁sentence｜>"),
     "mistral-v0.3": (MISTRAL_V3, ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), "</s>"),
     "gemma3": (GEMMA3, ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<eos>"),
 }

@@ -164,6 +164,15 @@ def test_qwen3_multi_turn_trains_each_reply_as_the_whole_conversation_writes_it(
     assert trained_runs(tokenizer, example) == ["3<|im_end|>", "<think>\nadd again\n</think>\n\n4<|im_end|>"]
 
 
+def test_a_template_that_drops_the_last_replys_reasoning_is_refused():
+    """DeepSeek-R1's template writes no reply's reasoning: trained on it, the model would answer without thinking."""
+    chat = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n3"}]
+    with pytest.raises(ValueError, match=r"^the chat template drops the reasoning \(<think>...</think>\) of message 1 "
+                                         r"\(assistant\), the reply the conversation ends with.*; set "
+                                         r"data.chat_template to a template that writes a last reply's reasoning"):
+        tokenize_conversation(family_template_tokenizer("deepseek-r1"), chat)
+
+
 MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<start_of_turn>model\\n' }}"
           "{% generation %}{{ m['content'] + '<end_of_turn>\\n' }}{% endgeneration %}"
           "{% else %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] + '<end_of_turn>\\n' }}{% endif %}"
