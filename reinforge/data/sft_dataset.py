@@ -1,17 +1,33 @@
 """The SFT dataset: chat conversations tokenized with a loss mask on the assistant's tokens.
 
 A row holds ``messages``: any number of turns with roles system, user, assistant and tool.
-The chat template renders the whole conversation once. The characters of assistant message
-``i`` start where the rendering of ``messages[:i]`` with the generation prompt ends (so the
-``<|im_start|>assistant\\n`` header is not trained) and end where the rendering of
-``messages[:i + 1]`` ends; within that span, training stops after the end-of-turn (EOS) token,
-so the newline ChatML writes after ``<|im_end|>`` is not trained either. Tokens are assigned
-to spans by their character offsets in the one tokenization of the whole text, which keeps
-the tokens exactly those the model sees at inference, merges at turn boundaries included.
+The sequence trained is the whole conversation as the chat template renders it once, without a
+generation prompt: a template that writes an earlier turn differently once later turns follow
+(Qwen3's leaves an earlier reply's ``<think>...</think>`` out) is trained on
+that text, as TRL's ``assistant_only_loss`` and verl's multi-turn SFT dataset train it. The loss
+covers what the template writes of each assistant message and its end-of-turn token:
 
-This needs a template that renders a conversation's first messages as a prefix of the whole
-(true of ChatML, Llama 3 and most others); one that rewrites earlier turns fails with a
-clear error. Rows then become ``[prompt | response]`` batches, the layout the engine's
+- a template with ``{% generation %}`` blocks marks those tokens itself, and they are exactly the
+  ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains;
+- otherwise a message's part of the text is what changes when its content is replaced by a
+  probe string (its tool calls and reasoning included). It starts where the conversation before
+  it, rendered with the generation prompt, ends, when the text starts with that rendering (so
+  ChatML's ``<|im_start|>assistant\n`` header is not trained, Qwen3's ``<think>`` block is), and it
+  ends at the end-of-turn token (EOS or the template's own, Gemma's ``<end_of_turn>``), trained,
+  so the newline ChatML writes after ``<|im_end|>`` is not. For a template that renders a
+  conversation's first messages as a prefix of the whole, this is exactly the text between the
+  two renderings.
+
+Tokens are assigned to spans by their character offsets in the one tokenization of the whole
+text (a token holding any of a reply's text is trained, as transformers counts them), which keeps
+the tokens exactly those the model sees at inference, merges at turn boundaries included.
+A row whose template would lose part of it is refused, naming the message: a system, user or
+tool message it does not write (OLMo 2's and Phi-3's have no tool role; Mistral's writes the
+system message only into a last user turn), an assistant's ``tool_calls`` it ignores (the turn
+would train nothing but its end of turn), or the reasoning of the reply a conversation ends with
+(DeepSeek-R1's drops every reply's).
+
+Rows then become ``[prompt | response]`` batches, the layout the engine's
 micro-batching uses for RL: the "prompt" is everything before the first trained token and the
 loss mask covers the rest. With packing, several conversations share a row and the position
 ids restart at each one, which keeps attention within each conversation.
@@ -30,6 +46,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,28 +94,152 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_g
                                          add_generation_prompt=add_generation_prompt, tools=tools)
 
 
-def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], template: str,
-                         tools: list[dict[str, Any]] | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character span of each assistant message."""
-    text = _render(tokenizer, messages, template, add_generation_prompt=False, tools=tools)
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A ``{% generation %}`` block: the template marks what an assistant writes itself."""
+
+REPLY_PROBE = "\u2063reinforge-reply-probe\u2063"
+"""An assistant message's content no real reply holds: where the template writes a reply is what it changes."""
+
+MESSAGE_PROBE = "reinforge-message-probe-{}"
+"""A system, user or tool message's content, plain ASCII so that ``tojson`` keeps it: whether the template writes it."""
+
+DROPPED_MESSAGE_FIX = {
+    "tool": "set data.chat_template to a template with a tool role, or keep rows without tool turns",
+    "system": "merge the system message into the first user message, or set data.chat_template to a template that "
+              "writes it",
+    "user": "set data.chat_template to a template that writes every user message",
+}
+
+
+def check_messages_rendered(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                            tools: list[dict[str, Any]] | None = None) -> None:
+    """Raise one line unless the template writes the content of each system, user and tool message and the
+    ``tool_calls`` of each assistant message. A template without a tool role (OLMo 2's, Phi-3's) drops a tool's
+    output, one that ignores ``tool_calls`` leaves a call turn nothing to train but its end of turn, and Mistral's
+    writes the system message only into a conversation's last user turn (none, when an assistant turn ends it)."""
+    probed = [dict(message, content=MESSAGE_PROBE.format(number)) if message["role"] != "assistant"
+              and isinstance(message.get("content"), str) else dict(message, content=message.get("content") or "")
+              for number, message in enumerate(messages)]
+    try:
+        text = _render(tokenizer, probed, template, False, tools)
+    except Exception:  # the template's own refusal, reported when the conversation is rendered
+        return
+    for number, message in enumerate(messages):
+        if probed[number]["content"] == MESSAGE_PROBE.format(number) and MESSAGE_PROBE.format(number) not in text:
+            raise ValueError(f"the chat template drops message {number} ({message['role']}): it writes none of its "
+                             f"content, so the model would be trained without it; {DROPPED_MESSAGE_FIX[message['role']]}")
+    for number, message in enumerate(messages):
+        if message["role"] != "assistant" or not message.get("tool_calls"):
+            continue
+        without_calls = {key: value for key, value in message.items() if key != "tool_calls"}
+        for content in dict.fromkeys((message["content"], "")):  # a template may not print a null content
+            chats = [[*messages[:number], dict(turn, content=content), *messages[number + 1:]]
+                     for turn in (message, without_calls)]
+            try:
+                with_calls, without = (_render(tokenizer, chat, template, False, tools) for chat in chats)
+            except Exception:
+                continue
+            if with_calls == without:
+                raise ValueError(f"the chat template drops the tool_calls of message {number} (assistant): it writes "
+                                 "the turn without them, so the model would learn to end it instead of calling; set "
+                                 "data.chat_template to a template that writes tool calls, or keep rows without tool "
+                                 "turns")
+            break
+    check_last_reasoning_rendered(tokenizer, messages, template, tools)
+
+
+def check_last_reasoning_rendered(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                                  tools: list[dict[str, Any]] | None = None) -> None:
+    """Raise one line when the conversation ends with a reply that reasons (``</think>`` in its content, or a
+    ``reasoning_content``) and the template writes no more ``</think>`` with it than without it: DeepSeek-R1's
+    drops every reply's reasoning, so the model would learn to answer without thinking. (An earlier reply's
+    reasoning left out, as Qwen3's template leaves it, is what the model sees of it later: not refused.)"""
+    last = messages[-1]
+    reasoning = last.get("reasoning_content")
+    if last["role"] != "assistant" or not ("</think>" in (last.get("content") or "")
+                                           or (isinstance(reasoning, str) and reasoning.strip())):
+        return
+    try:
+        with_reply, without = (_render(tokenizer, chat, template, False, tools) for chat in (messages, messages[:-1]))
+    except Exception:  # the template's own refusal, reported when the conversation is rendered
+        return
+    if with_reply.count("</think>") <= without.count("</think>"):
+        raise ValueError(f"the chat template drops the reasoning (<think>...</think>) of message {len(messages) - 1} "
+                         "(assistant), the reply the conversation ends with, so the model would learn to answer "
+                         "without it; set data.chat_template to a template that writes a last reply's reasoning "
+                         "(TRL's training templates do), or drop the reasoning from the rows")
+
+
+def _common_prefix_length(first: str, second: str, limit: int) -> int:
+    length = 0
+    while length < limit and first[length] == second[length]:
+        length += 1
+    return length
+
+
+def assistant_char_spans(tokenizer: Any, messages: list[dict[str, Any]], template: str, text: str,
+                         tools: list[dict[str, Any]] | None = None) -> list[tuple[int, int]]:
+    """The [start, end) character span in ``text`` (the whole conversation rendered) of each assistant message: what
+    the template writes for it, from the end of the header the generation prompt writes to its end of turn (not
+    included). The message's content replaced by ``REPLY_PROBE`` (its tool calls and reasoning left out) changes
+    exactly that part of the text; the rendering before it with the generation prompt, when the text starts with
+    it, says where the header ends (so a reasoning block's ``<think>`` the template writes is trained)."""
     spans = []
     for index, message in enumerate(messages):
         if message["role"] not in TRAINED_ROLES:
             continue
-        if index == 0:  # nothing renders before it, and it would be trained on no prompt at all
-            raise ValueError("the conversation starts with an assistant message, which has no prompt to be trained "
-                             "on; start it with a system or user message (or drop that message)")
-        before = _render(tokenizer, messages[:index], template, add_generation_prompt=True, tools=tools)
-        through = _render(tokenizer, messages[:index + 1], template, add_generation_prompt=False, tools=tools)
-        eos = getattr(tokenizer, "eos_token", None)
-        if eos and through.endswith(eos) and not text.startswith(through) and text.startswith(through[:-len(eos)]):
-            through = through[:-len(eos)]  # Phi-3's template ends a conversation (not a turn) with EOS
-        if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-            raise ValueError(f"the chat template does not render message {index} as a continuation of the earlier "
-                             "messages (it rewrites past turns), so assistant tokens cannot be located; set "
-                             "data.chat_template to a template that renders turns in order")
-        spans.append((len(before), len(through)))
-    return text, spans
+        probe = _render(tokenizer, [*messages[:index], {"role": "assistant", "content": REPLY_PROBE},
+                                    *messages[index + 1:]], template, False, tools)
+        at = probe.find(REPLY_PROBE)
+        if at < 0:
+            raise ValueError(f"the chat template does not write the content of message {index} (assistant), so "
+                             "there is no reply to train; set data.chat_template to a template that writes it")
+        start = _common_prefix_length(text, probe, min(at, len(text)))
+        after = len(probe) - at - len(REPLY_PROBE)
+        end = len(text) - _common_prefix_length(text[::-1], probe[::-1], min(after, len(text) - start))
+        try:
+            before = _render(tokenizer, messages[:index], template, True, tools)
+        except Exception:  # a template that refuses the shorter conversation: the reply starts where it differs
+            before = None
+        if before is not None and text.startswith(before) and len(before) <= end:
+            start = len(before)
+        spans.append((start, end))
+    return spans
+
+
+def _reply_mask(tokenizer: Any, messages: list[dict[str, Any]], template: str, tools: list[dict[str, Any]] | None,
+                text: str, offsets: list[tuple[int, int]], input_ids: list[int]) -> list[int]:
+    """1 on the tokens of each assistant message's span (``assistant_char_spans``) and on its end-of-turn token."""
+    loss_mask = [0] * len(input_ids)
+    # the template's end-of-turn (Gemma's <end_of_turn>, Phi-3's <|end|>), not only the tokenizer's EOS
+    turn_end_ids = set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id}
+    for start, end in assistant_char_spans(tokenizer, messages, template, text, tools):
+        # a token holding text of the reply, as transformers' assistant mask counts it (a merge across the header's
+        # end included)
+        inside = [position for position, (first, last) in enumerate(offsets) if first < end and last > start]
+        # then the end-of-turn token the reply stops at (not what the template writes after it: ChatML's newline)
+        following = [position for position, (first, _) in enumerate(offsets) if first >= end]
+        for position in following:
+            if input_ids[position] in turn_end_ids:
+                if not text[end:offsets[position][0]].strip():
+                    inside += range(following[0], position + 1)
+                break
+        for position in inside:
+            loss_mask[position] = 1
+    return loss_mask
+
+
+def _marked_assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], template: str,
+                           tools: list[dict[str, Any]] | None, input_ids: list[int]) -> list[int]:
+    """The tokens inside the template's ``{% generation %}`` blocks, as transformers' ``return_assistant_tokens_mask``
+    (TRL's ``assistant_only_loss``) gives them."""
+    encoded = tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=True,
+                                            return_dict=True, return_assistant_tokens_mask=True,
+                                            add_generation_prompt=False)
+    if list(encoded["input_ids"]) != input_ids:
+        raise ValueError("the chat template's {% generation %} rendering tokenizes differently from its text, so its "
+                         "marked tokens cannot be located; set data.chat_template to a template without them")
+    return list(encoded["assistant_masks"])
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
@@ -108,22 +249,20 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template; set data.chat_template to a Jinja template")
-    text, spans = assistant_char_spans(tokenizer, messages, template, tools)
+    if messages[0]["role"] in TRAINED_ROLES:  # nothing renders before it, and it would be trained on no prompt
+        raise ValueError("the conversation starts with an assistant message, which has no prompt to be trained "
+                         "on; start it with a system or user message (or drop that message)")
+    check_messages_rendered(tokenizer, messages, template, tools)
+    text = _render(tokenizer, messages, template, add_generation_prompt=False, tools=tools)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{type(tokenizer).__name__} is a slow tokenizer without character offsets; SFT needs a fast "
                          "tokenizer (tokenizer.json)")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
-    loss_mask = [0] * len(input_ids)
-    # the template's end-of-turn (Gemma's <end_of_turn>, Phi-3's <|end|>), not only the tokenizer's EOS (<eos>, </s>)
-    turn_end_ids = set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id}
-    for start, end in spans:
-        inside = [position for position, (first, _) in enumerate(encoded["offset_mapping"]) if start <= first < end]
-        ends_of_turn = [position for position in inside if input_ids[position] in turn_end_ids]
-        if ends_of_turn:  # what follows (ChatML's newline, Phi-3's closing EOS) is not the reply's
-            inside = [position for position in inside if position <= ends_of_turn[-1]]
-        for position in inside:
-            loss_mask[position] = 1
+    if GENERATION_BLOCK.search(template):
+        loss_mask = _marked_assistant_mask(tokenizer, messages, template, tools, input_ids)
+    else:
+        loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
     loss_mask[0] = 0  # the first token has nothing before it to predict it from
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 

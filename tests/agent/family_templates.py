@@ -42,23 +42,35 @@ PHI3 = "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|sy
 PHI4_MINI = "{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
 """Phi-4-mini's: any role as <|role|>content<|end|>, EOS after the last turn when no generation prompt."""
 
-SMOLLM3 = r"""{%- set reasoning_mode = "/think" -%}{{- "<|im_start|>system\n" + "## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: " + reasoning_mode + "\n\n" + "<|im_end|>\n" -}}
+SMOLLM3 = r"""{%- set reasoning_mode = "/think" -%}{%- set custom_instructions = messages[0].content if messages[0].role == "system" else "" -%}{{- "<|im_start|>system\n" + "## Metadata\n\nKnowledge Cutoff Date: June 2025\nReasoning Mode: " + reasoning_mode + "\n\n" -}}{%- if custom_instructions -%}{{- "## Custom Instructions\n\n" + custom_instructions + "\n\n" -}}{%- endif -%}{{- "<|im_end|>\n" -}}
 {%- for message in messages -%}{%- set content = message.content if message.content is string else "" -%}
 {%- if message.role == "user" -%}{{ "<|im_start|>" + message.role + "\n"  + content + "<|im_end|>\n" }}
 {%- elif message.role == "assistant" -%}{%- if reasoning_mode == "/think" -%}{{ "<|im_start|>assistant\n" + content.lstrip("\n") + "<|im_end|>\n" }}{%- else -%}{{ "<|im_start|>assistant\n" + "<think>\n\n</think>\n" + content.lstrip("\n") + "<|im_end|>\n" }}{%- endif -%}
 {%- elif message.role == "tool" -%}{{ "<|im_start|>" + "user\n"  + content + "<|im_end|>\n" }}{%- endif -%}{%- endfor -%}
 {%- if add_generation_prompt -%}{{ "<|im_start|>assistant\n" }}{%- endif -%}"""
-"""SmolLM3's (reasoning mode /think): a metadata system turn, ChatML, tool output as a user turn."""
+"""SmolLM3's (reasoning mode /think): a metadata system turn holding the system message as custom instructions,
+ChatML, tool output as a user turn."""
 
 DEEPSEEK_V3 = "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\\n\\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor %}{{ bos_token }}{{ ns.system_prompt }}{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and 'tool_calls' in message %}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls'] %}{%- if not ns.is_first %}{%- if message['content'] is none %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']|tojson + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']|tojson + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- set ns.is_first = true -%}{%- else %}{{'\\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']|tojson + '\\n' + '```' + '<｜tool▁call▁end｜>'}}{%- endif %}{%- endfor %}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- if message['role'] == 'assistant' and 'tool_calls' not in message %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
 """DeepSeek-V3's: <｜User｜> / <｜Assistant｜>, <｜end▁of▁sentence｜>, tool outputs between
 <｜tool▁outputs▁begin｜> and <｜tool▁outputs▁end｜>, which is also the next turn's header."""
 
+DEEPSEEK_R1 = DEEPSEEK_V3.replace(
+    "{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}",
+    "{% set content = message['content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}"
+    "{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}").replace(
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}",
+    "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+"""DeepSeek-R1's: DeepSeek-V3's, with every reply written without its reasoning (up to its last </think>) and a
+generation prompt that opens the reasoning."""
+
 MISTRAL_V3 = (
     "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
     "{{- bos_token }}{%- for message in loop_messages %}"
-    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + '[/INST]' }}"
+    "{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}"
+    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
     "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + eos_token }}"
     "{%- elif message['role'] == 'tool' %}"
     "{%- if not message.tool_call_id is defined or message.tool_call_id | length != 9 %}"
@@ -67,7 +79,25 @@ MISTRAL_V3 = (
     " + '\"}[/TOOL_RESULTS]' }}"
     "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial "
     "optional system message!') }}{%- endif %}{%- endfor %}")
-"""Mistral-7B-Instruct-v0.3's: [INST] turns, EOS closing a reply, tool results that need the 9-character call id."""
+"""Mistral-7B-Instruct-v0.3's: [INST] turns, EOS closing a reply, tool results that need the 9-character call id, and
+the system message written into the conversation's last user turn only when that turn ends it."""
+
+GEMMA3 = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
+    "'\\n\\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}"
+    "{%- endif -%}{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}")
+"""Gemma 3's (text): BOS, no system role (the system message opens the first user turn), strict alternation,
+<end_of_turn>."""
+
+FAMILY_DEEPSEEK_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                          "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
+                          "<｜tool▁outputs▁end｜>")
 
 FAMILIES = {
     "qwen3": (QWEN3, (), "<|im_end|>"),
@@ -78,10 +108,10 @@ FAMILIES = {
     "phi4-mini": (PHI4_MINI, ("<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|tool|>", "<|/tool|>"),
                   "<|endoftext|>"),
     "smollm3": (SMOLLM3, (), "<|im_end|>"),
-    "deepseek-v3": (DEEPSEEK_V3, ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                                  "<｜tool▁outputs▁begin｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
-                                  "<｜tool▁outputs▁end｜>"), "<｜end▁of▁sentence｜>"),
+    "deepseek-v3": (DEEPSEEK_V3, FAMILY_DEEPSEEK_TOKENS, "<｜end▁of▁sentence｜>"),
+    "deepseek-r1": (DEEPSEEK_R1, FAMILY_DEEPSEEK_TOKENS, "<｜end▁of▁sentence｜>"),
     "mistral-v0.3": (MISTRAL_V3, ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), "</s>"),
+    "gemma3": (GEMMA3, ("<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"), "<eos>"),
 }
 """family -> (chat template, its special tokens beyond the character tokenizer's ChatML ones, its EOS)."""
 
@@ -94,7 +124,7 @@ def family_tokenizer(family: str):
     if tokens:
         tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     tokenizer.eos_token = eos
-    starts = [token for token in tokens if token in ("<|begin_of_text|>", "<｜begin▁of▁sentence｜>", "<s>")]
+    starts = [token for token in tokens if token in ("<|begin_of_text|>", "<｜begin▁of▁sentence｜>", "<s>", "<bos>")]
     tokenizer.bos_token = starts[0] if starts else (eos if family == "olmo2" else None)
     assert eos in SPECIAL_TOKENS or eos in tokens
     return tokenizer

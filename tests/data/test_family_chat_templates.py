@@ -5,6 +5,8 @@ and its fix, or works: the rollout stops at the template's end of turn, SFT trai
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +17,10 @@ from reinforge.data.rl_dataset import RLDataset
 from reinforge.data.sft_dataset import tokenize_conversation
 from reinforge.models.tiny import build_char_tokenizer
 from reinforge.serve.chat import RequestError
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "agent"))
+from family_templates import FAMILIES  # noqa: E402
+from family_templates import family_tokenizer as family_template_tokenizer  # noqa: E402
 
 GEMMA = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
          "{% for message in messages %}"
@@ -105,3 +111,81 @@ def test_serve_refuses_tool_messages_a_template_without_a_tool_role_would_drop()
     with pytest.raises(RequestError, match="the served model's chat template has no tool role: it would drop the "
                                            "tool messages"):
         codec.render([*chat, {"role": "tool", "content": "5"}], None)
+
+
+def trained_runs(tokenizer, example) -> list[str]:
+    """Decoded runs of consecutive trained tokens."""
+    text = "".join(tokenizer.decode([token]) if kept else "\0" for token, kept in
+                   zip(example.input_ids, example.loss_mask, strict=True))
+    return [run for run in text.split("\0") if run]
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "3"}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+
+
+@pytest.mark.parametrize("family", [*FAMILIES])
+@pytest.mark.parametrize("ends_with_user", [False, True])
+def test_each_familys_sft_trains_exactly_the_replies_and_their_end_of_turn(family, ends_with_user):
+    """The whole conversation as the template writes it, without a generation prompt, BOS once where the template
+    writes one, the system message (Gemma 3 opens the first user turn with it) and user turns untrained, and each
+    reply trained with its end-of-turn token: not the header, nor what the template writes after that token."""
+    tokenizer = family_template_tokenizer(family)
+    _, _, eos = FAMILIES[family]
+    end = {"llama3.1": "<|eot_id|>", "phi3": "<|end|>", "phi4-mini": "<|end|>", "gemma3": "<end_of_turn>"}.get(family, eos)
+    chat = CHAT[1:] if family == "mistral-v0.3" else CHAT  # its system message goes into a last user turn only
+    chat = [*chat, {"role": "user", "content": "bye"}] if ends_with_user else chat
+    example = tokenize_conversation(tokenizer, chat)
+    text = tokenizer.apply_chat_template(chat, tokenize=False)
+    assert tokenizer.decode(example.input_ids) == text
+    last = "<think>\n\n</think>\n\n4" if family == "qwen3" and not ends_with_user else "4"  # Qwen3's last turn thinks
+    lead = " " if family == "mistral-v0.3" else ""  # [/INST] 3</s>: the model writes the space
+    assert trained_runs(tokenizer, example) == [f"{lead}3{end}", f"{lead}{last}{end}"]
+    if tokenizer.bos_token and tokenizer.bos_token != tokenizer.eos_token:  # OLMo 2's BOS is its EOS
+        assert example.input_ids.count(tokenizer.bos_token_id) == 1 and example.input_ids[0] == tokenizer.bos_token_id
+    assert "Be brief." in text or family == "mistral-v0.3"
+
+
+def test_mistrals_system_message_that_the_template_would_drop_is_refused():
+    with pytest.raises(ValueError, match=r"^the chat template drops message 0 \(system\): it writes none of its "
+                                         r"content.*; merge the system message into the first user message"):
+        tokenize_conversation(family_template_tokenizer("mistral-v0.3"), CHAT)
+
+
+def test_qwen3_multi_turn_trains_each_reply_as_the_whole_conversation_writes_it():
+    """Qwen3's template leaves an earlier turn's reasoning out once another user turn follows (so a conversation's
+    first turns do not render as a prefix of it): the sequence is the conversation as written, each turn trains
+    what is written of it, the last one with its <think> block."""
+    tokenizer = family_template_tokenizer("qwen3")
+    chat = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n3"},
+            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n4"}]
+    example = tokenize_conversation(tokenizer, chat)
+    assert tokenizer.decode(example.input_ids) == tokenizer.apply_chat_template(chat, tokenize=False)
+    assert trained_runs(tokenizer, example) == ["3<|im_end|>", "<think>\nadd again\n</think>\n\n4<|im_end|>"]
+
+
+def test_a_template_that_drops_the_last_replys_reasoning_is_refused():
+    """DeepSeek-R1's template writes no reply's reasoning: trained on it, the model would answer without thinking."""
+    chat = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n3"}]
+    with pytest.raises(ValueError, match=r"^the chat template drops the reasoning \(<think>...</think>\) of message 1 "
+                                         r"\(assistant\), the reply the conversation ends with.*; set "
+                                         r"data.chat_template to a template that writes a last reply's reasoning"):
+        tokenize_conversation(family_template_tokenizer("deepseek-r1"), chat)
+
+
+MARKED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<start_of_turn>model\\n' }}"
+          "{% generation %}{{ m['content'] + '<end_of_turn>\\n' }}{% endgeneration %}"
+          "{% else %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] + '<end_of_turn>\\n' }}{% endif %}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+"""Gemma's with TRL's {% generation %} markers: the assistant's content, its <end_of_turn> and the newline after."""
+
+
+def test_a_template_with_generation_markers_trains_what_they_mark_as_trl_does(gemma):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "?"},
+            {"role": "assistant", "content": "Ok"}]
+    example = tokenize_conversation(gemma, chat, MARKED)
+    marked = gemma.apply_chat_template(chat, chat_template=MARKED, tokenize=True, return_dict=True,
+                                       return_assistant_tokens_mask=True)
+    assert example.input_ids == list(marked["input_ids"])
+    assert example.loss_mask == list(marked["assistant_masks"])  # TRL's assistant_only_loss
+    assert trained_runs(gemma, example) == ["Yo<end_of_turn>\n", "Ok<end_of_turn>\n"]

@@ -97,9 +97,9 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(tokenizer):
+def test_template_that_drops_earlier_turns_is_refused(tokenizer):
     template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    with pytest.raises(ValueError, match="continuation of the earlier"):
+    with pytest.raises(ValueError, match=r"^the chat template drops message 0 \(system\): it writes none of its content"):
         tokenize_conversation(tokenizer, CONVERSATION, template)
 
 

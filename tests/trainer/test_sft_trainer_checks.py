@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,6 +15,9 @@ from reinforge.config import load_sft_config
 from reinforge.data.sft_dataset import SFTDataset, tokenize_conversation
 from reinforge.models import build_char_tokenizer
 from reinforge.trainer.sft_trainer import SFTTrainer
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "agent"))
+from family_templates import OLMO2, QWEN3  # noqa: E402
 
 PRINTING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -60,12 +65,36 @@ def test_malformed_row_is_refused_naming_row_and_message(tmp_path, tokenizer, me
     assert f"row 1 of {tmp_path / 'rows.jsonl'}" in str(error.value) and "\n" not in str(error.value)
 
 
-def test_tool_call_turn_with_null_content_is_accepted(tmp_path, tokenizer):
-    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
-                                                                   "function": {"name": "f", "arguments": "{}"}}]}
-    row = {"messages": [{"role": "user", "content": "hi"}, call, {"role": "tool", "content": "1"},
-                        {"role": "assistant", "content": "yo"}]}
-    assert len(dataset_of(tmp_path, tokenizer, row)) == 1
+CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]}
+TOOL_ROW = {"messages": [{"role": "user", "content": "hi"}, CALL, {"role": "tool", "content": "1"},
+                         {"role": "assistant", "content": "yo"}]}
+
+
+def test_tool_call_turn_with_null_content_is_trained_on_its_calls(tmp_path, tokenizer):
+    """Qwen3's template writes the calls (and leaves the empty <think></think> out of the earlier turn): the call turn
+    trains its calls and end of turn, the tool's output stays in the sequence, untrained."""
+    (example,) = dataset_of(tmp_path, tokenizer, TOOL_ROW, chat_template=QWEN3, max_length=256).examples
+    runs = "".join(tokenizer.decode([token]) if kept else "\0" for token, kept in
+                   zip(example.input_ids, example.loss_mask, strict=True)).split("\0")
+    assert [run for run in runs if run] == ['<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>',
+                                            "<think>\n\n</think>\n\nyo<|im_end|>"]
+    assert "<tool_response>\n1\n</tool_response>" in tokenizer.decode(example.input_ids)
+
+
+@pytest.mark.parametrize("template, refusal", [
+    (PRINTING_TEMPLATE, r"the chat template drops the tool_calls of message 1 \(assistant\): it writes the turn "
+                        r"without them.*; set data.chat_template to a template that writes tool calls, or keep rows "
+                        r"without tool turns$"),
+    (OLMO2, r"the chat template drops message 2 \(tool\): it writes none of its content.*; set data.chat_template "
+            r"to a template with a tool role, or keep rows without tool turns$"),
+])
+def test_a_tool_turn_the_template_drops_is_refused_naming_the_row_and_the_fix(tmp_path, tokenizer, template, refusal):
+    """A template that ignores tool_calls would train a call turn on its end of turn alone; one without a tool role
+    (OLMo 2's) would leave the tool's output out of the sequence."""
+    with pytest.raises(ValueError, match=f"^row 1 of {tmp_path / 'rows.jsonl'}: {refusal}") as refused:
+        dataset_of(tmp_path, tokenizer, GOOD, TOOL_ROW, chat_template=template)
+    assert "\n" not in str(refused.value)
 
 
 def test_assistant_first_gives_a_clear_error_not_the_template_s(tokenizer):
