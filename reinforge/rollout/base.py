@@ -28,6 +28,9 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends after any of these (the stop token is kept in the output)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends at the token whose text completes one (``stop_strings.py``); the ids end
+    with that token. Needs an engine built with the tokenizer."""
     ignore_eos: bool = False
     """Keep generating past stop tokens until max_tokens (benchmarks)."""
     n: int = 1
@@ -64,7 +67,7 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
-    """'stop' (a stop token was produced) or 'length' (max_tokens reached)."""
+    """'stop' (a stop token was produced, or a stop string completed) or 'length' (max_tokens reached)."""
 
 
 @runtime_checkable

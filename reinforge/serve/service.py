@@ -20,6 +20,7 @@ from typing import Any
 from reinforge.agent.loop import TokenClient
 from reinforge.rollout.base import Completion, SamplingParams
 from reinforge.rollout.noise import sample_seed
+from reinforge.rollout.stop_strings import cut_at_stop
 from reinforge.serve.chat import (
     CallRecord,
     ChatCodec,
@@ -45,7 +46,7 @@ class ChatCall:
     reads_tool_calls: bool
     """Whether replies are parsed for tool calls: tools were sent and tool_choice is not "none"."""
     cut: list[str]
-    """Stop strings of more than one token, cut from the text (outside trajectories)."""
+    """The request's stop strings: the engine stops at the token that completes one, and the text ends before it."""
     prompt_ids: list[int]
     continues: int | None
     sampling: SamplingParams
@@ -132,25 +133,17 @@ class GenerationService:
         self.vocab_size = vocab_size or len(tokenizer)
         self.num_requests = 0
 
-    def _stop(self, body: dict[str, Any], training: bool) -> tuple[tuple[int, ...], list[str]]:
-        """Stop strings of one token become stop ids; longer ones cut the text (outside trajectories)."""
+    @staticmethod
+    def _stop(body: dict[str, Any]) -> list[str]:
+        """The request's stop strings: the engine ends a sample at the token whose text completes one."""
         stop = body.get("stop")
         strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else [stop]
         if not all(isinstance(text, str) and text for text in strings):
             raise RequestError(f"stop={stop!r} is invalid; send a string or a list of strings")
-        ids, cut = [], []
-        for text in strings:
-            encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(encoded) == 1:
-                ids.append(encoded[0])
-            elif training:
-                raise RequestError(f"stop={text!r} is more than one token; a trajectory's calls stop at single "
-                                   "tokens only (its sampled tokens are kept whole)")
-            else:
-                cut.append(text)
-        return tuple(ids), cut
+        return list(dict.fromkeys(strings))
 
-    def _sampling(self, body: dict[str, Any], prompt_length: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    def _sampling(self, body: dict[str, Any], prompt_length: int, stop_ids: tuple[int, ...],
+                  stop: list[str] | tuple[str, ...] = ()) -> SamplingParams:
         room = self.max_model_len - prompt_length
         if room <= 0:
             raise RequestError(f"the prompt has {prompt_length} tokens, at least the model's context of "
@@ -169,7 +162,7 @@ class GenerationService:
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
                               top_k=-1 if top_k is None else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
-                              seed=_integer(body, "seed", 0))
+                              stop=tuple(stop), seed=_integer(body, "seed", 0))
 
     @staticmethod
     def _samplings(sampling: SamplingParams, num_samples: int) -> list[SamplingParams]:
@@ -230,8 +223,8 @@ class GenerationService:
                                                                                               *stop_ids) \
             else token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        positions = [text.find(stop) for stop in cut if stop in text]
-        return (text[:min(positions)], "stop") if positions else (text, finish_reason)
+        before = cut_at_stop(text, cut)
+        return (before, "stop") if before is not None else (text, finish_reason)
 
     def _log_probs(self, completion: Completion) -> list[dict[str, Any]]:
         return [self._log_prob(token_id, log_prob)
@@ -274,15 +267,15 @@ class GenerationService:
                                "of each sampled token only; send logprobs=true without top_logprobs")
         if training and num_samples != 1:
             raise RequestError(f"n={num_samples} in a trajectory; a trajectory samples one reply per call")
-        stop_ids, cut = self._stop(body, training)
+        cut = self._stop(body)
         prompt_ids, continues = self.codec.prompt_ids(session, messages, tools)
         if training:
             sampling = session.turn_sampling(prompt_ids, continues, _integer(body, "max_completion_tokens", 1)
-                                             or _integer(body, "max_tokens", 1),
-                                             (*self.codec.renderer.stop_ids, *stop_ids))
+                                             or _integer(body, "max_tokens", 1), self.codec.renderer.stop_ids,
+                                             tuple(cut))
             request_id = f"{session.request_id}/{len(session.records)}"
         else:
-            sampling = self._sampling(body, len(prompt_ids), (*self.codec.renderer.stop_ids, *stop_ids))
+            sampling = self._sampling(body, len(prompt_ids), self.codec.renderer.stop_ids, cut)
             request_id = new_id("chat")
         return ChatCall(body, session, messages, tools, reads_tool_calls, cut, prompt_ids, continues, sampling,
                         num_samples, request_id)
@@ -299,12 +292,10 @@ class GenerationService:
         finish_reason = completion.finish_reason
         if (finish_reason == "stop" and token_ids and token_ids[-1] in self._dropped_stops(call)
                 and token_ids[-len(self.codec.renderer.eos_ids):] != self.codec.renderer.eos_ids):
-            token_ids = token_ids[:-1]  # a stop string of one token (or another EOS) is not part of the reply
-        reply, calls = self.codec.reply(token_ids, call.reads_tool_calls)
-        if call.cut:
-            reply["content"], finish_reason = self._text(token_ids, finish_reason, call.cut)
-            calls = []
-            reply.pop("tool_calls", None)
+            token_ids = token_ids[:-1]  # a stop token (another EOS) is not part of the reply
+        reply, calls = self.codec.reply(token_ids, call.reads_tool_calls, call.cut)
+        if finish_reason == "length" and call.cut and cut_at_stop(self._decode(token_ids), call.cut) is not None:
+            finish_reason = "stop"  # a client whose engine does not stop at strings (the text still ends there)
         # a reply cut at max_tokens is "length" even after a whole call: the client must not take it for finished
         choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
                                   "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
@@ -349,15 +340,11 @@ class GenerationService:
         include_usage = self._include_usage(body)
         log_prob = self._log_prob if body.get("logprobs") else None
         stopped = last_of(self._dropped_stops(call))  # a stop token ends the reply and is not part of it
-        if call.cut:  # the content is the text up to a stop string, as _chat_choice makes it
-            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, None), log_prob)
-                       for _ in range(call.num_samples)]
-        else:
-            tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
-            opening = getattr(self.codec.parser, "opening", None) or "<tool_call>"
-            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [],
-                                                opening if call.reads_tool_calls else None), log_prob)
-                       for _ in range(call.num_samples)]
+        tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
+        opening = getattr(self.codec.parser, "opening", None) or "<tool_call>"
+        choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), call.cut,
+                                            opening if call.reads_tool_calls else None), log_prob)
+                   for _ in range(call.num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             chunk_id, created = new_id("chatcmpl"), now()
@@ -417,8 +404,8 @@ class GenerationService:
         if wrong:
             raise RequestError(f"'prompt' holds token id {wrong[0]}, outside the model's vocabulary of "
                                f"{self.vocab_size}; send ids from 0 to {self.vocab_size - 1}")
-        stop_ids, cut = self._stop(body, False)
-        sampling = self._sampling(body, len(prompt_ids), stop_ids)
+        cut = self._stop(body)
+        sampling = self._sampling(body, len(prompt_ids), (), cut)
         return prompt_ids, sampling, int(_integer(body, "n", 1) or 1), cut
 
     @staticmethod

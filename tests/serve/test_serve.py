@@ -376,3 +376,44 @@ def test_the_service_and_the_engine_end_replies_at_the_same_tokens(tiny_model_di
     model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
     assert eos_token_ids(model, tokenizer) == sorted({tokenizer.eos_token_id, 7})
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_stop_string_ends_generation_at_the_token_that_completes_it(tiny_model_dir, backend):
+    """As OpenAI and vLLM stop: the engine stops at the token whose text completes a stop string (here "Ұ", the two
+    byte tokens 0xD2 0xB0, after a lone 0xCD), so the usage, and a trajectory's ids and log-probs, end there; the text
+    ends before it."""
+    from reinforge.config.schema import MultiTurnConfig
+    from reinforge.rollout.base import SamplingParams
+    from reinforge.serve.command import build_client, load_model
+    from reinforge.serve.trajectories import TrajectorySession
+
+    model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
+    client, name = build_client(model, tokenizer, backend, 128, 0.5, 8)
+    assert name == backend
+    service = GenerationService(client, tokenizer, "tiny", codec=ChatCodec(tokenizer), max_model_len=128,
+                                eos_token_ids=(tokenizer.eos_token_id,))
+    request = {"prompt": "1+1=", "max_tokens": 16, "temperature": 1.0, "seed": 3}
+    free = asyncio.run(service.complete(request))
+    assert free["usage"]["completion_tokens"] == 16 and "Ұ" in free["choices"][0]["text"]
+    stopped = asyncio.run(service.complete(dict(request, stop=["Ұ", "never"], logprobs=0)))
+    choice = stopped["choices"][0]
+    assert stopped["usage"]["completion_tokens"] == len(choice["logprobs"]["tokens"]) == 11  # was 16
+    assert (choice["text"], choice["finish_reason"]) == (free["choices"][0]["text"].split("Ұ")[0], "stop")
+
+    def turn(stop: list[str] | None) -> tuple[dict, list[int], list[float]]:
+        session = TrajectorySession(SamplingParams(max_tokens=16, temperature=1.0, seed=5), MultiTurnConfig())
+        body = {"messages": [{"role": "user", "content": "hi"}], **({"stop": stop} if stop else {})}
+        answer = asyncio.run(service.chat(body, session))  # a multi-token stop string was refused here
+        return answer, session.records[0].token_ids, session.records[0].log_probs
+
+    whole, ids, log_probs = turn(None)
+    text = whole["choices"][0]["message"]["content"]
+    stop = next(text[at:at + 2] for at in range(1, len(text) - 2) if text[at:at + 2].isprintable()
+                and "\ufffd" not in text[at:at + 2] and text.find(text[at:at + 2]) == at)
+    cut, cut_ids, cut_log_probs = turn([stop])
+    end = next(size for size in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:size]))
+    assert cut_ids == ids[:end] and cut_log_probs == pytest.approx(log_probs[:end], abs=1e-5)
+    assert (cut["choices"][0]["message"]["content"], cut["choices"][0]["finish_reason"]) == (text[:text.find(stop)],
+                                                                                            "stop")
+    assert cut["usage"]["completion_tokens"] == end < len(ids)

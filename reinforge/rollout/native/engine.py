@@ -40,6 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,7 @@ from reinforge.rollout.native.requests import LaunchedStep, RequestState
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors
 from reinforge.rollout.native.scheduler import ScheduledStep, Scheduler
 from reinforge.rollout.native.sequence import Sequence, SequenceStatus
+from reinforge.rollout.stop_strings import token_decoder
 
 __all__ = ["NativeEngine", "supports_model"]
 
@@ -84,7 +86,7 @@ class NativeEngine:
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None,
                  kv_cache_dtype: str = "auto", weights_fixed: bool = False, kv_cache_bytes: int | None = None,
-                 decode_products: str = "cublas", shared_prefix_decode: bool = False):
+                 decode_products: str = "cublas", shared_prefix_decode: bool = False, tokenizer: Any = None):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -111,6 +113,8 @@ class NativeEngine:
         decode_products: cublas, or timed (``rollout.decode_products``: swapped Triton kernels where timed faster).
         shared_prefix_decode: a decode step reads the blocks several sequences share (a prompt's n samples) once for
         all of them (``attention.SharedPrefix``; the Triton path's unsplit kernel).
+        tokenizer: decodes the samples of requests with stop strings (``SamplingParams.stop``), which end at the
+        token that completes one (``rollout/stop_strings.py``); without it such requests are refused.
         kv_cache_bytes: the KV cache's size in bytes (the memory planner's ``rollout.kv_cache_gib``), in place of
         gpu_memory_utilization's sizing; num_kv_blocks overrides it. A model whose full and sliding layers keep
         separate pools (Gemma 2 and 3) splits it between them by what each can use, so at long contexts the same
@@ -145,6 +149,7 @@ class NativeEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_admission_wait = max_admission_wait
         self.admission_fraction = admission_fraction
+        self.decode = token_decoder(tokenizer) if tokenizer is not None else None
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [],
@@ -383,6 +388,9 @@ class NativeEngine:
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
+        if sampling.stop and self.decode is None:
+            raise ValueError(f"request {request.request_id!r} has stop strings {list(sampling.stop)} but the engine "
+                             "has no tokenizer to read its samples' text; build NativeEngine with tokenizer=")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
         state = RequestState(request, seed, on_done, on_error, on_token)
         if request.multi_modal_inputs is not None:
@@ -406,7 +414,7 @@ class NativeEngine:
                 prompt = state.multimodal.key_token_ids  # its image pad tokens named by their images
             self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, prompt, sampling,
                                         state.seed, stops, self.max_model_len, num_samples=sampling.n,
-                                        keep_prefix=request.keep_prefix))
+                                        keep_prefix=request.keep_prefix, decode=self.decode))
 
     def _step(self, batch_arrivals: bool = False) -> bool:
         """Schedule a step, run it, and read back the steps that are done; False when there was nothing to run.
