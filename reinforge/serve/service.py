@@ -31,6 +31,7 @@ from reinforge.serve.chat import (
     now,
     openai_message,
 )
+from reinforge.serve.logprobs import TokenBytes
 from reinforge.serve.streaming import ReplyText, StreamedChoice, last_of, tail_of_sequence
 from reinforge.serve.trajectories import TrajectorySession
 
@@ -131,6 +132,7 @@ class GenerationService:
         self.default_max_tokens = default_max_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size or len(tokenizer)
+        self.token_bytes = TokenBytes(tokenizer)
         self.num_requests = 0
 
     @staticmethod
@@ -232,7 +234,8 @@ class GenerationService:
 
     def _log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
         token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": float(log_prob), "bytes": list(token.encode()), "top_logprobs": []}
+        return {"token": token, "logprob": float(log_prob), "bytes": list(self.token_bytes(token_id)),
+                "top_logprobs": []}
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)

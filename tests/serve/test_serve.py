@@ -417,3 +417,22 @@ def test_a_stop_string_ends_generation_at_the_token_that_completes_it(tiny_model
     assert (cut["choices"][0]["message"]["content"], cut["choices"][0]["finish_reason"]) == (text[:text.find(stop)],
                                                                                             "stop")
     assert cut["usage"]["completion_tokens"] == end < len(ids)
+
+
+def test_a_tokens_logprobs_bytes_are_its_own_even_when_it_is_one_byte_of_a_character(tool_tokenizer, tiny_model_dir):
+    """Each byte-level token of "é" and "€" is one byte of it: its bytes are that byte, not the replacement
+    character's (EF BF BD); special tokens are the UTF-8 of their text."""
+    from reinforge.models.loading import load_tokenizer
+    from reinforge.serve.logprobs import TokenBytes
+
+    service = GenerationService(TextClient(tool_tokenizer, "aé€"), tool_tokenizer, "scripted",
+                                codec=ChatCodec(tool_tokenizer), max_model_len=4096,
+                                eos_token_ids=(tool_tokenizer.eos_token_id,))
+    answer = asyncio.run(service.chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, None))
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert [entry["bytes"] for entry in entries] == [[97], [0xC3], [0xA9], [0xE2], [0x82], [0xAC],
+                                                     list(tool_tokenizer.eos_token.encode())]
+    assert bytes(byte for entry in entries[:-1] for byte in entry["bytes"]).decode() == "aé€"
+    loaded = load_tokenizer(str(tiny_model_dir))  # as `reinforge serve` loads it
+    assert [TokenBytes(loaded)(token_id) for token_id in loaded("é\n", add_special_tokens=False)["input_ids"]] == [
+        b"\xc3", b"\xa9", b"\n"]
