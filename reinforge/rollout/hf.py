@@ -128,17 +128,24 @@ class _TokenLogProbs(LogitsProcessor):
     2,048 tokens of a 152k vocabulary), this only one step's. A step's call reads the token the step before
     sampled (the last column of its input ids) from that step's log-softmax; ``finish`` reads the last token.
     It sees the scores after transformers' own non-sampling processors (with ``ignore_eos``, min_new_tokens has
-    masked the end-of-sequence token, which the samples then cannot contain either)."""
+    masked the end-of-sequence token, which the samples then cannot contain either). With ``num_top`` it also keeps
+    each step's ``num_top`` most likely tokens and their log-probs (``top``)."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, num_top: int = 0):
         self.scale = scale
+        self.num_top = num_top
         self.previous: Tensor | None = None
         self.columns: list[Tensor] = []
+        self.top: list[tuple[Tensor, Tensor]] = []
+        """Each step's (log-probs, ids), (rows, num_top) each, most likely first."""
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self.previous is not None:
             self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self.previous = torch.log_softmax(scores.float() / self.scale, dim=-1)
+        if self.num_top:
+            values, ids = self.previous.topk(min(self.num_top, self.previous.shape[-1]), dim=-1)
+            self.top.append((values.cpu(), ids.cpu()))
         return scores
 
     def finish(self, sequences: Tensor) -> Tensor:
@@ -147,6 +154,10 @@ class _TokenLogProbs(LogitsProcessor):
             self.columns.append(self.previous.gather(-1, sequences[:, -1:].to(self.previous.device)).squeeze(-1))
             self.previous = None
         return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(len(sequences), 0)
+
+    def top_of(self, row: int, length: int) -> list[list[tuple[int, float]]]:
+        """A row's alternatives of its first ``length`` tokens: (token id, log-prob), most likely first."""
+        return [list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) for values, ids in self.top[:length]]
 
 
 class _StopStrings(StoppingCriteria):
@@ -326,7 +337,7 @@ class HFEngine:
         )
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
-        recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature)
+        recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature, sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])
         stop_strings = None
         if sampling.stop and not sampling.ignore_eos:
@@ -387,6 +398,7 @@ class HFEngine:
                         else None
                     if stopped_at is not None and stopped_at <= length:
                         length, finish_reason = stopped_at, "stop"
-                samples.append(Completion(token_ids[:length], token_log_probs[flat, :length].tolist(), finish_reason))
+                samples.append(Completion(token_ids[:length], token_log_probs[flat, :length].tolist(), finish_reason,
+                                          recorder.top_of(flat, length) if sampling.num_top_log_probs else None))
             completions.append(samples)
         return completions

@@ -75,6 +75,9 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
     return value
 
 
+MAX_TOP_LOG_PROBS = 20
+"""The most alternatives a token's logprobs may list (OpenAI's chat bound, vLLM's default max_logprobs)."""
+
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "response_format": ({"type": "text"},), "best_of": (1,), "echo": (False,),
@@ -184,7 +187,7 @@ class GenerationService:
         """(index, None) after each token a choice samples (its ``delta`` and ``log_probs`` updated), then
         (index, completion) when the choice is done. A client without ``generate_streamed`` (the hf backend's)
         hands each completion over whole."""
-        events: asyncio.Queue[tuple[int, int, float] | tuple[int, Completion | BaseException]] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, tuple[Any, ...] | Completion | BaseException]] = asyncio.Queue()
         streamed = getattr(self.client, "generate_streamed", None)
 
         async def sample(index: int, each: SamplingParams) -> None:
@@ -193,8 +196,7 @@ class GenerationService:
                     completion = await self.client.generate(prompt_ids, each, f"{request_id}/{index}")
                 else:
                     completion = await streamed(prompt_ids, each, f"{request_id}/{index}",
-                                                lambda token_id, log_prob: events.put_nowait((index, token_id,
-                                                                                              log_prob)))
+                                                lambda *token: events.put_nowait((index, token)))
                 events.put_nowait((index, completion))
             except Exception as error:  # noqa: BLE001 - raised where the stream is read
                 events.put_nowait((index, error))
@@ -206,8 +208,8 @@ class GenerationService:
                 while True:
                     event = await events.get()
                     index, choice = event[0], choices[event[0]]
-                    if len(event) == 3:
-                        choice.add(event[1], event[2])
+                    if isinstance(event[1], tuple):  # (token id, log-prob, its alternatives)
+                        choice.add(*event[1])
                         yield index, None
                         continue
                     if isinstance(event[1], BaseException):
@@ -229,13 +231,20 @@ class GenerationService:
         return (before, "stop") if before is not None else (text, finish_reason)
 
     def _log_probs(self, completion: Completion) -> list[dict[str, Any]]:
-        return [self._log_prob(token_id, log_prob)
-                for token_id, log_prob in zip(completion.token_ids, completion.log_probs, strict=True)]
+        tops = completion.top_log_probs or [None] * len(completion.token_ids)
+        return [self._log_prob(token_id, log_prob, top)
+                for token_id, log_prob, top in zip(completion.token_ids, completion.log_probs, tops, strict=True)]
 
-    def _log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
-        token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": float(log_prob), "bytes": list(self.token_bytes(token_id)),
-                "top_logprobs": []}
+    def _log_prob(self, token_id: int, log_prob: float,
+                  top: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+        """A sampled token's entry of OpenAI's ``logprobs.content``, with its alternatives (``top``) as asked."""
+        entry = self._token_log_prob(token_id, log_prob)
+        entry["top_logprobs"] = [self._token_log_prob(*alternative) for alternative in top or []]
+        return entry
+
+    def _token_log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
+        return {"token": self.tokenizer.decode([token_id], skip_special_tokens=False), "logprob": float(log_prob),
+                "bytes": list(self.token_bytes(token_id))}
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -265,9 +274,11 @@ class GenerationService:
         reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)
-        if _integer(body, "top_logprobs", 0):
-            raise RequestError(f"top_logprobs={body['top_logprobs']} is not supported: the engine returns the log-prob "
-                               "of each sampled token only; send logprobs=true without top_logprobs")
+        num_top = _integer(body, "top_logprobs", 0) or 0
+        if num_top > MAX_TOP_LOG_PROBS:
+            raise RequestError(f"top_logprobs={num_top} is out of range; send an integer from 0 to {MAX_TOP_LOG_PROBS}")
+        if num_top and not body.get("logprobs"):
+            raise RequestError(f"top_logprobs={num_top} without logprobs=true; send logprobs=true with it")
         if training and num_samples != 1:
             raise RequestError(f"n={num_samples} in a trajectory; a trajectory samples one reply per call")
         cut = self._stop(body)
@@ -280,6 +291,7 @@ class GenerationService:
         else:
             sampling = self._sampling(body, len(prompt_ids), self.codec.renderer.stop_ids, cut)
             request_id = new_id("chat")
+        sampling = dataclasses.replace(sampling, num_top_log_probs=num_top)
         return ChatCall(body, session, messages, tools, reads_tool_calls, cut, prompt_ids, continues, sampling,
                         num_samples, request_id)
 
@@ -408,27 +420,44 @@ class GenerationService:
             raise RequestError(f"'prompt' holds token id {wrong[0]}, outside the model's vocabulary of "
                                f"{self.vocab_size}; send ids from 0 to {self.vocab_size - 1}")
         cut = self._stop(body)
-        sampling = self._sampling(body, len(prompt_ids), (), cut)
+        sampling = dataclasses.replace(self._sampling(body, len(prompt_ids), (), cut),
+                                       num_top_log_probs=self._num_text_log_probs(body) or 0)
         return prompt_ids, sampling, int(_integer(body, "n", 1) or 1), cut
 
     @staticmethod
-    def _wants_log_probs(body: dict[str, Any]) -> bool:
-        return body.get("logprobs") is not None and body.get("logprobs") is not False
+    def _num_text_log_probs(body: dict[str, Any]) -> int | None:
+        """A completions request's ``logprobs``: how many alternatives each token lists (0: only its own log-prob),
+        None for no logprobs."""
+        value = body.get("logprobs")
+        if value is None or value is False:
+            return None
+        if value is True:
+            return 0
+        if not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOG_PROBS:
+            raise RequestError(f"logprobs={value!r} is out of range; send an integer from 0 to {MAX_TOP_LOG_PROBS} "
+                               "(the alternatives each token lists)")
+        return value
 
     @staticmethod
-    def _text_log_probs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
-        """The completions API's logprobs of some tokens, the first at ``offset`` in the text."""
+    def _text_log_probs(entries: list[dict[str, Any]], offset: int = 0, num_top: int = 0) -> dict[str, Any]:
+        """The completions API's logprobs of some tokens, the first at ``offset`` in the text; with ``num_top``, each
+        token's alternatives and itself as {token text: logprob} (OpenAI's up to logprobs + 1)."""
         offsets = []
         for entry in entries:
             offsets.append(offset)
             offset += len(entry["token"])
+        top = None
+        if num_top:  # alternatives of one text (lone bytes all read "\ufffd") keep the likeliest's
+            top = [dict(reversed([(alternative["token"], alternative["logprob"]) for alternative in entry["top_logprobs"]]))
+                   | {entry["token"]: entry["logprob"]} for entry in entries]
         return {"tokens": [entry["token"] for entry in entries],
-                "token_logprobs": [entry["logprob"] for entry in entries], "top_logprobs": None,
+                "token_logprobs": [entry["logprob"] for entry in entries], "top_logprobs": top,
                 "text_offset": offsets}
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """A text_completion body for a completions request body (one prompt: a string or token ids)."""
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
+        num_top = self._num_text_log_probs(body)
         completions = await self._sample(prompt_ids, sampling, num_samples, new_id("cmpl"))
         self.num_requests += 1
         choices = []
@@ -436,8 +465,8 @@ class GenerationService:
             text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut,
                                              sampling.stop_token_ids)
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-            if self._wants_log_probs(body):
-                choice["logprobs"] = self._text_log_probs(self._log_probs(completion))
+            if num_top is not None:
+                choice["logprobs"] = self._text_log_probs(self._log_probs(completion), 0, num_top)
             choices.append(choice)
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompt_ids, completions)}
@@ -447,7 +476,8 @@ class GenerationService:
         choice's text deltas, then its finish_reason; then the usage when ``stream_options.include_usage``."""
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         include_usage = self._include_usage(body)
-        log_probs = self._wants_log_probs(body)
+        num_top = self._num_text_log_probs(body)
+        log_probs = num_top is not None
         choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, None),
                                   self._log_prob if log_probs else None) for _ in range(num_samples)]
 
@@ -458,7 +488,7 @@ class GenerationService:
             def chunk(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
                 entries = choices[index].take_log_probs()
                 choice = {"index": index, "text": text, "finish_reason": finish_reason,
-                          "logprobs": self._text_log_probs(entries, offsets[index]) if log_probs else None}
+                          "logprobs": self._text_log_probs(entries, offsets[index], num_top) if log_probs else None}
                 offsets[index] += sum(len(entry["token"]) for entry in entries)
                 body = {"id": chunk_id, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [choice]}

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
 from reinforge.rollout.base import Completion, GenerationRequest
-from reinforge.rollout.native.async_driver import AsyncDriver
+from reinforge.rollout.native.async_driver import AsyncDriver, OnToken
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
 from reinforge.rollout.native.model import supports_model, unsupported_reason
@@ -163,7 +163,7 @@ class NativeEngine:
         self._seed_generator = np.random.default_rng(seed)
         self._incoming: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._requests: dict[int, RequestState] = {}
-        self._streams: dict[int, Callable[[int, int, float], None]] = {}
+        self._streams: dict[int, OnToken] = {}
         """The streamed requests' ``on_token`` by request key (empty unless a request streams)."""
         self._next_request_key = 0
         self._step_lock = threading.Lock()
@@ -337,9 +337,10 @@ class NativeEngine:
         return [list(state.completions) for state in states]
 
     async def generate_async(self, request: GenerationRequest,
-                             on_token: Callable[[int, int, float], None] | None = None) -> list[Completion]:
+                             on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token``
-        (streaming) gets ``(sample_index, token_id, log_prob)`` on the event loop as each token is sampled."""
+        (streaming) gets ``(sample_index, token_id, log_prob, top_log_probs)`` on the event loop as each token is
+        sampled (``top_log_probs``: its alternatives when ``sampling.num_top_log_probs`` asks, else None)."""
         self.wake_up()
         return await self._async_driver.generate(request, on_token)
 
@@ -374,7 +375,7 @@ class NativeEngine:
     def _submit(self, request: GenerationRequest,
                 on_done: Callable[[list[Completion]], None] | None = None,
                 on_error: Callable[[BaseException], None] | None = None,
-                on_token: Callable[[int, int, float], None] | None = None) -> RequestState:
+                on_token: OnToken | None = None) -> RequestState:
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
@@ -486,7 +487,7 @@ class NativeEngine:
         params = SamplingTensors.from_sequences(sample_seqs, logits.device)
         positions = [seq.num_tokens for seq in sample_seqs]
         params.positions = to_device(np.array(positions, dtype=np.int64), logits.device)
-        return LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params))
+        return LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params), self._top(logits, params))
 
     def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> LaunchedStep:
         logits = self.runner.decode(seqs, next_input_ids)
@@ -496,23 +497,30 @@ class NativeEngine:
             self._decode_sampling = (version, SamplingTensors.from_sequences(seqs, logits.device))
         params = self._decode_sampling[1]
         params.positions = self.runner.last_decode_positions + 1
-        return LaunchedStep.sampled(seqs, *self.sampler(logits, params))
+        return LaunchedStep.sampled(seqs, *self.sampler(logits, params), self._top(logits, params))
+
+    def _top(self, logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor] | None:
+        """The alternatives of each row's token, only when a row of the step asks for them."""
+        return self.sampler.top_log_probs(logits, params) if params.num_top_log_probs else None
 
     def _process(self, launched: LaunchedStep) -> None:
         """Read a step's sampled tokens back, append them, and retire the sequences that finished."""
         finished = []
         tokens, log_probs = launched.read()
+        tops = launched.read_top() or [None] * len(tokens)
         running = SequenceStatus.RUNNING
         appended = 0
         streams = self._streams
         switched, switch = [], self.scheduler.block_manager.rope_switch_length  # LongRoPE: see Scheduler.recompute
-        for seq, token, log_prob in zip(launched.seqs, tokens, log_probs, strict=True):
+        for seq, token, log_prob, top in zip(launched.seqs, tokens, log_probs, tops, strict=True):
             if seq.status is not running:
                 continue
             appended += 1
+            if top is not None:  # the step's widest k, cut to this sequence's (None: it asks for none)
+                top = top[:seq.sampling.num_top_log_probs] if seq.top_log_probs is not None else None
             if streams and seq.request_key in streams:
-                streams[seq.request_key](seq.sample_index, token, log_prob)
-            if seq.append(token, log_prob):
+                streams[seq.request_key](seq.sample_index, token, log_prob, top)
+            if seq.append(token, log_prob, top):
                 finished.append(seq)
             elif switch is not None and len(seq.token_ids) == switch + 1:
                 switched.append(seq)

@@ -35,6 +35,8 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.log_probs: list[float] = []
+        self.top_log_probs: list[list[tuple[int, float]]] | None = [] if sampling.num_top_log_probs else None
+        """Each sampled token's most likely alternatives (``SamplingParams.num_top_log_probs``), else None."""
         self.sampling = sampling
         self.request_seed = request_seed
         self.sample_seed = sample_seed(request_seed, sampling.first_sample + sample_index)
@@ -78,10 +80,12 @@ class Sequence:
         child.cache_epoch = self.cache_epoch
         return child
 
-    def append(self, token_id: int, log_prob: float) -> bool:
-        """Add a sampled token; True when the sequence is now finished."""
+    def append(self, token_id: int, log_prob: float, top_log_probs: list[tuple[int, float]] | None = None) -> bool:
+        """Add a sampled token (and its alternatives, when asked for); True when the sequence is now finished."""
         self.token_ids.append(token_id)
         self.log_probs.append(log_prob)
+        if self.top_log_probs is not None:
+            self.top_log_probs.append(top_log_probs)
         if token_id in self.stop_token_ids or (self.stop_matcher is not None and self.stop_matcher.add(token_id)):
             self.finish_reason = "stop"
         elif len(self.token_ids) >= self.max_num_tokens:
