@@ -42,7 +42,8 @@ class Sequence:
         self.sample_seed = sample_seed(request_seed, sampling.first_sample + sample_index)
         self.stop_token_ids = stop_token_ids
         self.decode = decode
-        self.stop_matcher = StopStringMatcher(decode, sampling.stop) if sampling.stop and decode else None
+        self.stop_matcher = (StopStringMatcher(decode, sampling.stop)
+                             if sampling.stop and decode and not sampling.ignore_eos else None)
         self.max_num_tokens = min(max_model_len, self.num_prompt_tokens + sampling.max_tokens)
         self.num_samples = num_samples
         """Samples this waiting sequence stands for: n before its first prefill, 1 after."""
