@@ -404,9 +404,12 @@ def test_a_stop_string_ends_generation_at_the_token_that_completes_it(tiny_model
     assert stopped["usage"]["completion_tokens"] == len(choice["logprobs"]["tokens"]) == 11  # was 16
     assert (choice["text"], choice["finish_reason"]) == (free["choices"][0]["text"].split("Ұ")[0], "stop")
 
+    session = None
+
     def turn(stop: list[str] | None) -> tuple[dict, list[int], list[float]]:
-        session = TrajectorySession(SamplingParams(max_tokens=16, temperature=1.0, seed=5), MultiTurnConfig())
-        body = {"messages": [{"role": "user", "content": "hi"}], **({"stop": stop} if stop else {})}
+        nonlocal session
+        session = TrajectorySession(SamplingParams(max_tokens=64, temperature=1.0, seed=5), MultiTurnConfig())
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **({"stop": stop} if stop else {})}
         answer = asyncio.run(service.chat(body, session))  # a multi-token stop string was refused here
         return answer, session.records[0].token_ids, session.records[0].log_probs
 
@@ -420,6 +423,11 @@ def test_a_stop_string_ends_generation_at_the_token_that_completes_it(tiny_model
     assert (cut["choices"][0]["message"]["content"], cut["choices"][0]["finish_reason"]) == (text[:text.find(stop)],
                                                                                             "stop")
     assert cut["usage"]["completion_tokens"] == end < len(ids)
+    reply = cut["choices"][0]["message"]
+    asyncio.run(service.chat({"messages": [{"role": "user", "content": "hi"}, reply, {"role": "user", "content": "go"}],
+                              "max_tokens": 2}, session))
+    first, second = session.records
+    assert second.continues == 0 and second.prompt_ids[:len(first.prompt_ids) + end] == first.prompt_ids + cut_ids
 
 
 def test_a_tokens_logprobs_bytes_are_its_own_even_when_it_is_one_byte_of_a_character(tool_tokenizer, tiny_model_dir):
