@@ -36,8 +36,9 @@ class AsyncEngineClient:
         return (await self.engine.generate_async(request))[0]
 
     async def generate_streamed(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
-                                on_token: Callable[[int, float], None]) -> Completion:
-        """``generate``, calling ``on_token(token_id, log_prob)`` on the event loop as each token is sampled."""
+                                on_token: Callable[[int, float, list[tuple[int, float]] | None], None]) -> Completion:
+        """``generate``, calling ``on_token(token_id, log_prob, top_log_probs)`` on the event loop as each token is
+        sampled (``top_log_probs``: its alternatives when ``sampling.num_top_log_probs`` asks, else None)."""
         request = GenerationRequest(prompt_ids, sampling, request_id)
         return (await self.engine.generate_async(request, lambda _, *token: on_token(*token)))[0]
 
@@ -93,7 +94,9 @@ class BatchingClient:
         for request, (completion, *_) in zip(requests, samples, strict=True):
             limit = request.sampling.max_tokens
             if len(completion.token_ids) > limit:
-                completion = Completion(completion.token_ids[:limit], completion.log_probs[:limit], "length")
+                top = completion.top_log_probs
+                completion = Completion(completion.token_ids[:limit], completion.log_probs[:limit], "length",
+                                        top[:limit] if top is not None else None)
             completions.append(completion)
         return completions
 

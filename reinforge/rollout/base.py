@@ -1,7 +1,8 @@
 """The rollout-engine interface: token ids in, token ids and log-probs out.
 
 Every backend (``hf`` wrapping transformers' ``generate``, ``native`` with its paged KV
-cache) implements :class:`RolloutEngine`. Text never crosses this boundary: callers
+cache) implements :class:`RolloutEngine`. Text crosses this boundary only as stop strings
+(``SamplingParams.stop``, read by an engine given the tokenizer): callers
 tokenize once, and the engine returns exactly the ids it sampled together with the
 log-probability of each sampled token under the distribution it sampled from (after
 temperature, before top-p/top-k truncation), so the trainer can measure the
@@ -28,6 +29,12 @@ class SamplingParams:
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     """Generation ends after any of these (the stop token is kept in the output)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends at the token whose text completes one (``stop_strings.py``); the ids end
+    with that token. Needs an engine built with the tokenizer."""
+    num_top_log_probs: int = 0
+    """Also return, for each sampled token, the log-probs of this many most likely tokens of the distribution it was
+    sampled from (0: none, and nothing is computed for them)."""
     ignore_eos: bool = False
     """Keep generating past stop tokens until max_tokens (benchmarks)."""
     n: int = 1
@@ -64,7 +71,10 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
-    """'stop' (a stop token was produced) or 'length' (max_tokens reached)."""
+    """'stop' (a stop token was produced, or a stop string completed) or 'length' (max_tokens reached)."""
+    top_log_probs: list[list[tuple[int, float]]] | None = None
+    """With ``sampling.num_top_log_probs``: for each sampled token, (token id, log-prob) of the most likely tokens
+    of the distribution it was sampled from, most likely first; None otherwise."""
 
 
 @runtime_checkable

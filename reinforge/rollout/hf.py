@@ -29,19 +29,21 @@ import dataclasses
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import ModelOutput
 
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.native.sampling import truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
+from reinforge.rollout.stop_strings import StopStringMatcher, token_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -126,17 +128,24 @@ class _TokenLogProbs(LogitsProcessor):
     2,048 tokens of a 152k vocabulary), this only one step's. A step's call reads the token the step before
     sampled (the last column of its input ids) from that step's log-softmax; ``finish`` reads the last token.
     It sees the scores after transformers' own non-sampling processors (with ``ignore_eos``, min_new_tokens has
-    masked the end-of-sequence token, which the samples then cannot contain either)."""
+    masked the end-of-sequence token, which the samples then cannot contain either). With ``num_top`` it also keeps
+    each step's ``num_top`` most likely tokens and their log-probs (``top``)."""
 
-    def __init__(self, scale: float):
+    def __init__(self, scale: float, num_top: int = 0):
         self.scale = scale
+        self.num_top = num_top
         self.previous: Tensor | None = None
         self.columns: list[Tensor] = []
+        self.top: list[tuple[Tensor, Tensor]] = []
+        """Each step's (log-probs, ids), (rows, num_top) each, most likely first."""
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         if self.previous is not None:
             self.columns.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
         self.previous = torch.log_softmax(scores.float() / self.scale, dim=-1)
+        if self.num_top:
+            values, ids = self.previous.topk(min(self.num_top, self.previous.shape[-1]), dim=-1)
+            self.top.append((values.cpu(), ids.cpu()))
         return scores
 
     def finish(self, sequences: Tensor) -> Tensor:
@@ -145,6 +154,30 @@ class _TokenLogProbs(LogitsProcessor):
             self.columns.append(self.previous.gather(-1, sequences[:, -1:].to(self.previous.device)).squeeze(-1))
             self.previous = None
         return torch.stack(self.columns, dim=1).cpu() if self.columns else torch.zeros(len(sequences), 0)
+
+    def top_of(self, row: int, length: int) -> list[list[tuple[int, float]]]:
+        """A row's alternatives of its first ``length`` tokens: (token id, log-prob), most likely first."""
+        return [list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) for values, ids in self.top[:length]]
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends each row at the token whose text completes one of the stop strings (``rollout/stop_strings.py``) and
+    keeps how many tokens each row had then (``lengths``, None for a row that completed none)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], padded_length: int):
+        self.decode, self.stop, self.padded_length = decode, stop, padded_length
+        self.matchers: list[StopStringMatcher] = []
+        self.lengths: list[int | None] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        if not self.matchers:
+            self.matchers = [StopStringMatcher(self.decode, self.stop) for _ in range(input_ids.shape[0])]
+            self.lengths = [None] * input_ids.shape[0]
+        num_generated = input_ids.shape[1] - self.padded_length
+        for row, token_id in enumerate(input_ids[:, -1].tolist()):
+            if self.lengths[row] is None and self.matchers[row].add(token_id):
+                self.lengths[row] = num_generated
+        return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
 
 
 def _image_kwargs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
@@ -229,8 +262,11 @@ class HFEngine:
     """``generate`` runs on the training module itself."""
 
     def __init__(self, model: nn.Module, *, pad_token_id: int, eos_token_ids: list[int], max_batch_size: int = 256,
-                 seed: int = 0):
+                 seed: int = 0, tokenizer: Any = None):
+        """tokenizer: decodes the samples of requests with stop strings (``SamplingParams.stop``), which end at the
+        token that completes one; without it such requests are refused."""
         self.model = model
+        self.decode = token_decoder(tokenizer) if tokenizer is not None else None
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.max_batch_size = max_batch_size
@@ -256,6 +292,10 @@ class HFEngine:
         results: list[list[Completion] | None] = [None] * len(requests)
         groups: dict[SamplingParams, list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
+            if request.sampling.stop and self.decode is None:
+                raise ValueError(f"request {request.request_id!r} has stop strings {list(request.sampling.stop)} but "
+                                 "the engine has no tokenizer to read its samples' text; build HFEngine with "
+                                 "tokenizer=")
             groups[dataclasses.replace(request.sampling, seed=None, first_sample=0)].append(index)
         for sampling, indices in groups.items():
             per_call = max(1, self.max_batch_size // sampling.n)
@@ -297,8 +337,12 @@ class HFEngine:
         )
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
-        recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature)
+        recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature, sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])
+        stop_strings = None
+        if sampling.stop and not sampling.ignore_eos:
+            stop_strings = _StopStrings(self.decode, sampling.stop, longest)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([stop_strings])
         if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
             sample_seeds = [sample_seed(seed, first + sample) for seed, first in seeds for sample in range(sampling.n)]
             prompt_lengths = [len(prompt) for prompt in prompts for _ in range(sampling.n)]
@@ -350,6 +394,11 @@ class HFEngine:
                         if token in stop_set:
                             length, finish_reason = position + 1, "stop"
                             break
-                samples.append(Completion(token_ids[:length], token_log_probs[flat, :length].tolist(), finish_reason))
+                    stopped_at = stop_strings.lengths[flat] if stop_strings is not None and stop_strings.lengths \
+                        else None
+                    if stopped_at is not None and stopped_at <= length:
+                        length, finish_reason = stopped_at, "stop"
+                samples.append(Completion(token_ids[:length], token_log_probs[flat, :length].tolist(), finish_reason,
+                                          recorder.top_of(flat, length) if sampling.num_top_log_probs else None))
             completions.append(samples)
         return completions

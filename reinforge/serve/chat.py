@@ -20,6 +20,7 @@ from typing import Any
 from reinforge.agent.tool_parsers import ToolCall, get_tool_parser, reasoning_end
 from reinforge.agent.turn_tokens import ToolMessagesDropped, ToolTurnRenderer
 from reinforge.data.chat_template import template_error_message
+from reinforge.rollout.stop_strings import cut_at_stop
 
 
 class RequestError(ValueError):
@@ -182,12 +183,16 @@ class ChatCodec:
         record = session.records[index]
         return record.prompt_ids + record.token_ids + self.increment(record, new_messages), index
 
-    def reply(self, token_ids: list[int], reads_tool_calls: bool = True) -> tuple[dict[str, Any], list[ToolCall]]:
-        """The assistant message of sampled ids: text without the end-of-turn token, tool calls taken out (left in
-        the text when ``reads_tool_calls`` is false: the request sent no tools, or tool_choice "none")."""
+    def reply(self, token_ids: list[int], reads_tool_calls: bool = True,
+              stop: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Any], list[ToolCall]]:
+        """The assistant message of sampled ids: text without the end-of-turn token and ending before the first of
+        the ``stop`` strings, tool calls taken out (left in the text when ``reads_tool_calls`` is false: the request
+        sent no tools, or tool_choice "none")."""
         eos_ids = self.renderer.eos_ids
         body = token_ids[:-len(eos_ids)] if token_ids[-len(eos_ids):] == eos_ids else token_ids
         text = self.tokenizer.decode(body, skip_special_tokens=False)
+        before = cut_at_stop(text, stop)
+        text = text if before is None else before
         calls = [call for call in self.parser.parse(text) if call.error is None] if reads_tool_calls else []
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:  # the content is the text before the calls (none when the turn is its calls: Llama 3's JSON)

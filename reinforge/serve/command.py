@@ -97,12 +97,13 @@ def build_client(model: Any, tokenizer: Any, rollout: str, max_model_len: int, g
             # nothing trains the served model: the engine reads its weights in place rather than copying them
             engine = NativeEngine(model, eos_token_ids=eos_ids, max_model_len=max_model_len,
                                   gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                                  weights_fixed=True)
+                                  weights_fixed=True, tokenizer=tokenizer)
             return AsyncEngineClient(engine), "native"
         logger.warning(hf_fallback_notice(reason, "--rollout native"))
     from reinforge.rollout.hf import HFEngine
 
-    return BatchingClient(HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)), "hf"
+    return BatchingClient(HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids,
+                                   tokenizer=tokenizer)), "hf"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

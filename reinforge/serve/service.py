@@ -20,6 +20,7 @@ from typing import Any
 from reinforge.agent.loop import TokenClient
 from reinforge.rollout.base import Completion, SamplingParams
 from reinforge.rollout.noise import sample_seed
+from reinforge.rollout.stop_strings import cut_at_stop
 from reinforge.serve.chat import (
     CallRecord,
     ChatCodec,
@@ -30,6 +31,7 @@ from reinforge.serve.chat import (
     now,
     openai_message,
 )
+from reinforge.serve.logprobs import TokenBytes
 from reinforge.serve.streaming import ReplyText, StreamedChoice, last_of, tail_of_sequence
 from reinforge.serve.trajectories import TrajectorySession
 
@@ -45,7 +47,7 @@ class ChatCall:
     reads_tool_calls: bool
     """Whether replies are parsed for tool calls: tools were sent and tool_choice is not "none"."""
     cut: list[str]
-    """Stop strings of more than one token, cut from the text (outside trajectories)."""
+    """The request's stop strings: the engine stops at the token that completes one, and the text ends before it."""
     prompt_ids: list[int]
     continues: int | None
     sampling: SamplingParams
@@ -72,6 +74,9 @@ def _integer(body: dict[str, Any], key: str, low: int) -> int | None:
         raise RequestError(f"{key}={value!r} is invalid; send an integer of at least {low}")
     return value
 
+
+MAX_TOP_LOG_PROBS = 20
+"""The most alternatives a token's logprobs may list (OpenAI's chat bound, vLLM's default max_logprobs)."""
 
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
@@ -130,27 +135,20 @@ class GenerationService:
         self.default_max_tokens = default_max_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size or len(tokenizer)
+        self.token_bytes = TokenBytes(tokenizer)
         self.num_requests = 0
 
-    def _stop(self, body: dict[str, Any], training: bool) -> tuple[tuple[int, ...], list[str]]:
-        """Stop strings of one token become stop ids; longer ones cut the text (outside trajectories)."""
+    @staticmethod
+    def _stop(body: dict[str, Any]) -> list[str]:
+        """The request's stop strings: the engine ends a sample at the token whose text completes one."""
         stop = body.get("stop")
         strings = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else [stop]
         if not all(isinstance(text, str) and text for text in strings):
             raise RequestError(f"stop={stop!r} is invalid; send a string or a list of strings")
-        ids, cut = [], []
-        for text in strings:
-            encoded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(encoded) == 1:
-                ids.append(encoded[0])
-            elif training:
-                raise RequestError(f"stop={text!r} is more than one token; a trajectory's calls stop at single "
-                                   "tokens only (its sampled tokens are kept whole)")
-            else:
-                cut.append(text)
-        return tuple(ids), cut
+        return list(dict.fromkeys(strings))
 
-    def _sampling(self, body: dict[str, Any], prompt_length: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    def _sampling(self, body: dict[str, Any], prompt_length: int, stop_ids: tuple[int, ...],
+                  stop: list[str] | tuple[str, ...] = ()) -> SamplingParams:
         room = self.max_model_len - prompt_length
         if room <= 0:
             raise RequestError(f"the prompt has {prompt_length} tokens, at least the model's context of "
@@ -169,7 +167,7 @@ class GenerationService:
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
                               top_k=-1 if top_k is None else top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               stop_token_ids=tuple(dict.fromkeys((*self.eos_token_ids, *stop_ids))),
-                              seed=_integer(body, "seed", 0))
+                              stop=tuple(stop), seed=_integer(body, "seed", 0))
 
     @staticmethod
     def _samplings(sampling: SamplingParams, num_samples: int) -> list[SamplingParams]:
@@ -189,7 +187,7 @@ class GenerationService:
         """(index, None) after each token a choice samples (its ``delta`` and ``log_probs`` updated), then
         (index, completion) when the choice is done. A client without ``generate_streamed`` (the hf backend's)
         hands each completion over whole."""
-        events: asyncio.Queue[tuple[int, int, float] | tuple[int, Completion | BaseException]] = asyncio.Queue()
+        events: asyncio.Queue[tuple[int, tuple[Any, ...] | Completion | BaseException]] = asyncio.Queue()
         streamed = getattr(self.client, "generate_streamed", None)
 
         async def sample(index: int, each: SamplingParams) -> None:
@@ -198,8 +196,7 @@ class GenerationService:
                     completion = await self.client.generate(prompt_ids, each, f"{request_id}/{index}")
                 else:
                     completion = await streamed(prompt_ids, each, f"{request_id}/{index}",
-                                                lambda token_id, log_prob: events.put_nowait((index, token_id,
-                                                                                              log_prob)))
+                                                lambda *token: events.put_nowait((index, token)))
                 events.put_nowait((index, completion))
             except Exception as error:  # noqa: BLE001 - raised where the stream is read
                 events.put_nowait((index, error))
@@ -211,8 +208,8 @@ class GenerationService:
                 while True:
                     event = await events.get()
                     index, choice = event[0], choices[event[0]]
-                    if len(event) == 3:
-                        choice.add(event[1], event[2])
+                    if isinstance(event[1], tuple):  # (token id, log-prob, its alternatives)
+                        choice.add(*event[1])
                         yield index, None
                         continue
                     if isinstance(event[1], BaseException):
@@ -230,16 +227,24 @@ class GenerationService:
                                                                                               *stop_ids) \
             else token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        positions = [text.find(stop) for stop in cut if stop in text]
-        return (text[:min(positions)], "stop") if positions else (text, finish_reason)
+        before = cut_at_stop(text, cut)
+        return (before, "stop") if before is not None else (text, finish_reason)
 
     def _log_probs(self, completion: Completion) -> list[dict[str, Any]]:
-        return [self._log_prob(token_id, log_prob)
-                for token_id, log_prob in zip(completion.token_ids, completion.log_probs, strict=True)]
+        tops = completion.top_log_probs or [None] * len(completion.token_ids)
+        return [self._log_prob(token_id, log_prob, top)
+                for token_id, log_prob, top in zip(completion.token_ids, completion.log_probs, tops, strict=True)]
 
-    def _log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
-        token = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": token, "logprob": float(log_prob), "bytes": list(token.encode()), "top_logprobs": []}
+    def _log_prob(self, token_id: int, log_prob: float,
+                  top: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+        """A sampled token's entry of OpenAI's ``logprobs.content``, with its alternatives (``top``) as asked."""
+        entry = self._token_log_prob(token_id, log_prob)
+        entry["top_logprobs"] = [self._token_log_prob(*alternative) for alternative in top or []]
+        return entry
+
+    def _token_log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
+        return {"token": self.tokenizer.decode([token_id], skip_special_tokens=False), "logprob": float(log_prob),
+                "bytes": list(self.token_bytes(token_id))}
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -269,21 +274,24 @@ class GenerationService:
         reads_tool_calls = _reads_tool_calls(tools, body.get("tool_choice"))
         training = isinstance(session, TrajectorySession)
         num_samples = int(_integer(body, "n", 1) or 1)
-        if _integer(body, "top_logprobs", 0):
-            raise RequestError(f"top_logprobs={body['top_logprobs']} is not supported: the engine returns the log-prob "
-                               "of each sampled token only; send logprobs=true without top_logprobs")
+        num_top = _integer(body, "top_logprobs", 0) or 0
+        if num_top > MAX_TOP_LOG_PROBS:
+            raise RequestError(f"top_logprobs={num_top} is out of range; send an integer from 0 to {MAX_TOP_LOG_PROBS}")
+        if num_top and not body.get("logprobs"):
+            raise RequestError(f"top_logprobs={num_top} without logprobs=true; send logprobs=true with it")
         if training and num_samples != 1:
             raise RequestError(f"n={num_samples} in a trajectory; a trajectory samples one reply per call")
-        stop_ids, cut = self._stop(body, training)
+        cut = self._stop(body)
         prompt_ids, continues = self.codec.prompt_ids(session, messages, tools)
         if training:
             sampling = session.turn_sampling(prompt_ids, continues, _integer(body, "max_completion_tokens", 1)
-                                             or _integer(body, "max_tokens", 1),
-                                             (*self.codec.renderer.stop_ids, *stop_ids))
+                                             or _integer(body, "max_tokens", 1), self.codec.renderer.stop_ids,
+                                             tuple(cut))
             request_id = f"{session.request_id}/{len(session.records)}"
         else:
-            sampling = self._sampling(body, len(prompt_ids), (*self.codec.renderer.stop_ids, *stop_ids))
+            sampling = self._sampling(body, len(prompt_ids), self.codec.renderer.stop_ids, cut)
             request_id = new_id("chat")
+        sampling = dataclasses.replace(sampling, num_top_log_probs=num_top)
         return ChatCall(body, session, messages, tools, reads_tool_calls, cut, prompt_ids, continues, sampling,
                         num_samples, request_id)
 
@@ -299,12 +307,10 @@ class GenerationService:
         finish_reason = completion.finish_reason
         if (finish_reason == "stop" and token_ids and token_ids[-1] in self._dropped_stops(call)
                 and token_ids[-len(self.codec.renderer.eos_ids):] != self.codec.renderer.eos_ids):
-            token_ids = token_ids[:-1]  # a stop string of one token (or another EOS) is not part of the reply
-        reply, calls = self.codec.reply(token_ids, call.reads_tool_calls)
-        if call.cut:
-            reply["content"], finish_reason = self._text(token_ids, finish_reason, call.cut)
-            calls = []
-            reply.pop("tool_calls", None)
+            token_ids = token_ids[:-1]  # a stop token (another EOS) is not part of the reply
+        reply, calls = self.codec.reply(token_ids, call.reads_tool_calls, call.cut)
+        if finish_reason == "length" and call.cut and cut_at_stop(self._decode(token_ids), call.cut) is not None:
+            finish_reason = "stop"  # a client whose engine does not stop at strings (the text still ends there)
         # a reply cut at max_tokens is "length" even after a whole call: the client must not take it for finished
         choice: dict[str, Any] = {"index": index, "message": openai_message(reply),
                                   "finish_reason": "tool_calls" if calls and finish_reason != "length" else finish_reason}
@@ -349,15 +355,11 @@ class GenerationService:
         include_usage = self._include_usage(body)
         log_prob = self._log_prob if body.get("logprobs") else None
         stopped = last_of(self._dropped_stops(call))  # a stop token ends the reply and is not part of it
-        if call.cut:  # the content is the text up to a stop string, as _chat_choice makes it
-            choices = [StreamedChoice(ReplyText(self._decode, stopped, call.cut, None), log_prob)
-                       for _ in range(call.num_samples)]
-        else:
-            tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
-            opening = getattr(self.codec.parser, "opening", None) or "<tool_call>"
-            choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), [],
-                                                opening if call.reads_tool_calls else None), log_prob)
-                       for _ in range(call.num_samples)]
+        tail = tail_of_sequence(list(self.codec.renderer.eos_ids))
+        opening = getattr(self.codec.parser, "opening", None) or "<tool_call>"
+        choices = [StreamedChoice(ReplyText(self._decode, lambda ids: tail(stopped(ids)), call.cut,
+                                            opening if call.reads_tool_calls else None), log_prob)
+                   for _ in range(call.num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             chunk_id, created = new_id("chatcmpl"), now()
@@ -417,28 +419,45 @@ class GenerationService:
         if wrong:
             raise RequestError(f"'prompt' holds token id {wrong[0]}, outside the model's vocabulary of "
                                f"{self.vocab_size}; send ids from 0 to {self.vocab_size - 1}")
-        stop_ids, cut = self._stop(body, False)
-        sampling = self._sampling(body, len(prompt_ids), stop_ids)
+        cut = self._stop(body)
+        sampling = dataclasses.replace(self._sampling(body, len(prompt_ids), (), cut),
+                                       num_top_log_probs=self._num_text_log_probs(body) or 0)
         return prompt_ids, sampling, int(_integer(body, "n", 1) or 1), cut
 
     @staticmethod
-    def _wants_log_probs(body: dict[str, Any]) -> bool:
-        return body.get("logprobs") is not None and body.get("logprobs") is not False
+    def _num_text_log_probs(body: dict[str, Any]) -> int | None:
+        """A completions request's ``logprobs``: how many alternatives each token lists (0: only its own log-prob),
+        None for no logprobs."""
+        value = body.get("logprobs")
+        if value is None or value is False:
+            return None
+        if value is True:
+            return 0
+        if not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOG_PROBS:
+            raise RequestError(f"logprobs={value!r} is out of range; send an integer from 0 to {MAX_TOP_LOG_PROBS} "
+                               "(the alternatives each token lists)")
+        return value
 
     @staticmethod
-    def _text_log_probs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
-        """The completions API's logprobs of some tokens, the first at ``offset`` in the text."""
+    def _text_log_probs(entries: list[dict[str, Any]], offset: int = 0, num_top: int = 0) -> dict[str, Any]:
+        """The completions API's logprobs of some tokens, the first at ``offset`` in the text; with ``num_top``, each
+        token's alternatives and itself as {token text: logprob} (OpenAI's up to logprobs + 1)."""
         offsets = []
         for entry in entries:
             offsets.append(offset)
             offset += len(entry["token"])
+        top = None
+        if num_top:  # alternatives of one text (lone bytes all read "\ufffd") keep the likeliest's
+            top = [dict(reversed([(alternative["token"], alternative["logprob"]) for alternative in entry["top_logprobs"]]))
+                   | {entry["token"]: entry["logprob"]} for entry in entries]
         return {"tokens": [entry["token"] for entry in entries],
-                "token_logprobs": [entry["logprob"] for entry in entries], "top_logprobs": None,
+                "token_logprobs": [entry["logprob"] for entry in entries], "top_logprobs": top,
                 "text_offset": offsets}
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """A text_completion body for a completions request body (one prompt: a string or token ids)."""
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
+        num_top = self._num_text_log_probs(body)
         completions = await self._sample(prompt_ids, sampling, num_samples, new_id("cmpl"))
         self.num_requests += 1
         choices = []
@@ -446,8 +465,8 @@ class GenerationService:
             text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut,
                                              sampling.stop_token_ids)
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-            if self._wants_log_probs(body):
-                choice["logprobs"] = self._text_log_probs(self._log_probs(completion))
+            if num_top is not None:
+                choice["logprobs"] = self._text_log_probs(self._log_probs(completion), 0, num_top)
             choices.append(choice)
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompt_ids, completions)}
@@ -457,7 +476,8 @@ class GenerationService:
         choice's text deltas, then its finish_reason; then the usage when ``stream_options.include_usage``."""
         prompt_ids, sampling, num_samples, cut = self._completion_call(body)
         include_usage = self._include_usage(body)
-        log_probs = self._wants_log_probs(body)
+        num_top = self._num_text_log_probs(body)
+        log_probs = num_top is not None
         choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, None),
                                   self._log_prob if log_probs else None) for _ in range(num_samples)]
 
@@ -468,7 +488,7 @@ class GenerationService:
             def chunk(index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
                 entries = choices[index].take_log_probs()
                 choice = {"index": index, "text": text, "finish_reason": finish_reason,
-                          "logprobs": self._text_log_probs(entries, offsets[index]) if log_probs else None}
+                          "logprobs": self._text_log_probs(entries, offsets[index], num_top) if log_probs else None}
                 offsets[index] += sum(len(entry["token"]) for entry in entries)
                 body = {"id": chunk_id, "object": "text_completion", "created": created, "model": self.model_name,
                         "choices": [choice]}

@@ -102,28 +102,30 @@ class ReplyText:
 class StreamedChoice:
     """One choice of a streamed request: its text, the delta of its latest token, and log-probs not yet sent.
 
-    log_prob: a token's log-prob entry as the response writes it, or None when the request asks for none.
+    log_prob: a token's log-prob entry as the response writes it (from its id, log-prob and alternatives), or None
+    when the request asks for none.
     """
 
-    def __init__(self, text: ReplyText, log_prob: Callable[[int, float], dict[str, Any]] | None = None):
+    def __init__(self, text: ReplyText, log_prob: Callable[..., dict[str, Any]] | None = None):
         self.text = text
         self.log_prob = log_prob
         self.delta = ""
         self.log_probs: list[dict[str, Any]] = []
         self.num_tokens = 0
 
-    def add(self, token_id: int, log_prob: float) -> None:
+    def add(self, token_id: int, log_prob: float, top_log_probs: list[tuple[int, float]] | None = None) -> None:
         self.delta = self.text.add(token_id)
         self.num_tokens += 1
         if self.log_prob is not None:
-            self.log_probs.append(self.log_prob(token_id, log_prob))
+            self.log_probs.append(self.log_prob(token_id, log_prob, top_log_probs))
 
     def finish(self, completion: Completion) -> None:
         """The log-probs of the tokens that were not streamed (all of them, from a client that streams none)."""
         if self.log_prob is not None:
-            self.log_probs += [self.log_prob(token_id, log_prob) for token_id, log_prob in
-                               zip(completion.token_ids[self.num_tokens:], completion.log_probs[self.num_tokens:],
-                                   strict=True)]
+            start = self.num_tokens
+            tops = (completion.top_log_probs or [None] * len(completion.token_ids))[start:]
+            self.log_probs += [self.log_prob(token_id, log_prob, top) for token_id, log_prob, top in
+                               zip(completion.token_ids[start:], completion.log_probs[start:], tops, strict=True)]
 
     def take_log_probs(self) -> list[dict[str, Any]]:
         taken, self.log_probs = self.log_probs, []

@@ -92,7 +92,7 @@ class TrajectorySession(ChatSession):
         return RequestError(f"the trajectory has ended ({reason}): {message}", code="trajectory_ended")
 
     def turn_sampling(self, prompt_ids: list[int], continues: int | None, requested_max_tokens: int | None,
-                      stop_ids: tuple[int, ...]) -> SamplingParams:
+                      stop_ids: tuple[int, ...], stop: tuple[str, ...] = ()) -> SamplingParams:
         """The sampling of the next call, or the RequestError that ends the trajectory."""
         if self.ended is not None:
             raise RequestError(f"the trajectory has ended ({self.ended}); no more calls are answered",
@@ -117,7 +117,8 @@ class TrajectorySession(ChatSession):
         return dataclasses.replace(
             self.sampling, n=1, max_tokens=min(remaining, requested_max_tokens or remaining),
             seed=None if self.sampling.seed is None else sample_seed(self.sampling.seed, turn),
-            stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_ids))))
+            stop_token_ids=tuple(dict.fromkeys((*self.sampling.stop_token_ids, *stop_ids))),
+            stop=tuple(dict.fromkeys((*self.sampling.stop, *stop))))
 
     def output(self) -> AgentLoopOutput:
         """The trained segment as a loop's output (see the module docstring)."""

@@ -172,7 +172,7 @@ class CopiedWeights:
 
 def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, model: torch.nn.Module) -> Any:
     """rollout.name's engine on ``model`` (whose dtype sizes its KV cache); the hf backend where native does not
-    support the architecture."""
+    support the architecture. Both get the tokenizer for the stop strings of an OpenAI agent's calls."""
     if config.rollout.name not in ("hf", "native"):  # an engine a package adds (reinforge.rollout.registry)
         return get_rollout_engine(config.rollout.name).from_config(config, model=model, tokenizer=tokenizer,
                                                                    device=device)
@@ -190,14 +190,15 @@ def build_rollout_engine(config: Config, device: torch.device, tokenizer: Any, m
                                   enable_prefix_caching=rollout.enable_prefix_caching, device=device,
                                   max_prefill_chunk_tokens=rollout.max_prefill_chunk_tokens,
                                   kv_cache_dtype=rollout.kv_cache_dtype, decode_products=rollout.decode_products,
-                                  shared_prefix_decode=rollout.shared_prefix_decode, **planned_concurrency(config))
+                                  shared_prefix_decode=rollout.shared_prefix_decode, tokenizer=tokenizer,
+                                  **planned_concurrency(config))
             if rollout.gpu_memory_utilization is None:  # the memory planner sized the cache
                 engine.kv_cache_bytes = int(rollout.kv_cache_gib * GiB)
             return engine
         logging.getLogger(__name__).warning(hf_fallback_notice(reason))
     from reinforge.rollout.hf import HFEngine
 
-    return HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids)
+    return HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=eos_ids, tokenizer=tokenizer)
 
 
 def planned_concurrency(config: Config) -> dict[str, int]:

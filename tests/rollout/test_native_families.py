@@ -203,6 +203,8 @@ def test_a_model_outside_the_table_rolls_out_with_generate_after_one_line_saying
     with caplog.at_level("WARNING"):
         engine = build_rollout_engine(config, torch.device("cpu"), build_char_tokenizer(), model)
     assert isinstance(engine, HFEngine)
+    [[sample]] = engine.generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2, stop=("an agent's stop",)))])
+    assert len(sample.token_ids) <= 2  # the engine reads stop strings: an OpenAI agent's calls may send them
     lines = [record.getMessage() for record in caplog.records if "rollout.name=native" in record.getMessage()]
     assert lines == ["rollout.name=native cannot run this model: GPTNeoXForCausalLM (model_type 'gpt_neox') has no "
                      "entry in the architecture table (reinforge/models/architectures.py); rolling out with the hf "

@@ -320,7 +320,7 @@ def test_a_failed_request_leaves_the_native_engine_serving_the_next(tiny_model_d
     assert len(first) == len(second) == 3
 
 
-def test_prompts_out_of_the_vocabulary_top_logprobs_and_one_token_stops_are_answered_as_openai_does(tool_tokenizer):
+def test_prompts_out_of_the_vocabulary_and_top_logprobs_out_of_range_are_answered_as_openai_does(tool_tokenizer):
     service = GenerationService(TextClient(tool_tokenizer, "H7ab"), tool_tokenizer, "scripted",
                                 codec=ChatCodec(tool_tokenizer), max_model_len=4096,
                                 eos_token_ids=(tool_tokenizer.eos_token_id,), vocab_size=len(tool_tokenizer))
@@ -330,9 +330,12 @@ def test_prompts_out_of_the_vocabulary_top_logprobs_and_one_token_stops_are_answ
         for prompt, wanted in (([5, 10 ** 6], "outside the model's vocabulary"), ("", "'prompt' is empty")):
             with pytest.raises(openai.BadRequestError, match=wanted):
                 client.completions.create(model="x", prompt=prompt, max_tokens=3)
-        with pytest.raises(openai.BadRequestError, match="top_logprobs=3 is not supported"):
-            client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], logprobs=True,
-                                           top_logprobs=3)
+        for options, wanted in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs=21 is out of range"),
+                                ({"top_logprobs": 3}, "top_logprobs=3 without logprobs=true")):
+            with pytest.raises(openai.BadRequestError, match=wanted):
+                client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], **options)
+        with pytest.raises(openai.BadRequestError, match="logprobs=21 is out of range"):
+            client.completions.create(model="x", prompt="hi", logprobs=21)
     finally:
         served.close()
 
@@ -376,3 +379,123 @@ def test_the_service_and_the_engine_end_replies_at_the_same_tokens(tiny_model_di
     model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
     assert eos_token_ids(model, tokenizer) == sorted({tokenizer.eos_token_id, 7})
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_stop_string_ends_generation_at_the_token_that_completes_it(tiny_model_dir, backend):
+    """As OpenAI and vLLM stop: the engine stops at the token whose text completes a stop string (here "Ұ", the two
+    byte tokens 0xD2 0xB0, after a lone 0xCD), so the usage, and a trajectory's ids and log-probs, end there; the text
+    ends before it."""
+    from reinforge.config.schema import MultiTurnConfig
+    from reinforge.rollout.base import SamplingParams
+    from reinforge.serve.command import build_client, load_model
+    from reinforge.serve.trajectories import TrajectorySession
+
+    model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
+    client, name = build_client(model, tokenizer, backend, 128, 0.5, 8)
+    assert name == backend
+    service = GenerationService(client, tokenizer, "tiny", codec=ChatCodec(tokenizer), max_model_len=128,
+                                eos_token_ids=(tokenizer.eos_token_id,))
+    request = {"prompt": "1+1=", "max_tokens": 16, "temperature": 1.0, "seed": 3}
+    free = asyncio.run(service.complete(request))
+    assert free["usage"]["completion_tokens"] == 16 and "Ұ" in free["choices"][0]["text"]
+    stopped = asyncio.run(service.complete(dict(request, stop=["Ұ", "never"], logprobs=0)))
+    choice = stopped["choices"][0]
+    assert stopped["usage"]["completion_tokens"] == len(choice["logprobs"]["tokens"]) == 11  # was 16
+    assert (choice["text"], choice["finish_reason"]) == (free["choices"][0]["text"].split("Ұ")[0], "stop")
+
+    session = None
+
+    def turn(stop: list[str] | None) -> tuple[dict, list[int], list[float]]:
+        nonlocal session
+        session = TrajectorySession(SamplingParams(max_tokens=64, temperature=1.0, seed=5), MultiTurnConfig())
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **({"stop": stop} if stop else {})}
+        answer = asyncio.run(service.chat(body, session))  # a multi-token stop string was refused here
+        return answer, session.records[0].token_ids, session.records[0].log_probs
+
+    whole, ids, log_probs = turn(None)
+    text = whole["choices"][0]["message"]["content"]
+    stop = next(text[at:at + 2] for at in range(1, len(text) - 2) if text[at:at + 2].isprintable()
+                and "\ufffd" not in text[at:at + 2] and text.find(text[at:at + 2]) == at)
+    cut, cut_ids, cut_log_probs = turn([stop])
+    end = next(size for size in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:size]))
+    assert cut_ids == ids[:end] and cut_log_probs == pytest.approx(log_probs[:end], abs=1e-5)
+    assert (cut["choices"][0]["message"]["content"], cut["choices"][0]["finish_reason"]) == (text[:text.find(stop)],
+                                                                                            "stop")
+    assert cut["usage"]["completion_tokens"] == end < len(ids)
+    reply = cut["choices"][0]["message"]
+    asyncio.run(service.chat({"messages": [{"role": "user", "content": "hi"}, reply, {"role": "user", "content": "go"}],
+                              "max_tokens": 2}, session))
+    first, second = session.records
+    assert second.continues == 0 and second.prompt_ids[:len(first.prompt_ids) + end] == first.prompt_ids + cut_ids
+
+
+def test_a_tokens_logprobs_bytes_are_its_own_even_when_it_is_one_byte_of_a_character(tool_tokenizer, tiny_model_dir):
+    """Each byte-level token of "é" and "€" is one byte of it: its bytes are that byte, not the replacement
+    character's (EF BF BD); special tokens are the UTF-8 of their text."""
+    from reinforge.models.loading import load_tokenizer
+    from reinforge.serve.logprobs import TokenBytes
+
+    service = GenerationService(TextClient(tool_tokenizer, "aé€"), tool_tokenizer, "scripted",
+                                codec=ChatCodec(tool_tokenizer), max_model_len=4096,
+                                eos_token_ids=(tool_tokenizer.eos_token_id,))
+    answer = asyncio.run(service.chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, None))
+    entries = answer["choices"][0]["logprobs"]["content"]
+    assert [entry["bytes"] for entry in entries] == [[97], [0xC3], [0xA9], [0xE2], [0x82], [0xAC],
+                                                     list(tool_tokenizer.eos_token.encode())]
+    assert bytes(byte for entry in entries[:-1] for byte in entry["bytes"]).decode() == "aé€"
+    loaded = load_tokenizer(str(tiny_model_dir))  # as `reinforge serve` loads it
+    assert [TokenBytes(loaded)(token_id) for token_id in loaded("é\n", add_special_tokens=False)["input_ids"]] == [
+        b"\xc3", b"\xa9", b"\n"]
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_top_logprobs_are_the_likeliest_tokens_of_the_distribution_each_token_was_sampled_from(tiny_model_dir, backend):
+    """Chat's top_logprobs=k and completions' logprobs=k: each sampled token's k likeliest tokens under
+    softmax(logits / temperature), the distribution its own logprob is of, most likely first, with their bytes;
+    streamed as a request without stream gets them."""
+    from reinforge.serve.command import build_client, load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
+    client, _ = build_client(model, tokenizer, backend, 128, 0.5, 8)
+    service = GenerationService(client, tokenizer, "tiny", codec=ChatCodec(tokenizer), max_model_len=128,
+                                eos_token_ids=(tokenizer.eos_token_id,))
+    served = Served(OpenAIEndpoint(service))
+    try:
+        api = served.client()
+        request = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0.7,
+                       seed=2, logprobs=True, top_logprobs=3)
+        reply = api.chat.completions.create(**request)
+        streamed = list(api.chat.completions.create(**request, stream=True))
+        text = api.completions.create(model="tiny", prompt="1+1=", max_tokens=4, temperature=0.7, seed=2, logprobs=2)
+    finally:
+        served.close()
+    entries = reply.choices[0].logprobs.content
+    ids = client_ids(service, request)  # seeded: the reply's ids
+    prompt = service.codec.render([{"role": "user", "content": "hi"}], None)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1]
+    expected = torch.log_softmax(logits / 0.7, dim=-1).topk(3)
+    assert [[alternative.token for alternative in entry.top_logprobs] for entry in entries] == [
+        [tokenizer.decode([token_id]) for token_id in row] for row in expected.indices.tolist()]
+    assert [alternative.logprob for entry in entries for alternative in entry.top_logprobs] == pytest.approx(
+        expected.values.flatten().tolist(), abs=1e-5)
+    assert [alternative.bytes for alternative in entries[0].top_logprobs] == [
+        list(service.token_bytes(token_id)) for token_id in expected.indices[0].tolist()]
+    for entry in entries:  # the sampled token's logprob is of the same distribution as its alternatives'
+        assert all(abs(alternative.logprob - entry.logprob) < 1e-5 for alternative in entry.top_logprobs
+                   if alternative.bytes == entry.bytes)
+    chunks = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for entry in chunk.choices[0].logprobs.content]
+    assert [entry.model_dump() for entry in chunks] == [entry.model_dump() for entry in entries]
+    tops = text.choices[0].logprobs.top_logprobs
+    assert len(tops) == 4 and all(1 <= len(top) <= 3 for top in tops)
+    assert all(top[token] == logprob for top, token, logprob in zip(tops, text.choices[0].logprobs.tokens,
+                                                                    text.choices[0].logprobs.token_logprobs,
+                                                                    strict=True))
+
+
+def client_ids(service: GenerationService, request: dict) -> list[int]:
+    """The ids the service's client samples for a chat request (its prompt as the codec renders it)."""
+    call = service._chat_call(dict(request), None)
+    return asyncio.run(service._sample(call.prompt_ids, call.sampling, 1, "check"))[0].token_ids

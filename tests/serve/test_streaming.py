@@ -34,7 +34,7 @@ class TokenByTokenClient:
     async def generate_streamed(self, prompt_ids, sampling, request_id, on_token):
         for token_id in self.ids:
             await asyncio.sleep(0.001)
-            on_token(token_id, -0.5)
+            on_token(token_id, -0.5, None)
         return await self.generate(prompt_ids, sampling, request_id)
 
 
@@ -154,8 +154,9 @@ def test_reply_text_holds_back_what_the_end_of_the_reply_may_take_away():
 
 
 def test_the_engine_hands_a_streamed_requests_tokens_over_as_it_samples_them_and_leaves_others_alone():
-    """generate_async's on_token: each sample's tokens and log-probs, in order, on the event loop, before the
-    completions; a request without it, sampled in the same steps, is what it is alone."""
+    """generate_async's on_token: each sample's tokens, log-probs and asked-for alternatives (the top log-probs of
+    the tempered distribution each was sampled from), in order, on the event loop, before the completions; a request
+    without either, sampled in the same steps, is what it is alone."""
     import threading
 
     from reinforge.models.tiny import build_tiny_causal_lm
@@ -164,14 +165,15 @@ def test_the_engine_hands_a_streamed_requests_tokens_over_as_it_samples_them_and
 
     model = build_tiny_causal_lm(vocab_size=128, seed=5).eval()
     engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=4, max_num_seqs=8, num_kv_blocks=64)
-    streamed_request = GenerationRequest([5, 9, 40, 41], SamplingParams(n=2, max_tokens=9, temperature=1.0, seed=3))
+    streamed_request = GenerationRequest([5, 9, 40, 41], SamplingParams(n=2, max_tokens=9, temperature=0.7, seed=3,
+                                                                        num_top_log_probs=3))
     plain_request = GenerationRequest([7, 8, 9], SamplingParams(max_tokens=6, temperature=1.0, seed=4))
-    tokens: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+    tokens: dict[int, list[tuple[int, float, list]]] = {0: [], 1: []}
     threads = set()
 
-    def on_token(sample_index: int, token_id: int, log_prob: float) -> None:
+    def on_token(sample_index: int, token_id: int, log_prob: float, top_log_probs: list | None) -> None:
         threads.add(threading.current_thread())
-        tokens[sample_index].append((token_id, log_prob))
+        tokens[sample_index].append((token_id, log_prob, top_log_probs))
 
     async def main():
         return await asyncio.gather(engine.generate_async(streamed_request, on_token),
@@ -180,8 +182,16 @@ def test_the_engine_hands_a_streamed_requests_tokens_over_as_it_samples_them_and
     streamed, plain = asyncio.run(main())
     assert threads == {threading.main_thread()}
     for index, completion in enumerate(streamed):
-        assert [token for token, _ in tokens[index]] == completion.token_ids and len(completion.token_ids) == 9
-        assert [log_prob for _, log_prob in tokens[index]] == pytest.approx(completion.log_probs)
+        assert [token for token, *_ in tokens[index]] == completion.token_ids and len(completion.token_ids) == 9
+        assert [log_prob for _, log_prob, _ in tokens[index]] == pytest.approx(completion.log_probs)
+        assert [top for *_, top in tokens[index]] == completion.top_log_probs
+        with torch.no_grad():
+            logits = model(torch.tensor([[5, 9, 40, 41, *completion.token_ids]])).logits[0, 3:-1].float()
+        expected = torch.log_softmax(logits / 0.7, dim=-1).topk(3)
+        assert [[token for token, _ in top] for top in completion.top_log_probs] == expected.indices.tolist()
+        assert [value for top in completion.top_log_probs for _, value in top] == pytest.approx(
+            expected.values.flatten().tolist(), abs=1e-5)
     [alone] = engine.generate([plain_request])[0]
     assert plain[0].token_ids == alone.token_ids and plain[0].log_probs == pytest.approx(alone.log_probs, abs=1e-5)
+    assert plain[0].top_log_probs is None
     assert engine._streams == {}

@@ -19,9 +19,10 @@ from reinforge.rollout.base import Completion, GenerationRequest
 
 Submit = Callable[..., object]
 """Hands a request to the engine with the callbacks for its completions and for an error, and, for a streamed
-request, a fourth: ``on_token(sample_index, token_id, log_prob)`` for each token as a step samples it."""
+request, a fourth: ``on_token(sample_index, token_id, log_prob, top_log_probs)`` for each token as a step samples
+it (``top_log_probs``: the token's (id, log-prob) alternatives when the request asks for them, else None)."""
 
-OnToken = Callable[[int, int, float], None]
+OnToken = Callable[[int, int, float, "list[tuple[int, float]] | None"], None]
 
 
 class AsyncDriver:

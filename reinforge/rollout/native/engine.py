@@ -40,6 +40,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ from torch import Tensor, nn
 
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
 from reinforge.rollout.base import Completion, GenerationRequest
-from reinforge.rollout.native.async_driver import AsyncDriver
+from reinforge.rollout.native.async_driver import AsyncDriver, OnToken
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
 from reinforge.rollout.native.model import supports_model, unsupported_reason
@@ -56,6 +57,7 @@ from reinforge.rollout.native.requests import LaunchedStep, RequestState
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors
 from reinforge.rollout.native.scheduler import ScheduledStep, Scheduler
 from reinforge.rollout.native.sequence import Sequence, SequenceStatus
+from reinforge.rollout.stop_strings import token_decoder
 
 __all__ = ["NativeEngine", "supports_model"]
 
@@ -84,7 +86,7 @@ class NativeEngine:
                  device: torch.device | None = None, max_admission_wait: int = 16,
                  admission_fraction: float = 0.0625, max_prefill_chunk_tokens: int | None = None,
                  kv_cache_dtype: str = "auto", weights_fixed: bool = False, kv_cache_bytes: int | None = None,
-                 decode_products: str = "cublas", shared_prefix_decode: bool = False):
+                 decode_products: str = "cublas", shared_prefix_decode: bool = False, tokenizer: Any = None):
         """Wrap ``model`` (an HF causal LM of a dense family of ``models.architectures``) for generation.
 
         gpu_memory_utilization: fraction of the device's total memory the process may hold while the
@@ -111,6 +113,8 @@ class NativeEngine:
         decode_products: cublas, or timed (``rollout.decode_products``: swapped Triton kernels where timed faster).
         shared_prefix_decode: a decode step reads the blocks several sequences share (a prompt's n samples) once for
         all of them (``attention.SharedPrefix``; the Triton path's unsplit kernel).
+        tokenizer: decodes the samples of requests with stop strings (``SamplingParams.stop``), which end at the
+        token that completes one (``rollout/stop_strings.py``); without it such requests are refused.
         kv_cache_bytes: the KV cache's size in bytes (the memory planner's ``rollout.kv_cache_gib``), in place of
         gpu_memory_utilization's sizing; num_kv_blocks overrides it. A model whose full and sliding layers keep
         separate pools (Gemma 2 and 3) splits it between them by what each can use, so at long contexts the same
@@ -145,6 +149,7 @@ class NativeEngine:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_admission_wait = max_admission_wait
         self.admission_fraction = admission_fraction
+        self.decode = token_decoder(tokenizer) if tokenizer is not None else None
         self.runner = ModelRunner(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                   max_model_len=max_model_len, use_triton=use_triton,
                                   cuda_graph_batch_sizes=list(cuda_graph_batch_sizes) if use_graphs else [],
@@ -158,7 +163,7 @@ class NativeEngine:
         self._seed_generator = np.random.default_rng(seed)
         self._incoming: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
         self._requests: dict[int, RequestState] = {}
-        self._streams: dict[int, Callable[[int, int, float], None]] = {}
+        self._streams: dict[int, OnToken] = {}
         """The streamed requests' ``on_token`` by request key (empty unless a request streams)."""
         self._next_request_key = 0
         self._step_lock = threading.Lock()
@@ -332,9 +337,10 @@ class NativeEngine:
         return [list(state.completions) for state in states]
 
     async def generate_async(self, request: GenerationRequest,
-                             on_token: Callable[[int, int, float], None] | None = None) -> list[Completion]:
+                             on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token``
-        (streaming) gets ``(sample_index, token_id, log_prob)`` on the event loop as each token is sampled."""
+        (streaming) gets ``(sample_index, token_id, log_prob, top_log_probs)`` on the event loop as each token is
+        sampled (``top_log_probs``: its alternatives when ``sampling.num_top_log_probs`` asks, else None)."""
         self.wake_up()
         return await self._async_driver.generate(request, on_token)
 
@@ -369,7 +375,7 @@ class NativeEngine:
     def _submit(self, request: GenerationRequest,
                 on_done: Callable[[list[Completion]], None] | None = None,
                 on_error: Callable[[BaseException], None] | None = None,
-                on_token: Callable[[int, int, float], None] | None = None) -> RequestState:
+                on_token: OnToken | None = None) -> RequestState:
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
@@ -383,6 +389,9 @@ class NativeEngine:
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
+        if sampling.stop and self.decode is None:
+            raise ValueError(f"request {request.request_id!r} has stop strings {list(sampling.stop)} but the engine "
+                             "has no tokenizer to read its samples' text; build NativeEngine with tokenizer=")
         seed = sampling.seed if sampling.seed is not None else int(self._seed_generator.integers(2**62))
         state = RequestState(request, seed, on_done, on_error, on_token)
         if request.multi_modal_inputs is not None:
@@ -406,7 +415,7 @@ class NativeEngine:
                 prompt = state.multimodal.key_token_ids  # its image pad tokens named by their images
             self.scheduler.add(Sequence(self.scheduler.new_seq_id(), key, 0, prompt, sampling,
                                         state.seed, stops, self.max_model_len, num_samples=sampling.n,
-                                        keep_prefix=request.keep_prefix))
+                                        keep_prefix=request.keep_prefix, decode=self.decode))
 
     def _step(self, batch_arrivals: bool = False) -> bool:
         """Schedule a step, run it, and read back the steps that are done; False when there was nothing to run.
@@ -478,7 +487,7 @@ class NativeEngine:
         params = SamplingTensors.from_sequences(sample_seqs, logits.device)
         positions = [seq.num_tokens for seq in sample_seqs]
         params.positions = to_device(np.array(positions, dtype=np.int64), logits.device)
-        return LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params))
+        return LaunchedStep.sampled(sample_seqs, *self.sampler(logits, params), self._top(logits, params))
 
     def _launch_decode(self, seqs: list[Sequence], next_input_ids: torch.Tensor | None = None) -> LaunchedStep:
         logits = self.runner.decode(seqs, next_input_ids)
@@ -488,23 +497,30 @@ class NativeEngine:
             self._decode_sampling = (version, SamplingTensors.from_sequences(seqs, logits.device))
         params = self._decode_sampling[1]
         params.positions = self.runner.last_decode_positions + 1
-        return LaunchedStep.sampled(seqs, *self.sampler(logits, params))
+        return LaunchedStep.sampled(seqs, *self.sampler(logits, params), self._top(logits, params))
+
+    def _top(self, logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor] | None:
+        """The alternatives of each row's token, only when a row of the step asks for them."""
+        return self.sampler.top_log_probs(logits, params) if params.num_top_log_probs else None
 
     def _process(self, launched: LaunchedStep) -> None:
         """Read a step's sampled tokens back, append them, and retire the sequences that finished."""
         finished = []
         tokens, log_probs = launched.read()
+        tops = launched.read_top() or [None] * len(tokens)
         running = SequenceStatus.RUNNING
         appended = 0
         streams = self._streams
         switched, switch = [], self.scheduler.block_manager.rope_switch_length  # LongRoPE: see Scheduler.recompute
-        for seq, token, log_prob in zip(launched.seqs, tokens, log_probs, strict=True):
+        for seq, token, log_prob, top in zip(launched.seqs, tokens, log_probs, tops, strict=True):
             if seq.status is not running:
                 continue
             appended += 1
+            if top is not None:  # the step's widest k, cut to this sequence's (None: it asks for none)
+                top = top[:seq.sampling.num_top_log_probs] if seq.top_log_probs is not None else None
             if streams and seq.request_key in streams:
-                streams[seq.request_key](seq.sample_index, token, log_prob)
-            if seq.append(token, log_prob):
+                streams[seq.request_key](seq.sample_index, token, log_prob, top)
+            if seq.append(token, log_prob, top):
                 finished.append(seq)
             elif switch is not None and len(seq.token_ids) == switch + 1:
                 switched.append(seq)

@@ -45,6 +45,8 @@ class SamplingTensors:
     """Some row uses min-p (the row maxima are taken only then)."""
     positions: Tensor | None = None
     """Position of the token each row samples; with the sample seed it keys the row's noise."""
+    num_top_log_probs: int = 0
+    """The most alternatives a row asks for (``SamplingParams.num_top_log_probs``); 0: none are computed."""
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> SamplingTensors:
@@ -66,7 +68,8 @@ class SamplingTensors:
         return cls(inv_temperatures=floats[0], greedy=integers[0].to(torch.int32), top_k=integers[1],
                    top_p=floats[1], log_min_p=floats[2], sample_seeds=integers[2],
                    needs_truncation=bool((top_k > 0).any() or (top_p < 1.0).any()),
-                   needs_min_p=bool(np.isfinite(log_min_p).any()))
+                   needs_min_p=bool(np.isfinite(log_min_p).any()),
+                   num_top_log_probs=max(seq.sampling.num_top_log_probs for seq in seqs))
 
 
 def truncation_thresholds(scaled_logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -128,6 +131,14 @@ class Sampler:
             return triton_kernels.sample(logits, params.inv_temperatures, params.greedy, thresholds,
                                          params.sample_seeds, params.positions, softcap=softcap)
         return self._sample_torch(logits, params, thresholds)
+
+    def top_log_probs(self, logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor]:
+        """The ``params.num_top_log_probs`` most likely tokens of each row's distribution, as the sampled token's
+        log-prob is taken (softmax of the tempered, soft-capped logits, before truncation; raw for greedy rows):
+        log-probs (rows, k) float32, most likely first, and their ids (rows, k) int64. logits: (rows, vocab)."""
+        scaled = soft_capped(logits, self.softcap) if self.softcap is not None else logits.float()
+        log_probs = torch.log_softmax(scaled * params.inv_temperatures[:, None], dim=-1)
+        return log_probs.topk(min(params.num_top_log_probs, log_probs.shape[-1]), dim=-1)
 
     @staticmethod
     def _sample_torch(logits: Tensor, params: SamplingTensors, thresholds: Tensor) -> tuple[Tensor, Tensor]:
