@@ -278,6 +278,14 @@ def test_prompts_out_of_the_vocabulary_top_logprobs_and_one_token_stops_are_answ
         with pytest.raises(openai.BadRequestError, match="top_logprobs=3 is not supported"):
             client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], logprobs=True,
                                            top_logprobs=3)
+        picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        with pytest.raises(openai.BadRequestError, match="content part of type 'image_url' is not supported: this "
+                                                         "endpoint passes the model text alone"):
+            client.chat.completions.create(model="x", messages=[{"role": "user", "content": [
+                picture, {"type": "text", "text": "What is in the picture?"}]}])
+        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}])
+        assert reply.choices[0].message.content == "H7ab"
     finally:
         served.close()
 
