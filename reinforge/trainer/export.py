@@ -90,8 +90,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     config = AutoConfig.from_pretrained(hf_folder)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
     adapter_folder = folder / "adapter"
-    if (adapter_folder / "adapter_config.json").is_file():
-        return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype, config if classifier else None)
+    if (adapter_folder / "adapter_config.json").is_file():  # a VLM's folder keeps its processor, as hf/ does
+        return _export_lora(adapter_folder, state, load_processor(hf_folder) if is_vision_language(config) else
+                            tokenizer, Path(out_dir), dtype, config if classifier else None)
     # a reward model of `reinforge rm` stays a sequence classifier: its score head is in the state, no lm_head
     if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
         model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32)
@@ -106,6 +107,7 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
                  dtype: torch.dtype | None, classifier_config=None) -> Path:
     """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters
     alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``).
+    ``tokenizer``: what the folder keeps beside the model (a vision-language model's processor).
     A reward model's (``classifier_config``: its hf/ config) is its base's backbone under the trained score head,
     which its state holds with the adapters."""
     scaling, base_path = read_adapter_config(adapter_folder)
