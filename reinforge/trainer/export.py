@@ -98,8 +98,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
         model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32)
         model.load_state_dict(state, strict=False)
         return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype)
-    model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
-    model.load_state_dict(state)
+    model_class = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model = model_class.from_config(config)
+    if set(model.state_dict()) - set(state):  # frozen weights (a multimodal wrapper's tower, which text never reaches)
+        model = model_class.from_pretrained(hf_folder, dtype=torch.float32)  # are not in the state: hf/ holds them
+        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"checkpoint {folder}'s actor_state.pt holds weights its hf/ model does not have "
+                             f"({', '.join(unexpected[:3])}, ...); it is not this run's checkpoint")
+    else:
+        model.load_state_dict(state)
     return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)
 
 

@@ -236,6 +236,10 @@ def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic
     assert language and tower
     assert sum(not torch.equal(trained[name], initial[name]) for name in language) > len(language) // 2
     assert all(torch.equal(trained[name], initial[name]) for name in tower)
+    # the export is the whole wrapper, its tower included (not in the training state, which holds what trains)
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[name], trained[name]) for name in trained)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", SINKS])
