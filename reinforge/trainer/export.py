@@ -92,7 +92,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     adapter_folder = folder / "adapter"
     if (adapter_folder / "adapter_config.json").is_file():  # a VLM's folder keeps its processor, as hf/ does
         return _export_lora(adapter_folder, state, load_processor(hf_folder) if is_vision_language(config) else
-                            tokenizer, Path(out_dir), dtype, config if classifier else None)
+                            tokenizer, Path(out_dir), dtype, config if classifier else None, hf_folder)
     # a reward model of `reinforge rm` stays a sequence classifier: its score head is in the state, no lm_head
     if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
         model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32)
@@ -108,14 +108,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
                              f"({', '.join(unexpected[:3])}, ...); it is not this run's checkpoint")
     else:
         model.load_state_dict(state)
-    return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)
+    return save_hf_folder(model, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
 
 
 def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokenizer, out_dir: Path,
-                 dtype: torch.dtype | None, classifier_config=None) -> Path:
+                 dtype: torch.dtype | None, classifier_config=None, hf_folder: Path | None = None) -> Path:
     """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters
     alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``).
-    ``tokenizer``: what the folder keeps beside the model (a vision-language model's processor).
+    ``tokenizer``: what the folder keeps beside the model (a vision-language model's processor); the processor
+    files of the checkpoint's ``hf_folder`` are kept too (``save_hf_folder``'s ``processor_files_from``).
     A reward model's (``classifier_config``: its hf/ config) is its base's backbone under the trained score head,
     which its state holds with the adapters."""
     scaling, base_path = read_adapter_config(adapter_folder)
@@ -126,6 +127,6 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
                                                                     dtype=torch.float32))
     state = base.state_dict() | adapters
     base.load_state_dict(merge_lora_weights(state, scaling, transposed_layers(base)))
-    save_hf_folder(base, tokenizer, out_dir, dtype=dtype)
+    save_hf_folder(base, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
     shutil.copytree(adapter_folder, out_dir / "adapter")  # written with actor_state.pt, from the same tensors
     return out_dir

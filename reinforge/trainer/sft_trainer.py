@@ -171,7 +171,8 @@ class SFTTrainer(SupervisedRun):
     # ---- the run ------------------------------------------------------------------------
     def write_checkpoint(self, folder: Path) -> None:
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
-        save_hf_folder(self.model, self.processor or self.tokenizer, folder / "hf")
+        save_hf_folder(self.model, self.processor or self.tokenizer, folder / "hf",
+                       processor_files_from=self.config.model.path)
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)
