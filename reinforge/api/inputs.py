@@ -73,8 +73,8 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
                          "reinforge trains a saved copy of the model, which would train them too: pass the model "
                          "unfrozen, or train adapters (peft_config)")
     tokenizer = processing_class
+    source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
     if tokenizer is None:
-        source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
         if not source:
             raise ValueError("the model was given loaded, without a name_or_path to load its tokenizer from; pass "
                              "processing_class=tokenizer")
@@ -85,6 +85,10 @@ def save_model_if_loaded(model: Any, processing_class: Any, folder: Path) -> str
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    if source:  # given a tokenizer (or none), a vision-language model keeps the processor of the folder it came from
+        from reinforge.models.export import copy_processor_files
+
+        copy_processor_files(source, partial)
     return str(keep_beside_earlier(partial, folder, _same_folder, "a model"))
 
 
