@@ -364,6 +364,23 @@ def test_a_loaded_model_with_frozen_parameters_is_refused_not_trained_whole(tmp_
         save_model_if_loaded(adapted, None, tmp_path / "model")
 
 
+@pytest.mark.parametrize("given", ["nothing", "its tokenizer"])
+def test_a_loaded_vision_language_model_keeps_the_processor_of_its_folder(tmp_path, given):
+    """TRL loads a VLM's processor from the model's own folder when none is given; the saved copy keeps it, so the
+    run reads its rows' images (given its tokenizer alone, too)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from reinforge.api.inputs import save_model_if_loaded
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.models.vision import processor_for
+
+    source = save_tiny_vlm(tmp_path / "vlm", "qwen3_vl")
+    model = AutoModelForImageTextToText.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(source) if given == "its tokenizer" else None
+    saved = save_model_if_loaded(model, tokenizer, tmp_path / "inputs" / "initial_model")
+    assert type(processor_for(saved)).__name__ == "Qwen3VLProcessor"
+
+
 def test_a_later_start_keeps_the_inputs_an_earlier_start_wrote_and_puts_other_ones_beside_them(tmp_path,
                                                                                                   tiny_model_dir):
     import torch

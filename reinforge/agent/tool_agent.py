@@ -133,8 +133,10 @@ class ToolAgentLoop(AgentLoop):
         if not images:
             return self.renderer.increment(messages), None
         if self.context.processor is None:
-            raise ValueError("a tool returned an image but the model has no image processor (a text model); "
-                             "return text from the tool, or train a vision-language model")
+            raise ValueError("a tool returned an image, but this model takes no images: it has no image processor "
+                             "reinforge uses (a text model, or an image-text model reinforge trains on text alone, "
+                             "such as Gemma 3 or Llava); return text from the tool, or train Qwen2-VL, Qwen2.5-VL or "
+                             "Qwen3-VL")
         return encode_with_images(self.context.processor, self.renderer.increment_text(messages), images)
 
     def _after_generation(self, trajectory: _Trajectory, calls: list[ToolCall], budget: int,

@@ -119,10 +119,15 @@ def _own_tokenizer(model: Any, missing: str) -> Any:
 
 
 def _save_model_folder(model: Any, tokenizer: Any, folder: Path) -> str:
+    source = getattr(model, "name_or_path", "") or getattr(getattr(model, "config", None), "_name_or_path", "")
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    if source:  # given a tokenizer (or none), a vision-language model keeps the processor of the folder it came from
+        from reinforge.models.export import copy_processor_files
+
+        copy_processor_files(source, partial)
     return str(keep_beside_earlier(partial, folder, _same_folder, "a model"))
 
 

@@ -62,6 +62,14 @@ def row_image_sources(row: dict[str, Any], image_key: str | None = None, where: 
     return []
 
 
+def images_refused(where: str, num_images: int, column: str, why_no_images: str | None) -> ValueError:
+    """The one-line error of a row with images whose model takes none (the dataset has no processor):
+    ``why_no_images`` names the model, why and the fix (``models.vision.why_no_images``); None: a text-only model."""
+    why = why_no_images or ("the model is text-only (it has no image processor); train a vision-language model "
+                            "(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or drop that column")
+    return ValueError(f"{where} has {num_images} image(s) in its {column!r} column, but {why}")
+
+
 def image_column(row: dict[str, Any], image_key: str | None = None) -> str:
     """The name of the column the row's images come from (for messages)."""
     if image_key is not None:

@@ -36,6 +36,7 @@ import torch
 
 from reinforge.data.chat_template import template_error_message
 from reinforge.data.files import expand_data_files, read_rows
+from reinforge.data.multimodal import image_column, row_image_sources
 from reinforge.data.prompt_loader import epoch_order
 from reinforge.data.rl_dataset import check_chat_messages
 from reinforge.protocol import Batch
@@ -96,6 +97,10 @@ def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) 
     if chosen == rejected:
         raise ValueError(f"{where}: {keys.chosen!r} and {keys.rejected!r} are the same, which teaches no "
                          "preference; drop the row")
+    images = row_image_sources(row, None, where)
+    if images:  # TRL's vision preference rows: text-only training would drop the pictures the pair is about
+        raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row)!r} column; reinforge rm and "
+                         "dpo train on text alone and would leave them out: drop that column, or the rows")
     margin = row.get(keys.margin)
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
                                or not math.isfinite(margin)):

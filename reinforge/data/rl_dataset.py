@@ -37,6 +37,7 @@ from reinforge.data.multimodal import (
     encode_multimodal_prompt,
     image_column,
     image_inputs,
+    images_refused,
     load_image,
     load_row_images,
     row_image_sources,
@@ -76,7 +77,8 @@ class RLDataset:
 
     def __init__(self, files: Sequence[str | Path] | str | Path, tokenizer: Any, config: DataConfig,
                  max_samples: int | None = None, name: str = "train",
-                 tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> None:
+                 tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None,
+                 why_no_images: str | None = None) -> None:
         files = [files] if isinstance(files, str | Path) else list(files)
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet, JSONL or datasets folders")
@@ -89,19 +91,23 @@ class RLDataset:
         """(index of the file's first row, file) for each file read, in order."""
         self.tool_schemas = tool_schemas
         self.processor = processor
-        """A vision-language model's processor (None: text only; a row with images is refused)."""
+        """A vision-language model's processor (None: no images; a row with images is refused)."""
+        self.why_no_images = why_no_images
+        """Without a processor, why the model takes no images and the fix (``models.vision.why_no_images``;
+        None: a text-only model)."""
         self._build(files, tokenizer, config, max_samples)
 
     @classmethod
     def from_config(cls, config: DataConfig, tokenizer: Any, split: str = "train",
-                    tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> RLDataset:
+                    tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None,
+                    why_no_images: str | None = None) -> RLDataset:
         """The train split (``data.train_files``) or the validation split (``data.val_files``)."""
         if split == "train":
             return cls(config.train_files, tokenizer, config, config.max_train_samples, name="train",
-                       tool_schemas=tool_schemas, processor=processor)
+                       tool_schemas=tool_schemas, processor=processor, why_no_images=why_no_images)
         if split == "val":
             return cls(config.val_files, tokenizer, config, config.max_val_samples, name="val",
-                       tool_schemas=tool_schemas, processor=processor)
+                       tool_schemas=tool_schemas, processor=processor, why_no_images=why_no_images)
         raise ValueError(f"unknown split {split!r}; expected 'train' or 'val'")
 
     def __len__(self) -> int:
@@ -126,7 +132,7 @@ class RLDataset:
             for row_number, row in enumerate(rows):
                 self.num_rows_read += 1
                 fields = _encode_row(row, f"row {row_number} of {path}", tokenizer, config, self.tool_schemas,
-                                     self.processor)
+                                     self.processor, self.why_no_images)
                 if fields is None:
                     self.num_filtered += 1
                     continue
@@ -237,13 +243,12 @@ def _checked_optional_str(row: Row, key: str, where: str) -> str | None:
 
 
 def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
-                tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None) -> dict[str, Any] | None:
+                tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None,
+                why_no_images: str | None = None) -> dict[str, Any] | None:
     """The PromptExample fields of one row (all but ``index``), or None when it is filtered as overlong."""
     images = load_row_images(row, where, config.image_key)
     if images and processor is None:
-        raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row, config.image_key)!r} "
-                         "column, but the model is text-only (it has no image processor); train a vision-language "
-                         "model (Qwen2.5-VL, Qwen3-VL) or drop that column")
+        raise images_refused(where, len(images), image_column(row, config.image_key), why_no_images)
     prompt = _checked_prompt(row, config.prompt_key, where, content_parts=processor is not None)
     if processor is not None:
         check_image_count(prompt, len(images), where)

@@ -62,6 +62,7 @@ from reinforge.data.multimodal import (
     check_image_count,
     image_column,
     image_inputs,
+    images_refused,
     load_image,
     load_row_images,
     row_image_sources,
@@ -272,7 +273,8 @@ class SFTDataset:
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
                  messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
-                 name: str = "train", processor: Any = None, image_key: str | None = None):
+                 name: str = "train", processor: Any = None, image_key: str | None = None,
+                 why_no_images: str | None = None):
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
         files = expand_data_files(files, f"data.{name}_files")
@@ -291,10 +293,8 @@ class SFTDataset:
                 num_rows += 1
                 where = f"row {row_number} of {path}"
                 images = load_row_images(row, where, image_key)
-                if images and processor is None:
-                    raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row, image_key)!r} "
-                                     "column, but the model is text-only (it has no image processor); train a "
-                                     "vision-language model or drop that column")
+                if images and processor is None:  # why_no_images: models.vision.why_no_images's words
+                    raise images_refused(where, len(images), image_column(row, image_key), why_no_images)
                 plain = plain_text_pair(row, messages_key)
                 if plain is not None:
                     if images:

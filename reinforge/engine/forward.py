@@ -37,7 +37,7 @@ from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_pad
 from reinforge.engine.packing import PackedRows, pack_rows, plan_of, unpack_responses, vision_model_kwargs
 from reinforge.models.architectures import architecture_spec
 from reinforge.models.head_probe import kept_final_softcap
-from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language
+from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language, vision_tower
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
 
@@ -230,12 +230,38 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
           image_tokens_as_text(model, packed.input_ids, text_tokens) as input_ids,
           image_embeddings_in_place(model, cached.image_mask, cached.embeddings, cached.deepstack)
           if cached is not None else contextlib.nullcontext()):
-        model(input_ids=input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
-              logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
-              **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
-    return _response_projection(model, captured[-1][0, packed.predictor_index], packed.response_targets,
+        output = model(input_ids=input_ids, attention_mask=_no_mask(model.config, device), use_cache=False,
+                       logits_to_keep=torch.empty(0, dtype=torch.long, device=device),
+                       **inputs, **_attention_kwargs(packed, layer_compute_dtype(model), model.config))
+    hidden = captured[-1][0, packed.predictor_index]
+    symmetric = _trained_tower_on_every_rank(model, inputs, output)
+    if symmetric is not None:
+        hidden = hidden + symmetric.to(hidden.dtype)
+    return _response_projection(model, hidden, packed.response_targets,
                                 lambda values: unpack_responses(values, packed), temperature, with_entropy,
                                 max_logits_bytes, with_sum_pi_squared)
+
+
+def _trained_tower_on_every_rank(model: nn.Module, inputs: dict, output) -> Tensor | None:
+    """A zero to add to the forward's output of a VLM whose vision tower trains, on one of several ranks (None
+    elsewhere): every rank's backward must run FSDP's collectives alike. The model's output holds the tower's
+    image features, so a rank whose rows hold images runs the root unit's pre-backward gather when their gradient
+    comes and gives the tower gradients, while a rank without images would do neither, and the two would wait on
+    each other for ever. The zero reads the output's (empty) logits, whose gradient comes first on every rank, and,
+    without images here, one entry of each trained tower parameter, which then gets a zero gradient."""
+    import torch.distributed as dist
+
+    if (not torch.is_grad_enabled() or not is_vision_language(model.config)
+            or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)):
+        return None
+    tower = vision_tower(model)
+    trained = [parameter for parameter in tower.parameters() if parameter.requires_grad] if tower is not None else []
+    if not trained:
+        return None
+    zero = output.logits.float().sum() * 0.0
+    if "pixel_values" not in inputs:
+        zero = zero + torch.stack([parameter.reshape(-1)[0].float() for parameter in trained]).sum() * 0.0
+    return zero
 
 
 def routed_token_weights(model: nn.Module, micro: Batch) -> Tensor:

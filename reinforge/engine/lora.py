@@ -107,12 +107,18 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
                     "adapters go on its linear layers %s", type(model).__name__, ", ".join(config.target_modules),
                     ", ".join(chosen.target_modules))
     config = chosen
+    from reinforge.models.vision import vision_tower
+
+    tower = vision_tower(model)
+    tower_trains = tower is not None and any(parameter.requires_grad for parameter in tower.parameters())
     try:
         with (torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []),
               _named_layers_only(model) if experts else contextlib.nullcontext()):
             torch.manual_seed(seed)
             peft_model = get_peft_model(model, _peft_config(config, base_model_path, model, head))
             _say_unmatched_targets(model, config)
+            if tower_trains:
+                _say_untrained_tower(tower, config)
             if head:
                 getattr(model, head).requires_grad_(True)
             return peft_model
@@ -133,6 +139,19 @@ def _say_unmatched_targets(model: nn.Module, config: LoraConfig) -> None:
     if missed and adapted:
         logger.warning("model.lora.target_modules names %s, which match no linear layer of this %s; its adapters "
                        "are on %s only", missed, type(model).__name__, ", ".join(sorted(adapted)))
+
+
+def _say_untrained_tower(tower: nn.Module, config: LoraConfig) -> None:
+    """One warning line when a vision tower left to train (``actor.freeze_vision_tower=false``) got no adapter: LoRA
+    freezes its weights, so it would train nothing (Qwen3-VL's tower names its layers qkv, proj, linear_fc1/2)."""
+    if any(hasattr(module, "lora_A") for module in tower.modules()):
+        return
+    names = sorted({name.rsplit(".", 1)[-1] for name, module in tower.named_modules() if isinstance(module, nn.Linear)
+                    and not name.rsplit(".", 1)[-1].isdigit()})
+    logger.warning("actor.freeze_vision_tower=false, but model.lora.target_modules=%s match no linear layer of the "
+                   "vision tower (%s): under LoRA it trains nothing; add some of its layers to model.lora.target_modules "
+                   "(or all-linear), or set actor.freeze_vision_tower=true to say so", list(config.target_modules),
+                   ", ".join(names))
 
 
 def linear_layer_names(model: nn.Module, head: str | None = None) -> list[str]:

@@ -94,11 +94,13 @@ def state_dict_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> dict[str,
 
 
 def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, *,
-                   dtype: torch.dtype | None = None) -> Path:
+                   dtype: torch.dtype | None = None, processor_files_from: str | Path | None = None) -> Path:
     """Save ``model`` (safetensors, in ``dtype`` or its own) and ``tokenizer`` into ``out_dir``, atomically.
 
     Writes config.json, generation_config.json (for models that generate), the weights and the
     tokenizer files. Call it from one process only. Returns ``out_dir``.
+    ``processor_files_from``: the model folder (or cached hub id) it was trained from, whose processor files the
+    folder keeps when ``tokenizer`` wrote none (``copy_processor_files``).
     """
     out_dir = Path(out_dir)
     state_dict = state_dict_in_dtype(model, dtype) if dtype is not None else None
@@ -108,7 +110,32 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
             use_portable_tokenizer_class(staging)
+        if processor_files_from:
+            copy_processor_files(processor_files_from, staging)
     return out_dir
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+"""The files of a model folder that configure its processor (its image processor, the processor's class)."""
+
+
+def copy_processor_files(source: str | Path, out_dir: Path) -> None:
+    """Copy the processor files of the model ``source`` (a folder, or a hub id in the local cache; nothing is
+    downloaded) into ``out_dir`` when it holds none: a multimodal wrapper trained on text alone (Gemma 3, Llava) saves
+    its tokenizer only, and its folder would otherwise lose the image processor it is used with."""
+    if any((out_dir / name).exists() for name in PROCESSOR_FILES):
+        return  # the processor was saved (a vision-language model reinforge trains on images)
+    for name in PROCESSOR_FILES:
+        if Path(source).expanduser().is_dir():
+            found = Path(source).expanduser() / name
+            found = found if found.is_file() else None
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(source), name)
+            found = Path(cached) if isinstance(cached, str) else None
+        if found is not None:
+            shutil.copyfile(found, out_dir / name)
 
 
 def prepare_config_for_inference(config_path: Path, dtype: torch.dtype | None) -> None:

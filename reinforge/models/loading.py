@@ -163,12 +163,29 @@ def _declared_model_type(path: str) -> str | None:
         return None
 
 
-def sdpa_or_eager(model_class: type | None, attn_implementation: str) -> str:
+def sdpa_or_eager(model_class: type | None, attn_implementation: str, config=None) -> str:
     """``attn_implementation``, except ``sdpa`` becomes ``eager`` for a model class that cannot run SDPA (Gemma 2,
-    whose soft-cap it cannot, MPT, Mamba)."""
-    if attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
+    whose soft-cap it cannot, MPT, Mamba), or whose ``config`` holds a sub-model that cannot (a multimodal wrapper's
+    language model: PaliGemma 2's Gemma 2, which transformers otherwise refuses to build)."""
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    if any(getattr(cls, "_supports_sdpa", True) is False for cls in (model_class, *sub_model_classes(config))):
         return "eager"
     return attn_implementation
+
+
+def sub_model_classes(config) -> list[type]:
+    """transformers' base model class of each sub-config of ``config`` (a multimodal wrapper's text and vision
+    configs) that has one; [] for a config without sub-configs or None."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    classes = []
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub_config = getattr(config, name, None)
+        model_class = MODEL_MAPPING.get(type(sub_config), None) if sub_config is not None else None
+        if isinstance(model_class, type):
+            classes.append(model_class)
+    return classes
 
 
 def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, mapping=None) -> str:
@@ -180,7 +197,7 @@ def attention_for(path: str, trust_remote_code: bool, attn_implementation: str, 
     model_class = (MODEL_FOR_CAUSAL_LM_MAPPING if mapping is None else mapping).get(type(config), None)
     if model_class is None and mapping is None:
         model_class = named_class(config)
-    return sdpa_or_eager(model_class, attn_implementation)
+    return sdpa_or_eager(model_class, attn_implementation, config)
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False,

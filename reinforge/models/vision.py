@@ -264,6 +264,34 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
     return processor
 
 
+IMAGE_ATTENTION_BOTH_WAYS = {
+    "gemma3": "its image tokens attend to each other both ways in transformers' forward (its token_type_ids mask)",
+    "paligemma": "its prompt's tokens, images included, attend to each other both ways in transformers' forward (its "
+                 "prefix mask)",
+}
+"""Vision-language families whose language model reads images through attention that is not causal, which
+reinforge's causal packed passes would silently get wrong."""
+
+
+def why_no_images(path: str | Path, trust_remote_code: bool = False) -> str:
+    """Why the model at ``path``, which ``processor_for`` gives no processor, takes no images, with the fix: the end of
+    the one line that refuses a row with images, before any model loads (``... has 1 image(s) ..., but {this}``)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    model_type = getattr(config, "model_type", None)
+    name = (getattr(config, "architectures", None) or [model_type])[0]
+    supported = "Qwen2-VL, Qwen2.5-VL and Qwen3-VL train on images"
+    if model_type in IMAGE_ATTENTION_BOTH_WAYS:
+        return (f"{path} is a {name}: {IMAGE_ATTENTION_BOTH_WAYS[model_type]}, which reinforge's causal packed "
+                f"passes do not reproduce; it trains on text-only prompts (drop that column), and {supported}")
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is not None:
+        return (f"{path} is a {name}, whose images reinforge does not place in its language model; it trains on "
+                f"text-only prompts (drop that column), and {supported}")
+    return f"{path} is a text-only model ({name}); drop that column, or train a vision-language model: {supported}"
+
+
 def language_model_spec(config):
     """The architecture table of a VLM's language model (its text config read as its text family's), or None."""
     import copy

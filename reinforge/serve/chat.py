@@ -41,13 +41,20 @@ def error_body(message: str, error_type: str = "invalid_request_error", code: st
 
 
 def text_of(content: Any) -> str:
-    """A message's content as text: a string, None, or a list of parts whose text parts are joined."""
+    """A message's content as text: a string, None, or a list of text parts, joined. Any other part (an image, audio,
+    a file) is refused: the endpoint passes the model token ids alone, and an answer without the image would read
+    as the answer to it."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise RequestError(f"message content part of type {kind!r} is not supported: this endpoint passes "
+                                   "the model text alone (no images, audio or files); send text parts only")
+        return "".join(part.get("text", "") for part in content)
     raise RequestError(f"message content of type {type(content).__name__} is not supported; send a string or a list "
                        "of text parts")
 

@@ -39,12 +39,14 @@ def evaluate(config: Config) -> dict[str, float]:
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)
     check_tools(config.rollout.multi_turn.format, tools)  # before the model loads, as train does
-    from reinforge.models.vision import processor_for
+    from reinforge.models.vision import processor_for, why_no_images
 
     processor = processor_for(config.model.path, config.model.trust_remote_code,
                               config.data.chat_template)
+    why = None if processor is not None else why_no_images(config.model.path, config.model.trust_remote_code)
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",
-                                    tool_schemas=[tool.schema for tool in tools.values()], processor=processor)
+                                    tool_schemas=[tool.schema for tool in tools.values()], processor=processor,
+                                    why_no_images=why)
     check_rows_can_be_scored(dataset, config.reward, custom_scorer)
     check_agent_rows(((dataset.where(example), example.agent_name, example.extra_info)
                       for example in dataset.examples), tools)

@@ -90,16 +90,25 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     config = AutoConfig.from_pretrained(hf_folder)
     classifier = any(name.endswith("ForSequenceClassification") for name in config.architectures or [])
     adapter_folder = folder / "adapter"
-    if (adapter_folder / "adapter_config.json").is_file():
-        return _export_lora(adapter_folder, state, tokenizer, Path(out_dir), dtype, config if classifier else None)
+    if (adapter_folder / "adapter_config.json").is_file():  # a VLM's folder keeps its processor, as hf/ does
+        return _export_lora(adapter_folder, state, load_processor(hf_folder) if is_vision_language(config) else
+                            tokenizer, Path(out_dir), dtype, config if classifier else None, hf_folder)
     # a reward model of `reinforge rm` stays a sequence classifier: its score head is in the state, no lm_head
     if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
         model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32)
         model.load_state_dict(state, strict=False)
         return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype)
-    model = (AutoModelForSequenceClassification if classifier else AutoModelForCausalLM).from_config(config)
-    model.load_state_dict(state)
-    return save_hf_folder(model, tokenizer, out_dir, dtype=dtype)
+    model_class = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    model = model_class.from_config(config)
+    if set(model.state_dict()) - set(state):  # frozen weights (a multimodal wrapper's tower, which text never reaches)
+        model = model_class.from_pretrained(hf_folder, dtype=torch.float32)  # are not in the state: hf/ holds them
+        unexpected = model.load_state_dict(state, strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"checkpoint {folder}'s actor_state.pt holds weights its hf/ model does not have "
+                             f"({', '.join(unexpected[:3])}, ...); it is not this run's checkpoint")
+    else:
+        model.load_state_dict(state)
+    return save_hf_folder(model, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
 
 
 def load_trained_weights(checkpoint: str | Path, model: torch.nn.Module) -> bool:
@@ -121,9 +130,11 @@ def load_trained_weights(checkpoint: str | Path, model: torch.nn.Module) -> bool
 
 
 def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokenizer, out_dir: Path,
-                 dtype: torch.dtype | None, classifier_config=None) -> Path:
+                 dtype: torch.dtype | None, classifier_config=None, hf_folder: Path | None = None) -> Path:
     """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters
     alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``).
+    ``tokenizer``: what the folder keeps beside the model (a vision-language model's processor); the processor
+    files of the checkpoint's ``hf_folder`` are kept too (``save_hf_folder``'s ``processor_files_from``).
     A reward model's (``classifier_config``: its hf/ config) is its base's backbone under the trained score head,
     which its state holds with the adapters."""
     scaling, base_path = read_adapter_config(adapter_folder)
@@ -134,6 +145,6 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
                                                                     dtype=torch.float32))
     state = base.state_dict() | adapters
     base.load_state_dict(merge_lora_weights(state, scaling, transposed_layers(base)))
-    save_hf_folder(base, tokenizer, out_dir, dtype=dtype)
+    save_hf_folder(base, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
     shutil.copytree(adapter_folder, out_dir / "adapter")  # written with actor_state.pt, from the same tensors
     return out_dir

@@ -44,7 +44,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
 from reinforge.models.reward_model import HEADS, check_reward_model
-from reinforge.models.vision import processor_for
+from reinforge.models.vision import processor_for, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
@@ -236,7 +236,9 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} trains a critic, and "
                           f"{config.model.path} is a vision-language model, whose critic reinforge does not build; "
                           "use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
-    train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas, processor=processor)
+    why = None if processor is not None else why_no_images(config.model.path, config.model.trust_remote_code)
+    train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas, processor=processor,
+                                      why_no_images=why)
     if not (model_score_source(config) is not None and config.reward.combine.mode == "replace"):  # else no rule scores
         check_rows_can_be_scored(train_set, config.reward, custom_scorer, reward_functions)
     check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
@@ -246,7 +248,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     val_set = None
     if config.data.val_files:
         val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas,
-                                        processor=processor)
+                                        processor=processor, why_no_images=why)
         check_rows_can_be_scored(val_set, config.reward, custom_scorer, reward_functions)
         check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
                           for example in val_set.examples), tools)

@@ -27,7 +27,13 @@ from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
-from reinforge.models.vision import image_token_mask, image_tokens_as_text, is_vision_language, processor_for
+from reinforge.models.vision import (
+    image_token_mask,
+    image_tokens_as_text,
+    is_vision_language,
+    processor_for,
+    why_no_images,
+)
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import preflight_sft
@@ -126,7 +132,8 @@ class SFTTrainer(SupervisedRun):
         dataset = SFTDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
                              messages_key=data.messages_key, chat_template=data.chat_template,
                              max_samples=max_samples, name=split, processor=self.processor,
-                             image_key=data.image_key)
+                             image_key=data.image_key, why_no_images=None if self.processor is not None else
+                             why_no_images(self.config.model.path, self.config.model.trust_remote_code))
         return pack_examples(dataset.examples, data.max_length) if data.packing else dataset.examples
 
     # ---- the step ---------------------------------------------------------------------
@@ -164,7 +171,8 @@ class SFTTrainer(SupervisedRun):
     # ---- the run ------------------------------------------------------------------------
     def write_checkpoint(self, folder: Path) -> None:
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
-        save_hf_folder(self.model, self.processor or self.tokenizer, folder / "hf")
+        save_hf_folder(self.model, self.processor or self.tokenizer, folder / "hf",
+                       processor_files_from=self.config.model.path)
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)

@@ -123,5 +123,5 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
         plain.tie_weights()
         if getattr(model, "generation_config", None) is not None:  # a classifier (a reward model) has none
             plain.generation_config = model.generation_config
-        save_hf_folder(plain, tokenizer, out_dir)
+        save_hf_folder(plain, tokenizer, out_dir, processor_files_from=base_model_path or None)
     barrier()

@@ -130,5 +130,7 @@ def test_an_image_from_a_tool_without_a_processor_is_refused_in_one_line(vlm):
     call = "<tool_call>\n" + json.dumps({"name": "crop", "arguments": {"x": 0, "y": 0, "size": 16}}) + "\n</tool_call>"
     engine = NativeEngine(model, eos_token_ids=[processor.tokenizer.eos_token_id], max_model_len=512, block_size=8,
                           max_num_seqs=4)
-    with pytest.raises(ValueError, match="no image processor"):
+    with pytest.raises(ValueError, match="a tool returned an image, but this model takes no images: it has no image "
+                                         "processor reinforge uses .a text model, or an image-text model reinforge "
+                                         "trains on text alone"):
         run_trajectory(vlm, FirstTurnScripted(processor.tokenizer, engine, call), image, processor_in_context=False)

@@ -71,6 +71,8 @@ def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 0 of F: 'margin' is 'big'"),
     ({"chosen": [{"role": "assistant", "content": 3}], "rejected": [{"role": "assistant", "content": "b"}]},
      "message 0 (assistant) of 'chosen' of row 0 of F has a 'content' of type int"),
+    ({"prompt": "<image>What color?", "chosen": "red", "rejected": "blue", "images": ["picture.png"]},
+     "row 0 of F has 1 image(s) in its 'images' column; reinforge rm and dpo train on text alone"),
 ])
 def test_malformed_rows_are_refused_in_one_line_naming_the_row_and_column(tmp_path, row, message):
     path = tmp_path / "pairs.jsonl"

@@ -217,6 +217,9 @@ def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic
     tokenizer = build_char_tokenizer()
     model = gemma3_vision_language(2.0, vocab_size=len(tokenizer) + 3)
     model_dir = save_hf_folder(model, tokenizer, tmp_path / "gemma3")
+    processor = {"processor_class": "Gemma3Processor", "image_seq_length": 4,
+                 "image_processor": {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 28, "width": 28}}}
+    (model_dir / "processor_config.json").write_text(json.dumps(processor))  # its image processor, text never uses
     args = {"model.path": model_dir, "data.train_files": f"[{arithmetic_data_dir / 'train.parquet'}]",
             "data.train_batch_size": 2, "data.max_prompt_length": 64, "data.max_response_length": 12,
             "rollout.n": 2, "rollout.name": "native", "trainer.output_dir": tmp_path / "run",
@@ -236,6 +239,13 @@ def test_a_vision_language_gemma3_rolls_out_text_on_the_native_engine(arithmetic
     assert language and tower
     assert sum(not torch.equal(trained[name], initial[name]) for name in language) > len(language) // 2
     assert all(torch.equal(trained[name], initial[name]) for name in tower)
+    # the checkpoint and its export are model folders of the whole wrapper, the tower (not in the training state,
+    # which holds what trains) and the processor files included
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    assert exported.keys() == trained.keys() and all(torch.equal(exported[name], trained[name]) for name in trained)
+    for folder in (hf, tmp_path / "exported"):
+        assert json.loads((folder / "processor_config.json").read_text()) == processor
 
 
 @pytest.mark.parametrize("arch", ["gemma2", SINKS])

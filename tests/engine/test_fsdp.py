@@ -283,3 +283,53 @@ def test_an_update_that_keeps_the_parameters_gathered_gathers_and_reduces_once_a
     assert kept_norm == pytest.approx(plain_norm, rel=1e-6)
     for name, tensor in plain.items():
         torch.testing.assert_close(kept[name], tensor, atol=0, rtol=0, msg=name)
+
+
+VISION_RANK = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_vlm_packing import vlm, vlm_batch
+    from reinforge.engine.distributed import init_distributed
+    from reinforge.engine.forward import response_log_probs
+    from reinforge.engine.fsdp import shard_model
+    from reinforge.engine.packing import attach_plan
+    from reinforge.models.tiny_vlm import build_tiny_processor
+    from reinforge.models.vision import freeze_vision_tower
+    from reinforge.protocol import MULTI_MODAL_KEY
+
+    def gradients(model, rank, world_size):
+        batch = vlm_batch(build_tiny_processor("qwen2_5_vl"))
+        with_images = [bool(inputs) for inputs in batch[MULTI_MODAL_KEY]]
+        rows = [row for row in range(len(batch)) if world_size == 1 or with_images[row] == (rank == 0)]
+        micro = attach_plan(batch.index(rows), share_prompts=True)
+        log_probs, _ = response_log_probs(model, micro)
+        (log_probs * micro["advantages"]).sum().backward()
+        return {{name: parameter.grad for name, parameter in model.named_parameters()}}
+""")
+
+
+def test_two_ranks_train_the_vision_tower_when_only_one_ranks_rows_hold_images(tmp_path):
+    """The tower's image features are in the model's output: a rank with images runs FSDP's pre-backward gather and
+    reduces tower gradients, one without would do neither, and the two waited on each other for ever. Both now run
+    the same collectives, and the gradients are one process's."""
+    source = VISION_RANK.format(tests=str(REPO / "tests" / "engine"))
+    script = tmp_path / "vision.py"
+    script.write_text(source + textwrap.dedent("""
+        rank, world_size = init_distributed("gloo")
+        model = vlm("qwen2_5_vl", seed=1)
+        freeze_vision_tower(model, False)
+        shard_model(model, torch.device("cpu"))
+        grads = {name: grad.full_tensor() for name, grad in gradients(model, rank, world_size).items()}
+        if rank == 0:
+            torch.save(grads, sys.argv[1])
+    """))
+    run_gloo_ranks(script, str(tmp_path / "two.pt"))
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    namespace: dict = {}
+    exec(source, namespace)
+    model = namespace["vlm"]("qwen2_5_vl", seed=1)
+    namespace["freeze_vision_tower"](model, False)
+    one = namespace["gradients"](model, 0, 1)
+    assert any(".visual." in name for name in one)
+    for name, grad in one.items():  # FSDP averages the ranks' gradients
+        torch.testing.assert_close(two[name] * 2, grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -269,6 +269,25 @@ def test_a_frozen_vision_tower_gets_no_adapters_and_a_trained_one_does(frozen):
     assert bool(trained_in_tower) is not frozen
 
 
+@pytest.mark.parametrize("targets", [None, ["all-linear"]], ids=["default-targets", "all-linear"])
+def test_a_trained_tower_that_the_targets_miss_is_said_to_train_nothing(targets, caplog):
+    """Qwen3-VL's tower names its linear layers qkv, proj, linear_fc1/2, which the default targets miss: LoRA freezes
+    its weights, so actor.freeze_vision_tower=false would train nothing in it without a word."""
+    from reinforge.models.tiny_vlm import build_tiny_vlm
+    from reinforge.models.vision import freeze_vision_tower
+
+    model = build_tiny_vlm("qwen3_vl")
+    freeze_vision_tower(model, False)
+    with caplog.at_level("WARNING"):
+        add_lora(model, LoraConfig(rank=4, **({"target_modules": targets} if targets else {})))
+    in_tower = [name for name, parameter in model.named_parameters() if ".visual." in name and parameter.requires_grad]
+    assert bool(in_tower) is bool(targets)
+    said = "actor.freeze_vision_tower=false, but model.lora.target_modules=" in caplog.text
+    assert said is not bool(targets)
+    if said:
+        assert "match no linear layer of the vision tower (linear_fc1, linear_fc2, proj, qkv)" in caplog.text
+
+
 def test_a_deepseek_adapter_folder_names_what_was_adapted_and_serve_merges_every_adapter(tmp_path, monkeypatch):
     """peft on transformers 5 loads a DeepSeek folder's gate/up/down adapters into the fused experts; the folder names
     only the layers adapted, its base by an absolute path, and ``reinforge serve ADAPTER`` merges it by name."""

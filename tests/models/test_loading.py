@@ -139,3 +139,21 @@ def test_gemma2_loads_with_eager_where_sdpa_cannot_soft_cap(tmp_path):
     assert model.config._attn_implementation == "eager"
     qwen = load_causal_lm(str(save_tiny_model(tmp_path / "qwen2")), dtype=torch.float32, device="cpu")
     assert qwen.config._attn_implementation == "sdpa"
+
+
+def test_a_multimodal_wrapper_of_gemma2_loads_with_eager_where_sdpa_cannot_soft_cap(tmp_path):
+    """PaliGemma 2's language model is Gemma 2: transformers refuses to build it with sdpa, so the whole model loads
+    with eager (its text-only prompts then train like any other model's)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from reinforge.models.tiny import tiny_config
+
+    text = tiny_config("gemma2", vocab_size=64, num_layers=1).to_dict()
+    tower = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, image_size=28, patch_size=14)
+    config = AutoConfig.for_model("paligemma", text_config=text, vision_config=tower, image_token_index=63,
+                                  projection_dim=64, hidden_size=64, architectures=["PaliGemmaForConditionalGeneration"])
+    AutoModelForImageTextToText.from_config(config, attn_implementation="eager").save_pretrained(tmp_path / "pg")
+    model = load_causal_lm(str(tmp_path / "pg"), dtype=torch.float32, device="cpu")
+    assert type(model).__name__ == "PaliGemmaForConditionalGeneration"
+    assert model.config.text_config._attn_implementation == "eager"

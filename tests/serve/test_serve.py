@@ -320,7 +320,7 @@ def test_a_failed_request_leaves_the_native_engine_serving_the_next(tiny_model_d
     assert len(first) == len(second) == 3
 
 
-def test_prompts_out_of_the_vocabulary_and_top_logprobs_out_of_range_are_answered_as_openai_does(tool_tokenizer):
+def test_prompts_out_of_the_vocabulary_top_logprobs_out_of_range_and_image_parts_are_answered_as_openai_does(tool_tokenizer):
     service = GenerationService(TextClient(tool_tokenizer, "H7ab"), tool_tokenizer, "scripted",
                                 codec=ChatCodec(tool_tokenizer), max_model_len=4096,
                                 eos_token_ids=(tool_tokenizer.eos_token_id,), vocab_size=len(tool_tokenizer))
@@ -336,6 +336,14 @@ def test_prompts_out_of_the_vocabulary_and_top_logprobs_out_of_range_are_answere
                 client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], **options)
         with pytest.raises(openai.BadRequestError, match="logprobs=21 is out of range"):
             client.completions.create(model="x", prompt="hi", logprobs=21)
+        picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+        with pytest.raises(openai.BadRequestError, match="content part of type 'image_url' is not supported: this "
+                                                         "endpoint passes the model text alone"):
+            client.chat.completions.create(model="x", messages=[{"role": "user", "content": [
+                picture, {"type": "text", "text": "What is in the picture?"}]}])
+        reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": [
+            {"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}])
+        assert reply.choices[0].message.content == "H7ab"
     finally:
         served.close()
 

@@ -67,3 +67,66 @@ def test_an_unknown_key_is_refused_before_torch_is_imported(command, key):
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.stdout.split() == ["2", "False"], result.stderr
     assert result.stderr.startswith(f"error: unknown key {key} (command line); ")
+
+
+def image_text_config(model_type: str, vocab_size: int):
+    """A tiny config of an image-text family reinforge does not train on images (its text model: 1 layer)."""
+    from transformers import AutoConfig
+
+    from reinforge.models.tiny import tiny_config
+
+    text_family = {"gemma3": "gemma3_text", "llava": "llama"}[model_type]
+    text = tiny_config(text_family, vocab_size=vocab_size, num_layers=1).to_dict()
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                 patch_size=14)
+    if model_type == "gemma3":
+        return AutoConfig.for_model("gemma3", text_config=text, vision_config=tower, mm_tokens_per_image=4,
+                                    image_token_index=vocab_size - 1, boi_token_index=vocab_size - 3,
+                                    eoi_token_index=vocab_size - 2, architectures=["Gemma3ForConditionalGeneration"])
+    return AutoConfig.for_model("llava", text_config=text, image_token_index=vocab_size - 1,
+                                vision_config={"model_type": "clip_vision_model", **tower},
+                                architectures=["LlavaForConditionalGeneration"])
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("gemma3", "is a Gemma3ForConditionalGeneration: its image tokens attend to each other both ways in transformers' "
+               "forward (its token_type_ids mask), which reinforge's causal packed passes do not reproduce; it trains "
+               "on text-only prompts (drop that column)"),
+    ("llava", "is a LlavaForConditionalGeneration, whose images reinforge does not place in its language model; it "
+              "trains on text-only prompts (drop that column)"),
+    ("qwen2", "is a text-only model (Qwen2ForCausalLM); drop that column"),
+], ids=("gemma3", "llava", "text"))
+def test_rows_with_images_for_a_model_that_takes_none_are_refused_naming_the_model(rl_args, tiny_model_dir, tmp_path,
+                                                                                   capsys, model_type, why):
+    """A vision-language family whose images reinforge does not train (Gemma 3's image tokens attend both ways in its
+    language model, which the causal packed passes would silently get wrong), and a text model: one line before any
+    model loads, naming the row, the model, why and the fix, for RL and SFT rows alike."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from reinforge.models import load_tokenizer
+
+    model_dir = tiny_model_dir
+    if model_type != "qwen2":
+        tokenizer = load_tokenizer(tiny_model_dir)
+        model_dir = tmp_path / model_type
+        image_text_config(model_type, len(tokenizer) + 3).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    picture = io.BytesIO()
+    Image.new("RGB", (28, 28), (200, 10, 10)).save(picture, format="PNG")
+    images = [{"bytes": picture.getvalue(), "path": None}]
+    data = tmp_path / "images.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "arithmetic", "prompt": [
+        {"role": "user", "content": "<image>How many?"}], "images": images, "reward_model": {"ground_truth": "1"},
+        "messages": [{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "1"}]}]), data)
+    expected = f"error: row 0 of {data} has 1 image(s) in its 'images' column, but {model_dir} {why}"
+    assert main(["train", *rl_args(tmp_path / "run", **{"model.path": model_dir, "data.train_files": f"[{data}]"})]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(expected) and "\n" not in line
+    assert main(["sft", f"model.path={model_dir}", f"data.train_files=[{data}]",
+                 f"trainer.output_dir={tmp_path / 'sft'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected)
+    assert not (tmp_path / "run").exists()

@@ -20,6 +20,7 @@ from test_rl_trainer import (  # noqa: E402
     train_in_a_process,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 LORA = {"model.lora.rank": 32, "model.lora.alpha": 64, "actor.optim.lr": 2e-2}
 
 
@@ -114,3 +115,30 @@ def test_lora_in_one_step_off_mode(tiny_model_dir, arithmetic_data_dir, tmp_path
     assert main(["train", *args]) == 0
     rows = read_metrics(run_dir)
     assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0]
+
+
+def test_a_vision_language_lora_run_exports_a_model_folder_with_its_processor(tmp_path):
+    """The merged export of a LoRA run on a VLM keeps the processor beside the model, as the checkpoint's hf/ does:
+    it is a model folder the next run (and transformers) loads, images and all."""
+    from reinforge.demo.vision_task import VisionDemoTask
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.models.vision import load_processor
+
+    model_dir = save_tiny_vlm(tmp_path / "vlm", "qwen2_5_vl")
+    files = VisionDemoTask(num_train=2, num_test=1, num_sft=1).write(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    args = {"model.path": model_dir, "data.train_files": f"[{files['train']}]", "data.train_batch_size": 2,
+            "data.max_prompt_length": 64, "data.max_response_length": 2, "rollout.n": 2, "model.lora.rank": 4,
+            "trainer.output_dir": run_dir, "trainer.total_steps": 1, "trainer.val_before_train": False,
+            "trainer.loggers": "[jsonl]", "reward.num_workers": 0, "actor.entropy_coeff": 0.5, "actor.optim.lr": 1e-2,
+            "reward.custom_function": f"{REPO / 'reinforge/demo/vision_reward.py'}:compute_score"}
+    assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), str(out)]) == 0
+    processor = load_processor(out)
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor" and (out / "adapter" / "adapter_config.json").is_file()
+    from transformers import AutoModelForImageTextToText
+
+    [checkpoint_hf] = run_dir.glob("checkpoints/*/hf")
+    merged, saved = (AutoModelForImageTextToText.from_pretrained(folder).state_dict() for folder in (out, checkpoint_hf))
+    assert all(torch.equal(merged[name], saved[name]) for name in saved)

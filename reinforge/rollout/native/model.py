@@ -94,8 +94,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     config = text_config(model.config)
     spec = native_architecture_spec(model.config)
     if spec is None:
-        return (f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) has no entry in the "
-                "architecture table (reinforge/models/architectures.py)")
+        return (f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}) has no entry in "
+                "the architecture table (reinforge/models/architectures.py)")
     if is_vision_language(model.config):
         reason = multimodal_unsupported_reason(model)
         if reason is not None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from reinforge.engine.forward import build_position_ids
-from reinforge.protocol import Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import SamplingParams
 
 
@@ -92,7 +92,8 @@ def groups_from_prompts(prompts: Batch, first_position: int, n: int,
 
 def run_segment(generate: Callable[[Batch, SamplingParams], Batch], groups: list[PromptGroup],
                 sampling: SamplingParams, segment_tokens: int, version: int, pad_token_id: int) -> int:
-    """Extend every unfinished sample of ``groups`` by up to ``segment_tokens`` tokens; returns tokens made."""
+    """Extend every unfinished sample of ``groups`` by up to ``segment_tokens`` tokens; returns tokens made. A
+    vision-language prompt's images (its ``MULTI_MODAL_KEY`` column) go with every request, as in sync mode."""
     work = [(group, sample) for group in groups for sample in group.samples if not sample.finished]
     if not work:
         return 0
@@ -108,6 +109,9 @@ def run_segment(generate: Callable[[Batch, SamplingParams], Batch], groups: list
         non_tensors={"uid": [f"{group.uid}#{sample.sample_index}" for group, sample in work],
                      "request_seed": [group.request_seed for group, _ in work],
                      "sample_index": [sample.sample_index for _, sample in work]})
+    if any(MULTI_MODAL_KEY in group.columns for group, _ in work):  # a vision-language prompt's pixels and grids
+        batch.non_tensors[MULTI_MODAL_KEY] = _repeated_rows([group.columns.get(MULTI_MODAL_KEY) or {}
+                                                             for group, _ in work])
     if any(sample.budget is not None for _, sample in work):
         batch.non_tensors["max_tokens"] = np.array(
             [min(segment_tokens, limit(sample, sampling) - len(sample.tokens)) for _, sample in work], dtype=object)
@@ -151,6 +155,14 @@ def group_batch(group: PromptGroup, response_length: int, pad_token_id: int) -> 
                  "finished_by_stop": torch.tensor([sample.stopped for sample in group.samples]),
                  "token_versions": versions},
         non_tensors={key: _repeated(value, n) for key, value in group.columns.items()})
+
+
+def _repeated_rows(values: list[Any]) -> np.ndarray:
+    """``values`` as an object column, one item a row (dicts stay dicts)."""
+    column = np.empty(len(values), dtype=object)
+    for row, value in enumerate(values):
+        column[row] = value
+    return column
 
 
 def _repeated(value: Any, n: int) -> np.ndarray:

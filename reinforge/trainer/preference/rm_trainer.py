@@ -79,7 +79,7 @@ def _classifier_attention(path: str, trust_remote_code: bool, attn_implementatio
                          "sequence-classification class (AutoModelForSequenceClassification); reinforge rm trains "
                          "a one-label head on that class, so start from a model of a family that has one (Llama, "
                          "Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
-    return sdpa_or_eager(model_class, attn_implementation)
+    return sdpa_or_eager(model_class, attn_implementation, config)
 
 
 class RewardModelTrainer(PreferenceRun):

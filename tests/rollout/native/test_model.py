@@ -116,3 +116,19 @@ def test_kept_on_sleep_the_copies_and_cache_stay_and_follow_the_model(tiny):
     after = engine.generate([GenerationRequest(prompt, greedy)])[0][0].token_ids
     assert after == tiny.hf_greedy(model, prompt, 8) and after != before
     assert engine.runner.kv_cache is kv_cache and engine.runner.decoder.parameter_pointers() == pointers
+
+
+def test_a_multimodal_wrapper_outside_the_table_is_named_by_its_own_model_type():
+    """Llava's language model is a Llama, which the table has; the wrapper is what the engine does not run."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from reinforge.models.tiny import tiny_config
+    from reinforge.rollout.native.model import unsupported_reason
+
+    tower = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=2, image_size=28, patch_size=14)
+    config = AutoConfig.for_model("llava", text_config=tiny_config("llama", vocab_size=64, num_layers=1).to_dict(),
+                                  vision_config=tower, image_token_index=63)
+    assert unsupported_reason(AutoModelForImageTextToText.from_config(config)) == (
+        "LlavaForConditionalGeneration (model_type 'llava') has no entry in the architecture table "
+        "(reinforge/models/architectures.py)")

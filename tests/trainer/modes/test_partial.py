@@ -87,3 +87,31 @@ def test_a_sync_between_segments_resumes_samples_under_the_new_weights(setup):
     assert new_part.any() and old_part.any()
     torch.testing.assert_close(rows["rollout_log_probs"][new_part], current[new_part], rtol=0, atol=1e-4)
     assert (rows["rollout_log_probs"][old_part] - current[old_part]).abs().max() > 1e-3
+
+
+def test_a_vision_language_prompts_segments_see_its_images_as_sync_mode_does(tmp_path):
+    """Every segment's request carries its prompt's pixels: the samples are sync mode's, which see the images."""
+    from reinforge.demo.vision_task import VisionDemoTask
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.models.vision import processor_for
+    from reinforge.protocol import MULTI_MODAL_KEY
+
+    model_dir = save_tiny_vlm(tmp_path / "vlm", "qwen2_5_vl")
+    files = VisionDemoTask(num_train=2, num_test=1, num_sft=1).write(tmp_path / "data")
+    config = load_config(None, [f"model.path={model_dir}", f"data.train_files=[{files['train']}]",
+                                "data.max_prompt_length=64", f"data.max_response_length={RESPONSE}", "rollout.n=2",
+                                "trainer.mode=async", "data.train_batch_size=2"])
+    tokenizer = load_tokenizer(str(model_dir))
+    dataset = RLDataset.from_config(config.data, tokenizer, split="train", processor=processor_for(model_dir))
+    prompts = next(iter(PromptLoader.for_training(dataset, config.data, get_pad_token_id(tokenizer))))
+    assert all(images["pixel_values"].numel() for images in prompts[MULTI_MODAL_KEY])
+    worker = ActorRolloutWorker(config, 4)
+    groups = make_groups(prompts, n=2)
+    for version in range(RESPONSE // 4):
+        run_segment(generate_with(worker), groups, SAMPLING, 4, version=version, pad_token_id=tokenizer.pad_token_id)
+    sync = worker.generate(prompts.repeat(2), SAMPLING, 7)
+    for row, sample in enumerate(sample for group in groups for sample in group.samples):
+        length = int(sync["response_mask"][row].sum())
+        assert sample.tokens == sync["responses"][row, :length].tolist()
+        torch.testing.assert_close(torch.tensor(sample.log_probs), sync["rollout_log_probs"][row, :length], rtol=0,
+                                   atol=1e-5)
