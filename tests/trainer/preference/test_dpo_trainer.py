@@ -43,6 +43,13 @@ def test_dpo_starts_at_its_reference_and_logs_trls_metrics(pair_args, pairs_dir,
     assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"] - last["rewards/rejected"], abs=1e-6)
     assert last["train/loss"] < first["train/loss"]
 
+    # stopped before its first checkpoint: the rerun starts over, reads the reference back and logs the same lines
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(["dpo", *pair_args(run_dir, **{"data.val_files": f"[{pairs_dir / 'val.jsonl'}]"})]) == 0
+    again = metrics_of(run_dir)
+    assert [sorted(record) for record in again] == [sorted(record) for record in (before, first, last)]
+    assert again[1]["timing_s/reference_pass"] == first["timing_s/reference_pass"]
+
 
 def test_a_pair_runs_its_prompt_once_and_scores_as_its_two_sequences_apart(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
