@@ -287,6 +287,7 @@ def test_a_full_disk_at_the_start_names_the_path_and_the_fix_before_any_model_lo
         "free space on its disk, or set trainer.output_dir to a folder on another disk, and run the same command again")
     assert not loaded
     assert not (run_dir / ".lock").exists()  # a later run is not kept out by a lock of this one
+    assert not list(run_dir.glob("*.tmp"))  # nor part of a file left
 
 
 def test_a_full_disk_at_the_loggers_start_or_on_resume_names_the_file(rl_args, tmp_path, capsys, monkeypatch):
