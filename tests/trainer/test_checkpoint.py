@@ -176,3 +176,7 @@ def test_resuming_from_another_runs_checkpoint_keeps_this_runs_newer_ones_aside(
     assert sorted(path.name for path in this_run.root.glob("*.superseded")) == ["step_000002.superseded",
                                                                               "step_000003.superseded"]
     assert "not written over" in caplog.text
+    with pytest.raises(CheckpointError) as error:  # the other run's folder named instead of one of its checkpoints
+        this_run.resolve(str(tmp_path / "other"))
+    assert str(error.value) == (f"trainer.resume={tmp_path / 'other'} is a run folder, not a checkpoint; pass its "
+                                f"latest checkpoint, trainer.resume={other.root / 'step_000001'}")
