@@ -55,7 +55,7 @@ PairScore = Callable[[torch.nn.Module, Batch], Tensor]
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.prompt_key", "data.chosen_key",
                   "data.rejected_key", "data.margin_key", "data.chat_template", "data.batch_size", "data.max_length",
                   "data.truncation", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed",
-                  "dpo.reference_path")
+                  "dpo.reference_path", "model.lora.rank", "model.lora.target_modules")
 """Settings a resumed rm or dpo run may not change: the checkpoint's weights or data order would not fit them."""
 
 

@@ -235,7 +235,7 @@ def test_lora_adapters_that_match_no_layer_are_refused_before_the_model_loads(pa
 
 
 @pytest.mark.slow
-def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path):
+def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path, capsys):
     lora = {"model.lora.rank": 4, "model.lora.alpha": 8, "optim.lr": 1e-2, "trainer.total_steps": 4}
     straight = tmp_path / "straight"
     assert main(["dpo", *pair_args(straight, **lora)]) == 0
@@ -246,6 +246,11 @@ def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path):
     assert main(["dpo", *args]) == 0
     for a, b in zip(metrics_of(straight), metrics_of(resumed), strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+    capsys.readouterr()
+    for changed, named in ((8, "model.lora.rank: 4 -> 8"), (0, "model.lora.rank: 4 -> 0")):  # adapters the state lacks
+        assert main(["dpo", *pair_args(resumed, **{**lora, "model.lora.rank": changed})]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert named in line and "cannot take" in line
 
 
 def test_validation_scores_pairs_with_the_training_forward_to_the_metrics_of_a_no_grad_pass(pair_args, pairs_dir,
