@@ -466,5 +466,9 @@ def save_config(config: Any, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(path.suffix + ".tmp")
-    temporary.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
-    temporary.replace(path)
+    try:
+        temporary.write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        temporary.replace(path)
+    except BaseException:  # a full disk: no part of a file is left beside the config.yaml it would have replaced
+        temporary.unlink(missing_ok=True)
+        raise

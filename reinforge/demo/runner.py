@@ -114,9 +114,13 @@ def check_free_disk(run_dir: Path, required_mb: int = REQUIRED_FREE_MB) -> None:
 
 
 def prepare_run_dir(run_dir: Path, fresh: bool, total_steps: int) -> str:
-    """Make ``run_dir`` ready and say what happened to an earlier run there (one line, or '')."""
+    """Make ``run_dir`` ready and say what happened to an earlier run there (one line, or ''). A folder that a live
+    run holds (its ``.lock``) is left as it is: ``RunFolderInUse`` names the run."""
     if not run_dir.exists():
         return ""
+    from reinforge.trainer.run_folder import RunLock
+
+    RunLock(run_dir).acquire().release()  # before anything of the folder is moved or removed
     latest = _latest_step(run_dir)
     if (run_dir / RESULT_FILE).is_file() or (latest is not None and latest >= total_steps):
         previous = run_dir.with_name(run_dir.name + "-previous")

@@ -236,6 +236,11 @@ class CheckpointManager:
         if resume != "auto":
             folder = Path(resume)
             problem = checkpoint_problem(folder)
+            if problem is not None and (folder / "checkpoints").is_dir():  # a run folder, not one of its checkpoints
+                latest = CheckpointManager(folder, keep_last=1).latest()
+                fix = (f"pass its latest checkpoint, trainer.resume={latest}" if latest is not None
+                       else f"it has no complete checkpoint in {folder / 'checkpoints'}")
+                raise CheckpointError(f"trainer.resume={resume} is a run folder, not a checkpoint; {fix}")
             if problem is not None:
                 raise CheckpointError(f"trainer.resume={resume} is not a usable checkpoint: {problem}; "
                                       f"checkpoints live in {self.root}/step_*")

@@ -438,9 +438,10 @@ STOP_WAIT_S = 2.0
 """After SIGTERM or Ctrl-C, how long a worker's running call (a step, a batch of slow scorers) may take to end."""
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "critic.enable", "algorithm.adv_estimator",
-                  "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.shuffle", "data.seed",
-                  "data.max_train_samples", "data.max_prompt_length", "data.filter_overlong_prompts",
-                  "trainer.seed", "trainer.mode", "model.lora.rank", "model.lora.target_modules")
+                  "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.gen_batch_size",
+                  "data.shuffle", "data.seed", "data.max_train_samples", "data.max_prompt_length",
+                  "data.filter_overlong_prompts", "trainer.seed", "trainer.mode", "model.lora.rank",
+                  "model.lora.target_modules")
 """Settings a resumed run may not change: the checkpoint's weights, data order or algorithm would not fit them."""
 
 

@@ -3,7 +3,9 @@
 A failed write there (a full disk, a folder this user cannot write) is one line naming the path and the fix
 (``tracking.jsonl.write_failure``). ``RunLock`` keeps a second run off a folder that a live process is using (``RUN/.lock`` holds
 its pid and, on Linux, the process's start time; a lock left by a dead process, or naming a pid
-that now belongs to a process started later, is taken over with a warning). ``config_changes`` lists
+that now belongs to a process started later, is taken over with a warning; two runs starting at once never both
+hold it: an empty lock is one whose run is about to write its pid, and a stale one is moved aside and checked
+before it counts as taken over). ``config_changes`` lists
 the settings that differ between a checkpoint's run and this one: settings the trainer reads
 as it goes (sampling, loss coefficients, the optimizer's hyperparameters, which the workers
 re-apply after loading the optimizer state, the step count) take effect and are recorded in
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ from reinforge.tracking.jsonl import write_failure
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+LOCK_WRITE_S = 1.0
+"""How long a run may take between creating its lock and writing its pid there."""
 _HELD: set[Path] = set()
 """Run folders locked by this process (a lock naming our own pid is live only if listed here)."""
 
@@ -93,7 +98,7 @@ class RunLock:
 
     def _take_over_if_stale(self) -> None:
         try:
-            text = self.path.read_text().strip()
+            text = self._written_lock()
         except FileNotFoundError:
             return
         words = text.split()
@@ -105,8 +110,32 @@ class RunLock:
         if in_use:
             raise RunFolderInUse(f"run folder {self.path.parent} is in use by pid {pid} ({self.path}); wait for that "
                                  "run to end or stop it, or pass another trainer.output_dir")
-        logger.warning("taking over %s, left by pid %s, which is no longer running", self.path, text or "?")
-        self.path.unlink(missing_ok=True)
+        # moved aside first, then checked: another run may have taken the stale lock over since it was read
+        aside = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if aside.read_text().strip() != text:  # that run's lock now: it goes back, and the next try reads it
+                try:
+                    os.link(aside, self.path)
+                except FileExistsError:
+                    pass
+                except OSError:  # a file system without hard links
+                    os.replace(aside, self.path)
+                return
+            logger.warning("taking over %s, left by pid %s, which is no longer running", self.path, text or "?")
+        finally:
+            aside.unlink(missing_ok=True)
+
+    def _written_lock(self) -> str:
+        """The lock's text. A lock is created, then written: an empty one is read again for up to ``LOCK_WRITE_S``,
+        until its run has written its pid; still empty, it was left by a run that died in between."""
+        deadline = time.monotonic() + LOCK_WRITE_S
+        while not (text := self.path.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return text
 
     def release(self) -> None:
         if self._finalizer is not None:

@@ -254,12 +254,17 @@ class TrainingRun:
         """The data ran out inside step ``self.step + 1``: step ``self.step`` becomes the final one.
 
         It is validated and saved now unless its cadence did that already (or its checkpoint is the one this
-        run resumed from), so the run ends with its final checkpoint and metrics, as after its last step; the
-        checkpoint holds the loader at the end of the data, so resuming it trains nothing. A run that trained
-        no step fails: exiting 0 would pass off an empty run folder as a trained model."""
+        run resumed from), so the run ends with its final checkpoint and metrics, as after its last step; a
+        checkpoint saved now holds the loader at the end of the data, so resuming it trains nothing. One its
+        cadence saved holds the loader before the dropped step: a rerun draws that step's batches again and
+        ends here again, logging nothing twice (the step's final line is already in ``metrics.jsonl``). A run
+        that trained no step fails: exiting 0 would pass off an empty run folder as a trained model."""
         if self.step == 0:
             raise NothingTrained(f"nothing was trained (the first step was not complete): {exhausted}; {exhausted.fix}")
         logger.info("the run ends after step %d (of at most %d): %s", self.step, self.total_steps, exhausted)
+        logged = self.logged_metrics(self.step)
+        if "training/data_used_up" in logged:  # a rerun of this run, resumed from its final step's checkpoint
+            return last_metrics or logged
         final = {"training/data_used_up": 1.0}
         if not (test_every > 0 and self.step % test_every == 0):
             final |= self.validate()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from reinforge.demo import runner
 from reinforge.demo.runner import DemoError, DemoSettings, check_free_disk, check_model, prepare_run_dir, run_demo
 from reinforge.demo.task import MODEL_CARD, MODEL_DIR, DemoTask
+from reinforge.trainer.run_folder import RunFolderInUse
 
 
 @pytest.fixture
@@ -87,6 +90,14 @@ def test_fresh_and_checkpointless_runs_start_over(tmp_path):
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     assert "before its first checkpoint" in prepare_run_dir(run_dir, fresh=False, total_steps=10)
     fake_checkpoint(run_dir, 4)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:  # a demo still running there keeps its folder
+        (run_dir / ".lock").write_text(f"{holder.pid}\n")
+        with pytest.raises(RunFolderInUse, match=f"in use by pid {holder.pid}"):
+            prepare_run_dir(run_dir, fresh=True, total_steps=10)
+        assert (run_dir / "checkpoints" / "step_000004").is_dir()
+    finally:
+        holder.communicate(b"")
     assert "--fresh" in prepare_run_dir(run_dir, fresh=True, total_steps=10)
     assert not run_dir.exists()
 

@@ -7,11 +7,13 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from reinforge.trainer import run_folder
 from reinforge.trainer.checkpoint import CheckpointError, CheckpointManager, checkpoint_problem
 from reinforge.trainer.run_folder import RunFolderInUse, RunLock, config_changes
 
@@ -140,6 +142,36 @@ def test_a_second_run_on_a_locked_folder_is_refused_and_a_dead_owner_is_taken_ov
     assert not (tmp_path / ".lock").exists()
 
 
+def test_a_lock_its_run_has_not_written_yet_or_one_taken_over_meanwhile_is_not_taken_over(tmp_path, monkeypatch):
+    """Two runs starting on one folder at once: a lock is created, then written, and a stale one is read, then
+    removed; another run between the two steps keeps its lock."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        lock = tmp_path / ".lock"
+        lock.touch()  # created by a run that writes its pid a moment later
+        writer = threading.Timer(0.2, lambda: lock.write_text(f"{holder.pid}\n"))
+        writer.start()
+        with pytest.raises(RunFolderInUse, match=f"in use by pid {holder.pid}"):
+            RunLock(tmp_path).acquire()
+        writer.join()
+
+        lock.write_text("999999999\n")  # a stale lock, which another run takes over while this one checks it
+        def taken_over_meanwhile(pid: int) -> bool:
+            if pid == 999999999:
+                lock.unlink()
+                lock.write_text(f"{holder.pid}\n")
+                return False
+            return alive(pid)
+
+        alive = run_folder._pid_alive
+        monkeypatch.setattr(run_folder, "_pid_alive", taken_over_meanwhile)
+        with pytest.raises(RunFolderInUse, match=f"in use by pid {holder.pid}"):
+            RunLock(tmp_path).acquire()
+        assert lock.read_text() == f"{holder.pid}\n" and sorted(path.name for path in tmp_path.iterdir()) == [".lock"]
+    finally:
+        holder.communicate(b"")
+
+
 def test_a_run_folder_that_cannot_be_made_names_the_file_in_the_way_and_the_fix(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     for folder in (tmp_path / "file" / "run", tmp_path / "file"):  # under a file, or a file itself
@@ -176,3 +208,7 @@ def test_resuming_from_another_runs_checkpoint_keeps_this_runs_newer_ones_aside(
     assert sorted(path.name for path in this_run.root.glob("*.superseded")) == ["step_000002.superseded",
                                                                               "step_000003.superseded"]
     assert "not written over" in caplog.text
+    with pytest.raises(CheckpointError) as error:  # the other run's folder named instead of one of its checkpoints
+        this_run.resolve(str(tmp_path / "other"))
+    assert str(error.value) == (f"trainer.resume={tmp_path / 'other'} is a run folder, not a checkpoint; pass its "
+                                f"latest checkpoint, trainer.resume={other.root / 'step_000001'}")

@@ -61,6 +61,10 @@ def test_a_changed_learning_rate_applies_on_resume_a_changed_batch_is_refused_an
     # settings that change which rows the data loader's restored position counts over are refused too
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "data.max_train_samples": 16})]) == 2
     assert "data.max_train_samples: None -> 16" in capsys.readouterr().err
+    dynamic = {"trainer.total_steps": 2, "algorithm.filter_groups.enable": True, "data.gen_batch_size": 6}
+    assert main(["train", *rl_args(run_dir, **dynamic)]) == 2  # the loader's batches: 6 prompts, not 4
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "data.gen_batch_size: None -> 6" in line and "cannot take" in line
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2, "actor.optim.lr": 1e-3})]) == 0
     assert rows(run_dir / "metrics.jsonl")[1]["actor/lr"] == 1e-3
     assert "lr: 0.001" in (run_dir / "config.yaml").read_text()
@@ -283,6 +287,7 @@ def test_a_full_disk_at_the_start_names_the_path_and_the_fix_before_any_model_lo
         "free space on its disk, or set trainer.output_dir to a folder on another disk, and run the same command again")
     assert not loaded
     assert not (run_dir / ".lock").exists()  # a later run is not kept out by a lock of this one
+    assert not list(run_dir.glob("*.tmp"))  # nor part of a file left
 
 
 def test_a_full_disk_at_the_loggers_start_or_on_resume_names_the_file(rl_args, tmp_path, capsys, monkeypatch):

@@ -4,7 +4,8 @@ One run folder is killed over and over, each time at a later point (after a step
 before any checkpoint exists, half-way through a line of samples.jsonl, while a checkpoint
 is being written, between publishing a checkpoint and removing older ones), each rerun
 resuming where the last kill left it. At the end ``metrics.jsonl``, ``samples.jsonl`` and the
-final weights must equal those of a run that was never interrupted.
+final weights must equal those of a run that was never interrupted. A run whose data runs out
+inside a step, run again once finished, logs nothing twice.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+
+from reinforge.config.schema import RunConfig
+from reinforge.tracking import Tracker
+from reinforge.trainer.run_loop import DataExhausted, TrainingRun
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import forked_python  # noqa: E402
@@ -117,3 +123,83 @@ def test_kills_at_many_points_leave_the_run_folder_of_an_uninterrupted_run(rl_ar
         assert all(torch.equal(state[key], actual[name][key]) for key in state), name
     assert sorted(path.name for path in (killed_dir / "checkpoints").iterdir()) == ["latest", "step_000004"]
     assert not (killed_dir / ".lock").exists()
+
+
+@dataclass
+class RunSettings:
+    trainer: RunConfig = field(default_factory=RunConfig)
+
+
+class NumberedBatches:
+    """``num_batches`` batches, numbered from 1; the next one past them raises ``DataExhausted``."""
+
+    def __init__(self, num_batches: int):
+        self.num_batches, self.drawn, self.epoch = num_batches, 0, 0
+
+    def next_batch(self) -> int:
+        if self.drawn == self.num_batches:
+            raise DataExhausted(f"the {self.num_batches} batches are used up")
+        self.drawn += 1
+        return self.drawn
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+
+
+class TwoBatchesAStep(TrainingRun):
+    """A run whose every step draws two batches, as dynamic sampling may; its "weight" sums the batches trained."""
+
+    def __init__(self, run_dir: Path, num_batches: int, save_every: int):
+        self.config = RunSettings(RunConfig(output_dir=str(run_dir), save_every=save_every, keep_last=1,
+                                            loggers=["jsonl"]))
+        self.run_dir = run_dir
+        self.open_run_folder("auto", keep_last=1, refused=())
+        self.train_loader = NumberedBatches(num_batches)
+        self.tracker = Tracker(run_dir, ["jsonl"])
+        self.step, self.total_steps, self.weight = 0, num_batches, 0
+
+    def train_step(self, batch: int) -> dict[str, float]:
+        self.weight += batch + self.train_loader.next_batch()
+        return {"weight": float(self.weight)}
+
+    def validate(self) -> dict[str, float]:
+        return {"val/weight": float(self.weight)}
+
+    def data_used_up(self) -> str | None:
+        loader = self.train_loader
+        return "the batches are used up" if loader.drawn == loader.num_batches else None
+
+    def write_checkpoint(self, folder: Path) -> None:
+        pass
+
+    def checkpoint_extras(self) -> dict:
+        return {"weight": self.weight}
+
+    def load_checkpoint_state(self, folder: Path, state: dict) -> None:
+        self.weight = state["weight"]
+
+    def fit(self) -> dict[str, float]:
+        try:
+            self.resume()
+            return self.run_steps(self.train_loader.next_batch, test_every=0,
+                                  save_every=self.config.trainer.save_every, validate_first=False)
+        finally:
+            self.tracker.close()
+            self.release_run_folder()
+
+
+@pytest.mark.parametrize("save_every", [1, 0])
+def test_a_finished_run_whose_data_ran_out_inside_a_step_logs_nothing_again_when_run_again(tmp_path, save_every):
+    """Five batches, two a step: step 3 finds one and is dropped, step 2 is the final one. With save_every=1 its
+    checkpoint holds the loader before the dropped step, so a rerun draws it again and ends the same way."""
+    first = TwoBatchesAStep(tmp_path, num_batches=5, save_every=save_every).fit()
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in logged.splitlines()] == [1, 2, 2]
+    assert first["weight"] == first["val/weight"] == 1 + 2 + 3 + 4
+    for _ in range(2):
+        again = TwoBatchesAStep(tmp_path, num_batches=5, save_every=save_every).fit()
+        assert (tmp_path / "metrics.jsonl").read_text() == logged
+        assert again == first

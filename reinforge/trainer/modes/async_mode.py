@@ -15,7 +15,8 @@ Each step logs the rollouter's work since the step before: its generating time a
 
 Checkpoints hold every admitted group not yet trained on, with its tokens, log-probs and
 versions, so a resumed run loses none and repeats none. Which groups each step trained on is
-written to ``async_groups.jsonl`` in the run folder.
+written to ``async_groups.jsonl`` in the run folder, a line per step written as ``metrics.jsonl``'s are (synced,
+cut back to the checkpoint's step on resume, atomically, a half-written line dropped).
 
 With ``trainer.async_deterministic`` a sync waits until the rollouter waits for it, at a point
 of its work fixed by ``hold_ahead`` (``Rollouter.hold_at``): the same seed then gives the same
@@ -26,16 +27,15 @@ before a sync depends on the threads' timing.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from reinforge.config.schema import Config
 from reinforge.protocol import Batch
 from reinforge.rollout.native.counters import combine_spans
+from reinforge.tracking.jsonl import append_json_line, truncate_after_step
 from reinforge.trainer.dynamic_sampling import concat_generated
 from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.device_turns import DeviceTurns
@@ -68,7 +68,7 @@ class AsyncMode:
         self._tokens_mark = 0
 
     def start(self) -> None:
-        truncate_records(self.calls.run_dir / GROUPS_FILE, self.calls.trained_steps())  # what a killed try wrote after
+        truncate_after_step(self.calls.run_dir / GROUPS_FILE, self.calls.trained_steps())  # a killed try's later lines
         self._last_step_end = time.perf_counter()
         self.rollouter.start()
 
@@ -138,8 +138,8 @@ class AsyncMode:
 
     def _record(self, positions: list[int], batch: Batch) -> None:
         uids = list(dict.fromkeys(str(uid) for uid in batch["uid"]))
-        with open(self.calls.run_dir / GROUPS_FILE, "a") as file:
-            file.write(json.dumps({"step": self.calls.trained_steps() + 1, "positions": positions, "uids": uids}) + "\n")
+        with open(self.calls.run_dir / GROUPS_FILE, "a", encoding="utf-8") as file:
+            append_json_line(file, {"step": self.calls.trained_steps() + 1, "positions": positions, "uids": uids})
 
     def state_dict(self) -> dict[str, Any]:
         return {"updates": self.updates, "rollouter": self.rollouter.state_dict()}
@@ -163,11 +163,3 @@ def request_seed(config: Config, position: int, uid: str) -> int:
     """The seed sync mode gives the request of prompt ``uid``, the ``position``-th prompt drawn."""
     step = position // config.data.train_batch_size
     return seed_for(step_seed(config.trainer.seed, step), uid)
-
-
-def truncate_records(path: Path, step: int) -> None:
-    """Drop the lines of steps after ``step`` (a resumed run writes them again)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in kept))

@@ -10,14 +10,17 @@ controller's work (scoring, advantages, logging); with ``trainer.separate_rollou
 worker group generates, on its own thread (local backend, sharing the device) or its own pool
 (Ray), so generation k+1 and update k run at the same time. The first batch is on-policy.
 
-A checkpoint holds the prompts whose generation was in flight; a resumed run generates them
-again (with the restored weights), so no prompt is lost or repeated.
+A checkpoint holds the batch generated ahead (the next step's, by the weights before the last update:
+its tokens, log-probs and version), so a resumed run trains the same stale batch as an uninterrupted run,
+and its metrics and weights are the uninterrupted run's. A checkpoint written before it held the batch
+holds the prompts alone; those are generated again, with the restored weights.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,7 +43,7 @@ class OneStepOffMode:
         """Weight syncs so far: the version the next submitted generation samples with."""
         self.drawn = 0
         """Prompt batches drawn from the loader (each one's seed is that of the sync step of its index)."""
-        self._pending: tuple[Batch, GroupFuture, int, float] | None = None
+        self._pending: tuple[Batch, GroupFuture | Future, int, float] | None = None
 
     def start(self) -> None:
         pass
@@ -90,14 +93,20 @@ class OneStepOffMode:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        pending = None if self._pending is None else self._pending[0]
-        prompts = None
-        if pending is not None:  # one row per prompt again
-            prompts = pending.index(slice(0, len(pending), self.config.rollout.n))
-        return {"version": self.version, "drawn": self.drawn - (1 if pending is not None else 0),
-                "pending_prompts": prompts}
+        """The version, the batches drawn and the batch generated ahead, with its samples (the generation ran
+        before the update and the sync that precede a checkpoint, so waiting for it costs nothing)."""
+        pending = None
+        if self._pending is not None:
+            batch, future, version, _ = self._pending
+            pending = {"batch": batch, "generated": future.result().to("cpu"), "version": version}
+        return {"version": self.version, "drawn": self.drawn, "pending": pending}
 
     def load_state_dict(self, state: dict[str, Any], step: int) -> None:
         self.version, self.drawn = state["version"], state["drawn"]
-        if state["pending_prompts"] is not None:
+        pending = state.get("pending")
+        if pending is not None:
+            generated: Future = Future()
+            generated.set_result(pending["generated"])
+            self._pending = (pending["batch"], generated, pending["version"], time.perf_counter())
+        elif state.get("pending_prompts") is not None:  # an earlier checkpoint: the prompts alone, generated again
             self._submit(state["pending_prompts"])

@@ -11,7 +11,8 @@ computed once, in one pass over the training and validation pairs, and stored in
 own for it; its time and pairs are logged, and reported with the first step as ``timing_s/reference_pass`` and
 ``reference/num_pairs``. It runs before a resumed run's checkpoint loads: in every run it scores the initial policy
 (or the model at ``dpo.reference_path``), never the resumed one, with no optimizer state in memory, as the memory
-plan counts it. A resumed run reads the file back; one that lacks it, or whose file is cut short or was scored for
+plan counts it. A resumed run reads the file back (one that starts over at step 0 logs the stored pass's metrics with its first
+step, so ``metrics.jsonl`` is the uninterrupted run's); one that lacks it, or whose file is cut short or was scored for
 other pairs, another reference, dtype or loss (a warning line says which), scores them again and gets what the
 first pass gave. Without a separate reference the pass scores the policy itself, before its weights change: no
 second model is held in memory.
@@ -121,7 +122,9 @@ class DPOTrainer(PreferenceRun):
         stored = read_reference(path, key, pairs_per_split)
         read_on_every_rank = not all_reduce([float(stored is None)], self.device, op="max")[0]
         if stored is not None and read_on_every_rank:  # else every rank scores them: the pass is collective
-            self.reference = stored
+            self.reference, pass_metrics = stored
+            if self._resume_state is None:  # step 1 is logged again (or for the first time): with the pass, as before
+                self.reference_metrics = pass_metrics
             logger.info("reference log-probs read from %s", path)
             return
         separate = self.config.dpo.reference_path not in (None, self.config.model.path)
@@ -143,9 +146,6 @@ class DPOTrainer(PreferenceRun):
         if model is not self.model:
             del model
         seconds = time.perf_counter() - start
-        if self.rank == 0:
-            save_reference(path, key, self.reference)
-        barrier()
         num_pairs = sum(len(loader.pairs) for loader in loaders.values())
         first_seconds, first_pairs = first[0] if first else (0.0, 0.0)
         # after the first micro-batch, which compiles the layers' graphs (the steps then reuse them)
@@ -154,6 +154,9 @@ class DPOTrainer(PreferenceRun):
         self.reference_metrics = {"timing_s/reference_pass": seconds, "reference/num_pairs": float(num_pairs),
                                   "timing_s/reference_first_micro_batch": first_seconds,
                                   "perf/reference_pairs_per_s": steady}
+        if self.rank == 0:
+            save_reference(path, key, self.reference, self.reference_metrics)
+        barrier()
         logger.info("reference log-probs of %d pairs scored in %.2f s (its first micro-batch, compiling, %.2f s; then "
                     "%.1f pairs/s) and stored in %s", num_pairs, seconds, first_seconds, steady, path)
 

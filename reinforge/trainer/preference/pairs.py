@@ -55,7 +55,7 @@ PairScore = Callable[[torch.nn.Module, Batch], Tensor]
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.prompt_key", "data.chosen_key",
                   "data.rejected_key", "data.margin_key", "data.chat_template", "data.batch_size", "data.max_length",
                   "data.truncation", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed",
-                  "dpo.reference_path")
+                  "dpo.reference_path", "model.lora.rank", "model.lora.target_modules")
 """Settings a resumed rm or dpo run may not change: the checkpoint's weights or data order would not fit them."""
 
 
@@ -131,7 +131,6 @@ class PreferenceRun(SupervisedRun):
         self.rank, self.world_size = init_distributed(device_type=self.device.type)
         if self.device.type == "cuda":  # the rank's own device (LOCAL_RANK)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._open_run_folder_on_every_rank(trainer.resume, trainer.keep_last)
         torch.manual_seed(trainer.seed)
         np.random.seed(trainer.seed)
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
@@ -147,6 +146,9 @@ class PreferenceRun(SupervisedRun):
                                                                         self.pad_token_id, shuffle=False)
         self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
         self.memory_plan = self._plan_memory()
+        # after the plan, which sets the settings left auto: config.yaml records them, and a resumed run compares
+        # them with the checkpoint's (planned then too), not an auto with the number it became
+        self._open_run_folder_on_every_rank(trainer.resume, trainer.keep_last)
         self.model = self.load_model()
         self.model.train()
         self.optimizer = build_optimizer(self.model, config.optim)
@@ -191,11 +193,7 @@ class PreferenceRun(SupervisedRun):
         """The micro-batch budget and recompute for this device, model and pairs (``memory_plan.py``), applied to
         the config and logged in one line; a run that cannot fit is refused before the model loads."""
         pairs = [*self.train_set.pairs, *(self.val_set.pairs if self.val_set is not None else [])]
-        try:
-            plan = apply_preference_plan(self.config, pairs, self.device, self.world_size)
-        except BaseException:
-            self.release_run_folder()
-            raise
+        plan = apply_preference_plan(self.config, pairs, self.device, self.world_size)
         if self.rank == 0:
             logger.info("%s", plan.line)
         return plan

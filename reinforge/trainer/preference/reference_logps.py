@@ -3,7 +3,8 @@ written so that no reader ever sees part of a file.
 
 The file holds each split's (pairs, 2) log-probs of the chosen and rejected completions and the key they were
 scored under: a hash of each split's token ids, the reference model, the dtype the forward computed in and the loss
-type (``ipo`` scores a completion's mean). ``read_reference`` gives them back only when the key is the run's and
+type (``ipo`` scores a completion's mean), and the metrics of the pass that scored them (a run that starts over at
+step 0 and reads the file back logs them with its first step, as the run that scored them did). ``read_reference`` gives them back only when the key is the run's and
 every split has a row per pair. A file that cannot be read (cut short, not a reinforge file) or that was scored
 for other pairs, another reference, dtype or loss is never used: one warning line names the file and what differs,
 and the trainer scores them again. That costs one forward pass and loses nothing: the reference is the initial
@@ -54,9 +55,11 @@ def reference_mismatch(stored: Any, key: dict[str, str], num_pairs: dict[str, in
     return None
 
 
-def read_reference(path: Path, key: dict[str, str], num_pairs: dict[str, int]) -> dict[str, Tensor] | None:
-    """Each split's (pairs, 2) reference log-probs stored at ``path``, or None when there is no file or it is not this
-    run's (``key``, ``num_pairs`` by split; one warning line then says why)."""
+def read_reference(path: Path, key: dict[str, str], num_pairs: dict[str, int]
+                   ) -> tuple[dict[str, Tensor], dict[str, float]] | None:
+    """Each split's (pairs, 2) reference log-probs stored at ``path`` and the metrics of the pass that scored them,
+    or None when there is no file or it is not this run's (``key``, ``num_pairs`` by split; one warning line then
+    says why)."""
     if not path.is_file():
         return None
     try:
@@ -68,18 +71,21 @@ def read_reference(path: Path, key: dict[str, str], num_pairs: dict[str, int]) -
     else:
         problem = reference_mismatch(stored, key, num_pairs)
     if problem is None:
-        return {split: stored[split] for split in num_pairs}
+        metrics = stored.get("metrics")
+        return ({split: stored[split] for split in num_pairs},
+                {name: float(value) for name, value in metrics.items()} if isinstance(metrics, dict) else {})
     logger.warning("%s %s; the reference log-probs are scored again and the file replaced", path, problem)
     return None
 
 
-def save_reference(path: Path, key: dict[str, str], values: dict[str, Tensor]) -> None:
-    """Store ``values`` (each split's (pairs, 2) log-probs) under ``key`` at ``path``, atomically: a temporary file,
-    synced, renamed over ``path``. A failed write removes the temporary file and raises one line naming ``path``."""
+def save_reference(path: Path, key: dict[str, str], values: dict[str, Tensor], metrics: dict[str, float]) -> None:
+    """Store ``values`` (each split's (pairs, 2) log-probs) and ``metrics`` (the pass's) under ``key`` at ``path``,
+    atomically: a temporary file, synced, renamed over ``path``. A failed write removes the temporary file and
+    raises one line naming ``path``."""
     staging = path.with_name(path.name + ".tmp")
     try:
         with open(staging, "wb") as handle:
-            torch.save({"key": key, **values}, handle)
+            torch.save({"key": key, **values, "metrics": metrics}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, path)

@@ -265,6 +265,8 @@ def test_a_killed_deterministic_async_run_resumes_to_the_uninterrupted_runs_metr
     assert train_in_a_process(base_args(tiny_model_dir, arithmetic_data_dir, whole, **settings)).returncode == 0
     args = base_args(tiny_model_dir, arithmetic_data_dir, killed, **settings)
     sigkill_at_step(args, killed, 3, timeout_s=240)
+    with open(killed / "async_groups.jsonl", "a") as records:  # and a line half-written, as a full disk leaves it
+        records.write('{"step": 4, "positions": [1')
     finished = train_in_a_process(args)
     assert finished.returncode == 0, finished.stderr[-2000:]
     assert reproduced(read_metrics(killed)) == reproduced(read_metrics(whole))

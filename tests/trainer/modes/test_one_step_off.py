@@ -1,15 +1,14 @@
 """trainer.mode=one_step_off end to end on the tiny model: it trains one version behind with the decoupled loss,
-and a resumed run generates the prompts that were in flight again."""
+and a resumed run trains the batch its checkpoint generated ahead, as the uninterrupted run did."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from .test_async_mode import run
+from .test_async_mode import final_actor_weights, reproduced, run
 
 
 @pytest.mark.parametrize("separate_rollout", [False, True])
@@ -38,24 +37,22 @@ def test_the_loglinear_proximal_policy_of_one_step_off_ignores_the_async_sync_in
                    if isinstance(value, float))
 
 
-def test_a_resumed_one_step_off_run_trains_the_same_prompts_at_every_step(tiny_model_dir, arithmetic_data_dir,
-                                                                         tmp_path):
-    """The checkpoint holds the prompts whose generation was in flight; the resumed run generates them again."""
-    def prompts_by_step(run_dir: Path) -> dict[int, list[str]]:
-        rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
-        steps: dict[int, list[str]] = {}
-        for row in rows:
-            steps.setdefault(row["step"], []).append(row["prompt"])
-        return steps
-
+def test_a_resumed_one_step_off_run_trains_the_same_batches_as_an_uninterrupted_one(tiny_model_dir,
+                                                                                    arithmetic_data_dir, tmp_path):
+    """The checkpoint holds the batch generated ahead, by the weights before its last update: the resumed run trains
+    it one version stale, as the uninterrupted run does, to the same metrics, samples and weights."""
     settings = {"trainer.mode": "one_step_off", "trainer.num_logged_samples": 16, "trainer.total_steps": 4}
-    run(tiny_model_dir, arithmetic_data_dir, tmp_path / "whole", **settings)
+    whole = run(tiny_model_dir, arithmetic_data_dir, tmp_path / "whole", **settings)
     resumed = tmp_path / "resumed"
     run(tiny_model_dir, arithmetic_data_dir, resumed, **{**settings, "trainer.total_steps": 2})
     state = torch.load(resumed / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)["mode"]
-    assert state["pending_prompts"] is not None and len(state["pending_prompts"]) == 4
+    assert state["pending"]["version"] == 1 and len(state["pending"]["generated"]) == 16  # 4 prompts x 4 samples
     rows = run(tiny_model_dir, arithmetic_data_dir, resumed, **settings)
-    assert [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert prompts_by_step(resumed) == prompts_by_step(tmp_path / "whole")
-    assert rows[2]["async/staleness_max"] == 0.0  # regenerated after the resume: by the restored weights
-    assert rows[3]["async/staleness_max"] == 1.0
+    assert [row["async/staleness_max"] for row in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert reproduced(rows) == reproduced(whole)
+    for name in ("samples.jsonl", "metrics.jsonl"):
+        assert [json.loads(line)["step"] for line in (resumed / name).read_text().splitlines()] == \
+            [json.loads(line)["step"] for line in (tmp_path / "whole" / name).read_text().splitlines()]
+    assert (resumed / "samples.jsonl").read_text() == (tmp_path / "whole" / "samples.jsonl").read_text()
+    weights = [final_actor_weights(run_dir) for run_dir in (tmp_path / "whole", resumed)]
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])

@@ -43,6 +43,13 @@ def test_dpo_starts_at_its_reference_and_logs_trls_metrics(pair_args, pairs_dir,
     assert last["rewards/margins"] == pytest.approx(last["rewards/chosen"] - last["rewards/rejected"], abs=1e-6)
     assert last["train/loss"] < first["train/loss"]
 
+    # stopped before its first checkpoint: the rerun starts over, reads the reference back and logs the same lines
+    shutil.rmtree(run_dir / "checkpoints")
+    assert main(["dpo", *pair_args(run_dir, **{"data.val_files": f"[{pairs_dir / 'val.jsonl'}]"})]) == 0
+    again = metrics_of(run_dir)
+    assert [sorted(record) for record in again] == [sorted(record) for record in (before, first, last)]
+    assert again[1]["timing_s/reference_pass"] == first["timing_s/reference_pass"]
+
 
 def test_a_pair_runs_its_prompt_once_and_scores_as_its_two_sequences_apart(tiny_model_dir):
     tokenizer = load_tokenizer(str(tiny_model_dir))
@@ -228,7 +235,7 @@ def test_lora_adapters_that_match_no_layer_are_refused_before_the_model_loads(pa
 
 
 @pytest.mark.slow
-def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path):
+def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path, capsys):
     lora = {"model.lora.rank": 4, "model.lora.alpha": 8, "optim.lr": 1e-2, "trainer.total_steps": 4}
     straight = tmp_path / "straight"
     assert main(["dpo", *pair_args(straight, **lora)]) == 0
@@ -239,6 +246,11 @@ def test_a_resumed_lora_run_equals_an_uninterrupted_one(pair_args, tmp_path):
     assert main(["dpo", *args]) == 0
     for a, b in zip(metrics_of(straight), metrics_of(resumed), strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+    capsys.readouterr()
+    for changed, named in ((8, "model.lora.rank: 4 -> 8"), (0, "model.lora.rank: 4 -> 0")):  # adapters the state lacks
+        assert main(["dpo", *pair_args(resumed, **{**lora, "model.lora.rank": changed})]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert named in line and "cannot take" in line
 
 
 def test_validation_scores_pairs_with_the_training_forward_to_the_metrics_of_a_no_grad_pass(pair_args, pairs_dir,

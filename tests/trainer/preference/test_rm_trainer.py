@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 import reinforge.trainer.preference.pairs as pairs_module
@@ -88,16 +89,23 @@ def test_the_update_does_not_depend_on_the_micro_batch_split(pair_args, tmp_path
         torch.testing.assert_close(whole[name], pair_by_pair[name], atol=2e-6, rtol=1e-5)
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(pair_args, tmp_path):
+def test_a_resumed_run_equals_an_uninterrupted_one(pair_args, tmp_path, caplog):
+    """The micro-batch budget is left to the memory plan: config.yaml records the planned number, and the resumed
+    run, planning the same, finds no setting changed."""
+    planned = {"trainer.total_steps": 4, "trainer.max_tokens_per_micro_batch": "auto"}
     straight = tmp_path / "straight"
-    assert main(["rm", *pair_args(straight, **{"trainer.total_steps": 4})]) == 0
+    assert main(["rm", *pair_args(straight, **planned)]) == 0
     resumed = tmp_path / "resumed"
-    assert main(["rm", *pair_args(resumed, **{"trainer.total_steps": 4, "trainer.save_every": 2})]) == 0
+    assert main(["rm", *pair_args(resumed, **planned, **{"trainer.save_every": 2})]) == 0
     # the run is stopped after its step-2 checkpoint: drop the later one, and the log lines after step 2
     import shutil
 
     shutil.rmtree(latest_checkpoint(resumed))
-    assert main(["rm", *pair_args(resumed, **{"trainer.total_steps": 4, "trainer.save_every": 2})]) == 0
+    caplog.clear()
+    assert main(["rm", *pair_args(resumed, **planned, **{"trainer.save_every": 2})]) == 0
+    assert "changed settings" not in caplog.text
+    budget = yaml.safe_load((resumed / "config.yaml").read_text())["trainer"]["max_tokens_per_micro_batch"]
+    assert isinstance(budget, int)
     first, second = metrics_of(straight), metrics_of(resumed)
     assert [record["step"] for record in second] == [1, 2, 3, 4]
     for a, b in zip(first, second, strict=True):
