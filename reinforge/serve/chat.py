@@ -206,17 +206,18 @@ class ChatCodec:
             marker = getattr(self.parser, "opening", None)
             opening = text.find(marker or "<tool_call>", reasoning_end(text))  # a tag its thinking mentions stays
             message["content"] = text[:opening].rstrip() if opening >= 0 else "" if marker else text
-            message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-                                     for call in calls]
+            message["tool_calls"] = [{"type": "function", "function": {"name": call.name, "arguments": call.arguments},
+                                      **({"id": call.id} if call.id else {})} for call in calls]
         return message, calls
 
 
 def openai_message(reply: dict[str, Any]) -> dict[str, Any]:
-    """The reply as OpenAI's API writes it: arguments as JSON strings, each call with an id."""
+    """The reply as OpenAI's API writes it: arguments as JSON strings, each call with an id (the one the model
+    wrote, as Mistral's models write theirs and its template takes no other; else a new one)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply["content"]}
     if reply.get("tool_calls"):
         message["content"] = reply["content"] or None
-        message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        message["tool_calls"] = [{"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                   "function": {"name": call["function"]["name"],
                                                "arguments": json.dumps(call["function"]["arguments"])}}
                                  for call in reply["tool_calls"]]

@@ -17,7 +17,7 @@ import torch
 
 from reinforge.rollout.base import Completion
 from reinforge.serve.app import OpenAIEndpoint
-from reinforge.serve.chat import ChatCodec
+from reinforge.serve.chat import ChatCodec, openai_message
 from reinforge.serve.service import GenerationService
 
 openai = pytest.importorskip("openai")
@@ -136,6 +136,15 @@ def test_each_formats_calls_come_back_as_tool_calls_with_the_text_before_them(to
     reply, _ = codec.reply(tool_tokenizer(text, add_special_tokens=False)["input_ids"] + [tool_tokenizer.eos_token_id])
     assert reply == {"role": "assistant", "content": content,
                      "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "2+3"}}}]}
+    assert openai_message(reply)["tool_calls"][0]["id"].startswith("call_")
+
+
+def test_a_call_id_the_model_wrote_is_the_one_the_reply_gives(tool_tokenizer):
+    """Mistral's models write each call's 9-character id, and its template takes a tool result only with that id."""
+    codec = ChatCodec(tool_tokenizer, tool_format="mistral")
+    text = '[TOOL_CALLS] [{"name": "calc", "arguments": {"expr": "2+3"}, "id": "a1B2c3D4e"}]'
+    reply, _ = codec.reply(tool_tokenizer(text, add_special_tokens=False)["input_ids"] + [tool_tokenizer.eos_token_id])
+    assert [call["id"] for call in openai_message(reply)["tool_calls"]] == ["a1B2c3D4e"]
 
 
 def test_stop_strings_cut_the_reply_and_errors_are_one_line_in_openais_format(tool_tokenizer):
