@@ -507,6 +507,13 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.lora_adapter_path": NoEquivalent("reinforge's LoRA starts from fresh adapters"),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
     f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
+    **_each(f"{_MODEL}.override_config", "output_router_logits router_aux_loss_coef",
+            SameAsOurs(EVERY_VALUE, "verl's actor adds no router load-balancing loss whatever the model config "
+                                    "says; the translated run adds none either (actor.router_aux_loss_coef=0, which "
+                                    "an override after -- changes)")),
+    f"{_ACTOR}.megatron.override_transformer_config.moe_aux_loss_coeff": NoEquivalent(
+        "Megatron's router loss, in the form its moe_router_load_balancing_type picks; reinforge's is the "
+        "Switch-style actor.router_aux_loss_coef: pass actor.router_aux_loss_coef=... after -- for one"),
     f"{_MODEL}.external_lib": NoEquivalent("import your model's package in a sitecustomize or register it "
                                            "with transformers' Auto classes"),
     f"{_MODEL}.use_shm": NoEquivalent("models load from model.path directly"),
@@ -849,6 +856,9 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
             "reward_model.overlong_buffer.penalty_factor" not in given:
         implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
                         "the DAPO recipe's overlong_buffer.penalty_factor is 0 when the command leaves it out"))
+    implied.append(("actor.router_aux_loss_coef", 0.0,
+                    "verl's actor adds no router load-balancing loss to a mixture of experts' policy loss, "
+                    "whatever its config's output_router_logits says"))
     if f"{_ACTOR}.clip_ratio" in given:  # verl's clip_ratio_low/high (0.2 in its actor.yaml) win over clip_ratio
         for side in ("low", "high"):
             if f"{_ACTOR}.clip_ratio_{side}" not in given:

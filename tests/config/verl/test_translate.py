@@ -158,7 +158,8 @@ def test_values_without_equivalent_are_reported_not_translated():
                                   "actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=[console,swanlab]"])
     assert translation.tree == {"data": {"train_batch_size": 1024, "max_response_length": 512,
                                          "filter_overlong_prompts": False},
-                                "model": {"gradient_checkpointing": True}, "actor": {"mini_batch_size": 256},
+                                "model": {"gradient_checkpointing": True},
+                                "actor": {"mini_batch_size": 256, "router_aux_loss_coef": 0.0},
                                 "trainer": {"total_epochs": 30, "project_name": "verl_examples", "experiment_name": "gsm8k",
                                             "output_dir": "checkpoints/verl_examples/gsm8k"},
                                 "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 1}}
@@ -429,3 +430,18 @@ def test_a_resume_mode_verl_does_not_have_is_refused_in_one_line():
     assert str(refusal.value) == ("trainer.resume_mode=latest (verl command line) is not one of verl's resume modes "
                                   "auto, disable, resume_path; use one of them")
     assert translate_verl(["trainer.resume_mode=disable"]).tree["trainer"]["resume"] == "never"
+
+
+def test_a_mixture_of_experts_trains_without_a_router_loss_as_in_verl():
+    """verl's actor never adds the routers' load-balancing loss; a model config with output_router_logits would
+    make reinforge's default add its router_aux_loss_coef."""
+    from transformers import MixtralConfig
+
+    from reinforge.engine.moe import router_aux_loss_coef
+
+    config = load_config(None, tree=translate_verl(["actor_rollout_ref.model.path=m"]).tree)
+    model_config = MixtralConfig(output_router_logits=True, router_aux_loss_coef=0.02)
+    assert router_aux_loss_coef(model_config, config.actor.router_aux_loss_coef) == 0.0
+    overridden = load_config(None, ["actor.router_aux_loss_coef=0.01"],
+                             tree=translate_verl(["actor_rollout_ref.model.path=m"]).tree)
+    assert router_aux_loss_coef(model_config, overridden.actor.router_aux_loss_coef) == 0.01
