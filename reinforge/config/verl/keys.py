@@ -159,6 +159,17 @@ def _lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
     return [value] if isinstance(value, str) else list(value)
 
 
+def _kv_cache_dtype(value: Any, given: Mapping[str, Any]) -> Any:
+    """vLLM's and SGLang's kv_cache_dtype engine argument (TensorRT-LLM's kv_cache_config.dtype): auto keeps the
+    model's dtype, fp8 is float8 e4m3."""
+    if value in (None, "auto"):
+        return UNSET
+    if value in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    raise RefusedValue("is not a KV-cache type reinforge's engine has; it keeps the cache in the model's dtype "
+                       "(auto) or in float8 e4m3 with a scale per token and KV head (fp8): pass auto or fp8")
+
+
 def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
     if value in ("vllm", "sglang", "trtllm"):
         return "native"
@@ -421,7 +432,7 @@ FSDP_DETAILS = ("wrap_policy.min_num_params reshard_after_forward fsdp_size forw
 ENGINE_KNOBS = ("mode dtype ignore_eos enforce_eager cudagraph_capture_sizes max_num_batched_tokens max_model_len "
                 "max_num_seqs enable_chunked_prefill logprobs_mode scheduling_policy load_format "
                 "over_sample_rate multi_stage_wake_up skip_rollout skip_dump_dir skip_tokenizer_init "
-                "enable_rollout_routing_replay quantization quantization_config_file mtp layered_summon "
+                "enable_rollout_routing_replay mtp layered_summon "
                 "update_weights_bucket_megabytes max_loras max_lora_rank repetition_penalty")
 
 
@@ -614,7 +625,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.val_kwargs.top_k": Rename("rollout.val_kwargs.top_k"),
     f"{_ROLLOUT}.val_kwargs.do_sample": NoEquivalent("rollout.val_kwargs.temperature=0 is greedy, above 0 samples"),
     f"{_ROLLOUT}.do_sample": NoEquivalent("rollout.temperature=0 is greedy, above 0 samples"),
-    f"{_ROLLOUT}.calculate_log_probs": NoEquivalent("the rollout always returns its log-probs (rollout_log_probs)"),
+    f"{_ROLLOUT}.calculate_log_probs": SameAsOurs(EVERY_VALUE, "the rollout always returns its log-probs "
+                                                               "(rollout_log_probs)"),
     f"{_ROLLOUT}.prompt_length": FROM_DATA,
     f"{_ROLLOUT}.response_length": FROM_DATA,
     f"{_ROLLOUT}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
@@ -643,7 +655,13 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.prometheus.*": PROFILING,
     f"{_ROLLOUT}.disable_log_stats": PROFILING,
     **_each(_ROLLOUT, ENGINE_KNOBS, ENGINE_KNOB),
+    f"{_ROLLOUT}.engine_kwargs.vllm.kv_cache_dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
+    f"{_ROLLOUT}.engine_kwargs.sglang.kv_cache_dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
+    f"{_ROLLOUT}.engine_kwargs.trtllm.kv_cache_config.dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
     f"{_ROLLOUT}.engine_kwargs.*": ENGINE_KNOB,
+    **_each(_ROLLOUT, "quantization quantization_config_file", NoEquivalent(
+        "reinforge's rollout runs the weights in the model's dtype, without fp8 or other weight quantization "
+        "(rollout.kv_cache_dtype=fp8 stores the KV cache in fp8)")),
     f"{_ROLLOUT}.checkpoint_engine.*": ENGINE_KNOB,
     # ---- critic
     **_optim("critic", "critic"),

@@ -445,3 +445,28 @@ def test_a_mixture_of_experts_trains_without_a_router_loss_as_in_verl():
     overridden = load_config(None, ["actor.router_aux_loss_coef=0.01"],
                              tree=translate_verl(["actor_rollout_ref.model.path=m"]).tree)
     assert router_aux_loss_coef(model_config, overridden.actor.router_aux_loss_coef) == 0.01
+
+
+_ENGINE = "+actor_rollout_ref.rollout.engine_kwargs"
+
+
+@pytest.mark.parametrize("word, ours", [
+    (f"{_ENGINE}.vllm.kv_cache_dtype=fp8", "fp8"), (f"{_ENGINE}.sglang.kv_cache_dtype=fp8_e4m3", "fp8"),
+    (f"{_ENGINE}.trtllm.kv_cache_config.dtype=fp8", "fp8"), (f"{_ENGINE}.vllm.kv_cache_dtype=auto", None),
+])
+def test_an_engines_kv_cache_dtype_is_the_native_engines(word, ours):
+    """verl passes kv_cache_dtype to vLLM/SGLang through engine_kwargs; reinforge's engine has the same setting."""
+    translation = translate_verl([word])
+    assert translation.tree.get("rollout", {}).get("kv_cache_dtype") == ours
+    assert translation.no_equivalent == []
+    assert load_config(None, tree=translation.tree).rollout.kv_cache_dtype == (ours or "auto")
+
+
+@pytest.mark.parametrize("word, message", [
+    (f"{_ENGINE}.vllm.kv_cache_dtype=fp8_e5m2", "is not a KV-cache type reinforge's engine has"),
+])
+def test_a_verl_setting_that_would_change_the_run_is_refused_in_one_line(word, message):
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl([word])
+    assert str(refusal.value).startswith(f"{word.lstrip('+')} (verl command line) ")
+    assert message in str(refusal.value) and "\n" not in str(refusal.value)
