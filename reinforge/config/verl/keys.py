@@ -15,6 +15,7 @@ setting whose usual values are what reinforge always does (strategy=fsdp, lora_r
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +158,22 @@ def _lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
     if value in ("all-linear", None):
         return UNSET
     return [value] if isinstance(value, str) else list(value)
+
+
+def _lora_exclusions(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's exclude_modules: layers kept without an adapter. The vision tower's (verl's examples exclude
+    ``.*visual.*``) is what reinforge's frozen tower gets anyway; any other exclusion would put adapters where the
+    verl run had none."""
+    names = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if not names:
+        return UNSET
+    if all(re.search("visual|vision", str(name)) for name in names) and given.get(f"{_ACTOR}.freeze_vision_tower",
+                                                                                  True) is not False:
+        return UNSET  # the frozen vision tower gets no adapter (reinforge.engine.lora)
+    raise RefusedValue("keeps layers without LoRA adapters; reinforge puts one on every layer that "
+                       "model.lora.target_modules names (the vision tower's excepted while actor.freeze_vision_tower "
+                       "is true): set actor_rollout_ref.model.target_modules to the layers that should get adapters "
+                       "and leave exclude_modules out")
 
 
 def _kv_cache_dtype(value: Any, given: Mapping[str, Any]) -> Any:
@@ -514,8 +531,11 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.lora_rank": Rename("model.lora.rank", _unset_if(None)),
     f"{_MODEL}.lora_alpha": Rename("model.lora.alpha"),
     f"{_MODEL}.target_modules": Rename("model.lora.target_modules", _lora_targets),
-    f"{_MODEL}.exclude_modules": NoEquivalent("list the layers that get adapters in model.lora.target_modules"),
-    f"{_MODEL}.lora_adapter_path": NoEquivalent("reinforge's LoRA starts from fresh adapters"),
+    f"{_MODEL}.exclude_modules": Rename("actor.freeze_vision_tower", _lora_exclusions),
+    f"{_MODEL}.lora_adapter_path": Refused((None,), "reinforge's LoRA starts from fresh adapters and loads none; "
+                                                    "merge the adapter into the model (peft's merge_and_unload) and "
+                                                    "pass that folder as actor_rollout_ref.model.path, or leave "
+                                                    "lora_adapter_path out to start fresh"),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
     f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
     **_each(f"{_MODEL}.override_config", "output_router_logits router_aux_loss_coef",

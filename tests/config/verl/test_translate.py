@@ -464,6 +464,8 @@ def test_an_engines_kv_cache_dtype_is_the_native_engines(word, ours):
 
 @pytest.mark.parametrize("word, message", [
     (f"{_ENGINE}.vllm.kv_cache_dtype=fp8_e5m2", "is not a KV-cache type reinforge's engine has"),
+    ("actor_rollout_ref.model.lora_adapter_path=/ckpt/adapter", "reinforge's LoRA starts from fresh adapters"),
+    ("actor_rollout_ref.model.exclude_modules=.*mlp.*", "keeps layers without LoRA adapters"),
 ])
 def test_a_verl_setting_that_would_change_the_run_is_refused_in_one_line(word, message):
     with pytest.raises(ConfigError) as refusal:
