@@ -299,6 +299,8 @@ MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a ro
 MULTIMODAL = NoEquivalent("reinforge reads a row's images from its data.image_key column (else images or image) and makes their pixels with the model's own processor as it is saved; it reads no video or audio")
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
+ATTENTION_KERNEL = ("reinforge's packed passes run its own varlen attention with the model's sliding windows and "
+                    "logit softcapping, computing what transformers' eager, sdpa and flash attention do")
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
 COMPILE = NoEquivalent("on CUDA reinforge always compiles its decoder layers (not with gradient checkpointing)")
 FROM_DATA = NoEquivalent("taken from data.max_prompt_length / data.max_response_length")
@@ -538,6 +540,10 @@ VERL_KEYS: dict[str, Translation] = {
                                                     "lora_adapter_path out to start fresh"),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
     f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
+    f"{_MODEL}.override_config.attn_implementation": SameAsOurs(EVERY_VALUE, ATTENTION_KERNEL),
+    **_each(f"{_MODEL}.override_config", "attention_dropout embd_pdrop resid_pdrop hidden_dropout",
+            Refused((0,), "reinforge turns every dropout of the model off for RL (as this key does at 0); "
+                          "training with dropout has no equivalent here")),
     **_each(f"{_MODEL}.override_config", "output_router_logits router_aux_loss_coef",
             SameAsOurs(EVERY_VALUE, "verl's actor adds no router load-balancing loss whatever the model config "
                                     "says; the translated run adds none either (actor.router_aux_loss_coef=0, which "

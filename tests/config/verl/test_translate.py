@@ -464,6 +464,7 @@ def test_an_engines_kv_cache_dtype_is_the_native_engines(word, ours):
 
 @pytest.mark.parametrize("word, message", [
     (f"{_ENGINE}.vllm.kv_cache_dtype=fp8_e5m2", "is not a KV-cache type reinforge's engine has"),
+    ("+actor_rollout_ref.model.override_config.attention_dropout=0.1", "turns every dropout of the model off"),
     ("actor_rollout_ref.model.lora_adapter_path=/ckpt/adapter", "reinforge's LoRA starts from fresh adapters"),
     ("actor_rollout_ref.model.exclude_modules=.*mlp.*", "keeps layers without LoRA adapters"),
 ])
@@ -472,3 +473,17 @@ def test_a_verl_setting_that_would_change_the_run_is_refused_in_one_line(word, m
         translate_verl([word])
     assert str(refusal.value).startswith(f"{word.lstrip('+')} (verl command line) ")
     assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_model_overrides_reinforge_already_computes_are_reported_as_ours():
+    """The dropout-off, attention-kernel and router-loss overrides of verl's examples change nothing here; the one
+    on the vision tower is what reinforge's frozen tower does with LoRA."""
+    translation = translate_verl([
+        "+actor_rollout_ref.model.override_config.attention_dropout=0.", "+actor_rollout_ref.model.override_config."
+        "embd_pdrop=0.", "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "+actor_rollout_ref.model.override_config.output_router_logits=True",
+        "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.exclude_modules=.*visual.*",
+        "actor_rollout_ref.rollout.calculate_log_probs=True"])
+    assert translation.no_equivalent == []
+    assert len(translation.already_ours) == 6
+    assert "actor" not in translation.tree or "freeze_vision_tower" not in translation.tree["actor"]
