@@ -743,6 +743,15 @@ VERL_KEYS: dict[str, Translation] = {
     "reward_model.overlong_buffer.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
     "reward_model.overlong_buffer.log": SameAsOurs(EVERY_VALUE, "reward/overlong/* is always logged when the buffer "
                                                                 "is on"),
+    # the DAPO recipe's form on verl 0.9's reward section (dapo/config/dapo_trainer.yaml)
+    "reward.reward_kwargs.overlong_buffer_cfg.enable": Rename("reward.overlong_buffer.enable"),
+    "reward.reward_kwargs.overlong_buffer_cfg.len": Rename("reward.overlong_buffer.len"),
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
+    "reward.reward_kwargs.overlong_buffer_cfg.log": SameAsOurs(EVERY_VALUE, "reward/overlong/* is always logged when "
+                                                                            "the buffer is on"),
+    "reward.reward_kwargs.max_resp_len": Rename("data.max_response_length", _overlong_end),
+    "reward.reward_kwargs.*": Refused((), "its reward manager's options have no equivalent; pass a scorer's options "
+                                          "with reward.kwargs (verl's custom_reward_function.reward_kwargs)"),
     "reward_model.reward_kwargs.*": Refused((), "its reward manager's options have no equivalent; pass a scorer's "
                                                 "options with reward.kwargs (verl's custom_reward_function.reward_kwargs)"),
     "reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes"),
@@ -896,10 +905,10 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     if given.get("algorithm.filter_groups.enable") is True and "algorithm.filter_groups.max_num_gen_batches" not in given:
         implied.append(("algorithm.filter_groups.max_num_gen_batches", 0,
                         "verl's max_num_gen_batches is 0 (no limit) when the command leaves it out"))
-    if given.get("reward_model.overlong_buffer.enable") is True and \
-            "reward_model.overlong_buffer.penalty_factor" not in given:
-        implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
-                        "the DAPO recipe's overlong_buffer.penalty_factor is 0 when the command leaves it out"))
+    for buffer in ("reward_model.overlong_buffer", "reward.reward_kwargs.overlong_buffer_cfg"):
+        if given.get(f"{buffer}.enable") is True and f"{buffer}.penalty_factor" not in given:
+            implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
+                            f"the DAPO recipe's {buffer}.penalty_factor is 0 when the command leaves it out"))
     implied.append(("actor.router_aux_loss_coef", 0.0,
                     "verl's actor adds no router load-balancing loss to a mixture of experts' policy loss, "
                     "whatever its config's output_router_logits says"))

@@ -487,3 +487,19 @@ def test_model_overrides_reinforge_already_computes_are_reported_as_ours():
     assert translation.no_equivalent == []
     assert len(translation.already_ours) == 6
     assert "actor" not in translation.tree or "freeze_vision_tower" not in translation.tree["actor"]
+
+
+def test_the_dapo_recipes_reward_kwargs_on_verls_reward_section_translate():
+    """The DAPO recipe's dapo_trainer.yaml keeps its overlong buffer under reward.reward_kwargs (verl 0.9's reward
+    section); --config-name=dapo_trainer is that file."""
+    translation = translate_verl(["--config-name=dapo_trainer", "data.max_response_length=4096",
+                                  "reward.reward_manager.name=dapo", "reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+                                  "reward.reward_kwargs.overlong_buffer_cfg.len=512",
+                                  "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                                  "reward.reward_kwargs.max_resp_len=4096"])
+    assert translation.tree["reward"] == {"overlong_buffer": {"enable": True, "len": 512}}
+    assert translation.tree["trainer"]["project_name"] == "verl-dapo"
+    unset = translate_verl(["reward.reward_kwargs.overlong_buffer_cfg.enable=True"])
+    assert unset.tree["reward"]["overlong_buffer"] == {"enable": True, "penalty_factor": 0.0}  # the recipe's default
+    with pytest.raises(ConfigError, match=r"^reward.reward_kwargs.max_resp_len=2048 .*data.max_response_length=4096"):
+        translate_verl(["data.max_response_length=4096", "reward.reward_kwargs.max_resp_len=2048"])
