@@ -187,6 +187,38 @@ def _kv_cache_dtype(value: Any, given: Mapping[str, Any]) -> Any:
                        "(auto) or in float8 e4m3 with a scale per token and KV head (fp8): pass auto or fp8")
 
 
+SEQUENCE_PARALLEL_KEYS = {
+    "actor": ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+              "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+              "actor_rollout_ref.actor.megatron.context_parallel_size"),
+    "ref": ("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+            "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
+            "actor_rollout_ref.ref.megatron.context_parallel_size"),
+    "critic": ("critic.ulysses_sequence_parallel_size", "critic.model.fsdp_config.ulysses_sequence_parallel_size",
+               "critic.fsdp.ulysses_sequence_parallel_size", "critic.megatron.context_parallel_size"),
+    "reward_model": ("reward_model.ulysses_sequence_parallel_size", "reward_model.megatron.context_parallel_size"),
+}
+"""Where verl reads each role's sequence (Ulysses) or context parallel size; the reference's defaults to the actor's."""
+
+
+def _sequence_parallel_size(role: str, given: Mapping[str, Any]) -> int:
+    size = next((given[key] for key in SEQUENCE_PARALLEL_KEYS[role] if given.get(key) is not None), None)
+    if size is None:
+        return _sequence_parallel_size("actor", given) if role == "ref" else 1
+    return size if isinstance(size, int) and size > 0 else 1
+
+
+def _tokens_per_device(role: str, unset: tuple[Any, ...] = ()) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """verl's per-GPU token budget as our micro-batch budget: verl multiplies it by the role's sequence (or context)
+    parallel size, since a micro-batch is split over that many devices, and reinforge runs each sequence whole on
+    one device."""
+    def convert(value: Any, given: Mapping[str, Any]) -> Any:
+        if value in unset:
+            return UNSET
+        return value * _sequence_parallel_size(role, given) if isinstance(value, int) else value
+    return convert
+
+
 def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
     if value in ("vllm", "sglang", "trtllm"):
         return "native"
@@ -301,6 +333,7 @@ CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and 
                                  "folder, in trainer.output_dir/checkpoints")
 ATTENTION_KERNEL = ("reinforge's packed passes run its own varlen attention with the model's sliding windows and "
                     "logit softcapping, computing what transformers' eager, sdpa and flash attention do")
+PER_DEVICE_NOTE = "times the sequence-parallel size, as verl's micro-batch is spread over that many devices"
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
 COMPILE = NoEquivalent("on CUDA reinforge always compiles its decoder layers (not with gradient checkpointing)")
 FROM_DATA = NoEquivalent("taken from data.max_prompt_length / data.max_response_length")
@@ -345,9 +378,10 @@ def _samples_as_tokens(value: Any, given: Mapping[str, Any]) -> Any:
 
 
 def _dynamic_token_budget(value: Any, given: Mapping[str, Any]) -> Any:
-    """verl reads forward_max_token_len_per_gpu only with use_dynamic_bsz (by default the critic's, false)."""
+    """verl reads forward_max_token_len_per_gpu only with use_dynamic_bsz (by default the critic's, false), times the
+    reward model's sequence-parallel size."""
     dynamic = given.get("reward_model.use_dynamic_bsz", given.get("critic.use_dynamic_bsz"))
-    return int(value) if dynamic is True and value is not None else UNSET
+    return int(value) * _sequence_parallel_size("reward_model", given) if dynamic is True and value is not None else UNSET
 
 
 def _overlong_end(value: Any, given: Mapping[str, Any]) -> Any:
@@ -566,7 +600,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.ppo_micro_batch_size": TOKEN_BUDGET,
     f"{_ACTOR}.ppo_micro_batch_size_per_gpu": TOKEN_BUDGET,
     f"{_ACTOR}.use_dynamic_bsz": DYNAMIC_BSZ,
-    f"{_ACTOR}.ppo_max_token_len_per_gpu": Rename("actor.max_tokens_per_micro_batch"),
+    f"{_ACTOR}.ppo_max_token_len_per_gpu": Rename("actor.max_tokens_per_micro_batch", _tokens_per_device("actor"),
+                                                  note=PER_DEVICE_NOTE),
     f"{_ACTOR}.ppo_epochs": Rename("actor.ppo_epochs"),
     f"{_ACTOR}.shuffle": Rename("actor.shuffle"),
     f"{_ACTOR}.grad_clip": Rename("actor.grad_clip"),
@@ -624,7 +659,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_REF}.fsdp_config.param_offload": Rename("ref.param_offload", _only_if_true),
     **_each(f"{_REF}.fsdp_config", FSDP_DETAILS + " optimizer_offload offload_policy", FSDP_DETAIL),
     f"{_REF}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
-    f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch", _unset_if(None)),
+    f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch",
+                                                     _tokens_per_device("ref", (None,)), note=PER_DEVICE_NOTE),
     f"{_REF}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
     f"{_REF}.log_prob_micro_batch_size_per_gpu": LOG_PROB_BUDGET,
     f"{_REF}.log_prob_use_dynamic_bsz": LOG_PROB_BUDGET,
@@ -709,7 +745,8 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.loss_agg_mode": Rename("critic.loss_agg_mode"),
     "critic.ppo_epochs": Rename("critic.ppo_epochs"),
     "critic.grad_clip": Rename("critic.grad_clip"),
-    "critic.ppo_max_token_len_per_gpu": Rename("critic.max_tokens_per_micro_batch"),
+    "critic.ppo_max_token_len_per_gpu": Rename("critic.max_tokens_per_micro_batch", _tokens_per_device("critic"),
+                                               note=PER_DEVICE_NOTE),
     "critic.forward_max_token_len_per_gpu": NoEquivalent("the critic's value pass uses "
                                                          "critic.max_tokens_per_micro_batch too"),
     "critic.ppo_mini_batch_size": NoEquivalent("the critic updates on actor.mini_batch_size"),

@@ -284,7 +284,8 @@ def test_verl_dapo_example_with_overlong_buffer_translates():
     assert config.reward.overlong_buffer.enable and config.reward.overlong_buffer.len == 4096
     assert config.actor.policy_loss.loss_mode == "geo_mean" and config.actor.policy_loss.clip_ratio_high == 0.4
     assert (config.actor.param_offload, config.actor.optimizer_offload, config.ref.param_offload) == (True, True, True)
-    assert config.ref.max_tokens_per_micro_batch == 30720 and config.actor.max_tokens_per_micro_batch == 20480
+    # verl spreads a micro-batch of ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size (4) tokens over 4 GPUs
+    assert config.ref.max_tokens_per_micro_batch == 4 * 30720 and config.actor.max_tokens_per_micro_batch == 4 * 20480
     assert (config.trainer.nnodes, config.trainer.devices_per_node, config.trainer.backend) == (8, 8, "ray")
     assert config.data.truncation == "left" and config.actor.optim.warmup_steps == 10
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
@@ -503,3 +504,24 @@ def test_the_dapo_recipes_reward_kwargs_on_verls_reward_section_translate():
     assert unset.tree["reward"]["overlong_buffer"] == {"enable": True, "penalty_factor": 0.0}  # the recipe's default
     with pytest.raises(ConfigError, match=r"^reward.reward_kwargs.max_resp_len=2048 .*data.max_response_length=4096"):
         translate_verl(["data.max_response_length=4096", "reward.reward_kwargs.max_resp_len=2048"])
+
+
+@pytest.mark.parametrize("words, actor, ref, critic", [
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], 2 * 11264, 2 * 22528, 30000),
+    (["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+      "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1", "critic.ulysses_sequence_parallel_size=4"],
+     2 * 11264, 22528, 4 * 30000),
+    (["actor_rollout_ref.actor.megatron.context_parallel_size=2"], 2 * 11264, 2 * 22528, 30000),
+])
+def test_a_sequence_parallel_token_budget_is_the_micro_batch_verl_forms(words, actor, ref, critic):
+    """verl's dp/megatron actors form a micro-batch of ppo_max_token_len_per_gpu x the sequence (context) parallel
+    size, spread over that many devices; reinforge runs each sequence whole on one device (prompt 2048 + response
+    20480 = 22528 tokens here, which an un-multiplied 11264 could not hold)."""
+    translation = translate_verl(["data.max_prompt_length=2048", "data.max_response_length=20480",
+                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=11264",
+                                  "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=22528",
+                                  "critic.ppo_max_token_len_per_gpu=30000", *words])
+    config = load_config(None, tree=translation.tree)
+    check_config(config)
+    assert (config.actor.max_tokens_per_micro_batch, config.ref.max_tokens_per_micro_batch,
+            config.critic.max_tokens_per_micro_batch) == (actor, ref, critic)
