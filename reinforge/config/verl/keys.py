@@ -47,8 +47,9 @@ class Rename:
     convert: Callable[[Any, Mapping[str, Any]], Any] = _same
     verl_default: Any = _MISSING
     """verl's default, carried over when a command leaves the key out and it differs from ours."""
-    note: str = ""
-    """Printed beside the translation when the meaning differs in a detail."""
+    note: str | Callable[[Any, Mapping[str, Any]], str] = ""
+    """Printed beside the translation when the meaning differs in a detail (or a function of the value and the keys
+    given that returns it, "" for none)."""
 
     @property
     def has_verl_default(self) -> bool:
@@ -217,6 +218,29 @@ def _tokens_per_device(role: str, unset: tuple[Any, ...] = ()) -> Callable[[Any,
             return UNSET
         return value * _sequence_parallel_size(role, given) if isinstance(value, int) else value
     return convert
+
+
+def _generated_not_filtered(given: Mapping[str, Any]) -> bool:
+    return given.get("data.gen_batch_size") is not None and given.get("algorithm.filter_groups.enable") is not True
+
+
+GEN_BATCH_NOTE = ("data.gen_batch_size's: without algorithm.filter_groups verl trains on every prompt of its "
+                  "generation batch")
+
+
+def _prompts_per_step(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's data loader hands out data.gen_batch_size prompts a step; only dynamic sampling (filter_groups) keeps
+    train_batch_size of them, so without it a step trains on the whole generation batch."""
+    return given["data.gen_batch_size"] if _generated_not_filtered(given) else value
+
+
+def _gen_batch_size(value: Any, given: Mapping[str, Any]) -> Any:
+    if value is None:
+        return UNSET
+    if given.get("algorithm.filter_groups.enable") is not True:
+        raise NoEquivalentValue("without algorithm.filter_groups a step trains on all of its prompts, which "
+                                "data.train_batch_size becomes")
+    return value
 
 
 def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
@@ -520,7 +544,8 @@ VERL_KEYS: dict[str, Translation] = {
     "data.train_files": Rename("data.train_files", _file_list),
     "data.val_files": Rename("data.val_files", _file_list),
     "data.prompt_key": Rename("data.prompt_key"),
-    "data.train_batch_size": Rename("data.train_batch_size", verl_default=1024),
+    "data.train_batch_size": Rename("data.train_batch_size", _prompts_per_step, verl_default=1024,
+                                    note=lambda value, given: GEN_BATCH_NOTE if _generated_not_filtered(given) else ""),
     "data.val_batch_size": Rename("data.val_batch_size"),
     "data.max_prompt_length": Rename("data.max_prompt_length"),
     "data.max_response_length": Rename("data.max_response_length", verl_default=512),
@@ -552,7 +577,7 @@ VERL_KEYS: dict[str, Translation] = {
     "data.video_key": MULTIMODAL,
     "data.image_patch_size": MULTIMODAL,
     "data.return_multi_modal_inputs": MULTIMODAL,
-    "data.gen_batch_size": Rename("data.gen_batch_size"),
+    "data.gen_batch_size": Rename("data.gen_batch_size", _gen_batch_size),
     # ---- model
     f"{_MODEL}.path": Rename("model.path", _path),
     f"{_MODEL}.tokenizer_path": Rename("model.tokenizer_path", _path),

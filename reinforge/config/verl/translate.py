@@ -236,7 +236,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
         if not is_our_default:
             _set(result.tree, target_key, ours)
         result.translated.append(KeyLine(verl_key, value, target_key, ours, from_verl_default=from_default,
-                                         our_default=is_our_default, note=entry.note))
+                                         our_default=is_our_default,
+                                         note=entry.note(value, given) if callable(entry.note) else entry.note))
 
     for verl_key, value in given.items():
         apply(verl_key, value, from_default=False)

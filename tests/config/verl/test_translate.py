@@ -525,3 +525,17 @@ def test_a_sequence_parallel_token_budget_is_the_micro_batch_verl_forms(words, a
     check_config(config)
     assert (config.actor.max_tokens_per_micro_batch, config.ref.max_tokens_per_micro_batch,
             config.critic.max_tokens_per_micro_batch) == (actor, ref, critic)
+
+
+def test_a_generation_batch_without_dynamic_sampling_is_the_prompts_a_step():
+    """verl's loader hands out data.gen_batch_size prompts a step and, without filter_groups, trains on all of them
+    (the DAPO recipe's scripts with enable_filter_groups=False: 48 generated for a train_batch_size of 16)."""
+    words = ["data.train_batch_size=16", "data.gen_batch_size=48", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    translation = translate_verl(words)
+    config = load_config(None, tree=translation.tree)
+    check_config(config)
+    assert (config.data.train_batch_size, config.data.gen_batch_size) == (48, None)
+    [line] = [line for line in translation.translated if line.verl_key == "data.train_batch_size"]
+    assert "data.gen_batch_size's" in line.render()
+    filtered = load_config(None, tree=translate_verl([*words, "algorithm.filter_groups.enable=True"]).tree)
+    assert (filtered.data.train_batch_size, filtered.data.gen_batch_size) == (16, 48)
