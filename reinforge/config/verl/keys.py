@@ -607,6 +607,8 @@ VERL_KEYS: dict[str, Translation] = {
             SameAsOurs(EVERY_VALUE, "verl's actor adds no router load-balancing loss whatever the model config "
                                     "says; the translated run adds none either (actor.router_aux_loss_coef=0, which "
                                     "an override after -- changes)")),
+    **_each(f"{_ACTOR}.megatron.override_transformer_config", "fp8 fp8_recipe", NoEquivalent(
+        "Megatron's fp8 training; reinforge trains in the model's dtype (bf16 on CUDA) with float32 master weights")),
     f"{_ACTOR}.megatron.override_transformer_config.moe_aux_loss_coeff": NoEquivalent(
         "Megatron's router loss, in the form its moe_router_load_balancing_type picks; reinforge's is the "
         "Switch-style actor.router_aux_loss_coef: pass actor.router_aux_loss_coef=... after -- for one"),
