@@ -177,6 +177,32 @@ def _lora_exclusions(value: Any, given: Mapping[str, Any]) -> Any:
                        "and leave exclude_modules out")
 
 
+ADAPTER_REFUSAL = ("reinforge's LoRA starts from fresh adapters and loads none; merge the adapter into the model "
+                   "(peft's merge_and_unload) and pass that folder as actor_rollout_ref.model.path, or leave the "
+                   "adapter path out to start fresh")
+MEGATRON_LORA_TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_q": ("q_proj",), "linear_k": ("k_proj",),
+    "linear_v": ("v_proj",), "linear_proj": ("o_proj",), "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",),
+    "linear_q_proj": ("q_proj",), "linear_q_down_proj": ("q_a_proj",), "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",), "linear_kv_up_proj": ("kv_b_proj",),
+}
+"""Megatron's LoRA target names and the Hugging Face linear layers they are."""
+
+
+def _megatron_lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's Megatron LoRA targets as the Hugging Face layer names; its default (every linear layer) is ours."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    if not names or sorted(names) == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]:
+        return UNSET
+    unknown = [name for name in names if name not in MEGATRON_LORA_TARGETS]
+    if unknown:
+        raise RefusedValue(f"names {', '.join(map(str, unknown))}, which reinforge cannot map to a Hugging Face layer "
+                           f"(it maps {', '.join(MEGATRON_LORA_TARGETS)}); pass model.lora.target_modules=[...] "
+                           "with the layers' Hugging Face names after -- and leave this key out")
+    return list(dict.fromkeys(layer for name in names for layer in MEGATRON_LORA_TARGETS[name]))
+
+
 def _kv_cache_dtype(value: Any, given: Mapping[str, Any]) -> Any:
     """vLLM's and SGLang's kv_cache_dtype engine argument (TensorRT-LLM's kv_cache_config.dtype): auto keeps the
     model's dtype, fp8 is float8 e4m3."""
@@ -593,10 +619,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.lora_alpha": Rename("model.lora.alpha"),
     f"{_MODEL}.target_modules": Rename("model.lora.target_modules", _lora_targets),
     f"{_MODEL}.exclude_modules": Rename("actor.freeze_vision_tower", _lora_exclusions),
-    f"{_MODEL}.lora_adapter_path": Refused((None,), "reinforge's LoRA starts from fresh adapters and loads none; "
-                                                    "merge the adapter into the model (peft's merge_and_unload) and "
-                                                    "pass that folder as actor_rollout_ref.model.path, or leave "
-                                                    "lora_adapter_path out to start fresh"),
+    f"{_MODEL}.lora_adapter_path": Refused((None,), ADAPTER_REFUSAL),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
     f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
     f"{_MODEL}.override_config.attn_implementation": SameAsOurs(EVERY_VALUE, ATTENTION_KERNEL),
@@ -898,6 +921,14 @@ VERL_KEYS: dict[str, Translation] = {
     # ---- keys verl 0.9.1 added
     f"{_MODEL}.lora.rank": Rename("model.lora.rank", _unset_if(None, 0)),
     f"{_MODEL}.lora.alpha": Rename("model.lora.alpha"),
+    f"{_MODEL}.lora.dropout": Rename("model.lora.dropout"),
+    f"{_MODEL}.lora.target_modules": Rename("model.lora.target_modules", _megatron_lora_targets),
+    f"{_MODEL}.lora.exclude_modules": Rename("actor.freeze_vision_tower", _lora_exclusions),
+    f"{_MODEL}.lora.adapter_path": Refused((None,), ADAPTER_REFUSAL),
+    f"{_MODEL}.lora.type": Refused(("lora", "canonical_lora", None), "reinforge's adapters are peft's LoRA, one per "
+                                                                     "linear layer; DoRA and vlm_lora have none"),
+    f"{_MODEL}.lora.merge": SameAsOurs(EVERY_VALUE, "how verl hands adapters to its inference engine; reinforge's "
+                                                    "engine runs the adapted weights"),
     f"{_MODEL}.lora.*": MEGATRON_LORA,
     "critic.model.lora.*": NoEquivalent("reinforge's LoRA is the actor's; the critic trains every parameter"),
     **{f"{section}.{name}": FSDP_DETAIL for section in (f"{_ACTOR}.fsdp_config", f"{_REF}.fsdp_config",
@@ -966,6 +997,8 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
         implied.append(("trainer.backend", "ray", f"verl runs on Ray; {num_devices} devices need trainer.backend=ray"))
     if given.get(f"{_MODEL}.lora_rank") and f"{_MODEL}.lora_alpha" not in given:
         implied.append(("model.lora.alpha", 16.0, "verl's lora_alpha is 16 when the command leaves it out"))
+    if given.get(f"{_MODEL}.lora.rank") and f"{_MODEL}.lora.alpha" not in given:
+        implied.append(("model.lora.alpha", 32.0, "verl's Megatron lora.alpha is 32 when the command leaves it out"))
     if given.get("algorithm.filter_groups.enable") is True and "algorithm.filter_groups.max_num_gen_batches" not in given:
         implied.append(("algorithm.filter_groups.max_num_gen_batches", 0,
                         "verl's max_num_gen_batches is 0 (no limit) when the command leaves it out"))

@@ -1,5 +1,6 @@
 """Translating verl command lines: verl's own GSM8K GRPO, DAPO and LoRA examples load and validate."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -539,3 +540,20 @@ def test_a_generation_batch_without_dynamic_sampling_is_the_prompts_a_step():
     assert "data.gen_batch_size's" in line.render()
     filtered = load_config(None, tree=translate_verl([*words, "algorithm.filter_groups.enable=True"]).tree)
     assert (filtered.data.train_batch_size, filtered.data.gen_batch_size) == (16, 48)
+
+
+def test_verls_megatron_lora_is_our_lora_with_its_defaults():
+    """verl's Megatron LoRA (lora.rank ...) scales by its alpha of 32 when left out, and names its layers Megatron's
+    way."""
+    tree = translate_verl(["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.dropout=0.05",
+                           "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_fc2]",
+                           "actor_rollout_ref.model.lora.type=lora"]).tree
+    assert tree["model"]["lora"] == {"rank": 16, "alpha": 32.0, "dropout": 0.05,
+                                     "target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}
+    every_layer = translate_verl(["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.target_modules="
+                                  "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]).tree
+    assert every_layer["model"]["lora"] == {"rank": 16, "alpha": 32.0}
+    for word in ("actor_rollout_ref.model.lora.target_modules=[linear_qkv,router]",
+                 "actor_rollout_ref.model.lora.type=dora", "actor_rollout_ref.model.lora.adapter_path=/a"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(word.split('=')[0])}="):
+            translate_verl([word])
