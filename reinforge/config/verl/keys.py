@@ -163,14 +163,14 @@ def _lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
 
 def _lora_exclusions(value: Any, given: Mapping[str, Any]) -> Any:
     """verl's exclude_modules: layers kept without an adapter. The vision tower's (verl's examples exclude
-    ``.*visual.*``) is what reinforge's frozen tower gets anyway; any other exclusion would put adapters where the
-    verl run had none."""
+    ``.*visual.*``) is reinforge's frozen tower, which gets no adapter (and under LoRA verl's tower trains through its
+    adapters only); any other exclusion would put adapters where the verl run had none."""
     names = [] if value is None else [value] if isinstance(value, str) else list(value)
     if not names:
         return UNSET
     if all(re.search("visual|vision", str(name)) for name in names) and given.get(f"{_ACTOR}.freeze_vision_tower",
                                                                                   True) is not False:
-        return UNSET  # the frozen vision tower gets no adapter (reinforge.engine.lora)
+        return True  # the frozen vision tower gets no adapter (reinforge.engine.lora)
     raise RefusedValue("keeps layers without LoRA adapters; reinforge puts one on every layer that "
                        "model.lora.target_modules names (the vision tower's excepted while actor.freeze_vision_tower "
                        "is true): set actor_rollout_ref.model.target_modules to the layers that should get adapters "
@@ -700,8 +700,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.data_loader_seed": SEEDS,
     f"{_ACTOR}.checkpoint.*": CHECKPOINT_FORMAT,
     f"{_ACTOR}.router_replay.*": NoEquivalent("reinforge has no mixture-of-experts routing replay"),
-    f"{_ACTOR}.freeze_vision_tower": Rename("actor.freeze_vision_tower",
-                                            note="left out, reinforge freezes the vision tower and verl trains it"),
+    f"{_ACTOR}.freeze_vision_tower": Rename("actor.freeze_vision_tower", verl_default=False),
     f"{_ACTOR}.profiler.*": PROFILING,
     f"{_ACTOR}.tis_imp_ratio_cap": NoEquivalent("use algorithm.rollout_correction.rollout_is=token with "
                                                 "rollout_is_threshold"),

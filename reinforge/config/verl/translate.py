@@ -225,8 +225,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
             if not from_default:  # a verl default not carried over goes unmentioned, as one equal to ours does
                 result.already_ours.append(KeyLine(verl_key, value, reason=f"{target_key} keeps its default"))
             return
-        if from_default and ours == _default_of(target_key):
-            return
+        if from_default and (ours == _default_of(target_key) or target_key in sources):
+            return  # a key the command gives wins over another key's verl default
         is_our_default = ours == _default_of(target_key)
         if target_key in sources and sources[target_key][1] != ours:
             other_key, other_value = sources[target_key]

@@ -160,7 +160,8 @@ def test_values_without_equivalent_are_reported_not_translated():
     assert translation.tree == {"data": {"train_batch_size": 1024, "max_response_length": 512,
                                          "filter_overlong_prompts": False},
                                 "model": {"gradient_checkpointing": True},
-                                "actor": {"mini_batch_size": 256, "router_aux_loss_coef": 0.0},
+                                "actor": {"mini_batch_size": 256, "router_aux_loss_coef": 0.0,
+                                          "freeze_vision_tower": False},
                                 "trainer": {"total_epochs": 30, "project_name": "verl_examples", "experiment_name": "gsm8k",
                                             "output_dir": "checkpoints/verl_examples/gsm8k"},
                                 "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 1}}
@@ -487,8 +488,18 @@ def test_model_overrides_reinforge_already_computes_are_reported_as_ours():
         "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.exclude_modules=.*visual.*",
         "actor_rollout_ref.rollout.calculate_log_probs=True"])
     assert translation.no_equivalent == []
-    assert len(translation.already_ours) == 6
-    assert "actor" not in translation.tree or "freeze_vision_tower" not in translation.tree["actor"]
+    assert len(translation.already_ours) == 5
+    [excluded] = [line for line in translation.translated if line.verl_key.endswith("exclude_modules")]
+    assert (excluded.our_key, excluded.our_value) == ("actor.freeze_vision_tower", True)
+    assert load_config(None, tree=translation.tree).actor.freeze_vision_tower is True
+
+
+def test_a_vision_tower_trains_unless_the_command_freezes_it_as_in_verl():
+    """verl's freeze_vision_tower is false: a vision-language command trains the tower unless it says otherwise (or
+    keeps it out of LoRA with exclude_modules)."""
+    assert load_config(None, tree=translate_verl(["data.image_key=images"]).tree).actor.freeze_vision_tower is False
+    frozen = translate_verl(["actor_rollout_ref.actor.freeze_vision_tower=True"])
+    assert load_config(None, tree=frozen.tree).actor.freeze_vision_tower is True
 
 
 def test_the_dapo_recipes_reward_kwargs_on_verls_reward_section_translate():
