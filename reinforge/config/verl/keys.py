@@ -623,6 +623,10 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
     f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
     f"{_MODEL}.override_config.attn_implementation": SameAsOurs(EVERY_VALUE, ATTENTION_KERNEL),
+    **_each(f"{_MODEL}.override_config", "max_position_embeddings model_config.max_position_embeddings", NoEquivalent(
+        "positions past the config's max_position_embeddings run as in transformers (rotary embeddings have no "
+        "table to outgrow; reinforge warns when a run's sequences reach past it); edit config.json only for a "
+        "model whose rope scaling reads it")),
     **_each(f"{_MODEL}.override_config", "attention_dropout embd_pdrop resid_pdrop hidden_dropout",
             Refused((0,), "reinforge turns every dropout of the model off for RL (as this key does at 0); "
                           "training with dropout has no equivalent here")),
