@@ -31,6 +31,7 @@ VERL_CONFIG_FILES: dict[str, dict[str, Any]] = {
     "ppo_megatron_trainer": {},
     "gsm8k_multiturn_grpo": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5},
     "gsm8k_multiturn_megatron_grpo": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5},
+    "gsm8k_multiturn_grpo_server": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5},
     "gsm8k_multiturn_grpo_w_interaction": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_user_turns": 5},
     "retool_multiturn_grpo": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5,
                               f"{_ROLLOUT}.multi_turn.tool_config_path":

@@ -398,6 +398,8 @@ def test_config_name_of_verls_multi_turn_examples_applies_that_files_keys_first(
     assert tree["rollout"]["multi_turn"] == {"max_assistant_turns": 5, "tool_config_path":
                                              "./config/tool_config/sandbox_fusion_tool_config.yaml"}
     assert tree["data"]["max_response_length"] == 1024
+    server = parse_verl_overrides(["--config-name=gsm8k_multiturn_grpo_server"])  # SGLang in server mode: the same keys
+    assert server["actor_rollout_ref.rollout.multi_turn.max_assistant_turns"] == 5
 
 
 def test_an_unknown_config_name_is_refused_naming_the_keys_to_pass():
