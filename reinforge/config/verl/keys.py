@@ -807,7 +807,9 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.ppo_micro_batch_size_per_gpu": TOKEN_BUDGET,
     "critic.forward_micro_batch_size": TOKEN_BUDGET,
     "critic.forward_micro_batch_size_per_gpu": TOKEN_BUDGET,
-    "critic.use_dynamic_bsz": DYNAMIC_BSZ,
+    "critic.use_dynamic_bsz": NoEquivalent("the critic's micro-batches are always balanced by tokens under "
+                                           "critic.max_tokens_per_micro_batch, which its ppo_max_token_len_per_gpu "
+                                           "becomes"),
     "critic.shuffle": NoEquivalent("the critic's mini-batches follow actor.shuffle"),
     "critic.strategy": FSDP2,
     "critic.ulysses_sequence_parallel_size": PARALLELISM,
