@@ -381,6 +381,9 @@ MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a ro
 MULTIMODAL = NoEquivalent("reinforge reads a row's images from its data.image_key column (else images or image) and makes their pixels with the model's own processor as it is saved; it reads no video or audio")
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
+MODEL_OVERRIDE = ("changes what the model computes (its attention window, rotary scaling, ...), and reinforge "
+                  "takes the model's config from model.path; set the same key in that folder's config.json and leave "
+                  "the override out")
 ATTENTION_KERNEL = ("reinforge's packed passes run its own varlen attention with the model's sliding windows and "
                     "logit softcapping, computing what transformers' eager, sdpa and flash attention do")
 PER_DEVICE_NOTE = "times the sequence-parallel size, as verl's micro-batch is spread over that many devices"
@@ -621,7 +624,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.exclude_modules": Rename("actor.freeze_vision_tower", _lora_exclusions),
     f"{_MODEL}.lora_adapter_path": Refused((None,), ADAPTER_REFUSAL),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
-    f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
+    f"{_MODEL}.override_config": Refused(({}, None), MODEL_OVERRIDE),
+    f"{_MODEL}.override_config.*": Refused((), MODEL_OVERRIDE),
     f"{_MODEL}.override_config.attn_implementation": SameAsOurs(EVERY_VALUE, ATTENTION_KERNEL),
     **_each(f"{_MODEL}.override_config", "max_position_embeddings model_config.max_position_embeddings", NoEquivalent(
         "positions past the config's max_position_embeddings run as in transformers (rotary embeddings have no "

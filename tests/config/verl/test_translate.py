@@ -570,3 +570,18 @@ def test_verls_megatron_lora_is_our_lora_with_its_defaults():
                  "actor_rollout_ref.model.lora.type=dora", "actor_rollout_ref.model.lora.adapter_path=/a"):
         with pytest.raises(ConfigError, match=rf"^{re.escape(word.split('=')[0])}="):
             translate_verl([word])
+
+
+def test_a_model_config_override_that_changes_the_model_is_refused_naming_the_config_file():
+    """override_config.sliding_window (or rope scaling) would make verl's model attend otherwise; reinforge reads the
+    model's config.json, so the translation stops instead of training the model as saved."""
+    for word in ("+actor_rollout_ref.model.override_config.sliding_window=null",
+                 "+actor_rollout_ref.model.override_config.rope_scaling={type:linear,factor:2.0}"):
+        with pytest.raises(ConfigError) as refusal:
+            translate_verl([word])
+        assert "config.json" in str(refusal.value) and "\n" not in str(refusal.value)
+        assert str(refusal.value).startswith("actor_rollout_ref.model.override_config.")
+    kept = translate_verl(["+actor_rollout_ref.model.override_config.max_position_embeddings=32768",
+                           "actor_rollout_ref.model.override_config={}"])
+    assert [line.verl_key for line in kept.no_equivalent] == ["actor_rollout_ref.model.override_config."
+                                                              "max_position_embeddings"]
