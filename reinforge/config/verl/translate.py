@@ -156,7 +156,7 @@ def _parse_value(raw: str) -> Any:
 
 def _add(given: dict[str, Any], key: str, value: Any) -> None:
     """Set ``key``; a mapping value under a section of many keys is spread over them (a.b={c: 1} is a.b.c=1)."""
-    if isinstance(value, Mapping) and value and key not in VERL_KEYS:
+    if isinstance(value, Mapping) and value and (key not in VERL_KEYS or f"{key}.*" in VERL_KEYS):
         for inner, item in value.items():
             _add(given, f"{key}.{inner}", item)
     else:

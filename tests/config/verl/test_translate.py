@@ -585,3 +585,6 @@ def test_a_model_config_override_that_changes_the_model_is_refused_naming_the_co
                            "actor_rollout_ref.model.override_config={}"])
     assert [line.verl_key for line in kept.no_equivalent] == ["actor_rollout_ref.model.override_config."
                                                               "max_position_embeddings"]
+    whole = translate_verl(["+actor_rollout_ref.model.override_config={attention_dropout: 0.0, "
+                            "attn_implementation: eager}"])  # one key for the mapping: each of its keys is looked up
+    assert len(whole.already_ours) == 2 and whole.no_equivalent == []
