@@ -183,10 +183,27 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _unknown_key(key: str) -> ConfigError:
     exact = [name for name in VERL_KEYS if not name.endswith(".*")]
     close = difflib.get_close_matches(key, exact, n=1, cutoff=0.6)
+    ours = _our_name_for(key)
+    if ours is not None:  # one of reinforge's settings written into verl's section (+actor_rollout_ref.actor.router_...)
+        leaf = key.rsplit(".", 1)[-1]
+        similar = [name for name in close if difflib.SequenceMatcher(None, leaf, name.rsplit(".", 1)[-1]).ratio() > 0.8]
+        return ConfigError(f"{key} (verl command line) is not a verl key; reinforge's own {ours} has this name: pass "
+                           f"{ours}=... after -- (reinforge train --from-verl ... -- {ours}=...)"
+                           + (f"; or did you mean verl's {similar[0]}?" if similar else ""))
     hint = f"; did you mean {close[0]}?" if close else "; check the key against verl's ppo_trainer.yaml"
     if key.split(".")[0] not in VERL_SECTIONS:
         return ConfigError(f"{key} (verl command line) is not a key of verl's PPO trainer{hint}")
     return ConfigError(f"{key} (verl command line) is not a verl key reinforge knows{hint}")
+
+
+def _our_name_for(verl_key: str) -> str | None:
+    """Our key for a key under one of verl's sections that our schema has by the same name (actor.*, rollout.*)."""
+    for ours, theirs in OUR_SECTIONS_IN_VERL.items():
+        if verl_key.startswith(f"{theirs}."):
+            candidate = f"{ours}.{verl_key[len(theirs) + 1:]}"
+            default = _default_of(candidate)
+            return candidate if default is not UNSET and not dataclasses.is_dataclass(default) else None
+    return None
 
 
 def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslation:

@@ -588,3 +588,16 @@ def test_a_model_config_override_that_changes_the_model_is_refused_naming_the_co
     whole = translate_verl(["+actor_rollout_ref.model.override_config={attention_dropout: 0.0, "
                             "attn_implementation: eager}"])  # one key for the mapping: each of its keys is looked up
     assert len(whole.already_ours) == 2 and whole.no_equivalent == []
+
+
+@pytest.mark.parametrize("word, ours", [
+    ("+actor_rollout_ref.actor.router_aux_loss_coef=0.01", "actor.router_aux_loss_coef"),
+    ("+actor_rollout_ref.rollout.kv_cache_dtype=fp8", "rollout.kv_cache_dtype"),
+])
+def test_one_of_our_settings_written_into_verls_section_names_ours(word, ours):
+    """verl has no such key; the closest verl name (kl_loss_coef, dtype) would be another setting altogether."""
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl([word])
+    message = str(refusal.value)
+    assert f"reinforge's own {ours} has this name: pass {ours}=... after --" in message
+    assert "did you mean" not in message and "\n" not in message
