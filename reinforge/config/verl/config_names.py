@@ -20,15 +20,24 @@ _MULTI_TURN_GRPO: dict[str, Any] = {
     f"{_ROLLOUT}.multi_turn.enable": True,
 }
 
+_DAPO: dict[str, Any] = {
+    "trainer.project_name": "verl-dapo", "reward.reward_manager.name": "dapo",
+    "algorithm.filter_groups.max_num_gen_batches": 0,
+}
+"""The DAPO recipe's files (verl-recipe dapo/config), which its main_dapo reads when no --config-name is given."""
+
 VERL_CONFIG_FILES: dict[str, dict[str, Any]] = {
     "ppo_trainer": {},
     "ppo_megatron_trainer": {},
     "gsm8k_multiturn_grpo": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5},
     "gsm8k_multiturn_megatron_grpo": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5},
+    "gsm8k_multiturn_grpo_server": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5},
     "gsm8k_multiturn_grpo_w_interaction": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_user_turns": 5},
     "retool_multiturn_grpo": {**_MULTI_TURN_GRPO, f"{_ROLLOUT}.multi_turn.max_assistant_turns": 5,
                               f"{_ROLLOUT}.multi_turn.tool_config_path":
                                   "./config/tool_config/sandbox_fusion_tool_config.yaml"},
+    "dapo_trainer": dict(_DAPO),
+    "dapo_megatron_trainer": dict(_DAPO),
     "search_multiturn_grpo": {**_MULTI_TURN_GRPO, "data.shuffle": False,
                               f"{_ROLLOUT}.multi_turn.max_assistant_turns": 2, f"{_ROLLOUT}.multi_turn.format": "qwen"},
 }

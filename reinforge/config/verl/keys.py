@@ -15,6 +15,7 @@ setting whose usual values are what reinforge always does (strategy=fsdp, lora_r
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,8 +47,9 @@ class Rename:
     convert: Callable[[Any, Mapping[str, Any]], Any] = _same
     verl_default: Any = _MISSING
     """verl's default, carried over when a command leaves the key out and it differs from ours."""
-    note: str = ""
-    """Printed beside the translation when the meaning differs in a detail."""
+    note: str | Callable[[Any, Mapping[str, Any]], str] = ""
+    """Printed beside the translation when the meaning differs in a detail (or a function of the value and the keys
+    given that returns it, "" for none)."""
 
     @property
     def has_verl_default(self) -> bool:
@@ -157,6 +159,114 @@ def _lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
     if value in ("all-linear", None):
         return UNSET
     return [value] if isinstance(value, str) else list(value)
+
+
+def _lora_exclusions(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's exclude_modules: layers kept without an adapter. The vision tower's (verl's examples exclude
+    ``.*visual.*``) is reinforge's frozen tower, which gets no adapter (and under LoRA verl's tower trains through its
+    adapters only); any other exclusion would put adapters where the verl run had none."""
+    names = [] if value is None else [value] if isinstance(value, str) else list(value)
+    if not names:
+        return UNSET
+    if all(re.search("visual|vision", str(name)) for name in names) and given.get(f"{_ACTOR}.freeze_vision_tower",
+                                                                                  True) is not False:
+        return True  # the frozen vision tower gets no adapter (reinforge.engine.lora)
+    raise RefusedValue("keeps layers without LoRA adapters; reinforge puts one on every layer that "
+                       "model.lora.target_modules names (the vision tower's excepted while actor.freeze_vision_tower "
+                       "is true): set actor_rollout_ref.model.target_modules to the layers that should get adapters "
+                       "and leave exclude_modules out")
+
+
+ADAPTER_REFUSAL = ("reinforge's LoRA starts from fresh adapters and loads none; merge the adapter into the model "
+                   "(peft's merge_and_unload) and pass that folder as actor_rollout_ref.model.path, or leave the "
+                   "adapter path out to start fresh")
+MEGATRON_LORA_TARGETS = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_q": ("q_proj",), "linear_k": ("k_proj",),
+    "linear_v": ("v_proj",), "linear_proj": ("o_proj",), "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc1_gate": ("gate_proj",), "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",),
+    "linear_q_proj": ("q_proj",), "linear_q_down_proj": ("q_a_proj",), "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",), "linear_kv_up_proj": ("kv_b_proj",),
+}
+"""Megatron's LoRA target names and the Hugging Face linear layers they are."""
+
+
+def _megatron_lora_targets(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's Megatron LoRA targets as the Hugging Face layer names; its default (every linear layer) is ours."""
+    names = [value] if isinstance(value, str) else list(value or [])
+    if not names or sorted(names) == ["linear_fc1", "linear_fc2", "linear_proj", "linear_qkv"]:
+        return UNSET
+    unknown = [name for name in names if name not in MEGATRON_LORA_TARGETS]
+    if unknown:
+        raise RefusedValue(f"names {', '.join(map(str, unknown))}, which reinforge cannot map to a Hugging Face layer "
+                           f"(it maps {', '.join(MEGATRON_LORA_TARGETS)}); pass model.lora.target_modules=[...] "
+                           "with the layers' Hugging Face names after -- and leave this key out")
+    return list(dict.fromkeys(layer for name in names for layer in MEGATRON_LORA_TARGETS[name]))
+
+
+def _kv_cache_dtype(value: Any, given: Mapping[str, Any]) -> Any:
+    """vLLM's and SGLang's kv_cache_dtype engine argument (TensorRT-LLM's kv_cache_config.dtype): auto keeps the
+    model's dtype, fp8 is float8 e4m3."""
+    if value in (None, "auto"):
+        return UNSET
+    if value in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    raise RefusedValue("is not a KV-cache type reinforge's engine has; it keeps the cache in the model's dtype "
+                       "(auto) or in float8 e4m3 with a scale per token and KV head (fp8): pass auto or fp8")
+
+
+SEQUENCE_PARALLEL_KEYS = {
+    "actor": ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+              "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+              "actor_rollout_ref.actor.megatron.context_parallel_size"),
+    "ref": ("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+            "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
+            "actor_rollout_ref.ref.megatron.context_parallel_size"),
+    "critic": ("critic.ulysses_sequence_parallel_size", "critic.model.fsdp_config.ulysses_sequence_parallel_size",
+               "critic.fsdp.ulysses_sequence_parallel_size", "critic.megatron.context_parallel_size"),
+    "reward_model": ("reward_model.ulysses_sequence_parallel_size", "reward_model.megatron.context_parallel_size"),
+}
+"""Where verl reads each role's sequence (Ulysses) or context parallel size; the reference's defaults to the actor's."""
+
+
+def _sequence_parallel_size(role: str, given: Mapping[str, Any]) -> int:
+    size = next((given[key] for key in SEQUENCE_PARALLEL_KEYS[role] if given.get(key) is not None), None)
+    if size is None:
+        return _sequence_parallel_size("actor", given) if role == "ref" else 1
+    return size if isinstance(size, int) and size > 0 else 1
+
+
+def _tokens_per_device(role: str, unset: tuple[Any, ...] = ()) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """verl's per-GPU token budget as our micro-batch budget: verl multiplies it by the role's sequence (or context)
+    parallel size, since a micro-batch is split over that many devices, and reinforge runs each sequence whole on
+    one device."""
+    def convert(value: Any, given: Mapping[str, Any]) -> Any:
+        if value in unset:
+            return UNSET
+        return value * _sequence_parallel_size(role, given) if isinstance(value, int) else value
+    return convert
+
+
+def _generated_not_filtered(given: Mapping[str, Any]) -> bool:
+    return given.get("data.gen_batch_size") is not None and given.get("algorithm.filter_groups.enable") is not True
+
+
+GEN_BATCH_NOTE = ("data.gen_batch_size's: without algorithm.filter_groups verl trains on every prompt of its "
+                  "generation batch")
+
+
+def _prompts_per_step(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's data loader hands out data.gen_batch_size prompts a step; only dynamic sampling (filter_groups) keeps
+    train_batch_size of them, so without it a step trains on the whole generation batch."""
+    return given["data.gen_batch_size"] if _generated_not_filtered(given) else value
+
+
+def _gen_batch_size(value: Any, given: Mapping[str, Any]) -> Any:
+    if value is None:
+        return UNSET
+    if given.get("algorithm.filter_groups.enable") is not True:
+        raise NoEquivalentValue("without algorithm.filter_groups a step trains on all of its prompts, which "
+                                "data.train_batch_size becomes")
+    return value
 
 
 def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
@@ -271,6 +381,12 @@ MULTI_TURN = NoEquivalent("not in reinforge's agent loops (reinforge.agent: a ro
 MULTIMODAL = NoEquivalent("reinforge reads a row's images from its data.image_key column (else images or image) and makes their pixels with the model's own processor as it is saved; it reads no video or audio")
 CHECKPOINT_FORMAT = NoEquivalent("reinforge always saves weights, optimizer and trainer state, plus an HF "
                                  "folder, in trainer.output_dir/checkpoints")
+MODEL_OVERRIDE = ("changes what the model computes (its attention window, rotary scaling, ...), and reinforge "
+                  "takes the model's config from model.path; set the same key in that folder's config.json and leave "
+                  "the override out")
+ATTENTION_KERNEL = ("reinforge's packed passes run its own varlen attention with the model's sliding windows and "
+                    "logit softcapping, computing what transformers' eager, sdpa and flash attention do")
+PER_DEVICE_NOTE = "times the sequence-parallel size, as verl's micro-batch is spread over that many devices"
 ALWAYS_PADDING_FREE = NoEquivalent("reinforge's passes are always padding-free (packed rows)")
 COMPILE = NoEquivalent("on CUDA reinforge always compiles its decoder layers (not with gradient checkpointing)")
 FROM_DATA = NoEquivalent("taken from data.max_prompt_length / data.max_response_length")
@@ -315,9 +431,10 @@ def _samples_as_tokens(value: Any, given: Mapping[str, Any]) -> Any:
 
 
 def _dynamic_token_budget(value: Any, given: Mapping[str, Any]) -> Any:
-    """verl reads forward_max_token_len_per_gpu only with use_dynamic_bsz (by default the critic's, false)."""
+    """verl reads forward_max_token_len_per_gpu only with use_dynamic_bsz (by default the critic's, false), times the
+    reward model's sequence-parallel size."""
     dynamic = given.get("reward_model.use_dynamic_bsz", given.get("critic.use_dynamic_bsz"))
-    return int(value) if dynamic is True and value is not None else UNSET
+    return int(value) * _sequence_parallel_size("reward_model", given) if dynamic is True and value is not None else UNSET
 
 
 def _overlong_end(value: Any, given: Mapping[str, Any]) -> Any:
@@ -421,7 +538,7 @@ FSDP_DETAILS = ("wrap_policy.min_num_params reshard_after_forward fsdp_size forw
 ENGINE_KNOBS = ("mode dtype ignore_eos enforce_eager cudagraph_capture_sizes max_num_batched_tokens max_model_len "
                 "max_num_seqs enable_chunked_prefill logprobs_mode scheduling_policy load_format "
                 "over_sample_rate multi_stage_wake_up skip_rollout skip_dump_dir skip_tokenizer_init "
-                "enable_rollout_routing_replay quantization quantization_config_file mtp layered_summon "
+                "enable_rollout_routing_replay mtp layered_summon "
                 "update_weights_bucket_megabytes max_loras max_lora_rank repetition_penalty")
 
 
@@ -456,7 +573,8 @@ VERL_KEYS: dict[str, Translation] = {
     "data.train_files": Rename("data.train_files", _file_list),
     "data.val_files": Rename("data.val_files", _file_list),
     "data.prompt_key": Rename("data.prompt_key"),
-    "data.train_batch_size": Rename("data.train_batch_size", verl_default=1024),
+    "data.train_batch_size": Rename("data.train_batch_size", _prompts_per_step, verl_default=1024,
+                                    note=lambda value, given: GEN_BATCH_NOTE if _generated_not_filtered(given) else ""),
     "data.val_batch_size": Rename("data.val_batch_size"),
     "data.max_prompt_length": Rename("data.max_prompt_length"),
     "data.max_response_length": Rename("data.max_response_length", verl_default=512),
@@ -488,7 +606,7 @@ VERL_KEYS: dict[str, Translation] = {
     "data.video_key": MULTIMODAL,
     "data.image_patch_size": MULTIMODAL,
     "data.return_multi_modal_inputs": MULTIMODAL,
-    "data.gen_batch_size": Rename("data.gen_batch_size"),
+    "data.gen_batch_size": Rename("data.gen_batch_size", _gen_batch_size),
     # ---- model
     f"{_MODEL}.path": Rename("model.path", _path),
     f"{_MODEL}.tokenizer_path": Rename("model.tokenizer_path", _path),
@@ -503,10 +621,28 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_MODEL}.lora_rank": Rename("model.lora.rank", _unset_if(None)),
     f"{_MODEL}.lora_alpha": Rename("model.lora.alpha"),
     f"{_MODEL}.target_modules": Rename("model.lora.target_modules", _lora_targets),
-    f"{_MODEL}.exclude_modules": NoEquivalent("list the layers that get adapters in model.lora.target_modules"),
-    f"{_MODEL}.lora_adapter_path": NoEquivalent("reinforge's LoRA starts from fresh adapters"),
+    f"{_MODEL}.exclude_modules": Rename("actor.freeze_vision_tower", _lora_exclusions),
+    f"{_MODEL}.lora_adapter_path": Refused((None,), ADAPTER_REFUSAL),
     f"{_MODEL}.hf_config_path": NoEquivalent("the model's config is read from model.path"),
-    f"{_MODEL}.override_config": NoEquivalent("edit the model folder's config.json instead"),
+    f"{_MODEL}.override_config": Refused(({}, None), MODEL_OVERRIDE),
+    f"{_MODEL}.override_config.*": Refused((), MODEL_OVERRIDE),
+    f"{_MODEL}.override_config.attn_implementation": SameAsOurs(EVERY_VALUE, ATTENTION_KERNEL),
+    **_each(f"{_MODEL}.override_config", "max_position_embeddings model_config.max_position_embeddings", NoEquivalent(
+        "positions past the config's max_position_embeddings run as in transformers (rotary embeddings have no "
+        "table to outgrow; reinforge warns when a run's sequences reach past it); edit config.json only for a "
+        "model whose rope scaling reads it")),
+    **_each(f"{_MODEL}.override_config", "attention_dropout embd_pdrop resid_pdrop hidden_dropout",
+            Refused((0,), "reinforge turns every dropout of the model off for RL (as this key does at 0); "
+                          "training with dropout has no equivalent here")),
+    **_each(f"{_MODEL}.override_config", "output_router_logits router_aux_loss_coef",
+            SameAsOurs(EVERY_VALUE, "verl's actor adds no router load-balancing loss whatever the model config "
+                                    "says; the translated run adds none either (actor.router_aux_loss_coef=0, which "
+                                    "an override after -- changes)")),
+    **_each(f"{_ACTOR}.megatron.override_transformer_config", "fp8 fp8_recipe", NoEquivalent(
+        "Megatron's fp8 training; reinforge trains in the model's dtype (bf16 on CUDA) with float32 master weights")),
+    f"{_ACTOR}.megatron.override_transformer_config.moe_aux_loss_coeff": NoEquivalent(
+        "Megatron's router loss, in the form its moe_router_load_balancing_type picks; reinforge's is the "
+        "Switch-style actor.router_aux_loss_coef: pass actor.router_aux_loss_coef=... after -- for one"),
     f"{_MODEL}.external_lib": NoEquivalent("import your model's package in a sitecustomize or register it "
                                            "with transformers' Auto classes"),
     f"{_MODEL}.use_shm": NoEquivalent("models load from model.path directly"),
@@ -522,7 +658,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.ppo_micro_batch_size": TOKEN_BUDGET,
     f"{_ACTOR}.ppo_micro_batch_size_per_gpu": TOKEN_BUDGET,
     f"{_ACTOR}.use_dynamic_bsz": DYNAMIC_BSZ,
-    f"{_ACTOR}.ppo_max_token_len_per_gpu": Rename("actor.max_tokens_per_micro_batch"),
+    f"{_ACTOR}.ppo_max_token_len_per_gpu": Rename("actor.max_tokens_per_micro_batch", _tokens_per_device("actor"),
+                                                  note=PER_DEVICE_NOTE),
     f"{_ACTOR}.ppo_epochs": Rename("actor.ppo_epochs"),
     f"{_ACTOR}.shuffle": Rename("actor.shuffle"),
     f"{_ACTOR}.grad_clip": Rename("actor.grad_clip"),
@@ -571,8 +708,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.data_loader_seed": SEEDS,
     f"{_ACTOR}.checkpoint.*": CHECKPOINT_FORMAT,
     f"{_ACTOR}.router_replay.*": NoEquivalent("reinforge has no mixture-of-experts routing replay"),
-    f"{_ACTOR}.freeze_vision_tower": Rename("actor.freeze_vision_tower",
-                                            note="left out, reinforge freezes the vision tower and verl trains it"),
+    f"{_ACTOR}.freeze_vision_tower": Rename("actor.freeze_vision_tower", verl_default=False),
     f"{_ACTOR}.profiler.*": PROFILING,
     f"{_ACTOR}.tis_imp_ratio_cap": NoEquivalent("use algorithm.rollout_correction.rollout_is=token with "
                                                 "rollout_is_threshold"),
@@ -580,7 +716,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_REF}.fsdp_config.param_offload": Rename("ref.param_offload", _only_if_true),
     **_each(f"{_REF}.fsdp_config", FSDP_DETAILS + " optimizer_offload offload_policy", FSDP_DETAIL),
     f"{_REF}.fsdp_config.ulysses_sequence_parallel_size": PARALLELISM,
-    f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch", _unset_if(None)),
+    f"{_REF}.log_prob_max_token_len_per_gpu": Rename("ref.max_tokens_per_micro_batch",
+                                                     _tokens_per_device("ref", (None,)), note=PER_DEVICE_NOTE),
     f"{_REF}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
     f"{_REF}.log_prob_micro_batch_size_per_gpu": LOG_PROB_BUDGET,
     f"{_REF}.log_prob_use_dynamic_bsz": LOG_PROB_BUDGET,
@@ -607,7 +744,8 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.val_kwargs.top_k": Rename("rollout.val_kwargs.top_k"),
     f"{_ROLLOUT}.val_kwargs.do_sample": NoEquivalent("rollout.val_kwargs.temperature=0 is greedy, above 0 samples"),
     f"{_ROLLOUT}.do_sample": NoEquivalent("rollout.temperature=0 is greedy, above 0 samples"),
-    f"{_ROLLOUT}.calculate_log_probs": NoEquivalent("the rollout always returns its log-probs (rollout_log_probs)"),
+    f"{_ROLLOUT}.calculate_log_probs": SameAsOurs(EVERY_VALUE, "the rollout always returns its log-probs "
+                                                               "(rollout_log_probs)"),
     f"{_ROLLOUT}.prompt_length": FROM_DATA,
     f"{_ROLLOUT}.response_length": FROM_DATA,
     f"{_ROLLOUT}.log_prob_micro_batch_size": LOG_PROB_BUDGET,
@@ -636,7 +774,13 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.prometheus.*": PROFILING,
     f"{_ROLLOUT}.disable_log_stats": PROFILING,
     **_each(_ROLLOUT, ENGINE_KNOBS, ENGINE_KNOB),
+    f"{_ROLLOUT}.engine_kwargs.vllm.kv_cache_dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
+    f"{_ROLLOUT}.engine_kwargs.sglang.kv_cache_dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
+    f"{_ROLLOUT}.engine_kwargs.trtllm.kv_cache_config.dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
     f"{_ROLLOUT}.engine_kwargs.*": ENGINE_KNOB,
+    **_each(_ROLLOUT, "quantization quantization_config_file", NoEquivalent(
+        "reinforge's rollout runs the weights in the model's dtype, without fp8 or other weight quantization "
+        "(rollout.kv_cache_dtype=fp8 stores the KV cache in fp8)")),
     f"{_ROLLOUT}.checkpoint_engine.*": ENGINE_KNOB,
     # ---- critic
     **_optim("critic", "critic"),
@@ -658,7 +802,8 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.loss_agg_mode": Rename("critic.loss_agg_mode"),
     "critic.ppo_epochs": Rename("critic.ppo_epochs"),
     "critic.grad_clip": Rename("critic.grad_clip"),
-    "critic.ppo_max_token_len_per_gpu": Rename("critic.max_tokens_per_micro_batch"),
+    "critic.ppo_max_token_len_per_gpu": Rename("critic.max_tokens_per_micro_batch", _tokens_per_device("critic"),
+                                               note=PER_DEVICE_NOTE),
     "critic.forward_max_token_len_per_gpu": NoEquivalent("the critic's value pass uses "
                                                          "critic.max_tokens_per_micro_batch too"),
     "critic.ppo_mini_batch_size": NoEquivalent("the critic updates on actor.mini_batch_size"),
@@ -666,7 +811,9 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.ppo_micro_batch_size_per_gpu": TOKEN_BUDGET,
     "critic.forward_micro_batch_size": TOKEN_BUDGET,
     "critic.forward_micro_batch_size_per_gpu": TOKEN_BUDGET,
-    "critic.use_dynamic_bsz": DYNAMIC_BSZ,
+    "critic.use_dynamic_bsz": NoEquivalent("the critic's micro-batches are always balanced by tokens under "
+                                           "critic.max_tokens_per_micro_batch, which its ppo_max_token_len_per_gpu "
+                                           "becomes"),
     "critic.shuffle": NoEquivalent("the critic's mini-batches follow actor.shuffle"),
     "critic.strategy": FSDP2,
     "critic.ulysses_sequence_parallel_size": PARALLELISM,
@@ -692,6 +839,15 @@ VERL_KEYS: dict[str, Translation] = {
     "reward_model.overlong_buffer.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
     "reward_model.overlong_buffer.log": SameAsOurs(EVERY_VALUE, "reward/overlong/* is always logged when the buffer "
                                                                 "is on"),
+    # the DAPO recipe's form on verl 0.9's reward section (dapo/config/dapo_trainer.yaml)
+    "reward.reward_kwargs.overlong_buffer_cfg.enable": Rename("reward.overlong_buffer.enable"),
+    "reward.reward_kwargs.overlong_buffer_cfg.len": Rename("reward.overlong_buffer.len"),
+    "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor": Rename("reward.overlong_buffer.penalty_factor"),
+    "reward.reward_kwargs.overlong_buffer_cfg.log": SameAsOurs(EVERY_VALUE, "reward/overlong/* is always logged when "
+                                                                            "the buffer is on"),
+    "reward.reward_kwargs.max_resp_len": Rename("data.max_response_length", _overlong_end),
+    "reward.reward_kwargs.*": Refused((), "its reward manager's options have no equivalent; pass a scorer's options "
+                                          "with reward.kwargs (verl's custom_reward_function.reward_kwargs)"),
     "reward_model.reward_kwargs.*": Refused((), "its reward manager's options have no equivalent; pass a scorer's "
                                                 "options with reward.kwargs (verl's custom_reward_function.reward_kwargs)"),
     "reward_manager.*": NoEquivalent("one reward manager scores every sample in worker processes"),
@@ -774,6 +930,14 @@ VERL_KEYS: dict[str, Translation] = {
     # ---- keys verl 0.9.1 added
     f"{_MODEL}.lora.rank": Rename("model.lora.rank", _unset_if(None, 0)),
     f"{_MODEL}.lora.alpha": Rename("model.lora.alpha"),
+    f"{_MODEL}.lora.dropout": Rename("model.lora.dropout"),
+    f"{_MODEL}.lora.target_modules": Rename("model.lora.target_modules", _megatron_lora_targets),
+    f"{_MODEL}.lora.exclude_modules": Rename("actor.freeze_vision_tower", _lora_exclusions),
+    f"{_MODEL}.lora.adapter_path": Refused((None,), ADAPTER_REFUSAL),
+    f"{_MODEL}.lora.type": Refused(("lora", "canonical_lora", None), "reinforge's adapters are peft's LoRA, one per "
+                                                                     "linear layer; DoRA and vlm_lora have none"),
+    f"{_MODEL}.lora.merge": SameAsOurs(EVERY_VALUE, "how verl hands adapters to its inference engine; reinforge's "
+                                                    "engine runs the adapted weights"),
     f"{_MODEL}.lora.*": MEGATRON_LORA,
     "critic.model.lora.*": NoEquivalent("reinforge's LoRA is the actor's; the critic trains every parameter"),
     **{f"{section}.{name}": FSDP_DETAIL for section in (f"{_ACTOR}.fsdp_config", f"{_REF}.fsdp_config",
@@ -842,13 +1006,18 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
         implied.append(("trainer.backend", "ray", f"verl runs on Ray; {num_devices} devices need trainer.backend=ray"))
     if given.get(f"{_MODEL}.lora_rank") and f"{_MODEL}.lora_alpha" not in given:
         implied.append(("model.lora.alpha", 16.0, "verl's lora_alpha is 16 when the command leaves it out"))
+    if given.get(f"{_MODEL}.lora.rank") and f"{_MODEL}.lora.alpha" not in given:
+        implied.append(("model.lora.alpha", 32.0, "verl's Megatron lora.alpha is 32 when the command leaves it out"))
     if given.get("algorithm.filter_groups.enable") is True and "algorithm.filter_groups.max_num_gen_batches" not in given:
         implied.append(("algorithm.filter_groups.max_num_gen_batches", 0,
                         "verl's max_num_gen_batches is 0 (no limit) when the command leaves it out"))
-    if given.get("reward_model.overlong_buffer.enable") is True and \
-            "reward_model.overlong_buffer.penalty_factor" not in given:
-        implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
-                        "the DAPO recipe's overlong_buffer.penalty_factor is 0 when the command leaves it out"))
+    for buffer in ("reward_model.overlong_buffer", "reward.reward_kwargs.overlong_buffer_cfg"):
+        if given.get(f"{buffer}.enable") is True and f"{buffer}.penalty_factor" not in given:
+            implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
+                            f"the DAPO recipe's {buffer}.penalty_factor is 0 when the command leaves it out"))
+    implied.append(("actor.router_aux_loss_coef", 0.0,
+                    "verl's actor adds no router load-balancing loss to a mixture of experts' policy loss, "
+                    "whatever its config's output_router_logits says"))
     if f"{_ACTOR}.clip_ratio" in given:  # verl's clip_ratio_low/high (0.2 in its actor.yaml) win over clip_ratio
         for side in ("low", "high"):
             if f"{_ACTOR}.clip_ratio_{side}" not in given:

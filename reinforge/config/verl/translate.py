@@ -156,7 +156,7 @@ def _parse_value(raw: str) -> Any:
 
 def _add(given: dict[str, Any], key: str, value: Any) -> None:
     """Set ``key``; a mapping value under a section of many keys is spread over them (a.b={c: 1} is a.b.c=1)."""
-    if isinstance(value, Mapping) and value and key not in VERL_KEYS:
+    if isinstance(value, Mapping) and value and (key not in VERL_KEYS or f"{key}.*" in VERL_KEYS):
         for inner, item in value.items():
             _add(given, f"{key}.{inner}", item)
     else:
@@ -183,10 +183,27 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _unknown_key(key: str) -> ConfigError:
     exact = [name for name in VERL_KEYS if not name.endswith(".*")]
     close = difflib.get_close_matches(key, exact, n=1, cutoff=0.6)
+    ours = _our_name_for(key)
+    if ours is not None:  # one of reinforge's settings written into verl's section (+actor_rollout_ref.actor.router_...)
+        leaf = key.rsplit(".", 1)[-1]
+        similar = [name for name in close if difflib.SequenceMatcher(None, leaf, name.rsplit(".", 1)[-1]).ratio() > 0.8]
+        return ConfigError(f"{key} (verl command line) is not a verl key; reinforge's own {ours} has this name: pass "
+                           f"{ours}=... after -- (reinforge train --from-verl ... -- {ours}=...)"
+                           + (f"; or did you mean verl's {similar[0]}?" if similar else ""))
     hint = f"; did you mean {close[0]}?" if close else "; check the key against verl's ppo_trainer.yaml"
     if key.split(".")[0] not in VERL_SECTIONS:
         return ConfigError(f"{key} (verl command line) is not a key of verl's PPO trainer{hint}")
     return ConfigError(f"{key} (verl command line) is not a verl key reinforge knows{hint}")
+
+
+def _our_name_for(verl_key: str) -> str | None:
+    """Our key for a key under one of verl's sections that our schema has by the same name (actor.*, rollout.*)."""
+    for ours, theirs in OUR_SECTIONS_IN_VERL.items():
+        if verl_key.startswith(f"{theirs}."):
+            candidate = f"{ours}.{verl_key[len(theirs) + 1:]}"
+            default = _default_of(candidate)
+            return candidate if default is not UNSET and not dataclasses.is_dataclass(default) else None
+    return None
 
 
 def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslation:
@@ -225,8 +242,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
             if not from_default:  # a verl default not carried over goes unmentioned, as one equal to ours does
                 result.already_ours.append(KeyLine(verl_key, value, reason=f"{target_key} keeps its default"))
             return
-        if from_default and ours == _default_of(target_key):
-            return
+        if from_default and (ours == _default_of(target_key) or target_key in sources):
+            return  # a key the command gives wins over another key's verl default
         is_our_default = ours == _default_of(target_key)
         if target_key in sources and sources[target_key][1] != ours:
             other_key, other_value = sources[target_key]
@@ -236,7 +253,8 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
         if not is_our_default:
             _set(result.tree, target_key, ours)
         result.translated.append(KeyLine(verl_key, value, target_key, ours, from_verl_default=from_default,
-                                         our_default=is_our_default, note=entry.note))
+                                         our_default=is_our_default,
+                                         note=entry.note(value, given) if callable(entry.note) else entry.note))
 
     for verl_key, value in given.items():
         apply(verl_key, value, from_default=False)

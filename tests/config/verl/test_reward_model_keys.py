@@ -53,6 +53,9 @@ def test_verl_0_7_reward_model_translates_into_the_reward_model_worker():
     dynamic = translate_verl(["reward_model.use_dynamic_bsz=True", "reward_model.micro_batch_size_per_gpu=4",
                               "reward_model.forward_max_token_len_per_gpu=32768"])
     assert dynamic.tree["reward"]["reward_model"] == {"max_tokens_per_micro_batch": 32768}
+    parallel = translate_verl(["reward_model.use_dynamic_bsz=True", "reward_model.forward_max_token_len_per_gpu=8192",
+                               "reward_model.ulysses_sequence_parallel_size=2"])  # verl's micro-batch spans 2 GPUs
+    assert parallel.tree["reward"]["reward_model"] == {"max_tokens_per_micro_batch": 16384}
 
 
 def test_verl_0_9_reward_model_translates():

@@ -1,5 +1,6 @@
 """Translating verl command lines: verl's own GSM8K GRPO, DAPO and LoRA examples load and validate."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,9 @@ def test_values_without_equivalent_are_reported_not_translated():
                                   "actor_rollout_ref.actor.strategy=fsdp2", "trainer.logger=[console,swanlab]"])
     assert translation.tree == {"data": {"train_batch_size": 1024, "max_response_length": 512,
                                          "filter_overlong_prompts": False},
-                                "model": {"gradient_checkpointing": True}, "actor": {"mini_batch_size": 256},
+                                "model": {"gradient_checkpointing": True},
+                                "actor": {"mini_batch_size": 256, "router_aux_loss_coef": 0.0,
+                                          "freeze_vision_tower": False},
                                 "trainer": {"total_epochs": 30, "project_name": "verl_examples", "experiment_name": "gsm8k",
                                             "output_dir": "checkpoints/verl_examples/gsm8k"},
                                 "algorithm": {"adv_estimator": "gae"}, "rollout": {"n": 1}}
@@ -283,11 +286,12 @@ def test_verl_dapo_example_with_overlong_buffer_translates():
     assert config.reward.overlong_buffer.enable and config.reward.overlong_buffer.len == 4096
     assert config.actor.policy_loss.loss_mode == "geo_mean" and config.actor.policy_loss.clip_ratio_high == 0.4
     assert (config.actor.param_offload, config.actor.optimizer_offload, config.ref.param_offload) == (True, True, True)
-    assert config.ref.max_tokens_per_micro_batch == 30720 and config.actor.max_tokens_per_micro_batch == 20480
+    # verl spreads a micro-batch of ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size (4) tokens over 4 GPUs
+    assert config.ref.max_tokens_per_micro_batch == 4 * 30720 and config.actor.max_tokens_per_micro_batch == 4 * 20480
     assert (config.trainer.nnodes, config.trainer.devices_per_node, config.trainer.backend) == (8, 8, "ray")
     assert config.data.truncation == "left" and config.actor.optim.warmup_steps == 10
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
-    assert "override_config" in " ".join(reasons)
+    assert "rotary embeddings" in reasons["actor_rollout_ref.model.override_config.max_position_embeddings"]
     translated = {line.verl_key: line.our_key for line in translation.translated}
     assert translated["reward_model.reward_kwargs.max_resp_len"] == "data.max_response_length"
 
@@ -394,6 +398,8 @@ def test_config_name_of_verls_multi_turn_examples_applies_that_files_keys_first(
     assert tree["rollout"]["multi_turn"] == {"max_assistant_turns": 5, "tool_config_path":
                                              "./config/tool_config/sandbox_fusion_tool_config.yaml"}
     assert tree["data"]["max_response_length"] == 1024
+    server = parse_verl_overrides(["--config-name=gsm8k_multiturn_grpo_server"])  # SGLang in server mode: the same keys
+    assert server["actor_rollout_ref.rollout.multi_turn.max_assistant_turns"] == 5
 
 
 def test_an_unknown_config_name_is_refused_naming_the_keys_to_pass():
@@ -429,3 +435,169 @@ def test_a_resume_mode_verl_does_not_have_is_refused_in_one_line():
     assert str(refusal.value) == ("trainer.resume_mode=latest (verl command line) is not one of verl's resume modes "
                                   "auto, disable, resume_path; use one of them")
     assert translate_verl(["trainer.resume_mode=disable"]).tree["trainer"]["resume"] == "never"
+
+
+def test_a_mixture_of_experts_trains_without_a_router_loss_as_in_verl():
+    """verl's actor never adds the routers' load-balancing loss; a model config with output_router_logits would
+    make reinforge's default add its router_aux_loss_coef."""
+    from transformers import MixtralConfig
+
+    from reinforge.engine.moe import router_aux_loss_coef
+
+    config = load_config(None, tree=translate_verl(["actor_rollout_ref.model.path=m"]).tree)
+    model_config = MixtralConfig(output_router_logits=True, router_aux_loss_coef=0.02)
+    assert router_aux_loss_coef(model_config, config.actor.router_aux_loss_coef) == 0.0
+    overridden = load_config(None, ["actor.router_aux_loss_coef=0.01"],
+                             tree=translate_verl(["actor_rollout_ref.model.path=m"]).tree)
+    assert router_aux_loss_coef(model_config, overridden.actor.router_aux_loss_coef) == 0.01
+
+
+_ENGINE = "+actor_rollout_ref.rollout.engine_kwargs"
+
+
+@pytest.mark.parametrize("word, ours", [
+    (f"{_ENGINE}.vllm.kv_cache_dtype=fp8", "fp8"), (f"{_ENGINE}.sglang.kv_cache_dtype=fp8_e4m3", "fp8"),
+    (f"{_ENGINE}.trtllm.kv_cache_config.dtype=fp8", "fp8"), (f"{_ENGINE}.vllm.kv_cache_dtype=auto", None),
+])
+def test_an_engines_kv_cache_dtype_is_the_native_engines(word, ours):
+    """verl passes kv_cache_dtype to vLLM/SGLang through engine_kwargs; reinforge's engine has the same setting."""
+    translation = translate_verl([word])
+    assert translation.tree.get("rollout", {}).get("kv_cache_dtype") == ours
+    assert translation.no_equivalent == []
+    assert load_config(None, tree=translation.tree).rollout.kv_cache_dtype == (ours or "auto")
+
+
+@pytest.mark.parametrize("word, message", [
+    (f"{_ENGINE}.vllm.kv_cache_dtype=fp8_e5m2", "is not a KV-cache type reinforge's engine has"),
+    ("+actor_rollout_ref.model.override_config.attention_dropout=0.1", "turns every dropout of the model off"),
+    ("actor_rollout_ref.model.lora_adapter_path=/ckpt/adapter", "reinforge's LoRA starts from fresh adapters"),
+    ("actor_rollout_ref.model.exclude_modules=.*mlp.*", "keeps layers without LoRA adapters"),
+])
+def test_a_verl_setting_that_would_change_the_run_is_refused_in_one_line(word, message):
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl([word])
+    assert str(refusal.value).startswith(f"{word.lstrip('+')} (verl command line) ")
+    assert message in str(refusal.value) and "\n" not in str(refusal.value)
+
+
+def test_model_overrides_reinforge_already_computes_are_reported_as_ours():
+    """The dropout-off, attention-kernel and router-loss overrides of verl's examples change nothing here; the one
+    on the vision tower is what reinforge's frozen tower does with LoRA."""
+    translation = translate_verl([
+        "+actor_rollout_ref.model.override_config.attention_dropout=0.", "+actor_rollout_ref.model.override_config."
+        "embd_pdrop=0.", "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "+actor_rollout_ref.model.override_config.output_router_logits=True",
+        "actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.exclude_modules=.*visual.*",
+        "actor_rollout_ref.rollout.calculate_log_probs=True"])
+    assert translation.no_equivalent == []
+    assert len(translation.already_ours) == 5
+    [excluded] = [line for line in translation.translated if line.verl_key.endswith("exclude_modules")]
+    assert (excluded.our_key, excluded.our_value) == ("actor.freeze_vision_tower", True)
+    assert load_config(None, tree=translation.tree).actor.freeze_vision_tower is True
+
+
+def test_a_vision_tower_trains_unless_the_command_freezes_it_as_in_verl():
+    """verl's freeze_vision_tower is false: a vision-language command trains the tower unless it says otherwise (or
+    keeps it out of LoRA with exclude_modules)."""
+    assert load_config(None, tree=translate_verl(["data.image_key=images"]).tree).actor.freeze_vision_tower is False
+    frozen = translate_verl(["actor_rollout_ref.actor.freeze_vision_tower=True"])
+    assert load_config(None, tree=frozen.tree).actor.freeze_vision_tower is True
+
+
+def test_the_dapo_recipes_reward_kwargs_on_verls_reward_section_translate():
+    """The DAPO recipe's dapo_trainer.yaml keeps its overlong buffer under reward.reward_kwargs (verl 0.9's reward
+    section); --config-name=dapo_trainer is that file."""
+    translation = translate_verl(["--config-name=dapo_trainer", "data.max_response_length=4096",
+                                  "reward.reward_manager.name=dapo", "reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+                                  "reward.reward_kwargs.overlong_buffer_cfg.len=512",
+                                  "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                                  "reward.reward_kwargs.max_resp_len=4096"])
+    assert translation.tree["reward"] == {"overlong_buffer": {"enable": True, "len": 512}}
+    assert translation.tree["trainer"]["project_name"] == "verl-dapo"
+    unset = translate_verl(["reward.reward_kwargs.overlong_buffer_cfg.enable=True"])
+    assert unset.tree["reward"]["overlong_buffer"] == {"enable": True, "penalty_factor": 0.0}  # the recipe's default
+    with pytest.raises(ConfigError, match=r"^reward.reward_kwargs.max_resp_len=2048 .*data.max_response_length=4096"):
+        translate_verl(["data.max_response_length=4096", "reward.reward_kwargs.max_resp_len=2048"])
+
+
+@pytest.mark.parametrize("words, actor, ref, critic", [
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], 2 * 11264, 2 * 22528, 30000),
+    (["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+      "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1", "critic.ulysses_sequence_parallel_size=4"],
+     2 * 11264, 22528, 4 * 30000),
+    (["actor_rollout_ref.actor.megatron.context_parallel_size=2"], 2 * 11264, 2 * 22528, 30000),
+])
+def test_a_sequence_parallel_token_budget_is_the_micro_batch_verl_forms(words, actor, ref, critic):
+    """verl's dp/megatron actors form a micro-batch of ppo_max_token_len_per_gpu x the sequence (context) parallel
+    size, spread over that many devices; reinforge runs each sequence whole on one device (prompt 2048 + response
+    20480 = 22528 tokens here, which an un-multiplied 11264 could not hold)."""
+    translation = translate_verl(["data.max_prompt_length=2048", "data.max_response_length=20480",
+                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=11264",
+                                  "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=22528",
+                                  "critic.ppo_max_token_len_per_gpu=30000", *words])
+    config = load_config(None, tree=translation.tree)
+    check_config(config)
+    assert (config.actor.max_tokens_per_micro_batch, config.ref.max_tokens_per_micro_batch,
+            config.critic.max_tokens_per_micro_batch) == (actor, ref, critic)
+
+
+def test_a_generation_batch_without_dynamic_sampling_is_the_prompts_a_step():
+    """verl's loader hands out data.gen_batch_size prompts a step and, without filter_groups, trains on all of them
+    (the DAPO recipe's scripts with enable_filter_groups=False: 48 generated for a train_batch_size of 16)."""
+    words = ["data.train_batch_size=16", "data.gen_batch_size=48", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    translation = translate_verl(words)
+    config = load_config(None, tree=translation.tree)
+    check_config(config)
+    assert (config.data.train_batch_size, config.data.gen_batch_size) == (48, None)
+    [line] = [line for line in translation.translated if line.verl_key == "data.train_batch_size"]
+    assert "data.gen_batch_size's" in line.render()
+    filtered = load_config(None, tree=translate_verl([*words, "algorithm.filter_groups.enable=True"]).tree)
+    assert (filtered.data.train_batch_size, filtered.data.gen_batch_size) == (16, 48)
+
+
+def test_verls_megatron_lora_is_our_lora_with_its_defaults():
+    """verl's Megatron LoRA (lora.rank ...) scales by its alpha of 32 when left out, and names its layers Megatron's
+    way."""
+    tree = translate_verl(["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.dropout=0.05",
+                           "actor_rollout_ref.model.lora.target_modules=[linear_qkv,linear_fc2]",
+                           "actor_rollout_ref.model.lora.type=lora"]).tree
+    assert tree["model"]["lora"] == {"rank": 16, "alpha": 32.0, "dropout": 0.05,
+                                     "target_modules": ["q_proj", "k_proj", "v_proj", "down_proj"]}
+    every_layer = translate_verl(["actor_rollout_ref.model.lora.rank=16", "actor_rollout_ref.model.lora.target_modules="
+                                  "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"]).tree
+    assert every_layer["model"]["lora"] == {"rank": 16, "alpha": 32.0}
+    for word in ("actor_rollout_ref.model.lora.target_modules=[linear_qkv,router]",
+                 "actor_rollout_ref.model.lora.type=dora", "actor_rollout_ref.model.lora.adapter_path=/a"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(word.split('=')[0])}="):
+            translate_verl([word])
+
+
+def test_a_model_config_override_that_changes_the_model_is_refused_naming_the_config_file():
+    """override_config.sliding_window (or rope scaling) would make verl's model attend otherwise; reinforge reads the
+    model's config.json, so the translation stops instead of training the model as saved."""
+    for word in ("+actor_rollout_ref.model.override_config.sliding_window=null",
+                 "+actor_rollout_ref.model.override_config.rope_scaling={type:linear,factor:2.0}"):
+        with pytest.raises(ConfigError) as refusal:
+            translate_verl([word])
+        assert "config.json" in str(refusal.value) and "\n" not in str(refusal.value)
+        assert str(refusal.value).startswith("actor_rollout_ref.model.override_config.")
+    kept = translate_verl(["+actor_rollout_ref.model.override_config.max_position_embeddings=32768",
+                           "actor_rollout_ref.model.override_config={}"])
+    assert [line.verl_key for line in kept.no_equivalent] == ["actor_rollout_ref.model.override_config."
+                                                              "max_position_embeddings"]
+    whole = translate_verl(["+actor_rollout_ref.model.override_config={attention_dropout: 0.0, "
+                            "attn_implementation: eager}"])  # one key for the mapping: each of its keys is looked up
+    assert len(whole.already_ours) == 2 and whole.no_equivalent == []
+
+
+@pytest.mark.parametrize("word, ours", [
+    ("+actor_rollout_ref.actor.router_aux_loss_coef=0.01", "actor.router_aux_loss_coef"),
+    ("+actor_rollout_ref.rollout.kv_cache_dtype=fp8", "rollout.kv_cache_dtype"),
+])
+def test_one_of_our_settings_written_into_verls_section_names_ours(word, ours):
+    """verl has no such key; the closest verl name (kl_loss_coef, dtype) would be another setting altogether."""
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl([word])
+    message = str(refusal.value)
+    assert f"reinforge's own {ours} has this name: pass {ours}=... after --" in message
+    assert "did you mean" not in message and "\n" not in message

@@ -22,7 +22,7 @@ import yaml
 from reinforge.cli import main
 from reinforge.data.gsm8k import convert_gsm8k, make_gsm8k_row
 from reinforge.data.retool import convert_retool
-from tests.config.verl.upstream_commands import COMMANDS
+from tests.config.verl.upstream_commands import COMMANDS, REFUSED, TRANSLATED
 
 REPO = Path(__file__).resolve().parents[3]
 GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k"
@@ -123,3 +123,65 @@ def test_a_verl_command_as_written_upstream_trains_two_steps(name, long_context_
     steps = [row for row in rows if "actor/pg_loss" in row]  # a validation before training is step 0
     assert [step["step"] for step in steps] == [1, 2]
     assert all(step["actor/pg_loss"] == step["actor/pg_loss"] for step in steps)  # not NaN
+
+
+FAKE_PATHS = {"MODEL": "/models/m", "REWARD_MODEL": "/models/rm", "TRAIN": "/data/train.parquet",
+              "VAL": "/data/test.parquet", "TOOLS": "/tools.yaml", "RUN": "/runs/r"}
+EXPECTED = {
+    "gemma_ppo": {"algorithm.adv_estimator": "gae", "critic.model_path": "/models/m", "critic.optim.lr": 1e-5,
+                  "trainer.backend": "ray"},
+    "mistral_reward_model": {"reward.reward_model.enable": True, "reward.reward_model.model_path": "/models/rm",
+                             "reward.num_workers": 8, "rollout.n": 5},
+    "ppo_reward_model_seq_balance": {"reward.reward_model.enable": True, "critic.max_tokens_per_micro_batch": 98304,
+                                     "actor.max_tokens_per_micro_batch": 24000},
+    "deepseek_v3_megatron": {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True,
+                             "actor.max_tokens_per_micro_batch": 6144, "ref.max_tokens_per_micro_batch": 18432,
+                             "trainer.nnodes": 32, "actor.router_aux_loss_coef": 0.0},
+    "qwen3_moe_megatron_lora": {"model.lora.rank": 32, "model.lora.alpha": 64, "actor.router_aux_loss_coef": 0.0,
+                                "actor.param_offload": True, "rollout.gpu_memory_utilization": 0.25},
+    "qwen3_8b": {"actor.use_kl_loss": True, "actor.kl_loss_type": "low_var_kl", "rollout.n": 5},
+    "gspo_qwen3_moe": {"actor.policy_loss.loss_mode": "gspo", "actor.policy_loss.clip_ratio_low": 0.0003,
+                       "actor.policy_loss.clip_ratio_high": 0.0004, "data.max_response_length": 8192,
+                       "reward.overlong_buffer.len": 4096},
+    "dapo_qwen3_moe_fp8_rollout": {"algorithm.rollout_correction.rollout_is": "token", "trainer.project_name":
+                                   "VERL-FP8-RL", "algorithm.filter_groups.enable": True},
+    "dapo_qwen3_8b_reward_section": {"reward.overlong_buffer.enable": True, "data.max_response_length": 20480},
+    "qwen2_5_vl_lora": {"model.lora.rank": 64, "actor.freeze_vision_tower": True},
+    "multi_turn_qwen3": {"rollout.multi_turn.tool_config_path": "/tools.yaml", "rollout.n": 16},
+}
+
+
+def _value(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+@pytest.mark.parametrize("name", list(TRANSLATED))
+def test_a_verl_command_of_another_family_or_recipe_translates_every_key(name):
+    """Each key is translated, already what reinforge does, or reported with its reason; the result validates."""
+    from reinforge.config import load_config
+    from reinforge.config.verl.translate import parse_verl_overrides, translate_verl
+    from reinforge.trainer.preflight import check_config
+
+    words = shlex.split(TRANSLATED[name][1].format(**FAKE_PATHS))
+    translation = translate_verl(words)
+    config = load_config(None, tree=translation.tree)
+    check_config(config)
+    for key, value in EXPECTED[name].items():
+        assert _value(config, key) == pytest.approx(value) if isinstance(value, float) else _value(config, key) == value
+    reported = {line.verl_key for line in (*translation.translated, *translation.already_ours,
+                                           *translation.no_equivalent)}
+    assert set(parse_verl_overrides(words)) <= reported
+    assert all(line.reason for line in translation.no_equivalent)
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_verl_command_that_would_train_something_else_stops_in_one_line(name):
+    from reinforge.config import ConfigError
+    from reinforge.config.verl.translate import translate_verl
+
+    _, text, key = REFUSED[name]
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl(shlex.split(text.format(**FAKE_PATHS)))
+    assert str(refusal.value).startswith(f"{key}=") and "\n" not in str(refusal.value)

@@ -1,4 +1,7 @@
-"""Nine verl command lines as verl's examples and recipes write them (volcengine/verl 0.9.1, verl-recipe), as test data.
+"""verl command lines as verl's examples and recipes write them (volcengine/verl 0.9.1, verl-recipe), as test data.
+
+``COMMANDS`` (nine) train two steps here; ``TRANSLATED`` and ``REFUSED`` (the Gemma, Mistral, DeepSeek-V3, Qwen3,
+Qwen3-MoE, GSPO, DAPO, reward-model, LoRA, vision-language and multi-turn scripts) are translated only.
 
 Each is the list of words the script passes to ``python3 -m verl.trainer.main_ppo``, its shell
 variables substituted, with only these changed: the model, data, tool-config, reward-function and
@@ -223,3 +226,368 @@ COMMANDS = {
     "retool": ("verl-recipe retool/run_qwen2_7b_dapo.sh", RETOOL),
 }
 """name -> (the script it comes from, its words)."""
+
+
+# ---- translated only: the model families and recipes people bring, as their scripts write them --------------------
+# Substituted like the commands above ({REWARD_MODEL} is a reward model's path), but with the scripts' own device
+# counts: they are translated and checked, not trained.
+
+GEMMA_PPO = """
+algorithm.adv_estimator=gae data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=512
+data.max_prompt_length=1024 data.max_response_length=512 data.filter_overlong_prompts=True data.truncation=error
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.use_remove_padding=False actor_rollout_ref.actor.ppo_mini_batch_size=128
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.actor.use_kl_loss=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.4 critic.optim.lr=1e-5
+critic.model.use_remove_padding=False critic.model.path={MODEL} critic.model.enable_gradient_checkpointing=False
+critic.ppo_micro_batch_size_per_gpu=4 critic.model.fsdp_config.param_offload=False
+critic.model.fsdp_config.optimizer_offload=False algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+trainer.logger='["console","wandb"]' trainer.project_name=verl_example trainer.experiment_name=gemma2b_function_rm
+trainer.n_gpus_per_node=2 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=10 trainer.total_epochs=15
+"""
+
+MISTRAL_REWARD_MODEL = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=512
+data.prompt_key=prompt data.return_raw_chat=True data.max_prompt_length=4096 data.max_response_length=2048
+data.filter_overlong_prompts=True data.truncation=error actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=128
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10 actor_rollout_ref.actor.use_kl_loss=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=10 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.gpu_memory_utilization=0.7
+actor_rollout_ref.rollout.tensor_model_parallel_size=4 actor_rollout_ref.model.enable_gradient_checkpointing=True
+reward_model.enable=True reward_model.model.path={REWARD_MODEL} reward_model.use_reward_loop=True
+reward_model.rollout.name=vllm reward_model.rollout.gpu_memory_utilization=0.8
+reward_model.rollout.tensor_model_parallel_size=1 reward_model.rollout.prompt_length=8192
+reward_model.rollout.response_length=4096 reward_model.num_workers=8 algorithm.use_kl_in_reward=False
+trainer.logger='["console","wandb"]' trainer.val_before_train=False trainer.project_name=verl_full_hh_rlhf_examples
+trainer.experiment_name=grpo_mistral13B-skyworkLlama8b-hhrlhf trainer.n_gpus_per_node=8 trainer.nnodes=1
+trainer.save_freq=10 trainer.test_freq=-1 trainer.total_epochs=5
+"""
+
+PPO_REWARD_MODEL_SEQ_BALANCE = """
+algorithm.adv_estimator=gae data.train_files="['{TRAIN}', '{TRAIN}']" data.val_files="['{VAL}', '{VAL}']"
+data.train_batch_size=4096 data.max_prompt_length=4096 data.max_response_length=4096 data.filter_overlong_prompts=True
+data.truncation=error data.return_raw_chat=True actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.ppo_mini_batch_size=512
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24000
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.5
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24000 critic.optim.lr=1e-5
+critic.model.use_remove_padding=True critic.model.path={MODEL} critic.model.enable_gradient_checkpointing=True
+critic.use_dynamic_bsz=True critic.ppo_max_token_len_per_gpu=98304 critic.model.fsdp_config.param_offload=False
+critic.model.fsdp_config.optimizer_offload=False reward_model.enable=True reward_model.model.path={REWARD_MODEL}
+reward_model.use_reward_loop=True reward_model.rollout.name=vllm reward_model.rollout.gpu_memory_utilization=0.8
+reward_model.rollout.tensor_model_parallel_size=1 reward_model.rollout.prompt_length=8192
+reward_model.rollout.response_length=4096 reward_model.num_workers=8 algorithm.use_kl_in_reward=False
+trainer.critic_warmup=0 trainer.logger='["console","wandb"]' trainer.project_name=verl_example_gsm8k
+trainer.experiment_name=qwen2-7b_hybrid_rm_bsz8k_p4k_r4k_seq_packing trainer.n_gpus_per_node=8
+trainer.val_before_train=False trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+DEEPSEEK_V3_MEGATRON = """
+--config-path=/verl/config --config-name=ppo_megatron_trainer algorithm.adv_estimator=grpo
+algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0 data.train_files={TRAIN} data.val_files={VAL}
+data.train_batch_size=512 data.max_prompt_length=2048 data.max_response_length=4096 data.filter_overlong_prompts=True
+data.truncation=error actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=128 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1
+actor_rollout_ref.actor.use_torch_compile=False actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.8 actor_rollout_ref.rollout.n=4
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.tensor_model_parallel_size=32 trainer.logger='["console","tensorboard"]'
+trainer.project_name=verl_megatron_gsm8k_examples trainer.experiment_name=dsv3-32nodes trainer.n_gpus_per_node=8
+trainer.nnodes=32 trainer.save_freq=-1 trainer.test_freq=5 actor_rollout_ref.model.use_fused_kernels=True
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=6144
+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=18432
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=18432
+actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=fused
++actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=4
++actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=1
+actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=16
+actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=16
+actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1
+actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1
+actor_rollout_ref.actor.megatron.expert_model_parallel_size=16
+actor_rollout_ref.ref.megatron.expert_model_parallel_size=16
+actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1
+actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1 actor_rollout_ref.actor.megatron.param_offload=True
+actor_rollout_ref.actor.megatron.optimizer_offload=True actor_rollout_ref.actor.megatron.grad_offload=True
+actor_rollout_ref.ref.megatron.param_offload=True
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1
+actor_rollout_ref.actor.megatron.use_mbridge=True trainer.default_local_dir={RUN} trainer.val_before_train=False
+trainer.total_epochs=100
+"""
+
+QWEN3_MOE_MEGATRON_LORA = """
+--config-path=/verl/config --config-name=ppo_megatron_trainer.yaml data.train_files={TRAIN} data.val_files={VAL}
+data.train_batch_size=128 data.max_prompt_length=1024 data.max_response_length=1024 data.truncation=error
+data.filter_overlong_prompts=True data.shuffle=False algorithm.adv_estimator=grpo actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.model.use_fused_kernels=True actor_rollout_ref.model.lora.rank=32
+actor_rollout_ref.model.lora.alpha=64 actor_rollout_ref.model.lora.lora_A_init_method=kaiming
+actor_rollout_ref.rollout.tensor_model_parallel_size=8 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.gpu_memory_utilization=0.25 actor_rollout_ref.rollout.enforce_eager=True
+actor_rollout_ref.rollout.free_cache_engine=True actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.optim.lr=3e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=16 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2
+actor_rollout_ref.actor.megatron.use_mbridge=True actor_rollout_ref.actor.megatron.vanilla_mbridge=False
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2
+actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.actor.megatron.expert_model_parallel_size=4 actor_rollout_ref.actor.megatron.context_parallel_size=2
+actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 actor_rollout_ref.actor.megatron.param_offload=True
+actor_rollout_ref.actor.megatron.optimizer_offload=True actor_rollout_ref.actor.megatron.grad_offload=True
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2
+actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.ref.megatron.expert_model_parallel_size=4 actor_rollout_ref.ref.megatron.context_parallel_size=2
+actor_rollout_ref.ref.megatron.expert_tensor_parallel_size=1 actor_rollout_ref.ref.megatron.param_offload=True
+trainer.critic_warmup=0 trainer.logger='["console","wandb"]' trainer.project_name=verl_grpo_example_gsm8k_math
+trainer.experiment_name=qwen3_30b_a3b_megatron_lora trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20
+trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+QWEN3_8B = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=1024
+data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name=verl_grpo_example_gsm8k trainer.experiment_name=qwen3_8b_function_rm trainer.n_gpus_per_node=8
+trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+GSPO_QWEN3_MOE = """
+--config-path=/verl/config --config-name=ppo_megatron_trainer algorithm.adv_estimator=grpo
+algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.001 algorithm.gamma=1.0 algorithm.lam=0.95
+data.train_files={TRAIN} data.val_files={VAL} data.return_raw_chat=True data.train_batch_size=256
+data.max_prompt_length=2048 data.max_response_length=8192 data.filter_overlong_prompts=True
+data.filter_overlong_prompts_workers=64 data.truncation=error trainer.use_legacy_worker_impl=disable
+trainer.critic_warmup=0 trainer.logger='[console,wandb]' trainer.project_name=wuxibin_gspo
+trainer.experiment_name=qwen3-30B-base-grpo-megatron trainer.default_local_dir={RUN} trainer.n_gpus_per_node=8
+trainer.nnodes=1 trainer.val_before_train=False trainer.log_val_generations=100 trainer.save_freq=-1
+trainer.test_freq=10 trainer.total_epochs=10 trainer.total_training_steps=500 actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.clip_ratio_low=3e-4 actor_rollout_ref.actor.clip_ratio_high=4e-4
+actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.policy_loss.loss_mode=gspo
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_mini_batch_size=32
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=30720 actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2
+actor_rollout_ref.actor.megatron.context_parallel_size=1
+actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1
+actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null
+actor_rollout_ref.actor.megatron.expert_model_parallel_size=8
+actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 actor_rollout_ref.actor.megatron.param_offload=True
+actor_rollout_ref.actor.megatron.grad_offload=True actor_rollout_ref.actor.megatron.optimizer_offload=True
++actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32
++actor_rollout_ref.actor.megatron.override_transformer_config.moe_permute_fusion=True
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1
++actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True
++actor_rollout_ref.actor.megatron.override_transformer_config.gradient_accumulation_fusion=True
+actor_rollout_ref.actor.megatron.use_mbridge=True actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.mode=async actor_rollout_ref.rollout.tensor_model_parallel_size=4
+actor_rollout_ref.rollout.data_parallel_size=1 actor_rollout_ref.rollout.expert_parallel_size=1
+actor_rollout_ref.rollout.gpu_memory_utilization=0.8 actor_rollout_ref.rollout.n=16
+actor_rollout_ref.rollout.val_kwargs.top_p=0.7 actor_rollout_ref.rollout.val_kwargs.temperature=1.0
+actor_rollout_ref.rollout.val_kwargs.n=1 reward_model.reward_manager=dapo
++reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
++reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=8192
+"""
+
+DAPO_QWEN3_MOE_FP8_ROLLOUT = """
+--config-path=/verl/config --config-name=dapo_megatron_trainer.yaml data.train_files={TRAIN} data.val_files={VAL}
+data.prompt_key=prompt data.return_raw_chat=True data.truncation=left data.max_prompt_length=2048
+data.max_response_length=20480 data.train_batch_size=128 data.gen_batch_size=384 algorithm.adv_estimator=grpo
+algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0 algorithm.filter_groups.enable=True
+algorithm.filter_groups.max_num_gen_batches=10 algorithm.filter_groups.metric=acc
+algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2.0
+algorithm.rollout_correction.rollout_is_batch_normalize=false algorithm.rollout_correction.rollout_rs=null
+algorithm.rollout_correction.rollout_rs_threshold=null actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.mode=async actor_rollout_ref.rollout.dtype=bfloat16
+actor_rollout_ref.rollout.gpu_memory_utilization=0.5 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.expert_parallel_size=1 actor_rollout_ref.rollout.enable_chunked_prefill=True
+actor_rollout_ref.rollout.max_num_batched_tokens=32768 actor_rollout_ref.rollout.max_num_seqs=256
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.temperature=0.6 actor_rollout_ref.rollout.val_kwargs.top_p=1.0
+actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.rollout.calculate_log_probs=True
+actor_rollout_ref.rollout.n=16 actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
+actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=22528
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.optim.weight_decay=0.1
+actor_rollout_ref.actor.optim.clip_grad=1.0 actor_rollout_ref.actor.ppo_mini_batch_size=128
+actor_rollout_ref.actor.megatron.param_offload=True actor_rollout_ref.actor.megatron.optimizer_offload=True
+actor_rollout_ref.actor.megatron.grad_offload=True actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4
+actor_rollout_ref.actor.megatron.expert_model_parallel_size=8
+actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1 actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.actor.loss_agg_mode=token-mean actor_rollout_ref.actor.megatron.use_mbridge=True
+actor_rollout_ref.actor.megatron.vanilla_mbridge=False +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True
++reward_model.reward_kwargs.overlong_buffer_cfg.len=512
++reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=20480
+reward_model.reward_manager=dapo +actor_rollout_ref.actor.megatron.override_transformer_config.fp8=hybrid
++actor_rollout_ref.actor.megatron.override_transformer_config.fp8_recipe=blockwise
++actor_rollout_ref.actor.optim.override_optimizer_config.fp8_recipe=blockwise
++actor_rollout_ref.rollout.quantization=fp8
++actor_rollout_ref.actor.megatron.override_transformer_config.attention_dropout=0.0
++actor_rollout_ref.actor.megatron.override_transformer_config.hidden_dropout=0.0
++actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True
+actor_rollout_ref.model.use_fused_kernels=False
++actor_rollout_ref.actor.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d=True
++actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer=True
++actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=False
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full
++actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1 trainer.logger='[console,wandb]'
+trainer.project_name=VERL-FP8-RL trainer.experiment_name=dapo-qwen3-30b-a3b-B128-R20K-FP8E2E-TIS-4n
+trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.val_before_train=False trainer.test_freq=10 trainer.save_freq=5
+trainer.max_actor_ckpt_to_keep=5 trainer.total_epochs=100 trainer.default_local_dir={RUN} trainer.resume_mode=auto
+trainer.log_val_generations=2 trainer.use_legacy_worker_impl=disable
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1 actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=22528
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=22528
+"""
+
+DAPO_QWEN3_8B_REWARD_SECTION = """
+data.train_files={TRAIN} data.val_files={VAL} data.prompt_key=prompt data.truncation=left data.max_prompt_length=2048
+data.max_response_length=20480 data.gen_batch_size=48 data.train_batch_size=16 actor_rollout_ref.rollout.n=16
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
+actor_rollout_ref.actor.clip_ratio_c=10.0 algorithm.filter_groups.enable=False
+algorithm.filter_groups.max_num_gen_batches=10 algorithm.filter_groups.metric=acc
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.use_dynamic_bsz=True
+actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=11264 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=11264
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=11264 actor_rollout_ref.model.path={MODEL}
++actor_rollout_ref.model.override_config.attention_dropout=0. +actor_rollout_ref.model.override_config.embd_pdrop=0.
++actor_rollout_ref.model.override_config.resid_pdrop=0. actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.optim.lr_warmup_steps=10
+actor_rollout_ref.actor.optim.weight_decay=0.1 actor_rollout_ref.actor.ppo_mini_batch_size=1
+actor_rollout_ref.actor.fsdp_config.param_offload=True actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.grad_clip=1.0
+actor_rollout_ref.actor.loss_agg_mode=token-mean actor_rollout_ref.actor.ulysses_sequence_parallel_size=2
+actor_rollout_ref.rollout.gpu_memory_utilization=0.90 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.enable_chunked_prefill=False actor_rollout_ref.rollout.max_num_batched_tokens=22528
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=1.0
+actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.ref.fsdp_config.param_offload=True actor_rollout_ref.ref.ulysses_sequence_parallel_size=2
+actor_rollout_ref.actor.fsdp_config.fsdp_size=-1 reward.reward_manager.name=dapo
+reward.reward_kwargs.overlong_buffer_cfg.enable=True reward.reward_kwargs.overlong_buffer_cfg.len=4096
+reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0 reward.reward_kwargs.max_resp_len=20480
+trainer.logger='[console]' trainer.project_name=DAPO trainer.experiment_name=DAPO-Qwen3-8B-Base
+trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.val_before_train=False trainer.test_freq=10 trainer.save_freq=20
+trainer.total_epochs=1 trainer.total_training_steps=100 trainer.default_local_dir={RUN} trainer.resume_mode=auto
+data.shuffle=False actor_rollout_ref.actor.use_torch_compile=False actor_rollout_ref.ref.use_torch_compile=False
+actor_rollout_ref.actor.entropy_checkpointing=True actor_rollout_ref.ref.entropy_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.forward_prefetch=True actor_rollout_ref.ref.fsdp_config.forward_prefetch=True
+"""
+
+QWEN2_5_VL_LORA = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=512
+data.max_prompt_length=1024 data.max_response_length=2048 data.filter_overlong_prompts=True data.truncation=error
+data.image_key=images actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=3e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=128
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10 actor_rollout_ref.model.lora_rank=64
+actor_rollout_ref.model.lora_alpha=32 actor_rollout_ref.model.target_modules=all-linear
+actor_rollout_ref.model.exclude_modules=.*visual.* actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.01 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=20 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm +actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.enable_chunked_prefill=False
+actor_rollout_ref.rollout.enforce_eager=False actor_rollout_ref.rollout.free_cache_engine=False
+actor_rollout_ref.rollout.n=5 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=20
+actor_rollout_ref.ref.fsdp_config.param_offload=True algorithm.use_kl_in_reward=False trainer.critic_warmup=0
+trainer.logger='["console","wandb"]' trainer.project_name=verl_grpo_example_geo3k
+trainer.experiment_name=qwen2_5_vl_7b_function_rm trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20
+trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+LORA_FROM_ADAPTER = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=1024
+data.max_prompt_length=512 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error
+data.shuffle=False actor_rollout_ref.model.path={MODEL} actor_rollout_ref.model.use_shm=True
+actor_rollout_ref.model.lora_adapter_path={RUN}/lora_adapter actor_rollout_ref.actor.optim.lr=3e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.rollout.load_format=safetensors actor_rollout_ref.rollout.layered_summon=True
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name=verl_grpo_example_gsm8k trainer.experiment_name=qwen2.5_3b_grpo_lora trainer.n_gpus_per_node=8
+trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+"""
+
+MULTI_TURN_QWEN3 = """
+--config-path=/verl/config --config-name=gsm8k_multiturn_grpo algorithm.adv_estimator=grpo data.train_batch_size=256
+data.max_prompt_length=1024 data.max_response_length=1024 data.filter_overlong_prompts=True data.truncation=error
+data.return_raw_chat=True actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.gpu_memory_utilization=0.5
+actor_rollout_ref.rollout.n=16 actor_rollout_ref.rollout.over_sample_rate=0.1 actor_rollout_ref.rollout.mode=async
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name=gsm8k_async_rl trainer.experiment_name=qwen3-4b_function_rm-gsm8k-sgl-multi-w-tool-verify-n16
+trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=-1 trainer.test_freq=20 data.train_files={TRAIN}
+data.val_files={VAL} actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS} trainer.total_epochs=15
+"""
+
+
+TRANSLATED = {
+    "gemma_ppo": ("examples/ppo_trainer/run_gemma.sh", GEMMA_PPO),
+    "mistral_reward_model": ("examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh", MISTRAL_REWARD_MODEL),
+    "ppo_reward_model_seq_balance": ("examples/ppo_trainer/run_qwen2-7b_rm_seq_balance.sh",
+                                     PPO_REWARD_MODEL_SEQ_BALANCE),
+    "deepseek_v3_megatron": ("examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh", DEEPSEEK_V3_MEGATRON),
+    "qwen3_moe_megatron_lora": ("examples/grpo_trainer/run_qwen3moe-30b_megatron_lora.sh", QWEN3_MOE_MEGATRON_LORA),
+    "qwen3_8b": ("examples/grpo_trainer/run_qwen3-8b.sh", QWEN3_8B),
+    "gspo_qwen3_moe": ("examples/gspo_trainer/run_qwen30b_gspo.sh", GSPO_QWEN3_MOE),
+    "dapo_qwen3_moe_fp8_rollout": ("verl-recipe low_precision/run_dapo_qwen3_moe_30b_megatron_fp8e2e.sh",
+                                   DAPO_QWEN3_MOE_FP8_ROLLOUT),
+    "dapo_qwen3_8b_reward_section": ("verl-recipe dapo/run_dapo_qwen3_8b_base_npu.sh", DAPO_QWEN3_8B_REWARD_SECTION),
+    "qwen2_5_vl_lora": ("examples/grpo_trainer/run_qwen2_5_vl-7b_lora.sh", QWEN2_5_VL_LORA),
+    "multi_turn_qwen3": ("examples/sglang_multiturn/run_qwen3-4b_gsm8k_multiturn.sh", MULTI_TURN_QWEN3),
+}
+"""name -> (the script it comes from, its words): commands that translate."""
+
+REFUSED = {
+    "lora_from_adapter": ("examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh", LORA_FROM_ADAPTER,
+                          "actor_rollout_ref.model.lora_adapter_path"),
+}
+"""name -> (the script, its words, the key the translation stops at in one line)."""
