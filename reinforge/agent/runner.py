@@ -150,8 +150,10 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
     num_turns/{min,max,mean}; timing_s/agent_loop/{generate_sequences,tool_calls}/{min,max,mean} and
     timing_s/agent_loop/slowest/* (the trajectory that took longest); agent/num_tool_calls/{min,max,mean}
     per trajectory, and the rollout's totals of tool errors, calls cut by max_parallel_calls, truncated
-    tool responses, trajectories ended by a tool turn overflowing the budget, or by the budget itself; and
-    agent/tool/<tool>/<name>, the rollout's total of each metric the tools returned.
+    tool responses, trajectories ended by a tool turn overflowing the budget, or by the budget itself;
+    agent/num_segments/{min,max,mean} over the trajectories of external (OpenAI-client) agents, which report their
+    segments (1 where the agent never rewrote its history); and agent/tool/<tool>/<name>, the rollout's total of each
+    metric the tools returned.
     """
     if not outputs:
         return {}
@@ -169,6 +171,8 @@ def agent_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
                  "tool_overflow"):
         metrics[f"agent/{name}"] = sum(output.metrics.get(name, 0.0) for output in outputs)
     metrics["agent/budget_spent"] = float(sum(output.finish_reason == "length" for output in outputs))
+    metrics |= _stats("agent/num_segments", [output.metrics["num_segments"] for output in outputs
+                                             if "num_segments" in output.metrics])
     for name in sorted({key for output in outputs for key in output.metrics if key.startswith("tool/")}):
         metrics[f"agent/{name}"] = sum(output.metrics.get(name, 0.0) for output in outputs)
     return metrics

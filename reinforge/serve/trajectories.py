@@ -8,7 +8,7 @@ mask convention: tokens the policy sampled have mask 1, every other token 0):
   sampled tokens with mask 1;
 - any other call (the agent rewrote, cut or reordered its history) starts a new segment with its prompt;
 - the trajectory trained is the segment of the agent's last call; earlier segments are counted
-  (``agent/num_segments``) and not trained, since a sample has one prompt.
+  (``agent/num_segments/{min,max,mean}``, segments per trajectory) and not trained, since a sample has one prompt.
 
 Budgets are those of ``tool_agent`` (``rollout.multi_turn``): one ``max_tokens`` budget covers the sampled and
 appended tokens of a segment, each call samples at most what is left of it, and a call past ``max_assistant_turns``,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from reinforge.agent.runner import agent_metrics
 from reinforge.config.schema import MultiTurnConfig
 from reinforge.rollout.base import SamplingParams
 from reinforge.serve.chat import CallRecord, ChatCodec, RequestError, normalize_message
@@ -36,6 +37,10 @@ def test_a_rewritten_history_starts_a_new_segment_and_the_last_calls_segment_is_
     output = session.output()
     assert output.prompt_ids == [1, 2] and output.response_mask == [1, 1, 0, 1]
     assert output.metrics["num_segments"] == 2.0
+    single = TrajectorySession(SamplingParams(max_tokens=50), MultiTurnConfig())
+    single.records = records[:1]
+    logged = agent_metrics([output, single.output()])
+    assert (logged["agent/num_segments/max"], logged["agent/num_segments/mean"]) == (2.0, 1.5)
 
 
 def test_budgets_end_the_trajectory_as_tool_agent_does():
