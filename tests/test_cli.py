@@ -27,6 +27,17 @@ def test_the_module_docstring_and_architecture_md_name_every_command():
     assert cli_row.split("`reinforge ", 1)[1].split("`", 1)[0].split(" / ") == list(COMMANDS)
 
 
+def test_help_names_every_demo_and_every_benchmark(capsys):
+    from reinforge.bench import SUBCOMMANDS
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    demo_help = capsys.readouterr().out
+    assert "--agent" in demo_help and "--vision" in demo_help  # make demo-agent, make demo-vision
+    bench_line = COMMANDS["bench"][1]
+    assert all(name in bench_line for name in SUBCOMMANDS), bench_line
+
+
 def test_unknown_command_is_refused(capsys):
     assert main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
