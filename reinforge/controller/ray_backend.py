@@ -34,7 +34,14 @@ except ImportError as error:  # Ray is an optional dependency
 
 from reinforge.controller.backends import register_backend
 from reinforge.controller.dispatch import Arguments
-from reinforge.controller.ray_pool import MemberInfo, PlacedPool, PoolSettings, acquire_pool, release_pool
+from reinforge.controller.ray_pool import (
+    MemberInfo,
+    PlacedPool,
+    PoolSettings,
+    acquire_pool,
+    check_pools_fit,
+    release_pool,
+)
 from reinforge.controller.ray_transport import WireBatch
 from reinforge.controller.register import Dispatch, MethodSpec
 from reinforge.controller.resource_pool import ResourcePool
@@ -77,6 +84,20 @@ def connect_ray(address: str | None = None, **settings: Any) -> None:
         ray.init(address=address or None, include_dashboard=False, logging_level="WARNING")
 
 
+def check_cluster_holds(pools: list[ResourcePool]) -> None:
+    """Refuse at once, in one line (ValueError), pools the cluster cannot hold together beside the pools placed
+    already: a run checks every pool of its roles before its first group loads a model."""
+    if not ray.is_initialized():
+        connect_ray()
+    check_pools_fit(pools, _pool_settings())
+
+
+def _pool_settings() -> PoolSettings:
+    uses_gpu = _settings.device == "cuda" or (_settings.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return PoolSettings(Path(_settings.log_dir).absolute(), uses_gpu, _settings.num_cpus_per_member,
+                        _settings.startup_timeout_s, _settings.collective_timeout_s)
+
+
 class MemberDiedError(RuntimeError):
     """A member process ended (crash, out of memory, killed, node lost) while its group still needed it."""
 
@@ -89,10 +110,7 @@ class RayBackend:
         self.role = role
         self.num_members = num_members
         pool = resource_pool or ResourcePool(role, [num_members])
-        uses_gpu = _settings.device == "cuda" or (_settings.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        self.placed: PlacedPool | None = acquire_pool(pool, role, PoolSettings(
-            Path(_settings.log_dir).absolute(), uses_gpu, _settings.num_cpus_per_member, _settings.startup_timeout_s,
-            _settings.collective_timeout_s))
+        self.placed: PlacedPool | None = acquire_pool(pool, role, _pool_settings())
         self.members: list[MemberInfo] = self.placed.members
 
     def start(self, worker_cls: type[Worker], init_args: tuple[Any, ...], init_kwargs: dict[str, Any]) -> list[Future]:

@@ -84,22 +84,22 @@ class RLTrainer(TrainingRun):
         if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
             self.data_batches = len(self.train_loader) * config.trainer.total_epochs
 
-        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs")
+        roles = roles_with_groups(config)
+        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs", roles)
         self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
         self.reference = None
         if reference_needed(config):  # a LoRA actor is its own reference: the base with the adapters off
-            self.reference = (self.actor_rollout if config.model.lora.rank
-                              else build_group(ReferenceWorker, config, role="ref"))
+            self.reference = (build_group(ReferenceWorker, config, role="ref") if "ref" in roles
+                              else self.actor_rollout)
         self.critic = (build_group(CriticWorker, config, self.total_steps, role="critic")
-                       if critic_enabled(config) else None)
+                       if "critic" in roles else None)
         self.reward = build_group(RewardWorker, config, role="reward", reward_functions=reward_functions)
         self.reward_model = (build_group(RewardModelWorker, config, role="reward_model")
-                             if config.reward.reward_model.enable else None)
+                             if "reward_model" in roles else None)
         self.judge = None
         """reward.judge: the judge's group (the actor's when the policy judges itself)."""
         if config.reward.judge.enable:
-            self.judge = (self.actor_rollout if config.reward.judge.model_path == "policy"
-                          else build_group(JudgeWorker, config, role="judge"))
+            self.judge = build_group(JudgeWorker, config, role="judge") if "judge" in roles else self.actor_rollout
         self.model_scorer: JudgeScorer | RemoteScorer | None = None
         """A judge's or a remote endpoint's score for each sample (reward.judge, reward.remote)."""
         if self.judge is not None:
@@ -112,7 +112,7 @@ class RLTrainer(TrainingRun):
         self.step = 0
         self.rollout = None
         """trainer.separate_rollout: the worker group that generates in the off-policy modes."""
-        if config.trainer.mode != "sync" and config.trainer.separate_rollout:
+        if "rollout" in roles:
             self.rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="rollout", rollout_only=True)
         self.mode = build_mode(config, self._mode_calls())
         """trainer.mode one_step_off or async (reinforge.trainer.modes); None in sync mode."""
@@ -454,14 +454,36 @@ def default_placement(config: Config) -> RolePlacement:
     return placement
 
 
-def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> Callable[..., WorkerGroup]:
-    """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend."""
+def roles_with_groups(config: Config) -> list[str]:
+    """The roles that get worker groups of their own: a LoRA actor is its own reference, the policy its own judge."""
+    roles = ["actor_rollout"]
+    if reference_needed(config) and not config.model.lora.rank:
+        roles.append("ref")
+    if critic_enabled(config):
+        roles.append("critic")
+    roles.append("reward")
+    if config.reward.reward_model.enable:
+        roles.append("reward_model")
+    if config.reward.judge.enable and config.reward.judge.model_path != "policy":
+        roles.append("judge")
+    if config.trainer.mode != "sync" and config.trainer.separate_rollout:
+        roles.append("rollout")
+    return roles
+
+
+def _group_builder(config: Config, placement: RolePlacement, log_dir: Path,
+                   roles: list[str]) -> Callable[..., WorkerGroup]:
+    """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend.
+
+    On Ray, the pools of ``roles`` are checked against the cluster first: a run the cluster cannot hold stops
+    before any model loads, not when a later role's pool waits for devices that are taken."""
     trainer = config.trainer
     group_class: type[WorkerGroup] = WorkerGroup
     if trainer.backend == "ray":
-        from reinforge.controller.ray_backend import RayWorkerGroup, connect_ray
+        from reinforge.controller.ray_backend import RayWorkerGroup, check_cluster_holds, connect_ray
 
         connect_ray(trainer.ray_address, log_dir=log_dir, device=trainer.device)
+        check_cluster_holds([placement.pool_for(role) for role in roles])
         group_class = RayWorkerGroup
 
     def build(worker_cls: type, *init_args: Any, role: str, **init_kwargs: Any) -> WorkerGroup:

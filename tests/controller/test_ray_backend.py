@@ -195,6 +195,19 @@ def test_cluster_shortfall_compares_each_node_with_the_pools_devices():
     assert "CPU slots" in cluster_shortfall([8], {"CPU": 1.0}, [{"CPU": 2.0}])
 
 
+def test_pools_shortfall_counts_the_pools_together_and_those_placed_already():
+    from reinforge.controller.ray_pool import pools_shortfall
+
+    cpu, four_cpus = {"CPU": 1.0}, [{"CPU": 4.0}]
+    actor, critic = ResourcePool("actor", [2]), ResourcePool("critic", [2])
+    assert pools_shortfall([actor, critic], [], cpu, four_cpus) is None
+    assert pools_shortfall([ResourcePool("critic", [3])], [actor], cpu, four_cpus) == (
+        "the resource pools ('actor' 2, 'critic' 3) need 5 CPU slots together, but the Ray cluster's nodes hold 4 "
+        "(one member per {'CPU': 1.0}); pools of different names never share devices")
+    assert pools_shortfall([ResourcePool("critic", [8])], [], cpu, four_cpus).startswith(
+        "resource pool 'critic' cannot be placed: the Ray cluster's nodes hold 4 CPU slots")
+
+
 def test_a_pool_larger_than_the_cluster_is_refused_at_once(ray_cluster, tmp_path):
     from reinforge.controller.ray_backend import connect_ray
 

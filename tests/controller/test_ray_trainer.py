@@ -98,6 +98,21 @@ def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_crit
     "critic_rank0.log", "critic_rank1.log"]
 
 
+def test_pools_the_cluster_cannot_hold_together_are_refused_before_any_model_loads(
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path):
+    """Each pool fits the four CPUs alone, not both: the run stops at once, not after the actor loaded and the
+    critic's pool waited trainer's startup deadline for devices the actor's pool holds."""
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
+                                         **{"trainer.backend": "ray"}))
+    placement = RolePlacement({"actor": ResourcePool("actor", [2]), "critic": ResourcePool("critic", [3])},
+                              {"actor_rollout": "actor", "ref": "actor", "reward": "actor", "critic": "critic"})
+    with pytest.raises(ValueError, match=r"the resource pools \('actor' 2, 'critic' 3\) need 5 CPU slots together, "
+                                         r"but the Ray cluster's nodes hold 4 .*; lower trainer.devices_per_node"):
+        RLTrainer(config, placement)
+    assert _PLACED == {}
+    assert not (tmp_path / "run" / "logs").exists()  # no member started
+
+
 def test_killed_member_stops_the_run_clearly_and_resume_continues_it(
         ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_metrics, monkeypatch):
     monkeypatch.setenv("REINFORGE_DEBUG", "1")  # the exception itself is inspected, not the CLI's one-line report
