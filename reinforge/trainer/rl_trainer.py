@@ -84,6 +84,16 @@ class RLTrainer(TrainingRun):
         if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
             self.data_batches = len(self.train_loader) * config.trainer.total_epochs
 
+        try:
+            self._start_workers(placement, reward_functions, tokenizer)
+        except BaseException:  # the groups started before the failing one stop too (on Ray, their processes)
+            self.close(wait_s=STOP_WAIT_S)
+            raise
+
+    def _start_workers(self, placement: RolePlacement | None, reward_functions: Sequence[Callable[..., Any]] | None,
+                       tokenizer: Any) -> None:
+        """The worker group of each role, the judge's or remote scorer, the tracker and the off-policy mode."""
+        config = self.config
         roles = roles_with_groups(config)
         build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs", roles)
         self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
@@ -420,16 +430,19 @@ class RLTrainer(TrainingRun):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if self.mode is not None:
-            self.mode.stop()
-        reference = self.reference if self.reference is not self.actor_rollout else None
-        judge = self.judge if self.judge is not self.actor_rollout else None
-        for group in (self.actor_rollout, reference, self.critic, self.reward, self.reward_model, judge, self.rollout):
-            if group is not None:
+        started = {name: getattr(self, name, None) for name in (  # all of them, unless a worker failed to start
+            "mode", "actor_rollout", "reference", "critic", "reward", "reward_model", "judge", "rollout",
+            "model_scorer", "tracker")}
+        if started["mode"] is not None:
+            started["mode"].stop()
+        for name in ("actor_rollout", "reference", "critic", "reward", "reward_model", "judge", "rollout"):
+            group = started[name]
+            if group is not None and (name == "actor_rollout" or group is not started["actor_rollout"]):
                 group.shutdown(wait_s)
-        if isinstance(self.model_scorer, RemoteScorer):
-            self.model_scorer.close()
-        self.tracker.close()
+        if isinstance(started["model_scorer"], RemoteScorer):
+            started["model_scorer"].close()
+        if started["tracker"] is not None:
+            started["tracker"].close()
         self.release_run_folder()
 
 
