@@ -208,6 +208,8 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     check_config(config)
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
+    if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
+        check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
@@ -300,7 +302,7 @@ def check_judge_settings(config: Config) -> None:
         raise ConfigError(str(error)) from None
     path = config.model.tokenizer_path or config.model.path if settings.model_path == "policy" else settings.model_path
     if settings.model_path != "policy" and is_local_path(path):
-        check_model_folder(path)
+        check_model_folder(path, "reward.judge.model_path")
         check_writes_text(path, "reward.judge.model_path")
     if settings.parse == "yes_no" or settings.chat_template:
         tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
     {"actor.optim.schedule": "wsd"},  # an engine schedule's name
     {"reward.custom_function": "no_such_scorer.py"},  # the scorer, imported before any model
     {"data.train_files": "[no_such_file.parquet]"},  # the data
+    {"critic.model_path": "./no_such_critic", "critic.enable": True},  # the critic's folder, checked before the actor's
 ], ids=lambda overrides: next(iter(overrides)))
 def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, overrides):
     args = rl_args(tmp_path / "cli", **overrides)
