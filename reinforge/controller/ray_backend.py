@@ -92,6 +92,18 @@ def check_cluster_holds(pools: list[ResourcePool]) -> None:
     check_pools_fit(pools, _pool_settings())
 
 
+def check_sendable(value: Any, what: str) -> None:
+    """Refuse in one line (ValueError) a value that Ray cannot send to the member processes: a function that holds a
+    lock, an open file or a client, say. ``what`` names it, e.g. ``reward_functions[0] (my_reward)``."""
+    try:
+        ray.cloudpickle.dumps(value)
+    except Exception as error:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError, ...
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{what} cannot be sent to the Ray members ({type(error).__name__}: {reason}); create "
+                         "what it holds (locks, files, clients) inside the function, or use trainer.backend=local, "
+                         "which runs it in this process") from None
+
+
 def _pool_settings() -> PoolSettings:
     uses_gpu = _settings.device == "cuda" or (_settings.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     return PoolSettings(Path(_settings.log_dir).absolute(), uses_gpu, _settings.num_cpus_per_member,

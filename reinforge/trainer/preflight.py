@@ -214,6 +214,12 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     check_devices(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward, reward_functions)  # a broken one fails before any model
+    if config.trainer.backend == "ray" and reward_functions:  # they travel to the reward role's member processes
+        from reinforge.controller.ray_backend import check_sendable
+
+        for index, function in enumerate(reward_functions):
+            name = getattr(function, "__name__", type(function).__name__)
+            check_sendable(function, f"reward_functions[{index}] ({name})")
     check_reward_model_settings(config)
     check_judge_settings(config)
     # a vision-language model's plan counts the image tokens of its rows (unless data.max_image_tokens bounds them)

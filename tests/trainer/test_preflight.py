@@ -68,3 +68,20 @@ def test_an_unknown_key_is_refused_before_torch_is_imported(command, key):
                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert result.stdout.split() == ["2", "False"], result.stderr
     assert result.stderr.startswith(f"error: unknown key {key} (command line); ")
+
+
+def test_a_reward_function_ray_cannot_send_is_refused_before_any_model_loads(rl_args, tmp_path):
+    pytest.importorskip("ray")
+    import threading
+
+    lock = threading.Lock()
+
+    def shared_counter(completions, **kwargs):
+        with lock:
+            return [1.0] * len(completions)
+
+    config = load_config(None, rl_args(tmp_path / "run", **{"trainer.backend": "ray"}))
+    with pytest.raises(ValueError, match=r"^reward_functions\[0\] \(shared_counter\) cannot be sent to the Ray members "
+                                         r"\(TypeError: cannot pickle '_thread.lock' object\); create what it holds"):
+        RLTrainer(config, reward_functions=[shared_counter])
+    assert not (tmp_path / "run").exists()
