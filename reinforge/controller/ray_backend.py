@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -81,7 +82,29 @@ def connect_ray(address: str | None = None, **settings: Any) -> None:
     global _settings
     _settings = RaySettings(**{**_settings.__dict__, **settings})
     if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+        elif address:
+            check_reachable(address, "trainer.ray_address")
         ray.init(address=address or None, include_dashboard=False, logging_level="WARNING")
+
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long joining a cluster waits for its address to answer; Ray itself retries for minutes, silently."""
+
+
+def check_reachable(address: str, source: str) -> None:
+    """Refuse in one line (ConnectionError) a cluster address (``host:port`` or ``ray://host:port``) where nothing
+    listens; ``source`` names the setting that gave it. ``auto`` and ``local`` pass: Ray resolves those."""
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise ConnectionError(f"{source}={address}: no Ray cluster answers at {host}:{port} ({error}); start one "
+                              f"there (ray start --head --port={port}), fix the address, or leave it unset to start "
+                              "Ray in this process") from None
 
 
 def check_cluster_holds(pools: list[ResourcePool]) -> None:

@@ -217,3 +217,24 @@ def test_a_pool_larger_than_the_cluster_is_refused_at_once(ray_cluster, tmp_path
                                          r"CPU slots .* = 64; lower trainer.devices_per_node"):
         RayWorkerGroup(ToyWorker, 100, name="huge", resource_pool=ResourcePool("huge", [64]), timeout_s=60)
     assert time.monotonic() - started < 10
+
+
+def test_a_cluster_address_where_nothing_listens_is_refused_at_once(monkeypatch):
+    """Ray would retry the address for minutes without a word; the run stops in one line naming the setting."""
+    import socket
+
+    from reinforge.controller.ray_backend import connect_ray
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process (one test process shares Ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"^trainer.ray_address=127.0.0.1:{port}: no Ray cluster answers at "
+                                              rf"127.0.0.1:{port} \(.*refused\); start one there"):
+        connect_ray(f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=rf"^RAY_ADDRESS=ray://127.0.0.1:{port}: no Ray cluster answers"):
+        connect_ray("10.0.0.1:6379")
+    assert time.monotonic() - started < 5
