@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -327,6 +328,11 @@ def check_judge_settings(config: Config) -> None:
 def preflight_sft(config: SFTConfig) -> None:
     """Every check of an SFT run that can run before its model loads."""
     check_sft_config(config)
+    world_size = os.environ.get("WORLD_SIZE", "1").strip()
+    if world_size.isdigit() and int(world_size) > 1:
+        raise ConfigError(f"reinforge sft trains in one process, but WORLD_SIZE={world_size}: a launcher (torchrun) "
+                          f"started {world_size} processes, each of which would train the whole model into the same "
+                          "run folder; start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     require_logger_packages(config.trainer.loggers)
     check_devices(config)
