@@ -305,4 +305,5 @@ def test_a_role_that_fails_to_start_stops_the_groups_started_before_it(rl_args, 
                                               r"__init__") as caught:
         RLTrainer(load_config(None, [*args, f"critic.model_path={broken}"]))
     assert {thread.name for thread in threading.enumerate()} - before == set()  # no member thread of the actor
+    assert type(caught.value.__cause__).__name__ == "SafetensorError"  # the loader's own error, kept as the cause
     RLTrainer(load_config(None, args)).close()  # while caught's traceback still holds the trainer that failed
