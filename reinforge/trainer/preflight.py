@@ -164,6 +164,15 @@ def check_writes_text(path: str, key: str) -> None:
                           "reward.reward_model.model_path")
 
 
+def refuse_launched_processes(what: str, fix: str) -> None:
+    """Refuse a run that a launcher (torchrun) started as several processes (``WORLD_SIZE`` > 1) where ``what``
+    runs in one: each process would run all of it, into the same run folder."""
+    world_size = os.environ.get("WORLD_SIZE", "1").strip()
+    if world_size.isdigit() and int(world_size) > 1:
+        raise ConfigError(f"{what}, but WORLD_SIZE={world_size}: a launcher (torchrun) started {world_size} processes, "
+                          f"each of which would run all of it into the same run folder; {fix}")
+
+
 def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = None) -> None:
     """The backend against the devices: the local backend runs every role in this process on one device, which
     must exist when trainer.device=cuda. ``placement``: the RL run's pools (by default one of trainer.nnodes x
@@ -207,6 +216,9 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     ``config``. Raises ConfigError (or the check's own one-line error) naming the value and the fix.
     ``reward_functions``: reward function objects that score every row instead of the scorers."""
     check_config(config)
+    refuse_launched_processes("an RL run's controller runs in one process and starts its workers itself",
+                              "start it as one process, with trainer.backend=ray trainer.devices_per_node=N to train "
+                              "on N devices")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
@@ -328,11 +340,8 @@ def check_judge_settings(config: Config) -> None:
 def preflight_sft(config: SFTConfig) -> None:
     """Every check of an SFT run that can run before its model loads."""
     check_sft_config(config)
-    world_size = os.environ.get("WORLD_SIZE", "1").strip()
-    if world_size.isdigit() and int(world_size) > 1:
-        raise ConfigError(f"reinforge sft trains in one process, but WORLD_SIZE={world_size}: a launcher (torchrun) "
-                          f"started {world_size} processes, each of which would train the whole model into the same "
-                          "run folder; start it as one process (reinforge rm and dpo shard over torchrun's processes)")
+    refuse_launched_processes("reinforge sft trains in one process",
+                              "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     require_logger_packages(config.trainer.loggers)
     check_devices(config)

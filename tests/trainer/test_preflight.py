@@ -40,6 +40,15 @@ def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, 
     assert not (tmp_path / "python").exists() and not (tmp_path / "cli").exists()  # refused before the run folder
 
 
+def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
+    """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^an RL run's controller runs in one process and starts its workers itself, "
+                                          r"but WORLD_SIZE=2: .*; start it as one process, with trainer.backend=ray"):
+        RLTrainer(load_config(None, rl_args(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_placement_larger_than_one_device_is_refused_on_the_local_backend():
     pool = ResourcePool("global", [2])
     with pytest.raises(ConfigError, match=r"^trainer.backend=local runs every role in this process on one device, "

@@ -116,7 +116,8 @@ def test_several_launched_processes_are_refused_before_the_run_folder(tmp_path, 
     from reinforge.config import ConfigError
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"^reinforge sft trains in one process, but WORLD_SIZE=2: a launcher"):
+    with pytest.raises(ConfigError, match=r"^reinforge sft trains in one process, but WORLD_SIZE=2: a launcher "
+                                          r"\(torchrun\) started 2 processes"):
         SFTTrainer(sft_config(tmp_path, tiny_model_dir))
     assert not (tmp_path / "run").exists()
 
