@@ -31,7 +31,7 @@ from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config, config_to_dict
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, get_pad_token_id
-from reinforge.protocol import Batch
+from reinforge.protocol import Batch, samples_of
 from reinforge.reward.combine import combine_scores
 from reinforge.reward.manager import place_on_last_token
 from reinforge.reward.reward_functions import function_metrics
@@ -242,7 +242,7 @@ class RLTrainer(TrainingRun):
         """n samples per prompt, generated and scored (with the KL-in-reward rewards when dynamic sampling
         filters on them)."""
         config, algorithm = self.config, self.config.algorithm
-        batch = prompts.repeat(config.rollout.n, interleave=True)
+        batch = samples_of(prompts, config.rollout.n)
         with _timed(timing, "gen"):
             batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
                 batch, self.sampling(), step_seed(config.trainer.seed, self.step))
