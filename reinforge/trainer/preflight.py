@@ -199,6 +199,25 @@ def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = 
                               "use trainer.device=auto or trainer.device=cpu")
 
 
+def check_batch_splits(config: Config, placement: RolePlacement | None = None) -> None:
+    """On Ray, the samples of a step, and of each mini-batch, split evenly over the members of the roles that train:
+    a share one row short is padded with copies of other rows, which an update would train on twice."""
+    if config.trainer.backend != "ray":
+        return
+    trainer, n = config.trainer, config.rollout.n
+    samples = config.data.train_batch_size * n
+    mini_batch = (config.actor.mini_batch_size or config.data.train_batch_size) * n
+    roles = ["actor_rollout"] + (["critic"] if critic_enabled(config) else [])
+    for role in roles:
+        members = (placement.pool_for(role).world_size if placement is not None
+                   else trainer.nnodes * trainer.devices_per_node)
+        for count, what in ((samples, "data.train_batch_size"), (mini_batch, "actor.mini_batch_size")):
+            if count % members:
+                raise ConfigError(f"{what} x rollout.n = {count} samples do not split evenly over the {members} members "
+                                  f"of role {role!r}; the padding rows would be trained on twice. Choose sizes whose "
+                                  f"product is a multiple of {members}, or another number of devices")
+
+
 @dataclass
 class Checked:
     """What ``preflight`` loaded while checking, for the trainer to use: nothing is loaded twice."""
@@ -225,6 +244,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
+    check_batch_splits(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward, reward_functions)  # a broken one fails before any model
     if config.trainer.backend == "ray" and reward_functions:  # they travel to the reward role's member processes

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
     {"reward.custom_function": "no_such_scorer.py"},  # the scorer, imported before any model
     {"data.train_files": "[no_such_file.parquet]"},  # the data
     {"critic.model_path": "./no_such_critic", "critic.enable": True},  # the critic's folder, checked before the actor's
+    {"trainer.backend": "ray", "trainer.devices_per_node": 3},  # 4 prompts x 4 samples do not split over 3 members
 ], ids=lambda overrides: next(iter(overrides)))
 def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, overrides):
     args = rl_args(tmp_path / "cli", **overrides)
