@@ -120,9 +120,9 @@ def test_pools_the_cluster_cannot_hold_together_are_refused_before_any_model_loa
     critic's pool waited trainer's startup deadline for devices the actor's pool holds."""
     config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
                                          **{"trainer.backend": "ray"}))
-    placement = RolePlacement({"actor": ResourcePool("actor", [2]), "critic": ResourcePool("critic", [3])},
+    placement = RolePlacement({"actor": ResourcePool("actor", [2]), "critic": ResourcePool("critic", [4])},
                               {"actor_rollout": "actor", "ref": "actor", "reward": "actor", "critic": "critic"})
-    with pytest.raises(ValueError, match=r"the resource pools \('actor' 2, 'critic' 3\) need 5 CPU slots together, "
+    with pytest.raises(ValueError, match=r"the resource pools \('actor' 2, 'critic' 4\) need 6 CPU slots together, "
                                          r"but the Ray cluster's nodes hold 4 .*; lower trainer.devices_per_node"):
         RLTrainer(config, placement)
     assert _PLACED == {}
