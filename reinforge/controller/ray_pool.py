@@ -57,6 +57,8 @@ def cluster_shortfall(devices_per_node: list[int], bundle: dict[str, float],
     free = sorted((capacity(resources) for resources in node_resources), reverse=True)
     needed = sorted(devices_per_node, reverse=True)
     device = "GPU" if bundle.get("GPU") else "CPU slot"
+    if len(needed) > len(free):
+        return f"the Ray cluster has {len(free)} live node(s), fewer than the pool's trainer.nnodes={len(needed)}"
     if len(needed) > len(free) or any(count > room for count, room in zip(needed, free, strict=False)):
         held = ", ".join(str(room) for room in free) or "none"
         return (f"the Ray cluster's nodes hold {held} {device}s for members (one member per {bundle}), fewer than "
@@ -64,14 +66,21 @@ def cluster_shortfall(devices_per_node: list[int], bundle: dict[str, float],
     return None
 
 
+FEWER_DEVICES = "lower trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes"
+
+
 def pools_shortfall(pools: list[ResourcePool], held: list[ResourcePool], bundle: dict[str, float],
                     node_resources: list[dict[str, float]]) -> str | None:
     """Why the cluster can never place ``pools`` beside the ``held`` pools (placed already, keeping their devices),
-    or None when it may: each pool must fit on its own (``cluster_shortfall``) and all of them together."""
+    or None when it may: each pool must fit on its own (``cluster_shortfall``) and all of them together. The reason
+    ends with its fix."""
+    if pools and bundle.get("GPU") and not any(resources.get("GPU") for resources in node_resources):
+        return ("the Ray cluster has no GPUs, and each member asks for one (trainer.device=cuda); set "
+                "trainer.device=cpu or auto to run the members on CPU slots, or add nodes with GPUs")
     for pool in pools:
         shortfall = cluster_shortfall(pool.devices_per_node, bundle, node_resources)
         if shortfall is not None:
-            return f"resource pool {pool.name!r} cannot be placed: {shortfall}"
+            return f"resource pool {pool.name!r} cannot be placed: {shortfall}; {FEWER_DEVICES}"
     every = [*held, *pools]
     needed = sum(pool.world_size for pool in every)
     capacity = sum(int(min(resources.get(name, 0.0) // amount for name, amount in bundle.items() if amount > 0))
@@ -80,11 +89,8 @@ def pools_shortfall(pools: list[ResourcePool], held: list[ResourcePool], bundle:
         device = "GPU" if bundle.get("GPU") else "CPU slot"
         asked = ", ".join(f"{pool.name!r} {pool.world_size}" for pool in every)
         return (f"the resource pools ({asked}) need {needed} {device}s together, but the Ray cluster's nodes hold "
-                f"{capacity} (one member per {bundle}); pools of different names never share devices")
+                f"{capacity} (one member per {bundle}); pools of different names never share devices; {FEWER_DEVICES}")
     return None
-
-
-FEWER_DEVICES = "lower trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes"
 
 
 def live_nodes() -> list[dict[str, float]]:
@@ -106,7 +112,7 @@ class PlacedPool:
         bundle = member_bundle(settings.num_cpus_per_member, settings.uses_gpu)
         shortfall = pools_shortfall([pool], [placed.pool for placed in _PLACED.values()], bundle, live_nodes())
         if shortfall is not None:  # Ray would wait startup_timeout_s for devices that are not there
-            raise ValueError(f"{shortfall}; {FEWER_DEVICES}")
+            raise ValueError(shortfall)
         self.placement_groups = [placement_group([dict(bundle)] * count, strategy="STRICT_PACK",
                                                  name=f"reinforge-{pool.name}-node{node}")
                                  for node, count in enumerate(pool.devices_per_node)]
@@ -192,7 +198,7 @@ def check_pools_fit(pools: list[ResourcePool], settings: PoolSettings) -> None:
     shortfall = pools_shortfall(list(new.values()), held, member_bundle(settings.num_cpus_per_member,
                                                                         settings.uses_gpu), live_nodes())
     if shortfall is not None:
-        raise ValueError(f"{shortfall}; {FEWER_DEVICES}")
+        raise ValueError(shortfall)
 
 
 def acquire_pool(pool: ResourcePool, role: str, settings: PoolSettings) -> PlacedPool:

@@ -191,7 +191,9 @@ def test_cluster_shortfall_compares_each_node_with_the_pools_devices():
     assert cluster_shortfall([8], gpu, [{"CPU": 64.0, "GPU": 4.0}, {"CPU": 64.0, "GPU": 4.0}]) == (
         "the Ray cluster's nodes hold 4, 4 GPUs for members (one member per {'CPU': 1.0, 'GPU': 1.0}), fewer than "
         "trainer.nnodes x trainer.devices_per_node = 8")
-    assert cluster_shortfall([8, 8], gpu, [eight_gpus]) is not None  # one node cannot serve two
+    assert cluster_shortfall([8, 8], gpu, [eight_gpus]) == (  # one node cannot serve two
+        "the Ray cluster has 1 live node(s), fewer than the pool's trainer.nnodes=2")
+    assert "hold 0 GPUs" in cluster_shortfall([1], gpu, [{"CPU": 4.0}])
     assert "CPU slots" in cluster_shortfall([8], {"CPU": 1.0}, [{"CPU": 2.0}])
 
 
@@ -203,9 +205,13 @@ def test_pools_shortfall_counts_the_pools_together_and_those_placed_already():
     assert pools_shortfall([actor, critic], [], cpu, four_cpus) is None
     assert pools_shortfall([ResourcePool("critic", [3])], [actor], cpu, four_cpus) == (
         "the resource pools ('actor' 2, 'critic' 3) need 5 CPU slots together, but the Ray cluster's nodes hold 4 "
-        "(one member per {'CPU': 1.0}); pools of different names never share devices")
+        "(one member per {'CPU': 1.0}); pools of different names never share devices; lower "
+        "trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes")
     assert pools_shortfall([ResourcePool("critic", [8])], [], cpu, four_cpus).startswith(
         "resource pool 'critic' cannot be placed: the Ray cluster's nodes hold 4 CPU slots")
+    assert pools_shortfall([actor], [], {"CPU": 1.0, "GPU": 1.0}, four_cpus) == (
+        "the Ray cluster has no GPUs, and each member asks for one (trainer.device=cuda); set trainer.device=cpu or "
+        "auto to run the members on CPU slots, or add nodes with GPUs")
 
 
 def test_a_pool_larger_than_the_cluster_is_refused_at_once(ray_cluster, tmp_path):
