@@ -26,6 +26,10 @@ MULTI_MODAL_KEY = "multi_modal_inputs"
 """Non-tensor column of a vision-language batch: per row, ``{"pixel_values": (patches, patch dim),
 "image_grid_thw": (images, 3)}`` of the row's images in order ({} for a row without images)."""
 
+SAMPLE_INDEX_KEY = "sample_index"
+"""Non-tensor column: each row's index among the samples of its prompt (its ``uid``). A sample's seed comes from it,
+so it is the same sample whichever member of a worker group generates it (``samples_of``)."""
+
 
 def _as_object_array(values: Any) -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype == object:
@@ -224,3 +228,11 @@ class Batch:
         columns = [f"{key}: {tuple(value.shape)} {value.dtype}" for key, value in self.tensors.items()]
         columns += [f"{key}: ({len(value)},) object" for key, value in self.non_tensors.items()]
         return f"Batch({len(self)} rows; " + ", ".join(columns) + f"; meta={sorted(self.meta)})"
+
+
+def samples_of(prompts: Batch, n: int) -> Batch:
+    """Each prompt ``n`` times (a a b b), each row with its ``SAMPLE_INDEX_KEY``: split over several members (a
+    prompt's samples can straddle two), sample k of a prompt is still seeded as its k-th, not as a member's first."""
+    batch = prompts.repeat(n, interleave=True)
+    batch.non_tensors[SAMPLE_INDEX_KEY] = np.tile(np.arange(n), len(prompts))
+    return batch

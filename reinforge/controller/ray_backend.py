@@ -20,6 +20,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -34,7 +35,14 @@ except ImportError as error:  # Ray is an optional dependency
 
 from reinforge.controller.backends import register_backend
 from reinforge.controller.dispatch import Arguments
-from reinforge.controller.ray_pool import MemberInfo, PlacedPool, PoolSettings, acquire_pool, release_pool
+from reinforge.controller.ray_pool import (
+    MemberInfo,
+    PlacedPool,
+    PoolSettings,
+    acquire_pool,
+    check_pools_fit,
+    release_pool,
+)
 from reinforge.controller.ray_transport import WireBatch
 from reinforge.controller.register import Dispatch, MethodSpec
 from reinforge.controller.resource_pool import ResourcePool
@@ -74,7 +82,55 @@ def connect_ray(address: str | None = None, **settings: Any) -> None:
     global _settings
     _settings = RaySettings(**{**_settings.__dict__, **settings})
     if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+        elif address:
+            check_reachable(address, "trainer.ray_address")
         ray.init(address=address or None, include_dashboard=False, logging_level="WARNING")
+
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long joining a cluster waits for its address to answer; Ray itself retries for minutes, silently."""
+
+
+def check_reachable(address: str, source: str) -> None:
+    """Refuse in one line (ConnectionError) a cluster address (``host:port`` or ``ray://host:port``) where nothing
+    listens; ``source`` names the setting that gave it. ``auto`` and ``local`` pass: Ray resolves those."""
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise ConnectionError(f"{source}={address}: no Ray cluster answers at {host}:{port} ({error}); start one "
+                              f"there (ray start --head --port={port}), fix the address, or leave it unset to start "
+                              "Ray in this process") from None
+
+
+def check_cluster_holds(pools: list[ResourcePool]) -> None:
+    """Refuse at once, in one line (ValueError), pools the cluster cannot hold together beside the pools placed
+    already: a run checks every pool of its roles before its first group loads a model."""
+    if not ray.is_initialized():
+        connect_ray()
+    check_pools_fit(pools, _pool_settings())
+
+
+def check_sendable(value: Any, what: str) -> None:
+    """Refuse in one line (ValueError) a value that Ray cannot send to the member processes: a function that holds a
+    lock, an open file or a client, say. ``what`` names it, e.g. ``reward_functions[0] (my_reward)``."""
+    try:
+        ray.cloudpickle.dumps(value)
+    except Exception as error:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError, ...
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{what} cannot be sent to the Ray members ({type(error).__name__}: {reason}); create "
+                         "what it holds (locks, files, clients) inside the function, or use trainer.backend=local, "
+                         "which runs it in this process") from None
+
+
+def _pool_settings() -> PoolSettings:
+    uses_gpu = _settings.device == "cuda" or (_settings.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    return PoolSettings(Path(_settings.log_dir).absolute(), uses_gpu, _settings.num_cpus_per_member,
+                        _settings.startup_timeout_s, _settings.collective_timeout_s)
 
 
 class MemberDiedError(RuntimeError):
@@ -89,10 +145,7 @@ class RayBackend:
         self.role = role
         self.num_members = num_members
         pool = resource_pool or ResourcePool(role, [num_members])
-        uses_gpu = _settings.device == "cuda" or (_settings.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        self.placed: PlacedPool | None = acquire_pool(pool, role, PoolSettings(
-            Path(_settings.log_dir).absolute(), uses_gpu, _settings.num_cpus_per_member, _settings.startup_timeout_s,
-            _settings.collective_timeout_s))
+        self.placed: PlacedPool | None = acquire_pool(pool, role, _pool_settings())
         self.members: list[MemberInfo] = self.placed.members
 
     def start(self, worker_cls: type[Worker], init_args: tuple[Any, ...], init_kwargs: dict[str, Any]) -> list[Future]:

@@ -57,11 +57,50 @@ def cluster_shortfall(devices_per_node: list[int], bundle: dict[str, float],
     free = sorted((capacity(resources) for resources in node_resources), reverse=True)
     needed = sorted(devices_per_node, reverse=True)
     device = "GPU" if bundle.get("GPU") else "CPU slot"
+    if len(needed) > len(free):
+        return f"the Ray cluster has {len(free)} live node(s), fewer than the pool's trainer.nnodes={len(needed)}"
     if len(needed) > len(free) or any(count > room for count, room in zip(needed, free, strict=False)):
         held = ", ".join(str(room) for room in free) or "none"
         return (f"the Ray cluster's nodes hold {held} {device}s for members (one member per {bundle}), fewer than "
                 f"trainer.nnodes x trainer.devices_per_node = {' + '.join(map(str, devices_per_node))}")
     return None
+
+
+FEWER_DEVICES = "lower trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes"
+
+
+def pools_shortfall(pools: list[ResourcePool], held: list[ResourcePool], bundle: dict[str, float],
+                    node_resources: list[dict[str, float]]) -> str | None:
+    """Why the cluster can never place ``pools`` beside the ``held`` pools (placed already, keeping their devices),
+    or None when it may: each pool must fit on its own (``cluster_shortfall``) and all of them together. The reason
+    ends with its fix."""
+    if pools and bundle.get("GPU") and not any(resources.get("GPU") for resources in node_resources):
+        return ("the Ray cluster has no GPUs, and each member asks for one (trainer.device=cuda); set "
+                "trainer.device=cpu or auto to run the members on CPU slots, or add nodes with GPUs")
+    for pool in pools:
+        shortfall = cluster_shortfall(pool.devices_per_node, bundle, node_resources)
+        if shortfall is not None:
+            return f"resource pool {pool.name!r} cannot be placed: {shortfall}; {FEWER_DEVICES}"
+    every = [*held, *pools]
+    needed = sum(pool.world_size for pool in every)
+    capacity = sum(int(min(resources.get(name, 0.0) // amount for name, amount in bundle.items() if amount > 0))
+                   for resources in node_resources)
+    if len(every) > 1 and needed > capacity:
+        device = "GPU" if bundle.get("GPU") else "CPU slot"
+        asked = ", ".join(f"{pool.name!r} {pool.world_size}" for pool in every)
+        return (f"the resource pools ({asked}) need {needed} {device}s together, but the Ray cluster's nodes hold "
+                f"{capacity} (one member per {bundle}); pools of different names never share devices; {FEWER_DEVICES}")
+    return None
+
+
+def live_nodes() -> list[dict[str, float]]:
+    """The resources of each live node of the cluster."""
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
+def member_bundle(num_cpus_per_member: float, uses_gpu: bool) -> dict[str, float]:
+    """What one member holds: its CPUs and, on GPUs, one GPU."""
+    return {"CPU": num_cpus_per_member, **({"GPU": 1.0} if uses_gpu else {})}
 
 
 class PlacedPool:
@@ -70,12 +109,10 @@ class PlacedPool:
     def __init__(self, pool: ResourcePool, settings: PoolSettings):
         self.pool, self.settings = pool, settings
         self.roles: set[str] = set()
-        bundle = {"CPU": settings.num_cpus_per_member, **({"GPU": 1.0} if settings.uses_gpu else {})}
-        shortfall = cluster_shortfall(pool.devices_per_node, bundle,
-                                      [node["Resources"] for node in ray.nodes() if node.get("Alive")])
+        bundle = member_bundle(settings.num_cpus_per_member, settings.uses_gpu)
+        shortfall = pools_shortfall([pool], [placed.pool for placed in _PLACED.values()], bundle, live_nodes())
         if shortfall is not None:  # Ray would wait startup_timeout_s for devices that are not there
-            raise ValueError(f"resource pool {pool.name!r} cannot be placed: {shortfall}; lower "
-                             "trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes")
+            raise ValueError(shortfall)
         self.placement_groups = [placement_group([dict(bundle)] * count, strategy="STRICT_PACK",
                                                  name=f"reinforge-{pool.name}-node{node}")
                                  for node, count in enumerate(pool.devices_per_node)]
@@ -144,6 +181,24 @@ class PlacedPool:
 
 
 _PLACED: dict[str, PlacedPool] = {}
+
+
+def check_pools_fit(pools: list[ResourcePool], settings: PoolSettings) -> None:
+    """Refuse at once (ValueError, one line) pools that the cluster cannot place beside those placed already, or
+    that disagree with a placed pool of their name: before any of them starts a member or loads a model."""
+    new: dict[str, ResourcePool] = {}
+    for pool in pools:
+        known = new.get(pool.name) or (_PLACED[pool.name].pool if pool.name in _PLACED else None)
+        if known is not None and known.devices_per_node != pool.devices_per_node:
+            raise ValueError(f"two resource pools are named {pool.name!r}, with devices_per_node="
+                             f"{known.devices_per_node} and {pool.devices_per_node}; give the pools different names")
+        if pool.name not in _PLACED:
+            new[pool.name] = pool
+    held = [placed.pool for placed in _PLACED.values()]
+    shortfall = pools_shortfall(list(new.values()), held, member_bundle(settings.num_cpus_per_member,
+                                                                        settings.uses_gpu), live_nodes())
+    if shortfall is not None:
+        raise ValueError(shortfall)
 
 
 def acquire_pool(pool: ResourcePool, role: str, settings: PoolSettings) -> PlacedPool:

@@ -52,13 +52,14 @@ def is_local_path(path: str) -> bool:
     return Path(path).expanduser().exists() or not HUB_ID.match(path)
 
 
-def check_model_folder(path: str | Path) -> None:
-    """Raise FileNotFoundError with one line if ``path`` is not a complete, loadable model folder."""
+def check_model_folder(path: str | Path, key: str = "model.path") -> None:
+    """Raise FileNotFoundError with one line if ``path`` (the setting ``key``) is not a complete, loadable model
+    folder."""
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise FileNotFoundError(f"model folder {folder} does not exist; check model.path")
+        raise FileNotFoundError(f"model folder {folder} does not exist; check {key}")
     if not folder.is_dir():
-        raise FileNotFoundError(f"model path {folder} is a file; point model.path at the folder that holds config.json")
+        raise FileNotFoundError(f"model path {folder} is a file; point {key} at the folder that holds config.json")
     if UNFINISHED_FOLDER.search(folder.name):
         raise FileNotFoundError(f"model folder {folder} is a temporary folder of an unfinished save; "
                                 f"use the folder without the {folder.name.rsplit('.', 1)[-1]!r} suffix")

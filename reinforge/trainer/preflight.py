@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,15 @@ def check_writes_text(path: str, key: str) -> None:
                           "reward.reward_model.model_path")
 
 
+def refuse_launched_processes(what: str, fix: str) -> None:
+    """Refuse a run that a launcher (torchrun) started as several processes (``WORLD_SIZE`` > 1) where ``what``
+    runs in one: each process would run all of it, into the same run folder."""
+    world_size = os.environ.get("WORLD_SIZE", "1").strip()
+    if world_size.isdigit() and int(world_size) > 1:
+        raise ConfigError(f"{what}, but WORLD_SIZE={world_size}: a launcher (torchrun) started {world_size} processes, "
+                          f"each of which would run all of it into the same run folder; {fix}")
+
+
 def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = None) -> None:
     """The backend against the devices: the local backend runs every role in this process on one device, which
     must exist when trainer.device=cuda. ``placement``: the RL run's pools (by default one of trainer.nnodes x
@@ -189,6 +199,25 @@ def check_devices(config: Config | SFTConfig, placement: RolePlacement | None = 
                               "use trainer.device=auto or trainer.device=cpu")
 
 
+def check_batch_splits(config: Config, placement: RolePlacement | None = None) -> None:
+    """On Ray, the samples of a step, and of each mini-batch, split evenly over the members of the roles that train:
+    a share one row short is padded with copies of other rows, which an update would train on twice."""
+    if config.trainer.backend != "ray":
+        return
+    trainer, n = config.trainer, config.rollout.n
+    samples = config.data.train_batch_size * n
+    mini_batch = (config.actor.mini_batch_size or config.data.train_batch_size) * n
+    roles = ["actor_rollout"] + (["critic"] if critic_enabled(config) else [])
+    for role in roles:
+        members = (placement.pool_for(role).world_size if placement is not None
+                   else trainer.nnodes * trainer.devices_per_node)
+        for count, what in ((samples, "data.train_batch_size"), (mini_batch, "actor.mini_batch_size")):
+            if count % members:
+                raise ConfigError(f"{what} x rollout.n = {count} samples do not split evenly over the {members} members "
+                                  f"of role {role!r}; the padding rows would be trained on twice. Choose sizes whose "
+                                  f"product is a multiple of {members}, or another number of devices")
+
+
 @dataclass
 class Checked:
     """What ``preflight`` loaded while checking, for the trainer to use: nothing is loaded twice."""
@@ -206,12 +235,24 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     ``config``. Raises ConfigError (or the check's own one-line error) naming the value and the fix.
     ``reward_functions``: reward function objects that score every row instead of the scorers."""
     check_config(config)
+    refuse_launched_processes("an RL run's controller runs in one process and starts its workers itself",
+                              "start it as one process, with trainer.backend=ray trainer.devices_per_node=N to train "
+                              "on N devices")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
+    if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
+        check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
     require_logger_packages(config.trainer.loggers)
     check_devices(config, placement)
+    check_batch_splits(config, placement)
     warn_ineffective_settings(config)  # before the memory plan writes its choices into the auto settings
     custom_scorer = load_reward_function(config.reward, reward_functions)  # a broken one fails before any model
+    if config.trainer.backend == "ray" and reward_functions:  # they travel to the reward role's member processes
+        from reinforge.controller.ray_backend import check_sendable
+
+        for index, function in enumerate(reward_functions):
+            name = getattr(function, "__name__", type(function).__name__)
+            check_sendable(function, f"reward_functions[{index}] ({name})")
     check_reward_model_settings(config)
     check_judge_settings(config)
     # a vision-language model's plan counts the image tokens of its rows (unless data.max_image_tokens bounds them)
@@ -302,7 +343,7 @@ def check_judge_settings(config: Config) -> None:
         raise ConfigError(str(error)) from None
     path = config.model.tokenizer_path or config.model.path if settings.model_path == "policy" else settings.model_path
     if settings.model_path != "policy" and is_local_path(path):
-        check_model_folder(path)
+        check_model_folder(path, "reward.judge.model_path")
         check_writes_text(path, "reward.judge.model_path")
     if settings.parse == "yes_no" or settings.chat_template:
         tokenizer = load_tokenizer(path, trust_remote_code=settings.trust_remote_code)
@@ -321,6 +362,8 @@ def check_judge_settings(config: Config) -> None:
 def preflight_sft(config: SFTConfig) -> None:
     """Every check of an SFT run that can run before its model loads."""
     check_sft_config(config)
+    refuse_launched_processes("reinforge sft trains in one process",
+                              "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     require_logger_packages(config.trainer.loggers)
     check_devices(config)

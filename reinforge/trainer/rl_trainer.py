@@ -31,7 +31,7 @@ from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config, config_to_dict
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
 from reinforge.data import PromptLoader, get_pad_token_id
-from reinforge.protocol import Batch
+from reinforge.protocol import Batch, samples_of
 from reinforge.reward.combine import combine_scores
 from reinforge.reward.manager import place_on_last_token
 from reinforge.reward.reward_functions import function_metrics
@@ -84,22 +84,32 @@ class RLTrainer(TrainingRun):
         if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
             self.data_batches = len(self.train_loader) * config.trainer.total_epochs
 
-        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs")
+        try:
+            self._start_workers(placement, reward_functions, tokenizer)
+        except BaseException:  # the groups started before the failing one stop too (on Ray, their processes)
+            self.close(wait_s=STOP_WAIT_S)
+            raise
+
+    def _start_workers(self, placement: RolePlacement | None, reward_functions: Sequence[Callable[..., Any]] | None,
+                       tokenizer: Any) -> None:
+        """The worker group of each role, the judge's or remote scorer, the tracker and the off-policy mode."""
+        config = self.config
+        roles = roles_with_groups(config)
+        build_group = _group_builder(config, placement or default_placement(config), self.run_dir / "logs", roles)
         self.actor_rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="actor_rollout")
         self.reference = None
         if reference_needed(config):  # a LoRA actor is its own reference: the base with the adapters off
-            self.reference = (self.actor_rollout if config.model.lora.rank
-                              else build_group(ReferenceWorker, config, role="ref"))
+            self.reference = (build_group(ReferenceWorker, config, role="ref") if "ref" in roles
+                              else self.actor_rollout)
         self.critic = (build_group(CriticWorker, config, self.total_steps, role="critic")
-                       if critic_enabled(config) else None)
+                       if "critic" in roles else None)
         self.reward = build_group(RewardWorker, config, role="reward", reward_functions=reward_functions)
         self.reward_model = (build_group(RewardModelWorker, config, role="reward_model")
-                             if config.reward.reward_model.enable else None)
+                             if "reward_model" in roles else None)
         self.judge = None
         """reward.judge: the judge's group (the actor's when the policy judges itself)."""
         if config.reward.judge.enable:
-            self.judge = (self.actor_rollout if config.reward.judge.model_path == "policy"
-                          else build_group(JudgeWorker, config, role="judge"))
+            self.judge = build_group(JudgeWorker, config, role="judge") if "judge" in roles else self.actor_rollout
         self.model_scorer: JudgeScorer | RemoteScorer | None = None
         """A judge's or a remote endpoint's score for each sample (reward.judge, reward.remote)."""
         if self.judge is not None:
@@ -112,7 +122,7 @@ class RLTrainer(TrainingRun):
         self.step = 0
         self.rollout = None
         """trainer.separate_rollout: the worker group that generates in the off-policy modes."""
-        if config.trainer.mode != "sync" and config.trainer.separate_rollout:
+        if "rollout" in roles:
             self.rollout = build_group(ActorRolloutWorker, config, self.total_steps, role="rollout", rollout_only=True)
         self.mode = build_mode(config, self._mode_calls())
         """trainer.mode one_step_off or async (reinforge.trainer.modes); None in sync mode."""
@@ -232,7 +242,7 @@ class RLTrainer(TrainingRun):
         """n samples per prompt, generated and scored (with the KL-in-reward rewards when dynamic sampling
         filters on them)."""
         config, algorithm = self.config, self.config.algorithm
-        batch = prompts.repeat(config.rollout.n, interleave=True)
+        batch = samples_of(prompts, config.rollout.n)
         with _timed(timing, "gen"):
             batch = without_prompt_tensors(batch) | self.actor_rollout.generate(
                 batch, self.sampling(), step_seed(config.trainer.seed, self.step))
@@ -420,16 +430,19 @@ class RLTrainer(TrainingRun):
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if self.mode is not None:
-            self.mode.stop()
-        reference = self.reference if self.reference is not self.actor_rollout else None
-        judge = self.judge if self.judge is not self.actor_rollout else None
-        for group in (self.actor_rollout, reference, self.critic, self.reward, self.reward_model, judge, self.rollout):
-            if group is not None:
+        started = {name: getattr(self, name, None) for name in (  # all of them, unless a worker failed to start
+            "mode", "actor_rollout", "reference", "critic", "reward", "reward_model", "judge", "rollout",
+            "model_scorer", "tracker")}
+        if started["mode"] is not None:
+            started["mode"].stop()
+        for name in ("actor_rollout", "reference", "critic", "reward", "reward_model", "judge", "rollout"):
+            group = started[name]
+            if group is not None and (name == "actor_rollout" or group is not started["actor_rollout"]):
                 group.shutdown(wait_s)
-        if isinstance(self.model_scorer, RemoteScorer):
-            self.model_scorer.close()
-        self.tracker.close()
+        if isinstance(started["model_scorer"], RemoteScorer):
+            started["model_scorer"].close()
+        if started["tracker"] is not None:
+            started["tracker"].close()
         self.release_run_folder()
 
 
@@ -455,14 +468,36 @@ def default_placement(config: Config) -> RolePlacement:
     return placement
 
 
-def _group_builder(config: Config, placement: RolePlacement, log_dir: Path) -> Callable[..., WorkerGroup]:
-    """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend."""
+def roles_with_groups(config: Config) -> list[str]:
+    """The roles that get worker groups of their own: a LoRA actor is its own reference, the policy its own judge."""
+    roles = ["actor_rollout"]
+    if reference_needed(config) and not config.model.lora.rank:
+        roles.append("ref")
+    if critic_enabled(config):
+        roles.append("critic")
+    roles.append("reward")
+    if config.reward.reward_model.enable:
+        roles.append("reward_model")
+    if config.reward.judge.enable and config.reward.judge.model_path != "policy":
+        roles.append("judge")
+    if config.trainer.mode != "sync" and config.trainer.separate_rollout:
+        roles.append("rollout")
+    return roles
+
+
+def _group_builder(config: Config, placement: RolePlacement, log_dir: Path,
+                   roles: list[str]) -> Callable[..., WorkerGroup]:
+    """``build(worker_cls, *init_args, role=...)``: the role's worker group on its pool and the configured backend.
+
+    On Ray, the pools of ``roles`` are checked against the cluster first: a run the cluster cannot hold stops
+    before any model loads, not when a later role's pool waits for devices that are taken."""
     trainer = config.trainer
     group_class: type[WorkerGroup] = WorkerGroup
     if trainer.backend == "ray":
-        from reinforge.controller.ray_backend import RayWorkerGroup, connect_ray
+        from reinforge.controller.ray_backend import RayWorkerGroup, check_cluster_holds, connect_ray
 
         connect_ray(trainer.ray_address, log_dir=log_dir, device=trainer.device)
+        check_cluster_holds([placement.pool_for(role) for role in roles])
         group_class = RayWorkerGroup
 
     def build(worker_cls: type, *init_args: Any, role: str, **init_kwargs: Any) -> WorkerGroup:

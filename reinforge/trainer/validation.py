@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from reinforge.protocol import MULTI_MODAL_KEY, Batch
+from reinforge.protocol import MULTI_MODAL_KEY, Batch, samples_of
 from reinforge.rollout.base import SamplingParams
 
 
@@ -72,7 +72,7 @@ def run_validation(prompt_batches: Iterable[Batch], num_samples: int, sampling: 
     """Answer every prompt ``num_samples`` times with ``generate(batch, sampling, seed)``, score with ``score``, summarise."""
     records: list[dict[str, Any]] = []
     for prompts in prompt_batches:
-        batch = prompts.repeat(num_samples, interleave=True)
+        batch = samples_of(prompts, num_samples)
         batch = without_prompt_tensors(batch) | generate(batch, sampling, seed)
         batch = batch | score(batch)
         scores = batch["token_level_scores"].sum(-1)

@@ -18,7 +18,7 @@ import torch
 from reinforge.agent import AgentLoopOutput, agent_name_of
 from reinforge.agent.runner import tool_call_counts
 from reinforge.engine.forward import build_position_ids
-from reinforge.protocol import MULTI_MODAL_KEY, Batch
+from reinforge.protocol import MULTI_MODAL_KEY, SAMPLE_INDEX_KEY, Batch
 from reinforge.rollout.base import SamplingParams
 from reinforge.rollout.noise import sample_seed
 
@@ -29,6 +29,18 @@ def uses_agent_loops(batch: Batch) -> bool:
     return "agent_name" in batch and any(agent_name_of(name) != "single_turn" for name in batch["agent_name"])
 
 
+def sample_indices(batch: Batch) -> list[int]:
+    """Each row's index among its prompt's samples: its ``SAMPLE_INDEX_KEY`` (``protocol.samples_of``), or, in a
+    batch without one, its place in its run of rows of one uid."""
+    if SAMPLE_INDEX_KEY in batch:
+        return [int(index) for index in batch[SAMPLE_INDEX_KEY]]
+    uids = [str(uid) for uid in batch["uid"]]
+    indices: list[int] = []
+    for row, uid in enumerate(uids):
+        indices.append(indices[-1] + 1 if row and uids[row - 1] == uid else 0)
+    return indices
+
+
 def agent_rows(batch: Batch, sampling: SamplingParams, request_seeds: list[int]) -> tuple[list[dict[str, Any]],
                                                                                              list[SamplingParams]]:
     """Each row's loop arguments and sampling; the k-th sample of a uid draws from sample_seed(request seed, k).
@@ -37,10 +49,8 @@ def agent_rows(batch: Batch, sampling: SamplingParams, request_seeds: list[int])
     """
     prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"].bool()
     rows, samplings = [], []
-    sample_index = 0
-    for row in range(len(batch)):
+    for row, sample_index in enumerate(sample_indices(batch)):
         uid = str(batch["uid"][row])
-        sample_index = sample_index + 1 if row and str(batch["uid"][row - 1]) == uid else 0
         columns = {key: batch[key][row] for key in ROW_COLUMNS if key in batch}
         rows.append(columns | {"prompt_ids": prompt_ids[row][prompt_mask[row]].tolist(),
                                "request_id": f"{uid}/{sample_index}"})

@@ -239,6 +239,26 @@ def _raised_at(error: BaseException) -> str:
     return f"; at {found[0]}:{found[1]} ({found[2]})" if found else ""
 
 
+_RELAYED_FRAME = re.compile(r'File "[^"]*/(reinforge/[^"]+\.py)", line (\d+), in (\w+)')
+"""A frame of reinforge's code in a traceback relayed as text (a Ray member's, in the error's notes)."""
+
+
+def _raised_in_worker_at(chain: list[BaseException]) -> str:
+    """``_raised_at`` of the innermost error of ``chain`` that passed through reinforge's code: a worker's own error
+    under the controller's wrapper, whose frames (or, relayed from a Ray member, whose traceback text) name the
+    phase that ran out, where the wrapper's name only the controller's wait."""
+    for error in reversed(chain):
+        relayed = [frame for frame in _RELAYED_FRAME.findall("\n".join(getattr(error, "__notes__", None) or []))
+                   if not frame[0].startswith("reinforge/tests/")]
+        if relayed:
+            path, line, function = relayed[-1]
+            return f"; at {path}:{line} ({function})"
+        found = _raised_at(error)
+        if found:
+            return found
+    return ""
+
+
 def describe_out_of_memory(error: BaseException) -> str | None:
     """One line for a device's out-of-memory error anywhere in ``error``'s chain (a worker's too), else None."""
     chain, seen = [], error
@@ -251,7 +271,7 @@ def describe_out_of_memory(error: BaseException) -> str | None:
         return None
     first_line = (str(oom).strip().splitlines() or [type(oom).__name__])[0]
     where = f"in a worker ({first_line[:160]})" if not isinstance(oom, torch.OutOfMemoryError) else "on the device"
-    measured = _allocator_state(str(oom)) + _raised_at(oom)
+    measured = _allocator_state(str(oom)) + _raised_in_worker_at(chain[chain.index(oom):])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         measured += f"; measured peak {torch.cuda.max_memory_allocated() / GiB:.1f} GiB"
     plan = ""

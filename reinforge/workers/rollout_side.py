@@ -45,7 +45,7 @@ from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.registry import get_rollout_engine
 from reinforge.serve.agents import register_configured_agents
-from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, uses_agent_loops
+from reinforge.workers.agent_rollout import agent_output_batch, agent_rows, sample_indices, uses_agent_loops
 
 
 def seed_for(base_seed: int, uid: str) -> int:
@@ -337,13 +337,15 @@ class RolloutSide:
         uids = batch["uid"]
         per_row = "request_seed" in batch  # partial samples: one request per row, seeded (and budgeted) as given
         images = batch.non_tensors.get(MULTI_MODAL_KEY)  # a vision-language batch: each row's pixels and grids
+        indices = sample_indices(batch)
         while start < len(batch):
             stop = start + 1
-            while not per_row and stop < len(batch) and uids[stop] == uids[start]:
+            while not per_row and stop < len(batch) and uids[stop] == uids[start] and \
+                    indices[stop] == indices[stop - 1] + 1:
                 stop += 1
             tokens = prompt_ids[start][prompt_mask[start].bool()].tolist()
-            row_seed = (int(batch["request_seed"][start]), int(batch["sample_index"][start])) if per_row else (
-                seed_for(seed, str(uids[start])), 0)
+            row_seed = (int(batch["request_seed"][start]), indices[start]) if per_row else (
+                seed_for(seed, str(uids[start])), indices[start])
             params = SamplingParams(**{**sampling.__dict__, "n": stop - start, "seed": row_seed[0],
                                        "first_sample": row_seed[1]})
             if per_row and "max_tokens" in batch:  # a per-sample length budget

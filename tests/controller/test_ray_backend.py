@@ -191,8 +191,27 @@ def test_cluster_shortfall_compares_each_node_with_the_pools_devices():
     assert cluster_shortfall([8], gpu, [{"CPU": 64.0, "GPU": 4.0}, {"CPU": 64.0, "GPU": 4.0}]) == (
         "the Ray cluster's nodes hold 4, 4 GPUs for members (one member per {'CPU': 1.0, 'GPU': 1.0}), fewer than "
         "trainer.nnodes x trainer.devices_per_node = 8")
-    assert cluster_shortfall([8, 8], gpu, [eight_gpus]) is not None  # one node cannot serve two
+    assert cluster_shortfall([8, 8], gpu, [eight_gpus]) == (  # one node cannot serve two
+        "the Ray cluster has 1 live node(s), fewer than the pool's trainer.nnodes=2")
+    assert "hold 0 GPUs" in cluster_shortfall([1], gpu, [{"CPU": 4.0}])
     assert "CPU slots" in cluster_shortfall([8], {"CPU": 1.0}, [{"CPU": 2.0}])
+
+
+def test_pools_shortfall_counts_the_pools_together_and_those_placed_already():
+    from reinforge.controller.ray_pool import pools_shortfall
+
+    cpu, four_cpus = {"CPU": 1.0}, [{"CPU": 4.0}]
+    actor, critic = ResourcePool("actor", [2]), ResourcePool("critic", [2])
+    assert pools_shortfall([actor, critic], [], cpu, four_cpus) is None
+    assert pools_shortfall([ResourcePool("critic", [3])], [actor], cpu, four_cpus) == (
+        "the resource pools ('actor' 2, 'critic' 3) need 5 CPU slots together, but the Ray cluster's nodes hold 4 "
+        "(one member per {'CPU': 1.0}); pools of different names never share devices; lower "
+        "trainer.devices_per_node / trainer.nnodes to what the cluster has, or add nodes")
+    assert pools_shortfall([ResourcePool("critic", [8])], [], cpu, four_cpus).startswith(
+        "resource pool 'critic' cannot be placed: the Ray cluster's nodes hold 4 CPU slots")
+    assert pools_shortfall([actor], [], {"CPU": 1.0, "GPU": 1.0}, four_cpus) == (
+        "the Ray cluster has no GPUs, and each member asks for one (trainer.device=cuda); set trainer.device=cpu or "
+        "auto to run the members on CPU slots, or add nodes with GPUs")
 
 
 def test_a_pool_larger_than_the_cluster_is_refused_at_once(ray_cluster, tmp_path):
@@ -204,3 +223,24 @@ def test_a_pool_larger_than_the_cluster_is_refused_at_once(ray_cluster, tmp_path
                                          r"CPU slots .* = 64; lower trainer.devices_per_node"):
         RayWorkerGroup(ToyWorker, 100, name="huge", resource_pool=ResourcePool("huge", [64]), timeout_s=60)
     assert time.monotonic() - started < 10
+
+
+def test_a_cluster_address_where_nothing_listens_is_refused_at_once(monkeypatch):
+    """Ray would retry the address for minutes without a word; the run stops in one line naming the setting."""
+    import socket
+
+    from reinforge.controller.ray_backend import connect_ray
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process (one test process shares Ray)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"^trainer.ray_address=127.0.0.1:{port}: no Ray cluster answers at "
+                                              rf"127.0.0.1:{port} \(.*refused\); start one there"):
+        connect_ray(f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    with pytest.raises(ConnectionError, match=rf"^RAY_ADDRESS=ray://127.0.0.1:{port}: no Ray cluster answers"):
+        connect_ray("10.0.0.1:6379")
+    assert time.monotonic() - started < 5

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 ray = pytest.importorskip("ray")
 
@@ -71,16 +73,28 @@ def assert_same_metrics(actual: list[dict], expected: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def local_metrics(tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path_factory) -> list[dict]:
+def local_run(tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("local") / "run"
     assert main(["train", *grpo_args(tiny_model_dir, arithmetic_data_dir, run_dir, reward_function)]) == 0
-    metrics = read_metrics(run_dir)
+    return run_dir
+
+
+def last_logits(run_dir: Path) -> torch.Tensor:
+    """The last checkpoint's exported model, loaded by transformers, on a few tokens."""
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000002" / "hf").eval()
+    with torch.no_grad():
+        return model(torch.tensor([[3, 5, 7, 9, 11]])).logits
+
+
+@pytest.fixture(scope="module")
+def local_metrics(local_run) -> list[dict]:
+    metrics = read_metrics(local_run)
     assert all(row["actor/grad_norm"] > 0 for row in metrics)  # the actor trains: its updates are compared too
     return metrics
 
 
 def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_critic_pool(
-        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_metrics):
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path, local_run, local_metrics):
     config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
                                          **{"trainer.backend": "ray"}))
     actor_pool, critic_pool = ResourcePool("actor", [2]), ResourcePool("critic", [2])
@@ -96,6 +110,23 @@ def test_ray_backend_matches_local_with_colocated_actor_and_reference_and_a_crit
     assert_same_metrics(read_metrics(tmp_path / "run"), local_metrics)
     assert sorted(path.name for path in (tmp_path / "run" / "logs").iterdir()) == ["actor_rank0.log", "actor_rank1.log",
     "critic_rank0.log", "critic_rank1.log"]
+    # the weights rank 0 gathered from the two members' shards are the one-process run's
+    torch.testing.assert_close(last_logits(tmp_path / "run"), last_logits(local_run), rtol=1e-4, atol=1e-5)
+
+
+def test_pools_the_cluster_cannot_hold_together_are_refused_before_any_model_loads(
+        ray_cluster, tiny_model_dir, arithmetic_data_dir, reward_function, tmp_path):
+    """Each pool fits the four CPUs alone, not both: the run stops at once, not after the actor loaded and the
+    critic's pool waited trainer's startup deadline for devices the actor's pool holds."""
+    config = load_config(None, grpo_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", reward_function,
+                                         **{"trainer.backend": "ray"}))
+    placement = RolePlacement({"actor": ResourcePool("actor", [2]), "critic": ResourcePool("critic", [4])},
+                              {"actor_rollout": "actor", "ref": "actor", "reward": "actor", "critic": "critic"})
+    with pytest.raises(ValueError, match=r"the resource pools \('actor' 2, 'critic' 4\) need 6 CPU slots together, "
+                                         r"but the Ray cluster's nodes hold 4 .*; lower trainer.devices_per_node"):
+        RLTrainer(config, placement)
+    assert _PLACED == {}
+    assert not (tmp_path / "run" / "logs").exists()  # no member started
 
 
 def test_killed_member_stops_the_run_clearly_and_resume_continues_it(

@@ -341,6 +341,33 @@ def test_out_of_memory_becomes_one_line():
                                                "memory); it raised ZeroDivisionError")) is None
 
 
+def test_out_of_memory_of_a_worker_is_placed_where_the_worker_ran_out():
+    """The controller's wrapper passed through its own wait; the line names the worker's frame, read from the
+    traceback a Ray member relays in the error's notes."""
+    from concurrent.futures import Future
+
+    from reinforge.controller import Worker, WorkerCallError, WorkerGroup
+    from reinforge.workers.memory_settings import describe_out_of_memory
+
+    group = WorkerGroup(Worker, name="actor_rollout")
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    oom.add_note("raised by rank 0 of role 'actor_rollout' on node 10.0.0.2 (gpu-3), pid 4242:\nTraceback (most "
+                 "recent call last):\n  File \"/opt/env/reinforge/workers/actor.py\", line 321, in update_actor\n"
+                 "  File \"/opt/env/reinforge/engine/train_step.py\", line 88, in backward\n"
+                 "  File \"/opt/env/torch/autograd/graph.py\", line 829, in _engine_run_backward")
+    future: Future = Future()
+    future.set_exception(oom)
+    try:
+        with pytest.raises(WorkerCallError) as caught:
+            group._wait("update_actor", [future], None, None)
+    finally:
+        group.shutdown()
+    message = describe_out_of_memory(caught.value)
+    assert message.startswith("out of memory in a worker (worker group 'actor_rollout' (Worker) rank 0 of 1 raised "
+                              "in update_actor: OutOfMemoryError: CUDA out of memory.")
+    assert "tried to allocate 2.00 GiB; at reinforge/engine/train_step.py:88 (backward);" in message
+
+
 def test_out_of_memory_line_keeps_torchs_figures_and_where_it_was_raised():
     from reinforge.workers import memory_settings
 

@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
     {"actor.optim.schedule": "wsd"},  # an engine schedule's name
     {"reward.custom_function": "no_such_scorer.py"},  # the scorer, imported before any model
     {"data.train_files": "[no_such_file.parquet]"},  # the data
+    {"critic.model_path": "./no_such_critic", "critic.enable": True},  # the critic's folder, checked before the actor's
+    {"trainer.backend": "ray", "trainer.devices_per_node": 3},  # 4 prompts x 4 samples do not split over 3 members
 ], ids=lambda overrides: next(iter(overrides)))
 def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, overrides):
     args = rl_args(tmp_path / "cli", **overrides)
@@ -37,6 +39,15 @@ def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, 
     assert "error: " + " ".join(str(refusal.value).split()) == cli_line.replace(str(tmp_path / "cli"),
                                                                                str(tmp_path / "python"))
     assert not (tmp_path / "python").exists() and not (tmp_path / "cli").exists()  # refused before the run folder
+
+
+def test_several_launched_processes_are_refused_before_the_run_folder(rl_args, tmp_path, monkeypatch):
+    """Under torchrun each process would run a whole controller; the second found the run folder locked by the first."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^an RL run's controller runs in one process and starts its workers itself, "
+                                          r"but WORLD_SIZE=2: .*; start it as one process, with trainer.backend=ray"):
+        RLTrainer(load_config(None, rl_args(tmp_path / "run")))
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_placement_larger_than_one_device_is_refused_on_the_local_backend():
@@ -129,4 +140,21 @@ def test_rows_with_images_for_a_model_that_takes_none_are_refused_naming_the_mod
     assert main(["sft", f"model.path={model_dir}", f"data.train_files=[{data}]",
                  f"trainer.output_dir={tmp_path / 'sft'}"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_function_ray_cannot_send_is_refused_before_any_model_loads(rl_args, tmp_path):
+    pytest.importorskip("ray")
+    import threading
+
+    lock = threading.Lock()
+
+    def shared_counter(completions, **kwargs):
+        with lock:
+            return [1.0] * len(completions)
+
+    config = load_config(None, rl_args(tmp_path / "run", **{"trainer.backend": "ray"}))
+    with pytest.raises(ValueError, match=r"^reward_functions\[0\] \(shared_counter\) cannot be sent to the Ray members "
+                                         r"\(TypeError: cannot pickle '_thread.lock' object\); create what it holds"):
+        RLTrainer(config, reward_functions=[shared_counter])
     assert not (tmp_path / "run").exists()

@@ -283,3 +283,27 @@ def test_numpy_extras_of_a_scorer_are_averaged():
 
     assert mean_of_extras({"acc": [np.bool_(True), np.bool_(False)], "steps": [np.int64(3), np.int64(5)],
                            "label": ["a", "b"]}) == {"reward/acc/mean": 0.5, "reward/steps/mean": 4.0}
+
+
+def test_a_role_that_fails_to_start_stops_the_groups_started_before_it(rl_args, tiny_model_dir, tmp_path):
+    """A critic whose weights do not load fails after the actor's group started: that group stops too (on Ray, its
+    member processes, which would keep the pool's devices) and the run folder is unlocked, so the same process
+    can start the run again once the critic is fixed."""
+    import shutil
+    import threading
+
+    from reinforge.config import load_config
+    from reinforge.controller import WorkerCallError
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+    broken = tmp_path / "critic"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    args = rl_args(tmp_path / "run", **{"critic.enable": True, "algorithm.adv_estimator": "gae"})
+    before = {thread.name for thread in threading.enumerate()}
+    with pytest.raises(WorkerCallError, match=r"worker group 'critic' \(CriticWorker\) rank 0 of 1 raised in "
+                                              r"__init__") as caught:
+        RLTrainer(load_config(None, [*args, f"critic.model_path={broken}"]))
+    assert {thread.name for thread in threading.enumerate()} - before == set()  # no member thread of the actor
+    assert type(caught.value.__cause__).__name__ == "SafetensorError"  # the loader's own error, kept as the cause
+    RLTrainer(load_config(None, args)).close()  # while caught's traceback still holds the trainer that failed

@@ -110,6 +110,18 @@ def test_truncated_conversations_are_reported(tmp_path, tokenizer, caplog):
     assert "1 cut to that length" in caplog.text
 
 
+def test_several_launched_processes_are_refused_before_the_run_folder(tmp_path, tiny_model_dir, monkeypatch):
+    """Under torchrun each process would train the whole model alone; the second then found the run folder locked
+    by the first and said only that it was in use."""
+    from reinforge.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"^reinforge sft trains in one process, but WORLD_SIZE=2: a launcher "
+                                          r"\(torchrun\) started 2 processes"):
+        SFTTrainer(sft_config(tmp_path, tiny_model_dir))
+    assert not (tmp_path / "run").exists()
+
+
 def test_checkpoint_carries_the_chat_template_it_was_trained_with(tmp_path, tiny_model_dir):
     trainer = SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1",
                                     f"data.chat_template={json.dumps(PRINTING_TEMPLATE)}"))

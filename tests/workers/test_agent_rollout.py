@@ -248,3 +248,20 @@ def test_a_template_that_cannot_render_tool_turns_fails_before_any_model_loads(t
     assert "tool_agent rows need tool turns rendered by data.chat_template, but" in err, err
     assert "renders an assistant turn differently once tool messages follow it" in err, err
     assert not loaded and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_agent_rows_seed_each_sample_by_its_index_among_its_prompts_samples():
+    """A member's share may start inside a prompt's samples (its third, say): the row is seeded as that sample."""
+    import numpy as np
+
+    from reinforge.protocol import Batch, samples_of
+    from reinforge.rollout.noise import sample_seed
+    from reinforge.workers.agent_rollout import agent_rows
+
+    prompts = Batch.from_dict(tensors={"input_ids": torch.ones(2, 3, dtype=torch.long),
+                                       "attention_mask": torch.ones(2, 3, dtype=torch.long)},
+                              non_tensors={"uid": np.array(["a", "b"], dtype=object)})
+    share = samples_of(prompts, 3).split(3)[1]  # the second of three members: sample 2 of a, sample 0 of b
+    rows, samplings = agent_rows(share, SamplingParams(max_tokens=4), [11, 22])
+    assert [row["request_id"] for row in rows] == ["a/2", "b/0"]
+    assert [sampling.seed for sampling in samplings] == [sample_seed(11, 2), sample_seed(22, 0)]

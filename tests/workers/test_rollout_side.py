@@ -116,3 +116,17 @@ def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_
         worker.generate(batch, SamplingParams(max_tokens=6), 7)
     monkeypatch.setattr(worker.rollout_engine.runner, "decode", decode)
     assert worker.generate(batch, SamplingParams(max_tokens=6), 7)["responses"].shape == (2, 6)
+
+
+def test_a_prompts_samples_split_over_members_are_the_samples_of_one_member(tiny_model_dir):
+    """Three samples of each prompt over three members (two rows each, as DP_COMPUTE splits them): a prompt's
+    third sample, first on its member, is still its third sample, not a repeat of its first."""
+    from reinforge.protocol import Batch, samples_of
+
+    worker = ActorRolloutWorker(make_config(tiny_model_dir), total_training_steps=1)
+    batch = samples_of(prompt_batch(), 3)
+    sampling = SamplingParams(max_tokens=6, temperature=1.0)
+    whole = worker.generate(batch, sampling, 7)["responses"]
+    split = Batch.concat_unpadded([worker.generate(chunk, sampling, 7) for chunk in batch.split(3)])["responses"]
+    assert torch.equal(split, whole)
+    assert len({tuple(row) for row in whole[:3].tolist()}) == 3  # the samples of one prompt differ

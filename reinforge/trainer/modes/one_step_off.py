@@ -28,7 +28,7 @@ import torch
 
 from reinforge.config.schema import Config
 from reinforge.controller.worker_group import GroupFuture
-from reinforge.protocol import Batch
+from reinforge.protocol import Batch, samples_of
 from reinforge.trainer.modes.decoupled import is_fresh, prepare_stale_batch
 from reinforge.trainer.modes.staleness import staleness_metrics
 from reinforge.trainer.modes.trainer_calls import TrainerCalls
@@ -58,7 +58,7 @@ class OneStepOffMode:
         yield
 
     def _submit(self, prompts: Batch) -> None:
-        batch = prompts.repeat(self.config.rollout.n, interleave=True)
+        batch = samples_of(prompts, self.config.rollout.n)
         seed = step_seed(self.config.trainer.seed, self.drawn)
         self.drawn += 1
         future = self.calls.generate(batch, self.calls.sampling, seed)
