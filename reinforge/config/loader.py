@@ -53,11 +53,23 @@ class UniqueKeyLoader(yaml.SafeLoader):
 class _YamlLoader(UniqueKeyLoader):
     """YAML 1.1 reads 0.5_5 as the number 0.55 and 1_0 as 10; here a plain value with an underscore
     stays text, so "lo_hi" thresholds (rollout_is_threshold=0.5_5) keep their meaning. A number
-    field still converts such text (1_000 -> 1000)."""
+    field still converts such text (1_000 -> 1000). And YAML 1.1 reads 1e-3 and 1.0e3 as text (its
+    floats need a dot and a signed exponent); here they are numbers, as in YAML 1.2, OmegaConf and
+    Hydra, so that a setting of any type (reward.kwargs, rollout.kv_cache_gib) gets the number too."""
+
+
+_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X)
+"""YAML 1.1's float, with the exponent's sign optional and an exponent without a dot (1e-3), as OmegaConf reads it."""
 
 
 _YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, re.compile(r"(?!.*_)" + regexp.pattern, regexp.flags) if tag.endswith((":int", ":float")) else regexp)
+    first: [(tag, re.compile(r"(?!.*_)" + (_FLOAT if tag.endswith(":float") else regexp).pattern, regexp.flags))
+            if tag.endswith((":int", ":float")) else (tag, regexp)
             for tag, regexp in resolvers]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }

@@ -247,6 +247,15 @@ def test_lower_upper_thresholds_stay_text(tmp_path):
     assert config.trainer.total_steps == 1000
     assert config.algorithm.rollout_correction.rollout_is_threshold == "3"
 
+def test_exponents_without_a_dot_are_numbers_in_files_and_overrides(tmp_path):
+    # YAML 1.1 reads 1e-3 as the text '1e-3': a reward function's keyword got a string, kv_cache_gib=1e1 was refused
+    path = tmp_path / "run.yaml"
+    path.write_text("reward:\n  kwargs:\n    tolerance: 1e-3\n    scale: 1.0e3\nactor:\n  optim:\n    lr: 1e-6\n")
+    config = load_config(path, ["rollout.kv_cache_gib=1e1", "reward.kwargs.floor=-5E-1"], validate=False)
+    assert config.reward.kwargs == {"tolerance": 0.001, "scale": 1000.0, "floor": -0.5}
+    assert config.rollout.kv_cache_gib == 10.0 and config.actor.optim.lr == 1e-6
+
+
 
 def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
     """data.train_files=/x.parquet (verl's habit) on our command line and in YAML."""
