@@ -337,7 +337,8 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
         if path.is_dir():
             raise ConfigError(f"config file {path} is a folder; pass a YAML file such as examples/grpo_gsm8k.yaml")
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
+            raise ConfigError(f"config file {path} does not exist (looked for {path.resolve()}); pass a YAML file "
+                              "such as examples/grpo_gsm8k.yaml, which reinforge init writes")
         with open(path) as handle:
             try:
                 file_tree = load_yaml(handle) or {}
