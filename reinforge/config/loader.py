@@ -152,7 +152,14 @@ def suggest_key(unknown: str, known: Iterable[str]) -> str | None:
     deeper = sorted((key for key in known if key.startswith(f"{section}.") and key.endswith(f".{leaf}")), key=len)
     if section and deeper:  # actor.lr -> actor.optim.lr
         return deeper[0]
-    close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+    elsewhere = {key.rpartition(".")[0]: key for key in sorted(known, key=len, reverse=True)
+                 if key.rpartition(".")[2] == leaf and "." in key}
+    if elsewhere:  # the key in another section: data.n -> rollout.n, lr -> actor.optim.lr, critc.optim.lr -> critic's
+        close = difflib.get_close_matches(section, list(elsewhere), n=1, cutoff=0.6)
+        return elsewhere[close[0]] if close else elsewhere[min(elsewhere, key=len)]
+    sections = {key.rpartition(".")[0] for key in known}
+    leaves = [key for key in known if key not in sections]
+    close = difflib.get_close_matches(unknown, leaves, n=1, cutoff=0.6)  # a setting, never a section (data.n -> data)
     return close[0] if close else None
 
 
@@ -184,7 +191,7 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
                 hint = f"did you mean {sibling}?"
             if hint is None:
                 close = suggest_key(dotted, known)
-                hint = f"did you mean {close}?" if close else "the valid keys are in reinforge/config/defaults.yaml"
+                hint = f"did you mean {close}?" if close else _valid_keys(dotted, known)
             raise ConfigError(f"unknown key {dotted} ({source}); {hint}")
         annotation = known[dotted]
         inner = _unwrap_optional(annotation)
@@ -193,6 +200,18 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
                 _check_keys(value, source, known, prefix=f"{dotted}.")
             elif value is not None:
                 raise ConfigError(f"{dotted}={value!r} ({source}) is a section; set its keys, e.g. {dotted}.<key>=...")
+
+
+def _valid_keys(unknown: str, known: Iterable[str]) -> str:
+    """The keys beside ``unknown``: those of its section when it has one, else the sections (the schema's own, as
+    sft, rm and dpo have other sections than train's reinforge/config/defaults.yaml)."""
+    section = unknown.partition(".")[0]
+    if section not in known or "." not in unknown:
+        return f"the sections are {', '.join(key for key in known if '.' not in key)}"
+    owner = unknown.rpartition(".")[0]
+    while owner not in known:
+        owner = owner.rpartition(".")[0]
+    return f"the keys of {owner} are {', '.join(_siblings(f'{owner}.?', known))}"
 
 
 def _is_container(annotation: Any) -> bool:

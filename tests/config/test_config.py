@@ -51,9 +51,26 @@ def test_unknown_key_suggests_the_closest(tmp_path):
     ("trainer.save_freq", "trainer.save_every"),
     ("data.train_batchsize", "data.train_batch_size"),
     ("actr.optim.lr", "actor.optim.lr"),
+    # a key in the wrong section: it was "did you mean data?" (a section) and "did you mean rollout.n?"
+    ("data.n", "rollout.n"),
+    ("rollout.lr", "actor.optim.lr"),
+    ("lr", "actor.optim.lr"),
+    ("critc.optim.lr", "critic.optim.lr"),
 ])
 def test_suggestions(unknown, expected):
     assert suggest_key(unknown, schema_keys()) == expected
+
+
+@pytest.mark.parametrize("command, override, hint", [
+    ("sft", "trainning.x=1", "the sections are data, model, optim, trainer"),
+    ("rm", "rm.bet=1", "the keys of rm are center_rewards_coefficient"),
+    ("train", "qqqq=1", "the sections are data, model, actor, rollout, ref, critic, reward, algorithm, trainer"),
+])
+def test_an_unknown_key_without_a_guess_names_the_keys_of_its_own_command(command, override, hint, capsys):
+    from reinforge.cli import main
+
+    assert main([command, override]) == 2  # it pointed sft, rm and dpo at train's reinforge/config/defaults.yaml
+    assert capsys.readouterr().err.strip() == f"error: unknown key {override.split('=')[0]} (command line); {hint}"
 
 
 def test_wrong_type_names_key_value_and_type():
