@@ -268,6 +268,9 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
         if isinstance(value, int) and not isinstance(value, bool) and _is_float_or_auto(known.get(dotted)):
             value = float(value)  # OmegaConf takes no int for Union[float, str] (rollout.kv_cache_gib=4)
         expected = _type_name(known[dotted]) if dotted in known else "another type"
+        if (_unwrap_optional(known.get(dotted)) is bool and isinstance(value, int | float) and not isinstance(value, bool)
+                and value not in (0, 1)):  # OmegaConf reads any other number as true (data.shuffle=2, enable: 5)
+            raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: write true or false")
         if _is_list_of_scalars(known.get(dotted)) and isinstance(value, list) and any(
                 isinstance(item, list | Mapping) for item in value):  # OmegaConf checks no nested item's type
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: an item is itself a list "

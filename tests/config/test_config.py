@@ -78,6 +78,11 @@ def test_wrong_type_names_key_value_and_type():
         load_config(None, ["actor.optim.lr=fast"])
     with pytest.raises(ConfigError, match=r"rollout.n='many'.*int"):
         load_config(None, ["rollout.n=many"])
+    # OmegaConf reads any number as a bool: data.shuffle=2 was true; 0 and 1 (and yes, on, True) still read
+    with pytest.raises(ConfigError, match=r"^data.shuffle=2 \(command line\) is not a valid bool: write true or false$"):
+        load_config(None, ["data.shuffle=2"], validate=False)
+    assert [load_config(None, [f"data.shuffle={text}"], validate=False).data.shuffle
+            for text in ("0", "1", "yes", "off", "True")] == [False, True, True, False, True]
 
 
 def test_the_decode_products_choice_defaults_to_cublas_and_refuses_other_values():
