@@ -23,7 +23,7 @@ def _config_arguments(argv: list[str], *, prog: str, description: str, config_he
     parser.add_argument("overrides", nargs="*", help=f"a.b=c overrides, e.g. {example}")
     args = parser.parse_args(argv)
     config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
+    if config is not None and ("=" in config or (config.startswith("~") and "/" not in config)):  # ~key: Hydra's
         config, overrides = None, [config, *overrides]
     for item in overrides:
         if "=" not in item and item.endswith((".yaml", ".yml")):

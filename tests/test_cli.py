@@ -84,6 +84,17 @@ def test_plan_refusals_are_error_lines_and_its_usage_is_its_own(capsys):
     assert capsys.readouterr().err.splitlines()[-1].startswith("reinforge plan: error: argument --gpu-memory-gib")
 
 
+def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
+    assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
+    assert capsys.readouterr().err.strip() == (
+        "error: override '~actor.optim.lr' (command line) deletes a key in Hydra; here every key has a default: leave "
+        "actor.optim.lr out to keep it, or set actor.optim.lr=... to change it")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.yaml").write_text("actor:\n  optim:\n    lrr: 1\n")
+    assert main(["train", "~/run.yaml"]) == 2  # read, not "~/run.yaml does not exist"
+    assert capsys.readouterr().err.strip().startswith("error: unknown key actor.optim.lrr (from run.yaml)")
+
+
 @pytest.mark.parametrize("argv, what", [
     (["train", "actor.optim.lr=1e-6", "run.yaml"], "a config file after the overrides"),
     (["sft", "base.yaml", "extra.yml"], "a second config file; a run takes one"),

@@ -224,6 +224,9 @@ def _dotlist_to_tree(overrides: Iterable[str], known: dict[str, Any] | None = No
     ``whole`` receives the keys given a whole mapping (reward.kwargs={...}, not reward.kwargs.key=...)."""
     tree: dict[str, Any] = {}
     for item in overrides:
+        if "=" not in item and item.startswith("~"):  # Hydra's deletion, as verl's commands write it
+            raise ConfigError(f"override {item!r} (command line) deletes a key in Hydra; here every key has a default: "
+                              f"leave {item[1:]} out to keep it, or set {item[1:]}=... to change it")
         if "=" not in item:
             raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. actor.optim.lr=1e-6")
         key, raw = item.split("=", 1)
@@ -355,7 +358,7 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
     merged = copy.deepcopy(_schema_defaults(schema))  # the layers below update it in place
     sources: dict[str, str] = {}
     if path is not None:
-        path = Path(path)
+        path = Path(path).expanduser()  # a quoted ~/run.yaml, or one from Python, as a shell reads it
         if path.is_dir():
             raise ConfigError(f"config file {path} is a folder; pass a YAML file such as examples/grpo_gsm8k.yaml")
         if not path.is_file():
