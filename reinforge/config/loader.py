@@ -364,12 +364,18 @@ def load_structured(schema: type[T], path: str | Path | None = None, overrides: 
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist (looked for {path.resolve()}); pass a YAML file "
                               "such as examples/grpo_gsm8k.yaml, which reinforge init writes")
-        with open(path) as handle:
-            try:
-                file_tree = load_yaml(handle) or {}
-            except yaml.YAMLError as error:
-                at, problem = yaml_problem(error)
-                raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file") from error
+        raw = path.read_bytes()
+        try:  # UTF-8 whatever the locale, as YAML is written
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            raise ConfigError(f"{path} has a byte that is not UTF-8 (0x{raw[error.start]:02x}) on line {line}; save "
+                              "the file as UTF-8") from None
+        try:
+            file_tree = load_yaml(text) or {}
+        except yaml.YAMLError as error:
+            at, problem = yaml_problem(error)
+            raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file") from error
         if not isinstance(file_tree, Mapping):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), "
                               f"not {type(file_tree).__name__}")

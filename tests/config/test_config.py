@@ -325,6 +325,16 @@ def test_an_override_with_an_empty_key_part_is_named(override):
         load_config(None, [override])
 
 
+def test_a_yaml_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"trainer:\n  experiment_name: caf\xe9\n")  # Latin-1: it was "'utf-8' codec can't decode ..."
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} has a byte that is not UTF-8 \(0xe9\) on line 2; "
+                                          r"save the file as UTF-8$"):
+        load_config(path)
+    path.write_bytes("\ufefftrainer:\n  experiment_name: café\n".encode())  # a byte-order mark some editors write
+    assert load_config(path, validate=False).trainer.experiment_name == "café"
+
+
 def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     """PyYAML keeps the last of two equal keys: a second actor: section silently replaced the first one."""
     path = tmp_path / "run.yaml"
