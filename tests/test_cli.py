@@ -120,6 +120,13 @@ def test_every_command_answers_help_with_its_usage(argv, capsys):
     assert "usage: reinforge" in capsys.readouterr().out
 
 
+def test_demo_help_names_both_other_demos(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "--agent" in out and "--vision" in out  # reinforge demo --vision was in no help
+
+
 @pytest.mark.parametrize("setting, traceback", [("0", False), ("false", False), ("", False), ("1", True)])
 def test_reinforge_debug_0_keeps_the_one_line_errors(setting, traceback, monkeypatch, capsys):
     monkeypatch.setenv("REINFORGE_DEBUG", setting)  # "0" was a non-empty string, so it turned debugging on

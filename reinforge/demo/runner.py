@@ -210,11 +210,15 @@ def train_and_measure(run_dir: Path, overrides: Callable[[], list[str]], total_s
 
 
 def demo_main(argv: list[str]) -> int:
-    """``reinforge demo``; ``reinforge demo --agent`` goes to ``agent_runner.agent_demo_main`` (cli.py chooses)."""
+    """``reinforge demo``; ``reinforge demo --agent`` goes to ``agent_runner.agent_demo_main`` and ``--vision`` to
+    ``vision_runner.vision_demo_main`` (cli.py chooses)."""
     parser = argparse.ArgumentParser(prog="reinforge demo",
                                      description="Watch a small model learn arithmetic by GRPO (CPU-friendly).")
     parser.add_argument("--agent", action="store_true",
                         help="the agent demo instead: a model learns to call a calculator (see --agent --help)")
+    parser.add_argument("--vision", action="store_true",
+                        help="the vision-language demo instead: a tiny vision-language model learns to count "
+                             "(see --vision --help)")
     parser.add_argument("--out", type=Path, default=Path("runs/demo"), help="the run folder (default: runs/demo)")
     parser.add_argument("--steps", type=int, default=DemoSettings.total_steps, help="GRPO steps")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
