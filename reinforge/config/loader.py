@@ -187,6 +187,8 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
             other_command = f"{section}.{leaf.removeprefix('train_')}" if section else leaf.removeprefix("train_")
             if leaf.startswith("train_") and other_command in known:  # the RL key in sft/rm/dpo (batch_size)
                 sibling = other_command
+            elif f"{section}.train_{leaf}" in known:  # the sft/rm/dpo key in train (data.batch_size), not val_'s
+                sibling = f"{section}.train_{leaf}"
             if sibling and (hint is None or "has no equivalent" in hint):  # a typo, not verl's Megatron key
                 hint = f"did you mean {sibling}?"
             if hint is None:

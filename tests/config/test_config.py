@@ -65,6 +65,7 @@ def test_suggestions(unknown, expected):
     ("sft", "trainning.x=1", "the sections are data, model, optim, trainer"),
     ("rm", "rm.bet=1", "the keys of rm are center_rewards_coefficient"),
     ("train", "qqqq=1", "the sections are data, model, actor, rollout, ref, critic, reward, algorithm, trainer"),
+    ("train", "data.batch_size=4", "did you mean data.train_batch_size?"),  # sft's key; it was data.val_batch_size
 ])
 def test_an_unknown_key_without_a_guess_names_the_keys_of_its_own_command(command, override, hint, capsys):
     from reinforge.cli import main
