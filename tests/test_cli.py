@@ -120,6 +120,26 @@ def test_every_command_answers_help_with_its_usage(argv, capsys):
     assert "usage: reinforge" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--bogus"], "reinforge train: error: unrecognized arguments: --bogus; reinforge train --help lists what "
+                           "it takes"),
+    (["serve", "--port", "x", "m"], "reinforge serve: error: argument --port: invalid int value: 'x'; reinforge serve "
+                                    "--help lists what it takes"),
+    (["plan", "--gpu-memory-gib", "many"], "reinforge plan: error: argument --gpu-memory-gib: invalid float value: "
+                                           "'many'; reinforge plan --help lists what it takes"),
+])
+def test_a_wrong_flag_is_one_line_that_points_to_help(argv, line, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == line + "\n"  # not the usage (a dozen lines for serve) above it
+    import argparse
+
+    with pytest.raises(SystemExit):  # outside the command line, argparse is argparse's own again
+        argparse.ArgumentParser(prog="other").parse_args(["--bogus"])
+    assert capsys.readouterr().err.startswith("usage: other")
+
+
 def test_demo_help_names_both_other_demos(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
