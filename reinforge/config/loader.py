@@ -273,6 +273,11 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
         if isinstance(value, int) and not isinstance(value, bool) and _is_float_or_auto(known.get(dotted)):
             value = float(value)  # OmegaConf takes no int for Union[float, str] (rollout.kv_cache_gib=4)
         expected = _type_name(known[dotted]) if dotted in known else "another type"
+        if value == "None" and dotted in known and _unwrap_optional(known[dotted]) is not known[dotted]:
+            # Python's None is YAML's (and OmegaConf's) text 'None': data.chat_template=None rendered every prompt
+            # as the word None
+            raise ConfigError(f"{dotted}='None' ({source}) is the text None, not no value; write null for that "
+                              f"({dotted}=null, or {dotted.rpartition('.')[2]}: null in YAML)")
         if (_unwrap_optional(known.get(dotted)) is bool and isinstance(value, int | float) and not isinstance(value, bool)
                 and value not in (0, 1)):  # OmegaConf reads any other number as true (data.shuffle=2, enable: 5)
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: write true or false")

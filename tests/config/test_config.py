@@ -79,6 +79,12 @@ def test_wrong_type_names_key_value_and_type():
         load_config(None, ["actor.optim.lr=fast"])
     with pytest.raises(ConfigError, match=r"rollout.n='many'.*int"):
         load_config(None, ["rollout.n=many"])
+    # Python's None is the text 'None': data.chat_template=None made every prompt the word None, and the run exited 0
+    with pytest.raises(ConfigError, match=r"^data.chat_template='None' \(command line\) is the text None, not no "
+                                          r"value; write null for that \(data.chat_template=null, or chat_template: "
+                                          r"null in YAML\)$"):
+        load_config(None, ["data.chat_template=None"], validate=False)
+    assert load_config(None, ["data.chat_template=null"], validate=False).data.chat_template is None
     # OmegaConf reads any number as a bool: data.shuffle=2 was true; 0 and 1 (and yes, on, True) still read
     with pytest.raises(ConfigError, match=r"^data.shuffle=2 \(command line\) is not a valid bool: write true or false$"):
         load_config(None, ["data.shuffle=2"], validate=False)
