@@ -269,6 +269,11 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
     _check_keys(tree, source, known)
     for dotted, value in _flatten(tree, known):
         if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
+            if "," in value:  # a list without its brackets: one item 'a,b' named no file, layer or logger
+                items = ",".join(item.strip() for item in value.split(","))
+                raise ConfigError(f"{dotted}={value!r} ({source}) is one text with commas; write a list as "
+                                  f"{dotted}=[{items}] (quoted for the shell), or ['{value}'] for one item with a "
+                                  "comma in it")
             value = [value]  # data.train_files=/x.parquet, as verl (and Hydra's users) write one file
         if isinstance(value, int) and not isinstance(value, bool) and _is_float_or_auto(known.get(dotted)):
             value = float(value)  # OmegaConf takes no int for Union[float, str] (rollout.kv_cache_gib=4)

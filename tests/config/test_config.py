@@ -294,6 +294,18 @@ def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
     assert load_config(tmp_path / "run.yaml", validate=False).data.val_files == ["/v.parquet"]
 
 
+def test_a_list_written_without_brackets_is_named_with_its_list(tmp_path):
+    # it was one item 'jsonl,console', refused as no logger (or no file, after the memory plan, for data files)
+    with pytest.raises(ConfigError, match=re.escape("trainer.loggers='jsonl, console' (command line) is one text with "
+                                                    "commas; write a list as trainer.loggers=[jsonl,console] (quoted for "
+                                                    "the shell), or ['jsonl, console'] for one item with a comma in it")):
+        load_config(None, ["trainer.loggers=jsonl, console"], validate=False)
+    (tmp_path / "run.yaml").write_text("data:\n  train_files: a.parquet,b.parquet\n")
+    with pytest.raises(ConfigError, match=r"data.train_files='a.parquet,b.parquet' \(from run.yaml\) is one text"):
+        load_config(tmp_path / "run.yaml", validate=False)
+    assert load_config(None, ["data.train_files=['a,b.parquet']"], validate=False).data.train_files == ["a,b.parquet"]
+
+
 def test_a_value_ending_in_a_colon_stays_text():
     config = load_config(None, ["reward.custom_function=rewards.py:", "trainer.experiment_name=a: b: c"], validate=False)
     assert config.reward.custom_function == "rewards.py:" and config.trainer.experiment_name == "a: b: c"
