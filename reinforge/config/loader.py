@@ -8,6 +8,7 @@ schema expects.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -16,7 +17,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -363,12 +364,14 @@ def _schema_defaults(schema: type) -> Any:
 
 
 def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
-                    tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> T:
+                    tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl",
+                    sources: dict[str, str] | None = None) -> T:
     """An instance of the dataclass ``schema``: its defaults, then the YAML at ``path``, then the nested
-    sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides."""
+    sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides. ``sources`` receives, for each
+    key set, where its value came from ("from run.yaml", "command line")."""
     known = schema_keys(schema)
     merged = copy.deepcopy(_schema_defaults(schema))  # the layers below update it in place
-    sources: dict[str, str] = {}
+    sources = {} if sources is None else sources
     if path is not None:
         path = Path(path).expanduser()  # a quoted ~/run.yaml, or one from Python, as a shell reads it
         if path.is_dir():
@@ -428,20 +431,38 @@ def _resolution_problem(error: OmegaConfBaseException, merged: Any, sources: dic
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True,
                 tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> Config:
     """The RL run's config: defaults, then the YAML file at ``path`` (if any), ``tree``, then ``overrides``."""
-    config = load_structured(Config, path, overrides, tree, tree_source)
+    sources: dict[str, str] = {}
+    config = load_structured(Config, path, overrides, tree, tree_source, sources)
     if validate:
         from reinforge.config.validate import validate_config
 
-        validate_config(config)
+        with naming_sources(sources):
+            validate_config(config)
     return config
+
+
+@contextlib.contextmanager
+def naming_sources(sources: Mapping[str, str]) -> Iterator[None]:
+    """A check's ConfigError that opens with ``key=value`` names where that key was set (``sources``, from
+    ``load_structured``): the run's file or the command line, as an unknown key or a wrong type is named."""
+    try:
+        yield
+    except ConfigError as error:
+        opening = re.match(r"([\w.]+)=", str(error))
+        key = opening.group(1) if opening else None
+        if key not in sources or f"({sources[key]})" in str(error):
+            raise
+        raise ConfigError(f"{error} ({key}: {sources[key]})") from error
 
 
 def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> SFTConfig:
     """The SFT run's config: defaults, then the YAML file at ``path`` (if any), then ``overrides``, then checks."""
     from reinforge.config.validate import validate_sft_config
 
-    config = load_structured(SFTConfig, path, overrides)
-    validate_sft_config(config)
+    sources: dict[str, str] = {}
+    config = load_structured(SFTConfig, path, overrides, sources=sources)
+    with naming_sources(sources):
+        validate_sft_config(config)
     return config
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reinforge.config import Config, ConfigError, config_to_dict, load_config, save_config
+from reinforge.config import Config, ConfigError, config_to_dict, load_config, load_sft_config, save_config
 from reinforge.config.loader import schema_keys, suggest_key
 from reinforge.trainer.preflight import check_config, check_sft_config
 
@@ -292,6 +292,16 @@ def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
     assert config.data.train_files == ["/x.parquet"] and config.trainer.loggers == ["jsonl"]
     (tmp_path / "run.yaml").write_text("data:\n  val_files: /v.parquet\n")
     assert load_config(tmp_path / "run.yaml", validate=False).data.val_files == ["/v.parquet"]
+
+
+def test_a_value_a_check_refuses_names_where_it_was_set(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_batch_size: 0\n")
+    with pytest.raises(ConfigError, match=r"^data.train_batch_size=0 must be at least 1 \(data.train_batch_size: "
+                                          r"from run.yaml\)$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^optim.lr=-1.0 is negative; .* \(optim.lr: command line\)$"):
+        load_sft_config(path=None, overrides=["optim.lr=-1"])
 
 
 def test_a_list_written_without_brackets_is_named_with_its_list(tmp_path):
