@@ -23,7 +23,7 @@ def _config_arguments(argv: list[str], *, prog: str, description: str, config_he
     parser.add_argument("overrides", nargs="*", help=f"a.b=c overrides, e.g. {example}")
     args = parser.parse_args(argv)
     config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
+    if config is not None and ("=" in config or (config.startswith("~") and "/" not in config)):  # ~key: Hydra's
         config, overrides = None, [config, *overrides]
     for item in overrides:
         if "=" not in item and item.endswith((".yaml", ".yml")):
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
 
-    from reinforge.cli_errors import one_line_report
+    from reinforge.cli_errors import one_line_report, one_line_usage_errors
     from reinforge.config import ConfigError
     from reinforge.stop_signals import exit_after_stop, install_stop_handlers, stop_signal, stopped_message
 
@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     if training:  # a run stops cleanly on SIGTERM too, and resumes from its checkpoint
         install_stop_handlers()
     try:
-        return command(argv[1:])
+        with one_line_usage_errors():
+            return command(argv[1:])
     except KeyboardInterrupt:
         print(stopped_message() if training else "interrupted", file=sys.stderr)
         return exit_after_stop()

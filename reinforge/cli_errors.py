@@ -9,7 +9,11 @@ instead, and the line says so. (Out-of-memory errors get their own line with the
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import re
+from collections.abc import Iterator
+from typing import NoReturn
 
 DEBUG_HINT = "REINFORGE_DEBUG=1 shows the full traceback"
 _WHERE = re.compile(r"^(.*? raised in \w+): ")
@@ -50,3 +54,20 @@ def one_line_report(error: BaseException) -> str:
         message = f"{where.group(1)}: {message}"
     message = " ".join(message.split())
     return f"error: {message} ({DEBUG_HINT})"
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    command = parser.prog.split(" [")[0]  # plan's prog spells out its flags
+    parser.exit(2, f"{command}: error: {message}; {command} --help lists what it takes\n")
+
+
+@contextlib.contextmanager
+def one_line_usage_errors() -> Iterator[None]:
+    """While a command runs, argparse's mistakes (an unknown flag, a missing argument) are one line that points to
+    --help, not the command's whole usage (a dozen lines for serve or bench) above the error; exit status 2 as before."""
+    original = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = _usage_error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]

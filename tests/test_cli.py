@@ -95,6 +95,17 @@ def test_plan_refusals_are_error_lines_and_its_usage_is_its_own(capsys):
     assert capsys.readouterr().err.splitlines()[-1].startswith("reinforge plan: error: argument --gpu-memory-gib")
 
 
+def test_hydras_deletion_is_named_and_a_config_path_in_home_is_found(tmp_path, monkeypatch, capsys):
+    assert main(["train", "~actor.optim.lr"]) == 2  # it was "config file ~actor.optim.lr does not exist"
+    assert capsys.readouterr().err.strip() == (
+        "error: override '~actor.optim.lr' (command line) deletes a key in Hydra; here every key has a default: leave "
+        "actor.optim.lr out to keep it, or set actor.optim.lr=... to change it")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.yaml").write_text("actor:\n  optim:\n    lrr: 1\n")
+    assert main(["train", "~/run.yaml"]) == 2  # read, not "~/run.yaml does not exist"
+    assert capsys.readouterr().err.strip().startswith("error: unknown key actor.optim.lrr (from run.yaml)")
+
+
 @pytest.mark.parametrize("argv, what", [
     (["train", "actor.optim.lr=1e-6", "run.yaml"], "a config file after the overrides"),
     (["sft", "base.yaml", "extra.yml"], "a second config file; a run takes one"),
@@ -118,6 +129,33 @@ def test_every_command_answers_help_with_its_usage(argv, capsys):
         code = exit_.code
     assert code == 0
     assert "usage: reinforge" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--bogus"], "reinforge train: error: unrecognized arguments: --bogus; reinforge train --help lists what "
+                           "it takes"),
+    (["serve", "--port", "x", "m"], "reinforge serve: error: argument --port: invalid int value: 'x'; reinforge serve "
+                                    "--help lists what it takes"),
+    (["plan", "--gpu-memory-gib", "many"], "reinforge plan: error: argument --gpu-memory-gib: invalid float value: "
+                                           "'many'; reinforge plan --help lists what it takes"),
+])
+def test_a_wrong_flag_is_one_line_that_points_to_help(argv, line, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == line + "\n"  # not the usage (a dozen lines for serve) above it
+    import argparse
+
+    with pytest.raises(SystemExit):  # outside the command line, argparse is argparse's own again
+        argparse.ArgumentParser(prog="other").parse_args(["--bogus"])
+    assert capsys.readouterr().err.startswith("usage: other")
+
+
+def test_demo_help_names_both_other_demos(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "--agent" in out and "--vision" in out  # reinforge demo --vision was in no help
 
 
 @pytest.mark.parametrize("setting, traceback", [("0", False), ("false", False), ("", False), ("1", True)])

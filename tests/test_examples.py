@@ -48,6 +48,14 @@ def test_init_of_one_example_into_another_folder_points_it_at_its_own_files(tmp_
     config = load_config("recipes/retool/retool.yaml", ["model.path=/m"])
     assert config.rollout.multi_turn.tool_config_path == "recipes/retool/retool_tools.yaml"
     assert "reinforge train recipes/retool/retool.yaml" in (tmp_path / "recipes" / "retool" / "retool.yaml").read_text()
+    (tmp_path / "notes").write_text("mine\n")
+    assert main(["init", "retool", "notes"]) == 2  # it was "[Errno 17] File exists: 'notes'"
+    assert capsys.readouterr().err.strip() == ("error: notes is a file, not a folder; reinforge init writes the "
+                                               "examples into a folder: give another one")
+    assert main(["train", "examples/grpo_gsm8k.yaml"]) == 2  # before reinforge init: the line says what writes it
+    assert capsys.readouterr().err.strip() == (f"error: config file examples/grpo_gsm8k.yaml does not exist (looked "
+                                               f"for {(tmp_path / 'examples' / 'grpo_gsm8k.yaml').resolve()}); pass a YAML file "
+                                               "such as examples/grpo_gsm8k.yaml, which reinforge init writes")
     assert main(["init", "grpo"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "reinforge init grpo: no example of that name; the examples are grpo_gsm8k, dapo_gsm8k, ppo_gsm8k, retool "

@@ -67,9 +67,13 @@ def load_tools(config: MultiTurnConfig) -> dict[str, BaseTool]:
 def load_tool_config(path: str | Path) -> dict[str, BaseTool]:
     """The tools of a YAML tool config by name; every error names the file, the entry and the fix."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"rollout.multi_turn.tool_config_path={str(path)!r} does not exist; point it at a YAML "
-                         "file with a 'tools' list")
+    if path.is_dir():
+        raise ValueError(f"rollout.multi_turn.tool_config_path={str(path)!r} is a folder; point it at the YAML file "
+                         "with a 'tools' list in it")
+    if not path.is_file():  # a relative path is the working directory's, not the run config's folder's
+        raise ValueError(f"rollout.multi_turn.tool_config_path={str(path)!r} does not exist (looked for "
+                         f"{path.resolve()}); point it at a YAML file with a 'tools' list, by a path relative to the "
+                         "working directory or absolute")
     try:
         document = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as error:

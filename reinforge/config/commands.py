@@ -88,6 +88,9 @@ def config_main(argv: list[str], check: Callable[[Config], None]) -> int:
                 raise ConfigError(f"{flag} (command line) needs a file name, e.g. {flag} run.yaml")
             output = Path(arguments[position + 1])
             del arguments[position:position + 2]
+    if output is not None and output.is_dir():
+        raise ConfigError(f"-o {output} (command line) is a folder; name the YAML file to write, e.g. "
+                          f"-o {output / 'run.yaml'}")
     if not arguments:
         raise ConfigError("reinforge config from-verl needs verl's key=value overrides, "
                           "e.g. data.train_files=/data/train.parquet actor_rollout_ref.rollout.n=5")
@@ -97,7 +100,12 @@ def config_main(argv: list[str], check: Callable[[Config], None]) -> int:
     if output is None:
         print(translation.to_yaml(), end="")
     else:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(translation.to_yaml())
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(translation.to_yaml())
+        except OSError as error:  # a parent that is a file, a folder not writable
+            blocker = next((parent for parent in output.parents if parent.exists()), None)
+            reason = f"{blocker} is a file" if blocker is not None and not blocker.is_dir() else error.strerror or error
+            raise ConfigError(f"-o {output} (command line) cannot be written: {reason}; choose another file") from error
         print(f"wrote {output}; run it with: reinforge train {output}", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ schema expects.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -16,7 +17,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -53,11 +54,23 @@ class UniqueKeyLoader(yaml.SafeLoader):
 class _YamlLoader(UniqueKeyLoader):
     """YAML 1.1 reads 0.5_5 as the number 0.55 and 1_0 as 10; here a plain value with an underscore
     stays text, so "lo_hi" thresholds (rollout_is_threshold=0.5_5) keep their meaning. A number
-    field still converts such text (1_000 -> 1000)."""
+    field still converts such text (1_000 -> 1000). And YAML 1.1 reads 1e-3 and 1.0e3 as text (its
+    floats need a dot and a signed exponent); here they are numbers, as in YAML 1.2, OmegaConf and
+    Hydra, so that a setting of any type (reward.kwargs, rollout.kv_cache_gib) gets the number too."""
+
+
+_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X)
+"""YAML 1.1's float, with the exponent's sign optional and an exponent without a dot (1e-3), as OmegaConf reads it."""
 
 
 _YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, re.compile(r"(?!.*_)" + regexp.pattern, regexp.flags) if tag.endswith((":int", ":float")) else regexp)
+    first: [(tag, re.compile(r"(?!.*_)" + (_FLOAT if tag.endswith(":float") else regexp).pattern, regexp.flags))
+            if tag.endswith((":int", ":float")) else (tag, regexp)
             for tag, regexp in resolvers]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
@@ -140,7 +153,14 @@ def suggest_key(unknown: str, known: Iterable[str]) -> str | None:
     deeper = sorted((key for key in known if key.startswith(f"{section}.") and key.endswith(f".{leaf}")), key=len)
     if section and deeper:  # actor.lr -> actor.optim.lr
         return deeper[0]
-    close = difflib.get_close_matches(unknown, known, n=1, cutoff=0.6)
+    elsewhere = {key.rpartition(".")[0]: key for key in sorted(known, key=len, reverse=True)
+                 if key.rpartition(".")[2] == leaf and "." in key}
+    if elsewhere:  # the key in another section: data.n -> rollout.n, lr -> actor.optim.lr, critc.optim.lr -> critic's
+        close = difflib.get_close_matches(section, list(elsewhere), n=1, cutoff=0.6)
+        return elsewhere[close[0]] if close else elsewhere[min(elsewhere, key=len)]
+    sections = {key.rpartition(".")[0] for key in known}
+    leaves = [key for key in known if key not in sections]
+    close = difflib.get_close_matches(unknown, leaves, n=1, cutoff=0.6)  # a setting, never a section (data.n -> data)
     return close[0] if close else None
 
 
@@ -168,11 +188,13 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
             other_command = f"{section}.{leaf.removeprefix('train_')}" if section else leaf.removeprefix("train_")
             if leaf.startswith("train_") and other_command in known:  # the RL key in sft/rm/dpo (batch_size)
                 sibling = other_command
+            elif f"{section}.train_{leaf}" in known:  # the sft/rm/dpo key in train (data.batch_size), not val_'s
+                sibling = f"{section}.train_{leaf}"
             if sibling and (hint is None or "has no equivalent" in hint):  # a typo, not verl's Megatron key
                 hint = f"did you mean {sibling}?"
             if hint is None:
                 close = suggest_key(dotted, known)
-                hint = f"did you mean {close}?" if close else "the valid keys are in reinforge/config/defaults.yaml"
+                hint = f"did you mean {close}?" if close else _valid_keys(dotted, known)
             raise ConfigError(f"unknown key {dotted} ({source}); {hint}")
         annotation = known[dotted]
         inner = _unwrap_optional(annotation)
@@ -181,6 +203,18 @@ def _check_keys(tree: Mapping[str, Any], source: str, known: dict[str, Any], pre
                 _check_keys(value, source, known, prefix=f"{dotted}.")
             elif value is not None:
                 raise ConfigError(f"{dotted}={value!r} ({source}) is a section; set its keys, e.g. {dotted}.<key>=...")
+
+
+def _valid_keys(unknown: str, known: Iterable[str]) -> str:
+    """The keys beside ``unknown``: those of its section when it has one, else the sections (the schema's own, as
+    sft, rm and dpo have other sections than train's reinforge/config/defaults.yaml)."""
+    section = unknown.partition(".")[0]
+    if section not in known or "." not in unknown:
+        return f"the sections are {', '.join(key for key in known if '.' not in key)}"
+    owner = unknown.rpartition(".")[0]
+    while owner not in known:
+        owner = owner.rpartition(".")[0]
+    return f"the keys of {owner} are {', '.join(_siblings(f'{owner}.?', known))}"
 
 
 def _is_container(annotation: Any) -> bool:
@@ -193,6 +227,9 @@ def _dotlist_to_tree(overrides: Iterable[str], known: dict[str, Any] | None = No
     ``whole`` receives the keys given a whole mapping (reward.kwargs={...}, not reward.kwargs.key=...)."""
     tree: dict[str, Any] = {}
     for item in overrides:
+        if "=" not in item and item.startswith("~"):  # Hydra's deletion, as verl's commands write it
+            raise ConfigError(f"override {item!r} (command line) deletes a key in Hydra; here every key has a default: "
+                              f"leave {item[1:]} out to keep it, or set {item[1:]}=... to change it")
         if "=" not in item:
             raise ConfigError(f"override {item!r} (command line) is not of the form key=value, e.g. actor.optim.lr=1e-6")
         key, raw = item.split("=", 1)
@@ -233,10 +270,23 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
     _check_keys(tree, source, known)
     for dotted, value in _flatten(tree, known):
         if isinstance(value, str) and value and _is_list_of_str(known.get(dotted)):
+            if "," in value:  # a list without its brackets: one item 'a,b' named no file, layer or logger
+                items = ",".join(item.strip() for item in value.split(","))
+                raise ConfigError(f"{dotted}={value!r} ({source}) is one text with commas; write a list as "
+                                  f"{dotted}=[{items}] (quoted for the shell), or ['{value}'] for one item with a "
+                                  "comma in it")
             value = [value]  # data.train_files=/x.parquet, as verl (and Hydra's users) write one file
         if isinstance(value, int) and not isinstance(value, bool) and _is_float_or_auto(known.get(dotted)):
             value = float(value)  # OmegaConf takes no int for Union[float, str] (rollout.kv_cache_gib=4)
         expected = _type_name(known[dotted]) if dotted in known else "another type"
+        if value == "None" and dotted in known and _unwrap_optional(known[dotted]) is not known[dotted]:
+            # Python's None is YAML's (and OmegaConf's) text 'None': data.chat_template=None rendered every prompt
+            # as the word None
+            raise ConfigError(f"{dotted}='None' ({source}) is the text None, not no value; write null for that "
+                              f"({dotted}=null, or {dotted.rpartition('.')[2]}: null in YAML)")
+        if (_unwrap_optional(known.get(dotted)) is bool and isinstance(value, int | float) and not isinstance(value, bool)
+                and value not in (0, 1)):  # OmegaConf reads any other number as true (data.shuffle=2, enable: 5)
+            raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: write true or false")
         if _is_list_of_scalars(known.get(dotted)) and isinstance(value, list) and any(
                 isinstance(item, list | Mapping) for item in value):  # OmegaConf checks no nested item's type
             raise ConfigError(f"{dotted}={value!r} ({source}) is not a valid {expected}: an item is itself a list "
@@ -314,24 +364,33 @@ def _schema_defaults(schema: type) -> Any:
 
 
 def load_structured(schema: type[T], path: str | Path | None = None, overrides: Iterable[str] = (),
-                    tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> T:
+                    tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl",
+                    sources: dict[str, str] | None = None) -> T:
     """An instance of the dataclass ``schema``: its defaults, then the YAML at ``path``, then the nested
-    sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides."""
+    sections ``tree`` (named ``tree_source`` in errors), then ``a.b=c`` overrides. ``sources`` receives, for each
+    key set, where its value came from ("from run.yaml", "command line")."""
     known = schema_keys(schema)
     merged = copy.deepcopy(_schema_defaults(schema))  # the layers below update it in place
-    sources: dict[str, str] = {}
+    sources = {} if sources is None else sources
     if path is not None:
-        path = Path(path)
+        path = Path(path).expanduser()  # a quoted ~/run.yaml, or one from Python, as a shell reads it
         if path.is_dir():
             raise ConfigError(f"config file {path} is a folder; pass a YAML file such as examples/grpo_gsm8k.yaml")
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a YAML file such as examples/grpo_gsm8k.yaml")
-        with open(path) as handle:
-            try:
-                file_tree = load_yaml(handle) or {}
-            except yaml.YAMLError as error:
-                at, problem = yaml_problem(error)
-                raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file") from error
+            raise ConfigError(f"config file {path} does not exist (looked for {path.resolve()}); pass a YAML file "
+                              "such as examples/grpo_gsm8k.yaml, which reinforge init writes")
+        raw = path.read_bytes()
+        try:  # UTF-8 whatever the locale, as YAML is written
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as error:
+            line = raw.count(b"\n", 0, error.start) + 1
+            raise ConfigError(f"{path} has a byte that is not UTF-8 (0x{raw[error.start]:02x}) on line {line}; save "
+                              "the file as UTF-8") from None
+        try:
+            file_tree = load_yaml(text) or {}
+        except yaml.YAMLError as error:
+            at, problem = yaml_problem(error)
+            raise ConfigError(f"{path} is not valid YAML{at}: {problem}; fix the file") from error
         if not isinstance(file_tree, Mapping):
             raise ConfigError(f"{path} must hold a mapping of sections (data:, actor:, ...), "
                               f"not {type(file_tree).__name__}")
@@ -372,20 +431,38 @@ def _resolution_problem(error: OmegaConfBaseException, merged: Any, sources: dic
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = (), validate: bool = True,
                 tree: Mapping[str, Any] | None = None, tree_source: str = "translated from verl") -> Config:
     """The RL run's config: defaults, then the YAML file at ``path`` (if any), ``tree``, then ``overrides``."""
-    config = load_structured(Config, path, overrides, tree, tree_source)
+    sources: dict[str, str] = {}
+    config = load_structured(Config, path, overrides, tree, tree_source, sources)
     if validate:
         from reinforge.config.validate import validate_config
 
-        validate_config(config)
+        with naming_sources(sources):
+            validate_config(config)
     return config
+
+
+@contextlib.contextmanager
+def naming_sources(sources: Mapping[str, str]) -> Iterator[None]:
+    """A check's ConfigError that opens with ``key=value`` names where that key was set (``sources``, from
+    ``load_structured``): the run's file or the command line, as an unknown key or a wrong type is named."""
+    try:
+        yield
+    except ConfigError as error:
+        opening = re.match(r"([\w.]+)=", str(error))
+        key = opening.group(1) if opening else None
+        if key not in sources or f"({sources[key]})" in str(error):
+            raise
+        raise ConfigError(f"{error} ({key}: {sources[key]})") from error
 
 
 def load_sft_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> SFTConfig:
     """The SFT run's config: defaults, then the YAML file at ``path`` (if any), then ``overrides``, then checks."""
     from reinforge.config.validate import validate_sft_config
 
-    config = load_structured(SFTConfig, path, overrides)
-    validate_sft_config(config)
+    sources: dict[str, str] = {}
+    config = load_structured(SFTConfig, path, overrides, sources=sources)
+    with naming_sources(sources):
+        validate_sft_config(config)
     return config
 
 

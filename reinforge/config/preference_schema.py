@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from reinforge.config.errors import ConfigError
-from reinforge.config.loader import load_structured
+from reinforge.config.loader import load_structured, naming_sources
 from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig, UpdateConfig
 from reinforge.config.validate import (
     choose,
@@ -147,13 +147,17 @@ def validate_preference_config(config: RMConfig | DPOConfig) -> None:
 
 def load_rm_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RMConfig:
     """``reinforge rm``'s config: defaults, the YAML at ``path`` (if any), then ``overrides``, then checks."""
-    config = load_structured(RMConfig, path, overrides)
-    validate_preference_config(config)
+    sources: dict[str, str] = {}
+    config = load_structured(RMConfig, path, overrides, sources=sources)
+    with naming_sources(sources):
+        validate_preference_config(config)
     return config
 
 
 def load_dpo_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> DPOConfig:
     """``reinforge dpo``'s config: defaults, the YAML at ``path`` (if any), then ``overrides``, then checks."""
-    config = load_structured(DPOConfig, path, overrides)
-    validate_preference_config(config)
+    sources: dict[str, str] = {}
+    config = load_structured(DPOConfig, path, overrides, sources=sources)
+    with naming_sources(sources):
+        validate_preference_config(config)
     return config

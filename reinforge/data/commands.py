@@ -11,6 +11,7 @@ on their own.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from reinforge.data.gsm8k import convert_gsm8k
 from reinforge.data.retool import convert_retool
@@ -46,6 +47,10 @@ def data_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="reinforge data", description="prepare datasets in the RL schema")
     add_data_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():  # it was "[Errno 17] File exists"
+        raise FileExistsError(f"--out {args.out} (command line) is a file; reinforge data {args.command} writes its "
+                              "parquet files into a folder: give one (it may not exist yet)")
     return args.handler(args)
 
 

@@ -134,7 +134,17 @@ def _read_json(path: Path) -> list[Row]:
     return content
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".ndjson", ".json")
+"""The files read_rows reads."""
+
+
 def _read_datasets_folder(path: Path) -> list[Row]:
+    if not any((path / name).is_file() for name in ("state.json", "dataset_dict.json")):  # not a save_to_disk folder
+        suffixes = sorted({entry.suffix.lower() for entry in path.iterdir() if entry.suffix.lower() in DATA_SUFFIXES})
+        fix = (f"name its files instead, e.g. {path / ('*' + suffixes[0])}" if suffixes else
+               "name a .parquet, .jsonl or .json file instead")
+        raise ValueError(f"data file {str(path)!r} is a folder that datasets.Dataset.save_to_disk did not write; {fix} "
+                         "(check data.train_files / data.val_files)")
     try:
         import datasets
     except ImportError:

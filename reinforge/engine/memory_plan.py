@@ -724,6 +724,9 @@ SETTING_KEYS = {
 def _hub_config(path: str, local: Path) -> Path:
     """config.json of a hub id (``org/name``) through huggingface_hub's cache, as transformers would load the model;
     a path that is no local folder and no reachable hub id gets one line."""
+    if Path(path).expanduser().is_file():  # model.path=/models/x/config.json: the folder was meant
+        raise MemoryPlanError(f"model.path={path} is a file; point model.path at the folder that holds config.json "
+                              f"({Path(path).expanduser().parent} for this one)")
     fetched, why = None, "no local folder of that name"
     if not Path(path).expanduser().exists() and path.count("/") == 1 and not path.startswith((".", "/", "~")):
         try:

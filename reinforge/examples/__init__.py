@@ -40,6 +40,9 @@ def write_examples(names: list[str], folder: Path, force: bool = False) -> list[
 
     Raises FileExistsError, naming the files, when some are there already (and ``force`` is not set); then nothing
     is written."""
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{folder} is a file, not a folder; reinforge init writes the examples into a folder: "
+                              "give another one")
     files = [name for example in names for name in EXAMPLES[example]]
     present = [folder / name for name in files if (folder / name).exists()]
     if present and not force:

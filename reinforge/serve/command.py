@@ -20,7 +20,12 @@ logger = logging.getLogger(__name__)
 
 def resolve_model_folder(path: str) -> tuple[str, str | None]:
     """(the HF folder or hub id to load, the adapter folder to merge or None)."""
+    from reinforge.models.loading import is_local_path
+
     folder = Path(path).expanduser()
+    if not folder.exists() and is_local_path(path):  # /models/x or ./run: no hub id
+        raise FileNotFoundError(f"{path} does not exist (looked for {folder.resolve()}); pass an HF model folder or hub "
+                                "id, a run folder, a checkpoint folder or a LoRA adapter folder")
     if not folder.exists():
         return path, None  # a hub id; loading says so if it is not one
     if not folder.is_dir():

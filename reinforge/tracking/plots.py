@@ -162,9 +162,9 @@ def plot_main(argv: list[str]) -> int:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
             written = plot_runs(args.run_dirs, args.out, keys, args.smoothing)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # a folder that is no run, a key no run has: a usage error
         print(f"reinforge plot: {error}", file=sys.stderr)
-        return 1
+        return 2
     for note in notes:
         print(f"reinforge plot: {note.message}", file=sys.stderr)
     if not written:

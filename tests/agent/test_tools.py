@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -122,9 +123,18 @@ def test_bad_yaml_config_is_explained(tmp_path, text, message):
     assert "\n" not in str(raised.value)
 
 
-def test_missing_config_file_is_explained(tmp_path):
+def test_missing_config_file_is_explained(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tool_config_path=.*does not exist"):
         load_tool_config(tmp_path / "nope.yaml")
+    # a relative path is read from the working directory: the line says where it looked
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    with pytest.raises(ValueError, match=re.escape(f"does not exist (looked for {tmp_path / 'run' / 'tools.yaml'}); "
+                                                   "point it at a YAML file with a 'tools' list, by a path relative "
+                                                   "to the working directory or absolute")):
+        load_tool_config("tools.yaml")
+    with pytest.raises(ValueError, match=r"tool_config_path='\.\.' is a folder; point it at the YAML file"):
+        load_tool_config("..")
 
 
 @pytest.mark.parametrize("extra_info, message", [

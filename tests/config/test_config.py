@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from reinforge.config import Config, ConfigError, config_to_dict, load_config, save_config
+from reinforge.config import Config, ConfigError, config_to_dict, load_config, load_sft_config, save_config
 from reinforge.config.loader import schema_keys, suggest_key
 from reinforge.trainer.preflight import check_config, check_sft_config
 
@@ -51,9 +51,27 @@ def test_unknown_key_suggests_the_closest(tmp_path):
     ("trainer.save_freq", "trainer.save_every"),
     ("data.train_batchsize", "data.train_batch_size"),
     ("actr.optim.lr", "actor.optim.lr"),
+    # a key in the wrong section: it was "did you mean data?" (a section) and "did you mean rollout.n?"
+    ("data.n", "rollout.n"),
+    ("rollout.lr", "actor.optim.lr"),
+    ("lr", "actor.optim.lr"),
+    ("critc.optim.lr", "critic.optim.lr"),
 ])
 def test_suggestions(unknown, expected):
     assert suggest_key(unknown, schema_keys()) == expected
+
+
+@pytest.mark.parametrize("command, override, hint", [
+    ("sft", "trainning.x=1", "the sections are data, model, optim, trainer"),
+    ("rm", "rm.bet=1", "the keys of rm are center_rewards_coefficient"),
+    ("train", "qqqq=1", "the sections are data, model, actor, rollout, ref, critic, reward, algorithm, trainer"),
+    ("train", "data.batch_size=4", "did you mean data.train_batch_size?"),  # sft's key; it was data.val_batch_size
+])
+def test_an_unknown_key_without_a_guess_names_the_keys_of_its_own_command(command, override, hint, capsys):
+    from reinforge.cli import main
+
+    assert main([command, override]) == 2  # it pointed sft, rm and dpo at train's reinforge/config/defaults.yaml
+    assert capsys.readouterr().err.strip() == f"error: unknown key {override.split('=')[0]} (command line); {hint}"
 
 
 def test_wrong_type_names_key_value_and_type():
@@ -61,6 +79,17 @@ def test_wrong_type_names_key_value_and_type():
         load_config(None, ["actor.optim.lr=fast"])
     with pytest.raises(ConfigError, match=r"rollout.n='many'.*int"):
         load_config(None, ["rollout.n=many"])
+    # Python's None is the text 'None': data.chat_template=None made every prompt the word None, and the run exited 0
+    with pytest.raises(ConfigError, match=r"^data.chat_template='None' \(command line\) is the text None, not no "
+                                          r"value; write null for that \(data.chat_template=null, or chat_template: "
+                                          r"null in YAML\)$"):
+        load_config(None, ["data.chat_template=None"], validate=False)
+    assert load_config(None, ["data.chat_template=null"], validate=False).data.chat_template is None
+    # OmegaConf reads any number as a bool: data.shuffle=2 was true; 0 and 1 (and yes, on, True) still read
+    with pytest.raises(ConfigError, match=r"^data.shuffle=2 \(command line\) is not a valid bool: write true or false$"):
+        load_config(None, ["data.shuffle=2"], validate=False)
+    assert [load_config(None, [f"data.shuffle={text}"], validate=False).data.shuffle
+            for text in ("0", "1", "yes", "off", "True")] == [False, True, True, False, True]
 
 
 def test_the_decode_products_choice_defaults_to_cublas_and_refuses_other_values():
@@ -247,6 +276,15 @@ def test_lower_upper_thresholds_stay_text(tmp_path):
     assert config.trainer.total_steps == 1000
     assert config.algorithm.rollout_correction.rollout_is_threshold == "3"
 
+def test_exponents_without_a_dot_are_numbers_in_files_and_overrides(tmp_path):
+    # YAML 1.1 reads 1e-3 as the text '1e-3': a reward function's keyword got a string, kv_cache_gib=1e1 was refused
+    path = tmp_path / "run.yaml"
+    path.write_text("reward:\n  kwargs:\n    tolerance: 1e-3\n    scale: 1.0e3\nactor:\n  optim:\n    lr: 1e-6\n")
+    config = load_config(path, ["rollout.kv_cache_gib=1e1", "reward.kwargs.floor=-5E-1"], validate=False)
+    assert config.reward.kwargs == {"tolerance": 0.001, "scale": 1000.0, "floor": -0.5}
+    assert config.rollout.kv_cache_gib == 10.0 and config.actor.optim.lr == 1e-6
+
+
 
 def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
     """data.train_files=/x.parquet (verl's habit) on our command line and in YAML."""
@@ -254,6 +292,28 @@ def test_one_file_for_a_list_of_files_is_a_list_of_one(tmp_path):
     assert config.data.train_files == ["/x.parquet"] and config.trainer.loggers == ["jsonl"]
     (tmp_path / "run.yaml").write_text("data:\n  val_files: /v.parquet\n")
     assert load_config(tmp_path / "run.yaml", validate=False).data.val_files == ["/v.parquet"]
+
+
+def test_a_value_a_check_refuses_names_where_it_was_set(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_batch_size: 0\n")
+    with pytest.raises(ConfigError, match=r"^data.train_batch_size=0 must be at least 1 \(data.train_batch_size: "
+                                          r"from run.yaml\)$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^optim.lr=-1.0 is negative; .* \(optim.lr: command line\)$"):
+        load_sft_config(path=None, overrides=["optim.lr=-1"])
+
+
+def test_a_list_written_without_brackets_is_named_with_its_list(tmp_path):
+    # it was one item 'jsonl,console', refused as no logger (or no file, after the memory plan, for data files)
+    with pytest.raises(ConfigError, match=re.escape("trainer.loggers='jsonl, console' (command line) is one text with "
+                                                    "commas; write a list as trainer.loggers=[jsonl,console] (quoted for "
+                                                    "the shell), or ['jsonl, console'] for one item with a comma in it")):
+        load_config(None, ["trainer.loggers=jsonl, console"], validate=False)
+    (tmp_path / "run.yaml").write_text("data:\n  train_files: a.parquet,b.parquet\n")
+    with pytest.raises(ConfigError, match=r"data.train_files='a.parquet,b.parquet' \(from run.yaml\) is one text"):
+        load_config(tmp_path / "run.yaml", validate=False)
+    assert load_config(None, ["data.train_files=['a,b.parquet']"], validate=False).data.train_files == ["a,b.parquet"]
 
 
 def test_a_value_ending_in_a_colon_stays_text():
@@ -292,6 +352,16 @@ def test_auto_settings_name_auto_and_a_leaf_one_section_too_high_is_found():
 def test_an_override_with_an_empty_key_part_is_named(override):
     with pytest.raises(ConfigError, match=rf"override '{re.escape(override)}' \(command line\) has an empty key"):
         load_config(None, [override])
+
+
+def test_a_yaml_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"trainer:\n  experiment_name: caf\xe9\n")  # Latin-1: it was "'utf-8' codec can't decode ..."
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))} has a byte that is not UTF-8 \(0xe9\) on line 2; "
+                                          r"save the file as UTF-8$"):
+        load_config(path)
+    path.write_bytes("\ufefftrainer:\n  experiment_name: café\n".encode())  # a byte-order mark some editors write
+    assert load_config(path, validate=False).trainer.experiment_name == "café"
 
 
 def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):

@@ -32,7 +32,7 @@ ENABLED = ["reward.reward_model.enable=true", "reward.reward_model.model_path=/m
 def test_reward_model_settings_that_cannot_work_are_refused(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
-    assert str(error.value) == message
+    assert str(error.value) == f"{message} ({message.split('=')[0]}: command line)"  # where the key was set
 
 
 def test_a_reward_model_with_a_combination_loads():

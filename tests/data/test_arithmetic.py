@@ -88,3 +88,8 @@ def test_cli_writes_the_three_files(tmp_path):
     assert pq.read_table(tmp_path / "train.parquet").num_rows == 30
     assert pq.read_table(tmp_path / "test.parquet").num_rows == 10
     assert pq.read_table(tmp_path / "sft_train.parquet").column_names == ["messages"]
+    (tmp_path / "notes.txt").write_text("mine\n")  # a file as --out: it was "[Errno 17] File exists: ..."
+    with pytest.raises(FileExistsError, match=r"^--out .*notes.txt \(command line\) is a file; reinforge data "
+                                              r"arithmetic writes its parquet files into a folder"):
+        data_main(["arithmetic", "--out", str(tmp_path / "notes.txt")])
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"

@@ -1,5 +1,6 @@
 import json
 import logging
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -187,6 +188,13 @@ def test_reader_errors(tmp_path):
         read_rows(tmp_path / "broken.jsonl")
     (tmp_path / "list.json").write_text(json.dumps(ROWS))
     assert read_rows(tmp_path / "list.json") == ROWS
+    # a folder of data files is not a save_to_disk folder: named with its files' glob (it was datasets' own words)
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "part-0.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"data file '{tmp_path / 'shards'}' is a folder that datasets."
+                                                   "Dataset.save_to_disk did not write; name its files instead, e.g. "
+                                                   f"{tmp_path / 'shards' / '*.jsonl'} (check data.train_files")):
+        read_rows(tmp_path / "shards")
 
 
 def test_datasets_folder_with_splits_asks_for_one(tmp_path):

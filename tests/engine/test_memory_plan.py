@@ -510,6 +510,10 @@ def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
         ModelShape.from_model_path("reinforge-tests/no-such-model")  # in no cache either
     with pytest.raises(MemoryPlanError, match=r"no local folder of that name"):
         ModelShape.from_model_path(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text("{}")  # the file named, not its folder: it was ".../config.json/config.json"
+    with pytest.raises(MemoryPlanError, match=rf"^model.path={tmp_path / 'config.json'} is a file; point model.path "
+                                              rf"at the folder that holds config.json \({tmp_path} for this one\)$"):
+        ModelShape.from_model_path(str(tmp_path / "config.json"))
 
 
 def test_reinforge_plan_refuses_adapters_that_match_no_layer_as_train_does(seven_b_folder, capsys):

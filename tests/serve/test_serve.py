@@ -226,6 +226,10 @@ def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="neither an HF model folder"):
         resolve_model_folder(str(tmp_path / "empty"))
+    # a folder that is not there is named as the argument given (it said "check model.path", a key serve has not)
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'gone'} does not exist .*; pass an HF model folder"):
+        resolve_model_folder(str(tmp_path / "gone"))
+    assert resolve_model_folder("Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", None)  # a hub id: loading decides
     model, tokenizer = load_model(path, adapter, "float32", torch.device("cpu"))
     client, engine = build_client(model, tokenizer, "native", 256, 0.5, max_num_seqs=16)
     assert engine == "native"

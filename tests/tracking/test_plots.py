@@ -36,7 +36,7 @@ def test_two_runs_share_charts_and_keys_can_be_chosen(tmp_path):
 
 def test_plot_main_reports_a_missing_metrics_file(tmp_path, capsys):
     (tmp_path / "empty_run").mkdir()
-    assert plot_main([str(tmp_path / "empty_run")]) == 1
+    assert plot_main([str(tmp_path / "empty_run")]) == 2  # a usage error, as for every command; 1 is a failed run
     assert f"{tmp_path / 'empty_run'} has no metrics.jsonl" in capsys.readouterr().err
 
 
@@ -50,7 +50,7 @@ def test_plot_main_names_unknown_keys_with_a_guess_in_one_line(tmp_path, capsys)
     run = write_run(tmp_path / "run", 4)
     gc.collect()  # objects an earlier test of this process left unclosed warn when collected, not the plot's lines
     capsys.readouterr()
-    assert plot_main([str(run), "--keys", "critic/score/maen"]) == 1
+    assert plot_main([str(run), "--keys", "critic/score/maen"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("reinforge plot: no run has the key critic/score/maen (did you "
                                                     "mean critic/score/mean?); the runs have: actor/entropy, ")

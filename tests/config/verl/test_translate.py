@@ -229,6 +229,13 @@ def test_config_from_verl_command_writes_yaml_that_trains_as_translated(tmp_path
     assert "actor_rollout_ref.rollout.n=5  ->  rollout.n=5" in err and f"wrote {out}" in err
     assert load_config(out) == load_config(None, tree=translate_verl(VERL_GSM8K_GRPO).tree)
     assert yaml.safe_load(out.read_text())["rollout"] == {"name": "native", "gpu_memory_utilization": 0.6, "n": 5}
+    # -o naming a folder, or a file below a file: one line each (they were "[Errno 21] Is a directory: ...")
+    assert main(["config", "from-verl", *VERL_GSM8K_GRPO, "-o", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: -o {tmp_path} (command line) is a folder; name the YAML file to "
+                                               f"write, e.g. -o {tmp_path / 'run.yaml'}")
+    assert main(["config", "from-verl", *VERL_GSM8K_GRPO, "-o", str(out / "x.yaml")]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: -o {out / 'x.yaml'} (command line) cannot be written: "
+                                                    f"{out} is a file; choose another file")
 
 
 def test_train_from_verl_applies_our_overrides_after_double_dash(capsys):
