@@ -51,12 +51,17 @@ class EngineCounters:
 def count_metrics(start: dict[str, float], end: dict[str, float]) -> dict[str, float]:
     """The counts between two readings, the prefix cache's hit rate (hit tokens over all prompt tokens) and the
     mean batch of the decode steps (``rollout/decode_batch_mean``)."""
-    metrics = {name: end[name] - start[name] for name in end}
-    hits, computed = metrics["rollout/prefix_cache_hit_tokens"], metrics["rollout/prefill_tokens"]
-    metrics["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
-    steps = metrics["rollout/num_decode_steps"]
-    metrics["rollout/decode_batch_mean"] = metrics["rollout/num_decode_rows"] / steps if steps else 0.0
-    return metrics
+    return with_rates({name: end[name] - start[name] for name in end})
+
+
+def with_rates(counts: dict[str, float]) -> dict[str, float]:
+    """``counts`` (a span's ``EngineCounters`` counts) with the prefix cache's hit rate (hit tokens over all prompt
+    tokens) and the mean batch of the decode steps, in place."""
+    hits, computed = counts.get("rollout/prefix_cache_hit_tokens", 0.0), counts["rollout/prefill_tokens"]
+    counts["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
+    steps = counts["rollout/num_decode_steps"]
+    counts["rollout/decode_batch_mean"] = counts.get("rollout/num_decode_rows", 0.0) / steps if steps else 0.0
+    return counts
 
 
 PEAK_METRICS = ("rollout/kv_blocks_total", "rollout/kv_blocks_used_peak", "rollout/kv_blocks_used_peak_share",
@@ -75,10 +80,4 @@ def combine_spans(spans: list[dict[str, float]]) -> dict[str, float]:
     if "rollout/num_generated_tokens" in total and "rollout/time_s" in total:
         seconds = total["rollout/time_s"]
         total["rollout/tokens_per_s"] = total["rollout/num_generated_tokens"] / seconds if seconds > 0 else 0.0
-    if "rollout/prefill_tokens" in total:
-        hits, computed = total.get("rollout/prefix_cache_hit_tokens", 0.0), total["rollout/prefill_tokens"]
-        total["rollout/prefix_cache_hit_rate"] = hits / (hits + computed) if hits + computed else 0.0
-    if "rollout/num_decode_steps" in total:
-        steps = total["rollout/num_decode_steps"]
-        total["rollout/decode_batch_mean"] = total.get("rollout/num_decode_rows", 0.0) / steps if steps else 0.0
-    return total
+    return with_rates(total) if "rollout/prefill_tokens" in total and "rollout/num_decode_steps" in total else total
