@@ -216,7 +216,10 @@ _FLEX_ATTENTION = _load_flex_attention()
 
 @cache
 def _compiled_flex():
-    return torch.compile(_FLEX_ATTENTION[0], dynamic=True)
+    # automatic dynamic shapes: the first length compiles static, the next marks the token dimensions dynamic.
+    # ``dynamic=True`` would make every dimension symbolic, and the soft-cap's backward then breaks the graph on a
+    # data-dependent scalar and runs the higher-order op eagerly, which fails
+    return torch.compile(_FLEX_ATTENTION[0])
 
 
 def flex_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, scale: float,
@@ -271,14 +274,17 @@ def flex_runs_on(device: torch.device) -> bool:
     if device.type != "cuda" or _FLEX_ATTENTION is None:
         return False
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(12, 2, 64, generator=generator) for _ in range(3))
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    expected = padded_packed_attention(q, k, v, [5, 7], [5, 7], 0.125, window=3, softcap=2.0)
+    works, reason = True, ""
     try:
-        q, k, v = (x.to(device, torch.bfloat16).requires_grad_() for x in (q, k, v))
-        out = flex_packed_attention(q, k, v, cu.to(device), cu.to(device), 0.125, 3, 2.0, compiled=True)
-        out.float().sum().backward()
-        works = bool(torch.allclose(out.float().cpu(), expected, atol=3e-2, rtol=3e-2))
+        for lengths in ([5, 7], [9, 11]):  # a second length: the compiled graph turns dynamic in the token count
+            q, k, v = (torch.randn(sum(lengths), 2, 64, generator=generator) for _ in range(3))
+            cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+            expected = padded_packed_attention(q, k, v, lengths, lengths, 0.125, window=3, softcap=2.0)
+            with torch.inference_mode(False), torch.enable_grad():
+                q, k, v = (x.to(device, torch.bfloat16).requires_grad_() for x in (q, k, v))
+                out = flex_packed_attention(q, k, v, cu.to(device), cu.to(device), 0.125, 3, 2.0, compiled=True)
+                out.float().sum().backward()
+            works = works and bool(torch.allclose(out.float().cpu(), expected, atol=3e-2, rtol=3e-2))
         reason = "its output differs from the explicit path"
     except Exception as error:  # any failure of the compiler or the kernel: the explicit path is exact
         works, reason = False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
