@@ -410,3 +410,29 @@ def test_a_later_start_keeps_the_inputs_an_earlier_start_wrote_and_puts_other_on
     assert save_model_if_loaded(model, tokenizer, folder) == str(inputs / "initial_model-2")
     assert {path.name: path.read_bytes() for path in folder.glob("*.safetensors")} == weights
     assert not any(path.name.endswith(".partial") for path in inputs.iterdir())
+
+
+def test_train_returns_trls_train_output(tmp_path, tiny_model_dir):
+    """TRL's ``TrainOutput``: the step reached, the mean loss of the steps trained, the last step's metrics; a
+    second ``train()`` on the same folder resumes and averages only what it trained."""
+    from reinforge import SFTConfig, SFTTrainer
+    from reinforge.tracking.jsonl import read_json_lines
+
+    rows = [{"messages": [{"role": "user", "content": f"{a}+1="}, {"role": "assistant", "content": str(a + 1)}]}
+            for a in range(8)]
+
+    def trainer(steps):
+        return SFTTrainer(model=str(tiny_model_dir), train_dataset=rows, args=SFTConfig(
+            output_dir=str(tmp_path / "sft"), max_steps=steps, save_steps=2, per_device_train_batch_size=2,
+            report_to="none"))
+
+    output = trainer(2).train()
+    global_step, training_loss, metrics = output  # a tuple, as in TRL
+    logged = [row["train/loss"] for row in read_json_lines(tmp_path / "sft" / "metrics.jsonl")]
+    assert global_step == output.global_step == 2 and len(logged) == 2
+    assert training_loss == pytest.approx(sum(logged) / 2)
+    assert output["train/loss"] == metrics["train/loss"] == pytest.approx(logged[-1])
+    resumed = trainer(3).train()
+    logged = [row["train/loss"] for row in read_json_lines(tmp_path / "sft" / "metrics.jsonl")]
+    assert resumed.global_step == 3 and len(logged) == 3
+    assert resumed.training_loss == pytest.approx(logged[-1])

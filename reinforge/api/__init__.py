@@ -34,7 +34,7 @@ and reward functions reach them by value (cloudpickle); ``reward.num_workers=0``
 
 from reinforge.api.inputs import peft_settings, reward_functions_of, save_model_if_loaded, write_dataset
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig
-from reinforge.api.trainers import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
+from reinforge.api.trainers import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer, TrainOutput
 
 __all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RewardConfig", "RewardTrainer", "SFTConfig",
-           "SFTTrainer", "peft_settings", "reward_functions_of", "save_model_if_loaded", "write_dataset"]
+           "SFTTrainer", "TrainOutput", "peft_settings", "reward_functions_of", "save_model_if_loaded", "write_dataset"]

@@ -6,7 +6,7 @@ import importlib
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from reinforge.api.inputs import (
     as_conversations,
@@ -34,6 +34,35 @@ def _check_train_data(config: Any, trainer: str) -> None:
                          "list of dicts or data files")
 
 
+class TrainOutput(NamedTuple):
+    """What ``train()`` returns, as TRL's (transformers') ``TrainOutput``: the step reached, the mean training loss
+    over the steps this call trained, and the last step's metrics. ``output["train/loss"]`` reads a metric."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, Any]
+
+    def __getitem__(self, key):  # type: ignore[override]
+        return self.metrics[key] if isinstance(key, str) else tuple.__getitem__(self, key)
+
+
+LOSS_KEYS = ("train/loss", "actor/pg_loss")
+"""The loss each trainer logs: SFT, DPO and reward models ``train/loss``; RL the policy-gradient loss."""
+
+
+def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[str, Any]) -> TrainOutput:
+    """The mean of the logged loss over steps ``first_step + 1 .. last_step`` of ``metrics.jsonl`` (NaN when none
+    was trained)."""
+    from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
+
+    path = run_dir / METRICS_FILE
+    rows = read_json_lines(path) if path.exists() else []
+    trained = [row for row in rows if first_step < row.get("step", 0) <= last_step]
+    key = next((key for key in LOSS_KEYS if any(key in row for row in trained)), None)
+    losses = [float(row[key]) for row in trained if key in row and row[key] is not None]
+    return TrainOutput(last_step, sum(losses) / len(losses) if losses else float("nan"), dict(metrics))
+
+
 class _Trainer:
     """What every API trainer has: ``config``, ``trainer`` (reinforge's own), ``train`` and ``save_model``."""
 
@@ -42,9 +71,10 @@ class _Trainer:
     given_model: Any = None
     """The model object the trainer was given (None for a path): ``train`` leaves the trained weights in it."""
 
-    def train(self) -> dict[str, Any]:
-        """Run the training; the last step's metrics. A model given loaded holds the trained weights after it, as
-        in TRL (reinforge trains a saved copy)."""
+    def train(self) -> TrainOutput:
+        """Run the training (resuming where ``output_dir`` holds a checkpoint); TRL's ``TrainOutput``. A model given
+        loaded holds the trained weights after it, as in TRL (reinforge trains a saved copy)."""
+        first_step = self._trained_steps()
         metrics = self.trainer.fit()
         if self.given_model is not None:
             from reinforge.trainer.export import load_trained_weights
@@ -55,7 +85,15 @@ class _Trainer:
                 logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
                                "score head is not a causal LM's), which keeps its weights as they were; "
                                "trainer.save_model() writes the trained model", type(self.given_model).__name__)
-        return metrics
+        return _train_output(self.output_dir, first_step, self._trained_steps(), metrics)
+
+    def _trained_steps(self) -> int:
+        """The step the run stands at: before ``fit`` the checkpoint it will resume from (0 without one), after it
+        the last step."""
+        if self.trainer.step:
+            return int(self.trainer.step)
+        state = getattr(self.trainer, "_resume_state", None)
+        return int(state["step"]) if state else 0
 
     @property
     def output_dir(self) -> Path:
