@@ -29,7 +29,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from reinforge.data.chat_template import ASSISTANT_MARKER, ASSISTANT_TURN, assistant_turn_text, end_of_turn_token
+from reinforge.data.chat_template import (
+    ASSISTANT_MARKER,
+    ASSISTANT_TURN,
+    apply_chat_template,
+    assistant_turn_text,
+    end_of_turn_token,
+)
 
 TOOL_OUTPUT_PROBE = "reinforge-tool-output-probe"
 """A tool message's content that renders as itself: where the template shows the model a tool's output."""
@@ -90,8 +96,8 @@ class ToolTurnRenderer:
                              "data.chat_template to a template with a tool role")
 
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(self.tokenizer, messages, chat_template=self.chat_template, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt)
 
     def increment_text(self, tool_messages: list[dict[str, Any]]) -> str:
         """The text that follows the model's end-of-turn token: separator, tool turn(s), next assistant header.

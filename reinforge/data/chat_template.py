@@ -13,6 +13,27 @@ from typing import Any
 Messages = list[dict[str, Any]]
 
 
+def apply_chat_template(tokenizer: Any, messages: Messages, **kwargs: Any) -> Any:
+    """``tokenizer.apply_chat_template``, for a tool-call turn with ``content: null`` too.
+
+    transformers drops a message's None-valued keys before rendering, and a template that reads a tool-call turn's
+    content unconditionally (DeepSeek-V3's tests ``content is none``, which then never holds) fails on it. Where the
+    messages as given fail and hold such a turn, they are rendered with its content as '' (what OpenAI's null means:
+    no text beside the calls); a template that renders them as given is left alone.
+    """
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as error:
+        if not any(isinstance(message, dict) and message.get("content", "") is None for message in messages):
+            raise
+        filled = [message | {"content": ""} if isinstance(message, dict) and message.get("content", "") is None
+                  else message for message in messages]
+        try:
+            return tokenizer.apply_chat_template(filled, **kwargs)
+        except Exception:
+            raise error from None
+
+
 def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | None = None,
                   tools: list[dict[str, Any]] | None = None) -> str:
     """The text the model sees for ``prompt``, with the assistant turn opened; a prompt that ends with an assistant
@@ -28,8 +49,8 @@ def render_prompt(tokenizer: Any, prompt: Messages | str, chat_template: str | N
         raise ValueError(f"tokenizer {name!r} has no chat template; set data.chat_template to a Jinja template, "
                          "or data.apply_chat_template=false to feed string prompts as they are")
     prefilled = bool(messages) and messages[-1].get("role") == "assistant"
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=not prefilled,
-                                         continue_final_message=prefilled, tokenize=False, tools=tools or None)
+    return apply_chat_template(tokenizer, messages, chat_template=template, add_generation_prompt=not prefilled,
+                               continue_final_message=prefilled, tokenize=False, tools=tools or None)
 
 
 def encode_prompt(tokenizer: Any, prompt: Messages | str, apply_chat_template: bool = True,

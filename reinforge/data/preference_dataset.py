@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.data.chat_template import template_error_message
+from reinforge.data.chat_template import apply_chat_template, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import image_column, row_image_sources
 from reinforge.data.prompt_loader import epoch_order
@@ -124,8 +124,8 @@ def check_preference_rows(files: Sequence[str | Path], keys: PreferenceKeys, spl
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return apply_chat_template(tokenizer, messages, chat_template=template, tokenize=False,
+                               add_generation_prompt=add_generation_prompt)
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:

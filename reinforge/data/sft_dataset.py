@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reinforge.data.chat_template import template_end_of_turn_ids, template_error_message
+from reinforge.data.chat_template import apply_chat_template, template_end_of_turn_ids, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
@@ -91,8 +91,8 @@ class SFTExample:
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
             tools: list[dict[str, Any]] | None = None) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, tools=tools)
+    return apply_chat_template(tokenizer, messages, chat_template=template, tokenize=False,
+                               add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -234,9 +234,8 @@ def _marked_assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], templ
                            tools: list[dict[str, Any]] | None, input_ids: list[int]) -> list[int]:
     """The tokens inside the template's ``{% generation %}`` blocks, as transformers' ``return_assistant_tokens_mask``
     (TRL's ``assistant_only_loss``) gives them."""
-    encoded = tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=True,
-                                            return_dict=True, return_assistant_tokens_mask=True,
-                                            add_generation_prompt=False)
+    encoded = apply_chat_template(tokenizer, messages, chat_template=template, tools=tools, tokenize=True,
+                                  return_dict=True, return_assistant_tokens_mask=True, add_generation_prompt=False)
     if list(encoded["input_ids"]) != input_ids:
         raise ValueError("the chat template's {% generation %} rendering tokenizes differently from its text, so its "
                          "marked tokens cannot be located; set data.chat_template to a template without them")

@@ -189,3 +189,26 @@ def test_a_template_with_generation_markers_trains_what_they_mark_as_trl_does(ge
     assert example.input_ids == list(marked["input_ids"])
     assert example.loss_mask == list(marked["assistant_masks"])  # TRL's assistant_only_loss
     assert trained_runs(gemma, example) == ["Yo<end_of_turn>\n", "Ok<end_of_turn>\n"]
+
+
+def test_a_tool_call_turn_with_null_content_renders_as_with_empty_content():
+    """OpenAI's ``content: null`` beside ``tool_calls``: transformers drops the key, and DeepSeek-V3's template then
+    fails on it; reinforge renders it as '' (the template's own output for a call without text), in SFT and in RL
+    prompts alike."""
+    from reinforge.data.chat_template import render_prompt
+
+    tokenizer = family_template_tokenizer("deepseek-v3")
+    call = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+
+    def chat(content):
+        return [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": content, "tool_calls": call},
+                {"role": "tool", "content": "3"}, {"role": "assistant", "content": "It is 3."}]
+
+    with pytest.raises(Exception, match="content"):  # the template as transformers renders it
+        tokenizer.apply_chat_template(chat(None), tokenize=False)
+    expected = tokenizer.apply_chat_template(chat(""), tokenize=False)
+    assert "<｜Assistant｜><｜tool▁calls▁begin｜>" in expected
+    example = tokenize_conversation(tokenizer, chat(None))
+    assert tokenizer.decode(example.input_ids) == expected
+    assert tokenize_conversation(tokenizer, chat("")).loss_mask == example.loss_mask
+    assert render_prompt(tokenizer, chat(None)[:3]) == render_prompt(tokenizer, chat("")[:3])
