@@ -75,6 +75,13 @@ class ToolTurnRenderer:
         """The end-of-turn token's ids, which close an assistant turn that a stop token ended."""
         self.stop_ids: tuple[int, ...] = tuple(self.eos_ids) if len(self.eos_ids) == 1 else ()
         """Token ids a turn stops at besides the rollout's own (the tokenizer's EOS, rollout.stop_token_ids)."""
+        self.self_closing_ids: frozenset[int] = frozenset(
+            token_id for token, token_id in zip(getattr(tokenizer, "all_special_tokens", ()),
+                                                getattr(tokenizer, "all_special_ids", ()), strict=False)
+            if token != self.eos_text and token in self.chat_template and token_id not in self.eos_ids)
+        """Special tokens other than the end-of-turn token that the template writes itself (Llama 3.1's
+        ``<|eom_id|>``, which ends a built-in tool's call turn): a turn the model stopped with one needs no
+        closing token before the tool turn, as the template closes none there."""
         if check_tool_turns:
             self.check_tool_turns()
 

@@ -248,3 +248,36 @@ def test_a_mistral_trajectory_answers_each_call_by_its_id_as_its_template_writes
     expected = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
     assert output.prompt_ids + output.response_ids == expected
     assert output.metrics["num_tool_calls"] == 2 and output.metrics["tool_errors"] == 0 and output.num_turns == 6
+
+
+def test_a_call_turn_the_model_ends_with_eom_gets_no_second_end_of_turn(scripted_client):
+    """Llama 3.1 ends a built-in tool's call turn with ``<|eom_id|>`` where its template writes that token itself:
+    the tool turn follows it directly, with no ``<|eot_id|>`` the template does not write."""
+    from family_templates import LLAMA31
+
+    template = LLAMA31.replace('{{- "}" }}{{- "<|eot_id|>" }}', '{{- "}" }}{{- "<|eom_id|>" }}')
+    assert template != LLAMA31
+    tokenizer = family_tokenizer("llama3.1")
+    tokenizer.chat_template = template
+    tool = FunctionTool(calculator)
+    call = _call("calculator", {"expression": "12*34"})
+    conversation = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "tool_calls": [call]},
+                    {"role": "tool", "content": "408"}, {"role": "assistant", "content": "It is 408."}]
+
+    class EndsCallsWithEom(scripted_client):
+        async def generate(self, prompt_ids, sampling, request_id):
+            completion = await super().generate(prompt_ids, sampling, request_id)
+            if len(self.turns) == 1:  # the call turn
+                completion.token_ids[-1] = tokenizer.convert_tokens_to_ids("<|eom_id|>")
+            return completion
+
+    client = EndsCallsWithEom(tokenizer, [json.dumps({"name": "calculator", "parameters": {"expression": "12*34"}}),
+                                          "It is 408."], eos_text="<|eot_id|>")
+    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tools=[tool.schema], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    context = AgentContext(tokenizer, client, MultiTurnConfig(format="llama3_json"), {"calculator": tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    assert output.prompt_ids + output.response_ids == expected
+    assert output.metrics["num_tool_calls"] == 1 and output.metrics["tool_errors"] == 0
