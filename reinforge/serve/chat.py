@@ -174,9 +174,11 @@ class ChatCodec:
 
     def increment(self, record: CallRecord, new_messages: list[dict[str, Any]]) -> list[int]:
         """The tokens after a call's sampled ids that bring in new messages: the end-of-turn token if the call was
-        stopped before it (as ``tool_agent`` closes such a turn), then the template's increment."""
-        eos_ids = self.renderer.eos_ids
-        closing = [] if record.token_ids[-len(eos_ids):] == eos_ids else list(eos_ids)
+        stopped before it (as ``tool_agent`` closes such a turn; not after a token the template writes itself to
+        end a turn, Llama 3.1's ``<|eom_id|>``), then the template's increment."""
+        eos_ids, ids = self.renderer.eos_ids, list(record.token_ids)
+        closed = ids[-len(eos_ids):] == eos_ids or (bool(ids) and ids[-1] in self.renderer.self_closing_ids)
+        closing = [] if closed else list(eos_ids)
         turns = [{"role": message["role"], "content": message["content"]} for message in new_messages]
         return closing + self.renderer.increment(turns)
 

@@ -81,3 +81,22 @@ def test_a_continued_conversation_is_its_earlier_tokens_plus_the_template_increm
     assert tokenizer.decode(prompt2) == tokenizer.apply_chat_template(later, tokenize=False, add_generation_prompt=True)
     edited = messages + [normalize_message({"role": "assistant", "content": "other"}), later[-1]]
     assert codec.prompt_ids(session, edited, None)[1] is None
+
+
+def test_a_call_the_model_ended_with_a_token_its_template_writes_continues_without_another_end_of_turn():
+    """Llama 3.1's ``<|eom_id|>`` closes a built-in tool's call turn in its template: the tool turn follows it
+    directly; a call stopped at a stop token is closed with ``<|eot_id|>`` first, as ``tool_agent`` does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "agent"))
+    from family_templates import LLAMA31, family_tokenizer
+
+    tokenizer = family_tokenizer("llama3.1")
+    tokenizer.chat_template = LLAMA31.replace('{{- "}" }}{{- "<|eot_id|>" }}', '{{- "}" }}{{- "<|eom_id|>" }}')
+    codec = ChatCodec(tokenizer)
+    eom, eot = tokenizer.convert_tokens_to_ids(["<|eom_id|>", "<|eot_id|>"])
+    tool_turn = [{"role": "tool", "content": "408"}]
+    increment = codec.renderer.increment(tool_turn)
+    assert codec.increment(record([1, 2], [5, 6, eom]), tool_turn) == increment
+    assert codec.increment(record([1, 2], [5, 6]), tool_turn) == [eot, *increment]
