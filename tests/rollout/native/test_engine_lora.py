@@ -11,9 +11,13 @@ from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("arch", ["qwen2", "phi3"])  # Phi-3's adapters sit on its fused qkv_proj and gate_up_proj
-def test_merged_copy_generates_what_the_adapted_model_does(tiny, arch):
-    model = tiny.build(arch)
+def test_merged_copy_generates_what_the_adapted_model_does(tiny, arch, device):
+    """On the GPU (float32) the copy runs the Triton kernels and CUDA graphs."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny.build(arch, device)
     torch.manual_seed(0)
     peft_model = add_lora(model, LoraConfig(rank=4, alpha=8.0))
     with torch.no_grad():
@@ -21,7 +25,10 @@ def test_merged_copy_generates_what_the_adapted_model_does(tiny, arch):
             if "lora_B" in name:
                 parameter.normal_(std=0.3)
     weights_before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=8, max_num_seqs=16)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=128, block_size=8 if device == "cpu" else 16,
+                          max_num_seqs=16)
+    if device == "cuda":
+        assert engine.runner.decoder.use_triton and engine.runner.cuda_graph_batch_sizes
     prompts = tiny.prompts([3, 17, 9])
     engine.sync_weights(model)
     engine.wake_up()
