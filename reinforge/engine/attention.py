@@ -215,11 +215,12 @@ _FLEX_ATTENTION = _load_flex_attention()
 
 
 @cache
-def _compiled_flex():
-    # automatic dynamic shapes: the first length compiles static, the next marks the token dimensions dynamic.
-    # ``dynamic=True`` would make every dimension symbolic, and the soft-cap's backward then breaks the graph on a
-    # data-dependent scalar and runs the higher-order op eagerly, which fails
-    return torch.compile(_FLEX_ATTENTION[0])
+def _compiled_flex(backend: str = "inductor"):
+    # automatic dynamic shapes: the first length compiles static, the next marks the token dimensions (and the block
+    # mask's block counts) dynamic. ``dynamic=True`` makes every dimension symbolic from the start, and the
+    # soft-cap's backward then fails to trace (a data-dependent scalar breaks the graph and the higher-order op runs
+    # eagerly, which fails)
+    return torch.compile(_FLEX_ATTENTION[0], backend=backend)
 
 
 def flex_packed_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor, scale: float,
@@ -276,7 +277,8 @@ def flex_runs_on(device: torch.device) -> bool:
     generator = torch.Generator().manual_seed(0)
     works, reason = True, ""
     try:
-        for lengths in ([5, 7], [9, 11]):  # a second length: the compiled graph turns dynamic in the token count
+        # a second length turns the compiled graph dynamic in the token count, a third in the block mask's blocks
+        for lengths in ([5, 7], [9, 11], [100, 200]):
             q, k, v = (torch.randn(sum(lengths), 2, 64, generator=generator) for _ in range(3))
             cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
             expected = padded_packed_attention(q, k, v, lengths, lengths, 0.125, window=3, softcap=2.0)

@@ -339,6 +339,31 @@ def test_flex_packed_attention_equals_the_padded_path(window, softcap):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_flex_traces_the_soft_capped_backward_as_lengths_change(monkeypatch):
+    """The compile settings of the flex fallback, traced on the CPU (``aot_eager``: the graphs run eagerly, the
+    backward too): forward and backward match the padded path as the token count and the block mask's block count
+    change, as a run's micro-batches do. With every dimension dynamic from the start the backward did not trace."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from reinforge.engine import attention
+    from reinforge.engine.attention import flex_packed_attention
+    from reinforge.packed_attention import padded_packed_attention
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *args, **kwargs: None)  # torch refuses CPU backward
+    compiled = attention._compiled_flex.__wrapped__("aot_eager")  # not the cached inductor one
+    monkeypatch.setattr(attention, "_compiled_flex", lambda: compiled)
+    generator = torch.Generator().manual_seed(0)
+    for lengths in ([5, 7], [9, 11], [100, 200], [300, 11]):
+        q, k, v = (torch.randn(sum(lengths), 2, 16, generator=generator, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+        got = flex_packed_attention(q, k, v, cu, cu, 0.25, 3, 2.0, compiled=True)
+        grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+        expected = padded_packed_attention(q, k, v, lengths, lengths, 0.25, window=3, softcap=2.0)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for grad, reference in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(grad, reference, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 def test_compiled_flex_runs_soft_capped_attention_on_the_gpu():
     """Else soft-capped layers (Gemma 2) fall back to the explicit padded path: exact, but slow."""
