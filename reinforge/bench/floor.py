@@ -13,11 +13,12 @@ moves the same bytes. What a step reads:
   its batch's rows); of a mixture-of-experts layer only the experts the step's tokens choose, on
   average ``E (1 - (1 - k/E)^B)`` of E experts for B live sequences choosing k each.
 
-Sequence i with prompt P_i and R_i generated tokens is live for R_i steps and reads P_i + t - 1 cached
-tokens at step t; a step runs while any sequence is live. The prefill (compute-bound) and the
-sampler are left out, so a rollout's time over its floor says how far its decode is from the device's
-limit. Qwen2.5-1.5B with 128 sequences of 128 + 8,192 tokens: 28,672 bytes of KV per token, 3.1 GB
-of weights, 36.3 s; with an fp8 cache 14,784 bytes per token, 21.7 s.
+Sequence i with prompt P_i and R_i generated tokens takes its first token from the prefill, so it is live for
+R_i - 1 decode steps and reads P_i + t cached tokens at step t (the token it feeds included); a step runs while
+any sequence is live. The prefill (compute-bound) and the sampler are left out, so a rollout's time over its
+floor says how far its decode is from the device's limit. Qwen2.5-1.5B with 128 sequences of 128 + 8,192
+tokens: 28,672 bytes of KV per token, 3.1 GB of weights, 8,191 steps, 36.3 s; with an fp8 cache 14,784 bytes
+per token, 21.7 s.
 
 With many live sequences a step's weight products stop being bound by reading the weights: at 512
 sequences Gemma-2-2B's products are 2.7 TFLOP a step, 3.3 ms at the 799 TFLOP/s a bf16 product reached on
@@ -100,11 +101,12 @@ def kv_token_bytes(shape: ModelShape, kv_cache_dtype: str = "auto", value_bytes:
     return shape.kv_block_bytes(1, kv_cache_dtype, value_bytes)
 
 
-def shared_prompt_tokens(prompt_lengths: np.ndarray, responses: np.ndarray, groups: Sequence[int], page: int
+def shared_prompt_tokens(prompt_lengths: np.ndarray, decodes: np.ndarray, groups: Sequence[int], page: int
                          ) -> float:
     """Cached tokens a layer's decode steps read fewer when each group of sequences (``groups``: one id per
     sequence, samples of one prompt) reads its prompt's whole blocks once a step: the group's whole-block prompt
-    tokens S, read by each of its L live members before, once while any lives, sum R - max R over its responses R."""
+    tokens S, read by each of its L live members before, once while any lives, sum D - max D over its members'
+    decode steps D."""
     saved = 0.0
     ids = np.asarray(groups)
     for group in np.unique(ids):
@@ -112,7 +114,7 @@ def shared_prompt_tokens(prompt_lengths: np.ndarray, responses: np.ndarray, grou
         if members.sum() < 2:
             continue
         shared = float(prompt_lengths[members].min()) // page * page
-        saved += shared * float(responses[members].sum() - responses[members].max())
+        saved += shared * float(decodes[members].sum() - decodes[members].max())
     return saved
 
 
@@ -130,12 +132,12 @@ def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_len
         raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(response_lengths)} responses; "
                          "give one of each per sequence")
     prompts = np.asarray(prompt_lengths, dtype=np.float64)
-    responses = np.asarray(response_lengths, dtype=np.int64)
-    steps = int(responses.max()) if len(responses) else 0
+    decodes = np.maximum(np.asarray(response_lengths, dtype=np.int64) - 1, 0)  # the first token is the prefill's
+    steps = int(decodes.max()) if len(decodes) else 0
     per_layer = kv_token_bytes(shape, kv_cache_dtype, value_bytes) / shape.num_layers
     windows = shape.attention_windows or (0,) * shape.num_layers
-    kv_tokens = sum(float(capped_sum(prompts, responses, window).sum()) for window in windows)
-    live = len(responses) - np.searchsorted(np.sort(responses), np.arange(1, steps + 1), side="left")
+    kv_tokens = sum(float(capped_sum(prompts + 1, decodes, window).sum()) for window in windows)
+    live = len(decodes) - np.searchsorted(np.sort(decodes), np.arange(1, steps + 1), side="left")
     step_weights = decode_weight_bytes(shape, live, value_bytes)
     step_flops = decode_product_flops(shape, live)
     weights, flops = float(step_weights.sum()), float(step_flops.sum())
@@ -143,9 +145,9 @@ def rollout_floor(shape: ModelShape, prompt_lengths: Sequence[int], response_len
     products = float(np.maximum(step_weights / bytes_per_s, step_flops / flops_per_s).sum())
     shared = None
     if groups is not None:
-        longest = float((prompts + responses).max()) if len(responses) else 0.0
+        longest = float((prompts + decodes).max()) if len(decodes) else 0.0
         sharing_layers = sum(1 for window in windows if not window or longest <= window)
-        kv_shared = kv_bytes - sharing_layers * per_layer * shared_prompt_tokens(prompts, responses, groups, page)
+        kv_shared = kv_bytes - sharing_layers * per_layer * shared_prompt_tokens(prompts, decodes, groups, page)
         shared = (kv_shared + weights) / bytes_per_s
     return RolloutFloor((kv_bytes + weights) / bytes_per_s, steps, kv_bytes, weights,
                         kv_bytes / bytes_per_s + products, flops, shared)

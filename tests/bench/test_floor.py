@@ -25,9 +25,9 @@ def test_qwen25_1_5b_at_8k_reads_its_kv_and_weights_in_36_seconds():
     assert model.kv_bytes_per_token(2) == 28_672  # 28 layers x 2 KV heads x head dim 128 x (K, V) x bf16
     assert decode_weight_bytes(model, np.array([128]))[0] == pytest.approx(3.09e9, rel=1e-3)
     floor = rollout_floor(model, [128] * 128, [8192] * 128)
-    assert floor.decode_steps == 8192
-    # a step at the mean context (128 + 4,095.5 cached tokens) reads 15.5 GB of KV and the weights: 4.4 ms
-    assert floor.kv_bytes / 8192 == pytest.approx(128 * (128 + 4095.5) * 28_672)
+    assert floor.decode_steps == 8191  # the first token is the prefill's
+    # a step at the mean context (128 + 4,096 cached tokens) reads 15.5 GB of KV and the weights: 4.4 ms
+    assert floor.kv_bytes / 8191 == pytest.approx(128 * (128 + 4096) * 28_672)
     assert floor.seconds == pytest.approx(36.34, abs=0.01)
     assert floor.seconds == pytest.approx((floor.kv_bytes + floor.weight_bytes) / COPY_BYTES_PER_S)
     assert context_floor_ms(model, 128, 4224) == pytest.approx(4.44, abs=0.01)
@@ -36,11 +36,11 @@ def test_qwen25_1_5b_at_8k_reads_its_kv_and_weights_in_36_seconds():
 def test_shorter_responses_stop_reading_when_they_end():
     model = shape("0.5b")
     long_and_short = rollout_floor(model, [10, 10], [100, 40])
-    assert long_and_short.decode_steps == 100
+    assert long_and_short.decode_steps == 99
     per_token = model.kv_bytes_per_token(2)
-    assert long_and_short.kv_bytes == per_token * (sum(range(10, 110)) + sum(range(10, 50)))
+    assert long_and_short.kv_bytes == per_token * (sum(range(11, 110)) + sum(range(11, 50)))
     weights = decode_weight_bytes(model, np.array([1]))[0]
-    assert long_and_short.weight_bytes == pytest.approx(100 * weights)  # one read a step, however many sequences
+    assert long_and_short.weight_bytes == pytest.approx(99 * weights)  # one read a step, however many sequences
     assert rollout_floor(model, [10], [100], bytes_per_s=1e12).seconds == pytest.approx(
         rollout_floor(model, [10], [100]).seconds * COPY_BYTES_PER_S / 1e12)
 
@@ -86,12 +86,12 @@ def test_sliding_layers_read_at_most_their_window():
     mistral = shape("mistral-7b")  # every layer slides over 4,096 keys
     assert set(mistral.attention_windows) == {4096}
     assert rollout_floor(mistral, [0], [10_000]).kv_bytes == mistral.kv_bytes_per_token(2) * (
-        sum(range(4096)) + (10_000 - 4096) * 4096)
+        sum(range(1, 4096)) + (10_000 - 4096) * 4096)
     gemma = shape("gemma2-2b")  # even layers slide, odd ones see everything
     assert gemma.attention_windows[:4] == (4096, 0, 4096, 0)
     per_layer = gemma.kv_bytes_per_token(2) // gemma.num_layers
     assert rollout_floor(gemma, [0], [5000]).kv_bytes == per_layer * 13 * (
-        sum(range(4096)) + 904 * 4096 + sum(range(5000)))
+        sum(range(1, 4096)) + 904 * 4096 + sum(range(5000)))
     assert shape("1.5b").attention_windows == ()  # Qwen2.5 leaves use_sliding_window off
 
 
@@ -103,12 +103,24 @@ def test_a_mixture_of_experts_reads_the_experts_its_batch_chooses():
     assert many == pytest.approx(2 * (model.num_params - model.vocab_size * model.hidden_size), rel=1e-3)
 
 
+def test_a_sequence_decodes_one_step_fewer_than_its_tokens_the_first_being_the_prefills():
+    """The prefill samples a sequence's first token; decode step t feeds token t and reads the prompt's P cached
+    tokens and the t generated ones, so R tokens take R - 1 steps reading P + 1 .. P + R - 1 tokens."""
+    model = shape("0.5b")
+    per_token = model.kv_bytes_per_token(2)
+    floor = rollout_floor(model, [100, 7], [3, 1])  # the second ends with the prefill's token: no decode step
+    assert floor.decode_steps == 2
+    assert floor.kv_bytes == per_token * (101 + 102)
+    assert floor.weight_bytes == pytest.approx(2 * decode_weight_bytes(model, np.array([1]))[0])
+    assert rollout_floor(model, [5], [1]).seconds == 0.0
+
+
 def test_latent_attention_reads_its_latent_and_rotary_key():
     # DeepSeek-V2-Lite's attention sizes: a 512-wide latent and a 64-wide rotary key per token and layer
     mla = ModelShape.from_hf_config(dict(
         model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
         intermediate_size=10944, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
-    assert rollout_floor(mla, [0], [100]).kv_bytes == 27 * (512 + 64) * 2 * sum(range(100))
+    assert rollout_floor(mla, [0], [100]).kv_bytes == 27 * (512 + 64) * 2 * sum(range(1, 100))
 
 
 def test_the_medians_leave_out_the_first_step_the_profiled_one_and_any_that_compiled_again():
@@ -157,14 +169,14 @@ def test_a_prompts_samples_that_read_its_blocks_once_a_step_save_all_but_one_rea
     plain = rollout_floor(model, [40] * 6, responses)
     assert plain.shared_prompt_seconds is None and "rollout_floor_shared_prompts_s" not in plain.as_dict()
     grouped = rollout_floor(model, [40] * 6, responses, groups=["a", "a", "a", "b", "b", "b"], page=16)
-    saved_tokens = 32 * ((10 + 30 + 20 - 30) + (5 + 5 + 50 - 50))
+    saved_tokens = 32 * ((9 + 29 + 19 - 29) + (4 + 4 + 49 - 49))  # each sample's decode steps: its tokens less one
     assert grouped.seconds == plain.seconds
     assert grouped.shared_prompt_seconds == pytest.approx(
         plain.seconds - saved_tokens * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S)
     assert rollout_floor(model, [40] * 6, responses, groups=list(range(6))).shared_prompt_seconds == plain.seconds
     standard = rollout_floor(model, [128] * 512, [512] * 512, groups=[row // 8 for row in range(512)])
     assert standard.shared_prompt_seconds / standard.seconds == pytest.approx(
-        1 - 7 / 8 * 128 * 512 * 512 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S / standard.seconds)
+        1 - 7 / 8 * 128 * 512 * 511 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S / standard.seconds)
 
 
 def test_a_window_that_holds_every_context_shares_the_prompt_and_one_that_slides_past_it_does_not():
@@ -175,6 +187,6 @@ def test_a_window_that_holds_every_context_shares_the_prompt_and_one_that_slides
     short_plain = rollout_floor(model, [128] * 16, [512] * 16)
     short = rollout_floor(model, [128] * 16, [512] * 16, groups=groups)
     assert short.shared_prompt_seconds == pytest.approx(
-        short_plain.seconds - 7 / 8 * 128 * 16 * 512 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S)
+        short_plain.seconds - 7 / 8 * 128 * 16 * 511 * model.kv_bytes_per_token(2) / COPY_BYTES_PER_S)
     long = rollout_floor(model, [128] * 16, [4096] * 16, groups=groups)
     assert long.shared_prompt_seconds == long.seconds

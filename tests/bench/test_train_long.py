@@ -26,7 +26,7 @@ def test_a_step_reports_its_floor_and_no_step_starts_past_the_deadline(tmp_path,
     # --cpu: 2 prompts x 2 samples, 8 prompt tokens, exactly 8 generated, float32 values
     floor = rollout_floor(ModelShape.from_model_path(str(model_dir)), [8] * 4, [8] * 4, value_bytes=4,
                           bytes_per_s=2e12)
-    assert step["rollout_floor_s"] == pytest.approx(floor.seconds) and step["rollout_floor_decode_steps"] == 8
+    assert step["rollout_floor_s"] == pytest.approx(floor.seconds) and step["rollout_floor_decode_steps"] == 7
     assert step["rollout_over_floor"] == pytest.approx(step["rollout_s"] / floor.seconds)
     assert results["floor"] == {"bandwidth_tbps": 2.0, "kv_cache_dtype": "auto", "value_bytes": 4}
 
