@@ -588,9 +588,13 @@ def case_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> l
 
 
 def _sizes(text: str) -> list[str]:
-    sizes = [size.strip().lower() for size in text.split(",") if size.strip()]
+    """The shapes of a comma-separated ``--model``, each once; an empty or unknown name is refused."""
+    sizes = [size.strip().lower() for size in text.split(",")]
+    if not all(sizes):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name between or beside its commas; give one or more "
+                                         f"of {','.join(SHAPES)}, separated by single commas")
     unknown = [size for size in sizes if size not in SHAPES]
-    if unknown or not sizes:
+    if unknown:
         raise argparse.ArgumentTypeError(f"{text!r} names no model shape{'s' if len(unknown) > 1 else ''} "
                                          f"{', '.join(unknown)}; give one or more of {','.join(SHAPES)}")
     return list(dict.fromkeys(sizes))

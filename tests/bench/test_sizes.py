@@ -53,6 +53,8 @@ def test_case_options_are_passed_on_as_given_and_run_options_are_not():
     (["--model", "0.5b,1.5b", "--model-dir", "m"], "--model-dir names the folder of one size"),
     (["--model", "0.5b", "--trl", "--profile"], "--profile profiles one size in this process"),
     (["--deadline-s", "0"], "argument --deadline-s: 0 s leaves no time"),
+    (["--model", "0.5b,,1.5b"], "argument --model: '0.5b,,1.5b' has an empty name between or beside its commas"),
+    (["--model", ","], "argument --model: ',' has an empty name"),
 ])
 def test_run_options_that_cannot_work_together_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
