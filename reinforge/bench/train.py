@@ -648,8 +648,11 @@ def _rank(text: str) -> int:
 
 
 def _positive_gib(text: str) -> float:
-    value = float(text)
-    if not value > 0:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB; give a positive size, e.g. 80") from None
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} GiB is no device; give a positive size, e.g. 80")
     return value
 
@@ -661,9 +664,17 @@ def _flag(text: str) -> bool:
 
 
 def _checkpointing(text: str) -> bool | int:
+    """all (True), none (False) or a count of layers from the first (0 or more)."""
     if text in ("all", "none"):
         return text == "all"
-    return int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is no checkpointing setting; give all, none or a number of "
+                                         "layers (0 or more), e.g. 8")
+    return value
 
 
 def bench_train_main(argv: list[str]) -> int:

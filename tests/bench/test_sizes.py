@@ -55,6 +55,10 @@ def test_case_options_are_passed_on_as_given_and_run_options_are_not():
     (["--deadline-s", "0"], "argument --deadline-s: 0 s leaves no time"),
     (["--model", "0.5b,,1.5b"], "argument --model: '0.5b,,1.5b' has an empty name between or beside its commas"),
     (["--model", ","], "argument --model: ',' has an empty name"),
+    (["--checkpointing", "-3"], "argument --checkpointing: '-3' is no checkpointing setting; give all, none or a"),
+    (["--checkpointing", "some"], "argument --checkpointing: 'some' is no checkpointing setting"),
+    (["--gpu-memory-gib", "80GB"], "argument --gpu-memory-gib: '80GB' is not a size in GiB; give a positive size"),
+    (["--gpu-memory-gib", "inf"], "argument --gpu-memory-gib: inf GiB is no device"),
 ])
 def test_run_options_that_cannot_work_together_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
