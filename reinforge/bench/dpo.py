@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from reinforge.bench.table import write_json
+
 TRL_SCRIPT = Path("benchmarks") / "trl_dpo.py"
 TRL_GRACE_S = 60.0
 """How long TRL's script may run past its deadline (the step under way, writing its results) before it is ended."""
@@ -214,5 +216,5 @@ def dpo_main(argv: list[str]) -> int:
             else:
                 print(f"trl DPOTrainer: {results['trl']['error']}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_json(args.json, results)
     return 0

@@ -45,6 +45,7 @@ import torch
 
 from reinforge.algorithms import compute_advantages
 from reinforge.bench.gpu_busy import GpuBusy
+from reinforge.bench.table import write_json
 from reinforge.bench.train import rule_reward, write_model
 from reinforge.config.schema import Config
 from reinforge.controller import WorkerGroup
@@ -304,8 +305,8 @@ def modes_main(argv: list[str]) -> int:
               f"{row['partial_fraction']:>9.2f}{waits[0]:>15}{waits[1]:>16}")
     if args.json:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu"
-        args.json.write_text(json.dumps({"results": results, "device": device,
-                                         "settings": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+        write_json(args.json, {"results": results, "device": device,
+                               "settings": {k: str(v) for k, v in vars(args).items()}})
     return 0 if all(math.isfinite(row["s_per_1000_samples"]) for row in results) else 1
 
 

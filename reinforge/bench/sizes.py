@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from reinforge.bench.shapes import SHAPES
-from reinforge.bench.table import environment, render_table
+from reinforge.bench.table import environment, render_table, write_json
 
 TRL_SCRIPT = Path("benchmarks") / "trl_grpo.py"
 TRL_OPTIONS = ("--steps", "--prompts", "--n", "--prompt-tokens", "--response-tokens", "--gpu-memory-gib")
@@ -171,7 +171,7 @@ class CaseRunner:
                           "tail": tail[-25:]}
         if env is not None:
             result["case"]["alloc_conf"] = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF")
-        (self.out / case_file(kind, size, self.args.case_options)).write_text(json.dumps(result, indent=1))
+        write_json(self.out / case_file(kind, size, self.args.case_options), result)
         self.results.append(result)
         print(f"[{size} {kind}] {summary(result)}", flush=True)
 

@@ -14,6 +14,7 @@ import argparse
 import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -74,6 +75,17 @@ def commit(repo: Path | None = None) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() + ("+changes" if changed.returncode != 0 or changed.stdout.strip() else "")
+
+
+def write_json(path: Path, data: object) -> None:
+    """``data`` as indented JSON in ``path``, whole or not at all: written beside it (``*.json.tmp``, which no
+    ``*.json`` glob reads) and renamed over it, so a process ended mid-write leaves the earlier file or none."""
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        temporary.write_text(json.dumps(data, indent=1))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def load_cases(paths: list[Path]) -> list[dict]:

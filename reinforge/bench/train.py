@@ -46,6 +46,7 @@ import torch
 
 from reinforge.bench.floor import COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S
 from reinforge.bench.shapes import QWEN25_SIZES, SHAPES, shape_config
+from reinforge.bench.table import write_json
 from reinforge.config.schema import DECODE_PRODUCTS
 
 QWEN25_SHAPES = {size: shape_config(size) for size in QWEN25_SIZES}
@@ -709,7 +710,7 @@ def bench_train_main(argv: list[str]) -> int:
         except (KeyError, TypeError, RuntimeError, AttributeError):
             pass
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(args.json, result)
     median = result["median"]
     print(f"{args.variant}: step {median.get('step_s', 0):.2f} s, rollout {median.get('rollout_s', 0):.2f} s, "
           f"update {median.get('update_actor_s', 0):.2f} s, {median.get('update_tokens_per_s', 0):.0f} tok/s, "

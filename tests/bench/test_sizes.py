@@ -210,3 +210,26 @@ def test_trl_runs_with_expandable_segments_unless_the_allocator_is_configured():
     assert sizes.trl_environment({"PATH": "/bin"}) == {"PATH": "/bin", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
     assert sizes.trl_environment(mine) == mine
+
+
+def test_a_case_file_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch):
+    """A case's JSON is written beside its file and renamed over it: a process ended before the rename leaves the
+    earlier file whole, and ``bench table`` (which reads ``*.json``) never sees the half-written one."""
+    import reinforge.bench.table as table
+
+    case = runner(tmp_path, None)
+    path = tmp_path / sizes.case_file("reinforge", "0.5b", [])
+    path.write_text('{"earlier": true}')
+
+    def ended(source, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(table.os, "replace", ended)
+    with pytest.raises(KeyboardInterrupt):
+        case.record("reinforge", "0.5b", {"median": {"step_s": 1.0}}, "ok", 0, 1.0, [])
+    assert json.loads(path.read_text()) == {"earlier": True}
+    assert sorted(item.name for item in tmp_path.iterdir()) == [path.name]
+    monkeypatch.undo()
+    case.record("reinforge", "0.5b", {"median": {"step_s": 1.0}}, "ok", 0, 1.0, [])
+    assert json.loads(path.read_text())["case"]["status"] == "ok"
+    assert sorted(item.name for item in tmp_path.iterdir()) == [path.name]
