@@ -9,7 +9,8 @@ and a ``case`` record, ``table.py``) lands in ``--out`` (``bench_out`` by defaul
 output streams through prefixed by its name, and one markdown table is printed last. ``--deadline-s``
 bounds the whole invocation: each process gets the time left (a ``bench train`` case as its own
 ``--deadline-s``, so that it stops between steps and reports the steps done; one still running at the
-deadline is ended), and a case that cannot start in time is skipped. This process never touches the device.
+deadline is ended), and a case that cannot start in time is skipped. The command exits 1 when a case gave no
+result (``failed_cases``; TRL running out of memory is one). This process never touches the device.
 """
 
 from __future__ import annotations
@@ -82,9 +83,14 @@ def run_sizes(args: argparse.Namespace, argv: list[str]) -> int:
                 runner.run_trl(size, model_dir, script)
     print(f"\ncase results: {out}/*.json (reinforge bench table {out} prints this table again)\n", flush=True)
     print(render_table(runner.results), flush=True)
-    failed = [r["case"]["size"] for r in runner.results if r["case"]["kind"] == "reinforge"
-              and r["case"]["status"] != "ok"]
-    return 1 if failed else 0
+    return 1 if failed_cases(runner.results) else 0
+
+
+def failed_cases(results: list[dict]) -> list[str]:
+    """``size kind`` of each case that gave no result: a reinforge case not ok, a TRL case neither ok nor out of
+    memory (TRL running out of memory is what its column reports)."""
+    return [f"{r['case']['size']} {r['case']['kind']}" for r in results
+            if r["case"]["status"] not in (("ok",) if r["case"]["kind"] == "reinforge" else ("ok", "OOM"))]
 
 
 def _cuda_available() -> bool:

@@ -233,3 +233,15 @@ def test_a_case_file_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch):
     case.record("reinforge", "0.5b", {"median": {"step_s": 1.0}}, "ok", 0, 1.0, [])
     assert json.loads(path.read_text())["case"]["status"] == "ok"
     assert sorted(item.name for item in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_case_without_a_result_fails_the_command_and_trl_running_out_of_memory_does_not():
+    def case(kind: str, size: str, status: str) -> dict:
+        return {"case": {"kind": kind, "size": size, "status": status}}
+
+    assert sizes.failed_cases([case("reinforge", "0.5b", "ok"), case("trl", "0.5b", "ok"),
+                               case("trl", "7b", "OOM")]) == []
+    assert sizes.failed_cases([case("reinforge", "0.5b", "ok"), case("trl", "0.5b", "failed (exit 1)"),
+                               case("reinforge", "7b", "OOM"), case("trl", "3b", "timeout"),
+                               case("reinforge", "3b", "skipped")]) == ["0.5b trl", "7b reinforge", "3b trl",
+                                                                        "3b reinforge"]
