@@ -4,7 +4,8 @@ MFU counts the matrix FLOPs an update computes per token (``update_flops_per_tok
 forward, 2 x parameters for the inputs' gradients, 2 x trainable parameters for the weights' gradients,
 so 6 x parameters when every weight trains and 4 x the frozen base + 6 x the adapters with LoRA; attention
 and recomputation left out; a mixture-of-experts layer counts the parameters a token runs through, its
-experts' weights times top_k / num_experts, ``num_active_parameters``) times the tokens, over the time
+experts' weights times top_k / num_experts, ``num_active_parameters``; a vision-language model's vision tower
+and projector left out, ``token_parameters``: they run over image patches, not the tokens) times the tokens, over the time
 the update took, against the device's datasheet dense bf16 rate (989 TFLOP/s for the H100 and H200
 SXM). ``perf/mfu_measured_peak/<role>`` divides by the rate measured on this project's H200 instead (799 TFLOP/s, an 8192^3 bf16 product through
 PyTorch), the most a matrix product reached there. The tokens are those the model actually ran:
@@ -48,6 +49,21 @@ def num_parameters(model: nn.Module) -> int:
     return sum(parameter.numel() for parameter in {id(p): p for p in model.parameters()}.values())
 
 
+def token_parameters(model: nn.Module) -> dict[int, nn.Parameter]:
+    """id -> parameter of those a token runs through, tied ones once: all but a vision-language model's vision tower
+    and multimodal projector (``models.vision.vision_tower``), which encode image patches, not the tokens."""
+    from reinforge.models.vision import vision_tower
+
+    parameters = {id(p): p for p in model.parameters()}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's own
+    inner = getattr(base, "model", base)
+    for module in (vision_tower(base), getattr(inner, "multi_modal_projector", None)):
+        if isinstance(module, nn.Module):
+            for parameter in module.parameters():
+                parameters.pop(id(parameter), None)
+    return parameters
+
+
 def _active_shares(model: nn.Module) -> dict[int, float]:
     """id(parameter) -> the share of it one token runs through: top_k / num_experts for the fused expert weights
     of each mixture-of-experts block (every other parameter: 1)."""
@@ -62,9 +78,9 @@ def _active_shares(model: nn.Module) -> dict[int, float]:
 
 
 def num_active_parameters(model: nn.Module) -> float:
-    """Parameters one token runs through (``num_parameters`` for a dense model)."""
+    """Parameters one token runs through (``num_parameters`` for a dense text model)."""
     shares = _active_shares(model)
-    return sum(p.numel() * shares.get(key, 1.0) for key, p in {id(p): p for p in model.parameters()}.items())
+    return sum(p.numel() * shares.get(key, 1.0) for key, p in token_parameters(model).items())
 
 
 def update_flops_per_token(model: nn.Module) -> float:
@@ -73,7 +89,7 @@ def update_flops_per_token(model: nn.Module) -> float:
     (2 x trainable parameters). A frozen weight's gradient is never computed, so it is not counted. Parameters
     are the active ones (``num_active_parameters``)."""
     shares = _active_shares(model)
-    parameters = {id(p): p for p in model.parameters()}
+    parameters = token_parameters(model)
     active = sum(p.numel() * shares.get(key, 1.0) for key, p in parameters.items())
     trainable = sum(p.numel() * shares.get(key, 1.0) for key, p in parameters.items() if p.requires_grad)
     return 4.0 * active + 2.0 * trainable

@@ -106,3 +106,29 @@ def test_an_update_counts_the_attention_of_each_sequence_it_ran(tiny_model_dir, 
     parameters = perf.update_flops_per_token(worker.model) * metrics["perf/computed_tokens/actor"]
     assert metrics["perf/mfu_with_attention/actor"] / metrics["perf/mfu/actor"] == pytest.approx(
         1 + attention / parameters)
+
+
+def tiny_vision_language_model() -> nn.Module:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(
+        "qwen2_5_vl", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1]))
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)
+
+
+def test_a_vision_language_model_counts_no_vision_tower_flops_per_token():
+    """The tower encodes image patches, not the tokens, and frozen it runs once a step without gradients: a token
+    runs through the language model's parameters only (6 each when they train)."""
+    from reinforge.models.vision import freeze_vision_tower, vision_tower
+
+    model = tiny_vision_language_model()
+    tower = freeze_vision_tower(model)
+    assert tower > 0 and sum(p.numel() for p in vision_tower(model).parameters()) == tower
+    language = perf.num_parameters(model) - tower
+    assert perf.num_active_parameters(model) == language
+    assert perf.update_flops_per_token(model) == 6 * language
