@@ -550,9 +550,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--json writes one size's results; with several sizes, --trl or --out give --out DIR instead")
     if args.profile and several:
         parser.error("--profile profiles one size in this process; give one --model size and no --trl or --out")
-    if args.trl and (args.lora or args.variant != "grpo" or args.cpu):
-        parser.error("--trl compares the grpo variant on a GPU (TRL's GRPOTrainer, full fine-tuning); "
-                     "drop --trl, or --lora / --variant / --cpu")
+    if args.trl and (args.lora or args.variant != "grpo" or args.cpu or args.reward_model is not None):
+        parser.error("--trl compares the grpo variant with the rule reward on a GPU (TRL's GRPOTrainer, full "
+                     "fine-tuning); drop --trl, or --lora / --variant / --reward-model / --cpu")
     if args.trl_checkpointing != "auto" and not args.trl:
         parser.error(f"--trl-checkpointing {args.trl_checkpointing} sets TRL's checkpointing; it needs --trl")
     if args.cpu:  # a tiny workload, except where the command line asked for one of its sizes
