@@ -548,6 +548,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--model-dir names the folder of one size; give one --model size with it")
     if several and args.json is not None:
         parser.error("--json writes one size's results; with several sizes, --trl or --out give --out DIR instead")
+    if args.json is not None and not args.json.parent.is_dir():  # found out before the run, not after it
+        parser.error(f"--json {args.json}: its folder {args.json.parent} does not exist; create it or give a path "
+                     "in an existing folder")
     if args.profile and several:
         parser.error("--profile profiles one size in this process; give one --model size and no --trl or --out")
     if args.trl and (args.lora or args.variant != "grpo" or args.cpu or args.reward_model is not None):
