@@ -95,6 +95,13 @@ def update_flops_per_token(model: nn.Module) -> float:
     return 4.0 * active + 2.0 * trainable
 
 
+def forward_share(model: nn.Module) -> float:
+    """A forward pass's share of ``update_flops_per_token``: 2 x active parameters over it, 1/3 when every weight
+    trains, about 1/2 for a LoRA adapter's frozen base (which gets no weight gradients)."""
+    flops = update_flops_per_token(model)
+    return 2.0 * num_active_parameters(model) / flops if flops else 0.0
+
+
 def capped_sum(first, count, cap: int) -> np.ndarray:
     """sum(min(first + j, cap) for j in range(count)), elementwise over arrays; cap 0: no cap."""
     first, count = np.asarray(first, dtype=np.float64), np.asarray(count, dtype=np.float64)
@@ -141,8 +148,8 @@ def update_perf_metrics(role: str, model: nn.Module, num_tokens: float, seconds:
                         computed_attention_flops: float | None = None) -> dict[str, float]:
     """perf/mfu/<role> (where the peak is known) and perf/update_tokens_per_s/<role> of one rank.
 
-    ``num_tokens``: the sequences' tokens; ``computed_tokens``: those run through the model
-    (fewer with shared prompts; default ``num_tokens``); ``computed_attention_flops``: the attention
+    ``num_tokens``: the sequences' tokens; ``computed_tokens``: those run through the model (fewer with shared
+    prompts; a forward-only pass's at its ``forward_share``; default ``num_tokens``); ``computed_attention_flops``: the attention
     products' FLOPs of the same passes (``attention_flops``), which add ``perf/mfu_with_attention/<role>``.
     """
     computed = num_tokens if computed_tokens is None else computed_tokens

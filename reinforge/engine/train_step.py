@@ -43,7 +43,7 @@ from reinforge.engine.micro_batches import (
     without_loss_tokens,
 )
 from reinforge.engine.packing import PLAN_KEY, PackingPlan
-from reinforge.engine.perf import attention_flops, attention_layers, update_perf_metrics
+from reinforge.engine.perf import attention_flops, attention_layers, forward_share, update_perf_metrics
 from reinforge.protocol import Batch
 
 MicroBatchFn = Callable[[Batch, int, str], Iterable[Batch]]
@@ -165,7 +165,10 @@ class ModelUpdate:
         """Each optimizer step's gradient norm (a device scalar until ``metrics`` reads it)."""
         self.num_skipped = 0
         self.skips_on_device = settings.skip_on_device and fused_adamw(optimizer)
-        self.computed_tokens = 0
+        self.computed_tokens = 0.0
+        self.forward_share = forward_share(model)
+        """What a ``FORWARD_ONLY`` micro-batch's token counts for in ``computed_tokens``: its forward's FLOPs over an
+        updated token's (1/3 when every weight trains, about 1/2 with LoRA)."""
         self.attention_layers = attention_layers(model)
         self.computed_attention_flops = 0.0
         self.num_tokens = 0.0
@@ -213,7 +216,7 @@ class ModelUpdate:
                     self._weight = float(micro[settings.mask_key].sum())  # before the copy: no wait on the device
                     plan = micro.meta.get(PLAN_KEY)
                     tokens = plan.num_tokens if plan is not None else micro["attention_mask"].numel()
-                    self.computed_tokens += tokens / 3 if micro.meta.get(FORWARD_ONLY) else tokens  # a forward: 1/3
+                    self.computed_tokens += tokens * self.forward_share if micro.meta.get(FORWARD_ONLY) else tokens
                     self.computed_attention_flops += self._attention_flops(micro, plan)
                     yield micro.to(self.device, non_blocking=True), counts
                 grad_norm = clip_grad_norm_(self.model.parameters(), settings.grad_clip)

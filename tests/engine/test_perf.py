@@ -132,3 +132,29 @@ def test_a_vision_language_model_counts_no_vision_tower_flops_per_token():
     language = perf.num_parameters(model) - tower
     assert perf.num_active_parameters(model) == language
     assert perf.update_flops_per_token(model) == 6 * language
+
+
+def test_a_forward_only_micro_batch_counts_its_forwards_share_of_the_update_flops(monkeypatch):
+    """A forward costs 2 x active parameters a token: a third of a fully trained token's 6, about half of a LoRA
+    token's 4 x the frozen base + 6 x the adapter."""
+    from reinforge.engine.train_step import ModelUpdate, UpdateSettings
+    from reinforge.protocol import Batch
+
+    base = nn.Linear(100, 100, bias=False).requires_grad_(False)  # 10,000 frozen weights
+    adapter = nn.Sequential(nn.Linear(100, 4, bias=False), nn.Linear(4, 100, bias=False))  # 800 trainable
+    model = nn.ModuleDict({"base": base, "adapter": adapter})
+    assert perf.forward_share(model) == pytest.approx(2 * 10_800 / (4 * 10_800 + 2 * 800))
+    assert perf.forward_share(nn.Linear(10, 10)) == pytest.approx(1 / 3)
+    optimizer = torch.optim.AdamW(adapter.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
+    def whole(batch, budget, mask_key):
+        yield batch
+
+    update = ModelUpdate(model, optimizer, scheduler, UpdateSettings(max_tokens_per_micro_batch=64, grad_clip=1.0),
+                         torch.device("cpu"), split=whole)
+    mask = torch.ones(4, 6)
+    batch = Batch.from_dict(tensors={"attention_mask": mask.long(), "response_mask": mask})
+    for _ in update.micro_batches(batch, no_grad_rows=torch.tensor([True, True, False, False])):
+        pass
+    assert update.computed_tokens == pytest.approx(12 * perf.forward_share(model) + 12)

@@ -75,7 +75,7 @@ def test_forward_only_rows_give_the_update_and_metrics_of_the_full_backward(tiny
     for full, skipped in zip(full_metrics, skipped_metrics, strict=True):
         for key in COMPARED:
             assert skipped[key] == pytest.approx(full[key], rel=1e-4, abs=1e-7), key
-        # a forward-only row costs a third of a trained one in the FLOP count
+        # a forward-only row costs its forward's share of a trained one in the FLOP count (a third here)
         assert skipped["perf/computed_tokens/actor"] < full["perf/computed_tokens/actor"]
     if noise:
         assert full_metrics[0]["actor/pg_clipfrac"] > 0  # the comparison covered clipped tokens
