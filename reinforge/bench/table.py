@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from reinforge.bench.shapes import SHAPES
-from reinforge.engine.perf import DATASHEET_BF16_FLOPS, MEASURED_BF16_FLOPS
+from reinforge.engine.perf import DATASHEET_BF16_FLOPS, MEASURED_BF16_FLOPS, table_flops
 
 SIZE_ORDER = tuple(SHAPES)
 VERSIONS = ("torch", "transformers", "triton", "trl")
@@ -235,7 +235,7 @@ def _joined(environments: list[dict], key: str, form: str = "{}") -> str:
 
 
 def _peak(table: dict[str, float], gpu: str) -> float | None:
-    return next((flops for name, flops in table.items() if name in gpu), None) if gpu and " / " not in gpu else None
+    return table_flops(gpu, table) if gpu and " / " not in gpu else None
 
 
 def _tflops(flops: float | None) -> str:

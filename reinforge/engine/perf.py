@@ -7,7 +7,8 @@ and recomputation left out; a mixture-of-experts layer counts the parameters a t
 experts' weights times top_k / num_experts, ``num_active_parameters``; a vision-language model's vision tower
 and projector left out, ``token_parameters``: they run over image patches, not the tokens) times the tokens, over the time
 the update took, against the device's datasheet dense bf16 rate (989 TFLOP/s for the H100 and H200
-SXM). ``perf/mfu_measured_peak/<role>`` divides by the rate measured on this project's H200 instead (799 TFLOP/s, an 8192^3 bf16 product through
+SXM, 756 for the H100 PCIe; ``table_flops``). ``perf/mfu_measured_peak/<role>`` divides by the rate measured on
+this project's H200 instead (799 TFLOP/s, an 8192^3 bf16 product through
 PyTorch), the most a matrix product reached there. The tokens are those the model actually ran:
 with shared prompts (``engine.packing``) a prompt counts once for its group, so MFU measures the
 hardware, while the tokens/s figure counts every sequence's tokens, as the workload defines them.
@@ -32,16 +33,33 @@ from torch import nn
 from reinforge.engine.memory_plan import MemoryPlanError, ModelShape
 from reinforge.engine.moe import moe_blocks
 
-DATASHEET_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+DATASHEET_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "H100 PCIe": 756e12, "A100": 312e12,
+                        "A100 PCIe": 312e12}
+"""Dense bf16 rates of the SXM parts, and of the PCIe cards where their rate is known; another form of a part (an
+H100 or H200 NVL) has none (``table_flops``), so no MFU is reported for it rather than one against the wrong peak."""
 MEASURED_BF16_FLOPS = {"H200": 799e12}
 """What a bf16 matrix product reached on this project's H200 (2026-12)."""
+OTHER_FORMS = ("pcie", "nvl")
+"""Words of a device name that mark a form of a part whose rate is not its SXM form's."""
+
+
+def table_flops(name: str, table: dict[str, float]) -> float | None:
+    """The rate of the first key of ``table`` whose words are all in the device ``name`` (case apart) and that names
+    the name's form (PCIe, NVL) where it has one: an "H100 PCIe" is not an "H100", an "A100-PCIE-40GB" is an
+    "A100 PCIe"."""
+    words = set(name.lower().replace("-", " ").split())
+    form = next((form for form in OTHER_FORMS if form in words), None)
+    for key, flops in table.items():
+        wanted = set(key.lower().split())
+        if wanted <= words and (form is None or form in wanted):
+            return flops
+    return None
 
 
 def peak_flops(device: torch.device, table: dict[str, float] = DATASHEET_BF16_FLOPS) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in table.items() if key in name), None)
+    return table_flops(torch.cuda.get_device_name(device), table)
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -158,3 +158,20 @@ def test_a_forward_only_micro_batch_counts_its_forwards_share_of_the_update_flop
     for _ in update.micro_batches(batch, no_grad_rows=torch.tensor([True, True, False, False])):
         pass
     assert update.computed_tokens == pytest.approx(12 * perf.forward_share(model) + 12)
+
+
+@pytest.mark.parametrize("name, datasheet, measured", [
+    ("NVIDIA H200", 989e12, 799e12),
+    ("NVIDIA H100 80GB HBM3", 989e12, None),
+    ("NVIDIA GH200 480GB", 989e12, None),
+    ("NVIDIA H100 PCIe", 756e12, None),  # not the SXM part's 989
+    ("NVIDIA H100 NVL", None, None),  # a form whose rate the table does not hold: no MFU rather than a wrong one
+    ("NVIDIA H200 NVL", None, None),  # nor this project's H200's measured rate
+    ("NVIDIA A100-SXM4-80GB", 312e12, None),
+    ("NVIDIA A100-PCIE-40GB", 312e12, None),
+    ("NVIDIA A100 80GB PCIe", 312e12, None),
+    ("NVIDIA L40S", None, None),
+])
+def test_the_peak_is_that_of_the_devices_own_form(name, datasheet, measured):
+    assert perf.table_flops(name, perf.DATASHEET_BF16_FLOPS) == datasheet
+    assert perf.table_flops(name, perf.MEASURED_BF16_FLOPS) == measured
