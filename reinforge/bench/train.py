@@ -556,6 +556,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.trl and (args.lora or args.variant != "grpo" or args.cpu or args.reward_model is not None):
         parser.error("--trl compares the grpo variant with the rule reward on a GPU (TRL's GRPOTrainer, full "
                      "fine-tuning); drop --trl, or --lora / --variant / --reward-model / --cpu")
+    native_only = [flag for flag, given in (("--kv-cache-dtype", args.kv_cache_dtype != "auto"),
+                                            ("--shared-prefix-decode", args.shared_prefix_decode != "off"),
+                                            ("--decode-products", args.decode_products != "cublas")) if given]
+    if args.rollout == "hf" and native_only and not args.cpu:  # the floor would count a cache generate never kept
+        parser.error(f"{' and '.join(native_only)} {'set' if len(native_only) > 1 else 'sets'} the native engine, and "
+                     "--rollout hf runs transformers' generate; drop them or --rollout hf")
     if args.trl_checkpointing != "auto" and not args.trl:
         parser.error(f"--trl-checkpointing {args.trl_checkpointing} sets TRL's checkpointing; it needs --trl")
     if args.cpu:  # a tiny workload, except where the command line asked for one of its sizes

@@ -50,6 +50,8 @@ def test_case_options_are_passed_on_as_given_and_run_options_are_not():
                               "0.5b,1.5b,3b,7b,gemma2-2b,phi3-mini,olmo2-1b,mistral-7b,olmoe-1b-7b,qwen3-30b-a3b"),
     (["--model", "0.5b", "--trl", "--lora", "8"], "--trl compares the grpo variant with the rule reward on a GPU"),
     (["--model", "0.5b", "--trl", "--reward-model", "0.5b"], "drop --trl, or --lora / --variant / --reward-model"),
+    (["--rollout", "hf", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype sets the native engine, and --rollout hf runs"),
+    (["--rollout", "hf", "--shared-prefix-decode", "on"], "--shared-prefix-decode sets the native engine"),
     (["--json", "no/such/folder/r.json"], "--json no/such/folder/r.json: its folder no/such/folder does not exist"),
     (["--model", "0.5b,1.5b", "--json", "a.json"], "--json writes one size's results"),
     (["--model", "0.5b,1.5b", "--model-dir", "m"], "--model-dir names the folder of one size"),
