@@ -486,7 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan for and cap the process at this much GPU memory (stands in for smaller cards)")
     parser.add_argument("--micro-tokens", type=_positive_int, default=None,
                         help="token budget of one micro-batch (default: the memory planner's)")
-    parser.add_argument("--rollout", choices=["native", "hf"], default="native")
+    parser.add_argument("--rollout", choices=["native", "hf"], default=None,
+                        help="the rollout engine (default: native; with --cpu, transformers' generate (hf) unless "
+                             "--kv-cache-dtype fp8)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the native engine's KV cache: auto (the model dtype) or fp8 (rollout.kv_cache_dtype)")
     parser.add_argument("--decode-products", choices=DECODE_PRODUCTS, default="cublas",
@@ -559,7 +561,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     native_only = [flag for flag, given in (("--kv-cache-dtype", args.kv_cache_dtype != "auto"),
                                             ("--shared-prefix-decode", args.shared_prefix_decode != "off"),
                                             ("--decode-products", args.decode_products != "cublas")) if given]
-    if args.rollout == "hf" and native_only and not args.cpu:  # the floor would count a cache generate never kept
+    if args.rollout == "hf" and native_only:  # the floor would count a cache generate never kept
         parser.error(f"{' and '.join(native_only)} {'set' if len(native_only) > 1 else 'sets'} the native engine, and "
                      "--rollout hf runs transformers' generate; drop them or --rollout hf")
     if args.trl_checkpointing != "auto" and not args.trl:
@@ -569,8 +571,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, small)
         # transformers' generate keeps no fp8 cache: --kv-cache-dtype fp8 needs the native engine (its PyTorch path)
-        args.rollout = "native" if args.kv_cache_dtype != "auto" else "hf"
+        if args.rollout is None:
+            args.rollout = "native" if native_only else "hf"
         args.steps = min(args.steps, 2)
+    args.rollout = args.rollout or "native"
     return args
 
 

@@ -45,6 +45,14 @@ def test_case_options_are_passed_on_as_given_and_run_options_are_not():
         "reinforge_7b_lora-32_gpu-memory-gib-80_checkpointing-all_optimizer-offload-false_ref-offload.json"
 
 
+def test_the_rollout_engine_is_the_one_asked_for_and_the_cpus_default_is_generate():
+    assert parse_args([]).rollout == "native"
+    assert parse_args(["--cpu"]).rollout == "hf"
+    assert parse_args(["--cpu", "--rollout", "native"]).rollout == "native"
+    assert parse_args(["--cpu", "--kv-cache-dtype", "fp8"]).rollout == "native"
+    assert parse_args(["--cpu", "--rollout", "native"]).case_options == ["--rollout", "native", "--cpu"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "0.5b,13b"], "argument --model: '0.5b,13b' names no model shape 13b; give one or more of "
                               "0.5b,1.5b,3b,7b,gemma2-2b,phi3-mini,olmo2-1b,mistral-7b,olmoe-1b-7b,qwen3-30b-a3b"),
