@@ -131,7 +131,7 @@ def render_table(results: list[dict]) -> str:
     add("optimizer on the CPU (planner)", "reinforge", lambda r: _setting(r, "optimizer_offload", "yes/no"))
     add("rollout memory kept (planner)", "reinforge", lambda r: _setting(r, "keep_rollout_memory", "yes/no"))
     add("layers kept gathered in the update (planner)", "reinforge", lambda r: _setting(r, "keep_gathered", "yes/no"))
-    add("step s", "reinforge", lambda r: _number(r["median"].get("step_s"), "{:.2f}"))
+    add("step s", "reinforge", lambda r: _number(r["median"].get("step_s"), "{:.2f}") + _compiling(r))
     add("rollout s", "reinforge", lambda r: _number(r["median"].get("rollout_s"), "{:.2f}"))
     add("update s", "reinforge", lambda r: _number(r["median"].get("update_actor_s"), "{:.2f}"))
     add(f"MFU vs datasheet{_tflops(datasheet)}", "reinforge", lambda r: _number(r["median"].get("mfu"), "{:.1%}"))
@@ -180,7 +180,7 @@ def family_table(columns: dict[tuple, dict[str, dict]], keys: list[tuple], label
         name = key[1]
         family = shape.get("family") or (SHAPES[name].family if name in SHAPES else "–")
         cells = [family, _shape_cell(label, shape),
-                 _cell(ours, lambda r: _number(r["median"].get("step_s"), "{:.2f}")),
+                 _cell(ours, lambda r: _number(r["median"].get("step_s"), "{:.2f}") + _compiling(r)),
                  _cell(ours, lambda r: _number(r["median"].get("rollout_s"), "{:.2f}")),
                  _cell(ours, lambda r: _number(r["median"].get("update_actor_s"), "{:.2f}")),
                  _cell(ours, lambda r: _number(r["median"].get("mfu"), "{:.1%}")),
@@ -271,6 +271,15 @@ FIRST_STEP_ONLY = " (first step only)"
 step, so it and its ratio are not the medians the other cells are."""
 
 
+FIRST_STEP_COMPILING = " (first step only, compiling)"
+"""Beside a reinforge time whose median is of its first step alone (``--steps 1``, or a deadline after it): that step
+compiles the layers and captures the rollout's graphs, so it is no steady step."""
+
+
+def _compiling(result: dict) -> str:
+    return FIRST_STEP_COMPILING if result.get("median_steps") == [1] else ""
+
+
 def _trl_generate(result: dict | None) -> str:
     """The seconds of each ``generate`` call of TRL's run (one a step): a step is at least its generation, so a
     run of one step, or one that then ran out of memory or time, still bounds its steady step from below. Without
@@ -313,8 +322,9 @@ def _ratio(column: dict[str, dict]) -> str:
         return "–"
     bound = _steady_lower_bound(theirs["best"])
     if bound is not None:
-        return f"more than {int(bound / step * 10) / 10:.1f}"  # rounded down: a lower bound
-    return f"{trl_step / step:.1f}" + (FIRST_STEP_ONLY if theirs["best"].get("first_step_only") else "")
+        return f"more than {int(bound / step * 10) / 10:.1f}" + _compiling(ours)  # rounded down: a lower bound
+    return (f"{trl_step / step:.1f}" + (FIRST_STEP_ONLY if theirs["best"].get("first_step_only") else "")
+            + _compiling(ours))
 
 
 def table_main(argv: list[str]) -> int:

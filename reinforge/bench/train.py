@@ -368,6 +368,9 @@ def run_variant(args: argparse.Namespace, model_dir: Path) -> dict:
         rows.append(row)
         print(json.dumps({"variant": args.variant, **row}), flush=True)
     measured = measured_steps(rows, args.steps if args.profile else None)
+    if [row["step"] for row in measured] == [1]:
+        print("the medians are of step 1 alone, which compiles and captures graphs: no steady step (give --steps 2 "
+              "or more)", flush=True)
     left_out = [row["step"] for row in rows[1:] if row not in measured]
     if left_out:
         print(f"medians over steps {', '.join(str(row['step']) for row in measured)}; left out step(s) "

@@ -194,3 +194,18 @@ def test_the_commit_is_marked_when_the_tracked_files_differ_from_it(tmp_path):
     (tmp_path / "a.py").write_text("x = 2\n")
     assert commit(tmp_path) == clean + "+changes"
     assert commit(tmp_path / "no_such_folder") is None
+
+
+def test_a_median_of_the_first_step_alone_is_marked_as_compiling(tmp_path, capsys):
+    """``--steps 1`` (or a deadline after the first step) leaves the compiling first step as the median: its cells
+    and the ratio to TRL say so, where a steady step's do not."""
+    first_only = {**reinforge_case("0.5b", 30.0), "median_steps": [1]}
+    steady = {**reinforge_case("1.5b", 8.0), "median_steps": [2, 3]}
+    write(tmp_path, "reinforge_0.5b.json", first_only)
+    write(tmp_path, "trl_0.5b.json", trl_case("0.5b", 15.0))
+    write(tmp_path, "reinforge_1.5b.json", steady)
+    write(tmp_path, "trl_1.5b.json", trl_case("1.5b", 40.0))
+    assert main(["bench", "table", str(tmp_path)]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["step s"] == ["30.00 (first step only, compiling)", "8.00"]
+    assert rows["TRL step / reinforge step"] == ["0.5 (first step only, compiling)", "5.0"]
