@@ -25,7 +25,8 @@ sequences Gemma-2-2B's products are 2.7 TFLOP a step, 3.3 ms at the 799 TFLOP/s 
 the same H200 (``MATMUL_FLOPS_PER_S``), against 1.3 ms to read their 5.2 GB. ``RolloutFloor.roofline_seconds``
 counts each step's products at the longer of the two (2 FLOPs per weight a token reads, a mixture of experts'
 layers at their top-k experts a token) beside the KV read, which stays bound by bytes (a query head does 2
-FLOPs per byte of K and V it reads, far below the device's ratio of about 190).
+FLOPs per bf16 value of K and V it reads, 1 a byte, and g a byte for a KV head that g query heads share: 8 for
+Qwen3-30B-A3B, far below the device's ratio of about 190).
 """
 
 from __future__ import annotations
