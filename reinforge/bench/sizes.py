@@ -72,7 +72,12 @@ def run_sizes(args: argparse.Namespace, argv: list[str]) -> int:
     runner = CaseRunner(args, argv, out, environment())
     for size in args.sizes:
         if args.cpu:  # the tiny model, written by the case itself
-            runner.run_reinforge(size, None)
+            runner.run_reinforge(size, args.model_dir)
+            continue
+        if args.model_dir is not None:  # one size's folder written earlier (--model-dir): reused, not written again
+            runner.run_reinforge(size, args.model_dir)
+            if script is not None:
+                runner.run_trl(size, args.model_dir, script)
             continue
         with tempfile.TemporaryDirectory(prefix=f"reinforge_bench_{size}_") as scratch:
             model_dir = runner.write_model(size, Path(scratch))

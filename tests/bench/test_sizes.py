@@ -257,3 +257,23 @@ def test_a_case_without_a_result_fails_the_command_and_trl_running_out_of_memory
                                case("reinforge", "7b", "OOM"), case("trl", "3b", "timeout"),
                                case("reinforge", "3b", "skipped")]) == ["0.5b trl", "7b reinforge", "3b trl",
                                                                         "3b reinforge"]
+
+
+def test_a_model_folder_written_earlier_is_reused_by_the_case_and_trl(tmp_path, monkeypatch):
+    """``--model-dir`` with ``--trl`` or ``--out`` runs both on that folder instead of writing the weights again."""
+    monkeypatch.setattr(sizes, "_cuda_available", lambda: True)
+    monkeypatch.setattr(sizes, "environment", lambda: {})
+    monkeypatch.setattr(sizes, "trl_script", lambda: tmp_path / "trl_grpo.py")
+    monkeypatch.setattr(sizes.importlib.util, "find_spec", lambda name: object())
+    ran = []
+
+    def written_again(self, size, folder):
+        raise AssertionError("the model was written again")
+
+    monkeypatch.setattr(sizes.CaseRunner, "write_model", written_again)
+    monkeypatch.setattr(sizes.CaseRunner, "run_reinforge", lambda self, size, model_dir: ran.append(("ours", model_dir)))
+    monkeypatch.setattr(sizes.CaseRunner, "run_trl", lambda self, size, model_dir, script: ran.append(("trl", model_dir)))
+    model_dir = tmp_path / "model"
+    argv = ["--model", "1.5b", "--trl", "--model-dir", str(model_dir), "--out", str(tmp_path / "out")]
+    assert sizes.run_sizes(parse_args(argv), argv) == 0
+    assert ran == [("ours", model_dir), ("trl", model_dir)]
