@@ -631,6 +631,8 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} s leaves no time; give a positive number of seconds, e.g. 570")
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} s is no deadline; leave --deadline-s out to run every step")
     return value
 
 
@@ -639,8 +641,8 @@ def _positive_rate(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rate in TB/s") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} TB/s moves nothing; give the device's rate, e.g. 4.19")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} TB/s is no device's rate; give a positive one, e.g. 4.19")
     return value
 
 
