@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    GenerationConfig,
 )
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config, transposed_layers
@@ -108,6 +109,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
                              f"({', '.join(unexpected[:3])}, ...); it is not this run's checkpoint")
     else:
         model.load_state_dict(state)
+        if (hf_folder / "generation_config.json").is_file():  # from_config derives one from the config alone
+            model.generation_config = GenerationConfig.from_pretrained(hf_folder)
     return save_hf_folder(model, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
 
 
