@@ -94,13 +94,16 @@ def state_dict_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> dict[str,
 
 
 def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, *,
-                   dtype: torch.dtype | None = None, processor_files_from: str | Path | None = None) -> Path:
+                   dtype: torch.dtype | None = None, processor_files_from: str | Path | None = None,
+                   adapter_folder: str | Path | None = None) -> Path:
     """Save ``model`` (safetensors, in ``dtype`` or its own) and ``tokenizer`` into ``out_dir``, atomically.
 
     Writes config.json, generation_config.json (for models that generate), the weights and the
     tokenizer files. Call it from one process only. Returns ``out_dir``.
     ``processor_files_from``: the model folder (or cached hub id) it was trained from, whose processor files the
     folder keeps when ``tokenizer`` wrote none (``copy_processor_files``).
+    ``adapter_folder``: LoRA adapters in peft's format, copied to ``out_dir/adapter`` with the rest, so that the folder
+    appears with them or not at all.
     """
     out_dir = Path(out_dir)
     state_dict = state_dict_in_dtype(model, dtype) if dtype is not None else None
@@ -112,6 +115,8 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
             use_portable_tokenizer_class(staging)
         if processor_files_from:
             copy_processor_files(processor_files_from, staging)
+        if adapter_folder is not None:
+            shutil.copytree(adapter_folder, staging / "adapter")
     return out_dir
 
 

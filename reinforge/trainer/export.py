@@ -10,7 +10,6 @@ and writes the adapters too, in peft's format, under ``OUT/adapter``.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
@@ -148,6 +147,6 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
                                                                     dtype=torch.float32))
     state = base.state_dict() | adapters
     base.load_state_dict(merge_lora_weights(state, scaling, transposed_layers(base)))
-    save_hf_folder(base, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder)
-    shutil.copytree(adapter_folder, out_dir / "adapter")  # written with actor_state.pt, from the same tensors
-    return out_dir
+    # the adapters were written with actor_state.pt, from the same tensors
+    return save_hf_folder(base, tokenizer, out_dir, dtype=dtype, processor_files_from=hf_folder,
+                          adapter_folder=adapter_folder)
