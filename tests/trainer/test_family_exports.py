@@ -1,4 +1,6 @@
-"""What a one-step GRPO run writes: the checkpoint's hf/ and ``reinforge export``'s folder."""
+"""What a one-step GRPO run writes, family by family: the checkpoint's hf/ and ``reinforge export``'s folder load with
+the Auto classes, keep the input's config, generation config, tokenizer and chat template, and hold the trained
+weights (a LoRA run's merged: W + scale * B A, on fused projections and MoE models too)."""
 
 from __future__ import annotations
 
@@ -6,12 +8,18 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from reinforge.cli import main
 from reinforge.models import save_tiny_model
 
 GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "eos_token_id": [2, 1]}
 """Sampling defaults a released model ships with, which the folders must keep."""
 
+FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3", "qwen3_moe",
+            "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_neox"]
 LORA_RANK, LORA_ALPHA = 4, 64.0
 
 
@@ -40,11 +48,59 @@ def train_and_export(root: Path, arch: str, data: Path, lora: bool) -> tuple[Pat
     return model_dir, checkpoint, root / "exported"
 
 
+def expected_weights(model_dir: Path, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The trained weights by plain name: the state itself, or the base with each adapter merged in."""
+    state = torch.load(checkpoint / "actor_state.pt", weights_only=True)["model"]
+    if not (checkpoint / "adapter").is_dir():
+        return state
+    weights = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for name, lora_a in state.items():
+        if ".lora_A." in name:
+            prefix = name.split(".lora_A.")[0].removeprefix("base_model.model.")
+            lora_b = state[name.replace(".lora_A.", ".lora_B.")]
+            weights[f"{prefix}.weight"] = weights[f"{prefix}.weight"] + LORA_ALPHA / LORA_RANK * (lora_b @ lora_a)
+    return weights
+
+
+def assert_same_model_folder(model_dir: Path, folder: Path, expected: dict[str, torch.Tensor]) -> None:
+    def config(path: Path) -> dict:
+        return {key: value for key, value in json.loads(path.read_text()).items() if key != "transformers_version"}
+
+    assert config(folder / "config.json") == config(model_dir / "config.json")
+    assert config(folder / "generation_config.json") == config(model_dir / "generation_config.json")
+    assert (folder / "chat_template.jinja").read_text() == (model_dir / "chat_template.jinja").read_text()
+    tokenizer, source_tokenizer = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(model_dir)
+    text = "<|im_start|>user\n2+3?<|im_end|>\n"
+    assert tokenizer(text)["input_ids"] == source_tokenizer(text)["input_ids"]
+    assert (tokenizer.eos_token, tokenizer.pad_token) == (source_tokenizer.eos_token, source_tokenizer.pad_token)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.lm_head.weight is model.get_input_embeddings().weight, "the tiny models tie their embeddings"
+    weights = model.state_dict()
+    assert weights.keys() == expected.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_export_keeps_the_generation_config_of_the_checkpoint(arithmetic_data_dir, tmp_path):
     model_dir, checkpoint, exported = train_and_export(tmp_path, "qwen2", arithmetic_data_dir, lora=False)
     for folder in (checkpoint / "hf", exported):
         saved = json.loads((folder / "generation_config.json").read_text())
         assert {key: saved.get(key) for key in GENERATION} == GENERATION, folder
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_checkpoint_and_export_are_the_trained_model(arithmetic_data_dir, tmp_path, arch, lora):
+    model_dir, checkpoint, exported = train_and_export(tmp_path, arch, arithmetic_data_dir, lora)
+    expected = expected_weights(model_dir, checkpoint)
+    assert not any("lora_" in name or "base_model" in name for name in expected)
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    changed = {name.removesuffix(".weight").rsplit(".", 1)[-1] for name in base if not torch.equal(expected[name], base[name])}
+    assert changed, "one step changed some weight"
+    if arch == "phi3" and lora:
+        assert {"qkv_proj", "gate_up_proj"} <= changed, "the fused projections are adapted and merged"
+    for folder in (checkpoint / "hf", exported):
+        assert_same_model_folder(model_dir, folder, expected)
 
 
 def test_a_lora_export_interrupted_while_copying_the_adapters_leaves_no_folder(arithmetic_data_dir, tmp_path,
