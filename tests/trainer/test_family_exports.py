@@ -1,11 +1,13 @@
 """What a one-step GRPO run writes, family by family: the checkpoint's hf/ and ``reinforge export``'s folder load with
 the Auto classes, keep the input's config, generation config, tokenizer and chat template, and hold the trained
-weights (a LoRA run's merged: W + scale * B A, on fused projections and MoE models too)."""
+weights (a LoRA run's merged: W + scale * B A, on fused projections and MoE models too); a mixture of experts
+resumed from its checkpoint goes on as the run that was not stopped."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from reinforge.cli import main
 from reinforge.models import save_tiny_model
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_rl_trainer import COMPARED_PREFIXES  # noqa: E402
+
 GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "eos_token_id": [2, 1]}
 """Sampling defaults a released model ships with, which the folders must keep."""
 
@@ -23,12 +28,14 @@ FAMILIES = ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3
 LORA_RANK, LORA_ALPHA = 4, 64.0
 
 
-def train(root: Path, arch: str, data: Path, lora: bool) -> tuple[Path, Path]:
-    """(the input model, the run folder) of a one-step run on a tiny ``arch`` model."""
-    model_dir = save_tiny_model(root / "model", arch)
-    generation_file = model_dir / "generation_config.json"
-    generation_file.write_text(json.dumps(json.loads(generation_file.read_text()) | GENERATION))
-    run_dir = root / "run"
+def train(root: Path, arch: str, data: Path, lora: bool, model_dir: Path | None = None, run_dir: Path | None = None,
+          **overrides: object) -> tuple[Path, Path]:
+    """(the input model, the run folder) of a one-step run on a tiny ``arch`` model (or ``model_dir``)."""
+    if model_dir is None:
+        model_dir = save_tiny_model(root / "model", arch)
+        generation_file = model_dir / "generation_config.json"
+        generation_file.write_text(json.dumps(json.loads(generation_file.read_text()) | GENERATION))
+    run_dir = run_dir or root / "run"
     args = {"model.path": model_dir, "data.train_files": f"[{data / 'train.parquet'}]", "data.train_batch_size": 2,
             "data.max_prompt_length": 64, "data.max_response_length": 4, "rollout.n": 2,
             "trainer.output_dir": run_dir, "trainer.loggers": "[jsonl]", "trainer.total_steps": 1,
@@ -36,7 +43,7 @@ def train(root: Path, arch: str, data: Path, lora: bool) -> tuple[Path, Path]:
             "reward.num_workers": 0}
     if lora:
         args |= {"model.lora.rank": LORA_RANK, "model.lora.alpha": LORA_ALPHA}
-    assert main(["train", *(f"{key}={value}" for key, value in args.items())]) == 0
+    assert main(["train", *(f"{key}={value}" for key, value in {**args, **overrides}.items())]) == 0
     return model_dir, run_dir
 
 
@@ -125,3 +132,29 @@ def test_a_lora_export_interrupted_while_copying_the_adapters_leaves_no_folder(a
     assert not (tmp_path / "fresh").exists()
     assert {path.relative_to(previous): path.read_bytes() for path in previous.rglob("*") if path.is_file()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model", "previous", "run"]
+
+
+@pytest.mark.parametrize("arch, lora", [("mixtral", False), ("deepseek_v3", True)], ids=["mixtral-full", "deepseek_v3-lora"])
+def test_a_mixture_of_experts_resumed_from_its_checkpoint_continues_as_the_uninterrupted_run(
+        arithmetic_data_dir, tmp_path, arch, lora):
+    """A run stopped after step 1's checkpoint (step 2's never written) and run again ends as the run that went on."""
+    model_dir, run_dir = train(tmp_path, arch, arithmetic_data_dir, lora, **{
+        "trainer.total_steps": 2, "trainer.save_every": 1, "actor.mini_batch_size": 1, "actor.use_kl_loss": True})
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000002")
+    (resumed / "checkpoints" / "latest").write_text("step_000001\n")
+    with open(resumed / "metrics.jsonl") as metrics:
+        first = metrics.readline()
+    (resumed / "metrics.jsonl").write_text(first)
+    train(tmp_path, arch, arithmetic_data_dir, lora, model_dir=model_dir, run_dir=resumed, **{
+        "trainer.total_steps": 2, "trainer.save_every": 1, "actor.mini_batch_size": 1, "actor.use_kl_loss": True})
+
+    def compared(folder: Path) -> list[dict]:
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return [{key: value for key, value in row.items() if not key.startswith(COMPARED_PREFIXES)} for row in rows]
+
+    assert compared(resumed) == compared(run_dir)
+    states = [torch.load(folder / "checkpoints" / "step_000002" / "actor_state.pt", weights_only=True)
+              for folder in (run_dir, resumed)]
+    assert all(torch.equal(states[0]["model"][name], states[1]["model"][name]) for name in states[0]["model"])
