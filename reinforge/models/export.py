@@ -113,6 +113,7 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
             use_portable_tokenizer_class(staging)
+            keep_tokenizer_settings_as_loaded(staging, tokenizer)
         if processor_files_from:
             copy_processor_files(processor_files_from, staging)
         if adapter_folder is not None:
@@ -166,3 +167,23 @@ def use_portable_tokenizer_class(folder: Path) -> None:
     if tokenizer_config.get("tokenizer_class") == "TokenizersBackend":
         tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
         config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+AS_LOADED = "reinforge_as_loaded"
+"""The attribute in which ``load_tokenizer`` keeps the pad token and padding side a tokenizer had before it padded on
+the left with a pad token, for training and rollouts."""
+
+
+def keep_tokenizer_settings_as_loaded(folder: Path, tokenizer) -> None:
+    """Write the pad token and padding side ``tokenizer`` (or a processor's) was loaded with back into the folder's
+    tokenizer_config.json: the model's own tokenizer, not the one training padded with (an EOS pad token would
+    mask the EOS labels of a later fine-tune; its batched generation would pad on the side it was given)."""
+    loaded = getattr(tokenizer, AS_LOADED, None) or getattr(getattr(tokenizer, "tokenizer", None), AS_LOADED, None)
+    config_path = folder / "tokenizer_config.json"
+    if loaded is None or not config_path.is_file():
+        return
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["padding_side"] = loaded["padding_side"]
+    if loaded["pad_token"] is None:
+        tokenizer_config.pop("pad_token", None)
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")

@@ -24,6 +24,7 @@ from transformers import (
 )
 
 from reinforge.models.classes import causal_lm_class, named_class
+from reinforge.models.export import AS_LOADED
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """An AutoTokenizer padding on the left, with a pad token (its EOS token if it has none)."""
+    """An AutoTokenizer padding on the left, with a pad token (its EOS token if it has none); the folders a run saves
+    keep the pad token and padding side it had (``AS_LOADED``)."""
     if is_local_path(path):
         folder = Path(path).expanduser()
         if not folder.is_dir():
@@ -250,6 +252,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
         path = str(folder)
     with hub_errors_explained(path):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    setattr(tokenizer, AS_LOADED, {"pad_token": tokenizer.pad_token, "padding_side": tokenizer.padding_side})
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer {path} has neither a pad token nor an EOS token; add a pad token to its "

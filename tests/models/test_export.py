@@ -95,3 +95,21 @@ def test_cuda_model_loads_in_auto_dtype_and_exports(tiny_model_dir, tmp_path):
     out_dir = save_hf_folder(model, AutoTokenizer.from_pretrained(tiny_model_dir), tmp_path / "hf", dtype=torch.float32)
     loaded = AutoModelForCausalLM.from_pretrained(out_dir)
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight.float().cpu())
+
+
+def test_a_loaded_tokenizer_is_saved_with_the_pad_token_and_padding_side_it_had(tmp_path):
+    """load_tokenizer pads on the left, with its EOS token when there is no pad token; a saved folder's tokenizer is
+    the model's own again."""
+    from reinforge.models import load_tokenizer
+
+    source = tmp_path / "source"
+    build_char_tokenizer().save_pretrained(source)
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    del tokenizer_config["pad_token"]
+    (source / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"padding_side": "right"}))
+    tokenizer = load_tokenizer(str(source))
+    assert (tokenizer.pad_token, tokenizer.padding_side) == ("<|im_end|>", "left")
+    model, _ = tiny_pair("llama")  # (transformers' Qwen2Tokenizer has a pad token of its own)
+    saved = AutoTokenizer.from_pretrained(save_hf_folder(model, tokenizer, tmp_path / "hf"))
+    assert (saved.pad_token, saved.padding_side, saved.eos_token) == (None, "right", "<|im_end|>")
+    assert (tokenizer.pad_token, tokenizer.padding_side) == ("<|im_end|>", "left"), "the tokenizer itself is unchanged"
