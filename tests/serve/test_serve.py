@@ -313,8 +313,9 @@ def test_a_lora_adapter_folder_is_merged_into_the_base_it_names(tiny_model_dir, 
         torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_failed_request_leaves_the_native_engine_serving_the_next(tiny_model_dir):
-    """A step that fails drops its sequences with its requests: the next request runs on a new scheduler."""
+def test_a_failed_request_leaves_the_native_engine_serving_the_next(tiny_model_dir, monkeypatch):
+    """A step that fails drops its sequences with its requests: the next request runs on a new scheduler. A prompt
+    outside the vocabulary is refused before it reaches a step."""
     from reinforge.rollout.base import SamplingParams
     from reinforge.serve.command import build_client, load_model
 
@@ -322,10 +323,20 @@ def test_a_failed_request_leaves_the_native_engine_serving_the_next(tiny_model_d
     client, name = build_client(model, tokenizer, "native", 96, 0.5, 8)
     assert name == "native"
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    runner = client.engine.runner
+    prefill = runner.prefill
+
+    def failing_prefill(seqs):
+        monkeypatch.setattr(runner, "prefill", prefill)  # the first step fails, the later ones run
+        raise IndexError("index out of range in self")
+
+    monkeypatch.setattr(runner, "prefill", failing_prefill)
 
     async def calls():
         with pytest.raises(IndexError):
-            await client.generate([5, 10 ** 6], greedy, "bad")
+            await client.generate([5, 6], greedy, "bad")
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            await client.generate([5, 10 ** 6], greedy, "out of the vocabulary")
         return [(await client.generate(prompt, greedy, f"good-{index}")).token_ids
                 for index, prompt in enumerate(([5, 6], [7, 8]))]
 

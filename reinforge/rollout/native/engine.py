@@ -51,7 +51,7 @@ from reinforge.rollout.base import Completion, GenerationRequest
 from reinforge.rollout.native.async_driver import AsyncDriver, OnToken
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
-from reinforge.rollout.native.model import supports_model, unsupported_reason
+from reinforge.rollout.native.model import decoder_module, supports_model, unsupported_reason
 from reinforge.rollout.native.model_runner import ModelRunner, to_device
 from reinforge.rollout.native.requests import LaunchedStep, RequestState
 from reinforge.rollout.native.sampling import Sampler, SamplingTensors
@@ -137,6 +137,8 @@ class NativeEngine:
         self.model = model
         self.device = device
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = decoder_module(model).embed_tokens.num_embeddings
+        """Prompt token ids must be below it (the rows of the input embedding)."""
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
         self.block_size = block_size
@@ -322,7 +324,9 @@ class NativeEngine:
         budget, and a collection walking the sequences' lists would leave the device idle.
         """
         self.wake_up()
-        states = [self._submit(request) for request in requests]
+        states = [self._new_state(request) for request in requests]  # every request checked before any is queued
+        for state in states:
+            self._incoming.put(state)
         start = self._start_metrics()
         collecting = gc.isenabled()
         gc.disable()
@@ -376,9 +380,22 @@ class NativeEngine:
                 on_done: Callable[[list[Completion]], None] | None = None,
                 on_error: Callable[[BaseException], None] | None = None,
                 on_token: OnToken | None = None) -> RequestState:
+        state = self._new_state(request, on_done, on_error, on_token)
+        self._incoming.put(state)
+        return state
+
+    def _new_state(self, request: GenerationRequest,
+                   on_done: Callable[[list[Completion]], None] | None = None,
+                   on_error: Callable[[BaseException], None] | None = None,
+                   on_token: OnToken | None = None) -> RequestState:
+        """The request's state, once it is checked (a ValueError of one line names what is wrong with it)."""
         sampling = request.sampling
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        lowest, highest = min(request.prompt_token_ids), max(request.prompt_token_ids)
+        if lowest < 0 or highest >= self.vocab_size:
+            raise ValueError(f"request {request.request_id!r} has prompt token id {lowest if lowest < 0 else highest}, "
+                             f"outside the model's vocabulary [0, {self.vocab_size})")
         if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r} has a prompt of {len(request.prompt_token_ids)} "
                              f"tokens, not shorter than max_model_len={self.max_model_len}; raise max_model_len")
@@ -396,7 +413,6 @@ class NativeEngine:
         state = RequestState(request, seed, on_done, on_error, on_token)
         if request.multi_modal_inputs is not None:
             state.multimodal = multimodal.prepare(request)
-        self._incoming.put(state)
         return state
 
     def _admit_incoming(self) -> None:

@@ -190,6 +190,19 @@ def test_requests_longer_than_the_model_length_are_refused(qwen2):
         engine.generate([GenerationRequest(list(range(128)), GREEDY)])
 
 
+@pytest.mark.parametrize("bad_id", [-1, 128])
+def test_prompt_ids_outside_the_vocabulary_are_refused_before_anything_runs(qwen2, tiny, bad_id):
+    # the whole batch is refused (the good request before the bad one is not left queued), and the engine still
+    # serves the next batch
+    engine = make_engine(qwen2)
+    good = tiny.prompts([5])[0]
+    with pytest.raises(ValueError, match=rf"prompt token id {bad_id}, outside the model's vocabulary \[0, 128\)"):
+        engine.generate([GenerationRequest(good, GREEDY), GenerationRequest([3, bad_id, 4], GREEDY)])
+    (completion,), = engine.generate([GenerationRequest(good, GREEDY)])
+    assert completion.token_ids == tiny.hf_greedy(qwen2, good, 12)
+    assert engine.counts()["rollout/prefill_tokens"] == len(good)
+
+
 def test_seeded_samples_are_the_hf_backends(qwen2, tiny):
     # both backends draw with rollout.noise: the same seed gives the same tokens (float32, the same logits
     # up to rounding), for prompts of several lengths (the hf backend pads them to the left)
