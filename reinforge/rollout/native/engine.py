@@ -36,6 +36,7 @@ memory (``empty_cache_on_sleep`` also returns it to the device), or, with
 from __future__ import annotations
 
 import gc
+import math
 import queue
 import threading
 import time
@@ -47,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
-from reinforge.rollout.base import Completion, GenerationRequest
+from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
 from reinforge.rollout.native.async_driver import AsyncDriver, OnToken
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
@@ -70,6 +71,19 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def sampling_problem(sampling: SamplingParams) -> str | None:
+    """What is out of range in ``sampling`` (the ranges the rollout config checks), or None."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        return f"temperature={sampling.temperature}, which must be a finite number >= 0 (0 is greedy)"
+    if not 0.0 < sampling.top_p <= 1.0:
+        return f"top_p={sampling.top_p}, which must be in (0, 1]"
+    if not 0.0 <= sampling.min_p <= 1.0:  # above 1 even the most likely token falls below the bar
+        return f"min_p={sampling.min_p}, which must be in [0, 1] (0: off)"
+    if sampling.num_top_log_probs < 0:
+        return f"num_top_log_probs={sampling.num_top_log_probs}, which must be at least 0 (0: none)"
+    return None
 
 
 BLOCK_SIZE = 16
@@ -406,6 +420,9 @@ class NativeEngine:
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
+        problem = sampling_problem(sampling)
+        if problem is not None:
+            raise ValueError(f"request {request.request_id!r} asks for {problem}")
         if sampling.stop and self.decode is None:
             raise ValueError(f"request {request.request_id!r} has stop strings {list(sampling.stop)} but the engine "
                              "has no tokenizer to read its samples' text; build NativeEngine with tokenizer=")

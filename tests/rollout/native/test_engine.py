@@ -203,6 +203,22 @@ def test_prompt_ids_outside_the_vocabulary_are_refused_before_anything_runs(qwen
     assert engine.counts()["rollout/prefill_tokens"] == len(good)
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"temperature": -1.0}, r"temperature=-1.0, which must be a finite number >= 0"),
+    ({"temperature": float("nan")}, r"temperature=nan, which must be a finite number >= 0"),
+    ({"top_p": 0.0}, r"top_p=0.0, which must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p=1.5, which must be in \(0, 1\]"),
+    ({"min_p": 2.0}, r"min_p=2.0, which must be in \[0, 1\]"),
+    ({"num_top_log_probs": -1}, r"num_top_log_probs=-1, which must be at least 0"),
+])
+def test_sampling_options_out_of_range_are_refused(qwen2, option, message):
+    # a negative temperature samples the least likely tokens and min_p above 1 leaves no token to sample: each is
+    # one line naming the option, before anything runs
+    engine = make_engine(qwen2)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_tokens=2, **option))])
+
+
 def test_seeded_samples_are_the_hf_backends(qwen2, tiny):
     # both backends draw with rollout.noise: the same seed gives the same tokens (float32, the same logits
     # up to rounding), for prompts of several lengths (the hf backend pads them to the left)
