@@ -28,6 +28,9 @@ from reinforge.rollout.native.model_runner import to_device
 from reinforge.rollout.native.sequence import Sequence
 from reinforge.rollout.noise import gumbel_noise, noise_keys
 
+MAX_INV_TEMPERATURE = 1e30
+"""The largest 1 / temperature sampled with: tempered logits stay finite in float32 up to |logit| = 3e8."""
+
 
 @dataclass
 class SamplingTensors:
@@ -58,9 +61,11 @@ class SamplingTensors:
         min_p = np.fromiter((seq.sampling.min_p for seq in seqs), dtype=np.float32, count=len(seqs))
         top_k = np.where(greedy | (top_k < 0), 0, top_k)
         top_p = np.where(greedy, 1.0, top_p).astype(np.float32)
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", over="ignore"):
             log_min_p = np.where(greedy | (min_p <= 0), -np.inf, np.log(np.maximum(min_p, 1e-30))).astype(np.float32)
-            inv_temperatures = np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, temperatures)).astype(np.float32)
+            inv_temperatures = np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, temperatures))
+        # a temperature so small its inverse overflows float32 samples as the smallest one that does not (the argmax)
+        inv_temperatures = np.minimum(inv_temperatures, MAX_INV_TEMPERATURE).astype(np.float32)
         sample_seeds = np.fromiter((seq.sample_seed for seq in seqs), dtype=np.int64, count=len(seqs))
         # copied without waiting for the device: the engine builds these while a decode step may be in flight
         floats = to_device(np.stack([inv_temperatures, top_p, log_min_p]), device)

@@ -76,3 +76,15 @@ def test_top_k_past_the_vocabulary_keeps_it_all_and_top_p_reads_the_ties_top_k_k
     assert kept.numel() == 4 and kept.max() < 0.5
     threshold = truncation_thresholds(logits, top_k=torch.tensor([3]), top_p=torch.tensor([0.5]))[0]
     assert threshold == logits[0, 0]
+
+
+def test_a_temperature_whose_inverse_overflows_samples_the_argmax():
+    # 1 / 1e-40 is inf in float32: the tempered logits were inf and nan, the log-probs nan
+    sampler = Sampler(use_triton=False)
+    for temperature in (1e-40, 1e-45, 1e-30):
+        tokens, log_probs = sampler(LOGITS.repeat(4, 1), params_for(SamplingParams(temperature=temperature, seed=2),
+                                                                     rows=4))
+        assert tokens.tolist() == [4, 4, 4, 4] and log_probs.tolist() == [0.0] * 4
+        top_values, top_ids = sampler.top_log_probs(LOGITS, params_for(SamplingParams(temperature=temperature,
+                                                                                      num_top_log_probs=2)))
+        assert top_ids[0, 0] == 4 and top_values[0, 0] == 0.0 and top_values[0, 1] < -1e29
