@@ -11,6 +11,7 @@ rollout/training mismatch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -48,6 +49,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sampling_problem(sampling: SamplingParams) -> str | None:
+    """What is out of range in ``sampling`` (the ranges the rollout config checks), or None."""
+    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
+        return f"temperature={sampling.temperature}, which must be a finite number >= 0 (0 is greedy)"
+    if not 0.0 < sampling.top_p <= 1.0:
+        return f"top_p={sampling.top_p}, which must be in (0, 1]"
+    if not 0.0 <= sampling.min_p <= 1.0:  # above 1 even the most likely token falls below the bar
+        return f"min_p={sampling.min_p}, which must be in [0, 1] (0: off)"
+    if sampling.num_top_log_probs < 0:
+        return f"num_top_log_probs={sampling.num_top_log_probs}, which must be at least 0 (0: none)"
+    return None
+
 
 
 @dataclass
@@ -102,3 +117,13 @@ class RolloutEngine(Protocol):
 
         ``abandon`` after a failed generation: drop unfinished requests rather than refuse."""
         ...
+
+
+def prompt_problem(prompt_token_ids: list[int], vocab_size: int) -> str | None:
+    """What is wrong with a prompt's token ids for a model of ``vocab_size`` input embeddings, or None."""
+    if not prompt_token_ids:
+        return "an empty prompt"
+    lowest, highest = min(prompt_token_ids), max(prompt_token_ids)
+    if lowest < 0 or highest >= vocab_size:
+        return f"prompt token id {lowest if lowest < 0 else highest}, outside the model's vocabulary [0, {vocab_size})"
+    return None

@@ -40,7 +40,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from transformers.utils import ModelOutput
 
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
-from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams, prompt_problem, sampling_problem
 from reinforge.rollout.native.sampling import truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
 from reinforge.rollout.stop_strings import StopStringMatcher, token_decoder
@@ -291,7 +291,14 @@ class HFEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         results: list[list[Completion] | None] = [None] * len(requests)
         groups: dict[SamplingParams, list[int]] = defaultdict(list)
+        vocab_size = self.model.get_input_embeddings().num_embeddings
         for index, request in enumerate(requests):
+            problem = prompt_problem(request.prompt_token_ids, vocab_size)
+            if problem is not None:
+                raise ValueError(f"request {request.request_id!r} has {problem}")
+            problem = sampling_problem(request.sampling)
+            if problem is not None:
+                raise ValueError(f"request {request.request_id!r} asks for {problem}")
             if request.sampling.stop and self.decode is None:
                 raise ValueError(f"request {request.request_id!r} has stop strings {list(request.sampling.stop)} but "
                                  "the engine has no tokenizer to read its samples' text; build HFEngine with "

@@ -127,3 +127,20 @@ def test_unseeded_samples_are_fresh_draws_from_call_to_call():
     first = [sample.token_ids for sample in engine.generate([GenerationRequest([5, 6, 7], sampling)])[0]]
     second = [sample.token_ids for sample in engine.generate([GenerationRequest([5, 6, 7], sampling)])[0]]
     assert first != second and len({tuple(ids) for ids in first}) > 1
+
+
+@pytest.mark.parametrize("prompt, sampling, message", [
+    ([5, 64], SamplingParams(max_tokens=2), r"prompt token id 64, outside the model's vocabulary \[0, 64\)"),
+    ([-1, 5], SamplingParams(max_tokens=2), r"prompt token id -1, outside the model's vocabulary \[0, 64\)"),
+    ([], SamplingParams(max_tokens=2), "an empty prompt"),
+    ([5, 6], SamplingParams(max_tokens=2, temperature=-1.0), r"temperature=-1.0, which must be a finite number >= 0"),
+    ([5, 6], SamplingParams(max_tokens=2, min_p=2.0), r"min_p=2.0, which must be in \[0, 1\]"),
+    ([5, 6], SamplingParams(max_tokens=2, top_p=0.0), r"top_p=0.0, which must be in \(0, 1\]"),
+])
+def test_prompts_outside_the_vocabulary_and_sampling_out_of_range_are_refused_as_the_native_engine_does(
+        prompt, sampling, message):
+    # not as transformers' failure (an IndexError named as a model generate cannot run), nor sampled silently
+    # (a negative temperature samples the least likely tokens, min_p above 1 always token 0)
+    with pytest.raises(ValueError, match=message):
+        make_engine().generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2)),
+                                GenerationRequest(prompt, sampling)])

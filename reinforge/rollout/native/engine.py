@@ -36,7 +36,6 @@ memory (``empty_cache_on_sleep`` also returns it to the device), or, with
 from __future__ import annotations
 
 import gc
-import math
 import queue
 import threading
 import time
@@ -48,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.models.kv_layout import split_pool_blocks, window_pool_blocks
-from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams
+from reinforge.rollout.base import Completion, GenerationRequest, prompt_problem, sampling_problem
 from reinforge.rollout.native.async_driver import AsyncDriver, OnToken
 from reinforge.rollout.native.block_manager import BlockManager
 from reinforge.rollout.native.counters import EngineCounters, count_metrics
@@ -71,19 +70,6 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def sampling_problem(sampling: SamplingParams) -> str | None:
-    """What is out of range in ``sampling`` (the ranges the rollout config checks), or None."""
-    if not math.isfinite(sampling.temperature) or sampling.temperature < 0:
-        return f"temperature={sampling.temperature}, which must be a finite number >= 0 (0 is greedy)"
-    if not 0.0 < sampling.top_p <= 1.0:
-        return f"top_p={sampling.top_p}, which must be in (0, 1]"
-    if not 0.0 <= sampling.min_p <= 1.0:  # above 1 even the most likely token falls below the bar
-        return f"min_p={sampling.min_p}, which must be in [0, 1] (0: off)"
-    if sampling.num_top_log_probs < 0:
-        return f"num_top_log_probs={sampling.num_top_log_probs}, which must be at least 0 (0: none)"
-    return None
 
 
 BLOCK_SIZE = 16
@@ -404,12 +390,9 @@ class NativeEngine:
                    on_token: OnToken | None = None) -> RequestState:
         """The request's state, once it is checked (a ValueError of one line names what is wrong with it)."""
         sampling = request.sampling
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        lowest, highest = min(request.prompt_token_ids), max(request.prompt_token_ids)
-        if lowest < 0 or highest >= self.vocab_size:
-            raise ValueError(f"request {request.request_id!r} has prompt token id {lowest if lowest < 0 else highest}, "
-                             f"outside the model's vocabulary [0, {self.vocab_size})")
+        problem = prompt_problem(request.prompt_token_ids, self.vocab_size)
+        if problem is not None:
+            raise ValueError(f"request {request.request_id!r} has {problem}")
         if len(request.prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"request {request.request_id!r} has a prompt of {len(request.prompt_token_ids)} "
                              f"tokens, not shorter than max_model_len={self.max_model_len}; raise max_model_len")
