@@ -88,6 +88,25 @@ def test_a_sequence_that_outgrows_the_whole_cache_is_refused_in_one_line():
         engine.generate([GenerationRequest(prompts([5])[0], greedy)])
 
 
+@pytest.mark.parametrize("family, length, n, message", [
+    ("llama", 9, 1, r"a sequence of 9 tokens with n=1 needs 5 KV blocks but the cache has 4; raise"),
+    ("llama", 5, 2, r"a sequence of 5 tokens with n=2 needs 4 KV blocks but the cache has 3; raise"),
+    ("llama", 3, 9, r"a request asks for n=9 samples but max_num_seqs=8; raise max_num_seqs or lower n"),
+    ("gemma2", 9, 1, r"needs 5 KV blocks but the cache has 4 \(the full-attention layers' pool\)"),
+])
+def test_a_request_the_cache_can_never_admit_is_refused_before_anything_runs(family, length, n, message):
+    """A prompt whose blocks (with a copy of its last, partial one for each further sample) outnumber a pool, or more
+    samples than sequence slots: refused at submission, with the requests beside it; the engine then serves the next
+    batch rather than failing at the same waiting sequence at every step."""
+    model = tiny_model(family, WINDOW if family == "gemma2" else None, num_layers=2)
+    engine = make_engine(model, block_size=2, num_kv_blocks=4 if length == 9 else 3)
+    good = GenerationRequest(prompts([2])[0], SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(ValueError, match=message):
+        engine.generate([good, GenerationRequest(prompts([length])[0], SamplingParams(max_tokens=1, n=n, seed=1))])
+    (completion,), = engine.generate([good])
+    assert completion.token_ids == hf_greedy(model, good.prompt_token_ids, 2)
+
+
 def test_layers_group_by_window_only_when_full_and_sliding_layers_mix():
     assert layer_groups([None, None, None]) == [[0, 1, 2]]
     assert layer_groups([8, 8, 8]) == [[0, 1, 2]]

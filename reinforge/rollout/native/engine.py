@@ -403,6 +403,10 @@ class NativeEngine:
         if sampling.n < 1 or sampling.max_tokens < 1:
             raise ValueError(f"request {request.request_id!r} asks for n={sampling.n}, "
                              f"max_tokens={sampling.max_tokens}; both must be at least 1")
+        scheduler = self.scheduler  # None when a failed step of the async driver has just dropped it
+        refusal = scheduler.refusal(len(request.prompt_token_ids), sampling.n) if scheduler is not None else None
+        if refusal is not None:  # refused here, not inside a step: the engine would keep failing at it
+            raise ValueError(f"request {request.request_id!r}: {refusal}")
         problem = sampling_problem(sampling)
         if problem is not None:
             raise ValueError(f"request {request.request_id!r} asks for {problem}")

@@ -103,10 +103,28 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.num_samples > self.max_num_seqs:
-            raise ValueError(f"a request asks for n={seq.num_samples} samples but max_num_seqs={self.max_num_seqs}; "
-                             "raise max_num_seqs or lower n")
+            raise ValueError(self.refusal(seq.num_tokens, seq.num_samples))
         seq.waiting_since = self.num_decode_steps
         self.waiting.append(seq)
+
+    def refusal(self, num_tokens: int, num_samples: int) -> str | None:
+        """Why a waiting sequence of ``num_tokens`` tokens standing for ``num_samples`` samples is never admitted, not
+        even with every slot and block free (one line), or None when it can be."""
+        if num_samples > self.max_num_seqs:
+            return (f"a request asks for n={num_samples} samples but max_num_seqs={self.max_num_seqs}; raise "
+                    "max_num_seqs or lower n")
+        for manager in self.pools:
+            copies = num_samples - 1 if num_tokens % manager.block_size else 0
+            if manager.num_blocks_for(num_tokens) + copies > manager.num_blocks:
+                return self._outgrows(num_tokens, num_samples, manager.num_blocks_for(num_tokens) + copies, manager)
+        return None
+
+    def _outgrows(self, num_tokens: int, num_samples: int, num_blocks: int, manager: BlockManager) -> str:
+        pool = "" if not self.group_managers else " (the full-attention layers' pool)" \
+            if manager.sliding_window is None else f" (the pool of the layers with window {manager.sliding_window})"
+        return (f"a sequence of {num_tokens} tokens with n={num_samples} needs {num_blocks} KV blocks but the cache "
+                f"has {manager.num_blocks}{pool}; raise gpu_memory_utilization (or num_kv_blocks), or shorten the prompt "
+                "or max_tokens")
 
     @property
     def has_unfinished(self) -> bool:
@@ -167,12 +185,8 @@ class Scheduler:
                           if not manager.can_allocate(self._blocks_to_admit(seq, blocks, manager))), None)
             if short is not None:
                 if not self.running and not step.seqs:
-                    pool = "" if not self.group_managers else " (the full-attention layers' pool)" \
-                        if short.sliding_window is None else f" (the pool of the layers with window {short.sliding_window})"
-                    raise RuntimeError(
-                        f"a sequence of {seq.num_tokens} tokens with n={seq.num_samples} needs "
-                        f"{self._blocks_to_admit(seq, [], short)} KV blocks but the cache has {short.num_blocks}"
-                        f"{pool}; raise gpu_memory_utilization (or num_kv_blocks), or shorten the prompt or max_tokens")
+                    raise RuntimeError(self._outgrows(seq.num_tokens, seq.num_samples,
+                                                      self._blocks_to_admit(seq, [], short), short))
                 break
             self.waiting.popleft()
             num_tokens += seq.num_tokens
