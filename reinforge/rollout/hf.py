@@ -41,7 +41,7 @@ from transformers.utils import ModelOutput
 
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
 from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams, prompt_problem, sampling_problem
-from reinforge.rollout.native.sampling import truncation_thresholds
+from reinforge.rollout.native.sampling import MAX_INV_TEMPERATURE, truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
 from reinforge.rollout.stop_strings import StopStringMatcher, token_decoder
 
@@ -108,7 +108,7 @@ class _SeededSampler(LogitsProcessor):
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         sampling = self.sampling
-        scaled = scores.float() / sampling.temperature
+        scaled = scores.float() / tempered(sampling.temperature)
         rows = scaled.shape[0]
         threshold = torch.full((rows,), -math.inf, device=scaled.device)
         if sampling.top_k > 0 or sampling.top_p < 1.0:
@@ -120,6 +120,12 @@ class _SeededSampler(LogitsProcessor):
         step = input_ids.shape[1] - self.padded_length
         keys = noise_keys(self.sample_seeds, [length + step for length in self.prompt_lengths], scaled.device)
         return torch.where(scaled >= threshold[:, None], scaled + gumbel_noise(keys, scaled.shape[1]), -math.inf)
+
+
+def tempered(temperature: float) -> float:
+    """The temperature logits are divided by: one so small that the quotient overflows float32 is the native sampler's
+    smallest (``MAX_INV_TEMPERATURE``), which samples the argmax."""
+    return max(temperature, 1 / MAX_INV_TEMPERATURE)
 
 
 class _TokenLogProbs(LogitsProcessor):
@@ -344,7 +350,8 @@ class HFEngine:
         )
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
-        recorder = _TokenLogProbs(1.0 if sampling.greedy else sampling.temperature, sampling.num_top_log_probs)
+        recorder = _TokenLogProbs(1.0 if sampling.greedy else tempered(sampling.temperature),
+                                  sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])
         stop_strings = None
         if sampling.stop and not sampling.ignore_eos:

@@ -144,3 +144,13 @@ def test_prompts_outside_the_vocabulary_and_sampling_out_of_range_are_refused_as
     with pytest.raises(ValueError, match=message):
         make_engine().generate([GenerationRequest([5, 6], SamplingParams(max_tokens=2)),
                                 GenerationRequest(prompt, sampling)])
+
+
+def test_a_temperature_whose_inverse_overflows_samples_the_argmax():
+    # logits / 1e-40 were inf and nan in float32: tokens off the argmax, log-probs nan
+    engine = make_engine()
+    greedy = engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True))])[0][0]
+    sampled = engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=4, temperature=1e-40, seed=1,
+                                                                           ignore_eos=True))])[0][0]
+    assert sampled.token_ids == greedy.token_ids and sampled.log_probs == [0.0] * 4
