@@ -21,7 +21,8 @@ from torch import Tensor, nn
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    """Upper bound on generated tokens per sample."""
+    """Upper bound on generated tokens per sample. The native engine also ends a sample where prompt and sample fill
+    its ``max_model_len`` (finish_reason 'length'); a prompt of max_model_len tokens or more is refused."""
     temperature: float = 1.0
     """0 means greedy decoding."""
     top_p: float = 1.0
@@ -86,7 +87,8 @@ class Completion:
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
-    """'stop' (a stop token was produced, or a stop string completed) or 'length' (max_tokens reached)."""
+    """'stop' (a stop token was produced, or a stop string completed) or 'length' (max_tokens reached, or the
+    native engine's max_model_len)."""
     top_log_probs: list[list[tuple[int, float]]] | None = None
     """With ``sampling.num_top_log_probs``: for each sampled token, (token id, log-prob) of the most likely tokens
     of the distribution it was sampled from, most likely first; None otherwise."""

@@ -190,6 +190,16 @@ def test_requests_longer_than_the_model_length_are_refused(qwen2):
         engine.generate([GenerationRequest(list(range(128)), GREEDY)])
 
 
+@pytest.mark.parametrize("prompt_length, max_tokens, expected", [(124, 4, 4), (124, 5, 4), (127, 12, 1)])
+def test_samples_end_where_prompt_and_sample_fill_max_model_len(qwen2, tiny, prompt_length, max_tokens, expected):
+    # prompt + max_tokens at max_model_len and past it: the sample ends at max_model_len, finish_reason 'length'
+    prompt = tiny.prompts([prompt_length])[0]
+    (completion,), = make_engine(qwen2).generate([GenerationRequest(prompt, SamplingParams(max_tokens=max_tokens,
+                                                                                          temperature=0.0))])
+    assert completion.finish_reason == "length"
+    assert completion.token_ids == tiny.hf_greedy(qwen2, prompt, expected)
+
+
 @pytest.mark.parametrize("bad_id", [-1, 128])
 def test_prompt_ids_outside_the_vocabulary_are_refused_before_anything_runs(qwen2, tiny, bad_id):
     # the whole batch is refused (the good request before the bad one is not left queued), and the engine still
