@@ -297,7 +297,7 @@ class HFEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
         results: list[list[Completion] | None] = [None] * len(requests)
         groups: dict[SamplingParams, list[int]] = defaultdict(list)
-        vocab_size = self.model.get_input_embeddings().num_embeddings
+        vocab_size = self.model.get_input_embeddings().weight.shape[0]
         for index, request in enumerate(requests):
             problem = prompt_problem(request.prompt_token_ids, vocab_size)
             if problem is not None:

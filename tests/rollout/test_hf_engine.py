@@ -146,6 +146,15 @@ def test_prompts_outside_the_vocabulary_and_sampling_out_of_range_are_refused_as
                                 GenerationRequest(prompt, sampling)])
 
 
+def test_the_vocabulary_bound_reads_an_embedding_that_lora_wraps():
+    peft = pytest.importorskip("peft")
+    engine = make_engine()
+    engine.model = peft.get_peft_model(engine.model, peft.LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+    assert len(engine.generate([GenerationRequest([5, 63], SamplingParams(max_tokens=2))])[0][0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"prompt token id 64, outside the model's vocabulary \[0, 64\)"):
+        engine.generate([GenerationRequest([5, 64], SamplingParams(max_tokens=2))])
+
+
 def test_a_temperature_whose_inverse_overflows_samples_the_argmax():
     # logits / 1e-40 were inf and nan in float32: tokens off the argmax, log-probs nan
     engine = make_engine()

@@ -137,7 +137,7 @@ class NativeEngine:
         self.model = model
         self.device = device
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = decoder_module(model).embed_tokens.num_embeddings
+        self.vocab_size = decoder_module(model).embed_tokens.weight.shape[0]
         """Prompt token ids must be below it (the rows of the input embedding)."""
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization

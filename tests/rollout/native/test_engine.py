@@ -213,6 +213,17 @@ def test_prompt_ids_outside_the_vocabulary_are_refused_before_anything_runs(qwen
     assert engine.counts()["rollout/prefill_tokens"] == len(good)
 
 
+def test_the_vocabulary_bound_reads_an_embedding_that_lora_wraps(tiny):
+    # peft's LoRA embedding has no num_embeddings: the bound is its weight's rows
+    peft = pytest.importorskip("peft")
+    model = tiny.build("qwen2")
+    peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+    engine = make_engine(model)
+    assert engine.vocab_size == 128
+    with pytest.raises(ValueError, match=r"prompt token id 128, outside the model's vocabulary \[0, 128\)"):
+        engine.generate([GenerationRequest([3, 128], GREEDY)])
+
+
 @pytest.mark.parametrize("option, message", [
     ({"temperature": -1.0}, r"temperature=-1.0, which must be a finite number >= 0"),
     ({"temperature": float("nan")}, r"temperature=nan, which must be a finite number >= 0"),
