@@ -30,10 +30,12 @@ class SamplingParams:
     """-1 (or 0) disables top-k."""
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
-    """Generation ends after any of these (the stop token is kept in the output)."""
+    """Generation ends after any of these (the stop token is kept in the output). One id alone or a list is taken
+    as that tuple."""
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends at the token whose text completes one (``stop_strings.py``); the ids end
-    with that token. Needs an engine built with the tokenizer."""
+    with that token. Needs an engine built with the tokenizer. One string alone (vLLM's ``stop="###"``) or a list is
+    taken as that tuple; an empty string is refused."""
     num_top_log_probs: int = 0
     """Also return, for each sampled token, the log-probs of this many most likely tokens of the distribution it was
     sampled from (0: none, and nothing is computed for them)."""
@@ -46,6 +48,18 @@ class SamplingParams:
     first_sample: int = 0
     """Sample j of this request is seeded as sample first_sample + j of its seed, and sampling noise is
     keyed by absolute position: a partial sample resumed as prompt + its tokens continues as it would have."""
+
+    def __post_init__(self) -> None:
+        # a string alone would otherwise be read as its characters, each a stop string; lists would leave the
+        # params unhashable
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, int):
+            object.__setattr__(self, "stop_token_ids", (self.stop_token_ids,))
+        elif not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +74,8 @@ def sampling_problem(sampling: SamplingParams) -> str | None:
         return f"top_p={sampling.top_p}, which must be in (0, 1]"
     if not 0.0 <= sampling.min_p <= 1.0:  # above 1 even the most likely token falls below the bar
         return f"min_p={sampling.min_p}, which must be in [0, 1] (0: off)"
+    if any(not text for text in sampling.stop):
+        return f"stop={sampling.stop!r} with an empty string, which every text holds; leave it out"
     if sampling.num_top_log_probs < 0:
         return f"num_top_log_probs={sampling.num_top_log_probs}, which must be at least 0 (0: none)"
     return None

@@ -240,6 +240,30 @@ def test_sampling_options_out_of_range_are_refused(qwen2, option, message):
         engine.generate([GenerationRequest([1, 2, 3], SamplingParams(max_tokens=2, **option))])
 
 
+def test_a_stop_string_or_stop_id_alone_or_in_a_list_is_taken_as_a_tuple_of_them(qwen2):
+    # vLLM's stop="###": not its characters, each a stop string; lists (hashable once tuples) work on both engines
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.rollout.hf import HFEngine
+
+    tokenizer = build_char_tokenizer()
+    sampling = SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=7)
+    for engine in (make_engine(qwen2, tokenizer=tokenizer),
+                   HFEngine(qwen2, pad_token_id=0, eos_token_ids=[], tokenizer=tokenizer)):
+        [[free]] = engine.generate([GenerationRequest([5, 6, 7], sampling)])
+        absent = "zzz" + tokenizer.decode(free.token_ids)[4]  # its last character is in the text, the whole is not
+        for stop in (absent, [absent]):
+            [[sample]] = engine.generate([GenerationRequest([5, 6, 7], dataclasses.replace(sampling, stop=stop))])
+            assert (sample.token_ids, sample.finish_reason) == (free.token_ids, "length")
+        stop_id = free.token_ids[2]
+        for stop_ids in (stop_id, [stop_id]):
+            [[sample]] = engine.generate([GenerationRequest([5, 6, 7],
+                                                            dataclasses.replace(sampling, stop_token_ids=stop_ids))])
+            assert sample.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+            assert sample.finish_reason == "stop"
+        with pytest.raises(ValueError, match=r"stop=\('###', ''\) with an empty string, which every text holds"):
+            engine.generate([GenerationRequest([5, 6, 7], dataclasses.replace(sampling, stop=["###", ""]))])
+
+
 def test_seeded_samples_are_the_hf_backends(qwen2, tiny):
     # both backends draw with rollout.noise: the same seed gives the same tokens (float32, the same logits
     # up to rounding), for prompts of several lengths (the hf backend pads them to the left)
