@@ -36,7 +36,7 @@ def _check_train_data(config: Any, trainer: str) -> None:
 
 class TrainOutput(NamedTuple):
     """What ``train()`` returns, as TRL's (transformers') ``TrainOutput``: the step reached, the mean training loss
-    over the steps this call trained, and the last step's metrics. ``output["train/loss"]`` reads a metric."""
+    over the steps ``train()`` trained, and the last step's metrics. ``output["train/loss"]`` reads a metric."""
 
     global_step: int
     training_loss: float
