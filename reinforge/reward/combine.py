@@ -15,9 +15,19 @@ from torch import Tensor
 from reinforge.config.schema import RewardCombineConfig
 
 
-def combine_scores(rm_scores: Tensor, rule_scores: Tensor | None, config: RewardCombineConfig) -> Tensor:
-    """Per-sample training scores (B,) float32 from the reward model's (B,) and the rule's (B,; None in replace)."""
+def combine_scores(rm_scores: Tensor, rule_scores: Tensor | None, config: RewardCombineConfig,
+                   source: str = "reward.reward_model") -> Tensor:
+    """Per-sample training scores (B,) float32 from the reward model's (B,) and the rule's (B,; None in replace).
+
+    A non-finite model score (``source`` gave it) is refused: it would make its group's advantages NaN.
+    """
     rm_scores = rm_scores.float()
+    bad = torch.nonzero(~torch.isfinite(rm_scores)).flatten()
+    if len(bad):
+        first = int(bad[0])
+        raise ValueError(f"{source} gave {len(bad)} of {len(rm_scores)} samples a non-finite score (sample {first}: "
+                         f"{float(rm_scores[first])}), which would make the advantages NaN; check the model "
+                         "(its weights, model.dtype: float16 overflows where bfloat16 does not)")
     if config.mode == "replace":
         return rm_scores
     if rule_scores is None:

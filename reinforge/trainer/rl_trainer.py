@@ -270,7 +270,7 @@ class RLTrainer(TrainingRun):
                 model_scores, model_metrics = self.model_scorer(batch, self.step)
             rule = rule_call.result() if rule_call is not None else None
             scores = combine_scores(model_scores, None if rule is None else rule["token_level_scores"].sum(-1),
-                                    combine)
+                                    combine, f"reward.{self.model_scorer.name}")
             result = rule if rule is not None else Batch()
             result["token_level_scores"] = place_on_last_token(scores, batch["response_mask"].cpu()).to(
                 batch["responses"].device)

@@ -26,3 +26,10 @@ def test_gate_gives_the_reward_models_score_only_where_the_rule_passes():
     assert combine_scores(RM, RULE, RewardCombineConfig(mode="gate", gate_threshold=1.0)).tolist() == [1.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="reward.combine.mode=gate needs the rule-based scores"):
         combine_scores(RM, None, RewardCombineConfig(mode="gate"))
+
+
+@pytest.mark.parametrize("mode", ["replace", "sum", "gate"])
+def test_a_non_finite_model_score_is_refused_in_one_line(mode):
+    with pytest.raises(ValueError, match=r"^reward.judge gave 2 of 3 samples a non-finite score \(sample 1: nan\)"):
+        combine_scores(torch.tensor([0.5, float("nan"), float("inf")]), RULE, RewardCombineConfig(mode=mode),
+                       "reward.judge")
