@@ -106,6 +106,8 @@ class RLTrainer(TrainingRun):
         self.reward = build_group(RewardWorker, config, role="reward", reward_functions=reward_functions)
         self.reward_model = (build_group(RewardModelWorker, config, role="reward_model")
                              if "reward_model" in roles else None)
+        self.rm_truncation_warned = False
+        """Whether the reward model's inputs cut to reward.reward_model.max_length were warned about (once a run)."""
         self.judge = None
         """reward.judge: the judge's group (the actor's when the policy judges itself)."""
         if config.reward.judge.enable:
@@ -281,10 +283,12 @@ class RLTrainer(TrainingRun):
         rule = rule_call.result() if rule_call is not None else None
         rm_scores = scored["rm_scores"].sum(-1)
         cut = int(scored["rm_truncated"].sum())
-        if cut:
+        if cut and not self.rm_truncation_warned:
+            self.rm_truncation_warned = True
             logger.warning("%d of %d reward-model inputs were longer than reward.reward_model.max_length and lost "
-                           "their end (the response's last tokens) before scoring (reward_model/truncated); raise "
-                           "reward.reward_model.max_length (a re-rendered chat template adds tokens)", cut, len(batch))
+                           "their end (the response's last tokens) before scoring; raise "
+                           "reward.reward_model.max_length (a re-rendered chat template adds tokens). Warned once; "
+                           "reward_model/truncated counts them each step", cut, len(batch))
         scores = combine_scores(rm_scores, None if rule is None else rule["token_level_scores"].sum(-1), combine)
         result = rule if rule is not None else Batch()
         result["token_level_scores"] = place_on_last_token(scores, batch["response_mask"].cpu()).to(

@@ -129,3 +129,28 @@ def test_a_reward_model_reading_past_its_positions_is_warned_about(tiny_model_di
     with caplog.at_level("WARNING"):
         check_reward_model_settings(load_config(None, [*settings, "reward.reward_model.max_length=256"]))
     assert not [record for record in caplog.records if record.levelname == "WARNING"]
+
+
+def test_reward_model_inputs_cut_to_max_length_are_warned_about_once_a_run(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from reinforge.config import Config
+    from reinforge.protocol import Batch
+
+    scored = Batch.from_dict(tensors={"rm_scores": torch.tensor([[0.0, 1.0], [2.0, 0.0]]),
+                                      "rm_truncated": torch.tensor([True, False])})
+    trainer = SimpleNamespace(reward_model=SimpleNamespace(compute_rm_score=lambda batch: scored), model_scorer=None,
+                              config=Config(), rm_truncation_warned=False)
+    batch = Batch.from_dict(tensors={"responses": torch.ones(2, 2, dtype=torch.long),
+                                     "response_mask": torch.tensor([[1, 1], [1, 0]])})
+    with caplog.at_level(logging.WARNING, logger=rl_trainer.logger.name):
+        for _ in range(3):
+            result = rl_trainer.RLTrainer.score(trainer, batch)
+    warnings = [record.getMessage() for record in caplog.records if "reward.reward_model.max_length" in
+                record.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("1 of 2 reward-model inputs")
+    assert result.meta["reward_metrics"]["reward_model/truncated"] == 1.0
+    assert result["token_level_scores"].sum(-1).tolist() == [1.0, 2.0]
