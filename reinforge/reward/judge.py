@@ -132,12 +132,20 @@ def scores_from_texts(texts: Sequence[str], rule: str, marker: str, scale: float
 
 
 def read_template(template: str) -> str:
-    """reward.judge.template: the text itself, or the contents of the file it names."""
+    """reward.judge.template: the text itself, or the contents of the file it names.
+
+    A single line without ``{`` and with a file suffix or a ``/`` that names no file is refused: it is a path
+    that was mistyped, not a template.
+    """
     from pathlib import Path
 
     candidate = Path(template).expanduser()
-    if "{" not in template and "\n" not in template and len(template) < 4096 and candidate.is_file():
-        return candidate.read_text()
+    if "{" not in template and "\n" not in template and len(template) < 4096:
+        if candidate.is_file():
+            return candidate.read_text()
+        if (candidate.suffix or "/" in template) and " " not in candidate.name:
+            raise ValueError(f"reward.judge.template={template} names no file (from {Path.cwd()}); give the "
+                             "template file's path, or the template's text with {response} in it")
     return template
 
 

@@ -64,6 +64,10 @@ def test_templates_name_known_fields_and_show_the_response(tmp_path):
     path.write_text("Judge {response}")
     assert read_template(str(path)) == "Judge {response}"
     assert read_template("Judge {response}") == "Judge {response}"
+    # a mistyped path is said to be one, not read as a template without {response}
+    for missing in (str(tmp_path / "judge.tx"), "prompts/judge"):
+        with pytest.raises(ValueError, match=rf"^reward.judge.template={missing} names no file .*give the template"):
+            read_template(missing)
 
 
 def test_the_problem_is_the_prompts_user_turns():
