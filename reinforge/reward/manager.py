@@ -418,8 +418,9 @@ def _unpack_score(result: JobResult) -> tuple[float, dict[str, Any]]:
                              "return a float or a dict with a 'score'")
         extras = {key: item for key, item in value.items() if key != "score"}
         value = value["score"]
-    if isinstance(value, bool | int | float | np.number | np.bool_) or (isinstance(value, Tensor) and value.numel() == 1):
-        score = float(value)
+    if isinstance(value, bool | int | float | np.number | np.bool_) or (
+            isinstance(value, Tensor) and value.numel() == 1) or (isinstance(value, np.ndarray) and value.size == 1):
+        score = float(value.item() if isinstance(value, np.ndarray) else value)
     else:
         raise TypeError(f"the scorer returned a {type(value).__name__}; return a float or a dict with a 'score'")
     if not math.isfinite(score):

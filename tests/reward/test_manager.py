@@ -327,6 +327,11 @@ def test_a_numpy_bool_is_a_score():
 
     assert _unpack_score(JobResult(value=np.bool_(True))) == (1.0, {})
     assert _unpack_score(JobResult(value={"score": np.bool_(False), "acc": np.bool_(False)})) == (0.0, {"acc": False})
+    # a one-element array (np.mean(..., keepdims=True), a 0-d array) is a score, as a one-element tensor is
+    assert _unpack_score(JobResult(value=np.array(0.5))) == (0.5, {})
+    assert _unpack_score(JobResult(value={"score": np.array([[0.25]], dtype=np.float32)})) == (0.25, {})
+    with pytest.raises(TypeError, match="returned a ndarray"):
+        _unpack_score(JobResult(value=np.array([0.5, 1.0])))
 
 
 def test_a_scorer_past_max_memory_mb_gets_the_fallback_and_its_process_is_replaced(byte_tokenizer, scorer_path,
