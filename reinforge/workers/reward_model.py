@@ -10,8 +10,9 @@ Each sample becomes one reward-model sequence (``RewardInputs``):
   ``input_tokenizer=null``), the policy's own prompt and response ids;
 - otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer
   (special tokens kept, the EOS string removed), appended as the assistant turn to the row's raw
-  prompt messages (a plain-text prompt is followed by the text), rendered with the reward model's
-  chat template without a generation prompt, and tokenized without special tokens.
+  prompt messages, rendered with the reward model's chat template without a generation prompt, and
+  tokenized without special tokens (the template writes them); a plain-text prompt is followed by the
+  text, tokenized with the special tokens the reward model's tokenizer adds (its BOS).
 Sequences longer than ``max_length`` are cut on the right (counted). The samples of one prompt
 keep their common leading tokens as a shared prompt, so the packed forward computes it once;
 the score is the head's output at the sequence's last token, placed on the policy response's
@@ -92,11 +93,10 @@ class RewardInputs:
         eos = self.policy_tokenizer.eos_token
         if eos:
             text = text.replace(eos, "")
-        if isinstance(raw_prompt, str):
-            full = raw_prompt + text
-        else:
-            messages = [dict(message) for message in raw_prompt] + [{"role": "assistant", "content": text}]
-            full = self.rm_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        if isinstance(raw_prompt, str):  # no template writes its special tokens (a BOS): its tokenizer adds them
+            return list(self.rm_tokenizer(raw_prompt + text)["input_ids"])
+        messages = [dict(message) for message in raw_prompt] + [{"role": "assistant", "content": text}]
+        full = self.rm_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
         return list(self.rm_tokenizer(full, add_special_tokens=False)["input_ids"])
 
     def build(self, batch: Batch) -> tuple[Batch, Tensor]:

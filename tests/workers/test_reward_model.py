@@ -289,3 +289,21 @@ def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
     assert message.startswith("'no-such-owner/no-such-reward-model' is not a local folder and could not be loaded "
                               "from the hub (")
     assert message.endswith("; check reward.reward_model.model_path, or download the model first")
+
+
+def test_a_plain_text_prompt_is_re_rendered_with_the_reward_models_bos():
+    from tokenizers.processors import TemplateProcessing
+
+    policy_tokenizer = build_char_tokenizer()
+    rm_tokenizer = build_char_tokenizer(chat_template=PLAIN_TEMPLATE)
+    rm_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(  # a Llama-like BOS before every text
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    response = policy_tokenizer.encode("3<|im_end|>", add_special_tokens=False)
+    batch = policy_batch([(policy_tokenizer.encode("1+2=", add_special_tokens=False), response)], ["a"])
+    batch.non_tensors["raw_prompt"][0] = "1+2="
+    sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
+    assert sequences == [rm_tokenizer("1+2=3")["input_ids"]] == [[0] + [3 + byte for byte in b"1+2=3"]]
+    # a chat prompt's BOS is the template's to write: none is added to it
+    batch.non_tensors["raw_prompt"][0] = [{"role": "user", "content": "1+2?"}]
+    sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
+    assert sequences == [[3 + byte for byte in b"[user] 1+2?\n[assistant] 3\n"]]
