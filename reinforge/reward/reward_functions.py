@@ -150,6 +150,8 @@ def batch_scores(value: list[Any], function_name: str) -> list[float]:
             scores.append(math.nan)
             continue
         try:
+            if isinstance(item, str | bytes):  # float("42") would take an extracted answer for its score
+                raise TypeError
             score = float(item)
         except (TypeError, ValueError):
             raise TypeError(f"reward function {function_name} returned a {type(item).__name__} in its list; return "

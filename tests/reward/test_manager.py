@@ -528,3 +528,11 @@ def test_several_functions_from_files_are_summed_with_their_weights(byte_tokeniz
     with pytest.raises(ValueError, match="reward.custom_function=.* and reward.functions=.* are both set"):
         RewardManager(RewardConfig(num_workers=0, custom_function=f"{scorer_path}:exact",
                                    functions=[f"{scorer_path}:length"]), byte_tokenizer)
+
+
+def test_a_batch_calls_scores_are_numbers_not_strings_that_read_as_numbers():
+    from reinforge.reward.reward_functions import batch_scores
+
+    assert batch_scores([np.float32(0.5), np.array(1.0), True, None], "f")[:3] == [0.5, 1.0, 1.0]
+    with pytest.raises(TypeError, match="reward function f returned a str in its list; return one float"):
+        batch_scores([1.0, "42"], "f")  # an extracted answer returned in place of its score
