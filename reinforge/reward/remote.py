@@ -60,9 +60,11 @@ def split_urls(url: str) -> list[str]:
 
 
 def _jsonable(value: Any) -> Any:
-    """Ground truths and extras as JSON can carry them (numpy values and arrays as plain numbers and lists)."""
+    """Ground truths and extras as JSON can carry them (numpy values and arrays as plain numbers and lists, the
+    arrays and numbers inside a parquet column's object arrays too)."""
     if hasattr(value, "tolist"):
-        return value.tolist()
+        converted = value.tolist()
+        return converted if converted is value else _jsonable(converted)
     if isinstance(value, dict):
         return {str(key): _jsonable(item) for key, item in value.items()}
     if isinstance(value, list | tuple):

@@ -153,3 +153,15 @@ def test_retries_count_only_the_retries_a_failed_request_made(server):
     url = server(refuse_the_first_chunk)
     result = RemoteReward(url, batch_size=3, max_retries=5, backoff_s=0.0).score(SAMPLES)
     assert result.failed == 3 and result.retries == 0  # a 400 is not retried
+
+
+def test_a_parquet_columns_object_arrays_are_sent_as_plain_json():
+    import numpy as np
+
+    nested = RemoteSample("Q:", " A", ground_truth=np.array([np.array([1, 2]), np.array([3])], dtype=object),
+                          data_source="toy", extra_info={"tests": np.array([{"n": np.int64(4)}], dtype=object)})
+    body = request_body([nested], "json")
+    assert json.loads(json.dumps(body))["samples"][0] == {
+        "prompt": "Q:", "response": " A", "ground_truth": [[1, 2], [3]], "data_source": "toy",
+        "extra_info": {"tests": [{"n": 4}]}}
+    assert request_body([nested], "openrlhf")["labels"] == [[[1, 2], [3]]]
