@@ -255,6 +255,7 @@ class ModelShape:
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         given, config = config, with_family_defaults(config)
         text = standard_sizes(config.get("text_config") or config)
+        check_size_values(text)
         try:
             hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
             experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
@@ -462,6 +463,38 @@ class ModelShape:
                   + ACT_ROUTER * self.num_experts)
         values = (self.num_sparse_layers * sparse + (self.num_layers - self.num_sparse_layers) * dense) / self.num_layers
         return int(dtype_bytes * values * (EAGER_ACTIVATION_FACTOR if eager else 1.0))
+
+
+WHOLE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "num_experts", "num_local_experts", "n_routed_experts",
+               "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "n_shared_experts",
+               "first_k_dense_replace", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+               "qk_rope_head_dim", "v_head_dim", "sliding_window", "max_window_layers")
+"""The sizes of a decoder's config the planner reads as whole numbers (null or absent: the family's default)."""
+REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+POSITIVE_WHERE_GIVEN = ("num_key_value_heads", "head_dim")
+"""Sizes the planner derives when they are absent or null, but which a config.json that gives them must give above 0
+(a model of 0 key-value heads or a head dimension of 0 does not build)."""
+
+
+def check_size_values(text: dict[str, Any]) -> None:
+    """Refuse, naming the key, a size of ``WHOLE_SIZES`` in ``text`` that is no whole number (1.5, "wide", true), a
+    ``REQUIRED_SIZES`` one given as null and a ``POSITIVE_WHERE_GIVEN`` one given as 0 or less, before the planner
+    reads any."""
+    for key in WHOLE_SIZES:
+        value = text.get(key)
+        if value is None and key in text and key in REQUIRED_SIZES:
+            raise MemoryPlanError(f"the model's config.json gives {key}=null; the planner needs the sizes of a "
+                                  f"decoder-only transformer ({', '.join(REQUIRED_SIZES)})")
+        if value is None:
+            continue
+        whole = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+        if not whole:
+            raise MemoryPlanError(f"the model's config.json gives {key}={value!r}, not a whole number; the planner "
+                                  f"needs an integer {key} (is model.path the right model?)")
+        if key in POSITIVE_WHERE_GIVEN and value < 1:
+            raise MemoryPlanError(f"the model's config.json gives {key}={value}; the planner needs positive sizes "
+                                  f"(leave {key} out or null to derive it; is model.path the right model?)")
 
 
 SIZE_ALIASES = {

@@ -463,7 +463,7 @@ def test_off_policy_modes_count_the_rollout_that_runs_beside_the_update():
 @pytest.mark.parametrize("text, expected", [
     ("{not json", r"config.json is not valid JSON .*repair or replace that file"),
     ("[1, 2]", r"config.json holds a JSON list, not an object of model sizes"),
-    (json.dumps({**QWEN25["0.5b"], "hidden_size": "wide"}), r"a size that is not a whole number .*'wide'"),
+    (json.dumps({**QWEN25["0.5b"], "hidden_size": "wide"}), r"gives hidden_size='wide', not a whole number"),
     (json.dumps({key: value for key, value in QWEN25["0.5b"].items() if key != "vocab_size"}),
      r"config.json has no 'vocab_size'"),
 ])
@@ -498,6 +498,28 @@ def test_sizes_below_one_in_config_json_are_refused(key, value):
                  intermediate_size=96) | {key: value}
     with pytest.raises(MemoryPlanError, match=rf"config.json gives {key}={value}"):
         ModelShape.from_hf_config(sizes)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("hidden_size", 1.5, r"gives hidden_size=1.5, not a whole number; the planner needs an integer hidden_size"),
+    ("intermediate_size", "big", r"gives intermediate_size='big', not a whole number"),
+    ("sliding_window", True, r"gives sliding_window=True, not a whole number"),
+    ("vocab_size", None, r"gives vocab_size=null; the planner needs the sizes"),
+    ("num_key_value_heads", 0, r"gives num_key_value_heads=0; the planner needs positive sizes \(leave "
+                               r"num_key_value_heads out or null to derive it"),
+    ("head_dim", 0, r"gives head_dim=0; the planner needs positive sizes"),
+])
+def test_a_size_that_is_no_size_is_refused_by_its_key(key, value, expected):
+    """hidden_size=1.5 was refused as head_dim=0, a null or a word without its key, and a given 0 KV heads or head_dim
+    was planned as if left out."""
+    sizes = dict(model_type="qwen2", vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=96) | {key: value}
+    with pytest.raises(MemoryPlanError, match=expected) as raised:
+        ModelShape.from_hf_config(sizes)
+    assert "\n" not in str(raised.value)
+    assert ModelShape.from_hf_config(sizes | {"hidden_size": 64.0, key: 64.0 if key == "hidden_size" else None}
+                                     if key in ("hidden_size", "num_key_value_heads", "head_dim") else
+                                     {**sizes, key: 96}).hidden_size == 64  # 64.0 is whole; null: derived
 
 
 def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
