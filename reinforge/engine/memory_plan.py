@@ -699,6 +699,10 @@ class RunShape:
     ``judge`` phase adds its engine's weight copy, KV cache (rollout.kv_cache_gib, as the policy's) and activations."""
     kv_cache_dtype: str = "auto"
     """rollout.kv_cache_dtype: auto (the compute dtype) or fp8 (a byte a value plus a float32 scale per vector)."""
+    kv_cache_fraction: float = 0.0
+    """rollout.gpu_memory_utilization of the native engine on a GPU: its KV cache takes what the rollout leaves of this
+    fraction of the device, up to what its max_num_seqs can use (``rollout.native.engine``'s sizing), not
+    ``rollout.kv_cache_gib``; 0: the planner sizes the cache."""
     image_tokens: int = 0
     """A vision-language model: the language model's image tokens of one prompt at most (data.max_image_tokens, else
     the prompt's length bounds them); its tower encodes ``VisionShape.patches`` of them. Ignored for a text model."""
@@ -940,8 +944,10 @@ def add_vision_tower(phases: dict[str, dict[str, float]], host: dict[str, float]
                                   * (1 + tower.deepstack_mergers))
 
 
-def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Bytes per consumer: ``({"rollout": {...}, "update": {...}}, host)``, per device."""
+def estimate(shape: ModelShape, run: RunShape, settings: Settings,
+             gpu_bytes: float = 0.0) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Bytes per consumer: ``({"rollout": {...}, "update": {...}}, host)``, per device; with
+    ``run.kv_cache_fraction``, the KV cache is what the rollout leaves of that fraction of ``gpu_bytes``."""
     devices, dtype_bytes, params = run.num_devices, run.dtype_bytes, shape.num_params
     trainable = lora_params(shape, run.lora_rank, run.lora_targets) if run.lora_rank else params
     host: dict[str, float] = {}
@@ -1017,6 +1023,15 @@ def estimate(shape: ModelShape, run: RunShape, settings: Settings) -> tuple[dict
     phases = {"rollout": rollout, "update": update}
     if shape.vision is not None:
         add_vision_tower(phases, host, shape, run, settings, resident)
+    if run.kv_cache_fraction:  # the engine fills the fraction with its cache, after what the rollout holds besides,
+        # up to what its default max_num_seqs of full-length sequences can use
+        useful = needed_kv_gib(shape, dataclasses.replace(run, prompts=ENGINE_MAX_NUM_SEQS * devices,
+                                                          samples_per_prompt=1)) * GiB
+        kv_cache = min(max(run.kv_cache_fraction * gpu_bytes - sum(value for name, value in rollout.items()
+                                                                   if name != "kv cache"), 0.0), useful)
+        for phase in (rollout, update):
+            if "kv cache" in phase:
+                phase["kv cache"] = kv_cache
     kept = {name: update[name] for name in ("rollout weight copy", "vision tower copy", "kv cache") if name in update}
     if run.reward_model is not None:
         phases["reward"] = reward_phase(run, settings, resident | kept)
@@ -1078,8 +1093,8 @@ def _options(shape: ModelShape, run: RunShape, lora: bool) -> dict[str, list[tup
         "micro_batch_tokens": micro,
         "logits_buffer_gib": [(24.0, 0.0), (0.0, CHUNKED_LOGITS_COST)],
         "checkpoint_layers": checkpoint_choices(shape),
-        "kv_cache_gib": [(0.0, 0.0)] + [(round(needed_kv_gib(shape, run, factor), 3), cost)
-                                        for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))],
+        "kv_cache_gib": [(0.0, 0.0)] + ([] if run.kv_cache_fraction else [
+            (round(needed_kv_gib(shape, run, factor), 3), cost) for factor, cost in ((2, 0.05), (4, 0.15), (8, 0.4))]),
         "ref_offload": [(False, 0.0)] if lora else [(False, 0.0), (True, 0.2)],
         "optimizer_offload": [(False, 0.0), (True, 1.0)],
         "param_offload": [(False, 0.0), (True, 3.0)],
@@ -1099,6 +1114,8 @@ class MemoryPlan:
     host_budget: float
     vision: str = ""
     """A vision-language model: one line on its tower (``vision_line``)."""
+    kv_cache_fraction: float = 0.0
+    """rollout.gpu_memory_utilization, where it sizes the KV cache (``RunShape.kv_cache_fraction``)."""
 
     @property
     def peak(self) -> tuple[str, float]:
@@ -1123,8 +1140,11 @@ class MemoryPlan:
                  f"host {self.host_total / GiB:.1f} of {self.host_budget / GiB:.1f} GiB"]
         for name, key in SETTING_KEYS.items():
             value = getattr(self.settings, name)
-            shown = _config_value(name, value)
-            lines.append(f"  {key:<36} {shown!s:<10} {'(set)' if name in self.given else '(auto)'}")
+            shown, origin = _config_value(name, value), "(set)" if name in self.given else "(auto)"
+            if name == "kv_cache_gib" and self.kv_cache_fraction:  # the engine's own sizing, not the setting
+                shown = f"{self.phases['rollout']['kv cache'] / GiB:.1f}"
+                origin = f"(rollout.gpu_memory_utilization={self.kv_cache_fraction:g})"
+            lines.append(f"  {key:<36} {shown!s:<10} {origin}")
         consumers = sorted(self.phases[phase].items(), key=lambda item: -item[1])
         lines.append("  device, " + phase + ": " + ", ".join(f"{n} {v / GiB:.1f}" for n, v in consumers if v > 0)
                      + f", overhead {OVERHEAD_BYTES / GiB:.1f} GiB")
@@ -1183,9 +1203,9 @@ def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str,
           host_bytes: float) -> MemoryPlan:
     if settings.param_offload:  # streamed parameters are gathered for each use (``engine.train_step``)
         settings = dataclasses.replace(settings, keep_gathered=False)
-    phases, host = estimate(shape, run, settings)
+    phases, host = estimate(shape, run, settings, gpu_bytes)
     return MemoryPlan(dataclasses.replace(settings), set(given), phases, host, gpu_bytes * HEADROOM,
-                      host_bytes * HEADROOM, vision_line(shape, run))
+                      host_bytes * HEADROOM, vision_line(shape, run), run.kv_cache_fraction)
 
 
 def vision_line(shape: ModelShape, run: RunShape) -> str:
@@ -1226,6 +1246,9 @@ def _refusal(shape: ModelShape, run: RunShape, plan: MemoryPlan, given: dict[str
                     dataclasses.replace(run, num_devices=run.num_devices * 2))]
         if run.kv_cache_dtype == "auto" and not shape.kv_lora_rank:  # half the KV bytes (docs/long_responses.md)
             options.insert(1, ("rollout.kv_cache_dtype=fp8", dataclasses.replace(run, kv_cache_dtype="fp8")))
+        if run.kv_cache_fraction:  # the engine's cache fills the device whatever its size
+            options.insert(0, ("rollout.gpu_memory_utilization=null (the planner sizes the KV cache)",
+                               dataclasses.replace(run, kv_cache_fraction=0.0)))
         fixes = [text for text, option in options if option != run and _fits(shape, option, given, gpu_bytes, host_bytes)]
         roomy = _search(shape, run, given, gpu_bytes, 64 * max(host_bytes, GiB))[0]
         if roomy is not None and roomy.host_total > host_bytes * HEADROOM:  # it fits on this device with more host memory

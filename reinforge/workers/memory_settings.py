@@ -76,6 +76,8 @@ def run_shape(config: Config) -> RunShape:
                     lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
                     kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")),
+                    kv_cache_fraction=float(config.rollout.gpu_memory_utilization or 0.0)
+                    if config.rollout.name == "native" and on_gpu else 0.0,
                     image_tokens=config.data.max_image_tokens or config.data.max_prompt_length,
                     train_vision=not config.actor.freeze_vision_tower)
 
@@ -151,7 +153,27 @@ def _plan(config: Config, gpu_bytes: float, host_bytes: float | None = None) -> 
     given = given_settings(config, shape.num_layers)
     _check_kv_cache_holds_one_sequence(config, shape, run, given)
     forced = frozenset(name for name in given if _setting(config, SETTING_KEYS[name]) == AUTO)
-    return shape, run, plan_memory(shape, run, given, gpu_bytes, host_bytes, forced)
+    plan = plan_memory(shape, run, given, gpu_bytes, host_bytes, forced)
+    _check_utilization_holds_one_sequence(shape, run, plan)
+    return shape, run, plan
+
+
+def _check_utilization_holds_one_sequence(shape: ModelShape, run: RunShape, plan: MemoryPlan) -> None:
+    """The cache rollout.gpu_memory_utilization leaves (``RunShape.kv_cache_fraction``) must hold one sequence at full
+    length: the native engine fails in its first rollout otherwise."""
+    from reinforge.engine.memory_plan import MemoryPlanError, rollout_concurrency
+
+    if not run.kv_cache_fraction:
+        return
+    left = plan.phases["rollout"]["kv cache"] / GiB
+    one = needed_kv_gib(shape, run, share=rollout_concurrency(run.sequences, run.num_devices))
+    if left < one:
+        held = sum(plan.phases["rollout"].values()) - left * GiB
+        raise MemoryPlanError(
+            f"rollout.gpu_memory_utilization={run.kv_cache_fraction:g} leaves {left:.2f} GiB for the KV cache beside "
+            f"the rollout's other {held / GiB:.1f} GiB, less than one sequence of data.max_prompt_length + "
+            f"data.max_response_length = {run.prompt_length + run.response_length} tokens ({one:.3g} GiB); raise "
+            "it, or leave it null to let the planner size the cache")
 
 
 def _check_kv_cache_holds_one_sequence(config: Config, shape: ModelShape, run: RunShape, given: dict[str, Any]) -> None:
