@@ -1116,6 +1116,9 @@ class MemoryPlan:
     """A vision-language model: one line on its tower (``vision_line``)."""
     kv_cache_fraction: float = 0.0
     """rollout.gpu_memory_utilization, where it sizes the KV cache (``RunShape.kv_cache_fraction``)."""
+    forced: frozenset[str] = frozenset()
+    """Settings of ``given`` the run fixes where the user left them auto (the hf engine frees its memory; on the CPU
+    nothing is offloaded): the table marks them fixed, not set."""
 
     @property
     def peak(self) -> tuple[str, float]:
@@ -1140,7 +1143,8 @@ class MemoryPlan:
                  f"host {self.host_total / GiB:.1f} of {self.host_budget / GiB:.1f} GiB"]
         for name, key in SETTING_KEYS.items():
             value = getattr(self.settings, name)
-            shown, origin = _config_value(name, value), "(set)" if name in self.given else "(auto)"
+            shown = _config_value(name, value)
+            origin = "(fixed)" if name in self.forced else "(set)" if name in self.given else "(auto)"
             if name == "kv_cache_gib" and self.kv_cache_fraction:  # the engine's own sizing, not the setting
                 shown = f"{self.phases['rollout']['kv cache'] / GiB:.1f}"
                 origin = f"(rollout.gpu_memory_utilization={self.kv_cache_fraction:g})"
@@ -1184,7 +1188,7 @@ def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_byt
     """
     best, closest = _search(shape, run, given, gpu_bytes, host_bytes)
     if best is not None:
-        return best
+        return dataclasses.replace(best, forced=forced)
     raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes, forced))
 
 

@@ -1,4 +1,5 @@
-"""rollout.gpu_memory_utilization: the native engine's cache fills that fraction of the device, and the plan says so."""
+"""The plan of a config: rollout.gpu_memory_utilization sizes the native engine's cache, and the table says where
+each setting comes from."""
 
 import json
 import sys
@@ -49,3 +50,13 @@ def test_a_fraction_that_leaves_no_cache_or_more_than_the_device_is_refused_nami
     config.rollout.gpu_memory_utilization, config.trainer.gpu_memory_gib = 1.0, 80.0  # no room for the overhead
     with pytest.raises(MemoryPlanError, match=r"it would fit with rollout.gpu_memory_utilization=null"):
         memory_plan(config)
+
+
+def test_the_table_marks_what_the_run_fixes_apart_from_what_the_user_set(config):
+    """The hf engine's freed memory read '(set)' in a table of a run that set nothing."""
+    config.rollout.name, config.data.max_response_length = "hf", 512
+    table = memory_plan(config).table()
+    assert "rollout.free_cache_engine            True       (fixed)" in table
+    assert "(set)" not in table
+    config.rollout.free_cache_engine = True
+    assert "rollout.free_cache_engine            True       (set)" in memory_plan(config).table()
