@@ -1116,6 +1116,8 @@ class MemoryPlan:
     """A vision-language model: one line on its tower (``vision_line``)."""
     kv_cache_fraction: float = 0.0
     """rollout.gpu_memory_utilization, where it sizes the KV cache (``RunShape.kv_cache_fraction``)."""
+    model: str = ""
+    """One line on the model's parameters and what of them trains (``model_line``)."""
     forced: frozenset[str] = frozenset()
     """Settings of ``given`` the run fixes where the user left them auto (the hf engine frees its memory; on the CPU
     nothing is offloaded): the table marks them fixed, not set."""
@@ -1141,6 +1143,8 @@ class MemoryPlan:
         phase, peak = self.peak
         lines = [f"memory plan: peak {peak / GiB:.1f} of {self.gpu_budget / GiB:.1f} usable GiB on the device ({phase}), "
                  f"host {self.host_total / GiB:.1f} of {self.host_budget / GiB:.1f} GiB"]
+        if self.model:
+            lines.append("  " + self.model)
         for name, key in SETTING_KEYS.items():
             value = getattr(self.settings, name)
             shown = _config_value(name, value)
@@ -1188,7 +1192,7 @@ def plan_memory(shape: ModelShape, run: RunShape, given: dict[str, Any], gpu_byt
     """
     best, closest = _search(shape, run, given, gpu_bytes, host_bytes)
     if best is not None:
-        return dataclasses.replace(best, forced=forced)
+        return dataclasses.replace(best, forced=forced, model=model_line(shape, run))
     raise MemoryPlanError(_refusal(shape, run, closest, given, gpu_bytes, host_bytes, forced))
 
 
@@ -1210,6 +1214,18 @@ def _make(shape: ModelShape, run: RunShape, settings: Settings, given: dict[str,
     phases, host = estimate(shape, run, settings, gpu_bytes)
     return MemoryPlan(dataclasses.replace(settings), set(given), phases, host, gpu_bytes * HEADROOM,
                       host_bytes * HEADROOM, vision_line(shape, run), run.kv_cache_fraction)
+
+
+def model_line(shape: ModelShape, run: RunShape) -> str:
+    """The plan's line on the model: its parameters (of a mixture of experts, those a token runs through too) and
+    what trains: every parameter, or LoRA adapters on the targeted projections it has (a vision tower:
+    ``vision_line``)."""
+    active = f" ({shape.num_active_params / 1e9:.2f}B active a token)" if shape.num_experts else ""
+    adapted = [name for name in run.lora_targets if lora_params(shape, run.lora_rank, (name,))]  # those it has
+    trained = (f"LoRA adapters of rank {run.lora_rank} on {', '.join(adapted)} "
+               f"({lora_params(shape, run.lora_rank, run.lora_targets) / 1e6:.1f}M parameters) train, the base is "
+               "frozen" if run.lora_rank else "every parameter trains")
+    return f"model: {shape.num_params / 1e9:.2f}B parameters{active}; {trained}"
 
 
 def vision_line(shape: ModelShape, run: RunShape) -> str:

@@ -187,6 +187,22 @@ def test_offloaded_parameters_count_exact_shards_and_power_of_two_gradients():
     assert on_the_cpu["master weights"] < 15 * GiB  # nothing is pinned on a CPU run
 
 
+def test_the_table_names_the_parameters_and_what_trains():
+    """A table of a LoRA plan read like a full one but for its small optimizer state; the parameter count, of a
+    mixture of experts the active ones, was nowhere."""
+    assert "  model: 0.49B parameters; every parameter trains\n" in plan_memory(
+        shape("0.5b"), STANDARD, {}, 139 * GiB, 128 * GiB).table()
+    latent = ModelShape.from_hf_config(dict(  # DeepSeek-V2-Lite: latent attention has no k_proj or v_proj
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False))
+    table = plan_memory(latent, dataclasses.replace(STANDARD, lora_rank=16), {}, 139 * GiB, 128 * GiB).table()
+    adapters = lora_params(latent, 16, LORA_PROJECTIONS) / 1e6
+    assert (f"  model: 15.71B parameters (2.66B active a token); LoRA adapters of rank 16 on q_proj, o_proj, gate_proj, "
+            f"up_proj, down_proj ({adapters:.1f}M parameters) train, the base is frozen\n") in table
+
+
 def test_explicit_settings_win_and_a_refusal_names_them():
     small = shape("0.5b")
     plan = plan_memory(small, STANDARD, {"micro_batch_tokens": 4096, "checkpoint_layers": 24}, 139 * GiB, 128 * GiB)
