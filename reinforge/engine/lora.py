@@ -231,8 +231,11 @@ EXPERTS_NOTE = ("the experts' fused 3-D weights get no adapter and stay frozen: 
 def check_target_modules(config: LoraConfig, model_path: str) -> None:
     """Fail before any weight loads when no name in ``model.lora.target_modules`` is a linear layer of the
     model's architecture (read from its config.json; architectures not in ``LINEAR_LAYERS`` are left to peft).
-    peft matches a name against the end of each module's path, so ``self_attn.q_proj`` counts as ``q_proj``."""
-    if config.rank <= 0:
+    peft matches a name against the end of each module's path, so ``self_attn.q_proj`` counts as ``q_proj``. The
+    default targets are not checked: the model gets its family's own projections in their place (``_targets_for``)."""
+    from reinforge.config.schema import LoraConfig
+
+    if config.rank <= 0 or list(config.target_modules) == LoraConfig().target_modules:
         return
     file = Path(model_path).expanduser() / "config.json"
     try:

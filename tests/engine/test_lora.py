@@ -188,6 +188,20 @@ def test_target_modules_that_name_no_layer_fail_before_the_model_loads(tmp_path)
         check_target_modules(LoraConfig(rank=8, target_modules=["qkv_proj"]), str(tmp_path))
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "phi3", "mixtral"])
+def test_the_default_targets_get_no_warning_where_the_family_gets_its_own(tmp_path, caplog, model_type):
+    """DeepSeek's and Phi-3's runs with the default targets were warned that peft ignores k_proj and v_proj (or
+    q_proj ... up_proj) while the load adapts the family's own projections in their place."""
+    import logging
+
+    from reinforge.engine.lora import check_target_modules
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with caplog.at_level(logging.WARNING, logger="reinforge.engine.lora"):
+        check_target_modules(LoraConfig(rank=8), str(tmp_path))
+    assert not caplog.records
+
+
 def test_lora_on_a_mixture_of_experts_adapts_attention_and_says_the_experts_stay_frozen(tmp_path, caplog):
     import logging
 
