@@ -78,6 +78,9 @@ outputs, and experts x 3 for the router's logits and float32 probabilities (coun
 EAGER_ACTIVATION_FACTOR = 3.0
 MICRO_BATCH_OVERHEAD_TOKENS = 4096
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FAMILY_PROJECTIONS = ("qkv_proj", "gate_up_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+"""Projections of the families that name theirs otherwise (Phi-3's fused ones, DeepSeek's latent attention), which
+adapters may target beside ``LORA_PROJECTIONS``."""
 """A micro-batch costs as much again as this many tokens (launches, the loss, FSDP's gathers and
 reductions): each extra micro-batch took about 35 ms of update on the H200 of 2026-12-02 (1.5B:
 5.05 s in 10 micro-batches of 30k tokens, 5.50 s in 22 of 12.7k; 0.5B: 1.90 s in 5, 2.07 s in 10);
@@ -406,22 +409,29 @@ class ModelShape:
         """The adapters' A (rank x in) and B (out x rank) of every decoder layer's ``targets`` projections.
 
         Only linear layers get adapters: a mixture-of-experts layer's MLP projections exist only as its shared
-        expert (the fused 3-D expert weights stay frozen); latent attention has q_proj (without a q rank) and o_proj.
+        expert (the fused 3-D expert weights stay frozen); latent attention has q_proj (without a q rank, else
+        q_a_proj and q_b_proj), kv_a_proj_with_mqa, kv_b_proj and o_proj. ``targets`` names only layers of the
+        model's family (Phi-3's fused qkv_proj and gate_up_proj, not q_proj ... up_proj).
         """
         hidden, heads = self.hidden_size, self.num_heads
         if self.kv_lora_rank:
-            q_head = self.qk_nope_head_dim + self.qk_rope_head_dim
-            attention = {"q_proj": None if self.q_lora_rank else (hidden, heads * q_head),
+            q_head, q_rank = self.qk_nope_head_dim + self.qk_rope_head_dim, self.q_lora_rank
+            attention = {"q_proj": None if q_rank else (hidden, heads * q_head),
+                         "q_a_proj": (hidden, q_rank) if q_rank else None,
+                         "q_b_proj": (q_rank, heads * q_head) if q_rank else None,
+                         "kv_a_proj_with_mqa": (hidden, self.kv_lora_rank + self.qk_rope_head_dim),
+                         "kv_b_proj": (self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim)),
                          "o_proj": (heads * self.v_head_dim, hidden)}
         else:
             q_width, kv_width = heads * self.head_dim, self.num_kv_heads * self.head_dim
             attention = {"q_proj": (hidden, q_width), "k_proj": (hidden, kv_width), "v_proj": (hidden, kv_width),
-                         "o_proj": (q_width, hidden)}
+                         "o_proj": (q_width, hidden), "qkv_proj": (hidden, q_width + 2 * kv_width)}
 
         def layer(width: int) -> list[tuple[int, int]]:
             fans = dict(attention)
             if width:
-                fans |= {"gate_proj": (hidden, width), "up_proj": (hidden, width), "down_proj": (width, hidden)}
+                fans |= {"gate_proj": (hidden, width), "up_proj": (hidden, width), "down_proj": (width, hidden),
+                         "gate_up_proj": (hidden, 2 * width)}
             return [shape for name in targets if fans.get(name) for fan_in, fan_out in [fans[name]]
                     for shape in ((rank, fan_in), (fan_out, rank))]
 

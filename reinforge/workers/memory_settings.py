@@ -9,16 +9,19 @@ a user set, logs the plan as a short table, and raises ``MemoryPlanError`` when 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from reinforge.config.schema import Config
 from reinforge.engine.memory_plan import (
+    FAMILY_PROJECTIONS,
     LORA_PROJECTIONS,
     SETTING_KEYS,
     GiB,
@@ -73,7 +76,7 @@ def run_shape(config: Config) -> RunShape:
                     num_devices=config.trainer.nnodes * config.trainer.devices_per_node, dtype_bytes=dtype_bytes,
                     eager=not on_gpu,
                     reference=reference_needed(config), critic=critic_enabled(config),
-                    lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora),
+                    lora_rank=int(getattr(lora, "rank", 0) or 0), lora_targets=_adapted_projections(lora, _model_type(config.model.path)),
                     off_policy=config.trainer.mode != "sync", **_reward_model_shape(config), **_judge_shape(config),
                     kv_cache_dtype=str(getattr(config.rollout, "kv_cache_dtype", "auto")),
                     kv_cache_fraction=float(config.rollout.gpu_memory_utilization or 0.0)
@@ -100,11 +103,28 @@ def _judge_shape(config: Config) -> dict[str, Any]:
     return {"judge": ModelShape.from_model_path(judge.model_path)}
 
 
-def _adapted_projections(lora: Any) -> tuple[str, ...]:
-    """Which of a decoder layer's seven projections ``model.lora.target_modules`` adapts (all of them for
-    all-linear, or where it names none the planner knows: the larger estimate)."""
-    targets = {str(name).rsplit(".", 1)[-1] for name in (getattr(lora, "target_modules", None) or ["all-linear"])}
-    return tuple(name for name in LORA_PROJECTIONS if name in targets) or LORA_PROJECTIONS
+def _adapted_projections(lora: Any, model_type: str | None = None) -> tuple[str, ...]:
+    """Which of a decoder layer's projections ``model.lora.target_modules`` adapts (the seven Llama-style ones for
+    all-linear, or where it names none the planner knows: the larger estimate). The default targets of a
+    ``model_type`` that names its projections otherwise become its own, as the load makes them
+    (``engine.lora._targets_for``: Phi-3's fused qkv_proj and gate_up_proj, DeepSeek's latent attention)."""
+    from reinforge.config.schema import LoraConfig
+    from reinforge.engine.lora import LINEAR_LAYERS
+
+    names = list(getattr(lora, "target_modules", None) or ["all-linear"])
+    if names == LoraConfig().target_modules and model_type in LINEAR_LAYERS:
+        names = list(LINEAR_LAYERS[model_type])
+    targets = {str(name).rsplit(".", 1)[-1] for name in names}
+    return tuple(name for name in (*LORA_PROJECTIONS, *FAMILY_PROJECTIONS) if name in targets) or LORA_PROJECTIONS
+
+
+def _model_type(path: str) -> str | None:
+    """The ``model_type`` of the config.json in the folder ``path`` (None where there is no readable one)."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def _setting(config: Config, key: str) -> Any:

@@ -60,3 +60,37 @@ def test_the_table_marks_what_the_run_fixes_apart_from_what_the_user_set(config)
     assert "(set)" not in table
     config.rollout.free_cache_engine = True
     assert "rollout.free_cache_engine            True       (set)" in memory_plan(config).table()
+
+
+PHI3_MINI = dict(model_type="phi3", vocab_size=32064, hidden_size=3072, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=32, intermediate_size=8192, tie_word_embeddings=False)
+DEEPSEEK_V2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
+                        num_attention_heads=16, num_key_value_heads=16, intermediate_size=10944,
+                        moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                        first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("sizes, targets, adapters", [
+    # rank 16 x (in + out) of qkv_proj, o_proj, gate_up_proj, down_proj, 32 layers
+    (PHI3_MINI, ("o_proj", "down_proj", "qkv_proj", "gate_up_proj"),
+     32 * 16 * ((3072 + 3 * 3072) + 2 * 3072 + (3072 + 2 * 8192) + (8192 + 3072))),
+    # q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj on 27 layers; the dense first MLP and 26 shared experts of 2816
+    (DEEPSEEK_V2_LITE, ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "kv_a_proj_with_mqa", "kv_b_proj"),
+     27 * 16 * ((2048 + 16 * 192) + (2048 + 576) + (512 + 16 * 256) + 2 * 2048)
+     + 3 * 16 * (2048 + 10944) + 26 * 3 * 16 * (2048 + 2816)),
+])
+def test_default_adapters_are_counted_on_the_familys_own_projections(tmp_path, sizes, targets, adapters):
+    """The load puts Phi-3's fused and DeepSeek's latent projections in place of the default targets; the plan
+    counted Llama-style q_proj ... down_proj instead (Phi-3's fused layers none, DeepSeek's kv_a and kv_b none)."""
+    from reinforge.engine.memory_plan import ModelShape, lora_params
+    from reinforge.workers.memory_settings import run_shape
+
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    config = standard_config(tmp_path)
+    config.model.lora.rank = 16
+    run, shape = run_shape(config), ModelShape.from_hf_config(sizes)
+    assert tuple(name for name in run.lora_targets if lora_params(shape, 16, (name,))) == targets  # those it has
+    assert lora_params(shape, 16, run.lora_targets) == adapters
+    config.model.lora.target_modules = ["o_proj"]  # targets given: kept as given
+    assert run_shape(config).lora_targets == ("o_proj",)
