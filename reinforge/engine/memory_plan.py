@@ -305,6 +305,11 @@ class ModelShape:
             if getattr(self, name) < 1:
                 raise MemoryPlanError(f"the model's config.json gives {key}={getattr(self, name)}; the planner needs "
                                       "positive sizes (is model.path the right model?)")
+        if self.experts_per_token > self.num_experts:
+            raise MemoryPlanError(f"the model's config.json routes each token through num_experts_per_tok="
+                                  f"{self.experts_per_token} of "
+                                  f"its {self.num_experts} experts; a mixture of experts needs 1 to {self.num_experts} "
+                                  "(is model.path the right model?)")
 
     @classmethod
     def from_model_path(cls, path: str) -> ModelShape:

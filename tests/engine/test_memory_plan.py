@@ -538,6 +538,17 @@ def test_a_size_that_is_no_size_is_refused_by_its_key(key, value, expected):
                                      {**sizes, key: 96}).hidden_size == 64  # 64.0 is whole; null: derived
 
 
+def test_a_mixture_of_experts_that_routes_through_more_than_its_experts_is_refused():
+    """Two experts, four a token planned more active parameters than parameters."""
+    sizes = dict(model_type="mixtral", vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=96, num_local_experts=2, num_experts_per_tok=4)
+    with pytest.raises(MemoryPlanError, match=r"^the model's config.json routes each token through "
+                                              r"num_experts_per_tok=4 of its 2 experts; a mixture of experts "
+                                              r"needs 1 to 2 \(is model.path the right model\?\)$"):
+        ModelShape.from_hf_config(sizes)
+    assert ModelShape.from_hf_config(sizes | {"num_experts_per_tok": 2}).experts_per_token == 2
+
+
 def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
