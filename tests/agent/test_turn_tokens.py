@@ -206,6 +206,19 @@ def test_a_template_that_cannot_show_a_tool_output_is_refused_in_one_line(family
     assert "data.chat_template" in str(refused.value) and "\n" not in str(refused.value)
 
 
+def _llama_json_run(tokenizer, client, tool, conversation):
+    """``tool_agent`` with Llama 3's JSON calls from the conversation's first message; its stream must be the
+    template's rendering of the whole conversation."""
+    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tools=[tool.schema], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+    context = AgentContext(tokenizer, client, MultiTurnConfig(format="llama3_json"), {tool.name: tool})
+    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
+                                                                  prompt_ids=list(prompt_ids)))
+    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
+    assert output.prompt_ids + output.response_ids == expected
+    return output
+
+
 def test_a_llama31_trajectory_of_json_calls_equals_its_template_of_the_whole_conversation(scripted_client):
     """Llama 3.1's own template and call format (``llama3_json``): one JSON call a turn, tool output as an ipython turn."""
     tokenizer = family_tokenizer("llama3.1")
@@ -216,14 +229,7 @@ def test_a_llama31_trajectory_of_json_calls_equals_its_template_of_the_whole_con
                     {"role": "assistant", "tool_calls": [calls[1]]}, {"role": "tool", "content": "409"},
                     {"role": "assistant", "content": "It is 409."}]
     script = [json.dumps({"name": "calculator", "parameters": call["function"]["arguments"]}) for call in calls]
-    client = scripted_client(tokenizer, [*script, "It is 409."])
-    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tools=[tool.schema], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
-    context = AgentContext(tokenizer, client, MultiTurnConfig(format="llama3_json"), {"calculator": tool})
-    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
-                                                                  prompt_ids=list(prompt_ids)))
-    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
-    assert output.prompt_ids + output.response_ids == expected
+    output = _llama_json_run(tokenizer, scripted_client(tokenizer, [*script, "It is 409."]), tool, conversation)
     assert output.metrics["num_tool_calls"] == 2 and output.metrics["tool_errors"] == 0 and output.num_turns == 6
 
 
@@ -273,11 +279,5 @@ def test_a_call_turn_the_model_ends_with_eom_gets_no_second_end_of_turn(scripted
 
     client = EndsCallsWithEom(tokenizer, [json.dumps({"name": "calculator", "parameters": {"expression": "12*34"}}),
                                           "It is 408."], eos_text="<|eot_id|>")
-    prompt_ids = tokenizer.apply_chat_template(conversation[:1], tools=[tool.schema], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
-    context = AgentContext(tokenizer, client, MultiTurnConfig(format="llama3_json"), {"calculator": tool})
-    output = asyncio.run(get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=1000),
-                                                                  prompt_ids=list(prompt_ids)))
-    expected = tokenizer.apply_chat_template(conversation, tools=[tool.schema], tokenize=True, return_dict=False)
-    assert output.prompt_ids + output.response_ids == expected
+    output = _llama_json_run(tokenizer, client, tool, conversation)
     assert output.metrics["num_tool_calls"] == 1 and output.metrics["tool_errors"] == 0
