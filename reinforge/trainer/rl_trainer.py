@@ -67,22 +67,23 @@ class RLTrainer(TrainingRun):
         # async mode's checkpoint holds prompt groups in flight, each with the rollout.n samples it was admitted with
         refused = RESUME_REFUSES + (("rollout.n",) if config.trainer.mode == "async" else ())
         self.open_run_folder(config.trainer.resume, config.trainer.keep_last, refused)
-        torch.manual_seed(config.trainer.seed)
-        np.random.seed(config.trainer.seed)
+        with self.run_folder_released_on_failure():
+            torch.manual_seed(config.trainer.seed)
+            np.random.seed(config.trainer.seed)
 
-        self.tokenizer = tokenizer = checked.tokenizer
-        self.pad_token_id = get_pad_token_id(tokenizer)
-        self.train_loader = PromptLoader.for_training(checked.train_set, config.data, self.pad_token_id)
-        self._prompt_batches: Iterator[Batch] | None = None
-        self.val_loader = None
-        if checked.val_set is not None:
-            self.val_loader = PromptLoader.for_validation(checked.val_set, config.data, self.pad_token_id)
-        self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
-        self.data_batches: int | None = None
-        """With dynamic sampling and trainer.total_steps unset: the generation batches of trainer.total_epochs
-        epochs, after which the run ends (a step draws several, so total_steps is only an upper bound)."""
-        if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
-            self.data_batches = len(self.train_loader) * config.trainer.total_epochs
+            self.tokenizer = tokenizer = checked.tokenizer
+            self.pad_token_id = get_pad_token_id(tokenizer)
+            self.train_loader = PromptLoader.for_training(checked.train_set, config.data, self.pad_token_id)
+            self._prompt_batches: Iterator[Batch] | None = None
+            self.val_loader = None
+            if checked.val_set is not None:
+                self.val_loader = PromptLoader.for_validation(checked.val_set, config.data, self.pad_token_id)
+            self.total_steps = config.trainer.total_steps or len(self.train_loader) * config.trainer.total_epochs
+            self.data_batches: int | None = None
+            """With dynamic sampling and trainer.total_steps unset: the generation batches of trainer.total_epochs
+            epochs, after which the run ends (a step draws several, so total_steps is only an upper bound)."""
+            if config.algorithm.filter_groups.enable and config.trainer.total_steps is None:
+                self.data_batches = len(self.train_loader) * config.trainer.total_epochs
 
         try:
             self._start_workers(placement, reward_functions, tokenizer)

@@ -26,8 +26,9 @@ command again, once the service is back, resumes from the checkpoint before that
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,21 @@ class TrainingRun:
         ``refused``: settings (keys, or prefixes ending in '.') that a resumed run may not change.
         """
         self.run_lock = RunLock(self.run_dir).acquire()
+        with self.run_folder_released_on_failure():
+            self._choose_checkpoint(resume, keep_last, refused)
+
+    @contextlib.contextmanager
+    def run_folder_released_on_failure(self) -> Iterator[None]:
+        """Release the run folder's lock when the block raises: a run refused while it starts (a setting its
+        checkpoint cannot take, a tokenizer that fails to load) frees the folder at once, not when the trainer is
+        garbage-collected, which a caller holding the exception (a notebook, a test) delays."""
+        try:
+            yield
+        except BaseException:
+            self.release_run_folder()
+            raise
+
+    def _choose_checkpoint(self, resume: str, keep_last: int, refused: tuple[str, ...]) -> None:
         self.checkpoints = CheckpointManager(self.run_dir, keep_last)
         self._resume_folder = self.checkpoints.resolve(resume)
         self._resume_state: dict[str, Any] | None = None

@@ -93,39 +93,40 @@ class SFTTrainer(SupervisedRun):
         self.run_dir = Path(trainer.output_dir)
         preflight_sft(config)  # every check that can run before the model loads
         self.open_run_folder(trainer.resume, trainer.keep_last, RESUME_REFUSES)
-        torch.manual_seed(trainer.seed)
-        np.random.seed(trainer.seed)
-        self.device = resolve_device(trainer.device)
+        with self.run_folder_released_on_failure():
+            torch.manual_seed(trainer.seed)
+            np.random.seed(trainer.seed)
+            self.device = resolve_device(trainer.device)
 
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
-                                        trust_remote_code=config.model.trust_remote_code)
-        if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
-            self.tokenizer.chat_template = data.chat_template
-        self.processor = processor_for(config.model.path,
-                                       config.model.trust_remote_code, data.chat_template)  # None: a text model
-        pad_token_id = get_pad_token_id(self.tokenizer)
-        self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
-                                      data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,
-                                      seed=data.seed, processor=self.processor)
-        self.val_loader = None
-        if data.val_files:
-            self.val_loader = SFTLoader(self._rows(data.val_files, "val", data.max_val_samples), data.val_batch_size,
-                                        pad_token_id, packed=data.packing, shuffle=False, processor=self.processor)
-        self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
+            self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
+                                            trust_remote_code=config.model.trust_remote_code)
+            if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
+                self.tokenizer.chat_template = data.chat_template
+            self.processor = processor_for(config.model.path,
+                                           config.model.trust_remote_code, data.chat_template)  # None: a text model
+            pad_token_id = get_pad_token_id(self.tokenizer)
+            self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
+                                          data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,
+                                          seed=data.seed, processor=self.processor)
+            self.val_loader = None
+            if data.val_files:
+                self.val_loader = SFTLoader(self._rows(data.val_files, "val", data.max_val_samples), data.val_batch_size,
+                                            pad_token_id, packed=data.packing, shuffle=False, processor=self.processor)
+            self.total_steps = trainer.total_steps or len(self.train_loader) * trainer.total_epochs
 
-        self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
-                                    trust_remote_code=config.model.trust_remote_code,
-                                    attn_implementation=config.model.attn_implementation,
-                                    # SFT has no memory planner yet: auto means off
-                                    gradient_checkpointing=config.model.gradient_checkpointing not in ("auto", False, 0))
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, config.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
-        self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
-                                              grad_clip=trainer.grad_clip, seed=trainer.seed, mask_key="loss_mask")
-        self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config), project=trainer.project_name,
-                               experiment=trainer.experiment_name)
-        self.step = 0
+            self.model = load_causal_lm(config.model.path, dtype=torch.float32, device=self.device,
+                                        trust_remote_code=config.model.trust_remote_code,
+                                        attn_implementation=config.model.attn_implementation,
+                                        # SFT has no memory planner yet: auto means off
+                                        gradient_checkpointing=config.model.gradient_checkpointing not in ("auto", False, 0))
+            self.model.train()
+            self.optimizer = build_optimizer(self.model, config.optim)
+            self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
+            self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
+                                                  grad_clip=trainer.grad_clip, seed=trainer.seed, mask_key="loss_mask")
+            self.tracker = Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config), project=trainer.project_name,
+                                   experiment=trainer.experiment_name)
+            self.step = 0
 
     def _rows(self, files: list[str], split: str, max_samples: int | None) -> list:
         data = self.config.data

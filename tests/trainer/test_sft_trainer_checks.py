@@ -135,3 +135,24 @@ def test_resume_refuses_a_change_to_which_rows_are_trained(tmp_path, tiny_model_
     SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
     with pytest.raises(ValueError, match=f"changed settings it cannot take: {setting.split('=')[0]}"):
         SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2", setting))
+
+
+def test_a_run_refused_while_it_starts_frees_its_folder_at_once(tmp_path, tiny_model_dir, monkeypatch):
+    """Refused at resume, or failing after the folder is locked, the run releases the lock before it raises: the
+    caller may hold the exception (and with it the trainer) as long as it likes, and the folder is free."""
+    from reinforge.trainer import sft_trainer
+    from reinforge.trainer.run_folder import RunLock
+
+    SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
+    with pytest.raises(ValueError, match="changed settings it cannot take") as refused:
+        SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2", "data.truncation=right"))
+    RunLock(tmp_path / "run").acquire().release()
+
+    def failing_load(*args, **kwargs):
+        raise OSError("the tokenizer's files are unreadable")
+
+    monkeypatch.setattr(sft_trainer, "load_tokenizer", failing_load)
+    with pytest.raises(OSError, match="unreadable") as failed:
+        SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=2"))
+    RunLock(tmp_path / "run").acquire().release()
+    assert refused.value is not None and failed.value is not None  # both still held here

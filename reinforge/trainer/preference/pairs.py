@@ -149,18 +149,19 @@ class PreferenceRun(SupervisedRun):
         # after the plan, which sets the settings left auto: config.yaml records them, and a resumed run compares
         # them with the checkpoint's (planned then too), not an auto with the number it became
         self._open_run_folder_on_every_rank(trainer.resume, trainer.keep_last)
-        self.model = self.load_model()
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, config.optim)
-        self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
-        self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
-                                              grad_clip=trainer.grad_clip, seed=trainer.seed,
-                                              mask_key="response_mask", skip_on_device=True,
-                                              keep_gathered=self.memory_plan.keep_gathered)
-        self.tracker = (Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
-                                project=trainer.project_name, experiment=trainer.experiment_name)
-                        if self.rank == 0 else SilentTracker())
-        self.step = 0
+        with self.run_folder_released_on_failure():
+            self.model = self.load_model()
+            self.model.train()
+            self.optimizer = build_optimizer(self.model, config.optim)
+            self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
+            self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
+                                                  grad_clip=trainer.grad_clip, seed=trainer.seed,
+                                                  mask_key="response_mask", skip_on_device=True,
+                                                  keep_gathered=self.memory_plan.keep_gathered)
+            self.tracker = (Tracker(self.run_dir, trainer.loggers, config=config_to_dict(config),
+                                    project=trainer.project_name, experiment=trainer.experiment_name)
+                            if self.rank == 0 else SilentTracker())
+            self.step = 0
 
     def _open_run_folder_on_every_rank(self, resume: str, keep_last: int) -> None:
         """Rank 0 locks the run folder, picks the checkpoint to resume from and writes config.yaml
