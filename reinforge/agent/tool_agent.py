@@ -80,13 +80,8 @@ class ToolAgentLoop(AgentLoop):
                                                        f"{row.get('request_id', '')}/{turn}", **images)
                     trajectory.metrics["generate_sequences"] += time.perf_counter() - start
                     trajectory.append(completion.token_ids, completion.log_probs, sampled=True)
-                    # a turn stopped by a stop token other than the end-of-turn token (rollout.stop_token_ids) is
-                    # closed as the template closes it before the tool turn, so the stream stays the template's;
-                    # one the model ended with a token the template writes itself (<|eom_id|>) is closed already
-                    eos_ids, ids = self.renderer.eos_ids, list(completion.token_ids)
-                    closed = ids[-len(eos_ids):] == eos_ids or (
-                        completion.finish_reason == "stop" and bool(ids) and ids[-1] in self.renderer.self_closing_ids)
-                    closing = [] if closed else eos_ids
+                    # so the stream stays the template's before the tool turn
+                    closing = self.renderer.closing_ids(completion.token_ids, completion.finish_reason)
                     trajectory.assistant_turns += 1
                     turn += 1
                     calls = self.parser.parse(self._turn_text(completion))

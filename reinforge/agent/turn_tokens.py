@@ -85,6 +85,15 @@ class ToolTurnRenderer:
         if check_tool_turns:
             self.check_tool_turns()
 
+    def closing_ids(self, token_ids: list[int], finish_reason: str) -> list[int]:
+        """The tokens that close a sampled assistant turn before the tool turn appended to it: none where the model
+        ended it with the end-of-turn token, or stopped at a token the template writes itself (``<|eom_id|>``);
+        else (a turn a stop token or string ended) the end-of-turn token, as the template closes it."""
+        ids = list(token_ids)
+        closed = ids[-len(self.eos_ids):] == self.eos_ids or (
+            finish_reason == "stop" and bool(ids) and ids[-1] in self.self_closing_ids)
+        return [] if closed else list(self.eos_ids)
+
     def check_tool_turns(self) -> None:
         """Raise one ValueError unless tool messages can follow an assistant turn as a token increment that shows
         the model their content (a template without a tool role either refuses one, as Gemma's and Mistral's

@@ -176,9 +176,7 @@ class ChatCodec:
         """The tokens after a call's sampled ids that bring in new messages: the end-of-turn token if the call was
         stopped before it (as ``tool_agent`` closes such a turn; not after a token the template writes itself to
         end a turn, Llama 3.1's ``<|eom_id|>``), then the template's increment."""
-        eos_ids, ids = self.renderer.eos_ids, list(record.token_ids)
-        closed = ids[-len(eos_ids):] == eos_ids or (bool(ids) and ids[-1] in self.renderer.self_closing_ids)
-        closing = [] if closed else list(eos_ids)
+        closing = self.renderer.closing_ids(record.token_ids, record.finish_reason)
         turns = [{"role": message["role"], "content": message["content"]} for message in new_messages]
         return closing + self.renderer.increment(turns)
 
