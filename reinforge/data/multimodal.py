@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from reinforge.data.chat_template import apply_chat_template
+
 IMAGE_PLACEHOLDER = "<image>"
 """verl's image placeholder in a prompt's text."""
 IMAGE_COLUMNS = ("images", "image")
@@ -217,8 +219,8 @@ def render_with_images(processor: Any, prompt: list[dict[str, Any]] | str, num_i
     if not template:
         raise ValueError("the processor has no chat template; set data.chat_template to a Jinja template that "
                          "renders image content parts")
-    return processor.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt, tools=tools or None)
+    return apply_chat_template(processor.tokenizer, messages, chat_template=template, tokenize=False,
+                               add_generation_prompt=add_generation_prompt, tools=tools or None)
 
 
 def process_text_and_images(processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], dict[str, Tensor]]:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
+from reinforge.data.chat_template import apply_chat_template
 from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import ScoringPass, last_token_scores
 from reinforge.engine.fsdp import shard_model
@@ -96,7 +97,7 @@ class RewardInputs:
         if isinstance(raw_prompt, str):  # no template writes its special tokens (a BOS): its tokenizer adds them
             return list(self.rm_tokenizer(raw_prompt + text)["input_ids"])
         messages = [dict(message) for message in raw_prompt] + [{"role": "assistant", "content": text}]
-        full = self.rm_tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        full = apply_chat_template(self.rm_tokenizer, messages, add_generation_prompt=False, tokenize=False)
         return list(self.rm_tokenizer(full, add_special_tokens=False)["input_ids"])
 
     def build(self, batch: Batch) -> tuple[Batch, Tensor]:
