@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from reinforge.atomic_files import replaced_atomically
 from reinforge.bench.shapes import SHAPES
 from reinforge.engine.perf import DATASHEET_BF16_FLOPS, MEASURED_BF16_FLOPS, table_flops
 
@@ -54,7 +55,6 @@ def environment(repo: Path | None = None) -> dict:
 
 def first_visible_index(count: int) -> int:
     """The index nvidia-smi gives the first device of CUDA_VISIBLE_DEVICES (0 when unset or not an index)."""
-    import os
 
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
     return int(first) if first.isdigit() and int(first) < count else 0
@@ -78,14 +78,10 @@ def commit(repo: Path | None = None) -> str | None:
 
 
 def write_json(path: Path, data: object) -> None:
-    """``data`` as indented JSON in ``path``, whole or not at all: written beside it (``*.json.tmp``, which no
-    ``*.json`` glob reads) and renamed over it, so a process ended mid-write leaves the earlier file or none."""
-    temporary = path.with_name(path.name + ".tmp")
-    try:
+    """``data`` as indented JSON in ``path``, whole or not at all (a ``*.tmp`` file beside it, which no ``*.json``
+    glob reads, renamed over it), so a process ended mid-write leaves the earlier file or none."""
+    with replaced_atomically(path, durable=False) as temporary:
         temporary.write_text(json.dumps(data, indent=1))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def load_cases(paths: list[Path]) -> list[dict]:

@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from reinforge.atomic_files import replaced_atomically
+
 DATA_SOURCE = "count_red_squares"
 QUESTION = "How many red squares?"
 GRID = 2
@@ -87,9 +89,8 @@ class VisionDemoTask:
         for name, rows in (("train", self.rl_rows(self.num_train, rng)), ("test", self.rl_rows(self.num_test, rng)),
                            ("sft_train", self.sft_rows(rng))):
             path = out_dir / f"{name}.parquet"
-            staging = path.with_name(path.name + ".tmp")
-            pq.write_table(pa.Table.from_pylist(rows), staging)
-            staging.replace(path)
+            with replaced_atomically(path, durable=False) as staging:
+                pq.write_table(pa.Table.from_pylist(rows), staging)
             files[name] = str(path)
         return files
 

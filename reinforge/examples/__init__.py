@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from reinforge.atomic_files import replaced_atomically
+
 FOLDER = Path(__file__).resolve().parent
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -52,9 +54,8 @@ def write_examples(names: list[str], folder: Path, force: bool = False) -> list[
     written = []
     for name in files:
         path = folder / name
-        temporary = path.with_name(f".{name}.tmp")
-        temporary.write_text(example_text(name, folder), encoding="utf-8")
-        temporary.replace(path)
+        with replaced_atomically(path, durable=False) as temporary:
+            temporary.write_text(example_text(name, folder), encoding="utf-8")
         written.append(path)
     return written
 

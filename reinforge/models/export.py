@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from reinforge.atomic_files import fsync_directory_entry
+
 
 def fsync_folder(folder: Path) -> None:
     """Flush every file under ``folder``, then the folder entries themselves, to disk."""
@@ -30,14 +32,6 @@ def fsync_folder(folder: Path) -> None:
         elif path.is_dir():
             fsync_directory_entry(path)
     fsync_directory_entry(folder)
-
-
-def fsync_directory_entry(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 @contextmanager

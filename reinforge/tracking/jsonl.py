@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
+from reinforge.atomic_files import replaced_atomically
 from reinforge.tracking.backends import RunInfo, TrackingBackend, register_tracking_backend
 
 METRICS_FILE = "metrics.jsonl"
@@ -92,16 +93,11 @@ def truncate_after_step(path: Path, step: int) -> int:
         num_lines = sum(1 for line in handle if line.strip())
     if len(kept) == num_lines:
         return 0
-    temporary = path.with_name(path.name + ".tmp")
     try:
-        with open(temporary, "w", encoding="utf-8") as handle:
+        with replaced_atomically(path) as temporary, open(temporary, "w", encoding="utf-8") as handle:
             for record in kept:
                 handle.write(json.dumps(record, default=str) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
     except OSError as error:
-        temporary.unlink(missing_ok=True)
         raise write_failure(path, error, f"dropping its lines after step {step}, to resume there") from None
     return num_lines - len(kept)
 

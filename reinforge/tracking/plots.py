@@ -8,11 +8,11 @@ rather than at zero). Several runs share each chart, named in the legend by thei
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
 
+from reinforge.atomic_files import replaced_atomically
 from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines, write_failure
 
 DEFAULT_KEYS = [
@@ -134,15 +134,13 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
         path = out_dir / (key.replace("/", "_") + ".png")
         # written beside and renamed over: a run killed mid-write (a demo's plots are redrawn at each run) never
         # leaves a half-written PNG where the last good one was
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            figure.savefig(temporary, format="png")
-            os.replace(temporary, path)
+            with replaced_atomically(path, durable=False) as temporary:
+                figure.savefig(temporary, format="png")
         except OSError as error:
             raise write_failure(path, error, f"the plot of {key}", "--out") from None
         finally:
             plt.close(figure)
-            temporary.unlink(missing_ok=True)
         written.append(path)
     return written
 

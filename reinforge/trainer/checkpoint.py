@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.models.export import fsync_directory_entry
+from reinforge.atomic_files import fsync_directory_entry, replaced_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -203,11 +203,8 @@ class CheckpointManager:
             shutil.rmtree(final)
         temporary.rename(final)
         fsync_directory_entry(self.root)
-        pointer = self.root / ".latest.tmp"
-        pointer.write_text(final.name + "\n")
-        with open(pointer, "rb") as handle:
-            os.fsync(handle.fileno())
-        pointer.replace(self.root / "latest")
+        with replaced_atomically(self.root / "latest") as pointer:
+            pointer.write_text(final.name + "\n")
         self.remove_old()
         return final
 

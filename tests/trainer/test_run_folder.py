@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from reinforge.atomic_files import temporary_beside
 from reinforge.cli import main
 
 
@@ -303,12 +304,13 @@ def test_a_full_disk_at_the_loggers_start_or_on_resume_names_the_file(rl_args, t
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # a step past the checkpoint it resumes
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    DiskFull(monkeypatch, run_dir, ("metrics.jsonl.tmp",))
+    staging = temporary_beside(run_dir / "metrics.jsonl")
+    DiskFull(monkeypatch, run_dir, (staging.name,))
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 2})]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         f"error: cannot write {run_dir / 'metrics.jsonl'} (dropping its lines after step 1, to resume there): No "
         "space left on device; free space")
-    assert not (run_dir / "metrics.jsonl.tmp").exists()
+    assert not staging.exists()
 
 
 def test_a_plots_folder_on_a_full_disk_is_named(tmp_path, capsys, monkeypatch):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from reinforge.models.export import fsync_directory_entry
+from reinforge.atomic_files import replaced_atomically
 from reinforge.tracking.jsonl import write_failure
 
 logger = logging.getLogger(__name__)
@@ -82,14 +81,8 @@ def save_reference(path: Path, key: dict[str, str], values: dict[str, Tensor], m
     """Store ``values`` (each split's (pairs, 2) log-probs) and ``metrics`` (the pass's) under ``key`` at ``path``,
     atomically: a temporary file, synced, renamed over ``path``. A failed write removes the temporary file and
     raises one line naming ``path``."""
-    staging = path.with_name(path.name + ".tmp")
     try:
-        with open(staging, "wb") as handle:
+        with replaced_atomically(path) as staging, open(staging, "wb") as handle:  # a Python file: OSError on a full disk
             torch.save({"key": key, **values, "metrics": metrics}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staging, path)
-        fsync_directory_entry(path.parent)  # the rename itself reaches the disk
     except OSError as error:
-        staging.unlink(missing_ok=True)
         raise write_failure(path, error, "the reference log-probs") from None

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reinforge.atomic_files import temporary_beside
 from reinforge.cli import main
 from reinforge.config import ConfigError
 from reinforge.config.preference_schema import load_dpo_config
@@ -157,7 +158,7 @@ def test_a_reference_file_that_cannot_be_written_stops_the_run_in_one_line_and_l
     assert main(["dpo", *pair_args(run_dir, **{"trainer.total_steps": 1})]) == 0
     reference_file = run_dir / REFERENCE_FILE
     written = reference_file.read_bytes()
-    staging = run_dir / f"{REFERENCE_FILE}.tmp"
+    staging = temporary_beside(reference_file)
     staging.symlink_to("/dev/full")  # the disk is full by the time the file is written
     capsys.readouterr()
     args = pair_args(run_dir, **{"trainer.total_steps": 1, "trainer.resume": "never", "dpo.loss_type": "ipo"})
