@@ -29,6 +29,8 @@ from reinforge.protocol import Batch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_packing import grouped_batch  # noqa: E402
 
+from tests.released_configs import RELEASED_CONFIGS, released_model  # noqa: E402
+
 TABLE = [arch for arch in ARCHITECTURES if arch in FAMILIES]
 OUTSIDE = "gpt_neox"
 SINKS = "gpt_oss"
@@ -45,6 +47,11 @@ def tiny_model(arch: str, seed: int = 0, **options):
     """A tiny fp32 model of ``arch`` with windows on where the family has them, norm weights away from their init."""
     model = build_tiny_causal_lm(arch, vocab_size=64, seed=seed,
                                  sliding_window=WINDOW if arch in WINDOWED else None, **options)
+    return with_norms_moved(model, seed)
+
+
+def with_norms_moved(model, seed: int):
+    """``model`` with its norm weights moved away from their init (Gemma's offsets of 0 would hide the 1 + w)."""
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -77,14 +84,27 @@ def test_packed_pass_equals_transformers_padded_forward(arch, share_prompts):
     assert_pass_equals_transformers_padded_forward(tiny_model(arch), share_prompts)
 
 
-def assert_pass_equals_transformers_padded_forward(model, share_prompts: bool) -> None:
-    """``response_log_probs`` of ``model`` (varlen attention switched on here) gives the log-probs, entropy and
-    gradients of transformers' padded forward with eager attention."""
+@pytest.mark.parametrize("fast_path", [False, True])
+@pytest.mark.parametrize("name", list(RELEASED_CONFIGS))
+def test_packed_pass_equals_transformers_padded_forward_on_released_configs(name, fast_path):
+    """The config structure of released checkpoints (tests/released_configs.py), on transformers' modules and on the
+    fast path's swapped forwards."""
+    model = with_norms_moved(released_model(name, vocab_size=64, seed=0), seed=0)
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True, fast_path=fast_path)
+
+
+def assert_pass_equals_transformers_padded_forward(model, share_prompts: bool, fast_path: bool = False) -> None:
+    """``response_log_probs`` of ``model`` (varlen attention switched on here, and the fast path's swapped forwards
+    if ``fast_path``) gives the log-probs, entropy and gradients of transformers' padded forward with eager
+    attention."""
     batch = grouped_batch(num_prompts=2, samples=3)
     reference, expected_lp, expected_ent = padded_reference(model, batch, temperature=0.7)
     loss_of(expected_lp, expected_ent, batch).backward()
 
     use_varlen_attention(model)
+    if fast_path:
+        assert fuse_elementwise(model, compile=False) > 0
+        use_packed_attention_layout(model)
     micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=share_prompts)
     log_probs, entropy = response_log_probs(model, micro, temperature=0.7, with_entropy=True)
     loss_of(log_probs, entropy, batch).backward()

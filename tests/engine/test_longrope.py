@@ -1,4 +1,5 @@
-"""LongRoPE in packed passes: each sequence's log-probs are those of transformers' forward over it alone."""
+"""LongRoPE and dynamic NTK in packed passes: each sequence's log-probs are those of transformers' forward over it
+alone, from a fresh model (dynamic NTK's module keeps the frequencies of its longest forward so far)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,21 @@ ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor":
         "original_max_position_embeddings": ORIGINAL}
 
 
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+"""Rescaled past max_position_embeddings (ORIGINAL here) to each forward's length."""
+
+
 def tiny_phi3():
     return build_tiny_causal_lm("phi3", vocab_size=64, num_layers=2, max_position_embeddings=64,
                                 rope_parameters=ROPE, original_max_position_embeddings=ORIGINAL, seed=1).eval()
+
+
+def tiny_dynamic_llama():
+    return build_tiny_causal_lm("llama", vocab_size=64, num_layers=2, max_position_embeddings=ORIGINAL,
+                                rope_parameters=DYNAMIC, seed=1).eval()
+
+
+LENGTH_DEPENDENT = {"longrope": tiny_phi3, "dynamic": tiny_dynamic_llama}
 
 
 def alone(model, batch: Batch) -> torch.Tensor:
@@ -33,7 +46,8 @@ def alone(model, batch: Batch) -> torch.Tensor:
     with torch.no_grad():
         for row in range(batch["input_ids"].shape[0]):
             mask = batch["attention_mask"][row].bool()
-            log_probs = torch.log_softmax(model(batch["input_ids"][row][mask][None]).logits[0].float(), dim=-1)
+            fresh = copy.deepcopy(model)
+            log_probs = torch.log_softmax(fresh(batch["input_ids"][row][mask][None]).logits[0].float(), dim=-1)
             num_prompt = int(mask[:width].sum())
             responses = batch["responses"][row][batch["response_mask"][row].bool()]
             picked = log_probs[num_prompt - 1:-1].gather(1, responses[:, None])[:, 0]
@@ -42,18 +56,35 @@ def alone(model, batch: Batch) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
-def test_packed_sequences_on_both_sides_of_the_original_length_keep_their_own_factors(share_prompts):
-    model = tiny_phi3()
+@pytest.mark.parametrize("rope_type", list(LENGTH_DEPENDENT))
+def test_packed_sequences_on_both_sides_of_the_original_length_keep_their_own_factors(rope_type, share_prompts):
+    model = LENGTH_DEPENDENT[rope_type]()
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("eager")
     use_varlen_attention(model)
     batch = grouped_batch(num_prompts=2, samples=3, prompt_width=6, response_width=7)
     lengths = batch["attention_mask"].sum(-1)
     assert (lengths > ORIGINAL).any() and (lengths <= ORIGINAL).any()
+    assert len(set(lengths[lengths > ORIGINAL].tolist())) > 1  # dynamic NTK: several lengths past the original
     micro = attach_plan(Batch(dict(batch.tensors), {}, {}), share_prompts=share_prompts)
     with torch.no_grad():
         log_probs, _ = response_log_probs(model, micro)
     torch.testing.assert_close(log_probs, alone(reference, batch), atol=1e-5, rtol=0)
+
+
+def test_dynamic_ntk_log_probs_do_not_depend_on_the_micro_batches_before():
+    """transformers' dynamic module keeps the frequencies of the longest forward until one fits the original length:
+    a micro-batch after a longer one would be scored with the longer one's frequencies."""
+    model = tiny_dynamic_llama()
+    reference = copy.deepcopy(model)
+    use_varlen_attention(model)
+    batch = grouped_batch(num_prompts=2, samples=3, prompt_width=6, response_width=7)
+    lengths = batch["attention_mask"].sum(-1)
+    shorter = batch.index(torch.nonzero((lengths > ORIGINAL) & (lengths < lengths.max()))[:, 0])
+    with torch.no_grad():
+        for micro in (batch, shorter):
+            log_probs, _ = response_log_probs(model, attach_plan(Batch(dict(micro.tensors), {}, {})))
+            torch.testing.assert_close(log_probs, alone(reference, micro), atol=1e-5, rtol=0)
 
 
 def test_sequence_lengths_follow_the_positions():

@@ -16,6 +16,7 @@ from reinforge.models.tiny import build_tiny_causal_lm
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.native import NativeEngine
 from reinforge.rollout.native.block_manager import RELEASED
+from tests.released_configs import RELEASED_CONFIGS, released_model
 
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3")
 UNWINDOWED = ("llama", "olmo2")
@@ -97,6 +98,24 @@ def test_sampled_log_probs_are_a_transformers_forwards(family, use_triton):
         for sample in samples:
             expected = hf_log_probs(model, prompt, sample.token_ids)
             torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(RELEASED_CONFIGS))
+def test_released_configs_sample_generates_tokens_and_a_forwards_log_probs(name):
+    """The config structure of released checkpoints (tests/released_configs.py): greedy tokens are generate's and
+    sampled tokens' log-probs those of a plain forward, past every window."""
+    model = released_model(name, vocab_size=128, seed=3).to(DEVICE).eval()
+    engine = make_engine(model, False)
+    batch = prompts(PROMPT_LENGTHS)
+    greedy = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0)
+    for prompt, (completion,) in zip(batch, engine.generate([GenerationRequest(p, greedy) for p in batch]),
+                                     strict=True):
+        assert completion.token_ids == hf_greedy(model, prompt, NUM_NEW_TOKENS)
+    sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
+    for prompt, samples in zip(batch, engine.generate([GenerationRequest(p, sampling) for p in batch]), strict=True):
+        for sample in samples:
+            torch.testing.assert_close(torch.tensor(sample.log_probs), hf_log_probs(model, prompt, sample.token_ids),
+                                       atol=1e-5, rtol=0)
 
 
 def test_windows_on_every_layer_give_blocks_back_as_sequences_grow():
