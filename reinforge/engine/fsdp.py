@@ -79,14 +79,20 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     # Offloaded shards are pinned by pin_offloaded_shards below, at their exact size, not by FSDP.
     offload_policy = CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy()
     pin = register_host_memory if offload and device.type == "cuda" else None
+    # a parameter without values (DeepSeek's shared MLP of width 0, n_shared_experts: 0) stays outside FSDP, which
+    # gathers a (hidden, 0) weight as (0, 0) and refuses to reduce an empty gradient: frozen, in the compute dtype
+    empty = {parameter for parameter in model.parameters() if not parameter.numel()}
+    for parameter in empty:
+        parameter.requires_grad_(False)
+        parameter.data = parameter.data.to(device, dtype)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, ignored_params=empty)
         layer.reinforge_compute_dtype = dtype
         if pin is not None:
             pin_offloaded_shards(layer, pin)
     for root in list(roots) if roots is not None else [model]:
-        fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=empty)
         if pin is not None:
             pin_offloaded_shards(root, pin)
     return model

@@ -197,7 +197,8 @@ def _attn_scale(config, model_type: str, head_dim: int) -> float:
     if model_type in ("deepseek_v2", "deepseek_v3"):
         scale = head_dim ** -0.5
         rope = _rope_parameters(config)
-        if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        # transformers' yarn mscale is 1 for a factor of 1 or less (a factor it warns about, but runs)
+        if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim") and rope["factor"] > 1:
             mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
             scale *= mscale * mscale
         return scale

@@ -224,9 +224,25 @@ def stop_token_ids(config: Config, tokenizer: Any, model: torch.nn.Module) -> li
     return sorted(i for i in ids if i is not None)
 
 
+def cast_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``model``'s floating-point parameters to ``dtype`` in place, as transformers loads a checkpoint in it.
+
+    The buffers keep their dtype (the rotary ``inv_freq``: rounded to bf16 it shifts every position's angle, far
+    out at long positions), and so do the parameters and buffers the model class keeps in float32
+    (``_keep_in_fp32_modules_strict``: DeepSeek's router weight and V3's ``e_score_correction_bias``, whose
+    rounding changes which experts a token is sent to).
+    """
+    kept = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point() and not any(name == kept_name or name.endswith(f".{kept_name}")
+                                                     for kept_name in kept):
+            parameter.data = parameter.data.to(dtype)
+
+
 def rollout_copy_of(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A frozen copy of the plain model in ``dtype``, for ``RolloutSide.on_rollout_copy``."""
-    rollout_model = copy.deepcopy(model).to(dtype).eval()
+    """A frozen copy of the plain model in ``dtype`` (``cast_as_loaded``), for ``RolloutSide.on_rollout_copy``."""
+    rollout_model = copy.deepcopy(model).eval()
+    cast_as_loaded(rollout_model, dtype)
     rollout_model.requires_grad_(False)
     return rollout_model
 
@@ -271,7 +287,7 @@ class RolloutSide:
         master weights are put back untouched.
         """
         masters = [parameter.data for parameter in model.parameters()]
-        model.to(compute_dtype(device, config.model.dtype))
+        cast_as_loaded(model, compute_dtype(device, config.model.dtype))  # the buffers keep their dtype
         try:
             engine = build_rollout_engine(config, device, tokenizer, model)
         finally:

@@ -157,6 +157,29 @@ def test_sharded_model_gives_the_plain_model_gradients_and_clipping():
         torch.testing.assert_close(p_sharded.grad.full_tensor(), p_plain.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_a_deepseek_without_shared_experts_shards_trains_and_saves_its_empty_shared_mlp_whole():
+    """n_shared_experts: 0 leaves DeepSeek's shared MLP (hidden, 0) wide: FSDP gathered its down projection as (0, 0)
+    and refused to reduce its empty gradients. It stays outside the shards, frozen; the rest trains as the plain
+    model does, and the full state has the model's own shapes."""
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.fsdp import full_model_state
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    plain = build_tiny_causal_lm("deepseek_v2", vocab_size=64, seed=8, n_shared_experts=0).train()
+    use_varlen_attention(plain)
+    assert plain.model.layers[1].mlp.shared_experts.down_proj.weight.shape == (64, 0)
+    sharded = shard_model(copy.deepcopy(plain), torch.device("cpu"))
+    batch = make_rollout_batch(rows=3, seed=9)
+    for model in (plain, sharded):
+        log_probs, _ = response_log_probs(model, batch)
+        (log_probs * batch["advantages"]).sum().backward()
+    torch.testing.assert_close(clip_grad_norm_(sharded.parameters(), 1.0),
+                               torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0), atol=1e-5, rtol=1e-5)
+    state = full_model_state(sharded)
+    assert {name: tensor.shape for name, tensor in state.items()} == \
+        {name: tensor.shape for name, tensor in plain.state_dict().items()}
+
+
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_two_gloo_processes_update_like_one(tmp_path, share_prompts):
     source = UPDATE.format(tests=str(REPO / "tests" / "engine"), share=share_prompts)

@@ -343,11 +343,12 @@ def mla_setup(model):
 
 MLA_VARIANTS = [("deepseek_v2", {}), ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False}),
                 ("deepseek_v3", {"rope_parameters": YARN}), ("deepseek_v2", {"rope_parameters": YARN}),
-                ("deepseek_v3", {"rms_norm_eps": 0.1})]
+                ("deepseek_v3", {"rms_norm_eps": 0.1}),
+                ("deepseek_v3", {"rope_parameters": YARN | {"factor": 0.5}})]
 
 
 @pytest.mark.parametrize(("family", "overrides"), MLA_VARIANTS,
-                         ids=["v2", "v3", "v3-halves", "v3-yarn", "v2-yarn", "v3-latent-norm-eps"])
+                         ids=["v2", "v3", "v3-halves", "v3-yarn", "v2-yarn", "v3-latent-norm-eps", "v3-yarn-below-1"])
 def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
     """Two sequences (7 and 5 tokens) prefilled packed, a third whose first 8 tokens are cached and 3 new ones are
     prefilled after the hit, then one decode step of all three in the latent space: each output equals
@@ -357,7 +358,7 @@ def test_mla_prefill_prefix_and_decode_match_transformers(family, overrides):
     model = mla_model(family, **overrides)
     attention, weights = mla_setup(model)
     assert attention.scale == model.model.layers[0].self_attn.scaling
-    if "rope_parameters" in overrides:
+    if "rope_parameters" in overrides and overrides["rope_parameters"]["factor"] > 1:
         assert attention.scale > (16 + 8) ** -0.5  # yarn's mscale squared
     torch.manual_seed(8)
     lengths = [8, 6, 12]  # the final token of each is decoded

@@ -86,3 +86,36 @@ def test_compute_log_prob_adds_sum_pi_squared_when_the_estimator_needs_it(tiny_m
     torch.testing.assert_close(output["sum_pi_squared"], expected, atol=1e-5, rtol=1e-4)
     expected_log_probs = torch.log(probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)) * mask
     torch.testing.assert_close(output["old_log_probs"], expected_log_probs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_a_bf16_rollout_keeps_the_buffers_and_float32_router_a_bf16_load_keeps(mode, tmp_path):
+    """The rollout reads the model in the compute dtype (the training model cast while its engine is built, or a copy
+    of its own) as transformers loads it in that dtype: the rotary inv_freq and DeepSeek V3's router weight and
+    correction bias stay float32, with the checkpoint's values. Cast whole, the training model was left with a bf16
+    inv_freq and correction bias (every position's angle and the experts chosen off transformers' own)."""
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.models import build_char_tokenizer
+    from reinforge.models.export import save_hf_folder
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm("deepseek_v3", vocab_size=len(tokenizer), seed=3)
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 1.0)
+    folder = save_hf_folder(model, tokenizer, tmp_path / "v3")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    config = make_config(folder)
+    config.model.dtype, config.trainer.mode = "bfloat16", mode
+    worker = ActorRolloutWorker(config, total_training_steps=2)
+    rollout_model = worker.rollout_side.rollout_model
+    for candidate in (worker.model,) if rollout_model is None else (worker.model, rollout_model):
+        expected = {name: tensor for name, tensor in loaded.named_buffers()}
+        for name, buffer in candidate.named_buffers():
+            assert buffer.dtype == expected[name].dtype == torch.float32, name
+            torch.testing.assert_close(buffer, expected[name], atol=0, rtol=0, msg=name)
+    if rollout_model is not None:
+        gate = rollout_model.model.layers[1].mlp.gate
+        assert gate.weight.dtype == torch.float32 and rollout_model.model.layers[1].self_attn.o_proj.weight.dtype == \
+            torch.bfloat16
