@@ -57,22 +57,70 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.04, "actor.kl_loss_type": "k3",
         "actor.policy_loss.clip_ratio": 0.2, "actor.policy_loss.clip_ratio_high": 0.28,
         "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.ppo_epochs": 2, "rollout.temperature": 0.9,
-        "trainer.total_steps": 10, "trainer.save_every": 5, "trainer.seed": 3, "data.seed": 3,
+        "trainer.total_steps": 5, "trainer.save_every": 3, "trainer.seed": 3, "data.seed": 3,  # 2 updates a step
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
-        "rollout.top_p": 0.9, "data.train_batch_size": 4}  # 8 x 2 completions a step = 4 prompts x 4
-    assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides() == {
-        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}
+        "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
+        "actor.optim.weight_decay": 0.0}  # TRL's default of what is not given (max_steps decides the length)
+    assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
+        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
-                     learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
-                                                            "data.truncation": "right", "optim.lr": 1e-5}
+                     learning_rate=1e-5).to_overrides().items() >= {
+        "data.batch_size": 32, "data.max_length": 512, "data.truncation": "right", "optim.lr": 1e-5}.items()
     # as TRL's, a longer prompt is cut on the left, not dropped
-    assert GRPOConfig(max_prompt_length=96).to_overrides() == {
-        "data.max_prompt_length": 96, "data.filter_overlong_prompts": False, "data.truncation": "left"}
+    assert GRPOConfig(max_prompt_length=96).to_overrides().items() >= {
+        "data.max_prompt_length": 96, "data.filter_overlong_prompts": False, "data.truncation": "left"}.items()
     # gradient_accumulation_steps alone multiplies TRL's default per_device_train_batch_size (8)
     assert GRPOConfig(gradient_accumulation_steps=4, num_generations=4).to_overrides()["data.train_batch_size"] == 8
-    assert SFTConfig(gradient_accumulation_steps=4).to_overrides() == {"data.batch_size": 32}
+    assert SFTConfig(gradient_accumulation_steps=4).to_overrides()["data.batch_size"] == 32
     assert SFTConfig(num_train_epochs=2.0, completion_only_loss=True,
-                     assistant_only_loss=None).to_overrides() == {"trainer.total_epochs": 2}
+                     assistant_only_loss=None).to_overrides()["trainer.total_epochs"] == 2
+
+
+@pytest.mark.parametrize("config_class", ["GRPOConfig", "SFTConfig", "DPOConfig", "RewardConfig"])
+def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
+    """TRL's run where a script leaves a setting out: a GRPOConfig() of 8 completions (one prompt) a step of up to
+    512 tokens for 3 epochs, no weight decay, seed 42; an SFTConfig() at 2e-5 on 8 rows a step, cut at 1024 tokens."""
+    import reinforge.api as api
+
+    args = getattr(api, config_class)()
+    expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42}
+    if config_class == "GRPOConfig":
+        expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0}
+        assert (args.num_train_epochs, args.max_completion_length, args.learning_rate) == (3, 512, None)
+    else:
+        expected |= {"data.batch_size": 8, "optim.weight_decay": 0.0, "optim.warmup_ratio": 0.0,
+                     "optim.lr": {"SFTConfig": 2e-5, "DPOConfig": 1e-6, "RewardConfig": 1e-4}[config_class]}
+        assert args.per_device_train_batch_size == 8
+    if config_class == "SFTConfig":
+        expected |= {"data.max_length": 1024, "data.truncation": "right"}  # TRL's keep_start, not dropped
+    assert args.to_overrides() == expected
+    # a setting given, or a reinforge key in overrides, wins over the default
+    assert getattr(api, config_class)(seed=3, overrides={"data.seed": 5}).to_overrides()["trainer.seed"] == 3
+    assert getattr(api, config_class)(seed=3, overrides={"data.seed": 5}).to_overrides()["data.seed"] == 5
+
+
+def test_steps_per_generation_and_num_iterations_count_optimizer_steps_as_in_trl():
+    """TRL generates per_device_train_batch_size x steps_per_generation completions at once and makes an optimizer
+    step of every per_device_train_batch_size x gradient_accumulation_steps, num_iterations times over; max_steps
+    and save_steps count those optimizer steps."""
+    args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4,
+                      num_generations=4, num_iterations=2, max_steps=12, save_steps=4, eval_steps=8)
+    mapped = args.to_overrides()
+    # 32 completions = 8 prompts a generation, 16 = 4 prompts an optimizer step: 2 x 2 optimizer steps a generation
+    assert (mapped["data.train_batch_size"], mapped["actor.mini_batch_size"], mapped["actor.ppo_epochs"]) == (8, 4, 2)
+    assert (mapped["trainer.total_steps"], mapped["trainer.save_every"], mapped["trainer.test_every"]) == (3, 1, 2)
+    assert GRPOConfig(generation_batch_size=32, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                      num_generations=4).to_overrides()["actor.mini_batch_size"] == 4
+    # the default: one generation an optimizer step, whose steps reinforge counts as they are
+    plain = GRPOConfig(per_device_train_batch_size=8, num_generations=4, num_iterations=1, max_steps=12).to_overrides()
+    assert "actor.mini_batch_size" not in plain and plain["trainer.total_steps"] == 12
+    assert GRPOConfig(num_iterations=3, max_steps=12, num_generations=8).to_overrides()["trainer.total_steps"] == 4
+    with pytest.raises(ValueError, match="steps_per_generation=3 with gradient_accumulation_steps=2: reinforge's "
+                                         "optimizer steps take whole prompt groups"):
+        GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=3,
+                   num_generations=4).to_overrides()
+    with pytest.raises(ValueError, match="steps_per_generation=2 and generation_batch_size=16: set one of them"):
+        GRPOConfig(steps_per_generation=2, generation_batch_size=16).to_overrides()
 
 
 def test_an_unknown_or_unfitting_setting_is_one_line():
@@ -83,7 +131,7 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
         GRPOConfig(loss_type="sapo2").to_overrides()
     # TRL's None defaults: equal weights, evaluation on reinforge's cadence; others in one line naming the setting
-    assert GRPOConfig(reward_weights=None, eval_steps=None).to_overrides() == {}
+    assert GRPOConfig(reward_weights=None, eval_steps=None).to_overrides() == GRPOConfig().to_overrides()
     with pytest.raises(ValueError, match=r"beta=None is not a value GRPOConfig can use"):
         GRPOConfig(beta=None).to_overrides()
     with pytest.raises(ValueError, match=r"save_total_limit=None: reinforge keeps the last trainer.keep_last"):
@@ -94,6 +142,81 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(num_train_epochs=0.5).to_overrides()
     with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):
         SFTConfig(assistant_only_loss=False).to_overrides()
+
+
+TRL_SCRIPT_SETTINGS = [
+    # what a TRL script spells out that changes nothing in a reinforge run: taken as it is
+    (dict(bf16=True, use_vllm=True, vllm_mode="server", logging_dir="logs", log_completions=True,
+          remove_unused_columns=False, push_to_hub=False, gradient_checkpointing_kwargs={"use_reentrant": False},
+          optim="adamw_torch", disable_dropout=True, mask_truncated_completions=False, save_strategy="steps"), {}),
+    # what means the same as a reinforge key
+    (dict(bf16=False), {"model.dtype": "float32"}),
+    (dict(fp16=True, bf16=False), {"model.dtype": "float16"}),
+    (dict(model_init_kwargs={"torch_dtype": "bfloat16", "device_map": "auto", "attn_implementation": "eager"}),
+     {"model.dtype": "bfloat16", "model.attn_implementation": "eager"}),
+    (dict(generation_kwargs={"top_k": 20, "max_tokens": 64, "do_sample": True}, top_k=50),  # they win, as in TRL
+     {"rollout.top_k": 20, "data.max_response_length": 64}),
+    (dict(min_p=0.05, shuffle_dataset=False, run_name="exp", save_strategy="no", entropy_coef=0.01),
+     {"rollout.min_p": 0.05, "data.shuffle": False, "trainer.experiment_name": "exp", "trainer.save_every": 0,
+      "actor.entropy_coeff": 0.01}),
+    (dict(importance_sampling_level="sequence", loss_type="grpo"),
+     {"actor.policy_loss.loss_mode": "gspo", "actor.loss_agg_mode": "seq-mean-token-mean"}),
+    (dict(loss_type="cispo", epsilon_high=5.0),  # TRL's cap of the weight itself; no bound below
+     {"actor.policy_loss.loss_mode": "cispo", "actor.loss_agg_mode": "token-mean",
+      "actor.policy_loss.clip_ratio_low": 1.0, "actor.policy_loss.clip_ratio_high": 4.0}),
+    (dict(loss_type="sapo", sapo_temperature_neg=1.2),
+     {"actor.policy_loss.loss_mode": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean",
+      "actor.policy_loss.tau_neg": 1.2}),
+    (dict(delta=4.0), {"actor.policy_loss.clip_ratio_c": 4.0}),
+    (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.99,
+          adam_epsilon=1e-6),
+     {"actor.optim.schedule": "cosine", "actor.optim.min_lr_ratio": 0.1, "actor.optim.betas": [0.9, 0.99],
+      "actor.optim.eps": 1e-6}),
+]
+
+
+@pytest.mark.parametrize(("settings", "expected"), TRL_SCRIPT_SETTINGS)
+def test_the_settings_a_trl_script_spells_out_are_taken(settings, expected):
+    mapped = GRPOConfig(**settings).to_overrides()
+    default = GRPOConfig().to_overrides()
+    assert {key: value for key, value in mapped.items() if default.get(key, object()) != value} == expected
+
+
+@pytest.mark.parametrize("settings", [settings for settings, _ in TRL_SCRIPT_SETTINGS] + [
+    dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4, num_generations=4)])
+def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeypatch, settings):
+    import reinforge.trainer.rl_trainer as rl_trainer
+    from reinforge import GRPOTrainer
+
+    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
+    args = GRPOConfig(**{"output_dir": str(tmp_path), "num_generations": 4, "per_device_train_batch_size": 8,
+                         **settings})
+    trainer = GRPOTrainer(model="some/model", reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                          args=args, train_dataset=[{"prompt": "1+1="}])
+    for key, value in args.to_overrides().items():
+        section, *path = key.split(".")
+        node = getattr(trainer.config, section)
+        for name in path:
+            node = getattr(node, name)
+        assert node == value, key
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(push_to_hub=True), "push_to_hub=True: reinforge does not upload"),
+    (dict(mask_truncated_completions=True), "mask_truncated_completions=True: reinforge trains on truncated"),
+    (dict(optim="adamw_8bit"), "optim='adamw_8bit': reinforge's optimizer is torch's AdamW"),
+    (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2: reinforge's loss takes every completion token"),
+    (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\]=2: reinforge's engine takes"),
+    (dict(model_init_kwargs={"revision": "v1"}), r"model_init_kwargs\['revision'\]: reinforge loads the model with"),
+    (dict(loss_type="cispo"), "loss_type='cispo' caps the importance weight at epsilon_high=0.2, below 1"),
+    (dict(lr_scheduler_type="linear"), "lr_scheduler_type='linear': reinforge's schedules are constant, cosine"),
+    (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.* without lr_scheduler_type"),
+    (dict(bf16=True, fp16=True), "bf16=True and fp16=True: choose one precision"),
+    (dict(save_strategy="epoch"), "save_strategy='epoch': reinforge checkpoints every save_steps steps"),
+])
+def test_a_trl_setting_reinforge_cannot_honour_is_refused_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**settings).to_overrides()
 
 
 def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path):
