@@ -344,8 +344,9 @@ def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
 
     reference = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "other", seed=1))
     pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(4)]
-    trainer = DPOTrainer(model=str(tiny_model_dir), ref_model=reference, train_dataset=pairs, args=DPOConfig(
-        output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, max_length=32, report_to="none"))
+    trainer = DPOTrainer(str(tiny_model_dir), reference, DPOConfig(  # TRL's order: model, ref_model, args
+        output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, max_length=32, report_to="none"),
+        train_dataset=pairs)
     assert trainer.config.dpo.reference_path == str(tmp_path / "dpo" / "inputs" / "reference_model")
     loss = trainer.train()["train/loss"]
     assert loss != pytest.approx(math.log(2), abs=1e-4)  # the policy is not its own reference: the margins start apart
@@ -559,3 +560,112 @@ def test_train_returns_trls_train_output(tmp_path, tiny_model_dir):
     logged = [row["train/loss"] for row in read_json_lines(tmp_path / "sft" / "metrics.jsonl")]
     assert resumed.global_step == 3 and len(logged) == 3
     assert resumed.training_loss == pytest.approx(logged[-1])
+
+
+def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model_dir):
+    """TRL's TrainerCallback events, ``trainer.state.log_history`` under TRL's metric names, ``trainer.model`` holding
+    the trained weights and ``trainer.processing_class``, with the model given as a path."""
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from reinforge import SFTTrainer
+
+    events = []
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            events.append(("on_train_begin", state.global_step, state.max_steps, args.output_dir))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append(("on_step_end", state.global_step))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            events.append(("on_log", state.global_step, sorted({"loss", "learning_rate", "grad_norm"} & set(logs))))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            events.append(("on_train_end", state.global_step))
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=2,
+                                                        per_device_train_batch_size=2, report_to="none"),
+                         train_dataset=rows, callbacks=[Recorder])  # a class, as TRL takes it, or an instance
+    untrained = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    output = trainer.train()
+    logged = ["grad_norm", "learning_rate", "loss"]
+    assert events == [("on_train_begin", 0, 2, str(tmp_path / "sft")), ("on_step_end", 1), ("on_log", 1, logged),
+                      ("on_step_end", 2), ("on_log", 2, logged), ("on_train_end", 2)]
+    history = trainer.state.log_history
+    assert [row["step"] for row in history] == [1, 2, 2] and trainer.state.global_step == 2
+    assert [row["loss"] for row in history[:2]] == [row["train/loss"] for row in read_metrics(tmp_path / "sft")]
+    assert history[-1]["train_loss"] == output.training_loss == output.metrics["train_loss"]
+    trained = AutoModelForCausalLM.from_pretrained(trainer.save_model()).state_dict()
+    assert any(not torch.equal(trained[name], untrained[name]) for name in untrained)
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], msg=name)
+    assert trainer.processing_class("1+1=")["input_ids"]
+
+
+def test_trl_logs_name_the_rl_metrics_as_trl_does():
+    from reinforge.api.callbacks import trl_logs
+
+    logs = trl_logs({"actor/pg_loss": 0.5, "actor/lr": 1e-6, "critic/score/mean": 0.7, "actor/kl_loss": 0.01,
+                     "response_length/mean": 12.0, "rewards/correct/mean": 0.7, "training/epoch": 1.0})
+    assert logs.items() >= {"loss": 0.5, "learning_rate": 1e-6, "reward": 0.7, "kl": 0.01,
+                            "completions/mean_length": 12.0, "rewards/correct/mean": 0.7, "epoch": 1.0}.items()
+
+
+@pytest.mark.parametrize(("trainer_name", "arguments", "message"), [
+    ("GRPOTrainer", {"optimizers": ("an optimizer", None)}, r"GRPOTrainer\(optimizers=...\): reinforge makes its own"),
+    ("GRPOTrainer", {"tools": [print]}, r"GRPOTrainer\(tools=...\): reinforge's multi-turn tool runs"),
+    ("SFTTrainer", {"data_collator": print}, r"SFTTrainer\(data_collator=...\): reinforge batches"),
+    ("DPOTrainer", {"quantization_config": object()}, r"DPOTrainer\(quantization_config=...\): reinforge trains"),
+    ("RewardTrainer", {"compute_metrics": print}, r"RewardTrainer\(compute_metrics=...\): reinforge logs"),
+])
+def test_trl_trainer_arguments_without_a_counterpart_are_refused_in_one_line(trainer_name, arguments, message):
+    import reinforge
+
+    with pytest.raises(TypeError, match=message):
+        getattr(reinforge, trainer_name)("some/model", **arguments)
+
+
+def test_a_formatting_func_makes_each_row_a_text_trained_whole(tmp_path, tiny_model_dir):
+    from reinforge import SFTTrainer
+    from reinforge.api.inputs import formatted_rows
+
+    rows = [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}]
+    assert formatted_rows(rows, lambda row: row["question"] + row["answer"]) == [{"text": "1+1=2"}, {"text": "2+2=4"}]
+    with pytest.raises(TypeError, match="formatting_func returned a dict for row 0; return the row's text"):
+        formatted_rows(rows, lambda row: row)
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none"),
+                         train_dataset=rows, formatting_func=lambda row: row["question"] + row["answer"])
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(trainer.config.data.train_files[0]).to_pylist() == [{"text": "1+1=2"}, {"text": "2+2=4"}]
+
+
+def test_reward_processing_classes_give_a_loaded_reward_model_its_tokenizer(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from reinforge.api.inputs import reward_functions_of
+    from reinforge.models import load_tokenizer
+    from reinforge.models.tiny import build_char_tokenizer
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    reward_model.name_or_path = ""  # only the tokenizer given says which one it reads
+    reward_model.config._name_or_path = ""
+    tokenizer = build_char_tokenizer()
+
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    settings = {}
+    assert reward_functions_of([reward, reward_model], settings, tmp_path, [None, tokenizer]) == [reward]
+    saved = load_tokenizer(settings["reward.reward_model.model_path"])
+    assert saved.get_vocab() == tokenizer.get_vocab()
+    # a folder's own tokenizer is taken; another one is refused, not silently replaced by the folder's
+    own = load_tokenizer(str(tiny_model_dir))
+    assert reward_functions_of(str(tiny_model_dir), {}, tmp_path, own) is None
+    with pytest.raises(ValueError, match="reward_processing_classes gives the reward model .* the tokenizer of"):
+        reward_functions_of([str(tiny_model_dir)], {}, tmp_path, [tokenizer])
+    with pytest.raises(ValueError, match="reward_processing_classes has 1 entries for 2 reward_funcs"):
+        reward_functions_of([reward, str(tiny_model_dir)], {}, tmp_path, [tokenizer])
