@@ -334,6 +334,21 @@ def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path,
     assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
 
 
+@pytest.mark.parametrize("assistant_only_loss", [None, True])
+def test_conversations_trained_on_the_assistant_turns_only_say_so_unless_trl_would_too(
+        tmp_path, tiny_model_dir, caplog, assistant_only_loss):
+    """TRL's SFT trains every token of a 'messages' row unless assistant_only_loss=True; reinforge trains the
+    assistant turns, which a TRL script that did not ask for it is told."""
+    from reinforge import SFTTrainer
+
+    rows = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}]
+    with caplog.at_level("WARNING", logger="reinforge.api.trainers"):
+        SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                  assistant_only_loss=assistant_only_loss), train_dataset=rows)
+    noted = [record for record in caplog.records if "TRL trains on every token" in record.getMessage()]
+    assert len(noted) == (assistant_only_loss is None)
+
+
 def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
     import math
 

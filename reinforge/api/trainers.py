@@ -349,7 +349,15 @@ class SFTTrainer(_SupervisedTrainer):
     def _rows(self, dataset: Any) -> Any:
         if self.formatting_func is not None:
             return formatted_rows(dataset, self.formatting_func)
-        return as_conversations(dataset)
+        rows = as_conversations(dataset)
+        conversational = isinstance(rows, list) and rows and isinstance(rows[0], dict) and "messages" in rows[0]
+        if (conversational and isinstance(self.args, SFTConfig) and self.args.assistant_only_loss is not True
+                and not getattr(self, "_loss_noted", False)):
+            self._loss_noted = True
+            logger.warning("the rows are chat conversations ('messages'): TRL trains on every token of them unless "
+                           "assistant_only_loss=True; reinforge trains on the assistant turns only, as TRL does with "
+                           "assistant_only_loss=True (for the whole text, give each row as one 'text')")
+        return rows
 
 
 class DPOTrainer(_SupervisedTrainer):
