@@ -123,6 +123,16 @@ def test_steps_per_generation_and_num_iterations_count_optimizer_steps_as_in_trl
         GRPOConfig(steps_per_generation=2, generation_batch_size=16).to_overrides()
 
 
+def test_a_setting_set_on_the_config_after_it_is_made_counts():
+    """TRL's configs are dataclasses that scripts change after making them (``args.max_steps = 10``)."""
+    args = GRPOConfig(num_generations=4)
+    args.max_steps, args.learning_rate = 10, 3e-6
+    assert args.max_steps == 10
+    assert args.to_overrides().items() >= {"trainer.total_steps": 10, "actor.optim.lr": 3e-6}.items()
+    with pytest.raises(AttributeError, match="GRPOConfig has no setting 'learnig_rate'"):
+        args.learnig_rate = 1e-6
+
+
 def test_an_unknown_or_unfitting_setting_is_one_line():
     with pytest.raises(TypeError, match="GRPOConfig has no setting 'learnig_rate'; did you mean learning_rate?"):
         GRPOConfig(learnig_rate=1e-6)

@@ -373,6 +373,16 @@ class _TrainingArguments:
             return self.__dict__.get("settings", {}).get(name, self.TRL_DEFAULTS.get(name))
         raise AttributeError(name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``args.max_steps = 10`` after the config is made (as scripts do to a TRL config) sets the setting."""
+        if name in ("settings", "overrides"):
+            object.__setattr__(self, name, value)
+        elif name in type(self).SETTINGS:
+            self.settings[name] = value
+        else:
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}; it takes TRL's names, and "
+                                 "reinforge's own keys as overrides={'rollout.top_p': 0.9}")
+
     def __repr__(self) -> str:
         shown = ", ".join(f"{key}={value!r}" for key, value in self.settings.items())
         return f"{type(self).__name__}({shown}{', overrides=' + repr(self.overrides) if self.overrides else ''})"
