@@ -57,22 +57,80 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "actor.use_kl_loss": True, "actor.kl_loss_coef": 0.04, "actor.kl_loss_type": "k3",
         "actor.policy_loss.clip_ratio": 0.2, "actor.policy_loss.clip_ratio_high": 0.28,
         "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.ppo_epochs": 2, "rollout.temperature": 0.9,
-        "trainer.total_steps": 10, "trainer.save_every": 5, "trainer.seed": 3, "data.seed": 3,
+        "trainer.total_steps": 5, "trainer.save_every": 3, "trainer.seed": 3, "data.seed": 3,  # 2 updates a step
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
-        "rollout.top_p": 0.9, "data.train_batch_size": 4}  # 8 x 2 completions a step = 4 prompts x 4
-    assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides() == {
-        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}
+        "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
+        "actor.optim.weight_decay": 0.0}  # TRL's default of what is not given (max_steps decides the length)
+    assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
+        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
-                     learning_rate=1e-5).to_overrides() == {"data.batch_size": 32, "data.max_length": 512,
-                                                            "data.truncation": "right", "optim.lr": 1e-5}
+                     learning_rate=1e-5).to_overrides().items() >= {
+        "data.batch_size": 32, "data.max_length": 512, "data.truncation": "right", "optim.lr": 1e-5}.items()
     # as TRL's, a longer prompt is cut on the left, not dropped
-    assert GRPOConfig(max_prompt_length=96).to_overrides() == {
-        "data.max_prompt_length": 96, "data.filter_overlong_prompts": False, "data.truncation": "left"}
+    assert GRPOConfig(max_prompt_length=96).to_overrides().items() >= {
+        "data.max_prompt_length": 96, "data.filter_overlong_prompts": False, "data.truncation": "left"}.items()
     # gradient_accumulation_steps alone multiplies TRL's default per_device_train_batch_size (8)
     assert GRPOConfig(gradient_accumulation_steps=4, num_generations=4).to_overrides()["data.train_batch_size"] == 8
-    assert SFTConfig(gradient_accumulation_steps=4).to_overrides() == {"data.batch_size": 32}
+    assert SFTConfig(gradient_accumulation_steps=4).to_overrides()["data.batch_size"] == 32
     assert SFTConfig(num_train_epochs=2.0, completion_only_loss=True,
-                     assistant_only_loss=None).to_overrides() == {"trainer.total_epochs": 2}
+                     assistant_only_loss=None).to_overrides()["trainer.total_epochs"] == 2
+
+
+@pytest.mark.parametrize("config_class", ["GRPOConfig", "SFTConfig", "DPOConfig", "RewardConfig"])
+def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
+    """TRL's run where a script leaves a setting out: a GRPOConfig() of 8 completions (one prompt) a step of up to
+    512 tokens for 3 epochs, no weight decay, seed 42; an SFTConfig() at 2e-5 on 8 rows a step, cut at 1024 tokens."""
+    import reinforge.api as api
+
+    args = getattr(api, config_class)()
+    expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42}
+    if config_class == "GRPOConfig":
+        expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0}
+        assert (args.num_train_epochs, args.max_completion_length, args.learning_rate) == (3, 512, None)
+    else:
+        expected |= {"data.batch_size": 8, "optim.weight_decay": 0.0, "optim.warmup_ratio": 0.0,
+                     "optim.lr": {"SFTConfig": 2e-5, "DPOConfig": 1e-6, "RewardConfig": 1e-4}[config_class]}
+        assert args.per_device_train_batch_size == 8
+    if config_class == "SFTConfig":
+        expected |= {"data.max_length": 1024, "data.truncation": "right"}  # TRL's keep_start, not dropped
+    assert args.to_overrides() == expected
+    # a setting given, or a reinforge key in overrides, wins over the default
+    assert getattr(api, config_class)(seed=3, overrides={"data.seed": 5}).to_overrides()["trainer.seed"] == 3
+    assert getattr(api, config_class)(seed=3, overrides={"data.seed": 5}).to_overrides()["data.seed"] == 5
+
+
+def test_steps_per_generation_and_num_iterations_count_optimizer_steps_as_in_trl():
+    """TRL generates per_device_train_batch_size x steps_per_generation completions at once and makes an optimizer
+    step of every per_device_train_batch_size x gradient_accumulation_steps, num_iterations times over; max_steps
+    and save_steps count those optimizer steps."""
+    args = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4,
+                      num_generations=4, num_iterations=2, max_steps=12, save_steps=4, eval_steps=8)
+    mapped = args.to_overrides()
+    # 32 completions = 8 prompts a generation, 16 = 4 prompts an optimizer step: 2 x 2 optimizer steps a generation
+    assert (mapped["data.train_batch_size"], mapped["actor.mini_batch_size"], mapped["actor.ppo_epochs"]) == (8, 4, 2)
+    assert (mapped["trainer.total_steps"], mapped["trainer.save_every"], mapped["trainer.test_every"]) == (3, 1, 2)
+    assert GRPOConfig(generation_batch_size=32, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                      num_generations=4).to_overrides()["actor.mini_batch_size"] == 4
+    # the default: one generation an optimizer step, whose steps reinforge counts as they are
+    plain = GRPOConfig(per_device_train_batch_size=8, num_generations=4, num_iterations=1, max_steps=12).to_overrides()
+    assert "actor.mini_batch_size" not in plain and plain["trainer.total_steps"] == 12
+    assert GRPOConfig(num_iterations=3, max_steps=12, num_generations=8).to_overrides()["trainer.total_steps"] == 4
+    with pytest.raises(ValueError, match="steps_per_generation=3 with gradient_accumulation_steps=2: reinforge's "
+                                         "optimizer steps take whole prompt groups"):
+        GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=3,
+                   num_generations=4).to_overrides()
+    with pytest.raises(ValueError, match="steps_per_generation=2 and generation_batch_size=16: set one of them"):
+        GRPOConfig(steps_per_generation=2, generation_batch_size=16).to_overrides()
+
+
+def test_a_setting_set_on_the_config_after_it_is_made_counts():
+    """TRL's configs are dataclasses that scripts change after making them (``args.max_steps = 10``)."""
+    args = GRPOConfig(num_generations=4)
+    args.max_steps, args.learning_rate = 10, 3e-6
+    assert args.max_steps == 10
+    assert args.to_overrides().items() >= {"trainer.total_steps": 10, "actor.optim.lr": 3e-6}.items()
+    with pytest.raises(AttributeError, match="GRPOConfig has no setting 'learnig_rate'"):
+        args.learnig_rate = 1e-6
 
 
 def test_an_unknown_or_unfitting_setting_is_one_line():
@@ -83,7 +141,7 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
     with pytest.raises(ValueError, match="loss_type='sapo2'"):
         GRPOConfig(loss_type="sapo2").to_overrides()
     # TRL's None defaults: equal weights, evaluation on reinforge's cadence; others in one line naming the setting
-    assert GRPOConfig(reward_weights=None, eval_steps=None).to_overrides() == {}
+    assert GRPOConfig(reward_weights=None, eval_steps=None).to_overrides() == GRPOConfig().to_overrides()
     with pytest.raises(ValueError, match=r"beta=None is not a value GRPOConfig can use"):
         GRPOConfig(beta=None).to_overrides()
     with pytest.raises(ValueError, match=r"save_total_limit=None: reinforge keeps the last trainer.keep_last"):
@@ -94,6 +152,81 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(num_train_epochs=0.5).to_overrides()
     with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):
         SFTConfig(assistant_only_loss=False).to_overrides()
+
+
+TRL_SCRIPT_SETTINGS = [
+    # what a TRL script spells out that changes nothing in a reinforge run: taken as it is
+    (dict(bf16=True, use_vllm=True, vllm_mode="server", logging_dir="logs", log_completions=True,
+          remove_unused_columns=False, push_to_hub=False, gradient_checkpointing_kwargs={"use_reentrant": False},
+          optim="adamw_torch", disable_dropout=True, mask_truncated_completions=False, save_strategy="steps"), {}),
+    # what means the same as a reinforge key
+    (dict(bf16=False), {"model.dtype": "float32"}),
+    (dict(fp16=True, bf16=False), {"model.dtype": "float16"}),
+    (dict(model_init_kwargs={"torch_dtype": "bfloat16", "device_map": "auto", "attn_implementation": "eager"}),
+     {"model.dtype": "bfloat16", "model.attn_implementation": "eager"}),
+    (dict(generation_kwargs={"top_k": 20, "max_tokens": 64, "do_sample": True}, top_k=50),  # they win, as in TRL
+     {"rollout.top_k": 20, "data.max_response_length": 64}),
+    (dict(min_p=0.05, shuffle_dataset=False, run_name="exp", save_strategy="no", entropy_coef=0.01),
+     {"rollout.min_p": 0.05, "data.shuffle": False, "trainer.experiment_name": "exp", "trainer.save_every": 0,
+      "actor.entropy_coeff": 0.01}),
+    (dict(importance_sampling_level="sequence", loss_type="grpo"),
+     {"actor.policy_loss.loss_mode": "gspo", "actor.loss_agg_mode": "seq-mean-token-mean"}),
+    (dict(loss_type="cispo", epsilon_high=5.0),  # TRL's cap of the weight itself; no bound below
+     {"actor.policy_loss.loss_mode": "cispo", "actor.loss_agg_mode": "token-mean",
+      "actor.policy_loss.clip_ratio_low": 1.0, "actor.policy_loss.clip_ratio_high": 4.0}),
+    (dict(loss_type="sapo", sapo_temperature_neg=1.2),
+     {"actor.policy_loss.loss_mode": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean",
+      "actor.policy_loss.tau_neg": 1.2}),
+    (dict(delta=4.0), {"actor.policy_loss.clip_ratio_c": 4.0}),
+    (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.99,
+          adam_epsilon=1e-6),
+     {"actor.optim.schedule": "cosine", "actor.optim.min_lr_ratio": 0.1, "actor.optim.betas": [0.9, 0.99],
+      "actor.optim.eps": 1e-6}),
+]
+
+
+@pytest.mark.parametrize(("settings", "expected"), TRL_SCRIPT_SETTINGS)
+def test_the_settings_a_trl_script_spells_out_are_taken(settings, expected):
+    mapped = GRPOConfig(**settings).to_overrides()
+    default = GRPOConfig().to_overrides()
+    assert {key: value for key, value in mapped.items() if default.get(key, object()) != value} == expected
+
+
+@pytest.mark.parametrize("settings", [settings for settings, _ in TRL_SCRIPT_SETTINGS] + [
+    dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4, num_generations=4)])
+def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeypatch, settings):
+    import reinforge.trainer.rl_trainer as rl_trainer
+    from reinforge import GRPOTrainer
+
+    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
+    args = GRPOConfig(**{"output_dir": str(tmp_path), "num_generations": 4, "per_device_train_batch_size": 8,
+                         **settings})
+    trainer = GRPOTrainer(model="some/model", reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                          args=args, train_dataset=[{"prompt": "1+1="}])
+    for key, value in args.to_overrides().items():
+        section, *path = key.split(".")
+        node = getattr(trainer.config, section)
+        for name in path:
+            node = getattr(node, name)
+        assert node == value, key
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(push_to_hub=True), "push_to_hub=True: reinforge does not upload"),
+    (dict(mask_truncated_completions=True), "mask_truncated_completions=True: reinforge trains on truncated"),
+    (dict(optim="adamw_8bit"), "optim='adamw_8bit': reinforge's optimizer is torch's AdamW"),
+    (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2: reinforge's loss takes every completion token"),
+    (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\]=2: reinforge's engine takes"),
+    (dict(model_init_kwargs={"revision": "v1"}), r"model_init_kwargs\['revision'\]: reinforge loads the model with"),
+    (dict(loss_type="cispo"), "loss_type='cispo' caps the importance weight at epsilon_high=0.2, below 1"),
+    (dict(lr_scheduler_type="linear"), "lr_scheduler_type='linear': reinforge's schedules are constant, cosine"),
+    (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.* without lr_scheduler_type"),
+    (dict(bf16=True, fp16=True), "bf16=True and fp16=True: choose one precision"),
+    (dict(save_strategy="epoch"), "save_strategy='epoch': reinforge checkpoints every save_steps steps"),
+])
+def test_a_trl_setting_reinforge_cannot_honour_is_refused_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**settings).to_overrides()
 
 
 def test_a_frame_a_dataset_and_a_list_become_parquet_the_rl_data_reads(tmp_path):
@@ -211,6 +344,21 @@ def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path,
     assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
 
 
+@pytest.mark.parametrize("assistant_only_loss", [None, True])
+def test_conversations_trained_on_the_assistant_turns_only_say_so_unless_trl_would_too(
+        tmp_path, tiny_model_dir, caplog, assistant_only_loss):
+    """TRL's SFT trains every token of a 'messages' row unless assistant_only_loss=True; reinforge trains the
+    assistant turns, which a TRL script that did not ask for it is told."""
+    from reinforge import SFTTrainer
+
+    rows = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}]
+    with caplog.at_level("WARNING", logger="reinforge.api.trainers"):
+        SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                  assistant_only_loss=assistant_only_loss), train_dataset=rows)
+    noted = [record for record in caplog.records if "TRL trains on every token" in record.getMessage()]
+    assert len(noted) == (assistant_only_loss is None)
+
+
 def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
     import math
 
@@ -221,8 +369,9 @@ def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
 
     reference = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "other", seed=1))
     pairs = [{"prompt": f"{a}+{a}=", "chosen": str(2 * a), "rejected": str(2 * a + 1)} for a in range(4)]
-    trainer = DPOTrainer(model=str(tiny_model_dir), ref_model=reference, train_dataset=pairs, args=DPOConfig(
-        output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, max_length=32, report_to="none"))
+    trainer = DPOTrainer(str(tiny_model_dir), reference, DPOConfig(  # TRL's order: model, ref_model, args
+        output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, max_length=32, report_to="none"),
+        train_dataset=pairs)
     assert trainer.config.dpo.reference_path == str(tmp_path / "dpo" / "inputs" / "reference_model")
     loss = trainer.train()["train/loss"]
     assert loss != pytest.approx(math.log(2), abs=1e-4)  # the policy is not its own reference: the margins start apart
@@ -436,3 +585,112 @@ def test_train_returns_trls_train_output(tmp_path, tiny_model_dir):
     logged = [row["train/loss"] for row in read_json_lines(tmp_path / "sft" / "metrics.jsonl")]
     assert resumed.global_step == 3 and len(logged) == 3
     assert resumed.training_loss == pytest.approx(logged[-1])
+
+
+def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model_dir):
+    """TRL's TrainerCallback events, ``trainer.state.log_history`` under TRL's metric names, ``trainer.model`` holding
+    the trained weights and ``trainer.processing_class``, with the model given as a path."""
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    from reinforge import SFTTrainer
+
+    events = []
+
+    class Recorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            events.append(("on_train_begin", state.global_step, state.max_steps, args.output_dir))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            events.append(("on_step_end", state.global_step))
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            events.append(("on_log", state.global_step, sorted({"loss", "learning_rate", "grad_norm"} & set(logs))))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            events.append(("on_train_end", state.global_step))
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=2,
+                                                        per_device_train_batch_size=2, report_to="none"),
+                         train_dataset=rows, callbacks=[Recorder])  # a class, as TRL takes it, or an instance
+    untrained = {name: tensor.clone() for name, tensor in trainer.model.state_dict().items()}
+    output = trainer.train()
+    logged = ["grad_norm", "learning_rate", "loss"]
+    assert events == [("on_train_begin", 0, 2, str(tmp_path / "sft")), ("on_step_end", 1), ("on_log", 1, logged),
+                      ("on_step_end", 2), ("on_log", 2, logged), ("on_train_end", 2)]
+    history = trainer.state.log_history
+    assert [row["step"] for row in history] == [1, 2, 2] and trainer.state.global_step == 2
+    assert [row["loss"] for row in history[:2]] == [row["train/loss"] for row in read_metrics(tmp_path / "sft")]
+    assert history[-1]["train_loss"] == output.training_loss == output.metrics["train_loss"]
+    trained = AutoModelForCausalLM.from_pretrained(trainer.save_model()).state_dict()
+    assert any(not torch.equal(trained[name], untrained[name]) for name in untrained)
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, trained[name], msg=name)
+    assert trainer.processing_class("1+1=")["input_ids"]
+
+
+def test_trl_logs_name_the_rl_metrics_as_trl_does():
+    from reinforge.api.callbacks import trl_logs
+
+    logs = trl_logs({"actor/pg_loss": 0.5, "actor/lr": 1e-6, "critic/score/mean": 0.7, "actor/kl_loss": 0.01,
+                     "response_length/mean": 12.0, "rewards/correct/mean": 0.7, "training/epoch": 1.0})
+    assert logs.items() >= {"loss": 0.5, "learning_rate": 1e-6, "reward": 0.7, "kl": 0.01,
+                            "completions/mean_length": 12.0, "rewards/correct/mean": 0.7, "epoch": 1.0}.items()
+
+
+@pytest.mark.parametrize(("trainer_name", "arguments", "message"), [
+    ("GRPOTrainer", {"optimizers": ("an optimizer", None)}, r"GRPOTrainer\(optimizers=...\): reinforge makes its own"),
+    ("GRPOTrainer", {"tools": [print]}, r"GRPOTrainer\(tools=...\): reinforge's multi-turn tool runs"),
+    ("SFTTrainer", {"data_collator": print}, r"SFTTrainer\(data_collator=...\): reinforge batches"),
+    ("DPOTrainer", {"quantization_config": object()}, r"DPOTrainer\(quantization_config=...\): reinforge trains"),
+    ("RewardTrainer", {"compute_metrics": print}, r"RewardTrainer\(compute_metrics=...\): reinforge logs"),
+])
+def test_trl_trainer_arguments_without_a_counterpart_are_refused_in_one_line(trainer_name, arguments, message):
+    import reinforge
+
+    with pytest.raises(TypeError, match=message):
+        getattr(reinforge, trainer_name)("some/model", **arguments)
+
+
+def test_a_formatting_func_makes_each_row_a_text_trained_whole(tmp_path, tiny_model_dir):
+    from reinforge import SFTTrainer
+    from reinforge.api.inputs import formatted_rows
+
+    rows = [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}]
+    assert formatted_rows(rows, lambda row: row["question"] + row["answer"]) == [{"text": "1+1=2"}, {"text": "2+2=4"}]
+    with pytest.raises(TypeError, match="formatting_func returned a dict for row 0; return the row's text"):
+        formatted_rows(rows, lambda row: row)
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none"),
+                         train_dataset=rows, formatting_func=lambda row: row["question"] + row["answer"])
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(trainer.config.data.train_files[0]).to_pylist() == [{"text": "1+1=2"}, {"text": "2+2=4"}]
+
+
+def test_reward_processing_classes_give_a_loaded_reward_model_its_tokenizer(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from reinforge.api.inputs import reward_functions_of
+    from reinforge.models import load_tokenizer
+    from reinforge.models.tiny import build_char_tokenizer
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    reward_model.name_or_path = ""  # only the tokenizer given says which one it reads
+    reward_model.config._name_or_path = ""
+    tokenizer = build_char_tokenizer()
+
+    def reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    settings = {}
+    assert reward_functions_of([reward, reward_model], settings, tmp_path, [None, tokenizer]) == [reward]
+    saved = load_tokenizer(settings["reward.reward_model.model_path"])
+    assert saved.get_vocab() == tokenizer.get_vocab()
+    # a folder's own tokenizer is taken; another one is refused, not silently replaced by the folder's
+    own = load_tokenizer(str(tiny_model_dir))
+    assert reward_functions_of(str(tiny_model_dir), {}, tmp_path, own) is None
+    with pytest.raises(ValueError, match="reward_processing_classes gives the reward model .* the tokenizer of"):
+        reward_functions_of([str(tiny_model_dir)], {}, tmp_path, [tokenizer])
+    with pytest.raises(ValueError, match="reward_processing_classes has 1 entries for 2 reward_funcs"):
+        reward_functions_of([reward, str(tiny_model_dir)], {}, tmp_path, [tokenizer])

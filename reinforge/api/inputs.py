@@ -266,10 +266,11 @@ def _model_type(model: Any) -> str | None:
         return None
 
 
-def reward_functions_of(reward_funcs: Any, settings: dict[str, Any],
-                        folder: Path | None = None) -> list[Callable[..., Any]] | None:
+def reward_functions_of(reward_funcs: Any, settings: dict[str, Any], folder: Path | None = None,
+                        processing_classes: Any = None) -> list[Callable[..., Any]] | None:
     """The function objects of ``reward_funcs`` (one or a list: callables, ``path.py[:function]`` specs, or one reward
-    model: its folder, hub id or loaded model, saved into ``folder/reward_model``, as in TRL); None or [] -> None.
+    model: its folder, hub id or loaded model, saved into ``folder/reward_model`` with its tokenizer from
+    ``processing_classes``, TRL's reward_processing_classes, in the same order); None or [] -> None.
 
     A reward model goes into ``settings`` as ``reward.reward_model`` with its weight of ``reward.weights`` as
     ``reward.combine.rm_weight`` (summed with the functions, as TRL sums; alone, its score is the reward).
@@ -277,14 +278,16 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any],
     if reward_funcs is None:
         return None
     items = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    tokenizers = _reward_tokenizers(processing_classes, len(items))
     functions: list[Callable[..., Any]] = []
     model_positions = []
     for position, item in enumerate(items):
         if hasattr(item, "save_pretrained") and hasattr(item, "config"):  # a loaded reward model (a callable module)
             if folder is None:
                 raise ValueError("reward_funcs holds a loaded model; pass its folder or hub id instead")
-            tokenizer = _own_tokenizer(item, "reward_funcs holds a loaded reward model without a name_or_path to "
-                                             "load its tokenizer from; save it with its tokenizer and pass the folder")
+            tokenizer = tokenizers[position] or _own_tokenizer(
+                item, "reward_funcs holds a loaded reward model without a name_or_path to load its tokenizer from; "
+                      "pass it as reward_processing_classes, or save it with its tokenizer and pass the folder")
             items[position] = _save_model_folder(item, tokenizer, folder / "reward_model")
             model_positions.append(position)
             continue
@@ -296,8 +299,13 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any],
 
         if parse_custom_function(spec)[0].endswith(".py"):
             functions.append(load_custom_scorer(spec))
-        else:
-            model_positions.append(position)
+            continue
+        given = tokenizers[position]
+        if given is not None and str(getattr(given, "name_or_path", "")) != spec:
+            raise ValueError(f"reward_processing_classes gives the reward model {spec!r} the tokenizer of "
+                             f"{getattr(given, 'name_or_path', '') or 'another folder'!r}; reinforge reads the one "
+                             "in the model's folder: save the model with that tokenizer into one folder and pass it")
+        model_positions.append(position)
     if model_positions:
         if len(model_positions) > 1:
             names = ", ".join(repr(str(items[position])) for position in model_positions)
@@ -316,6 +324,31 @@ def reward_functions_of(reward_funcs: Any, settings: dict[str, Any],
                      "reward.combine.mode": "sum" if functions else "replace", "reward.combine.rm_weight": rm_weight,
                      "reward.combine.rule_weight": 1.0}
     return functions or None
+
+
+def _reward_tokenizers(processing_classes: Any, count: int) -> list[Any]:
+    """TRL's reward_processing_classes, one per reward function (None where not given)."""
+    if processing_classes is None:
+        return [None] * count
+    given = list(processing_classes) if isinstance(processing_classes, list | tuple) else [processing_classes]
+    if len(given) != count:
+        raise ValueError(f"reward_processing_classes has {len(given)} entries for {count} reward_funcs; give one per "
+                         "entry, in the same order (None for a function)")
+    return given
+
+
+def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    """TRL's formatting_func: each row's text, trained on whole (as TRL trains a text row)."""
+    rows = []
+    for index, row in enumerate(_rows_of(dataset, "train")):
+        text = formatting_func(row)
+        if isinstance(text, list) and len(text) == 1:  # the batched form of older TRL returns one-item lists
+            text = text[0]
+        if not isinstance(text, str):
+            raise TypeError(f"formatting_func returned a {type(text).__name__} for row {index}; return the row's "
+                            "text as one string")
+        rows.append({"text": text})
+    return rows
 
 
 def as_conversations(dataset: Any) -> Any:

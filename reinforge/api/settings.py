@@ -5,9 +5,13 @@ config: each name maps onto the keys that mean the same, ``overrides`` adds rein
 from __future__ import annotations
 
 import difflib
+import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from reinforge.api.inert_settings import UNUSED_BY_EVERY_TRAINER, UNUSED_BY_GRPO
 
 logger = logging.getLogger(__name__)
 
@@ -19,13 +23,69 @@ def _to(*keys: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
     return lambda value, settings: dict.fromkeys(keys, value)
 
 
+LOSS_AGGREGATIONS = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                     "dr_grpo": "seq-mean-token-sum-norm", "cispo": "token-mean", "sapo": "seq-mean-token-mean",
+                     "luspo": "seq-mean-token-sum"}
+"""TRL's loss_type -> actor.loss_agg_mode: how its per-token losses are averaged."""
+
+
 def _loss_type(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    modes = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
-             "dr_grpo": "seq-mean-token-sum-norm"}
-    if value not in modes:
-        raise ValueError(f"loss_type={value!r}: reinforge takes {', '.join(modes)} (actor.loss_agg_mode); other "
-                         "losses are actor.policy_loss.loss_mode, set through overrides")
-    return {"actor.loss_agg_mode": modes[value]}
+    if value not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_type={value!r}: reinforge takes {', '.join(LOSS_AGGREGATIONS)}; other losses are "
+                         "actor.policy_loss.loss_mode, set through overrides")
+    mapped: dict[str, Any] = {"actor.loss_agg_mode": LOSS_AGGREGATIONS[value]}
+    if value in ("cispo", "sapo"):
+        if settings.get("importance_sampling_level", "token") != "token":
+            raise ValueError(f"loss_type={value!r} with importance_sampling_level="
+                             f"{settings['importance_sampling_level']!r}: reinforge's {value} weighs each token by "
+                             "its own ratio; remove importance_sampling_level")
+        mapped["actor.policy_loss.loss_mode"] = value
+    if value == "cispo":  # TRL's epsilon_high is the weight's upper bound itself (5.0 in ScaleRL), and none below
+        bound = settings.get("epsilon_high")
+        bound = float(settings.get("epsilon", 0.2) if bound is None else bound)
+        if bound <= 1.0:
+            raise ValueError(f"loss_type='cispo' caps the importance weight at epsilon_high={bound}, below 1, where "
+                             "every token's weight is cut; set epsilon_high above 1 (5.0 is usual)")
+        mapped |= {"actor.policy_loss.clip_ratio_low": 1.0, "actor.policy_loss.clip_ratio_high": bound - 1.0}
+    return mapped
+
+
+def _epsilon_high(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value is None or settings.get("loss_type") == "cispo":  # cispo's bound: its loss_type mapping sets it
+        return {}
+    return {"actor.policy_loss.clip_ratio_high": value}
+
+
+def _importance_sampling_level(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value == "token":
+        return {}
+    if value == "sequence":
+        return {"actor.policy_loss.loss_mode": "gspo"}
+    raise ValueError(f"importance_sampling_level={value!r}: it is 'token' or 'sequence' (GSPO)")
+
+
+GENERATION_KEYS = {"temperature": "rollout.temperature", "top_p": "rollout.top_p", "top_k": "rollout.top_k",
+                   "min_p": "rollout.min_p", "max_new_tokens": "data.max_response_length",
+                   "max_tokens": "data.max_response_length", "stop_token_ids": "rollout.stop_token_ids"}
+"""generation_kwargs (transformers' GenerationConfig, vLLM's SamplingParams) reinforge's engine applies."""
+
+
+def _generation_kwargs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, str):  # TRL's command line passes it as JSON
+        value = json.loads(value)
+    mapped: dict[str, Any] = {}
+    for key, item in (value or {}).items():
+        if key == "do_sample" and item:
+            continue
+        if key == "repetition_penalty" and item == 1.0:
+            continue
+        if key not in GENERATION_KEYS:
+            raise ValueError(f"generation_kwargs[{key!r}]={item!r}: reinforge's engine takes "
+                             f"{', '.join(GENERATION_KEYS)} there; remove it")
+        if key == "top_k" and item in (None, 0):
+            item = -1
+        mapped[GENERATION_KEYS[key]] = item
+    return mapped
 
 
 def _beta(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +114,8 @@ def _report_to(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _epochs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if (settings.get("max_steps") or -1) > 0:  # as in TRL, max_steps decides the length
+        return {}
     if float(value) != int(value) or value < 1:
         raise ValueError(f"num_train_epochs={value}: reinforge runs whole passes over the data (1, 2, ...); for part "
                          "of one, set max_steps")
@@ -65,6 +127,24 @@ def _keep_last(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("save_total_limit=None: reinforge keeps the last trainer.keep_last checkpoints (2 unless "
                          "set), never all of them; give the number to keep")
     return {"trainer.keep_last": value}
+
+
+def _save_strategy(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value == "no":  # the end of the run is still saved: save_model() exports it
+        return {"trainer.save_every": 0}
+    if value == "steps":
+        return {}
+    raise ValueError(f"save_strategy={value!r}: reinforge checkpoints every save_steps steps and at the end; set "
+                     "save_strategy='steps' with save_steps, or 'no' (the end only)")
+
+
+def _eval_strategy(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value == "no":
+        return {"trainer.test_every": 0}
+    if value == "steps":
+        return {}
+    raise ValueError(f"eval_strategy={value!r}: reinforge evaluates every eval_steps steps and at the end; set "
+                     "eval_strategy='steps' with eval_steps, or 'no'")
 
 
 def _max_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -93,34 +173,122 @@ def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]
     return check
 
 
+SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
+             "cosine_with_min_lr": "cosine"}
+"""TRL's (transformers') lr_scheduler_type -> optim.schedule: the ones reinforge has."""
+
+
 def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value not in ("constant", "cosine", "constant_with_warmup"):
-        raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are constant and cosine (after "
-                         "warmup_steps or warmup_ratio of linear warmup)")
-    return {"optim.schedule": "constant" if value == "constant_with_warmup" else value}
+    if value not in SCHEDULES:
+        raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are constant, cosine and "
+                         "cosine_with_min_lr (after warmup_steps or warmup_ratio of linear warmup); choose one of them")
+    mapped = {"optim.schedule": SCHEDULES[value]}
+    options = dict(settings.get("lr_scheduler_kwargs") or {})
+    if value == "cosine_with_min_lr":
+        if set(options) != {"min_lr_rate"}:
+            raise ValueError(f"lr_scheduler_kwargs={options!r}: lr_scheduler_type='cosine_with_min_lr' takes "
+                             "min_lr_rate (the floor as a fraction of learning_rate), e.g. {'min_lr_rate': 0.1}")
+        mapped["optim.min_lr_ratio"] = float(options["min_lr_rate"])
+    elif options:
+        raise ValueError(f"lr_scheduler_kwargs={options!r}: reinforge's {value} schedule takes no arguments; remove "
+                         "them")
+    return mapped
+
+
+def _scheduler_options(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if value and "lr_scheduler_type" not in settings:
+        raise ValueError(f"lr_scheduler_kwargs={value!r} without lr_scheduler_type: reinforge's default schedule "
+                         "takes no arguments; remove them, or set lr_scheduler_type='cosine_with_min_lr'")
+    return {}  # read by the lr_scheduler_type mapping
+
+
+def _betas(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    first, second = settings.get("adam_beta1"), settings.get("adam_beta2")
+    return {"optim.betas": [float(0.9 if first is None else first), float(0.999 if second is None else second)]}
+
+
+def _optimizer_settings(prefix: str) -> dict[str, Override]:
+    """learning_rate, weight_decay, warmup, schedule and AdamW's settings, onto the optimizer section at ``prefix``
+    (actor.optim, optim)."""
+    def under(mapping: Callable[[Any, dict[str, Any]], dict[str, Any]]) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+        return lambda value, settings: {prefix + key.removeprefix("optim"): item
+                                        for key, item in mapping(value, settings).items()}
+
+    return {
+        "learning_rate": (f"{prefix}.lr", _to(f"{prefix}.lr")),
+        "weight_decay": (f"{prefix}.weight_decay", _to(f"{prefix}.weight_decay")),
+        "warmup_steps": (f"{prefix}.warmup_steps", _to(f"{prefix}.warmup_steps")),
+        "warmup_ratio": (f"{prefix}.warmup_ratio", _to(f"{prefix}.warmup_ratio")),
+        "lr_scheduler_type": (f"{prefix}.schedule", under(_schedule)),
+        "lr_scheduler_kwargs": (f"{prefix}.min_lr_ratio (min_lr_rate)", _scheduler_options),
+        "adam_beta1": (f"{prefix}.betas", under(_betas)),
+        "adam_beta2": (f"{prefix}.betas", under(_betas)),
+        "adam_epsilon": (f"{prefix}.eps", _to(f"{prefix}.eps")),
+    }
+
+
+def _precision(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """bf16, fp16: TRL's mixed precision; reinforge keeps float32 weights and computes in model.dtype (auto: bfloat16
+    on a GPU)."""
+    if settings.get("bf16") and settings.get("fp16"):
+        raise ValueError("bf16=True and fp16=True: choose one precision")
+    if settings.get("fp16"):
+        return {"model.dtype": "float16"}
+    if settings.get("bf16") is False:
+        return {"model.dtype": "float32"}
+    return {}
+
+
+MODEL_INIT_KEYS = {"dtype": "model.dtype", "torch_dtype": "model.dtype", "attn_implementation":
+                   "model.attn_implementation", "trust_remote_code": "model.trust_remote_code"}
+"""model_init_kwargs reinforge applies when it loads the model."""
+
+
+def _model_init_kwargs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, str):  # TRL's command line passes it as JSON
+        value = json.loads(value)
+    mapped: dict[str, Any] = {}
+    for key, item in (value or {}).items():
+        if key in ("device_map", "low_cpu_mem_usage", "use_cache"):  # where and how the weights load: reinforge's
+            continue
+        if key not in MODEL_INIT_KEYS:
+            raise ValueError(f"model_init_kwargs[{key!r}]: reinforge loads the model with "
+                             f"{', '.join(MODEL_INIT_KEYS)} only; remove it")
+        if key in ("dtype", "torch_dtype"):
+            item = str(item).removeprefix("torch.")
+        mapped[MODEL_INIT_KEYS[key]] = item
+    return mapped
 
 
 RUN_SETTINGS: dict[str, Override] = {
     "max_steps": ("trainer.total_steps", _max_steps),
     "num_train_epochs": ("trainer.total_epochs", _epochs),
     "save_steps": ("trainer.save_every", _to("trainer.save_every")),
+    "save_strategy": ("trainer.save_every", _save_strategy),
     "save_total_limit": ("trainer.keep_last", _keep_last),
     "eval_steps": ("trainer.test_every", lambda value, settings: {} if value is None else {"trainer.test_every": value}),
+    "eval_strategy": ("trainer.test_every", _eval_strategy),
     "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
+    "data_seed": ("data.seed", lambda value, settings: {} if value is None else {"data.seed": value}),
     "logging_steps": ("(every step)", _logged_every_step),
     "report_to": ("trainer.loggers", _report_to),
+    "run_name": ("trainer.experiment_name", lambda value, settings: {} if value is None else {
+        "trainer.experiment_name": value}),
     "use_cpu": ("trainer.device", _use_cpu),
+    "bf16": ("model.dtype", _precision),
+    "fp16": ("model.dtype", _precision),
+    "model_init_kwargs": ("model.dtype, model.attn_implementation, model.trust_remote_code", _model_init_kwargs),
+    "trust_remote_code": ("model.trust_remote_code", _to("model.trust_remote_code")),
+    "gradient_checkpointing": ("model.gradient_checkpointing", _to("model.gradient_checkpointing")),
 }
-"""The run's length, checkpoints, seed, logging and device: the same TRL names in every trainer's config."""
+"""The run's length, checkpoints, seed, logging, device and precision: the same TRL names in every trainer's
+config."""
 
 GRPO_SETTINGS: dict[str, Override] = {
+    **UNUSED_BY_EVERY_TRAINER,
+    **UNUSED_BY_GRPO,
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
-    "learning_rate": ("actor.optim.lr", _to("actor.optim.lr")),
-    "weight_decay": ("actor.optim.weight_decay", _to("actor.optim.weight_decay")),
-    "warmup_steps": ("actor.optim.warmup_steps", _to("actor.optim.warmup_steps")),
-    "warmup_ratio": ("actor.optim.warmup_ratio", _to("actor.optim.warmup_ratio")),
-    "lr_scheduler_type": ("actor.optim.schedule", lambda value, settings: {
-        "actor." + key: item for key, item in _schedule(value, settings).items()}),
+    **_optimizer_settings("actor.optim"),
     "max_grad_norm": ("actor.grad_clip", _to("actor.grad_clip")),
     "num_generations": ("rollout.n", _to("rollout.n")),
     "max_prompt_length": ("data.max_prompt_length (longer prompts cut on the left)", lambda value, settings: {
@@ -129,33 +297,46 @@ GRPO_SETTINGS: dict[str, Override] = {
     "temperature": ("rollout.temperature", _to("rollout.temperature")),
     "top_p": ("rollout.top_p", _to("rollout.top_p")),
     "top_k": ("rollout.top_k", lambda value, settings: {"rollout.top_k": -1 if value in (None, 0) else value}),
+    "min_p": ("rollout.min_p", lambda value, settings: {"rollout.min_p": float(value or 0.0)}),
+    "generation_kwargs": ("rollout.temperature, top_p, top_k, min_p, stop_token_ids; data.max_response_length",
+                          _generation_kwargs),
+    "shuffle_dataset": ("data.shuffle", _to("data.shuffle")),
     "beta": ("actor.use_kl_loss, actor.kl_loss_coef (k3)", _beta),
     "epsilon": ("actor.policy_loss.clip_ratio", _to("actor.policy_loss.clip_ratio")),
-    "epsilon_high": ("actor.policy_loss.clip_ratio_high", _to("actor.policy_loss.clip_ratio_high")),
-    "loss_type": ("actor.loss_agg_mode", _loss_type),
+    "epsilon_high": ("actor.policy_loss.clip_ratio_high", _epsilon_high),
+    "delta": ("actor.policy_loss.clip_ratio_c (the dual clip)", lambda value, settings: {} if value is None else {
+        "actor.policy_loss.clip_ratio_c": float(value)}),
+    "loss_type": ("actor.loss_agg_mode, actor.policy_loss.loss_mode", _loss_type),
+    "importance_sampling_level": ("actor.policy_loss.loss_mode (sequence: gspo)", _importance_sampling_level),
+    "sapo_temperature_pos": ("actor.policy_loss.tau_pos", _to("actor.policy_loss.tau_pos")),
+    "sapo_temperature_neg": ("actor.policy_loss.tau_neg", _to("actor.policy_loss.tau_neg")),
+    "entropy_coef": ("actor.entropy_coeff", _to("actor.entropy_coeff")),
+    "router_aux_loss_coef": ("actor.router_aux_loss_coef", _to("actor.router_aux_loss_coef")),
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
     "num_iterations": ("actor.ppo_epochs", _to("actor.ppo_epochs")),
     "reward_weights": ("reward.weights", lambda value, settings: {} if value is None else {
         "reward.weights": [float(weight) for weight in value]}),
+    "num_completions_to_print": ("trainer.num_logged_samples", lambda value, settings: {} if value is None else {
+        "trainer.num_logged_samples": value}),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
-    "gradient_accumulation_steps": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
-    "gradient_checkpointing": ("model.gradient_checkpointing", _to("model.gradient_checkpointing")),
+    "gradient_accumulation_steps": ("actor.mini_batch_size (with num_generations)", lambda value, settings: {}),
+    "steps_per_generation": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
+    "generation_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
+    "eval_on_start": ("trainer.val_before_train", _to("trainer.val_before_train")),
 }
+"""TRL's GRPOConfig names -> (reinforge keys, for messages; the mapping)."""
 
-"""TRL's GRPOConfig names that mean here what they mean there -> (reinforge keys, for messages; the mapping)."""
+APPLIED_LAST = ("generation_kwargs",)
+"""Settings mapped after the others, so that their keys win (TRL's generation_kwargs override temperature, top_p...)."""
 
 TRL_PER_DEVICE_TRAIN_BATCH_SIZE = 8
 """TRL's default per_device_train_batch_size: what gradient_accumulation_steps multiplies when only it is given."""
 
 SFT_SETTINGS: dict[str, Override] = {
+    **UNUSED_BY_EVERY_TRAINER,
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
-    "learning_rate": ("optim.lr", _to("optim.lr")),
-    "weight_decay": ("optim.weight_decay", _to("optim.weight_decay")),
-    "warmup_steps": ("optim.warmup_steps", _to("optim.warmup_steps")),
-    "warmup_ratio": ("optim.warmup_ratio", _to("optim.warmup_ratio")),
-    "lr_scheduler_type": ("optim.schedule", lambda value, settings: {
-        "optim." + key.removeprefix("optim."): item for key, item in _schedule(value, settings).items()}),
+    **_optimizer_settings("optim"),
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
     "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
         "data.max_length": value, "data.truncation": "right"}),
@@ -166,7 +347,6 @@ SFT_SETTINGS: dict[str, Override] = {
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
     "per_device_eval_batch_size": ("data.val_batch_size", _to("data.val_batch_size")),
-    "gradient_checkpointing": ("model.gradient_checkpointing", _to("model.gradient_checkpointing")),
 }
 
 
@@ -174,6 +354,8 @@ class _TrainingArguments:
     """Settings under TRL's names, checked by name when made; ``overrides`` holds reinforge's own keys."""
 
     SETTINGS: dict[str, Override] = {}
+    TRL_DEFAULTS: dict[str, Any] = {}
+    """TRL's defaults where reinforge's own would make another run: applied where the setting is not given."""
 
     def __init__(self, overrides: Mapping[str, Any] | Sequence[str] | None = None, **settings: Any) -> None:
         for name in settings:
@@ -188,19 +370,35 @@ class _TrainingArguments:
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self).SETTINGS:
-            return self.__dict__.get("settings", {}).get(name)
+            return self.__dict__.get("settings", {}).get(name, self.TRL_DEFAULTS.get(name))
         raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``args.max_steps = 10`` after the config is made (as scripts do to a TRL config) sets the setting."""
+        if name in ("settings", "overrides"):
+            object.__setattr__(self, name, value)
+        elif name in type(self).SETTINGS:
+            self.settings[name] = value
+        else:
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}; it takes TRL's names, and "
+                                 "reinforge's own keys as overrides={'rollout.top_p': 0.9}")
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{key}={value!r}" for key, value in self.settings.items())
         return f"{type(self).__name__}({shown}{', overrides=' + repr(self.overrides) if self.overrides else ''})"
 
+    def with_defaults(self) -> dict[str, Any]:
+        """The settings given, over TRL's defaults (``TRL_DEFAULTS``)."""
+        return self.TRL_DEFAULTS | self.settings
+
     def to_overrides(self) -> dict[str, Any]:
-        """reinforge's keys -> values: TRL's names mapped, then ``overrides`` (which win)."""
+        """reinforge's keys -> values: TRL's names (given, or TRL's defaults) mapped, then ``overrides`` (which
+        win)."""
+        settings = self.with_defaults()
         mapped: dict[str, Any] = {}
-        for name, value in self.settings.items():
+        for name, value in sorted(settings.items(), key=lambda item: item[0] in APPLIED_LAST):
             try:
-                mapped |= self.SETTINGS[name][1](value, self.settings)
+                mapped |= self.SETTINGS[name][1](value, settings)
             except TypeError as error:  # None or another type where the mapping does arithmetic on a number
                 raise ValueError(f"{name}={value!r} is not a value {type(self).__name__} can use ({error})") from None
         return mapped | _overrides_dict(self.overrides)
@@ -208,34 +406,88 @@ class _TrainingArguments:
 
 class GRPOConfig(_TrainingArguments):
     """A GRPO run's settings under TRL's names (``GRPO_SETTINGS``): learning_rate, num_generations,
-    max_completion_length, per_device_train_batch_size (completions per step, with gradient_accumulation_steps),
-    beta, epsilon, loss_type, num_iterations, temperature, output_dir, max_steps, save_steps, seed, reward_weights...
-    """
+    max_completion_length, per_device_train_batch_size (completions per optimizer step, with
+    gradient_accumulation_steps; steps_per_generation for several a generation), beta, epsilon, loss_type,
+    num_iterations, temperature, output_dir, max_steps (optimizer steps, as in TRL), save_steps, seed,
+    reward_weights...; TRL's defaults where a setting is not given (``TRL_DEFAULTS``)."""
 
     SETTINGS = GRPO_SETTINGS
+    TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
+                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
-        completions = _rows_per_step(self.settings)
-        if completions is not None and "data.train_batch_size" not in _overrides_dict(self.overrides):
-            generations = int(self.settings.get("num_generations") or mapped.get("rollout.n") or 8)
-            if completions % generations:
-                raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} "
-                                 f"completions a step is not a multiple of num_generations={generations}; make it one "
-                                 f"(each prompt is answered num_generations times)")
-            mapped["data.train_batch_size"] = completions // generations
+        settings, given = self.with_defaults(), _overrides_dict(self.overrides)
+        if "data.train_batch_size" in given:
+            return mapped
+        generations = int(settings.get("num_generations") or mapped.get("rollout.n") or 8)
+        batches, updates = _generation_batches(settings, generations)
+        mapped |= batches
+        updates *= int(mapped.get("actor.ppo_epochs", 1))
+        for name, key in (("max_steps", "trainer.total_steps"), ("save_steps", "trainer.save_every"),
+                          ("eval_steps", "trainer.test_every")):
+            if updates > 1 and mapped.get(key) and key not in given:
+                mapped[key] = _in_generations(name, mapped[key], updates)
         return mapped
+
+
+def _generation_batches(settings: Mapping[str, Any], generations: int) -> tuple[dict[str, Any], int]:
+    """data.train_batch_size (prompts a generation) and actor.mini_batch_size (prompts an optimizer step) from TRL's
+    per_device_train_batch_size, gradient_accumulation_steps and steps_per_generation (or generation_batch_size);
+    with the optimizer steps one generation makes (before num_iterations)."""
+    per_device = int(settings.get("per_device_train_batch_size") or TRL_PER_DEVICE_TRAIN_BATCH_SIZE)
+    accumulation = int(settings.get("gradient_accumulation_steps") or 1)
+    steps_per_generation, generation_batch = settings.get("steps_per_generation"), settings.get("generation_batch_size")
+    if steps_per_generation is not None and generation_batch is not None:
+        raise ValueError(f"steps_per_generation={steps_per_generation} and generation_batch_size={generation_batch}: "
+                         "set one of them, as in TRL")
+    if generation_batch is not None:
+        if generation_batch % per_device:
+            raise ValueError(f"generation_batch_size={generation_batch} is not a multiple of "
+                             f"per_device_train_batch_size={per_device}; make it one")
+        steps_per_generation = generation_batch // per_device
+    steps_per_generation = int(steps_per_generation or accumulation)
+    completions = per_device * steps_per_generation
+    if completions % generations:
+        factor = "gradient_accumulation_steps" if steps_per_generation == accumulation else "steps_per_generation"
+        raise ValueError(f"per_device_train_batch_size x {factor} = {completions} completions a step is not a "
+                         f"multiple of num_generations={generations}; make it one (each prompt is answered "
+                         "num_generations times)")
+    batches: dict[str, Any] = {"data.train_batch_size": completions // generations}
+    if steps_per_generation == accumulation:
+        return batches, 1
+    update = per_device * accumulation
+    if steps_per_generation % accumulation or update % generations:
+        raise ValueError(f"steps_per_generation={steps_per_generation} with gradient_accumulation_steps={accumulation}: "
+                         "reinforge's optimizer steps take whole prompt groups of one generation; make "
+                         "steps_per_generation a multiple of gradient_accumulation_steps, and "
+                         f"per_device_train_batch_size x gradient_accumulation_steps = {update} a multiple of "
+                         f"num_generations={generations}")
+    return batches | {"actor.mini_batch_size": update // generations}, steps_per_generation // accumulation
+
+
+def _in_generations(name: str, optimizer_steps: int, updates: int) -> int:
+    """TRL's count of optimizer steps as reinforge's steps, each a generation that makes ``updates`` of them."""
+    steps = max(1, math.ceil(optimizer_steps / updates))
+    if optimizer_steps % updates and name == "max_steps":
+        logger.warning("%s=%d counts optimizer steps, as in TRL; each reinforge step generates once and makes %d "
+                       "(num_iterations x steps_per_generation / gradient_accumulation_steps), so it is %d steps (%d "
+                       "optimizer steps)", name, optimizer_steps, updates, steps, steps * updates)
+    return steps
 
 
 class SFTConfig(_TrainingArguments):
     """An SFT run's settings under TRL's names (``SFT_SETTINGS``): learning_rate, max_length, packing,
-    per_device_train_batch_size (with gradient_accumulation_steps), output_dir, max_steps, save_steps, seed..."""
+    per_device_train_batch_size (with gradient_accumulation_steps), output_dir, max_steps, save_steps, seed...;
+    TRL's defaults where a setting is not given (``TRL_DEFAULTS``)."""
 
     SETTINGS = SFT_SETTINGS
+    TRL_DEFAULTS = {"learning_rate": 2e-5, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
+                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
-        rows = _rows_per_step(self.settings)
+        rows = _rows_per_step(self.with_defaults())
         if rows is not None and "data.batch_size" not in _overrides_dict(self.overrides):
             mapped["data.batch_size"] = rows
         return mapped
@@ -270,22 +522,28 @@ DPO_SETTINGS: dict[str, Override] = {
 
 REWARD_SETTINGS: dict[str, Override] = {
     **PREFERENCE_SETTINGS,
-    "center_rewards_coefficient": ("rm.center_rewards_coefficient", _to("rm.center_rewards_coefficient")),
+    "center_rewards_coefficient": ("rm.center_rewards_coefficient", lambda value, settings: {
+        "rm.center_rewards_coefficient": float(value or 0.0)}),
 }
 
 
 class DPOConfig(SFTConfig):
     """A DPO run's settings under TRL's names (``DPO_SETTINGS``): beta, loss_type, label_smoothing, learning_rate,
-    max_length, per_device_train_batch_size (pairs, with gradient_accumulation_steps), output_dir, max_steps..."""
+    max_length, per_device_train_batch_size (pairs, with gradient_accumulation_steps), output_dir, max_steps...;
+    TRL's defaults where a setting is not given."""
 
     SETTINGS = DPO_SETTINGS
+    TRL_DEFAULTS = {"learning_rate": 1e-6, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
+                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42}
 
 
 class RewardConfig(SFTConfig):
     """A reward model's training settings under TRL's names (``REWARD_SETTINGS``): center_rewards_coefficient,
-    learning_rate, max_length, per_device_train_batch_size, output_dir, max_steps..."""
+    learning_rate, max_length, per_device_train_batch_size, output_dir, max_steps...; TRL's defaults where a setting is
+    not given."""
 
     SETTINGS = REWARD_SETTINGS
+    TRL_DEFAULTS = DPOConfig.TRL_DEFAULTS | {"learning_rate": 1e-4}
 
 
 def _overrides_dict(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:

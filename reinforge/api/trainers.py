@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from reinforge.api.inputs import (
     as_conversations,
+    formatted_rows,
     mark_trained,
     peft_settings,
     reward_functions_of,
@@ -64,18 +66,54 @@ def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[
 
 
 class _Trainer:
-    """What every API trainer has: ``config``, ``trainer`` (reinforge's own), ``train`` and ``save_model``."""
+    """What every API trainer has: ``config``, ``trainer`` (reinforge's own), ``train``, ``save_model``, and TRL's
+    ``state``, ``model`` and ``processing_class``."""
 
     config: Any
     trainer: Any
+    args: Any = None
+    """The TRL-named settings given (a GRPOConfig, SFTConfig...), or reinforge's config; what callbacks get as args."""
     given_model: Any = None
     """The model object the trainer was given (None for a path): ``train`` leaves the trained weights in it."""
+    MODEL_CLASS = "transformers:AutoModelForCausalLM"
+    """``module:name`` of the class ``model`` loads the trained model with."""
 
-    def train(self) -> TrainOutput:
+    def _start_callbacks(self, callbacks: Any) -> None:
+        """``state`` as the run stands, and the callbacks hooked into its tracker (``on_init_end`` called)."""
+        from reinforge.api.callbacks import (
+            CallbackBackend,
+            CallbackHandler,
+            callback_objects,
+            logged_history,
+            make_state,
+        )
+
+        self._loaded_model: tuple[int, Any] | None = None
+        self.state = make_state(int(getattr(self.trainer, "total_steps", 0) or 0),
+                                logged_history(self.output_dir, self._trained_steps()))
+        self.callback_handler = CallbackHandler(callback_objects(callbacks), self.args, self.state)
+        tracker = getattr(self.trainer, "tracker", None)
+        if tracker is not None:
+            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler)
+        self.callback_handler.call("on_init_end")
+
+    def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
         """Run the training (resuming where ``output_dir`` holds a checkpoint); TRL's ``TrainOutput``. A model given
-        loaded holds the trained weights after it, as in TRL (reinforge trains a saved copy)."""
+        loaded holds the trained weights after it, as in TRL (reinforge trains a saved copy).
+
+        ``resume_from_checkpoint``: TRL's; None or True resume from ``output_dir``'s latest checkpoint, as reinforge
+        always does (``trainer.resume``); a checkpoint path or False is set as ``trainer.resume`` when the trainer
+        is made (``overrides={"trainer.resume": ...}``)."""
+        if resume_from_checkpoint not in (None, True):
+            raise ValueError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}): reinforge resumes from "
+                             "output_dir's latest checkpoint; to start over or resume another checkpoint, make the "
+                             "trainer with overrides={'trainer.resume': 'never'} (or the checkpoint's path)")
         first_step = self._trained_steps()
+        self.state.max_steps = int(getattr(self.trainer, "total_steps", 0) or self.state.max_steps)
+        self.callback_handler.call("on_train_begin")
+        started = time.perf_counter()
         metrics = self.trainer.fit()
+        runtime = time.perf_counter() - started
         if self.given_model is not None:
             from reinforge.trainer.export import load_trained_weights
 
@@ -85,12 +123,48 @@ class _Trainer:
                 logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
                                "score head is not a causal LM's), which keeps its weights as they were; "
                                "trainer.save_model() writes the trained model", type(self.given_model).__name__)
-        return _train_output(self.output_dir, first_step, self._trained_steps(), metrics)
+        output = _train_output(self.output_dir, first_step, self._trained_steps(), metrics)
+        summary = {"train_runtime": runtime, "train_loss": output.training_loss, "epoch": self.state.epoch}
+        self.state.log_history.append(summary | {"step": output.global_step})
+        self.callback_handler.call("on_train_end")
+        return output._replace(metrics=output.metrics | summary)
+
+    @property
+    def model(self) -> Any:
+        """TRL's ``trainer.model``: the model object given, which ``train`` updates; else the model loaded from the
+        run's latest checkpoint (the starting model before one), on the CPU."""
+        if self.given_model is not None:
+            return self.given_model
+        step = self._trained_steps()
+        if self._loaded_model is None or self._loaded_model[0] != step:
+            model = _load(self.MODEL_CLASS).from_pretrained(self.config.model.path, **self._model_options())
+            if step:
+                from reinforge.trainer.export import load_trained_weights
+
+                load_trained_weights(self.output_dir, model)
+            self._loaded_model = (step, model)
+        return self._loaded_model[1]
+
+    def _model_options(self) -> dict[str, Any]:
+        return {"trust_remote_code": bool(self.config.model.trust_remote_code)}
+
+    @property
+    def processing_class(self) -> Any:
+        """TRL's ``trainer.processing_class``: the tokenizer the run trains with."""
+        tokenizer = getattr(self.trainer, "tokenizer", None)
+        if tokenizer is None:
+            from reinforge.models import load_tokenizer
+
+            tokenizer = load_tokenizer(self.config.model.tokenizer_path or self.config.model.path,
+                                       trust_remote_code=bool(self.config.model.trust_remote_code))
+        return tokenizer
+
+    tokenizer = processing_class
 
     def _trained_steps(self) -> int:
         """The step the run stands at: before ``fit`` the checkpoint it will resume from (0 without one), after it
         the last step."""
-        if self.trainer.step:
+        if getattr(self.trainer, "step", 0):
             return int(self.trainer.step)
         state = getattr(self.trainer, "_resume_state", None)
         return int(state["step"]) if state else 0
@@ -119,14 +193,42 @@ class _Trainer:
         return self.output_dir
 
 
+UNSUPPORTED_ARGUMENTS = {
+    "data_collator": "reinforge batches and pads (or packs) the rows itself",
+    "compute_loss_func": "reinforge's loss is set by the config (loss_type)",
+    "compute_metrics": "reinforge logs its own evaluation metrics (val/loss)",
+    "preprocess_logits_for_metrics": "reinforge logs its own evaluation metrics (val/loss)",
+    "optimizers": "reinforge makes its own AdamW and schedule from the config (learning_rate, lr_scheduler_type, "
+                  "adam_beta1...)",
+    "optimizer_cls_and_kwargs": "reinforge makes its own AdamW from the config (learning_rate, adam_beta1...)",
+    "quantization_config": "reinforge trains unquantised weights (adapters through peft_config)",
+    "tools": "reinforge's multi-turn tool runs are set through overrides (rollout.multi_turn)",
+    "rollout_func": "reinforge generates with its own engine",
+    "environment_factory": "reinforge's multi-turn runs are set through overrides (rollout.multi_turn)",
+}
+"""TRL trainer arguments reinforge has no counterpart for -> why; given (not None), they are refused in one line."""
+
+
+def _refuse_unsupported(trainer: str, arguments: dict[str, Any]) -> None:
+    for name, value in arguments.items():
+        if value is not None and value != (None, None):
+            raise TypeError(f"{trainer}({name}=...): {UNSUPPORTED_ARGUMENTS[name]}; remove it")
+
+
 class GRPOTrainer(_Trainer):
-    """GRPO (or any estimator of ``algorithm.adv_estimator``) on a model, a dataset and reward functions."""
+    """GRPO (or any estimator of ``algorithm.adv_estimator``) on a model, a dataset and reward functions; TRL's
+    arguments, in TRL's order."""
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | Any = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, peft_config: Any = None,
-                 **overrides: Any) -> None:
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Any = None, optimizers: Any = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: Any = None, rollout_func: Any = None,
+                 environment_factory: Any = None, **overrides: Any) -> None:
         from reinforge.config import Config
 
+        _refuse_unsupported("GRPOTrainer", {"optimizers": optimizers, "quantization_config": quantization_config,
+                                            "tools": tools, "rollout_func": rollout_func,
+                                            "environment_factory": environment_factory})
         if isinstance(args, Config):
             settings = keyword_overrides(overrides)
             output_dir = Path(settings.get("trainer.output_dir", args.trainer.output_dir))
@@ -136,9 +238,10 @@ class GRPOTrainer(_Trainer):
                 raise TypeError(f"args must be a GRPOConfig or a reinforge Config; got a {type(args).__name__}")
             settings = args.to_overrides() | keyword_overrides(overrides)
             output_dir = Path(settings.setdefault("trainer.output_dir", "runs/grpo"))
+        self.args = args
         inputs = output_dir / "inputs"
         settings = peft_settings(peft_config, model) | settings
-        self.reward_functions = reward_functions_of(reward_funcs, settings, inputs)
+        self.reward_functions = reward_functions_of(reward_funcs, settings, inputs, reward_processing_classes)
         settings["model.path"] = save_model_if_loaded(model, processing_class, inputs / "initial_model")
         tokenizer_path = save_tokenizer_if_given(model, processing_class, inputs / "tokenizer")
         if tokenizer_path is not None:
@@ -160,10 +263,12 @@ class GRPOTrainer(_Trainer):
         from reinforge.trainer.rl_trainer import RLTrainer
 
         self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)
+        self._start_callbacks(callbacks)
 
 
 class _SupervisedTrainer(_Trainer):
-    """A trainer on rows of text (SFT, DPO, reward model): TRL's names in, reinforge's config and trainer out."""
+    """A trainer on rows of text (SFT, DPO, reward model): TRL's names in, reinforge's config and trainer out. Each
+    subclass takes TRL's arguments in TRL's order and hands them to ``_build``."""
 
     ARGS: type[Any]
     DEFAULT_OUTPUT_DIR: str
@@ -174,10 +279,11 @@ class _SupervisedTrainer(_Trainer):
     TRAINER: str
     """``module:name`` of reinforge's trainer class, built on that config."""
 
-    def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 processing_class: Any = None, peft_config: Any = None, **overrides: Any) -> None:
+    def _build(self, model: Any, args: Any, train_dataset: Any, eval_dataset: Any, processing_class: Any,
+               peft_config: Any, callbacks: Any, unsupported: dict[str, Any], overrides: dict[str, Any]) -> None:
         from reinforge.config import config_to_dict
 
+        _refuse_unsupported(type(self).__name__, unsupported)
         schema = _load(self.SCHEMA)
         if isinstance(args, schema):
             settings = keyword_overrides(overrides)
@@ -187,6 +293,7 @@ class _SupervisedTrainer(_Trainer):
             if not isinstance(args, self.ARGS):
                 raise TypeError(f"args must be a reinforge.{self.ARGS.__name__}; got a {type(args).__name__}")
             settings = args.to_overrides() | keyword_overrides(overrides)
+        self.args = args
         output_dir = Path(settings.setdefault("trainer.output_dir", self.DEFAULT_OUTPUT_DIR))
         inputs = output_dir / "inputs"
         settings = peft_settings(peft_config, model) | settings
@@ -205,6 +312,7 @@ class _SupervisedTrainer(_Trainer):
         _check_train_data(self.config, type(self).__name__)
         _load(self.VALIDATE)(self.config)
         self.trainer = _load(self.TRAINER)(self.config)
+        self._start_callbacks(callbacks)
 
     def _rows(self, dataset: Any) -> Any:
         return dataset
@@ -214,7 +322,8 @@ class _SupervisedTrainer(_Trainer):
 
 
 class SFTTrainer(_SupervisedTrainer):
-    """Supervised fine-tuning on chat conversations (a ``messages`` column), or on ``prompt``/``completion`` pairs."""
+    """Supervised fine-tuning on chat conversations (a ``messages`` column), on ``prompt``/``completion`` pairs, or on
+    ``text`` (what ``formatting_func`` makes of each row)."""
 
     ARGS = SFTConfig
     DEFAULT_OUTPUT_DIR = "runs/sft"
@@ -222,8 +331,33 @@ class SFTTrainer(_SupervisedTrainer):
     VALIDATE = "reinforge.config.validate:validate_sft_config"
     TRAINER = "reinforge.trainer.sft_trainer:SFTTrainer"
 
+    def __init__(self, model: Any, args: SFTConfig | Any = None, data_collator: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, compute_loss_func: Any = None,
+                 compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
+                 optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None,
+                 quantization_config: Any = None, peft_config: Any = None, formatting_func: Any = None,
+                 **overrides: Any) -> None:
+        """``formatting_func``: TRL's, a function of a row returning its text, which is trained on whole."""
+        self.formatting_func = formatting_func
+        self._build(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks,
+                    {"data_collator": data_collator, "compute_loss_func": compute_loss_func,
+                     "compute_metrics": compute_metrics, "optimizers": optimizers,
+                     "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
+                     "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
+                     "quantization_config": quantization_config}, overrides)
+
     def _rows(self, dataset: Any) -> Any:
-        return as_conversations(dataset)
+        if self.formatting_func is not None:
+            return formatted_rows(dataset, self.formatting_func)
+        rows = as_conversations(dataset)
+        conversational = isinstance(rows, list) and rows and isinstance(rows[0], dict) and "messages" in rows[0]
+        if (conversational and isinstance(self.args, SFTConfig) and self.args.assistant_only_loss is not True
+                and not getattr(self, "_loss_noted", False)):
+            self._loss_noted = True
+            logger.warning("the rows are chat conversations ('messages'): TRL trains on every token of them unless "
+                           "assistant_only_loss=True; reinforge trains on the assistant turns only, as TRL does with "
+                           "assistant_only_loss=True (for the whole text, give each row as one 'text')")
+        return rows
 
 
 class DPOTrainer(_SupervisedTrainer):
@@ -235,13 +369,16 @@ class DPOTrainer(_SupervisedTrainer):
     VALIDATE = "reinforge.config.preference_schema:validate_preference_config"
     TRAINER = "reinforge.trainer.preference.dpo_trainer:DPOTrainer"
 
-    def __init__(self, model: Any, args: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 processing_class: Any = None, peft_config: Any = None, *, ref_model: Any = None,
-                 **overrides: Any) -> None:
+    def __init__(self, model: Any, ref_model: Any = None, args: DPOConfig | Any = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
+                 quantization_config: Any = None, peft_config: Any = None, **overrides: Any) -> None:
         """``ref_model``: TRL's reference model, a path, hub id or loaded model (``dpo.reference_path``); None: the
         model's starting weights."""
         self.ref_model = ref_model
-        super().__init__(model, args, train_dataset, eval_dataset, processing_class, peft_config, **overrides)
+        self._build(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks,
+                    {"data_collator": data_collator, "compute_metrics": compute_metrics, "optimizers": optimizers,
+                     "quantization_config": quantization_config}, overrides)
 
     def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
         if self.ref_model is not None:
@@ -257,3 +394,18 @@ class RewardTrainer(_SupervisedTrainer):
     SCHEMA = "reinforge.config.preference_schema:RMConfig"
     VALIDATE = "reinforge.config.preference_schema:validate_preference_config"
     TRAINER = "reinforge.trainer.preference.rm_trainer:RewardModelTrainer"
+    MODEL_CLASS = "transformers:AutoModelForSequenceClassification"
+
+    def __init__(self, model: Any, args: RewardConfig | Any = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 compute_metrics: Any = None, callbacks: Any = None, optimizers: Any = (None, None),
+                 optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None,
+                 quantization_config: Any = None, peft_config: Any = None, **overrides: Any) -> None:
+        self._build(model, args, train_dataset, eval_dataset, processing_class, peft_config, callbacks,
+                    {"data_collator": data_collator, "compute_metrics": compute_metrics, "optimizers": optimizers,
+                     "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
+                     "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
+                     "quantization_config": quantization_config}, overrides)
+
+    def _model_options(self) -> dict[str, Any]:
+        return super()._model_options() | {"num_labels": 1}

@@ -1,0 +1,126 @@
+"""TRL's (transformers') view of a run while it trains: ``trainer.state`` with its ``log_history``, and the
+``TrainerCallback`` objects a script hands the trainer, called as each step's metrics are logged.
+
+A step's metrics keep reinforge's names (``actor/pg_loss``, ``critic/score/mean``) and get TRL's beside them
+(``loss``, ``reward``, ``learning_rate``, ``grad_norm``...), so a script reading ``log_history[-1]["loss"]`` or
+``logs["reward"]`` in ``on_log`` finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from reinforge.tracking.backends import TrackingBackend
+
+logger = logging.getLogger(__name__)
+
+TRL_METRIC_NAMES = {
+    "loss": ("train/loss", "actor/pg_loss"),
+    "grad_norm": ("train/grad_norm", "actor/grad_norm"),
+    "learning_rate": ("train/lr", "actor/lr"),
+    "reward": ("critic/score/mean",),
+    "kl": ("actor/kl_loss",),
+    "entropy": ("actor/entropy",),
+    "completions/mean_length": ("response_length/mean",),
+    "completions/min_length": ("response_length/min",),
+    "completions/max_length": ("response_length/max",),
+    "completions/clipped_ratio": ("response_length/clip_ratio",),
+    "eval_loss": ("val/loss",),
+    "epoch": ("training/epoch",),
+}
+"""TRL's name of a logged metric -> reinforge's names for it, the first one logged taken."""
+
+CALLBACK_EVENTS = ("on_init_end", "on_train_begin", "on_step_end", "on_log", "on_train_end")
+"""The TrainerCallback events a reinforge run calls; the others (on_step_begin, on_save, on_evaluate...) it does not."""
+
+
+def trl_logs(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's metrics with TRL's names added."""
+    logs = dict(metrics)
+    for name, sources in TRL_METRIC_NAMES.items():
+        source = next((source for source in sources if source in metrics), None)
+        if source is not None and name not in logs:
+            logs[name] = metrics[source]
+    return logs
+
+
+def make_state(max_steps: int, history: list[dict[str, Any]]) -> Any:
+    """transformers' ``TrainerState`` of a run at the end of ``history`` (its logged rows, each with ``step``)."""
+    from transformers import TrainerState
+
+    state = TrainerState(max_steps=max_steps, log_history=history)
+    state.global_step = int(history[-1]["step"]) if history else 0
+    state.epoch = float(history[-1].get("epoch", 0.0)) if history else 0.0
+    return state
+
+
+def logged_history(run_dir: Path, last_step: int) -> list[dict[str, Any]]:
+    """The rows ``metrics.jsonl`` holds up to ``last_step``, as TRL's log_history entries."""
+    from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
+
+    path = run_dir / METRICS_FILE
+    rows = read_json_lines(path) if path.exists() else []
+    return [trl_logs({key: value for key, value in row.items() if key != "step"}) | {"step": row["step"]}
+            for row in rows if row.get("step", 0) <= last_step]
+
+
+def callback_objects(callbacks: Sequence[Any] | None) -> list[Any]:
+    """TRL takes callback classes or instances; a class is made without arguments."""
+    made = []
+    for callback in callbacks or ():
+        callback = callback() if isinstance(callback, type) else callback
+        if not any(hasattr(callback, event) for event in CALLBACK_EVENTS):
+            raise TypeError(f"callbacks holds a {type(callback).__name__}, which has none of "
+                            f"{', '.join(CALLBACK_EVENTS)}; pass transformers.TrainerCallback objects")
+        made.append(callback)
+    return made
+
+
+class CallbackHandler:
+    """Calls each callback's events with TRL's arguments: (args, state, control, model=..., processing_class=...)."""
+
+    def __init__(self, callbacks: list[Any], args: Any, state: Any) -> None:
+        from transformers import TrainerControl
+
+        self.callbacks, self.args, self.state = callbacks, args, state
+        self.control = TrainerControl()
+        self._stop_noted = False
+
+    def call(self, event: str, **kwargs: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, event, None)
+            if method is None:
+                continue
+            returned = method(self.args, self.state, self.control, **kwargs)
+            if returned is not None:
+                self.control = returned
+        if self.control.should_training_stop and not self._stop_noted:
+            self._stop_noted = True
+            logger.warning("a callback set control.should_training_stop at step %d; reinforge runs to max_steps "
+                           "(trainer.total_steps) and does not stop early", self.state.global_step)
+
+
+class CallbackBackend(TrackingBackend):
+    """A tracker backend that puts each logged step into ``state.log_history`` and calls the callbacks: a trained
+    step's ``on_step_end``, then ``on_log`` for every row (a validation before training too)."""
+
+    def __init__(self, handler: CallbackHandler) -> None:
+        self.handler = handler
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        state = self.handler.state
+        logs = trl_logs(metrics)
+        state.log_history.append(logs | {"step": step})
+        state.global_step = step
+        if "epoch" in logs:
+            state.epoch = float(logs["epoch"])
+        if "training/global_step" in metrics and not metrics.get("training/skipped_step"):
+            self.handler.call("on_step_end")
+        self.handler.call("on_log", logs=logs)
+
+    def truncate_after(self, step: int) -> None:
+        state = self.handler.state
+        state.log_history[:] = [row for row in state.log_history if row.get("step", 0) <= step]

@@ -1,0 +1,164 @@
+"""TRL's (and transformers' ``TrainingArguments``) settings with no reinforge key of their own: those that change
+nothing in a reinforge run (where logs go, the generation engine, the hub), taken and noted; and those reinforge takes
+only at TRL's default, where another value would change the training in a way reinforge does not do.
+
+A script written for TRL spells out many of them (``bf16``, ``logging_dir``, ``use_vllm``, ``push_to_hub``...): it
+runs unchanged as long as what it asks for is what the run does, and stops in one line naming the setting where not.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Mapping = Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+def no_effect(name: str, reason: str) -> tuple[str, Mapping]:
+    """A setting that changes nothing here: taken, and said once (at info level) when given."""
+    def note(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        logger.info("%s=%r changes nothing in a reinforge run: %s", name, value, reason)
+        return {}
+    return f"(no effect: {reason})", note
+
+
+def default_only(name: str, accepted: tuple[Any, ...], fix: str) -> tuple[str, Mapping]:
+    """A setting taken at TRL's default (or None); another value is refused in one line with ``fix``."""
+    def check(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+        if value is not None and not any(value == item and type(value) is type(item) for item in accepted):
+            raise ValueError(f"{name}={value!r}: {fix}")
+        return {}
+    return f"(only {' or '.join(repr(item) for item in accepted)})", check
+
+
+def _table(no_effects: dict[str, str], defaults: dict[str, tuple[tuple[Any, ...], str]]) -> dict[str, tuple[str, Mapping]]:
+    return ({name: no_effect(name, reason) for name, reason in no_effects.items()}
+            | {name: default_only(name, accepted, fix) for name, (accepted, fix) in defaults.items()})
+
+
+UNUSED_BY_EVERY_TRAINER = _table(
+    {
+        "logging_dir": "TensorBoard (report_to='tensorboard') writes into output_dir",
+        "logging_strategy": "reinforge logs every step",
+        "logging_first_step": "reinforge logs every step",
+        "logging_nan_inf_filter": "reinforge logs every step's values as they are",
+        "log_level": "reinforge logs through Python's logging",
+        "log_level_replica": "reinforge logs through Python's logging",
+        "log_on_each_node": "the run's metrics are logged once",
+        "disable_tqdm": "the console logger draws the progress (report_to='none' keeps only metrics.jsonl)",
+        "overwrite_output_dir": "a run folder with a checkpoint is resumed (trainer.resume)",
+        "do_train": "train() trains",
+        "do_eval": "an eval_dataset is evaluated",
+        "do_predict": "reinforge has no predict step",
+        "remove_unused_columns": "every column of the rows reaches the reward functions, as TRL's GRPO default",
+        "label_names": "reinforge's trainers know their labels",
+        "save_only_model": "a checkpoint holds what resuming needs",
+        "save_safetensors": "models are saved as safetensors",
+        "dataloader_num_workers": "the rows are read in the trainer's process",
+        "dataloader_pin_memory": "the rows are read in the trainer's process",
+        "dataloader_persistent_workers": "the rows are read in the trainer's process",
+        "dataloader_prefetch_factor": "the rows are read in the trainer's process",
+        "ddp_find_unused_parameters": "reinforge shards with FSDP, not DDP",
+        "ddp_timeout": "reinforge shards with FSDP, not DDP",
+        "ddp_backend": "reinforge shards with FSDP, not DDP",
+        "local_rank": "reinforge starts its own workers (trainer.devices_per_node)",
+        "gradient_checkpointing_kwargs": "reinforge's checkpointing is its own (gradient_checkpointing)",
+        "use_liger_kernel": "reinforge computes the loss in its own chunked kernels",
+        "include_num_input_tokens_seen": "reinforge logs the tokens of each step",
+        "include_tokens_per_second": "reinforge logs the throughput of each step",
+        "torch_empty_cache_steps": "reinforge frees memory between its phases",
+        "hub_model_id": "reinforge does not push to the hub (push_to_hub)",
+        "hub_strategy": "reinforge does not push to the hub (push_to_hub)",
+        "hub_private_repo": "reinforge does not push to the hub (push_to_hub)",
+        "hub_token": "reinforge does not push to the hub (push_to_hub)",
+        "tf32": "reinforge computes in bfloat16 on a GPU (bf16) and float32 on the CPU",
+        "metric_for_best_model": "reinforge keeps the last checkpoints (save_total_limit), not the best",
+        "greater_is_better": "reinforge keeps the last checkpoints (save_total_limit), not the best",
+        "per_device_eval_batch_size": "evaluation batches are sized by reinforge",
+    },
+    {
+        "push_to_hub": ((False,), "reinforge does not upload; trainer.save_model() writes the model folder, which "
+                                  "huggingface_hub's upload_folder pushes"),
+        "load_best_model_at_end": ((False,), "reinforge keeps the last checkpoints, not the best; remove it"),
+        "torch_compile": ((False,), "reinforge does not compile the model; remove it"),
+        "auto_find_batch_size": ((False,), "reinforge plans the micro-batches from the memory it has; remove it"),
+        "group_by_length": ((False,), "reinforge batches the rows in their shuffled order; remove it"),
+        "label_smoothing_factor": ((0.0, 0), "reinforge's losses have no label smoothing; remove it"),
+        "optim": (("adamw_torch", "adamw_torch_fused", "adamw_hf"),
+                  "reinforge's optimizer is torch's AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay); "
+                  "remove it"),
+        "neftune_noise_alpha": ((), "reinforge adds no noise to the embeddings; remove it"),
+        "max_tool_calling_iterations": ((), "GRPOTrainer takes no tools; reinforge's multi-turn tool runs are set "
+                                            "in overrides (rollout.multi_turn)"),
+        "log_completions_hub_repo": ((), "reinforge does not push to the hub; samples.jsonl in output_dir holds "
+                                         "logged completions"),
+    },
+)
+"""The ``TrainingArguments`` names every config takes without a reinforge key."""
+
+
+UNUSED_BY_GRPO = _table(
+    {
+        "use_vllm": "generation runs on reinforge's own engine (rollout.name: hf or native)",
+        "vllm_mode": "generation runs on reinforge's own engine, in the run",
+        "vllm_model_impl": "generation runs on reinforge's own engine",
+        "vllm_enable_sleep_mode": "reinforge's engine frees its memory for the update (rollout.free_cache_engine)",
+        "vllm_server_base_url": "generation runs on reinforge's own engine, in the run",
+        "vllm_server_host": "generation runs on reinforge's own engine, in the run",
+        "vllm_server_port": "generation runs on reinforge's own engine, in the run",
+        "vllm_server_timeout": "generation runs on reinforge's own engine, in the run",
+        "vllm_group_port": "generation runs on reinforge's own engine, in the run",
+        "vllm_gpu_memory_utilization": "reinforge's memory planner sizes the engine (rollout.gpu_memory_utilization)",
+        "vllm_max_model_length": "the engine holds max_prompt_length + max_completion_length tokens",
+        "vllm_tensor_parallel_size": "reinforge's engine runs the model whole on each device",
+        "vllm_importance_sampling_correction": "reinforge's correction of the engine's log-probs is "
+                                               "algorithm.rollout_correction",
+        "vllm_importance_sampling_mode": "reinforge's correction of the engine's log-probs is "
+                                         "algorithm.rollout_correction",
+        "vllm_importance_sampling_clip_max": "reinforge's correction of the engine's log-probs is "
+                                             "algorithm.rollout_correction",
+        "vllm_importance_sampling_clip_min": "reinforge's correction of the engine's log-probs is "
+                                             "algorithm.rollout_correction",
+        "vllm_importance_sampling_cap": "reinforge's correction of the engine's log-probs is "
+                                        "algorithm.rollout_correction",
+        "use_transformers_paged": "generation runs on reinforge's own engine (rollout.name)",
+        "use_transformers_continuous_batching": "generation runs on reinforge's own engine (rollout.name)",
+        "transformers_continuous_batching_config": "generation runs on reinforge's own engine (rollout.name)",
+        "cache_implementation": "generation runs on reinforge's own engine (rollout.name)",
+        "ds3_gather_for_generation": "reinforge's engine holds its own copy of the weights",
+        "pad_to_multiple_of": "reinforge packs sequences without padding",
+        "disable_dropout": "reinforge's RL workers always switch dropout off",
+        "log_completions": "samples.jsonl in output_dir holds each step's logged completions "
+                           "(num_completions_to_print of them)",
+        "log_unique_prompts": "samples.jsonl in output_dir holds each step's logged completions",
+        "log_multimodal": "samples.jsonl in output_dir holds each step's logged completions",
+        "num_generations_eval": "evaluation samples rollout.val_kwargs.n completions a prompt (greedy unless set)",
+        "ref_model_mixup_alpha": "reinforge keeps the reference model fixed (sync_ref_model)",
+        "ref_model_sync_steps": "reinforge keeps the reference model fixed (sync_ref_model)",
+        "entropy_coef_min": "reinforge's entropy bonus has a fixed weight (use_adaptive_entropy)",
+        "entropy_coef_max": "reinforge's entropy bonus has a fixed weight (use_adaptive_entropy)",
+        "entropy_coef_delta": "reinforge's entropy bonus has a fixed weight (use_adaptive_entropy)",
+        "entropy_target": "reinforge's entropy bonus has a fixed weight (use_adaptive_entropy)",
+    },
+    {
+        "mask_truncated_completions": ((False,), "reinforge trains on truncated completions too; remove it, or "
+                                                 "penalise them through overrides (reward.overlong_buffer)"),
+        "top_entropy_quantile": ((1.0, 1), "reinforge's loss takes every completion token; remove it"),
+        "sync_ref_model": ((False,), "reinforge keeps the reference model fixed; remove it"),
+        "use_adaptive_entropy": ((False,), "reinforge's entropy bonus has a fixed weight (entropy_coef); remove it"),
+        "multi_objective_aggregation": (("sum_then_normalize",), "reinforge sums the weighted rewards, then "
+                                                                  "normalises in the group; remove it"),
+        "cast_lm_head_to_fp32": ((False,), "reinforge computes the logits in its own precision; remove it"),
+        "off_policy_mask_threshold": ((), "reinforge masks no off-policy sequences; remove it, or correct "
+                                          "through overrides (algorithm.rollout_correction)"),
+        "repetition_penalty": ((1.0, 1), "reinforge's engine samples without a repetition penalty; remove it"),
+        "vllm_structured_outputs_regex": ((), "reinforge's engine samples without structured outputs; remove it"),
+        "chat_template_kwargs": (({},), "reinforge renders chat messages with the template alone; pass a "
+                                        "template that does what the arguments ask (overrides={'data.chat_template': "
+                                        "...})"),
+    },
+)
+"""The GRPO names with no reinforge key."""
