@@ -489,7 +489,8 @@ class RemoteRewardConfig:
     max_concurrency: int = 8
     """Requests in flight at once, over all URLs."""
     timeout_s: float = 180.0
-    """Seconds one request may take."""
+    """Seconds one request may take in all: to connect, send, and read the whole answer (a server that trickles its
+    answer is cut off there too). A request past it is retried as a timeout."""
     max_retries: int = 5
     """Retries of a request after a connection error, a timeout or a 408/429/5xx answer (exponential backoff,
     Retry-After honoured); then its samples get fallback_score (counted in reward/remote/failed)."""

@@ -9,11 +9,14 @@ Two contracts (``reward.remote.protocol``):
   answer ``{"scores": [...]}``.
 
 The batch goes out in requests of ``batch_size`` samples, spread over the URLs (a comma-separated
-``url``) in turn, at most ``max_concurrency`` in flight. A request gets ``timeout_s``; a connection error,
-a timeout or a 429/5xx answer is retried up to ``max_retries`` times with exponential backoff (a
-``Retry-After`` header is honoured). A request that still fails gives its samples ``fallback_score``,
-counted in ``reward/remote/failed``; a batch whose every request failed stops the run with one line naming
-the URL and the last error, since nothing could be learned from it.
+``url``) in turn, at most ``max_concurrency`` in flight. A request gets ``timeout_s`` in all, to connect, send
+and read the whole answer (``RequestDeadline``: a server that trickles its answer a byte at a time is cut off
+there too); a connection error, a timeout or a 429/5xx answer is retried up to ``max_retries`` times with
+exponential backoff (a ``Retry-After`` header is honoured). A request that still fails gives its samples
+``fallback_score``, counted in ``reward/remote/failed``; a batch whose every request failed stops the run with
+one line naming the URL and the last error, since nothing could be learned from it. A score sent as a string
+(``"0.5"``) stops the run at once, as a reward function's string score does: it is a server's answer of the
+wrong kind, not a passing failure.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +45,10 @@ class RemoteRewardError(RuntimeError):
 
     retries: int = 0
     """The retries the request used before failing (metrics)."""
+
+
+class RemoteScoreTypeError(RemoteRewardError, TypeError):
+    """The endpoint answered a score of the wrong kind (a string): the run stops, no sample falls back."""
 
 
 @dataclass
@@ -86,17 +95,24 @@ def request_body(samples: list[RemoteSample], protocol: str) -> dict[str, Any]:
     raise ValueError(f"reward.remote.protocol={protocol!r} is not one of {', '.join(PROTOCOLS)}")
 
 
-def scores_of(reply: Any, count: int, url: str) -> list[float]:
-    """The scores in an endpoint's answer; RemoteRewardError naming the URL where the answer is not one."""
+def scores_of(reply: Any, samples: list[RemoteSample], url: str, first: int = 0) -> list[float]:
+    """The scores in an endpoint's answer for ``samples`` (the batch's from index ``first`` on); RemoteRewardError
+    naming the URL where the answer is not one, RemoteScoreTypeError where a score is a string."""
     if not isinstance(reply, dict):
         raise RemoteRewardError(f"{url} answered {type(reply).__name__}, not a JSON object with 'scores'")
     values = reply.get("scores", reply.get("rewards"))
     if not isinstance(values, list):
         raise RemoteRewardError(f"{url} answered without a 'scores' (or 'rewards') list: keys {sorted(reply)[:5]}")
-    if len(values) != count:
-        raise RemoteRewardError(f"{url} answered {len(values)} scores for {count} samples")
+    if len(values) != len(samples):
+        raise RemoteRewardError(f"{url} answered {len(values)} scores for {len(samples)} samples")
+    values = [value[0] if isinstance(value, list) and value else value for value in values]
+    for position, value in enumerate(values):
+        if isinstance(value, str):  # float("42") would take an extracted answer for its score
+            raise RemoteScoreTypeError(
+                f"{url} answered the string {value!r} as the score of sample {first + position} (prompt "
+                f"{samples[position].prompt[:40]!r}); answer a JSON number for each sample (0.5, not \"0.5\")")
     try:
-        scores = [float(value[0] if isinstance(value, list) else value) for value in values]
+        scores = [float(value) for value in values]
     except (TypeError, ValueError, IndexError) as error:
         raise RemoteRewardError(f"{url} answered a score that is not a number ({error})") from None
     bad = next((score for score in scores if not math.isfinite(score)), None)
@@ -111,6 +127,84 @@ def _retry_after(error: urllib.error.HTTPError) -> float | None:
         return max(float(value), 0.0) if value is not None else None
     except ValueError:
         return None
+
+
+class RequestDeadline:
+    """Closes a request's connection once ``seconds`` have passed since it was made, whatever the request is doing.
+
+    A socket's timeout bounds each wait for bytes, so a server that sends a byte now and then holds a request for
+    ever. ``opener()`` makes its connections through ``watch``; a timer shuts each one down at the deadline (the
+    read under way then ends), and ``expired`` says why it ended.
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds, self.expired = seconds, False
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _expire(self) -> None:
+        with self.lock:
+            self.expired = True
+            for sock in self.sockets:
+                _shut_down(sock)
+
+    def watch(self, connection: http.client.HTTPConnection) -> http.client.HTTPConnection:
+        """``connection`` with its socket (the TCP one, under TLS too) shut down at the deadline: http.client makes
+        it through the connection's ``_create_connection``, before any TLS handshake."""
+        create = connection._create_connection
+
+        def create_watched(*args: Any, **kwargs: Any) -> socket.socket:
+            sock = create(*args, **kwargs)
+            with self.lock:
+                self.sockets.append(sock)
+                if self.expired:
+                    _shut_down(sock)
+            return sock
+
+        connection._create_connection = create_watched
+        return connection
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """urllib's opener (proxies, redirects, HTTPS) whose connections are watched."""
+        handlers = [WatchedHTTPHandler(), WatchedHTTPSHandler()]
+        for handler in handlers:
+            handler.deadline = self
+        return urllib.request.build_opener(*handlers)
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+    def error(self) -> TimeoutError:
+        return TimeoutError("no whole answer within timeout_s: a slow or trickling server")
+
+
+class WatchedConnections:
+    """A urllib handler's part that makes its connections through ``deadline.watch``."""
+
+    deadline: RequestDeadline
+
+    def do_open(self, http_class: Any, request: Any, **kwargs: Any) -> Any:
+        deadline = self.deadline
+        return super().do_open(  # type: ignore[misc]
+            lambda *args, **options: deadline.watch(http_class(*args, **options)), request, **kwargs)
+
+
+class WatchedHTTPHandler(WatchedConnections, urllib.request.HTTPHandler):
+    pass
+
+
+class WatchedHTTPSHandler(WatchedConnections, urllib.request.HTTPSHandler):
+    pass
+
+
+def _shut_down(sock: socket.socket) -> None:
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP socket itself, under an SSL one too
+    except OSError:  # already closed
+        pass
 
 
 @dataclass
@@ -146,19 +240,32 @@ class RemoteReward:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _post_once(self, url: str, body: bytes) -> Any:
+        """One request, its whole answer within ``timeout_s`` (TimeoutError past it)."""
         request = urllib.request.Request(url, data=body, headers=self.headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-            return json.loads(answer.read().decode("utf-8"))
+        deadline = RequestDeadline(self.timeout_s)
+        try:
+            with deadline.opener().open(request, timeout=self.timeout_s) as answer:
+                data = answer.read()
+        except (OSError, http.client.HTTPException):
+            if deadline.expired:  # the deadline closed the connection under the read
+                raise deadline.error() from None
+            raise
+        finally:
+            deadline.cancel()
+        if deadline.expired:  # an answer without a length ends where the connection was closed
+            raise deadline.error()
+        return json.loads(data.decode("utf-8"))
 
-    def _post(self, url: str, samples: list[RemoteSample]) -> tuple[list[float], int]:
-        """(scores, retries used) of one request; RemoteRewardError after the last try."""
+    def _post(self, url: str, samples: list[RemoteSample], first: int = 0) -> tuple[list[float], int]:
+        """(scores, retries used) of one request for the batch's ``samples`` from index ``first``; RemoteRewardError
+        after the last try."""
         body = json.dumps(request_body(samples, self.protocol)).encode("utf-8")
         retries = 0
         try:
             while True:
                 wait = None
                 try:
-                    return scores_of(self._post_once(url, body), len(samples), url), retries
+                    return scores_of(self._post_once(url, body), samples, url, first), retries
                 except urllib.error.HTTPError as error:
                     if error.code not in RETRIED_STATUS:
                         detail = error.read(300).decode("utf-8", "replace").strip().splitlines()
@@ -182,7 +289,7 @@ class RemoteReward:
     def score(self, samples: list[RemoteSample]) -> RemoteScores:
         """Every sample's score, in order; fallback_score where its request failed for good."""
         chunks = [samples[start:start + self.batch_size] for start in range(0, len(samples), self.batch_size)]
-        futures = [self.pool.submit(self._post, self.urls[index % len(self.urls)], chunk)
+        futures = [self.pool.submit(self._post, self.urls[index % len(self.urls)], chunk, index * self.batch_size)
                    for index, chunk in enumerate(chunks)]
         scores: list[float] = []
         failed = retries = 0
@@ -190,6 +297,8 @@ class RemoteReward:
         for chunk, future in zip(chunks, futures, strict=True):
             try:
                 chunk_scores, used = future.result()
+            except RemoteScoreTypeError:
+                raise
             except RemoteRewardError as error:
                 last_error, used = error, error.retries
                 chunk_scores = [self.fallback_score] * len(chunk)

@@ -5,12 +5,18 @@ tokens since the last settled one adds, once it no longer ends in an incomplete 
 may be one byte of a character). Only that new text, after the end of the text before it that a stop string could
 start in, is searched, so a stop string split over several tokens is found at the token that completes it. The ids
 and log-probs then end at that token; the text a caller returns ends before the stop string (``cut_at_stop``).
+An engine that does not watch for stop strings itself has its samples cut at that same token afterwards
+(``end_at_stop_string``): the tokens up to it are the ones it sampled either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from reinforge.rollout.base import Completion
 
 
 class StopStringMatcher:
@@ -48,3 +54,18 @@ def cut_at_stop(text: str, stop: tuple[str, ...] | list[str]) -> str | None:
     """The text before its first stop string, or None when it holds none."""
     positions = [text.find(each) for each in stop if each in text]
     return text[:min(positions)] if positions else None
+
+
+def end_at_stop_string(completion: Completion, stop: tuple[str, ...], decode: Callable[[list[int]], str]) -> Completion:
+    """``completion`` ended at the token whose text completes one of ``stop``, as the built-in engines end a sample
+    while they generate: its ids, log-probs and alternatives cut after that token, finish_reason 'stop'. Unchanged
+    when its text holds no stop string (it ended at a stop token or its length first)."""
+    matcher = StopStringMatcher(decode, stop)
+    for position, token_id in enumerate(completion.token_ids):
+        if matcher.add(token_id):
+            length = position + 1
+            top = completion.top_log_probs
+            return dataclasses.replace(completion, token_ids=completion.token_ids[:length],
+                                       log_probs=completion.log_probs[:length], finish_reason="stop",
+                                       top_log_probs=top[:length] if top is not None else None)
+    return completion

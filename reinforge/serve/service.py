@@ -32,7 +32,15 @@ from reinforge.serve.chat import (
     openai_message,
 )
 from reinforge.serve.logprobs import TokenBytes
-from reinforge.serve.streaming import ReplyText, StreamedChoice, last_of, tail_of_sequence
+from reinforge.serve.streaming import (
+    CONTEXT_TOKENS,
+    ReplyText,
+    StreamedChoice,
+    last_of,
+    piece_text,
+    tail_of_sequence,
+    text_after,
+)
 from reinforge.serve.trajectories import TrajectorySession
 
 
@@ -222,28 +230,33 @@ class GenerationService:
                 task.cancel()
 
     def _text(self, token_ids: list[int], finish_reason: str, cut: list[str],
-              stop_ids: tuple[int, ...] = ()) -> tuple[str, str]:
+              stop_ids: tuple[int, ...] = (), context: list[int] | None = None) -> tuple[str, str]:
+        """(text, finish_reason) of a completion, its text as it reads after ``context`` (its prompt's last ids)."""
         ids = token_ids[:-1] if finish_reason == "stop" and token_ids and token_ids[-1] in (*self.eos_token_ids,
                                                                                               *stop_ids) \
             else token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = text_after(self._decode, context or [], ids)
         before = cut_at_stop(text, cut)
         return (before, "stop") if before is not None else (text, finish_reason)
 
-    def _log_probs(self, completion: Completion) -> list[dict[str, Any]]:
+    def _log_probs(self, completion: Completion, context: list[int] | None = None) -> list[dict[str, Any]]:
+        """Each sampled token's entry, its text read after the ids before it (``context``, then the completion's)."""
         tops = completion.top_log_probs or [None] * len(completion.token_ids)
-        return [self._log_prob(token_id, log_prob, top)
-                for token_id, log_prob, top in zip(completion.token_ids, completion.log_probs, tops, strict=True)]
+        ids = list(context or [])[-CONTEXT_TOKENS:] + list(completion.token_ids)
+        start = len(ids) - len(completion.token_ids)
+        return [self._log_prob(token_id, log_prob, top, ids[:start + position]) for position, (token_id, log_prob, top)
+                in enumerate(zip(completion.token_ids, completion.log_probs, tops, strict=True))]
 
-    def _log_prob(self, token_id: int, log_prob: float,
-                  top: list[tuple[int, float]] | None = None) -> dict[str, Any]:
-        """A sampled token's entry of OpenAI's ``logprobs.content``, with its alternatives (``top``) as asked."""
-        entry = self._token_log_prob(token_id, log_prob)
-        entry["top_logprobs"] = [self._token_log_prob(*alternative) for alternative in top or []]
+    def _log_prob(self, token_id: int, log_prob: float, top: list[tuple[int, float]] | None = None,
+                  before: list[int] | None = None) -> dict[str, Any]:
+        """A sampled token's entry of OpenAI's ``logprobs.content``, with its alternatives (``top``) as asked, each
+        token's text as it reads after the ids ``before`` it."""
+        entry = self._token_log_prob(token_id, log_prob, before)
+        entry["top_logprobs"] = [self._token_log_prob(*alternative, before) for alternative in top or []]
         return entry
 
-    def _token_log_prob(self, token_id: int, log_prob: float) -> dict[str, Any]:
-        return {"token": self.tokenizer.decode([token_id], skip_special_tokens=False), "logprob": float(log_prob),
+    def _token_log_prob(self, token_id: int, log_prob: float, before: list[int] | None = None) -> dict[str, Any]:
+        return {"token": piece_text(self._decode, before or [], token_id), "logprob": float(log_prob),
                 "bytes": list(self.token_bytes(token_id))}
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -461,12 +474,12 @@ class GenerationService:
         completions = await self._sample(prompt_ids, sampling, num_samples, new_id("cmpl"))
         self.num_requests += 1
         choices = []
-        for index, completion in enumerate(completions):
+        for index, completion in enumerate(completions):  # its text continues the prompt's, a leading space kept
             text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut,
-                                             sampling.stop_token_ids)
+                                             sampling.stop_token_ids, prompt_ids)
             choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
             if num_top is not None:
-                choice["logprobs"] = self._text_log_probs(self._log_probs(completion), 0, num_top)
+                choice["logprobs"] = self._text_log_probs(self._log_probs(completion, prompt_ids), 0, num_top)
             choices.append(choice)
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": self.model_name,
                 "choices": choices, "usage": self._usage(prompt_ids, completions)}
@@ -478,8 +491,10 @@ class GenerationService:
         include_usage = self._include_usage(body)
         num_top = self._num_text_log_probs(body)
         log_probs = num_top is not None
-        choices = [StreamedChoice(ReplyText(self._decode, last_of(sampling.stop_token_ids), cut, None),
-                                  self._log_prob if log_probs else None) for _ in range(num_samples)]
+        context = prompt_ids[-CONTEXT_TOKENS:]  # the text continues the prompt's, as ``complete`` decodes it
+        choices = [StreamedChoice(ReplyText(lambda ids: text_after(self._decode, context, ids),
+                                            last_of(sampling.stop_token_ids), cut, None),
+                                  self._log_prob if log_probs else None, context) for _ in range(num_samples)]
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             chunk_id, created = new_id("cmpl"), now()
@@ -504,7 +519,7 @@ class GenerationService:
                     continue
                 completions.append(completion)
                 text, finish_reason = self._text(list(completion.token_ids), completion.finish_reason, cut,
-                                                 sampling.stop_token_ids)
+                                                 sampling.stop_token_ids, context)
                 yield chunk(index, choice.text.finish(text), finish_reason)
             self.num_requests += 1
             if include_usage:

@@ -4,6 +4,11 @@
 with: it holds back what the end may still take away (a partial end-of-turn token sequence, an incomplete UTF-8
 character, the start of a stop string, whitespace and a partial ``<tool_call>`` before a tool call), so the deltas
 sent, then the finished reply's remainder, add up to the text a non-streamed request answers.
+
+A SentencePiece tokenizer (Llama 2's, Mistral's) strips the space its "▁" marks at the start of a decoded text: "▁Paris"
+alone decodes to "Paris", after "▁is" to " is Paris". A completion continues its prompt, so its text is decoded after
+the prompt's last tokens (``text_after``), and each sampled token's text in a logprobs entry after the tokens before it
+(``piece_text``); the pieces then add up to the text, and the text to what the prompt and the completion decode to.
 """
 
 from __future__ import annotations
@@ -27,6 +32,35 @@ def _held_prefix(text: str, markers: list[str]) -> int:
                 held = size
                 break
     return held
+
+
+CONTEXT_TOKENS = 4
+"""Tokens before a text that it is decoded after (``text_after``, ``piece_text``)."""
+
+
+def text_after(decode: Callable[[list[int]], str], context_ids: list[int], token_ids: list[int]) -> str:
+    """The text ``token_ids`` add after ``context_ids`` (the last ``CONTEXT_TOKENS`` of them): both decoded together,
+    less the context's own text. Where that text does not begin the whole (the ids finish a character whose first
+    bytes end the context), less the context's whole characters; else the ids decoded alone."""
+    context_ids = context_ids[-CONTEXT_TOKENS:]
+    if not context_ids:
+        return decode(token_ids)
+    before, whole = decode(context_ids), decode(context_ids + token_ids)
+    for known in (before, before.rstrip("\ufffd")):
+        if whole.startswith(known):
+            return whole[len(known):]
+    return decode(token_ids)
+
+
+def piece_text(decode: Callable[[list[int]], str], context_ids: list[int], token_id: int) -> str:
+    """One token's text where it stands, after ``context_ids`` (a SentencePiece token keeps its leading space); the
+    token decoded alone where that gives no text of its own (a byte of a character the context began)."""
+    context_ids = context_ids[-CONTEXT_TOKENS:]
+    alone = decode([token_id])
+    if not context_ids:
+        return alone
+    before, whole = decode(context_ids), decode(context_ids + [token_id])
+    return whole[len(before):] if whole.startswith(before) and len(whole) > len(before) else alone
 
 
 def tail_of_sequence(ending: list[int]) -> Callable[[list[int]], list[int]]:
@@ -102,30 +136,36 @@ class ReplyText:
 class StreamedChoice:
     """One choice of a streamed request: its text, the delta of its latest token, and log-probs not yet sent.
 
-    log_prob: a token's log-prob entry as the response writes it (from its id, log-prob and alternatives), or None
-    when the request asks for none.
+    log_prob: a token's log-prob entry as the response writes it (from its id, log-prob, alternatives and the ids
+    before it), or None when the request asks for none; context: the ids before the first token (a completion's
+    prompt; none for a chat reply, a message of its own).
     """
 
-    def __init__(self, text: ReplyText, log_prob: Callable[..., dict[str, Any]] | None = None):
+    def __init__(self, text: ReplyText, log_prob: Callable[..., dict[str, Any]] | None = None,
+                 context: list[int] | None = None):
         self.text = text
         self.log_prob = log_prob
+        self.context = list(context or [])[-CONTEXT_TOKENS:]
         self.delta = ""
         self.log_probs: list[dict[str, Any]] = []
         self.num_tokens = 0
 
     def add(self, token_id: int, log_prob: float, top_log_probs: list[tuple[int, float]] | None = None) -> None:
+        before = self.context + self.text.token_ids[-CONTEXT_TOKENS:]
         self.delta = self.text.add(token_id)
         self.num_tokens += 1
         if self.log_prob is not None:
-            self.log_probs.append(self.log_prob(token_id, log_prob, top_log_probs))
+            self.log_probs.append(self.log_prob(token_id, log_prob, top_log_probs, before))
 
     def finish(self, completion: Completion) -> None:
         """The log-probs of the tokens that were not streamed (all of them, from a client that streams none)."""
         if self.log_prob is not None:
-            start = self.num_tokens
+            start, ids = self.num_tokens, self.context + list(completion.token_ids)
             tops = (completion.top_log_probs or [None] * len(completion.token_ids))[start:]
-            self.log_probs += [self.log_prob(token_id, log_prob, top) for token_id, log_prob, top in
-                               zip(completion.token_ids[start:], completion.log_probs[start:], tops, strict=True)]
+            self.log_probs += [self.log_prob(token_id, log_prob, top, ids[:len(self.context) + position])
+                               for position, (token_id, log_prob, top) in
+                               enumerate(zip(completion.token_ids[start:], completion.log_probs[start:], tops,
+                                             strict=True), start)]
 
     def take_log_probs(self) -> list[dict[str, Any]]:
         taken, self.log_probs = self.log_probs, []

@@ -40,7 +40,7 @@ from reinforge.config.sft_schema import SFTConfig
 from reinforge.config.validate import choose, model_score_source, validate_config, validate_sft_config
 from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules
-from reinforge.engine.memory_plan import ModelShape
+from reinforge.engine.memory_plan import ModelShape, check_model_config
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
@@ -240,6 +240,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                               "on N devices")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
+    check_model_config(config.model.path)  # its experts and window, also where no memory setting is auto
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
         check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
     require_logger_packages(config.trainer.loggers)
@@ -365,6 +366,7 @@ def preflight_sft(config: SFTConfig) -> None:
     refuse_launched_processes("reinforge sft trains in one process",
                               "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
+    check_model_config(config.model.path)
     require_logger_packages(config.trainer.loggers)
     check_devices(config)
     warn_ineffective_settings(config)

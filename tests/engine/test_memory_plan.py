@@ -549,6 +549,60 @@ def test_a_mixture_of_experts_that_routes_through_more_than_its_experts_is_refus
     assert ModelShape.from_hf_config(sizes | {"num_experts_per_tok": 2}).experts_per_token == 2
 
 
+MOE_SIZES = dict(model_type="mixtral", vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=96, num_local_experts=4)
+
+
+@pytest.mark.parametrize("sizes, given", [
+    (MOE_SIZES | {"num_experts_per_tok": 0}, "gives num_experts_per_tok=0"),
+    (MOE_SIZES | {"num_experts_per_tok": None}, "gives num_experts_per_tok=null"),
+    ({key: value for key, value in MOE_SIZES.items() if key != "model_type"}, "has no num_experts_per_tok"),
+    (MOE_SIZES | {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                  "num_experts_per_tok": 0}, "gives num_experts_per_tok=0"),
+])
+def test_a_mixture_of_experts_whose_tokens_run_through_no_expert_is_refused_naming_the_file(sizes, given, tmp_path):
+    """num_experts_per_tok of 0 or null planned a mixture of experts whose tokens run through no expert."""
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    expected = (rf"^{tmp_path / 'config.json'} {given} for its mixture of 4 experts, so no expert would run; set "
+                r"num_experts_per_tok there to the experts each token runs through, 1 to 4 \(the model's published "
+                r"top-k\), or point model.path at the right model$")
+    with pytest.raises(MemoryPlanError, match=expected):
+        ModelShape.from_model_path(str(tmp_path))
+    assert ModelShape.from_hf_config({**sizes, "num_experts_per_tok": 2}).experts_per_token == 2
+    assert ModelShape.from_hf_config(MOE_SIZES | {"moe_topk": 2}).experts_per_token == 2  # Aria's name for it
+
+
+@pytest.mark.parametrize("model_type, window", [("mistral", -5), ("mistral", 0), ("mistral", 4096.0),
+                                                ("phi3", -1), ("gemma2", 0), ("qwen2", 0)])
+def test_a_sliding_window_that_is_no_window_is_refused_naming_the_file(model_type, window, tmp_path):
+    """sliding_window=-5 or 0 was planned and failed as the model built (transformers refuses 4096.0 there too)."""
+    sizes = dict(model_type=model_type, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=window)
+    if model_type == "qwen2":
+        sizes |= {"use_sliding_window": True, "max_window_layers": 0}
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    with pytest.raises(MemoryPlanError, match=rf"^{tmp_path / 'config.json'} gives sliding_window={window}, which is "
+                                              r"no window; set it there to the model's window in tokens \(an integer "
+                                              r"of 1 or more\), or to null for none$"):
+        ModelShape.from_model_path(str(tmp_path))
+    assert 2 in ModelShape.from_hf_config(sizes | {"sliding_window": 2}).attention_windows
+
+
+def test_a_null_window_is_no_window_except_for_layers_that_slide():
+    """Null is Mistral's and Qwen's "no window", and Qwen's use_sliding_window=false reads none at all; Gemma 2's
+    sliding layers fail to build without one."""
+    sizes = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=96)
+    assert ModelShape.from_hf_config(sizes | {"model_type": "mistral", "sliding_window": None}).attention_windows == ()
+    assert ModelShape.from_hf_config(sizes | {"model_type": "qwen2", "use_sliding_window": False,
+                                              "sliding_window": -5}).attention_windows == ()
+    with pytest.raises(MemoryPlanError, match=r"^the model's config.json gives sliding_window=null, but its "
+                                              r"layer_types has sliding_attention layers, which need a window; set "
+                                              r"sliding_window there to the model's window in tokens \(Gemma 2's is "
+                                              r"4096\)$"):
+        ModelShape.from_hf_config(sizes | {"model_type": "gemma2", "sliding_window": None})
+
+
 def test_a_hub_id_that_the_hub_does_not_give_is_one_line(monkeypatch, tmp_path):
     import huggingface_hub.constants
 

@@ -4,7 +4,9 @@ honour Retry-After, failures that fall back and are counted, and one-line errors
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -113,9 +115,22 @@ def test_a_batch_that_no_request_scored_stops_in_one_line(server):
 def test_bad_urls_and_non_numbers_are_named(server):
     with pytest.raises(ValueError, match="reward.remote.url has 'localhost:5000', which is not an http"):
         RemoteReward("localhost:5000")
-    url = server(lambda body, calls: (200, {"scores": ["high"]}, {}))
+    url = server(lambda body, calls: (200, {"scores": [{"value": 1.0}]}, {}))
     with pytest.raises(RemoteRewardError, match="answered a score that is not a number"):
         RemoteReward(url).score(SAMPLES[:1])
+
+
+@pytest.mark.parametrize("score", ["0.5", ["0.5"], "high"])
+def test_a_score_sent_as_a_string_stops_the_run_naming_the_server_and_the_sample(server, score):
+    """"0.5" was read as 0.5 (a reward function's string score is refused: float("42") would take an extracted answer
+    for a score), and a word fell back as a failed request."""
+    url = server(lambda body, calls: (200, {"scores": [1.0] if body["prompts"] == ["Q0:"] else [score]}, {}))
+    with pytest.raises(TypeError) as refusal:
+        RemoteReward(url, batch_size=1, max_retries=3, backoff_s=0.0).score(SAMPLES[:2])
+    shown = score[0] if isinstance(score, list) else score
+    assert str(refusal.value) == (f"{url} answered the string {shown!r} as the score of sample 1 (prompt 'Q1:'); answer "
+                                  'a JSON number for each sample (0.5, not "0.5")')
+    assert isinstance(refusal.value, RemoteRewardError) and len(server.calls) == 2  # not retried
 
 
 def test_requests_spread_over_several_urls(server):
@@ -165,3 +180,36 @@ def test_a_parquet_columns_object_arrays_are_sent_as_plain_json():
         "prompt": "Q:", "response": " A", "ground_truth": [[1, 2], [3]], "data_source": "toy",
         "extra_info": {"tests": [{"n": 4}]}}
     assert request_body([nested], "openrlhf")["labels"] == [[[1, 2], [3]]]
+
+
+@pytest.mark.parametrize("trickled", ["status line", "body"])
+def test_timeout_s_bounds_the_whole_request_against_a_server_that_trickles(trickled):
+    """A socket's timeout bounds each wait for bytes: a server sending one every 0.1 s held a request for as long as
+    it liked. timeout_s is the whole request's: connect, send, and the whole answer."""
+    body = json.dumps({"scores": [1.0]}).encode()
+    answer = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + body
+    quick = answer.index(b"\r\n\r\n") + 4 if trickled == "body" else 0
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            try:
+                connection.sendall(answer[:quick])
+                for index in range(quick, len(answer)):
+                    time.sleep(0.1)
+                    connection.sendall(answer[index:index + 1])
+            except OSError:  # the client gave up
+                pass
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/get_reward"
+    start = time.monotonic()
+    with pytest.raises(RemoteRewardError, match=rf"^the remote reward scored none of 1 samples: {url} failed 1 times, "
+                                                r"last: no whole answer within timeout_s: a slow or trickling server "
+                                                r"\(timeout_s=0.5, max_retries=0\); "):
+        RemoteReward(url, timeout_s=0.5, max_retries=0).score(SAMPLES[:1])
+    assert time.monotonic() - start < 1.5  # the whole answer would take 3 s or more
+    listener.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -11,6 +12,8 @@ from reinforge.rollout.base import Completion, RolloutEngine
 from reinforge.rollout.registry import ROLLOUT_ENGINES, check_plugin_engine, get_rollout_engine, rollout_engine_names
 
 TOY_ENGINE = '''
+import dataclasses
+
 from reinforge.rollout.base import Completion
 
 
@@ -46,6 +49,42 @@ class Partial:
 
     def generate(self, requests):
         return []
+
+
+class Unstoppable:
+    """The hf engine on the policy, blind to stop strings: each sample runs to its stop token or its length."""
+
+    reads_model_in_place = True
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    @classmethod
+    def from_config(cls, config, *, model, tokenizer, device):
+        from reinforge.rollout.hf import HFEngine
+
+        return cls(HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id]))
+
+    def generate(self, requests):
+        return self.engine.generate([dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, stop=()))
+                                     for request in requests])
+
+    async def generate_async(self, request, on_token=None):
+        [completions] = self.generate([request])
+        for index, completion in enumerate(completions):
+            for token_id, log_prob in zip(completion.token_ids, completion.log_probs):
+                if on_token is not None:
+                    on_token(index, token_id, log_prob, None)
+        return completions
+
+    def sync_weights(self, model):
+        pass
+
+    def wake_up(self):
+        pass
+
+    def sleep(self, abandon=False):
+        pass
 '''
 
 
@@ -58,10 +97,10 @@ def toy_package(tmp_path, monkeypatch):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-engine-pkg\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[reinforge.rollout_engines]\ntoy = toy_engine_pkg:ToyEngine\n"
-                                           "partial = toy_engine_pkg:Partial\n")
+                                           "partial = toy_engine_pkg:Partial\nunstoppable = toy_engine_pkg:Unstoppable\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
-    for name in ("toy", "partial"):
+    for name in ("toy", "partial", "unstoppable"):
         ROLLOUT_ENGINES.pop(name, None)
     sys.modules.pop("toy_engine_pkg", None)
 
@@ -86,7 +125,7 @@ def test_an_engine_that_lacks_part_of_the_contract_or_is_unknown_is_refused_in_o
                                          r"sync_weights, wake_up, sleep of the RolloutEngine contract"):
         check_plugin_engine("partial")
     with pytest.raises(ValueError, match=r"rollout.name='vllm' is not a rollout engine; known: hf, native, partial, "
-                                         r"toy \(a package adds one through the entry point group "
+                                         r"toy, unstoppable \(a package adds one through the entry point group "
                                          r"'reinforge.rollout_engines'\)"):
         get_rollout_engine("vllm")
 
@@ -96,3 +135,44 @@ def test_the_built_in_engines_are_registered_by_name():
     from reinforge.rollout.native import NativeEngine
 
     assert get_rollout_engine("hf") is HFEngine and get_rollout_engine("native") is NativeEngine
+
+
+def test_a_plugin_engine_blind_to_stop_strings_ends_its_samples_as_the_built_in_engines_do(toy_package):
+    """A plugin's samples ran past their stop strings, which only hf and native watched for: they now end at the token
+    that completes one, with its log-probs, alternatives and finish_reason as hf's own, streamed tokens alike."""
+    import asyncio
+
+    from reinforge.config.schema import Config
+    from reinforge.models.tiny import build_char_tokenizer, build_tiny_causal_lm
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.hf import HFEngine
+    from reinforge.workers.rollout_side import build_rollout_engine
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm("qwen2", vocab_size=len(tokenizer), num_layers=1)
+    config = Config()
+    config.rollout.name = "unstoppable"
+    plugin = build_rollout_engine(config, torch.device("cpu"), tokenizer=tokenizer, model=model)
+    built_in = HFEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id],
+                        tokenizer=tokenizer)
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=3, num_top_log_probs=2)
+    prompt = tokenizer.encode("Q: 1+1=")
+    [unstopped] = plugin.generate([GenerationRequest(prompt, sampling)])
+    # a stop string of two characters that the second sample's text holds and the first one's does not
+    first_text, ids = tokenizer.decode(unstopped[0].token_ids), unstopped[1].token_ids
+    stop = next(text for start in range(2, len(ids) - 1) for text in [tokenizer.decode(ids[start:start + 2])]
+                if len(text) == 2 and text.isascii() and text.isprintable() and text not in first_text)
+    request = GenerationRequest(prompt, dataclasses.replace(sampling, stop=(stop, "never written")), "stopped")
+
+    [ended] = plugin.generate([request])
+    assert ended == built_in.generate([request])[0]
+    assert ended[0] == unstopped[0]  # no stop string: as the engine gave it
+    assert ended[1].finish_reason == "stop" and len(ended[1].token_ids) < len(ids)
+    assert tokenizer.decode(ended[1].token_ids).endswith(stop)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    ended_async = asyncio.run(plugin.generate_async(request, lambda index, token_id, *rest: streamed[index].append(
+        token_id)))
+    assert ended_async == ended and [streamed[0], streamed[1]] == [sample.token_ids for sample in ended]
+    ignoring = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, ignore_eos=True))
+    [kept] = plugin.generate([ignoring])
+    assert kept == plugin.engine.generate([ignoring])[0]  # ignore_eos: no stop string ends a sample, as in hf's

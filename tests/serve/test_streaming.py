@@ -195,3 +195,58 @@ def test_the_engine_hands_a_streamed_requests_tokens_over_as_it_samples_them_and
     assert plain[0].token_ids == alone.token_ids and plain[0].log_probs == pytest.approx(alone.log_probs, abs=1e-5)
     assert plain[0].top_log_probs is None
     assert engine._streams == {}
+
+
+def sentencepiece_tokenizer():
+    """A Llama 2 / Mistral style tokenizer (transformers' LlamaTokenizer: "▁" marks a space, byte fallback, the
+    decoder strips the space at the start of a text) over a few words, with a Mistral-like chat template."""
+    from transformers import LlamaTokenizer
+
+    words = ["The", "capital", "of", "France", "is", "Paris", "nice"]
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{byte:02X}>" for byte in range(256)), "▁", *(f"▁{word}" for word in words),
+              *"abcdefghijklmnopqrstuvwxyzCFPT.,"]
+    tokenizer = LlamaTokenizer(vocab={piece: index for index, piece in enumerate(dict.fromkeys(pieces))}, merges=[])
+    tokenizer.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} "
+                               "[/INST]{% else %}{{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
+    return tokenizer
+
+
+@pytest.mark.parametrize("pieces", [["▁Paris", "▁is", "▁nice", "."], ["▁", "▁Paris", "▁is", "<0xC3>", "<0xA9>"]])
+def test_a_sentencepiece_reply_keeps_its_spaces_streamed_or_not_and_a_completion_continues_its_prompt(pieces):
+    """A SentencePiece tokenizer drops the space "▁" marks at the start of a decoded text: a completion decoded alone
+    lost the space between its prompt and itself, and each logprobs token ("▁is" read "is") lost its own, so the
+    tokens did not add up to the text."""
+    tokenizer = sentencepiece_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(pieces) + [tokenizer.eos_token_id]
+    service = GenerationService(TokenByTokenClient(tokenizer, ""), tokenizer, "scripted", codec=ChatCodec(tokenizer),
+                                max_model_len=4096, eos_token_ids=(tokenizer.eos_token_id,))
+    service.client.ids = ids
+
+    async def answers(body: dict, whole, streamed) -> tuple[dict, list[dict]]:
+        return await whole(dict(body)), [chunk async for chunk in streamed(dict(body))]
+
+    prompt = "The capital of France is"
+    whole, chunks = asyncio.run(answers({"prompt": prompt, "logprobs": 0}, service.complete, service.complete_stream))
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    text = tokenizer.decode(prompt_ids + ids[:-1], skip_special_tokens=True)[len(prompt):]  # what the prompt continues
+    assert text.startswith(" ") and whole["choices"][0]["text"] == text
+    assert "".join(choice["text"] for chunk in chunks for choice in chunk["choices"]) == text
+    log_probs = whole["choices"][0]["logprobs"]
+    assert [token for chunk in chunks for token in chunk["choices"][0]["logprobs"]["tokens"]] == log_probs["tokens"]
+    whole_characters = "<0xC3>" not in pieces  # a character's bytes read "\ufffd" each, as OpenAI writes them
+    if whole_characters:
+        assert "".join(log_probs["tokens"]) == text + "</s>"
+        assert log_probs["text_offset"] == [len("".join(log_probs["tokens"][:position])) for position in range(len(ids))]
+
+    body = {"messages": [{"role": "user", "content": prompt}], "logprobs": True}
+    whole, chunks = asyncio.run(answers(body, lambda body: service.chat(body, None),
+                                        lambda body: service.chat_stream(body, None)))
+    content = whole["choices"][0]["message"]["content"]
+    assert content == tokenizer.decode(ids[:-1]) and not content.startswith(" " * 2)  # a message of its own
+    assert "".join(choice["delta"].get("content") or "" for chunk in chunks for choice in chunk["choices"]) == content
+    entries = whole["choices"][0]["logprobs"]["content"]
+    assert [entry for chunk in chunks for choice in chunk["choices"] for entry in (choice.get("logprobs") or {}).get(
+        "content", [])] == entries
+    if whole_characters:
+        assert "".join(entry["token"] for entry in entries) == content + "</s>"
+        assert [bytes(entry["bytes"]) for entry in entries] == [b" Paris", b" is", b" nice", b".", b"</s>"]

@@ -158,3 +158,27 @@ def test_a_reward_function_ray_cannot_send_is_refused_before_any_model_loads(rl_
                                          r"\(TypeError: cannot pickle '_thread.lock' object\); create what it holds"):
         RLTrainer(config, reward_functions=[shared_counter])
     assert not (tmp_path / "run").exists()
+
+
+ALL_MEMORY_SETTINGS = {"actor.max_tokens_per_micro_batch": 4096, "model.gradient_checkpointing": False,
+                       "actor.logits_buffer_gib": 1.0, "rollout.kv_cache_gib": 0.1, "rollout.free_cache_engine": True,
+                       "actor.optimizer_offload": False, "actor.param_offload": False, "ref.param_offload": False,
+                       "actor.keep_gathered": False}
+
+
+@pytest.mark.parametrize("settings", [{}, ALL_MEMORY_SETTINGS], ids=("planned", "all-given"))
+@pytest.mark.parametrize("window", [0, -5])
+def test_a_model_config_that_cannot_build_is_refused_before_the_run_folder(rl_args, tiny_model_dir, tmp_path, settings,
+                                                                           window):
+    """A window of -5 or 0 failed only as the model built, also where no memory setting is auto (no plan is made)."""
+    import json
+    import shutil
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config_file = model_dir / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {
+        "use_sliding_window": True, "max_window_layers": 0, "sliding_window": window}))
+    config = load_config(None, rl_args(tmp_path / "run", **{"model.path": model_dir, **settings}))
+    with pytest.raises(ValueError, match=rf"^{config_file} gives sliding_window={window}, which is no window; "):
+        RLTrainer(config)
+    assert not (tmp_path / "run").exists()
