@@ -37,6 +37,8 @@ from reinforge.packed_attention import explicit_attention, padded_packed_attenti
 from reinforge.packed_attention.softcap_kernels import softcap_varlen_attention
 
 NAME = "reinforge_varlen"
+OWN_ATTENTION = "_reinforge_own_attention"
+"""The attention implementation a model had before ``use_varlen_attention`` (``restore_own_attention``)."""
 
 
 def use_varlen_attention(model: nn.Module) -> None:
@@ -44,9 +46,24 @@ def use_varlen_attention(model: nn.Module) -> None:
     from reinforge.engine.longrope import choose_factors_per_sequence
 
     _register()
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        setattr(model, OWN_ATTENTION, getattr(model.config, "_attn_implementation", None))
     model.set_attn_implementation(NAME)
     _note_mask_only_windows(model)
     choose_factors_per_sequence(model)  # LongRoPE: a short sequence packed beside a long one keeps its factors
+
+
+def restore_own_attention(model: nn.Module) -> None:
+    """Give ``model`` back the attention implementation it had before ``use_varlen_attention``.
+
+    For a model whose modules compute attention themselves, never calling an attention function of transformers'
+    table (GIT, BLOOM, MPT pick their classes when built): the implementation's name then only chooses how
+    transformers builds their masks, and theirs expect the masks of their own implementation (an additive float
+    mask, never a causal one left out, as the SDPA-style masks of ``reinforge_varlen`` may be).
+    """
+    own = getattr(model, OWN_ATTENTION, None)
+    if own is not None and own != NAME:
+        model.set_attn_implementation(own)
 
 
 def _note_mask_only_windows(model: nn.Module) -> None:

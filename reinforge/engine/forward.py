@@ -28,7 +28,13 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.engine.attention import NAME as ATTENTION_NAME
-from reinforge.engine.attention import flash_applies, flash_runs_shared_segments, flex_runs_on, watch_attention_calls
+from reinforge.engine.attention import (
+    flash_applies,
+    flash_runs_shared_segments,
+    flex_runs_on,
+    restore_own_attention,
+    watch_attention_calls,
+)
 from reinforge.engine.fsdp import layer_compute_dtype, reshard
 from reinforge.engine.image_embeddings import ImageEmbeddingCache
 from reinforge.engine.log_probs import MAX_LOGITS_BYTES, linear_log_probs, linear_log_probs_and_sum_pi_squared
@@ -119,6 +125,8 @@ def packs_rows(model: nn.Module) -> bool:
                       position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
                       attention_mask=_no_mask(config, device), use_cache=False, **probe)
             known = calls.packed > 0 and calls.unpacked == 0
+            if calls.packed == calls.unpacked == 0:  # attention in its own classes: its own masks too
+                restore_own_attention(model)
         except Exception:  # noqa: BLE001 (layers that take no packed row at all: padded rows)
             # Mamba's mixer reads the mask as padding; a model that fails padded too is refused by its probe
             known = False

@@ -394,6 +394,7 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     model.eval()
     gap, failure, future_gap = float("inf"), None, 0.0
     try:
+        _keep_own_attention_where_varlen_differs(model, model_type, torch.cat([prompts, responses], 1), tolerance)
         for _ in range(2):  # packed rows, then (if they mix or fail) padded ones
             padded = not packs_rows(model)
             try:
@@ -461,6 +462,49 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                          f"transformers' generate from other probabilities than its forward gives the same tokens "
                          f"(log-probs {generate_gap:.3g} apart: its generate prepares other inputs), so training would "
                          "follow other probabilities than the rollout samples; reinforge cannot train it")
+
+
+@torch.no_grad()
+def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, input_ids: Tensor,
+                                             tolerance: float) -> None:
+    """A model outside the table whose own forward computes other probabilities through ``reinforge_varlen`` than
+    through the attention implementation it was loaded with keeps that one, and runs padded rows.
+
+    The varlen implementation runs a call without packed rows as transformers' SDPA does, with SDPA-style masks
+    (a purely causal one left out). A few causal LMs are not written for that: transformers runs them with eager
+    attention only (``_supports_sdpa = False``), and their modules rely on the mask alone, or on eager's handling of
+    the arguments they pass (Inkling 2's position biases and sinks). One forward of two rows, one left-padded,
+    through each implementation: where the log-probs differ, the model's own attention serves every pass.
+    """
+    from reinforge.engine.attention import NAME, OWN_ATTENTION
+    from reinforge.engine.forward import PACKS_ROWS, build_position_ids
+
+    own = getattr(model, OWN_ATTENTION, None)
+    if own is None or own == NAME or getattr(model.config, "_attn_implementation", None) != NAME:
+        return
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+              "position_ids": build_position_ids(attention_mask), "use_cache": False}
+    valid = attention_mask.bool()
+
+    def log_probs() -> Tensor:
+        return model(**inputs).logits.float().log_softmax(-1)[valid]
+
+    try:
+        varlen = log_probs()
+        model.set_attn_implementation(own)
+        gap = float((log_probs() - varlen).abs().max())
+    except Exception:  # noqa: BLE001 (a forward that fails either way: the probes after this one name it)
+        model.set_attn_implementation(NAME)
+        return
+    if gap <= tolerance:
+        model.set_attn_implementation(NAME)
+        return
+    setattr(model, PACKS_ROWS, False)
+    logger.info("%s (model_type=%r) computes other log-probs through packed varlen attention than through its own "
+                "%s attention (%.3g apart): it keeps its own, over padded rows (slower, more memory)",
+                type(model).__name__, model_type, own, gap)
 
 
 def check_final_soft_cap(model: nn.Module) -> None:

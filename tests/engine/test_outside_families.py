@@ -54,6 +54,9 @@ TINY = {
                 max_position_embeddings=128, vision_config={"hidden_size": 32, "num_hidden_layers": 1,
                                                             "num_attention_heads": 2, "intermediate_size": 64,
                                                             "image_size": 32, "patch_size": 16}),
+    "inkling2_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32),
 }
 SIZES = {  # hidden, layers, heads, KV heads (Falcon's multi-query: one), MLP width (an expert's), experts
     "gpt2": (64, 2, 4, 4, 256, 0), "opt": (64, 2, 4, 4, 96, 0), "falcon": (64, 2, 4, 1, 256, 0),
@@ -453,3 +456,36 @@ def test_a_trained_parameter_that_no_step_reached_resumes():
     torch.testing.assert_close(fresh.lm_head.weight, model.lm_head.weight)
     torch.testing.assert_close(fresh_optimizer.state[fresh.lm_head.weight]["exp_avg"],
                                optimizer.state[model.lm_head.weight]["exp_avg"])
+
+
+@pytest.mark.parametrize("model_type", ["git", "inkling2_text"])
+def test_a_model_written_for_eager_attention_trains_on_its_own_forwards_probabilities(model_type, caplog):
+    """GIT builds its attention classes by name and expects eager's additive masks; Inkling 2 hands its attention
+    position biases and sinks that only eager attention reads as it means them (transformers runs neither with
+    SDPA). Through the varlen implementation's SDPA-style masks and calls both computed other probabilities (GIT's
+    text attended past each position where the causal mask was left out). The start-up probe keeps their own
+    attention: the log-probs of a left-padded batch are those of each sequence alone through the model as loaded."""
+    import logging
+
+    from reinforge.engine.attention import use_varlen_attention
+
+    model = tiny_model(model_type, vocab_size=96)
+    reference = copy.deepcopy(model)
+    use_varlen_attention(model)
+    with caplog.at_level(logging.INFO, logger="reinforge.engine.fused"):
+        check_packed_sequences_stay_apart(model)
+    generator = torch.Generator().manual_seed(1)
+    prompts, responses = torch.randint(3, 96, (3, 5), generator=generator), torch.randint(3, 96, (3, 4),
+                                                                                          generator=generator)
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[0, :2] = 0
+    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses, "response_mask": torch.ones(3, 4),
+                                     "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+                                     "position_ids": build_position_ids(attention_mask)})
+    with torch.no_grad():
+        alone = [reference(input_ids=batch["input_ids"][row][attention_mask[row].bool()][None]).logits[0, -5:-1]
+                 for row in range(3)]
+    expected = torch.stack([logits.log_softmax(-1).gather(-1, responses[row][:, None])[:, 0]
+                            for row, logits in enumerate(alone)])
+    torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
+
