@@ -349,6 +349,9 @@ def _say_once(model: nn.Module, device: torch.device) -> None:
 
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+LEAK_FRACTION = 0.01
+"""In float32 and float64, a leak of one packed sequence into the next counts from this fraction of
+``PROBE_TOLERANCE``: the shapes are unchanged, so only a leak moves the numbers."""
 """Largest log-prob gap between a sequence packed beside another and the same sequence alone (others: 0.1)."""
 
 
@@ -381,7 +384,7 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     prompts = torch.randint(3, high, (2, 4), generator=generator)
     responses = torch.randint(3, high, (2, 5), generator=generator)
 
-    def probe_batch(responses: torch.Tensor) -> Batch:
+    def probe_batch(responses: torch.Tensor, prompts: torch.Tensor = prompts) -> Batch:
         attention_mask = torch.ones(2, prompts.shape[1] + responses.shape[1], dtype=torch.long)
         return Batch.from_dict(tensors={
             "prompts": prompts, "responses": responses, "response_mask": torch.ones(responses.shape),
@@ -389,7 +392,13 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
             "position_ids": build_position_ids(attention_mask)}).to(device)
 
     batch = probe_batch(responses)
+    flipped = torch.tensor([True, False])[:, None]  # the first sequence's tokens reversed, the second's kept
+    other_first = probe_batch(torch.where(flipped, responses.flip(1), responses),
+                              torch.where(flipped, prompts.flip(1), prompts))
     tolerance = PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1)
+    # in float32 the same shapes give the same numbers to well within LEAK_FRACTION of the tolerance; in 16-bit
+    # types a mixture of experts can take other kernels for the other first sequence's token counts per expert
+    leak_tolerance = tolerance * (LEAK_FRACTION if next(model.parameters()).dtype in PROBE_TOLERANCE else 1.0)
     was_training = model.training
     model.eval()
     gap, failure, future_gap = float("inf"), None, 0.0
@@ -400,6 +409,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
             try:
                 packed = response_log_probs(model, batch)[0].float()
                 alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
+                # the second sequence after another first one of the same lengths: the same shapes, the same
+                # kernels, so any change is the first sequence leaking into it (a recurrent or convolution state
+                # carried across the packed row), however small next to the rounding between different shapes
+                leak = float((response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max())
             except Exception as error:
                 if padded:  # the decoder's last hidden state through lm_head fails even over padded rows
                     failure = error
@@ -409,6 +422,8 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                 setattr(model, PACKS_ROWS, False)
                 continue
             gap = float((packed - alone).abs().max())
+            if leak > leak_tolerance and not padded:
+                gap = max(gap, leak * tolerance / leak_tolerance)  # mixed: padded rows (a padded leak is refused)
             if gap <= tolerance or padded:
                 break
             setattr(model, PACKS_ROWS, False)  # its packed sequences mix: padded rows from here on

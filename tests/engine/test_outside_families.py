@@ -54,6 +54,10 @@ TINY = {
                 max_position_embeddings=128, vision_config={"hidden_size": 32, "num_hidden_layers": 1,
                                                             "num_attention_heads": 2, "intermediate_size": 64,
                                                             "image_size": 32, "patch_size": 16}),
+    "jamba": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8,
+                  use_mamba_kernels=False),
     "inkling2_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=32),
@@ -487,5 +491,24 @@ def test_a_model_written_for_eager_attention_trains_on_its_own_forwards_probabil
                  for row in range(3)]
     expected = torch.stack([logits.log_softmax(-1).gather(-1, responses[row][:, None])[:, 0]
                             for row, logits in enumerate(alone)])
+    torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows():
+    """Jamba's Mamba layers carry their state from one packed sequence into the next. In a tiny fp32 model that
+    moves the next sequence's log-probs by about 5e-4, under the tolerance for rounding between different shapes;
+    the probe also runs the same shapes with another first sequence, where only a leak moves anything, and
+    the model then runs padded rows: each sequence's log-probs are those of its own forward."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    model = tiny_model("jamba", vocab_size=96)
+    reference = copy.deepcopy(model)
+    use_varlen_attention(model)
+    check_packed_sequences_stay_apart(model)
+    assert not packs_rows(model)
+    batch = _batch(96)
+    with torch.no_grad():
+        logits = reference(input_ids=batch["input_ids"]).logits[:, 3:-1].log_softmax(-1)
+    expected = logits.gather(-1, batch["responses"][..., None])[..., 0]
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
 
