@@ -145,14 +145,31 @@ def read_model_config(path: str, trust_remote_code: bool = False):
 
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (KeyError, ValueError) as error:
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001 (a KeyError, ValueError, TypeError or a hub validator's own error)
         model_type = _declared_model_type(path)
         unknown = model_type is not None and ("does not recognize" in str(error) or model_type in str(error))
         if not unknown:
-            raise
+            raise unreadable_config(path, "model.path", error) from error
         raise ValueError(f"model.path={path} is a {model_type!r} model, which transformers "
                          f"{transformers.__version__} cannot load; upgrade transformers, or set "
                          "model.trust_remote_code=true if the model folder ships its own code") from None
+
+
+def unreadable_config(path: str, key: str, error: BaseException) -> BaseException:
+    """A local folder whose config.json transformers refuses (a value of the wrong type, a key its config class
+    rejects): one line naming the setting, the file and transformers' reason; ``error`` itself otherwise."""
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return error
+    cause = error
+    while cause.__cause__ is not None:  # the validator's own words (huggingface_hub wraps them)
+        cause = cause.__cause__
+    outer, inner = (" ".join(str(found).split()) for found in (error, cause))
+    reason = outer if inner in outer else f"{outer}: {inner}" if outer else inner or type(error).__name__
+    return ValueError(f"{key}={path}: transformers cannot read its config.json ({reason}); fix that value in "
+                      f"{config_file}, or set {key} to another model")
 
 
 def _declared_model_type(path: str) -> str | None:

@@ -19,7 +19,13 @@ from transformers import (
     PreTrainedModel,
 )
 
-from reinforge.models.loading import TOKENIZER_FILES, check_model_folder, hub_errors_explained, is_local_path
+from reinforge.models.loading import (
+    TOKENIZER_FILES,
+    check_model_folder,
+    hub_errors_explained,
+    is_local_path,
+    unreadable_config,
+)
 
 KEY = "reward.reward_model.model_path"
 HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
@@ -44,7 +50,12 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
     it is not a classification model with num_labels=1."""
     path = _local(path)
     with hub_errors_explained(path, KEY):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except OSError:
+            raise
+        except Exception as error:  # noqa: BLE001 (transformers' or its hub validator's refusal of a value)
+            raise unreadable_config(path, KEY, error) from error
     architectures = list(getattr(config, "architectures", None) or [])
     heads = [(name, auto) for name in architectures for ending, auto in HEADS.items() if name.endswith(ending)]
     if not heads:

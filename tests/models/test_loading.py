@@ -133,6 +133,20 @@ def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir,
     assert "model.trust_remote_code=true" in message
 
 
+def test_a_config_value_transformers_refuses_is_named_with_its_file(tiny_model_dir, tmp_path):
+    folder = tmp_path / "typed"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": "four"}))
+    with pytest.raises(ValueError) as error:
+        load_causal_lm(str(folder), dtype=torch.float32, device="cpu")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"model.path={folder}: transformers cannot read its config.json (")
+    assert "'four'" in message and message.endswith(f"fix that value in {folder / 'config.json'}, or set model.path "
+                                                    "to another model")
+
+
 def test_gemma2_loads_with_eager_where_sdpa_cannot_soft_cap(tmp_path):
     folder = save_tiny_model(tmp_path / "gemma2", arch="gemma2")
     model = load_causal_lm(str(folder), dtype=torch.float32, device="cpu")

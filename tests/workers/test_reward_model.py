@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,12 @@ def test_a_model_that_is_not_a_one_label_classifier_is_refused_in_one_line(tiny_
         (untokenized / name).unlink()
     with pytest.raises(ValueError, match=r"has no tokenizer files \(expected one of tokenizer.json"):
         check_reward_model(str(untokenized))
+    typed = save_tiny_reward_model(tmp_path / "typed")
+    config = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps(config | {"hidden_size": "sixty"}))
+    with pytest.raises(ValueError, match=r"^reward.reward_model.model_path=.*typed: transformers cannot read its "
+                                         r"config.json \(.*hidden_size.*'sixty'.*\); fix that value in .*config.json"):
+        check_reward_model(str(typed))
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
