@@ -82,6 +82,17 @@ def check_model_folder(path: str | Path, key: str = "model.path") -> None:
                                     f"missing shard(s), first {missing[0]}")
 
 
+def float32_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s parameters that transformers keeps in float32 when it loads the model in bfloat16 or
+    float16: those its classes name in ``_keep_in_fp32_modules_strict`` (DeepSeek V2/V3's router ``gate.weight``),
+    matched as transformers matches them (a regular-expression search in the name, ``*`` for any characters)."""
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if not isinstance(patterns, (list, tuple, set, frozenset)) or not patterns:
+        return set()
+    kept = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in sorted(patterns)))
+    return {name for name, _ in model.named_parameters() if kept.search(name)}
+
+
 def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | None = None) -> bool:
     """Warn (one line) when a run's longest sequence outruns the positions the model was trained on.
 
