@@ -4,15 +4,18 @@ Each decoder layer is one ``fully_shard`` unit (all-gathered just before its for
 backward, freed after), and the module that owns the embeddings and the head is the root unit.
 The same code runs on one device (a process group of one: sharding is then a no-op copy) and
 on N. Master weights, gradients after reduction and optimizer state are float32; on CUDA the
-forward and backward compute in bfloat16 (``MixedPrecisionPolicy``). With ``offload`` the
-sharded parameters, their gradients and the optimizer step live on the CPU and each layer's
-parameters are copied to the device for its forward, which is how the reference policy is
-"streamed in per layer".
+forward and backward compute in bfloat16 (``MixedPrecisionPolicy``), except the parameters
+transformers keeps in float32 in a bfloat16 model (DeepSeek's routers): each module holding them
+is a unit of its own, gathered in float32, so the training forward picks the experts transformers
+and the native engine pick. With ``offload`` the sharded parameters, their gradients and the
+optimizer step live on the CPU and each layer's parameters are copied to the device for its
+forward, which is how the reference policy is "streamed in per layer".
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +38,9 @@ from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import init_distributed
 from reinforge.engine.memory_plan import shard_aligned
 from reinforge.engine.offload import HostOffloadedAdamW
+from reinforge.models.loading import float32_parameter_names
+
+logger = logging.getLogger(__name__)
 
 LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "layer")
 """What transformers' families call their decoder blocks (Llama's ``layers``, GPT-2's ``h``, MPT's ``blocks``)."""
@@ -67,9 +73,11 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
                 roots: Iterable[nn.Module] | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Apply FSDP2 in place: one unit per decoder layer, then each of ``roots`` (default: the model).
 
-    Parameters must be float32 (the master weights). ``reshard_after_forward=False`` keeps each decoder layer's
-    gathered compute-dtype parameters from its forward to its backward, which then gathers nothing again (the
-    whole model's compute-dtype copy is held meanwhile). Returns ``model``.
+    Parameters must be float32 (the master weights), or the compute dtype where frozen. In a compute dtype other
+    than float32, each module whose parameters transformers keeps in float32 (``float32_units``) is a unit of its own,
+    gathered in float32 around its layer's forward (``gather_around``) and fed its inputs as they come.
+    ``reshard_after_forward=False`` keeps each decoder layer's gathered parameters from its forward to its backward,
+    which then gathers nothing again (the whole model's compute-dtype copy is held meanwhile). Returns ``model``.
     """
     init_distributed(device_type=device.type)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -85,17 +93,72 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     for parameter in empty:
         parameter.requires_grad_(False)
         parameter.data = parameter.data.to(device, dtype)
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                    reshard_after_forward=reshard_after_forward, ignored_params=empty)
-        layer.reinforge_compute_dtype = dtype
+    # a router transformers keeps in float32 computes its logits from its float32 weight; gathered in bfloat16
+    # with its layer, the rounded weight sent tokens to other experts than the model transformers loads picks
+    float32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                          cast_forward_inputs=False)
+    kept_units = float32_units(model, empty) if dtype != torch.float32 else []
+    layers = decoder_layers(model)
+    for unit in [*kept_units, *layers]:
+        fully_shard(unit, mesh=mesh, mp_policy=float32_policy if unit in kept_units else mp_policy,
+                    offload_policy=offload_policy, reshard_after_forward=reshard_after_forward, ignored_params=empty)
         if pin is not None:
-            pin_offloaded_shards(layer, pin)
+            pin_offloaded_shards(unit, pin)
+        if unit in kept_units:
+            layer = next((layer for layer in layers if any(module is unit for module in layer.modules())), None)
+            if layer is not None:
+                gather_around(unit, layer)
+    for layer in layers:
+        layer.reinforge_compute_dtype = dtype
     for root in list(roots) if roots is not None else [model]:
         fully_shard(root, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=empty)
         if pin is not None:
             pin_offloaded_shards(root, pin)
     return model
+
+
+def float32_units(model: nn.Module, skipped: Iterable[nn.Parameter] = ()) -> list[nn.Module]:
+    """The largest modules of ``model`` whose parameters (but ``skipped``) are all ones transformers keeps in float32
+    (``float32_parameter_names``): DeepSeek V2/V3's router modules. A kept parameter beside others in its module
+    (none in the families reinforge trains fast) computes in its unit's dtype, and one line says so."""
+    kept = float32_parameter_names(model)
+    if not kept:
+        return []
+    skipped_ids = {id(parameter) for parameter in skipped}
+    units: list[nn.Module] = []
+    covered: set[str] = set()
+    for prefix, module in model.named_modules():
+        if module is model or any(prefix.startswith(f"{outer}.") for outer in covered):
+            continue
+        named = [(f"{prefix}.{name}", parameter) for name, parameter in module.named_parameters()
+                 if id(parameter) not in skipped_ids]
+        if named and all(name in kept for name, _ in named):
+            units.append(module)
+            covered.add(prefix)
+    alone = sorted(name for name in kept if not any(name.startswith(f"{outer}.") for outer in covered))
+    if alone:
+        logger.warning("%s keeps %s in float32 but its module holds other parameters; it computes in the "
+                       "compute dtype of its layer", type(model).__name__, ", ".join(alone[:3]))
+    return units
+
+
+def gather_around(unit: FSDPModule, outer: nn.Module) -> None:
+    """Run ``unit``'s FSDP forward hooks around ``outer``'s forward instead of its own; call it before
+    ``fully_shard(outer)``, whose hooks then run outside them.
+
+    ``unit`` (a float32 router inside a decoder layer) is then gathered for the whole of ``outer``'s forward and
+    backward, as ``outer``'s own parameters are, and a compiled ``outer.forward`` (``fused.compile_decoder_layers``)
+    meets no FSDP hook, which dynamo cannot trace: each would split the layer's graph in three. Where FSDP keeps no
+    handles of its hooks (another torch version), they stay where they are: the same numbers, the graph split.
+    """
+    state = unit._get_fsdp_state()
+    if not all(hasattr(state, name) for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle")):
+        return
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    state._pre_forward_hook_handle = outer.register_forward_pre_hook(state._pre_forward, prepend=True,
+                                                                     with_kwargs=True)
+    state._post_forward_hook_handle = outer.register_forward_hook(state._post_forward, prepend=False)
 
 
 def _param_groups(unit: nn.Module) -> list:
@@ -132,10 +195,10 @@ def kept_gathered(model: nn.Module) -> Iterator[list[FSDPModule]]:
     ``reduce_gradients_now`` which backward reduces. On leaving, every unit resumes its own setting, reduces after
     each backward and frees what it still holds. Yields the units."""
     units = fsdp_units(model)
-    # the decoder layers only: a root unit keeps its parameters after its forward (the head's weight is read after
-    # it) from FSDP's lazy initialisation on, which may not have run yet
-    layers = {id(layer) for layer in decoder_layers(model)}
-    resharding = [unit for unit in units if id(unit) in layers and reshards_after_forward(unit)]
+    # the decoder layers and the units inside them (a float32 router) only: a root unit keeps its parameters after
+    # its forward (the head's weight is read after it) from FSDP's lazy initialisation on, which may not have run yet
+    in_layers = {id(module) for layer in decoder_layers(model) for module in layer.modules()}
+    resharding = [unit for unit in units if id(unit) in in_layers and reshards_after_forward(unit)]
     for unit in resharding:
         unit.set_reshard_after_forward(False, recurse=False)
     try:

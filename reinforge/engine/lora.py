@@ -35,6 +35,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from reinforge.config.schema import LoraConfig
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ def linear_targets(model: nn.Module, targets: list[str]) -> list[str]:
     ``down_proj``) and wrap them in a parametrization the merged-weight rollout and export cannot read; naming the
     linear layers themselves keeps the experts frozen, as ``EXPERTS_NOTE`` says."""
     return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets and module.weight.numel()]
 
 
 def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module | None = None,
@@ -64,11 +66,21 @@ def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module
                    and module.down_proj.dim() == 3] or None
         if experts and targets != ["all-linear"]:
             targets = linear_targets(model, targets) or targets
-    excluded = [*(experts or []), *([head] if head else []), *_frozen_tower_linears(model)] or None
+    excluded = [*(experts or []), *([head] if head else []), *_frozen_tower_linears(model), *_empty_linears(model)]
+    excluded = excluded or None
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, exclude_modules=excluded,
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
                           lora_dropout=config.dropout, bias="none", task_type=None if head else "CAUSAL_LM",
                           base_model_name_or_path=base_model_path or None)
+
+
+def _empty_linears(model: nn.Module | None) -> list[str]:
+    """Linear layers without weights (DeepSeek's shared MLP with ``n_shared_experts: 0`` is (hidden, 0) wide): no
+    layer to adapt."""
+    if model is None:
+        return []
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not module.weight.numel()]
 
 
 def _frozen_tower_linears(model: nn.Module | None) -> list[str]:
@@ -123,7 +135,8 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
                 getattr(model, head).requires_grad_(True)
             return peft_model
     except ValueError as error:
-        if "not found in the base model" in str(error) or "Target modules" in str(error):
+        if any(said in str(error) for said in ("not found in the base model", "Target modules",
+                                               "No modules were targeted")):
             raise ValueError(f"model.lora.target_modules={list(config.target_modules)} matches no layer of "
                              f"{type(model).__name__}; name some of its linear layers "
                              f"({', '.join(linear_layer_names(model, head)) or 'none found'}), or all-linear") from error
@@ -160,7 +173,8 @@ def linear_layer_names(model: nn.Module, head: str | None = None) -> list[str]:
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skipped = {output, getattr(model, head, None) if head else None} - {None}
     names = [name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if (isinstance(module, nn.Linear) or _is_conv1d(module)) and module not in skipped]
+             if (isinstance(module, nn.Linear) or _is_conv1d(module)) and module not in skipped
+             and module.weight.numel()]
     return list(dict.fromkeys(names))
 
 
@@ -171,7 +185,8 @@ STATE_SPACE_MIXER_LAYERS = {"out_proj", "conv1d"}
 
 def _targets_for(model: nn.Module, config: LoraConfig, head: str | None) -> LoraConfig:
     """``config``, or where its targets are the default: a copy with the family's own projections where the table
-    names them otherwise (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek's MLA q_a_proj ... kv_b_proj), or with
+    names them otherwise (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek's MLA q_a_proj ... kv_b_proj) or the
+    model has fewer of them (a mixture of experts without dense MLPs: its attention projections), or with
     the model's linear layers where the defaults name none of them (GPT-2's c_attn, Mamba's in_proj); ``add_lora``
     says so in one line."""
     from reinforge.config.schema import LoraConfig
@@ -182,7 +197,7 @@ def _targets_for(model: nn.Module, config: LoraConfig, head: str | None) -> Lora
     names = set(linear_layer_names(model, head))
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     family = [name for name in LINEAR_LAYERS.get(model_type, ()) if name in names]
-    if family and set(family) != set(default) & names:
+    if family and set(family) != set(default):  # a mixture of experts without dense MLPs: its attention only
         return dataclasses.replace(config, target_modules=family)
     if names & set(default):
         return config
@@ -212,17 +227,21 @@ def _named_layers_only(model: nn.Module) -> Iterator[None]:
             config.model_type = own
 
 
+DENSE_MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
+
 LINEAR_LAYERS = {
-    **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3"),
-                    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+    **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2", "smollm3",
+                     "qwen3_moe"), ("q_proj", "k_proj", "v_proj", "o_proj", *DENSE_MLP_LAYERS)),
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
-    **dict.fromkeys(("qwen3_moe", "mixtral", "olmoe"), ("q_proj", "k_proj", "v_proj", "o_proj")),
+    **dict.fromkeys(("mixtral", "olmoe"), ("q_proj", "k_proj", "v_proj", "o_proj")),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3"), ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                                      "o_proj", "gate_proj", "up_proj", "down_proj")),
+                                                      "o_proj", *DENSE_MLP_LAYERS)),
 }
 """The decoder layers' linear layers by ``model_type``: what ``model.lora.target_modules`` can name. A mixture of
-experts keeps its experts in fused 3-D weights, no linear layers: its adapters go on the attention projections
-(and DeepSeek's dense and shared-expert MLPs), and the experts stay frozen (``EXPERTS_NOTE``)."""
+experts keeps its experts in fused 3-D weights, no linear layers: its adapters go on the attention projections and
+on the dense MLPs where it has some (``has_dense_mlp``: Qwen3-MoE's ``mlp_only_layers`` and the layers
+``decoder_sparse_step`` skips, DeepSeek's first ``first_k_dense_replace`` layers and shared experts), and the experts
+stay frozen (``EXPERTS_NOTE``)."""
 EXPERTS_NOTE = ("the experts' fused 3-D weights get no adapter and stay frozen: peft can adapt such parameters "
                 "(target_parameters), but the merged weights reinforge hands the rollout and writes on export do not "
                 "include those adapters")
@@ -244,19 +263,43 @@ def check_target_modules(config: LoraConfig, model_path: str) -> None:
     except (OSError, ValueError, AttributeError):
         return  # no readable local config: the model's own loading says what is wrong
     linears = LINEAR_LAYERS.get(model_type)
-    if linears is not None and model_type in ("deepseek_v2", "deepseek_v3"):  # a query of low rank, or a whole one
-        absent = ("q_proj",) if model_config.get("q_lora_rank") else ("q_a_proj", "q_b_proj")
-        linears = tuple(name for name in linears if name not in absent)
     targets = list(config.target_modules)
     if linears is None or "all-linear" in targets:
         return
+    absent: tuple[str, ...] = ()
+    if model_type in ("qwen3_moe", "deepseek_v2", "deepseek_v3"):
+        from transformers import AutoConfig
+
+        try:
+            family_config = AutoConfig.for_model(**model_config)
+        except (TypeError, ValueError, KeyError):
+            return  # a config transformers cannot read: the model's own loading says what is wrong
+        if not has_dense_mlp(family_config):
+            absent += DENSE_MLP_LAYERS
+        if model_type != "qwen3_moe":  # a query of low rank, or a whole one
+            absent += ("q_proj",) if family_config.q_lora_rank else ("q_a_proj", "q_b_proj")
+    linears = tuple(name for name in linears if name not in absent)
     unknown = [name for name in targets if name.rsplit(".", 1)[-1] not in linears]
+    why = (f" (every MLP of this {model_type} is a mixture of experts, whose fused weights get no adapter)"
+           if {name.rsplit(".", 1)[-1] for name in unknown} & set(absent) & set(DENSE_MLP_LAYERS) else "")
     if unknown and len(unknown) < len(targets):  # peft ignores them: a typo would silently adapt fewer layers
-        logger.warning("model.lora.target_modules names %s, no linear layer of a %s model; peft ignores it "
-                       "(use some of %s)", unknown, model_type, ", ".join(linears))
+        logger.warning("model.lora.target_modules names %s, no linear layer of a %s model%s; peft ignores it "
+                       "(use some of %s)", unknown, model_type, why, ", ".join(linears))
     if len(unknown) == len(targets):
-        raise ValueError(f"model.lora.target_modules={targets} names no linear layer of a {model_type} model; "
+        raise ValueError(f"model.lora.target_modules={targets} names no linear layer of a {model_type} model{why}; "
                          f"use some of {', '.join(linears)}")
+
+
+def has_dense_mlp(config: PretrainedConfig) -> bool:
+    """Whether a Qwen3-MoE or DeepSeek V2/V3 ``config`` gives some decoder layer a dense MLP (``gate_proj``,
+    ``up_proj``, ``down_proj`` linear layers) beside its mixtures of experts, as transformers builds the layers."""
+    layers = range(config.num_hidden_layers)
+    if config.model_type == "qwen3_moe":
+        sparse = [index not in config.mlp_only_layers and config.num_experts > 0
+                  and (index + 1) % config.decoder_sparse_step == 0 for index in layers]
+        return not all(sparse)
+    first_dense = min(config.first_k_dense_replace or 0, len(layers))
+    return first_dense > 0 or (config.n_shared_experts or 0) > 0
 
 
 def lora_scaling(config: LoraConfig) -> float:

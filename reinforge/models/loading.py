@@ -82,31 +82,78 @@ def check_model_folder(path: str | Path, key: str = "model.path") -> None:
                                     f"missing shard(s), first {missing[0]}")
 
 
+def float32_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s parameters that transformers keeps in float32 when it loads the model in bfloat16 or
+    float16: those its classes name in ``_keep_in_fp32_modules_strict`` (DeepSeek V2/V3's router ``gate.weight``),
+    matched as transformers matches them (a regular-expression search in the name, ``*`` for any characters)."""
+    patterns = getattr(model, "_keep_in_fp32_modules_strict", None)
+    if not isinstance(patterns, (list, tuple, set, frozenset)) or not patterns:
+        return set()
+    kept = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in sorted(patterns)))
+    return {name for name, _ in model.named_parameters() if kept.search(name)}
+
+
+ROPE_KEEPS_LENGTH = ("llama3", "longrope", "su", "linear")
+"""rope types whose config's ``max_position_embeddings`` is already the extended length (Llama 3.1: llama3, 131072
+from an original 8192; Phi-3-mini-128k: longrope, 131072 from 4096; Gemma 3: linear factor 8, 131072): a factor
+multiplies nothing. Under ``yarn`` the context is ``original_max_position_embeddings`` times the factor (Qwen2.5-7B-
+Instruct: 32768 x 4 = 131072; DeepSeek-V3: 4096 x 40 = 163840, its max_position_embeddings), under ``dynamic`` the
+factor stretches ``max_position_embeddings``, and ``default`` (or a type not known here) leaves it as it is."""
+
+
+def context_length(config: dict) -> tuple[int, str]:
+    """The positions a model's config.json (a dict; a multimodal model's ``text_config`` is read) says it was trained
+    on, and the keys that say so, for a message.
+
+    Reads ``max_position_embeddings`` and the rope scaling: ``rope_parameters`` as transformers 5 saves it (also
+    nested by layer type, as Gemma 3's), else the older ``rope_scaling``. Raises KeyError, TypeError or ValueError
+    for a config without a usable ``max_position_embeddings``.
+    """
+    text = config.get("text_config") or config
+    base = int(text["max_position_embeddings"])
+    limit, source = base, "max_position_embeddings"
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    nested = isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values())
+    for scaling in rope.values() if nested else [rope]:  # nested: one dict per layer type
+        if not isinstance(scaling, dict):
+            continue
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        factor = float(scaling.get("factor") or 1.0)
+        if rope_type in ROPE_KEEPS_LENGTH or "long_factor" in scaling or factor <= 1.0:
+            continue
+        if rope_type == "yarn":
+            original = int(scaling.get("original_max_position_embeddings")
+                           or text.get("original_max_position_embeddings") or base)
+            length, said = int(original * factor), (f"original_max_position_embeddings {original} x yarn factor "
+                                                    f"{factor:g}")
+        elif rope_type == "dynamic":
+            length, said = int(base * factor), f"max_position_embeddings {base} x dynamic factor {factor:g}"
+        else:
+            continue
+        if length > limit:
+            limit, source = length, said
+    return limit, source
+
+
 def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | None = None) -> bool:
     """Warn (one line) when a run's longest sequence outruns the positions the model was trained on.
 
     ``tokens``: prompt plus response budget; ``source``: the settings that make it, for the message; ``model``: how
     the message names the model (default: the model at ``path``).
-    Reads ``max_position_embeddings`` (times a ``rope_scaling`` factor) from a local folder's
-    config.json; returns whether it warned. Positions past it still run (rotary embeddings have no
-    table to overflow), which is why transformers only warns deep inside ``generate``.
+    Reads the context from a local folder's config.json (``context_length``); returns whether it warned.
+    Positions past it still run (rotary embeddings have no table to overflow), which is why transformers only warns
+    deep inside ``generate``.
     """
     file = Path(path).expanduser() / "config.json"
     try:
-        config = json.loads(file.read_text())
-        text = config.get("text_config") or config
-        limit = int(text["max_position_embeddings"])
-        scaling = text.get("rope_scaling") or {}
-        factor = float(scaling.get("factor") or 1.0) if isinstance(scaling, dict) else 1.0
+        limit, keys = context_length(json.loads(file.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False  # a hub id, or a config without the field: nothing to compare with
-    limit = int(limit * max(factor, 1.0))
     if tokens <= limit:
         return False
-    logger.warning("%s = %d tokens, more than the %d positions %s was trained on "
-                   "(max_position_embeddings in its config.json); what it computes past them is unreliable: "
-                   "shorten them or use a model with a longer context", source, tokens, limit,
-                   model or f"the model at {path}")
+    logger.warning("%s = %d tokens, more than the %d positions %s was trained on (%s in its config.json); what it "
+                   "computes past them is unreliable: shorten them or use a model with a longer context", source,
+                   tokens, limit, model or f"the model at {path}", keys)
     return True
 
 

@@ -41,6 +41,7 @@ from reinforge.engine.forward import build_position_ids
 from reinforge.engine.fsdp import unsharded
 from reinforge.engine.lora import lora_deltas, merge_lora_weights, merged_by_name, merged_weights, transposed_layers
 from reinforge.engine.memory_plan import GiB, rollout_concurrency
+from reinforge.models.loading import float32_parameter_names
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
 from reinforge.rollout.base import GenerationRequest, SamplingParams
 from reinforge.rollout.registry import get_rollout_engine
@@ -232,10 +233,9 @@ def cast_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> None:
     (``_keep_in_fp32_modules_strict``: DeepSeek's router weight and V3's ``e_score_correction_bias``, whose
     rounding changes which experts a token is sent to).
     """
-    kept = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    kept = float32_parameter_names(model)
     for name, parameter in model.named_parameters():
-        if parameter.is_floating_point() and not any(name == kept_name or name.endswith(f".{kept_name}")
-                                                     for kept_name in kept):
+        if parameter.is_floating_point() and name not in kept:
             parameter.data = parameter.data.to(dtype)
 
 
@@ -250,13 +250,15 @@ def rollout_copy_of(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
 def full_weights_on_cpu(model: torch.nn.Module, dtype: torch.dtype, rank: int,
                         lora_scale: float | None) -> dict[str, torch.Tensor] | None:
     """Collective over the ranks sharding ``model``: its full parameters in ``dtype``, on the CPU, under the plain
-    model's names, from rank 0 (None elsewhere). ``lora_scale``: LoRA's scaling, the adapters merged in."""
+    model's names, from rank 0 (None elsewhere). ``lora_scale``: LoRA's scaling, the adapters merged in. The
+    parameters transformers keeps in float32 (DeepSeek's routers) stay float32."""
     weights: dict[str, torch.Tensor] = {}
+    kept = float32_parameter_names(model)
     with torch.no_grad(), unsharded(model):
         for name, parameter in model.named_parameters():
             value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
-            if rank == 0:
-                weights[plain_name(name)] = value.detach().to("cpu", dtype, copy=True)  # the gathered storage is freed
+            if rank == 0:  # a copy: the gathered storage is freed
+                weights[plain_name(name)] = value.detach().to("cpu", torch.float32 if name in kept else dtype, copy=True)
     if lora_scale is not None and rank == 0:
         merge_lora_weights(weights, lora_scale, transposed_layers(model))  # the plain model's names and weights
     return weights if rank == 0 else None

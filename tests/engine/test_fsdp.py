@@ -180,6 +180,95 @@ def test_a_deepseek_without_shared_experts_shards_trains_and_saves_its_empty_sha
         {name: tensor.shape for name, tensor in plain.state_dict().items()}
 
 
+def routed(model, input_ids):
+    """Each MoE router's weight dtype as its forward sees it, and its (logits, top-k weights, top-k experts)."""
+    from reinforge.engine.moe import moe_blocks
+
+    seen = []
+    handles = [hook for block in moe_blocks(model) for hook in (
+        block.gate.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype)),
+        block.gate.register_forward_hook(lambda module, args, output: seen.append(output)))]
+    with torch.no_grad():
+        model(input_ids=input_ids)
+    for handle in handles:
+        handle.remove()
+    return seen[0::2], seen[1::2]
+
+
+@pytest.mark.parametrize("arch, checkpointed", [("deepseek_v2", False), ("deepseek_v3", False), ("deepseek_v3", True)])
+def test_a_bfloat16_update_routes_and_gets_the_gradients_of_the_model_transformers_loads_in_bfloat16(
+        tmp_path, arch, checkpointed):
+    """transformers keeps DeepSeek's router weight in float32 in a bfloat16 model (``_keep_in_fp32_modules_strict``)
+    and computes the router logits from it in float32. Gathered in bfloat16 with its layer, the rounded weight gave
+    other logits, and other experts; as a float32 unit of its own the training forward routes as transformers does,
+    and its log-probs and gradients (recomputed layers too) are those of transformers' bfloat16 model."""
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.fsdp import full_model_state, load_full_training_state
+    from reinforge.engine.recompute import checkpoint_decoder_layers
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    plain = build_tiny_causal_lm(arch, vocab_size=64, seed=8, num_layers=3).train()
+    plain.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).train()
+    sharded = copy.deepcopy(plain)
+    checkpoint_decoder_layers(sharded, 3 if checkpointed else 0)
+    shard_model(sharded, torch.device("cpu"), "bfloat16")
+    input_ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(1))
+    expected_dtypes, expected = routed(loaded, input_ids)
+    dtypes, outputs = routed(sharded, input_ids)
+    assert dtypes == expected_dtypes == [torch.float32] * 2
+    for (logits, weights, experts), (want_logits, want_weights, want_experts) in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(logits, want_logits, atol=0, rtol=0)
+        torch.testing.assert_close(weights, want_weights, atol=0, rtol=0)
+        assert torch.equal(experts, want_experts)
+    batch = make_rollout_batch(rows=3, seed=9)
+    for model in (loaded, sharded):
+        use_varlen_attention(model)
+        log_probs, _ = response_log_probs(model, batch)
+        (log_probs * batch["advantages"]).sum().backward()
+    for (name, want), parameter in zip(loaded.named_parameters(), sharded.parameters(), strict=True):
+        assert parameter.grad.dtype == torch.float32, name
+        torch.testing.assert_close(parameter.grad.full_tensor(), want.grad.float(), atol=0, rtol=0, msg=name)
+    # saved and loaded as every other parameter: the full state under the plain names and dtypes
+    state = full_model_state(sharded)
+    assert {name: (tensor.shape, tensor.dtype) for name, tensor in state.items()} == \
+        {name: (tensor.shape, tensor.dtype) for name, tensor in plain.state_dict().items()}
+    router_name = "model.layers.2.mlp.gate.weight"
+    moved = state[router_name] + 1e-3
+    load_full_training_state(sharded, None, {"model": {**state, router_name: moved.clone()}})
+    torch.testing.assert_close(full_model_state(sharded)[router_name], moved, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_compiled_decoder_layer_with_a_float32_router_unit_stays_one_graph():
+    """The float32 router's FSDP hooks run around its layer's forward, outside the compiled graph: hooks inside it
+    (a unit's own, which dynamo does not trace) split a DeepSeek MoE layer's graph in three."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.fused import compile_decoder_layers
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    eager = build_tiny_causal_lm("deepseek_v3", vocab_size=64, seed=8, num_layers=1, first_k_dense_replace=0).train()
+    use_varlen_attention(eager)
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_decoder_layers(compiled, backend="eager") == 1
+    batch = make_rollout_batch(rows=3, seed=9)
+    log_probs = []
+    for model in (eager, compiled):
+        shard_model(model, torch.device("cpu"), "bfloat16")
+        with torch.no_grad():
+            log_probs.append(response_log_probs(model, batch)[0])
+    torch.testing.assert_close(log_probs[1], log_probs[0], atol=0, rtol=0)
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_two_gloo_processes_update_like_one(tmp_path, share_prompts):
     source = UPDATE.format(tests=str(REPO / "tests" / "engine"), share=share_prompts)
@@ -256,19 +345,22 @@ def test_offloaded_shards_are_pinned_at_their_exact_size_on_cuda():
         assert all(p._sharded_param_data.is_pinned() for p in params)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch, dtype", [("qwen2", "float32"), ("qwen2", "bfloat16"), ("deepseek_v3", "bfloat16")])
 def test_an_update_that_keeps_the_parameters_gathered_gathers_and_reduces_once_a_mini_batch_to_the_same_step(
-        monkeypatch, dtype):
+        monkeypatch, arch, dtype):
     """``UpdateSettings.keep_gathered`` on one device: each layer is gathered once a mini-batch and its gradients are
     reduced by the last micro-batch's backward (accumulated in float32 under a bfloat16 compute dtype until
-    then), and the step equals the one that gathers for every forward and backward and reduces after each."""
+    then), and the step equals the one that gathers for every forward and backward and reduces after each. A
+    float32 router inside a layer (DeepSeek) is a unit kept gathered with it."""
     from test_micro_batches_and_update import on_policy_update
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     from reinforge.config.schema import OptimConfig
+    from reinforge.engine.attention import use_varlen_attention
     from reinforge.engine.fsdp import decoder_layers, reshards_after_forward
     from reinforge.engine.optim import build_scheduler
     from reinforge.engine.train_step import UpdateSettings
+    from reinforge.models.tiny import build_tiny_causal_lm
 
     calls = {"gather": 0, "reduce": 0}
     unshard, reduce = _fsdp_param_group.FSDPParamGroup.unshard, _fsdp_param_group.foreach_reduce
@@ -283,12 +375,14 @@ def test_an_update_that_keeps_the_parameters_gathered_gathers_and_reduces_once_a
 
     monkeypatch.setattr(_fsdp_param_group.FSDPParamGroup, "unshard", counted_unshard)
     monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted_reduce)
-    base = varlen_lm(seed=6).train()
+    base = build_tiny_causal_lm(arch, vocab_size=64, seed=6).train()
+    use_varlen_attention(base)
     batch = make_rollout_batch(rows=6, seed=8)
     results = {}
     for keep in (False, True):
         model = shard_model(copy.deepcopy(base), torch.device("cpu"), dtype)
-        layers = len(decoder_layers(model))
+        units = len(fsdp_units(model))
+        assert units == len(decoder_layers(model)) + 1 + (arch == "deepseek_v3")  # and the root; one MoE layer
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scheduler = build_scheduler(optimizer, 10, OptimConfig(lr=1.0))
         settings = UpdateSettings(max_tokens_per_micro_batch=12, grad_clip=1e9, num_mini_batches=2,
@@ -300,9 +394,9 @@ def test_an_update_that_keeps_the_parameters_gathered_gathers_and_reduces_once_a
         assert all(reshards_after_forward(layer) for layer in decoder_layers(model))  # its own setting again
         assert {param.sharded_state.name for unit in fsdp_units(model) for param in fsdp_params(unit)} == {"SHARDED"}
     (plain, plain_norm, plain_calls), (kept, kept_norm, kept_calls) = results[False], results[True]
-    assert plain_calls["reduce"] > kept_calls["reduce"] == 2 * (layers + 1)  # two mini-batches: once each
+    assert plain_calls["reduce"] > kept_calls["reduce"] == 2 * units  # two mini-batches: once each
     assert plain_calls["gather"] >= 2 * kept_calls["gather"]
-    assert kept_calls["gather"] == 2 * (layers + 1)  # every layer and the root, once a mini-batch
+    assert kept_calls["gather"] == 2 * units  # every unit, once a mini-batch
     assert kept_norm == pytest.approx(plain_norm, rel=1e-6)
     for name, tensor in plain.items():
         torch.testing.assert_close(kept[name], tensor, atol=0, rtol=0, msg=name)

@@ -223,6 +223,44 @@ def test_lora_on_a_mixture_of_experts_adapts_attention_and_says_the_experts_stay
         check_target_modules(LoraConfig(rank=8, target_modules=["gate_proj", "up_proj", "down_proj"]), str(tmp_path))
 
 
+@pytest.mark.parametrize(("model_type", "options", "dense"), [
+    ("qwen3_moe", {}, False),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, True),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, True),
+    ("deepseek_v3", {"first_k_dense_replace": 0, "n_shared_experts": 0}, False),
+    ("deepseek_v3", {"first_k_dense_replace": 1, "n_shared_experts": 0}, True),
+    ("deepseek_v3", {"first_k_dense_replace": 0}, True),  # V3's one shared expert by default
+    ("deepseek_v2", {"first_k_dense_replace": 0, "n_shared_experts": 0}, False),
+])
+def test_the_dense_mlp_projections_are_targets_where_the_model_has_dense_mlps(tmp_path, caplog, model_type, options,
+                                                                             dense):
+    """A mixture of experts' gate/up/down projections are linear layers only in its dense MLPs: Qwen3-MoE's
+    mlp_only_layers and the layers decoder_sparse_step skips, DeepSeek's first_k_dense_replace layers and shared
+    experts. There the targets may name them and the default targets adapt them; elsewhere they name nothing."""
+    from reinforge.engine.lora import check_target_modules
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    extra = {"q_lora_rank": 16} if model_type == "deepseek_v3" else {}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "num_hidden_layers": 2, **extra,
+                                                      **options}))
+    mlp_targets = LoraConfig(rank=8, target_modules=["gate_proj", "up_proj", "down_proj"])
+    if dense:
+        check_target_modules(mlp_targets, str(tmp_path))
+    else:
+        with pytest.raises(ValueError, match=rf"names no linear layer of a {model_type} model \(every MLP of this "
+                                             rf"{model_type} is a mixture of experts, whose fused weights get no "
+                                             r"adapter\); use some of "):
+            check_target_modules(mlp_targets, str(tmp_path))
+    model = build_tiny_causal_lm(model_type, vocab_size=64, num_layers=2, **extra, **options)
+    with caplog.at_level("WARNING"):
+        add_lora(model, LoraConfig(rank=4))
+    adapted = {name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters()
+               if ".lora_A." in name}
+    assert bool(adapted & {"gate_proj", "up_proj", "down_proj"}) is dense
+    assert adapted & {"o_proj"} and not caplog.records
+    assert all(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral"])
 def test_default_targets_on_a_mixture_of_experts_adapt_linear_layers_and_leave_the_experts_frozen(arch):
     from reinforge.models.tiny import build_tiny_causal_lm

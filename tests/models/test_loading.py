@@ -120,6 +120,55 @@ def test_a_run_longer_than_the_models_positions_is_warned_of_once(tmp_path, capl
     assert not loading.warn_if_beyond_context("Qwen/Qwen2.5-0.5B", 10**6, "a + b")  # nothing local to read
 
 
+LONG_FACTORS = {"long_factor": [1.0] * 4, "short_factor": [1.0] * 4}
+
+
+@pytest.mark.parametrize(("config", "context", "keys"), [
+    # Llama 3.1: max_position_embeddings is already the extended length
+    ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 8192}},
+     131072, "max_position_embeddings"),
+    # Phi-3-mini-128k: LongRoPE, as released and as transformers 5 saves it (with the factor it recommends)
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "su", **LONG_FACTORS}}, 131072, "max_position_embeddings"),
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+      "rope_parameters": {"rope_type": "longrope", "factor": 32.0, "original_max_position_embeddings": 4096,
+                          **LONG_FACTORS}}, 131072, "max_position_embeddings"),
+    # Gemma 3: linear factor 8 on the full-attention layers, nested by layer type in rope_parameters
+    ({"text_config": {"max_position_embeddings": 131072, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}}, 131072, "max_position_embeddings"),
+    # Qwen2.5-7B-Instruct with YaRN as its card says, and re-saved by transformers 5 (or reinforge's export)
+    ({"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 32768}},
+     131072, "original_max_position_embeddings 32768 x yarn factor 4"),
+    ({"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                             "original_max_position_embeddings": 32768}},
+     131072, "original_max_position_embeddings 32768 x yarn factor 4"),
+    # DeepSeek-V3: YaRN from 4096 positions, max_position_embeddings the extended length
+    ({"max_position_embeddings": 163840, "rope_scaling": {"type": "yarn", "factor": 40, "mscale": 1.0,
+                                                           "original_max_position_embeddings": 4096}},
+     163840, "max_position_embeddings"),
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     8192, "max_position_embeddings 4096 x dynamic factor 2"),
+    ({"max_position_embeddings": 32768, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     32768, "max_position_embeddings"),
+])
+def test_the_context_of_each_rope_type_is_read_from_either_key(tmp_path, caplog, config, context, keys):
+    """transformers 5 saves ``rope_parameters`` (a YaRN Qwen2.5 re-saved read as 32768 positions); llama3, LongRoPE and
+    linear configs give the extended length as max_position_embeddings (times the factor it read 1M positions)."""
+    from reinforge.models.loading import context_length
+
+    assert context_length(config) == (context, keys)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING):
+        assert not loading.warn_if_beyond_context(str(tmp_path), context, "a + b")
+        assert loading.warn_if_beyond_context(str(tmp_path), context + 1, "a + b")
+    assert f"a + b = {context + 1} tokens, more than the {context} positions the model at {tmp_path} was trained on " \
+           f"({keys} in its config.json)" in caplog.text
+
+
 def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir, tmp_path):
     folder = tmp_path / "unknown"
     shutil.copytree(tiny_model_dir, folder)

@@ -23,9 +23,11 @@ PROMPTS = [[5, 9, 33, 2], [17, 4, 250, 61, 8, 90, 3, 11, 47], [100, 7]]
 NEW_TOKENS = 6
 
 
-def adapted_moe(seed: int = 3) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A tiny Qwen3-MoE (untied head) with rank-4 adapters on its attention, lora_B random (the adapters act)."""
-    model = build_tiny_causal_lm("qwen3_moe", seed=seed, max_position_embeddings=64, tie_word_embeddings=False).eval()
+def adapted_moe(seed: int = 3, **options) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Qwen3-MoE (untied head) with rank-4 adapters on the default targets (its attention, and the MLPs of its
+    dense layers if ``options`` give it some), lora_B random (the adapters act)."""
+    model = build_tiny_causal_lm("qwen3_moe", seed=seed, max_position_embeddings=64, tie_word_embeddings=False,
+                                 **options).eval()
     peft_model = add_lora(model, LoraConfig(rank=4, alpha=8.0), seed=seed)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -102,6 +104,44 @@ def test_the_sharded_lora_actors_engine_reads_frozen_weights_in_place_and_follow
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             assert torch.equal(whole(parameter), frozen_before[name]), f"the engine wrote into {name}"
+
+
+@pytest.mark.parametrize("dense", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
+def test_adapters_on_the_dense_mlp_of_a_qwen3_moe_reach_the_engine_the_export_and_the_adapter_folder(tmp_path, dense):
+    """A Qwen3-MoE's dense layers (``mlp_only_layers``, or those ``decoder_sparse_step`` skips: layer 0 here) have
+    gate/up/down projections, which the default targets adapt beside the attention. The sharded actor's engine
+    generates as the adapted model does, and the merged weights and the adapter folder compute what it computes."""
+    from reinforge.engine.fsdp import full_model_state, shard_model
+    from reinforge.engine.lora import adapter_state, merge_lora_weights, write_adapter_folder
+    from reinforge.models.export import save_hf_folder
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.serve.command import load_model
+
+    model, peft_model = adapted_moe(seed=5, **dense)
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in model.named_parameters() if ".lora_A." in name}
+    assert {f"model.layers.0.mlp.{name}" for name in ("gate_proj", "up_proj", "down_proj")} <= adapted
+    assert not any(".layers.1.mlp." in name for name in adapted)  # the experts of layer 1 stay frozen
+    reference = copy.deepcopy(peft_model).base_model.model
+    base = build_tiny_causal_lm("qwen3_moe", seed=5, max_position_embeddings=64, tie_word_embeddings=False, **dense)
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=64, block_size=8, max_num_seqs=4,
+                          free_on_sleep=False)
+    shard_model(model, torch.device("cpu"))
+    assert_generates_as(rollout(engine, model, peft_model), reference)
+    engine.sleep()
+
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        expected = reference(ids).logits
+    state = full_model_state(model)
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(merge_lora_weights(dict(state), 2.0))
+    write_adapter_folder(tmp_path / "adapter", adapter_state(state), LoraConfig(rank=4, alpha=8.0), "base")
+    tokenizer = build_char_tokenizer()
+    save_hf_folder(base, tokenizer, tmp_path / "base")
+    served, _ = load_model(str(tmp_path / "base"), str(tmp_path / "adapter"), "float32", torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(served(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_model_with_nothing_to_train_is_copied_whole():

@@ -130,3 +130,22 @@ def test_a_prompts_samples_split_over_members_are_the_samples_of_one_member(tiny
     split = Batch.concat_unpadded([worker.generate(chunk, sampling, 7) for chunk in batch.split(3)])["responses"]
     assert torch.equal(split, whole)
     assert len({tuple(row) for row in whole[:3].tolist()}) == 3  # the samples of one prompt differ
+
+
+def test_weights_for_a_separate_rollout_keep_the_routers_transformers_keeps_in_float32():
+    """A DeepSeek actor in bfloat16 hands the rollout worker its weights in bfloat16, but for the router weights,
+    which transformers (and the rollout copy, ``cast_as_loaded``) keeps in float32: rounded, they route otherwise."""
+    import copy
+
+    from reinforge.engine.fsdp import shard_model
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    plain = build_tiny_causal_lm("deepseek_v3", vocab_size=64, seed=8)
+    rollout_copy = rollout_side.rollout_copy_of(plain, torch.bfloat16)
+    sharded = shard_model(copy.deepcopy(plain), torch.device("cpu"), "bfloat16")
+    weights = rollout_side.full_weights_on_cpu(sharded, torch.bfloat16, rank=0, lora_scale=None)
+    assert weights.keys() == dict(rollout_copy.named_parameters()).keys()
+    for name, parameter in rollout_copy.named_parameters():
+        assert weights[name].dtype == parameter.dtype == (torch.float32 if name.endswith("gate.weight")
+                                                          else torch.bfloat16), name
+        torch.testing.assert_close(weights[name], plain.get_parameter(name).to(parameter.dtype), atol=0, rtol=0)
