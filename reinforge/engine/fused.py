@@ -309,10 +309,15 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
     if getattr(model, PACKS_ROWS, True) is False:
         compiled = ("decoder layers compiled" if device.type == "cuda" and _compilable(model)
                     else "decoder layers eager")
+        from reinforge.engine.attention import NAME
+
+        own = getattr(getattr(model, "config", None), "_attn_implementation", NAME)
+        why = (f"it keeps its own {own} attention, for which transformers writes it (reinforge's varlen attention "
+               "computed other probabilities)" if own != NAME else "its layers cannot keep packed sequences apart "
+               "(its attention does not take reinforge's varlen arguments, or state runs along the row)")
         return (f"training passes of {model_type}: transformers modules for {model_type} over padded rows, not packed "
-                "ones: its layers cannot keep packed sequences apart (its attention does not take reinforge's "
-                f"varlen arguments, or state runs along the row); no fused kernels, {compiled}, expect ~2-3x slower "
-                "updates than a family of the table (padding is computed, prompts are not shared)")
+                f"ones: {why}; no fused kernels, {compiled}, expect ~2-3x slower updates than a family of the table "
+                "(padding is computed, prompts are not shared)")
     if device.type != "cuda":
         return (f"packed training of {model_type}: transformers' modules with reinforge's varlen attention "
                 f"(the fused kernels run on CUDA only; on {device.type} the modules are exact and unfused)")

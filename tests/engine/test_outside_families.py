@@ -492,6 +492,10 @@ def test_a_model_written_for_eager_attention_trains_on_its_own_forwards_probabil
     expected = torch.stack([logits.log_softmax(-1).gather(-1, responses[row][:, None])[:, 0]
                             for row, logits in enumerate(alone)])
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
+    from reinforge.engine.fused import describe_training_path
+
+    assert "over padded rows, not packed ones: it keeps its own eager attention" in describe_training_path(
+        model, torch.device("cpu"))
 
 
 def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows():
