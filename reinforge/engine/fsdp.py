@@ -46,6 +46,10 @@ LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "layer")
 """What transformers' families call their decoder blocks (Llama's ``layers``, GPT-2's ``h``, MPT's ``blocks``)."""
 
 
+VISION_PARTS = ("vision", "visual", "image")
+"""Parts of a module path that name an image tower (``git.image_encoder.vision_model.encoder.layers``)."""
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of an HF model: the first ModuleList named by the first name of ``LAYER_LIST_NAMES``
     any of its lists has, else the ModuleList of blocks of one class holding the most parameters."""
@@ -57,6 +61,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if isinstance(decoder, nn.Module) and decoder is not model:
         inside = {id(module) for module in decoder.modules()}
         lists = [item for item in lists if id(item[1]) in inside] or lists
+    # and where the decoder holds a tower too (GIT's image encoder beside its text layers): the lists outside it
+    text = [item for item in lists if not any(part in segment for segment in item[0].split(".")
+                                              for part in VISION_PARTS)]
+    lists = text or lists
     for wanted in LAYER_LIST_NAMES:  # in this order: a vision-language model's language layers before its tower's blocks
         for name, module in lists:
             if name.rsplit(".", 1)[-1] == wanted:

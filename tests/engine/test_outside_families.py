@@ -117,6 +117,8 @@ def test_a_size_a_known_family_leaves_out_is_its_class_default_and_an_unknown_fa
 def test_decoder_blocks_are_found_whatever_their_list_is_called():
     mpt = tiny_model("mpt")
     assert decoder_layers(mpt) == list(mpt.transformer.blocks)
+    git = tiny_model("git")  # its image encoder's ``layers`` beside its text ``layer``: the text blocks are sharded
+    assert decoder_layers(git) == list(git.git.encoder.layer)
 
     class Stack(torch.nn.Module):  # blocks under a name no family uses, beside a list of another kind
         def __init__(self):
@@ -223,7 +225,7 @@ def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
     assert_pass_equals_transformers_padded_forward(model.train(), share_prompts=True)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart"])
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git"])
 def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithmetic_data_dir, tmp_path):
     tokenizer = build_char_tokenizer(())
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
