@@ -60,7 +60,8 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "trainer.total_steps": 5, "trainer.save_every": 3, "trainer.seed": 3, "data.seed": 3,  # 2 updates a step
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
         "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
-        "actor.optim.weight_decay": 0.0}  # TRL's default of what is not given (max_steps decides the length)
+        # TRL's default of what is not given (max_steps decides the length)
+        "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear"}
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
         "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
@@ -85,10 +86,12 @@ def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
     args = getattr(api, config_class)()
     expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42}
     if config_class == "GRPOConfig":
-        expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0}
+        expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0,
+                     "actor.optim.schedule": "linear"}
         assert (args.num_train_epochs, args.max_completion_length, args.learning_rate) == (3, 512, None)
     else:
         expected |= {"data.batch_size": 8, "optim.weight_decay": 0.0, "optim.warmup_ratio": 0.0,
+                     "optim.schedule": "linear",
                      "optim.lr": {"SFTConfig": 2e-5, "DPOConfig": 1e-6, "RewardConfig": 1e-4}[config_class]}
         assert args.per_device_train_batch_size == 8
     if config_class == "SFTConfig":
@@ -178,6 +181,7 @@ TRL_SCRIPT_SETTINGS = [
      {"actor.policy_loss.loss_mode": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean",
       "actor.policy_loss.tau_neg": 1.2}),
     (dict(delta=4.0), {"actor.policy_loss.clip_ratio_c": 4.0}),
+    (dict(lr_scheduler_type="constant"), {"actor.optim.schedule": "constant"}),
     (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.99,
           adam_epsilon=1e-6),
      {"actor.optim.schedule": "cosine", "actor.optim.min_lr_ratio": 0.1, "actor.optim.betas": [0.9, 0.99],
@@ -219,8 +223,8 @@ def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeyp
     (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\]=2: reinforge's engine takes"),
     (dict(model_init_kwargs={"revision": "v1"}), r"model_init_kwargs\['revision'\]: reinforge loads the model with"),
     (dict(loss_type="cispo"), "loss_type='cispo' caps the importance weight at epsilon_high=0.2, below 1"),
-    (dict(lr_scheduler_type="linear"), "lr_scheduler_type='linear': reinforge's schedules are constant, cosine"),
-    (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.* without lr_scheduler_type"),
+    (dict(lr_scheduler_type="polynomial"), "lr_scheduler_type='polynomial': reinforge's schedules are linear, "),
+    (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.*: reinforge's linear schedule takes no "),
     (dict(bf16=True, fp16=True), "bf16=True and fp16=True: choose one precision"),
     (dict(save_strategy="epoch"), "save_strategy='epoch': reinforge checkpoints every save_steps steps"),
 ])

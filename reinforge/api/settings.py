@@ -173,14 +173,14 @@ def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]
     return check
 
 
-SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
+SCHEDULES = {"linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
              "cosine_with_min_lr": "cosine"}
-"""TRL's (transformers') lr_scheduler_type -> optim.schedule: the ones reinforge has."""
+"""TRL's (transformers') lr_scheduler_type -> optim.schedule: the ones reinforge has. linear is TRL's default."""
 
 
 def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if value not in SCHEDULES:
-        raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are constant, cosine and "
+        raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are linear, constant, cosine and "
                          "cosine_with_min_lr (after warmup_steps or warmup_ratio of linear warmup); choose one of them")
     mapped = {"optim.schedule": SCHEDULES[value]}
     options = dict(settings.get("lr_scheduler_kwargs") or {})
@@ -191,15 +191,8 @@ def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
         mapped["optim.min_lr_ratio"] = float(options["min_lr_rate"])
     elif options:
         raise ValueError(f"lr_scheduler_kwargs={options!r}: reinforge's {value} schedule takes no arguments; remove "
-                         "them")
+                         "them, or set lr_scheduler_type='cosine_with_min_lr'")
     return mapped
-
-
-def _scheduler_options(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value and "lr_scheduler_type" not in settings:
-        raise ValueError(f"lr_scheduler_kwargs={value!r} without lr_scheduler_type: reinforge's default schedule "
-                         "takes no arguments; remove them, or set lr_scheduler_type='cosine_with_min_lr'")
-    return {}  # read by the lr_scheduler_type mapping
 
 
 def _betas(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +213,8 @@ def _optimizer_settings(prefix: str) -> dict[str, Override]:
         "warmup_steps": (f"{prefix}.warmup_steps", _to(f"{prefix}.warmup_steps")),
         "warmup_ratio": (f"{prefix}.warmup_ratio", _to(f"{prefix}.warmup_ratio")),
         "lr_scheduler_type": (f"{prefix}.schedule", under(_schedule)),
-        "lr_scheduler_kwargs": (f"{prefix}.min_lr_ratio (min_lr_rate)", _scheduler_options),
+        # lr_scheduler_kwargs is read by the lr_scheduler_type mapping
+        "lr_scheduler_kwargs": (f"{prefix}.min_lr_ratio (min_lr_rate)", lambda value, settings: {}),
         "adam_beta1": (f"{prefix}.betas", under(_betas)),
         "adam_beta2": (f"{prefix}.betas", under(_betas)),
         "adam_epsilon": (f"{prefix}.eps", _to(f"{prefix}.eps")),
@@ -413,7 +407,7 @@ class GRPOConfig(_TrainingArguments):
 
     SETTINGS = GRPO_SETTINGS
     TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear"}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -483,7 +477,8 @@ class SFTConfig(_TrainingArguments):
 
     SETTINGS = SFT_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 2e-5, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024,
+                    "lr_scheduler_type": "linear"}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -534,7 +529,8 @@ class DPOConfig(SFTConfig):
 
     SETTINGS = DPO_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 1e-6, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42,
+                    "lr_scheduler_type": "linear"}
 
 
 class RewardConfig(SFTConfig):

@@ -114,7 +114,8 @@ class OptimConfig:
     warmup_ratio: float = 0.0
     """Warmup as a fraction of all optimizer steps; used when warmup_steps is 0."""
     schedule: str = "constant"
-    """constant or cosine (after warmup)."""
+    """constant, cosine, or linear (down to 0 at the last step, transformers' and so TRL's default), after
+    warmup."""
     min_lr_ratio: float = 0.0
     """Floor of the cosine schedule as a fraction of lr."""
 
