@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -61,7 +62,8 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
         "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
         # TRL's default of what is not given (max_steps decides the length)
-        "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear"}
+        "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear",
+        "actor.policy_loss.clip_ratio_c": math.inf}  # no dual clip without TRL's delta
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
         "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
@@ -87,7 +89,7 @@ def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
     expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42}
     if config_class == "GRPOConfig":
         expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0,
-                     "actor.optim.schedule": "linear"}
+                     "actor.optim.schedule": "linear", "actor.policy_loss.clip_ratio_c": math.inf}
         assert (args.num_train_epochs, args.max_completion_length, args.learning_rate) == (3, 512, None)
     else:
         expected |= {"data.batch_size": 8, "optim.weight_decay": 0.0, "optim.warmup_ratio": 0.0,
@@ -124,6 +126,30 @@ def test_steps_per_generation_and_num_iterations_count_optimizer_steps_as_in_trl
                    num_generations=4).to_overrides()
     with pytest.raises(ValueError, match="steps_per_generation=2 and generation_batch_size=16: set one of them"):
         GRPOConfig(steps_per_generation=2, generation_batch_size=16).to_overrides()
+
+
+def test_without_delta_the_loss_has_no_dual_clip_as_trls():
+    """TRL's GRPO bounds the ratio of a negative advantage only with delta (INTELLECT-2's two-sided clip, the
+    dual clip); reinforge's default bound of 3 would cut the loss of a token whose ratio grew past it."""
+    import torch
+
+    from reinforge.algorithms.policy_losses import compute_policy_loss
+    from reinforge.config.schema import PolicyLossConfig
+
+    mapped = GRPOConfig().to_overrides()["actor.policy_loss.clip_ratio_c"]
+    advantages = torch.tensor([[-1.0, 0.0, 1.0, -1.0]])
+    log_probs = torch.tensor([[math.log(5.0), 0.3, math.log(5.0), -0.1]], requires_grad=True)
+    old_log_probs = torch.zeros(1, 4)
+    loss, _ = compute_policy_loss("vanilla", old_log_probs=old_log_probs, log_probs=log_probs, advantages=advantages,
+                                  response_mask=torch.ones(1, 4), loss_agg_mode="token-sum",
+                                  config=PolicyLossConfig(clip_ratio_c=mapped))
+    loss.backward()
+    ratio = log_probs.detach().exp()
+    # TRL's -min(r A, clip(r, 0.8, 1.2) A) per token, summed
+    expected = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).sum()
+    assert float(loss) == pytest.approx(float(expected))  # 5 on the first token, not the dual clip's 3
+    assert torch.isfinite(log_probs.grad).all()
+    assert GRPOConfig(delta=4.0).to_overrides()["actor.policy_loss.clip_ratio_c"] == 4.0
 
 
 def test_a_setting_set_on_the_config_after_it_is_made_counts():

@@ -298,8 +298,8 @@ GRPO_SETTINGS: dict[str, Override] = {
     "beta": ("actor.use_kl_loss, actor.kl_loss_coef (k3)", _beta),
     "epsilon": ("actor.policy_loss.clip_ratio", _to("actor.policy_loss.clip_ratio")),
     "epsilon_high": ("actor.policy_loss.clip_ratio_high", _epsilon_high),
-    "delta": ("actor.policy_loss.clip_ratio_c (the dual clip)", lambda value, settings: {} if value is None else {
-        "actor.policy_loss.clip_ratio_c": float(value)}),
+    "delta": ("actor.policy_loss.clip_ratio_c (the dual clip)", lambda value, settings: {
+        "actor.policy_loss.clip_ratio_c": math.inf if value is None else float(value)}),  # None: no bound, as TRL
     "loss_type": ("actor.loss_agg_mode, actor.policy_loss.loss_mode", _loss_type),
     "importance_sampling_level": ("actor.policy_loss.loss_mode (sequence: gspo)", _importance_sampling_level),
     "sapo_temperature_pos": ("actor.policy_loss.tau_pos", _to("actor.policy_loss.tau_pos")),
@@ -407,7 +407,8 @@ class GRPOConfig(_TrainingArguments):
 
     SETTINGS = GRPO_SETTINGS
     TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear"}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear",
+                    "delta": None}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()

@@ -132,8 +132,8 @@ class PolicyLossConfig:
     clip_ratio_high: Optional[float] = None
     """Defaults to clip_ratio; DAPO's clip-higher uses 0.28."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (> 1); dppo_* truncate the ratio there (the DPPO paper
-    suggests a large value, e.g. 20)."""
+    """Dual-clip bound for negative advantages (> 1; .inf: none, as TRL's GRPO without delta); dppo_* truncate the
+    ratio there (the DPPO paper suggests a large value, e.g. 20)."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: the share of valid tokens whose gradient is detached, drawn from those whose covariance
     (A - mean A)(log pi - mean log pi) lies between clip_cov_lb and clip_cov_ub."""
