@@ -63,7 +63,8 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
         # TRL's default of what is not given (max_steps decides the length)
         "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear",
-        "actor.policy_loss.clip_ratio_c": math.inf}  # no dual clip without TRL's delta
+        "actor.policy_loss.clip_ratio_c": math.inf,  # no dual clip without TRL's delta
+        "trainer.val_before_train": False}  # TRL's eval_on_start=False
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
         "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
@@ -86,7 +87,7 @@ def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
     import reinforge.api as api
 
     args = getattr(api, config_class)()
-    expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42}
+    expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42, "trainer.val_before_train": False}
     if config_class == "GRPOConfig":
         expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0,
                      "actor.optim.schedule": "linear", "actor.policy_loss.clip_ratio_c": math.inf}
@@ -150,6 +151,22 @@ def test_without_delta_the_loss_has_no_dual_clip_as_trls():
     assert float(loss) == pytest.approx(float(expected))  # 5 on the first token, not the dual clip's 3
     assert torch.isfinite(log_probs.grad).all()
     assert GRPOConfig(delta=4.0).to_overrides()["actor.policy_loss.clip_ratio_c"] == 4.0
+
+
+@pytest.mark.parametrize("eval_on_start", [None, True])
+def test_an_eval_dataset_is_evaluated_before_training_only_with_eval_on_start(tmp_path, tiny_model_dir, eval_on_start):
+    """TRL evaluates an eval_dataset on its eval_strategy (none by default), before the first step only with
+    eval_on_start=True; reinforge's runs validate before training unless trainer.val_before_train=false."""
+    from reinforge import SFTTrainer
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    settings = {} if eval_on_start is None else {"eval_on_start": eval_on_start}
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                        per_device_train_batch_size=4, **settings),
+                         train_dataset=rows, eval_dataset=rows)
+    trainer.train()
+    assert [row["step"] for row in read_metrics(tmp_path) if "val/loss" in row] == [0, 1][eval_on_start is None:]
+    assert GRPOConfig(eval_on_start=True).to_overrides()["trainer.val_before_train"] is True
 
 
 def test_a_setting_set_on_the_config_after_it_is_made_counts():

@@ -262,6 +262,7 @@ RUN_SETTINGS: dict[str, Override] = {
     "save_total_limit": ("trainer.keep_last", _keep_last),
     "eval_steps": ("trainer.test_every", lambda value, settings: {} if value is None else {"trainer.test_every": value}),
     "eval_strategy": ("trainer.test_every", _eval_strategy),
+    "eval_on_start": ("trainer.val_before_train", _to("trainer.val_before_train")),
     "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
     "data_seed": ("data.seed", lambda value, settings: {} if value is None else {"data.seed": value}),
     "logging_steps": ("(every step)", _logged_every_step),
@@ -317,7 +318,6 @@ GRPO_SETTINGS: dict[str, Override] = {
     "gradient_accumulation_steps": ("actor.mini_batch_size (with num_generations)", lambda value, settings: {}),
     "steps_per_generation": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
     "generation_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
-    "eval_on_start": ("trainer.val_before_train", _to("trainer.val_before_train")),
 }
 """TRL's GRPOConfig names -> (reinforge keys, for messages; the mapping)."""
 
@@ -408,7 +408,7 @@ class GRPOConfig(_TrainingArguments):
     SETTINGS = GRPO_SETTINGS
     TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear",
-                    "delta": None}
+                    "delta": None, "eval_on_start": False}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -479,7 +479,7 @@ class SFTConfig(_TrainingArguments):
     SETTINGS = SFT_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 2e-5, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024,
-                    "lr_scheduler_type": "linear"}
+                    "lr_scheduler_type": "linear", "eval_on_start": False}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -531,7 +531,7 @@ class DPOConfig(SFTConfig):
     SETTINGS = DPO_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 1e-6, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42,
-                    "lr_scheduler_type": "linear"}
+                    "lr_scheduler_type": "linear", "eval_on_start": False}
 
 
 class RewardConfig(SFTConfig):

@@ -251,8 +251,6 @@ class GRPOTrainer(_Trainer):
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
         if eval_dataset is not None:
             settings["data.val_files"] = write_dataset(eval_dataset, inputs, "eval")
-        elif not isinstance(args, Config) and "trainer.val_before_train" not in settings:
-            settings["trainer.val_before_train"] = False
         from reinforge.config import config_to_dict
         from reinforge.config.validate import validate_config
 

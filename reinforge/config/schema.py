@@ -634,6 +634,9 @@ class RunConfig:
     """Project of the run in W&B and MLflow."""
     experiment_name: str = "default"
     """Name of the run in W&B and MLflow."""
+    val_before_train: bool = True
+    """Validate the starting model before the first step (the 'before' of a before/after comparison), when the
+    run has validation data."""
 
 
 @dataclass
@@ -646,8 +649,6 @@ class TrainerConfig(RunConfig):
     """GPUs per machine (CPU slots with trainer.device=cpu) used by the run; one worker process each."""
     ray_address: Optional[str] = None
     """Ray cluster to join (e.g. 10.0.0.1:6379); None uses RAY_ADDRESS, or starts a local Ray instance."""
-    val_before_train: bool = True
-    """Validate the starting model before the first step (the 'before' of a before/after comparison)."""
     num_logged_samples: int = 4
     """Generations written to samples.jsonl per step."""
     call_timeout_s: float = 3600.0

@@ -316,7 +316,8 @@ class SupervisedRun(TrainingRun):
             self.resume()
             self.before_training()
             return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
-                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
+                                  save_every=trainer.save_every,
+                                  validate_first=self.val_loader is not None and trainer.val_before_train)
         finally:
             self.tracker.close()
             self.release_run_folder()
