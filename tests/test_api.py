@@ -169,6 +169,23 @@ def test_an_eval_dataset_is_evaluated_before_training_only_with_eval_on_start(tm
     assert GRPOConfig(eval_on_start=True).to_overrides()["trainer.val_before_train"] is True
 
 
+def test_use_bias_correction_kl_is_taken_where_it_changes_nothing_and_said_where_it_would(caplog):
+    """TRL 1.16 weighs the KL term by the importance ratio by default (use_bias_correction_kl=True); reinforge does
+    not, which is the same run without a KL term, or with the correction turned off."""
+    for settings in (dict(use_bias_correction_kl=True), dict(use_bias_correction_kl=True, beta=0.0),
+                     dict(use_bias_correction_kl=False, beta=0.04)):
+        with caplog.at_level("WARNING", logger="reinforge.api.settings"):
+            GRPOConfig(**settings).to_overrides()
+    assert not caplog.records
+    with pytest.raises(ValueError, match=r"use_bias_correction_kl=True with beta=0.04: reinforge's KL loss is not "
+                                         r"weighted .* set use_bias_correction_kl=False"):
+        GRPOConfig(use_bias_correction_kl=True, beta=0.04).to_overrides()
+    with caplog.at_level("WARNING", logger="reinforge.api.settings"):
+        assert GRPOConfig(beta=0.04).to_overrides()["actor.kl_loss_coef"] == 0.04
+    assert [record.getMessage()[:61] for record in caplog.records] == [
+        "beta=0.04: TRL weighs each token's KL by its importance ratio"]
+
+
 def test_a_setting_set_on_the_config_after_it_is_made_counts():
     """TRL's configs are dataclasses that scripts change after making them (``args.max_steps = 10``)."""
     args = GRPOConfig(num_generations=4)

@@ -92,7 +92,21 @@ def _beta(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     beta = float(value)
     if beta == 0.0:
         return {"actor.use_kl_loss": False}
+    if settings.get("use_bias_correction_kl") is None:
+        logger.warning("beta=%s: TRL weighs each token's KL by its importance ratio (use_bias_correction_kl=True, its "
+                       "default), which changes the KL's gradient; reinforge's KL loss is not weighted. Set "
+                       "use_bias_correction_kl=False to train so knowingly", value)
     return {"actor.use_kl_loss": True, "actor.kl_loss_coef": beta, "actor.kl_loss_type": "k3"}
+
+
+def _bias_correction_kl(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's KL term times the importance ratio: nothing to do without a KL term (beta=0) or when turned off."""
+    beta = settings.get("beta")
+    if value and beta not in (None, 0, 0.0):
+        raise ValueError(f"use_bias_correction_kl=True with beta={beta}: reinforge's KL loss is not weighted by the "
+                         "importance ratio; set use_bias_correction_kl=False (the plain k3 KL, as TRL's with it off), "
+                         "or beta=0.0")
+    return {}
 
 
 def _scale_rewards(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -297,6 +311,7 @@ GRPO_SETTINGS: dict[str, Override] = {
                           _generation_kwargs),
     "shuffle_dataset": ("data.shuffle", _to("data.shuffle")),
     "beta": ("actor.use_kl_loss, actor.kl_loss_coef (k3)", _beta),
+    "use_bias_correction_kl": ("(only False, or with beta=0)", _bias_correction_kl),
     "epsilon": ("actor.policy_loss.clip_ratio", _to("actor.policy_loss.clip_ratio")),
     "epsilon_high": ("actor.policy_loss.clip_ratio_high", _epsilon_high),
     "delta": ("actor.policy_loss.clip_ratio_c (the dual clip)", lambda value, settings: {
