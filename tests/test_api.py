@@ -148,7 +148,7 @@ def test_without_delta_the_loss_has_no_dual_clip_as_trls():
     ratio = log_probs.detach().exp()
     # TRL's -min(r A, clip(r, 0.8, 1.2) A) per token, summed
     expected = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).sum()
-    assert float(loss) == pytest.approx(float(expected))  # 5 on the first token, not the dual clip's 3
+    assert float(loss.detach()) == pytest.approx(float(expected))  # 5 on the first token, not the dual clip's 3
     assert torch.isfinite(log_probs.grad).all()
     assert GRPOConfig(delta=4.0).to_overrides()["actor.policy_loss.clip_ratio_c"] == 4.0
 
@@ -184,6 +184,36 @@ def test_use_bias_correction_kl_is_taken_where_it_changes_nothing_and_said_where
         assert GRPOConfig(beta=0.04).to_overrides()["actor.kl_loss_coef"] == 0.04
     assert [record.getMessage()[:61] for record in caplog.records] == [
         "beta=0.04: TRL weighs each token's KL by its importance ratio"]
+
+
+def test_without_a_prompt_limit_no_prompt_is_dropped_or_cut_as_in_trl(tmp_path, monkeypatch, tiny_model_dir):
+    """TRL 1.16 has no max_prompt_length: every prompt is generated from whole. reinforge's default limit (512,
+    longer prompts dropped) would leave the long ones out; the limit is the longest prompt's length instead."""
+    import dataclasses
+
+    import reinforge.trainer.rl_trainer as rl_trainer
+    from reinforge import GRPOTrainer
+    from reinforge.data import RLDataset
+    from reinforge.models import load_tokenizer
+
+    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}]}, {"prompt": [{"role": "user", "content": "7" * 700}]}]
+
+    def data_settings(**settings):
+        return GRPOTrainer(model=str(tiny_model_dir), args=GRPOConfig(output_dir=str(tmp_path), **settings),
+                           reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), train_dataset=rows,
+                           eval_dataset=[{"prompt": "8" * 800}]).config.data
+
+    data = data_settings()
+    unbounded = dataclasses.replace(data, max_prompt_length=10_000)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    lengths = []
+    for split in ("train", "val"):
+        whole = [example.prompt_ids for example in RLDataset.from_config(unbounded, tokenizer, split).examples]
+        assert [example.prompt_ids for example in RLDataset.from_config(data, tokenizer, split).examples] == whole
+        lengths += [len(prompt_ids) for prompt_ids in whole]
+    assert data.max_prompt_length == max(lengths) > 512
+    assert data_settings(max_prompt_length=96).max_prompt_length == 96  # as given, longer prompts cut on the left
 
 
 def test_a_setting_set_on_the_config_after_it_is_made_counts():
@@ -258,15 +288,15 @@ def test_the_settings_a_trl_script_spells_out_are_taken(settings, expected):
 
 @pytest.mark.parametrize("settings", [settings for settings, _ in TRL_SCRIPT_SETTINGS] + [
     dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4, num_generations=4)])
-def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeypatch, settings):
+def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeypatch, tiny_model_dir, settings):
     import reinforge.trainer.rl_trainer as rl_trainer
     from reinforge import GRPOTrainer
 
     monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
     args = GRPOConfig(**{"output_dir": str(tmp_path), "num_generations": 4, "per_device_train_batch_size": 8,
                          **settings})
-    trainer = GRPOTrainer(model="some/model", reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-                          args=args, train_dataset=[{"prompt": "1+1="}])
+    trainer = GRPOTrainer(model=str(tiny_model_dir), args=args, train_dataset=[{"prompt": "1+1="}],
+                          reward_funcs=lambda completions, **kwargs: [0.0] * len(completions))
     for key, value in args.to_overrides().items():
         section, *path = key.split(".")
         node = getattr(trainer.config, section)
@@ -487,11 +517,11 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
 
     rows = [{"prompt": "1+1=", "answer": "2"}]
     args = GRPOConfig(output_dir=str(tmp_path / "rm"), reward_weights=[0.5, 2.0])
-    GRPOTrainer(model="m", reward_funcs=["org/reward-model", reward], args=args, train_dataset=rows)
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=["org/reward-model", reward], args=args, train_dataset=rows)
     config = made["config"]
     assert (config.reward.reward_model.enable, config.reward.reward_model.model_path) == (True, "org/reward-model")
     assert (config.reward.combine.mode, config.reward.combine.rm_weight, config.reward.weights) == ("sum", 0.5, [2.0])
-    GRPOTrainer(model="m", reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
                 train_dataset=rows)
     assert made["config"].reward.combine.mode == "replace" and made["reward_functions"] is None
     with pytest.raises(ValueError, match="GRPOTrainer has no train_dataset; pass train_dataset="):
@@ -502,7 +532,7 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     from transformers import AutoModelForSequenceClassification
 
     reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    GRPOTrainer(model="m", reward_funcs=[reward, reward_model], args=GRPOConfig(output_dir=str(tmp_path / "loaded")),
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[reward, reward_model], args=GRPOConfig(output_dir=str(tmp_path / "loaded")),
                 train_dataset=rows)
     assert made["reward_functions"] == [reward]
     assert made["config"].reward.reward_model.model_path == str(tmp_path / "loaded" / "inputs" / "reward_model")

@@ -337,6 +337,25 @@ def _reward_tokenizers(processing_classes: Any, count: int) -> list[Any]:
     return given
 
 
+def longest_prompt(config: Any) -> int:
+    """The most tokens a prompt of the run's train and eval rows takes, tokenized as the run tokenizes them (the
+    chat template, a vision-language model's image tokens): a prompt limit that keeps every prompt whole."""
+    import dataclasses
+    import sys
+
+    from reinforge.data import RLDataset
+    from reinforge.models import load_tokenizer
+    from reinforge.models.vision import processor_for
+
+    model = config.model
+    tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+    processor = processor_for(model.path, model.trust_remote_code, config.data.chat_template)
+    unbounded = dataclasses.replace(config.data, max_prompt_length=sys.maxsize, filter_overlong_prompts=False)
+    splits = ("train", "val") if config.data.val_files else ("train",)
+    return max(len(example.prompt_ids) for split in splits
+               for example in RLDataset.from_config(unbounded, tokenizer, split, processor=processor).examples)
+
+
 def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
     """TRL's formatting_func: each row's text, trained on whole (as TRL trains a text row)."""
     rows = []

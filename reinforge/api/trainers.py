@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from reinforge.api.inputs import (
     as_conversations,
     formatted_rows,
+    longest_prompt,
     mark_trained,
     peft_settings,
     reward_functions_of,
@@ -257,6 +258,10 @@ class GRPOTrainer(_Trainer):
         self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
                             "GRPOTrainer's settings")
         _check_train_data(self.config, type(self).__name__)
+        if (not isinstance(args, Config) and "data.max_prompt_length" not in settings
+                and not self.config.rollout.multi_turn.tool_config_path):
+            # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
+            self.config.data.max_prompt_length = longest_prompt(self.config)
         validate_config(self.config)
         from reinforge.trainer.rl_trainer import RLTrainer
 
