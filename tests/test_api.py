@@ -243,8 +243,6 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(report_to="all").to_overrides()
     with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):
         GRPOConfig(num_train_epochs=0.5).to_overrides()
-    with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):
-        SFTConfig(assistant_only_loss=False).to_overrides()
 
 
 TRL_SCRIPT_SETTINGS = [
@@ -438,19 +436,29 @@ def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path,
     assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
 
 
-@pytest.mark.parametrize("assistant_only_loss", [None, True])
-def test_conversations_trained_on_the_assistant_turns_only_say_so_unless_trl_would_too(
-        tmp_path, tiny_model_dir, caplog, assistant_only_loss):
-    """TRL's SFT trains every token of a 'messages' row unless assistant_only_loss=True; reinforge trains the
-    assistant turns, which a TRL script that did not ask for it is told."""
+SFT_ROWS = {"messages": [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}],
+            "pairs": [{"prompt": "1+1=", "completion": "2"}],
+            "chat pairs": [{"prompt": [{"role": "user", "content": "1+1="}],
+                            "completion": [{"role": "assistant", "content": "2"}]}]}
+
+
+@pytest.mark.parametrize(("rows", "settings", "loss_on"), [
+    ("messages", {}, "all"),  # TRL trains every token of a conversation unless assistant_only_loss=True
+    ("messages", {"assistant_only_loss": True}, "assistant"),
+    ("pairs", {}, "assistant"),  # and a prompt/completion pair's completion, unless completion_only_loss=False
+    ("chat pairs", {}, "assistant"),
+    ("chat pairs", {"completion_only_loss": False}, "all"),
+    ("pairs", {"completion_only_loss": False, "assistant_only_loss": True}, "assistant"),
+    ("messages", {"overrides": {"data.loss_on": "assistant"}}, "assistant"),
+])
+def test_sft_trains_the_tokens_trl_trains_for_the_rows_given(tmp_path, tiny_model_dir, rows, settings, loss_on):
     from reinforge import SFTTrainer
 
-    rows = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}]
-    with caplog.at_level("WARNING", logger="reinforge.api.trainers"):
-        SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
-                                                  assistant_only_loss=assistant_only_loss), train_dataset=rows)
-    noted = [record for record in caplog.records if "TRL trains on every token" in record.getMessage()]
-    assert len(noted) == (assistant_only_loss is None)
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                        **settings), train_dataset=SFT_ROWS[rows])
+    assert trainer.config.data.loss_on == loss_on
+    [example] = trainer.trainer.train_loader.rows
+    assert (sum(example.loss_mask) == len(example.input_ids) - 1) == (loss_on == "all")  # all but the first
 
 
 def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):

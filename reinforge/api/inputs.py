@@ -370,6 +370,36 @@ def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any
     return rows
 
 
+def first_row(dataset: Any) -> Mapping[str, Any] | None:
+    """The first row of a dataset given to a trainer (rows in hand, or files); None when it has none."""
+    if isinstance(dataset, str | Path) or (isinstance(dataset, Sequence) and dataset
+                                           and all(isinstance(item, str | Path) for item in dataset)):
+        from reinforge.data.files import expand_data_files, read_rows
+
+        files = expand_data_files([dataset] if isinstance(dataset, str | Path) else list(dataset), "train_dataset")
+        rows = read_rows(files[0]) if files else []
+        return rows[0] if rows else None
+    if hasattr(dataset, "iloc"):  # pandas
+        return dataset.iloc[0].to_dict() if len(dataset) else None
+    return dict(dataset[0]) if len(dataset) else None
+
+
+def sft_loss_on(row: Mapping[str, Any] | None, assistant_only_loss: bool | None,
+                completion_only_loss: bool | None) -> str | None:
+    """data.loss_on of a TRL SFT run on rows like ``row``: a 'messages' row is trained whole unless
+    assistant_only_loss=True, a prompt/completion row on its completion unless completion_only_loss=False; None
+    where the two train the same ('text' rows)."""
+    if row is None:
+        return None
+    if assistant_only_loss:
+        return "assistant"
+    if row.get("messages") is not None:
+        return "all"
+    if row.get("prompt") is not None and row.get("completion") is not None:
+        return "all" if completion_only_loss is False else "assistant"
+    return None
+
+
 def as_conversations(dataset: Any) -> Any:
     """TRL's conversational prompt/completion rows (chat messages) as one conversation; other data as it is (plain
     text prompt/completion or text rows are tokenized as text, with no chat template, as in TRL)."""

@@ -176,17 +176,6 @@ def _logged_every_step(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
-    """completion_only_loss, assistant_only_loss: True (or None) is what reinforge's SFT does; False is refused."""
-
-    def check(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-        if value is False:
-            raise ValueError(f"{name}=False: reinforge's SFT trains on the completion (the assistant's turns) only, "
-                             "never on the prompt; remove the setting, or give each row as one plain 'text'")
-        return {}
-    return check
-
-
 SCHEDULES = {"linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
              "cosine_with_min_lr": "cosine"}
 """TRL's (transformers') lr_scheduler_type -> optim.schedule: the ones reinforge has. linear is TRL's default."""
@@ -350,8 +339,9 @@ SFT_SETTINGS: dict[str, Override] = {
     "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
         "data.max_length": value, "data.truncation": "right"}),
     "packing": ("data.packing", _to("data.packing")),
-    "completion_only_loss": ("(always: the loss is on completions)", _trained_tokens("completion_only_loss")),
-    "assistant_only_loss": ("(always: the loss is on assistant turns)", _trained_tokens("assistant_only_loss")),
+    # the two decide data.loss_on with the rows' format, which SFTTrainer reads (sft_loss_on)
+    "completion_only_loss": ("data.loss_on (prompt/completion rows)", lambda value, settings: {}),
+    "assistant_only_loss": ("data.loss_on", lambda value, settings: {}),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),

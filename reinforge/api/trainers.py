@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from reinforge.api.inputs import (
     as_conversations,
+    first_row,
     formatted_rows,
     longest_prompt,
     mark_trained,
@@ -18,6 +19,7 @@ from reinforge.api.inputs import (
     reward_functions_of,
     save_model_if_loaded,
     save_tokenizer_if_given,
+    sft_loss_on,
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
@@ -308,6 +310,8 @@ class _SupervisedTrainer(_Trainer):
         self._add_models(settings, processing_class, inputs)
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
+            if not isinstance(args, schema):
+                self._add_row_settings(settings, train_dataset)
         if eval_dataset is not None:
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
@@ -322,6 +326,9 @@ class _SupervisedTrainer(_Trainer):
 
     def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
         """Settings for models beside the trained one (DPO's reference)."""
+
+    def _add_row_settings(self, settings: dict[str, Any], train_dataset: Any) -> None:
+        """Settings that follow from the format of the rows given (SFT's trained tokens)."""
 
 
 class SFTTrainer(_SupervisedTrainer):
@@ -352,15 +359,16 @@ class SFTTrainer(_SupervisedTrainer):
     def _rows(self, dataset: Any) -> Any:
         if self.formatting_func is not None:
             return formatted_rows(dataset, self.formatting_func)
-        rows = as_conversations(dataset)
-        conversational = isinstance(rows, list) and rows and isinstance(rows[0], dict) and "messages" in rows[0]
-        if (conversational and isinstance(self.args, SFTConfig) and self.args.assistant_only_loss is not True
-                and not getattr(self, "_loss_noted", False)):
-            self._loss_noted = True
-            logger.warning("the rows are chat conversations ('messages'): TRL trains on every token of them unless "
-                           "assistant_only_loss=True; reinforge trains on the assistant turns only, as TRL does with "
-                           "assistant_only_loss=True (for the whole text, give each row as one 'text')")
-        return rows
+        return as_conversations(dataset)
+
+    def _add_row_settings(self, settings: dict[str, Any], train_dataset: Any) -> None:
+        """data.loss_on as TRL trains the rows: a conversation whole unless assistant_only_loss=True, a
+        prompt/completion pair on its completion unless completion_only_loss=False."""
+        if "data.loss_on" in settings or self.formatting_func is not None:  # formatted rows are texts
+            return
+        loss_on = sft_loss_on(first_row(train_dataset), self.args.assistant_only_loss, self.args.completion_only_loss)
+        if loss_on is not None:
+            settings["data.loss_on"] = loss_on
 
 
 class DPOTrainer(_SupervisedTrainer):
