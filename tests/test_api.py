@@ -732,6 +732,55 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
     assert trainer.processing_class("1+1=")["input_ids"]
 
 
+def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(tmp_path, tiny_model_dir):
+    """steps_per_generation=4 with gradient_accumulation_steps=2: each reinforge step generates once and makes two
+    optimizer steps, which TRL counts one by one (global_step, on_step_end, max_steps, the reward's trainer_state)."""
+    from transformers import TrainerCallback
+
+    from reinforge import GRPOTrainer
+
+    ends, seen_by_reward = [], []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append((state.global_step, state.max_steps))
+
+    def reward(completions, trainer_state, **kwargs):
+        seen_by_reward.append((trainer_state.global_step, trainer_state.max_steps))
+        return [float(len(completion)) for completion in completions]
+
+    rows = [{"prompt": f"{a}+{a}="} for a in range(8)]
+    trainer = GRPOTrainer(str(tiny_model_dir), reward, GRPOConfig(
+        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        steps_per_generation=4, max_steps=4, max_completion_length=2, report_to="none"), train_dataset=rows,
+        callbacks=[Recorder], reward__num_workers=0, trainer__device="cpu")
+    output = trainer.train()
+    assert ends == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert seen_by_reward == [(0, 4), (2, 4)]
+    assert output.global_step == trainer.state.global_step == 4
+    assert [row["step"] for row in trainer.state.log_history] == [2, 4, 4]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]  # reinforge's own steps are generations
+
+
+def test_a_callback_that_sets_should_training_stop_ends_the_run_after_that_step(tmp_path, tiny_model_dir):
+    from transformers import TrainerCallback
+
+    from reinforge import SFTTrainer
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(8)]
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=5, save_steps=4,
+                                                        per_device_train_batch_size=2, report_to="none"),
+                         train_dataset=rows, callbacks=[StopAtTwo()])
+    output = trainer.train()
+    assert output.global_step == trainer.state.global_step == 2
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002"]  # as at its end
+
+
 def test_trl_logs_name_the_rl_metrics_as_trl_does():
     from reinforge.api.callbacks import trl_logs
 

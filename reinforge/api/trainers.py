@@ -55,9 +55,10 @@ LOSS_KEYS = ("train/loss", "actor/pg_loss")
 """The loss each trainer logs: SFT, DPO and reward models ``train/loss``; RL the policy-gradient loss."""
 
 
-def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[str, Any]) -> TrainOutput:
+def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[str, Any],
+                  updates: int = 1) -> TrainOutput:
     """The mean of the logged loss over steps ``first_step + 1 .. last_step`` of ``metrics.jsonl`` (NaN when none
-    was trained)."""
+    was trained); the step reached in TRL's optimizer steps, ``updates`` a reinforge step."""
     from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
 
     path = run_dir / METRICS_FILE
@@ -65,7 +66,7 @@ def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[
     trained = [row for row in rows if first_step < row.get("step", 0) <= last_step]
     key = next((key for key in LOSS_KEYS if any(key in row for row in trained)), None)
     losses = [float(row[key]) for row in trained if key in row and row[key] is not None]
-    return TrainOutput(last_step, sum(losses) / len(losses) if losses else float("nan"), dict(metrics))
+    return TrainOutput(last_step * updates, sum(losses) / len(losses) if losses else float("nan"), dict(metrics))
 
 
 class _Trainer:
@@ -78,6 +79,8 @@ class _Trainer:
     """The TRL-named settings given (a GRPOConfig, SFTConfig...), or reinforge's config; what callbacks get as args."""
     given_model: Any = None
     """The model object the trainer was given (None for a path): ``train`` leaves the trained weights in it."""
+    updates: int = 1
+    """Optimizer steps a reinforge step makes: TRL's steps (``state.global_step``, ``on_step_end``) count them."""
     MODEL_CLASS = "transformers:AutoModelForCausalLM"
     """``module:name`` of the class ``model`` loads the trained model with."""
 
@@ -92,12 +95,14 @@ class _Trainer:
         )
 
         self._loaded_model: tuple[int, Any] | None = None
-        self.state = make_state(int(getattr(self.trainer, "total_steps", 0) or 0),
-                                logged_history(self.output_dir, self._trained_steps()))
+        self.state = make_state(int(getattr(self.trainer, "total_steps", 0) or 0) * self.updates,
+                                logged_history(self.output_dir, self._trained_steps(), self.updates))
         self.callback_handler = CallbackHandler(callback_objects(callbacks), self.args, self.state)
         tracker = getattr(self.trainer, "tracker", None)
         if tracker is not None:
-            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler)
+            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler, self.updates)
+        if self.trainer is not None:
+            self.trainer.stop_requested = self.callback_handler.stop_requested
         self.callback_handler.call("on_init_end")
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
@@ -112,7 +117,7 @@ class _Trainer:
                              "output_dir's latest checkpoint; to start over or resume another checkpoint, make the "
                              "trainer with overrides={'trainer.resume': 'never'} (or the checkpoint's path)")
         first_step = self._trained_steps()
-        self.state.max_steps = int(getattr(self.trainer, "total_steps", 0) or self.state.max_steps)
+        self.state.max_steps = int(getattr(self.trainer, "total_steps", 0) * self.updates or self.state.max_steps)
         self.callback_handler.call("on_train_begin")
         started = time.perf_counter()
         metrics = self.trainer.fit()
@@ -126,7 +131,7 @@ class _Trainer:
                 logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
                                "score head is not a causal LM's), which keeps its weights as they were; "
                                "trainer.save_model() writes the trained model", type(self.given_model).__name__)
-        output = _train_output(self.output_dir, first_step, self._trained_steps(), metrics)
+        output = _train_output(self.output_dir, first_step, self._trained_steps(), metrics, self.updates)
         summary = {"train_runtime": runtime, "train_loss": output.training_loss, "epoch": self.state.epoch}
         self.state.log_history.append(summary | {"step": output.global_step})
         self.callback_handler.call("on_train_end")
@@ -265,9 +270,10 @@ class GRPOTrainer(_Trainer):
             # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
             self.config.data.max_prompt_length = longest_prompt(self.config)
         validate_config(self.config)
-        from reinforge.trainer.rl_trainer import RLTrainer
+        from reinforge.trainer.rl_trainer import RLTrainer, optimizer_steps_per_step
 
         self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)
+        self.updates = optimizer_steps_per_step(self.config)
         self._start_callbacks(callbacks)
 
 

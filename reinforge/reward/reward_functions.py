@@ -39,9 +39,10 @@ class TrainerState:
     """What TRL's ``trainer_state`` gives a reward function, for rewards that change over training."""
 
     global_step: int = 0
-    """Steps finished before the one this batch belongs to."""
+    """Optimizer steps finished before this batch was generated (TRL's count: a training step that makes several,
+    mini-batches or ppo_epochs, counts each)."""
     max_steps: int = 0
-    """Steps of the whole run (0: unknown)."""
+    """Optimizer steps of the whole run (0: unknown)."""
 
 
 @dataclass

@@ -55,6 +55,12 @@ from reinforge.workers.reward_model import RewardModelWorker
 logger = logging.getLogger(__name__)
 
 
+def optimizer_steps_per_step(config: Config) -> int:
+    """The actor's optimizer steps in one training step: its mini-batches, actor.ppo_epochs times over."""
+    num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
+    return num_mini_batches * config.actor.ppo_epochs
+
+
 class RLTrainer(TrainingRun):
     def __init__(self, config: Config, placement: RolePlacement | None = None,
                  reward_functions: Sequence[Callable[..., Any]] | None = None):
@@ -252,7 +258,8 @@ class RLTrainer(TrainingRun):
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
-        batch.meta["trainer_state"] = {"global_step": self.step, "max_steps": self.total_steps}
+        updates = optimizer_steps_per_step(config)  # TRL's trainer_state counts optimizer steps
+        batch.meta["trainer_state"] = {"global_step": self.step * updates, "max_steps": self.total_steps * updates}
         with _timed(timing, "reward"):
             batch = batch | self.score(batch, timing)
         if algorithm.filter_groups.enable and algorithm.filter_groups.metric == "seq_final_reward":
