@@ -745,8 +745,9 @@ def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(t
         def on_step_end(self, args, state, control, **kwargs):
             ends.append((state.global_step, state.max_steps))
 
-    def reward(completions, trainer_state, **kwargs):
+    def reward(completions, trainer_state, log_metric, **kwargs):
         seen_by_reward.append((trainer_state.global_step, trainer_state.max_steps))
+        log_metric("completions/seen", float(len(completions)))  # TRL's: lands in the step's metrics
         return [float(len(completion)) for completion in completions]
 
     rows = [{"prompt": f"{a}+{a}="} for a in range(8)]
@@ -760,6 +761,7 @@ def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(t
     assert output.global_step == trainer.state.global_step == 4
     assert [row["step"] for row in trainer.state.log_history] == [2, 4, 4]
     assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]  # reinforge's own steps are generations
+    assert [row["completions/seen"] for row in read_metrics(tmp_path)] == [8.0, 8.0]
 
 
 def test_a_callback_that_sets_should_training_stop_ends_the_run_after_that_step(tmp_path, tiny_model_dir):

@@ -37,6 +37,7 @@ from reinforge.reward.manager import place_on_last_token
 from reinforge.reward.reward_functions import function_metrics
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
+from reinforge.tracking.jsonl import METRICS_FILE
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.generative_rewards import JudgeScorer, RemoteScorer
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
@@ -259,7 +260,10 @@ class RLTrainer(TrainingRun):
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
         updates = optimizer_steps_per_step(config)  # TRL's trainer_state counts optimizer steps
-        batch.meta["trainer_state"] = {"global_step": self.step * updates, "max_steps": self.total_steps * updates}
+        batch.meta["trainer_state"] = {
+            "global_step": self.step * updates, "max_steps": self.total_steps * updates,
+            "epoch": self.step / max(1, len(self.train_loader)), "num_train_epochs": config.trainer.total_epochs,
+            "metrics_file": str(self.run_dir / METRICS_FILE), "optimizer_steps_per_step": updates}
         with _timed(timing, "reward"):
             batch = batch | self.score(batch, timing)
         if algorithm.filter_groups.enable and algorithm.filter_groups.metric == "seq_final_reward":
