@@ -270,6 +270,8 @@ TRL_SCRIPT_SETTINGS = [
       "actor.policy_loss.tau_neg": 1.2}),
     (dict(delta=4.0), {"actor.policy_loss.clip_ratio_c": 4.0}),
     (dict(lr_scheduler_type="constant"), {"actor.optim.schedule": "constant"}),
+    (dict(warmup_steps=0.1), {"actor.optim.warmup_ratio": 0.1}),  # transformers 5: below 1, a fraction of the run
+    (dict(warmup_steps=10), {"actor.optim.warmup_steps": 10}),
     (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.99,
           adam_epsilon=1e-6),
      {"actor.optim.schedule": "cosine", "actor.optim.min_lr_ratio": 0.1, "actor.optim.betas": [0.9, 0.99],

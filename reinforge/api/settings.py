@@ -198,6 +198,15 @@ def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return mapped
 
 
+def _warmup_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 takes a warmup_steps below 1 as the fraction of the run's steps (its warmup_ratio)."""
+    if 0 < float(value) < 1:
+        return {"optim.warmup_ratio": float(value)}
+    if float(value) != int(value):
+        raise ValueError(f"warmup_steps={value}: give a whole number of steps, or a fraction of the run below 1")
+    return {"optim.warmup_steps": int(value)}
+
+
 def _betas(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     first, second = settings.get("adam_beta1"), settings.get("adam_beta2")
     return {"optim.betas": [float(0.9 if first is None else first), float(0.999 if second is None else second)]}
@@ -213,7 +222,7 @@ def _optimizer_settings(prefix: str) -> dict[str, Override]:
     return {
         "learning_rate": (f"{prefix}.lr", _to(f"{prefix}.lr")),
         "weight_decay": (f"{prefix}.weight_decay", _to(f"{prefix}.weight_decay")),
-        "warmup_steps": (f"{prefix}.warmup_steps", _to(f"{prefix}.warmup_steps")),
+        "warmup_steps": (f"{prefix}.warmup_steps (below 1: warmup_ratio)", under(_warmup_steps)),
         "warmup_ratio": (f"{prefix}.warmup_ratio", _to(f"{prefix}.warmup_ratio")),
         "lr_scheduler_type": (f"{prefix}.schedule", under(_schedule)),
         # lr_scheduler_kwargs is read by the lr_scheduler_type mapping
