@@ -13,14 +13,11 @@ the run after the reinforge step it was set in (a checkpoint saved, as at the la
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from reinforge.tracking.backends import TrackingBackend
-
-logger = logging.getLogger(__name__)
 
 TRL_METRIC_NAMES = {
     "loss": ("train/loss", "actor/pg_loss"),
