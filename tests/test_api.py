@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -60,7 +61,10 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "trainer.total_steps": 5, "trainer.save_every": 3, "trainer.seed": 3, "data.seed": 3,  # 2 updates a step
         "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
         "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
-        "actor.optim.weight_decay": 0.0}  # TRL's default of what is not given (max_steps decides the length)
+        # TRL's default of what is not given (max_steps decides the length)
+        "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear",
+        "actor.policy_loss.clip_ratio_c": math.inf,  # no dual clip without TRL's delta
+        "trainer.val_before_train": False}  # TRL's eval_on_start=False
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
         "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
@@ -83,12 +87,14 @@ def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
     import reinforge.api as api
 
     args = getattr(api, config_class)()
-    expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42}
+    expected = {"trainer.total_epochs": 3, "trainer.seed": 42, "data.seed": 42, "trainer.val_before_train": False}
     if config_class == "GRPOConfig":
-        expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0}
+        expected |= {"data.max_response_length": 512, "data.train_batch_size": 1, "actor.optim.weight_decay": 0.0,
+                     "actor.optim.schedule": "linear", "actor.policy_loss.clip_ratio_c": math.inf}
         assert (args.num_train_epochs, args.max_completion_length, args.learning_rate) == (3, 512, None)
     else:
         expected |= {"data.batch_size": 8, "optim.weight_decay": 0.0, "optim.warmup_ratio": 0.0,
+                     "optim.schedule": "linear",
                      "optim.lr": {"SFTConfig": 2e-5, "DPOConfig": 1e-6, "RewardConfig": 1e-4}[config_class]}
         assert args.per_device_train_batch_size == 8
     if config_class == "SFTConfig":
@@ -123,6 +129,93 @@ def test_steps_per_generation_and_num_iterations_count_optimizer_steps_as_in_trl
         GRPOConfig(steps_per_generation=2, generation_batch_size=16).to_overrides()
 
 
+def test_without_delta_the_loss_has_no_dual_clip_as_trls():
+    """TRL's GRPO bounds the ratio of a negative advantage only with delta (INTELLECT-2's two-sided clip, the
+    dual clip); reinforge's default bound of 3 would cut the loss of a token whose ratio grew past it."""
+    import torch
+
+    from reinforge.algorithms.policy_losses import compute_policy_loss
+    from reinforge.config.schema import PolicyLossConfig
+
+    mapped = GRPOConfig().to_overrides()["actor.policy_loss.clip_ratio_c"]
+    advantages = torch.tensor([[-1.0, 0.0, 1.0, -1.0]])
+    log_probs = torch.tensor([[math.log(5.0), 0.3, math.log(5.0), -0.1]], requires_grad=True)
+    old_log_probs = torch.zeros(1, 4)
+    loss, _ = compute_policy_loss("vanilla", old_log_probs=old_log_probs, log_probs=log_probs, advantages=advantages,
+                                  response_mask=torch.ones(1, 4), loss_agg_mode="token-sum",
+                                  config=PolicyLossConfig(clip_ratio_c=mapped))
+    loss.backward()
+    ratio = log_probs.detach().exp()
+    # TRL's -min(r A, clip(r, 0.8, 1.2) A) per token, summed
+    expected = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages).sum()
+    assert float(loss.detach()) == pytest.approx(float(expected))  # 5 on the first token, not the dual clip's 3
+    assert torch.isfinite(log_probs.grad).all()
+    assert GRPOConfig(delta=4.0).to_overrides()["actor.policy_loss.clip_ratio_c"] == 4.0
+
+
+@pytest.mark.parametrize("eval_on_start", [None, True])
+def test_an_eval_dataset_is_evaluated_before_training_only_with_eval_on_start(tmp_path, tiny_model_dir, eval_on_start):
+    """TRL evaluates an eval_dataset on its eval_strategy (none by default), before the first step only with
+    eval_on_start=True; reinforge's runs validate before training unless trainer.val_before_train=false."""
+    from reinforge import SFTTrainer
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(4)]
+    settings = {} if eval_on_start is None else {"eval_on_start": eval_on_start}
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                        per_device_train_batch_size=4, **settings),
+                         train_dataset=rows, eval_dataset=rows)
+    trainer.train()
+    assert [row["step"] for row in read_metrics(tmp_path) if "val/loss" in row] == [0, 1][eval_on_start is None:]
+    assert GRPOConfig(eval_on_start=True).to_overrides()["trainer.val_before_train"] is True
+
+
+def test_use_bias_correction_kl_is_taken_where_it_changes_nothing_and_said_where_it_would(caplog):
+    """TRL 1.16 weighs the KL term by the importance ratio by default (use_bias_correction_kl=True); reinforge does
+    not, which is the same run without a KL term, or with the correction turned off."""
+    for settings in (dict(use_bias_correction_kl=True), dict(use_bias_correction_kl=True, beta=0.0),
+                     dict(use_bias_correction_kl=False, beta=0.04)):
+        with caplog.at_level("WARNING", logger="reinforge.api.settings"):
+            GRPOConfig(**settings).to_overrides()
+    assert not caplog.records
+    with pytest.raises(ValueError, match=r"use_bias_correction_kl=True with beta=0.04: reinforge's KL loss is not "
+                                         r"weighted .* set use_bias_correction_kl=False"):
+        GRPOConfig(use_bias_correction_kl=True, beta=0.04).to_overrides()
+    with caplog.at_level("WARNING", logger="reinforge.api.settings"):
+        assert GRPOConfig(beta=0.04).to_overrides()["actor.kl_loss_coef"] == 0.04
+    assert [record.getMessage()[:61] for record in caplog.records] == [
+        "beta=0.04: TRL weighs each token's KL by its importance ratio"]
+
+
+def test_without_a_prompt_limit_no_prompt_is_dropped_or_cut_as_in_trl(tmp_path, monkeypatch, tiny_model_dir):
+    """TRL 1.16 has no max_prompt_length: every prompt is generated from whole. reinforge's default limit (512,
+    longer prompts dropped) would leave the long ones out; the limit is the longest prompt's length instead."""
+    import dataclasses
+
+    import reinforge.trainer.rl_trainer as rl_trainer
+    from reinforge import GRPOTrainer
+    from reinforge.data import RLDataset
+    from reinforge.models import load_tokenizer
+
+    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}]}, {"prompt": [{"role": "user", "content": "7" * 700}]}]
+
+    def data_settings(**settings):
+        return GRPOTrainer(model=str(tiny_model_dir), args=GRPOConfig(output_dir=str(tmp_path), **settings),
+                           reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), train_dataset=rows,
+                           eval_dataset=[{"prompt": "8" * 800}]).config.data
+
+    data = data_settings()
+    unbounded = dataclasses.replace(data, max_prompt_length=10_000)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    lengths = []
+    for split in ("train", "val"):
+        whole = [example.prompt_ids for example in RLDataset.from_config(unbounded, tokenizer, split).examples]
+        assert [example.prompt_ids for example in RLDataset.from_config(data, tokenizer, split).examples] == whole
+        lengths += [len(prompt_ids) for prompt_ids in whole]
+    assert data.max_prompt_length == max(lengths) > 512
+    assert data_settings(max_prompt_length=96).max_prompt_length == 96  # as given, longer prompts cut on the left
+
+
 def test_a_setting_set_on_the_config_after_it_is_made_counts():
     """TRL's configs are dataclasses that scripts change after making them (``args.max_steps = 10``)."""
     args = GRPOConfig(num_generations=4)
@@ -150,8 +243,6 @@ def test_an_unknown_or_unfitting_setting_is_one_line():
         GRPOConfig(report_to="all").to_overrides()
     with pytest.raises(ValueError, match=r"num_train_epochs=0.5: reinforge runs whole passes .* set max_steps"):
         GRPOConfig(num_train_epochs=0.5).to_overrides()
-    with pytest.raises(ValueError, match="assistant_only_loss=False: reinforge's SFT trains on the completion"):
-        SFTConfig(assistant_only_loss=False).to_overrides()
 
 
 TRL_SCRIPT_SETTINGS = [
@@ -178,6 +269,9 @@ TRL_SCRIPT_SETTINGS = [
      {"actor.policy_loss.loss_mode": "sapo", "actor.loss_agg_mode": "seq-mean-token-mean",
       "actor.policy_loss.tau_neg": 1.2}),
     (dict(delta=4.0), {"actor.policy_loss.clip_ratio_c": 4.0}),
+    (dict(lr_scheduler_type="constant"), {"actor.optim.schedule": "constant"}),
+    (dict(warmup_steps=0.1), {"actor.optim.warmup_ratio": 0.1}),  # transformers 5: below 1, a fraction of the run
+    (dict(warmup_steps=10), {"actor.optim.warmup_steps": 10}),
     (dict(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}, adam_beta2=0.99,
           adam_epsilon=1e-6),
      {"actor.optim.schedule": "cosine", "actor.optim.min_lr_ratio": 0.1, "actor.optim.betas": [0.9, 0.99],
@@ -194,15 +288,15 @@ def test_the_settings_a_trl_script_spells_out_are_taken(settings, expected):
 
 @pytest.mark.parametrize("settings", [settings for settings, _ in TRL_SCRIPT_SETTINGS] + [
     dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4, num_generations=4)])
-def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeypatch, settings):
+def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeypatch, tiny_model_dir, settings):
     import reinforge.trainer.rl_trainer as rl_trainer
     from reinforge import GRPOTrainer
 
     monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
     args = GRPOConfig(**{"output_dir": str(tmp_path), "num_generations": 4, "per_device_train_batch_size": 8,
                          **settings})
-    trainer = GRPOTrainer(model="some/model", reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
-                          args=args, train_dataset=[{"prompt": "1+1="}])
+    trainer = GRPOTrainer(model=str(tiny_model_dir), args=args, train_dataset=[{"prompt": "1+1="}],
+                          reward_funcs=lambda completions, **kwargs: [0.0] * len(completions))
     for key, value in args.to_overrides().items():
         section, *path = key.split(".")
         node = getattr(trainer.config, section)
@@ -219,8 +313,8 @@ def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeyp
     (dict(generation_kwargs={"num_beams": 2}), r"generation_kwargs\['num_beams'\]=2: reinforge's engine takes"),
     (dict(model_init_kwargs={"revision": "v1"}), r"model_init_kwargs\['revision'\]: reinforge loads the model with"),
     (dict(loss_type="cispo"), "loss_type='cispo' caps the importance weight at epsilon_high=0.2, below 1"),
-    (dict(lr_scheduler_type="linear"), "lr_scheduler_type='linear': reinforge's schedules are constant, cosine"),
-    (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.* without lr_scheduler_type"),
+    (dict(lr_scheduler_type="polynomial"), "lr_scheduler_type='polynomial': reinforge's schedules are linear, "),
+    (dict(lr_scheduler_kwargs={"min_lr_rate": 0.1}), "lr_scheduler_kwargs=.*: reinforge's linear schedule takes no "),
     (dict(bf16=True, fp16=True), "bf16=True and fp16=True: choose one precision"),
     (dict(save_strategy="epoch"), "save_strategy='epoch': reinforge checkpoints every save_steps steps"),
 ])
@@ -344,19 +438,29 @@ def test_a_tokenizer_given_beside_a_model_path_is_the_one_trained_with(tmp_path,
     assert trainer.trainer.tokenizer.chat_template == tokenizer.chat_template
 
 
-@pytest.mark.parametrize("assistant_only_loss", [None, True])
-def test_conversations_trained_on_the_assistant_turns_only_say_so_unless_trl_would_too(
-        tmp_path, tiny_model_dir, caplog, assistant_only_loss):
-    """TRL's SFT trains every token of a 'messages' row unless assistant_only_loss=True; reinforge trains the
-    assistant turns, which a TRL script that did not ask for it is told."""
+SFT_ROWS = {"messages": [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}],
+            "pairs": [{"prompt": "1+1=", "completion": "2"}],
+            "chat pairs": [{"prompt": [{"role": "user", "content": "1+1="}],
+                            "completion": [{"role": "assistant", "content": "2"}]}]}
+
+
+@pytest.mark.parametrize(("rows", "settings", "loss_on"), [
+    ("messages", {}, "all"),  # TRL trains every token of a conversation unless assistant_only_loss=True
+    ("messages", {"assistant_only_loss": True}, "assistant"),
+    ("pairs", {}, "assistant"),  # and a prompt/completion pair's completion, unless completion_only_loss=False
+    ("chat pairs", {}, "assistant"),
+    ("chat pairs", {"completion_only_loss": False}, "all"),
+    ("pairs", {"completion_only_loss": False, "assistant_only_loss": True}, "assistant"),
+    ("messages", {"overrides": {"data.loss_on": "assistant"}}, "assistant"),
+])
+def test_sft_trains_the_tokens_trl_trains_for_the_rows_given(tmp_path, tiny_model_dir, rows, settings, loss_on):
     from reinforge import SFTTrainer
 
-    rows = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}]
-    with caplog.at_level("WARNING", logger="reinforge.api.trainers"):
-        SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
-                                                  assistant_only_loss=assistant_only_loss), train_dataset=rows)
-    noted = [record for record in caplog.records if "TRL trains on every token" in record.getMessage()]
-    assert len(noted) == (assistant_only_loss is None)
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                        **settings), train_dataset=SFT_ROWS[rows])
+    assert trainer.config.data.loss_on == loss_on
+    [example] = trainer.trainer.train_loader.rows
+    assert (sum(example.loss_mask) == len(example.input_ids) - 1) == (loss_on == "all")  # all but the first
 
 
 def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
@@ -423,11 +527,11 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
 
     rows = [{"prompt": "1+1=", "answer": "2"}]
     args = GRPOConfig(output_dir=str(tmp_path / "rm"), reward_weights=[0.5, 2.0])
-    GRPOTrainer(model="m", reward_funcs=["org/reward-model", reward], args=args, train_dataset=rows)
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=["org/reward-model", reward], args=args, train_dataset=rows)
     config = made["config"]
     assert (config.reward.reward_model.enable, config.reward.reward_model.model_path) == (True, "org/reward-model")
     assert (config.reward.combine.mode, config.reward.combine.rm_weight, config.reward.weights) == ("sum", 0.5, [2.0])
-    GRPOTrainer(model="m", reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs="org/reward-model", args=GRPOConfig(output_dir=str(tmp_path / "rm")),
                 train_dataset=rows)
     assert made["config"].reward.combine.mode == "replace" and made["reward_functions"] is None
     with pytest.raises(ValueError, match="GRPOTrainer has no train_dataset; pass train_dataset="):
@@ -438,7 +542,7 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     from transformers import AutoModelForSequenceClassification
 
     reward_model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
-    GRPOTrainer(model="m", reward_funcs=[reward, reward_model], args=GRPOConfig(output_dir=str(tmp_path / "loaded")),
+    GRPOTrainer(model=str(tiny_model_dir), reward_funcs=[reward, reward_model], args=GRPOConfig(output_dir=str(tmp_path / "loaded")),
                 train_dataset=rows)
     assert made["reward_functions"] == [reward]
     assert made["config"].reward.reward_model.model_path == str(tmp_path / "loaded" / "inputs" / "reward_model")
@@ -628,6 +732,57 @@ def test_callbacks_state_and_model_follow_the_run_as_in_trl(tmp_path, tiny_model
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, trained[name], msg=name)
     assert trainer.processing_class("1+1=")["input_ids"]
+
+
+def test_steps_count_optimizer_steps_as_in_trl_when_a_generation_makes_several(tmp_path, tiny_model_dir):
+    """steps_per_generation=4 with gradient_accumulation_steps=2: each reinforge step generates once and makes two
+    optimizer steps, which TRL counts one by one (global_step, on_step_end, max_steps, the reward's trainer_state)."""
+    from transformers import TrainerCallback
+
+    from reinforge import GRPOTrainer
+
+    ends, seen_by_reward = [], []
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append((state.global_step, state.max_steps))
+
+    def reward(completions, trainer_state, log_metric, **kwargs):
+        seen_by_reward.append((trainer_state.global_step, trainer_state.max_steps))
+        log_metric("completions/seen", float(len(completions)))  # TRL's: lands in the step's metrics
+        return [float(len(completion)) for completion in completions]
+
+    rows = [{"prompt": f"{a}+{a}="} for a in range(8)]
+    trainer = GRPOTrainer(str(tiny_model_dir), reward, GRPOConfig(
+        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        steps_per_generation=4, max_steps=4, max_completion_length=2, report_to="none"), train_dataset=rows,
+        callbacks=[Recorder], reward__num_workers=0, trainer__device="cpu")
+    output = trainer.train()
+    assert ends == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert seen_by_reward == [(0, 4), (2, 4)]
+    assert output.global_step == trainer.state.global_step == 4
+    assert [row["step"] for row in trainer.state.log_history] == [2, 4, 4]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]  # reinforge's own steps are generations
+    assert [row["completions/seen"] for row in read_metrics(tmp_path)] == [8.0, 8.0]
+
+
+def test_a_callback_that_sets_should_training_stop_ends_the_run_after_that_step(tmp_path, tiny_model_dir):
+    from transformers import TrainerCallback
+
+    from reinforge import SFTTrainer
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    rows = [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(8)]
+    trainer = SFTTrainer(str(tiny_model_dir), SFTConfig(output_dir=str(tmp_path), max_steps=5, save_steps=4,
+                                                        per_device_train_batch_size=2, report_to="none"),
+                         train_dataset=rows, callbacks=[StopAtTwo()])
+    output = trainer.train()
+    assert output.global_step == trainer.state.global_step == 2
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2]
+    assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000002"]  # as at its end
 
 
 def test_trl_logs_name_the_rl_metrics_as_trl_does():

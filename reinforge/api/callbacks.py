@@ -4,18 +4,20 @@
 A step's metrics keep reinforge's names (``actor/pg_loss``, ``critic/score/mean``) and get TRL's beside them
 (``loss``, ``reward``, ``learning_rate``, ``grad_norm``...), so a script reading ``log_history[-1]["loss"]`` or
 ``logs["reward"]`` in ``on_log`` finds them.
+
+Steps count as TRL counts them, in optimizer steps: a reinforge RL step that generates once and makes ``updates``
+optimizer steps (steps_per_generation, num_iterations) is TRL's steps ``(step - 1) * updates + 1 .. step *
+updates``, each with its ``on_step_end``, then one ``on_log``. A callback's ``control.should_training_stop`` ends
+the run after the reinforge step it was set in (a checkpoint saved, as at the last step).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from reinforge.tracking.backends import TrackingBackend
-
-logger = logging.getLogger(__name__)
 
 TRL_METRIC_NAMES = {
     "loss": ("train/loss", "actor/pg_loss"),
@@ -48,7 +50,8 @@ def trl_logs(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def make_state(max_steps: int, history: list[dict[str, Any]]) -> Any:
-    """transformers' ``TrainerState`` of a run at the end of ``history`` (its logged rows, each with ``step``)."""
+    """transformers' ``TrainerState`` of a run at the end of ``history`` (its logged rows, each with TRL's
+    ``step``); ``max_steps`` in TRL's steps."""
     from transformers import TrainerState
 
     state = TrainerState(max_steps=max_steps, log_history=history)
@@ -57,13 +60,14 @@ def make_state(max_steps: int, history: list[dict[str, Any]]) -> Any:
     return state
 
 
-def logged_history(run_dir: Path, last_step: int) -> list[dict[str, Any]]:
-    """The rows ``metrics.jsonl`` holds up to ``last_step``, as TRL's log_history entries."""
+def logged_history(run_dir: Path, last_step: int, updates: int = 1) -> list[dict[str, Any]]:
+    """The rows ``metrics.jsonl`` holds up to reinforge's step ``last_step``, as TRL's log_history entries (TRL's
+    steps: ``updates`` optimizer steps each)."""
     from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
 
     path = run_dir / METRICS_FILE
     rows = read_json_lines(path) if path.exists() else []
-    return [trl_logs({key: value for key, value in row.items() if key != "step"}) | {"step": row["step"]}
+    return [trl_logs({key: value for key, value in row.items() if key != "step"}) | {"step": row["step"] * updates}
             for row in rows if row.get("step", 0) <= last_step]
 
 
@@ -87,7 +91,6 @@ class CallbackHandler:
 
         self.callbacks, self.args, self.state = callbacks, args, state
         self.control = TrainerControl()
-        self._stop_noted = False
 
     def call(self, event: str, **kwargs: Any) -> None:
         for callback in self.callbacks:
@@ -97,30 +100,34 @@ class CallbackHandler:
             returned = method(self.args, self.state, self.control, **kwargs)
             if returned is not None:
                 self.control = returned
-        if self.control.should_training_stop and not self._stop_noted:
-            self._stop_noted = True
-            logger.warning("a callback set control.should_training_stop at step %d; reinforge runs to max_steps "
-                           "(trainer.total_steps) and does not stop early", self.state.global_step)
+
+    def stop_requested(self) -> bool:
+        """A callback set ``control.should_training_stop``: the run ends after the step in progress."""
+        return bool(self.control.should_training_stop)
 
 
 class CallbackBackend(TrackingBackend):
     """A tracker backend that puts each logged step into ``state.log_history`` and calls the callbacks: a trained
-    step's ``on_step_end``, then ``on_log`` for every row (a validation before training too)."""
+    step's ``on_step_end`` (one per optimizer step of it, ``updates``), then ``on_log`` for every row (a validation
+    before training too)."""
 
-    def __init__(self, handler: CallbackHandler) -> None:
+    def __init__(self, handler: CallbackHandler, updates: int = 1) -> None:
         self.handler = handler
+        self.updates = updates
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         state = self.handler.state
         logs = trl_logs(metrics)
-        state.log_history.append(logs | {"step": step})
-        state.global_step = step
         if "epoch" in logs:
             state.epoch = float(logs["epoch"])
         if "training/global_step" in metrics and not metrics.get("training/skipped_step"):
-            self.handler.call("on_step_end")
+            for optimizer_step in range((step - 1) * self.updates + 1, step * self.updates + 1):
+                state.global_step = optimizer_step
+                self.handler.call("on_step_end")
+        state.global_step = step * self.updates
+        state.log_history.append(logs | {"step": state.global_step})
         self.handler.call("on_log", logs=logs)
 
     def truncate_after(self, step: int) -> None:
         state = self.handler.state
-        state.log_history[:] = [row for row in state.log_history if row.get("step", 0) <= step]
+        state.log_history[:] = [row for row in state.log_history if row.get("step", 0) <= step * self.updates]

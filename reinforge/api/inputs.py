@@ -337,6 +337,25 @@ def _reward_tokenizers(processing_classes: Any, count: int) -> list[Any]:
     return given
 
 
+def longest_prompt(config: Any) -> int:
+    """The most tokens a prompt of the run's train and eval rows takes, tokenized as the run tokenizes them (the
+    chat template, a vision-language model's image tokens): a prompt limit that keeps every prompt whole."""
+    import dataclasses
+    import sys
+
+    from reinforge.data import RLDataset
+    from reinforge.models import load_tokenizer
+    from reinforge.models.vision import processor_for
+
+    model = config.model
+    tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+    processor = processor_for(model.path, model.trust_remote_code, config.data.chat_template)
+    unbounded = dataclasses.replace(config.data, max_prompt_length=sys.maxsize, filter_overlong_prompts=False)
+    splits = ("train", "val") if config.data.val_files else ("train",)
+    return max(len(example.prompt_ids) for split in splits
+               for example in RLDataset.from_config(unbounded, tokenizer, split, processor=processor).examples)
+
+
 def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
     """TRL's formatting_func: each row's text, trained on whole (as TRL trains a text row)."""
     rows = []
@@ -349,6 +368,36 @@ def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any
                             "text as one string")
         rows.append({"text": text})
     return rows
+
+
+def first_row(dataset: Any) -> Mapping[str, Any] | None:
+    """The first row of a dataset given to a trainer (rows in hand, or files); None when it has none."""
+    if isinstance(dataset, str | Path) or (isinstance(dataset, Sequence) and dataset
+                                           and all(isinstance(item, str | Path) for item in dataset)):
+        from reinforge.data.files import expand_data_files, read_rows
+
+        files = expand_data_files([dataset] if isinstance(dataset, str | Path) else list(dataset), "train_dataset")
+        rows = read_rows(files[0]) if files else []
+        return rows[0] if rows else None
+    if hasattr(dataset, "iloc"):  # pandas
+        return dataset.iloc[0].to_dict() if len(dataset) else None
+    return dict(dataset[0]) if len(dataset) else None
+
+
+def sft_loss_on(row: Mapping[str, Any] | None, assistant_only_loss: bool | None,
+                completion_only_loss: bool | None) -> str | None:
+    """data.loss_on of a TRL SFT run on rows like ``row``: a 'messages' row is trained whole unless
+    assistant_only_loss=True, a prompt/completion row on its completion unless completion_only_loss=False; None
+    where the two train the same ('text' rows)."""
+    if row is None:
+        return None
+    if assistant_only_loss:
+        return "assistant"
+    if row.get("messages") is not None:
+        return "all"
+    if row.get("prompt") is not None and row.get("completion") is not None:
+        return "all" if completion_only_loss is False else "assistant"
+    return None
 
 
 def as_conversations(dataset: Any) -> Any:

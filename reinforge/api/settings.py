@@ -92,7 +92,21 @@ def _beta(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     beta = float(value)
     if beta == 0.0:
         return {"actor.use_kl_loss": False}
+    if settings.get("use_bias_correction_kl") is None:
+        logger.warning("beta=%s: TRL weighs each token's KL by its importance ratio (use_bias_correction_kl=True, its "
+                       "default), which changes the KL's gradient; reinforge's KL loss is not weighted. Set "
+                       "use_bias_correction_kl=False to train so knowingly", value)
     return {"actor.use_kl_loss": True, "actor.kl_loss_coef": beta, "actor.kl_loss_type": "k3"}
+
+
+def _bias_correction_kl(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's KL term times the importance ratio: nothing to do without a KL term (beta=0) or when turned off."""
+    beta = settings.get("beta")
+    if value and beta not in (None, 0, 0.0):
+        raise ValueError(f"use_bias_correction_kl=True with beta={beta}: reinforge's KL loss is not weighted by the "
+                         "importance ratio; set use_bias_correction_kl=False (the plain k3 KL, as TRL's with it off), "
+                         "or beta=0.0")
+    return {}
 
 
 def _scale_rewards(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -162,25 +176,14 @@ def _logged_every_step(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _trained_tokens(name: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
-    """completion_only_loss, assistant_only_loss: True (or None) is what reinforge's SFT does; False is refused."""
-
-    def check(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-        if value is False:
-            raise ValueError(f"{name}=False: reinforge's SFT trains on the completion (the assistant's turns) only, "
-                             "never on the prompt; remove the setting, or give each row as one plain 'text'")
-        return {}
-    return check
-
-
-SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
+SCHEDULES = {"linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine",
              "cosine_with_min_lr": "cosine"}
-"""TRL's (transformers') lr_scheduler_type -> optim.schedule: the ones reinforge has."""
+"""TRL's (transformers') lr_scheduler_type -> optim.schedule: the ones reinforge has. linear is TRL's default."""
 
 
 def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if value not in SCHEDULES:
-        raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are constant, cosine and "
+        raise ValueError(f"lr_scheduler_type={value!r}: reinforge's schedules are linear, constant, cosine and "
                          "cosine_with_min_lr (after warmup_steps or warmup_ratio of linear warmup); choose one of them")
     mapped = {"optim.schedule": SCHEDULES[value]}
     options = dict(settings.get("lr_scheduler_kwargs") or {})
@@ -191,15 +194,17 @@ def _schedule(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
         mapped["optim.min_lr_ratio"] = float(options["min_lr_rate"])
     elif options:
         raise ValueError(f"lr_scheduler_kwargs={options!r}: reinforge's {value} schedule takes no arguments; remove "
-                         "them")
+                         "them, or set lr_scheduler_type='cosine_with_min_lr'")
     return mapped
 
 
-def _scheduler_options(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    if value and "lr_scheduler_type" not in settings:
-        raise ValueError(f"lr_scheduler_kwargs={value!r} without lr_scheduler_type: reinforge's default schedule "
-                         "takes no arguments; remove them, or set lr_scheduler_type='cosine_with_min_lr'")
-    return {}  # read by the lr_scheduler_type mapping
+def _warmup_steps(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 takes a warmup_steps below 1 as the fraction of the run's steps (its warmup_ratio)."""
+    if 0 < float(value) < 1:
+        return {"optim.warmup_ratio": float(value)}
+    if float(value) != int(value):
+        raise ValueError(f"warmup_steps={value}: give a whole number of steps, or a fraction of the run below 1")
+    return {"optim.warmup_steps": int(value)}
 
 
 def _betas(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -217,10 +222,11 @@ def _optimizer_settings(prefix: str) -> dict[str, Override]:
     return {
         "learning_rate": (f"{prefix}.lr", _to(f"{prefix}.lr")),
         "weight_decay": (f"{prefix}.weight_decay", _to(f"{prefix}.weight_decay")),
-        "warmup_steps": (f"{prefix}.warmup_steps", _to(f"{prefix}.warmup_steps")),
+        "warmup_steps": (f"{prefix}.warmup_steps (below 1: warmup_ratio)", under(_warmup_steps)),
         "warmup_ratio": (f"{prefix}.warmup_ratio", _to(f"{prefix}.warmup_ratio")),
         "lr_scheduler_type": (f"{prefix}.schedule", under(_schedule)),
-        "lr_scheduler_kwargs": (f"{prefix}.min_lr_ratio (min_lr_rate)", _scheduler_options),
+        # lr_scheduler_kwargs is read by the lr_scheduler_type mapping
+        "lr_scheduler_kwargs": (f"{prefix}.min_lr_ratio (min_lr_rate)", lambda value, settings: {}),
         "adam_beta1": (f"{prefix}.betas", under(_betas)),
         "adam_beta2": (f"{prefix}.betas", under(_betas)),
         "adam_epsilon": (f"{prefix}.eps", _to(f"{prefix}.eps")),
@@ -268,6 +274,7 @@ RUN_SETTINGS: dict[str, Override] = {
     "save_total_limit": ("trainer.keep_last", _keep_last),
     "eval_steps": ("trainer.test_every", lambda value, settings: {} if value is None else {"trainer.test_every": value}),
     "eval_strategy": ("trainer.test_every", _eval_strategy),
+    "eval_on_start": ("trainer.val_before_train", _to("trainer.val_before_train")),
     "seed": ("trainer.seed, data.seed", _to("trainer.seed", "data.seed")),
     "data_seed": ("data.seed", lambda value, settings: {} if value is None else {"data.seed": value}),
     "logging_steps": ("(every step)", _logged_every_step),
@@ -302,10 +309,11 @@ GRPO_SETTINGS: dict[str, Override] = {
                           _generation_kwargs),
     "shuffle_dataset": ("data.shuffle", _to("data.shuffle")),
     "beta": ("actor.use_kl_loss, actor.kl_loss_coef (k3)", _beta),
+    "use_bias_correction_kl": ("(only False, or with beta=0)", _bias_correction_kl),
     "epsilon": ("actor.policy_loss.clip_ratio", _to("actor.policy_loss.clip_ratio")),
     "epsilon_high": ("actor.policy_loss.clip_ratio_high", _epsilon_high),
-    "delta": ("actor.policy_loss.clip_ratio_c (the dual clip)", lambda value, settings: {} if value is None else {
-        "actor.policy_loss.clip_ratio_c": float(value)}),
+    "delta": ("actor.policy_loss.clip_ratio_c (the dual clip)", lambda value, settings: {
+        "actor.policy_loss.clip_ratio_c": math.inf if value is None else float(value)}),  # None: no bound, as TRL
     "loss_type": ("actor.loss_agg_mode, actor.policy_loss.loss_mode", _loss_type),
     "importance_sampling_level": ("actor.policy_loss.loss_mode (sequence: gspo)", _importance_sampling_level),
     "sapo_temperature_pos": ("actor.policy_loss.tau_pos", _to("actor.policy_loss.tau_pos")),
@@ -323,7 +331,6 @@ GRPO_SETTINGS: dict[str, Override] = {
     "gradient_accumulation_steps": ("actor.mini_batch_size (with num_generations)", lambda value, settings: {}),
     "steps_per_generation": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
     "generation_batch_size": ("data.train_batch_size (with num_generations)", lambda value, settings: {}),
-    "eval_on_start": ("trainer.val_before_train", _to("trainer.val_before_train")),
 }
 """TRL's GRPOConfig names -> (reinforge keys, for messages; the mapping)."""
 
@@ -341,8 +348,9 @@ SFT_SETTINGS: dict[str, Override] = {
     "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
         "data.max_length": value, "data.truncation": "right"}),
     "packing": ("data.packing", _to("data.packing")),
-    "completion_only_loss": ("(always: the loss is on completions)", _trained_tokens("completion_only_loss")),
-    "assistant_only_loss": ("(always: the loss is on assistant turns)", _trained_tokens("assistant_only_loss")),
+    # the two decide data.loss_on with the rows' format, which SFTTrainer reads (sft_loss_on)
+    "completion_only_loss": ("data.loss_on (prompt/completion rows)", lambda value, settings: {}),
+    "assistant_only_loss": ("data.loss_on", lambda value, settings: {}),
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
@@ -413,7 +421,8 @@ class GRPOConfig(_TrainingArguments):
 
     SETTINGS = GRPO_SETTINGS
     TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear",
+                    "delta": None, "eval_on_start": False}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -483,7 +492,8 @@ class SFTConfig(_TrainingArguments):
 
     SETTINGS = SFT_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 2e-5, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024,
+                    "lr_scheduler_type": "linear", "eval_on_start": False}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -534,7 +544,8 @@ class DPOConfig(SFTConfig):
 
     SETTINGS = DPO_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 1e-6, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
-                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42}
+                    "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42,
+                    "lr_scheduler_type": "linear", "eval_on_start": False}
 
 
 class RewardConfig(SFTConfig):

@@ -11,12 +11,15 @@ from typing import Any, NamedTuple
 
 from reinforge.api.inputs import (
     as_conversations,
+    first_row,
     formatted_rows,
+    longest_prompt,
     mark_trained,
     peft_settings,
     reward_functions_of,
     save_model_if_loaded,
     save_tokenizer_if_given,
+    sft_loss_on,
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
@@ -52,9 +55,10 @@ LOSS_KEYS = ("train/loss", "actor/pg_loss")
 """The loss each trainer logs: SFT, DPO and reward models ``train/loss``; RL the policy-gradient loss."""
 
 
-def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[str, Any]) -> TrainOutput:
+def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[str, Any],
+                  updates: int = 1) -> TrainOutput:
     """The mean of the logged loss over steps ``first_step + 1 .. last_step`` of ``metrics.jsonl`` (NaN when none
-    was trained)."""
+    was trained); the step reached in TRL's optimizer steps, ``updates`` a reinforge step."""
     from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines
 
     path = run_dir / METRICS_FILE
@@ -62,7 +66,7 @@ def _train_output(run_dir: Path, first_step: int, last_step: int, metrics: dict[
     trained = [row for row in rows if first_step < row.get("step", 0) <= last_step]
     key = next((key for key in LOSS_KEYS if any(key in row for row in trained)), None)
     losses = [float(row[key]) for row in trained if key in row and row[key] is not None]
-    return TrainOutput(last_step, sum(losses) / len(losses) if losses else float("nan"), dict(metrics))
+    return TrainOutput(last_step * updates, sum(losses) / len(losses) if losses else float("nan"), dict(metrics))
 
 
 class _Trainer:
@@ -75,6 +79,8 @@ class _Trainer:
     """The TRL-named settings given (a GRPOConfig, SFTConfig...), or reinforge's config; what callbacks get as args."""
     given_model: Any = None
     """The model object the trainer was given (None for a path): ``train`` leaves the trained weights in it."""
+    updates: int = 1
+    """Optimizer steps a reinforge step makes: TRL's steps (``state.global_step``, ``on_step_end``) count them."""
     MODEL_CLASS = "transformers:AutoModelForCausalLM"
     """``module:name`` of the class ``model`` loads the trained model with."""
 
@@ -89,12 +95,14 @@ class _Trainer:
         )
 
         self._loaded_model: tuple[int, Any] | None = None
-        self.state = make_state(int(getattr(self.trainer, "total_steps", 0) or 0),
-                                logged_history(self.output_dir, self._trained_steps()))
+        self.state = make_state(int(getattr(self.trainer, "total_steps", 0) or 0) * self.updates,
+                                logged_history(self.output_dir, self._trained_steps(), self.updates))
         self.callback_handler = CallbackHandler(callback_objects(callbacks), self.args, self.state)
         tracker = getattr(self.trainer, "tracker", None)
         if tracker is not None:
-            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler)
+            tracker.backends["trl_callbacks"] = CallbackBackend(self.callback_handler, self.updates)
+        if self.trainer is not None:
+            self.trainer.stop_requested = self.callback_handler.stop_requested
         self.callback_handler.call("on_init_end")
 
     def train(self, resume_from_checkpoint: bool | str | None = None) -> TrainOutput:
@@ -109,7 +117,7 @@ class _Trainer:
                              "output_dir's latest checkpoint; to start over or resume another checkpoint, make the "
                              "trainer with overrides={'trainer.resume': 'never'} (or the checkpoint's path)")
         first_step = self._trained_steps()
-        self.state.max_steps = int(getattr(self.trainer, "total_steps", 0) or self.state.max_steps)
+        self.state.max_steps = int(getattr(self.trainer, "total_steps", 0) * self.updates or self.state.max_steps)
         self.callback_handler.call("on_train_begin")
         started = time.perf_counter()
         metrics = self.trainer.fit()
@@ -123,7 +131,7 @@ class _Trainer:
                 logger.warning("the trained weights do not fit the model object given (a %s; a reward model's "
                                "score head is not a causal LM's), which keeps its weights as they were; "
                                "trainer.save_model() writes the trained model", type(self.given_model).__name__)
-        output = _train_output(self.output_dir, first_step, self._trained_steps(), metrics)
+        output = _train_output(self.output_dir, first_step, self._trained_steps(), metrics, self.updates)
         summary = {"train_runtime": runtime, "train_loss": output.training_loss, "epoch": self.state.epoch}
         self.state.log_history.append(summary | {"step": output.global_step})
         self.callback_handler.call("on_train_end")
@@ -251,18 +259,21 @@ class GRPOTrainer(_Trainer):
             settings["data.train_files"] = write_dataset(train_dataset, inputs, "train")
         if eval_dataset is not None:
             settings["data.val_files"] = write_dataset(eval_dataset, inputs, "eval")
-        elif not isinstance(args, Config) and "trainer.val_before_train" not in settings:
-            settings["trainer.val_before_train"] = False
         from reinforge.config import config_to_dict
         from reinforge.config.validate import validate_config
 
         self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
                             "GRPOTrainer's settings")
         _check_train_data(self.config, type(self).__name__)
+        if (not isinstance(args, Config) and "data.max_prompt_length" not in settings
+                and not self.config.rollout.multi_turn.tool_config_path):
+            # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
+            self.config.data.max_prompt_length = longest_prompt(self.config)
         validate_config(self.config)
-        from reinforge.trainer.rl_trainer import RLTrainer
+        from reinforge.trainer.rl_trainer import RLTrainer, optimizer_steps_per_step
 
         self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)
+        self.updates = optimizer_steps_per_step(self.config)
         self._start_callbacks(callbacks)
 
 
@@ -305,6 +316,8 @@ class _SupervisedTrainer(_Trainer):
         self._add_models(settings, processing_class, inputs)
         if train_dataset is not None:
             settings["data.train_files"] = write_dataset(self._rows(train_dataset), inputs, "train")
+            if not isinstance(args, schema):
+                self._add_row_settings(settings, train_dataset)
         if eval_dataset is not None:
             settings["data.val_files"] = write_dataset(self._rows(eval_dataset), inputs, "eval")
         self.config = load_settings(schema, config_to_dict(args) if isinstance(args, schema) else None, settings,
@@ -319,6 +332,9 @@ class _SupervisedTrainer(_Trainer):
 
     def _add_models(self, settings: dict[str, Any], processing_class: Any, inputs: Path) -> None:
         """Settings for models beside the trained one (DPO's reference)."""
+
+    def _add_row_settings(self, settings: dict[str, Any], train_dataset: Any) -> None:
+        """Settings that follow from the format of the rows given (SFT's trained tokens)."""
 
 
 class SFTTrainer(_SupervisedTrainer):
@@ -349,15 +365,16 @@ class SFTTrainer(_SupervisedTrainer):
     def _rows(self, dataset: Any) -> Any:
         if self.formatting_func is not None:
             return formatted_rows(dataset, self.formatting_func)
-        rows = as_conversations(dataset)
-        conversational = isinstance(rows, list) and rows and isinstance(rows[0], dict) and "messages" in rows[0]
-        if (conversational and isinstance(self.args, SFTConfig) and self.args.assistant_only_loss is not True
-                and not getattr(self, "_loss_noted", False)):
-            self._loss_noted = True
-            logger.warning("the rows are chat conversations ('messages'): TRL trains on every token of them unless "
-                           "assistant_only_loss=True; reinforge trains on the assistant turns only, as TRL does with "
-                           "assistant_only_loss=True (for the whole text, give each row as one 'text')")
-        return rows
+        return as_conversations(dataset)
+
+    def _add_row_settings(self, settings: dict[str, Any], train_dataset: Any) -> None:
+        """data.loss_on as TRL trains the rows: a conversation whole unless assistant_only_loss=True, a
+        prompt/completion pair on its completion unless completion_only_loss=False."""
+        if "data.loss_on" in settings or self.formatting_func is not None:  # formatted rows are texts
+            return
+        loss_on = sft_loss_on(first_row(train_dataset), self.args.assistant_only_loss, self.args.completion_only_loss)
+        if loss_on is not None:
+            settings["data.loss_on"] = loss_on
 
 
 class DPOTrainer(_SupervisedTrainer):

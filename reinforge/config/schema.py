@@ -114,7 +114,8 @@ class OptimConfig:
     warmup_ratio: float = 0.0
     """Warmup as a fraction of all optimizer steps; used when warmup_steps is 0."""
     schedule: str = "constant"
-    """constant or cosine (after warmup)."""
+    """constant, cosine, or linear (down to 0 at the last step, transformers' and so TRL's default), after
+    warmup."""
     min_lr_ratio: float = 0.0
     """Floor of the cosine schedule as a fraction of lr."""
 
@@ -131,8 +132,8 @@ class PolicyLossConfig:
     clip_ratio_high: Optional[float] = None
     """Defaults to clip_ratio; DAPO's clip-higher uses 0.28."""
     clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (> 1); dppo_* truncate the ratio there (the DPPO paper
-    suggests a large value, e.g. 20)."""
+    """Dual-clip bound for negative advantages (> 1; .inf: none, as TRL's GRPO without delta); dppo_* truncate the
+    ratio there (the DPPO paper suggests a large value, e.g. 20)."""
     clip_cov_ratio: float = 0.0002
     """clip_cov: the share of valid tokens whose gradient is detached, drawn from those whose covariance
     (A - mean A)(log pi - mean log pi) lies between clip_cov_lb and clip_cov_ub."""
@@ -634,6 +635,9 @@ class RunConfig:
     """Project of the run in W&B and MLflow."""
     experiment_name: str = "default"
     """Name of the run in W&B and MLflow."""
+    val_before_train: bool = True
+    """Validate the starting model before the first step (the 'before' of a before/after comparison), when the
+    run has validation data."""
 
 
 @dataclass
@@ -646,8 +650,6 @@ class TrainerConfig(RunConfig):
     """GPUs per machine (CPU slots with trainer.device=cpu) used by the run; one worker process each."""
     ray_address: Optional[str] = None
     """Ray cluster to join (e.g. 10.0.0.1:6379); None uses RAY_ADDRESS, or starts a local Ray instance."""
-    val_before_train: bool = True
-    """Validate the starting model before the first step (the 'before' of a before/after comparison)."""
     num_logged_samples: int = 4
     """Generations written to samples.jsonl per step."""
     call_timeout_s: float = 3600.0

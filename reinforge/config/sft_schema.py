@@ -15,6 +15,8 @@ from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig, UpdateC
 
 SFT_TRUNCATION_MODES = ("drop", "right", "error")
 """The values of the SFT data.truncation."""
+SFT_LOSS_TOKENS = ("assistant", "all")
+"""The values of data.loss_on."""
 
 
 @dataclass
@@ -31,6 +33,10 @@ class SFTDataConfig:
     """Tokens of one conversation (and of one packed row) after the chat template."""
     truncation: str = "drop"
     """A conversation longer than max_length: drop (reported), right (cut its end) or error."""
+    loss_on: str = "assistant"
+    """The tokens the loss covers: assistant (each assistant turn of a conversation, the completion of a
+    prompt/completion row) or all (every token of the row, as TRL trains a 'messages' row unless
+    assistant_only_loss=True). A 'text' row is trained whole either way."""
     packing: bool = False
     """Concatenate conversations into rows of up to max_length tokens; attention stays within each."""
     batch_size: int = 32

@@ -22,7 +22,7 @@ from reinforge.config.schema import (
     RunConfig,
     UpdateConfig,
 )
-from reinforge.config.sft_schema import SFT_TRUNCATION_MODES, SFTConfig, SFTDataConfig
+from reinforge.config.sft_schema import SFT_LOSS_TOKENS, SFT_TRUNCATION_MODES, SFTConfig, SFTDataConfig
 
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 """The values of model.dtype (``models.loading.DTYPES`` and auto)."""
@@ -147,6 +147,7 @@ def validate_sft_config(config: SFTConfig) -> None:
     """The SFT run's checks: its data section, its token budget, then the run and optimizer checks RL shares."""
     data, trainer = config.data, config.trainer
     choose("data.truncation", data.truncation, SFT_TRUNCATION_MODES)
+    choose("data.loss_on", data.loss_on, SFT_LOSS_TOKENS)
     validate_image_key(data.image_key, data.messages_key, "messages_key")
     for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
                        ("data.max_length", data.max_length)):

@@ -32,6 +32,10 @@ micro-batching uses for RL: the "prompt" is everything before the first trained 
 loss mask covers the rest. With packing, several conversations share a row and the position
 ids restart at each one, which keeps attention within each conversation.
 
+With ``data.loss_on=all`` every token of a row is trained (but the first, which nothing predicts, and a
+conversation's image tokens), as TRL's SFT trains a conversation without ``assistant_only_loss`` and a
+prompt/completion row with ``completion_only_loss=False``.
+
 Plain text rows, TRL's standard format (a ``prompt`` and ``completion`` string, or a ``text`` string), take no chat
 template: ``prompt + completion`` and the EOS token are tokenized as any text is (a BOS where the tokenizer adds one),
 and the completion and the EOS are trained (all of a ``text``).
@@ -267,13 +271,21 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 
 
+def trained_whole(example: SFTExample, image_token_id: int | None = None) -> SFTExample:
+    """``example`` with every token trained (data.loss_on=all) but the first, which nothing predicts, and image
+    tokens."""
+    loss_mask = [int(position > 0 and token != image_token_id) for position, token in enumerate(example.input_ids)]
+    return SFTExample(example.input_ids, loss_mask, example.position_ids, example.images)
+
+
 class SFTDataset:
     """Tokenized conversations of one split, in file order; overlong ones dropped, cut or refused."""
 
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
                  messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
                  name: str = "train", processor: Any = None, image_key: str | None = None,
-                 why_no_images: str | None = None):
+                 why_no_images: str | None = None, loss_on: str = "assistant"):
+        """``loss_on``: data.loss_on, the tokens trained (assistant or all)."""
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
         files = expand_data_files(files, f"data.{name}_files")
@@ -303,6 +315,8 @@ class SFTDataset:
                 else:
                     example = _tokenized_conversation(row, where, tokenizer, chat_template, messages_key, processor,
                                                       images, image_key)
+                if loss_on == "all":
+                    example = trained_whole(example, getattr(processor, "image_token_id", None))
                 if not any(example.loss_mask):
                     self.num_without_assistant += 1
                     continue

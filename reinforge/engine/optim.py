@@ -35,6 +35,7 @@ def _cosine(progress: float, config: OptimConfig) -> float:
 LR_SCHEDULES: dict[str, Callable[[float, OptimConfig], float]] = {
     "constant": lambda progress, config: 1.0,
     "cosine": _cosine,
+    "linear": lambda progress, config: 1.0 - progress,  # to 0, as transformers' get_linear_schedule_with_warmup
 }
 """optim.schedule -> the lr factor after warmup, given the fraction of post-warmup steps done (0..1)."""
 

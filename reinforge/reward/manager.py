@@ -47,12 +47,14 @@ from reinforge.reward.registry import SCORERS, Scorer, find_scorer, get_scorer
 from reinforge.reward.reward_functions import (
     FUNCTION_SCORES_PREFIX,
     RewardFunction,
+    RewardLog,
     TrainerState,
     batch_call_kwargs,
     batch_scores,
     build_reward_functions,
     chunks_of,
     combine,
+    logged_metric_columns,
 )
 from reinforge.reward.scorer_calls import (
     accepted_keywords,
@@ -88,13 +90,15 @@ class RewardOutput:
     function_scores: dict[str, list[float]] = field(default_factory=dict)
     """``rewards/<name>`` -> each sample's score from that reward function (NaN: None or failed), for functions
     given by the user (not the built-in scorers by data source)."""
+    logged_metrics: dict[str, list[float]] = field(default_factory=dict)
+    """``logged_metric/<name>`` -> per sample, what its batch call logged through ``log_metric`` (NaN: nothing)."""
 
     def to_batch(self) -> Batch:
-        """``token_level_scores`` plus one ``reward_<key>`` column per extra and one ``rewards/<name>`` column per
-        reward function, to merge with ``batch |= ...``."""
+        """``token_level_scores`` plus one ``reward_<key>`` column per extra, one ``rewards/<name>`` column per
+        reward function and one ``logged_metric/<name>`` per value logged, to merge with ``batch |= ...``."""
         return Batch.from_dict(tensors={"token_level_scores": self.token_level_scores},
                                non_tensors={**{f"reward_{key}": values for key, values in self.extras.items()},
-                                            **self.function_scores})
+                                            **self.function_scores, **self.logged_metrics})
 
 
 class RewardManager:
@@ -180,8 +184,9 @@ class RewardManager:
         for row, function in enumerate(self.functions):
             if function.batched:
                 for indices in chunks_of(num_samples, max(1, self.config.num_workers)):
-                    kwargs = batch_call_kwargs(function, indices, samples, self.options, trainer_state)
-                    jobs.append(ScoringJob(self._scorer_to_send(function), kwargs, num_samples=len(indices)))
+                    log = RewardLog(len(indices))
+                    kwargs = batch_call_kwargs(function, indices, samples, self.options, trainer_state, log)
+                    jobs.append(ScoringJob(self._scorer_to_send(function), kwargs, num_samples=len(indices), log=log))
                     owners.append((row, indices))
             else:
                 for index in range(num_samples):
@@ -194,6 +199,7 @@ class RewardManager:
         failures: list[str | None] = [None] * num_samples
         """Per sample: None, or the first way one of its functions failed (error, timeout, memory)."""
         first_failures: dict[str, tuple[RewardFunction, range, str | None]] = {}
+        logs: list[tuple[range, RewardLog]] = []
         for (row, indices), result in zip(owners, results, strict=True):
             function = self.functions[row]
             details = None
@@ -206,7 +212,12 @@ class RewardManager:
                     if function.batched:
                         if result.error is not None:
                             raise RuntimeError(result.error)
-                        function_scores[row, indices.start:indices.stop] = batch_scores(result.value, function.name)
+                        value, log = result.value
+                        function_scores[row, indices.start:indices.stop] = batch_scores(value, function.name)
+                        logs.append((indices, log))
+                        for column, values in log.extras.items():
+                            for index, item in zip(indices, values, strict=True):
+                                per_sample_extras[index][column] = item
                     else:
                         function_scores[row, indices.start], extras = _unpack_score(result)
                         per_sample_extras[indices.start] |= extras
@@ -256,7 +267,8 @@ class RewardManager:
                  for row, function in enumerate(self.functions) if function.scorer is not None}
         return RewardOutput(
             token_level_scores=place_on_last_token(scores, response_mask).to(batch["responses"].device),
-            scores=scores, extras=extras, metrics=metrics, function_scores=named)
+            scores=scores, extras=extras, metrics=metrics, function_scores=named,
+            logged_metrics=logged_metric_columns(logs, num_samples))
 
     def _scorer_to_send(self, function: RewardFunction) -> Any:
         """The function as a job carries it: the object in this process, a spec or its pickle for the workers."""

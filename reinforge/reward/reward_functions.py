@@ -10,8 +10,10 @@ A run's reward comes from one of three places:
 
 A function of TRL's kind (it names ``completions``) is called once per batch, in chunks (one per scoring
 process), with lists by keyword: ``prompts``, ``completions``, ``completion_ids``, ``ground_truth``,
-``data_source``, ``extra_info``, each extra column of the rows, and ``trainer_state``; it returns one score
-per sample, or None where it does not apply. A function of verl's kind (``solution_str``) is called once per
+``data_source``, ``extra_info``, each extra column of the rows, ``trainer_state`` (``TrainerState``: TRL's
+global_step, max_steps, epoch, log_history...), and TRL's ``log_metric(name, value)`` (the step's mean of the values
+logged, in metrics.jsonl under ``name``) and ``log_extra(column, values)`` (one value per completion, kept as the
+samples' reward extra ``column``); it returns one score per sample, or None where it does not apply. A function of verl's kind (``solution_str``) is called once per
 sample, as before. A sample's total is ``nansum_i(w_i * r_i)`` as in TRL: a function that returned None for
 it is left out (a sample no function applies to scores 0). Each named function's scores are kept per sample
 (``rewards/<name>``, NaN where it did not apply), from which the trainer logs ``rewards/<name>/mean|std``.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,16 +35,64 @@ from reinforge.reward.scoring_pool import PickledFunction
 
 FUNCTION_SCORES_PREFIX = "rewards/"
 """The batch column of a function's per-sample scores is ``rewards/<name>``; its metrics ``rewards/<name>/mean``."""
+LOGGED_METRICS_PREFIX = "logged_metric/"
+"""The batch column of a value a function logged (``log_metric(name, value)``) is ``logged_metric/<name>``: each
+sample of the call that logged it holds it (NaN elsewhere); the step's metric ``name`` is their mean."""
 
 
 @dataclass(frozen=True)
 class TrainerState:
-    """What TRL's ``trainer_state`` gives a reward function, for rewards that change over training."""
+    """What TRL's ``trainer_state`` (transformers' ``TrainerState``) gives a reward function, for rewards that
+    change over training."""
 
     global_step: int = 0
-    """Steps finished before the one this batch belongs to."""
+    """Optimizer steps finished before this batch was generated (TRL's count: a training step that makes several,
+    mini-batches or ppo_epochs, counts each)."""
     max_steps: int = 0
-    """Steps of the whole run (0: unknown)."""
+    """Optimizer steps of the whole run (0: unknown)."""
+    epoch: float = 0.0
+    """Passes over the training data finished, with the fraction of the current one."""
+    num_train_epochs: int = 0
+    """trainer.total_epochs."""
+    metrics_file: str | None = None
+    """The run's metrics.jsonl, which ``log_history`` reads."""
+    optimizer_steps_per_step: int = 1
+    """Optimizer steps of one training step: a logged row's ``step`` in ``log_history`` counts them, as TRL's."""
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
+
+    @property
+    def log_history(self) -> list[dict[str, Any]]:
+        """The metrics the run has logged, one dict per logged row with its ``step`` (optimizer steps), read from
+        metrics.jsonl when asked (reinforge's metric names: ``critic/score/mean``, ``actor/pg_loss``...)."""
+        if self.metrics_file is None or not Path(self.metrics_file).is_file():
+            return []
+        from reinforge.tracking.jsonl import read_json_lines
+
+        return [row | {"step": row.get("step", 0) * self.optimizer_steps_per_step}
+                for row in read_json_lines(Path(self.metrics_file))]
+
+
+class RewardLog:
+    """What a TRL-kind function logs during one batch call through TRL's ``log_metric`` and ``log_extra``; it goes
+    to the scoring process inside the call's arguments and comes back with the scores (``ScoringJob.log``)."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self.metrics: dict[str, list[float]] = {}
+        self.extras: dict[str, list[Any]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's: a scalar for this batch, logged as the step's metric ``name`` (the mean of what was logged)."""
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        """TRL's: one value per completion of the call, kept as the samples' reward extra ``column``."""
+        values = list(values)
+        if len(values) != self.num_samples:
+            raise ValueError(f"log_extra({column!r}, ...) got {len(values)} values for a call of {self.num_samples} "
+                             "completions; give one value per completion")
+        self.extras[str(column)] = values
 
 
 @dataclass
@@ -118,11 +169,11 @@ def chunks_of(num_samples: int, num_chunks: int) -> list[range]:
 
 
 def batch_call_kwargs(function: RewardFunction, indices: range, samples: dict[str, Any], options: dict[str, Any],
-                      trainer_state: TrainerState) -> dict[str, Any]:
+                      trainer_state: TrainerState, log: RewardLog | None = None) -> dict[str, Any]:
     """The keyword arguments of one batch call of a TRL-kind function over the samples at ``indices``.
 
     ``samples`` holds per-sample lists: texts, completion_ids, prompts, ground_truths, extra_infos, data_sources,
-    columns (each a dict of the row's extra columns).
+    columns (each a dict of the row's extra columns). ``log`` receives the call's ``log_metric``/``log_extra``.
     """
     columns = [samples["columns"][index] or {} for index in indices]
     column_names = sorted({name for row in columns for name in row})
@@ -135,6 +186,7 @@ def batch_call_kwargs(function: RewardFunction, indices: range, samples: dict[st
         "extra_info": [samples["extra_infos"][index] for index in indices],
         **{name: [row.get(name) for row in columns] for name in column_names},
         "trainer_state": trainer_state,
+        **({"log_metric": log.log_metric, "log_extra": log.log_extra} if log is not None else {}),
         **options,
     }
     if function.accepted is None:
@@ -169,15 +221,32 @@ def combine(function_scores: np.ndarray, weights: Sequence[float]) -> np.ndarray
     return np.nansum(weighted, axis=0)
 
 
+def logged_metric_columns(logs: Sequence[tuple[range, RewardLog]], num_samples: int) -> dict[str, list[float]]:
+    """``logged_metric/<name>`` -> per sample, the mean of what the call that scored it logged as ``name`` (NaN
+    where its call logged none)."""
+    columns: dict[str, list[float]] = {}
+    for indices, log in logs:
+        for name, values in log.metrics.items():
+            column = columns.setdefault(f"{LOGGED_METRICS_PREFIX}{name}", [math.nan] * num_samples)
+            for index in indices:
+                column[index] = sum(values) / len(values)
+    return columns
+
+
 def function_metrics(columns: dict[str, Sequence[Any]]) -> dict[str, float]:
-    """``rewards/<name>/mean`` and ``/std`` of each function's per-sample scores (NaN = not applicable, left out)."""
+    """``rewards/<name>/mean`` and ``/std`` of each function's per-sample scores (NaN = not applicable, left out),
+    and each value the functions logged (``logged_metric/<name>``) as ``name``: its mean over the samples."""
     metrics = {}
     for key, values in columns.items():
-        if not key.startswith(FUNCTION_SCORES_PREFIX):
+        if not key.startswith((FUNCTION_SCORES_PREFIX, LOGGED_METRICS_PREFIX)):
             continue
         scores = np.asarray([float(value) for value in values], dtype=np.float64)
         scores = scores[~np.isnan(scores)]
-        if scores.size:
-            metrics[f"{key}/mean"] = float(scores.mean())
-            metrics[f"{key}/std"] = float(scores.std(ddof=1)) if scores.size > 1 else 0.0
+        if not scores.size:
+            continue
+        if key.startswith(LOGGED_METRICS_PREFIX):
+            metrics[key.removeprefix(LOGGED_METRICS_PREFIX)] = float(scores.mean())
+            continue
+        metrics[f"{key}/mean"] = float(scores.mean())
+        metrics[f"{key}/std"] = float(scores.std(ddof=1)) if scores.size > 1 else 0.0
     return metrics

@@ -11,7 +11,8 @@ Two kinds of scorer are called, both by keyword:
   (or ``prompts``, ``completion_ids``) argument. It is called once per batch (``reward_functions``), with lists: ``completions`` (each
   response as a string, or as ``[{"role": "assistant", "content": ...}]`` for a chat prompt),
   ``prompts``, ``completion_ids``, ``ground_truth``, ``data_source``, ``extra_info`` and each extra
-  column, plus ``trainer_state``; ``reward.kwargs`` options come as they are.
+  column, plus ``trainer_state``, ``log_metric`` and ``log_extra`` (``reward_functions``); ``reward.kwargs``
+  options come as they are.
 
 Either kind may be ``async def`` (a scorer that awaits a judge model's server): each call is run to
 completion on its own event loop, in the scoring process or thread, within the same time limit.
@@ -30,7 +31,7 @@ from typing import Any
 from reinforge.reward.registry import Scorer
 
 SAMPLE_ARGUMENTS = ("solution_str", "ground_truth", "extra_info", "data_source")
-TRL_ARGUMENTS = ("completions", "prompts", "completion_ids", "trainer_state")
+TRL_ARGUMENTS = ("completions", "prompts", "completion_ids", "trainer_state", "log_metric", "log_extra")
 DEFAULT_FUNCTION_NAME = "compute_score"
 """The function of ``reward.custom_function=path.py`` without ``:name``, as in verl."""
 

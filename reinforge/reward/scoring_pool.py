@@ -86,6 +86,9 @@ class ScoringJob:
     num_samples: int | None = None
     """None: one sample, the scorer returns its score. A number: a batch call (TRL's kind), the scorer returns a
     list of that many scores (None in it: the function does not apply to that sample)."""
+    log: Any = None
+    """A batch call's ``RewardLog``, which the scorer writes to through ``kwargs`` (log_metric, log_extra): the
+    job's value is then ``(scores, log)``, the log as the scorer's process left it."""
 
     @property
     def time_units(self) -> int:
@@ -132,7 +135,7 @@ def run_job(job: ScoringJob) -> Any:
             raise TypeError(f"a reward function taking 'completions' (TRL's kind) returned {shown} for "
                             f"{job.num_samples} completions; return a list with one score (or None) per completion")
         value = list(value)
-    return value
+    return value if job.log is None else (value, job.log)
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -37,6 +37,7 @@ from reinforge.reward.manager import place_on_last_token
 from reinforge.reward.reward_functions import function_metrics
 from reinforge.rollout.base import SamplingParams
 from reinforge.tracking import Tracker
+from reinforge.tracking.jsonl import METRICS_FILE
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
 from reinforge.trainer.generative_rewards import JudgeScorer, RemoteScorer
 from reinforge.trainer.metrics import compute_data_metrics, compute_throughput_metrics, mean_of_extras
@@ -53,6 +54,12 @@ from reinforge.workers.reward import RewardWorker
 from reinforge.workers.reward_model import RewardModelWorker
 
 logger = logging.getLogger(__name__)
+
+
+def optimizer_steps_per_step(config: Config) -> int:
+    """The actor's optimizer steps in one training step: its mini-batches, actor.ppo_epochs times over."""
+    num_mini_batches = config.data.train_batch_size // (config.actor.mini_batch_size or config.data.train_batch_size)
+    return num_mini_batches * config.actor.ppo_epochs
 
 
 class RLTrainer(TrainingRun):
@@ -252,7 +259,11 @@ class RLTrainer(TrainingRun):
         if algorithm.adv_estimator == "remax":
             with _timed(timing, "gen_max"):
                 batch["reward_baselines"] = self._greedy_baseline(prompts, batch)
-        batch.meta["trainer_state"] = {"global_step": self.step, "max_steps": self.total_steps}
+        updates = optimizer_steps_per_step(config)  # TRL's trainer_state counts optimizer steps
+        batch.meta["trainer_state"] = {
+            "global_step": self.step * updates, "max_steps": self.total_steps * updates,
+            "epoch": self.step / max(1, len(self.train_loader)), "num_train_epochs": config.trainer.total_epochs,
+            "metrics_file": str(self.run_dir / METRICS_FILE), "optimizer_steps_per_step": updates}
         with _timed(timing, "reward"):
             batch = batch | self.score(batch, timing)
         if algorithm.filter_groups.enable and algorithm.filter_groups.metric == "seq_final_reward":

@@ -9,7 +9,8 @@ that validates), refuses settings the checkpoint cannot take and writes ``config
 drops what was logged after the checkpoint (everything, when the run starts at step 0), so
 ``metrics.jsonl`` and ``samples.jsonl`` are exact after a kill at any point; ``run_steps`` trains to ``total_steps``, validating and saving on the
 configured cadence and always at the last step. A run resumed at its last step trains nothing
-and reports the metrics that step logged.
+and reports the metrics that step logged. A run asked to stop (``stop_requested``, checked after each step is
+logged) ends after that step, saved as at its last one.
 
 A run whose steps draw a varying number of batches (DAPO's dynamic sampling) cannot know its
 number of steps in advance: it ends when its epochs' data is used up (``data_used_up``), like
@@ -119,6 +120,11 @@ class TrainingRun:
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         """Restore this trainer's own parts of the checkpoint in ``folder`` (``state``: trainer_state.pt)."""
         raise NotImplementedError
+
+    def stop_requested(self) -> bool:
+        """Whether the run is asked to end after the step just logged (checked once it is logged); the Python API
+        replaces it with its callbacks' ``control.should_training_stop``."""
+        return False
 
     def data_used_up(self) -> str | None:
         """None while the data of the run's epochs lasts; then one line saying it is used up.
@@ -231,9 +237,13 @@ class TrainingRun:
                     metrics |= self.validate()
                 self.tracker.log(metrics, step=self.step)
                 progress.advance(metrics)
-                if save_every > 0 and self.step % save_every == 0 or is_last:
+                stopping = not is_last and self.stop_requested()
+                if save_every > 0 and self.step % save_every == 0 or is_last or stopping:
                     self.save()
                 last_metrics = metrics
+                if stopping:
+                    logger.info("the run ends after step %d (of %d), as asked", self.step, self.total_steps)
+                    break
                 roles = all_updates_skipped(metrics)
                 stalled = stalled + 1 if roles else 0
                 if stalled >= STALLED_STEPS:
@@ -316,7 +326,8 @@ class SupervisedRun(TrainingRun):
             self.resume()
             self.before_training()
             return self.run_steps(self.train_loader.next_batch, test_every=trainer.test_every,
-                                  save_every=trainer.save_every, validate_first=self.val_loader is not None)
+                                  save_every=trainer.save_every,
+                                  validate_first=self.val_loader is not None and trainer.val_before_train)
         finally:
             self.tracker.close()
             self.release_run_folder()

@@ -133,7 +133,8 @@ class SFTTrainer(SupervisedRun):
         dataset = SFTDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
                              messages_key=data.messages_key, chat_template=data.chat_template,
                              max_samples=max_samples, name=split, processor=self.processor,
-                             image_key=data.image_key, why_no_images=None if self.processor is not None else
+                             image_key=data.image_key, loss_on=data.loss_on,
+                             why_no_images=None if self.processor is not None else
                              why_no_images(self.config.model.path, self.config.model.trust_remote_code))
         return pack_examples(dataset.examples, data.max_length) if data.packing else dataset.examples
 

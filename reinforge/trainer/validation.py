@@ -1,6 +1,7 @@
 """Validation metrics: mean@N, best@N and maj@N per data source.
 
-Each prompt is answered N times. ``mean@N`` averages every sample, ``best@N`` takes each
+Each prompt is answered N times. A row without a ``data_source`` (a Python API run's rows have none) counts under
+``UNNAMED_DATA_SOURCE``. ``mean@N`` averages every sample, ``best@N`` takes each
 prompt's best sample, ``maj@N`` scores the answer most samples agree on (the scorer's
 ``pred`` extra; the response text when the scorer gives none). Metrics cover the score
 ("reward") and every numeric extra the scorer returns (such as ``acc``).
@@ -15,6 +16,9 @@ from typing import Any
 from reinforge.protocol import MULTI_MODAL_KEY, Batch, samples_of
 from reinforge.rollout.base import SamplingParams
 
+UNNAMED_DATA_SOURCE = "default"
+"""The data source in the metric names of rows that have none: ``val-core/default/reward/mean@1``."""
+
 
 def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float, bool)) and not isinstance(value, str)
@@ -24,7 +28,7 @@ def summarize_validation(records: list[dict[str, Any]], num_samples: int) -> dic
     """records: one per sample with ``data_source``, ``uid``, ``reward``, optional ``pred`` and extras."""
     groups: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for record in records:
-        groups[record["data_source"]][record["uid"]].append(record)
+        groups[record["data_source"] or UNNAMED_DATA_SOURCE][record["uid"]].append(record)
     metrics: dict[str, float] = {}
     for source, prompts in groups.items():
         first = next(iter(prompts.values()))[0]

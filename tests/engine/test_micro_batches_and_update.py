@@ -202,6 +202,11 @@ def test_learning_rate_schedules():
     assert lr_multiplier(5, 10, cosine) == pytest.approx(0.55)
     ratio = OptimConfig(lr=1.0, warmup_ratio=0.5)
     assert lr_multiplier(0, 4, ratio) == pytest.approx(0.5)
+    # transformers' get_linear_schedule_with_warmup after warmup: (total - step) / (total - warmup), down to 0
+    linear = OptimConfig(lr=1.0, schedule="linear")
+    assert [lr_multiplier(s, 4, linear) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    warmed = OptimConfig(lr=1.0, schedule="linear", warmup_steps=2)
+    assert [lr_multiplier(s, 6, warmed) for s in range(2, 7)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
 
 
 def test_items_just_over_half_the_budget_are_split_in_few_tries(monkeypatch):

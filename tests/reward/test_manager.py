@@ -452,6 +452,34 @@ def test_trl_functions_are_called_once_per_batch_and_weighted_with_none_left_out
     assert metrics["rewards/exact_or_none/std"] == pytest.approx(2 ** -0.5)
 
 
+def logging_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """What TRL 1.16 gives a reward function besides the rows: log_metric, log_extra and its TrainerState."""
+    log_metric("completions/chars", sum(len(completion) for completion in completions) / len(completions))
+    log_extra("length", [len(completion) for completion in completions])
+    last_logged = trainer_state.log_history[-1]
+    return [trainer_state.global_step + trainer_state.epoch + last_logged["step"]] * len(completions)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_trl_function_logs_metrics_and_extras_and_reads_trls_trainer_state(byte_tokenizer, tmp_path, num_workers):
+    from reinforge.reward.reward_functions import function_metrics
+
+    metrics_file = tmp_path / "metrics.jsonl"
+    metrics_file.write_text('{"step": 1, "critic/score/mean": 0.0}\n{"step": 2, "critic/score/mean": 1.0}\n')
+    batch = make_batch(byte_tokenizer, ["7", "88", "777", "9"], ["7"] * 4, ["x"] * 4)
+    batch["raw_prompt"] = ["q"] * 4
+    batch.meta["trainer_state"] = {"global_step": 4, "max_steps": 10, "epoch": 0.5, "metrics_file": str(metrics_file),
+                                   "optimizer_steps_per_step": 2}
+    with RewardManager(RewardConfig(num_workers=num_workers, timeout_s=30), byte_tokenizer,
+                       functions=[logging_reward]) as manager:
+        output = manager.score(batch)
+    assert output.scores.tolist() == [8.5] * 4  # 4 optimizer steps, half an epoch, the last row's step 2 x 2
+    assert output.extras["length"] == [1, 2, 3, 1]
+    assert output.metrics["reward/errors"] == 0.0
+    # one call (1.75), or two of two samples (1.5 and 2.0): the step's metric is their mean, under its own name
+    assert function_metrics(output.to_batch().non_tensors)["completions/chars"] == pytest.approx(1.75)
+
+
 def test_a_failed_batch_call_fails_each_of_its_samples_counted_and_named_once(byte_tokenizer, caplog):
     def breaks_on_eight(completions, **kwargs):
         if "8" in completions:

@@ -97,6 +97,20 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
 
 
+def test_loss_on_all_trains_every_token_of_a_row(tokenizer, tmp_path):
+    """data.loss_on=all: TRL's SFT of a conversation without assistant_only_loss (of a pair without
+    completion_only_loss): every token but the first, which nothing predicts."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"prompt": "1+1=", "completion": "2"}))
+    conversation, pair = SFTDataset([path], tokenizer, max_length=512, loss_on="all").examples
+    assert conversation.input_ids == tokenize_conversation(tokenizer, CONVERSATION).input_ids
+    for example in (conversation, pair):
+        assert example.loss_mask == [0] + [1] * (len(example.input_ids) - 1)
+    assert trained_text(tokenizer, pair) == ["+1=2<|im_end|>"]
+
+
 def test_template_that_drops_earlier_turns_is_refused(tokenizer):
     template = "{% for m in messages[-1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     with pytest.raises(ValueError, match=r"^the chat template drops message 0 \(system\): it writes none of its content"):

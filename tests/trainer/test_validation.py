@@ -27,3 +27,10 @@ def test_mean_best_and_majority_at_n():
 def test_single_sample_reports_mean_only():
     records = [{"data_source": "d", "uid": str(i), "reward": float(i % 2)} for i in range(4)]
     assert summarize_validation(records, num_samples=1) == {"val-core/d/reward/mean@1": 0.5}
+
+
+@pytest.mark.parametrize("data_source", [None, ""])
+def test_rows_without_a_data_source_count_under_default(data_source):
+    """The Python API's rows (and a CLI run's rows without the column) name no data source."""
+    records = [{"data_source": data_source, "uid": str(i), "reward": float(i % 2)} for i in range(4)]
+    assert summarize_validation(records, num_samples=1) == {"val-core/default/reward/mean@1": 0.5}

@@ -278,8 +278,8 @@ def _rollout_engine(value: Any, given: Mapping[str, Any]) -> Any:
 
 
 VERL_SCHEDULES = {"constant": "constant", "cosine": "cosine"}
-"""verl's learning-rate schedules that reinforge has, by verl's name: each is a name of ``engine.optim.LR_SCHEDULES``
-(tests/config/verl/test_translate.py checks that they are all of them)."""
+"""verl's learning-rate schedules, by verl's name: each is a name of ``engine.optim.LR_SCHEDULES``
+(tests/config/verl/test_keys.py checks it); verl has no linear one."""
 
 
 def _schedule(value: Any, given: Mapping[str, Any]) -> Any:

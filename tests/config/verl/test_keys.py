@@ -48,11 +48,11 @@ def test_no_verl_key_is_left_untranslated_when_our_schema_has_its_name():
     assert stale == []
 
 
-def test_verls_schedules_that_translate_are_every_schedule_of_reinforge():
+def test_verls_schedules_translate_to_schedules_of_reinforge():
     from reinforge.config.verl.keys import VERL_SCHEDULES
     from reinforge.engine.optim import LR_SCHEDULES
 
-    assert sorted(VERL_SCHEDULES.values()) == sorted(LR_SCHEDULES)
+    assert set(VERL_SCHEDULES.values()) <= set(LR_SCHEDULES)
     assert translate_verl(["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"]).tree["actor"]["optim"] == {
         "schedule": "cosine"}
 
