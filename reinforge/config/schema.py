@@ -110,7 +110,8 @@ class OptimConfig:
     eps: float = 1e-8
     """AdamW's epsilon, added to the root of the second moment."""
     warmup_steps: int = 0
-    """Linear warmup from 0 over this many optimizer steps."""
+    """Linear warmup over this many optimizer steps: step k (from 0) runs at (k + 1) / warmup_steps of lr, so the
+    first already trains (transformers' and verl's schedules run it at 0, one step behind)."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of all optimizer steps; used when warmup_steps is 0."""
     schedule: str = "constant"
