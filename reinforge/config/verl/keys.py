@@ -217,12 +217,15 @@ def _kv_cache_dtype(value: Any, given: Mapping[str, Any]) -> Any:
 SEQUENCE_PARALLEL_KEYS = {
     "actor": ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
               "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
-              "actor_rollout_ref.actor.megatron.context_parallel_size"),
+              "actor_rollout_ref.actor.megatron.context_parallel_size",
+              "actor_rollout_ref.actor.veomni.ulysses_parallel_size"),
     "ref": ("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
             "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
-            "actor_rollout_ref.ref.megatron.context_parallel_size"),
+            "actor_rollout_ref.ref.megatron.context_parallel_size",
+            "actor_rollout_ref.ref.veomni.ulysses_parallel_size"),
     "critic": ("critic.ulysses_sequence_parallel_size", "critic.model.fsdp_config.ulysses_sequence_parallel_size",
-               "critic.fsdp.ulysses_sequence_parallel_size", "critic.megatron.context_parallel_size"),
+               "critic.fsdp.ulysses_sequence_parallel_size", "critic.megatron.context_parallel_size",
+               "critic.veomni.ulysses_parallel_size"),
     "reward_model": ("reward_model.ulysses_sequence_parallel_size", "reward_model.megatron.context_parallel_size"),
 }
 """Where verl reads each role's sequence (Ulysses) or context parallel size; the reference's defaults to the actor's."""
@@ -289,6 +292,68 @@ def _schedule(value: Any, given: Mapping[str, Any]) -> Any:
         return VERL_SCHEDULES[value]
     raise NoEquivalentValue(f"the {value!r} schedule is not here; reinforge has {' and '.join(VERL_SCHEDULES.values())}")
 
+
+
+VERL_LR = {"actor_rollout_ref.actor": 1e-6, "critic": 1e-5}
+"""verl's learning rate of each section when the command leaves optim.lr out."""
+
+
+def _megatron_schedule(value: Any, given: Mapping[str, Any]) -> Any:
+    """verl's Megatron engine decays the learning rate by Megatron's lr_decay_style, not by lr_scheduler_type."""
+    if value in (None, "constant"):
+        return UNSET
+    if value in ("cosine", "linear"):
+        return value
+    raise RefusedValue("is not a schedule reinforge has; it decays the learning rate after warmup as constant, cosine "
+                       "or linear: pass one of them")
+
+
+def _megatron_min_lr(section: str) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """Megatron's floor of the decay (an absolute rate) as our min_lr_ratio; a constant schedule never reaches it."""
+    def convert(value: Any, given: Mapping[str, Any]) -> Any:
+        style = given.get(f"{section}.optim.lr_decay_style", "constant")
+        if not value or style in (None, "constant"):
+            return UNSET
+        if style == "cosine":
+            return value / given.get(f"{section}.optim.lr", VERL_LR[section])
+        raise RefusedValue(f"is where the {style} schedule ends, and reinforge's ends at 0 (its min_lr_ratio is the "
+                           "cosine schedule's floor); set it to 0 or use lr_decay_style=cosine")
+    return convert
+
+
+def _veomni_min_lr(section: str) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """VeOmni's floor of the cosine schedule (an absolute rate) as our min_lr_ratio."""
+    def convert(value: Any, given: Mapping[str, Any]) -> Any:
+        if not value or given.get(f"{section}.optim.lr_scheduler_type", "cosine") == "constant":
+            return UNSET
+        return value / given.get(f"{section}.optim.lr", VERL_LR[section])
+    return convert
+
+
+RATIO_CLIPPED_LOSSES = ("vanilla", "cispo", "gspo", None)
+"""Policy losses that clip the importance ratio to [1 - clip_ratio_low, 1 + clip_ratio_high]."""
+
+
+def _clip_ratio_low(value: Any, given: Mapping[str, Any]) -> Any:
+    """A lower bound at or below 0 never clips a ratio (a ratio is positive): verl's CISPO example passes 10 to
+    bound the weight above only. reinforge takes at most 1, which clips just as little."""
+    mode = given.get(f"{_ACTOR}.policy_loss.loss_mode")
+    if isinstance(value, int | float) and value > 1 and mode in RATIO_CLIPPED_LOSSES:
+        return 1.0
+    return value
+
+
+def _clip_low_note(value: Any, given: Mapping[str, Any]) -> str:
+    if _clip_ratio_low(value, given) != value:
+        return f"1 - {value} is below 0, so no ratio is clipped from below, as with 1"
+    return ""
+
+
+def _device(value: Any, given: Mapping[str, Any]) -> Any:
+    if value in ("cuda", "cpu", "auto"):
+        return value
+    raise RefusedValue("is not a device reinforge trains on; it runs on CUDA GPUs (trainer.device=cuda, the default "
+                       "when one is present) or the CPU: leave the key out or pass cuda")
 
 
 def _truncation(value: Any, given: Mapping[str, Any]) -> Any:
@@ -403,6 +468,14 @@ HYDRA_TARGET = NoEquivalent("the class Hydra builds this section with; reinforge
 MEGATRON = NoEquivalent("a setting of verl's Megatron backend; reinforge shards every model with FSDP2 over all "
                         "devices of its role (no tensor, pipeline, expert or context parallelism)")
 QAT = NoEquivalent("reinforge has no quantization-aware training")
+CHAT_TEMPLATE_KWARGS = ("reinforge renders prompts with the chat template alone, without template variables; leave "
+                        "the key out where its value is the template's own default (gpt-oss's reasoning_effort=medium), "
+                        "or write the prompt it asks for into a template passed as "
+                        "actor_rollout_ref.model.custom_chat_template")
+VEOMNI = NoEquivalent("a setting of verl's VeOmni backend; reinforge shards every model with FSDP2 over all devices "
+                      "of its role (no sequence or expert parallelism)")
+VERL_ENGINES = ("verl's dp (FSDP), megatron and veomni engines train the same model as reinforge's FSDP2 engine, "
+                "which has none of their parallel layouts; another engine has no translation: use model_engine=dp")
 DISTILLATION = NoEquivalent("reinforge has no on-policy distillation from a teacher model")
 SKIP_ROLLOUT = NoEquivalent("reinforge always generates; it has no dumped-rollout replay")
 SANDBOX = NoEquivalent("set the SandboxFusion address on the code tools (rollout.multi_turn.tool_config_path)")
@@ -535,7 +608,7 @@ def _each(prefix: str, names: str, entry: Translation) -> dict[str, Translation]
 FSDP_DETAILS = ("wrap_policy.min_num_params reshard_after_forward fsdp_size forward_prefetch model_dtype "
                 "use_orig_params seed full_determinism entropy_from_logits_with_chunking use_torch_compile "
                 "entropy_checkpointing forward_only strategy dtype wrap_policy.transformer_layer_cls_to_wrap")
-ENGINE_KNOBS = ("mode dtype ignore_eos enforce_eager cudagraph_capture_sizes max_num_batched_tokens max_model_len "
+ENGINE_KNOBS = ("mode dtype enforce_eager cudagraph_capture_sizes max_num_batched_tokens max_model_len "
                 "max_num_seqs enable_chunked_prefill logprobs_mode scheduling_policy load_format "
                 "over_sample_rate multi_stage_wake_up skip_rollout skip_dump_dir skip_tokenizer_init "
                 "enable_rollout_routing_replay mtp layered_summon "
@@ -600,7 +673,8 @@ VERL_KEYS: dict[str, Translation] = {
     "data.sampler.*": NoEquivalent("prompts are drawn in a seeded shuffled order (data.shuffle, data.seed); "
                                    "there are no curriculum samplers"),
     "data.datagen.*": NoEquivalent("reinforge has no dynamic data generation"),
-    "data.apply_chat_template_kwargs": NoEquivalent("set data.chat_template to a template instead"),
+    "data.apply_chat_template_kwargs": Refused(({}, None), CHAT_TEMPLATE_KWARGS),
+    "data.apply_chat_template_kwargs.*": Refused((), CHAT_TEMPLATE_KWARGS),
     "data.tool_config_path": Rename("rollout.multi_turn.tool_config_path", _unset_if(None)),
     "data.image_key": Rename("data.image_key", _unset_if("images")),
     "data.video_key": MULTIMODAL,
@@ -669,7 +743,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ACTOR}.kl_loss_coef": Rename("actor.kl_loss_coef"),
     f"{_ACTOR}.kl_loss_type": Rename("actor.kl_loss_type"),
     f"{_ACTOR}.clip_ratio": Rename("actor.policy_loss.clip_ratio"),
-    f"{_ACTOR}.clip_ratio_low": Rename("actor.policy_loss.clip_ratio_low"),
+    f"{_ACTOR}.clip_ratio_low": Rename("actor.policy_loss.clip_ratio_low", _clip_ratio_low, note=_clip_low_note),
     f"{_ACTOR}.clip_ratio_high": Rename("actor.policy_loss.clip_ratio_high"),
     f"{_ACTOR}.clip_ratio_c": Rename("actor.policy_loss.clip_ratio_c"),
     f"{_ACTOR}.tau_pos": Rename("actor.policy_loss.tau_pos"),
@@ -756,6 +830,7 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.data_parallel_size": PARALLELISM,
     f"{_ROLLOUT}.expert_parallel_size": PARALLELISM,
     f"{_ROLLOUT}.pipeline_model_parallel_size": PARALLELISM,
+    f"{_ROLLOUT}.moe_tensor_parallel_size": PARALLELISM,
     **{f"{_ROLLOUT}.multi_turn.{name}": Rename(f"rollout.multi_turn.{name}")
        for name in ("tool_config_path", "format", "max_assistant_turns", "max_user_turns", "max_parallel_calls",
                     "tool_response_truncate_side")},
@@ -774,6 +849,9 @@ VERL_KEYS: dict[str, Translation] = {
     f"{_ROLLOUT}.prometheus.*": PROFILING,
     f"{_ROLLOUT}.disable_log_stats": PROFILING,
     **_each(_ROLLOUT, ENGINE_KNOBS, ENGINE_KNOB),
+    f"{_ROLLOUT}.ignore_eos": Refused((False, None), "reinforge's rollout ends a response at the model's end of "
+                                                     "sequence; generating past it to the length limit has no "
+                                                     "equivalent"),
     f"{_ROLLOUT}.engine_kwargs.vllm.kv_cache_dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
     f"{_ROLLOUT}.engine_kwargs.sglang.kv_cache_dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
     f"{_ROLLOUT}.engine_kwargs.trtllm.kv_cache_config.dtype": Rename("rollout.kv_cache_dtype", _kv_cache_dtype),
@@ -887,7 +965,7 @@ VERL_KEYS: dict[str, Translation] = {
     "trainer.logger": Rename("trainer.loggers", _loggers),
     "trainer.nnodes": Rename("trainer.nnodes"),
     "trainer.n_gpus_per_node": Rename("trainer.devices_per_node"),
-    "trainer.device": Rename("trainer.device"),
+    "trainer.device": Rename("trainer.device", _device),
     "trainer.save_freq": Rename("trainer.save_every", _unset_if(-1, 0, None),
                                 note="reinforge also saves at the end"),
     "trainer.test_freq": Rename("trainer.test_every", _unset_if(-1, 0, None),
@@ -915,6 +993,8 @@ VERL_KEYS: dict[str, Translation] = {
     # ---- the rest of verl's config
     "global_profiler.*": PROFILING,
     "ray_kwargs.*": RAY_DETAIL,
+    "hydra.*": NoEquivalent("a setting of Hydra itself (its output folder, job name, logging); reinforge writes its "
+                            "run to trainer.output_dir"),
     "transfer_queue.*": NoEquivalent("batches go straight from the controller to the workers"),
     # ---- verl's Megatron trainer (--config-name=ppo_megatron_trainer)
     f"{_ACTOR}.megatron.param_offload": Rename("actor.param_offload", _only_if_true),
@@ -926,6 +1006,33 @@ VERL_KEYS: dict[str, Translation] = {
     "critic.megatron.optimizer_offload": Rename("critic.optimizer_offload", _only_if_true),
     "critic.megatron.*": MEGATRON,
     **{f"{section}.optim.{name}": MEGATRON for section in (_ACTOR, "critic") for name in MEGATRON_OPTIM.split()},
+    **{f"{section}.optim.lr_decay_style": Rename(f"{ours}.optim.schedule", _megatron_schedule)
+       for section, ours in ((_ACTOR, "actor"), ("critic", "critic"))},
+    **{f"{section}.optim.min_lr": Rename(f"{ours}.optim.min_lr_ratio", _megatron_min_lr(section))
+       for section, ours in ((_ACTOR, "actor"), ("critic", "critic"))},
+    # ---- verl's VeOmni engine (model_engine=veomni)
+    "model_engine": Refused(("dp", "megatron", "veomni", None), VERL_ENGINES),
+    **{f"{section}.veomni.{name}": Rename(f"{ours}.{name}", _only_if_true)
+       for section, ours in ((_ACTOR, "actor"), ("critic", "critic")) for name in ("param_offload", "optimizer_offload")},
+    f"{_REF}.veomni.param_offload": Rename("ref.param_offload", _only_if_true),
+    **{f"{section}.veomni.*": VEOMNI for section in (_ACTOR, _REF, "critic")},
+    **{f"{section}.optim.lr_min": Rename(f"{ours}.optim.min_lr_ratio", _veomni_min_lr(section))
+       for section, ours in ((_ACTOR, "actor"), ("critic", "critic"))},
+    **{f"{section}.optim.{name}": Refused((default, None), reason) for section in (_ACTOR, "critic")
+       for name, default, reason in (
+           ("lr_start", 0, "reinforge's warmup rises from 0 (VeOmni's lr_start=0)"),
+           ("lr_decay_ratio", 1, "reinforge's schedule decays over every step after warmup (VeOmni's "
+                                 "lr_decay_ratio=1)"))},
+    # ---- verl's TorchTitan engine (model_engine=torchtitan, refused above: it decays the learning rate linearly)
+    **{f"{section}.torchtitan.*": NoEquivalent("a setting of verl's TorchTitan backend; reinforge shards every model "
+                                               "with FSDP2 over all devices of its role")
+       for section in (_ACTOR, _REF, "critic")},
+    **{f"{section}.optim.eps": Rename(f"{ours}.optim.eps") for section, ours in ((_ACTOR, "actor"), ("critic", "critic"))},
+    **{f"{section}.optim.name": OPTIMIZER for section in (_ACTOR, "critic")},
+    **{f"{section}.optim.{name}": Refused((None,), "a schedule setting of verl's TorchTitan engine, which reinforge "
+                                                   "has no translation for; translate the command with model_engine=dp")
+       for section in (_ACTOR, "critic") for name in ("decay_type", "min_lr_factor")},
+    f"{_REF}.optim.*": NoEquivalent("the reference model is not trained"),
     "critic.nccl_timeout": RAY_DETAIL,
     # ---- keys verl 0.9.1 added
     f"{_MODEL}.lora.rank": Rename("model.lora.rank", _unset_if(None, 0)),
@@ -988,7 +1095,8 @@ VERL_KEYS: dict[str, Translation] = {
     "sandbox_fusion.*": SANDBOX,
     "algorithm.filter_groups.max_inflight_gen_batches": NoEquivalent(
         "generation batches are drawn one at a time up to algorithm.filter_groups.max_num_gen_batches"),
-    "distillation.enabled": SameAsOurs((False, None), DISTILLATION.reason),
+    "distillation.enabled": Refused((False, None), f"{DISTILLATION.reason}; leave distillation.* out to train on "
+                                                   "the task's rewards alone"),
     "distillation.*": DISTILLATION,
     "trainer.checkpoint_callback_class": NoEquivalent("reinforge's checkpoints have no callback hook"),
     "trainer.use_v1": SameAsOurs((False, None), TRAINER_V1.reason),
@@ -1015,6 +1123,12 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
         if given.get(f"{buffer}.enable") is True and f"{buffer}.penalty_factor" not in given:
             implied.append(("reward.overlong_buffer.penalty_factor", 0.0,
                             f"the DAPO recipe's {buffer}.penalty_factor is 0 when the command leaves it out"))
+    if given.get("model_engine") == "veomni":  # its optim.yaml decays on a cosine, the others keep lr constant
+        with_critic = given.get("critic.enable") is True or given.get("algorithm.adv_estimator", "gae") == "gae"
+        for section, ours in ((_ACTOR, "actor"), *((("critic", "critic"),) if with_critic else ())):
+            if not {f"{section}.optim.lr_scheduler_type", f"{section}.optim.warmup_style"} & set(given):
+                implied.append((f"{ours}.optim.schedule", "cosine", f"verl's VeOmni engine decays {ours}'s learning "
+                                "rate on a cosine when the command leaves optim.lr_scheduler_type out"))
     implied.append(("actor.router_aux_loss_coef", 0.0,
                     "verl's actor adds no router load-balancing loss to a mixture of experts' policy loss, "
                     "whatever its config's output_router_logits says"))

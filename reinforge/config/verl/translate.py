@@ -115,6 +115,10 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
             if option in ("--config-name", "-cn"):
                 from_config_file = config_file_settings(option, value)
             continue
+        if word.lstrip("+").startswith("hydra.searchpath") or "@" in word.split("=", 1)[0]:
+            raise ConfigError(f"{word} (verl command line) makes Hydra read another config file (a package's own "
+                              "engine, as Megatron Lite's), which reinforge cannot translate; leave it out with the "
+                              "keys that file defines, or translate the command as verl's own engines run it")
         if word.startswith("~"):
             raise ConfigError(f"{word!r} (verl command line) deletes a key, which has no meaning here; leave it out")
         if "=" not in word:
@@ -182,6 +186,12 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _unknown_key(key: str) -> ConfigError:
     exact = [name for name in VERL_KEYS if not name.endswith(".*")]
+    parts = key.split(".")
+    above = next((".".join([*parts[:length], parts[-1]]) for length in range(len(parts) - 2, -1, -1)
+                  if ".".join([*parts[:length], parts[-1]]) in exact), None)
+    if above is not None:  # verl's SAPO examples pass +actor_rollout_ref.actor.policy_loss.tau_pos, verl reads actor's
+        return ConfigError(f"{key} (verl command line) is not a verl key (verl's config has no such field either); "
+                           f"the setting is verl's {above}: pass {above}=... instead")
     close = difflib.get_close_matches(key, exact, n=1, cutoff=0.6)
     ours = _our_name_for(key)
     if ours is not None:  # one of reinforge's settings written into verl's section (+actor_rollout_ref.actor.router_...)

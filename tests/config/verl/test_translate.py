@@ -608,3 +608,70 @@ def test_one_of_our_settings_written_into_verls_section_names_ours(word, ours):
     message = str(refusal.value)
     assert f"reinforge's own {ours} has this name: pass {ours}=... after --" in message
     assert "did you mean" not in message and "\n" not in message
+
+
+def _refusal(words: list[str]) -> str:
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl(words)
+    assert "\n" not in str(refusal.value)
+    return str(refusal.value)
+
+
+@pytest.mark.parametrize("words, start, says", [
+    (["actor_rollout_ref.rollout.ignore_eos=True"], "actor_rollout_ref.rollout.ignore_eos=true", "end of sequence"),
+    (["model_engine=torchtitan"], "model_engine=torchtitan", "use model_engine=dp"),
+    (["actor_rollout_ref.actor.optim.lr_decay_style=WSD"], "actor_rollout_ref.actor.optim.lr_decay_style=WSD",
+     "constant, cosine or linear"),
+    (["actor_rollout_ref.actor.optim.lr_decay_style=linear", "actor_rollout_ref.actor.optim.min_lr=1e-7"],
+     "actor_rollout_ref.actor.optim.min_lr=1.0e-07", "ends at 0"),
+    (["actor_rollout_ref.actor.optim.lr_start=1e-7"], "actor_rollout_ref.actor.optim.lr_start=1.0e-07", "from 0"),
+    (["+data.apply_chat_template_kwargs.enable_thinking=False"], "data.apply_chat_template_kwargs.enable_thinking=false",
+     "custom_chat_template"),
+    (["trainer.device=npu"], "trainer.device=npu", "leave the key out or pass cuda"),
+    (["actor@actor_rollout_ref.actor=mlite_actor"], "actor@actor_rollout_ref.actor=mlite_actor", "another config file"),
+    (["+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"], "actor_rollout_ref.actor.policy_loss.tau_pos (verl command",
+     "pass actor_rollout_ref.actor.tau_pos=... instead"),
+    (["actor_rollout_ref.actor.model_engine=megatron"], "actor_rollout_ref.actor.model_engine (verl command",
+     "pass model_engine=... instead"),
+])
+def test_a_verl_setting_that_would_change_the_run_stops_naming_it_and_the_fix(words, start, says):
+    message = _refusal(words)
+    assert message.startswith(start) and says in message, message
+
+
+def test_hydras_own_output_settings_are_reported_and_its_search_path_refused():
+    translation = translate_verl(["hydra.run.dir=outputs/run", "algorithm.adv_estimator=grpo"])
+    assert [line.verl_key for line in translation.no_equivalent] == ["hydra.run.dir"]
+    assert "another config file" in _refusal(["hydra.searchpath=[pkg://verl_mlite.config]"])
+
+
+def test_verls_megatron_and_veomni_schedules_become_ours():
+    """Megatron's engine decays by lr_decay_style to min_lr; VeOmni's by lr_scheduler_type, cosine unless given."""
+    megatron = load_config(None, tree=translate_verl([
+        "model_engine=megatron", "actor_rollout_ref.actor.optim.lr=2e-6",
+        "actor_rollout_ref.actor.optim.lr_decay_style=cosine", "actor_rollout_ref.actor.optim.min_lr=2e-7"]).tree)
+    assert megatron.actor.optim.schedule == "cosine" and megatron.actor.optim.min_lr_ratio == pytest.approx(0.1)
+    constant = translate_verl(["model_engine=megatron", "actor_rollout_ref.actor.optim.min_lr=1e-6"]).tree
+    assert "optim" not in constant.get("actor", {})  # a constant schedule never reaches min_lr
+    veomni = load_config(None, tree=translate_verl([
+        "model_engine=veomni", "algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.optim.lr_min=1e-7"]).tree)
+    assert veomni.actor.optim.schedule == "cosine" and veomni.actor.optim.min_lr_ratio == pytest.approx(0.1)
+    assert veomni.critic.optim.schedule == "constant"  # GRPO trains no critic
+    given = translate_verl(["model_engine=veomni", "actor_rollout_ref.actor.optim.lr_scheduler_type=constant"]).tree
+    assert "optim" not in given.get("actor", {})
+
+
+def test_veomnis_ulysses_size_multiplies_the_per_device_token_budget():
+    tree = translate_verl(["model_engine=veomni", "actor_rollout_ref.actor.veomni.ulysses_parallel_size=4",
+                           "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+                           "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=8192"]).tree
+    assert tree["actor"]["max_tokens_per_micro_batch"] == tree["ref"]["max_tokens_per_micro_batch"] == 32768
+
+
+@pytest.mark.parametrize("loss_mode, ours", [("cispo", 1.0), ("vanilla", 1.0), ("geo_mean", 10)])
+def test_a_lower_clip_bound_below_zero_is_one_for_a_ratio_clipped_loss(loss_mode, ours):
+    """1 - clip_ratio_low <= 0 never clips a positive ratio; geo_mean clips the log-ratio, where 10 is a bound."""
+    translation = translate_verl([f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+                                  "actor_rollout_ref.actor.clip_ratio_low=10"])
+    assert translation.tree["actor"]["policy_loss"]["clip_ratio_low"] == ours
+    check_config(load_config(None, tree=translation.tree))

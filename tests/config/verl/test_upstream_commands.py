@@ -148,6 +148,12 @@ EXPECTED = {
     "dapo_qwen3_8b_reward_section": {"reward.overlong_buffer.enable": True, "data.max_response_length": 20480},
     "qwen2_5_vl_lora": {"model.lora.rank": 64, "actor.freeze_vision_tower": True},
     "multi_turn_qwen3": {"rollout.multi_turn.tool_config_path": "/tools.yaml", "rollout.n": 16},
+    "qwen3_8b_megatron_engine": {"rollout.n": 5, "actor.max_tokens_per_micro_batch": 24576,
+                                 "actor.optim.schedule": "constant", "trainer.backend": "ray"},
+    "qwen3_30b_veomni": {"actor.optim.schedule": "cosine", "actor.param_offload": True, "actor.optimizer_offload": True,
+                         "ref.param_offload": True, "ref.max_tokens_per_micro_batch": 30720, "trainer.total_steps": 100},
+    "cispo_qwen3_8b": {"actor.policy_loss.loss_mode": "cispo", "actor.policy_loss.clip_ratio_low": 1.0,
+                       "actor.policy_loss.clip_ratio_high": 0.2},
 }
 
 
@@ -184,4 +190,4 @@ def test_a_verl_command_that_would_train_something_else_stops_in_one_line(name):
     _, text, key = REFUSED[name]
     with pytest.raises(ConfigError) as refusal:
         translate_verl(shlex.split(text.format(**FAKE_PATHS)))
-    assert str(refusal.value).startswith(f"{key}=") and "\n" not in str(refusal.value)
+    assert str(refusal.value).startswith((f"{key}=", f"{key} (verl command line)")) and "\n" not in str(refusal.value)

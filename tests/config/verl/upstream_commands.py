@@ -1,7 +1,8 @@
 """verl command lines as verl's examples and recipes write them (volcengine/verl 0.9.1, verl-recipe), as test data.
 
 ``COMMANDS`` (nine) train two steps here; ``TRANSLATED`` and ``REFUSED`` (the Gemma, Mistral, DeepSeek-V3, Qwen3,
-Qwen3-MoE, GSPO, DAPO, reward-model, LoRA, vision-language and multi-turn scripts) are translated only.
+Qwen3-MoE, GSPO, DAPO, reward-model, LoRA, vision-language and multi-turn scripts, and verl 0.9.1's Megatron and
+VeOmni engine, CISPO, SAPO, distillation, gpt-oss, Megatron Lite and Ascend ones) are translated only.
 
 Each is the list of words the script passes to ``python3 -m verl.trainer.main_ppo``, its shell
 variables substituted, with only these changed: the model, data, tool-config, reward-function and
@@ -569,6 +570,157 @@ data.val_files={VAL} actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOL
 """
 
 
+QWEN3_8B_MEGATRON_ENGINE = """
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False data.train_files="['{TRAIN}', '{TRAIN}']"
+data.val_files="['{VAL}', '{VAL}']" data.train_batch_size=1024 data.max_prompt_length=1024
+data.max_response_length=2048 data.filter_overlong_prompts=True data.truncation='error'
+actor_rollout_ref.model.path="{MODEL}" actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=256
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24576
+actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=24576
+actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2 actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=2
+trainer.balance_batch=True trainer.logger='["console","wandb"]' trainer.project_name=verl_grpo_gsm8k_math
+trainer.experiment_name=qwen3_8b_vllm_megatron trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=20
+trainer.test_freq=5 trainer.total_epochs=15 model_engine=megatron
+ray_kwargs.ray_init.runtime_env.py_executable="uv -v run --frozen --all-packages --extra vllm --extra megatron"
+"""
+
+QWEN3_30B_VEOMNI = """
+algorithm.use_kl_in_reward=False algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL}
+data.train_batch_size=16 data.max_prompt_length=2048 data.max_response_length=8192 data.filter_overlong_prompts=False
+data.truncation='error' actor_rollout_ref.model.path={MODEL} actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.veomni.param_offload=True actor_rollout_ref.actor.veomni.optimizer_offload=True
+actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.actor.use_torch_compile=False actor_rollout_ref.actor.veomni.fsdp_size=-1
+actor_rollout_ref.actor.veomni.expert_parallel_size=1 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10240
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1 actor_rollout_ref.rollout.data_parallel_size=8
+actor_rollout_ref.rollout.expert_parallel_size=8 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720
+actor_rollout_ref.rollout.gpu_memory_utilization=0.7 actor_rollout_ref.rollout.enable_chunked_prefill=True
+actor_rollout_ref.rollout.enable_prefix_caching=True actor_rollout_ref.rollout.max_model_len=10240
+actor_rollout_ref.rollout.max_num_batched_tokens=1024 actor_rollout_ref.rollout.max_num_seqs=128
+actor_rollout_ref.rollout.enforce_eager=False actor_rollout_ref.rollout.free_cache_engine=True
+actor_rollout_ref.rollout.n=4
++actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_capture_sizes="[1, 8, 16, 32, 40, 48, 64, 96, 128, 256]"
++actor_rollout_ref.rollout.engine_kwargs.vllm.mm_processor_cache_gb=0 actor_rollout_ref.ref.veomni.param_offload=True
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1 actor_rollout_ref.ref.veomni.param_offload=True
+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720 +trainer.use_legacy_worker_impl=disable
+trainer.critic_warmup=0 trainer.logger=console trainer.project_name=verl_qwen3_veomni
+trainer.experiment_name=qwen3_30b_veomni trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.save_freq=100
+trainer.default_local_dir={RUN} trainer.test_freq=-1 trainer.total_training_steps=100 model_engine=veomni
+"""
+
+CISPO_QWEN3_8B = """
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False data.train_files="['{TRAIN}', '{TRAIN}']"
+data.val_files="['{VAL}', '{VAL}']" data.train_batch_size=1024 data.max_prompt_length=1024
+data.max_response_length=2048 data.filter_overlong_prompts=True data.truncation='error'
+actor_rollout_ref.model.path="{MODEL}" actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.policy_loss.loss_mode=cispo
+actor_rollout_ref.actor.clip_ratio_low=10 actor_rollout_ref.actor.clip_ratio_high=0.2 actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=256 actor_rollout_ref.actor.use_dynamic_bsz=True
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.fsdp_config.param_offload=False
+actor_rollout_ref.actor.fsdp_config.optimizer_offload=False actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.tensor_model_parallel_size=2 actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+actor_rollout_ref.rollout.n=5 actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24576 actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=24576 actor_rollout_ref.ref.fsdp_config.param_offload=True
+trainer.balance_batch=True trainer.critic_warmup=0 trainer.logger='["console","wandb"]'
+trainer.project_name=verl_cispo_gsm8k_math trainer.experiment_name=qwen3_8b_vllm_fsdp trainer.n_gpus_per_node=8
+trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=5 trainer.total_epochs=15
+ray_kwargs.ray_init.runtime_env.py_executable="uv -v run --frozen --all-packages --extra vllm --extra fsdp"
+"""
+
+OPD_QWEN3_8B = """
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False data.train_files="['{TRAIN}', '{TRAIN}']"
+data.val_files="['{VAL}', '{VAL}']" data.train_batch_size=128 data.max_prompt_length=1024
+data.max_response_length=2048 data.filter_overlong_prompts=True data.truncation='error' data.shuffle=False
+actor_rollout_ref.model.path="{MODEL}" actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.use_torch_compile=True
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=128
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=24576
+actor_rollout_ref.actor.fsdp_config.param_offload=True actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.gpu_memory_utilization=0.4 actor_rollout_ref.rollout.n=1
+actor_rollout_ref.rollout.max_model_len=3073 actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=24576 trainer.balance_batch=True
+trainer.logger='["console","wandb"]' trainer.project_name=verl_distill_gsm8k_math
+trainer.experiment_name=qwen3_8b_from_qwen3_32b_vllm_fsdp trainer.n_gpus_per_node=8 trainer.nnodes=1
+trainer.val_before_train=False trainer.save_freq=200 trainer.test_freq=5 trainer.total_epochs=15 distillation.enabled=True
+distillation.n_gpus_per_node=4 distillation.nnodes=1 distillation.teacher_models.teacher_model.model_path=Qwen/Qwen3-32B
+distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=2
+distillation.teacher_models.teacher_model.inference.name=vllm
+distillation.teacher_models.teacher_model.inference.gpu_memory_utilization=0.4
+distillation.teacher_models.teacher_model.inference.max_model_len=3073 distillation.distillation_loss.loss_mode=k1
+distillation.distillation_loss.topk=64 distillation.distillation_loss.use_task_rewards=False
+distillation.distillation_loss.use_policy_gradient=True distillation.distillation_loss.loss_max_clamp=10.0
+distillation.distillation_loss.log_prob_min_clamp=-10.0
+"""
+
+SAPO_QWEN3_8B = """
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False data.train_files="['{TRAIN}', '{TRAIN}']"
+data.val_files="['{VAL}', '{VAL}']" data.train_batch_size=256 data.max_prompt_length=2048
+data.max_response_length=8192 data.filter_overlong_prompts=True data.truncation='error'
+actor_rollout_ref.model.path="{MODEL}" actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.policy_loss.loss_mode=sapo
++actor_rollout_ref.actor.policy_loss.tau_pos=1.0 +actor_rollout_ref.actor.policy_loss.tau_neg=1.05
+actor_rollout_ref.actor.strategy=fsdp2 actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=64
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.actor.fsdp_config.param_offload=True actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.gpu_memory_utilization=0.7 actor_rollout_ref.rollout.n=16
+trainer.logger='["console","wandb"]' trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.total_epochs=10
+"""
+
+GPT_OSS_20B = """
+algorithm.adv_estimator=grpo data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=256
+data.max_prompt_length=512 data.max_response_length=8192 data.filter_overlong_prompts=True data.truncation='error'
++data.apply_chat_template_kwargs.reasoning_effort=medium algorithm.use_kl_in_reward=False
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.model.enable_gradient_checkpointing=True actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=256 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32
+actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001
+actor_rollout_ref.actor.kl_loss_type=low_var_kl actor_rollout_ref.actor.entropy_coeff=0
+actor_rollout_ref.rollout.name=sglang actor_rollout_ref.rollout.n=5 trainer.n_gpus_per_node=8 trainer.nnodes=1
+"""
+
+QWEN3_5_MEGATRON_LITE = """
+hydra.searchpath=[pkg://verl_mlite.config] algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False
+data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=32 data.max_prompt_length=1024
+data.max_response_length=2048 actor_rollout_ref.model.path={MODEL} actor@actor_rollout_ref.actor=mlite_actor
+actor_rollout_ref.actor.engine.tp=1 actor_rollout_ref.actor.engine.ep=8 actor_rollout_ref.actor.engine.cp=8
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=5 trainer.n_gpus_per_node=8 trainer.nnodes=1
+"""
+
+QWEN3_NEXT_80B_NPU = """
+data.train_files={TRAIN} data.val_files={VAL} data.train_batch_size=16 data.max_prompt_length=2048
+data.max_response_length=20480 data.truncation='error' actor_rollout_ref.actor.strategy=fsdp2
+actor_rollout_ref.nccl_timeout=14400 actor_rollout_ref.actor.fsdp_config.param_offload=True
+actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2816
+actor_rollout_ref.actor.ulysses_sequence_parallel_size=8 actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=16
+trainer.logger='["console"]' trainer.n_gpus_per_node=16 trainer.nnodes=4 trainer.total_epochs=1 trainer.device=npu
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False actor_rollout_ref.model.path={MODEL}
+"""
+
+ROUTER_REPLAY_MEGATRON = """
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False data.train_files={TRAIN} data.val_files={VAL}
+data.train_batch_size=3 data.max_prompt_length=512 data.max_response_length=512 actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.actor.strategy=megatron actor_rollout_ref.actor.model_engine=megatron
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=3 actor_rollout_ref.rollout.n=8
+actor_rollout_ref.actor.megatron.router_replay.mode=R3 trainer.n_gpus_per_node=8 trainer.nnodes=6
+"""
+
 TRANSLATED = {
     "gemma_ppo": ("examples/ppo_trainer/run_gemma.sh", GEMMA_PPO),
     "mistral_reward_model": ("examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh", MISTRAL_REWARD_MODEL),
@@ -583,11 +735,27 @@ TRANSLATED = {
     "dapo_qwen3_8b_reward_section": ("verl-recipe dapo/run_dapo_qwen3_8b_base_npu.sh", DAPO_QWEN3_8B_REWARD_SECTION),
     "qwen2_5_vl_lora": ("examples/grpo_trainer/run_qwen2_5_vl-7b_lora.sh", QWEN2_5_VL_LORA),
     "multi_turn_qwen3": ("examples/sglang_multiturn/run_qwen3-4b_gsm8k_multiturn.sh", MULTI_TURN_QWEN3),
+    "qwen3_8b_megatron_engine": ("examples/grpo_trainer/run_qwen3_8b_megatron.sh", QWEN3_8B_MEGATRON_ENGINE),
+    "qwen3_30b_veomni": ("examples/grpo_trainer/run_qwen3_30b_veomni.sh", QWEN3_30B_VEOMNI),
+    "cispo_qwen3_8b": ("examples/cispo_trainer/run_qwen3_8b_fsdp.sh", CISPO_QWEN3_8B),
 }
 """name -> (the script it comes from, its words): commands that translate."""
 
 REFUSED = {
     "lora_from_adapter": ("examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora_from_adapter.sh", LORA_FROM_ADAPTER,
                           "actor_rollout_ref.model.lora_adapter_path"),
+    "on_policy_distillation": ("examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh", OPD_QWEN3_8B,
+                               "distillation.enabled"),
+    "sapo_tau_under_policy_loss": ("examples/sapo_trainer/run_qwen3_8b_fsdp.sh", SAPO_QWEN3_8B,
+                                   "actor_rollout_ref.actor.policy_loss.tau_pos"),
+    "gpt_oss_reasoning_effort": ("examples/grpo_trainer/run_gpt_oss_20b_fsdp.sh", GPT_OSS_20B,
+                                 "data.apply_chat_template_kwargs.reasoning_effort"),
+    "megatron_lite": ("examples/grpo_trainer/run_qwen3_5_35b_megatron_lite.sh", QWEN3_5_MEGATRON_LITE,
+                      "hydra.searchpath"),
+    "ascend_npu": ("examples/ascend_extras/grpo_trainer/run_qwen3_next_80b_fsdp.sh", QWEN3_NEXT_80B_NPU,
+                   "trainer.device"),
+    "model_engine_under_actor": ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh", ROUTER_REPLAY_MEGATRON,
+                                 "actor_rollout_ref.actor.model_engine"),
 }
-"""name -> (the script, its words, the key the translation stops at in one line)."""
+"""name -> (the script, its words, the key the translation stops at in one line). All but the first two are
+shortened to the words that matter beside the refused one."""
