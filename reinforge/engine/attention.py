@@ -53,7 +53,11 @@ def use_varlen_attention(model: nn.Module) -> None:
     choose_factors_per_sequence(model)  # LongRoPE: a short sequence packed beside a long one keeps its factors
 
 
-def restore_own_attention(model: nn.Module) -> None:
+OWN_ATTENTION_WHY = "_reinforge_own_attention_why"
+"""Why ``restore_own_attention`` gave the model its own implementation back (the training path line says it)."""
+
+
+def restore_own_attention(model: nn.Module, why: str) -> None:
     """Give ``model`` back the attention implementation it had before ``use_varlen_attention``.
 
     For a model whose modules compute attention themselves, never calling an attention function of transformers'
@@ -64,6 +68,7 @@ def restore_own_attention(model: nn.Module) -> None:
     own = getattr(model, OWN_ATTENTION, None)
     if own is not None and own != NAME:
         model.set_attn_implementation(own)
+        setattr(model, OWN_ATTENTION_WHY, why)
 
 
 def _note_mask_only_windows(model: nn.Module) -> None:

@@ -126,7 +126,7 @@ def packs_rows(model: nn.Module) -> bool:
                       attention_mask=_no_mask(config, device), use_cache=False, **probe)
             known = calls.packed > 0 and calls.unpacked == 0
             if calls.packed == calls.unpacked == 0:  # attention in its own classes: its own masks too
-                restore_own_attention(model)
+                restore_own_attention(model, "its modules call no attention function of transformers' table")
         except Exception:  # noqa: BLE001 (layers that take no packed row at all: padded rows)
             # Mamba's mixer reads the mask as padding; a model that fails padded too is refused by its probe
             known = False

@@ -309,12 +309,12 @@ def describe_training_path(model: nn.Module, device: torch.device) -> str:
     if getattr(model, PACKS_ROWS, True) is False:
         compiled = ("decoder layers compiled" if device.type == "cuda" and _compilable(model)
                     else "decoder layers eager")
-        from reinforge.engine.attention import NAME
+        from reinforge.engine.attention import NAME, OWN_ATTENTION_WHY
 
         own = getattr(getattr(model, "config", None), "_attn_implementation", NAME)
-        why = (f"it keeps its own {own} attention, for which transformers writes it (reinforge's varlen attention "
-               "computed other probabilities)" if own != NAME else "its layers cannot keep packed sequences apart "
-               "(its attention does not take reinforge's varlen arguments, or state runs along the row)")
+        why = (f"it keeps its own {own} attention ({getattr(model, OWN_ATTENTION_WHY, 'as transformers loads it')})"
+               if own != NAME else "its layers cannot keep packed sequences apart (its attention does not take "
+               "reinforge's varlen arguments, or state runs along the row)")
         return (f"training passes of {model_type}: transformers modules for {model_type} over padded rows, not packed "
                 f"ones: {why}; no fused kernels, {compiled}, expect ~2-3x slower updates than a family of the table "
                 "(padding is computed, prompts are not shared)")
@@ -496,7 +496,7 @@ def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, 
     the arguments they pass (Inkling 2's position biases and sinks). One forward of two rows, one left-padded,
     through each implementation: where the log-probs differ, the model's own attention serves every pass.
     """
-    from reinforge.engine.attention import NAME, OWN_ATTENTION
+    from reinforge.engine.attention import NAME, OWN_ATTENTION, restore_own_attention
     from reinforge.engine.forward import PACKS_ROWS, build_position_ids
 
     own = getattr(model, OWN_ATTENTION, None)
@@ -521,6 +521,7 @@ def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, 
     if gap <= tolerance:
         model.set_attn_implementation(NAME)
         return
+    restore_own_attention(model, f"reinforge's varlen attention computed other probabilities ({gap:.3g} apart)")
     setattr(model, PACKS_ROWS, False)
     logger.info("%s (model_type=%r) computes other log-probs through packed varlen attention than through its own "
                 "%s attention (%.3g apart): it keeps its own, over padded rows (slower, more memory)",

@@ -496,7 +496,7 @@ def test_a_model_written_for_eager_attention_trains_on_its_own_forwards_probabil
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
     from reinforge.engine.fused import describe_training_path
 
-    assert "over padded rows, not packed ones: it keeps its own eager attention" in describe_training_path(
+    assert "over padded rows, not packed ones: it keeps its own eager attention (" in describe_training_path(
         model, torch.device("cpu"))
 
 
