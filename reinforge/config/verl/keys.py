@@ -615,13 +615,43 @@ ENGINE_KNOBS = ("mode dtype enforce_eager cudagraph_capture_sizes max_num_batche
                 "update_weights_bucket_megabytes max_loras max_lora_rank repetition_penalty")
 
 
+def _updates_per_step(section: str, given: Mapping[str, Any]) -> int:
+    """Optimizer steps of one training step in verl: its mini-batches (data.train_batch_size over the actor's
+    ppo_mini_batch_size, which the critic's defaults to, as reinforge's critic takes the actor's) times the epochs."""
+    batch = int(given.get("data.train_batch_size", 1024))
+    mini = int(given.get(f"{_ACTOR}.ppo_mini_batch_size", 256))
+    epochs = int(given.get(f"{section}.ppo_epochs", given.get(f"{_ACTOR}.ppo_epochs", 1)))
+    return max(1, batch // max(1, mini)) * max(1, epochs)
+
+
+def _warmup_steps(section: str) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """verl steps its learning-rate schedule once per training step, reinforge once per optimizer step: verl's
+    lr_warmup_steps training steps are that many times the optimizer steps of one."""
+    def convert(value: Any, given: Mapping[str, Any]) -> Any:
+        if value in (-1, None):
+            return UNSET
+        return int(value) * _updates_per_step(section, given)
+    return convert
+
+
+def _warmup_note(section: str) -> Callable[[Any, Mapping[str, Any]], str]:
+    def note(value: Any, given: Mapping[str, Any]) -> str:
+        updates = _updates_per_step(section, given)
+        if value in (-1, None) or updates == 1:
+            return ""
+        return (f"verl counts warmup in training steps, reinforge in optimizer steps: {value} x {updates} "
+                "(mini-batches x epochs of a step)")
+    return note
+
+
 def _optim(section: str, ours: str) -> dict[str, Translation]:
     """The optimizer keys of verl's actor or critic (``section``) onto ours (``ours``)."""
     return {
         f"{section}.optim.lr": Rename(f"{ours}.optim.lr"),
         f"{section}.optim.weight_decay": Rename(f"{ours}.optim.weight_decay"),
         f"{section}.optim.betas": Rename(f"{ours}.optim.betas"),
-        f"{section}.optim.lr_warmup_steps": Rename(f"{ours}.optim.warmup_steps", _unset_if(-1, None)),
+        f"{section}.optim.lr_warmup_steps": Rename(f"{ours}.optim.warmup_steps", _warmup_steps(section),
+                                                   note=_warmup_note(section)),
         f"{section}.optim.lr_warmup_steps_ratio": Rename(f"{ours}.optim.warmup_ratio"),
         f"{section}.optim.min_lr_ratio": Rename(f"{ours}.optim.min_lr_ratio", _unset_if(None)),
         f"{section}.optim.lr_scheduler_type": Rename(f"{ours}.optim.schedule", _schedule),

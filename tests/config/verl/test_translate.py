@@ -296,7 +296,8 @@ def test_verl_dapo_example_with_overlong_buffer_translates():
     # verl spreads a micro-batch of ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size (4) tokens over 4 GPUs
     assert config.ref.max_tokens_per_micro_batch == 4 * 30720 and config.actor.max_tokens_per_micro_batch == 4 * 20480
     assert (config.trainer.nnodes, config.trainer.devices_per_node, config.trainer.backend) == (8, 8, "ray")
-    assert config.data.truncation == "left" and config.actor.optim.warmup_steps == 10
+    # verl's 10 warmup steps are training steps of 512 / 32 mini-batches: 160 optimizer steps here
+    assert config.data.truncation == "left" and config.actor.optim.warmup_steps == 160
     reasons = {line.verl_key: line.reason for line in translation.no_equivalent}
     assert "rotary embeddings" in reasons["actor_rollout_ref.model.override_config.max_position_embeddings"]
     translated = {line.verl_key: line.our_key for line in translation.translated}
