@@ -77,7 +77,8 @@ def test_the_bench_counts_the_floor_by_the_runs_kv_cache_dtype():
 def test_fp8_is_refused_for_latent_attention():
     mla = ModelShape.from_hf_config(dict(
         model_type="deepseek_v2", vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=512, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32))
+        intermediate_size=512, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        num_experts_per_tok=6))
     with pytest.raises(ValueError, match=r"latent attention \(MLA\) keeps its compressed cache in the model dtype"):
         rollout_floor(mla, [0], [10], "fp8")
 
@@ -119,7 +120,8 @@ def test_latent_attention_reads_its_latent_and_rotary_key():
     # DeepSeek-V2-Lite's attention sizes: a 512-wide latent and a 64-wide rotary key per token and layer
     mla = ModelShape.from_hf_config(dict(
         model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, num_hidden_layers=27, num_attention_heads=16,
-        intermediate_size=10944, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+        intermediate_size=10944, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        num_experts_per_tok=6))
     assert rollout_floor(mla, [0], [100]).kv_bytes == 27 * (512 + 64) * 2 * sum(range(1, 100))
 
 
