@@ -126,8 +126,17 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
                               "actor_rollout_ref.rollout.n=5")
         key, raw = word.split("=", 1)
         key = key.strip().lstrip("+")
+        if not raw.strip() and _sets_a_value(key):
+            raise ConfigError(f"{word.strip()} (verl command line) has no value, as `{key}=$VAR` gives when the shell "
+                              "variable VAR is not set; set VAR or write the value, or leave the key out")
         _add(given, key, _parse_value(raw))
     return {**from_config_file, **given}  # the command's own keys win over its config file's, as in Hydra
+
+
+def _sets_a_value(verl_key: str) -> bool:
+    """True for a verl key whose value becomes one of our settings (or is checked against what reinforge does)."""
+    found = lookup(verl_key)
+    return found is not None and isinstance(found[1], (Rename, Refused))
 
 
 class _HydraValueLoader(yaml.SafeLoader):

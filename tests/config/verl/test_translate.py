@@ -368,6 +368,21 @@ def test_a_value_of_the_wrong_kind_fails_in_one_line_naming_the_key(word):
         translate_verl([word])
 
 
+@pytest.mark.parametrize("word", ["trainer.n_gpus_per_node=", "+trainer.nnodes=", "data.train_batch_size= ",
+                                  "actor_rollout_ref.actor.optim.lr=", "trainer.experiment_name="])
+def test_an_empty_value_of_an_unset_shell_variable_names_the_verl_word(word):
+    key = word.strip().lstrip("+").removesuffix("=")
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl(["actor_rollout_ref.rollout.n=4", word])
+    assert str(refusal.value).startswith(f"{word.strip()} (verl command line) has no value, as `{key}=$VAR` gives")
+
+
+def test_an_empty_value_of_a_key_without_equivalent_or_quoted_empty_is_not_refused():
+    translation = translate_verl(["actor_rollout_ref.rollout.tensor_model_parallel_size=",
+                                  "trainer.experiment_name=''"])
+    assert translation.tree["trainer"]["experiment_name"] == ""
+
+
 def test_null_device_counts_fail_in_the_config_check_not_in_the_translation():
     for word in ("trainer.nnodes=null", "trainer.n_gpus_per_node=null"):
         with pytest.raises(ConfigError, match=r"trainer\.(nnodes|devices_per_node)"):
