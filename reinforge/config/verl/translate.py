@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -285,6 +285,29 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
             _set(result.tree, target_key, value)
             result.translated.append(KeyLine(reason, None, target_key, value, implied=True))
     return result
+
+
+ONE_SAMPLE_IN_VERL = {
+    "grpo": "each sample's score is its advantage, as verl gives a group of one mean 0 and std 1",
+    "rloo": "each sample's score is its advantage, with no other sample to leave out",
+}
+"""What verl's group estimators do with one sample a prompt, where reinforge's refuse it."""
+
+
+def check_samples_per_prompt(translation: VerlTranslation, config: Config, needs_groups: Callable[[str], bool]) -> None:
+    """Refuse, naming verl's key, the one sample a prompt (verl's rollout.n default) of an estimator that compares
+    a prompt's samples (``needs_groups(name)``, from the estimators' registry), before reinforge's own check does
+    in terms of our rollout.n."""
+    line = next((line for line in translation.translated if line.our_key == "rollout.n"), None)
+    estimator = config.algorithm.adv_estimator
+    if line is None or config.rollout.n != line.our_value or config.rollout.n >= 2 or not needs_groups(estimator):
+        return
+    source = "verl's default; the command leaves it out" if line.from_verl_default else "verl command line"
+    verl_runs = ONE_SAMPLE_IN_VERL.get(estimator, "each prompt is a group of one")
+    raise ConfigError(f"actor_rollout_ref.rollout.n={config.rollout.n} ({source}) gives algorithm.adv_estimator="
+                      f"{estimator} one sample a prompt; verl runs it ({verl_runs}), reinforge's {estimator} compares "
+                      "samples of one prompt and needs 2 or more: pass actor_rollout_ref.rollout.n=N with N >= 2 "
+                      "(verl's GRPO examples use 5)")
 
 
 def _leaves(key: str, value: Any) -> list[str]:
