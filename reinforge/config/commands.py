@@ -18,12 +18,14 @@ from reinforge.config.loader import ConfigError, load_config
 from reinforge.config.schema import Config
 from reinforge.config.verl.translate import VerlTranslation, check_samples_per_prompt, translate_verl
 
-USAGE = ("usage: reinforge config from-verl VERL_KEY=VALUE ... [-o out.yaml]\n\n"
-         "Translates a verl PPO command line (the words after python3 -m verl.trainer.main_ppo) into a reinforge\n"
-         "YAML config, printing what each verl key became and why the others have no equivalent.")
-TRAIN_USAGE = ("usage: reinforge train --from-verl VERL_KEY=VALUE ... [-- a.b=c ...]\n\n"
-               "Trains with a verl PPO command line (the words after python3 -m verl.trainer.main_ppo), translated as\n"
-               "reinforge config from-verl prints it; reinforge's own a.b=c overrides go after --.")
+USAGE = ("usage: reinforge config from-verl [python3 -m MODULE] VERL_KEY=VALUE ... [-o out.yaml]\n\n"
+         "Translates a verl command line (the words after python3 -m verl.trainer.main_ppo, or the whole command\n"
+         "with verl's one-step-off or fully async trainer as MODULE) into a reinforge YAML config, printing what\n"
+         "each verl key became and why the others have no equivalent.")
+TRAIN_USAGE = ("usage: reinforge train --from-verl [python3 -m MODULE] VERL_KEY=VALUE ... [-- a.b=c ...]\n\n"
+               "Trains with a verl command line (the words after python3 -m verl.trainer.main_ppo, or the whole\n"
+               "command with verl's one-step-off or fully async trainer as MODULE), translated as reinforge config\n"
+               "from-verl prints it; reinforge's own a.b=c overrides go after --.")
 HELP_FLAGS = ("-h", "--help")
 
 
