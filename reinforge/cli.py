@@ -44,7 +44,7 @@ def _train(argv: list[str]) -> int:
             return 0
         from reinforge.tracking.backends import missing_backend_package
 
-        config = load_from_verl(argv[1:], missing_backend_package)
+        config = load_from_verl(argv[1:], missing_backend_package, _compares_a_prompts_samples)
     else:
         config_path, overrides = _config_arguments(
             argv, prog="reinforge train", description="Run RL training (GRPO, PPO, ...); "
@@ -311,11 +311,17 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _compares_a_prompts_samples(estimator: str) -> bool:
+    from reinforge.algorithms import ADVANTAGE_ESTIMATORS
+
+    return estimator in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[estimator].needs_groups
+
+
 def _config(argv: list[str]) -> int:
     from reinforge.config.commands import config_main
     from reinforge.trainer.preflight import check_config
 
-    return config_main(argv, check_config)
+    return config_main(argv, check_config, _compares_a_prompts_samples)
 
 
 def _data(argv: list[str]) -> int:

@@ -16,14 +16,16 @@ from pathlib import Path
 
 from reinforge.config.loader import ConfigError, load_config
 from reinforge.config.schema import Config
-from reinforge.config.verl.translate import VerlTranslation, translate_verl
+from reinforge.config.verl.translate import VerlTranslation, check_samples_per_prompt, translate_verl
 
-USAGE = ("usage: reinforge config from-verl VERL_KEY=VALUE ... [-o out.yaml]\n\n"
-         "Translates a verl PPO command line (the words after python3 -m verl.trainer.main_ppo) into a reinforge\n"
-         "YAML config, printing what each verl key became and why the others have no equivalent.")
-TRAIN_USAGE = ("usage: reinforge train --from-verl VERL_KEY=VALUE ... [-- a.b=c ...]\n\n"
-               "Trains with a verl PPO command line (the words after python3 -m verl.trainer.main_ppo), translated as\n"
-               "reinforge config from-verl prints it; reinforge's own a.b=c overrides go after --.")
+USAGE = ("usage: reinforge config from-verl [python3 -m MODULE] VERL_KEY=VALUE ... [-o out.yaml]\n\n"
+         "Translates a verl command line (the words after python3 -m verl.trainer.main_ppo, or the whole command\n"
+         "with verl's one-step-off or fully async trainer as MODULE) into a reinforge YAML config, printing what\n"
+         "each verl key became and why the others have no equivalent.")
+TRAIN_USAGE = ("usage: reinforge train --from-verl [python3 -m MODULE] VERL_KEY=VALUE ... [-- a.b=c ...]\n\n"
+               "Trains with a verl command line (the words after python3 -m verl.trainer.main_ppo, or the whole\n"
+               "command with verl's one-step-off or fully async trainer as MODULE), translated as reinforge config\n"
+               "from-verl prints it; reinforge's own a.b=c overrides go after --.")
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -43,12 +45,15 @@ def _report(translation: VerlTranslation) -> None:
     print(translation.report(), file=sys.stderr)
 
 
-def load_from_verl(arguments: list[str], missing_package: Callable[[str], str | None] | None = None) -> Config:
+def load_from_verl(arguments: list[str], missing_package: Callable[[str], str | None] | None = None,
+                   needs_groups: Callable[[str], bool] | None = None) -> Config:
     """``VERL_KEY=VALUE ... [-- our.key=value ...]``: the translated, validated config; prints the mapping.
 
     ``missing_package(logger)``: the package a logger lacks on this machine (``tracking.missing_backend_package``);
     such a logger of the verl command is left out with one warning line, as the command was written for
-    another machine and the run folder's metrics.jsonl keeps every metric anyway.
+    another machine and the run folder's metrics.jsonl keeps every metric anyway. ``needs_groups(estimator)``:
+    whether an advantage estimator compares a prompt's samples (the registry's), for a refusal of one sample a
+    prompt in verl's terms.
     """
     verl_arguments, overrides = _split_at_double_dash(arguments)
     if not verl_arguments:
@@ -58,7 +63,10 @@ def load_from_verl(arguments: list[str], missing_package: Callable[[str], str | 
     _report(translation)
     if missing_package is not None:
         _drop_loggers_not_installed(translation, missing_package)
-    return load_config(None, overrides, tree=translation.tree)
+    config = load_config(None, overrides, tree=translation.tree)
+    if needs_groups is not None and not any(override.startswith("rollout.n=") for override in overrides):
+        check_samples_per_prompt(translation, config, needs_groups)
+    return config
 
 
 def _drop_loggers_not_installed(translation: VerlTranslation, missing_package: Callable[[str], str | None]) -> None:
@@ -72,8 +80,10 @@ def _drop_loggers_not_installed(translation: VerlTranslation, missing_package: C
                   f"{others}metrics.jsonl without it (pip install {package} to log there)", file=sys.stderr)
 
 
-def config_main(argv: list[str], check: Callable[[Config], None]) -> int:
-    """``check``: every rule of a config (``trainer.preflight.check_config``, which names registries above config)."""
+def config_main(argv: list[str], check: Callable[[Config], None],
+                needs_groups: Callable[[str], bool] | None = None) -> int:
+    """``check``: every rule of a config (``trainer.preflight.check_config``, which names registries above config);
+    ``needs_groups``: as ``load_from_verl``'s."""
     if not argv or argv[0] in HELP_FLAGS or (argv[0] == "from-verl" and asks_for_help(argv[1:])):
         print(USAGE)
         return 0
@@ -96,7 +106,10 @@ def config_main(argv: list[str], check: Callable[[Config], None]) -> int:
                           "e.g. data.train_files=/data/train.parquet actor_rollout_ref.rollout.n=5")
     translation = translate_verl(arguments)
     _report(translation)
-    check(load_config(None, tree=translation.tree))  # the translation must load and pass every rule
+    config = load_config(None, tree=translation.tree)
+    if needs_groups is not None:
+        check_samples_per_prompt(translation, config, needs_groups)
+    check(config)  # the translation must load and pass every rule
     if output is None:
         print(translation.to_yaml(), end="")
     else:

@@ -40,8 +40,13 @@ VERL_CONFIG_FILES: dict[str, dict[str, Any]] = {
     "dapo_megatron_trainer": dict(_DAPO),
     "search_multiturn_grpo": {**_MULTI_TURN_GRPO, "data.shuffle": False,
                               f"{_ROLLOUT}.multi_turn.max_assistant_turns": 2, f"{_ROLLOUT}.multi_turn.format": "qwen"},
+    "one_step_off_ppo_trainer": {},
+    "one_step_off_ppo_megatron_trainer": {},
+    "fully_async_ppo_trainer": {},
+    "fully_async_ppo_megatron_trainer": {},
 }
-"""Each config name and the verl keys it sets (``ppo_trainer`` and the Megatron one set none beyond verl's defaults)."""
+"""Each config name and the verl keys it sets (``ppo_trainer`` and the Megatron one set none beyond verl's defaults;
+the off-policy trainers' own files are what their entry points read, ``entry_points.py``)."""
 
 KEY_SETTINGS = (f"{_ROLLOUT}.multi_turn.enable=true", f"{_ROLLOUT}.multi_turn.tool_config_path=...",
                 f"{_ROLLOUT}.multi_turn.max_assistant_turns=...", "data.max_prompt_length=...",

@@ -971,7 +971,8 @@ VERL_KEYS: dict[str, Translation] = {
     "algorithm.kl_ctrl.target_kl": Rename("algorithm.kl_ctrl.target_kl"),
     "algorithm.kl_ctrl.horizon": Rename("algorithm.kl_ctrl.horizon"),
     "algorithm.rollout_correction.rollout_is": Rename("algorithm.rollout_correction.rollout_is"),
-    "algorithm.rollout_correction.rollout_is_threshold": Rename("algorithm.rollout_correction.rollout_is_threshold"),
+    "algorithm.rollout_correction.rollout_is_threshold": Rename("algorithm.rollout_correction.rollout_is_threshold",
+                                                                _unset_if(None)),
     "algorithm.rollout_correction.rollout_rs": Rename("algorithm.rollout_correction.rollout_rs"),
     "algorithm.rollout_correction.rollout_rs_threshold": Rename("algorithm.rollout_correction.rollout_rs_threshold",
                                                                 _unset_if(None)),
@@ -1171,19 +1172,21 @@ def implied_settings(given: Mapping[str, Any]) -> list[tuple[str, Any, str]]:
     return implied
 
 
-def lookup(verl_key: str) -> tuple[str, Translation] | None:
-    """The entry that covers ``verl_key`` (its own, else the nearest ``a.b.*`` above it) with its pattern."""
-    if verl_key in VERL_KEYS:
-        return verl_key, VERL_KEYS[verl_key]
+def lookup(verl_key: str, table: Mapping[str, Translation] | None = None) -> tuple[str, Translation] | None:
+    """The entry that covers ``verl_key`` (its own, else the nearest ``a.b.*`` above it) with its pattern, in
+    ``table`` (an entry point's keys over ``VERL_KEYS``; ``VERL_KEYS`` when None)."""
+    table = VERL_KEYS if table is None else table
+    if verl_key in table:
+        return verl_key, table[verl_key]
     if verl_key.rsplit(".", 1)[-1] == "_target_" and verl_key.split(".")[0] in VERL_SECTIONS:
         return verl_key, HYDRA_TARGET
     parts = verl_key.split(".")
     for length in range(len(parts) - 1, 0, -1):
         parent = ".".join(parts[:length])
-        if f"{parent}.*" in VERL_KEYS:
-            return f"{parent}.*", VERL_KEYS[f"{parent}.*"]
-        if isinstance(VERL_KEYS.get(parent), NoEquivalent):  # a key of a mapping with no equivalent (override_config.x)
-            return parent, VERL_KEYS[parent]
+        if f"{parent}.*" in table:
+            return f"{parent}.*", table[f"{parent}.*"]
+        if isinstance(table.get(parent), NoEquivalent):  # a key of a mapping with no equivalent (override_config.x)
+            return parent, table[parent]
     return None
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,14 @@ import yaml
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import Config
 from reinforge.config.verl.config_names import config_file_settings
+from reinforge.config.verl.entry_points import (
+    ENTRY_POINTS,
+    FULLY_ASYNC,
+    SFT_MODULES,
+    entry_point,
+    entry_points_with,
+    prompts_per_update,
+)
 from reinforge.config.verl.keys import (
     UNSET,
     VERL_KEYS,
@@ -34,13 +42,14 @@ from reinforge.config.verl.keys import (
     RefusedValue,
     Rename,
     SameAsOurs,
+    Translation,
     implied_settings,
     lookup,
     our_key,
 )
 
-LAUNCHER_WORDS = ("python", "python3", "-m", "verl.trainer.main_ppo")
-"""Words of verl's launch command that may be pasted along with its overrides; they are skipped."""
+LAUNCHER_WORDS = ("python", "python3")
+"""Words of verl's launch command that may be pasted along with its overrides, without ``-m``; they are skipped."""
 
 HYDRA_OPTIONS = ("--config-path", "--config-dir", "--config-name", "-cp", "-cd", "-cn")
 """Hydra's options for picking verl's config file; the file's keys are the ones translated."""
@@ -101,8 +110,39 @@ def _show(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
 
 
+def split_entry_point(arguments: Iterable[str]) -> tuple[str | None, list[str]]:
+    """The module a pasted launch command runs (``python3 -m MODULE``, ``torchrun ... -m MODULE``, or the module
+    alone) and the words after it; None and every word when the command is only verl's key=value words."""
+    words = list(arguments)
+    if "-m" in words:
+        at = words.index("-m")
+        if at + 1 == len(words):
+            raise ConfigError("-m (verl command line) needs the module it runs, e.g. -m verl.trainer.main_ppo")
+        misplaced = next((word for word in words[:at] if _VERL_KEY_WORD.match(word)), None)
+        if misplaced is not None:
+            raise ConfigError(f"{misplaced} (verl command line) comes before -m {words[at + 1]}; verl's key=value "
+                              "words go after the module")
+        return words[at + 1], words[at + 2:]
+    first = next((index for index, word in enumerate(words) if word.strip() and word not in LAUNCHER_WORDS), None)
+    if first is not None and (words[first] in ENTRY_POINTS or words[first] in SFT_MODULES):
+        return words[first], words[first + 1:]
+    return None, words
+
+
+_VERL_KEY_WORD = re.compile(r"^\+?[a-z_]+\.[\w.]+=")
+"""A verl key=value word (a launcher's own options start with -, environment settings are upper case)."""
+
+
+def _keys_of(module: str | None) -> dict[str, Translation]:
+    """verl's keys as the entry point ``module`` reads them: its own config's over the PPO trainer's."""
+    return {**VERL_KEYS, **entry_point(module).keys}
+
+
 def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
-    """verl's ``key=value`` words as a flat dict of dotted keys, in order; values parsed as YAML like Hydra's."""
+    """verl's ``key=value`` words (after the launch command, if pasted) as a flat dict of dotted keys, in order; values
+    parsed as YAML like Hydra's."""
+    module, arguments = split_entry_point(arguments)
+    table = _keys_of(module)
     given: dict[str, Any] = {}
     from_config_file: dict[str, Any] = {}
     words = iter(arguments)
@@ -126,8 +166,17 @@ def parse_verl_overrides(arguments: Iterable[str]) -> dict[str, Any]:
                               "actor_rollout_ref.rollout.n=5")
         key, raw = word.split("=", 1)
         key = key.strip().lstrip("+")
+        if not raw.strip() and _sets_a_value(key, table):
+            raise ConfigError(f"{word.strip()} (verl command line) has no value, as `{key}=$VAR` gives when the shell "
+                              "variable VAR is not set; set VAR or write the value, or leave the key out")
         _add(given, key, _parse_value(raw))
     return {**from_config_file, **given}  # the command's own keys win over its config file's, as in Hydra
+
+
+def _sets_a_value(verl_key: str, table: Mapping[str, Translation]) -> bool:
+    """True for a verl key whose value becomes one of our settings (or is checked against what reinforge does)."""
+    found = lookup(verl_key, table)
+    return found is not None and isinstance(found[1], (Rename, Refused))
 
 
 class _HydraValueLoader(yaml.SafeLoader):
@@ -185,6 +234,10 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _unknown_key(key: str) -> ConfigError:
+    modules = entry_points_with(key)
+    if modules:
+        return ConfigError(f"{key} (verl command line) is a key of {' and '.join(modules)}, not of verl's PPO "
+                           f"trainer; paste the command with its module: --from-verl python3 -m {modules[0]} ...")
     exact = [name for name in VERL_KEYS if not name.endswith(".*")]
     parts = key.split(".")
     above = next((".".join([*parts[:length], parts[-1]]) for length in range(len(parts) - 2, -1, -1)
@@ -216,34 +269,49 @@ def _our_name_for(verl_key: str) -> str | None:
     return None
 
 
-def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslation:
-    """Our config tree and the per-key report for a verl command line (or an already parsed flat dict)."""
-    given = dict(arguments) if isinstance(arguments, Mapping) else parse_verl_overrides(arguments)
+def translate_verl(arguments: Iterable[str] | Mapping[str, Any], module: str | None = None) -> VerlTranslation:
+    """Our config tree and the per-key report for a verl command line (or an already parsed flat dict of the keys
+    of ``module``'s config); the command's ``python3 -m MODULE``, if pasted, picks the entry point."""
+    if isinstance(arguments, Mapping):
+        given = dict(arguments)
+    else:
+        module, words = split_entry_point(arguments)
+        given = parse_verl_overrides(words)
+    point, table = entry_point(module), _keys_of(module)
+    context = dict(given)  # what the conversions read: a fully async step's prompts are its data.train_batch_size
+    if point is FULLY_ASYNC:
+        context["data.train_batch_size"] = prompts_per_update(given)
     result = VerlTranslation()
     sources: dict[str, tuple[str, Any]] = {}
+    if point.mode != _default_of("trainer.mode"):
+        _set(result.tree, "trainer.mode", point.mode)
+        sources["trainer.mode"] = (f"-m {module}", point.mode)
+        result.translated.append(KeyLine(f"-m {module}: {point.reason}", None, "trainer.mode", point.mode,
+                                         implied=True))
 
     def apply(verl_key: str, value: Any, from_default: bool) -> None:
-        found = lookup(verl_key)
+        found = lookup(verl_key, table)
         if found is None:
             raise _unknown_key(verl_key)
         pattern, entry = found
         if isinstance(entry, NoEquivalent):
             result.no_equivalent.append(KeyLine(verl_key, value, reason=entry.reason))
             return
+        source = "verl's default, which the command leaves out" if from_default else "verl command line"
         if isinstance(entry, Refused) and value not in entry.values:
-            raise ConfigError(f"{verl_key}={_show(value)} (verl command line) has no equivalent: {entry.reason}")
+            raise ConfigError(f"{verl_key}={_show(value)} ({source}) has no equivalent: {entry.reason}")
         if isinstance(entry, SameAsOurs):
             target = result.already_ours if value in entry.values else result.no_equivalent
             target.append(KeyLine(verl_key, value, reason=entry.reason))
             return
         assert isinstance(entry, Rename)
         try:
-            ours = entry.convert(value, given)
+            ours = entry.convert(value, context)
         except NoEquivalentValue as reason:
-            result.no_equivalent.append(KeyLine(verl_key, value, reason=str(reason)))
+            result.no_equivalent.append(KeyLine(verl_key, value, reason=str(reason), from_verl_default=from_default))
             return
         except RefusedValue as reason:
-            raise ConfigError(f"{verl_key}={_show(value)} (verl command line) {reason}") from None
+            raise ConfigError(f"{verl_key}={_show(value)} ({source}) {reason}") from None
         except (TypeError, ValueError, AttributeError) as error:  # a value of the wrong kind (a number for a list)
             raise ConfigError(f"{verl_key}={_show(value)} (verl command line) is not a value verl takes for it "
                               f"({error}); check its type in verl's ppo_trainer.yaml") from error
@@ -264,18 +332,41 @@ def translate_verl(arguments: Iterable[str] | Mapping[str, Any]) -> VerlTranslat
             _set(result.tree, target_key, ours)
         result.translated.append(KeyLine(verl_key, value, target_key, ours, from_verl_default=from_default,
                                          our_default=is_our_default,
-                                         note=entry.note(value, given) if callable(entry.note) else entry.note))
+                                         note=entry.note(value, context) if callable(entry.note) else entry.note))
 
     for verl_key, value in given.items():
         apply(verl_key, value, from_default=False)
-    for verl_key, entry in VERL_KEYS.items():
+    for verl_key, entry in table.items():
         if isinstance(entry, Rename) and entry.has_verl_default and verl_key not in given:
             apply(verl_key, entry.verl_default, from_default=True)
-    for target_key, value, reason in implied_settings(given):
+    for target_key, value, reason in implied_settings(context):
         if target_key not in sources and value != _default_of(target_key):
             _set(result.tree, target_key, value)
             result.translated.append(KeyLine(reason, None, target_key, value, implied=True))
     return result
+
+
+ONE_SAMPLE_IN_VERL = {
+    "grpo": "each sample's score is its advantage, as verl gives a group of one mean 0 and std 1",
+    "rloo": "each sample's score is its advantage, with no other sample to leave out",
+}
+"""What verl's group estimators do with one sample a prompt, where reinforge's refuse it."""
+
+
+def check_samples_per_prompt(translation: VerlTranslation, config: Config, needs_groups: Callable[[str], bool]) -> None:
+    """Refuse, naming verl's key, the one sample a prompt (verl's rollout.n default) of an estimator that compares
+    a prompt's samples (``needs_groups(name)``, from the estimators' registry), before reinforge's own check does
+    in terms of our rollout.n."""
+    line = next((line for line in translation.translated if line.our_key == "rollout.n"), None)
+    estimator = config.algorithm.adv_estimator
+    if line is None or config.rollout.n != line.our_value or config.rollout.n >= 2 or not needs_groups(estimator):
+        return
+    source = "verl's default; the command leaves it out" if line.from_verl_default else "verl command line"
+    verl_runs = ONE_SAMPLE_IN_VERL.get(estimator, "each prompt is a group of one")
+    raise ConfigError(f"actor_rollout_ref.rollout.n={config.rollout.n} ({source}) gives algorithm.adv_estimator="
+                      f"{estimator} one sample a prompt; verl runs it ({verl_runs}), reinforge's {estimator} compares "
+                      "samples of one prompt and needs 2 or more: pass actor_rollout_ref.rollout.n=N with N >= 2 "
+                      "(verl's GRPO examples use 5)")
 
 
 def _leaves(key: str, value: Any) -> list[str]:

@@ -248,6 +248,27 @@ def test_train_from_verl_applies_our_overrides_after_double_dash(capsys):
     assert "did you mean actor_rollout_ref.rollout.n?" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command, words, source", [
+    ("config", ["algorithm.adv_estimator=grpo"], "verl's default; the command leaves it out"),
+    ("train", ["algorithm.adv_estimator=grpo"], "verl's default; the command leaves it out"),
+    ("config", ["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=1"], "verl command line"),
+])
+def test_one_sample_a_prompt_of_a_group_estimator_is_refused_in_verls_terms(command, words, source, capsys):
+    argv = ["config", "from-verl"] if command == "config" else ["train", "--from-verl"]
+    assert main([*argv, "data.train_files=/x.parquet", *words]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    estimator = words[0].split("=")[1]
+    assert error.startswith(f"error: actor_rollout_ref.rollout.n=1 ({source}) gives algorithm.adv_estimator="
+                            f"{estimator} one sample a prompt; verl runs it (each sample's score is its advantage")
+    assert error.endswith("pass actor_rollout_ref.rollout.n=N with N >= 2 (verl's GRPO examples use 5)")
+
+
+def test_one_sample_a_prompt_set_after_double_dash_is_reinforges_own_refusal(capsys):
+    assert main(["train", "--from-verl", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "--",
+                 "rollout.n=1"]) == 2
+    assert "error: rollout.n=1 is too small for algorithm.adv_estimator=grpo" in capsys.readouterr().err
+
+
 # verl's examples/gmpo_trainer/test_dapo_7b_math.sh (DAPO with geo_mean), its shell variables substituted.
 VERL_DAPO_GEO_MEAN = [
     "data.train_files=/verl/data/dapo-math-17k.parquet", "data.val_files=/verl/data/aime-2024.parquet",
@@ -366,6 +387,21 @@ def test_a_value_of_the_wrong_kind_fails_in_one_line_naming_the_key(word):
     with pytest.raises(ConfigError, match=rf"^{word.split('=')[0]}=.* \(verl command line\) is not a value verl "
                                           r"takes for it \(.*\); check its type"):
         translate_verl([word])
+
+
+@pytest.mark.parametrize("word", ["trainer.n_gpus_per_node=", "+trainer.nnodes=", "data.train_batch_size= ",
+                                  "actor_rollout_ref.actor.optim.lr=", "trainer.experiment_name="])
+def test_an_empty_value_of_an_unset_shell_variable_names_the_verl_word(word):
+    key = word.strip().lstrip("+").removesuffix("=")
+    with pytest.raises(ConfigError) as refusal:
+        translate_verl(["actor_rollout_ref.rollout.n=4", word])
+    assert str(refusal.value).startswith(f"{word.strip()} (verl command line) has no value, as `{key}=$VAR` gives")
+
+
+def test_an_empty_value_of_a_key_without_equivalent_or_quoted_empty_is_not_refused():
+    translation = translate_verl(["actor_rollout_ref.rollout.tensor_model_parallel_size=",
+                                  "trainer.experiment_name=''"])
+    assert translation.tree["trainer"]["experiment_name"] == ""
 
 
 def test_null_device_counts_fail_in_the_config_check_not_in_the_translation():

@@ -154,6 +154,11 @@ EXPECTED = {
                          "ref.param_offload": True, "ref.max_tokens_per_micro_batch": 30720, "trainer.total_steps": 100},
     "cispo_qwen3_8b": {"actor.policy_loss.loss_mode": "cispo", "actor.policy_loss.clip_ratio_low": 1.0,
                        "actor.policy_loss.clip_ratio_high": 0.2},
+    "one_step_off_grpo": {"trainer.mode": "one_step_off", "trainer.separate_rollout": True, "rollout.n": 5,
+                          "trainer.devices_per_node": 6, "data.train_batch_size": 1152},
+    "one_step_off_dapo_ris": {"trainer.mode": "one_step_off", "trainer.separate_rollout": True,
+                              "algorithm.rollout_correction.rollout_rs": "seq_mean_k1",
+                              "algorithm.rollout_correction.rollout_is_threshold": "2.0", "trainer.total_steps": 400},
 }
 
 

@@ -2,9 +2,11 @@
 
 ``COMMANDS`` (nine) train two steps here; ``TRANSLATED`` and ``REFUSED`` (the Gemma, Mistral, DeepSeek-V3, Qwen3,
 Qwen3-MoE, GSPO, DAPO, reward-model, LoRA, vision-language and multi-turn scripts, and verl 0.9.1's Megatron and
-VeOmni engine, CISPO, SAPO, distillation, gpt-oss, Megatron Lite and Ascend ones) are translated only.
+VeOmni engine, CISPO, SAPO, distillation, gpt-oss, Megatron Lite and Ascend ones, and its one-step-off, fully async
+and SFT trainers' scripts) are translated only.
 
-Each is the list of words the script passes to ``python3 -m verl.trainer.main_ppo``, its shell
+Each is the list of words the script passes to ``python3 -m verl.trainer.main_ppo`` (or, with the launch
+command in front, to verl's one-step-off, fully async or SFT entry point), its shell
 variables substituted, with only these changed: the model, data, tool-config, reward-function and
 checkpoint paths ({MODEL}, {TRAIN}, {VAL}, {TOOLS}, {REWARD}, {RUN}), and trainer.nnodes /
 trainer.n_gpus_per_node set to this machine's one device. The ReTool recipe's rows are converted
@@ -721,6 +723,112 @@ actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_siz
 actor_rollout_ref.actor.megatron.router_replay.mode=R3 trainer.n_gpus_per_node=8 trainer.nnodes=6
 """
 
+ONE_STEP_OFF_GRPO = """
+python3 -m verl.experimental.one_step_off_policy.main_ppo algorithm.adv_estimator=grpo data.train_files={TRAIN}
+data.val_files={VAL} data.train_batch_size=1152 data.max_prompt_length=512 data.max_response_length=1024
+data.filter_overlong_prompts=True data.truncation=error actor_rollout_ref.actor.strategy=fsdp2 critic.strategy=fsdp2
+actor_rollout_ref.model.path={MODEL} actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.hybrid_engine=False
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.ppo_mini_batch_size=192
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.use_kl_loss=True
+actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.model.enable_gradient_checkpointing=True
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.rollout.tensor_model_parallel_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.6 actor_rollout_ref.rollout.n=5
+actor_rollout_ref.rollout.load_format=safetensors actor_rollout_ref.rollout.layered_summon=True
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32 actor_rollout_ref.ref.fsdp_config.param_offload=True
+algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.val_before_train=True
+'trainer.logger=[console,tensorboard]' trainer.project_name=GRPO
+trainer.experiment_name=GRPO-Qwen3-0.6b-gsm8k-fsdp2-one-step-off-2-6 trainer.save_freq=-1 trainer.test_freq=5
+trainer.total_epochs=2 trainer.nnodes=1 trainer.n_gpus_per_node=6 rollout.nnodes=1 rollout.n_gpus_per_node=2
+"""
+
+ONE_STEP_OFF_DAPO_RIS = """
+python3 -m verl.experimental.one_step_off_policy.main_ppo data.train_files={TRAIN} data.val_files={VAL}
+data.prompt_key=prompt data.truncation=left data.max_prompt_length=2048 data.max_response_length=28672
+data.train_batch_size=512 actor_rollout_ref.rollout.n=16 algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False
+algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.strategy=fsdp2 critic.strategy=fsdp2
+actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
+actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
+actor_rollout_ref.actor.clip_ratio_c=10.0 actor_rollout_ref.model.use_remove_padding=True
+actor_rollout_ref.hybrid_engine=False +actor_rollout_ref.model.override_config.max_position_embeddings=32768
+actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=61440
+actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=92160
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=92160 actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.optim.lr_warmup_steps=10
+actor_rollout_ref.actor.optim.weight_decay=0.1 actor_rollout_ref.actor.ppo_mini_batch_size=32
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.grad_clip=1.0
+actor_rollout_ref.actor.loss_agg_mode=token-mean actor_rollout_ref.actor.ulysses_sequence_parallel_size=4
+actor_rollout_ref.rollout.gpu_memory_utilization=0.80 actor_rollout_ref.rollout.tensor_model_parallel_size=4
+actor_rollout_ref.rollout.enable_chunked_prefill=True actor_rollout_ref.rollout.max_num_batched_tokens=30720
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.ref.fsdp_config.param_offload=True actor_rollout_ref.ref.ulysses_sequence_parallel_size=4
+actor_rollout_ref.actor.fsdp_config.fsdp_size=8 reward_model.reward_manager=dapo
++reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
++reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=28672
+'trainer.logger=[console,tensorboard]' trainer.project_name=DAPO
+trainer.experiment_name=dapo_qwen2-7B-math_28k_fsdp2_one_step_off_64-64-ris trainer.val_before_train=True
+trainer.test_freq=10 trainer.save_freq=-1 trainer.total_epochs=10 trainer.total_training_steps=400
+trainer.default_local_dir={RUN} trainer.resume_mode=auto trainer.nnodes=8 trainer.n_gpus_per_node=8 rollout.nnodes=8
+rollout.n_gpus_per_node=8 algorithm.rollout_correction.rollout_is=null
+algorithm.rollout_correction.rollout_is_threshold=null algorithm.rollout_correction.rollout_rs=seq_mean_k1
+algorithm.rollout_correction.rollout_rs_threshold=0.999_1.001 algorithm.rollout_correction.bypass_mode=false
+"""
+
+FULLY_ASYNC_DAPO = """
+python3 -m verl.experimental.fully_async_policy.fully_async_main data.train_files={TRAIN} data.val_files={VAL}
+data.prompt_key=prompt data.truncation=left data.max_prompt_length=2048 data.max_response_length=8192
+data.train_batch_size=0 data.gen_batch_size=1 data.return_raw_chat=True actor_rollout_ref.rollout.n=16
+algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False algorithm.kl_ctrl.kl_coef=0.0
+actor_rollout_ref.actor.strategy=fsdp2 critic.strategy=fsdp2 actor_rollout_ref.actor.use_kl_loss=False
+actor_rollout_ref.actor.kl_loss_coef=0.0 actor_rollout_ref.actor.clip_ratio_low=0.2
+actor_rollout_ref.actor.clip_ratio_high=0.28 actor_rollout_ref.actor.clip_ratio_c=10.0
+actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.hybrid_engine=False
++actor_rollout_ref.model.override_config.max_position_embeddings=32768 actor_rollout_ref.actor.use_dynamic_bsz=True
+actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=30720
+actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=30720 actor_rollout_ref.model.path={MODEL}
+actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.optim.lr_warmup_steps=10
+actor_rollout_ref.actor.optim.weight_decay=0.1 actor_rollout_ref.actor.ppo_mini_batch_size=32
+actor_rollout_ref.actor.fsdp_config.param_offload=False actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+actor_rollout_ref.actor.entropy_coeff=0 actor_rollout_ref.actor.grad_clip=1.0
+actor_rollout_ref.actor.loss_agg_mode=token-mean actor_rollout_ref.actor.ulysses_sequence_parallel_size=1
+actor_rollout_ref.rollout.gpu_memory_utilization=0.80 actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.enable_chunked_prefill=True actor_rollout_ref.rollout.max_num_batched_tokens=10240
+actor_rollout_ref.rollout.temperature=1.0 actor_rollout_ref.rollout.top_p=1.0 actor_rollout_ref.rollout.top_k=-1
+actor_rollout_ref.rollout.val_kwargs.temperature=1.0 actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+actor_rollout_ref.rollout.val_kwargs.top_k=-1 actor_rollout_ref.rollout.val_kwargs.do_sample=True
+actor_rollout_ref.rollout.val_kwargs.n=1 actor_rollout_ref.ref.fsdp_config.param_offload=True
+actor_rollout_ref.ref.ulysses_sequence_parallel_size=1 actor_rollout_ref.actor.fsdp_config.fsdp_size=2
+actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.mode=async
+actor_rollout_ref.rollout.calculate_log_probs=True reward_model.reward_manager=dapo
++reward_model.reward_kwargs.overlong_buffer_cfg.enable=True +reward_model.reward_kwargs.overlong_buffer_cfg.len=4096
++reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
++reward_model.reward_kwargs.overlong_buffer_cfg.log=False +reward_model.reward_kwargs.max_resp_len=8192
+'trainer.logger=[console,tensorboard]' trainer.project_name=DAPO
+trainer.experiment_name=DAPO-Qwen2.5-7b-MATH-0527a1-fsdp2-fully-async-8-8 trainer.val_before_train=True
+trainer.save_freq=-1 trainer.default_local_dir={RUN} trainer.resume_mode=auto trainer.nnodes=1
+trainer.n_gpus_per_node=8 rollout.nnodes=1 rollout.n_gpus_per_node=8 rollout.total_rollout_steps=51200
+rollout.total_epochs=10 rollout.test_freq=10 async_training.staleness_threshold=0.1
+async_training.trigger_parameter_sync_step=4 async_training.require_batches=4 async_training.partial_rollout=True
+async_training.use_rollout_log_probs=True
+"""
+
+SFT_QWEN_05_SP2 = """
+torchrun --standalone --nnodes=1 --nproc_per_node=2 -m verl.trainer.fsdp_sft_trainer data.train_files={TRAIN}
+data.val_files={VAL} data.prompt_key=extra_info data.response_key=extra_info optim.lr=1e-4
+"data.prompt_dict_keys=['question']" "+data.response_dict_keys=['answer']" data.micro_batch_size=4
+model.partial_pretrain={MODEL} trainer.default_local_dir={RUN} trainer.project_name=gsm8k-sft
+trainer.experiment_name=gsm8k-sft-qwen-2.5-0.5b-instruct-sp2 trainer.logger=console trainer.total_training_steps=1
+ulysses_sequence_parallel_size=2 use_remove_padding=true
+"""
+
 TRANSLATED = {
     "gemma_ppo": ("examples/ppo_trainer/run_gemma.sh", GEMMA_PPO),
     "mistral_reward_model": ("examples/grpo_trainer/run_mistral13b_skyworkrm_hhrlhf.sh", MISTRAL_REWARD_MODEL),
@@ -738,6 +846,9 @@ TRANSLATED = {
     "qwen3_8b_megatron_engine": ("examples/grpo_trainer/run_qwen3_8b_megatron.sh", QWEN3_8B_MEGATRON_ENGINE),
     "qwen3_30b_veomni": ("examples/grpo_trainer/run_qwen3_30b_veomni.sh", QWEN3_30B_VEOMNI),
     "cispo_qwen3_8b": ("examples/cispo_trainer/run_qwen3_8b_fsdp.sh", CISPO_QWEN3_8B),
+    "one_step_off_grpo": ("verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh", ONE_STEP_OFF_GRPO),
+    "one_step_off_dapo_ris": ("verl/experimental/one_step_off_policy/shell/dapo_7b_math_fsdp2_64_64_ris.sh",
+                              ONE_STEP_OFF_DAPO_RIS),
 }
 """name -> (the script it comes from, its words): commands that translate."""
 
@@ -756,6 +867,9 @@ REFUSED = {
                    "trainer.device"),
     "model_engine_under_actor": ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh", ROUTER_REPLAY_MEGATRON,
                                  "actor_rollout_ref.actor.model_engine"),
+    "fully_async_fractional_staleness": ("verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_8_8.sh",
+                                         FULLY_ASYNC_DAPO, "async_training.staleness_threshold"),
+    "sft_trainer": ("examples/sft/gsm8k/run_qwen_05_sp2.sh", SFT_QWEN_05_SP2, "-m verl.trainer.fsdp_sft_trainer"),
 }
-"""name -> (the script, its words, the key the translation stops at in one line). All but the first two are
-shortened to the words that matter beside the refused one."""
+"""name -> (the script, its words, the key the translation stops at in one line). All but the first two and the last
+two are shortened to the words that matter beside the refused one."""
