@@ -663,9 +663,10 @@ class TrainerConfig(RunConfig):
     mode: str = "sync"
     """sync (generate, then train, every step), one_step_off (batch k+1 is generated with the weights before
     update k, overlapping it) or async (a rollouter streams samples under a staleness bound; docs/architecture.md)."""
-    max_staleness: int = 1
-    """async: how many weight versions the rollouter may run ahead of the trainer. A prompt group is admitted
-    only while admitted groups < (max_staleness + version + 1) x trigger_sync_steps x data.train_batch_size."""
+    max_staleness: float = 1
+    """async: how many weight versions the rollouter may run ahead of the trainer (a fraction too: 0.5 lets half a
+    version's groups start under the weights before). A prompt group is admitted only while admitted groups <
+    (version + 1) x G + floor(max_staleness x G), G = trigger_sync_steps x data.train_batch_size."""
     trigger_sync_steps: int = 1
     """async: updates between weight syncs to the rollouter (each update takes data.train_batch_size groups)."""
     async_deterministic: bool = False

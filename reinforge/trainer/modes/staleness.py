@@ -2,26 +2,29 @@
 
 Versions count weight syncs to the rollouter. Between two syncs the trainer consumes
 ``groups_per_version`` = trigger_sync_steps x train_batch_size prompt groups. A new group is
-admitted only while ``admitted < (max_staleness + version + 1) x groups_per_version``, where
-``admitted`` counts every group ever admitted (finished or still running): the rollouter can be
-at most ``max_staleness`` versions' worth of groups ahead of the version it samples with.
+admitted only while ``admitted < (version + 1) x groups_per_version + floor(max_staleness x groups_per_version)``,
+where ``admitted`` counts every group ever admitted (finished or still running): the rollouter can be at most
+``max_staleness`` versions' worth of groups ahead of the version it samples with (a fraction of a version's groups
+too: 0.5 lets half of them start early, as verl's staleness_threshold does).
 Nothing admitted is ever dropped, so slow (long) samples are trained on like fast ones.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 
 class StalenessBound:
-    def __init__(self, max_staleness: int, groups_per_version: int):
+    def __init__(self, max_staleness: float, groups_per_version: int):
         self.max_staleness = max_staleness
         self.groups_per_version = groups_per_version
 
     def limit(self, version: int) -> int:
         """Groups that may have been admitted in all while the rollouter samples with ``version``."""
-        return (self.max_staleness + version + 1) * self.groups_per_version
+        return (version + 1) * self.groups_per_version + math.floor(self.max_staleness * self.groups_per_version)
 
     def capacity(self, admitted: int, version: int) -> int:
         return max(0, self.limit(version) - admitted)

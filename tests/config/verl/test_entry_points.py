@@ -17,7 +17,7 @@ ONE_STEP_OFF = "verl.experimental.one_step_off_policy.main_ppo"
 
 
 def fully_async_dapo(staleness: str) -> list[str]:
-    """verl's fully async DAPO script with its staleness_threshold=0.1 (refused: whole syncs here) set to ``staleness``."""
+    """verl's fully async DAPO script with its staleness_threshold (0.1) set to ``staleness``."""
     words = shlex.split(FULLY_ASYNC_DAPO.format(**FAKE_PATHS))
     return [f"async_training.staleness_threshold={staleness}" if word.startswith("async_training.staleness") else word
             for word in words]
@@ -63,9 +63,8 @@ def test_verls_fully_async_dapo_script_translates_its_steps_syncs_and_frequencie
 
 
 @pytest.mark.parametrize("words, message", [
-    (["async_training.staleness_threshold=0.5"], "async_training.staleness_threshold=0.5 (verl command line) lets "
-                                                 "verl's rollouter run 0.5 of a sync's prompts ahead"),
-    ([], "async_training.staleness_threshold=0.1 (verl's default, which the command leaves out) lets"),
+    (["async_training.staleness_threshold=-1"], "async_training.staleness_threshold=-1 (verl command line) is -1; "
+                                                "verl's staleness_threshold is a number of syncs of 0 or more"),
     (["async_training.staleness_threshold=0", "data.train_batch_size=512"],
      "data.train_batch_size=512 (verl command line) is refused by verl's fully async trainer (it asserts 0"),
     (["async_training.staleness_threshold=0", "algorithm.filter_groups.enable=True"],
@@ -75,6 +74,16 @@ def test_a_fully_async_setting_reinforge_cannot_honour_stops_in_one_line(words, 
     with pytest.raises(ConfigError) as refusal:
         translate_verl(["python3", "-m", FULLY_ASYNC, "actor_rollout_ref.rollout.n=4", *words])
     assert str(refusal.value).startswith(message) and "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize("staleness, expected", [("0.1", 0.1), ("0.5", 0.5), (None, 0.1)])
+def test_a_fractional_staleness_threshold_is_the_same_bound(staleness, expected):
+    """verl admits (1 + staleness_threshold) syncs' worth of prompts ahead, a fraction of a sync included (its
+    scripts use 0.1 to 0.5, its default is 0.1): trainer.max_staleness takes the same number."""
+    words = fully_async_dapo(staleness or "0.1")
+    if staleness is None:
+        words = [word for word in words if not word.startswith("async_training.staleness_threshold")]
+    assert loaded(words).trainer.max_staleness == pytest.approx(expected)
 
 
 def test_fully_async_defaults_epochs_and_saves_count_as_verl_counts_them():

@@ -159,6 +159,8 @@ EXPECTED = {
     "one_step_off_dapo_ris": {"trainer.mode": "one_step_off", "trainer.separate_rollout": True,
                               "algorithm.rollout_correction.rollout_rs": "seq_mean_k1",
                               "algorithm.rollout_correction.rollout_is_threshold": "2.0", "trainer.total_steps": 400},
+    "fully_async_dapo": {"trainer.mode": "async", "trainer.max_staleness": 0.1, "trainer.trigger_sync_steps": 4,
+                         "trainer.separate_rollout": True},
 }
 
 

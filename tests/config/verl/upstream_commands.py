@@ -849,6 +849,7 @@ TRANSLATED = {
     "one_step_off_grpo": ("verl/experimental/one_step_off_policy/shell/grpo_0.6b_gsm8k_fsdp2_2_6.sh", ONE_STEP_OFF_GRPO),
     "one_step_off_dapo_ris": ("verl/experimental/one_step_off_policy/shell/dapo_7b_math_fsdp2_64_64_ris.sh",
                               ONE_STEP_OFF_DAPO_RIS),
+    "fully_async_dapo": ("verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_8_8.sh", FULLY_ASYNC_DAPO),
 }
 """name -> (the script it comes from, its words): commands that translate."""
 
@@ -867,9 +868,7 @@ REFUSED = {
                    "trainer.device"),
     "model_engine_under_actor": ("examples/router_replay/run_qwen3_30b_a3b_megatron.sh", ROUTER_REPLAY_MEGATRON,
                                  "actor_rollout_ref.actor.model_engine"),
-    "fully_async_fractional_staleness": ("verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_8_8.sh",
-                                         FULLY_ASYNC_DAPO, "async_training.staleness_threshold"),
     "sft_trainer": ("examples/sft/gsm8k/run_qwen_05_sp2.sh", SFT_QWEN_05_SP2, "-m verl.trainer.fsdp_sft_trainer"),
 }
 """name -> (the script, its words, the key the translation stops at in one line). All but the first two and the last
-two are shortened to the words that matter beside the refused one."""
+one are shortened to the words that matter beside the refused one."""

@@ -153,3 +153,11 @@ def test_the_bound_is_as_areal_states_it():
     bound = StalenessBound(max_staleness=2, groups_per_version=4)
     assert bound.limit(0) == 12 and bound.capacity(10, 0) == 2 and bound.capacity(12, 0) == 0
     assert bound.capacity(12, 1) == 4 and bound.capacity(20, 1) == 0
+
+
+def test_a_fractional_staleness_lets_that_fraction_of_a_versions_groups_start_early():
+    bound = StalenessBound(max_staleness=0.5, groups_per_version=8)
+    assert [bound.limit(version) for version in range(3)] == [12, 20, 28]  # (version + 1) x 8 + 4
+    assert StalenessBound(max_staleness=0.1, groups_per_version=8).limit(0) == 8  # less than a group: none early
+    assert StalenessBound(max_staleness=1, groups_per_version=8).limit(0) == 16
+
