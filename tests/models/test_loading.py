@@ -169,14 +169,19 @@ def test_the_context_of_each_rope_type_is_read_from_either_key(tmp_path, caplog,
            f"({keys} in its config.json)" in caplog.text
 
 
-def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir, tmp_path):
-    folder = tmp_path / "unknown"
+def refused_load(tiny_model_dir, folder, **config_changes) -> str:
+    """The one-line refusal of loading a copy of the tiny model whose config.json has ``config_changes``."""
     shutil.copytree(tiny_model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "made_up_lm"}))
+    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
     with pytest.raises(ValueError) as error:
         load_causal_lm(str(folder), dtype=torch.float32, device="cpu")
-    message = str(error.value)
+    return str(error.value)
+
+
+def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    folder = tmp_path / "unknown"
+    message = refused_load(tiny_model_dir, folder, model_type="made_up_lm")
     assert "\n" not in message
     assert f"model.path={folder} is a 'made_up_lm' model, which transformers" in message
     assert "model.trust_remote_code=true" in message
@@ -184,12 +189,7 @@ def test_a_model_transformers_cannot_load_is_refused_in_one_line(tiny_model_dir,
 
 def test_a_config_value_transformers_refuses_is_named_with_its_file(tiny_model_dir, tmp_path):
     folder = tmp_path / "typed"
-    shutil.copytree(tiny_model_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": "four"}))
-    with pytest.raises(ValueError) as error:
-        load_causal_lm(str(folder), dtype=torch.float32, device="cpu")
-    message = str(error.value)
+    message = refused_load(tiny_model_dir, folder, num_attention_heads="four")
     assert "\n" not in message
     assert message.startswith(f"model.path={folder}: transformers cannot read its config.json (")
     assert "'four'" in message and message.endswith(f"fix that value in {folder / 'config.json'}, or set model.path "
