@@ -390,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = os.environ.get("REINFORGE_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     training = argv[0] in ("train", "sft", "rm", "dpo")
-    if training:  # a run stops cleanly on SIGTERM too, and resumes from its checkpoint
+    if training or argv[0] == "serve":
+        # a run stops cleanly on SIGTERM too, and resumes from its checkpoint; an endpoint stops on Ctrl-C and SIGTERM
+        # also where it was started with SIGINT ignored (a background job of a script, a CI runner's worker)
         install_stop_handlers()
     try:
         with one_line_usage_errors():
