@@ -694,6 +694,11 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+NO_WINDOW_FAMILIES = ("llama", "olmo2", "deepseek_v2", "deepseek_v3")
+"""Families whose attention reads no ``sliding_window``: a config.json that carries the key (a fine-tune's leftover)
+still attends to the whole context, and its KV cache is counted whole."""
+
+
 def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:
     """Each decoder layer's sliding window as the model applies it (0: the whole context; () when no layer has one).
 
@@ -702,7 +707,7 @@ def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:
     with a ``sliding_window`` (Mistral, Phi-3) on every layer.
     """
     layers, window = int(text["num_hidden_layers"]), int(text.get("sliding_window") or 0)
-    if not window:
+    if not window or text.get("model_type") in NO_WINDOW_FAMILIES:
         return ()
     types = text.get("layer_types")
     if types:
