@@ -181,8 +181,9 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def read_model_config(path: str, trust_remote_code: bool = False):
-    """The model's config through transformers; a model transformers cannot load is refused in one line.
+def read_model_config(path: str, trust_remote_code: bool = False, key: str = "model.path"):
+    """The model's config through transformers; a model transformers cannot load is refused in one line naming
+    ``key``, the setting that gave ``path`` (a config.json value it refuses too: ``unreadable_config``).
 
     That is the one refusal of a causal LM: every architecture transformers loads trains (the
     families of ``models.architectures`` on the fast path, any other through its own modules).
@@ -198,10 +199,11 @@ def read_model_config(path: str, trust_remote_code: bool = False):
         model_type = _declared_model_type(path)
         unknown = model_type is not None and ("does not recognize" in str(error) or model_type in str(error))
         if not unknown:
-            raise unreadable_config(path, "model.path", error) from error
-        raise ValueError(f"model.path={path} is a {model_type!r} model, which transformers "
+            raise unreadable_config(path, key, error) from error
+        raise ValueError(f"{key}={path} is a {model_type!r} model, which transformers "
                          f"{transformers.__version__} cannot load; upgrade transformers, or set "
-                         "model.trust_remote_code=true if the model folder ships its own code") from None
+                         f"{key.rpartition('.')[0]}.trust_remote_code=true if the model folder ships its own code"
+                         ) from None
 
 
 def unreadable_config(path: str, key: str, error: BaseException) -> BaseException:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoConfig,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     PreTrainedModel,
@@ -24,7 +23,7 @@ from reinforge.models.loading import (
     check_model_folder,
     hub_errors_explained,
     is_local_path,
-    unreadable_config,
+    read_model_config,
 )
 
 KEY = "reward.reward_model.model_path"
@@ -50,12 +49,7 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
     it is not a classification model with num_labels=1."""
     path = _local(path)
     with hub_errors_explained(path, KEY):
-        try:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except OSError:
-            raise
-        except Exception as error:  # noqa: BLE001 (transformers' or its hub validator's refusal of a value)
-            raise unreadable_config(path, KEY, error) from error
+        config = read_model_config(path, trust_remote_code, KEY)
     architectures = list(getattr(config, "architectures", None) or [])
     heads = [(name, auto) for name in architectures for ending, auto in HEADS.items() if name.endswith(ending)]
     if not heads:

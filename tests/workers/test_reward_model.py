@@ -282,14 +282,14 @@ def test_input_tokenizer_null_is_refused_when_the_policys_ids_mean_other_tokens_
 
 
 def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
-    import reinforge.models.reward_model as reward_model
+    import transformers
 
     class Unreachable:
         @staticmethod
         def from_pretrained(path, **kwargs):
             raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
 
-    monkeypatch.setattr(reward_model, "AutoConfig", Unreachable)
+    monkeypatch.setattr(transformers, "AutoConfig", Unreachable)  # as read_model_config imports it
     with pytest.raises(OSError) as refusal:
         check_reward_model("no-such-owner/no-such-reward-model")
     message = str(refusal.value)
