@@ -354,10 +354,10 @@ def _say_once(model: nn.Module, device: torch.device) -> None:
 
 
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest log-prob gap between a sequence packed beside another and the same sequence alone (others: 0.1)."""
 LEAK_FRACTION = 0.01
 """In float32 and float64, a leak of one packed sequence into the next counts from this fraction of
 ``PROBE_TOLERANCE``: the shapes are unchanged, so only a leak moves the numbers."""
-"""Largest log-prob gap between a sequence packed beside another and the same sequence alone (others: 0.1)."""
 
 
 @torch.no_grad()
@@ -414,10 +414,11 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
             try:
                 packed = response_log_probs(model, batch)[0].float()
                 alone = torch.cat([response_log_probs(model, batch.index([row]))[0].float() for row in range(2)])
-                # the second sequence after another first one of the same lengths: the same shapes, the same
+                # packed: the second sequence after another first one of the same lengths. The same shapes, the same
                 # kernels, so any change is the first sequence leaking into it (a recurrent or convolution state
                 # carried across the packed row), however small next to the rounding between different shapes
-                leak = float((response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max())
+                leak = 0.0 if padded else float(
+                    (response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max())
             except Exception as error:
                 if padded:  # the decoder's last hidden state through lm_head fails even over padded rows
                     failure = error
@@ -427,7 +428,7 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                 setattr(model, PACKS_ROWS, False)
                 continue
             gap = float((packed - alone).abs().max())
-            if leak > leak_tolerance and not padded:
+            if leak > leak_tolerance:
                 gap = max(gap, leak * tolerance / leak_tolerance)  # mixed: padded rows (a padded leak is refused)
             if gap <= tolerance or padded:
                 break
@@ -496,7 +497,7 @@ def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, 
     the arguments they pass (Inkling 2's position biases and sinks). One forward of two rows, one left-padded,
     through each implementation: where the log-probs differ, the model's own attention serves every pass.
     """
-    from reinforge.engine.attention import NAME, OWN_ATTENTION, restore_own_attention
+    from reinforge.engine.attention import NAME, OWN_ATTENTION, OWN_ATTENTION_WHY
     from reinforge.engine.forward import PACKS_ROWS, build_position_ids
 
     own = getattr(model, OWN_ATTENTION, None)
@@ -521,7 +522,7 @@ def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, 
     if gap <= tolerance:
         model.set_attn_implementation(NAME)
         return
-    restore_own_attention(model, f"reinforge's varlen attention computed other probabilities ({gap:.3g} apart)")
+    setattr(model, OWN_ATTENTION_WHY, f"reinforge's varlen attention computed other probabilities ({gap:.3g} apart)")
     setattr(model, PACKS_ROWS, False)
     logger.info("%s (model_type=%r) computes other log-probs through packed varlen attention than through its own "
                 "%s attention (%.3g apart): it keeps its own, over padded rows (slower, more memory)",
