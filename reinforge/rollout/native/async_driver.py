@@ -6,6 +6,11 @@ step until nothing is left to run, while anything is pending. Agent loops thus s
 one at a time and none waits for another; the steps batch arrivals (``max_admission_wait``,
 ``admission_fraction``; see scheduler.py), so requests arriving while others decode join a few
 at a time. The driver reaches the engine only through the callables it is given.
+
+Requests may come from one event loop after another (``asyncio.run`` per call, a server's loop stopped
+and a new one started). A task of a loop that stopped before it ended never runs again, so a request
+from another loop starts a driver of its own loop; the steps take a lock, so the worker thread of a
+loop that was stopped (or cancelled its driver mid-step) finishes its step before another steps.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class AsyncDriver:
         self._fail_pending = fail_pending
         self._measure = measure
         self._task: asyncio.Task | None = None
+        self._stepping = threading.Lock()
+        self._gc_to_restore: bool | None = None
+        """Whether the garbage collector was on before the drivers paused it (None: none has)."""
 
     async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token`` (a
@@ -54,7 +62,7 @@ class AsyncDriver:
             self._submit(request, deliver, fail)
         else:
             self._submit(request, deliver, fail, lambda *token: loop.call_soon_threadsafe(on_token, *token))
-        if self._task is None or self._task.done():
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._task = loop.create_task(self._drive())
         return await future
 
@@ -64,7 +72,8 @@ class AsyncDriver:
         meanwhile, as in ``NativeEngine.generate``."""
         finish_metrics = self._measure()
         stop = threading.Event()
-        collecting = gc.isenabled()
+        if self._gc_to_restore is None:  # else a driver of a stopped loop paused it and never ended
+            self._gc_to_restore = gc.isenabled()
         gc.disable()
         try:
             while self._has_work():
@@ -74,11 +83,13 @@ class AsyncDriver:
             raise
         finally:  # also when the event loop cancels this task on its way out: the thread stops after its step
             stop.set()
-            if collecting:
+            if self._gc_to_restore:
                 gc.enable()
+            self._gc_to_restore = None
             finish_metrics()
 
     def _run_steps(self, stop: threading.Event) -> None:
-        """Step until nothing is left to run or ``stop`` is set."""
-        while not stop.is_set() and self._step():
-            pass
+        """Step until nothing is left to run or ``stop`` is set; never beside another driver's thread."""
+        with self._stepping:
+            while not stop.is_set() and self._step():
+                pass

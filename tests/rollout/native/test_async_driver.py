@@ -132,3 +132,42 @@ def test_the_metrics_span_ends_however_the_driver_stops(fail_on):
 
     run(main)
     assert engine.spans == ["start", "end"]
+
+
+def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_with_its_driver_pending():
+    """A server's loop stopped right after its last reply: its driver task never ends. The next loop's request gets
+    a driver of its own, which steps only once the stopped loop's thread is out of its step."""
+    engine = CountingEngine()
+    stepped_out, held = threading.Event(), threading.Event()
+    step = engine.step
+
+    def step_then_hold() -> bool:
+        stepped = step()
+        if stepped and not held.is_set():  # the first request's next step waits: the loop stops meanwhile
+            held.set()
+            engine.gate.clear()
+        elif not stepped:
+            stepped_out.set()
+        return stepped
+
+    engine.step = step_then_hold
+    driver = engine.driver()
+    served = asyncio.new_event_loop()
+    thread = threading.Thread(target=served.run_forever, daemon=True)
+    thread.start()
+    gc_was_enabled = gc.isenabled()
+    try:
+        first = asyncio.run_coroutine_threadsafe(driver.generate(request(1)), served).result(10)
+        served.call_soon_threadsafe(served.stop)
+        thread.join(10)
+        engine.gate.set()
+        assert stepped_out.wait(10)  # the stopped loop's thread found nothing left; its task stays pending
+
+        async def main():
+            return await asyncio.wait_for(driver.generate(request(2)), 10)
+
+        second = run(main)
+    finally:
+        served.close()
+    assert first[0].token_ids == [1] and second[0].token_ids == [2]
+    assert gc.isenabled() == gc_was_enabled  # the collector is back on, though the first driver never ended
