@@ -5,7 +5,10 @@ The first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main thread, so 
 folder unlocked) and the command prints one line. The latest checkpoint stays, so the same
 command resumes. A second signal ends the process at once with ``os._exit``, which skips the
 interpreter's teardown: threads still inside torch code then cannot abort it with a C++
-``terminate called`` message.
+``terminate called`` message. A signal that arrives once the main thread has finished (the
+interpreter joining threads, running atexit hooks, tearing modules down) has nothing left to stop
+cleanly: it also exits at once, with the same 130, where a ``KeyboardInterrupt`` would print a
+traceback from the teardown and the process would exit as if never stopped.
 """
 
 from __future__ import annotations
@@ -21,21 +24,29 @@ stop_signal: list[str] = []
 """The name of the signal that stopped the run (empty while none has)."""
 
 
-def _exit_now(signum: int, frame: FrameType | None) -> None:
-    sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting at once\n")
-    sys.stderr.flush()
+def _exit_now(signum: int, frame: FrameType | None, why: str = "again") -> None:
+    try:
+        sys.stderr.write(f"\n{signal.Signals(signum).name} {why}: exiting at once\n")
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # a stream already closed or gone (late in the teardown)
+        pass
     _quiet_scorer_watch()
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
 def _quiet_scorer_watch() -> None:
-    """An exit on purpose is no scorer's crash: the in-process scorers' sentinel stays silent."""
-    from reinforge.reward.in_process import quiet_sentinels
+    """An exit on purpose is no scorer's crash: the in-process scorers' sentinels stay silent. There are none unless
+    their module was imported (importing it late in the interpreter's teardown would fail)."""
+    if "reinforge.reward.in_process" in sys.modules:
+        from reinforge.reward.in_process import quiet_sentinels
 
-    quiet_sentinels()
+        quiet_sentinels()
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
+    if not threading.main_thread().is_alive():  # the interpreter is shutting down: no code left to interrupt
+        _exit_now(signum, frame, "while exiting")
     stop_signal.append(signal.Signals(signum).name)
     signal.signal(signal.SIGINT, _exit_now)
     signal.signal(signal.SIGTERM, _exit_now)

@@ -191,12 +191,19 @@ def test_without_a_prompt_limit_no_prompt_is_dropped_or_cut_as_in_trl(tmp_path, 
     longer prompts dropped) would leave the long ones out; the limit is the longest prompt's length instead."""
     import dataclasses
 
+    import reinforge.data.rl_dataset as rl_dataset
     import reinforge.trainer.rl_trainer as rl_trainer
     from reinforge import GRPOTrainer
     from reinforge.data import RLDataset
     from reinforge.models import load_tokenizer
+    from reinforge.trainer.preflight import preflight
 
-    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
+    checked = []
+    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, **kwargs: checked.append(preflight(config, **kwargs)))
+    encoded = []
+    encode_prompt = rl_dataset.encode_prompt
+    monkeypatch.setattr(rl_dataset, "encode_prompt", lambda *args, **kwargs: (
+        encoded.append(args[1]), encode_prompt(*args, **kwargs))[1])
     rows = [{"prompt": [{"role": "user", "content": "1+1="}]}, {"prompt": [{"role": "user", "content": "7" * 700}]}]
 
     def data_settings(**settings):
@@ -205,12 +212,14 @@ def test_without_a_prompt_limit_no_prompt_is_dropped_or_cut_as_in_trl(tmp_path, 
                            eval_dataset=[{"prompt": "8" * 800}]).config.data
 
     data = data_settings()
+    assert len(encoded) == 3  # each prompt once: the limit is sized from the datasets the run then takes
     unbounded = dataclasses.replace(data, max_prompt_length=10_000)
     tokenizer = load_tokenizer(str(tiny_model_dir))
     lengths = []
-    for split in ("train", "val"):
+    for split, taken in (("train", checked[0].train_set), ("val", checked[0].val_set)):
         whole = [example.prompt_ids for example in RLDataset.from_config(unbounded, tokenizer, split).examples]
         assert [example.prompt_ids for example in RLDataset.from_config(data, tokenizer, split).examples] == whole
+        assert [example.prompt_ids for example in taken.examples] == whole
         lengths += [len(prompt_ids) for prompt_ids in whole]
     assert data.max_prompt_length == max(lengths) > 512
     assert data_settings(max_prompt_length=96).max_prompt_length == 96  # as given, longer prompts cut on the left
@@ -292,7 +301,7 @@ def test_the_settings_a_trl_script_spells_out_make_a_valid_run(tmp_path, monkeyp
     import reinforge.trainer.rl_trainer as rl_trainer
     from reinforge import GRPOTrainer
 
-    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None: None)
+    monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, reward_functions=None, prompt_sets=None: None)
     args = GRPOConfig(**{"output_dir": str(tmp_path), "num_generations": 4, "per_device_train_batch_size": 8,
                          **settings})
     trainer = GRPOTrainer(model=str(tiny_model_dir), args=args, train_dataset=[{"prompt": "1+1="}],
@@ -506,7 +515,7 @@ def test_a_reinforge_config_and_keyword_overrides_reach_the_rl_trainer(tmp_path,
     made = {}
 
     class Recorded:
-        def __init__(self, config, reward_functions=None):
+        def __init__(self, config, reward_functions=None, prompt_sets=None):
             made.update(config=config, reward_functions=reward_functions)
 
     monkeypatch.setattr(rl_trainer, "RLTrainer", Recorded)

@@ -337,23 +337,30 @@ def _reward_tokenizers(processing_classes: Any, count: int) -> list[Any]:
     return given
 
 
-def longest_prompt(config: Any) -> int:
-    """The most tokens a prompt of the run's train and eval rows takes, tokenized as the run tokenizes them (the
-    chat template, a vision-language model's image tokens): a prompt limit that keeps every prompt whole."""
+def whole_prompts(config: Any) -> dict[str, Any]:
+    """The run's train and val prompts (``RLDataset`` by split), tokenized as the run tokenizes them (the chat
+    template, a vision-language model's image tokens), and ``config.data.max_prompt_length`` set to the longest's
+    tokens: a prompt limit that keeps every prompt whole. The run takes these datasets (``RLTrainer``'s
+    ``prompt_sets``) rather than tokenizing every prompt a second time."""
     import dataclasses
     import sys
 
     from reinforge.data import RLDataset
     from reinforge.models import load_tokenizer
-    from reinforge.models.vision import processor_for
+    from reinforge.models.vision import processor_for, why_no_images
 
     model = config.model
     tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
     processor = processor_for(model.path, model.trust_remote_code, config.data.chat_template)
+    why = None if processor is not None else why_no_images(model.path, model.trust_remote_code)
     unbounded = dataclasses.replace(config.data, max_prompt_length=sys.maxsize, filter_overlong_prompts=False)
     splits = ("train", "val") if config.data.val_files else ("train",)
-    return max(len(example.prompt_ids) for split in splits
-               for example in RLDataset.from_config(unbounded, tokenizer, split, processor=processor).examples)
+    # tool_schemas=[]: the run's, which reads no tool config here (tools would lengthen the prompts unseen)
+    prompt_sets = {split: RLDataset.from_config(unbounded, tokenizer, split, tool_schemas=[], processor=processor,
+                                                why_no_images=why) for split in splits}
+    config.data.max_prompt_length = max(len(example.prompt_ids) for dataset in prompt_sets.values()
+                                        for example in dataset.examples)
+    return prompt_sets
 
 
 def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:

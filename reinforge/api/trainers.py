@@ -13,13 +13,13 @@ from reinforge.api.inputs import (
     as_conversations,
     first_row,
     formatted_rows,
-    longest_prompt,
     mark_trained,
     peft_settings,
     reward_functions_of,
     save_model_if_loaded,
     save_tokenizer_if_given,
     sft_loss_on,
+    whole_prompts,
     write_dataset,
 )
 from reinforge.api.settings import DPOConfig, GRPOConfig, RewardConfig, SFTConfig, keyword_overrides, load_settings
@@ -265,14 +265,15 @@ class GRPOTrainer(_Trainer):
         self.config = load_settings(Config, config_to_dict(args) if isinstance(args, Config) else None, settings,
                             "GRPOTrainer's settings")
         _check_train_data(self.config, type(self).__name__)
+        prompt_sets = None
         if (not isinstance(args, Config) and "data.max_prompt_length" not in settings
                 and not self.config.rollout.multi_turn.tool_config_path):
             # TRL keeps every prompt whole: a limit that drops or cuts none (tools' schemas would lengthen them)
-            self.config.data.max_prompt_length = longest_prompt(self.config)
+            prompt_sets = whole_prompts(self.config)
         validate_config(self.config)
         from reinforge.trainer.rl_trainer import RLTrainer, optimizer_steps_per_step
 
-        self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions)
+        self.trainer = RLTrainer(self.config, reward_functions=self.reward_functions, prompt_sets=prompt_sets)
         self.updates = optimizer_steps_per_step(self.config)
         self._start_callbacks(callbacks)
 

@@ -138,10 +138,10 @@ class RLDataset:
                     continue
                 self.examples.append(PromptExample(index=first_index + row_number, **fields))
                 if max_samples is not None and len(self.examples) == max_samples:
-                    self._report(config)
+                    self.report(config)
                     return
             first_index += len(rows)
-        self._report(config)
+        self.report(config)
 
     def where(self, example: PromptExample) -> str:
         """Where ``example`` came from, for messages: 'row 3 of data/train.parquet'."""
@@ -149,7 +149,8 @@ class RLDataset:
         first_index, path = self._file_starts[position]
         return f"row {example.index - first_index} of {path}"
 
-    def _report(self, config: DataConfig) -> None:
+    def report(self, config: DataConfig) -> None:
+        """Log how many prompts were kept and filtered under ``config``'s limit; raise one line when none is left."""
         if self.num_rows_read == 0:
             listed = ", ".join(path for _, path in self._file_starts)
             raise ValueError(f"the {self.name} files ({listed}) hold no rows; check data.{self.name}_files")

@@ -81,6 +81,8 @@ class StopStringsHeld:
         return getattr(self.engine, name)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        if not requests:  # the plugin is not asked: it might wake up (copy weights, allocate its cache) for nothing
+            return []
         self._check(requests)
         return [[self._end(completion, request.sampling) for completion in completions]
                 for request, completions in zip(requests, self.engine.generate(requests), strict=True)]

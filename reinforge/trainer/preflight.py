@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -230,10 +230,14 @@ class Checked:
 
 
 def preflight(config: Config, placement: RolePlacement | None = None,
-              reward_functions: Sequence[Callable[..., Any]] | None = None) -> Checked:
+              reward_functions: Sequence[Callable[..., Any]] | None = None,
+              prompt_sets: Mapping[str, RLDataset] | None = None) -> Checked:
     """Every check of an RL run that can run before a model loads; resolves the memory plan's auto settings in
     ``config``. Raises ConfigError (or the check's own one-line error) naming the value and the fix.
-    ``reward_functions``: reward function objects that score every row instead of the scorers."""
+    ``reward_functions``: reward function objects that score every row instead of the scorers. ``prompt_sets``:
+    the train (and, with data.val_files, val) ``RLDataset`` already tokenized from config.data with the run's
+    tokenizer, no prompt longer than data.max_prompt_length (``api.inputs.whole_prompts``), taken rather than
+    tokenized again."""
     check_config(config)
     refuse_launched_processes("an RL run's controller runs in one process and starts its workers itself",
                               "start it as one process, with trainer.backend=ray trainer.devices_per_node=N to train "
@@ -279,8 +283,17 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                           f"{config.model.path} is a vision-language model, whose critic reinforge does not build; "
                           "use a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...)")
     why = None if processor is not None else why_no_images(config.model.path, config.model.trust_remote_code)
-    train_set = RLDataset.from_config(config.data, tokenizer, split="train", tool_schemas=schemas, processor=processor,
-                                      why_no_images=why)
+
+    def prompt_set(split: str) -> RLDataset:
+        if prompt_sets is None:
+            return RLDataset.from_config(config.data, tokenizer, split=split, tool_schemas=schemas,
+                                         processor=processor, why_no_images=why)
+        dataset = prompt_sets[split]
+        assert all(len(example.prompt_ids) <= config.data.max_prompt_length for example in dataset.examples)
+        dataset.report(config.data)  # counted under the run's limit, as the run's own build would count them
+        return dataset
+
+    train_set = prompt_set("train")
     if not (model_score_source(config) is not None and config.reward.combine.mode == "replace"):  # else no rule scores
         check_rows_can_be_scored(train_set, config.reward, custom_scorer, reward_functions)
     check_agent_rows(((f"train {train_set.where(example)}", example.agent_name, example.extra_info)
@@ -289,8 +302,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         refuse_agent_rows(example.agent_name for example in train_set.examples)
     val_set = None
     if config.data.val_files:
-        val_set = RLDataset.from_config(config.data, tokenizer, split="val", tool_schemas=schemas,
-                                        processor=processor, why_no_images=why)
+        val_set = prompt_set("val")
         check_rows_can_be_scored(val_set, config.reward, custom_scorer, reward_functions)
         check_agent_rows(((f"val {val_set.where(example)}", example.agent_name, example.extra_info)
                           for example in val_set.examples), tools)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from reinforge.algorithms import (
 from reinforge.algorithms.roles import critic_enabled, reference_needed
 from reinforge.config import Config, config_to_dict
 from reinforge.controller import ResourcePool, RolePlacement, WorkerGroup
-from reinforge.data import PromptLoader, get_pad_token_id
+from reinforge.data import PromptLoader, RLDataset, get_pad_token_id
 from reinforge.protocol import Batch, samples_of
 from reinforge.reward.combine import combine_scores
 from reinforge.reward.manager import place_on_last_token
@@ -64,12 +64,15 @@ def optimizer_steps_per_step(config: Config) -> int:
 
 class RLTrainer(TrainingRun):
     def __init__(self, config: Config, placement: RolePlacement | None = None,
-                 reward_functions: Sequence[Callable[..., Any]] | None = None):
+                 reward_functions: Sequence[Callable[..., Any]] | None = None,
+                 prompt_sets: Mapping[str, RLDataset] | None = None):
         """``placement`` maps each role to a resource pool; by default every role shares one pool.
         ``reward_functions``: function objects (TRL's or verl's kind) that score every sample, weighted by
-        reward.weights, instead of the scorer of each data_source (``reinforge.reward.reward_functions``)."""
+        reward.weights, instead of the scorer of each data_source (``reinforge.reward.reward_functions``).
+        ``prompt_sets``: the train (and val) prompts already tokenized from config.data (see ``preflight``)."""
         self.config = config
-        checked = preflight(config, placement, reward_functions)  # every check that can run before a model loads
+        # every check that can run before a model loads
+        checked = preflight(config, placement, reward_functions, prompt_sets)
         self.run_dir = Path(config.trainer.output_dir)
         # async mode's checkpoint holds prompt groups in flight, each with the rollout.n samples it was admitted with
         refused = RESUME_REFUSES + (("rollout.n",) if config.trainer.mode == "async" else ())

@@ -373,10 +373,12 @@ class RolloutSide:
                                               multi_modal_inputs=(images[start] or None) if images is not None else None))
             start = stop
         phases.lap("requests")
-        with (self.weights.awake(phases), self._sleep_after(phases),
-              autocast_context(self.device, self.config.model.dtype)):
-            completions = self.rollout_engine.generate(requests)
-            phases.lap("engine")
+        completions = []
+        if requests:  # no rows (then on every rank: DP_COMPUTE pads chunks): no gather, no wake-up, no KV cache
+            with (self.weights.awake(phases), self._sleep_after(phases),
+                  autocast_context(self.device, self.config.model.dtype)):
+                completions = self.rollout_engine.generate(requests)
+                phases.lap("engine")
         responses, response_mask, rollout_log_probs, finish_stop = _response_tensors(
             [completion for samples in completions for completion in samples], sampling.max_tokens,
             self.tokenizer.pad_token_id)
@@ -387,7 +389,7 @@ class RolloutSide:
                      "position_ids": build_position_ids(attention_mask), "rollout_log_probs": rollout_log_probs,
                      "finished_by_stop": finish_stop},
             non_tensors={} if images is None else {MULTI_MODAL_KEY: images},  # the sequences' images, as they came
-            meta={"rollout_metrics": dict(getattr(self.rollout_engine, "last_metrics", {}))},
+            meta={"rollout_metrics": dict(getattr(self.rollout_engine, "last_metrics", {})) if requests else {}},
         )
         phases.lap("assemble")
         output.meta["rollout_metrics"] |= phases.metrics("timing_s/gen/")

@@ -176,3 +176,15 @@ def test_a_plugin_engine_blind_to_stop_strings_ends_its_samples_as_the_built_in_
     ignoring = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, ignore_eos=True))
     [kept] = plugin.generate([ignoring])
     assert kept == plugin.engine.generate([ignoring])[0]  # ignore_eos: no stop string ends a sample, as in hf's
+
+
+def test_no_requests_never_reach_a_plugin_engine(toy_package):
+    from reinforge.config.schema import Config
+    from reinforge.workers.rollout_side import build_rollout_engine
+
+    config = Config()
+    config.rollout.name = "toy"
+    engine = build_rollout_engine(config, torch.device("cpu"), tokenizer=None, model=torch.nn.Linear(1, 1))
+    asked = []
+    engine.engine.generate = lambda requests: asked.append(requests) or []
+    assert engine.generate([]) == [] and asked == []

@@ -101,6 +101,27 @@ def test_offloaded_parameters_train_and_generate_like_resident_ones(tiny_model_d
     torch.testing.assert_close(resident["rollout_log_probs"], offloaded["rollout_log_probs"])
 
 
+@pytest.mark.parametrize("rollout_name", ["hf", "native"])
+def test_a_batch_of_no_prompts_gets_no_responses_without_waking_the_engine(tiny_model_dir, monkeypatch, rollout_name):
+    from torch.distributed.fsdp import FSDPModule
+
+    config = make_config(tiny_model_dir)
+    config.rollout.name = rollout_name
+    worker = ActorRolloutWorker(config, total_training_steps=1)
+    monkeypatch.setattr(rollout_side, "world_size", lambda: 2)  # the gathering path of several devices
+    calls: list[str] = []
+    unshard = FSDPModule.unshard
+    monkeypatch.setattr(FSDPModule, "unshard", lambda self, *a, **k: (calls.append("unshard"), unshard(self, *a, **k))[1])
+    for name in ("sync_weights", "wake_up", "generate", "sleep"):
+        method = getattr(worker.rollout_engine, name)
+        monkeypatch.setattr(worker.rollout_engine, name, lambda *a, _name=name, _method=method, **k: (
+            calls.append(_name), _method(*a, **k))[1])
+    output = worker.generate(prompt_batch().index(slice(0, 0)), SamplingParams(max_tokens=4), 7)
+    assert calls == []
+    assert output["responses"].shape == (0, 4) and output["input_ids"].shape == (0, 10)
+    assert not any(name.startswith("rollout/") for name in output.meta["rollout_metrics"])
+
+
 def test_a_failed_rollout_raises_its_own_error_and_the_next_one_runs(tiny_model_dir, monkeypatch):
     config = make_config(tiny_model_dir)
     config.rollout.name = "native"

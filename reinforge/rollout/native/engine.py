@@ -321,8 +321,11 @@ class NativeEngine:
         """Completions for each request (``request.sampling.n`` of them), in request order.
 
         Python's garbage collector is paused meanwhile: the host's time per decode step is the step's
-        budget, and a collection walking the sequences' lists would leave the device idle.
+        budget, and a collection walking the sequences' lists would leave the device idle. No requests: no
+        completions, and the engine is not woken (no weight copy, no KV cache).
         """
+        if not requests:
+            return []
         self.wake_up()
         states = [self._new_state(request) for request in requests]  # every request checked before any is queued
         for state in states:

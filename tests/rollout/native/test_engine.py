@@ -314,3 +314,9 @@ def test_a_driver_step_after_sleep_finds_nothing_to_run(qwen2, tiny):
     asyncio.run(engine.generate_async(request))
     engine.sleep()
     assert engine._step(batch_arrivals=True) is False
+
+
+def test_no_requests_give_no_completions_without_waking_the_engine(qwen2):
+    engine = make_engine(qwen2)
+    assert engine.generate([]) == []
+    assert not engine.is_awake and engine.runner.kv_cache is None and engine.runner.decoder.weights is None
