@@ -112,27 +112,33 @@ def dtypes_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, to
     return as_loaded
 
 
-def state_dict_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
-    """The model's state dict with floating-point tensors cast to ``dtype``, or to float32 where a model loaded in
-    ``dtype`` keeps them in float32 (``dtypes_as_loaded``): the folder loads back to these very tensors.
+def cast_state_as_loaded(state: dict[str, Tensor], model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
+    """``state``, a state dict of ``model``, in place: each floating-point tensor in the dtype a folder of it loads
+    back in with ``from_pretrained(folder, dtype=dtype)`` (``dtypes_as_loaded``). Returns ``state``.
 
-    Tensors that share storage (tied embeddings) still share it after the cast, which is how
-    save_pretrained recognises them and writes the weight once.
+    A tensor to cast is cast onto the CPU, one at a time: the model's device holds no second copy, and the state's
+    own tensor is freed as its cast is made where nothing else holds it. Tensors that share storage (tied
+    embeddings) still share it, which is how save_pretrained recognises them and writes the weight once.
     """
     as_loaded = dtypes_as_loaded(model, dtype)
     cast: dict[tuple, Tensor] = {}
-    result: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point():
-            result[name] = tensor
-            continue
+    for name in list(state):
+        tensor = state[name]
         target = as_loaded.get(name, dtype)
+        if not tensor.is_floating_point() or tensor.dtype == target:
+            continue
         identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
                     target)
         if identity not in cast:
-            cast[identity] = tensor.detach().to(target)
-        result[name] = cast[identity]
-    return result
+            cast[identity] = tensor.detach().to("cpu", target)
+        state[name] = cast[identity]
+    return state
+
+
+def state_dict_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The model's state dict as a folder saved in ``dtype`` holds it (``cast_state_as_loaded``); the model itself is
+    not cast."""
+    return cast_state_as_loaded(dict(model.state_dict()), model, dtype)
 
 
 def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, *,

@@ -34,6 +34,7 @@ from reinforge.engine.lora import (
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
 from reinforge.models.dropout import restore_config_dropout
+from reinforge.models.export import cast_state_as_loaded
 
 
 def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -122,6 +123,7 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
         config._attn_implementation = "eager"
         with torch.device("meta"):
             plain = model_class(config)
+        cast_state_as_loaded(state, plain, dtype)  # before the folder is written: no float32 copy beside the cast one
         plain.load_state_dict(state, assign=True, strict=False)
         plain.tie_weights()
         if getattr(model, "generation_config", None) is not None:  # a classifier (a reward model) has none

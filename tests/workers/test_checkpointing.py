@@ -30,7 +30,10 @@ def float32_model(kind: str, tokenizer, tmp_path):
 def test_the_checkpoint_holds_the_weights_in_the_compute_dtype_and_says_so(tmp_path, kind):
     tokenizer = build_char_tokenizer()
     model = float32_model(kind, tokenizer, tmp_path)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     save_sharded_hf_folder(model, type(model), tokenizer, tmp_path / "hf", dtype=torch.bfloat16)
+    assert all(torch.equal(tensor, before[name]) and tensor.dtype == torch.float32
+               for name, tensor in model.state_dict().items()), "the training model keeps its float32 weights"
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     model_class = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
     loaded = model_class.from_pretrained(tmp_path / "hf", dtype="auto").state_dict()
