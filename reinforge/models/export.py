@@ -146,6 +146,9 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
                    adapter_folder: str | Path | None = None) -> Path:
     """Save ``model`` (safetensors, in ``dtype`` or its own) and ``tokenizer`` into ``out_dir``, atomically.
 
+    In ``dtype``, what transformers keeps in float32 when it loads the folder in that dtype is written in float32
+    (``cast_state_as_loaded``), and config.json names ``dtype``.
+
     Writes config.json, generation_config.json (for models that generate), the weights and the
     tokenizer files. Call it from one process only. Returns ``out_dir``.
     ``processor_files_from``: the model folder (or cached hub id) it was trained from, whose processor files the
