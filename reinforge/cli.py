@@ -287,7 +287,10 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("out", help="the HF folder to write (new or empty)")
     parser.add_argument("--force", action="store_true", help="write over a non-empty output folder")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="the weights' dtype in the folder (default: the checkpoint's, float32 for a trained run)")
+                        help="the weights' dtype in the folder (default: the one the checkpoint's hf/config.json "
+                             "names, the run's compute dtype: bfloat16 for a GPU run, the policy its rollouts and "
+                             "validation sampled from); float32 writes the master weights, with the updates of an RL "
+                             "run too small for bfloat16 to resolve")
     args = parser.parse_args(argv)
     import torch
 

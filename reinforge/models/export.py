@@ -9,8 +9,10 @@ two names. The exported config has ``use_cache`` back on: the folder is for infe
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,29 +70,84 @@ def atomic_folder(out_dir: str | Path) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def state_dict_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, Tensor]:
-    """The model's state dict with floating-point tensors cast to ``dtype``.
+def float32_pattern(module_names: object) -> re.Pattern | None:
+    """The names in a model class's ``_keep_in_fp32_modules`` or ``_keep_in_fp32_modules_strict`` as transformers
+    matches them (a regular-expression search in a tensor's name, ``*`` for any characters); None for none."""
+    if not isinstance(module_names, (list, tuple, set, frozenset)) or not module_names:
+        return None
+    return re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in sorted(module_names)))
 
-    Tensors that share storage (tied embeddings) still share it after the cast, which is how
-    save_pretrained recognises them and writes the weight once.
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def dtypes_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each floating-point tensor of ``model``'s state dict in a model that
+    ``from_pretrained(folder, dtype=dtype)`` loads: ``dtype``, except what transformers keeps in float32.
+
+    That is a tensor the model's classes create in float32 whatever the default dtype (DeepSeek V3's
+    ``e_score_correction_bias``), one their ``_keep_in_fp32_modules_strict`` names (DeepSeek's router
+    ``gate.weight``), and for float16 one their ``_keep_in_fp32_modules`` names (gpt-oss's norms). A copy of the
+    model is built on the meta device with ``dtype`` as the default dtype, as from_pretrained builds it.
     """
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "eager"  # a class that picks its attention modules by name knows no other
+    with torch.device("meta"), default_dtype(dtype):
+        built = type(model)(config)
+    kept = [float32_pattern(getattr(built, "_keep_in_fp32_modules_strict", None))
+            if dtype in (torch.bfloat16, torch.float16) else None,
+            float32_pattern(getattr(built, "_keep_in_fp32_modules", None)) if dtype == torch.float16 else None]
+    as_loaded = {}
+    for name, tensor in built.state_dict().items():
+        if tensor.is_floating_point():
+            keeps_float32 = any(pattern is not None and pattern.search(name) for pattern in kept)
+            as_loaded[name] = torch.float32 if keeps_float32 else tensor.dtype
+    return as_loaded
+
+
+def cast_state_as_loaded(state: dict[str, Tensor], model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
+    """``state``, a state dict of ``model``, in place: each floating-point tensor in the dtype a folder of it loads
+    back in with ``from_pretrained(folder, dtype=dtype)`` (``dtypes_as_loaded``). Returns ``state``.
+
+    A tensor to cast is cast onto the CPU, one at a time: the model's device holds no second copy, and the state's
+    own tensor is freed as its cast is made where nothing else holds it. Tensors that share storage (tied
+    embeddings) still share it, which is how save_pretrained recognises them and writes the weight once.
+    """
+    as_loaded = dtypes_as_loaded(model, dtype)
     cast: dict[tuple, Tensor] = {}
-    result: dict[str, Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point():
-            result[name] = tensor
+    for name in list(state):
+        tensor = state[name]
+        target = as_loaded.get(name, dtype)
+        if not tensor.is_floating_point() or tensor.dtype == target:
             continue
-        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                    target)
         if identity not in cast:
-            cast[identity] = tensor.detach().to(dtype)
-        result[name] = cast[identity]
-    return result
+            cast[identity] = tensor.detach().to("cpu", target)
+        state[name] = cast[identity]
+    return state
+
+
+def state_dict_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The model's state dict as a folder saved in ``dtype`` holds it (``cast_state_as_loaded``); the model itself is
+    not cast."""
+    return cast_state_as_loaded(dict(model.state_dict()), model, dtype)
 
 
 def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, *,
                    dtype: torch.dtype | None = None, processor_files_from: str | Path | None = None,
                    adapter_folder: str | Path | None = None) -> Path:
     """Save ``model`` (safetensors, in ``dtype`` or its own) and ``tokenizer`` into ``out_dir``, atomically.
+
+    In ``dtype``, what transformers keeps in float32 when it loads the folder in that dtype is written in float32
+    (``cast_state_as_loaded``), and config.json names ``dtype``.
 
     Writes config.json, generation_config.json (for models that generate), the weights and the
     tokenizer files. Call it from one process only. Returns ``out_dir``.

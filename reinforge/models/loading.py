@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from reinforge.models.classes import causal_lm_class, named_class
-from reinforge.models.export import AS_LOADED
+from reinforge.models.export import AS_LOADED, float32_pattern
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,9 @@ def float32_parameter_names(model: torch.nn.Module) -> set[str]:
     """Names of ``model``'s parameters that transformers keeps in float32 when it loads the model in bfloat16 or
     float16: those its classes name in ``_keep_in_fp32_modules_strict`` (DeepSeek V2/V3's router ``gate.weight``),
     matched as transformers matches them (a regular-expression search in the name, ``*`` for any characters)."""
-    patterns = getattr(model, "_keep_in_fp32_modules_strict", None)
-    if not isinstance(patterns, (list, tuple, set, frozenset)) or not patterns:
+    kept = float32_pattern(getattr(model, "_keep_in_fp32_modules_strict", None))
+    if kept is None:
         return set()
-    kept = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in sorted(patterns)))
     return {name for name, _ in model.named_parameters() if kept.search(name)}
 
 

@@ -5,10 +5,16 @@ weights come from the trainer state (``actor_state.pt``), so export also works f
 checkpoint whose ``hf/`` weights were removed to save space. A LoRA checkpoint's state holds
 only the adapters: export merges them into the base model named in ``adapter/adapter_config.json``
 and writes the adapters too, in peft's format, under ``OUT/adapter``.
+
+The weights are written in the dtype ``hf/config.json`` names, the run's compute dtype (bfloat16 for a GPU run),
+unless a dtype is given: float32 writes the master weights of the state as they are, which keeps the updates of an
+RL run too small for bfloat16 to resolve. The rollouts and validation sampled from the bfloat16-rounded weights,
+so the bfloat16 folder is exactly the policy they measured.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -24,6 +30,7 @@ from transformers import (
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config, transposed_layers
 from reinforge.models import load_causal_lm, save_hf_folder
+from reinforge.models.loading import DTYPES
 from reinforge.models.vision import is_vision_language, load_processor
 from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
 
@@ -63,9 +70,20 @@ def resolve_checkpoint(path: str | Path) -> Path:
                             "checkpoints; pass RUN_DIR or RUN_DIR/checkpoints/step_N")
 
 
+def checkpoint_dtype(hf_folder: Path) -> torch.dtype:
+    """The dtype the config.json of a checkpoint's ``hf_folder`` names for its weights; float32 where it names none."""
+    config = json.loads((hf_folder / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"{hf_folder / 'config.json'} names dtype {name!r}, which export does not write; pass "
+                         f"--dtype ({', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype | None = None,
                       force: bool = False) -> Path:
-    """Write ``out_dir`` as an HF model folder; a non-empty ``out_dir`` is refused unless ``force``."""
+    """Write ``out_dir`` as an HF model folder in ``dtype`` (None: the checkpoint's, ``checkpoint_dtype``); a non-empty
+    ``out_dir`` is refused unless ``force``."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file, not a folder; choose a folder for the model (it may not exist yet)")
@@ -85,6 +103,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     state_file = folder / "actor_state.pt"
     if not (hf_folder / "config.json").is_file() or not state_file.is_file():
         raise FileNotFoundError(f"checkpoint {folder} lacks hf/config.json or actor_state.pt; it is incomplete")
+    dtype = dtype or checkpoint_dtype(hf_folder)
     state = torch.load(state_file, map_location="cpu", weights_only=True)["model"]
     tokenizer = AutoTokenizer.from_pretrained(hf_folder)
     config = AutoConfig.from_pretrained(hf_folder)
@@ -99,7 +118,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
         model.load_state_dict(state, strict=False)
         return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype)
     model_class = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
-    model = model_class.from_config(config)
+    model = model_class.from_config(config, dtype=torch.float32)  # the state's float32, not the dtype hf/ names
     if set(model.state_dict()) - set(state):  # frozen weights (a multimodal wrapper's tower, which text never reaches)
         model = model_class.from_pretrained(hf_folder, dtype=torch.float32)  # are not in the state: hf/ holds them
         unexpected = model.load_state_dict(state, strict=False).unexpected_keys
@@ -132,19 +151,19 @@ def load_trained_weights(checkpoint: str | Path, model: torch.nn.Module) -> bool
 
 
 def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokenizer, out_dir: Path,
-                 dtype: torch.dtype | None, classifier_config=None, hf_folder: Path | None = None) -> Path:
+                 dtype: torch.dtype, classifier_config=None, hf_folder: Path | None = None) -> Path:
     """A LoRA checkpoint: the base model with the trained adapters merged in at ``out_dir``, the adapters
     alone in peft's format at ``out_dir/adapter`` (``PeftModel.from_pretrained(base, out_dir / "adapter")``).
     ``tokenizer``: what the folder keeps beside the model (a vision-language model's processor); the processor
     files of the checkpoint's ``hf_folder`` are kept too (``save_hf_folder``'s ``processor_files_from``).
     A reward model's (``classifier_config``: its hf/ config) is its base's backbone under the trained score head,
-    which its state holds with the adapters."""
+    which its state holds with the adapters. The base loads in ``dtype`` and each merged weight is rounded to it
+    once, as the run's checkpoints merge the adapters into the base it trained on (loaded in its compute dtype)."""
     scaling, base_path = read_adapter_config(adapter_folder)
     if not base_path:
         raise FileNotFoundError(f"{adapter_folder}/adapter_config.json names no base model; cannot merge the adapters")
-    base = (load_causal_lm(base_path, dtype=torch.float32, device="cpu") if classifier_config is None
-            else AutoModelForSequenceClassification.from_pretrained(base_path, config=classifier_config,
-                                                                    dtype=torch.float32))
+    base = (load_causal_lm(base_path, dtype=dtype, device="cpu") if classifier_config is None
+            else AutoModelForSequenceClassification.from_pretrained(base_path, config=classifier_config, dtype=dtype))
     state = base.state_dict() | adapters
     base.load_state_dict(merge_lora_weights(state, scaling, transposed_layers(base)))
     # the adapters were written with actor_state.pt, from the same tensors

@@ -22,7 +22,7 @@ from reinforge.config import config_to_dict
 from reinforge.config.sft_schema import SFTConfig
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
-from reinforge.engine.device import autocast_context, resolve_device
+from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
@@ -174,6 +174,7 @@ class SFTTrainer(SupervisedRun):
     def write_checkpoint(self, folder: Path) -> None:
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
         save_hf_folder(self.model, self.processor or self.tokenizer, folder / "hf",
+                       dtype=compute_dtype(self.device, self.config.model.dtype),
                        processor_files_from=self.config.model.path)
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:

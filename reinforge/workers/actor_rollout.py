@@ -257,6 +257,7 @@ class ActorRolloutWorker(Worker):
         """Collective: every rank gathers its shards; rank 0 writes actor_state.pt and hf/."""
         save_training_state(Path(folder), self.model, self.optimizer, self.scheduler)
         save_sharded_hf_folder(self.model, self.model_class, self.processor or self.tokenizer, Path(folder) / "hf",
+                               dtype=compute_dtype(self.device, self.config.model.dtype),
                                lora=self.config.model.lora if self.peft_model is not None else None,
                                base_model_path=self.config.model.path, optimizer=self.optimizer)
 

@@ -34,6 +34,7 @@ from reinforge.engine.lora import (
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
 from reinforge.models.dropout import restore_config_dropout
+from reinforge.models.export import cast_state_as_loaded
 
 
 def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -94,11 +95,14 @@ def _reapply(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_schedul
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
-def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path,
-                           lora: LoraConfig | None = None, base_model_path: str = "",
+def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], tokenizer, out_dir: Path, *,
+                           dtype: torch.dtype, lora: LoraConfig | None = None, base_model_path: str = "",
                            optimizer: torch.optim.Optimizer | None = None) -> None:
     """The HF folder of an FSDP-sharded causal LM or classifier: gathered collectively, written by rank 0.
 
+    The weights are written in ``dtype``, the run's compute dtype: the float32 master weights rounded as the
+    rollout and the forward passes round them (what a model keeps in float32, DeepSeek's routers, stays float32;
+    ``models.export.dtypes_as_loaded``). The resume state (``save_training_state``) keeps the float32 masters.
     With ``lora`` (a LoRA actor) the folder holds the merged weights, and ``adapter/`` next to it
     the adapters alone in peft's format. An offloaded optimizer that trains every parameter lends
     its host master copy (no second float32 copy of the model in host memory: 28 GiB for 7B).
@@ -119,9 +123,10 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
         config._attn_implementation = "eager"
         with torch.device("meta"):
             plain = model_class(config)
+        cast_state_as_loaded(state, plain, dtype)  # before the folder is written: no float32 copy beside the cast one
         plain.load_state_dict(state, assign=True, strict=False)
         plain.tie_weights()
         if getattr(model, "generation_config", None) is not None:  # a classifier (a reward model) has none
             plain.generation_config = model.generation_config
-        save_hf_folder(plain, tokenizer, out_dir, processor_files_from=base_model_path or None)
+        save_hf_folder(plain, tokenizer, out_dir, dtype=dtype, processor_files_from=base_model_path or None)
     barrier()

@@ -338,16 +338,17 @@ def test_generate_samples_from_the_training_passes_probabilities(model_type):
 
 
 def test_a_checkpoint_of_a_model_that_builds_its_attention_by_name_is_written(tmp_path):
-    """GIT picks its attention classes by attn_implementation when it is built: the checkpoint's model is built
-    eager, not with the training passes' varlen attention, and loads back."""
+    """GIT picks its attention classes by attn_implementation when it is built: the checkpoint's model (and the copy
+    that finds the dtypes it loads in) is built eager, not with the training passes' varlen attention, and loads
+    back."""
     from reinforge.engine.attention import use_varlen_attention
     from reinforge.workers.checkpointing import save_sharded_hf_folder
 
     model = tiny_model("git")
     use_varlen_attention(model)
-    save_sharded_hf_folder(model, type(model), build_char_tokenizer(()), tmp_path / "hf")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    torch.testing.assert_close(reloaded.state_dict()["output.weight"], model.state_dict()["output.weight"])
+    save_sharded_hf_folder(model, type(model), build_char_tokenizer(()), tmp_path / "hf", dtype=torch.bfloat16)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert torch.equal(reloaded.state_dict()["output.weight"], model.state_dict()["output.weight"].to(torch.bfloat16))
 
 
 def test_a_text_model_that_the_auto_table_does_not_list_loads_by_its_architecture(tmp_path):

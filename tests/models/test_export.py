@@ -4,9 +4,11 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from reinforge.models import atomic_folder, build_char_tokenizer, build_tiny_causal_lm, load_causal_lm, save_hf_folder
+from reinforge.models.export import state_dict_in_dtype
+from reinforge.models.tiny_vlm import build_tiny_vlm
 
 
 def tiny_pair(arch="qwen2", tie_word_embeddings=True, seed=0):
@@ -52,6 +54,37 @@ def test_export_in_bfloat16_writes_tied_weight_once(tmp_path):
 
     loaded = load_causal_lm(str(out_dir), dtype=torch.float32, device="cpu")
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float())
+
+
+ROUTER = ["model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.gate.weight"]
+NORMS = ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+         "model.layers.1.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight", "model.norm.weight"]
+
+
+@pytest.mark.parametrize("arch, dtype, kept", [
+    ("deepseek_v3", torch.bfloat16, ROUTER),  # _keep_in_fp32_modules_strict, the bias also built in float32
+    ("deepseek_v3", torch.float16, ROUTER),
+    ("gpt_oss", torch.float16, NORMS),  # _keep_in_fp32_modules: kept for float16 only
+    ("gpt_oss", torch.bfloat16, []),
+    ("qwen2_5_vl", torch.bfloat16, []),
+], ids=["deepseek_v3-bf16", "deepseek_v3-fp16", "gpt_oss-fp16", "gpt_oss-bf16", "qwen2_5_vl-bf16"])
+def test_a_folder_in_a_lower_dtype_loads_back_to_the_very_tensors_it_was_written_with(tmp_path, arch, dtype, kept):
+    """What transformers keeps in float32 when it loads a model in ``dtype`` is written in float32, the rest in
+    ``dtype``: ``from_pretrained(folder, dtype="auto")`` gives back the written tensors, dtype and bits."""
+    if arch == "qwen2_5_vl":
+        model, tokenizer, model_class = build_tiny_vlm(arch), None, AutoModelForImageTextToText
+    else:
+        (model, tokenizer), model_class = tiny_pair(arch), AutoModelForCausalLM
+    written = state_dict_in_dtype(model, dtype)
+    assert sorted(name for name, tensor in written.items() if tensor.dtype == torch.float32) == kept
+    out_dir = save_hf_folder(model, tokenizer, tmp_path / "hf", dtype=dtype)
+    assert json.loads((out_dir / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    loaded = model_class.from_pretrained(out_dir, dtype="auto").state_dict()
+    assert loaded.keys() == written.keys()
+    for name, tensor in written.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+        if tensor.is_floating_point():
+            assert torch.equal(tensor, model.state_dict()[name].to(tensor.dtype)), name
 
 
 def test_export_replaces_an_existing_folder(tmp_path):

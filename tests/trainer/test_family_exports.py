@@ -110,6 +110,32 @@ def test_checkpoint_and_export_are_the_trained_model(arithmetic_data_dir, tmp_pa
         assert_same_model_folder(model_dir, folder, expected)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_bfloat16_run_writes_bfloat16_folders_and_exports_its_float32_master_weights_on_request(
+        arithmetic_data_dir, tmp_path, lora):
+    """A run computing in bfloat16 writes hf/ and (by default) its export in bfloat16, as its config.json says: the
+    trained weights rounded once, DeepSeek V3's router kept in float32 as transformers loads it. actor_state.pt keeps
+    the float32 master weights, which ``--dtype float32`` exports."""
+    model_dir, run_dir = train(tmp_path, "deepseek_v3", arithmetic_data_dir, lora, **{"model.dtype": "bfloat16"})
+    [checkpoint] = (run_dir / "checkpoints").glob("step_*")
+    assert main(["export", str(run_dir), str(tmp_path / "exported")]) == 0
+    assert main(["export", str(run_dir), str(tmp_path / "master"), "--dtype", "float32"]) == 0
+    state = torch.load(checkpoint / "actor_state.pt", weights_only=True)["model"]
+    assert {tensor.dtype for tensor in state.values()} == {torch.float32}
+    expected = expected_weights(model_dir, checkpoint)
+    hf, exported, master = ({"config": json.loads((folder / "config.json").read_text()),
+                             "weights": AutoModelForCausalLM.from_pretrained(folder, dtype="auto").state_dict()}
+                            for folder in (checkpoint / "hf", tmp_path / "exported", tmp_path / "master"))
+    assert [folder["config"]["dtype"] for folder in (hf, exported, master)] == ["bfloat16", "bfloat16", "float32"]
+    router = {name for name in expected if name.endswith(("mlp.gate.weight", "e_score_correction_bias"))}
+    assert router and {hf["weights"][name].dtype for name in router} == {torch.float32}
+    assert {tensor.dtype for name, tensor in hf["weights"].items() if name not in router} == {torch.bfloat16}
+    for name, tensor in hf["weights"].items():
+        assert torch.equal(exported["weights"][name], tensor), name
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)) or lora, name  # LoRA merged into a bfloat16 base
+        torch.testing.assert_close(master["weights"][name], expected[name], rtol=0, atol=0 if not lora else 1e-6)
+
+
 def test_a_lora_export_interrupted_while_copying_the_adapters_leaves_no_folder(arithmetic_data_dir, tmp_path,
                                                                               monkeypatch):
     """The merged model and its adapter/ appear together: a failure half-way through the adapters leaves no

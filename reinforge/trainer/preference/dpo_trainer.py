@@ -95,6 +95,7 @@ class DPOTrainer(PreferenceRun):
         """actor_state.pt and hf/ (with LoRA: the merged weights, and adapter/ in peft's format beside it)."""
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
         save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf",
+                               dtype=compute_dtype(self.device, self.config.model.dtype),
                                lora=self.config.model.lora if self.peft_model is not None else None,
                                base_model_path=self.config.model.path)
 

@@ -28,7 +28,7 @@ from reinforge.config.errors import ConfigError
 from reinforge.config.preference_schema import DPOConfig, RMConfig, validate_preference_config
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
-from reinforge.engine.device import resolve_device
+from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
 from reinforge.engine.fsdp import reshard
 from reinforge.engine.lora import check_target_modules
@@ -288,7 +288,8 @@ class PreferenceRun(SupervisedRun):
 
     def write_checkpoint(self, folder: Path) -> None:
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
-        save_hf_folder(self.model, self.tokenizer, folder / "hf")
+        save_hf_folder(self.model, self.tokenizer, folder / "hf",
+                       dtype=compute_dtype(self.device, self.config.model.dtype))
 
     def load_checkpoint_state(self, folder: Path, state: dict[str, Any]) -> None:
         load_training_state(folder, self.model, self.optimizer, self.scheduler, self.device)

@@ -28,6 +28,7 @@ from transformers import AutoModelForSequenceClassification
 
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
+from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores
 from reinforge.models.loading import (
     check_model_folder,
@@ -108,6 +109,7 @@ class RewardModelTrainer(PreferenceRun):
         head as trained, and adapter/ beside it with the adapters alone)."""
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
         save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf",
+                               dtype=compute_dtype(self.device, self.config.model.dtype),
                                lora=self.config.model.lora if self.peft_model is not None else None,
                                base_model_path=self.config.model.path)
 
