@@ -10,7 +10,9 @@ at a time. The driver reaches the engine only through the callables it is given.
 Requests may come from one event loop after another (``asyncio.run`` per call, a server's loop stopped
 and a new one started). A task of a loop that stopped before it ended never runs again, so a request
 from another loop starts a driver of its own loop; the steps take a lock, so the worker thread of a
-loop that was stopped (or cancelled its driver mid-step) finishes its step before another steps.
+loop that was stopped (or cancelled its driver mid-step) finishes its step before another steps. A request of a
+loop that has closed meanwhile still finishes in the engine; its completions are dropped (no one is left to await
+them), and the step goes on to deliver the others.
 """
 
 from __future__ import annotations
@@ -53,15 +55,15 @@ class AsyncDriver:
         future: asyncio.Future[list[Completion]] = loop.create_future()
 
         def deliver(completions: list[Completion]) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(completions))
+            call_on_loop(loop, lambda: future.done() or future.set_result(completions))
 
         def fail(error: BaseException) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(error))
+            call_on_loop(loop, lambda: future.done() or future.set_exception(error))
 
         if on_token is None:
             self._submit(request, deliver, fail)
         else:
-            self._submit(request, deliver, fail, lambda *token: loop.call_soon_threadsafe(on_token, *token))
+            self._submit(request, deliver, fail, lambda *token: call_on_loop(loop, on_token, *token))
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._task = loop.create_task(self._drive())
         return await future
@@ -93,3 +95,13 @@ class AsyncDriver:
         with self._stepping:
             while not stop.is_set() and self._step():
                 pass
+
+
+def call_on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> None:
+    """Call ``callback(*args)`` on ``loop`` from any thread; nothing once the loop has closed (raising there would
+    stop the engine's step midway, and the requests it finished beside this one would never hear back)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise

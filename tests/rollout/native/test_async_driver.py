@@ -171,3 +171,40 @@ def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_w
         served.close()
     assert first[0].token_ids == [1] and second[0].token_ids == [2]
     assert gc.isenabled() == gc_was_enabled  # the collector is back on, though the first driver never ended
+
+
+def test_a_completion_for_a_closed_event_loop_is_dropped_and_the_step_delivers_the_others():
+    """A loop closed while its request was in the engine (``asyncio.run`` per call, after a timeout): the step that
+    finishes that request must not raise on the closed loop, or the requests it finishes beside it never hear back."""
+    engine = CountingEngine()
+    engine.gate.clear()
+    waiting = threading.Event()
+    step = engine.step
+
+    def step_all() -> bool:  # one step finishes every pending request, as a decode step finishes several
+        waiting.set()
+        engine.gate.wait()
+        with engine.lock:
+            taken, engine.pending = engine.pending, []
+        for request_, on_done, _ in taken:
+            on_done([Completion(request_.prompt_token_ids[::-1], [0.0] * len(request_.prompt_token_ids), "stop")])
+        return bool(taken) or step()
+
+    engine.step = step_all
+    driver = engine.driver()
+    closed = asyncio.new_event_loop()
+    thread = threading.Thread(target=closed.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(driver.generate(request(1)), closed)
+    assert waiting.wait(10)  # the closed loop's driver thread is in its step, holding request 1
+    closed.call_soon_threadsafe(closed.stop)
+    thread.join(10)
+    closed.close()
+
+    async def main():
+        later = asyncio.ensure_future(driver.generate(request(2)))
+        await asyncio.sleep(0)
+        engine.gate.set()  # the old thread's step finishes requests 1 and 2 together
+        return await asyncio.wait_for(later, 5)
+
+    assert run(main)[0].token_ids == [2]
