@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,6 +50,10 @@ class BatchingClient:
     ``call_context`` wraps each call (in its worker thread), e.g. the device's autocast. The calls
     ask for the batch's longest budget and cut each completion to its own, so requests that differ
     only in their remaining budget share a call (seeded sampling makes the cut sample the same).
+
+    Requests may come from one event loop after another (``asyncio.run`` per call, a server's loop stopped and a new
+    one started): each loop's requests are batched by a flusher task of that loop (a task of a loop that stopped
+    never runs again), and the calls take a lock, so a stopped loop's call ends before another starts.
     """
 
     def __init__(self, engine: Any, call_context: Callable[[], Any] = contextlib.nullcontext):
@@ -56,29 +61,39 @@ class BatchingClient:
         self.call_context = call_context
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
+        self._calling = threading.Lock()
         self.num_calls = 0
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, request_id: str,
                        multi_modal_inputs: dict[str, Any] | None = None) -> Completion:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         request = GenerationRequest(prompt_ids, sampling, request_id, multi_modal_inputs=multi_modal_inputs)
         self._pending.append((request, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
+        if self._flusher is None or self._flusher.done() or self._flusher.get_loop() is not loop:
+            self._flusher = loop.create_task(self._flush())
         return await future
 
     async def _flush(self) -> None:
-        while self._pending:
+        loop = asyncio.get_running_loop()
+        while any(future.get_loop() is loop for _, future in self._pending):
             for _ in range(4):  # let every trajectory that is ready submit its turn before the call starts
                 await asyncio.sleep(0)
-            batch, self._pending = self._pending, []
+            batch = [(request, future) for request, future in self._pending if future.get_loop() is loop]
+            self._pending = [(request, future) for request, future in self._pending  # a closed loop's: no one waits
+                             if future.get_loop() is not loop and not future.get_loop().is_closed()]
             try:
                 results = await asyncio.to_thread(self._generate, [request for request, _ in batch])
-            except BaseException as error:
+            except Exception as error:
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
                 continue
+            except BaseException:  # cancelled, or its loop closed: the batch's callers wait no more
+                for _, future in batch:
+                    if not future.get_loop().is_closed():
+                        future.cancel()
+                raise
             for (_, future), completion in zip(batch, results, strict=True):
                 if not future.done():
                     future.set_result(completion)
@@ -87,9 +102,9 @@ class BatchingClient:
         longest = max(request.sampling.max_tokens for request in requests)
         shared = [dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=longest))
                   for request in requests]
-        with self.call_context():
+        with self._calling, self.call_context():
             samples = self.engine.generate(shared)
-        self.num_calls += 1
+            self.num_calls += 1
         completions = []
         for request, (completion, *_) in zip(requests, samples, strict=True):
             limit = request.sampling.max_tokens

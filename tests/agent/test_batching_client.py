@@ -1,0 +1,67 @@
+"""BatchingClient over a stand-in batch engine: requests from one event loop after another."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import threading
+
+from reinforge.agent.runner import BatchingClient
+from reinforge.rollout.base import Completion, SamplingParams
+
+
+class GatedEngine:
+    """``generate`` answers each prompt reversed; a call waits for ``gate``; ``calling`` counts calls under way."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.lock = threading.Lock()
+        self.calling = 0
+        self.most_calling = 0
+
+    def generate(self, requests):
+        with self.lock:
+            self.calling += 1
+            self.most_calling = max(self.most_calling, self.calling)
+        self.entered.set()
+        self.gate.wait()
+        with self.lock:
+            self.calling -= 1
+        return [[Completion(request.prompt_token_ids[::-1], [0.0] * len(request.prompt_token_ids), "stop")]
+                for request in requests]
+
+
+def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_with_its_call_under_way():
+    """A server's loop stopped during an engine call: its flusher task never runs again. The next loop's request gets
+    a flusher of its own; its call waits for the stopped loop's call to end, and the stopped loop's request stays
+    out of the new loop's batch."""
+    engine = GatedEngine()
+    engine.gate.clear()
+    client = BatchingClient(engine)
+    stopped = asyncio.new_event_loop()
+    thread = threading.Thread(target=stopped.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(client.generate([1, 2], SamplingParams(max_tokens=2), "first"), stopped)
+    assert engine.entered.wait(10)
+    stopped.call_soon_threadsafe(stopped.stop)
+    thread.join(10)
+    stopped.close()
+
+    async def main():
+        later = asyncio.ensure_future(client.generate([3, 4], SamplingParams(max_tokens=2), "second"))
+        await asyncio.sleep(0.05)  # the new loop's call waits for the stopped loop's
+        engine.gate.set()
+        return await asyncio.wait_for(later, 5)
+
+    assert asyncio.run(main()).token_ids == [4, 3]
+    assert engine.most_calling == 1  # never two calls at once on one engine
+    unraised, hook = [], sys.unraisablehook
+    sys.unraisablehook = unraised.append
+    try:
+        gc.collect()  # the stopped loop's flusher is closed: it leaves its requests to the closed loop, raising nothing
+    finally:
+        sys.unraisablehook = hook
+    assert [entry.exc_value for entry in unraised] == []
