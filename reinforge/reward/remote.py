@@ -16,7 +16,8 @@ exponential backoff (a ``Retry-After`` header is honoured). A request that still
 ``fallback_score``, counted in ``reward/remote/failed``; a batch whose every request failed stops the run with
 one line naming the URL and the last error, since nothing could be learned from it. A score sent as a string
 (``"0.5"``) stops the run at once, as a reward function's string score does: it is a server's answer of the
-wrong kind, not a passing failure.
+wrong kind, not a passing failure. ``close`` ends the requests under way at once (their connections shut, their
+backoff cut short): the process can then exit without waiting for them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 import math
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -145,6 +145,11 @@ class RequestDeadline:
         self.timer.daemon = True
         self.timer.start()
 
+    def expire(self) -> None:
+        """End the request now, as its deadline would."""
+        self.timer.cancel()
+        self._expire()
+
     def _expire(self) -> None:
         with self.lock:
             self.expired = True
@@ -235,14 +240,27 @@ class RemoteReward:
         self.max_retries, self.fallback_score, self.backoff_s = max_retries, fallback_score, backoff_s
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.pool = ThreadPoolExecutor(max_workers=max(max_concurrency, 1), thread_name_prefix="remote-reward")
+        self.closed = threading.Event()
+        self._deadlines: set[RequestDeadline] = set()
+        self._deadlines_lock = threading.Lock()
 
     def close(self) -> None:
+        """Stop: the requests under way end now (the interpreter's exit waits for the pool's threads)."""
+        self.closed.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        with self._deadlines_lock:
+            deadlines = list(self._deadlines)
+        for deadline in deadlines:
+            deadline.expire()
 
     def _post_once(self, url: str, body: bytes) -> Any:
         """One request, its whole answer within ``timeout_s`` (TimeoutError past it)."""
         request = urllib.request.Request(url, data=body, headers=self.headers, method="POST")
         deadline = RequestDeadline(self.timeout_s)
+        with self._deadlines_lock:
+            self._deadlines.add(deadline)
+        if self.closed.is_set():  # closed as this request began: close() may not have seen its deadline
+            deadline.expire()
         try:
             with deadline.opener().open(request, timeout=self.timeout_s) as answer:
                 data = answer.read()
@@ -252,6 +270,8 @@ class RemoteReward:
             raise
         finally:
             deadline.cancel()
+            with self._deadlines_lock:
+                self._deadlines.discard(deadline)
         if deadline.expired:  # an answer without a length ends where the connection was closed
             raise deadline.error()
         return json.loads(data.decode("utf-8"))
@@ -277,11 +297,13 @@ class RemoteReward:
                     reason = str(getattr(error, "reason", error)) or type(error).__name__
                 except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, an integer of 4300+ digits
                     raise RemoteRewardError(f"{url} answered with something that is not JSON") from None
+                if self.closed.is_set():
+                    raise RemoteRewardError(f"{url}: the remote reward was closed while its request was under way")
                 if retries >= self.max_retries:
                     raise RemoteRewardError(f"{url} failed {retries + 1} times, last: {reason} (timeout_s="
                                             f"{self.timeout_s:g}, max_retries={self.max_retries})")
                 retries += 1
-                time.sleep(min(wait if wait is not None else self.backoff_s * 2 ** (retries - 1), MAX_BACKOFF_S))
+                self.closed.wait(min(wait if wait is not None else self.backoff_s * 2 ** (retries - 1), MAX_BACKOFF_S))
         except RemoteRewardError as error:
             error.retries = retries  # the retries it used, for reward/remote/retries
             raise

@@ -213,3 +213,42 @@ def test_timeout_s_bounds_the_whole_request_against_a_server_that_trickles(trick
         RemoteReward(url, timeout_s=0.5, max_retries=0).score(SAMPLES[:1])
     assert time.monotonic() - start < 1.5  # the whole answer would take 3 s or more
     listener.close()
+
+
+@pytest.mark.parametrize("server_does", ["hold the answer", "ask to retry later"])
+def test_close_ends_the_requests_under_way_at_once(server_does):
+    """The trainer closes the scorer when it stops (Ctrl-C, another role's error): a request waiting for a slow
+    answer, or in its backoff before a retry, ends then. Left running, the interpreter's exit waits for its thread
+    (timeout_s and the retries: minutes) after the command printed its last line."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    asked = threading.Event()
+
+    def answer() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            if server_does == "ask to retry later":
+                connection.sendall(b"HTTP/1.0 503 Busy\r\nRetry-After: 60\r\nContent-Length: 0\r\n\r\n")
+            asked.set()
+            connection.recv(1)  # until the client hangs up
+
+    threading.Thread(target=answer, daemon=True).start()
+    reward = RemoteReward(f"http://127.0.0.1:{listener.getsockname()[1]}/get_reward", timeout_s=60.0, max_retries=1)
+    outcome: list[BaseException] = []
+
+    def score() -> None:
+        try:
+            reward.score(SAMPLES[:1])
+        except BaseException as error:  # noqa: BLE001 - checked below
+            outcome.append(error)
+
+    caller = threading.Thread(target=score, daemon=True)
+    caller.start()
+    assert asked.wait(10)
+    reward.close()
+    caller.join(5)
+    for thread in list(reward.pool._threads):
+        thread.join(5)
+    listener.close()
+    assert not caller.is_alive() and not any(thread.is_alive() for thread in reward.pool._threads)
+    assert len(outcome) == 1 and isinstance(outcome[0], RemoteRewardError)
