@@ -18,6 +18,7 @@ holds the prompts alone; those are generated again, with the restored weights.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -49,9 +50,12 @@ class OneStepOffMode:
         pass
 
     def stop(self) -> None:
+        """Let the generation ahead end before the groups shut down. Its error is not raised here: ``next_batch``
+        raises it to the run, and raised again from the trainer's close it would skip the groups' shutdown."""
         if self._pending is not None:
-            self._pending[1].result()  # let the worker finish before the groups shut down
-            self._pending = None
+            pending, self._pending = self._pending[1], None
+            with contextlib.suppress(Exception):
+                pending.result()
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -56,3 +56,37 @@ def test_a_resumed_one_step_off_run_trains_the_same_batches_as_an_uninterrupted_
     assert (resumed / "samples.jsonl").read_text() == (tmp_path / "whole" / "samples.jsonl").read_text()
     weights = [final_actor_weights(run_dir) for run_dir in (tmp_path / "whole", resumed)]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+class _Group:
+    def __init__(self):
+        self.shut_down = False
+
+    def shutdown(self, wait_s):
+        self.shut_down = True
+
+
+class _Tracker:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_failed_generation_ahead_leaves_the_trainer_free_to_shut_its_workers_down():
+    """The batch generated ahead failed (its error is the run's, raised by next_batch): stopping the mode must not
+    raise it again from the trainer's close, which then skipped the worker groups' shutdown and the trackers."""
+    from concurrent.futures import Future
+
+    from reinforge.trainer.modes.one_step_off import OneStepOffMode
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("the rollout worker died"))
+    mode = OneStepOffMode(None, None)  # stop() needs neither the config nor the calls
+    mode._pending = (None, failed, 0, 0.0)
+    trainer = object.__new__(RLTrainer)
+    trainer.mode, trainer.actor_rollout, trainer.tracker = mode, _Group(), _Tracker()
+    trainer.close()
+    assert trainer.actor_rollout.shut_down and trainer.tracker.closed
