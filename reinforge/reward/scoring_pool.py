@@ -22,11 +22,15 @@ of reward function, ``ScoringJob.num_samples`` set) gets the per-sample limit ti
 ``max_memory_mb`` caps each worker's heap (``RLIMIT_DATA``, set in the worker before it imports
 anything): a scorer that allocates past it gets a ``MemoryError``, its worker exits at once (its
 heap may hold the leak) and is replaced, and its job is reported as ``memory_exceeded``.
+
+An ``async def`` scorer is awaited on one event loop per process, kept from call to call (``await_on_scorer_loop``):
+a client it keeps (an AsyncOpenAI client, an aiohttp session) stays bound to the loop it was made on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import inspect
@@ -34,6 +38,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -126,7 +131,7 @@ def run_job(job: ScoringJob) -> Any:
         scorer = _loaded_custom_scorers[scorer.data]
     value = scorer(**job.kwargs)
     if inspect.isawaitable(value):  # an ``async def`` scorer (one that awaits a judge or a service): run it here
-        value = asyncio.run(_awaited(value))
+        value = await_on_scorer_loop(value)
     if job.num_samples is not None:
         if getattr(value, "ndim", None) == 1 and hasattr(value, "tolist"):  # a numpy array or torch tensor, as TRL
             value = value.tolist()                                          # takes any sequence of scores
@@ -140,6 +145,34 @@ def run_job(job: ScoringJob) -> Any:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+_scorer_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+"""(the process id, the loop) of the event loop that awaits this process's async scorers."""
+_scorer_loop_lock = threading.Lock()
+
+
+def await_on_scorer_loop(awaitable: Any) -> Any:
+    """``awaitable``'s value, awaited on the process's scorer loop (started here, in a daemon thread, on first use).
+
+    One loop for every call: a loop per call (``asyncio.run``) would close the loop that the clients a scorer kept
+    were bound to, and its next call would fail on them. A caller stopped while waiting (the in-process time limit)
+    cancels the awaitable."""
+    global _scorer_loop
+    with _scorer_loop_lock:
+        if _scorer_loop is None or _scorer_loop[0] != os.getpid():  # a forked child has not the parent's thread
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="async-scorers", daemon=True).start()
+            _scorer_loop = (os.getpid(), loop)
+        loop = _scorer_loop[1]
+    future = asyncio.run_coroutine_threadsafe(_awaited(awaitable), loop)
+    try:
+        while not future.done():  # short waits: the in-process time limit's exception reaches this thread between them
+            concurrent.futures.wait([future], timeout=0.1)
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
 
 
 _PR_SET_PDEATHSIG = 1

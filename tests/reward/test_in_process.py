@@ -140,3 +140,28 @@ def test_a_segfaulting_scorer_is_named_on_the_runs_last_line(tiny_model_dir, ari
     assert last_line.startswith("error: the trainer process ended while reward.custom_function=")
     assert f"{scorers}:segfaults was scoring sample 2 of a batch of 4 (data_source 'arithmetic', uid " in last_line
     assert "reward.num_workers>0" in last_line
+
+
+def test_an_async_scorer_past_its_time_limit_is_cancelled_on_the_scorer_loop():
+    """Async scorers share one event loop kept for the process: one stopped at its time limit must not go on there."""
+    import asyncio
+    import threading
+
+    from reinforge.reward.in_process import run_job_in_thread
+    from reinforge.reward.scoring_pool import ScoringJob
+
+    cancelled = threading.Event()
+
+    async def hangs(**kwargs):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def answers(**kwargs):
+        return 1.0
+
+    assert run_job_in_thread(ScoringJob(hangs, {}), 0.3).timed_out
+    assert cancelled.wait(5)
+    assert run_job_in_thread(ScoringJob(answers, {}), 5).value == 1.0

@@ -76,6 +76,21 @@ def length(solution_str, ground_truth, extra_info=None):
 
 async def completions_judged(completions, ground_truth, **kwargs):
     return [float(completion == truth) for completion, truth in zip(completions, ground_truth, strict=True)]
+
+
+_client_loop = []
+
+
+async def judged_by_a_kept_client(solution_str, ground_truth, extra_info=None):
+    """Keeps a client made on its first call's event loop, whose answers arrive on that loop (an AsyncOpenAI client's
+    or an aiohttp session's connections do)."""
+    import asyncio
+
+    if not _client_loop:
+        _client_loop.append(asyncio.get_running_loop())
+    answer = _client_loop[0].create_future()
+    _client_loop[0].call_soon(answer.set_result, float(solution_str == ground_truth))
+    return await answer
 '''
 
 
@@ -248,6 +263,19 @@ def test_an_async_scorer_is_awaited_in_this_process_and_in_worker_processes(byte
             output = manager.score(batch)
         assert output.scores.tolist() == [1.0, 0.0] and output.metrics["reward/errors"] == 0.0, function
         assert output.extras == extras
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_an_async_scorer_keeps_its_event_loop_from_call_to_call(byte_tokenizer, scorer_path, num_workers):
+    """A client an async scorer keeps is bound to the event loop it was made on: each call awaited on a new loop
+    failed from the second call on ("Event loop is closed"), every sample scored as an error."""
+    batch = make_batch(byte_tokenizer, ["7", "8", "7"], ["7", "7", "7"], ["x", "x", "x"])
+    config = RewardConfig(num_workers=num_workers, timeout_s=30,
+                          custom_function=f"{scorer_path}:judged_by_a_kept_client")
+    with RewardManager(config, byte_tokenizer) as manager:
+        outputs = [manager.score(batch) for _ in range(2)]
+    for output in outputs:
+        assert output.scores.tolist() == [1.0, 0.0, 1.0] and output.metrics["reward/errors"] == 0.0
 
 
 def test_timeouts_bound_wall_time_and_workers_are_replaced(byte_tokenizer, scorer_path, caplog):
