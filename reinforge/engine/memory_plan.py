@@ -501,6 +501,8 @@ def check_size_values(text: dict[str, Any]) -> None:
     reads any."""
     for key in WHOLE_SIZES:
         value = text.get(key)
+        if key in ("sliding_window", "max_window_layers") and text.get("model_type") in NO_WINDOW_FAMILIES:
+            continue  # read by neither the model nor the planner
         if value is None and key in text and key in REQUIRED_SIZES:
             raise MemoryPlanError(f"the model's config.json gives {key}=null; the planner needs the sizes of a "
                                   f"decoder-only transformer ({', '.join(REQUIRED_SIZES)})")
@@ -520,7 +522,8 @@ def check_routing_and_window(text: dict[str, Any], source: str) -> None:
     with its family's defaults and standard size names) would build wrongly or not at all: a mixture of experts
     without a ``num_experts_per_tok`` of 1 or more (0, null or absent: no expert runs), and a ``sliding_window`` that
     is not an integer of 1 or more. A null window is no window (Mistral, Phi-3, Qwen), except where ``layer_types``
-    names sliding layers (Gemma 2 and 3 build none without it); Qwen's ``use_sliding_window=false`` reads no window."""
+    names sliding layers (Gemma 2 and 3 build none without it); Qwen's ``use_sliding_window=false`` reads no window, nor
+    do the families of ``NO_WINDOW_FAMILIES``, whatever their config.json says."""
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
     top_k = text.get("num_experts_per_tok")
     if experts and (top_k is None or isinstance(top_k, (int, float)) and top_k < 1):
@@ -529,8 +532,8 @@ def check_routing_and_window(text: dict[str, Any], source: str) -> None:
         raise MemoryPlanError(f"{source} {given} for its mixture of {experts} experts, so no expert would run; set "
                               f"num_experts_per_tok there to the experts each token runs through, 1 to {experts} "
                               "(the model's published top-k), or point model.path at the right model")
-    if text.get("use_sliding_window") is False:
-        return
+    if text.get("use_sliding_window") is False or text.get("model_type") in NO_WINDOW_FAMILIES:
+        return  # no window is read: a leftover key builds and runs as transformers builds it
     window = text.get("sliding_window")
     if window is None:
         if "sliding_attention" in (text.get("layer_types") or ()):
@@ -706,8 +709,10 @@ def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:
     else Gemma 2's even layers; Qwen's ``use_sliding_window`` from ``max_window_layers`` on; any other family
     with a ``sliding_window`` (Mistral, Phi-3) on every layer.
     """
+    if text.get("model_type") in NO_WINDOW_FAMILIES:
+        return ()
     layers, window = int(text["num_hidden_layers"]), int(text.get("sliding_window") or 0)
-    if not window or text.get("model_type") in NO_WINDOW_FAMILIES:
+    if not window:
         return ()
     types = text.get("layer_types")
     if types:

@@ -588,6 +588,17 @@ def test_a_sliding_window_that_is_no_window_is_refused_naming_the_file(model_typ
     assert 2 in ModelShape.from_hf_config(sizes | {"sliding_window": 2}).attention_windows
 
 
+@pytest.mark.parametrize("model_type", ["llama", "olmo2", "deepseek_v3"])
+@pytest.mark.parametrize("window", [-5, 0, 4096.0, "none"])
+def test_a_leftover_sliding_window_of_a_family_that_reads_none_is_planned_whole(model_type, window, tmp_path):
+    """Llama, OLMo 2 and DeepSeek build and run whatever sliding_window their config.json carries (transformers
+    reads it nowhere), so it is neither refused nor counted."""
+    sizes = dict(model_type=model_type, vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, intermediate_size=96, sliding_window=window)
+    (tmp_path / "config.json").write_text(json.dumps(sizes))
+    assert ModelShape.from_model_path(str(tmp_path)).attention_windows == ()
+
+
 def test_a_null_window_is_no_window_except_for_layers_that_slide():
     """Null is Mistral's and Qwen's "no window", and Qwen's use_sliding_window=false reads none at all; Gemma 2's
     sliding layers fail to build without one."""
