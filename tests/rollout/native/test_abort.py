@@ -28,9 +28,13 @@ def prompts(tiny):
     return shared + first, [shared + zero, shared + one, two]
 
 
-def make_engine(model) -> NativeEngine:
+PREEMPTING_NUM_KV_BLOCKS = 16
+"""Few enough blocks that request 1, admitted last, is preempted as the samples grow."""
+
+
+def make_engine(model, num_kv_blocks: int | None = None) -> NativeEngine:
     return NativeEngine(model, eos_token_ids=[], max_model_len=160, block_size=BLOCK_SIZE, max_num_seqs=16,
-                        max_admission_wait=2, admission_fraction=8.0)
+                        max_admission_wait=2, admission_fraction=8.0, num_kv_blocks=num_kv_blocks)
 
 
 def sampling(index: int, num_samples: int) -> SamplingParams:
@@ -46,8 +50,8 @@ def samples_held(engine: NativeEngine, key: int | None) -> list:
 def run_in_lockstep(engine: NativeEngine, prompts: tuple[list[int], list[list[int]]], abort_at: str | None,
                     num_samples: int = 1) -> dict[int, list[list[int]]]:
     """Requests 0 and 2 from the start, request 1 (unless ``abort_at`` is None) aborted as it stands ``abort_at``:
-    incoming (submitted, never stepped), waiting (admitted, waiting for others to join its prefill) or decoding (two
-    tokens sampled). Returns each finished request's samples; checks the blocks and requests the engine holds."""
+    incoming (submitted, never stepped), waiting (admitted, waiting for others to join its prefill), decoding (two
+    tokens sampled) or preempted (a sample sent back to wait for its recompute, the others maybe running). Returns each finished request's samples; checks the blocks and requests the engine holds."""
     first, requests = prompts
     engine.generate([GenerationRequest(first, SamplingParams(max_tokens=1, temperature=0.0))])  # fills the cache
     engine.wake_up()
@@ -83,6 +87,8 @@ def run_in_lockstep(engine: NativeEngine, prompts: tuple[list[int], list[list[in
             own = {block for seq in held for block in seq.block_table}
             assert own & others and own - others  # it shares the cached blocks with request 0, and has its own
             used = pools[0].num_used_blocks
+        elif abort_at == "preempted" and any(seq.status is SequenceStatus.WAITING and seq.num_generated for seq in held):
+            assert engine.scheduler.num_preempted
         else:
             continue
         engine._abort(aborted)
@@ -99,11 +105,12 @@ def run_in_lockstep(engine: NativeEngine, prompts: tuple[list[int], list[list[in
 
 
 @pytest.mark.parametrize("num_samples", [1, 3])
-@pytest.mark.parametrize("abort_at", ["incoming", "waiting", "decoding"])
+@pytest.mark.parametrize("abort_at", ["incoming", "waiting", "decoding", "preempted"])
 def test_an_aborted_request_frees_its_blocks_and_the_others_sample_as_without_it(qwen2, prompts, abort_at,
                                                                                  num_samples):
-    expected = run_in_lockstep(make_engine(qwen2), prompts, None)
-    done = run_in_lockstep(make_engine(qwen2), prompts, abort_at, num_samples)
+    num_kv_blocks = PREEMPTING_NUM_KV_BLOCKS if abort_at == "preempted" else None
+    expected = run_in_lockstep(make_engine(qwen2, num_kv_blocks), prompts, None)
+    done = run_in_lockstep(make_engine(qwen2, num_kv_blocks), prompts, abort_at, num_samples)
     assert done == expected and sorted(done) == [0, 2]
 
 
