@@ -3,9 +3,10 @@
 The first SIGINT or SIGTERM raises ``KeyboardInterrupt`` in the main thread, so the trainer's
 ``finally`` blocks run (worker groups and scorer processes stopped, logs closed, the run
 folder unlocked) and the command prints one line. The latest checkpoint stays, so the same
-command resumes. A second signal ends the process at once with ``os._exit``, which skips the
-interpreter's teardown: threads still inside torch code then cannot abort it with a C++
-``terminate called`` message. A signal that arrives once the main thread has finished (the
+command resumes; what the stop dropped unfinished (``note_abandoned``: a generation under way
+that did not end within the stop's wait) is named in that line. A second signal ends the
+process at once with ``os._exit``, which skips the interpreter's teardown: threads still
+inside torch code then cannot abort it with a C++ ``terminate called`` message. A signal that arrives once the main thread has finished (the
 interpreter joining threads, running atexit hooks, tearing modules down) has nothing left to stop
 cleanly: it also exits at once, with the same 130, where a ``KeyboardInterrupt`` would print a
 traceback from the teardown and the process would exit as if never stopped.
@@ -22,6 +23,8 @@ from types import FrameType
 INTERRUPTED_EXIT_CODE = 130
 stop_signal: list[str] = []
 """The name of the signal that stopped the run (empty while none has)."""
+abandoned: list[str] = []
+"""What stopping the run dropped unfinished, a phrase each (``note_abandoned``), for the line ``stopped_message``."""
 
 
 def _exit_now(signum: int, frame: FrameType | None, why: str = "again") -> None:
@@ -60,9 +63,15 @@ def install_stop_handlers() -> None:
         signal.signal(signal.SIGTERM, _stop)
 
 
+def note_abandoned(what: str) -> None:
+    """Name, in the run's last line, something the stop dropped unfinished (nothing of it is saved)."""
+    abandoned.append(what)
+
+
 def stopped_message() -> str:
     name = stop_signal[0] if stop_signal else "SIGINT"
-    return (f"stopped by {name}: the run keeps its latest checkpoint; run the same command to resume "
+    dropped = f" ({'; '.join(abandoned)}; nothing of it is saved)" if abandoned else ""
+    return (f"stopped by {name}: the run keeps its latest checkpoint{dropped}; run the same command to resume "
             "(a second Ctrl-C exits at once)")
 
 

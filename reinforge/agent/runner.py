@@ -9,6 +9,10 @@ keep the engine busy. Two clients connect the loops to an engine:
 - ``BatchingClient`` (any engine with a batch ``generate``, such as ``hf``): the turns submitted
   while the previous call ran are generated together in the next call, so the hf backend
   works too, at the pace of its slowest turn per call.
+
+A turn whose caller stops waiting (cancelled: a timeout, a client of ``reinforge serve`` that hung up) is aborted on
+the native engine wherever it stands. The hf backend cannot stop a ``generate`` call midway: there a cancelled turn
+is dropped if its call has not started, and otherwise its call runs to its end.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class BatchingClient:
     Requests may come from one event loop after another (``asyncio.run`` per call, a server's loop stopped and a new
     one started): each loop's requests are batched by a flusher task of that loop (a task of a loop that stopped
     never runs again), and the calls take a lock, so a stopped loop's call ends before another starts.
+
+    A request whose caller is cancelled before its call starts is left out of it; a call under way cannot be
+    stopped, and runs to its end.
     """
 
     def __init__(self, engine: Any, call_context: Callable[[], Any] = contextlib.nullcontext):
@@ -79,9 +86,12 @@ class BatchingClient:
         while any(future.get_loop() is loop for _, future in self._pending):
             for _ in range(4):  # let every trajectory that is ready submit its turn before the call starts
                 await asyncio.sleep(0)
-            batch = [(request, future) for request, future in self._pending if future.get_loop() is loop]
+            batch = [(request, future) for request, future in self._pending if future.get_loop() is loop
+                     and not future.done()]  # done before its call: its caller was cancelled, no one waits
             self._pending = [(request, future) for request, future in self._pending  # a closed loop's: no one waits
                              if future.get_loop() is not loop and not future.get_loop().is_closed()]
+            if not batch:
+                continue
             try:
                 results = await asyncio.to_thread(self._generate, [request for request, _ in batch])
             except Exception as error:

@@ -46,7 +46,8 @@ _trajectory_numbers = itertools.count()
 
 
 class _SharedEndpoint:
-    """One endpoint per agent context (a rollout's trajectories share it), closed when its last trajectory ends."""
+    """One endpoint per agent context (a rollout's trajectories share it), closed when its last trajectory ends,
+    or, when every trajectory is cancelled while it starts, stopped there (closed if it got to listen)."""
 
     endpoints: dict[int, tuple[asyncio.Task, int]] = {}
 
@@ -71,7 +72,10 @@ class _SharedEndpoint:
             cls.endpoints[key] = (task, users - 1)
             return
         del cls.endpoints[key]
-        if task.done() and task.exception() is None:
+        if not task.done():  # every trajectory was cancelled while it started: no one will close it later
+            task.cancel()
+            await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is None:
             await task.result().close()
 
     @staticmethod
@@ -87,7 +91,11 @@ class _SharedEndpoint:
         service = GenerationService(context.client, context.tokenizer, "policy", codec=codec,
                                     max_model_len=1 << 30)
         endpoint = OpenAIEndpoint(service, max_concurrency=1 << 20)
-        await endpoint.start()
+        try:
+            await endpoint.start()
+        except BaseException:  # cancelled (see ``release``) or failed partway: nothing may be left listening
+            await endpoint.close()
+            raise
         return endpoint
 
 

@@ -10,6 +10,10 @@ A streamed chat reply is OpenAI's chunks: the role, content deltas as tokens are
 hf backend hands a reply over whole, so it arrives as one delta), the tool calls once the reply is parsed, the
 finish_reason, the usage when ``stream_options.include_usage``, then ``data: [DONE]``. An error after the stream
 started arrives as one ``data: {"error": ...}`` event before ``[DONE]``.
+
+A client that hangs up, mid-request or mid-stream, cancels its handler (aiohttp's ``handler_cancellation``), and with
+it the generation it waits for: the native engine aborts the request and frees its KV blocks at once; the hf backend
+drops it if its batch has not started (a batch under way runs to its end).
 """
 
 from __future__ import annotations
@@ -67,7 +71,10 @@ class OpenAIEndpoint:
         """Listen (port 0: any free port); returns the server's root URL."""
         from aiohttp import web
 
-        self._runner = web.AppRunner(self.application(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+        # handler_cancellation: a client that hangs up cancels its handler, so its generation is aborted rather than
+        # run to its max_tokens for no one (aiohttp leaves handlers running by default)
+        self._runner = web.AppRunner(self.application(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
+                                     handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()

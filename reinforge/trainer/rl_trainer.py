@@ -36,6 +36,7 @@ from reinforge.reward.combine import combine_scores
 from reinforge.reward.manager import place_on_last_token
 from reinforge.reward.reward_functions import function_metrics
 from reinforge.rollout.base import SamplingParams
+from reinforge.stop_signals import note_abandoned
 from reinforge.tracking import Tracker
 from reinforge.tracking.jsonl import METRICS_FILE
 from reinforge.trainer.dynamic_sampling import collect_kept_groups
@@ -444,7 +445,9 @@ class RLTrainer(TrainingRun):
     def close(self, wait_s: float | None = 60.0) -> None:
         """Stop the worker groups (their processes, on Ray) and flush the trackers; a second call does nothing.
 
-        ``wait_s``: how long each local worker's running call may take to end.
+        ``wait_s``: how long the off-policy mode's generation under way, and then each local worker's running call,
+        may take to end (None: no limit). A generation that does not end by then is abandoned: nothing of it is
+        saved (resuming starts from the latest checkpoint), and the stop's line says so.
         """
         if getattr(self, "_closed", False):
             return
@@ -452,8 +455,9 @@ class RLTrainer(TrainingRun):
         started = {name: getattr(self, name, None) for name in (  # all of them, unless a worker failed to start
             "mode", "actor_rollout", "reference", "critic", "reward", "reward_model", "judge", "rollout",
             "model_scorer", "tracker")}
-        if started["mode"] is not None:
-            started["mode"].stop()
+        if started["mode"] is not None and started["mode"].stop(wait_s):
+            within = "" if wait_s is None else f" within {wait_s:g} s"
+            note_abandoned(f"the generation under way did not end{within} and was abandoned")
         for name in ("actor_rollout", "reference", "critic", "reward", "reward_model", "judge", "rollout"):
             group = started[name]
             if group is not None and (name == "actor_rollout" or group is not started["actor_rollout"]):

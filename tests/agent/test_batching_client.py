@@ -21,9 +21,11 @@ class GatedEngine:
         self.lock = threading.Lock()
         self.calling = 0
         self.most_calling = 0
+        self.calls: list[list[str]] = []
 
     def generate(self, requests):
         with self.lock:
+            self.calls.append([request.request_id for request in requests])
             self.calling += 1
             self.most_calling = max(self.most_calling, self.calling)
         self.entered.set()
@@ -65,3 +67,26 @@ def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_w
     finally:
         sys.unraisablehook = hook
     assert [entry.exc_value for entry in unraised] == []
+
+
+def test_a_cancelled_request_is_left_out_of_the_calls_that_have_not_started():
+    """The hf backend cannot stop a call midway; a request cancelled before its call starts is never generated."""
+    engine = GatedEngine()
+    engine.gate.clear()
+    client = BatchingClient(engine)
+
+    async def main():
+        first = asyncio.ensure_future(client.generate([1, 2], SamplingParams(max_tokens=2), "first"))
+        await asyncio.to_thread(engine.entered.wait, 10)  # the first call is under way
+        waiting = [asyncio.ensure_future(client.generate([index], SamplingParams(max_tokens=2), name))
+                   for index, name in enumerate(["cancelled", "second", "timed out"])]
+        await asyncio.sleep(0)
+        waiting[0].cancel()
+        timed_out = asyncio.ensure_future(asyncio.wait_for(waiting[2], 0.001))
+        await asyncio.gather(waiting[0], timed_out, return_exceptions=True)
+        engine.gate.set()
+        return await first, await waiting[1], waiting[0].cancelled(), timed_out.exception()
+
+    first, second, cancelled, timed_out = asyncio.run(main())
+    assert first.token_ids == [2, 1] and second.token_ids == [1] and cancelled and isinstance(timed_out, TimeoutError)
+    assert engine.calls == [["first"], ["second"]]

@@ -250,3 +250,46 @@ def test_configured_agents_are_registered_once_and_mistakes_are_refused_in_one_l
     finally:
         AGENT_LOOPS.pop("test_cfg_agent", None)
         AGENT_LOOPS.pop("test_cfg_command", None)
+
+
+@pytest.mark.parametrize("cancelled_while", ["setting_up", "listening"])
+def test_an_endpoint_whose_trajectories_are_all_cancelled_while_it_starts_is_closed(monkeypatch, cancelled_while):
+    """Every trajectory cancelled while the shared endpoint starts: the start stops there and nothing stays listening
+    (before, it went on and its socket stayed open, as no trajectory was left to close it)."""
+    from types import SimpleNamespace
+
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.serve.agents import _SharedEndpoint
+    from reinforge.serve.app import OpenAIEndpoint
+
+    endpoints, starts = [], []
+    start = OpenAIEndpoint.start
+    gate = asyncio.Event()
+
+    async def gated_start(self):
+        endpoints.append(self)
+        starts.append(asyncio.current_task())
+        if cancelled_while == "listening":
+            await start(self)
+        await gate.wait()
+        return await start(self) if cancelled_while == "setting_up" else self.base_url
+
+    monkeypatch.setattr(OpenAIEndpoint, "start", gated_start)
+    context = SimpleNamespace(tokenizer=build_char_tokenizer(), chat_template=None, config=MultiTurnConfig(),
+                              renderer=object(), client=None)
+
+    async def main():
+        trajectories = [asyncio.ensure_future(_SharedEndpoint.acquire(context)) for _ in range(2)]
+        for _ in range(100):
+            if starts and (cancelled_while == "setting_up" or endpoints[0]._runner is not None):
+                break
+            await asyncio.sleep(0.01)
+        for trajectory in trajectories:
+            trajectory.cancel()
+        await asyncio.gather(*trajectories, return_exceptions=True)
+        gate.set()
+        await asyncio.wait(starts, timeout=10)
+        assert starts[0].done()
+
+    asyncio.run(main())
+    assert not _SharedEndpoint.endpoints and len(endpoints) == 1 and endpoints[0]._runner is None

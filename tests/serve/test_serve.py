@@ -210,6 +210,46 @@ def test_requests_past_the_concurrency_limit_are_answered_429_with_retry_after(t
         served.close()
 
 
+class HangingClient:
+    """A token client whose generation never ends on its own; it notes when it starts and when it is cancelled."""
+
+    def __init__(self):
+        self.started, self.cancelled = threading.Event(), threading.Event()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_cancels_the_generation_it_waits_for(tool_tokenizer, stream):
+    import socket
+
+    client = HangingClient()
+    service = GenerationService(client, tool_tokenizer, "scripted", codec=ChatCodec(tool_tokenizer),
+                                max_model_len=4096, eos_token_ids=(tool_tokenizer.eos_token_id,))
+    served = Served(OpenAIEndpoint(service))
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": stream}).encode()
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            assert client.started.wait(10)
+        assert client.cancelled.wait(10)
+        for _ in range(500):
+            if not served.endpoint.in_flight:
+                break
+            threading.Event().wait(0.01)
+        assert served.endpoint.in_flight == 0
+    finally:
+        served.close()
+
+
 def test_serve_on_the_native_engine_samples_as_asked(tiny_model_dir, tmp_path):
     from reinforge.serve.command import build_client, load_model, resolve_model_folder
 

@@ -13,6 +13,10 @@ from another loop starts a driver of its own loop; the steps take a lock, so the
 loop that was stopped (or cancelled its driver mid-step) finishes its step before another steps. A request of a
 loop that has closed meanwhile still finishes in the engine; its completions are dropped (no one is left to await
 them), and the step goes on to deliver the others.
+
+A caller that stops waiting (its task cancelled: a timeout, a client that hung up, its event loop shutting down)
+aborts its request: the engine drops it wherever it stands and frees its KV blocks, rather than generating it to its
+``max_tokens`` for no one.
 """
 
 from __future__ import annotations
@@ -27,22 +31,29 @@ from reinforge.rollout.base import Completion, GenerationRequest
 Submit = Callable[..., object]
 """Hands a request to the engine with the callbacks for its completions and for an error, and, for a streamed
 request, a fourth: ``on_token(sample_index, token_id, log_prob, top_log_probs)`` for each token as a step samples
-it (``top_log_probs``: the token's (id, log-prob) alternatives when the request asks for them, else None)."""
+it (``top_log_probs``: the token's (id, log-prob) alternatives when the request asks for them, else None). Returns
+the request's handle for ``Abort``."""
+
+Abort = Callable[[object], None]
+"""Drops a submitted request (its handle from ``Submit``) whose caller stopped waiting; callable from any thread."""
 
 OnToken = Callable[[int, int, float, "list[tuple[int, float]] | None"], None]
 
 
 class AsyncDriver:
     def __init__(self, submit: Submit, step: Callable[[], bool], has_work: Callable[[], bool],
-                 fail_pending: Callable[[BaseException], None], measure: Callable[[], Callable[[], None]]):
+                 fail_pending: Callable[[BaseException], None], measure: Callable[[], Callable[[], None]],
+                 abort: Abort):
         """submit: see ``Submit``; step: one engine step batching arrivals, False when there was nothing to run;
         has_work: whether any request is pending or a step in flight; fail_pending: hand an error to every request
-        the engine holds and drop them; measure: start the rollout metrics' span, returning what ends it."""
+        the engine holds and drop them; measure: start the rollout metrics' span, returning what ends it; abort:
+        see ``Abort``."""
         self._submit = submit
         self._step = step
         self._has_work = has_work
         self._fail_pending = fail_pending
         self._measure = measure
+        self._abort = abort
         self._task: asyncio.Task | None = None
         self._stepping = threading.Lock()
         self._gc_to_restore: bool | None = None
@@ -50,7 +61,8 @@ class AsyncDriver:
 
     async def generate(self, request: GenerationRequest, on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token`` (a
-        streamed request) is called on the event loop with each token as it is sampled, all before this returns."""
+        streamed request) is called on the event loop with each token as it is sampled, all before this returns.
+        Cancelled while it waits, it aborts the request (see the module docstring)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[Completion]] = loop.create_future()
 
@@ -61,12 +73,16 @@ class AsyncDriver:
             call_on_loop(loop, lambda: future.done() or future.set_exception(error))
 
         if on_token is None:
-            self._submit(request, deliver, fail)
+            handle = self._submit(request, deliver, fail)
         else:
-            self._submit(request, deliver, fail, lambda *token: call_on_loop(loop, on_token, *token))
+            handle = self._submit(request, deliver, fail, lambda *token: call_on_loop(loop, on_token, *token))
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._task = loop.create_task(self._drive())
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._abort(handle)
+            raise
 
     async def _drive(self) -> None:
         """Step in a worker thread while anything is pending (a request submitted as the thread stops is seen by

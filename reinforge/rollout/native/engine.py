@@ -11,7 +11,9 @@ run and read back. Decode steps overlap: the next one is launched before the las
 are read back, also when sequences finished in between (the next step runs without them), while
 arrivals wait, and when they join: their prefill is launched behind the step in flight and the
 next decode step, new rows included, behind the prefill, so the device does not wait for the
-host around a join (``Scheduler.schedule_ahead``).
+host around a join (``Scheduler.schedule_ahead``). A ``generate_async`` caller that is cancelled (a timeout, a client
+that hung up) aborts its request wherever it stands, all its samples: they stop, their KV blocks are freed before the
+next step, and the other requests' samples are those they would be without it (``_abort``).
 
 Prefix caching (``enable_prefix_caching``): a finished sequence's full KV blocks stay cached
 while the engine is awake, and a request whose prompt starts with them prefills only the rest at
@@ -164,6 +166,8 @@ class NativeEngine:
         self.last_metrics: dict[str, float] = {}
         self._seed_generator = np.random.default_rng(seed)
         self._incoming: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
+        self._aborted: queue.SimpleQueue[RequestState] = queue.SimpleQueue()
+        """Requests whose callers stopped waiting, dropped before the next step (``_abort``)."""
         self._requests: dict[int, RequestState] = {}
         self._streams: dict[int, OnToken] = {}
         """The streamed requests' ``on_token`` by request key (empty unless a request streams)."""
@@ -171,7 +175,7 @@ class NativeEngine:
         self._step_lock = threading.Lock()
         self._async_driver = AsyncDriver(submit=self._submit, step=lambda: self._step(batch_arrivals=True),
                                          has_work=self._has_work, fail_pending=self._fail_pending,
-                                         measure=self._measure_async)
+                                         measure=self._measure_async, abort=self._abort)
         self._num_generated_tokens = 0
         self.counters = EngineCounters()
         self._peak_blocks_used = 0
@@ -216,6 +220,8 @@ class NativeEngine:
                 self._in_flight = None
                 self._take_requests()
                 self.scheduler = None
+        with self._step_lock:
+            self._drop_aborted()
         if self.scheduler is not None and self.scheduler.has_unfinished:
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
         with self._step_lock:
@@ -347,9 +353,36 @@ class NativeEngine:
                              on_token: OnToken | None = None) -> list[Completion]:
         """The request's n completions; requests submitted concurrently are batched together. ``on_token``
         (streaming) gets ``(sample_index, token_id, log_prob, top_log_probs)`` on the event loop as each token is
-        sampled (``top_log_probs``: its alternatives when ``sampling.num_top_log_probs`` asks, else None)."""
+        sampled (``top_log_probs``: its alternatives when ``sampling.num_top_log_probs`` asks, else None). Cancelling
+        the caller aborts the request (``_abort``)."""
         self.wake_up()
         return await self._async_driver.generate(request, on_token)
+
+    def _abort(self, state: RequestState) -> None:
+        """Drop a request whose caller stopped waiting (``generate_async`` cancelled): its samples stop, waiting,
+        prefilling or decoding, and free their blocks before the next step, or now when no step is running.
+        The other requests' samples are those they would be without it. Callable from any thread."""
+        state.aborted = True
+        self._aborted.put(state)
+        if self._step_lock.acquire(blocking=False):  # else the step running now drops it when it ends
+            try:
+                self._drop_aborted()
+            finally:
+                self._step_lock.release()
+
+    def _drop_aborted(self) -> None:
+        """Drop the aborted requests (under the step lock): not yet admitted ones are skipped at admission."""
+        while not self._aborted.empty():
+            state = self._aborted.get()
+            key = state.key
+            if key is None or self._requests.get(key) is not state:  # not admitted yet, or done or failed already
+                continue
+            del self._requests[key]
+            self._streams.pop(key, None)
+            if self.runner.multimodal is not None:
+                self.runner.multimodal.discard(key)
+            if self.scheduler is not None:
+                self.scheduler.abort(key)
 
     def _take_requests(self) -> list[RequestState]:
         """Every request the engine holds, admitted or still incoming; it holds none afterwards."""
@@ -425,9 +458,12 @@ class NativeEngine:
     def _admit_incoming(self) -> None:
         while not self._incoming.empty():
             state = self._incoming.get()
+            if state.aborted:
+                continue
             key = self._next_request_key
             self._next_request_key += 1
             self._requests[key] = state
+            state.key = key
             if state.on_token is not None:
                 self._streams[key] = state.on_token
             request, sampling = state.request, state.request.sampling
@@ -451,6 +487,7 @@ class NativeEngine:
         with self._step_lock:
             if self.scheduler is None:  # asleep: a driver thread's last step can come after the caller's sleep()
                 return False
+            self._drop_aborted()
             self._admit_incoming()
             in_flight, self._in_flight = self._in_flight, None
             if in_flight is None:

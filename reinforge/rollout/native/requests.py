@@ -27,6 +27,10 @@ class RequestState:
         self.on_token = on_token
         """A streamed request's ``(sample_index, token_id, log_prob, top_log_probs)`` callback, called as each token
         is sampled (``top_log_probs``: the token's alternatives, None unless the request asks for them)."""
+        self.key: int | None = None
+        """The engine's key of the request once it is admitted (its sequences' ``request_key``)."""
+        self.aborted = False
+        """Its caller stopped waiting: it is dropped, admitted or not (``NativeEngine._abort``)."""
         self.multimodal: MultimodalPrompt | None = None
         """A vision-language prompt's images, checked at submission (``MultimodalPrompts.prepare``)."""
 

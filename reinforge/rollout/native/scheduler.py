@@ -6,7 +6,8 @@ A waiting request with n samples is prefilled once and forked into n sequences t
 its prompt blocks. When a decode step needs a block and none is free, the most recently
 admitted sequence is preempted: its blocks are freed and it waits to be recomputed (its
 prompt and generated tokens prefilled again), so the others keep going. Finished sequences
-leave after the step that finished them, and waiting ones join at the next prefill. When every layer
+leave after the step that finished them, and waiting ones join at the next prefill. The samples of a request
+that is aborted (``abort``: its caller stopped waiting) leave at once, waiting or running, their blocks freed. When every layer
 slides, each decode step first gives back the blocks its sequences' windows have left behind. With prefix
 caching, a released sequence's full blocks stay cached (see block_manager.py) and a waiting
 sequence whose tokens start with cached blocks takes them and prefills only the rest
@@ -381,6 +382,27 @@ class Scheduler:
             seq.waiting_since = self.num_decode_steps
             self.waiting.appendleft(seq)
             self.num_recomputed += 1
+
+    def abort(self, request_key: int) -> int:
+        """Drop every sample of the request ``request_key``, waiting or running, and free their blocks now; returns
+        how many sequences were dropped. Blocks another sequence holds stay its own, and full blocks the prefix cache
+        may keep are registered as when a sequence finishes. A step in flight that decodes a dropped sequence runs
+        on: its token is never read (the sequence is no longer running), as for a sequence that finished in it."""
+        waiting = [seq for seq in self.waiting if seq.request_key == request_key]
+        running = [seq for seq in self.running if seq.request_key == request_key]
+        if not waiting and not running:
+            return 0
+        self.version += 1
+        if waiting:
+            self.waiting = deque(seq for seq in self.waiting if seq.request_key != request_key)
+        for seq in waiting:  # a waiting sequence holds no blocks (never admitted, or released when preempted)
+            seq.status = SequenceStatus.FINISHED
+        for seq in running:
+            seq.status = SequenceStatus.FINISHED
+            self._release(seq)
+        if running:
+            self.running = [seq for seq in self.running if seq.request_key != request_key]
+        return len(waiting) + len(running)
 
     def finish(self, finished: list[Sequence]) -> None:
         """Remove sequences that produced their last token this step and free their blocks."""

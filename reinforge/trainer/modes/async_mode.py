@@ -72,8 +72,10 @@ class AsyncMode:
         self._last_step_end = time.perf_counter()
         self.rollouter.start()
 
-    def stop(self) -> None:
-        self.rollouter.stop()
+    def stop(self, wait_s: float | None = None) -> bool:
+        """Stop the rollouter within ``wait_s`` seconds (None: no limit); True when its turn under way was abandoned
+        (``Rollouter.stop``)."""
+        return self.rollouter.stop(wait_s)
 
     @contextmanager
     def paused(self) -> Iterator[None]:

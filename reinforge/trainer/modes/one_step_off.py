@@ -49,13 +49,20 @@ class OneStepOffMode:
     def start(self) -> None:
         pass
 
-    def stop(self) -> None:
-        """Let the generation ahead end before the groups shut down. Its error is not raised here: ``next_batch``
-        raises it to the run, and raised again from the trainer's close it would skip the groups' shutdown."""
-        if self._pending is not None:
-            pending, self._pending = self._pending[1], None
-            with contextlib.suppress(Exception):
+    def stop(self, wait_s: float | None = None) -> bool:
+        """Let the generation ahead end before the groups shut down, within ``wait_s`` seconds (None: its call's own
+        deadline); True when it did not, and is abandoned (its batch is never used). Its error is not raised here:
+        ``next_batch`` raises it to the run, and raised again from the trainer's close it would skip the groups'
+        shutdown."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending[1], None
+        with contextlib.suppress(Exception):  # a failed generation, or one still running after wait_s
+            if wait_s is None:
                 pending.result()
+            else:
+                pending.result(wait_s)
+        return not pending.done()
 
     @contextmanager
     def paused(self) -> Iterator[None]:

@@ -84,16 +84,23 @@ class Rollouter:
 
     # ---- the thread ----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
+        # named reinforge-*: a run that exits while it is still in a call (abandoned by ``stop``) exits at once
+        # (stop_signals.exit_after_stop) rather than tear the interpreter down under it
+        self._thread = threading.Thread(target=self._run, name="reinforge-rollouter", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float | None = None) -> bool:
+        """Stop the thread, waiting at most ``wait_s`` seconds (None: no limit) for its turn under way (a segment's
+        generation, a scoring call) to end. True when it did not: its turn is abandoned (the thread, a daemon, hands
+        nothing more over and ends once its call returns)."""
         with self.condition:
             self._stopping = True
             self.condition.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._thread is None:
+            return False
+        thread, self._thread = self._thread, None
+        thread.join(wait_s)
+        return thread.is_alive()
 
     def _run(self) -> None:
         try:
@@ -109,6 +116,8 @@ class Rollouter:
                     self._admit()
                     self.tokens += run_segment(self.generate, self.active, self.sampling, self.segment_tokens,
                                                self.version, self.pad_token_id)
+                    if self._stopping:  # abandoned by ``stop`` while it generated: nothing more is handed over
+                        return
                     self._hand_over_finished()
                     busy = bool(self.active)
                 if not busy:

@@ -25,10 +25,19 @@ class CountingEngine:
         self.step_threads: set[threading.Thread] = set()
         self.gc_enabled_in_steps: set[bool] = set()
         self.spans: list[str] = []
+        self.aborted: list[GenerationRequest] = []
 
-    def submit(self, request, on_done, on_error) -> None:
+    def submit(self, request, on_done, on_error):
+        entry = (request, on_done, on_error)
         with self.lock:
-            self.pending.append((request, on_done, on_error))
+            self.pending.append(entry)
+        return entry
+
+    def abort(self, entry) -> None:
+        with self.lock:
+            if entry in self.pending:
+                self.pending.remove(entry)
+                self.aborted.append(entry[0])
 
     def step(self) -> bool:
         self.gate.wait()
@@ -60,7 +69,7 @@ class CountingEngine:
         return lambda: self.spans.append("end")
 
     def driver(self) -> AsyncDriver:
-        return AsyncDriver(self.submit, self.step, self.has_work, self.fail_pending, self.measure)
+        return AsyncDriver(self.submit, self.step, self.has_work, self.fail_pending, self.measure, self.abort)
 
 
 def run(main):
@@ -208,3 +217,28 @@ def test_a_completion_for_a_closed_event_loop_is_dropped_and_the_step_delivers_t
         return await asyncio.wait_for(later, 5)
 
     assert run(main)[0].token_ids == [2]
+
+
+@pytest.mark.parametrize("cancel", ["task", "timeout"])
+def test_a_cancelled_request_is_aborted_and_the_others_are_served(cancel):
+    """A caller that stops waiting (its task cancelled, a wait_for timeout) takes its request out of the engine."""
+    engine = CountingEngine()
+    engine.gate.clear()
+    driver = engine.driver()
+
+    async def main():
+        first = asyncio.ensure_future(driver.generate(request(1)))
+        second = asyncio.ensure_future(driver.generate(request(2)))
+        if cancel == "task":
+            await asyncio.sleep(0)  # both submitted; the steps wait at the gate
+            second.cancel()
+        else:
+            second = asyncio.ensure_future(asyncio.wait_for(second, 0.001))
+        await asyncio.gather(second, return_exceptions=True)
+        engine.gate.set()
+        return await first, second
+
+    first, second = run(main)
+    assert first[0].token_ids == [1]
+    assert [aborted.prompt_token_ids for aborted in engine.aborted] == [[2]] and not engine.pending
+    assert second.cancelled() if cancel == "task" else isinstance(second.exception(), TimeoutError)

@@ -90,3 +90,34 @@ def test_a_failed_generation_ahead_leaves_the_trainer_free_to_shut_its_workers_d
     trainer.mode, trainer.actor_rollout, trainer.tracker = mode, _Group(), _Tracker()
     trainer.close()
     assert trainer.actor_rollout.shut_down and trainer.tracker.closed
+
+
+def test_a_generation_ahead_that_does_not_end_within_the_stops_wait_is_abandoned_and_the_line_says_so(monkeypatch):
+    """Ctrl-C while the batch ahead generates (minutes at long responses): the trainer's close waits wait_s for it,
+    not without limit, shuts the groups down, and the run's last line says the generation was abandoned."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from reinforge import stop_signals
+    from reinforge.trainer.modes.one_step_off import OneStepOffMode
+    from reinforge.trainer.rl_trainer import RLTrainer
+
+    monkeypatch.setattr(stop_signals, "stop_signal", ["SIGTERM"])
+    monkeypatch.setattr(stop_signals, "abandoned", [])
+    generation = Future()
+    ends = threading.Timer(10.0, generation.set_result, [None])  # long after the stop's wait
+    ends.daemon = True
+    ends.start()
+    mode = OneStepOffMode(None, None)
+    mode._pending = (None, generation, 0, 0.0)
+    trainer = object.__new__(RLTrainer)
+    trainer.mode, trainer.actor_rollout, trainer.tracker = mode, _Group(), _Tracker()
+    start = time.monotonic()
+    trainer.close(wait_s=0.05)
+    ends.cancel()
+    assert time.monotonic() - start < 5
+    assert trainer.actor_rollout.shut_down and trainer.tracker.closed and mode._pending is None
+    assert stop_signals.stopped_message() == (
+        "stopped by SIGTERM: the run keeps its latest checkpoint (the generation under way did not end within 0.05 s "
+        "and was abandoned; nothing of it is saved); run the same command to resume (a second Ctrl-C exits at once)")

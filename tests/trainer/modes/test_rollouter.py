@@ -4,6 +4,9 @@ line instead of silently regrouping rows (rollout.n) or failing deep in a step."
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -110,3 +113,26 @@ def test_resume_hands_the_ready_groups_over_first_in_the_order_they_finished():
     assert [group.position for group, _ in restored.ready] == [3, 0, 1]
     assert [group.position for group in restored.active] == [2]
     assert [group.position for group, _ in restored.take(2)] == [0, 3]
+
+
+def test_stop_abandons_a_turn_that_does_not_end_within_its_wait():
+    """After Ctrl-C the trainer stops the rollouter with a short wait: a turn under way (a long generation) is
+    abandoned instead of waited for, and its thread is one the stop's exit does not wait on."""
+    entered, release = threading.Event(), threading.Event()
+
+    def next_prompts() -> Batch:
+        entered.set()
+        release.wait(10)
+        raise RuntimeError("the turn ended after the stop")
+
+    stopped = rollouter(2, 8)
+    stopped.next_prompts = next_prompts
+    stopped.start()
+    thread = stopped._thread
+    assert entered.wait(10) and thread.name.startswith("reinforge-")
+    start = time.monotonic()
+    assert stopped.stop(wait_s=0.05)
+    assert time.monotonic() - start < 5 and thread.is_alive()
+    release.set()
+    thread.join(10)
+    assert not stopped.ready and not stopped.stop(wait_s=0.05)  # nothing left to stop
