@@ -16,7 +16,9 @@ Each sample becomes one reward-model sequence (``RewardInputs``):
 Sequences longer than ``max_length`` are cut on the right (counted). The samples of one prompt
 keep their common leading tokens as a shared prompt, so the packed forward computes it once;
 the score is the head's output at the sequence's last token, placed on the policy response's
-last token (``rm_scores``, as ``token_level_scores``).
+last token (``rm_scores``, as ``token_level_scores``). A sequence classifier's sequence ends at its last token that
+is not the model's pad token, where transformers' class reads the score (and ``reinforge rm`` trained it): a response
+ending in an EOS that is also the pad token is read at the token before.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
@@ -39,7 +42,7 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.host_weights import HostWeights
 from reinforge.models import load_tokenizer
 from reinforge.models.loading import is_local_path
-from reinforge.models.reward_model import load_reward_model
+from reinforge.models.reward_model import load_reward_model, without_trailing_padding
 from reinforge.protocol import Batch
 from reinforge.reward.manager import place_on_last_token
 from reinforge.workers.memory_settings import apply_memory_plan
@@ -66,12 +69,16 @@ def check_reads_policy_ids(rm_tokenizer: Any, policy_tokenizer: Any, rm_path: st
 class RewardInputs:
     """The reward model's input rows for a batch of the policy's samples.
 
-    ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering).
+    ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering). ``classifier_pad_token_id``:
+    a sequence classifier's ``config.pad_token_id``, whose trailing tokens each sequence drops (the class reads its
+    score before them).
     """
 
-    def __init__(self, rm_tokenizer: Any, policy_tokenizer: Any | None, max_length: int):
+    def __init__(self, rm_tokenizer: Any, policy_tokenizer: Any | None, max_length: int,
+                 classifier_pad_token_id: int | None = None):
         self.rm_tokenizer, self.policy_tokenizer, self.max_length = rm_tokenizer, policy_tokenizer, max_length
         self.pad_token_id = rm_tokenizer.pad_token_id if rm_tokenizer.pad_token_id is not None else 0
+        self.classifier_pad_token_id = classifier_pad_token_id
 
     def sequences(self, batch: Batch) -> tuple[list[list[int]], list[bool]]:
         """Each sample's token ids for the reward model, cut to max_length, and whether it was cut."""
@@ -85,7 +92,7 @@ class RewardInputs:
             else:
                 ids = self.rendered(batch.non_tensors["raw_prompt"][row], response)
             truncated.append(len(ids) > self.max_length)
-            sequences.append(ids[:self.max_length])
+            sequences.append(without_trailing_padding(ids[:self.max_length], self.classifier_pad_token_id, keep=2))
         return sequences, truncated
 
     def rendered(self, raw_prompt: Any, response_ids: list[int]) -> list[int]:
@@ -155,6 +162,12 @@ def layout(sequences: list[list[int]], groups: Sequence[Any] | None, pad_token_i
                                     "response_mask": response_mask})
 
 
+def reads_before_padding(model: torch.nn.Module) -> bool:
+    """Whether transformers' own forward of ``model`` reads its score at the last token that is not padding (a
+    sequence classifier's does; a token classifier scores every token, and the worker reads the last)."""
+    return isinstance(model, PreTrainedModel) and type(model).__name__.endswith("ForSequenceClassification")
+
+
 class RewardModelWorker(Worker):
     def __init__(self, config: Config):
         super().__init__()
@@ -172,6 +185,8 @@ class RewardModelWorker(Worker):
             self.host_weights.release()
         self.max_tokens = int(settings.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch)
         self.inputs = build_reward_inputs(config)
+        if reads_before_padding(self.model):
+            self.inputs.classifier_pad_token_id = self.model.config.pad_token_id
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:

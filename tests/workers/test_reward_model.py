@@ -77,14 +77,16 @@ def policy_batch(sequences: list[tuple[list[int], list[int]]], uids: list[str]) 
                      "raw_prompt": np.array([[{"role": "user", "content": "hi"}]] * rows + [None], dtype=object)[:-1]})
 
 
-def random_batch() -> Batch:
-    """Two prompts of four samples each, of mixed lengths; no pad token (id 0) inside a sequence."""
+def random_batch(ending_in_pad: bool = False) -> Batch:
+    """Two prompts of four samples each, of mixed lengths; no pad token (id 0) inside a sequence, and with
+    ``ending_in_pad`` two samples of each prompt ending in one or two of it (an EOS that is also the pad token)."""
     generator = torch.Generator().manual_seed(3)
     sequences, uids = [], []
     for uid, prompt_length in (("a", 5), ("b", 3)):
         prompt = torch.randint(3, 60, (prompt_length,), generator=generator).tolist()
-        for length in (1, 4, 7, 2):
-            sequences.append((prompt, torch.randint(3, 60, (length,), generator=generator).tolist()))
+        for length, num_pads in ((1, 1), (4, 0), (7, 2), (2, 0)):
+            response = torch.randint(3, 60, (length,), generator=generator).tolist()
+            sequences.append((prompt, response + [0] * num_pads * ending_in_pad))
             uids.append(uid)
     return policy_batch(sequences, uids)
 
@@ -101,12 +103,15 @@ def transformers_scores(rm_dir: Path, batch: Batch, head: type) -> torch.Tensor:
     return torch.stack(scores)
 
 
+@pytest.mark.parametrize("ending_in_pad", [False, True])
 @pytest.mark.parametrize("head", [Qwen2ForSequenceClassification, Qwen2ForTokenClassification])
-def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp_path, head):
+def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp_path, head, ending_in_pad):
+    """transformers' sequence classifier reads its score at the last token that is not its pad token, its token
+    classifier at the last token: the worker reads each where transformers does."""
     rm_dir = save_tiny_reward_model(tmp_path / "rm", head)
     worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
     assert worker.inputs.policy_tokenizer is None  # same vocabulary and template: the policy's ids as they are
-    batch = random_batch()
+    batch = random_batch(ending_in_pad)
     scored = worker.compute_rm_score(batch)
     expected = transformers_scores(rm_dir, batch, head)
     last = (batch["response_mask"].sum(-1) - 1).long()
