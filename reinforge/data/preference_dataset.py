@@ -150,7 +150,8 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
                   need_prompt: bool = False) -> PreferencePair:
     """The row's prompt and completions as token ids (the row already passed ``check_preference_row``).
 
-    ``need_prompt`` (DPO): refuse a pair whose completions share no beginning, whose loss would have no prompt."""
+    ``need_prompt`` (DPO): refuse a pair without a prompt (an empty one, or completions that share no beginning),
+    whose loss would leave out the first token of each completion, which nothing predicts."""
     chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
     margin = float(row.get(keys.margin) or 0.0)
     if _is_messages(chosen):
@@ -178,6 +179,9 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
             completions.append(_ids(tokenizer, whole[len(prompt_text):]))
         return PreferencePair(_ids(tokenizer, prompt_text), completions[0], completions[1], margin)
     if prompt is not None:
+        if need_prompt and not prompt:
+            raise ValueError(f"{keys.prompt!r} is an empty string, so there is no prompt for the completions to "
+                             "follow; give each row its prompt")
         return PreferencePair(_ids(tokenizer, prompt) if prompt else [], _ids(tokenizer, _with_eos(tokenizer, chosen)),
                               _ids(tokenizer, _with_eos(tokenizer, rejected)), margin)
     chosen_ids = _ids(tokenizer, _with_eos(tokenizer, chosen))

@@ -187,13 +187,19 @@ def test_the_update_does_not_depend_on_the_micro_batch_split(pair_args, tmp_path
         torch.testing.assert_close(whole[name], pair_by_pair[name], atol=2e-6, rtol=1e-5)
 
 
-def test_an_implicit_plain_pair_without_a_common_beginning_is_refused_for_dpo(pair_args, tmp_path, capsys):
+@pytest.mark.parametrize(("row", "message"), [
+    ({"chosen": "yes", "rejected": "no"},
+     "'chosen' and 'rejected' share no beginning, so there is no prompt for the completions to follow; give a "
+     "'prompt' column"),
+    ({"prompt": "", "chosen": "yes", "rejected": "no"},  # the first token of each completion would have no predictor
+     "'prompt' is an empty string, so there is no prompt for the completions to follow; give each row its prompt"),
+])
+def test_a_plain_pair_without_a_prompt_is_refused_for_dpo(pair_args, tmp_path, capsys, row, message):
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"chosen": "yes", "rejected": "no"}) + "\n")
+    pairs.write_text(json.dumps(row) + "\n")
     assert main(["dpo", *pair_args(tmp_path / "run", **{"data.train_files": f"[{pairs}]"})]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line == (f"error: row 0 of {pairs}: 'chosen' and 'rejected' share no beginning, so there is no prompt for "
-                    "the completions to follow; give a 'prompt' column")
+    assert line == f"error: row 0 of {pairs}: {message}"
 
 
 @pytest.mark.parametrize(("override", "message"), [
