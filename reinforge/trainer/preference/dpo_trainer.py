@@ -46,6 +46,7 @@ from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
 from reinforge.models import load_causal_lm
+from reinforge.models.dropout import disable_dropout
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -164,6 +165,7 @@ class DPOTrainer(PreferenceRun):
     def _load_reference(self) -> nn.Module:
         """The reference model as the policy is loaded (float32, the packed fast path, sharded), never trained."""
         reference = self._load(self.config.dpo.reference_path or self.config.model.path)
+        disable_dropout(reference)
         prepare_for_training(reference, self.device)
         return shard_model(reference, self.device, self.config.model.dtype)
 

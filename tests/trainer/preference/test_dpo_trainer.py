@@ -337,3 +337,29 @@ def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, t
         assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the DPO loss: the policy is its reference
     assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
     assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_a_checkpoints_dropout_is_switched_off_as_trls_trainers_do(pair_args, tmp_path, caplog, command):
+    """GPT-2 asks for dropout 0.1: with it on, DPO's first step (the policy is its reference, scored without dropout)
+    gave a loss of 0.6995 and rewards that were noise. The saved folder keeps the checkpoint's own rates."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.models.tiny import build_char_tokenizer, save_hf_folder
+
+    tokenizer = build_char_tokenizer(())
+    config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, n_embd=64,
+                                  n_layer=2, n_head=4, n_positions=128)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    folder = save_hf_folder(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "gpt2")
+    run_dir = tmp_path / "run"
+    with caplog.at_level("INFO"):
+        assert main([command, *pair_args(run_dir, **{"model.path": folder, "trainer.total_steps": 1})]) == 0
+    [first] = metrics_of(run_dir)
+    if command == "dpo":
+        assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert first["rewards/chosen"] == first["rewards/margins"] == 0.0
+    assert "dropout off for rm and dpo: gpt2 drops activations in training mode (config.resid_pdrop=0.1" in caplog.text
+    saved = json.loads((run_dir / "checkpoints" / "step_000001" / "hf" / "config.json").read_text())
+    assert saved["resid_pdrop"] == saved["attn_pdrop"] == saved["embd_pdrop"] == 0.1
