@@ -8,7 +8,9 @@ Rows come in TRL's four shapes:
   that follow; the prompt is rendered with the generation prompt, each completion is the rest of the whole
   conversation's rendering;
 - implicit prompt, conversational: ``chosen``/``rejected`` whole conversations; their common leading messages
-  are the prompt (TRL's ``extract_prompt``);
+  are the prompt (TRL's ``extract_prompt``). A ``prompt`` column of text beside them (HuggingFaceH4's
+  UltraFeedback pairs repeat the user's question there) is left aside for those messages, as TRL's
+  ``maybe_extract_prompt`` leaves it;
 - implicit prompt, plain text: ``chosen``/``rejected`` whole texts (EOS appended); their common leading tokens
   are the prompt, which ``rm`` may leave empty (two unrelated texts) and ``dpo`` may not.
 
@@ -71,6 +73,15 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list)
 
 
+def _prompt_of(row: dict[str, Any], keys: PreferenceKeys) -> Any:
+    """The row's explicit prompt, or None where the prompt is implicit: no prompt column, or one of text beside
+    conversational completions, whose own leading messages are then the prompt (TRL's ``maybe_extract_prompt``)."""
+    prompt = row.get(keys.prompt)
+    if isinstance(prompt, str) and _is_messages(row.get(keys.chosen)):
+        return None
+    return prompt
+
+
 def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) -> None:
     """One line naming ``where`` and the column, unless the row is one of the four shapes (module docstring)."""
     columns = ", ".join(sorted(row)) or "none"
@@ -79,7 +90,7 @@ def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) 
             raise ValueError(f"{where} has no {key!r} column (its columns: {columns}); preference rows hold "
                              f"{keys.chosen!r} and {keys.rejected!r} (and optionally {keys.prompt!r}); "
                              "data.chosen_key / data.rejected_key name other columns")
-    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
+    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     conversational = _is_messages(chosen)
     for key, value in ((keys.chosen, chosen), (keys.rejected, rejected), (keys.prompt, prompt)):
         if value is None and key == keys.prompt:
@@ -152,7 +163,7 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
 
     ``need_prompt`` (DPO): refuse a pair without a prompt (an empty one, or completions that share no beginning),
     whose loss would leave out the first token of each completion, which nothing predicts."""
-    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
+    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     margin = float(row.get(keys.margin) or 0.0)
     if _is_messages(chosen):
         template = template or getattr(tokenizer, "chat_template", None)

@@ -52,6 +52,18 @@ def test_implicit_conversational_pair_takes_the_common_leading_messages_as_promp
     assert implicit == explicit
 
 
+def test_a_text_prompt_beside_whole_conversations_is_left_aside_for_their_common_messages(tmp_path, tokenizer):
+    """HuggingFaceH4/ultrafeedback_binarized: the question as text in 'prompt', and again as the first message of
+    'chosen' and 'rejected'; TRL's maybe_extract_prompt takes the prompt from the conversations."""
+    user = {"role": "user", "content": "hi"}
+    implicit = {"chosen": [user, {"role": "assistant", "content": "yes"}],
+                "rejected": [user, {"role": "assistant", "content": "no"}]}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", **implicit, "score_chosen": 8.0, "score_rejected": 3.0}) + "\n")
+    dataset = PreferenceDataset([path], tokenizer, max_length=64, need_prompt=True)
+    assert dataset.pairs == [tokenize_pair(tokenizer, implicit, KEYS)]
+
+
 def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
     pair = tokenize_pair(tokenizer, {"chosen": "Q: yes", "rejected": "Q: no"}, KEYS)
     assert text(tokenizer, pair.prompt_ids) == "Q: "
