@@ -86,10 +86,14 @@ def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) 
     """One line naming ``where`` and the column, unless the row is one of the four shapes (module docstring)."""
     columns = ", ".join(sorted(row)) or "none"
     for key in (keys.chosen, keys.rejected):
-        if key not in row or row[key] is None:
+        if key not in row:
             raise ValueError(f"{where} has no {key!r} column (its columns: {columns}); preference rows hold "
                              f"{keys.chosen!r} and {keys.rejected!r} (and optionally {keys.prompt!r}); "
                              "data.chosen_key / data.rejected_key name other columns")
+        if not isinstance(row[key], str | list):
+            shown = "empty (null)" if row[key] is None else f"{type(row[key]).__name__} {str(row[key])[:40]!r}"
+            raise ValueError(f"{where}: {key!r} is {shown}; give the completion as text or as a list of chat "
+                             "messages, or drop the row")
     chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     conversational = _is_messages(chosen)
     for key, value in ((keys.chosen, chosen), (keys.rejected, rejected), (keys.prompt, prompt)):

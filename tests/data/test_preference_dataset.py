@@ -79,6 +79,11 @@ def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
     ({"prompt": "Q", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
      "row 0 of F: 'rejected' is list while 'chosen' is a string"),
     ({"prompt": "Q", "chosen": "a", "rejected": ""}, "row 0 of F: 'rejected' is an empty string"),
+    ({"prompt": "Q", "chosen": None, "rejected": "b"}, "row 0 of F: 'chosen' is empty (null); give the completion as "
+     "text or as a list of chat messages, or drop the row"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": {"role": "assistant", "content": "a"},
+      "rejected": [{"role": "assistant", "content": "b"}]}, "row 0 of F: 'chosen' is dict \"{'role': 'assistant', "
+     "'content': 'a'}\"; give the completion as text or as a list of chat messages, or drop the row"),
     ({"prompt": "Q", "chosen": "a", "rejected": "a"}, "row 0 of F: 'chosen' and 'rejected' are the same"),
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 0 of F: 'margin' is 'big'"),
     ({"chosen": [{"role": "assistant", "content": 3}], "rejected": [{"role": "assistant", "content": "b"}]},
