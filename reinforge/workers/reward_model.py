@@ -9,7 +9,8 @@ Each sample becomes one reward-model sequence (``RewardInputs``):
 - when the reward model reads text as the policy does (same vocabulary and chat template, or
   ``input_tokenizer=null``), the policy's own prompt and response ids;
 - otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer
-  (special tokens kept, the EOS string removed), appended as the assistant turn to the row's raw
+  (special tokens kept, the EOS string removed, and so are the special tokens it ends with: the end-of-turn token
+  the rollout stopped at is not the tokenizer's EOS for every template, Gemma's ``<end_of_turn>``), appended as the assistant turn to the row's raw
   prompt messages, rendered with the reward model's chat template without a generation prompt, and
   tokenized without special tokens (the template writes them); a plain-text prompt is followed by the
   text, tokenized with the special tokens the reward model's tokenizer adds (its BOS).
@@ -79,6 +80,7 @@ class RewardInputs:
         self.rm_tokenizer, self.policy_tokenizer, self.max_length = rm_tokenizer, policy_tokenizer, max_length
         self.pad_token_id = rm_tokenizer.pad_token_id if rm_tokenizer.pad_token_id is not None else 0
         self.classifier_pad_token_id = classifier_pad_token_id
+        self.policy_special_ids = set() if policy_tokenizer is None else special_token_ids(policy_tokenizer)
 
     def sequences(self, batch: Batch) -> tuple[list[list[int]], list[bool]]:
         """Each sample's token ids for the reward model, cut to max_length, and whether it was cut."""
@@ -97,7 +99,10 @@ class RewardInputs:
 
     def rendered(self, raw_prompt: Any, response_ids: list[int]) -> list[int]:
         """The prompt with the response as its assistant turn, in the reward model's chat template, as its ids."""
-        text = self.policy_tokenizer.decode(response_ids, skip_special_tokens=False)
+        end = len(response_ids)
+        while end and response_ids[end - 1] in self.policy_special_ids:  # where it stopped: the template closes the turn
+            end -= 1
+        text = self.policy_tokenizer.decode(response_ids[:end], skip_special_tokens=False)
         eos = self.policy_tokenizer.eos_token
         if eos:
             text = text.replace(eos, "")
@@ -112,6 +117,13 @@ class RewardInputs:
         sequences, truncated = self.sequences(batch)
         groups = batch.non_tensors.get("uid")
         return layout(sequences, groups, self.pad_token_id), torch.tensor(truncated)
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """The ids of ``tokenizer``'s special tokens: its named ones (EOS, pad...) and the added tokens marked special."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return {*getattr(tokenizer, "all_special_ids", ()),
+            *(token_id for token_id, token in decoder.items() if getattr(token, "special", False))}
 
 
 def _common_prefix(sequences: Sequence[list[int]]) -> int:

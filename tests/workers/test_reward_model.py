@@ -303,6 +303,20 @@ def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
     assert message.endswith("; check reward.reward_model.model_path, or download the model first")
 
 
+def test_the_end_of_turn_token_a_response_stopped_at_is_not_re_rendered_as_text():
+    """A tokenizer whose EOS is not its template's end of turn (Qwen base's <|endoftext|>, Gemma's <eos>): the
+    rollout stops at <|im_end|>, which the reward model's template must not read as part of the answer."""
+    policy_tokenizer = build_char_tokenizer()
+    policy_tokenizer.eos_token = "<|endoftext|>"
+    rm_tokenizer = build_char_tokenizer(chat_template=PLAIN_TEMPLATE)
+    for ending in ("<|im_end|>", "<|im_end|><|endoftext|>"):
+        response = policy_tokenizer.encode("3" + ending, add_special_tokens=False)
+        batch = policy_batch([(policy_tokenizer.encode("1+2?", add_special_tokens=False), response)], ["a"])
+        batch.non_tensors["raw_prompt"][0] = [{"role": "user", "content": "1+2?"}]
+        sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
+        assert sequences == [[3 + byte for byte in b"[user] 1+2?\n[assistant] 3\n"]], ending
+
+
 def test_a_plain_text_prompt_is_re_rendered_with_the_reward_models_bos():
     from tokenizers.processors import TemplateProcessing
 
