@@ -7,7 +7,9 @@ scoring call, so the rollout and the update have the device without them.
 
 Each sample becomes one reward-model sequence (``RewardInputs``):
 - when the reward model reads text as the policy does (same vocabulary and chat template, or
-  ``input_tokenizer=null``), the policy's own prompt and response ids;
+  ``input_tokenizer=null``), the policy's own prompt and response ids, and after a chat response that ends its
+  turn what the template writes after the turn (ChatML's newline): the whole conversation's rendering, which
+  ``reinforge rm`` trains on and transformers' and TRL's scoring read;
 - otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer
   (special tokens kept, the EOS string removed, and so are the special tokens it ends with: the end-of-turn token
   the rollout stopped at is not the tokenizer's EOS for every template, Gemma's ``<end_of_turn>``), appended as the assistant turn to the row's raw
@@ -35,7 +37,7 @@ from transformers import PreTrainedModel
 
 from reinforge.config.schema import Config
 from reinforge.controller import Dispatch, Worker, register
-from reinforge.data.chat_template import apply_chat_template
+from reinforge.data.chat_template import after_end_of_turn_ids, apply_chat_template
 from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.forward import ScoringPass, last_token_scores
 from reinforge.engine.fsdp import shard_model
@@ -70,14 +72,18 @@ def check_reads_policy_ids(rm_tokenizer: Any, policy_tokenizer: Any, rm_path: st
 class RewardInputs:
     """The reward model's input rows for a batch of the policy's samples.
 
-    ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering). ``classifier_pad_token_id``:
+    ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering), with ``after_turn`` (the
+    template's end-of-turn id, the ids it writes after it) added after a chat response ending in that token.
+    ``classifier_pad_token_id``:
     a sequence classifier's ``config.pad_token_id``, whose trailing tokens each sequence drops (the class reads its
     score before them).
     """
 
     def __init__(self, rm_tokenizer: Any, policy_tokenizer: Any | None, max_length: int,
-                 classifier_pad_token_id: int | None = None):
+                 classifier_pad_token_id: int | None = None,
+                 after_turn: tuple[int, Sequence[int]] | None = None):
         self.rm_tokenizer, self.policy_tokenizer, self.max_length = rm_tokenizer, policy_tokenizer, max_length
+        self.after_turn = after_turn
         self.pad_token_id = rm_tokenizer.pad_token_id if rm_tokenizer.pad_token_id is not None else 0
         self.classifier_pad_token_id = classifier_pad_token_id
         self.policy_special_ids = set() if policy_tokenizer is None else special_token_ids(policy_tokenizer)
@@ -86,11 +92,15 @@ class RewardInputs:
         """Each sample's token ids for the reward model, cut to max_length, and whether it was cut."""
         prompt_width = batch["prompts"].shape[1]
         attention = batch["attention_mask"].bool()
+        raw_prompts = batch.non_tensors.get("raw_prompt", [None] * len(batch))
         sequences, truncated = [], []
         for row in range(len(batch)):
             response = batch["input_ids"][row, prompt_width:][attention[row, prompt_width:]].tolist()
             if self.policy_tokenizer is None:
                 ids = batch["input_ids"][row, :prompt_width][attention[row, :prompt_width]].tolist() + response
+                if (self.after_turn is not None and response and response[-1] == self.after_turn[0]
+                        and raw_prompts[row] is not None and not isinstance(raw_prompts[row], str)):
+                    ids += self.after_turn[1]
             else:
                 ids = self.rendered(batch.non_tensors["raw_prompt"][row], response)
             truncated.append(len(ids) > self.max_length)
@@ -229,7 +239,7 @@ def build_reward_inputs(config: Config) -> RewardInputs:
     (and reward.reward_model.input_tokenizer is not null), and the length limit."""
     settings, model = config.reward.reward_model, config.model
     rm_tokenizer = load_tokenizer(settings.model_path, trust_remote_code=settings.trust_remote_code)
-    policy_tokenizer = None
+    policy_tokenizer, after_turn = None, None
     if settings.input_tokenizer is not None:
         path = settings.input_tokenizer if settings.input_tokenizer != "auto" else (model.tokenizer_path or model.path)
         if settings.input_tokenizer != "auto" and is_local_path(path) and not Path(path).expanduser().is_dir():
@@ -240,14 +250,16 @@ def build_reward_inputs(config: Config) -> RewardInputs:
         same_vocabulary = rm_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         if reads_like_policy(rm_tokenizer, policy_tokenizer, template) or (
                 same_vocabulary and not rm_tokenizer.chat_template):  # no template of its own: it reads the policy's
+            after_turn = after_end_of_turn_ids(policy_tokenizer, template)
             policy_tokenizer = None
         elif not rm_tokenizer.chat_template:
             raise ValueError(f"reward.reward_model.model_path={settings.model_path} has a tokenizer of its own but no "
                              "chat template to re-render the responses in; add its chat template to the folder's "
                              "tokenizer_config.json, or use a reward model with the policy's tokenizer")
     else:
-        check_reads_policy_ids(rm_tokenizer, load_tokenizer(model.tokenizer_path or model.path,
-                                                            trust_remote_code=model.trust_remote_code),
-                               settings.model_path)
+        policy_tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+        check_reads_policy_ids(rm_tokenizer, policy_tokenizer, settings.model_path)
+        after_turn = after_end_of_turn_ids(policy_tokenizer, config.data.chat_template)
+        policy_tokenizer = None
     max_length = settings.max_length or config.data.max_prompt_length + config.data.max_response_length
-    return RewardInputs(rm_tokenizer, policy_tokenizer, max_length)
+    return RewardInputs(rm_tokenizer, policy_tokenizer, max_length, after_turn=after_turn)

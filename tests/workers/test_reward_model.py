@@ -303,6 +303,31 @@ def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
     assert message.endswith("; check reward.reward_model.model_path, or download the model first")
 
 
+def test_a_chat_response_read_as_the_policys_ids_ends_as_the_whole_conversations_rendering(tiny_model_dir, tmp_path):
+    """ChatML writes a newline after <|im_end|>; the rollout stops at <|im_end|>. A reward model trained on rendered
+    conversations (reinforge rm, TRL) reads its score after that newline: the worker adds it to a response that
+    ended its turn, where a plain prompt's response and a cut one stay as they are."""
+    from reinforge.data.preference_dataset import PreferenceKeys, tokenize_pair
+
+    rm_dir = save_tiny_reward_model(tmp_path / "rm")
+    for input_tokenizer in ("auto", None):
+        worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir, input_tokenizer=input_tokenizer))
+        assert worker.inputs.policy_tokenizer is None  # the policy's ids, as they are
+        tokenizer = worker.inputs.rm_tokenizer
+        row = {"prompt": [{"role": "user", "content": "1+2?"}], "chosen": [{"role": "assistant", "content": "3"}],
+               "rejected": [{"role": "assistant", "content": "4"}]}
+        pair = tokenize_pair(tokenizer, row, PreferenceKeys())  # what reinforge rm trains on
+        assert tokenizer.decode(pair.chosen_ids) == "3<|im_end|>\n"
+        finished = tokenizer.encode("3<|im_end|>", add_special_tokens=False)
+        cut = tokenizer.encode("3", add_special_tokens=False)
+        batch = policy_batch([(pair.prompt_ids, finished), (pair.prompt_ids, cut), (pair.prompt_ids, finished)],
+                             ["a", "a", "b"])
+        batch.non_tensors["raw_prompt"][:2] = [row["prompt"], row["prompt"]]
+        batch.non_tensors["raw_prompt"][2] = "1+2?"
+        sequences, _ = worker.inputs.sequences(batch)
+        assert sequences == [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + cut, pair.prompt_ids + finished]
+
+
 def test_the_end_of_turn_token_a_response_stopped_at_is_not_re_rendered_as_text():
     """A tokenizer whose EOS is not its template's end of turn (Qwen base's <|endoftext|>, Gemma's <eos>): the
     rollout stops at <|im_end|>, which the reward model's template must not read as part of the answer."""
