@@ -76,11 +76,17 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
 
 def _classifier_attention(path: str, trust_remote_code: bool, attn_implementation: str) -> str:
     """The attention implementation transformers' sequence classifier of the model at ``path`` runs (``sdpa`` becomes
-    ``eager`` for a class without SDPA, MPT's); a family without such a class is refused in one line, before any
-    weight loads."""
+    ``eager`` for a class without SDPA, MPT's); a family without such a class, or a classifier of several labels,
+    is refused in one line, before any weight loads."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
     config = read_model_config(path, trust_remote_code)
+    heads = [name for name in getattr(config, "architectures", None) or []
+             if name.endswith(("ForSequenceClassification", "ForTokenClassification"))]
+    if heads and config.num_labels != 1:
+        raise ValueError(f"model.path={path} is a {heads[0]} with num_labels={config.num_labels}; reinforge rm trains a "
+                         "head of one label, so start from the causal LM it was made from, or from a classifier with "
+                         "num_labels=1")
     if trust_remote_code and getattr(config, "auto_map", None):
         return attn_implementation  # the folder's own code decides
     model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)

@@ -276,3 +276,21 @@ def test_a_tokenizer_padding_with_its_eos_trains_the_reward_transformers_classif
         exported = [classifier(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits[0, 0]
                     for text in texts]
     torch.testing.assert_close(trained.reshape(-1), torch.stack(exported), atol=1e-5, rtol=1e-5)
+
+
+def test_a_classifier_of_several_labels_is_refused_in_one_line_before_it_loads(pair_args, tmp_path, capsys):
+    from transformers import Qwen2ForSequenceClassification
+
+    from reinforge.models.tiny import build_char_tokenizer, build_tiny_causal_lm, save_hf_folder
+
+    tokenizer = build_char_tokenizer(())
+    causal = build_tiny_causal_lm("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    config = causal.config
+    config.num_labels = 2
+    folder = save_hf_folder(Qwen2ForSequenceClassification(config), tokenizer, tmp_path / "two_labels")
+    assert main(["rm", *pair_args(tmp_path / "run", **{"model.path": folder})]) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert line == (f"error: model.path={folder} is a Qwen2ForSequenceClassification with num_labels=2; reinforge rm "
+                    "trains a head of one label, so start from the causal LM it was made from, or from a classifier "
+                    "with num_labels=1")
