@@ -363,3 +363,31 @@ def test_a_checkpoints_dropout_is_switched_off_as_trls_trainers_do(pair_args, tm
     assert "dropout off for rm and dpo: gpt2 drops activations in training mode (config.resid_pdrop=0.1" in caplog.text
     saved = json.loads((run_dir / "checkpoints" / "step_000001" / "hf" / "config.json").read_text())
     assert saved["resid_pdrop"] == saved["attn_pdrop"] == saved["embd_pdrop"] == 0.1
+
+
+def test_a_reference_that_reads_the_policys_ids_as_other_tokens_is_refused_before_any_model_loads(
+        pair_args, tiny_model_dir, tmp_path, capsys):
+    """A reference of another tokenizer (another family) scored the policy's ids as other tokens, silently."""
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(tiny_model_dir, other)
+    tokenizer_json = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    small = tmp_path / "small_vocabulary"
+    shutil.copytree(tiny_model_dir, small)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (small / name).unlink(missing_ok=True)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    for folder, message in ((other, f"error: dpo.reference_path={other} has a tokenizer of its own, in which 2 of the "
+                             "policy's 259 tokens (first 'a') have another id or none; DPO compares both models' "
+                             "log-probs of the same token ids, so give a reference that shares the policy's tokenizer "
+                             "(model.path's own starting weights if unset)"),
+                            (small, f"error: dpo.reference_path={small} has vocab_size=100, fewer than the policy "
+                             "tokenizer's 259 token ids; give a reference that shares the policy's tokenizer")):
+        run_dir = tmp_path / f"run_{folder.name}"
+        assert main(["dpo", *pair_args(run_dir, **{"dpo.reference_path": folder})]) == 2
+        [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert line == message
+        assert not (run_dir / REFERENCE_FILE).exists()
