@@ -2,8 +2,10 @@
 
 Rows come in TRL's four shapes:
 
-- explicit prompt, plain text: ``{"prompt": str, "chosen": str, "rejected": str}``; each completion gets the
-  tokenizer's EOS token appended (a plain completion has no end-of-turn token of its own);
+- explicit prompt, plain text: ``{"prompt": str, "chosen": str, "rejected": str}``; the prompt is tokenized as
+  the tokenizer encodes any text, with the special tokens it adds (a BOS: Llama's, Gemma's), as TRL, reinforge sft
+  and the RL prompts tokenize plain text; each completion gets the tokenizer's EOS token appended (a plain
+  completion has no end-of-turn token of its own);
 - explicit prompt, conversational: ``prompt`` a list of messages, ``chosen``/``rejected`` the assistant turns
   that follow; the prompt is rendered with the generation prompt, each completion is the rest of the whole
   conversation's rendering;
@@ -11,8 +13,9 @@ Rows come in TRL's four shapes:
   are the prompt (TRL's ``extract_prompt``). A ``prompt`` column of text beside them (HuggingFaceH4's
   UltraFeedback pairs repeat the user's question there) is left aside for those messages, as TRL's
   ``maybe_extract_prompt`` leaves it;
-- implicit prompt, plain text: ``chosen``/``rejected`` whole texts (EOS appended); their common leading tokens
-  are the prompt, which ``rm`` may leave empty (two unrelated texts) and ``dpo`` may not.
+- implicit prompt, plain text: ``chosen``/``rejected`` whole texts (with the tokenizer's BOS, EOS appended);
+  their common leading tokens are the prompt, which ``rm`` may leave empty (two unrelated texts, no BOS) and
+  ``dpo`` may not.
 
 The prompt and each completion are tokenized separately, as TRL does. An optional ``margin`` column (a number)
 is the margin of the reward model's loss. A pair becomes two rows of the engine's ``[left-padded prompt |
@@ -156,6 +159,11 @@ def _common_length(first: Sequence[Any], second: Sequence[Any]) -> int:
     return length
 
 
+def _text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Plain text as the tokenizer encodes any text: with the special tokens it adds (a BOS)."""
+    return list(tokenizer(text)["input_ids"])
+
+
 def _with_eos(tokenizer: Any, text: str) -> str:
     eos = tokenizer.eos_token
     return text + eos if eos and not text.endswith(eos) else text
@@ -194,13 +202,14 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
             completions.append(_ids(tokenizer, whole[len(prompt_text):]))
         return PreferencePair(_ids(tokenizer, prompt_text), completions[0], completions[1], margin)
     if prompt is not None:
-        if need_prompt and not prompt:
+        prompt_ids = _text_ids(tokenizer, prompt)
+        if need_prompt and not prompt_ids:
             raise ValueError(f"{keys.prompt!r} is an empty string, so there is no prompt for the completions to "
                              "follow; give each row its prompt")
-        return PreferencePair(_ids(tokenizer, prompt) if prompt else [], _ids(tokenizer, _with_eos(tokenizer, chosen)),
+        return PreferencePair(prompt_ids, _ids(tokenizer, _with_eos(tokenizer, chosen)),
                               _ids(tokenizer, _with_eos(tokenizer, rejected)), margin)
-    chosen_ids = _ids(tokenizer, _with_eos(tokenizer, chosen))
-    rejected_ids = _ids(tokenizer, _with_eos(tokenizer, rejected))
+    chosen_ids = _text_ids(tokenizer, _with_eos(tokenizer, chosen))
+    rejected_ids = _text_ids(tokenizer, _with_eos(tokenizer, rejected))
     shared = min(_common_length(chosen_ids, rejected_ids), len(chosen_ids) - 1, len(rejected_ids) - 1)
     if need_prompt and shared < 1:
         raise ValueError(f"{keys.chosen!r} and {keys.rejected!r} share no beginning, so there is no prompt for "

@@ -34,6 +34,24 @@ def test_explicit_plain_pair_appends_eos_to_each_completion(tokenizer):
     assert pair.margin == 1.5
 
 
+def test_plain_text_is_tokenized_with_the_bos_the_tokenizer_adds_to_any_text():
+    """A Llama-like tokenizer adds a BOS to any text: TRL, reinforge sft and the RL prompts keep it, and so do the
+    pairs' prompts (the completions follow them, without one)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                                                    special_tokens=[("<|im_start|>", 1)])
+    explicit = tokenize_pair(tokenizer, {"prompt": "Q:", "chosen": " yes", "rejected": " no"}, KEYS, need_prompt=True)
+    assert explicit.prompt_ids == [1, *tokenizer.encode("Q:", add_special_tokens=False)]
+    assert text(tokenizer, explicit.chosen_ids) == " yes<|im_end|>"
+    implicit = tokenize_pair(tokenizer, {"chosen": "Q: yes", "rejected": "Q: no"}, KEYS, need_prompt=True)
+    assert implicit.prompt_ids == [1, *tokenizer.encode("Q: ", add_special_tokens=False)]
+    assert text(tokenizer, implicit.chosen_ids) == "yes<|im_end|>"
+    # an empty prompt is the BOS alone, which the completions' first tokens follow
+    assert tokenize_pair(tokenizer, {"prompt": "", "chosen": "a", "rejected": "b"}, KEYS, need_prompt=True).prompt_ids == [1]
+
+
 def test_explicit_conversational_pair_renders_the_prompt_with_the_generation_prompt(tokenizer):
     row = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "yes"}],
            "rejected": [{"role": "assistant", "content": "no"}]}
