@@ -10,12 +10,13 @@ Each sample becomes one reward-model sequence (``RewardInputs``):
   ``input_tokenizer=null``), the policy's own prompt and response ids, and after a chat response that ends its
   turn what the template writes after the turn (ChatML's newline): the whole conversation's rendering, which
   ``reinforge rm`` trains on and transformers' and TRL's scoring read;
-- otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer
-  (special tokens kept, the EOS string removed, and so are the special tokens it ends with: the end-of-turn token
-  the rollout stopped at is not the tokenizer's EOS for every template, Gemma's ``<end_of_turn>``), appended as the assistant turn to the row's raw
-  prompt messages, rendered with the reward model's chat template without a generation prompt, and
-  tokenized without special tokens (the template writes them); a plain-text prompt is followed by the
-  text, tokenized with the special tokens the reward model's tokenizer adds (its BOS).
+- otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer (special tokens
+  kept, the EOS string removed, and so are the special tokens it ends with: the end-of-turn token the rollout
+  stopped at is not the tokenizer's EOS for every template, Gemma's ``<end_of_turn>``), appended as the
+  assistant turn to the row's raw prompt messages, rendered with the reward model's chat template without a
+  generation prompt, and tokenized without special tokens (the template writes them); a plain-text prompt is
+  followed by the text and, where the response finished, the reward model's EOS (as ``reinforge rm``'s and
+  TRL's plain pairs end), tokenized with the special tokens the reward model's tokenizer adds (its BOS).
 Sequences longer than ``max_length`` are cut on the right (counted). The samples of one prompt
 keep their common leading tokens as a shared prompt, so the packed forward computes it once;
 the score is the head's output at the sequence's last token, placed on the policy response's
@@ -116,8 +117,10 @@ class RewardInputs:
         eos = self.policy_tokenizer.eos_token
         if eos:
             text = text.replace(eos, "")
-        if isinstance(raw_prompt, str):  # no template writes its special tokens (a BOS): its tokenizer adds them
-            return list(self.rm_tokenizer(raw_prompt + text)["input_ids"])
+        if isinstance(raw_prompt, str):  # no template writes its special tokens (a BOS): its tokenizer adds them,
+            finished = end < len(response_ids)  # and a finished answer ends in its EOS, as rm's plain pairs end
+            rm_eos = self.rm_tokenizer.eos_token if finished and self.rm_tokenizer.eos_token else ""
+            return list(self.rm_tokenizer(raw_prompt + text + rm_eos)["input_ids"])
         messages = [dict(message) for message in raw_prompt] + [{"role": "assistant", "content": text}]
         full = apply_chat_template(self.rm_tokenizer, messages, add_generation_prompt=False, tokenize=False)
         return list(self.rm_tokenizer(full, add_special_tokens=False)["input_ids"])

@@ -353,7 +353,12 @@ def test_a_plain_text_prompt_is_re_rendered_with_the_reward_models_bos():
     batch = policy_batch([(policy_tokenizer.encode("1+2=", add_special_tokens=False), response)], ["a"])
     batch.non_tensors["raw_prompt"][0] = "1+2="
     sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
-    assert sequences == [rm_tokenizer("1+2=3")["input_ids"]] == [[0] + [3 + byte for byte in b"1+2=3"]]
+    # a finished answer ends in the reward model's EOS, as rm's (and TRL's) plain pairs do; a cut one does not
+    assert sequences == [rm_tokenizer("1+2=3<|im_end|>")["input_ids"]] == [[0] + [3 + byte for byte in b"1+2=3"] + [2]]
+    cut = policy_batch([(policy_tokenizer.encode("1+2=", add_special_tokens=False), response[:1])], ["a"])
+    cut.non_tensors["raw_prompt"][0] = "1+2="
+    assert RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(cut)[0] == [
+        [0] + [3 + byte for byte in b"1+2=3"]]
     # a chat prompt's BOS is the template's to write: none is added to it
     batch.non_tensors["raw_prompt"][0] = [{"role": "user", "content": "1+2?"}]
     sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
