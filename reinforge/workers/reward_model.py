@@ -264,5 +264,7 @@ def build_reward_inputs(config: Config) -> RewardInputs:
         check_reads_policy_ids(rm_tokenizer, policy_tokenizer, settings.model_path)
         after_turn = after_end_of_turn_ids(policy_tokenizer, config.data.chat_template)
         policy_tokenizer = None
-    max_length = settings.max_length or config.data.max_prompt_length + config.data.max_response_length
+    # unset: room for the longest sample, and for what the template writes after a turn it ended
+    max_length = settings.max_length or (config.data.max_prompt_length + config.data.max_response_length
+                                         + (len(after_turn[1]) if after_turn else 0))
     return RewardInputs(rm_tokenizer, policy_tokenizer, max_length, after_turn=after_turn)

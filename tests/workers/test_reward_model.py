@@ -324,8 +324,11 @@ def test_a_chat_response_read_as_the_policys_ids_ends_as_the_whole_conversations
                              ["a", "a", "b"])
         batch.non_tensors["raw_prompt"][:2] = [row["prompt"], row["prompt"]]
         batch.non_tensors["raw_prompt"][2] = "1+2?"
-        sequences, _ = worker.inputs.sequences(batch)
+        sequences, truncated = worker.inputs.sequences(batch)
         assert sequences == [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + cut, pair.prompt_ids + finished]
+        assert truncated == [False] * 3
+        config = worker.config.data  # unset, the limit holds the longest sample and the newline after its turn
+        assert worker.inputs.max_length == config.max_prompt_length + config.max_response_length + 1
 
 
 def test_the_end_of_turn_token_a_response_stopped_at_is_not_re_rendered_as_text():
