@@ -502,7 +502,9 @@ def test_dpo_and_reward_configs_take_trls_names_for_what_they_do_and_refuse_the_
                               (dict(disable_dropout=False), "disable_dropout=False: reinforge rm and dpo always switch "
                                "a checkpoint's dropout off; remove it"),
                               (dict(reference_free=True), "reference_free=True: reinforge dpo always compares the "
-                               "policy with a reference (ref_model, or the model's starting weights); remove it")):
+                               "policy with a reference (ref_model, or the model's starting weights); remove it"),
+                              (dict(truncation_mode="keep_end"), "truncation_mode='keep_end': reinforge dpo drops a "
+                               "pair longer than max_length (counted in the log) rather than cutting it; remove it")):
         with pytest.raises(ValueError) as error:
             DPOConfig(**settings).to_overrides()
         assert str(error.value) == message

@@ -185,6 +185,12 @@ UNUSED_BY_DPO = _table(
         "sync_ref_model": ((False,), "reinforge keeps the reference model fixed; remove it"),
         "use_weighting": ((False,), "reinforge's DPO losses weigh every pair alike; remove it"),
         "rpo_alpha": ((), "reinforge's DPO losses add no NLL term; remove it"),
+        "truncation_mode": ((), "reinforge dpo drops a pair longer than max_length (counted in the log) rather than "
+                                "cutting it; remove it"),
+        "max_prompt_length": ((), "reinforge dpo drops a pair longer than max_length (counted in the log) rather "
+                                  "than cutting its prompt; remove it"),
+        "max_completion_length": ((), "reinforge dpo drops a pair longer than max_length (counted in the log) rather "
+                                      "than cutting its completions; remove it"),
         "ld_alpha": ((), "reinforge sums every completion token's log-prob; remove it"),
     },
 )
