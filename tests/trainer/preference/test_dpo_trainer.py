@@ -213,6 +213,19 @@ def test_dpo_settings_that_cannot_work_are_refused_as_the_config_loads(override,
     assert str(error.value).startswith(message)
 
 
+def test_trls_precomputed_reference_log_probs_in_the_rows_are_one_warning(pair_args, pairs_dir, tmp_path, caplog):
+    """TRL's DPOTrainer reads ref_chosen_logps / ref_rejected_logps from the rows; reinforge scores its own."""
+    rows = [json.loads(line) | {"ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0}
+            for line in (pairs_dir / "train.jsonl").read_text().splitlines()]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level("WARNING"):
+        assert main(["dpo", *pair_args(tmp_path / "run", **{"data.train_files": f"[{pairs}]",
+                                                            "trainer.total_steps": 1})]) == 0
+    assert (f"{pairs} has 'ref_chosen_logps' and 'ref_rejected_logps', TRL's precomputed reference log-probs; "
+            "reinforge dpo leaves them aside and scores the reference itself") in caplog.text
+
+
 def test_label_smoothing_without_the_robust_loss_is_one_warning(pair_args, tmp_path, caplog):
     from reinforge.trainer.preference.pairs import preflight_preference
 
