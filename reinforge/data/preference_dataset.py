@@ -8,7 +8,7 @@ Rows come in TRL's four shapes:
   completion has no end-of-turn token of its own);
 - explicit prompt, conversational: ``prompt`` a list of messages, ``chosen``/``rejected`` the assistant turns
   that follow; the prompt is rendered with the generation prompt, each completion is the rest of the whole
-  conversation's rendering;
+  conversation's rendering; a ``tools`` column (function schemas, as TRL reads it) goes to the chat template;
 - implicit prompt, conversational: ``chosen``/``rejected`` whole conversations; their common leading messages
   are the prompt (TRL's ``extract_prompt``). A ``prompt`` column of text beside them (HuggingFaceH4's
   UltraFeedback pairs repeat the user's question there) is left aside for those messages, as TRL's
@@ -29,6 +29,7 @@ the row and the column before any model loads.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -141,9 +142,23 @@ def check_preference_rows(files: Sequence[str | Path], keys: PreferenceKeys, spl
     return num_rows
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
     return apply_chat_template(tokenizer, messages, chat_template=template, tokenize=False,
-                               add_generation_prompt=add_generation_prompt)
+                               add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+
+def _tools_of(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's ``tools`` column (function schemas, a list or its JSON text, as TRL takes it), or None."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"'tools' is text that is not JSON ({error}); give a list of function schemas") from None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"'tools' is {type(tools).__name__}; give a list of function schemas (or its JSON text)")
+    return tools or None
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -191,10 +206,11 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
             if not chosen or not rejected:
                 raise ValueError(f"one of {keys.chosen!r} and {keys.rejected!r} is the other's beginning, so it has "
                                  "no completion of its own; drop the row")
-        prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True)
+        tools = _tools_of(row)  # the schemas the conversation was held with: the template shows them
+        prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True, tools=tools)
         completions = []
         for key, turns in ((keys.chosen, chosen), (keys.rejected, rejected)):
-            whole = _render(tokenizer, [*prompt, *turns], template, add_generation_prompt=False)
+            whole = _render(tokenizer, [*prompt, *turns], template, add_generation_prompt=False, tools=tools)
             if not whole.startswith(prompt_text):
                 raise ValueError(f"the chat template does not render {key!r} as a continuation of the prompt (it "
                                  "rewrites earlier turns); set data.chat_template to a template that renders turns "

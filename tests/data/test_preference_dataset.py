@@ -61,6 +61,20 @@ def test_explicit_conversational_pair_renders_the_prompt_with_the_generation_pro
     assert text(tokenizer, pair.rejected_ids) == "no<|im_end|>\n"
 
 
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_tools_column_goes_to_the_chat_template_as_trl_passes_it(as_text):
+    from reinforge.models.tiny import TOOL_CHAT_TEMPLATE
+
+    tokenizer = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    row = {"prompt": [{"role": "user", "content": "1+2?"}], "chosen": [{"role": "assistant", "content": "3"}],
+           "rejected": [{"role": "assistant", "content": "4"}], "tools": json.dumps(tools) if as_text else tools}
+    pair = tokenize_pair(tokenizer, row, KEYS)
+    expected = tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text(tokenizer, pair.prompt_ids) == expected and '"name": "add"' in expected
+    assert text(tokenizer, pair.chosen_ids) == "3<|im_end|>\n"
+
+
 def test_implicit_conversational_pair_takes_the_common_leading_messages_as_prompt(tokenizer):
     user = {"role": "user", "content": "hi"}
     explicit = tokenize_pair(tokenizer, {"prompt": [user], "chosen": [{"role": "assistant", "content": "yes"}],
