@@ -75,9 +75,8 @@ class RewardInputs:
 
     ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering), with ``after_turn`` (the
     template's end-of-turn id, the ids it writes after it) added after a chat response ending in that token.
-    ``classifier_pad_token_id``:
-    a sequence classifier's ``config.pad_token_id``, whose trailing tokens each sequence drops (the class reads its
-    score before them).
+    ``classifier_pad_token_id``: a sequence classifier's ``config.pad_token_id``, whose trailing tokens each sequence
+    drops (the class reads its score before them).
     """
 
     def __init__(self, rm_tokenizer: Any, policy_tokenizer: Any | None, max_length: int,
