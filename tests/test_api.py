@@ -504,7 +504,10 @@ def test_dpo_and_reward_configs_take_trls_names_for_what_they_do_and_refuse_the_
                               (dict(reference_free=True), "reference_free=True: reinforge dpo always compares the "
                                "policy with a reference (ref_model, or the model's starting weights); remove it"),
                               (dict(truncation_mode="keep_end"), "truncation_mode='keep_end': reinforge dpo drops a "
-                               "pair longer than max_length (counted in the log) rather than cutting it; remove it")):
+                               "pair longer than max_length (counted in the log) rather than cutting it; remove it"),
+                              (dict(max_length=None), "max_length=None: reinforge rm and dpo need a limit on a pair's "
+                               "tokens (a longer pair is dropped, counted in the log) to plan their micro-batches; give "
+                               "one above your longest pair (TRL's default is 1024)")):
         with pytest.raises(ValueError) as error:
             DPOConfig(**settings).to_overrides()
         assert str(error.value) == message

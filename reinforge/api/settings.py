@@ -518,13 +518,23 @@ def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
     return int(per_device if per_device is not None else TRL_PER_DEVICE_TRAIN_BATCH_SIZE) * int(accumulation or 1)
 
 
+def _pair_limit(value: Any) -> Any:
+    """TRL's max_length of a pair; None (TRL: no limit) is refused, since reinforge plans its memory by the limit."""
+    if value is None:
+        raise ValueError("max_length=None: reinforge rm and dpo need a limit on a pair's tokens (a longer pair is "
+                         "dropped, counted in the log) to plan their micro-batches; give one above your longest pair "
+                         "(TRL's default is 1024)")
+    return value
+
+
 PREFERENCE_SETTINGS: dict[str, Override] = {
     **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS
        if name not in ("packing", "completion_only_loss", "assistant_only_loss")},
     **UNUSED_BY_PREFERENCE_TRAINERS,
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
-    "max_length": ("data.max_length (longer pairs dropped, counted in the log)", _to("data.max_length")),
+    "max_length": ("data.max_length (longer pairs dropped, counted in the log)", lambda value, settings: {
+        "data.max_length": _pair_limit(value)}),
 }
 
 
