@@ -490,6 +490,29 @@ def test_dpo_trainer_takes_trls_ref_model(tmp_path, tiny_model_dir):
     assert loss != pytest.approx(math.log(2), abs=1e-4)  # the policy is not its own reference: the margins start apart
 
 
+def test_dpo_and_reward_configs_take_trls_names_for_what_they_do_and_refuse_the_rest_in_one_line():
+    from reinforge import DPOConfig, RewardConfig
+
+    taken = DPOConfig(loss_type=["ipo"], precompute_ref_log_probs=True, disable_dropout=True).to_overrides()
+    assert taken["dpo.loss_type"] == "ipo"  # TRL's list of one loss
+    assert "rm.center_rewards_coefficient" in RewardConfig(disable_dropout=True,
+                                                           center_rewards_coefficient=0.01).to_overrides()
+    for settings, message in ((dict(loss_type=["sigmoid", "sft"]), "loss_type=['sigmoid', 'sft']: reinforge dpo "
+                               "trains one loss, not a weighted mix; give one of sigmoid, ipo, hinge, robust"),
+                              (dict(disable_dropout=False), "disable_dropout=False: reinforge rm and dpo always switch "
+                               "a checkpoint's dropout off; remove it"),
+                              (dict(reference_free=True), "reference_free=True: reinforge dpo always compares the "
+                               "policy with a reference (ref_model, or the model's starting weights); remove it"),
+                              (dict(truncation_mode="keep_end"), "truncation_mode='keep_end': reinforge dpo drops a "
+                               "pair longer than max_length (counted in the log) rather than cutting it; remove it"),
+                              (dict(max_length=None), "max_length=None: reinforge rm and dpo need a limit on a pair's "
+                               "tokens (a longer pair is dropped, counted in the log) to plan their micro-batches; give "
+                               "one above your longest pair (TRL's default is 1024)")):
+        with pytest.raises(ValueError) as error:
+            DPOConfig(**settings).to_overrides()
+        assert str(error.value) == message
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):

@@ -162,3 +162,36 @@ UNUSED_BY_GRPO = _table(
     },
 )
 """The GRPO names with no reinforge key."""
+
+
+UNUSED_BY_PREFERENCE_TRAINERS = _table(
+    {},
+    {
+        "disable_dropout": ((True,), "reinforge rm and dpo always switch a checkpoint's dropout off; remove it"),
+    },
+)
+"""The names of TRL's DPOConfig and RewardConfig with no reinforge key."""
+
+
+UNUSED_BY_DPO = _table(
+    {
+        "precompute_ref_log_probs": "reinforge dpo always scores the reference log-probs once, before the first step, "
+                                    "and stores them in output_dir",
+        "precompute_ref_batch_size": "the reference pass runs in the training's micro-batches",
+    },
+    {
+        "reference_free": ((False,), "reinforge dpo always compares the policy with a reference (ref_model, or the "
+                                     "model's starting weights); remove it"),
+        "sync_ref_model": ((False,), "reinforge keeps the reference model fixed; remove it"),
+        "use_weighting": ((False,), "reinforge's DPO losses weigh every pair alike; remove it"),
+        "rpo_alpha": ((), "reinforge's DPO losses add no NLL term; remove it"),
+        "truncation_mode": ((), "reinforge dpo drops a pair longer than max_length (counted in the log) rather than "
+                                "cutting it; remove it"),
+        "max_prompt_length": ((), "reinforge dpo drops a pair longer than max_length (counted in the log) rather "
+                                  "than cutting its prompt; remove it"),
+        "max_completion_length": ((), "reinforge dpo drops a pair longer than max_length (counted in the log) rather "
+                                      "than cutting its completions; remove it"),
+        "ld_alpha": ((), "reinforge sums every completion token's log-prob; remove it"),
+    },
+)
+"""The DPOConfig names with no reinforge key."""

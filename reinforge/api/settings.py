@@ -11,7 +11,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from reinforge.api.inert_settings import UNUSED_BY_EVERY_TRAINER, UNUSED_BY_GRPO
+from reinforge.api.inert_settings import (
+    UNUSED_BY_DPO,
+    UNUSED_BY_EVERY_TRAINER,
+    UNUSED_BY_GRPO,
+    UNUSED_BY_PREFERENCE_TRAINERS,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -513,19 +518,41 @@ def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
     return int(per_device if per_device is not None else TRL_PER_DEVICE_TRAIN_BATCH_SIZE) * int(accumulation or 1)
 
 
+def _pair_limit(value: Any) -> Any:
+    """TRL's max_length of a pair; None (TRL: no limit) is refused, since reinforge plans its memory by the limit."""
+    if value is None:
+        raise ValueError("max_length=None: reinforge rm and dpo need a limit on a pair's tokens (a longer pair is "
+                         "dropped, counted in the log) to plan their micro-batches; give one above your longest pair "
+                         "(TRL's default is 1024)")
+    return value
+
+
 PREFERENCE_SETTINGS: dict[str, Override] = {
     **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS
        if name not in ("packing", "completion_only_loss", "assistant_only_loss")},
+    **UNUSED_BY_PREFERENCE_TRAINERS,
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
-    "max_length": ("data.max_length (longer pairs dropped, counted in the log)", _to("data.max_length")),
+    "max_length": ("data.max_length (longer pairs dropped, counted in the log)", lambda value, settings: {
+        "data.max_length": _pair_limit(value)}),
 }
+
+
+def _dpo_loss_type(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's loss_type, a name or a list of names (mixed by loss_weights): reinforge trains one loss."""
+    if isinstance(value, list | tuple):
+        if len(value) != 1:
+            raise ValueError(f"loss_type={list(value)!r}: reinforge dpo trains one loss, not a weighted mix; give one "
+                             "of sigmoid, ipo, hinge, robust")
+        value = value[0]
+    return {"dpo.loss_type": value}
 
 
 DPO_SETTINGS: dict[str, Override] = {
     **PREFERENCE_SETTINGS,
+    **UNUSED_BY_DPO,
     "beta": ("dpo.beta", _to("dpo.beta")),
-    "loss_type": ("dpo.loss_type", _to("dpo.loss_type")),
+    "loss_type": ("dpo.loss_type (one loss: a name, or TRL's list of one)", _dpo_loss_type),
     "label_smoothing": ("dpo.label_smoothing", _to("dpo.label_smoothing")),
 }
 

@@ -392,7 +392,8 @@ class RewardModelConfig:
     (model.tokenizer_path or model.path); null: never re-render, the reward model reads the policy's token ids."""
     max_length: Optional[int] = None
     """Tokens the reward model reads per sample (prompt and response); longer inputs are cut on the right and
-    counted in reward_model/truncated. None: data.max_prompt_length + data.max_response_length."""
+    counted in reward_model/truncated. None: data.max_prompt_length + data.max_response_length, and the tokens the
+    chat template writes after a turn the response ended (ChatML's newline)."""
     max_tokens_per_micro_batch: Optional[int] = None
     """Token budget of one scoring forward (packed, no padding); None: actor.max_tokens_per_micro_batch."""
     offload: bool = True

@@ -122,6 +122,18 @@ def template_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -
     return tuple(ids) if len(ids) == 1 else ()
 
 
+def after_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> tuple[int, tuple[int, ...]] | None:
+    """(the id of the token the chat template closes an assistant turn with, the ids of the text it writes after that
+    token: ChatML's and Gemma's newline), or None where there is no such token or nothing follows it (Llama 3)."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    end_ids = template_end_of_turn_ids(tokenizer, template)
+    if not end_ids:
+        return None
+    after = assistant_turn_text(tokenizer, template)[1]
+    rest = after[len(end_of_turn_token(tokenizer, after)):]
+    return (end_ids[0], tuple(tokenizer(rest, add_special_tokens=False)["input_ids"])) if rest else None
+
+
 def template_error_message(error: Exception, what: str, setting: str = "data.chat_template") -> str:
     """One line for an exception the chat template raised while rendering ``what`` ('this prompt'): the template's
     own refusal (raise_exception: Gemma's 'System role not supported', Mistral's alternation rule) with its fix, or a

@@ -2,15 +2,20 @@
 
 Rows come in TRL's four shapes:
 
-- explicit prompt, plain text: ``{"prompt": str, "chosen": str, "rejected": str}``; each completion gets the
-  tokenizer's EOS token appended (a plain completion has no end-of-turn token of its own);
+- explicit prompt, plain text: ``{"prompt": str, "chosen": str, "rejected": str}``; the prompt is tokenized as
+  the tokenizer encodes any text, with the special tokens it adds (a BOS: Llama's, Gemma's), as TRL, reinforge sft
+  and the RL prompts tokenize plain text; each completion gets the tokenizer's EOS token appended (a plain
+  completion has no end-of-turn token of its own);
 - explicit prompt, conversational: ``prompt`` a list of messages, ``chosen``/``rejected`` the assistant turns
   that follow; the prompt is rendered with the generation prompt, each completion is the rest of the whole
-  conversation's rendering;
+  conversation's rendering; a ``tools`` column (function schemas, as TRL reads it) goes to the chat template;
 - implicit prompt, conversational: ``chosen``/``rejected`` whole conversations; their common leading messages
-  are the prompt (TRL's ``extract_prompt``);
-- implicit prompt, plain text: ``chosen``/``rejected`` whole texts (EOS appended); their common leading tokens
-  are the prompt, which ``rm`` may leave empty (two unrelated texts) and ``dpo`` may not.
+  are the prompt (TRL's ``extract_prompt``). A ``prompt`` column of text beside them (HuggingFaceH4's
+  UltraFeedback pairs repeat the user's question there) is left aside for those messages, as TRL's
+  ``maybe_extract_prompt`` leaves it;
+- implicit prompt, plain text: ``chosen``/``rejected`` whole texts (with the tokenizer's BOS, EOS appended);
+  their common leading tokens are the prompt, which ``rm`` may leave empty (two unrelated texts, no BOS) and
+  ``dpo`` may not.
 
 The prompt and each completion are tokenized separately, as TRL does. An optional ``margin`` column (a number)
 is the margin of the reward model's loss. A pair becomes two rows of the engine's ``[left-padded prompt |
@@ -24,6 +29,7 @@ the row and the column before any model loads.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -71,15 +77,28 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list)
 
 
+def _prompt_of(row: dict[str, Any], keys: PreferenceKeys) -> Any:
+    """The row's explicit prompt, or None where the prompt is implicit: no prompt column, or one of text beside
+    conversational completions, whose own leading messages are then the prompt (TRL's ``maybe_extract_prompt``)."""
+    prompt = row.get(keys.prompt)
+    if isinstance(prompt, str) and _is_messages(row.get(keys.chosen)):
+        return None
+    return prompt
+
+
 def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) -> None:
     """One line naming ``where`` and the column, unless the row is one of the four shapes (module docstring)."""
     columns = ", ".join(sorted(row)) or "none"
     for key in (keys.chosen, keys.rejected):
-        if key not in row or row[key] is None:
+        if key not in row:
             raise ValueError(f"{where} has no {key!r} column (its columns: {columns}); preference rows hold "
                              f"{keys.chosen!r} and {keys.rejected!r} (and optionally {keys.prompt!r}); "
                              "data.chosen_key / data.rejected_key name other columns")
-    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
+        if not isinstance(row[key], str | list):
+            shown = "empty (null)" if row[key] is None else f"{type(row[key]).__name__} {str(row[key])[:40]!r}"
+            raise ValueError(f"{where}: {key!r} is {shown}; give the completion as text or as a list of chat "
+                             "messages, or drop the row")
+    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     conversational = _is_messages(chosen)
     for key, value in ((keys.chosen, chosen), (keys.rejected, rejected), (keys.prompt, prompt)):
         if value is None and key == keys.prompt:
@@ -123,9 +142,23 @@ def check_preference_rows(files: Sequence[str | Path], keys: PreferenceKeys, spl
     return num_rows
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None = None) -> str:
     return apply_chat_template(tokenizer, messages, chat_template=template, tokenize=False,
-                               add_generation_prompt=add_generation_prompt)
+                               add_generation_prompt=add_generation_prompt, tools=tools or None)
+
+
+def _tools_of(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's ``tools`` column (function schemas, a list or its JSON text, as TRL takes it), or None."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"'tools' is text that is not JSON ({error}); give a list of function schemas") from None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"'tools' is {type(tools).__name__}; give a list of function schemas (or its JSON text)")
+    return tools or None
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -141,6 +174,11 @@ def _common_length(first: Sequence[Any], second: Sequence[Any]) -> int:
     return length
 
 
+def _text_ids(tokenizer: Any, text: str) -> list[int]:
+    """Plain text as the tokenizer encodes any text: with the special tokens it adds (a BOS)."""
+    return list(tokenizer(text)["input_ids"])
+
+
 def _with_eos(tokenizer: Any, text: str) -> str:
     eos = tokenizer.eos_token
     return text + eos if eos and not text.endswith(eos) else text
@@ -150,8 +188,9 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
                   need_prompt: bool = False) -> PreferencePair:
     """The row's prompt and completions as token ids (the row already passed ``check_preference_row``).
 
-    ``need_prompt`` (DPO): refuse a pair whose completions share no beginning, whose loss would have no prompt."""
-    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], row.get(keys.prompt)
+    ``need_prompt`` (DPO): refuse a pair without a prompt (an empty one, or completions that share no beginning),
+    whose loss would leave out the first token of each completion, which nothing predicts."""
+    chosen, rejected, prompt = row[keys.chosen], row[keys.rejected], _prompt_of(row, keys)
     margin = float(row.get(keys.margin) or 0.0)
     if _is_messages(chosen):
         template = template or getattr(tokenizer, "chat_template", None)
@@ -167,10 +206,11 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
             if not chosen or not rejected:
                 raise ValueError(f"one of {keys.chosen!r} and {keys.rejected!r} is the other's beginning, so it has "
                                  "no completion of its own; drop the row")
-        prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True)
+        tools = _tools_of(row)  # the schemas the conversation was held with: the template shows them
+        prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True, tools=tools)
         completions = []
         for key, turns in ((keys.chosen, chosen), (keys.rejected, rejected)):
-            whole = _render(tokenizer, [*prompt, *turns], template, add_generation_prompt=False)
+            whole = _render(tokenizer, [*prompt, *turns], template, add_generation_prompt=False, tools=tools)
             if not whole.startswith(prompt_text):
                 raise ValueError(f"the chat template does not render {key!r} as a continuation of the prompt (it "
                                  "rewrites earlier turns); set data.chat_template to a template that renders turns "
@@ -178,10 +218,14 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
             completions.append(_ids(tokenizer, whole[len(prompt_text):]))
         return PreferencePair(_ids(tokenizer, prompt_text), completions[0], completions[1], margin)
     if prompt is not None:
-        return PreferencePair(_ids(tokenizer, prompt) if prompt else [], _ids(tokenizer, _with_eos(tokenizer, chosen)),
+        prompt_ids = _text_ids(tokenizer, prompt)
+        if need_prompt and not prompt_ids:
+            raise ValueError(f"{keys.prompt!r} is an empty string, so there is no prompt for the completions to "
+                             "follow; give each row its prompt")
+        return PreferencePair(prompt_ids, _ids(tokenizer, _with_eos(tokenizer, chosen)),
                               _ids(tokenizer, _with_eos(tokenizer, rejected)), margin)
-    chosen_ids = _ids(tokenizer, _with_eos(tokenizer, chosen))
-    rejected_ids = _ids(tokenizer, _with_eos(tokenizer, rejected))
+    chosen_ids = _text_ids(tokenizer, _with_eos(tokenizer, chosen))
+    rejected_ids = _text_ids(tokenizer, _with_eos(tokenizer, rejected))
     shared = min(_common_length(chosen_ids, rejected_ids), len(chosen_ids) - 1, len(rejected_ids) - 1)
     if need_prompt and shared < 1:
         raise ValueError(f"{keys.chosen!r} and {keys.rejected!r} share no beginning, so there is no prompt for "

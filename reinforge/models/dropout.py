@@ -4,7 +4,8 @@ A checkpoint's config may ask for dropout (GPT-2's ``resid_pdrop``, OPT's ``drop
 ``attention_dropout``). Its modules then drop activations in training mode through ``nn.Dropout`` modules, float
 attributes handed to ``nn.functional.dropout`` (OPT's layers) or the attention function's ``dropout`` argument
 (read from the module's ``attention_dropout``). RL compares the training forward's log-probs with the rollout's
-(the policy ratio, the mismatch metrics), and the rollout never drops, so the RL workers switch it all off.
+(the policy ratio, the mismatch metrics), and the rollout never drops, so the RL workers switch it all off; so do
+``reinforge rm`` and ``dpo``, as TRL's reward and DPO trainers do by default.
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ def disable_dropout(model: nn.Module) -> list[str]:
     return found
 
 
-def dropout_line(model: nn.Module, found: list[str]) -> str:
-    """The one line a worker logs when it switched dropout off."""
+RL_REASON = ("RL", "the policy ratio compares training log-probs with the rollout's, which never drops")
+PREFERENCE_REASON = ("rm and dpo", "as TRL's reward and DPO trainers do by default (disable_dropout=True); DPO "
+                                   "compares the policy's log-probs with the reference's, scored without dropout")
+
+
+def dropout_line(model: nn.Module, found: list[str], reason: tuple[str, str] = RL_REASON) -> str:
+    """The one line a worker or trainer logs when it switched dropout off; ``reason``: (for what, why)."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    return (f"dropout off for RL: {model_type} drops activations in training mode ({shown}); the policy ratio "
-            "compares training log-probs with the rollout's, which never drops")
+    return f"dropout off for {reason[0]}: {model_type} drops activations in training mode ({shown}); {reason[1]}"

@@ -4,7 +4,9 @@
 a wrong path, a causal LM or a classifier of several labels is refused in one line before any
 weight loads. ``load_reward_model`` then builds the model with the Auto class its config names.
 Both heads are called ``score`` in transformers (the token head adds a bias); the reward worker
-reads the head at the last token of each sequence, as verl's reward model does.
+reads the head at the last token of each sequence, as verl's reward model does. A sequence classifier reads
+it where transformers' class does: at the last token that is not its ``pad_token_id``
+(``without_trailing_padding``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,20 @@ KEY = "reward.reward_model.model_path"
 HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
          "ForTokenClassification": AutoModelForTokenClassification}
 """The ending of an architecture's name in config.json and the Auto class that loads it."""
+
+
+def without_trailing_padding(ids: list[int], pad_token_id: int | None, keep: int = 1) -> list[int]:
+    """``ids`` without the tokens at its end that are ``pad_token_id``, ``keep`` tokens at least.
+
+    transformers' ``*ForSequenceClassification`` reads its score at the last token that is not its config's
+    pad token, so a sequence ending in that token (an EOS, where a tokenizer without a pad token of its own pads
+    with it) is scored at the token before. A causal model's output there does not depend on the tokens after, so
+    the sequence without them, scored at its last token, gets the class's own score.
+    """
+    end = len(ids)
+    while pad_token_id is not None and end > keep and ids[end - 1] == pad_token_id:
+        end -= 1
+    return ids if end == len(ids) else ids[:end]
 
 
 def _local(path: str) -> str:

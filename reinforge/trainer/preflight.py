@@ -62,6 +62,7 @@ CLASSIFICATION_HEADS = tuple(HEADS)
 if TYPE_CHECKING:
     from reinforge.controller import RolePlacement
     from reinforge.reward.data_checks import Scorer
+    from reinforge.workers.reward_model import RewardInputs
 
 def check_config(config: Config) -> None:
     """Every rule of an RL config: the schema's own, then those naming registry entries. Raises ConfigError."""
@@ -258,7 +259,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         for index, function in enumerate(reward_functions):
             name = getattr(function, "__name__", type(function).__name__)
             check_sendable(function, f"reward_functions[{index}] ({name})")
-    check_reward_model_settings(config)
+    reward_inputs = check_reward_model_settings(config)
     check_judge_settings(config)
     # a vision-language model's plan counts the image tokens of its rows (unless data.max_image_tokens bounds them)
     plan_after_data = config.data.max_image_tokens is None and has_auto_settings(config) and \
@@ -308,6 +309,9 @@ def preflight(config: Config, placement: RolePlacement | None = None,
                           for example in val_set.examples), tools)
     check_tool_turns((example.agent_name for dataset in (train_set, val_set) if dataset is not None
                       for example in dataset.examples), tokenizer, config.data.chat_template)
+    if reward_inputs is not None:
+        check_reward_model_renders(reward_inputs, [dataset for dataset in (train_set, val_set) if dataset is not None],
+                                   config.reward.reward_model.model_path)
     if plan_after_data:
         if processor is not None:
             config.data.max_image_tokens = most_image_tokens([train_set, val_set], processor.image_token_id)
@@ -323,22 +327,44 @@ def most_image_tokens(datasets: Sequence[RLDataset | None], image_token_id: int)
     return most or None
 
 
-def check_reward_model_settings(config: Config) -> None:
+def check_reward_model_settings(config: Config) -> RewardInputs | None:
     """With reward.reward_model.enable: its model is a classification model with num_labels=1 with a tokenizer (read
     from its folder, before any model loads), and reward.reward_model.input_tokenizer loads; the packed passes run
-    any architecture transformers loads."""
+    any architecture transformers loads. Returns the reward model's ``RewardInputs`` (None when it is off)."""
     from reinforge.workers.reward_model import build_reward_inputs
 
     settings = config.reward.reward_model
     if not settings.enable:
-        return
+        return None
     check_reward_model(settings.model_path, settings.trust_remote_code)
     if settings.max_length is not None:
         warn_if_beyond_context(settings.model_path, settings.max_length, "reward.reward_model.max_length")
     else:
         warn_if_beyond_context(settings.model_path, config.data.max_prompt_length + config.data.max_response_length,
                                "the reward model's input, data.max_prompt_length + data.max_response_length")
-    build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
+    return build_reward_inputs(config)  # both tokenizers load, and whether responses are re-rendered is settled
+
+
+def check_reward_model_renders(inputs: RewardInputs, datasets: Sequence[RLDataset], path: str) -> None:
+    """Where the responses are re-rendered in the reward model's chat template, every chat prompt renders there with
+    an answer after it: a template that refuses a prompt's messages (a system role, turns that do not alternate) is
+    one line naming the row, before any model loads, not an error of the first step's scoring."""
+    from reinforge.data.chat_template import apply_chat_template, template_error_message
+
+    if inputs.policy_tokenizer is None:
+        return
+    for dataset in datasets:
+        for example in dataset.examples:
+            if isinstance(example.raw_prompt, str):
+                continue
+            messages = [dict(message) for message in example.raw_prompt] + [{"role": "assistant", "content": "?"}]
+            try:
+                apply_chat_template(inputs.rm_tokenizer, messages, add_generation_prompt=False, tokenize=False)
+            except Exception as error:
+                raise ConfigError(f"{dataset.where(example)}: " + template_error_message(
+                    error, "its prompt with an answer after it",
+                    f"the chat_template of reward.reward_model.model_path={path}").replace(
+                    "the model's chat template", "the reward model's chat template", 1)) from None
 
 
 def check_judge_settings(config: Config) -> None:

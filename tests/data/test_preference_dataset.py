@@ -34,6 +34,24 @@ def test_explicit_plain_pair_appends_eos_to_each_completion(tokenizer):
     assert pair.margin == 1.5
 
 
+def test_plain_text_is_tokenized_with_the_bos_the_tokenizer_adds_to_any_text():
+    """A Llama-like tokenizer adds a BOS to any text: TRL, reinforge sft and the RL prompts keep it, and so do the
+    pairs' prompts (the completions follow them, without one)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                                                    special_tokens=[("<|im_start|>", 1)])
+    explicit = tokenize_pair(tokenizer, {"prompt": "Q:", "chosen": " yes", "rejected": " no"}, KEYS, need_prompt=True)
+    assert explicit.prompt_ids == [1, *tokenizer.encode("Q:", add_special_tokens=False)]
+    assert text(tokenizer, explicit.chosen_ids) == " yes<|im_end|>"
+    implicit = tokenize_pair(tokenizer, {"chosen": "Q: yes", "rejected": "Q: no"}, KEYS, need_prompt=True)
+    assert implicit.prompt_ids == [1, *tokenizer.encode("Q: ", add_special_tokens=False)]
+    assert text(tokenizer, implicit.chosen_ids) == "yes<|im_end|>"
+    # an empty prompt is the BOS alone, which the completions' first tokens follow
+    assert tokenize_pair(tokenizer, {"prompt": "", "chosen": "a", "rejected": "b"}, KEYS, need_prompt=True).prompt_ids == [1]
+
+
 def test_explicit_conversational_pair_renders_the_prompt_with_the_generation_prompt(tokenizer):
     row = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "yes"}],
            "rejected": [{"role": "assistant", "content": "no"}]}
@@ -43,6 +61,20 @@ def test_explicit_conversational_pair_renders_the_prompt_with_the_generation_pro
     assert text(tokenizer, pair.rejected_ids) == "no<|im_end|>\n"
 
 
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_tools_column_goes_to_the_chat_template_as_trl_passes_it(as_text):
+    from reinforge.models.tiny import TOOL_CHAT_TEMPLATE
+
+    tokenizer = build_char_tokenizer(chat_template=TOOL_CHAT_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    row = {"prompt": [{"role": "user", "content": "1+2?"}], "chosen": [{"role": "assistant", "content": "3"}],
+           "rejected": [{"role": "assistant", "content": "4"}], "tools": json.dumps(tools) if as_text else tools}
+    pair = tokenize_pair(tokenizer, row, KEYS)
+    expected = tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=False)
+    assert text(tokenizer, pair.prompt_ids) == expected and '"name": "add"' in expected
+    assert text(tokenizer, pair.chosen_ids) == "3<|im_end|>\n"
+
+
 def test_implicit_conversational_pair_takes_the_common_leading_messages_as_prompt(tokenizer):
     user = {"role": "user", "content": "hi"}
     explicit = tokenize_pair(tokenizer, {"prompt": [user], "chosen": [{"role": "assistant", "content": "yes"}],
@@ -50,6 +82,18 @@ def test_implicit_conversational_pair_takes_the_common_leading_messages_as_promp
     implicit = tokenize_pair(tokenizer, {"chosen": [user, {"role": "assistant", "content": "yes"}],
                                          "rejected": [user, {"role": "assistant", "content": "no"}]}, KEYS)
     assert implicit == explicit
+
+
+def test_a_text_prompt_beside_whole_conversations_is_left_aside_for_their_common_messages(tmp_path, tokenizer):
+    """HuggingFaceH4/ultrafeedback_binarized: the question as text in 'prompt', and again as the first message of
+    'chosen' and 'rejected'; TRL's maybe_extract_prompt takes the prompt from the conversations."""
+    user = {"role": "user", "content": "hi"}
+    implicit = {"chosen": [user, {"role": "assistant", "content": "yes"}],
+                "rejected": [user, {"role": "assistant", "content": "no"}]}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "hi", **implicit, "score_chosen": 8.0, "score_rejected": 3.0}) + "\n")
+    dataset = PreferenceDataset([path], tokenizer, max_length=64, need_prompt=True)
+    assert dataset.pairs == [tokenize_pair(tokenizer, implicit, KEYS)]
 
 
 def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
@@ -67,6 +111,11 @@ def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
     ({"prompt": "Q", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
      "row 0 of F: 'rejected' is list while 'chosen' is a string"),
     ({"prompt": "Q", "chosen": "a", "rejected": ""}, "row 0 of F: 'rejected' is an empty string"),
+    ({"prompt": "Q", "chosen": None, "rejected": "b"}, "row 0 of F: 'chosen' is empty (null); give the completion as "
+     "text or as a list of chat messages, or drop the row"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": {"role": "assistant", "content": "a"},
+      "rejected": [{"role": "assistant", "content": "b"}]}, "row 0 of F: 'chosen' is dict \"{'role': 'assistant', "
+     "'content': 'a'}\"; give the completion as text or as a list of chat messages, or drop the row"),
     ({"prompt": "Q", "chosen": "a", "rejected": "a"}, "row 0 of F: 'chosen' and 'rejected' are the same"),
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 0 of F: 'margin' is 'big'"),
     ({"chosen": [{"role": "assistant", "content": 3}], "rejected": [{"role": "assistant", "content": "b"}]},

@@ -98,6 +98,31 @@ def test_a_reward_model_path_that_is_no_classifier_fails_before_any_model(rl_arg
                                                       "reward.reward_model.model_path is not set")
 
 
+NO_SYSTEM_ROLE = ("{% for message in messages %}{% if message['role'] == 'system' %}{{ raise_exception('System role "
+                  "not supported') }}{% endif %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant] {% endif %}")
+"""Gemma's refusal of a system message, in a template unlike the policy's (so responses are re-rendered in it)."""
+
+
+def test_a_prompt_the_reward_models_template_refuses_fails_before_any_model(rl_args, tmp_path, monkeypatch, capsys):
+    """It failed in the first step's scoring, after the models had loaded and the rollout had run."""
+    monkeypatch.setattr(rl_trainer, "ActorRolloutWorker", NoModelsHere)
+    rm_dir = save_tiny_reward_model(tmp_path / "rm", chat_template=NO_SYSTEM_ROLE)
+    capsys.readouterr()  # the saving's progress bar
+    rows = [{"prompt": [{"role": "user", "content": f"say {index}"}], "data_source": "my/task"} for index in range(4)]
+    rows[1]["prompt"].insert(0, {"role": "system", "content": "be brief"})
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), train)
+    args = rl_args(tmp_path / "run", **{"data.train_files": f"[{train}]", "reward.reward_model.enable": True,
+                                        "reward.reward_model.model_path": rm_dir})
+    assert main(["train", *args]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: row 1 of {train}: the reward model's chat template refuses its prompt with an answer "
+                    "after it (System role not supported); merge the system message into the first user message (this "
+                    "model has no system role), or set the chat_template of reward.reward_model.model_path="
+                    f"{rm_dir} to a template that accepts one")
+
+
 @pytest.mark.parametrize("key", ["model.path", "reward.judge.model_path"])
 def test_a_classification_model_as_the_policy_or_the_judge_fails_before_any_model(rl_args, reward_model_dir, tmp_path,
                                                                                   monkeypatch, capsys, key):

@@ -77,14 +77,16 @@ def policy_batch(sequences: list[tuple[list[int], list[int]]], uids: list[str]) 
                      "raw_prompt": np.array([[{"role": "user", "content": "hi"}]] * rows + [None], dtype=object)[:-1]})
 
 
-def random_batch() -> Batch:
-    """Two prompts of four samples each, of mixed lengths; no pad token (id 0) inside a sequence."""
+def random_batch(ending_in_pad: bool = False) -> Batch:
+    """Two prompts of four samples each, of mixed lengths; no pad token (id 0) inside a sequence, and with
+    ``ending_in_pad`` two samples of each prompt ending in one or two of it (an EOS that is also the pad token)."""
     generator = torch.Generator().manual_seed(3)
     sequences, uids = [], []
     for uid, prompt_length in (("a", 5), ("b", 3)):
         prompt = torch.randint(3, 60, (prompt_length,), generator=generator).tolist()
-        for length in (1, 4, 7, 2):
-            sequences.append((prompt, torch.randint(3, 60, (length,), generator=generator).tolist()))
+        for length, num_pads in ((1, 1), (4, 0), (7, 2), (2, 0)):
+            response = torch.randint(3, 60, (length,), generator=generator).tolist()
+            sequences.append((prompt, response + [0] * num_pads * ending_in_pad))
             uids.append(uid)
     return policy_batch(sequences, uids)
 
@@ -101,12 +103,15 @@ def transformers_scores(rm_dir: Path, batch: Batch, head: type) -> torch.Tensor:
     return torch.stack(scores)
 
 
+@pytest.mark.parametrize("ending_in_pad", [False, True])
 @pytest.mark.parametrize("head", [Qwen2ForSequenceClassification, Qwen2ForTokenClassification])
-def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp_path, head):
+def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp_path, head, ending_in_pad):
+    """transformers' sequence classifier reads its score at the last token that is not its pad token, its token
+    classifier at the last token: the worker reads each where transformers does."""
     rm_dir = save_tiny_reward_model(tmp_path / "rm", head)
     worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
     assert worker.inputs.policy_tokenizer is None  # same vocabulary and template: the policy's ids as they are
-    batch = random_batch()
+    batch = random_batch(ending_in_pad)
     scored = worker.compute_rm_score(batch)
     expected = transformers_scores(rm_dir, batch, head)
     last = (batch["response_mask"].sum(-1) - 1).long()
@@ -298,6 +303,48 @@ def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
     assert message.endswith("; check reward.reward_model.model_path, or download the model first")
 
 
+def test_a_chat_response_read_as_the_policys_ids_ends_as_the_whole_conversations_rendering(tiny_model_dir, tmp_path):
+    """ChatML writes a newline after <|im_end|>; the rollout stops at <|im_end|>. A reward model trained on rendered
+    conversations (reinforge rm, TRL) reads its score after that newline: the worker adds it to a response that
+    ended its turn, where a plain prompt's response and a cut one stay as they are."""
+    from reinforge.data.preference_dataset import PreferenceKeys, tokenize_pair
+
+    rm_dir = save_tiny_reward_model(tmp_path / "rm")
+    for input_tokenizer in ("auto", None):
+        worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir, input_tokenizer=input_tokenizer))
+        assert worker.inputs.policy_tokenizer is None  # the policy's ids, as they are
+        tokenizer = worker.inputs.rm_tokenizer
+        row = {"prompt": [{"role": "user", "content": "1+2?"}], "chosen": [{"role": "assistant", "content": "3"}],
+               "rejected": [{"role": "assistant", "content": "4"}]}
+        pair = tokenize_pair(tokenizer, row, PreferenceKeys())  # what reinforge rm trains on
+        assert tokenizer.decode(pair.chosen_ids) == "3<|im_end|>\n"
+        finished = tokenizer.encode("3<|im_end|>", add_special_tokens=False)
+        cut = tokenizer.encode("3", add_special_tokens=False)
+        batch = policy_batch([(pair.prompt_ids, finished), (pair.prompt_ids, cut), (pair.prompt_ids, finished)],
+                             ["a", "a", "b"])
+        batch.non_tensors["raw_prompt"][:2] = [row["prompt"], row["prompt"]]
+        batch.non_tensors["raw_prompt"][2] = "1+2?"
+        sequences, truncated = worker.inputs.sequences(batch)
+        assert sequences == [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + cut, pair.prompt_ids + finished]
+        assert truncated == [False] * 3
+        config = worker.config.data  # unset, the limit holds the longest sample and the newline after its turn
+        assert worker.inputs.max_length == config.max_prompt_length + config.max_response_length + 1
+
+
+def test_the_end_of_turn_token_a_response_stopped_at_is_not_re_rendered_as_text():
+    """A tokenizer whose EOS is not its template's end of turn (Qwen base's <|endoftext|>, Gemma's <eos>): the
+    rollout stops at <|im_end|>, which the reward model's template must not read as part of the answer."""
+    policy_tokenizer = build_char_tokenizer()
+    policy_tokenizer.eos_token = "<|endoftext|>"
+    rm_tokenizer = build_char_tokenizer(chat_template=PLAIN_TEMPLATE)
+    for ending in ("<|im_end|>", "<|im_end|><|endoftext|>"):
+        response = policy_tokenizer.encode("3" + ending, add_special_tokens=False)
+        batch = policy_batch([(policy_tokenizer.encode("1+2?", add_special_tokens=False), response)], ["a"])
+        batch.non_tensors["raw_prompt"][0] = [{"role": "user", "content": "1+2?"}]
+        sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
+        assert sequences == [[3 + byte for byte in b"[user] 1+2?\n[assistant] 3\n"]], ending
+
+
 def test_a_plain_text_prompt_is_re_rendered_with_the_reward_models_bos():
     from tokenizers.processors import TemplateProcessing
 
@@ -309,7 +356,12 @@ def test_a_plain_text_prompt_is_re_rendered_with_the_reward_models_bos():
     batch = policy_batch([(policy_tokenizer.encode("1+2=", add_special_tokens=False), response)], ["a"])
     batch.non_tensors["raw_prompt"][0] = "1+2="
     sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)
-    assert sequences == [rm_tokenizer("1+2=3")["input_ids"]] == [[0] + [3 + byte for byte in b"1+2=3"]]
+    # a finished answer ends in the reward model's EOS, as rm's (and TRL's) plain pairs do; a cut one does not
+    assert sequences == [rm_tokenizer("1+2=3<|im_end|>")["input_ids"]] == [[0] + [3 + byte for byte in b"1+2=3"] + [2]]
+    cut = policy_batch([(policy_tokenizer.encode("1+2=", add_special_tokens=False), response[:1])], ["a"])
+    cut.non_tensors["raw_prompt"][0] = "1+2="
+    assert RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(cut)[0] == [
+        [0] + [3 + byte for byte in b"1+2=3"]]
     # a chat prompt's BOS is the template's to write: none is added to it
     batch.non_tensors["raw_prompt"][0] = [{"role": "user", "content": "1+2?"}]
     sequences, _ = RewardInputs(rm_tokenizer, policy_tokenizer, max_length=64).sequences(batch)

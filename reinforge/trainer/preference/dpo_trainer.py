@@ -15,7 +15,8 @@ plan counts it. A resumed run reads the file back (one that starts over at step 
 step, so ``metrics.jsonl`` is the uninterrupted run's); one that lacks it, or whose file is cut short or was scored for
 other pairs, another reference, dtype or loss (a warning line says which), scores them again and gets what the
 first pass gave. Without a separate reference the pass scores the policy itself, before its weights change: no
-second model is held in memory.
+second model is held in memory. A separate reference must read the policy's token ids as the same tokens: one whose
+tokenizer gives them other ids, or whose vocabulary is smaller, is refused in one line before any model loads.
 
 Validation scores its pairs the same way (``PreferenceRun.score_pairs``), so it compiles nothing of its own. The
 micro-batch budget and gradient checkpointing are the memory planner's unless set (``memory_plan.py``).
@@ -32,6 +33,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +47,9 @@ from reinforge.engine.forward import response_log_probs, routed_token_weights
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
-from reinforge.models import load_causal_lm
+from reinforge.models import load_causal_lm, load_tokenizer
+from reinforge.models.dropout import disable_dropout
+from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -74,6 +78,9 @@ class DPOTrainer(PreferenceRun):
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
+        reference = self.config.dpo.reference_path
+        if reference not in (None, self.config.model.path):
+            check_reference_reads_policy_ids(reference, self.tokenizer, self.config.model.trust_remote_code)
         model = self._load(self.config.model.path, load_dtype(self.config.model, self.device))
         self.model_class = type(model)  # before sharding wraps the class
         self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
@@ -164,6 +171,7 @@ class DPOTrainer(PreferenceRun):
     def _load_reference(self) -> nn.Module:
         """The reference model as the policy is loaded (float32, the packed fast path, sharded), never trained."""
         reference = self._load(self.config.dpo.reference_path or self.config.model.path)
+        disable_dropout(reference)
         prepare_for_training(reference, self.device)
         return shard_model(reference, self.device, self.config.model.dtype)
 
@@ -237,6 +245,27 @@ class DPOTrainer(PreferenceRun):
     def load_checkpoint_state(self, folder: Path, state) -> None:
         super().load_checkpoint_state(folder, state)
         self.num_tokens = float(state.get("num_tokens", 0.0))
+
+
+def check_reference_reads_policy_ids(path: str, tokenizer: Any, trust_remote_code: bool = False) -> None:
+    """One line, before any model loads, where the reference model at ``path`` would read the policy's token ids as
+    other tokens (a tokenizer of its own that gives them other ids) or has no embedding for some of them: DPO
+    compares the two models' log-probs of the same ids."""
+    policy_vocab = tokenizer.get_vocab()
+    if is_local_path(path) and any((Path(path).expanduser() / name).is_file() for name in TOKENIZER_FILES):
+        reference_vocab = load_tokenizer(path, trust_remote_code=trust_remote_code).get_vocab()
+        moved = sorted(token for token, index in policy_vocab.items() if reference_vocab.get(token) != index)
+        if moved:
+            raise ValueError(f"dpo.reference_path={path} has a tokenizer of its own, in which {len(moved)} of the "
+                             f"policy's {len(policy_vocab)} tokens (first {moved[0]!r}) have another id or none; DPO "
+                             "compares both models' log-probs of the same token ids, so give a reference that shares "
+                             "the policy's tokenizer (model.path's own starting weights if unset)")
+    vocab_size = getattr(read_model_config(path, trust_remote_code, "dpo.reference_path").get_text_config(),
+                         "vocab_size", None)
+    if vocab_size is not None and max(policy_vocab.values()) >= vocab_size:
+        raise ValueError(f"dpo.reference_path={path} has vocab_size={vocab_size}, fewer than the policy tokenizer's "
+                         f"{max(policy_vocab.values()) + 1} token ids; give a reference that shares the policy's "
+                         "tokenizer")
 
 
 def dpo_metrics(values: dict[str, Tensor]) -> dict[str, float]:

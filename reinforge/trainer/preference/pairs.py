@@ -27,6 +27,7 @@ from reinforge.config import config_to_dict
 from reinforge.config.errors import ConfigError
 from reinforge.config.preference_schema import DPOConfig, RMConfig, validate_preference_config
 from reinforge.data.chat_template import get_pad_token_id
+from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
@@ -100,10 +101,28 @@ def preflight_preference(config: RMConfig | DPOConfig) -> None:
     warn_if_beyond_context(config.model.path, data.max_length, "data.max_length")
     if config.model.lora.rank:
         check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
+    if isinstance(config, DPOConfig):
+        warn_of_precomputed_reference(data.train_files)
     if isinstance(config, DPOConfig) and config.dpo.label_smoothing and config.dpo.loss_type != "robust":
         logger.warning("dpo.label_smoothing=%g has no effect with dpo.loss_type=%s (only the robust loss reads it, "
                        "as in TRL); set dpo.loss_type=robust or remove dpo.label_smoothing",
                        config.dpo.label_smoothing, config.dpo.loss_type)
+
+
+PRECOMPUTED_REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+"""TRL's columns of reference log-probs computed before training (precompute_ref_log_probs)."""
+
+
+def warn_of_precomputed_reference(files: list[str]) -> None:
+    """One warning where the pairs carry TRL's precomputed reference log-probs, which TRL's DPOTrainer reads and
+    reinforge dpo does not: it scores its own reference."""
+    path = expand_data_files(files, "data.train_files")[0]
+    first = next(iter(read_rows(path)), {})
+    found = [column for column in PRECOMPUTED_REFERENCE_COLUMNS if column in first]
+    if found:
+        logger.warning("%s has %s, TRL's precomputed reference log-probs; reinforge dpo leaves them aside and scores "
+                       "the reference itself (dpo.reference_path, or model.path's starting weights), so the pairs "
+                       "compare against that model", path, " and ".join(repr(column) for column in found))
 
 
 def preference_keys(config: RMConfig | DPOConfig) -> PreferenceKeys:

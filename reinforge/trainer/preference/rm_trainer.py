@@ -3,7 +3,10 @@
 The model is transformers' ``AutoModelForSequenceClassification`` with one label, loaded from ``model.path``:
 a causal LM gets a new ``score`` head (seeded by ``trainer.seed``), a classification model keeps its own. Its
 reward for a sequence is the head at the sequence's last token (EOS included), where the reward-model worker
-of ``reinforge train`` reads it. Both completions of a pair go through one packed forward that computes their
+of ``reinforge train`` reads it. As transformers' class reads it, that token is the last one that is not the pad token:
+a completion ending in it (an EOS, where the tokenizer has no pad token of its own and pads with its EOS) is read
+at the token before, so the exported folder scores as training did (``without_trailing_padding``; one line says
+how many). Both completions of a pair go through one packed forward that computes their
 prompt once. The model is made ready as DPO's policy is (``preference.models``: float32 master weights, FSDP2
 computing in ``model.dtype`` with the backbone and the head as root units, fused kernels and compiled decoder
 layers on CUDA, ``model.gradient_checkpointing``; ``model.lora`` trains adapters and the whole score head, the
@@ -20,6 +23,9 @@ sequence-classification folder (``num_labels=1``, ``pad_token_id`` set; with LoR
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,6 +34,7 @@ from transformers import AutoModelForSequenceClassification
 
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
+from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores
 from reinforge.models.loading import (
@@ -37,12 +44,14 @@ from reinforge.models.loading import (
     read_model_config,
     sdpa_or_eager,
 )
+from reinforge.models.reward_model import without_trailing_padding
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
 from reinforge.trainer.preference.ranks import PairValues
 from reinforge.workers.checkpointing import save_sharded_hf_folder, save_training_state
 
+logger = logging.getLogger(__name__)
 
 def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote_code: bool = False,
                                    attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
@@ -67,11 +76,17 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
 
 def _classifier_attention(path: str, trust_remote_code: bool, attn_implementation: str) -> str:
     """The attention implementation transformers' sequence classifier of the model at ``path`` runs (``sdpa`` becomes
-    ``eager`` for a class without SDPA, MPT's); a family without such a class is refused in one line, before any
-    weight loads."""
+    ``eager`` for a class without SDPA, MPT's); a family without such a class, or a classifier of several labels,
+    is refused in one line, before any weight loads."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
     config = read_model_config(path, trust_remote_code)
+    heads = [name for name in getattr(config, "architectures", None) or []
+             if name.endswith(("ForSequenceClassification", "ForTokenClassification"))]
+    if heads and config.num_labels != 1:
+        raise ValueError(f"model.path={path} is a {heads[0]} with num_labels={config.num_labels}; reinforge rm trains a "
+                         "head of one label, so start from the causal LM it was made from, or from a classifier with "
+                         "num_labels=1")
     if trust_remote_code and getattr(config, "auto_map", None):
         return attn_implementation  # the folder's own code decides
     model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
@@ -90,6 +105,16 @@ class RewardModelTrainer(PreferenceRun):
         self.num_tokens = 0.0
         self.peft_model: nn.Module | None = None
         super().__init__(config)
+
+    def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
+        dataset = super()._dataset(files, split, max_samples)
+        dataset.pairs, num_cut = read_where_the_classifier_reads(dataset.pairs, self.pad_token_id)
+        if num_cut:
+            logger.info("%s data: %d completions end in the pad token %r, which transformers' sequence classifier "
+                        "skips; their rewards are read at the token before, as the exported folder reads them (a "
+                        "tokenizer with a pad token of its own reads them at their last token)", split, num_cut,
+                        self.tokenizer.convert_ids_to_tokens(self.pad_token_id))
+        return dataset
 
     def load_model(self) -> nn.Module:
         model_config = self.config.model
@@ -154,6 +179,22 @@ class RewardModelTrainer(PreferenceRun):
     def load_checkpoint_state(self, folder, state) -> None:
         super().load_checkpoint_state(folder, state)
         self.num_tokens = float(state.get("num_tokens", 0.0))
+
+
+def read_where_the_classifier_reads(pairs: Sequence[PreferencePair], pad_token_id: int
+                                    ) -> tuple[list[PreferencePair], int]:
+    """``pairs`` with each completion's trailing pad tokens dropped, and how many completions had some: the last
+    token left is the one transformers' sequence classifier reads its score at (a pair without a prompt keeps a
+    token of each completion)."""
+    out, num_cut = [], 0
+    for pair in pairs:
+        keep = 0 if pair.prompt_ids else 1
+        chosen = without_trailing_padding(pair.chosen_ids, pad_token_id, keep)
+        rejected = without_trailing_padding(pair.rejected_ids, pad_token_id, keep)
+        num_cut += (chosen is not pair.chosen_ids) + (rejected is not pair.rejected_ids)
+        out.append(pair if chosen is pair.chosen_ids and rejected is pair.rejected_ids
+                   else dataclasses.replace(pair, chosen_ids=chosen, rejected_ids=rejected))
+    return out, num_cut
 
 
 def _row_rewards(model: nn.Module, micro: Batch) -> Tensor:

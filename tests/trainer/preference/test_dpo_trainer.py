@@ -187,13 +187,19 @@ def test_the_update_does_not_depend_on_the_micro_batch_split(pair_args, tmp_path
         torch.testing.assert_close(whole[name], pair_by_pair[name], atol=2e-6, rtol=1e-5)
 
 
-def test_an_implicit_plain_pair_without_a_common_beginning_is_refused_for_dpo(pair_args, tmp_path, capsys):
+@pytest.mark.parametrize(("row", "message"), [
+    ({"chosen": "yes", "rejected": "no"},
+     "'chosen' and 'rejected' share no beginning, so there is no prompt for the completions to follow; give a "
+     "'prompt' column"),
+    ({"prompt": "", "chosen": "yes", "rejected": "no"},  # the first token of each completion would have no predictor
+     "'prompt' is an empty string, so there is no prompt for the completions to follow; give each row its prompt"),
+])
+def test_a_plain_pair_without_a_prompt_is_refused_for_dpo(pair_args, tmp_path, capsys, row, message):
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps({"chosen": "yes", "rejected": "no"}) + "\n")
+    pairs.write_text(json.dumps(row) + "\n")
     assert main(["dpo", *pair_args(tmp_path / "run", **{"data.train_files": f"[{pairs}]"})]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line == (f"error: row 0 of {pairs}: 'chosen' and 'rejected' share no beginning, so there is no prompt for "
-                    "the completions to follow; give a 'prompt' column")
+    assert line == f"error: row 0 of {pairs}: {message}"
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -205,6 +211,19 @@ def test_dpo_settings_that_cannot_work_are_refused_as_the_config_loads(override,
     with pytest.raises(ConfigError) as error:
         load_dpo_config(None, [override])
     assert str(error.value).startswith(message)
+
+
+def test_trls_precomputed_reference_log_probs_in_the_rows_are_one_warning(pair_args, pairs_dir, tmp_path, caplog):
+    """TRL's DPOTrainer reads ref_chosen_logps / ref_rejected_logps from the rows; reinforge scores its own."""
+    rows = [json.loads(line) | {"ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0}
+            for line in (pairs_dir / "train.jsonl").read_text().splitlines()]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level("WARNING"):
+        assert main(["dpo", *pair_args(tmp_path / "run", **{"data.train_files": f"[{pairs}]",
+                                                            "trainer.total_steps": 1})]) == 0
+    assert (f"{pairs} has 'ref_chosen_logps' and 'ref_rejected_logps', TRL's precomputed reference log-probs; "
+            "reinforge dpo leaves them aside and scores the reference itself") in caplog.text
 
 
 def test_label_smoothing_without_the_robust_loss_is_one_warning(pair_args, tmp_path, caplog):
@@ -331,3 +350,57 @@ def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, t
         assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the DPO loss: the policy is its reference
     assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
     assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_a_checkpoints_dropout_is_switched_off_as_trls_trainers_do(pair_args, tmp_path, caplog, command):
+    """GPT-2 asks for dropout 0.1: with it on, DPO's first step (the policy is its reference, scored without dropout)
+    gave a loss of 0.6995 and rewards that were noise. The saved folder keeps the checkpoint's own rates."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.models.tiny import build_char_tokenizer, save_hf_folder
+
+    tokenizer = build_char_tokenizer(())
+    config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, n_embd=64,
+                                  n_layer=2, n_head=4, n_positions=128)
+    assert config.resid_pdrop == config.attn_pdrop == config.embd_pdrop == 0.1
+    folder = save_hf_folder(AutoModelForCausalLM.from_config(config), tokenizer, tmp_path / "gpt2")
+    run_dir = tmp_path / "run"
+    with caplog.at_level("INFO"):
+        assert main([command, *pair_args(run_dir, **{"model.path": folder, "trainer.total_steps": 1})]) == 0
+    [first] = metrics_of(run_dir)
+    if command == "dpo":
+        assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert first["rewards/chosen"] == first["rewards/margins"] == 0.0
+    assert "dropout off for rm and dpo: gpt2 drops activations in training mode (config.resid_pdrop=0.1" in caplog.text
+    saved = json.loads((run_dir / "checkpoints" / "step_000001" / "hf" / "config.json").read_text())
+    assert saved["resid_pdrop"] == saved["attn_pdrop"] == saved["embd_pdrop"] == 0.1
+
+
+def test_a_reference_that_reads_the_policys_ids_as_other_tokens_is_refused_before_any_model_loads(
+        pair_args, tiny_model_dir, tmp_path, capsys):
+    """A reference of another tokenizer (another family) scored the policy's ids as other tokens, silently."""
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(tiny_model_dir, other)
+    tokenizer_json = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    small = tmp_path / "small_vocabulary"
+    shutil.copytree(tiny_model_dir, small)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (small / name).unlink(missing_ok=True)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(config | {"vocab_size": 100}))
+    for folder, message in ((other, f"error: dpo.reference_path={other} has a tokenizer of its own, in which 2 of the "
+                             "policy's 259 tokens (first 'a') have another id or none; DPO compares both models' "
+                             "log-probs of the same token ids, so give a reference that shares the policy's tokenizer "
+                             "(model.path's own starting weights if unset)"),
+                            (small, f"error: dpo.reference_path={small} has vocab_size=100, fewer than the policy "
+                             "tokenizer's 259 token ids; give a reference that shares the policy's tokenizer")):
+        run_dir = tmp_path / f"run_{folder.name}"
+        assert main(["dpo", *pair_args(run_dir, **{"dpo.reference_path": folder})]) == 2
+        [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert line == message
+        assert not (run_dir / REFERENCE_FILE).exists()

@@ -15,12 +15,12 @@ import reinforge.trainer.preference.pairs as pairs_module
 from reinforge.cli import main
 from reinforge.config import ConfigError
 from reinforge.config.preference_schema import load_rm_config
-from reinforge.data.preference_dataset import PreferenceKeys, collate_pairs, tokenize_pair
+from reinforge.data.preference_dataset import PairLoader, PreferenceKeys, collate_pairs, tokenize_pair
 from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.forward import last_token_scores
 from reinforge.engine.packing import attach_plan
 from reinforge.models.reward_model import load_reward_model
-from reinforge.trainer.preference.rm_trainer import RewardModelTrainer
+from reinforge.trainer.preference.rm_trainer import RewardModelTrainer, _row_rewards
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -247,3 +247,50 @@ def test_a_family_without_a_sequence_classifier_is_refused_in_one_line(pair_args
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "'mamba' model, for which transformers has no sequence-classification class" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_tokenizer_padding_with_its_eos_trains_the_reward_transformers_classifier_reads(pair_args, tmp_path):
+    """A tokenizer without a pad token pads with its EOS, which ends every plain completion: transformers' sequence
+    classifier reads the score at the last token that is not padding, so training reads it there too, and the
+    exported folder scores each pair as training did."""
+    from reinforge.models import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "model")
+    tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"pad_token": None}))
+    pairs = tmp_path / "plain.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{index}: yes?", "chosen": " yes", "rejected": " no, sorry"})
+                             + "\n" for index in range(8)))
+    config = load_rm_config(None, pair_args(tmp_path / "run", **{
+        "model.path": model_dir, "data.train_files": f"[{pairs}]", "trainer.total_steps": 1, "optim.lr": 0.05}))
+    trainer = RewardModelTrainer(config)
+    trainer.fit()
+    tokenizer = AutoTokenizer.from_pretrained(latest_checkpoint(tmp_path / "run") / "hf")
+    classifier = AutoModelForSequenceClassification.from_pretrained(latest_checkpoint(tmp_path / "run") / "hf").eval()
+    assert classifier.config.pad_token_id == tokenizer.eos_token_id
+    with torch.no_grad():
+        trained = trainer.score_pairs(trainer.model, PairLoader(trainer.train_set.pairs[:2], 2, 0, shuffle=False),
+                                      _row_rewards)
+        texts = [f"Q{index}: yes?{completion}{tokenizer.eos_token}" for index in range(2)
+                 for completion in (" yes", " no, sorry")]
+        exported = [classifier(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits[0, 0]
+                    for text in texts]
+    torch.testing.assert_close(trained.reshape(-1), torch.stack(exported), atol=1e-5, rtol=1e-5)
+
+
+def test_a_classifier_of_several_labels_is_refused_in_one_line_before_it_loads(pair_args, tmp_path, capsys):
+    from transformers import Qwen2ForSequenceClassification
+
+    from reinforge.models.tiny import build_char_tokenizer, build_tiny_causal_lm, save_hf_folder
+
+    tokenizer = build_char_tokenizer(())
+    causal = build_tiny_causal_lm("qwen2", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    config = causal.config
+    config.num_labels = 2
+    folder = save_hf_folder(Qwen2ForSequenceClassification(config), tokenizer, tmp_path / "two_labels")
+    assert main(["rm", *pair_args(tmp_path / "run", **{"model.path": folder})]) == 2
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert line == (f"error: model.path={folder} is a Qwen2ForSequenceClassification with num_labels=2; reinforge rm "
+                    "trains a head of one label, so start from the causal LM it was made from, or from a classifier "
+                    "with num_labels=1")
