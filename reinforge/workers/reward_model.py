@@ -6,10 +6,11 @@ host between calls, page-locked (``engine.host_weights``), and are copied to the
 scoring call, so the rollout and the update have the device without them.
 
 Each sample becomes one reward-model sequence (``RewardInputs``):
-- when the reward model reads text as the policy does (same vocabulary and chat template, or
-  ``input_tokenizer=null``), the policy's own prompt and response ids, and after a chat response that ends its
-  turn what the template writes after the turn (ChatML's newline): the whole conversation's rendering, which
-  ``reinforge rm`` trains on and transformers' and TRL's scoring read;
+- with ``input_tokenizer=null``, the policy's own prompt and response ids exactly as sampled (verl's null);
+- when the reward model reads text as the policy does (same vocabulary and chat template), the policy's own prompt
+  and response ids, and after a chat response that ends its turn what the template writes after the turn (ChatML's
+  newline): the whole conversation's rendering, which ``reinforge rm`` trains on, transformers' and TRL's scoring
+  read, and verl's re-rendering (its default) gives;
 - otherwise the response is re-rendered, as verl does: decoded with the policy's tokenizer (special tokens
   kept, the EOS string removed, and so are the special tokens it ends with: the end-of-turn token the rollout
   stopped at is not the tokenizer's EOS for every template, Gemma's ``<end_of_turn>``), appended as the
@@ -261,8 +262,7 @@ def build_reward_inputs(config: Config) -> RewardInputs:
     else:
         policy_tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
         check_reads_policy_ids(rm_tokenizer, policy_tokenizer, settings.model_path)
-        after_turn = after_end_of_turn_ids(policy_tokenizer, config.data.chat_template)
-        policy_tokenizer = None
+        policy_tokenizer = None  # null: the policy's ids exactly as sampled, read at their last token (verl's null)
     # unset: room for the longest sample, and for what the template writes after a turn it ended
     max_length = settings.max_length or (config.data.max_prompt_length + config.data.max_response_length
                                          + (len(after_turn[1]) if after_turn else 0))

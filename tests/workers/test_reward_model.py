@@ -305,8 +305,9 @@ def test_a_hub_id_that_cannot_load_names_the_reward_model_setting(monkeypatch):
 
 def test_a_chat_response_read_as_the_policys_ids_ends_as_the_whole_conversations_rendering(tiny_model_dir, tmp_path):
     """ChatML writes a newline after <|im_end|>; the rollout stops at <|im_end|>. A reward model trained on rendered
-    conversations (reinforge rm, TRL) reads its score after that newline: the worker adds it to a response that
-    ended its turn, where a plain prompt's response and a cut one stay as they are."""
+    conversations (reinforge rm, TRL) reads its score after that newline, as verl's default re-rendering gives it:
+    with input_tokenizer=auto the worker adds it to a response that ended its turn, where a plain prompt's response
+    and a cut one stay as they are. input_tokenizer=null reads the policy's ids exactly as sampled (verl's null)."""
     from reinforge.data.preference_dataset import PreferenceKeys, tokenize_pair
 
     rm_dir = save_tiny_reward_model(tmp_path / "rm")
@@ -325,10 +326,12 @@ def test_a_chat_response_read_as_the_policys_ids_ends_as_the_whole_conversations
         batch.non_tensors["raw_prompt"][:2] = [row["prompt"], row["prompt"]]
         batch.non_tensors["raw_prompt"][2] = "1+2?"
         sequences, truncated = worker.inputs.sequences(batch)
-        assert sequences == [pair.prompt_ids + pair.chosen_ids, pair.prompt_ids + cut, pair.prompt_ids + finished]
+        ended = pair.chosen_ids if input_tokenizer == "auto" else finished
+        assert sequences == [pair.prompt_ids + ended, pair.prompt_ids + cut, pair.prompt_ids + finished]
         assert truncated == [False] * 3
         config = worker.config.data  # unset, the limit holds the longest sample and the newline after its turn
-        assert worker.inputs.max_length == config.max_prompt_length + config.max_response_length + 1
+        assert worker.inputs.max_length == (config.max_prompt_length + config.max_response_length
+                                            + (input_tokenizer == "auto"))
 
 
 def test_the_end_of_turn_token_a_response_stopped_at_is_not_re_rendered_as_text():
