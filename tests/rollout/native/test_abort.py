@@ -152,3 +152,35 @@ def test_cancelling_generate_async_aborts_its_request(qwen2, prompts, streamed):
     assert all(manager.num_free_blocks == manager.num_blocks for manager in engine.scheduler.pools)
     assert len(tokens_of_aborted) < 3 * 12 if streamed else not tokens_of_aborted
     engine.sleep()
+
+
+@pytest.mark.gpu
+def test_a_cancelled_request_aborts_between_captured_decode_steps_on_the_gpu(tiny, prompts):
+    """On a GPU (Triton kernels, CUDA graphs, each decode step launched before the last one's tokens are read): the
+    cancelled request stops, the others run to their lengths, and every block is free afterwards."""
+    model = tiny.build("qwen2", device="cuda", seed=2)
+    engine = make_engine(model)
+    first, requests = prompts
+    engine.generate([GenerationRequest(first, SamplingParams(max_tokens=1, temperature=0.0))])
+
+    async def main():
+        aborted: asyncio.Task | None = None
+        num_streamed = 0
+
+        def on_token(*_) -> None:
+            nonlocal num_streamed
+            num_streamed += 1
+            if num_streamed == 3 * 2:
+                aborted.cancel()
+
+        zero = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[0], sampling(0, 3)), on_token))
+        aborted = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[ABORTED], sampling(ABORTED, 3))))
+        two = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[2], sampling(2, 3))))
+        return await asyncio.gather(zero, aborted, two, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert [len(sample.token_ids) for sample in results[0] + results[2]] == [16] * 4
+    assert not engine.scheduler.has_unfinished and not engine._requests
+    assert all(manager.num_free_blocks == manager.num_blocks for manager in engine.scheduler.pools)
+    engine.sleep()
