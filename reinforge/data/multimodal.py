@@ -44,6 +44,8 @@ from reinforge.data.chat_template import apply_chat_template
 IMAGE_PLACEHOLDER = "<image>"
 """verl's image placeholder in a prompt's text."""
 IMAGE_COLUMNS = ("images", "image")
+RESIZE_KEYS = frozenset({"min_pixels", "max_pixels", "resized_height", "resized_width"})
+"""Per-image resize settings of verl's rows (qwen_vl_utils' fetch_image reads them), which reinforge refuses."""
 IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data:image/...;base64 URI"
 
 
@@ -115,6 +117,12 @@ def load_image(source: Any, where: str, number: int):
 
     if isinstance(source, Image.Image):
         return to_rgb(source)
+    resizes = sorted(RESIZE_KEYS.intersection(source)) if isinstance(source, dict) else []
+    if any(source[key] is not None for key in resizes):
+        raise ValueError(f"{where}: image {number} sets {', '.join(resizes)}, which reinforge does not apply per image "
+                         "(verl's qwen_vl_utils does); the model's processor resizes every image to its own min_pixels "
+                         "and max_pixels (the model folder's preprocessor_config.json): drop these keys, or resize the "
+                         "image before storing it")
     try:
         data, path = _image_bytes(source)
     except TypeError:

@@ -93,6 +93,8 @@ def test_images_without_placeholders_open_the_first_user_message():
                                                                 "which does not exist"),
     (verl_row([b"not an image"]), r"row 0 of .*image 0 \(12 bytes\) cannot be read as an image"),
     (verl_row([png((1, 2, 3)), png((4, 5, 6))]), r"row 0 of .* has 2 image\(s\) but 1 image placeholder\(s\)"),
+    (verl_row([{"bytes": png((1, 2, 3)), "path": None, "max_pixels": 64 * 64}]),
+     r"row 0 of .*image 0 sets max_pixels, which reinforge does not apply per image"),
     ({**verl_row([png((1, 2, 3))]), "prompt": "a string prompt without placeholder"},
      r"has 1 image\(s\) but 0 image placeholder"),
 ])
