@@ -44,6 +44,8 @@ from reinforge.data.chat_template import apply_chat_template
 IMAGE_PLACEHOLDER = "<image>"
 """verl's image placeholder in a prompt's text."""
 IMAGE_COLUMNS = ("images", "image")
+RESIZE_KEYS = frozenset({"min_pixels", "max_pixels", "resized_height", "resized_width"})
+"""Per-image resize settings of verl's rows (qwen_vl_utils' fetch_image reads them), which reinforge refuses."""
 IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data:image/...;base64 URI"
 
 
@@ -93,12 +95,34 @@ def _image_bytes(source: Any) -> tuple[bytes | None, str | None]:
     raise TypeError(type(source).__name__)
 
 
+def to_rgb(image):
+    """The PIL image in RGB, its transparent parts over white as transformers' image processors show them (a plain
+    ``convert("RGB")`` would show them black, or whatever colour the transparent pixels hold)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def load_image(source: Any, where: str, number: int):
-    """Image ``number`` (0-based) of the row at ``where`` as an RGB PIL image; one-line errors naming both."""
-    from PIL import Image, UnidentifiedImageError
+    """Image ``number`` (0-based) of the row at ``where`` as an RGB PIL image; one-line errors naming both.
+
+    An encoded image is turned upright by its EXIF orientation, as ``datasets``' Image feature and transformers'
+    ``load_image`` turn it; transparency is shown over white (``to_rgb``)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     if isinstance(source, Image.Image):
-        return source.convert("RGB")
+        return to_rgb(source)
+    resizes = sorted(RESIZE_KEYS.intersection(source)) if isinstance(source, dict) else []
+    if any(source[key] is not None for key in resizes):
+        raise ValueError(f"{where}: image {number} sets {', '.join(resizes)}, which reinforge does not apply per image "
+                         "(verl's qwen_vl_utils does); the model's processor resizes every image to its own min_pixels "
+                         "and max_pixels (the model folder's preprocessor_config.json): drop these keys, or resize the "
+                         "image before storing it")
     try:
         data, path = _image_bytes(source)
     except TypeError:
@@ -115,11 +139,15 @@ def load_image(source: Any, where: str, number: int):
             raise ValueError(f"{where}: image {number} is the file {file}, which does not exist; fix the path "
                              "(a relative path is read from the current folder) or drop the image")
         data = file.read_bytes()
+    origin = f"the file {path}" if path else f"{len(data)} bytes"
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
+            return to_rgb(ImageOps.exif_transpose(image))
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"{where}: image {number} ({origin}) is too large to open safely ({error}); shrink it "
+                         "(the processor resizes it to at most its max_pixels anyway) or raise PIL.Image.MAX_IMAGE_PIXELS "
+                         "if it is trusted") from None
     except (UnidentifiedImageError, OSError, ValueError) as error:
-        origin = f"the file {path}" if path else f"{len(data)} bytes"
         raise ValueError(f"{where}: image {number} ({origin}) cannot be read as an image ({error}); re-encode it "
                          "as PNG or JPEG") from None
 

@@ -174,15 +174,20 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 """The files of a model folder that configure its processor (its image processor, the processor's class)."""
+NESTED_PROCESSOR_KEYS = {"preprocessor_config.json": "image_processor", "video_preprocessor_config.json": "video_processor"}
+"""The key under which a saved processor_config.json holds a file's settings instead of writing the file."""
 
 
 def copy_processor_files(source: str | Path, out_dir: Path) -> None:
     """Copy the processor files of the model ``source`` (a folder, or a hub id in the local cache; nothing is
-    downloaded) into ``out_dir`` when it holds none: a multimodal wrapper trained on text alone (Gemma 3, Llava) saves
-    its tokenizer only, and its folder would otherwise lose the image processor it is used with."""
-    if any((out_dir / name).exists() for name in PROCESSOR_FILES):
-        return  # the processor was saved (a vision-language model reinforge trains on images)
+    downloaded) into ``out_dir`` where it lacks them: a multimodal wrapper trained on text alone (Gemma 3, Llava) saves
+    its tokenizer only, and a processor built without its video processor (where torchvision is missing) saves no video
+    settings; without them the folder loads with neither its image processor nor ``AutoProcessor``."""
+    saved = out_dir / "processor_config.json"
+    nested = json.loads(saved.read_text()) if saved.is_file() else {}
     for name in PROCESSOR_FILES:
+        if (out_dir / name).exists() or NESTED_PROCESSOR_KEYS.get(name) in nested:
+            continue
         if Path(source).expanduser().is_dir():
             found = Path(source).expanduser() / name
             found = found if found.is_file() else None

@@ -93,6 +93,8 @@ def test_images_without_placeholders_open_the_first_user_message():
                                                                 "which does not exist"),
     (verl_row([b"not an image"]), r"row 0 of .*image 0 \(12 bytes\) cannot be read as an image"),
     (verl_row([png((1, 2, 3)), png((4, 5, 6))]), r"row 0 of .* has 2 image\(s\) but 1 image placeholder\(s\)"),
+    (verl_row([{"bytes": png((1, 2, 3)), "path": None, "max_pixels": 64 * 64}]),
+     r"row 0 of .*image 0 sets max_pixels, which reinforge does not apply per image"),
     ({**verl_row([png((1, 2, 3))]), "prompt": "a string prompt without placeholder"},
      r"has 1 image\(s\) but 0 image placeholder"),
 ])
@@ -100,6 +102,46 @@ def test_broken_rows_fail_at_load_naming_the_row(tmp_path, processor, row, messa
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([row]), path)
     with pytest.raises(ValueError, match=message):
+        RLDataset(path, processor.tokenizer, config(), processor=processor)
+
+
+def encoded(image, format="PNG", **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format, **options)
+    return buffer.getvalue()
+
+
+def rotated_jpeg() -> bytes:
+    """A 48 x 16 picture whose EXIF orientation (6) says: show it turned, 16 x 48."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encoded(Image.new("RGB", (48, 16), (255, 0, 0)), "JPEG", exif=exif)
+
+
+@pytest.mark.parametrize("source, shown", [
+    (encoded(Image.new("RGBA", (32, 32), (255, 0, 0, 0))), Image.new("RGB", (32, 32), (255, 255, 255))),
+    (Image.new("LA", (32, 32), (0, 0)), Image.new("RGB", (32, 32), (255, 255, 255))),
+    (encoded(Image.new("RGBA", (32, 32), (0, 0, 255, 128))), Image.new("RGB", (32, 32), (127, 127, 255))),
+    (rotated_jpeg(), Image.open(io.BytesIO(rotated_jpeg())).transpose(Image.Transpose.ROTATE_270)),
+])
+def test_images_are_seen_as_transformers_shows_them(tmp_path, processor, source, shown):
+    """Transparency over white (the processor's convert_to_rgb), and an encoded image turned upright by its EXIF
+    orientation (datasets' Image feature and transformers' load_image)."""
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([source if isinstance(source, bytes) else encoded(source)])]), path)
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    expected = processor.image_processor(images=[shown], return_tensors="pt")
+    inputs = dataset.image_inputs(dataset[0])
+    assert torch.equal(inputs["image_grid_thw"], expected["image_grid_thw"])
+    torch.testing.assert_close(inputs["pixel_values"], expected["pixel_values"], atol=0.05, rtol=0)
+
+
+def test_an_image_too_large_to_open_safely_is_one_line(tmp_path, processor, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a 32 x 32 picture is then over twice the limit
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([png((1, 2, 3))])]), path)
+    with pytest.raises(ValueError, match=r"row 0 of .*image 0 \(\d+ bytes\) is too large to open safely .*"
+                                         "raise PIL.Image.MAX_IMAGE_PIXELS"):
         RLDataset(path, processor.tokenizer, config(), processor=processor)
 
 

@@ -146,3 +146,19 @@ def test_a_loaded_tokenizer_is_saved_with_the_pad_token_and_padding_side_it_had(
     saved = AutoTokenizer.from_pretrained(save_hf_folder(model, tokenizer, tmp_path / "hf"))
     assert (saved.pad_token, saved.padding_side, saved.eos_token) == (None, "right", "<|im_end|>")
     assert (tokenizer.pad_token, tokenizer.padding_side) == ("<|im_end|>", "left"), "the tokenizer itself is unchanged"
+
+
+def test_a_vision_language_folder_keeps_the_processor_settings_of_the_folder_it_was_trained_from(tmp_path):
+    """A processor loaded without its video processor (no torchvision) saves no video settings; the folder takes them
+    from the source, so that AutoProcessor finds them as it finds the source's."""
+    from transformers.models.auto.video_processing_auto import get_video_processor_config
+
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.models.vision import load_processor
+
+    source = save_tiny_vlm(tmp_path / "source")
+    processor = load_processor(source)
+    out_dir = save_hf_folder(AutoModelForImageTextToText.from_pretrained(source), processor, tmp_path / "hf",
+                             processor_files_from=source)
+    assert get_video_processor_config(out_dir) == get_video_processor_config(source) != {}
+    assert load_processor(out_dir).image_processor.to_dict() == processor.image_processor.to_dict()
