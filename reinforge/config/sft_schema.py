@@ -22,7 +22,8 @@ SFT_LOSS_TOKENS = ("assistant", "all")
 @dataclass
 class SFTDataConfig:
     train_files: list[str] = field(default_factory=list)
-    """Parquet or JSONL files (or datasets folders) whose rows hold chat ``messages``."""
+    """Parquet or JSONL files (or datasets folders) whose rows hold chat ``messages``, a ``prompt`` and a
+    ``completion`` (two strings, or two lists of chat messages), or a ``text``."""
     val_files: list[str] = field(default_factory=list)
     """Held-out conversations for the validation loss; empty skips validation."""
     messages_key: str = "messages"

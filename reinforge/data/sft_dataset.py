@@ -40,6 +40,12 @@ Plain text rows, TRL's standard format (a ``prompt`` and ``completion`` string, 
 template: ``prompt + completion`` and the EOS token are tokenized as any text is (a BOS where the tokenizer adds one),
 and the completion and the EOS are trained (all of a ``text``).
 
+TRL's conversational prompt/completion rows (a ``prompt`` and a ``completion`` list of chat messages) are one
+conversation, rendered whole, whose loss covers only the completion: what follows the prompt rendered with its
+generation prompt, so an assistant turn of the prompt is context, as in TRL's ``completion_only_loss``. Within the
+completion, each assistant message is trained as above (a tool message of the completion is not, where TRL's
+completion mask covers it).
+
 Conversations with images (an ``images`` column with ``<image>`` placeholders, or image content parts; see
 ``multimodal.py``) need the model's processor: each image's one pad token of the rendering becomes the image's
 merged patches, as the processor expands it, never trained; their pixels are made when a batch first holds the
@@ -247,9 +253,10 @@ def _marked_assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], templ
 
 
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
-                          tools: list[dict[str, Any]] | None = None) -> SFTExample:
+                          tools: list[dict[str, Any]] | None = None, num_prompt_messages: int = 0) -> SFTExample:
     """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
-    function schemas) are rendered by the template as the model will see them when it calls tools."""
+    function schemas) are rendered by the template as the model will see them when it calls tools. The first
+    ``num_prompt_messages`` messages are a prompt/completion row's prompt: their assistant turns are not trained."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template; set data.chat_template to a Jinja template")
@@ -267,6 +274,11 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
         loss_mask = _marked_assistant_mask(tokenizer, messages, template, tools, input_ids)
     else:
         loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
+    if num_prompt_messages:  # TRL's completion mask: what follows the prompt rendered with its generation prompt
+        prompt = _render(tokenizer, messages[:num_prompt_messages], template, True, tools)
+        boundary = _common_prefix_length(text, prompt, min(len(text), len(prompt)))
+        loss_mask = [trained if end > boundary else 0
+                     for trained, (_, end) in zip(loss_mask, encoded["offset_mapping"], strict=True)]
     loss_mask[0] = 0  # the first token has nothing before it to predict it from
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 
@@ -385,13 +397,13 @@ def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | No
 
 def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, chat_template: str | None,
                             messages_key: str, processor: Any, images: list, image_key: str | None) -> SFTExample:
-    messages = _checked_messages(row, messages_key, where, content_parts=processor is not None)
+    messages, num_prompt_messages = _conversation_of(row, messages_key, where, content_parts=processor is not None)
     tools = _checked_tools(row, where)
     if processor is not None:
         check_image_count(messages, len(images), where)
         messages = with_image_parts(messages, len(images))
     try:
-        example = tokenize_conversation(tokenizer, messages, chat_template, tools)
+        example = tokenize_conversation(tokenizer, messages, chat_template, tools, num_prompt_messages)
         if images:
             example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row, image_key, where)))
     except ValueError as error:
@@ -430,12 +442,38 @@ def tokenize_text(tokenizer: Any, prompt: str, completion: str) -> SFTExample:
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 
 
+def _as_list(value: Any) -> Any:
+    """A parquet list column read as an array, as a list; anything else as it is."""
+    return list(value) if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
+def _conversation_of(row: dict[str, Any], key: str, where: str,
+                     content_parts: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The row's chat messages and how many of them are its prompt: 0 for a ``key`` (messages) row; TRL's
+    conversational prompt/completion row is its prompt's messages, then its completion's (a string completion is one
+    assistant message), and only the completion is trained, as TRL's ``completion_only_loss`` trains it."""
+    prompt, completion = _as_list(row.get("prompt")), _as_list(row.get("completion"))
+    if row.get(key) is not None or not (isinstance(prompt, list) or isinstance(completion, list)):
+        return _checked_messages(row, key, where, content_parts), 0
+    if isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
+        raise ValueError(f"{where} has a 'prompt' of type {type(prompt).__name__} and a 'completion' of type "
+                         f"{type(completion).__name__}; a conversational prompt/completion row holds two lists of chat "
+                         "messages ([{'role': 'user', 'content': ...}] and [{'role': 'assistant', 'content': ...}])")
+    messages = [*prompt, *completion]
+    check_chat_messages(messages, where, content_parts)  # roles, content as text (null only beside tool_calls)
+    return messages, len(prompt)
+
+
 def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]]:
-    messages = row.get(key)
-    if hasattr(messages, "tolist"):  # parquet's list column read as an array
-        messages = list(messages)
+    messages = _as_list(row.get(key))
     if not isinstance(messages, list) or not messages:
         columns = ", ".join(sorted(row)) or "none"
+        if row.get("prompt") is not None or row.get("completion") is not None:
+            raise ValueError(f"{where} has a 'prompt' of type {type(row.get('prompt')).__name__} and a 'completion' "
+                             f"of type {type(row.get('completion')).__name__}; a prompt/completion row holds two "
+                             "strings, or two lists of chat messages")
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column), or plain text "
                          "as a 'prompt' and 'completion' string or a 'text' string")

@@ -97,6 +97,32 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
 
 
+MARKED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                   "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}"
+                   "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML with TRL's {% generation %} markers around each reply and its <|im_end|>."""
+
+
+@pytest.mark.parametrize("template", [None, MARKED_TEMPLATE])
+def test_a_conversational_pair_trains_its_completion_not_the_replies_of_its_prompt(tokenizer, tmp_path, template):
+    """TRL's conversational prompt/completion rows: the prompt's own assistant turns are context (TRL's
+    completion_only_loss); a string completion is one assistant message."""
+    from reinforge.api.inputs import as_conversations
+    from reinforge.data.sft_dataset import SFTDataset
+
+    rows = as_conversations([{"prompt": CONVERSATION[:5], "completion": CONVERSATION[5:]},
+                             {"prompt": CONVERSATION[:5], "completion": "4"}])
+    path = tmp_path / "rows.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    pair, with_string = SFTDataset([path], tokenizer, max_length=512, chat_template=template).examples
+    assert pair == with_string
+    assert pair.input_ids == tokenize_conversation(tokenizer, CONVERSATION, template).input_ids
+    assert trained_text(tokenizer, pair) == ["4<|im_end|>"]
+
+
 def test_loss_on_all_trains_every_token_of_a_row(tokenizer, tmp_path):
     """data.loss_on=all: TRL's SFT of a conversation without assistant_only_loss (of a pair without
     completion_only_loss): every token but the first, which nothing predicts."""

@@ -65,6 +65,13 @@ def test_malformed_row_is_refused_naming_row_and_message(tmp_path, tokenizer, me
     assert f"row 1 of {tmp_path / 'rows.jsonl'}" in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("row", [{"prompt": [{"role": "user", "content": "hi"}], "completion": None},
+                                 {"prompt": "1+1=", "completion": None}, {"prompt": None, "completion": "2"}])
+def test_a_prompt_completion_row_without_one_of_them_is_refused_naming_the_row(tmp_path, tokenizer, row):
+    with pytest.raises(ValueError, match=r"^row 1 of .* has a 'prompt' of type \w+ and a 'completion' of type \w+; a "):
+        dataset_of(tmp_path, tokenizer, GOOD, row)
+
+
 CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
                                                                "function": {"name": "f", "arguments": "{}"}}]}
 TOOL_ROW = {"messages": [{"role": "user", "content": "hi"}, CALL, {"role": "tool", "content": "1"},
