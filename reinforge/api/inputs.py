@@ -363,8 +363,9 @@ def whole_prompts(config: Any) -> dict[str, Any]:
     return prompt_sets
 
 
-def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
-    """TRL's formatting_func: each row's text, trained on whole (as TRL trains a text row)."""
+def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any],
+                   text_key: str = "text") -> list[dict[str, Any]]:
+    """TRL's formatting_func: each row's text, in column ``text_key``, trained on whole (as TRL trains a text row)."""
     rows = []
     for index, row in enumerate(_rows_of(dataset, "train")):
         text = formatting_func(row)
@@ -373,7 +374,7 @@ def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any
         if not isinstance(text, str):
             raise TypeError(f"formatting_func returned a {type(text).__name__} for row {index}; return the row's "
                             "text as one string")
-        rows.append({"text": text})
+        rows.append({text_key: text})
     return rows
 
 

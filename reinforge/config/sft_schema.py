@@ -28,6 +28,8 @@ class SFTDataConfig:
     """Held-out conversations for the validation loss; empty skips validation."""
     messages_key: str = "messages"
     """Column with the list of {role, content} messages."""
+    text_key: str = "text"
+    """Column of a plain text row, trained whole (TRL's dataset_text_field)."""
     image_key: Optional[str] = None
     """Column of a conversation's images (a list, or one image); None reads ``images``, else ``image``."""
     max_length: int = 1024

@@ -296,8 +296,9 @@ class SFTDataset:
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
                  messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
                  name: str = "train", processor: Any = None, image_key: str | None = None,
-                 why_no_images: str | None = None, loss_on: str = "assistant"):
-        """``loss_on``: data.loss_on, the tokens trained (assistant or all)."""
+                 why_no_images: str | None = None, loss_on: str = "assistant", text_key: str = "text"):
+        """``loss_on``: data.loss_on, the tokens trained (assistant or all); ``text_key``: the column of a plain text
+        row (data.text_key)."""
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
         files = expand_data_files(files, f"data.{name}_files")
@@ -318,7 +319,7 @@ class SFTDataset:
                 images = load_row_images(row, where, image_key)
                 if images and processor is None:  # why_no_images: models.vision.why_no_images's words
                     raise images_refused(where, len(images), image_column(row, image_key), why_no_images)
-                plain = plain_text_pair(row, messages_key)
+                plain = plain_text_pair(row, messages_key, text_key)
                 if plain is not None:
                     if images:
                         raise ValueError(f"{where} has images beside plain text; a row with images holds chat "
@@ -413,12 +414,14 @@ def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, cha
     return example
 
 
-def plain_text_pair(row: dict[str, Any], messages_key: str = "messages") -> tuple[str, str] | None:
+def plain_text_pair(row: dict[str, Any], messages_key: str = "messages",
+                    text_key: str = "text") -> tuple[str, str] | None:
     """(prompt, completion) of TRL's standard rows, plain text with no chat messages: a string ``prompt`` and
-    ``completion``, or a string ``text`` (language modeling: all of it is the completion); None for other rows."""
+    ``completion``, or a string ``text_key`` column (language modeling: all of it is the completion); None for other
+    rows."""
     if row.get(messages_key) is not None:
         return None
-    prompt, completion, text = row.get("prompt"), row.get("completion"), row.get("text")
+    prompt, completion, text = row.get("prompt"), row.get("completion"), row.get(text_key)
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt, completion
     if isinstance(text, str) and prompt is None and completion is None:
@@ -476,7 +479,7 @@ def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: 
                              "strings, or two lists of chat messages")
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column), or plain text "
-                         "as a 'prompt' and 'completion' string or a 'text' string")
+                         "as a 'prompt' and 'completion' string or a 'text' string (data.text_key names its column)")
     check_chat_messages(messages, where, content_parts)  # roles, content as text (null only beside tool_calls)
     return messages
 

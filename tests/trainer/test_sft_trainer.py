@@ -95,6 +95,8 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     assert tokenizer.decode(pair.input_ids) == "1+1=2<|im_end|>"
     assert trained_text(tokenizer, pair) == ["2<|im_end|>"]
     assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
+    path.write_text(json.dumps({"content": "3+3=6"}) + "\n")  # TRL's dataset_text_field names another column
+    assert SFTDataset([path], tokenizer, max_length=512, text_key="content").examples == [text]
 
 
 MARKED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
