@@ -40,9 +40,9 @@ from reinforge.trainer.preflight import preflight_sft
 from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
-RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.text_key", "data.chat_template",
-                  "data.batch_size", "data.packing", "data.max_length", "data.truncation", "data.shuffle", "data.seed",
-                  "data.max_train_samples", "trainer.seed")
+RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.text_key",
+                  "data.chat_template", "data.loss_on", "data.batch_size", "data.packing", "data.max_length",
+                  "data.truncation", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed")
 """Settings a resumed SFT run may not change: the checkpoint's weights or data order would not fit them."""
 
 

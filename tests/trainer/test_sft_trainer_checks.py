@@ -136,7 +136,7 @@ def test_checkpoint_carries_the_chat_template_it_was_trained_with(tmp_path, tiny
     assert AutoTokenizer.from_pretrained(trainer.final_model_dir()).chat_template == PRINTING_TEMPLATE
 
 
-@pytest.mark.parametrize("setting", ["data.truncation=right", "data.messages_key=conversation",
+@pytest.mark.parametrize("setting", ["data.truncation=right", "data.messages_key=conversation", "data.loss_on=all",
                                      f"data.chat_template={json.dumps(PRINTING_TEMPLATE)}"])
 def test_resume_refuses_a_change_to_which_rows_are_trained(tmp_path, tiny_model_dir, setting):
     SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
