@@ -439,8 +439,9 @@ def tokenize_text(tokenizer: Any, prompt: str, completion: str) -> SFTExample:
     text = prompt + completion + ("" if completion.endswith(eos) else eos)
     encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
-    # an added special token (BOS) spans no characters
-    loss_mask = [int(first >= len(prompt) and end > first) for first, end in encoded["offset_mapping"]]
+    # a token holding any of the completion (one merged across the boundary too: TRL's completion starts where the
+    # prompt's own tokens and these part); an added special token (BOS) spans no characters
+    loss_mask = [int(end > len(prompt) and end > first) for first, end in encoded["offset_mapping"]]
     loss_mask[0] = 0  # the first token has nothing before it to predict it from
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 

@@ -95,6 +95,8 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     assert tokenizer.decode(pair.input_ids) == "1+1=2<|im_end|>"
     assert trained_text(tokenizer, pair) == ["2<|im_end|>"]
     assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
+    merging = build_char_tokenizer(extra_tokens=["=2"])  # a token across the prompt's end is the completion's, as in TRL
+    assert trained_text(merging, SFTDataset([path], merging, max_length=512).examples[0]) == ["=2<|im_end|>"]
     path.write_text(json.dumps({"content": "3+3=6"}) + "\n")  # TRL's dataset_text_field names another column
     assert SFTDataset([path], tokenizer, max_length=512, text_key="content").examples == [text]
 
