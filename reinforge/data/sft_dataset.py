@@ -8,7 +8,9 @@ that text, as TRL's ``assistant_only_loss`` and verl's multi-turn SFT dataset tr
 covers what the template writes of each assistant message and its end-of-turn token:
 
 - a template with ``{% generation %}`` blocks marks those tokens itself, and they are exactly the
-  ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains;
+  ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains, with the end-of-turn token the
+  template writes right after a block that leaves it out (TRL only warns that such a model may not
+  learn to stop);
 - otherwise a message's part of the text is what changes when its content is replaced by a
   probe string (its tool calls and reasoning included). It starts where the conversation before
   it, rendered with the generation prompt, ends, when the text starts with that rendering (so
@@ -252,6 +254,23 @@ def _marked_assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], templ
     return list(encoded["assistant_masks"])
 
 
+def _with_end_of_turn(loss_mask: list[int], input_ids: list[int], text: str, offsets: list[tuple[int, int]],
+                      turn_end_ids: set[int]) -> list[int]:
+    """``loss_mask`` with each run of trained tokens extended to the end-of-turn token that follows it with only
+    whitespace between: a ``{% generation %}`` block that leaves it out would never teach the model to stop."""
+    loss_mask = list(loss_mask)
+    for position in range(len(loss_mask) - 1):
+        if not loss_mask[position] or loss_mask[position + 1]:
+            continue
+        following = position + 1
+        while following < len(input_ids) and input_ids[following] not in turn_end_ids \
+                and not text[offsets[following][0]:offsets[following][1]].strip():
+            following += 1
+        if following < len(input_ids) and input_ids[following] in turn_end_ids:
+            loss_mask[position + 1:following + 1] = [1] * (following - position)
+    return loss_mask
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
                           tools: list[dict[str, Any]] | None = None, num_prompt_messages: int = 0) -> SFTExample:
     """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
@@ -271,7 +290,9 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     if GENERATION_BLOCK.search(template):
-        loss_mask = _marked_assistant_mask(tokenizer, messages, template, tools, input_ids)
+        loss_mask = _with_end_of_turn(_marked_assistant_mask(tokenizer, messages, template, tools, input_ids),
+                                      input_ids, text, encoded["offset_mapping"],
+                                      set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id})
     else:
         loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
     if num_prompt_messages:  # TRL's completion mask: what follows the prompt rendered with its generation prompt
