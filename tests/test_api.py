@@ -513,6 +513,41 @@ def test_dpo_and_reward_configs_take_trls_names_for_what_they_do_and_refuse_the_
         assert str(error.value) == message
 
 
+def test_sft_config_takes_trls_sft_settings_for_what_they_do_and_refuses_the_rest_in_one_line(tmp_path, tiny_model_dir):
+    """TRL's SFTConfig names of the rows and their loss: a script spelling out TRL's defaults runs unchanged."""
+    from reinforge import DPOConfig
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    defaults = dict(dataset_text_field="text", dataset_kwargs={"skip_prepare_dataset": False}, dataset_num_proc=4,
+                    eos_token=None, truncation_mode="keep_start", shuffle_dataset=True, packing_strategy="bfd",
+                    padding_free=True, pad_to_multiple_of=None, eval_packing=False, loss_type="nll",
+                    activation_offloading=False, pad_token=None, router_aux_loss_coef=None, chat_template_path=None)
+    assert SFTConfig(**defaults).to_overrides() == SFTConfig().to_overrides() | {"data.text_key": "text"}
+    assert SFTConfig(dataset_text_field="content", chat_template_path=str(template)).to_overrides().items() >= {
+        "data.text_key": "content", "data.chat_template": template.read_text()}.items()
+    assert (SFTConfig(chat_template_path=str(tiny_model_dir)).to_overrides()["data.chat_template"]
+            == (tiny_model_dir / "chat_template.jinja").read_text())
+    for settings, message in ((dict(max_length=None), "max_length=None: reinforge sft needs a limit on a row's tokens "
+                               "(a longer row is cut at its end) to size its micro-batches and packed rows; give one "
+                               "above your longest row (TRL's default is 1024)"),
+                              (dict(packing_strategy="wrapped"), "packing_strategy='wrapped': reinforge packs each row "
+                               "whole into rows of up to max_length tokens, as TRL's bfd (in the rows' order, not "
+                               "best-fit), and cuts the end of a longer one; remove it"),
+                              (dict(dataset_kwargs={"skip_prepare_dataset": True}), "dataset_kwargs={'skip_prepare_"
+                               "dataset': True}: reinforge tokenizes the rows itself (messages, prompt/completion or "
+                               "text); remove it and give the rows untokenized"),
+                              (dict(loss_type="dft"), "loss_type='dft': reinforge trains the mean negative "
+                               "log-likelihood of the trained tokens (nll); remove it"),
+                              (dict(chat_template_path=str(tmp_path / "none")), f"chat_template_path="
+                               f"'{tmp_path / 'none'}' does not exist; give a Jinja file or a tokenizer folder")):
+        with pytest.raises(ValueError) as error:
+            SFTConfig(**settings).to_overrides()
+        assert str(error.value) == message
+    with pytest.raises(TypeError, match="DPOConfig has no setting 'dataset_text_field'"):
+        DPOConfig(dataset_text_field="text")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dpo", "reward"])
 def test_dpo_and_reward_trainers_take_preference_rows(tmp_path, tiny_model_dir, kind):

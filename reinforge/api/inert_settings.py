@@ -195,3 +195,34 @@ UNUSED_BY_DPO = _table(
     },
 )
 """The DPOConfig names with no reinforge key."""
+
+
+UNUSED_BY_SFT = _table(
+    {
+        "dataset_num_proc": "the rows are tokenized in the trainer's process",
+        "shuffle_dataset": "the rows are drawn in a new shuffled order each epoch (data.shuffle), as transformers' "
+                           "Trainer samples them",
+        "padding_free": "a packed row (packing=True) has no padding, an unpacked batch pads its rows; neither pad "
+                        "token is trained, so the loss is the same",
+        "pad_to_multiple_of": "padding is never trained",
+        "eval_packing": "the eval_dataset is packed as the train_dataset is, and packing leaves each conversation's "
+                        "loss as it is",
+        "pad_token": "padding is never trained; set tokenizer.pad_token and pass it as processing_class to save another",
+    },
+    {
+        "truncation_mode": (("keep_start",), "reinforge keeps the start of a longer row and cuts its end, as TRL's "
+                                             "default keep_start; remove it"),
+        "packing_strategy": (("bfd",), "reinforge packs each row whole into rows of up to max_length tokens, as "
+                                       "TRL's bfd (in the rows' order, not best-fit), and cuts the end of a longer "
+                                       "one; remove it"),
+        "eos_token": ((), "reinforge appends the tokenizer's own EOS token; set tokenizer.eos_token and pass the "
+                          "tokenizer as processing_class"),
+        "loss_type": (("nll", "chunked_nll"), "reinforge trains the mean negative log-likelihood of the trained tokens "
+                                              "(nll); remove it"),
+        "activation_offloading": ((False,), "reinforge does not offload activations; use gradient_checkpointing=True "
+                                            "to save their memory"),
+        "router_aux_loss_coef": ((0.0, 0), "reinforge sft adds no router load-balancing loss to a mixture of experts' "
+                                           "loss; remove it"),
+    },
+)
+"""The SFTConfig names with no reinforge key."""

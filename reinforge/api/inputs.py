@@ -363,8 +363,9 @@ def whole_prompts(config: Any) -> dict[str, Any]:
     return prompt_sets
 
 
-def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any]) -> list[dict[str, Any]]:
-    """TRL's formatting_func: each row's text, trained on whole (as TRL trains a text row)."""
+def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any],
+                   text_key: str = "text") -> list[dict[str, Any]]:
+    """TRL's formatting_func: each row's text, in column ``text_key``, trained on whole (as TRL trains a text row)."""
     rows = []
     for index, row in enumerate(_rows_of(dataset, "train")):
         text = formatting_func(row)
@@ -373,7 +374,7 @@ def formatted_rows(dataset: Any, formatting_func: Callable[[dict[str, Any]], Any
         if not isinstance(text, str):
             raise TypeError(f"formatting_func returned a {type(text).__name__} for row {index}; return the row's "
                             "text as one string")
-        rows.append({"text": text})
+        rows.append({text_key: text})
     return rows
 
 
@@ -408,30 +409,19 @@ def sft_loss_on(row: Mapping[str, Any] | None, assistant_only_loss: bool | None,
 
 
 def as_conversations(dataset: Any) -> Any:
-    """TRL's conversational prompt/completion rows (chat messages) as one conversation; other data as it is (plain
-    text prompt/completion or text rows are tokenized as text, with no chat template, as in TRL)."""
+    """TRL's rows as the SFT data reads them: conversational prompt/completion rows keep their two columns (the SFT
+    data trains the completion), a string prompt or completion beside them becoming one user or assistant message
+    (parquet holds one type per column); other data as it is (plain text prompt/completion or text rows are tokenized
+    as text, with no chat template, as in TRL)."""
     if isinstance(dataset, str | Path) or (isinstance(dataset, Sequence) and dataset
                                            and all(isinstance(item, str | Path) for item in dataset)):
         return dataset
     rows = _rows_of(dataset, "train")
-    if not rows or "messages" in rows[0] or all(_is_plain_text(row) for row in rows):
+    if not any(isinstance(row.get("prompt"), list) or isinstance(row.get("completion"), list) for row in rows):
         return rows
-    converted = []
     for row in rows:
-        if "prompt" not in row or "completion" not in row:
-            converted.append(row)  # the SFT data says what such a row lacks
-            continue
-        prompt, completion = row.pop("prompt"), row.pop("completion")
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        completion = ([{"role": "assistant", "content": completion}] if isinstance(completion, str)
-                      else list(completion))
-        converted.append({"messages": prompt + completion, **row})
-    return converted
-
-
-def _is_plain_text(row: Mapping[str, Any]) -> bool:
-    """A string prompt and completion, or a string text (TRL's standard, not conversational, rows)."""
-    prompt, completion = row.get("prompt"), row.get("completion")
-    if isinstance(prompt, str) and isinstance(completion, str):
-        return True
-    return isinstance(row.get("text"), str) and prompt is None and completion is None
+        if isinstance(row.get("prompt"), str):
+            row["prompt"] = [{"role": "user", "content": row["prompt"]}]
+        if isinstance(row.get("completion"), str):
+            row["completion"] = [{"role": "assistant", "content": row["completion"]}]
+    return rows

@@ -16,6 +16,7 @@ from reinforge.api.inert_settings import (
     UNUSED_BY_EVERY_TRAINER,
     UNUSED_BY_GRPO,
     UNUSED_BY_PREFERENCE_TRAINERS,
+    UNUSED_BY_SFT,
 )
 
 logger = logging.getLogger(__name__)
@@ -345,17 +346,64 @@ APPLIED_LAST = ("generation_kwargs",)
 TRL_PER_DEVICE_TRAIN_BATCH_SIZE = 8
 """TRL's default per_device_train_batch_size: what gradient_accumulation_steps multiplies when only it is given."""
 
+def _sft_limit(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's max_length of a row; None (TRL: no limit) is refused, since reinforge sizes its batches by the limit."""
+    if value is None:
+        raise ValueError("max_length=None: reinforge sft needs a limit on a row's tokens (a longer row is cut at its "
+                         "end) to size its micro-batches and packed rows; give one above your longest row (TRL's "
+                         "default is 1024)")
+    return {"data.max_length": value, "data.truncation": "right"}
+
+
+def _dataset_kwargs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's dataset_kwargs: only skip_prepare_dataset=False, reinforge tokenizes every row itself."""
+    if isinstance(value, str):
+        value = json.loads(value)
+    if value and (set(value) != {"skip_prepare_dataset"} or value["skip_prepare_dataset"]):
+        raise ValueError(f"dataset_kwargs={value!r}: reinforge tokenizes the rows itself (messages, prompt/completion "
+                         "or text); remove it and give the rows untokenized")
+    return {}
+
+
+def _chat_template_path(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's chat_template_path: a Jinja file, or a tokenizer (folder or hub id) whose chat template the run uses."""
+    if value is None:
+        return {}
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        return {"data.chat_template": path.read_text()}
+    from reinforge.models.loading import is_local_path, load_tokenizer
+
+    if is_local_path(str(value)) and not path.is_dir():
+        raise ValueError(f"chat_template_path={value!r} does not exist; give a Jinja file or a tokenizer folder")
+    template = getattr(load_tokenizer(str(value)), "chat_template", None)
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"chat_template_path={value!r} is a tokenizer without a chat template; give a Jinja file or "
+                         "a tokenizer that has one")
+    return {"data.chat_template": template}
+
+
+SFT_DATA_SETTINGS: dict[str, Override] = {
+    **UNUSED_BY_SFT,
+    "max_length": ("data.max_length (longer conversations cut on the right)", _sft_limit),
+    "packing": ("data.packing", _to("data.packing")),
+    # the two decide data.loss_on with the rows' format, which SFTTrainer reads (sft_loss_on)
+    "completion_only_loss": ("data.loss_on (prompt/completion rows)", lambda value, settings: {}),
+    "assistant_only_loss": ("data.loss_on", lambda value, settings: {}),
+    "dataset_text_field": ("data.text_key", _to("data.text_key")),
+    "dataset_kwargs": ("(only skip_prepare_dataset=False)", _dataset_kwargs),
+    "chat_template_path": ("data.chat_template", _chat_template_path),
+}
+"""TRL's SFTConfig names of the rows and their loss, which DPOConfig and RewardConfig do not take from it."""
+
 SFT_SETTINGS: dict[str, Override] = {
     **UNUSED_BY_EVERY_TRAINER,
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
     **_optimizer_settings("optim"),
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
-    "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
-        "data.max_length": value, "data.truncation": "right"}),
-    "packing": ("data.packing", _to("data.packing")),
-    # the two decide data.loss_on with the rows' format, which SFTTrainer reads (sft_loss_on)
-    "completion_only_loss": ("data.loss_on (prompt/completion rows)", lambda value, settings: {}),
-    "assistant_only_loss": ("data.loss_on", lambda value, settings: {}),
+    **SFT_DATA_SETTINGS,
     **RUN_SETTINGS,
     "per_device_train_batch_size": ("data.batch_size (with gradient_accumulation_steps)", lambda value, settings: {}),
     "gradient_accumulation_steps": ("data.batch_size (with per_device_train_batch_size)", lambda value, settings: {}),
@@ -528,8 +576,7 @@ def _pair_limit(value: Any) -> Any:
 
 
 PREFERENCE_SETTINGS: dict[str, Override] = {
-    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS
-       if name not in ("packing", "completion_only_loss", "assistant_only_loss")},
+    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in SFT_DATA_SETTINGS},
     **UNUSED_BY_PREFERENCE_TRAINERS,
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),

@@ -364,8 +364,9 @@ class SFTTrainer(_SupervisedTrainer):
                      "quantization_config": quantization_config}, overrides)
 
     def _rows(self, dataset: Any) -> Any:
-        if self.formatting_func is not None:
-            return formatted_rows(dataset, self.formatting_func)
+        if self.formatting_func is not None:  # under the column the SFT data reads text from (dataset_text_field)
+            key = self.args.data.text_key if hasattr(self.args, "data") else self.args.dataset_text_field or "text"
+            return formatted_rows(dataset, self.formatting_func, key)
         return as_conversations(dataset)
 
     def _add_row_settings(self, settings: dict[str, Any], train_dataset: Any) -> None:

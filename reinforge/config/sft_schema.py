@@ -22,11 +22,14 @@ SFT_LOSS_TOKENS = ("assistant", "all")
 @dataclass
 class SFTDataConfig:
     train_files: list[str] = field(default_factory=list)
-    """Parquet or JSONL files (or datasets folders) whose rows hold chat ``messages``."""
+    """Parquet or JSONL files (or datasets folders) whose rows hold chat ``messages``, a ``prompt`` and a
+    ``completion`` (two strings, or two lists of chat messages), or a ``text``."""
     val_files: list[str] = field(default_factory=list)
     """Held-out conversations for the validation loss; empty skips validation."""
     messages_key: str = "messages"
     """Column with the list of {role, content} messages."""
+    text_key: str = "text"
+    """Column of a plain text row, trained whole (TRL's dataset_text_field)."""
     image_key: Optional[str] = None
     """Column of a conversation's images (a list, or one image); None reads ``images``, else ``image``."""
     max_length: int = 1024

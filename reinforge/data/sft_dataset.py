@@ -8,7 +8,9 @@ that text, as TRL's ``assistant_only_loss`` and verl's multi-turn SFT dataset tr
 covers what the template writes of each assistant message and its end-of-turn token:
 
 - a template with ``{% generation %}`` blocks marks those tokens itself, and they are exactly the
-  ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains;
+  ones transformers' ``return_assistant_tokens_mask`` (so TRL) trains, with the end-of-turn token the
+  template writes right after a block that leaves it out (TRL only warns that such a model may not
+  learn to stop);
 - otherwise a message's part of the text is what changes when its content is replaced by a
   probe string (its tool calls and reasoning included). It starts where the conversation before
   it, rendered with the generation prompt, ends, when the text starts with that rendering (so
@@ -39,6 +41,12 @@ prompt/completion row with ``completion_only_loss=False``.
 Plain text rows, TRL's standard format (a ``prompt`` and ``completion`` string, or a ``text`` string), take no chat
 template: ``prompt + completion`` and the EOS token are tokenized as any text is (a BOS where the tokenizer adds one),
 and the completion and the EOS are trained (all of a ``text``).
+
+TRL's conversational prompt/completion rows (a ``prompt`` and a ``completion`` list of chat messages) are one
+conversation, rendered whole, whose loss covers only the completion: what follows the prompt rendered with its
+generation prompt, so an assistant turn of the prompt is context, as in TRL's ``completion_only_loss``. Within the
+completion, each assistant message is trained as above (a tool message of the completion is not, where TRL's
+completion mask covers it).
 
 Conversations with images (an ``images`` column with ``<image>`` placeholders, or image content parts; see
 ``multimodal.py``) need the model's processor: each image's one pad token of the rendering becomes the image's
@@ -246,10 +254,28 @@ def _marked_assistant_mask(tokenizer: Any, messages: list[dict[str, Any]], templ
     return list(encoded["assistant_masks"])
 
 
+def _with_end_of_turn(loss_mask: list[int], input_ids: list[int], text: str, offsets: list[tuple[int, int]],
+                      turn_end_ids: set[int]) -> list[int]:
+    """``loss_mask`` with each run of trained tokens extended to the end-of-turn token that follows it with only
+    whitespace between: a ``{% generation %}`` block that leaves it out would never teach the model to stop."""
+    loss_mask = list(loss_mask)
+    for position in range(len(loss_mask) - 1):
+        if not loss_mask[position] or loss_mask[position + 1]:
+            continue
+        following = position + 1
+        while following < len(input_ids) and input_ids[following] not in turn_end_ids \
+                and not text[offsets[following][0]:offsets[following][1]].strip():
+            following += 1
+        if following < len(input_ids) and input_ids[following] in turn_end_ids:
+            loss_mask[position + 1:following + 1] = [1] * (following - position)
+    return loss_mask
+
+
 def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], template: str | None = None,
-                          tools: list[dict[str, Any]] | None = None) -> SFTExample:
+                          tools: list[dict[str, Any]] | None = None, num_prompt_messages: int = 0) -> SFTExample:
     """Token ids of the rendered conversation and the mask of its trained (assistant) tokens; ``tools`` (OpenAI
-    function schemas) are rendered by the template as the model will see them when it calls tools."""
+    function schemas) are rendered by the template as the model will see them when it calls tools. The first
+    ``num_prompt_messages`` messages are a prompt/completion row's prompt: their assistant turns are not trained."""
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template; set data.chat_template to a Jinja template")
@@ -264,9 +290,16 @@ def tokenize_conversation(tokenizer: Any, messages: list[dict[str, Any]], templa
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
     if GENERATION_BLOCK.search(template):
-        loss_mask = _marked_assistant_mask(tokenizer, messages, template, tools, input_ids)
+        loss_mask = _with_end_of_turn(_marked_assistant_mask(tokenizer, messages, template, tools, input_ids),
+                                      input_ids, text, encoded["offset_mapping"],
+                                      set(template_end_of_turn_ids(tokenizer, template)) or {tokenizer.eos_token_id})
     else:
         loss_mask = _reply_mask(tokenizer, messages, template, tools, text, encoded["offset_mapping"], input_ids)
+    if num_prompt_messages:  # TRL's completion mask: what follows the prompt rendered with its generation prompt
+        prompt = _render(tokenizer, messages[:num_prompt_messages], template, True, tools)
+        boundary = _common_prefix_length(text, prompt, min(len(text), len(prompt)))
+        loss_mask = [trained if end > boundary else 0
+                     for trained, (_, end) in zip(loss_mask, encoded["offset_mapping"], strict=True)]
     loss_mask[0] = 0  # the first token has nothing before it to predict it from
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 
@@ -284,8 +317,9 @@ class SFTDataset:
     def __init__(self, files: Sequence[str | Path], tokenizer: Any, *, max_length: int, truncation: str = "drop",
                  messages_key: str = "messages", chat_template: str | None = None, max_samples: int | None = None,
                  name: str = "train", processor: Any = None, image_key: str | None = None,
-                 why_no_images: str | None = None, loss_on: str = "assistant"):
-        """``loss_on``: data.loss_on, the tokens trained (assistant or all)."""
+                 why_no_images: str | None = None, loss_on: str = "assistant", text_key: str = "text"):
+        """``loss_on``: data.loss_on, the tokens trained (assistant or all); ``text_key``: the column of a plain text
+        row (data.text_key)."""
         if not files:
             raise ValueError(f"no {name} files given; set data.{name}_files to parquet or JSONL files of chat rows")
         files = expand_data_files(files, f"data.{name}_files")
@@ -306,7 +340,7 @@ class SFTDataset:
                 images = load_row_images(row, where, image_key)
                 if images and processor is None:  # why_no_images: models.vision.why_no_images's words
                     raise images_refused(where, len(images), image_column(row, image_key), why_no_images)
-                plain = plain_text_pair(row, messages_key)
+                plain = plain_text_pair(row, messages_key, text_key)
                 if plain is not None:
                     if images:
                         raise ValueError(f"{where} has images beside plain text; a row with images holds chat "
@@ -385,13 +419,13 @@ def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | No
 
 def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, chat_template: str | None,
                             messages_key: str, processor: Any, images: list, image_key: str | None) -> SFTExample:
-    messages = _checked_messages(row, messages_key, where, content_parts=processor is not None)
+    messages, num_prompt_messages = _conversation_of(row, messages_key, where, content_parts=processor is not None)
     tools = _checked_tools(row, where)
     if processor is not None:
         check_image_count(messages, len(images), where)
         messages = with_image_parts(messages, len(images))
     try:
-        example = tokenize_conversation(tokenizer, messages, chat_template, tools)
+        example = tokenize_conversation(tokenizer, messages, chat_template, tools, num_prompt_messages)
         if images:
             example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row, image_key, where)))
     except ValueError as error:
@@ -401,12 +435,14 @@ def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, cha
     return example
 
 
-def plain_text_pair(row: dict[str, Any], messages_key: str = "messages") -> tuple[str, str] | None:
+def plain_text_pair(row: dict[str, Any], messages_key: str = "messages",
+                    text_key: str = "text") -> tuple[str, str] | None:
     """(prompt, completion) of TRL's standard rows, plain text with no chat messages: a string ``prompt`` and
-    ``completion``, or a string ``text`` (language modeling: all of it is the completion); None for other rows."""
+    ``completion``, or a string ``text_key`` column (language modeling: all of it is the completion); None for other
+    rows."""
     if row.get(messages_key) is not None:
         return None
-    prompt, completion, text = row.get("prompt"), row.get("completion"), row.get("text")
+    prompt, completion, text = row.get("prompt"), row.get("completion"), row.get(text_key)
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt, completion
     if isinstance(text, str) and prompt is None and completion is None:
@@ -424,21 +460,48 @@ def tokenize_text(tokenizer: Any, prompt: str, completion: str) -> SFTExample:
     text = prompt + completion + ("" if completion.endswith(eos) else eos)
     encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
     input_ids = list(encoded["input_ids"])
-    # an added special token (BOS) spans no characters
-    loss_mask = [int(first >= len(prompt) and end > first) for first, end in encoded["offset_mapping"]]
+    # a token holding any of the completion (one merged across the boundary too: TRL's completion starts where the
+    # prompt's own tokens and these part); an added special token (BOS) spans no characters
+    loss_mask = [int(end > len(prompt) and end > first) for first, end in encoded["offset_mapping"]]
     loss_mask[0] = 0  # the first token has nothing before it to predict it from
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 
 
+def _as_list(value: Any) -> Any:
+    """A parquet list column read as an array, as a list; anything else as it is."""
+    return list(value) if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
+def _conversation_of(row: dict[str, Any], key: str, where: str,
+                     content_parts: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The row's chat messages and how many of them are its prompt: 0 for a ``key`` (messages) row; TRL's
+    conversational prompt/completion row is its prompt's messages, then its completion's (a string completion is one
+    assistant message), and only the completion is trained, as TRL's ``completion_only_loss`` trains it."""
+    prompt, completion = _as_list(row.get("prompt")), _as_list(row.get("completion"))
+    if row.get(key) is not None or not (isinstance(prompt, list) or isinstance(completion, list)):
+        return _checked_messages(row, key, where, content_parts), 0
+    if isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
+        raise ValueError(f"{where} has a 'prompt' of type {type(prompt).__name__} and a 'completion' of type "
+                         f"{type(completion).__name__}; a conversational prompt/completion row holds two lists of chat "
+                         "messages ([{'role': 'user', 'content': ...}] and [{'role': 'assistant', 'content': ...}])")
+    messages = [*prompt, *completion]
+    check_chat_messages(messages, where, content_parts)  # roles, content as text (null only beside tool_calls)
+    return messages, len(prompt)
+
+
 def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]]:
-    messages = row.get(key)
-    if hasattr(messages, "tolist"):  # parquet's list column read as an array
-        messages = list(messages)
+    messages = _as_list(row.get(key))
     if not isinstance(messages, list) or not messages:
         columns = ", ".join(sorted(row)) or "none"
+        if row.get("prompt") is not None or row.get("completion") is not None:
+            raise ValueError(f"{where} has a 'prompt' of type {type(row.get('prompt')).__name__} and a 'completion' "
+                             f"of type {type(row.get('completion')).__name__}; a prompt/completion row holds two "
+                             "strings, or two lists of chat messages")
         raise ValueError(f"{where} has no list of chat messages in {key!r} (its columns: {columns}); SFT rows hold "
                          "[{'role': ..., 'content': ...}, ...] (data.messages_key names the column), or plain text "
-                         "as a 'prompt' and 'completion' string or a 'text' string")
+                         "as a 'prompt' and 'completion' string or a 'text' string (data.text_key names its column)")
     check_chat_messages(messages, where, content_parts)  # roles, content as text (null only beside tool_calls)
     return messages
 

@@ -40,9 +40,9 @@ from reinforge.trainer.preflight import preflight_sft
 from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
-RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.chat_template",
-                  "data.batch_size", "data.packing", "data.max_length", "data.truncation", "data.shuffle", "data.seed",
-                  "data.max_train_samples", "trainer.seed")
+RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.text_key",
+                  "data.chat_template", "data.loss_on", "data.batch_size", "data.packing", "data.max_length",
+                  "data.truncation", "data.shuffle", "data.seed", "data.max_train_samples", "trainer.seed")
 """Settings a resumed SFT run may not change: the checkpoint's weights or data order would not fit them."""
 
 
@@ -131,7 +131,7 @@ class SFTTrainer(SupervisedRun):
     def _rows(self, files: list[str], split: str, max_samples: int | None) -> list:
         data = self.config.data
         dataset = SFTDataset(files, self.tokenizer, max_length=data.max_length, truncation=data.truncation,
-                             messages_key=data.messages_key, chat_template=data.chat_template,
+                             messages_key=data.messages_key, text_key=data.text_key, chat_template=data.chat_template,
                              max_samples=max_samples, name=split, processor=self.processor,
                              image_key=data.image_key, loss_on=data.loss_on,
                              why_no_images=None if self.processor is not None else

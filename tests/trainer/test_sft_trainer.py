@@ -41,10 +41,21 @@ def trained_text(tokenizer, example) -> list[str]:
     return runs
 
 
-def test_only_assistant_tokens_and_their_end_of_turn_are_trained(tokenizer):
-    example = tokenize_conversation(tokenizer, CONVERSATION)
+MARKED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                   "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}"
+                   "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML with TRL's {% generation %} markers around each reply and its <|im_end|>."""
+MARKED_BEFORE_END = MARKED_TEMPLATE.replace("<|im_end|>{% endgeneration %}", "{% endgeneration %}<|im_end|>")
+"""The markers around each reply only: its <|im_end|> is written after the block."""
+
+
+@pytest.mark.parametrize("template", [None, MARKED_TEMPLATE, MARKED_BEFORE_END])
+def test_only_assistant_tokens_and_their_end_of_turn_are_trained(tokenizer, template):
+    """A {% generation %} block that leaves the end of turn out still trains it: else the model never learns to stop."""
+    example = tokenize_conversation(tokenizer, CONVERSATION, template)
     assert trained_text(tokenizer, example) == ["3<|im_end|>", "4<|im_end|>"]
-    assert tokenizer.decode(example.input_ids) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(example.input_ids) == tokenizer.apply_chat_template(CONVERSATION, tokenize=False,
+                                                                                 chat_template=template)
 
 
 def test_single_turn_masks_header_and_trailing_newline(tokenizer):
@@ -95,6 +106,30 @@ def test_plain_text_rows_are_trained_as_text_without_the_chat_template(tokenizer
     assert tokenizer.decode(pair.input_ids) == "1+1=2<|im_end|>"
     assert trained_text(tokenizer, pair) == ["2<|im_end|>"]
     assert trained_text(tokenizer, text) == ["+3=6<|im_end|>"]  # all but the first token, which nothing predicts
+    merging = build_char_tokenizer(extra_tokens=["=2"])  # a token across the prompt's end is the completion's, as in TRL
+    assert trained_text(merging, SFTDataset([path], merging, max_length=512).examples[0]) == ["=2<|im_end|>"]
+    path.write_text(json.dumps({"content": "3+3=6"}) + "\n")  # TRL's dataset_text_field names another column
+    assert SFTDataset([path], tokenizer, max_length=512, text_key="content").examples == [text]
+
+
+@pytest.mark.parametrize("template", [None, MARKED_TEMPLATE])
+def test_a_conversational_pair_trains_its_completion_not_the_replies_of_its_prompt(tokenizer, tmp_path, template):
+    """TRL's conversational prompt/completion rows: the prompt's own assistant turns are context (TRL's
+    completion_only_loss); a string completion is one assistant message."""
+    from reinforge.api.inputs import as_conversations
+    from reinforge.data.sft_dataset import SFTDataset
+
+    rows = as_conversations([{"prompt": CONVERSATION[:5], "completion": CONVERSATION[5:]},
+                             {"prompt": CONVERSATION[:5], "completion": "4"}])
+    path = tmp_path / "rows.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    pair, with_string = SFTDataset([path], tokenizer, max_length=512, chat_template=template).examples
+    assert pair == with_string
+    assert pair.input_ids == tokenize_conversation(tokenizer, CONVERSATION, template).input_ids
+    assert trained_text(tokenizer, pair) == ["4<|im_end|>"]
 
 
 def test_loss_on_all_trains_every_token_of_a_row(tokenizer, tmp_path):

@@ -65,6 +65,13 @@ def test_malformed_row_is_refused_naming_row_and_message(tmp_path, tokenizer, me
     assert f"row 1 of {tmp_path / 'rows.jsonl'}" in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("row", [{"prompt": [{"role": "user", "content": "hi"}], "completion": None},
+                                 {"prompt": "1+1=", "completion": None}, {"prompt": None, "completion": "2"}])
+def test_a_prompt_completion_row_without_one_of_them_is_refused_naming_the_row(tmp_path, tokenizer, row):
+    with pytest.raises(ValueError, match=r"^row 1 of .* has a 'prompt' of type \w+ and a 'completion' of type \w+; a "):
+        dataset_of(tmp_path, tokenizer, GOOD, row)
+
+
 CALL = {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
                                                                "function": {"name": "f", "arguments": "{}"}}]}
 TOOL_ROW = {"messages": [{"role": "user", "content": "hi"}, CALL, {"role": "tool", "content": "1"},
@@ -129,7 +136,7 @@ def test_checkpoint_carries_the_chat_template_it_was_trained_with(tmp_path, tiny
     assert AutoTokenizer.from_pretrained(trainer.final_model_dir()).chat_template == PRINTING_TEMPLATE
 
 
-@pytest.mark.parametrize("setting", ["data.truncation=right", "data.messages_key=conversation",
+@pytest.mark.parametrize("setting", ["data.truncation=right", "data.messages_key=conversation", "data.loss_on=all",
                                      f"data.chat_template={json.dumps(PRINTING_TEMPLATE)}"])
 def test_resume_refuses_a_change_to_which_rows_are_trained(tmp_path, tiny_model_dir, setting):
     SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.total_steps=1")).fit()
