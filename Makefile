@@ -42,12 +42,14 @@ sandbox-deps:
 PYTEST_RUN = tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/reinforge-tests.XXXXXX") || exit 1;
 PYTEST_END = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; else echo "the failed run's files are in $$tmp"; fi; exit $$rc
+# Three workers on a 2-core machine: a third of the suite's time goes to tests waiting on the processes they start
+# (CLI runs, Ray members, servers, sandboxes), so a third worker keeps both cores busy.
 test: $(STAMP) sandbox-deps
-	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
+	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
 
 # the suite without the tests that take more than 5 s each on a 2-core CPU (@pytest.mark.slow)
 test-fast: $(STAMP) sandbox-deps
-	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
+	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not slow" --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
 
 # The standard training table on a GPU: every size in a process of its own, TRL's GRPOTrainer beside each, one
 # markdown table printed last; each case's JSON lands in $(BENCH_OUT). In parts, when one sitting is too short for

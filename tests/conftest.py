@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     # Triton kernels (engine.log_prob_kernels, the native rollout engine's) run in Triton's interpreter on
     # the CPU; Triton reads this when it is first imported, so it is set before any test imports it
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # One intra-op thread per test process: `make test` runs two processes on a 2-core machine, and a
+    # One intra-op thread per test process: `make test` runs three processes on a 2-core machine, and a
     # second OpenMP thread per process made every small op wait at a barrier for a descheduled thread
     # (the tiny model's generation took 2-5 s a step instead of 0.05 s; mean_reward_rises[grpo] 102 s).
     torch.set_num_threads(1)
@@ -45,8 +45,8 @@ LONGEST_FIRST = ("ray", "tests/trainer/modes/test_async_mode.py", "tests/trainer
                  "tests/engine/test_families.py", "tests/rollout/test_native_moe.py", "tests/sandbox/test_server.py",
                  "tests/agent/test_retool_recipe.py", "tests/demo/test_agent_demo.py",
                  "tests/rollout/native/test_triton_kernels.py", "tests/engine/test_fused.py")
-"""Work units that take the longest (10 s to two minutes each with ``-n 2``), longest first, handed out first: the
-two workers then end within a short file of each other. Loadfile's own order (most tests first) would hand out late
+"""Work units that take the longest (10 s to two minutes each under ``make test``), longest first, handed out first:
+the workers then end within a short file of each other. Loadfile's own order (most tests first) would hand out late
 the files of a few long tests (test_api.py, test_run_loop.py, test_sizes.py), and one of them starting last keeps one
 worker busy alone."""
 
