@@ -114,6 +114,30 @@ def test_an_aborted_request_frees_its_blocks_and_the_others_sample_as_without_it
     assert done == expected and sorted(done) == [0, 2]
 
 
+async def cancel_request_one(engine: NativeEngine, requests: list[list[int]],
+                             tokens_of_aborted: list[int] | None = None) -> list:
+    """Requests 0, 1 and 2 through ``generate_async``, request 1's caller cancelled once request 0 has streamed three
+    tokens (``tokens_of_aborted``: request 1 streamed into it). Returns the three results, request 1's the
+    cancellation."""
+    aborted: asyncio.Task | None = None
+    num_streamed = 0
+
+    def on_token(*_) -> None:
+        nonlocal num_streamed
+        num_streamed += 1
+        if num_streamed == 3 * 2:  # three tokens of each of request 0's two samples
+            aborted.cancel()
+
+    zero = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[0], sampling(0, 3)), on_token))
+    aborted = asyncio.ensure_future(engine.generate_async(
+        GenerationRequest(requests[ABORTED], sampling(ABORTED, 3)),
+        (lambda _, token, *rest: tokens_of_aborted.append(token)) if tokens_of_aborted is not None else None))
+    two = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[2], sampling(2, 3))))
+    results = await asyncio.gather(zero, aborted, two, return_exceptions=True)
+    assert isinstance(results[1], asyncio.CancelledError)
+    return results
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_cancelling_generate_async_aborts_its_request(qwen2, prompts, streamed):
     """The caller of ``generate_async`` cancelled (as ``asyncio.wait_for`` or a client hanging up does) once request
@@ -123,28 +147,9 @@ def test_cancelling_generate_async_aborts_its_request(qwen2, prompts, streamed):
     first, requests = prompts
     engine.generate([GenerationRequest(first, SamplingParams(max_tokens=1, temperature=0.0))])
     tokens_of_aborted: list[int] = []
-
-    async def main():
-        aborted: asyncio.Task | None = None
-        num_streamed = 0
-
-        def on_token(*_) -> None:
-            nonlocal num_streamed
-            num_streamed += 1
-            if num_streamed == 3 * 2:  # three tokens of each of request 0's two samples
-                aborted.cancel()
-
-        zero = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[0], sampling(0, 3)), on_token))
-        aborted = asyncio.ensure_future(engine.generate_async(
-            GenerationRequest(requests[ABORTED], sampling(ABORTED, 3)),
-            (lambda _, token, *rest: tokens_of_aborted.append(token)) if streamed else None))
-        two = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[2], sampling(2, 3))))
-        results = await asyncio.gather(zero, aborted, two, return_exceptions=True)
-        assert isinstance(results[1], asyncio.CancelledError)
-        return {0: [sample.token_ids for sample in results[0]], 2: [sample.token_ids for sample in results[2]]}
-
     start = engine.counts()["rollout/num_decode_rows"]
-    assert asyncio.run(main()) == expected
+    results = asyncio.run(cancel_request_one(engine, requests, tokens_of_aborted if streamed else None))
+    assert {0: [sample.token_ids for sample in results[0]], 2: [sample.token_ids for sample in results[2]]} == expected
     num_decoded = engine.counts()["rollout/num_decode_rows"] - start
     # run to their ends, the samples would decode 15 tokens each (requests 0 and 2) and 11 (request 1): at least that
     assert num_decoded < 2 * 2 * 15 + 3 * 11
@@ -162,24 +167,7 @@ def test_a_cancelled_request_aborts_between_captured_decode_steps_on_the_gpu(tin
     engine = make_engine(model)
     first, requests = prompts
     engine.generate([GenerationRequest(first, SamplingParams(max_tokens=1, temperature=0.0))])
-
-    async def main():
-        aborted: asyncio.Task | None = None
-        num_streamed = 0
-
-        def on_token(*_) -> None:
-            nonlocal num_streamed
-            num_streamed += 1
-            if num_streamed == 3 * 2:
-                aborted.cancel()
-
-        zero = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[0], sampling(0, 3)), on_token))
-        aborted = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[ABORTED], sampling(ABORTED, 3))))
-        two = asyncio.ensure_future(engine.generate_async(GenerationRequest(requests[2], sampling(2, 3))))
-        return await asyncio.gather(zero, aborted, two, return_exceptions=True)
-
-    results = asyncio.run(main())
-    assert isinstance(results[1], asyncio.CancelledError)
+    results = asyncio.run(cancel_request_one(engine, requests))
     assert [len(sample.token_ids) for sample in results[0] + results[2]] == [16] * 4
     assert not engine.scheduler.has_unfinished and not engine._requests
     assert all(manager.num_free_blocks == manager.num_blocks for manager in engine.scheduler.pools)
