@@ -337,6 +337,7 @@ class SFTDataset:
                     break
                 num_rows += 1
                 where = f"row {row_number} of {path}"
+                row = sharegpt_as_messages(row, messages_key)
                 images = load_row_images(row, where, image_key)
                 if images and processor is None:  # why_no_images: models.vision.why_no_images's words
                     raise images_refused(where, len(images), image_column(row, image_key), why_no_images)
@@ -433,6 +434,31 @@ def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, cha
     except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content
         raise ValueError(f"{where}: {template_error_message(error, 'this conversation')}") from None
     return example
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool"}
+"""ShareGPT's speaker names (``from``) as chat roles; any other name is left as it is, for the message check to name."""
+
+
+def sharegpt_as_messages(row: dict[str, Any], messages_key: str = "messages") -> dict[str, Any]:
+    """A ShareGPT row (``conversations``: a list of ``{"from": "human"|"gpt"|"system", "value": text}``) as a chat row
+    (``messages_key``: ``{"role": "user"|"assistant"|"system", "content": text}``), as TRL renames its keys and as
+    the tools that train on ShareGPT data name its speakers; any other row as it is."""
+    turns = row.get("conversations")
+    if row.get(messages_key) is not None or not isinstance(turns, list):
+        return row
+    if not all(isinstance(turn, dict) and ("from" in turn or "value" in turn) for turn in turns):
+        return row
+    messages = []
+    for turn in turns:
+        message = {key: value for key, value in turn.items() if key not in ("from", "value")}
+        if "from" in turn:
+            message["role"] = SHAREGPT_ROLES.get(turn["from"], turn["from"])
+        if "value" in turn:
+            message["content"] = turn["value"]
+        messages.append(message)
+    return {**{key: value for key, value in row.items() if key != "conversations"}, messages_key: messages}
 
 
 def plain_text_pair(row: dict[str, Any], messages_key: str = "messages",

@@ -132,6 +132,21 @@ def test_a_conversational_pair_trains_its_completion_not_the_replies_of_its_prom
     assert trained_text(tokenizer, pair) == ["4<|im_end|>"]
 
 
+def test_a_sharegpt_row_trains_as_its_chat_messages(tokenizer, tmp_path):
+    """ShareGPT's ``conversations`` of ``from``/``value`` turns (human, gpt, system) are the chat row they name."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    speakers = {"system": "system", "user": "human", "assistant": "gpt"}
+    turns = [{"from": speakers[message["role"]], "value": message["content"]} for message in CONVERSATION
+             if message["role"] != "tool"]
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text(json.dumps({"conversations": turns, "id": "a1"}) + "\n")
+    (example,) = SFTDataset([path], tokenizer, max_length=512).examples
+    messages = [message for message in CONVERSATION if message["role"] != "tool"]
+    assert example.input_ids == tokenize_conversation(tokenizer, messages).input_ids
+    assert trained_text(tokenizer, example) == ["3<|im_end|>", "4<|im_end|>"]
+
+
 def test_loss_on_all_trains_every_token_of_a_row(tokenizer, tmp_path):
     """data.loss_on=all: TRL's SFT of a conversation without assistant_only_loss (of a pair without
     completion_only_loss): every token but the first, which nothing predicts."""
