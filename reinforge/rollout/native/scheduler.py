@@ -390,18 +390,12 @@ class Scheduler:
         on: its token is never read (the sequence is no longer running), as for a sequence that finished in it."""
         waiting = [seq for seq in self.waiting if seq.request_key == request_key]
         running = [seq for seq in self.running if seq.request_key == request_key]
-        if not waiting and not running:
-            return 0
-        self.version += 1
         if waiting:
+            self.version += 1
             self.waiting = deque(seq for seq in self.waiting if seq.request_key != request_key)
         for seq in waiting:  # a waiting sequence holds no blocks (never admitted, or released when preempted)
             seq.status = SequenceStatus.FINISHED
-        for seq in running:
-            seq.status = SequenceStatus.FINISHED
-            self._release(seq)
-        if running:
-            self.running = [seq for seq in self.running if seq.request_key != request_key]
+        self.finish(running)  # their blocks freed, as a sequence's that finished
         return len(waiting) + len(running)
 
     def finish(self, finished: list[Sequence]) -> None:
