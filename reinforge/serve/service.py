@@ -244,7 +244,9 @@ class GenerationService:
         tops = completion.top_log_probs or [None] * len(completion.token_ids)
         ids = list(context or [])[-CONTEXT_TOKENS:] + list(completion.token_ids)
         start = len(ids) - len(completion.token_ids)
-        return [self._log_prob(token_id, log_prob, top, ids[:start + position]) for position, (token_id, log_prob, top)
+        # each token read after the CONTEXT_TOKENS before it (a slice of those alone: a long completion copies no prefix)
+        return [self._log_prob(token_id, log_prob, top, ids[max(start + position - CONTEXT_TOKENS, 0):start + position])
+                for position, (token_id, log_prob, top)
                 in enumerate(zip(completion.token_ids, completion.log_probs, tops, strict=True))]
 
     def _log_prob(self, token_id: int, log_prob: float, top: list[tuple[int, float]] | None = None,
