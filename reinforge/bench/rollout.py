@@ -39,14 +39,11 @@ def build_model(config_kwargs: dict, dtype: torch.dtype, device: torch.device, s
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    from reinforge.models.export import default_dtype
+
     config = Qwen2Config(**config_kwargs)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with device, default_dtype(dtype):
+        model = Qwen2ForCausalLM(config)
     return model.eval()
 
 

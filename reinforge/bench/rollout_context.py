@@ -31,17 +31,13 @@ def build_shape_model(name: str, dtype: torch.dtype, device: torch.device, seed:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from reinforge.bench.shapes import shape_config
+    from reinforge.models.export import default_dtype
 
     keys = shape_config(name)
     config = AutoConfig.for_model(keys.pop("model_type"), **keys)
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with device, default_dtype(dtype):
+        model = AutoModelForCausalLM.from_config(config)
     return model.eval()
 
 

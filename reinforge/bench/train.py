@@ -60,6 +60,7 @@ def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from reinforge.models import build_char_tokenizer, save_tiny_model
+    from reinforge.models.export import default_dtype
 
     family = SHAPES[size].family
     if SHAPES[size].vision:
@@ -78,12 +79,8 @@ def write_model(folder: Path, tiny: bool, size: str = "0.5b") -> Path:
         return write_random_weights_folder(folder / "model", config, tokenizer, seed=0)
     check_disk_room(size, folder)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"), default_dtype(torch.bfloat16):
+        model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     del model
@@ -96,6 +93,7 @@ def write_reward_model(folder: Path, tiny: bool, size: str) -> Path:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from reinforge.models import build_char_tokenizer, save_tiny_model
+    from reinforge.models.export import default_dtype
 
     tokenizer = build_char_tokenizer()
     family = SHAPES[size].family
@@ -106,12 +104,9 @@ def write_reward_model(folder: Path, tiny: bool, size: str) -> Path:
         config = AutoConfig.for_model(family, **keys, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
     config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
     torch.manual_seed(1)
-    with torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu"):
-        torch.set_default_dtype(torch.float32 if tiny else torch.bfloat16)
-        try:
-            model = AutoModelForSequenceClassification.from_config(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
+    with (torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu"),
+          default_dtype(torch.float32 if tiny else torch.bfloat16)):
+        model = AutoModelForSequenceClassification.from_config(config)
     model.save_pretrained(folder / "reward_model")
     tokenizer.save_pretrained(folder / "reward_model")
     del model

@@ -31,6 +31,7 @@ def write_vision_model(folder: Path, tiny: bool, size: str) -> Path:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from reinforge.bench.shapes import SHAPES, shape_config
+    from reinforge.models.export import default_dtype
     from reinforge.models.tiny_vlm import (
         IMAGE_PAD_TOKEN,
         VIDEO_PAD_TOKEN,
@@ -55,12 +56,8 @@ def write_vision_model(folder: Path, tiny: bool, size: str) -> Path:
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, tie_word_embeddings=tied, **ids,
                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = AutoModelForImageTextToText.from_config(config)
-        finally:
-            torch.set_default_dtype(torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"), default_dtype(torch.bfloat16):
+        model = AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(folder / "model")
     vision = config.vision_config
     image_processor = _image_processor_class()(

@@ -80,6 +80,8 @@ def float32_pattern(module_names: object) -> re.Pattern | None:
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules in ``dtype`` meanwhile (torch's default dtype), as from_pretrained builds a model; the previous
+    default afterwards."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

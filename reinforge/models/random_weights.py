@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from reinforge.models.export import default_dtype
+
 logger = logging.getLogger(__name__)
 
 RANDOM_WEIGHTS_FILE = "random_weights.json"
@@ -56,17 +58,12 @@ def build_random_causal_lm(path: str | Path, *, dtype: torch.dtype, device: torc
     config = AutoConfig.from_pretrained(str(Path(path).expanduser()), trust_remote_code=trust_remote_code)
     devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
-    previous = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=devices), torch.device(device):
+    with torch.random.fork_rng(devices=devices), torch.device(device), default_dtype(DRAWN_DTYPE):
         torch.manual_seed(seed)
-        torch.set_default_dtype(DRAWN_DTYPE)
-        try:
-            named = named_class(config)
-            model = (named._from_config(config, attn_implementation=attn_implementation) if named is not None
-                     else AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                           attn_implementation=attn_implementation))
-        finally:
-            torch.set_default_dtype(previous)
+        named = named_class(config)
+        model = (named._from_config(config, attn_implementation=attn_implementation) if named is not None
+                 else AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                       attn_implementation=attn_implementation))
     logger.info("model.path=%s holds random weights (%s, seed %d): built on %s from its config.json",
                 path, RANDOM_WEIGHTS_FILE, seed, device)
     return model.to(dtype)
