@@ -303,6 +303,13 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
     return model
 
 
+def tokens_read_otherwise(tokenizer: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase) -> list[str]:
+    """The tokens of ``tokenizer`` that have another id, or none, in ``other`` (a second tokenizer), sorted: where a
+    model of ``other``'s reads ``tokenizer``'s ids as other tokens."""
+    other_vocab = other.get_vocab()
+    return sorted(token for token, index in tokenizer.get_vocab().items() if other_vocab.get(token) != index)
+
+
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """An AutoTokenizer padding on the left, with a pad token (its EOS token if it has none); the folders a run saves
     keep the pad token and padding side it had (``AS_LOADED``)."""

@@ -46,7 +46,7 @@ from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.host_weights import HostWeights
 from reinforge.models import load_tokenizer
-from reinforge.models.loading import is_local_path
+from reinforge.models.loading import is_local_path, tokens_read_otherwise
 from reinforge.models.reward_model import load_reward_model, without_trailing_padding
 from reinforge.protocol import Batch
 from reinforge.reward.manager import place_on_last_token
@@ -61,14 +61,13 @@ def reads_like_policy(rm_tokenizer: Any, policy_tokenizer: Any, policy_template:
 
 def check_reads_policy_ids(rm_tokenizer: Any, policy_tokenizer: Any, rm_path: str) -> None:
     """With input_tokenizer=null the reward model reads the policy's token ids: each must mean the same token to it."""
-    rm_vocab = rm_tokenizer.get_vocab()
-    policy_vocab = policy_tokenizer.get_vocab()
-    moved = sorted(token for token, index in policy_vocab.items() if rm_vocab.get(token) != index)
+    moved = tokens_read_otherwise(policy_tokenizer, rm_tokenizer)
     if moved:
         raise ValueError(f"reward.reward_model.input_tokenizer=null has the reward model read the policy's token ids, "
-                         f"but {len(moved)} of the policy's {len(policy_vocab)} tokens (first {moved[0]!r}) have "
-                         f"another id or none in the tokenizer of {rm_path}; set reward.reward_model.input_tokenizer="
-                         "auto to re-render the responses in the reward model's chat template")
+                         f"but {len(moved)} of the policy's {len(policy_tokenizer.get_vocab())} tokens (first "
+                         f"{moved[0]!r}) have another id or none in the tokenizer of {rm_path}; set "
+                         "reward.reward_model.input_tokenizer=auto to re-render the responses in the reward model's "
+                         "chat template")
 
 
 class RewardInputs:

@@ -49,7 +49,7 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.models.dropout import disable_dropout
-from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config
+from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config, tokens_read_otherwise
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -253,8 +253,7 @@ def check_reference_reads_policy_ids(path: str, tokenizer: Any, trust_remote_cod
     compares the two models' log-probs of the same ids."""
     policy_vocab = tokenizer.get_vocab()
     if is_local_path(path) and any((Path(path).expanduser() / name).is_file() for name in TOKENIZER_FILES):
-        reference_vocab = load_tokenizer(path, trust_remote_code=trust_remote_code).get_vocab()
-        moved = sorted(token for token, index in policy_vocab.items() if reference_vocab.get(token) != index)
+        moved = tokens_read_otherwise(tokenizer, load_tokenizer(path, trust_remote_code=trust_remote_code))
         if moved:
             raise ValueError(f"dpo.reference_path={path} has a tokenizer of its own, in which {len(moved)} of the "
                              f"policy's {len(policy_vocab)} tokens (first {moved[0]!r}) have another id or none; DPO "
