@@ -53,6 +53,11 @@ def read_rows(path: str | Path) -> list[Row]:
                      "or a folder written by datasets.Dataset.save_to_disk")
 
 
+def as_list(value: Any) -> Any:
+    """A list column of a parquet row (read as an array) as a list; any other value as it is."""
+    return list(value) if hasattr(value, "tolist") and not isinstance(value, str) else value
+
+
 def _read_parquet(path: Path) -> list[Row]:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -31,7 +31,7 @@ from typing import Any
 
 from reinforge.config.schema import DataConfig
 from reinforge.data.chat_template import encode_prompt, template_error_message
-from reinforge.data.files import Row, expand_data_files, read_rows
+from reinforge.data.files import Row, as_list, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
     encode_multimodal_prompt,
@@ -167,9 +167,7 @@ def _checked_prompt(row: Row, prompt_key: str, where: str, content_parts: bool =
         columns = ", ".join(sorted(row)) or "none"
         raise ValueError(f"{where} has no {prompt_key!r}; each row needs its prompt as a list of chat messages or "
                          f"a string (data.prompt_key names the column; this row has: {columns})")
-    prompt = row[prompt_key]
-    if hasattr(prompt, "tolist") and not isinstance(prompt, str):  # parquet's list column read as an array
-        prompt = list(prompt)
+    prompt = as_list(row[prompt_key])
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where} has an empty {prompt_key!r} string; give the prompt's text (or chat messages)")

@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from reinforge.data.chat_template import apply_chat_template, template_end_of_turn_ids, template_error_message
-from reinforge.data.files import expand_data_files, read_rows
+from reinforge.data.files import as_list, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
     image_column,
@@ -493,17 +493,12 @@ def tokenize_text(tokenizer: Any, prompt: str, completion: str) -> SFTExample:
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))))
 
 
-def _as_list(value: Any) -> Any:
-    """A parquet list column read as an array, as a list; anything else as it is."""
-    return list(value) if hasattr(value, "tolist") and not isinstance(value, str) else value
-
-
 def _conversation_of(row: dict[str, Any], key: str, where: str,
                      content_parts: bool = False) -> tuple[list[dict[str, Any]], int]:
     """The row's chat messages and how many of them are its prompt: 0 for a ``key`` (messages) row; TRL's
     conversational prompt/completion row is its prompt's messages, then its completion's (a string completion is one
     assistant message), and only the completion is trained, as TRL's ``completion_only_loss`` trains it."""
-    prompt, completion = _as_list(row.get("prompt")), _as_list(row.get("completion"))
+    prompt, completion = as_list(row.get("prompt")), as_list(row.get("completion"))
     if row.get(key) is not None or not (isinstance(prompt, list) or isinstance(completion, list)):
         return _checked_messages(row, key, where, content_parts), 0
     if isinstance(completion, str):
@@ -518,7 +513,7 @@ def _conversation_of(row: dict[str, Any], key: str, where: str,
 
 
 def _checked_messages(row: dict[str, Any], key: str, where: str, content_parts: bool = False) -> list[dict[str, Any]]:
-    messages = _as_list(row.get(key))
+    messages = as_list(row.get(key))
     if not isinstance(messages, list) or not messages:
         columns = ", ".join(sorted(row)) or "none"
         if row.get("prompt") is not None or row.get("completion") is not None:
