@@ -528,6 +528,7 @@ def test_sft_config_takes_trls_sft_settings_for_what_they_do_and_refuses_the_res
         "data.text_key": "content", "data.chat_template": template.read_text()}.items()
     assert (SFTConfig(chat_template_path=str(tiny_model_dir)).to_overrides()["data.chat_template"]
             == (tiny_model_dir / "chat_template.jinja").read_text())
+    assert SFTConfig(router_aux_loss_coef=0.01).to_overrides()["trainer.router_aux_loss_coef"] == 0.01
     for settings, message in ((dict(max_length=None), "max_length=None: reinforge sft needs a limit on a row's tokens "
                                "(a longer row is cut at its end) to size its micro-batches and packed rows; give one "
                                "above your longest row (TRL's default is 1024)"),

@@ -221,8 +221,6 @@ UNUSED_BY_SFT = _table(
                                               "(nll); remove it"),
         "activation_offloading": ((False,), "reinforge does not offload activations; use gradient_checkpointing=True "
                                             "to save their memory"),
-        "router_aux_loss_coef": ((0.0, 0), "reinforge sft adds no router load-balancing loss to a mixture of experts' "
-                                           "loss; remove it"),
     },
 )
 """The SFTConfig names with no reinforge key."""

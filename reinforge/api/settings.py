@@ -395,6 +395,8 @@ SFT_DATA_SETTINGS: dict[str, Override] = {
     "dataset_text_field": ("data.text_key", _to("data.text_key")),
     "dataset_kwargs": ("(only skip_prepare_dataset=False)", _dataset_kwargs),
     "chat_template_path": ("data.chat_template", _chat_template_path),
+    "router_aux_loss_coef": ("trainer.router_aux_loss_coef", lambda value, settings: {} if value is None else {
+        "trainer.router_aux_loss_coef": float(value)}),
 }
 """TRL's SFTConfig names of the rows and their loss, which DPOConfig and RewardConfig do not take from it."""
 

@@ -63,6 +63,12 @@ class SFTTrainerConfig(RunConfig, UpdateConfig):
     experiment_name: str = "sft"
     max_tokens_per_micro_batch: int = 16384
     """SFT has no memory planner: a fixed budget, at least data.max_length."""
+    router_aux_loss_coef: Optional[float] = None
+    """Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' aux loss over all MoE
+    layers and every unpadded token, a packed row's conversations counted as in a padded forward) added to the
+    token-mean loss, as actor.router_aux_loss_coef is to the actor's; 0: none. None: the model config's
+    router_aux_loss_coef when its output_router_logits is true (as TRL's SFTTrainer adds it), else 0. Logged as
+    train/moe/aux_loss either way, beside train/moe/load_imbalance and train/moe/unused_experts."""
 
 
 @dataclass

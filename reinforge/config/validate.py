@@ -161,6 +161,9 @@ def validate_sft_config(config: SFTConfig) -> None:
     if trainer.max_tokens_per_micro_batch < data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
+    if trainer.router_aux_loss_coef is not None:
+        _finite("trainer.router_aux_loss_coef", trainer.router_aux_loss_coef, at_least=0.0,
+                fix=" (the weight of a mixture of experts' load-balancing loss; null: the model config's)")
     validate_run(trainer)
     validate_optim("optim", config.optim)
     validate_update("trainer", trainer)

@@ -6,10 +6,19 @@ token-mean loss over every trained token of the batch (the engine's ``ModelUpdat
 with RL). The run folder is an RL run's: ``config.yaml``, ``metrics.jsonl`` and atomic
 ``checkpoints/step_N/`` with ``actor_state.pt``, ``trainer_state.pt`` and an ``hf/`` folder;
 a run resumes from its latest checkpoint by default.
+
+A mixture of experts trains as the RL actor does (``engine.moe``): the routers' load-balancing loss of each
+micro-batch (transformers' aux loss over its unpadded tokens, which a packed row's conversations give as their padded
+rows would), weighted by the micro-batch's share of the trained tokens as the token-mean loss is, joins the loss times
+``trainer.router_aux_loss_coef``: by default the model config's where its ``output_router_logits`` asks, as TRL's
+SFTTrainer adds it. It is logged as ``train/moe/aux_loss`` either way, beside the whole step's
+``train/moe/load_imbalance`` and ``train/moe/unused_experts``; ``train/loss`` stays the token-mean loss alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,7 @@ from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
+from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, router_aux_loss_coef
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
@@ -39,6 +49,8 @@ from reinforge.tracking import Tracker
 from reinforge.trainer.preflight import preflight_sft
 from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
+
+logger = logging.getLogger(__name__)
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.text_key",
                   "data.chat_template", "data.loss_on", "data.batch_size", "data.packing", "data.max_length",
@@ -120,6 +132,10 @@ class SFTTrainer(SupervisedRun):
                                         # SFT has no memory planner yet: auto means off
                                         gradient_checkpointing=config.model.gradient_checkpointing not in ("auto", False, 0))
             self.model.train()
+            self.router_recorder, moe_line = prepare_moe_training(self.model)
+            if moe_line:
+                logger.info(moe_line)
+            self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, trainer.router_aux_loss_coef)
             self.optimizer = build_optimizer(self.model, config.optim)
             self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
             self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,
@@ -142,15 +158,32 @@ class SFTTrainer(SupervisedRun):
     def train_step(self, batch: Batch) -> dict[str, float]:
         update = ModelUpdate(self.model, self.optimizer, self.scheduler, self.update_settings, self.device,
                              split=padded_micro_batches)
+        recorder = self.router_recorder
+        routed = None  # (layers, experts) slots of the whole step
         for micro, counts in update.micro_batches(batch):
-            with autocast_context(self.device, self.config.model.dtype):
+            with (autocast_context(self.device, self.config.model.dtype),
+                  recorder.recording_forward() if recorder else contextlib.nullcontext()):
                 log_probs = token_log_probs(self.model, micro)
-            loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer(**vars(counts)))
-            update.backward(loss, {"nll_loss": loss})
+            nll_loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer(**vars(counts)))
+            loss, step_metrics = nll_loss, {"nll_loss": nll_loss}
+            router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
+                                    token_weights=micro["attention_mask"].reshape(-1).float()) if recorder else None)
+            if router is not None:  # the micro-batch's share of the trained tokens: the shares add up to 1
+                aux_loss = router.aux_loss * (micro["loss_mask"].sum() / max(counts.num_tokens, 1.0))
+                step_metrics["moe/aux_loss"] = aux_loss.detach()
+                if self.router_aux_loss_coef:
+                    loss = loss + self.router_aux_loss_coef * aux_loss
+                slots = router.expert_counts.detach()
+                routed = slots if routed is None else routed + slots
+            update.backward(loss, step_metrics)
         metrics = update.metrics("train")
+        moe_metrics = {}
+        if routed is not None:
+            moe_metrics = {"train/moe/aux_loss": metrics["train/moe/aux_loss"], **pooled_routing_metrics(routed, "train")}
         return {"train/loss": metrics["train/nll_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "train/num_loss_tokens": float(batch["loss_mask"].sum()),
-                "timing_s/step": update.seconds, "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}
+                **moe_metrics, "timing_s/step": update.seconds,
+                "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:

@@ -251,3 +251,98 @@ def test_config_errors_name_the_key_and_the_fix():
         load_sft_config(None, ["data.truncation=left"])
     with pytest.raises(ConfigError, match="trainer.total_steps"):
         load_sft_config(None, ["trainer.total_steps=many"])
+    with pytest.raises(ConfigError, match=r"^trainer.router_aux_loss_coef=-0.01 must be a finite number >= 0 \(the "
+                                          r"weight of a mixture of experts' load-balancing loss; null: the model "
+                                          r"config's\) \(trainer.router_aux_loss_coef: command line\)$"):
+        load_sft_config(None, ["trainer.router_aux_loss_coef=-0.01"])
+
+
+def moe_model_dir(folder, tokenizer, model_type: str, **config):
+    """A tiny mixture of experts of ``tests/engine/test_moe.py`` (routers far from uniform), saved with the tokenizer."""
+    from reinforge.models.export import save_hf_folder
+    from tests.engine.test_moe import tiny_moe
+
+    return save_hf_folder(tiny_moe(model_type, vocab_size=len(tokenizer), **config), tokenizer, folder)
+
+
+def step_gradients(trainer: SFTTrainer, batch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The step's metrics and each parameter's gradient summed over its micro-batches, before clipping."""
+    gradients: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        return lambda grad: gradients.__setitem__(name, gradients.get(name, 0) + grad.detach().clone())
+
+    handles = [parameter.register_hook(keep(name)) for name, parameter in trainer.model.named_parameters()]
+    try:
+        return trainer.train_step(batch), gradients
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def router_names(model) -> list[str]:
+    return [name for name, _ in model.named_parameters() if name.endswith("mlp.gate.weight")]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_a_mixture_of_experts_adds_transformers_aux_loss_where_its_config_asks(tmp_path, tokenizer, model_type, packed):
+    """As TRL's SFTTrainer: output_router_logits adds router_aux_loss_coef x transformers' load-balancing loss of the
+    padded batch (padding left out by its attention mask; a packed row's conversations count as their own rows), its
+    gradient reaching the routers; trainer.router_aux_loss_coef=0 adds none. The routing is logged either way."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = moe_model_dir(tmp_path / "moe", tokenizer, model_type, output_router_logits=True,
+                              router_aux_loss_coef=0.5)
+    examples = [tokenize_conversation(tokenizer, CONVERSATION[1:3]), tokenize_conversation(tokenizer, CONVERSATION),
+                tokenize_conversation(tokenizer, CONVERSATION[4:6])]
+    padded = collate_sft(examples, tokenizer.pad_token_id)
+    batch = collate_sft(pack_examples(examples, 1000), tokenizer.pad_token_id, packed=True) if packed else padded
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    aux_loss = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"],
+                         position_ids=padded["position_ids"]).aux_loss
+    expected_router_grads = torch.autograd.grad(aux_loss, [parameter for name, parameter in
+                                                           reference.named_parameters() if name in router_names(reference)])
+    steps = {}
+    for coef in (None, 0.0):
+        folder = tmp_path / f"coef-{coef}"
+        folder.mkdir()
+        extra = [] if coef is None else [f"trainer.router_aux_loss_coef={coef}"]
+        trainer = SFTTrainer(sft_config(folder, model_dir, "trainer.max_tokens_per_micro_batch=1000", *extra))
+        assert trainer.router_aux_loss_coef == (0.5 if coef is None else 0.0)
+        steps[coef] = step_gradients(trainer, batch)
+    for metrics, _ in steps.values():
+        assert metrics["train/moe/aux_loss"] == pytest.approx(aux_loss.item(), rel=1e-5)
+        assert metrics["train/moe/load_imbalance"] >= 1.0 and 0 <= metrics["train/moe/unused_experts"] < 4
+    (with_aux, with_grads), (without_aux, without_grads) = steps[None], steps[0.0]
+    assert with_aux["train/loss"] == pytest.approx(without_aux["train/loss"], rel=1e-6)
+    names = router_names(trainer.model)
+    assert len(names) == len(expected_router_grads) == 2
+    for name, expected in zip(names, expected_router_grads, strict=True):
+        torch.testing.assert_close(with_grads[name] - without_grads[name], 0.5 * expected, atol=1e-5, rtol=1e-4)
+
+
+def test_the_aux_loss_is_weighted_by_each_micro_batchs_share_as_the_token_mean_loss_is(tmp_path, tokenizer):
+    """Two micro-batches of the same rows give the gradient and the aux loss of one micro-batch of them all: each
+    micro-batch's aux loss counts for its share of the trained tokens, not once per micro-batch."""
+    from reinforge.engine.micro_batches import split_by_token_budget
+
+    model_dir = moe_model_dir(tmp_path / "moe", tokenizer, "qwen3_moe", output_router_logits=True,
+                              router_aux_loss_coef=0.5)
+    rows = [tokenize_conversation(tokenizer, CONVERSATION[1:3]), tokenize_conversation(tokenizer, CONVERSATION[3:6])]
+    batch = collate_sft(rows * 2, tokenizer.pad_token_id)
+    half_budget = batch["input_ids"].shape[1] * 2
+    assert len(split_by_token_budget(batch, half_budget)) == 2
+    steps = []
+    for budget in (half_budget, 1000):
+        folder = tmp_path / str(budget)
+        folder.mkdir()
+        trainer = SFTTrainer(sft_config(folder, model_dir, f"trainer.max_tokens_per_micro_batch={budget}",
+                                        f"data.max_length={min(half_budget, 64)}"))
+        steps.append(step_gradients(trainer, batch))
+    (split, split_grads), (whole, whole_grads) = steps
+    assert split["train/moe/aux_loss"] == pytest.approx(whole["train/moe/aux_loss"], abs=1e-5)
+    assert split["train/loss"] == pytest.approx(whole["train/loss"], abs=1e-5)
+    assert split_grads.keys() == whole_grads.keys() and set(router_names(trainer.model)) <= split_grads.keys()
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
