@@ -288,10 +288,14 @@ def pooled_routing_metrics(counts: Tensor, role: str) -> dict[str, float]:
 
 
 def router_aux_loss_coef(model_config, configured: float | None) -> float:
-    """The aux loss's weight: ``actor.router_aux_loss_coef`` when set, else the model config's
-    ``router_aux_loss_coef`` when its ``output_router_logits`` is true, else 0."""
+    """The aux loss's weight: the run's own (``actor.router_aux_loss_coef``, SFT's
+    ``trainer.router_aux_loss_coef``) when set, else the model config's ``router_aux_loss_coef`` when its
+    ``output_router_logits`` is true, else 0. A vision-language model's are its text config's, where transformers
+    reads them."""
     if configured is not None:
         return float(configured)
-    if getattr(model_config, "output_router_logits", False):
-        return float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
+    get_text_config = getattr(model_config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else model_config
+    if getattr(text_config, "output_router_logits", False):
+        return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
     return 0.0

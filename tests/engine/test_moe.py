@@ -181,6 +181,10 @@ def test_aux_loss_weight_comes_from_the_model_config_unless_set():
     config.output_router_logits = True
     assert router_aux_loss_coef(config, None) == 0.02
     assert router_aux_loss_coef(config, 0.0) == 0.0 and router_aux_loss_coef(config, 0.1) == 0.1
+    # a vision-language model's text config asks, as transformers' Qwen3-VL-MoE forward reads it
+    vision_language = AutoConfig.for_model("qwen3_vl_moe", text_config={"output_router_logits": True,
+                                                                        "router_aux_loss_coef": 0.03})
+    assert router_aux_loss_coef(vision_language, None) == 0.03
     batch = Batch.from_dict(tensors={"advantages": torch.zeros(2, 3), "response_mask": torch.ones(2, 3)})
     assert no_grad_rows(Config(), batch) is not None
     assert no_grad_rows(Config(), batch, router_aux_loss_coef=0.02) is None  # the aux loss trains every row
