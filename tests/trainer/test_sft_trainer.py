@@ -284,12 +284,15 @@ def router_names(model) -> list[str]:
     return [name for name, _ in model.named_parameters() if name.endswith("mlp.gate.weight")]
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
-def test_a_mixture_of_experts_adds_transformers_aux_loss_where_its_config_asks(tmp_path, tokenizer, model_type, packed):
+@pytest.mark.parametrize("model_type, packed, checkpointed", [
+    *((family, packed, False) for family in ("qwen3_moe", "mixtral", "olmoe") for packed in (False, True)),
+    ("qwen3_moe", True, True)])
+def test_a_mixture_of_experts_adds_transformers_aux_loss_where_its_config_asks(tmp_path, tokenizer, model_type, packed,
+                                                                               checkpointed):
     """As TRL's SFTTrainer: output_router_logits adds router_aux_loss_coef x transformers' load-balancing loss of the
     padded batch (padding left out by its attention mask; a packed row's conversations count as their own rows), its
-    gradient reaching the routers; trainer.router_aux_loss_coef=0 adds none. The routing is logged either way."""
+    gradient reaching the routers (through recomputed layers too); trainer.router_aux_loss_coef=0 adds none. The
+    routing is logged either way."""
     from transformers import AutoModelForCausalLM
 
     model_dir = moe_model_dir(tmp_path / "moe", tokenizer, model_type, output_router_logits=True,
@@ -308,8 +311,10 @@ def test_a_mixture_of_experts_adds_transformers_aux_loss_where_its_config_asks(t
         folder = tmp_path / f"coef-{coef}"
         folder.mkdir()
         extra = [] if coef is None else [f"trainer.router_aux_loss_coef={coef}"]
-        trainer = SFTTrainer(sft_config(folder, model_dir, "trainer.max_tokens_per_micro_batch=1000", *extra))
+        trainer = SFTTrainer(sft_config(folder, model_dir, "trainer.max_tokens_per_micro_batch=1000",
+                                        f"model.gradient_checkpointing={checkpointed}", *extra))
         assert trainer.router_aux_loss_coef == (0.5 if coef is None else 0.0)
+        assert trainer.model.is_activation_checkpointing == checkpointed
         steps[coef] = step_gradients(trainer, batch)
     for metrics, _ in steps.values():
         assert metrics["train/moe/aux_loss"] == pytest.approx(aux_loss.item(), rel=1e-5)
