@@ -17,7 +17,10 @@ base frozen in the compute dtype), on one device or on every rank of a torchrun 
 Metrics (TRL's RewardTrainer's names): ``accuracy`` (the share of pairs whose chosen completion scores higher),
 ``margin`` (the mean r_chosen - r_rejected), ``min_reward``, ``mean_reward``, ``max_reward`` and
 ``num_tokens`` (tokens put through the model so far), with ``eval_`` before each on the validation pairs, and
-``train/loss``, ``train/lr``, ``train/grad_norm``. Every checkpoint's ``hf/`` folder is a standard
+``train/loss``, ``train/lr``, ``train/grad_norm``; a mixture of experts logs its routers' load-balancing loss,
+``train/moe/aux_loss`` (transformers' ``output_router_logits`` loss over the pairs' padded rows), which joins the loss
+times the model config's ``router_aux_loss_coef`` where its ``output_router_logits`` asks, as TRL's RewardTrainer adds
+the model's aux loss. Every checkpoint's ``hf/`` folder is a standard
 sequence-classification folder (a token-classification one for a token classifier; ``num_labels=1``,
 ``pad_token_id`` set; with LoRA the adapters merged in) that
 ``reward.reward_model.model_path`` loads, and ``reinforge export`` writes the same from the trainer state.
@@ -25,6 +28,7 @@ sequence-classification folder (a token-classification one for a token classifie
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -38,7 +42,8 @@ from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
-from reinforge.engine.forward import last_token_scores
+from reinforge.engine.forward import last_token_scores, routed_token_weights
+from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
 from reinforge.models.loading import (
     check_model_folder,
     hub_errors_explained,
@@ -122,6 +127,10 @@ class RewardModelTrainer(PreferenceRun):
     def __init__(self, config: RMConfig):
         self.num_tokens = 0.0
         self.peft_model: nn.Module | None = None
+        self.router_recorder: RouterRecorder | None = None
+        self.router_aux_loss_coef = 0.0
+        """A mixture of experts: the routers' load-balancing loss joins the reward loss with the model config's
+        router_aux_loss_coef where its output_router_logits asks for it (as TRL's RewardTrainer adds it)."""
         super().__init__(config)
 
     def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
@@ -144,6 +153,10 @@ class RewardModelTrainer(PreferenceRun):
                                                attn_implementation=model_config.attn_implementation,
                                                dtype=load_dtype(model_config, self.device), device=self.device)
         self.model_class = type(model)  # before sharding wraps the class
+        self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
+        if moe_line:
+            logger.info(moe_line)
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, None)
         # the packed forward calls the backbone and the head apart (engine.forward.last_token_scores)
         self.peft_model = prepare_trained_model(model, model_config, self.device, seed=self.config.trainer.seed,
                                                 head="score", roots=[model.base_model, model.score],
@@ -168,16 +181,28 @@ class RewardModelTrainer(PreferenceRun):
         update, micro_batches = self.update(batch)
         tally = PairValues()
         coefficient = self.config.rm.center_rewards_coefficient
+        recorder = self.router_recorder
         for micro, counts in micro_batches:
-            chosen, rejected, weights = self._pair_rewards(micro)
+            with recorder.recording_forward() if recorder else contextlib.nullcontext():
+                chosen, rejected, weights = self._pair_rewards(micro)
             losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
             loss = (losses * weights).sum() / (counts.num_sequences / 2)
-            update.backward(loss, {"preference_loss": loss})
+            step_metrics = {"preference_loss": loss}
+            router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
+                                    token_weights=routed_token_weights(self.model.base_model, micro))
+                      if recorder else None)
+            if router is not None:  # this micro-batch's share of the mini-batch's pairs: the shares add up to 1
+                aux_loss = router.aux_loss * (weights.sum() / (counts.num_sequences / 2))
+                step_metrics["moe/aux_loss"] = aux_loss.detach()
+                if self.router_aux_loss_coef:
+                    loss = loss + self.router_aux_loss_coef * aux_loss
+            update.backward(loss, step_metrics)
             tally.add(weights > 0, chosen=chosen, rejected=rejected)
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
         values = tally.gathered()
         return {**reward_metrics(values["chosen"], values["rejected"]), "num_tokens": self.num_tokens,
+                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"]} if "train/moe/aux_loss" in metrics else {}),
                 "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}

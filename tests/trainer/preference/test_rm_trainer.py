@@ -355,3 +355,45 @@ def test_rm_continues_from_a_classifier_as_its_own_class_and_exports_that_class(
                                        atol=1e-5, rtol=1e-5)
             worker_model = load_reward_model(str(out), dtype=torch.float32, device="cpu")
             torch.testing.assert_close(own_scores(worker_model), trained, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
+    """As TRL's RewardTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
+    load-balancing loss to the reward loss (its gradient with it); the aux loss is logged either way."""
+    from reinforge.models.tiny import save_tiny_model
+
+    firsts = {}
+    for asks in (True, False):
+        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+                                    output_router_logits=asks, router_aux_loss_coef=0.5)
+        assert main(["rm", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
+                                                                   "trainer.total_steps": 1})]) == 0
+        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+    for first in firsts.values():
+        assert first["train/moe/aux_loss"] > 0
+    assert firsts[True]["train/loss"] == pytest.approx(firsts[False]["train/loss"], rel=1e-6)  # the same new head
+    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+
+
+def test_the_recorded_aux_loss_is_transformers_own_over_the_padded_pairs(pair_args, tmp_path):
+    """The packed pair runs its prompt once; the routers' statistics count it once for each completion, as the causal
+    LM's own aux loss over the two padded rows does."""
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.engine.forward import routed_token_weights
+    from reinforge.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=2, output_router_logits=True)
+    trainer = RewardModelTrainer(load_rm_config(None, pair_args(tmp_path / "run", **{"model.path": model_dir})))
+    micro = next(trainer.micro_batches(next(iter(trainer.train_loader.batches_of_one_pass()))))
+    recorder = trainer.router_recorder
+    with torch.no_grad():
+        with recorder.recording_forward():
+            trainer._pair_rewards(micro)
+        recorded = recorder.take(with_grad=False, token_weights=routed_token_weights(trainer.model.base_model, micro))
+        causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        mask = micro["attention_mask"]
+        padded = causal_lm(input_ids=micro["input_ids"], attention_mask=mask, output_router_logits=True,
+                           position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+    assert float(recorded.aux_loss) == pytest.approx(float(padded.aux_loss), rel=1e-5)
