@@ -352,7 +352,7 @@ def _serve(argv: list[str]) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "init": (_init, "write the example configs (GRPO, DAPO, PPO, ReTool) into ./examples, or NAME into DIR"),
+    "init": (_init, "write the example configs (GRPO, DAPO, PPO, ReTool, RM, DPO) into ./examples, or NAME into DIR"),
     "train": (_train, "RL training from a YAML config and a.b=c overrides"),
     "plan": (_plan, "the memory plan of a run on a GPU of any size (fits or not, and why)"),
     "sft": (_sft, "supervised fine-tuning on chat data (loss on assistant tokens)"),

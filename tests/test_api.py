@@ -917,3 +917,27 @@ def test_reward_processing_classes_give_a_loaded_reward_model_its_tokenizer(tmp_
         reward_functions_of([str(tiny_model_dir)], {}, tmp_path, [tokenizer])
     with pytest.raises(ValueError, match="reward_processing_classes has 1 entries for 2 reward_funcs"):
         reward_functions_of([reward, str(tiny_model_dir)], {}, tmp_path, [tokenizer])
+
+
+def test_a_reward_trainers_model_is_the_trained_token_classifier(tmp_path):
+    """Started from a token classifier, ``trainer.model`` is one, with the trained weights (its score head's bias
+    included) that ``save_model`` writes."""
+    import torch
+    from transformers import AutoModelForTokenClassification, Qwen2ForTokenClassification
+
+    from reinforge import RewardConfig, RewardTrainer
+    from tests.workers.test_reward_model import save_tiny_reward_model
+
+    folder = save_tiny_reward_model(tmp_path / "token_rm", Qwen2ForTokenClassification)
+    pairs = [{"prompt": [{"role": "user", "content": f"{a}+{a}?"}], "chosen": [{"role": "assistant", "content": str(2 * a)}],
+              "rejected": [{"role": "assistant", "content": str(2 * a + 1)}]} for a in range(4)]
+    trainer = RewardTrainer(model=str(folder), train_dataset=pairs,
+                            args=RewardConfig(output_dir=str(tmp_path / "rm"), max_steps=1, per_device_train_batch_size=4,
+                                              max_length=64, report_to="none", learning_rate=1e-2))
+    trainer.train()
+    saved = AutoModelForTokenClassification.from_pretrained(trainer.save_model()).state_dict()
+    assert isinstance(trainer.model, Qwen2ForTokenClassification)
+    untrained = AutoModelForTokenClassification.from_pretrained(folder).state_dict()
+    assert not torch.equal(saved["score.weight"], untrained["score.weight"])
+    for name, tensor in trainer.model.state_dict().items():
+        torch.testing.assert_close(tensor, saved[name], msg=name)

@@ -8,12 +8,14 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from reinforge.cli import main
 from reinforge.config import load_config
-from reinforge.examples import EXAMPLES, FOLDER
+from reinforge.examples import COMMANDS, EXAMPLES, FOLDER
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = sorted(name for files in EXAMPLES.values() for name in files)
+FILES = sorted({name for files in EXAMPLES.values() for name in files})
 
 
 def test_init_writes_every_example_into_examples_and_keeps_what_is_there(tmp_path, monkeypatch, capsys):
@@ -24,7 +26,7 @@ def test_init_writes_every_example_into_examples_and_keeps_what_is_there(tmp_pat
         assert (tmp_path / "examples" / name).read_text() == (FOLDER / name).read_text()
     out = capsys.readouterr().out
     assert "wrote examples/retool_tools.yaml" in out and "next: reinforge train examples/grpo_gsm8k.yaml" in out
-    for name in EXAMPLES:  # each config loads and validates, the README's commands as written
+    for name in set(EXAMPLES) - set(COMMANDS):  # each config loads and validates, the README's commands as written
         config = load_config(f"examples/{EXAMPLES[name][0]}", ["model.path=/m"])
         if name == "retool":
             assert Path(config.rollout.multi_turn.tool_config_path).is_file()
@@ -33,8 +35,9 @@ def test_init_writes_every_example_into_examples_and_keeps_what_is_there(tmp_pat
     assert main(["init"]) == 2  # nothing written over: a user's edits stay
     assert capsys.readouterr().err.strip() == (
         "error: examples/grpo_gsm8k.yaml, examples/dapo_gsm8k.yaml, examples/ppo_gsm8k.yaml, examples/retool.yaml, "
-        "examples/retool_tools.yaml already exist(s); reinforge init keeps them: pass --force to write over them, or "
-        "another folder")
+        "examples/retool_tools.yaml, examples/rm.yaml, examples/preference_pairs.jsonl, "
+        "examples/preference_pairs_val.jsonl, examples/dpo.yaml already exist(s); reinforge init keeps them: pass "
+        "--force to write over them, or another folder")
     assert (tmp_path / "examples" / "ppo_gsm8k.yaml").read_text() == "# mine\n"
     assert main(["init", "ppo_gsm8k", "--force"]) == 0
     assert (tmp_path / "examples" / "ppo_gsm8k.yaml").read_text() == (FOLDER / "ppo_gsm8k.yaml").read_text()
@@ -58,13 +61,36 @@ def test_init_of_one_example_into_another_folder_points_it_at_its_own_files(tmp_
                                                "such as examples/grpo_gsm8k.yaml, which reinforge init writes")
     assert main(["init", "grpo"]) == 2
     assert capsys.readouterr().err.strip().endswith(
-        "reinforge init grpo: no example of that name; the examples are grpo_gsm8k, dapo_gsm8k, ppo_gsm8k, retool "
-        "(or all); reinforge init all DIR writes them all into DIR")
+        "reinforge init grpo: no example of that name; the examples are grpo_gsm8k, dapo_gsm8k, ppo_gsm8k, retool, rm, "
+        "dpo (or all); reinforge init all DIR writes them all into DIR")
+
+
+@pytest.mark.parametrize("command", ["rm", "dpo"])
+def test_the_preference_starters_run_as_written_on_their_sample_pairs(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                       command):
+    """``reinforge init rm`` (or dpo) into a folder of its own: the config it writes loads and passes every check
+    of its command that runs before a model loads (its sample pairs' rows too), then trains a step on a tiny model."""
+    from reinforge.config.preference_schema import load_dpo_config, load_rm_config
+    from reinforge.trainer.preference.pairs import preflight_preference
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", command, "starters"]) == 0
+    assert sorted(path.name for path in (tmp_path / "starters").iterdir()) == sorted(EXAMPLES[command])
+    assert f"next: reinforge {command} starters/{command}.yaml model.path=... (see" in capsys.readouterr().out
+    load = load_rm_config if command == "rm" else load_dpo_config
+    config = load(f"starters/{command}.yaml", [f"model.path={tiny_model_dir}"])
+    assert config.data.train_files == ["starters/preference_pairs.jsonl"]
+    assert config.data.val_files == ["starters/preference_pairs_val.jsonl"]
+    preflight_preference(config)
+    quick = [f"model.path={tiny_model_dir}", "trainer.total_steps=1", "trainer.device=cpu", "trainer.loggers=[jsonl]",
+             "data.max_val_samples=4", "trainer.max_tokens_per_micro_batch=4096"]
+    assert main([command, f"starters/{command}.yaml", *quick]) == 0
+    assert (tmp_path / "runs" / command / "checkpoints").is_dir()
 
 
 def test_the_repository_holds_one_copy_of_each_example():
     assert not (REPO / "examples").exists() or not list((REPO / "examples").glob("*.yaml"))
-    assert sorted(path.name for path in FOLDER.glob("*.yaml")) == FILES
+    assert sorted(path.name for path in FOLDER.iterdir() if path.suffix in (".yaml", ".jsonl")) == FILES
 
 
 def test_the_wheel_holds_the_examples_and_its_reinforge_init_writes_them(tmp_path):

@@ -145,13 +145,17 @@ class _Trainer:
             return self.given_model
         step = self._trained_steps()
         if self._loaded_model is None or self._loaded_model[0] != step:
-            model = _load(self.MODEL_CLASS).from_pretrained(self.config.model.path, **self._model_options())
+            model = self._model_class().from_pretrained(self.config.model.path, **self._model_options())
             if step:
                 from reinforge.trainer.export import load_trained_weights
 
                 load_trained_weights(self.output_dir, model)
             self._loaded_model = (step, model)
         return self._loaded_model[1]
+
+    def _model_class(self) -> Any:
+        """The class ``model`` loads the trained model with: ``MODEL_CLASS``."""
+        return _load(self.MODEL_CLASS)
 
     def _model_options(self) -> dict[str, Any]:
         return {"trust_remote_code": bool(self.config.model.trust_remote_code)}
@@ -425,6 +429,13 @@ class RewardTrainer(_SupervisedTrainer):
                      "optimizer_cls_and_kwargs": optimizer_cls_and_kwargs,
                      "preprocess_logits_for_metrics": preprocess_logits_for_metrics,
                      "quantization_config": quantization_config}, overrides)
+
+    def _model_class(self) -> Any:
+        """The class ``reinforge rm`` trained: a token classifier's own (its score head has a bias), else
+        ``MODEL_CLASS``."""
+        from reinforge.trainer.preference.rm_trainer import trained_head_class
+
+        return trained_head_class(self.config.model.path, bool(self.config.model.trust_remote_code))
 
     def _model_options(self) -> dict[str, Any]:
         return super()._model_options() | {"num_labels": 1}

@@ -92,7 +92,8 @@ class DPOLossConfig:
 class RMConfig:
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    """model.path: a causal LM (the score head starts new) or a sequence-classification model."""
+    """model.path: a causal LM (the score head starts new), or a sequence- or token-classification model (verl's
+    reward models), which trains and exports as its own class."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_ratio=0.03, schedule="cosine"))
     trainer: PreferenceTrainerConfig = field(
         default_factory=lambda: PreferenceTrainerConfig(output_dir="runs/rm", experiment_name="rm"))

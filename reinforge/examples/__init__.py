@@ -1,8 +1,9 @@
 """The example configs, shipped with the package, and ``reinforge init``, which writes them into a folder.
 
 ``reinforge init`` writes every example into ``./examples``; ``reinforge init retool DIR`` writes one
-(with the files it needs: ReTool's tool config) into ``DIR``. A config names the tool config by a path
-relative to the working directory, so the copy written names the copy of the tool config written beside it.
+(with the files it needs: ReTool's tool config, the reward model's and DPO's sample pairs) into ``DIR``. A config
+names those files by paths relative to the working directory, so the copy written names the copies written beside
+it.
 A file already there is kept unless ``--force``: a config a user edited is never written over.
 """
 
@@ -20,8 +21,13 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "dapo_gsm8k": ("dapo_gsm8k.yaml",),
     "ppo_gsm8k": ("ppo_gsm8k.yaml",),
     "retool": ("retool.yaml", "retool_tools.yaml"),
+    "rm": ("rm.yaml", "preference_pairs.jsonl", "preference_pairs_val.jsonl"),
+    "dpo": ("dpo.yaml", "preference_pairs.jsonl", "preference_pairs_val.jsonl"),
 }
 """An example's name -> its files in this folder, the config first."""
+
+COMMANDS: dict[str, str] = {"rm": "rm", "dpo": "dpo"}
+"""The reinforge command that runs an example's config, where it is not ``train``."""
 
 SHIPPED_FOLDER = "examples"
 """The folder the shipped configs' relative paths assume (``tool_config_path: examples/retool_tools.yaml``)."""
@@ -45,7 +51,7 @@ def write_examples(names: list[str], folder: Path, force: bool = False) -> list[
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder} is a file, not a folder; reinforge init writes the examples into a folder: "
                               "give another one")
-    files = [name for example in names for name in EXAMPLES[example]]
+    files = list(dict.fromkeys(name for example in names for name in EXAMPLES[example]))  # rm and dpo share pairs
     present = [folder / name for name in files if (folder / name).exists()]
     if present and not force:
         raise FileExistsError(f"{', '.join(str(path) for path in present)} already exist(s); reinforge init keeps "
@@ -64,7 +70,7 @@ def init_main(argv: list[str]) -> int:
     """``reinforge init [NAME|all] [DIR] [--force]``."""
     parser = argparse.ArgumentParser(
         prog="reinforge init", description="Write the example configs (GRPO, DAPO, PPO on GSM8K; the ReTool recipe "
-        "with its tool config) into a folder, to train with or start from.")
+        "with its tool config; a reward model and DPO on sample pairs) into a folder, to train with or start from.")
     parser.add_argument("name", nargs="?", default="all", help=f"one of {', '.join(EXAMPLES)}, or all (default)")
     parser.add_argument("folder", nargs="?", default=SHIPPED_FOLDER, help="where to write them (default: examples)")
     parser.add_argument("--force", action="store_true", help="write over files already there")
@@ -77,5 +83,7 @@ def init_main(argv: list[str]) -> int:
     for path in write_examples(names, folder, args.force):
         print(f"wrote {path}")
     config = folder / EXAMPLES[names[0]][0]
-    print(f"next: reinforge train {config.as_posix()} model.path=... data.train_files=[...] (see the file's comments)")
+    command = COMMANDS.get(names[0], "train")
+    data = " data.train_files=[...]" if command == "train" else ""  # the preference starters name their sample pairs
+    print(f"next: reinforge {command} {config.as_posix()} model.path=...{data} (see the file's comments)")
     return 0

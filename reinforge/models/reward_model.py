@@ -34,6 +34,15 @@ HEADS = {"ForSequenceClassification": AutoModelForSequenceClassification,
 """The ending of an architecture's name in config.json and the Auto class that loads it."""
 
 
+def classifier_auto_class(config) -> type | None:
+    """The Auto class (``HEADS``) of the classifier ``config``'s architectures name, None for another model."""
+    for name in getattr(config, "architectures", None) or []:
+        for ending, auto_class in HEADS.items():
+            if name.endswith(ending):
+                return auto_class
+    return None
+
+
 def without_trailing_padding(ids: list[int], pad_token_id: int | None, keep: int = 1) -> list[int]:
     """``ids`` without the tokens at its end that are ``pad_token_id``, ``keep`` tokens at least.
 

@@ -1,13 +1,14 @@
 """``reinforge rm``: a Bradley-Terry reward model trained on chosen/rejected pairs.
 
 The model is transformers' ``AutoModelForSequenceClassification`` with one label, loaded from ``model.path``:
-a causal LM gets a new ``score`` head (seeded by ``trainer.seed``), a classification model keeps its own. Its
+a causal LM gets a new ``score`` head (seeded by ``trainer.seed``), a sequence classifier keeps its own, and a token
+classifier (``AutoModelForTokenClassification``, verl's reward models) stays one, with its head's bias. Its
 reward for a sequence is the head at the sequence's last token (EOS included), where the reward-model worker
-of ``reinforge train`` reads it. As transformers' class reads it, that token is the last one that is not the pad token:
-a completion ending in it (an EOS, where the tokenizer has no pad token of its own and pads with its EOS) is read
-at the token before, so the exported folder scores as training did (``without_trailing_padding``; one line says
-how many). Both completions of a pair go through one packed forward that computes their
-prompt once. The model is made ready as DPO's policy is (``preference.models``: float32 master weights, FSDP2
+of ``reinforge train`` reads it. As transformers' sequence classifier reads it, that token is the last one that is not
+the pad token: a completion ending in it (an EOS, where the tokenizer has no pad token of its own and pads with its EOS)
+is read at the token before, so the exported folder scores as training did (``without_trailing_padding``; one line
+says how many); a token classifier's is read at the last token, padding or not. Both completions of a pair go
+through one packed forward that computes their prompt once. The model is made ready as DPO's policy is (``preference.models``: float32 master weights, FSDP2
 computing in ``model.dtype`` with the backbone and the head as root units, fused kernels and compiled decoder
 layers on CUDA, ``model.gradient_checkpointing``; ``model.lora`` trains adapters and the whole score head, the
 base frozen in the compute dtype), on one device or on every rank of a torchrun group (``preference.ranks``). The loss is ``algorithms.preference_losses.bradley_terry_loss`` (margins from the data's
@@ -16,13 +17,18 @@ base frozen in the compute dtype), on one device or on every rank of a torchrun 
 Metrics (TRL's RewardTrainer's names): ``accuracy`` (the share of pairs whose chosen completion scores higher),
 ``margin`` (the mean r_chosen - r_rejected), ``min_reward``, ``mean_reward``, ``max_reward`` and
 ``num_tokens`` (tokens put through the model so far), with ``eval_`` before each on the validation pairs, and
-``train/loss``, ``train/lr``, ``train/grad_norm``. Every checkpoint's ``hf/`` folder is a standard
-sequence-classification folder (``num_labels=1``, ``pad_token_id`` set; with LoRA the adapters merged in) that
+``train/loss``, ``train/lr``, ``train/grad_norm``; a mixture of experts logs its routers' load-balancing loss,
+``train/moe/aux_loss`` (transformers' ``output_router_logits`` loss over the pairs' padded rows), which joins the loss
+times the model config's ``router_aux_loss_coef`` where its ``output_router_logits`` asks, as TRL's RewardTrainer adds
+the model's aux loss. Every checkpoint's ``hf/`` folder is a standard
+sequence-classification folder (a token-classification one for a token classifier; ``num_labels=1``,
+``pad_token_id`` set; with LoRA the adapters merged in) that
 ``reward.reward_model.model_path`` loads, and ``reinforge export`` writes the same from the trainer state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -30,13 +36,14 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
-from reinforge.engine.forward import last_token_scores
+from reinforge.engine.forward import last_token_scores, routed_token_weights
+from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
 from reinforge.models.loading import (
     check_model_folder,
     hub_errors_explained,
@@ -44,7 +51,7 @@ from reinforge.models.loading import (
     read_model_config,
     sdpa_or_eager,
 )
-from reinforge.models.reward_model import without_trailing_padding
+from reinforge.models.reward_model import classifier_auto_class, without_trailing_padding
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -56,29 +63,43 @@ logger = logging.getLogger(__name__)
 def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote_code: bool = False,
                                    attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
                                    device: torch.device | str = "cpu") -> nn.Module:
-    """A one-label sequence classifier from ``path`` (a causal LM gets a new score head) in ``dtype``, with the
-    tokenizer's pad id in its config (transformers' own forward pools the last token that is not padding)."""
+    """A one-label classifier from ``path`` in ``dtype`` (``trained_head_class``: a token classifier stays one, its
+    score head's bias with it; a causal LM gets a new score head), with the tokenizer's pad id in its config
+    (transformers' sequence classifier pools the last token that is not padding)."""
+    model_class = trained_head_class(path, trust_remote_code)
     if is_local_path(path):
-        check_model_folder(path)
-        attn_implementation = _classifier_attention(path, trust_remote_code, attn_implementation)
+        attn_implementation = _classifier_attention(path, trust_remote_code, attn_implementation, model_class)
     with hub_errors_explained(path):
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
-            attn_implementation=attn_implementation)
+        model = model_class.from_pretrained(path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
+                                            attn_implementation=attn_implementation)
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ValueError(f"model.path={path} loads as {type(model).__name__}, whose head is not a linear layer named "
-                         "'score'; reinforge rm trains transformers' sequence-classification classes")
+                         "'score'; reinforge rm trains transformers' sequence- and token-classification classes")
     model.score.float()  # a new head starts in float32 (its master weights), whatever the backbone's dtype
     model.config.pad_token_id = pad_token_id
     model.config.use_cache = False
     return model.to(device)
 
 
-def _classifier_attention(path: str, trust_remote_code: bool, attn_implementation: str) -> str:
-    """The attention implementation transformers' sequence classifier of the model at ``path`` runs (``sdpa`` becomes
-    ``eager`` for a class without SDPA, MPT's); a family without such a class, or a classifier of several labels,
-    is refused in one line, before any weight loads."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+def trained_head_class(path: str, trust_remote_code: bool = False) -> type:
+    """The Auto class ``reinforge rm`` loads ``path`` with: ``AutoModelForTokenClassification`` for a token classifier
+    (verl's reward models, whose score head has a bias that the sequence classifier's lacks), else
+    ``AutoModelForSequenceClassification`` (a sequence classifier, or a causal LM under a new head)."""
+    if is_local_path(path):
+        check_model_folder(path)
+    with hub_errors_explained(path):
+        config = read_model_config(path, trust_remote_code)
+    return classifier_auto_class(config) or AutoModelForSequenceClassification
+
+
+def _classifier_attention(path: str, trust_remote_code: bool, attn_implementation: str, model_class: type) -> str:
+    """The attention implementation the classifier of the model at ``path`` runs (``model_class``, an Auto class;
+    ``sdpa`` becomes ``eager`` for a class without SDPA, MPT's); a family without such a class, or a classifier of
+    several labels, is refused in one line, before any weight loads."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+        MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    )
 
     config = read_model_config(path, trust_remote_code)
     heads = [name for name in getattr(config, "architectures", None) or []
@@ -89,13 +110,15 @@ def _classifier_attention(path: str, trust_remote_code: bool, attn_implementatio
                          "num_labels=1")
     if trust_remote_code and getattr(config, "auto_map", None):
         return attn_implementation  # the folder's own code decides
-    model_class = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING.get(type(config), None)
-    if model_class is None:
+    token = model_class is AutoModelForTokenClassification
+    mapping = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING if token else MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    classifier = mapping.get(type(config), None)
+    if classifier is None:
         raise ValueError(f"model.path={path} is a {config.model_type!r} model, for which transformers has no "
-                         "sequence-classification class (AutoModelForSequenceClassification); reinforge rm trains "
-                         "a one-label head on that class, so start from a model of a family that has one (Llama, "
-                         "Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
-    return sdpa_or_eager(model_class, attn_implementation, config)
+                         f"{'token' if token else 'sequence'}-classification class ({model_class.__name__}); "
+                         "reinforge rm trains a one-label head on that class, so start from a model of a family that "
+                         "has one (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
+    return sdpa_or_eager(classifier, attn_implementation, config)
 
 
 class RewardModelTrainer(PreferenceRun):
@@ -104,10 +127,17 @@ class RewardModelTrainer(PreferenceRun):
     def __init__(self, config: RMConfig):
         self.num_tokens = 0.0
         self.peft_model: nn.Module | None = None
+        self.router_recorder: RouterRecorder | None = None
+        self.router_aux_loss_coef = 0.0
+        """A mixture of experts: the routers' load-balancing loss joins the reward loss with the model config's
+        router_aux_loss_coef where its output_router_logits asks for it (as TRL's RewardTrainer adds it)."""
         super().__init__(config)
 
     def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
         dataset = super()._dataset(files, split, max_samples)
+        model = self.config.model
+        if trained_head_class(model.path, model.trust_remote_code) is AutoModelForTokenClassification:
+            return dataset  # a token classifier's reward is its head at the last token, padding or not (the worker's)
         dataset.pairs, num_cut = read_where_the_classifier_reads(dataset.pairs, self.pad_token_id)
         if num_cut:
             logger.info("%s data: %d completions end in the pad token %r, which transformers' sequence classifier "
@@ -123,6 +153,10 @@ class RewardModelTrainer(PreferenceRun):
                                                attn_implementation=model_config.attn_implementation,
                                                dtype=load_dtype(model_config, self.device), device=self.device)
         self.model_class = type(model)  # before sharding wraps the class
+        self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
+        if moe_line:
+            logger.info(moe_line)
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, None)
         # the packed forward calls the backbone and the head apart (engine.forward.last_token_scores)
         self.peft_model = prepare_trained_model(model, model_config, self.device, seed=self.config.trainer.seed,
                                                 head="score", roots=[model.base_model, model.score],
@@ -130,8 +164,8 @@ class RewardModelTrainer(PreferenceRun):
         return model
 
     def write_checkpoint(self, folder: Path) -> None:
-        """actor_state.pt and hf/, a sequence-classification folder (with LoRA: the adapters merged in, the score
-        head as trained, and adapter/ beside it with the adapters alone)."""
+        """actor_state.pt and hf/, a folder of the trained classifier's class (with LoRA: the adapters merged in, the
+        score head as trained, and adapter/ beside it with the adapters alone)."""
         save_training_state(folder, self.model, self.optimizer, self.scheduler)
         save_sharded_hf_folder(self.model, self.model_class, self.tokenizer, folder / "hf",
                                dtype=compute_dtype(self.device, self.config.model.dtype),
@@ -147,16 +181,28 @@ class RewardModelTrainer(PreferenceRun):
         update, micro_batches = self.update(batch)
         tally = PairValues()
         coefficient = self.config.rm.center_rewards_coefficient
+        recorder = self.router_recorder
         for micro, counts in micro_batches:
-            chosen, rejected, weights = self._pair_rewards(micro)
+            with recorder.recording_forward() if recorder else contextlib.nullcontext():
+                chosen, rejected, weights = self._pair_rewards(micro)
             losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
             loss = (losses * weights).sum() / (counts.num_sequences / 2)
-            update.backward(loss, {"preference_loss": loss})
+            step_metrics = {"preference_loss": loss}
+            router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
+                                    token_weights=routed_token_weights(self.model.base_model, micro))
+                      if recorder else None)
+            if router is not None:  # this micro-batch's share of the mini-batch's pairs: the shares add up to 1
+                aux_loss = router.aux_loss * (weights.sum() / (counts.num_sequences / 2))
+                step_metrics["moe/aux_loss"] = aux_loss.detach()
+                if self.router_aux_loss_coef:
+                    loss = loss + self.router_aux_loss_coef * aux_loss
+            update.backward(loss, step_metrics)
             tally.add(weights > 0, chosen=chosen, rejected=rejected)
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
         values = tally.gathered()
         return {**reward_metrics(values["chosen"], values["rejected"]), "num_tokens": self.num_tokens,
+                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"]} if "train/moe/aux_loss" in metrics else {}),
                 "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}

@@ -249,13 +249,19 @@ def test_a_family_without_a_sequence_classifier_is_refused_in_one_line(pair_args
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_tokenizer_padding_with_its_eos_trains_the_reward_transformers_classifier_reads(pair_args, tmp_path):
+@pytest.mark.parametrize("head", ["sequence", "token"])
+def test_a_tokenizer_padding_with_its_eos_trains_the_reward_transformers_classifier_reads(pair_args, tmp_path, head):
     """A tokenizer without a pad token pads with its EOS, which ends every plain completion: transformers' sequence
     classifier reads the score at the last token that is not padding, so training reads it there too, and the
-    exported folder scores each pair as training did."""
-    from reinforge.models import save_tiny_model
+    exported folder scores each pair as training did. A token classifier scores every token, and its reward is the
+    last token's, the EOS, as the reward-model worker and verl read it."""
+    from transformers import AutoModelForTokenClassification, Qwen2ForTokenClassification
 
-    model_dir = save_tiny_model(tmp_path / "model")
+    from reinforge.models import save_tiny_model
+    from tests.workers.test_reward_model import save_tiny_reward_model
+
+    model_dir = (save_tiny_model(tmp_path / "model") if head == "sequence"
+                 else save_tiny_reward_model(tmp_path / "model", Qwen2ForTokenClassification))
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"pad_token": None}))
     pairs = tmp_path / "plain.jsonl"
@@ -265,16 +271,18 @@ def test_a_tokenizer_padding_with_its_eos_trains_the_reward_transformers_classif
         "model.path": model_dir, "data.train_files": f"[{pairs}]", "trainer.total_steps": 1, "optim.lr": 0.05}))
     trainer = RewardModelTrainer(config)
     trainer.fit()
-    tokenizer = AutoTokenizer.from_pretrained(latest_checkpoint(tmp_path / "run") / "hf")
-    classifier = AutoModelForSequenceClassification.from_pretrained(latest_checkpoint(tmp_path / "run") / "hf").eval()
+    folder = latest_checkpoint(tmp_path / "run") / "hf"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    auto_class = AutoModelForSequenceClassification if head == "sequence" else AutoModelForTokenClassification
+    classifier = auto_class.from_pretrained(folder).eval()
     assert classifier.config.pad_token_id == tokenizer.eos_token_id
     with torch.no_grad():
         trained = trainer.score_pairs(trainer.model, PairLoader(trainer.train_set.pairs[:2], 2, 0, shuffle=False),
                                       _row_rewards)
         texts = [f"Q{index}: yes?{completion}{tokenizer.eos_token}" for index in range(2)
                  for completion in (" yes", " no, sorry")]
-        exported = [classifier(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits[0, 0]
-                    for text in texts]
+        exported = [classifier(**tokenizer(text, add_special_tokens=False, return_tensors="pt")).logits.reshape(-1)[-1]
+                    for text in texts]  # a token classifier's at the last token
     torch.testing.assert_close(trained.reshape(-1), torch.stack(exported), atol=1e-5, rtol=1e-5)
 
 
@@ -294,3 +302,98 @@ def test_a_classifier_of_several_labels_is_refused_in_one_line_before_it_loads(p
     assert line == (f"error: model.path={folder} is a Qwen2ForSequenceClassification with num_labels=2; reinforge rm "
                     "trains a head of one label, so start from the causal LM it was made from, or from a classifier "
                     "with num_labels=1")
+
+
+@pytest.mark.parametrize("start", ["token_classifier", "sequence_classifier", "causal_lm"])
+def test_rm_continues_from_a_classifier_as_its_own_class_and_exports_that_class(pair_args, tiny_model_dir, tmp_path,
+                                                                                  start):
+    """A token classifier (verl's reward models) keeps its score head's bias: the first reward is the folder's own
+    class's output at the last token, the bias trains (by the centring term), and the checkpoint and `reinforge export` write a token
+    classifier that scores as training did. A sequence classifier continues as one; a causal LM gets a new head."""
+    from transformers import (
+        AutoModelForTokenClassification,
+        Qwen2ForSequenceClassification,
+        Qwen2ForTokenClassification,
+    )
+
+    from tests.workers.test_reward_model import save_tiny_reward_model
+
+    heads = {"token_classifier": Qwen2ForTokenClassification, "sequence_classifier": Qwen2ForSequenceClassification}
+    folder = save_tiny_reward_model(tmp_path / start, heads[start]) if start in heads else tiny_model_dir
+    auto_class = AutoModelForTokenClassification if start == "token_classifier" else AutoModelForSequenceClassification
+    run_dir = tmp_path / "run"
+    # the bias cancels from r_chosen - r_rejected: only the centring term (no weight decay here) moves it
+    settings = {"model.path": folder, "optim.lr": 1e-2, "optim.weight_decay": 0, "rm.center_rewards_coefficient": 0.1}
+    trainer = RewardModelTrainer(load_rm_config(None, pair_args(run_dir, **settings)))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch, padded = a_packed_pair_and_its_padded_rows(tokenizer)
+    last = padded["attention_mask"].sum(-1) - 1
+
+    def own_scores(model) -> torch.Tensor:
+        """transformers' own forward of ``model``'s class: a token classifier read at each row's last token."""
+        logits = model(**padded).logits
+        return logits[torch.arange(2), last, 0] if logits.dim() == 3 else logits[:, 0]
+
+    with torch.no_grad():
+        first = last_token_scores(trainer.model, batch).squeeze(-1)
+        if start in heads:
+            torch.testing.assert_close(first, own_scores(auto_class.from_pretrained(folder).eval()),
+                                       atol=1e-5, rtol=1e-5)
+    trainer.fit()
+    trainer.model.eval()
+    if start == "token_classifier":
+        assert float(trainer.model.score.bias.detach()) != pytest.approx(0.25)  # trained
+    saved = latest_checkpoint(run_dir) / "hf"
+    exported = tmp_path / "exported"
+    assert main(["export", str(run_dir), str(exported)]) == 0
+    with torch.no_grad():
+        trained = last_token_scores(trainer.model, batch).squeeze(-1)
+        for out in (saved, exported):
+            assert AutoConfig.from_pretrained(out).architectures == [
+                "Qwen2ForTokenClassification" if start == "token_classifier" else "Qwen2ForSequenceClassification"]
+            torch.testing.assert_close(own_scores(auto_class.from_pretrained(out).eval()), trained,
+                                       atol=1e-5, rtol=1e-5)
+            worker_model = load_reward_model(str(out), dtype=torch.float32, device="cpu")
+            torch.testing.assert_close(own_scores(worker_model), trained, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
+    """As TRL's RewardTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
+    load-balancing loss to the reward loss (its gradient with it); the aux loss is logged either way."""
+    from reinforge.models.tiny import save_tiny_model
+
+    firsts = {}
+    for asks in (True, False):
+        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+                                    output_router_logits=asks, router_aux_loss_coef=0.5)
+        assert main(["rm", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
+                                                                   "trainer.total_steps": 1})]) == 0
+        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+    for first in firsts.values():
+        assert first["train/moe/aux_loss"] > 0
+    assert firsts[True]["train/loss"] == pytest.approx(firsts[False]["train/loss"], rel=1e-6)  # the same new head
+    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+
+
+def test_the_recorded_aux_loss_is_transformers_own_over_the_padded_pairs(pair_args, tmp_path):
+    """The packed pair runs its prompt once; the routers' statistics count it once for each completion, as the causal
+    LM's own aux loss over the two padded rows does."""
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.engine.forward import routed_token_weights
+    from reinforge.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=2, output_router_logits=True)
+    trainer = RewardModelTrainer(load_rm_config(None, pair_args(tmp_path / "run", **{"model.path": model_dir})))
+    micro = next(trainer.micro_batches(next(iter(trainer.train_loader.batches_of_one_pass()))))
+    recorder = trainer.router_recorder
+    with torch.no_grad():
+        with recorder.recording_forward():
+            trainer._pair_rewards(micro)
+        recorded = recorder.take(with_grad=False, token_weights=routed_token_weights(trainer.model.base_model, micro))
+        causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        mask = micro["attention_mask"]
+        padded = causal_lm(input_ids=micro["input_ids"], attention_mask=mask, output_router_logits=True,
+                           position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False)
+    assert float(recorded.aux_loss) == pytest.approx(float(padded.aux_loss), rel=1e-5)
