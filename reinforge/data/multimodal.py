@@ -14,9 +14,9 @@ Two formats are read, for RL prompts and SFT conversations alike:
 ``data.image_key`` names another column to read the images from (then only that one, and a row
 without it is refused naming the key).
 
-Every image is opened when the dataset is built: a missing file, bytes that are no image and a
-count of images that differs from the count of placeholders each raise one line naming the row,
-before any model loads. The processor (``AutoProcessor``) renders nothing itself: the chat
+Every image is opened when the dataset is built: a missing file, bytes that are no image, a null
+entry in a list of images (a null or empty column is a text-only row) and a count of images that
+differs from the count of placeholders each raise one line naming the row, before any model loads. The processor (``AutoProcessor``) renders nothing itself: the chat
 template renders the messages (image parts become the model's vision tokens), and the processor
 expands each image's pad token to the image's number of merged patches and tokenizes; the prompt's
 token ids are those, never text re-tokenized later. A dataset keeps each row's image *sources*,
@@ -51,7 +51,10 @@ IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data
 
 def row_image_sources(row: dict[str, Any], image_key: str | None = None, where: str = "the row") -> list[Any]:
     """The row's images as given: the ``image_key`` column (data.image_key), or without one the ``images`` column,
-    else ``image``; [] when it has none. A row that lacks a named column raises one line naming the key."""
+    else ``image``; [] when it has none (a null column, or an empty list: a text-only row). A row that lacks a named
+    column, and a null entry in a list of images (each entry stands for the image of one placeholder, in order:
+    dropping it would give every later placeholder the image meant for the next one), raise one line naming the
+    row and the column."""
     if image_key is not None and image_key not in row:
         columns = ", ".join(sorted(map(str, row))) or "none"
         raise ValueError(f"{where} has no {image_key!r} column (data.image_key); this row has: {columns}; set "
@@ -61,7 +64,13 @@ def row_image_sources(row: dict[str, Any], image_key: str | None = None, where: 
         if value is None:
             continue
         if isinstance(value, list | tuple) or (hasattr(value, "tolist") and not hasattr(value, "convert")):
-            return [item for item in list(value) if item is not None]
+            images = list(value)
+            missing = [number for number, item in enumerate(images) if item is None]
+            if missing:
+                raise ValueError(f"{where}, column {column!r}: image {missing[0]} of {len(images)} is null, and each "
+                                 "entry is the image of one placeholder, in order; give its image, or drop the entry "
+                                 "and its placeholder")
+            return images
         return [value]
     return []
 

@@ -97,6 +97,10 @@ def test_images_without_placeholders_open_the_first_user_message():
      r"row 0 of .*image 0 sets max_pixels, which reinforge does not apply per image"),
     ({**verl_row([png((1, 2, 3))]), "prompt": "a string prompt without placeholder"},
      r"has 1 image\(s\) but 0 image placeholder"),
+    (verl_row([png((1, 2, 3)), None], text="<image> and <image>"),
+     r"^row 0 of .*, column 'images': image 1 of 2 is null, and each entry is the image of one placeholder"),
+    ({**trl_row(None), "image": None, "images": [None, png((1, 2, 3))]},
+     r"^row 0 of .*, column 'images': image 0 of 2 is null"),
 ])
 def test_broken_rows_fail_at_load_naming_the_row(tmp_path, processor, row, message):
     path = tmp_path / "train.parquet"
@@ -183,6 +187,22 @@ def test_sft_conversations_with_images_expand_pads_untrained(tmp_path, processor
     assert batch[MULTI_MODAL_KEY][0]["image_grid_thw"].tolist() == [[1, 4, 4]]
     with pytest.raises(ValueError, match="cannot pack conversations with images"):
         pack_examples(dataset.examples, 256)
+
+
+def test_sft_refuses_a_null_image_and_keeps_text_only_rows(tmp_path, processor):
+    """A null entry of a conversation's images would give each later image to the placeholder before it (with no
+    placeholder, as TRL's rows have, nothing else would notice); a null or empty column is a text-only row."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    conversation = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "3"}]
+    path = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": conversation, "images": []},
+                                         {"messages": conversation, "images": None}]), path)
+    dataset = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
+    assert [example.images for example in dataset.examples] == [(), ()]
+    pq.write_table(pa.Table.from_pylist([{"messages": conversation, "images": [None, png((255, 0, 0))]}]), path)
+    with pytest.raises(ValueError, match=r"^row 0 of .*, column 'images': image 0 of 2 is null"):
+        SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
 
 
 def vlm_run(tmp_path, rows: list[dict]) -> list[str]:
