@@ -1,3 +1,4 @@
+import base64
 import io
 import json
 
@@ -79,6 +80,89 @@ def test_trl_conversations_with_image_parts_and_extra_columns(tmp_path, processo
     assert dataset[0].prompt_ids.count(processor.image_token_id) == 4
     assert dataset[0].columns["answer"] == "2"  # a scorer's extra column, as for text rows
     assert dataset[0].images == (str(image_file),)
+
+
+def data_uri(data: bytes, header="data:image/png;base64,") -> str:
+    return header + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("form", [
+    lambda file: {"bytes": png((255, 0, 0)), "path": "/no/such/file.png"},  # datasets' struct: its bytes first
+    lambda file: {"image": str(file)},  # verl's and qwen_vl_utils'
+    lambda file: {"image": png((255, 0, 0))},
+    lambda file: {"type": "image", "image": f"file://{file}"},
+    lambda file: {"image_url": {"url": data_uri(png((255, 0, 0)))}},
+    lambda file: {"type": "image_url", "image_url": str(file)},
+    lambda file: data_uri(png((255, 0, 0)), "data:image;base64,"),
+], ids=["datasets-struct", "verl-path", "verl-bytes", "part-file-uri", "openai-data-uri", "image-url-path",
+        "qwen-data-uri"])
+def test_an_image_column_takes_verl_trl_and_openai_dicts(tmp_path, processor, form):
+    file = tmp_path / "red.png"
+    file.write_bytes(png((255, 0, 0)))
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([form(file)])]), path)
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    expected = processor.image_processor(images=[Image.new("RGB", (32, 32), (255, 0, 0))], return_tensors="pt")
+    assert dataset[0].prompt_ids.count(processor.image_token_id) == 4
+    torch.testing.assert_close(dataset.image_inputs(dataset[0])["pixel_values"], expected["pixel_values"])
+
+
+def test_a_dict_holding_a_pil_image_is_read():
+    from reinforge.data.multimodal import load_image
+
+    image = load_image({"image": Image.new("RGBA", (8, 8), (0, 0, 255, 255))}, "row 0", 0)
+    assert image.mode == "RGB" and image.getpixel((0, 0)) == (0, 0, 255)
+
+
+def part_images_prompt(file) -> list[dict]:
+    """Qwen's and OpenAI's messages: each image inside its content part."""
+    return [{"role": "user", "content": [{"type": "image", "image": str(file)}, {"type": "text", "text": "and"},
+                                         {"type": "image_url", "image_url": {"url": data_uri(png((0, 255, 0)))}},
+                                         {"type": "text", "text": "How many?"}]}]
+
+
+def test_images_held_by_content_parts_are_the_rows_images(tmp_path, processor):
+    """In parquet the text parts gain a null 'image' key (a struct has every part's keys), which a chat template
+    asking ``'image' in part`` would render as an image."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    file = tmp_path / "red.png"
+    file.write_bytes(png((255, 0, 0)))
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": part_images_prompt(file)}]), path)
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    images = [Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 255, 0))]
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                      {"type": "text", "text": "How many?"}]}], add_generation_prompt=True,
+        tokenize=False)
+    expected = processor(text=[text], images=images, return_tensors="pt")
+    assert dataset[0].prompt_ids == expected["input_ids"][0].tolist()
+    assert dataset[0].raw_prompt[0]["content"][0] == {"type": "image"}  # the bytes stay out of the logged prompt
+    torch.testing.assert_close(dataset.image_inputs(dataset[0])["pixel_values"], expected["pixel_values"])
+
+    messages = [*part_images_prompt(file), {"role": "assistant", "content": [{"type": "text", "text": "2"}]}]
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}]), path)
+    example = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor).examples[0]
+    assert example.input_ids.count(processor.image_token_id) == 8 and len(example.images) == 2
+
+
+@pytest.mark.parametrize("row, message", [
+    (verl_row([{"caption": "a red square"}]),
+     r"^row 0 of .*, column 'images': image 0 is a dict with 'caption' and no image; give each image as encoded "
+     r"bytes, .*\{'image': ...\}"),
+    (verl_row(["https://example.com/red.png"]),
+     r"^row 0 of .*, column 'images': image 0 is the web address https://example.com/red.png, and reinforge "
+     "downloads nothing"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "red.png"}]}], "images": [png((1, 2, 3))]},
+     r"^row 0 of .* has 1 image\(s\) in the content parts of its 'prompt' and 1 in its 'images' column; give each "
+     "image once"),
+])
+def test_an_image_dict_without_an_image_is_one_line(tmp_path, processor, row, message):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    with pytest.raises(ValueError, match=message):
+        RLDataset(path, processor.tokenizer, config(), processor=processor)
 
 
 def test_images_without_placeholders_open_the_first_user_message():
