@@ -49,7 +49,8 @@ IMAGE_PLACEHOLDER = "<image>"
 """verl's image placeholder in a prompt's text."""
 IMAGE_COLUMNS = ("images", "image")
 RESIZE_KEYS = frozenset({"min_pixels", "max_pixels", "resized_height", "resized_width"})
-"""Per-image resize settings of verl's rows (qwen_vl_utils' fetch_image reads them), which reinforge refuses."""
+"""Per-image resize settings of verl's rows (qwen_vl_utils' fetch_image reads them), which reinforge refuses: one
+pair of data.min_pixels and data.max_pixels resizes every image of a run."""
 IMAGE_FORMS = ("encoded bytes, a PIL image, a file path, a data:image/...;base64 URI, or a dict holding one as "
                "{'bytes': ..., 'path': ...}, {'image': ...} or {'image_url': {'url': ...}}")
 IMAGE_SOURCE_KEYS = ("bytes", "path", "image", "image_url", "url")
@@ -146,9 +147,9 @@ def load_image(source: Any, where: str, number: int):
     resizes = sorted(RESIZE_KEYS.intersection(source)) if isinstance(source, dict) else []
     if any(source[key] is not None for key in resizes):
         raise ValueError(f"{where}: image {number} sets {', '.join(resizes)}, which reinforge does not apply per image "
-                         "(verl's qwen_vl_utils does); the model's processor resizes every image to its own min_pixels "
-                         "and max_pixels (the model folder's preprocessor_config.json): drop these keys, or resize the "
-                         "image before storing it")
+                         "(verl's qwen_vl_utils does); the processor resizes every image within data.min_pixels and "
+                         "data.max_pixels (unset: the model folder's preprocessor_config.json): drop these keys and set "
+                         "those, or resize the image before storing it")
     given = unwrapped_image(source)
     if given is None:
         keys = ", ".join(repr(key) for key, value in source.items() if value is not None) or "only null values"

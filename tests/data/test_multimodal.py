@@ -330,3 +330,66 @@ def test_a_vision_language_runs_memory_plan_counts_the_image_tokens_of_its_rows(
     assert given.data.max_image_tokens == 20
     with pytest.raises(ValueError, match=r"row 1 of .* has 16 image tokens, more than data.max_image_tokens=8"):
         preflight(load_config(None, [*overrides, "rollout.n=2", "data.max_image_tokens=8"]))
+
+
+def test_data_max_pixels_resizes_the_images_of_prompts_rollouts_and_tools_alike(tmp_path):
+    """A 64 x 64 image is 16 image tokens of the tiny processor; under data.max_pixels=1024 it is scaled to 32 x 32,
+    4 tokens, in the prompt's ids, in the pixels the batch carries to the rollout and the training passes, and in
+    the rollout's processor of tool images."""
+    from reinforge.config import load_config
+    from reinforge.trainer.preflight import preflight
+    from reinforge.workers.rollout_side import _vision_processor
+
+    overrides = [*vlm_run(tmp_path, [verl_row([png((1, 2, 3), size=(64, 64))])] * 4), "rollout.n=2"]
+    default = load_config(None, overrides)
+    preflight(default)
+    assert default.data.max_image_tokens == 16
+    bounded = load_config(None, [*overrides, "data.max_pixels=1024"])
+    train_set = preflight(bounded).train_set
+    assert bounded.data.max_image_tokens == 4
+    assert train_set[0].prompt_ids.count(train_set.processor.image_token_id) == 4
+    assert train_set.image_inputs(train_set[0])["image_grid_thw"].tolist() == [[1, 4, 4]]
+    tool_images = _vision_processor(bounded).image_processor(images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+    assert tool_images["image_grid_thw"].tolist() == [[1, 4, 4]]
+    raised = preflight(load_config(None, [*overrides, "data.min_pixels=4096"])).train_set.processor
+    small = raised.image_processor(images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+    assert small["image_grid_thw"].tolist() == [[1, 8, 8]]  # 32 x 32 scaled up to 64 x 64
+    with pytest.raises(ValueError, match=r"^data.max_pixels=100 is below the min_pixels=256 of .*vlm \(its "
+                                         r"preprocessor_config.json\), so no image size fits both; set "
+                                         "data.min_pixels to at most 100 too"):
+        preflight(load_config(None, [*overrides, "data.max_pixels=100"]))
+
+
+def test_sft_data_max_pixels_reaches_its_processor(tmp_path):
+    from reinforge.config.loader import load_sft_config
+    from reinforge.data.sft_dataset import SFTDataset
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.models.vision import run_processor
+
+    model = save_tiny_vlm(tmp_path / "vlm")
+    path = tmp_path / "sft.parquet"
+    rows = [{"messages": [{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "3"}],
+             "images": [png((255, 0, 0), size=(64, 64))]}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    counts = []
+    for overrides in ([], ["data.max_pixels=1024"]):
+        config = load_sft_config(None, [f"model.path={model}", f"data.train_files=[{path}]", *overrides])
+        processor = run_processor(config.model, config.data)
+        example = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor).examples[0]
+        counts.append(example.input_ids.count(processor.image_token_id))
+    assert counts == [16, 4]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.max_pixels=0"], r"^data.max_pixels=0 is not a positive whole number of pixels; give one"),
+    (["data.min_pixels=-4"], r"^data.min_pixels=-4 is not a positive whole number of pixels"),
+    (["data.min_pixels=2048", "data.max_pixels=1024"],
+     r"^data.min_pixels=2048 is more than data.max_pixels=1024; an image cannot be resized to both"),
+])
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_pixel_bounds_are_checked_as_the_config_loads(overrides, message, command):
+    from reinforge.config import ConfigError, load_config
+    from reinforge.config.loader import load_sft_config
+
+    with pytest.raises(ConfigError, match=message):
+        (load_config if command == "train" else load_sft_config)(None, overrides)
