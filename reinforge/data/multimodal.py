@@ -19,10 +19,12 @@ without it is refused naming the key).
 
 Every image is opened when the dataset is built: a missing file, bytes that are no image, a null
 entry in a list of images (a null or empty column is a text-only row) and a count of images that
-differs from the count of placeholders each raise one line naming the row, before any model loads. The processor (``AutoProcessor``) renders nothing itself: the chat
-template renders the messages (image parts become the model's vision tokens), and the processor
-expands each image's pad token to the image's number of merged patches and tokenizes; the prompt's
-token ids are those, never text re-tokenized later. A dataset keeps each row's image *sources*,
+differs from the count of placeholders each raise one line naming the row, before any model loads.
+The processor (``AutoProcessor``) renders nothing itself: the chat template renders the messages
+(image parts become the model's vision tokens), and the processor resizes each image within its
+pixel bounds (data.min_pixels, data.max_pixels: ``models.vision.set_pixel_bounds``), expands its
+pad token to the image's number of merged patches and tokenizes; the prompt's token ids are those,
+never text re-tokenized later. A dataset keeps each row's image *sources*,
 not pixels (a 448 x 448 image is 4.8 MB of float32 pixel values), and ``image_inputs`` turns them
 into pixel values when a batch is collated.
 
