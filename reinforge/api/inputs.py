@@ -347,11 +347,11 @@ def whole_prompts(config: Any) -> dict[str, Any]:
 
     from reinforge.data import RLDataset
     from reinforge.models import load_tokenizer
-    from reinforge.models.vision import processor_for, why_no_images
+    from reinforge.models.vision import run_processor, why_no_images
 
     model = config.model
     tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
-    processor = processor_for(model.path, model.trust_remote_code, config.data.chat_template)
+    processor = run_processor(model, config.data)
     why = None if processor is not None else why_no_images(model.path, model.trust_remote_code)
     unbounded = dataclasses.replace(config.data, max_prompt_length=sys.maxsize, filter_overlong_prompts=False)
     splits = ("train", "val") if config.data.val_files else ("train",)

@@ -30,6 +30,13 @@ class DataConfig:
     """Column of the prompt: a list of chat messages, or a string (fed as it is unless apply_chat_template=true)."""
     image_key: Optional[str] = None
     """Column of a row's images (a list, or one image); None reads ``images``, else ``image``."""
+    min_pixels: Optional[int] = None
+    """A vision-language model's image, in pixels, at least: the processor scales a smaller one up (its
+    ``size.shortest_edge``, Qwen2-VL's min_pixels). None keeps the model folder's preprocessor_config.json."""
+    max_pixels: Optional[int] = None
+    """A vision-language model's image, in pixels, at most: the processor scales a larger one down (its
+    ``size.longest_edge``, Qwen2-VL's max_pixels; an image's tokens are its pixels over (patch_size * merge_size)^2).
+    None keeps the model folder's. Prompts, rollouts, tool images and training all see the image resized so."""
     train_batch_size: int = 8
     """Prompts per step. Each is sampled rollout.n times."""
     val_batch_size: Optional[int] = None

@@ -32,6 +32,13 @@ class SFTDataConfig:
     """Column of a plain text row, trained whole (TRL's dataset_text_field)."""
     image_key: Optional[str] = None
     """Column of a conversation's images (a list, or one image); None reads ``images``, else ``image``."""
+    min_pixels: Optional[int] = None
+    """A vision-language model's image, in pixels, at least: the processor scales a smaller one up (its
+    ``size.shortest_edge``, Qwen2-VL's min_pixels). None keeps the model folder's preprocessor_config.json."""
+    max_pixels: Optional[int] = None
+    """A vision-language model's image, in pixels, at most: the processor scales a larger one down (its
+    ``size.longest_edge``, Qwen2-VL's max_pixels; an image's tokens are its pixels over (patch_size * merge_size)^2).
+    None keeps the model folder's. Prompts, rollouts, tool images and training all see the image resized so."""
     max_length: int = 1024
     """Tokens of one conversation (and of one packed row) after the chat template."""
     truncation: str = "drop"

@@ -149,6 +149,7 @@ def validate_sft_config(config: SFTConfig) -> None:
     choose("data.truncation", data.truncation, SFT_TRUNCATION_MODES)
     choose("data.loss_on", data.loss_on, SFT_LOSS_TOKENS)
     validate_image_key(data.image_key, data.messages_key, "messages_key")
+    validate_pixel_bounds(data.min_pixels, data.max_pixels)
     for key, value in (("data.batch_size", data.batch_size), ("data.val_batch_size", data.val_batch_size),
                        ("data.max_length", data.max_length)):
         if value < 1:
@@ -181,11 +182,23 @@ def validate_image_key(image_key: str | None, text_key: str, text_name: str) -> 
                           "own")
 
 
+def validate_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
+    """data.min_pixels and data.max_pixels are whole pixel counts (or null), the first no more than the second."""
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}={value!r} is not a positive whole number of pixels; give one (256 * 28 * 28 "
+                              "for 256 image tokens of Qwen2.5-VL), or null for the model's own")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ConfigError(f"data.min_pixels={min_pixels} is more than data.max_pixels={max_pixels}; an image cannot "
+                          "be resized to both: lower min_pixels or raise max_pixels")
+
+
 def validate_config(config: Config) -> None:
     """Raise ConfigError with the fix in the message when fields disagree."""
     data, actor, rollout, algorithm, trainer = config.data, config.actor, config.rollout, config.algorithm, config.trainer
     choose("data.truncation", data.truncation, TRUNCATION_MODES)
     validate_image_key(data.image_key, data.prompt_key, "prompt_key")
+    validate_pixel_bounds(data.min_pixels, data.max_pixels)
     validate_sample_limits(data)
     validate_model_dtype(config.model.dtype)
     if not rollout.name or not isinstance(rollout.name, str):  # which names exist is trainer/preflight.py's check

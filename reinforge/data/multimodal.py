@@ -2,24 +2,29 @@
 
 Two formats are read, for RL prompts and SFT conversations alike:
 
-- verl's: an ``images`` column (a list; ``image`` for one) whose items are encoded bytes,
-  ``{"bytes": ..., "path": ...}`` dicts (parquet's image struct), PIL images, file paths or
-  ``data:image/...;base64,`` URIs, and one ``<image>`` placeholder in the prompt's text per image,
-  in order;
+- verl's: an ``images`` column (a list; ``image`` for one) whose items are encoded bytes, PIL
+  images, file paths (``file://`` ones too) or ``data:image/...;base64,`` URIs, or dicts holding
+  one: ``{"bytes": ..., "path": ...}`` (the struct of datasets' Image feature in parquet: its bytes
+  when present, else its path), ``{"image": ...}`` (verl's and qwen_vl_utils') or ``{"image_url":
+  {"url": ...}}``; and one ``<image>`` placeholder in the prompt's text per image, in order;
 - TRL's conversational one: messages whose ``content`` is a list of parts, ``{"type": "text",
   "text": ...}`` and ``{"type": "image"}`` (one per image of the ``images``/``image`` column, in
   order). A conversation with images and no image part at all gets them at the start of its first
-  user message, as TRL does.
+  user message, as TRL does. A part may hold its image itself, as Qwen's and OpenAI's messages do
+  (``{"type": "image", "image": ...}``, ``{"type": "image_url", "image_url": {"url": ...}}``): the
+  parts' images are then the row's, in order, and the row has no image column besides.
 
 ``data.image_key`` names another column to read the images from (then only that one, and a row
 without it is refused naming the key).
 
-Every image is opened when the dataset is built: a missing file, bytes that are no image and a
-count of images that differs from the count of placeholders each raise one line naming the row,
-before any model loads. The processor (``AutoProcessor``) renders nothing itself: the chat
-template renders the messages (image parts become the model's vision tokens), and the processor
-expands each image's pad token to the image's number of merged patches and tokenizes; the prompt's
-token ids are those, never text re-tokenized later. A dataset keeps each row's image *sources*,
+Every image is opened when the dataset is built: a missing file, bytes that are no image, a null
+entry in a list of images (a null or empty column is a text-only row) and a count of images that
+differs from the count of placeholders each raise one line naming the row, before any model loads.
+The processor (``AutoProcessor``) renders nothing itself: the chat template renders the messages
+(image parts become the model's vision tokens), and the processor resizes each image within its
+pixel bounds (data.min_pixels, data.max_pixels: ``models.vision.set_pixel_bounds``), expands its
+pad token to the image's number of merged patches and tokenizes; the prompt's token ids are those,
+never text re-tokenized later. A dataset keeps each row's image *sources*,
 not pixels (a 448 x 448 image is 4.8 MB of float32 pixel values), and ``image_inputs`` turns them
 into pixel values when a batch is collated.
 
@@ -40,18 +45,27 @@ import torch
 from torch import Tensor
 
 from reinforge.data.chat_template import apply_chat_template
+from reinforge.data.files import as_list
 
 IMAGE_PLACEHOLDER = "<image>"
 """verl's image placeholder in a prompt's text."""
 IMAGE_COLUMNS = ("images", "image")
 RESIZE_KEYS = frozenset({"min_pixels", "max_pixels", "resized_height", "resized_width"})
-"""Per-image resize settings of verl's rows (qwen_vl_utils' fetch_image reads them), which reinforge refuses."""
-IMAGE_FORMS = "encoded bytes, {'bytes': ...}, a PIL image, a file path or a data:image/...;base64 URI"
+"""Per-image resize settings of verl's rows (qwen_vl_utils' fetch_image reads them), which reinforge refuses: one
+pair of data.min_pixels and data.max_pixels resizes every image of a run."""
+IMAGE_FORMS = ("encoded bytes, a PIL image, a file path, a data:image/...;base64 URI, or a dict holding one as "
+               "{'bytes': ..., 'path': ...}, {'image': ...} or {'image_url': {'url': ...}}")
+IMAGE_SOURCE_KEYS = ("bytes", "path", "image", "image_url", "url")
+"""The keys of a dict that stands for an image, first found first read: datasets' Image struct ({"bytes", "path"}:
+its bytes when present, else its path), verl's and Qwen's {"image": ...}, OpenAI's {"image_url": {"url": ...}}."""
 
 
 def row_image_sources(row: dict[str, Any], image_key: str | None = None, where: str = "the row") -> list[Any]:
     """The row's images as given: the ``image_key`` column (data.image_key), or without one the ``images`` column,
-    else ``image``; [] when it has none. A row that lacks a named column raises one line naming the key."""
+    else ``image``; [] when it has none (a null column, or an empty list: a text-only row). A row that lacks a named
+    column, and a null entry in a list of images (each entry stands for the image of one placeholder, in order:
+    dropping it would give every later placeholder the image meant for the next one), raise one line naming the
+    row and the column."""
     if image_key is not None and image_key not in row:
         columns = ", ".join(sorted(map(str, row))) or "none"
         raise ValueError(f"{where} has no {image_key!r} column (data.image_key); this row has: {columns}; set "
@@ -61,7 +75,13 @@ def row_image_sources(row: dict[str, Any], image_key: str | None = None, where: 
         if value is None:
             continue
         if isinstance(value, list | tuple) or (hasattr(value, "tolist") and not hasattr(value, "convert")):
-            return [item for item in list(value) if item is not None]
+            images = list(value)
+            missing = [number for number, item in enumerate(images) if item is None]
+            if missing:
+                raise ValueError(f"{where}, column {column!r}: image {missing[0]} of {len(images)} is null, and each "
+                                 "entry is the image of one placeholder, in order; give its image, or drop the entry "
+                                 "and its placeholder")
+            return images
         return [value]
     return []
 
@@ -81,15 +101,26 @@ def image_column(row: dict[str, Any], image_key: str | None = None) -> str:
     return next((column for column in IMAGE_COLUMNS if row.get(column) is not None), IMAGE_COLUMNS[0])
 
 
+def unwrapped_image(source: Any) -> Any:
+    """The image a dict stands for (its first non-null ``IMAGE_SOURCE_KEYS``, unwrapped again while it is a dict),
+    None when it holds none; any other source as it is."""
+    while isinstance(source, dict):
+        source = next((source[key] for key in IMAGE_SOURCE_KEYS if source.get(key) is not None), None)
+    return source
+
+
 def _image_bytes(source: Any) -> tuple[bytes | None, str | None]:
-    """(encoded bytes, path) of a source that is not a PIL image."""
-    if isinstance(source, dict):
-        data, path = source.get("bytes"), source.get("path")
-        return (bytes(data) if data is not None else None), (str(path) if path else None)
+    """(encoded bytes, path) of a source that is not a dict or a PIL image; TypeError for another type, ValueError
+    for a data URI that does not decode."""
     if isinstance(source, bytes | bytearray | memoryview):
         return bytes(source), None
-    if isinstance(source, str) and source.startswith("data:image/"):
-        return base64.b64decode(source.split(",", 1)[1]), None
+    if isinstance(source, str) and source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64"):
+            raise ValueError(f"its header {header!r} is not base64")
+        return base64.b64decode(payload, validate=True), None
+    if isinstance(source, str) and source.startswith("file://"):
+        return None, source.removeprefix("file://")
     if isinstance(source, str | Path):
         return None, str(source)
     raise TypeError(type(source).__name__)
@@ -115,25 +146,31 @@ def load_image(source: Any, where: str, number: int):
     ``load_image`` turn it; transparency is shown over white (``to_rgb``)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
-    if isinstance(source, Image.Image):
-        return to_rgb(source)
     resizes = sorted(RESIZE_KEYS.intersection(source)) if isinstance(source, dict) else []
     if any(source[key] is not None for key in resizes):
         raise ValueError(f"{where}: image {number} sets {', '.join(resizes)}, which reinforge does not apply per image "
-                         "(verl's qwen_vl_utils does); the model's processor resizes every image to its own min_pixels "
-                         "and max_pixels (the model folder's preprocessor_config.json): drop these keys, or resize the "
-                         "image before storing it")
+                         "(verl's qwen_vl_utils does); the processor resizes every image within data.min_pixels and "
+                         "data.max_pixels (unset: the model folder's preprocessor_config.json): drop these keys and set "
+                         "those, or resize the image before storing it")
+    given = unwrapped_image(source)
+    if given is None:
+        keys = ", ".join(repr(key) for key, value in source.items() if value is not None) or "only null values"
+        raise ValueError(f"{where}: image {number} is a dict with {keys} and no image; give each image as "
+                         f"{IMAGE_FORMS}")
+    if isinstance(given, Image.Image):
+        return to_rgb(given)
+    if isinstance(given, str) and given.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: image {number} is the web address {given[:80]}, and reinforge downloads "
+                         "nothing; download the image and give its file path or bytes")
     try:
-        data, path = _image_bytes(source)
+        data, path = _image_bytes(given)
     except TypeError:
-        raise ValueError(f"{where}: image {number} is a {type(source).__name__}; give each image as "
+        raise ValueError(f"{where}: image {number} is a {type(given).__name__}; give each image as "
                          f"{IMAGE_FORMS}") from None
     except ValueError as error:  # a malformed base64 URI
         raise ValueError(f"{where}: image {number} is a data URI that does not decode ({error}); give it as "
                          f"{IMAGE_FORMS}") from None
     if data is None:
-        if path is None:
-            raise ValueError(f"{where}: image {number} has neither bytes nor a path; give it as {IMAGE_FORMS}")
         file = Path(path).expanduser()
         if not file.is_file():
             raise ValueError(f"{where}: image {number} is the file {file}, which does not exist; fix the path "
@@ -152,17 +189,67 @@ def load_image(source: Any, where: str, number: int):
                          "as PNG or JPEG") from None
 
 
-def load_row_images(row: dict[str, Any], where: str, image_key: str | None = None) -> list[Any]:
-    """Every image of the row (its ``image_key`` column, see row_image_sources), opened (so that a broken one fails
-    at load); [] without images. Errors name the row and the column."""
-    sources = row_image_sources(row, image_key, where)
-    column = f"{where}, column {image_column(row, image_key)!r}"
-    return [load_image(source, column, number) for number, source in enumerate(sources)]
+def load_images(sources: Sequence[Any], where: str) -> list[Any]:
+    """The images opened (so that a broken one fails at load); ``where`` names the row and the column."""
+    return [load_image(source, where, number) for number, source in enumerate(sources)]
 
 
 def _is_image_part(part: Any) -> bool:
     return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or "image" in part
                                        and part.get("type") is None)
+
+
+def take_part_images(messages: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """The chat messages with every content part's null keys dropped, and each image part that holds its image
+    (``{"type": "image", "image": ...}``, ``{"type": "image_url", "image_url": {"url": ...}}``) made a bare
+    ``{"type": "image"}``; and those parts (without their null keys), in order: the images' sources. Anything but
+    a list of messages comes back as it is, with no images.
+
+    Parquet gives every part of a list each key any part has: a text part's ``"image": None`` would otherwise be an
+    image to a chat template that asks ``'image' in part`` (Qwen2-VL's does)."""
+    if not isinstance(messages, list):
+        return messages, []
+    sources: list[dict[str, Any]] = []
+    converted = []
+    for message in messages:
+        content = as_list(message.get("content")) if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            converted.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict):
+                part = {key: value for key, value in part.items() if value is not None}
+                if _is_image_part(part) and unwrapped_image(part) is not None:
+                    sources.append(part)
+                    part = {"type": "image"}
+            parts.append(part)
+        converted.append({**message, "content": parts})
+    return converted, sources
+
+
+def row_images(row: dict[str, Any], message_keys: Sequence[str], image_key: str | None,
+               where: str) -> tuple[dict[str, Any], list[Any], str]:
+    """(the row with the messages of its ``message_keys`` columns as ``take_part_images`` gives them, the row's image
+    sources, the column they come from): the image parts' own images, else the image column's
+    (``row_image_sources``). A row with images in both raises one line: which image meets which part is unsaid."""
+    sources = row_image_sources(row, image_key, where)
+    column = image_column(row, image_key)
+    row = dict(row)
+    in_parts: list[Any] = []
+    part_columns: list[str] = []
+    for key in message_keys:
+        if key in row:
+            row[key], found = take_part_images(as_list(row[key]))
+            in_parts += found
+            part_columns += [key] if found else []
+    if not in_parts:
+        return row, sources, column
+    if sources:
+        raise ValueError(f"{where} has {len(in_parts)} image(s) in the content parts of its {part_columns[0]!r} and "
+                         f"{len(sources)} in its {column!r} column; give each image once: in its part "
+                         f"({{'type': 'image', 'image': ...}}), or in {column!r} with a bare {{'type': 'image'}} part")
+    return row, in_parts, part_columns[0]
 
 
 def count_image_placeholders(prompt: list[dict[str, Any]] | str) -> int:

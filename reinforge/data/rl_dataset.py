@@ -35,12 +35,11 @@ from reinforge.data.files import Row, as_list, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
     encode_multimodal_prompt,
-    image_column,
     image_inputs,
     images_refused,
     load_image,
-    load_row_images,
-    row_image_sources,
+    load_images,
+    row_images,
 )
 
 logger = logging.getLogger(__name__)
@@ -217,7 +216,8 @@ def check_chat_messages(messages: list[Any], where: str, content_parts: bool = F
 
 
 def _known_part(part: Any) -> bool:
-    """A text part with its text, or an image part (its image comes from the row's images column)."""
+    """A text part with its text, or an image part (its image is the next of the row's images: see
+    ``multimodal.row_images``)."""
     if not isinstance(part, dict):
         return False
     if part.get("type") == "text" or (part.get("type") is None and "text" in part):
@@ -245,9 +245,10 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
                 tool_schemas: list[dict[str, Any]] | None = None, processor: Any = None,
                 why_no_images: str | None = None) -> dict[str, Any] | None:
     """The PromptExample fields of one row (all but ``index``), or None when it is filtered as overlong."""
-    images = load_row_images(row, where, config.image_key)
+    row, sources, column = row_images(row, (config.prompt_key,), config.image_key, where)
+    images = load_images(sources, f"{where}, column {column!r}")
     if images and processor is None:
-        raise images_refused(where, len(images), image_column(row, config.image_key), why_no_images)
+        raise images_refused(where, len(images), column, why_no_images)
     prompt = _checked_prompt(row, config.prompt_key, where, content_parts=processor is not None)
     if processor is not None:
         check_image_count(prompt, len(images), where)
@@ -299,5 +300,5 @@ def _encode_row(row: Row, where: str, tokenizer: Any, config: DataConfig,
         "ability": _checked_optional_str(row, "ability", where),
         "columns": {key: value for key, value in row.items() if key not in (config.prompt_key, *SCHEMA_COLUMNS)},
         "agent_name": agent_name or None,
-        "images": tuple(row_image_sources(row, config.image_key, where)),
+        "images": tuple(sources),
     }

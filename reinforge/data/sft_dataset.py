@@ -72,12 +72,11 @@ from reinforge.data.chat_template import apply_chat_template, template_end_of_tu
 from reinforge.data.files import as_list, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
-    image_column,
     image_inputs,
     images_refused,
     load_image,
-    load_row_images,
-    row_image_sources,
+    load_images,
+    row_images,
     with_image_parts,
 )
 from reinforge.data.prompt_loader import epoch_order
@@ -338,9 +337,10 @@ class SFTDataset:
                 num_rows += 1
                 where = f"row {row_number} of {path}"
                 row = sharegpt_as_messages(row, messages_key)
-                images = load_row_images(row, where, image_key)
+                row, sources, column = row_images(row, (messages_key, "prompt", "completion"), image_key, where)
+                images = load_images(sources, f"{where}, column {column!r}")
                 if images and processor is None:  # why_no_images: models.vision.why_no_images's words
-                    raise images_refused(where, len(images), image_column(row, image_key), why_no_images)
+                    raise images_refused(where, len(images), column, why_no_images)
                 plain = plain_text_pair(row, messages_key, text_key)
                 if plain is not None:
                     if images:
@@ -349,7 +349,7 @@ class SFTDataset:
                     example = tokenize_text(tokenizer, *plain)
                 else:
                     example = _tokenized_conversation(row, where, tokenizer, chat_template, messages_key, processor,
-                                                      images, image_key)
+                                                      images, tuple(sources))
                 if loss_on == "all":
                     example = trained_whole(example, getattr(processor, "image_token_id", None))
                 if not any(example.loss_mask):
@@ -419,7 +419,7 @@ def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | No
 
 
 def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, chat_template: str | None,
-                            messages_key: str, processor: Any, images: list, image_key: str | None) -> SFTExample:
+                            messages_key: str, processor: Any, images: list, sources: tuple) -> SFTExample:
     messages, num_prompt_messages = _conversation_of(row, messages_key, where, content_parts=processor is not None)
     tools = _checked_tools(row, where)
     if processor is not None:
@@ -428,7 +428,7 @@ def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, cha
     try:
         example = tokenize_conversation(tokenizer, messages, chat_template, tools, num_prompt_messages)
         if images:
-            example = expand_image_tokens(example, processor, images, tuple(row_image_sources(row, image_key, where)))
+            example = expand_image_tokens(example, processor, images, sources)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     except Exception as error:  # jinja2 TypeError/UndefinedError on odd message content

@@ -249,10 +249,13 @@ def freeze_vision_tower(model, frozen: bool = True) -> int:
     return sum(parameter.numel() for parameter in tower.parameters())
 
 
-def processor_for(path: str | Path, trust_remote_code: bool = False, chat_template: str | None = None):
+def processor_for(path: str | Path, trust_remote_code: bool = False, chat_template: str | None = None,
+                  min_pixels: int | None = None, max_pixels: int | None = None):
     """The processor of the model at ``path`` when it is a vision-language model reinforge knows, else None.
 
-    ``chat_template`` (data.chat_template) replaces the processor's and its tokenizer's template."""
+    ``chat_template`` (data.chat_template) replaces the processor's and its tokenizer's template; ``min_pixels`` and
+    ``max_pixels`` (data.min_pixels, data.max_pixels) its image processor's bounds (``set_pixel_bounds``). Every
+    processor of a run, the dataset's, the rollout's (tool images) and the checkpoint's, comes from here."""
     from transformers import AutoConfig
 
     if not is_vision_language(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)):
@@ -261,7 +264,41 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
     if chat_template:
         processor.chat_template = chat_template
         processor.tokenizer.chat_template = chat_template
+    set_pixel_bounds(processor, min_pixels, max_pixels, path)
     return processor
+
+
+def run_processor(model, data):
+    """``processor_for`` a run's model (its ``model`` config section) with its ``data`` section's chat template and
+    pixel bounds (RL's and SFT's data sections both have them); None for a model that takes no images."""
+    return processor_for(model.path, model.trust_remote_code, data.chat_template, data.min_pixels, data.max_pixels)
+
+
+def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None, path: str | Path = "the model") -> None:
+    """Make the processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the bound
+    the model folder's preprocessor_config.json gives): its image processor's ``size`` (shortest_edge, longest_edge),
+    which Qwen2-VL's ``smart_resize`` reads for each image, and which the checkpoints' processor saves. Raises one
+    line when the bounds, the model's own included, do not leave a size."""
+    if min_pixels is None and max_pixels is None:
+        return
+    image_processor = processor.image_processor
+    bounds = dict(image_processor.size)
+    own = {"min_pixels": bounds.get("shortest_edge"), "max_pixels": bounds.get("longest_edge")}
+    if None in own.values():
+        raise ValueError(f"data.min_pixels and data.max_pixels set pixel bounds, but the image processor of {path} "
+                         f"({type(image_processor).__name__}) resizes by size={bounds}; unset both keys")
+    bounds["shortest_edge"] = own["min_pixels"] if min_pixels is None else min_pixels
+    bounds["longest_edge"] = own["max_pixels"] if max_pixels is None else max_pixels
+    if bounds["shortest_edge"] > bounds["longest_edge"]:  # one key set (validate_pixel_bounds checks both)
+        if min_pixels is None:
+            raise ValueError(f"data.max_pixels={max_pixels} is below the min_pixels={own['min_pixels']} of {path} "
+                             f"(its preprocessor_config.json), so no image size fits both; set data.min_pixels to "
+                             f"at most {max_pixels} too, or raise data.max_pixels")
+        raise ValueError(f"data.min_pixels={min_pixels} is above the max_pixels={own['max_pixels']} of {path} "
+                         f"(its preprocessor_config.json), so no image size fits both; set data.max_pixels to at "
+                         f"least {min_pixels} too, or lower data.min_pixels")
+    size = image_processor.size
+    image_processor.size = bounds if isinstance(size, dict) else type(size)(**bounds)
 
 
 IMAGE_ATTENTION_BOTH_WAYS = {

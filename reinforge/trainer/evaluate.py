@@ -39,10 +39,9 @@ def evaluate(config: Config) -> dict[str, float]:
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)
     check_tools(config.rollout.multi_turn.format, tools)  # before the model loads, as train does
-    from reinforge.models.vision import processor_for, why_no_images
+    from reinforge.models.vision import run_processor, why_no_images
 
-    processor = processor_for(config.model.path, config.model.trust_remote_code,
-                              config.data.chat_template)
+    processor = run_processor(config.model, config.data)
     why = None if processor is not None else why_no_images(config.model.path, config.model.trust_remote_code)
     dataset = RLDataset.from_config(config.data, tokenizer, split="val",
                                     tool_schemas=[tool.schema for tool in tools.values()], processor=processor,

@@ -45,7 +45,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path
 from reinforge.models.reward_model import HEADS, check_reward_model
-from reinforge.models.vision import processor_for, why_no_images
+from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
@@ -277,8 +277,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path,
                                trust_remote_code=config.model.trust_remote_code)
     schemas = [tool.schema for tool in tools.values()]
-    processor = processor_for(config.model.path, config.model.trust_remote_code,
-                              config.data.chat_template)  # a vision-language model's: rows may hold images
+    processor = run_processor(config.model, config.data)  # a vision-language model's: rows may hold images
     if processor is not None and critic_enabled(config):
         raise ConfigError(f"algorithm.adv_estimator={config.algorithm.adv_estimator} trains a critic, and "
                           f"{config.model.path} is a vision-language model, whose critic reinforge does not build; "

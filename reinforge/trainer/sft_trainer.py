@@ -41,7 +41,7 @@ from reinforge.models.vision import (
     image_token_mask,
     image_tokens_as_text,
     is_vision_language,
-    processor_for,
+    run_processor,
     why_no_images,
 )
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
@@ -114,8 +114,7 @@ class SFTTrainer(SupervisedRun):
                                             trust_remote_code=config.model.trust_remote_code)
             if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
                 self.tokenizer.chat_template = data.chat_template
-            self.processor = processor_for(config.model.path,
-                                           config.model.trust_remote_code, data.chat_template)  # None: a text model
+            self.processor = run_processor(config.model, data)  # None: a text model
             pad_token_id = get_pad_token_id(self.tokenizer)
             self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
                                           data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,

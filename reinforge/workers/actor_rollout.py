@@ -37,7 +37,7 @@ from reinforge.engine.recompute import checkpoint_decoder_layers
 from reinforge.engine.train_step import FORWARD_ONLY, ModelUpdate, UpdateSettings
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.models.dropout import disable_dropout, dropout_line
-from reinforge.models.vision import freeze_vision_tower, is_vision_language, processor_for
+from reinforge.models.vision import freeze_vision_tower, is_vision_language, run_processor
 from reinforge.protocol import Batch
 from reinforge.rollout.base import RolloutEngine, SamplingParams
 from reinforge.rollout.mismatch import rollout_mismatch_metrics
@@ -64,8 +64,7 @@ class ActorRolloutWorker(Worker):
                                         trust_remote_code=config.model.trust_remote_code)
         if config.data.chat_template:  # saved with every checkpoint's hf/: the model is served in the format it learned
             self.tokenizer.chat_template = config.data.chat_template
-        self.processor = processor_for(config.model.path,
-                                       config.model.trust_remote_code, config.data.chat_template)
+        self.processor = run_processor(config.model, config.data)
         """A vision-language model's processor (None for text models), saved with every checkpoint's hf/."""
         if rollout_only:
             self.model = load_causal_lm(config.model.path, dtype=compute_dtype(self.device, config.model.dtype),

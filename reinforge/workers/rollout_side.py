@@ -443,12 +443,11 @@ class RolloutSide:
 
 
 def _vision_processor(config: Config) -> Any:
-    """A vision-language model's processor (its agents' tools may return images), else None."""
-    from reinforge.models.loading import read_model_config
-    from reinforge.models.vision import is_vision_language, load_processor
+    """A vision-language model's processor (its agents' tools may return images; resized within data.min_pixels and
+    data.max_pixels as the prompts' are), else None."""
+    from reinforge.models.vision import run_processor
 
-    path, trust = config.model.path, config.model.trust_remote_code
-    return load_processor(path, trust) if is_vision_language(read_model_config(path, trust)) else None
+    return run_processor(config.model, config.data)
 
 
 def _strategy(engine: Any) -> type[InPlaceWeights] | type[CopiedWeights]:

@@ -1,3 +1,4 @@
+import base64
 import io
 import json
 
@@ -81,6 +82,89 @@ def test_trl_conversations_with_image_parts_and_extra_columns(tmp_path, processo
     assert dataset[0].images == (str(image_file),)
 
 
+def data_uri(data: bytes, header="data:image/png;base64,") -> str:
+    return header + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("form", [
+    lambda file: {"bytes": png((255, 0, 0)), "path": "/no/such/file.png"},  # datasets' struct: its bytes first
+    lambda file: {"image": str(file)},  # verl's and qwen_vl_utils'
+    lambda file: {"image": png((255, 0, 0))},
+    lambda file: {"type": "image", "image": f"file://{file}"},
+    lambda file: {"image_url": {"url": data_uri(png((255, 0, 0)))}},
+    lambda file: {"type": "image_url", "image_url": str(file)},
+    lambda file: data_uri(png((255, 0, 0)), "data:image;base64,"),
+], ids=["datasets-struct", "verl-path", "verl-bytes", "part-file-uri", "openai-data-uri", "image-url-path",
+        "qwen-data-uri"])
+def test_an_image_column_takes_verl_trl_and_openai_dicts(tmp_path, processor, form):
+    file = tmp_path / "red.png"
+    file.write_bytes(png((255, 0, 0)))
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([verl_row([form(file)])]), path)
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    expected = processor.image_processor(images=[Image.new("RGB", (32, 32), (255, 0, 0))], return_tensors="pt")
+    assert dataset[0].prompt_ids.count(processor.image_token_id) == 4
+    torch.testing.assert_close(dataset.image_inputs(dataset[0])["pixel_values"], expected["pixel_values"])
+
+
+def test_a_dict_holding_a_pil_image_is_read():
+    from reinforge.data.multimodal import load_image
+
+    image = load_image({"image": Image.new("RGBA", (8, 8), (0, 0, 255, 255))}, "row 0", 0)
+    assert image.mode == "RGB" and image.getpixel((0, 0)) == (0, 0, 255)
+
+
+def part_images_prompt(file) -> list[dict]:
+    """Qwen's and OpenAI's messages: each image inside its content part."""
+    return [{"role": "user", "content": [{"type": "image", "image": str(file)}, {"type": "text", "text": "and"},
+                                         {"type": "image_url", "image_url": {"url": data_uri(png((0, 255, 0)))}},
+                                         {"type": "text", "text": "How many?"}]}]
+
+
+def test_images_held_by_content_parts_are_the_rows_images(tmp_path, processor):
+    """In parquet the text parts gain a null 'image' key (a struct has every part's keys), which a chat template
+    asking ``'image' in part`` would render as an image."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    file = tmp_path / "red.png"
+    file.write_bytes(png((255, 0, 0)))
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": part_images_prompt(file)}]), path)
+    dataset = RLDataset(path, processor.tokenizer, config(), processor=processor)
+    images = [Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 255, 0))]
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                      {"type": "text", "text": "How many?"}]}], add_generation_prompt=True,
+        tokenize=False)
+    expected = processor(text=[text], images=images, return_tensors="pt")
+    assert dataset[0].prompt_ids == expected["input_ids"][0].tolist()
+    assert dataset[0].raw_prompt[0]["content"][0] == {"type": "image"}  # the bytes stay out of the logged prompt
+    torch.testing.assert_close(dataset.image_inputs(dataset[0])["pixel_values"], expected["pixel_values"])
+
+    messages = [*part_images_prompt(file), {"role": "assistant", "content": [{"type": "text", "text": "2"}]}]
+    pq.write_table(pa.Table.from_pylist([{"messages": messages}]), path)
+    example = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor).examples[0]
+    assert example.input_ids.count(processor.image_token_id) == 8 and len(example.images) == 2
+
+
+@pytest.mark.parametrize("row, message", [
+    (verl_row([{"caption": "a red square"}]),
+     r"^row 0 of .*, column 'images': image 0 is a dict with 'caption' and no image; give each image as encoded "
+     r"bytes, .*\{'image': ...\}"),
+    (verl_row(["https://example.com/red.png"]),
+     r"^row 0 of .*, column 'images': image 0 is the web address https://example.com/red.png, and reinforge "
+     "downloads nothing"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image", "image": "red.png"}]}], "images": [png((1, 2, 3))]},
+     r"^row 0 of .* has 1 image\(s\) in the content parts of its 'prompt' and 1 in its 'images' column; give each "
+     "image once"),
+])
+def test_an_image_dict_without_an_image_is_one_line(tmp_path, processor, row, message):
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), path)
+    with pytest.raises(ValueError, match=message):
+        RLDataset(path, processor.tokenizer, config(), processor=processor)
+
+
 def test_images_without_placeholders_open_the_first_user_message():
     messages = [{"role": "system", "content": "count"}, {"role": "user", "content": "how many?"}]
     assert with_image_parts(messages, 2)[1]["content"] == [{"type": "image"}, {"type": "image"},
@@ -97,6 +181,10 @@ def test_images_without_placeholders_open_the_first_user_message():
      r"row 0 of .*image 0 sets max_pixels, which reinforge does not apply per image"),
     ({**verl_row([png((1, 2, 3))]), "prompt": "a string prompt without placeholder"},
      r"has 1 image\(s\) but 0 image placeholder"),
+    (verl_row([png((1, 2, 3)), None], text="<image> and <image>"),
+     r"^row 0 of .*, column 'images': image 1 of 2 is null, and each entry is the image of one placeholder"),
+    ({**trl_row(None), "image": None, "images": [None, png((1, 2, 3))]},
+     r"^row 0 of .*, column 'images': image 0 of 2 is null"),
 ])
 def test_broken_rows_fail_at_load_naming_the_row(tmp_path, processor, row, message):
     path = tmp_path / "train.parquet"
@@ -185,6 +273,22 @@ def test_sft_conversations_with_images_expand_pads_untrained(tmp_path, processor
         pack_examples(dataset.examples, 256)
 
 
+def test_sft_refuses_a_null_image_and_keeps_text_only_rows(tmp_path, processor):
+    """A null entry of a conversation's images would give each later image to the placeholder before it (with no
+    placeholder, as TRL's rows have, nothing else would notice); a null or empty column is a text-only row."""
+    from reinforge.data.sft_dataset import SFTDataset
+
+    conversation = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": "3"}]
+    path = tmp_path / "sft.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": conversation, "images": []},
+                                         {"messages": conversation, "images": None}]), path)
+    dataset = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
+    assert [example.images for example in dataset.examples] == [(), ()]
+    pq.write_table(pa.Table.from_pylist([{"messages": conversation, "images": [None, png((255, 0, 0))]}]), path)
+    with pytest.raises(ValueError, match=r"^row 0 of .*, column 'images': image 0 of 2 is null"):
+        SFTDataset([path], processor.tokenizer, max_length=128, processor=processor)
+
+
 def vlm_run(tmp_path, rows: list[dict]) -> list[str]:
     """Overrides of a GRPO run of a tiny VLM on ``rows`` (written to a parquet file), on the CPU."""
     from reinforge.demo import vision_reward
@@ -226,3 +330,66 @@ def test_a_vision_language_runs_memory_plan_counts_the_image_tokens_of_its_rows(
     assert given.data.max_image_tokens == 20
     with pytest.raises(ValueError, match=r"row 1 of .* has 16 image tokens, more than data.max_image_tokens=8"):
         preflight(load_config(None, [*overrides, "rollout.n=2", "data.max_image_tokens=8"]))
+
+
+def test_data_max_pixels_resizes_the_images_of_prompts_rollouts_and_tools_alike(tmp_path):
+    """A 64 x 64 image is 16 image tokens of the tiny processor; under data.max_pixels=1024 it is scaled to 32 x 32,
+    4 tokens, in the prompt's ids, in the pixels the batch carries to the rollout and the training passes, and in
+    the rollout's processor of tool images."""
+    from reinforge.config import load_config
+    from reinforge.trainer.preflight import preflight
+    from reinforge.workers.rollout_side import _vision_processor
+
+    overrides = [*vlm_run(tmp_path, [verl_row([png((1, 2, 3), size=(64, 64))])] * 4), "rollout.n=2"]
+    default = load_config(None, overrides)
+    preflight(default)
+    assert default.data.max_image_tokens == 16
+    bounded = load_config(None, [*overrides, "data.max_pixels=1024"])
+    train_set = preflight(bounded).train_set
+    assert bounded.data.max_image_tokens == 4
+    assert train_set[0].prompt_ids.count(train_set.processor.image_token_id) == 4
+    assert train_set.image_inputs(train_set[0])["image_grid_thw"].tolist() == [[1, 4, 4]]
+    tool_images = _vision_processor(bounded).image_processor(images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+    assert tool_images["image_grid_thw"].tolist() == [[1, 4, 4]]
+    raised = preflight(load_config(None, [*overrides, "data.min_pixels=4096"])).train_set.processor
+    small = raised.image_processor(images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+    assert small["image_grid_thw"].tolist() == [[1, 8, 8]]  # 32 x 32 scaled up to 64 x 64
+    with pytest.raises(ValueError, match=r"^data.max_pixels=100 is below the min_pixels=256 of .*vlm \(its "
+                                         r"preprocessor_config.json\), so no image size fits both; set "
+                                         "data.min_pixels to at most 100 too"):
+        preflight(load_config(None, [*overrides, "data.max_pixels=100"]))
+
+
+def test_sft_data_max_pixels_reaches_its_processor(tmp_path):
+    from reinforge.config.loader import load_sft_config
+    from reinforge.data.sft_dataset import SFTDataset
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.models.vision import run_processor
+
+    model = save_tiny_vlm(tmp_path / "vlm")
+    path = tmp_path / "sft.parquet"
+    rows = [{"messages": [{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "3"}],
+             "images": [png((255, 0, 0), size=(64, 64))]}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    counts = []
+    for overrides in ([], ["data.max_pixels=1024"]):
+        config = load_sft_config(None, [f"model.path={model}", f"data.train_files=[{path}]", *overrides])
+        processor = run_processor(config.model, config.data)
+        example = SFTDataset([path], processor.tokenizer, max_length=128, processor=processor).examples[0]
+        counts.append(example.input_ids.count(processor.image_token_id))
+    assert counts == [16, 4]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.max_pixels=0"], r"^data.max_pixels=0 is not a positive whole number of pixels; give one"),
+    (["data.min_pixels=-4"], r"^data.min_pixels=-4 is not a positive whole number of pixels"),
+    (["data.min_pixels=2048", "data.max_pixels=1024"],
+     r"^data.min_pixels=2048 is more than data.max_pixels=1024; an image cannot be resized to both"),
+])
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_pixel_bounds_are_checked_as_the_config_loads(overrides, message, command):
+    from reinforge.config import ConfigError, load_config
+    from reinforge.config.loader import load_sft_config
+
+    with pytest.raises(ConfigError, match=message):
+        (load_config if command == "train" else load_sft_config)(None, overrides)
