@@ -78,6 +78,20 @@ def float32_pattern(module_names: object) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in sorted(module_names)))
 
 
+def kept_in_float32(model: PreTrainedModel, dtype: torch.dtype) -> re.Pattern | None:
+    """What transformers keeps in float32 when it loads ``model`` in ``dtype`` (its ``_get_dtype_plan``), as a
+    ``float32_pattern``: in float16 or bfloat16 what the model's classes name in ``_keep_in_fp32_modules_strict``
+    (DeepSeek's router ``gate.weight``), in float16 also what they name in ``_keep_in_fp32_modules`` (gpt-oss's norms,
+    T5's ``wo``); None for none."""
+    names: list[str] = []
+    for attribute, dtypes in (("_keep_in_fp32_modules_strict", (torch.float16, torch.bfloat16)),
+                              ("_keep_in_fp32_modules", (torch.float16,))):
+        listed = getattr(model, attribute, None)
+        if dtype in dtypes and isinstance(listed, (list, tuple, set, frozenset)):
+            names.extend(listed)
+    return float32_pattern(set(names))
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build modules in ``dtype`` meanwhile (torch's default dtype), as from_pretrained builds a model; the previous
@@ -106,18 +120,13 @@ def dtypes_of_built(built: PreTrainedModel, dtype: torch.dtype) -> dict[str, tor
     float32.
 
     Its own is ``dtype`` or float32 for a tensor the model's classes create in float32 whatever the default dtype
-    (DeepSeek V3's ``e_score_correction_bias``); float32 also for one the classes' ``_keep_in_fp32_modules_strict``
-    names (DeepSeek's router ``gate.weight``), and for float16 one their ``_keep_in_fp32_modules`` names (gpt-oss's
-    norms).
+    (DeepSeek V3's ``e_score_correction_bias``); float32 also for one ``kept_in_float32`` matches.
     """
-    kept = [float32_pattern(getattr(built, "_keep_in_fp32_modules_strict", None))
-            if dtype in (torch.bfloat16, torch.float16) else None,
-            float32_pattern(getattr(built, "_keep_in_fp32_modules", None)) if dtype == torch.float16 else None]
+    kept = kept_in_float32(built, dtype)
     as_loaded = {}
     for name, tensor in built.state_dict().items():
         if tensor.is_floating_point():
-            keeps_float32 = any(pattern is not None and pattern.search(name) for pattern in kept)
-            as_loaded[name] = torch.float32 if keeps_float32 else tensor.dtype
+            as_loaded[name] = torch.float32 if kept is not None and kept.search(name) else tensor.dtype
     return as_loaded
 
 
