@@ -505,9 +505,9 @@ def test_dpo_and_reward_configs_take_trls_names_for_what_they_do_and_refuse_the_
                                "policy with a reference (ref_model, or the model's starting weights); remove it"),
                               (dict(truncation_mode="keep_end"), "truncation_mode='keep_end': reinforge dpo drops a "
                                "pair longer than max_length (counted in the log) rather than cutting it; remove it"),
-                              (dict(max_length=None), "max_length=None: reinforge rm and dpo need a limit on a pair's "
-                               "tokens (a longer pair is dropped, counted in the log) to plan their micro-batches; give "
-                               "one above your longest pair (TRL's default is 1024)")):
+                              (dict(max_length=None), "max_length=None: reinforge needs a limit on a pair's tokens "
+                               "to size its micro-batches (a longer pair is dropped, counted in the log); give one "
+                               "above your longest pair (TRL's default is 1024)")):
         with pytest.raises(ValueError) as error:
             DPOConfig(**settings).to_overrides()
         assert str(error.value) == message
@@ -529,9 +529,9 @@ def test_sft_config_takes_trls_sft_settings_for_what_they_do_and_refuses_the_res
     assert (SFTConfig(chat_template_path=str(tiny_model_dir)).to_overrides()["data.chat_template"]
             == (tiny_model_dir / "chat_template.jinja").read_text())
     assert SFTConfig(router_aux_loss_coef=0.01).to_overrides()["trainer.router_aux_loss_coef"] == 0.01
-    for settings, message in ((dict(max_length=None), "max_length=None: reinforge sft needs a limit on a row's tokens "
-                               "(a longer row is cut at its end) to size its micro-batches and packed rows; give one "
-                               "above your longest row (TRL's default is 1024)"),
+    for settings, message in ((dict(max_length=None), "max_length=None: reinforge needs a limit on a row's tokens to "
+                               "size its micro-batches (a longer row is cut at its end); give one above your longest "
+                               "row (TRL's default is 1024)"),
                               (dict(packing_strategy="wrapped"), "packing_strategy='wrapped': reinforge packs each row "
                                "whole into rows of up to max_length tokens, as TRL's bfd (in the rows' order, not "
                                "best-fit), and cuts the end of a longer one; remove it"),

@@ -11,8 +11,9 @@ keep the engine busy. Two clients connect the loops to an engine:
   works too, at the pace of its slowest turn per call.
 
 A turn whose caller stops waiting (cancelled: a timeout, a client of ``reinforge serve`` that hung up) is aborted on
-the native engine wherever it stands. The hf backend cannot stop a ``generate`` call midway: there a cancelled turn
-is dropped if its call has not started, and otherwise its call runs to its end.
+the native engine wherever it stands. On the hf backend a cancelled turn is dropped if its call has not started; a call
+under way stops at its next token once none of its turns is waited for (every caller cancelled, or the event loop
+shutting down: a server's Ctrl-C), and the others' turns run to its end.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import inspect
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -59,13 +61,16 @@ class BatchingClient:
     one started): each loop's requests are batched by a flusher task of that loop (a task of a loop that stopped
     never runs again), and the calls take a lock, so a stopped loop's call ends before another starts.
 
-    A request whose caller is cancelled before its call starts is left out of it; a call under way cannot be
-    stopped, and runs to its end.
+    A request whose caller is cancelled before its call starts is left out of it. A call under way is interrupted
+    when no one waits for it any more, its callers all cancelled or its flusher cancelled (the loop shutting down),
+    on an engine whose ``generate`` takes ``interrupted`` (the hf backend's): it ends at its next token, so a server
+    that stops leaves no thread generating. On another engine it runs to its end.
     """
 
     def __init__(self, engine: Any, call_context: Callable[[], Any] = contextlib.nullcontext):
         self.engine = engine
         self.call_context = call_context
+        self._interruptible = "interrupted" in inspect.signature(engine.generate).parameters
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._calling = threading.Lock()
@@ -92,14 +97,23 @@ class BatchingClient:
                              if future.get_loop() is not loop and not future.get_loop().is_closed()]
             if not batch:
                 continue
+            interrupted = threading.Event()
+
+            def interrupt_if_unwaited(_: asyncio.Future, batch=batch, interrupted=interrupted) -> None:
+                if all(future.done() for _, future in batch):
+                    interrupted.set()
+
+            for _, future in batch:
+                future.add_done_callback(interrupt_if_unwaited)
             try:
-                results = await asyncio.to_thread(self._generate, [request for request, _ in batch])
+                results = await asyncio.to_thread(self._generate, [request for request, _ in batch], interrupted)
             except Exception as error:
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
                 continue
             except BaseException:  # cancelled, or its loop closed: the batch's callers wait no more
+                interrupted.set()
                 for _, future in batch:
                     if not future.get_loop().is_closed():
                         future.cancel()
@@ -108,12 +122,15 @@ class BatchingClient:
                 if not future.done():
                     future.set_result(completion)
 
-    def _generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+    def _generate(self, requests: list[GenerationRequest], interrupted: threading.Event) -> list[Completion]:
         longest = max(request.sampling.max_tokens for request in requests)
         shared = [dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, max_tokens=longest))
                   for request in requests]
         with self._calling, self.call_context():
-            samples = self.engine.generate(shared)
+            if self._interruptible:
+                samples = self.engine.generate(shared, interrupted=interrupted)
+            else:
+                samples = self.engine.generate(shared)
             self.num_calls += 1
         completions = []
         for request, (completion, *_) in zip(requests, samples, strict=True):

@@ -346,13 +346,13 @@ APPLIED_LAST = ("generation_kwargs",)
 TRL_PER_DEVICE_TRAIN_BATCH_SIZE = 8
 """TRL's default per_device_train_batch_size: what gradient_accumulation_steps multiplies when only it is given."""
 
-def _sft_limit(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """TRL's max_length of a row; None (TRL: no limit) is refused, since reinforge sizes its batches by the limit."""
+def _token_limit(value: Any, unit: str, longer: str) -> Any:
+    """TRL's max_length of a ``unit`` (a row, a pair); None (TRL: no limit) is refused, since reinforge sizes its
+    micro-batches by the limit. ``longer``: what becomes of a longer one, for the message."""
     if value is None:
-        raise ValueError("max_length=None: reinforge sft needs a limit on a row's tokens (a longer row is cut at its "
-                         "end) to size its micro-batches and packed rows; give one above your longest row (TRL's "
-                         "default is 1024)")
-    return {"data.max_length": value, "data.truncation": "right"}
+        raise ValueError(f"max_length=None: reinforge needs a limit on a {unit}'s tokens to size its micro-batches "
+                         f"(a longer {unit} {longer}); give one above your longest {unit} (TRL's default is 1024)")
+    return value
 
 
 def _dataset_kwargs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -387,7 +387,8 @@ def _chat_template_path(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 
 SFT_DATA_SETTINGS: dict[str, Override] = {
     **UNUSED_BY_SFT,
-    "max_length": ("data.max_length (longer conversations cut on the right)", _sft_limit),
+    "max_length": ("data.max_length (longer conversations cut on the right)", lambda value, settings: {
+        "data.max_length": _token_limit(value, "row", "is cut at its end"), "data.truncation": "right"}),
     "packing": ("data.packing", _to("data.packing")),
     # the two decide data.loss_on with the rows' format, which SFTTrainer reads (sft_loss_on)
     "completion_only_loss": ("data.loss_on (prompt/completion rows)", lambda value, settings: {}),
@@ -568,22 +569,13 @@ def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
     return int(per_device if per_device is not None else TRL_PER_DEVICE_TRAIN_BATCH_SIZE) * int(accumulation or 1)
 
 
-def _pair_limit(value: Any) -> Any:
-    """TRL's max_length of a pair; None (TRL: no limit) is refused, since reinforge plans its memory by the limit."""
-    if value is None:
-        raise ValueError("max_length=None: reinforge rm and dpo need a limit on a pair's tokens (a longer pair is "
-                         "dropped, counted in the log) to plan their micro-batches; give one above your longest pair "
-                         "(TRL's default is 1024)")
-    return value
-
-
 PREFERENCE_SETTINGS: dict[str, Override] = {
     **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in SFT_DATA_SETTINGS},
     **UNUSED_BY_PREFERENCE_TRAINERS,
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
     "max_length": ("data.max_length (longer pairs dropped, counted in the log)", lambda value, settings: {
-        "data.max_length": _pair_limit(value)}),
+        "data.max_length": _token_limit(value, "pair", "is dropped, counted in the log")}),
 }
 
 

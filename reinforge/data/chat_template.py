@@ -8,6 +8,7 @@ keeps the result a plain ``list[int]`` across transformers versions.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 Messages = list[dict[str, Any]]
@@ -132,6 +133,25 @@ def after_end_of_turn_ids(tokenizer: Any, chat_template: str | None = None) -> t
     after = assistant_turn_text(tokenizer, template)[1]
     rest = after[len(end_of_turn_token(tokenizer, after)):]
     return (end_ids[0], tuple(tokenizer(rest, add_special_tokens=False)["input_ids"])) if rest else None
+
+
+def row_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The row's ``tools`` column, the function schemas the template shows beside its conversation (as TRL's SFT and
+    preference rows carry them): a list of OpenAI function schemas, or that list as JSON text (parquet often stores
+    it so); None when the row has none. ``where`` names the row in an error."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where} has a 'tools' column that is not valid JSON ({error.msg}); give a list of "
+                             "function schemas") from None
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools)):
+        shown = type(tools).__name__ if not isinstance(tools, list) else \
+            f"list holding a {next(type(tool).__name__ for tool in tools if not isinstance(tool, dict))}"
+        raise ValueError(f"{where} has a 'tools' column of type {shown}; give a list of function schemas "
+                         "({'type': 'function', 'function': {'name': ..., 'parameters': ...}})")
+    return tools or None
 
 
 def template_error_message(error: Exception, what: str, setting: str = "data.chat_template") -> str:

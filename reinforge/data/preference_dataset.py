@@ -29,7 +29,6 @@ the row and the column before any model loads.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reinforge.data.chat_template import apply_chat_template, template_error_message
+from reinforge.data.chat_template import apply_chat_template, row_tools, template_error_message
 from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.multimodal import image_column, row_image_sources
 from reinforge.data.prompt_loader import epoch_order
@@ -116,6 +115,8 @@ def check_preference_row(row: dict[str, Any], keys: PreferenceKeys, where: str) 
     if chosen == rejected:
         raise ValueError(f"{where}: {keys.chosen!r} and {keys.rejected!r} are the same, which teaches no "
                          "preference; drop the row")
+    if conversational:  # the template shows the schemas beside the conversation; text pairs leave them out
+        row_tools(row, where)
     images = row_image_sources(row, None, where)
     if images:  # TRL's vision preference rows: text-only training would drop the pictures the pair is about
         raise ValueError(f"{where} has {len(images)} image(s) in its {image_column(row)!r} column; reinforge rm and "
@@ -146,19 +147,6 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str, add_g
             tools: list[dict[str, Any]] | None = None) -> str:
     return apply_chat_template(tokenizer, messages, chat_template=template, tokenize=False,
                                add_generation_prompt=add_generation_prompt, tools=tools or None)
-
-
-def _tools_of(row: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The row's ``tools`` column (function schemas, a list or its JSON text, as TRL takes it), or None."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"'tools' is text that is not JSON ({error}); give a list of function schemas") from None
-    if tools is not None and not isinstance(tools, list):
-        raise ValueError(f"'tools' is {type(tools).__name__}; give a list of function schemas (or its JSON text)")
-    return tools or None
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -206,7 +194,7 @@ def tokenize_pair(tokenizer: Any, row: dict[str, Any], keys: PreferenceKeys, tem
             if not chosen or not rejected:
                 raise ValueError(f"one of {keys.chosen!r} and {keys.rejected!r} is the other's beginning, so it has "
                                  "no completion of its own; drop the row")
-        tools = _tools_of(row)  # the schemas the conversation was held with: the template shows them
+        tools = row_tools(row, "the row")  # the schemas the conversation was held with: the template shows them
         prompt_text = _render(tokenizer, prompt, template, add_generation_prompt=True, tools=tools)
         completions = []
         for key, turns in ((keys.chosen, chosen), (keys.rejected, rejected)):

@@ -56,7 +56,6 @@ row, and the loader keeps them (within a byte budget) for the later epochs.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Sequence
@@ -68,7 +67,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from reinforge.data.chat_template import apply_chat_template, template_end_of_turn_ids, template_error_message
+from reinforge.data.chat_template import (
+    apply_chat_template,
+    row_tools,
+    template_end_of_turn_ids,
+    template_error_message,
+)
 from reinforge.data.files import as_list, expand_data_files, read_rows
 from reinforge.data.multimodal import (
     check_image_count,
@@ -400,28 +404,10 @@ def expand_image_tokens(example: SFTExample, processor: Any, images: Sequence[An
     return SFTExample(input_ids, loss_mask, list(range(len(input_ids))), sources)
 
 
-def _checked_tools(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
-    """The row's ``tools`` column (as TRL's SFT datasets have it): a list of OpenAI function schemas, or that
-    list as JSON text (parquet often stores it so); None when the row has none."""
-    tools = row.get("tools")
-    if tools is None:
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where} has a 'tools' column that is not valid JSON ({error.msg}); give a list of "
-                             "function schemas") from None
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools)):
-        raise ValueError(f"{where} has a 'tools' column of type {type(tools).__name__}; give a list of function "
-                         "schemas ({'type': 'function', 'function': {'name': ..., 'parameters': ...}})")
-    return tools or None
-
-
 def _tokenized_conversation(row: dict[str, Any], where: str, tokenizer: Any, chat_template: str | None,
                             messages_key: str, processor: Any, images: list, sources: tuple) -> SFTExample:
     messages, num_prompt_messages = _conversation_of(row, messages_key, where, content_parts=processor is not None)
-    tools = _checked_tools(row, where)
+    tools = row_tools(row, where)
     if processor is not None:
         check_image_count(messages, len(images), where)
         messages = with_image_parts(messages, len(images))

@@ -105,7 +105,7 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     # with its layer, the rounded weight sent tokens to other experts than the model transformers loads picks
     float32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                           cast_forward_inputs=False)
-    kept_units = float32_units(model, empty) if dtype != torch.float32 else []
+    kept_units = float32_units(model, dtype, empty) if dtype != torch.float32 else []
     layers = decoder_layers(model)
     for unit in [*kept_units, *layers]:
         fully_shard(unit, mesh=mesh, mp_policy=float32_policy if unit in kept_units else mp_policy,
@@ -125,11 +125,12 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
     return model
 
 
-def float32_units(model: nn.Module, skipped: Iterable[nn.Parameter] = ()) -> list[nn.Module]:
+def float32_units(model: nn.Module, dtype: torch.dtype, skipped: Iterable[nn.Parameter] = ()) -> list[nn.Module]:
     """The largest modules of ``model`` whose parameters (but ``skipped``) are all ones transformers keeps in float32
-    (``float32_parameter_names``): DeepSeek V2/V3's router modules. A kept parameter beside others in its module
-    (none in the families reinforge trains fast) computes in its unit's dtype, and one line says so."""
-    kept = float32_parameter_names(model)
+    when it loads the model in ``dtype`` (``float32_parameter_names``): DeepSeek V2/V3's router modules, and in float16
+    gpt-oss's norms. A kept parameter beside others in its module (none in the families reinforge trains fast)
+    computes in its unit's dtype, and one line says so."""
+    kept = float32_parameter_names(model, dtype)
     if not kept:
         return []
     skipped_ids = {id(parameter) for parameter in skipped}

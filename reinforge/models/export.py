@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from reinforge.atomic_files import fsync_directory_entry
 
@@ -78,6 +78,20 @@ def float32_pattern(module_names: object) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{name.replace('*', '.*')})" for name in sorted(module_names)))
 
 
+def kept_in_float32(model: PreTrainedModel, dtype: torch.dtype) -> re.Pattern | None:
+    """What transformers keeps in float32 when it loads ``model`` in ``dtype`` (its ``_get_dtype_plan``), as a
+    ``float32_pattern``: in float16 or bfloat16 what the model's classes name in ``_keep_in_fp32_modules_strict``
+    (DeepSeek's router ``gate.weight``), in float16 also what they name in ``_keep_in_fp32_modules`` (gpt-oss's norms,
+    T5's ``wo``); None for none."""
+    names: list[str] = []
+    for attribute, dtypes in (("_keep_in_fp32_modules_strict", (torch.float16, torch.bfloat16)),
+                              ("_keep_in_fp32_modules", (torch.float16,))):
+        listed = getattr(model, attribute, None)
+        if dtype in dtypes and isinstance(listed, (list, tuple, set, frozenset)):
+            names.extend(listed)
+    return float32_pattern(set(names))
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Build modules in ``dtype`` meanwhile (torch's default dtype), as from_pretrained builds a model; the previous
@@ -90,39 +104,46 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def dtypes_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype of each floating-point tensor of ``model``'s state dict in a model that
-    ``from_pretrained(folder, dtype=dtype)`` loads: ``dtype``, except what transformers keeps in float32.
-
-    That is a tensor the model's classes create in float32 whatever the default dtype (DeepSeek V3's
-    ``e_score_correction_bias``), one their ``_keep_in_fp32_modules_strict`` names (DeepSeek's router
-    ``gate.weight``), and for float16 one their ``_keep_in_fp32_modules`` names (gpt-oss's norms). A copy of the
-    model is built on the meta device with ``dtype`` as the default dtype, as from_pretrained builds it.
-    """
-    config = copy.deepcopy(model.config)
-    config._attn_implementation = "eager"  # a class that picks its attention modules by name knows no other
+def build_as_loaded(model_class: type[PreTrainedModel], config: PretrainedConfig,
+                    dtype: torch.dtype) -> PreTrainedModel:
+    """A ``model_class`` of ``config`` on the meta device, built with ``dtype`` as the default dtype as from_pretrained
+    builds it, eager (a class that picks its attention modules by name at construction knows no other)."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = "eager"
     with torch.device("meta"), default_dtype(dtype):
-        built = type(model)(config)
-    kept = [float32_pattern(getattr(built, "_keep_in_fp32_modules_strict", None))
-            if dtype in (torch.bfloat16, torch.float16) else None,
-            float32_pattern(getattr(built, "_keep_in_fp32_modules", None)) if dtype == torch.float16 else None]
+        return model_class(config)
+
+
+def dtypes_of_built(built: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each floating-point tensor of ``built``'s state dict (a model ``build_as_loaded`` built in
+    ``dtype``) once ``from_pretrained(folder, dtype=dtype)`` loads it: its own, except what transformers keeps in
+    float32.
+
+    Its own is ``dtype`` or float32 for a tensor the model's classes create in float32 whatever the default dtype
+    (DeepSeek V3's ``e_score_correction_bias``); float32 also for one ``kept_in_float32`` matches.
+    """
+    kept = kept_in_float32(built, dtype)
     as_loaded = {}
     for name, tensor in built.state_dict().items():
         if tensor.is_floating_point():
-            keeps_float32 = any(pattern is not None and pattern.search(name) for pattern in kept)
-            as_loaded[name] = torch.float32 if keeps_float32 else tensor.dtype
+            as_loaded[name] = torch.float32 if kept is not None and kept.search(name) else tensor.dtype
     return as_loaded
 
 
-def cast_state_as_loaded(state: dict[str, Tensor], model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
-    """``state``, a state dict of ``model``, in place: each floating-point tensor in the dtype a folder of it loads
-    back in with ``from_pretrained(folder, dtype=dtype)`` (``dtypes_as_loaded``). Returns ``state``.
+def dtypes_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each floating-point tensor of ``model``'s state dict in a model that
+    ``from_pretrained(folder, dtype=dtype)`` loads (``dtypes_of_built`` of a meta copy of ``model``)."""
+    return dtypes_of_built(build_as_loaded(type(model), model.config, dtype), dtype)
+
+
+def cast_state(state: dict[str, Tensor], as_loaded: dict[str, torch.dtype], dtype: torch.dtype) -> dict[str, Tensor]:
+    """``state`` in place: each floating-point tensor in its dtype in ``as_loaded`` (``dtypes_of_built``), ``dtype``
+    where that names none. Returns ``state``.
 
     A tensor to cast is cast onto the CPU, one at a time: the model's device holds no second copy, and the state's
     own tensor is freed as its cast is made where nothing else holds it. Tensors that share storage (tied
     embeddings) still share it, which is how save_pretrained recognises them and writes the weight once.
     """
-    as_loaded = dtypes_as_loaded(model, dtype)
     cast: dict[tuple, Tensor] = {}
     for name in list(state):
         tensor = state[name]
@@ -137,6 +158,12 @@ def cast_state_as_loaded(state: dict[str, Tensor], model: PreTrainedModel, dtype
     return state
 
 
+def cast_state_as_loaded(state: dict[str, Tensor], model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
+    """``state``, a state dict of ``model``, in place: each floating-point tensor in the dtype a folder of it loads
+    back in with ``from_pretrained(folder, dtype=dtype)`` (``dtypes_as_loaded``, ``cast_state``). Returns ``state``."""
+    return cast_state(state, dtypes_as_loaded(model, dtype), dtype)
+
+
 def state_dict_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, Tensor]:
     """The model's state dict as a folder saved in ``dtype`` holds it (``cast_state_as_loaded``); the model itself is
     not cast."""
@@ -145,7 +172,7 @@ def state_dict_in_dtype(model: PreTrainedModel, dtype: torch.dtype) -> dict[str,
 
 def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path, *,
                    dtype: torch.dtype | None = None, processor_files_from: str | Path | None = None,
-                   adapter_folder: str | Path | None = None) -> Path:
+                   adapter_folder: str | Path | None = None, cast: bool = True) -> Path:
     """Save ``model`` (safetensors, in ``dtype`` or its own) and ``tokenizer`` into ``out_dir``, atomically.
 
     In ``dtype``, what transformers keeps in float32 when it loads the folder in that dtype is written in float32
@@ -157,9 +184,14 @@ def save_hf_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
     folder keeps when ``tokenizer`` wrote none (``copy_processor_files``).
     ``adapter_folder``: LoRA adapters in peft's format, copied to ``out_dir/adapter`` with the rest, so that the folder
     appears with them or not at all.
+    ``cast=False``: the model's weights are in ``dtype`` as loaded already (``cast_state``); they are written as they
+    are, and config.json still names ``dtype``.
     """
     out_dir = Path(out_dir)
-    state_dict = state_dict_in_dtype(model, dtype) if dtype is not None else None
+    if dtype is None:
+        state_dict = None
+    else:
+        state_dict = state_dict_in_dtype(model, dtype) if cast else dict(model.state_dict())
     with atomic_folder(out_dir) as staging:
         model.save_pretrained(staging, state_dict=state_dict)
         prepare_config_for_inference(staging / "config.json", dtype)

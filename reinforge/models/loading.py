@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from reinforge.models.classes import causal_lm_class, named_class
-from reinforge.models.export import AS_LOADED, float32_pattern
+from reinforge.models.export import AS_LOADED, kept_in_float32
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,11 @@ def check_model_folder(path: str | Path, key: str = "model.path") -> None:
                                     f"missing shard(s), first {missing[0]}")
 
 
-def float32_parameter_names(model: torch.nn.Module) -> set[str]:
-    """Names of ``model``'s parameters that transformers keeps in float32 when it loads the model in bfloat16 or
-    float16: those its classes name in ``_keep_in_fp32_modules_strict`` (DeepSeek V2/V3's router ``gate.weight``),
-    matched as transformers matches them (a regular-expression search in the name, ``*`` for any characters)."""
-    kept = float32_pattern(getattr(model, "_keep_in_fp32_modules_strict", None))
+def float32_parameter_names(model: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """Names of ``model``'s parameters that transformers keeps in float32 when it loads the model in ``dtype``
+    (``export.kept_in_float32``): in bfloat16 those its classes name in ``_keep_in_fp32_modules_strict`` (DeepSeek
+    V2/V3's router ``gate.weight``), in float16 also those named in ``_keep_in_fp32_modules`` (gpt-oss's norms)."""
+    kept = kept_in_float32(model, dtype)
     if kept is None:
         return set()
     return {name for name, _ in model.named_parameters() if kept.search(name)}

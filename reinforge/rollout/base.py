@@ -110,6 +110,11 @@ class Completion:
     of the distribution it was sampled from, most likely first; None otherwise."""
 
 
+class GenerationInterrupted(Exception):
+    """A ``generate`` call stopped midway because no one waits for its samples any more (every caller cancelled, or
+    the server stopping); it returns none of them."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the actor-rollout worker needs from a generation backend."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +41,14 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from transformers.utils import ModelOutput
 
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
-from reinforge.rollout.base import Completion, GenerationRequest, SamplingParams, prompt_problem, sampling_problem
+from reinforge.rollout.base import (
+    Completion,
+    GenerationInterrupted,
+    GenerationRequest,
+    SamplingParams,
+    prompt_problem,
+    sampling_problem,
+)
 from reinforge.rollout.native.sampling import MAX_INV_TEMPERATURE, truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
 from reinforge.rollout.stop_strings import StopStringMatcher, token_decoder
@@ -164,6 +172,21 @@ class _TokenLogProbs(LogitsProcessor):
     def top_of(self, row: int, length: int) -> list[list[tuple[int, float]]]:
         """A row's alternatives of its first ``length`` tokens: (token id, log-prob), most likely first."""
         return [list(zip(ids[row].tolist(), values[row].tolist(), strict=True)) for values, ids in self.top[:length]]
+
+
+class _Interrupted(StoppingCriteria):
+    """Ends every row once ``interrupted`` is set (from another thread): ``generate`` returns at its next token."""
+
+    def __init__(self, interrupted: threading.Event):
+        self.interrupted = interrupted
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs) -> Tensor:
+        return torch.full((input_ids.shape[0],), self.interrupted.is_set(), device=input_ids.device)
+
+
+def _raise_if_set(interrupted: threading.Event | None) -> None:
+    if interrupted is not None and interrupted.is_set():
+        raise GenerationInterrupted("the generate call was interrupted: no one waits for its samples any more")
 
 
 class _StopStrings(StoppingCriteria):
@@ -294,7 +317,11 @@ class HFEngine:
     def sleep(self, abandon: bool = False) -> None:
         pass
 
-    def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+    def generate(self, requests: list[GenerationRequest],
+                 interrupted: threading.Event | None = None) -> list[list[Completion]]:
+        """Completions for each request, in request order. ``interrupted``, set from another thread while the call
+        runs, ends it at its next token with ``GenerationInterrupted`` (no sample of a call stopped midway is returned:
+        a cut sample would read as one that ended there)."""
         results: list[list[Completion] | None] = [None] * len(requests)
         groups: dict[SamplingParams, list[int]] = defaultdict(list)
         vocab_size = self.model.get_input_embeddings().weight.shape[0]
@@ -316,8 +343,11 @@ class HFEngine:
                 chunk = indices[start:start + per_call]
                 seeds = None if sampling.greedy else [(self._seed_of(requests[i].sampling),
                                                        requests[i].sampling.first_sample) for i in chunk]
+                _raise_if_set(interrupted)
                 completions = self._generate_same_params([requests[i].prompt_token_ids for i in chunk], sampling,
-                                                         seeds, [requests[i].multi_modal_inputs for i in chunk])
+                                                         seeds, [requests[i].multi_modal_inputs for i in chunk],
+                                                         interrupted)
+                _raise_if_set(interrupted)
                 for index, samples in zip(chunk, completions, strict=True):
                     results[index] = samples
         return [samples for samples in results if samples is not None]
@@ -328,9 +358,10 @@ class HFEngine:
     @torch.no_grad()
     def _generate_same_params(self, prompts: list[list[int]], sampling: SamplingParams,
                               seeds: list[tuple[int, int]] | None = None,
-                              images: list[dict[str, Tensor] | None] | None = None) -> list[list[Completion]]:
+                              images: list[dict[str, Tensor] | None] | None = None,
+                              interrupted: threading.Event | None = None) -> list[list[Completion]]:
         """``seeds``: each prompt's (request seed, first sample index), None for greedy search; ``images``: each
-        prompt's ``multi_modal_inputs`` (None: none)."""
+        prompt's ``multi_modal_inputs`` (None: none); ``interrupted``: ends ``generate`` at the next token once set."""
         device = next(self.model.parameters()).device
         longest = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
@@ -354,9 +385,12 @@ class HFEngine:
                                   sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])
         stop_strings = None
+        stopping_criteria = StoppingCriteriaList([_Interrupted(interrupted)] if interrupted is not None else [])
         if sampling.stop and not sampling.ignore_eos:
             stop_strings = _StopStrings(self.decode, sampling.stop, longest)
-            kwargs["stopping_criteria"] = StoppingCriteriaList([stop_strings])
+            stopping_criteria.append(stop_strings)
+        if stopping_criteria:
+            kwargs["stopping_criteria"] = stopping_criteria
         if seeds is not None:  # greedy search over seeded Gumbel-perturbed logits (see the module docstring)
             sample_seeds = [sample_seed(seed, first + sample) for seed, first in seeds for sample in range(sampling.n)]
             prompt_lengths = [len(prompt) for prompt in prompts for _ in range(sampling.n)]

@@ -13,7 +13,9 @@ started arrives as one ``data: {"error": ...}`` event before ``[DONE]``.
 
 A client that hangs up, mid-request or mid-stream, cancels its handler (aiohttp's ``handler_cancellation``), and with
 it the generation it waits for: the native engine aborts the request and frees its KV blocks at once; the hf backend
-drops it if its batch has not started (a batch under way runs to its end).
+drops it if its batch has not started, and stops a batch under way at its next token once none of its requests is
+waited for (``agent.runner.BatchingClient``). Ctrl-C cancels every request: the server stops within a token, with no
+reply, whole or cut, sent for the requests under way.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from reinforge.engine.lora import (
 from reinforge.engine.offload import HostOffloadedAdamW
 from reinforge.models import save_hf_folder
 from reinforge.models.dropout import restore_config_dropout
-from reinforge.models.export import cast_state_as_loaded
+from reinforge.models.export import build_as_loaded, cast_state, dtypes_of_built
 
 
 def save_training_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -117,16 +117,15 @@ def save_sharded_hf_folder(model: nn.Module, model_class: type[nn.Module], token
             write_adapter_folder(out_dir.parent / "adapter", adapter_state(state), lora, base_model_path)
             merge_lora_weights(state, lora_scaling(lora), transposed_layers(model))
         # built eagerly: a model that picks its attention classes by name at construction (GIT) knows no
-        # reinforge_varlen, and the folder is for inference anyway
+        # reinforge_varlen, and the folder is for inference anyway; built once, it also says what stays float32
         config = copy.deepcopy(model.config)
         restore_config_dropout(model, config)
-        config._attn_implementation = "eager"
-        with torch.device("meta"):
-            plain = model_class(config)
-        cast_state_as_loaded(state, plain, dtype)  # before the folder is written: no float32 copy beside the cast one
+        plain = build_as_loaded(model_class, config, dtype)
+        cast_state(state, dtypes_of_built(plain, dtype), dtype)  # before the folder is written: no float32 copy
         plain.load_state_dict(state, assign=True, strict=False)
         plain.tie_weights()
         if getattr(model, "generation_config", None) is not None:  # a classifier (a reward model) has none
             plain.generation_config = model.generation_config
-        save_hf_folder(plain, tokenizer, out_dir, dtype=dtype, processor_files_from=base_model_path or None)
+        save_hf_folder(plain, tokenizer, out_dir, dtype=dtype, processor_files_from=base_model_path or None,
+                       cast=False)
     barrier()

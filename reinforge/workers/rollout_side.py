@@ -229,11 +229,11 @@ def cast_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast ``model``'s floating-point parameters to ``dtype`` in place, as transformers loads a checkpoint in it.
 
     The buffers keep their dtype (the rotary ``inv_freq``: rounded to bf16 it shifts every position's angle, far
-    out at long positions), and so do the parameters and buffers the model class keeps in float32
-    (``_keep_in_fp32_modules_strict``: DeepSeek's router weight and V3's ``e_score_correction_bias``, whose
-    rounding changes which experts a token is sent to).
+    out at long positions; DeepSeek V3's float32 ``e_score_correction_bias``), and so do the parameters transformers
+    keeps in float32 in ``dtype`` (``float32_parameter_names``: DeepSeek's router weight, whose rounding changes which
+    experts a token is sent to; in float16 also gpt-oss's norms).
     """
-    kept = float32_parameter_names(model)
+    kept = float32_parameter_names(model, dtype)
     for name, parameter in model.named_parameters():
         if parameter.is_floating_point() and name not in kept:
             parameter.data = parameter.data.to(dtype)
@@ -253,7 +253,7 @@ def full_weights_on_cpu(model: torch.nn.Module, dtype: torch.dtype, rank: int,
     model's names, from rank 0 (None elsewhere). ``lora_scale``: LoRA's scaling, the adapters merged in. The
     parameters transformers keeps in float32 (DeepSeek's routers) stay float32."""
     weights: dict[str, torch.Tensor] = {}
-    kept = float32_parameter_names(model)
+    kept = float32_parameter_names(model, dtype)
     with torch.no_grad(), unsharded(model):
         for name, parameter in model.named_parameters():
             value = parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter

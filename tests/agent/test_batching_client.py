@@ -7,8 +7,10 @@ import gc
 import sys
 import threading
 
+import pytest
+
 from reinforge.agent.runner import BatchingClient
-from reinforge.rollout.base import Completion, SamplingParams
+from reinforge.rollout.base import Completion, GenerationInterrupted, SamplingParams
 
 
 class GatedEngine:
@@ -70,7 +72,7 @@ def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_w
 
 
 def test_a_cancelled_request_is_left_out_of_the_calls_that_have_not_started():
-    """The hf backend cannot stop a call midway; a request cancelled before its call starts is never generated."""
+    """A request cancelled before its call starts is never generated."""
     engine = GatedEngine()
     engine.gate.clear()
     client = BatchingClient(engine)
@@ -90,3 +92,55 @@ def test_a_cancelled_request_is_left_out_of_the_calls_that_have_not_started():
     first, second, cancelled, timed_out = asyncio.run(main())
     assert first.token_ids == [2, 1] and second.token_ids == [1] and cancelled and isinstance(timed_out, TimeoutError)
     assert engine.calls == [["first"], ["second"]]
+
+
+class InterruptibleEngine:
+    """``generate`` waits until its call is interrupted (or ``gate`` opens) and notes which ended how."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.interrupted_calls: list[list[str]] = []
+
+    def generate(self, requests, interrupted=None):
+        self.entered.set()
+        while not self.gate.is_set():
+            if interrupted.wait(0.01):
+                self.interrupted_calls.append([request.request_id for request in requests])
+                raise GenerationInterrupted("interrupted")
+        return [[Completion([1], [0.0], "stop")] for _ in requests]
+
+
+@pytest.mark.parametrize("cancelled", [["first"], ["first", "second"]])
+def test_a_call_under_way_is_interrupted_once_none_of_its_callers_waits(cancelled):
+    """Both requests share a call: cancelling one leaves it running for the other; cancelling both interrupts it."""
+    engine = InterruptibleEngine()
+    client = BatchingClient(engine)
+
+    async def main():
+        requests = {name: asyncio.ensure_future(client.generate([index], SamplingParams(max_tokens=2), name))
+                    for index, name in enumerate(["first", "second"])}
+        await asyncio.to_thread(engine.entered.wait, 10)
+        for name in cancelled:
+            requests[name].cancel()
+        await asyncio.sleep(0.2)
+        engine.gate.set()
+        return await asyncio.gather(*requests.values(), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [isinstance(result, asyncio.CancelledError) for result in results] == [True, len(cancelled) == 2]
+    assert engine.interrupted_calls == ([["first", "second"]] if len(cancelled) == 2 else [])
+
+
+def test_a_loop_that_shuts_down_interrupts_its_call_under_way():
+    """The loop's shutdown (a server's Ctrl-C) cancels the flusher: its call ends rather than run on in a thread."""
+    engine = InterruptibleEngine()
+    client = BatchingClient(engine)
+    threading.Timer(5, engine.gate.set).start()  # an uninterrupted call ends after 5 s
+
+    async def main():
+        asyncio.ensure_future(client.generate([1], SamplingParams(max_tokens=2), "left"))
+        await asyncio.to_thread(engine.entered.wait, 10)
+
+    asyncio.run(main())  # returns once its executor's threads end: the call's too
+    assert engine.interrupted_calls == [["left"]]

@@ -16,6 +16,8 @@ from reinforge.data.preference_dataset import (
 from reinforge.models import build_char_tokenizer
 
 KEYS = PreferenceKeys()
+CONVERSATION_PAIR = {"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "a"}],
+                     "rejected": [{"role": "assistant", "content": "b"}]}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,12 @@ def test_implicit_plain_pair_shares_its_common_leading_tokens(tokenizer):
      "message 0 (assistant) of 'chosen' of row 0 of F has a 'content' of type int"),
     ({"prompt": "<image>What color?", "chosen": "red", "rejected": "blue", "images": ["picture.png"]},
      "row 0 of F has 1 image(s) in its 'images' column; reinforge rm and dpo train on text alone"),
+    ({**CONVERSATION_PAIR, "tools": "calc"},
+     "row 0 of F has a 'tools' column that is not valid JSON (Expecting value); give a list of function schemas"),
+    ({**CONVERSATION_PAIR, "tools": {"name": "calc"}},
+     "row 0 of F has a 'tools' column of type dict; give a list of function schemas"),
+    ({**CONVERSATION_PAIR, "tools": ["calc"]},
+     "row 0 of F has a 'tools' column of type list holding a str; give a list of function schemas"),
 ])
 def test_malformed_rows_are_refused_in_one_line_naming_the_row_and_column(tmp_path, row, message):
     path = tmp_path / "pairs.jsonl"

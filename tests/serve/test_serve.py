@@ -580,3 +580,69 @@ def client_ids(service: GenerationService, request: dict) -> list[int]:
     """The ids the service's client samples for a chat request (its prompt as the codec renders it)."""
     call = service._chat_call(dict(request), None)
     return asyncio.run(service._sample(call.prompt_ids, call.sampling, 1, "check"))[0].token_ids
+
+
+def test_a_stopped_server_ends_the_hf_backends_call_under_way_at_its_next_token(tiny_model_dir):
+    """Ctrl-C raises KeyboardInterrupt out of the event loop (``reinforge.stop_signals``); the loop's shutdown cancels
+    the request and the batch's flusher, which interrupts the hf backend's generate call: the server is gone within
+    a token or two, with no thread left generating and no reply sent, where the call would take 10 s to its end."""
+    import time
+    import urllib.request
+
+    from reinforge.agent.runner import BatchingClient
+    from reinforge.rollout.hf import HFEngine
+    from reinforge.serve.command import load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir), None, "float32", torch.device("cpu"))
+    generating, forwards = threading.Event(), []
+
+    def slow_forward(module, args, output):  # 50 tokens of 0.2 s: 10 s, as no token ends the reply
+        generating.set()
+        forwards.append(time.monotonic())
+        time.sleep(0.2)
+        output.logits[..., tokenizer.eos_token_id] = float("-inf")
+        return output
+
+    model.register_forward_hook(slow_forward)
+    client = BatchingClient(HFEngine(model, pad_token_id=tokenizer.pad_token_id,
+                                     eos_token_ids=[tokenizer.eos_token_id], tokenizer=tokenizer))
+    service = GenerationService(client, tokenizer, "tiny", codec=ChatCodec(tokenizer), max_model_len=128,
+                                eos_token_ids=(tokenizer.eos_token_id,))
+    endpoint, replies = OpenAIEndpoint(service), []
+
+    def ask(url: str) -> None:
+        body = json.dumps({"prompt": "1+1=", "max_tokens": 50, "seed": 1}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                replies.append(response.read())
+        except Exception as error:  # noqa: BLE001 - the server went away mid-request
+            replies.append(error)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    async def serve() -> None:  # as serve_main serves
+        asker = threading.Thread(target=ask, args=(await endpoint.start(),), daemon=True)
+        asker.start()
+        assert await asyncio.to_thread(generating.wait, 10)
+        asyncio.get_running_loop().call_soon(interrupt)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await endpoint.close()
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(serve())
+    stopped = time.monotonic()
+    assert stopped - forwards[0] < 3, f"the server took {stopped - forwards[0]:.1f} s to stop"
+    assert forwards[-1] < stopped and len(forwards) < 10
+    time.sleep(0.3)
+    assert forwards[-1] < stopped, "a thread still generates after the server stopped"
+    assert started < forwards[0]
+    for _ in range(100):
+        if replies:
+            break
+        time.sleep(0.05)
+    assert len(replies) == 1 and isinstance(replies[0], Exception), "no reply, whole or cut, reaches the client"

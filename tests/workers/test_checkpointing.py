@@ -41,3 +41,26 @@ def test_the_checkpoint_holds_the_weights_in_the_compute_dtype_and_says_so(tmp_p
     assert loaded.keys() == trained.keys()
     for name, tensor in loaded.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, trained[name].to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("gpt_oss", torch.float16), ("deepseek_v3", torch.bfloat16)])
+def test_the_checkpoint_builds_its_model_once_and_writes_what_save_hf_folder_writes(tmp_path, monkeypatch, arch, dtype):
+    """The meta model that takes the gathered weights also says which of them stay float32 (gpt-oss's norms in
+    float16; DeepSeek's router and its float32 bias): one build per save, and the folder is the one save_hf_folder
+    writes from the unsharded model, byte for byte."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_causal_lm(arch, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    expected = save_hf_folder(model, tokenizer, tmp_path / "expected", dtype=dtype)
+    model_class = type(model)
+    builds = []
+    build = model_class.__init__
+
+    def counted_build(self, config, *args, **kwargs):
+        builds.append(config)
+        build(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "__init__", counted_build)
+    save_sharded_hf_folder(model, model_class, tokenizer, tmp_path / "hf", dtype=dtype)
+    assert len(builds) == 1
+    written = {path.name: path.read_bytes() for path in (tmp_path / "hf").iterdir()}
+    assert written == {path.name: path.read_bytes() for path in expected.iterdir()}

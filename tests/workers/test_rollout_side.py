@@ -170,3 +170,30 @@ def test_weights_for_a_separate_rollout_keep_the_routers_transformers_keeps_in_f
         assert weights[name].dtype == parameter.dtype == (torch.float32 if name.endswith("gate.weight")
                                                           else torch.bfloat16), name
         torch.testing.assert_close(weights[name], plain.get_parameter(name).to(parameter.dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("gpt_oss", torch.float16), ("gpt_oss", torch.bfloat16),
+                                             ("deepseek_v3", torch.float16), ("deepseek_v3", torch.bfloat16)])
+def test_the_rollout_copy_keeps_in_float32_what_transformers_keeps_loading_in_its_dtype(tmp_path, arch, dtype):
+    """transformers keeps ``_keep_in_fp32_modules_strict`` (DeepSeek's routers) in float32 in float16 and bfloat16,
+    and ``_keep_in_fp32_modules`` (gpt-oss's norms) in float16 only: the rollout copy, the weights a separate rollout
+    gets and FSDP's float32 units are the parameters of the model it loads."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from reinforge.engine.fsdp import float32_units
+    from reinforge.models import save_hf_folder
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    plain = build_tiny_causal_lm(arch, vocab_size=64, seed=8)
+    loaded = AutoModelForCausalLM.from_pretrained(save_hf_folder(plain, None, tmp_path / "hf"), dtype=dtype)
+    expected = {name: parameter.dtype for name, parameter in loaded.named_parameters()}
+    assert (torch.float32 in expected.values()) == (arch == "deepseek_v3" or dtype == torch.float16)
+    rollout_copy = rollout_side.rollout_copy_of(plain, dtype)
+    assert {name: parameter.dtype for name, parameter in rollout_copy.named_parameters()} == expected
+    weights = rollout_side.full_weights_on_cpu(copy.deepcopy(plain), dtype, rank=0, lora_scale=None)
+    assert {name: weight.dtype for name, weight in weights.items()} == expected
+    kept = {f"{prefix}.{name}" for unit in float32_units(plain, dtype) for prefix, module in plain.named_modules()
+            if module is unit for name, _ in module.named_parameters()}
+    assert kept == {name for name, parameter_dtype in expected.items() if parameter_dtype == torch.float32}
