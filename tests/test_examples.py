@@ -33,11 +33,9 @@ def test_init_writes_every_example_into_examples_and_keeps_what_is_there(tmp_pat
 
     (tmp_path / "examples" / "ppo_gsm8k.yaml").write_text("# mine\n")
     assert main(["init"]) == 2  # nothing written over: a user's edits stay
-    assert capsys.readouterr().err.strip() == (
-        "error: examples/grpo_gsm8k.yaml, examples/dapo_gsm8k.yaml, examples/ppo_gsm8k.yaml, examples/retool.yaml, "
-        "examples/retool_tools.yaml, examples/rm.yaml, examples/preference_pairs.jsonl, "
-        "examples/preference_pairs_val.jsonl, examples/dpo.yaml already exist(s); reinforge init keeps them: pass "
-        "--force to write over them, or another folder")
+    assert capsys.readouterr().err.strip() == (  # the files as init wrote them are not in the way
+        "error: examples/ppo_gsm8k.yaml already exist(s); reinforge init keeps them: pass --force to write over them, "
+        "or another folder")
     assert (tmp_path / "examples" / "ppo_gsm8k.yaml").read_text() == "# mine\n"
     assert main(["init", "ppo_gsm8k", "--force"]) == 0
     assert (tmp_path / "examples" / "ppo_gsm8k.yaml").read_text() == (FOLDER / "ppo_gsm8k.yaml").read_text()
@@ -86,6 +84,18 @@ def test_the_preference_starters_run_as_written_on_their_sample_pairs(tiny_model
              "data.max_val_samples=4", "trainer.max_tokens_per_micro_batch=4096"]
     assert main([command, f"starters/{command}.yaml", *quick]) == 0
     assert (tmp_path / "runs" / command / "checkpoints").is_dir()
+
+
+def test_init_of_both_preference_starters_into_one_folder_shares_their_sample_pairs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["init", "rm"]) == 0
+    pairs = (tmp_path / "examples" / "preference_pairs.jsonl").stat().st_mtime_ns
+    assert main(["init", "dpo"]) == 0  # was: preference_pairs.jsonl already exists
+    assert (tmp_path / "examples" / "dpo.yaml").read_text() == (FOLDER / "dpo.yaml").read_text()
+    assert (tmp_path / "examples" / "preference_pairs.jsonl").stat().st_mtime_ns == pairs
+    (tmp_path / "examples" / "preference_pairs.jsonl").write_text("{}\n")
+    assert main(["init", "rm"]) == 2  # edited pairs are still kept
+    assert "examples/rm.yaml" not in capsys.readouterr().err
 
 
 def test_the_repository_holds_one_copy_of_each_example():

@@ -43,15 +43,26 @@ def example_text(file_name: str, folder: Path) -> str:
     return text
 
 
+def _written_already(path: Path, text: str) -> bool:
+    """Whether ``path`` is a file holding ``text`` already."""
+    try:
+        return path.is_file() and path.read_text(encoding="utf-8") == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def write_examples(names: list[str], folder: Path, force: bool = False) -> list[Path]:
     """Write the files of the examples ``names`` into ``folder`` (made if missing); returns the paths written.
 
-    Raises FileExistsError, naming the files, when some are there already (and ``force`` is not set); then nothing
-    is written."""
+    A file already there with the text it would get is left as it is (``init rm`` then ``init dpo`` share their
+    sample pairs). Raises FileExistsError, naming the files, when others are there already (and ``force`` is not
+    set); then nothing is written."""
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder} is a file, not a folder; reinforge init writes the examples into a folder: "
                               "give another one")
     files = list(dict.fromkeys(name for example in names for name in EXAMPLES[example]))  # rm and dpo share pairs
+    if not force:
+        files = [name for name in files if not _written_already(folder / name, example_text(name, folder))]
     present = [folder / name for name in files if (folder / name).exists()]
     if present and not force:
         raise FileExistsError(f"{', '.join(str(path) for path in present)} already exist(s); reinforge init keeps "
