@@ -170,6 +170,38 @@ def hub_errors_explained(path: str, key: str | None = None) -> Iterator[None]:
                       f"check {key or 'the path'}, or download the model first") from error
 
 
+class HeldLoadReport(logging.Filter):
+    """Holds back transformers' weight-loading report (the ``LOAD REPORT`` table it logs as a warning) of the
+    ``from_pretrained`` calls made inside ``with``, so the caller can log one line of its own for a report it expected
+    (a new head) and ``release()`` any other."""
+
+    LOGGER = "transformers.modeling_utils"
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.records.append(record)
+            return False
+        return True
+
+    def __enter__(self) -> HeldLoadReport:
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
+
+    def release(self) -> None:
+        """Log the held reports as transformers would have."""
+        target = logging.getLogger(self.LOGGER)
+        for record in self.records:
+            target.handle(record)
+        self.records.clear()
+
+
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Recompute activations in backward; non-reentrant, so frozen inputs need no requires_grad trick."""
     kwargs = {"use_reentrant": False}

@@ -45,6 +45,7 @@ from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores, routed_token_weights
 from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
 from reinforge.models.loading import (
+    HeldLoadReport,
     check_model_folder,
     hub_errors_explained,
     is_local_path,
@@ -60,6 +61,10 @@ from reinforge.workers.checkpointing import save_sharded_hf_folder, save_trainin
 
 logger = logging.getLogger(__name__)
 
+NEW_HEAD = {"score.weight", "score.bias"}
+"""The keys a causal LM's folder lacks for a classifier: its new score head."""
+
+
 def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote_code: bool = False,
                                    attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
                                    device: torch.device | str = "cpu") -> nn.Module:
@@ -69,9 +74,17 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
     model_class = trained_head_class(path, trust_remote_code)
     if is_local_path(path):
         attn_implementation = _classifier_attention(path, trust_remote_code, attn_implementation, model_class)
-    with hub_errors_explained(path):
-        model = model_class.from_pretrained(path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
-                                            attn_implementation=attn_implementation)
+    with hub_errors_explained(path), HeldLoadReport() as report:
+        model, loading = model_class.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code,
+                                                     attn_implementation=attn_implementation, output_loading_info=True)
+    if set(loading["missing_keys"]) <= NEW_HEAD and not loading["mismatched_keys"] \
+            and all(key.startswith("lm_head.") for key in loading["unexpected_keys"]):
+        report.records.clear()  # a causal LM under a new head, as expected: one line of ours instead of the table
+        if loading["missing_keys"]:
+            logger.info("model.path=%s has no score head (a causal LM): %s starts with a new one of one output, drawn "
+                        "from trainer.seed", path, type(model).__name__)
+    report.release()
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ValueError(f"model.path={path} loads as {type(model).__name__}, whose head is not a linear layer named "
                          "'score'; reinforge rm trains transformers' sequence- and token-classification classes")

@@ -397,3 +397,27 @@ def test_the_recorded_aux_loss_is_transformers_own_over_the_padded_pairs(pair_ar
         padded = causal_lm(input_ids=micro["input_ids"], attention_mask=mask, output_router_logits=True,
                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False)
     assert float(recorded.aux_loss) == pytest.approx(float(padded.aux_loss), rel=1e-5)
+
+
+def test_a_causal_lms_new_score_head_is_one_line_and_other_missing_weights_keep_transformers_report(tiny_model_dir,
+                                                                                                    tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    from reinforge.trainer.preference.rm_trainer import load_reward_model_for_training
+
+    with caplog.at_level("INFO"):
+        load_reward_model_for_training(str(tiny_model_dir), pad_token_id=0)
+    assert "LOAD REPORT" not in caplog.text
+    assert f"model.path={tiny_model_dir} has no score head (a causal LM)" in caplog.text
+    folder = tmp_path / "cut"  # a folder that lost a layer's weights: transformers' report stays
+    folder.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.name != "model.safetensors":
+            (folder / path.name).write_bytes(path.read_bytes())
+    state = load_file(tiny_model_dir / "model.safetensors")
+    save_file({name: tensor for name, tensor in state.items() if "layers.0.mlp" not in name},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        load_reward_model_for_training(str(folder), pad_token_id=0)
+    assert "LOAD REPORT" in caplog.text and "layers.0.mlp" in caplog.text and "has no score head" not in caplog.text
