@@ -24,11 +24,18 @@ DEFAULT_KEYS = [
     "response_length/mean",
     "agent/num_tool_calls/mean",
     "num_turns/mean",
+    "train/loss",
+    "accuracy",
+    "margin",
+    "rewards/accuracies",
+    "rewards/margins",
 ]
-"""Plotted when they exist (reward, the KL terms, entropy, length, tool calls and turns of agent runs), with every
+"""Plotted when they exist: an RL run's reward, KL terms, entropy, length, and its agents' tool calls and turns; the
+training loss of SFT, a reward model and DPO, a reward model's accuracy and margin and DPO's (TRL's names); with every
 validation key."""
 
-VALIDATION_PREFIXES = ("val-core/", "val/")
+VALIDATION_PREFIXES = ("val-core/", "val/", "eval_")
+"""Validation keys: RL's and SFT's (``val/``), and the reward model's and DPO's (TRL's ``eval_`` names)."""
 
 
 def load_run_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -151,8 +158,8 @@ def plot_main(argv: list[str]) -> int:
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for the PNGs (default: RUN_DIR/plots, or plots/ next to the first run)")
-    parser.add_argument("--keys", default=None, help="comma-separated metric keys (default: reward, val, KL, "
-                                                     "entropy and response length, where present)")
+    parser.add_argument("--keys", default=None, help="comma-separated metric keys (default: reward, KL, "
+                                                     "entropy, response length, the training loss and every validation key, where present)")
     parser.add_argument("--smoothing", type=float, default=0.6, help="EMA weight in [0, 1); 0 turns it off")
     args = parser.parse_args(argv)
     keys = [key.strip() for key in args.keys.split(",") if key.strip()] if args.keys else None

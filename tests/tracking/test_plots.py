@@ -28,6 +28,20 @@ def test_one_run_writes_default_keys_into_run_plots(tmp_path):
     assert all(path.parent == run / "plots" and is_png(path) for path in written)
 
 
+@pytest.mark.parametrize("record, charts", [
+    ({"train/loss": 2.0, "train/lr": 1e-5, "val/loss": 2.1}, ["train_loss.png", "val_loss.png"]),  # sft
+    ({"train/loss": 0.7, "accuracy": 0.5, "margin": 0.1, "eval_accuracy": 0.5, "eval_loss": 0.69},  # rm
+     ["accuracy.png", "eval_accuracy.png", "eval_loss.png", "margin.png", "train_loss.png"]),
+    ({"train/loss": 0.69, "rewards/accuracies": 0.5, "rewards/margins": 0.0, "eval_rewards/margins": 0.0},  # dpo
+     ["eval_rewards_margins.png", "rewards_accuracies.png", "rewards_margins.png", "train_loss.png"]),
+])
+def test_supervised_and_preference_runs_plot_their_loss_and_validation_by_default(tmp_path, record, charts):
+    run = tmp_path / "run"  # was: "nothing to plot" for every run but RL's
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": step, **record}) + "\n" for step in (1, 2, 3)))
+    assert sorted(path.name for path in plot_runs([run])) == charts
+
+
 def test_two_runs_share_charts_and_keys_can_be_chosen(tmp_path):
     runs = [write_run(tmp_path / "a", 8), write_run(tmp_path / "b", 5, offset=0.5)]
     written = plot_runs(runs, out_dir=tmp_path / "compare", keys=["timing_s/step"], smoothing=0.0)
