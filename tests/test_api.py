@@ -59,14 +59,14 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         "actor.policy_loss.clip_ratio": 0.2, "actor.policy_loss.clip_ratio_high": 0.28,
         "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.ppo_epochs": 2, "rollout.temperature": 0.9,
         "trainer.total_steps": 5, "trainer.save_every": 3, "trainer.seed": 3, "data.seed": 3,  # 2 updates a step
-        "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console"],
+        "reward.weights": [1.0, 0.5], "algorithm.norm_adv_by_std": False, "trainer.loggers": ["console", "plots"],
         "rollout.top_p": 0.9, "data.train_batch_size": 4,  # 8 x 2 completions a step = 4 prompts x 4
         # TRL's default of what is not given (max_steps decides the length)
         "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear",
         "actor.policy_loss.clip_ratio_c": math.inf,  # no dual clip without TRL's delta
         "trainer.val_before_train": False}  # TRL's eval_on_start=False
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
-        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console"]}.items()
+        "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console", "plots"]}.items()
     assert SFTConfig(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_length=512,
                      learning_rate=1e-5).to_overrides().items() >= {
         "data.batch_size": 32, "data.max_length": 512, "data.truncation": "right", "optim.lr": 1e-5}.items()

@@ -129,8 +129,9 @@ def _report_to(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
     if "all" in names:
         raise ValueError("report_to='all': reinforge does not look for installed integrations; name the loggers "
                          "(report_to=['wandb', 'tensorboard', 'mlflow'])")
-    names = [name for name in names if name not in ("none", "console", "jsonl")]
-    return {"trainer.loggers": ["console", *names]}  # metrics.jsonl is written whatever the list says
+    names = [name for name in names if name not in ("none", "console", "jsonl", "plots")]
+    # metrics.jsonl is written whatever the list says; the run folder's charts as every run draws them
+    return {"trainer.loggers": ["console", *names, "plots"]}
 
 
 def _epochs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:

@@ -638,8 +638,9 @@ class RunConfig:
     """Checkpoints to keep."""
     resume: str = "auto"
     """auto (latest checkpoint in output_dir), never, or a checkpoint path."""
-    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Any of console, jsonl, tensorboard, wandb, mlflow; RUN/metrics.jsonl is written whatever the list says."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "plots"])
+    """Any of console, jsonl, plots (PNG charts in RUN/plots when the run ends), tensorboard, wandb, mlflow;
+    RUN/metrics.jsonl is written whatever the list says."""
     project_name: str = "reinforge"
     """Project of the run in W&B and MLflow."""
     experiment_name: str = "default"

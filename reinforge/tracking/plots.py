@@ -1,4 +1,5 @@
-"""PNG charts of one or more runs' ``metrics.jsonl``: ``reinforge plot RUN_DIR [RUN_DIR ...]``.
+"""PNG charts of one or more runs' ``metrics.jsonl``: ``reinforge plot RUN_DIR [RUN_DIR ...]``, and the ``plots``
+logger (in ``trainer.loggers`` by default), which draws a run's default charts into ``RUN_DIR/plots`` when it ends.
 
 One chart per metric key: each run's raw points drawn faint, with an exponential moving
 average over them (TensorBoard's debiased smoothing, so the line starts at the first point
@@ -8,12 +9,16 @@ rather than at zero). Several runs share each chart, named in the legend by thei
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 from pathlib import Path
 
 from reinforge.atomic_files import replaced_atomically
+from reinforge.tracking.backends import RunInfo, TrackingBackend, register_tracking_backend
 from reinforge.tracking.jsonl import METRICS_FILE, read_json_lines, write_failure
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KEYS = [
     "critic/score/mean",
@@ -150,6 +155,34 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
             plt.close(figure)
         written.append(path)
     return written
+
+
+@register_tracking_backend("plots")
+class PlotsBackend(TrackingBackend):
+    """Draws the run's default charts (``default_keys``) from its whole ``metrics.jsonl`` into ``RUN_DIR/plots`` when
+    the run ends, finished or stopped (a resumed run's charts start at its first step). A chart that cannot be drawn
+    costs one warning line, never the run: its numbers are in ``metrics.jsonl``, and ``reinforge plot`` draws them."""
+
+    def __init__(self, run: RunInfo):
+        self.run_dir = run.run_dir
+        self.logged = False
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.logged = True
+
+    def close(self) -> None:
+        if not self.logged or not (self.run_dir / METRICS_FILE).is_file():
+            return
+        self.logged = False
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a line cut by a kill is skipped, as plot_runs says
+                available = list(load_run_metrics(self.run_dir))
+                if default_keys(available):
+                    plot_runs([self.run_dir], keys=default_keys(available))
+        except Exception as error:  # noqa: BLE001 - the run's numbers are safe in metrics.jsonl
+            logger.warning("the plots logger drew no charts into %s: %s; reinforge plot %s draws them from "
+                           "metrics.jsonl", self.run_dir / "plots", error, self.run_dir)
 
 
 def plot_main(argv: list[str]) -> int:

@@ -23,6 +23,7 @@ from rich.console import Console
 from reinforge.tracking import console as _console  # noqa: F401
 from reinforge.tracking import external as _external  # noqa: F401
 from reinforge.tracking import jsonl as _jsonl  # noqa: F401
+from reinforge.tracking import plots as _plots  # noqa: F401
 from reinforge.tracking.backends import TRACKING_BACKENDS, RunInfo, TrackingBackend
 from reinforge.tracking.console import StepProgress
 from reinforge.tracking.jsonl import write_failure
@@ -43,9 +44,9 @@ def to_float(key: str, value: Any) -> float:
 
 
 class Tracker:
-    """Metrics of a run, sent to every backend in ``backends`` (console, jsonl, tensorboard, wandb, mlflow)."""
+    """Metrics of a run, sent to every backend in ``backends`` (console, jsonl, plots, tensorboard, wandb, mlflow)."""
 
-    def __init__(self, run_dir: str | Path, backends: Sequence[str] = ("console", "jsonl"), *,
+    def __init__(self, run_dir: str | Path, backends: Sequence[str] = ("console", "jsonl", "plots"), *,
                  project: str = "reinforge", experiment: str = "default",
                  config: Mapping[str, Any] | None = None, console: Console | None = None):
         unknown = [name for name in backends if name not in TRACKING_BACKENDS]

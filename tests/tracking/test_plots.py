@@ -96,3 +96,30 @@ def test_a_failed_redraw_leaves_the_last_good_png(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         plot_runs([run], keys=["timing_s/step"])
     assert first.read_bytes() == good and sorted(path.name for path in first.parent.iterdir()) == [first.name]
+
+
+def test_the_plots_logger_draws_a_runs_charts_when_it_ends_and_a_failure_costs_one_line(tmp_path, monkeypatch,
+                                                                                          caplog):
+    from reinforge.tracking import plots as plots_module
+    from reinforge.tracking.tracker import Tracker
+
+    with Tracker(tmp_path / "run", ["jsonl", "plots"]) as tracker:
+        for step in (1, 2, 3):
+            tracker.log({"critic/score/mean": step / 3, "timing_s/step": 1.0}, step)
+        assert not (tmp_path / "run" / "plots").exists()  # drawn when the run ends
+    assert sorted(path.name for path in (tmp_path / "run" / "plots").iterdir()) == ["critic_score_mean.png"]
+
+    with Tracker(tmp_path / "quiet", ["jsonl", "plots"]):
+        pass  # nothing logged: no charts
+    assert not (tmp_path / "quiet" / "plots").exists()
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots_module, "plot_runs", broken)
+    with Tracker(tmp_path / "full", ["jsonl", "plots"]) as tracker:
+        tracker.log({"critic/score/mean": 1.0}, 1)
+    assert [record.getMessage() for record in caplog.records] == [
+        f"the plots logger drew no charts into {tmp_path / 'full' / 'plots'}: [Errno 28] No space left on device; "
+        f"reinforge plot {tmp_path / 'full'} draws them from metrics.jsonl"]
+    assert (tmp_path / "full" / "metrics.jsonl").read_text().count("\n") == 1

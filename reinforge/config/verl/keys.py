@@ -414,7 +414,8 @@ def _loggers(value: Any, given: Mapping[str, Any]) -> Any:
         raise NoEquivalentValue(f"reinforge cannot log to {', '.join(unknown)}; it logs to "
                                 "console, jsonl (verl's file), tensorboard, wandb and mlflow")
     ours = [TRACKERS[name] for name in names]
-    return ours if "jsonl" in ours else [*ours, "jsonl"]  # the run folder always keeps metrics.jsonl
+    # the run folder keeps metrics.jsonl and the charts of every reinforge run
+    return [*ours, *(name for name in ("jsonl", "plots") if name not in ours)]
 
 
 

@@ -78,7 +78,7 @@ def test_verl_gsm8k_grpo_example_translates_loads_and_validates(capsys):
     # verl's default (false) is left to our memory planner (auto); an explicit true is kept
     assert config.actor.param_offload == "auto" and config.ref.param_offload is True
     assert (config.rollout.name, config.rollout.n, config.rollout.gpu_memory_utilization) == ("native", 5, 0.6)
-    assert config.trainer.loggers == ["console", "wandb", "jsonl"]
+    assert config.trainer.loggers == ["console", "wandb", "jsonl", "plots"]
     assert (config.trainer.devices_per_node, config.trainer.backend) == (8, "ray")
     assert (config.trainer.save_every, config.trainer.test_every, config.trainer.total_epochs) == (20, 5, 15)
     assert config.trainer.project_name == "verl_grpo_example_gsm8k"
@@ -143,7 +143,7 @@ def test_values_converted():
     ])
     tree = translation.tree
     assert tree["reward"] == {"custom_function": "/r/score.py:compute_score", "kwargs": {"mode": "flexible"}}
-    assert tree["trainer"]["resume"] == "never" and tree["trainer"]["loggers"] == ["tensorboard", "jsonl"]
+    assert tree["trainer"]["resume"] == "never" and tree["trainer"]["loggers"] == ["tensorboard", "jsonl", "plots"]
     assert "save_every" not in tree["trainer"] and tree["data"]["max_train_samples"] == 100
     assert "max_val_samples" not in tree["data"] and "warmup_steps" not in tree["actor"]["optim"]
     assert tree["actor"]["optim"]["warmup_ratio"] == 0.1 and tree["algorithm"]["norm_adv_by_std"] is False
@@ -428,7 +428,7 @@ def test_a_verl_logger_whose_package_is_missing_is_left_out_with_one_warning(cap
 
     config = commands.load_from_verl([*VERL_GSM8K_GRPO, "trainer.logger=[console,wandb]"],
                                      lambda name: "wandb" if name == "wandb" else None)
-    assert config.trainer.loggers == ["console", "jsonl"]
+    assert config.trainer.loggers == ["console", "jsonl", "plots"]
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "wandb" in warnings[0] and "pip install wandb" in warnings[0]
 
