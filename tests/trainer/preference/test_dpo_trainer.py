@@ -206,6 +206,7 @@ def test_a_plain_pair_without_a_prompt_is_refused_for_dpo(pair_args, tmp_path, c
     ("dpo.loss_type=kto", "dpo.loss_type='kto' is not one of sigmoid, ipo, hinge, robust"),
     ("dpo.beta=0", "dpo.beta=0.0 must be a positive number"),
     ("dpo.label_smoothing=0.5", "dpo.label_smoothing=0.5 must be in [0, 0.5)"),
+    ("trainer.router_aux_loss_coef=-1", "trainer.router_aux_loss_coef=-1.0 must be a finite number >= 0"),
 ])
 def test_dpo_settings_that_cannot_work_are_refused_as_the_config_loads(override, message):
     with pytest.raises(ConfigError) as error:
@@ -335,21 +336,25 @@ def test_each_steps_pairs_are_cut_once_the_next_steps_while_the_device_runs_the_
 
 def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
     """As TRL's DPOTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
-    load-balancing loss to the DPO loss (its gradient with it); the aux loss is logged either way."""
+    load-balancing loss to the DPO loss (its gradient with it), as trainer.router_aux_loss_coef does on a config that
+    does not ask; the aux loss and the step's routing are logged either way."""
     from reinforge.models.tiny import save_tiny_model
 
     firsts = {}
-    for asks in (True, False):
-        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+    for run, asks, settings in (("asks", True, {}), ("no", False, {}),
+                                ("knob", False, {"trainer.router_aux_loss_coef": 0.5})):
+        model_dir = save_tiny_model(tmp_path / f"moe-{run}", arch="qwen3_moe", num_layers=2,
                                     output_router_logits=asks, router_aux_loss_coef=0.5)
-        assert main(["dpo", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
-                                                                    "trainer.total_steps": 1})]) == 0
-        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+        assert main(["dpo", *pair_args(tmp_path / f"run-{run}", **{"model.path": model_dir, "trainer.total_steps": 1,
+                                                                    **settings})]) == 0
+        [firsts[run]] = metrics_of(tmp_path / f"run-{run}")
     for first in firsts.values():
         assert first["train/moe/aux_loss"] > 0
+        assert first["train/moe/load_imbalance"] >= 1.0 and 0 <= first["train/moe/unused_experts"] < 4
         assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the DPO loss: the policy is its reference
-    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
-    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+    assert firsts["asks"]["train/moe/aux_loss"] == pytest.approx(firsts["no"]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts["asks"]["train/grad_norm"] != pytest.approx(firsts["no"]["train/grad_norm"], rel=1e-4)
+    assert firsts["knob"]["train/grad_norm"] == pytest.approx(firsts["asks"]["train/grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("command", ["dpo", "rm"])

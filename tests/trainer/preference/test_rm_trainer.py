@@ -133,6 +133,9 @@ def test_a_malformed_row_fails_in_one_line_before_the_tokenizer_or_model_loads(p
     ("trainer.max_tokens_per_micro_batch=100", "trainer.max_tokens_per_micro_batch=100 is smaller than 2 x "
      "data.max_length=2048, so one pair (its prompt and both completions) may not fit one micro-batch; raise it"),
     ("rm.center_rewards_coefficient=-1", "rm.center_rewards_coefficient=-1.0 must be a finite number >= 0"),
+    ("trainer.router_aux_loss_coef=-0.01", "trainer.router_aux_loss_coef=-0.01 must be a finite number >= 0 (the "
+     "weight of a mixture of experts' load-balancing loss; null: the model config's)"),
+    ("trainer.router_aux_loss_coef=.nan", "trainer.router_aux_loss_coef=nan must be a finite number >= 0"),
     ("data.truncation=right", "data.truncation='right' is not one of drop, error"),
 ])
 def test_settings_that_cannot_work_are_refused_as_the_config_loads(override, message):
@@ -358,22 +361,26 @@ def test_rm_continues_from_a_classifier_as_its_own_class_and_exports_that_class(
 
 
 def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
-    """As TRL's RewardTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
-    load-balancing loss to the reward loss (its gradient with it); the aux loss is logged either way."""
+    """output_router_logits in the model's config adds router_aux_loss_coef x the routers' load-balancing loss to
+    the reward loss (its gradient with it), as trainer.router_aux_loss_coef does on a config that does not ask (TRL's
+    RewardTrainer adds none: its RewardConfig passes 0); the aux loss and the step's routing are logged either way."""
     from reinforge.models.tiny import save_tiny_model
 
     firsts = {}
-    for asks in (True, False):
-        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+    for run, asks, settings in (("asks", True, {}), ("no", False, {}),
+                                ("knob", False, {"trainer.router_aux_loss_coef": 0.5})):
+        model_dir = save_tiny_model(tmp_path / f"moe-{run}", arch="qwen3_moe", num_layers=2,
                                     output_router_logits=asks, router_aux_loss_coef=0.5)
-        assert main(["rm", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
-                                                                   "trainer.total_steps": 1})]) == 0
-        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+        assert main(["rm", *pair_args(tmp_path / f"run-{run}", **{"model.path": model_dir, "trainer.total_steps": 1,
+                                                                    **settings})]) == 0
+        [firsts[run]] = metrics_of(tmp_path / f"run-{run}")
     for first in firsts.values():
         assert first["train/moe/aux_loss"] > 0
-    assert firsts[True]["train/loss"] == pytest.approx(firsts[False]["train/loss"], rel=1e-6)  # the same new head
-    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
-    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+        assert first["train/moe/load_imbalance"] >= 1.0 and 0 <= first["train/moe/unused_experts"] < 4
+    assert firsts["asks"]["train/loss"] == pytest.approx(firsts["no"]["train/loss"], rel=1e-6)  # the same new head
+    assert firsts["asks"]["train/moe/aux_loss"] == pytest.approx(firsts["no"]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts["asks"]["train/grad_norm"] != pytest.approx(firsts["no"]["train/grad_norm"], rel=1e-4)
+    assert firsts["knob"]["train/grad_norm"] == pytest.approx(firsts["asks"]["train/grad_norm"], rel=1e-5)
 
 
 def test_the_recorded_aux_loss_is_transformers_own_over_the_padded_pairs(pair_args, tmp_path):
