@@ -214,6 +214,20 @@ def test_dpo_settings_that_cannot_work_are_refused_as_the_config_loads(override,
     assert str(error.value).startswith(message)
 
 
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_a_router_aux_loss_coef_on_a_model_without_experts_is_refused_before_it_loads(pair_args, tiny_model_dir,
+                                                                                     tmp_path, capsys, command):
+    """As TRL refuses it: a dense model has no router to balance. 0 (and null, declared) train as before."""
+    assert main([command, *pair_args(tmp_path / "run", **{"trainer.router_aux_loss_coef": 0.01})]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: trainer.router_aux_loss_coef=0.01 weighs a mixture of experts' load-balancing loss, but "
+                    f"model.path={tiny_model_dir} is a 'qwen2' model without experts, which has no router to balance; "
+                    "remove trainer.router_aux_loss_coef or set it to 0")
+    assert not (tmp_path / "run").exists()  # refused before the run folder, before the model
+    assert main([command, *pair_args(tmp_path / "zero", **{"trainer.router_aux_loss_coef": 0,
+                                                           "trainer.total_steps": 1})]) == 0
+
+
 def test_trls_precomputed_reference_log_probs_in_the_rows_are_one_warning(pair_args, pairs_dir, tmp_path, caplog):
     """TRL's DPOTrainer reads ref_chosen_logps / ref_rejected_logps from the rows; reinforge scores its own."""
     rows = [json.loads(line) | {"ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0}
