@@ -64,6 +64,7 @@ def test_grpo_config_maps_trls_names_onto_reinforges_keys():
         # TRL's default of what is not given (max_steps decides the length)
         "actor.optim.weight_decay": 0.0, "actor.optim.schedule": "linear",
         "actor.policy_loss.clip_ratio_c": math.inf,  # no dual clip without TRL's delta
+        "actor.router_aux_loss_coef": "declared",  # a mixture of experts' coefficient, as TRL takes it
         "trainer.val_before_train": False}  # TRL's eval_on_start=False
     assert GRPOConfig(beta=0.0, max_steps=-1, report_to=None).to_overrides().items() >= {
         "actor.use_kl_loss": False, "trainer.total_steps": None, "trainer.loggers": ["console", "plots"]}.items()
@@ -99,6 +100,9 @@ def test_a_setting_left_out_is_trls_default_not_reinforges(config_class):
         assert args.per_device_train_batch_size == 8
     if config_class == "SFTConfig":
         expected |= {"data.max_length": 1024, "data.truncation": "right"}  # TRL's keep_start, not dropped
+    # a mixture of experts' aux loss: the coefficient its config declares, as TRL takes it; TRL's RewardTrainer adds none
+    expected[f"{'actor' if config_class == 'GRPOConfig' else 'trainer'}.router_aux_loss_coef"] = (
+        0.0 if config_class == "RewardConfig" else "declared")
     assert args.to_overrides() == expected
     # a setting given, or a reinforge key in overrides, wins over the default
     assert getattr(api, config_class)(seed=3, overrides={"data.seed": 5}).to_overrides()["trainer.seed"] == 3
@@ -941,3 +945,47 @@ def test_a_reward_trainers_model_is_the_trained_token_classifier(tmp_path):
     assert not torch.equal(saved["score.weight"], untrained["score.weight"])
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, saved[name], msg=name)
+
+
+@pytest.mark.parametrize("output_router_logits", [False, True])
+@pytest.mark.parametrize("kind", ["grpo", "sft", "dpo", "reward"])
+def test_the_api_weighs_a_mixture_of_experts_aux_loss_by_trls_rule(tmp_path, monkeypatch, kind, output_router_logits):
+    """TRL's router_aux_loss_coef=None takes the model config's declared coefficient for any mixture of experts,
+    whatever its output_router_logits says; its RewardTrainer adds no aux loss at all. A run of the command line keeps
+    reinforge's rule: the coefficient only where output_router_logits asks for it."""
+    import reinforge.trainer.rl_trainer as rl_trainer
+    from reinforge import DPOConfig, DPOTrainer, GRPOTrainer, RewardConfig, RewardTrainer, SFTTrainer
+    from reinforge.config import load_config, load_sft_config
+    from reinforge.config.preference_schema import load_dpo_config, load_rm_config
+    from reinforge.engine.moe import router_aux_loss_coef
+    from reinforge.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=1,
+                                output_router_logits=output_router_logits, router_aux_loss_coef=0.5)
+    common = dict(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2, report_to="none")
+    pairs = [{"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
+              "rejected": [{"role": "assistant", "content": "3"}]}] * 2
+    if kind == "grpo":
+        made = {}
+        monkeypatch.setattr(rl_trainer, "RLTrainer", lambda config, **kwargs: made.update(config=config))
+        GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+                    args=GRPOConfig(num_generations=2, **common), train_dataset=[{"prompt": "1+1=", "answer": "2"}])
+        from transformers import AutoConfig
+
+        coefficient = router_aux_loss_coef(AutoConfig.from_pretrained(model_dir), made["config"].actor.router_aux_loss_coef)
+        command_line = router_aux_loss_coef(AutoConfig.from_pretrained(model_dir),
+                                            load_config(None, []).actor.router_aux_loss_coef)
+    else:
+        if kind == "sft":
+            trainer = SFTTrainer(str(model_dir), SFTConfig(max_length=32, **common),
+                                 train_dataset=[{"prompt": "1+1=", "completion": "2"}] * 2)
+        elif kind == "dpo":
+            trainer = DPOTrainer(str(model_dir), args=DPOConfig(max_length=32, **common), train_dataset=pairs)
+        else:
+            trainer = RewardTrainer(str(model_dir), args=RewardConfig(max_length=32, **common), train_dataset=pairs)
+        coefficient = trainer.trainer.router_aux_loss_coef
+        loader = {"sft": load_sft_config, "dpo": load_dpo_config, "reward": load_rm_config}[kind]
+        command_line = router_aux_loss_coef(trainer.trainer.model.config,
+                                            loader(None, []).trainer.router_aux_loss_coef)
+    assert coefficient == (0.0 if kind == "reward" else 0.5)
+    assert command_line == (0.5 if output_router_logits else 0.0)

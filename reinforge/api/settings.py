@@ -18,6 +18,7 @@ from reinforge.api.inert_settings import (
     UNUSED_BY_PREFERENCE_TRAINERS,
     UNUSED_BY_SFT,
 )
+from reinforge.config.schema import DECLARED_ROUTER_AUX_LOSS
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,12 @@ def _generation_kwargs(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
             item = -1
         mapped[GENERATION_KEYS[key]] = item
     return mapped
+
+
+def _router_aux_loss_coef(key: str) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+    """TRL's router_aux_loss_coef onto ``key``: None (its default) takes the model config's declared coefficient for
+    any mixture of experts, whatever its output_router_logits says (``declared``); a number is the weight."""
+    return lambda value, settings: {key: DECLARED_ROUTER_AUX_LOSS if value is None else float(value)}
 
 
 def _beta(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
@@ -326,7 +333,8 @@ GRPO_SETTINGS: dict[str, Override] = {
     "sapo_temperature_pos": ("actor.policy_loss.tau_pos", _to("actor.policy_loss.tau_pos")),
     "sapo_temperature_neg": ("actor.policy_loss.tau_neg", _to("actor.policy_loss.tau_neg")),
     "entropy_coef": ("actor.entropy_coeff", _to("actor.entropy_coeff")),
-    "router_aux_loss_coef": ("actor.router_aux_loss_coef", _to("actor.router_aux_loss_coef")),
+    "router_aux_loss_coef": ("actor.router_aux_loss_coef (None: declared)",
+                             _router_aux_loss_coef("actor.router_aux_loss_coef")),
     "scale_rewards": ("algorithm.norm_adv_by_std", _scale_rewards),
     "num_iterations": ("actor.ppo_epochs", _to("actor.ppo_epochs")),
     "reward_weights": ("reward.weights", lambda value, settings: {} if value is None else {
@@ -397,13 +405,19 @@ SFT_DATA_SETTINGS: dict[str, Override] = {
     "dataset_text_field": ("data.text_key", _to("data.text_key")),
     "dataset_kwargs": ("(only skip_prepare_dataset=False)", _dataset_kwargs),
     "chat_template_path": ("data.chat_template", _chat_template_path),
-    "router_aux_loss_coef": ("trainer.router_aux_loss_coef", lambda value, settings: {} if value is None else {
-        "trainer.router_aux_loss_coef": float(value)}),
 }
 """TRL's SFTConfig names of the rows and their loss, which DPOConfig and RewardConfig do not take from it."""
 
+MOE_LOSS_SETTING: dict[str, Override] = {
+    "router_aux_loss_coef": ("trainer.router_aux_loss_coef (None: declared)",
+                             _router_aux_loss_coef("trainer.router_aux_loss_coef")),
+}
+"""TRL's SFTConfig's and DPOConfig's router_aux_loss_coef (RewardConfig has none: TRL's RewardTrainer adds no aux
+loss)."""
+
 SFT_SETTINGS: dict[str, Override] = {
     **UNUSED_BY_EVERY_TRAINER,
+    **MOE_LOSS_SETTING,
     "output_dir": ("trainer.output_dir", _to("trainer.output_dir")),
     **_optimizer_settings("optim"),
     "max_grad_norm": ("trainer.grad_clip", _to("trainer.grad_clip")),
@@ -479,7 +493,7 @@ class GRPOConfig(_TrainingArguments):
     SETTINGS = GRPO_SETTINGS
     TRL_DEFAULTS = {"max_completion_length": 512, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "seed": 42, "lr_scheduler_type": "linear",
-                    "delta": None, "eval_on_start": False}
+                    "delta": None, "eval_on_start": False, "router_aux_loss_coef": None}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -550,7 +564,7 @@ class SFTConfig(_TrainingArguments):
     SETTINGS = SFT_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 2e-5, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42, "max_length": 1024,
-                    "lr_scheduler_type": "linear", "eval_on_start": False}
+                    "lr_scheduler_type": "linear", "eval_on_start": False, "router_aux_loss_coef": None}
 
     def to_overrides(self) -> dict[str, Any]:
         mapped = super().to_overrides()
@@ -571,7 +585,7 @@ def _rows_per_step(settings: Mapping[str, Any]) -> int | None:
 
 
 PREFERENCE_SETTINGS: dict[str, Override] = {
-    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in SFT_DATA_SETTINGS},
+    **{name: SFT_SETTINGS[name] for name in SFT_SETTINGS if name not in SFT_DATA_SETTINGS | MOE_LOSS_SETTING},
     **UNUSED_BY_PREFERENCE_TRAINERS,
     "per_device_train_batch_size": ("data.batch_size (pairs, with gradient_accumulation_steps)",
                                     lambda value, settings: {}),
@@ -593,6 +607,7 @@ def _dpo_loss_type(value: Any, settings: dict[str, Any]) -> dict[str, Any]:
 DPO_SETTINGS: dict[str, Override] = {
     **PREFERENCE_SETTINGS,
     **UNUSED_BY_DPO,
+    **MOE_LOSS_SETTING,
     "beta": ("dpo.beta", _to("dpo.beta")),
     "loss_type": ("dpo.loss_type (one loss: a name, or TRL's list of one)", _dpo_loss_type),
     "label_smoothing": ("dpo.label_smoothing", _to("dpo.label_smoothing")),
@@ -614,7 +629,7 @@ class DPOConfig(SFTConfig):
     SETTINGS = DPO_SETTINGS
     TRL_DEFAULTS = {"learning_rate": 1e-6, "per_device_train_batch_size": TRL_PER_DEVICE_TRAIN_BATCH_SIZE,
                     "num_train_epochs": 3, "weight_decay": 0.0, "warmup_ratio": 0.0, "seed": 42,
-                    "lr_scheduler_type": "linear", "eval_on_start": False}
+                    "lr_scheduler_type": "linear", "eval_on_start": False, "router_aux_loss_coef": None}
 
 
 class RewardConfig(SFTConfig):
@@ -623,7 +638,13 @@ class RewardConfig(SFTConfig):
     not given."""
 
     SETTINGS = REWARD_SETTINGS
-    TRL_DEFAULTS = DPOConfig.TRL_DEFAULTS | {"learning_rate": 1e-4}
+    TRL_DEFAULTS = {name: value for name, value in DPOConfig.TRL_DEFAULTS.items() if name in REWARD_SETTINGS} | {
+        "learning_rate": 1e-4}
+
+    def to_overrides(self) -> dict[str, Any]:
+        """TRL's RewardTrainer adds no load-balancing loss (its config has no router_aux_loss_coef): neither does
+        this one's run, unless overrides set trainer.router_aux_loss_coef."""
+        return {"trainer.router_aux_loss_coef": 0.0} | super().to_overrides()
 
 
 def _overrides_dict(overrides: Mapping[str, Any] | Sequence[str] | None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from reinforge.config.errors import ConfigError
-from reinforge.config.schema import Config
+from reinforge.config.schema import DECLARED_ROUTER_AUX_LOSS, Config
 from reinforge.config.sft_schema import SFTConfig
 
 T = TypeVar("T")
@@ -114,11 +114,17 @@ def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
     return keys
 
 
-def _type_name(annotation: Any) -> str:
+WORD_VALUES = {"router_aux_loss_coef": f"'{DECLARED_ROUTER_AUX_LOSS}'"}
+"""Settings of a number or a word other than auto, by their last key part: the word their messages name."""
+
+
+def _type_name(annotation: Any, word: str = "'auto'") -> str:
     inner = _unwrap_optional(annotation)
     name = getattr(inner, "__name__", None) or str(inner).replace("typing.", "")
     if typing.get_origin(inner) is typing.Union:  # the schema's "auto or a value" settings: Union[bool, str] = "auto"
-        return " or ".join("'auto'" if arg is str else _type_name(arg) for arg in typing.get_args(inner))
+        args = typing.get_args(inner)
+        named = " or ".join(word if arg is str else _type_name(arg) for arg in args if arg is not type(None))
+        return f"{named} or null" if type(None) in args else named
     if typing.get_origin(inner) is list:
         name = f"list[{_type_name(typing.get_args(inner)[0])}]"
     elif typing.get_origin(inner) is dict:
@@ -278,7 +284,8 @@ def _merge_layer(base: Any, tree: Mapping[str, Any], source: str, known: dict[st
             value = [value]  # data.train_files=/x.parquet, as verl (and Hydra's users) write one file
         if isinstance(value, int) and not isinstance(value, bool) and _is_float_or_auto(known.get(dotted)):
             value = float(value)  # OmegaConf takes no int for Union[float, str] (rollout.kv_cache_gib=4)
-        expected = _type_name(known[dotted]) if dotted in known else "another type"
+        expected = (_type_name(known[dotted], WORD_VALUES.get(dotted.rpartition(".")[2], "'auto'"))
+                    if dotted in known else "another type")
         if value == "None" and dotted in known and _unwrap_optional(known[dotted]) is not known[dotted]:
             # Python's None is YAML's (and OmegaConf's) text 'None': data.chat_template=None rendered every prompt
             # as the word None

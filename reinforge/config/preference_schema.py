@@ -20,6 +20,7 @@ from reinforge.config.validate import (
     validate_lora,
     validate_model_dtype,
     validate_optim,
+    validate_router_aux_loss_coef,
     validate_run,
     validate_sample_limits,
     validate_update,
@@ -68,6 +69,15 @@ class PreferenceTrainerConfig(RunConfig, UpdateConfig):
     """Packed tokens of one forward and backward; a pair (its prompt once, both completions) never splits, so a
     number must be at least 2 x data.max_length. auto: on a GPU the memory planner's largest budget that fits
     (with model.gradient_checkpointing=auto, its recompute), on the CPU 16384."""
+    router_aux_loss_coef: Optional[Union[float, str]] = None
+    """Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' aux loss over all MoE
+    layers, a shared prompt's tokens counted once for each completion as in a padded forward), each micro-batch's
+    counted for its share of the step's pairs, added to the preference loss; a finite number >= 0, 0: none. None:
+    the model config's router_aux_loss_coef when its output_router_logits is true, else 0. declared: the model
+    config's router_aux_loss_coef whatever its output_router_logits says, as TRL's DPOTrainer takes it (what
+    reinforge.api.DPOConfig passes for TRL's default; reinforge.api.RewardConfig passes 0, as TRL's RewardTrainer
+    adds none). A number above 0 on a model without experts is refused before it loads. Logged as train/moe/aux_loss
+    either way, beside train/moe/load_imbalance and train/moe/unused_experts."""
 
 
 @dataclass
@@ -131,6 +141,7 @@ def validate_preference_config(config: RMConfig | DPOConfig) -> None:
     validate_run(trainer)
     validate_optim("optim", config.optim)
     validate_update("trainer", trainer)
+    validate_router_aux_loss_coef("trainer.router_aux_loss_coef", trainer.router_aux_loss_coef)
     if isinstance(config, RMConfig):
         coefficient = config.rm.center_rewards_coefficient
         if not 0.0 <= coefficient < float("inf"):

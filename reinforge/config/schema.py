@@ -20,6 +20,11 @@ FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 DECODE_PRODUCTS = ("cublas", "timed")
 """The values of rollout.decode_products: what runs a native decode step's products (see RolloutConfig)."""
 
+DECLARED_ROUTER_AUX_LOSS = "declared"
+"""The word value of actor.router_aux_loss_coef and trainer.router_aux_loss_coef (SFT, rm, dpo): the model config's
+declared router_aux_loss_coef for any mixture of experts, whatever its output_router_logits says (0 where it declares
+none): TRL's rule for its router_aux_loss_coef=None, which reinforge's TRL-style API classes pass."""
+
 
 @dataclass
 class DataConfig:
@@ -199,13 +204,16 @@ class ActorConfig(UpdateConfig):
     kl_loss_type: str = "low_var_kl"
     """Its estimator: k1, abs, k2, k3 (reinforge.algorithms.KL_ESTIMATORS) or verl's kl, mse, low_var_kl for k1,
     k2, k3; a trailing + keeps the estimator's value and takes the gradient of k2."""
-    router_aux_loss_coef: Optional[float] = None
+    router_aux_loss_coef: Optional[Union[float, str]] = None
     """Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' Switch-style aux
     loss over all MoE layers, a shared prompt's tokens counted once per sample as in a padded forward) added to the
-    actor's loss; 0: none. None: the model config's router_aux_loss_coef
-    when its output_router_logits is true, else 0 (DeepSeek V2/V3 configs never ask for one; set here, theirs counts
-    the experts their routers chose, V3's sigmoid scores normalised per token as its probabilities). The loss is logged as actor/moe/aux_loss either way, beside
-    actor/moe/load_imbalance and actor/moe/unused_experts."""
+    actor's loss; a finite number >= 0, 0: none. None: the model config's router_aux_loss_coef when its
+    output_router_logits is true, else 0 (DeepSeek V2/V3 configs never ask for one; set here, theirs counts the
+    experts their routers chose, V3's sigmoid scores normalised per token as its probabilities). declared: the model
+    config's router_aux_loss_coef whatever its output_router_logits says, as TRL's GRPOTrainer takes it (what
+    reinforge.api.GRPOConfig passes for TRL's default). A number above 0 on a model without experts is refused before
+    it loads. The loss is logged as actor/moe/aux_loss either way, beside actor/moe/load_imbalance and
+    actor/moe/unused_experts."""
     shuffle: bool = False
     """Shuffle samples between mini-batches."""
     freeze_vision_tower: bool = True

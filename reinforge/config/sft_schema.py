@@ -9,7 +9,7 @@ optimizer sections are the RL ones and the trainer section extends the shared ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from reinforge.config.schema import ModelConfig, OptimConfig, RunConfig, UpdateConfig
 
@@ -70,12 +70,14 @@ class SFTTrainerConfig(RunConfig, UpdateConfig):
     experiment_name: str = "sft"
     max_tokens_per_micro_batch: int = 16384
     """SFT has no memory planner: a fixed budget, at least data.max_length."""
-    router_aux_loss_coef: Optional[float] = None
+    router_aux_loss_coef: Optional[Union[float, str]] = None
     """Mixture-of-experts models: weight of the routers' load-balancing loss (transformers' aux loss over all MoE
     layers and every unpadded token, a packed row's conversations counted as in a padded forward) added to the
-    token-mean loss, as actor.router_aux_loss_coef is to the actor's; 0: none. None: the model config's
-    router_aux_loss_coef when its output_router_logits is true (as TRL's SFTTrainer adds it), else 0. Logged as
-    train/moe/aux_loss either way, beside train/moe/load_imbalance and train/moe/unused_experts."""
+    token-mean loss, as actor.router_aux_loss_coef is to the actor's; a finite number >= 0, 0: none. None: the model
+    config's router_aux_loss_coef when its output_router_logits is true, else 0. declared: the model config's
+    router_aux_loss_coef whatever its output_router_logits says, as TRL's SFTTrainer takes it (what
+    reinforge.api.SFTConfig passes for TRL's default). A number above 0 on a model without experts is refused before
+    it loads. Logged as train/moe/aux_loss either way, beside train/moe/load_imbalance and train/moe/unused_experts."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 from reinforge.config.errors import ConfigError
 from reinforge.config.schema import (
     COMBINE_MODES,
+    DECLARED_ROUTER_AUX_LOSS,
     DECODE_PRODUCTS,
     FILTER_METRICS,
     JUDGE_PARSE_RULES,
@@ -162,12 +163,22 @@ def validate_sft_config(config: SFTConfig) -> None:
     if trainer.max_tokens_per_micro_batch < data.max_length:
         raise ConfigError(f"trainer.max_tokens_per_micro_batch={trainer.max_tokens_per_micro_batch} is smaller than "
                           f"data.max_length={data.max_length}, so one conversation may not fit; raise it")
-    if trainer.router_aux_loss_coef is not None:
-        _finite("trainer.router_aux_loss_coef", trainer.router_aux_loss_coef, at_least=0.0,
-                fix=" (the weight of a mixture of experts' load-balancing loss; null: the model config's)")
+    validate_router_aux_loss_coef("trainer.router_aux_loss_coef", trainer.router_aux_loss_coef)
     validate_run(trainer)
     validate_optim("optim", config.optim)
     validate_update("trainer", trainer)
+
+
+def validate_router_aux_loss_coef(key: str, value: float | str | None) -> None:
+    """The weight of a mixture of experts' load-balancing loss: null, declared, or a finite number >= 0."""
+    if value is None or value == DECLARED_ROUTER_AUX_LOSS:
+        return
+    if isinstance(value, str):
+        raise ConfigError(f"{key}={value!r} is not a weight; give a finite number >= 0 (0: no aux loss), null (the "
+                          "model config's router_aux_loss_coef when its output_router_logits is true) or "
+                          f"{DECLARED_ROUTER_AUX_LOSS} (the model config's router_aux_loss_coef, as TRL takes it)")
+    _finite(key, value, at_least=0.0,
+            fix=" (the weight of a mixture of experts' load-balancing loss; null: the model config's)")
 
 
 def validate_image_key(image_key: str | None, text_key: str, text_name: str) -> None:
@@ -293,6 +304,7 @@ def validate_config(config: Config) -> None:
                               "(a share of the valid tokens; 0.0002 is usual)")
     _finite("actor.kl_loss_coef", actor.kl_loss_coef, at_least=0.0, fix=" (the weight of the KL loss, e.g. 0.001)")
     _finite("actor.entropy_coeff", actor.entropy_coeff, fix=" (the weight of the entropy bonus; 0: none)")
+    validate_router_aux_loss_coef("actor.router_aux_loss_coef", actor.router_aux_loss_coef)
     kl_ctrl = algorithm.kl_ctrl
     _finite("algorithm.kl_ctrl.kl_coef", kl_ctrl.kl_coef, at_least=0.0, fix=" (the weight of the in-reward KL penalty)")
     if kl_ctrl.type == "adaptive" and not (kl_ctrl.target_kl > 0 and kl_ctrl.horizon > 0):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from reinforge.config.schema import DECLARED_ROUTER_AUX_LOSS
 from reinforge.models.architectures import architecture_spec
 
 
@@ -287,15 +288,38 @@ def pooled_routing_metrics(counts: Tensor, role: str) -> dict[str, float]:
     return {f"{role}/moe/load_imbalance": float(imbalance), f"{role}/moe/unused_experts": float(unused)}
 
 
-def router_aux_loss_coef(model_config, configured: float | None) -> float:
-    """The aux loss's weight: the run's own (``actor.router_aux_loss_coef``, SFT's
-    ``trainer.router_aux_loss_coef``) when set, else the model config's ``router_aux_loss_coef`` when its
-    ``output_router_logits`` is true, else 0. A vision-language model's are its text config's, where transformers
-    reads them."""
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config attributes that count a mixture of experts' experts (a config of remote code may declare no
+output_router_logits)."""
+
+
+def _text_config(model_config):
+    """The config transformers reads a model's MoE settings from: a vision-language model's text config."""
+    get_text_config = getattr(model_config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else model_config
+
+
+def declares_experts(model_config) -> bool:
+    """Whether ``model_config`` (a transformers config) is a mixture of experts': its text config has an
+    ``output_router_logits`` attribute (whatever its value; TRL's test), or counts more than one expert."""
+    text_config = _text_config(model_config)
+    if hasattr(text_config, "output_router_logits"):
+        return True
+    return any(isinstance(getattr(text_config, name, None), int) and getattr(text_config, name) > 1
+               for name in EXPERT_COUNTS)
+
+
+def router_aux_loss_coef(model_config, configured: float | str | None) -> float:
+    """The aux loss's weight: the run's own (``actor.router_aux_loss_coef``, the SFT, rm and dpo
+    ``trainer.router_aux_loss_coef``) when it is a number; ``declared`` (TRL's rule): the model config's
+    ``router_aux_loss_coef`` for a mixture of experts whatever its ``output_router_logits``, 0 where it declares none;
+    None (reinforge's rule): the model config's ``router_aux_loss_coef`` when its ``output_router_logits`` is true,
+    else 0. A vision-language model's are its text config's, where transformers reads them."""
+    text_config = _text_config(model_config)
+    if configured == DECLARED_ROUTER_AUX_LOSS:
+        return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if declares_experts(model_config) else 0.0
     if configured is not None:
         return float(configured)
-    get_text_config = getattr(model_config, "get_text_config", None)
-    text_config = get_text_config() if callable(get_text_config) else model_config
     if getattr(text_config, "output_router_logits", False):
         return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
     return 0.0

@@ -36,14 +36,16 @@ from reinforge.algorithms import (
 )
 from reinforge.algorithms.roles import critic_enabled
 from reinforge.config import Config, ConfigError
+from reinforge.config.schema import ModelConfig
 from reinforge.config.sft_schema import SFTConfig
 from reinforge.config.validate import choose, model_score_source, validate_config, validate_sft_config
 from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.memory_plan import ModelShape, check_model_config
+from reinforge.engine.moe import declares_experts
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
-from reinforge.models.loading import check_model_folder, is_local_path
+from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
 from reinforge.models.reward_model import HEADS, check_reward_model
 from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
@@ -138,6 +140,18 @@ def require_logger_packages(loggers: list[str]) -> None:
         problem = backend_problem(name)
         if problem:
             raise ConfigError(f"trainer.loggers names {name}: {problem}")
+
+
+def check_router_aux_loss_has_experts(key: str, value: float | str | None, model: ModelConfig) -> None:
+    """A weight above 0 for the routers' load-balancing loss (``key``) on a model without experts, refused before
+    its weights load, as TRL refuses it: there is no router to balance (0, null and declared stay fine)."""
+    if isinstance(value, str) or value is None or not value > 0:
+        return
+    model_config = read_model_config(model.path, model.trust_remote_code)
+    if not declares_experts(model_config):
+        raise ConfigError(f"{key}={value} weighs a mixture of experts' load-balancing loss, but model.path={model.path} "
+                          f"is a {model_config.model_type!r} model without experts, which has no router to balance; "
+                          f"remove {key} or set it to 0")
 
 
 def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:
@@ -246,6 +260,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.parquet")
     check_writes_text(config.model.path, "model.path")
     check_model_config(config.model.path)  # its experts and window, also where no memory setting is auto
+    check_router_aux_loss_has_experts("actor.router_aux_loss_coef", config.actor.router_aux_loss_coef, config.model)
     if critic_enabled(config) and config.critic.model_path and is_local_path(config.critic.model_path):
         check_model_folder(config.critic.model_path, "critic.model_path")  # else it fails once the actor has loaded
     require_logger_packages(config.trainer.loggers)
@@ -404,6 +419,7 @@ def preflight_sft(config: SFTConfig) -> None:
                               "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     check_model_config(config.model.path)
+    check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
     require_logger_packages(config.trainer.loggers)
     check_devices(config)
     warn_ineffective_settings(config)

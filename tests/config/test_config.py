@@ -345,6 +345,10 @@ def test_auto_settings_name_auto_and_a_leaf_one_section_too_high_is_found():
         load_config(None, ["actor.param_offload=1"])
     with pytest.raises(ConfigError, match=r"is not a valid int or 'auto'"):
         load_config(None, ["actor.max_tokens_per_micro_batch=true"])
+    with pytest.raises(ConfigError, match=r"^actor.router_aux_loss_coef=\[1\] \(command line\) is not a valid float or "
+                                          r"'declared' or null$"):
+        load_config(None, ["actor.router_aux_loss_coef=[1]"])
+    assert load_config(None, ["actor.router_aux_loss_coef=declared"]).actor.router_aux_loss_coef == "declared"
     assert suggest_key("actor.lr", schema_keys()) == "actor.optim.lr"
 
 
@@ -391,6 +395,12 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
     (["algorithm.kl_ctrl.kl_coef=-0.1"], r"algorithm.kl_ctrl.kl_coef=-0.1 must be a finite number >= 0"),
     (["actor.kl_loss_coef=nan"], r"actor.kl_loss_coef=nan must be a finite number"),
     (["actor.entropy_coeff=inf"], r"actor.entropy_coeff=inf must be a finite number"),
+    (["actor.router_aux_loss_coef=-0.01"], r"^actor.router_aux_loss_coef=-0.01 must be a finite number >= 0 \(the "
+     r"weight of a mixture of experts' load-balancing loss; null: the model config's\) \(actor.router_aux_loss_coef: "
+     r"command line\)$"),
+    (["actor.router_aux_loss_coef=model"], r"^actor.router_aux_loss_coef='model' is not a weight; give a finite number "
+     r">= 0 \(0: no aux loss\), null \(the model config's router_aux_loss_coef when its output_router_logits is true\) "
+     r"or declared \(the model config's router_aux_loss_coef, as TRL takes it\)"),
     (["actor.policy_loss.loss_mode=sapo", "actor.policy_loss.tau_pos=0"], r"tau_pos=0.0 and tau_neg=1.05 must both be"),
     (["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=2"], r"kl_cov_ratio=2.0 must be in \(0, 1\]"),
     (["actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0"], r"clip_cov_ratio=0.0 must be in"),

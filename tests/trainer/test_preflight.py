@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
     {"data.train_files": "[no_such_file.parquet]"},  # the data
     {"critic.model_path": "./no_such_critic", "critic.enable": True},  # the critic's folder, checked before the actor's
     {"trainer.backend": "ray", "trainer.devices_per_node": 3},  # 4 prompts x 4 samples do not split over 3 members
+    {"actor.router_aux_loss_coef": 0.01},  # a load-balancing loss on a model without experts, read from its config
 ], ids=lambda overrides: next(iter(overrides)))
 def test_a_python_caller_gets_the_refusal_of_the_cli(rl_args, tmp_path, capsys, overrides):
     args = rl_args(tmp_path / "cli", **overrides)
@@ -182,3 +183,21 @@ def test_a_model_config_that_cannot_build_is_refused_before_the_run_folder(rl_ar
     with pytest.raises(ValueError, match=rf"^{config_file} gives sliding_window={window}, which is no window; "):
         RLTrainer(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_router_aux_loss_coef_on_a_model_without_experts_is_refused_naming_the_model(tiny_model_dir, tmp_path):
+    """TRL refuses a coefficient on a model that is not a mixture of experts; 0, null and declared stay fine, as does
+    a coefficient on a mixture of experts whose config does not ask for the loss."""
+    from reinforge.config.schema import ModelConfig
+    from reinforge.models.tiny import save_tiny_model
+    from reinforge.trainer.preflight import check_router_aux_loss_has_experts
+
+    dense = ModelConfig(path=str(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"^actor.router_aux_loss_coef=0.01 weighs a mixture of experts' load-balancing "
+                                          r"loss, but model.path=.* is a 'qwen2' model without experts, which has no "
+                                          r"router to balance; remove actor.router_aux_loss_coef or set it to 0$"):
+        check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.01, dense)
+    for value in (0.0, None, "declared"):
+        check_router_aux_loss_has_experts("actor.router_aux_loss_coef", value, dense)
+    experts = ModelConfig(path=str(save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=1)))
+    check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.01, experts)

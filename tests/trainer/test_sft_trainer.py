@@ -257,6 +257,17 @@ def test_config_errors_name_the_key_and_the_fix():
         load_sft_config(None, ["trainer.router_aux_loss_coef=-0.01"])
 
 
+def test_a_router_aux_loss_coef_on_a_model_without_experts_is_refused_before_it_loads(tmp_path, tiny_model_dir):
+    """As TRL's SFTTrainer refuses it: a dense model has no router to balance; 0 stays fine."""
+    with pytest.raises(ConfigError, match=r"^trainer.router_aux_loss_coef=0.01 weighs a mixture of experts' "
+                                          r"load-balancing loss, but model.path=.* is a 'qwen2' model without experts, "
+                                          r"which has no router to balance; remove trainer.router_aux_loss_coef or set "
+                                          r"it to 0$"):
+        SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.router_aux_loss_coef=0.01"))
+    assert not (tmp_path / "run").exists()  # refused before the run folder, before the model
+    assert SFTTrainer(sft_config(tmp_path, tiny_model_dir, "trainer.router_aux_loss_coef=0")).router_aux_loss_coef == 0
+
+
 def moe_model_dir(folder, tokenizer, model_type: str, **config):
     """A tiny mixture of experts of ``tests/engine/test_moe.py`` (routers far from uniform), saved with the tokenizer."""
     from reinforge.models.export import save_hf_folder

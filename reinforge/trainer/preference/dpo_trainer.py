@@ -24,7 +24,10 @@ micro-batch budget and gradient checkpointing are the memory planner's unless se
 Metrics (TRL's DPOTrainer's names): ``rewards/chosen`` and ``rewards/rejected`` (the mean implicit reward
 beta * (logp - logp_ref)), ``rewards/accuracies`` (the share of pairs whose chosen reward is higher),
 ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``num_tokens``, with ``eval_`` before each on the
-validation pairs, and ``train/loss``, ``train/lr``, ``train/grad_norm``.
+validation pairs, and ``train/loss``, ``train/lr``, ``train/grad_norm``. A mixture of experts adds its routers'
+load-balancing loss times ``trainer.router_aux_loss_coef`` (by default the model config's ``router_aux_loss_coef``
+where its ``output_router_logits`` asks) and logs ``train/moe/aux_loss``, ``train/moe/load_imbalance`` and
+``train/moe/unused_experts``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from reinforge.engine.distributed import all_reduce, barrier
 from reinforge.engine.forward import response_log_probs, routed_token_weights
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
+from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, router_aux_loss_coef
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.models.dropout import disable_dropout
 from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config, tokens_read_otherwise
@@ -73,8 +76,8 @@ class DPOTrainer(PreferenceRun):
         """The reference pass's time and pairs, logged with the first step after it."""
         self.router_recorder: RouterRecorder | None = None
         self.router_aux_loss_coef = 0.0
-        """A mixture of experts: the routers' load-balancing loss joins the DPO loss with the model config's
-        router_aux_loss_coef where its output_router_logits asks for it (as TRL's DPOTrainer adds it)."""
+        """A mixture of experts: the weight the routers' load-balancing loss joins the DPO loss with
+        (``engine.moe.router_aux_loss_coef`` of trainer.router_aux_loss_coef)."""
         super().__init__(config)
 
     def load_model(self) -> nn.Module:
@@ -86,7 +89,7 @@ class DPOTrainer(PreferenceRun):
         self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(model.config, None)
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, self.config.trainer.router_aux_loss_coef)
         self.peft_model = prepare_trained_model(model, self.config.model, self.device,
                                                 seed=self.config.trainer.seed,
                                                 keep_gathered=self.memory_plan.keep_gathered)
@@ -196,6 +199,7 @@ class DPOTrainer(PreferenceRun):
         reference_logps = self._reference_on_device("train")
         loss_settings = self.config.dpo
         recorder = self.router_recorder
+        routed = None  # (layers, experts) slots of the whole step
         for micro, counts in micro_batches:
             with recorder.recording_forward() if recorder else contextlib.nullcontext():
                 logps = self._sequence_logps(self.model, micro)
@@ -213,6 +217,8 @@ class DPOTrainer(PreferenceRun):
                 step_metrics["moe/aux_loss"] = aux_loss.detach()
                 if self.router_aux_loss_coef:
                     total = total + self.router_aux_loss_coef * aux_loss
+                slots = router.expert_counts.detach() * (weights.sum() > 0)  # a rank's stand-in pair: none
+                routed = slots if routed is None else routed + slots
             update.backward(total, step_metrics)
             tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[0::2],
                       logp_rejected=logps[1::2])
@@ -220,7 +226,8 @@ class DPOTrainer(PreferenceRun):
         self.num_tokens += float(batch["attention_mask"].sum())
         reference_metrics, self.reference_metrics = self.reference_metrics, {}
         return {**dpo_metrics(tally.gathered()), "num_tokens": self.num_tokens,
-                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"]} if "train/moe/aux_loss" in metrics else {}),
+                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"], **pooled_routing_metrics(routed, "train")}
+                   if routed is not None else {}),
                 "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"], **reference_metrics}

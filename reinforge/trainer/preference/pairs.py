@@ -44,7 +44,13 @@ from reinforge.tracking import Tracker
 from reinforge.trainer.checkpoint import CheckpointManager, load_trainer_state
 from reinforge.trainer.preference.memory_plan import PreferencePlan, apply_preference_plan
 from reinforge.trainer.preference.ranks import SilentTracker, gather_from_ranks, rank_share
-from reinforge.trainer.preflight import check_devices, check_loggers, require_logger_packages, require_model_and_data
+from reinforge.trainer.preflight import (
+    check_devices,
+    check_loggers,
+    check_router_aux_loss_has_experts,
+    require_logger_packages,
+    require_model_and_data,
+)
 from reinforge.trainer.run_loop import SupervisedRun
 from reinforge.workers.checkpointing import load_training_state, save_training_state
 
@@ -91,6 +97,7 @@ def preflight_preference(config: RMConfig | DPOConfig) -> None:
     check_loggers(config.trainer.loggers)
     require_model_and_data(config.model.path, config.data.train_files,
                            "path/to/pairs.jsonl (rows with chosen and rejected)")
+    check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
     require_logger_packages(config.trainer.loggers)
     check_devices(config)  # type: ignore[arg-type]  # the same trainer.device and backend fields
     data = config.data

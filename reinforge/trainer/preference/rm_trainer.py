@@ -19,8 +19,9 @@ Metrics (TRL's RewardTrainer's names): ``accuracy`` (the share of pairs whose ch
 ``num_tokens`` (tokens put through the model so far), with ``eval_`` before each on the validation pairs, and
 ``train/loss``, ``train/lr``, ``train/grad_norm``; a mixture of experts logs its routers' load-balancing loss,
 ``train/moe/aux_loss`` (transformers' ``output_router_logits`` loss over the pairs' padded rows), which joins the loss
-times the model config's ``router_aux_loss_coef`` where its ``output_router_logits`` asks, as TRL's RewardTrainer adds
-the model's aux loss. Every checkpoint's ``hf/`` folder is a standard
+times ``trainer.router_aux_loss_coef`` (by default the model config's ``router_aux_loss_coef`` where its
+``output_router_logits`` asks; TRL's RewardTrainer adds none, and ``reinforge.api.RewardConfig`` passes 0), beside
+the step's ``train/moe/load_imbalance`` and ``train/moe/unused_experts``. Every checkpoint's ``hf/`` folder is a standard
 sequence-classification folder (a token-classification one for a token classifier; ``num_labels=1``,
 ``pad_token_id`` set; with LoRA the adapters merged in) that
 ``reward.reward_model.model_path`` loads, and ``reinforge export`` writes the same from the trainer state.
@@ -43,7 +44,7 @@ from reinforge.config.preference_schema import RMConfig
 from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores, routed_token_weights
-from reinforge.engine.moe import RouterRecorder, prepare_moe_training, router_aux_loss_coef
+from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, router_aux_loss_coef
 from reinforge.models.loading import (
     HeldLoadReport,
     check_model_folder,
@@ -142,8 +143,8 @@ class RewardModelTrainer(PreferenceRun):
         self.peft_model: nn.Module | None = None
         self.router_recorder: RouterRecorder | None = None
         self.router_aux_loss_coef = 0.0
-        """A mixture of experts: the routers' load-balancing loss joins the reward loss with the model config's
-        router_aux_loss_coef where its output_router_logits asks for it (as TRL's RewardTrainer adds it)."""
+        """A mixture of experts: the weight the routers' load-balancing loss joins the reward loss with
+        (``engine.moe.router_aux_loss_coef`` of trainer.router_aux_loss_coef)."""
         super().__init__(config)
 
     def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
@@ -169,7 +170,7 @@ class RewardModelTrainer(PreferenceRun):
         self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(model.config, None)
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, self.config.trainer.router_aux_loss_coef)
         # the packed forward calls the backbone and the head apart (engine.forward.last_token_scores)
         self.peft_model = prepare_trained_model(model, model_config, self.device, seed=self.config.trainer.seed,
                                                 head="score", roots=[model.base_model, model.score],
@@ -195,6 +196,7 @@ class RewardModelTrainer(PreferenceRun):
         tally = PairValues()
         coefficient = self.config.rm.center_rewards_coefficient
         recorder = self.router_recorder
+        routed = None  # (layers, experts) slots of the whole step
         for micro, counts in micro_batches:
             with recorder.recording_forward() if recorder else contextlib.nullcontext():
                 chosen, rejected, weights = self._pair_rewards(micro)
@@ -209,13 +211,16 @@ class RewardModelTrainer(PreferenceRun):
                 step_metrics["moe/aux_loss"] = aux_loss.detach()
                 if self.router_aux_loss_coef:
                     loss = loss + self.router_aux_loss_coef * aux_loss
+                slots = router.expert_counts.detach() * (weights.sum() > 0)  # a rank's stand-in pair: none
+                routed = slots if routed is None else routed + slots
             update.backward(loss, step_metrics)
             tally.add(weights > 0, chosen=chosen, rejected=rejected)
         metrics = update.metrics("train")
         self.num_tokens += float(batch["attention_mask"].sum())
         values = tally.gathered()
         return {**reward_metrics(values["chosen"], values["rejected"]), "num_tokens": self.num_tokens,
-                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"]} if "train/moe/aux_loss" in metrics else {}),
+                **({"train/moe/aux_loss": metrics["train/moe/aux_loss"], **pooled_routing_metrics(routed, "train")}
+                   if routed is not None else {}),
                 "train/loss": metrics["train/preference_loss"], "train/lr": metrics["train/lr"],
                 "train/grad_norm": metrics["train/grad_norm"], "timing_s/step": update.seconds,
                 "perf/tokens_per_s": metrics["perf/update_tokens_per_s/train"]}

@@ -206,11 +206,26 @@ def test_a_plain_pair_without_a_prompt_is_refused_for_dpo(pair_args, tmp_path, c
     ("dpo.loss_type=kto", "dpo.loss_type='kto' is not one of sigmoid, ipo, hinge, robust"),
     ("dpo.beta=0", "dpo.beta=0.0 must be a positive number"),
     ("dpo.label_smoothing=0.5", "dpo.label_smoothing=0.5 must be in [0, 0.5)"),
+    ("trainer.router_aux_loss_coef=-1", "trainer.router_aux_loss_coef=-1.0 must be a finite number >= 0"),
 ])
 def test_dpo_settings_that_cannot_work_are_refused_as_the_config_loads(override, message):
     with pytest.raises(ConfigError) as error:
         load_dpo_config(None, [override])
     assert str(error.value).startswith(message)
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm"])
+def test_a_router_aux_loss_coef_on_a_model_without_experts_is_refused_before_it_loads(pair_args, tiny_model_dir,
+                                                                                     tmp_path, capsys, command):
+    """As TRL refuses it: a dense model has no router to balance. 0 (and null, declared) train as before."""
+    assert main([command, *pair_args(tmp_path / "run", **{"trainer.router_aux_loss_coef": 0.01})]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"error: trainer.router_aux_loss_coef=0.01 weighs a mixture of experts' load-balancing loss, but "
+                    f"model.path={tiny_model_dir} is a 'qwen2' model without experts, which has no router to balance; "
+                    "remove trainer.router_aux_loss_coef or set it to 0")
+    assert not (tmp_path / "run").exists()  # refused before the run folder, before the model
+    assert main([command, *pair_args(tmp_path / "zero", **{"trainer.router_aux_loss_coef": 0,
+                                                           "trainer.total_steps": 1})]) == 0
 
 
 def test_trls_precomputed_reference_log_probs_in_the_rows_are_one_warning(pair_args, pairs_dir, tmp_path, caplog):
@@ -335,21 +350,25 @@ def test_each_steps_pairs_are_cut_once_the_next_steps_while_the_device_runs_the_
 
 def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
     """As TRL's DPOTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
-    load-balancing loss to the DPO loss (its gradient with it); the aux loss is logged either way."""
+    load-balancing loss to the DPO loss (its gradient with it), as trainer.router_aux_loss_coef does on a config that
+    does not ask; the aux loss and the step's routing are logged either way."""
     from reinforge.models.tiny import save_tiny_model
 
     firsts = {}
-    for asks in (True, False):
-        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+    for run, asks, settings in (("asks", True, {}), ("no", False, {}),
+                                ("knob", False, {"trainer.router_aux_loss_coef": 0.5})):
+        model_dir = save_tiny_model(tmp_path / f"moe-{run}", arch="qwen3_moe", num_layers=2,
                                     output_router_logits=asks, router_aux_loss_coef=0.5)
-        assert main(["dpo", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
-                                                                    "trainer.total_steps": 1})]) == 0
-        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+        assert main(["dpo", *pair_args(tmp_path / f"run-{run}", **{"model.path": model_dir, "trainer.total_steps": 1,
+                                                                    **settings})]) == 0
+        [firsts[run]] = metrics_of(tmp_path / f"run-{run}")
     for first in firsts.values():
         assert first["train/moe/aux_loss"] > 0
+        assert first["train/moe/load_imbalance"] >= 1.0 and 0 <= first["train/moe/unused_experts"] < 4
         assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the DPO loss: the policy is its reference
-    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
-    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+    assert firsts["asks"]["train/moe/aux_loss"] == pytest.approx(firsts["no"]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts["asks"]["train/grad_norm"] != pytest.approx(firsts["no"]["train/grad_norm"], rel=1e-4)
+    assert firsts["knob"]["train/grad_norm"] == pytest.approx(firsts["asks"]["train/grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("command", ["dpo", "rm"])

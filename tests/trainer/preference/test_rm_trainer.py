@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 import reinforge.trainer.preference.pairs as pairs_module
 from reinforge.cli import main
 from reinforge.config import ConfigError
-from reinforge.config.preference_schema import load_rm_config
+from reinforge.config.preference_schema import load_dpo_config, load_rm_config
 from reinforge.data.preference_dataset import PairLoader, PreferenceKeys, collate_pairs, tokenize_pair
 from reinforge.engine.attention import use_varlen_attention
 from reinforge.engine.forward import last_token_scores
@@ -133,6 +133,9 @@ def test_a_malformed_row_fails_in_one_line_before_the_tokenizer_or_model_loads(p
     ("trainer.max_tokens_per_micro_batch=100", "trainer.max_tokens_per_micro_batch=100 is smaller than 2 x "
      "data.max_length=2048, so one pair (its prompt and both completions) may not fit one micro-batch; raise it"),
     ("rm.center_rewards_coefficient=-1", "rm.center_rewards_coefficient=-1.0 must be a finite number >= 0"),
+    ("trainer.router_aux_loss_coef=-0.01", "trainer.router_aux_loss_coef=-0.01 must be a finite number >= 0 (the "
+     "weight of a mixture of experts' load-balancing loss; null: the model config's)"),
+    ("trainer.router_aux_loss_coef=.nan", "trainer.router_aux_loss_coef=nan must be a finite number >= 0"),
     ("data.truncation=right", "data.truncation='right' is not one of drop, error"),
 ])
 def test_settings_that_cannot_work_are_refused_as_the_config_loads(override, message):
@@ -358,22 +361,26 @@ def test_rm_continues_from_a_classifier_as_its_own_class_and_exports_that_class(
 
 
 def test_a_mixture_of_experts_adds_the_aux_loss_its_config_asks_for(pair_args, tmp_path):
-    """As TRL's RewardTrainer: output_router_logits in the model's config adds router_aux_loss_coef x the routers'
-    load-balancing loss to the reward loss (its gradient with it); the aux loss is logged either way."""
+    """output_router_logits in the model's config adds router_aux_loss_coef x the routers' load-balancing loss to
+    the reward loss (its gradient with it), as trainer.router_aux_loss_coef does on a config that does not ask (TRL's
+    RewardTrainer adds none: its RewardConfig passes 0); the aux loss and the step's routing are logged either way."""
     from reinforge.models.tiny import save_tiny_model
 
     firsts = {}
-    for asks in (True, False):
-        model_dir = save_tiny_model(tmp_path / f"moe-{asks}", arch="qwen3_moe", num_layers=2,
+    for run, asks, settings in (("asks", True, {}), ("no", False, {}),
+                                ("knob", False, {"trainer.router_aux_loss_coef": 0.5})):
+        model_dir = save_tiny_model(tmp_path / f"moe-{run}", arch="qwen3_moe", num_layers=2,
                                     output_router_logits=asks, router_aux_loss_coef=0.5)
-        assert main(["rm", *pair_args(tmp_path / f"run-{asks}", **{"model.path": model_dir,
-                                                                   "trainer.total_steps": 1})]) == 0
-        [firsts[asks]] = metrics_of(tmp_path / f"run-{asks}")
+        assert main(["rm", *pair_args(tmp_path / f"run-{run}", **{"model.path": model_dir, "trainer.total_steps": 1,
+                                                                    **settings})]) == 0
+        [firsts[run]] = metrics_of(tmp_path / f"run-{run}")
     for first in firsts.values():
         assert first["train/moe/aux_loss"] > 0
-    assert firsts[True]["train/loss"] == pytest.approx(firsts[False]["train/loss"], rel=1e-6)  # the same new head
-    assert firsts[True]["train/moe/aux_loss"] == pytest.approx(firsts[False]["train/moe/aux_loss"], rel=1e-5)
-    assert firsts[True]["train/grad_norm"] != pytest.approx(firsts[False]["train/grad_norm"], rel=1e-4)
+        assert first["train/moe/load_imbalance"] >= 1.0 and 0 <= first["train/moe/unused_experts"] < 4
+    assert firsts["asks"]["train/loss"] == pytest.approx(firsts["no"]["train/loss"], rel=1e-6)  # the same new head
+    assert firsts["asks"]["train/moe/aux_loss"] == pytest.approx(firsts["no"]["train/moe/aux_loss"], rel=1e-5)
+    assert firsts["asks"]["train/grad_norm"] != pytest.approx(firsts["no"]["train/grad_norm"], rel=1e-4)
+    assert firsts["knob"]["train/grad_norm"] == pytest.approx(firsts["asks"]["train/grad_norm"], rel=1e-5)
 
 
 def test_the_recorded_aux_loss_is_transformers_own_over_the_padded_pairs(pair_args, tmp_path):
@@ -421,3 +428,50 @@ def test_a_causal_lms_new_score_head_is_one_line_and_other_missing_weights_keep_
     with caplog.at_level("INFO"):
         load_reward_model_for_training(str(folder), pad_token_id=0)
     assert "LOAD REPORT" in caplog.text and "layers.0.mlp" in caplog.text and "has no score head" not in caplog.text
+
+
+LONGROPE_FACTORS = {"short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0],
+                    "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0]}
+
+
+@pytest.mark.parametrize("command", ["rm", "dpo"])
+def test_a_pair_unshared_for_its_rotary_weighs_its_routers_by_the_unshared_plan(pair_args, tmp_path, command):
+    """A LongRoPE mixture of experts whose chosen completion ends below the original length and rejected one past it:
+    the packed forward runs the two sequences apart (a shared prompt's keys take one set of factors), and the routers'
+    statistics weigh what it ran, equal to transformers' aux loss over the two sequences, each run alone."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from reinforge.engine.forward import routed_token_weights
+    from reinforge.engine.packing import plan_of
+    from reinforge.models.tiny import build_char_tokenizer, save_tiny_model
+    from reinforge.trainer.preference.dpo_trainer import DPOTrainer
+
+    row = {"prompt": [{"role": "user", "content": "q?"}], "chosen": [{"role": "assistant", "content": "y"}],
+           "rejected": [{"role": "assistant", "content": "no, sorry, not at all"}]}
+    pair = tokenize_pair(build_char_tokenizer(), row, PreferenceKeys())
+    original = len(pair.prompt_ids) + len(pair.chosen_ids)  # the chosen sequence fits it, the rejected one does not
+    assert len(pair.prompt_ids) + len(pair.rejected_ids) > original
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": original,
+            "short_mscale": 1.0, "long_mscale": 1.0, **LONGROPE_FACTORS}
+    model_dir = save_tiny_model(tmp_path / "moe", arch="qwen3_moe", num_layers=2, max_position_embeddings=4 * original,
+                                rope_parameters=rope, original_max_position_embeddings=original)
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text(json.dumps(row) + "\n")
+    config = (load_rm_config if command == "rm" else load_dpo_config)(None, pair_args(
+        tmp_path / "run", **{"model.path": model_dir, "data.train_files": f"[{pairs_file}]", "data.batch_size": 1}))
+    trainer = RewardModelTrainer(config) if command == "rm" else DPOTrainer(config)
+    micro = next(trainer.micro_batches(next(iter(trainer.train_loader.batches_of_one_pass()))))
+    assert plan_of(micro).kv_index is not None  # planned with the prompt shared
+    recorder, routed = trainer.router_recorder, trainer.model.base_model if command == "rm" else trainer.model
+    with torch.no_grad():
+        with recorder.recording_forward():
+            trainer._pair_rewards(micro) if command == "rm" else trainer._sequence_logps(trainer.model, micro)
+        assert plan_of(micro).kv_index is None  # run with each completion's own prompt
+        recorded = recorder.take(with_grad=False, token_weights=routed_token_weights(routed, micro))
+        causal_lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        alone = [causal_lm(input_ids=ids[mask.bool()][None], output_router_logits=True, use_cache=False).router_logits
+                 for ids, mask in zip(micro["input_ids"], micro["attention_mask"], strict=True)]
+    layers = [torch.cat([logits[layer] for logits in alone]) for layer in range(2)]
+    expected = load_balancing_loss_func(tuple(layers), causal_lm.config.num_experts, causal_lm.config.num_experts_per_tok)
+    assert float(recorded.aux_loss) == pytest.approx(float(expected), rel=1e-5)
