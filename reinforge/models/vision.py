@@ -264,7 +264,7 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
     if chat_template:
         processor.chat_template = chat_template
         processor.tokenizer.chat_template = chat_template
-    set_pixel_bounds(processor, min_pixels, max_pixels, path)
+    set_pixel_bounds(processor.image_processor, min_pixels, max_pixels, path)
     return processor
 
 
@@ -274,22 +274,48 @@ def run_processor(model, data):
     return processor_for(model.path, model.trust_remote_code, data.chat_template, data.min_pixels, data.max_pixels)
 
 
-def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None, path: str | Path = "the model") -> None:
-    """Make the processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the bound
-    the model folder's preprocessor_config.json gives): its image processor's ``size`` (shortest_edge, longest_edge),
-    which Qwen2-VL's ``smart_resize`` reads for each image, and which the checkpoints' processor saves. Raises one
-    line when the bounds, the model's own included, do not leave a size."""
+def folder_image_processor(path: str | Path, trust_remote_code: bool = False, patch_size: int = 14,
+                           merge_size: int = 2):
+    """The image processor of the vision-language model folder at ``path``, as its processor loads it (its
+    preprocessor_config.json), without the tokenizer; a folder of config.json alone (``reinforge plan``'s model
+    shapes) gets the Qwen2-VL image processor of the tower's ``patch_size`` and ``merge_size`` with transformers'
+    default pixel bounds."""
+    if (Path(path) / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as family
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as family
+    return family(patch_size=patch_size, merge_size=merge_size)
+
+
+def image_tokens(image_processor, width: int, height: int) -> int:
+    """The language model's tokens for one ``width`` x ``height`` image as ``image_processor`` (Qwen2-VL's, as
+    Qwen2.5-VL and Qwen3-VL use it) makes them: its own count of the image's patches once resized to whole merged
+    patches within its pixel bounds (``size``), over merge_size^2. Raises ValueError where the processor refuses
+    the image's shape (sides more than 200 times apart)."""
+    merge = image_processor.merge_size
+    return image_processor.get_number_of_image_patches(height, width, {}) // (merge * merge)
+
+
+def set_pixel_bounds(image_processor, min_pixels: int | None, max_pixels: int | None,
+                     path: str | Path = "the model") -> None:
+    """Make the image processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the
+    bound the model folder's preprocessor_config.json gives): its ``size`` (shortest_edge, longest_edge), which
+    Qwen2-VL's ``smart_resize`` reads for each image, and which the checkpoints' processor saves. Raises one line
+    when the bounds, the model's own included, do not leave a size."""
     if min_pixels is None and max_pixels is None:
         return
-    image_processor = processor.image_processor
     bounds = dict(image_processor.size)
     own = {"min_pixels": bounds.get("shortest_edge"), "max_pixels": bounds.get("longest_edge")}
     if None in own.values():
         raise ValueError(f"data.min_pixels and data.max_pixels set pixel bounds, but the image processor of {path} "
                          f"({type(image_processor).__name__}) resizes by size={bounds}; unset both keys")
-    bounds["shortest_edge"] = own["min_pixels"] if min_pixels is None else min_pixels
-    bounds["longest_edge"] = own["max_pixels"] if max_pixels is None else max_pixels
-    if bounds["shortest_edge"] > bounds["longest_edge"]:  # one key set (validate_pixel_bounds checks both)
+    lowest = own["min_pixels"] if min_pixels is None else min_pixels
+    highest = own["max_pixels"] if max_pixels is None else max_pixels
+    if lowest > highest:  # one key set (validate_pixel_bounds checks both)
         if min_pixels is None:
             raise ValueError(f"data.max_pixels={max_pixels} is below the min_pixels={own['min_pixels']} of {path} "
                              f"(its preprocessor_config.json), so no image size fits both; set data.min_pixels to "
@@ -297,6 +323,7 @@ def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None, 
         raise ValueError(f"data.min_pixels={min_pixels} is above the max_pixels={own['max_pixels']} of {path} "
                          f"(its preprocessor_config.json), so no image size fits both; set data.max_pixels to at "
                          f"least {min_pixels} too, or lower data.min_pixels")
+    bounds["shortest_edge"], bounds["longest_edge"] = lowest, highest
     size = image_processor.size
     image_processor.size = bounds if isinstance(size, dict) else type(size)(**bounds)
 
