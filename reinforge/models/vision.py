@@ -274,6 +274,20 @@ def run_processor(model, data):
     return processor_for(model.path, model.trust_remote_code, data.chat_template, data.min_pixels, data.max_pixels)
 
 
+def check_pixel_bounds(model, data) -> None:
+    """``run_processor``'s refusals of a run's data.min_pixels and data.max_pixels (``set_pixel_bounds``), from the
+    model's config and image processor alone: no tokenizer loads."""
+    if data.min_pixels is None and data.max_pixels is None:
+        return
+    from transformers import AutoConfig, AutoImageProcessor
+
+    config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
+    if not is_vision_language(config):
+        return
+    image_processor = AutoImageProcessor.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
+    set_pixel_bounds(image_processor, data.min_pixels, data.max_pixels, model.path)
+
+
 def folder_image_processor(path: str | Path, trust_remote_code: bool = False, patch_size: int = 14,
                            merge_size: int = 2):
     """The image processor of the vision-language model folder at ``path``, as its processor loads it (its
@@ -305,7 +319,9 @@ def set_pixel_bounds(image_processor, min_pixels: int | None, max_pixels: int | 
     """Make the image processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the
     bound the model folder's preprocessor_config.json gives): its ``size`` (shortest_edge, longest_edge), which
     Qwen2-VL's ``smart_resize`` reads for each image, and which the checkpoints' processor saves. Raises one line
-    when the bounds, the model's own included, do not leave a size."""
+    when the bounds, the model's own included, leave no image size the processor keeps them at: one above the
+    other, a max_pixels below one merged patch (the processor would make every image one merged patch, above it),
+    or no whole number of merged patches between the two (the processor would silently leave one bound)."""
     if min_pixels is None and max_pixels is None:
         return
     bounds = dict(image_processor.size)
@@ -323,6 +339,22 @@ def set_pixel_bounds(image_processor, min_pixels: int | None, max_pixels: int | 
         raise ValueError(f"data.min_pixels={min_pixels} is above the max_pixels={own['max_pixels']} of {path} "
                          f"(its preprocessor_config.json), so no image size fits both; set data.max_pixels to at "
                          f"least {min_pixels} too, or lower data.min_pixels")
+    side = image_processor.patch_size * image_processor.merge_size
+    merged = side * side  # an image's sides are whole merged patches: its pixels are a whole number of these
+    if max_pixels is not None and max_pixels < merged:
+        raise ValueError(f"data.max_pixels={max_pixels} is below one merged patch of {path} ({side} x {side} = "
+                         f"{merged} pixels: patch_size={image_processor.patch_size} x merge_size="
+                         f"{image_processor.merge_size}), the smallest image its processor makes, which would give "
+                         f"every image one token; set data.max_pixels to at least {merged}")
+    fewest, most = -(-lowest // merged), highest // merged  # whole merged patches within the bounds
+    if fewest > most:
+        key, value = ("data.min_pixels", min_pixels) if min_pixels is not None else ("data.max_pixels", max_pixels)
+        lowest_from = "" if min_pixels is not None else f" (of {path})"
+        highest_from = "" if max_pixels is not None else f" (of {path})"
+        raise ValueError(f"{key}={value} leaves no whole number of merged patches ({side} x {side} = {merged} pixels) "
+                         f"between min_pixels={lowest}{lowest_from} and max_pixels={highest}{highest_from}, and the "
+                         f"processor resizes every image to whole merged patches, so it would break one bound; set "
+                         f"data.min_pixels to at most {most * merged} or data.max_pixels to at least {fewest * merged}")
     bounds["shortest_edge"], bounds["longest_edge"] = lowest, highest
     size = image_processor.size
     image_processor.size = bounds if isinstance(size, dict) else type(size)(**bounds)
