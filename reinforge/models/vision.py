@@ -254,11 +254,14 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
     """The processor of the model at ``path`` when it is a vision-language model reinforge knows, else None.
 
     ``chat_template`` (data.chat_template) replaces the processor's and its tokenizer's template; ``min_pixels`` and
-    ``max_pixels`` (data.min_pixels, data.max_pixels) its image processor's bounds (``set_pixel_bounds``). Every
-    processor of a run, the dataset's, the rollout's (tool images) and the checkpoint's, comes from here."""
+    ``max_pixels`` (data.min_pixels, data.max_pixels) its image processor's bounds (``set_pixel_bounds``), which a
+    model reinforge gives no processor refuses (``refuse_pixel_bounds``). Every processor of a run, the dataset's,
+    the rollout's (tool images) and the checkpoint's, comes from here."""
     from transformers import AutoConfig
 
-    if not is_vision_language(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)):
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if not is_vision_language(config):
+        refuse_pixel_bounds(config, path, min_pixels, max_pixels)
         return None
     processor = load_processor(path, trust_remote_code)
     if chat_template:
@@ -275,14 +278,15 @@ def run_processor(model, data):
 
 
 def check_pixel_bounds(model, data) -> None:
-    """``run_processor``'s refusals of a run's data.min_pixels and data.max_pixels (``set_pixel_bounds``), from the
-    model's config and image processor alone: no tokenizer loads."""
+    """``run_processor``'s refusals of a run's data.min_pixels and data.max_pixels (``refuse_pixel_bounds``,
+    ``set_pixel_bounds``), from the model's config and image processor alone: no tokenizer loads."""
     if data.min_pixels is None and data.max_pixels is None:
         return
     from transformers import AutoConfig, AutoImageProcessor
 
     config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
     if not is_vision_language(config):
+        refuse_pixel_bounds(config, model.path, data.min_pixels, data.max_pixels)
         return
     image_processor = AutoImageProcessor.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
     set_pixel_bounds(image_processor, data.min_pixels, data.max_pixels, model.path)
@@ -360,6 +364,35 @@ def set_pixel_bounds(image_processor, min_pixels: int | None, max_pixels: int | 
     image_processor.size = bounds if isinstance(size, dict) else type(size)(**bounds)
 
 
+def refuse_pixel_bounds(config, path: str | Path, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Raise one line when data.min_pixels or data.max_pixels is set for the model of ``config`` (an HF config)
+    at ``path``, to which reinforge gives no processor: its images are never resized, so the bounds would do
+    nothing (Gemma 3's and Llava's image processors resize to a fixed size anyway, with no pixel bound)."""
+    given = [f"data.{key}={value}" for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels))
+             if value is not None]
+    if not given:
+        return
+    name = _architecture_name(config)
+    model = f"a {name}, which reinforge trains on text-only prompts" if _has_images(config) else \
+        f"a text-only model ({name})"
+    keys = " and ".join(item.split("=")[0] for item in given)
+    raise ValueError(f"{' and '.join(given)} {'bounds' if len(given) == 1 else 'bound'} the images of Qwen2-VL, "
+                     f"Qwen2.5-VL and Qwen3-VL, and {path} is {model}: no image of the run is resized by "
+                     f"{'it' if len(given) == 1 else 'them'}; unset {keys}")
+
+
+def _architecture_name(config) -> str:
+    return (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
+
+
+def _has_images(config) -> bool:
+    """Whether ``config`` is an image-text model's (transformers maps it to one, or it has a vision tower)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            or getattr(config, "vision_config", None) is not None)
+
+
 IMAGE_ATTENTION_BOTH_WAYS = {
     "gemma3": "its image tokens attend to each other both ways in transformers' forward (its token_type_ids mask)",
     "paligemma": "its prompt's tokens, images included, attend to each other both ways in transformers' forward (its "
@@ -373,16 +406,15 @@ def why_no_images(path: str | Path, trust_remote_code: bool = False) -> str:
     """Why the model at ``path``, which ``processor_for`` gives no processor, takes no images, with the fix: the end of
     the one line that refuses a row with images, before any model loads (``... has 1 image(s) ..., but {this}``)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     model_type = getattr(config, "model_type", None)
-    name = (getattr(config, "architectures", None) or [model_type])[0]
+    name = _architecture_name(config)
     supported = "Qwen2-VL, Qwen2.5-VL and Qwen3-VL train on images"
     if model_type in IMAGE_ATTENTION_BOTH_WAYS:
         return (f"{path} is a {name}: {IMAGE_ATTENTION_BOTH_WAYS[model_type]}, which reinforge's causal packed "
                 f"passes do not reproduce; it trains on text-only prompts (drop that column), and {supported}")
-    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is not None:
+    if _has_images(config):
         return (f"{path} is a {name}, whose images reinforge does not place in its language model; it trains on "
                 f"text-only prompts (drop that column), and {supported}")
     return f"{path} is a text-only model ({name}); drop that column, or train a vision-language model: {supported}"
