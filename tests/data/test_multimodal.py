@@ -422,3 +422,33 @@ def test_pixel_bounds_the_processor_cannot_keep_are_refused_before_the_model_loa
         check(load(None, [*overrides, *bounds]))
     check(load(None, [*overrides, "data.min_pixels=300", "data.max_pixels=512"]))  # two merged patches fit
 
+
+def test_evaluation_and_the_rollouts_tool_images_are_resized_within_the_runs_pixel_bounds(tmp_path, monkeypatch):
+    """reinforge eval's prompts, its actor's processor and the processor its rollout hands the agent loops (which
+    turns the images tools return into tokens) all resize a 64 x 64 image to 32 x 32 under data.max_pixels=1024:
+    4 image tokens, not the folder's 16."""
+    from reinforge.config import load_config
+    from reinforge.reward import data_checks
+    from reinforge.trainer.evaluate import evaluate
+    from reinforge.workers import actor_rollout
+
+    overrides = vlm_run(tmp_path, [verl_row([png((1, 2, 3), size=(64, 64))])] * 2)
+    overrides = [item.replace("data.train_files", "data.val_files") for item in overrides]
+    datasets, workers = [], []
+    scored = data_checks.check_rows_can_be_scored
+    monkeypatch.setattr(data_checks, "check_rows_can_be_scored",
+                        lambda dataset, *args: datasets.append(dataset) or scored(dataset, *args))
+
+    class Recorded(actor_rollout.ActorRolloutWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            workers.append(self)
+
+    monkeypatch.setattr(actor_rollout, "ActorRolloutWorker", Recorded)
+    evaluate(load_config(None, [*overrides, "data.max_pixels=1024", "data.max_response_length=2",
+                                "rollout.name=hf"]))
+    [dataset], [worker] = datasets, workers
+    assert dataset[0].prompt_ids.count(dataset.processor.image_token_id) == 4
+    image = Image.new("RGB", (64, 64))
+    for processor in (worker.processor, worker.rollout_side.agent_runner.processor):
+        assert processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 4, 4]]
