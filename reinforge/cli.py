@@ -70,7 +70,8 @@ def _plan(argv: list[str]) -> int:
     shape's LoRA adapter, before the command line's overrides) without any model folder. ``--prompts``, ``--n``,
     ``--prompt-tokens`` and ``--response-tokens`` set the workload as ``bench train`` names it (e.g. long
     responses: ``--prompts 8 --response-tokens 32768``). ``--image-size W[xH]`` (pixels) sets a vision-language
-    model's image tokens a prompt (data.max_image_tokens) for one image of that size; a vision-language shape's
+    model's image tokens a prompt (data.max_image_tokens) for one image of that size, as the model's processor
+    resizes it (its preprocessor_config.json, within data.min_pixels and data.max_pixels); a vision-language shape's
     prompts hold one such image (448 x 448 by default, as ``bench train``'s) beside their ``--prompt-tokens``."""
     sizes = argparse.ArgumentParser(prog="reinforge plan", add_help=False)
     sizes.add_argument("--gpu-memory-gib", type=float, default=None)
@@ -86,7 +87,7 @@ def _plan(argv: list[str]) -> int:
 
         folder = Path(tempfile.mkdtemp(prefix="reinforge_plan_"))
         try:
-            return _plan_run(rest, known, _shape_overrides(known.model, folder) + _shape_image_overrides(known))
+            return _plan_run(rest, known, _shape_overrides(known.model, folder), _shape_image(known))
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     return _plan_run(rest, known, [])
@@ -129,24 +130,22 @@ def _image_side(value: str) -> tuple[int, int]:
     return sides[0], sides[-1]
 
 
-def _shape_image_overrides(known: argparse.Namespace) -> list[str]:
-    """A vision-language shape's image tokens (one image of ``--image-size``, by default the bench's 448 x 448) and
-    its prompt length: ``--prompt-tokens`` of text (128 by default) and the image's tokens. Consumes
+def _shape_image(known: argparse.Namespace) -> tuple[str, int] | None:
+    """A vision-language shape's image and text a prompt: one image of ``--image-size`` (by default the bench's
+    448 x 448) and ``--prompt-tokens`` of text (128 by default); None for a text shape. Consumes
     ``known.prompt_tokens`` and ``known.image_size``."""
-    from reinforge.bench.shapes import SHAPES, shape_config
+    from reinforge.bench.shapes import SHAPES
     from reinforge.bench.vision import IMAGE_SIDE
-    from reinforge.engine.memory_plan import VisionShape
 
-    tower = VisionShape.from_hf_config(shape_config(known.model)) if SHAPES[known.model].vision else None
-    if tower is None:
-        return []
-    image_tokens = tower.image_tokens(*_image_side(known.image_size or str(IMAGE_SIDE)))
-    text_tokens = known.prompt_tokens or 128
+    if not SHAPES[known.model].vision:
+        return None
+    image = (known.image_size or str(IMAGE_SIDE), known.prompt_tokens or 128)
     known.prompt_tokens = known.image_size = None
-    return [f"data.max_image_tokens={image_tokens}", f"data.max_prompt_length={text_tokens + image_tokens}"]
+    return image
 
 
-def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[str]) -> int:
+def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[str],
+              shape_image: tuple[str, int] | None = None) -> int:
     config_path, overrides = _config_arguments(
         rest, prog="reinforge plan [--gpu-memory-gib N] [--host-memory-gib M] [--model SHAPE] [--prompts P] [--n N] "
                    "[--prompt-tokens T] [--response-tokens R] [--image-size W[xH]]",
@@ -156,7 +155,7 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
         "model shape of reinforge bench train, no model folder needed (" + ", ".join(_shape_names()) + "); "
         "--prompts P, --n N, --prompt-tokens T, --response-tokens R: the workload (data.train_batch_size, rollout.n, "
         "data.max_prompt_length, data.max_response_length); --image-size W[xH]: one image of that size a prompt "
-        "(vision-language models).",
+        "(vision-language models), resized as the model's processor resizes it (data.min_pixels, data.max_pixels).",
         config_help="a YAML config file, as for reinforge train", example="model.path=/models/qwen2.5-7b")
 
     from reinforge.config import ConfigError, load_config
@@ -165,12 +164,21 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     sizes_given = {"gpu_memory_gib": known.gpu_memory_gib, "host_memory_gib": known.host_memory_gib}
     workload = [f"{key}={getattr(known, flag[2:].replace('-', '_'))}" for flag, key in PLAN_WORKLOAD_FLAGS.items()
                 if getattr(known, flag[2:].replace("-", "_")) is not None]
-    overrides = [*shape_overrides, *workload, *overrides,
-                 *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
-    config = load_config(config_path, overrides)  # the schema's rules; none asks this machine for the device
-    if known.image_size is not None:
-        config.data.max_image_tokens = _image_tokens_of(config.model.path, known.image_size,
-                                                        config.data.max_prompt_length)
+    given = [*workload, *overrides,
+             *(f"trainer.{key}={value}" for key, value in sizes_given.items() if value is not None)]
+    config = load_config(config_path, [*shape_overrides, *given])  # the schema's rules; none asks for the device
+    if shape_image is not None:  # the image's tokens under the run's pixel bounds, below the command line's keys
+        image_size, text_tokens = shape_image
+        image_tokens = _image_tokens_of(config, image_size)
+        config = load_config(config_path, [*shape_overrides, f"data.max_image_tokens={image_tokens}",
+                                           f"data.max_prompt_length={text_tokens + image_tokens}", *given])
+    elif known.image_size is not None:
+        image_tokens = _image_tokens_of(config, known.image_size)
+        if image_tokens > config.data.max_prompt_length:
+            raise ConfigError(f"--image-size {known.image_size} (command line) makes {image_tokens} image tokens a "
+                              f"prompt, more than data.max_prompt_length={config.data.max_prompt_length}; raise "
+                              "max_prompt_length to hold the image and its text")
+        config.data.max_image_tokens = image_tokens
     from reinforge.trainer.preflight import check_config
 
     check_config(config)  # the rules of reinforge train, except the device checks of preflight
@@ -197,22 +205,26 @@ def _plan_run(rest: list[str], known: argparse.Namespace, shape_overrides: list[
     return 0
 
 
-def _image_tokens_of(model_path: str, image_size: str, max_prompt_length: int) -> int:
-    """The image tokens of one ``image_size`` image for the vision-language model at ``model_path`` (its config.json),
-    which the prompt's ``max_prompt_length`` tokens must hold."""
+def _image_tokens_of(config, image_size: str) -> int:
+    """The image tokens of one ``image_size`` image for the run's vision-language model (``config.model.path``), as
+    its processor makes them: its preprocessor_config.json within the run's data.min_pixels and data.max_pixels."""
     from reinforge.config import ConfigError
     from reinforge.engine.memory_plan import ModelShape
+    from reinforge.models.vision import folder_image_processor, image_tokens, set_pixel_bounds
 
-    tower = ModelShape.from_model_path(model_path).vision if model_path else None
+    path = config.model.path
+    tower = ModelShape.from_model_path(path).vision if path else None
     if tower is None:
         raise ConfigError(f"--image-size {image_size} (command line) counts a vision-language model's image tokens, "
-                          f"and model.path={model_path or 'null'} has no vision tower; drop --image-size")
-    tokens = tower.image_tokens(*_image_side(image_size))
-    if tokens > max_prompt_length:
-        raise ConfigError(f"--image-size {image_size} (command line) makes {tokens} image tokens a prompt, more than "
-                          f"data.max_prompt_length={max_prompt_length}; raise max_prompt_length to hold the image "
-                          "and its text")
-    return tokens
+                          f"and model.path={path or 'null'} has no vision tower; drop --image-size")
+    image_processor = folder_image_processor(path, config.model.trust_remote_code, tower.patch_size, tower.merge_size)
+    set_pixel_bounds(image_processor, config.data.min_pixels, config.data.max_pixels, path)
+    width, height = _image_side(image_size)
+    try:
+        return image_tokens(image_processor, width, height)
+    except ValueError as error:  # the processor's own refusal of the image's shape
+        raise ConfigError(f"--image-size {image_size} (command line) is an image the processor of {path} refuses "
+                          f"({error}); give sides closer to each other") from None
 
 
 def _sft(argv: list[str]) -> int:

@@ -185,13 +185,6 @@ class VisionShape:
         deepstack = self.deepstack_mergers * (2 * merged + projection)  # normed after the merge
         return patch + self.position_embeddings * hidden + self.depth * block + merger + deepstack
 
-    def image_tokens(self, width: int, height: int) -> int:
-        """The language model's tokens for one image of ``width`` x ``height`` pixels: its sides rounded to whole
-        merged patches (patch_size x merge_size pixels; the processor's resize, within its pixel bounds), one token
-        each."""
-        side = self.patch_size * self.merge_size
-        return max(round(width / side), 1) * max(round(height / side), 1)
-
     def patches(self, image_tokens: int) -> int:
         """Patches the tower encodes for this many image tokens of the language model."""
         return image_tokens * self.merge_size ** 2

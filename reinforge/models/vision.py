@@ -254,17 +254,20 @@ def processor_for(path: str | Path, trust_remote_code: bool = False, chat_templa
     """The processor of the model at ``path`` when it is a vision-language model reinforge knows, else None.
 
     ``chat_template`` (data.chat_template) replaces the processor's and its tokenizer's template; ``min_pixels`` and
-    ``max_pixels`` (data.min_pixels, data.max_pixels) its image processor's bounds (``set_pixel_bounds``). Every
-    processor of a run, the dataset's, the rollout's (tool images) and the checkpoint's, comes from here."""
+    ``max_pixels`` (data.min_pixels, data.max_pixels) its image processor's bounds (``set_pixel_bounds``), which a
+    model reinforge gives no processor refuses (``refuse_pixel_bounds``). Every processor of a run, the dataset's,
+    the rollout's (tool images) and the checkpoint's, comes from here."""
     from transformers import AutoConfig
 
-    if not is_vision_language(AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)):
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if not is_vision_language(config):
+        refuse_pixel_bounds(config, path, min_pixels, max_pixels)
         return None
     processor = load_processor(path, trust_remote_code)
     if chat_template:
         processor.chat_template = chat_template
         processor.tokenizer.chat_template = chat_template
-    set_pixel_bounds(processor, min_pixels, max_pixels, path)
+    set_pixel_bounds(processor.image_processor, min_pixels, max_pixels, path)
     return processor
 
 
@@ -274,22 +277,65 @@ def run_processor(model, data):
     return processor_for(model.path, model.trust_remote_code, data.chat_template, data.min_pixels, data.max_pixels)
 
 
-def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None, path: str | Path = "the model") -> None:
-    """Make the processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the bound
-    the model folder's preprocessor_config.json gives): its image processor's ``size`` (shortest_edge, longest_edge),
-    which Qwen2-VL's ``smart_resize`` reads for each image, and which the checkpoints' processor saves. Raises one
-    line when the bounds, the model's own included, do not leave a size."""
+def check_pixel_bounds(model, data) -> None:
+    """``run_processor``'s refusals of a run's data.min_pixels and data.max_pixels (``refuse_pixel_bounds``,
+    ``set_pixel_bounds``), from the model's config and image processor alone: no tokenizer loads."""
+    if data.min_pixels is None and data.max_pixels is None:
+        return
+    from transformers import AutoConfig, AutoImageProcessor
+
+    config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
+    if not is_vision_language(config):
+        refuse_pixel_bounds(config, model.path, data.min_pixels, data.max_pixels)
+        return
+    image_processor = AutoImageProcessor.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
+    set_pixel_bounds(image_processor, data.min_pixels, data.max_pixels, model.path)
+
+
+def folder_image_processor(path: str | Path, trust_remote_code: bool = False, patch_size: int = 14,
+                           merge_size: int = 2):
+    """The image processor of the vision-language model folder at ``path``, as its processor loads it (its
+    preprocessor_config.json), without the tokenizer; a folder of config.json alone (``reinforge plan``'s model
+    shapes) gets the Qwen2-VL image processor of the tower's ``patch_size`` and ``merge_size`` with transformers'
+    default pixel bounds."""
+    if (Path(path) / "preprocessor_config.json").is_file():
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as family
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as family
+    return family(patch_size=patch_size, merge_size=merge_size)
+
+
+def image_tokens(image_processor, width: int, height: int) -> int:
+    """The language model's tokens for one ``width`` x ``height`` image as ``image_processor`` (Qwen2-VL's, as
+    Qwen2.5-VL and Qwen3-VL use it) makes them: its own count of the image's patches once resized to whole merged
+    patches within its pixel bounds (``size``), over merge_size^2. Raises ValueError where the processor refuses
+    the image's shape (sides more than 200 times apart)."""
+    merge = image_processor.merge_size
+    return image_processor.get_number_of_image_patches(height, width, {}) // (merge * merge)
+
+
+def set_pixel_bounds(image_processor, min_pixels: int | None, max_pixels: int | None,
+                     path: str | Path = "the model") -> None:
+    """Make the image processor resize every image to between ``min_pixels`` and ``max_pixels`` pixels (None: the
+    bound the model folder's preprocessor_config.json gives): its ``size`` (shortest_edge, longest_edge), which
+    Qwen2-VL's ``smart_resize`` reads for each image, and which the checkpoints' processor saves. Raises one line
+    when the bounds, the model's own included, leave no image size the processor keeps them at: one above the
+    other, a max_pixels below one merged patch (the processor would make every image one merged patch, above it),
+    or no whole number of merged patches between the two (the processor would silently leave one bound)."""
     if min_pixels is None and max_pixels is None:
         return
-    image_processor = processor.image_processor
     bounds = dict(image_processor.size)
     own = {"min_pixels": bounds.get("shortest_edge"), "max_pixels": bounds.get("longest_edge")}
     if None in own.values():
         raise ValueError(f"data.min_pixels and data.max_pixels set pixel bounds, but the image processor of {path} "
                          f"({type(image_processor).__name__}) resizes by size={bounds}; unset both keys")
-    bounds["shortest_edge"] = own["min_pixels"] if min_pixels is None else min_pixels
-    bounds["longest_edge"] = own["max_pixels"] if max_pixels is None else max_pixels
-    if bounds["shortest_edge"] > bounds["longest_edge"]:  # one key set (validate_pixel_bounds checks both)
+    lowest = own["min_pixels"] if min_pixels is None else min_pixels
+    highest = own["max_pixels"] if max_pixels is None else max_pixels
+    if lowest > highest:  # one key set (validate_pixel_bounds checks both)
         if min_pixels is None:
             raise ValueError(f"data.max_pixels={max_pixels} is below the min_pixels={own['min_pixels']} of {path} "
                              f"(its preprocessor_config.json), so no image size fits both; set data.min_pixels to "
@@ -297,8 +343,54 @@ def set_pixel_bounds(processor, min_pixels: int | None, max_pixels: int | None, 
         raise ValueError(f"data.min_pixels={min_pixels} is above the max_pixels={own['max_pixels']} of {path} "
                          f"(its preprocessor_config.json), so no image size fits both; set data.max_pixels to at "
                          f"least {min_pixels} too, or lower data.min_pixels")
+    side = image_processor.patch_size * image_processor.merge_size
+    merged = side * side  # an image's sides are whole merged patches: its pixels are a whole number of these
+    if max_pixels is not None and max_pixels < merged:
+        raise ValueError(f"data.max_pixels={max_pixels} is below one merged patch of {path} ({side} x {side} = "
+                         f"{merged} pixels: patch_size={image_processor.patch_size} x merge_size="
+                         f"{image_processor.merge_size}), the smallest image its processor makes, which would give "
+                         f"every image one token; set data.max_pixels to at least {merged}")
+    fewest, most = -(-lowest // merged), highest // merged  # whole merged patches within the bounds
+    if fewest > most:
+        key, value = ("data.min_pixels", min_pixels) if min_pixels is not None else ("data.max_pixels", max_pixels)
+        lowest_from = "" if min_pixels is not None else f" (of {path})"
+        highest_from = "" if max_pixels is not None else f" (of {path})"
+        raise ValueError(f"{key}={value} leaves no whole number of merged patches ({side} x {side} = {merged} pixels) "
+                         f"between min_pixels={lowest}{lowest_from} and max_pixels={highest}{highest_from}, and the "
+                         f"processor resizes every image to whole merged patches, so it would break one bound; set "
+                         f"data.min_pixels to at most {most * merged} or data.max_pixels to at least {fewest * merged}")
+    bounds["shortest_edge"], bounds["longest_edge"] = lowest, highest
     size = image_processor.size
     image_processor.size = bounds if isinstance(size, dict) else type(size)(**bounds)
+
+
+def refuse_pixel_bounds(config, path: str | Path, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Raise one line when data.min_pixels or data.max_pixels is set for the model of ``config`` (an HF config)
+    at ``path``, to which reinforge gives no processor: its images are never resized, so the bounds would do
+    nothing (Gemma 3's and Llava's image processors resize to a fixed size anyway, with no pixel bound)."""
+    given = [f"data.{key}={value}" for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels))
+             if value is not None]
+    if not given:
+        return
+    name = _architecture_name(config)
+    model = f"a {name}, which reinforge trains on text-only prompts" if _has_images(config) else \
+        f"a text-only model ({name})"
+    keys = " and ".join(item.split("=")[0] for item in given)
+    raise ValueError(f"{' and '.join(given)} {'bounds' if len(given) == 1 else 'bound'} the images of Qwen2-VL, "
+                     f"Qwen2.5-VL and Qwen3-VL, and {path} is {model}: no image of the run is resized by "
+                     f"{'it' if len(given) == 1 else 'them'}; unset {keys}")
+
+
+def _architecture_name(config) -> str:
+    return (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
+
+
+def _has_images(config) -> bool:
+    """Whether ``config`` is an image-text model's (transformers maps it to one, or it has a vision tower)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            or getattr(config, "vision_config", None) is not None)
 
 
 IMAGE_ATTENTION_BOTH_WAYS = {
@@ -314,16 +406,15 @@ def why_no_images(path: str | Path, trust_remote_code: bool = False) -> str:
     """Why the model at ``path``, which ``processor_for`` gives no processor, takes no images, with the fix: the end of
     the one line that refuses a row with images, before any model loads (``... has 1 image(s) ..., but {this}``)."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     model_type = getattr(config, "model_type", None)
-    name = (getattr(config, "architectures", None) or [model_type])[0]
+    name = _architecture_name(config)
     supported = "Qwen2-VL, Qwen2.5-VL and Qwen3-VL train on images"
     if model_type in IMAGE_ATTENTION_BOTH_WAYS:
         return (f"{path} is a {name}: {IMAGE_ATTENTION_BOTH_WAYS[model_type]}, which reinforge's causal packed "
                 f"passes do not reproduce; it trains on text-only prompts (drop that column), and {supported}")
-    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or getattr(config, "vision_config", None) is not None:
+    if _has_images(config):
         return (f"{path} is a {name}, whose images reinforge does not place in its language model; it trains on "
                 f"text-only prompts (drop that column), and {supported}")
     return f"{path} is a text-only model ({name}); drop that column, or train a vision-language model: {supported}"

@@ -47,7 +47,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
 from reinforge.models.reward_model import HEADS, check_reward_model
-from reinforge.models.vision import run_processor, why_no_images
+from reinforge.models.vision import check_pixel_bounds, run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
@@ -420,6 +420,7 @@ def preflight_sft(config: SFTConfig) -> None:
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     check_model_config(config.model.path)
     check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
+    check_pixel_bounds(config.model, config.data)  # before the run folder opens, unlike the trainer's processor
     require_logger_packages(config.trainer.loggers)
     check_devices(config)
     warn_ineffective_settings(config)

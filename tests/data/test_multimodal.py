@@ -393,3 +393,62 @@ def test_pixel_bounds_are_checked_as_the_config_loads(overrides, message, comman
 
     with pytest.raises(ConfigError, match=message):
         (load_config if command == "train" else load_sft_config)(None, overrides)
+
+
+@pytest.mark.parametrize("bounds, message", [
+    (["data.min_pixels=100", "data.max_pixels=200"],
+     r"^data.max_pixels=200 is below one merged patch of .*vlm \(16 x 16 = 256 pixels: patch_size=8 x merge_size=2\), "
+     r"the smallest image its processor makes, which would give every image one token; set data.max_pixels to at "
+     r"least 256$"),
+    (["data.min_pixels=300", "data.max_pixels=500"],
+     r"^data.min_pixels=300 leaves no whole number of merged patches \(16 x 16 = 256 pixels\) between min_pixels=300 "
+     r"and max_pixels=500, and the processor resizes every image to whole merged patches, so it would break one "
+     r"bound; set data.min_pixels to at most 256 or data.max_pixels to at least 512$"),
+])
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_pixel_bounds_the_processor_cannot_keep_are_refused_before_the_model_loads(tmp_path, bounds, message, command):
+    """The processor makes every image a whole number of merged patches (16 x 16 pixels for the tiny model): under
+    max_pixels=200 it would still make each one such patch, and between 300 and 500 pixels it would make a small
+    image 512 pixels; one line, from the model folder, before any model loads."""
+    from reinforge.config import load_config
+    from reinforge.config.loader import load_sft_config
+    from reinforge.trainer.preflight import preflight, preflight_sft
+
+    overrides = [*vlm_run(tmp_path, [verl_row([png((1, 2, 3))])] * 4), "rollout.n=2"]
+    if command == "sft":  # the model folder and a data file are all its checks read
+        overrides = [item for item in overrides if item.startswith(("model.path=", "data.train_files="))]
+    check, load = (preflight, load_config) if command == "train" else (preflight_sft, load_sft_config)
+    with pytest.raises(ValueError, match=message):
+        check(load(None, [*overrides, *bounds]))
+    check(load(None, [*overrides, "data.min_pixels=300", "data.max_pixels=512"]))  # two merged patches fit
+
+
+def test_evaluation_and_the_rollouts_tool_images_are_resized_within_the_runs_pixel_bounds(tmp_path, monkeypatch):
+    """reinforge eval's prompts, its actor's processor and the processor its rollout hands the agent loops (which
+    turns the images tools return into tokens) all resize a 64 x 64 image to 32 x 32 under data.max_pixels=1024:
+    4 image tokens, not the folder's 16."""
+    from reinforge.config import load_config
+    from reinforge.reward import data_checks
+    from reinforge.trainer.evaluate import evaluate
+    from reinforge.workers import actor_rollout
+
+    overrides = vlm_run(tmp_path, [verl_row([png((1, 2, 3), size=(64, 64))])] * 2)
+    overrides = [item.replace("data.train_files", "data.val_files") for item in overrides]
+    datasets, workers = [], []
+    scored = data_checks.check_rows_can_be_scored
+    monkeypatch.setattr(data_checks, "check_rows_can_be_scored",
+                        lambda dataset, *args: datasets.append(dataset) or scored(dataset, *args))
+
+    class Recorded(actor_rollout.ActorRolloutWorker):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            workers.append(self)
+
+    monkeypatch.setattr(actor_rollout, "ActorRolloutWorker", Recorded)
+    evaluate(load_config(None, [*overrides, "data.max_pixels=1024", "data.max_response_length=2",
+                                "rollout.name=hf"]))
+    [dataset], [worker] = datasets, workers
+    assert dataset[0].prompt_ids.count(dataset.processor.image_token_id) == 4
+    image = Image.new("RGB", (64, 64))
+    for processor in (worker.processor, worker.rollout_side.agent_runner.processor):
+        assert processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 4, 4]]

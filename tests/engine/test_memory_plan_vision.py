@@ -161,8 +161,8 @@ def test_plan_of_a_model_folder_takes_the_image_size_or_else_counts_every_prompt
     assert main(arguments) == 0
     assert ("up to 1600 patches a prompt (400 image tokens of 4 patches, every prompt token; data.max_image_tokens "
             "counts fewer)") in capsys.readouterr().out
-    assert main([*arguments, "--image-size", "1036"]) == 2
-    assert ("--image-size 1036 (command line) makes 1369 image tokens a prompt, more than data.max_prompt_length=400; "
+    assert main([*arguments, "--image-size", "1036"]) == 2  # 37 x 37 merged patches, scaled down to at most 1280
+    assert ("--image-size 1036 (command line) makes 1225 image tokens a prompt, more than data.max_prompt_length=400; "
             "raise max_prompt_length") in capsys.readouterr().err
     text = write_shape_config("0.5b", tmp_path / "text")
     assert main(["plan", f"model.path={text}", "--image-size", "448", "--gpu-memory-gib", "141",
@@ -173,6 +173,78 @@ def test_plan_of_a_model_folder_takes_the_image_size_or_else_counts_every_prompt
                                           r"data.max_prompt_length=400"):
         validate_config(load_config(None, [f"model.path={folder}", "data.max_prompt_length=400",
                                            "data.max_image_tokens=500"]))
+
+
+def processor_image_tokens(processor, width: int, height: int) -> int:
+    """The image tokens the processor expands one ``width`` x ``height`` image's placeholder to."""
+    from PIL import Image
+
+    text = f"<|vision_start|>{processor.image_token}<|vision_end|>"
+    encoded = processor(text=[text], images=[Image.new("RGB", (width, height))], return_tensors="pt")
+    return int((encoded["input_ids"] == processor.image_token_id).sum())
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm_folder(tmp_path_factory):
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+
+    return save_tiny_vlm(tmp_path_factory.mktemp("plan") / "vlm")
+
+
+@pytest.mark.parametrize("image_size, bounds", [
+    ("100x80", []),  # above the folder's max_pixels (64 x 64): scaled down, as the processor does by itself
+    ("100x80", ["data.max_pixels=1024"]),  # above data.max_pixels
+    ("64", ["data.max_pixels=1024"]),
+    ("8", []),  # below the folder's min_pixels (16 x 16): scaled up
+    ("8x20", ["data.min_pixels=1024"]),  # below data.min_pixels
+    ("40x24", ["data.min_pixels=512", "data.max_pixels=2048"]),  # between: sides rounded to whole merged patches
+    ("200x10", []),  # a thin image: its short side rounds to no merged patch, scaled up
+])
+def test_plan_counts_the_image_tokens_the_processor_makes_within_the_runs_pixel_bounds(tiny_vlm_folder, monkeypatch,
+                                                                                        image_size, bounds):
+    """--image-size counts the tokens of the image as the model's processor resizes it, within data.min_pixels and
+    data.max_pixels and the folder's own bounds where those bind, not of the image's raw size."""
+    from reinforge.cli import _image_side, main
+    from reinforge.models.vision import processor_for
+    from reinforge.workers import memory_settings
+
+    seen = []
+    monkeypatch.setattr(memory_settings, "memory_plan", lambda config: seen.append(config) or _Plan())
+    assert main(["plan", f"model.path={tiny_vlm_folder}", "--image-size", image_size, "trainer.device=cpu",
+                 "--host-memory-gib", "1000", *bounds]) == 0
+    values = dict(bound.split("=") for bound in bounds)
+    processor = processor_for(tiny_vlm_folder, min_pixels=int(values.get("data.min_pixels", 0)) or None,
+                              max_pixels=int(values.get("data.max_pixels", 0)) or None)
+    assert seen[0].data.max_image_tokens == processor_image_tokens(processor, *_image_side(image_size))
+
+
+@pytest.mark.parametrize("flags, bounds", [
+    (["--image-size", "1036"], []),  # above transformers' default max_pixels of the family's image processor
+    (["--image-size", "1036"], ["data.max_pixels=200704"]),
+    (["--image-size", "56"], ["data.min_pixels=50176"]),
+    ([], ["data.max_pixels=100352"]),  # the bench's 448 x 448 image, scaled down
+])
+def test_plan_of_the_vl_bench_shape_resizes_its_image_as_the_familys_processor(monkeypatch, flags, bounds):
+    """A shape is config.json alone: its image is resized as transformers' Qwen2-VL image processor resizes it (the
+    tower's patches, transformers' default bounds) within the command line's pixel bounds, and the prompt holds the
+    resized image's tokens beside its text."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from reinforge.bench.vision import IMAGE_SIDE
+    from reinforge.cli import _image_side, main
+    from reinforge.models.tiny_vlm import build_vision_tokenizer
+    from reinforge.models.vision import PROCESSOR_CLASSES, image_only_processor
+    from reinforge.workers import memory_settings
+
+    seen = []
+    monkeypatch.setattr(memory_settings, "memory_plan", lambda config: seen.append(config) or _Plan())
+    assert main(["plan", "--model", "qwen2.5-vl-3b", *flags, "--gpu-memory-gib", "141", "trainer.device=cuda",
+                 *bounds]) == 0
+    image_processor = Qwen2VLImageProcessorPil(**{key[len("data."):]: int(value)
+                                                  for key, value in (bound.split("=") for bound in bounds)})
+    processor = image_only_processor(PROCESSOR_CLASSES["qwen2_5_vl"], image_processor, build_vision_tokenizer())
+    expected = processor_image_tokens(processor, *_image_side(flags[-1] if flags else str(IMAGE_SIDE)))
+    assert (seen[0].data.max_image_tokens, seen[0].data.max_prompt_length) == (expected, 128 + expected)
 
 
 GEMMA3_4B_VISION = dict(hidden_size=1152, image_size=896, intermediate_size=4304, model_type="siglip_vision_model",

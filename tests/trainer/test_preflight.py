@@ -144,6 +144,46 @@ def test_rows_with_images_for_a_model_that_takes_none_are_refused_naming_the_mod
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("model_type, model", [
+    ("gemma3", "a Gemma3ForConditionalGeneration, which reinforge trains on text-only prompts"),
+    ("llava", "a LlavaForConditionalGeneration, which reinforge trains on text-only prompts"),
+    ("qwen2", "a text-only model (Qwen2ForCausalLM)"),
+], ids=("gemma3", "llava", "text"))
+def test_pixel_bounds_for_a_model_given_no_processor_are_refused_naming_the_model(rl_args, tiny_model_dir, tmp_path,
+                                                                                  capsys, model_type, model):
+    """data.min_pixels and data.max_pixels resize only the images of the vision-language models reinforge gives a
+    processor: set for a text model or an image-text model trained on text (Gemma 3's and Llava's image processors
+    resize to a fixed size, with no pixel bound), they would do nothing; one line, before any model loads."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from reinforge.models import load_tokenizer
+
+    model_dir = tiny_model_dir
+    if model_type != "qwen2":
+        tokenizer = load_tokenizer(tiny_model_dir)
+        model_dir = tmp_path / model_type
+        image_text_config(model_type, len(tokenizer) + 3).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "text.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "arithmetic", "prompt": [{"role": "user", "content": "1+1?"}],
+                                          "reward_model": {"ground_truth": "2"}, "messages": [
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]}] * 4), data)
+    for bounds, given in ((["data.max_pixels=200704"], "data.max_pixels=200704 bounds"),
+                          (["data.min_pixels=3136", "data.max_pixels=200704"],
+                           "data.min_pixels=3136 and data.max_pixels=200704 bound")):
+        unset = " and ".join(bound.split("=")[0] for bound in bounds)
+        expected = (f"error: {given} the images of Qwen2-VL, Qwen2.5-VL and Qwen3-VL, and {model_dir} is {model}: no "
+                    f"image of the run is resized by {'it' if len(bounds) == 1 else 'them'}; unset {unset}")
+        assert main(["train", *rl_args(tmp_path / "run", **{"model.path": model_dir, "data.train_files": f"[{data}]"}),
+                     *bounds]) == 2
+        assert capsys.readouterr().err.strip() == expected
+        assert main(["sft", f"model.path={model_dir}", f"data.train_files=[{data}]",
+                     f"trainer.output_dir={tmp_path / 'sft'}", *bounds]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == expected
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sft").exists()
+
+
 def test_a_reward_function_ray_cannot_send_is_refused_before_any_model_loads(rl_args, tmp_path):
     pytest.importorskip("ray")
     import threading
