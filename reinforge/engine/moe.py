@@ -1,27 +1,32 @@
 """Mixture-of-experts layers in training: grouped expert GEMMs, the router's load-balance metrics and aux loss.
 
-Qwen3-MoE, Mixtral, OLMoE and DeepSeek V2/V3 train through transformers' own MoE blocks: a router
-(``block.gate``, returning its logits, the top-k weights and the top-k expert ids) and the experts
-(``block.experts``, fused 3-D ``gate_up_proj`` and ``down_proj``). ``use_grouped_experts`` sets the
-experts' implementation to transformers' ``grouped_mm`` (transformers 5.17 and 5.24 alike): the
-(token, expert) pairs are sorted by expert and each projection is one grouped GEMM
-(``torch.nn.functional.grouped_mm`` on CUDA in bf16, CPU kernels in fp32), with no Python loop over
-experts. Under ``torch.compile`` transformers takes its per-expert loop for weights other than bf16;
-training on CUDA computes in bf16 (FSDP's mixed precision), so the compiled layers stay grouped.
-The router's numerics are transformers' own: nothing here changes what a router computes.
+transformers' MoE families (Qwen3-MoE, Mixtral, OLMoE, DeepSeek V2/V3, PhiMoE, GPT-OSS, Granite-MoE, Ernie 4.5 and
+the rest) train through their own MoE blocks: a router, whatever its attribute's name (``block.gate``,
+``block.router``: the class transformers records the family's router logits from), returning its logits, the top-k
+weights and the top-k expert ids, and the experts (``block.experts``, fused 3-D ``gate_up_proj`` and ``down_proj``).
+``use_grouped_experts`` sets the experts' implementation to transformers' ``grouped_mm`` (transformers 5.17 and 5.24
+alike) where the family has it: the (token, expert) pairs are sorted by expert and each projection is one grouped
+GEMM (``torch.nn.functional.grouped_mm`` on CUDA in bf16, CPU kernels in fp32), with no Python loop over experts.
+Under ``torch.compile`` transformers takes its per-expert loop for weights other than bf16; training on CUDA
+computes in bf16 (FSDP's mixed precision), so the compiled layers stay grouped. The router's numerics are
+transformers' own: nothing here changes what a router computes.
 
 ``RouterRecorder`` hooks every router and, while it records (an update's forward), keeps a reference
 to each layer's logits and chosen experts; nothing runs in the hook, so a recomputed (checkpointed)
 layer stays identical and the host never waits. ``router_outputs`` turns them, after the forward,
 into device scalars: the load-balancing loss as transformers computes it for ``output_router_logits``
 (``num_experts`` x sum over experts of the share of top-k slots and the mean router probability, both
-pooled over all MoE layers) over a padded forward of the same sequences: a shared prompt's tokens, run once
-in a packed row, count once for each of its samples, and padding not at all (``token_weights``); the slots are
-the experts each router chose. transformers computes no such loss for DeepSeek V2 and V3, whose configs never ask
-for one; with ``actor.router_aux_loss_coef`` set, theirs takes the same form over their groups' and correction
-bias's choices, V3's sigmoid scores normalised per token as its probabilities. Beside it: the load imbalance (most
+pooled over all MoE layers; the slots the top-k of the softmax of what the routers return, as transformers'
+``load_balancing_loss_func`` counts them whichever experts a biased router chose) over a padded forward of the same
+sequences: a shared prompt's tokens, run once in a packed row, count once for each of its samples, and padding not
+at all (``token_weights``). transformers computes no such loss for DeepSeek V2 and V3, whose configs never ask
+for one; with ``actor.router_aux_loss_coef`` set, theirs takes the same form over the experts their groups and
+correction bias chose, V3's sigmoid scores normalised per token as its probabilities. A family neither
+transformers nor ``models.architectures`` says how to score (``aux_loss_form`` None: GLM-4.5, Llama 4, ...) is
+refused an aux loss; one whose routers do not return the experts they chose (Llama 4), or whose experts are not
+fused (JetMoE), trains without routing metrics, its start line saying so. Beside the loss: the load imbalance (most
 loaded expert's share over the mean share, averaged over layers) and the unused experts (experts no token chose,
-averaged over layers), from slot counts that add up over micro-batches and ranks.
+averaged over layers), from the chosen experts' slot counts, which add up over micro-batches and ranks.
 Dropless routing drops no token.
 """
 
@@ -38,38 +43,84 @@ from reinforge.config.schema import DECLARED_ROUTER_AUX_LOSS
 from reinforge.models.architectures import architecture_spec
 
 
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse MLP blocks of an HF model: modules with a router ``gate`` and fused 3-D expert weights."""
-    blocks = []
+def recorded_router(model_class: type) -> tuple[type, int] | None:
+    """The module class transformers records a family's router logits from (``_can_record_outputs``) and the index
+    of the logits in its outputs; None for a family that names none (remote code, a dense model)."""
+    recorder = (getattr(model_class, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", recorder)
+    if not isinstance(target, type) or not issubclass(target, nn.Module):
+        return None
+    return target, int(getattr(recorder, "index", 0) or 0)
+
+
+def _router_of(block: nn.Module, router_class: type | None) -> nn.Module | None:
+    """The child of a sparse block that routes its tokens: the family's recorded router class (whatever its
+    attribute's name: ``gate``, ``router``), else a child called ``gate`` or ``router``."""
+    for name, child in block.named_children():
+        if name != "experts" and router_class is not None and isinstance(child, router_class):
+            return child
+    if router_class is None:
+        for name in ("gate", "router"):
+            child = getattr(block, name, None)
+            if isinstance(child, nn.Module):
+                return child
+    return None
+
+
+def moe_routers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(sparse block, its router) of an HF model, in layer order: blocks with fused 3-D expert weights
+    (``experts.down_proj``) and a router child."""
+    recorded = recorded_router(type(model))
+    router_class = recorded[0] if recorded is not None else None
+    pairs = []
     for module in model.modules():
-        experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
-        weight = getattr(experts, "down_proj", None)
-        if isinstance(gate, nn.Module) and isinstance(weight, Tensor) and weight.dim() == 3:
-            blocks.append(module)
-    return blocks
+        weight = getattr(getattr(module, "experts", None), "down_proj", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 3:
+            continue
+        router = _router_of(module, router_class)
+        if router is not None:
+            pairs.append((module, router))
+    return pairs
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MLP blocks of an HF model: modules with a router and fused 3-D expert weights."""
+    return [block for block, _ in moe_routers(model)]
 
 
 def is_moe(model: nn.Module) -> bool:
     return bool(moe_blocks(model))
 
 
-def use_grouped_experts(model: nn.Module) -> str | None:
-    """Run every expert MLP of ``model`` as grouped GEMMs; one line saying so, None for a dense model.
+def _unfused_router_class(model: nn.Module) -> str | None:
+    """The router class of a model whose mixture of experts is not fused 3-D experts (JetMoE, Doge), or None."""
+    recorded = recorded_router(type(model))
+    if recorded is None or moe_blocks(model):
+        return None
+    return recorded[0].__name__ if any(isinstance(module, recorded[0]) for module in model.modules()) else None
 
-    Raises when the installed transformers cannot dispatch the experts to ``grouped_mm`` (its loop over
-    experts would be the hot path).
+
+def use_grouped_experts(model: nn.Module) -> str | None:
+    """Run every expert MLP of ``model`` as grouped GEMMs where transformers has grouped_mm for its family; one line
+    saying how they run, None for a dense model.
+
+    Raises when the installed transformers cannot select experts implementations at all (its loop over experts
+    would be the hot path).
     """
     blocks = moe_blocks(model)
     if not blocks:
         return None
+    experts = blocks[0].experts
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) != "grouped_mm":
         setter = getattr(model, "set_experts_implementation", None)
         if setter is None:
             raise ValueError(f"{type(model).__name__} has mixture-of-experts layers but the installed transformers "
                              "cannot select their grouped_mm implementation; install transformers>=5.17")
+        if not getattr(model, "_can_set_experts_implementation", lambda: True)():
+            return (f"{len(blocks)} mixture-of-experts layers of {experts.down_proj.shape[0]} experts run as "
+                    f"transformers implements {type(experts).__name__} (it has no grouped_mm for them)")
         setter("grouped_mm")
-    experts = blocks[0].experts
     return (f"{len(blocks)} mixture-of-experts layers of {experts.down_proj.shape[0]} experts run as grouped GEMMs "
             "(transformers' grouped_mm, tokens sorted by expert)")
 
@@ -97,12 +148,25 @@ def without_router_logits_output(model: nn.Module) -> bool:
 
 def prepare_moe_training(model: nn.Module) -> tuple[RouterRecorder | None, str | None]:
     """For a MoE model: grouped experts, no router logits in the forward's outputs, and a ``RouterRecorder``
-    on its routers, with one line saying what runs; (None, None) for a dense model. Run before compiling."""
+    on its routers, with one line saying what runs; (None, None) for a dense model. Run before compiling.
+    A family whose routers do not say which experts they chose trains without a recorder, its line saying so."""
     line = use_grouped_experts(model)
     if line is None:
-        return None, None
+        unfused = _unfused_router_class(model)
+        if unfused is None:
+            return None, None
+        without_router_logits_output(model)
+        return None, (f"{type(model).__name__}'s mixture-of-experts layers (router {unfused}) are not fused 3-D "
+                      "experts: they run as transformers implements them, and their routing metrics are not reported")
     without_router_logits_output(model)
-    return RouterRecorder(model), line
+    unrecorded = _unrecorded_reason(model)
+    if unrecorded is not None:
+        return None, f"{line}; routing metrics are not reported: {unrecorded}"
+    recorder = RouterRecorder(model)
+    if recorder.loss_form is None:
+        line += (f"; reinforge does not know how {type(model).__name__}'s routers score experts: moe/aux_loss is "
+                 "reported as a softmax router's, and no aux loss can be trained")
+    return recorder, line
 
 
 @dataclass
@@ -130,10 +194,72 @@ RECORD_ATTRIBUTE = "reinforge_routing"
 """The router attribute a recording hook stores its (logits, expert ids) in."""
 
 
-def _scoring(model: nn.Module) -> str:
-    """How the model's routers score experts: "sigmoid" (DeepSeek V3) or "softmax" (every other router)."""
-    spec = architecture_spec(getattr(model, "config", None))
-    return spec.moe.scoring if spec is not None and spec.moe is not None else "softmax"
+def _text_config_of(model: nn.Module):
+    config = getattr(model, "config", None)
+    return _text_config(config) if config is not None else None
+
+
+def aux_loss_form(model_class: type | None, model_config) -> str | None:
+    """How reinforge computes a family's load-balancing loss exactly: "transformers" (its causal LM's forward adds
+    transformers' ``load_balancing_loss_func``: the softmax of the recorded router output and its own top-k of it),
+    "softmax" or "sigmoid" (``models.architectures`` knows its router; transformers computes none: the experts the
+    router chose, scored so), or None (neither: the loss cannot be computed as the family's)."""
+    import inspect
+    import sys
+
+    if model_class is not None:
+        recorded = recorded_router(model_class)
+        loss_func = getattr(sys.modules.get(model_class.__module__), "load_balancing_loss_func", None)
+        try:
+            calls_loss = "load_balancing_loss_func(" in inspect.getsource(model_class.forward)
+        except (OSError, TypeError):
+            calls_loss = False
+        if (calls_loss and recorded is not None and recorded[1] == 0 and callable(loss_func)
+                and list(inspect.signature(loss_func).parameters) == ["gate_logits", "num_experts", "top_k",
+                                                                     "attention_mask"]):
+            return "transformers"
+    spec = architecture_spec(_text_config(model_config)) if model_config is not None else None
+    return spec.moe.scoring if spec is not None and spec.moe is not None else None
+
+
+def causal_lm_class(model_config) -> type | None:
+    """The transformers class ``AutoModelForCausalLM`` builds for ``model_config``; None where it knows none."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(model_config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def _top_k(model: nn.Module) -> int:
+    """The top-k transformers' loss reads: the causal LM's ``num_experts_per_tok``, else its config's."""
+    top_k = getattr(model, "num_experts_per_tok", None) or getattr(_text_config_of(model), "num_experts_per_tok", None)
+    if not isinstance(top_k, int):
+        raise ValueError(f"{type(model).__name__} has no num_experts_per_tok; its load-balancing loss has no top-k")
+    return top_k
+
+
+def _unrecorded_reason(model: nn.Module) -> str | None:
+    """Why ``model``'s routers cannot be recorded: transformers records their logits elsewhere than their first
+    output, or their forward does not return (logits, weights, chosen expert ids), read from its source; None when
+    they can."""
+    import ast
+    import inspect
+    import textwrap
+
+    recorded = recorded_router(type(model))
+    if recorded is not None and recorded[1] != 0:
+        return f"transformers records its router logits from output {recorded[1]} of {recorded[0].__name__}"
+    router_class = type(moe_routers(model)[0][1])
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(router_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return f"the source of {router_class.__name__}.forward cannot be read"
+    returned = [node.value for node in ast.walk(tree) if isinstance(node, ast.Return)]
+    if returned and all(isinstance(value, ast.Tuple) and len(value.elts) >= 3 for value in returned):
+        return None
+    return f"{router_class.__name__} does not return (logits, weights, chosen expert ids)"
 
 
 class RouterRecorder:
@@ -146,8 +272,11 @@ class RouterRecorder:
     """
 
     def __init__(self, model: nn.Module):
-        self.routers = [block.gate for block in moe_blocks(model)]
-        self.scoring = _scoring(model)
+        self.routers = [router for _, router in moe_routers(model)]
+        self.loss_form = aux_loss_form(type(model), getattr(model, "config", None))
+        self.scoring = self.loss_form if self.loss_form == "sigmoid" else "softmax"
+        self.loss_top_k = _top_k(model) if self.loss_form == "transformers" else None
+        """transformers' loss counts the top-k of the softmax of its router outputs, whichever experts they chose."""
         self.recording = False
         for router in self.routers:
             setattr(router, RECORD_ATTRIBUTE, None)
@@ -187,7 +316,7 @@ class RouterRecorder:
         if not captured:
             return None
         return router_outputs([logits for logits, _ in captured], [ids for _, ids in captured], with_grad,
-                              token_weights, self.scoring)
+                              token_weights, self.scoring, self.loss_top_k)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -251,15 +380,21 @@ def _balancing_loss(router_logits: list[Tensor], slots: Tensor, token_weights: T
 
 
 def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_grad: bool,
-                   token_weights: Tensor | None = None, scoring: str = "softmax") -> RouterOutputs:
+                   token_weights: Tensor | None = None, scoring: str = "softmax",
+                   loss_top_k: int | None = None) -> RouterOutputs:
     """Aux loss and slot counts of one forward's MoE layers (``RouterOutputs``), over the experts the routers chose
-    (DeepSeek's groups and correction bias included), each token counted ``token_weights`` times (None: once)."""
+    (DeepSeek's groups and correction bias included), each token counted ``token_weights`` times (None: once).
+    ``loss_top_k``: the loss counts the top-k of each layer's router probabilities instead, as transformers' does."""
     num_experts = router_logits[0].shape[-1]
     counts = torch.stack([expert_counts(ids, num_experts, _checked_weights(token_weights, ids.shape[0]))
                           for ids in expert_ids])  # (layers, experts)
     logits = router_logits if with_grad else [tensor.detach() for tensor in router_logits]
-    return RouterOutputs(aux_loss=_balancing_loss(logits, counts.sum(dim=0), token_weights, scoring),
-                         expert_counts=counts)
+    if loss_top_k is None:
+        slots = counts.sum(dim=0)
+    else:
+        slots = sum(expert_counts(torch.topk(router_probabilities(layer.detach(), scoring), loss_top_k, dim=-1).indices,
+                                  num_experts, token_weights) for layer in router_logits)
+    return RouterOutputs(aux_loss=_balancing_loss(logits, slots, token_weights, scoring), expert_counts=counts)
 
 
 def routing_balance(counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -309,17 +444,28 @@ def declares_experts(model_config) -> bool:
                for name in EXPERT_COUNTS)
 
 
-def router_aux_loss_coef(model_config, configured: float | str | None) -> float:
+def router_aux_loss_coef(model_config, configured: float | str | None, key: str = "router_aux_loss_coef") -> float:
     """The aux loss's weight: the run's own (``actor.router_aux_loss_coef``, the SFT, rm and dpo
     ``trainer.router_aux_loss_coef``) when it is a number; ``declared`` (TRL's rule): the model config's
     ``router_aux_loss_coef`` for a mixture of experts whatever its ``output_router_logits``, 0 where it declares none;
     None (reinforge's rule): the model config's ``router_aux_loss_coef`` when its ``output_router_logits`` is true,
-    else 0. A vision-language model's are its text config's, where transformers reads them."""
+    else 0. A vision-language model's are its text config's, where transformers reads them.
+
+    Raises for a weight above 0 on a transformers family whose loss reinforge cannot compute as the family's
+    (``aux_loss_form``); ``key`` names the run's setting in that error."""
     text_config = _text_config(model_config)
     if configured == DECLARED_ROUTER_AUX_LOSS:
-        return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if declares_experts(model_config) else 0.0
-    if configured is not None:
-        return float(configured)
-    if getattr(text_config, "output_router_logits", False):
-        return float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
-    return 0.0
+        coef = float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if declares_experts(model_config) else 0.0
+    elif configured is not None:
+        coef = float(configured)
+    elif getattr(text_config, "output_router_logits", False):
+        coef = float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
+    else:
+        coef = 0.0
+    model_class = causal_lm_class(model_config) if coef > 0 else None
+    if model_class is not None and aux_loss_form(model_class, model_config) is None:
+        source = f"{key}={configured}" if isinstance(configured, (int, float)) else \
+            f"the model config's router_aux_loss_coef={coef} ({key}={configured})"
+        raise ValueError(f"{source} asks for a load-balancing loss, but reinforge cannot compute "
+                         f"{model_class.__name__}'s as its routers score experts; set {key}=0 to train it without one")
+    return coef

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from reinforge.engine.memory_plan import MemoryPlanError, ModelShape
-from reinforge.engine.moe import moe_blocks
+from reinforge.engine.moe import moe_routers
 
 DATASHEET_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "GH200": 989e12, "H100 PCIe": 756e12, "A100": 312e12,
                         "A100 PCIe": 312e12}
@@ -86,9 +86,9 @@ def _active_shares(model: nn.Module) -> dict[int, float]:
     """id(parameter) -> the share of it one token runs through: top_k / num_experts for the fused expert weights
     of each mixture-of-experts block (every other parameter: 1)."""
     shares = {}
-    for block in moe_blocks(model):
+    for block, router in moe_routers(model):
         experts = block.experts
-        top_k = getattr(block.gate, "top_k", None) or getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
+        top_k = getattr(router, "top_k", None) or getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
         for parameter in experts.parameters():
             if parameter.dim() == 3:
                 shares[id(parameter)] = top_k / parameter.shape[0]

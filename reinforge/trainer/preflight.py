@@ -42,7 +42,7 @@ from reinforge.config.validate import choose, model_score_source, validate_confi
 from reinforge.data import RLDataset
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.memory_plan import ModelShape, check_model_config
-from reinforge.engine.moe import declares_experts
+from reinforge.engine.moe import declares_experts, router_aux_loss_coef
 from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
@@ -144,14 +144,22 @@ def require_logger_packages(loggers: list[str]) -> None:
 
 def check_router_aux_loss_has_experts(key: str, value: float | str | None, model: ModelConfig) -> None:
     """A weight above 0 for the routers' load-balancing loss (``key``) on a model without experts, refused before
-    its weights load, as TRL refuses it: there is no router to balance (0, null and declared stay fine)."""
-    if isinstance(value, str) or value is None or not value > 0:
+    its weights load, as TRL refuses it: there is no router to balance (0, null and declared stay fine). An aux loss
+    asked for (by ``key`` or, for a local folder, by the model config) on a family whose loss reinforge cannot
+    compute as the family's is refused too (``engine.moe.router_aux_loss_coef``)."""
+    weighed = not isinstance(value, str) and value is not None and value > 0
+    if not weighed and (isinstance(value, (int, float)) or not is_local_path(model.path)
+                        or not (Path(model.path).expanduser() / "config.json").is_file()):
         return
     model_config = read_model_config(model.path, model.trust_remote_code)
-    if not declares_experts(model_config):
+    if weighed and not declares_experts(model_config):
         raise ConfigError(f"{key}={value} weighs a mixture of experts' load-balancing loss, but model.path={model.path} "
                           f"is a {model_config.model_type!r} model without experts, which has no router to balance; "
                           f"remove {key} or set it to 0")
+    try:
+        router_aux_loss_coef(model_config, value, key)
+    except ValueError as error:
+        raise ConfigError(f"{error} (model.path={model.path})") from None
 
 
 def require_model_and_data(model_path: str, train_files: list[str], example_file: str) -> None:

@@ -134,7 +134,8 @@ class SFTTrainer(SupervisedRun):
             self.router_recorder, moe_line = prepare_moe_training(self.model)
             if moe_line:
                 logger.info(moe_line)
-            self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, trainer.router_aux_loss_coef)
+            self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, trainer.router_aux_loss_coef,
+                                                             "trainer.router_aux_loss_coef")
             self.optimizer = build_optimizer(self.model, config.optim)
             self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
             self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,

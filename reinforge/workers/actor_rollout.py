@@ -90,7 +90,8 @@ class ActorRolloutWorker(Worker):
         self.router_recorder, moe_line = prepare_moe_training(self.model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, config.actor.router_aux_loss_coef)
+        self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, config.actor.router_aux_loss_coef,
+                                                         "actor.router_aux_loss_coef")
         freeze_vision_tower(self.model, config.actor.freeze_vision_tower)  # a VLM's encoder; no-op for text models
         prepare_for_training(self.model, self.device)
         checkpointed = config.model.gradient_checkpointing

@@ -9,6 +9,7 @@ from reinforge.engine.moe import (
     RouterRecorder,
     is_moe,
     load_balancing_loss,
+    prepare_moe_training,
     router_aux_loss_coef,
     router_outputs,
     use_grouped_experts,
@@ -19,7 +20,8 @@ from reinforge.models.tiny import tiny_config
 from reinforge.protocol import Batch
 from reinforge.workers.actor_loss import actor_loss, no_grad_rows
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+"""Families of ``reinforge.models.tiny``; PhiMoE's and GPT-OSS's routers are called ``router``, not ``gate``."""
 
 
 def tiny_moe(model_type: str, experts_implementation: str = "eager", vocab_size: int = 64, **overrides):
@@ -62,7 +64,7 @@ def test_dense_models_are_left_as_they_are(tiny_model_dir):
     assert not is_moe(model) and use_grouped_experts(model) is None and RouterRecorder.attach(model) is None
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "phimoe", "gpt_oss"])
 def test_recorded_aux_loss_is_transformers_load_balancing_loss(model_type):
     model = tiny_moe(model_type, experts_implementation="grouped_mm", output_router_logits=True,
                      router_aux_loss_coef=0.01)
@@ -78,7 +80,7 @@ def test_recorded_aux_loss_is_transformers_load_balancing_loss(model_type):
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe", "gpt_oss"])
 def test_aux_loss_of_a_packed_pass_is_that_of_transformers_padded_forward(model_type, share_prompts):
     """Shared prompts run once in a packed row but count once per sample; padding counts not at all."""
     import sys
@@ -111,6 +113,82 @@ def test_aux_loss_of_a_packed_pass_is_that_of_transformers_padded_forward(model_
         response_log_probs(model, micro)
     with pytest.raises(ValueError, match="routes other tokens"):
         recorder.take(with_grad=False, token_weights=weights[1:])
+
+
+TINY_MOE_SHAPE = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=32, moe_intermediate_size=32, head_dim=16, max_position_embeddings=128,
+                      num_experts_per_tok=2, num_experts=4, num_local_experts=4, n_routed_experts=4, pad_token_id=0)
+"""A tiny config of a family ``reinforge.models.tiny`` does not build (each family reads the keys it knows)."""
+
+
+def tiny_family(model_type: str, **overrides):
+    """A tiny model of any transformers MoE family; routers, experts and correction biases random (std 0.2, 1)."""
+    config = AutoConfig.for_model(model_type, **{**TINY_MOE_SHAPE, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.normal_(std=0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("bias"):  # a router's correction bias, which changes the experts it chooses
+                buffer.normal_(std=1.0)
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "gpt_oss", "granitemoe", "ernie4_5_moe", "qwen2_moe", "minimax"])
+def test_routers_of_any_name_record_transformers_aux_loss_over_a_padded_batch(model_type):
+    """transformers' loss counts the top-k of the softmax of what its routers return, whichever experts they chose
+    (Ernie 4.5's correction bias chooses others); the routing metrics count the chosen ones."""
+    model = tiny_family(model_type, output_router_logits=True, router_aux_loss_coef=0.01)
+    input_ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :5] = 0
+    expected = model(input_ids, attention_mask=attention_mask, labels=input_ids).aux_loss
+    recorder, line = prepare_moe_training(model)
+    assert recorder is not None and "grouped GEMMs" in line and "not reported" not in line
+    assert model.config._experts_implementation == "grouped_mm" and recorder.routers
+    with recorder.recording_forward():
+        model(input_ids, attention_mask=attention_mask)
+    recorded = recorder.take(with_grad=False, token_weights=attention_mask.reshape(-1).float())
+    torch.testing.assert_close(recorded.aux_loss, expected, atol=1e-6, rtol=1e-6)
+    assert recorded.expert_counts.shape[0] == len(recorder.routers)
+    assert (recorded.expert_counts.sum(dim=1) == (12 + 7) * 2).all()  # each layer: top-2 slots of unpadded tokens
+    assert recorded.load_imbalance >= 1.0
+
+
+def test_a_router_whose_choices_are_not_recorded_trains_without_metrics_and_refuses_an_aux_loss():
+    """Llama 4's router returns (scores, logits), not the experts it chose: no metrics; no aux loss it can weigh."""
+    model = tiny_family("llama4_text", intermediate_size_mlp=32)
+    recorder, line = prepare_moe_training(model)
+    assert recorder is None and "routing metrics are not reported" in line and "Llama4Router" in line
+    with pytest.raises(ValueError, match=r"^actor.router_aux_loss_coef=0.01 asks .* Llama4ForCausalLM.* set actor"):
+        router_aux_loss_coef(model.config, 0.01, "actor.router_aux_loss_coef")
+    assert router_aux_loss_coef(model.config, 0.0, "actor.router_aux_loss_coef") == 0.0
+
+
+def test_a_family_whose_router_scoring_is_unknown_reports_metrics_but_refuses_an_aux_loss(tmp_path):
+    """GLM-4.5's routers choose by sigmoid scores and a correction bias, and transformers computes no loss for them:
+    their balance metrics are the chosen experts', but no loss of theirs can be weighed; refused before weights
+    load."""
+    from reinforge.config import ConfigError
+    from reinforge.config.schema import ModelConfig
+    from reinforge.trainer.preflight import check_router_aux_loss_has_experts
+
+    model = tiny_family("glm4_moe", first_k_dense_replace=0)
+    recorder, line = prepare_moe_training(model)
+    assert recorder is not None and recorder.loss_form is None and "no aux loss can be trained" in line
+    with recorder.recording_forward():
+        model(torch.randint(1, 64, (1, 8)))
+    assert recorder.take(with_grad=False).load_imbalance >= 1.0
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="cannot compute Glm4MoeForCausalLM's"):
+        check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.01, ModelConfig(path=str(tmp_path)))
+    check_router_aux_loss_has_experts("actor.router_aux_loss_coef", 0.0, ModelConfig(path=str(tmp_path)))
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.02  # the config asks
+    model.config.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="router_aux_loss_coef=0.02"):
+        check_router_aux_loss_has_experts("actor.router_aux_loss_coef", None, ModelConfig(path=str(tmp_path)))
 
 
 def test_a_model_prepared_for_training_scores_packed_rows_whatever_its_output_router_logits():

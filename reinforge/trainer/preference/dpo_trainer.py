@@ -89,7 +89,8 @@ class DPOTrainer(PreferenceRun):
         self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(model.config, self.config.trainer.router_aux_loss_coef)
+        self.router_aux_loss_coef = router_aux_loss_coef(model.config, self.config.trainer.router_aux_loss_coef,
+                                                         "trainer.router_aux_loss_coef")
         self.peft_model = prepare_trained_model(model, self.config.model, self.device,
                                                 seed=self.config.trainer.seed,
                                                 keep_gathered=self.memory_plan.keep_gathered)
