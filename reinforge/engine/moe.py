@@ -444,6 +444,29 @@ def declares_experts(model_config) -> bool:
                for name in EXPERT_COUNTS)
 
 
+def _declared_coef(text_config) -> float:
+    """The aux loss weight a model config declares: ``router_aux_loss_coef``, or JetMoE's ``aux_loss_coef``."""
+    for name in ("router_aux_loss_coef", "aux_loss_coef"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
+
+
+def trained_aux_loss_coef(model: nn.Module, recorder: RouterRecorder | None, configured: float | str | None,
+                          key: str) -> float:
+    """``router_aux_loss_coef`` for a loaded model whose routers ``prepare_moe_training`` recorded (``recorder``):
+    a weight above 0 that no recorder can apply (a mixture of experts whose routers are not recorded, its start line
+    says why) is refused in one line rather than trained as 0."""
+    coef = router_aux_loss_coef(model.config, configured, key)
+    if coef > 0 and recorder is None:
+        source = f"{key}={configured}" if isinstance(configured, int | float) else \
+            f"the model config's aux loss weight {coef} ({key}={configured})"
+        raise ValueError(f"{source} asks for a load-balancing loss, but {type(model).__name__}'s routers are not "
+                         f"recorded (see the line above), so none would be added; set {key}=0 to train without one")
+    return coef
+
+
 def router_aux_loss_coef(model_config, configured: float | str | None, key: str = "router_aux_loss_coef") -> float:
     """The aux loss's weight: the run's own (``actor.router_aux_loss_coef``, the SFT, rm and dpo
     ``trainer.router_aux_loss_coef``) when it is a number; ``declared`` (TRL's rule): the model config's
@@ -455,11 +478,11 @@ def router_aux_loss_coef(model_config, configured: float | str | None, key: str 
     (``aux_loss_form``); ``key`` names the run's setting in that error."""
     text_config = _text_config(model_config)
     if configured == DECLARED_ROUTER_AUX_LOSS:
-        coef = float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0) if declares_experts(model_config) else 0.0
+        coef = _declared_coef(text_config) if declares_experts(model_config) else 0.0
     elif configured is not None:
         coef = float(configured)
     elif getattr(text_config, "output_router_logits", False):
-        coef = float(getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0)
+        coef = _declared_coef(text_config)
     else:
         coef = 0.0
     model_class = causal_lm_class(model_config) if coef > 0 else None

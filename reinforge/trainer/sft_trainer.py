@@ -33,7 +33,7 @@ from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
 from reinforge.engine.micro_batches import split_by_token_budget
-from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, router_aux_loss_coef
+from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
@@ -134,8 +134,8 @@ class SFTTrainer(SupervisedRun):
             self.router_recorder, moe_line = prepare_moe_training(self.model)
             if moe_line:
                 logger.info(moe_line)
-            self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, trainer.router_aux_loss_coef,
-                                                             "trainer.router_aux_loss_coef")
+            self.router_aux_loss_coef = trained_aux_loss_coef(
+                self.model, self.router_recorder, trainer.router_aux_loss_coef, "trainer.router_aux_loss_coef")
             self.optimizer = build_optimizer(self.model, config.optim)
             self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.optim)
             self.update_settings = UpdateSettings(max_tokens_per_micro_batch=trainer.max_tokens_per_micro_batch,

@@ -29,7 +29,7 @@ from reinforge.engine.memory_plan import GiB
 from reinforge.engine.moe import (
     pooled_routing_metrics,
     prepare_moe_training,
-    router_aux_loss_coef,
+    trained_aux_loss_coef,
     without_router_logits_output,
 )
 from reinforge.engine.optim import build_optimizer, build_scheduler
@@ -90,8 +90,8 @@ class ActorRolloutWorker(Worker):
         self.router_recorder, moe_line = prepare_moe_training(self.model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(self.model.config, config.actor.router_aux_loss_coef,
-                                                         "actor.router_aux_loss_coef")
+        self.router_aux_loss_coef = trained_aux_loss_coef(
+            self.model, self.router_recorder, config.actor.router_aux_loss_coef, "actor.router_aux_loss_coef")
         freeze_vision_tower(self.model, config.actor.freeze_vision_tower)  # a VLM's encoder; no-op for text models
         prepare_for_training(self.model, self.device)
         checkpointed = config.model.gradient_checkpointing

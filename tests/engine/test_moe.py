@@ -12,6 +12,7 @@ from reinforge.engine.moe import (
     prepare_moe_training,
     router_aux_loss_coef,
     router_outputs,
+    trained_aux_loss_coef,
     use_grouped_experts,
     without_router_logits_output,
 )
@@ -165,6 +166,22 @@ def test_a_router_whose_choices_are_not_recorded_trains_without_metrics_and_refu
     with pytest.raises(ValueError, match=r"^actor.router_aux_loss_coef=0.01 asks .* Llama4ForCausalLM.* set actor"):
         router_aux_loss_coef(model.config, 0.01, "actor.router_aux_loss_coef")
     assert router_aux_loss_coef(model.config, 0.0, "actor.router_aux_loss_coef") == 0.0
+
+
+def test_jetmoes_declared_weight_is_read_and_an_unrecorded_router_never_trains_a_weight_as_zero():
+    """JetMoE names its weight aux_loss_coef and its experts are not fused: asked by its config, the loss is refused
+    in one line, where it trained silently without one."""
+    model = tiny_family("jetmoe", output_router_logits=True)
+    recorder, line = prepare_moe_training(model)
+    assert recorder is None and "not reported" in line
+    assert router_aux_loss_coef(model.config, 0.0, "trainer.router_aux_loss_coef") == 0.0
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01 \(trainer.router_aux_loss_coef=None\) asks"):
+        router_aux_loss_coef(model.config, None, "trainer.router_aux_loss_coef")
+    qwen3 = tiny_family("qwen3_moe")  # a recorded family: the guard lets its weight through, and refuses it unrecorded
+    assert trained_aux_loss_coef(qwen3, RouterRecorder(qwen3), 0.01, "actor.router_aux_loss_coef") == 0.01
+    with pytest.raises(ValueError, match=r"^actor.router_aux_loss_coef=0.01 asks .* Qwen3MoeForCausalLM's routers are "
+                                         r"not recorded .* set actor.router_aux_loss_coef=0"):
+        trained_aux_loss_coef(qwen3, None, 0.01, "actor.router_aux_loss_coef")
 
 
 def test_a_family_whose_router_scoring_is_unknown_reports_metrics_but_refuses_an_aux_loss(tmp_path):

@@ -49,7 +49,7 @@ from reinforge.engine.distributed import all_reduce, barrier
 from reinforge.engine.forward import response_log_probs, routed_token_weights
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, router_aux_loss_coef
+from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.models.dropout import disable_dropout
 from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config, tokens_read_otherwise
@@ -89,8 +89,8 @@ class DPOTrainer(PreferenceRun):
         self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(model.config, self.config.trainer.router_aux_loss_coef,
-                                                         "trainer.router_aux_loss_coef")
+        self.router_aux_loss_coef = trained_aux_loss_coef(
+            model, self.router_recorder, self.config.trainer.router_aux_loss_coef, "trainer.router_aux_loss_coef")
         self.peft_model = prepare_trained_model(model, self.config.model, self.device,
                                                 seed=self.config.trainer.seed,
                                                 keep_gathered=self.memory_plan.keep_gathered)

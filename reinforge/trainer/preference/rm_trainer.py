@@ -44,7 +44,7 @@ from reinforge.config.preference_schema import RMConfig
 from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores, routed_token_weights
-from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, router_aux_loss_coef
+from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.models.loading import (
     HeldLoadReport,
     check_model_folder,
@@ -170,8 +170,8 @@ class RewardModelTrainer(PreferenceRun):
         self.router_recorder, moe_line = prepare_moe_training(model)  # hooks in place before compiling
         if moe_line:
             logger.info(moe_line)
-        self.router_aux_loss_coef = router_aux_loss_coef(model.config, self.config.trainer.router_aux_loss_coef,
-                                                         "trainer.router_aux_loss_coef")
+        self.router_aux_loss_coef = trained_aux_loss_coef(
+            model, self.router_recorder, self.config.trainer.router_aux_loss_coef, "trainer.router_aux_loss_coef")
         # the packed forward calls the backbone and the head apart (engine.forward.last_token_scores)
         self.peft_model = prepare_trained_model(model, model_config, self.device, seed=self.config.trainer.seed,
                                                 head="score", roots=[model.base_model, model.score],
