@@ -46,7 +46,7 @@ from reinforge.config.preference_schema import DPOConfig
 from reinforge.data.preference_dataset import PairLoader
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.distributed import all_reduce, barrier
-from reinforge.engine.forward import response_log_probs, routed_token_weights
+from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
@@ -211,15 +211,8 @@ class DPOTrainer(PreferenceRun):
             weights = micro["pair_weight"][0::2]
             total = (loss * weights).sum() / (counts.num_sequences / 2)
             step_metrics = {"preference_loss": total}
-            router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
-                                    token_weights=routed_token_weights(self.model, micro)) if recorder else None)
-            if router is not None:  # this micro-batch's share of the mini-batch's pairs: the shares add up to 1
-                aux_loss = router.aux_loss * (weights.sum() / (counts.num_sequences / 2))
-                step_metrics["moe/aux_loss"] = aux_loss.detach()
-                if self.router_aux_loss_coef:
-                    total = total + self.router_aux_loss_coef * aux_loss
-                slots = router.expert_counts.detach() * (weights.sum() > 0)  # a rank's stand-in pair: none
-                routed = slots if routed is None else routed + slots
+            total, routed = self.with_router_loss(total, step_metrics, self.model, micro,
+                                                  weights.sum() / (counts.num_sequences / 2), routed)
             update.backward(total, step_metrics)
             tally.add(weights > 0, chosen=chosen_rewards, rejected=rejected_rewards, logp_chosen=logps[0::2],
                       logp_rejected=logps[1::2])

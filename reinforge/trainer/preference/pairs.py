@@ -31,9 +31,11 @@ from reinforge.data.files import expand_data_files, read_rows
 from reinforge.data.preference_dataset import PairLoader, PreferenceDataset, PreferenceKeys, check_preference_rows
 from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
+from reinforge.engine.forward import routed_token_weights
 from reinforge.engine.fsdp import reshard
 from reinforge.engine.lora import check_target_modules
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
+from reinforge.engine.moe import RouterRecorder
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
 from reinforge.engine.packing import PLAN_KEY, attach_plan
 from reinforge.engine.train_step import MiniBatchCounts, ModelUpdate, UpdateSettings
@@ -267,6 +269,31 @@ class PreferenceRun(SupervisedRun):
         rows, columns = gathered["index"].T
         out[rows, columns] = gathered["value"]
         return out
+
+    router_recorder: RouterRecorder | None = None
+    """A mixture of experts' router recorder (``engine.moe.prepare_moe_training``), set by ``load_model``."""
+    router_aux_loss_coef: float = 0.0
+    """The weight of its load-balancing loss (``engine.moe.trained_aux_loss_coef``)."""
+
+    def with_router_loss(self, loss: Tensor, step_metrics: dict[str, Tensor], body: torch.nn.Module, micro: Batch,
+                         share: Tensor, routed: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """``loss`` plus the routers' load-balancing loss of the forward just recorded (over ``body``'s routers, the
+        micro-batch's tokens weighed as in a padded forward) times its weight, and ``routed`` plus its expert slots.
+
+        ``share``: the micro-batch's part of the mini-batch's pairs (the shares add up to 1), which weighs its aux
+        loss as it weighs the preference loss; logged as ``moe/aux_loss``. A rank's stand-in pair (share 0) adds no
+        slots. A dense model: both as they are."""
+        recorder = self.router_recorder
+        router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
+                                token_weights=routed_token_weights(body, micro)) if recorder else None)
+        if router is None:
+            return loss, routed
+        aux_loss = router.aux_loss * share
+        step_metrics["moe/aux_loss"] = aux_loss.detach()
+        if self.router_aux_loss_coef:
+            loss = loss + self.router_aux_loss_coef * aux_loss
+        slots = router.expert_counts.detach() * (share > 0)
+        return loss, slots if routed is None else routed + slots
 
     def prepare_next_step(self) -> None:
         """Build the next step's batch and micro-batches now (packing plans made; on CUDA in page-locked memory, so

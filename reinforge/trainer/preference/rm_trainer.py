@@ -43,7 +43,7 @@ from reinforge.algorithms.preference_losses import bradley_terry_loss
 from reinforge.config.preference_schema import RMConfig
 from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
-from reinforge.engine.forward import last_token_scores, routed_token_weights
+from reinforge.engine.forward import last_token_scores
 from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.models.loading import (
     HeldLoadReport,
@@ -204,16 +204,8 @@ class RewardModelTrainer(PreferenceRun):
             losses = bradley_terry_loss(chosen, rejected, micro["margin"][0::2], coefficient)
             loss = (losses * weights).sum() / (counts.num_sequences / 2)
             step_metrics = {"preference_loss": loss}
-            router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
-                                    token_weights=routed_token_weights(self.model.base_model, micro))
-                      if recorder else None)
-            if router is not None:  # this micro-batch's share of the mini-batch's pairs: the shares add up to 1
-                aux_loss = router.aux_loss * (weights.sum() / (counts.num_sequences / 2))
-                step_metrics["moe/aux_loss"] = aux_loss.detach()
-                if self.router_aux_loss_coef:
-                    loss = loss + self.router_aux_loss_coef * aux_loss
-                slots = router.expert_counts.detach() * (weights.sum() > 0)  # a rank's stand-in pair: none
-                routed = slots if routed is None else routed + slots
+            loss, routed = self.with_router_loss(loss, step_metrics, self.model.base_model, micro,
+                                                 weights.sum() / (counts.num_sequences / 2), routed)
             update.backward(loss, step_metrics)
             tally.add(weights > 0, chosen=chosen, rejected=rejected)
         metrics = update.metrics("train")
