@@ -100,6 +100,19 @@ def image_text_config(model_type: str, vocab_size: int):
                                 architectures=["LlavaForConditionalGeneration"])
 
 
+def model_folder_of(model_type: str, tiny_model_dir, tmp_path):
+    """The tiny text model's folder for qwen2, else a config-only folder of an image-text ``model_type`` beside its
+    tokenizer."""
+    from reinforge.models import load_tokenizer
+
+    if model_type == "qwen2":
+        return tiny_model_dir
+    tokenizer = load_tokenizer(tiny_model_dir)
+    image_text_config(model_type, len(tokenizer) + 3).save_pretrained(tmp_path / model_type)
+    tokenizer.save_pretrained(tmp_path / model_type)
+    return tmp_path / model_type
+
+
 @pytest.mark.parametrize("model_type, why", [
     ("gemma3", "is a Gemma3ForConditionalGeneration: its image tokens attend to each other both ways in transformers' "
                "forward (its token_type_ids mask), which reinforge's causal packed passes do not reproduce; it trains "
@@ -119,14 +132,8 @@ def test_rows_with_images_for_a_model_that_takes_none_are_refused_naming_the_mod
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from reinforge.models import load_tokenizer
 
-    model_dir = tiny_model_dir
-    if model_type != "qwen2":
-        tokenizer = load_tokenizer(tiny_model_dir)
-        model_dir = tmp_path / model_type
-        image_text_config(model_type, len(tokenizer) + 3).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+    model_dir = model_folder_of(model_type, tiny_model_dir, tmp_path)
     picture = io.BytesIO()
     Image.new("RGB", (28, 28), (200, 10, 10)).save(picture, format="PNG")
     images = [{"bytes": picture.getvalue(), "path": None}]
@@ -157,14 +164,8 @@ def test_pixel_bounds_for_a_model_given_no_processor_are_refused_naming_the_mode
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from reinforge.models import load_tokenizer
 
-    model_dir = tiny_model_dir
-    if model_type != "qwen2":
-        tokenizer = load_tokenizer(tiny_model_dir)
-        model_dir = tmp_path / model_type
-        image_text_config(model_type, len(tokenizer) + 3).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+    model_dir = model_folder_of(model_type, tiny_model_dir, tmp_path)
     data = tmp_path / "text.parquet"
     pq.write_table(pa.Table.from_pylist([{"data_source": "arithmetic", "prompt": [{"role": "user", "content": "1+1?"}],
                                           "reward_model": {"ground_truth": "2"}, "messages": [
