@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from reinforge.cli import main
 from reinforge.config import load_config
@@ -61,6 +62,20 @@ def test_init_of_one_example_into_another_folder_points_it_at_its_own_files(tmp_
     assert capsys.readouterr().err.strip().endswith(
         "reinforge init grpo: no example of that name; the examples are grpo_gsm8k, dapo_gsm8k, ppo_gsm8k, retool, rm, "
         "dpo (or all); reinforge init all DIR writes them all into DIR")
+
+
+@pytest.mark.parametrize("folder", ["proj/examples", "examples/rm", "ABSOLUTE/examples"])
+@pytest.mark.parametrize("name", ["rm", "retool"])
+def test_init_into_a_folder_named_examples_points_each_config_at_its_own_files(tmp_path, monkeypatch, capsys, name,
+                                                                              folder):
+    """rm's and dpo's shared sample pairs were rewritten twice: proj/examples got proj/proj/examples/... paths."""
+    monkeypatch.chdir(tmp_path)
+    folder = folder.replace("ABSOLUTE", tmp_path.as_posix())
+    assert main(["init", name, folder]) == 0
+    config = yaml.safe_load(Path(f"{folder}/{EXAMPLES[name][0]}").read_text())
+    named = ([config["rollout"]["multi_turn"]["tool_config_path"]] if name == "retool"
+             else [*config["data"]["train_files"], *config["data"]["val_files"]])
+    assert named and all(path.startswith(f"{folder}/") and Path(path).is_file() for path in named), named
 
 
 @pytest.mark.parametrize("command", ["rm", "dpo"])

@@ -10,6 +10,7 @@ A file already there is kept unless ``--force``: a config a user edited is never
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from reinforge.atomic_files import replaced_atomically
@@ -38,9 +39,10 @@ def example_text(file_name: str, folder: Path) -> str:
     text = (FOLDER / file_name).read_text(encoding="utf-8")
     if folder.as_posix() == SHIPPED_FOLDER:
         return text
-    for other in (name for files in EXAMPLES.values() for name in files):
-        text = text.replace(f"{SHIPPED_FOLDER}/{other}", (folder / other).as_posix())
-    return text
+    # one pass over the text: a folder whose path holds examples/ (proj/examples) is not rewritten again
+    names = sorted({name for files in EXAMPLES.values() for name in files}, key=len, reverse=True)
+    shipped = re.compile("|".join(re.escape(f"{SHIPPED_FOLDER}/{name}") for name in names))
+    return shipped.sub(lambda match: (folder / match.group().removeprefix(f"{SHIPPED_FOLDER}/")).as_posix(), text)
 
 
 def _written_already(path: Path, text: str) -> bool:
