@@ -197,6 +197,22 @@ def test_a_resumed_lora_run_may_not_change_its_adapters_shape(tmp_path):
     check_resumed_settings(old, {"model": {"lora": old["model"]["lora"] | {"alpha": 32}}}, RESUME_REFUSES, tmp_path)
 
 
+@pytest.mark.parametrize("trainer", ["rl_trainer", "sft_trainer"])
+@pytest.mark.parametrize("key", ["min_pixels", "max_pixels"])
+def test_a_resumed_run_may_not_change_its_pixel_bounds(tmp_path, trainer, key):
+    """The bounds set every image's token count: which prompts fit data.max_prompt_length, SFT's batches, and the
+    resolution the checkpoint was trained at; a resume only warned and trained on at another one."""
+    import importlib
+
+    from reinforge.trainer.run_folder import check_resumed_settings
+
+    refused = importlib.import_module(f"reinforge.trainer.{trainer}").RESUME_REFUSES
+    old = {"data": {"min_pixels": None, "max_pixels": 200704}}
+    with pytest.raises(ValueError, match=rf"changed settings it cannot take: data.{key}: "):
+        check_resumed_settings(old, {"data": old["data"] | {key: 50176}}, refused, tmp_path)
+    check_resumed_settings(old, {"data": dict(old["data"])}, refused, tmp_path)
+
+
 def test_resume_never_keeps_the_earlier_checkpoints_until_the_new_run_can_start(rl_args, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(["train", *rl_args(run_dir, **{"trainer.total_steps": 1})]) == 0
