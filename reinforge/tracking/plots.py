@@ -163,6 +163,9 @@ class PlotsBackend(TrackingBackend):
     the run ends, finished or stopped (a resumed run's charts start at its first step). A chart that cannot be drawn
     costs one warning line, never the run: its numbers are in ``metrics.jsonl``, and ``reinforge plot`` draws them."""
 
+    MAX_CHARTS = 40
+    """The most charts drawn when a run ends (a run of many validation sets has a chart for each of their keys)."""
+
     def __init__(self, run: RunInfo):
         self.run_dir = run.run_dir
         self.logged = False
@@ -177,9 +180,14 @@ class PlotsBackend(TrackingBackend):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a line cut by a kill is skipped, as plot_runs says
-                available = list(load_run_metrics(self.run_dir))
-                if default_keys(available):
-                    plot_runs([self.run_dir], keys=default_keys(available))
+                keys = default_keys(list(load_run_metrics(self.run_dir)))
+                if len(keys) > self.MAX_CHARTS:
+                    logger.info("the plots logger draws the first %d of %d charts into %s (about 0.1 s each); "
+                                "reinforge plot %s --keys ... draws others", self.MAX_CHARTS, len(keys),
+                                self.run_dir / "plots", self.run_dir)
+                    keys = keys[:self.MAX_CHARTS]
+                if keys:
+                    plot_runs([self.run_dir], keys=keys)
         except Exception as error:  # noqa: BLE001 - the run's numbers are safe in metrics.jsonl
             logger.warning("the plots logger drew no charts into %s: %s; reinforge plot %s draws them from "
                            "metrics.jsonl", self.run_dir / "plots", error, self.run_dir)

@@ -94,9 +94,10 @@ class Tracker:
         return StepProgress(self.console, total_steps, initial, enabled="console" in self.backends)
 
     def close(self) -> None:
+        """Close every backend, the charts last (they read the whole ``metrics.jsonl``): one that fails, or a Ctrl-C
+        while the charts draw, still leaves the others closed (W&B and MLflow finish their runs)."""
         backends, self.backends = self.backends, {}
-        for backend in backends.values():
-            backend.close()
+        _close_each(sorted(backends.values(), key=lambda backend: isinstance(backend, _plots.PlotsBackend)))
 
     def __enter__(self) -> Tracker:
         return self
@@ -104,3 +105,14 @@ class Tracker:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.close()
+
+
+def _close_each(backends: list[TrackingBackend]) -> None:
+    """``close()`` each of ``backends`` in order, every one of them whatever the others raise (the first error
+    raised after all have closed)."""
+    if not backends:
+        return
+    try:
+        backends[0].close()
+    finally:
+        _close_each(backends[1:])

@@ -123,3 +123,45 @@ def test_the_plots_logger_draws_a_runs_charts_when_it_ends_and_a_failure_costs_o
         f"the plots logger drew no charts into {tmp_path / 'full' / 'plots'}: [Errno 28] No space left on device; "
         f"reinforge plot {tmp_path / 'full'} draws them from metrics.jsonl"]
     assert (tmp_path / "full" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_the_charts_draw_after_every_other_logger_closes_and_an_interrupt_leaves_those_closed(tmp_path, monkeypatch):
+    from reinforge.tracking import plots as plots_module
+    from reinforge.tracking.backends import TRACKING_BACKENDS, TrackingBackend
+    from reinforge.tracking.tracker import Tracker
+
+    closed = []
+
+    class Recording(TrackingBackend):
+        def __init__(self, run):
+            pass
+
+        def log(self, metrics, step):
+            pass
+
+        def close(self):
+            closed.append("recording")
+
+    def interrupted(*args, **kwargs):  # a second Ctrl-C while the charts draw
+        closed.append("plots")
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(TRACKING_BACKENDS, "recording", Recording)
+    monkeypatch.setattr(plots_module, "plot_runs", interrupted)
+    tracker = Tracker(tmp_path / "run", ["plots", "recording"])
+    tracker.log({"critic/score/mean": 1.0}, 1)
+    with pytest.raises(KeyboardInterrupt):
+        tracker.close()
+    assert closed == ["recording", "plots"]  # listed first, drawn last; the other closed before the interrupt
+
+
+def test_the_plots_logger_draws_at_most_its_cap_of_charts_and_says_so(tmp_path, monkeypatch, caplog):
+    from reinforge.tracking import plots as plots_module
+    from reinforge.tracking.tracker import Tracker
+
+    monkeypatch.setattr(plots_module.PlotsBackend, "MAX_CHARTS", 3)
+    with caplog.at_level("INFO"), Tracker(tmp_path / "run", ["plots"]) as tracker:
+        tracker.log({"critic/score/mean": 1.0, **{f"val-core/set{index}/acc/mean@1": 0.5 for index in range(5)}}, 1)
+    assert sorted(path.name for path in (tmp_path / "run" / "plots").iterdir()) == [
+        "critic_score_mean.png", "val-core_set0_acc_mean@1.png", "val-core_set1_acc_mean@1.png"]
+    assert "draws the first 3 of 6 charts" in caplog.text
