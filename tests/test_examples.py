@@ -64,11 +64,12 @@ def test_init_of_one_example_into_another_folder_points_it_at_its_own_files(tmp_
         "dpo (or all); reinforge init all DIR writes them all into DIR")
 
 
-@pytest.mark.parametrize("folder", ["proj/examples", "examples/rm", "ABSOLUTE/examples"])
+@pytest.mark.parametrize("folder", ["proj/examples", "examples/rm", "ABSOLUTE/examples", "my #runs, a: b"])
 @pytest.mark.parametrize("name", ["rm", "retool"])
 def test_init_into_a_folder_named_examples_points_each_config_at_its_own_files(tmp_path, monkeypatch, capsys, name,
                                                                               folder):
-    """rm's and dpo's shared sample pairs were rewritten twice: proj/examples got proj/proj/examples/... paths."""
+    """rm's and dpo's shared sample pairs were rewritten twice (proj/examples got proj/proj/examples/... paths); a
+    folder name YAML reads otherwise is quoted."""
     monkeypatch.chdir(tmp_path)
     folder = folder.replace("ABSOLUTE", tmp_path.as_posix())
     assert main(["init", name, folder]) == 0

@@ -10,6 +10,7 @@ A file already there is kept unless ``--force``: a config a user edited is never
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -42,7 +43,14 @@ def example_text(file_name: str, folder: Path) -> str:
     # one pass over the text: a folder whose path holds examples/ (proj/examples) is not rewritten again
     names = sorted({name for files in EXAMPLES.values() for name in files}, key=len, reverse=True)
     shipped = re.compile("|".join(re.escape(f"{SHIPPED_FOLDER}/{name}") for name in names))
-    return shipped.sub(lambda match: (folder / match.group().removeprefix(f"{SHIPPED_FOLDER}/")).as_posix(), text)
+    return shipped.sub(lambda match: _yaml_path(folder / match.group().removeprefix(f"{SHIPPED_FOLDER}/")), text)
+
+
+def _yaml_path(path: Path) -> str:
+    """``path`` as YAML reads it back whole, in a list or after a key: quoted where it holds characters YAML reads
+    otherwise (a folder named "my #runs" or "a, b")."""
+    text = path.as_posix()
+    return json.dumps(text) if re.search(r"[#,\[\]{}:&*!|>'\"%@`]|^[-?\s]|\s$", text) else text
 
 
 def _written_already(path: Path, text: str) -> bool:
