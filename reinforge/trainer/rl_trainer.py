@@ -476,7 +476,8 @@ STOP_WAIT_S = 2.0
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "critic.model_path", "critic.enable", "algorithm.adv_estimator",
                   "algorithm.kl_ctrl.type", "data.train_files", "data.train_batch_size", "data.gen_batch_size",
                   "data.shuffle", "data.seed", "data.max_train_samples", "data.max_prompt_length",
-                  "data.filter_overlong_prompts", "data.min_pixels", "data.max_pixels", "trainer.seed", "trainer.mode",
+                  "data.filter_overlong_prompts", "data.prompt_key", "data.image_key", "data.chat_template",
+                  "data.min_pixels", "data.max_pixels", "trainer.seed", "trainer.mode",
                   "model.lora.rank", "model.lora.target_modules")
 """Settings a resumed run may not change: the checkpoint's weights, data order or algorithm would not fit them (the
 pixel bounds set each image's tokens, so which prompts data.max_prompt_length keeps, and what the model was trained

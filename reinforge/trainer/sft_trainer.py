@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 RESUME_REFUSES = ("model.path", "model.tokenizer_path", "data.train_files", "data.messages_key", "data.text_key",
                   "data.chat_template", "data.loss_on", "data.batch_size", "data.packing", "data.max_length",
-                  "data.truncation", "data.min_pixels", "data.max_pixels", "data.shuffle", "data.seed",
+                  "data.truncation", "data.image_key", "data.min_pixels", "data.max_pixels", "data.shuffle", "data.seed",
                   "data.max_train_samples", "trainer.seed")
 """Settings a resumed SFT run may not change: the checkpoint's weights or data order would not fit them (the pixel
 bounds set each image's tokens, so the rows' lengths, their batches, and what the model was trained to see)."""

@@ -197,19 +197,23 @@ def test_a_resumed_lora_run_may_not_change_its_adapters_shape(tmp_path):
     check_resumed_settings(old, {"model": {"lora": old["model"]["lora"] | {"alpha": 32}}}, RESUME_REFUSES, tmp_path)
 
 
-@pytest.mark.parametrize("trainer", ["rl_trainer", "sft_trainer"])
-@pytest.mark.parametrize("key", ["min_pixels", "max_pixels"])
-def test_a_resumed_run_may_not_change_its_pixel_bounds(tmp_path, trainer, key):
-    """The bounds set every image's token count: which prompts fit data.max_prompt_length, SFT's batches, and the
-    resolution the checkpoint was trained at; a resume only warned and trained on at another one."""
+@pytest.mark.parametrize("trainer, key, value", [
+    ("rl_trainer", "min_pixels", 50176), ("rl_trainer", "max_pixels", 50176), ("sft_trainer", "min_pixels", 50176),
+    ("sft_trainer", "max_pixels", 50176), ("rl_trainer", "prompt_key", "question"), ("rl_trainer", "image_key", "pics"),
+    ("rl_trainer", "chat_template", "{{ messages }}"), ("sft_trainer", "image_key", "pics")])
+def test_a_resumed_run_may_not_change_what_its_rows_read(tmp_path, trainer, key, value):
+    """The pixel bounds set every image's token count: which prompts fit data.max_prompt_length, SFT's batches, and
+    the resolution the checkpoint was trained at; the prompt, image and template keys change the rows themselves (and
+    which ones fit), so the data position the checkpoint counts no longer points where it did."""
     import importlib
 
     from reinforge.trainer.run_folder import check_resumed_settings
 
     refused = importlib.import_module(f"reinforge.trainer.{trainer}").RESUME_REFUSES
-    old = {"data": {"min_pixels": None, "max_pixels": 200704}}
+    old = {"data": {"min_pixels": None, "max_pixels": 200704, "prompt_key": "prompt", "image_key": "images",
+                    "chat_template": None}}
     with pytest.raises(ValueError, match=rf"changed settings it cannot take: data.{key}: "):
-        check_resumed_settings(old, {"data": old["data"] | {key: 50176}}, refused, tmp_path)
+        check_resumed_settings(old, {"data": old["data"] | {key: value}}, refused, tmp_path)
     check_resumed_settings(old, {"data": dict(old["data"])}, refused, tmp_path)
 
 
