@@ -222,6 +222,18 @@ def aux_loss_form(model_class: type | None, model_config) -> str | None:
     return spec.moe.scoring if spec is not None and spec.moe is not None else None
 
 
+def trained_loss_form(model: nn.Module) -> str | None:
+    """``aux_loss_form`` of a loaded model: its own class's, or where that class computes no loss (a reward model's
+    sequence classifier) its config's causal LM's, whose loss ``router_aux_loss_coef`` lets the run train."""
+    config = getattr(model, "config", None)
+    form = aux_loss_form(type(model), config)
+    language_model = causal_lm_class(config) if form != "transformers" and config is not None else None
+    if language_model is not None and language_model is not type(model) \
+            and aux_loss_form(language_model, config) == "transformers":
+        return "transformers"
+    return form
+
+
 def causal_lm_class(model_config) -> type | None:
     """The transformers class ``AutoModelForCausalLM`` builds for ``model_config``; None where it knows none."""
     from transformers import AutoModelForCausalLM
@@ -273,7 +285,7 @@ class RouterRecorder:
 
     def __init__(self, model: nn.Module):
         self.routers = [router for _, router in moe_routers(model)]
-        self.loss_form = aux_loss_form(type(model), getattr(model, "config", None))
+        self.loss_form = trained_loss_form(model)
         self.scoring = self.loss_form if self.loss_form == "sigmoid" else "softmax"
         self.loss_top_k = _top_k(model) if self.loss_form == "transformers" else None
         """transformers' loss counts the top-k of the softmax of its router outputs, whichever experts they chose."""

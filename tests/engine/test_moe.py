@@ -158,6 +158,28 @@ def test_routers_of_any_name_record_transformers_aux_loss_over_a_padded_batch(mo
     assert recorded.load_imbalance >= 1.0
 
 
+@pytest.mark.parametrize("model_type", ["phimoe", "gpt_oss"])
+def test_a_sequence_classifiers_aux_loss_is_its_causal_lms(model_type):
+    """A reward model's classifier computes no loss of its own: its routers' loss is its causal LM's, which the run
+    trains (PhiMoE's counts the top-k of the softmax, not the experts its sparse mixer samples in training)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = tiny_family(model_type, output_router_logits=True, router_jitter_noise=0.5, num_hidden_layers=1, num_labels=1)
+    classifier = AutoModelForSequenceClassification.from_config(model.config)
+    classifier.model.load_state_dict(model.model.state_dict())
+    input_ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :5] = 0
+    model.train()
+    expected = model(input_ids, attention_mask=attention_mask, labels=input_ids).aux_loss
+    recorder, line = prepare_moe_training(classifier.train())
+    assert recorder.loss_form == "transformers" and "no aux loss can be trained" not in line
+    with recorder.recording_forward():
+        classifier(input_ids, attention_mask=attention_mask)
+    recorded = recorder.take(with_grad=False, token_weights=attention_mask.reshape(-1).float())
+    torch.testing.assert_close(recorded.aux_loss, expected, atol=1e-6, rtol=1e-6)
+
+
 def test_a_router_whose_choices_are_not_recorded_trains_without_metrics_and_refuses_an_aux_loss():
     """Llama 4's router returns (scores, logits), not the experts it chose: no metrics; no aux loss it can weigh."""
     model = tiny_family("llama4_text", intermediate_size_mlp=32)
