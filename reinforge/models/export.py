@@ -107,9 +107,16 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build_as_loaded(model_class: type[PreTrainedModel], config: PretrainedConfig,
                     dtype: torch.dtype) -> PreTrainedModel:
     """A ``model_class`` of ``config`` on the meta device, built with ``dtype`` as the default dtype as from_pretrained
-    builds it, eager (a class that picks its attention modules by name at construction knows no other)."""
+    builds it, eager (a class that picks its attention modules by name at construction knows no other). The config
+    and its sub-configs name ``dtype``, as from_pretrained sets them: a class that builds its body with
+    ``AutoModel.from_config`` (a sequence classifier's) builds it in the config's dtype, not the default one."""
     config = copy.deepcopy(config)
     config._attn_implementation = "eager"
+    config.dtype = dtype
+    for name in getattr(config, "sub_configs", {}):
+        sub_config = getattr(config, name, None)
+        if sub_config is not None:
+            sub_config.dtype = dtype
     with torch.device("meta"), default_dtype(dtype):
         return model_class(config)
 

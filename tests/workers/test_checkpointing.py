@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from reinforge.models import build_char_tokenizer, build_tiny_causal_lm, load_causal_lm, save_hf_folder
@@ -35,6 +36,8 @@ def test_the_checkpoint_holds_the_weights_in_the_compute_dtype_and_says_so(tmp_p
     assert all(torch.equal(tensor, before[name]) and tensor.dtype == torch.float32
                for name, tensor in model.state_dict().items()), "the training model keeps its float32 weights"
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    written = load_file(tmp_path / "hf" / "model.safetensors")  # a classifier's body too, not float32 as it trained
+    assert {name for name, tensor in written.items() if tensor.dtype != torch.bfloat16} == set()
     model_class = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
     loaded = model_class.from_pretrained(tmp_path / "hf", dtype="auto").state_dict()
     trained = model.state_dict()
