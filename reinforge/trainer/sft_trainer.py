@@ -8,11 +8,12 @@ with RL). The run folder is an RL run's: ``config.yaml``, ``metrics.jsonl`` and 
 a run resumes from its latest checkpoint by default.
 
 A mixture of experts trains as the RL actor does (``engine.moe``): the routers' load-balancing loss of each
-micro-batch (transformers' aux loss over its unpadded tokens, which a packed row's conversations give as their padded
-rows would), weighted by the micro-batch's share of the trained tokens as the token-mean loss is, joins the loss times
-``trainer.router_aux_loss_coef``: by default the model config's where its ``output_router_logits`` asks (``declared``:
-whatever it says, as TRL's SFTTrainer takes it). It is logged as ``train/moe/aux_loss`` either way, beside the whole step's
-``train/moe/load_imbalance`` and ``train/moe/unused_experts``; ``train/loss`` stays the token-mean loss alone.
+micro-batch (transformers' aux loss over its unpadded tokens, which a packed row's conversations give as their
+padded rows would), weighted by the micro-batch's share of the trained tokens as the token-mean loss is, joins the
+loss times ``trainer.router_aux_loss_coef``: by default the model config's where its ``output_router_logits`` asks
+(``declared``: whatever it says, as TRL's SFTTrainer takes it). It is logged as ``train/moe/aux_loss`` either way,
+beside the whole step's ``train/moe/load_imbalance`` and ``train/moe/unused_experts``; ``train/loss`` stays the
+token-mean loss alone.
 """
 
 from __future__ import annotations

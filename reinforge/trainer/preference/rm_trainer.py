@@ -1,30 +1,31 @@
 """``reinforge rm``: a Bradley-Terry reward model trained on chosen/rejected pairs.
 
-The model is transformers' ``AutoModelForSequenceClassification`` with one label, loaded from ``model.path``:
-a causal LM gets a new ``score`` head (seeded by ``trainer.seed``), a sequence classifier keeps its own, and a token
-classifier (``AutoModelForTokenClassification``, verl's reward models) stays one, with its head's bias. Its
-reward for a sequence is the head at the sequence's last token (EOS included), where the reward-model worker
-of ``reinforge train`` reads it. As transformers' sequence classifier reads it, that token is the last one that is not
-the pad token: a completion ending in it (an EOS, where the tokenizer has no pad token of its own and pads with its EOS)
-is read at the token before, so the exported folder scores as training did (``without_trailing_padding``; one line
-says how many); a token classifier's is read at the last token, padding or not. Both completions of a pair go
-through one packed forward that computes their prompt once. The model is made ready as DPO's policy is (``preference.models``: float32 master weights, FSDP2
-computing in ``model.dtype`` with the backbone and the head as root units, fused kernels and compiled decoder
-layers on CUDA, ``model.gradient_checkpointing``; ``model.lora`` trains adapters and the whole score head, the
-base frozen in the compute dtype), on one device or on every rank of a torchrun group (``preference.ranks``). The loss is ``algorithms.preference_losses.bradley_terry_loss`` (margins from the data's
+The model is transformers' ``AutoModelForSequenceClassification`` with one label, loaded from ``model.path``: a
+causal LM gets a new ``score`` head (seeded by ``trainer.seed``), a sequence classifier keeps its own, and a token
+classifier (``AutoModelForTokenClassification``, verl's reward models) stays one, with its head's bias. Its reward
+for a sequence is the head at the sequence's last token (EOS included), where the reward-model worker of ``reinforge
+train`` reads it. As transformers' sequence classifier reads it, that token is the last one that is not the pad
+token: a completion ending in it (an EOS, where the tokenizer has no pad token of its own and pads with its EOS) is
+read at the token before, so the exported folder scores as training did (``without_trailing_padding``; one line says
+how many); a token classifier's is read at the last token, padding or not. Both completions of a pair go through one
+packed forward that computes their prompt once. The model is made ready as DPO's policy is (``preference.models``:
+float32 master weights, FSDP2 computing in ``model.dtype`` with the backbone and the head as root units, fused
+kernels and compiled decoder layers on CUDA, ``model.gradient_checkpointing``; ``model.lora`` trains adapters and
+the whole score head, the base frozen in the compute dtype), on one device or on every rank of a torchrun group
+(``preference.ranks``). The loss is ``algorithms.preference_losses.bradley_terry_loss`` (margins from the data's
 ``margin`` column, centring by ``rm.center_rewards_coefficient``), averaged over the step's pairs.
 
 Metrics (TRL's RewardTrainer's names): ``accuracy`` (the share of pairs whose chosen completion scores higher),
-``margin`` (the mean r_chosen - r_rejected), ``min_reward``, ``mean_reward``, ``max_reward`` and
-``num_tokens`` (tokens put through the model so far), with ``eval_`` before each on the validation pairs, and
-``train/loss``, ``train/lr``, ``train/grad_norm``; a mixture of experts logs its routers' load-balancing loss,
-``train/moe/aux_loss`` (transformers' ``output_router_logits`` loss over the pairs' padded rows), which joins the loss
-times ``trainer.router_aux_loss_coef`` (by default the model config's ``router_aux_loss_coef`` where its
+``margin`` (the mean r_chosen - r_rejected), ``min_reward``, ``mean_reward``, ``max_reward`` and ``num_tokens``
+(tokens put through the model so far), with ``eval_`` before each on the validation pairs, and ``train/loss``,
+``train/lr``, ``train/grad_norm``; a mixture of experts logs its routers' load-balancing loss,
+``train/moe/aux_loss`` (transformers' ``output_router_logits`` loss over the pairs' padded rows), which joins the
+loss times ``trainer.router_aux_loss_coef`` (by default the model config's ``router_aux_loss_coef`` where its
 ``output_router_logits`` asks; TRL's RewardTrainer adds none, and ``reinforge.api.RewardConfig`` passes 0), beside
-the step's ``train/moe/load_imbalance`` and ``train/moe/unused_experts``. Every checkpoint's ``hf/`` folder is a standard
-sequence-classification folder (a token-classification one for a token classifier; ``num_labels=1``,
-``pad_token_id`` set; with LoRA the adapters merged in) that
-``reward.reward_model.model_path`` loads, and ``reinforge export`` writes the same from the trainer state.
+the step's ``train/moe/load_imbalance`` and ``train/moe/unused_experts``. Every checkpoint's ``hf/`` folder is a
+standard sequence-classification folder (a token-classification one for a token classifier; ``num_labels=1``,
+``pad_token_id`` set; with LoRA the adapters merged in) that ``reward.reward_model.model_path`` loads, and
+``reinforge export`` writes the same from the trainer state.
 """
 
 from __future__ import annotations
