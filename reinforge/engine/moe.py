@@ -401,12 +401,9 @@ def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_g
     counts = torch.stack([expert_counts(ids, num_experts, _checked_weights(token_weights, ids.shape[0]))
                           for ids in expert_ids])  # (layers, experts)
     logits = router_logits if with_grad else [tensor.detach() for tensor in router_logits]
-    if loss_top_k is None:
-        slots = counts.sum(dim=0)
-    else:
-        slots = sum(expert_counts(torch.topk(router_probabilities(layer.detach(), scoring), loss_top_k, dim=-1).indices,
-                                  num_experts, token_weights) for layer in router_logits)
-    return RouterOutputs(aux_loss=_balancing_loss(logits, slots, token_weights, scoring), expert_counts=counts)
+    aux_loss = (_balancing_loss(logits, counts.sum(dim=0), token_weights, scoring) if loss_top_k is None
+                else load_balancing_loss(logits, loss_top_k, token_weights, scoring))
+    return RouterOutputs(aux_loss=aux_loss, expert_counts=counts)
 
 
 def routing_balance(counts: Tensor) -> tuple[Tensor, Tensor]:
