@@ -70,19 +70,19 @@ def write_examples(names: list[str], folder: Path, force: bool = False) -> list[
     if folder.exists() and not folder.is_dir():
         raise FileExistsError(f"{folder} is a file, not a folder; reinforge init writes the examples into a folder: "
                               "give another one")
-    files = list(dict.fromkeys(name for example in names for name in EXAMPLES[example]))  # rm and dpo share pairs
+    texts = {name: example_text(name, folder) for example in names for name in EXAMPLES[example]}  # shared pairs once
     if not force:
-        files = [name for name in files if not _written_already(folder / name, example_text(name, folder))]
-    present = [folder / name for name in files if (folder / name).exists()]
+        texts = {name: text for name, text in texts.items() if not _written_already(folder / name, text)}
+    present = [folder / name for name in texts if (folder / name).exists()]
     if present and not force:
         raise FileExistsError(f"{', '.join(str(path) for path in present)} already exist(s); reinforge init keeps "
                               "them: pass --force to write over them, or another folder")
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in files:
+    for name, text in texts.items():
         path = folder / name
         with replaced_atomically(path, durable=False) as temporary:
-            temporary.write_text(example_text(name, folder), encoding="utf-8")
+            temporary.write_text(text, encoding="utf-8")
         written.append(path)
     return written
 
