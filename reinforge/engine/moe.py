@@ -11,17 +11,18 @@ Under ``torch.compile`` transformers takes its per-expert loop for weights other
 computes in bf16 (FSDP's mixed precision), so the compiled layers stay grouped. The router's numerics are
 transformers' own: nothing here changes what a router computes.
 
-``RouterRecorder`` hooks every router and, while it records (an update's forward), keeps a reference
-to each layer's logits and chosen experts; nothing runs in the hook, so a recomputed (checkpointed)
-layer stays identical and the host never waits. ``router_outputs`` turns them, after the forward,
-into device scalars: the load-balancing loss as transformers computes it for ``output_router_logits``
-(``num_experts`` x sum over experts of the share of top-k slots and the mean router probability, both
-pooled over all MoE layers; the slots the top-k of the softmax of what the routers return, as transformers'
-``load_balancing_loss_func`` counts them whichever experts a biased router chose) over a padded forward of the same
-sequences: a shared prompt's tokens, run once in a packed row, count once for each of its samples, and padding not
-at all (``token_weights``). transformers computes no such loss for DeepSeek V2 and V3, whose configs never ask
-for one; with ``actor.router_aux_loss_coef`` set, theirs takes the same form over the experts their groups and
-correction bias chose, V3's sigmoid scores normalised per token as its probabilities. A family neither
+``RouterRecorder`` hooks every router and, while it records (an update's forward), keeps a reference to each layer's
+logits and chosen experts; nothing runs in the hook, so a recomputed (checkpointed) layer stays identical and the
+host never waits. ``router_outputs`` turns them, after the forward, into device scalars: the load-balancing loss as
+transformers computes it for ``output_router_logits`` (``num_experts`` x sum over experts of the share of top-k
+slots and the mean router probability, both pooled over all MoE layers; the slots the top-k of the softmax of what
+the routers return, as transformers' ``load_balancing_loss_func`` counts them whichever experts a biased router
+chose) over a padded forward of the same sequences (each layer's softmax computed once; where the routers choose
+that top-k themselves, Qwen3-MoE's, Mixtral's and OLMoE's, the loss counts the experts they chose instead of ranking
+the softmax again): a shared prompt's tokens, run once in a packed row, count once for each of its samples, and
+padding not at all (``token_weights``). transformers computes no such loss for DeepSeek V2 and V3, whose configs
+never ask for one; with ``actor.router_aux_loss_coef`` set, theirs takes the same form over the experts their groups
+and correction bias chose, V3's sigmoid scores normalised per token as its probabilities. A family neither
 transformers nor ``models.architectures`` says how to score (``aux_loss_form`` None: GLM-4.5, Llama 4, ...) is
 refused an aux loss; one whose routers do not return the experts they chose (Llama 4), or whose experts are not
 fused (JetMoE), trains without routing metrics, its start line saying so. Beside the loss: the load imbalance (most
@@ -244,6 +245,21 @@ def causal_lm_class(model_config) -> type | None:
         return None
 
 
+def _routers_choose_loss_slots(model: nn.Module, routers: list[nn.Module]) -> bool:
+    """Whether ``routers`` choose the top-k of the softmax of their logits that transformers' loss counts, so the
+    loss can count their chosen experts: transformers' own routers of a family ``models.architectures`` knows to
+    route so (softmax scores, no expert groups, no correction bias), with the loss's top-k.
+
+    In float32 the two are the same experts. In bf16 the routers rank the float32 softmax of their bf16 logits,
+    where transformers' loss ranks the softmax rounded to bf16, which can tie experts the router told apart: the
+    loss then counts the experts the tokens were sent to."""
+    spec = architecture_spec(_text_config_of(model))
+    routing = spec.moe if spec is not None else None
+    return (routing is not None and routing.scoring == "softmax" and routing.n_group is None
+            and not routing.correction_bias and routing.top_k == _top_k(model)
+            and all(type(router).__module__.startswith("transformers.") for router in routers))
+
+
 def _top_k(model: nn.Module) -> int:
     """The top-k transformers' loss reads: the causal LM's ``num_experts_per_tok``, else its config's."""
     top_k = getattr(model, "num_experts_per_tok", None) or getattr(_text_config_of(model), "num_experts_per_tok", None)
@@ -287,8 +303,10 @@ class RouterRecorder:
         self.routers = [router for _, router in moe_routers(model)]
         self.loss_form = trained_loss_form(model)
         self.scoring = self.loss_form if self.loss_form == "sigmoid" else "softmax"
-        self.loss_top_k = _top_k(model) if self.loss_form == "transformers" else None
-        """transformers' loss counts the top-k of the softmax of its router outputs, whichever experts they chose."""
+        self.loss_top_k = (_top_k(model) if self.loss_form == "transformers"
+                           and not _routers_choose_loss_slots(model, self.routers) else None)
+        """transformers' loss counts the top-k of the softmax of its router outputs, whichever experts they chose;
+        None: the chosen experts are those (or the family's loss counts the chosen ones)."""
         self.recording = False
         for router in self.routers:
             setattr(router, RECORD_ATTRIBUTE, None)
@@ -366,21 +384,26 @@ def load_balancing_loss(router_logits: list[Tensor], top_k: int, token_weights: 
     """transformers' ``load_balancing_loss_func`` over the layers' (tokens, experts) logits, each router choosing the
     top-k of its probabilities (what a softmax router without groups or a correction bias chooses); see
     ``_balancing_loss``."""
-    num_experts = router_logits[0].shape[-1]
-    slots = sum(expert_counts(torch.topk(router_probabilities(logits, scoring), top_k, dim=-1).indices, num_experts,
-                              _checked_weights(token_weights, logits.shape[0])) for logits in router_logits)
-    return _balancing_loss(router_logits, slots, token_weights, scoring)
+    return _balancing_loss(router_logits, None, token_weights, scoring, top_k)
 
 
-def _balancing_loss(router_logits: list[Tensor], slots: Tensor, token_weights: Tensor | None, scoring: str) -> Tensor:
+def _balancing_loss(router_logits: list[Tensor], slots: Tensor | None, token_weights: Tensor | None, scoring: str,
+                    top_k: int | None = None) -> Tensor:
     """num_experts x sum_e (top-k slots of expert e / tokens) x (router probability of e summed / tokens), pooled
     over the layers, each token counted ``token_weights`` times (transformers' attention mask is such a weight, 0 or
-    1; None: once each); ``slots``: (experts,) the layers' slot counts, weighted alike; ``scoring``:
-    ``router_probabilities``'s."""
-    probs = torch.zeros_like(slots)
-    rows = torch.zeros((), dtype=torch.float32, device=slots.device)
+    1; None: once each); ``slots``: (experts,) the layers' slot counts, weighted alike, or None: the ``top_k`` of
+    each layer's probabilities, ranked in the softmax that the sums read; ``scoring``: ``router_probabilities``'s."""
+    num_experts = router_logits[0].shape[-1]
+    device = router_logits[0].device
+    counted = torch.zeros(num_experts, dtype=torch.float32, device=device) if slots is None else slots
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
     for logits in router_logits:
-        routing = router_probabilities(logits, scoring).float()
+        routing = router_probabilities(logits, scoring)
+        if slots is None:
+            counted = counted + expert_counts(torch.topk(routing, top_k, dim=-1).indices, num_experts,
+                                              _checked_weights(token_weights, logits.shape[0]))
+        routing = routing.float()
         if token_weights is None:
             probs = probs + routing.sum(dim=0)
             rows = rows + logits.shape[0]
@@ -388,7 +411,7 @@ def _balancing_loss(router_logits: list[Tensor], slots: Tensor, token_weights: T
             probs = probs + (routing * token_weights.float()[:, None]).sum(dim=0)
             rows = rows + token_weights.float().sum()
     rows = rows.clamp(min=1e-9)
-    return slots.shape[0] * torch.sum((slots / rows) * (probs / rows))
+    return num_experts * torch.sum((counted / rows) * (probs / rows))
 
 
 def router_outputs(router_logits: list[Tensor], expert_ids: list[Tensor], with_grad: bool,

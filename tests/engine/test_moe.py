@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from reinforge.config.schema import Config
 from reinforge.engine.moe import (
+    RECORD_ATTRIBUTE,
     RouterRecorder,
     is_moe,
     load_balancing_loss,
@@ -78,6 +80,47 @@ def test_recorded_aux_loss_is_transformers_load_balancing_loss(model_type):
     torch.testing.assert_close(recorded.aux_loss, outputs.aux_loss, atol=1e-6, rtol=1e-6)
     outputs_again = model(input_ids)  # not recording: nothing kept
     assert outputs_again is not None and recorder.take(with_grad=False) is None
+
+
+class _OpNames(TorchDispatchMode):
+    """The aten ops run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "phimoe", "gpt_oss"])
+def test_router_statistics_score_each_layer_once_and_count_the_experts_the_routers_chose(model_type):
+    """Qwen3-MoE's, Mixtral's and OLMoE's routers choose the top-k the loss counts, and DeepSeek V3's loss counts the
+    experts its routers chose: one softmax (sigmoid) per layer and no second top-k, with the statistics of ranking
+    the softmax again, bit for bit, and their gradient. PhiMoE's and GPT-OSS's routers choose otherwise: the loss
+    ranks the same softmax it sums."""
+    model = tiny_moe(model_type, experts_implementation="grouped_mm")
+    recorder = RouterRecorder(model)
+    input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    token_weights = torch.tensor([0.0, 1.0, 2.0, 3.0]).repeat(6)
+    with recorder.recording_forward():
+        model(input_ids)
+    logits, expert_ids = zip(*(getattr(router, RECORD_ATTRIBUTE) for router in recorder.routers), strict=True)
+    ops = _OpNames()
+    with ops:
+        recorded = recorder.take(with_grad=True, token_weights=token_weights)
+    scores = "sigmoid" if model_type == "deepseek_v3" else "_softmax"
+    ranks_again = model_type in ("phimoe", "gpt_oss")
+    assert ops.names.count(scores) == len(recorder.routers)
+    assert ops.names.count("topk") == (len(recorder.routers) if ranks_again else 0)
+    ranked_again = router_outputs(list(logits), list(expert_ids), True, token_weights, recorder.scoring,
+                                  None if model_type == "deepseek_v3" else model.config.num_experts_per_tok)
+    assert torch.equal(recorded.aux_loss, ranked_again.aux_loss)
+    assert torch.equal(recorded.expert_counts, ranked_again.expert_counts)
+    gradients = [torch.autograd.grad(loss, recorder.routers[0].weight, retain_graph=True)[0]
+                 for loss in (recorded.aux_loss, ranked_again.aux_loss)]
+    assert torch.equal(*gradients) and gradients[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
