@@ -68,13 +68,13 @@ def _router_of(block: nn.Module, router_class: type | None) -> nn.Module | None:
     return None
 
 
-def moe_routers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+def moe_routers(model: nn.Module, modules: list[nn.Module] | None = None) -> list[tuple[nn.Module, nn.Module]]:
     """(sparse block, its router) of an HF model, in layer order: blocks with fused 3-D expert weights
-    (``experts.down_proj``) and a router child."""
+    (``experts.down_proj``) and a router child. ``modules``: ``model.modules()`` already listed (None: walked here)."""
     recorded = recorded_router(type(model))
     router_class = recorded[0] if recorded is not None else None
     pairs = []
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         weight = getattr(getattr(module, "experts", None), "down_proj", None)
         if not isinstance(weight, Tensor) or weight.dim() != 3:
             continue
@@ -93,22 +93,23 @@ def is_moe(model: nn.Module) -> bool:
     return bool(moe_blocks(model))
 
 
-def _unfused_router_class(model: nn.Module) -> str | None:
-    """The router class of a model whose mixture of experts is not fused 3-D experts (JetMoE, Doge), or None."""
+def _unfused_router_class(model: nn.Module, modules: list[nn.Module]) -> str | None:
+    """The router class of a model in which ``moe_blocks`` finds no fused 3-D experts, where it has routers that
+    transformers records (an unfused mixture of experts: JetMoE, Doge), else None; ``modules``: ``model.modules()``."""
     recorded = recorded_router(type(model))
-    if recorded is None or moe_blocks(model):
+    if recorded is None:
         return None
-    return recorded[0].__name__ if any(isinstance(module, recorded[0]) for module in model.modules()) else None
+    return recorded[0].__name__ if any(isinstance(module, recorded[0]) for module in modules) else None
 
 
-def use_grouped_experts(model: nn.Module) -> str | None:
+def use_grouped_experts(model: nn.Module, blocks: list[nn.Module] | None = None) -> str | None:
     """Run every expert MLP of ``model`` as grouped GEMMs where transformers has grouped_mm for its family; one line
-    saying how they run, None for a dense model.
+    saying how they run, None for a dense model. ``blocks``: its ``moe_blocks``, already found (None: found here).
 
     Raises when the installed transformers cannot select experts implementations at all (its loop over experts
     would be the hot path).
     """
-    blocks = moe_blocks(model)
+    blocks = moe_blocks(model) if blocks is None else blocks
     if not blocks:
         return None
     experts = blocks[0].experts
@@ -151,19 +152,22 @@ def prepare_moe_training(model: nn.Module) -> tuple[RouterRecorder | None, str |
     """For a MoE model: grouped experts, no router logits in the forward's outputs, and a ``RouterRecorder``
     on its routers, with one line saying what runs; (None, None) for a dense model. Run before compiling.
     A family whose routers do not say which experts they chose trains without a recorder, its line saying so."""
-    line = use_grouped_experts(model)
+    modules = list(model.modules())  # the one walk of the module tree: every step below reads this list
+    pairs = moe_routers(model, modules)
+    line = use_grouped_experts(model, [block for block, _ in pairs])
     if line is None:
-        unfused = _unfused_router_class(model)
+        unfused = _unfused_router_class(model, modules)
         if unfused is None:
             return None, None
         without_router_logits_output(model)
         return None, (f"{type(model).__name__}'s mixture-of-experts layers (router {unfused}) are not fused 3-D "
                       "experts: they run as transformers implements them, and their routing metrics are not reported")
     without_router_logits_output(model)
-    unrecorded = _unrecorded_reason(model)
+    routers = [router for _, router in pairs]
+    unrecorded = _unrecorded_reason(model, type(routers[0]))
     if unrecorded is not None:
         return None, f"{line}; routing metrics are not reported: {unrecorded}"
-    recorder = RouterRecorder(model)
+    recorder = RouterRecorder(model, routers)
     if recorder.loss_form is None:
         line += (f"; reinforge does not know how {type(model).__name__}'s routers score experts: moe/aux_loss is "
                  "reported as a softmax router's, and no aux loss can be trained")
@@ -268,10 +272,10 @@ def _top_k(model: nn.Module) -> int:
     return top_k
 
 
-def _unrecorded_reason(model: nn.Module) -> str | None:
-    """Why ``model``'s routers cannot be recorded: transformers records their logits elsewhere than their first
-    output, or their forward does not return (logits, weights, chosen expert ids), read from its source; None when
-    they can."""
+def _unrecorded_reason(model: nn.Module, router_class: type) -> str | None:
+    """Why ``model``'s routers (of ``router_class``) cannot be recorded: transformers records their logits elsewhere
+    than their first output, or their forward does not return (logits, weights, chosen expert ids), read from its
+    source; None when they can."""
     import ast
     import inspect
     import textwrap
@@ -279,7 +283,6 @@ def _unrecorded_reason(model: nn.Module) -> str | None:
     recorded = recorded_router(type(model))
     if recorded is not None and recorded[1] != 0:
         return f"transformers records its router logits from output {recorded[1]} of {recorded[0].__name__}"
-    router_class = type(moe_routers(model)[0][1])
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(router_class.forward)))
     except (OSError, TypeError, SyntaxError):
@@ -291,7 +294,8 @@ def _unrecorded_reason(model: nn.Module) -> str | None:
 
 
 class RouterRecorder:
-    """Forward hooks on the routers of ``model``'s MoE blocks; they keep references while ``recording()``.
+    """Forward hooks on the routers of ``model``'s MoE blocks (``routers``: those ``moe_routers`` found, None: found
+    here); they keep references while ``recording()``.
 
     Register before ``torch.compile`` wraps the decoder layers, so the compiled graphs contain the hooks. Each hook
     stores its router's outputs on the router itself (``RECORD_ATTRIBUTE``), not in a list they all append to: the
@@ -299,8 +303,8 @@ class RouterRecorder:
     once per layer (a 48-layer model: 48 compiles of each of its layer graphs).
     """
 
-    def __init__(self, model: nn.Module):
-        self.routers = [router for _, router in moe_routers(model)]
+    def __init__(self, model: nn.Module, routers: list[nn.Module] | None = None):
+        self.routers = [router for _, router in moe_routers(model)] if routers is None else routers
         self.loss_form = trained_loss_form(model)
         self.scoring = self.loss_form if self.loss_form == "sigmoid" else "softmax"
         self.loss_top_k = (_top_k(model) if self.loss_form == "transformers"
@@ -315,7 +319,8 @@ class RouterRecorder:
     @classmethod
     def attach(cls, model: nn.Module) -> RouterRecorder | None:
         """A recorder on ``model``'s routers, or None for a dense model."""
-        return cls(model) if is_moe(model) else None
+        routers = [router for _, router in moe_routers(model)]
+        return cls(model, routers) if routers else None
 
     def _keep(self, module: nn.Module, args, output) -> None:
         if self.recording and isinstance(output, tuple) and len(output) >= 3:

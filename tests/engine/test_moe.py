@@ -223,6 +223,28 @@ def test_a_sequence_classifiers_aux_loss_is_its_causal_lms(model_type):
     torch.testing.assert_close(recorded.aux_loss, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "jetmoe", "qwen2"])
+def test_preparing_moe_training_walks_the_module_tree_once(monkeypatch, model_type):
+    """A fused mixture of experts, an unfused one (JetMoE) and a dense model: one walk of the module tree each."""
+    import sys
+
+    from torch import nn
+
+    model = tiny_moe(model_type) if model_type == "qwen3_moe" else tiny_family(model_type)
+    walks = []
+    modules = nn.Module.modules
+
+    def counted(self):
+        if self is model and sys._getframe(1).f_globals["__name__"] == "reinforge.engine.moe":
+            walks.append(sys._getframe(1).f_code.co_name)
+        return modules(self)
+
+    monkeypatch.setattr(nn.Module, "modules", counted)
+    recorder, line = prepare_moe_training(model)
+    assert (recorder is not None) == (model_type == "qwen3_moe") and (line is None) == (model_type == "qwen2")
+    assert len(walks) == 1, walks
+
+
 def test_a_router_whose_choices_are_not_recorded_trains_without_metrics_and_refuses_an_aux_loss():
     """Llama 4's router returns (scores, logits), not the experts it chose: no metrics; no aux loss it can weigh."""
     model = tiny_family("llama4_text", intermediate_size_mlp=32)
