@@ -87,11 +87,12 @@ def _run_labels(run_dirs: list[Path]) -> list[str]:
 
 
 def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str] | None = None,
-              smoothing: float = 0.6) -> list[Path]:
+              smoothing: float = 0.6, runs: list[dict[str, list[tuple[int, float]]]] | None = None) -> list[Path]:
     """Write one PNG per metric key and return their paths.
 
     ``out_dir`` defaults to ``RUN_DIR/plots`` for one run, and to a ``plots`` folder next to the
-    first run for several. Files are named after the key with slashes as underscores.
+    first run for several. Files are named after the key with slashes as underscores. ``runs``: each
+    run's ``load_run_metrics``, already read (None: read here).
     """
     import matplotlib
 
@@ -102,7 +103,7 @@ def plot_runs(run_dirs: list[Path], out_dir: Path | None = None, keys: list[str]
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run folder")
     smooth([], smoothing)  # validates smoothing before any work
-    runs = [load_run_metrics(path) for path in run_dirs]
+    runs = [load_run_metrics(path) for path in run_dirs] if runs is None else runs
     available = list(dict.fromkeys(key for run in runs for key in run))
     if keys is None:
         keys = default_keys(available)
@@ -180,14 +181,15 @@ class PlotsBackend(TrackingBackend):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a line cut by a kill is skipped, as plot_runs says
-                keys = default_keys(list(load_run_metrics(self.run_dir)))
+                run = load_run_metrics(self.run_dir)  # read once: the keys and the charts come from it
+                keys = default_keys(list(run))
                 if len(keys) > self.MAX_CHARTS:
                     logger.info("the plots logger draws the first %d of %d charts into %s (about 0.1 s each); "
                                 "reinforge plot %s --keys ... draws others", self.MAX_CHARTS, len(keys),
                                 self.run_dir / "plots", self.run_dir)
                     keys = keys[:self.MAX_CHARTS]
                 if keys:
-                    plot_runs([self.run_dir], keys=keys)
+                    plot_runs([self.run_dir], keys=keys, runs=[run])
         except Exception as error:  # noqa: BLE001 - the run's numbers are safe in metrics.jsonl
             logger.warning("the plots logger drew no charts into %s: %s; reinforge plot %s draws them from "
                            "metrics.jsonl", self.run_dir / "plots", error, self.run_dir)

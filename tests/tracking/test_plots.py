@@ -165,3 +165,21 @@ def test_the_plots_logger_draws_at_most_its_cap_of_charts_and_says_so(tmp_path, 
     assert sorted(path.name for path in (tmp_path / "run" / "plots").iterdir()) == [
         "critic_score_mean.png", "val-core_set0_acc_mean@1.png", "val-core_set1_acc_mean@1.png"]
     assert "draws the first 3 of 6 charts" in caplog.text
+
+
+def test_the_plots_logger_reads_metrics_jsonl_once_and_draws_what_reinforge_plot_draws(tmp_path, monkeypatch):
+    from reinforge.tracking import plots as plots_module
+    from reinforge.tracking.tracker import Tracker
+
+    reads = []
+    read_json_lines = plots_module.read_json_lines
+    monkeypatch.setattr(plots_module, "read_json_lines", lambda path: reads.append(path) or read_json_lines(path))
+    with Tracker(tmp_path / "run", ["jsonl", "plots"]) as tracker:
+        for step in (1, 2, 3):
+            tracker.log({"critic/score/mean": step / 3, "actor/entropy": 1.0 / step, "val/loss": 0.5}, step)
+    assert reads == [tmp_path / "run" / "metrics.jsonl"]
+    drawn = sorted((tmp_path / "run" / "plots").iterdir())
+    again = sorted(plot_runs([tmp_path / "run"], out_dir=tmp_path / "again"))
+    assert [path.name for path in drawn] == [path.name for path in again] == [
+        "actor_entropy.png", "critic_score_mean.png", "val_loss.png"]
+    assert [path.read_bytes() for path in drawn] == [path.read_bytes() for path in again]
