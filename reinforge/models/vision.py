@@ -277,21 +277,6 @@ def run_processor(model, data):
     return processor_for(model.path, model.trust_remote_code, data.chat_template, data.min_pixels, data.max_pixels)
 
 
-def check_pixel_bounds(model, data) -> None:
-    """``run_processor``'s refusals of a run's data.min_pixels and data.max_pixels (``refuse_pixel_bounds``,
-    ``set_pixel_bounds``), from the model's config and image processor alone: no tokenizer loads."""
-    if data.min_pixels is None and data.max_pixels is None:
-        return
-    from transformers import AutoConfig, AutoImageProcessor
-
-    config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
-    if not is_vision_language(config):
-        refuse_pixel_bounds(config, model.path, data.min_pixels, data.max_pixels)
-        return
-    image_processor = AutoImageProcessor.from_pretrained(str(model.path), trust_remote_code=model.trust_remote_code)
-    set_pixel_bounds(image_processor, data.min_pixels, data.max_pixels, model.path)
-
-
 def folder_image_processor(path: str | Path, trust_remote_code: bool = False, patch_size: int = 14,
                            merge_size: int = 2):
     """The image processor of the vision-language model folder at ``path``, as its processor loads it (its

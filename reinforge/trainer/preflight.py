@@ -47,7 +47,7 @@ from reinforge.engine.optim import LR_SCHEDULES
 from reinforge.models import load_tokenizer, warn_if_beyond_context
 from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
 from reinforge.models.reward_model import HEADS, check_reward_model
-from reinforge.models.vision import check_pixel_bounds, run_processor, why_no_images
+from reinforge.models.vision import run_processor, why_no_images
 from reinforge.reward.data_checks import check_rows_can_be_scored, load_reward_function
 from reinforge.rollout.registry import check_plugin_engine
 from reinforge.serve.agents import register_configured_agents
@@ -420,16 +420,18 @@ def check_judge_settings(config: Config) -> None:
             raise ConfigError(str(error)) from None
 
 
-def preflight_sft(config: SFTConfig) -> None:
-    """Every check of an SFT run that can run before its model loads."""
+def preflight_sft(config: SFTConfig) -> Any:
+    """Every check of an SFT run that can run before its model loads; returns the run's processor (``run_processor``,
+    its pixel bounds checked; None for a text model), for the trainer: it is loaded once."""
     check_sft_config(config)
     refuse_launched_processes("reinforge sft trains in one process",
                               "start it as one process (reinforge rm and dpo shard over torchrun's processes)")
     require_model_and_data(config.model.path, config.data.train_files, "path/to/train.jsonl (rows with messages)")
     check_model_config(config.model.path)
     check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
-    check_pixel_bounds(config.model, config.data)  # before the run folder opens, unlike the trainer's processor
+    processor = run_processor(config.model, config.data)  # its pixel bounds refused before the run folder opens
     require_logger_packages(config.trainer.loggers)
     check_devices(config)
     warn_ineffective_settings(config)
     warn_if_beyond_context(config.model.path, config.data.max_length, "data.max_length")
+    return processor

@@ -42,7 +42,6 @@ from reinforge.models.vision import (
     image_token_mask,
     image_tokens_as_text,
     is_vision_language,
-    run_processor,
     why_no_images,
 )
 from reinforge.protocol import MULTI_MODAL_KEY, Batch
@@ -106,7 +105,7 @@ class SFTTrainer(SupervisedRun):
         self.config = config
         data, trainer = config.data, config.trainer
         self.run_dir = Path(trainer.output_dir)
-        preflight_sft(config)  # every check that can run before the model loads
+        processor = preflight_sft(config)  # every check that can run before the model loads
         self.open_run_folder(trainer.resume, trainer.keep_last, RESUME_REFUSES)
         with self.run_folder_released_on_failure():
             torch.manual_seed(trainer.seed)
@@ -117,7 +116,7 @@ class SFTTrainer(SupervisedRun):
                                             trust_remote_code=config.model.trust_remote_code)
             if data.chat_template:  # saved with every checkpoint's hf/: the model answers in the format it learned
                 self.tokenizer.chat_template = data.chat_template
-            self.processor = run_processor(config.model, data)  # None: a text model
+            self.processor = processor  # preflight's, loaded once; None: a text model
             pad_token_id = get_pad_token_id(self.tokenizer)
             self.train_loader = SFTLoader(self._rows(data.train_files, "train", data.max_train_samples),
                                           data.batch_size, pad_token_id, packed=data.packing, shuffle=data.shuffle,

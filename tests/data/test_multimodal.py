@@ -380,6 +380,30 @@ def test_sft_data_max_pixels_reaches_its_processor(tmp_path):
     assert counts == [16, 4]
 
 
+def test_an_sft_run_loads_its_image_processor_once(tmp_path, monkeypatch):
+    """preflight_sft checks the pixel bounds on the processor the trainer then uses, not on one loaded beside it."""
+    from transformers.image_processing_base import ImageProcessingMixin
+
+    from reinforge.config.loader import load_sft_config
+    from reinforge.models.tiny_vlm import save_tiny_vlm
+    from reinforge.trainer.sft_trainer import SFTTrainer
+
+    model = save_tiny_vlm(tmp_path / "vlm")
+    path = tmp_path / "sft.parquet"
+    rows = [{"messages": [{"role": "user", "content": "<image>How many?"}, {"role": "assistant", "content": "3"}],
+             "images": [png((255, 0, 0), size=(64, 64))]}] * 2
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    config = load_sft_config(None, [f"model.path={model}", f"data.train_files=[{path}]", "data.max_pixels=1024",
+                                    "data.batch_size=2", "trainer.device=cpu", "trainer.loggers=[jsonl]",
+                                    f"trainer.output_dir={tmp_path / 'run'}"])
+    loaded = []
+    from_dict = ImageProcessingMixin.from_dict.__func__
+    monkeypatch.setattr(ImageProcessingMixin, "from_dict",
+                        classmethod(lambda cls, *args, **kwargs: loaded.append(cls) or from_dict(cls, *args, **kwargs)))
+    trainer = SFTTrainer(config)
+    assert len(loaded) == 1 and trainer.processor.image_processor.size["longest_edge"] == 1024
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["data.max_pixels=0"], r"^data.max_pixels=0 is not a positive whole number of pixels; give one"),
     (["data.min_pixels=-4"], r"^data.min_pixels=-4 is not a positive whole number of pixels"),
