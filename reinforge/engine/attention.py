@@ -106,11 +106,15 @@ def _register() -> None:
 
 class AttentionCalls:
     """What the varlen attention received while watched (``watch_attention_calls``): calls with the packed
-    forward's arguments and calls without them."""
+    forward's arguments and calls without them, and calls handed the keys an indexer selected (``sparse``)."""
 
     def __init__(self) -> None:
         self.packed = 0
         self.unpacked = 0
+        self.sparse = 0
+        """Calls given ``indices`` (DeepSeek V3.2's and GLM-5's sparse attention: each query attends to the keys
+        its indexer chose). transformers folds them into the mask for eager and SDPA only; this implementation
+        attends to every key, which differs once a sequence is longer than the indexer's top-k."""
 
 
 _WATCHERS: list[AttentionCalls] = []
@@ -141,6 +145,8 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
                 calls.unpacked += 1
             else:
                 calls.packed += 1
+            if kwargs.get("indices") is not None:
+                calls.sparse += 1
     if cu_seqlens is None:
         if softcap is None and sinks is None:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward

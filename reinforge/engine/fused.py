@@ -495,9 +495,11 @@ def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, 
     (a purely causal one left out). A few causal LMs are not written for that: transformers runs them with eager
     attention only (``_supports_sdpa = False``), and their modules rely on the mask alone, or on eager's handling of
     the arguments they pass (Inkling 2's position biases and sinks). One forward of two rows, one left-padded,
-    through each implementation: where the log-probs differ, the model's own attention serves every pass.
+    through each implementation: where the log-probs differ, the model's own attention serves every pass. So it does
+    where the model hands the attention the keys an indexer selected (DeepSeek V3.2, GLM-5): their selection keeps
+    every key of a sequence shorter than its top-k (2,048 keys), as the probe's are, so only the call says it.
     """
-    from reinforge.engine.attention import NAME, OWN_ATTENTION, OWN_ATTENTION_WHY
+    from reinforge.engine.attention import NAME, OWN_ATTENTION, OWN_ATTENTION_WHY, watch_attention_calls
     from reinforge.engine.forward import PACKS_ROWS, build_position_ids
 
     own = getattr(model, OWN_ATTENTION, None)
@@ -513,20 +515,24 @@ def _keep_own_attention_where_varlen_differs(model: nn.Module, model_type: str, 
         return model(**inputs).logits.float().log_softmax(-1)[valid]
 
     try:
-        varlen = log_probs()
+        with watch_attention_calls() as calls:
+            varlen = log_probs()
         model.set_attn_implementation(own)
         gap = float((log_probs() - varlen).abs().max())
     except Exception:  # noqa: BLE001 (a forward that fails either way: the probes after this one name it)
         model.set_attn_implementation(NAME)
         return
-    if gap <= tolerance:
+    if gap <= tolerance and not calls.sparse:
         model.set_attn_implementation(NAME)
         return
-    setattr(model, OWN_ATTENTION_WHY, f"reinforge's varlen attention computed other probabilities ({gap:.3g} apart)")
+    if calls.sparse:
+        why = "reinforge's varlen attention would attend to every key, not to those its indexer selects"
+    else:
+        why = f"reinforge's varlen attention computed other probabilities ({gap:.3g} apart)"
+    setattr(model, OWN_ATTENTION_WHY, why)
     setattr(model, PACKS_ROWS, False)
-    logger.info("%s (model_type=%r) computes other log-probs through packed varlen attention than through its own "
-                "%s attention (%.3g apart): it keeps its own, over padded rows (slower, more memory)",
-                type(model).__name__, model_type, own, gap)
+    logger.info("%s (model_type=%r): %s; it keeps its own %s attention, over padded rows (slower, more memory)",
+                type(model).__name__, model_type, why, own)
 
 
 def check_final_soft_cap(model: nn.Module) -> None:

@@ -140,6 +140,10 @@ def _moe_layers(config, model_type: str) -> list[bool]:
     return [False] * num_layers
 
 
+DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+"""The expert selections transformers' DeepseekV2 router runs."""
+
+
 def _moe_spec(config, model_type: str) -> MoESpec | None:
     if model_type in ("qwen3_moe", "olmoe"):
         return MoESpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok, scoring="softmax",
@@ -153,6 +157,10 @@ def _moe_spec(config, model_type: str) -> MoESpec | None:
                        topk_group=None, group_score=None, correction_bias=False, shared_experts=0,
                        intermediate_size=config.intermediate_size)
     if model_type == "deepseek_v2":
+        if config.topk_method not in DEEPSEEK_V2_TOPK_METHODS:
+            raise ValueError(f"deepseek_v2 config (model.path's config.json) has topk_method={config.topk_method!r}, "
+                             "which transformers' DeepseekV2 router does not run (its forward fails); set topk_method "
+                             f"to one of {', '.join(DEEPSEEK_V2_TOPK_METHODS)}")
         grouped = config.topk_method == "group_limited_greedy"
         return MoESpec(num_experts=_num_routed_experts(config), top_k=config.num_experts_per_tok, scoring="softmax",
                        norm_topk_prob=False,  # transformers' V2 router never renormalises

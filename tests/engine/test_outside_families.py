@@ -61,6 +61,12 @@ TINY = {
     "inkling2_text": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=32),
+    # index_topk above the probe's 9 tokens, below the 13 of the test batch: its selection leaves keys out only there
+    "deepseek_v32": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4, n_group=2, topk_group=1,
+                         num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+                         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8, index_topk=10,
+                         index_head_dim=16, index_n_heads=2, max_position_embeddings=128),
 }
 SIZES = {  # hidden, layers, heads, KV heads (Falcon's multi-query: one), MLP width (an expert's), experts
     "gpt2": (64, 2, 4, 4, 256, 0), "opt": (64, 2, 4, 4, 96, 0), "falcon": (64, 2, 4, 1, 256, 0),
@@ -519,3 +525,35 @@ def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_ro
     expected = logits.gather(-1, batch["responses"][..., None])[..., 0]
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
 
+
+
+def test_a_model_whose_indexer_selects_the_keys_trains_on_its_own_sparse_attention():
+    """DeepSeek V3.2 hands its attention the keys its indexer selected as ``indices``, which transformers folds into
+    the mask of eager and SDPA attention only; reinforge's varlen attention attended to every key. The probe's
+    sequences are shorter than the indexer's top-k (2,048 in the released model, 10 here), so their log-probs agreed
+    and the model trained dense: once a sequence was longer, on other probabilities than its own forward gives. The
+    model keeps its own attention, and a longer sequence's log-probs are those of its forward alone."""
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.fused import describe_training_path
+    from tests.engine.test_packing import grouped_batch
+
+    model = tiny_model("deepseek_v32")
+    reference = copy.deepcopy(model)
+    use_varlen_attention(model)
+    check_packed_sequences_stay_apart(model)
+    batch = grouped_batch(num_prompts=2, samples=2)
+    assert batch["attention_mask"].sum(-1).max() > model.config.index_topk
+    width = batch["prompts"].shape[1]
+    expected = torch.zeros(batch["responses"].shape)
+    with torch.no_grad():
+        for row in range(batch["input_ids"].shape[0]):
+            mask = batch["attention_mask"][row].bool()
+            logits = reference(input_ids=batch["input_ids"][row][mask][None]).logits[0].log_softmax(-1)
+            num_prompt, num_response = int(mask[:width].sum()), int(batch["response_mask"][row].sum())
+            tokens = batch["responses"][row][:num_response]
+            expected[row, :num_response] = logits[num_prompt - 1:num_prompt - 1 + num_response].gather(
+                -1, tokens[:, None])[:, 0]
+        log_probs = response_log_probs(model, batch)[0] * batch["response_mask"]
+    torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
+    assert "it keeps its own sdpa attention (reinforge's varlen attention would attend to every key, not to those " \
+           "its indexer selects)" in describe_training_path(model, torch.device("cpu"))

@@ -82,6 +82,12 @@ def test_moe_and_mla_tables():
     assert v2.mla.q_lora_rank is None
     greedy = architecture_spec(tiny_config("deepseek_v2", num_layers=2, topk_method="greedy"))
     assert greedy.moe.n_group is None and greedy.moe.group_score is None
+    # another selection (V3's noaux_tc) is none transformers' V2 router runs: its forward fails, and was routed greedily
+    with pytest.raises(ValueError) as refused:
+        architecture_spec(tiny_config("deepseek_v2", num_layers=2, topk_method="noaux_tc"))
+    assert str(refused.value) == (
+        "deepseek_v2 config (model.path's config.json) has topk_method='noaux_tc', which transformers' DeepseekV2 "
+        "router does not run (its forward fails); set topk_method to one of greedy, group_limited_greedy")
     qwen3_moe = architecture_spec(tiny_config("qwen3_moe", num_layers=4, decoder_sparse_step=2,
                                               mlp_only_layers=[3]))
     assert [layer.moe for layer in qwen3_moe.layers] == [False, True, False, False]
