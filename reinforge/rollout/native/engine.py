@@ -181,6 +181,7 @@ class NativeEngine:
         self._peak_blocks_used = 0
         self._peak_blocks_share = 0.0
         self._decode_sampling: tuple[int, SamplingTensors] | None = None
+        """The running sequences' sampling parameters and the scheduler version they were made at (see ``wake_up``)."""
         self._in_flight: LaunchedStep | None = None
 
     # ---- hybrid-engine lifecycle -------------------------------------------------------------
@@ -208,6 +209,9 @@ class NativeEngine:
                     for num_blocks, window in zip(self.runner.group_num_kv_blocks, windows, strict=True)]
         self.scheduler = Scheduler(managers[0], self.max_num_seqs, self.max_num_batched_tokens, self.max_admission_wait,
                                    self.admission_fraction, tuple(managers[1:]))
+        # the new scheduler counts versions from 0 again: a decode step's parameters kept from the last wake-up could
+        # carry the version of one of its steps and be sampled with (other temperatures, seeds and row counts)
+        self._decode_sampling = None
 
     def sleep(self, abandon: bool = False) -> None:
         """Free the KV cache, the weight copies and the CUDA graphs (unless ``free_on_sleep`` is False; see ``__init__``).

@@ -118,6 +118,10 @@ class Sampler:
     def __call__(self, logits: Tensor, params: SamplingTensors) -> tuple[Tensor, Tensor]:
         """Sampled token ids (rows,) int64 and their log-probs (rows,) float32. logits: (rows, vocab)."""
         rows = logits.shape[0]
+        num_params = (params.inv_temperatures.shape[0], params.positions.shape[0])
+        if num_params != (rows, rows):  # the kernel would read parameters past the rows it was given
+            raise RuntimeError(f"sampling parameters of {num_params[0]} rows (positions of {num_params[1]}) for "
+                               f"logits of {rows} rows: SamplingTensors must be made from the step's own sequences")
         softcap = self.softcap
         if softcap is not None and (params.needs_truncation or params.needs_min_p or not self.use_triton):
             # the thresholds and the kernel must see the same capped values: cap once, here

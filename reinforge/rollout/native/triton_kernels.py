@@ -351,10 +351,12 @@ def _sample_split_kernel(logits_ptr, stride_logits, vocab_size, inv_temperatures
     for block in range(BLOCKS_PER_SPLIT):  # the last split's blocks past the vocabulary are all masked
         cols = (split * BLOCKS_PER_SPLIT + block) * BLOCK_V + lanes
         in_vocab = cols < vocab_size
-        x = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(tl.float32)
-        if HAS_SOFTCAP:  # masked columns stay -inf
-            x = tl.where(in_vocab, _softcapped(x, softcap), float("-inf"))
-        x = x * inv_temperature
+        x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            x = _softcapped(x, softcap)
+        # columns past the vocabulary are -inf after the temperature, whatever it is (times a negative or NaN one, a
+        # masked -inf would become +inf or NaN, and the greedy branch below would pick the column)
+        x = tl.where(in_vocab, x * inv_temperature, float("-inf"))
         # online softmax with one exp per logit: exp(smaller - larger) either scales the lane's sum
         # down to a new maximum or is the new term (zero while the lane has seen only -inf)
         new_max = tl.maximum(lane_max, x)
@@ -396,6 +398,7 @@ def _sample_combine_kernel(logits_ptr, stride_logits, vocab_size, num_splits, in
     # splits cover increasing columns, so the smallest index among the best keeps the first maximum
     best = tl.max(split_best, axis=0)
     token = tl.min(tl.where(split_best == best, split_index, vocab_size), axis=0)
+    token = tl.minimum(token, vocab_size - 1)  # an id the embedding has, whatever the scores were
     chosen = tl.load(logits_ptr + row.to(tl.int64) * stride_logits + token).to(tl.float32)
     if HAS_SOFTCAP:
         chosen = _softcapped(chosen, softcap)

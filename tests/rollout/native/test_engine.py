@@ -166,6 +166,22 @@ def test_a_later_round_with_other_prompts_uses_its_own_block_tables(tiny):
     assert engine.generate([GenerationRequest(second[0], GREEDY)])[0][0].token_ids == tiny.hf_greedy(model, second[0], 12)
 
 
+@pytest.mark.parametrize("first_round_tokens, num_later_requests", [
+    ([12], 1),  # round 1's last decode steps ran at the version of round 2's: greedy parameters, same rows
+    ([2, 12], 3),  # round 1's last steps had one row (at version 3), round 2's steps at version 3 have three
+])
+def test_a_later_round_samples_with_its_own_parameters(qwen2, tiny, first_round_tokens, num_later_requests):
+    # each wake-up's scheduler counts versions from 0; the decode steps' parameters are kept by version
+    engine = make_engine(qwen2)
+    prompts = tiny.prompts([10, 6, 13], seed=4)
+    engine.generate([GenerationRequest(prompt, SamplingParams(max_tokens=tokens, temperature=0.0))
+                     for prompt, tokens in zip(prompts, first_round_tokens, strict=False)])
+    engine.sleep()
+    later = [GenerationRequest(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=index))
+             for index, prompt in enumerate(prompts[:num_later_requests])]
+    assert engine.generate(later) == make_engine(qwen2).generate(later)
+
+
 def test_subclasses_of_supported_models_are_supported(tiny):
     class MyQwen2(transformers.Qwen2ForCausalLM):
         def describe(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from reinforge.rollout.base import SamplingParams
@@ -88,3 +89,9 @@ def test_a_temperature_whose_inverse_overflows_samples_the_argmax():
         top_values, top_ids = sampler.top_log_probs(LOGITS, params_for(SamplingParams(temperature=temperature,
                                                                                       num_top_log_probs=2)))
         assert top_ids[0, 0] == 4 and top_values[0, 0] == 0.0 and top_values[0, 1] < -1e29
+
+
+def test_parameters_of_another_row_count_are_refused():
+    # the kernel reads each row's parameters by row index: fewer would be read past their end on the device
+    with pytest.raises(RuntimeError, match="sampling parameters of 2 rows"):
+        Sampler(use_triton=False)(LOGITS.repeat(3, 1), params_for(SamplingParams(temperature=1.0), rows=2))

@@ -106,6 +106,38 @@ def test_sampler_kernel_ties_pick_the_first_column(layout):
     assert tokens.cpu().tolist() == reference_sample(*inputs.values())[0].tolist()
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's NaN arithmetic, on purpose here
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+def test_no_parameters_or_logits_sample_an_id_past_the_vocabulary(layout, use_triton):
+    # rows of every kind of inverse temperature, each greedy and sampled, without a threshold and with a NaN one, over
+    # logits of ordinary, NaN and infinite values (a vocabulary that is no multiple of a block)
+    vocab_size, inf, nan = 300, float("inf"), float("nan")
+    inv_temperatures = torch.tensor([-1.0, -1e30, -inf, 0.0, nan, inf, 1.0])
+    rows = [(inv, greedy, threshold) for inv in inv_temperatures.tolist() for greedy in (1, 0)
+            for threshold in (-inf, nan)]
+    logits = torch.randn(len(rows), vocab_size, generator=torch.Generator().manual_seed(0))
+    logits[0::4] = -logits[0::4].abs()  # all negative: a negative temperature makes each one +inf
+    logits[1::4, ::3] = nan
+    logits[2::4, 7] = inf
+    logits[3::4, 5] = -inf
+    num_rows = len(rows)
+    params = SamplingTensors(
+        inv_temperatures=torch.tensor([row[0] for row in rows], device=DEVICE),
+        greedy=torch.tensor([row[1] for row in rows], dtype=torch.int32, device=DEVICE),
+        top_k=torch.zeros(num_rows, dtype=torch.int64, device=DEVICE), top_p=torch.ones(num_rows, device=DEVICE),
+        log_min_p=torch.full((num_rows,), -inf, device=DEVICE),
+        sample_seeds=torch.arange(num_rows, device=DEVICE), needs_truncation=False, needs_min_p=False,
+        positions=torch.full((num_rows,), 9, device=DEVICE))
+    thresholds = torch.tensor([row[2] for row in rows], device=DEVICE)
+    if use_triton:
+        tokens, _ = triton_kernels.sample(logits.to(DEVICE), params.inv_temperatures, params.greedy, thresholds,
+                                          params.sample_seeds, params.positions, **layout)
+    else:
+        tokens, _ = Sampler._sample_torch(logits.to(DEVICE), params, thresholds)
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < vocab_size, tokens.tolist()
+
+
 def test_the_pytorch_noise_is_the_kernels_noise_and_both_sampler_paths_agree():
     inputs = random_sampling_inputs(16, 1000, torch.float32, seed=21)
     seeds, positions = inputs["sample_seeds"], inputs["positions"]
