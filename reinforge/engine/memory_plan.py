@@ -690,9 +690,9 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-NO_WINDOW_FAMILIES = ("llama", "olmo2", "deepseek_v2", "deepseek_v3")
-"""Families whose attention reads no ``sliding_window``: a config.json that carries the key (a fine-tune's leftover)
-still attends to the whole context, and its KV cache is counted whole."""
+NO_WINDOW_FAMILIES = ("llama", "olmo2", "olmoe", "deepseek_v2", "deepseek_v3")
+"""Families whose masks never slide (their models build only causal masks): a config.json that carries
+``sliding_window`` (a fine-tune's leftover) still attends to the whole context, and its KV cache is counted whole."""
 
 
 def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:

@@ -107,7 +107,7 @@ def _layer_windows(config, model_type: str) -> list[int | None]:
     """Each layer's window, as the family's attention module sets its ``sliding_window``."""
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "olmoe"):  # one window for all layers, if any
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # one window for all layers, if any
         return [window] * num_layers
     if model_type in ("qwen2", "qwen3", *GEMMA):
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
@@ -115,7 +115,9 @@ def _layer_windows(config, model_type: str) -> list[int | None]:
     if model_type == "smollm3":
         layer_types = config.layer_types
         return [window if config.use_sliding_window and kind == "sliding_attention" else None for kind in layer_types]
-    return [None] * num_layers  # llama, olmo2, deepseek
+    # llama, olmo2, deepseek, olmoe: their models build only causal masks, so eager and SDPA attend to every earlier
+    # token whatever sliding_window says (OLMoE hands it to its attention function, which only flash attention reads)
+    return [None] * num_layers
 
 
 def _layer_ropes(config, model_type: str) -> list[str]:
