@@ -13,7 +13,8 @@ back to masked SDPA if it does not. Without it (``generate`` with padding masks,
 with SDPA's masks, so the same model serves rollout and training.
 
 Every difference transformers hands the attention function applies, for any family: the
-layer's ``sliding_window`` (W keys including the query: the flash kernel's ``window_size=(W-1, 0)``),
+layer's ``sliding_window`` (W keys including the query: the flash kernel's ``window_size=(W-1, 0)``; ignored where
+the model's masks never slide, as eager and SDPA ignore it),
 ``softcap`` (Gemma 2: on CUDA the Triton kernels of ``engine/softcap_attention.py``, else
 ``flex_attention`` with a soft-capping score_mod where that compiles, an explicit masked
 matmul-softmax elsewhere), ``s_aux`` sinks (GPT-OSS: the explicit path) and a value head
@@ -28,6 +29,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +51,7 @@ def use_varlen_attention(model: nn.Module) -> None:
     if getattr(model.config, "_attn_implementation", None) != NAME:
         setattr(model, OWN_ATTENTION, getattr(model.config, "_attn_implementation", None))
     model.set_attn_implementation(NAME)
-    _note_mask_only_windows(model)
+    _note_mask_windows(model)
     choose_factors_per_sequence(model)  # LongRoPE: a short sequence packed beside a long one keeps its factors
 
 
@@ -71,28 +73,45 @@ def restore_own_attention(model: nn.Module, why: str) -> None:
         setattr(model, OWN_ATTENTION_WHY, why)
 
 
-def _note_mask_only_windows(model: nn.Module) -> None:
-    """Give each attention module of a model whose windows live only in transformers' masks its window.
+def _note_mask_windows(model: nn.Module) -> None:
+    """Give each attention module the window transformers' mask applies to its layer, where the attention function's
+    ``sliding_window`` argument does not say it.
 
-    Most families hand their layer's ``sliding_window`` to the attention function; a few (Qwen2-MoE,
-    PhiMoE) put it only in the sliding-window mask, which packed passes do not build. Their modeling
-    module builds that mask from ``config.sliding_window`` for the layers of type
-    ``sliding_attention`` (every layer when the config has no layer types); the same windows are
-    noted on the attention modules as ``_packed_window``. A ``sliding_window`` argument always wins.
+    Most families hand their layer's ``sliding_window`` to the attention function and build the same window into
+    the layer's mask. A few (Qwen2-MoE, PhiMoE) put it only in the sliding-window mask, which packed passes do not
+    build: their modeling module builds that mask from ``config.sliding_window`` for the layers of type
+    ``sliding_attention`` (every layer when the config has no layer types), and the same windows are noted on the
+    attention modules as ``_packed_window``; an argument wins over it. A module whose modeling code builds no
+    sliding-window mask at all (OLMoE hands ``config.sliding_window`` to every layer, yet its masks are causal, so
+    eager and SDPA attend to every earlier token; only flash attention would read the argument) is noted as
+    ``_mask_never_slides``, and its argument is ignored.
     """
     import sys
 
-    modeling = sys.modules.get(type(model).__module__)
-    if modeling is None or not hasattr(modeling, "create_sliding_window_causal_mask"):
-        return
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     window = getattr(config, "sliding_window", None) or None
     layer_types = getattr(config, "layer_types", None)
+    model_module = sys.modules.get(type(model).__module__)
+    notes_windows = model_module is not None and hasattr(model_module, "create_sliding_window_causal_mask")
+    model_slides = _builds_window_masks(model_module)
     for module in model.modules():
         layer_index = getattr(module, "layer_idx", None)
-        if window and isinstance(layer_index, int) and type(module).__name__.endswith("Attention"):
+        if not (isinstance(layer_index, int) and type(module).__name__.endswith("Attention")):
+            continue
+        if not model_slides and not _builds_window_masks(sys.modules.get(type(module).__module__)):
+            module._mask_never_slides = True
+        elif window and notes_windows:
             sliding = layer_types is None or layer_types[layer_index] == "sliding_attention"
             module._packed_window = window if sliding else None
+
+
+def _builds_window_masks(modeling: Any) -> bool:
+    """Whether a modeling module of transformers holds any of its windowed mask builders (a module outside
+    transformers, remote code, is assumed to: its ``sliding_window`` argument stands)."""
+    if modeling is None or not modeling.__name__.startswith("transformers.models."):
+        return True
+    return any(getattr(value, "__module__", None) == "transformers.masking_utils" and ("window" in name or "sliding"
+               in name) for name, value in vars(modeling).items())
 
 
 @cache
@@ -157,7 +176,10 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one row of packed sequences, got {query.shape[0]} rows")
     q, k, v = (tensor[0].transpose(0, 1) for tensor in (query, key, value))  # (tokens, heads, dim)
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "_packed_window", None)
+    if getattr(module, "_mask_never_slides", False):
+        window = None
+    else:
+        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "_packed_window", None)
     out = packed_attention(q, k, v, scale, kwargs, window=window, softcap=softcap, sinks=sinks)
     return out.unsqueeze(0), None
 

@@ -50,6 +50,7 @@ from typing import Any
 from reinforge.engine.image_embeddings import ENCODE_PATCHES as VISION_ENCODE_PATCHES
 from reinforge.engine.memory_plan_splits import split_loads
 from reinforge.engine.micro_batches import split_group
+from reinforge.models.architectures import check_transformers_runs
 from reinforge.models.kv_layout import kv_block_bytes, pool_blocks, window_pool_blocks
 
 GiB = 2**30
@@ -542,17 +543,26 @@ def check_routing_and_window(text: dict[str, Any], source: str) -> None:
 def check_model_config(path: str) -> None:
     """``check_size_values`` and ``check_routing_and_window`` on the config.json of the local model folder ``path``
     (a hub id, a missing folder or a file that is not JSON pass: the planner or the load names what is wrong), so a
-    run whose memory settings are all given is refused before its model loads too."""
+    run whose memory settings are all given is refused before its model loads too; then, on the config transformers
+    builds from it, ``check_transformers_runs`` (a table family's config that transformers loads but cannot run)."""
     file = Path(path).expanduser() / "config.json"
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError):
         return
     if isinstance(config, dict):
+        given = config
         config = with_family_defaults(config)
         text = standard_sizes(config.get("text_config") or config)
         check_size_values(text)
         check_routing_and_window(text, str(file))
+        config_class = _config_class(given.get("model_type") if isinstance(given.get("model_type"), str) else None)[0]
+        try:
+            built = config_class.from_dict(given) if config_class is not None else None
+        except Exception:  # noqa: BLE001 (a config the class cannot build: the load names what is wrong)
+            built = None
+        if built is not None:
+            check_transformers_runs(built)
 
 
 SIZE_ALIASES = {
@@ -690,9 +700,9 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-NO_WINDOW_FAMILIES = ("llama", "olmo2", "deepseek_v2", "deepseek_v3")
-"""Families whose attention reads no ``sliding_window``: a config.json that carries the key (a fine-tune's leftover)
-still attends to the whole context, and its KV cache is counted whole."""
+NO_WINDOW_FAMILIES = ("llama", "olmo2", "olmoe", "deepseek_v2", "deepseek_v3")
+"""Families whose masks never slide (their models build only causal masks): a config.json that carries
+``sliding_window`` (a fine-tune's leftover) still attends to the whole context, and its KV cache is counted whole."""
 
 
 def layer_windows(text: dict[str, Any]) -> tuple[int, ...]:

@@ -107,7 +107,7 @@ def _layer_windows(config, model_type: str) -> list[int | None]:
     """Each layer's window, as the family's attention module sets its ``sliding_window``."""
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe", "olmoe"):  # one window for all layers, if any
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # one window for all layers, if any
         return [window] * num_layers
     if model_type in ("qwen2", "qwen3", *GEMMA):
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
@@ -115,7 +115,9 @@ def _layer_windows(config, model_type: str) -> list[int | None]:
     if model_type == "smollm3":
         layer_types = config.layer_types
         return [window if config.use_sliding_window and kind == "sliding_attention" else None for kind in layer_types]
-    return [None] * num_layers  # llama, olmo2, deepseek
+    # llama, olmo2, deepseek, olmoe: their models build only causal masks, so eager and SDPA attend to every earlier
+    # token whatever sliding_window says (OLMoE hands it to its attention function, which only flash attention reads)
+    return [None] * num_layers
 
 
 def _layer_ropes(config, model_type: str) -> list[str]:
@@ -157,10 +159,6 @@ def _moe_spec(config, model_type: str) -> MoESpec | None:
                        topk_group=None, group_score=None, correction_bias=False, shared_experts=0,
                        intermediate_size=config.intermediate_size)
     if model_type == "deepseek_v2":
-        if config.topk_method not in DEEPSEEK_V2_TOPK_METHODS:
-            raise ValueError(f"deepseek_v2 config (model.path's config.json) has topk_method={config.topk_method!r}, "
-                             "which transformers' DeepseekV2 router does not run (its forward fails); set topk_method "
-                             f"to one of {', '.join(DEEPSEEK_V2_TOPK_METHODS)}")
         grouped = config.topk_method == "group_limited_greedy"
         return MoESpec(num_experts=_num_routed_experts(config), top_k=config.num_experts_per_tok, scoring="softmax",
                        norm_topk_prob=False,  # transformers' V2 router never renormalises
@@ -227,11 +225,54 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+MASKS_FROM_LAYER_TYPES = ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text")
+"""Families whose model builds a sliding-window mask (from ``config.sliding_window``) for each ``sliding_attention``
+entry of ``layer_types``."""
+
+
+def check_transformers_runs(config) -> None:
+    """Refuse, in one line naming the value, the file and the fix, a config of a family in ``FAMILIES`` that
+    transformers loads but whose own forward fails: a deepseek_v2 ``topk_method`` its router does not run, a
+    DeepSeek MLA config whose ``num_key_value_heads`` divides ``num_attention_heads`` into groups (transformers expands
+    the latent into one key and value head per query head, then its eager and SDPA attention repeat them once more
+    per group), and ``sliding_attention`` layers with no window (Qwen's ``use_sliding_window=false`` drops it)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3":
+        config, model_type = text_config(config), "gemma3_text"
+    source = f"{model_type} config (model.path's config.json)"
+    if model_type == "deepseek_v2" and config.topk_method not in DEEPSEEK_V2_TOPK_METHODS:
+        raise ValueError(f"{source} has topk_method={config.topk_method!r}, which transformers' DeepseekV2 router does "
+                         "not run (its forward fails); set topk_method to one of "
+                         f"{', '.join(DEEPSEEK_V2_TOPK_METHODS)}")
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if kv_heads and heads // kv_heads > 1:
+            name = "DeepseekV2" if model_type == "deepseek_v2" else "DeepseekV3"
+            raise ValueError(f"{source} has num_key_value_heads={kv_heads} with num_attention_heads={heads}: "
+                             f"transformers' {name} attention expands its latent into {heads} key and value heads, "
+                             f"then repeats them {heads // kv_heads} times (num_attention_heads // "
+                             "num_key_value_heads), so its forward fails on mismatched head counts; set "
+                             f"num_key_value_heads to {heads}")
+    layer_types = getattr(config, "layer_types", None) or ()
+    if (model_type in MASKS_FROM_LAYER_TYPES and "sliding_attention" in layer_types
+            and getattr(config, "sliding_window", None) is None):
+        if getattr(config, "use_sliding_window", None) is False and model_type in ("qwen2", "qwen3"):
+            raise ValueError(f"{source} lists sliding_attention layers in layer_types with use_sliding_window=false, "
+                             "which transformers reads as no window (sliding_window=None), so its forward fails "
+                             "building their mask; set use_sliding_window=true (with sliding_window) to slide them, "
+                             "or list them as full_attention")
+        raise ValueError(f"{source} lists sliding_attention layers in layer_types with sliding_window=null, so "
+                         "transformers' forward fails building their mask; set sliding_window to the model's window "
+                         "in tokens, or list them as full_attention")
+
+
 def architecture_spec(config) -> ArchitectureSpec | None:
-    """The table for a family in ``FAMILIES``; None for any other model_type (the transformers-module path)."""
+    """The table for a family in ``FAMILIES``; None for any other model_type (the transformers-module path).
+    A config transformers cannot run is refused (``check_transformers_runs``)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         return None
+    check_transformers_runs(config)
     if model_type == "gemma3":
         config = text_config(config)
         model_type = "gemma3_text"

@@ -118,6 +118,20 @@ def assert_pass_equals_transformers_padded_forward(model, share_prompts: bool, f
         torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+UNMASKED_WINDOW = ("llama", "olmo2", "olmoe", "deepseek_v3")
+"""Families whose models build only causal masks: a ``sliding_window`` their config.json carries slides nothing in
+transformers' eager and SDPA forwards (OLMoE still hands it to its attention function)."""
+
+
+@pytest.mark.parametrize("fast_path", [False, True])
+@pytest.mark.parametrize("arch", UNMASKED_WINDOW)
+def test_a_window_the_models_masks_never_apply_is_not_applied(arch, fast_path):
+    model = tiny_model(arch)
+    model.config.sliding_window = WINDOW  # a leftover key of a config.json: transformers' forward reads it as it is
+    assert not architecture_spec(model.config).windowed
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True, fast_path=fast_path)
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
 def test_windows_and_soft_caps_change_the_result(arch):
     """The comparison above can fail: without its window (and soft-caps) the same weights give other log-probs."""

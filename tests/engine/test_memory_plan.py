@@ -614,10 +614,11 @@ def test_a_null_window_is_no_window_except_for_layers_that_slide():
         ModelShape.from_hf_config(sizes | {"model_type": "gemma2", "sliding_window": None})
 
 
-@pytest.mark.parametrize("model_type, windows", [("llama", ()), ("olmo2", ()), ("mistral", (8, 8))])
+@pytest.mark.parametrize("model_type, windows", [("llama", ()), ("olmo2", ()), ("olmoe", ()), ("mistral", (8, 8))])
 def test_a_window_key_of_a_family_that_reads_none_leaves_the_kv_cache_whole(model_type, windows):
-    """A Llama or OLMo 2 config.json that carries a sliding_window (a fine-tune's leftover) attends to the whole
-    context in transformers and in the native engine: its cache is planned whole; Mistral's slides."""
+    """A Llama, OLMo 2 or OLMoE config.json that carries a sliding_window (a fine-tune's leftover) attends to the whole
+    context in transformers (their masks never slide) and in the native engine: its cache is planned whole;
+    Mistral's slides."""
     sizes = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=96)
     assert ModelShape.from_hf_config(sizes | {"model_type": model_type, "sliding_window": 8}).attention_windows == \

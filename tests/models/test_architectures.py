@@ -96,6 +96,65 @@ def test_moe_and_mla_tables():
     assert (mixtral.moe.norm_topk_prob, mixtral.moe.weights_dtype, mixtral.moe.top_k) == (True, "float32", 2)
 
 
+MLA_REFUSAL = ("deepseek_v2 config (model.path's config.json) has num_key_value_heads=2 with num_attention_heads=4: "
+               "transformers' DeepseekV2 attention expands its latent into 4 key and value heads, then repeats them 2 "
+               "times (num_attention_heads // num_key_value_heads), so its forward fails on mismatched head counts; "
+               "set num_key_value_heads to 4")
+UNSET_WINDOW_REFUSAL = ("qwen2 config (model.path's config.json) lists sliding_attention layers in layer_types with "
+                        "use_sliding_window=false, which transformers reads as no window (sliding_window=None), so its "
+                        "forward fails building their mask; set use_sliding_window=true (with sliding_window) to slide "
+                        "them, or list them as full_attention")
+NULL_WINDOW_REFUSAL = ("smollm3 config (model.path's config.json) lists sliding_attention layers in layer_types with "
+                       "sliding_window=null, so transformers' forward fails building their mask; set sliding_window to "
+                       "the model's window in tokens, or list them as full_attention")
+SLIDING_SECOND = ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize(("arch", "options", "message"), [
+    ("deepseek_v2", {"num_key_value_heads": 2}, MLA_REFUSAL),
+    ("deepseek_v3", {"num_key_value_heads": 1}, MLA_REFUSAL.replace("deepseek_v2", "deepseek_v3").replace(
+        "DeepseekV2", "DeepseekV3").replace("=2 with", "=1 with").replace("them 2 times", "them 4 times")),
+    ("qwen2", {"layer_types": SLIDING_SECOND, "use_sliding_window": False, "sliding_window": 4}, UNSET_WINDOW_REFUSAL),
+    ("qwen3", {"layer_types": SLIDING_SECOND, "use_sliding_window": False, "sliding_window": 4},
+     UNSET_WINDOW_REFUSAL.replace("qwen2", "qwen3")),
+    ("smollm3", {"layer_types": SLIDING_SECOND, "use_sliding_window": False, "sliding_window": None},
+     NULL_WINDOW_REFUSAL),
+], ids=["deepseek_v2-grouped-kv", "deepseek_v3-grouped-kv", "qwen2-unset-window", "qwen3-unset-window",
+        "smollm3-null-window"])
+def test_a_config_transformers_loads_but_cannot_run_is_refused_before_its_weights_load(arch, options, message,
+                                                                                        tmp_path):
+    from reinforge.engine.memory_plan import check_model_config
+
+    config = tiny_config(arch, vocab_size=64, num_layers=2, **options)
+    model = build_tiny_causal_lm(arch, vocab_size=64, num_layers=2, **options)
+    for implementation in ("eager", "sdpa"):  # transformers' own forward fails, whichever attention it takes
+        model.set_attn_implementation(implementation)
+        with pytest.raises((RuntimeError, ValueError, TypeError)):
+            model(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8]]), attention_mask=torch.ones(1, 6, dtype=torch.long))
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as refused:
+        check_model_config(str(tmp_path))  # preflight, RL and SFT: from config.json alone
+    assert str(refused.value) == message
+    with pytest.raises(ValueError) as refused:
+        architecture_spec(config)  # a model built in Python
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(("arch", "options"), [
+    ("deepseek_v3", {"num_key_value_heads": 3}),  # 4 // 3 = 1: transformers repeats nothing, its forward runs
+    ("qwen2", {"layer_types": SLIDING_SECOND, "use_sliding_window": True, "sliding_window": 4}),
+    ("smollm3", {"layer_types": ["full_attention"] * 2, "use_sliding_window": False, "sliding_window": None}),
+])
+def test_configs_near_those_transformers_cannot_run_are_described(arch, options, tmp_path):
+    from reinforge.engine.memory_plan import check_model_config
+
+    config = tiny_config(arch, vocab_size=64, num_layers=2, **options)
+    config.save_pretrained(tmp_path)
+    check_model_config(str(tmp_path))
+    assert architecture_spec(config) is not None
+    build_tiny_causal_lm(arch, vocab_size=64, num_layers=2, **options)(input_ids=torch.tensor([[3, 4, 5, 6, 7, 8]]))
+
+
 def test_norms_projections_and_scales():
     gemma2 = architecture_spec(tiny_config("gemma2"))
     assert (gemma2.norm, gemma2.norm_placement, gemma2.activation) == ("gemma", "sandwich", "gelu_tanh")

@@ -100,6 +100,21 @@ def test_sampled_log_probs_are_a_transformers_forwards(family, use_triton):
             torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", UNWINDOWED)
+def test_a_window_the_models_masks_never_apply_is_not_applied(family):
+    """A ``sliding_window`` left in the config of a family whose masks never slide: sampled log-probs are still those
+    of transformers' forward, which attends to every earlier token."""
+    model = family_model(family)
+    model.config.sliding_window = WINDOW
+    engine = make_engine(model, False)
+    sampling = SamplingParams(n=2, max_tokens=NUM_NEW_TOKENS, temperature=1.0, seed=7)
+    batch = prompts(PROMPT_LENGTHS, seed=2)
+    for prompt, samples in zip(batch, engine.generate([GenerationRequest(p, sampling) for p in batch]), strict=True):
+        for sample in samples:
+            torch.testing.assert_close(torch.tensor(sample.log_probs), hf_log_probs(model, prompt, sample.token_ids),
+                                       atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", list(RELEASED_CONFIGS))
 def test_released_configs_sample_generates_tokens_and_a_forwards_log_probs(name):
     """The config structure of released checkpoints (tests/released_configs.py): greedy tokens are generate's and

@@ -497,6 +497,25 @@ def test_native_greedy_tokens_and_log_probs_match_transformers(family, options):
                                    atol=1e-5, rtol=0)
 
 
+def test_a_window_olmoes_masks_never_apply_is_not_applied():
+    """OLMoE hands a ``sliding_window`` its config carries to its attention function, but builds only causal masks:
+    sampled log-probs are those of transformers' forward, which attends to every earlier token. (transformers'
+    generate keeps only a window of that config's keys in its cache, so its greedy tokens are not the comparison.)"""
+    from reinforge.rollout.base import GenerationRequest, SamplingParams
+    from reinforge.rollout.native import NativeEngine
+
+    model = build_tiny_causal_lm("olmoe", seed=9, max_position_embeddings=128).eval()
+    model.config.sliding_window = 6
+    engine = NativeEngine(model, eos_token_ids=[], max_model_len=96, block_size=8, max_num_seqs=8, use_triton=False)
+    prompts = random_prompts([3, 17, 9])
+    completions = engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=7))
+                                   for p in prompts])
+    for prompt, samples in zip(prompts, completions, strict=True):
+        for sample in samples:
+            torch.testing.assert_close(torch.tensor(sample.log_probs),
+                                       forward_log_probs(model, prompt, sample.token_ids), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_a_second_turn_after_a_prefix_hit_gives_the_tokens_of_a_full_prefill(family, device):
