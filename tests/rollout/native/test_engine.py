@@ -182,6 +182,56 @@ def test_a_later_round_samples_with_its_own_parameters(qwen2, tiny, first_round_
     assert engine.generate(later) == make_engine(qwen2).generate(later)
 
 
+ROUNDS = [  # each round's requests: (prompt length, sampling); None marks a round whose third decode step fails
+    [(20, GREEDY), (20, SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=(5, 9)))],
+    None,
+    [(25, SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=1, top_k=5, num_top_log_probs=2)),
+     (6, SamplingParams(max_tokens=2, temperature=0.0))],
+    [(13, SamplingParams(max_tokens=9, temperature=0.7, n=2, seed=2, top_p=0.9, min_p=0.05)), (31, GREEDY),
+     (4, SamplingParams(max_tokens=1, temperature=1.0, seed=3))],
+]
+
+
+@pytest.mark.parametrize("architecture, options", [
+    ("qwen2", {}),
+    ("qwen2", {"free_on_sleep": False, "enable_prefix_caching": False, "num_kv_blocks": 8}),  # kept cache, preemption
+    ("gemma3_text", {}),  # a sliding layer group beside the full one
+])
+def test_every_round_generates_what_a_fresh_engine_does(tiny, architecture, options):
+    # rounds of other requests, one failing mid-generation and abandoned, weights changing between some: each
+    # round's tokens and log-probs are a fresh engine's on the same weights (no round leaves state to the next)
+    model = tiny.build(architecture, seed=5)
+    engine = make_engine(model, **options)
+    decode, calls = engine.runner.decode, []
+
+    def failing_decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("decode failed")
+        return decode(*args, **kwargs)
+
+    for index, requests in enumerate(ROUNDS):
+        if requests is None:
+            engine.runner.decode = failing_decode
+            with pytest.raises(RuntimeError, match="decode failed"):
+                engine.generate([GenerationRequest(p, SamplingParams(max_tokens=8, n=3, seed=4))
+                                 for p in tiny.prompts([9, 17], seed=9)])
+            engine.runner.decode = decode
+            engine.sleep(abandon=True)
+            continue
+        if index == 2:
+            with torch.no_grad():  # an optimizer step, in place
+                for parameter in model.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.05)
+            engine.sync_weights(model)
+        batch = [GenerationRequest(prompt, sampling)
+                 for prompt, (_, sampling) in zip(tiny.prompts([length for length, _ in requests], seed=index),
+                                                  requests, strict=True)]
+        completions = engine.generate(batch)
+        engine.sleep()
+        assert completions == make_engine(model, **options).generate(batch), f"round {index}"
+
+
 def test_subclasses_of_supported_models_are_supported(tiny):
     class MyQwen2(transformers.Qwen2ForCausalLM):
         def describe(self) -> str:
