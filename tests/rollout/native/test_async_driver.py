@@ -147,15 +147,16 @@ def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_w
     """A server's loop stopped right after its last reply: its driver task never ends. The next loop's request gets
     a driver of its own, which steps only once the stopped loop's thread is out of its step."""
     engine = CountingEngine()
-    stepped_out, held = threading.Event(), threading.Event()
+    stepped_out, held, released = threading.Event(), threading.Event(), threading.Event()
     step = engine.step
 
     def step_then_hold() -> bool:
+        if held.is_set():  # the first request's next step waits: the loop stops meanwhile
+            released.wait()
         stepped = step()
-        if stepped and not held.is_set():  # the first request's next step waits: the loop stops meanwhile
+        if stepped:
             held.set()
-            engine.gate.clear()
-        elif not stepped:
+        else:
             stepped_out.set()
         return stepped
 
@@ -169,7 +170,7 @@ def test_a_request_from_a_new_event_loop_is_served_after_the_last_loop_stopped_w
         first = asyncio.run_coroutine_threadsafe(driver.generate(request(1)), served).result(10)
         served.call_soon_threadsafe(served.stop)
         thread.join(10)
-        engine.gate.set()
+        released.set()
         assert stepped_out.wait(10)  # the stopped loop's thread found nothing left; its task stays pending
 
         async def main():
