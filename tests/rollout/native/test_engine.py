@@ -192,6 +192,19 @@ ROUNDS = [  # each round's requests: (prompt length, sampling); None marks a rou
 ]
 
 
+def failing_at_third_call(decode):
+    """``decode`` raising at its third call, as a decode step that fails mid-generation (out of memory, say)."""
+    calls = []
+
+    def failing_decode(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("decode failed")
+        return decode(*args, **kwargs)
+
+    return failing_decode
+
+
 @pytest.mark.parametrize("architecture, options", [
     ("qwen2", {}),
     ("qwen2", {"free_on_sleep": False, "enable_prefix_caching": False, "num_kv_blocks": 8}),  # kept cache, preemption
@@ -202,13 +215,8 @@ def test_every_round_generates_what_a_fresh_engine_does(tiny, architecture, opti
     # round's tokens and log-probs are a fresh engine's on the same weights (no round leaves state to the next)
     model = tiny.build(architecture, seed=5)
     engine = make_engine(model, **options)
-    decode, calls = engine.runner.decode, []
-
-    def failing_decode(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("decode failed")
-        return decode(*args, **kwargs)
+    decode = engine.runner.decode
+    failing_decode = failing_at_third_call(decode)
 
     for index, requests in enumerate(ROUNDS):
         if requests is None:
@@ -352,13 +360,8 @@ def test_a_failed_generation_keeps_its_error_and_the_engine_recovers(qwen2, tiny
     # sleep(abandon=True), drops the unfinished requests instead of raising over the real error
     prompts = tiny.prompts([10, 12])
     engine = make_engine(qwen2)
-    decode, calls = engine.runner.decode, []
-
-    def failing_decode(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("decode failed")
-        return decode(*args, **kwargs)
+    decode = engine.runner.decode
+    failing_decode = failing_at_third_call(decode)
 
     monkeypatch.setattr(engine.runner, "decode", failing_decode)
     with pytest.raises(RuntimeError, match="decode failed"):
