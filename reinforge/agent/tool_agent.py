@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -103,6 +104,9 @@ class ToolAgentLoop(AgentLoop):
                     trajectory.user_turns += 1
                     state = AgentState.GENERATING
         finally:
+            for name, future in instances.items():
+                if not future.done():  # a create that outlasted its call's timeout: its instance ends once it exists
+                    future.add_done_callback(functools.partial(_release_when_created, self.context.tools[name], name))
             created = [(name, future.result()) for name, future in instances.items()
                        if future.done() and not future.cancelled() and future.exception() is None]
             released = await asyncio.gather(*(_no_exit(self.context.tools[name].release(instance))
@@ -251,6 +255,27 @@ class ToolAgentLoop(AgentLoop):
         kept, _ = truncate_tokens(tokens, limit, side)
         cut = decode(kept)
         return (cut.rstrip(REPLACEMENT_CHARACTER) if side == "right" else cut.lstrip(REPLACEMENT_CHARACTER)), True
+
+
+_late_releases: set[asyncio.Task] = set()
+"""Releases of instances created after their trajectory ended, held until they finish (the loop keeps weak
+references to its tasks)."""
+
+
+def _release_when_created(tool: BaseTool, name: str, created: asyncio.Future) -> None:
+    """Release the instance of a create that returned after its trajectory ended (its call timed out and nothing
+    waited for it), so that no instance outlives the trajectory that asked for it."""
+    if created.cancelled() or created.exception() is not None:
+        return
+    task = created.get_loop().create_task(_no_exit(tool.release(created.result())))
+    _late_releases.add(task)
+
+    def done(task: asyncio.Task) -> None:
+        _late_releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("tool %r: release failed: %s: %s", name, type(task.exception()).__name__, task.exception())
+
+    task.add_done_callback(done)
 
 
 def _raised(name: str, error: BaseException) -> ToolResult:

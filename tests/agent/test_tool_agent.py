@@ -270,6 +270,45 @@ def test_parallel_calls_of_one_tool_share_one_instance(chatml_tokenizer, scripte
     assert Counted.created == 1 and Counted.released == 1
 
 
+class SlowToCreate(BaseTool):
+    live: set[str] = set()
+
+    async def create(self, instance_id=None, **create_kwargs):
+        await asyncio.sleep(0.2)  # past the call's timeout
+        instance = await super().create(instance_id)
+        SlowToCreate.live.add(instance)
+        return instance
+
+    async def execute(self, instance_id, arguments, **execute_kwargs):
+        return ToolResult("ok")
+
+    async def release(self, instance_id):
+        SlowToCreate.live.discard(instance_id)
+
+
+def test_an_instance_created_after_its_call_timed_out_is_released_once_it_exists(chatml_tokenizer, scripted_client):
+    # the create goes on after its call timed out and the trajectory ended, while the step's other trajectories
+    # keep the event loop running: its instance was never released, and such instances piled up step after step
+    SlowToCreate.live.clear()
+    schema = {"type": "function", "function": {"name": "slow", "description": "s",
+                                                "parameters": {"type": "object", "properties": {}}}}
+    context = AgentContext(chatml_tokenizer, scripted_client(chatml_tokenizer, [call("slow"), "done"]),
+                           MultiTurnConfig(tool_timeout_s=0.05), {"slow": SlowToCreate({}, schema)})
+    prompt_ids = chatml_tokenizer.apply_chat_template([{"role": "user", "content": "go"}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+
+    async def step():
+        output = await get_agent_loop("tool_agent")(context).run(SamplingParams(max_tokens=2000, seed=3),
+                                                                 prompt_ids=list(prompt_ids))
+        live_at_the_end = set(SlowToCreate.live)
+        await asyncio.sleep(0.4)  # another trajectory of the step still running
+        return output, live_at_the_end
+
+    output, live_at_the_end = asyncio.run(step())
+    assert "Tool 'slow' did not answer within 0.05 s." in tool_texts(chatml_tokenizer, output)
+    assert live_at_the_end == set() and SlowToCreate.live == set()
+
+
 class StopsAtToolCall:
     """A client whose turns end at a stop token (rollout.stop_token_ids), not at the end-of-turn token."""
 
