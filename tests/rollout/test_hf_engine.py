@@ -163,3 +163,48 @@ def test_a_temperature_whose_inverse_overflows_samples_the_argmax():
     sampled = engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=4, temperature=1e-40, seed=1,
                                                                            ignore_eos=True))])[0][0]
     assert sampled.token_ids == greedy.token_ids and sampled.log_probs == [0.0] * 4
+
+
+HF_ROUNDS = [  # each round's requests: (prompt, sampling); None marks a round interrupted at its third forward
+    [([5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0)),
+     ([9, 10, 11, 12, 13, 14, 15], SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(7, 9)))],
+    None,
+    [([20, 21], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=1, top_k=5, num_top_log_probs=2)),
+     ([30], SamplingParams(max_tokens=3, temperature=0.0, num_top_log_probs=1))],
+    [([5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=7, temperature=0.7, n=2, seed=2, top_p=0.9,
+                                                     min_p=0.05)),
+     ([4, 3], SamplingParams(max_tokens=5, temperature=1.3, seed=3, ignore_eos=True))],
+]
+
+
+def test_every_round_generates_what_a_fresh_engine_does():
+    # rounds of other requests on one engine, one interrupted midway, the weights changed in place (as the actor's
+    # update changes them) before the last: each round's tokens and log-probs are a fresh engine's on those weights
+    import copy
+    import threading
+
+    from reinforge.rollout.base import GenerationInterrupted
+
+    engine = make_engine(seed=6)
+    forward, interrupted, calls = engine.model.forward, threading.Event(), []
+
+    def interrupting_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            interrupted.set()
+        return forward(*args, **kwargs)
+
+    for index, requests in enumerate(HF_ROUNDS):
+        if requests is None:
+            engine.model.forward = interrupting_forward
+            with pytest.raises(GenerationInterrupted):
+                engine.generate([GenerationRequest([8, 9], SamplingParams(max_tokens=8, n=2, seed=4))], interrupted)
+            del engine.model.forward
+            continue
+        if index == len(HF_ROUNDS) - 1:
+            with torch.no_grad():
+                for parameter in engine.model.parameters():
+                    parameter.add_(torch.randn_like(parameter) * 0.05)
+        batch = [GenerationRequest(prompt, sampling) for prompt, sampling in requests]
+        fresh = HFEngine(copy.deepcopy(engine.model), pad_token_id=0, eos_token_ids=[EOS])
+        assert engine.generate(batch) == fresh.generate(batch), f"round {index}"
