@@ -174,6 +174,58 @@ def test_preempted_sequences_recompute_with_their_images(vlm):
         assert sample.token_ids == greedy_reference(model, inputs, 24)
 
 
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+"""An image's place in a prompt written by hand (the processor expands its pad token to the image's tokens)."""
+
+
+def encode_text(processor, text: str, images: list[Image.Image]) -> dict:
+    """The processor's outputs for the raw ``text`` (no chat template), its ``IMAGE`` places filled by ``images``."""
+    return dict(processor(text=[text], images=images or None, return_tensors="pt"))
+
+
+def assert_greedy_matches(model, encoded: list[dict], completions, n: int) -> None:
+    for inputs, samples in zip(encoded, completions, strict=True):
+        reference = greedy_reference(model, inputs, len(samples[0].token_ids))
+        assert [sample.token_ids for sample in samples] == [reference] * n
+        torch.testing.assert_close(torch.tensor(samples[0].log_probs), forward_log_probs(model, inputs, reference),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunk, use_triton", [(1, False), (5, False), pytest.param(5, True, marks=pytest.mark.slow)])
+def test_prefill_chunks_that_cut_through_images_match_generate(vlm, chunk, use_triton):
+    """Prefill forwards of a few tokens each: an image's tokens (and Qwen3-VL's deepstack rows) split over several,
+    images first and last in a prompt, side by side, and a text prompt in the same steps; n = 2 share the prefill."""
+    model, processor = vlm
+    encoded = [encode_text(processor, IMAGE + "ab" + IMAGE, [image(32, 48, 5), image(64, 16, 6)]),
+               encode_text(processor, "a" + IMAGE + IMAGE + "b<|image_pad|>", [image(16, 16, 7), image(40, 24, 8),
+                                                                               image(24, 40, 9)]),
+               encode(processor, 0, seed=2)]
+    sampling = SamplingParams(max_tokens=3 if use_triton else 6, temperature=0.0, n=2, ignore_eos=True)
+    engine = make_engine(model, max_prefill_chunk_tokens=chunk, use_triton=use_triton)
+    assert_greedy_matches(model, encoded, engine.generate([request_of(inputs, sampling) for inputs in encoded]), 2)
+
+
+@pytest.mark.parametrize("prefix", ["h", "hello there"])
+def test_a_prefix_cache_hit_may_end_inside_an_image(vlm, prefix):
+    """Two prompts with the same text and image before different questions share the blocks of the image's first
+    tokens; the second computes the image's last tokens from its own encoding. A different image stops the hit
+    before its tokens."""
+    model, processor = vlm
+    pictures = [image(64, 64, 7)]  # 16 tokens: two blocks of 8
+    first = encode_text(processor, prefix + IMAGE + "first question", pictures)
+    second = encode_text(processor, prefix + IMAGE + "another one", pictures)
+    other = encode_text(processor, prefix + IMAGE + "another one", [image(64, 64, 8)])
+    image_start = len(prefix) + 1  # after the text and <|vision_start|>
+    engine = make_engine(model)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, n=2, ignore_eos=True)
+    hits = []
+    for inputs in (first, second, other):
+        completions = engine.generate([request_of(inputs, sampling, keep_prefix=True)])
+        assert_greedy_matches(model, [inputs], completions, 2)
+        hits.append(engine.counts()["rollout/prefix_cache_hit_tokens"])
+    assert hits[0] == 0 and image_start < hits[1] < image_start + 16  # the hit ends inside the image
+    assert hits[2] - hits[1] == image_start // 8 * 8  # only the blocks before the image
+
 def test_a_text_model_refuses_images_and_a_mismatched_grid_is_named(vlm):
     model, processor = vlm
     inputs = encode(processor, 1)
