@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from reinforge.config.schema import DECLARED_ROUTER_AUX_LOSS
-from reinforge.models.architectures import architecture_spec
+from reinforge.models.architectures import architecture_spec, text_config
 
 
 def recorded_router(model_class: type) -> tuple[type, int] | None:
@@ -201,7 +201,7 @@ RECORD_ATTRIBUTE = "reinforge_routing"
 
 def _text_config_of(model: nn.Module):
     config = getattr(model, "config", None)
-    return _text_config(config) if config is not None else None
+    return text_config(config) if config is not None else None
 
 
 def aux_loss_form(model_class: type | None, model_config) -> str | None:
@@ -223,7 +223,7 @@ def aux_loss_form(model_class: type | None, model_config) -> str | None:
                 and list(inspect.signature(loss_func).parameters) == ["gate_logits", "num_experts", "top_k",
                                                                      "attention_mask"]):
             return "transformers"
-    spec = architecture_spec(_text_config(model_config)) if model_config is not None else None
+    spec = architecture_spec(text_config(model_config)) if model_config is not None else None
     return spec.moe.scoring if spec is not None and spec.moe is not None else None
 
 
@@ -465,29 +465,31 @@ EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 output_router_logits)."""
 
 
-def _text_config(model_config):
-    """The config transformers reads a model's MoE settings from: a vision-language model's text config."""
-    get_text_config = getattr(model_config, "get_text_config", None)
-    return get_text_config() if callable(get_text_config) else model_config
-
-
 def declares_experts(model_config) -> bool:
     """Whether ``model_config`` (a transformers config) is a mixture of experts': its text config has an
     ``output_router_logits`` attribute (whatever its value; TRL's test), or counts more than one expert."""
-    text_config = _text_config(model_config)
-    if hasattr(text_config, "output_router_logits"):
+    text = text_config(model_config)
+    if hasattr(text, "output_router_logits"):
         return True
-    return any(isinstance(getattr(text_config, name, None), int) and getattr(text_config, name) > 1
+    return any(isinstance(getattr(text, name, None), int) and getattr(text, name) > 1
                for name in EXPERT_COUNTS)
 
 
-def _declared_coef(text_config) -> float:
+def _declared_coef(text) -> float:
     """The aux loss weight a model config declares: ``router_aux_loss_coef``, or JetMoE's ``aux_loss_coef``."""
     for name in ("router_aux_loss_coef", "aux_loss_coef"):
-        value = getattr(text_config, name, None)
+        value = getattr(text, name, None)
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
     return 0.0
+
+
+def _coef_source(key: str, configured: float | str | None, coef: float) -> str:
+    """Where an aux loss weight ``coef`` came from, for an error: the run's ``key`` set to a number, else the model
+    config's weight that its value (null or declared) took."""
+    if isinstance(configured, int | float):
+        return f"{key}={configured}"
+    return f"the model config's router_aux_loss_coef={coef} ({key}={configured})"
 
 
 def trained_aux_loss_coef(model: nn.Module, recorder: RouterRecorder | None, configured: float | str | None,
@@ -497,10 +499,9 @@ def trained_aux_loss_coef(model: nn.Module, recorder: RouterRecorder | None, con
     says why) is refused in one line rather than trained as 0."""
     coef = router_aux_loss_coef(model.config, configured, key)
     if coef > 0 and recorder is None:
-        source = f"{key}={configured}" if isinstance(configured, int | float) else \
-            f"the model config's aux loss weight {coef} ({key}={configured})"
-        raise ValueError(f"{source} asks for a load-balancing loss, but {type(model).__name__}'s routers are not "
-                         f"recorded (see the line above), so none would be added; set {key}=0 to train without one")
+        raise ValueError(f"{_coef_source(key, configured, coef)} asks for a load-balancing loss, but "
+                         f"{type(model).__name__}'s routers are not recorded (see the line above), so none would be "
+                         f"added; set {key}=0 to train without one")
     return coef
 
 
@@ -513,19 +514,18 @@ def router_aux_loss_coef(model_config, configured: float | str | None, key: str 
 
     Raises for a weight above 0 on a transformers family whose loss reinforge cannot compute as the family's
     (``aux_loss_form``); ``key`` names the run's setting in that error."""
-    text_config = _text_config(model_config)
+    text = text_config(model_config)
     if configured == DECLARED_ROUTER_AUX_LOSS:
-        coef = _declared_coef(text_config) if declares_experts(model_config) else 0.0
+        coef = _declared_coef(text) if declares_experts(model_config) else 0.0
     elif configured is not None:
         coef = float(configured)
-    elif getattr(text_config, "output_router_logits", False):
-        coef = _declared_coef(text_config)
+    elif getattr(text, "output_router_logits", False):
+        coef = _declared_coef(text)
     else:
         coef = 0.0
     model_class = causal_lm_class(model_config) if coef > 0 else None
     if model_class is not None and aux_loss_form(model_class, model_config) is None:
-        source = f"{key}={configured}" if isinstance(configured, (int, float)) else \
-            f"the model config's router_aux_loss_coef={coef} ({key}={configured})"
-        raise ValueError(f"{source} asks for a load-balancing loss, but reinforge cannot compute "
-                         f"{model_class.__name__}'s as its routers score experts; set {key}=0 to train it without one")
+        raise ValueError(f"{_coef_source(key, configured, coef)} asks for a load-balancing loss, but reinforge cannot "
+                         f"compute {model_class.__name__}'s as its routers score experts; set {key}=0 to train it "
+                         "without one")
     return coef
