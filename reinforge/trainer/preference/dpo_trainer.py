@@ -49,7 +49,7 @@ from reinforge.engine.distributed import all_reduce, barrier
 from reinforge.engine.forward import response_log_probs
 from reinforge.engine.fsdp import shard_model
 from reinforge.engine.fused import prepare_for_training
-from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
+from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.models import load_causal_lm, load_tokenizer
 from reinforge.models.dropout import disable_dropout
 from reinforge.models.loading import TOKENIZER_FILES, is_local_path, read_model_config, tokens_read_otherwise
@@ -74,10 +74,6 @@ class DPOTrainer(PreferenceRun):
         self._device_reference: dict[str, Tensor] = {}
         self.reference_metrics: dict[str, float] = {}
         """The reference pass's time and pairs, logged with the first step after it."""
-        self.router_recorder: RouterRecorder | None = None
-        self.router_aux_loss_coef = 0.0
-        """A mixture of experts: the weight the routers' load-balancing loss joins the DPO loss with
-        (``engine.moe.router_aux_loss_coef`` of trainer.router_aux_loss_coef)."""
         super().__init__(config)
 
     def load_model(self) -> nn.Module:

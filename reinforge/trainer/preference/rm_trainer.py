@@ -45,7 +45,7 @@ from reinforge.config.preference_schema import RMConfig
 from reinforge.data.preference_dataset import PreferenceDataset, PreferencePair
 from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores
-from reinforge.engine.moe import RouterRecorder, pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
+from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.models.loading import (
     HeldLoadReport,
     check_model_folder,
@@ -142,10 +142,6 @@ class RewardModelTrainer(PreferenceRun):
     def __init__(self, config: RMConfig):
         self.num_tokens = 0.0
         self.peft_model: nn.Module | None = None
-        self.router_recorder: RouterRecorder | None = None
-        self.router_aux_loss_coef = 0.0
-        """A mixture of experts: the weight the routers' load-balancing loss joins the reward loss with
-        (``engine.moe.router_aux_loss_coef`` of trainer.router_aux_loss_coef)."""
         super().__init__(config)
 
     def _dataset(self, files: list[str], split: str, max_samples: int | None) -> PreferenceDataset:
