@@ -29,12 +29,12 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from functools import cache
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from reinforge.models.window_masks import builds_window_masks
 from reinforge.packed_attention import explicit_attention, padded_packed_attention
 from reinforge.packed_attention.softcap_kernels import softcap_varlen_attention
 
@@ -93,25 +93,16 @@ def _note_mask_windows(model: nn.Module) -> None:
     layer_types = getattr(config, "layer_types", None)
     model_module = sys.modules.get(type(model).__module__)
     notes_windows = model_module is not None and hasattr(model_module, "create_sliding_window_causal_mask")
-    model_slides = _builds_window_masks(model_module)
+    model_slides = builds_window_masks(model_module)
     for module in model.modules():
         layer_index = getattr(module, "layer_idx", None)
         if not (isinstance(layer_index, int) and type(module).__name__.endswith("Attention")):
             continue
-        if not model_slides and not _builds_window_masks(sys.modules.get(type(module).__module__)):
+        if not model_slides and not builds_window_masks(sys.modules.get(type(module).__module__)):
             module._mask_never_slides = True
         elif window and notes_windows:
             sliding = layer_types is None or layer_types[layer_index] == "sliding_attention"
             module._packed_window = window if sliding else None
-
-
-def _builds_window_masks(modeling: Any) -> bool:
-    """Whether a modeling module of transformers holds any of its windowed mask builders (a module outside
-    transformers, remote code, is assumed to: its ``sliding_window`` argument stands)."""
-    if modeling is None or not modeling.__name__.startswith("transformers.models."):
-        return True
-    return any(getattr(value, "__module__", None) == "transformers.masking_utils" and ("window" in name or "sliding"
-               in name) for name, value in vars(modeling).items())
 
 
 @cache

@@ -36,11 +36,21 @@ from typing import Any
 
 import numpy as np
 import torch
+import transformers
+from packaging.version import Version
 from torch import Tensor, nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.utils import ModelOutput
 
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
+from reinforge.models.window_masks import window_never_applies
 from reinforge.rollout.base import (
     Completion,
     GenerationInterrupted,
@@ -52,6 +62,9 @@ from reinforge.rollout.base import (
 from reinforge.rollout.native.sampling import MAX_INV_TEMPERATURE, truncation_thresholds
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
 from reinforge.rollout.stop_strings import StopStringMatcher, token_decoder
+
+_CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+"""The name ``generate`` takes a cache by (transformers 5.24 renamed ``past_key_values``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -381,6 +394,8 @@ class HFEngine:
         )
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
+        if window_never_applies(self.model):  # the forward attends to every key: so does the cache (a full one)
+            kwargs[_CACHE_KWARG] = DynamicCache()
         recorder = _TokenLogProbs(1.0 if sampling.greedy else tempered(sampling.temperature),
                                   sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])

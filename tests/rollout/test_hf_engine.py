@@ -208,3 +208,22 @@ def test_every_round_generates_what_a_fresh_engine_does():
         batch = [GenerationRequest(prompt, sampling) for prompt, sampling in requests]
         fresh = HFEngine(copy.deepcopy(engine.model), pad_token_id=0, eos_token_ids=[EOS])
         assert engine.generate(batch) == fresh.generate(batch), f"round {index}"
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2", "olmoe"])
+def test_a_window_the_models_masks_never_apply_is_not_applied_to_the_cache_either(family):
+    """Llama, OLMo 2 and OLMoE with a ``sliding_window`` left in their config: their forward attends to every earlier
+    token, and transformers' default cache would keep only the window; the samples' log-probs are the forward's."""
+    model = build_tiny_causal_lm(family, vocab_size=64, seed=0).eval()
+    model.config.sliding_window = 4
+    engine = HFEngine(model, pad_token_id=0, eos_token_ids=[EOS])
+    prompts = [list(range(3, 15)), list(range(20, 29))]
+    for sampling in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                     SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True)):
+        for prompt, samples in zip(prompts, engine.generate([GenerationRequest(p, sampling) for p in prompts]),
+                                   strict=True):
+            for sample in samples:
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
+                recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(sample.log_probs), recomputed, atol=1e-5, rtol=0)
