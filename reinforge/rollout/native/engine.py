@@ -226,7 +226,8 @@ class NativeEngine:
                 self.scheduler = None
         with self._step_lock:
             self._drop_aborted()
-        if self.scheduler is not None and self.scheduler.has_unfinished:
+            waiting = self._keep_live_incoming()
+        if waiting or (self.scheduler is not None and self.scheduler.has_unfinished):
             raise RuntimeError("sleep() was called while requests are still generating; await them first")
         with self._step_lock:
             if self._in_flight is not None:  # a look-ahead step of sequences that have all finished
@@ -387,6 +388,18 @@ class NativeEngine:
                 self.runner.multimodal.discard(key)
             if self.scheduler is not None:
                 self.scheduler.abort(key)
+
+    def _keep_live_incoming(self) -> int:
+        """Drop the aborted requests from the incoming queue (under the step lock) and count the others: requests
+        submitted and not yet admitted, which the next step would run, after a sleep in the next round."""
+        waiting = []
+        while not self._incoming.empty():
+            state = self._incoming.get()
+            if not state.aborted:
+                waiting.append(state)
+        for state in waiting:
+            self._incoming.put(state)
+        return len(waiting)
 
     def _take_requests(self) -> list[RequestState]:
         """Every request the engine holds, admitted or still incoming; it holds none afterwards."""

@@ -385,6 +385,22 @@ def test_a_driver_step_after_sleep_finds_nothing_to_run(qwen2, tiny):
     assert engine._step(batch_arrivals=True) is False
 
 
+def test_sleep_refuses_while_a_submitted_request_waits_for_admission(qwen2, tiny):
+    # a request submitted (as generate_async's driver does) and not yet admitted would otherwise run after the sleep,
+    # in the next round; once its caller gives up (aborted), the engine sleeps and the next round is a fresh one's
+    prompts = tiny.prompts([6, 9])
+    engine = make_engine(qwen2)
+    engine.wake_up()
+    waiting = engine._submit(GenerationRequest(prompts[0], SamplingParams(max_tokens=3, temperature=0.0)))
+    with pytest.raises(RuntimeError, match="still generating"):
+        engine.sleep()
+    engine._abort(waiting)
+    engine.sleep()
+    assert not engine.is_awake
+    samples = engine.generate([GenerationRequest(prompts[1], GREEDY)])
+    assert len(samples) == 1 and samples[0][0].token_ids == tiny.hf_greedy(qwen2, prompts[1], 12)
+
+
 def test_no_requests_give_no_completions_without_waking_the_engine(qwen2):
     engine = make_engine(qwen2)
     assert engine.generate([]) == []
