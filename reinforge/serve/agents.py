@@ -49,15 +49,16 @@ class _SharedEndpoint:
     """One endpoint per agent context (a rollout's trajectories share it), closed when its last trajectory ends,
     or, when every trajectory is cancelled while it starts, stopped there (closed if it got to listen)."""
 
-    endpoints: dict[int, tuple[asyncio.Task, int]] = {}
+    endpoints: dict[int, tuple[AgentContext, asyncio.Task, int]] = {}
+    """By ``id(context)``; each entry holds its context, so no other object can take that id while it lives."""
 
     @classmethod
     async def acquire(cls, context: AgentContext) -> OpenAIEndpoint:
         key = id(context)
         if key not in cls.endpoints:
-            cls.endpoints[key] = (asyncio.ensure_future(cls._start(context)), 0)
-        task, users = cls.endpoints[key]
-        cls.endpoints[key] = (task, users + 1)
+            cls.endpoints[key] = (context, asyncio.ensure_future(cls._start(context)), 0)
+        _, task, users = cls.endpoints[key]
+        cls.endpoints[key] = (context, task, users + 1)
         try:
             return await asyncio.shield(task)
         except BaseException:
@@ -67,9 +68,9 @@ class _SharedEndpoint:
     @classmethod
     async def release(cls, context: AgentContext) -> None:
         key = id(context)
-        task, users = cls.endpoints[key]
+        _, task, users = cls.endpoints[key]
         if users > 1:
-            cls.endpoints[key] = (task, users - 1)
+            cls.endpoints[key] = (context, task, users - 1)
             return
         del cls.endpoints[key]
         if not task.done():  # every trajectory was cancelled while it started: no one will close it later

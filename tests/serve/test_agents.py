@@ -293,3 +293,31 @@ def test_an_endpoint_whose_trajectories_are_all_cancelled_while_it_starts_is_clo
 
     asyncio.run(main())
     assert not _SharedEndpoint.endpoints and len(endpoints) == 1 and endpoints[0]._runner is None
+
+
+def test_a_shared_endpoint_keeps_its_context_alive_so_no_other_context_takes_its_key():
+    """Endpoints are found by ``id(context)``: while one is held its entry keeps the context, so a new context can
+    never be given the same id and reach another rollout's endpoint."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from reinforge.models.tiny import build_char_tokenizer
+    from reinforge.serve.agents import _SharedEndpoint
+
+    class Context(SimpleNamespace):
+        pass
+
+    async def main():
+        context = Context(tokenizer=build_char_tokenizer(), chat_template=None, config=MultiTurnConfig(),
+                          renderer=object(), client=None)
+        alive = weakref.ref(context)
+        await _SharedEndpoint.acquire(context)
+        del context
+        gc.collect()
+        assert alive() is not None and id(alive()) in _SharedEndpoint.endpoints
+        await _SharedEndpoint.release(alive())
+        gc.collect()
+        assert alive() is None and not _SharedEndpoint.endpoints
+
+    asyncio.run(main())
