@@ -41,21 +41,8 @@ from torch import Tensor, nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from reinforge.engine.packing import PLAN_KEY, plan_packing
+from reinforge.models.longrope import longrope_original_length
 from reinforge.protocol import Batch
-
-
-def longrope_original_length(model: nn.Module) -> int | None:
-    """The original length of a LongRoPE model whose positions may pass it, else None."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(parameters, dict) or parameters.get("rope_type", parameters.get("type")) != "longrope":
-        return None
-    original = parameters.get("original_max_position_embeddings") or getattr(
-        config, "original_max_position_embeddings", None)
-    maximum = getattr(config, "max_position_embeddings", None)
-    if original is None or (maximum is not None and maximum <= original):
-        return None
-    return int(original)
 
 
 def dynamic_original_length(model: nn.Module) -> int | None:

@@ -49,6 +49,7 @@ from transformers import (
 )
 from transformers.utils import ModelOutput
 
+from reinforge.models.longrope import longrope_original_length
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
 from reinforge.models.window_masks import window_never_applies
 from reinforge.rollout.base import (
@@ -299,6 +300,45 @@ def _encode_each_prompt_once(model: nn.Module, images: list[dict[str, Tensor]], 
         del tower.forward
 
 
+@contextmanager
+def _prefill_again_where_longrope_switches(model: nn.Module) -> Iterator[None]:
+    """While ``generate`` runs on a LongRoPE model whose sequences may pass its original length, the step where any
+    row's last token reaches that position runs over every row's whole sequence, without the cache: the row's
+    earlier keys take the long factors its later tokens use, as a forward over the sequence does (what training
+    computes; the trainer's rotary module picks the factors per sequence, ``engine/longrope.py``), and every other
+    row's its own. transformers' Phi-3 and PhiMoE drop the cache only when the padded width reaches that length, so a
+    left-padded row that passes it later kept its short-factor keys (log-probs several nats from the training
+    forward), and other families never drop it."""
+    original = longrope_original_length(model)
+    if original is None:
+        yield
+        return
+    prepare, patched = model.prepare_inputs_for_generation, vars(model).get("prepare_inputs_for_generation")
+    fresh_cache = DynamicCache if window_never_applies(model) else lambda: None  # as generate's own first cache
+
+    def prepare_inputs(input_ids: Tensor, *args, **kwargs):
+        cache, attention_mask = kwargs.get(_CACHE_KWARG), kwargs.get("attention_mask")
+        # generate leaves the mask out where no row is padded: every row is then as long as the input
+        lengths = attention_mask.sum(-1) if attention_mask is not None and attention_mask.dim() == 2 else \
+            torch.full((input_ids.shape[0],), input_ids.shape[1])
+        if cache is not None and cache.get_seq_length() > 0 and bool((lengths == original + 1).any()):
+            kwargs[_CACHE_KWARG] = fresh_cache()
+            if "next_sequence_length" in kwargs:
+                kwargs["next_sequence_length"] = None
+            if kwargs.get("cache_position") is not None:  # transformers before 5.24 slices the inputs by it
+                kwargs["cache_position"] = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return prepare(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare_inputs
+    try:
+        yield
+    finally:
+        if patched is None:
+            del model.prepare_inputs_for_generation
+        else:
+            model.prepare_inputs_for_generation = patched
+
+
 class HFEngine:
     reads_model_in_place = True
     """``generate`` runs on the training module itself."""
@@ -433,6 +473,7 @@ class HFEngine:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                     sampling_only_generation_config(self.model), \
                     _encode_each_prompt_once(self.model, prompt_images, sampling.n), \
+                    _prefill_again_where_longrope_switches(self.model), \
                     image_tokens_as_text(self.model, input_ids.to(device), text_tokens) as model_input_ids:
                 output = self.model.generate(input_ids=model_input_ids, attention_mask=attention_mask.to(device),
                                              **kwargs)

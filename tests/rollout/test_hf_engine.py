@@ -227,3 +227,52 @@ def test_a_window_the_models_masks_never_apply_is_not_applied_to_the_cache_eithe
                     logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
                 recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
                 torch.testing.assert_close(torch.tensor(sample.log_probs), recomputed, atol=1e-5, rtol=0)
+
+
+LONGROPE_ORIGINAL = 10
+
+
+def longrope_model(family: str):
+    """A tiny model whose rotary embedding is LongRoPE, original length 10 (Phi-3's own; a Llama reads it from its
+    config), with the actor's attention: its rotary module picks each sequence's factors by that sequence's length."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    factors = 4 if family == "phi3" else 8  # half the rotary dims: Phi-3's tiny models rotate half of each head
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0] * (factors // 4),
+            "long_factor": [2.0, 4.0, 8.0, 16.0] * (factors // 4), "original_max_position_embeddings": LONGROPE_ORIGINAL}
+    if family == "phi3":
+        rope["partial_rotary_factor"] = 0.5
+    model = build_tiny_causal_lm(family, vocab_size=64, seed=1, max_position_embeddings=40, head_dim=16,
+                                 rope_parameters=rope, original_max_position_embeddings=LONGROPE_ORIGINAL).eval()
+    with torch.no_grad():  # larger weights than the init's, so that the factors move the log-probs by nats
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(1.5 / (parameter.std() * parameter.shape[-1] ** 0.5))
+    use_varlen_attention(model)
+    return model
+
+
+@pytest.mark.parametrize("family", ["phi3", "llama"])
+def test_a_row_passing_longropes_original_length_is_computed_again_with_the_long_factors(family):
+    """LongRoPE takes its long factors at every position once a forward's sequence passes the original length. Each
+    token sampled after a row passes it has the log-prob of a forward over the whole sequence (the trainer's), each
+    one before it that of a forward over the sequence as it was then. transformers' Phi-3 drops the cache only when
+    the padded width passes the length (not where a shorter, left-padded row does), a Llama never."""
+    model = longrope_model(family)
+    engine = HFEngine(model, pad_token_id=0, eos_token_ids=[EOS])
+    long, passing = list(range(3, 14)), list(range(20, 26))  # 11 tokens: past the length from the start; 6: at the 5th
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True)  # two unpadded rows
+    calls = [([long, passing], greedy), ([passing], seeded)]
+    for prompts, sampling in calls:
+        for prompt, samples in zip(prompts, engine.generate([GenerationRequest(p, sampling) for p in prompts]),
+                                   strict=True):
+            for sample in samples:
+                tokens = sample.token_ids
+                with torch.no_grad():
+                    whole = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1], -1)
+                    then = torch.stack([torch.log_softmax(model(torch.tensor([prompt + tokens[:index]])).logits[0, -1],
+                                                          -1) for index in range(len(tokens))])
+                before = (torch.arange(len(tokens)) + len(prompt) <= LONGROPE_ORIGINAL)[:, None]
+                expected = torch.where(before, then, whole).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
