@@ -34,6 +34,7 @@ Dropless routing drops no token.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -139,11 +140,17 @@ def without_router_logits_output(model: nn.Module) -> bool:
     forward = model.forward
     if "output_router_logits" not in inspect.signature(forward).parameters:
         return False
+    if getattr(forward, "_router_logits_off", False):
+        return True
 
+    # the forward's own signature stays visible: generate passes position_ids only to a forward that names them,
+    # and without them a left-padded row's positions count its padding (a LongRoPE row switched factors early)
+    @functools.wraps(forward)
     def forward_without_router_logits(*args, **kwargs):
         kwargs.setdefault("output_router_logits", False)
         return forward(*args, **kwargs)
 
+    forward_without_router_logits._router_logits_off = True
     model.forward = forward_without_router_logits
     return True
 

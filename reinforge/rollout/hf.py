@@ -26,6 +26,7 @@ n copies encodes the first and repeats the embeddings to the other rows (``_enco
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -316,6 +317,7 @@ def _prefill_again_where_longrope_switches(model: nn.Module) -> Iterator[None]:
     prepare, patched = model.prepare_inputs_for_generation, vars(model).get("prepare_inputs_for_generation")
     fresh_cache = DynamicCache if window_never_applies(model) else lambda: None  # as generate's own first cache
 
+    @functools.wraps(prepare)  # generate checks its model_kwargs against this signature
     def prepare_inputs(input_ids: Tensor, *args, **kwargs):
         cache, attention_mask = kwargs.get(_CACHE_KWARG), kwargs.get("attention_mask")
         # generate leaves the mask out where no row is padded: every row is then as long as the input

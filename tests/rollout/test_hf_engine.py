@@ -233,31 +233,36 @@ LONGROPE_ORIGINAL = 10
 
 
 def longrope_model(family: str):
-    """A tiny model whose rotary embedding is LongRoPE, original length 10 (Phi-3's own; a Llama reads it from its
-    config), with the actor's attention: its rotary module picks each sequence's factors by that sequence's length."""
-    from reinforge.engine.attention import use_varlen_attention
+    """A tiny model whose rotary embedding is LongRoPE, original length 10 (Phi-3's and PhiMoE's own; a Llama reads it
+    from its config), prepared as the actor prepares it: its rotary module picks each sequence's factors by that
+    sequence's length (PhiMoE's factors are always the short ones; its long_mscale scales a long sequence's)."""
+    from reinforge.engine.fused import prepare_for_training
 
     factors = 4 if family == "phi3" else 8  # half the rotary dims: Phi-3's tiny models rotate half of each head
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0] * (factors // 4),
             "long_factor": [2.0, 4.0, 8.0, 16.0] * (factors // 4), "original_max_position_embeddings": LONGROPE_ORIGINAL}
     if family == "phi3":
         rope["partial_rotary_factor"] = 0.5
+    if family == "phimoe":
+        rope |= {"short_mscale": 1.0, "long_mscale": 1.2}
     model = build_tiny_causal_lm(family, vocab_size=64, seed=1, max_position_embeddings=40, head_dim=16,
                                  rope_parameters=rope, original_max_position_embeddings=LONGROPE_ORIGINAL).eval()
     with torch.no_grad():  # larger weights than the init's, so that the factors move the log-probs by nats
         for parameter in model.parameters():
             if parameter.dim() == 2:
                 parameter.mul_(1.5 / (parameter.std() * parameter.shape[-1] ** 0.5))
-    use_varlen_attention(model)
-    return model
+    prepare_for_training(model, torch.device("cpu"))
+    return model.eval()
 
 
-@pytest.mark.parametrize("family", ["phi3", "llama"])
+@pytest.mark.parametrize("family", ["phi3", "phimoe", "llama"])
 def test_a_row_passing_longropes_original_length_is_computed_again_with_the_long_factors(family):
     """LongRoPE takes its long factors at every position once a forward's sequence passes the original length. Each
     token sampled after a row passes it has the log-prob of a forward over the whole sequence (the trainer's), each
-    one before it that of a forward over the sequence as it was then. transformers' Phi-3 drops the cache only when
-    the padded width passes the length (not where a shorter, left-padded row does), a Llama never."""
+    one before it that of a forward over the sequence as it was then. transformers' Phi-3 and PhiMoE drop the cache
+    only when the padded width passes the length (not where a shorter, left-padded row does), a Llama never; and
+    PhiMoE's forward, wrapped for training (``engine.moe.without_router_logits_output``), must still show generate
+    that it takes position_ids, or a left-padded row's positions count its padding and it switches early."""
     model = longrope_model(family)
     engine = HFEngine(model, pad_token_id=0, eos_token_ids=[EOS])
     long, passing = list(range(3, 14)), list(range(20, 26))  # 11 tokens: past the length from the start; 6: at the 5th
