@@ -437,7 +437,8 @@ class HFEngine:
         if sampling.ignore_eos:
             kwargs["min_new_tokens"] = sampling.max_tokens
         if window_never_applies(self.model):  # the forward attends to every key: so does the cache (a full one)
-            kwargs[_CACHE_KWARG] = DynamicCache()
+            # and not the cache the generation_config names (generate refuses both; a static one slides too)
+            kwargs |= {_CACHE_KWARG: DynamicCache(), "cache_implementation": None}
         recorder = _TokenLogProbs(1.0 if sampling.greedy else tempered(sampling.temperature),
                                   sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])

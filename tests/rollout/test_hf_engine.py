@@ -210,12 +210,15 @@ def test_every_round_generates_what_a_fresh_engine_does():
         assert engine.generate(batch) == fresh.generate(batch), f"round {index}"
 
 
-@pytest.mark.parametrize("family", ["llama", "olmo2", "olmoe"])
-def test_a_window_the_models_masks_never_apply_is_not_applied_to_the_cache_either(family):
+@pytest.mark.parametrize(("family", "cache_implementation"),
+                         [("llama", None), ("olmo2", None), ("olmoe", None), ("llama", "static")])
+def test_a_window_the_models_masks_never_apply_is_not_applied_to_the_cache_either(family, cache_implementation):
     """Llama, OLMo 2 and OLMoE with a ``sliding_window`` left in their config: their forward attends to every earlier
-    token, and transformers' default cache would keep only the window; the samples' log-probs are the forward's."""
+    token, and transformers' default cache would keep only the window; the samples' log-probs are the forward's. A
+    cache its generation_config names (generate refuses it beside a cache passed in) gives way to the full one."""
     model = build_tiny_causal_lm(family, vocab_size=64, seed=0).eval()
     model.config.sliding_window = 4
+    model.generation_config.cache_implementation = cache_implementation
     engine = HFEngine(model, pad_token_id=0, eos_token_ids=[EOS])
     prompts = [list(range(3, 15)), list(range(20, 29))]
     for sampling in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
