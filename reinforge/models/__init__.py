@@ -8,6 +8,7 @@ from reinforge.models.loading import (
     load_tokenizer,
     resolve_dtype,
     warn_if_beyond_context,
+    warn_if_rollout_parts_from_training,
 )
 from reinforge.models.tiny import build_char_tokenizer, build_tiny_causal_lm, save_tiny_model
 from reinforge.models.value_model import ValueModel
@@ -25,4 +26,5 @@ __all__ = [
     "save_hf_folder",
     "save_tiny_model",
     "warn_if_beyond_context",
+    "warn_if_rollout_parts_from_training",
 ]

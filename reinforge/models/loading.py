@@ -156,6 +156,39 @@ def warn_if_beyond_context(path: str, tokens: int, source: str, model: str | Non
     return True
 
 
+def dynamic_rope_length(config: dict) -> int | None:
+    """A config.json's (a dict) ``max_position_embeddings`` when its rotary scaling is dynamic NTK (any layer type's),
+    the length past which the frequencies depend on the sequence's whole length; else None."""
+    text = config.get("text_config") or config
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return None
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    if not any("dynamic" in str(each.get("rope_type") or each.get("type")) for each in (nested or [rope])):
+        return None
+    return int(text["max_position_embeddings"])
+
+
+def warn_if_rollout_parts_from_training(path: str, tokens: int, source: str) -> bool:
+    """Warn (one line) when an RL run's sequences can pass the length past which a dynamic-NTK model's frequencies
+    follow the sequence's whole length: training scores each sequence at its final length's frequencies, while each
+    token was sampled (by transformers' ``generate``, the only engine that runs it) at the length it had then, so the
+    rollout's and the training's log-probs part past that length. Returns whether it warned."""
+    file = Path(path).expanduser() / "config.json"
+    try:
+        length = dynamic_rope_length(json.loads(file.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    if length is None or tokens <= length:
+        return False
+    logger.warning("%s = %d tokens, past the %d (max_position_embeddings) after which the model at %s rescales its "
+                   "rotary frequencies by the whole sequence's length (dynamic NTK): the rollout samples each token "
+                   "at the length it had, training scores it at the final length, so their log-probs part there "
+                   "(training/rollout_probs_diff_*); keep sequences within %d or correct for it "
+                   "(algorithm.rollout_correction)", source, tokens, length, path, length)
+    return True
+
+
 @contextmanager
 def hub_errors_explained(path: str, key: str | None = None) -> Iterator[None]:
     """Turn a failed hub download for a path that is not a local folder into one line (naming ``key``, the setting

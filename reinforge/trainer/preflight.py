@@ -44,7 +44,7 @@ from reinforge.engine.lora import check_target_modules
 from reinforge.engine.memory_plan import ModelShape, check_model_config
 from reinforge.engine.moe import declares_experts, router_aux_loss_coef
 from reinforge.engine.optim import LR_SCHEDULES
-from reinforge.models import load_tokenizer, warn_if_beyond_context
+from reinforge.models import load_tokenizer, warn_if_beyond_context, warn_if_rollout_parts_from_training
 from reinforge.models.loading import check_model_folder, is_local_path, read_model_config
 from reinforge.models.reward_model import HEADS, check_reward_model
 from reinforge.models.vision import run_processor, why_no_images
@@ -292,6 +292,9 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
                            "data.max_prompt_length + data.max_response_length")
+    warn_if_rollout_parts_from_training(config.model.path,
+                                        config.data.max_prompt_length + config.data.max_response_length,
+                                        "data.max_prompt_length + data.max_response_length")
     check_plugin_engine(config.rollout.name)  # hf, native, or an engine a package adds through its entry point
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)

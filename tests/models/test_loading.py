@@ -120,6 +120,23 @@ def test_a_run_longer_than_the_models_positions_is_warned_of_once(tmp_path, capl
     assert not loading.warn_if_beyond_context("Qwen/Qwen2.5-0.5B", 10**6, "a + b")  # nothing local to read
 
 
+@pytest.mark.parametrize("rope", [{"rope_scaling": {"type": "dynamic", "factor": 4.0}},
+                                  {"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0},
+                                                       "sliding_attention": {"rope_type": "default"}}}])
+def test_an_rl_run_past_a_dynamic_ntk_models_length_is_told_its_rollout_and_training_part(tmp_path, caplog, rope):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 128, **rope}))
+    with caplog.at_level(logging.WARNING):
+        assert not loading.warn_if_rollout_parts_from_training(str(folder), 128, "a + b")
+        assert loading.warn_if_rollout_parts_from_training(str(folder), 129, "a + b")
+    assert len(caplog.records) == 1 and "a + b = 129 tokens, past the 128 (max_position_embeddings)" in caplog.text
+    assert "algorithm.rollout_correction" in caplog.text
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 128,
+                                                    "rope_scaling": {"type": "yarn", "factor": 4.0}}))
+    assert not loading.warn_if_rollout_parts_from_training(str(folder), 512, "a + b")  # yarn: no length dependence
+
+
 LONG_FACTORS = {"long_factor": [1.0] * 4, "short_factor": [1.0] * 4}
 
 
