@@ -507,6 +507,55 @@ def test_a_model_written_for_eager_attention_trains_on_its_own_forwards_probabil
         model, torch.device("cpu"))
 
 
+def _left_padded_batch(vocab: int) -> Batch:
+    """Three rows: the first and the last with left-padded prompts, the last with a right-padded response."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, vocab, (3, 5), generator=generator)
+    responses = torch.randint(3, vocab, (3, 4), generator=generator)
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[0, :2] = 0
+    attention_mask[2, :3] = 0
+    attention_mask[2, 7:] = 0
+    input_ids = torch.cat([prompts, responses], 1) * attention_mask
+    return Batch.from_dict(tensors={"prompts": input_ids[:, :5], "responses": input_ids[:, 5:],
+                                    "response_mask": attention_mask[:, 5:].float(), "input_ids": input_ids,
+                                    "attention_mask": attention_mask,
+                                    "position_ids": build_position_ids(attention_mask)})
+
+
+def _log_probs_of_each_sequence_alone(model, batch: Batch) -> torch.Tensor:
+    """The response tokens' log-probs (rows, response width) from ``model``'s forward of each sequence alone."""
+    width = batch["prompts"].shape[1]
+    expected = torch.zeros(batch["responses"].shape)
+    with torch.no_grad():
+        for row in range(len(batch)):
+            mask = batch["attention_mask"][row].bool()
+            logits = model(input_ids=batch["input_ids"][row][mask][None]).logits[0].log_softmax(-1)
+            num_prompt, num_response = int(mask[:width].sum()), int(batch["response_mask"][row].sum())
+            tokens = batch["responses"][row][:num_response]
+            expected[row, :num_response] = logits[num_prompt - 1:num_prompt - 1 + num_response].gather(
+                -1, tokens[:, None])[:, 0]
+    return expected
+
+
+@pytest.mark.parametrize("model_type", ["bart"])
+def test_a_model_that_numbers_its_own_positions_trains_on_each_sequences_own_log_probs(model_type):
+    """BART's decoder takes no position ids: it numbers a row's positions from its first column. Over left-padded
+    rows its learned positions counted the padding, and a sequence after two pad tokens had log-probs up to 0.24
+    from those of its own forward. Padded rows run with each sequence's tokens first: its positions are its own."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    model = tiny_model(model_type, vocab_size=96)
+    reference = copy.deepcopy(model)
+    use_varlen_attention(model)
+    check_packed_sequences_stay_apart(model)
+    assert not packs_rows(model)
+    batch = _left_padded_batch(96)
+    with torch.no_grad():
+        log_probs = response_log_probs(model, batch)[0] * batch["response_mask"]
+    torch.testing.assert_close(log_probs, _log_probs_of_each_sequence_alone(reference, batch), atol=1e-5, rtol=1e-5)
+
+
 def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows():
     """Jamba's Mamba layers carry their state from one packed sequence into the next. In a tiny fp32 model that
     moves the next sequence's log-probs by about 5e-4, under the tolerance for rounding between different shapes;
