@@ -112,6 +112,23 @@ def test_a_hybrids_layer_count_comes_from_its_block_pattern(tmp_path):
     assert shape.num_layers == config.num_hidden_layers == len(config.layers_block_type)
 
 
+def test_a_size_given_per_layer_is_planned_at_its_largest(tmp_path):
+    """Gemma 3n's config.json lists an MLP width per layer: the planner refused the model, whose intermediate_size it
+    took for no whole number; it plans each layer at the widest."""
+    from reinforge.engine.memory_plan import check_model_config
+
+    known("gemma3n_text")
+    config = AutoConfig.for_model("gemma3n_text", vocab_size=64, vocab_size_per_layer_input=64, hidden_size=64,
+                                  hidden_size_per_layer_input=16, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, intermediate_size=[128, 96],
+                                  num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0])
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == [128, 96]
+    check_model_config(str(tmp_path))
+    shape = ModelShape.from_model_path(str(tmp_path))
+    assert (shape.hidden_size, shape.num_layers, shape.intermediate_size) == (64, 2, 128)
+
+
 def test_a_size_a_known_family_leaves_out_is_its_class_default_and_an_unknown_familys_is_named_in_one_line():
     config = tiny_config("mpt").to_dict() | {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                "num_attention_heads": 4}
