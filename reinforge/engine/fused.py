@@ -368,9 +368,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     sequences apart. A model whose attention does not take packed rows runs padded rows
     (``engine.forward.packs_rows``). One that still mixes packed sequences (recurrent or linear-attention layers
     beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
-    fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens, then
-    three greedy tokens from ``generate``, whose log-probs the training passes must give: a model whose generate
-    prepares other inputs than its forward reads (XLM appends a mask token and predicts it) is refused too.
+    fails even padded is refused here, in one line, before any step, as is one whose forward fails in training mode
+    only. Four to seven forwards of a few tokens, then three greedy tokens from ``generate``, whose log-probs the
+    training passes must give: a model whose generate prepares other inputs than its forward reads (XLM appends a
+    mask token and predicts it) is refused too.
     """
     from reinforge.engine.forward import (
         OWN_LOGITS,
@@ -477,6 +478,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
         logger.warning("%s (model_type=%r) computes its logits beyond lm_head in a way reinforge does not reproduce "
                        "(%s): its training passes read the logits its own forward returns, over padded rows, every "
                        "vocabulary entry at once (more memory, slower)", type(model).__name__, model_type, how)
+    training_failure = _training_forward_failure(model, batch)
+    if training_failure is not None:
+        raise ValueError(_own_forward_fails(model, model_type, device, training_failure, " in training mode")
+                         ) from training_failure
     generate_gap = _generate_gap(model, prompts[:1].to(device), probe_batch)
     if generate_gap is not None and generate_gap > tolerance:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) samples in "
@@ -626,17 +631,38 @@ def _switched_model_passes(model: nn.Module, switches: dict[str, bool], passes: 
         model.train(was_training)
 
 
+def _training_forward_failure(model: nn.Module, batch: Any) -> BaseException | None:
+    """The error of the training passes' forward over ``batch`` with the model in training mode (the probes run it in
+    eval mode; Reformer's training forward refuses a sequence length that is no multiple of its chunk length), None
+    where it runs. Any dropout it draws leaves the random state as it was."""
+    from reinforge.engine.forward import response_log_probs
+
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            response_log_probs(model, batch)
+    except Exception as error:  # noqa: BLE001 (whatever the model's training forward raises is named in the refusal)
+        return error
+    finally:
+        model.train(was_training)
+    return None
+
+
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _own_forward_fails(model: nn.Module, model_type: str, device: torch.device, error: BaseException) -> str:
-    """The one line that refuses a model whose own transformers forward fails over a few padded tokens."""
+def _own_forward_fails(model: nn.Module, model_type: str, device: torch.device, error: BaseException,
+                       mode: str = "") -> str:
+    """The one line that refuses a model whose own transformers forward fails over a few padded tokens (``mode``:
+    " in training mode" where only that forward fails)."""
     import transformers
 
     return (f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) fails in transformers' "
-            f"own forward on {device.type} ({_first_line(error)}), so reinforge cannot train it; check the config's "
+            f"own forward{mode} on {device.type} ({_first_line(error)}), so reinforge cannot train it; check the config's "
             f"sizes, or use a transformers version (this is {transformers.__version__}) that runs {model_type}")
 
 

@@ -303,6 +303,25 @@ def test_a_model_whose_own_forward_fails_is_refused_in_one_line():
     assert "\n" not in message
 
 
+def test_a_model_whose_training_forward_fails_is_refused_at_start_in_one_line():
+    """Reformer's forward in training mode takes only sequences as long as its axial position shape: the probes ran
+    it in eval mode, and the run failed at its first update with transformers' error. It is refused at start."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    known("reformer")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "reformer", vocab_size=64, hidden_size=64, num_attention_heads=2, attention_head_size=32, feed_forward_size=64,
+        attn_layers=["local", "local"], axial_pos_embds_dim=[32, 32], axial_pos_shape=[8, 8], is_decoder=True,
+        max_position_embeddings=64))
+    use_varlen_attention(model)
+    with pytest.raises(ValueError) as refused:
+        check_packed_sequences_stay_apart(model)
+    message = str(refused.value)
+    assert message.startswith("ReformerModelWithLMHead (model_type='reformer', from model.path's config.json) fails in "
+                              "transformers' own forward in training mode on cpu (ValueError: If training, ")
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize("model_type,sizes,fix", [
     # causal=true would not help: its generate still predicts a mask token appended to the inputs
     ("xlm", dict(emb_dim=64, n_layers=2, n_heads=4, causal=False), "so it is no causal LM and would train on other "
