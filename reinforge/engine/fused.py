@@ -369,7 +369,7 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     (``engine.forward.packs_rows``). One that still mixes packed sequences (recurrent or linear-attention layers
     beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
     fails even padded is refused here, in one line, before any step, as is one whose forward fails in training mode
-    only. Four to seven forwards of a few tokens, then three greedy tokens from ``generate``, whose log-probs the
+    only. About a dozen forwards of a few tokens, then three greedy tokens from ``generate``, whose log-probs the
     training passes must give: a model whose generate prepares other inputs than its forward reads (XLM appends a
     mask token and predicts it) is refused too.
     """
@@ -401,6 +401,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     flipped = torch.tensor([True, False])[:, None]  # the first sequence's tokens reversed, the second's kept
     other_first = probe_batch(torch.where(flipped, responses.flip(1), responses),
                               torch.where(flipped, prompts.flip(1), prompts))
+    # the same with prompts of one token: the second sequence's responses right after the boundary, where a causal
+    # convolution carries the tokens before it (Zamba's Mamba layers: 3 tokens), past which nothing of it is left
+    at_boundary = [probe_batch(rows, prompts[:, -1:]) for rows in (
+        responses, torch.where(flipped, responses.flip(1), responses))]
     tolerance = PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1)
     # in float32 the same shapes give the same numbers to well within LEAK_FRACTION of the tolerance; in 16-bit
     # types a mixture of experts can take other kernels for the other first sequence's token counts per expert
@@ -418,8 +422,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                 # packed: the second sequence after another first one of the same lengths. The same shapes, the same
                 # kernels, so any change is the first sequence leaking into it (a recurrent or convolution state
                 # carried across the packed row), however small next to the rounding between different shapes
-                leak = 0.0 if padded else float(
-                    (response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max())
+                leak = 0.0 if padded else max(
+                    float((response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max()),
+                    float((response_log_probs(model, at_boundary[0])[0].float()[1]
+                           - response_log_probs(model, at_boundary[1])[0].float()[1]).abs().max()))
             except Exception as error:
                 if padded:  # the decoder's last hidden state through lm_head fails even over padded rows
                     failure = error

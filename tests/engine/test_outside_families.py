@@ -54,6 +54,10 @@ TINY = {
                 max_position_embeddings=128, vision_config={"hidden_size": 32, "num_hidden_layers": 1,
                                                             "num_attention_heads": 2, "intermediate_size": 64,
                                                             "image_size": 32, "patch_size": 16}),
+    # Mamba layers between two hybrid ones, which share one attention block: one FSDP unit together
+    "zamba": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=128, layers_block_type=["linear_attention", "hybrid", "hybrid"], mamba_d_state=8,
+                  mamba_dt_rank=8, use_mamba_kernels=False, attention_hidden_size=128, attention_head_dim=32),
     "jamba": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8,
@@ -248,7 +252,7 @@ def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
     assert_pass_equals_transformers_padded_forward(model.train(), share_prompts=True)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git"])
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git", "zamba"])
 def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithmetic_data_dir, tmp_path):
     tokenizer = build_char_tokenizer(())
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
@@ -592,14 +596,18 @@ def test_a_model_that_numbers_its_own_positions_trains_on_each_sequences_own_log
     torch.testing.assert_close(log_probs, _log_probs_of_each_sequence_alone(reference, batch), atol=1e-5, rtol=1e-5)
 
 
-def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows():
+@pytest.mark.parametrize("model_type", ["jamba", "zamba"])
+def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows(model_type):
     """Jamba's Mamba layers carry their state from one packed sequence into the next. In a tiny fp32 model that
     moves the next sequence's log-probs by about 5e-4, under the tolerance for rounding between different shapes;
     the probe also runs the same shapes with another first sequence, where only a leak moves anything, and
-    the model then runs padded rows: each sequence's log-probs are those of its own forward."""
+    the model then runs padded rows: each sequence's log-probs are those of its own forward. Zamba's leak is its
+    Mamba convolution's, over the 3 tokens after a boundary only: behind the probe's prompts of 4 tokens it moved
+    nothing, and the model packed rows whose short prompts' log-probs were 3e-4 off; it is also probed with
+    one-token prompts."""
     from reinforge.engine.attention import use_varlen_attention
 
-    model = tiny_model("jamba", vocab_size=96)
+    model = tiny_model(model_type, vocab_size=96)
     reference = copy.deepcopy(model)
     use_varlen_attention(model)
     check_packed_sequences_stay_apart(model)
