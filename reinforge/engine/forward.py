@@ -68,12 +68,16 @@ def _no_mask(config, device: torch.device):
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
+SOFT_CAP_NAMES = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+"""Config keys of a final soft-cap, ``cap * tanh(logits / cap)``, on the causal LM's logits."""
+
+
 def logit_transform(config) -> tuple[float, float | None]:
     """(multiplier, final soft-cap) that the causal LM applies to ``lm_head``'s output, from its config.
 
     Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides, Gemma's
-    ``final_logit_softcapping`` (RecurrentGemma's ``logits_soft_cap``) caps after them: the
-    log-probs are those of the logits the model itself returns. A family whose head does something
+    ``final_logit_softcapping`` (RecurrentGemma's ``logits_soft_cap``, xLSTM's ``output_logit_soft_cap``) caps
+    after them: the log-probs are those of the logits the model itself returns. A family whose head does something
     else is found by the start-up probe (``engine.fused.check_packed_sequences_stay_apart``).
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -81,7 +85,7 @@ def logit_transform(config) -> tuple[float, float | None]:
     divisor = getattr(config, "logits_scaling", None)
     if divisor:
         multiplier /= float(divisor)
-    cap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+    cap = next((value for name in SOFT_CAP_NAMES if (value := getattr(config, name, None))), None)
     return multiplier, cap
 
 

@@ -188,12 +188,23 @@ def test_a_model_whose_layers_take_no_packed_row_runs_padded_rows():
     torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_recurrent_gemmas_logit_soft_cap_is_applied_as_the_model_applies_it():
-    """RecurrentGemma caps its logits (``logits_soft_cap``): the training log-probs are those of its own forward."""
-    known("recurrent_gemma")
-    config = AutoConfig.for_model("recurrent_gemma", vocab_size=64, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, lru_width=64,
-                                  attention_window_size=16, block_types=["recurrent", "attention"])
+SOFT_CAPPED = {
+    "recurrent_gemma": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                            intermediate_size=128, lru_width=64, attention_window_size=16,
+                            block_types=["recurrent", "attention"]),
+    "xlstm": dict(hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2, num_heads=4),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SOFT_CAPPED))
+def test_a_final_logit_soft_cap_is_applied_as_the_model_applies_it(model_type):
+    """RecurrentGemma caps its logits (``logits_soft_cap``), xLSTM too (``output_logit_soft_cap``): the training
+    log-probs are those of its own forward, through the fused projection. xLSTM's cap was left out: the probe then
+    read its whole logits where they were far from the projection's, and where its logits were still small (a
+    tiny model's) it trained on log-probs up to 5e-4 from its own."""
+    known(model_type)
+    config = AutoConfig.for_model(model_type, vocab_size=64, **SOFT_CAPPED[model_type])
+    config.use_cache = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -206,6 +217,9 @@ def test_recurrent_gemmas_logit_soft_cap_is_applied_as_the_model_applies_it():
 
     use_varlen_attention(model)
     check_packed_sequences_stay_apart(model)
+    from reinforge.engine.forward import OWN_LOGITS
+
+    assert not getattr(model, OWN_LOGITS, False)
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
 
 
