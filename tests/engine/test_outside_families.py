@@ -664,3 +664,22 @@ def test_a_model_whose_indexer_selects_the_keys_trains_on_its_own_sparse_attenti
     torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
     assert "it keeps its own sdpa attention (reinforge's varlen attention would attend to every key, not to those " \
            "its indexer selects)" in describe_training_path(model, torch.device("cpu"))
+
+
+def test_a_decoder_that_skips_layers_at_random_in_training_mode_keeps_them_once_dropout_is_off():
+    """OPT's ``layerdrop`` (BART's ``decoder_layerdrop``) skips whole decoder layers at random in training mode, with
+    the ``dropout`` rates that the RL workers switch off; it stayed on, and an OPT fine-tune with layerdrop 0.5
+    trained on log-probs up to 0.5 from those it sampled. It is switched off with them."""
+    from reinforge.models.dropout import disable_dropout
+
+    known("opt")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "opt", vocab_size=64, layerdrop=0.5, **dict(TINY["opt"], num_hidden_layers=4)))
+    assert "config.layerdrop=0.5" in disable_dropout(model)
+    input_ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        evaluated = model.eval()(input_ids=input_ids).logits
+        trained = [model.train()(input_ids=input_ids).logits for _ in range(4)]
+    for logits in trained:
+        torch.testing.assert_close(logits, evaluated)
