@@ -683,3 +683,24 @@ def test_a_decoder_that_skips_layers_at_random_in_training_mode_keeps_them_once_
         trained = [model.train()(input_ids=input_ids).logits for _ in range(4)]
     for logits in trained:
         torch.testing.assert_close(logits, evaluated)
+
+
+def test_a_model_whose_modules_need_a_missing_package_is_refused_in_one_line(tmp_path):
+    """Gemma 3n's vision tower needs timm: transformers' ImportError spans three lines, and the run's one error line
+    ended at "You can install it with pip:". The refusal names the model, the package and the command in one."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    from reinforge.models.loading import load_causal_lm
+
+    known("gemma3n")
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed: Gemma 3n builds")
+    AutoConfig.for_model("gemma3n").save_pretrained(tmp_path)
+    save_file({"unused": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ImportError) as refused:
+        load_causal_lm(str(tmp_path), dtype=torch.float32, device="cpu")
+    message = str(refused.value)
+    assert message.startswith(f"model.path={tmp_path} is a 'gemma3n' model, which transformers cannot build here: ")
+    assert "`pip install timm`" in message and "\n" not in message
