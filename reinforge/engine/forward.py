@@ -68,12 +68,16 @@ def _no_mask(config, device: torch.device):
     return torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
 
+SOFT_CAP_NAMES = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+"""Config keys of a final soft-cap, ``cap * tanh(logits / cap)``, on the causal LM's logits."""
+
+
 def logit_transform(config) -> tuple[float, float | None]:
     """(multiplier, final soft-cap) that the causal LM applies to ``lm_head``'s output, from its config.
 
     Cohere's ``logit_scale`` multiplies, Granite's ``logits_scaling`` divides, Gemma's
-    ``final_logit_softcapping`` (RecurrentGemma's ``logits_soft_cap``) caps after them: the
-    log-probs are those of the logits the model itself returns. A family whose head does something
+    ``final_logit_softcapping`` (RecurrentGemma's ``logits_soft_cap``, xLSTM's ``output_logit_soft_cap``) caps
+    after them: the log-probs are those of the logits the model itself returns. A family whose head does something
     else is found by the start-up probe (``engine.fused.check_packed_sequences_stay_apart``).
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -81,7 +85,7 @@ def logit_transform(config) -> tuple[float, float | None]:
     divisor = getattr(config, "logits_scaling", None)
     if divisor:
         multiplier /= float(divisor)
-    cap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+    cap = next((value for name in SOFT_CAP_NAMES if (value := getattr(config, name, None))), None)
     return multiplier, cap
 
 
@@ -147,15 +151,51 @@ def runs_padded(model: nn.Module) -> bool:
     return getattr(module, "config", None) is not None and not packs_rows(module)
 
 
-def _padded_hidden(model: nn.Module, micro: Batch, **extra):
+def _takes_position_ids(model: nn.Module) -> bool:
+    """Whether ``model``'s forward names ``position_ids`` (transformers' ``generate`` passes them only then)."""
+    import inspect
+
+    try:
+        return "position_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+
+
+def _padded_forward(model: nn.Module, micro: Batch, **extra):
     """``model``'s outputs over the micro-batch's padded rows, through its own masked attention: the path of a model
-    whose attention does not take packed rows."""
+    whose attention does not take packed rows. Returns the outputs and a function that lays a (rows, tokens, ...)
+    output out as the micro-batch's columns.
+
+    Each row runs with its tokens first and all its padding after them: a model that numbers its positions itself
+    (BART's learned positions take no ``position_ids``) counted the left padding, which a forward of the sequence
+    alone does not, and a causal model's tokens never see the padding after them. The position ids go in where the
+    model's ``forward`` names them, as transformers' ``generate`` hands them over, so training reads the
+    probabilities the rollout samples from.
+    """
     attention_mask = micro["attention_mask"]
     position_ids = micro["position_ids"] if "position_ids" in micro.keys() else build_position_ids(attention_mask)
     if position_ids.dim() != 2:
         raise ValueError(f"a padded forward takes (rows, tokens) position ids, got {tuple(position_ids.shape)}")
-    return model(input_ids=micro["input_ids"], attention_mask=attention_mask, position_ids=position_ids,
-                 use_cache=False, **extra)
+    width = attention_mask.shape[1]
+    columns = torch.arange(width, device=attention_mask.device)
+    leading = attention_mask.ne(0).int().argmax(dim=1, keepdim=True)  # padding before each row's first token
+    aligned = (columns + leading) % width  # column j of an aligned row is column aligned[j] of the micro-batch's
+
+    def align(tensor: Tensor) -> Tensor:
+        return tensor.gather(1, aligned)
+
+    positions = {"position_ids": align(position_ids)} if _takes_position_ids(model) else {}
+    output = model(input_ids=align(micro["input_ids"]), attention_mask=align(attention_mask), use_cache=False,
+                   **positions, **extra)
+    back = (columns - leading) % width
+
+    def in_columns(tensor: Tensor, columns: slice = slice(None)) -> Tensor:
+        """The micro-batch's ``columns`` of an aligned (rows, tokens, ...) output."""
+        index = back[:, columns]
+        return tensor.gather(1, index.reshape(*index.shape, *(1,) * (tensor.dim() - 2)).expand(
+            *index.shape, *tensor.shape[2:]))
+
+    return output, in_columns
 
 
 def _response_positions(micro: Batch) -> tuple[int, Tensor]:
@@ -224,8 +264,9 @@ def response_log_probs(model: nn.Module, micro: Batch, temperature: float = 1.0,
     if not packs_rows(model):  # padded rows, no shared prompts: hidden state at width - 1 + t predicts token t
         width, valid = _response_positions(micro)
         with _last_hidden_state(model) as captured:
-            _padded_hidden(model, micro, logits_to_keep=torch.empty(0, dtype=torch.long, device=valid.device))
-        return _response_projection(model, captured[-1][:, width - 1:-1][valid], micro["responses"][valid],
+            _, in_columns = _padded_forward(model, micro,
+                                            logits_to_keep=torch.empty(0, dtype=torch.long, device=valid.device))
+        return _response_projection(model, in_columns(captured[-1], slice(width - 1, -1))[valid], micro["responses"][valid],
                                     lambda values: _scattered(values, valid), temperature, with_entropy,
                                     max_logits_bytes, with_sum_pi_squared)
     _check_varlen(model.config)
@@ -308,7 +349,8 @@ def own_logits_log_probs(model: nn.Module, micro: Batch, temperature: float, wit
     """``response_log_probs`` from the logits the causal LM itself returns (every vocabulary entry of every response
     position at once, in float32: more memory than the fused projection, which never holds them all)."""
     width, valid = _response_positions(micro)
-    logits = _padded_hidden(model, micro).logits[:, width - 1:-1][valid].float()
+    output, in_columns = _padded_forward(model, micro)
+    logits = in_columns(output.logits, slice(width - 1, -1))[valid].float()
     logits = logits / (temperature if temperature > 0 else 1.0)
     log_softmax = logits.log_softmax(-1)
     log_probs = log_softmax.gather(-1, micro["responses"][valid][:, None])[:, 0]
@@ -355,9 +397,9 @@ def response_values(model: nn.Module, micro: Batch) -> Tensor:
     """Value of the state before each response token (B, R), float32; ``model`` is a ValueModel."""
     if not packs_rows(model.backbone):
         width, valid = _response_positions(micro)
-        outputs = _padded_hidden(model.backbone, micro)
+        outputs, in_columns = _padded_forward(model.backbone, micro)
         head = model.value_head
-        hidden = outputs.last_hidden_state[:, width - 1:-1][valid]
+        hidden = in_columns(outputs.last_hidden_state, slice(width - 1, -1))[valid]
         return _scattered(head(hidden.to(head.weight.dtype)).squeeze(-1).float(), valid)
     _check_varlen(model.backbone.config)
     packed = pack_rows(unshared_where_factors_differ(model, micro))
@@ -378,11 +420,11 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
     """
     backbone = model.base_model
     if not packs_rows(backbone):
-        outputs = _padded_hidden(backbone, micro)
+        outputs, in_columns = _padded_forward(backbone, micro)
         attention_mask = micro["attention_mask"]
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         last = (attention_mask.bool() * positions).argmax(dim=1)  # the last attended token of each row
-        hidden = outputs.last_hidden_state[torch.arange(len(last), device=last.device), last]
+        hidden = in_columns(outputs.last_hidden_state)[torch.arange(len(last), device=last.device), last]
         head = model.score
         return head(hidden.to(head.weight.dtype)).float()
     _check_varlen(backbone.config)

@@ -107,11 +107,11 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
                                           cast_forward_inputs=False)
     kept_units = float32_units(model, dtype, empty) if dtype != torch.float32 else []
     layers = decoder_layers(model)
-    for unit in [*kept_units, *layers]:
+    for unit in [*kept_units, *layer_units(layers)]:
         fully_shard(unit, mesh=mesh, mp_policy=float32_policy if unit in kept_units else mp_policy,
                     offload_policy=offload_policy, reshard_after_forward=reshard_after_forward, ignored_params=empty)
         if pin is not None:
-            pin_offloaded_shards(unit, pin)
+            pin_offloaded_shards(unit[0] if isinstance(unit, list) else unit, pin)
         if unit in kept_units:
             layer = next((layer for layer in layers if any(module is unit for module in layer.modules())), None)
             if layer is not None:
@@ -123,6 +123,27 @@ def shard_model(model: nn.Module, device: torch.device, dtype_name: str = "auto"
         if pin is not None:
             pin_offloaded_shards(root, pin)
     return model
+
+
+def layer_units(layers: list[nn.Module]) -> list[nn.Module | list[nn.Module]]:
+    """The decoder layers as FSDP units: each layer alone, but layers that hold the same parameter (Zamba's one
+    attention block, shared by every hybrid layer) together, as one unit of a list (FSDP refuses a parameter in two
+    units); in the order of each unit's first layer."""
+    parent = list(range(len(layers)))
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            index = parent[index]
+        return index
+
+    holder: dict[int, int] = {}  # id(parameter) -> the first layer holding it
+    for index, layer in enumerate(layers):
+        for parameter in layer.parameters():
+            parent[root(index)] = root(holder.setdefault(id(parameter), index))
+    units: dict[int, list[nn.Module]] = {}
+    for index, layer in enumerate(layers):
+        units.setdefault(root(index), []).append(layer)
+    return [unit[0] if len(unit) == 1 else unit for unit in units.values()]
 
 
 def float32_units(model: nn.Module, dtype: torch.dtype, skipped: Iterable[nn.Parameter] = ()) -> list[nn.Module]:

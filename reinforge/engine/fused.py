@@ -368,9 +368,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     sequences apart. A model whose attention does not take packed rows runs padded rows
     (``engine.forward.packs_rows``). One that still mixes packed sequences (recurrent or linear-attention layers
     beside its attention, attention limited only by its masks) runs padded rows too, from here on; a model that
-    fails even padded is refused here, in one line, before any step. Three to six forwards of a few tokens, then
-    three greedy tokens from ``generate``, whose log-probs the training passes must give: a model whose generate
-    prepares other inputs than its forward reads (XLM appends a mask token and predicts it) is refused too.
+    fails even padded is refused here, in one line, before any step, as is one whose forward fails in training mode
+    only. About a dozen forwards of a few tokens, then three greedy tokens from ``generate``, whose log-probs the
+    training passes must give: a model whose generate prepares other inputs than its forward reads (XLM appends a
+    mask token and predicts it) is refused too.
     """
     from reinforge.engine.forward import (
         OWN_LOGITS,
@@ -400,6 +401,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
     flipped = torch.tensor([True, False])[:, None]  # the first sequence's tokens reversed, the second's kept
     other_first = probe_batch(torch.where(flipped, responses.flip(1), responses),
                               torch.where(flipped, prompts.flip(1), prompts))
+    # the same with prompts of one token: the second sequence's responses right after the boundary, where a causal
+    # convolution carries the tokens before it (Zamba's Mamba layers: 3 tokens), past which nothing of it is left
+    at_boundary = [probe_batch(rows, prompts[:, -1:]) for rows in (
+        responses, torch.where(flipped, responses.flip(1), responses))]
     tolerance = PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1)
     # in float32 the same shapes give the same numbers to well within LEAK_FRACTION of the tolerance; in 16-bit
     # types a mixture of experts can take other kernels for the other first sequence's token counts per expert
@@ -417,8 +422,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
                 # packed: the second sequence after another first one of the same lengths. The same shapes, the same
                 # kernels, so any change is the first sequence leaking into it (a recurrent or convolution state
                 # carried across the packed row), however small next to the rounding between different shapes
-                leak = 0.0 if padded else float(
-                    (response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max())
+                leak = 0.0 if padded else max(
+                    float((response_log_probs(model, other_first)[0].float()[1] - packed[1]).abs().max()),
+                    float((response_log_probs(model, at_boundary[0])[0].float()[1]
+                           - response_log_probs(model, at_boundary[1])[0].float()[1]).abs().max()))
             except Exception as error:
                 if padded:  # the decoder's last hidden state through lm_head fails even over padded rows
                     failure = error
@@ -477,6 +484,10 @@ def check_packed_sequences_stay_apart(model: nn.Module) -> None:
         logger.warning("%s (model_type=%r) computes its logits beyond lm_head in a way reinforge does not reproduce "
                        "(%s): its training passes read the logits its own forward returns, over padded rows, every "
                        "vocabulary entry at once (more memory, slower)", type(model).__name__, model_type, how)
+    training_failure = _training_forward_failure(model, batch)
+    if training_failure is not None:
+        raise ValueError(_own_forward_fails(model, model_type, device, training_failure, " in training mode")
+                         ) from training_failure
     generate_gap = _generate_gap(model, prompts[:1].to(device), probe_batch)
     if generate_gap is not None and generate_gap > tolerance:
         raise ValueError(f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) samples in "
@@ -626,17 +637,38 @@ def _switched_model_passes(model: nn.Module, switches: dict[str, bool], passes: 
         model.train(was_training)
 
 
+def _training_forward_failure(model: nn.Module, batch: Any) -> BaseException | None:
+    """The error of the training passes' forward over ``batch`` with the model in training mode (the probes run it in
+    eval mode; Reformer's training forward refuses a sequence length that is no multiple of its chunk length), None
+    where it runs. Any dropout it draws leaves the random state as it was."""
+    from reinforge.engine.forward import response_log_probs
+
+    was_training = model.training
+    device = next(model.parameters()).device
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            response_log_probs(model, batch)
+    except Exception as error:  # noqa: BLE001 (whatever the model's training forward raises is named in the refusal)
+        return error
+    finally:
+        model.train(was_training)
+    return None
+
+
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _own_forward_fails(model: nn.Module, model_type: str, device: torch.device, error: BaseException) -> str:
-    """The one line that refuses a model whose own transformers forward fails over a few padded tokens."""
+def _own_forward_fails(model: nn.Module, model_type: str, device: torch.device, error: BaseException,
+                       mode: str = "") -> str:
+    """The one line that refuses a model whose own transformers forward fails over a few padded tokens (``mode``:
+    " in training mode" where only that forward fails)."""
     import transformers
 
     return (f"{type(model).__name__} (model_type={model_type!r}, from model.path's config.json) fails in transformers' "
-            f"own forward on {device.type} ({_first_line(error)}), so reinforge cannot train it; check the config's "
+            f"own forward{mode} on {device.type} ({_first_line(error)}), so reinforge cannot train it; check the config's "
             f"sizes, or use a transformers version (this is {transformers.__version__}) that runs {model_type}")
 
 

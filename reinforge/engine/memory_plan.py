@@ -661,8 +661,14 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     from its block pattern). Where the family's config has no such size at all, as transformers
     builds it, the model's own convention stands in: an MLP of ``expansion_ratio`` (MPT) or 4 x hidden (GPT-2,
     BLOOM, Falcon, GPT-J, CodeGen), one attention head for a model without attention (Mamba). Keys the config
-    already has are kept; a known family's missing size stays missing (the planner says so)."""
+    already has are kept; a known family's missing size stays missing (the planner says so). A size given per layer
+    (Gemma 3n's list of MLP widths) stands as its largest entry."""
     values = dict(text)
+    for key in WHOLE_SIZES:
+        sizes = values.get(key)
+        if isinstance(sizes, list) and sizes and all(isinstance(size, int) and not isinstance(size, bool)
+                                                     for size in sizes):
+            values[key] = max(sizes)
     model_type = values.get("model_type")
     config_class, aliases, defaults = _config_class(model_type if isinstance(model_type, str) else None)
     nested = [values] + [values[name] for name in ("attn_config", "ffn_config") if isinstance(values.get(name), dict)]

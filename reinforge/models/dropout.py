@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
-RATE_WORDS = ("dropout", "pdrop", "jitter")
+RATE_WORDS = ("dropout", "pdrop", "jitter", "layerdrop")
 """A config key or module attribute holding a dropout rate has one of these in its name (Mixtral's
-``router_jitter_noise`` / its MoE block's ``jitter_noise`` multiplies the MoE input by noise in training mode only)."""
+``router_jitter_noise`` / its MoE block's ``jitter_noise`` multiplies the MoE input by noise in training mode only;
+OPT's ``layerdrop``, BART's ``decoder_layerdrop`` skip whole decoder layers at random in training mode)."""
 
 
 def _is_rate(name: str, value) -> bool:

@@ -358,9 +358,14 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
             model = build_random_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
                                            attn_implementation=attn_implementation)
         else:
-            model_class = causal_lm_class(read_model_config(path, trust_remote_code))  # a VLM: the tower and the LM
-            model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                               attn_implementation=attn_implementation, **placement)
+            config = read_model_config(path, trust_remote_code)
+            model_class = causal_lm_class(config)  # a VLM: the tower and the LM
+            try:
+                model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                   attn_implementation=attn_implementation, **placement)
+            except ImportError as error:  # a package its modules need (Gemma 3n's vision tower: timm), in one line
+                raise ImportError(f"model.path={path} is a {config.model_type!r} model, which transformers cannot "
+                                  f"build here: {' '.join(str(error).split())}") from error
     model.to(device)
     model.config.use_cache = False
     if gradient_checkpointing:

@@ -54,6 +54,10 @@ TINY = {
                 max_position_embeddings=128, vision_config={"hidden_size": 32, "num_hidden_layers": 1,
                                                             "num_attention_heads": 2, "intermediate_size": 64,
                                                             "image_size": 32, "patch_size": 16}),
+    # Mamba layers between two hybrid ones, which share one attention block: one FSDP unit together
+    "zamba": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=128, layers_block_type=["linear_attention", "hybrid", "hybrid"], mamba_d_state=8,
+                  mamba_dt_rank=8, use_mamba_kernels=False, attention_hidden_size=128, attention_head_dim=32),
     "jamba": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8,
@@ -112,6 +116,23 @@ def test_a_hybrids_layer_count_comes_from_its_block_pattern(tmp_path):
     assert shape.num_layers == config.num_hidden_layers == len(config.layers_block_type)
 
 
+def test_a_size_given_per_layer_is_planned_at_its_largest(tmp_path):
+    """Gemma 3n's config.json lists an MLP width per layer: the planner refused the model, whose intermediate_size it
+    took for no whole number; it plans each layer at the widest."""
+    from reinforge.engine.memory_plan import check_model_config
+
+    known("gemma3n_text")
+    config = AutoConfig.for_model("gemma3n_text", vocab_size=64, vocab_size_per_layer_input=64, hidden_size=64,
+                                  hidden_size_per_layer_input=16, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, intermediate_size=[128, 96],
+                                  num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0])
+    config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["intermediate_size"] == [128, 96]
+    check_model_config(str(tmp_path))
+    shape = ModelShape.from_model_path(str(tmp_path))
+    assert (shape.hidden_size, shape.num_layers, shape.intermediate_size) == (64, 2, 128)
+
+
 def test_a_size_a_known_family_leaves_out_is_its_class_default_and_an_unknown_familys_is_named_in_one_line():
     config = tiny_config("mpt").to_dict() | {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                                                "num_attention_heads": 4}
@@ -167,12 +188,23 @@ def test_a_model_whose_layers_take_no_packed_row_runs_padded_rows():
     torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_recurrent_gemmas_logit_soft_cap_is_applied_as_the_model_applies_it():
-    """RecurrentGemma caps its logits (``logits_soft_cap``): the training log-probs are those of its own forward."""
-    known("recurrent_gemma")
-    config = AutoConfig.for_model("recurrent_gemma", vocab_size=64, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=1, intermediate_size=128, lru_width=64,
-                                  attention_window_size=16, block_types=["recurrent", "attention"])
+SOFT_CAPPED = {
+    "recurrent_gemma": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                            intermediate_size=128, lru_width=64, attention_window_size=16,
+                            block_types=["recurrent", "attention"]),
+    "xlstm": dict(hidden_size=64, embedding_dim=64, num_hidden_layers=2, num_blocks=2, num_heads=4),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SOFT_CAPPED))
+def test_a_final_logit_soft_cap_is_applied_as_the_model_applies_it(model_type):
+    """RecurrentGemma caps its logits (``logits_soft_cap``), xLSTM too (``output_logit_soft_cap``): the training
+    log-probs are those of its own forward, through the fused projection. xLSTM's cap was left out: the probe then
+    read its whole logits where they were far from the projection's, and where its logits were still small (a
+    tiny model's) it trained on log-probs up to 5e-4 from its own."""
+    known(model_type)
+    config = AutoConfig.for_model(model_type, vocab_size=64, **SOFT_CAPPED[model_type])
+    config.use_cache = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -185,6 +217,9 @@ def test_recurrent_gemmas_logit_soft_cap_is_applied_as_the_model_applies_it():
 
     use_varlen_attention(model)
     check_packed_sequences_stay_apart(model)
+    from reinforge.engine.forward import OWN_LOGITS
+
+    assert not getattr(model, OWN_LOGITS, False)
     torch.testing.assert_close(response_log_probs(model, batch)[0], expected, atol=1e-5, rtol=1e-5)
 
 
@@ -231,7 +266,7 @@ def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
     assert_pass_equals_transformers_padded_forward(model.train(), share_prompts=True)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git"])
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git", "zamba"])
 def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithmetic_data_dir, tmp_path):
     tokenizer = build_char_tokenizer(())
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
@@ -283,6 +318,25 @@ def test_a_model_whose_own_forward_fails_is_refused_in_one_line():
     message = str(refused.value)
     assert "CodeGenForCausalLM (model_type='codegen', from model.path's config.json) fails in transformers' own " \
            "forward on cpu (RuntimeError: " in message and "check the config's sizes" in message
+    assert "\n" not in message
+
+
+def test_a_model_whose_training_forward_fails_is_refused_at_start_in_one_line():
+    """Reformer's forward in training mode takes only sequences as long as its axial position shape: the probes ran
+    it in eval mode, and the run failed at its first update with transformers' error. It is refused at start."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    known("reformer")
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "reformer", vocab_size=64, hidden_size=64, num_attention_heads=2, attention_head_size=32, feed_forward_size=64,
+        attn_layers=["local", "local"], axial_pos_embds_dim=[32, 32], axial_pos_shape=[8, 8], is_decoder=True,
+        max_position_embeddings=64))
+    use_varlen_attention(model)
+    with pytest.raises(ValueError) as refused:
+        check_packed_sequences_stay_apart(model)
+    message = str(refused.value)
+    assert message.startswith("ReformerModelWithLMHead (model_type='reformer', from model.path's config.json) fails in "
+                              "transformers' own forward in training mode on cpu (ValueError: If training, ")
     assert "\n" not in message
 
 
@@ -507,14 +561,67 @@ def test_a_model_written_for_eager_attention_trains_on_its_own_forwards_probabil
         model, torch.device("cpu"))
 
 
-def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows():
+def _left_padded_batch(vocab: int) -> Batch:
+    """Three rows: the first and the last with left-padded prompts, the last with a right-padded response."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, vocab, (3, 5), generator=generator)
+    responses = torch.randint(3, vocab, (3, 4), generator=generator)
+    attention_mask = torch.ones(3, 9, dtype=torch.long)
+    attention_mask[0, :2] = 0
+    attention_mask[2, :3] = 0
+    attention_mask[2, 7:] = 0
+    input_ids = torch.cat([prompts, responses], 1) * attention_mask
+    return Batch.from_dict(tensors={"prompts": input_ids[:, :5], "responses": input_ids[:, 5:],
+                                    "response_mask": attention_mask[:, 5:].float(), "input_ids": input_ids,
+                                    "attention_mask": attention_mask,
+                                    "position_ids": build_position_ids(attention_mask)})
+
+
+def _log_probs_of_each_sequence_alone(model, batch: Batch) -> torch.Tensor:
+    """The response tokens' log-probs (rows, response width) from ``model``'s forward of each sequence alone."""
+    width = batch["prompts"].shape[1]
+    expected = torch.zeros(batch["responses"].shape)
+    with torch.no_grad():
+        for row in range(len(batch)):
+            mask = batch["attention_mask"][row].bool()
+            logits = model(input_ids=batch["input_ids"][row][mask][None]).logits[0].log_softmax(-1)
+            num_prompt, num_response = int(mask[:width].sum()), int(batch["response_mask"][row].sum())
+            tokens = batch["responses"][row][:num_response]
+            expected[row, :num_response] = logits[num_prompt - 1:num_prompt - 1 + num_response].gather(
+                -1, tokens[:, None])[:, 0]
+    return expected
+
+
+@pytest.mark.parametrize("model_type", ["bart"])
+def test_a_model_that_numbers_its_own_positions_trains_on_each_sequences_own_log_probs(model_type):
+    """BART's decoder takes no position ids: it numbers a row's positions from its first column. Over left-padded
+    rows its learned positions counted the padding, and a sequence after two pad tokens had log-probs up to 0.24
+    from those of its own forward. Padded rows run with each sequence's tokens first: its positions are its own."""
+    from reinforge.engine.attention import use_varlen_attention
+
+    model = tiny_model(model_type, vocab_size=96)
+    reference = copy.deepcopy(model)
+    use_varlen_attention(model)
+    check_packed_sequences_stay_apart(model)
+    assert not packs_rows(model)
+    batch = _left_padded_batch(96)
+    with torch.no_grad():
+        log_probs = response_log_probs(model, batch)[0] * batch["response_mask"]
+    torch.testing.assert_close(log_probs, _log_probs_of_each_sequence_alone(reference, batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "zamba"])
+def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_rows(model_type):
     """Jamba's Mamba layers carry their state from one packed sequence into the next. In a tiny fp32 model that
     moves the next sequence's log-probs by about 5e-4, under the tolerance for rounding between different shapes;
     the probe also runs the same shapes with another first sequence, where only a leak moves anything, and
-    the model then runs padded rows: each sequence's log-probs are those of its own forward."""
+    the model then runs padded rows: each sequence's log-probs are those of its own forward. Zamba's leak is its
+    Mamba convolution's, over the 3 tokens after a boundary only: behind the probe's prompts of 4 tokens it moved
+    nothing, and the model packed rows whose short prompts' log-probs were 3e-4 off; it is also probed with
+    one-token prompts."""
     from reinforge.engine.attention import use_varlen_attention
 
-    model = tiny_model("jamba", vocab_size=96)
+    model = tiny_model(model_type, vocab_size=96)
     reference = copy.deepcopy(model)
     use_varlen_attention(model)
     check_packed_sequences_stay_apart(model)
@@ -557,3 +664,43 @@ def test_a_model_whose_indexer_selects_the_keys_trains_on_its_own_sparse_attenti
     torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=1e-5)
     assert "it keeps its own sdpa attention (reinforge's varlen attention would attend to every key, not to those " \
            "its indexer selects)" in describe_training_path(model, torch.device("cpu"))
+
+
+def test_a_decoder_that_skips_layers_at_random_in_training_mode_keeps_them_once_dropout_is_off():
+    """OPT's ``layerdrop`` (BART's ``decoder_layerdrop``) skips whole decoder layers at random in training mode, with
+    the ``dropout`` rates that the RL workers switch off; it stayed on, and an OPT fine-tune with layerdrop 0.5
+    trained on log-probs up to 0.5 from those it sampled. It is switched off with them."""
+    from reinforge.models.dropout import disable_dropout
+
+    known("opt")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "opt", vocab_size=64, layerdrop=0.5, **dict(TINY["opt"], num_hidden_layers=4)))
+    assert "config.layerdrop=0.5" in disable_dropout(model)
+    input_ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        evaluated = model.eval()(input_ids=input_ids).logits
+        trained = [model.train()(input_ids=input_ids).logits for _ in range(4)]
+    for logits in trained:
+        torch.testing.assert_close(logits, evaluated)
+
+
+def test_a_model_whose_modules_need_a_missing_package_is_refused_in_one_line(tmp_path):
+    """Gemma 3n's vision tower needs timm: transformers' ImportError spans three lines, and the run's one error line
+    ended at "You can install it with pip:". The refusal names the model, the package and the command in one."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    from reinforge.models.loading import load_causal_lm
+
+    known("gemma3n")
+    if importlib.util.find_spec("timm") is not None:
+        pytest.skip("timm is installed: Gemma 3n builds")
+    AutoConfig.for_model("gemma3n").save_pretrained(tmp_path)
+    save_file({"unused": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ImportError) as refused:
+        load_causal_lm(str(tmp_path), dtype=torch.float32, device="cpu")
+    message = str(refused.value)
+    assert message.startswith(f"model.path={tmp_path} is a 'gemma3n' model, which transformers cannot build here: ")
+    assert "`pip install timm`" in message and "\n" not in message
