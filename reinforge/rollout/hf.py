@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import threading
@@ -341,6 +342,16 @@ def _prefill_again_where_longrope_switches(model: nn.Module) -> Iterator[None]:
             model.prepare_inputs_for_generation = patched
 
 
+def _forward_takes_position_ids(model: nn.Module) -> bool:
+    """Whether ``model``'s forward names ``position_ids``: transformers' ``generate`` computes them from the attention
+    mask (left padding left out) and passes them only then."""
+    generating = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the model it wraps
+    try:
+        return "position_ids" in inspect.signature(generating.forward).parameters
+    except (TypeError, ValueError):
+        return True
+
+
 class HFEngine:
     reads_model_in_place = True
     """``generate`` runs on the training module itself."""
@@ -378,7 +389,10 @@ class HFEngine:
         runs, ends it at its next token with ``GenerationInterrupted`` (no sample of a call stopped midway is returned:
         a cut sample would read as one that ended there)."""
         results: list[list[Completion] | None] = [None] * len(requests)
-        groups: dict[SamplingParams, list[int]] = defaultdict(list)
+        # a model that numbers its positions itself (its forward takes no position_ids: BART's decoders, RWKV's
+        # state) would count a row's left padding: its prompts go to generate in rows of one length, unpadded
+        unpadded = not _forward_takes_position_ids(self.model)
+        groups: dict[tuple[SamplingParams, int | None], list[int]] = defaultdict(list)
         vocab_size = self.model.get_input_embeddings().weight.shape[0]
         for index, request in enumerate(requests):
             problem = prompt_problem(request.prompt_token_ids, vocab_size)
@@ -391,8 +405,9 @@ class HFEngine:
                 raise ValueError(f"request {request.request_id!r} has stop strings {list(request.sampling.stop)} but "
                                  "the engine has no tokenizer to read its samples' text; build HFEngine with "
                                  "tokenizer=")
-            groups[dataclasses.replace(request.sampling, seed=None, first_sample=0)].append(index)
-        for sampling, indices in groups.items():
+            length = len(request.prompt_token_ids) if unpadded else None
+            groups[dataclasses.replace(request.sampling, seed=None, first_sample=0), length].append(index)
+        for (sampling, _), indices in groups.items():
             per_call = max(1, self.max_batch_size // sampling.n)
             for start in range(0, len(indices), per_call):
                 chunk = indices[start:start + per_call]

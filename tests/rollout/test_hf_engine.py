@@ -284,3 +284,26 @@ def test_a_row_passing_longropes_original_length_is_computed_again_with_the_long
                 before = (torch.arange(len(tokens)) + len(prompt) <= LONGROPE_ORIGINAL)[:, None]
                 expected = torch.where(before, then, whole).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
                 torch.testing.assert_close(torch.tensor(sample.log_probs), expected, atol=1e-5, rtol=0)
+
+
+def test_a_model_that_numbers_its_positions_itself_generates_each_prompt_as_if_alone():
+    """BART's decoder takes no position ids and numbers positions from a row's first column: prompts of several
+    lengths in one call would count their left padding. The samples' log-probs are those of each sequence alone."""
+    from transformers import BartConfig, BartForCausalLM
+
+    torch.manual_seed(0)
+    model = BartForCausalLM(BartConfig(vocab_size=64, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                                       decoder_ffn_dim=128, encoder_layers=2, encoder_attention_heads=4,
+                                       encoder_ffn_dim=128, max_position_embeddings=128, dropout=0.0,
+                                       pad_token_id=1)).eval()
+    engine = HFEngine(model, pad_token_id=1, eos_token_ids=[EOS])
+    prompts = [[5, 6, 7], list(range(9, 20)), [20, 21]]
+    for sampling in (SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                     SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=5, ignore_eos=True)):
+        for prompt, samples in zip(prompts, engine.generate([GenerationRequest(p, sampling) for p in prompts]),
+                                   strict=True):
+            for sample in samples:
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
+                recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(sample.log_probs), recomputed, atol=1e-5, rtol=0)
