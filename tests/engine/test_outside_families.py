@@ -592,11 +592,9 @@ def _log_probs_of_each_sequence_alone(model, batch: Batch) -> torch.Tensor:
     return expected
 
 
-@pytest.mark.parametrize("model_type", ["bart"])
-def test_a_model_that_numbers_its_own_positions_trains_on_each_sequences_own_log_probs(model_type):
-    """BART's decoder takes no position ids: it numbers a row's positions from its first column. Over left-padded
-    rows its learned positions counted the padding, and a sequence after two pad tokens had log-probs up to 0.24
-    from those of its own forward. Padded rows run with each sequence's tokens first: its positions are its own."""
+def probed_to_padded_rows(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny model of ``model_type`` through the varlen attention and the start-up probe, which must send it to
+    padded rows, and an untouched copy of it."""
     from reinforge.engine.attention import use_varlen_attention
 
     model = tiny_model(model_type, vocab_size=96)
@@ -604,6 +602,15 @@ def test_a_model_that_numbers_its_own_positions_trains_on_each_sequences_own_log
     use_varlen_attention(model)
     check_packed_sequences_stay_apart(model)
     assert not packs_rows(model)
+    return model, reference
+
+
+@pytest.mark.parametrize("model_type", ["bart"])
+def test_a_model_that_numbers_its_own_positions_trains_on_each_sequences_own_log_probs(model_type):
+    """BART's decoder takes no position ids: it numbers a row's positions from its first column. Over left-padded
+    rows its learned positions counted the padding, and a sequence after two pad tokens had log-probs up to 0.24
+    from those of its own forward. Padded rows run with each sequence's tokens first: its positions are its own."""
+    model, reference = probed_to_padded_rows(model_type)
     batch = _left_padded_batch(96)
     with torch.no_grad():
         log_probs = response_log_probs(model, batch)[0] * batch["response_mask"]
@@ -619,13 +626,7 @@ def test_a_hybrid_whose_recurrent_state_leaks_across_a_packed_row_runs_padded_ro
     Mamba convolution's, over the 3 tokens after a boundary only: behind the probe's prompts of 4 tokens it moved
     nothing, and the model packed rows whose short prompts' log-probs were 3e-4 off; it is also probed with
     one-token prompts."""
-    from reinforge.engine.attention import use_varlen_attention
-
-    model = tiny_model(model_type, vocab_size=96)
-    reference = copy.deepcopy(model)
-    use_varlen_attention(model)
-    check_packed_sequences_stay_apart(model)
-    assert not packs_rows(model)
+    model, reference = probed_to_padded_rows(model_type)
     batch = _batch(96)
     with torch.no_grad():
         logits = reference(input_ids=batch["input_ids"]).logits[:, 3:-1].log_softmax(-1)

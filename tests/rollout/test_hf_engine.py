@@ -210,6 +210,18 @@ def test_every_round_generates_what_a_fresh_engine_does():
         assert engine.generate(batch) == fresh.generate(batch), f"round {index}"
 
 
+def assert_samples_have_each_sequences_own_log_probs(engine: HFEngine, prompts: list[list[int]],
+                                                     sampling: SamplingParams) -> None:
+    """The engine's samples of ``prompts``, generated in one call, have the log-probs of a forward of each sequence
+    alone (float32, within 1e-5)."""
+    for prompt, samples in zip(prompts, engine.generate([GenerationRequest(p, sampling) for p in prompts]), strict=True):
+        for sample in samples:
+            with torch.no_grad():
+                logits = engine.model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
+            recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(sample.log_probs), recomputed, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(("family", "cache_implementation"),
                          [("llama", None), ("olmo2", None), ("olmoe", None), ("llama", "static")])
 def test_a_window_the_models_masks_never_apply_is_not_applied_to_the_cache_either(family, cache_implementation):
@@ -223,13 +235,7 @@ def test_a_window_the_models_masks_never_apply_is_not_applied_to_the_cache_eithe
     prompts = [list(range(3, 15)), list(range(20, 29))]
     for sampling in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                      SamplingParams(max_tokens=8, temperature=1.0, n=2, seed=3, ignore_eos=True)):
-        for prompt, samples in zip(prompts, engine.generate([GenerationRequest(p, sampling) for p in prompts]),
-                                   strict=True):
-            for sample in samples:
-                with torch.no_grad():
-                    logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
-                recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
-                torch.testing.assert_close(torch.tensor(sample.log_probs), recomputed, atol=1e-5, rtol=0)
+        assert_samples_have_each_sequences_own_log_probs(engine, prompts, sampling)
 
 
 LONGROPE_ORIGINAL = 10
@@ -300,10 +306,4 @@ def test_a_model_that_numbers_its_positions_itself_generates_each_prompt_as_if_a
     prompts = [[5, 6, 7], list(range(9, 20)), [20, 21]]
     for sampling in (SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                      SamplingParams(max_tokens=6, temperature=1.0, n=2, seed=5, ignore_eos=True)):
-        for prompt, samples in zip(prompts, engine.generate([GenerationRequest(p, sampling) for p in prompts]),
-                                   strict=True):
-            for sample in samples:
-                with torch.no_grad():
-                    logits = model(torch.tensor([prompt + sample.token_ids])).logits[0, len(prompt) - 1:-1].float()
-                recomputed = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
-                torch.testing.assert_close(torch.tensor(sample.log_probs), recomputed, atol=1e-5, rtol=0)
+        assert_samples_have_each_sequences_own_log_probs(engine, prompts, sampling)
