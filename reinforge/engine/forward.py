@@ -98,16 +98,26 @@ def model_logit_transform(model: nn.Module) -> tuple[float, float | None]:
 
 PACKS_ROWS = "_reinforge_packs_rows"
 """The attribute a model keeps its answer of ``packs_rows`` in."""
+PROBE_LENGTH = 3
+"""Tokens of each of the two sequences ``packs_rows`` packs into one row."""
+PROBE_LEAK_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+"""Largest change of the second sequence's output, relative to its size, that ``packs_rows`` takes for rounding when
+only the first sequence's tokens change (others: 0.05). The shapes are the same, so a model that keeps the sequences
+apart gives the same numbers to ~1e-7 in float32; in 16-bit types a mixture of experts can take other kernels for
+the other token counts per expert."""
 
 
 def packs_rows(model: nn.Module) -> bool:
     """Whether ``model``'s attention takes packed rows: it runs through reinforge's varlen attention and every call
     receives the packed forward's arguments. Families of the architecture table (and the vision-language models)
-    do; another model is probed once, eagerly, with two sequences of two tokens through its own forward (FSDP's
-    hooks live there), and the answer is kept on the model. A model whose modeling code drops those arguments on
-    the way to its attention (StableLM in transformers 5), or calls no attention function of transformers' table
-    (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded, as does one whose
-    layers fail on a packed row (Mamba).
+    do; another model is probed once, eagerly and in eval mode, with two sequences of three tokens through its own
+    forward (FSDP's hooks live there), and the answer is kept on the model. A model whose modeling code drops those
+    arguments on the way to its attention (StableLM in transformers 5), or calls no attention function of
+    transformers' table (Falcon, BLOOM, MPT), would attend across the sequences of a packed row; it runs padded, as
+    does one whose layers fail on a packed row (Mamba), and one whose other layers carry the first sequence into the
+    second (Qwen3-Next's Gated DeltaNet, Jamba's and Zamba's Mamba layers beside their attention). The causal LM's
+    start-up probe checks more (``engine.fused.check_packed_sequences_stay_apart``); a sequence classifier's or value
+    model's backbone has only this one.
     """
     known = getattr(model, PACKS_ROWS, None)
     if known is not None:
@@ -119,21 +129,40 @@ def packs_rows(model: nn.Module) -> bool:
         known = True
     else:
         device = next(model.parameters()).device
-        bounds = torch.tensor([0, 2, 4], dtype=torch.int32, device=device)
-        probe = {"packed_cu_seqlens": bounds, "packed_max_length": 2, "packed_cu_seqlens_k": bounds,
-                 "packed_max_length_k": 2, "packed_kv_index": None, "packed_lengths": [2, 2],
-                 "packed_key_lengths": [2, 2]}
+        length = PROBE_LENGTH
+        bounds = torch.tensor([0, length, 2 * length], dtype=torch.int32, device=device)
+        probe = {"packed_cu_seqlens": bounds, "packed_max_length": length, "packed_cu_seqlens_k": bounds,
+                 "packed_max_length_k": length, "packed_kv_index": None, "packed_lengths": [length, length],
+                 "packed_key_lengths": [length, length]}
+        positions = torch.arange(length, device=device).repeat(2)[None]
+        second = torch.tensor([7, 11, 5], device=device)
+
+        def packed_output(first: list[int]) -> Tensor:
+            """The module's output over the second sequence's tokens, packed after ``first``."""
+            output = model(input_ids=torch.cat([torch.tensor(first, device=device), second])[None],
+                           position_ids=positions, attention_mask=_no_mask(config, device), use_cache=False, **probe)
+            hidden = getattr(output, "last_hidden_state", None)
+            return (hidden if hidden is not None else output.logits)[0, length:].float()
+
+        was_training = model.training
+        model.eval()  # a router's training noise (PhiMoE's jitter) would read as a leak
         try:
             with watch_attention_calls() as calls, torch.no_grad(), torch.compiler.set_stance("force_eager"):
-                model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
-                      position_ids=torch.tensor([[0, 1, 0, 1]], device=device),
-                      attention_mask=_no_mask(config, device), use_cache=False, **probe)
+                after_one = packed_output([4, 9, 6])
+                # the same shapes after another first sequence: any change is the first one leaking into the second
+                # (a recurrent, convolution or linear-attention state carried along the row: Mamba, Gated DeltaNet)
+                after_other = packed_output([8, 3, 10])
             known = calls.packed > 0 and calls.unpacked == 0
             if calls.packed == calls.unpacked == 0:  # attention in its own classes: its own masks too
                 restore_own_attention(model, "its modules call no attention function of transformers' table")
+            leak = float((after_one - after_other).abs().max())
+            tolerance = PROBE_LEAK_TOLERANCE.get(next(model.parameters()).dtype, 0.05)
+            known = known and leak <= tolerance * max(float(after_one.abs().max()), 1.0)
         except Exception:  # noqa: BLE001 (layers that take no packed row at all: padded rows)
             # Mamba's mixer reads the mask as padding; a model that fails padded too is refused by its probe
             known = False
+        finally:
+            model.train(was_training)
     setattr(model, PACKS_ROWS, known)
     return known
 

@@ -99,7 +99,7 @@ def transformers_scores(rm_dir: Path, batch: Batch, head: type) -> torch.Tensor:
         for row in range(len(batch)):
             ids = batch["input_ids"][row][batch["attention_mask"][row].bool()][None]
             logits = model(input_ids=ids).logits
-            scores.append(logits[0, 0] if head is Qwen2ForSequenceClassification else logits[0, -1, 0])
+            scores.append(logits[0, -1, 0] if head is Qwen2ForTokenClassification else logits[0, 0])
     return torch.stack(scores)
 
 
@@ -122,6 +122,46 @@ def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp
     # the split into micro-batches changes nothing
     worker.max_tokens = 4096
     torch.testing.assert_close(worker.compute_rm_score(batch)["rm_scores"], scored["rm_scores"], atol=1e-5, rtol=0)
+
+
+HYBRID_FAMILIES = {
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
+                         linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, head_dim=16),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False),
+}
+"""Families whose decoder has layers beside its attention that carry a state along the row: Gated DeltaNet
+(Qwen3.5, Qwen3-Next) and Mamba (Jamba, Zamba)."""
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRID_FAMILIES))
+def test_a_backbone_whose_recurrent_layers_would_carry_one_sequence_into_the_next_scores_padded_rows(
+        tiny_model_dir, tmp_path, model_type):
+    """Their attention takes packed rows, but their linear-attention or Mamba layers would carry the state of one
+    packed sequence into the next (scores up to 1.8 from transformers' own): the reward model runs padded rows and
+    scores each sequence as transformers does alone."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from reinforge.engine.forward import runs_padded
+
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                  max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id, num_labels=1,
+                                  **HYBRID_FAMILIES[model_type])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForSequenceClassification.from_config(config).float()
+        with torch.no_grad():
+            model.score.weight.normal_(0, 1.0)
+    rm_dir = save_hf_folder(model, tokenizer, tmp_path / "rm")
+    worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
+    batch = random_batch()
+    scored = worker.compute_rm_score(batch)
+    last = (batch["response_mask"].sum(-1) - 1).long()
+    torch.testing.assert_close(scored["rm_scores"][torch.arange(len(batch)), last],
+                               transformers_scores(rm_dir, batch, AutoModelForSequenceClassification), atol=1e-5, rtol=0)
+    assert runs_padded(worker.model)
 
 
 def test_inputs_longer_than_max_length_are_cut_on_the_right_and_counted(tiny_model_dir, tmp_path):
