@@ -43,6 +43,25 @@ def classifier_auto_class(config) -> type | None:
     return None
 
 
+def _pooling_configs(config) -> list:
+    """The config and its text config, once each: a vision-language classifier (Gemma 3's, Qwen3.5's) keeps its
+    ``pad_token_id`` in the text config only."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return list({id(config): config, id(text): text}.values())
+
+
+def classifier_pad_token_id(config) -> int | None:
+    """The pad token a sequence classifier of ``config`` reads its score before: its text config's ``pad_token_id``,
+    as transformers' ``*ForSequenceClassification`` reads it (None where it has none)."""
+    return getattr(_pooling_configs(config)[-1], "pad_token_id", None)
+
+
+def set_classifier_pad_token_id(config, pad_token_id: int) -> None:
+    """Give ``config`` and its text config ``pad_token_id``, so a saved classifier pools where it was trained to."""
+    for owner in _pooling_configs(config):
+        owner.pad_token_id = pad_token_id
+
+
 def without_trailing_padding(ids: list[int], pad_token_id: int | None, keep: int = 1) -> list[int]:
     """``ids`` without the tokens at its end that are ``pad_token_id``, ``keep`` tokens at least.
 

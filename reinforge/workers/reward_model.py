@@ -47,7 +47,7 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.host_weights import HostWeights
 from reinforge.models import load_tokenizer
 from reinforge.models.loading import is_local_path, tokens_read_otherwise
-from reinforge.models.reward_model import load_reward_model, without_trailing_padding
+from reinforge.models.reward_model import classifier_pad_token_id, load_reward_model, without_trailing_padding
 from reinforge.protocol import Batch
 from reinforge.reward.manager import place_on_last_token
 from reinforge.workers.memory_settings import apply_memory_plan
@@ -75,7 +75,7 @@ class RewardInputs:
 
     ``policy_tokenizer`` None: the policy's ids are read as they are (no re-rendering), with ``after_turn`` (the
     template's end-of-turn id, the ids it writes after it) added after a chat response ending in that token.
-    ``classifier_pad_token_id``: a sequence classifier's ``config.pad_token_id``, whose trailing tokens each sequence
+    ``classifier_pad_token_id``: a sequence classifier's pad token (its text config's), whose trailing tokens each sequence
     drops (the class reads its score before them).
     """
 
@@ -210,7 +210,7 @@ class RewardModelWorker(Worker):
         self.max_tokens = int(settings.max_tokens_per_micro_batch or config.actor.max_tokens_per_micro_batch)
         self.inputs = build_reward_inputs(config)
         if reads_before_padding(self.model):
-            self.inputs.classifier_pad_token_id = self.model.config.pad_token_id
+            self.inputs.classifier_pad_token_id = classifier_pad_token_id(self.model.config)
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:

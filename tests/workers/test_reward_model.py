@@ -164,6 +164,43 @@ def test_a_backbone_whose_recurrent_layers_would_carry_one_sequence_into_the_nex
     assert runs_padded(worker.model)
 
 
+def save_tiny_vision_language_classifier(folder: Path, text_pad_token_id: int | None) -> Path:
+    """A tiny Gemma 3 sequence classifier (num_labels=1) with the char tokenizer, saved: its config keeps
+    ``pad_token_id`` in its text config only, as a vision-language checkpoint's does."""
+    from transformers import Gemma3Config, Gemma3ForSequenceClassification
+
+    tokenizer = build_char_tokenizer()
+    config = Gemma3Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, intermediate_size=64, max_position_embeddings=256,
+                         pad_token_id=text_pad_token_id),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=16, patch_size=8), mm_tokens_per_image=4, num_labels=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Gemma3ForSequenceClassification(config).float()
+        with torch.no_grad():
+            model.score.weight.normal_(0, 1.0)
+    return save_hf_folder(model, tokenizer, folder)
+
+
+@pytest.mark.parametrize("ending_in_pad", [False, True])
+def test_a_vision_language_classifier_is_read_before_its_text_configs_pad_token(tiny_model_dir, tmp_path,
+                                                                                 ending_in_pad):
+    """Gemma 3's and Qwen3.5's classifiers keep pad_token_id in their text config, where transformers' pooling reads
+    it; their top-level config has none (the worker failed with an AttributeError at start-up)."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm_dir = save_tiny_vision_language_classifier(tmp_path / "rm", text_pad_token_id=0)
+    worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
+    assert worker.inputs.classifier_pad_token_id == 0
+    batch = random_batch(ending_in_pad)
+    scored = worker.compute_rm_score(batch)
+    last = (batch["response_mask"].sum(-1) - 1).long()
+    torch.testing.assert_close(scored["rm_scores"][torch.arange(len(batch)), last],
+                               transformers_scores(rm_dir, batch, AutoModelForSequenceClassification), atol=1e-5, rtol=0)
+
+
 def test_inputs_longer_than_max_length_are_cut_on_the_right_and_counted(tiny_model_dir, tmp_path):
     rm_dir = save_tiny_reward_model(tmp_path / "rm")
     worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir, max_length=8))

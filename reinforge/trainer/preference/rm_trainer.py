@@ -54,7 +54,11 @@ from reinforge.models.loading import (
     read_model_config,
     sdpa_or_eager,
 )
-from reinforge.models.reward_model import classifier_auto_class, without_trailing_padding
+from reinforge.models.reward_model import (
+    classifier_auto_class,
+    set_classifier_pad_token_id,
+    without_trailing_padding,
+)
 from reinforge.protocol import Batch
 from reinforge.trainer.preference.models import load_dtype, prepare_trained_model
 from reinforge.trainer.preference.pairs import PreferenceRun
@@ -91,7 +95,7 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
         raise ValueError(f"model.path={path} loads as {type(model).__name__}, whose head is not a linear layer named "
                          "'score'; reinforge rm trains transformers' sequence- and token-classification classes")
     model.score.float()  # a new head starts in float32 (its master weights), whatever the backbone's dtype
-    model.config.pad_token_id = pad_token_id
+    set_classifier_pad_token_id(model.config, pad_token_id)  # a vision-language classifier pools by its text config's
     model.config.use_cache = False
     return model.to(device)
 

@@ -475,3 +475,25 @@ def test_a_pair_unshared_for_its_rotary_weighs_its_routers_by_the_unshared_plan(
     layers = [torch.cat([logits[layer] for logits in alone]) for layer in range(2)]
     expected = load_balancing_loss_func(tuple(layers), causal_lm.config.num_experts, causal_lm.config.num_experts_per_tok)
     assert float(recorded.aux_loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.parametrize("text_pad_token_id", [None, 5])
+def test_a_vision_language_classifier_exports_the_pad_token_training_read_before(pair_args, tmp_path,
+                                                                                 text_pad_token_id):
+    """Gemma 3's and Qwen3.5's classifiers pool by their text config's pad_token_id: training reads each reward
+    before the tokenizer's pad token, and the exported folder's text config names that token (it kept none, and
+    transformers refused a batch of two, or another, and it read a padded row at its padding)."""
+    from tests.workers.test_reward_model import save_tiny_vision_language_classifier
+
+    folder = save_tiny_vision_language_classifier(tmp_path / "start", text_pad_token_id)
+    run_dir = tmp_path / "run"
+    settings = {"model.path": folder, "trainer.total_steps": 1, "data.batch_size": 4, "optim.lr": 1e-2}
+    trainer = RewardModelTrainer(load_rm_config(None, pair_args(run_dir, **settings)))
+    trainer.fit()
+    trainer.model.eval()
+    batch, padded = a_packed_pair_and_its_padded_rows(AutoTokenizer.from_pretrained(folder))
+    with torch.no_grad():
+        trained = last_token_scores(trainer.model, batch).squeeze(-1)
+        exported = AutoModelForSequenceClassification.from_pretrained(latest_checkpoint(run_dir) / "hf").eval()
+        assert exported.config.get_text_config().pad_token_id == trainer.tokenizer.pad_token_id
+        torch.testing.assert_close(exported(**padded).logits[:, 0], trained, atol=1e-5, rtol=1e-5)
