@@ -76,6 +76,29 @@ def without_trailing_padding(ids: list[int], pad_token_id: int | None, keep: int
     return ids if end == len(ids) else ids[:end]
 
 
+def check_score_head(auto_class: type, config, key: str, path: str, fix: str,
+                     trust_remote_code: bool = False) -> None:
+    """Refuse, in one line and before any weight loads, a classifier whose head is not a linear ``score`` that reads
+    the last token: an encoder's (BERT's ``classifier`` on its first token), an encoder-decoder's (BART's
+    ``classification_head``). ``auto_class`` builds it from ``config`` on the meta device; ``key``/``path`` name the
+    setting and ``fix`` ends the line. A class that cannot be built so is left to the load."""
+    try:
+        with torch.device("meta"):
+            model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 (the load says what is wrong, in the model's own words)
+        return
+    if isinstance(getattr(model, "score", None), torch.nn.Linear):
+        return
+    base = getattr(model, "base_model", None)
+    heads = [f"{name}: {type(module).__name__}" for name, module in model.named_children()
+             if module is not base and any(True for _ in module.parameters())]
+    raise ValueError(f"{key}={path} is a {type(model).__name__} (model_type={config.model_type!r}) whose head "
+                     f"({', '.join(heads) or 'inside its base model'}) is not a linear layer named 'score'; reinforge "
+                     "reads a reward model's score with that layer at each sequence's last token, as transformers' "
+                     "decoder classifiers (Llama, Qwen, Gemma, GPT-2, ...) do, not where another classifier pools "
+                     f"(BERT's first token, BART's last EOS); {fix}")
+
+
 def _local(path: str) -> str:
     """A local folder checked as a model folder (errors name the reward model's key), or the hub id itself."""
     if not is_local_path(path):
@@ -109,6 +132,8 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
     if config.num_labels != 1:
         raise ValueError(f"{KEY}={path} has num_labels={config.num_labels} ({heads[0][0]}); a reward model gives one "
                          "score per sequence: use a model saved with num_labels=1")
+    check_score_head(heads[0][1], config, KEY, path, "use a decoder reward model, such as one `reinforge rm` trains "
+                     "from a causal LM", trust_remote_code)
     return heads[0][1], str(getattr(config, "model_type", ""))
 
 

@@ -283,6 +283,46 @@ def test_a_model_that_is_not_a_one_label_classifier_is_refused_in_one_line(tiny_
         check_reward_model(str(typed))
 
 
+ENCODER_CLASSIFIERS = {
+    "bert": ("BertForSequenceClassification", "classifier: Linear",
+             dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)),
+    "bart": ("BartForSequenceClassification", "classification_head: BartClassificationHead",
+             dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64)),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ENCODER_CLASSIFIERS))
+def test_a_classifier_that_pools_elsewhere_than_a_score_at_the_last_token_is_refused_before_it_loads(
+        tmp_path, monkeypatch, model_type):
+    """BERT's classifier reads the first token, BART's head the last EOS: neither is a linear 'score' at the last
+    token, which the worker and reinforge rm read; both refuse it in one line from its config alone."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from reinforge.trainer.preference.rm_trainer import load_reward_model_for_training
+
+    class_name, head, sizes = ENCODER_CLASSIFIERS[model_type]
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), num_labels=1,
+                                  pad_token_id=tokenizer.pad_token_id, **sizes)
+    folder = save_hf_folder(AutoModelForSequenceClassification.from_config(config), tokenizer, tmp_path / "rm")
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("the weights loaded"))
+    pooling = ("is not a linear layer named 'score'; reinforge reads a reward model's score with that layer at each "
+               "sequence's last token, as transformers' decoder classifiers (Llama, Qwen, Gemma, GPT-2, ...) do, not "
+               "where another classifier pools (BERT's first token, BART's last EOS); ")
+    with pytest.raises(ValueError) as refusal:
+        check_reward_model(str(folder))
+    assert str(refusal.value) == (
+        f"reward.reward_model.model_path={folder} is a {class_name} (model_type={model_type!r}) whose head ({head}) "
+        f"{pooling}use a decoder reward model, such as one `reinforge rm` trains from a causal LM")
+    with pytest.raises(ValueError) as refusal:
+        load_reward_model_for_training(str(folder), pad_token_id=tokenizer.pad_token_id)
+    assert str(refusal.value) == (
+        f"model.path={folder} is a {class_name} (model_type={model_type!r}) whose head ({head}) {pooling}start from "
+        "a decoder (a causal LM of Llama, Qwen, Mistral, Gemma, Phi-3, GPT-2, ...) or from its one-label classifier")
+
+
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_the_packing_plan_finds_each_rows_last_token(share_prompts):
     batch = random_batch()

@@ -55,6 +55,7 @@ from reinforge.models.loading import (
     sdpa_or_eager,
 )
 from reinforge.models.reward_model import (
+    check_score_head,
     classifier_auto_class,
     set_classifier_pad_token_id,
     without_trailing_padding,
@@ -137,6 +138,8 @@ def _classifier_attention(path: str, trust_remote_code: bool, attn_implementatio
                          f"{'token' if token else 'sequence'}-classification class ({model_class.__name__}); "
                          "reinforge rm trains a one-label head on that class, so start from a model of a family that "
                          "has one (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...)")
+    check_score_head(model_class, config, "model.path", path, "start from a decoder (a causal LM of Llama, Qwen, "
+                     "Mistral, Gemma, Phi-3, GPT-2, ...) or from its one-label classifier")
     return sdpa_or_eager(classifier, attn_implementation, config)
 
 
