@@ -18,9 +18,20 @@ RATE_WORDS = ("dropout", "pdrop", "jitter", "layerdrop")
 OPT's ``layerdrop``, BART's ``decoder_layerdrop`` skip whole decoder layers at random in training mode)."""
 
 
+NOT_RATES = {"Phimoe": ("router_jitter_noise",)}
+"""Keys a family's config or modules (by class-name prefix) name like a rate that are not one: PhiMoE's router reads
+``router_jitter_noise`` as the threshold below the top score past which it masks experts, in eval mode as in
+training; set to 0 it routes otherwise (its noise in training mode is ``input_jitter_noise``)."""
+
+
 def _is_rate(name: str, value) -> bool:
     return (any(word in name for word in RATE_WORDS) and isinstance(value, float)
             and not isinstance(value, bool) and value > 0)
+
+
+def _not_rates(owner) -> tuple[str, ...]:
+    name = type(owner).__name__
+    return next((keys for prefix, keys in NOT_RATES.items() if name.startswith(prefix)), ())
 
 
 def _configs(model: nn.Module) -> list:
@@ -34,7 +45,9 @@ def _configs(model: nn.Module) -> list:
 
 def _rates(owner) -> list[tuple[str, float]]:
     """The dropout rates above 0 among an object's public attributes (a config's keys, a module's floats)."""
-    return [(key, value) for key, value in vars(owner).items() if not key.startswith("_") and _is_rate(key, value)]
+    kept = _not_rates(owner)
+    return [(key, value) for key, value in vars(owner).items()
+            if not key.startswith("_") and key not in kept and _is_rate(key, value)]
 
 
 def active_dropout(model: nn.Module) -> list[str]:

@@ -52,3 +52,23 @@ def test_a_saved_config_keeps_the_checkpoints_own_dropout_rates():
     restore_config_dropout(model, saved)
     assert {key: getattr(saved, key) for key in rates} == rates and all(rates.values())
     assert all(getattr(model.config, key) == 0 for key in rates)  # the live model trains without dropout still
+
+
+def test_phimoes_router_threshold_is_not_taken_for_a_rate():
+    """PhiMoE's router masks the experts whose score lies more than ``router_jitter_noise`` (relative) below the top
+    one, in eval mode too: switched to 0 it routed otherwise (its eval log-probs moved by several nats), while its
+    input noise in training mode, ``input_jitter_noise``, is a rate."""
+    model = build_tiny_causal_lm("phimoe", vocab_size=64, seed=0).eval()
+    model.config.input_jitter_noise = 0.1
+    for module in model.modules():
+        if hasattr(module, "input_jitter_noise"):
+            module.input_jitter_noise = 0.1
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(8)  # scores far enough apart that the threshold masks some experts
+        ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+        before = model(input_ids=ids).logits
+        found = disable_dropout(model)
+        assert found and all("input_jitter_noise" in each for each in found), found
+        torch.testing.assert_close(model(input_ids=ids).logits, before)
+    assert model.config.router_jitter_noise == 0.01 and not active_dropout(model)
