@@ -151,7 +151,7 @@ def runs_padded(model: nn.Module) -> bool:
     return getattr(module, "config", None) is not None and not packs_rows(module)
 
 
-def _takes_position_ids(model: nn.Module) -> bool:
+def takes_position_ids(model: nn.Module) -> bool:
     """Whether ``model``'s forward names ``position_ids`` (transformers' ``generate`` passes them only then)."""
     import inspect
 
@@ -184,7 +184,7 @@ def _padded_forward(model: nn.Module, micro: Batch, **extra):
     def align(tensor: Tensor) -> Tensor:
         return tensor.gather(1, aligned)
 
-    positions = {"position_ids": align(position_ids)} if _takes_position_ids(model) else {}
+    positions = {"position_ids": align(position_ids)} if takes_position_ids(model) else {}
     output = model(input_ids=align(micro["input_ids"]), attention_mask=align(attention_mask), use_cache=False,
                    **positions, **extra)
     back = (columns - leading) % width
