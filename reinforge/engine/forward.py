@@ -317,9 +317,12 @@ def routed_token_weights(model: nn.Module, micro: Batch) -> Tensor:
     """(tokens,) float32 on ``micro``'s device, in the order ``response_log_probs`` just ran them through ``model``:
     how many of the micro-batch's unshared, unpadded tokens each one stands for. A packed row's shared prompt tokens
     stand for their group's rows (``PackingPlan.token_weights``); padded rows weigh their padding 0, as transformers'
-    attention mask does. A router's statistics weighted by them are those of transformers' padded forward."""
+    attention mask does, each row's tokens first as ``_padded_forward`` ran them. A router's statistics weighted by
+    them are those of transformers' padded forward."""
     if getattr(model, OWN_LOGITS, False) or not packs_rows(model):
-        return micro["attention_mask"].reshape(-1).float()
+        attention_mask = micro["attention_mask"]
+        columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        return (columns < attention_mask.ne(0).sum(dim=1, keepdim=True)).reshape(-1).float()
     return plan_of(micro).token_weights.to(micro["input_ids"].device, non_blocking=True)
 
 
