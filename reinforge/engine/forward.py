@@ -180,7 +180,7 @@ def runs_padded(model: nn.Module) -> bool:
     return getattr(module, "config", None) is not None and not packs_rows(module)
 
 
-def _takes_position_ids(model: nn.Module) -> bool:
+def takes_position_ids(model: nn.Module) -> bool:
     """Whether ``model``'s forward names ``position_ids`` (transformers' ``generate`` passes them only then)."""
     import inspect
 
@@ -213,7 +213,7 @@ def _padded_forward(model: nn.Module, micro: Batch, **extra):
     def align(tensor: Tensor) -> Tensor:
         return tensor.gather(1, aligned)
 
-    positions = {"position_ids": align(position_ids)} if _takes_position_ids(model) else {}
+    positions = {"position_ids": align(position_ids)} if takes_position_ids(model) else {}
     output = model(input_ids=align(micro["input_ids"]), attention_mask=align(attention_mask), use_cache=False,
                    **positions, **extra)
     back = (columns - leading) % width
@@ -346,9 +346,12 @@ def routed_token_weights(model: nn.Module, micro: Batch) -> Tensor:
     """(tokens,) float32 on ``micro``'s device, in the order ``response_log_probs`` just ran them through ``model``:
     how many of the micro-batch's unshared, unpadded tokens each one stands for. A packed row's shared prompt tokens
     stand for their group's rows (``PackingPlan.token_weights``); padded rows weigh their padding 0, as transformers'
-    attention mask does. A router's statistics weighted by them are those of transformers' padded forward."""
+    attention mask does, each row's tokens first as ``_padded_forward`` ran them. A router's statistics weighted by
+    them are those of transformers' padded forward."""
     if getattr(model, OWN_LOGITS, False) or not packs_rows(model):
-        return micro["attention_mask"].reshape(-1).float()
+        attention_mask = micro["attention_mask"]
+        columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        return (columns < attention_mask.ne(0).sum(dim=1, keepdim=True)).reshape(-1).float()
     return plan_of(micro).token_weights.to(micro["input_ids"].device, non_blocking=True)
 
 

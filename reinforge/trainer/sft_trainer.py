@@ -33,6 +33,7 @@ from reinforge.config.sft_schema import SFTConfig
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
+from reinforge.engine.forward import takes_position_ids
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.engine.optim import build_optimizer, build_scheduler
@@ -61,18 +62,88 @@ bounds set each image's tokens, so the rows' lengths, their batches, and what th
 
 
 def token_log_probs(model: torch.nn.Module, micro: Batch) -> Tensor:
-    """Log-prob (B, R) of each response token; a packed micro-batch lets the position ids separate conversations.
-    A vision-language model gets the rows' images and computes its multimodal positions itself."""
+    """Log-prob (B, R) of each response token, each conversation read as if alone (``forward_log_probs``)."""
+    return forward_log_probs(model, micro)[0]
+
+
+def forward_log_probs(model: torch.nn.Module, micro: Batch) -> tuple[Tensor, Tensor]:
+    """Log-prob (B, R) of each response token, and the weight (tokens,) of each token the forward ran, in its order
+    (1 a conversation's token, 0 padding: the routers' statistics of a mixture of experts count the former).
+
+    A packed micro-batch runs as it is where the model keeps a packed row's conversations apart by their restarting
+    position ids alone (``reads_packed_rows``); otherwise, and for padded rows, each conversation runs as a row of
+    its own, its tokens first and its padding after them, so that a model that numbers positions itself (BART's
+    decoders) or carries a state along the row (RWKV, Mamba) reads it as it would alone. A vision-language model
+    gets the rows' images and computes its multimodal positions itself."""
     responses = micro["responses"]
-    # Without an attention mask, transformers reads sequence boundaries from restarting position ids.
-    attention_mask = None if micro.meta.get("packed") else micro["attention_mask"]
     if is_vision_language(model.config):
         inputs, text_tokens = vision_inputs(model, micro)
-    else:
-        inputs, text_tokens = {"position_ids": micro["position_ids"]}, None
-    with image_tokens_as_text(model, micro["input_ids"], text_tokens) as input_ids:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs).logits
-    return log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses)
+        # Without an attention mask, transformers reads sequence boundaries from restarting position ids.
+        attention_mask = None if micro.meta.get("packed") else micro["attention_mask"]
+        with image_tokens_as_text(model, micro["input_ids"], text_tokens) as input_ids:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **inputs).logits
+        return (log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses),
+                micro["attention_mask"].reshape(-1).float())
+    if micro.meta.get("packed") and reads_packed_rows(model):
+        logits = model(input_ids=micro["input_ids"], position_ids=micro["position_ids"], use_cache=False).logits
+        return (log_probs_from_logits(logits[:, -responses.shape[1] - 1:-1].float(), responses),
+                micro["attention_mask"].reshape(-1).float())
+    return _each_conversation_alone(model, micro)
+
+
+def _each_conversation_alone(model: torch.nn.Module, micro: Batch) -> tuple[Tensor, Tensor]:
+    """``forward_log_probs`` with one right-padded row a conversation (each starts at position id 0)."""
+    input_ids, attended = micro["input_ids"], micro["attention_mask"].bool()
+    rows, width = input_ids.shape
+    flat = attended.reshape(-1).nonzero().squeeze(1)  # a conversation's tokens are consecutive in a row
+    starts = micro["position_ids"].reshape(-1)[flat] == 0
+    conversation = starts.cumsum(0) - 1
+    first = flat[starts]
+    within = flat - first[conversation]
+    lengths = torch.bincount(conversation, minlength=len(first))
+    columns = torch.arange(int(lengths.max()), device=input_ids.device)
+    mask = (columns < lengths[:, None]).long()
+    ids = torch.zeros(mask.shape, dtype=input_ids.dtype, device=input_ids.device)
+    ids[conversation, within] = input_ids.reshape(-1)[flat]
+    positions = {"position_ids": (columns * mask)} if takes_position_ids(model) else {}
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **positions).logits
+    alone = log_probs_from_logits(logits[:, :-1].float(), ids[:, 1:])
+    predicted = within > 0  # a conversation's first token is predicted by nothing
+    log_probs = alone.new_zeros(rows * width)
+    log_probs[flat[predicted]] = alone[conversation[predicted], within[predicted] - 1]
+    return log_probs.view(rows, width)[:, width - micro["responses"].shape[1]:], mask.reshape(-1).float()
+
+
+READS_PACKED_ROWS = "_reinforge_reads_packed_rows"
+"""The attribute a model keeps its answer of ``reads_packed_rows`` in."""
+
+
+def reads_packed_rows(model: torch.nn.Module) -> bool:
+    """Whether ``model``, given a packed row's restarting position ids and no attention mask, gives each sequence the
+    logits it gives it alone: transformers' masks keep them apart for most attention models, but a model that
+    numbers positions itself (BART's decoders), carries a state along the row (RWKV, Mamba) or builds its masks
+    otherwise reads across them. Probed once, in float32 without dropout, with two sequences of three tokens; the
+    answer is kept on the model."""
+    known = getattr(model, READS_PACKED_ROWS, None)
+    if known is not None:
+        return known
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = (torch.arange(6, device=device) * 7 + 3) % vocab
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]], device=device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            packed = model(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0, 3:].float()
+            alone = model(input_ids=ids[None, 3:], position_ids=positions[:, 3:], use_cache=False).logits[0].float()
+        known = bool(torch.allclose(packed.log_softmax(-1), alone.log_softmax(-1), rtol=0, atol=1e-4))
+    except Exception:  # noqa: BLE001 (a model that takes no packed row: each conversation alone)
+        known = False
+    finally:
+        model.train(training)
+    setattr(model, READS_PACKED_ROWS, known)
+    return known
 
 
 def vision_inputs(model: torch.nn.Module, micro: Batch) -> tuple[dict[str, Tensor], Tensor | None]:
@@ -165,11 +236,11 @@ class SFTTrainer(SupervisedRun):
         for micro, counts in update.micro_batches(batch):
             with (autocast_context(self.device, self.config.model.dtype),
                   recorder.recording_forward() if recorder else contextlib.nullcontext()):
-                log_probs = token_log_probs(self.model, micro)
+                log_probs, token_weights = forward_log_probs(self.model, micro)
             nll_loss = aggregate_loss(-log_probs, micro["loss_mask"], "token-mean", LossNormalizer(**vars(counts)))
             loss, step_metrics = nll_loss, {"nll_loss": nll_loss}
             router = (recorder.take(with_grad=bool(self.router_aux_loss_coef),
-                                    token_weights=micro["attention_mask"].reshape(-1).float()) if recorder else None)
+                                    token_weights=token_weights) if recorder else None)
             if router is not None:  # the micro-batch's share of the trained tokens: the shares add up to 1
                 aux_loss = router.aux_loss * (micro["loss_mask"].sum() / max(counts.num_tokens, 1.0))
                 step_metrics["moe/aux_loss"] = aux_loss.detach()

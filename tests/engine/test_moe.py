@@ -159,6 +159,33 @@ def test_aux_loss_of_a_packed_pass_is_that_of_transformers_padded_forward(model_
         recorder.take(with_grad=False, token_weights=weights[1:])
 
 
+def test_aux_loss_of_a_padded_pass_counts_the_tokens_where_its_rows_ran_them():
+    """A model whose attention takes no packed row runs each row with its tokens first (left padding moved after
+    them): the routers' token weights follow, so the padding counts not at all."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_packing import grouped_batch
+
+    from reinforge.engine.forward import packs_rows, response_log_probs, routed_token_weights
+
+    model = tiny_moe("qwen3_moe", experts_implementation="grouped_mm", output_router_logits=True,
+                     router_aux_loss_coef=0.01)
+    batch = grouped_batch(num_prompts=2, samples=3)
+    batch = batch.index([row for row in range(len(batch)) if batch["response_mask"][row].any()])
+    assert not batch["attention_mask"][:, 0].all()  # rows with left padding
+    padded = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"], labels=batch["input_ids"]).aux_loss
+    without_router_logits_output(model)
+    assert not packs_rows(model)
+    recorder = RouterRecorder(model)
+    with recorder.recording_forward():
+        response_log_probs(model, batch)
+    recorded = recorder.take(with_grad=False, token_weights=routed_token_weights(model, batch))
+    torch.testing.assert_close(recorded.aux_loss, padded, atol=1e-6, rtol=1e-6)
+
+
 TINY_MOE_SHAPE = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=32, moe_intermediate_size=32, head_dim=16, max_position_embeddings=128,
                       num_experts_per_tok=2, num_experts=4, num_local_experts=4, n_routed_experts=4, pad_token_id=0)

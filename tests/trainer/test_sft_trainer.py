@@ -184,6 +184,44 @@ def test_packed_rows_give_each_conversation_its_unpacked_log_probs(tokenizer):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+OUTSIDE_FAMILIES = {
+    "opt": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96, word_embed_proj_dim=64,
+                max_position_embeddings=128),
+    "mamba": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, state_size=8),
+    "bart": dict(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, encoder_layers=2,
+                 encoder_attention_heads=4, encoder_ffn_dim=128, max_position_embeddings=128),
+    "rwkv": dict(hidden_size=64, num_hidden_layers=2, attention_hidden_size=64, intermediate_size=128,
+                 context_length=128),
+}
+"""Tiny causal LMs whose forward does not keep a packed row's conversations apart by their position ids alone."""
+
+
+@pytest.mark.parametrize("model_type", sorted(OUTSIDE_FAMILIES))
+@pytest.mark.parametrize("packed", [True, False])
+def test_each_conversation_trains_on_its_own_log_probs_whatever_the_model_reads_of_a_row(tokenizer, model_type, packed):
+    """OPT's own masks and Mamba's state read across a packed row's conversations, which restarting position ids do
+    not separate; BART's decoder numbers a left-padded row's positions from its first column and RWKV's state runs
+    over the padding: each conversation then runs as a row of its own, its padding after it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), **OUTSIDE_FAMILIES[model_type])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    examples = [tokenize_conversation(tokenizer, CONVERSATION[1:3]), tokenize_conversation(tokenizer, CONVERSATION[4:6]),
+                tokenize_conversation(tokenizer, CONVERSATION[:3])]
+    expected = 0.0
+    with torch.no_grad():
+        for example in examples:
+            logits = model(input_ids=torch.tensor([example.input_ids])).logits[0, :-1]
+            alone = logits.log_softmax(-1).gather(-1, torch.tensor(example.input_ids[1:])[:, None])[:, 0]
+            expected += float((alone * torch.tensor(example.loss_mask[1:])).sum())
+        rows = pack_examples(examples, max_length=100) if packed else examples
+        assert len(rows) == (2 if packed else 3)
+        batch = collate_sft(rows, tokenizer.pad_token_id, packed=packed)
+        got = float((token_log_probs(model, batch) * batch["loss_mask"]).sum())
+    assert got == pytest.approx(expected, abs=1e-4)
+
+
 def write_chat_rows(path, count: int) -> str:
     with open(path, "w") as handle:
         for index in range(count):
