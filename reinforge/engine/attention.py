@@ -182,8 +182,9 @@ def _explicit_forward(query: Tensor, key: Tensor, value: Tensor, attention_mask:
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     queries, keys = query.shape[2], key.shape[2]
-    if attention_mask is None:  # causal, aligned to the end of the keys
-        rows = torch.arange(queries, device=query.device)[:, None] + (keys - queries)
+    if attention_mask is None:  # as SDPA reads a mask left out: every key for one query, else causal from the first
+        # key (is_causal): a static cache's prefill hands over more key slots than tokens, the last ones still empty
+        rows = torch.arange(queries, device=query.device)[:, None] + (keys if queries == 1 else 0)
         mask = (torch.arange(keys, device=query.device)[None, :] <= rows)[None, None]
     elif attention_mask.dtype == torch.bool:
         mask = attention_mask[..., :keys]

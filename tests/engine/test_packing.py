@@ -227,3 +227,21 @@ def test_shared_key_rows_sum_their_gradients_in_float32_and_compile_without_a_br
         expected = torch.zeros(rows, 2, 8).index_add_(0, index, weight.float()).to(torch.bfloat16)
         assert torch.equal(keys.grad, expected)  # each row's sum rounded to bfloat16 once
     assert torch._dynamo.explain(loss_of)(keys, index, weight).graph_break_count == 0
+
+
+@pytest.mark.parametrize("queries", [1, 3, 5])
+def test_an_unpacked_call_without_a_mask_reads_it_as_sdpa_does(queries):
+    """Without a mask (transformers leaves it out where SDPA's is_causal stands for it) one query attends to every key
+    and several attend causally from the first key: a static cache's prefill hands over more key slots than tokens,
+    the last ones still empty. Through the explicit path (a soft-cap), against that attention written out."""
+    from reinforge.engine.attention import varlen_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, queries, 8, generator=generator)
+    key, value = (torch.randn(1, 2, 5, 8, generator=generator) for _ in range(2))
+    out, _ = varlen_attention_forward(torch.nn.Module(), query, key, value, None, scaling=0.5, softcap=3.0)
+    keys, values = key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1)
+    scores = torch.tanh(query @ keys.transpose(-1, -2) * 0.5 / 3.0) * 3.0
+    if queries > 1:
+        scores = scores.masked_fill(~torch.ones(queries, 5, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(out, (scores.softmax(-1) @ values).transpose(1, 2))
