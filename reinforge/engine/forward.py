@@ -153,9 +153,15 @@ def packs_rows(model: nn.Module) -> bool:
                 # (a recurrent, convolution or linear-attention state carried along the row: Mamba, Gated DeltaNet)
                 after_other = packed_output([8, 3, 10])
             known = calls.packed > 0 and calls.unpacked == 0
+            with torch.no_grad():  # and as it is alone: a model that numbers its positions itself (BART's decoder
+                # takes no position ids) numbers a packed row's second sequence on from the first
+                alone = model(input_ids=second[None], use_cache=False)
+            alone = getattr(alone, "last_hidden_state", None) if getattr(alone, "last_hidden_state", None) is not None \
+                else alone.logits
+            after_one = torch.stack([after_one, alone[0].float()])
             if calls.packed == calls.unpacked == 0:  # attention in its own classes: its own masks too
                 restore_own_attention(model, "its modules call no attention function of transformers' table")
-            leak = float((after_one - after_other).abs().max())
+            leak = float((after_one - torch.stack([after_other, after_other])).abs().max())
             tolerance = PROBE_LEAK_TOLERANCE.get(next(model.parameters()).dtype, 0.05)
             known = known and leak <= tolerance * max(float(after_one.abs().max()), 1.0)
         except Exception:  # noqa: BLE001 (layers that take no packed row at all: padded rows)

@@ -1,6 +1,7 @@
 """The PPO critic: a causal LM's transformer body with a scalar value head on every position.
 
-The body is the LM without its vocabulary projection (``AutoModel``), so a critic starts from
+The body is the LM without its vocabulary projection (``AutoModel``; the causal LM's own base model where
+``AutoModel`` builds another, BART's encoder-decoder for its decoder-only causal LM), so a critic starts from
 the same weights as the actor. The head is a float32 Linear(hidden, 1) with small random
 weights (not zeros, so the body gets gradient from the first step) drawn from a fixed seed,
 so every rank builds the same head. A saved critic is an HF folder of the body plus
@@ -14,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import AutoModel, PreTrainedModel
-from transformers.models.auto.modeling_auto import MODEL_MAPPING
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
 
 from reinforge.models.export import atomic_folder
 from reinforge.models.loading import (
@@ -24,6 +25,7 @@ from reinforge.models.loading import (
     enable_gradient_checkpointing,
     hub_errors_explained,
     is_local_path,
+    read_model_config,
 )
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -42,9 +44,27 @@ def build_value_head(hidden_size: int, seed: int = 0) -> nn.Linear:
 def output_width(backbone: nn.Module) -> int:
     """The width of the body's last hidden state: its token embeddings' (the width the LM head reads, tied or not;
     OPT projects its hidden size out to it), else ``hidden_size``."""
-    embeddings = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
+    try:
+        embeddings = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
+    except NotImplementedError:  # a wrapper that only holds its decoder (BART's causal LM body)
+        embeddings = None
     width = getattr(embeddings, "embedding_dim", None)
     return int(width) if isinstance(width, int) and width > 0 else int(backbone.config.hidden_size)
+
+
+def body_outside_auto_model(config) -> bool:
+    """Whether the causal LM of ``config`` reads its head from a body of another class than ``AutoModel`` builds:
+    BART's (mBART's, Pegasus', ...) causal LM is a decoder alone, ``AutoModel`` the encoder-decoder, which would read
+    each sequence through a fresh encoder and with its tokens shifted one place right. Built on the meta device."""
+    causal_lm_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if causal_lm_class is None:
+        return False
+    try:
+        with torch.device("meta"):
+            body = causal_lm_class(config).base_model
+    except Exception:  # noqa: BLE001 (a class that cannot be built so loads as AutoModel, as before)
+        return False
+    return type(body) is not MODEL_MAPPING.get(type(config), None)
 
 
 class ValueModel(nn.Module):
@@ -86,9 +106,15 @@ class ValueModel(nn.Module):
             if (Path(path) / VALUE_HEAD_FILE).is_file():
                 head_path = Path(path) / VALUE_HEAD_FILE
         with hub_errors_explained(path):
-            attn_implementation = attention_for(path, trust_remote_code, attn_implementation, MODEL_MAPPING)
-            backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 attn_implementation=attn_implementation)
+            causal_body = body_outside_auto_model(read_model_config(path, trust_remote_code))
+            attn_implementation = attention_for(path, trust_remote_code, attn_implementation,
+                                                MODEL_FOR_CAUSAL_LM_MAPPING if causal_body else MODEL_MAPPING)
+            if causal_body:  # the causal LM's body, its head dropped; saved, it reloads the same way
+                backbone = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                                attn_implementation=attn_implementation).base_model
+            else:
+                backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     attn_implementation=attn_implementation)
         backbone.config.use_cache = False
         value_head = build_value_head(output_width(backbone), seed)
         if head_path is not None:

@@ -82,3 +82,40 @@ def test_critic_on_cuda_in_bfloat16(tiny_model_dir, tmp_path):
     assert critic.backbone.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
     reloaded = ValueModel.from_pretrained(critic.save_pretrained(tmp_path / "critic"), dtype=torch.bfloat16, device="cuda")
     assert torch.equal(reloaded.value_head.weight, critic.value_head.weight)
+
+
+def test_a_bart_causal_lms_critic_reads_its_decoder_alone(tmp_path):
+    """BART's causal LM is its decoder; AutoModel builds the encoder-decoder, which read each sequence through a fresh
+    encoder with its tokens shifted (values up to 2 from the decoder's). Its decoder numbers positions itself, so it
+    scores padded rows, each sequence's values those of the sequence alone; saved, the critic reloads so."""
+    from transformers import BartConfig, BartForCausalLM
+
+    from reinforge.engine.attention import use_varlen_attention
+    from reinforge.engine.forward import build_position_ids, response_values, runs_padded
+    from reinforge.models import build_char_tokenizer, save_hf_folder
+    from reinforge.protocol import Batch
+
+    tokenizer = build_char_tokenizer()
+    config = BartConfig(vocab_size=len(tokenizer), d_model=32, decoder_layers=1, decoder_attention_heads=4,
+                        decoder_ffn_dim=64, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64,
+                        max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    causal_lm = BartForCausalLM(config).eval()
+    critic = ValueModel.from_pretrained(save_hf_folder(causal_lm, tokenizer, tmp_path / "bart")).eval()
+    use_varlen_attention(critic.backbone)
+    assert runs_padded(critic)
+    prompts = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    responses = torch.tensor([[11, 12, 13], [14, 15, 0]])
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0]])
+    batch = Batch.from_dict(tensors={"prompts": prompts, "responses": responses,
+                                     "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+                                     "position_ids": build_position_ids(attention_mask)})
+    with torch.no_grad():
+        values = response_values(critic, batch)
+        for row, (start, count) in enumerate([(2, 3), (0, 2)]):
+            ids = batch["input_ids"][row][attention_mask[row].bool()][None]
+            hidden = causal_lm.model.decoder(input_ids=ids).last_hidden_state[0]
+            alone = critic.value_head(hidden[3 - start:3 - start + count]).squeeze(-1)
+            torch.testing.assert_close(values[row, :count], alone, atol=1e-5, rtol=0)
+        reloaded = ValueModel.from_pretrained(critic.save_pretrained(tmp_path / "critic")).eval()
+        torch.testing.assert_close(reloaded(ids), critic(ids), atol=1e-6, rtol=0)
