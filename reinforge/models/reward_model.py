@@ -95,7 +95,8 @@ def check_score_head(auto_class: type, config, key: str, path: str, fix: str,
     raise ValueError(f"{key}={path} is a {type(model).__name__} (model_type={config.model_type!r}) whose head "
                      f"({', '.join(heads) or 'inside its base model'}) is not a linear layer named 'score'; reinforge "
                      "reads a reward model's score with that layer at each sequence's last token, as transformers' "
-                     "decoder classifiers (Llama, Qwen, Gemma, GPT-2, ...) do, not where another classifier pools "
+                     "decoder classifiers that have one do (Llama's, Qwen's, Gemma's, GPT-2's sequence classifier, "
+                     "...), not where another classifier pools "
                      f"(BERT's first token, BART's last EOS); {fix}")
 
 

@@ -309,8 +309,9 @@ def test_a_classifier_that_pools_elsewhere_than_a_score_at_the_last_token_is_ref
     monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained",
                         lambda *args, **kwargs: pytest.fail("the weights loaded"))
     pooling = ("is not a linear layer named 'score'; reinforge reads a reward model's score with that layer at each "
-               "sequence's last token, as transformers' decoder classifiers (Llama, Qwen, Gemma, GPT-2, ...) do, not "
-               "where another classifier pools (BERT's first token, BART's last EOS); ")
+               "sequence's last token, as transformers' decoder classifiers that have one do (Llama's, Qwen's, "
+               "Gemma's, GPT-2's sequence classifier, ...), not where another classifier pools (BERT's first token, "
+               "BART's last EOS); ")
     with pytest.raises(ValueError) as refusal:
         check_reward_model(str(folder))
     assert str(refusal.value) == (
