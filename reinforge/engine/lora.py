@@ -128,6 +128,7 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
               _named_layers_only(model) if experts else contextlib.nullcontext()):
             torch.manual_seed(seed)
             peft_model = get_peft_model(model, _peft_config(config, base_model_path, model, head))
+            _share_adapters_of_shared_weights(model)
             _say_unmatched_targets(model, config)
             if tower_trains:
                 _say_untrained_tower(tower, config)
@@ -141,6 +142,18 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
                              f"{type(model).__name__}; name some of its linear layers "
                              f"({', '.join(linear_layer_names(model, head)) or 'none found'}), or all-linear") from error
         raise
+
+
+def _share_adapters_of_shared_weights(model: nn.Module) -> None:
+    """Adapted layers whose base weight is one parameter (Zamba's shared transformer block: the same weights read by
+    several hybrid layers, each its own module) get one adapter, the first such layer's: peft gives each module its
+    own, and the one merged weight that the rollout's copy and an export hold cannot be W + B1 A1 and W + B2 A2."""
+    first: dict[int, nn.Module] = {}
+    for layer in lora_layers(model):
+        owner = first.setdefault(id(layer.get_base_layer().weight), layer)
+        if owner is not layer:
+            layer.lora_A[ADAPTER_NAME] = owner.lora_A[ADAPTER_NAME]
+            layer.lora_B[ADAPTER_NAME] = owner.lora_B[ADAPTER_NAME]
 
 
 def _say_unmatched_targets(model: nn.Module, config: LoraConfig) -> None:

@@ -372,3 +372,30 @@ def test_a_deepseek_adapter_folder_names_what_was_adapted_and_serve_merges_every
     served, _ = load_model(str(tmp_path / "base"), str(tmp_path / "adapter"), "float32", torch.device("cpu"))
     with torch.no_grad():
         torch.testing.assert_close(served(ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_that_share_one_weight_share_one_adapter_and_the_merged_export_is_the_adapted_model():
+    """Zamba's shared transformer block is one set of weights read by several hybrid layers, each its own module:
+    each of those layers gets the same adapter, so the one merged weight an export holds is what every layer read."""
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    def shared(model):
+        first, second = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+        second.q_proj.weight = first.q_proj.weight
+        return model
+
+    model = shared(build_tiny_causal_lm("llama", vocab_size=64, seed=3))
+    peft_model = add_lora(model, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.3, generator=torch.Generator().manual_seed(len(name)))
+    exported = shared(build_tiny_causal_lm("llama", vocab_size=64, seed=3))
+    exported.load_state_dict(merge_lora_weights(dict(model.state_dict()), 2.0))
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    with torch.no_grad():
+        adapted, plain = peft_model(ids).logits, exported(ids).logits
+        with peft_model.disable_adapter():
+            base = peft_model(ids).logits
+    assert (adapted - base).abs().max() > 1e-2
+    torch.testing.assert_close(plain, adapted, atol=1e-5, rtol=1e-5)
