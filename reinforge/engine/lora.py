@@ -456,7 +456,8 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    peft_names = {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().contiguous().cpu()
+    # a copy each: the layers of a shared weight share one adapter, whose tensors safetensors writes once per name
+    peft_names = {f"base_model.model.{name.replace(f'.{ADAPTER_NAME}.', '.')}": tensor.detach().cpu().clone()
                   for name, tensor in adapters.items()}
     save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapted = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in adapters if ".lora_A." in name})

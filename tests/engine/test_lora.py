@@ -374,9 +374,11 @@ def test_a_deepseek_adapter_folder_names_what_was_adapted_and_serve_merges_every
         torch.testing.assert_close(served(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_layers_that_share_one_weight_share_one_adapter_and_the_merged_export_is_the_adapted_model():
+def test_layers_that_share_one_weight_share_one_adapter_and_the_merged_export_is_the_adapted_model(tmp_path):
     """Zamba's shared transformer block is one set of weights read by several hybrid layers, each its own module:
-    each of those layers gets the same adapter, so the one merged weight an export holds is what every layer read."""
+    each of those layers gets the same adapter, so the one merged weight an export holds is what every layer read,
+    and the adapter folder names it under each layer."""
+    from reinforge.engine.lora import adapter_state, read_adapter_weights, write_adapter_folder
     from reinforge.models.tiny import build_tiny_causal_lm
 
     def shared(model):
@@ -399,3 +401,8 @@ def test_layers_that_share_one_weight_share_one_adapter_and_the_merged_export_is
             base = peft_model(ids).logits
     assert (adapted - base).abs().max() > 1e-2
     torch.testing.assert_close(plain, adapted, atol=1e-5, rtol=1e-5)
+    write_adapter_folder(tmp_path / "adapter", adapter_state(model.state_dict()), LoraConfig(rank=4, alpha=8.0), "")
+    written = read_adapter_weights(tmp_path / "adapter")
+    assert written.keys() == adapter_state(model.state_dict()).keys()
+    assert torch.equal(written["model.layers.1.self_attn.q_proj.lora_B.default.weight"],
+                       written["model.layers.0.self_attn.q_proj.lora_B.default.weight"])
