@@ -114,7 +114,11 @@ def add_lora(model: nn.Module, config: LoraConfig, base_model_path: str = "", se
     if experts:
         logger.info("LoRA on a mixture of experts: %s", EXPERTS_NOTE)
     chosen = _targets_for(model, config, head)
-    if chosen is not config:
+    if chosen is not config and list(config.target_modules) == ["all-linear"]:
+        logger.info("LoRA: model.lora.target_modules=all-linear on %s: its adapters go on its linear layers %s, not "
+                    "the state-space mixer's %s, which peft refuses", type(model).__name__,
+                    ", ".join(chosen.target_modules), ", ".join(sorted(STATE_SPACE_MIXER_LAYERS)))
+    elif chosen is not config:
         logger.info("LoRA: %s names its projections otherwise than model.lora.target_modules' defaults (%s); its "
                     "adapters go on its linear layers %s", type(model).__name__, ", ".join(config.target_modules),
                     ", ".join(chosen.target_modules))
@@ -201,14 +205,17 @@ def _targets_for(model: nn.Module, config: LoraConfig, head: str | None) -> Lora
     names them otherwise (Phi-3's fused qkv_proj and gate_up_proj, DeepSeek's MLA q_a_proj ... kv_b_proj) or the
     model has fewer of them (a mixture of experts without dense MLPs: its attention projections), or with
     the model's linear layers where the defaults name none of them (GPT-2's c_attn, Mamba's in_proj); ``add_lora``
-    says so in one line."""
+    says so in one line. all-linear on a state-space family names its linear layers but the mixer's out_proj,
+    which peft refuses there (and would refuse again loading an adapter folder that says all-linear)."""
     from reinforge.config.schema import LoraConfig
 
     default = LoraConfig().target_modules  # the projections of Llama-style families
-    if list(config.target_modules) != default:
-        return config
     names = set(linear_layer_names(model, head))
     model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if list(config.target_modules) == ["all-linear"] and model_type in STATE_SPACE_FAMILIES:
+        return dataclasses.replace(config, target_modules=sorted(names - STATE_SPACE_MIXER_LAYERS))
+    if list(config.target_modules) != default:
+        return config
     family = [name for name in LINEAR_LAYERS.get(model_type, ()) if name in names]
     if family and set(family) != set(default):  # a mixture of experts without dense MLPs: its attention only
         return dataclasses.replace(config, target_modules=family)
@@ -461,16 +468,26 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
                   for name, tensor in adapters.items()}
     save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapted = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in adapters if ".lora_A." in name})
-    if adapted and list(config.target_modules) != ["all-linear"] and set(adapted) != set(config.target_modules):
+    named = list(config.target_modules) != ["all-linear"] or _model_type(base_model_path) in STATE_SPACE_FAMILIES
+    if adapted and named and set(adapted) != set(config.target_modules):
         # the layers add_lora adapted, no more: a target that adapted nothing in training (a MoE's gate_proj/up_proj/
         # down_proj, which peft >= 0.18 on transformers 5 maps onto the fused experts) would get a new, untrained
-        # adapter when peft loads the folder ("missing adapter keys")
+        # adapter when peft loads the folder ("missing adapter keys"); all-linear on a state-space family would name
+        # the mixer's out_proj, which peft refuses to load
         config = dataclasses.replace(config, target_modules=adapted)
     local = Path(base_model_path).expanduser() if base_model_path else None
     if local is not None and local.is_dir():  # a relative model.path names nothing once read from another folder
         base_model_path = str(local.resolve())
     peft_config = _peft_config(config, base_model_path).to_dict()
     (folder / "adapter_config.json").write_text(json.dumps(_jsonable(peft_config), indent=2, sort_keys=True) + "\n")
+
+
+def _model_type(model_path: str) -> str | None:
+    """The ``model_type`` in a local model folder's config.json (None without a readable one)."""
+    try:
+        return json.loads((Path(model_path).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def read_adapter_weights(folder: Path) -> dict[str, Tensor]:

@@ -445,19 +445,29 @@ def test_a_critic_reads_the_bodys_output_width_and_attention(tmp_path):
         assert values.shape == (2, 5) and torch.isfinite(values).all()
 
 
-def test_lora_adapts_a_family_without_llama_style_projections(caplog):
+def test_lora_adapts_a_family_without_llama_style_projections(caplog, tmp_path):
     """Default targets that name no layer of the model become its linear layers (Mamba: not the mixer's out_proj,
-    which peft refuses); targets the user named that match nothing list the model's layers."""
+    which peft refuses; all-linear likewise); targets the user named that match nothing list the model's layers."""
     import logging
 
+    from peft import PeftModel
+
     from reinforge.config.schema import LoraConfig
-    from reinforge.engine.lora import add_lora, lora_layers
+    from reinforge.engine.lora import adapter_state, add_lora, lora_layers, write_adapter_folder
 
     with caplog.at_level(logging.INFO, logger="reinforge.engine.lora"):
         adapted = add_lora(tiny_model("mamba"), LoraConfig(rank=4))
     assert {layer_name.rsplit(".", 1)[-1] for layer_name, module in adapted.named_modules()
             if module in lora_layers(adapted)} == {"dt_proj", "in_proj", "x_proj"}
     assert "its adapters go on its linear layers dt_proj, in_proj, x_proj" in caplog.text
+    config = LoraConfig(rank=4, target_modules=["all-linear"])
+    adapted = add_lora(tiny_model("mamba"), config)
+    assert {layer_name.rsplit(".", 1)[-1] for layer_name, module in adapted.named_modules()
+            if module in lora_layers(adapted)} == {"dt_proj", "in_proj", "x_proj"}
+    tiny_model("mamba").save_pretrained(tmp_path / "base")
+    write_adapter_folder(tmp_path / "adapter", adapter_state(adapted.base_model.model.state_dict()), config,
+                         str(tmp_path / "base"))
+    PeftModel.from_pretrained(tiny_model("mamba"), str(tmp_path / "adapter"))  # peft loads what it wrote
     with pytest.raises(ValueError, match=r"target_modules=\['wq'\] matches no layer of MptForCausalLM; name some of "
                                          r"its linear layers \(Wqkv, out_proj, up_proj, down_proj\)"):
         add_lora(tiny_model("mpt"), LoraConfig(rank=4, target_modules=["wq"]))
