@@ -66,7 +66,8 @@ def _peft_config(config: LoraConfig, base_model_path: str = "", model: nn.Module
                    and module.down_proj.dim() == 3] or None
         if experts and targets != ["all-linear"]:
             targets = linear_targets(model, targets) or targets
-    excluded = [*(experts or []), *([head] if head else []), *_frozen_tower_linears(model), *_empty_linears(model)]
+    excluded = [*(experts or []), *([head] if head else []), *_frozen_tower_linears(model), *_empty_linears(model),
+                *_linears_with_own_forward(model)]
     excluded = excluded or None
     return PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, exclude_modules=excluded,
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
@@ -81,6 +82,16 @@ def _empty_linears(model: nn.Module | None) -> list[str]:
         return []
     return [name for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and not module.weight.numel()]
+
+
+def _linears_with_own_forward(model: nn.Module | None) -> list[str]:
+    """Linear layers whose class gives them a forward of their own (PhiMoE's router returns its logits, routing
+    weights and experts): an adapter's output cannot be added to what it returns, and the rollout's merged weight,
+    read through a plain linear forward in its place, would skip what it does."""
+    if model is None:
+        return []
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward]
 
 
 def _frozen_tower_linears(model: nn.Module | None) -> list[str]:

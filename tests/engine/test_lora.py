@@ -406,3 +406,20 @@ def test_layers_that_share_one_weight_share_one_adapter_and_the_merged_export_is
     assert written.keys() == adapter_state(model.state_dict()).keys()
     assert torch.equal(written["model.layers.1.self_attn.q_proj.lora_B.default.weight"],
                        written["model.layers.0.self_attn.q_proj.lora_B.default.weight"])
+
+
+def test_all_linear_leaves_a_linear_layer_with_its_own_forward_alone():
+    """PhiMoE's router is an nn.Linear whose forward returns (logits, weights, experts): an adapter's output added to
+    that, or a merged weight's plain linear in its place (the rollout's), would not be the router."""
+    from reinforge.models.tiny import build_tiny_causal_lm
+
+    model = build_tiny_causal_lm("phimoe", vocab_size=64)
+    peft_model = add_lora(model, LoraConfig(rank=4, target_modules=["all-linear"]))
+    adapted = {name.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters()
+               if ".lora_A." in name}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    with torch.no_grad():
+        adapted_logits = peft_model(ids).logits
+        with merged_weights(peft_model):
+            torch.testing.assert_close(peft_model(ids).logits, adapted_logits, atol=1e-5, rtol=1e-5)
