@@ -85,13 +85,31 @@ def _empty_linears(model: nn.Module | None) -> list[str]:
 
 
 def _linears_with_own_forward(model: nn.Module | None) -> list[str]:
-    """Linear layers whose class gives them a forward of their own (PhiMoE's router returns its logits, routing
-    weights and experts): an adapter's output cannot be added to what it returns, and the rollout's merged weight,
-    read through a plain linear forward in its place, would skip what it does."""
+    """Linear layers whose class gives them a forward of their own that is no linear map of its input (PhiMoE's router
+    returns its logits, routing weights and experts): an adapter's output cannot be added to what it returns, and the
+    rollout's merged weight, read through a plain linear forward in its place, would skip what it does. One that
+    computes W x + b another way (Falcon's) is adapted as any."""
     if model is None:
         return []
     return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward]
+            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+            and not _computes_a_linear(module)]
+
+
+def _computes_a_linear(module: nn.Linear) -> bool:
+    """Whether ``module`` returns W x + b for an input row (assumed where its weight holds no values to try)."""
+    weight = module.weight
+    if weight.is_meta or isinstance(weight, DTensor) or not weight.numel():
+        return True
+    row = torch.linspace(-1.0, 1.0, module.in_features, device=weight.device).to(weight.dtype)[None]
+    with torch.no_grad():
+        try:
+            out = module(row.clone())
+        except (RuntimeError, TypeError, ValueError):
+            return False
+        expected = nn.functional.linear(row, weight, module.bias)
+    return isinstance(out, Tensor) and out.shape == expected.shape and torch.allclose(
+        out.float(), expected.float(), rtol=1e-2, atol=1e-3)
 
 
 def _frozen_tower_linears(model: nn.Module | None) -> list[str]:
@@ -479,26 +497,17 @@ def write_adapter_folder(folder: Path, adapters: dict[str, Tensor], config: Lora
                   for name, tensor in adapters.items()}
     save_file(peft_names, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapted = sorted({name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name in adapters if ".lora_A." in name})
-    named = list(config.target_modules) != ["all-linear"] or _model_type(base_model_path) in STATE_SPACE_FAMILIES
-    if adapted and named and set(adapted) != set(config.target_modules):
+    if adapted and set(adapted) != set(config.target_modules):
         # the layers add_lora adapted, no more: a target that adapted nothing in training (a MoE's gate_proj/up_proj/
         # down_proj, which peft >= 0.18 on transformers 5 maps onto the fused experts) would get a new, untrained
-        # adapter when peft loads the folder ("missing adapter keys"); all-linear on a state-space family would name
-        # the mixer's out_proj, which peft refuses to load
+        # adapter when peft loads the folder ("missing adapter keys"); all-linear would name layers add_lora left
+        # alone, some of which peft refuses (a state-space mixer's out_proj) or cannot adapt (PhiMoE's router)
         config = dataclasses.replace(config, target_modules=adapted)
     local = Path(base_model_path).expanduser() if base_model_path else None
     if local is not None and local.is_dir():  # a relative model.path names nothing once read from another folder
         base_model_path = str(local.resolve())
     peft_config = _peft_config(config, base_model_path).to_dict()
     (folder / "adapter_config.json").write_text(json.dumps(_jsonable(peft_config), indent=2, sort_keys=True) + "\n")
-
-
-def _model_type(model_path: str) -> str | None:
-    """The ``model_type`` in a local model folder's config.json (None without a readable one)."""
-    try:
-        return json.loads((Path(model_path).expanduser() / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def read_adapter_weights(folder: Path) -> dict[str, Tensor]:

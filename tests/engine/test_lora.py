@@ -408,18 +408,41 @@ def test_layers_that_share_one_weight_share_one_adapter_and_the_merged_export_is
                        written["model.layers.0.self_attn.q_proj.lora_B.default.weight"])
 
 
-def test_all_linear_leaves_a_linear_layer_with_its_own_forward_alone():
+@pytest.mark.parametrize("arch", ["phimoe", "falcon"])
+def test_all_linear_leaves_a_linear_layer_with_its_own_forward_alone(arch, tmp_path):
     """PhiMoE's router is an nn.Linear whose forward returns (logits, weights, experts): an adapter's output added to
-    that, or a merged weight's plain linear in its place (the rollout's), would not be the router."""
+    that, or a merged weight's plain linear in its place (the rollout's), would not be the router; its adapter folder
+    names the layers adapted, which peft loads. Falcon's linear layers compute W x + b in their own forward: adapted."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from reinforge.engine.lora import adapter_state, write_adapter_folder
     from reinforge.models.tiny import build_tiny_causal_lm
 
-    model = build_tiny_causal_lm("phimoe", vocab_size=64)
+    def build():
+        if arch == "phimoe":
+            return build_tiny_causal_lm("phimoe", vocab_size=64)
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "falcon", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+
+    model = build()
     peft_model = add_lora(model, LoraConfig(rank=4, target_modules=["all-linear"]))
     adapted = {name.rsplit(".lora_A", 1)[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters()
                if ".lora_A." in name}
-    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert adapted == ({"q_proj", "k_proj", "v_proj", "o_proj"} if arch == "phimoe"
+                       else {"query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"})
     ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
     with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.01, generator=torch.Generator().manual_seed(len(name)))
         adapted_logits = peft_model(ids).logits
         with merged_weights(peft_model):
             torch.testing.assert_close(peft_model(ids).logits, adapted_logits, atol=1e-5, rtol=1e-5)
+    build().save_pretrained(tmp_path / "base")
+    write_adapter_folder(tmp_path / "adapter", adapter_state(model.state_dict()), LoraConfig(rank=4, alpha=64.0,
+                         target_modules=["all-linear"]), str(tmp_path / "base"))
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(build(), str(tmp_path / "adapter"))(ids).logits
+    torch.testing.assert_close(loaded, adapted_logits, atol=1e-5, rtol=1e-5)
