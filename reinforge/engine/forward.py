@@ -43,6 +43,7 @@ from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_pad
 from reinforge.engine.packing import PackedRows, pack_rows, plan_of, unpack_responses, vision_model_kwargs
 from reinforge.models.architectures import architecture_spec
 from reinforge.models.head_probe import kept_final_softcap
+from reinforge.models.signatures import takes_position_ids
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language, vision_tower
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
 from reinforge.protocol import Batch
@@ -137,12 +138,15 @@ def packs_rows(model: nn.Module) -> bool:
         positions = torch.arange(length, device=device).repeat(2)[None]
         second = torch.tensor([7, 11, 5], device=device)
 
+        def hidden_or_logits(output) -> Tensor:
+            hidden = getattr(output, "last_hidden_state", None)
+            return (hidden if hidden is not None else output.logits)[0].float()
+
         def packed_output(first: list[int]) -> Tensor:
             """The module's output over the second sequence's tokens, packed after ``first``."""
-            output = model(input_ids=torch.cat([torch.tensor(first, device=device), second])[None],
-                           position_ids=positions, attention_mask=_no_mask(config, device), use_cache=False, **probe)
-            hidden = getattr(output, "last_hidden_state", None)
-            return (hidden if hidden is not None else output.logits)[0, length:].float()
+            return hidden_or_logits(model(input_ids=torch.cat([torch.tensor(first, device=device), second])[None],
+                                          position_ids=positions, attention_mask=_no_mask(config, device),
+                                          use_cache=False, **probe))[length:]
 
         was_training = model.training
         model.eval()  # a router's training noise (PhiMoE's jitter) would read as a leak
@@ -155,15 +159,13 @@ def packs_rows(model: nn.Module) -> bool:
             known = calls.packed > 0 and calls.unpacked == 0
             with torch.no_grad():  # and as it is alone: a model that numbers its positions itself (BART's decoder
                 # takes no position ids) numbers a packed row's second sequence on from the first
-                alone = model(input_ids=second[None], use_cache=False)
-            alone = getattr(alone, "last_hidden_state", None) if getattr(alone, "last_hidden_state", None) is not None \
-                else alone.logits
-            after_one = torch.stack([after_one, alone[0].float()])
+                alone = hidden_or_logits(model(input_ids=second[None], use_cache=False))
             if calls.packed == calls.unpacked == 0:  # attention in its own classes: its own masks too
                 restore_own_attention(model, "its modules call no attention function of transformers' table")
-            leak = float((after_one - torch.stack([after_other, after_other])).abs().max())
+            compared = torch.stack([after_one, alone])
+            leak = float((compared - after_other).abs().max())
             tolerance = PROBE_LEAK_TOLERANCE.get(next(model.parameters()).dtype, 0.05)
-            known = known and leak <= tolerance * max(float(after_one.abs().max()), 1.0)
+            known = known and leak <= tolerance * max(float(compared.abs().max()), 1.0)
         except Exception:  # noqa: BLE001 (layers that take no packed row at all: padded rows)
             # Mamba's mixer reads the mask as padding; a model that fails padded too is refused by its probe
             known = False
@@ -184,16 +186,6 @@ def runs_padded(model: nn.Module) -> bool:
     if getattr(model, OWN_LOGITS, False):  # a head read whole runs padded rows (``own_logits_log_probs``)
         return True
     return getattr(module, "config", None) is not None and not packs_rows(module)
-
-
-def takes_position_ids(model: nn.Module) -> bool:
-    """Whether ``model``'s forward names ``position_ids`` (transformers' ``generate`` passes them only then)."""
-    import inspect
-
-    try:
-        return "position_ids" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return True
 
 
 def _padded_forward(model: nn.Module, micro: Batch, **extra):

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from reinforge.engine.packing import PLAN_KEY, plan_packing
+from reinforge.models.loading import dynamic_rope_length
 from reinforge.models.longrope import longrope_original_length
 from reinforge.protocol import Batch
 
@@ -48,14 +49,7 @@ from reinforge.protocol import Batch
 def dynamic_original_length(model: nn.Module) -> int | None:
     """The length past which a dynamic-NTK model rescales its frequencies (its max_position_embeddings), else None."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(parameters, dict):
-        return None
-    nested = [value for value in parameters.values() if isinstance(value, dict)]  # Gemma 3: one dict a layer type
-    rope_types = [each.get("rope_type", each.get("type")) for each in (nested or [parameters])]
-    if not any("dynamic" in str(rope_type) for rope_type in rope_types):
-        return None
-    return int(config.max_position_embeddings)
+    return dynamic_rope_length(config.to_dict())
 
 
 def choose_factors_per_sequence(model: nn.Module) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import math
 import threading
@@ -52,6 +51,7 @@ from transformers import (
 from transformers.utils import ModelOutput
 
 from reinforge.models.longrope import longrope_original_length
+from reinforge.models.signatures import takes_position_ids
 from reinforge.models.vision import image_token_mask, image_tokens_as_text, vision_tower
 from reinforge.models.window_masks import window_never_applies
 from reinforge.rollout.base import (
@@ -342,16 +342,6 @@ def _prefill_again_where_longrope_switches(model: nn.Module) -> Iterator[None]:
             model.prepare_inputs_for_generation = patched
 
 
-def _forward_takes_position_ids(model: nn.Module) -> bool:
-    """Whether ``model``'s forward names ``position_ids``: transformers' ``generate`` computes them from the attention
-    mask (left padding left out) and passes them only then."""
-    generating = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the model it wraps
-    try:
-        return "position_ids" in inspect.signature(generating.forward).parameters
-    except (TypeError, ValueError):
-        return True
-
-
 class HFEngine:
     reads_model_in_place = True
     """``generate`` runs on the training module itself."""
@@ -391,7 +381,7 @@ class HFEngine:
         results: list[list[Completion] | None] = [None] * len(requests)
         # a model that numbers its positions itself (its forward takes no position_ids: BART's decoders, RWKV's
         # state) would count a row's left padding: its prompts go to generate in rows of one length, unpadded
-        unpadded = not _forward_takes_position_ids(self.model)
+        unpadded = not takes_position_ids(self.model)
         groups: dict[tuple[SamplingParams, int | None], list[int]] = defaultdict(list)
         vocab_size = self.model.get_input_embeddings().weight.shape[0]
         for index, request in enumerate(requests):

@@ -33,12 +33,12 @@ from reinforge.config.sft_schema import SFTConfig
 from reinforge.data.chat_template import get_pad_token_id
 from reinforge.data.sft_dataset import SFTDataset, SFTLoader, pack_examples
 from reinforge.engine.device import autocast_context, compute_dtype, resolve_device
-from reinforge.engine.forward import takes_position_ids
 from reinforge.engine.micro_batches import split_by_token_budget
 from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.engine.optim import build_optimizer, build_scheduler
 from reinforge.engine.train_step import ModelUpdate, UpdateSettings, padded_micro_batches
 from reinforge.models import load_causal_lm, load_tokenizer, save_hf_folder
+from reinforge.models.signatures import takes_position_ids
 from reinforge.models.vision import (
     image_token_mask,
     image_tokens_as_text,
