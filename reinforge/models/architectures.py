@@ -225,6 +225,12 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def config_and_text_config(config) -> list:
+    """``config`` and its text config, once each (a vision-language model has both; another config is its own)."""
+    text = text_config(config)
+    return list({id(config): config, id(text): text}.values())
+
+
 MASKS_FROM_LAYER_TYPES = ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text")
 """Families whose model builds a sliding-window mask (from ``config.sliding_window``) for each ``sliding_attention``
 entry of ``layer_types``."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from reinforge.models.architectures import config_and_text_config
+
 RATE_WORDS = ("dropout", "pdrop", "jitter", "layerdrop")
 """A config key or module attribute holding a dropout rate has one of these in its name (Mixtral's
 ``router_jitter_noise`` / its MoE block's ``jitter_noise`` multiplies the MoE input by noise in training mode only;
@@ -37,10 +39,7 @@ def _not_rates(owner) -> tuple[str, ...]:
 def _configs(model: nn.Module) -> list:
     """The model's config and its text config, once each (a vision-language model has both)."""
     config = getattr(model, "config", None)
-    if config is None:
-        return []
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return list({id(config): config, id(text): text}.values())
+    return [] if config is None else config_and_text_config(config)
 
 
 def _rates(owner) -> list[tuple[str, float]]:

@@ -20,6 +20,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from reinforge.models.architectures import config_and_text_config, text_config
 from reinforge.models.loading import (
     TOKENIZER_FILES,
     check_model_folder,
@@ -43,22 +44,15 @@ def classifier_auto_class(config) -> type | None:
     return None
 
 
-def _pooling_configs(config) -> list:
-    """The config and its text config, once each: a vision-language classifier (Gemma 3's, Qwen3.5's) keeps its
-    ``pad_token_id`` in the text config only."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return list({id(config): config, id(text): text}.values())
-
-
 def classifier_pad_token_id(config) -> int | None:
     """The pad token a sequence classifier of ``config`` reads its score before: its text config's ``pad_token_id``,
     as transformers' ``*ForSequenceClassification`` reads it (None where it has none)."""
-    return getattr(_pooling_configs(config)[-1], "pad_token_id", None)
+    return getattr(text_config(config), "pad_token_id", None)
 
 
 def set_classifier_pad_token_id(config, pad_token_id: int) -> None:
     """Give ``config`` and its text config ``pad_token_id``, so a saved classifier pools where it was trained to."""
-    for owner in _pooling_configs(config):
+    for owner in config_and_text_config(config):  # a vision-language classifier (Gemma 3's) pools by its text config
         owner.pad_token_id = pad_token_id
 
 
