@@ -25,6 +25,7 @@ n copies encodes the first and repeats the embeddings to the other rows (``_enco
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -398,6 +399,9 @@ class HFEngine:
             length = len(request.prompt_token_ids) if unpadded else None
             groups[dataclasses.replace(request.sampling, seed=None, first_sample=0), length].append(index)
         for (sampling, _), indices in groups.items():
+            # greedy search gives a prompt's n samples alike: one is generated and copied (generate itself refuses
+            # greedy search with num_return_sequences > 1 from transformers 5.25)
+            copies, sampling = (sampling.n, dataclasses.replace(sampling, n=1)) if sampling.greedy else (1, sampling)
             per_call = max(1, self.max_batch_size // sampling.n)
             for start in range(0, len(indices), per_call):
                 chunk = indices[start:start + per_call]
@@ -409,7 +413,7 @@ class HFEngine:
                                                          interrupted)
                 _raise_if_set(interrupted)
                 for index, samples in zip(chunk, completions, strict=True):
-                    results[index] = samples
+                    results[index] = [copy.deepcopy(sample) for sample in samples for _ in range(copies)]
         return [samples for samples in results if samples is not None]
 
     def _seed_of(self, sampling: SamplingParams) -> int:

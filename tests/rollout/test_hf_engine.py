@@ -34,6 +34,16 @@ def test_greedy_matches_generate_and_log_probs_match_a_forward_pass():
         assert completion.finish_reason == "length"
 
 
+def test_greedy_search_with_n_samples_gives_n_copies_of_the_greedy_sample():
+    engine = make_engine()
+    [one] = engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0))])
+    [three] = engine.generate([GenerationRequest([5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0, n=3))])
+    assert [sample.token_ids for sample in three] == [one[0].token_ids] * 3
+    assert [sample.log_probs for sample in three] == [one[0].log_probs] * 3
+    three[0].token_ids.append(1)  # each sample is its own
+    assert three[1].token_ids == one[0].token_ids
+
+
 def test_n_samples_seed_and_stop_tokens():
     engine = make_engine()
     sampling = SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7)
