@@ -43,6 +43,7 @@ from reinforge.engine.attention import packed_attention, use_varlen_attention
 from reinforge.engine.rotary import apply_rotary
 from reinforge.models.architectures import ArchitectureSpec, architecture_spec
 from reinforge.models.head_probe import final_softcap
+from reinforge.models.loading import checkpointing_enabled
 from reinforge.models.vision import (
     is_vision_language,
     keep_vision_tower_attention,
@@ -704,5 +705,5 @@ def prepare_for_training(model: nn.Module, device: torch.device) -> None:
     if spec is not None:
         fuse_elementwise(model)
         use_packed_attention_layout(model)
-    if not getattr(model, "is_gradient_checkpointing", False) and (spec is not None or _compilable(model)):
+    if not checkpointing_enabled(model) and (spec is not None or _compilable(model)):
         compile_decoder_layers(model)

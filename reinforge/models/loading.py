@@ -245,6 +245,14 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def checkpointing_enabled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` recomputes its activations in backward (transformers' ``is_activation_checkpointing``; the
+    old name, the only one in 4.x, warns from 5.25 on)."""
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
+
+
 def read_model_config(path: str, trust_remote_code: bool = False, key: str = "model.path"):
     """The model's config through transformers; a model transformers cannot load is refused in one line naming
     ``key``, the setting that gave ``path`` (a config.json value it refuses too: ``unreadable_config``).

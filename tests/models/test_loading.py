@@ -1,6 +1,7 @@
 import json
 import logging
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -237,3 +238,12 @@ def test_a_multimodal_wrapper_of_gemma2_loads_with_eager_where_sdpa_cannot_soft_
     model = load_causal_lm(str(tmp_path / "pg"), dtype=torch.float32, device="cpu")
     assert type(model).__name__ == "PaliGemmaForConditionalGeneration"
     assert model.config.text_config._attn_implementation == "eager"
+
+
+def test_checkpointing_is_read_without_the_deprecated_name():
+    model = build_tiny_causal_lm(vocab_size=64, seed=0)
+    assert not loading.checkpointing_enabled(model)
+    loading.enable_gradient_checkpointing(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert loading.checkpointing_enabled(model)
