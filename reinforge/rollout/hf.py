@@ -67,7 +67,7 @@ from reinforge.rollout.native.sampling import MAX_INV_TEMPERATURE, truncation_th
 from reinforge.rollout.noise import gumbel_noise, noise_keys, sample_seed
 from reinforge.rollout.stop_strings import StopStringMatcher, token_decoder
 
-_CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 """The name ``generate`` takes a cache by (transformers 5.24 renamed ``past_key_values``)."""
 
 logger = logging.getLogger(__name__)
@@ -321,12 +321,12 @@ def _prefill_again_where_longrope_switches(model: nn.Module) -> Iterator[None]:
 
     @functools.wraps(prepare)  # generate checks its model_kwargs against this signature
     def prepare_inputs(input_ids: Tensor, *args, **kwargs):
-        cache, attention_mask = kwargs.get(_CACHE_KWARG), kwargs.get("attention_mask")
+        cache, attention_mask = kwargs.get(CACHE_KWARG), kwargs.get("attention_mask")
         # generate leaves the mask out where no row is padded: every row is then as long as the input
         lengths = attention_mask.sum(-1) if attention_mask is not None and attention_mask.dim() == 2 else \
             torch.full((input_ids.shape[0],), input_ids.shape[1])
         if cache is not None and cache.get_seq_length() > 0 and bool((lengths == original + 1).any()):
-            kwargs[_CACHE_KWARG] = fresh_cache()
+            kwargs[CACHE_KWARG] = fresh_cache()
             if "next_sequence_length" in kwargs:
                 kwargs["next_sequence_length"] = None
             if kwargs.get("cache_position") is not None:  # transformers before 5.24 slices the inputs by it
@@ -447,7 +447,7 @@ class HFEngine:
             kwargs["min_new_tokens"] = sampling.max_tokens
         if window_never_applies(self.model):  # the forward attends to every key: so does the cache (a full one)
             # and not the cache the generation_config names (generate refuses both; a static one slides too)
-            kwargs |= {_CACHE_KWARG: DynamicCache(), "cache_implementation": None}
+            kwargs |= {CACHE_KWARG: DynamicCache(), "cache_implementation": None}
         recorder = _TokenLogProbs(1.0 if sampling.greedy else tempered(sampling.temperature),
                                   sampling.num_top_log_probs)
         kwargs["logits_processor"] = LogitsProcessorList([recorder])

@@ -14,6 +14,7 @@ import torch
 
 from reinforge.models.tiny import build_tiny_causal_lm
 from reinforge.rollout.base import GenerationRequest, SamplingParams
+from reinforge.rollout.hf import CACHE_KWARG
 from reinforge.rollout.native import NativeEngine
 from reinforge.rollout.native.block_manager import RELEASED
 from tests.released_configs import RELEASED_CONFIGS, released_model
@@ -252,8 +253,8 @@ def hf_log_probs_step_by_step(model: torch.nn.Module, prompt: list[int], tokens:
         output = model(torch.tensor([prompt], device=DEVICE), use_cache=True)
         rows = [output.logits[0, -1]]
         for token in tokens[:-1]:
-            output = model(torch.tensor([[token]], device=DEVICE), past_key_values=output.past_key_values,
-                           use_cache=True)
+            cache = getattr(output, CACHE_KWARG)  # transformers 5.24 renamed past_key_values
+            output = model(torch.tensor([[token]], device=DEVICE), use_cache=True, **{CACHE_KWARG: cache})
             rows.append(output.logits[0, -1])
     log_probs = torch.log_softmax(torch.stack(rows).float(), dim=-1)
     return log_probs.gather(1, torch.tensor(tokens, device=DEVICE)[:, None])[:, 0].cpu()
