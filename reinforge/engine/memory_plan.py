@@ -658,11 +658,11 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
     """``text`` (a decoder's config as a dict) with the standard size keys the planner reads filled in from the
     family's own names: the config class's ``attribute_map``, then ``SIZE_ALIASES`` (top level, then DBRX-style
     nested ``ffn_config``/``attn_config``), then the config class's own properties (NemotronH counts its layers
-    from its block pattern). Where the family's config has no such size at all, as transformers
-    builds it, the model's own convention stands in: an MLP of ``expansion_ratio`` (MPT) or 4 x hidden (GPT-2,
-    BLOOM, Falcon, GPT-J, CodeGen), one attention head for a model without attention (Mamba). Keys the config
-    already has are kept; a known family's missing size stays missing (the planner says so). A size given per layer
-    (Gemma 3n's list of MLP widths) stands as its largest entry."""
+    from its block pattern). Where the family's config has no such size at all, as transformers builds it, the
+    model's own convention stands in: an MLP of ``expansion_ratio`` (MPT) or 4 x hidden (GPT-2, BLOOM, Falcon,
+    GPT-J, CodeGen, and GPT-Neo, whose config class leaves it None), one attention head for a model without
+    attention (Mamba). Keys the config already has are kept; a known family's missing size stays missing (the
+    planner says so). A size given per layer (Gemma 3n's list of MLP widths) stands as its largest entry."""
     values = dict(text)
     for key in WHOLE_SIZES:
         sizes = values.get(key)
@@ -698,7 +698,7 @@ def standard_sizes(text: dict[str, Any]) -> dict[str, Any]:
         values.setdefault("moe_intermediate_size", values["intermediate_size"])
     hidden = values.get("hidden_size")
     if defaults and isinstance(hidden, int):
-        if values.get("intermediate_size") is None and "intermediate_size" not in defaults:
+        if values.get("intermediate_size") is None and defaults.get("intermediate_size") is None:  # GPT-Neo's too
             values["intermediate_size"] = int(float(values.get("expansion_ratio") or 4) * hidden)
         if (values.get("num_attention_heads") is None and "num_attention_heads" not in defaults
                 and "num_attention_heads" not in aliases):

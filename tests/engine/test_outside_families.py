@@ -50,6 +50,9 @@ TINY = {
     "electra": dict(hidden_size=64, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=128, max_position_embeddings=128, is_decoder=True),
     "codegen": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, rotary_dim=8),
+    # intermediate_size null, as EleutherAI's checkpoints leave it: its MLP is then 4 x hidden
+    "gpt_neo": dict(hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                    max_position_embeddings=128, window_size=8, intermediate_size=None),
     "git": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                 max_position_embeddings=128, vision_config={"hidden_size": 32, "num_hidden_layers": 1,
                                                             "num_attention_heads": 2, "intermediate_size": 64,
@@ -75,7 +78,7 @@ TINY = {
 SIZES = {  # hidden, layers, heads, KV heads (Falcon's multi-query: one), MLP width (an expert's), experts
     "gpt2": (64, 2, 4, 4, 256, 0), "opt": (64, 2, 4, 4, 96, 0), "falcon": (64, 2, 4, 1, 256, 0),
     "bloom": (64, 2, 4, 4, 256, 0), "mpt": (64, 2, 4, 4, 192, 0), "dbrx": (64, 2, 4, 2, 48, 4),
-    "mamba": (64, 2, 1, 1, 128, 0),
+    "mamba": (64, 2, 1, 1, 128, 0), "gpt_neo": (64, 2, 4, 4, 256, 0),
 }
 
 
@@ -266,7 +269,7 @@ def test_a_decoder_that_get_decoder_misses_is_found_by_its_blocks():
     assert_pass_equals_transformers_padded_forward(model.train(), share_prompts=True)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git", "zamba"])
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba", "bart", "git", "zamba", "gpt_neo"])
 def test_one_grpo_step_of_a_classic_and_a_recurrent_causal_lm(model_type, arithmetic_data_dir, tmp_path):
     tokenizer = build_char_tokenizer(())
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
