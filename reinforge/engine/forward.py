@@ -43,6 +43,7 @@ from reinforge.engine.micro_batches import iter_balanced_micro_batches, iter_pad
 from reinforge.engine.packing import PackedRows, pack_rows, plan_of, unpack_responses, vision_model_kwargs
 from reinforge.models.architectures import architecture_spec
 from reinforge.models.head_probe import kept_final_softcap
+from reinforge.models.reward_model import score_head
 from reinforge.models.signatures import takes_position_ids
 from reinforge.models.vision import image_embeddings_in_place, image_tokens_as_text, is_vision_language, vision_tower
 from reinforge.packed_attention.softcap_kernels import softcap_kernel_runs_on
@@ -181,7 +182,7 @@ def runs_padded(model: nn.Module) -> bool:
     module = model
     if isinstance(getattr(model, "value_head", None), nn.Module) and hasattr(model, "backbone"):
         module = model.backbone
-    elif isinstance(getattr(model, "score", None), nn.Module) and hasattr(model, "base_model"):
+    elif score_head(model) is not None and hasattr(model, "base_model"):
         module = model.base_model
     if getattr(model, OWN_LOGITS, False):  # a head read whole runs padded rows (``own_logits_log_probs``)
         return True
@@ -446,7 +447,7 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
     """The classification head at each sequence's last attended token (B, 1), float32.
 
     ``model`` is a ``*ForSequenceClassification`` or ``*ForTokenClassification`` (a reward model): its backbone
-    (``base_model``) runs over the packed row and its ``score`` head reads only the last tokens.
+    (``base_model``) runs over the packed row and its head (``score_head``) reads only the last tokens.
     """
     backbone = model.base_model
     if not packs_rows(backbone):
@@ -455,7 +456,7 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         last = (attention_mask.bool() * positions).argmax(dim=1)  # the last attended token of each row
         hidden = in_columns(outputs.last_hidden_state)[torch.arange(len(last), device=last.device), last]
-        head = model.score
+        head = score_head(model)
         return head(hidden.to(head.weight.dtype)).float()
     _check_varlen(backbone.config)
     packed = pack_rows(unshared_where_factors_differ(model, micro))
@@ -463,7 +464,7 @@ def last_token_scores(model: nn.Module, micro: Batch) -> Tensor:
                        attention_mask=_no_mask(backbone.config, packed.input_ids.device), use_cache=False,
                        **_attention_kwargs(packed, layer_compute_dtype(backbone), backbone.config))
     hidden = outputs.last_hidden_state[0, packed.last_index]
-    head = model.score
+    head = score_head(model)
     return head(hidden.to(head.weight.dtype)).float()
 
 

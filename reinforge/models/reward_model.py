@@ -3,7 +3,8 @@
 ``check_reward_model`` reads only the folder's ``config.json`` (and the hub's, for a hub id), so
 a wrong path, a causal LM or a classifier of several labels is refused in one line before any
 weight loads. ``load_reward_model`` then builds the model with the Auto class its config names.
-Both heads are called ``score`` in transformers (the token head adds a bias); the reward worker
+Both heads are called ``score`` in most decoder families of transformers (the token head adds a bias); the token
+classifiers of GPT-2, BLOOM, Falcon, MPT and GPT-NeoX call theirs ``classifier`` (``score_head``). The reward worker
 reads the head at the last token of each sequence, as verl's reward model does. A sequence classifier reads
 it where transformers' class does: at the last token that is not its ``pad_token_id``
 (``without_trailing_padding``).
@@ -70,18 +71,50 @@ def without_trailing_padding(ids: list[int], pad_token_id: int | None, keep: int
     return ids if end == len(ids) else ids[:end]
 
 
+def score_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The linear layer a one-label classifier's score is read with at a sequence's last token: its ``score``
+    (transformers' decoder classifiers), else the ``classifier`` of a token classifier whose family is a decoder
+    (``check_score_head``): GPT-2's, BLOOM's, Falcon's, MPT's and GPT-NeoX's apply it to each token's hidden state
+    after a dropout that eval mode skips. None for a model without either."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+    return None
+
+
+def _decoder_token_classifier(model: torch.nn.Module, config, trust_remote_code: bool) -> bool:
+    """Whether ``model`` (built on the meta device) is a token classifier with a linear ``classifier`` of a family
+    whose sequence classifier reads a linear ``score`` at the last token, as a decoder's does (GPT-2's): its last token
+    has seen the whole sequence. An encoder family's (BERT's) pools its first token."""
+    if not type(model).__name__.endswith("ForTokenClassification") \
+            or not isinstance(getattr(model, "classifier", None), torch.nn.Linear):
+        return False
+    try:
+        with torch.device("meta"):
+            sequence_classifier = AutoModelForSequenceClassification.from_config(
+                config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 (a family without a sequence classifier: not known to be a decoder)
+        return False
+    return isinstance(getattr(sequence_classifier, "score", None), torch.nn.Linear)
+
+
 def check_score_head(auto_class: type, config, key: str, path: str, fix: str,
-                     trust_remote_code: bool = False) -> None:
+                     trust_remote_code: bool = False, classifier_heads: bool = False) -> None:
     """Refuse, in one line and before any weight loads, a classifier whose head is not a linear ``score`` that reads
     the last token: an encoder's (BERT's ``classifier`` on its first token), an encoder-decoder's (BART's
-    ``classification_head``). ``auto_class`` builds it from ``config`` on the meta device; ``key``/``path`` name the
-    setting and ``fix`` ends the line. A class that cannot be built so is left to the load."""
+    ``classification_head``). ``classifier_heads``: a decoder family's token classifier with a linear ``classifier``
+    (GPT-2's) passes too, as the reward worker reads it (``score_head``). ``auto_class`` builds it from ``config`` on the
+    meta device; ``key``/``path`` name the setting and ``fix`` ends the line. A class that cannot be built so is left
+    to the load."""
     try:
         with torch.device("meta"):
             model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 (the load says what is wrong, in the model's own words)
         return
     if isinstance(getattr(model, "score", None), torch.nn.Linear):
+        return
+    if classifier_heads and _decoder_token_classifier(model, config, trust_remote_code):
         return
     base = getattr(model, "base_model", None)
     heads = [f"{name}: {type(module).__name__}" for name, module in model.named_children()
@@ -128,7 +161,7 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> tuple[type
         raise ValueError(f"{KEY}={path} has num_labels={config.num_labels} ({heads[0][0]}); a reward model gives one "
                          "score per sequence: use a model saved with num_labels=1")
     check_score_head(heads[0][1], config, KEY, path, "use a decoder reward model, such as one `reinforge rm` trains "
-                     "from a causal LM", trust_remote_code)
+                     "from a causal LM", trust_remote_code, classifier_heads=True)
     return heads[0][1], str(getattr(config, "model_type", ""))
 
 
@@ -141,9 +174,11 @@ def load_reward_model(path: str, *, dtype: torch.dtype, device: torch.device | s
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     with hub_errors_explained(path, KEY):
         model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **placement)
-    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+    if not (isinstance(getattr(model, "score", None), torch.nn.Linear)  # what the meta-device check could not build
+            or _decoder_token_classifier(model, model.config, trust_remote_code)):
         raise ValueError(f"{KEY}={path} loads as {type(model).__name__}, whose head is not a linear layer named "
-                         "'score'; reinforge reads reward models of transformers' classification classes")
+                         "'score' (or a decoder token classifier's 'classifier'); reinforge reads reward models of "
+                         "transformers' classification classes")
     model.to(device)
     model.config.use_cache = False
     model.eval().requires_grad_(False)

@@ -47,7 +47,12 @@ from reinforge.engine.fused import prepare_for_training
 from reinforge.engine.host_weights import HostWeights
 from reinforge.models import load_tokenizer
 from reinforge.models.loading import is_local_path, tokens_read_otherwise
-from reinforge.models.reward_model import classifier_pad_token_id, load_reward_model, without_trailing_padding
+from reinforge.models.reward_model import (
+    classifier_pad_token_id,
+    load_reward_model,
+    score_head,
+    without_trailing_padding,
+)
 from reinforge.protocol import Batch
 from reinforge.reward.manager import place_on_last_token
 from reinforge.workers.memory_settings import apply_memory_plan
@@ -202,7 +207,7 @@ class RewardModelWorker(Worker):
         self.model = load_reward_model(settings.model_path, dtype=compute_dtype(self.device, config.model.dtype),
                                        device=self.device, trust_remote_code=settings.trust_remote_code)
         prepare_for_training(self.model, self.device)
-        shard_model(self.model, self.device, config.model.dtype, roots=[self.model.base_model, self.model.score])
+        shard_model(self.model, self.device, config.model.dtype, roots=[self.model.base_model, score_head(self.model)])
         self.host_weights = None
         if settings.offload and self.device.type != "cpu":  # on the CPU the device is the host already
             self.host_weights = HostWeights(self.model)

@@ -124,6 +124,52 @@ def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp
     torch.testing.assert_close(worker.compute_rm_score(batch)["rm_scores"], scored["rm_scores"], atol=1e-5, rtol=0)
 
 
+CLASSIFIER_HEADED = {  # decoder families whose token classifier names its head ``classifier``
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),  # packs rows
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4),  # its attention calls no function of the table: padded rows
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(CLASSIFIER_HEADED))
+def test_a_decoder_token_classifier_whose_head_is_named_classifier_scores_as_transformers_does(
+        tiny_model_dir, tmp_path, model_type):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                  num_labels=1, **CLASSIFIER_HEADED[model_type])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForTokenClassification.from_config(config).float()
+        with torch.no_grad():
+            model.classifier.weight.normal_(0, 1.0)
+            model.classifier.bias.fill_(0.25)
+    rm_dir = save_hf_folder(model, tokenizer, tmp_path / "rm")
+    check_reward_model(str(rm_dir))
+    worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
+    batch = random_batch()
+    scored = worker.compute_rm_score(batch)
+    reference = AutoModelForTokenClassification.from_pretrained(rm_dir).eval()
+    with torch.no_grad():
+        expected = torch.stack([reference(input_ids=batch["input_ids"][row][batch["attention_mask"][row].bool()][None])
+                                .logits[0, -1, 0] for row in range(len(batch))])
+    last = (batch["response_mask"].sum(-1) - 1).long()
+    torch.testing.assert_close(scored["rm_scores"][torch.arange(len(batch)), last], expected, atol=1e-5, rtol=0)
+
+
+def test_an_encoders_token_classifier_is_still_refused(tmp_path):
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    tokenizer = build_char_tokenizer()
+    config = AutoConfig.for_model("bert", vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64, pad_token_id=tokenizer.pad_token_id,
+                                  num_labels=1)
+    folder = save_hf_folder(AutoModelForTokenClassification.from_config(config), tokenizer, tmp_path / "rm")
+    with pytest.raises(ValueError, match=r"is a BertForTokenClassification \(model_type='bert'\) whose head "
+                                         r"\(classifier: Linear\) is not a linear layer named 'score'"):
+        check_reward_model(str(folder))
+
+
 HYBRID_FAMILIES = {
     "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16,
                          linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, head_dim=16),
