@@ -10,6 +10,7 @@ import torch
 from reinforge.config import ConfigError, load_sft_config
 from reinforge.data.sft_dataset import collate_sft, pack_examples, tokenize_conversation
 from reinforge.models import build_char_tokenizer, build_tiny_causal_lm
+from reinforge.models.loading import checkpointing_enabled
 from reinforge.trainer.sft_trainer import SFTTrainer, token_log_probs
 
 CONVERSATION = [
@@ -363,7 +364,7 @@ def test_a_mixture_of_experts_adds_transformers_aux_loss_where_its_config_asks(t
         trainer = SFTTrainer(sft_config(folder, model_dir, "trainer.max_tokens_per_micro_batch=1000",
                                         f"model.gradient_checkpointing={checkpointed}", *extra))
         assert trainer.router_aux_loss_coef == (0.5 if coef is None else 0.0)
-        assert trainer.model.is_activation_checkpointing == checkpointed
+        assert checkpointing_enabled(trainer.model) == checkpointed
         steps[coef] = step_gradients(trainer, batch)
     for metrics, _ in steps.values():
         assert metrics["train/moe/aux_loss"] == pytest.approx(aux_loss.item(), rel=1e-5)
