@@ -296,6 +296,39 @@ EXPERTS_NOTE = ("the experts' fused 3-D weights get no adapter and stay frozen: 
                 "include those adapters")
 
 
+PEFT_FLOOR = "0.18"
+"""The oldest peft whose LoRA layers reinforge builds on transformers 5 (``exclude_modules``; 0.17's layers fail on
+transformers 5's modules)."""
+
+
+def peft_problem() -> str | None:
+    """Why peft cannot make reinforge's adapters here (not installed, or older than ``PEFT_FLOOR``); None when it can."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        found = version("peft")
+    except PackageNotFoundError:
+        return "peft is not installed here"
+    try:
+        old = Version(found) < Version(PEFT_FLOOR)
+    except InvalidVersion:
+        return None  # a build that names itself otherwise: peft's own errors speak
+    return f"peft {found} is installed here, older than {PEFT_FLOOR}, the first that makes them on transformers 5" \
+        if old else None
+
+
+def require_peft(config: LoraConfig, key: str = "model.lora.rank") -> None:
+    """Refuse adapters (``config.rank`` > 0) in one line, before any model loads, where peft cannot make them."""
+    if config.rank <= 0:
+        return
+    problem = peft_problem()
+    if problem:
+        raise ValueError(f"{key}={config.rank} trains LoRA adapters with peft, and {problem}; pip install -U "
+                         f"'peft>={PEFT_FLOOR}' (or reinforge[lora]), or set {key}=0 to train every weight")
+
+
 def check_target_modules(config: LoraConfig, model_path: str) -> None:
     """Fail before any weight loads when no name in ``model.lora.target_modules`` is a linear layer of the
     model's architecture (read from its config.json; architectures not in ``LINEAR_LAYERS`` are left to peft).

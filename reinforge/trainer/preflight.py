@@ -40,7 +40,7 @@ from reinforge.config.schema import ModelConfig
 from reinforge.config.sft_schema import SFTConfig
 from reinforge.config.validate import choose, model_score_source, validate_config, validate_sft_config
 from reinforge.data import RLDataset
-from reinforge.engine.lora import check_target_modules
+from reinforge.engine.lora import check_target_modules, require_peft
 from reinforge.engine.memory_plan import ModelShape, check_model_config
 from reinforge.engine.moe import declares_experts, router_aux_loss_coef
 from reinforge.engine.optim import LR_SCHEDULES
@@ -290,6 +290,7 @@ def preflight(config: Config, placement: RolePlacement | None = None,
     if not plan_after_data:
         apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
+    require_peft(config.model.lora)
     warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
                            "data.max_prompt_length + data.max_response_length")
     warn_if_rollout_parts_from_training(config.model.path,
@@ -434,6 +435,7 @@ def preflight_sft(config: SFTConfig) -> Any:
     check_router_aux_loss_has_experts("trainer.router_aux_loss_coef", config.trainer.router_aux_loss_coef, config.model)
     processor = run_processor(config.model, config.data)  # its pixel bounds refused before the run folder opens
     require_logger_packages(config.trainer.loggers)
+    require_peft(config.model.lora)
     check_devices(config)
     warn_ineffective_settings(config)
     warn_if_beyond_context(config.model.path, config.data.max_length, "data.max_length")

@@ -142,3 +142,29 @@ def test_a_vision_language_lora_run_exports_a_model_folder_with_its_processor(tm
     [checkpoint_hf] = run_dir.glob("checkpoints/*/hf")
     merged, saved = (AutoModelForImageTextToText.from_pretrained(folder).state_dict() for folder in (out, checkpoint_hf))
     assert all(torch.equal(merged[name], saved[name]) for name in saved)
+
+
+@pytest.mark.parametrize("installed", [None, "0.17.1"])
+def test_lora_without_a_peft_that_makes_the_adapters_is_refused_in_one_line_before_the_model_loads(
+        tiny_model_dir, arithmetic_data_dir, tmp_path, monkeypatch, capsys, installed):
+    import importlib.metadata
+
+    real_version = importlib.metadata.version
+
+    def version(name):
+        if name != "peft":
+            return real_version(name)
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("the model loaded"))
+    args = base_args(tiny_model_dir, arithmetic_data_dir, tmp_path / "run", **LORA)
+    assert main(["train", *args]) != 0
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "peft" in line]
+    found = "peft is not installed here" if installed is None else \
+        "peft 0.17.1 is installed here, older than 0.18, the first that makes them on transformers 5"
+    assert line.endswith(f"model.lora.rank=32 trains LoRA adapters with peft, and {found}; pip install -U "
+                         "'peft>=0.18' (or reinforge[lora]), or set model.lora.rank=0 to train every weight")

@@ -33,7 +33,7 @@ from reinforge.engine.device import compute_dtype, resolve_device
 from reinforge.engine.distributed import all_reduce, barrier, init_distributed
 from reinforge.engine.forward import routed_token_weights
 from reinforge.engine.fsdp import reshard
-from reinforge.engine.lora import check_target_modules
+from reinforge.engine.lora import check_target_modules, require_peft
 from reinforge.engine.micro_batches import _fewest_bins, _longest_first, trim_padding
 from reinforge.engine.moe import RouterRecorder
 from reinforge.engine.optim import LR_SCHEDULES, build_optimizer, build_scheduler
@@ -110,6 +110,7 @@ def preflight_preference(config: RMConfig | DPOConfig) -> None:
     warn_if_beyond_context(config.model.path, data.max_length, "data.max_length")
     if config.model.lora.rank:
         check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
+        require_peft(config.model.lora)
     if isinstance(config, DPOConfig):
         warn_of_precomputed_reference(data.train_files)
     if isinstance(config, DPOConfig) and config.dpo.label_smoothing and config.dpo.loss_type != "robust":
