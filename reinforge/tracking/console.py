@@ -70,6 +70,7 @@ class StepProgress:
     def __init__(self, console: Console, total_steps: int, initial: int = 0, enabled: bool = True):
         self.total_steps = total_steps
         self.completed = initial
+        self.enabled = enabled
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("{task.fields[summary]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                                   console=console, disable=not enabled, transient=False)
@@ -87,10 +88,12 @@ class StepProgress:
         self._progress.update(self._task, advance=steps, summary=summary)
 
     def __enter__(self) -> StepProgress:
-        self._progress.start()
+        if self.enabled:  # a disabled rich Progress still ends its live display with a newline (rich 13.0)
+            self._progress.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> Any:
-        self._progress.stop()
+        if self.enabled:
+            self._progress.stop()
         return None
