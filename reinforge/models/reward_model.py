@@ -84,9 +84,9 @@ def score_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 
 def _decoder_token_classifier(model: torch.nn.Module, config, trust_remote_code: bool) -> bool:
-    """Whether ``model`` (built on the meta device) is a token classifier with a linear ``classifier`` of a family
-    whose sequence classifier reads a linear ``score`` at the last token, as a decoder's does (GPT-2's): its last token
-    has seen the whole sequence. An encoder family's (BERT's) pools its first token."""
+    """Whether ``model`` is a token classifier with a linear ``classifier`` of a family whose sequence classifier
+    (built from ``config`` on the meta device) reads a linear ``score`` at the last token, as a decoder's does
+    (GPT-2's): its last token has seen the whole sequence. An encoder family's (BERT's) pools its first token."""
     if not type(model).__name__.endswith("ForTokenClassification") \
             or not isinstance(getattr(model, "classifier", None), torch.nn.Linear):
         return False

@@ -413,7 +413,8 @@ class HFEngine:
                                                          interrupted)
                 _raise_if_set(interrupted)
                 for index, samples in zip(chunk, completions, strict=True):
-                    results[index] = [copy.deepcopy(sample) for sample in samples for _ in range(copies)]
+                    results[index] = samples if copies == 1 else [copy.deepcopy(sample) for sample in samples
+                                                                  for _ in range(copies)]
         return [samples for samples in results if samples is not None]
 
     def _seed_of(self, sampling: SamplingParams) -> int:

@@ -291,11 +291,10 @@ def preflight(config: Config, placement: RolePlacement | None = None,
         apply_memory_plan(config)  # auto memory settings resolved, or MemoryPlanError
     check_target_modules(config.model.lora, config.model.path)  # adapters that would match no layer
     require_peft(config.model.lora)
-    warn_if_beyond_context(config.model.path, config.data.max_prompt_length + config.data.max_response_length,
-                           "data.max_prompt_length + data.max_response_length")
-    warn_if_rollout_parts_from_training(config.model.path,
-                                        config.data.max_prompt_length + config.data.max_response_length,
-                                        "data.max_prompt_length + data.max_response_length")
+    longest, source = config.data.max_prompt_length + config.data.max_response_length, \
+        "data.max_prompt_length + data.max_response_length"
+    warn_if_beyond_context(config.model.path, longest, source)
+    warn_if_rollout_parts_from_training(config.model.path, longest, source)
     check_plugin_engine(config.rollout.name)  # hf, native, or an engine a package adds through its entry point
     register_configured_agents(config.rollout.multi_turn)  # rollout.multi_turn.openai_agents, as agent loops
     tools = load_tools(config.rollout.multi_turn)
