@@ -10,7 +10,8 @@ tokens (EOS suppressed with ``min_new_tokens``; ``--prompts``, ``--n``, ``--prom
 vLLM (transformers ``generate``), one optimizer step per generation batch of all completions, AdamW lr
 1e-6 (``--lora-rank R``: a peft LoRA adapter of rank R, alpha 2R, on ``--lora-targets``, lr 1e-5).
 ``DIR`` is a model folder written by ``reinforge bench train`` (random weights of a bench shape and the
-character tokenizer, so a 128-character prompt is 128 tokens). The step time is the median time between
+character tokenizer, so a 128-character prompt is 128 tokens; a folder of random weights without weight files,
+``reinforge.models.random_weights``, is built on the device from its seed as reinforge builds it). The step time is the median time between
 optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--gpu-memory-gib`` caps the
 process as ``bench train``'s option does; ``--cpu`` runs the same setup on the CPU in float32, a smoke test on a
 tiny model.
@@ -36,6 +37,8 @@ from trl_runs import (
     step_record,
     time_generation,
 )
+
+from reinforge.models.random_weights import build_random_causal_lm, random_weights_seed
 
 
 def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict:
@@ -66,9 +69,11 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
     config = GRPOConfig(**settings)
     tokenizer = AutoTokenizer.from_pretrained(workload.model_dir)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(workload.model_dir,
-                                                 dtype=torch.float32 if clock.cpu else torch.bfloat16)
-    model = model.to("cpu" if clock.cpu else "cuda")
+    dtype, device = (torch.float32, "cpu") if clock.cpu else (torch.bfloat16, "cuda")
+    if random_weights_seed(workload.model_dir) is not None:  # no weight files: built on the device, as reinforge does
+        model = build_random_causal_lm(workload.model_dir, dtype=dtype, device=torch.device(device))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(workload.model_dir, dtype=dtype).to(device)
     clock.phase("model loaded")
     peft_config = None
     if workload.lora_rank:  # the adapter reinforge's shape trains: same rank, alpha 2 x rank, same projections
