@@ -57,7 +57,8 @@ def run(args: argparse.Namespace, clock: Clock, checkpointing: bool) -> dict:
     settings, ignored = known_settings(DPOConfig, wanted)
     config = DPOConfig(**settings)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32 if args.cpu else torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32 if args.cpu else torch.bfloat16,
+                                                 use_kernels=False)  # no Hub kernels: trl_grpo.py says why
     model = model.to("cpu" if args.cpu else "cuda")
     built = clock.phase("model loaded")
     callback, times = step_clock(clock)

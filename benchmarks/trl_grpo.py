@@ -73,7 +73,8 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
     if random_weights_seed(workload.model_dir) is not None:  # no weight files: built on the device, as reinforge does
         model = build_random_causal_lm(workload.model_dir, dtype=dtype, device=torch.device(device))
     else:
-        model = AutoModelForCausalLM.from_pretrained(workload.model_dir, dtype=dtype).to(device)
+        # no Hub kernels (transformers 5.25 fetches them by default; the device has no network), as reinforge loads
+        model = AutoModelForCausalLM.from_pretrained(workload.model_dir, dtype=dtype, use_kernels=False).to(device)
     clock.phase("model loaded")
     peft_config = None
     if workload.lora_rank:  # the adapter reinforge's shape trains: same rank, alpha 2 x rank, same projections

@@ -79,7 +79,8 @@ def run(clock: Clock, checkpointing: bool, workload: argparse.Namespace) -> dict
         processor.chat_template = processor.tokenizer.chat_template
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(workload.model_dir,
-                                                        dtype=torch.float32 if clock.cpu else torch.bfloat16)
+                                                        dtype=torch.float32 if clock.cpu else torch.bfloat16,
+                                                        use_kernels=False)  # no Hub kernels: trl_grpo.py says why
     model = model.to("cpu" if clock.cpu else "cuda")
     if not workload.train_vision_tower:
         model.model.visual.requires_grad_(False)

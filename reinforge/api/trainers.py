@@ -145,7 +145,10 @@ class _Trainer:
             return self.given_model
         step = self._trained_steps()
         if self._loaded_model is None or self._loaded_model[0] != step:
-            model = self._model_class().from_pretrained(self.config.model.path, **self._model_options())
+            from reinforge.models.loading import NO_HUB_KERNELS
+
+            model = self._model_class().from_pretrained(self.config.model.path, **self._model_options(),
+                                                        **NO_HUB_KERNELS)
             if step:
                 from reinforge.trainer.export import load_trained_weights
 

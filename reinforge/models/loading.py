@@ -36,6 +36,12 @@ INCOMPLETE_SUFFIXES = (".tmp", ".incomplete", ".partial")
 UNFINISHED_FOLDER = re.compile(r"\.(tmp|old)-\d+$")
 """The names export.save_hf_folder gives a folder while it is being written or replaced."""
 
+NO_HUB_KERNELS = {"use_kernels": False}
+"""Passed to every ``from_pretrained`` of a model: transformers 5.25 and later swap layers of a model they load for
+kernels downloaded from the Hugging Face Hub (``kernels`` package; rotary embedding, RMSNorm, activations) unless
+told not to. Those change the training forward's rounding against the rollout's, and without network access the
+download's publisher check fails the load. reinforge trains and samples with transformers' own modules."""
+
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -370,7 +376,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device | str,
             model_class = causal_lm_class(config)  # a VLM: the tower and the LM
             try:
                 model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                   attn_implementation=attn_implementation, **placement)
+                                                   attn_implementation=attn_implementation, **placement,
+                                                   **NO_HUB_KERNELS)
             except ImportError as error:  # a package its modules need (Gemma 3n's vision tower: timm), in one line
                 raise ImportError(f"model.path={path} is a {config.model_type!r} model, which transformers cannot "
                                   f"build here: {' '.join(str(error).split())}") from error

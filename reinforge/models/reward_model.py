@@ -23,6 +23,7 @@ from transformers import (
 
 from reinforge.models.architectures import config_and_text_config, text_config
 from reinforge.models.loading import (
+    NO_HUB_KERNELS,
     TOKENIZER_FILES,
     check_model_folder,
     hub_errors_explained,
@@ -173,7 +174,8 @@ def load_reward_model(path: str, *, dtype: torch.dtype, device: torch.device | s
     device = torch.device(device)
     placement = {"device_map": {"": device}} if device.type != "cpu" else {}
     with hub_errors_explained(path, KEY):
-        model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **placement)
+        model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **placement,
+                                           **NO_HUB_KERNELS)
     if not (isinstance(getattr(model, "score", None), torch.nn.Linear)  # what the meta-device check could not build
             or _decoder_token_classifier(model, model.config, trust_remote_code)):
         raise ValueError(f"{KEY}={path} loads as {type(model).__name__}, whose head is not a linear layer named "

@@ -20,6 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from reinforge.models.export import atomic_folder
 from reinforge.models.loading import (
+    NO_HUB_KERNELS,
     attention_for,
     check_model_folder,
     enable_gradient_checkpointing,
@@ -111,10 +112,11 @@ class ValueModel(nn.Module):
                                                 MODEL_FOR_CAUSAL_LM_MAPPING if causal_body else MODEL_MAPPING)
             if causal_body:  # the causal LM's body, its head dropped; saved, it reloads the same way
                 backbone = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                                attn_implementation=attn_implementation).base_model
+                                                                attn_implementation=attn_implementation,
+                                                                **NO_HUB_KERNELS).base_model
             else:
                 backbone = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation)
+                                                     attn_implementation=attn_implementation, **NO_HUB_KERNELS)
         backbone.config.use_cache = False
         value_head = build_value_head(output_width(backbone), seed)
         if head_path is not None:

@@ -29,7 +29,7 @@ from transformers import (
 
 from reinforge.engine.lora import merge_lora_weights, read_adapter_config, transposed_layers
 from reinforge.models import load_causal_lm, save_hf_folder
-from reinforge.models.loading import DTYPES
+from reinforge.models.loading import DTYPES, NO_HUB_KERNELS
 from reinforge.models.reward_model import classifier_auto_class
 from reinforge.models.vision import is_vision_language, load_processor
 from reinforge.trainer.checkpoint import CheckpointManager, checkpoint_problem
@@ -114,13 +114,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
                             tokenizer, Path(out_dir), dtype, config if classifier else None, hf_folder)
     # a reward model of `reinforge rm` stays the classifier it trained as: its score head is in the state, no lm_head
     if is_vision_language(config):  # the state holds what trained; a frozen vision tower comes from hf/
-        model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_pretrained(hf_folder, dtype=torch.float32, **NO_HUB_KERNELS)
         model.load_state_dict(state, strict=False)
         return save_hf_folder(model, load_processor(hf_folder), out_dir, dtype=dtype)
     model_class = classifier or AutoModelForCausalLM
     model = model_class.from_config(config, dtype=torch.float32)  # the state's float32, not the dtype hf/ names
     if set(model.state_dict()) - set(state):  # frozen weights (a multimodal wrapper's tower, which text never reaches)
-        model = model_class.from_pretrained(hf_folder, dtype=torch.float32)  # are not in the state: hf/ holds them
+        model = model_class.from_pretrained(hf_folder, dtype=torch.float32, **NO_HUB_KERNELS)  # are not in the state: hf/ holds them
         unexpected = model.load_state_dict(state, strict=False).unexpected_keys
         if unexpected:
             raise ValueError(f"checkpoint {folder}'s actor_state.pt holds weights its hf/ model does not have "
@@ -164,7 +164,7 @@ def _export_lora(adapter_folder: Path, adapters: dict[str, torch.Tensor], tokeni
         raise FileNotFoundError(f"{adapter_folder}/adapter_config.json names no base model; cannot merge the adapters")
     base = (load_causal_lm(base_path, dtype=dtype, device="cpu") if classifier_config is None
             else classifier_auto_class(classifier_config).from_pretrained(base_path, config=classifier_config,
-                                                                          dtype=dtype))
+                                                                          dtype=dtype, **NO_HUB_KERNELS))
     state = base.state_dict() | adapters
     base.load_state_dict(merge_lora_weights(state, scaling, transposed_layers(base)))
     # the adapters were written with actor_state.pt, from the same tensors

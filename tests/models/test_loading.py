@@ -25,6 +25,8 @@ def test_load_causal_lm(tiny_model_dir, dtype):
     assert next(model.parameters()).dtype == dtype
     assert model.config.use_cache is False
     assert model.generation_config.use_cache is True
+    # transformers' own modules, not layers swapped for kernels from the Hub (its default since 5.25)
+    assert model.use_kernels is False
 
 
 def test_load_causal_lm_with_gradient_checkpointing(tiny_model_dir):

@@ -111,6 +111,7 @@ def test_scores_equal_transformers_forward_at_the_last_token(tiny_model_dir, tmp
     rm_dir = save_tiny_reward_model(tmp_path / "rm", head)
     worker = RewardModelWorker(rm_config(tiny_model_dir, rm_dir))
     assert worker.inputs.policy_tokenizer is None  # same vocabulary and template: the policy's ids as they are
+    assert worker.model.use_kernels is False  # transformers' own modules, no kernels from the Hub
     batch = random_batch(ending_in_pad)
     scored = worker.compute_rm_score(batch)
     expected = transformers_scores(rm_dir, batch, head)

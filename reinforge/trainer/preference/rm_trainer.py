@@ -47,6 +47,7 @@ from reinforge.engine.device import compute_dtype
 from reinforge.engine.forward import last_token_scores
 from reinforge.engine.moe import pooled_routing_metrics, prepare_moe_training, trained_aux_loss_coef
 from reinforge.models.loading import (
+    NO_HUB_KERNELS,
     HeldLoadReport,
     check_model_folder,
     hub_errors_explained,
@@ -84,7 +85,8 @@ def load_reward_model_for_training(path: str, *, pad_token_id: int, trust_remote
     with hub_errors_explained(path), HeldLoadReport() as report:
         model, loading = model_class.from_pretrained(path, num_labels=1, dtype=dtype,
                                                      trust_remote_code=trust_remote_code,
-                                                     attn_implementation=attn_implementation, output_loading_info=True)
+                                                     attn_implementation=attn_implementation, output_loading_info=True,
+                                                     **NO_HUB_KERNELS)
     if set(loading["missing_keys"]) <= NEW_HEAD and not loading["mismatched_keys"] \
             and all(key.startswith("lm_head.") for key in loading["unexpected_keys"]):
         report.records.clear()  # a causal LM under a new head, as expected: one line of ours instead of the table
