@@ -3,8 +3,8 @@
 Each size (a shape of ``shapes.py``) runs in a process of its own (an out-of-memory error in one leaves the
 next a clean device): first its model is written (random weights and the character tokenizer, in a temporary
 folder removed after the size), then ``reinforge bench train`` on it, then with ``--trl`` TRL's GRPOTrainer on
-the same folder and workload (``benchmarks/trl_grpo.py`` of the source checkout; a shape that trains a LoRA
-adapter has TRL train the same adapter). Every case's JSON (its results
+the same folder and workload (``benchmarks/trl_grpo.py`` of the source checkout; where reinforge trains a LoRA
+adapter, by ``--lora`` or the shape's own, TRL trains the same adapter). Every case's JSON (its results
 and a ``case`` record, ``table.py``) lands in ``--out`` (``bench_out`` by default) as soon as it ends, its
 output streams through prefixed by its name, and one markdown table is printed last. ``--deadline-s``
 bounds the whole invocation: each process gets the time left (a ``bench train`` case as its own
@@ -32,6 +32,7 @@ from pathlib import Path
 
 from reinforge.bench.shapes import SHAPES
 from reinforge.bench.table import environment, render_table, write_json
+from reinforge.config.schema import LoraConfig
 
 TRL_SCRIPT = Path("benchmarks") / "trl_grpo.py"
 TRL_OPTIONS = ("--steps", "--prompts", "--n", "--prompt-tokens", "--response-tokens", "--gpu-memory-gib")
@@ -144,8 +145,10 @@ class CaseRunner:
                   for item in (flag, options[index + 1])]
         shape = SHAPES[size]
         script = script.with_name(shape.trl_script)  # its workload's twin (a vision-language shape's has images)
-        if shape.lora_rank:  # the shape trains an adapter: TRL trains the same one (peft)
-            passed += ["--lora-rank", str(shape.lora_rank), "--lora-targets", ",".join(shape.lora_targets)]
+        rank = getattr(self.args, "lora", 0) or shape.lora_rank
+        if rank:  # reinforge trains an adapter (--lora, or the shape's own): TRL trains the same one (peft)
+            targets = shape.lora_targets or LoraConfig().target_modules
+            passed += ["--lora-rank", str(rank), "--lora-targets", ",".join(targets)]
         command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed,
                    "--checkpointing", getattr(self.args, "trl_checkpointing", "auto")]
         left = self.seconds_left()

@@ -553,9 +553,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "in an existing folder")
     if args.profile and several:
         parser.error("--profile profiles one size in this process; give one --model size and no --trl or --out")
-    if args.trl and (args.lora or args.variant != "grpo" or args.cpu or args.reward_model is not None):
-        parser.error("--trl compares the grpo variant with the rule reward on a GPU (TRL's GRPOTrainer, full "
-                     "fine-tuning); drop --trl, or --lora / --variant / --reward-model / --cpu")
+    if args.trl and (args.variant != "grpo" or args.cpu or args.reward_model is not None):
+        parser.error("--trl compares the grpo variant with the rule reward on a GPU (TRL's GRPOTrainer); drop --trl, "
+                     "or --variant / --reward-model / --cpu")
     native_only = [flag for flag, given in (("--kv-cache-dtype", args.kv_cache_dtype != "auto"),
                                             ("--shared-prefix-decode", args.shared_prefix_decode != "off"),
                                             ("--decode-products", args.decode_products != "cublas")) if given]

@@ -56,8 +56,8 @@ def test_the_rollout_engine_is_the_one_asked_for_and_the_cpus_default_is_generat
 @pytest.mark.parametrize("argv, message", [
     (["--model", "0.5b,13b"], "argument --model: '0.5b,13b' names no model shape 13b; give one or more of "
                               "0.5b,1.5b,3b,7b,gemma2-2b,phi3-mini,olmo2-1b,mistral-7b,olmoe-1b-7b,qwen3-30b-a3b"),
-    (["--model", "0.5b", "--trl", "--lora", "8"], "--trl compares the grpo variant with the rule reward on a GPU"),
-    (["--model", "0.5b", "--trl", "--reward-model", "0.5b"], "drop --trl, or --lora / --variant / --reward-model"),
+    (["--model", "0.5b", "--trl", "--variant", "ppo"], "--trl compares the grpo variant with the rule reward on a GPU"),
+    (["--model", "0.5b", "--trl", "--reward-model", "0.5b"], "drop --trl, or --variant / --reward-model / --cpu"),
     (["--rollout", "hf", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype sets the native engine, and --rollout hf runs"),
     (["--rollout", "hf", "--shared-prefix-decode", "on"], "--shared-prefix-decode sets the native engine"),
     (["--json", "no/such/folder/r.json"], "--json no/such/folder/r.json: its folder no/such/folder does not exist"),
@@ -211,6 +211,26 @@ def test_trls_checkpointing_setting_reaches_its_script(tmp_path, monkeypatch):
     args.trl_checkpointing = "auto"
     case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
     assert commands[-1][commands[-1].index("--checkpointing") + 1] == "auto"
+
+
+def test_trl_trains_the_adapter_reinforge_trains(tmp_path, monkeypatch):
+    """--lora R has TRL train a rank-R adapter on reinforge's projections; a shape's own adapter (Qwen3-30B-A3B's,
+    on the attention projections) is TRL's too, and a full fine-tuning case passes none."""
+    args = parse_args(["--model", "1.5b", "--trl", "--lora", "16", "--steps", "2"])
+    case = sizes.CaseRunner(args, [], tmp_path, {})
+    commands = []
+    monkeypatch.setattr(case, "run_case", lambda kind, size, command, path, env=None: commands.append(command))
+    case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    command = commands[-1]
+    assert command[command.index("--lora-rank") + 1] == "16"
+    assert command[command.index("--lora-targets") + 1] == "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    args.lora = 0
+    case.run_trl("qwen3-30b-a3b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    command = commands[-1]
+    assert command[command.index("--lora-rank") + 1] == "32"
+    assert command[command.index("--lora-targets") + 1] == "q_proj,k_proj,v_proj,o_proj"
+    case.run_trl("1.5b", tmp_path / "model", tmp_path / "trl_grpo.py")
+    assert "--lora-rank" not in commands[-1]
 
 
 def test_trl_checkpointing_without_trl_is_refused_in_one_line(capsys):
