@@ -11,10 +11,10 @@ vLLM (transformers ``generate``), one optimizer step per generation batch of all
 1e-6 (``--lora-rank R``: a peft LoRA adapter of rank R, alpha 2R, on ``--lora-targets``, lr 1e-5).
 ``DIR`` is a model folder written by ``reinforge bench train`` (random weights of a bench shape and the
 character tokenizer, so a 128-character prompt is 128 tokens; a folder of random weights without weight files,
-``reinforge.models.random_weights``, is built on the device from its seed as reinforge builds it). The step time is the median time between
-optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``. ``--gpu-memory-gib`` caps the
-process as ``bench train``'s option does; ``--cpu`` runs the same setup on the CPU in float32, a smoke test on a
-tiny model.
+``reinforge.models.random_weights``, is built on the device from its seed as reinforge builds it). The step
+time is the median time between optimizer steps 2.. ; checkpointing tries and ``--deadline-s``: ``trl_runs.py``.
+``--gpu-memory-gib`` caps the process as ``bench train``'s option does; ``--cpu`` runs the same setup on the CPU
+in float32, a smoke test on a tiny model.
 """
 
 from __future__ import annotations

@@ -46,6 +46,14 @@ class BenchShape:
     def training(self) -> str:
         return f"LoRA r{self.lora_rank}" if self.lora_rank else "full"
 
+    def adapter(self, rank: int = 0) -> tuple[int, tuple[str, ...]]:
+        """(rank, adapted projections) of the LoRA adapter a case of this shape trains: ``rank`` (``--lora``) or the
+        shape's own, on its projections or ``model.lora.target_modules``' default; (0, ()) for full fine-tuning."""
+        from reinforge.config.schema import LoraConfig
+
+        rank = rank or self.lora_rank
+        return (rank, self.lora_targets or tuple(LoraConfig().target_modules)) if rank else (0, ())
+
     def config_overrides(self) -> list[str]:
         """The training settings the shape stands for, as ``a.b=c`` overrides."""
         if not self.lora_rank:

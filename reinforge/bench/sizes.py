@@ -32,7 +32,6 @@ from pathlib import Path
 
 from reinforge.bench.shapes import SHAPES
 from reinforge.bench.table import environment, render_table, write_json
-from reinforge.config.schema import LoraConfig
 
 TRL_SCRIPT = Path("benchmarks") / "trl_grpo.py"
 TRL_OPTIONS = ("--steps", "--prompts", "--n", "--prompt-tokens", "--response-tokens", "--gpu-memory-gib")
@@ -145,9 +144,8 @@ class CaseRunner:
                   for item in (flag, options[index + 1])]
         shape = SHAPES[size]
         script = script.with_name(shape.trl_script)  # its workload's twin (a vision-language shape's has images)
-        rank = getattr(self.args, "lora", 0) or shape.lora_rank
+        rank, targets = shape.adapter(getattr(self.args, "lora", 0))
         if rank:  # reinforge trains an adapter (--lora, or the shape's own): TRL trains the same one (peft)
-            targets = shape.lora_targets or LoraConfig().target_modules
             passed += ["--lora-rank", str(rank), "--lora-targets", ",".join(targets)]
         command = [sys.executable, str(script), "--model-dir", str(model_dir), "--json", str(path), *passed,
                    "--checkpointing", getattr(self.args, "trl_checkpointing", "auto")]

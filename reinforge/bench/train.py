@@ -156,11 +156,10 @@ def build_config(model_dir: Path, args: argparse.Namespace):
     config.trainer.gpu_memory_gib = args.gpu_memory_gib
     config.actor.optim.lr = 1e-6
     shape = SHAPES[args.model]
-    if args.lora or shape.lora_rank:  # --lora replaces the shape's own adapter rank
-        config.model.lora.rank = args.lora or shape.lora_rank
-        config.model.lora.alpha = 2 * config.model.lora.rank
-        if shape.lora_targets:
-            config.model.lora.target_modules = list(shape.lora_targets)
+    rank, targets = shape.adapter(args.lora)  # --lora replaces the shape's own adapter rank
+    if rank:
+        config.model.lora.rank, config.model.lora.alpha = rank, 2 * rank
+        config.model.lora.target_modules = list(targets)
         config.actor.optim.lr = 1e-5  # about 10x full fine-tuning's
     config.actor.grad_clip = 1.0
     config.actor.loss_agg_mode = "token-mean"
