@@ -5,10 +5,13 @@ A checkpoint's config may ask for dropout (GPT-2's ``resid_pdrop``, OPT's ``drop
 attributes handed to ``nn.functional.dropout`` (OPT's layers) or the attention function's ``dropout`` argument
 (read from the module's ``attention_dropout``). RL compares the training forward's log-probs with the rollout's
 (the policy ratio, the mismatch metrics), and the rollout never drops, so the RL workers switch it all off; so do
-``reinforge rm`` and ``dpo``, as TRL's reward and DPO trainers do by default.
+``reinforge rm`` and ``dpo``, as TRL's reward and DPO trainers do by default. A module that draws at random in
+training mode without a rate (PhiMoE's router samples its experts) is kept in eval mode instead.
 """
 
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 
@@ -24,6 +27,26 @@ NOT_RATES = {"Phimoe": ("router_jitter_noise",)}
 """Keys a family's config or modules (by class-name prefix) name like a rate that are not one: PhiMoE's router reads
 ``router_jitter_noise`` as the threshold below the top score past which it masks experts, in eval mode as in
 training; set to 0 it routes otherwise (its noise in training mode is ``input_jitter_noise``)."""
+
+
+SAMPLED_IN_TRAINING = {"PhimoeTopKRouter": "samples its experts in training mode"}
+"""Module classes that draw at random in training mode with no rate to set to 0: PhiMoE's router picks each token's
+experts by Gumbel sampling over its masked scores in training mode (SparseMixer) where eval mode takes the top ones,
+so a training forward would route otherwise than the rollout that sampled the tokens. ``disable_dropout`` keeps such
+modules in eval mode for good; their gradients (through the chosen experts' softmax weights) still flow."""
+
+
+def _stay_in_eval_mode(module: nn.Module, mode: bool = True) -> nn.Module:
+    """A pinned module's ``train``: eval mode whatever ``mode`` asks (``model.train()`` reaches it through its
+    parents). A ``functools.partial`` of this module-level function, so the model still pickles and deep-copies."""
+    return nn.Module.train(module, False)
+
+
+def _samples_in_training(module: nn.Module) -> str | None:
+    """What ``module`` draws at random in training mode (``SAMPLED_IN_TRAINING``), None when nothing or pinned."""
+    if isinstance(module.__dict__.get("train"), functools.partial):
+        return None
+    return SAMPLED_IN_TRAINING.get(type(module).__name__)
 
 
 def _is_rate(name: str, value) -> bool:
@@ -56,6 +79,8 @@ def active_dropout(model: nn.Module) -> list[str]:
         if isinstance(module, nn.Dropout) and module.p > 0:
             found.append(f"{name or 'model'} (p={module.p})")
         found += [f"{name}.{key}={value}" for key, value in _rates(module)]
+        if sampled := _samples_in_training(module):
+            found.append(f"{name} ({sampled})")
     return found
 
 
@@ -76,8 +101,9 @@ def restore_config_dropout(model: nn.Module, config) -> None:
 
 
 def disable_dropout(model: nn.Module) -> list[str]:
-    """Set every dropout rate of ``model`` (config, modules, dropout modules) to 0; returns what was on
-    (``active_dropout``'s list, config keys first), empty when nothing was."""
+    """Set every dropout rate of ``model`` (config, modules, dropout modules) to 0 and keep the modules that sample
+    in training mode (``SAMPLED_IN_TRAINING``) in eval mode; returns what was on (``active_dropout``'s list, config
+    keys first), empty when nothing was."""
     found = active_dropout(model)
     originals = getattr(model, ORIGINAL_RATES, {})
     for config in _configs(model):
@@ -89,6 +115,9 @@ def disable_dropout(model: nn.Module) -> list[str]:
             owner.p = 0.0
         for key, _ in _rates(owner):
             setattr(owner, key, 0.0)
+        if isinstance(owner, nn.Module) and _samples_in_training(owner):
+            owner.train = functools.partial(_stay_in_eval_mode, owner)
+            owner.train()
     return found
 
 

@@ -69,6 +69,32 @@ def test_phimoes_router_threshold_is_not_taken_for_a_rate():
         ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
         before = model(input_ids=ids).logits
         found = disable_dropout(model)
-        assert found and all("input_jitter_noise" in each for each in found), found
+        assert any("input_jitter_noise" in each for each in found), found
+        assert not any("router_jitter_noise" in each for each in found), found
         torch.testing.assert_close(model(input_ids=ids).logits, before)
     assert model.config.router_jitter_noise == 0.01 and not active_dropout(model)
+
+
+def test_phimoes_router_routes_in_training_mode_as_in_eval_once_dropout_is_off():
+    """PhiMoE's router samples its experts in training mode (SparseMixer's Gumbel draw) where eval mode takes the
+    top ones: the RL training forward then routed otherwise than the rollout. It stays in eval mode after
+    ``disable_dropout``, through ``model.train()``, a deep copy and a pickle, and its weights still get gradients."""
+    import copy
+    import pickle
+
+    model = build_tiny_causal_lm("phimoe", vocab_size=64, seed=0).train()
+    for layer in model.model.layers:
+        layer.mlp.router.router_jitter_noise = 1.0  # a threshold that masks no expert: each draw has a choice
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # experts sampled
+    found = disable_dropout(model)
+    assert any("router (samples its experts in training mode)" in each for each in found), found
+    assert not active_dropout(model) and disable_dropout(model) == []
+    with torch.no_grad():
+        evaluated = model.eval()(input_ids=ids).logits
+    for trained in (model.train(), copy.deepcopy(model).train(), pickle.loads(pickle.dumps(model)).train()):
+        assert trained.training and not trained.model.layers[0].mlp.router.training
+        torch.testing.assert_close(trained(input_ids=ids).logits, evaluated)
+    model(input_ids=ids).logits.sum().backward()
+    assert model.model.layers[0].mlp.router.weight.grad.abs().sum() > 0
