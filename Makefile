@@ -38,18 +38,21 @@ sandbox-deps:
 # Each run keeps its files in a folder of its own (pytest's default, /tmp/pytest-of-USER, is shared by every run on
 # the machine, and a run there removes the folders of older runs, even of one still going): removed when the run
 # passes, kept and named when it fails. pytest exits 5 when it collects nothing; that is not a failure of the code
-# under test.
-PYTEST_RUN = tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/reinforge-tests.XXXXXX") || exit 1;
+# under test. The run's compiled modules go there too (PYTHONPYCACHEPREFIX), written even where the environment says
+# PYTHONDONTWRITEBYTECODE: without them every worker, CLI run and Ray member compiles reinforge's and the tests'
+# modules again (about 30 s of a 2-core machine's suite), and none lands in the working tree.
+PYTEST_RUN = tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/reinforge-tests.XXXXXX") || exit 1; \
+	unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX="$$tmp/pycache";
 PYTEST_END = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; else echo "the failed run's files are in $$tmp"; fi; exit $$rc
 # Three workers on a 2-core machine: a third of the suite's time goes to tests waiting on the processes they start
 # (CLI runs, Ray members, servers, sandboxes), so a third worker keeps both cores busy.
 test: $(STAMP) sandbox-deps
-	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
+	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 3 --dist loadfile --durations=15 --basetemp="$$tmp/pytest"; $(PYTEST_END)
 
 # the suite without the tests that take more than 5 s each on a 2-core CPU (@pytest.mark.slow)
 test-fast: $(STAMP) sandbox-deps
-	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not slow" --durations=15 --basetemp="$$tmp"; $(PYTEST_END)
+	$(PYTEST_RUN) $(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not slow" --durations=15 --basetemp="$$tmp/pytest"; $(PYTEST_END)
 
 # The standard training table on a GPU: every size in a process of its own, TRL's GRPOTrainer beside each, one
 # markdown table printed last; each case's JSON lands in $(BENCH_OUT). In parts, when one sitting is too short for
