@@ -130,4 +130,7 @@ def dropout_line(model: nn.Module, found: list[str], reason: tuple[str, str] = R
     """The one line a worker or trainer logs when it switched dropout off; ``reason``: (for what, why)."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-    return f"dropout off for {reason[0]}: {model_type} drops activations in training mode ({shown}); {reason[1]}"
+    sampled = [each for each in found if each.endswith(tuple(f"({what})" for what in SAMPLED_IN_TRAINING.values()))]
+    what = ("drops activations" if not sampled else "samples at random" if len(sampled) == len(found)
+            else "drops activations and samples at random")
+    return f"dropout off for {reason[0]}: {model_type} {what} in training mode ({shown}); {reason[1]}"

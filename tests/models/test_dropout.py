@@ -91,6 +91,7 @@ def test_phimoes_router_routes_in_training_mode_as_in_eval_once_dropout_is_off()
     found = disable_dropout(model)
     assert any("router (samples its experts in training mode)" in each for each in found), found
     assert not active_dropout(model) and disable_dropout(model) == []
+    assert dropout_line(model, found).startswith("dropout off for RL: phimoe samples at random in training mode (")
     with torch.no_grad():
         evaluated = model.eval()(input_ids=ids).logits
     for trained in (model.train(), copy.deepcopy(model).train(), pickle.loads(pickle.dumps(model)).train()):
