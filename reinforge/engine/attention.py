@@ -78,13 +78,15 @@ def _note_mask_windows(model: nn.Module) -> None:
     ``sliding_window`` argument does not say it.
 
     Most families hand their layer's ``sliding_window`` to the attention function and build the same window into
-    the layer's mask. A few (Qwen2-MoE, PhiMoE) put it only in the sliding-window mask, which packed passes do not
-    build: their modeling module builds that mask from ``config.sliding_window`` for the layers of type
-    ``sliding_attention`` (every layer when the config has no layer types), and the same windows are noted on the
-    attention modules as ``_packed_window``; an argument wins over it. A module whose modeling code builds no
-    sliding-window mask at all (OLMoE hands ``config.sliding_window`` to every layer, yet its masks are causal, so
-    eager and SDPA attend to every earlier token; only flash attention would read the argument) is noted as
-    ``_mask_never_slides``, and its argument is ignored.
+    the layer's mask. A few put it only in the sliding-window mask, which packed passes do not build: Qwen2-MoE and
+    PhiMoE, and SmolLM3 without ``use_sliding_window`` (its ``sliding_attention`` layers' attention gets no window,
+    yet their masks slide, so eager and SDPA slide them). Their modeling module builds that mask from
+    ``config.sliding_window`` for the layers of type ``sliding_attention`` (every layer when the config has no layer
+    types), and the same windows are noted on the attention modules as ``_packed_window``; an argument that names a
+    window wins over it. A module whose modeling code builds no sliding-window mask at all (OLMoE hands
+    ``config.sliding_window`` to every layer, yet its masks are causal, so eager and SDPA attend to every earlier
+    token; only flash attention would read the argument) is noted as ``_mask_never_slides``, and its argument is
+    ignored.
     """
     import sys
 
@@ -170,7 +172,7 @@ def varlen_attention_forward(module: nn.Module, query: Tensor, key: Tensor, valu
     if getattr(module, "_mask_never_slides", False):
         window = None
     else:
-        window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "_packed_window", None)
+        window = kwargs.get("sliding_window") or getattr(module, "_packed_window", None)
     out = packed_attention(q, k, v, scale, kwargs, window=window, softcap=softcap, sinks=sinks)
     return out.unsqueeze(0), None
 

@@ -109,12 +109,12 @@ def _layer_windows(config, model_type: str) -> list[int | None]:
     window = getattr(config, "sliding_window", None)
     if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # one window for all layers, if any
         return [window] * num_layers
-    if model_type in ("qwen2", "qwen3", *GEMMA):
+    if model_type in ("qwen2", "qwen3", "smollm3", *GEMMA):
+        # SmolLM3 hands a sliding_attention layer's attention function no window unless use_sliding_window is set,
+        # but builds its mask from sliding_window all the same: eager and SDPA attention slide it (flash attention,
+        # which reads no mask, would not)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
         return [window if kind == "sliding_attention" else None for kind in layer_types]
-    if model_type == "smollm3":
-        layer_types = config.layer_types
-        return [window if config.use_sliding_window and kind == "sliding_attention" else None for kind in layer_types]
     # llama, olmo2, deepseek, olmoe: their models build only causal masks, so eager and SDPA attend to every earlier
     # token whatever sliding_window says (OLMoE hands it to its attention function, which only flash attention reads)
     return [None] * num_layers

@@ -132,6 +132,16 @@ def test_a_window_the_models_masks_never_apply_is_not_applied(arch, fast_path):
     assert_pass_equals_transformers_padded_forward(model, share_prompts=True, fast_path=fast_path)
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_a_window_only_the_models_masks_apply_is_applied(fast_path):
+    """A SmolLM3 config listing sliding_attention layers with use_sliding_window=false: transformers hands those
+    layers' attention no window, yet builds their masks from sliding_window, so eager and SDPA attention slide them."""
+    model = tiny_model("smollm3", layer_types=["sliding_attention", "full_attention"], use_sliding_window=False,
+                       no_rope_layers=[0, 1])
+    assert [layer.sliding_window for layer in architecture_spec(model.config).layers] == [WINDOW, None]
+    assert_pass_equals_transformers_padded_forward(model, share_prompts=True, fast_path=fast_path)
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
 def test_windows_and_soft_caps_change_the_result(arch):
     """The comparison above can fail: without its window (and soft-caps) the same weights give other log-probs."""
