@@ -44,7 +44,8 @@ def _stay_in_eval_mode(module: nn.Module, mode: bool = True) -> nn.Module:
 
 def _samples_in_training(module: nn.Module) -> str | None:
     """What ``module`` draws at random in training mode (``SAMPLED_IN_TRAINING``), None when nothing or pinned."""
-    if isinstance(module.__dict__.get("train"), functools.partial):
+    pinned = module.__dict__.get("train")
+    if isinstance(pinned, functools.partial) and pinned.func is _stay_in_eval_mode:
         return None
     return SAMPLED_IN_TRAINING.get(type(module).__name__)
 
