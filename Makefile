@@ -38,11 +38,12 @@ sandbox-deps:
 # Each run keeps its files in a folder of its own (pytest's default, /tmp/pytest-of-USER, is shared by every run on
 # the machine, and a run there removes the folders of older runs, even of one still going): removed when the run
 # passes, kept and named when it fails. pytest exits 5 when it collects nothing; that is not a failure of the code
-# under test. The run's compiled modules go there too (PYTHONPYCACHEPREFIX), written even where the environment says
-# PYTHONDONTWRITEBYTECODE: without them every worker, CLI run and Ray member compiles reinforge's and the tests'
-# modules again (about 30 s of a 2-core machine's suite), and none lands in the working tree.
-PYTEST_RUN = tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/reinforge-tests.XXXXXX") || exit 1; \
-	unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX="$$tmp/pycache";
+# under test. Compiled modules are written, even where the environment says PYTHONDONTWRITEBYTECODE, to the
+# __pycache__ folders beside their sources (which git ignores): without them every worker, CLI run and Ray member
+# compiles reinforge's and the tests' modules again. A folder of the run's own (PYTHONPYCACHEPREFIX) would hide the
+# compiled modules pip wrote for the installed packages, and each run would compile torch, transformers and Ray
+# again, in each of its first processes at once (3 workers' collection: about 80 s of CPU against 50 s).
+PYTEST_RUN = tmp=$$(mktemp -d "$${TMPDIR:-/tmp}/reinforge-tests.XXXXXX") || exit 1; unset PYTHONDONTWRITEBYTECODE;
 PYTEST_END = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; else echo "the failed run's files are in $$tmp"; fi; exit $$rc
 # Three workers on a 2-core machine: a third of the suite's time goes to tests waiting on the processes they start
